@@ -1,0 +1,185 @@
+"""``ampguard VERB ...``: the command line. Exit codes: 0 done, 2 bad input, 130 interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .errors import InputError
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (exit 2), not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise InputError(f"{self.prog}: {message}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _fault(text: str) -> str:
+    from .faults import parse_fault
+
+    if text != "none":
+        try:
+            parse_fault(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+# ---------------------------------------------------------------------------- demo
+
+DEMO_INIT_SCALE = 2.0**10  # small enough that clean fp16 gradients never overflow in the demo
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .config import validate
+    from .train import run
+
+    precision = "bf16" if args.bf16 else args.precision
+    if args.bf16 and args.precision not in (None, "bf16"):
+        raise InputError(f"demo: --bf16 contradicts --precision {args.precision}")
+    precision = precision or "fp16"
+    inject = [f for f in (args.inject or ["spike@5" if args.spike else "inf_grad@5"]) if f != "none"]
+    if args.spike and args.inject:
+        inject.append("spike@5")
+    config = validate(
+        {
+            "precision": precision,
+            "steps": args.steps,
+            "max_norm": args.max_norm,
+            "seed": args.seed,
+            "device": args.device,
+            "inject": inject,
+            "task": {"name": "linear", "batch_size": 32},
+            "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.0},
+            "schedule": {"decay": "constant"},
+            "scaler": {"init_scale": DEMO_INIT_SCALE, "growth_interval": 1_000_000},
+        }
+    )
+    csv_path = Path(args.csv) if args.csv else None
+    if csv_path is not None and csv_path.exists():
+        raise InputError(f"--csv {csv_path} already exists; refusing to overwrite it")
+    scaler = f"GradScaler(init_scale={DEMO_INIT_SCALE:g})" if precision == "fp16" else "no loss scaler"
+    print(
+        f"ampguard demo: nn.Linear, {config.steps} steps, {precision} with {scaler}, "
+        f"max_norm={config.max_norm}, inject: {', '.join(inject) or 'none'}"
+    )
+    result = run(config, outputs=lambda: csv_path, console_every=1)
+    print(f"summary: {result.tally.summary()}")
+    return _finish(result)
+
+
+def _finish(result: Any) -> int:
+    if result.csv_path is not None:
+        print(f"csv: {result.csv_path} ({result.tally.steps} rows)")
+    if result.ended == "interrupted":
+        where = f"; {result.tally.steps} complete rows in {result.csv_path}" if result.csv_path else ""
+        print(f"interrupted after step {result.tally.steps}{where}", file=sys.stderr)
+    return result.exit_code
+
+
+# ---------------------------------------------------------------------------- train
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .config import apply_overrides, dump_config, read_file, validate
+    from .train import new_run_dir, run
+
+    data = read_file(args.config) if args.config else {}
+    data = apply_overrides(data, args.set or [])
+    if args.inject:
+        data["inject"] = list(data.get("inject") or []) + [f for f in args.inject if f != "none"]
+    config = validate(data)
+    if args.print_config:
+        print(dump_config(config), end="")
+        return 0
+
+    run_dir: dict[str, Path] = {}
+
+    def outputs() -> Path:
+        run_dir["path"] = new_run_dir(config)
+        print(f"run folder: {run_dir['path']}")
+        return run_dir["path"] / "steps.csv"
+
+    result = run(config, outputs=outputs, console_every=config.log.every, progress=True)
+    print(f"summary: {result.tally.summary()}")
+    return _finish(result)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ampguard", description="Mixed-precision training made safe and observable.")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    verbs.required = True
+
+    fault_help = (
+        "inject a fault, KIND@WHEN (repeatable): KIND is inf_grad, nan_grad, nan_loss, spike (targets x 1e8) "
+        "or nan_input; WHEN is 5, 5,9,12, every:10 or rate:0.05; 'none' injects nothing"
+    )
+
+    demo = verbs.add_parser(
+        "demo",
+        help="the teaching demo: nn.Linear, fp16, an Inf gradient at step 5",
+        description="nn.Linear trained for 20 steps in fp16 with a GradScaler; an Inf is injected into the "
+        "gradients at step 5, which is skipped, and the scale halves there.",
+    )
+    demo.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None, help="default fp16")
+    demo.add_argument("--bf16", action="store_true", help="same as --precision bf16")
+    demo.add_argument("--steps", type=_positive_int, default=20)
+    demo.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
+    demo.add_argument("--spike", action="store_true", help="a real loss spike at step 5 (spike@5) instead of the Inf")
+    demo.add_argument("--csv", metavar="PATH", help="also write the per-step CSV here (must not exist)")
+    demo.add_argument("--max-norm", type=_number, default=1.0, help="global L2 clip threshold (0: off)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    demo.set_defaults(func=_demo)
+
+    train = verbs.add_parser(
+        "train",
+        help="guarded training from a config (YAML, JSON, TOML) or the embedded default",
+        description="Guarded training. Without CONFIG it trains the embedded default: a small character-level "
+        "transformer on Python's standard-library sources. Writes runs/<name>/ with steps.csv and config.yaml.",
+    )
+    train.add_argument("config", nargs="?", metavar="CONFIG", help="a .yaml, .yml, .json or .toml config file")
+    train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. optimizer.lr=1e-3")
+    train.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
+    train.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    train.set_defaults(func=_train)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except InputError as err:
+        print(f"ampguard: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("ampguard: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -1,0 +1,112 @@
+"""Global-L2 gradient clipping and the non-finite detector.
+
+The global L2 norm is the Euclidean norm of *all* gradients concatenated into one vector, not a
+norm per parameter: ``sqrt(sum_p ||g_p||^2)``. One bad batch shows up as one huge number, and
+clipping rescales every gradient by the same factor, so the update keeps its direction.
+
+Both functions use PyTorch's own foreach kernels (``get_total_norm`` and
+``clip_grads_with_norm_``, the two halves of ``clip_grad_norm_``), so the result is bit-for-bit
+what ``torch.nn.utils.clip_grad_norm_`` does, and neither makes a host sync: the clip
+coefficient is clamped on the device instead of being tested with a Python ``if``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+try:  # torch >= 2.6
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+except ImportError:  # pragma: no cover - torch 2.4/2.5 keep them private
+    from torch.nn.utils.clip_grad import (  # type: ignore[attr-defined,no-redef]
+        _clip_grads_with_norm_ as clip_grads_with_norm_,
+        _get_total_norm as get_total_norm,
+    )
+
+Params = torch.Tensor | Iterable[torch.Tensor]
+
+# torch.nn.utils.clip_grads_with_norm_ divides by (total_norm + 1e-6); the post-clip norm we
+# report is derived from the same coefficient, so it is what the clip really did.
+_EPS = 1e-6
+
+
+def _grads(parameters: Params) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+@torch.no_grad()
+def global_l2_norm(parameters: Params) -> torch.Tensor:
+    """The global L2 norm of the gradients, a 0-dim device tensor (``inf``/``nan`` if any is).
+
+    No host sync. Parameters without a gradient are ignored; with none at all the norm is 0.
+    """
+    grads = _grads(parameters)
+    if not grads:
+        return torch.zeros(())
+    return get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None)
+
+
+@torch.no_grad()
+def clip_to_norm_(parameters: Params, max_norm: float | None, pre: torch.Tensor) -> torch.Tensor:
+    """Scale gradients in place so their global norm ``pre`` becomes at most ``max_norm``.
+
+    Returns the post-clip norm, ``pre * min(1, max_norm / (pre + 1e-6))``: the factor the
+    gradients were really multiplied by, computed on the device (no host sync). ``max_norm``
+    of ``None`` or ``<= 0`` leaves the gradients alone and returns ``pre``.
+    """
+    if max_norm is None or max_norm <= 0:
+        return pre
+    clip_grads_with_norm_(parameters, max_norm, pre, foreach=None)
+    return pre * torch.clamp(max_norm / (pre + _EPS), max=1.0)
+
+
+def clip_global_l2_norm(
+    parameters: Params, max_norm: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip gradients in place to a global L2 norm of ``max_norm``; return ``(pre, post)``.
+
+    ``pre`` is the global norm before clipping (it may be ``inf`` or ``nan``: that is how a
+    non-finite gradient is detected), ``post`` the norm after it. Both are 0-dim device tensors;
+    ``float()`` gives the value (and costs a host sync on an accelerator). ``max_norm`` of
+    ``None`` or ``<= 0`` disables clipping (``post`` is ``pre``). The result is bit-for-bit
+    ``torch.nn.utils.clip_grad_norm_``, which returns only ``pre``.
+
+    No host sync: the clip factor is ``min(1, max_norm / (pre + 1e-6))`` computed on the
+    device, exactly as ``torch.nn.utils.clip_grad_norm_`` computes it.
+
+    Example::
+
+        >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+        >>> pre, post = clip_global_l2_norm([w], max_norm=1.0)
+        >>> float(pre), round(float(post), 4)
+        (5.0, 1.0)
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    pre = global_l2_norm(params)
+    return pre, clip_to_norm_(params, max_norm, pre)
+
+
+@torch.no_grad()
+def has_non_finite_grad(parameters: Params) -> bool:
+    """True if any gradient holds ``inf`` or ``nan``.
+
+    A convenience for users and tests: it returns a Python ``bool`` and so reads one value on
+    the host. The guarded step does not call it; it reads the same fact off the global norm,
+    which is non-finite whenever some gradient element is (and also when the norm itself
+    overflows, a gradient no update should use either).
+
+    Example::
+
+        >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([1.0, float("inf")])
+        >>> has_non_finite_grad([w])
+        True
+    """
+    grads = _grads(parameters)
+    if not grads:
+        return False
+    device = grads[0].device
+    flags = torch.stack([torch.isfinite(g).all().to(device) for g in grads])
+    return not bool(flags.all())

@@ -1,0 +1,380 @@
+"""The one typed configuration tree: defaults, loading (YAML, JSON, TOML), ``--set`` overrides.
+
+Every field is documented where it is defined (the docstring under it). The tree is validated
+once, at load; unknown keys, wrong types and impossible values raise :class:`ConfigError` with
+one line that names the key, e.g. ``optimizer.lr: must be a finite number >= 0 (got nan)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+from .faults import parse_fault
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
+
+
+def _finite_at_least(value: float, low: float, what: str = "") -> float:
+    if not math.isfinite(value) or value < low:
+        raise ValueError(f"must be a finite number >= {low:g}{what} (got {value!r})")
+    return value
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer: AdamW, or SGD with momentum."""
+    lr: float = 3e-3
+    """Peak learning rate (after warmup)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates, each in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW's denominator epsilon."""
+    momentum: float = 0.9
+    """SGD momentum in [0, 1)."""
+    fused: bool | None = None
+    """Use the fused AdamW kernel (None: PyTorch's default)."""
+
+    @field_validator("lr", "weight_decay")
+    @classmethod
+    def _non_negative(cls, v: float) -> float:
+        return _finite_at_least(v, 0.0)
+
+    @field_validator("eps")
+    @classmethod
+    def _positive_eps(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"must be a finite number > 0 (got {v!r})")
+        return v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(math.isfinite(b) and 0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1) (got {list(v)})")
+        return v
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum(cls, v: float) -> float:
+        if not (math.isfinite(v) and 0.0 <= v < 1.0):
+            raise ValueError(f"must be in [0, 1) (got {v!r})")
+        return v
+
+
+class ScheduleConfig(_Section):
+    warmup: int = 0
+    """Linear warmup length in applied updates (0: none)."""
+    decay: Literal["constant", "cosine", "linear"] = "cosine"
+    """Shape of the decay after warmup, down to ``min_lr_ratio * lr`` at the last step."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``optimizer.lr``, in [0, 1]."""
+
+    @field_validator("warmup")
+    @classmethod
+    def _warmup(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0 (got {v})")
+        return v
+
+    @field_validator("min_lr_ratio")
+    @classmethod
+    def _ratio(cls, v: float) -> float:
+        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise ValueError(f"must be in [0, 1] (got {v!r})")
+        return v
+
+
+class ScalerConfig(_Section):
+    enabled: bool | None = None
+    """Loss scaling: None means on for fp16, off otherwise. True with bf16/fp32 is an error."""
+    init_scale: float = 2.0**16
+    """Starting loss scale."""
+    growth_factor: float = 2.0
+    """Scale multiplier after ``growth_interval`` clean steps in a row (> 1)."""
+    backoff_factor: float = 0.5
+    """Scale multiplier on a skipped step, in (0, 1)."""
+    growth_interval: int = 2000
+    """Clean steps in a row before the scale grows (>= 1)."""
+    min_scale: float = 1.0
+    """Below this the scale is unhealthy (used by the monitors)."""
+
+    @field_validator("init_scale", "min_scale")
+    @classmethod
+    def _positive(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"must be a finite number > 0 (got {v!r})")
+        return v
+
+    @field_validator("growth_factor")
+    @classmethod
+    def _growth(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 1.0):
+            raise ValueError(f"must be > 1 (got {v!r})")
+        return v
+
+    @field_validator("backoff_factor")
+    @classmethod
+    def _backoff(cls, v: float) -> float:
+        if not (math.isfinite(v) and 0.0 < v < 1.0):
+            raise ValueError(f"must be in (0, 1) (got {v!r})")
+        return v
+
+    @field_validator("growth_interval")
+    @classmethod
+    def _interval(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1 (got {v})")
+        return v
+
+
+class MonitorConfig(_Section):
+    window: int = 1000
+    """Steps in the rolling skip-rate window."""
+    alert_rate: float = 0.05
+    """Rolling skip rate above which an ALERT is raised, in [0, 1]."""
+    fail_rate: float | None = None
+    """Rolling skip rate that fails the run after ``fail_after`` steps above it (None: never)."""
+    fail_after: int = 100
+    """Consecutive steps above ``fail_rate`` before the run stops with exit code 3."""
+
+    @field_validator("window", "fail_after")
+    @classmethod
+    def _count(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1 (got {v})")
+        return v
+
+    @field_validator("alert_rate", "fail_rate")
+    @classmethod
+    def _rate(cls, v: float | None) -> float | None:
+        if v is not None and not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise ValueError(f"must be in [0, 1] (got {v!r})")
+        return v
+
+
+class LogConfig(_Section):
+    dir: str = "runs"
+    """Folder that holds run folders."""
+    name: str | None = None
+    """Run folder name under ``dir`` (None: a timestamp). An existing run folder is never reused."""
+    every: int = 10
+    """Console line every this many steps (skips are always printed; the CSV has every step)."""
+
+    @field_validator("every")
+    @classmethod
+    def _every(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1 (got {v})")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and (not v or "/" in v or v in (".", "..")):
+            raise ValueError(f"must be a plain folder name (got {v!r})")
+        return v
+
+
+class CheckpointConfig(_Section):
+    every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    keep: int = 3
+    """How many recent checkpoints to keep (>= 1)."""
+
+    @field_validator("every")
+    @classmethod
+    def _every(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0 (got {v})")
+        return v
+
+    @field_validator("keep")
+    @classmethod
+    def _keep(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1 (got {v})")
+        return v
+
+
+class TaskConfig(_Section):
+    name: Literal["charlm", "linear"] = "charlm"
+    """Built-in workload: ``charlm`` (a character-level transformer on Python's own sources)
+    or ``linear`` (the demo's linear regression)."""
+    batch_size: int = 32
+    """Examples per micro-batch."""
+    block_size: int = 64
+    """charlm: context length in characters."""
+    n_layer: int = 2
+    """charlm: transformer blocks."""
+    n_head: int = 4
+    """charlm: attention heads (must divide ``n_embd``)."""
+    n_embd: int = 64
+    """charlm: embedding width."""
+
+    @field_validator("batch_size", "block_size", "n_layer", "n_head", "n_embd")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1 (got {v})")
+        return v
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TaskConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
+        return self
+
+
+class Config(_Section):
+    precision: Literal["fp16", "bf16", "fp32"] = "bf16"
+    """Compute precision under autocast; fp16 adds a dynamic loss scaler."""
+    max_norm: float | None = 1.0
+    """Global L2 gradient clip threshold; 0 or null disables clipping."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer update."""
+    steps: int = 300
+    """Optimizer steps (attempts, skipped ones included)."""
+    seed: int = 0
+    """Seed for the model, the data order and seeded fault injection."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: ``auto`` takes CUDA when available, the CPU otherwise."""
+    scheduler_on_skip: Literal["hold", "step"] = "hold"
+    """On a skipped step the LR schedule holds (default) or steps anyway."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    scaler: ScalerConfig = ScalerConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    log: LogConfig = LogConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    task: TaskConfig = TaskConfig()
+    inject: list[str] = []
+    """Faults to inject, ``KIND@WHEN`` (see ``ampguard demo --help``); for testing the guard rails."""
+
+    @field_validator("max_norm")
+    @classmethod
+    def _max_norm(cls, v: float | None) -> float | None:
+        if v is not None:
+            _finite_at_least(v, 0.0, "; 0 or null disables clipping")
+        return v
+
+    @field_validator("accumulation_steps", "steps")
+    @classmethod
+    def _count(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1 (got {v})")
+        return v
+
+    @field_validator("inject")
+    @classmethod
+    def _inject(cls, v: list[str]) -> list[str]:
+        for spec in v:
+            parse_fault(spec)
+        return v
+
+    @model_validator(mode="after")
+    def _scaler_only_for_fp16(self) -> Config:
+        if self.scaler.enabled and self.precision != "fp16":
+            raise ValueError(f"scaler.enabled: {self.precision} does not use a loss scaler (set it false or null)")
+        return self
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"{loc}: unknown key"
+    msg = first["msg"].removeprefix("Value error, ")
+    if msg.startswith("scaler.enabled:"):  # a cross-field rule that names its own key
+        return msg
+    if first["type"] not in ("value_error", "assertion_error"):
+        msg = f"{msg} (got {first.get('input')!r})"
+    return f"{loc}: {msg}" if loc else msg
+
+
+def validate(data: dict[str, Any]) -> Config:
+    """Build a :class:`Config` from a plain mapping, or raise :class:`ConfigError` (one line)."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"config: {_format_error(err)}") from None
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML, JSON or TOML config file into a mapping (by its extension)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    suffix = path.suffix.lower()
+    try:
+        text = path.read_text(encoding="utf-8")
+        if suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        elif suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: unknown format {suffix!r} (use .yaml, .yml, .json or .toml)")
+    except ConfigError:
+        raise
+    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"config file {path}: cannot parse: {first}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides (values parsed as YAML scalars) to a copy of ``data``."""
+    data = json.loads(json.dumps(data))  # a deep copy of plain data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set {item!r}: expected key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {key}: cannot parse value {raw!r}") from None
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """The effective config: defaults, then the file (if any), then ``--set`` overrides."""
+    data = read_file(path) if path is not None else {}
+    return validate(apply_overrides(data, overrides or []))
+
+
+def dump_config(config: Config) -> str:
+    """The config as YAML, every field shown (what ``--print-config`` prints)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,158 @@
+"""Fault injection: bad data and bad gradients on purpose, to watch the guard rails work.
+
+A fault is ``KIND@WHEN``:
+
+- KIND: ``inf_grad`` / ``nan_grad`` (one gradient element set by a gradient hook),
+  ``nan_loss`` (the loss multiplied by NaN), ``spike`` (targets x 1e8: a real loss spike),
+  ``nan_input`` (one input element set to NaN).
+- WHEN (1-based step numbers): ``5``, ``5,9,12``, ``every:10`` (10, 20, ...),
+  ``rate:0.05`` (each step independently with that probability, seeded, and the same on resume).
+
+Injection wraps the data stream, the loss function and a gradient hook; the training step has
+no branch for it. The data wrapper is what tells the other two which step is being fed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+KINDS: tuple[str, ...] = ("inf_grad", "nan_grad", "nan_loss", "spike", "nan_input")
+SPIKE_FACTOR = 1e8
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One ``KIND@WHEN`` fault; :meth:`hits` says whether it fires at a step."""
+
+    kind: str
+    steps: frozenset[int] = frozenset()
+    every: int | None = None
+    rate: float | None = None
+    seed: int = 0
+
+    def hits(self, step: int) -> bool:
+        if self.every is not None:
+            return step % self.every == 0
+        if self.rate is not None:
+            # A fresh generator per (seed, kind, step): the same answer in any order, after a resume.
+            return random.Random(f"{self.seed}:{self.kind}:{step}").random() < self.rate
+        return step in self.steps
+
+    def spec(self) -> str:
+        if self.every is not None:
+            when = f"every:{self.every}"
+        elif self.rate is not None:
+            when = f"rate:{self.rate:g}"
+        else:
+            when = ",".join(str(s) for s in sorted(self.steps))
+        return f"{self.kind}@{when}"
+
+
+def parse_fault(spec: str, seed: int = 0) -> Fault:
+    """Parse ``KIND@WHEN``; raise ``ValueError`` with one line naming what is wrong."""
+    kind, sep, when = spec.partition("@")
+    kind, when = kind.strip(), when.strip()
+    if kind not in KINDS:
+        raise ValueError(f"unknown fault kind {kind!r} in {spec!r} (kinds: {', '.join(KINDS)})")
+    if not sep or not when:
+        raise ValueError(f"fault {spec!r} needs @WHEN, e.g. {kind}@5, {kind}@every:10, {kind}@rate:0.05")
+    try:
+        if when.startswith("every:"):
+            every = int(when.removeprefix("every:"))
+            if every < 1:
+                raise ValueError
+            return Fault(kind, every=every, seed=seed)
+        if when.startswith("rate:"):
+            rate = float(when.removeprefix("rate:"))
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError
+            return Fault(kind, rate=rate, seed=seed)
+        steps = frozenset(int(s) for s in when.split(","))
+        if min(steps) < 1:
+            raise ValueError
+        return Fault(kind, steps=steps, seed=seed)
+    except ValueError:
+        raise ValueError(
+            f"bad WHEN in fault {spec!r}: use step numbers >= 1 (5 or 5,9,12), every:K with K >= 1, or rate:P with 0 <= P <= 1"
+        ) from None
+
+
+class FaultInjector:
+    """Wraps a micro-batch stream, a loss function and a model with the given faults.
+
+    Example::
+
+        inj = FaultInjector([parse_fault("inf_grad@5")], accumulation_steps=1)
+        loss_fn = inj.wrap_loss(loss_fn)
+        inj.attach(model)
+        for x, y in inj.wrap_data(batches):
+            state.step(x, y)
+    """
+
+    def __init__(self, faults: Iterable[Fault], accumulation_steps: int = 1, first_step: int = 1) -> None:
+        self.faults = list(faults)
+        self.accumulation_steps = accumulation_steps
+        self.first_step = first_step
+        self.current_step = 0  # the step whose micro-batch was handed out last
+        self._hooks: list[Any] = []
+
+    def active(self, kind: str) -> bool:
+        return any(f.kind == kind and f.hits(self.current_step) for f in self.faults)
+
+    def wrap_data(self, batches: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+        """Yield the batches, corrupting those of faulted steps (``spike``, ``nan_input``)."""
+        for i, (inputs, targets) in enumerate(batches):
+            self.current_step = self.first_step + i // self.accumulation_steps
+            if self.active("nan_input"):
+                inputs = _with_nan(inputs)
+            if self.active("spike") and torch.is_floating_point(targets):
+                targets = targets * SPIKE_FACTOR
+            yield inputs, targets
+
+    def wrap_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+        """The loss function, made NaN (``nan_loss``) or 1e8 times larger (``spike`` with
+        integer targets such as class labels or tokens, which cannot be scaled themselves)."""
+
+        def injected_loss(outputs: Any, targets: Any) -> torch.Tensor:
+            loss = loss_fn(outputs, targets)
+            if self.active("nan_loss"):
+                loss = loss * float("nan")
+            if self.active("spike") and not torch.is_floating_point(targets):
+                loss = loss * SPIKE_FACTOR
+            return loss
+
+        return injected_loss
+
+    def attach(self, model: nn.Module) -> None:
+        """Register the gradient hook for ``inf_grad`` / ``nan_grad`` on the first trainable parameter."""
+        if not any(f.kind in ("inf_grad", "nan_grad") for f in self.faults):
+            return
+        param = next(p for p in model.parameters() if p.requires_grad)
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            for kind, value in (("inf_grad", float("inf")), ("nan_grad", float("nan"))):
+                if self.active(kind):
+                    grad = grad.clone()
+                    grad.view(-1)[0] = value
+            return grad
+
+        self._hooks.append(param.register_hook(hook))
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def _with_nan(inputs: Any) -> Any:
+    if not (isinstance(inputs, torch.Tensor) and torch.is_floating_point(inputs)):
+        raise ValueError("nan_input needs floating-point input tensors")
+    out = inputs.clone()
+    out.view(-1)[0] = float("nan")
+    return out

@@ -1,0 +1,95 @@
+"""One record per optimizer step: what the step did, as device values until someone reads them.
+
+The step builds a record without reading anything back to the host; a sink that wants numbers
+calls :meth:`StepRecord.values`, which copies every tensor field to the host in one transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+
+SkipReason = Literal["non_finite_loss", "non_finite_grad"]
+SKIP_REASONS: tuple[str, ...] = ("non_finite_loss", "non_finite_grad")
+
+Value = torch.Tensor | float | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """Fields shared by :class:`StepLog` and :class:`SkipLog` (DESIGN.md section 2).
+
+    ``step`` counts from 1; ``lr`` is param group 0's learning rate the step used; ``loss`` is
+    the mean of the group's micro-batch losses; the norms are the global L2 norm of the
+    unscaled gradients before and after clipping (``None`` where it does not exist);
+    ``scaler_scale`` is the loss scale after this step's ``update()`` (1.0 without a scaler).
+    """
+
+    step: int
+    lr: Value
+    loss: Value
+    grad_l2_pre_clip: Value
+    grad_l2_post_clip: Value
+    scaler_scale: Value
+    _host: dict[str, float | None] | None = field(default=None, init=False, repr=False, compare=False)
+
+    skipped: ClassVar[bool] = False
+    _NUMERIC: ClassVar[tuple[str, ...]] = (
+        "lr", "loss", "grad_l2_pre_clip", "grad_l2_post_clip", "scaler_scale",
+    )
+
+    @property
+    def reason(self) -> str | None:
+        return None
+
+    def values(self) -> dict[str, float | None]:
+        """The numeric fields as Python floats (``None`` stays ``None``).
+
+        Tensors are gathered and copied to the host together: one transfer, one sync on an
+        accelerator. This is the call that costs; the step itself never makes it. The result
+        is kept, so several sinks reading one record pay once.
+        """
+        if self._host is not None:
+            return self._host
+        out: dict[str, float | None] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        for name in self._NUMERIC:
+            v = getattr(self, name)
+            if isinstance(v, torch.Tensor):
+                tensors[name] = v
+            else:
+                out[name] = None if v is None else float(v)
+        if tensors:
+            device = next(iter(tensors.values())).device
+            stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors.values()])
+            out.update(zip(tensors, stacked.tolist()))
+        host = {name: out[name] for name in self._NUMERIC}
+        object.__setattr__(self, "_host", host)
+        return host
+
+
+@dataclass(frozen=True, slots=True)
+class StepLog(StepRecord):
+    """An applied optimizer update."""
+
+
+@dataclass(frozen=True, slots=True)
+class SkipLog(StepRecord):
+    """A skipped step: parameters and optimizer state untouched, the scale backed off."""
+
+    reason: SkipReason = "non_finite_grad"  # type: ignore[assignment]
+    skipped: ClassVar[bool] = True
+
+
+def format_number(x: float | None) -> str:
+    """How numbers are written everywhere: ``repr`` round-trips, non-finite as inf/-inf/nan."""
+    if x is None:
+        return ""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return repr(float(x))

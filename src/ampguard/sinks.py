@@ -1,0 +1,141 @@
+"""Where step records go: a small ``Sink`` protocol and the CSV and console sinks.
+
+A sink receives the step's record with device tensors in it and reads them itself
+(``record.values()``, one transfer); the step never waits for a sink's numbers.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Protocol, runtime_checkable
+
+from .errors import InputError
+from .records import StepRecord, format_number
+
+CSV_COLUMNS: tuple[str, ...] = (
+    "step", "lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "skipped", "skip_reason", "scaler_scale",
+)
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Anything with ``write(record, extra=None)`` and ``close()``."""
+
+    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def csv_row(record: StepRecord, extra: Mapping[str, float | None] | None = None) -> dict[str, str]:
+    """The CSV cells of one record: numbers via :func:`format_number`, missing values empty."""
+    v = record.values()
+    row = {
+        "step": str(record.step),
+        "lr": format_number(v["lr"]),
+        "grad_l2_pre_clip": format_number(v["grad_l2_pre_clip"]),
+        "grad_l2_post_clip": format_number(v["grad_l2_post_clip"]),
+        "loss": format_number(v["loss"]),
+        "skipped": "1" if record.skipped else "0",
+        "skip_reason": record.reason or "",
+        "scaler_scale": format_number(v["scaler_scale"]),
+    }
+    for key, value in (extra or {}).items():
+        row[key] = format_number(value)
+    return row
+
+
+class CsvSink:
+    """The per-step CSV of DESIGN.md section 3: one row per step, flushed when written.
+
+    The header is the eight fixed columns, then ``extra_columns`` (declared up front, so the
+    file is never rewritten when a value first appears). ``append=True`` continues an existing
+    file whose header matches, without writing a second header; otherwise an existing file is
+    an error, never overwritten.
+
+    Example::
+
+        sink = CsvSink("runs/demo/steps.csv")
+        sink.write(state.step(x, y))
+        sink.close()
+    """
+
+    def __init__(self, path: str | os.PathLike, extra_columns: Sequence[str] = (), *, append: bool = False) -> None:
+        self.path = Path(path)
+        self.columns = CSV_COLUMNS + tuple(extra_columns)
+        existing = self.path.exists() and self.path.stat().st_size > 0
+        if existing and not append:
+            raise InputError(f"{self.path} already exists; refusing to overwrite it")
+        if existing:
+            with self.path.open(newline="", encoding="utf-8") as f:
+                header = tuple(next(csv.reader(f), ()))
+            if header != self.columns:
+                raise InputError(f"{self.path}: its header does not match this run's columns, cannot append")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = self.path.open("a", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._file, fieldnames=self.columns, restval="", lineterminator="\n")
+        if not existing:
+            self._writer.writeheader()
+            self._file.flush()
+        self.rows = 0
+
+    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        assert self._file is not None, "CsvSink is closed"
+        self._writer.writerow(csv_row(record, extra))
+        self._file.flush()
+        self.rows += 1
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def console_line(record: StepRecord) -> str:
+    """``STEP 5 loss=... pre=... post=... scale=... lr=...`` (``SKIP`` lines add ``reason=``)."""
+    v = record.values()
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4g}"
+
+    line = (
+        f"{'SKIP' if record.skipped else 'STEP'} {record.step} loss={num(v['loss'])} "
+        f"pre={num(v['grad_l2_pre_clip'])} post={num(v['grad_l2_post_clip'])} "
+        f"scale={num(v['scaler_scale'])} lr={num(v['lr'])}"
+    )
+    if record.skipped:
+        line += f" reason={record.reason}"
+    return line
+
+
+class ConsoleSink:
+    """Prints a line every ``every`` steps, and every skipped step whatever ``every`` is."""
+
+    def __init__(self, every: int = 1, print_fn: Callable[[str], None] | None = None) -> None:
+        self.every = every
+        self._print = print_fn or (lambda s: print(s, file=sys.stdout, flush=True))
+
+    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        if record.skipped or record.step % self.every == 0:
+            self._print(console_line(record))
+
+    def close(self) -> None:
+        pass
+
+
+class Sinks:
+    """Several sinks as one."""
+
+    def __init__(self, *sinks: Sink) -> None:
+        self.sinks = list(sinks)
+
+    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        for sink in self.sinks:
+            sink.write(record, extra)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

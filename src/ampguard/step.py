@@ -1,0 +1,228 @@
+"""The guarded training step: the canonical PyTorch AMP recipe, with its failures made visible.
+
+Per micro-batch:        autocast forward -> loss (fp32) -> finite? -> scaler.scale(loss / N).backward()
+At the group boundary:  scaler.unscale_ -> global L2 norm -> ONE host read: skip or not
+                        applied: clip to max_norm -> optimizer.step() -> scaler.update() -> scheduler.step()
+                        skipped: scale backs off in scaler.update(); scheduler holds; grads dropped
+
+On clean data this is bit-for-bit the hand-written loop with ``clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .clipping import clip_to_norm_, global_l2_norm
+from .precision import GuardedGradScaler, Precision, PrecisionName
+from .records import SkipLog, StepLog
+
+SchedulerOnSkip = Literal["hold", "step"]
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        raise ValueError(f"the model's parameters must live on one device, found {sorted(map(str, devices))}")
+    return devices.pop()
+
+
+class AmpTrainState:
+    """A guarded mixed-precision training step for any model, optimizer and LR scheduler.
+
+    Call :meth:`step` once per micro-batch. It returns a :class:`StepLog` when the micro-batch
+    closes a group and the update was applied, a :class:`SkipLog` when the update was skipped
+    (non-finite loss or gradient; parameters and optimizer state untouched, the loss scale
+    backed off, the scheduler held), and ``None`` for a micro-batch inside a group.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, precision="bf16")
+        >>> log = state.step(torch.randn(8, 4), torch.randn(8, 1))
+        >>> log.step, log.skipped, state.updates
+        (1, False, 1)
+
+    Host syncs: one per step, the skip decision (the same read ``GradScaler.step`` makes for a
+    non-fused optimizer; the step calls ``optimizer.step()`` itself once it knows, so the read
+    is not made twice). Loss, norms and scale stay device tensors in the record.
+
+    Args:
+        model: any ``nn.Module``; its parameters are clipped together (global L2 norm).
+        optimizer: any optimizer over the model's parameters (fused AdamW included).
+        loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar loss.
+        precision: ``"fp16"`` (with a loss scaler), ``"bf16"`` or ``"fp32"``.
+        max_norm: global L2 clip threshold; ``None`` or ``<= 0`` disables clipping.
+        accumulation_steps: micro-batches per optimizer update; each loss is divided by it.
+        scheduler: an LR scheduler stepped once per applied update.
+        device: the autocast device; defaults to the model's. A different one is an error.
+        scaler: a ``GuardedGradScaler`` to use, or keyword arguments for one
+            (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``).
+        scheduler_on_skip: ``"hold"`` (default) or ``"step"`` the scheduler on a skipped step.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        precision: PrecisionName | Precision = "fp16",
+        max_norm: float | None = 1.0,
+        accumulation_steps: int = 1,
+        scheduler: Any = None,
+        device: str | torch.device | None = None,
+        scaler: GuardedGradScaler | dict[str, Any] | None = None,
+        scheduler_on_skip: SchedulerOnSkip = "hold",
+    ) -> None:
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        if max_norm is not None and not max_norm == max_norm:
+            raise ValueError("max_norm must be a number or None, got nan")
+        if scheduler_on_skip not in ("hold", "step"):
+            raise ValueError(f"scheduler_on_skip must be 'hold' or 'step', got {scheduler_on_skip!r}")
+
+        model_device = _model_device(model)
+        device = torch.device(device) if device is not None else model_device
+        if device.type != model_device.type:
+            raise ValueError(
+                f"autocast device {device.type!r} does not match the model's device {model_device.type!r}"
+            )
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.device.type != device.type:
+                    raise ValueError(
+                        f"the optimizer holds a parameter on {p.device.type!r}, the model is on {device.type!r}"
+                    )
+
+        if not isinstance(precision, Precision):
+            precision = Precision(precision, device.type)
+        if precision.device_type != device.type:
+            raise ValueError(
+                f"autocast device {precision.device_type!r} does not match the model's device {device.type!r}"
+            )
+
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.precision = precision
+        self.max_norm = max_norm
+        self.accumulation_steps = accumulation_steps
+        self.scheduler = scheduler
+        self.scheduler_on_skip = scheduler_on_skip
+        self.device = device
+        if isinstance(scaler, GuardedGradScaler):
+            self.scaler = scaler
+        else:
+            self.scaler = precision.make_scaler(**(scaler or {}))
+
+        self.steps = 0  # optimizer steps attempted (closed groups); the next record is steps + 1
+        self.updates = 0  # optimizer steps applied
+        self._params = list(model.parameters())
+        self._micro = 0  # micro-batches so far in the open group
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_bad: torch.Tensor | None = None
+
+    def step(self, inputs: Any, targets: Any) -> StepLog | SkipLog | None:
+        """Forward and backward one micro-batch; at the end of a group, update (or skip)."""
+        with self.precision.autocast():
+            loss = self.loss_fn(self.model(inputs), targets).float()
+
+        # The loss is checked before backward, on the device: a non-finite loss is replaced by
+        # zero, so it never seeds the backward pass, and the group is marked bad. Every
+        # micro-batch still runs backward (no host read here; under DDP no rank leaves a
+        # collective waiting). The bad group's gradients are discarded at the boundary.
+        finite = torch.isfinite(loss.detach())
+        self._accumulate(loss.detach(), ~finite)
+        self.scaler.scale(torch.where(finite, loss, 0.0) / self.accumulation_steps).backward()
+
+        self._micro += 1
+        if self._micro < self.accumulation_steps:
+            return None
+        return self._finish_group()
+
+    def _accumulate(self, loss: torch.Tensor, bad: torch.Tensor) -> None:
+        if self._micro == 0:
+            self._loss_sum, self._loss_bad = loss, bad
+        else:
+            self._loss_sum = self._loss_sum + loss
+            self._loss_bad = self._loss_bad | bad
+
+    def _finish_group(self) -> StepLog | SkipLog:
+        self._micro = 0
+        self.steps += 1
+        lr = self.optimizer.param_groups[0]["lr"]
+        loss = self._loss_sum / self.accumulation_steps
+
+        self.scaler.unscale_(self.optimizer)
+        pre = global_l2_norm(self._params)  # also the non-finite detector: inf/nan iff a grad is
+
+        # The one host read of the step: was the loss or the gradient non-finite?
+        flags = torch.stack([self._loss_bad, ~torch.isfinite(pre)])
+        bad_loss, bad_grad = self._agree(flags).tolist()
+
+        if bad_loss or bad_grad:
+            self.scaler.mark_found_inf_(self.optimizer)  # a loss skip backs the scale off too
+            self.scaler.update()
+            if self.scheduler is not None and self.scheduler_on_skip == "step":
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return SkipLog(
+                step=self.steps,
+                lr=lr,
+                loss=loss,
+                grad_l2_pre_clip=None if bad_loss else pre,
+                grad_l2_post_clip=None,
+                scaler_scale=self.scaler.scale_value(),
+                reason="non_finite_loss" if bad_loss else "non_finite_grad",
+            )
+
+        post = clip_to_norm_(self._params, self.max_norm, pre)
+        self.optimizer.step()  # what scaler.step() does once found_inf reads 0, as it just did
+        self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        return StepLog(
+            step=self.steps,
+            lr=lr,
+            loss=loss,
+            grad_l2_pre_clip=pre,
+            grad_l2_post_clip=post,
+            scaler_scale=self.scaler.scale_value(),
+        )
+
+    def _agree(self, flags: torch.Tensor) -> torch.Tensor:
+        """The skip flags every process acts on. One process: its own."""
+        return flags
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scaler, counters and settings that must match on resume. Call between steps."""
+        if self._micro:
+            raise RuntimeError("state_dict() called inside an accumulation group; call it after a step closes")
+        return {
+            "scaler": self.scaler.state_dict(),
+            "step": self.steps,
+            "updates": self.updates,
+            "precision": self.precision.name,
+            "accumulation_steps": self.accumulation_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; precision and accumulation must match."""
+        for key in ("precision", "accumulation_steps"):
+            mine = self.precision.name if key == "precision" else self.accumulation_steps
+            if state.get(key) != mine:
+                raise ValueError(f"state was saved with {key}={state.get(key)!r}, this step uses {mine!r}")
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.steps = int(state["step"])
+        self.updates = int(state["updates"])
+        self._micro = 0

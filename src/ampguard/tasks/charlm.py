@@ -1,0 +1,119 @@
+"""A small GPT-style character-level language model trained on Python's own standard library.
+
+The text is read at run time from a fixed list of standard-library source files (real data, no
+download), as bytes, so the vocabulary is the 256 byte values. The last 10% of the text is held
+out.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..errors import InputError
+from . import Task
+
+SOURCES: tuple[str, ...] = (
+    "argparse.py", "bisect.py", "calendar.py", "csv.py", "dataclasses.py", "fractions.py",
+    "functools.py", "heapq.py", "random.py", "string.py", "textwrap.py", "shlex.py",
+)
+VOCAB = 256
+VAL_FRACTION = 0.1
+
+
+def read_corpus() -> torch.Tensor:
+    """The standard-library sources in :data:`SOURCES` as one uint8 tensor."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks = [(stdlib / name).read_bytes() for name in SOURCES if (stdlib / name).is_file()]
+    if not chunks:
+        raise InputError(f"charlm: none of the standard-library sources were found under {stdlib}")
+    data = b"\n".join(chunks)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def split(corpus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held-out) by position: the last :data:`VAL_FRACTION` of the text is held out."""
+    cut = int(len(corpus) * (1 - VAL_FRACTION))
+    return corpus[:cut], corpus[cut:]
+
+
+def char_batches(
+    text: torch.Tensor, seed: int, batch_size: int, block_size: int, device: torch.device | str = "cpu"
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless batches of random windows: inputs ``text[i:i+T]``, targets ``text[i+1:i+T+1]``."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(block_size)
+    while True:
+        starts = torch.randint(len(text) - block_size - 1, (batch_size,), generator=gen)
+        idx = starts[:, None] + offsets
+        yield text[idx].long().to(device), text[idx + 1].long().to(device)
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln_2(x))
+
+
+class CharLM(nn.Module):
+    """Token + position embeddings, ``n_layer`` pre-norm transformer blocks, a tied output head."""
+
+    def __init__(self, block_size: int, n_layer: int, n_head: int, n_embd: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build(config: Any, seed: int) -> Task:
+    train_text, _ = split(read_corpus())
+    torch.manual_seed(seed)
+    model = CharLM(config.block_size, config.n_layer, config.n_head, config.n_embd)
+    return Task(
+        name="charlm",
+        model=model,
+        loss_fn=lm_loss,
+        batches=lambda device: char_batches(train_text, seed + 1, config.batch_size, config.block_size, device),
+        float_inputs=False,
+        description=(
+            f"character-level transformer ({config.n_layer} layers, {config.n_embd} wide, "
+            f"context {config.block_size}) on {len(train_text):,} bytes of Python's standard library"
+        ),
+    )
