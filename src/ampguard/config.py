@@ -248,7 +248,7 @@ class Config(_Section):
     """Global L2 gradient clip threshold; 0 or null disables clipping."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer update."""
-    steps: int = 300
+    steps: int = 600
     """Optimizer steps (attempts, skipped ones included)."""
     seed: int = 0
     """Seed for the model, the data order and seeded fault injection."""

@@ -217,7 +217,7 @@ def run(
 def _progress_bar(total: int) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr, disable=None)  # off when not a TTY
 
 
 def new_run_dir(config: Config) -> Path:
