@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,13 @@ def _number(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _rate(text: str) -> float:
+    value = _number(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a rate in [0, 1], got {text}")
+    return value
 
 
 def _fault(text: str) -> str:
@@ -77,27 +85,44 @@ def _demo(args: argparse.Namespace) -> int:
             "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.0},
             "schedule": {"decay": "constant"},
             "scaler": {"init_scale": DEMO_INIT_SCALE, "growth_interval": 1_000_000},
+            "monitor": _monitor_flags(args),
         }
     )
     csv_path = Path(args.csv) if args.csv else None
     if csv_path is not None and csv_path.exists():
         raise InputError(f"--csv {csv_path} already exists; refusing to overwrite it")
+    from .train import RunPaths
+
     scaler = f"GradScaler(init_scale={DEMO_INIT_SCALE:g})" if precision == "fp16" else "no loss scaler"
     print(
         f"ampguard demo: nn.Linear, {config.steps} steps, {precision} with {scaler}, "
         f"max_norm={config.max_norm}, inject: {', '.join(inject) or 'none'}"
     )
-    result = run(config, outputs=lambda: csv_path, console_every=1)
-    print(f"summary: {result.tally.summary()}")
+    result = run(config, outputs=lambda: RunPaths(csv=csv_path), console_every=1)
     return _finish(result)
 
 
+def _monitor_flags(args: argparse.Namespace) -> dict[str, Any]:
+    flags: dict[str, Any] = {}
+    if args.fail_skip_rate is not None:
+        flags["fail_rate"] = args.fail_skip_rate
+    if args.fail_after is not None:
+        flags["fail_after"] = args.fail_after
+    return flags
+
+
 def _finish(result: Any) -> int:
-    if result.csv_path is not None:
-        print(f"csv: {result.csv_path} ({result.tally.steps} rows)")
-    if result.ended == "interrupted":
-        where = f"; {result.tally.steps} complete rows in {result.csv_path}" if result.csv_path else ""
-        print(f"interrupted after step {result.tally.steps}{where}", file=sys.stderr)
+    """The closing lines every run prints: summary, why it ended, where its records are."""
+    print(f"summary: {result.monitor.summary()}")
+    print(f"ended: {result.ended}")
+    csv_path, run_dir = result.paths.csv, result.paths.dir
+    if run_dir is not None:
+        print(f"run folder: {run_dir} (RUN.md, steps.csv, events.jsonl, report.png)")
+    elif csv_path is not None:
+        print(f"csv: {csv_path} ({result.monitor.steps} rows)")
+    if result.exit_code == EXIT_INTERRUPTED:
+        where = f"; {result.monitor.steps} complete rows in {csv_path}" if csv_path else ""
+        print(f"interrupted after step {result.monitor.steps}{where}", file=sys.stderr)
     return result.exit_code
 
 
@@ -106,27 +131,71 @@ def _finish(result: Any) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from .config import apply_overrides, dump_config, read_file, validate
-    from .train import new_run_dir, run
+    from .train import RunPaths, run
 
     data = read_file(args.config) if args.config else {}
     data = apply_overrides(data, args.set or [])
     if args.inject:
         data["inject"] = list(data.get("inject") or []) + [f for f in args.inject if f != "none"]
+    flags = _monitor_flags(args)
+    if flags:
+        data["monitor"] = {**(data.get("monitor") or {}), **flags}
     config = validate(data)
     if args.print_config:
         print(dump_config(config), end="")
         return 0
 
-    run_dir: dict[str, Path] = {}
+    def outputs() -> RunPaths:
+        paths = RunPaths.new_run_dir(config)
+        print(f"run folder: {paths.dir}")
+        return paths
 
-    def outputs() -> Path:
-        run_dir["path"] = new_run_dir(config)
-        print(f"run folder: {run_dir['path']}")
-        return run_dir["path"] / "steps.csv"
-
-    result = run(config, outputs=outputs, console_every=config.log.every, progress=True)
-    print(f"summary: {result.tally.summary()}")
+    every = config.log.every
+    result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True)
     return _finish(result)
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .config import read_file, validate
+    from .report import plot_run, read_steps_csv, replay
+
+    target = Path(args.path)
+    if target.is_dir():
+        csv_path, out = target / "steps.csv", target / "report.png"
+        config_path = target / "config.yaml"
+    else:
+        csv_path, out = target, target.with_suffix(".png")
+        config_path = target.parent / "config.yaml"
+    if not csv_path.is_file():
+        raise InputError(f"no per-step CSV at {csv_path}")
+    settings: dict[str, Any] = {"max_norm": 1.0, "window": 1000, "alert_rate": 0.05, "fail_rate": None}
+    scaler: dict[str, Any] = {}
+    if config_path.is_file():
+        config = validate(read_file(config_path))
+        settings = {"max_norm": config.max_norm, "window": config.monitor.window,
+                    "alert_rate": config.monitor.alert_rate, "fail_rate": config.monitor.fail_rate}
+        scaler = {"init_scale": config.scaler.init_scale, "min_scale": config.scaler.min_scale}
+    for key in settings:
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    out = Path(args.out) if args.out else out
+
+    rows = read_steps_csv(csv_path)
+    if not rows:
+        raise InputError(f"{csv_path}: no steps recorded, nothing to report")
+    scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
+    monitor = replay(rows, window=settings["window"], alert_rate=settings["alert_rate"],
+                     fail_rate=settings["fail_rate"], max_norm=settings["max_norm"],
+                     scaler_enabled=scaler_on, **scaler)
+    plot_run(csv_path, out, **settings)
+    print(f"summary: {monitor.summary()}")
+    print(f"max rolling skip rate {monitor.max_skip_rate:.4f} (window {settings['window']}), "
+          f"alert episodes {monitor.alert_episodes}, clip rate {monitor.clip_rate:.3f}, scale {monitor.scale_verdict}")
+    print(f"plot: {out}")
+    return 0
 
 
 # ---------------------------------------------------------------------------- main
@@ -169,7 +238,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. optimizer.lr=1e-3")
     train.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
     train.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    for verb in (demo, train):
+        verb.add_argument("--fail-skip-rate", type=_rate, metavar="RATE",
+                          help="stop with exit code 3 when the rolling skip rate stays above RATE (monitor.fail_rate)")
+        verb.add_argument("--fail-after", type=_positive_int, metavar="N",
+                          help="...for N consecutive steps (monitor.fail_after, default 100)")
     train.set_defaults(func=_train)
+
+    report = verbs.add_parser(
+        "report",
+        help="plot a run's per-step CSV and summarise it",
+        description="Draws report.png (loss, gradient norms, loss scale, lr, rolling skip rate; skipped steps "
+        "marked) from a run folder or a per-step CSV, and prints a summary.",
+    )
+    report.add_argument("path", metavar="RUN_DIR|CSV")
+    report.add_argument("--out", metavar="PNG", help="where to write the plot (default: RUN_DIR/report.png or CSV's .png)")
+    report.add_argument("--max-norm", dest="max_norm", type=_number, help="clip threshold line (default: the run's config)")
+    report.add_argument("--window", type=_positive_int, help="rolling skip-rate window (default: the run's config)")
+    report.add_argument("--alert-rate", dest="alert_rate", type=_rate, help="alert threshold line")
+    report.add_argument("--fail-rate", dest="fail_rate", type=_rate, help="fail threshold line")
+    report.set_defaults(func=_report)
     return parser
 
 
@@ -183,3 +271,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ampguard: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `ampguard demo | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

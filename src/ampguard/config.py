@@ -151,7 +151,9 @@ class MonitorConfig(_Section):
     fail_rate: float | None = None
     """Rolling skip rate that fails the run after ``fail_after`` steps above it (None: never)."""
     fail_after: int = 100
-    """Consecutive steps above ``fail_rate`` before the run stops with exit code 3."""
+    """Consecutive steps above ``fail_rate`` (or below ``scaler.min_scale``) before the run stops with exit code 3."""
+    fail_on_scale_collapse: bool = False
+    """Also stop (exit 3) when the loss scale stays below ``scaler.min_scale`` for ``fail_after`` steps."""
 
     @field_validator("window", "fail_after")
     @classmethod
@@ -175,6 +177,10 @@ class LogConfig(_Section):
     """Run folder name under ``dir`` (None: a timestamp). An existing run folder is never reused."""
     every: int = 10
     """Console line every this many steps (skips are always printed; the CSV has every step)."""
+    jsonl: bool = False
+    """Also write every step record as JSON lines (``steps.jsonl``)."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars (``tensorboard/``); needs the ``tensorboard`` package."""
 
     @field_validator("every")
     @classmethod

@@ -7,6 +7,8 @@ A sink receives the step's record with device tensors in it and reads them itsel
 from __future__ import annotations
 
 import csv
+import json
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -124,6 +126,64 @@ class ConsoleSink:
 
     def close(self) -> None:
         pass
+
+
+class JsonlSink:
+    """One JSON object per line, flushed per line: step records (``write``) or plain events
+    (``write_event``). Non-finite numbers are written as the strings ``"inf"``/``"nan"`` so
+    every line is strict JSON."""
+
+    def __init__(self, path: str | os.PathLike, *, append: bool = False) -> None:
+        self.path = Path(path)
+        if self.path.exists() and self.path.stat().st_size > 0 and not append:
+            raise InputError(f"{self.path} already exists; refusing to overwrite it")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        self.write_event({
+            "step": record.step,
+            **record.values(),
+            "skipped": record.skipped,
+            "skip_reason": record.reason,
+            **(extra or {}),
+        })
+
+    def write_event(self, obj: Mapping[str, object]) -> None:
+        assert self._file is not None, "JsonlSink is closed"
+        self._file.write(json.dumps({k: _json_number(v) for k, v in obj.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _json_number(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return format_number(value)
+    return value
+
+
+class TensorBoardSink:
+    """Scalars for TensorBoard (``torch.utils.tensorboard``); needs the ``tensorboard`` package."""
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise InputError("log.tensorboard is on but the tensorboard package is not installed") from None
+        self._writer = SummaryWriter(str(log_dir))
+
+    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        for name, value in {**record.values(), **(extra or {})}.items():
+            if value is not None:
+                self._writer.add_scalar(f"train/{name}", value, record.step)
+        self._writer.add_scalar("train/skipped", float(record.skipped), record.step)
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class Sinks:

@@ -120,6 +120,7 @@ class AmpTrainState:
         else:
             self.scaler = precision.make_scaler(**(scaler or {}))
 
+        self.monitors: dict[str, Any] = {}  # fed by the loop, saved here: name -> obj with state_dict()
         self.steps = 0  # optimizer steps attempted (closed groups); the next record is steps + 1
         self.updates = 0  # optimizer steps applied
         self._params = list(model.parameters())
@@ -204,7 +205,7 @@ class AmpTrainState:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        """Scaler, counters and settings that must match on resume. Call between steps."""
+        """Scaler, counters, monitors and settings that must match on resume. Call between steps."""
         if self._micro:
             raise RuntimeError("state_dict() called inside an accumulation group; call it after a step closes")
         return {
@@ -213,6 +214,7 @@ class AmpTrainState:
             "updates": self.updates,
             "precision": self.precision.name,
             "accumulation_steps": self.accumulation_steps,
+            "monitors": {name: monitor.state_dict() for name, monitor in self.monitors.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -225,4 +227,7 @@ class AmpTrainState:
             self.scaler.load_state_dict(state["scaler"])
         self.steps = int(state["step"])
         self.updates = int(state["updates"])
+        for name, monitor_state in state.get("monitors", {}).items():
+            if name in self.monitors:
+                self.monitors[name].load_state_dict(monitor_state)
         self._micro = 0

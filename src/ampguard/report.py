@@ -1,0 +1,275 @@
+"""After the run: read a per-step CSV back, draw the one-page plot, write the run card.
+
+Diagnostics only: nothing here is imported by the training step.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import InputError
+from .monitor import RollingWindow, RunMonitor
+from .records import SKIP_REASONS, SkipLog, StepLog, StepRecord
+from .sinks import CSV_COLUMNS
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .train import RunResult
+
+REASON_COLOURS = {"non_finite_grad": "tab:orange", "non_finite_loss": "tab:red"}
+FIGSIZE = (12.0, 14.0)  # inches
+DPI = 100  # -> a 1200 x 1400 pixel PNG
+
+
+@dataclass
+class Row:
+    step: int
+    lr: float | None
+    grad_l2_pre_clip: float | None
+    grad_l2_post_clip: float | None
+    loss: float | None
+    skipped: bool
+    skip_reason: str
+    scaler_scale: float | None
+
+    def record(self) -> StepRecord:
+        fields = dict(
+            step=self.step, lr=self.lr, loss=self.loss, grad_l2_pre_clip=self.grad_l2_pre_clip,
+            grad_l2_post_clip=self.grad_l2_post_clip, scaler_scale=self.scaler_scale,
+        )
+        return SkipLog(**fields, reason=self.skip_reason) if self.skipped else StepLog(**fields)  # type: ignore[arg-type]
+
+
+def _number(text: str, column: str, where: str) -> float | None:
+    if text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise InputError(f"{where}: column {column} holds {text!r}, not a number") from None
+
+
+def read_steps_csv(path: str | Path) -> list[Row]:
+    """Parse a per-step CSV (DESIGN.md section 3); a malformed file raises :class:`InputError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no such CSV file: {path}")
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            return list(_rows(path, csv.reader(f)))
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise InputError(f"{path}: not a readable CSV ({err})") from None
+
+
+def _rows(path: Path, reader: Iterator[list[str]]) -> Iterator[Row]:
+    header = next(reader, None)
+    if header is None or tuple(header[: len(CSV_COLUMNS)]) != CSV_COLUMNS:
+        raise InputError(f"{path}: the header is not ampguard's ({','.join(CSV_COLUMNS)})")
+    previous = 0
+    for line_no, cells in enumerate(reader, start=2):
+        where = f"{path} line {line_no}"
+        if len(cells) != len(header):
+            raise InputError(f"{where}: {len(cells)} cells, the header has {len(header)}")
+        cell = dict(zip(header, cells))
+        try:
+            step = int(cell["step"])
+        except ValueError:
+            raise InputError(f"{where}: step {cell['step']!r} is not a whole number") from None
+        if step <= previous:
+            raise InputError(f"{where}: step {step} does not follow step {previous}")
+        previous = step
+        if cell["skipped"] not in ("0", "1"):
+            raise InputError(f"{where}: skipped must be 0 or 1, got {cell['skipped']!r}")
+        skipped = cell["skipped"] == "1"
+        reason = cell["skip_reason"]
+        if (reason not in SKIP_REASONS) if skipped else reason:
+            raise InputError(f"{where}: skip_reason {reason!r} does not fit skipped={cell['skipped']}")
+        yield Row(
+            step=step,
+            skipped=skipped,
+            skip_reason=reason,
+            **{c: _number(cell[c], c, where) for c in ("lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "scaler_scale")},
+        )
+
+
+def replay(rows: list[Row], **monitor_args: Any) -> RunMonitor:
+    """Feed CSV rows through a :class:`RunMonitor`: the same statistics the live run kept."""
+    monitor = RunMonitor(**monitor_args)
+    for row in rows:
+        monitor.observe(row.record())
+    return monitor
+
+
+# ---------------------------------------------------------------------------- the plot
+
+
+def plot_run(
+    csv_path: str | Path,
+    png_path: str | Path,
+    *,
+    max_norm: float | None = 1.0,
+    window: int = 1000,
+    alert_rate: float = 0.05,
+    fail_rate: float | None = None,
+    title: str | None = None,
+) -> Path:
+    """Draw one PNG (1200 x 1400 px) with five panels on a shared step axis: loss, pre/post-clip
+    norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
+    rate with its thresholds. Skipped steps are marked on every panel, coloured by reason."""
+    rows = read_steps_csv(csv_path)
+    if not rows:
+        raise InputError(f"{csv_path}: no steps recorded yet, nothing to plot")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r.step for r in rows]
+    fig, axes = plt.subplots(5, 1, sharex=True, figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes
+
+    def finite(values: list[float | None], positive: bool = False) -> tuple[list[int], list[float]]:
+        pairs = [(s, v) for s, v in zip(steps, values) if v is not None and math.isfinite(v) and (v > 0 or not positive)]
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
+    losses = [r.loss for r in rows]
+    xs, ys = finite(losses)
+    log_loss = bool(ys) and min(ys) > 0
+    ax_loss.plot(xs, ys, lw=1, color="tab:blue", label="loss (mean of the step's micro-batches)")
+    ax_loss.set_yscale("log" if log_loss else "linear")
+    ax_loss.set_ylabel("loss" + (" (log)" if log_loss else ""))
+    ax_loss.set_title("Loss")
+
+    for values, label, colour in (
+        ([r.grad_l2_pre_clip for r in rows], "pre-clip", "tab:purple"),
+        ([r.grad_l2_post_clip for r in rows], "post-clip", "tab:green"),
+    ):
+        xs, ys = finite(values, positive=True)
+        ax_norm.plot(xs, ys, lw=1, color=colour, label=f"{label} global L2 norm")
+    if max_norm:
+        ax_norm.axhline(max_norm, color="black", ls="--", lw=1, label=f"max_norm = {max_norm:g}")
+    ax_norm.set_yscale("log")
+    ax_norm.set_ylabel("gradient norm (log)")
+    ax_norm.set_title("Global gradient L2 norm, before and after clipping")
+
+    xs, ys = finite([r.scaler_scale for r in rows], positive=True)
+    ax_scale.step(xs, [math.log2(v) for v in ys], where="post", color="tab:brown", lw=1.2, label="log2(scale)")
+    ax_scale.set_ylabel("log2(loss scale)")
+    ax_scale.set_title("Loss scale (after each step's update; 1.0 = no scaler)")
+
+    xs, ys = finite([r.lr for r in rows])
+    ax_lr.plot(xs, ys, color="tab:cyan", lw=1.2, label="learning rate (param group 0)")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_title("Learning rate")
+
+    win = RollingWindow(window)
+    rates = []
+    for r in rows:
+        win.push(float(r.skipped))
+        rates.append(win.mean)
+    ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})")
+    ax_skip.axhline(alert_rate, color="tab:orange", ls="--", lw=1, label=f"alert_rate = {alert_rate:g}")
+    if fail_rate is not None:
+        ax_skip.axhline(fail_rate, color="tab:red", ls=":", lw=1, label=f"fail_rate = {fail_rate:g}")
+    ax_skip.set_ylim(0, max(0.1, alert_rate * 1.5, (fail_rate or 0) * 1.5, max(rates) * 1.2))
+    ax_skip.set_ylabel("skip rate")
+    ax_skip.set_title("Rolling skip rate")
+    ax_skip.set_xlabel("step")
+
+    for reason in SKIP_REASONS:
+        marks = [r.step for r in rows if r.skipped and r.skip_reason == reason]
+        if not marks:
+            continue
+        for i, ax in enumerate(axes):
+            ax.vlines(marks, 0, 1, transform=ax.get_xaxis_transform(), color=REASON_COLOURS[reason], alpha=0.35,
+                      lw=1, label=f"skipped: {reason} ({len(marks)})" if i == 0 else None)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
+    skipped = sum(r.skipped for r in rows)
+    fig.suptitle(title or f"{Path(csv_path).name}: {len(rows)} steps, {skipped} skipped", fontsize=13)
+    png_path = Path(png_path)
+    fig.savefig(png_path, dpi=DPI)
+    plt.close(fig)
+    return png_path
+
+
+# ---------------------------------------------------------------------------- the run card
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+def _fmt(x: float | None, spec: str = ".4g") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def write_run_card(path: Path, config: Config, result: RunResult) -> None:
+    """``RUN.md``: what a teammate reads first: set-up, outcome, where everything is, why it ended."""
+    m, paths = result.monitor, result.paths
+    s, mon = config.scaler, config.monitor
+    scaler_on = m.scaler_enabled
+    scaler = (
+        f"dynamic: init {s.init_scale:g}, x{s.growth_factor:g} after {s.growth_interval} clean steps, "
+        f"x{s.backoff_factor:g} on a skip, min_scale {s.min_scale:g}" if scaler_on else "off (scale reported as 1.0)"
+    )
+    fail = (f"skip rate > {mon.fail_rate:g} for {mon.fail_after} consecutive steps -> exit 3"
+            if mon.fail_rate is not None else "off (monitor.fail_rate not set)")
+    if mon.fail_on_scale_collapse:
+        fail += f"; scale < {s.min_scale:g} for {mon.fail_after} steps -> exit 3"
+    clip = f"global L2, max_norm {config.max_norm:g}" if config.max_norm else "off"
+    skips = sum(m.skips.values())
+    last = m.last
+
+    def rel(p: Path | None) -> str:
+        return f"`{p.name}`" if p is not None and p.exists() else "not written"
+
+    setup = [
+        ("precision", f"{config.precision} (autocast on {result.device.type})"),
+        ("loss scaler", scaler),
+        ("clipping", clip),
+        ("accumulation", f"{config.accumulation_steps} micro-batch(es) per step"),
+        ("optimizer", f"{config.optimizer.name}, lr {config.optimizer.lr:g}, schedule {config.schedule.decay} "
+                      f"(warmup {config.schedule.warmup})"),
+        ("scheduler on skipped steps", config.scheduler_on_skip),
+        ("task", config.task.name),
+        ("faults injected", ", ".join(config.inject) or "none"),
+        ("skip-rate alert", f"rolling rate > {mon.alert_rate:g} over {mon.window} steps"),
+        ("fail-fast", fail),
+        ("seed", str(config.seed)),
+    ]
+    outcome = [
+        ("ended", result.ended),
+        ("steps attempted", str(m.steps)),
+        ("updates applied", str(m.updates)),
+        ("skipped steps", f"{skips} ({m.skips_text()})"),
+        ("max rolling skip rate", f"{m.max_skip_rate:.4f}"),
+        ("skip-rate alert episodes", str(m.alert_episodes)),
+        ("clip rate", f"{m.clip_rate:.3f} ({m.clipped} of {m.steps} steps had pre-clip norm > max_norm)"
+                      if config.max_norm else "n/a (clipping off)"),
+        ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(last.get('scaler_scale'), 'g')})" if scaler_on else "")),
+        ("loss", f"first {_fmt(m.first_loss)}, final {_fmt(last.get('loss'))}, best {_fmt(m.best_loss)}"),
+    ]
+    files = [
+        ("per-step CSV", rel(paths.csv)),
+        ("event log (JSON lines)", rel(paths.events)),
+        ("plot", rel(paths.plot)),
+        ("effective config", rel(paths.config)),
+        ("checkpoints", "none (checkpointing is not part of this version)"),
+    ]
+    name = paths.dir.name if paths.dir is not None else "run"
+    text = "\n\n".join([
+        f"# Run {name}",
+        f"**{result.ended}**",
+        "## Set-up\n\n" + _table(setup),
+        "## Outcome\n\n" + _table(outcome),
+        "## Files\n\n" + _table(files),
+    ])
+    path.write_text(text + "\n", encoding="utf-8")
