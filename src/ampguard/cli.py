@@ -19,7 +19,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (exit 2), not a usage block."""
 
     def error(self, message: str) -> NoReturn:
-        raise InputError(f"{self.prog}: {message}")
+        verb = self.prog.removeprefix("ampguard").strip()  # "demo" for `ampguard demo`, "" at the top
+        raise InputError(f"{verb}: {message}" if verb else message)
 
 
 def _positive_int(text: str) -> int:

@@ -53,14 +53,16 @@ def global_l2_norm(parameters: Params) -> torch.Tensor:
 def clip_to_norm_(parameters: Params, max_norm: float | None, pre: torch.Tensor) -> torch.Tensor:
     """Scale gradients in place so their global norm ``pre`` becomes at most ``max_norm``.
 
-    Returns the post-clip norm, ``pre * min(1, max_norm / (pre + 1e-6))``: the factor the
-    gradients were really multiplied by, computed on the device (no host sync). ``max_norm``
+    Returns the post-clip norm, ``pre * min(1, max_norm / (pre + 1e-6))`` (the factor the
+    gradients were really multiplied by), capped at ``max_norm`` so float32 rounding of the
+    product never reports a norm an ulp above the threshold; computed on the device (no host
+    sync). ``max_norm``
     of ``None`` or ``<= 0`` leaves the gradients alone and returns ``pre``.
     """
     if max_norm is None or max_norm <= 0:
         return pre
     clip_grads_with_norm_(parameters, max_norm, pre, foreach=None)
-    return pre * torch.clamp(max_norm / (pre + _EPS), max=1.0)
+    return torch.clamp(pre * torch.clamp(max_norm / (pre + _EPS), max=1.0), max=max_norm)
 
 
 def clip_global_l2_norm(

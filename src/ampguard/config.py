@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 from .faults import parse_fault
@@ -22,6 +22,17 @@ try:
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
+
+
+def _not_bool(value: Any) -> Any:
+    # pydantic would read true/false as 1/0; a boolean where a number belongs is a mistake
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class _Section(BaseModel):
@@ -37,15 +48,15 @@ def _finite_at_least(value: float, low: float, what: str = "") -> float:
 class OptimizerConfig(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
     """Optimizer: AdamW, or SGD with momentum."""
-    lr: float = 3e-3
+    lr: Float = 3e-3
     """Peak learning rate (after warmup)."""
-    weight_decay: float = 0.0
+    weight_decay: Float = 0.0
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Float, Float] = (0.9, 0.95)
     """AdamW's moment decay rates, each in [0, 1)."""
-    eps: float = 1e-8
+    eps: Float = 1e-8
     """AdamW's denominator epsilon."""
-    momentum: float = 0.9
+    momentum: Float = 0.9
     """SGD momentum in [0, 1)."""
     fused: bool | None = None
     """Use the fused AdamW kernel (None: PyTorch's default)."""
@@ -78,11 +89,11 @@ class OptimizerConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    warmup: int = 0
+    warmup: Int = 0
     """Linear warmup length in applied updates (0: none)."""
     decay: Literal["constant", "cosine", "linear"] = "cosine"
     """Shape of the decay after warmup, down to ``min_lr_ratio * lr`` at the last step."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Float = 0.1
     """Final learning rate as a fraction of ``optimizer.lr``, in [0, 1]."""
 
     @field_validator("warmup")
@@ -103,15 +114,15 @@ class ScheduleConfig(_Section):
 class ScalerConfig(_Section):
     enabled: bool | None = None
     """Loss scaling: None means on for fp16, off otherwise. True with bf16/fp32 is an error."""
-    init_scale: float = 2.0**16
+    init_scale: Float = 2.0**16
     """Starting loss scale."""
-    growth_factor: float = 2.0
+    growth_factor: Float = 2.0
     """Scale multiplier after ``growth_interval`` clean steps in a row (> 1)."""
-    backoff_factor: float = 0.5
+    backoff_factor: Float = 0.5
     """Scale multiplier on a skipped step, in (0, 1)."""
-    growth_interval: int = 2000
+    growth_interval: Int = 2000
     """Clean steps in a row before the scale grows (>= 1)."""
-    min_scale: float = 1.0
+    min_scale: Float = 1.0
     """Below this the scale is unhealthy (used by the monitors)."""
 
     @field_validator("init_scale", "min_scale")
@@ -144,13 +155,13 @@ class ScalerConfig(_Section):
 
 
 class MonitorConfig(_Section):
-    window: int = 1000
+    window: Int = 1000
     """Steps in the rolling skip-rate window."""
-    alert_rate: float = 0.05
+    alert_rate: Float = 0.05
     """Rolling skip rate above which an ALERT is raised, in [0, 1]."""
-    fail_rate: float | None = None
+    fail_rate: Float | None = None
     """Rolling skip rate that fails the run after ``fail_after`` steps above it (None: never)."""
-    fail_after: int = 100
+    fail_after: Int = 100
     """Consecutive steps above ``fail_rate`` (or below ``scaler.min_scale``) before the run stops with exit code 3."""
     fail_on_scale_collapse: bool = False
     """Also stop (exit 3) when the loss scale stays below ``scaler.min_scale`` for ``fail_after`` steps."""
@@ -175,7 +186,7 @@ class LogConfig(_Section):
     """Folder that holds run folders."""
     name: str | None = None
     """Run folder name under ``dir`` (None: a timestamp). An existing run folder is never reused."""
-    every: int = 10
+    every: Int = 50
     """Console line every this many steps (skips are always printed; the CSV has every step)."""
     jsonl: bool = False
     """Also write every step record as JSON lines (``steps.jsonl``)."""
@@ -198,9 +209,9 @@ class LogConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every: int = 0
+    every: Int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
-    keep: int = 3
+    keep: Int = 3
     """How many recent checkpoints to keep (>= 1)."""
 
     @field_validator("every")
@@ -222,15 +233,15 @@ class TaskConfig(_Section):
     name: Literal["charlm", "linear"] = "charlm"
     """Built-in workload: ``charlm`` (a character-level transformer on Python's own sources)
     or ``linear`` (the demo's linear regression)."""
-    batch_size: int = 32
+    batch_size: Int = 32
     """Examples per micro-batch."""
-    block_size: int = 64
+    block_size: Int = 64
     """charlm: context length in characters."""
-    n_layer: int = 2
+    n_layer: Int = 2
     """charlm: transformer blocks."""
-    n_head: int = 4
+    n_head: Int = 4
     """charlm: attention heads (must divide ``n_embd``)."""
-    n_embd: int = 64
+    n_embd: Int = 64
     """charlm: embedding width."""
 
     @field_validator("batch_size", "block_size", "n_layer", "n_head", "n_embd")
@@ -250,13 +261,13 @@ class TaskConfig(_Section):
 class Config(_Section):
     precision: Literal["fp16", "bf16", "fp32"] = "bf16"
     """Compute precision under autocast; fp16 adds a dynamic loss scaler."""
-    max_norm: float | None = 1.0
+    max_norm: Float | None = 1.0
     """Global L2 gradient clip threshold; 0 or null disables clipping."""
-    accumulation_steps: int = 1
+    accumulation_steps: Int = 1
     """Micro-batches per optimizer update."""
-    steps: int = 600
+    steps: Int = 600
     """Optimizer steps (attempts, skipped ones included)."""
-    seed: int = 0
+    seed: Int = 0
     """Seed for the model, the data order and seeded fault injection."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: ``auto`` takes CUDA when available, the CPU otherwise."""

@@ -32,6 +32,14 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
+def _open_for_append(path: Path, newline: str | None = None) -> IO[str]:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("a", newline=newline, encoding="utf-8")
+    except OSError as err:
+        raise InputError(f"cannot write {path}: {err.strerror or err}") from None
+
+
 def csv_row(record: StepRecord, extra: Mapping[str, float | None] | None = None) -> dict[str, str]:
     """The CSV cells of one record: numbers via :func:`format_number`, missing values empty."""
     v = record.values()
@@ -76,8 +84,7 @@ class CsvSink:
                 header = tuple(next(csv.reader(f), ()))
             if header != self.columns:
                 raise InputError(f"{self.path}: its header does not match this run's columns, cannot append")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = self.path.open("a", newline="", encoding="utf-8")
+        self._file: IO[str] | None = _open_for_append(self.path, newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self.columns, restval="", lineterminator="\n")
         if not existing:
             self._writer.writeheader()
@@ -137,8 +144,7 @@ class JsonlSink:
         self.path = Path(path)
         if self.path.exists() and self.path.stat().st_size > 0 and not append:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+        self._file: IO[str] | None = _open_for_append(self.path)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         self.write_event({
@@ -170,11 +176,18 @@ class TensorBoardSink:
     """Scalars for TensorBoard (``torch.utils.tensorboard``); needs the ``tensorboard`` package."""
 
     def __init__(self, log_dir: str | os.PathLike) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise InputError("log.tensorboard is on but the tensorboard package is not installed") from None
+        self.require()
+        from torch.utils.tensorboard import SummaryWriter
+
         self._writer = SummaryWriter(str(log_dir))
+
+    @staticmethod
+    def require() -> None:
+        """Raise :class:`InputError` unless the ``tensorboard`` package can be imported."""
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise InputError("log.tensorboard is on but the tensorboard package is not installed")
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         for name, value in {**record.values(), **(extra or {})}.items():

@@ -116,6 +116,8 @@ class AmpTrainState:
         self.scheduler_on_skip = scheduler_on_skip
         self.device = device
         if isinstance(scaler, GuardedGradScaler):
+            if scaler.is_enabled() and not precision.uses_scaler:
+                raise ValueError(f"{precision.name} does not use a loss scaler; pass a disabled one or none")
             self.scaler = scaler
         else:
             self.scaler = precision.make_scaler(**(scaler or {}))
@@ -157,6 +159,8 @@ class AmpTrainState:
         self._micro = 0
         self.steps += 1
         lr = self.optimizer.param_groups[0]["lr"]
+        if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
+            lr = lr.detach().clone()
         loss = self._loss_sum / self.accumulation_steps
 
         self.scaler.unscale_(self.optimizer)

@@ -59,7 +59,8 @@ def lr_multiplier(config: Config) -> Callable[[int], float]:
             return (update + 1) / warmup
         if decay == "constant":
             return 1.0
-        progress = min(1.0, (update - warmup) / max(1, total - warmup))
+        # the last step (update total - 1, when none was skipped) runs at the floor
+        progress = min(1.0, (update - warmup) / max(1, total - warmup - 1))
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
         return floor + (1 - floor) * shape
 
@@ -169,10 +170,17 @@ class RunPaths:
     @classmethod
     def new_run_dir(cls, config: Config) -> RunPaths:
         """Create the run folder ``log.dir/log.name`` (a timestamp by default); never reuse one."""
-        name = config.log.name or time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(config.log.dir) / name
-        if run_dir.exists():
-            raise InputError(f"run folder {run_dir} already exists; choose another log.name")
+        if config.log.name:
+            run_dir = Path(config.log.dir) / config.log.name
+            if run_dir.exists():
+                raise InputError(f"run folder {run_dir} already exists; choose another log.name")
+        else:  # a timestamp, made unique if another run started in the same second
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            run_dir = Path(config.log.dir) / stamp
+            n = 1
+            while run_dir.exists():
+                n += 1
+                run_dir = Path(config.log.dir) / f"{stamp}-{n}"
         try:
             run_dir.mkdir(parents=True)
         except OSError as err:
@@ -214,6 +222,8 @@ def run(
     task = build_task(config.task, config.seed)
     if not task.float_inputs and any(f.kind == "nan_input" for f in faults):
         raise InputError(f"inject: nan_input needs floating-point inputs; task {task.name} feeds integer tokens")
+    if config.log.tensorboard:
+        TensorBoardSink.require()
     state = build_state(config, task, device)
     monitor = state.monitors["run"] = build_monitor(config, state)
     injector = FaultInjector(faults, config.accumulation_steps)

@@ -1,0 +1,144 @@
+"""Checkpoints that survive a kill and never run code on load.
+
+Saving is atomic: the payload goes to a temporary file in the same folder, is flushed and
+fsync'ed, then ``os.replace``'d over its final name, so a run killed at any moment (during a
+save included) leaves every earlier checkpoint whole. Loading uses
+``torch.load(weights_only=True)`` only: tensors and plain data come back, and a file carrying
+pickled code is refused before any of it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import InputError
+
+MAGIC = "ampguard-checkpoint"
+FORMAT = 1
+_NAME = re.compile(r"^step-(\d{8})\.pt$")
+REQUIRED = ("magic", "format", "step", "config", "model", "optimizer", "state", "scheduler", "rng", "data_position")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a run may draw from: torch (CPU and CUDA), numpy's global one, ``random``."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with matplotlib
+        return state
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["random"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["gauss"]))
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` (plus the ampguard marker) to ``path`` atomically; return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("wb") as f:
+            torch.save({"magic": MAGIC, "format": FORMAT, **payload}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load an ampguard checkpoint, or raise :class:`InputError` saying why it cannot be used.
+
+    Only ``torch.load(weights_only=True)``: a file with pickled code in it is refused and that
+    code never runs; a truncated or foreign file is refused too.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no checkpoint file at {path}")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise InputError(
+            f"{path}: refused: it holds pickled objects beyond tensors and plain data (nothing in it was run)"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, KeyError):
+        raise InputError(f"{path}: unreadable checkpoint (truncated, or not a PyTorch file)") from None
+    if not isinstance(payload, dict) or payload.get("magic") != MAGIC:
+        raise InputError(f"{path}: not an ampguard checkpoint")
+    if payload.get("format") != FORMAT:
+        raise InputError(f"{path}: checkpoint format {payload.get('format')!r}, this ampguard reads {FORMAT}")
+    missing = [key for key in REQUIRED if key not in payload]
+    if missing:
+        raise InputError(f"{path}: incomplete ampguard checkpoint (missing {', '.join(missing)})")
+    return payload
+
+
+def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
+    """The finished checkpoints in ``folder``, oldest first (temporary files are not listed)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if _NAME.match(p.name))
+
+
+def latest_loadable(folder: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint in ``folder`` that loads; older ones are tried if newer ones do not."""
+    errors = []
+    for path in reversed(list_checkpoints(folder)):
+        try:
+            return path, load_checkpoint(path, map_location)
+        except InputError as err:
+            errors.append(str(err))
+    if errors:
+        raise InputError(f"no loadable checkpoint in {folder} ({errors[0]})")
+    raise InputError(f"no checkpoint in {folder}")
+
+
+def prune(folder: str | os.PathLike, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints."""
+    for path in list_checkpoints(folder)[:-keep]:
+        path.unlink(missing_ok=True)

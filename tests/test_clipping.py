@@ -1,0 +1,263 @@
+"""Global L2 clipping and the non-finite detector (DESIGN.md sections 1-2)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ampguard import clip_global_l2_norm, has_non_finite_grad
+
+INF = float("inf")
+NAN = float("nan")
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def params_with_grads(*grads: torch.Tensor | None) -> list[nn.Parameter]:
+    """One parameter per grad (same shape), with ``.grad`` set to a copy of it (None stays None)."""
+    out = []
+    for g in grads:
+        shape = g.shape if g is not None else (3,)
+        p = nn.Parameter(torch.zeros(shape, dtype=torch.float32 if g is None else g.dtype))
+        p.grad = None if g is None else g.clone()
+        out.append(p)
+    return out
+
+
+def random_grads(scale: float, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) * scale for s in [(3, 4), (5,), (2, 2, 2), (1,)]]
+
+
+def concat_norm(grads: list[torch.Tensor]) -> float:
+    """The global L2 norm computed independently: all grads as one float64 vector."""
+    return float(torch.cat([g.detach().reshape(-1).double() for g in grads]).norm())
+
+
+def grads_of(params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the Tensor methods that copy a value to the host."""
+
+    READS = frozenset(
+        {
+            torch.Tensor.item,
+            torch.Tensor.tolist,
+            torch.Tensor.__bool__,
+            torch.Tensor.__float__,
+            torch.Tensor.__int__,
+            torch.Tensor.__index__,
+            torch.Tensor.cpu,
+            torch.Tensor.numpy,
+        }
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+# ----------------------------------------------------------------------------- clip_global_l2_norm
+
+
+def test_clips_when_above_max_norm():
+    grads = random_grads(scale=10.0)
+    params = params_with_grads(*grads)
+    expected_pre = concat_norm(grads)
+    max_norm = 1.5
+    assert expected_pre > 10 * max_norm
+
+    pre, post = clip_global_l2_norm(params, max_norm)
+    assert isinstance(pre, torch.Tensor) and isinstance(post, torch.Tensor)
+    assert pre.dim() == 0 and post.dim() == 0
+    assert float(pre) == pytest.approx(expected_pre, rel=1e-6)
+    assert float(post) <= max_norm
+    assert float(post) == pytest.approx(max_norm, rel=1e-5)
+    # post is what the clip really did: the norm of the clipped gradients
+    assert concat_norm([p.grad for p in params]) == pytest.approx(float(post), rel=1e-5)
+    # every gradient was multiplied by the same factor (the direction is kept)
+    factor = float(post) / float(pre)
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad, g * factor, rtol=1e-5, atol=1e-7)
+
+
+def test_leaves_grads_alone_when_below_max_norm():
+    grads = random_grads(scale=0.01)
+    params = params_with_grads(*grads)
+    expected_pre = concat_norm(grads)
+    assert expected_pre < 1.0
+    pre, post = clip_global_l2_norm(params, 1.0)
+    assert float(pre) == pytest.approx(expected_pre, rel=1e-6)
+    assert torch.equal(post, pre)
+    assert float(post) <= 1.0
+    for p, g in zip(params, grads):
+        assert torch.equal(p.grad, g)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 3.0, 1e6])
+@pytest.mark.parametrize("scale", [0.1, 1.0, 100.0])
+def test_bitwise_equal_to_clip_grad_norm_(scale, max_norm):
+    grads = random_grads(scale=scale, seed=3)
+    mine = params_with_grads(*grads)
+    theirs = params_with_grads(*grads)
+    pre, post = clip_global_l2_norm(mine, max_norm)
+    total = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert torch.equal(pre, total)
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a.grad, b.grad)
+    assert float(post) <= max_norm
+    assert float(post) == pytest.approx(min(float(pre), max_norm), rel=1e-5)
+
+
+def test_bitwise_equal_to_clip_grad_norm_on_a_model_after_backward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    twin = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    twin.load_state_dict(model.state_dict())
+    x, y = torch.randn(4, 8), torch.randn(4, 2) * 50
+    for m in (model, twin):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+    pre, _ = clip_global_l2_norm(model.parameters(), 0.25)  # a generator is accepted
+    total = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.25)
+    assert float(total) > 0.25
+    assert torch.equal(pre, total)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0, 0.0, -1.0])
+def test_max_norm_none_or_nonpositive_disables_clipping(max_norm):
+    grads = random_grads(scale=10.0)
+    params = params_with_grads(*grads)
+    pre, post = clip_global_l2_norm(params, max_norm)
+    assert float(pre) == pytest.approx(concat_norm(grads), rel=1e-6)
+    assert float(pre) > 1.0
+    assert torch.equal(post, pre)
+    for p, g in zip(params, grads):
+        assert torch.equal(p.grad, g)
+
+
+@pytest.mark.parametrize("bad", [INF, -INF, NAN])
+@pytest.mark.parametrize("max_norm", [1.0, None])
+def test_non_finite_grad_gives_non_finite_pre(bad, max_norm):
+    grads = random_grads(scale=1.0)
+    grads[1][2] = bad
+    pre, post = clip_global_l2_norm(params_with_grads(*grads), max_norm)
+    assert not math.isfinite(float(pre))
+    if bad != bad:
+        assert math.isnan(float(pre))
+    else:
+        assert float(pre) == INF
+    assert not math.isfinite(float(post))
+
+
+def test_global_norm_is_not_the_per_parameter_norm():
+    a, b = params_with_grads(torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0]))
+    pre, post = clip_global_l2_norm([a, b], 2.5)
+    assert float(pre) == pytest.approx(5.0)  # sqrt(3^2 + 4^2), not max(3, 4) nor 3 + 4
+    assert float(post) == pytest.approx(2.5, rel=1e-5)
+    # both scaled by the same factor 0.5: a (norm 3 > 2.5 alone) and b (norm 4) alike,
+    # whereas per-parameter clipping would give [2.5, 0] and [0, 2.5]
+    torch.testing.assert_close(a.grad, torch.tensor([1.5, 0.0]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(b.grad, torch.tensor([0.0, 2.0]), rtol=1e-5, atol=0)
+
+    # A parameter whose own norm is below max_norm is still clipped when the global norm is not.
+    small, big = params_with_grads(torch.tensor([0.6, 0.8]), torch.tensor([6.0, 8.0]))
+    pre, _ = clip_global_l2_norm([small, big], 2.0)
+    assert float(pre) == pytest.approx(math.sqrt(1.0 + 100.0))
+    assert float(small.grad.norm()) < 1.0 * 0.5
+
+
+def test_params_without_grad_are_ignored():
+    grads = random_grads(scale=5.0)
+    params = params_with_grads(grads[0], None, grads[1], None)
+    pre, post = clip_global_l2_norm(params, 1.0)
+    assert float(pre) == pytest.approx(concat_norm(grads[:2]), rel=1e-6)
+    assert params[1].grad is None and params[3].grad is None
+    assert concat_norm([params[0].grad, params[2].grad]) == pytest.approx(float(post), rel=1e-5)
+
+
+def test_no_grads_at_all_gives_zero():
+    params = params_with_grads(None, None)
+    pre, post = clip_global_l2_norm(params, 1.0)
+    assert float(pre) == 0.0 and float(post) == 0.0
+    assert all(p.grad is None for p in params)
+
+
+def test_single_tensor_is_accepted():
+    (p,) = params_with_grads(torch.tensor([3.0, 4.0]))
+    pre, post = clip_global_l2_norm(p, 1.0)
+    assert float(pre) == pytest.approx(5.0)
+    assert float(post) == pytest.approx(1.0, rel=1e-5)
+    torch.testing.assert_close(p.grad, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=0)
+
+
+def test_post_never_exceeds_max_norm_right_at_the_threshold():
+    for target in [1.0, 1.0 + 1e-7, 1.0 - 1e-7, 2.0**-10, 1e4]:
+        (p,) = params_with_grads(torch.tensor([target]))
+        _, post = clip_global_l2_norm([p], 1.0)
+        assert float(post) <= 1.0
+        assert float(p.grad.abs().max()) <= 1.0
+
+
+def test_post_is_never_above_max_norm():
+    over = []
+    for seed in range(20):
+        for max_norm in (0.5, 1.0, 3.0, 7.0):  # exact in float32, so "<=" is meaningful
+            params = params_with_grads(*random_grads(scale=100.0, seed=seed))
+            _, post = clip_global_l2_norm(params, max_norm)
+            if not float(post) <= max_norm:
+                over.append((seed, max_norm, float(post)))
+    assert over == []
+
+
+def test_clip_makes_no_host_read():
+    params = params_with_grads(*random_grads(scale=10.0))
+    with HostReads() as reads:
+        pre, post = clip_global_l2_norm(params, 1.0)
+    assert reads.count == 0
+    assert float(post) < float(pre)
+
+
+# ----------------------------------------------------------------------------- has_non_finite_grad
+
+
+def test_has_non_finite_grad_false_on_finite():
+    params = params_with_grads(*random_grads(scale=1e30))  # huge but finite
+    result = has_non_finite_grad(params)
+    assert result is False
+
+
+@pytest.mark.parametrize("bad", [INF, -INF, NAN])
+@pytest.mark.parametrize("where", [0, 3])
+def test_has_non_finite_grad_true(bad, where):
+    grads = random_grads(scale=1.0)
+    grads[where].view(-1)[0] = bad
+    assert has_non_finite_grad(params_with_grads(*grads)) is True
+
+
+def test_has_non_finite_grad_ignores_params_without_grads():
+    assert has_non_finite_grad(params_with_grads(None, None)) is False
+    assert has_non_finite_grad([]) is False
+    assert has_non_finite_grad(params_with_grads(None, torch.ones(3), None)) is False
+    assert has_non_finite_grad(params_with_grads(None, torch.tensor([1.0, NAN]))) is True
+    (p,) = params_with_grads(torch.tensor([INF]))
+    assert has_non_finite_grad(p) is True  # a single tensor
+
+
+def test_has_non_finite_grad_mixed_dtypes():
+    params = params_with_grads(torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.bfloat16))
+    assert has_non_finite_grad(params) is False
+    params[0].grad = torch.tensor([65504.0, INF], dtype=torch.float16)
+    assert has_non_finite_grad(params) is True

@@ -1,0 +1,326 @@
+"""The typed config tree (DESIGN.md section 5): defaults, file formats, --set, --print-config."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from ampguard.config import Config, apply_overrides, dump_config, load_config, read_file, validate
+from ampguard.errors import ConfigError, InputError
+
+# One non-default config, written below as YAML, JSON and TOML.
+SAMPLE = {
+    "precision": "fp16",
+    "max_norm": 0.5,
+    "accumulation_steps": 2,
+    "steps": 7,
+    "seed": 3,
+    "device": "cpu",
+    "optimizer": {"name": "sgd", "lr": 0.01, "betas": [0.8, 0.99], "fused": False, "momentum": 0.5},
+    "schedule": {"warmup": 2, "decay": "linear"},
+    "scaler": {"init_scale": 1024.0, "growth_interval": 10, "backoff_factor": 0.25},
+    "monitor": {"window": 50, "fail_rate": 0.5, "fail_after": 5},
+    "log": {"dir": "elsewhere", "every": 2},
+    "checkpoint": {"every": 3, "keep": 1},
+    "task": {"name": "linear", "batch_size": 8},
+    "inject": ["inf_grad@5", "nan_loss@every:3"],
+}
+
+SAMPLE_TOML = """\
+precision = "fp16"
+max_norm = 0.5
+accumulation_steps = 2
+steps = 7
+seed = 3
+device = "cpu"
+inject = ["inf_grad@5", "nan_loss@every:3"]
+
+[optimizer]
+name = "sgd"
+lr = 0.01
+betas = [0.8, 0.99]
+fused = false
+momentum = 0.5
+
+[schedule]
+warmup = 2
+decay = "linear"
+
+[scaler]
+init_scale = 1024.0
+growth_interval = 10
+backoff_factor = 0.25
+
+[monitor]
+window = 50
+fail_rate = 0.5
+fail_after = 5
+
+[log]
+dir = "elsewhere"
+every = 2
+
+[checkpoint]
+every = 3
+keep = 1
+
+[task]
+name = "linear"
+batch_size = 8
+"""
+
+
+# ---------------------------------------------------------------------------- defaults
+
+
+def test_defaults_from_design():
+    c = Config()
+    assert c.scaler.init_scale == 2.0**16 == 65536
+    assert c.scaler.growth_factor == 2.0
+    assert c.scaler.backoff_factor == 0.5
+    assert c.scaler.growth_interval == 2000
+    assert c.monitor.window == 1000
+    assert c.monitor.alert_rate == 0.05
+    assert c.monitor.fail_after == 100
+    assert c.inject == []
+    assert c.precision in ("fp16", "bf16", "fp32")
+    assert c.max_norm is None or c.max_norm >= 0
+    assert c.accumulation_steps >= 1 and c.steps >= 1
+
+
+def test_required_sections_and_fields_exist():
+    data = Config().model_dump()
+    for key in ("precision", "max_norm", "accumulation_steps", "steps", "seed", "device",
+                "optimizer", "schedule", "scaler", "monitor", "log", "checkpoint", "task", "inject"):
+        assert key in data, key
+    assert {"lr", "weight_decay", "betas", "fused"} <= set(data["optimizer"])
+    assert {"warmup", "decay"} <= set(data["schedule"])
+    assert {"init_scale", "growth_factor", "backoff_factor", "growth_interval"} <= set(data["scaler"])
+    assert {"window", "alert_rate", "fail_rate", "fail_after"} <= set(data["monitor"])
+    assert {"dir", "every"} <= set(data["log"])
+    assert {"every", "keep"} <= set(data["checkpoint"])
+
+
+def test_every_field_is_documented():
+    def check(model):
+        for name, info in model.model_fields.items():
+            assert info.description, f"{model.__name__}.{name} has no docstring"
+    for section in ("optimizer", "schedule", "scaler", "monitor", "log", "checkpoint", "task"):
+        check(type(getattr(Config(), section)))
+    for name, info in Config.model_fields.items():
+        if name not in ("optimizer", "schedule", "scaler", "monitor", "log", "checkpoint", "task"):
+            assert info.description, name
+
+
+def test_no_file_no_overrides_is_the_defaults():
+    assert load_config() == Config()
+    assert validate({}) == Config()
+
+
+def test_empty_yaml_file_is_the_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("", encoding="utf-8")
+    assert load_config(path) == Config()
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def test_yaml_json_toml_load_to_the_same_config(tmp_path):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(SAMPLE), encoding="utf-8")
+    (tmp_path / "c.yml").write_text(yaml.safe_dump(SAMPLE, default_flow_style=True), encoding="utf-8")
+    (tmp_path / "c.json").write_text(json.dumps(SAMPLE, indent=2), encoding="utf-8")
+    (tmp_path / "c.toml").write_text(SAMPLE_TOML, encoding="utf-8")
+    (tmp_path / "C.YAML").write_text(yaml.safe_dump(SAMPLE), encoding="utf-8")
+    configs = [load_config(tmp_path / name) for name in ("c.yaml", "c.yml", "c.json", "c.toml", "C.YAML")]
+    expected = validate(SAMPLE)
+    for config in configs:
+        assert config == expected
+        assert config.model_dump() == expected.model_dump()
+    assert expected != Config()
+    assert expected.optimizer.betas == (0.8, 0.99) and expected.scaler.init_scale == 1024
+    assert expected.inject == ["inf_grad@5", "nan_loss@every:3"]
+
+
+def test_read_file_returns_plain_mapping(tmp_path):
+    (tmp_path / "c.toml").write_text(SAMPLE_TOML, encoding="utf-8")
+    assert read_file(tmp_path / "c.toml") == SAMPLE
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "names"),
+    [
+        ("a.yaml", "steps: [1,\n", "a.yaml"),
+        ("a.json", "{", "a.json"),
+        ("a.toml", "x = = 1", "a.toml"),
+        ("a.yaml", "- a\n", "a.yaml"),
+        ("a.yaml", "just a string\n", "a.yaml"),
+        ("a.cfg", "steps: 3\n", ".cfg"),
+    ],
+)
+def test_unreadable_files_are_config_errors(tmp_path, name, text, names):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert names in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(InputError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"optimizer": {"bogus": 1}}, "optimizer.bogus"),
+        ({"steps": "many"}, "steps"),
+        ({"steps": 2.5}, "steps"),
+        ({"max_norm": -0.1}, "max_norm"),
+        ({"max_norm": math.inf}, "max_norm"),
+        ({"accumulation_steps": 0}, "accumulation_steps"),
+        ({"optimizer": {"lr": math.nan}}, "optimizer.lr"),
+        ({"optimizer": {"lr": -1e-3}}, "optimizer.lr"),
+        ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas"),
+        ({"scaler": {"backoff_factor": 1.0}}, "scaler.backoff_factor"),
+        ({"scaler": {"backoff_factor": 0.0}}, "scaler.backoff_factor"),
+        ({"scaler": {"growth_factor": 1.0}}, "scaler.growth_factor"),
+        ({"scaler": {"growth_interval": 0}}, "scaler.growth_interval"),
+        ({"scaler": {"init_scale": 0}}, "scaler.init_scale"),
+        ({"precision": "fp8"}, "precision"),
+        ({"precision": "bf16", "scaler": {"enabled": True}}, "scaler.enabled"),
+        ({"precision": "fp32", "scaler": {"enabled": True}}, "scaler.enabled"),
+        ({"monitor": {"alert_rate": 1.5}}, "monitor.alert_rate"),
+        ({"monitor": {"window": 0}}, "monitor.window"),
+        ({"log": {"every": 0}}, "log.every"),
+        ({"log": {"name": "a/b"}}, "log.name"),
+        ({"checkpoint": {"keep": 0}}, "checkpoint.keep"),
+        ({"inject": ["inf_grad@0"]}, "inject"),
+        ({"inject": "inf_grad@5"}, "inject"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_invalid_values_name_the_key(data, key):
+    with pytest.raises(ConfigError) as info:
+        validate(data)
+    message = str(info.value)
+    assert key in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(("data", "key"), [({"steps": True}, "steps"), ({"max_norm": True}, "max_norm"),
+                                           ({"optimizer": {"lr": False}}, "optimizer.lr")])
+def test_booleans_are_not_numbers(data, key):
+    with pytest.raises(ConfigError, match=key):
+        validate(data)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, None])
+def test_max_norm_zero_or_null_is_allowed(value, tmp_path):
+    assert validate({"max_norm": value}).max_norm == value
+    path = tmp_path / "c.yaml"
+    path.write_text(f"max_norm: {'null' if value is None else value}\n", encoding="utf-8")
+    assert load_config(path).max_norm == value
+
+
+def test_scaler_enabled_allowed_for_fp16_and_false_for_bf16():
+    assert validate({"precision": "fp16", "scaler": {"enabled": True}}).scaler.enabled is True
+    assert validate({"precision": "bf16", "scaler": {"enabled": False}}).scaler.enabled is False
+
+
+# ---------------------------------------------------------------------------- --set
+
+
+def test_set_values_are_yaml_scalars():
+    data = apply_overrides({}, [
+        "optimizer.lr=1e-3", "max_norm=null", "optimizer.fused=true", "steps=12", "precision=fp16",
+        "optimizer.betas=[0.8, 0.9]", "log.name=abc", "schedule.min_lr_ratio=0", "inject=[inf_grad@5]",
+        "monitor.fail_rate=",
+    ])
+    c = validate(data)
+    assert c.optimizer.lr == 1e-3 and isinstance(c.optimizer.lr, float)
+    assert c.max_norm is None
+    assert c.optimizer.fused is True
+    assert c.steps == 12 and isinstance(c.steps, int)
+    assert c.precision == "fp16"
+    assert c.optimizer.betas == (0.8, 0.9)
+    assert c.log.name == "abc"
+    assert c.schedule.min_lr_ratio == 0
+    assert c.inject == ["inf_grad@5"]
+    assert c.monitor.fail_rate is None
+
+
+def test_set_overrides_a_file_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(SAMPLE), encoding="utf-8")
+    c = load_config(path, ["optimizer.lr=0.2", "scaler.growth_interval=7"])
+    assert c.optimizer.lr == 0.2 and c.scaler.growth_interval == 7
+    assert c.optimizer.name == "sgd" and c.scaler.init_scale == 1024  # siblings kept
+    assert c.steps == 7
+
+
+def test_later_set_wins_and_input_is_not_mutated():
+    data = {"optimizer": {"lr": 0.5}}
+    out = apply_overrides(data, ["optimizer.lr=0.1", "optimizer.lr=0.3"])
+    assert out["optimizer"]["lr"] == 0.3
+    assert data == {"optimizer": {"lr": 0.5}}
+
+
+@pytest.mark.parametrize("item", ["steps", "=3", "optimizer..lr=1", ".lr=1"])
+def test_set_needs_key_equals_value(item):
+    with pytest.raises(ConfigError):
+        apply_overrides({}, [item])
+
+
+def test_set_below_a_scalar_names_the_key():
+    with pytest.raises(ConfigError, match="steps"):
+        apply_overrides({"steps": 5}, ["steps.x=1"])
+    with pytest.raises(ConfigError, match="steps"):
+        load_config(None, ["steps.x=1"])
+
+
+# ---------------------------------------------------------------------------- --print-config
+
+
+def test_dump_config_round_trips():
+    for config in (Config(), validate(SAMPLE), validate({"max_norm": None, "precision": "fp32"})):
+        assert validate(yaml.safe_load(dump_config(config))) == config
+
+
+def test_print_config_round_trips_with_set_values(cli, tmp_path):
+    (tmp_path / "c.toml").write_text(SAMPLE_TOML, encoding="utf-8")
+    sets = ["optimizer.lr=0.02", "max_norm=null", "task.batch_size=3", "log.name=pc"]
+    argv = ["train", "c.toml"]
+    for item in sets:
+        argv += ["--set", item]
+    code, out, err = cli(*argv, "--inject", "spike@4", "--print-config")
+    assert code == 0, err
+    printed = yaml.safe_load(out)
+    assert set(printed) == set(Config.model_fields)  # every field shown
+    effective = validate(printed)
+    expected = load_config(tmp_path / "c.toml", sets + ["inject=[inf_grad@5, nan_loss@every:3, spike@4]"])
+    assert effective == expected
+    assert effective.optimizer.lr == 0.02 and effective.max_norm is None and effective.task.batch_size == 3
+    assert effective.inject[-1] == "spike@4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]  # nothing written
+
+
+def test_print_config_without_file_is_the_defaults(cli, tmp_path):
+    code, out, err = cli("train", "--print-config")
+    assert code == 0, err
+    assert validate(yaml.safe_load(out)) == Config()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_print_config_accepts_max_norm_zero(cli):
+    code, out, err = cli("train", "--set", "max_norm=0", "--print-config")
+    assert code == 0, err
+    assert yaml.safe_load(out)["max_norm"] == 0

@@ -1,0 +1,232 @@
+"""Sinks (DESIGN.md sections 2 and 3): the per-step CSV and the console lines."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+
+import pytest
+import torch
+
+from ampguard import ConsoleSink, CsvSink, Sink, SkipLog, StepLog
+from ampguard.errors import InputError
+from ampguard.records import format_number
+from ampguard.sinks import CSV_COLUMNS, Sinks
+
+HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale"
+INF, NAN = float("inf"), float("nan")
+
+
+def applied(step, loss=0.5, pre=2.0, post=1.0, scale=1024.0, lr=0.1):
+    t = torch.tensor
+    return StepLog(step=step, lr=lr, loss=t(loss), grad_l2_pre_clip=t(pre), grad_l2_post_clip=t(post),
+                   scaler_scale=t(scale))
+
+
+def skipped(step, reason="non_finite_grad", pre=INF, loss=0.7, scale=512.0, lr=0.1):
+    return SkipLog(step=step, lr=lr, loss=torch.tensor(loss),
+                   grad_l2_pre_clip=None if pre is None else torch.tensor(pre),
+                   grad_l2_post_clip=None, scaler_scale=torch.tensor(scale), reason=reason)
+
+
+def rows_of(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+# ---------------------------------------------------------------------------- CSV
+
+
+def test_columns_are_the_contract():
+    assert ",".join(CSV_COLUMNS) == HEADER
+
+
+def test_csv_header_rows_and_cells(tmp_path):
+    path = tmp_path / "steps.csv"
+    sink = CsvSink(path)
+    assert isinstance(sink, Sink)
+    sink.write(applied(1, loss=0.25, pre=3.0, post=1.0, lr=0.125))
+    sink.write(skipped(2, pre=INF))
+    sink.write(skipped(3, reason="non_finite_loss", pre=None, loss=NAN))
+    sink.write(applied(4, loss=-INF, pre=NAN, post=NAN))
+    sink.close()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert lines[0] == HEADER
+    assert len(lines) == 5
+    rows = rows_of(path)
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4"]
+    assert [r["skipped"] for r in rows] == ["0", "1", "1", "0"]
+    assert [r["skip_reason"] for r in rows] == ["", "non_finite_grad", "non_finite_loss", ""]
+    assert float(rows[0]["lr"]) == 0.125 and float(rows[0]["loss"]) == 0.25
+    assert float(rows[0]["grad_l2_pre_clip"]) == 3.0 and float(rows[0]["grad_l2_post_clip"]) == 1.0
+    assert float(rows[0]["scaler_scale"]) == 1024.0
+    assert (rows[1]["grad_l2_pre_clip"], rows[1]["grad_l2_post_clip"]) == ("inf", "")
+    assert (rows[2]["grad_l2_pre_clip"], rows[2]["grad_l2_post_clip"], rows[2]["loss"]) == ("", "", "nan")
+    assert (rows[3]["loss"], rows[3]["grad_l2_pre_clip"]) == ("-inf", "nan")
+    assert float(rows[1]["scaler_scale"]) == 512.0
+
+
+def test_csv_numbers_round_trip(tmp_path):
+    path = tmp_path / "steps.csv"
+    value = torch.tensor(0.1, dtype=torch.float32)  # not exactly 0.1: the float32 value must survive
+    with_tensors = StepLog(step=1, lr=3e-4, loss=value, grad_l2_pre_clip=torch.tensor(1e-30),
+                           grad_l2_post_clip=torch.tensor(123456.789), scaler_scale=torch.tensor(2.0**16))
+    sink = CsvSink(path)
+    sink.write(with_tensors)
+    sink.close()
+    (row,) = rows_of(path)
+    assert float(row["loss"]) == float(value)
+    assert float(row["lr"]) == 3e-4
+    assert float(row["grad_l2_pre_clip"]) == float(torch.tensor(1e-30))
+    assert float(row["scaler_scale"]) == 65536.0
+
+
+@pytest.mark.parametrize(("x", "text"), [(None, ""), (INF, "inf"), (-INF, "-inf"), (NAN, "nan"), (0.1, "0.1"),
+                                         (2.0, "2.0")])
+def test_format_number(x, text):
+    assert format_number(x) == text
+
+
+def test_csv_rows_are_readable_before_close(tmp_path):
+    path = tmp_path / "live.csv"
+    sink = CsvSink(path)
+    try:
+        with open(path, newline="", encoding="utf-8") as reader:  # a second handle, as `tail -f` would
+            assert reader.read() == HEADER + "\n"
+            sink.write(applied(1))
+            assert reader.read().startswith("1,")
+        assert [r["step"] for r in rows_of(path)] == ["1"]
+        sink.write(skipped(2))
+        rows = rows_of(path)
+        assert [r["step"] for r in rows] == ["1", "2"] and rows[1]["skipped"] == "1"
+    finally:
+        sink.close()
+
+
+def test_csv_refuses_to_overwrite(tmp_path):
+    path = tmp_path / "steps.csv"
+    path.write_text("precious\n", encoding="utf-8")
+    with pytest.raises(InputError, match="steps.csv"):
+        CsvSink(path)
+    assert path.read_text(encoding="utf-8") == "precious\n"
+
+
+def test_csv_append_continues_without_a_second_header(tmp_path):
+    path = tmp_path / "steps.csv"
+    first = CsvSink(path)
+    first.write(applied(1))
+    first.write(skipped(2))
+    first.close()
+    second = CsvSink(path, append=True)
+    second.write(applied(3))
+    second.close()
+    text = path.read_text(encoding="utf-8")
+    assert text.count("step,lr") == 1 and text.startswith(HEADER + "\n")
+    assert [r["step"] for r in rows_of(path)] == ["1", "2", "3"]
+
+
+def test_csv_append_to_a_new_file_writes_the_header(tmp_path):
+    path = tmp_path / "new.csv"
+    sink = CsvSink(path, append=True)
+    sink.write(applied(1))
+    sink.close()
+    assert path.read_text(encoding="utf-8").splitlines()[0] == HEADER
+
+
+@pytest.mark.parametrize(
+    ("existing", "extra"),
+    [
+        ("step,loss\n1,0.5\n", ()),  # a different file altogether
+        (HEADER + ",tokens_per_s\n1,0.1,1,1,1,0,,1,9\n", ()),  # written with an extra column
+        (HEADER + "\n1,0.1,1,1,1,0,,1\n", ("tokens_per_s",)),  # this run has one more column
+    ],
+)
+def test_csv_append_refuses_a_mismatched_header(tmp_path, existing, extra):
+    path = tmp_path / "steps.csv"
+    path.write_text(existing, encoding="utf-8")
+    with pytest.raises(InputError):
+        CsvSink(path, extra_columns=extra, append=True)
+    assert path.read_text(encoding="utf-8") == existing
+
+
+def test_extra_columns_come_after_the_fixed_eight(tmp_path):
+    path = tmp_path / "steps.csv"
+    sink = CsvSink(path, extra_columns=("tokens_per_s", "mem_gb"))
+    sink.write(applied(1), {"tokens_per_s": 1500.5})
+    sink.write(applied(2), {"tokens_per_s": INF, "mem_gb": 1.25})
+    sink.close()
+    header = path.read_text(encoding="utf-8").splitlines()[0]
+    assert header == HEADER + ",tokens_per_s,mem_gb"
+    rows = rows_of(path)
+    assert (rows[0]["tokens_per_s"], rows[0]["mem_gb"]) == ("1500.5", "")
+    assert (rows[1]["tokens_per_s"], rows[1]["mem_gb"]) == ("inf", "1.25")
+
+
+def test_csv_creates_missing_folders(tmp_path):
+    path = tmp_path / "a" / "b" / "steps.csv"
+    CsvSink(path).close()
+    assert path.read_text(encoding="utf-8") == HEADER + "\n"
+
+
+# ---------------------------------------------------------------------------- console
+
+STEP_LINE = re.compile(r"^STEP (\d+) loss=(\S+) pre=(\S+) post=(\S+) scale=(\S+) lr=(\S+)$")
+SKIP_LINE = re.compile(r"^SKIP (\d+) .* reason=(non_finite_grad|non_finite_loss)$")
+
+
+def test_console_step_line_format():
+    lines = []
+    ConsoleSink(print_fn=lines.append).write(applied(7, loss=0.25, pre=3.0, post=1.0, scale=1024.0, lr=0.125))
+    (line,) = lines
+    match = STEP_LINE.match(line)
+    assert match, line
+    step, loss, pre, post, scale, lr = match.groups()
+    assert int(step) == 7
+    assert [float(v) for v in (loss, pre, post, scale, lr)] == [0.25, 3.0, 1.0, 1024.0, 0.125]
+
+
+def test_console_skip_line_format():
+    lines = []
+    sink = ConsoleSink(print_fn=lines.append)
+    sink.write(skipped(5, pre=INF, scale=512.0))
+    sink.write(skipped(6, reason="non_finite_loss", pre=None, loss=NAN))
+    assert SKIP_LINE.match(lines[0]).groups() == ("5", "non_finite_grad")
+    assert SKIP_LINE.match(lines[1]).groups() == ("6", "non_finite_loss")
+    assert "pre=inf" in lines[0] and "scale=512" in lines[0]
+    assert "loss=nan" in lines[1]
+
+
+def test_console_every_respected_but_skips_always_printed():
+    lines = []
+    sink = ConsoleSink(every=3, print_fn=lines.append)
+    for step in range(1, 11):
+        sink.write(skipped(step) if step in (5, 7) else applied(step))
+    assert [int(line.split()[1]) for line in lines] == [3, 5, 6, 7, 9]
+    assert [line.split()[0] for line in lines] == ["STEP", "SKIP", "STEP", "SKIP", "STEP"]
+
+
+def test_console_default_prints_to_stdout(capsys):
+    ConsoleSink().write(applied(1))
+    out = capsys.readouterr().out
+    assert STEP_LINE.match(out.strip())
+
+
+def test_sinks_fan_out(tmp_path):
+    lines = []
+    path = tmp_path / "steps.csv"
+    out = Sinks(CsvSink(path), ConsoleSink(print_fn=lines.append))
+    out.write(applied(1))
+    out.write(skipped(2))
+    out.close()
+    assert len(rows_of(path)) == 2 and len(lines) == 2
+
+
+def test_record_values_reads_tensors_once_as_floats():
+    record = applied(1, loss=0.5, pre=2.0, post=1.0, scale=8.0, lr=0.1)
+    values = record.values()
+    assert values == {"lr": 0.1, "loss": 0.5, "grad_l2_pre_clip": 2.0, "grad_l2_post_clip": 1.0, "scaler_scale": 8.0}
+    assert all(isinstance(v, float) for v in values.values())
+    assert record.values() is values  # cached: several sinks pay once
+    assert skipped(2, pre=None).values()["grad_l2_pre_clip"] is None
+    assert math.isinf(skipped(3).values()["grad_l2_pre_clip"])
