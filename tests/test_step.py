@@ -779,3 +779,11 @@ def test_state_dict_inside_an_open_group_raises():
 def test_public_names():
     for name in ("AmpTrainState", "StepLog", "SkipLog", "clip_global_l2_norm", "has_non_finite_grad", "CsvSink"):
         assert hasattr(ampguard, name)
+
+
+def test_optimizer_must_hold_only_the_models_parameters():
+    model = make_model()
+    stray = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD(list(model.parameters()) + [stray], lr=0.1)
+    with pytest.raises(ValueError, match="not the model's"):
+        AmpTrainState(model, opt, F.mse_loss)

@@ -92,11 +92,17 @@ class AmpTrainState:
             raise ValueError(
                 f"autocast device {device.type!r} does not match the model's device {model_device.type!r}"
             )
+        model_params = {id(p) for p in model.parameters()}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.device.type != device.type:
                     raise ValueError(
                         f"the optimizer holds a parameter on {p.device.type!r}, the model is on {device.type!r}"
+                    )
+                if id(p) not in model_params:
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not the model's; the step clips and checks "
+                        "the model's parameters, so every optimized tensor must belong to the model"
                     )
 
         if not isinstance(precision, Precision):
