@@ -198,8 +198,9 @@ def test_train_tiny_charlm_end_to_end(tiny_run):
     code, out, err, run_dir, expected = tiny_run
     assert code == 0, err
     header, rows = read_csv(run_dir / "steps.csv")
-    assert header == HEADER
+    assert header == HEADER + ",val_loss"  # the fixed eight, then the task's held-out metric
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    assert [r["val_loss"] != "" for r in rows] == [False, False, True]  # evaluated at the last step
     assert all(r["skipped"] == "0" and math.isfinite(number(r["loss"])) for r in rows)
     saved = validate(yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")))
     assert saved == expected
@@ -383,7 +384,7 @@ def _assert_complete_rows(csv_path: Path, err: str, at_least: int) -> list[dict[
     text = csv_path.read_text(encoding="utf-8")
     assert text.endswith("\n")  # the last row is complete
     header, rows = read_csv(csv_path)
-    assert header == HEADER
+    assert header.startswith(HEADER)  # the fixed eight first; a task may add metric columns
     steps = [int(r["step"]) for r in rows]
     assert len(steps) >= at_least
     assert steps == list(range(1, len(steps) + 1))

@@ -125,17 +125,27 @@ def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
     return sorted(p for p in folder.iterdir() if _NAME.match(p.name))
 
 
-def latest_loadable(folder: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]]:
-    """The newest checkpoint in ``folder`` that loads; older ones are tried if newer ones do not."""
+def checkpoint_step(path: Path) -> int:
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match else -1
+
+
+def latest_loadable(
+    folder: str | os.PathLike, map_location: str | torch.device = "cpu", before_step: int | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint in ``folder`` that loads (taken before ``before_step`` if given);
+    older ones are tried when newer ones do not load."""
     errors = []
-    for path in reversed(list_checkpoints(folder)):
+    candidates = [p for p in list_checkpoints(folder) if before_step is None or checkpoint_step(p) < before_step]
+    for path in reversed(candidates):
         try:
             return path, load_checkpoint(path, map_location)
         except InputError as err:
             errors.append(str(err))
     if errors:
         raise InputError(f"no loadable checkpoint in {folder} ({errors[0]})")
-    raise InputError(f"no checkpoint in {folder}")
+    when = f" from before step {before_step}" if before_step is not None else ""
+    raise InputError(f"no checkpoint{when} in {folder}")
 
 
 def prune(folder: str | os.PathLike, keep: int) -> None:

@@ -85,6 +85,7 @@ def _demo(args: argparse.Namespace) -> int:
             "task": {"name": "linear", "batch_size": 32},
             "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.0},
             "schedule": {"decay": "constant"},
+            "eval": {"enabled": False},
             "scaler": {"init_scale": DEMO_INIT_SCALE, "growth_interval": 1_000_000},
             "monitor": _monitor_flags(args),
         }
@@ -118,7 +119,7 @@ def _finish(result: Any) -> int:
     print(f"ended: {result.ended}")
     csv_path, run_dir = result.paths.csv, result.paths.dir
     if run_dir is not None:
-        print(f"run folder: {run_dir} (RUN.md, steps.csv, events.jsonl, report.png)")
+        print(f"run folder: {run_dir} (RUN.md, steps.csv, events.jsonl, report.png, checkpoints/)")
     elif csv_path is not None:
         print(f"csv: {csv_path} ({result.monitor.steps} rows)")
     if result.exit_code == EXIT_INTERRUPTED:
@@ -132,9 +133,13 @@ def _finish(result: Any) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from .config import apply_overrides, dump_config, read_file, validate
-    from .train import RunPaths, run
+    from .train import RunPaths, check_resume_config, prepare_resume, run
 
-    data = read_file(args.config) if args.config else {}
+    resume, saved = prepare_resume(args.resume) if args.resume else (None, None)
+    if args.config:
+        data = read_file(args.config)
+    else:
+        data = dict(saved) if saved is not None else {}
     data = apply_overrides(data, args.set or [])
     if args.inject:
         data["inject"] = list(data.get("inject") or []) + [f for f in args.inject if f != "none"]
@@ -142,17 +147,29 @@ def _train(args: argparse.Namespace) -> int:
     if flags:
         data["monitor"] = {**(data.get("monitor") or {}), **flags}
     config = validate(data)
+    if resume is not None:
+        assert saved is not None
+        check_resume_config(saved, config)
+        step = int(resume.payload["step"])
+        if step >= config.steps:
+            raise InputError(f"--resume: {resume.path} is at step {step}, the run asks for {config.steps} steps; "
+                             "raise steps (--set steps=N) to continue")
     if args.print_config:
         print(dump_config(config), end="")
         return 0
 
     def outputs() -> RunPaths:
-        paths = RunPaths.new_run_dir(config)
-        print(f"run folder: {paths.dir}")
+        if resume is not None:
+            paths = RunPaths.existing(resume.run_dir)
+            paths.write_config(config)
+            print(f"run folder: {paths.dir} (resuming from {resume.path.name}, step {resume.payload['step']})")
+        else:
+            paths = RunPaths.new_run_dir(config)
+            print(f"run folder: {paths.dir}")
         return paths
 
     every = config.log.every
-    result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True)
+    result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume)
     return _finish(result)
 
 
@@ -239,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. optimizer.lr=1e-3")
     train.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
     train.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    train.add_argument("--resume", metavar="RUN_DIR|CHECKPOINT",
+                       help="continue a run from its latest loadable checkpoint (or the one named), in its run folder")
     for verb in (demo, train):
         verb.add_argument("--fail-skip-rate", type=_rate, metavar="RATE",
                           help="stop with exit code 3 when the rolling skip rate stays above RATE (monitor.fail_rate)")

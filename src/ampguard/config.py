@@ -208,7 +208,32 @@ class LogConfig(_Section):
         return v
 
 
+class EvalConfig(_Section):
+    enabled: bool = True
+    """Evaluate the task's held-out metrics (extra CSV columns)."""
+    every: Int = 100
+    """Evaluate on held-out data every this many steps and at the end (0: only at the end)."""
+    batches: Int = 8
+    """charlm: held-out batches per evaluation."""
+
+    @field_validator("every")
+    @classmethod
+    def _every(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0 (got {v})")
+        return v
+
+    @field_validator("batches")
+    @classmethod
+    def _batches(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1 (got {v})")
+        return v
+
+
 class CheckpointConfig(_Section):
+    enabled: bool = True
+    """Write checkpoints to ``<run>/checkpoints/`` (and at the end, on fail-fast and on Ctrl-C)."""
     every: Int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     keep: Int = 3
@@ -229,10 +254,50 @@ class CheckpointConfig(_Section):
         return v
 
 
+class RollbackConfig(_Section):
+    triggers: list[Literal["skip_guard", "loss_spike"]] = []
+    """What triggers a rollback: ``skip_guard`` (the fail-fast skip-rate guard trips) and/or
+    ``loss_spike`` (loss above mean + z * std of the last ``window`` applied steps). Empty: off."""
+    z: Float = 6.0
+    """Loss-spike threshold in standard deviations."""
+    window: Int = 50
+    """Applied steps in the loss-spike window (it must be full before spikes are judged)."""
+    skip_batches: Int = 20
+    """Micro-batches of data skipped past the checkpoint's data position after a rollback."""
+    max: Int = 3
+    """Rollbacks allowed; the next trigger fails the run (exit 3)."""
+
+    @field_validator("z")
+    @classmethod
+    def _z(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"must be a finite number > 0 (got {v!r})")
+        return v
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(f"must be >= 2 (got {v})")
+        return v
+
+    @field_validator("skip_batches", "max")
+    @classmethod
+    def _count(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0 (got {v})")
+        return v
+
+
 class TaskConfig(_Section):
-    name: Literal["charlm", "linear"] = "charlm"
-    """Built-in workload: ``charlm`` (a character-level transformer on Python's own sources)
-    or ``linear`` (the demo's linear regression)."""
+    name: Literal["charlm", "digits", "linear"] = "charlm"
+    """Built-in workload: ``charlm`` (a character-level transformer on Python's own sources),
+    ``digits`` (an MLP on scikit-learn's handwritten digits) or ``linear`` (the demo's regression)."""
+    factory: str | None = None
+    """Your own workload instead: ``"package.module:build"`` or ``"path/to/file.py:build"``
+    (see the README); ``build(config)`` returns the model, the data and the loss function."""
+    options: dict[str, Any] = {}
+    """Free-form settings for your factory (``config.task.options``)."""
     batch_size: Int = 32
     """Examples per micro-batch."""
     block_size: Int = 64
@@ -242,7 +307,7 @@ class TaskConfig(_Section):
     n_head: Int = 4
     """charlm: attention heads (must divide ``n_embd``)."""
     n_embd: Int = 64
-    """charlm: embedding width."""
+    """charlm: embedding width; digits: half the MLP's hidden width."""
 
     @field_validator("batch_size", "block_size", "n_layer", "n_head", "n_embd")
     @classmethod
@@ -274,12 +339,23 @@ class Config(_Section):
     scheduler_on_skip: Literal["hold", "step"] = "hold"
     """On a skipped step the LR schedule holds (default) or steps anyway."""
     optimizer: OptimizerConfig = OptimizerConfig()
+    """The optimizer and its hyper-parameters."""
     schedule: ScheduleConfig = ScheduleConfig()
+    """The learning-rate schedule (counted in applied updates)."""
     scaler: ScalerConfig = ScalerConfig()
+    """The dynamic loss scaler (fp16)."""
     monitor: MonitorConfig = MonitorConfig()
+    """The skip-rate alarm and the fail-fast guard."""
     log: LogConfig = LogConfig()
+    """Where run folders go and what the console shows."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation (extra CSV columns)."""
     checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoints for resume and rollback."""
+    rollback: RollbackConfig = RollbackConfig()
+    """Rolling back to the last good checkpoint on a loss spike or a tripped guard."""
     task: TaskConfig = TaskConfig()
+    """The workload: a built-in one or your own factory."""
     inject: list[str] = []
     """Faults to inject, ``KIND@WHEN`` (see ``ampguard demo --help``); for testing the guard rails."""
 
@@ -305,9 +381,13 @@ class Config(_Section):
         return v
 
     @model_validator(mode="after")
-    def _scaler_only_for_fp16(self) -> Config:
+    def _cross_field_rules(self) -> Config:
         if self.scaler.enabled and self.precision != "fp16":
             raise ValueError(f"scaler.enabled: {self.precision} does not use a loss scaler (set it false or null)")
+        if self.rollback.triggers and not (self.checkpoint.enabled and self.checkpoint.every > 0):
+            raise ValueError("rollback.triggers: rolling back needs checkpoints to return to (set checkpoint.every > 0)")
+        if "skip_guard" in self.rollback.triggers and self.monitor.fail_rate is None:
+            raise ValueError("rollback.triggers: skip_guard needs the guard itself (set monitor.fail_rate)")
         return self
 
 
@@ -320,7 +400,7 @@ def _format_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         return f"{loc}: unknown key"
     msg = first["msg"].removeprefix("Value error, ")
-    if msg.startswith("scaler.enabled:"):  # a cross-field rule that names its own key
+    if msg.startswith(("scaler.enabled:", "rollback.triggers:")):  # cross-field rules name their own key
         return msg
     if first["type"] not in ("value_error", "assertion_error"):
         msg = f"{msg} (got {first.get('input')!r})"

@@ -105,10 +105,15 @@ class FaultInjector:
     def active(self, kind: str) -> bool:
         return any(f.kind == kind and f.hits(self.current_step) for f in self.faults)
 
-    def wrap_data(self, batches: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
-        """Yield the batches, corrupting those of faulted steps (``spike``, ``nan_input``)."""
+    def wrap_data(self, batches: Iterable[tuple[Any, Any]], first_step: int | None = None) -> Iterator[tuple[Any, Any]]:
+        """Yield the batches, corrupting those of faulted steps (``spike``, ``nan_input``).
+
+        The first batch belongs to step ``first_step`` (default: the injector's), the next
+        ``accumulation_steps - 1`` to the same step, and so on.
+        """
+        first = self.first_step if first_step is None else first_step
         for i, (inputs, targets) in enumerate(batches):
-            self.current_step = self.first_step + i // self.accumulation_steps
+            self.current_step = first + i // self.accumulation_steps
             if self.active("nan_input"):
                 inputs = _with_nan(inputs)
             if self.active("spike") and torch.is_floating_point(targets):

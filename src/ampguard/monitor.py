@@ -17,8 +17,19 @@ from .records import StepRecord
 HEALTH_VERDICTS: tuple[str, ...] = ("warming", "climbing", "stable", "oscillating", "collapsing")
 
 
+# Every double is a whole multiple of 2**-1074, so sums kept as integers in those units are
+# exact, and converting back divides once, correctly rounded: a window's total is always what
+# math.fsum of the values it holds would give, however long the run.
+_UNITS = 2**1074
+
+
+def _exact(value: float) -> int:
+    num, den = float(value).as_integer_ratio()
+    return num * (_UNITS // den)
+
+
 class RollingWindow:
-    """The sum of the last ``size`` values pushed, kept in O(1) per push (a ring buffer).
+    """The sum of the last ``size`` values pushed, kept exactly in O(1) per push (a ring buffer).
 
     ``mean`` divides by ``size`` even before the window has filled: steps before the first one
     count as zeros, so a young run's few early skips do not read as a 100% skip rate.
@@ -39,10 +50,15 @@ class RollingWindow:
         self._ring = [0.0] * size
         self._pos = 0
         self.count = 0  # values pushed in all
-        self.total = 0.0
+        self._sum = 0  # exact, in units of 2**-1074
+
+    @property
+    def total(self) -> float:
+        return self._sum / _UNITS
 
     def push(self, value: float) -> None:
-        self.total += value - self._ring[self._pos]
+        value = float(value)
+        self._sum += _exact(value) - _exact(self._ring[self._pos])
         self._ring[self._pos] = value
         self._pos = (self._pos + 1) % self.size
         self.count += 1
@@ -67,7 +83,7 @@ class RollingWindow:
         self._ring = [float(v) for v in state["ring"]]
         self._pos = int(state["pos"])
         self.count = int(state["count"])
-        self.total = math.fsum(self._ring)
+        self._sum = sum(_exact(v) for v in self._ring)
 
 
 @dataclass
@@ -128,7 +144,7 @@ class ScaleHealth:
             return "warming" if w["opening_downs"] > 0 else "stable"
         if ups >= 2 and downs >= 2:
             return "oscillating"
-        if ups == 0 and w["log2"] - w["opening_log2"] <= -3:
+        if ups == 0 and w["log2"] - w["opening_log2"] <= -3:  # a fall by 8x or more
             return "collapsing"
         if ups > downs:
             return "climbing"
@@ -199,6 +215,8 @@ class RunMonitor:
         self.last: dict[str, float | None] = {}
         self.best_loss: float | None = None
         self.failed: Event | None = None
+        self.eval_last: dict[str, float] = {}
+        self.eval_best: dict[str, float] = {}
 
     # -------------------------------------------------------------- per record
 
@@ -267,6 +285,24 @@ class RunMonitor:
                 events.append(self.failed)
         return events
 
+    def observe_eval(self, metrics: dict[str, float]) -> None:
+        """Keep the latest and the best held-out metrics (higher is better for accuracies)."""
+        self.eval_last = dict(metrics)
+        for name, value in metrics.items():
+            if not math.isfinite(value):
+                continue
+            best = self.eval_best.get(name)
+            higher = "acc" in name
+            if best is None or (value > best if higher else value < best):
+                self.eval_best[name] = value
+
+    def restart_windows(self) -> None:
+        """Forget the rolling windows (after a rollback): the run starts its judging afresh."""
+        self.skip_window = RollingWindow(self.window)
+        self.above_fail = 0
+        self.below_min_scale = 0
+        self.failed = None
+
     # -------------------------------------------------------------- views
 
     @property
@@ -305,12 +341,13 @@ class RunMonitor:
 
     _SCALARS = (
         "steps", "updates", "clipped", "alerting", "scale_alerting", "alert_episodes", "max_skip_rate",
-        "above_fail", "below_min_scale", "first_loss", "best_loss",
+        "above_fail", "below_min_scale", "first_loss", "best_loss", "eval_last", "eval_best",
     )
 
     def state_dict(self) -> dict[str, Any]:
         return {
             **{name: getattr(self, name) for name in self._SCALARS},
+            "failed": None if self.failed is None else self.failed.as_dict(),
             "skips": dict(self.skips),
             "last": dict(self.last),
             "skip_window": self.skip_window.state_dict(),
@@ -321,8 +358,51 @@ class RunMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in self._SCALARS:
             setattr(self, name, state[name])
+        failed = state.get("failed")
+        self.failed = None if failed is None else Event(
+            failed["step"], failed["event"], failed["message"],
+            {k: v for k, v in failed.items() if k not in ("step", "event", "message")})
         self.skips = Counter(state["skips"])
         self.last = dict(state["last"])
         self.skip_window.load_state_dict(state["skip_window"])
         self.clip_window.load_state_dict(state["clip_window"])
         self.health.load_state_dict(state["health"])
+
+
+class LossSpikeDetector:
+    """Flags a loss above ``mean + z * std`` of the last ``window`` applied steps' losses.
+
+    O(1) per step (rolling sums of x and x^2). Judges nothing until the window is full, and a
+    spike does not enter the window (so one spike does not hide the next). Non-finite losses are
+    the skip machinery's business, not this detector's.
+    """
+
+    def __init__(self, window: int, z: float) -> None:
+        self.z = z
+        self._sum = RollingWindow(window)
+        self._sq = RollingWindow(window)
+
+    def check(self, loss: float | None) -> bool:
+        """True if ``loss`` is a spike; otherwise it joins the window."""
+        if loss is None or not math.isfinite(loss):
+            return False
+        w = self._sum
+        if w.count >= w.size:
+            mean = w.total / w.size
+            std = math.sqrt(max(0.0, self._sq.total / w.size - mean * mean))
+            if loss > mean + self.z * std:
+                return True
+        self._sum.push(loss)
+        self._sq.push(loss * loss)
+        return False
+
+    def reset(self) -> None:
+        self._sum = RollingWindow(self._sum.size)
+        self._sq = RollingWindow(self._sq.size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sum": self._sum.state_dict(), "sq": self._sq.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sum.load_state_dict(state["sum"])
+        self._sq.load_state_dict(state["sq"])

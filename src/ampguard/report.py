@@ -239,7 +239,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         ("optimizer", f"{config.optimizer.name}, lr {config.optimizer.lr:g}, schedule {config.schedule.decay} "
                       f"(warmup {config.schedule.warmup})"),
         ("scheduler on skipped steps", config.scheduler_on_skip),
-        ("task", config.task.name),
+        ("task", result.task or config.task.name),
         ("faults injected", ", ".join(config.inject) or "none"),
         ("skip-rate alert", f"rolling rate > {mon.alert_rate:g} over {mon.window} steps"),
         ("fail-fast", fail),
@@ -252,17 +252,22 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         ("skipped steps", f"{skips} ({m.skips_text()})"),
         ("max rolling skip rate", f"{m.max_skip_rate:.4f}"),
         ("skip-rate alert episodes", str(m.alert_episodes)),
-        ("clip rate", f"{m.clip_rate:.3f} ({m.clipped} of {m.steps} steps had pre-clip norm > max_norm)"
+        ("clip rate (whole run)", f"{m.clip_rate:.3f} ({m.clipped} of {m.steps} steps had pre-clip norm > max_norm)"
                       if config.max_norm else "n/a (clipping off)"),
         ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(last.get('scaler_scale'), 'g')})" if scaler_on else "")),
         ("loss", f"first {_fmt(m.first_loss)}, final {_fmt(last.get('loss'))}, best {_fmt(m.best_loss)}"),
+        *((f"held-out {name}", f"final {_fmt(value)}, best {_fmt(m.eval_best.get(name))}")
+          for name, value in m.eval_last.items()),
+        ("rollbacks", "; ".join(result.rollbacks) if result.rollbacks else "none"),
+        ("resumed from", f"`{result.resumed_from.name}`" if result.resumed_from else "no (a fresh run)"),
     ]
     files = [
         ("per-step CSV", rel(paths.csv)),
         ("event log (JSON lines)", rel(paths.events)),
         ("plot", rel(paths.plot)),
         ("effective config", rel(paths.config)),
-        ("checkpoints", "none (checkpointing is not part of this version)"),
+        ("checkpoints", (f"`checkpoints/` ({len(result.checkpoints)} kept, latest `{result.checkpoints[-1].name}`)"
+                         if result.checkpoints else "none written")),
     ]
     name = paths.dir.name if paths.dir is not None else "run"
     text = "\n\n".join([

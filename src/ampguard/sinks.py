@@ -73,7 +73,14 @@ class CsvSink:
         sink.close()
     """
 
-    def __init__(self, path: str | os.PathLike, extra_columns: Sequence[str] = (), *, append: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        extra_columns: Sequence[str] = (),
+        *,
+        append: bool = False,
+        keep_through: int | None = None,
+    ) -> None:
         self.path = Path(path)
         self.columns = CSV_COLUMNS + tuple(extra_columns)
         existing = self.path.exists() and self.path.stat().st_size > 0
@@ -84,12 +91,31 @@ class CsvSink:
                 header = tuple(next(csv.reader(f), ()))
             if header != self.columns:
                 raise InputError(f"{self.path}: its header does not match this run's columns, cannot append")
+            if keep_through is not None:
+                self._truncate_after(keep_through)
         self._file: IO[str] | None = _open_for_append(self.path, newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self.columns, restval="", lineterminator="\n")
         if not existing:
             self._writer.writeheader()
             self._file.flush()
         self.rows = 0
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop rows after ``step`` (written after the checkpoint a run resumes from), atomically,
+        so the resumed run appends without duplicate steps. A torn last line goes too."""
+        with self.path.open(newline="", encoding="utf-8") as f:
+            lines = f.read().splitlines(keepends=True)
+        keep = lines[:1]
+        for line in lines[1:]:
+            cells = next(csv.reader([line]), [])
+            if not line.endswith("\n") or len(cells) != len(self.columns) or not cells[0].isdigit():
+                break
+            if int(cells[0]) > step:
+                break
+            keep.append(line)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, self.path)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         assert self._file is not None, "CsvSink is closed"

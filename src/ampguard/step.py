@@ -214,6 +214,11 @@ class AmpTrainState:
 
     # ------------------------------------------------------------------ state
 
+    @property
+    def mid_group(self) -> bool:
+        """True between the first and last micro-batch of an accumulation group."""
+        return self._micro != 0
+
     def state_dict(self) -> dict[str, Any]:
         """Scaler, counters, monitors and settings that must match on resume. Call between steps."""
         if self._micro:

@@ -6,22 +6,26 @@ in where the records go (a run folder, or the console and an optional CSV).
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import checkpoint as ckpt
 from .config import Config, dump_config
 from .errors import InputError
 from .faults import FaultInjector, parse_fault
-from .monitor import RunMonitor
+from .monitor import LossSpikeDetector, RunMonitor
+from .records import StepRecord
 from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
 from .step import AmpTrainState
 from .tasks import Task, build_task
@@ -69,7 +73,6 @@ def lr_multiplier(config: Config) -> Callable[[int], float]:
 
 def build_state(config: Config, task: Task, device: torch.device) -> AmpTrainState:
     """The guarded step for a config: optimizer, LR schedule, scaler, clipping, accumulation."""
-    task.model.to(device)
     optimizer = make_optimizer(config, task.model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config))
     s = config.scaler
@@ -167,6 +170,14 @@ class RunPaths:
     def tensorboard(self) -> Path | None:
         return self._in_dir("tensorboard")
 
+    @property
+    def checkpoints(self) -> Path | None:
+        return self._in_dir("checkpoints")
+
+    @classmethod
+    def existing(cls, run_dir: Path) -> RunPaths:
+        return cls(csv=run_dir / "steps.csv", dir=run_dir)
+
     @classmethod
     def new_run_dir(cls, config: Config) -> RunPaths:
         """Create the run folder ``log.dir/log.name`` (a timestamp by default); never reuse one."""
@@ -185,10 +196,24 @@ class RunPaths:
             run_dir.mkdir(parents=True)
         except OSError as err:
             raise InputError(f"cannot create run folder {run_dir}: {err.strerror}") from None
-        paths = cls(csv=run_dir / "steps.csv", dir=run_dir)
-        assert paths.config is not None
-        paths.config.write_text(dump_config(config), encoding="utf-8")
+        paths = cls.existing(run_dir)
+        paths.write_config(config)
         return paths
+
+    def write_config(self, config: Config) -> None:
+        if self.config is not None:
+            tmp = self.config.with_name(".config.yaml.tmp")
+            tmp.write_text(dump_config(config), encoding="utf-8")
+            os.replace(tmp, self.config)
+
+
+@dataclass
+class Resume:
+    """Where a resumed run picks up: a loaded checkpoint and the run folder it belongs to."""
+
+    path: Path
+    payload: dict[str, Any]
+    run_dir: Path
 
 
 @dataclass
@@ -199,6 +224,273 @@ class RunResult:
     ended: str
     """Why the run ended, in words: finished, stopped by a guard, interrupted."""
     device: torch.device
+    checkpoints: list[Path] = field(default_factory=list)
+    rollbacks: list[str] = field(default_factory=list)
+    resumed_from: Path | None = None
+    task: str = ""
+
+
+class _Stop(Exception):
+    """Leaves the loop with an exit code and the reason, in words."""
+
+    def __init__(self, exit_code: int, ended: str) -> None:
+        self.exit_code, self.ended = exit_code, ended
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+class Trainer:
+    """One guarded training run. Everything that can reject the input happens in ``__init__``,
+    before :meth:`run` creates any file."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        outputs: Callable[[], RunPaths],
+        console_every: int,
+        stats_every: int | None,
+        print_fn: Callable[[str], None],
+        progress: bool,
+        resume: Resume | None,
+    ) -> None:
+        self.config = config
+        self.outputs = outputs
+        self.console_every, self.stats_every = console_every, stats_every
+        self.print_fn, self.progress = print_fn, progress
+        self.resume = resume
+
+        self.device = resolve_device(config.device)
+        faults = [parse_fault(spec, seed=config.seed) for spec in config.inject]
+        self.task = build_task(config)
+        if not config.eval.enabled:
+            self.task.evaluate, self.task.metrics = None, ()
+        if not self.task.float_inputs and any(f.kind == "nan_input" for f in faults):
+            raise InputError(f"inject: nan_input needs floating-point inputs; task {self.task.name} feeds integer tokens")
+        if config.log.tensorboard:
+            TensorBoardSink.require()
+        self.task.model.to(self.device)
+        self.state = build_state(config, self.task, self.device)
+        self.monitor = self.state.monitors["run"] = build_monitor(config, self.state)
+        self.spikes: LossSpikeDetector | None = None
+        if "loss_spike" in config.rollback.triggers:
+            self.spikes = self.state.monitors["loss_spike"] = LossSpikeDetector(config.rollback.window, config.rollback.z)
+        self.injector = FaultInjector(faults, config.accumulation_steps)
+        self.state.loss_fn = self.injector.wrap_loss(self.state.loss_fn)
+        self.injector.attach(self.task.model)
+
+        self.position = 0  # micro-batches taken from the task's stream so far
+        self.rollback_log: list[str] = []
+        self.saved: list[Path] = []
+        if resume is not None:
+            self._restore(resume.payload, resume.path)
+            self.position = int(resume.payload["data_position"])
+            self.rollback_log = list(resume.payload.get("rollbacks", []))
+
+    # ------------------------------------------------------------------ restore / save
+
+    def _restore(self, payload: dict[str, Any], path: Path, keep_counters: bool = False) -> None:
+        """Load a checkpoint's model, optimizer, scheduler, scaler, counters and RNG states."""
+        state = self.state
+        try:
+            self.task.model.load_state_dict(payload["model"])
+            state.optimizer.load_state_dict(payload["optimizer"])
+            state.scheduler.load_state_dict(payload["scheduler"])
+            saved_state = dict(payload["state"])
+            if keep_counters:  # a rollback: the step count and the monitors' history go on
+                steps, saved_state["monitors"] = state.steps, {}
+            state.load_state_dict(saved_state)
+            if keep_counters:
+                state.steps = steps
+            ckpt.set_rng_state(payload["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise InputError(f"{path}: does not fit this run ({first})") from None
+
+    def _payload(self) -> dict[str, Any]:
+        state = self.state
+        return {
+            "step": state.steps,
+            "updates": state.updates,
+            "config": self.config.model_dump(mode="json"),
+            "precision": self.config.precision,
+            "model": self.task.model.state_dict(),
+            "optimizer": state.optimizer.state_dict(),
+            "scheduler": state.scheduler.state_dict(),
+            "state": state.state_dict(),
+            "rng": ckpt.rng_state(),
+            "data_position": self.position,
+            "rollbacks": list(self.rollback_log),
+            "torch": str(torch.__version__),
+        }
+
+    def _save(self) -> None:
+        folder = self.paths.checkpoints
+        if folder is None or not self.config.checkpoint.enabled or self.state.mid_group:
+            return
+        path = ckpt.save_checkpoint(folder / ckpt.checkpoint_name(self.state.steps), self._payload())
+        ckpt.prune(folder, self.config.checkpoint.keep)
+        self.saved = ckpt.list_checkpoints(folder)
+        self._event({"step": self.state.steps, "event": "checkpoint", "message": f"saved {path.name}"})
+
+    # ------------------------------------------------------------------ data
+
+    def _stream(self) -> Iterator[tuple[Any, Any]]:
+        """The task's micro-batches from ``self.position`` on, faults applied, on the device."""
+        source = itertools.islice(self.task.batches(), self.position, None)
+        for inputs, targets in self.injector.wrap_data(source, first_step=self.state.steps + 1):
+            self.position += 1
+            yield _to_device(inputs, self.device), _to_device(targets, self.device)
+
+    # ------------------------------------------------------------------ events
+
+    def _event(self, event: dict[str, Any], word: str | None = None) -> None:
+        if self.events is not None:
+            self.events.write_event({"time": round(time.time(), 3), **event})
+        if word is not None:
+            self.say(f"{word} {event['step']} {event['message']}")
+
+    def _evaluate(self) -> dict[str, float]:
+        model, evaluate = self.task.model, self.task.evaluate
+        if evaluate is None:
+            return {}
+        model.eval()
+        try:
+            with torch.no_grad(), self.state.precision.autocast():
+                metrics = {name: float(value) for name, value in evaluate(model, self.device).items()}
+        finally:
+            model.train()
+        self.monitor.observe_eval(metrics)
+        return metrics
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.config.eval.every
+        return self.task.evaluate is not None and (step >= self.config.steps or (every > 0 and step % every == 0))
+
+    # ------------------------------------------------------------------ rollback
+
+    def _rollback_trigger(self, record: StepRecord) -> tuple[str, int] | None:
+        """(why, first bad step) when this record calls for a rollback."""
+        if self.spikes is not None and not record.skipped:
+            loss = self.monitor.last.get("loss")
+            if self.spikes.check(loss):
+                return f"loss spike ({loss:.4g} > mean + {self.config.rollback.z:g} std)", record.step
+        failed = self.monitor.failed
+        if failed is not None and "skip_guard" in self.config.rollback.triggers and "skip rate" in failed.message:
+            return f"skip-rate guard: {failed.message}", record.step - self.config.monitor.fail_after + 1
+        return None
+
+    def _rollback(self, why: str, first_bad: int) -> None:
+        cfg = self.config.rollback
+        step = self.state.steps
+        if len(self.rollback_log) >= cfg.max:
+            raise _Stop(EXIT_GUARD, f"stopped at step {step}: {why}; all {cfg.max} rollbacks (rollback.max) are used up")
+        assert self.paths.checkpoints is not None
+        try:
+            path, payload = ckpt.latest_loadable(self.paths.checkpoints, before_step=first_bad)
+        except InputError as err:
+            raise _Stop(EXIT_GUARD, f"stopped at step {step}: {why}; cannot roll back: {err}") from None
+        self._restore(payload, path, keep_counters=True)
+        old = self.position
+        self.position = int(payload["data_position"]) + cfg.skip_batches
+        message = (f"{why}: rolled back to {path.name} (step {payload['step']}) and skipped {cfg.skip_batches} "
+                   f"batches (data position {old} -> {self.position})")
+        self.rollback_log.append(f"step {step}: {message}")
+        self.monitor.restart_windows()
+        if self.spikes is not None:
+            self.spikes.reset()
+        self._event({"step": step, "event": "rollback", "message": message, "checkpoint": path.name}, "ROLLBACK")
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> RunResult:
+        config, monitor, state = self.config, self.monitor, self.state
+        self.paths = self.outputs()
+        resuming = self.resume is not None
+        bar = _progress_bar(config.steps, initial=state.steps) if self.progress else None
+        self.say = bar.write if bar is not None else self.print_fn
+        sinks = self._open_sinks(keep_through=state.steps if resuming else None)
+        self.events = JsonlSink(self.paths.events, append=resuming) if self.paths.events is not None else None
+        if self.resume is not None:
+            self._event({"step": state.steps, "event": "resume",
+                         "message": f"resumed from {self.resume.path.name} at step {state.steps}"}, "RESUME")
+        else:
+            self._event({"step": 0, "event": "run_start",
+                         "message": f"{self.task.description}; {config.precision} on {self.device}"})
+
+        ended, exit_code, clean = f"finished: {config.steps} steps", EXIT_OK, True
+        try:
+            with stop_on_sigint() as stop:
+                stream = self._stream()
+                while state.steps < config.steps:
+                    record = state.step(*next(stream))
+                    if record is None:
+                        continue
+                    extra = self._evaluate() if self._eval_due(record.step) else None
+                    sinks.write(record, extra)
+                    for event in monitor.observe(record):
+                        word = "FAIL" if event.kind == "fail" else "ALERT" if event.kind.endswith("_alert") else "CLEAR"
+                        self._event(event.as_dict(), word)
+                    if extra:
+                        self.say(f"EVAL {record.step} " + " ".join(f"{k}={v:.4g}" for k, v in extra.items()))
+                    if self.stats_every and record.step % self.stats_every == 0:
+                        self.say(monitor.stats_line())
+                    if bar is not None:
+                        bar.update(1)
+                    trigger = self._rollback_trigger(record) if config.rollback.triggers else None
+                    if trigger is not None:
+                        self._rollback(*trigger)
+                        stream = self._stream()
+                        continue
+                    if monitor.failed is not None:
+                        raise _Stop(EXIT_GUARD, f"stopped by the guard at step {record.step}: {monitor.failed.message}")
+                    every = config.checkpoint.every
+                    if every and record.step % every == 0 and record.step < config.steps:
+                        self._save()
+                    if stop.requested:  # the first Ctrl-C, honoured at a step boundary
+                        raise _Stop(EXIT_INTERRUPTED, f"interrupted (Ctrl-C) after step {monitor.steps}")
+        except _Stop as stopped:
+            ended, exit_code = stopped.ended, stopped.exit_code
+        except KeyboardInterrupt:  # a second Ctrl-C, anywhere: no checkpoint of a half-done step
+            clean = False
+            ended, exit_code = f"interrupted (Ctrl-C) after step {monitor.steps}", EXIT_INTERRUPTED
+        finally:
+            sinks.close()
+            self.injector.detach()
+            if bar is not None:
+                bar.close()
+
+        if clean:
+            self._save()
+        self._event({"step": monitor.steps, "event": "run_end", "message": ended})
+        if self.events is not None:
+            self.events.close()
+        result = RunResult(exit_code, monitor, self.paths, ended, self.device, self.saved, self.rollback_log,
+                           self.resume.path if self.resume else None, self.task.description)
+        if self.paths.dir is not None:
+            _write_report(config, result, self.say)
+        return result
+
+    def _open_sinks(self, keep_through: int | None) -> Sinks:
+        config, paths, metrics = self.config, self.paths, self.task.metrics
+        append = keep_through is not None
+        sinks: list[Sink] = []
+        if paths.csv is not None:
+            sinks.append(CsvSink(paths.csv, metrics, append=append, keep_through=keep_through))
+        if config.log.jsonl and paths.steps_jsonl is not None:
+            sinks.append(JsonlSink(paths.steps_jsonl, append=append))
+        if config.log.tensorboard and paths.tensorboard is not None:
+            sinks.append(TensorBoardSink(paths.tensorboard))
+        sinks.append(ConsoleSink(self.console_every, self.say))
+        return Sinks(*sinks)
 
 
 def run(
@@ -209,91 +501,50 @@ def run(
     stats_every: int | None = None,
     print_fn: Callable[[str], None] = print,
     progress: bool = False,
+    resume: Resume | None = None,
 ) -> RunResult:
-    """Train ``config.steps`` guarded steps, writing records, events and (with a run folder) the
-    run card and plot. The console gets a step line every ``console_every`` steps (and every
-    skip), a ``STATS`` line every ``stats_every`` steps, and every alert.
+    """Train until ``config.steps`` guarded steps, writing records, events, checkpoints and (with
+    a run folder) the run card and plot. The console gets a step line every ``console_every``
+    steps (and every skip), a ``STATS`` line every ``stats_every`` steps, and every alert.
 
     ``outputs()`` is called once everything that can reject the input has been built; it
     creates whatever the run writes. So bad input leaves nothing behind.
     """
-    device = resolve_device(config.device)
-    faults = [parse_fault(spec, seed=config.seed) for spec in config.inject]
-    task = build_task(config.task, config.seed)
-    if not task.float_inputs and any(f.kind == "nan_input" for f in faults):
-        raise InputError(f"inject: nan_input needs floating-point inputs; task {task.name} feeds integer tokens")
-    if config.log.tensorboard:
-        TensorBoardSink.require()
-    state = build_state(config, task, device)
-    monitor = state.monitors["run"] = build_monitor(config, state)
-    injector = FaultInjector(faults, config.accumulation_steps)
-    state.loss_fn = injector.wrap_loss(state.loss_fn)
-    injector.attach(task.model)
-
-    paths = outputs()
-    bar = _progress_bar(config.steps) if progress else None
-    say = bar.write if bar is not None else print_fn
-    sinks = _open_sinks(config, paths, say, console_every)
-    events = JsonlSink(paths.events) if paths.events is not None else None
-    _event(events, say, {"step": 0, "event": "run_start", "message": f"{task.description}; {config.precision} on {device}"})
-
-    ended, exit_code = f"finished: {config.steps} steps", EXIT_OK
-    try:
-        with stop_on_sigint() as stop:
-            for inputs, targets in injector.wrap_data(task.batches(device)):
-                record = state.step(inputs, targets)
-                if record is None:
-                    continue
-                sinks.write(record)
-                for event in monitor.observe(record):
-                    _event(events, say, event.as_dict(), loud=True)
-                if stats_every and record.step % stats_every == 0:
-                    say(monitor.stats_line())
-                if bar is not None:
-                    bar.update(1)
-                if monitor.failed is not None:
-                    ended, exit_code = f"stopped by the guard at step {record.step}: {monitor.failed.message}", EXIT_GUARD
-                    break
-                if record.step >= config.steps:
-                    break
-                if stop.requested:
-                    raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        ended, exit_code = f"interrupted (Ctrl-C) after step {monitor.steps}", EXIT_INTERRUPTED
-    finally:
-        sinks.close()
-        injector.detach()
-        if bar is not None:
-            bar.close()
-        _event(events, None, {"step": monitor.steps, "event": "run_end", "message": ended})
-        if events is not None:
-            events.close()
-
-    result = RunResult(exit_code, monitor, paths, ended, device)
-    if paths.dir is not None:
-        _write_report(config, result, say)
-    return result
+    trainer = Trainer(config, outputs=outputs, console_every=console_every, stats_every=stats_every,
+                      print_fn=print_fn, progress=progress, resume=resume)
+    return trainer.run()
 
 
-def _open_sinks(config: Config, paths: RunPaths, say: Callable[[str], None], console_every: int) -> Sinks:
-    sinks: list[Sink] = []
-    if paths.csv is not None:
-        sinks.append(CsvSink(paths.csv))
-    if config.log.jsonl and paths.steps_jsonl is not None:
-        sinks.append(JsonlSink(paths.steps_jsonl))
-    if config.log.tensorboard and paths.tensorboard is not None:
-        sinks.append(TensorBoardSink(paths.tensorboard))
-    sinks.append(ConsoleSink(console_every, say))
-    return Sinks(*sinks)
+RESUME_FIXED = ("precision", "accumulation_steps", "seed", "task", "optimizer.name")
 
 
-def _event(log: JsonlSink | None, say: Callable[[str], None] | None, event: dict[str, Any], loud: bool = False) -> None:
-    if log is not None:
-        log.write_event({"time": round(time.time(), 3), **event})
-    if loud and say is not None:
-        kind = event["event"]
-        word = "FAIL" if kind == "fail" else "ALERT" if kind.endswith("_alert") else "CLEAR"
-        say(f"{word} {event['step']} {event['message']}")
+def prepare_resume(target: str | Path) -> tuple[Resume, dict[str, Any]]:
+    """Find the checkpoint for ``--resume RUN_DIR|CHECKPOINT``; return it and its saved config."""
+    target = Path(target)
+    if target.is_dir():
+        folder = target / "checkpoints"
+        path, payload = ckpt.latest_loadable(folder)
+        run_dir = target
+    else:
+        payload = ckpt.load_checkpoint(target)
+        path = target
+        run_dir = target.parent.parent if target.parent.name == "checkpoints" else target.parent
+    if not (run_dir / "steps.csv").is_file():
+        raise InputError(f"{path}: its run folder {run_dir} has no steps.csv to continue")
+    return Resume(path, payload, run_dir), payload["config"]
+
+
+def check_resume_config(saved: dict[str, Any], config: Config) -> None:
+    """Refuse a config that would make the resumed run differ from the uninterrupted one."""
+    now = config.model_dump(mode="json")
+    for key in RESUME_FIXED:
+        a, b = saved, now
+        for part in key.split("."):
+            a, b = a.get(part), b.get(part)
+        if a != b:
+            raise InputError(f"--resume: {key} was {a!r} in the checkpoint, now {b!r}; a resumed run must keep it")
+    if saved.get("steps", 0) and config.steps <= 0:  # pragma: no cover - validated elsewhere
+        raise InputError("--resume: steps must be positive")
 
 
 def _write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
@@ -310,7 +561,8 @@ def _write_report(config: Config, result: RunResult, say: Callable[[str], None])
     write_run_card(paths.card, config, result)
 
 
-def _progress_bar(total: int) -> Any:
+def _progress_bar(total: int, initial: int = 0) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr, disable=None)  # off when not a TTY
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
+                disable=None)  # off when not a TTY

@@ -1,4 +1,9 @@
-"""Built-in workloads: a model, a loss and an endless, seeded stream of micro-batches."""
+"""Workloads: a model, a loss, an endless reproducible stream of micro-batches, and an evaluation.
+
+Built in: ``charlm`` (a character-level transformer on Python's standard library), ``digits``
+(scikit-learn's 1,797 handwritten digits) and ``linear`` (the demo's regression). Or bring your
+own with ``task.factory`` (see :mod:`ampguard.tasks.factory`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+Batch = tuple[Any, Any]
+
 
 @dataclass
 class Task:
@@ -17,19 +24,52 @@ class Task:
     name: str
     model: nn.Module
     loss_fn: Callable[[Any, Any], torch.Tensor]
-    batches: Callable[[torch.device], Iterator[tuple[torch.Tensor, torch.Tensor]]]
-    """``batches(device)`` -> an endless, seeded iterator of (inputs, targets) micro-batches."""
+    batches: Callable[[], Iterator[Batch]]
+    """``batches()`` -> an endless iterator of (inputs, targets) micro-batches on the CPU, the
+    same sequence on every call (so a resumed run can skip to where it was)."""
+    evaluate: Callable[[nn.Module, torch.device], dict[str, float]] | None = None
+    """``evaluate(model, device)`` -> held-out metrics; called in eval mode, under no_grad and
+    the run's autocast. It must not draw from the global RNGs."""
+    metrics: tuple[str, ...] = ()
+    """The names ``evaluate`` returns: extra CSV columns after the fixed eight."""
     float_inputs: bool = True
     """Whether inputs are floating point (``nan_input`` can only corrupt those)."""
     description: str = ""
 
 
-def build_task(config: Any, seed: int) -> Task:
-    """The workload named by ``config.name`` (a ``TaskConfig``), built with ``seed``."""
-    if config.name == "linear":
+def build_task(config: Any) -> Task:
+    """The workload a :class:`~ampguard.config.Config` names (``task.factory`` wins over ``task.name``)."""
+    if config.task.factory:
+        from .factory import build_from_factory
+
+        return build_from_factory(config)
+    if config.task.name == "linear":
         from .linear import build
-    elif config.name == "charlm":
+    elif config.task.name == "charlm":
         from .charlm import build
+    elif config.task.name == "digits":
+        from .digits import build
     else:  # pragma: no cover - the config only admits the names above
-        raise ValueError(f"unknown task {config.name!r}")
-    return build(config, seed)
+        raise ValueError(f"unknown task {config.task.name!r}")
+    return build(config)
+
+
+def cycle(make_iterable: Callable[[], Any]) -> Iterator[Batch]:
+    """Endless batches from a finite, re-iterable source (a list, a DataLoader): epoch after epoch."""
+    while True:
+        empty = True
+        for batch in make_iterable():
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the data yielded no batches")
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], batches: list[Batch],
+              device: torch.device) -> float:
+    """The mean of ``loss_fn`` over fixed held-out batches."""
+    total = torch.zeros((), device=device)
+    for inputs, targets in batches:
+        total += loss_fn(model(inputs.to(device)), targets.to(device)).float()
+    return float(total / len(batches))

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import InputError
-from . import Task
+from . import Task, mean_loss
 
 SOURCES: tuple[str, ...] = (
     "argparse.py", "bisect.py", "calendar.py", "csv.py", "dataclasses.py", "fractions.py",
@@ -44,7 +44,7 @@ def split(corpus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def char_batches(
-    text: torch.Tensor, seed: int, batch_size: int, block_size: int, device: torch.device | str = "cpu"
+    text: torch.Tensor, seed: int, batch_size: int, block_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless batches of random windows: inputs ``text[i:i+T]``, targets ``text[i+1:i+T+1]``."""
     gen = torch.Generator().manual_seed(seed)
@@ -52,7 +52,7 @@ def char_batches(
     while True:
         starts = torch.randint(len(text) - block_size - 1, (batch_size,), generator=gen)
         idx = starts[:, None] + offsets
-        yield text[idx].long().to(device), text[idx + 1].long().to(device)
+        yield text[idx].long(), text[idx + 1].long()
 
 
 class Block(nn.Module):
@@ -102,18 +102,23 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def build(config: Any, seed: int) -> Task:
-    train_text, _ = split(read_corpus())
-    torch.manual_seed(seed)
-    model = CharLM(config.block_size, config.n_layer, config.n_head, config.n_embd)
+def build(config: Any) -> Task:
+    train_text, val_text = split(read_corpus())
+    t = config.task
+    torch.manual_seed(config.seed)
+    model = CharLM(t.block_size, t.n_layer, t.n_head, t.n_embd)
+    val_stream = char_batches(val_text, 0, t.batch_size, t.block_size)  # fixed windows of the held-out text
+    held_out = [next(val_stream) for _ in range(config.eval.batches)]
     return Task(
         name="charlm",
         model=model,
         loss_fn=lm_loss,
-        batches=lambda device: char_batches(train_text, seed + 1, config.batch_size, config.block_size, device),
+        batches=lambda: char_batches(train_text, config.seed + 1, t.batch_size, t.block_size),
+        evaluate=lambda m, device: {"val_loss": mean_loss(m, lm_loss, held_out, device)},
+        metrics=("val_loss",),
         float_inputs=False,
         description=(
-            f"character-level transformer ({config.n_layer} layers, {config.n_embd} wide, "
-            f"context {config.block_size}) on {len(train_text):,} bytes of Python's standard library"
+            f"character-level transformer ({t.n_layer} layers, {t.n_embd} wide, context {t.block_size}) "
+            f"on {len(train_text):,} bytes of Python's standard library ({len(val_text):,} held out)"
         ),
     )

@@ -8,32 +8,41 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import Task
+from . import Task, mean_loss
 
 IN_FEATURES = 16
 OUT_FEATURES = 4
 
 
 def linear_batches(
-    seed: int, batch_size: int, device: torch.device | str = "cpu"
+    seed: int, batch_size: int, sample_seed: int | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless batches of ``x ~ N(0, 1)``, ``y = x @ W + b + 0.01 * noise`` with a fixed true (W, b)."""
+    """Endless batches of ``x ~ N(0, 1)``, ``y = x @ W + b + 0.01 * noise``; (W, b) fixed by
+    ``seed``, the samples drawn from ``sample_seed`` (default: the same generator)."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(IN_FEATURES, OUT_FEATURES, generator=gen) / IN_FEATURES**0.5
     bias = torch.randn(OUT_FEATURES, generator=gen) * 0.1
+    if sample_seed is not None:
+        gen = torch.Generator().manual_seed(sample_seed)
     while True:
         x = torch.randn(batch_size, IN_FEATURES, generator=gen)
         y = x @ weight + bias + 0.01 * torch.randn(batch_size, OUT_FEATURES, generator=gen)
-        yield x.to(device), y.to(device)
+        yield x, y
 
 
-def build(config: Any, seed: int) -> Task:
+def build(config: Any) -> Task:
+    seed, batch_size = config.seed, config.task.batch_size
     torch.manual_seed(seed)
     model = nn.Linear(IN_FEATURES, OUT_FEATURES)
+    # held out: the same target (same W, b), samples from a generator of their own
+    held_out_stream = linear_batches(seed + 1, 256, sample_seed=seed + 1_000_003)
+    held_out = [next(held_out_stream) for _ in range(2)]
     return Task(
         name="linear",
         model=model,
         loss_fn=nn.functional.mse_loss,
-        batches=lambda device: linear_batches(seed + 1, config.batch_size, device),
+        batches=lambda: linear_batches(seed + 1, batch_size),
+        evaluate=lambda m, device: {"val_loss": mean_loss(m, nn.functional.mse_loss, held_out, device)},
+        metrics=("val_loss",),
         description=f"nn.Linear({IN_FEATURES}, {OUT_FEATURES}) on a noisy linear target",
     )

@@ -1,0 +1,70 @@
+"""Handwritten digits: scikit-learn's bundled 1,797 real 8x8 images, an MLP classifier.
+
+The split is fixed (it does not move with the run's seed): 1,497 images for training, 300 held
+out for the test accuracy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..errors import InputError
+from . import Task
+
+TEST_SIZE = 300
+SPLIT_SEED = 20_240_601
+
+
+def load_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_train, y_train, x_test, y_test): pixels scaled to [0, 1], labels 0-9, a fixed split."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # pragma: no cover - scikit-learn is a dependency
+        raise InputError("task digits needs scikit-learn (pip install scikit-learn)") from None
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    test, train = order[:TEST_SIZE], order[TEST_SIZE:]
+    return x[train], y[train], x[test], y[test]
+
+
+def digit_batches(x: torch.Tensor, y: torch.Tensor, seed: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless shuffled epochs of the training split."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(len(x), generator=gen)
+        for start in range(0, len(x) - batch_size + 1, batch_size):
+            idx = order[start : start + batch_size]
+            yield x[idx], y[idx]
+
+
+def build(config: Any) -> Task:
+    x_train, y_train, x_test, y_test = load_split()
+    hidden = config.task.n_embd * 2
+    torch.manual_seed(config.seed)
+    model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+    def evaluate(m: nn.Module, device: torch.device) -> dict[str, float]:
+        logits = m(x_test.to(device)).float()
+        targets = y_test.to(device)
+        return {
+            "val_loss": float(F.cross_entropy(logits, targets)),
+            "val_accuracy": float((logits.argmax(dim=1) == targets).float().mean()),
+        }
+
+    return Task(
+        name="digits",
+        model=model,
+        loss_fn=F.cross_entropy,
+        batches=lambda: digit_batches(x_train, y_train, config.seed + 1, config.task.batch_size),
+        evaluate=evaluate,
+        metrics=("val_loss", "val_accuracy"),
+        description=f"MLP (64-{hidden}-{hidden}-10) on scikit-learn's handwritten digits "
+        f"({len(x_train)} train / {len(x_test)} test images)",
+    )

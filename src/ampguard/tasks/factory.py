@@ -1,0 +1,103 @@
+"""Bring your own model: ``task.factory: "package.module:build"`` or ``"path/to/file.py:build"``.
+
+``build(config)`` receives the run's :class:`~ampguard.config.Config` (``config.task.options``
+holds free-form settings for it) and returns a mapping::
+
+    {"model": nn.Module,                         # required
+     "data": iterable of (inputs, targets),      # required: a list, a DataLoader, or a function
+                                                 #   returning a fresh iterable; re-read every epoch
+     "loss_fn": callable(outputs, targets),      # required
+     "evaluate": callable(model, device) -> {name: float},   # optional held-out metrics
+     "metrics": ("val_loss", ...)}               # the names evaluate returns
+
+or the tuple ``(model, data, loss_fn)``. For a resumed run to be bit-for-bit the uninterrupted
+one, ``data`` must yield the same sequence each time it is iterated (give a shuffling
+DataLoader its own seeded ``generator``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..errors import InputError
+from . import Task, cycle
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The callable named by ``module:function`` or ``file.py:function``."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr.isidentifier():
+        raise InputError(f"task.factory: expected 'package.module:function' or 'path/file.py:function', got {spec!r}")
+    try:
+        if target.endswith(".py") or "/" in target:
+            path = Path(target)
+            if not path.is_file():
+                raise InputError(f"task.factory: no such file {path}")
+            name = f"_ampguard_factory_{abs(hash(str(path.resolve())))}"
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except InputError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever the user's module raised, said in one line
+        raise InputError(f"task.factory: importing {target} failed: {type(err).__name__}: {err}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise InputError(f"task.factory: {target} has no function {attr!r}")
+    return fn
+
+
+def build_from_factory(config: Any) -> Task:
+    spec = config.task.factory
+    fn = load_factory(spec)
+    try:
+        made = fn(config)
+    except Exception as err:  # noqa: BLE001
+        raise InputError(f"task.factory {spec} raised {type(err).__name__}: {err}") from None
+    if isinstance(made, Task):
+        return made
+    if isinstance(made, tuple) and len(made) == 3:
+        made = dict(zip(("model", "data", "loss_fn"), made))
+    if not isinstance(made, Mapping) or not {"model", "data", "loss_fn"} <= set(made):
+        raise InputError(f"task.factory {spec} must return a mapping with model, data and loss_fn (or that tuple)")
+    model, data, loss_fn = made["model"], made["data"], made["loss_fn"]
+    if not isinstance(model, nn.Module):
+        raise InputError(f"task.factory {spec}: model is a {type(model).__name__}, not an nn.Module")
+    if not callable(loss_fn):
+        raise InputError(f"task.factory {spec}: loss_fn is not callable")
+    if callable(data) and not isinstance(data, Iterable):
+        make_iterable = data
+    elif isinstance(data, Iterable) and iter(data) is not data:
+        make_iterable = lambda: data  # noqa: E731 - re-iterable: a list, a DataLoader
+    else:
+        raise InputError(f"task.factory {spec}: data must be re-iterable (a list, a DataLoader) or a function "
+                         "returning an iterable, not a one-shot iterator")
+    metrics = tuple(made.get("metrics", ()))
+    evaluate = made.get("evaluate")
+    if evaluate is not None and not metrics:
+        raise InputError(f"task.factory {spec}: evaluate is given, so metrics must name what it returns")
+    first = next(iter(make_iterable()), None)
+    if first is None:
+        raise InputError(f"task.factory {spec}: data yielded no batches")
+    inputs = first[0]
+    return Task(
+        name="factory",
+        model=model,
+        loss_fn=loss_fn,
+        batches=lambda: cycle(make_iterable),
+        evaluate=evaluate,
+        metrics=metrics,
+        float_inputs=bool(getattr(inputs, "is_floating_point", lambda: False)()),
+        description=f"user model from {spec} ({type(model).__name__})",
+    )

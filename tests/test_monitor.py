@@ -1,0 +1,775 @@
+"""Run health (issue 3): rolling skip rate, alerts, fail-fast, scale health, and the sinks that
+carry them (events.jsonl, steps.jsonl, TensorBoard).
+
+Unit tests feed the monitors synthetic records; the end-to-end tests train the linear task
+in-process for a few steps. Every expected number is computed here from the fault schedule
+(``parse_fault(...).hits``) and the window arithmetic, never read back from a run first.
+The plot is stubbed in the end-to-end runs here (it is what ``test_report.py`` is about, and it
+costs seconds on a CPU); everything else a run writes is real.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+import ampguard.report
+from ampguard.cli import main
+from ampguard.errors import InputError
+from ampguard.faults import parse_fault
+from ampguard.monitor import HEALTH_VERDICTS, RollingWindow, RunMonitor, ScaleHealth
+from ampguard.records import SkipLog, StepLog
+from ampguard.sinks import JsonlSink, TensorBoardSink
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def reference_rates(skipped: list[bool], window: int) -> list[float]:
+    """Rolling skip rate after each step, by brute force: skips in the last ``window`` steps / window."""
+    return [sum(skipped[max(0, i + 1 - window): i + 1]) / window for i in range(len(skipped))]
+
+
+def reference_episodes(rates: list[float], threshold: float) -> list[tuple[int, str]]:
+    """(step, 'ALERT' | 'CLEAR') each time the rate crosses ``threshold`` (above = alerting)."""
+    out, alerting = [], False
+    for step, rate in enumerate(rates, start=1):
+        if rate > threshold and not alerting:
+            out.append((step, "ALERT"))
+            alerting = True
+        elif rate <= threshold and alerting:
+            out.append((step, "CLEAR"))
+            alerting = False
+    return out
+
+
+def reference_fail_step(rates: list[float], fail_rate: float, fail_after: int) -> int | None:
+    run = 0
+    for step, rate in enumerate(rates, start=1):
+        run = run + 1 if rate > fail_rate else 0
+        if run >= fail_after:
+            return step
+    return None
+
+
+def step_record(step: int, *, loss: float = 1.0, pre: float = 0.5, post: float | None = None,
+                scale: float = 1.0, lr: float = 0.1) -> StepLog:
+    return StepLog(step=step, lr=lr, loss=loss, grad_l2_pre_clip=pre,
+                   grad_l2_post_clip=pre if post is None else post, scaler_scale=scale)
+
+
+def skip_record(step: int, reason: str = "non_finite_grad", *, loss: float = 1.0, scale: float = 1.0) -> SkipLog:
+    pre = float("inf") if reason == "non_finite_grad" else None
+    loss = float("nan") if reason == "non_finite_loss" else loss
+    return SkipLog(step=step, lr=0.1, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=None,
+                   scaler_scale=scale, reason=reason)
+
+
+def records_for(skipped: list[bool]) -> list:
+    return [skip_record(i) if s else step_record(i) for i, s in enumerate(skipped, start=1)]
+
+
+def strict_json(line: str) -> dict:
+    def refuse(token: str):
+        raise AssertionError(f"non-strict JSON constant {token} in {line!r}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def read_events(path: Path) -> list[dict]:
+    return [strict_json(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+LINEAR = ["--set", "task.name=linear", "--set", "log.every=1000"]
+
+
+@pytest.fixture
+def train(tmp_path, monkeypatch, capsys):
+    """``train(name, *argv) -> (code, stdout, stderr, run_dir)``; the plot is stubbed (see module doc)."""
+    monkeypatch.chdir(tmp_path)
+    drawn: list[Path] = []
+
+    def fake_plot(csv_path, png_path, **kwargs):
+        drawn.append(Path(png_path))
+        Path(png_path).write_bytes(b"stub")
+        return Path(png_path)
+
+    monkeypatch.setattr(ampguard.report, "plot_run", fake_plot)
+
+    def run(name: str, *argv: str) -> tuple[int, str, str, Path]:
+        capsys.readouterr()
+        code = main(["train", *LINEAR, "--set", f"log.dir={tmp_path / 'runs'}", "--set", f"log.name={name}", *argv])
+        out, err = capsys.readouterr()
+        return code, out, err, tmp_path / "runs" / name
+
+    run.drawn = drawn  # type: ignore[attr-defined]
+    return run
+
+
+# ---------------------------------------------------------------------------- RollingWindow
+
+
+def test_rolling_window_edges_against_brute_force():
+    seq = [1, 0, 1, 1, 0, 0, 1, 0, 0, 0, 1, 1]
+    size = 4
+    w = RollingWindow(size)
+    assert (w.total, w.mean, w.seen_mean, w.count) == (0.0, 0.0, 0.0, 0)
+    for n, v in enumerate(seq, start=1):
+        w.push(v)
+        held = seq[max(0, n - size): n]
+        assert w.count == n
+        assert w.total == sum(held)
+        assert w.mean == sum(held) / size  # steps before the first count as zeros
+        assert w.seen_mean == sum(held) / len(held)
+
+
+def test_rolling_window_before_filled_exactly_filled_and_after_wrap():
+    w = RollingWindow(4)
+    w.push(1)
+    assert (w.mean, w.seen_mean) == (0.25, 1.0)  # one early skip is not a 100% rate
+    w.push(0)
+    assert (w.mean, w.seen_mean) == (0.25, 0.5)
+    w.push(1)
+    w.push(1)  # exactly filled: [1, 0, 1, 1]
+    assert (w.total, w.mean, w.seen_mean) == (3.0, 0.75, 0.75)
+    w.push(0)  # wraps: the first 1 leaves -> [0, 1, 1, 0]
+    assert (w.total, w.mean, w.seen_mean) == (2.0, 0.5, 0.5)
+    w.push(0)  # the 0 leaves -> [1, 1, 0, 0]
+    assert w.total == 2.0
+    w.push(0)
+    w.push(0)  # everything that was 1 has left
+    assert (w.total, w.mean, w.seen_mean) == (0.0, 0.0, 0.0)
+
+
+def test_rolling_window_size_one():
+    w = RollingWindow(1)
+    for v, expected in ((1, 1.0), (0, 0.0), (1, 1.0), (1, 1.0)):
+        w.push(v)
+        assert w.mean == w.seen_mean == expected
+
+
+@pytest.mark.parametrize("size", [0, -3])
+def test_rolling_window_refuses_non_positive_size(size):
+    with pytest.raises(ValueError, match="window size"):
+        RollingWindow(size)
+
+
+@pytest.mark.parametrize("split", [0, 2, 5, 6, 9])
+def test_rolling_window_state_dict_round_trip_continues_identically(split):
+    seq = [1, 1, 0, 1, 0, 0, 1, 0, 1, 1, 1, 0, 0, 0, 0, 1]
+    live = RollingWindow(6)
+    for v in seq[:split]:
+        live.push(v)
+    state = json.loads(json.dumps(live.state_dict()))  # it must survive a plain serialisation
+    restored = RollingWindow(6)
+    restored.load_state_dict(state)
+    for v in seq[split:]:
+        live.push(v)
+        restored.push(v)
+        assert (restored.total, restored.mean, restored.seen_mean, restored.count) == (
+            live.total, live.mean, live.seen_mean, live.count)
+    assert live.state_dict() == restored.state_dict()
+
+
+def test_rolling_window_refuses_a_state_of_another_size():
+    saved = RollingWindow(4)
+    saved.push(1)
+    other = RollingWindow(5)
+    before = other.state_dict()
+    with pytest.raises(ValueError, match="size 4"):
+        other.load_state_dict(saved.state_dict())
+    assert other.state_dict() == before  # untouched
+
+
+def test_rolling_window_total_is_the_sum_of_the_held_values_for_fractions():
+    values = [0.1, 0.2, 0.3, 0.0, 0.0, 0.0, 0.7, 0.1]
+    live = RollingWindow(3)
+    for n, v in enumerate(values, start=1):
+        live.push(v)
+        assert live.total == math.fsum(values[max(0, n - 3): n])
+        restored = RollingWindow(3)
+        restored.load_state_dict(live.state_dict())
+        assert restored.total == live.total
+
+
+# ---------------------------------------------------------------------------- ScaleHealth (synthetic)
+
+
+def feed(health: ScaleHealth, moves: list[tuple[float, bool]]) -> list[str]:
+    verdicts = []
+    for scale, skipped in moves:
+        health.push(scale, skipped)
+        verdicts.append(health.verdict)
+    return verdicts
+
+
+def test_health_verdicts_are_the_documented_five():
+    assert set(HEALTH_VERDICTS) == {"warming", "climbing", "stable", "oscillating", "collapsing"}
+
+
+def test_health_no_moves_is_stable():
+    h = ScaleHealth(10, init_scale=2.0**16)
+    assert feed(h, [(2.0**16, False)] * 15) == ["stable"] * 15
+
+
+def test_health_opening_backoffs_are_warming_until_they_leave_the_window():
+    h = ScaleHealth(5, init_scale=2.0**16)
+    # 3 opening skips (the search down from init_scale), then clean steps at 2**13.
+    moves = [(2.0**15, True), (2.0**14, True), (2.0**13, True)] + [(2.0**13, False)] * 6
+    verdicts = feed(h, moves)
+    # The opening's 3 halvings alone would read as a collapse (factor 8): they are warm-up.
+    assert verdicts[:7] == ["warming"] * 7  # a back-off is still in the last 5 steps through step 7
+    assert verdicts[7:] == ["stable", "stable"]  # step 8: window 4..8 holds no move
+
+
+def test_health_a_later_skip_ends_the_opening():
+    h = ScaleHealth(10, init_scale=2.0**16)
+    verdicts = feed(h, [(2.0**15, True), (2.0**15, False), (2.0**14, True)])
+    # The second back-off is after a clean step: not warm-up, one fall -> stable, not warming.
+    assert verdicts == ["warming", "warming", "stable"]
+
+
+def test_health_climbing():
+    h = ScaleHealth(10, init_scale=1024.0)
+    verdicts = feed(h, [(1024.0, False), (2048.0, False), (2048.0, False), (4096.0, False)])
+    assert verdicts == ["stable", "climbing", "climbing", "climbing"]
+
+
+def test_health_more_rises_than_falls_is_climbing_equal_is_stable():
+    h = ScaleHealth(10, init_scale=1024.0)
+    verdicts = feed(h, [(1024.0, False), (2048.0, False), (1024.0, True), (2048.0, False)])
+    # ups 1 > downs 0 -> climbing; 1 = 1 -> stable; 2 > 1 -> climbing
+    assert verdicts == ["stable", "climbing", "stable", "climbing"]
+
+
+def test_health_oscillating_needs_two_rises_and_two_falls():
+    h = ScaleHealth(8, init_scale=1024.0)
+    moves = [(1024.0, False), (2048.0, False), (1024.0, True), (2048.0, False), (1024.0, True)]
+    verdicts = feed(h, moves)
+    assert verdicts[-2] == "climbing"  # 2 rises, 1 fall
+    assert verdicts[-1] == "oscillating"  # 2 rises, 2 falls
+    # When the moves leave the window the verdict calms down again.
+    assert feed(h, [(1024.0, False)] * 8)[-1] == "stable"
+
+
+def test_health_collapsing_by_a_factor_of_eight_without_a_rise():
+    h = ScaleHealth(6, init_scale=1024.0)
+    verdicts = feed(h, [(1024.0, False), (512.0, True), (512.0, False), (256.0, True), (128.0, True)])
+    # one clean step ends the opening; then falls of 2, 4, 8 in total
+    assert verdicts == ["stable", "stable", "stable", "stable", "collapsing"]
+    # The three falls are at steps 2, 4, 5: the window of 6 holds them until step 8 lets step 2 go.
+    assert feed(h, [(128.0, False)] * 3) == ["collapsing", "collapsing", "stable"]
+
+
+def test_health_a_rise_in_the_window_prevents_collapsing_by_factor():
+    h = ScaleHealth(10, init_scale=1024.0)
+    verdicts = feed(h, [(1024.0, False), (2048.0, False), (1024.0, True), (512.0, True), (256.0, True),
+                        (128.0, True)])
+    assert verdicts[-1] == "stable"  # ups 1, downs 4, factor 16 net 8 but a rise: not the 'no rise' rule
+
+
+def test_health_below_min_scale_is_collapsing_whatever_the_moves():
+    h = ScaleHealth(4, min_scale=1.0, init_scale=2.0)
+    verdicts = feed(h, [(1.0, True), (0.5, True)] + [(0.5, False)] * 6)
+    assert verdicts[0] == "warming"  # 1.0 is not below 1.0
+    assert verdicts[1:] == ["collapsing"] * 7  # opening or not, moves or none: scale < min_scale
+    h.push(1.0, False)
+    assert h.verdict == "climbing"
+
+
+def test_health_state_dict_round_trip_continues_identically():
+    moves = ([(2.0**15, True), (2.0**14, True), (2.0**14, False), (2.0**15, False), (2.0**14, True),
+              (2.0**15, False), (2.0**14, True), (2.0**13, True), (2.0**12, True)] + [(2.0**12, False)] * 12)
+    for split in range(len(moves)):
+        live = ScaleHealth(6, init_scale=2.0**16)
+        feed(live, moves[:split])
+        restored = ScaleHealth(6, init_scale=2.0**16)
+        restored.load_state_dict(json.loads(json.dumps(live.state_dict())))
+        assert feed(restored, moves[split:]) == feed(live, moves[split:])
+
+
+def test_health_factor_eight_fall_after_non_power_of_two_growth():
+    growth = 1.22  # a valid scaler.growth_factor (> 1)
+    h = ScaleHealth(3, init_scale=1024.0)
+    scale = 1024.0
+    h.push(scale, False)
+    for _ in range(3):
+        scale *= growth
+        h.push(scale, False)
+    for _ in range(3):
+        scale *= 0.5
+        h.push(scale, True)
+    # The window (last 3 steps) holds three halvings and no rise: fell by 8 -> collapsing.
+    restored = ScaleHealth(3, init_scale=1024.0)
+    restored.load_state_dict(h.state_dict())
+    assert restored.verdict == "collapsing"
+    assert h.verdict == "collapsing"
+
+
+# ---------------------------------------------------------------------------- RunMonitor (synthetic)
+
+
+def test_monitor_counts_skips_by_reason_losses_and_clip_rate():
+    m = RunMonitor(window=10, max_norm=1.0, scaler_enabled=False)
+    records = [
+        step_record(1, loss=3.0, pre=2.0, post=1.0),  # clipped
+        skip_record(2, "non_finite_loss"),
+        step_record(3, loss=2.0, pre=0.5),
+        skip_record(4, "non_finite_grad", loss=0.1),  # its loss must not count as the best
+        step_record(5, loss=2.5, pre=1.5, post=1.0),  # clipped
+        skip_record(6, "non_finite_grad"),
+    ]
+    for r in records:
+        m.observe(r)
+    assert (m.steps, m.updates) == (6, 3)
+    assert dict(m.skips) == {"non_finite_loss": 1, "non_finite_grad": 2}
+    assert m.skips_text() == "non_finite_grad=2, non_finite_loss=1"
+    assert (m.first_loss, m.best_loss) == (3.0, 2.0)
+    assert m.clipped == 2 and m.clip_rate == 2 / 6
+    assert m.skip_rate == 3 / 10
+    assert m.scale_verdict.startswith("none")
+    assert m.summary().startswith("steps=6 updates=3 skips=3 (non_finite_grad=2, non_finite_loss=1)")
+    line = m.stats_line()
+    assert re.fullmatch(r"STATS 6 skip_rate=0\.300 clip_rate=0\.333 scale=none \(no loss scaler\) "
+                        r"skips=non_finite_grad=2, non_finite_loss=1", line), line
+
+
+def test_monitor_clipping_off_never_counts_clips():
+    m = RunMonitor(window=5, max_norm=0.0, scaler_enabled=False)
+    for i in range(1, 4):
+        m.observe(step_record(i, pre=100.0))
+    assert m.clipped == 0 and m.clip_rate == 0.0
+
+
+def test_monitor_alerts_once_per_episode():
+    skipped = [False] * 40
+    for s in (3, 5, 6, 7, 25, 26, 28):
+        skipped[s - 1] = True
+    window, alert = 8, 0.2
+    expected = reference_episodes(reference_rates(skipped, window), alert)
+    assert [k for _, k in expected] == ["ALERT", "CLEAR", "ALERT", "CLEAR"]  # the pattern has two episodes
+    m = RunMonitor(window=window, alert_rate=alert, scaler_enabled=False)
+    got = []
+    for r in records_for(skipped):
+        for e in m.observe(r):
+            got.append((e.step, {"skip_rate_alert": "ALERT", "skip_rate_clear": "CLEAR"}[e.kind]))
+    assert got == expected
+    assert m.alert_episodes == 2
+    assert m.max_skip_rate == max(reference_rates(skipped, window))
+
+
+def test_monitor_rate_at_exactly_the_threshold_is_not_an_alert():
+    m = RunMonitor(window=4, alert_rate=0.25, scaler_enabled=False)
+    events = m.observe(skip_record(1))  # 1/4 == 0.25: not above
+    assert events == [] and not m.alerting
+    events = m.observe(skip_record(2))  # 2/4 > 0.25
+    assert [e.kind for e in events] == ["skip_rate_alert"]
+    assert events[0].data == {"skip_rate": 0.5, "window": 4}
+
+
+@pytest.mark.parametrize("fail_rate,fail_after", [(0.1, 10), (0.3, 4), (0.0, 1), (0.45, 3)])
+def test_monitor_fails_at_exactly_the_predicted_step(fail_rate, fail_after):
+    fault = parse_fault("inf_grad@rate:0.5", seed=0)
+    skipped = [fault.hits(s) for s in range(1, 201)]
+    rates = reference_rates(skipped, 20)
+    expected = reference_fail_step(rates, fail_rate, fail_after)
+    assert expected is not None
+    m = RunMonitor(window=20, fail_rate=fail_rate, fail_after=fail_after, scaler_enabled=False)
+    fails = []
+    for r in records_for(skipped):
+        fails += [e for e in m.observe(r) if e.kind == "fail"]
+        if m.failed is None:
+            assert r.step < expected
+    assert [e.step for e in fails] == [expected]  # once, at that step
+    assert m.failed is fails[0] and m.failed.step == expected
+
+
+def test_monitor_without_fail_rate_never_fails():
+    m = RunMonitor(window=2, fail_rate=None, fail_after=1, scaler_enabled=False)
+    for i in range(1, 30):
+        m.observe(skip_record(i))
+    assert m.failed is None and m.skip_rate == 1.0
+
+
+def test_monitor_fail_counter_resets_when_the_rate_drops():
+    # window 4, fail_rate 0.25 -> needs 2 of the last 4 skipped; fail_after 3
+    skipped = [True, True, True, False, False, False, True, True, False, True, False]
+    rates = reference_rates(skipped, 4)
+    expected = reference_fail_step(rates, 0.25, 3)
+    m = RunMonitor(window=4, fail_rate=0.25, fail_after=3, scaler_enabled=False)
+    steps = [e.step for r in records_for(skipped) for e in m.observe(r) if e.kind == "fail"]
+    assert steps == ([expected] if expected else [])
+    assert expected == 4  # rates 0.25, 0.5, 0.75, 0.75: above from step 2, third step above is 4
+
+
+def test_monitor_scale_alert_once_and_fail_on_scale_collapse():
+    m = RunMonitor(window=100, scaler_enabled=True, init_scale=4.0, min_scale=1.0,
+                   fail_on_scale_collapse=True, fail_after=3)
+    scales = [2.0, 1.0, 0.5, 0.5, 0.5, 0.5]
+    events = []
+    for i, s in enumerate(scales, start=1):
+        rec = skip_record(i, scale=s) if i <= 3 else step_record(i, scale=s)
+        events += [(e.step, e.kind) for e in m.observe(rec)]
+    # below 1.0 from step 3; the third consecutive step below is step 5
+    assert events == [(3, "scale_alert"), (5, "fail")]
+    assert m.scale_verdict == "collapsing"
+
+
+def test_monitor_scale_clear_when_the_scale_recovers():
+    m = RunMonitor(window=100, scaler_enabled=True, init_scale=2.0, min_scale=1.0)
+    kinds = []
+    for i, (s, skip) in enumerate([(1.0, True), (0.5, True), (1.0, False), (0.5, True), (1.0, False)], start=1):
+        rec = skip_record(i, scale=s) if skip else step_record(i, scale=s)
+        kinds += [(e.step, e.kind) for e in m.observe(rec)]
+    assert kinds == [(2, "scale_alert"), (3, "scale_clear"), (4, "scale_alert"), (5, "scale_clear")]
+    assert m.failed is None  # fail_on_scale_collapse is off
+
+
+MIXED = "SSccccccccSScccccccSccccSSSSccccccccccSSSSScc"  # S: skipped step, c: clean step
+MIXED_ARGS = dict(window=6, alert_rate=0.2, fail_rate=0.4, fail_after=4, max_norm=1.0, init_scale=2.0**16)
+
+
+def _mixed_records() -> list:
+    scale = 2.0**16
+    out = []
+    for i, ch in enumerate(MIXED, start=1):
+        if ch == "S":
+            scale /= 2
+            reason = "non_finite_loss" if i % 3 == 0 else "non_finite_grad"
+            out.append(skip_record(i, reason, scale=scale))
+        else:
+            if i % 7 == 0:
+                scale *= 2
+            out.append(step_record(i, loss=10.0 / i, pre=0.5 + (i % 4) * 0.4, scale=scale))
+    return out
+
+
+def test_mixed_stream_has_two_episodes_then_a_fail():
+    # What the round trips below must preserve really happens in this stream.
+    skipped = [ch == "S" for ch in MIXED]
+    rates = reference_rates(skipped, 6)
+    fail_step = reference_fail_step(rates, 0.4, 4)
+    assert fail_step == 30
+    m = RunMonitor(**MIXED_ARGS)
+    events = [(e.step, e.kind) for r in _mixed_records() for e in m.observe(r)]
+    expected_alerts = [(s, {"ALERT": "skip_rate_alert", "CLEAR": "skip_rate_clear"}[k])
+                       for s, k in reference_episodes(rates, 0.2)]
+    assert [e for e in events if e[1].startswith("skip_rate")] == expected_alerts
+    assert [e for e in events if e[1] == "fail"] == [(fail_step, "fail")]
+    assert len(expected_alerts) >= 5  # alert, clear, alert, clear, alert
+
+
+def canon(state: dict) -> str:
+    """Comparable text of a state (NaN == NaN here, unlike in a dict comparison)."""
+    return json.dumps(state, sort_keys=True)
+
+
+def _round_trip(split: int) -> tuple[RunMonitor, RunMonitor, list]:
+    records = _mixed_records()
+    live = RunMonitor(**MIXED_ARGS)
+    for r in records[:split]:
+        live.observe(r)
+    state = json.loads(json.dumps(live.state_dict()))  # a checkpoint holds plain data
+    restored = RunMonitor(**MIXED_ARGS)
+    restored.load_state_dict(copy.deepcopy(state))
+    return live, restored, records[split:]
+
+
+@pytest.mark.parametrize("split", [1, 2, 5, 8, 11, 12, 20, 26, 27, 29])
+def test_run_monitor_state_dict_round_trip_mid_run(split):
+    live, restored, rest = _round_trip(split)
+    assert canon(restored.state_dict()) == canon(live.state_dict())
+    for r in rest:
+        a = [e.as_dict() for e in live.observe(r)]
+        b = [e.as_dict() for e in restored.observe(r)]
+        assert a == b, r.step
+        assert (restored.skip_rate, restored.clip_rate, restored.scale_verdict, restored.stats_line(),
+                restored.summary()) == (live.skip_rate, live.clip_rate, live.scale_verdict, live.stats_line(),
+                                        live.summary())
+        assert (restored.failed is None) == (live.failed is None)
+    assert canon(restored.state_dict()) == canon(live.state_dict())
+
+
+@pytest.mark.parametrize("split", [30, 33])
+def test_run_monitor_round_trip_after_the_fail(split):
+    live, restored, rest = _round_trip(split)
+    assert live.failed is not None and live.failed.step == 30
+    for r in rest:
+        assert [e.as_dict() for e in restored.observe(r)] == [e.as_dict() for e in live.observe(r)], r.step
+
+
+def test_run_monitor_round_trip_needs_the_same_window():
+    m = RunMonitor(window=6)
+    m.observe(step_record(1))
+    with pytest.raises(ValueError):
+        RunMonitor(window=7).load_state_dict(m.state_dict())
+
+
+# ---------------------------------------------------------------------------- train: fail-fast
+
+
+def test_train_fail_fast_stops_at_the_predicted_step(train):
+    fault = parse_fault("inf_grad@rate:0.5", seed=0)
+    window, fail_rate, fail_after, steps = 20, 0.1, 10, 200
+    skipped = [fault.hits(s) for s in range(1, steps + 1)]
+    expected = reference_fail_step(reference_rates(skipped, window), fail_rate, fail_after)
+    assert expected is not None and expected < steps
+
+    code, out, err, run_dir = train(
+        "ff", "--set", "precision=fp32", "--set", f"steps={steps}", "--inject", "inf_grad@rate:0.5",
+        "--set", f"monitor.window={window}", "--fail-skip-rate", str(fail_rate), "--fail-after", str(fail_after))
+    assert code == 3, err
+    assert "Traceback" not in err
+
+    # CSV: exactly `expected` complete rows, steps 1..expected, skips exactly where the fault hits.
+    text = (run_dir / "steps.csv").read_text(encoding="utf-8")
+    assert text.endswith("\n")
+    rows = read_rows(run_dir / "steps.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, expected + 1))
+    assert [r["skipped"] == "1" for r in rows] == skipped[:expected]
+    assert {r["skip_reason"] for r in rows if r["skipped"] == "1"} == {"non_finite_grad"}
+
+    # One FAIL line on the console, at that step.
+    fail_lines = [line for line in out.splitlines() if line.startswith("FAIL ")]
+    assert len(fail_lines) == 1 and fail_lines[0].startswith(f"FAIL {expected} ")
+    assert f"fail_rate {fail_rate:g}" in fail_lines[0] and f"{fail_after} consecutive" in fail_lines[0]
+
+    # events.jsonl: strict JSON, exactly one fail event at that step, then run_end.
+    events = read_events(run_dir / "events.jsonl")
+    fails = [e for e in events if e["event"] == "fail"]
+    assert [e["step"] for e in fails] == [expected]
+    assert fails[0]["skip_rate"] == sum(skipped[max(0, expected - window):expected]) / window
+    assert events[-1]["event"] == "run_end" and events[-1]["step"] == expected
+    assert events[0]["event"] == "run_start"
+
+    # RUN.md says why it ended; the plot was still made.
+    card = (run_dir / "RUN.md").read_text(encoding="utf-8")
+    assert f"stopped by the guard at step {expected}" in card
+    assert f"above fail_rate {fail_rate:g} for {fail_after} consecutive steps" in card
+    assert train.drawn == [run_dir / "report.png"]
+    assert f"ended: stopped by the guard at step {expected}" in out
+
+
+def test_train_fail_rate_from_config_keys(train):
+    # monitor.fail_rate / monitor.fail_after are the config spelling of the two flags.
+    fault = parse_fault("nan_loss@every:2", seed=0)
+    skipped = [fault.hits(s) for s in range(1, 61)]
+    expected = reference_fail_step(reference_rates(skipped, 10), 0.3, 5)
+    assert expected is not None
+    code, out, err, run_dir = train(
+        "cfg", "--set", "precision=bf16", "--set", "steps=60", "--inject", "nan_loss@every:2",
+        "--set", "monitor.window=10", "--set", "monitor.fail_rate=0.3", "--set", "monitor.fail_after=5")
+    assert code == 3, err
+    assert len(read_rows(run_dir / "steps.csv")) == expected
+    assert [e["step"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "fail"] == [expected]
+
+
+def test_train_without_fail_rate_runs_to_the_end_despite_skips(train):
+    code, out, err, run_dir = train(
+        "nofail", "--set", "precision=fp32", "--set", "steps=15", "--inject", "inf_grad@rate:0.5",
+        "--set", "monitor.window=5")
+    assert code == 0, err
+    assert len(read_rows(run_dir / "steps.csv")) == 15
+    assert not [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert "finished: 15 steps" in (run_dir / "RUN.md").read_text(encoding="utf-8")
+
+
+def test_train_fail_on_scale_collapse(train):
+    # fp16 from scale 4: three injected overflows halve it to 2, 1, 0.5 (< min_scale 1 at step 3);
+    # clean steps keep it there (growth_interval 2000); below for 2 consecutive steps -> exit 3 at 4.
+    code, out, err, run_dir = train(
+        "collapse", "--set", "precision=fp16", "--set", "steps=30", "--set", "scaler.init_scale=4",
+        "--inject", "inf_grad@1,2,3", "--set", "monitor.fail_on_scale_collapse=true",
+        "--set", "monitor.fail_after=2")
+    assert code == 3, err
+    rows = read_rows(run_dir / "steps.csv")
+    assert [float(r["scaler_scale"]) for r in rows] == [2.0, 1.0, 0.5, 0.5]
+    events = [(e["step"], e["event"]) for e in read_events(run_dir / "events.jsonl")]
+    assert (3, "scale_alert") in events and (4, "fail") in events
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith(("ALERT", "FAIL"))] == [
+        ["ALERT", "3"], ["FAIL", "4"]]
+    card = (run_dir / "RUN.md").read_text(encoding="utf-8")
+    assert "scale health | collapsing" in card
+    assert "loss scale below scaler.min_scale 1 for 2 consecutive steps" in card
+
+
+# ---------------------------------------------------------------------------- train: alert episodes
+
+
+def test_train_alerts_once_per_episode(train):
+    steps, window, alert = 45, 10, 0.1
+    spec = "nan_loss@3,4,6,30,31"
+    fault = parse_fault(spec)
+    skipped = [fault.hits(s) for s in range(1, steps + 1)]
+    rates = reference_rates(skipped, window)
+    expected = reference_episodes(rates, alert)
+    assert [k for _, k in expected] == ["ALERT", "CLEAR", "ALERT", "CLEAR"]
+
+    code, out, err, run_dir = train(
+        "alerts", "--set", "precision=fp32", "--set", f"steps={steps}", "--inject", spec,
+        "--set", f"monitor.window={window}", "--set", f"monitor.alert_rate={alert}")
+    assert code == 0, err
+    console = [(int(line.split()[1]), line.split()[0]) for line in out.splitlines()
+               if line.startswith(("ALERT ", "CLEAR "))]
+    assert console == expected  # once when it starts, once when it clears: not per step
+
+    events = read_events(run_dir / "events.jsonl")
+    logged = [(e["step"], {"skip_rate_alert": "ALERT", "skip_rate_clear": "CLEAR"}[e["event"]])
+              for e in events if e["event"] in ("skip_rate_alert", "skip_rate_clear")]
+    assert logged == expected
+    for e in events:
+        if e["event"] in ("skip_rate_alert", "skip_rate_clear"):
+            assert e["skip_rate"] == rates[e["step"] - 1] and e["window"] == window
+
+    card = (run_dir / "RUN.md").read_text(encoding="utf-8")
+    assert "| skip-rate alert episodes | 2 |" in card
+    assert f"| max rolling skip rate | {max(rates):.4f} |" in card
+    assert f"| skipped steps | {sum(skipped)} (non_finite_loss={sum(skipped)}) |" in card
+
+
+# ---------------------------------------------------------------------------- train: real fp16 scale health
+
+
+def reference_verdicts(scales: list[float], skipped: list[bool], init: float, window: int) -> list[str]:
+    """The ScaleHealth rules re-derived from the per-step scales (all moves here are powers of 2)."""
+    moves, opening, prev, flag = [], [], init, True
+    for s, sk in zip(scales, skipped):
+        m = round(math.log2(s / prev))
+        flag = flag and sk
+        moves.append(m)
+        opening.append(m if flag else 0)
+        prev = s
+    out = []
+    for i in range(len(moves)):
+        w, o = moves[max(0, i + 1 - window): i + 1], opening[max(0, i + 1 - window): i + 1]
+        ups = sum(m > 0 for m in w)
+        downs = sum(m < 0 for m in w) - sum(m < 0 for m in o)
+        if scales[i] < 1.0:
+            out.append("collapsing")
+        elif ups == 0 and downs == 0:
+            out.append("warming" if any(m < 0 for m in o) else "stable")
+        elif ups >= 2 and downs >= 2:
+            out.append("oscillating")
+        elif ups == 0 and sum(w) - sum(o) <= -3:
+            out.append("collapsing")
+        elif ups > downs:
+            out.append("climbing")
+        else:
+            out.append("stable")
+    return out
+
+
+def test_train_fp16_scale_health_warming_then_stable(train):
+    init, window, every, steps = 2.0**40, 10, 10, 40
+    code, out, err, run_dir = train(
+        "fp16", "--set", "precision=fp16", "--set", f"steps={steps}", "--set", f"scaler.init_scale={int(init)}",
+        "--set", f"monitor.window={window}", "--set", f"log.every={every}", "--set", "log.jsonl=true")
+    assert code == 0, err
+    rows = read_rows(run_dir / "steps.csv")
+    scales = [float(r["scaler_scale"]) for r in rows]
+    skipped = [r["skipped"] == "1" for r in rows]
+    # 2**40 times any gradient overflows fp16 (max 65504): the run opens with a streak of skips.
+    assert all(skipped[:every]), "the opening steps should all overflow"
+    assert all(r["skip_reason"] == "non_finite_grad" for r, s in zip(rows, skipped) if s)
+
+    stats = [line for line in out.splitlines() if line.startswith("STATS ")]
+    assert [int(line.split()[1]) for line in stats] == list(range(every, steps + 1, every))
+    verdicts = [re.search(r" scale=(\S+) ", line).group(1) for line in stats]
+    expected = reference_verdicts(scales, skipped, init, window)
+    assert verdicts == [expected[s - 1] for s in range(every, steps + 1, every)]
+    assert verdicts[0] == "warming" and verdicts[-1] == "stable"
+    for line, step in zip(stats, range(every, steps + 1, every)):
+        rate = sum(skipped[step - window: step]) / window
+        assert f"skip_rate={rate:.3f}" in line
+        n = sum(skipped[:step])
+        assert line.endswith(f"skips=non_finite_grad={n}")
+
+    card = (run_dir / "RUN.md").read_text(encoding="utf-8")
+    assert f"| scale health | stable (final scale {scales[-1]:g}) |" in card
+    assert "| precision | fp16 (autocast on cpu) |" in card
+
+    # steps.jsonl (log.jsonl=true): strict JSON, the opening's non-finite norms as strings.
+    lines = (run_dir / "steps.jsonl").read_text(encoding="utf-8").splitlines()
+    recs = [strict_json(line) for line in lines]
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))
+    for rec, row in zip(recs, rows):
+        assert rec["skipped"] == (row["skipped"] == "1")
+        assert rec["skip_reason"] == (row["skip_reason"] or None)
+        assert rec["scaler_scale"] == float(row["scaler_scale"])
+        if row["grad_l2_pre_clip"] in ("inf", "nan"):
+            assert rec["grad_l2_pre_clip"] == row["grad_l2_pre_clip"]
+    assert any(r["grad_l2_pre_clip"] in ("inf", "nan") for r in recs[:every])
+
+
+# ---------------------------------------------------------------------------- sinks
+
+
+def test_jsonl_sink_is_strict_json_with_non_finite_strings(tmp_path):
+    path = tmp_path / "e.jsonl"
+    sink = JsonlSink(path)
+    sink.write(skip_record(3, "non_finite_grad", loss=2.5, scale=512.0))
+    sink.write(skip_record(4, "non_finite_loss"))
+    sink.write_event({"step": 5, "event": "x", "a": float("-inf"), "b": float("nan"), "c": 1.5, "d": None})
+    # flushed per line: readable before close
+    first, second, third = [strict_json(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    sink.close()
+    assert first == {"step": 3, "lr": 0.1, "loss": 2.5, "grad_l2_pre_clip": "inf", "grad_l2_post_clip": None,
+                     "scaler_scale": 512.0, "skipped": True, "skip_reason": "non_finite_grad"}
+    assert second["loss"] == "nan" and second["grad_l2_pre_clip"] is None
+    assert second["skip_reason"] == "non_finite_loss"
+    assert third == {"step": 5, "event": "x", "a": "-inf", "b": "nan", "c": 1.5, "d": None}
+
+
+def test_jsonl_sink_refuses_to_overwrite(tmp_path):
+    path = tmp_path / "e.jsonl"
+    path.write_text('{"a": 1}\n', encoding="utf-8")
+    with pytest.raises(InputError):
+        JsonlSink(path)
+    assert path.read_text(encoding="utf-8") == '{"a": 1}\n'
+
+
+def test_sinks_follow_the_protocol(tmp_path):
+    from ampguard.sinks import ConsoleSink, CsvSink, Sink
+
+    for sink in (CsvSink(tmp_path / "a.csv"), JsonlSink(tmp_path / "a.jsonl"), ConsoleSink(1, lambda s: None)):
+        assert isinstance(sink, Sink)
+        sink.close()
+
+
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+
+@pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed")
+def test_tensorboard_sink_without_the_package_is_bad_input(tmp_path):
+    with pytest.raises(InputError, match="tensorboard"):
+        TensorBoardSink(tmp_path / "tb")
+
+
+@pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed")
+def test_train_with_tensorboard_missing_exits_2_and_writes_nothing(train, tmp_path):
+    code, out, err, run_dir = train("tb", "--set", "steps=3", "--set", "log.tensorboard=true")
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "tensorboard" in err and "Traceback" not in err
+    # Bad input leaves nothing behind: the check comes before the run folder is made.
+    assert not run_dir.exists()
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")
+def test_tensorboard_sink_writes_event_files(tmp_path):
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write(step_record(1))
+    sink.write(skip_record(2))
+    sink.close()
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").rglob("*"))

@@ -1,0 +1,416 @@
+"""After the run (issue 3): ``ampguard report`` (the five-panel PNG and its summary), the plot and
+run card ``train`` writes when it finishes, fails fast (exit 3) or is interrupted (exit 130), and
+bad report input (exit 2, one line, no PNG).
+
+Expected numbers come from the fault schedule and the window arithmetic; the run's own files are
+only read to check they agree with each other (the card against the CSV it summarises).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ampguard.cli import main
+from ampguard.faults import parse_fault
+from ampguard.sinks import CSV_COLUMNS
+
+HEADER = ",".join(CSV_COLUMNS)
+PNG_SIZE = (1200, 1400)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def read_events(path: Path) -> list[dict]:
+    def refuse(token: str):
+        raise AssertionError(f"non-strict JSON constant {token}")
+
+    return [json.loads(line, parse_constant=refuse) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
+def reference_rates(skipped: list[bool], window: int) -> list[float]:
+    return [sum(skipped[max(0, i + 1 - window): i + 1]) / window for i in range(len(skipped))]
+
+
+def reference_episodes(rates: list[float], threshold: float) -> list[tuple[int, str]]:
+    out, alerting = [], False
+    for step, rate in enumerate(rates, start=1):
+        if rate > threshold and not alerting:
+            out.append((step, "skip_rate_alert"))
+            alerting = True
+        elif rate <= threshold and alerting:
+            out.append((step, "skip_rate_clear"))
+            alerting = False
+    return out
+
+
+def reference_fail_step(rates: list[float], fail_rate: float, fail_after: int) -> int | None:
+    run = 0
+    for step, rate in enumerate(rates, start=1):
+        run = run + 1 if rate > fail_rate else 0
+        if run >= fail_after:
+            return step
+    return None
+
+
+def in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    """``ampguard.cli.main(argv)`` inside ``cwd``, capturing stdout and stderr (for module fixtures)."""
+    out, err = io.StringIO(), io.StringIO()
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in argv])
+    finally:
+        os.chdir(old)
+    return code, out.getvalue(), err.getvalue()
+
+
+def card_table(card: str) -> dict[str, str]:
+    """The ``| key | value |`` rows of RUN.md as a mapping."""
+    rows = {}
+    for line in card.splitlines():
+        m = re.fullmatch(r"\| (.+?) \| (.*) \|", line)
+        if m and m.group(1) not in ("", "---|---"):
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+CARD_KEYS = {
+    # set-up
+    "precision", "loss scaler", "clipping", "accumulation", "skip-rate alert", "fail-fast",
+    # outcome
+    "ended", "steps attempted", "updates applied", "skipped steps", "max rolling skip rate",
+    "skip-rate alert episodes", "clip rate (whole run)", "scale health", "loss",
+    # files
+    "per-step CSV", "event log (JSON lines)", "plot", "checkpoints",
+}
+
+
+def check_card_against_csv(run_dir: Path, *, window: int, alert_rate: float, max_norm: float) -> dict[str, str]:
+    """Every field is there, and the outcome numbers are those of the CSV the card sits next to."""
+    card = (run_dir / "RUN.md").read_text(encoding="utf-8")
+    table = card_table(card)
+    assert CARD_KEYS <= set(table), sorted(CARD_KEYS - set(table))
+    rows = read_rows(run_dir / "steps.csv")
+    skipped = [r["skipped"] == "1" for r in rows]
+    reasons = {}
+    for r in rows:
+        if r["skip_reason"]:
+            reasons[r["skip_reason"]] = reasons.get(r["skip_reason"], 0) + 1
+    n = len(rows)
+    assert table["steps attempted"] == str(n)
+    assert table["updates applied"] == str(n - sum(skipped))
+    by_reason = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())) or "none"
+    assert table["skipped steps"] == f"{sum(skipped)} ({by_reason})"
+    rates = reference_rates(skipped, window)
+    assert table["max rolling skip rate"] == f"{max(rates):.4f}"
+    episodes = sum(1 for _, k in reference_episodes(rates, alert_rate) if k == "skip_rate_alert")
+    assert table["skip-rate alert episodes"] == str(episodes)
+    clipped = sum(1 for r in rows if r["skipped"] == "0" and float(r["grad_l2_pre_clip"]) > max_norm)
+    assert table["clip rate (whole run)"] == f"{clipped / n:.3f} ({clipped} of {n} steps had pre-clip norm > max_norm)"
+    applied = [float(r["loss"]) for r in rows if r["skipped"] == "0"]
+    assert table["loss"] == (f"first {applied[0]:.4g}, final {float(rows[-1]['loss']):.4g}, "
+                             f"best {min(applied):.4g}")
+    assert table["clipping"] == f"global L2, max_norm {max_norm:g}"
+    assert table["skip-rate alert"] == f"rolling rate > {alert_rate:g} over {window} steps"
+    assert table["per-step CSV"] == "`steps.csv`"
+    assert table["event log (JSON lines)"] == "`events.jsonl`"
+    assert table["plot"] == "`report.png`"
+    assert table["checkpoints"]
+    assert card.startswith(f"# Run {run_dir.name}\n")
+    assert f"**{table['ended']}**" in card  # why it ended, up front
+    return table
+
+
+# ---------------------------------------------------------------------------- runs shared by several tests
+
+DEMO_SKIPS = {5: "non_finite_grad", 9: "non_finite_loss"}
+
+
+@pytest.fixture(scope="module")
+def demo_csvs(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("demo")
+    code, out, err = in_process(["demo", "--inject", "inf_grad@5", "--inject", "nan_loss@9", "--csv",
+                                 folder / "skips.csv"], folder)
+    assert code == 0, err
+    code, out, err = in_process(["demo", "--inject", "none", "--csv", folder / "clean.csv"], folder)
+    assert code == 0, err
+    return {"skips": folder / "skips.csv", "clean": folder / "clean.csv"}
+
+
+FINISHED = dict(steps=15, window=5, fail_rate=0.5, fail_after=3, init_scale=1024)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("finished")
+    code, out, err = in_process([
+        "train", "--set", "task.name=linear", "--set", "precision=fp16", "--set", "accumulation_steps=2",
+        "--set", f"steps={FINISHED['steps']}", "--set", f"scaler.init_scale={FINISHED['init_scale']}",
+        "--set", f"monitor.window={FINISHED['window']}", "--fail-skip-rate", str(FINISHED["fail_rate"]),
+        "--fail-after", str(FINISHED["fail_after"]), "--inject", "inf_grad@5", "--inject", "nan_loss@9",
+        "--set", "log.every=5", "--set", f"log.dir={root}", "--set", "log.name=done"], root)
+    assert code == 0, err
+    return root / "done", out
+
+
+FAILED = dict(window=20, fail_rate=0.1, fail_after=10, steps=200, spec="inf_grad@rate:0.5")
+
+
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory) -> tuple[Path, int, str]:
+    root = tmp_path_factory.mktemp("failed")
+    code, out, err = in_process([
+        "train", "--set", "task.name=linear", "--set", "precision=bf16", "--set", f"steps={FAILED['steps']}",
+        "--inject", FAILED["spec"], "--set", f"monitor.window={FAILED['window']}",
+        "--fail-skip-rate", str(FAILED["fail_rate"]), "--fail-after", str(FAILED["fail_after"]),
+        "--set", "log.every=1000", "--set", f"log.dir={root}", "--set", "log.name=failed"], root)
+    return root / "failed", code, out
+
+
+# ---------------------------------------------------------------------------- report: good input
+
+
+def test_report_csv_with_both_skip_reasons(demo_csvs):
+    csv_path = demo_csvs["skips"]
+    rows = read_rows(csv_path)
+    assert {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"} == DEMO_SKIPS
+    window = 3
+    skipped = [int(r["step"]) in DEMO_SKIPS for r in rows]
+    rates = reference_rates(skipped, window)
+    episodes = sum(1 for _, k in reference_episodes(rates, 0.05) if k == "skip_rate_alert")
+    assert episodes == 2  # window 3: steps 5 and 9 are two separate episodes
+
+    png = csv_path.with_suffix(".png")
+    assert not png.exists()
+    code, out, err = in_process(["report", csv_path, "--window", window], csv_path.parent)
+    assert code == 0, err
+    assert err == ""
+    assert png_size(png) == PNG_SIZE  # the default output sits next to the CSV
+    assert "summary: steps=20 updates=18 skips=2 (non_finite_grad=1, non_finite_loss=1)" in out
+    assert f"max rolling skip rate {max(rates):.4f} (window {window}), alert episodes {episodes}," in out
+    assert f"plot: {png}" in out
+
+
+def test_report_clean_csv(demo_csvs, tmp_path):
+    out_png = tmp_path / "sub.png"
+    code, out, err = in_process(["report", demo_csvs["clean"], "--out", out_png], tmp_path)
+    assert code == 0, err
+    assert png_size(out_png) == PNG_SIZE
+    assert not demo_csvs["clean"].with_suffix(".png").exists()  # --out is where it goes
+    assert "summary: steps=20 updates=20 skips=0 (none)" in out
+    assert "max rolling skip rate 0.0000 (window 1000), alert episodes 0," in out
+
+
+def test_report_run_dir_uses_the_run_config(finished_run, tmp_path):
+    run_dir, _ = finished_run
+    out_png = tmp_path / "again.png"
+    code, out, err = in_process(["report", run_dir, "--out", out_png], tmp_path)
+    assert code == 0, err
+    assert png_size(out_png) == PNG_SIZE
+    skipped = [s in DEMO_SKIPS for s in range(1, FINISHED["steps"] + 1)]
+    rates = reference_rates(skipped, FINISHED["window"])  # the window of the run's config.yaml
+    assert f"max rolling skip rate {max(rates):.4f} (window {FINISHED['window']})" in out
+    # The same numbers as the run card written during the run.
+    table = card_table((run_dir / "RUN.md").read_text(encoding="utf-8"))
+    assert f"alert episodes {table['skip-rate alert episodes']}," in out
+    assert f"clip rate {table['clip rate (whole run)'].split()[0]}, scale {table['scale health'].split()[0]}" in out
+
+
+# ---------------------------------------------------------------------------- report: bad input
+
+GOOD_ROWS = [
+    "1,0.2,3.0,1.0,2.5,0,,1024.0",
+    "2,0.2,inf,,2.4,1,non_finite_grad,512.0",
+    "3,0.2,,,nan,1,non_finite_loss,256.0",
+]
+
+
+def _csv(*lines: str) -> str:
+    return "\n".join(lines) + "\n"
+
+
+BAD_CSVS = {
+    "bad header": (_csv("step,lr,loss,grad_l2_pre_clip,grad_l2_post_clip,skipped,skip_reason,scaler_scale",
+                        *GOOD_ROWS), r"header"),
+    "short header": (_csv("step,lr,grad_l2_pre_clip", "1,0.1,2.0"), r"header"),
+    "non-number cell": (_csv(HEADER, GOOD_ROWS[0], "2,0.2,1.0,1.0,abc,0,,1024.0"), r"line 3.*loss.*'abc'"),
+    "step not whole": (_csv(HEADER, "1.5,0.2,1.0,1.0,2.0,0,,1024.0"), r"step '1\.5'"),
+    "too few cells": (_csv(HEADER, GOOD_ROWS[0], "2,0.2,1.0,1.0,2.0,0,"), r"line 3.*7 cells"),
+    "too many cells": (_csv(HEADER, "1,0.2,1.0,1.0,2.0,0,,1024.0,9"), r"line 2.*9 cells"),
+    "skipped=2": (_csv(HEADER, GOOD_ROWS[0], "2,0.2,1.0,1.0,2.0,2,,1024.0"), r"skipped.*'2'"),
+    "reason without skip": (_csv(HEADER, "1,0.2,1.0,1.0,2.0,0,non_finite_grad,1024.0"), r"skip_reason"),
+    "skip without reason": (_csv(HEADER, "1,0.2,inf,,2.0,1,,1024.0"), r"skip_reason"),
+    "unknown reason": (_csv(HEADER, "1,0.2,inf,,2.0,1,cosmic_ray,1024.0"), r"cosmic_ray"),
+    "steps out of order": (_csv(HEADER, GOOD_ROWS[0], "3,0.2,1.0,1.0,2.0,0,,1024.0", "2,0.2,1.0,1.0,2.0,0,,1024.0"),
+                           r"step 2 does not follow step 3"),
+    "duplicate step": (_csv(HEADER, GOOD_ROWS[0], GOOD_ROWS[0]), r"step 1 does not follow step 1"),
+    "empty file": ("", r"header"),
+    "header only": (_csv(HEADER), r"no steps"),
+    "not utf-8": (None, r"not a readable CSV"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CSVS))
+def test_report_bad_csv_exits_2_with_one_line_and_no_png(cli, tmp_path, snapshot, case):
+    text, names = BAD_CSVS[case]
+    path = tmp_path / "bad.csv"
+    if text is None:
+        path.write_bytes(HEADER.encode() + b"\n1,0.2,1.0,1.0,\xff\xfe,0,,1024.0\n")
+    else:
+        path.write_text(text, encoding="utf-8")
+    before = snapshot(tmp_path)
+    code, out, err = cli("report", "bad.csv")
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.endswith("\n"), err
+    assert "Traceback" not in err
+    assert re.search(names, err), err
+    assert "bad.csv" in err
+    assert out == ""
+    assert snapshot(tmp_path) == before  # no PNG, nothing touched
+    assert not list(tmp_path.rglob("*.png"))
+
+
+def test_report_the_good_rows_above_are_good(cli, tmp_path):
+    # The bad cases differ from this file in one place each.
+    (tmp_path / "good.csv").write_text(_csv(HEADER, *GOOD_ROWS), encoding="utf-8")
+    from ampguard.report import read_steps_csv
+
+    rows = read_steps_csv(tmp_path / "good.csv")
+    assert [(r.step, r.skipped, r.skip_reason) for r in rows] == [
+        (1, False, ""), (2, True, "non_finite_grad"), (3, True, "non_finite_loss")]
+    assert rows[1].grad_l2_pre_clip == float("inf") and rows[1].grad_l2_post_clip is None
+
+
+@pytest.mark.parametrize("target", ["missing.csv", "missing_dir/", "empty_dir"])
+def test_report_missing_file_exits_2(cli, tmp_path, snapshot, target):
+    (tmp_path / "empty_dir").mkdir()
+    before = snapshot(tmp_path)
+    code, out, err = cli("report", target)
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert target.rstrip("/") in err
+    assert snapshot(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------- run card and plot of train
+
+
+def test_finished_run_card_and_plot(finished_run):
+    run_dir, out = finished_run
+    rows = read_rows(run_dir / "steps.csv")
+    n = FINISHED["steps"]
+    assert [int(r["step"]) for r in rows] == list(range(1, n + 1))
+    # Only the injected steps skip: the scale halves exactly twice from init_scale.
+    assert {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"} == DEMO_SKIPS
+    final_scale = FINISHED["init_scale"] * 0.5 ** len(DEMO_SKIPS)
+    assert float(rows[-1]["scaler_scale"]) == final_scale
+
+    table = check_card_against_csv(run_dir, window=FINISHED["window"], alert_rate=0.05, max_norm=1.0)
+    assert table["ended"] == f"finished: {n} steps"
+    assert table["precision"] == "fp16 (autocast on cpu)"
+    assert table["accumulation"] == "2 micro-batch(es) per step"
+    assert table["loss scaler"] == (f"dynamic: init {FINISHED['init_scale']}, x2 after 2000 clean steps, "
+                                    f"x0.5 on a skip, min_scale 1")
+    assert table["fail-fast"] == (f"skip rate > {FINISHED['fail_rate']:g} for {FINISHED['fail_after']} "
+                                  f"consecutive steps -> exit 3")
+    # The last skip (step 9) left the 5-step window at step 14: no moves in it -> stable.
+    assert table["scale health"] == f"stable (final scale {final_scale:g})"
+    assert table["skipped steps"] == "2 (non_finite_grad=1, non_finite_loss=1)"
+    assert png_size(run_dir / "report.png") == PNG_SIZE
+
+    skipped = [s in DEMO_SKIPS for s in range(1, n + 1)]
+    expected = reference_episodes(reference_rates(skipped, FINISHED["window"]), 0.05)
+    events = read_events(run_dir / "events.jsonl")
+    assert [(e["step"], e["event"]) for e in events if e["event"].startswith("skip_rate")] == expected
+    assert events[0]["event"] == "run_start"
+    assert (events[-1]["event"], events[-1]["step"], events[-1]["message"]) == ("run_end", n, table["ended"])
+    assert "run folder:" in out and "STATS 15 " in out
+
+
+def test_failed_run_card_and_plot(failed_run):
+    run_dir, code, out = failed_run
+    fault = parse_fault(FAILED["spec"], seed=0)
+    skipped = [fault.hits(s) for s in range(1, FAILED["steps"] + 1)]
+    expected = reference_fail_step(reference_rates(skipped, FAILED["window"]), FAILED["fail_rate"],
+                                   FAILED["fail_after"])
+    assert code == 3
+    rows = read_rows(run_dir / "steps.csv")
+    assert len(rows) == expected  # flushed, and nothing after the guard's step
+    table = check_card_against_csv(run_dir, window=FAILED["window"], alert_rate=0.05, max_norm=1.0)
+    assert table["ended"].startswith(f"stopped by the guard at step {expected}: rolling skip rate above "
+                                     f"fail_rate {FAILED['fail_rate']:g} for {FAILED['fail_after']} consecutive")
+    assert table["precision"] == "bf16 (autocast on cpu)"
+    assert table["loss scaler"].startswith("off")
+    assert table["scale health"].startswith("none")
+    assert table["skipped steps"] == f"{sum(skipped[:expected])} (non_finite_grad={sum(skipped[:expected])})"
+    assert table["fail-fast"] == "skip rate > 0.1 for 10 consecutive steps -> exit 3"
+    assert png_size(run_dir / "report.png") == PNG_SIZE
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith("FAIL")] == [["FAIL", str(expected)]]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
+def test_interrupted_run_card_and_plot(tmp_path):
+    argv = [sys.executable, "-m", "ampguard", "train", "--set", "task.name=linear", "--set", "steps=1000000",
+            "--set", "log.every=1000000", "--set", "log.dir=runs", "--set", "log.name=int",
+            "--set", "monitor.window=50", "--inject", "nan_loss@every:4"]
+    run_dir = tmp_path / "runs" / "int"
+    csv_path = run_dir / "steps.csv"
+    with open(tmp_path / "out.txt", "wb") as out_f, open(tmp_path / "err.txt", "wb") as err_f:
+        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=out_f, stderr=err_f)
+        try:
+            deadline = time.monotonic() + 45
+            while time.monotonic() < deadline and proc.poll() is None:
+                if csv_path.exists() and csv_path.read_bytes().count(b"\n") > 10:
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, "the run ended before it could be interrupted"
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=40)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    err = (tmp_path / "err.txt").read_text(encoding="utf-8")
+    assert code == 130, err
+    assert "Traceback" not in err
+    rows = read_rows(csv_path)
+    n = len(rows)
+    assert n >= 10 and [int(r["step"]) for r in rows] == list(range(1, n + 1))
+    fault = parse_fault("nan_loss@every:4")
+    assert [r["skipped"] == "1" for r in rows] == [fault.hits(s) for s in range(1, n + 1)]
+
+    table = check_card_against_csv(run_dir, window=50, alert_rate=0.05, max_norm=1.0)
+    assert table["ended"] == f"interrupted (Ctrl-C) after step {n}"
+    assert table["precision"] == "bf16 (autocast on cpu)"  # the config default
+    assert table["fail-fast"].startswith("off")
+    assert png_size(run_dir / "report.png") == PNG_SIZE
+    events = read_events(run_dir / "events.jsonl")
+    assert events[-1]["event"] == "run_end" and events[-1]["step"] == n
+    assert "interrupted" in events[-1]["message"]
