@@ -86,6 +86,7 @@ def _demo(args: argparse.Namespace) -> int:
             "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.0},
             "schedule": {"decay": "constant"},
             "eval": {"enabled": False},
+            "diagnose": {"strict": args.strict},
             "scaler": {"init_scale": DEMO_INIT_SCALE, "growth_interval": 1_000_000},
             "monitor": _monitor_flags(args),
         }
@@ -146,6 +147,8 @@ def _train(args: argparse.Namespace) -> int:
     flags = _monitor_flags(args)
     if flags:
         data["monitor"] = {**(data.get("monitor") or {}), **flags}
+    if args.strict:
+        data["diagnose"] = {**(data.get("diagnose") or {}), "strict": True}
     config = validate(data)
     if resume is not None:
         assert saved is not None
@@ -171,6 +174,103 @@ def _train(args: argparse.Namespace) -> int:
     every = config.log.every
     result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume)
     return _finish(result)
+
+
+# ---------------------------------------------------------------------------- locate
+
+
+def _config_from(args: argparse.Namespace) -> Any:
+    """CONFIG file (or defaults), then --set, then --inject: the effective, validated config."""
+    from .config import apply_overrides, read_file, validate
+
+    data = read_file(args.config) if args.config else {}
+    data = apply_overrides(data, args.set or [])
+    if getattr(args, "inject", None):
+        data["inject"] = list(data.get("inject") or []) + [f for f in args.inject if f != "none"]
+    return validate(data)
+
+
+def _locate(args: argparse.Namespace) -> int:
+    import itertools
+    import json
+
+    import torch
+
+    from .checkpoint import load_checkpoint
+    from .faults import FaultInjector, parse_fault
+    from .locate import diagnose
+    from .precision import Precision
+    from .tasks import build_task
+    from .train import resolve_device
+
+    config = _config_from(args)
+    device = resolve_device(config.device)
+    task = build_task(config)
+    model = task.model.to(device)
+    scale = config.scaler.init_scale if config.precision == "fp16" else 1.0
+    if args.checkpoint:
+        payload = load_checkpoint(args.checkpoint, map_location=device)
+        try:
+            model.load_state_dict(payload["model"])
+        except RuntimeError as err:
+            raise InputError(f"{args.checkpoint}: does not fit this model ({str(err).splitlines()[0]})") from None
+        scaler_state = payload["state"].get("scaler") or {}
+        scale = float(scaler_state.get("scale", scale)) if config.precision == "fp16" else 1.0
+    if args.scale is not None:
+        scale = args.scale
+    faults = [parse_fault(spec, seed=config.seed) for spec in config.inject]
+    injector = FaultInjector(faults, config.accumulation_steps)
+    loss_fn = injector.wrap_loss(task.loss_fn)
+    injector.attach(model)
+    if args.batch:
+        batch = load_checkpoint_batch(args.batch)
+        batches = [batch]
+        where = f"batch {args.batch}"
+    else:
+        n = config.accumulation_steps
+        stream = injector.wrap_data(task.batches(), first_step=1)
+        batches = list(itertools.islice(stream, (args.step - 1) * n, args.step * n))
+        where = f"step {args.step} of task {task.name} (seed {config.seed})"
+    precision = Precision(config.precision, device.type)
+    result = None
+    for i, (inputs, targets) in enumerate(batches):
+        injector.current_step = args.step if not args.batch else 0
+        result = diagnose(model, loss_fn, _move(inputs, device), _move(targets, device), precision, scale)
+        if result.verdict != "none":
+            break
+    assert result is not None
+    if args.json:
+        print(json.dumps({"where": where, **result.as_dict()}))
+    else:
+        print(f"locate: {where}, {config.precision} on {device.type}, loss scale {scale:g}")
+        print(result.message())
+    return 0
+
+
+def load_checkpoint_batch(path: str) -> tuple[Any, Any]:
+    """A saved batch: ``torch.save({"inputs": x, "targets": y}, path)``, loaded weights-only."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise InputError(f"no batch file at {path}") from None
+    except pickle.UnpicklingError:
+        raise InputError(f"{path}: refused: it holds pickled objects beyond tensors and plain data") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError):
+        raise InputError(f"{path}: unreadable batch file (truncated, or not a PyTorch file)") from None
+    if not isinstance(data, dict) or not {"inputs", "targets"} <= set(data):
+        raise InputError(f"{path}: a batch file holds {{'inputs': ..., 'targets': ...}}")
+    return data["inputs"], data["targets"]
+
+
+def _move(value: Any, device: Any) -> Any:
+    from .train import _to_device
+
+    return _to_device(value, device)
 
 
 # ---------------------------------------------------------------------------- report
@@ -259,11 +359,30 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR|CHECKPOINT",
                        help="continue a run from its latest loadable checkpoint (or the one named), in its run folder")
     for verb in (demo, train):
+        verb.add_argument("--strict", action="store_true",
+                          help="debugging: stop (exit 3) at the first non-finite loss or gradient, saying which and where")
         verb.add_argument("--fail-skip-rate", type=_rate, metavar="RATE",
                           help="stop with exit code 3 when the rolling skip rate stays above RATE (monitor.fail_rate)")
         verb.add_argument("--fail-after", type=_positive_int, metavar="N",
                           help="...for N consecutive steps (monitor.fail_after, default 100)")
     train.set_defaults(func=_train)
+
+    locate = verbs.add_parser(
+        "locate",
+        help="find the first module/op where a non-finite value appears, and whether FP32 replay is clean",
+        description="Replays one batch (step N of a config's data, with its faults, or a saved batch) with hooks on "
+        "every module and parameter, names the first non-finite value (input, a module's forward output, the "
+        "loss, or a parameter's gradient), then replays it in FP32: finite there means a precision-range problem.",
+    )
+    locate.add_argument("config", nargs="?", metavar="CONFIG", help="a .yaml, .yml, .json or .toml config file")
+    locate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    locate.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
+    locate.add_argument("--step", type=_positive_int, default=1, help="which step's micro-batches to replay (default 1)")
+    locate.add_argument("--batch", metavar="FILE.pt", help="a saved batch {'inputs': ..., 'targets': ...} instead")
+    locate.add_argument("--checkpoint", metavar="CKPT", help="load the model's weights (and loss scale) from a checkpoint")
+    locate.add_argument("--scale", type=_number, help="loss scale for the backward pass (default: the scaler's)")
+    locate.add_argument("--json", action="store_true", help="print the finding as JSON")
+    locate.set_defaults(func=_locate)
 
     report = verbs.add_parser(
         "report",

@@ -254,6 +254,15 @@ class CheckpointConfig(_Section):
         return v
 
 
+class DiagnoseConfig(_Section):
+    first_skip: bool = False
+    """After the first skipped step, find where its non-finite value was born (``ampguard locate``
+    on that step's micro-batches) and write the finding to the event log and the run card."""
+    strict: bool = False
+    """Debugging: the first non-finite loss or gradient stops the run (exit 3) with a message
+    naming which and where, instead of skipping it and going on."""
+
+
 class RollbackConfig(_Section):
     triggers: list[Literal["skip_guard", "loss_spike"]] = []
     """What triggers a rollback: ``skip_guard`` (the fail-fast skip-rate guard trips) and/or
@@ -352,6 +361,8 @@ class Config(_Section):
     """Held-out evaluation (extra CSV columns)."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpoints for resume and rollback."""
+    diagnose: DiagnoseConfig = DiagnoseConfig()
+    """Automatic diagnosis of non-finite values."""
     rollback: RollbackConfig = RollbackConfig()
     """Rolling back to the last good checkpoint on a loss spike or a tripped guard."""
     task: TaskConfig = TaskConfig()

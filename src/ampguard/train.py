@@ -228,6 +228,7 @@ class RunResult:
     rollbacks: list[str] = field(default_factory=list)
     resumed_from: Path | None = None
     task: str = ""
+    diagnosis: str | None = None
 
 
 class _Stop(Exception):
@@ -288,6 +289,9 @@ class Trainer:
         self.injector.attach(self.task.model)
 
         self.position = 0  # micro-batches taken from the task's stream so far
+        self.capture = config.diagnose.first_skip or config.diagnose.strict  # keep the open group's batches
+        self.group: list[tuple[Any, Any]] = []
+        self.diagnosis: str | None = None
         self.rollback_log: list[str] = []
         self.saved: list[Path] = []
         if resume is not None:
@@ -375,6 +379,28 @@ class Trainer:
         every = self.config.eval.every
         return self.task.evaluate is not None and (step >= self.config.steps or (every > 0 and step % every == 0))
 
+    # ------------------------------------------------------------------ diagnosis
+
+    def _diagnose(self, record: StepRecord) -> str:
+        """Locate the first non-finite value in the skipped step's micro-batches (params are
+        untouched by the skip, and the injector still points at this step, so it replays)."""
+        from .locate import diagnose
+
+        state = self.state
+        scale = 1.0
+        if state.scaler.is_enabled():  # the scale this step ran with, before its backoff
+            scale = float(state.scaler.scale_value()) / state.scaler.get_backoff_factor()
+        result = None
+        for inputs, targets in self.group:
+            result = diagnose(self.task.model, state.loss_fn, inputs, targets, state.precision, scale)
+            if result.verdict != "none":
+                break
+        assert result is not None
+        message = f"step {record.step} ({record.reason}): {result.message()}"
+        self.diagnosis = message
+        self._event({"step": record.step, "event": "diagnosis", "message": message, **result.as_dict()}, "DIAGNOSIS")
+        return message
+
     # ------------------------------------------------------------------ rollback
 
     def _rollback_trigger(self, record: StepRecord) -> tuple[str, int] | None:
@@ -431,7 +457,10 @@ class Trainer:
             with stop_on_sigint() as stop:
                 stream = self._stream()
                 while state.steps < config.steps:
-                    record = state.step(*next(stream))
+                    batch = next(stream)
+                    if self.capture:
+                        self.group = [*self.group, batch] if state.mid_group else [batch]
+                    record = state.step(*batch)
                     if record is None:
                         continue
                     extra = self._evaluate() if self._eval_due(record.step) else None
@@ -439,6 +468,11 @@ class Trainer:
                     for event in monitor.observe(record):
                         word = "FAIL" if event.kind == "fail" else "ALERT" if event.kind.endswith("_alert") else "CLEAR"
                         self._event(event.as_dict(), word)
+                    if record.skipped and self.capture and self.diagnosis is None:
+                        found = self._diagnose(record)
+                        if config.diagnose.strict:
+                            which = "loss" if record.reason == "non_finite_loss" else "gradient"
+                            raise _Stop(EXIT_GUARD, f"strict mode: non-finite {which} at step {record.step}: {found}")
                     if extra:
                         self.say(f"EVAL {record.step} " + " ".join(f"{k}={v:.4g}" for k, v in extra.items()))
                     if self.stats_every and record.step % self.stats_every == 0:
@@ -474,7 +508,7 @@ class Trainer:
         if self.events is not None:
             self.events.close()
         result = RunResult(exit_code, monitor, self.paths, ended, self.device, self.saved, self.rollback_log,
-                           self.resume.path if self.resume else None, self.task.description)
+                           self.resume.path if self.resume else None, self.task.description, self.diagnosis)
         if self.paths.dir is not None:
             _write_report(config, result, self.say)
         return result

@@ -1,0 +1,181 @@
+"""Where was this NaN born? The first non-finite value of a batch, in execution order.
+
+Forward hooks on every module and gradient hooks on every parameter watch one forward and
+backward pass of the batch (under the run's autocast and loss scale); the first place a
+non-finite value shows up is the finding: the input, a module's output (qualified name, type,
+input and output dtypes), the loss, or a parameter's gradient in backward. The batch is then
+replayed in FP32 (no autocast, no loss scale): finite there means a precision-range problem
+(run that module outside autocast / in FP32); non-finite there too means the data or the model.
+
+Diagnostics only: the training step never imports this. Parameters are not changed; their
+gradients are restored afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .precision import Precision
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _bad(value: Any) -> str | None:
+    """'nan', 'inf' or None: the first non-finite kind in any floating tensor of ``value``."""
+    for t in _tensors(value):
+        if t.is_floating_point() or t.is_complex():
+            finite = torch.isfinite(t.detach())
+            if not bool(finite.all()):
+                return "nan" if bool(torch.isnan(t.detach()).any()) else "inf"
+    return None
+
+
+def _dtypes(value: Any) -> list[str]:
+    return [str(t.dtype).removeprefix("torch.") for t in _tensors(value)]
+
+
+@dataclass
+class Finding:
+    """The first non-finite value of one pass, or ``where == "none"``."""
+
+    where: str  # input | forward | loss | backward | none
+    name: str = ""  # module or parameter qualified name ("" for input / loss)
+    op: str = ""  # module type, or the loss function's name
+    kind: str = ""  # nan | inf
+    input_dtypes: list[str] = field(default_factory=list)
+    output_dtypes: list[str] = field(default_factory=list)
+    precision: str = ""
+
+
+@dataclass
+class Diagnosis:
+    """A finding under the run's precision, the FP32 replay's finding, and what it means."""
+
+    amp: Finding
+    fp32: Finding | None
+    verdict: str  # precision-range | data/model | none
+
+    def message(self) -> str:
+        f = self.amp
+        if f.where == "none":
+            return f"no non-finite value in forward, loss or backward under {f.precision}"
+        if f.where == "input":
+            place = "in the input batch"
+        elif f.where == "forward":
+            place = (f"in the forward output of {f.name or '<model>'} ({f.op}; inputs "
+                     f"{','.join(f.input_dtypes) or '-'} -> outputs {','.join(f.output_dtypes) or '-'})")
+        elif f.where == "loss":
+            place = f"in the loss ({f.op})"
+        else:
+            place = f"in backward, the gradient of parameter {f.name} ({f.op})"
+        first = f"first {f.kind} under {f.precision}: {place}"
+        if self.verdict == "precision-range":
+            hint = ("FP32 replay is finite: a precision-range problem; run that module outside autocast or in FP32"
+                    if f.where != "backward" else
+                    "FP32 replay is finite: a precision-range problem (the scaled gradient overflows fp16)")
+        elif self.verdict == "data/model":
+            hint = "FP32 replay is not finite either: a data or model problem, not a precision one"
+        else:
+            hint = ""
+        return f"{first}. {hint}".strip()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "amp": asdict(self.amp),
+                "fp32": asdict(self.fp32) if self.fp32 else None, "message": self.message()}
+
+
+def trace_first_non_finite(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    inputs: Any,
+    targets: Any,
+    precision: Precision,
+    loss_scale: float = 1.0,
+) -> Finding:
+    """One forward + backward of the batch, watching for the first non-finite value."""
+    label = precision.name
+    if (kind := _bad(inputs)) is not None:
+        return Finding("input", kind=kind, input_dtypes=_dtypes(inputs), precision=label)
+
+    found: list[Finding] = []
+    names = {id(m): name for name, m in model.named_modules()}
+    param_owner = {id(p): (name, type(model.get_submodule(name.rpartition(".")[0])).__name__)
+                   for name, p in model.named_parameters()}
+
+    def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
+        if not found and (kind := _bad(output)) is not None:
+            found.append(Finding("forward", names.get(id(module), "?"), type(module).__name__, kind,
+                                 _dtypes(args), _dtypes(output), label))
+
+    handles = [m.register_forward_hook(forward_hook) for m in model.modules()]
+    saved_grads = {id(p): p.grad for p in model.parameters()}
+    try:
+        for p in model.parameters():
+            p.grad = None
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                owner = param_owner[id(p)]
+
+                def grad_hook(grad: torch.Tensor, owner: tuple[str, str] = owner) -> None:
+                    if not found and (kind := _bad(grad)) is not None:
+                        found.append(Finding("backward", owner[0], owner[1], kind, [], [str(grad.dtype).removeprefix("torch.")], label))
+
+                handles.append(p.register_hook(grad_hook))
+        with precision.autocast():
+            outputs = model(inputs)
+            loss = loss_fn(outputs, targets)
+        if found:
+            return found[0]
+        loss = loss.float()
+        if (kind := _bad(loss)) is not None:
+            return Finding("loss", op=getattr(loss_fn, "__name__", type(loss_fn).__name__), kind=kind,
+                           output_dtypes=_dtypes(loss), precision=label)
+        if loss.requires_grad:
+            (loss * loss_scale).backward()
+        return found[0] if found else Finding("none", precision=label)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p in model.parameters():
+            p.grad = saved_grads[id(p)]
+
+
+def diagnose(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    inputs: Any,
+    targets: Any,
+    precision: Precision,
+    loss_scale: float = 1.0,
+) -> Diagnosis:
+    """Locate the first non-finite value, then replay in FP32 to say whose problem it is.
+
+    Example::
+
+        >>> d = diagnose(model, F.mse_loss, x, y, Precision("fp16", "cpu"), loss_scale=65536.0)
+        >>> d.verdict, d.amp.where, d.amp.name
+        ('precision-range', 'forward', 'blocks.3.attn')
+    """
+    was_training = model.training
+    try:
+        amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale)
+        if amp.where == "none":
+            return Diagnosis(amp, None, "none")
+        fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, Precision("fp32", precision.device_type), 1.0)
+    finally:
+        model.train(was_training)
+    return Diagnosis(amp, fp32, "precision-range" if fp32.where == "none" else "data/model")
