@@ -176,6 +176,55 @@ def _train(args: argparse.Namespace) -> int:
     return _finish(result)
 
 
+# ---------------------------------------------------------------------------- validate
+
+
+def _validate(args: argparse.Namespace) -> int:
+    import time
+
+    from .checkpoint import load_checkpoint
+    from .tasks import build_task
+    from .train import resolve_device
+    from .validate import compare, compare_training, write_outputs
+
+    config = _config_from(args)
+    cfg = config.validation
+    if args.train_steps is not None:
+        cfg = cfg.model_copy(update={"train_steps": args.train_steps})
+        config = config.model_copy(update={"validation": cfg})
+    device = resolve_device(config.device)
+    task = build_task(config)
+    model = task.model.to(device)
+    weights = "freshly initialised (no checkpoint given)"
+    checkpoint = args.checkpoint or cfg.checkpoint
+    if checkpoint:
+        payload = load_checkpoint(checkpoint, map_location=device)
+        try:
+            model.load_state_dict(payload["model"])
+        except RuntimeError as err:
+            raise InputError(f"{checkpoint}: does not fit this model ({str(err).splitlines()[0]})") from None
+        weights = f"from {checkpoint} (step {payload['step']})"
+    out = Path(args.out) if args.out else Path(config.log.dir) / time.strftime("validate-%Y%m%d-%H%M%S")
+    if out.exists() and any(out.iterdir()):
+        raise InputError(f"--out {out} exists and is not empty; refusing to overwrite it")
+
+    training = compare_training(task, config, device, cfg.train_steps) if cfg.train_steps else []
+    result = compare(task, model, config, device)
+    result.weights, result.training = weights, training
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = write_outputs(result, config, out)
+    for r in result.reference:
+        print(f"reference: {r.criterion}: {r.reference} -> {r.decision}")
+    for precision in result.results:
+        for r in precision.rules:
+            print(f"{precision.precision}: {r.criterion}: {r.amp} -> {r.decision}")
+    for t in training:
+        print(f"train {t['precision']}: {t['updates_applied']} updates applied, final loss {t['final_loss']:.4g}")
+    verdict = "ACCEPTED" if result.ok else "REJECTED" + ("" if result.reference_ok else " (FP32 reference not trusted)")
+    print(f"validate: {verdict}; report {md}, {js}")
+    return 0 if result.ok else 1
+
+
 # ---------------------------------------------------------------------------- locate
 
 
@@ -366,6 +415,22 @@ def build_parser() -> argparse.ArgumentParser:
         verb.add_argument("--fail-after", type=_positive_int, metavar="N",
                           help="...for N consecutive steps (monitor.fail_after, default 100)")
     train.set_defaults(func=_train)
+
+    validate = verbs.add_parser(
+        "validate",
+        help="AMP vs an FP32 reference on a fixed probe set, with rules declared before the run",
+        description="Runs the FP32 reference (checked first), then each AMP precision in validation.precisions, on "
+        "a fixed probe set (typical, nearest-a-boundary and edge-case inputs) and a fixed evaluation set. Rules come "
+        "from the config's validation section. Writes validation.md and validation.json; exit 0 when every rule "
+        "holds, 1 when any is violated.",
+    )
+    validate.add_argument("config", nargs="?", metavar="CONFIG", help="a .yaml, .yml, .json or .toml config file")
+    validate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. validation.max_flips=2")
+    validate.add_argument("--checkpoint", metavar="CKPT", help="model weights from an ampguard checkpoint")
+    validate.add_argument("--train-steps", dest="train_steps", type=_positive_int, metavar="N",
+                          help="also train N steps from the same state in FP32 and AMP and compare")
+    validate.add_argument("--out", metavar="DIR", help="where to write the report (default: runs/validate-<time>)")
+    validate.set_defaults(func=_validate)
 
     locate = verbs.add_parser(
         "locate",

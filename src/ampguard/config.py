@@ -254,6 +254,64 @@ class CheckpointConfig(_Section):
         return v
 
 
+class ValidateConfig(_Section):
+    """``ampguard validate``: every rule is declared here, before the run."""
+
+    precisions: list[Literal["fp16", "bf16"]] = ["fp16", "bf16"]
+    """AMP precisions to compare with the FP32 reference."""
+    checkpoint: str | None = None
+    """Model weights from an ampguard checkpoint (default: the task's freshly initialised model)."""
+    typical: Int = 32
+    """Probe set: the first this many held-out examples."""
+    boundary: Int = 16
+    """Probe set: the held-out examples with the smallest FP32 top-2 margin (classifiers)."""
+    edge_cases: bool = True
+    """Probe set: the task's edge-case inputs (blank, saturated, extreme values...)."""
+    abs_tol: Float = 0.05
+    """Score tolerance: |amp - fp32| <= abs_tol + rel_tol * |fp32| for every score of every probe."""
+    rel_tol: Float = 0.05
+    """Score tolerance, relative part."""
+    tie_margin: Float = 0.0
+    """Tie rule: an AMP top-2 gap <= this is a tie (the decision is not well defined)."""
+    ties: Literal["count_as_flip", "accept"] = "count_as_flip"
+    """Tie rule: a tie under AMP counts as a decision change, or is accepted."""
+    max_flips: Int = 0
+    """Decision changes (argmax flips, and ties when they count) allowed on the probe set."""
+    min_accuracy: Float | None = None
+    """Classifiers: minimum accuracy on the held-out set, for the reference and for AMP."""
+    max_mse: Float | None = None
+    """Regression: maximum mean squared error on the held-out set, for the reference and for AMP."""
+    train_steps: Int = 0
+    """Also train this many steps from the same state in FP32 and in each AMP precision and
+    compare loss curves, gradient norms and applied updates (informational)."""
+
+    @field_validator("abs_tol", "rel_tol", "tie_margin")
+    @classmethod
+    def _tolerance(cls, v: float) -> float:
+        return _finite_at_least(v, 0.0)
+
+    @field_validator("typical", "boundary", "max_flips", "train_steps")
+    @classmethod
+    def _count(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0 (got {v})")
+        return v
+
+    @field_validator("min_accuracy")
+    @classmethod
+    def _accuracy(cls, v: float | None) -> float | None:
+        if v is not None and not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise ValueError(f"must be in [0, 1] (got {v!r})")
+        return v
+
+    @field_validator("max_mse")
+    @classmethod
+    def _mse(cls, v: float | None) -> float | None:
+        if v is not None:
+            _finite_at_least(v, 0.0)
+        return v
+
+
 class DiagnoseConfig(_Section):
     first_skip: bool = False
     """After the first skipped step, find where its non-finite value was born (``ampguard locate``
@@ -361,6 +419,8 @@ class Config(_Section):
     """Held-out evaluation (extra CSV columns)."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpoints for resume and rollback."""
+    validation: ValidateConfig = ValidateConfig()
+    """The AMP-vs-FP32 acceptance test (``ampguard validate``)."""
     diagnose: DiagnoseConfig = DiagnoseConfig()
     """Automatic diagnosis of non-finite values."""
     rollback: RollbackConfig = RollbackConfig()

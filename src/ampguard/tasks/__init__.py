@@ -35,6 +35,17 @@ class Task:
     float_inputs: bool = True
     """Whether inputs are floating point (``nan_input`` can only corrupt those)."""
     description: str = ""
+    mode: str = "classifier"
+    """``classifier`` (scores per class, the decision is the argmax) or ``regression``."""
+    held_out: Callable[[], Batch] | None = None
+    """``held_out()`` -> a fixed (inputs, targets) evaluation set as tensors (``ampguard validate``)."""
+    edge_cases: Callable[[], tuple[list[str], torch.Tensor]] | None = None
+    """``edge_cases()`` -> (names, inputs): unusual inputs for the probe set."""
+    predict: Callable[[nn.Module, Any], torch.Tensor] | None = None
+    """Scores for a batch of inputs, one row per example (default: ``model(inputs)``)."""
+
+    def scores(self, model: nn.Module, inputs: Any) -> torch.Tensor:
+        return self.predict(model, inputs) if self.predict is not None else model(inputs)
 
 
 def build_task(config: Any) -> Task:

@@ -98,6 +98,13 @@ class CharLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def _next_char_set(text: torch.Tensor, block_size: int, n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed held-out examples for validation: a context window and the character after it."""
+    starts = torch.linspace(0, len(text) - block_size - 2, n).long()
+    idx = starts[:, None] + torch.arange(block_size)
+    return text[idx].long(), text[starts + block_size].long()
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -117,6 +124,11 @@ def build(config: Any) -> Task:
         evaluate=lambda m, device: {"val_loss": mean_loss(m, lm_loss, held_out, device)},
         metrics=("val_loss",),
         float_inputs=False,
+        held_out=lambda: _next_char_set(val_text, t.block_size),
+        edge_cases=lambda: (["spaces", "repeated_char", "all_bytes_cycle"], torch.stack([
+            torch.full((t.block_size,), ord(" ")), torch.full((t.block_size,), ord("x")),
+            torch.arange(t.block_size) % VOCAB])),
+        predict=lambda m, x: m(x)[:, -1, :],  # the decision: the next character after the context
         description=(
             f"character-level transformer ({t.n_layer} layers, {t.n_embd} wide, context {t.block_size}) "
             f"on {len(train_text):,} bytes of Python's standard library ({len(val_text):,} held out)"

@@ -65,6 +65,9 @@ def build(config: Any) -> Task:
         batches=lambda: digit_batches(x_train, y_train, config.seed + 1, config.task.batch_size),
         evaluate=evaluate,
         metrics=("val_loss", "val_accuracy"),
+        held_out=lambda: (x_test, y_test),
+        edge_cases=lambda: (["blank", "saturated", "inverted_mean", "overexposed_x4"],
+                            torch.stack([torch.zeros(64), torch.ones(64), 1 - x_train.mean(0), x_test[0] * 4])),
         description=f"MLP (64-{hidden}-{hidden}-10) on scikit-learn's handwritten digits "
         f"({len(x_train)} train / {len(x_test)} test images)",
     )

@@ -8,7 +8,12 @@ holds free-form settings for it) and returns a mapping::
                                                  #   returning a fresh iterable; re-read every epoch
      "loss_fn": callable(outputs, targets),      # required
      "evaluate": callable(model, device) -> {name: float},   # optional held-out metrics
-     "metrics": ("val_loss", ...)}               # the names evaluate returns
+     "metrics": ("val_loss", ...),               # the names evaluate returns
+     # for `ampguard validate` (all optional):
+     "held_out": (inputs, targets),              # fixed evaluation set (default: the first batches)
+     "edge_cases": (["name", ...], inputs),      # unusual inputs for the probe set
+     "mode": "classifier" | "regression",        # default: from the targets' dtype
+     "predict": callable(model, inputs) -> scores}  # default: model(inputs)
 
 or the tuple ``(model, data, loss_fn)``. For a resumed run to be bit-for-bit the uninterrupted
 one, ``data`` must yield the same sequence each time it is iterated (give a shuffling
@@ -24,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import InputError
@@ -90,7 +96,15 @@ def build_from_factory(config: Any) -> Task:
     first = next(iter(make_iterable()), None)
     if first is None:
         raise InputError(f"task.factory {spec}: data yielded no batches")
-    inputs = first[0]
+    inputs, targets = first[0], first[1]
+    held_out = made.get("held_out")
+    if held_out is None:  # default: the first few batches of the data
+        held_out = _first_batches(make_iterable, 4)
+    mode = made.get("mode") or ("classifier" if isinstance(targets, torch.Tensor)
+                                and not targets.is_floating_point() else "regression")
+    if mode not in ("classifier", "regression"):
+        raise InputError(f"task.factory {spec}: mode must be 'classifier' or 'regression', got {mode!r}")
+    edge = made.get("edge_cases")
     return Task(
         name="factory",
         model=model,
@@ -100,4 +114,17 @@ def build_from_factory(config: Any) -> Task:
         metrics=metrics,
         float_inputs=bool(getattr(inputs, "is_floating_point", lambda: False)()),
         description=f"user model from {spec} ({type(model).__name__})",
+        mode=mode,
+        held_out=lambda: held_out,
+        edge_cases=(lambda: edge) if edge is not None else None,
+        predict=made.get("predict"),
     )
+
+
+def _first_batches(make_iterable: Callable[[], Any], n: int) -> tuple[Any, Any] | None:
+    import itertools
+
+    batches = list(itertools.islice(iter(make_iterable()), n))
+    if not all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) for x, y in batches):
+        return None
+    return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])

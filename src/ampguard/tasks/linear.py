@@ -45,4 +45,9 @@ def build(config: Any) -> Task:
         evaluate=lambda m, device: {"val_loss": mean_loss(m, nn.functional.mse_loss, held_out, device)},
         metrics=("val_loss",),
         description=f"nn.Linear({IN_FEATURES}, {OUT_FEATURES}) on a noisy linear target",
+        mode="regression",
+        held_out=lambda: (torch.cat([x for x, _ in held_out]), torch.cat([y for _, y in held_out])),
+        edge_cases=lambda: (["zeros", "large", "large_negative"],
+                            torch.stack([torch.zeros(IN_FEATURES), torch.full((IN_FEATURES,), 100.0),
+                                         torch.full((IN_FEATURES,), -100.0)])),
     )

@@ -1,0 +1,312 @@
+"""``ampguard validate``: did mixed precision change what the model decides?
+
+The acceptance test of a precision choice, with every rule declared in the config before the
+run (``validation``): a fixed probe set (typical held-out examples, edge cases, and the
+examples nearest a decision boundary in FP32), a score tolerance, a tie rule, a minimum quality
+on a fixed evaluation set, and no non-finite output. The model is fixed (weights, eval mode).
+The FP32 reference runs first and is checked itself: a non-finite or low-quality reference is
+reported as such, never trusted. Then each AMP precision is compared with it, rule by rule.
+
+Diagnostics only: the training step never imports this.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import Config
+from .errors import InputError
+from .precision import Precision
+from .tasks import Task
+
+CHUNK = 256
+
+
+@dataclass
+class Rule:
+    criterion: str
+    reference: str
+    amp: str
+    ok: bool
+
+    @property
+    def decision(self) -> str:
+        return "pass" if self.ok else "FAIL"
+
+
+@dataclass
+class PrecisionResult:
+    precision: str
+    rules: list[Rule] = field(default_factory=list)
+    flips: list[dict[str, Any]] = field(default_factory=list)
+    ties: list[dict[str, Any]] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(rule.ok for rule in self.rules)
+
+
+@dataclass
+class Validation:
+    task: str
+    mode: str
+    probes: list[str]
+    reference: list[Rule]
+    results: list[PrecisionResult]
+    training: list[dict[str, Any]] = field(default_factory=list)
+    weights: str = "freshly initialised"
+
+    @property
+    def reference_ok(self) -> bool:
+        return all(rule.ok for rule in self.reference)
+
+    @property
+    def ok(self) -> bool:
+        return self.reference_ok and all(result.ok for result in self.results)
+
+
+@torch.no_grad()
+def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Precision) -> torch.Tensor:
+    device = next(model.parameters()).device
+    rows = []
+    for start in range(0, len(inputs), CHUNK):
+        with precision.autocast():
+            rows.append(task.scores(model, inputs[start : start + CHUNK].to(device)).float())
+    out = torch.cat(rows)
+    return out.reshape(len(inputs), -1)
+
+
+def _top2(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decision, margin): the argmax and the gap between the two best scores."""
+    if scores.shape[1] < 2:
+        return scores.argmax(1), torch.full((len(scores),), math.inf)
+    top = scores.topk(2, dim=1)
+    return top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
+
+
+def _quality(mode: str, scores: torch.Tensor, targets: torch.Tensor) -> float:
+    if mode == "classifier":
+        return float((scores.argmax(1) == targets.to(scores.device)).float().mean())
+    return float(((scores - targets.to(scores.device).reshape(len(scores), -1).float()) ** 2).mean())
+
+
+def _quality_rule(mode: str, cfg: Any, value: float) -> tuple[str, bool]:
+    if mode == "classifier":
+        if cfg.min_accuracy is None:
+            return f"accuracy {value:.4f} (no minimum declared)", math.isfinite(value)
+        return f"accuracy {value:.4f} (>= {cfg.min_accuracy:g})", value >= cfg.min_accuracy
+    if cfg.max_mse is None:
+        return f"mse {value:.4g} (no maximum declared)", math.isfinite(value)
+    return f"mse {value:.4g} (<= {cfg.max_mse:g})", math.isfinite(value) and value <= cfg.max_mse
+
+
+def _finite_count(scores: torch.Tensor) -> int:
+    return int(torch.isfinite(scores).all(dim=1).sum())
+
+
+def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fixed probe set and evaluation set: (probe ids, probe inputs, eval inputs, eval targets)."""
+    if task.held_out is None or task.held_out() is None:
+        raise InputError(f"validate: task {task.name} has no held-out set (a factory can return 'held_out')")
+    x_eval, y_eval = task.held_out()
+    if not isinstance(x_eval, torch.Tensor):
+        raise InputError("validate: the held-out inputs must be a tensor")
+    ids = [f"typical:{i}" for i in range(min(cfg.typical, len(x_eval)))]
+    parts = [x_eval[: len(ids)]]
+    if task.mode == "classifier" and cfg.boundary:
+        _, margin = _top2(_scores(task, model, x_eval, Precision("fp32", device.type)))
+        margin = torch.where(torch.isfinite(margin), margin, torch.full_like(margin, math.inf))
+        nearest = margin.cpu().argsort()[: min(cfg.boundary, len(x_eval))]
+        ids += [f"boundary:{int(i)}" for i in nearest]
+        parts.append(x_eval[nearest])
+    if cfg.edge_cases and task.edge_cases is not None:
+        names, edge = task.edge_cases()
+        ids += [f"edge:{name}" for name in names]
+        parts.append(edge.to(x_eval.dtype))
+    return ids, torch.cat(parts), x_eval, y_eval
+
+
+def compare(task: Task, model: nn.Module, config: Config, device: torch.device) -> Validation:
+    """Run the reference and every AMP precision on the probes and the evaluation set."""
+    cfg = config.validation
+    model.eval()
+    ids, probes, x_eval, y_eval = build_probes(task, model, device, cfg)
+    fp32 = Precision("fp32", device.type)
+    ref = _scores(task, model, probes, fp32)
+    ref_eval = _scores(task, model, x_eval, fp32)
+    ref_quality = _quality(task.mode, ref_eval, y_eval)
+    n = len(ids)
+    text, ok = _quality_rule(task.mode, cfg, ref_quality)
+    reference = [
+        Rule("reference outputs finite", f"{_finite_count(ref)}/{n} probes, "
+             f"{_finite_count(ref_eval)}/{len(x_eval)} eval", "", _finite_count(ref) == n
+             and _finite_count(ref_eval) == len(x_eval)),
+        Rule("reference quality", text, "", ok),
+    ]
+    ref_decision, ref_margin = _top2(ref)
+    results = []
+    for name in cfg.precisions:
+        amp_p = Precision(name, device.type)
+        amp = _scores(task, model, probes, amp_p)
+        amp_eval = _scores(task, model, x_eval, amp_p)
+        result = PrecisionResult(name)
+        finite = _finite_count(amp)
+        result.rules.append(Rule("complete and finite", f"{_finite_count(ref)}/{n}", f"{finite}/{n}", finite == n))
+        err = (amp - ref).abs()
+        rel = err / ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
+        allowed = cfg.abs_tol + cfg.rel_tol * ref.abs()
+        within = bool((err <= allowed).all()) and finite == n
+        max_abs, max_rel = float(err.max()), float(rel.max())
+        result.stats.update(max_abs_error=max_abs, max_rel_error=max_rel)
+        result.rules.append(Rule(f"scores within abs {cfg.abs_tol:g} + rel {cfg.rel_tol:g}", "(reference)",
+                                 f"max abs {max_abs:.3g}, max rel {max_rel:.3g}", within))
+        if task.mode == "classifier":
+            decision, margin = _top2(amp)
+            for i in range(n):
+                row = {"probe": ids[i], "fp32": int(ref_decision[i]), "amp": int(decision[i]),
+                       "fp32_margin": float(ref_margin[i]), "amp_margin": float(margin[i])}
+                if int(decision[i]) != int(ref_decision[i]):
+                    result.flips.append(row)
+                elif float(margin[i]) <= cfg.tie_margin:
+                    result.ties.append(row)
+            changes = len(result.flips) + (len(result.ties) if cfg.ties == "count_as_flip" else 0)
+            listed = ", ".join(f"{r['probe']} ({r['fp32']}->{r['amp']}, fp32 margin {r['fp32_margin']:.3g})"
+                               for r in result.flips) or "none"
+            result.rules.append(Rule(f"decision changes <= {cfg.max_flips} (ties {cfg.ties.replace('_', ' ')})",
+                                     "0", f"{len(result.flips)} flips, {len(result.ties)} ties: {listed}",
+                                     changes <= cfg.max_flips))
+        else:
+            targets = y_eval.to(amp_eval.device).reshape(len(amp_eval), -1).float()
+            result.stats.update(
+                max_abs_error_vs_target_fp32=float((ref_eval - targets).abs().max()),
+                max_abs_error_vs_target_amp=float((amp_eval - targets).abs().max()),
+                extremes_fp32=[float(ref.min()), float(ref.max())],
+                extremes_amp=[float(amp.min()), float(amp.max())],
+            )
+            result.rules.append(Rule("extremes (min, max over probes)",
+                                     f"{float(ref.min()):.4g}, {float(ref.max()):.4g}",
+                                     f"{float(amp.min()):.4g}, {float(amp.max()):.4g}", within))
+        amp_quality = _quality(task.mode, amp_eval, y_eval)
+        text_amp, ok_amp = _quality_rule(task.mode, cfg, amp_quality)
+        result.stats.update(quality_fp32=ref_quality, quality_amp=amp_quality)
+        result.rules.append(Rule("quality on the fixed evaluation set", text, text_amp, ok_amp))
+        results.append(result)
+    return Validation(task.name, task.mode, ids, reference, results)
+
+
+def compare_training(task: Task, config: Config, device: torch.device, steps: int) -> list[dict[str, Any]]:
+    """Train ``steps`` steps from the same state in FP32 and each AMP precision; compare curves."""
+    from .step import AmpTrainState
+    from .train import build_state
+
+    start = copy.deepcopy(task.model.state_dict())
+    runs: dict[str, dict[str, Any]] = {}
+    for name in ["fp32", *config.validation.precisions]:
+        task.model.load_state_dict(start)
+        task.model.train()
+        run_config = config.model_copy(update={"precision": name, "steps": steps})
+        state: AmpTrainState = build_state(run_config, task, device)
+        losses, norms, updates = [], [], 0
+        stream = itertools.islice(task.batches(), steps * config.accumulation_steps)
+        for inputs, targets in stream:
+            record = state.step(inputs.to(device), targets.to(device))
+            if record is None:
+                continue
+            v = record.values()
+            losses.append(v["loss"])
+            norms.append(v["grad_l2_pre_clip"])
+            updates += not record.skipped
+        runs[name] = {"losses": losses, "norms": norms, "updates": updates}
+    task.model.load_state_dict(start)
+    ref = runs["fp32"]
+    out = []
+    for name, r in runs.items():
+        pairs = [(a, b) for a, b in zip(r["losses"], ref["losses"]) if a is not None and b is not None
+                 and math.isfinite(a) and math.isfinite(b)]
+        norm_pairs = [(a, b) for a, b in zip(r["norms"], ref["norms"]) if a and b and math.isfinite(a) and math.isfinite(b)]
+        out.append({
+            "precision": name,
+            "updates_applied": r["updates"],
+            "final_loss": r["losses"][-1] if r["losses"] else None,
+            "max_loss_diff_vs_fp32": max((abs(a - b) for a, b in pairs), default=0.0),
+            "mean_grad_norm_ratio_vs_fp32": (sum(a / b for a, b in norm_pairs) / len(norm_pairs)) if norm_pairs else None,
+            "losses": r["losses"],
+        })
+    return out
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def markdown(v: Validation, config: Config) -> str:
+    cfg = config.validation
+    lines = [
+        f"# AMP validation: {v.task} ({v.mode})",
+        "",
+        f"**{'ACCEPTED' if v.ok else 'REJECTED'}**" + ("" if v.reference_ok else " (the FP32 reference itself is not trusted)"),
+        "",
+        f"Weights: {v.weights}. Model in eval mode. Probe set ({len(v.probes)}): {cfg.typical} typical, "
+        f"{cfg.boundary if v.mode == 'classifier' else 0} nearest a decision boundary in FP32, "
+        f"{'the task edge cases' if cfg.edge_cases else 'no edge cases'}. Rules declared before the run: scores within "
+        f"abs {cfg.abs_tol:g} + rel {cfg.rel_tol:g}; at most {cfg.max_flips} decision changes (tie margin "
+        f"{cfg.tie_margin:g}, ties {cfg.ties.replace('_', ' ')}); no non-finite output; "
+        + (f"accuracy >= {cfg.min_accuracy:g}" if v.mode == "classifier" and cfg.min_accuracy is not None
+           else f"mse <= {cfg.max_mse:g}" if v.mode == "regression" and cfg.max_mse is not None
+           else "no quality threshold") + ".",
+        "",
+        "## FP32 reference",
+        "",
+        "| criterion | reference | decision |",
+        "|---|---|---|",
+        *(f"| {r.criterion} | {r.reference} | {r.decision} |" for r in v.reference),
+    ]
+    for result in v.results:
+        lines += ["", f"## {result.precision} vs FP32: {'pass' if result.ok else 'FAIL'}", "",
+                  "| criterion | reference (FP32) | AMP | decision |", "|---|---|---|---|"]
+        lines += [f"| {r.criterion} | {r.reference} | {r.amp} | {r.decision} |" for r in result.rules]
+        if result.flips or result.ties:
+            lines += ["", "| probe | FP32 decision | AMP decision | FP32 margin | AMP margin | change |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {r['probe']} | {r['fp32']} | {r['amp']} | {r['fp32_margin']:.4g} | {r['amp_margin']:.4g} | flip |"
+                      for r in result.flips]
+            lines += [f"| {r['probe']} | {r['fp32']} | {r['amp']} | {r['fp32_margin']:.4g} | {r['amp_margin']:.4g} | tie |"
+                      for r in result.ties]
+    if v.training:
+        lines += ["", "## Training from the same state (informational)", "",
+                  "| precision | updates applied | final loss | max loss diff vs FP32 | mean grad-norm ratio vs FP32 |",
+                  "|---|---|---|---|---|"]
+        for t in v.training:
+            ratio = t["mean_grad_norm_ratio_vs_fp32"]
+            lines.append(f"| {t['precision']} | {t['updates_applied']} | {t['final_loss']:.4g} | "
+                         f"{t['max_loss_diff_vs_fp32']:.3g} | {'n/a' if ratio is None else format(ratio, '.4f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def as_json(v: Validation) -> dict[str, Any]:
+    def rules(rs: list[Rule]) -> list[dict[str, Any]]:
+        return [{"criterion": r.criterion, "reference": r.reference, "amp": r.amp, "ok": r.ok} for r in rs]
+
+    return {
+        "accepted": v.ok, "reference_trusted": v.reference_ok, "task": v.task, "mode": v.mode,
+        "weights": v.weights, "probes": v.probes, "reference": rules(v.reference),
+        "precisions": [{"precision": r.precision, "ok": r.ok, "rules": rules(r.rules), "flips": r.flips,
+                        "ties": r.ties, "stats": r.stats} for r in v.results],
+        "training": v.training,
+    }
+
+
+def write_outputs(v: Validation, config: Config, folder: Path) -> tuple[Path, Path]:
+    md, js = folder / "validation.md", folder / "validation.json"
+    md.write_text(markdown(v, config), encoding="utf-8")
+    js.write_text(json.dumps(as_json(v), indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    return md, js
