@@ -116,6 +116,10 @@ def _monitor_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 def _finish(result: Any) -> int:
     """The closing lines every run prints: summary, why it ended, where its records are."""
+    from . import distributed
+
+    if not distributed.current().is_main:  # under torchrun, rank 0 speaks for the run
+        return result.exit_code
     print(f"summary: {result.monitor.summary()}")
     print(f"ended: {result.ended}")
     csv_path, run_dir = result.paths.csv, result.paths.dir
@@ -172,8 +176,14 @@ def _train(args: argparse.Namespace) -> int:
         return paths
 
     every = config.log.every
-    result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume)
-    return _finish(result)
+    try:
+        result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume)
+        return _finish(result)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------- validate

@@ -312,6 +312,12 @@ class ValidateConfig(_Section):
         return v
 
 
+class DistributedConfig(_Section):
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """Under torchrun: DistributedDataParallel, or FSDP2 (``fully_shard``). ``task.batch_size``
+    is per rank; every rank reads the same stream and takes its slice of each global batch."""
+
+
 class DiagnoseConfig(_Section):
     first_skip: bool = False
     """After the first skipped step, find where its non-finite value was born (``ampguard locate``
@@ -423,6 +429,8 @@ class Config(_Section):
     """The AMP-vs-FP32 acceptance test (``ampguard validate``)."""
     diagnose: DiagnoseConfig = DiagnoseConfig()
     """Automatic diagnosis of non-finite values."""
+    distributed: DistributedConfig = DistributedConfig()
+    """Multi-process training when launched by torchrun."""
     rollback: RollbackConfig = RollbackConfig()
     """Rolling back to the last good checkpoint on a loss spike or a tripped guard."""
     task: TaskConfig = TaskConfig()

@@ -7,6 +7,7 @@ A fault is ``KIND@WHEN``:
   ``nan_input`` (one input element set to NaN).
 - WHEN (1-based step numbers): ``5``, ``5,9,12``, ``every:10`` (10, 20, ...),
   ``rate:0.05`` (each step independently with that probability, seeded, and the same on resume).
+- Optionally ``@rankR`` after WHEN (``nan_loss@5@rank1``): only that rank of a distributed run.
 
 Injection wraps the data stream, the loss function and a gradient hook; the training step has
 no branch for it. The data wrapper is what tells the other two which step is being fed.
@@ -35,6 +36,7 @@ class Fault:
     every: int | None = None
     rate: float | None = None
     seed: int = 0
+    rank: int | None = None
 
     def hits(self, step: int) -> bool:
         if self.every is not None:
@@ -51,13 +53,20 @@ class Fault:
             when = f"rate:{self.rate:g}"
         else:
             when = ",".join(str(s) for s in sorted(self.steps))
-        return f"{self.kind}@{when}"
+        return f"{self.kind}@{when}" + (f"@rank{self.rank}" if self.rank is not None else "")
 
 
 def parse_fault(spec: str, seed: int = 0) -> Fault:
     """Parse ``KIND@WHEN``; raise ``ValueError`` with one line naming what is wrong."""
     kind, sep, when = spec.partition("@")
     kind, when = kind.strip(), when.strip()
+    rank = None
+    when, at, rank_text = when.partition("@")
+    if at:
+        rank_text = rank_text.strip()
+        if not (rank_text.startswith("rank") and rank_text[4:].isdigit()):
+            raise ValueError(f"bad rank in fault {spec!r}: use @rankR after WHEN, e.g. {kind}@5@rank1")
+        rank = int(rank_text[4:])
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r} in {spec!r} (kinds: {', '.join(KINDS)})")
     if not sep or not when:
@@ -67,16 +76,16 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
             every = int(when.removeprefix("every:"))
             if every < 1:
                 raise ValueError
-            return Fault(kind, every=every, seed=seed)
+            return Fault(kind, every=every, seed=seed, rank=rank)
         if when.startswith("rate:"):
             rate = float(when.removeprefix("rate:"))
             if not 0.0 <= rate <= 1.0:
                 raise ValueError
-            return Fault(kind, rate=rate, seed=seed)
+            return Fault(kind, rate=rate, seed=seed, rank=rank)
         steps = frozenset(int(s) for s in when.split(","))
         if min(steps) < 1:
             raise ValueError
-        return Fault(kind, steps=steps, seed=seed)
+        return Fault(kind, steps=steps, seed=seed, rank=rank)
     except ValueError:
         raise ValueError(
             f"bad WHEN in fault {spec!r}: use step numbers >= 1 (5 or 5,9,12), every:K with K >= 1, or rate:P with 0 <= P <= 1"
@@ -95,8 +104,10 @@ class FaultInjector:
             state.step(x, y)
     """
 
-    def __init__(self, faults: Iterable[Fault], accumulation_steps: int = 1, first_step: int = 1) -> None:
-        self.faults = list(faults)
+    def __init__(
+        self, faults: Iterable[Fault], accumulation_steps: int = 1, first_step: int = 1, rank: int = 0
+    ) -> None:
+        self.faults = [f for f in faults if f.rank is None or f.rank == rank]
         self.accumulation_steps = accumulation_steps
         self.first_step = first_step
         self.current_step = 0  # the step whose micro-batch was handed out last

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from . import distributed
 from .clipping import clip_to_norm_, global_l2_norm
 from .precision import GuardedGradScaler, Precision, PrecisionName
 from .records import SkipLog, StepLog
@@ -138,16 +139,18 @@ class AmpTrainState:
 
     def step(self, inputs: Any, targets: Any) -> StepLog | SkipLog | None:
         """Forward and backward one micro-batch; at the end of a group, update (or skip)."""
-        with self.precision.autocast():
-            loss = self.loss_fn(self.model(inputs), targets).float()
+        last = self._micro + 1 == self.accumulation_steps
+        with distributed.accumulation_context(self.model, last):  # no gradient all-reduce mid-group
+            with self.precision.autocast():
+                loss = self.loss_fn(self.model(inputs), targets).float()
 
-        # The loss is checked before backward, on the device: a non-finite loss is replaced by
-        # zero, so it never seeds the backward pass, and the group is marked bad. Every
-        # micro-batch still runs backward (no host read here; under DDP no rank leaves a
-        # collective waiting). The bad group's gradients are discarded at the boundary.
-        finite = torch.isfinite(loss.detach())
-        self._accumulate(loss.detach(), ~finite)
-        self.scaler.scale(torch.where(finite, loss, 0.0) / self.accumulation_steps).backward()
+            # The loss is checked before backward, on the device: a non-finite loss is replaced
+            # by zero, so it never seeds the backward pass, and the group is marked bad. Every
+            # micro-batch still runs backward (no host read here; under DDP no rank leaves a
+            # collective waiting). The bad group's gradients are discarded at the boundary.
+            finite = torch.isfinite(loss.detach())
+            self._accumulate(loss.detach(), ~finite)
+            self.scaler.scale(torch.where(finite, loss, 0.0) / self.accumulation_steps).backward()
 
         self._micro += 1
         if self._micro < self.accumulation_steps:
@@ -170,11 +173,12 @@ class AmpTrainState:
         loss = self._loss_sum / self.accumulation_steps
 
         self.scaler.unscale_(self.optimizer)
-        pre = global_l2_norm(self._params)  # also the non-finite detector: inf/nan iff a grad is
+        # the norm over all gradients (all shards); also the non-finite detector: inf/nan iff a grad is
+        pre = distributed.full_norm(global_l2_norm(self._params))
 
-        # The one host read of the step: was the loss or the gradient non-finite?
-        flags = torch.stack([self._loss_bad, ~torch.isfinite(pre)])
-        bad_loss, bad_grad = self._agree(flags).tolist()
+        # The one host read of the step: was the loss or the gradient non-finite (on any rank)?
+        flags, loss = distributed.agree(torch.stack([self._loss_bad, ~torch.isfinite(pre)]), loss)
+        bad_loss, bad_grad = flags.tolist()
 
         if bad_loss or bad_grad:
             self.scaler.mark_found_inf_(self.optimizer)  # a loss skip backs the scale off too
@@ -207,10 +211,6 @@ class AmpTrainState:
             grad_l2_post_clip=post,
             scaler_scale=self.scaler.scale_value(),
         )
-
-    def _agree(self, flags: torch.Tensor) -> torch.Tensor:
-        """The skip flags every process acts on. One process: its own."""
-        return flags
 
     # ------------------------------------------------------------------ state
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
+from . import distributed
 from .config import Config, dump_config
 from .errors import InputError
 from .faults import FaultInjector, parse_fault
@@ -71,13 +72,15 @@ def lr_multiplier(config: Config) -> Callable[[int], float]:
     return factor
 
 
-def build_state(config: Config, task: Task, device: torch.device) -> AmpTrainState:
-    """The guarded step for a config: optimizer, LR schedule, scaler, clipping, accumulation."""
-    optimizer = make_optimizer(config, task.model)
+def build_state(config: Config, task: Task, device: torch.device, model: torch.nn.Module | None = None) -> AmpTrainState:
+    """The guarded step for a config: optimizer, LR schedule, scaler, clipping, accumulation.
+    ``model`` is the (possibly DDP/FSDP2-wrapped) model to train; default ``task.model``."""
+    model = model if model is not None else task.model
+    optimizer = make_optimizer(config, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config))
     s = config.scaler
     return AmpTrainState(
-        task.model,
+        model,
         optimizer,
         task.loss_fn,
         precision=config.precision,
@@ -269,9 +272,16 @@ class Trainer:
         self.print_fn, self.progress = print_fn, progress
         self.resume = resume
 
-        self.device = resolve_device(config.device)
+        if distributed.launched_by_torchrun():
+            self.dist, self.device = distributed.init_from_env(config.device)
+        else:
+            self.dist, self.device = distributed.DistInfo(), resolve_device(config.device)
         faults = [parse_fault(spec, seed=config.seed) for spec in config.inject]
-        self.task = build_task(config)
+        # every rank reads the same stream of global batches (batch_size per rank x ranks) and
+        # takes its own slice, so N ranks see exactly the data one process with N x the batch sees
+        world = self.dist.world_size
+        self.task = build_task(config if world == 1 else config.model_copy(
+            update={"task": config.task.model_copy(update={"batch_size": config.task.batch_size * world})}))
         if not config.eval.enabled:
             self.task.evaluate, self.task.metrics = None, ()
         if not self.task.float_inputs and any(f.kind == "nan_input" for f in faults):
@@ -279,12 +289,15 @@ class Trainer:
         if config.log.tensorboard:
             TensorBoardSink.require()
         self.task.model.to(self.device)
-        self.state = build_state(config, self.task, self.device)
+        model = self.task.model
+        if self.dist.active:
+            model = distributed.wrap(model, config.distributed.strategy, self.device)
+        self.state = build_state(config, self.task, self.device, model)
         self.monitor = self.state.monitors["run"] = build_monitor(config, self.state)
         self.spikes: LossSpikeDetector | None = None
         if "loss_spike" in config.rollback.triggers:
             self.spikes = self.state.monitors["loss_spike"] = LossSpikeDetector(config.rollback.window, config.rollback.z)
-        self.injector = FaultInjector(faults, config.accumulation_steps)
+        self.injector = FaultInjector(faults, config.accumulation_steps, rank=self.dist.rank)
         self.state.loss_fn = self.injector.wrap_loss(self.state.loss_fn)
         self.injector.attach(self.task.model)
 
@@ -295,6 +308,10 @@ class Trainer:
         self.rollback_log: list[str] = []
         self.saved: list[Path] = []
         if resume is not None:
+            saved_world = int(resume.payload.get("world_size", 1))
+            if saved_world != world:
+                raise InputError(f"{resume.path}: saved by {saved_world} process(es), this run has {world}; "
+                                 "resume with the same world size")
             self._restore(resume.payload, resume.path)
             self.position = int(resume.payload["data_position"])
             self.rollback_log = list(resume.payload.get("rollbacks", []))
@@ -305,8 +322,7 @@ class Trainer:
         """Load a checkpoint's model, optimizer, scheduler, scaler, counters and RNG states."""
         state = self.state
         try:
-            self.task.model.load_state_dict(payload["model"])
-            state.optimizer.load_state_dict(payload["optimizer"])
+            self._load_model_and_optimizer(payload)
             state.scheduler.load_state_dict(payload["scheduler"])
             saved_state = dict(payload["state"])
             if keep_counters:  # a rollback: the step count and the monitors' history go on
@@ -314,36 +330,70 @@ class Trainer:
             state.load_state_dict(saved_state)
             if keep_counters:
                 state.steps = steps
-            ckpt.set_rng_state(payload["rng"])
+            rng = payload["rng"]
+            ckpt.set_rng_state(rng[self.dist.rank] if isinstance(rng, list) else rng)
         except (RuntimeError, ValueError, KeyError, TypeError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise InputError(f"{path}: does not fit this run ({first})") from None
 
+    def _fsdp(self) -> bool:
+        return self.dist.active and self.config.distributed.strategy == "fsdp2"
+
+    def _load_model_and_optimizer(self, payload: dict[str, Any]) -> None:
+        model, optimizer = self.state.model, self.state.optimizer
+        if self._fsdp():  # full state dicts into the shards (torch.distributed.checkpoint's API)
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, payload["model"], options=options)
+            set_optimizer_state_dict(model, optimizer, payload["optimizer"], options=options)
+        else:
+            distributed.unwrap(model).load_state_dict(payload["model"])
+            optimizer.load_state_dict(payload["optimizer"])
+
+    def _model_and_optimizer_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        model, optimizer = self.state.model, self.state.optimizer
+        if self._fsdp():  # gathered from the shards on every rank (a collective), saved by rank 0
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return (get_model_state_dict(model, options=options),
+                    get_optimizer_state_dict(model, optimizer, options=options))
+        return distributed.unwrap(model).state_dict(), optimizer.state_dict()
+
     def _payload(self) -> dict[str, Any]:
         state = self.state
+        model_state, optimizer_state = self._model_and_optimizer_state()
+        rngs = distributed.gather_to_main(ckpt.rng_state())
         return {
             "step": state.steps,
             "updates": state.updates,
             "config": self.config.model_dump(mode="json"),
             "precision": self.config.precision,
-            "model": self.task.model.state_dict(),
-            "optimizer": state.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": state.scheduler.state_dict(),
             "state": state.state_dict(),
-            "rng": ckpt.rng_state(),
+            "rng": rngs if self.dist.active else ckpt.rng_state(),
+            "world_size": self.dist.world_size,
             "data_position": self.position,
             "rollbacks": list(self.rollback_log),
             "torch": str(torch.__version__),
         }
 
     def _save(self) -> None:
-        folder = self.paths.checkpoints
-        if folder is None or not self.config.checkpoint.enabled or self.state.mid_group:
+        if not self.config.checkpoint.enabled or self.state.mid_group or self.checkpoint_dir is None:
             return
-        path = ckpt.save_checkpoint(folder / ckpt.checkpoint_name(self.state.steps), self._payload())
-        ckpt.prune(folder, self.config.checkpoint.keep)
-        self.saved = ckpt.list_checkpoints(folder)
-        self._event({"step": self.state.steps, "event": "checkpoint", "message": f"saved {path.name}"})
+        payload = self._payload()  # every rank takes part (gathers); rank 0 writes
+        if self.dist.is_main:
+            folder = self.checkpoint_dir
+            path = ckpt.save_checkpoint(folder / ckpt.checkpoint_name(self.state.steps), payload)
+            ckpt.prune(folder, self.config.checkpoint.keep)
+            self.saved = ckpt.list_checkpoints(folder)
+            self._event({"step": self.state.steps, "event": "checkpoint", "message": f"saved {path.name}"})
+        distributed.barrier()  # no rank reads checkpoints (a rollback) before rank 0 has written them
 
     # ------------------------------------------------------------------ data
 
@@ -352,6 +402,8 @@ class Trainer:
         source = itertools.islice(self.task.batches(), self.position, None)
         for inputs, targets in self.injector.wrap_data(source, first_step=self.state.steps + 1):
             self.position += 1
+            if self.dist.active:
+                inputs, targets = distributed.rank_slice(inputs, self.dist), distributed.rank_slice(targets, self.dist)
             yield _to_device(inputs, self.device), _to_device(targets, self.device)
 
     # ------------------------------------------------------------------ events
@@ -419,9 +471,9 @@ class Trainer:
         step = self.state.steps
         if len(self.rollback_log) >= cfg.max:
             raise _Stop(EXIT_GUARD, f"stopped at step {step}: {why}; all {cfg.max} rollbacks (rollback.max) are used up")
-        assert self.paths.checkpoints is not None
+        assert self.checkpoint_dir is not None
         try:
-            path, payload = ckpt.latest_loadable(self.paths.checkpoints, before_step=first_bad)
+            path, payload = ckpt.latest_loadable(self.checkpoint_dir, before_step=first_bad)
         except InputError as err:
             raise _Stop(EXIT_GUARD, f"stopped at step {step}: {why}; cannot roll back: {err}") from None
         self._restore(payload, path, keep_counters=True)
@@ -439,10 +491,13 @@ class Trainer:
 
     def run(self) -> RunResult:
         config, monitor, state = self.config, self.monitor, self.state
-        self.paths = self.outputs()
+        main = self.dist.is_main
+        # rank 0 writes the run folder; the other ranks write nothing and print nothing
+        self.paths = self.outputs() if main else RunPaths()
+        self.checkpoint_dir = self._shared_checkpoint_dir()
         resuming = self.resume is not None
-        bar = _progress_bar(config.steps, initial=state.steps) if self.progress else None
-        self.say = bar.write if bar is not None else self.print_fn
+        bar = _progress_bar(config.steps, initial=state.steps) if self.progress and main else None
+        self.say = (bar.write if bar is not None else self.print_fn) if main else (lambda line: None)
         sinks = self._open_sinks(keep_through=state.steps if resuming else None)
         self.events = JsonlSink(self.paths.events, append=resuming) if self.paths.events is not None else None
         if self.resume is not None:
@@ -489,7 +544,7 @@ class Trainer:
                     every = config.checkpoint.every
                     if every and record.step % every == 0 and record.step < config.steps:
                         self._save()
-                    if stop.requested:  # the first Ctrl-C, honoured at a step boundary
+                    if self._agree_stop(stop.requested):  # the first Ctrl-C, honoured at a step boundary
                         raise _Stop(EXIT_INTERRUPTED, f"interrupted (Ctrl-C) after step {monitor.steps}")
         except _Stop as stopped:
             ended, exit_code = stopped.ended, stopped.exit_code
@@ -512,6 +567,23 @@ class Trainer:
         if self.paths.dir is not None:
             _write_report(config, result, self.say)
         return result
+
+    def _shared_checkpoint_dir(self) -> Path | None:
+        """Rank 0's checkpoint folder, told to every rank (they all load from it on a rollback)."""
+        folder = str(self.paths.checkpoints) if self.paths.checkpoints is not None else None
+        if self.dist.active:
+            box = [folder]
+            torch.distributed.broadcast_object_list(box, src=0)
+            folder = box[0]
+        return Path(folder) if folder is not None else None
+
+    def _agree_stop(self, requested: bool) -> bool:
+        """Ranks stop together: a Ctrl-C seen by any rank stops all at the same step boundary."""
+        if not self.dist.active:
+            return requested
+        flag = torch.tensor([float(requested)], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _open_sinks(self, keep_through: int | None) -> Sinks:
         config, paths, metrics = self.config, self.paths, self.task.metrics

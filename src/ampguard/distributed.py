@@ -1,0 +1,154 @@
+"""torch.distributed for the guarded step: who am I, agree on the skip, accumulate quietly.
+
+Launched by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` in the
+environment), ampguard joins the process group (gloo on CPU, nccl on CUDA) and wraps the model
+in DDP or FSDP2 (``fully_shard``). The step then
+
+- agrees on its skip decision with one all-reduce per step: a non-finite loss or gradient on any
+  rank makes every rank skip the same step, so no rank waits in a collective another skipped,
+  and the loss scale stays identical everywhere (the same all-reduce carries the loss, so the
+  logged loss is the global mean);
+- computes the global norm over all ranks and shards (DDP gradients are already averaged; an
+  FSDP2 gradient norm is a DTensor whose ``full_tensor()`` reduces over the shards);
+- skips the gradient all-reduce on the micro-batches that do not close an accumulation group
+  (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import InputError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+def current() -> DistInfo:
+    """This process's place in the initialised process group (a world of one if there is none)."""
+    if dist.is_available() and dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return DistInfo()
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_from_env(device_name: str) -> tuple[DistInfo, torch.device]:
+    """Join the process group torchrun describes; pick this rank's device and the backend."""
+    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise InputError("device: cuda was asked for but no CUDA device is available")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return current(), device
+
+
+def wrap(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
+    """``ddp`` -> DistributedDataParallel; ``fsdp2`` -> ``fully_shard`` on each child block and the root."""
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 shards in place, nothing to unwrap)."""
+    return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+
+
+def agree(flags: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One all-reduce: any rank's bad flag becomes every rank's; the loss becomes the global mean."""
+    info = current()
+    if not info.active:
+        return flags, loss
+    packed = torch.cat([flags.to(torch.float32), loss.detach().reshape(1).to(torch.float32)])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    return packed[:-1] > 0, packed[-1] / info.world_size
+
+
+def full_norm(norm: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 gradient norm is a DTensor: reduce it over the shards (a collective, no host sync)."""
+    full = getattr(norm, "full_tensor", None)
+    return full() if callable(full) else norm
+
+
+def accumulation_context(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
+    """No gradient all-reduce on a micro-batch that does not close its group."""
+    if last:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: Any) -> Any:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def rank_slice(value: Any, info: DistInfo) -> Any:
+    """This rank's share of a global batch (dimension 0 split into ``world_size`` equal parts)."""
+    if isinstance(value, torch.Tensor):
+        n = value.shape[0]
+        if n % info.world_size:
+            raise InputError(f"a batch of {n} examples does not split evenly over {info.world_size} ranks")
+        part = n // info.world_size
+        return value[info.rank * part : (info.rank + 1) * part]
+    if isinstance(value, (list, tuple)):
+        return type(value)(rank_slice(v, info) for v in value)
+    if isinstance(value, dict):
+        return {k: rank_slice(v, info) for k, v in value.items()}
+    return value
+
+
+def gather_to_main(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (None elsewhere); ``[obj]`` without a process group."""
+    info = current()
+    if not info.active:
+        return [obj]
+    out: list[Any] | None = [None] * info.world_size if info.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def barrier() -> None:
+    if current().active:
+        dist.barrier()
