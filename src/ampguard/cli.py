@@ -235,6 +235,40 @@ def _validate(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+# ---------------------------------------------------------------------------- bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import machine, run_bench, speedups, table, to_json
+    from .train import resolve_device
+
+    device = resolve_device(args.device)
+    workloads = args.models.split(",")
+    precisions = args.precisions.split(",")
+    for name in workloads:
+        if name not in ("mlp", "transformer", "gpt2"):
+            raise InputError(f"bench: unknown model {name!r} (mlp, transformer, gpt2)")
+    for name in precisions:
+        if name not in ("fp32", "bf16", "fp16"):
+            raise InputError(f"bench: unknown precision {name!r} (fp32, bf16, fp16)")
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 3, 2, 1
+    torch.manual_seed(0)
+    print(f"ampguard bench on {device} ({machine()}): {args.rounds} rounds x {args.steps} steps, interleaved")
+    results = run_bench(device=device, workloads=workloads, precisions=precisions, steps=args.steps,
+                        rounds=args.rounds, warmup=args.warmup, peers=not args.no_peers, fused=args.fused,
+                        peak_tflops=args.peak_tflops)
+    if args.json:
+        print(to_json(results))
+    else:
+        print(table(results))
+        for line in speedups(results):
+            print(line)
+    return 0
+
+
 # ---------------------------------------------------------------------------- locate
 
 
@@ -441,6 +475,26 @@ def build_parser() -> argparse.ArgumentParser:
                           help="also train N steps from the same state in FP32 and AMP and compare")
     validate.add_argument("--out", metavar="DIR", help="where to write the report (default: runs/validate-<time>)")
     validate.set_defaults(func=_validate)
+
+    bench = verbs.add_parser(
+        "bench",
+        help="the guarded step vs the bare canonical loop (and Accelerate / Fabric when installed), interleaved",
+        description="Times the same model, data, optimizer and seed under the bare canonical AMP loop, ampguard's "
+        "step with per-step CSV logging, and Accelerate / Lightning Fabric when installed, interleaved in rounds. "
+        "Prints median and min ms/step, the ratio to the bare loop, peak memory (CUDA), tokens/s and MFU.",
+    )
+    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
+    bench.add_argument("--models", default="mlp,transformer", help="comma-separated: mlp, transformer, gpt2")
+    bench.add_argument("--precisions", default="fp32,bf16,fp16", help="comma-separated: fp32, bf16, fp16")
+    bench.add_argument("--steps", type=_positive_int, default=30, help="steps per contender per round")
+    bench.add_argument("--rounds", type=_positive_int, default=7)
+    bench.add_argument("--warmup", type=_positive_int, default=5)
+    bench.add_argument("--fused", action="store_true", help="fused AdamW for every contender")
+    bench.add_argument("--no-peers", action="store_true", help="leave Accelerate and Fabric out")
+    bench.add_argument("--peak-tflops", type=_number, help="the accelerator's peak, for model FLOP utilisation")
+    bench.add_argument("--quick", action="store_true", help="a few steps only (a smoke test, not a measurement)")
+    bench.add_argument("--json", action="store_true", help="print the results as JSON")
+    bench.set_defaults(func=_bench)
 
     locate = verbs.add_parser(
         "locate",
