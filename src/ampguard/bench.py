@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .precision import Precision
-from .sinks import CsvSink
+from .sinks import BackgroundSink, CsvSink, Sink
 from .step import AmpTrainState
 
 # ---------------------------------------------------------------------------- workloads
@@ -80,6 +80,15 @@ class Contender:
     """One way of running a training step; ``step()`` runs one, ``close()`` cleans up."""
 
     name = ""
+    model: nn.Module
+    opt: torch.optim.Optimizer
+
+    def persistent_bytes(self) -> int:
+        """What this contender keeps between steps: parameters and optimizer state."""
+        tensors = list(self.model.parameters())
+        for state in self.opt.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
 
     def step(self) -> None:
         raise NotImplementedError
@@ -122,9 +131,12 @@ class Guarded(Contender):
 
     def __init__(self, w: Workload, precision: Precision, device: torch.device, fused: bool) -> None:
         self.model = w.make_model().to(device)
-        self.state = AmpTrainState(self.model, _optimizer(self.model, fused), w.loss_fn, precision=precision)
+        self.opt = _optimizer(self.model, fused)
+        self.state = AmpTrainState(self.model, self.opt, w.loss_fn, precision=precision)
         self._dir = tempfile.TemporaryDirectory(prefix="ampguard-bench-")
-        self.sink = CsvSink(Path(self._dir.name) / "steps.csv")
+        csv = CsvSink(Path(self._dir.name) / "steps.csv")
+        # on CUDA the rows are read back by a background writer (non-blocking copies into pinned memory)
+        self.sink: Sink = BackgroundSink(csv) if device.type == "cuda" else csv
         self.w = w
 
     def step(self) -> None:
@@ -142,7 +154,9 @@ class AccelerateLoop(Contender):
 
     def __init__(self, w: Workload, precision: Precision, device: torch.device, fused: bool) -> None:
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
 
+        AcceleratorState._reset_state(True)  # a process-wide singleton: one precision per process otherwise
         mp = {"fp16": "fp16", "bf16": "bf16", "fp32": "no"}[precision.name]
         self.acc = Accelerator(mixed_precision=mp, cpu=device.type == "cpu")
         model = w.make_model()
@@ -237,10 +251,14 @@ def measure(
             del times[c.name], peaks[c.name]
             continue
         if device.type == "cuda":
+            # all contenders live in this process: count this one's own tensors (parameters,
+            # optimizer state) plus the most one of its steps allocates on top of what was there
             torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
             c.step()
             _sync(device)
-            peaks[c.name] = torch.cuda.max_memory_allocated(device) / 2**20
+            transient = torch.cuda.max_memory_allocated(device) - before
+            peaks[c.name] = (c.persistent_bytes() + transient) / 2**20
     for r in range(rounds):
         order = built[r % len(built):] + built[: r % len(built)]
         for c in order:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import ClassVar, Literal
 
 import torch
@@ -69,6 +70,36 @@ class StepRecord:
         host = {name: out[name] for name in self._NUMERIC}
         object.__setattr__(self, "_host", host)
         return host
+
+    def prefetch(self) -> Callable[[], dict[str, float | None]]:
+        """Start copying the values to the host without waiting; return a function that waits
+        for the copy (not for the whole device) and gives :meth:`values`.
+
+        On CUDA the tensors go, stacked, into pinned memory with a non-blocking copy and a CUDA
+        event; the returned function waits on that event, so a background thread can do the
+        waiting while the training loop goes on. Elsewhere it simply defers :meth:`values`.
+        """
+        tensors = {n: getattr(self, n) for n in self._NUMERIC if isinstance(getattr(self, n), torch.Tensor)}
+        cuda = [t for t in tensors.values() if t.is_cuda]
+        if not cuda or self._host is not None:
+            return self.values
+        device = cuda[0].device
+        stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors.values()])
+        pinned = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        pinned.copy_(stacked, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+
+        def wait() -> dict[str, float | None]:
+            done.synchronize()
+            out = {n: None if v is None else float(v) for n in self._NUMERIC
+                   if not isinstance(v := getattr(self, n), torch.Tensor)}
+            out.update(zip(tensors, pinned.tolist()))
+            host = {name: out[name] for name in self._NUMERIC}
+            object.__setattr__(self, "_host", host)
+            return host
+
+        return wait
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, runtime_checkable
 
 from .errors import InputError
 from .records import StepRecord, format_number
@@ -223,6 +223,58 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class BackgroundSink:
+    """Writes records to ``inner`` from a background thread, in order, losing none.
+
+    ``write`` starts the record's device-to-host copy (non-blocking, into pinned memory on
+    CUDA) and queues it; the thread waits for that copy, not the training loop, then hands the
+    record to ``inner``. ``close`` drains the queue (also after Ctrl-C: the loop's ``finally``
+    closes its sinks), so every row written so far reaches the file. An error in the thread is
+    raised by the next ``write`` or by ``close``.
+    """
+
+    _DONE = object()
+
+    def __init__(self, inner: Sink, max_pending: int = 1024) -> None:
+        import queue
+        import threading
+
+        self.inner = inner
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="ampguard-writer", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is self._DONE:
+                return
+            record, extra, wait = item
+            try:
+                if self._error is None:
+                    wait()
+                    self.inner.write(record, extra)
+            except BaseException as err:  # noqa: BLE001 - handed to the writer's caller
+                self._error = err
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        self._raise()
+        self._queue.put((record, extra, record.prefetch()))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(self._DONE)
+            self._thread.join()
+        self.inner.close()
+        self._raise()
 
 
 class Sinks:

@@ -1,0 +1,113 @@
+"""The background writer and the benchmark's plumbing (the figures themselves are not asserted)."""
+
+from __future__ import annotations
+
+import csv
+import threading
+import time
+
+import pytest
+import torch
+
+from ampguard.cli import main
+from ampguard.records import SkipLog, StepLog
+from ampguard.sinks import BackgroundSink, CsvSink
+
+
+def _record(step: int) -> StepLog | SkipLog:
+    if step % 5 == 0:
+        return SkipLog(step, 0.1, torch.tensor(float("nan")), None, None, torch.tensor(0.5), reason="non_finite_loss")
+    return StepLog(step, 0.1, torch.tensor(float(step)), torch.tensor(2.0), torch.tensor(1.0), torch.tensor(1.0))
+
+
+class SlowSink:
+    """A sink that takes its time, so the queue really holds rows when the writer is closed."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.closed = False
+        self.threads: set[str] = set()
+
+    def write(self, record, extra=None) -> None:
+        time.sleep(0.001)
+        self.threads.add(threading.current_thread().name)
+        self.steps.append(record.step)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_background_writer_keeps_every_row_in_order(tmp_path):
+    path = tmp_path / "steps.csv"
+    sink = BackgroundSink(CsvSink(path))
+    for step in range(1, 1501):
+        sink.write(_record(step))
+    sink.close()
+    rows = list(csv.DictReader(path.open()))
+    assert [int(r["step"]) for r in rows] == list(range(1, 1501))
+    assert [r["skip_reason"] for r in rows[:5]] == ["", "", "", "", "non_finite_loss"]
+    assert rows[1]["loss"] == "2.0" and rows[4]["loss"] == "nan"
+
+
+def test_background_writer_drains_the_queue_when_closed_early():
+    inner = SlowSink()
+    sink = BackgroundSink(inner)
+    for step in range(1, 201):
+        sink.write(_record(step))
+    assert len(inner.steps) < 200  # rows still queued when the loop stops
+    sink.close()  # what the training loop's `finally` does after Ctrl-C
+    assert inner.steps == list(range(1, 201)) and inner.closed
+    assert inner.threads == {"ampguard-writer"}  # written off the training thread
+
+
+def test_background_writer_drains_after_a_keyboard_interrupt():
+    inner = SlowSink()
+    sink = BackgroundSink(inner)
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            for step in range(1, 10_000):
+                sink.write(_record(step))
+                if step == 300:
+                    raise KeyboardInterrupt
+        finally:
+            sink.close()
+    assert inner.steps == list(range(1, 301))
+
+
+def test_background_writer_reports_the_inner_sinks_error():
+    class Broken(SlowSink):
+        def write(self, record, extra=None) -> None:
+            raise OSError("disk full")
+
+    sink = BackgroundSink(Broken())
+    sink.write(_record(1))
+    with pytest.raises(OSError, match="disk full"):
+        for step in range(2, 200):
+            time.sleep(0.001)
+            sink.write(_record(step))
+        sink.close()
+
+
+def test_bench_runs_end_to_end_in_quick_mode(capsys):
+    code = main(["bench", "--quick", "--models", "mlp", "--precisions", "fp32,bf16", "--no-peers"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith("| tiny-mlp")]
+    assert len(rows) == 4  # two contenders x two precisions
+    assert {row.split("|")[3].strip() for row in rows} == {"bare loop", "ampguard + csv"}
+    bare = [row for row in rows if "bare loop" in row]
+    assert all(row.split("|")[6].strip() == "1.000" for row in bare)  # the ratio is to the bare loop
+
+
+def test_bench_json_and_bad_arguments(capsys):
+    import json
+
+    assert main(["bench", "--quick", "--models", "mlp", "--precisions", "fp32", "--no-peers", "--json"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out[out.index("{"):])
+    assert {r["contender"] for r in data["results"]} == {"bare loop", "ampguard + csv"}
+    assert all(r["median_ms"] > 0 and len(r["rounds"]) == 2 for r in data["results"])
+    assert main(["bench", "--models", "resnet"]) == 2
+    assert main(["bench", "--precisions", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "resnet" in err and "fp8" in err
