@@ -13,7 +13,7 @@ import os
 import pickle
 import random
 import re
-import zipfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,25 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: str | torch.device = "cpu") -> Any:
+    """``torch.load(weights_only=True)``, with every failure turned into one :class:`InputError`
+    line: a file with pickled code in it is refused and that code never runs."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no {what} file at {path}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "WeightsUnpickler" in str(err) or "global" in str(err).lower():  # weights-only loader said no
+            raise InputError(
+                f"{path}: refused by the weights-only loader: it holds pickled objects or bytes beyond tensors "
+                "and plain data (nothing in it was run)"
+            ) from None
+        raise InputError(f"{path}: unreadable {what} (truncated, or not a PyTorch file)") from None
+    except Exception:  # noqa: BLE001 - torch's loaders raise many kinds on junk bytes; all mean the same
+        raise InputError(f"{path}: unreadable {what} (truncated, or not a PyTorch file)") from None
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load an ampguard checkpoint, or raise :class:`InputError` saying why it cannot be used.
 
@@ -97,16 +116,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     code never runs; a truncated or foreign file is refused too.
     """
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"no checkpoint file at {path}")
-    try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:
-        raise InputError(
-            f"{path}: refused: it holds pickled objects beyond tensors and plain data (nothing in it was run)"
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, KeyError):
-        raise InputError(f"{path}: unreadable checkpoint (truncated, or not a PyTorch file)") from None
+    payload = safe_load(path, "checkpoint", map_location)
     if not isinstance(payload, dict) or payload.get("magic") != MAGIC:
         raise InputError(f"{path}: not an ampguard checkpoint")
     if payload.get("format") != FORMAT:
@@ -146,6 +156,20 @@ def latest_loadable(
         raise InputError(f"no loadable checkpoint in {folder} ({errors[0]})")
     when = f" from before step {before_step}" if before_step is not None else ""
     raise InputError(f"no checkpoint{when} in {folder}")
+
+
+def set_aside_after(folder: str | os.PathLike, step: int) -> list[Path]:
+    """Move checkpoints newer than ``step`` into ``folder/abandoned-<time>/``: a run resumed from
+    an older checkpoint makes them a future that did not happen (its CSV rows go too), and a
+    later ``--resume RUN_DIR`` must not pick them. They are kept, not deleted."""
+    newer = [p for p in list_checkpoints(folder) if checkpoint_step(p) > step]
+    if not newer:
+        return []
+    target = Path(folder) / time.strftime("abandoned-%Y%m%d-%H%M%S")
+    target.mkdir(exist_ok=True)
+    for path in newer:
+        os.replace(path, target / path.name)
+    return newer
 
 
 def prune(folder: str | os.PathLike, keep: int) -> None:

@@ -342,19 +342,9 @@ def _locate(args: argparse.Namespace) -> int:
 
 def load_checkpoint_batch(path: str) -> tuple[Any, Any]:
     """A saved batch: ``torch.save({"inputs": x, "targets": y}, path)``, loaded weights-only."""
-    import pickle
-    import zipfile
+    from .checkpoint import safe_load
 
-    import torch
-
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise InputError(f"no batch file at {path}") from None
-    except pickle.UnpicklingError:
-        raise InputError(f"{path}: refused: it holds pickled objects beyond tensors and plain data") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError):
-        raise InputError(f"{path}: unreadable batch file (truncated, or not a PyTorch file)") from None
+    data = safe_load(path, "batch")
     if not isinstance(data, dict) or not {"inputs", "targets"} <= set(data):
         raise InputError(f"{path}: a batch file holds {{'inputs': ..., 'targets': ...}}")
     return data["inputs"], data["targets"]

@@ -146,19 +146,31 @@ class FaultInjector:
         return injected_loss
 
     def attach(self, model: nn.Module) -> None:
-        """Register the gradient hook for ``inf_grad`` / ``nan_grad`` on the first trainable parameter."""
+        """Arm ``inf_grad`` / ``nan_grad``: a gradient hook sets element 0 of the first trainable
+        parameter's gradient on the faulted step.
+
+        An FSDP2-sharded parameter is never run through by the backward pass (FSDP2 computes with
+        unsharded copies and writes the reduced shard into ``.grad``), so there the hook sits on
+        the gradient flowing back into the model's output instead, through a forward hook.
+        """
         if not any(f.kind in ("inf_grad", "nan_grad") for f in self.faults):
             return
-        param = next(p for p in model.parameters() if p.requires_grad)
 
-        def hook(grad: torch.Tensor) -> torch.Tensor:
+        def grad_hook(grad: torch.Tensor) -> torch.Tensor:
             for kind, value in (("inf_grad", float("inf")), ("nan_grad", float("nan"))):
                 if self.active(kind):
                     grad = grad.clone()
                     grad.view(-1)[0] = value
             return grad
 
-        self._hooks.append(param.register_hook(hook))
+        def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(grad_hook)
+
+        param = next(p for p in model.parameters() if p.requires_grad)
+        sharded = hasattr(param, "placements")  # a DTensor: FSDP2
+        self._hooks.append(model.register_forward_hook(forward_hook) if sharded else param.register_hook(grad_hook))
 
     def detach(self) -> None:
         for handle in self._hooks:

@@ -293,6 +293,8 @@ class Trainer:
         if self.dist.active:
             model = distributed.wrap(model, config.distributed.strategy, self.device)
         self.state = build_state(config, self.task, self.device, model)
+        if self.task.name == "factory" and self.task.evaluate is not None:
+            self._check_evaluate()
         self.monitor = self.state.monitors["run"] = build_monitor(config, self.state)
         self.spikes: LossSpikeDetector | None = None
         if "loss_spike" in config.rollback.triggers:
@@ -400,10 +402,10 @@ class Trainer:
     def _stream(self) -> Iterator[tuple[Any, Any]]:
         """The task's micro-batches from ``self.position`` on, faults applied, on the device."""
         source = itertools.islice(self.task.batches(), self.position, None)
+        if self.dist.active:  # this rank's slice of each global batch; faults then apply per rank
+            source = ((distributed.rank_slice(x, self.dist), distributed.rank_slice(y, self.dist)) for x, y in source)
         for inputs, targets in self.injector.wrap_data(source, first_step=self.state.steps + 1):
             self.position += 1
-            if self.dist.active:
-                inputs, targets = distributed.rank_slice(inputs, self.dist), distributed.rank_slice(targets, self.dist)
             yield _to_device(inputs, self.device), _to_device(targets, self.device)
 
     # ------------------------------------------------------------------ events
@@ -414,7 +416,7 @@ class Trainer:
         if word is not None:
             self.say(f"{word} {event['step']} {event['message']}")
 
-    def _evaluate(self) -> dict[str, float]:
+    def _evaluate(self, record: bool = True) -> dict[str, float]:
         model, evaluate = self.task.model, self.task.evaluate
         if evaluate is None:
             return {}
@@ -424,8 +426,19 @@ class Trainer:
                 metrics = {name: float(value) for name, value in evaluate(model, self.device).items()}
         finally:
             model.train()
-        self.monitor.observe_eval(metrics)
+        if record:
+            self.monitor.observe_eval(metrics)
         return metrics
+
+    def _check_evaluate(self) -> None:
+        """A user's evaluate() must return the metrics it declared: try it once, before any file exists."""
+        try:
+            names = set(self._evaluate(record=False))
+        except (Exception, SystemExit) as err:  # noqa: BLE001
+            raise InputError(f"task.factory: evaluate() raised {type(err).__name__}: {err}") from None
+        if not names <= set(self.task.metrics):
+            raise InputError(f"task.factory: evaluate() returned {sorted(names)}, but metrics declares "
+                             f"{list(self.task.metrics)}")
 
     def _eval_due(self, step: int) -> bool:
         every = self.config.eval.every
@@ -450,7 +463,7 @@ class Trainer:
         assert result is not None
         message = f"step {record.step} ({record.reason}): {result.message()}"
         self.diagnosis = message
-        self._event({"step": record.step, "event": "diagnosis", "message": message, **result.as_dict()}, "DIAGNOSIS")
+        self._event({"step": record.step, "event": "diagnosis", **result.as_dict(), "message": message}, "DIAGNOSIS")
         return message
 
     # ------------------------------------------------------------------ rollback
@@ -501,8 +514,10 @@ class Trainer:
         sinks = self._open_sinks(keep_through=state.steps if resuming else None)
         self.events = JsonlSink(self.paths.events, append=resuming) if self.paths.events is not None else None
         if self.resume is not None:
+            set_aside = ckpt.set_aside_after(self.checkpoint_dir, state.steps) if main and self.checkpoint_dir else []
+            note = f"; newer checkpoints set aside: {', '.join(p.name for p in set_aside)}" if set_aside else ""
             self._event({"step": state.steps, "event": "resume",
-                         "message": f"resumed from {self.resume.path.name} at step {state.steps}"}, "RESUME")
+                         "message": f"resumed from {self.resume.path.name} at step {state.steps}{note}"}, "RESUME")
         else:
             self._event({"step": 0, "event": "run_start",
                          "message": f"{self.task.description}; {config.precision} on {self.device}"})
@@ -647,6 +662,10 @@ def check_resume_config(saved: dict[str, Any], config: Config) -> None:
         a, b = saved, now
         for part in key.split("."):
             a, b = a.get(part), b.get(part)
+        if isinstance(a, dict) and isinstance(b, dict):  # name the exact field, e.g. task.n_embd
+            diff = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
+            if diff is not None:
+                key, a, b = f"{key}.{diff}", a.get(diff), b.get(diff)
         if a != b:
             raise InputError(f"--resume: {key} was {a!r} in the checkpoint, now {b!r}; a resumed run must keep it")
     if saved.get("steps", 0) and config.steps <= 0:  # pragma: no cover - validated elsewhere

@@ -214,7 +214,8 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
     for name in ["fp32", *config.validation.precisions]:
         task.model.load_state_dict(start)
         task.model.train()
-        run_config = config.model_copy(update={"precision": name, "steps": steps})
+        scaler = config.scaler.model_copy(update={"enabled": config.scaler.enabled if name == "fp16" else None})
+        run_config = config.model_copy(update={"precision": name, "steps": steps, "scaler": scaler})
         state: AmpTrainState = build_state(run_config, task, device)
         losses, norms, updates = [], [], 0
         stream = itertools.islice(task.batches(), steps * config.accumulation_steps)
@@ -305,8 +306,19 @@ def as_json(v: Validation) -> dict[str, Any]:
     }
 
 
+def _strict_json(value: Any) -> Any:
+    """Non-finite numbers as the strings "inf", "-inf", "nan": the file stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
 def write_outputs(v: Validation, config: Config, folder: Path) -> tuple[Path, Path]:
     md, js = folder / "validation.md", folder / "validation.json"
     md.write_text(markdown(v, config), encoding="utf-8")
-    js.write_text(json.dumps(as_json(v), indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    js.write_text(json.dumps(_strict_json(as_json(v)), indent=2) + "\n", encoding="utf-8")
     return md, js

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -56,7 +57,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
             module = importlib.import_module(target)
     except InputError:
         raise
-    except Exception as err:  # noqa: BLE001 - whatever the user's module raised, said in one line
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - whatever the user's module raised, in one line
         raise InputError(f"task.factory: importing {target} failed: {type(err).__name__}: {err}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -69,7 +70,7 @@ def build_from_factory(config: Any) -> Task:
     fn = load_factory(spec)
     try:
         made = fn(config)
-    except Exception as err:  # noqa: BLE001
+    except (Exception, SystemExit) as err:  # noqa: BLE001
         raise InputError(f"task.factory {spec} raised {type(err).__name__}: {err}") from None
     if isinstance(made, Task):
         return made
@@ -89,17 +90,33 @@ def build_from_factory(config: Any) -> Task:
     else:
         raise InputError(f"task.factory {spec}: data must be re-iterable (a list, a DataLoader) or a function "
                          "returning an iterable, not a one-shot iterator")
-    metrics = tuple(made.get("metrics", ()))
+    metrics = made.get("metrics", ())
+    metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
     evaluate = made.get("evaluate")
     if evaluate is not None and not metrics:
         raise InputError(f"task.factory {spec}: evaluate is given, so metrics must name what it returns")
-    first = next(iter(make_iterable()), None)
-    if first is None:
+    # A shuffling DataLoader's own generator advances as it is read: every stream starts it from
+    # the state it had here, so each call of batches() gives the same sequence (resume, rollback).
+    generator = getattr(data, "generator", None)
+    start_state = generator.get_state() if isinstance(generator, torch.Generator) else None
+
+    def restart() -> Any:
+        if start_state is not None:
+            generator.set_state(start_state)
+        return make_iterable()
+
+    try:
+        first_batches = list(itertools.islice(iter(restart()), 4))
+    except (Exception, SystemExit) as err:  # noqa: BLE001
+        raise InputError(f"task.factory {spec}: reading the data failed: {type(err).__name__}: {err}") from None
+    if not first_batches:
         raise InputError(f"task.factory {spec}: data yielded no batches")
-    inputs, targets = first[0], first[1]
+    if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in first_batches):
+        raise InputError(f"task.factory {spec}: data must yield (inputs, targets) pairs")
+    inputs, targets = first_batches[0]
     held_out = made.get("held_out")
-    if held_out is None:  # default: the first few batches of the data
-        held_out = _first_batches(make_iterable, 4)
+    if held_out is None and all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) for x, y in first_batches):
+        held_out = torch.cat([x for x, _ in first_batches]), torch.cat([y for _, y in first_batches])
     mode = made.get("mode") or ("classifier" if isinstance(targets, torch.Tensor)
                                 and not targets.is_floating_point() else "regression")
     if mode not in ("classifier", "regression"):
@@ -109,7 +126,7 @@ def build_from_factory(config: Any) -> Task:
         name="factory",
         model=model,
         loss_fn=loss_fn,
-        batches=lambda: cycle(make_iterable),
+        batches=lambda: cycle(restart),
         evaluate=evaluate,
         metrics=metrics,
         float_inputs=bool(getattr(inputs, "is_floating_point", lambda: False)()),
@@ -120,11 +137,3 @@ def build_from_factory(config: Any) -> Task:
         predict=made.get("predict"),
     )
 
-
-def _first_batches(make_iterable: Callable[[], Any], n: int) -> tuple[Any, Any] | None:
-    import itertools
-
-    batches = list(itertools.islice(iter(make_iterable()), n))
-    if not all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) for x, y in batches):
-        return None
-    return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])

@@ -1,0 +1,480 @@
+"""Data-parallel training under torchrun (issue 6): CPU, gloo, 2 processes.
+
+Each torchrun launch costs seconds (torch is imported by three processes), so the launches are
+few, started early, run side by side and shared by the tests of this module:
+
+- first, together: ``A``, ``ampguard train`` with DDP, fp32, accumulation 2, per-rank batch 8,
+  8 steps, a checkpoint at step 4, and faults on rank 1 only (``nan_loss@3@rank1``,
+  ``inf_grad@6@rank1``); ``F``, the same with FSDP2 (6 steps, ``nan_loss@2@rank1``); ``S``,
+  ``dist_scripts/lib_api.py``, the library API (``AmpTrainState``) on a DDP-wrapped and an
+  FSDP2-sharded model, each rank writing its own state to a file. Meanwhile the single-process
+  references (batch 16) run in this process.
+- then, once A is done: ``B``, a copy of run A resumed from its step-4 checkpoint; ``W``, a copy of
+  the single-process run resumed under torchrun (refused: world size); ``N``, 3 steps with
+  ``nan_input@2@rank1``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampguard.checkpoint import load_checkpoint
+from ampguard.cli import main as ampguard_main
+
+
+def _gloo_available() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_gloo_available()
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available"),
+]
+
+TIMEOUT_S = 180
+SCRIPTS = Path(__file__).parent / "dist_scripts"
+CKPT4, CKPT8 = "step-00000004.pt", "step-00000008.pt"
+
+# per-rank batch B = 8 on 2 ranks; the single-process reference reads batches of 2B = 16
+COMMON = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",
+          "--set", "accumulation_steps=2", "--set", "task.batch_size=8"]
+RUN_A = [*COMMON, "--set", "steps=8", "--set", "checkpoint.every=4"]
+FAULTS_A = ["--inject", "nan_loss@3@rank1", "--inject", "inf_grad@6@rank1"]
+FAULTS_A_SINGLE = ["--inject", "nan_loss@3", "--inject", "inf_grad@6"]
+RUN_F = [*COMMON, "--set", "steps=6", "--set", "distributed.strategy=fsdp2"]
+FAULTS_F = ["--inject", "nan_loss@2@rank1"]
+FAULTS_F_SINGLE = ["--inject", "nan_loss@2"]
+
+
+# ---------------------------------------------------------------------------- launching
+
+
+def _torchrun() -> list[str]:
+    exe = Path(sys.executable).with_name("torchrun")
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
+    return env
+
+
+class Launch:
+    """One ``torchrun --standalone --nproc_per_node 2 ...`` in its own process group, killed on
+    timeout or at teardown."""
+
+    def __init__(self, name: str, args: list[str], cwd: Path) -> None:
+        self.name, self.cwd = name, cwd
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.cmd = [*_torchrun(), "--standalone", "--nproc_per_node", "2", *args]
+        self._out = (cwd.parent / f"{name}.stdout").open("w+")
+        self._err = (cwd.parent / f"{name}.stderr").open("w+")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=_env(), stdout=self._out, stderr=self._err,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.rc: int | None = None
+        self.stdout = self.stderr = ""
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def wait(self) -> Launch:
+        if self.rc is None:
+            left = max(1.0, TIMEOUT_S - (time.monotonic() - self.started))
+            try:
+                self.rc = self.proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                self.rc = -9
+                self._read()
+                pytest.fail(f"torchrun {self.name} did not finish within {TIMEOUT_S} s (a rank hangs?)\n"
+                            f"stderr tail:\n{self.stderr[-3000:]}")
+            self._read()
+        return self
+
+    def _read(self) -> None:
+        for f in (self._out, self._err):
+            f.flush()
+            f.seek(0)
+        self.stdout, self.stderr = self._out.read(), self._err.read()
+
+    def ok(self) -> Launch:
+        self.wait()
+        assert self.rc == 0, (f"torchrun {self.name} exited {self.rc}\nstdout tail:\n{self.stdout[-2000:]}\n"
+                              f"stderr tail:\n{self.stderr[-4000:]}")
+        return self
+
+    def close(self) -> None:
+        self.kill()
+        self._out.close()
+        self._err.close()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist")
+
+
+@pytest.fixture(scope="module")
+def launches(work):
+    """A, F and S, started together (each waits on its own when a test asks for it)."""
+    started: dict[str, Launch] = {}
+    try:
+        started["A"] = Launch("A", ["-m", "ampguard", "train", *RUN_A, *FAULTS_A,
+                                    "--set", f"log.dir={work / 'A_runs'}"], work / "A_cwd")
+        started["F"] = Launch("F", ["-m", "ampguard", "train", *RUN_F, *FAULTS_F,
+                                    "--set", f"log.dir={work / 'F_runs'}", "--set", "log.name=F"], work / "F_cwd")
+        (work / "S_out").mkdir()
+        started["S"] = Launch("S", [str(SCRIPTS / "lib_api.py"), str(work / "S_out" / "state")], work / "S_cwd")
+        yield started
+    finally:
+        for launch in started.values():
+            launch.close()
+
+
+def _single_run_dir(runs: Path) -> Path:
+    folders = [p for p in runs.iterdir()]
+    assert len(folders) == 1, f"expected one run folder in {runs}, found {sorted(p.name for p in folders)}"
+    return folders[0]
+
+
+@pytest.fixture(scope="module")
+def run_a(launches, work) -> Path:
+    """Run A's folder (the launch finished with exit 0)."""
+    launches["A"].ok()
+    return _single_run_dir(work / "A_runs")
+
+
+def _snapshot(folder: Path) -> dict[str, bytes | str]:
+    return {str(p.relative_to(folder)): ("<dir>" if p.is_dir() else p.read_bytes()) for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def resume_launches(run_a, single_a, work):
+    """Started together once run A is done (not waited on here):
+
+    - ``B``: a copy of run A resumed under torchrun from its step-4 checkpoint;
+    - ``W``: a copy of the single-process run resumed under torchrun (a different world size);
+    - ``N``: a short DDP run with ``nan_input@2@rank1``."""
+    b = work / "B_runs" / "B"
+    shutil.copytree(run_a, b)
+    w = work / "W_runs" / "W"
+    shutil.copytree(single_a, w)
+    w_before = _snapshot(w)
+    started: dict[str, Launch] = {}
+    try:
+        started["B"] = Launch("B", ["-m", "ampguard", "train", "--resume", str(b / "checkpoints" / CKPT4)],
+                              work / "B_cwd")
+        started["W"] = Launch("W", ["-m", "ampguard", "train", "--resume", str(w / "checkpoints" / CKPT4)],
+                              work / "W_cwd")
+        started["N"] = Launch("N", ["-m", "ampguard", "train", *COMMON, "--set", "steps=3",
+                                    "--set", "eval.enabled=false", "--set", "checkpoint.enabled=false",
+                                    "--inject", "nan_input@2@rank1", "--set", f"log.dir={work / 'N_runs'}",
+                                    "--set", "log.name=N"], work / "N_cwd")
+        yield {"B": (started["B"], b), "W": (started["W"], w, w_before), "N": (started["N"], work / "N_runs" / "N")}
+    finally:
+        for launch in started.values():
+            launch.close()
+
+
+def _single_process(work: Path, name: str, args: list[str]) -> Path:
+    """``ampguard train`` in this process (world size 1) with batches of 2B; its run folder."""
+    env_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    assert not any(k in os.environ for k in env_keys), "run the tests outside torchrun"
+    code = ampguard_main(["train", *args, "--set", "task.batch_size=16",
+                          "--set", f"log.dir={work / 'single'}", "--set", f"log.name={name}"])
+    assert code == 0
+    return work / "single" / name
+
+
+@pytest.fixture(scope="module")
+def single_a(launches, work) -> Path:
+    return _single_process(work, "A", [*RUN_A, *FAULTS_A_SINGLE])
+
+
+@pytest.fixture(scope="module")
+def single_f(launches, work) -> Path:
+    return _single_process(work, "F", [*RUN_F, *FAULTS_F_SINGLE])
+
+
+@pytest.fixture(scope="module")
+def lib_states(launches, work) -> tuple[dict, dict]:
+    launches["S"].ok()
+    return tuple(torch.load(work / "S_out" / f"state.rank{r}.pt", weights_only=False) for r in (0, 1))
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _rows(csv_path: Path) -> list[dict[str, str]]:
+    with csv_path.open(newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(text: str) -> float | None:
+    return None if text == "" else float(text)
+
+
+def _close(a: float | None, b: float | None, rel: float = 1e-5) -> bool:
+    if a is None or b is None:
+        return a is b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
+
+
+def _final_model(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_checkpoint(run_dir / "checkpoints" / f"step-{step:08d}.pt")["model"]
+
+
+def _assert_params_close(dist_model: dict, single_model: dict, atol: float = 1e-6) -> None:
+    assert dist_model.keys() == single_model.keys()
+    for key in single_model:
+        a, b = dist_model[key].float(), single_model[key].float()
+        assert a.shape == b.shape, key
+        diff = (a - b).abs().max().item()
+        assert diff <= atol, f"{key}: max |distributed - single| = {diff:.3g} > {atol}"
+
+
+def _assert_rows_match(dist_rows: list[dict], single_rows: list[dict]) -> None:
+    """Same decisions and schedule exactly; the same norms and losses up to float rounding (the
+    norm is the global one: a per-rank or per-shard norm would differ by a factor ~sqrt(2))."""
+    assert [r["step"] for r in dist_rows] == [r["step"] for r in single_rows]
+    for d, s in zip(dist_rows, single_rows, strict=True):
+        for key in ("skipped", "skip_reason", "lr", "scaler_scale"):
+            assert d[key] == s[key], f"step {d['step']}: {key} {d[key]!r} != {s[key]!r}"
+        for key in ("grad_l2_pre_clip", "grad_l2_post_clip", "loss", "val_loss"):
+            assert _close(_num(d[key]), _num(s[key])), f"step {d['step']}: {key} {d[key]!r} != {s[key]!r}"
+
+
+def _same(a, b) -> bool:
+    """Deep equality with tensors compared by torch.equal and NaN equal to NaN."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and (
+            torch.equal(a, b) or (a.shape == b.shape and bool(torch.equal(a.isnan(), b.isnan()))
+                                  and torch.equal(a.nan_to_num(), b.nan_to_num())))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+# ---------------------------------------------------------------------------- CLI: DDP
+
+
+def test_ddp_with_batch_b_per_rank_matches_one_process_with_batch_2b(run_a, single_a, resume_launches):
+    # (resume_launches is requested here only so that those launches start as soon as run A is done)
+    _assert_params_close(_final_model(run_a, 8), _final_model(single_a, 8))
+    _assert_params_close(_final_model(run_a, 4), _final_model(single_a, 4))
+    _assert_rows_match(_rows(run_a / "steps.csv"), _rows(single_a / "steps.csv"))
+    payload = load_checkpoint(run_a / "checkpoints" / CKPT8)
+    assert payload["world_size"] == 2
+    assert payload["updates"] == 6 and payload["step"] == 8
+    # every rank took its slice of the same global batches: 16 micro-batches of 2B were read
+    assert payload["data_position"] == 16
+    assert isinstance(payload["rng"], list) and len(payload["rng"]) == 2
+
+
+def test_a_fault_on_rank_1_makes_both_ranks_skip_that_step(launches, run_a):
+    rows = _rows(run_a / "steps.csv")
+    skips = {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"}
+    assert skips == {3: "non_finite_loss", 6: "non_finite_grad"}
+    assert all(r["skip_reason"] == "" for r in rows if r["skipped"] == "0")
+    by_step = {int(r["step"]): r for r in rows}
+    # rank 0's own loss was finite at step 3: the logged loss is the global mean, so NaN
+    assert math.isnan(float(by_step[3]["loss"]))
+    assert by_step[3]["grad_l2_pre_clip"] == "" and by_step[3]["grad_l2_post_clip"] == ""
+    # rank 0's gradient was finite at step 6: the Inf came through the all-reduce / agreement
+    assert by_step[6]["grad_l2_pre_clip"] == "inf" and by_step[6]["grad_l2_post_clip"] == ""
+    assert math.isfinite(float(by_step[6]["loss"]))
+    # the scheduler held on the skips: a skipped step runs at the lr of the step after it
+    assert by_step[3]["lr"] == by_step[4]["lr"] and by_step[6]["lr"] == by_step[7]["lr"]
+    out = launches["A"].stdout
+    assert "SKIP 3" in out and "SKIP 6" in out
+    assert "skips=2" in out
+
+
+def test_only_rank_0_writes_the_run_folder_and_prints(launches, run_a, work):
+    launch = launches["A"]
+    runs = work / "A_runs"
+    assert [p.name for p in runs.iterdir()] == [run_a.name]  # no second (timestamped) folder from rank 1
+    assert list((work / "A_cwd").iterdir()) == []  # nothing relative to the working directory
+    files = sorted(str(p.relative_to(run_a)) for p in run_a.rglob("*"))
+    assert files == sorted(["RUN.md", "config.yaml", "events.jsonl", "report.png", "steps.csv", "checkpoints",
+                            f"checkpoints/{CKPT4}", f"checkpoints/{CKPT8}"])
+    lines = (run_a / "steps.csv").read_text(encoding="utf-8").splitlines()
+    assert sum(line.startswith("step,") for line in lines) == 1 and lines[0].startswith("step,")
+    assert [int(line.split(",")[0]) for line in lines[1:]] == list(range(1, 9))
+    events = [json.loads(line) for line in (run_a / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds.count("run_start") == 1 and kinds.count("run_end") == 1
+    assert [e["message"] for e in events if e["event"] == "checkpoint"] == [f"saved {CKPT4}", f"saved {CKPT8}"]
+    card = (run_a / "RUN.md").read_text(encoding="utf-8")
+    assert card.strip()
+    assert (run_a / "report.png").stat().st_size > 0
+    # rank 0 speaks for the run, once
+    assert launch.stdout.count("summary:") == 1
+    assert launch.stdout.count("ended: finished: 8 steps") == 1
+    assert launch.stdout.count("EVAL 8") == 1
+
+
+def test_resuming_a_ddp_checkpoint_in_one_process_is_refused(run_a, work, cli, snapshot):
+    copy = work / "C_runs" / "C"
+    shutil.copytree(run_a, copy)
+    before = snapshot(copy)
+    code, out, err = cli("train", "--resume", copy / "checkpoints" / CKPT4)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "world size" in lines[0] and "2" in lines[0] and "1" in lines[0]
+    assert "Traceback" not in err
+    assert snapshot(copy) == before  # nothing written or overwritten
+
+
+# ---------------------------------------------------------------------------- CLI: FSDP2
+
+
+def test_fsdp2_matches_one_process_with_batch_2b(launches, single_f, work):
+    launch = launches["F"].ok()
+    run_f = work / "F_runs" / "F"
+    _assert_params_close(_final_model(run_f, 6), _final_model(single_f, 6))
+    rows = _rows(run_f / "steps.csv")
+    _assert_rows_match(rows, _rows(single_f / "steps.csv"))
+    assert {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"} == {2: "non_finite_loss"}
+    assert load_checkpoint(run_f / "checkpoints" / "step-00000006.pt")["world_size"] == 2
+    assert [p.name for p in (work / "F_runs").iterdir()] == ["F"]
+    assert list((work / "F_cwd").iterdir()) == []
+    assert launch.stdout.count("summary:") == 1
+
+
+# ---------------------------------------------------------------------------- library API
+
+
+def test_library_api_under_ddp_every_rank_skips_the_same_steps_and_ends_identical(lib_states):
+    r0, r1 = lib_states
+    assert (r0["rank"], r1["rank"], r0["world_size"]) == (0, 1, 2)
+    c = r0["constants"]
+    d0, d1 = r0["ddp"], r1["ddp"]
+    for name, p0 in d0["params"].items():
+        assert torch.equal(p0, d1["params"][name]), name
+    assert _same(d0["optimizer"], d1["optimizer"])
+    assert _same(d0["scaler"], d1["scaler"])
+    assert _same(d0["logs"], d1["logs"])  # same decisions, scale history, global loss and norms
+    for logs in (d0["logs"], d1["logs"]):
+        assert [log["step"] for log in logs] == list(range(1, c["STEPS"] + 1))
+        assert {log["step"]: log["reason"] for log in logs if log["skipped"]} == {
+            c["NAN_STEP"]: "non_finite_loss", c["INF_STEP"]: "non_finite_grad"}
+        # fp16, init_scale 1024: the scale backs off at each skip and only there
+        expected, scale = [], 1024.0
+        for step in range(1, c["STEPS"] + 1):
+            scale = scale / 2 if step in (c["NAN_STEP"], c["INF_STEP"]) else scale
+            expected.append(scale)
+        assert [log["scale"] for log in logs] == expected
+        assert math.isnan(logs[c["NAN_STEP"] - 1]["loss"])  # rank 0's data was clean: the global mean
+        assert logs[c["INF_STEP"] - 1]["pre"] == math.inf
+    assert d0["updates"] == d1["updates"] == c["STEPS"] - 2
+    assert d0["steps"] == d1["steps"] == c["STEPS"]
+
+
+def test_library_api_under_ddp_accumulation_all_reduces_only_when_a_group_closes(lib_states):
+    for state in lib_states:
+        c, per_micro = state["constants"], state["ddp"]["allreduces_per_micro"]
+        assert len(per_micro) == c["STEPS"] * c["ACCUM"]
+        mid = [n for i, n in enumerate(per_micro) if (i + 1) % c["ACCUM"]]
+        closing = [n for i, n in enumerate(per_micro) if (i + 1) % c["ACCUM"] == 0]
+        assert mid == [0] * len(mid)  # no_sync on the micro-batches inside a group
+        assert all(n >= 1 for n in closing) and len(set(closing)) == 1
+
+
+def test_library_api_under_fsdp2_ranks_agree_and_accumulate_without_reduce_scatter(lib_states):
+    f0, f1 = (s["fsdp2"] for s in lib_states)
+    c = lib_states[0]["constants"]
+    assert _same(f0["logs"], f1["logs"])  # the same global norm, loss and decisions on every rank
+    assert [log["step"] for log in f0["logs"]] == list(range(1, c["FSDP_STEPS"] + 1))
+    assert all(math.isfinite(log["pre"]) or log["skipped"] for log in f0["logs"])
+    # set_requires_gradient_sync(False) mid-group: the sharded gradients are not written yet
+    assert f0["grads_empty_mid_group"] == f1["grads_empty_mid_group"] == [True] * c["FSDP_STEPS"]
+
+
+def test_inf_grad_on_rank_1_under_fsdp2_makes_every_rank_skip(lib_states):
+    for state in lib_states:
+        c, logs = state["constants"], state["fsdp2"]["logs"]
+        assert {log["step"]: log["reason"] for log in logs if log["skipped"]} == {
+            c["FSDP_INF_STEP"]: "non_finite_grad"}
+
+
+# ---------------------------------------------------------------------------- resume
+
+
+def test_resume_under_ddp_is_bit_for_bit_the_uninterrupted_run(run_a, resume_launches):
+    launch, b = resume_launches["B"]
+    launch.ok()
+    assert "resuming from step-00000004.pt" in launch.stdout
+    assert launch.stdout.count("summary:") == 1
+    assert (b / "steps.csv").read_bytes() == (run_a / "steps.csv").read_bytes()
+    resumed, whole = load_checkpoint(b / "checkpoints" / CKPT8), load_checkpoint(run_a / "checkpoints" / CKPT8)
+    for key, value in whole["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+    assert _same(resumed["optimizer"], whole["optimizer"])
+    assert _same(resumed["state"], whole["state"])
+    assert _same(resumed["scheduler"], whole["scheduler"])
+    for key in ("step", "updates", "data_position", "world_size"):
+        assert resumed[key] == whole[key], key
+    events = [json.loads(line) for line in (b / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [e["event"] for e in events].count("resume") == 1
+    assert [p.name for p in b.parent.iterdir()] == ["B"]  # no second run folder
+    assert list((b.parent.parent / "B_cwd").iterdir()) == []
+
+
+def test_resuming_a_single_process_checkpoint_under_torchrun_is_refused(resume_launches, work):
+    launch, w, before = resume_launches["W"]
+    launch.wait()
+    assert launch.rc != 0  # torchrun's own code (1) once a worker failed
+    # every worker exited 2 (bad input) ...
+    assert launch.stderr.count("exitcode  : 2") == 2, launch.stderr[-3000:]
+    # ... with one line each naming the world sizes, and no traceback of ampguard's
+    errors = [line for line in launch.stderr.splitlines() if line.startswith("ampguard: error:")]
+    assert 1 <= len(errors) <= 2 and len(set(errors)) == 1, launch.stderr[-3000:]
+    assert "saved by 1 process" in errors[0] and "2" in errors[0] and "world size" in errors[0]
+    assert "ampguard/" not in launch.stderr.replace("-m ampguard", "")
+    assert _snapshot(w) == before  # nothing written or overwritten
+    assert list((work / "W_cwd").iterdir()) == []
+
+
+def test_nan_input_on_rank_1_makes_every_rank_skip_that_step(resume_launches):
+    launch, run_dir = resume_launches["N"]
+    launch.wait()
+    if launch.rc != 0:  # a crash is a real failure, not the expected one
+        raise RuntimeError(f"torchrun N exited {launch.rc}:\n{launch.stderr[-3000:]}")
+    rows = _rows(run_dir / "steps.csv")
+    if [r["step"] for r in rows] != ["1", "2", "3"]:
+        raise RuntimeError(f"unexpected rows {rows}")
+    assert {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"} == {2: "non_finite_loss"}

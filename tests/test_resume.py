@@ -1,0 +1,563 @@
+"""Resume (issue 4, part 2): bit-for-bit continuation, refusals, crash safety, spike rollback.
+
+Runs go through ``ampguard.cli.main`` in-process (the plot is stubbed out: it costs a second a
+run and is not under test here). Only the SIGKILL tests start a real process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from ampguard import checkpoint as ckpt
+from ampguard.cli import main
+from ampguard.errors import InputError
+from ampguard.monitor import LossSpikeDetector
+
+LINEAR = ["--set", "task.name=linear"]
+TINY_CHARLM = [
+    "--set", "task.name=charlm", "--set", "task.n_layer=1", "--set", "task.n_embd=16", "--set", "task.n_head=2",
+    "--set", "task.block_size=16", "--set", "task.batch_size=4", "--set", "eval.batches=1",
+]
+TMP_NAME = re.compile(r"^\.step-\d{8}\.pt\.tmp-\d+$")
+
+
+def _no_plot(*args: object, **kwargs: object) -> None:
+    return None
+
+
+def ag(*argv: object) -> tuple[int, str, str]:
+    """``ampguard ARGV`` in-process: (exit code, stdout, stderr); the plot is skipped."""
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch("ampguard.report.plot_run", _no_plot), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def train(log_dir: Path, name: str, *args: object) -> tuple[int, str, str]:
+    return ag("train", "--set", f"log.dir={log_dir}", "--set", f"log.name={name}", "--set", "log.every=1000", *args)
+
+
+def ok(result: tuple[int, str, str]) -> str:
+    code, out, err = result
+    assert code == 0, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
+    return out
+
+
+def one_error_line(result: tuple[int, str, str], code: int = 2) -> str:
+    got, out, err = result
+    assert got == code, f"exit {got}\nstdout:\n{out}\nstderr:\n{err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ampguard: error: ") and "Traceback" not in err
+    return lines[0]
+
+
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def csv_steps(path: Path) -> list[int]:
+    return [int(r["step"]) for r in csv_rows(path)]
+
+
+def final_checkpoint(run: Path) -> dict:
+    return ckpt.load_checkpoint(ckpt.list_checkpoints(run / "checkpoints")[-1])
+
+
+def assert_same_training(a: dict, b: dict) -> None:
+    """Two checkpoints hold the same step, parameters (torch.equal), optimizer state and scaler."""
+    assert a["step"] == b["step"] and a["updates"] == b["updates"] and a["data_position"] == b["data_position"]
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for pid, state in a["optimizer"]["state"].items():
+        for key, value in state.items():
+            other = b["optimizer"]["state"][pid][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (pid, key)
+    assert a["scheduler"] == b["scheduler"]
+    assert a["state"]["scaler"] == b["state"]["scaler"]
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+def scramble_rows_after(csv_path: Path, step: int) -> None:
+    """Rewrite the rows after ``step`` with a wrong loss: a resume must replace them, not keep them."""
+    lines = csv_path.read_text(encoding="utf-8").splitlines(keepends=True)
+    out = lines[:1]
+    for line in lines[1:]:
+        cells = line.rstrip("\n").split(",")
+        if int(cells[0]) > step:
+            cells[4] = "12345.0"
+        out.append(",".join(cells) + "\n")
+    csv_path.write_text("".join(out), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------- resume equivalence
+
+EQUIVALENCE = {
+    "fp32-linear": [*LINEAR, "--set", "precision=fp32", "--set", "eval.every=6"],
+    "fp16-linear": [*LINEAR, "--set", "precision=fp16", "--set", "eval.every=6"],
+    "bf16-charlm": [*TINY_CHARLM, "--set", "precision=bf16", "--set", "eval.every=6"],
+}
+CUT_RUN = ["--set", "steps=24", "--set", "checkpoint.every=12", "--set", "checkpoint.keep=10",
+           "--set", "accumulation_steps=2", "--inject", "nan_loss@5", "--inject", "inf_grad@20"]
+
+
+@pytest.mark.parametrize("kind", list(EQUIVALENCE))
+def test_resume_from_a_checkpoint_file_is_bit_for_bit_the_uninterrupted_run(tmp_path, kind):
+    ok(train(tmp_path, "A", *EQUIVALENCE[kind], *CUT_RUN))
+    a, b = tmp_path / "A", tmp_path / "B"
+    rows = csv_rows(a / "steps.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 25))
+    skipped = {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"}
+    assert skipped == {5: "non_finite_loss", 20: "non_finite_grad"}  # one skip on each side of the cut
+    if kind.startswith("fp16"):
+        scales = {int(r["step"]): float(r["scaler_scale"]) for r in rows}
+        assert scales[4] == 2 * scales[5] and scales[19] == 2 * scales[20]
+
+    shutil.copytree(a, b)
+    # B's future is gone (its last checkpoint) or wrong (its CSV rows past the cut): the resume
+    # has to make both again, and make them exactly as A did.
+    (b / "checkpoints" / "step-00000024.pt").unlink()
+    scramble_rows_after(b / "steps.csv", 12)
+    out = ok(ag("train", "--resume", b / "checkpoints" / "step-00000012.pt"))
+    assert "RESUME 12" in out
+
+    assert csv_steps(b / "steps.csv") == list(range(1, 25))  # appended, no duplicate, no second header
+    assert (b / "steps.csv").read_bytes() == (a / "steps.csv").read_bytes()
+    assert [p.name for p in ckpt.list_checkpoints(b / "checkpoints")] == ["step-00000012.pt", "step-00000024.pt"]
+    assert_same_training(final_checkpoint(a), final_checkpoint(b))
+    kinds = [e["event"] for e in events(b)]
+    assert kinds.count("run_start") == 1 and kinds.count("resume") == 1  # the event log is appended to
+    assert "step-00000012.pt" in (b / "RUN.md").read_text(encoding="utf-8")
+
+
+def test_resume_of_a_run_folder_takes_the_newest_loadable_checkpoint(tmp_path):
+    args = [*LINEAR, "--set", "precision=fp32", "--set", "steps=24", "--set", "checkpoint.every=8",
+            "--set", "checkpoint.keep=10", "--set", "accumulation_steps=3", "--inject", "nan_loss@5",
+            "--inject", "inf_grad@20"]
+    ok(train(tmp_path, "A", *args))
+    a, b = tmp_path / "A", tmp_path / "B"
+    shutil.copytree(a, b)
+    folder = b / "checkpoints"
+    # what a kill during the save of step 24 and a torn write of it would leave behind
+    newest = folder / "step-00000024.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    (folder / ".step-00000024.pt.tmp-4242").write_bytes(b"half a checkpoint")
+    scramble_rows_after(b / "steps.csv", 16)
+    with pytest.raises(InputError):
+        ckpt.load_checkpoint(newest)
+
+    out = ok(ag("train", "--resume", b))
+    assert "resuming from step-00000016.pt" in out
+    assert (b / "steps.csv").read_bytes() == (a / "steps.csv").read_bytes()
+    assert_same_training(final_checkpoint(a), final_checkpoint(b))
+
+
+def test_resume_at_the_last_step_is_refused_unless_steps_is_raised(tmp_path, snapshot):
+    ok(train(tmp_path, "A", *LINEAR, "--set", "precision=fp32", "--set", "steps=12", "--set", "checkpoint.every=4"))
+    run = tmp_path / "A"
+    before = snapshot(run)
+    line = one_error_line(ag("train", "--resume", run))
+    assert "step 12" in line and "steps" in line
+    assert snapshot(run) == before
+
+    ok(ag("train", "--resume", run, "--set", "steps=16"))
+    assert csv_steps(run / "steps.csv") == list(range(1, 17))
+    assert final_checkpoint(run)["step"] == 16
+
+
+@pytest.fixture(scope="module")
+def refusal_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("refusals")
+    common = ["--set", "steps=8", "--set", "checkpoint.every=4", "--set", "accumulation_steps=2"]
+    ok(train(root, "linear", *LINEAR, "--set", "precision=fp32", *common))
+    ok(train(root, "charlm", *TINY_CHARLM, "--set", "precision=fp32", "--set", "eval.enabled=false", *common))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("run", "change", "key"),
+    [
+        ("linear", "precision=fp16", "precision"),
+        ("linear", "precision=bf16", "precision"),
+        ("linear", "accumulation_steps=4", "accumulation_steps"),
+        ("linear", "seed=7", "seed"),
+        ("charlm", "task.n_embd=32", "n_embd"),
+        ("charlm", "task.name=linear", "task"),
+    ],
+)
+def test_a_config_change_that_breaks_equivalence_is_refused(refusal_runs, snapshot, run, change, key):
+    folder = refusal_runs / run
+    target = folder / "checkpoints" / "step-00000004.pt"
+    before = snapshot(folder)
+    line = one_error_line(ag("train", "--resume", target, "--set", change))
+    assert "--resume" in line and key in line
+    assert snapshot(folder) == before  # steps.csv, checkpoints, events: not a byte changed
+
+
+# ---------------------------------------------------------------------------- an interrupted resume
+
+
+def test_a_resume_from_an_older_checkpoint_that_is_interrupted_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Resume from step 8 while steps 16 and 20 exist (the run once got further), Ctrl-C at step 14,
+    then ``--resume RUN_DIR``: the run must go on from step 14, the CSV with no gap."""
+    args = [*LINEAR, "--set", "precision=fp32", "--set", "steps=24", "--set", "checkpoint.every=4",
+            "--set", "checkpoint.keep=10"]
+    ok(train(tmp_path, "A", *args))
+    a, b = tmp_path / "A", tmp_path / "B"
+    shutil.copytree(a, b)
+    (b / "checkpoints" / "step-00000024.pt").unlink()  # the first run was killed at step 22
+    lines = (b / "steps.csv").read_text(encoding="utf-8").splitlines(keepends=True)
+    (b / "steps.csv").write_text("".join(lines[:23]), encoding="utf-8")
+
+    from ampguard.step import AmpTrainState
+
+    step = AmpTrainState.step
+
+    def step_then_ctrl_c(self, *args, **kwargs):
+        record = step(self, *args, **kwargs)
+        if record is not None and record.step == 14:
+            os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: the run stops after this step
+        return record
+
+    with monkeypatch.context() as m:
+        m.setattr(AmpTrainState, "step", step_then_ctrl_c)
+        code, out, err = ag("train", "--resume", b / "checkpoints" / "step-00000008.pt")
+    assert code == 130, out + err
+    assert csv_steps(b / "steps.csv") == list(range(1, 15))
+
+    assert (b / "checkpoints" / "step-00000014.pt").is_file()  # the Ctrl-C saved where it stopped
+
+    out = ok(ag("train", "--resume", b))
+    assert csv_steps(b / "steps.csv") == list(range(1, 25)), out  # today: 1-14 then 21-24 (from stale step 20)
+    assert (b / "steps.csv").read_bytes() == (a / "steps.csv").read_bytes()
+
+
+# ---------------------------------------------------------------------------- SIGKILL
+
+
+def _spawn(cwd: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ampguard", "train", *args],
+        cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def test_a_run_killed_during_training_resumes_from_its_last_checkpoint(tmp_path, monkeypatch):
+    args = [*LINEAR, "--set", "precision=fp32", "--set", "steps=80", "--set", "checkpoint.every=1",
+            "--set", "checkpoint.keep=3", "--set", "accumulation_steps=2", "--set", "eval.every=20",
+            "--set", "log.every=1000", "--inject", "inf_grad@every:7"]
+    run = tmp_path / "runs" / "K"
+    folder = run / "checkpoints"
+    proc = _spawn(tmp_path, *args, "--set", "log.name=K")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = ckpt.list_checkpoints(folder)
+            if done and ckpt.checkpoint_step(done[-1]) >= 4:
+                break
+            time.sleep(0.002)
+        assert proc.poll() is None, "the run ended (or never started) before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        _kill(proc)
+
+    steps_at_kill = csv_steps(run / "steps.csv")
+    assert 4 <= steps_at_kill[-1] < 80
+    path, payload = ckpt.latest_loadable(folder)
+    assert payload["step"] == ckpt.checkpoint_step(path) >= 4
+
+    monkeypatch.chdir(tmp_path)
+    # (how often checkpoints are written does not change the training; fewer saves keep this fast)
+    ok(ag("train", "--resume", run, "--set", "checkpoint.every=20"))
+    ok(ag("train", *args, "--set", "checkpoint.every=0", "--set", "log.name=REF"))
+    ref = tmp_path / "runs" / "REF"
+    assert csv_steps(run / "steps.csv") == list(range(1, 81))
+    assert (run / "steps.csv").read_bytes() == (ref / "steps.csv").read_bytes()
+    assert_same_training(final_checkpoint(ref), final_checkpoint(run))
+
+
+BIG_FACTORY = '''
+import torch
+from torch import nn
+
+
+def build(config):
+    torch.manual_seed(config.seed)
+    model = nn.Linear(1024, 1024)  # 4 MB of weights, 8 MB of AdamW state: a save takes a while
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2, 1024, generator=gen), torch.randn(2, 1024, generator=gen)) for _ in range(6)]
+    return {"model": model, "data": data, "loss_fn": nn.functional.mse_loss}
+'''
+
+
+def test_a_run_killed_during_a_checkpoint_save_resumes(tmp_path):
+    factory = tmp_path / "big.py"
+    factory.write_text(BIG_FACTORY, encoding="utf-8")
+    args = ["--set", f"task.factory={factory}:build", "--set", "precision=fp32", "--set", "steps=14",
+            "--set", "checkpoint.keep=2", "--set", f"log.dir={tmp_path / 'runs'}", "--set", "log.every=1000"]
+    caught = None
+    for attempt in range(3):
+        run = tmp_path / "runs" / f"K{attempt}"
+        folder = run / "checkpoints"
+        proc = _spawn(tmp_path, *args, "--set", "checkpoint.every=1", "--set", f"log.name=K{attempt}")
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    names = os.listdir(folder)
+                except FileNotFoundError:
+                    names = []
+                tmp = [n for n in names if TMP_NAME.match(n)]
+                if tmp and any(ckpt.checkpoint_step(folder / n) >= 1 for n in names):
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait(timeout=30)
+                    if (folder / tmp[0]).exists():  # killed with the save still in progress
+                        caught = run, tmp[0]
+                    break
+                time.sleep(0.001)
+        finally:
+            _kill(proc)
+        if caught:
+            break
+    if caught is None:
+        pytest.skip("no checkpoint save was caught in progress in 3 runs (saves too fast on this machine)")
+    run, tmp_name = caught
+    folder = run / "checkpoints"
+
+    path, payload = ckpt.latest_loadable(folder)
+    assert payload["step"] == ckpt.checkpoint_step(path) >= 1
+    for finished in ckpt.list_checkpoints(folder):  # the kill left every finished checkpoint whole
+        ckpt.load_checkpoint(finished)
+
+    ok(ag("train", "--resume", run))
+    ok(ag("train", *args, "--set", "checkpoint.every=0", "--set", "log.name=REF"))
+    ref = tmp_path / "runs" / "REF"
+    assert csv_steps(run / "steps.csv") == list(range(1, 15))
+    assert (run / "steps.csv").read_bytes() == (ref / "steps.csv").read_bytes()
+    assert_same_training(final_checkpoint(ref), final_checkpoint(run))
+
+
+# ---------------------------------------------------------------------------- rollback
+
+SPIKY_FACTORY = '''
+import torch
+from torch import nn
+
+BAD = {bad}          # micro-batch indices whose targets are poisoned
+FACTOR = {factor}
+DROP = {drop}         # indices left out of the data altogether
+
+
+def build(config):
+    torch.manual_seed(config.seed)
+    model = nn.Linear(8, 1)
+    gen = torch.Generator().manual_seed(123)
+    w = torch.randn(8, 1, generator=gen)
+    data = []
+    for i in range(300):
+        x = torch.randn(16, 8, generator=gen)
+        y = x @ w
+        if i in BAD:
+            y = y * FACTOR
+        data.append((x, y))
+    data = [batch for i, batch in enumerate(data) if i not in DROP]
+    return {{"model": model, "data": data, "loss_fn": nn.functional.mse_loss}}
+'''
+
+
+def _factory(tmp_path: Path, bad: set[int], factor: str, drop: set[int] = frozenset(), name: str = "spiky") -> list[str]:
+    path = tmp_path / f"{name}.py"
+    path.write_text(SPIKY_FACTORY.format(bad=sorted(bad), factor=factor, drop=sorted(drop)), encoding="utf-8")
+    return ["--set", f"task.factory={path}:build", "--set", "precision=fp32", "--set", "optimizer.name=sgd",
+            "--set", "optimizer.lr=0.05", "--set", "optimizer.momentum=0", "--set", "schedule.decay=constant",
+            "--set", "checkpoint.every=10", "--set", "checkpoint.keep=20"]
+
+
+SPIKE = ["--set", "rollback.triggers=[loss_spike]", "--set", "rollback.window=20", "--set", "rollback.z=6"]
+
+
+def test_a_loss_spike_rolls_back_skips_the_bad_batches_and_finishes(tmp_path):
+    args = _factory(tmp_path, {30, 31, 32}, "1e4")
+    out = ok(train(tmp_path, "R", *args, *SPIKE, "--set", "rollback.skip_batches=5", "--set", "steps=80"))
+    run = tmp_path / "R"
+    assert "ROLLBACK 31" in out
+    rollbacks = [e for e in events(run) if e["event"] == "rollback"]
+    assert len(rollbacks) == 1
+    assert rollbacks[0]["step"] == 31 and rollbacks[0]["checkpoint"] == "step-00000030.pt"
+    assert "data position 31 -> 35" in rollbacks[0]["message"]
+    card = (run / "RUN.md").read_text(encoding="utf-8")
+    row = next(line for line in card.splitlines() if line.startswith("| rollbacks |"))
+    assert "step 31" in row and "step-00000030.pt" in row
+
+    rows = csv_rows(run / "steps.csv")
+    losses = {int(r["step"]): float(r["loss"]) for r in rows}
+    assert sorted(losses) == list(range(1, 81))
+    assert losses[31] > 1e6  # the spike itself is recorded ...
+    assert all(losses[s] < 10 for s in losses if s != 31)  # ... and batches 31, 32 were never trained on
+    assert losses[80] < 0.01 and losses[80] < losses[1] / 100  # back to normal: learning went on
+
+    # From step 30's model on batches 35, 36, ...: bit-for-bit a run whose data never had batches 30-34
+    final = final_checkpoint(run)
+    # (the step count goes on through a rollback: steps 32-80 are 49 steps on batches 35-83)
+    assert final["step"] == 80 and final["data_position"] == 84
+    clean = _factory(tmp_path, set(), "1.0", drop=set(range(30, 35)), name="clean")
+    ok(train(tmp_path, "CLEAN", *clean, "--set", "steps=79"))
+    reference = final_checkpoint(tmp_path / "CLEAN")
+    for name, value in reference["model"].items():
+        assert torch.equal(final["model"][name], value), name
+
+
+def test_a_resumed_run_keeps_its_spike_window_and_rolls_back_as_the_uninterrupted_one(tmp_path):
+    """The loss-spike window is in the checkpoint: resumed at step 20, the spike at 31 is still judged."""
+    args = _factory(tmp_path, {30, 31, 32}, "1e4")
+    ok(train(tmp_path, "A", *args, *SPIKE, "--set", "rollback.skip_batches=5", "--set", "steps=60"))
+    a, b = tmp_path / "A", tmp_path / "B"
+    shutil.copytree(a, b)
+    for path in ckpt.list_checkpoints(b / "checkpoints"):
+        if ckpt.checkpoint_step(path) > 20:
+            path.unlink()
+    out = ok(ag("train", "--resume", b / "checkpoints" / "step-00000020.pt"))
+    assert "ROLLBACK 31" in out
+    assert (b / "steps.csv").read_bytes() == (a / "steps.csv").read_bytes()
+    assert_same_training(final_checkpoint(a), final_checkpoint(b))
+    row = next(line for line in (b / "RUN.md").read_text(encoding="utf-8").splitlines()
+               if line.startswith("| rollbacks |"))
+    assert row.count("rolled back to") == 1
+
+
+def test_a_loss_spike_with_no_rollbacks_left_stops_the_run_with_exit_3(tmp_path):
+    args = _factory(tmp_path, {30, 31, 32}, "1e4")
+    code, out, err = train(tmp_path, "R", *args, *SPIKE, "--set", "rollback.max=0", "--set", "steps=80")
+    assert code == 3, out + err
+    run = tmp_path / "R"
+    assert not [e for e in events(run) if e["event"] == "rollback"]
+    assert "rollback.max" in out and "stopped at step 31" in out
+    assert csv_steps(run / "steps.csv")[-1] == 31
+
+
+SKIP_GUARD = ["--set", "rollback.triggers=[skip_guard]", "--set", "monitor.window=10", "--set", "monitor.fail_rate=0.3",
+              "--set", "monitor.fail_after=2"]
+
+
+def test_the_skip_guard_trigger_rolls_back_past_bad_data_and_finishes(tmp_path):
+    args = _factory(tmp_path, set(range(40, 50)), "float('nan')")  # ten batches with NaN targets
+    out = ok(train(tmp_path, "R", *args, *SKIP_GUARD, "--set", "rollback.skip_batches=12", "--set", "steps=70"))
+    run = tmp_path / "R"
+    rollbacks = [e for e in events(run) if e["event"] == "rollback"]
+    assert len(rollbacks) == 1, out
+    assert rollbacks[0]["checkpoint"] == "step-00000040.pt" and "skip-rate guard" in rollbacks[0]["message"]
+    rows = csv_rows(run / "steps.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 71))
+    bad = [int(r["step"]) for r in rows if r["skipped"] == "1"]
+    assert bad and min(bad) == 41 and max(bad) <= 46  # no skip after the rollback: the NaN batches were passed over
+    assert float(rows[-1]["loss"]) < 0.01
+    assert "rolled back to step-00000040.pt" in (run / "RUN.md").read_text(encoding="utf-8")
+
+
+def test_the_skip_guard_trigger_on_injected_faults_rolls_back_and_finishes(tmp_path):
+    faults = ",".join(str(s) for s in range(21, 27))
+    code, out, err = train(tmp_path, "R", *LINEAR, "--set", "precision=fp32", "--set", "steps=40",
+                           "--set", "checkpoint.every=10", *SKIP_GUARD, "--inject", f"inf_grad@{faults}")
+    assert code == 0, out + err
+    rollbacks = [e for e in events(tmp_path / "R") if e["event"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["checkpoint"] == "step-00000020.pt"
+    assert csv_steps(tmp_path / "R" / "steps.csv") == list(range(1, 41))
+
+
+@pytest.mark.parametrize("allowed", [0, 1, 2])
+def test_after_rollback_max_rollbacks_the_next_skip_guard_trigger_exits_3(tmp_path, allowed):
+    args = _factory(tmp_path, set(range(40, 100)), "float('nan')")  # too much bad data to skip past
+    code, out, err = train(tmp_path, "R", *args, *SKIP_GUARD, "--set", "rollback.skip_batches=2",
+                           "--set", f"rollback.max={allowed}", "--set", "steps=150")
+    assert code == 3, out + err
+    run = tmp_path / "R"
+    assert len([e for e in events(run) if e["event"] == "rollback"]) == allowed
+    assert f"all {allowed} rollbacks (rollback.max) are used up" in out
+    assert "rollback.max" in (run / "RUN.md").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------- LossSpikeDetector
+
+
+def _fill(detector: LossSpikeDetector, values) -> None:
+    for v in values:
+        assert detector.check(v) is False
+
+
+def test_spike_detector_judges_nothing_until_its_window_is_full():
+    d = LossSpikeDetector(window=5, z=3.0)
+    _fill(d, [1.0, 1.0, 1.0, 1.0])
+    assert d.check(1e9) is False  # fifth value: the window was not full, so it joins it
+    d2 = LossSpikeDetector(window=5, z=3.0)
+    _fill(d2, [1.0, 1.1, 0.9, 1.0, 1.05])
+    assert d2.check(1e9) is True  # now it is judged
+
+
+def test_spike_detector_flags_a_value_above_mean_plus_z_std():
+    values = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    threshold = mean + 2.5 * std
+    below, above = threshold - 1e-9, threshold + 1e-9
+    d = LossSpikeDetector(window=6, z=2.5)
+    _fill(d, values)
+    assert d.check(above) is True
+    assert d.check(above) is True  # the spike did not enter the window
+    d = LossSpikeDetector(window=6, z=2.5)
+    _fill(d, values)
+    assert d.check(below) is False  # not a spike: it joins the window
+
+
+def test_a_spike_does_not_enter_the_window_and_non_finite_losses_are_ignored():
+    d = LossSpikeDetector(window=4, z=3.0)
+    _fill(d, [1.0, 1.2, 0.8, 1.0])
+    before = d.state_dict()
+    assert d.check(50.0) is True
+    for value in (None, float("nan"), float("inf")):
+        assert d.check(value) is False
+    assert d.state_dict() == before
+
+
+def test_spike_detector_state_dict_round_trip():
+    values = [0.5, 0.7, 0.6, 0.65, 0.55, 0.6, 0.62]
+    a = LossSpikeDetector(window=5, z=4.0)
+    _fill(a, values)
+    b = LossSpikeDetector(window=5, z=4.0)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict()
+    for probe in (0.6, 0.9, 0.61, 5.0, 0.58):
+        assert a.check(probe) == b.check(probe)
+    assert a.state_dict() == b.state_dict()
+    b.reset()
+    assert b.check(100.0) is False  # after a reset it judges nothing until the window is full again
+    with pytest.raises(ValueError):
+        LossSpikeDetector(window=6, z=4.0).load_state_dict(a.state_dict())
