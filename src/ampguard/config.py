@@ -403,7 +403,7 @@ class Config(_Section):
     """Global L2 gradient clip threshold; 0 or null disables clipping."""
     accumulation_steps: Int = 1
     """Micro-batches per optimizer update."""
-    steps: Int = 600
+    steps: Int = 1000
     """Optimizer steps (attempts, skipped ones included)."""
     seed: Int = 0
     """Seed for the model, the data order and seeded fault injection."""

@@ -193,7 +193,7 @@ def plot_run(
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
     skipped = sum(r.skipped for r in rows)
-    fig.suptitle(title or f"{Path(csv_path).name}: {len(rows)} steps, {skipped} skipped", fontsize=13)
+    fig.suptitle(f"{title or Path(csv_path).name}: {len(rows)} steps, {skipped} skipped", fontsize=13)
     png_path = Path(png_path)
     fig.savefig(png_path, dpi=DPI)
     plt.close(fig)

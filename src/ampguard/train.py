@@ -680,7 +680,8 @@ def _write_report(config: Config, result: RunResult, say: Callable[[str], None])
     assert paths.card is not None and paths.plot is not None and paths.csv is not None
     try:
         plot_run(paths.csv, paths.plot, max_norm=config.max_norm, window=config.monitor.window,
-                 alert_rate=config.monitor.alert_rate, fail_rate=config.monitor.fail_rate)
+                 alert_rate=config.monitor.alert_rate, fail_rate=config.monitor.fail_rate,
+                 title=f"run {paths.dir.name}" if paths.dir is not None else None)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
         say(f"warning: could not draw {paths.plot}: {err}")
     write_run_card(paths.card, config, result)
