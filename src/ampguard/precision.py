@@ -50,7 +50,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
         1.0 when the scaler is disabled (bf16, fp32), as the per-step CSV reports it.
         """
         if not self._enabled:
-            return torch.ones(())
+            if not hasattr(self, "_one"):
+                self._one = torch.ones(())  # never written to: one tensor serves every record
+            return self._one
         if self._scale is None:
             return torch.full((), float(self._init_scale))
         return self._scale.detach().clone()

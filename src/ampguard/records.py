@@ -65,7 +65,9 @@ class StepRecord:
                 out[name] = None if v is None else float(v)
         if tensors:
             device = next(iter(tensors.values())).device
-            stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors.values()])
+            # float32 and narrower convert to Python floats exactly; float64 is kept as it is
+            dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors.values()) else torch.float32
+            stacked = torch.stack([t.detach().reshape(()).to(device, dtype) for t in tensors.values()])
             out.update(zip(tensors, stacked.tolist()))
         host = {name: out[name] for name in self._NUMERIC}
         object.__setattr__(self, "_host", host)

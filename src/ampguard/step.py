@@ -150,7 +150,10 @@ class AmpTrainState:
             # collective waiting). The bad group's gradients are discarded at the boundary.
             finite = torch.isfinite(loss.detach())
             self._accumulate(loss.detach(), ~finite)
-            self.scaler.scale(torch.where(finite, loss, 0.0) / self.accumulation_steps).backward()
+            loss = torch.where(finite, loss, 0.0)
+            if self.accumulation_steps > 1:  # (x / 1 is x, bit for bit: one op and one node saved)
+                loss = loss / self.accumulation_steps
+            self.scaler.scale(loss).backward()
 
         self._micro += 1
         if self._micro < self.accumulation_steps:
@@ -170,7 +173,7 @@ class AmpTrainState:
         lr = self.optimizer.param_groups[0]["lr"]
         if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
             lr = lr.detach().clone()
-        loss = self._loss_sum / self.accumulation_steps
+        loss = self._loss_sum / self.accumulation_steps if self.accumulation_steps > 1 else self._loss_sum
 
         self.scaler.unscale_(self.optimizer)
         # the norm over all gradients (all shards); also the non-finite detector: inf/nan iff a grad is
