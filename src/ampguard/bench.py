@@ -291,7 +291,7 @@ def table(results: list[Result]) -> str:
     lines = ["| workload | precision | contender | median ms/step | min ms/step | ratio to bare | peak MiB | tokens/s | MFU |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        mem = "n/a" if r.peak_mem_mib is None else f"{r.peak_mem_mib:.0f}"
+        mem = "n/a" if r.peak_mem_mib is None else f"{r.peak_mem_mib:.1f}"
         tps = "" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"
         mfu = "" if r.mfu is None else f"{r.mfu:.1%}"
         lines.append(f"| {r.workload} | {r.precision} | {r.contender} | {r.median_ms:.3f} | {r.min_ms:.3f} | "
