@@ -137,23 +137,14 @@ def _finish(result: Any) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .config import apply_overrides, dump_config, read_file, validate
+    from .config import dump_config
     from .train import RunPaths, check_resume_config, prepare_resume, run
 
     resume, saved = prepare_resume(args.resume) if args.resume else (None, None)
-    if args.config:
-        data = read_file(args.config)
-    else:
-        data = dict(saved) if saved is not None else {}
-    data = apply_overrides(data, args.set or [])
-    if args.inject:
-        data["inject"] = list(data.get("inject") or []) + [f for f in args.inject if f != "none"]
-    flags = _monitor_flags(args)
-    if flags:
-        data["monitor"] = {**(data.get("monitor") or {}), **flags}
+    sections: dict[str, dict[str, Any]] = {"monitor": _monitor_flags(args)}
     if args.strict:
-        data["diagnose"] = {**(data.get("diagnose") or {}), "strict": True}
-    config = validate(data)
+        sections["diagnose"] = {"strict": True}
+    config = _config_from(args, base=saved, sections=sections)
     if resume is not None:
         assert saved is not None
         check_resume_config(saved, config)
@@ -272,14 +263,20 @@ def _bench(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- locate
 
 
-def _config_from(args: argparse.Namespace) -> Any:
-    """CONFIG file (or defaults), then --set, then --inject: the effective, validated config."""
+def _config_from(
+    args: argparse.Namespace, base: dict[str, Any] | None = None, sections: dict[str, dict[str, Any]] | None = None
+) -> Any:
+    """The effective, validated config: CONFIG (or ``base``, or the defaults), then --set, then
+    --inject, then flags that fill config sections (e.g. --fail-skip-rate -> monitor.fail_rate)."""
     from .config import apply_overrides, read_file, validate
 
-    data = read_file(args.config) if args.config else {}
+    data = read_file(args.config) if args.config else dict(base or {})
     data = apply_overrides(data, args.set or [])
     if getattr(args, "inject", None):
         data["inject"] = list(data.get("inject") or []) + [f for f in args.inject if f != "none"]
+    for section, values in (sections or {}).items():
+        if values:
+            data[section] = {**(data.get(section) or {}), **values}
     return validate(data)
 
 
@@ -402,6 +399,12 @@ def _report(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- main
 
 
+def _config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    """CONFIG and --set, the same for every verb that reads a config."""
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="a .yaml, .yml, .json or .toml config file")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help=f"override a config key, e.g. {example}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ampguard", description="Mixed-precision training made safe and observable.")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
@@ -435,8 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Guarded training. Without CONFIG it trains the embedded default: a small character-level "
         "transformer on Python's standard-library sources. Writes runs/<name>/ with steps.csv and config.yaml.",
     )
-    train.add_argument("config", nargs="?", metavar="CONFIG", help="a .yaml, .yml, .json or .toml config file")
-    train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. optimizer.lr=1e-3")
+    _config_arguments(train, example="optimizer.lr=1e-3")
     train.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
     train.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     train.add_argument("--resume", metavar="RUN_DIR|CHECKPOINT",
@@ -458,8 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         "from the config's validation section. Writes validation.md and validation.json; exit 0 when every rule "
         "holds, 1 when any is violated.",
     )
-    validate.add_argument("config", nargs="?", metavar="CONFIG", help="a .yaml, .yml, .json or .toml config file")
-    validate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. validation.max_flips=2")
+    _config_arguments(validate, example="validation.max_flips=2")
     validate.add_argument("--checkpoint", metavar="CKPT", help="model weights from an ampguard checkpoint")
     validate.add_argument("--train-steps", dest="train_steps", type=_positive_int, metavar="N",
                           help="also train N steps from the same state in FP32 and AMP and compare")
@@ -493,8 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every module and parameter, names the first non-finite value (input, a module's forward output, the "
         "loss, or a parameter's gradient), then replays it in FP32: finite there means a precision-range problem.",
     )
-    locate.add_argument("config", nargs="?", metavar="CONFIG", help="a .yaml, .yml, .json or .toml config file")
-    locate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    _config_arguments(locate, example="precision=fp16")
     locate.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
     locate.add_argument("--step", type=_positive_int, default=1, help="which step's micro-batches to replay (default 1)")
     locate.add_argument("--batch", metavar="FILE.pt", help="a saved batch {'inputs': ..., 'targets': ...} instead")

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator,
+)
 
 from .errors import ConfigError
 from .faults import parse_fault
@@ -31,47 +33,54 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
+def _at_least(low: float, *, strict: bool = False, finite: bool = False) -> Any:
+    """A bound as a reusable validator: ``>= low`` (``> low`` when strict), finite if asked."""
+    relation = ">" if strict else ">="
+
+    def check(value: float) -> float:
+        below = not (value > low if strict else value >= low)  # also true for nan
+        if below or (finite and not math.isfinite(value)):
+            what = "a finite number " if finite else ""
+            raise ValueError(f"must be {what}{relation} {low:g} (got {value!r})")
+        return value
+
+    return AfterValidator(check)
+
+
+def _rate(value: float) -> float:
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise ValueError(f"must be in [0, 1] (got {value!r})")
+    return value
+
+
 Int = Annotated[int, BeforeValidator(_not_bool)]
 Float = Annotated[float, BeforeValidator(_not_bool)]
+Count = Annotated[Int, _at_least(1)]  # a positive whole number
+Count0 = Annotated[Int, _at_least(0)]  # zero allowed
+Amount = Annotated[Float, _at_least(0.0, finite=True)]  # a finite number >= 0
+Positive = Annotated[Float, _at_least(0.0, strict=True, finite=True)]  # a finite number > 0
+Rate = Annotated[Float, AfterValidator(_rate)]  # in [0, 1]
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
 
-def _finite_at_least(value: float, low: float, what: str = "") -> float:
-    if not math.isfinite(value) or value < low:
-        raise ValueError(f"must be a finite number >= {low:g}{what} (got {value!r})")
-    return value
-
-
 class OptimizerConfig(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
     """Optimizer: AdamW, or SGD with momentum."""
-    lr: Float = 3e-3
+    lr: Amount = 3e-3
     """Peak learning rate (after warmup)."""
-    weight_decay: Float = 0.0
+    weight_decay: Amount = 0.0
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
     betas: tuple[Float, Float] = (0.9, 0.95)
     """AdamW's moment decay rates, each in [0, 1)."""
-    eps: Float = 1e-8
+    eps: Positive = 1e-8
     """AdamW's denominator epsilon."""
     momentum: Float = 0.9
     """SGD momentum in [0, 1)."""
     fused: bool | None = None
     """Use the fused AdamW kernel (None: PyTorch's default)."""
-
-    @field_validator("lr", "weight_decay")
-    @classmethod
-    def _non_negative(cls, v: float) -> float:
-        return _finite_at_least(v, 0.0)
-
-    @field_validator("eps")
-    @classmethod
-    def _positive_eps(cls, v: float) -> float:
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"must be a finite number > 0 (got {v!r})")
-        return v
 
     @field_validator("betas")
     @classmethod
@@ -89,48 +98,28 @@ class OptimizerConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    warmup: Int = 0
+    warmup: Count0 = 0
     """Linear warmup length in applied updates (0: none)."""
     decay: Literal["constant", "cosine", "linear"] = "cosine"
     """Shape of the decay after warmup, down to ``min_lr_ratio * lr`` at the last step."""
-    min_lr_ratio: Float = 0.1
+    min_lr_ratio: Rate = 0.1
     """Final learning rate as a fraction of ``optimizer.lr``, in [0, 1]."""
 
-    @field_validator("warmup")
-    @classmethod
-    def _warmup(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"must be >= 0 (got {v})")
-        return v
-
-    @field_validator("min_lr_ratio")
-    @classmethod
-    def _ratio(cls, v: float) -> float:
-        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
-            raise ValueError(f"must be in [0, 1] (got {v!r})")
-        return v
 
 
 class ScalerConfig(_Section):
     enabled: bool | None = None
     """Loss scaling: None means on for fp16, off otherwise. True with bf16/fp32 is an error."""
-    init_scale: Float = 2.0**16
+    init_scale: Positive = 2.0**16
     """Starting loss scale."""
     growth_factor: Float = 2.0
     """Scale multiplier after ``growth_interval`` clean steps in a row (> 1)."""
     backoff_factor: Float = 0.5
     """Scale multiplier on a skipped step, in (0, 1)."""
-    growth_interval: Int = 2000
+    growth_interval: Count = 2000
     """Clean steps in a row before the scale grows (>= 1)."""
-    min_scale: Float = 1.0
+    min_scale: Positive = 1.0
     """Below this the scale is unhealthy (used by the monitors)."""
-
-    @field_validator("init_scale", "min_scale")
-    @classmethod
-    def _positive(cls, v: float) -> float:
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"must be a finite number > 0 (got {v!r})")
-        return v
 
     @field_validator("growth_factor")
     @classmethod
@@ -146,39 +135,18 @@ class ScalerConfig(_Section):
             raise ValueError(f"must be in (0, 1) (got {v!r})")
         return v
 
-    @field_validator("growth_interval")
-    @classmethod
-    def _interval(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1 (got {v})")
-        return v
-
 
 class MonitorConfig(_Section):
-    window: Int = 1000
+    window: Count = 1000
     """Steps in the rolling skip-rate window."""
-    alert_rate: Float = 0.05
+    alert_rate: Rate = 0.05
     """Rolling skip rate above which an ALERT is raised, in [0, 1]."""
-    fail_rate: Float | None = None
+    fail_rate: Rate | None = None
     """Rolling skip rate that fails the run after ``fail_after`` steps above it (None: never)."""
-    fail_after: Int = 100
+    fail_after: Count = 100
     """Consecutive steps above ``fail_rate`` (or below ``scaler.min_scale``) before the run stops with exit code 3."""
     fail_on_scale_collapse: bool = False
     """Also stop (exit 3) when the loss scale stays below ``scaler.min_scale`` for ``fail_after`` steps."""
-
-    @field_validator("window", "fail_after")
-    @classmethod
-    def _count(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1 (got {v})")
-        return v
-
-    @field_validator("alert_rate", "fail_rate")
-    @classmethod
-    def _rate(cls, v: float | None) -> float | None:
-        if v is not None and not (math.isfinite(v) and 0.0 <= v <= 1.0):
-            raise ValueError(f"must be in [0, 1] (got {v!r})")
-        return v
 
 
 class LogConfig(_Section):
@@ -186,19 +154,12 @@ class LogConfig(_Section):
     """Folder that holds run folders."""
     name: str | None = None
     """Run folder name under ``dir`` (None: a timestamp). An existing run folder is never reused."""
-    every: Int = 50
+    every: Count = 50
     """Console line every this many steps (skips are always printed; the CSV has every step)."""
     jsonl: bool = False
     """Also write every step record as JSON lines (``steps.jsonl``)."""
     tensorboard: bool = False
     """Also write TensorBoard scalars (``tensorboard/``); needs the ``tensorboard`` package."""
-
-    @field_validator("every")
-    @classmethod
-    def _every(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1 (got {v})")
-        return v
 
     @field_validator("name")
     @classmethod
@@ -211,47 +172,19 @@ class LogConfig(_Section):
 class EvalConfig(_Section):
     enabled: bool = True
     """Evaluate the task's held-out metrics (extra CSV columns)."""
-    every: Int = 100
+    every: Count0 = 100
     """Evaluate on held-out data every this many steps and at the end (0: only at the end)."""
-    batches: Int = 8
+    batches: Count = 8
     """charlm: held-out batches per evaluation."""
-
-    @field_validator("every")
-    @classmethod
-    def _every(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"must be >= 0 (got {v})")
-        return v
-
-    @field_validator("batches")
-    @classmethod
-    def _batches(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1 (got {v})")
-        return v
 
 
 class CheckpointConfig(_Section):
     enabled: bool = True
     """Write checkpoints to ``<run>/checkpoints/`` (and at the end, on fail-fast and on Ctrl-C)."""
-    every: Int = 0
+    every: Count0 = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
-    keep: Int = 3
+    keep: Count = 3
     """How many recent checkpoints to keep (>= 1)."""
-
-    @field_validator("every")
-    @classmethod
-    def _every(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"must be >= 0 (got {v})")
-        return v
-
-    @field_validator("keep")
-    @classmethod
-    def _keep(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1 (got {v})")
-        return v
 
 
 class ValidateConfig(_Section):
@@ -261,55 +194,29 @@ class ValidateConfig(_Section):
     """AMP precisions to compare with the FP32 reference."""
     checkpoint: str | None = None
     """Model weights from an ampguard checkpoint (default: the task's freshly initialised model)."""
-    typical: Int = 32
+    typical: Count0 = 32
     """Probe set: the first this many held-out examples."""
-    boundary: Int = 16
+    boundary: Count0 = 16
     """Probe set: the held-out examples with the smallest FP32 top-2 margin (classifiers)."""
     edge_cases: bool = True
     """Probe set: the task's edge-case inputs (blank, saturated, extreme values...)."""
-    abs_tol: Float = 0.05
+    abs_tol: Amount = 0.05
     """Score tolerance: |amp - fp32| <= abs_tol + rel_tol * |fp32| for every score of every probe."""
-    rel_tol: Float = 0.05
+    rel_tol: Amount = 0.05
     """Score tolerance, relative part."""
-    tie_margin: Float = 0.0
+    tie_margin: Amount = 0.0
     """Tie rule: an AMP top-2 gap <= this is a tie (the decision is not well defined)."""
     ties: Literal["count_as_flip", "accept"] = "count_as_flip"
     """Tie rule: a tie under AMP counts as a decision change, or is accepted."""
-    max_flips: Int = 0
+    max_flips: Count0 = 0
     """Decision changes (argmax flips, and ties when they count) allowed on the probe set."""
-    min_accuracy: Float | None = None
+    min_accuracy: Rate | None = None
     """Classifiers: minimum accuracy on the held-out set, for the reference and for AMP."""
-    max_mse: Float | None = None
+    max_mse: Amount | None = None
     """Regression: maximum mean squared error on the held-out set, for the reference and for AMP."""
-    train_steps: Int = 0
+    train_steps: Count0 = 0
     """Also train this many steps from the same state in FP32 and in each AMP precision and
     compare loss curves, gradient norms and applied updates (informational)."""
-
-    @field_validator("abs_tol", "rel_tol", "tie_margin")
-    @classmethod
-    def _tolerance(cls, v: float) -> float:
-        return _finite_at_least(v, 0.0)
-
-    @field_validator("typical", "boundary", "max_flips", "train_steps")
-    @classmethod
-    def _count(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"must be >= 0 (got {v})")
-        return v
-
-    @field_validator("min_accuracy")
-    @classmethod
-    def _accuracy(cls, v: float | None) -> float | None:
-        if v is not None and not (math.isfinite(v) and 0.0 <= v <= 1.0):
-            raise ValueError(f"must be in [0, 1] (got {v!r})")
-        return v
-
-    @field_validator("max_mse")
-    @classmethod
-    def _mse(cls, v: float | None) -> float | None:
-        if v is not None:
-            _finite_at_least(v, 0.0)
-        return v
 
 
 class DistributedConfig(_Section):
@@ -331,35 +238,14 @@ class RollbackConfig(_Section):
     triggers: list[Literal["skip_guard", "loss_spike"]] = []
     """What triggers a rollback: ``skip_guard`` (the fail-fast skip-rate guard trips) and/or
     ``loss_spike`` (loss above mean + z * std of the last ``window`` applied steps). Empty: off."""
-    z: Float = 6.0
+    z: Positive = 6.0
     """Loss-spike threshold in standard deviations."""
-    window: Int = 50
+    window: Annotated[Int, _at_least(2)] = 50
     """Applied steps in the loss-spike window (it must be full before spikes are judged)."""
-    skip_batches: Int = 20
+    skip_batches: Count0 = 20
     """Micro-batches of data skipped past the checkpoint's data position after a rollback."""
-    max: Int = 3
+    max: Count0 = 3
     """Rollbacks allowed; the next trigger fails the run (exit 3)."""
-
-    @field_validator("z")
-    @classmethod
-    def _z(cls, v: float) -> float:
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"must be a finite number > 0 (got {v!r})")
-        return v
-
-    @field_validator("window")
-    @classmethod
-    def _window(cls, v: int) -> int:
-        if v < 2:
-            raise ValueError(f"must be >= 2 (got {v})")
-        return v
-
-    @field_validator("skip_batches", "max")
-    @classmethod
-    def _count(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"must be >= 0 (got {v})")
-        return v
 
 
 class TaskConfig(_Section):
@@ -371,23 +257,16 @@ class TaskConfig(_Section):
     (see the README); ``build(config)`` returns the model, the data and the loss function."""
     options: dict[str, Any] = {}
     """Free-form settings for your factory (``config.task.options``)."""
-    batch_size: Int = 32
+    batch_size: Count = 32
     """Examples per micro-batch."""
-    block_size: Int = 64
+    block_size: Count = 64
     """charlm: context length in characters."""
-    n_layer: Int = 2
+    n_layer: Count = 2
     """charlm: transformer blocks."""
-    n_head: Int = 4
+    n_head: Count = 4
     """charlm: attention heads (must divide ``n_embd``)."""
-    n_embd: Int = 64
+    n_embd: Count = 64
     """charlm: embedding width; digits: half the MLP's hidden width."""
-
-    @field_validator("batch_size", "block_size", "n_layer", "n_head", "n_embd")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1 (got {v})")
-        return v
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TaskConfig:
@@ -399,11 +278,11 @@ class TaskConfig(_Section):
 class Config(_Section):
     precision: Literal["fp16", "bf16", "fp32"] = "bf16"
     """Compute precision under autocast; fp16 adds a dynamic loss scaler."""
-    max_norm: Float | None = 1.0
+    max_norm: Amount | None = 1.0
     """Global L2 gradient clip threshold; 0 or null disables clipping."""
-    accumulation_steps: Int = 1
+    accumulation_steps: Count = 1
     """Micro-batches per optimizer update."""
-    steps: Int = 1000
+    steps: Count = 1000
     """Optimizer steps (attempts, skipped ones included)."""
     seed: Int = 0
     """Seed for the model, the data order and seeded fault injection."""
@@ -437,20 +316,6 @@ class Config(_Section):
     """The workload: a built-in one or your own factory."""
     inject: list[str] = []
     """Faults to inject, ``KIND@WHEN`` (see ``ampguard demo --help``); for testing the guard rails."""
-
-    @field_validator("max_norm")
-    @classmethod
-    def _max_norm(cls, v: float | None) -> float | None:
-        if v is not None:
-            _finite_at_least(v, 0.0, "; 0 or null disables clipping")
-        return v
-
-    @field_validator("accumulation_steps", "steps")
-    @classmethod
-    def _count(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1 (got {v})")
-        return v
 
     @field_validator("inject")
     @classmethod
