@@ -6,38 +6,23 @@ and its code never runs; truncated and foreign files are refused with exit 2 and
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import io
 import os
 import pickle
 import random
 import shutil
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
+from helpers import ag
+
 from ampguard import checkpoint as ckpt
 from ampguard.checkpoint import MAGIC, REQUIRED
-from ampguard.cli import main
 from ampguard.errors import InputError
-
-
-def _no_plot(*args: object, **kwargs: object) -> None:
-    return None
-
-
-def ag(*argv: object) -> tuple[int, str, str]:
-    """``ampguard ARGV`` in-process: (exit code, stdout, stderr); the plot is skipped."""
-    out, err = io.StringIO(), io.StringIO()
-    with mock.patch("ampguard.report.plot_run", _no_plot), contextlib.redirect_stdout(out), \
-            contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
 
 
 def one_error_line(result: tuple[int, str, str]) -> str:

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+
+from helpers import HostReads
 
 from ampguard import clip_global_l2_norm, has_non_finite_grad
 
@@ -40,32 +41,6 @@ def concat_norm(grads: list[torch.Tensor]) -> float:
 
 def grads_of(params: list[nn.Parameter]) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in params]
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the Tensor methods that copy a value to the host."""
-
-    READS = frozenset(
-        {
-            torch.Tensor.item,
-            torch.Tensor.tolist,
-            torch.Tensor.__bool__,
-            torch.Tensor.__float__,
-            torch.Tensor.__int__,
-            torch.Tensor.__index__,
-            torch.Tensor.cpu,
-            torch.Tensor.numpy,
-        }
-    )
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 # ----------------------------------------------------------------------------- clip_global_l2_norm

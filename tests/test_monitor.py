@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import reference_episodes, reference_fail_step, reference_rates
+
 import ampguard.report
 from ampguard.cli import main
 from ampguard.errors import InputError
@@ -31,31 +33,7 @@ from ampguard.sinks import JsonlSink, TensorBoardSink
 # ---------------------------------------------------------------------------- helpers
 
 
-def reference_rates(skipped: list[bool], window: int) -> list[float]:
-    """Rolling skip rate after each step, by brute force: skips in the last ``window`` steps / window."""
-    return [sum(skipped[max(0, i + 1 - window): i + 1]) / window for i in range(len(skipped))]
 
-
-def reference_episodes(rates: list[float], threshold: float) -> list[tuple[int, str]]:
-    """(step, 'ALERT' | 'CLEAR') each time the rate crosses ``threshold`` (above = alerting)."""
-    out, alerting = [], False
-    for step, rate in enumerate(rates, start=1):
-        if rate > threshold and not alerting:
-            out.append((step, "ALERT"))
-            alerting = True
-        elif rate <= threshold and alerting:
-            out.append((step, "CLEAR"))
-            alerting = False
-    return out
-
-
-def reference_fail_step(rates: list[float], fail_rate: float, fail_after: int) -> int | None:
-    run = 0
-    for step, rate in enumerate(rates, start=1):
-        run = run + 1 if rate > fail_rate else 0
-        if run >= fail_after:
-            return step
-    return None
 
 
 def step_record(step: int, *, loss: float = 1.0, pre: float = 0.5, post: float | None = None,

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import reference_episodes_events, reference_fail_step, reference_rates
+
 from ampguard.cli import main
 from ampguard.faults import parse_fault
 from ampguard.sinks import CSV_COLUMNS
@@ -51,31 +53,6 @@ def read_events(path: Path) -> list[dict]:
         raise AssertionError(f"non-strict JSON constant {token}")
 
     return [json.loads(line, parse_constant=refuse) for line in Path(path).read_text(encoding="utf-8").splitlines()]
-
-
-def reference_rates(skipped: list[bool], window: int) -> list[float]:
-    return [sum(skipped[max(0, i + 1 - window): i + 1]) / window for i in range(len(skipped))]
-
-
-def reference_episodes(rates: list[float], threshold: float) -> list[tuple[int, str]]:
-    out, alerting = [], False
-    for step, rate in enumerate(rates, start=1):
-        if rate > threshold and not alerting:
-            out.append((step, "skip_rate_alert"))
-            alerting = True
-        elif rate <= threshold and alerting:
-            out.append((step, "skip_rate_clear"))
-            alerting = False
-    return out
-
-
-def reference_fail_step(rates: list[float], fail_rate: float, fail_after: int) -> int | None:
-    run = 0
-    for step, rate in enumerate(rates, start=1):
-        run = run + 1 if rate > fail_rate else 0
-        if run >= fail_after:
-            return step
-    return None
 
 
 def in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:
@@ -130,7 +107,7 @@ def check_card_against_csv(run_dir: Path, *, window: int, alert_rate: float, max
     assert table["skipped steps"] == f"{sum(skipped)} ({by_reason})"
     rates = reference_rates(skipped, window)
     assert table["max rolling skip rate"] == f"{max(rates):.4f}"
-    episodes = sum(1 for _, k in reference_episodes(rates, alert_rate) if k == "skip_rate_alert")
+    episodes = sum(1 for _, k in reference_episodes_events(rates, alert_rate) if k == "skip_rate_alert")
     assert table["skip-rate alert episodes"] == str(episodes)
     clipped = sum(1 for r in rows if r["skipped"] == "0" and float(r["grad_l2_pre_clip"]) > max_norm)
     assert table["clip rate (whole run)"] == f"{clipped / n:.3f} ({clipped} of {n} steps had pre-clip norm > max_norm)"
@@ -204,7 +181,7 @@ def test_report_csv_with_both_skip_reasons(demo_csvs):
     window = 3
     skipped = [int(r["step"]) in DEMO_SKIPS for r in rows]
     rates = reference_rates(skipped, window)
-    episodes = sum(1 for _, k in reference_episodes(rates, 0.05) if k == "skip_rate_alert")
+    episodes = sum(1 for _, k in reference_episodes_events(rates, 0.05) if k == "skip_rate_alert")
     assert episodes == 2  # window 3: steps 5 and 9 are two separate episodes
 
     png = csv_path.with_suffix(".png")
@@ -346,7 +323,7 @@ def test_finished_run_card_and_plot(finished_run):
     assert png_size(run_dir / "report.png") == PNG_SIZE
 
     skipped = [s in DEMO_SKIPS for s in range(1, n + 1)]
-    expected = reference_episodes(reference_rates(skipped, FINISHED["window"]), 0.05)
+    expected = reference_episodes_events(reference_rates(skipped, FINISHED["window"]), 0.05)
     events = read_events(run_dir / "events.jsonl")
     assert [(e["step"], e["event"]) for e in events if e["event"].startswith("skip_rate")] == expected
     assert events[0]["event"] == "run_start"

@@ -6,9 +6,7 @@ run and is not under test here). Only the SIGKILL tests start a real process.
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import io
 import json
 import math
 import os
@@ -19,13 +17,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 
+from helpers import ag
+
 from ampguard import checkpoint as ckpt
-from ampguard.cli import main
 from ampguard.errors import InputError
 from ampguard.monitor import LossSpikeDetector
 
@@ -35,19 +33,6 @@ TINY_CHARLM = [
     "--set", "task.block_size=16", "--set", "task.batch_size=4", "--set", "eval.batches=1",
 ]
 TMP_NAME = re.compile(r"^\.step-\d{8}\.pt\.tmp-\d+$")
-
-
-def _no_plot(*args: object, **kwargs: object) -> None:
-    return None
-
-
-def ag(*argv: object) -> tuple[int, str, str]:
-    """``ampguard ARGV`` in-process: (exit code, stdout, stderr); the plot is skipped."""
-    out, err = io.StringIO(), io.StringIO()
-    with mock.patch("ampguard.report.plot_run", _no_plot), contextlib.redirect_stdout(out), \
-            contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
 
 
 def train(log_dir: Path, name: str, *args: object) -> tuple[int, str, str]:

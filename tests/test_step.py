@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 import ampguard
+from helpers import HostReads
+
 from ampguard import AmpTrainState, GuardedGradScaler, Precision, SkipLog, StepLog
 
 PRECISIONS = ["fp16", "bf16", "fp32"]
@@ -165,34 +166,6 @@ def run_ampguard(
             assert isinstance(log, (StepLog, SkipLog))
             logs.append(log)
     return model, logs, state
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the Tensor methods that copy a value to the host."""
-
-    READS = frozenset(
-        {
-            torch.Tensor.item,
-            torch.Tensor.tolist,
-            torch.Tensor.__bool__,
-            torch.Tensor.__float__,
-            torch.Tensor.__int__,
-            torch.Tensor.__index__,
-            torch.Tensor.cpu,
-            torch.Tensor.numpy,
-        }
-    )
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.names: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            self.count += 1
-            self.names.append(getattr(func, "__name__", str(func)))
-        return func(*args, **(kwargs or {}))
 
 
 class GradInjector:

@@ -284,8 +284,6 @@ def _locate(args: argparse.Namespace) -> int:
     import itertools
     import json
 
-    import torch
-
     from .checkpoint import load_checkpoint
     from .faults import FaultInjector, parse_fault
     from .locate import diagnose
