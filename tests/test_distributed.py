@@ -20,6 +20,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -458,8 +459,10 @@ def test_resuming_a_single_process_checkpoint_under_torchrun_is_refused(resume_l
     launch, w, before = resume_launches["W"]
     launch.wait()
     assert launch.rc != 0  # torchrun's own code (1) once a worker failed
-    # every worker exited 2 (bad input) ...
-    assert launch.stderr.count("exitcode  : 2") == 2, launch.stderr[-3000:]
+    # the workers exited 2 (bad input); torchrun may stop the second with SIGTERM (-15) once the
+    # first has failed, depending on which gets there first: no other exit code may appear
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", launch.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, launch.stderr[-3000:]
     # ... with one line each naming the world sizes, and no traceback of ampguard's
     errors = [line for line in launch.stderr.splitlines() if line.startswith("ampguard: error:")]
     assert 1 <= len(errors) <= 2 and len(set(errors)) == 1, launch.stderr[-3000:]
