@@ -112,3 +112,44 @@ def test_demo_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("STEP", "SKIP"))]
     assert len(lines) == 20
     assert [line.split()[0] for line in lines].count("SKIP") == 1 and lines[4].startswith("SKIP 5 ")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_sync_free_path_makes_no_host_sync_at_all(tmp_path, precision: str) -> None:
+    import csv
+    import math
+
+    from ampguard import BackgroundSink, CsvSink
+
+    def schedule(updates: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (1 + torch.cos(math.pi * torch.clamp(updates, max=50.0) / 50.0))
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True)
+    state = AmpTrainState(model, opt, nn.functional.mse_loss, precision=precision, accumulation_steps=2,
+                          sync_free=True, lr_schedule=schedule)
+    data = _data(2 * 8, spike_at=2 * 3)  # step 4 overflows in fp16
+    nan_x, nan_y = data[2 * 5]
+    data[2 * 5] = (nan_x, nan_y * float("nan"))  # step 6: a non-finite loss
+    sink = BackgroundSink(CsvSink(tmp_path / "steps.csv"))
+    for x, y in data[:2]:  # warm-up: lazy initialisation (optimizer state, scaler) outside the check
+        record = state.step(x, y)
+    sink.write(record)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in data[2:]:
+            record = state.step(x, y)
+            if record is not None:
+                sink.write(record)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    sink.close()
+    rows = list(csv.DictReader((tmp_path / "steps.csv").open()))
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    skips = {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"}
+    assert skips == ({4: "non_finite_grad", 6: "non_finite_loss"} if precision == "fp16" else {6: "non_finite_loss"})
+    lrs = [float(r["lr"]) for r in rows]
+    assert lrs[4] == lrs[3] if precision == "fp16" else lrs[4] < lrs[3]  # held after the skip at step 4
+    assert lrs[6] == lrs[5]  # held after the skip at step 6
+    assert state.updates == 8 - len(skips)

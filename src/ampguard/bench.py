@@ -149,6 +149,20 @@ class Guarded(Contender):
         self._dir.cleanup()
 
 
+class GuardedSyncFree(Guarded):
+    """ampguard's sync-free path: fused AdamW takes the skip flag, no host read per step."""
+
+    name = "ampguard sync-free + csv"
+
+    def __init__(self, w: Workload, precision: Precision, device: torch.device, fused: bool) -> None:
+        self.model = w.make_model().to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(1e-4, device=device), fused=True)
+        self.state = AmpTrainState(self.model, self.opt, w.loss_fn, precision=precision, sync_free=True)
+        self._dir = tempfile.TemporaryDirectory(prefix="ampguard-bench-")
+        self.sink = BackgroundSink(CsvSink(Path(self._dir.name) / "steps.csv"))
+        self.w = w
+
+
 class AccelerateLoop(Contender):
     name = "accelerate"
 
@@ -316,7 +330,9 @@ def run_bench(
     *, device: torch.device, workloads: list[str], precisions: list[str], steps: int, rounds: int,
     warmup: int, peers: bool = True, fused: bool = False, peak_tflops: float | None = None,
 ) -> list[Result]:
-    contenders: list[type[Contender]] = [Bare, Guarded] + (available_peers() if peers else [])
+    # the sync-free path needs fused AdamW: it runs when every contender uses it (--fused)
+    contenders: list[type[Contender]] = [Bare, Guarded] + ([GuardedSyncFree] if fused else [])
+    contenders += available_peers() if peers else []
     results: list[Result] = []
     for name in workloads:
         w = _mlp(device) if name == "mlp" else _transformer(device, "gpt2-small" if name == "gpt2" else "small")

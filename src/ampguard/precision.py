@@ -44,6 +44,17 @@ class GuardedGradScaler(torch.amp.GradScaler):
         for flag in found.values():
             flag.fill_(1.0)
 
+    def add_found_inf_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+        """Like :meth:`mark_found_inf_`, but with the flag as a device tensor: no host read."""
+        if not self._enabled:
+            return
+        assert self._scale is not None, "add_found_inf_ after scale() and unscale_()"
+        record = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if not record:
+            record[self._scale.device] = torch.zeros((), device=self._scale.device)
+        for flag in record.values():
+            torch.maximum(flag, found.to(flag.device, flag.dtype), out=flag)
+
     def scale_value(self) -> torch.Tensor:
         """The current scale as a detached 0-dim tensor on the scaler's device (no host sync).
 

@@ -69,6 +69,9 @@ class StepRecord:
             dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors.values()) else torch.float32
             stacked = torch.stack([t.detach().reshape(()).to(device, dtype) for t in tensors.values()])
             out.update(zip(tensors, stacked.tolist()))
+        return self._keep(out)
+
+    def _keep(self, out: dict[str, float | None]) -> dict[str, float | None]:
         host = {name: out[name] for name in self._NUMERIC}
         object.__setattr__(self, "_host", host)
         return host
@@ -97,9 +100,7 @@ class StepRecord:
             out = {n: None if v is None else float(v) for n in self._NUMERIC
                    if not isinstance(v := getattr(self, n), torch.Tensor)}
             out.update(zip(tensors, pinned.tolist()))
-            host = {name: out[name] for name in self._NUMERIC}
-            object.__setattr__(self, "_host", host)
-            return host
+            return self._keep(out)
 
         return wait
 
@@ -115,6 +116,46 @@ class SkipLog(StepRecord):
 
     reason: SkipReason = "non_finite_grad"  # type: ignore[assignment]
     skipped: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True)
+class PendingStep(StepRecord):
+    """A step of the sync-free path: whether it was skipped is still a device value.
+
+    ``skipped`` and ``reason`` read it (with the other values, in one transfer; through a
+    :class:`~ampguard.sinks.BackgroundSink` that transfer happens off the training thread).
+    Norms that do not exist for the step (a loss skip's, a skip's post-clip) read as ``None``,
+    exactly as in a :class:`SkipLog`.
+    """
+
+    bad_loss: Value = None
+    bad_grad: Value = None
+
+    _NUMERIC: ClassVar[tuple[str, ...]] = StepRecord._NUMERIC + ("bad_loss", "bad_grad")
+
+    def _keep(self, out: dict[str, float | None]) -> dict[str, float | None]:
+        if out.get("bad_loss"):
+            out["grad_l2_pre_clip"] = out["grad_l2_post_clip"] = None
+        elif out.get("bad_grad"):
+            out["grad_l2_post_clip"] = None
+        return StepRecord._keep(self, out)
+
+    @property
+    def skipped(self) -> bool:  # type: ignore[override]
+        v = self.values()
+        return bool(v["bad_loss"] or v["bad_grad"])
+
+    @property
+    def reason(self) -> str | None:
+        v = self.values()
+        return "non_finite_loss" if v["bad_loss"] else "non_finite_grad" if v["bad_grad"] else None
+
+    def resolve(self) -> StepLog | SkipLog:
+        """The :class:`StepLog` or :class:`SkipLog` this step turned out to be (reads the values)."""
+        v = self.values()
+        fields = dict(step=self.step, lr=v["lr"], loss=v["loss"], grad_l2_pre_clip=v["grad_l2_pre_clip"],
+                      grad_l2_post_clip=v["grad_l2_post_clip"], scaler_scale=v["scaler_scale"])
+        return SkipLog(**fields, reason=self.reason) if self.skipped else StepLog(**fields)  # type: ignore[arg-type]
 
 
 def format_number(x: float | None) -> str:

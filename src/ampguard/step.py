@@ -19,7 +19,7 @@ from torch import nn
 from . import distributed
 from .clipping import clip_to_norm_, global_l2_norm
 from .precision import GuardedGradScaler, Precision, PrecisionName
-from .records import SkipLog, StepLog
+from .records import PendingStep, SkipLog, StepLog
 
 SchedulerOnSkip = Literal["hold", "step"]
 
@@ -64,6 +64,13 @@ class AmpTrainState:
         scaler: a ``GuardedGradScaler`` to use, or keyword arguments for one
             (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``).
         scheduler_on_skip: ``"hold"`` (default) or ``"step"`` the scheduler on a skipped step.
+        sync_free: the fast path with **no** host read at all (see ``_finish_group_sync_free``):
+            needs an optimizer that takes ``found_inf`` (fused AdamW / Adam / SGD), tensor
+            learning rates, and ``lr_schedule`` instead of ``scheduler``. ``step()`` then returns
+            a :class:`PendingStep` whose skip decision is read by whoever reads its values.
+        lr_schedule: with ``sync_free``, ``lr_schedule(applied_updates) -> factor`` on tensors,
+            computed on the device; each group's lr is its initial lr times the factor. It
+            advances only on applied updates, so it holds on skipped steps.
     """
 
     def __init__(
@@ -79,6 +86,8 @@ class AmpTrainState:
         device: str | torch.device | None = None,
         scaler: GuardedGradScaler | dict[str, Any] | None = None,
         scheduler_on_skip: SchedulerOnSkip = "hold",
+        sync_free: bool = False,
+        lr_schedule: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
@@ -131,7 +140,13 @@ class AmpTrainState:
 
         self.monitors: dict[str, Any] = {}  # fed by the loop, saved here: name -> obj with state_dict()
         self.steps = 0  # optimizer steps attempted (closed groups); the next record is steps + 1
-        self.updates = 0  # optimizer steps applied
+        self.sync_free = sync_free
+        self.lr_schedule = lr_schedule
+        self._updates = 0  # optimizer steps applied (a device count in the sync-free path)
+        if sync_free:
+            self._check_sync_free(optimizer, scheduler)
+            self._updates_t = torch.zeros((), device=device)
+            self._base_lrs = [group["lr"].detach().clone() for group in optimizer.param_groups]
         self._params = list(model.parameters())
         self._micro = 0  # micro-batches so far in the open group
         self._loss_sum: torch.Tensor | None = None
@@ -158,7 +173,7 @@ class AmpTrainState:
         self._micro += 1
         if self._micro < self.accumulation_steps:
             return None
-        return self._finish_group()
+        return self._finish_group_sync_free() if self.sync_free else self._finish_group()
 
     def _accumulate(self, loss: torch.Tensor, bad: torch.Tensor) -> None:
         if self._micro == 0:
@@ -205,7 +220,7 @@ class AmpTrainState:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.updates += 1
+        self._updates += 1
         return StepLog(
             step=self.steps,
             lr=lr,
@@ -214,6 +229,63 @@ class AmpTrainState:
             grad_l2_post_clip=post,
             scaler_scale=self.scaler.scale_value(),
         )
+
+    def _finish_group_sync_free(self) -> PendingStep:
+        """The group boundary without any host read: every decision stays on the device.
+
+        The skip flag goes to the optimizer as ``found_inf`` (a fused kernel skips its update and
+        undoes its step count when it is 1, as it does for ``GradScaler.step``) and to the
+        scaler's found-inf record (so ``update()`` backs off); the LR comes from ``lr_schedule``
+        of a device count of applied updates, which the flag keeps from advancing. Clipping runs
+        unconditionally: on a skipped step it scales gradients nobody will use.
+        """
+        self._micro = 0
+        self.steps += 1
+        loss = self._loss_sum / self.accumulation_steps if self.accumulation_steps > 1 else self._loss_sum
+
+        self.scaler.unscale_(self.optimizer)
+        pre = distributed.full_norm(global_l2_norm(self._params))
+        flags, loss = distributed.agree(torch.stack([self._loss_bad, ~torch.isfinite(pre)]), loss)
+        found = flags.any().to(torch.float32)
+
+        post = clip_to_norm_(self._params, self.max_norm, pre)
+        if self.lr_schedule is not None:
+            factor = self.lr_schedule(self._updates_t)
+            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+                group["lr"].copy_(base * factor)
+        lr = self.optimizer.param_groups[0]["lr"].detach().clone()
+        self.optimizer.found_inf = found  # type: ignore[attr-defined]
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
+        self.scaler.add_found_inf_(self.optimizer, found)
+        self.scaler.update()
+        self._updates_t += 1.0 - found
+        self.optimizer.zero_grad(set_to_none=True)
+        bad = flags.to(torch.float32)
+        return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
+                           scaler_scale=self.scaler.scale_value(), bad_loss=bad[0], bad_grad=bad[1])
+
+    def _check_sync_free(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise ValueError("sync_free needs an optimizer that takes found_inf, e.g. torch.optim.AdamW(..., fused=True)")
+        if scheduler is not None:
+            raise ValueError("sync_free computes the LR on the device: pass lr_schedule=, not scheduler=")
+        if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
+            raise ValueError("sync_free needs tensor learning rates, e.g. AdamW(params, lr=torch.tensor(1e-3), fused=True)")
+
+    @property
+    def updates(self) -> int:
+        """Optimizer steps applied. In the sync-free path reading it is a host read."""
+        return int(self._updates_t.item()) if self.sync_free else self._updates
+
+    @updates.setter
+    def updates(self, value: int) -> None:
+        if self.sync_free:
+            self._updates_t.fill_(value)
+        else:
+            self._updates = value
 
     # ------------------------------------------------------------------ state
 

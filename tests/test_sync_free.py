@@ -1,0 +1,138 @@
+"""The sync-free path: no host read per step, the same decisions as the default path."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import HostReads
+from torch import nn
+
+from ampguard import AmpTrainState, BackgroundSink, CsvSink
+from ampguard.records import PendingStep, SkipLog, StepLog
+
+STEPS = 20
+HORIZON = 20.0
+
+
+def factor_py(updates: int) -> float:
+    return 0.5 * (1 + math.cos(math.pi * min(updates, HORIZON) / HORIZON))
+
+
+def factor_t(updates: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1 + torch.cos(math.pi * torch.clamp(updates, max=HORIZON) / HORIZON))
+
+
+def _data(accumulation: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)) for _ in range(STEPS * accumulation)]
+    spike, nan = 4 * accumulation, 10 * accumulation  # steps 5 and 11
+    data[spike] = (data[spike][0], data[spike][1] * 1e8)  # an fp16 overflow (finite in bf16/fp32)
+    data[nan] = (data[nan][0], data[nan][1] * float("nan"))  # a non-finite loss everywhere
+    return data
+
+
+def _run(sync_free: bool, precision: str, accumulation: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    scaler = dict(init_scale=1024.0) if precision == "fp16" else None
+    if sync_free:
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
+        state = AmpTrainState(model, opt, F.mse_loss, precision=precision, accumulation_steps=accumulation,
+                              scaler=scaler, sync_free=True, lr_schedule=factor_t)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor_py)
+        state = AmpTrainState(model, opt, F.mse_loss, precision=precision, accumulation_steps=accumulation,
+                              scaler=scaler, scheduler=sched)
+    records, reads = [], []
+    for x, y in _data(accumulation):
+        with HostReads() as counter:
+            record = state.step(x, y)
+        if record is not None:
+            records.append(record)
+            reads.append(counter.count)
+    return model, records, reads, state
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_same_decisions_as_the_default_path_and_no_host_read(precision, accumulation):
+    ref_model, ref, ref_reads, ref_state = _run(False, precision, accumulation)
+    model, fast, reads, state = _run(True, precision, accumulation)
+    assert reads == [0] * STEPS  # not one value read back during the steps
+    assert set(ref_reads) == {1}  # the default path reads the skip decision, once
+    assert all(isinstance(r, PendingStep) for r in fast)
+    assert [r.skipped for r in fast] == [r.skipped for r in ref]
+    assert [r.reason for r in fast] == [r.reason for r in ref]
+    expected = {5: "non_finite_grad", 11: "non_finite_loss"} if precision == "fp16" else {11: "non_finite_loss"}
+    assert {r.step: r.reason for r in fast if r.skipped} == expected
+    assert [r.values()["scaler_scale"] for r in fast] == [r.values()["scaler_scale"] for r in ref]
+    for a, b in zip(model.parameters(), ref_model.parameters()):  # fp32 lr tensor vs float lr
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert state.updates == ref_state.updates == STEPS - len(expected)
+
+
+def test_the_lr_schedule_holds_on_skipped_steps():
+    _, fast, _, _ = _run(True, "fp16", 1)
+    lrs = [r.values()["lr"] for r in fast]
+    applied_before = 0
+    for record, lr in zip(fast, lrs):
+        assert lr == pytest.approx(1e-2 * factor_py(applied_before), rel=1e-6)
+        applied_before += not record.skipped
+    assert lrs[5] == lrs[4] and lrs[11] == lrs[10]  # the step after a skip runs at the same lr
+
+
+def test_a_skipped_step_leaves_parameters_and_optimizer_state_alone():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
+    state = AmpTrainState(model, opt, F.mse_loss, precision="bf16", sync_free=True)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    state.step(x, y)
+    params = [p.detach().clone() for p in model.parameters()]
+    moments = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    record = state.step(x, y * float("nan"))
+    assert record.skipped and record.reason == "non_finite_loss"
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert all(torch.equal(moments[k], v) for k, v in opt.state[model.weight].items())
+    assert all(p.grad is None for p in model.parameters())
+    assert state.steps == 2 and state.updates == 1
+
+
+def test_pending_steps_resolve_and_write_the_same_csv(tmp_path):
+    _, ref, _, _ = _run(False, "fp16", 1)
+    _, fast, _, _ = _run(True, "fp16", 1)
+    resolved = [r.resolve() for r in fast]
+    assert [type(r) for r in resolved] == [type(r) for r in ref]
+    assert all(isinstance(r, (StepLog, SkipLog)) for r in resolved)
+    paths = []
+    for name, records in (("ref", ref), ("fast", fast)):
+        sink = BackgroundSink(CsvSink(tmp_path / f"{name}.csv"))
+        for record in records:
+            sink.write(record)
+        sink.close()
+        paths.append(tmp_path / f"{name}.csv")
+    rows = [list(csv.DictReader(p.open())) for p in paths]
+    for a, b in zip(*rows):
+        for column in ("step", "skipped", "skip_reason", "scaler_scale", "grad_l2_post_clip"):
+            assert a[column] == b[column], column
+        if a["grad_l2_pre_clip"] in ("", "inf", "nan"):
+            assert a["grad_l2_pre_clip"] == b["grad_l2_pre_clip"]
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "match"),
+    [
+        (lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.1)), {}, "found_inf"),  # not fused
+        (lambda p: torch.optim.AdamW(p, lr=0.1, fused=True), {}, "tensor learning rates"),
+        (lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.1), fused=True), {"scheduler": object()}, "lr_schedule"),
+    ],
+)
+def test_what_the_sync_free_path_needs_is_checked_up_front(make, kwargs, match):
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=match):
+        AmpTrainState(model, make(model.parameters()), F.mse_loss, precision="bf16", sync_free=True, **kwargs)
