@@ -84,12 +84,13 @@ class StepRecord:
         event; the returned function waits on that event, so a background thread can do the
         waiting while the training loop goes on. Elsewhere it simply defers :meth:`values`.
         """
-        tensors = {n: getattr(self, n) for n in self._NUMERIC if isinstance(getattr(self, n), torch.Tensor)}
-        cuda = [t for t in tensors.values() if t.is_cuda]
+        # only device tensors travel through pinned memory; host values (a CPU scale of 1.0, a
+        # float lr) are read where they are: copying them to the device would be a sync of its own
+        cuda = {n: v for n in self._NUMERIC if isinstance(v := getattr(self, n), torch.Tensor) and v.is_cuda}
         if not cuda or self._host is not None:
             return self.values
-        device = cuda[0].device
-        stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors.values()])
+        device = next(iter(cuda.values())).device
+        stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in cuda.values()])
         pinned = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
         pinned.copy_(stacked, non_blocking=True)
         done = torch.cuda.Event()
@@ -97,9 +98,9 @@ class StepRecord:
 
         def wait() -> dict[str, float | None]:
             done.synchronize()
-            out = {n: None if v is None else float(v) for n in self._NUMERIC
-                   if not isinstance(v := getattr(self, n), torch.Tensor)}
-            out.update(zip(tensors, pinned.tolist()))
+            out = {n: None if v is None else float(v) for n in self._NUMERIC if n not in cuda
+                   for v in (getattr(self, n),)}
+            out.update(zip(cuda, pinned.tolist()))
             return self._keep(out)
 
         return wait
