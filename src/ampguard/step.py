@@ -182,20 +182,24 @@ class AmpTrainState:
             self._loss_sum = self._loss_sum + loss
             self._loss_bad = self._loss_bad | bad
 
-    def _finish_group(self) -> StepLog | SkipLog:
+    def _close_group(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unscale, take the global norm and agree on the flags: (loss, pre, flags). No host read."""
         self._micro = 0
         self.steps += 1
-        lr = self.optimizer.param_groups[0]["lr"]
-        if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
-            lr = lr.detach().clone()
         loss = self._loss_sum / self.accumulation_steps if self.accumulation_steps > 1 else self._loss_sum
-
         self.scaler.unscale_(self.optimizer)
         # the norm over all gradients (all shards); also the non-finite detector: inf/nan iff a grad is
         pre = distributed.full_norm(global_l2_norm(self._params))
+        flags, loss = distributed.agree(torch.stack([self._loss_bad, ~torch.isfinite(pre)]), loss)
+        return loss, pre, flags  # flags: [non-finite loss, non-finite gradient], on any rank
+
+    def _finish_group(self) -> StepLog | SkipLog:
+        lr = self.optimizer.param_groups[0]["lr"]
+        if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
+            lr = lr.detach().clone()
+        loss, pre, flags = self._close_group()
 
         # The one host read of the step: was the loss or the gradient non-finite (on any rank)?
-        flags, loss = distributed.agree(torch.stack([self._loss_bad, ~torch.isfinite(pre)]), loss)
         bad_loss, bad_grad = flags.tolist()
 
         if bad_loss or bad_grad:
@@ -239,13 +243,7 @@ class AmpTrainState:
         of a device count of applied updates, which the flag keeps from advancing. Clipping runs
         unconditionally: on a skipped step it scales gradients nobody will use.
         """
-        self._micro = 0
-        self.steps += 1
-        loss = self._loss_sum / self.accumulation_steps if self.accumulation_steps > 1 else self._loss_sum
-
-        self.scaler.unscale_(self.optimizer)
-        pre = distributed.full_norm(global_l2_norm(self._params))
-        flags, loss = distributed.agree(torch.stack([self._loss_bad, ~torch.isfinite(pre)]), loss)
+        loss, pre, flags = self._close_group()
         found = flags.any().to(torch.float32)
 
         post = clip_to_norm_(self._params, self.max_norm, pre)
