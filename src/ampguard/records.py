@@ -7,8 +7,8 @@ calls :meth:`StepRecord.values`, which copies every tensor field to the host in 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
@@ -55,26 +55,23 @@ class StepRecord:
         """
         if self._host is not None:
             return self._host
-        out: dict[str, float | None] = {}
-        tensors: dict[str, torch.Tensor] = {}
-        for name in self._NUMERIC:
-            v = getattr(self, name)
-            if isinstance(v, torch.Tensor):
-                tensors[name] = v
-            else:
-                out[name] = None if v is None else float(v)
+        tensors = {n: v for n in self._NUMERIC if isinstance(v := getattr(self, n), torch.Tensor)}
+        read: dict[str, float] = {}
         if tensors:
             device = next(iter(tensors.values())).device
             # float32 and narrower convert to Python floats exactly; float64 is kept as it is
             dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors.values()) else torch.float32
             stacked = torch.stack([t.detach().reshape(()).to(device, dtype) for t in tensors.values()])
-            out.update(zip(tensors, stacked.tolist()))
-        return self._keep(out)
+            read = dict(zip(tensors, stacked.tolist()))
+        return self._keep(read)
 
-    def _keep(self, out: dict[str, float | None]) -> dict[str, float | None]:
-        host = {name: out[name] for name in self._NUMERIC}
-        object.__setattr__(self, "_host", host)
-        return host
+    def _keep(self, read: dict[str, float]) -> dict[str, float | None]:
+        """The host values: ``read`` (tensors already brought over), the rest converted here.
+        Kept on the record, so several sinks reading it pay once."""
+        out = {n: read[n] if n in read else (None if (v := getattr(self, n)) is None else float(v))
+               for n in self._NUMERIC}
+        object.__setattr__(self, "_host", out)
+        return out
 
     def prefetch(self) -> Callable[[], dict[str, float | None]]:
         """Start copying the values to the host without waiting; return a function that waits
@@ -98,10 +95,7 @@ class StepRecord:
 
         def wait() -> dict[str, float | None]:
             done.synchronize()
-            out = {n: None if v is None else float(v) for n in self._NUMERIC if n not in cuda
-                   for v in (getattr(self, n),)}
-            out.update(zip(cuda, pinned.tolist()))
-            return self._keep(out)
+            return self._keep(dict(zip(cuda, pinned.tolist())))
 
         return wait
 
@@ -134,12 +128,13 @@ class PendingStep(StepRecord):
 
     _NUMERIC: ClassVar[tuple[str, ...]] = StepRecord._NUMERIC + ("bad_loss", "bad_grad")
 
-    def _keep(self, out: dict[str, float | None]) -> dict[str, float | None]:
-        if out.get("bad_loss"):
+    def _keep(self, read: dict[str, float]) -> dict[str, float | None]:
+        out = StepRecord._keep(self, read)
+        if out["bad_loss"]:
             out["grad_l2_pre_clip"] = out["grad_l2_post_clip"] = None
-        elif out.get("bad_grad"):
+        elif out["bad_grad"]:
             out["grad_l2_post_clip"] = None
-        return StepRecord._keep(self, out)
+        return out
 
     @property
     def skipped(self) -> bool:  # type: ignore[override]
@@ -153,10 +148,13 @@ class PendingStep(StepRecord):
 
     def resolve(self) -> StepLog | SkipLog:
         """The :class:`StepLog` or :class:`SkipLog` this step turned out to be (reads the values)."""
-        v = self.values()
-        fields = dict(step=self.step, lr=v["lr"], loss=v["loss"], grad_l2_pre_clip=v["grad_l2_pre_clip"],
-                      grad_l2_post_clip=v["grad_l2_post_clip"], scaler_scale=v["scaler_scale"])
-        return SkipLog(**fields, reason=self.reason) if self.skipped else StepLog(**fields)  # type: ignore[arg-type]
+        return record_from(self.step, self.values(), self.reason)
+
+
+def record_from(step: int, values: dict[str, float | None], reason: str | None) -> StepLog | SkipLog:
+    """A :class:`SkipLog` with ``reason`` (or a :class:`StepLog` without) from host values."""
+    fields = {name: values[name] for name in StepRecord._NUMERIC}
+    return SkipLog(step, **fields, reason=reason) if reason else StepLog(step, **fields)  # type: ignore[arg-type]
 
 
 def format_number(x: float | None) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import InputError
 from .monitor import RollingWindow, RunMonitor
-from .records import SKIP_REASONS, SkipLog, StepLog, StepRecord
+from .records import SKIP_REASONS, StepRecord, record_from
 from .sinks import CSV_COLUMNS
 
 if TYPE_CHECKING:
@@ -38,11 +38,7 @@ class Row:
     scaler_scale: float | None
 
     def record(self) -> StepRecord:
-        fields = dict(
-            step=self.step, lr=self.lr, loss=self.loss, grad_l2_pre_clip=self.grad_l2_pre_clip,
-            grad_l2_post_clip=self.grad_l2_post_clip, scaler_scale=self.scaler_scale,
-        )
-        return SkipLog(**fields, reason=self.skip_reason) if self.skipped else StepLog(**fields)  # type: ignore[arg-type]
+        return record_from(self.step, vars(self), self.skip_reason if self.skipped else None)
 
 
 def _number(text: str, column: str, where: str) -> float | None:
