@@ -127,6 +127,18 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     return payload
 
 
+def load_weights(model: torch.nn.Module, path: str | os.PathLike,
+                 map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint's model weights into ``model`` (one line of :class:`InputError` when the
+    file is unusable or the weights do not fit); return the whole payload."""
+    payload = load_checkpoint(path, map_location)
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as err:
+        raise InputError(f"{path}: does not fit this model ({str(err).splitlines()[0]})") from None
+    return payload
+
+
 def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
     """The finished checkpoints in ``folder``, oldest first (temporary files are not listed)."""
     folder = Path(folder)

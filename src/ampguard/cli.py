@@ -183,7 +183,7 @@ def _train(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     import time
 
-    from .checkpoint import load_checkpoint
+    from .checkpoint import load_weights
     from .tasks import build_task
     from .train import resolve_device
     from .validate import compare, compare_training, write_outputs
@@ -199,11 +199,7 @@ def _validate(args: argparse.Namespace) -> int:
     weights = "freshly initialised (no checkpoint given)"
     checkpoint = args.checkpoint or cfg.checkpoint
     if checkpoint:
-        payload = load_checkpoint(checkpoint, map_location=device)
-        try:
-            model.load_state_dict(payload["model"])
-        except RuntimeError as err:
-            raise InputError(f"{checkpoint}: does not fit this model ({str(err).splitlines()[0]})") from None
+        payload = load_weights(model, checkpoint, map_location=device)
         weights = f"from {checkpoint} (step {payload['step']})"
     out = Path(args.out) if args.out else Path(config.log.dir) / time.strftime("validate-%Y%m%d-%H%M%S")
     if out.exists() and any(out.iterdir()):
@@ -284,12 +280,12 @@ def _locate(args: argparse.Namespace) -> int:
     import itertools
     import json
 
-    from .checkpoint import load_checkpoint
+    from .checkpoint import load_weights
     from .faults import FaultInjector, parse_fault
-    from .locate import diagnose
+    from .locate import diagnose_group
     from .precision import Precision
     from .tasks import build_task
-    from .train import resolve_device
+    from .train import _to_device, resolve_device
 
     config = _config_from(args)
     device = resolve_device(config.device)
@@ -297,11 +293,7 @@ def _locate(args: argparse.Namespace) -> int:
     model = task.model.to(device)
     scale = config.scaler.init_scale if config.precision == "fp16" else 1.0
     if args.checkpoint:
-        payload = load_checkpoint(args.checkpoint, map_location=device)
-        try:
-            model.load_state_dict(payload["model"])
-        except RuntimeError as err:
-            raise InputError(f"{args.checkpoint}: does not fit this model ({str(err).splitlines()[0]})") from None
+        payload = load_weights(model, args.checkpoint, map_location=device)
         scaler_state = payload["state"].get("scaler") or {}
         scale = float(scaler_state.get("scale", scale)) if config.precision == "fp16" else 1.0
     if args.scale is not None:
@@ -319,14 +311,9 @@ def _locate(args: argparse.Namespace) -> int:
         stream = injector.wrap_data(task.batches(), first_step=1)
         batches = list(itertools.islice(stream, (args.step - 1) * n, args.step * n))
         where = f"step {args.step} of task {task.name} (seed {config.seed})"
-    precision = Precision(config.precision, device.type)
-    result = None
-    for i, (inputs, targets) in enumerate(batches):
-        injector.current_step = args.step if not args.batch else 0
-        result = diagnose(model, loss_fn, _move(inputs, device), _move(targets, device), precision, scale)
-        if result.verdict != "none":
-            break
-    assert result is not None
+    injector.current_step = args.step if not args.batch else 0  # the faults of the replayed step
+    batches = [(_to_device(x, device), _to_device(y, device)) for x, y in batches]
+    result = diagnose_group(model, loss_fn, batches, Precision(config.precision, device.type), scale)
     if args.json:
         print(json.dumps({"where": where, **result.as_dict()}))
     else:
@@ -343,12 +330,6 @@ def load_checkpoint_batch(path: str) -> tuple[Any, Any]:
     if not isinstance(data, dict) or not {"inputs", "targets"} <= set(data):
         raise InputError(f"{path}: a batch file holds {{'inputs': ..., 'targets': ...}}")
     return data["inputs"], data["targets"]
-
-
-def _move(value: Any, device: Any) -> Any:
-    from .train import _to_device
-
-    return _to_device(value, device)
 
 
 # ---------------------------------------------------------------------------- report

@@ -154,6 +154,24 @@ def trace_first_non_finite(
             p.grad = saved_grads[id(p)]
 
 
+def diagnose_group(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batches: list[tuple[Any, Any]],
+    precision: Precision,
+    loss_scale: float = 1.0,
+) -> Diagnosis:
+    """:func:`diagnose` each micro-batch of a step in turn; the first with a finding answers."""
+    result = None
+    for inputs, targets in batches:
+        result = diagnose(model, loss_fn, inputs, targets, precision, loss_scale)
+        if result.verdict != "none":
+            break
+    if result is None:
+        raise ValueError("diagnose_group needs at least one batch")
+    return result
+
+
 def diagnose(
     model: nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],

@@ -32,23 +32,17 @@ class GuardedGradScaler(torch.amp.GradScaler):
 
     def mark_found_inf_(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the next ``update()`` treat this iteration as an overflow (backoff, tracker reset)."""
+        self.add_found_inf_(optimizer, torch.ones(()))
+
+    def add_found_inf_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+        """Merge ``found`` (0 or 1, a tensor: no host read) into what ``unscale_`` recorded, so the
+        next ``update()`` backs off when it is 1."""
         if not self._enabled:
             return
         if self._scale is None:  # the very first step was bad before anything was scaled
             device = next(p.device for g in optimizer.param_groups for p in g["params"])
             self._lazy_init_scale_growth_tracker(device)
         assert self._scale is not None
-        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        if not found:
-            found[self._scale.device] = torch.ones((), device=self._scale.device)
-        for flag in found.values():
-            flag.fill_(1.0)
-
-    def add_found_inf_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
-        """Like :meth:`mark_found_inf_`, but with the flag as a device tensor: no host read."""
-        if not self._enabled:
-            return
-        assert self._scale is not None, "add_found_inf_ after scale() and unscale_()"
         record = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         if not record:
             record[self._scale.device] = torch.zeros((), device=self._scale.device)

@@ -368,7 +368,7 @@ class Trainer:
     def _payload(self) -> dict[str, Any]:
         state = self.state
         model_state, optimizer_state = self._model_and_optimizer_state()
-        rngs = distributed.gather_to_main(ckpt.rng_state())
+        rngs = distributed.gather_to_main(ckpt.rng_state())  # [own state] in a one-process run
         return {
             "step": state.steps,
             "updates": state.updates,
@@ -378,7 +378,7 @@ class Trainer:
             "optimizer": optimizer_state,
             "scheduler": state.scheduler.state_dict(),
             "state": state.state_dict(),
-            "rng": rngs if self.dist.active else ckpt.rng_state(),
+            "rng": rngs if self.dist.active else rngs[0],
             "world_size": self.dist.world_size,
             "data_position": self.position,
             "rollbacks": list(self.rollback_log),
@@ -449,18 +449,13 @@ class Trainer:
     def _diagnose(self, record: StepRecord) -> str:
         """Locate the first non-finite value in the skipped step's micro-batches (params are
         untouched by the skip, and the injector still points at this step, so it replays)."""
-        from .locate import diagnose
+        from .locate import diagnose_group
 
         state = self.state
         scale = 1.0
         if state.scaler.is_enabled():  # the scale this step ran with, before its backoff
             scale = float(state.scaler.scale_value()) / state.scaler.get_backoff_factor()
-        result = None
-        for inputs, targets in self.group:
-            result = diagnose(self.task.model, state.loss_fn, inputs, targets, state.precision, scale)
-            if result.verdict != "none":
-                break
-        assert result is not None
+        result = diagnose_group(self.task.model, state.loss_fn, self.group, state.precision, scale)
         message = f"step {record.step} ({record.reason}): {result.message()}"
         self.diagnosis = message
         self._event({"step": record.step, "event": "diagnosis", **result.as_dict(), "message": message}, "DIAGNOSIS")
