@@ -128,15 +128,20 @@ class Guarded(Contender):
     """ampguard's step, with every record written to a per-step CSV."""
 
     name = "ampguard + csv"
+    sync_free = False
 
     def __init__(self, w: Workload, precision: Precision, device: torch.device, fused: bool) -> None:
         self.model = w.make_model().to(device)
-        self.opt = _optimizer(self.model, fused)
-        self.state = AmpTrainState(self.model, self.opt, w.loss_fn, precision=precision)
+        if self.sync_free:  # fused AdamW takes the skip flag; the LR is a device tensor
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(1e-4, device=device), fused=True)
+        else:
+            self.opt = _optimizer(self.model, fused)
+        self.state = AmpTrainState(self.model, self.opt, w.loss_fn, precision=precision, sync_free=self.sync_free)
         self._dir = tempfile.TemporaryDirectory(prefix="ampguard-bench-")
         csv = CsvSink(Path(self._dir.name) / "steps.csv")
-        # on CUDA the rows are read back by a background writer (non-blocking copies into pinned memory)
-        self.sink: Sink = BackgroundSink(csv) if device.type == "cuda" else csv
+        # on CUDA the rows are read back by a background writer (non-blocking copies into pinned
+        # memory); the sync-free path always needs one, or the CSV row would read them back itself
+        self.sink: Sink = BackgroundSink(csv) if device.type == "cuda" or self.sync_free else csv
         self.w = w
 
     def step(self) -> None:
@@ -153,14 +158,7 @@ class GuardedSyncFree(Guarded):
     """ampguard's sync-free path: fused AdamW takes the skip flag, no host read per step."""
 
     name = "ampguard sync-free + csv"
-
-    def __init__(self, w: Workload, precision: Precision, device: torch.device, fused: bool) -> None:
-        self.model = w.make_model().to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(1e-4, device=device), fused=True)
-        self.state = AmpTrainState(self.model, self.opt, w.loss_fn, precision=precision, sync_free=True)
-        self._dir = tempfile.TemporaryDirectory(prefix="ampguard-bench-")
-        self.sink = BackgroundSink(CsvSink(Path(self._dir.name) / "steps.csv"))
-        self.w = w
+    sync_free = True
 
 
 class AccelerateLoop(Contender):
