@@ -46,7 +46,7 @@ pytestmark = [
 ]
 
 TIMEOUT_S = 180
-SCRIPTS = Path(__file__).parent / "dist_scripts"
+SCRIPTS = Path(__file__).parent.parent / "dist_scripts"
 CKPT4, CKPT8 = "step-00000004.pt", "step-00000008.pt"
 
 # per-rank batch B = 8 on 2 ranks; the single-process reference reads batches of 2B = 16

@@ -20,7 +20,7 @@ from ampguard.config import load_config
 from ampguard.tasks import build_task, charlm, digits
 from ampguard.train import RunPaths, run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "my_model.py"
 
 FIXED = ("step", "lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "skipped", "skip_reason", "scaler_scale")
