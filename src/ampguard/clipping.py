@@ -41,7 +41,17 @@ def _grads(parameters: Params) -> list[torch.Tensor]:
 def global_l2_norm(parameters: Params) -> torch.Tensor:
     """The global L2 norm of the gradients, a 0-dim device tensor (``inf``/``nan`` if any is).
 
-    No host sync. Parameters without a gradient are ignored; with none at all the norm is 0.
+    No host sync (reading it with ``float()`` costs a host sync on an accelerator). Parameters
+    without a gradient are ignored; with none at all the norm is 0.
+
+    Example::
+
+        >>> a = torch.nn.Parameter(torch.zeros(1)); a.grad = torch.tensor([3.0])
+        >>> b = torch.nn.Parameter(torch.zeros(1)); b.grad = torch.tensor([4.0])
+        >>> float(global_l2_norm([a, b]))  # sqrt(3**2 + 4**2), not a norm per parameter
+        5.0
+        >>> float(global_l2_norm([torch.nn.Parameter(torch.zeros(1))]))  # no gradient at all
+        0.0
     """
     grads = _grads(parameters)
     if not grads:
@@ -56,8 +66,16 @@ def clip_to_norm_(parameters: Params, max_norm: float | None, pre: torch.Tensor)
     Returns the post-clip norm, ``pre * min(1, max_norm / (pre + 1e-6))`` (the factor the
     gradients were really multiplied by), capped at ``max_norm`` so float32 rounding of the
     product never reports a norm an ulp above the threshold; computed on the device (no host
-    sync). ``max_norm``
-    of ``None`` or ``<= 0`` leaves the gradients alone and returns ``pre``.
+    sync). ``max_norm`` of ``None`` or ``<= 0`` leaves the gradients alone and returns ``pre``.
+
+    Example::
+
+        >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+        >>> post = clip_to_norm_([w], 2.5, global_l2_norm([w]))
+        >>> round(float(post), 4), [round(g, 4) for g in w.grad.tolist()]
+        (2.5, [1.5, 2.0])
+        >>> float(clip_to_norm_([w], None, torch.tensor(7.0)))  # disabled: pre comes back
+        7.0
     """
     if max_norm is None or max_norm <= 0:
         return pre

@@ -30,27 +30,45 @@ from .errors import InputError
 
 @dataclass(frozen=True)
 class DistInfo:
+    """This process's place in the run: ``rank`` of ``world_size``, ``local_rank`` on its host.
+
+    Example::
+
+        >>> info = DistInfo(rank=1, world_size=4, local_rank=1)
+        >>> info.is_main, info.active, DistInfo().is_main, DistInfo().active
+        (False, True, True, False)
+    """
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
 
     @property
     def is_main(self) -> bool:
+        """Rank 0: the one that writes logs, checkpoints and reports."""
         return self.rank == 0
 
     @property
     def active(self) -> bool:
+        """More than one process: collectives are needed."""
         return self.world_size > 1
 
 
 def current() -> DistInfo:
-    """This process's place in the initialised process group (a world of one if there is none)."""
+    """This process's place in the initialised process group (a world of one if there is none).
+
+    Example (no process group)::
+
+        >>> current()
+        DistInfo(rank=0, world_size=1, local_rank=0)
+    """
     if dist.is_available() and dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     return DistInfo()
 
 
 def launched_by_torchrun() -> bool:
+    """Whether the environment describes a world of more than one process (``WORLD_SIZE > 1``)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
@@ -84,12 +102,34 @@ def wrap(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DDP wrapper (FSDP2 shards in place, nothing to unwrap)."""
+    """The user's module inside a DDP wrapper (FSDP2 shards in place, nothing to unwrap).
+
+    Example::
+
+        >>> model = nn.Linear(2, 1)
+        >>> unwrap(model) is model
+        True
+        >>> class DistributedDataParallel(nn.Module):  # a stand-in: the real one needs a process group
+        ...     def __init__(self, module):
+        ...         super().__init__()
+        ...         self.module = module
+        >>> unwrap(DistributedDataParallel(model)) is model
+        True
+    """
     return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
 
 
 def agree(flags: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One all-reduce: any rank's bad flag becomes every rank's; the loss becomes the global mean."""
+    """One all-reduce: any rank's bad flag becomes every rank's; the loss becomes the global mean.
+
+    No host sync. Without a process group (a world of one) both come back as they are.
+
+    Example (no process group)::
+
+        >>> flags, loss = agree(torch.tensor([False, True]), torch.tensor(0.5))
+        >>> flags.tolist(), loss.item()
+        ([False, True], 0.5)
+    """
     info = current()
     if not info.active:
         return flags, loss
@@ -99,13 +139,41 @@ def agree(flags: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:
-    """An FSDP2 gradient norm is a DTensor: reduce it over the shards (a collective, no host sync)."""
+    """An FSDP2 gradient norm is a DTensor: reduce it over the shards (a collective, no host sync).
+
+    Any other tensor is already the full norm and comes back as it is.
+
+    Example::
+
+        >>> norm = torch.tensor(5.0)
+        >>> full_norm(norm) is norm
+        True
+    """
     full = getattr(norm, "full_tensor", None)
     return full() if callable(full) else norm
 
 
 def accumulation_context(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
-    """No gradient all-reduce on a micro-batch that does not close its group."""
+    """No gradient all-reduce on a micro-batch that does not close its group.
+
+    DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``, or nothing for a plain
+    module or the group's last micro-batch.
+
+    Example::
+
+        >>> with accumulation_context(nn.Linear(2, 1), last=False) as ctx:  # a plain module
+        ...     print(ctx)
+        None
+        >>> class Wrapped(nn.Linear):  # a stand-in for DDP
+        ...     def no_sync(self):
+        ...         return contextlib.nullcontext("no_sync")
+        >>> with accumulation_context(Wrapped(2, 1), last=False) as ctx:
+        ...     print(ctx)
+        no_sync
+        >>> with accumulation_context(Wrapped(2, 1), last=True) as ctx:
+        ...     print(ctx)
+        None
+    """
     if last:
         return contextlib.nullcontext()
     if hasattr(model, "no_sync"):  # DDP
@@ -125,7 +193,21 @@ def _fsdp_no_sync(model: Any) -> Any:
 
 
 def rank_slice(value: Any, info: DistInfo) -> Any:
-    """This rank's share of a global batch (dimension 0 split into ``world_size`` equal parts)."""
+    """This rank's share of a global batch (dimension 0 split into ``world_size`` equal parts).
+
+    Tensors are sliced; lists, tuples and dicts are sliced item by item; anything else is kept.
+
+    Example::
+
+        >>> batch = {"x": torch.arange(8).reshape(4, 2), "ids": [torch.arange(4)], "name": "b"}
+        >>> part = rank_slice(batch, DistInfo(rank=1, world_size=2))
+        >>> part["x"].tolist(), part["ids"][0].tolist(), part["name"]
+        ([[4, 5], [6, 7]], [2, 3], 'b')
+        >>> rank_slice(torch.arange(3), DistInfo(rank=0, world_size=2))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: a batch of 3 examples does not split evenly over 2 ranks
+    """
     if isinstance(value, torch.Tensor):
         n = value.shape[0]
         if n % info.world_size:
@@ -140,7 +222,13 @@ def rank_slice(value: Any, info: DistInfo) -> Any:
 
 
 def gather_to_main(obj: Any) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (None elsewhere); ``[obj]`` without a process group."""
+    """Every rank's ``obj`` on rank 0 (None elsewhere); ``[obj]`` without a process group.
+
+    Example (no process group)::
+
+        >>> gather_to_main({"skips": 2})
+        [{'skips': 2}]
+    """
     info = current()
     if not info.active:
         return [obj]
@@ -150,5 +238,6 @@ def gather_to_main(obj: Any) -> list[Any] | None:
 
 
 def barrier() -> None:
+    """Wait for every rank (nothing to wait for without a process group)."""
     if current().active:
         dist.barrier()

@@ -29,7 +29,14 @@ SPIKE_FACTOR = 1e8
 
 @dataclass(frozen=True)
 class Fault:
-    """One ``KIND@WHEN`` fault; :meth:`hits` says whether it fires at a step."""
+    """One ``KIND@WHEN`` fault; :meth:`hits` says whether it fires at a step.
+
+    Example::
+
+        >>> fault = Fault("nan_grad", every=3)
+        >>> [step for step in range(1, 10) if fault.hits(step)], fault.spec()
+        ([3, 6, 9], 'nan_grad@every:3')
+    """
 
     kind: str
     steps: frozenset[int] = frozenset()
@@ -39,6 +46,15 @@ class Fault:
     rank: int | None = None
 
     def hits(self, step: int) -> bool:
+        """Whether the fault fires at ``step`` (1-based); a ``rate`` fault answers the same every time.
+
+        Example::
+
+            >>> fault = parse_fault("spike@rate:0.5", seed=1)
+            >>> first = [fault.hits(s) for s in range(1, 21)]
+            >>> first == [fault.hits(s) for s in range(1, 21)], 0 < sum(first) < 20
+            (True, True)
+        """
         if self.every is not None:
             return step % self.every == 0
         if self.rate is not None:
@@ -47,6 +63,13 @@ class Fault:
         return step in self.steps
 
     def spec(self) -> str:
+        """The ``KIND@WHEN[@rankR]`` text :func:`parse_fault` reads back to this fault.
+
+        Example::
+
+            >>> parse_fault("inf_grad@12,5@rank1").spec()
+            'inf_grad@5,12@rank1'
+        """
         if self.every is not None:
             when = f"every:{self.every}"
         elif self.rate is not None:
@@ -57,7 +80,20 @@ class Fault:
 
 
 def parse_fault(spec: str, seed: int = 0) -> Fault:
-    """Parse ``KIND@WHEN``; raise ``ValueError`` with one line naming what is wrong."""
+    """Parse ``KIND@WHEN``; raise ``ValueError`` with one line naming what is wrong.
+
+    Example::
+
+        >>> fault = parse_fault("nan_loss@5,9")
+        >>> fault.kind, sorted(fault.steps), fault.every, fault.rank
+        ('nan_loss', [5, 9], None, None)
+        >>> parse_fault("inf_grad@every:10@rank1").rank
+        1
+        >>> parse_fault("nan_loss")
+        Traceback (most recent call last):
+        ...
+        ValueError: fault 'nan_loss' needs @WHEN, e.g. nan_loss@5, nan_loss@every:10, nan_loss@rate:0.05
+    """
     kind, sep, when = spec.partition("@")
     kind, when = kind.strip(), when.strip()
     rank = None
@@ -95,13 +131,15 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
 class FaultInjector:
     """Wraps a micro-batch stream, a loss function and a model with the given faults.
 
+    Faults for another rank than ``rank`` are dropped.
+
     Example::
 
-        inj = FaultInjector([parse_fault("inf_grad@5")], accumulation_steps=1)
-        loss_fn = inj.wrap_loss(loss_fn)
-        inj.attach(model)
-        for x, y in inj.wrap_data(batches):
-            state.step(x, y)
+        >>> inj = FaultInjector([parse_fault("nan_loss@2"), parse_fault("spike@3@rank1")])
+        >>> loss_fn = inj.wrap_loss(torch.nn.functional.mse_loss)
+        >>> batches = [(torch.ones(2, 1), torch.zeros(2, 1))] * 3
+        >>> [loss_fn(x, y).isnan().item() for x, y in inj.wrap_data(batches)]  # rank 0: no spike
+        [False, True, False]
     """
 
     def __init__(
@@ -114,6 +152,15 @@ class FaultInjector:
         self._hooks: list[Any] = []
 
     def active(self, kind: str) -> bool:
+        """Whether a fault of ``kind`` fires at :attr:`current_step` (the step last fed).
+
+        Example::
+
+            >>> inj = FaultInjector([parse_fault("nan_loss@1")])
+            >>> inj.current_step = 1
+            >>> inj.active("nan_loss"), inj.active("spike")
+            (True, False)
+        """
         return any(f.kind == kind and f.hits(self.current_step) for f in self.faults)
 
     def wrap_data(self, batches: Iterable[tuple[Any, Any]], first_step: int | None = None) -> Iterator[tuple[Any, Any]]:
@@ -121,6 +168,13 @@ class FaultInjector:
 
         The first batch belongs to step ``first_step`` (default: the injector's), the next
         ``accumulation_steps - 1`` to the same step, and so on.
+
+        Example::
+
+            >>> inj = FaultInjector([parse_fault("nan_input@2")], accumulation_steps=2)
+            >>> batches = [(torch.zeros(1, 2), torch.zeros(1))] * 6
+            >>> [bool(x.isnan().any()) for x, _ in inj.wrap_data(batches)]  # step 2: batches 3 and 4
+            [False, False, True, True, False, False]
         """
         first = self.first_step if first_step is None else first_step
         for i, (inputs, targets) in enumerate(batches):
@@ -133,7 +187,18 @@ class FaultInjector:
 
     def wrap_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """The loss function, made NaN (``nan_loss``) or 1e8 times larger (``spike`` with
-        integer targets such as class labels or tokens, which cannot be scaled themselves)."""
+        integer targets such as class labels or tokens, which cannot be scaled themselves).
+
+        Example::
+
+            >>> inj = FaultInjector([parse_fault("spike@1")])
+            >>> loss_fn = inj.wrap_loss(torch.nn.functional.cross_entropy)
+            >>> inj.current_step = 1
+            >>> logits, labels = torch.zeros(2, 3), torch.tensor([0, 1])
+            >>> ratio = loss_fn(logits, labels) / torch.nn.functional.cross_entropy(logits, labels)
+            >>> round(ratio.item() / SPIKE_FACTOR, 3)
+            1.0
+        """
 
         def injected_loss(outputs: Any, targets: Any) -> torch.Tensor:
             loss = loss_fn(outputs, targets)
@@ -152,6 +217,19 @@ class FaultInjector:
         An FSDP2-sharded parameter is never run through by the backward pass (FSDP2 computes with
         unsharded copies and writes the reduced shard into ``.grad``), so there the hook sits on
         the gradient flowing back into the model's output instead, through a forward hook.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1)
+            >>> inj = FaultInjector([parse_fault("inf_grad@2")])
+            >>> inj.attach(model)
+            >>> for x, y in inj.wrap_data([(torch.ones(1, 2), torch.zeros(1, 1))] * 2):
+            ...     model.zero_grad()
+            ...     torch.nn.functional.mse_loss(model(x), y).backward()
+            ...     print(inj.current_step, torch.isinf(model.weight.grad).any().item())
+            1 False
+            2 True
+            >>> inj.detach()
         """
         if not any(f.kind in ("inf_grad", "nan_grad") for f in self.faults):
             return
@@ -173,6 +251,7 @@ class FaultInjector:
         self._hooks.append(model.register_forward_hook(forward_hook) if sharded else param.register_hook(grad_hook))
 
     def detach(self) -> None:
+        """Remove the hooks :meth:`attach` added; the model's gradients are left alone from then on."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

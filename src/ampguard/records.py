@@ -27,6 +27,14 @@ class StepRecord:
     the mean of the group's micro-batch losses; the norms are the global L2 norm of the
     unscaled gradients before and after clipping (``None`` where it does not exist);
     ``scaler_scale`` is the loss scale after this step's ``update()`` (1.0 without a scaler).
+    Each field is a device tensor, a float or ``None``; :meth:`values` reads them all.
+
+    Example::
+
+        >>> log = StepLog(1, lr=0.1, loss=torch.tensor(0.5), grad_l2_pre_clip=torch.tensor(4.0),
+        ...               grad_l2_post_clip=torch.tensor(1.0), scaler_scale=1.0)
+        >>> log.skipped, log.reason, log.values()["grad_l2_pre_clip"]
+        (False, None, 4.0)
     """
 
     step: int
@@ -44,14 +52,24 @@ class StepRecord:
 
     @property
     def reason(self) -> str | None:
+        """Why the step was skipped (one of :data:`SKIP_REASONS`), ``None`` for an applied one."""
         return None
 
     def values(self) -> dict[str, float | None]:
         """The numeric fields as Python floats (``None`` stays ``None``).
 
-        Tensors are gathered and copied to the host together: one transfer, one sync on an
-        accelerator. This is the call that costs; the step itself never makes it. The result
-        is kept, so several sinks reading one record pay once.
+        Tensors are gathered and copied to the host together: one transfer, so it costs a host
+        sync on an accelerator. This is the call that costs; the step itself never makes it. The
+        result is kept, so several sinks reading one record pay once.
+
+        Example::
+
+            >>> log = StepLog(1, lr=0.1, loss=torch.tensor(0.25), grad_l2_pre_clip=torch.tensor(3.0),
+            ...               grad_l2_post_clip=torch.tensor(1.0), scaler_scale=1.0)
+            >>> log.values()
+            {'lr': 0.1, 'loss': 0.25, 'grad_l2_pre_clip': 3.0, 'grad_l2_post_clip': 1.0, 'scaler_scale': 1.0}
+            >>> log.values() is log.values()  # read once, kept
+            True
         """
         if self._host is not None:
             return self._host
@@ -80,6 +98,16 @@ class StepRecord:
         On CUDA the tensors go, stacked, into pinned memory with a non-blocking copy and a CUDA
         event; the returned function waits on that event, so a background thread can do the
         waiting while the training loop goes on. Elsewhere it simply defers :meth:`values`.
+        Calling the returned function costs a host sync (on that copy) if :meth:`values` was
+        not read yet.
+
+        Example::
+
+            >>> log = StepLog(1, lr=0.1, loss=torch.tensor(0.25), grad_l2_pre_clip=torch.tensor(3.0),
+            ...               grad_l2_post_clip=torch.tensor(1.0), scaler_scale=1.0)
+            >>> wait = log.prefetch()  # returns at once
+            >>> wait()["loss"], wait() == log.values()
+            (0.25, True)
         """
         # only device tensors travel through pinned memory; host values (a CPU scale of 1.0, a
         # float lr) are read where they are: copying them to the device would be a sync of its own
@@ -102,12 +130,28 @@ class StepRecord:
 
 @dataclass(frozen=True, slots=True)
 class StepLog(StepRecord):
-    """An applied optimizer update."""
+    """An applied optimizer update.
+
+    Example::
+
+        >>> log = StepLog(7, lr=0.01, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0,
+        ...               scaler_scale=65536.0)
+        >>> log.step, log.skipped, log.reason
+        (7, False, None)
+    """
 
 
 @dataclass(frozen=True, slots=True)
 class SkipLog(StepRecord):
-    """A skipped step: parameters and optimizer state untouched, the scale backed off."""
+    """A skipped step: parameters and optimizer state untouched, the scale backed off.
+
+    Example::
+
+        >>> log = SkipLog(3, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None, grad_l2_post_clip=None,
+        ...               scaler_scale=32768.0, reason="non_finite_loss")
+        >>> log.skipped, log.reason, log.values()["grad_l2_pre_clip"]
+        (True, 'non_finite_loss', None)
+    """
 
     reason: SkipReason = "non_finite_grad"  # type: ignore[assignment]
     skipped: ClassVar[bool] = True
@@ -121,6 +165,14 @@ class PendingStep(StepRecord):
     :class:`~ampguard.sinks.BackgroundSink` that transfer happens off the training thread).
     Norms that do not exist for the step (a loss skip's, a skip's post-clip) read as ``None``,
     exactly as in a :class:`SkipLog`.
+
+    Example::
+
+        >>> p = PendingStep(2, lr=0.1, loss=torch.tensor(1.0), grad_l2_pre_clip=torch.tensor(float("inf")),
+        ...                 grad_l2_post_clip=torch.tensor(float("nan")), scaler_scale=torch.tensor(512.0),
+        ...                 bad_loss=torch.tensor(0.0), bad_grad=torch.tensor(1.0))
+        >>> p.skipped, p.reason, p.values()["grad_l2_post_clip"]  # the read costs a host sync
+        (True, 'non_finite_grad', None)
     """
 
     bad_loss: Value = None
@@ -138,27 +190,56 @@ class PendingStep(StepRecord):
 
     @property
     def skipped(self) -> bool:  # type: ignore[override]
+        """Whether the step was skipped: reads :meth:`values` (costs a host sync, once)."""
         v = self.values()
         return bool(v["bad_loss"] or v["bad_grad"])
 
     @property
     def reason(self) -> str | None:
+        """``non_finite_loss``, ``non_finite_grad`` or ``None``: reads :meth:`values` (a host sync, once)."""
         v = self.values()
         return "non_finite_loss" if v["bad_loss"] else "non_finite_grad" if v["bad_grad"] else None
 
     def resolve(self) -> StepLog | SkipLog:
-        """The :class:`StepLog` or :class:`SkipLog` this step turned out to be (reads the values)."""
+        """The :class:`StepLog` or :class:`SkipLog` this step turned out to be (reads the values,
+        which costs a host sync).
+
+        Example::
+
+            >>> p = PendingStep(4, lr=0.1, loss=torch.tensor(0.5), grad_l2_pre_clip=torch.tensor(2.0),
+            ...                 grad_l2_post_clip=torch.tensor(1.0), scaler_scale=torch.tensor(1024.0),
+            ...                 bad_loss=torch.tensor(0.0), bad_grad=torch.tensor(0.0))
+            >>> p.resolve()
+            StepLog(step=4, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1024.0)
+        """
         return record_from(self.step, self.values(), self.reason)
 
 
 def record_from(step: int, values: dict[str, float | None], reason: str | None) -> StepLog | SkipLog:
-    """A :class:`SkipLog` with ``reason`` (or a :class:`StepLog` without) from host values."""
+    """A :class:`SkipLog` with ``reason`` (or a :class:`StepLog` without) from host values.
+
+    Example::
+
+        >>> values = {"lr": 0.1, "loss": 0.5, "grad_l2_pre_clip": float("inf"), "grad_l2_post_clip": None,
+        ...           "scaler_scale": 256.0}
+        >>> record_from(9, values, "non_finite_grad")  # doctest: +NORMALIZE_WHITESPACE
+        SkipLog(step=9, lr=0.1, loss=0.5, grad_l2_pre_clip=inf, grad_l2_post_clip=None,
+                scaler_scale=256.0, reason='non_finite_grad')
+        >>> record_from(9, values, None).skipped
+        False
+    """
     fields = {name: values[name] for name in StepRecord._NUMERIC}
     return SkipLog(step, **fields, reason=reason) if reason else StepLog(step, **fields)  # type: ignore[arg-type]
 
 
 def format_number(x: float | None) -> str:
-    """How numbers are written everywhere: ``repr`` round-trips, non-finite as inf/-inf/nan."""
+    """How numbers are written everywhere: ``repr`` round-trips, non-finite as inf/-inf/nan.
+
+    Example::
+
+        >>> format_number(0.1), format_number(3), format_number(float("-inf")), format_number(None)
+        ('0.1', '3.0', '-inf', '')
+    """
     if x is None:
         return ""
     if math.isnan(x):

@@ -25,7 +25,13 @@ CSV_COLUMNS: tuple[str, ...] = (
 
 @runtime_checkable
 class Sink(Protocol):
-    """Anything with ``write(record, extra=None)`` and ``close()``."""
+    """Anything with ``write(record, extra=None)`` and ``close()``.
+
+    Example::
+
+        >>> isinstance(ConsoleSink(), Sink), isinstance(object(), Sink)
+        (True, False)
+    """
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None: ...
 
@@ -41,7 +47,19 @@ def _open_for_append(path: Path, newline: str | None = None) -> IO[str]:
 
 
 def csv_row(record: StepRecord, extra: Mapping[str, float | None] | None = None) -> dict[str, str]:
-    """The CSV cells of one record: numbers via :func:`format_number`, missing values empty."""
+    """The CSV cells of one record: numbers via :func:`format_number`, missing values empty.
+
+    Reads ``record.values()`` (which costs a host sync if the record holds device tensors).
+
+    Example::
+
+        >>> from ampguard.records import SkipLog
+        >>> skip = SkipLog(2, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None, grad_l2_post_clip=None,
+        ...                scaler_scale=512.0, reason="non_finite_loss")
+        >>> row = csv_row(skip, {"val_loss": None})
+        >>> row["loss"], row["grad_l2_pre_clip"], row["skipped"], row["skip_reason"], row["val_loss"]
+        ('nan', '', '1', 'non_finite_loss', '')
+    """
     v = record.values()
     row = {
         "step": str(record.step),
@@ -68,9 +86,22 @@ class CsvSink:
 
     Example::
 
-        sink = CsvSink("runs/demo/steps.csv")
-        sink.write(state.step(x, y))
-        sink.close()
+        >>> import tempfile
+        >>> from ampguard.records import StepLog
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> path = Path(tmp.name) / "steps.csv"
+        >>> sink = CsvSink(path, extra_columns=["val_loss"])
+        >>> log = StepLog(1, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+        >>> sink.write(log, {"val_loss": 0.75})
+        >>> sink.close()
+        >>> print(path.read_text(), end="")
+        step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale,val_loss
+        1,0.1,2.0,1.0,0.5,0,,1.0,0.75
+        >>> CsvSink(path)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: ...steps.csv already exists; refusing to overwrite it
+        >>> tmp.cleanup()
     """
 
     def __init__(
@@ -118,6 +149,7 @@ class CsvSink:
         os.replace(tmp, self.path)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        """Append one row (:func:`csv_row`) and flush it."""
         assert self._file is not None, "CsvSink is closed"
         self._writer.writerow(csv_row(record, extra))
         self._file.flush()
@@ -130,7 +162,17 @@ class CsvSink:
 
 
 def console_line(record: StepRecord) -> str:
-    """``STEP 5 loss=... pre=... post=... scale=... lr=...`` (``SKIP`` lines add ``reason=``)."""
+    """``STEP 5 loss=... pre=... post=... scale=... lr=...`` (``SKIP`` lines add ``reason=``).
+
+    Reads ``record.values()`` (which costs a host sync if the record holds device tensors).
+
+    Example::
+
+        >>> from ampguard.records import StepLog
+        >>> console_line(StepLog(5, lr=0.001, loss=0.25, grad_l2_pre_clip=3.0, grad_l2_post_clip=1.0,
+        ...                      scaler_scale=65536.0))
+        'STEP 5 loss=0.25 pre=3 post=1 scale=6.554e+04 lr=0.001'
+    """
     v = record.values()
 
     def num(x: float | None) -> str:
@@ -147,7 +189,23 @@ def console_line(record: StepRecord) -> str:
 
 
 class ConsoleSink:
-    """Prints a line every ``every`` steps, and every skipped step whatever ``every`` is."""
+    """Prints a line every ``every`` steps, and every skipped step whatever ``every`` is.
+
+    Example::
+
+        >>> from ampguard.records import SkipLog, StepLog
+        >>> lines = []
+        >>> sink = ConsoleSink(every=2, print_fn=lines.append)
+        >>> for step in (1, 2):
+        ...     sink.write(StepLog(step, lr=0.1, loss=1.0, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0,
+        ...                        scaler_scale=1.0))
+        >>> sink.write(SkipLog(3, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None, grad_l2_post_clip=None,
+        ...                    scaler_scale=0.5, reason="non_finite_loss"))
+        >>> for line in lines:
+        ...     print(line)
+        STEP 2 loss=1 pre=1 post=1 scale=1 lr=0.1
+        SKIP 3 loss=nan pre=- post=- scale=0.5 lr=0.1 reason=non_finite_loss
+    """
 
     def __init__(self, every: int = 1, print_fn: Callable[[str], None] | None = None) -> None:
         self.every = every
@@ -164,7 +222,26 @@ class ConsoleSink:
 class JsonlSink:
     """One JSON object per line, flushed per line: step records (``write``) or plain events
     (``write_event``). Non-finite numbers are written as the strings ``"inf"``/``"nan"`` so
-    every line is strict JSON."""
+    every line is strict JSON.
+
+    Example::
+
+        >>> import tempfile
+        >>> from ampguard.records import SkipLog
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> path = Path(tmp.name) / "steps.jsonl"
+        >>> sink = JsonlSink(path)
+        >>> sink.write(SkipLog(1, lr=0.1, loss=0.5, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
+        ...                    scaler_scale=0.5, reason="non_finite_grad"))
+        >>> sink.write_event({"event": "rollback", "step": 1})
+        >>> sink.close()
+        >>> first, second = map(json.loads, path.read_text().splitlines())
+        >>> first["grad_l2_pre_clip"], first["grad_l2_post_clip"], first["skipped"], first["skip_reason"]
+        ('inf', None, True, 'non_finite_grad')
+        >>> second
+        {'event': 'rollback', 'step': 1}
+        >>> tmp.cleanup()
+    """
 
     def __init__(self, path: str | os.PathLike, *, append: bool = False) -> None:
         self.path = Path(path)
@@ -182,6 +259,7 @@ class JsonlSink:
         })
 
     def write_event(self, obj: Mapping[str, object]) -> None:
+        """Write ``obj`` as one JSON line (non-finite floats as strings) and flush it."""
         assert self._file is not None, "JsonlSink is closed"
         self._file.write(json.dumps({k: _json_number(v) for k, v in obj.items()}) + "\n")
         self._file.flush()
@@ -199,7 +277,26 @@ def _json_number(value: object) -> object:
 
 
 class TensorBoardSink:
-    """Scalars for TensorBoard (``torch.utils.tensorboard``); needs the ``tensorboard`` package."""
+    """Scalars for TensorBoard (``torch.utils.tensorboard``); needs the ``tensorboard`` package.
+
+    Example (without ``tensorboard`` installed, the constructor says so in one line)::
+
+        >>> import tempfile
+        >>> from ampguard.records import StepLog
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> try:
+        ...     sink = TensorBoardSink(tmp.name)
+        ... except InputError as err:
+        ...     ok = "tensorboard package is not installed" in str(err)
+        ... else:
+        ...     sink.write(StepLog(1, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0,
+        ...                        scaler_scale=1.0))
+        ...     sink.close()
+        ...     ok = any(name.startswith("events.out.tfevents") for name in os.listdir(tmp.name))
+        >>> ok
+        True
+        >>> tmp.cleanup()
+    """
 
     def __init__(self, log_dir: str | os.PathLike) -> None:
         self.require()
@@ -209,7 +306,19 @@ class TensorBoardSink:
 
     @staticmethod
     def require() -> None:
-        """Raise :class:`InputError` unless the ``tensorboard`` package can be imported."""
+        """Raise :class:`InputError` unless the ``tensorboard`` package can be imported.
+
+        Example::
+
+            >>> import importlib.util
+            >>> try:
+            ...     TensorBoardSink.require()
+            ...     found = True
+            ... except InputError:
+            ...     found = False
+            >>> found == (importlib.util.find_spec("tensorboard") is not None)
+            True
+        """
         import importlib.util
 
         if importlib.util.find_spec("tensorboard") is None:
@@ -233,6 +342,18 @@ class BackgroundSink:
     record to ``inner``. ``close`` drains the queue (also after Ctrl-C: the loop's ``finally``
     closes its sinks), so every row written so far reaches the file. An error in the thread is
     raised by the next ``write`` or by ``close``.
+
+    Example::
+
+        >>> from ampguard.records import StepLog
+        >>> lines = []
+        >>> sink = BackgroundSink(ConsoleSink(print_fn=lines.append))
+        >>> for step in range(1, 4):
+        ...     sink.write(StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0,
+        ...                        scaler_scale=1.0))
+        >>> sink.close()  # drains the queue: every record reaches the inner sink, in order
+        >>> [line.split()[1] for line in lines]
+        ['1', '2', '3']
     """
 
     _DONE = object()
@@ -266,10 +387,12 @@ class BackgroundSink:
             raise err
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        """Start the record's host copy and queue it; raises an earlier error of the thread."""
         self._raise()
         self._queue.put((record, extra, record.prefetch()))
 
     def close(self) -> None:
+        """Drain the queue, stop the thread, close ``inner``; raises an error of the thread."""
         if self._thread.is_alive():
             self._queue.put(self._DONE)
             self._thread.join()
@@ -278,7 +401,18 @@ class BackgroundSink:
 
 
 class Sinks:
-    """Several sinks as one."""
+    """Several sinks as one.
+
+    Example::
+
+        >>> from ampguard.records import StepLog
+        >>> a, b = [], []
+        >>> both = Sinks(ConsoleSink(print_fn=a.append), ConsoleSink(print_fn=b.append))
+        >>> both.write(StepLog(1, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0))
+        >>> both.close()
+        >>> a == b == ["STEP 1 loss=0.5 pre=2 post=1 scale=1 lr=0.1"]
+        True
+    """
 
     def __init__(self, *sinks: Sink) -> None:
         self.sinks = list(sinks)

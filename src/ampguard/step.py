@@ -153,7 +153,28 @@ class AmpTrainState:
         self._loss_bad: torch.Tensor | None = None
 
     def step(self, inputs: Any, targets: Any) -> StepLog | SkipLog | None:
-        """Forward and backward one micro-batch; at the end of a group, update (or skip)."""
+        """Forward and backward one micro-batch; at the end of a group, update (or skip).
+
+        Returns ``None`` inside an accumulation group, else the group's record. The skip
+        decision costs one host sync per group (none with ``sync_free``).
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, precision="fp32",
+            ...                       accumulation_steps=2)
+            >>> x, y = torch.ones(4, 2), torch.zeros(4, 1)
+            >>> state.step(x, y) is None, state.mid_group  # the first micro-batch of a group
+            (True, True)
+            >>> state.step(x, y).skipped, state.mid_group, state.updates
+            (False, False, 1)
+            >>> before = model.weight.detach().clone()
+            >>> _ = state.step(torch.full((4, 2), float("nan")), y)  # a NaN input makes a NaN loss
+            >>> log = state.step(x, y)
+            >>> log.step, log.skipped, log.reason, state.updates, torch.equal(before, model.weight)
+            (2, True, 'non_finite_loss', 1, True)
+        """
         last = self._micro + 1 == self.accumulation_steps
         with distributed.accumulation_context(self.model, last):  # no gradient all-reduce mid-group
             with self.precision.autocast():
@@ -275,7 +296,18 @@ class AmpTrainState:
 
     @property
     def updates(self) -> int:
-        """Optimizer steps applied. In the sync-free path reading it is a host read."""
+        """Optimizer steps applied. In the sync-free path reading it costs a host sync.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+            ...                       torch.nn.functional.mse_loss, precision="fp32")
+            >>> _ = state.step(torch.ones(1, 2), torch.tensor([[float("inf")]]))  # skipped
+            >>> _ = state.step(torch.ones(1, 2), torch.zeros(1, 1))  # applied
+            >>> state.steps, state.updates
+            (2, 1)
+        """
         return int(self._updates_t.item()) if self.sync_free else self._updates
 
     @updates.setter
@@ -289,11 +321,35 @@ class AmpTrainState:
 
     @property
     def mid_group(self) -> bool:
-        """True between the first and last micro-batch of an accumulation group."""
+        """True between the first and last micro-batch of an accumulation group.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+            ...                       torch.nn.functional.mse_loss, precision="fp32", accumulation_steps=3)
+            >>> flags = []
+            >>> for _ in range(3):
+            ...     _ = state.step(torch.ones(1, 2), torch.zeros(1, 1))
+            ...     flags.append(state.mid_group)
+            >>> flags
+            [True, True, False]
+        """
         return self._micro != 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Scaler, counters, monitors and settings that must match on resume. Call between steps."""
+        """Scaler, counters, monitors and settings that must match on resume. Call between steps.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+            ...                       torch.nn.functional.mse_loss, precision="bf16")
+            >>> _ = state.step(torch.ones(4, 2), torch.zeros(4, 1))
+            >>> saved = state.state_dict()
+            >>> saved["step"], saved["updates"], saved["precision"], saved["accumulation_steps"]
+            (1, 1, 'bf16', 1)
+        """
         if self._micro:
             raise RuntimeError("state_dict() called inside an accumulation group; call it after a step closes")
         return {
@@ -306,7 +362,25 @@ class AmpTrainState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; precision and accumulation must match."""
+        """Restore what :meth:`state_dict` returned; precision and accumulation must match.
+
+        Example::
+
+            >>> def make(precision):
+            ...     model = torch.nn.Linear(2, 1)
+            ...     return AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+            ...                          torch.nn.functional.mse_loss, precision=precision)
+            >>> state = make("bf16")
+            >>> _ = state.step(torch.ones(4, 2), torch.zeros(4, 1))
+            >>> resumed = make("bf16")
+            >>> resumed.load_state_dict(state.state_dict())
+            >>> resumed.steps, resumed.updates
+            (1, 1)
+            >>> make("fp32").load_state_dict(state.state_dict())
+            Traceback (most recent call last):
+            ...
+            ValueError: state was saved with precision='bf16', this step uses 'fp32'
+        """
         for key in ("precision", "accumulation_steps"):
             mine = self.precision.name if key == "precision" else self.accumulation_steps
             if state.get(key) != mine:

@@ -19,7 +19,17 @@ Batch = tuple[Any, Any]
 
 @dataclass
 class Task:
-    """What ``ampguard train`` needs from a workload."""
+    """What ``ampguard train`` needs from a workload.
+
+    Example::
+
+        >>> data = [(torch.ones(4, 2), torch.zeros(4, 1))]
+        >>> task = Task("toy", nn.Linear(2, 1), nn.functional.mse_loss, batches=lambda: cycle(lambda: data),
+        ...             mode="regression")
+        >>> inputs, targets = next(task.batches())
+        >>> task.scores(task.model, inputs).shape == targets.shape
+        True
+    """
 
     name: str
     model: nn.Module
@@ -45,11 +55,29 @@ class Task:
     """Scores for a batch of inputs, one row per example (default: ``model(inputs)``)."""
 
     def scores(self, model: nn.Module, inputs: Any) -> torch.Tensor:
+        """Scores for ``inputs``, one row per example: ``predict`` if given, else ``model(inputs)``.
+
+        Example::
+
+            >>> task = Task("toy", nn.Linear(2, 3), nn.functional.cross_entropy, batches=lambda: iter(()),
+            ...             predict=lambda m, x: m(x).softmax(dim=1))
+            >>> task.scores(task.model, torch.ones(5, 2)).sum(dim=1).allclose(torch.ones(5))
+            True
+        """
         return self.predict(model, inputs) if self.predict is not None else model(inputs)
 
 
 def build_task(config: Any) -> Task:
-    """The workload a :class:`~ampguard.config.Config` names (``task.factory`` wins over ``task.name``)."""
+    """The workload a :class:`~ampguard.config.Config` names (``task.factory`` wins over ``task.name``).
+
+    Example::
+
+        >>> from ampguard.config import load_config
+        >>> task = build_task(load_config(None, ["task.name=linear", "task.batch_size=4"]))
+        >>> x, y = next(task.batches())
+        >>> task.name, task.mode, tuple(x.shape), tuple(y.shape), task.metrics
+        ('linear', 'regression', (4, 16), (4, 4), ('val_loss',))
+    """
     if config.task.factory:
         from .factory import build_from_factory
 
@@ -66,7 +94,18 @@ def build_task(config: Any) -> Task:
 
 
 def cycle(make_iterable: Callable[[], Any]) -> Iterator[Batch]:
-    """Endless batches from a finite, re-iterable source (a list, a DataLoader): epoch after epoch."""
+    """Endless batches from a finite, re-iterable source (a list, a DataLoader): epoch after epoch.
+
+    Example::
+
+        >>> stream = cycle(lambda: ["a", "b"])
+        >>> [next(stream) for _ in range(5)]
+        ['a', 'b', 'a', 'b', 'a']
+        >>> next(cycle(lambda: []))
+        Traceback (most recent call last):
+        ...
+        ValueError: the data yielded no batches
+    """
     while True:
         empty = True
         for batch in make_iterable():
@@ -79,7 +118,17 @@ def cycle(make_iterable: Callable[[], Any]) -> Iterator[Batch]:
 @torch.no_grad()
 def mean_loss(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], batches: list[Batch],
               device: torch.device) -> float:
-    """The mean of ``loss_fn`` over fixed held-out batches."""
+    """The mean of ``loss_fn`` over fixed held-out batches (a Python float: costs a host sync).
+
+    Example::
+
+        >>> model = nn.Linear(1, 1)
+        >>> with torch.no_grad():
+        ...     _ = model.weight.fill_(1.0), model.bias.zero_()
+        >>> batches = [(torch.ones(2, 1), torch.zeros(2, 1)), (torch.ones(2, 1), torch.ones(2, 1))]
+        >>> mean_loss(model, nn.functional.mse_loss, batches, torch.device("cpu"))  # (1 + 0) / 2
+        0.5
+    """
     total = torch.zeros((), device=device)
     for inputs, targets in batches:
         total += loss_fn(model(inputs.to(device)), targets.to(device)).float()

@@ -28,7 +28,14 @@ VAL_FRACTION = 0.1
 
 
 def read_corpus() -> torch.Tensor:
-    """The standard-library sources in :data:`SOURCES` as one uint8 tensor."""
+    """The standard-library sources in :data:`SOURCES` as one uint8 tensor.
+
+    Example::
+
+        >>> corpus = read_corpus()
+        >>> corpus.dtype, len(corpus) > 100_000, bytes(corpus[:200].tolist()).isascii()
+        (torch.uint8, True, True)
+    """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     chunks = [(stdlib / name).read_bytes() for name in SOURCES if (stdlib / name).is_file()]
     if not chunks:
@@ -38,7 +45,14 @@ def read_corpus() -> torch.Tensor:
 
 
 def split(corpus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out) by position: the last :data:`VAL_FRACTION` of the text is held out."""
+    """(train, held-out) by position: the last :data:`VAL_FRACTION` of the text is held out.
+
+    Example::
+
+        >>> train, held_out = split(torch.arange(100))
+        >>> len(train), len(held_out), int(held_out[0])
+        (90, 10, 90)
+    """
     cut = int(len(corpus) * (1 - VAL_FRACTION))
     return corpus[:cut], corpus[cut:]
 
@@ -46,7 +60,14 @@ def split(corpus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def char_batches(
     text: torch.Tensor, seed: int, batch_size: int, block_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless batches of random windows: inputs ``text[i:i+T]``, targets ``text[i+1:i+T+1]``."""
+    """Endless batches of random windows: inputs ``text[i:i+T]``, targets ``text[i+1:i+T+1]``.
+
+    Example::
+
+        >>> x, y = next(char_batches(torch.arange(50, dtype=torch.uint8), seed=0, batch_size=2, block_size=4))
+        >>> tuple(x.shape), x.dtype, torch.equal(x[:, 1:], y[:, :-1]), torch.equal(y - x, torch.ones(2, 4).long())
+        ((2, 4), torch.int64, True, True)
+    """
     gen = torch.Generator().manual_seed(seed)
     offsets = torch.arange(block_size)
     while True:
@@ -56,6 +77,17 @@ def char_batches(
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention, then an MLP, each with a residual.
+
+    Example::
+
+        >>> block = Block(n_embd=8, n_head=2)
+        >>> x = torch.randn(1, 5, 8)
+        >>> later = x.clone(); later[0, 4] += 1.0  # change only the last position
+        >>> block(x).shape, torch.allclose(block(x)[:, :4], block(later)[:, :4])  # causal
+        (torch.Size([1, 5, 8]), True)
+    """
+
     def __init__(self, n_embd: int, n_head: int) -> None:
         super().__init__()
         self.n_head = n_head
@@ -75,7 +107,15 @@ class Block(nn.Module):
 
 
 class CharLM(nn.Module):
-    """Token + position embeddings, ``n_layer`` pre-norm transformer blocks, a tied output head."""
+    """Token + position embeddings, ``n_layer`` pre-norm transformer blocks, a tied output head.
+
+    Example::
+
+        >>> model = CharLM(block_size=8, n_layer=1, n_head=2, n_embd=16)
+        >>> logits = model(torch.randint(0, VOCAB, (2, 8)))
+        >>> tuple(logits.shape), model.head.weight is model.tok.weight
+        ((2, 8, 256), True)
+    """
 
     def __init__(self, block_size: int, n_layer: int, n_head: int, n_embd: int) -> None:
         super().__init__()
@@ -106,10 +146,28 @@ def _next_char_set(text: torch.Tensor, block_size: int, n: int = 512) -> tuple[t
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over every position: ``(B, T, V)`` logits against ``(B, T)`` next bytes.
+
+    Example::
+
+        >>> round(lm_loss(torch.zeros(2, 3, VOCAB), torch.zeros(2, 3, dtype=torch.long)).item(), 4)  # ln 256
+        5.5452
+    """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def build(config: Any) -> Task:
+    """The ``charlm`` task: a :class:`CharLM` sized by ``config.task``, a held-out ``val_loss``.
+
+    Example::
+
+        >>> from ampguard.config import load_config
+        >>> task = build(load_config(None, ["task.name=charlm", "task.n_layer=1", "task.n_embd=16", "task.n_head=2",
+        ...                                 "task.block_size=16", "task.batch_size=4", "eval.batches=1"]))
+        >>> x, y = next(task.batches())
+        >>> tuple(x.shape), task.float_inputs, task.metrics, tuple(task.scores(task.model, x).shape)
+        ((4, 16), False, ('val_loss',), (4, 256))
+    """
     train_text, val_text = split(read_corpus())
     t = config.task
     torch.manual_seed(config.seed)

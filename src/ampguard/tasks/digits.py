@@ -21,7 +21,14 @@ SPLIT_SEED = 20_240_601
 
 
 def load_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x_train, y_train, x_test, y_test): pixels scaled to [0, 1], labels 0-9, a fixed split."""
+    """(x_train, y_train, x_test, y_test): pixels scaled to [0, 1], labels 0-9, a fixed split.
+
+    Example::
+
+        >>> x_train, y_train, x_test, y_test = load_split()
+        >>> tuple(x_train.shape), tuple(x_test.shape), float(x_train.max()), int(y_test.max())
+        ((1497, 64), (300, 64), 1.0, 9)
+    """
     try:
         from sklearn.datasets import load_digits
     except ImportError:  # pragma: no cover - scikit-learn is a dependency
@@ -35,7 +42,16 @@ def load_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def digit_batches(x: torch.Tensor, y: torch.Tensor, seed: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless shuffled epochs of the training split."""
+    """Endless shuffled epochs of the training split (a last partial batch is dropped).
+
+    Example::
+
+        >>> x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5)
+        >>> stream = digit_batches(x, y, seed=0, batch_size=2)
+        >>> epoch = [next(stream)[1].tolist() for _ in range(2)]  # 2 full batches per epoch of 5
+        >>> len(set(sum(epoch, []))), all(len(b) == 2 for b in epoch)
+        (4, True)
+    """
     gen = torch.Generator().manual_seed(seed)
     while True:
         order = torch.randperm(len(x), generator=gen)
@@ -45,6 +61,20 @@ def digit_batches(x: torch.Tensor, y: torch.Tensor, seed: int, batch_size: int) 
 
 
 def build(config: Any) -> Task:
+    """The ``digits`` task: an MLP (hidden width ``2 * task.n_embd``), cross-entropy, test accuracy.
+
+    Example::
+
+        >>> from ampguard.config import load_config
+        >>> task = build(load_config(None, ["task.name=digits", "task.n_embd=8", "task.batch_size=16"]))
+        >>> x, y = next(task.batches())
+        >>> tuple(x.shape), y.dtype, task.metrics, task.mode
+        ((16, 64), torch.int64, ('val_loss', 'val_accuracy'), 'classifier')
+        >>> with torch.no_grad():  # evaluate runs under no_grad, as the trainer calls it
+        ...     metrics = task.evaluate(task.model.eval(), torch.device("cpu"))
+        >>> sorted(metrics), 0.0 <= metrics["val_accuracy"] <= 1.0
+        (['val_accuracy', 'val_loss'], True)
+    """
     x_train, y_train, x_test, y_test = load_split()
     hidden = config.task.n_embd * 2
     torch.manual_seed(config.seed)

@@ -38,7 +38,18 @@ from . import Task, cycle
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
-    """The callable named by ``module:function`` or ``file.py:function``."""
+    """The callable named by ``module:function`` or ``file.py:function``.
+
+    Example::
+
+        >>> from ampguard.tasks.linear import linear_batches
+        >>> load_factory("ampguard.tasks.linear:linear_batches") is linear_batches
+        True
+        >>> load_factory("ampguard.tasks.linear:no_such_function")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task.factory: ampguard.tasks.linear has no function 'no_such_function'
+    """
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr.isidentifier():
         raise InputError(f"task.factory: expected 'package.module:function' or 'path/file.py:function', got {spec!r}")
@@ -66,6 +77,25 @@ def load_factory(spec: str) -> Callable[..., Any]:
 
 
 def build_from_factory(config: Any) -> Task:
+    r"""The :class:`Task` that ``config.task.factory`` builds, its result checked (bad ones raise
+    :class:`~ampguard.errors.InputError` in one line).
+
+    Example::
+
+        >>> import tempfile
+        >>> from ampguard.config import load_config
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> path = Path(tmp.name) / "toy.py"
+        >>> _ = path.write_text(
+        ...     "import torch\n"
+        ...     "def build(config):\n"
+        ...     "    data = [(torch.ones(4, 2), torch.zeros(4, 1))]\n"
+        ...     "    return torch.nn.Linear(2, 1), data, torch.nn.functional.mse_loss\n")
+        >>> task = build_from_factory(load_config(None, [f"task.factory={path}:build"]))
+        >>> task.name, task.mode, task.float_inputs, tuple(task.held_out()[0].shape)
+        ('factory', 'regression', True, (4, 2))
+        >>> tmp.cleanup()
+    """
     spec = config.task.factory
     fn = load_factory(spec)
     try:

@@ -18,7 +18,16 @@ def linear_batches(
     seed: int, batch_size: int, sample_seed: int | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless batches of ``x ~ N(0, 1)``, ``y = x @ W + b + 0.01 * noise``; (W, b) fixed by
-    ``seed``, the samples drawn from ``sample_seed`` (default: the same generator)."""
+    ``seed``, the samples drawn from ``sample_seed`` (default: the same generator).
+
+    Example::
+
+        >>> x, y = next(linear_batches(seed=0, batch_size=3))
+        >>> tuple(x.shape), tuple(y.shape)
+        ((3, 16), (3, 4))
+        >>> torch.equal(y, next(linear_batches(seed=0, batch_size=3))[1])  # the same stream every time
+        True
+    """
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(IN_FEATURES, OUT_FEATURES, generator=gen) / IN_FEATURES**0.5
     bias = torch.randn(OUT_FEATURES, generator=gen) * 0.1
@@ -31,6 +40,18 @@ def linear_batches(
 
 
 def build(config: Any) -> Task:
+    """The ``linear`` task: ``nn.Linear(16, 4)``, MSE loss, a held-out ``val_loss``.
+
+    Example::
+
+        >>> from ampguard.config import load_config
+        >>> task = build(load_config(None, ["task.name=linear", "task.batch_size=8"]))
+        >>> names, inputs = task.edge_cases()
+        >>> task.model, names, tuple(task.held_out()[0].shape)
+        (Linear(in_features=16, out_features=4, bias=True), ['zeros', 'large', 'large_negative'], (512, 16))
+        >>> list(task.evaluate(task.model, torch.device("cpu")))
+        ['val_loss']
+    """
     seed, batch_size = config.seed, config.task.batch_size
     torch.manual_seed(seed)
     model = nn.Linear(IN_FEATURES, OUT_FEATURES)
