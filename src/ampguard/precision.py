@@ -9,34 +9,184 @@ plugin). Impossible combinations, such as bf16 with a loss scaler, are rejected 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 PrecisionName = Literal["fp16", "bf16", "fp32"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32")
+"""The precision names :class:`Precision` accepts."""
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+DEFAULT_MIN_SCALE: float = torch.finfo(torch.float32).tiny
+"""The default floor of :class:`GuardedGradScaler`'s scale: 2**-126, the smallest normal float32.
+
+Any floor keeps the scale off 0 (0 would make every later step inf x 0 = NaN, skipped for
+ever); a normal one also keeps ``1 / scale`` (the unscale factor, float32) finite. A run's
+config sets a much higher floor, ``scaler.min_scale`` (default 1.0).
+"""
+
+
+def _check_min_scale(min_scale: float) -> float:
+    min_scale = float(min_scale)
+    if not (math.isfinite(min_scale) and min_scale >= DEFAULT_MIN_SCALE):
+        raise ValueError(
+            f"min_scale must be a finite number >= {DEFAULT_MIN_SCALE:g} (the smallest normal float32), "
+            f"got {min_scale!r}"
+        )
+    return min_scale
+
+
 class GuardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` that can also be told "this step is bad" from outside.
+    """``torch.amp.GradScaler`` with a floor under the scale, that can also be told "this step
+    is bad" from outside.
 
     ``GradScaler`` backs the scale off only when ``unscale_`` found an inf/NaN in a gradient.
     ampguard also skips a step whose *loss* was non-finite, and DESIGN.md wants that skip to
     be visible in the scale too (x ``backoff_factor``, growth tracker reset). ``mark_found_inf_``
     records the skip the way ``unscale_`` would, so the following ``update()`` does exactly
-    what it does for an overflowing gradient. Everything else is PyTorch's GradScaler.
+    what it does for an overflowing gradient.
+
+    The floor, ``min_scale`` (like DeepSpeed's ``min_loss_scale``): PyTorch's scale halves on
+    every skip with no lower bound, so a long run of bad steps drives it to a subnormal and
+    then to exactly 0, after which every clean step is skipped too (its gradients are
+    unscaled by 1/0) and the run never recovers. Here :meth:`update` clamps the scale to
+    ``min_scale`` on the device (no host read). At or above the floor everything is PyTorch's
+    GradScaler, bit for bit. The floor must be a normal float32 (``>= 2**-126``); the default
+    is that smallest one, :data:`DEFAULT_MIN_SCALE`.
+
+    Example::
+
+        >>> scaler = GuardedGradScaler("cpu", init_scale=4.0, min_scale=1.0)
+        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        >>> scales = []
+        >>> for _ in range(4):  # four bad steps in a row
+        ...     scaler.mark_found_inf_(opt)
+        ...     scaler.update()
+        ...     scales.append(scaler.get_scale())
+        >>> scales  # halves down to the floor, then stays there
+        [2.0, 1.0, 1.0, 1.0]
     """
 
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        min_scale: float = DEFAULT_MIN_SCALE,
+    ) -> None:
+        min_scale = _check_min_scale(min_scale)
+        if enabled and not init_scale >= min_scale:
+            raise ValueError(f"init_scale ({init_scale:g}) must be >= min_scale ({min_scale:g})")
+        super().__init__(
+            device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
+        self._min_scale = min_scale
+
+    def get_min_scale(self) -> float:
+        """The floor the scale is clamped to after every :meth:`update`.
+
+        Example::
+
+            >>> GuardedGradScaler("cpu").get_min_scale() == 2.0**-126
+            True
+        """
+        return self._min_scale
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """``GradScaler.update``, then the scale is clamped to ``min_scale`` on the device (no
+        host read; a no-op above the floor). A ``new_scale`` below the floor is clamped too.
+
+        Example::
+
+            >>> scaler = GuardedGradScaler("cpu", init_scale=8.0, min_scale=2.0)
+            >>> _ = scaler.scale(torch.ones(()))  # creates the scale tensor
+            >>> scaler.update(0.5)
+            >>> scaler.get_scale()
+            2.0
+        """
+        super().update(new_scale)
+        if self._enabled and self._scale is not None:
+            self._scale.clamp_(min=self._min_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``GradScaler.state_dict`` plus ``min_scale`` (empty when disabled, as PyTorch's).
+
+        Example::
+
+            >>> GuardedGradScaler("cpu", init_scale=8.0, min_scale=2.0).state_dict()["min_scale"]
+            2.0
+            >>> GuardedGradScaler("cpu", enabled=False).state_dict()
+            {}
+        """
+        state = super().state_dict()
+        if state:
+            state["min_scale"] = self._min_scale
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``GradScaler.load_state_dict``; the saved floor wins (as the saved growth factor does),
+        and a state without one (a plain GradScaler's, or saved before floors existed) keeps
+        this scaler's. A saved scale below the floor (a scale that had decayed to 0) is raised
+        to it, so a resumed run recovers at once.
+
+        Example::
+
+            >>> plain = torch.amp.GradScaler("cpu", init_scale=0.0)  # a collapsed scale, no floor
+            >>> scaler = GuardedGradScaler("cpu", min_scale=1.0)
+            >>> scaler.load_state_dict(plain.state_dict())
+            >>> scaler.get_scale(), scaler.get_min_scale()
+            (1.0, 1.0)
+        """
+        if not self._enabled:
+            return
+        min_scale = _check_min_scale(state_dict.get("min_scale", self._min_scale))
+        super().load_state_dict(state_dict)
+        self._min_scale = min_scale
+        self._init_scale = max(float(self._init_scale), min_scale)
+        if self._scale is not None:
+            self._scale.clamp_(min=min_scale)
+
     def mark_found_inf_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the next ``update()`` treat this iteration as an overflow (backoff, tracker reset)."""
+        """Make the next ``update()`` treat this iteration as an overflow (backoff, tracker reset).
+
+        Example::
+
+            >>> scaler = GuardedGradScaler("cpu", init_scale=64.0)
+            >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+            >>> scaler.mark_found_inf_(opt)
+            >>> scaler.update()
+            >>> scaler.get_scale()
+            32.0
+        """
         self.add_found_inf_(optimizer, torch.ones(()))
 
     def add_found_inf_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
         """Merge ``found`` (0 or 1, a tensor: no host read) into what ``unscale_`` recorded, so the
-        next ``update()`` backs off when it is 1."""
+        next ``update()`` backs off when it is 1.
+
+        Example::
+
+            >>> scaler = GuardedGradScaler("cpu", init_scale=64.0, growth_interval=1)
+            >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+            >>> scaler.add_found_inf_(opt, torch.zeros(()))  # a clean step
+            >>> scaler.update()
+            >>> scaler.get_scale()
+            128.0
+        """
         if not self._enabled:
             return
         if self._scale is None:  # the very first step was bad before anything was scaled
@@ -53,6 +203,13 @@ class GuardedGradScaler(torch.amp.GradScaler):
         """The current scale as a detached 0-dim tensor on the scaler's device (no host sync).
 
         1.0 when the scaler is disabled (bf16, fp32), as the per-step CSV reports it.
+
+        Example::
+
+            >>> GuardedGradScaler("cpu", init_scale=512.0).scale_value()
+            tensor(512.)
+            >>> GuardedGradScaler("cpu", enabled=False).scale_value()
+            tensor(1.)
         """
         if not self._enabled:
             if not hasattr(self, "_one"):
@@ -85,16 +242,35 @@ class Precision:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype autocast computes eligible ops in (float32 for fp32: no autocast)."""
+        """The dtype autocast computes eligible ops in (float32 for fp32: no autocast).
+
+        Example::
+
+            >>> [Precision(n, "cpu").dtype for n in PRECISIONS]
+            [torch.float16, torch.bfloat16, torch.float32]
+        """
         return _DTYPES[self.name]
 
     @property
     def uses_scaler(self) -> bool:
-        """Only fp16 needs loss scaling: its 5-bit exponent underflows small gradients."""
+        """Only fp16 needs loss scaling: its 5-bit exponent underflows small gradients.
+
+        Example::
+
+            >>> [Precision(n, "cpu").uses_scaler for n in PRECISIONS]
+            [True, False, False]
+        """
         return self.name == "fp16"
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward-pass context: autocast to ``dtype``, or nothing at all for fp32."""
+        """The forward-pass context: autocast to ``dtype``, or nothing at all for fp32.
+
+        Example::
+
+            >>> with Precision("fp32", "cpu").autocast():
+            ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
+            torch.float32
+        """
         if self.name == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
@@ -107,11 +283,25 @@ class Precision:
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        min_scale: float = DEFAULT_MIN_SCALE,
     ) -> GuardedGradScaler:
         """The loss scaler for this precision: enabled for fp16, disabled (scale 1.0) otherwise.
 
         ``enabled=None`` picks the default; ``enabled=True`` for bf16/fp32 is an error, since
         scaling a format with fp32's exponent range buys nothing and hides bugs.
+        ``min_scale`` is the scale's floor (a run passes ``scaler.min_scale``).
+
+        Example::
+
+            >>> s = Precision("fp16", "cpu").make_scaler(init_scale=1024.0, min_scale=1.0)
+            >>> s.is_enabled(), s.get_scale(), s.get_min_scale()
+            (True, 1024.0, 1.0)
+            >>> Precision("bf16", "cpu").make_scaler().is_enabled()
+            False
+            >>> Precision("bf16", "cpu").make_scaler(enabled=True)
+            Traceback (most recent call last):
+            ...
+            ValueError: bf16 does not use a loss scaler (scaler.enabled must be false)
         """
         if enabled and not self.uses_scaler:
             raise ValueError(f"{self.name} does not use a loss scaler (scaler.enabled must be false)")
@@ -123,4 +313,5 @@ class Precision:
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
             enabled=on,
+            min_scale=min_scale,
         )

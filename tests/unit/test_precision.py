@@ -1,0 +1,260 @@
+"""precision.py: the Precision object and GuardedGradScaler, its floor above all.
+
+The floor exists because PyTorch's GradScaler has none: 200 back-offs from 2**16 take its scale
+to exactly 0, and from then on every clean step is skipped (gradients unscaled by 1/0 = inf,
+inf x 0 = NaN). Every expected scale here is computed from the scaler arithmetic
+(x backoff on a skip, x growth after ``growth_interval`` clean steps, clamped to the floor),
+or read from a plain ``torch.amp.GradScaler`` fed the same flags.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from helpers import HostReads
+
+from ampguard.precision import DEFAULT_MIN_SCALE, PRECISIONS, GuardedGradScaler, Precision
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def optimizer() -> torch.optim.Optimizer:
+    return torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+
+
+def one_update(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, bad: bool) -> float:
+    """One iteration's update: found_inf recorded as ``unscale_`` would, then ``update()``."""
+    if isinstance(scaler, GuardedGradScaler):
+        scaler.add_found_inf_(opt, torch.tensor(float(bad)))
+    else:  # a plain GradScaler: record the flag the way unscale_ does
+        if scaler._scale is None:
+            scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")] = torch.tensor(
+            float(bad))
+    scaler.update()
+    return scaler.get_scale()
+
+
+def expected_scales(flags: list[bool], init: float, floor: float, growth_interval: int,
+                    growth: float = 2.0, backoff: float = 0.5) -> list[float]:
+    scale, tracker, out = init, 0, []
+    for bad in flags:
+        if bad:
+            scale, tracker = max(scale * backoff, floor), 0
+        else:
+            tracker += 1
+            if tracker == growth_interval:
+                scale, tracker = scale * growth, 0
+        out.append(scale)
+    return out
+
+
+# ---------------------------------------------------------------------------- the floor
+
+
+def test_default_floor_is_the_smallest_normal_float32():
+    assert DEFAULT_MIN_SCALE == TINY == 2.0**-126
+    assert GuardedGradScaler("cpu").get_min_scale() == DEFAULT_MIN_SCALE
+    # the unscale factor 1/scale stays finite in float32 at the floor
+    assert torch.isfinite(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(DEFAULT_MIN_SCALE))
+
+
+def test_plain_gradscaler_decays_to_exactly_zero():
+    # The defect the floor fixes, shown on PyTorch's own scaler: no floor, 200 back-offs -> 0.
+    scaler, opt = torch.amp.GradScaler("cpu", init_scale=2.0**16), optimizer()
+    for _ in range(200):
+        one_update(scaler, opt, bad=True)
+    assert scaler.get_scale() == 0.0
+
+
+@pytest.mark.parametrize("floor", [DEFAULT_MIN_SCALE, 1.0, 2.0**-20])
+def test_200_backoffs_stop_at_the_floor_never_zero(floor):
+    scaler, opt = GuardedGradScaler("cpu", init_scale=2.0**16, min_scale=floor), optimizer()
+    scales = [one_update(scaler, opt, bad=True) for _ in range(200)]
+    assert scales == expected_scales([True] * 200, 2.0**16, floor, 2000)
+    assert min(scales) == scales[-1] == floor > 0.0
+    assert all(s >= TINY for s in scales)  # never 0, never a subnormal
+    assert scales[:16] == [2.0 ** (15 - k) for k in range(16)]  # halving as PyTorch does above it
+
+
+@pytest.mark.parametrize("floor", [DEFAULT_MIN_SCALE, 1.0])
+def test_clean_steps_after_the_floor_grow_the_scale_again(floor):
+    growth_interval = 3
+    scaler = GuardedGradScaler("cpu", init_scale=2.0**16, growth_interval=growth_interval, min_scale=floor)
+    opt = optimizer()
+    for _ in range(200):
+        one_update(scaler, opt, bad=True)
+    assert scaler.get_scale() == floor
+    clean = [one_update(scaler, opt, bad=False) for _ in range(3 * growth_interval)]
+    assert clean == [floor, floor, 2 * floor, 2 * floor, 2 * floor, 4 * floor, 4 * floor, 4 * floor, 8 * floor]
+
+
+def test_floor_is_not_float32_exact_value_clamps_to_its_float32():
+    scaler, opt = GuardedGradScaler("cpu", init_scale=1.0, min_scale=0.1), optimizer()
+    for _ in range(10):
+        one_update(scaler, opt, bad=True)
+    assert scaler.get_scale() == float(torch.tensor(0.1, dtype=torch.float32))
+
+
+def test_equal_to_plain_gradscaler_above_the_floor():
+    # Random skip/clean flags that never take the scale to the floor: scale and growth tracker
+    # equal PyTorch's GradScaler's at every step (the clamp is then a no-op).
+    rng = random.Random(0)
+    flags = [rng.random() < 0.15 for _ in range(300)]
+    kw = dict(init_scale=2.0**16, growth_interval=4, growth_factor=2.0, backoff_factor=0.5)
+    ours, theirs = GuardedGradScaler("cpu", min_scale=1.0, **kw), torch.amp.GradScaler("cpu", **kw)
+    o_opt, t_opt = optimizer(), optimizer()
+    lowest = float("inf")
+    for bad in flags:
+        a, b = one_update(ours, o_opt, bad), one_update(theirs, t_opt, bad)
+        assert a == b
+        assert ours._get_growth_tracker() == theirs._get_growth_tracker()
+        lowest = min(lowest, b)
+    assert lowest > 1.0  # the sequence really stayed above the floor
+    assert {k: v for k, v in ours.state_dict().items() if k != "min_scale"} == theirs.state_dict()
+
+
+def test_floor_against_the_arithmetic_on_a_long_random_run():
+    rng = random.Random(1)
+    flags = [rng.random() < 0.6 for _ in range(400)]  # mostly bad: the floor is hit often
+    scaler, opt = GuardedGradScaler("cpu", init_scale=64.0, growth_interval=2, min_scale=0.5), optimizer()
+    got = [one_update(scaler, opt, bad) for bad in flags]
+    want = expected_scales(flags, 64.0, 0.5, 2)
+    assert got == want
+    assert want.count(0.5) > 50  # it sat at the floor many times
+
+
+def test_update_with_a_new_scale_below_the_floor_is_clamped():
+    scaler = GuardedGradScaler("cpu", init_scale=8.0, min_scale=2.0)
+    scaler.scale(torch.ones(()))
+    scaler.update(0.0)
+    assert scaler.get_scale() == 2.0
+    scaler.update(torch.tensor(16.0))
+    assert scaler.get_scale() == 16.0
+
+
+def test_update_makes_no_host_read():
+    scaler, opt = GuardedGradScaler("cpu", init_scale=4.0, min_scale=1.0), optimizer()
+    one_update(scaler, opt, bad=True)  # lazy init outside the count
+    with HostReads() as reads:
+        for _ in range(5):
+            scaler.add_found_inf_(opt, torch.ones(()))
+            scaler.update()
+    assert reads.count == 0, reads.names
+    assert scaler.get_scale() == 1.0
+
+
+def test_first_step_bad_before_anything_was_scaled():
+    scaler, opt = GuardedGradScaler("cpu", init_scale=1.0, min_scale=1.0), optimizer()
+    scaler.mark_found_inf_(opt)  # no scale() call yet: the scale tensor is created here
+    scaler.update()
+    assert scaler.get_scale() == 1.0 and float(scaler.scale_value()) == 1.0
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, 2.0**-127, 2.0**-149, float("nan"), float("inf")])
+def test_refuses_a_floor_that_is_not_a_normal_positive_float32(bad):
+    with pytest.raises(ValueError, match="min_scale"):
+        GuardedGradScaler("cpu", min_scale=bad)
+
+
+def test_refuses_init_scale_below_the_floor_when_enabled():
+    with pytest.raises(ValueError, match="init_scale"):
+        GuardedGradScaler("cpu", init_scale=0.5, min_scale=1.0)
+    assert not GuardedGradScaler("cpu", init_scale=0.5, min_scale=1.0, enabled=False).is_enabled()
+    assert GuardedGradScaler("cpu", init_scale=1.0, min_scale=1.0).get_scale() == 1.0  # equal is fine
+
+
+# ---------------------------------------------------------------------------- state_dict
+
+
+def test_state_dict_round_trip_keeps_the_floor_and_continues_identically():
+    rng = random.Random(2)
+    flags = [rng.random() < 0.5 for _ in range(60)]
+    live, opt = GuardedGradScaler("cpu", init_scale=16.0, growth_interval=3, min_scale=4.0), optimizer()
+    for bad in flags[:30]:
+        one_update(live, opt, bad)
+    state = json.loads(json.dumps(live.state_dict()))  # plain data, as a checkpoint holds it
+    assert state["min_scale"] == 4.0
+    restored = GuardedGradScaler("cpu", min_scale=1.0)  # another floor: the saved one wins
+    restored.load_state_dict(state)
+    assert restored.get_min_scale() == 4.0
+    r_opt = optimizer()
+    for bad in flags[30:]:
+        assert one_update(restored, r_opt, bad) == one_update(live, opt, bad)
+    assert restored.state_dict() == live.state_dict()
+    assert min(expected_scales(flags, 16.0, 4.0, 3)) == 4.0  # the continuation crossed the floor
+
+
+def test_loads_a_state_without_a_floor_and_lifts_a_collapsed_scale():
+    # A plain GradScaler's state (or one saved before floors existed) whose scale decayed to 0.
+    plain, opt = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2), optimizer()
+    for _ in range(200):
+        one_update(plain, opt, bad=True)
+    state = plain.state_dict()
+    assert state["scale"] == 0.0 and "min_scale" not in state
+    for warm in (False, True):  # before and after this scaler made its scale tensor
+        scaler = GuardedGradScaler("cpu", init_scale=8.0, min_scale=1.0)
+        if warm:
+            scaler.scale(torch.ones(()))
+        scaler.load_state_dict(state)
+        assert scaler.get_min_scale() == 1.0 and scaler.get_scale() == 1.0
+        s_opt = optimizer()
+        assert [one_update(scaler, s_opt, bad=False) for _ in range(4)] == [1.0, 2.0, 2.0, 4.0]
+
+
+def test_disabled_scaler_state_is_empty_and_load_is_a_no_op():
+    scaler = GuardedGradScaler("cpu", enabled=False)
+    assert scaler.state_dict() == {}
+    scaler.load_state_dict({"scale": 0.0, "min_scale": 0.0})  # ignored, as PyTorch's does
+    assert float(scaler.scale_value()) == 1.0
+
+
+def test_load_refuses_a_bad_saved_floor():
+    state = GuardedGradScaler("cpu", init_scale=4.0).state_dict()
+    state["min_scale"] = 0.0
+    scaler = GuardedGradScaler("cpu", init_scale=4.0)
+    with pytest.raises(ValueError, match="min_scale"):
+        scaler.load_state_dict(state)
+    assert scaler.get_scale() == 4.0 and scaler.get_min_scale() == DEFAULT_MIN_SCALE  # untouched
+
+
+# ---------------------------------------------------------------------------- Precision
+
+
+def test_make_scaler_passes_the_floor_and_the_settings():
+    s = Precision("fp16", "cpu").make_scaler(init_scale=256.0, growth_interval=5, backoff_factor=0.25,
+                                             min_scale=16.0)
+    assert (s.is_enabled(), s.get_scale(), s.get_growth_interval(), s.get_backoff_factor(), s.get_min_scale()) == (
+        True, 256.0, 5, 0.25, 16.0)
+    opt = optimizer()
+    assert [one_update(s, opt, bad=True) for _ in range(3)] == [64.0, 16.0, 16.0]
+    assert Precision("fp16", "cpu").make_scaler().get_min_scale() == DEFAULT_MIN_SCALE
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp32"])
+def test_make_scaler_without_fp16_is_disabled_and_refuses_enabled(name):
+    p = Precision(name, "cpu")
+    assert not p.make_scaler(min_scale=1.0).is_enabled()
+    with pytest.raises(ValueError, match=name):
+        p.make_scaler(enabled=True)
+
+
+def test_precision_dtypes_scaler_and_autocast():
+    x = torch.randn(2, 4)
+    lin = torch.nn.Linear(4, 3)
+    got = {}
+    for name in PRECISIONS:
+        p = Precision(name, "cpu")
+        with p.autocast():
+            got[name] = (lin(x).dtype, p.dtype, p.uses_scaler)
+    assert got == {"fp16": (torch.float16, torch.float16, True), "bf16": (torch.bfloat16, torch.bfloat16, False),
+                   "fp32": (torch.float32, torch.float32, False)}
+
+
+def test_precision_refuses_an_unknown_name():
+    with pytest.raises(ValueError, match="fp8"):
+        Precision("fp8", "cpu")  # type: ignore[arg-type]
