@@ -19,6 +19,8 @@ from pydantic import (
 
 from .errors import ConfigError
 from .faults import parse_fault
+from .monitor import DEFAULT_MIN_STEPS
+from .precision import DEFAULT_MIN_SCALE
 
 try:
     import tomllib
@@ -67,6 +69,18 @@ class _Section(BaseModel):
 
 
 class OptimizerConfig(_Section):
+    """``optimizer``: which optimizer and its hyper-parameters.
+
+    Example::
+
+        >>> OptimizerConfig(lr=0.01).betas
+        (0.9, 0.95)
+        >>> validate({"optimizer": {"betas": [0.9, 1.0]}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: optimizer.betas: each beta must be in [0, 1) (got [0.9, 1.0])
+    """
+
     name: Literal["adamw", "sgd"] = "adamw"
     """Optimizer: AdamW, or SGD with momentum."""
     lr: Amount = 3e-3
@@ -98,6 +112,14 @@ class OptimizerConfig(_Section):
 
 
 class ScheduleConfig(_Section):
+    """``schedule``: the learning-rate schedule, counted in applied updates.
+
+    Example::
+
+        >>> ScheduleConfig(warmup=10).decay
+        'cosine'
+    """
+
     warmup: Count0 = 0
     """Linear warmup length in applied updates (0: none)."""
     decay: Literal["constant", "cosine", "linear"] = "cosine"
@@ -108,6 +130,19 @@ class ScheduleConfig(_Section):
 
 
 class ScalerConfig(_Section):
+    """``scaler``: the dynamic loss scaler (fp16), including the floor ``min_scale``.
+
+    Example::
+
+        >>> s = ScalerConfig()
+        >>> s.init_scale, s.growth_interval, s.min_scale
+        (65536.0, 2000, 1.0)
+        >>> validate({"scaler": {"min_scale": 0}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: scaler.min_scale: must be a finite number > 0 (got 0.0)
+    """
+
     enabled: bool | None = None
     """Loss scaling: None means on for fp16, off otherwise. True with bf16/fp32 is an error."""
     init_scale: Positive = 2.0**16
@@ -119,7 +154,19 @@ class ScalerConfig(_Section):
     growth_interval: Count = 2000
     """Clean steps in a row before the scale grows (>= 1)."""
     min_scale: Positive = 1.0
-    """Below this the scale is unhealthy (used by the monitors)."""
+    """The floor of the loss scale: after every update the scaler clamps its scale to at least
+    this (like DeepSpeed's ``min_loss_scale``), so a long run of skips cannot drive it to 0,
+    after which every step would be skipped for ever. A scale sitting here while steps are
+    skipped is a collapse: the monitor raises a ``scale_alert`` at the floor and, with
+    ``monitor.fail_on_scale_collapse``, stops the run. At least 2**-126 (the smallest normal
+    float32) and at most ``init_scale``."""
+
+    @field_validator("min_scale")
+    @classmethod
+    def _floor(cls, v: float) -> float:
+        if v < DEFAULT_MIN_SCALE:
+            raise ValueError(f"must be >= 2**-126, the smallest normal float32 (got {v!r})")
+        return v
 
     @field_validator("growth_factor")
     @classmethod
@@ -137,6 +184,15 @@ class ScalerConfig(_Section):
 
 
 class MonitorConfig(_Section):
+    """``monitor``: the rolling skip-rate ALERT and the fail-fast guards.
+
+    Example::
+
+        >>> m = MonitorConfig()
+        >>> m.window, m.alert_rate, m.fail_rate, m.fail_after, m.min_steps
+        (1000, 0.05, None, 100, 100)
+    """
+
     window: Count = 1000
     """Steps in the rolling skip-rate window."""
     alert_rate: Rate = 0.05
@@ -144,12 +200,33 @@ class MonitorConfig(_Section):
     fail_rate: Rate | None = None
     """Rolling skip rate that fails the run after ``fail_after`` steps above it (None: never)."""
     fail_after: Count = 100
-    """Consecutive steps above ``fail_rate`` (or below ``scaler.min_scale``) before the run stops with exit code 3."""
+    """Consecutive steps above ``fail_rate`` (or skipped at the scale's floor, see
+    ``fail_on_scale_collapse``) before the run stops with exit code 3. Counted from step 1."""
     fail_on_scale_collapse: bool = False
-    """Also stop (exit 3) when the loss scale stays below ``scaler.min_scale`` for ``fail_after`` steps."""
+    """Also stop (exit 3, cause ``scale_collapse``) when ``fail_after`` consecutive steps are
+    skipped with the loss scale at its floor ``scaler.min_scale``."""
+    min_steps: Count0 = DEFAULT_MIN_STEPS
+    """Steps seen before the skip-rate ALERT is armed (default 100). While the window fills,
+    the rolling skip rate is over the steps seen so far, so the fp16 scaler's normal opening
+    (its search down from ``init_scale`` skips a handful of early steps) would otherwise read
+    as a rate near 100% and raise an ALERT in every fp16 run: k opening skips are k/n of the
+    first n steps, and 100 steps dilute up to 5 of them to the default ``alert_rate`` 0.05.
+    Fail-fast is not delayed by it (``fail_after`` already asks for consecutive steps)."""
 
 
 class LogConfig(_Section):
+    """``log``: where run folders go and what the console shows.
+
+    Example::
+
+        >>> LogConfig().every
+        50
+        >>> validate({"log": {"name": "a/b"}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: log.name: must be a plain folder name (got 'a/b')
+    """
+
     dir: str = "runs"
     """Folder that holds run folders."""
     name: str | None = None
@@ -170,6 +247,14 @@ class LogConfig(_Section):
 
 
 class EvalConfig(_Section):
+    """``eval``: held-out evaluation during training.
+
+    Example::
+
+        >>> EvalConfig().every, EvalConfig().batches
+        (100, 8)
+    """
+
     enabled: bool = True
     """Evaluate the task's held-out metrics (extra CSV columns)."""
     every: Count0 = 100
@@ -179,6 +264,14 @@ class EvalConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    """``checkpoint``: when to save and how many to keep.
+
+    Example::
+
+        >>> CheckpointConfig().every, CheckpointConfig().keep
+        (0, 3)
+    """
+
     enabled: bool = True
     """Write checkpoints to ``<run>/checkpoints/`` (and at the end, on fail-fast and on Ctrl-C)."""
     every: Count0 = 0
@@ -188,7 +281,13 @@ class CheckpointConfig(_Section):
 
 
 class ValidateConfig(_Section):
-    """``ampguard validate``: every rule is declared here, before the run."""
+    """``ampguard validate``: every rule is declared here, before the run.
+
+    Example::
+
+        >>> ValidateConfig().precisions, ValidateConfig().max_flips
+        (['fp16', 'bf16'], 0)
+    """
 
     precisions: list[Literal["fp16", "bf16"]] = ["fp16", "bf16"]
     """AMP precisions to compare with the FP32 reference."""
@@ -220,12 +319,28 @@ class ValidateConfig(_Section):
 
 
 class DistributedConfig(_Section):
+    """``distributed``: the multi-process strategy under torchrun.
+
+    Example::
+
+        >>> DistributedConfig().strategy
+        'ddp'
+    """
+
     strategy: Literal["ddp", "fsdp2"] = "ddp"
     """Under torchrun: DistributedDataParallel, or FSDP2 (``fully_shard``). ``task.batch_size``
     is per rank; every rank reads the same stream and takes its slice of each global batch."""
 
 
 class DiagnoseConfig(_Section):
+    """``diagnose``: automatic diagnosis of non-finite values.
+
+    Example::
+
+        >>> DiagnoseConfig().first_skip, DiagnoseConfig().strict
+        (False, False)
+    """
+
     first_skip: bool = False
     """After the first skipped step, find where its non-finite value was born (``ampguard locate``
     on that step's micro-batches) and write the finding to the event log and the run card."""
@@ -235,6 +350,18 @@ class DiagnoseConfig(_Section):
 
 
 class RollbackConfig(_Section):
+    """``rollback``: returning to the last good checkpoint on a loss spike or a tripped guard.
+
+    Example::
+
+        >>> RollbackConfig().triggers, RollbackConfig().max
+        ([], 3)
+        >>> validate({"rollback": {"triggers": ["skip_guard"]}, "checkpoint": {"every": 5}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: rollback.triggers: skip_guard needs the guard itself (set monitor.fail_rate)
+    """
+
     triggers: list[Literal["skip_guard", "loss_spike"]] = []
     """What triggers a rollback: ``skip_guard`` (the fail-fast skip-rate guard trips) and/or
     ``loss_spike`` (loss above mean + z * std of the last ``window`` applied steps). Empty: off."""
@@ -249,6 +376,18 @@ class RollbackConfig(_Section):
 
 
 class TaskConfig(_Section):
+    """``task``: the workload, a built-in one or your own factory.
+
+    Example::
+
+        >>> TaskConfig().name
+        'charlm'
+        >>> validate({"task": {"n_embd": 10, "n_head": 4}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: task: n_head (4) must divide n_embd (10)
+    """
+
     name: Literal["charlm", "digits", "linear"] = "charlm"
     """Built-in workload: ``charlm`` (a character-level transformer on Python's own sources),
     ``digits`` (an MLP on scikit-learn's handwritten digits) or ``linear`` (the demo's regression)."""
@@ -276,6 +415,19 @@ class TaskConfig(_Section):
 
 
 class Config(_Section):
+    """The whole configuration tree (DESIGN.md section 5), validated once at load.
+
+    Example::
+
+        >>> c = Config()
+        >>> c.precision, c.scaler.min_scale, c.monitor.min_steps
+        ('bf16', 1.0, 100)
+        >>> validate({"scaler": {"init_scale": 0.5}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: scaler.min_scale: the floor (1) must be <= scaler.init_scale (0.5)
+    """
+
     precision: Literal["fp16", "bf16", "fp32"] = "bf16"
     """Compute precision under autocast; fp16 adds a dynamic loss scaler."""
     max_norm: Amount | None = 1.0
@@ -332,6 +484,9 @@ class Config(_Section):
             raise ValueError("rollback.triggers: rolling back needs checkpoints to return to (set checkpoint.every > 0)")
         if "skip_guard" in self.rollback.triggers and self.monitor.fail_rate is None:
             raise ValueError("rollback.triggers: skip_guard needs the guard itself (set monitor.fail_rate)")
+        if self.scaler.min_scale > self.scaler.init_scale:
+            raise ValueError(f"scaler.min_scale: the floor ({self.scaler.min_scale:g}) must be <= "
+                             f"scaler.init_scale ({self.scaler.init_scale:g})")
         return self
 
 
@@ -344,7 +499,7 @@ def _format_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         return f"{loc}: unknown key"
     msg = first["msg"].removeprefix("Value error, ")
-    if msg.startswith(("scaler.enabled:", "rollback.triggers:")):  # cross-field rules name their own key
+    if msg.startswith(("scaler.enabled:", "scaler.min_scale:", "rollback.triggers:")):  # cross-field rules name their own key
         return msg
     if first["type"] not in ("value_error", "assertion_error"):
         msg = f"{msg} (got {first.get('input')!r})"
@@ -352,7 +507,17 @@ def _format_error(err: ValidationError) -> str:
 
 
 def validate(data: dict[str, Any]) -> Config:
-    """Build a :class:`Config` from a plain mapping, or raise :class:`ConfigError` (one line)."""
+    """Build a :class:`Config` from a plain mapping, or raise :class:`ConfigError` (one line).
+
+    Example::
+
+        >>> validate({"steps": 5, "monitor": {"min_steps": 0}}).monitor.min_steps
+        0
+        >>> validate({"monitor": {"bogus": 1}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: monitor.bogus: unknown key
+    """
     try:
         return Config.model_validate(data)
     except ValidationError as err:
@@ -360,7 +525,17 @@ def validate(data: dict[str, Any]) -> Config:
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML, JSON or TOML config file into a mapping (by its extension)."""
+    """Parse a YAML, JSON or TOML config file into a mapping (by its extension).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = Path(d) / "c.toml"
+        ...     _ = path.write_text("steps = 3\\n[scaler]\\nmin_scale = 2.0\\n", encoding="utf-8")
+        ...     read_file(path)
+        {'steps': 3, 'scaler': {'min_scale': 2.0}}
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -388,7 +563,13 @@ def read_file(path: str | Path) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.sub=value`` overrides (values parsed as YAML scalars) to a copy of ``data``."""
+    """Apply ``key.sub=value`` overrides (values parsed as YAML scalars) to a copy of ``data``.
+
+    Example::
+
+        >>> apply_overrides({"steps": 5}, ["monitor.min_steps=0", "scaler.min_scale=0.5", "steps=7"])
+        {'steps': 7, 'monitor': {'min_steps': 0}, 'scaler': {'min_scale': 0.5}}
+    """
     data = json.loads(json.dumps(data))  # a deep copy of plain data
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -411,11 +592,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """The effective config: defaults, then the file (if any), then ``--set`` overrides."""
+    """The effective config: defaults, then the file (if any), then ``--set`` overrides.
+
+    Example::
+
+        >>> load_config(None, ["precision=fp16", "scaler.min_scale=4"]).scaler.min_scale
+        4.0
+    """
     data = read_file(path) if path is not None else {}
     return validate(apply_overrides(data, overrides or []))
 
 
 def dump_config(config: Config) -> str:
-    """The config as YAML, every field shown (what ``--print-config`` prints)."""
+    """The config as YAML, every field shown (what ``--print-config`` prints).
+
+    Example::
+
+        >>> text = dump_config(Config())
+        >>> "min_steps: 100" in text, validate(yaml.safe_load(text)) == Config()
+        (True, True)
+    """
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

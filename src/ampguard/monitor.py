@@ -3,11 +3,23 @@
 Everything here reads records after the step made them (it is a sink); nothing runs inside the
 step. Each piece keeps O(1) work per step and a ``state_dict`` so a resumed run continues its
 windows exactly.
+
+The rolling skip rate is the share of skipped steps among the steps the window holds: while
+the window has not filled yet, that is the steps seen so far (25 skips in the first 25 steps is
+a rate of 1.0, not 25/window). A run failing from its first step is therefore caught after
+``fail_after`` steps, not after the window has filled with evidence. The ALERT waits for
+``min_steps`` steps, so the fp16 scaler's usual opening skips (its search down from
+``init_scale``) do not raise it.
+
+A failure is typed: ``Event.kind == "fail"`` and ``Event.cause`` is one of :data:`FAIL_CAUSES`
+(:data:`FAIL_SKIP_RATE`, :data:`FAIL_SCALE_COLLAPSE`); nothing downstream has to read the
+message to know which guard tripped.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +27,21 @@ from typing import Any
 from .records import StepRecord
 
 HEALTH_VERDICTS: tuple[str, ...] = ("warming", "climbing", "stable", "oscillating", "collapsing")
+
+FAIL_SKIP_RATE = "skip_rate"
+"""``Event.cause`` of a fail-fast on the rolling skip rate (above ``fail_rate`` for ``fail_after`` steps)."""
+FAIL_SCALE_COLLAPSE = "scale_collapse"
+"""``Event.cause`` of a fail-fast on the loss scale (at its floor and skipping for ``fail_after`` steps)."""
+FAIL_CAUSES: tuple[str, ...] = (FAIL_SKIP_RATE, FAIL_SCALE_COLLAPSE)
+"""Every cause a :class:`RunMonitor` failure can carry."""
+
+DEFAULT_MIN_STEPS = 100
+"""Steps a :class:`RunMonitor` sees before its skip-rate ALERT is armed (``monitor.min_steps``).
+
+The fp16 scaler's search down from ``init_scale`` skips a handful of opening steps; over the
+first n steps k such skips read as a rate of k/n. At the default ``alert_rate`` 0.05, 100 steps
+dilute up to 5 of them to 5%, which is not above the threshold (20 would let 2 of them alert).
+"""
 
 
 # Every double is a whole multiple of 2**-1074, so sums kept as integers in those units are
@@ -28,19 +55,35 @@ def _exact(value: float) -> int:
     return num * (_UNITS // den)
 
 
+def _as_float32(value: float) -> float:
+    """``value`` rounded to float32, as the scaler's scale tensor holds it (its floor included).
+
+    A floor such as 0.1 is stored as float32(0.1) > 0.1; comparing the scale read back with the
+    unrounded 0.1 would never find it at the floor.
+    """
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond float32's range: no float32 scale can reach it anyway
+        return value
+
+
 class RollingWindow:
     """The sum of the last ``size`` values pushed, kept exactly in O(1) per push (a ring buffer).
 
-    ``mean`` divides by ``size`` even before the window has filled: steps before the first one
-    count as zeros, so a young run's few early skips do not read as a 100% skip rate.
+    Two averages: ``seen_mean`` divides by the values the window holds (what the monitor
+    judges), ``mean`` by ``size`` whether or not the window has filled (steps before the first
+    count as zeros).
 
     Example::
 
         >>> w = RollingWindow(4)
-        >>> for v in (1, 0, 1, 1, 0):
+        >>> w.push(1)
+        >>> w.seen_mean, w.mean  # one value held: a rate of 1 over what was seen
+        (1.0, 0.25)
+        >>> for v in (0, 1, 1, 0):
         ...     w.push(v)
-        >>> w.total, w.mean
-        (2.0, 0.5)
+        >>> w.total, w.seen_mean, w.mean, w.count  # full: the first 1 has left
+        (2.0, 0.5, 0.5, 5)
     """
 
     def __init__(self, size: int) -> None:
@@ -54,9 +97,40 @@ class RollingWindow:
 
     @property
     def total(self) -> float:
+        """The exact sum of the values the window holds.
+
+        Example::
+
+            >>> w = RollingWindow(2)
+            >>> for v in (0.1, 0.2, 0.3):
+            ...     w.push(v)
+            >>> w.total == math.fsum([0.2, 0.3])
+            True
+        """
         return self._sum / _UNITS
 
+    @property
+    def held(self) -> int:
+        """How many values the window holds: ``min(count, size)``.
+
+        Example::
+
+            >>> w = RollingWindow(3)
+            >>> [w.push(1) or w.held for _ in range(4)]
+            [1, 2, 3, 3]
+        """
+        return min(self.count, self.size)
+
     def push(self, value: float) -> None:
+        """Add ``value``; once full, the oldest value leaves.
+
+        Example::
+
+            >>> w = RollingWindow(2)
+            >>> w.push(1); w.push(1); w.push(0)
+            >>> w.total, w.count
+            (1.0, 3)
+        """
         value = float(value)
         self._sum += _exact(value) - _exact(self._ring[self._pos])
         self._ring[self._pos] = value
@@ -65,19 +139,60 @@ class RollingWindow:
 
     @property
     def mean(self) -> float:
-        """Sum over the window divided by the window's size (steps before the first are zeros)."""
+        """Sum over the window divided by the window's size (steps before the first are zeros).
+
+        Example::
+
+            >>> w = RollingWindow(1000)
+            >>> for _ in range(25):
+            ...     w.push(1)
+            >>> w.mean
+            0.025
+        """
         return self.total / self.size
 
     @property
     def seen_mean(self) -> float:
-        """Sum over the window divided by the values it holds so far (0 when empty)."""
-        held = min(self.count, self.size)
+        """Sum over the window divided by the values it holds so far (0 when empty).
+
+        Example::
+
+            >>> w = RollingWindow(1000)
+            >>> w.seen_mean
+            0.0
+            >>> for _ in range(25):
+            ...     w.push(1)
+            >>> w.seen_mean  # 25 skips in the first 25 steps
+            1.0
+        """
+        held = self.held
         return self.total / held if held else 0.0
 
     def state_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-safe) from which :meth:`load_state_dict` continues identically.
+
+        Example::
+
+            >>> w = RollingWindow(3)
+            >>> w.push(1)
+            >>> w.state_dict()
+            {'size': 3, 'ring': [1.0, 0.0, 0.0], 'pos': 1, 'count': 1}
+        """
         return {"size": self.size, "ring": list(self._ring), "pos": self._pos, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; a window of another size is refused (``ValueError``).
+
+        Example::
+
+            >>> a = RollingWindow(3)
+            >>> a.push(1); a.push(0)
+            >>> b = RollingWindow(3)
+            >>> b.load_state_dict(a.state_dict())
+            >>> b.push(1); a.push(1)
+            >>> (b.total, b.seen_mean, b.count) == (a.total, a.seen_mean, a.count)
+            True
+        """
         if state["size"] != self.size:
             raise ValueError(f"window was saved with size {state['size']}, this one has {self.size}")
         self._ring = [float(v) for v in state["ring"]]
@@ -88,38 +203,129 @@ class RollingWindow:
 
 @dataclass
 class Event:
-    """Something a person should hear about: an alert starting or clearing, a failure."""
+    """Something a person should hear about: an alert starting or clearing, a failure.
+
+    ``kind`` is one of ``skip_rate_alert``, ``skip_rate_clear``, ``scale_alert``,
+    ``scale_clear``, ``fail``. A ``fail`` event carries its ``cause``, one of
+    :data:`FAIL_CAUSES` (which guard tripped); other events have none. :meth:`as_dict` is the
+    line written to ``events.jsonl``.
+
+    Example::
+
+        >>> e = Event(3, "fail", "rolling skip rate above fail_rate 0.5 for 3 consecutive steps",
+        ...           {"skip_rate": 1.0, "window": 1000}, cause=FAIL_SKIP_RATE)
+        >>> e.as_dict()["cause"], e.as_dict()["event"], e.as_dict()["skip_rate"]
+        ('skip_rate', 'fail', 1.0)
+        >>> "cause" in Event(5, "skip_rate_alert", "...").as_dict()
+        False
+        >>> Event(3, "fail", "no cause")
+        Traceback (most recent call last):
+        ...
+        ValueError: a fail event needs a cause (one of skip_rate, scale_collapse), got None
+    """
 
     step: int
     kind: str  # skip_rate_alert | skip_rate_clear | scale_alert | scale_clear | fail
     message: str
     data: dict[str, Any] = field(default_factory=dict)
+    cause: str | None = None  # fail events: one of FAIL_CAUSES
+
+    def __post_init__(self) -> None:
+        if self.kind == "fail" and self.cause not in FAIL_CAUSES:
+            raise ValueError(f"a fail event needs a cause (one of {', '.join(FAIL_CAUSES)}), got {self.cause!r}")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "event": self.kind, "message": self.message, **self.data}
+        """``{"step", "event", "message"[, "cause"], **data}``: one ``events.jsonl`` line.
+
+        Example::
+
+            >>> Event(7, "scale_clear", "loss scale back to 2", {"scale": 2.0}).as_dict()
+            {'step': 7, 'event': 'scale_clear', 'message': 'loss scale back to 2', 'scale': 2.0}
+        """
+        head: dict[str, Any] = {"step": self.step, "event": self.kind, "message": self.message}
+        if self.cause is not None:
+            head["cause"] = self.cause
+        return {**head, **self.data}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Event:
+        """The inverse of :meth:`as_dict`. A fail event saved before causes existed gets its cause
+        from its data (a skip-rate failure carried ``skip_rate``, a scale one ``scale``).
+
+        Example::
+
+            >>> old = {"step": 4, "event": "fail", "message": "loss scale below ...", "scale": 0.5}
+            >>> Event.from_dict(old).cause
+            'scale_collapse'
+            >>> e = Event(2, "fail", "m", {"skip_rate": 1.0, "window": 8}, cause=FAIL_SKIP_RATE)
+            >>> Event.from_dict(e.as_dict()) == e
+            True
+        """
+        data = {k: v for k, v in d.items() if k not in ("step", "event", "message", "cause")}
+        cause = d.get("cause")
+        if cause is None and d["event"] == "fail":
+            cause = FAIL_SKIP_RATE if "skip_rate" in data else FAIL_SCALE_COLLAPSE
+        return cls(d["step"], d["event"], d["message"], data, cause)
 
 
 class ScaleHealth:
     """Classifies the loss-scale history over the last ``window`` steps.
 
+    ``min_scale`` is the scaler's floor (``scaler.min_scale``): the scale is clamped there and
+    can go no lower, so "at the floor" is the end of any fall.
+
     - ``warming``: the only moves are the back-offs of the run's opening streak of skips, the
       usual search down from ``init_scale`` for a scale that fits;
     - ``oscillating``: at least 2 rises and 2 falls in the window (repeated halve/double:
       gradients sometimes out of fp16's range);
-    - ``collapsing``: the scale is below ``min_scale``, or (outside warm-up) it fell by a factor
-      of 8 or more over the window with no rise: heading for underflow;
+    - ``collapsing``: the scale is at (or below) its floor ``min_scale``, or (outside warm-up) it
+      fell by a factor of 8 or more over the window with no rise: heading for the floor;
     - ``climbing``: more rises than falls;
     - ``stable``: otherwise (no moves, or a few that cancel).
+
+    Example::
+
+        >>> h = ScaleHealth(8, min_scale=1.0, init_scale=8.0)
+        >>> verdicts = []
+        >>> for scale, skipped in [(8.0, False), (4.0, True), (2.0, True), (1.0, True), (1.0, True)]:
+        ...     h.push(scale, skipped)
+        ...     verdicts.append(h.verdict)
+        >>> verdicts
+        ['stable', 'stable', 'stable', 'collapsing', 'collapsing']
     """
 
     def __init__(self, window: int, min_scale: float = 1.0, init_scale: float | None = None) -> None:
         self.window = window
         self.min_scale = min_scale
+        self._floor = _as_float32(min_scale)
         self._windows = {name: RollingWindow(window) for name in ("ups", "downs", "log2", "opening_downs", "opening_log2")}
         self.scale: float | None = init_scale  # the scale before the next step
         self._opening = True  # still in the run's opening streak of skips
 
+    @property
+    def at_floor(self) -> bool:
+        """True when the last scale pushed is at (or below) ``min_scale``.
+
+        Example::
+
+            >>> import torch
+            >>> h = ScaleHealth(4, min_scale=0.1, init_scale=1.0)
+            >>> h.push(float(torch.tensor(0.1)), True)  # the float32 floor reads back as 0.10000000149...
+            >>> h.at_floor
+            True
+        """
+        return self.scale is not None and self.scale <= self._floor
+
     def push(self, scale: float, skipped: bool) -> None:
+        """Record the scale after a step's ``update()`` and whether the step was skipped.
+
+        Example::
+
+            >>> h = ScaleHealth(4, init_scale=1024.0)
+            >>> h.push(512.0, True)
+            >>> h.scale, h.verdict
+            (512.0, 'warming')
+        """
         prev = self.scale
         move = math.log2(scale / prev) if prev and prev > 0 and scale > 0 else 0.0
         self._opening = self._opening and skipped
@@ -136,8 +342,17 @@ class ScaleHealth:
 
     @property
     def verdict(self) -> str:
+        """One of :data:`HEALTH_VERDICTS` for the window as it stands.
+
+        Example::
+
+            >>> h = ScaleHealth(4, init_scale=1024.0)
+            >>> h.push(2048.0, False)
+            >>> h.verdict
+            'climbing'
+        """
         w = {name: win.total for name, win in self._windows.items()}
-        if self.scale is not None and self.scale < self.min_scale:
+        if self.at_floor:
             return "collapsing"
         ups, downs = w["ups"], w["downs"] - w["opening_downs"]
         if ups == 0 and downs == 0:
@@ -151,6 +366,17 @@ class ScaleHealth:
         return "stable"
 
     def state_dict(self) -> dict[str, Any]:
+        """Plain data from which :meth:`load_state_dict` continues identically.
+
+        Example::
+
+            >>> a = ScaleHealth(3, init_scale=4.0)
+            >>> a.push(2.0, True)
+            >>> b = ScaleHealth(3, init_scale=4.0)
+            >>> b.load_state_dict(a.state_dict())
+            >>> (b.scale, b.verdict) == (a.scale, a.verdict) == (2.0, "warming")
+            True
+        """
         return {
             "windows": {name: win.state_dict() for name, win in self._windows.items()},
             "scale": self.scale,
@@ -158,6 +384,7 @@ class ScaleHealth:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (see there for an example)."""
         for name, win in self._windows.items():
             win.load_state_dict(state["windows"][name])
         self.scale = state["scale"]
@@ -168,12 +395,37 @@ class RunMonitor:
     """Watches a run's records: counts, rolling skip rate, alerts, fail-fast, clip rate, scale health.
 
     Feed it every record (:meth:`observe`); it returns the :class:`Event` s the record caused.
-    ``failed`` is set once the run must stop (exit code 3).
+    ``failed`` is set once the run must stop (exit code 3); its ``cause`` says which guard.
 
-    Alert episodes: an ``ALERT`` starts when the rolling skip rate rises above ``alert_rate``
-    and clears when it falls back to it or below, one event each, not one per step. Fail-fast:
-    when the rolling rate has been above ``fail_rate`` for ``fail_after`` consecutive steps
-    (and likewise, with ``fail_on_scale_collapse``, the scale below ``min_scale``).
+    The rolling skip rate (:attr:`skip_rate`) is the skipped share of the last ``window``
+    steps, or of all the steps so far while fewer than ``window`` were seen.
+
+    - ALERT episodes: an ``ALERT`` starts when the rate rises above ``alert_rate`` and clears
+      when it falls back to it or below, one event each, not one per step. It is armed only
+      once ``min_steps`` steps were seen, so the fp16 scaler's opening skips (its search down
+      from ``init_scale``, typically a handful of steps) do not raise it.
+    - Fail-fast (cause :data:`FAIL_SKIP_RATE`): the rate has been above ``fail_rate`` for
+      ``fail_after`` consecutive steps, counted from step 1 (``min_steps`` does not apply:
+      ``fail_after`` consecutive steps are the evidence). A run that skips every step with
+      ``fail_after=3`` fails at step 3.
+    - Scale (fp16): ``scale_alert`` while the scale is at (or below) ``min_scale``, the floor
+      the scaler clamps it to; with ``fail_on_scale_collapse``, fail-fast (cause
+      :data:`FAIL_SCALE_COLLAPSE`) after ``fail_after`` consecutive steps at the floor and skipped.
+
+    ``max_skip_rate`` is the highest rate seen from step 1 (young-window rates included: a
+    skipped first step makes it 1.0, ALERT or not).
+
+    Example::
+
+        >>> from ampguard.records import SkipLog
+        >>> m = RunMonitor(window=1000, fail_rate=0.5, fail_after=3, scaler_enabled=False)
+        >>> def skip(step):
+        ...     return SkipLog(step=step, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None,
+        ...                    grad_l2_post_clip=None, scaler_scale=1.0, reason="non_finite_loss")
+        >>> [[e.kind for e in m.observe(skip(s))] for s in (1, 2, 3)]
+        [[], [], ['fail']]
+        >>> m.skip_rate, m.failed.step, m.failed.cause
+        (1.0, 3, 'skip_rate')
     """
 
     def __init__(
@@ -188,7 +440,12 @@ class RunMonitor:
         init_scale: float | None = 2.0**16,
         min_scale: float = 1.0,
         fail_on_scale_collapse: bool = False,
+        min_steps: int = DEFAULT_MIN_STEPS,
     ) -> None:
+        if min_steps < 0:
+            raise ValueError(f"min_steps must be >= 0, got {min_steps}")
+        if fail_after < 1:
+            raise ValueError(f"fail_after must be >= 1, got {fail_after}")
         self.window = window
         self.alert_rate = alert_rate
         self.fail_rate = fail_rate
@@ -197,30 +454,42 @@ class RunMonitor:
         self.scaler_enabled = scaler_enabled
         self.min_scale = min_scale
         self.fail_on_scale_collapse = fail_on_scale_collapse
+        self.min_steps = min_steps
 
         self.skip_window = RollingWindow(window)
         self.clip_window = RollingWindow(window)
         self.health = ScaleHealth(window, min_scale, init_scale if scaler_enabled else None)
-        self.steps = 0
-        self.updates = 0
-        self.clipped = 0
+        for name, value in self._scalar_defaults().items():
+            setattr(self, name, value)
         self.skips: Counter[str] = Counter()
-        self.alerting = False
-        self.scale_alerting = False
-        self.alert_episodes = 0
-        self.max_skip_rate = 0.0
-        self.above_fail = 0
-        self.below_min_scale = 0
-        self.first_loss: float | None = None
         self.last: dict[str, float | None] = {}
-        self.best_loss: float | None = None
         self.failed: Event | None = None
-        self.eval_last: dict[str, float] = {}
-        self.eval_best: dict[str, float] = {}
+
+    @staticmethod
+    def _scalar_defaults() -> dict[str, Any]:
+        return {
+            "steps": 0, "updates": 0, "clipped": 0,
+            "alerting": False, "scale_alerting": False, "alert_episodes": 0, "max_skip_rate": 0.0,
+            "above_fail": 0,  # consecutive steps with the rate above fail_rate
+            "at_floor_skipped": 0,  # consecutive steps skipped with the scale at its floor
+            "first_loss": None, "best_loss": None, "eval_last": {}, "eval_best": {},
+        }
 
     # -------------------------------------------------------------- per record
 
     def observe(self, record: StepRecord) -> list[Event]:
+        """Take one step's record; return the events it caused (alerts, clears, the failure).
+
+        Example::
+
+            >>> from ampguard.records import StepLog
+            >>> m = RunMonitor(window=10, scaler_enabled=False)
+            >>> m.observe(StepLog(step=1, lr=0.1, loss=2.0, grad_l2_pre_clip=3.0, grad_l2_post_clip=1.0,
+            ...                   scaler_scale=1.0))
+            []
+            >>> m.updates, m.clipped, m.best_loss
+            (1, 1, 2.0)
+        """
         v = record.values()
         self.steps = record.step
         self.last = v
@@ -246,47 +515,58 @@ class RunMonitor:
         scale = v["scaler_scale"] if v["scaler_scale"] is not None else 1.0
         if self.scaler_enabled:
             self.health.push(scale, record.skipped)
-        return self._events(record.step, rate, scale)
+        return self._events(record.step, rate, scale, bool(record.skipped))
 
-    def _events(self, step: int, rate: float, scale: float) -> list[Event]:
+    def _events(self, step: int, rate: float, scale: float, skipped: bool) -> list[Event]:
         events: list[Event] = []
+        held = self.skip_window.held
         data = {"skip_rate": rate, "window": self.window}
-        if rate > self.alert_rate and not self.alerting:
+        if rate > self.alert_rate and not self.alerting and self.alert_armed:
             self.alerting = True
             self.alert_episodes += 1
             events.append(Event(step, "skip_rate_alert", (
-                f"rolling skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over the last {self.window} steps"), data))
+                f"rolling skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over the last {held} steps"), data))
         elif rate <= self.alert_rate and self.alerting:
             self.alerting = False
             events.append(Event(step, "skip_rate_clear", (
                 f"rolling skip rate back to {rate:.3f} <= alert_rate {self.alert_rate:g}"), data))
 
-        low = self.scaler_enabled and scale < self.min_scale
-        if low and not self.scale_alerting:
+        at_floor = self.scaler_enabled and self.health.at_floor
+        if at_floor and not self.scale_alerting:
             events.append(Event(step, "scale_alert", (
-                f"loss scale {scale:g} fell below scaler.min_scale {self.min_scale:g}: fp16 cannot hold these gradients"),
-                {"scale": scale}))
-        elif not low and self.scale_alerting:
+                f"loss scale {scale:g} is at its floor scaler.min_scale {self.min_scale:g}: "
+                "fp16 cannot hold these gradients"), {"scale": scale}))
+        elif not at_floor and self.scale_alerting:
             events.append(Event(step, "scale_clear", f"loss scale back to {scale:g}", {"scale": scale}))
-        self.scale_alerting = low
+        self.scale_alerting = at_floor
 
         self.above_fail = self.above_fail + 1 if self.fail_rate is not None and rate > self.fail_rate else 0
-        self.below_min_scale = self.below_min_scale + 1 if low else 0
+        self.at_floor_skipped = self.at_floor_skipped + 1 if at_floor and skipped else 0
         if self.failed is None:
             if self.above_fail >= self.fail_after:
                 self.failed = Event(step, "fail", (
                     f"rolling skip rate above fail_rate {self.fail_rate:g} for {self.fail_after} consecutive steps "
-                    f"(now {rate:.3f} over the last {self.window})"), data)
-            elif self.fail_on_scale_collapse and self.below_min_scale >= self.fail_after:
+                    f"(now {rate:.3f} over the last {held} steps)"), data, cause=FAIL_SKIP_RATE)
+            elif self.fail_on_scale_collapse and self.at_floor_skipped >= self.fail_after:
                 self.failed = Event(step, "fail", (
-                    f"loss scale below scaler.min_scale {self.min_scale:g} for {self.fail_after} consecutive steps"),
-                    {"scale": scale})
+                    f"loss scale at its floor scaler.min_scale {self.min_scale:g} with every step skipped "
+                    f"for {self.fail_after} consecutive steps"),
+                    {"scale": scale, "min_scale": self.min_scale}, cause=FAIL_SCALE_COLLAPSE)
             if self.failed is not None:
                 events.append(self.failed)
         return events
 
     def observe_eval(self, metrics: dict[str, float]) -> None:
-        """Keep the latest and the best held-out metrics (higher is better for accuracies)."""
+        """Keep the latest and the best held-out metrics (higher is better for accuracies).
+
+        Example::
+
+            >>> m = RunMonitor()
+            >>> m.observe_eval({"val_loss": 2.0, "val_accuracy": 0.5})
+            >>> m.observe_eval({"val_loss": 3.0, "val_accuracy": 0.7})
+            >>> m.eval_best
+            {'val_loss': 2.0, 'val_accuracy': 0.7}
+        """
         self.eval_last = dict(metrics)
         for name, value in metrics.items():
             if not math.isfinite(value):
@@ -297,40 +577,109 @@ class RunMonitor:
                 self.eval_best[name] = value
 
     def restart_windows(self) -> None:
-        """Forget the rolling windows (after a rollback): the run starts its judging afresh."""
+        """Forget the rolling skip window (after a rollback): the run starts its judging afresh
+        (the ALERT waits ``min_steps`` again; the fail-fast counters restart at 0).
+
+        Example::
+
+            >>> from ampguard.records import SkipLog
+            >>> m = RunMonitor(window=4, fail_rate=0.5, fail_after=1, scaler_enabled=False)
+            >>> _ = m.observe(SkipLog(step=1, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None,
+            ...                       grad_l2_post_clip=None, scaler_scale=1.0, reason="non_finite_loss"))
+            >>> m.failed.cause
+            'skip_rate'
+            >>> m.restart_windows()
+            >>> m.failed is None, m.skip_rate
+            (True, 0.0)
+        """
         self.skip_window = RollingWindow(self.window)
         self.above_fail = 0
-        self.below_min_scale = 0
+        self.at_floor_skipped = 0
         self.failed = None
 
     # -------------------------------------------------------------- views
 
     @property
+    def alert_armed(self) -> bool:
+        """True once the skip window has seen ``min_steps`` steps: the ALERT may fire.
+
+        Example::
+
+            >>> RunMonitor(min_steps=0).alert_armed, RunMonitor(min_steps=1).alert_armed
+            (True, False)
+        """
+        return self.skip_window.count >= self.min_steps
+
+    @property
     def skip_rate(self) -> float:
-        """Skips in the last ``window`` steps divided by ``window``."""
-        return self.skip_window.mean
+        """Skips in the last ``window`` steps over the steps the window holds (all steps so far
+        while fewer than ``window``); 0.0 before the first step.
+
+        Example::
+
+            >>> from ampguard.records import SkipLog
+            >>> m = RunMonitor(window=1000, scaler_enabled=False)
+            >>> for s in range(1, 26):
+            ...     _ = m.observe(SkipLog(step=s, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"),
+            ...                           grad_l2_post_clip=None, scaler_scale=1.0, reason="non_finite_grad"))
+            >>> m.skip_rate  # 25 skips in 25 steps, not 25/1000
+            1.0
+        """
+        return self.skip_window.seen_mean
 
     @property
     def clip_rate(self) -> float:
-        """Share of the steps so far whose pre-clip norm exceeded ``max_norm`` ("we clip every step" is a finding)."""
+        """Share of the steps so far whose pre-clip norm exceeded ``max_norm`` ("we clip every step" is a finding).
+
+        Example::
+
+            >>> RunMonitor().clip_rate  # no steps yet
+            0.0
+        """
         return self.clipped / self.steps if self.steps else 0.0
 
     @property
     def scale_verdict(self) -> str:
+        """The :class:`ScaleHealth` verdict, or ``none (no loss scaler)``.
+
+        Example::
+
+            >>> RunMonitor(scaler_enabled=False).scale_verdict, RunMonitor().scale_verdict
+            ('none (no loss scaler)', 'stable')
+        """
         return self.health.verdict if self.scaler_enabled else "none (no loss scaler)"
 
     def skips_text(self) -> str:
+        """``reason=count`` pairs, sorted, or ``none``.
+
+        Example::
+
+            >>> RunMonitor().skips_text()
+            'none'
+        """
         return ", ".join(f"{reason}={n}" for reason, n in sorted(self.skips.items())) or "none"
 
     def stats_line(self) -> str:
-        """The log-interval line: ``STATS <step> skip_rate=... clip_rate=... scale=<verdict> skips=...``."""
+        """The log-interval line: ``STATS <step> skip_rate=... clip_rate=... scale=<verdict> skips=...``.
+
+        Example::
+
+            >>> RunMonitor(scaler_enabled=False).stats_line()
+            'STATS 0 skip_rate=0.000 clip_rate=0.000 scale=none (no loss scaler) skips=none'
+        """
         return (
             f"STATS {self.steps} skip_rate={self.skip_rate:.3f} clip_rate={self.clip_window.seen_mean:.3f} "
             f"scale={self.scale_verdict} skips={self.skips_text()}"
         )
 
     def summary(self) -> str:
-        """``steps=20 updates=19 skips=1 (non_finite_grad=1) final_scale=512 final_loss=0.01``"""
+        """``steps=20 updates=19 skips=1 (non_finite_grad=1) final_scale=512 final_loss=0.01``
+
+        Example::
+
+            >>> RunMonitor().summary()
+            'steps=0 updates=0 skips=0 (none)'
+        """
         text = f"steps={self.steps} updates={self.updates} skips={sum(self.skips.values())} ({self.skips_text()})"
         for key, label in (("scaler_scale", "final_scale"), ("loss", "final_loss")):
             if self.last.get(key) is not None:
@@ -341,10 +690,19 @@ class RunMonitor:
 
     _SCALARS = (
         "steps", "updates", "clipped", "alerting", "scale_alerting", "alert_episodes", "max_skip_rate",
-        "above_fail", "below_min_scale", "first_loss", "best_loss", "eval_last", "eval_best",
+        "above_fail", "at_floor_skipped", "first_loss", "best_loss", "eval_last", "eval_best",
     )
+    _RENAMED = {"at_floor_skipped": "below_min_scale"}  # new name -> its name in older states
 
     def state_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-safe) from which :meth:`load_state_dict` continues identically.
+
+        Example::
+
+            >>> state = RunMonitor(window=8).state_dict()
+            >>> state["steps"], state["skip_window"]["size"], state["failed"]
+            (0, 8, None)
+        """
         return {
             **{name: getattr(self, name) for name in self._SCALARS},
             "failed": None if self.failed is None else self.failed.as_dict(),
@@ -356,17 +714,31 @@ class RunMonitor:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`. A key missing from an older state takes its default
+        (a fresh monitor's value); a window of another size is refused (``ValueError``).
+
+        Example::
+
+            >>> old = RunMonitor(window=8).state_dict()
+            >>> del old["at_floor_skipped"]  # saved before this counter existed
+            >>> m = RunMonitor(window=8)
+            >>> m.load_state_dict(old)
+            >>> m.at_floor_skipped
+            0
+        """
+        for name, win in (("skip_window", self.skip_window), ("clip_window", self.clip_window)):
+            if name in state:  # first: a size mismatch leaves this monitor untouched
+                win.load_state_dict(state[name])
+        defaults = self._scalar_defaults()
         for name in self._SCALARS:
-            setattr(self, name, state[name])
+            old_name = self._RENAMED.get(name, name)
+            setattr(self, name, state.get(name, state.get(old_name, defaults[name])))
         failed = state.get("failed")
-        self.failed = None if failed is None else Event(
-            failed["step"], failed["event"], failed["message"],
-            {k: v for k, v in failed.items() if k not in ("step", "event", "message")})
-        self.skips = Counter(state["skips"])
-        self.last = dict(state["last"])
-        self.skip_window.load_state_dict(state["skip_window"])
-        self.clip_window.load_state_dict(state["clip_window"])
-        self.health.load_state_dict(state["health"])
+        self.failed = None if failed is None else Event.from_dict(failed)
+        self.skips = Counter(state.get("skips", {}))
+        self.last = dict(state.get("last", {}))
+        if "health" in state:
+            self.health.load_state_dict(state["health"])
 
 
 class LossSpikeDetector:
@@ -375,6 +747,14 @@ class LossSpikeDetector:
     O(1) per step (rolling sums of x and x^2). Judges nothing until the window is full, and a
     spike does not enter the window (so one spike does not hide the next). Non-finite losses are
     the skip machinery's business, not this detector's.
+
+    Example::
+
+        >>> d = LossSpikeDetector(window=4, z=3.0)
+        >>> [d.check(v) for v in (1.0, 1.1, 0.9, 1.0)]  # filling the window: nothing judged
+        [False, False, False, False]
+        >>> d.check(1.05), d.check(50.0), d.check(float("nan"))
+        (False, True, False)
     """
 
     def __init__(self, window: int, z: float) -> None:
@@ -383,7 +763,7 @@ class LossSpikeDetector:
         self._sq = RollingWindow(window)
 
     def check(self, loss: float | None) -> bool:
-        """True if ``loss`` is a spike; otherwise it joins the window."""
+        """True if ``loss`` is a spike; otherwise it joins the window (see the class example)."""
         if loss is None or not math.isfinite(loss):
             return False
         w = self._sum
@@ -397,12 +777,42 @@ class LossSpikeDetector:
         return False
 
     def reset(self) -> None:
+        """Forget the window (after a rollback).
+
+        Example::
+
+            >>> d = LossSpikeDetector(window=2, z=1.0)
+            >>> d.check(1.0), d.check(1.0)
+            (False, False)
+            >>> d.reset()
+            >>> d.check(100.0)  # the window is empty again: nothing to judge against
+            False
+        """
         self._sum = RollingWindow(self._sum.size)
         self._sq = RollingWindow(self._sq.size)
 
     def state_dict(self) -> dict[str, Any]:
+        """Plain data for :meth:`load_state_dict`.
+
+        Example::
+
+            >>> sorted(LossSpikeDetector(window=2, z=1.0).state_dict())
+            ['sq', 'sum']
+        """
         return {"sum": self._sum.state_dict(), "sq": self._sq.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`.
+
+        Example::
+
+            >>> a = LossSpikeDetector(window=2, z=1.0)
+            >>> a.check(1.0), a.check(1.0)
+            (False, False)
+            >>> b = LossSpikeDetector(window=2, z=1.0)
+            >>> b.load_state_dict(a.state_dict())
+            >>> b.check(5.0)
+            True
+        """
         self._sum.load_state_dict(state["sum"])
         self._sq.load_state_dict(state["sq"])

@@ -20,20 +20,44 @@ from pathlib import Path
 
 import pytest
 
-from helpers import reference_episodes, reference_fail_step, reference_rates
+from helpers import ag, reference_fail_step
 
 import ampguard.report
 from ampguard.cli import main
+from ampguard.config import MonitorConfig
 from ampguard.errors import InputError
 from ampguard.faults import parse_fault
-from ampguard.monitor import HEALTH_VERDICTS, RollingWindow, RunMonitor, ScaleHealth
+from ampguard.monitor import (
+    DEFAULT_MIN_STEPS, FAIL_CAUSES, FAIL_SCALE_COLLAPSE, FAIL_SKIP_RATE, HEALTH_VERDICTS, Event, RollingWindow,
+    RunMonitor, ScaleHealth,
+)
 from ampguard.records import SkipLog, StepLog
 from ampguard.sinks import JsonlSink, TensorBoardSink
 
 # ---------------------------------------------------------------------------- helpers
 
 
+def seen_rates(skipped: list[bool], window: int) -> list[float]:
+    """Rolling skip rate after each step, by brute force: skips among the steps the window holds
+    (the last ``window`` steps, or all the steps so far while fewer)."""
+    out = []
+    for i in range(len(skipped)):
+        held = skipped[max(0, i + 1 - window): i + 1]
+        out.append(sum(held) / len(held))
+    return out
 
+
+def seen_episodes(rates: list[float], threshold: float, min_steps: int) -> list[tuple[int, str]]:
+    """(step, ALERT|CLEAR) each time the rate crosses ``threshold``; an ALERT only from step ``min_steps``."""
+    out, alerting = [], False
+    for step, rate in enumerate(rates, start=1):
+        if rate > threshold and not alerting and step >= min_steps:
+            out.append((step, "ALERT"))
+            alerting = True
+        elif rate <= threshold and alerting:
+            out.append((step, "CLEAR"))
+            alerting = False
+    return out
 
 
 def step_record(step: int, *, loss: float = 1.0, pre: float = 0.5, post: float | None = None,
@@ -257,13 +281,33 @@ def test_health_a_rise_in_the_window_prevents_collapsing_by_factor():
     assert verdicts[-1] == "stable"  # ups 1, downs 4, factor 16 net 8 but a rise: not the 'no rise' rule
 
 
-def test_health_below_min_scale_is_collapsing_whatever_the_moves():
-    h = ScaleHealth(4, min_scale=1.0, init_scale=2.0)
-    verdicts = feed(h, [(1.0, True), (0.5, True)] + [(0.5, False)] * 6)
-    assert verdicts[0] == "warming"  # 1.0 is not below 1.0
-    assert verdicts[1:] == ["collapsing"] * 7  # opening or not, moves or none: scale < min_scale
-    h.push(1.0, False)
-    assert h.verdict == "climbing"
+def test_health_at_the_floor_is_collapsing_whatever_the_moves():
+    h = ScaleHealth(4, min_scale=1.0, init_scale=4.0)
+    verdicts = feed(h, [(2.0, True), (1.0, True)] + [(1.0, True)] * 3 + [(1.0, False)] * 6)
+    assert verdicts[0] == "warming"  # 2.0 is above the floor
+    # At the floor (the scaler clamps there: 1.0 is as low as it goes): opening or not, moves or none.
+    assert verdicts[1:] == ["collapsing"] * 10
+    assert h.at_floor
+    h.push(2.0, False)  # growth off the floor
+    assert not h.at_floor and h.verdict == "climbing"
+
+
+def test_health_below_the_floor_is_collapsing_too():
+    # A scaler with a lower floor than the monitor's (e.g. a hand-built one): below counts as at.
+    h = ScaleHealth(4, min_scale=1.0, init_scale=1024.0)
+    assert feed(h, [(1024.0, False), (0.5, False)]) == ["stable", "collapsing"]
+
+
+def test_health_floor_is_compared_as_the_float32_the_scaler_holds():
+    torch = pytest.importorskip("torch")
+    floor = 0.1  # not a float32: the scaler stores float32(0.1) > 0.1
+    held = float(torch.tensor(floor, dtype=torch.float32))
+    assert held > floor
+    h = ScaleHealth(4, min_scale=floor, init_scale=1.0)
+    h.push(held, True)
+    assert h.at_floor and h.verdict == "collapsing"
+    h.push(float(torch.tensor(0.2)), False)
+    assert not h.at_floor
 
 
 def test_health_state_dict_round_trip_continues_identically():
@@ -315,11 +359,11 @@ def test_monitor_counts_skips_by_reason_losses_and_clip_rate():
     assert m.skips_text() == "non_finite_grad=2, non_finite_loss=1"
     assert (m.first_loss, m.best_loss) == (3.0, 2.0)
     assert m.clipped == 2 and m.clip_rate == 2 / 6
-    assert m.skip_rate == 3 / 10
+    assert m.skip_rate == 3 / 6  # 3 skips among the 6 steps the (not yet full) window holds
     assert m.scale_verdict.startswith("none")
     assert m.summary().startswith("steps=6 updates=3 skips=3 (non_finite_grad=2, non_finite_loss=1)")
     line = m.stats_line()
-    assert re.fullmatch(r"STATS 6 skip_rate=0\.300 clip_rate=0\.333 scale=none \(no loss scaler\) "
+    assert re.fullmatch(r"STATS 6 skip_rate=0\.500 clip_rate=0\.333 scale=none \(no loss scaler\) "
                         r"skips=non_finite_grad=2, non_finite_loss=1", line), line
 
 
@@ -330,37 +374,45 @@ def test_monitor_clipping_off_never_counts_clips():
     assert m.clipped == 0 and m.clip_rate == 0.0
 
 
-def test_monitor_alerts_once_per_episode():
+@pytest.mark.parametrize("min_steps,first_alert", [(0, 3), (10, 10)])
+def test_monitor_alerts_once_per_episode(min_steps, first_alert):
     skipped = [False] * 40
     for s in (3, 5, 6, 7, 25, 26, 28):
         skipped[s - 1] = True
     window, alert = 8, 0.2
-    expected = reference_episodes(reference_rates(skipped, window), alert)
+    rates = seen_rates(skipped, window)
+    expected = seen_episodes(rates, alert, min_steps)
     assert [k for _, k in expected] == ["ALERT", "CLEAR", "ALERT", "CLEAR"]  # the pattern has two episodes
-    m = RunMonitor(window=window, alert_rate=alert, scaler_enabled=False)
+    # Armed from step 0: step 3 is 1 skip in 3 steps (0.333). Armed at 10: the rate was above
+    # since step 3, the ALERT comes when it is armed, at step 10 (4 skips in the last 8).
+    assert expected[0] == (first_alert, "ALERT")
+    m = RunMonitor(window=window, alert_rate=alert, scaler_enabled=False, min_steps=min_steps)
     got = []
     for r in records_for(skipped):
         for e in m.observe(r):
             got.append((e.step, {"skip_rate_alert": "ALERT", "skip_rate_clear": "CLEAR"}[e.kind]))
     assert got == expected
     assert m.alert_episodes == 2
-    assert m.max_skip_rate == max(reference_rates(skipped, window))
+    assert m.max_skip_rate == max(rates) == 4 / 7  # steps 3, 5, 6, 7 skipped: 4 of the first 7 steps
 
 
 def test_monitor_rate_at_exactly_the_threshold_is_not_an_alert():
-    m = RunMonitor(window=4, alert_rate=0.25, scaler_enabled=False)
-    events = m.observe(skip_record(1))  # 1/4 == 0.25: not above
-    assert events == [] and not m.alerting
-    events = m.observe(skip_record(2))  # 2/4 > 0.25
+    m = RunMonitor(window=4, alert_rate=0.25, scaler_enabled=False, min_steps=0)
+    for i in (1, 2, 3):
+        assert m.observe(step_record(i)) == []
+    events = m.observe(skip_record(4))  # 1/4 == 0.25: not above
+    assert events == [] and not m.alerting and m.skip_rate == 0.25
+    events = m.observe(skip_record(5))  # 2/4 > 0.25
     assert [e.kind for e in events] == ["skip_rate_alert"]
     assert events[0].data == {"skip_rate": 0.5, "window": 4}
+    assert events[0].cause is None and "cause" not in events[0].as_dict()
 
 
 @pytest.mark.parametrize("fail_rate,fail_after", [(0.1, 10), (0.3, 4), (0.0, 1), (0.45, 3)])
 def test_monitor_fails_at_exactly_the_predicted_step(fail_rate, fail_after):
     fault = parse_fault("inf_grad@rate:0.5", seed=0)
     skipped = [fault.hits(s) for s in range(1, 201)]
-    rates = reference_rates(skipped, 20)
+    rates = seen_rates(skipped, 20)
     expected = reference_fail_step(rates, fail_rate, fail_after)
     assert expected is not None
     m = RunMonitor(window=20, fail_rate=fail_rate, fail_after=fail_after, scaler_enabled=False)
@@ -371,6 +423,7 @@ def test_monitor_fails_at_exactly_the_predicted_step(fail_rate, fail_after):
             assert r.step < expected
     assert [e.step for e in fails] == [expected]  # once, at that step
     assert m.failed is fails[0] and m.failed.step == expected
+    assert m.failed.cause == FAIL_SKIP_RATE and m.failed.as_dict()["cause"] == "skip_rate"
 
 
 def test_monitor_without_fail_rate_never_fails():
@@ -381,41 +434,218 @@ def test_monitor_without_fail_rate_never_fails():
 
 
 def test_monitor_fail_counter_resets_when_the_rate_drops():
-    # window 4, fail_rate 0.25 -> needs 2 of the last 4 skipped; fail_after 3
-    skipped = [True, True, True, False, False, False, True, True, False, True, False]
-    rates = reference_rates(skipped, 4)
-    expected = reference_fail_step(rates, 0.25, 3)
-    m = RunMonitor(window=4, fail_rate=0.25, fail_after=3, scaler_enabled=False)
-    steps = [e.step for r in records_for(skipped) for e in m.observe(r) if e.kind == "fail"]
-    assert steps == ([expected] if expected else [])
-    assert expected == 4  # rates 0.25, 0.5, 0.75, 0.75: above from step 2, third step above is 4
+    # window 4, fail_rate 0.5 (above: 3 of the last 4, or all of 1, or 2 of 3 while filling); fail_after 3
+    skipped = [True, False, False, False, False, True, True, False, True, True, True, False]
+    rates = seen_rates(skipped, 4)
+    assert rates[:3] == [1.0, 0.5, 1 / 3]  # step 1 is above (1 of 1); step 2 resets the counter
+    expected = reference_fail_step(rates, 0.5, 3)
+    assert expected == 11  # rates 0.75 at steps 9, 10, 11
+    m = RunMonitor(window=4, fail_rate=0.5, fail_after=3, scaler_enabled=False)
+    counters = []
+    steps = []
+    for r in records_for(skipped):
+        steps += [e.step for e in m.observe(r) if e.kind == "fail"]
+        counters.append(m.above_fail)
+    assert steps == [expected]
+    assert counters == [1, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4]
+
+
+def feed_scales(m: RunMonitor, plan: list[tuple[float, bool]]) -> list[tuple[int, str]]:
+    """Feed (scale after update, skipped) per step; return (step, event kind) for every event."""
+    events = []
+    for i, (scale, skip) in enumerate(plan, start=1):
+        rec = skip_record(i, scale=scale) if skip else step_record(i, scale=scale)
+        events += [(e.step, e.kind) for e in m.observe(rec)]
+    return events
 
 
 def test_monitor_scale_alert_once_and_fail_on_scale_collapse():
     m = RunMonitor(window=100, scaler_enabled=True, init_scale=4.0, min_scale=1.0,
                    fail_on_scale_collapse=True, fail_after=3)
-    scales = [2.0, 1.0, 0.5, 0.5, 0.5, 0.5]
-    events = []
-    for i, s in enumerate(scales, start=1):
-        rec = skip_record(i, scale=s) if i <= 3 else step_record(i, scale=s)
-        events += [(e.step, e.kind) for e in m.observe(rec)]
-    # below 1.0 from step 3; the third consecutive step below is step 5
-    assert events == [(3, "scale_alert"), (5, "fail")]
+    # The scaler's floor is 1.0: it halves 4 -> 2 -> 1 and stays at 1 however many skips follow.
+    # Step 3 is applied at the floor (the counter restarts); steps 4, 5, 6 are skipped at it.
+    plan = [(2.0, True), (1.0, True), (1.0, False), (1.0, True), (1.0, True), (1.0, True), (1.0, True)]
+    events = feed_scales(m, plan)
+    assert events == [(2, "scale_alert"), (6, "fail")]  # one alert while it stays at the floor
+    assert m.failed.cause == FAIL_SCALE_COLLAPSE
+    assert m.failed.data == {"scale": 1.0, "min_scale": 1.0}
+    assert m.failed.as_dict()["cause"] == "scale_collapse"
     assert m.scale_verdict == "collapsing"
+
+
+def test_monitor_applied_steps_at_the_floor_never_fail():
+    # At the floor but training (steps applied): the scale alert is up, the run goes on.
+    m = RunMonitor(window=10, scaler_enabled=True, init_scale=2.0, min_scale=1.0,
+                   fail_on_scale_collapse=True, fail_after=2)
+    plan = [(1.0, True)] + [(1.0, False), (1.0, True)] * 20  # never two skips in a row at the floor
+    assert feed_scales(m, plan) == [(1, "scale_alert")]
+    assert m.failed is None and m.at_floor_skipped == 1
+
+
+def test_monitor_scale_collapse_without_fail_on_scale_collapse_only_alerts():
+    m = RunMonitor(window=10, scaler_enabled=True, init_scale=2.0, min_scale=1.0, fail_after=2)
+    assert feed_scales(m, [(1.0, True)] * 30) == [(1, "scale_alert")]
+    assert m.failed is None
 
 
 def test_monitor_scale_clear_when_the_scale_recovers():
     m = RunMonitor(window=100, scaler_enabled=True, init_scale=2.0, min_scale=1.0)
-    kinds = []
-    for i, (s, skip) in enumerate([(1.0, True), (0.5, True), (1.0, False), (0.5, True), (1.0, False)], start=1):
-        rec = skip_record(i, scale=s) if skip else step_record(i, scale=s)
-        kinds += [(e.step, e.kind) for e in m.observe(rec)]
-    assert kinds == [(2, "scale_alert"), (3, "scale_clear"), (4, "scale_alert"), (5, "scale_clear")]
+    plan = [(1.0, True), (1.0, True), (2.0, False), (1.0, True), (0.5, True), (2.0, False)]
+    # at the floor (<=: it cannot go lower) at steps 1, 2 and 4; below it (a lower scaler floor) at 5
+    assert feed_scales(m, plan) == [(1, "scale_alert"), (3, "scale_clear"), (4, "scale_alert"), (6, "scale_clear")]
     assert m.failed is None  # fail_on_scale_collapse is off
 
 
-MIXED = "SSccccccccSScccccccSccccSSSSccccccccccSSSSScc"  # S: skipped step, c: clean step
-MIXED_ARGS = dict(window=6, alert_rate=0.2, fail_rate=0.4, fail_after=4, max_norm=1.0, init_scale=2.0**16)
+def test_monitor_scale_guards_are_off_without_a_scaler():
+    m = RunMonitor(window=10, scaler_enabled=False, min_scale=1.0, fail_on_scale_collapse=True, fail_after=1,
+                   min_steps=100)
+    assert feed_scales(m, [(1.0, True)] * 5) == []  # bf16/fp32 report scale 1.0: not a floor
+    assert m.failed is None
+
+
+def test_monitor_skip_rate_fail_wins_when_both_guards_trip_at_once():
+    m = RunMonitor(window=10, scaler_enabled=True, init_scale=1.0, min_scale=1.0, fail_rate=0.5, fail_after=2,
+                   fail_on_scale_collapse=True, min_steps=100)
+    assert feed_scales(m, [(1.0, True)] * 3) == [(1, "scale_alert"), (2, "fail")]
+    assert m.failed.cause == FAIL_SKIP_RATE  # one failure, typed; the first guard checked
+
+
+# ---------------------------------------------------------------------------- RunMonitor: the young window
+
+
+def every_step_skips(n: int) -> list:
+    return [skip_record(i, "non_finite_loss") for i in range(1, n + 1)]
+
+
+def test_monitor_first_step():
+    m = RunMonitor(window=1000, scaler_enabled=False)
+    assert (m.skip_rate, m.steps) == (0.0, 0)  # before any step
+    m.observe(step_record(1))
+    assert m.skip_rate == 0.0
+    m = RunMonitor(window=1000, scaler_enabled=False, fail_rate=0.5, fail_after=1)
+    events = m.observe(skip_record(1))
+    assert m.skip_rate == 1.0  # 1 skip in the 1 step seen, not 1/1000
+    assert [(e.step, e.kind, e.cause) for e in events] == [(1, "fail", FAIL_SKIP_RATE)]
+
+
+def test_monitor_window_not_full_25_skips_in_25_steps_is_rate_one():
+    m = RunMonitor(window=1000, scaler_enabled=False)
+    for r in every_step_skips(25):
+        m.observe(r)
+        assert m.skip_rate == 1.0
+    assert m.skip_window.held == 25
+    assert " skip_rate=1.000 " in m.stats_line()
+
+
+def test_monitor_window_filling_then_full_matches_brute_force():
+    fault = parse_fault("nan_loss@rate:0.3", seed=4)
+    skipped = [fault.hits(s) for s in range(1, 61)]
+    m = RunMonitor(window=16, scaler_enabled=False)
+    got = []
+    for r in records_for(skipped):
+        m.observe(r)
+        got.append(m.skip_rate)
+    assert got == seen_rates(skipped, 16)
+
+
+@pytest.mark.parametrize("fail_after", [1, 3, 100])
+def test_monitor_fail_fast_trips_at_exactly_fail_after_when_every_step_skips(fail_after):
+    # The window (1000) is nowhere near full: the guard must not wait for it.
+    m = RunMonitor(window=1000, fail_rate=0.5, fail_after=fail_after, scaler_enabled=False, min_steps=10_000)
+    for r in every_step_skips(fail_after + 5):
+        events = m.observe(r)
+        if r.step < fail_after:
+            assert m.failed is None and events == [], r.step
+        elif r.step == fail_after:
+            assert [e.kind for e in events] == ["fail"]
+    assert m.failed.step == fail_after and m.failed.cause == FAIL_SKIP_RATE
+    assert m.failed.data == {"skip_rate": 1.0, "window": 1000}
+
+
+def test_monitor_fail_fast_is_not_delayed_by_min_steps():
+    m = RunMonitor(window=1000, fail_rate=0.5, fail_after=3, scaler_enabled=False, min_steps=500)
+    kinds = [(r.step, e.kind) for r in every_step_skips(3) for e in m.observe(r)]
+    assert kinds == [(3, "fail")]  # no ALERT: not armed; the fail: not gated
+    assert not m.alert_armed
+
+
+@pytest.mark.parametrize("min_steps", [0, 1, 20, 100])
+def test_monitor_alert_not_armed_before_min_steps(min_steps):
+    m = RunMonitor(window=1000, alert_rate=0.05, scaler_enabled=False, min_steps=min_steps)
+    alerts = []
+    for r in every_step_skips(min_steps + 3):
+        alerts += [r.step for e in m.observe(r) if e.kind == "skip_rate_alert"]
+        assert m.alert_armed == (r.step >= min_steps)
+    assert alerts == [max(1, min_steps)]  # the rate was 1.0 all along: it alerts as soon as armed
+    assert m.max_skip_rate == 1.0
+
+
+def test_monitor_default_min_steps_is_the_configs():
+    m = RunMonitor(window=1000, scaler_enabled=False)
+    assert m.min_steps == DEFAULT_MIN_STEPS == MonitorConfig().min_steps
+    alerts = [r.step for r in every_step_skips(DEFAULT_MIN_STEPS) for e in m.observe(r)
+              if e.kind == "skip_rate_alert"]
+    assert alerts == [DEFAULT_MIN_STEPS]
+
+
+@pytest.mark.parametrize("opening", [1, 3, 5])
+def test_monitor_default_settings_do_not_alert_on_the_fp16_opening(opening):
+    # fp16 from 2**16: the scaler's search skips the first few steps, halving each time, then trains.
+    m = RunMonitor()  # window 1000, alert_rate 0.05, min_steps = DEFAULT_MIN_STEPS
+    scale, events = 2.0**16, []
+    for i in range(1, 301):
+        if i <= opening:
+            scale /= 2
+            rec = skip_record(i, scale=scale)
+        else:
+            rec = step_record(i, scale=scale)
+        events += [(e.step, e.kind) for e in m.observe(rec)]
+    assert events == []
+    assert m.scale_verdict == "warming"  # the opening is still in the window
+    assert m.max_skip_rate == 1.0  # the rate shown at step 1 (1 skip in 1 step); no ALERT all the same
+
+
+def test_monitor_min_steps_rejects_negative():
+    with pytest.raises(ValueError, match="min_steps"):
+        RunMonitor(min_steps=-1)
+
+
+def test_monitor_restart_windows_rearms_min_steps_and_fail_counters():
+    m = RunMonitor(window=100, alert_rate=0.1, fail_rate=0.5, fail_after=4, scaler_enabled=False, min_steps=3)
+    for r in every_step_skips(3):
+        m.observe(r)
+    assert m.alerting and m.above_fail == 3 and m.failed is None
+    m.restart_windows()
+    assert (m.skip_rate, m.above_fail, m.alert_armed) == (0.0, 0, False)
+    kinds = [(r.step, e.kind) for r in every_step_skips(8)[3:] for e in m.observe(r)]
+    assert kinds == [(7, "fail")]  # 4 more consecutive steps above, counted afresh
+
+
+# ---------------------------------------------------------------------------- Event
+
+
+def test_fail_event_must_carry_a_known_cause():
+    for cause in FAIL_CAUSES:
+        assert Event(1, "fail", "m", cause=cause).as_dict()["cause"] == cause
+    for bad in (None, "", "skip rate"):
+        with pytest.raises(ValueError, match="cause"):
+            Event(1, "fail", "m", cause=bad)
+    assert FAIL_CAUSES == ("skip_rate", "scale_collapse")  # the strings events.jsonl carries
+
+
+def test_event_dict_round_trip_and_old_fail_dicts_get_their_cause():
+    e = Event(9, "fail", "x", {"scale": 1.0, "min_scale": 1.0}, cause=FAIL_SCALE_COLLAPSE)
+    assert Event.from_dict(json.loads(json.dumps(e.as_dict()))) == e
+    old_rate = {"step": 4, "event": "fail", "message": "rolling skip rate above ...", "skip_rate": 0.6, "window": 5}
+    old_scale = {"step": 4, "event": "fail", "message": "loss scale below ...", "scale": 0.5}
+    assert Event.from_dict(old_rate).cause == FAIL_SKIP_RATE
+    assert Event.from_dict(old_scale).cause == FAIL_SCALE_COLLAPSE
+    assert Event.from_dict({"step": 2, "event": "scale_alert", "message": "m", "scale": 1.0}).cause is None
+
+
+MIXED = "cSccccccccSScccccccSccccSSSSccccccccccSSSSScc"  # S: skipped step, c: clean step
+MIXED_ARGS = dict(window=6, alert_rate=0.2, fail_rate=0.4, fail_after=4, max_norm=1.0, init_scale=2.0**16,
+                  min_steps=3)
 
 
 def _mixed_records() -> list:
@@ -436,13 +666,15 @@ def _mixed_records() -> list:
 def test_mixed_stream_has_two_episodes_then_a_fail():
     # What the round trips below must preserve really happens in this stream.
     skipped = [ch == "S" for ch in MIXED]
-    rates = reference_rates(skipped, 6)
+    rates = seen_rates(skipped, 6)
     fail_step = reference_fail_step(rates, 0.4, 4)
     assert fail_step == 30
+    assert rates[1] == 0.5  # step 2 is above fail_rate and alert_rate, before min_steps (3)
     m = RunMonitor(**MIXED_ARGS)
     events = [(e.step, e.kind) for r in _mixed_records() for e in m.observe(r)]
     expected_alerts = [(s, {"ALERT": "skip_rate_alert", "CLEAR": "skip_rate_clear"}[k])
-                       for s, k in reference_episodes(rates, 0.2)]
+                       for s, k in seen_episodes(rates, 0.2, 3)]
+    assert expected_alerts[0] == (3, "skip_rate_alert")  # armed at step 3, not 2
     assert [e for e in events if e[1].startswith("skip_rate")] == expected_alerts
     assert [e for e in events if e[1] == "fail"] == [(fail_step, "fail")]
     assert len(expected_alerts) >= 5  # alert, clear, alert, clear, alert
@@ -464,7 +696,7 @@ def _round_trip(split: int) -> tuple[RunMonitor, RunMonitor, list]:
     return live, restored, records[split:]
 
 
-@pytest.mark.parametrize("split", [1, 2, 5, 8, 11, 12, 20, 26, 27, 29])
+@pytest.mark.parametrize("split", [1, 2, 3, 5, 8, 11, 12, 20, 26, 27, 29])
 def test_run_monitor_state_dict_round_trip_mid_run(split):
     live, restored, rest = _round_trip(split)
     assert canon(restored.state_dict()) == canon(live.state_dict())
@@ -490,8 +722,67 @@ def test_run_monitor_round_trip_after_the_fail(split):
 def test_run_monitor_round_trip_needs_the_same_window():
     m = RunMonitor(window=6)
     m.observe(step_record(1))
+    other = RunMonitor(window=7)
+    before = canon(other.state_dict())
     with pytest.raises(ValueError):
-        RunMonitor(window=7).load_state_dict(m.state_dict())
+        other.load_state_dict(m.state_dict())
+    assert canon(other.state_dict()) == before  # untouched
+
+
+@pytest.mark.parametrize("split", [0, 1, 10, 19, 20, 21, 24])
+def test_run_monitor_round_trip_in_a_young_window(split):
+    # window 1000, never full: the rate is over the steps seen, the ALERT arms at 20, fail at 25.
+    args = dict(window=1000, alert_rate=0.3, fail_rate=0.5, fail_after=25, scaler_enabled=False, min_steps=20)
+    skipped = [True] * 30
+    live = RunMonitor(**args)
+    for r in records_for(skipped)[:split]:
+        live.observe(r)
+    restored = RunMonitor(**args)
+    restored.load_state_dict(json.loads(json.dumps(live.state_dict())))
+    got = {"live": [], "restored": []}
+    for r in records_for(skipped)[split:]:
+        got["live"] += [(e.step, e.kind, e.cause) for e in live.observe(r)]
+        got["restored"] += [(e.step, e.kind, e.cause) for e in restored.observe(r)]
+        assert restored.skip_rate == live.skip_rate == 1.0
+    assert got["restored"] == got["live"]
+    expected = [(20, "skip_rate_alert", None), (25, "fail", FAIL_SKIP_RATE)]
+    assert got["live"] == [e for e in expected if e[0] > split]
+    assert canon(restored.state_dict()) == canon(live.state_dict())
+
+
+@pytest.mark.parametrize("split", [0, 2, 3, 4, 5, 6])
+def test_run_monitor_round_trip_at_the_scale_floor(split):
+    args = dict(window=8, scaler_enabled=True, init_scale=4.0, min_scale=1.0, fail_on_scale_collapse=True,
+                fail_after=3, min_steps=100)
+    plan = [(2.0, True), (1.0, True), (1.0, False), (1.0, True), (1.0, True), (1.0, True), (1.0, True)]
+    live = RunMonitor(**args)
+    feed_scales(live, plan[:split])
+    restored = RunMonitor(**args)
+    restored.load_state_dict(json.loads(json.dumps(live.state_dict())))
+    assert restored.at_floor_skipped == live.at_floor_skipped
+    for i, (scale, skip) in enumerate(plan[split:], start=split + 1):
+        rec = skip_record(i, scale=scale) if skip else step_record(i, scale=scale)
+        assert [e.as_dict() for e in restored.observe(rec)] == [e.as_dict() for e in live.observe(rec)]
+    assert live.failed.step == restored.failed.step == 6
+    assert restored.failed.cause == FAIL_SCALE_COLLAPSE
+
+
+def test_run_monitor_loads_an_older_state_without_the_new_keys():
+    m = RunMonitor(**MIXED_ARGS)
+    records = _mixed_records()
+    for r in records[:31]:
+        m.observe(r)
+    old = json.loads(json.dumps(m.state_dict()))
+    old["below_min_scale"] = old.pop("at_floor_skipped")  # the name before the floor
+    del old["failed"]["cause"]  # saved before failures were typed
+    for key in ("eval_last", "eval_best", "max_skip_rate"):
+        del old[key]
+    restored = RunMonitor(**MIXED_ARGS)
+    restored.load_state_dict(old)
+    assert restored.failed.cause == FAIL_SKIP_RATE and restored.failed.step == 30
+    assert (restored.eval_last, restored.eval_best, restored.max_skip_rate) == ({}, {}, 0.0)
+    for r in records[31:]:
+        assert [e.as_dict() for e in restored.observe(r)] == [e.as_dict() for e in m.observe(r)]
 
 
 # ---------------------------------------------------------------------------- train: fail-fast
@@ -501,7 +792,7 @@ def test_train_fail_fast_stops_at_the_predicted_step(train):
     fault = parse_fault("inf_grad@rate:0.5", seed=0)
     window, fail_rate, fail_after, steps = 20, 0.1, 10, 200
     skipped = [fault.hits(s) for s in range(1, steps + 1)]
-    expected = reference_fail_step(reference_rates(skipped, window), fail_rate, fail_after)
+    expected = reference_fail_step(seen_rates(skipped, window), fail_rate, fail_after)
     assert expected is not None and expected < steps
 
     code, out, err, run_dir = train(
@@ -527,7 +818,9 @@ def test_train_fail_fast_stops_at_the_predicted_step(train):
     events = read_events(run_dir / "events.jsonl")
     fails = [e for e in events if e["event"] == "fail"]
     assert [e["step"] for e in fails] == [expected]
-    assert fails[0]["skip_rate"] == sum(skipped[max(0, expected - window):expected]) / window
+    assert fails[0]["cause"] == "skip_rate"  # which guard, without reading the message
+    held = skipped[max(0, expected - window):expected]
+    assert fails[0]["skip_rate"] == sum(held) / len(held)
     assert events[-1]["event"] == "run_end" and events[-1]["step"] == expected
     assert events[0]["event"] == "run_start"
 
@@ -543,7 +836,7 @@ def test_train_fail_rate_from_config_keys(train):
     # monitor.fail_rate / monitor.fail_after are the config spelling of the two flags.
     fault = parse_fault("nan_loss@every:2", seed=0)
     skipped = [fault.hits(s) for s in range(1, 61)]
-    expected = reference_fail_step(reference_rates(skipped, 10), 0.3, 5)
+    expected = reference_fail_step(seen_rates(skipped, 10), 0.3, 5)
     assert expected is not None
     code, out, err, run_dir = train(
         "cfg", "--set", "precision=bf16", "--set", "steps=60", "--inject", "nan_loss@every:2",
@@ -564,35 +857,53 @@ def test_train_without_fail_rate_runs_to_the_end_despite_skips(train):
 
 
 def test_train_fail_on_scale_collapse(train):
-    # fp16 from scale 4: three injected overflows halve it to 2, 1, 0.5 (< min_scale 1 at step 3);
-    # clean steps keep it there (growth_interval 2000); below for 2 consecutive steps -> exit 3 at 4.
+    # fp16 from scale 4: injected overflows at steps 1-3 halve it to 2, then 1 = scaler.min_scale
+    # (the floor) at step 2; step 3 is skipped at the floor too: 2 consecutive -> exit 3 at step 3.
     code, out, err, run_dir = train(
         "collapse", "--set", "precision=fp16", "--set", "steps=30", "--set", "scaler.init_scale=4",
         "--inject", "inf_grad@1,2,3", "--set", "monitor.fail_on_scale_collapse=true",
         "--set", "monitor.fail_after=2")
     assert code == 3, err
     rows = read_rows(run_dir / "steps.csv")
-    assert [float(r["scaler_scale"]) for r in rows] == [2.0, 1.0, 0.5, 0.5]
-    events = [(e["step"], e["event"]) for e in read_events(run_dir / "events.jsonl")]
-    assert (3, "scale_alert") in events and (4, "fail") in events
+    assert len(rows) == 3 and all(r["skipped"] == "1" for r in rows)
+    assert [float(r["scaler_scale"]) for r in rows[:2]] == [2.0, 1.0]
+    events = read_events(run_dir / "events.jsonl")
+    assert [(e["step"], e["event"]) for e in events if e["event"] in ("scale_alert", "fail")] == [
+        (2, "scale_alert"), (3, "fail")]
+    assert [e["cause"] for e in events if e["event"] == "fail"] == ["scale_collapse"]
     assert [line.split()[:2] for line in out.splitlines() if line.startswith(("ALERT", "FAIL"))] == [
-        ["ALERT", "3"], ["FAIL", "4"]]
+        ["ALERT", "2"], ["FAIL", "3"]]
     card = (run_dir / "RUN.md").read_text(encoding="utf-8")
     assert "scale health | collapsing" in card
-    assert "loss scale below scaler.min_scale 1 for 2 consecutive steps" in card
+    assert "stopped by the guard at step 3" in card
+
+
+def test_demo_every_step_nan_fails_fast_at_fail_after():
+    # The defect: the rate divided by the whole (empty) window, so this ran all 300 steps, exit 0.
+    code, out, err = ag("demo", "--steps", 300, "--inject", "nan_loss@every:1", "--fail-skip-rate", 0.5,
+                        "--fail-after", 3)
+    assert code == 3, (out, err)
+    steps = [line.split()[:2] for line in out.splitlines() if line.startswith(("STEP ", "SKIP "))]
+    assert steps == [["SKIP", "1"], ["SKIP", "2"], ["SKIP", "3"]]
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith("FAIL ")] == [["FAIL", "3"]]
 
 
 # ---------------------------------------------------------------------------- train: alert episodes
 
 
 def test_train_alerts_once_per_episode(train):
-    steps, window, alert = 45, 10, 0.1
-    spec = "nan_loss@3,4,6,30,31"
+    # The skip at step 3 is 1 of 3 steps seen (0.333 > 0.1) but the ALERT is not armed before
+    # monitor.min_steps (its default); the two episodes after it are.
+    min_steps = MonitorConfig().min_steps
+    steps, window, alert = min_steps + 35, 10, 0.1
+    late = [min_steps + d for d in (2, 3, 5, 20, 21)]
+    spec = "nan_loss@" + ",".join(str(s) for s in [3, *late])
     fault = parse_fault(spec)
     skipped = [fault.hits(s) for s in range(1, steps + 1)]
-    rates = reference_rates(skipped, window)
-    expected = reference_episodes(rates, alert)
-    assert [k for _, k in expected] == ["ALERT", "CLEAR", "ALERT", "CLEAR"]
+    rates = seen_rates(skipped, window)
+    assert rates[2] > alert
+    expected = seen_episodes(rates, alert, min_steps)
+    assert expected == [(late[1], "ALERT"), (late[1] + 10, "CLEAR"), (late[4], "ALERT"), (late[4] + 9, "CLEAR")]
 
     code, out, err, run_dir = train(
         "alerts", "--set", "precision=fp32", "--set", f"steps={steps}", "--inject", spec,
@@ -612,7 +923,8 @@ def test_train_alerts_once_per_episode(train):
 
     card = (run_dir / "RUN.md").read_text(encoding="utf-8")
     assert "| skip-rate alert episodes | 2 |" in card
-    assert f"| max rolling skip rate | {max(rates):.4f} |" in card
+    assert f"| max rolling skip rate | {max(rates):.4f} |" in card  # from step 1: step 3 was 1 in 3
+    assert max(rates) == 1 / 3
     assert f"| skipped steps | {sum(skipped)} (non_finite_loss={sum(skipped)}) |" in card
 
 
@@ -633,7 +945,7 @@ def reference_verdicts(scales: list[float], skipped: list[bool], init: float, wi
         w, o = moves[max(0, i + 1 - window): i + 1], opening[max(0, i + 1 - window): i + 1]
         ups = sum(m > 0 for m in w)
         downs = sum(m < 0 for m in w) - sum(m < 0 for m in o)
-        if scales[i] < 1.0:
+        if scales[i] <= 1.0:  # at the floor scaler.min_scale
             out.append("collapsing")
         elif ups == 0 and downs == 0:
             out.append("warming" if any(m < 0 for m in o) else "stable")
@@ -715,14 +1027,6 @@ def test_jsonl_sink_refuses_to_overwrite(tmp_path):
     with pytest.raises(InputError):
         JsonlSink(path)
     assert path.read_text(encoding="utf-8") == '{"a": 1}\n'
-
-
-def test_sinks_follow_the_protocol(tmp_path):
-    from ampguard.sinks import ConsoleSink, CsvSink, Sink
-
-    for sink in (CsvSink(tmp_path / "a.csv"), JsonlSink(tmp_path / "a.jsonl"), ConsoleSink(1, lambda s: None)):
-        assert isinstance(sink, Sink)
-        sink.close()
 
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None

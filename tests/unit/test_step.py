@@ -760,3 +760,152 @@ def test_optimizer_must_hold_only_the_models_parameters():
     opt = torch.optim.SGD(list(model.parameters()) + [stray], lr=0.1)
     with pytest.raises(ValueError, match="not the model's"):
         AmpTrainState(model, opt, F.mse_loss)
+
+
+# ----------------------------------------------------------------------------- 8. the scale's floor
+#
+# A run that opens with a long streak of NaN losses: PyTorch's GradScaler halves its scale on
+# every one, down to exactly 0 after ~150, and then every clean step is skipped as
+# non_finite_grad (gradients unscaled by 1/0: inf x 0 = NaN). GuardedGradScaler clamps the scale
+# to its floor ``min_scale`` instead. Tiny nn.Linear models: fp16 autocast on CPU is slow.
+
+
+class NanFirst:
+    """MSE, but NaN for the first ``k`` calls (the NaN flows through the graph)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.calls = 0
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        loss = F.mse_loss(out, y)
+        return loss * NAN if self.calls <= self.k else loss
+
+
+def tiny_linear(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(4, 2)
+
+
+def linear_batches(n: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)) for _ in range(n)]
+
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def test_floor_200_nan_losses_then_clean_steps_are_applied_and_the_scale_grows():
+    k, growth_interval, clean = 200, 3, 9
+    model = tiny_linear()
+    before = params_of(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = GuardedGradScaler("cpu", init_scale=2.0**16, growth_interval=growth_interval)  # default floor
+    state = AmpTrainState(model, opt, NanFirst(k), precision="fp16", scaler=scaler)
+    logs = [state.step(x, y) for x, y in linear_batches(k + clean)]
+    bad, good = logs[:k], logs[k:]
+
+    assert all(isinstance(log, SkipLog) and log.reason == "non_finite_loss" for log in bad)
+    scales = [float(log.scaler_scale) for log in bad]
+    assert scales == [max(2.0 ** (15 - i), TINY) for i in range(k)]  # halving, then held at the floor
+    assert min(scales) == TINY > 0.0  # never 0, never a subnormal
+    assert [log.step for log in logs] == list(range(1, k + clean + 1))
+
+    # Clean data again: every step is applied (not non_finite_grad), the scale grows every 3.
+    assert all(isinstance(log, StepLog) for log in good), [getattr(log, "reason", None) for log in good]
+    assert [float(log.scaler_scale) for log in good] == [TINY * 2.0 ** ((i + 1) // growth_interval)
+                                                         for i in range(clean)]
+    assert state.updates == clean and state.steps == k + clean
+    assert all(math.isfinite(float(log.grad_l2_pre_clip)) for log in good)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # At a scale of 2**-126 fp16 gradients underflow to 0: the applied SGD steps leave the weights
+    # where they were (the floor in the config, scaler.min_scale = 1.0, keeps real gradients).
+    assert_params_equal(model, before)
+
+
+def test_floor_one_then_clean_steps_are_bit_for_bit_the_canonical_loop_from_scale_one():
+    # With scaler.min_scale = 1.0 the scale stops at 1.0 (tracker reset by the last back-off):
+    # from there the run is exactly PyTorch's canonical loop started at init_scale = 1.0.
+    k, clean, growth_interval, max_norm = 40, 12, 4, 0.5
+    model = tiny_linear()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = AmpTrainState(model, opt, NanFirst(k), precision="fp16", max_norm=max_norm,
+                          scaler=dict(init_scale=2.0**16, growth_interval=growth_interval, min_scale=1.0))
+    assert state.scaler.get_min_scale() == 1.0  # the dict reaches Precision.make_scaler
+    batches = linear_batches(clean, seed=9)
+    junk = linear_batches(k, seed=10)
+    for x, y in junk:
+        log = state.step(x, y)
+        assert log.skipped and log.reason == "non_finite_loss"
+    assert float(log.scaler_scale) == 1.0
+    assert opt.state == {} and state.updates == 0  # skips touched nothing
+    ours = [state.step(x, y) for x, y in batches]
+
+    ref = tiny_linear()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=growth_interval)
+    prec = Precision("fp16", "cpu")
+    ref_scales = []
+    for x, y in batches:
+        with prec.autocast():
+            loss = F.mse_loss(ref(x), y).float()
+        ref_scaler.scale(loss).backward()
+        ref_scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_scales.append(ref_scaler.get_scale())
+    assert all(isinstance(log, StepLog) for log in ours)
+    assert [float(log.scaler_scale) for log in ours] == ref_scales == [2.0 ** ((i + 1) // growth_interval)
+                                                                       for i in range(clean)]
+    assert_params_equal(model, ref)
+
+
+def test_floor_collapse_and_skip_rate_guards_on_the_steps_records():
+    from ampguard.monitor import FAIL_SCALE_COLLAPSE, FAIL_SKIP_RATE, RunMonitor
+
+    model = tiny_linear()
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), NanFirst(10**6), precision="fp16",
+                          scaler=dict(init_scale=2.0**16, min_scale=1.0))
+    collapse = RunMonitor(window=1000, init_scale=2.0**16, min_scale=1.0, fail_on_scale_collapse=True,
+                          fail_after=5, min_steps=10**6)
+    rate = RunMonitor(window=1000, init_scale=2.0**16, min_scale=1.0, fail_rate=0.5, fail_after=3,
+                      min_steps=10**6)
+    events = {"collapse": [], "rate": []}
+    for x, y in linear_batches(25):
+        log = state.step(x, y)
+        events["collapse"] += [(e.step, e.kind, e.cause) for e in collapse.observe(log)]
+        events["rate"] += [(e.step, e.kind, e.cause) for e in rate.observe(log)]
+    # 2**16 halves to the floor 1.0 at step 16 (skipped there: 1), the 5th such step is 20.
+    assert events["collapse"] == [(16, "scale_alert", None), (20, "fail", FAIL_SCALE_COLLAPSE)]
+    # Every step skips: the young window's rate is 1.0 from step 1, the guard trips at step 3.
+    assert events["rate"] == [(3, "fail", FAIL_SKIP_RATE), (16, "scale_alert", None)]
+    assert float(state.scaler.scale_value()) == 1.0
+
+
+def test_floor_survives_the_state_dict_round_trip_mid_streak():
+    k = 12
+
+    def build(loss_fn, scaler):
+        model = tiny_linear()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        return AmpTrainState(model, opt, loss_fn, precision="fp16", scaler=scaler)
+
+    batches = linear_batches(k + 8, seed=4)
+    a = build(NanFirst(k), dict(init_scale=64.0, growth_interval=2, min_scale=2.0))
+    for x, y in batches[:8]:  # 64 -> 2 after 5 back-offs; steps 6-8 held at the floor
+        a.step(x, y)
+    sd = copy.deepcopy(a.state_dict())
+    assert sd["scaler"]["min_scale"] == 2.0 and sd["scaler"]["scale"] == 2.0
+    b = build(NanFirst(k - 8), dict(init_scale=64.0, growth_interval=2))  # default floor, replaced on load
+    b.model.load_state_dict(a.model.state_dict())
+    b.load_state_dict(sd)
+    assert b.scaler.get_min_scale() == 2.0
+    la = [a.step(x, y) for x, y in batches[8:]]
+    lb = [b.step(x, y) for x, y in batches[8:]]
+    assert [(l.step, l.skipped, float(l.scaler_scale)) for l in la] == [
+        (l.step, l.skipped, float(l.scaler_scale)) for l in lb]
+    assert [float(l.scaler_scale) for l in la] == [2.0] * 4 + [2.0 * 2 ** ((i + 1) // 2) for i in range(8)]
+    assert_params_equal(a.model, b.model)
