@@ -290,63 +290,56 @@ def test_a_run_killed_during_training_resumes_from_its_last_checkpoint(tmp_path,
     assert_same_training(final_checkpoint(ref), final_checkpoint(run))
 
 
-BIG_FACTORY = '''
-import torch
-from torch import nn
-
-
-def build(config):
-    torch.manual_seed(config.seed)
-    model = nn.Linear(1024, 1024)  # 4 MB of weights, 8 MB of AdamW state: a save takes a while
-    gen = torch.Generator().manual_seed(1)
-    data = [(torch.randn(2, 1024, generator=gen), torch.randn(2, 1024, generator=gen)) for _ in range(6)]
-    return {"model": model, "data": data, "loss_fn": nn.functional.mse_loss}
-'''
+PAUSE_IN_SAVE = Path(__file__).with_name("pause_in_save.py")
 
 
 def test_a_run_killed_during_a_checkpoint_save_resumes(tmp_path):
-    factory = tmp_path / "big.py"
-    factory.write_text(BIG_FACTORY, encoding="utf-8")
-    args = ["--set", f"task.factory={factory}:build", "--set", "precision=fp32", "--set", "steps=14",
-            "--set", "checkpoint.keep=2", "--set", f"log.dir={tmp_path / 'runs'}", "--set", "log.every=1000"]
-    caught = None
-    for attempt in range(3):
-        run = tmp_path / "runs" / f"K{attempt}"
-        folder = run / "checkpoints"
-        proc = _spawn(tmp_path, *args, "--set", "checkpoint.every=1", "--set", f"log.name=K{attempt}")
-        try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    names = os.listdir(folder)
-                except FileNotFoundError:
-                    names = []
-                tmp = [n for n in names if TMP_NAME.match(n)]
-                if tmp and any(ckpt.checkpoint_step(folder / n) >= 1 for n in names):
-                    proc.send_signal(signal.SIGKILL)
-                    proc.wait(timeout=30)
-                    if (folder / tmp[0]).exists():  # killed with the save still in progress
-                        caught = run, tmp[0]
-                    break
-                time.sleep(0.001)
-        finally:
-            _kill(proc)
-        if caught:
-            break
-    if caught is None:
-        pytest.skip("no checkpoint save was caught in progress in 3 runs (saves too fast on this machine)")
-    run, tmp_name = caught
+    """SIGKILL lands inside a save, every time: ``pause_in_save.py`` runs ``ampguard train`` with
+    the save of step 5 held open after its temporary file was written and fsync was called, and
+    before ``os.replace``; it drops a marker there and waits for the kill."""
+    args = [*LINEAR, "--set", "precision=fp32", "--set", "steps=14", "--set", "accumulation_steps=2",
+            "--set", "checkpoint.keep=2", "--set", f"log.dir={tmp_path / 'runs'}", "--set", "log.every=1000",
+            "--inject", "inf_grad@4", "--inject", "nan_loss@9"]
+    run = tmp_path / "runs" / "K"
     folder = run / "checkpoints"
+    marker, stderr = tmp_path / "paused", tmp_path / "stderr.txt"
+    with stderr.open("wb") as err:  # a file, not a pipe: a full pipe would block the run before its save
+        proc = subprocess.Popen(
+            [sys.executable, str(PAUSE_IN_SAVE), str(marker), "5", "train", *args,
+             "--set", "checkpoint.every=1", "--set", "log.name=K"],
+            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not marker.exists():
+            _kill(proc)
+            pytest.fail(f"the save of step 5 never paused (exit {proc.returncode}):\n{stderr.read_text()}")
+        # the moment of the kill: step 5's temporary file is written out, not yet renamed
+        tmp_names = [n for n in os.listdir(folder) if TMP_NAME.match(n)]
+        assert tmp_names == [f".step-00000005.pt.tmp-{proc.pid}"] == marker.read_text(encoding="utf-8").split()
+        assert not (folder / "step-00000005.pt").exists()
+        assert ckpt.load_checkpoint(folder / tmp_names[0])["step"] == 5
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        _kill(proc)
 
+    assert (folder / tmp_names[0]).is_file()  # killed with the save in progress: never renamed, never cleaned up
+    finished = ckpt.list_checkpoints(folder)
+    assert [ckpt.checkpoint_step(p) for p in finished] == [3, 4]  # keep=2 pruned 1 and 2; 5 never finished
+    for path in finished:  # the kill left every finished checkpoint whole
+        assert ckpt.load_checkpoint(path)["step"] == ckpt.checkpoint_step(path)
     path, payload = ckpt.latest_loadable(folder)
-    assert payload["step"] == ckpt.checkpoint_step(path) >= 1
-    for finished in ckpt.list_checkpoints(folder):  # the kill left every finished checkpoint whole
-        ckpt.load_checkpoint(finished)
+    assert path == folder / "step-00000004.pt" and payload["step"] == 4
 
-    ok(ag("train", "--resume", run))
+    out = ok(ag("train", "--resume", run))
+    assert "resuming from step-00000004.pt" in out
     ok(ag("train", *args, "--set", "checkpoint.every=0", "--set", "log.name=REF"))
     ref = tmp_path / "runs" / "REF"
     assert csv_steps(run / "steps.csv") == list(range(1, 15))
+    assert [int(r["step"]) for r in csv_rows(ref / "steps.csv") if r["skipped"] == "1"] == [4, 9]
     assert (run / "steps.csv").read_bytes() == (ref / "steps.csv").read_bytes()
     assert_same_training(final_checkpoint(ref), final_checkpoint(run))
 
@@ -474,7 +467,10 @@ def test_the_skip_guard_trigger_on_injected_faults_rolls_back_and_finishes(tmp_p
                            "--set", "checkpoint.every=10", *SKIP_GUARD, "--inject", f"inf_grad@{faults}")
     assert code == 0, out + err
     rollbacks = [e for e in events(tmp_path / "R") if e["event"] == "rollback"]
-    assert len(rollbacks) == 1 and rollbacks[0]["checkpoint"] == "step-00000020.pt"
+    # the full 10-step window reads 0.4 at step 24 and 0.5 at 25: above 0.3 twice -> a trip at 25. The
+    # rollback restarts the windows; step 26 is still faulted (faults follow step numbers), so the
+    # young window reads 1/1 at 26 and 1/2 at 27 (the rate over the steps it holds): a second trip at 27
+    assert [(e["step"], e["checkpoint"]) for e in rollbacks] == [(25, "step-00000020.pt"), (27, "step-00000020.pt")]
     assert csv_steps(tmp_path / "R" / "steps.csv") == list(range(1, 41))
 
 

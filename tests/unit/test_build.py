@@ -1,0 +1,185 @@
+"""From a config to objects (``ampguard.build``): clipping, the LR schedule, the guarded step, the optimizer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from ampguard.build import (
+    build_monitor, build_spike_detector, build_state, clip_threshold, initial_scale, lr_multiplier, make_optimizer,
+    precision_of, resolve_device,
+)
+from ampguard.config import validate
+from ampguard.errors import InputError
+from ampguard.monitor import LossSpikeDetector
+from ampguard.precision import DEFAULT_MIN_SCALE
+
+CPU = torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------- clipping
+
+
+@pytest.mark.parametrize(("max_norm", "expected"), [
+    (None, None), (0.0, None), (0, None), (-1.0, None), (-1e-12, None), (1e-12, 1e-12), (1.0, 1.0), (5, 5),
+])
+def test_clip_threshold(max_norm, expected):
+    assert clip_threshold(max_norm) == expected
+
+
+def test_the_step_and_the_monitor_see_the_same_clip_threshold():
+    for max_norm, expected in ((0.0, None), (2.5, 2.5)):
+        config = validate({"max_norm": max_norm})
+        assert build_state(config, nn.Linear(2, 1), nn.functional.mse_loss, CPU).max_norm == expected
+        assert build_monitor(config, scaler_enabled=False).max_norm == expected
+
+
+# ---------------------------------------------------------------------------- the LR schedule
+
+
+def schedule(steps: int, warmup: int = 0, decay: str = "cosine", floor: float = 0.1):
+    return lr_multiplier(validate({"steps": steps, "schedule": {"warmup": warmup, "decay": decay,
+                                                                "min_lr_ratio": floor}}))
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_warmup_is_linear_up_to_one(decay):
+    f = schedule(20, warmup=4, decay=decay)
+    assert [f(u) for u in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0  # the first update after warmup runs at the peak
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+@pytest.mark.parametrize(("steps", "warmup", "floor"), [(11, 2, 0.1), (100, 0, 0.0), (50, 10, 0.5), (2, 0, 0.2)])
+def test_decay_runs_from_one_after_warmup_to_the_floor_at_the_last_step(decay, steps, warmup, floor):
+    f = schedule(steps, warmup=warmup, decay=decay, floor=floor)
+    assert f(warmup) == 1.0
+    assert math.isclose(f(steps - 1), floor, abs_tol=1e-12)
+    assert math.isclose(f(steps + 50), floor, abs_tol=1e-12)  # past the end (steps raised on resume): stays there
+    values = [f(u) for u in range(warmup, steps)]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # never rises
+
+
+def test_linear_and_cosine_midpoints():
+    lin, cos = schedule(11, decay="linear"), schedule(11, decay="cosine")
+    assert math.isclose(lin(5), 0.1 + 0.9 * 0.5) and math.isclose(cos(5), 0.1 + 0.9 * 0.5)
+    assert math.isclose(lin(2), 0.1 + 0.9 * 0.8)
+    assert math.isclose(cos(2), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2)))
+
+
+def test_constant_stays_at_one_after_warmup():
+    f = schedule(10, warmup=3, decay="constant", floor=0.0)
+    assert [f(u) for u in range(3, 12)] == [1.0] * 9
+
+
+def test_a_floor_of_one_is_flat():
+    f = schedule(10, decay="cosine", floor=1.0)
+    assert [f(u) for u in range(10)] == [1.0] * 10
+
+
+def test_the_scheduler_starts_at_the_first_warmup_factor():
+    config = validate({"optimizer": {"lr": 0.4}, "steps": 20, "schedule": {"warmup": 4}})
+    state = build_state(config, nn.Linear(2, 1), nn.functional.mse_loss, CPU)
+    assert state.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert state.scheduler.get_last_lr() == [pytest.approx(0.1)]
+
+
+# ---------------------------------------------------------------------------- the guarded step
+
+
+def test_build_state_takes_precision_accumulation_and_the_fp16_scaler_from_the_config():
+    config = validate({
+        "precision": "fp16", "accumulation_steps": 3, "scheduler_on_skip": "step", "max_norm": 0.7,
+        "scaler": {"init_scale": 256.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 7},
+    })
+    model = nn.Linear(3, 1)
+    state = build_state(config, model, nn.functional.mse_loss, CPU)
+    assert state.model is model and state.loss_fn is nn.functional.mse_loss and state.device == CPU
+    assert state.precision.name == "fp16" and state.precision.device_type == "cpu"
+    assert state.accumulation_steps == 3 and state.max_norm == 0.7 and state.scheduler_on_skip == "step"
+    scaler = state.scaler
+    assert scaler.is_enabled() and scaler.get_scale() == 256.0
+    assert scaler.get_growth_factor() == 4.0 and scaler.get_backoff_factor() == 0.25
+    assert scaler.get_growth_interval() == 7
+    assert initial_scale(config, CPU) == 256.0
+
+
+def test_build_state_gives_the_scaler_the_configs_floor():
+    config = validate({"precision": "fp16", "scaler": {"init_scale": 256.0, "min_scale": 4.0}})
+    state = build_state(config, nn.Linear(3, 1), nn.functional.mse_loss, CPU)
+    assert state.scaler.get_min_scale() == 4.0 != DEFAULT_MIN_SCALE
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_build_state_without_fp16_has_a_disabled_scaler(precision):
+    config = validate({"precision": precision, "scaler": {"init_scale": 256.0}})
+    state = build_state(config, nn.Linear(3, 1), nn.functional.mse_loss, CPU)
+    assert state.precision.name == precision and not state.scaler.is_enabled()
+    assert initial_scale(config, CPU) == 1.0
+    assert build_monitor(config, state.scaler.is_enabled()).scaler_enabled is False
+
+
+def test_fp16_with_the_scaler_turned_off():
+    config = validate({"precision": "fp16", "scaler": {"enabled": False, "init_scale": 256.0}})
+    state = build_state(config, nn.Linear(3, 1), nn.functional.mse_loss, CPU)
+    assert not state.scaler.is_enabled() and initial_scale(config, CPU) == 1.0
+    assert precision_of(config, CPU).uses_scaler  # the precision would scale; the config said no
+
+
+def test_build_state_steps_with_accumulation_from_the_config():
+    config = validate({"precision": "fp32", "accumulation_steps": 2})
+    state = build_state(config, nn.Linear(3, 1), nn.functional.mse_loss, CPU)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    assert state.step(x, y) is None and state.mid_group
+    record = state.step(x, y)
+    assert record is not None and record.step == 1 and not state.mid_group
+
+
+def test_build_monitor_and_spike_detector_from_the_config():
+    config = validate({"monitor": {"window": 30, "alert_rate": 0.2, "fail_rate": 0.4, "fail_after": 6,
+                                   "fail_on_scale_collapse": True},
+                       "scaler": {"min_scale": 2.0}})
+    m = build_monitor(config, scaler_enabled=True)
+    assert (m.window, m.alert_rate, m.fail_rate, m.fail_after) == (30, 0.2, 0.4, 6)
+    assert m.fail_on_scale_collapse and m.min_scale == 2.0 and m.scaler_enabled
+    assert build_spike_detector(config) is None
+    spikes = build_spike_detector(validate({"rollback": {"triggers": ["loss_spike"], "window": 5, "z": 2.0},
+                                            "checkpoint": {"every": 10}}))
+    assert isinstance(spikes, LossSpikeDetector) and spikes.z == 2.0 and spikes._sum.size == 5
+
+
+# ---------------------------------------------------------------------------- optimizer, device
+
+
+def test_make_optimizer_sgd_takes_momentum_and_weight_decay():
+    config = validate({"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.8, "weight_decay": 0.01}})
+    model = nn.Linear(3, 2)
+    opt = make_optimizer(config, model)
+    assert type(opt) is torch.optim.SGD
+    group = opt.param_groups[0]
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.05, 0.8, 0.01)
+    assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters()]
+
+
+def test_make_optimizer_adamw_takes_betas_eps_and_weight_decay():
+    config = validate({"optimizer": {"name": "adamw", "lr": 0.002, "betas": [0.8, 0.9], "eps": 1e-6,
+                                     "weight_decay": 0.1}})
+    opt = make_optimizer(config, nn.Linear(3, 2))
+    assert type(opt) is torch.optim.AdamW
+    group = opt.param_groups[0]
+    assert (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"]) == (0.002, (0.8, 0.9), 1e-6, 0.1)
+
+
+def test_resolve_device_cpu_and_auto():
+    assert resolve_device("cpu") == CPU
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_resolve_device_cuda_without_cuda_is_bad_input():
+    with pytest.raises(InputError) as err:
+        resolve_device("cuda")
+    assert "\n" not in str(err.value) and "cuda" in str(err.value)

@@ -1,0 +1,567 @@
+"""The checkpoint manager (``ampguard.checkpointer``): a registry of stateful parts saved as one payload.
+
+Most tests drive it with fakes (plain objects with ``state_dict`` / ``load_state_dict``): no model,
+no training loop. ``ModelState`` / ``OptimizerState`` / ``RngState`` get a tiny real model.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ampguard import checkpoint as ckpt
+from ampguard import checkpointer as ck
+from ampguard.checkpointer import (
+    CONFIG, DATA, MODEL, OPTIMIZER, PRECISION, RESUME_FIXED, RNG, ROLLBACKS, SCHEDULER, STATE, STEP,
+    TORCH_VERSION, UPDATES, WORLD_SIZE, CheckpointManager, Loaded, ModelState, OptimizerState, Resume, RngState,
+)
+from ampguard.config import validate
+from ampguard.distributed import DistInfo
+from ampguard.errors import InputError
+
+
+class Fake:
+    """A stateful part: its state is ``value``; it logs every load into ``journal`` as (name, state)."""
+
+    def __init__(self, name: str, value: Any, journal: list[tuple[str, Any]] | None = None) -> None:
+        self.name, self.value = name, value
+        self.journal = journal if journal is not None else []
+
+    def state_dict(self) -> Any:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.value = state["value"]
+        self.journal.append((self.name, state["value"]))
+
+
+class Raises(Fake):
+    """A part whose load fails the way a mismatched ``load_state_dict`` does."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__("raises", 0)
+        self.error = error
+
+    def load_state_dict(self, state: Any) -> None:
+        raise self.error
+
+
+ORDER = (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG, DATA)
+
+
+class Run:
+    """A manager over one fake per payload part, with a ``meta`` that follows ``self.step``."""
+
+    def __init__(self, folder: Path | None, keep: int = 10, dist: DistInfo | None = None) -> None:
+        self.journal: list[tuple[str, Any]] = []
+        self.parts = {name: Fake(name, f"{name}@0", self.journal) for name in ORDER}
+        self.step = 0
+        self.manager = CheckpointManager(folder, self.parts, keep=keep, meta=self.meta, dist=dist)
+
+    def meta(self) -> dict[str, Any]:
+        return {STEP: self.step, UPDATES: self.step - 1, CONFIG: {"seed": 0}, PRECISION: "bf16",
+                WORLD_SIZE: 1, TORCH_VERSION: "x"}
+
+    def set(self, step: int) -> None:
+        """Every part's value becomes ``<name>@<step>``."""
+        self.step = step
+        for name, part in self.parts.items():
+            part.value = f"{name}@{step}"
+
+    def save(self, step: int) -> Path | None:
+        self.set(step)
+        return self.manager.save(step)
+
+    def values(self) -> dict[str, Any]:
+        return {name: part.value for name, part in self.parts.items()}
+
+
+def steps_of(paths: list[Path]) -> list[int]:
+    return [ckpt.checkpoint_step(p) for p in paths]
+
+
+def one_line(err: pytest.ExceptionInfo) -> str:
+    text = str(err.value)
+    assert "\n" not in text, text
+    return text
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def test_save_writes_the_step_file_with_every_part_and_the_meta_under_the_payload_keys(tmp_path):
+    run = Run(tmp_path / "ck")
+    path = run.save(7)
+    assert path == tmp_path / "ck" / "step-00000007.pt" and path.is_file()
+    payload = ckpt.load_checkpoint(path)  # loadable by the low-level loader: every REQUIRED key is there
+    for name in ORDER:
+        assert payload[name] == {"value": f"{name}@7"}, name
+    assert payload[STEP] == 7 and payload[UPDATES] == 6 and payload[CONFIG] == {"seed": 0}
+    assert payload[PRECISION] == "bf16" and payload[WORLD_SIZE] == 1 and payload[TORCH_VERSION] == "x"
+    assert payload["magic"] == ckpt.MAGIC and payload["format"] == ckpt.FORMAT
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step-00000007.pt"]  # no temporary file left
+
+
+def test_save_reads_the_parts_and_meta_at_each_save_not_at_construction(tmp_path):
+    run = Run(tmp_path)
+    run.save(1)
+    run.save(2)
+    first, second = (ckpt.load_checkpoint(p) for p in run.manager.saved)
+    assert first[STEP] == 1 and first[MODEL] == {"value": "model@1"}
+    assert second[STEP] == 2 and second[MODEL] == {"value": "model@2"}
+
+
+def test_a_part_overrides_a_meta_entry_of_the_same_key(tmp_path):
+    run = Run(tmp_path)
+    run.manager.meta = lambda: {**run.meta(), MODEL: "from meta"}
+    payload = ckpt.load_checkpoint(run.save(3))
+    assert payload[MODEL] == {"value": "model@3"}
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_keep_prunes_to_the_newest_and_saved_lists_them_oldest_first(tmp_path, keep):
+    run = Run(tmp_path, keep=keep)
+    for step in (2, 4, 6, 8, 10):
+        run.save(step)
+        assert steps_of(run.manager.saved) == steps_of(ckpt.list_checkpoints(tmp_path))  # saved is the folder
+    assert steps_of(run.manager.saved) == [2, 4, 6, 8, 10][-keep:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in run.manager.saved]
+
+
+def test_a_new_manager_lists_the_checkpoints_already_in_its_folder(tmp_path):
+    Run(tmp_path).save(3)
+    Run(tmp_path).save(5)
+    assert steps_of(Run(tmp_path).manager.saved) == [3, 5]
+    assert Run(tmp_path / "missing").manager.saved == []
+
+
+def test_only_rank_0_writes(tmp_path):
+    Run(tmp_path).save(1)
+    other = Run(tmp_path, dist=DistInfo(rank=1, world_size=2))
+    assert other.manager.saved == []  # other ranks do not list rank 0's folder
+    assert other.save(2) is None
+    assert steps_of(ckpt.list_checkpoints(tmp_path)) == [1]
+
+
+def test_checkpoints_off_save_returns_none_and_load_is_bad_input(tmp_path):
+    run = Run(None)
+    assert run.manager.enabled is False
+    assert run.save(4) is None
+    assert run.manager.saved == [] and run.manager.set_aside_after(0) == []
+    with pytest.raises(InputError) as err:
+        run.manager.load()
+    assert "off" in one_line(err)
+    with pytest.raises(InputError):
+        run.manager.load(before_step=10)
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def test_load_returns_the_newest_checkpoint(tmp_path):
+    run = Run(tmp_path)
+    for step in (1, 2, 3):
+        run.save(step)
+    loaded = run.manager.load()
+    assert isinstance(loaded, Loaded)
+    assert loaded.path.name == "step-00000003.pt" and loaded.step == 3
+    assert loaded.payload[MODEL] == {"value": "model@3"}
+
+
+@pytest.mark.parametrize("junk", [b"", b"\x00" * 10, b"not a checkpoint at all", "half"])
+def test_load_falls_back_to_an_older_checkpoint_when_the_newest_does_not_load(tmp_path, junk):
+    run = Run(tmp_path)
+    for step in (1, 2, 3):
+        run.save(step)
+    newest = tmp_path / "step-00000003.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2] if junk == "half" else junk)
+    loaded = run.manager.load()
+    assert loaded.step == 2 and loaded.path.name == "step-00000002.pt"
+    assert loaded.payload[OPTIMIZER] == {"value": "optimizer@2"}
+
+
+def test_load_with_no_loadable_checkpoint_is_one_line_of_bad_input(tmp_path):
+    run = Run(tmp_path)
+    with pytest.raises(InputError) as err:
+        run.manager.load()
+    assert "no checkpoint" in one_line(err)
+    run.save(1)
+    (tmp_path / "step-00000001.pt").write_bytes(b"junk")
+    with pytest.raises(InputError) as err:
+        run.manager.load()
+    assert "no loadable checkpoint" in one_line(err) and "step-00000001.pt" in str(err.value)
+
+
+@pytest.mark.parametrize(("before", "expected"), [(7, 6), (6, 4), (5, 4), (3, 2), (100, 6)])
+def test_load_before_step_takes_the_newest_strictly_before(tmp_path, before, expected):
+    run = Run(tmp_path)
+    for step in (2, 4, 6):
+        run.save(step)
+    loaded = run.manager.load(before_step=before)
+    assert loaded.step == expected and loaded.path.name == ckpt.checkpoint_name(expected)
+    assert loaded.payload[MODEL] == {"value": f"model@{expected}"}
+
+
+@pytest.mark.parametrize("before", [2, 1, 0])
+def test_load_before_step_with_none_that_early_is_one_line_of_bad_input(tmp_path, before):
+    run = Run(tmp_path)
+    for step in (2, 4, 6):
+        run.save(step)
+    with pytest.raises(InputError) as err:
+        run.manager.load(before_step=before)
+    assert f"before step {before}" in one_line(err)
+
+
+def test_load_before_step_skips_a_broken_one_and_never_goes_past_the_bound(tmp_path):
+    run = Run(tmp_path)
+    for step in (2, 4, 6):
+        run.save(step)
+    (tmp_path / "step-00000004.pt").write_bytes(b"torn")
+    assert run.manager.load(before_step=6).step == 2
+    (tmp_path / "step-00000002.pt").write_bytes(b"torn")
+    with pytest.raises(InputError) as err:
+        run.manager.load(before_step=6)  # step 6 loads, but it is not before step 6
+    one_line(err)
+
+
+# ---------------------------------------------------------------------------- restore
+
+
+def test_restore_loads_every_registered_part_in_registry_order(tmp_path):
+    run = Run(tmp_path)
+    run.save(5)
+    run.set(9)
+    run.journal.clear()
+    run.manager.restore(run.manager.load())
+    assert run.values() == {name: f"{name}@5" for name in ORDER}
+    assert [name for name, _ in run.journal] == list(ORDER)
+
+
+def test_restore_parts_restores_only_the_named_parts(tmp_path):
+    run = Run(tmp_path)
+    run.save(5)
+    run.set(9)
+    run.journal.clear()
+    run.manager.restore(run.manager.load(), parts=[MODEL, RNG])
+    assert run.values() == {MODEL: "model@5", OPTIMIZER: "optimizer@9", SCHEDULER: "scheduler@9",
+                            STATE: "state@9", RNG: "rng@5", DATA: "data_position@9"}
+    assert run.journal == [(MODEL, "model@5"), (RNG, "rng@5")]
+    run.manager.restore(run.manager.load(), parts=[])
+    assert len(run.journal) == 2
+
+
+@pytest.mark.xfail(strict=True, reason="checkpointer.py CheckpointManager.restore: parts=... is loaded in the "
+                   "caller's order, not the registry order the constructor documents (model before optimizer)")
+def test_restore_parts_named_out_of_order_still_load_in_registry_order(tmp_path):
+    run = Run(tmp_path)
+    run.save(5)
+    run.journal.clear()
+    run.manager.restore(run.manager.load(), parts=[RNG, OPTIMIZER, MODEL])
+    assert [name for name, _ in run.journal] == [MODEL, OPTIMIZER, RNG]
+
+
+@pytest.mark.parametrize("error", [
+    ValueError("window of 8 steps, this monitor has 4\nsecond line"),
+    KeyError("scaler"),
+    TypeError("expected a dict"),
+    RuntimeError("Error(s) in loading state_dict for Linear:\n\tsize mismatch for weight"),
+])
+def test_a_part_that_does_not_fit_is_one_line_naming_the_file(tmp_path, error):
+    run = Run(tmp_path)
+    path = run.save(3)
+    run.manager.parts[STATE] = Raises(error)
+    with pytest.raises(InputError) as err:
+        run.manager.restore(run.manager.load())
+    line = one_line(err)
+    assert line.startswith(f"{path}: does not fit this run")
+    first = str(error).splitlines()[0]
+    assert first in line and "second line" not in line and "size mismatch" not in line
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # "from None": no chained traceback
+
+
+def test_a_checkpoint_missing_a_registered_part_does_not_fit(tmp_path):
+    run = Run(tmp_path)
+    path = run.save(3)
+    run.manager.parts[ROLLBACKS] = Fake(ROLLBACKS, [])  # registered after the checkpoint was written
+    with pytest.raises(InputError) as err:
+        run.manager.restore(run.manager.load())
+    assert one_line(err).startswith(f"{path}: does not fit this run") and ROLLBACKS in str(err.value)
+
+
+def test_a_model_of_another_shape_does_not_fit(tmp_path):
+    model = nn.Linear(3, 2)
+    CheckpointManager(tmp_path, {MODEL: ModelState(model)}, keep=1, meta=lambda: _meta(1)).save(1)
+    manager = CheckpointManager(tmp_path, {MODEL: ModelState(nn.Linear(4, 2))}, keep=1)
+    with pytest.raises(InputError) as err:
+        manager.restore(manager.load())
+    assert "does not fit this run" in one_line(err) and "step-00000001.pt" in str(err.value)
+
+
+# ---------------------------------------------------------------------------- set aside
+
+
+def test_set_aside_after_moves_newer_checkpoints_into_an_abandoned_folder(tmp_path):
+    run = Run(tmp_path)
+    for step in (2, 4, 6, 8):
+        run.save(step)
+    moved = run.manager.set_aside_after(4)
+    assert steps_of(moved) == [6, 8]
+    assert steps_of(run.manager.saved) == [2, 4] == steps_of(ckpt.list_checkpoints(tmp_path))
+    abandoned = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(abandoned) == 1 and abandoned[0].name.startswith("abandoned-")
+    assert sorted(p.name for p in abandoned[0].iterdir()) == ["step-00000006.pt", "step-00000008.pt"]
+    assert ckpt.load_checkpoint(abandoned[0] / "step-00000008.pt")[STEP] == 8  # kept whole, not deleted
+    assert run.manager.load().step == 4  # a later load does not pick them
+    assert Run(tmp_path).manager.load().step == 4
+    assert steps_of(Run(tmp_path).manager.saved) == [2, 4]
+
+
+def test_set_aside_after_the_newest_moves_nothing_and_makes_no_folder(tmp_path):
+    run = Run(tmp_path)
+    for step in (2, 4):
+        run.save(step)
+    assert run.manager.set_aside_after(4) == [] and run.manager.set_aside_after(10) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002.pt", "step-00000004.pt"]
+
+
+def test_set_aside_after_on_another_rank_moves_nothing(tmp_path):
+    run = Run(tmp_path)
+    for step in (2, 4):
+        run.save(step)
+    assert Run(tmp_path, dist=DistInfo(rank=1, world_size=2)).manager.set_aside_after(0) == []
+    assert steps_of(ckpt.list_checkpoints(tmp_path)) == [2, 4]
+
+
+def test_after_a_set_aside_the_same_steps_are_saved_again_and_pruned_normally(tmp_path):
+    run = Run(tmp_path, keep=2)
+    for step in (2, 4, 6):
+        run.save(step)
+    run.manager.set_aside_after(4)
+    run.save(6)
+    run.save(8)
+    assert steps_of(run.manager.saved) == [6, 8]
+    assert run.manager.load().payload[MODEL] == {"value": "model@8"}
+
+
+# ---------------------------------------------------------------------------- resume
+
+
+def _meta(step: int, config: dict | None = None, world_size: int | None = 1) -> dict[str, Any]:
+    meta = {STEP: step, CONFIG: config if config is not None else {}, MODEL: {}, OPTIMIZER: {}, SCHEDULER: {},
+            STATE: {}, RNG: {}, DATA: step}
+    if world_size is not None:
+        meta[WORLD_SIZE] = world_size
+    return meta
+
+
+def _run_folder(root: Path, steps: tuple[int, ...] = (2, 4), csv: bool = True) -> Path:
+    for step in steps:
+        ckpt.save_checkpoint(root / "checkpoints" / ckpt.checkpoint_name(step), _meta(step))
+    (root / "checkpoints").mkdir(parents=True, exist_ok=True)
+    if csv:
+        (root / "steps.csv").write_text("step\n1\n", encoding="utf-8")
+    return root
+
+
+def test_find_resume_of_a_run_folder_takes_its_newest_loadable_checkpoint(tmp_path):
+    run = _run_folder(tmp_path / "run", (2, 4, 6))
+    (run / "checkpoints" / "step-00000006.pt").write_bytes(b"torn")
+    resume = ck.find_resume(run)
+    assert resume.run_dir == run and resume.path == run / "checkpoints" / "step-00000004.pt"
+    assert resume.loaded.step == 4 and resume.saved_config == {}
+
+
+def test_find_resume_of_a_file_inside_checkpoints_belongs_to_that_run_folder(tmp_path):
+    run = _run_folder(tmp_path / "run", (2, 4))
+    resume = ck.find_resume(str(run / "checkpoints" / "step-00000002.pt"))  # a str works too
+    assert resume.run_dir == run and resume.loaded.step == 2
+    assert resume.path == run / "checkpoints" / "step-00000002.pt"
+
+
+def test_find_resume_of_a_file_elsewhere_takes_the_folder_it_is_in(tmp_path):
+    ckpt.save_checkpoint(tmp_path / "loose" / "step-00000003.pt", _meta(3))
+    (tmp_path / "loose" / "steps.csv").write_text("step\n", encoding="utf-8")
+    assert ck.find_resume(tmp_path / "loose" / "step-00000003.pt").run_dir == tmp_path / "loose"
+
+
+def test_find_resume_refuses_a_folder_without_steps_csv(tmp_path):
+    run = _run_folder(tmp_path / "run", (2,), csv=False)
+    for target in (run, run / "checkpoints" / "step-00000002.pt"):
+        with pytest.raises(InputError) as err:
+            ck.find_resume(target)
+        assert "steps.csv" in one_line(err) and str(run) in str(err.value)
+
+
+def test_find_resume_refuses_a_run_without_checkpoints_and_a_torn_file(tmp_path):
+    run = _run_folder(tmp_path / "run", ())
+    with pytest.raises(InputError) as err:
+        ck.find_resume(run)
+    assert "no checkpoint" in one_line(err)
+    bad = run / "checkpoints" / "step-00000009.pt"
+    bad.write_bytes(b"torn")
+    with pytest.raises(InputError) as err:
+        ck.find_resume(bad)
+    assert str(bad) in one_line(err)
+    with pytest.raises(InputError):
+        ck.find_resume(run / "checkpoints" / "step-00000010.pt")  # no such file
+
+
+BASE = {"precision": "bf16", "accumulation_steps": 2, "seed": 3, "steps": 20,
+        "task": {"name": "charlm", "n_embd": 16, "n_head": 2}, "optimizer": {"name": "adamw"}}
+
+
+def _resume(step: int = 8, world_size: int | None = 1, **changes: Any) -> Resume:
+    config = validate({**BASE, **changes}).model_dump(mode="json")
+    return Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), _meta(step, config, world_size)), Path("run"))
+
+
+def _with(**changes: Any) -> Any:
+    return validate({**BASE, **changes})
+
+
+FIXED_CHANGES = [
+    ({"precision": "fp16"}, "precision", "'bf16'", "'fp16'"),
+    ({"accumulation_steps": 4}, "accumulation_steps", "2", "4"),
+    ({"seed": 4}, "seed", "3", "4"),
+    ({"task": {"name": "charlm", "n_embd": 32, "n_head": 2}}, "task.n_embd", "16", "32"),
+    ({"task": {"name": "charlm", "n_embd": 16, "n_head": 4}}, "task.n_head", "2", "4"),
+    ({"task": {"name": "linear", "n_embd": 16, "n_head": 2}}, "task.name", "'charlm'", "'linear'"),
+    ({"task": {"name": "charlm", "n_embd": 16, "n_head": 2, "factory": "m:build"}}, "task.factory", "None", "'m:build'"),
+    ({"optimizer": {"name": "sgd"}}, "optimizer.name", "'adamw'", "'sgd'"),
+]
+
+
+@pytest.mark.parametrize(("change", "field", "was", "now"), FIXED_CHANGES)
+def test_check_resume_refuses_a_fixed_key_change_naming_the_exact_field(change, field, was, now):
+    with pytest.raises(InputError) as err:
+        ck.check_resume(_resume(), _with(**change), world_size=1)
+    line = one_line(err)
+    assert line == f"--resume: {field} was {was} in the checkpoint, now {now}; a resumed run must keep it"
+
+
+def test_check_resume_refuses_a_checkpoint_whose_config_lacks_a_fixed_key():
+    saved = validate(BASE).model_dump(mode="json")
+    del saved["precision"]
+    resume = Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), _meta(8, saved)), Path("run"))
+    with pytest.raises(InputError) as err:
+        ck.check_resume(resume, _with(), world_size=1)
+    assert one_line(err).startswith("--resume: precision was None in the checkpoint, now 'bf16'")
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="checkpointer.py check_resume: a saved config without the 'optimizer' section makes "
+                   "`a.get(part)` run on None (AttributeError, a traceback) instead of one InputError line")
+def test_check_resume_refuses_a_checkpoint_whose_config_lacks_a_fixed_section():
+    saved = validate(BASE).model_dump(mode="json")
+    del saved["optimizer"]  # load_checkpoint accepts any payload with a "config" entry
+    resume = Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), _meta(8, saved)), Path("run"))
+    with pytest.raises(InputError) as err:
+        ck.check_resume(resume, _with(), world_size=1)
+    assert "optimizer.name" in one_line(err)
+
+
+def test_every_fixed_key_has_a_refusal_test():
+    fields = [field for _, field, _, _ in FIXED_CHANGES]
+    for key in RESUME_FIXED:
+        assert any(f == key or f.startswith(f"{key}.") for f in fields), key
+
+
+@pytest.mark.parametrize("change", [
+    {"steps": 40}, {"optimizer": {"name": "adamw", "lr": 0.5}}, {"checkpoint": {"every": 3}},
+    {"monitor": {"window": 7}}, {"max_norm": 0.0},
+])
+def test_check_resume_accepts_changes_outside_the_fixed_keys(change):
+    ck.check_resume(_resume(), _with(**change), world_size=1)
+
+
+@pytest.mark.parametrize("steps", [8, 5, 1])
+def test_check_resume_refuses_a_run_with_no_steps_left(steps):
+    with pytest.raises(InputError) as err:
+        ck.check_resume(_resume(step=8), _with(steps=steps), world_size=1)
+    line = one_line(err)
+    assert "at step 8" in line and f"{steps} steps" in line and "steps=N" in line
+
+
+def test_check_resume_accepts_one_step_left():
+    ck.check_resume(_resume(step=8), _with(steps=9), world_size=1)
+
+
+def test_check_resume_refuses_another_world_size():
+    with pytest.raises(InputError) as err:
+        ck.check_resume(_resume(world_size=2), _with(), world_size=1)
+    assert "saved by 2 process(es), this run has 1" in one_line(err)
+    with pytest.raises(InputError):  # a checkpoint without the entry was saved by one process
+        ck.check_resume(_resume(world_size=None), _with(), world_size=4)
+    ck.check_resume(_resume(world_size=None), _with(), world_size=1)
+    ck.check_resume(_resume(world_size=2), _with(), world_size=2)
+    ck.check_resume(_resume(world_size=2), _with())  # world size not given: not checked
+
+
+# ---------------------------------------------------------------------------- the real parts
+
+
+def _trained(seed: int) -> tuple[nn.Linear, torch.optim.SGD]:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(5, 4)), torch.randn(5, 3)).backward()
+        opt.step()
+    return model, opt
+
+
+def _parts(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {MODEL: ModelState(model), OPTIMIZER: OptimizerState(model, opt)}
+
+
+def test_model_and_optimizer_state_round_trip_a_linear_with_sgd_momentum(tmp_path):
+    a, opt_a = _trained(0)
+    CheckpointManager(tmp_path, _parts(a, opt_a), keep=1, meta=lambda: _meta(2)).save(2)
+    b, opt_b = _trained(1)  # other weights, other momentum
+    assert not torch.equal(a.weight, b.weight)
+    manager = CheckpointManager(tmp_path, _parts(b, opt_b), keep=1)
+    manager.restore(manager.load())
+    for name, value in a.state_dict().items():
+        assert torch.equal(b.state_dict()[name], value), name
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(opt_a.state[pa]["momentum_buffer"], opt_b.state[pb]["momentum_buffer"])
+    # and they train on identically (the momentum is really the one the optimizer uses)
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+
+
+def test_rng_state_round_trip_through_a_checkpoint(tmp_path):
+    manager = CheckpointManager(tmp_path, {RNG: RngState(DistInfo())}, keep=1, meta=lambda: _meta(1))
+    torch.manual_seed(123)
+    manager.save(1)
+    expected = (torch.rand(4), random.random(), np.random.rand())
+    torch.manual_seed(999)
+    random.seed(999)
+    np.random.seed(999)
+    manager.restore(manager.load())
+    got = (torch.rand(4), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+def test_rng_state_of_one_process_is_one_state_and_each_rank_restores_its_own():
+    state = RngState(DistInfo()).state_dict()
+    assert isinstance(state, dict) and "torch" in state
+    torch.manual_seed(1)
+    first = ckpt.rng_state()
+    torch.manual_seed(2)
+    second = ckpt.rng_state()
+    expected = torch.rand(3)  # what rank 1 (seeded 2) draws next
+    torch.manual_seed(7)
+    RngState(DistInfo(rank=1, world_size=2, local_rank=1)).load_state_dict([first, second])
+    assert torch.equal(torch.rand(3), expected)

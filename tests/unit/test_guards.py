@@ -1,0 +1,384 @@
+"""The guards' decisions (``ampguard.guards``): Continue / Rollback / Stop, typed by ``kind``.
+
+``Guards.check`` is fed hand-made records through a real :class:`RunMonitor`; ``Rollbacks.apply``
+runs over a :class:`CheckpointManager` of fake parts (and a real :class:`DataStream` where the
+batches themselves are the subject).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ampguard import guards as g
+from ampguard.checkpointer import (
+    CONFIG, DATA, MODEL, OPTIMIZER, RNG, ROLLBACK_PARTS, ROLLBACKS, SCHEDULER, STATE, STEP, CheckpointManager,
+)
+from ampguard.config import validate
+from ampguard.data import DataStream
+from ampguard.errors import ExitCode
+from ampguard.events import EventLog
+from ampguard.faults import FaultInjector
+from ampguard.guards import Continue, Guards, Rollback, Rollbacks, Stop
+from ampguard.monitor import FAIL_SCALE_COLLAPSE, FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor
+from ampguard.records import SkipLog, StepLog
+from ampguard.tasks import build_task
+
+
+def clean(step: int, loss: float = 1.0, scale: float = 1.0) -> StepLog:
+    return StepLog(step, lr=torch.tensor(0.1), loss=torch.tensor(loss), grad_l2_pre_clip=torch.tensor(0.5),
+                   grad_l2_post_clip=torch.tensor(0.5), scaler_scale=torch.tensor(scale))
+
+
+def skip(step: int, reason: str = "non_finite_grad", scale: float = 1.0) -> SkipLog:
+    loss = float("nan") if reason == "non_finite_loss" else 1.0
+    return SkipLog(step, lr=torch.tensor(0.1), loss=torch.tensor(loss), grad_l2_pre_clip=None,
+                   grad_l2_post_clip=None, scaler_scale=torch.tensor(scale), reason=reason)
+
+
+def monitor_for(config: Any, scaler_enabled: bool = False, **kwargs: Any) -> RunMonitor:
+    m = config.monitor
+    return RunMonitor(window=m.window, fail_rate=m.fail_rate, fail_after=m.fail_after, scaler_enabled=scaler_enabled,
+                      min_steps=0, **kwargs)
+
+
+def feed(guards: Guards, monitor: RunMonitor, records: list, diagnosis: str | None = None) -> list:
+    decisions = []
+    for record in records:
+        monitor.observe(record)
+        decisions.append(guards.check(record, diagnosis))
+    return decisions
+
+
+GUARDED = {"monitor": {"window": 10, "fail_rate": 0.3, "fail_after": 3}}
+
+
+# ---------------------------------------------------------------------------- Guards.check
+
+
+def test_clean_steps_continue():
+    config = validate(GUARDED)
+    monitor = monitor_for(config)
+    decisions = feed(Guards(config, monitor), monitor, [clean(s) for s in range(1, 21)])
+    assert decisions == [g.CONTINUE] * 20 and all(isinstance(d, Continue) for d in decisions)
+
+
+def test_a_few_skips_under_the_fail_rate_continue():
+    config = validate(GUARDED)
+    monitor = monitor_for(config)
+    records = [skip(s) if s in (4, 12) else clean(s) for s in range(1, 21)]
+    assert set(feed(Guards(config, monitor), monitor, records)) == {g.CONTINUE}
+
+
+def test_the_skip_rate_guard_stops_when_it_fails_not_a_step_earlier():
+    config = validate(GUARDED)
+    monitor = monitor_for(config)
+    guards = Guards(config, monitor)
+    # rates 1/6, 2/7 (not above 0.3), 3/8, 4/9, 5/10: the third step above the fail rate is step 10
+    decisions = feed(guards, monitor, [clean(s) for s in range(1, 6)] + [skip(s) for s in range(6, 10)])
+    assert decisions == [g.CONTINUE] * 9
+    stop = feed(guards, monitor, [skip(10)])[0]
+    assert isinstance(stop, Stop)
+    assert stop.exit_code == ExitCode.GUARD and stop.kind == FAIL_SKIP_RATE == monitor.failed.cause
+    assert stop.why.startswith("stopped by the guard at step 10: ") and monitor.failed.message in stop.why
+
+
+def test_a_scale_collapse_stops_with_the_monitors_cause():
+    config = validate({"precision": "fp16", "monitor": {"fail_on_scale_collapse": True, "fail_after": 2}})
+    monitor = monitor_for(config, scaler_enabled=True, init_scale=4.0, min_scale=1.0, fail_on_scale_collapse=True)
+    decisions = feed(Guards(config, monitor), monitor,
+                     [skip(1, scale=2.0), skip(2, scale=1.0), skip(3, scale=1.0)])
+    assert decisions[:2] == [g.CONTINUE, g.CONTINUE]
+    assert isinstance(decisions[2], Stop) and decisions[2].kind == FAIL_SCALE_COLLAPSE
+    assert decisions[2].exit_code == ExitCode.GUARD
+
+
+@pytest.mark.parametrize(("fail_after", "first_clean"), [(3, 5), (1, 5), (2, 0)])
+def test_the_skip_guard_trigger_rolls_back_to_before_the_first_bad_step(fail_after, first_clean):
+    config = validate({"monitor": {"window": 10, "fail_rate": 0.1, "fail_after": fail_after},
+                       "rollback": {"triggers": ["skip_guard"]}, "checkpoint": {"every": 5}})
+    monitor = monitor_for(config)
+    guards = Guards(config, monitor)
+    records = [clean(s) for s in range(1, first_clean + 1)]
+    records += [skip(s) for s in range(first_clean + 1, first_clean + 11)]
+    decisions = feed(guards, monitor, records)
+    fail_at = first_clean + fail_after  # every skip lifts the rate above 0.1
+    assert decisions[: fail_at - 1] == [g.CONTINUE] * (fail_at - 1)
+    rollback = decisions[fail_at - 1]
+    assert isinstance(rollback, Rollback) and rollback.kind == g.SKIP_GUARD
+    assert rollback.first_bad_step == fail_at - fail_after + 1 == first_clean + 1
+    assert rollback.why.startswith("skip-rate guard: ")
+
+
+def test_a_scale_collapse_is_a_stop_even_with_the_skip_guard_trigger():
+    config = validate({"precision": "fp16", "rollback": {"triggers": ["skip_guard"]}, "checkpoint": {"every": 5},
+                       "monitor": {"fail_rate": 0.99, "fail_after": 2, "fail_on_scale_collapse": True}})
+    monitor = monitor_for(config, scaler_enabled=True, init_scale=2.0, min_scale=1.0, fail_on_scale_collapse=True)
+    decisions = feed(Guards(config, monitor), monitor, [clean(1, scale=2.0), skip(2), skip(3)])
+    assert isinstance(decisions[-1], Stop) and decisions[-1].kind == FAIL_SCALE_COLLAPSE
+
+
+def test_the_skip_guard_without_its_trigger_stops_even_with_the_loss_spike_trigger():
+    config = validate({**GUARDED, "rollback": {"triggers": ["loss_spike"]}, "checkpoint": {"every": 5}})
+    monitor = monitor_for(config)
+    guards = Guards(config, monitor, LossSpikeDetector(config.rollback.window, config.rollback.z))
+    decisions = feed(guards, monitor, [skip(s) for s in range(1, 4)])
+    assert isinstance(decisions[-1], Stop) and decisions[-1].kind == FAIL_SKIP_RATE
+
+
+SPIKE = {"rollback": {"triggers": ["loss_spike"], "window": 4, "z": 3.0}, "checkpoint": {"every": 5}}
+
+
+def spike_guards(**extra: Any) -> tuple[Guards, RunMonitor, LossSpikeDetector]:
+    config = validate({**SPIKE, **extra})
+    monitor = monitor_for(config)
+    spikes = LossSpikeDetector(config.rollback.window, config.rollback.z)
+    return Guards(config, monitor, spikes), monitor, spikes
+
+
+def test_a_loss_spike_after_a_full_window_of_steady_losses_rolls_back_to_before_it():
+    guards, monitor, _ = spike_guards()
+    decisions = feed(guards, monitor, [clean(s, loss=2.0) for s in range(1, 5)] + [clean(5, loss=40.0)])
+    assert decisions[:4] == [g.CONTINUE] * 4
+    rollback = decisions[4]
+    assert isinstance(rollback, Rollback) and rollback.kind == g.LOSS_SPIKE and rollback.first_bad_step == 5
+    assert rollback.why == "loss spike (40 > mean + 3 std)"
+
+
+def test_a_spike_before_the_window_is_full_is_not_judged():
+    guards, monitor, _ = spike_guards()
+    decisions = feed(guards, monitor, [clean(s, loss=2.0) for s in range(1, 4)] + [clean(4, loss=1e6)])
+    assert decisions == [g.CONTINUE] * 4
+
+
+def test_a_skipped_step_is_never_a_loss_spike_and_does_not_enter_the_window():
+    guards, monitor, spikes = spike_guards()
+    feed(guards, monitor, [clean(s, loss=2.0) for s in range(1, 5)])
+    before = spikes.state_dict()
+    assert feed(guards, monitor, [skip(5, "non_finite_loss"), skip(6, "non_finite_grad")]) == [g.CONTINUE] * 2
+    assert spikes.state_dict() == before
+    assert isinstance(feed(guards, monitor, [clean(7, loss=3.0)])[0], Rollback)
+
+
+def test_strict_mode_stops_at_the_first_skip_with_the_diagnosis():
+    config = validate({"diagnose": {"strict": True}})
+    monitor = monitor_for(config)
+    guards = Guards(config, monitor)
+    assert feed(guards, monitor, [clean(1), clean(2)], "unused") == [g.CONTINUE] * 2
+    finding = "step 3 (non_finite_grad): first non-finite value in fc1.weight.grad"
+    stop = feed(guards, monitor, [skip(3)], finding)[0]
+    assert isinstance(stop, Stop) and stop.kind == g.STRICT and stop.exit_code == ExitCode.GUARD
+    assert stop.why == f"strict mode: non-finite gradient at step 3: {finding}"
+    stop = feed(guards, monitor, [skip(4, "non_finite_loss")], "the loss")[0]
+    assert stop.why == "strict mode: non-finite loss at step 4: the loss"
+
+
+def test_strict_mode_wins_over_the_skip_guard_trigger():
+    config = validate({"diagnose": {"strict": True}, "monitor": {"fail_rate": 0.1, "fail_after": 1},
+                       "rollback": {"triggers": ["skip_guard"]}, "checkpoint": {"every": 5}})
+    monitor = monitor_for(config)
+    decision = feed(Guards(config, monitor), monitor, [skip(1)], "why")[0]
+    assert isinstance(decision, Stop) and decision.kind == g.STRICT
+
+
+# ---------------------------------------------------------------------------- Rollbacks.apply
+
+
+class Part:
+    """A fake part: ``value`` is its state; ``loads`` counts its restores."""
+
+    def __init__(self, value: Any) -> None:
+        self.value, self.loads = value, 0
+
+    def state_dict(self) -> Any:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.value, self.loads = state["value"], self.loads + 1
+
+
+class FakeStep:
+    """Stands in for AmpTrainState: a step counter, a scaler value, monitors' state."""
+
+    def __init__(self) -> None:
+        self.steps, self.scale, self.loaded = 0, 1024.0, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.steps, "scaler": self.scale, "monitors": {"run": {"steps": self.steps}}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+        self.steps, self.scale = state["step"], state["scaler"]
+
+
+class FakeData:
+    """Stands in for DataStream: a position, seek, and a count of restores."""
+
+    def __init__(self) -> None:
+        self.position, self.loads, self.seeks = 0, 0, []
+
+    def seek(self, position: int) -> None:
+        self.position = position
+        self.seeks.append(position)
+
+    def state_dict(self) -> int:
+        return self.position
+
+    def load_state_dict(self, position: int) -> None:
+        self.loads += 1
+        self.seek(position)
+
+
+class World:
+    """Fake parts under a real CheckpointManager, and a Rollbacks over them."""
+
+    def __init__(self, folder: Path, data: Any = None, **rollback: Any) -> None:
+        rollback.setdefault("skip_batches", 3)
+        self.config = validate({"rollback": {"triggers": ["loss_spike"], "window": 2, **rollback},
+                                "checkpoint": {"every": 5}, "monitor": {"fail_rate": 0.5, "fail_after": 1}})
+        self.step = FakeStep()
+        self.data = data if data is not None else FakeData()
+        self.parts = {MODEL: Part("w0"), OPTIMIZER: Part("m0"), SCHEDULER: Part("s0"), RNG: Part("r0")}
+        self.manager = CheckpointManager(folder, {**self.parts, STATE: self.step, DATA: self.data}, keep=10,
+                                         meta=lambda: {STEP: self.step.steps, CONFIG: {}})
+        self.monitor = RunMonitor(window=5, fail_rate=0.5, fail_after=1, scaler_enabled=False, min_steps=0)
+        self.spikes = LossSpikeDetector(2, 3.0)
+        self.lines: list[str] = []
+        self.rollbacks = Rollbacks(self.config, self.manager, self.step, self.data, self.monitor, self.spikes,
+                                   EventLog(None, self.lines.append))
+        self.manager.parts[ROLLBACKS] = self.rollbacks
+
+    def advance(self, step: int, batches_per_step: int = 2) -> None:
+        """Train on to ``step``: every part changes, the data moves on."""
+        self.step.steps, self.step.scale = step, 1024.0 / step
+        for name, part in self.parts.items():
+            part.value = f"{name}@{step}"
+        self.data.seek(step * batches_per_step)
+
+    def save_at(self, step: int) -> None:
+        self.advance(step)
+        self.manager.save(step)
+
+
+def test_a_rollback_restores_the_training_state_keeps_the_step_and_seeks_past_the_bad_data(tmp_path):
+    w = World(tmp_path)
+    w.save_at(10)
+    w.advance(14)
+    w.rollbacks.log = ["step 3: an earlier rollback"]  # not in the checkpoint: a rollback must keep it
+    w.monitor.observe(skip(14))
+    w.spikes.check(1.0)
+    w.spikes.check(1.0)
+    assert w.monitor.failed is not None and w.spikes.check(100.0)
+
+    decision = w.rollbacks.apply(Rollback(12, "loss spike (100 > mean + 3 std)", g.LOSS_SPIKE))
+    assert decision == g.CONTINUE
+    assert {name: p.value for name, p in w.parts.items()} == {MODEL: "model@10", OPTIMIZER: "optimizer@10",
+                                                             SCHEDULER: "scheduler@10", RNG: "rng@10"}
+    assert w.step.scale == 1024.0 / 10  # the scaler goes back ...
+    assert w.step.steps == 14 and w.step.loaded["step"] == 14  # ... the step counter does not
+    assert w.step.loaded["monitors"] == {}  # the monitors' history goes on (not reloaded from the checkpoint)
+    assert w.data.loads == 0 and w.data.position == 20 + 3  # not restored: sought to checkpoint + skip_batches
+    assert w.rollbacks.log[0] == "step 3: an earlier rollback" and len(w.rollbacks.log) == 2
+    assert w.rollbacks.log[1].startswith("step 14: loss spike (100 > mean + 3 std): rolled back to step-00000010.pt")
+    assert len(w.lines) == 1
+    assert w.lines[0] == ("ROLLBACK 14 loss spike (100 > mean + 3 std): rolled back to step-00000010.pt (step 10) "
+                          "and skipped 3 batches (data position 28 -> 23)")
+    assert w.monitor.failed is None  # the windows restart ...
+    assert w.spikes.check(100.0) is False  # ... the spike detector's too
+
+
+def test_a_rollback_restores_exactly_the_rollback_parts(tmp_path):
+    w = World(tmp_path)
+    w.save_at(10)
+    w.advance(12)
+    restored: list[str] = []
+    manager_restore = w.manager.restore
+
+    def spy(loaded, parts=None):
+        restored.extend(parts)
+        return manager_restore(loaded, parts)
+
+    w.manager.restore = spy
+    assert w.rollbacks.apply(Rollback(12, "why", g.LOSS_SPIKE)) == g.CONTINUE
+    assert tuple(restored) == ROLLBACK_PARTS == (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG)
+    assert DATA not in restored and ROLLBACKS not in restored
+
+
+@pytest.mark.parametrize(("first_bad", "expected"), [(16, 15), (15, 10), (11, 10)])
+def test_a_rollback_goes_to_the_newest_checkpoint_strictly_before_the_first_bad_step(tmp_path, first_bad, expected):
+    w = World(tmp_path, skip_batches=0)
+    w.save_at(10)
+    w.save_at(15)
+    w.advance(17)
+    assert w.rollbacks.apply(Rollback(first_bad, "why", g.SKIP_GUARD)) == g.CONTINUE
+    assert w.parts[MODEL].value == f"model@{expected}"
+    assert w.data.position == expected * 2 and w.step.steps == 17
+
+
+def test_no_checkpoint_before_the_bad_step_stops_and_restores_nothing(tmp_path):
+    w = World(tmp_path)
+    w.save_at(10)
+    w.advance(12)
+    decision = w.rollbacks.apply(Rollback(10, "skip-rate guard: too many skips", g.SKIP_GUARD))
+    assert isinstance(decision, Stop) and decision.kind == g.NO_CHECKPOINT and decision.exit_code == ExitCode.GUARD
+    assert decision.why.startswith("stopped at step 12: skip-rate guard: too many skips; cannot roll back: ")
+    assert "before step 10" in decision.why
+    assert w.parts[MODEL].value == "model@12" and w.parts[MODEL].loads == 0 and w.data.position == 24
+    assert w.rollbacks.log == [] and w.lines == []
+
+
+def test_no_checkpoint_at_all_stops(tmp_path):
+    w = World(tmp_path / "empty")
+    w.advance(3)
+    decision = w.rollbacks.apply(Rollback(3, "why", g.LOSS_SPIKE))
+    assert isinstance(decision, Stop) and decision.kind == g.NO_CHECKPOINT
+
+
+@pytest.mark.parametrize("allowed", [0, 1, 2])
+def test_after_rollback_max_rollbacks_the_next_one_stops(tmp_path, allowed):
+    w = World(tmp_path, max=allowed)
+    w.save_at(10)
+    for n in range(allowed):
+        w.advance(12 + n)
+        assert w.rollbacks.apply(Rollback(12, "why", g.LOSS_SPIKE)) == g.CONTINUE
+    w.advance(20)
+    decision = w.rollbacks.apply(Rollback(12, "loss spike", g.LOSS_SPIKE))
+    assert isinstance(decision, Stop) and decision.kind == g.ROLLBACKS_USED_UP and decision.exit_code == ExitCode.GUARD
+    assert decision.why == (f"stopped at step 20: loss spike; all {allowed} rollbacks (rollback.max) are used up")
+    assert w.parts[MODEL].value == "model@20" and len(w.rollbacks.log) == allowed and len(w.lines) == allowed
+
+
+def test_the_rollback_log_is_a_checkpointed_part(tmp_path):
+    w = World(tmp_path)
+    w.save_at(10)
+    w.advance(12)
+    w.rollbacks.apply(Rollback(12, "why", g.LOSS_SPIKE))
+    w.save_at(20)
+    other = World(tmp_path)
+    other.manager.restore(other.manager.load())
+    assert other.rollbacks.log == w.rollbacks.log and len(other.rollbacks.log) == 1
+    assert other.rollbacks.state_dict() is not other.rollbacks.log  # a copy, not the live list
+
+
+def test_after_a_rollback_the_real_stream_gives_the_batch_at_checkpoint_position_plus_skip(tmp_path):
+    task = build_task(validate({"task": {"name": "linear", "batch_size": 2}}))
+    reference = DataStream(task, FaultInjector([]), torch.device("cpu"))
+    expected = [reference.next(first_step=1) for _ in range(30)]
+
+    data = DataStream(task, FaultInjector([]), torch.device("cpu"))
+    w = World(tmp_path, data=data, skip_batches=5)
+    for _ in range(8):
+        data.next(first_step=1)
+    w.step.steps = 4
+    w.manager.save(4)  # data position 8
+    for _ in range(6):
+        data.next(first_step=5)
+    w.step.steps = 7
+    assert w.rollbacks.apply(Rollback(6, "why", g.LOSS_SPIKE)) == g.CONTINUE
+    assert data.position == 13
+    x, y = data.next(first_step=8)
+    assert torch.equal(x, expected[13][0]) and torch.equal(y, expected[13][1])
+    assert data.position == 14
