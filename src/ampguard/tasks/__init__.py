@@ -7,64 +7,11 @@ own with ``task.factory`` (see :mod:`ampguard.tasks.factory`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
+from .base import Batch, Task, cycle, mean_loss
 
-Batch = tuple[Any, Any]
-
-
-@dataclass
-class Task:
-    """What ``ampguard train`` needs from a workload.
-
-    Example::
-
-        >>> data = [(torch.ones(4, 2), torch.zeros(4, 1))]
-        >>> task = Task("toy", nn.Linear(2, 1), nn.functional.mse_loss, batches=lambda: cycle(lambda: data),
-        ...             mode="regression")
-        >>> inputs, targets = next(task.batches())
-        >>> task.scores(task.model, inputs).shape == targets.shape
-        True
-    """
-
-    name: str
-    model: nn.Module
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    batches: Callable[[], Iterator[Batch]]
-    """``batches()`` -> an endless iterator of (inputs, targets) micro-batches on the CPU, the
-    same sequence on every call (so a resumed run can skip to where it was)."""
-    evaluate: Callable[[nn.Module, torch.device], dict[str, float]] | None = None
-    """``evaluate(model, device)`` -> held-out metrics; called in eval mode, under no_grad and
-    the run's autocast. It must not draw from the global RNGs."""
-    metrics: tuple[str, ...] = ()
-    """The names ``evaluate`` returns: extra CSV columns after the fixed eight."""
-    float_inputs: bool = True
-    """Whether inputs are floating point (``nan_input`` can only corrupt those)."""
-    description: str = ""
-    mode: str = "classifier"
-    """``classifier`` (scores per class, the decision is the argmax) or ``regression``."""
-    held_out: Callable[[], Batch] | None = None
-    """``held_out()`` -> a fixed (inputs, targets) evaluation set as tensors (``ampguard validate``)."""
-    edge_cases: Callable[[], tuple[list[str], torch.Tensor]] | None = None
-    """``edge_cases()`` -> (names, inputs): unusual inputs for the probe set."""
-    predict: Callable[[nn.Module, Any], torch.Tensor] | None = None
-    """Scores for a batch of inputs, one row per example (default: ``model(inputs)``)."""
-
-    def scores(self, model: nn.Module, inputs: Any) -> torch.Tensor:
-        """Scores for ``inputs``, one row per example: ``predict`` if given, else ``model(inputs)``.
-
-        Example::
-
-            >>> task = Task("toy", nn.Linear(2, 3), nn.functional.cross_entropy, batches=lambda: iter(()),
-            ...             predict=lambda m, x: m(x).softmax(dim=1))
-            >>> task.scores(task.model, torch.ones(5, 2)).sum(dim=1).allclose(torch.ones(5))
-            True
-        """
-        return self.predict(model, inputs) if self.predict is not None else model(inputs)
+__all__ = ["Batch", "Task", "build_task", "cycle", "mean_loss"]
 
 
 def build_task(config: Any) -> Task:
@@ -91,45 +38,3 @@ def build_task(config: Any) -> Task:
     else:  # pragma: no cover - the config only admits the names above
         raise ValueError(f"unknown task {config.task.name!r}")
     return build(config)
-
-
-def cycle(make_iterable: Callable[[], Any]) -> Iterator[Batch]:
-    """Endless batches from a finite, re-iterable source (a list, a DataLoader): epoch after epoch.
-
-    Example::
-
-        >>> stream = cycle(lambda: ["a", "b"])
-        >>> [next(stream) for _ in range(5)]
-        ['a', 'b', 'a', 'b', 'a']
-        >>> next(cycle(lambda: []))
-        Traceback (most recent call last):
-        ...
-        ValueError: the data yielded no batches
-    """
-    while True:
-        empty = True
-        for batch in make_iterable():
-            empty = False
-            yield batch
-        if empty:
-            raise ValueError("the data yielded no batches")
-
-
-@torch.no_grad()
-def mean_loss(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], batches: list[Batch],
-              device: torch.device) -> float:
-    """The mean of ``loss_fn`` over fixed held-out batches (a Python float: costs a host sync).
-
-    Example::
-
-        >>> model = nn.Linear(1, 1)
-        >>> with torch.no_grad():
-        ...     _ = model.weight.fill_(1.0), model.bias.zero_()
-        >>> batches = [(torch.ones(2, 1), torch.zeros(2, 1)), (torch.ones(2, 1), torch.ones(2, 1))]
-        >>> mean_loss(model, nn.functional.mse_loss, batches, torch.device("cpu"))  # (1 + 0) / 2
-        0.5
-    """
-    total = torch.zeros((), device=device)
-    for inputs, targets in batches:
-        total += loss_fn(model(inputs.to(device)), targets.to(device)).float()
-    return float(total / len(batches))

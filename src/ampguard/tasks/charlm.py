@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import InputError
-from . import Task, mean_loss
+from .base import Task, mean_loss
 
 SOURCES: tuple[str, ...] = (
     "argparse.py", "bisect.py", "calendar.py", "csv.py", "dataclasses.py", "fractions.py",

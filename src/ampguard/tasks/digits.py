@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import InputError
-from . import Task
+from .base import Task
 
 TEST_SIZE = 300
 SPLIT_SEED = 20_240_601

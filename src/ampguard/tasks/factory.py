@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from . import Task, cycle
+from .base import Task, cycle
 
 
 def load_factory(spec: str) -> Callable[..., Any]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import Task, mean_loss
+from .base import Task, mean_loss
 
 IN_FEATURES = 16
 OUT_FEATURES = 4
