@@ -41,17 +41,19 @@ class HostReads(TorchFunctionMode):
 
 
 def reference_rates(skipped: list[bool], window: int) -> list[float]:
-    """Rolling skip rate after each step, by brute force: skips in the last ``window`` steps / window."""
-    return [sum(skipped[max(0, i + 1 - window): i + 1]) / window for i in range(len(skipped))]
+    """Rolling skip rate after each step, by brute force: skips among the steps the window holds
+    (the last ``window`` steps, or every step so far while there are fewer)."""
+    return [sum(held) / len(held) for held in (skipped[max(0, i + 1 - window): i + 1] for i in range(len(skipped)))]
 
 
 def reference_episodes(
-    rates: list[float], threshold: float, labels: tuple[str, str] = ("ALERT", "CLEAR")
+    rates: list[float], threshold: float, labels: tuple[str, str] = ("ALERT", "CLEAR"), min_steps: int = 0
 ) -> list[tuple[int, str]]:
-    """(step, label) each time the rate crosses ``threshold`` (above = alerting)."""
+    """(step, label) each time the rate crosses ``threshold`` (above = alerting); an alert starts
+    only from step ``min_steps`` on."""
     out, alerting = [], False
     for step, rate in enumerate(rates, start=1):
-        if rate > threshold and not alerting:
+        if rate > threshold and not alerting and step >= min_steps:
             out.append((step, labels[0]))
             alerting = True
         elif rate <= threshold and alerting:
@@ -60,9 +62,9 @@ def reference_episodes(
     return out
 
 
-def reference_episodes_events(rates: list[float], threshold: float) -> list[tuple[int, str]]:
+def reference_episodes_events(rates: list[float], threshold: float, min_steps: int = 0) -> list[tuple[int, str]]:
     """The same, labelled as the event log names them."""
-    return reference_episodes(rates, threshold, ("skip_rate_alert", "skip_rate_clear"))
+    return reference_episodes(rates, threshold, ("skip_rate_alert", "skip_rate_clear"), min_steps)
 
 
 def reference_fail_step(rates: list[float], fail_rate: float, fail_after: int) -> int | None:

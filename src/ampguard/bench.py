@@ -355,3 +355,30 @@ def machine() -> str:
 
 def to_json(results: list[Result]) -> str:
     return json.dumps({"machine": machine(), "results": [asdict(r) for r in results]}, indent=2)
+
+
+WORKLOADS = ("mlp", "transformer", "gpt2")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str = "fp32,bf16,fp16", steps: int = 30,
+        rounds: int = 7, warmup: int = 5, fused: bool = False, peers: bool = True, peak_tflops: float | None = None,
+        quick: bool = False, as_json: bool = False) -> int:
+    """``ampguard bench``: measure, then print a table (or JSON) and the speed-ups. Returns 0."""
+    from .build import resolve_device
+    from .errors import InputError
+
+    where = resolve_device(device)
+    workloads, names = models.split(","), precisions.split(",")
+    for kind, given, known in (("model", workloads, WORKLOADS), ("precision", names, PRECISIONS)):
+        for name in given:
+            if name not in known:
+                raise InputError(f"bench: unknown {kind} {name!r} ({', '.join(known)})")
+    if quick:
+        steps, rounds, warmup = 3, 2, 1
+    torch.manual_seed(0)
+    print(f"ampguard bench on {where} ({machine()}): {rounds} rounds x {steps} steps, interleaved")
+    results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
+                        warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops)
+    print(to_json(results) if as_json else "\n".join([table(results), *speedups(results)]))
+    return 0

@@ -1,4 +1,4 @@
-"""``ampguard VERB ...``: the command line. Exit codes: 0 done, 2 bad input, 130 interrupted."""
+"""``ampguard VERB ...``: the command line. Exit codes are :class:`~ampguard.errors.ExitCode`."""
 
 from __future__ import annotations
 
@@ -6,13 +6,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import InputError
-
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
+from .errors import ExitCode, InputError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,205 +54,70 @@ def _fault(text: str) -> str:
     return text
 
 
-# ---------------------------------------------------------------------------- demo
-
-DEMO_INIT_SCALE = 2.0**10  # small enough that clean fp16 gradients never overflow in the demo
+# ---------------------------------------------------------------------------- verbs
+# Each verb parses, then calls one function of its module; main() maps exceptions to exit codes.
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .config import validate
-    from .train import run
+    from . import demo
 
-    precision = "bf16" if args.bf16 else args.precision
     if args.bf16 and args.precision not in (None, "bf16"):
         raise InputError(f"demo: --bf16 contradicts --precision {args.precision}")
-    precision = precision or "fp16"
     inject = [f for f in (args.inject or ["spike@5" if args.spike else "inf_grad@5"]) if f != "none"]
     if args.spike and args.inject:
         inject.append("spike@5")
-    config = validate(
-        {
-            "precision": precision,
-            "steps": args.steps,
-            "max_norm": args.max_norm,
-            "seed": args.seed,
-            "device": args.device,
-            "inject": inject,
-            "task": {"name": "linear", "batch_size": 32},
-            "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.0},
-            "schedule": {"decay": "constant"},
-            "eval": {"enabled": False},
-            "diagnose": {"strict": args.strict},
-            "scaler": {"init_scale": DEMO_INIT_SCALE, "growth_interval": 1_000_000},
-            "monitor": _monitor_flags(args),
-        }
-    )
-    csv_path = Path(args.csv) if args.csv else None
-    if csv_path is not None and csv_path.exists():
-        raise InputError(f"--csv {csv_path} already exists; refusing to overwrite it")
-    from .train import RunPaths
-
-    scaler = f"GradScaler(init_scale={DEMO_INIT_SCALE:g})" if precision == "fp16" else "no loss scaler"
-    print(
-        f"ampguard demo: nn.Linear, {config.steps} steps, {precision} with {scaler}, "
-        f"max_norm={config.max_norm}, inject: {', '.join(inject) or 'none'}"
-    )
-    result = run(config, outputs=lambda: RunPaths(csv=csv_path), console_every=1)
-    return _finish(result)
-
-
-def _monitor_flags(args: argparse.Namespace) -> dict[str, Any]:
-    flags: dict[str, Any] = {}
-    if args.fail_skip_rate is not None:
-        flags["fail_rate"] = args.fail_skip_rate
-    if args.fail_after is not None:
-        flags["fail_after"] = args.fail_after
-    return flags
-
-
-def _finish(result: Any) -> int:
-    """The closing lines every run prints: summary, why it ended, where its records are."""
-    from . import distributed
-
-    if not distributed.current().is_main:  # under torchrun, rank 0 speaks for the run
-        return result.exit_code
-    print(f"summary: {result.monitor.summary()}")
-    print(f"ended: {result.ended}")
-    csv_path, run_dir = result.paths.csv, result.paths.dir
-    if run_dir is not None:
-        print(f"run folder: {run_dir} (RUN.md, steps.csv, events.jsonl, report.png, checkpoints/)")
-    elif csv_path is not None:
-        print(f"csv: {csv_path} ({result.monitor.steps} rows)")
-    if result.exit_code == EXIT_INTERRUPTED:
-        where = f"; {result.monitor.steps} complete rows in {csv_path}" if csv_path else ""
-        print(f"interrupted after step {result.monitor.steps}{where}", file=sys.stderr)
-    return result.exit_code
-
-
-# ---------------------------------------------------------------------------- train
+    config = demo.demo_config(precision="bf16" if args.bf16 else args.precision or "fp16", steps=args.steps,
+                              inject=inject, max_norm=args.max_norm, seed=args.seed, device=args.device,
+                              strict=args.strict, monitor=_monitor_flags(args))
+    return demo.run(config, csv=args.csv)
 
 
 def _train(args: argparse.Namespace) -> int:
+    from . import train
+    from .checkpointer import find_resume
     from .config import dump_config
-    from .train import RunPaths, check_resume_config, prepare_resume, run
 
-    resume, saved = prepare_resume(args.resume) if args.resume else (None, None)
-    sections: dict[str, dict[str, Any]] = {"monitor": _monitor_flags(args)}
-    if args.strict:
-        sections["diagnose"] = {"strict": True}
-    config = _config_from(args, base=saved, sections=sections)
-    if resume is not None:
-        assert saved is not None
-        check_resume_config(saved, config)
-        step = int(resume.payload["step"])
-        if step >= config.steps:
-            raise InputError(f"--resume: {resume.path} is at step {step}, the run asks for {config.steps} steps; "
-                             "raise steps (--set steps=N) to continue")
+    resume = find_resume(args.resume) if args.resume else None
+    sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
+    config = _config_from(args, base=resume.saved_config if resume else None, sections=sections)
     if args.print_config:
         print(dump_config(config), end="")
-        return 0
-
-    def outputs() -> RunPaths:
-        if resume is not None:
-            paths = RunPaths.existing(resume.run_dir)
-            paths.write_config(config)
-            print(f"run folder: {paths.dir} (resuming from {resume.path.name}, step {resume.payload['step']})")
-        else:
-            paths = RunPaths.new_run_dir(config)
-            print(f"run folder: {paths.dir}")
-        return paths
-
-    every = config.log.every
-    try:
-        result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume)
-        return _finish(result)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------- validate
+        return ExitCode.OK
+    return train.train(config, resume)
 
 
 def _validate(args: argparse.Namespace) -> int:
-    import time
+    from . import validate
 
-    from .checkpoint import load_weights
-    from .tasks import build_task
-    from .train import resolve_device
-    from .validate import compare, compare_training, write_outputs
-
-    config = _config_from(args)
-    cfg = config.validation
-    if args.train_steps is not None:
-        cfg = cfg.model_copy(update={"train_steps": args.train_steps})
-        config = config.model_copy(update={"validation": cfg})
-    device = resolve_device(config.device)
-    task = build_task(config)
-    model = task.model.to(device)
-    weights = "freshly initialised (no checkpoint given)"
-    checkpoint = args.checkpoint or cfg.checkpoint
-    if checkpoint:
-        payload = load_weights(model, checkpoint, map_location=device)
-        weights = f"from {checkpoint} (step {payload['step']})"
-    out = Path(args.out) if args.out else Path(config.log.dir) / time.strftime("validate-%Y%m%d-%H%M%S")
-    if out.exists() and any(out.iterdir()):
-        raise InputError(f"--out {out} exists and is not empty; refusing to overwrite it")
-
-    training = compare_training(task, config, device, cfg.train_steps) if cfg.train_steps else []
-    result = compare(task, model, config, device)
-    result.weights, result.training = weights, training
-    out.mkdir(parents=True, exist_ok=True)
-    md, js = write_outputs(result, config, out)
-    for r in result.reference:
-        print(f"reference: {r.criterion}: {r.reference} -> {r.decision}")
-    for precision in result.results:
-        for r in precision.rules:
-            print(f"{precision.precision}: {r.criterion}: {r.amp} -> {r.decision}")
-    for t in training:
-        print(f"train {t['precision']}: {t['updates_applied']} updates applied, final loss {t['final_loss']:.4g}")
-    verdict = "ACCEPTED" if result.ok else "REJECTED" + ("" if result.reference_ok else " (FP32 reference not trusted)")
-    print(f"validate: {verdict}; report {md}, {js}")
-    return 0 if result.ok else 1
+    return validate.run(_config_from(args), checkpoint=args.checkpoint, out=args.out, train_steps=args.train_steps)
 
 
-# ---------------------------------------------------------------------------- bench
+def _locate(args: argparse.Namespace) -> int:
+    from . import locate
+
+    return locate.run(_config_from(args), step=args.step, batch=args.batch, checkpoint=args.checkpoint,
+                      scale=args.scale, as_json=args.json)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from . import report
+
+    return report.run(args.path, out=args.out, max_norm=args.max_norm, window=args.window,
+                      alert_rate=args.alert_rate, fail_rate=args.fail_rate, min_steps=args.min_steps)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import torch
+    from . import bench
 
-    from .bench import machine, run_bench, speedups, table, to_json
-    from .train import resolve_device
-
-    device = resolve_device(args.device)
-    workloads = args.models.split(",")
-    precisions = args.precisions.split(",")
-    for name in workloads:
-        if name not in ("mlp", "transformer", "gpt2"):
-            raise InputError(f"bench: unknown model {name!r} (mlp, transformer, gpt2)")
-    for name in precisions:
-        if name not in ("fp32", "bf16", "fp16"):
-            raise InputError(f"bench: unknown precision {name!r} (fp32, bf16, fp16)")
-    if args.quick:
-        args.steps, args.rounds, args.warmup = 3, 2, 1
-    torch.manual_seed(0)
-    print(f"ampguard bench on {device} ({machine()}): {args.rounds} rounds x {args.steps} steps, interleaved")
-    results = run_bench(device=device, workloads=workloads, precisions=precisions, steps=args.steps,
-                        rounds=args.rounds, warmup=args.warmup, peers=not args.no_peers, fused=args.fused,
-                        peak_tflops=args.peak_tflops)
-    if args.json:
-        print(to_json(results))
-    else:
-        print(table(results))
-        for line in speedups(results):
-            print(line)
-    return 0
+    return bench.run(device=args.device, models=args.models, precisions=args.precisions, steps=args.steps,
+                     rounds=args.rounds, warmup=args.warmup, fused=args.fused, peers=not args.no_peers,
+                     peak_tflops=args.peak_tflops, quick=args.quick, as_json=args.json)
 
 
-# ---------------------------------------------------------------------------- locate
+def _monitor_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """--fail-skip-rate and --fail-after, as the monitor section's keys."""
+    flags = {"fail_rate": args.fail_skip_rate, "fail_after": args.fail_after}
+    return {key: value for key, value in flags.items() if value is not None}
 
 
 def _config_from(
@@ -274,105 +135,6 @@ def _config_from(
         if values:
             data[section] = {**(data.get(section) or {}), **values}
     return validate(data)
-
-
-def _locate(args: argparse.Namespace) -> int:
-    import itertools
-    import json
-
-    from .checkpoint import load_weights
-    from .faults import FaultInjector, parse_fault
-    from .locate import diagnose_group
-    from .precision import Precision
-    from .tasks import build_task
-    from .train import _to_device, resolve_device
-
-    config = _config_from(args)
-    device = resolve_device(config.device)
-    task = build_task(config)
-    model = task.model.to(device)
-    scale = config.scaler.init_scale if config.precision == "fp16" else 1.0
-    if args.checkpoint:
-        payload = load_weights(model, args.checkpoint, map_location=device)
-        scaler_state = payload["state"].get("scaler") or {}
-        scale = float(scaler_state.get("scale", scale)) if config.precision == "fp16" else 1.0
-    if args.scale is not None:
-        scale = args.scale
-    faults = [parse_fault(spec, seed=config.seed) for spec in config.inject]
-    injector = FaultInjector(faults, config.accumulation_steps)
-    loss_fn = injector.wrap_loss(task.loss_fn)
-    injector.attach(model)
-    if args.batch:
-        batch = load_checkpoint_batch(args.batch)
-        batches = [batch]
-        where = f"batch {args.batch}"
-    else:
-        n = config.accumulation_steps
-        stream = injector.wrap_data(task.batches(), first_step=1)
-        batches = list(itertools.islice(stream, (args.step - 1) * n, args.step * n))
-        where = f"step {args.step} of task {task.name} (seed {config.seed})"
-    injector.current_step = args.step if not args.batch else 0  # the faults of the replayed step
-    batches = [(_to_device(x, device), _to_device(y, device)) for x, y in batches]
-    result = diagnose_group(model, loss_fn, batches, Precision(config.precision, device.type), scale)
-    if args.json:
-        print(json.dumps({"where": where, **result.as_dict()}))
-    else:
-        print(f"locate: {where}, {config.precision} on {device.type}, loss scale {scale:g}")
-        print(result.message())
-    return 0
-
-
-def load_checkpoint_batch(path: str) -> tuple[Any, Any]:
-    """A saved batch: ``torch.save({"inputs": x, "targets": y}, path)``, loaded weights-only."""
-    from .checkpoint import safe_load
-
-    data = safe_load(path, "batch")
-    if not isinstance(data, dict) or not {"inputs", "targets"} <= set(data):
-        raise InputError(f"{path}: a batch file holds {{'inputs': ..., 'targets': ...}}")
-    return data["inputs"], data["targets"]
-
-
-# ---------------------------------------------------------------------------- report
-
-
-def _report(args: argparse.Namespace) -> int:
-    from .config import read_file, validate
-    from .report import plot_run, read_steps_csv, replay
-
-    target = Path(args.path)
-    if target.is_dir():
-        csv_path, out = target / "steps.csv", target / "report.png"
-        config_path = target / "config.yaml"
-    else:
-        csv_path, out = target, target.with_suffix(".png")
-        config_path = target.parent / "config.yaml"
-    if not csv_path.is_file():
-        raise InputError(f"no per-step CSV at {csv_path}")
-    settings: dict[str, Any] = {"max_norm": 1.0, "window": 1000, "alert_rate": 0.05, "fail_rate": None}
-    scaler: dict[str, Any] = {}
-    if config_path.is_file():
-        config = validate(read_file(config_path))
-        settings = {"max_norm": config.max_norm, "window": config.monitor.window,
-                    "alert_rate": config.monitor.alert_rate, "fail_rate": config.monitor.fail_rate}
-        scaler = {"init_scale": config.scaler.init_scale, "min_scale": config.scaler.min_scale}
-    for key in settings:
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
-    out = Path(args.out) if args.out else out
-
-    rows = read_steps_csv(csv_path)
-    if not rows:
-        raise InputError(f"{csv_path}: no steps recorded, nothing to report")
-    scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
-    monitor = replay(rows, window=settings["window"], alert_rate=settings["alert_rate"],
-                     fail_rate=settings["fail_rate"], max_norm=settings["max_norm"],
-                     scaler_enabled=scaler_on, **scaler)
-    plot_run(csv_path, out, **settings)
-    print(f"summary: {monitor.summary()}")
-    print(f"max rolling skip rate {monitor.max_skip_rate:.4f} (window {settings['window']}), "
-          f"alert episodes {monitor.alert_episodes}, clip rate {monitor.clip_rate:.3f}, scale {monitor.scale_verdict}")
-    print(f"plot: {out}")
-    return 0
 
 
 # ---------------------------------------------------------------------------- main
@@ -493,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--max-norm", dest="max_norm", type=_number, help="clip threshold line (default: the run's config)")
     report.add_argument("--window", type=_positive_int, help="rolling skip-rate window (default: the run's config)")
     report.add_argument("--alert-rate", dest="alert_rate", type=_rate, help="alert threshold line")
+    report.add_argument("--min-steps", dest="min_steps", type=int, metavar="N",
+                        help="steps seen before an alert may start (default: the run's config)")
     report.add_argument("--fail-rate", dest="fail_rate", type=_rate, help="fail threshold line")
     report.set_defaults(func=_report)
     return parser
@@ -501,13 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return args.func(args)
+        return int(args.func(args))
     except InputError as err:
         print(f"ampguard: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
         print("ampguard: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     except BrokenPipeError:  # e.g. `ampguard demo | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -60,6 +60,18 @@ def global_l2_norm(parameters: Params) -> torch.Tensor:
 
 
 @torch.no_grad()
+def clip_threshold(max_norm: float | None) -> float | None:
+    """The clip threshold, or None when clipping is off (``max_norm`` null, 0 or negative): the
+    one place that reads "clipping off".
+
+    Example::
+
+        >>> clip_threshold(1.0), clip_threshold(0.0), clip_threshold(-1), clip_threshold(None)
+        (1.0, None, None, None)
+    """
+    return max_norm if max_norm is not None and max_norm > 0 else None
+
+
 def clip_to_norm_(parameters: Params, max_norm: float | None, pre: torch.Tensor) -> torch.Tensor:
     """Scale gradients in place so their global norm ``pre`` becomes at most ``max_norm``.
 
@@ -77,7 +89,8 @@ def clip_to_norm_(parameters: Params, max_norm: float | None, pre: torch.Tensor)
         >>> float(clip_to_norm_([w], None, torch.tensor(7.0)))  # disabled: pre comes back
         7.0
     """
-    if max_norm is None or max_norm <= 0:
+    max_norm = clip_threshold(max_norm)
+    if max_norm is None:
         return pre
     clip_grads_with_norm_(parameters, max_norm, pre, foreach=None)
     return torch.clamp(pre * torch.clamp(max_norm / (pre + _EPS), max=1.0), max=max_norm)

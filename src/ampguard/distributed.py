@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 from torch import nn
 
 from .errors import InputError
@@ -208,17 +209,14 @@ def rank_slice(value: Any, info: DistInfo) -> Any:
         ...
         ampguard.errors.InputError: a batch of 3 examples does not split evenly over 2 ranks
     """
-    if isinstance(value, torch.Tensor):
-        n = value.shape[0]
+    def part(tensor: torch.Tensor) -> torch.Tensor:
+        n = tensor.shape[0]
         if n % info.world_size:
             raise InputError(f"a batch of {n} examples does not split evenly over {info.world_size} ranks")
-        part = n // info.world_size
-        return value[info.rank * part : (info.rank + 1) * part]
-    if isinstance(value, (list, tuple)):
-        return type(value)(rank_slice(v, info) for v in value)
-    if isinstance(value, dict):
-        return {k: rank_slice(v, info) for k, v in value.items()}
-    return value
+        size = n // info.world_size
+        return tensor[info.rank * size : (info.rank + 1) * size]
+
+    return tree_map_only(torch.Tensor, part, value)
 
 
 def gather_to_main(obj: Any) -> list[Any] | None:
@@ -241,3 +239,27 @@ def barrier() -> None:
     """Wait for every rank (nothing to wait for without a process group)."""
     if current().active:
         dist.barrier()
+
+
+def broadcast_from_main(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a collective); ``value`` itself without a process group."""
+    if not current().active:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on any (a collective; one host read)."""
+    if not current().active:
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def shutdown() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,4 +1,30 @@
-"""Errors that mean "bad input": the CLI prints them on one line and exits 2."""
+"""What can go wrong, and how the process says so: bad-input errors and the exit codes.
+
+The exit codes are a contract (``docs/design.md``, "Exit codes"): every verb returns one of
+these, and :func:`ampguard.cli.main` maps exceptions onto them in one place.
+
+Example::
+
+    >>> int(ExitCode.GUARD), ExitCode(2).name
+    (3, 'BAD_INPUT')
+"""
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """How an ``ampguard`` process ends."""
+
+    OK = 0
+    """Done: the run finished, the validation accepted, locate found everything finite."""
+    REJECTED = 1
+    """``validate`` rejected the precision; ``locate`` found a non-finite value."""
+    BAD_INPUT = 2
+    """Usage, config, data or checkpoint could not be used: one line on stderr, nothing written."""
+    GUARD = 3
+    """A guard stopped the run (skip rate, scale collapse, strict mode, rollbacks used up)."""
+    INTERRUPTED = 130
+    """Ctrl-C: logs flushed, a checkpoint and the run card written where possible."""
 
 
 class InputError(Exception):

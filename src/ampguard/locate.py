@@ -13,25 +13,20 @@ gradients, the module buffers and the RNG states are restored afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .precision import Precision
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors inside ``value`` (nested lists, tuples, dicts), in order."""
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 def _bad(value: Any) -> str | None:
@@ -182,11 +177,15 @@ def diagnose(
 ) -> Diagnosis:
     """Locate the first non-finite value, then replay in FP32 to say whose problem it is.
 
-    Example::
+    Example (an activation of 1e5 is finite in FP32 but overflows fp16's range of 65504)::
 
-        >>> d = diagnose(model, F.mse_loss, x, y, Precision("fp16", "cpu"), loss_scale=65536.0)
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> with torch.no_grad():
+        ...     _ = model[0].weight.fill_(1e3), model[0].bias.zero_()
+        >>> x, y = torch.full((1, 2), 50.0), torch.zeros(1, 1)
+        >>> d = diagnose(model, nn.functional.mse_loss, x, y, Precision("fp16", "cpu"))
         >>> d.verdict, d.amp.where, d.amp.name
-        ('precision-range', 'forward', 'blocks.3.attn')
+        ('precision-range', 'forward', '0')
     """
     # The replays leave no trace in the run: buffers (BatchNorm statistics) and the RNGs (dropout)
     # are put back as they were, so a run that diagnosed goes on exactly as one that did not.
@@ -208,3 +207,62 @@ def diagnose(
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     return Diagnosis(amp, fp32, "precision-range" if fp32.where == "none" else "data/model")
+
+
+# ---------------------------------------------------------------------------- the verb
+
+
+def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str | None = None,
+        scale: float | None = None, as_json: bool = False) -> int:
+    """``ampguard locate``: replay step ``step`` of the config's data (with its faults), or a saved
+    ``batch``, and print the finding. Returns 0 when all is finite, 1 when a value is not."""
+    import itertools
+    import json
+
+    from .build import initial_scale, precision_of, resolve_device, to_device
+    from .checkpoint import load_weights
+    from .faults import FaultInjector, parse_fault
+    from .tasks import build_task
+
+    device = resolve_device(config.device)
+    task = build_task(config)
+    model = task.model.to(device)
+    precision = precision_of(config, device)
+    loss_scale = initial_scale(config, device)
+    if checkpoint:
+        payload = load_weights(model, checkpoint, map_location=device)
+        saved = (payload["state"].get("scaler") or {}).get("scale", loss_scale)
+        loss_scale = float(saved) if precision.uses_scaler else 1.0
+    if scale is not None:
+        loss_scale = scale
+    injector = FaultInjector([parse_fault(spec, seed=config.seed) for spec in config.inject], config.accumulation_steps)
+    loss_fn = injector.wrap_loss(task.loss_fn)
+    injector.attach(model)
+    if batch:
+        batches = [load_batch(batch)]
+        where = f"batch {batch}"
+    else:
+        n = config.accumulation_steps
+        stream = injector.wrap_data(task.batches(), first_step=1)
+        batches = list(itertools.islice(stream, (step - 1) * n, step * n))
+        where = f"step {step} of task {task.name} (seed {config.seed})"
+    injector.current_step = step if not batch else 0  # the faults of the replayed step
+    batches = [(to_device(x, device), to_device(y, device)) for x, y in batches]
+    result = diagnose_group(model, loss_fn, batches, precision, loss_scale)
+    if as_json:
+        print(json.dumps({"where": where, **result.as_dict()}))
+    else:
+        print(f"locate: {where}, {config.precision} on {device.type}, loss scale {loss_scale:g}")
+        print(result.message())
+    return 0 if result.verdict == "none" else 1
+
+
+def load_batch(path: str) -> tuple[Any, Any]:
+    """A saved batch: ``torch.save({"inputs": x, "targets": y}, path)``, loaded weights-only."""
+    from .checkpoint import safe_load
+    from .errors import InputError
+
+    data = safe_load(path, "batch")
+    if not isinstance(data, dict) or not {"inputs", "targets"} <= set(data):
+        raise InputError(f"{path}: a batch file holds {{'inputs': ..., 'targets': ...}}")
+    return data["inputs"], data["targets"]

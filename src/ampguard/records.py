@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -247,3 +247,21 @@ def format_number(x: float | None) -> str:
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
     return repr(float(x))
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float (nested in dicts, lists, tuples) written as the
+    string ``format_number`` gives it, so ``json.dumps`` yields strict JSON.
+
+    Example::
+
+        >>> strict_json({"a": [1.5, float("nan")], "b": float("-inf"), "c": "x"})
+        {'a': [1.5, 'nan'], 'b': '-inf', 'c': 'x'}
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return format_number(value)
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value

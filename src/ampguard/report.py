@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import InputError
+from .clipping import clip_threshold
+from .errors import ExitCode, InputError
 from .monitor import RollingWindow, RunMonitor
 from .records import SKIP_REASONS, StepRecord, record_from
 from .sinks import CSV_COLUMNS
 
 if TYPE_CHECKING:
     from .config import Config
-    from .train import RunResult
+    from .run_folder import RunResult
 
 REASON_COLOURS = {"non_finite_grad": "tab:orange", "non_finite_loss": "tab:red"}
 FIGSIZE = (12.0, 14.0)  # inches
@@ -168,7 +169,7 @@ def plot_run(
     rates = []
     for r in rows:
         win.push(float(r.skipped))
-        rates.append(win.mean)
+        rates.append(win.seen_mean)  # the rate the run judged: over the steps the window holds
     ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})")
     ax_skip.axhline(alert_rate, color="tab:orange", ls="--", lw=1, label=f"alert_rate = {alert_rate:g}")
     if fail_rate is not None:
@@ -214,13 +215,13 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
     scaler_on = m.scaler_enabled
     scaler = (
         f"dynamic: init {s.init_scale:g}, x{s.growth_factor:g} after {s.growth_interval} clean steps, "
-        f"x{s.backoff_factor:g} on a skip, min_scale {s.min_scale:g}" if scaler_on else "off (scale reported as 1.0)"
+        f"x{s.backoff_factor:g} on a skip, floor (min_scale) {s.min_scale:g}" if scaler_on else "off (scale reported as 1.0)"
     )
     fail = (f"skip rate > {mon.fail_rate:g} for {mon.fail_after} consecutive steps -> exit 3"
             if mon.fail_rate is not None else "off (monitor.fail_rate not set)")
     if mon.fail_on_scale_collapse:
-        fail += f"; scale < {s.min_scale:g} for {mon.fail_after} steps -> exit 3"
-    clip = f"global L2, max_norm {config.max_norm:g}" if config.max_norm else "off"
+        fail += f"; skipping at the scale floor {s.min_scale:g} for {mon.fail_after} steps -> exit 3"
+    clip = f"global L2, max_norm {config.max_norm:g}" if clip_threshold(config.max_norm) else "off"
     skips = sum(m.skips.values())
     last = m.last
 
@@ -249,7 +250,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         ("max rolling skip rate", f"{m.max_skip_rate:.4f}"),
         ("skip-rate alert episodes", str(m.alert_episodes)),
         ("clip rate (whole run)", f"{m.clip_rate:.3f} ({m.clipped} of {m.steps} steps had pre-clip norm > max_norm)"
-                      if config.max_norm else "n/a (clipping off)"),
+                      if clip_threshold(config.max_norm) else "n/a (clipping off)"),
         ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(last.get('scaler_scale'), 'g')})" if scaler_on else "")),
         ("loss", f"first {_fmt(m.first_loss)}, final {_fmt(last.get('loss'))}, best {_fmt(m.best_loss)}"),
         *((f"held-out {name}", f"final {_fmt(value)}, best {_fmt(m.eval_best.get(name))}")
@@ -277,3 +278,54 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         "## Files\n\n" + _table(files),
     ])
     path.write_text(text + "\n", encoding="utf-8")
+
+
+def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
+    """Run card and plot; a plotting failure is reported, never allowed to lose the run card."""
+    paths = result.paths
+    assert paths.card is not None and paths.plot is not None and paths.csv is not None
+    try:
+        plot_run(paths.csv, paths.plot, max_norm=config.max_norm, window=config.monitor.window,
+                 alert_rate=config.monitor.alert_rate, fail_rate=config.monitor.fail_rate,
+                 title=f"run {paths.dir.name}" if paths.dir is not None else None)
+    except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
+        say(f"warning: could not draw {paths.plot}: {err}")
+    write_run_card(paths.card, config, result)
+
+
+# ---------------------------------------------------------------------------- the verb
+
+
+def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | None = None, window: int | None = None,
+        alert_rate: float | None = None, fail_rate: float | None = None, min_steps: int | None = None) -> ExitCode:
+    """``ampguard report RUN_DIR|CSV``: draw the plot again and print a summary. Thresholds come
+    from the run's ``config.yaml`` (beside the CSV) when there is one, else the config defaults;
+    each keyword given overrides its setting."""
+    from .config import Config, read_file, validate
+
+    target = Path(path)
+    csv_path = target / "steps.csv" if target.is_dir() else target
+    config_path = csv_path.parent / "config.yaml"
+    if not csv_path.is_file():
+        raise InputError(f"no per-step CSV at {csv_path}")
+    config = validate(read_file(config_path)) if config_path.is_file() else Config()
+    settings: dict[str, Any] = {"max_norm": config.max_norm, "window": config.monitor.window,
+                                "alert_rate": config.monitor.alert_rate, "fail_rate": config.monitor.fail_rate}
+    given = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "fail_rate": fail_rate}
+    settings.update({key: value for key, value in given.items() if value is not None})
+    png = Path(out) if out else (target / "report.png" if target.is_dir() else target.with_suffix(".png"))
+
+    rows = read_steps_csv(csv_path)
+    if not rows:
+        raise InputError(f"{csv_path}: no steps recorded, nothing to report")
+    scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
+    monitor = replay(rows, window=settings["window"], alert_rate=settings["alert_rate"],
+                     fail_rate=settings["fail_rate"], max_norm=clip_threshold(settings["max_norm"]),
+                     scaler_enabled=scaler_on, init_scale=config.scaler.init_scale, min_scale=config.scaler.min_scale,
+                     min_steps=config.monitor.min_steps if min_steps is None else min_steps)
+    plot_run(csv_path, png, **settings)
+    print(f"summary: {monitor.summary()}")
+    print(f"max rolling skip rate {monitor.max_skip_rate:.4f} (window {settings['window']}), "
+          f"alert episodes {monitor.alert_episodes}, clip rate {monitor.clip_rate:.3f}, scale {monitor.scale_verdict}")
+    print(f"plot: {png}")
+    return ExitCode.OK

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from .errors import InputError
-from .records import StepRecord, format_number
+from .records import StepRecord, format_number, strict_json
 
 CSV_COLUMNS: tuple[str, ...] = (
     "step", "lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "skipped", "skip_reason", "scaler_scale",
@@ -261,19 +260,13 @@ class JsonlSink:
     def write_event(self, obj: Mapping[str, object]) -> None:
         """Write ``obj`` as one JSON line (non-finite floats as strings) and flush it."""
         assert self._file is not None, "JsonlSink is closed"
-        self._file.write(json.dumps({k: _json_number(v) for k, v in obj.items()}) + "\n")
+        self._file.write(json.dumps(strict_json(dict(obj))) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def _json_number(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return format_number(value)
-    return value
 
 
 class TensorBoardSink:

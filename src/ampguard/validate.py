@@ -23,9 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .build import resolve_device, to_device
 from .config import Config
-from .errors import InputError
+from .errors import ExitCode, InputError
 from .precision import Precision
+from .records import strict_json
 from .tasks import Task
 
 CHUNK = 256
@@ -206,21 +208,22 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
 
 def compare_training(task: Task, config: Config, device: torch.device, steps: int) -> list[dict[str, Any]]:
     """Train ``steps`` steps from the same state in FP32 and each AMP precision; compare curves."""
+    from .build import build_state
     from .step import AmpTrainState
-    from .train import build_state
 
     start = copy.deepcopy(task.model.state_dict())
     runs: dict[str, dict[str, Any]] = {}
     for name in ["fp32", *config.validation.precisions]:
         task.model.load_state_dict(start)
         task.model.train()
-        scaler = config.scaler.model_copy(update={"enabled": config.scaler.enabled if name == "fp16" else None})
+        scales = Precision(name, device.type).uses_scaler  # a scaler setting applies where one is used
+        scaler = config.scaler.model_copy(update={"enabled": config.scaler.enabled if scales else None})
         run_config = config.model_copy(update={"precision": name, "steps": steps, "scaler": scaler})
-        state: AmpTrainState = build_state(run_config, task, device)
+        state: AmpTrainState = build_state(run_config, task.model, task.loss_fn, device)
         losses, norms, updates = [], [], 0
         stream = itertools.islice(task.batches(), steps * config.accumulation_steps)
         for inputs, targets in stream:
-            record = state.step(inputs.to(device), targets.to(device))
+            record = state.step(to_device(inputs, device), to_device(targets, device))
             if record is None:
                 continue
             v = record.values()
@@ -306,19 +309,54 @@ def as_json(v: Validation) -> dict[str, Any]:
     }
 
 
-def _strict_json(value: Any) -> Any:
-    """Non-finite numbers as the strings "inf", "-inf", "nan": the file stays strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
-
-
 def write_outputs(v: Validation, config: Config, folder: Path) -> tuple[Path, Path]:
     md, js = folder / "validation.md", folder / "validation.json"
     md.write_text(markdown(v, config), encoding="utf-8")
-    js.write_text(json.dumps(_strict_json(as_json(v)), indent=2) + "\n", encoding="utf-8")
+    js.write_text(json.dumps(strict_json(as_json(v)), indent=2) + "\n", encoding="utf-8")
     return md, js
+
+
+# ---------------------------------------------------------------------------- the verb
+
+
+def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None = None,
+        train_steps: int | None = None) -> ExitCode:
+    """``ampguard validate``: compare, write ``validation.md`` and ``validation.json`` into ``out``
+    (default ``log.dir/validate-<time>``; an existing non-empty folder is refused), print the
+    verdict. ``ExitCode.OK`` when every rule holds, ``ExitCode.REJECTED`` when any is violated."""
+    import time
+
+    from .checkpoint import load_weights
+    from .tasks import build_task
+
+    cfg = config.validation
+    if train_steps is not None:
+        cfg = cfg.model_copy(update={"train_steps": train_steps})
+        config = config.model_copy(update={"validation": cfg})
+    device = resolve_device(config.device)
+    task = build_task(config)
+    model = task.model.to(device)
+    weights = "freshly initialised (no checkpoint given)"
+    checkpoint = checkpoint or cfg.checkpoint
+    if checkpoint:
+        payload = load_weights(model, checkpoint, map_location=device)
+        weights = f"from {checkpoint} (step {payload['step']})"
+    folder = Path(out) if out else Path(config.log.dir) / time.strftime("validate-%Y%m%d-%H%M%S")
+    if folder.exists() and any(folder.iterdir()):
+        raise InputError(f"--out {folder} exists and is not empty; refusing to overwrite it")
+
+    training = compare_training(task, config, device, cfg.train_steps) if cfg.train_steps else []
+    result = compare(task, model, config, device)
+    result.weights, result.training = weights, training
+    folder.mkdir(parents=True, exist_ok=True)
+    md, js = write_outputs(result, config, folder)
+    for r in result.reference:
+        print(f"reference: {r.criterion}: {r.reference} -> {r.decision}")
+    for precision in result.results:
+        for r in precision.rules:
+            print(f"{precision.precision}: {r.criterion}: {r.amp} -> {r.decision}")
+    for t in training:
+        print(f"train {t['precision']}: {t['updates_applied']} updates applied, final loss {t['final_loss']:.4g}")
+    verdict = "ACCEPTED" if result.ok else "REJECTED" + ("" if result.reference_ok else " (FP32 reference not trusted)")
+    print(f"validate: {verdict}; report {md}, {js}")
+    return ExitCode.OK if result.ok else ExitCode.REJECTED

@@ -256,8 +256,6 @@ def test_restore_parts_restores_only_the_named_parts(tmp_path):
     assert len(run.journal) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="checkpointer.py CheckpointManager.restore: parts=... is loaded in the "
-                   "caller's order, not the registry order the constructor documents (model before optimizer)")
 def test_restore_parts_named_out_of_order_still_load_in_registry_order(tmp_path):
     run = Run(tmp_path)
     run.save(5)
@@ -454,9 +452,6 @@ def test_check_resume_refuses_a_checkpoint_whose_config_lacks_a_fixed_key():
     assert one_line(err).startswith("--resume: precision was None in the checkpoint, now 'bf16'")
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="checkpointer.py check_resume: a saved config without the 'optimizer' section makes "
-                   "`a.get(part)` run on None (AttributeError, a traceback) instead of one InputError line")
 def test_check_resume_refuses_a_checkpoint_whose_config_lacks_a_fixed_section():
     saved = validate(BASE).model_dump(mode="json")
     del saved["optimizer"]  # load_checkpoint accepts any payload with a "config" entry

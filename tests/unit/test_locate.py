@@ -244,12 +244,12 @@ def test_diagnose_changes_neither_parameters_nor_their_grads_nor_the_mode():
 def test_cli_locate_names_the_backward_overflow_of_a_spiked_step(cli):
     # spike: targets x 1e8, so dL/dout ~ 2e8 / N * scale, far above 65504 in fp16
     code, out, err = cli("locate", *LINEAR_FP16, "--inject", "spike@3", "--step", "3")
-    assert code == 0, err
+    assert code == 1, err  # found a non-finite value
     assert "step 3" in out
     assert "backward" in out and "precision-range" in out
 
     code, out, err = cli("locate", *LINEAR_FP16, "--inject", "spike@3", "--step", "3", "--json")
-    assert code == 0, err
+    assert code == 1, err  # found a non-finite value
     found = json.loads(out)
     assert found["verdict"] == "precision-range"
     assert found["amp"]["where"] == "backward"
@@ -269,7 +269,7 @@ def test_cli_locate_only_replays_the_step_asked_for(cli):
 
 def test_cli_locate_reports_a_nan_input(cli):
     code, out, err = cli("locate", *LINEAR_FP16, "--inject", "nan_input@2", "--step", "2")
-    assert code == 0, err
+    assert code == 1, err  # found a non-finite value
     assert "input" in out and "data or model" in out
 
     code, out, err = cli("locate", *LINEAR_FP16, "--inject", "nan_input@2", "--step", "2", "--json")
@@ -284,7 +284,7 @@ def test_cli_locate_a_saved_batch(cli, tmp_path):
     spiked = tmp_path / "spiked.pt"
     torch.save({"inputs": torch.randn(8, 16, generator=gen), "targets": torch.randn(8, 4, generator=gen) * 1e8}, spiked)
     code, out, err = cli("locate", *LINEAR_FP16, "--batch", spiked, "--json")
-    assert code == 0, err
+    assert code == 1, err  # found a non-finite value
     found = json.loads(out)
     assert str(spiked) in found["where"]
     assert found["amp"]["where"] == "backward" and found["verdict"] == "precision-range"
@@ -294,7 +294,7 @@ def test_cli_locate_a_saved_batch(cli, tmp_path):
     x[3, 5] = float("nan")
     torch.save({"inputs": x, "targets": torch.randn(8, 4, generator=gen)}, nan_batch)
     code, out, err = cli("locate", *LINEAR_FP16, "--batch", nan_batch, "--json")
-    assert code == 0, err
+    assert code == 1, err  # found a non-finite value
     assert json.loads(out)["amp"]["where"] == "input"
 
     clean = tmp_path / "clean.pt"
@@ -308,7 +308,7 @@ def test_cli_locate_backward_uses_the_loss_scale(cli):
     # a clean step: dL/dout = 2 (out - y) / 128 per element; times 2**24 that is ~262144 (out - y),
     # beyond fp16's 65504 for any |out - y| > 0.25; times 1 it is tiny
     code, out, err = cli("locate", *LINEAR_FP16, "--step", "1", "--scale", str(2.0**24), "--json")
-    assert code == 0, err
+    assert code == 1, err  # found a non-finite value
     found = json.loads(out)
     assert found["amp"]["where"] == "backward" and found["verdict"] == "precision-range"
 
@@ -401,8 +401,8 @@ def test_train_diagnoses_the_first_skipped_step(cli, tmp_path):
     # by the skip, never grown back (growth_interval 2000)
     checkpoint = run / "checkpoints" / "step-00000007.pt"
     code, out, err = cli("locate", *LINEAR_FP16, "--checkpoint", checkpoint, "--step", "1")
-    assert code == 0, err
-    assert "loss scale 32768" in out
+    assert code == 0, err  # step 1 is clean at that scale
+    assert "loss scale 32768" in out and "no non-finite value" in out
 
 
 def test_the_first_skip_diagnosis_replays_at_the_scale_of_the_skipped_step(cli, tmp_path):

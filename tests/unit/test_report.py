@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from helpers import reference_episodes_events, reference_fail_step, reference_rates
 
@@ -107,7 +108,8 @@ def check_card_against_csv(run_dir: Path, *, window: int, alert_rate: float, max
     assert table["skipped steps"] == f"{sum(skipped)} ({by_reason})"
     rates = reference_rates(skipped, window)
     assert table["max rolling skip rate"] == f"{max(rates):.4f}"
-    episodes = sum(1 for _, k in reference_episodes_events(rates, alert_rate) if k == "skip_rate_alert")
+    min_steps = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))["monitor"]["min_steps"]
+    episodes = sum(1 for _, k in reference_episodes_events(rates, alert_rate, min_steps) if k == "skip_rate_alert")
     assert table["skip-rate alert episodes"] == str(episodes)
     clipped = sum(1 for r in rows if r["skipped"] == "0" and float(r["grad_l2_pre_clip"]) > max_norm)
     assert table["clip rate (whole run)"] == f"{clipped / n:.3f} ({clipped} of {n} steps had pre-clip norm > max_norm)"
@@ -141,7 +143,7 @@ def demo_csvs(tmp_path_factory) -> dict[str, Path]:
     return {"skips": folder / "skips.csv", "clean": folder / "clean.csv"}
 
 
-FINISHED = dict(steps=15, window=5, fail_rate=0.5, fail_after=3, init_scale=1024)
+FINISHED = dict(steps=15, window=5, fail_rate=0.5, fail_after=3, init_scale=1024, min_steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +152,8 @@ def finished_run(tmp_path_factory) -> tuple[Path, str]:
     code, out, err = in_process([
         "train", "--set", "task.name=linear", "--set", "precision=fp16", "--set", "accumulation_steps=2",
         "--set", f"steps={FINISHED['steps']}", "--set", f"scaler.init_scale={FINISHED['init_scale']}",
-        "--set", f"monitor.window={FINISHED['window']}", "--fail-skip-rate", str(FINISHED["fail_rate"]),
+        "--set", f"monitor.window={FINISHED['window']}", "--set", f"monitor.min_steps={FINISHED['min_steps']}",
+        "--fail-skip-rate", str(FINISHED["fail_rate"]),
         "--fail-after", str(FINISHED["fail_after"]), "--inject", "inf_grad@5", "--inject", "nan_loss@9",
         "--set", "log.every=5", "--set", f"log.dir={root}", "--set", "log.name=done"], root)
     assert code == 0, err
@@ -181,12 +184,12 @@ def test_report_csv_with_both_skip_reasons(demo_csvs):
     window = 3
     skipped = [int(r["step"]) in DEMO_SKIPS for r in rows]
     rates = reference_rates(skipped, window)
-    episodes = sum(1 for _, k in reference_episodes_events(rates, 0.05) if k == "skip_rate_alert")
+    episodes = sum(1 for _, k in reference_episodes_events(rates, 0.05, min_steps=2) if k == "skip_rate_alert")
     assert episodes == 2  # window 3: steps 5 and 9 are two separate episodes
 
     png = csv_path.with_suffix(".png")
     assert not png.exists()
-    code, out, err = in_process(["report", csv_path, "--window", window], csv_path.parent)
+    code, out, err = in_process(["report", csv_path, "--window", window, "--min-steps", 2], csv_path.parent)
     assert code == 0, err
     assert err == ""
     assert png_size(png) == PNG_SIZE  # the default output sits next to the CSV
@@ -314,7 +317,7 @@ def test_finished_run_card_and_plot(finished_run):
     assert table["precision"] == "fp16 (autocast on cpu)"
     assert table["accumulation"] == "2 micro-batch(es) per step"
     assert table["loss scaler"] == (f"dynamic: init {FINISHED['init_scale']}, x2 after 2000 clean steps, "
-                                    f"x0.5 on a skip, min_scale 1")
+                                    f"x0.5 on a skip, floor (min_scale) 1")
     assert table["fail-fast"] == (f"skip rate > {FINISHED['fail_rate']:g} for {FINISHED['fail_after']} "
                                   f"consecutive steps -> exit 3")
     # The last skip (step 9) left the 5-step window at step 14: no moves in it -> stable.
@@ -323,7 +326,7 @@ def test_finished_run_card_and_plot(finished_run):
     assert png_size(run_dir / "report.png") == PNG_SIZE
 
     skipped = [s in DEMO_SKIPS for s in range(1, n + 1)]
-    expected = reference_episodes_events(reference_rates(skipped, FINISHED["window"]), 0.05)
+    expected = reference_episodes_events(reference_rates(skipped, FINISHED["window"]), 0.05, FINISHED["min_steps"])
     events = read_events(run_dir / "events.jsonl")
     assert [(e["step"], e["event"]) for e in events if e["event"].startswith("skip_rate")] == expected
     assert events[0]["event"] == "run_start"

@@ -18,7 +18,8 @@ from torch import nn
 
 from ampguard.config import load_config
 from ampguard.tasks import build_task, charlm, digits
-from ampguard.train import RunPaths, run
+from ampguard.run_folder import RunPaths
+from ampguard.train import run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "my_model.py"

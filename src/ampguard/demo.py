@@ -1,0 +1,62 @@
+"""``ampguard demo``: the teaching demo. ``nn.Linear`` for 20 steps in fp16 with a loss scaler;
+an Inf is injected into the gradients at step 5, which is skipped, and the scale halves there.
+
+It is an ordinary guarded run (:func:`ampguard.train.run`) of the ``linear`` task, with every
+step printed and no run folder: at most a CSV.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .config import Config, validate
+from .errors import ExitCode, InputError
+
+INIT_SCALE = 2.0**10
+"""Small enough that clean fp16 gradients never overflow in the demo."""
+
+
+def demo_config(*, precision: str = "fp16", steps: int = 20, inject: list[str] | None = None, max_norm: float = 1.0,
+                seed: int = 0, device: str = "auto", strict: bool = False,
+                monitor: dict[str, Any] | None = None) -> Config:
+    """The demo's config: the ``linear`` task, SGD at a constant 0.2, ``inject`` (default ``inf_grad@5``).
+
+    Example::
+
+        >>> c = demo_config(precision="bf16", inject=["spike@5"])
+        >>> c.task.name, c.precision, c.inject, c.steps
+        ('linear', 'bf16', ['spike@5'], 20)
+    """
+    return validate({
+        "precision": precision,
+        "steps": steps,
+        "max_norm": max_norm,
+        "seed": seed,
+        "device": device,
+        "inject": ["inf_grad@5"] if inject is None else inject,
+        "task": {"name": "linear", "batch_size": 32},
+        "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.0},
+        "schedule": {"decay": "constant"},
+        "eval": {"enabled": False},
+        "diagnose": {"strict": strict},
+        "scaler": {"init_scale": INIT_SCALE, "growth_interval": 1_000_000},
+        "monitor": monitor or {},
+    })
+
+
+def run(config: Config, *, csv: str | None = None) -> ExitCode:
+    """Print the set-up, train with a line per step, print the closing lines; ``csv`` must not exist."""
+    from .build import precision_of, resolve_device
+    from .run_folder import RunPaths
+    from .train import finish
+    from .train import run as train_run
+
+    csv_path = Path(csv) if csv else None
+    if csv_path is not None and csv_path.exists():
+        raise InputError(f"--csv {csv_path} already exists; refusing to overwrite it")
+    uses_scaler = precision_of(config, resolve_device(config.device)).uses_scaler
+    scaler = f"GradScaler(init_scale={config.scaler.init_scale:g})" if uses_scaler else "no loss scaler"
+    print(f"ampguard demo: nn.Linear, {config.steps} steps, {config.precision} with {scaler}, "
+          f"max_norm={config.max_norm}, inject: {', '.join(config.inject) or 'none'}")
+    return finish(train_run(config, outputs=lambda: RunPaths(csv=csv_path), console_every=1))

@@ -1,0 +1,100 @@
+"""What a run tells people besides its per-step records: the event log and the console.
+
+Events (alerts, failures, checkpoints, rollbacks, resumes, diagnoses) go to ``events.jsonl``
+as one JSON object a line, and the ones a person should see now also to the console as one
+line that starts with a word (``ALERT``, ``CLEAR``, ``FAIL``, ``ROLLBACK``, ...). Under torchrun
+only rank 0 has an :class:`EventLog` that writes or prints.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .sinks import JsonlSink
+
+
+def event_word(kind: str) -> str:
+    """The console word for a monitor event's kind.
+
+    Example::
+
+        >>> event_word("fail"), event_word("skip_rate_alert"), event_word("scale_clear")
+        ('FAIL', 'ALERT', 'CLEAR')
+    """
+    return "FAIL" if kind == "fail" else "ALERT" if kind.endswith("_alert") else "CLEAR"
+
+
+class EventLog:
+    """``events.jsonl`` (when the run has a folder) and the console.
+
+    Example::
+
+        >>> lines = []
+        >>> log = EventLog(None, lines.append)
+        >>> log.emit({"step": 7, "event": "rollback", "message": "loss spike"}, "ROLLBACK")
+        >>> lines
+        ['ROLLBACK 7 loss spike']
+    """
+
+    def __init__(self, path: Path | None, say: Callable[[str], None], *, append: bool = False) -> None:
+        self.say = say
+        self._sink = JsonlSink(path, append=append) if path is not None else None
+
+    def emit(self, event: dict[str, Any], word: str | None = None) -> None:
+        """Append ``event`` (with the time) to the log; with ``word``, also print ``WORD step message``."""
+        if self._sink is not None:
+            self._sink.write_event({"time": round(time.time(), 3), **event})
+        if word is not None:
+            self.say(f"{word} {event['step']} {event['message']}")
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+
+
+class StopFlag:
+    """Set by the first Ctrl-C; the loop honours it at the next step boundary."""
+
+    requested = False
+
+
+@contextmanager
+def stop_on_sigint() -> Iterator[StopFlag]:
+    """First Ctrl-C: finish the current step, then stop. A second one interrupts at once.
+
+    Example::
+
+        >>> with stop_on_sigint() as stop:
+        ...     stop.requested
+        False
+    """
+    flag = StopFlag()
+
+    def handler(signum: int, frame: Any) -> None:
+        if flag.requested:
+            raise KeyboardInterrupt
+        flag.requested = True
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def progress_bar(total: int, initial: int = 0) -> Any:
+    """A tqdm bar on stderr, off when stderr is not a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
+                disable=None)

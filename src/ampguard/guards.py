@@ -1,0 +1,188 @@
+"""The run's guards and what they decide: go on, roll back, or stop, as typed values.
+
+After each step the loop asks :meth:`Guards.check` for a :data:`Decision`:
+
+- :class:`Continue`;
+- :class:`Rollback` (``first_bad_step``, why, ``kind``: :data:`LOSS_SPIKE` or :data:`SKIP_GUARD`),
+  carried out by :class:`Rollbacks`, which may turn it into a stop (no checkpoint to return to,
+  ``rollback.max`` used up);
+- :class:`Stop` (an :class:`~ampguard.errors.ExitCode`, why, ``kind``: the monitor's failure
+  cause, :data:`STRICT`, :data:`ROLLBACKS_USED_UP`, :data:`NO_CHECKPOINT`, :data:`INTERRUPTED`).
+
+Nothing is decided by matching message text: a guard's ``kind`` says which guard it was.
+The first-skip diagnosis (:class:`FirstSkipDiagnosis`) lives here too: strict mode stops with
+its finding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
+
+from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded
+from .config import Config
+from .errors import ExitCode, InputError
+from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor
+from .records import StepRecord
+
+if TYPE_CHECKING:
+    from .data import DataStream
+    from .events import EventLog
+    from .step import AmpTrainState
+
+LOSS_SPIKE = "loss_spike"
+SKIP_GUARD = "skip_guard"
+STRICT = "strict"
+ROLLBACKS_USED_UP = "rollbacks_used_up"
+NO_CHECKPOINT = "no_checkpoint"
+INTERRUPTED = "interrupted"
+
+
+@dataclass(frozen=True)
+class Continue:
+    """Nothing to do: train on."""
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """Return to the newest checkpoint from before ``first_bad_step``."""
+
+    first_bad_step: int
+    why: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """End the run with ``exit_code``; ``why`` is what the run card and the console say."""
+
+    exit_code: ExitCode
+    why: str
+    kind: str
+
+
+Decision = Union[Continue, Rollback, Stop]
+CONTINUE = Continue()
+
+
+class Guards:
+    """Turns a step's record and the monitors' state into a :data:`Decision`.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> from ampguard.records import SkipLog
+        >>> import torch
+        >>> config = validate({"monitor": {"fail_rate": 0.5, "fail_after": 1}})
+        >>> monitor = RunMonitor(fail_rate=0.5, fail_after=1, scaler_enabled=False)
+        >>> record = SkipLog(step=1, lr=0.1, loss=torch.tensor(float("nan")), grad_l2_pre_clip=None,
+        ...                  grad_l2_post_clip=None, scaler_scale=torch.tensor(1.0), reason="non_finite_loss")
+        >>> _ = monitor.observe(record)
+        >>> decision = Guards(config, monitor).check(record)
+        >>> type(decision).__name__, int(decision.exit_code), decision.kind
+        ('Stop', 3, 'skip_rate')
+    """
+
+    def __init__(self, config: Config, monitor: RunMonitor, spikes: LossSpikeDetector | None = None) -> None:
+        self.monitor = monitor
+        self.spikes = spikes
+        self.strict = config.diagnose.strict
+        self.triggers = set(config.rollback.triggers)
+        self.z = config.rollback.z
+        self.fail_after = config.monitor.fail_after
+
+    def check(self, record: StepRecord, diagnosis: str | None = None) -> Decision:
+        """The decision after ``record`` (already observed by the monitor)."""
+        if record.skipped and self.strict:
+            which = "loss" if record.reason == "non_finite_loss" else "gradient"
+            return Stop(ExitCode.GUARD, f"strict mode: non-finite {which} at step {record.step}: {diagnosis}", STRICT)
+        if self.spikes is not None and not record.skipped:
+            loss = self.monitor.last.get("loss")
+            if self.spikes.check(loss):
+                return Rollback(record.step, f"loss spike ({loss:.4g} > mean + {self.z:g} std)", LOSS_SPIKE)
+        failed = self.monitor.failed
+        if failed is None:
+            return CONTINUE
+        if failed.cause == FAIL_SKIP_RATE and SKIP_GUARD in self.triggers:
+            return Rollback(record.step - self.fail_after + 1, f"skip-rate guard: {failed.message}", SKIP_GUARD)
+        return Stop(ExitCode.GUARD, f"stopped by the guard at step {record.step}: {failed.message}", failed.cause)
+
+
+class Rollbacks:
+    """Carries out :class:`Rollback` decisions and keeps their log (a checkpointed part).
+
+    A rollback reloads the model, optimizer, scheduler, scaler and RNGs from the newest
+    checkpoint before the trouble, keeps the step counter and the monitors' history, seeks the
+    data ``rollback.skip_batches`` micro-batches past the checkpoint's position, and restarts the
+    rolling windows. After ``rollback.max`` of them the next one is a :class:`Stop`.
+    """
+
+    def __init__(self, config: Config, checkpointer: CheckpointManager, state: AmpTrainState, data: DataStream,
+                 monitor: RunMonitor, spikes: LossSpikeDetector | None, events: EventLog | None = None) -> None:
+        self.cfg = config.rollback
+        self.checkpointer, self.state, self.data = checkpointer, state, data
+        self.monitor, self.spikes, self.events = monitor, spikes, events
+        self.log: list[str] = []
+
+    def apply(self, decision: Rollback) -> Decision:
+        step = self.state.steps
+        if len(self.log) >= self.cfg.max:
+            return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; all {self.cfg.max} rollbacks "
+                        "(rollback.max) are used up", ROLLBACKS_USED_UP)
+        try:
+            loaded = self.checkpointer.load(before_step=decision.first_bad_step)
+        except InputError as err:
+            return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; cannot roll back: {err}", NO_CHECKPOINT)
+        # the step counter and the monitors' history go on; everything that trains goes back
+        state = {**loaded.payload[STATE], "step": step, "monitors": {}}
+        self.checkpointer.restore(Loaded(loaded.path, {**loaded.payload, STATE: state}), parts=ROLLBACK_PARTS)
+        old = self.data.position
+        self.data.seek(int(loaded.payload[DATA]) + self.cfg.skip_batches)
+        message = (f"{decision.why}: rolled back to {loaded.path.name} (step {loaded.step}) and skipped "
+                   f"{self.cfg.skip_batches} batches (data position {old} -> {self.data.position})")
+        self.log.append(f"step {step}: {message}")
+        self.monitor.restart_windows()
+        if self.spikes is not None:
+            self.spikes.reset()
+        if self.events is not None:
+            self.events.emit({"step": step, "event": "rollback", "message": message, "checkpoint": loaded.path.name},
+                             "ROLLBACK")
+        return CONTINUE
+
+    def state_dict(self) -> list[str]:
+        return list(self.log)
+
+    def load_state_dict(self, log: list[str]) -> None:
+        self.log = list(log)
+
+
+class FirstSkipDiagnosis:
+    """Keeps the open group's micro-batches and, at the first skipped step, replays them to find
+    the first non-finite value (:func:`ampguard.locate.diagnose_group`). Built only when
+    ``diagnose.first_skip`` or ``diagnose.strict`` is on: otherwise it costs nothing."""
+
+    def __init__(self, state: AmpTrainState, model: Any, events: EventLog | None = None) -> None:
+        self.state, self.model, self.events = state, model, events
+        self.group: list[tuple[Any, Any]] = []
+        self.scale: Any = 1.0  # the loss scale the open group runs with
+        self.found: str | None = None
+
+    def capture(self, batch: tuple[Any, Any]) -> None:
+        """Call before the step takes ``batch``: keeps the group's batches and the loss scale they
+        run with (a device copy, no host read)."""
+        if not self.state.mid_group:
+            self.group, self.scale = [], self.state.scaler.scale_value()
+        self.group.append(batch)
+
+    def after(self, record: StepRecord) -> str | None:
+        """The finding for the run's first skipped step (None before it, and for clean steps)."""
+        if not record.skipped or self.found is not None:
+            return self.found if record.skipped else None
+        from .locate import diagnose_group
+
+        result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision, float(self.scale))
+        self.found = f"step {record.step} ({record.reason}): {result.message()}"
+        if self.events is not None:
+            self.events.emit({"step": record.step, "event": "diagnosis", **result.as_dict(), "message": self.found},
+                             "DIAGNOSIS")
+        return self.found
