@@ -123,18 +123,11 @@ def _monitor_flags(args: argparse.Namespace) -> dict[str, Any]:
 def _config_from(
     args: argparse.Namespace, base: dict[str, Any] | None = None, sections: dict[str, dict[str, Any]] | None = None
 ) -> Any:
-    """The effective, validated config: CONFIG (or ``base``, or the defaults), then --set, then
-    --inject, then flags that fill config sections (e.g. --fail-skip-rate -> monitor.fail_rate)."""
-    from .config import apply_overrides, read_file, validate
+    """The effective, validated config of CONFIG, --set, --inject and the flags that fill sections."""
+    from .config import load_config
 
-    data = read_file(args.config) if args.config else dict(base or {})
-    data = apply_overrides(data, args.set or [])
-    if getattr(args, "inject", None):
-        data["inject"] = list(data.get("inject") or []) + [f for f in args.inject if f != "none"]
-    for section, values in (sections or {}).items():
-        if values:
-            data[section] = {**(data.get(section) or {}), **values}
-    return validate(data)
+    inject = [f for f in getattr(args, "inject", None) or [] if f != "none"]
+    return load_config(args.config, args.set, base=base, inject=inject, sections=sections)
 
 
 # ---------------------------------------------------------------------------- main

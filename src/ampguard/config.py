@@ -415,7 +415,7 @@ class TaskConfig(_Section):
 
 
 class Config(_Section):
-    """The whole configuration tree (DESIGN.md section 5), validated once at load.
+    """The whole configuration tree, validated once at load.
 
     Example::
 
@@ -591,16 +591,29 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """The effective config: defaults, then the file (if any), then ``--set`` overrides.
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
+                base: dict[str, Any] | None = None, inject: list[str] | None = None,
+                sections: dict[str, dict[str, Any]] | None = None) -> Config:
+    """The effective config: the file at ``path`` (or ``base``, or the defaults), then ``--set``
+    overrides, then ``inject`` specs added to the file's, then ``sections`` merged into their
+    sections (flags such as ``--fail-skip-rate`` -> ``monitor.fail_rate``). What every verb reads.
 
     Example::
 
         >>> load_config(None, ["precision=fp16", "scaler.min_scale=4"]).scaler.min_scale
         4.0
+        >>> c = load_config(base={"inject": ["nan_loss@3"]}, inject=["spike@5"], sections={"monitor": {"fail_rate": 0.5}})
+        >>> c.inject, c.monitor.fail_rate
+        (['nan_loss@3', 'spike@5'], 0.5)
     """
-    data = read_file(path) if path is not None else {}
-    return validate(apply_overrides(data, overrides or []))
+    data = read_file(path) if path is not None else dict(base or {})
+    data = apply_overrides(data, overrides or [])
+    if inject:
+        data["inject"] = list(data.get("inject") or []) + list(inject)
+    for section, values in (sections or {}).items():
+        if values:
+            data[section] = {**(data.get(section) or {}), **values}
+    return validate(data)
 
 
 def dump_config(config: Config) -> str:

@@ -46,8 +46,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
     is bad" from outside.
 
     ``GradScaler`` backs the scale off only when ``unscale_`` found an inf/NaN in a gradient.
-    ampguard also skips a step whose *loss* was non-finite, and DESIGN.md wants that skip to
-    be visible in the scale too (x ``backoff_factor``, growth tracker reset). ``mark_found_inf_``
+    ampguard also skips a step whose *loss* was non-finite, and the step's contract
+    (docs/design.md §2) wants that skip to be visible in the scale too (x ``backoff_factor``, growth tracker reset). ``mark_found_inf_``
     records the skip the way ``unscale_`` would, so the following ``update()`` does exactly
     what it does for an overflowing gradient.
 

@@ -21,7 +21,7 @@ Value = torch.Tensor | float | None
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """Fields shared by :class:`StepLog` and :class:`SkipLog` (DESIGN.md section 2).
+    """Fields shared by :class:`StepLog` and :class:`SkipLog` (docs/design.md §3).
 
     ``step`` counts from 1; ``lr`` is param group 0's learning rate the step used; ``loss`` is
     the mean of the group's micro-batch losses; the norms are the global L2 norm of the

@@ -52,7 +52,7 @@ def _number(text: str, column: str, where: str) -> float | None:
 
 
 def read_steps_csv(path: str | Path) -> list[Row]:
-    """Parse a per-step CSV (DESIGN.md section 3); a malformed file raises :class:`InputError`."""
+    """Parse a per-step CSV (docs/design.md §3); a malformed file raises :class:`InputError`."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no such CSV file: {path}")

@@ -76,7 +76,7 @@ def csv_row(record: StepRecord, extra: Mapping[str, float | None] | None = None)
 
 
 class CsvSink:
-    """The per-step CSV of DESIGN.md section 3: one row per step, flushed when written.
+    """The per-step CSV of docs/design.md §3: one row per step, flushed when written.
 
     The header is the eight fixed columns, then ``extra_columns`` (declared up front, so the
     file is never rewritten when a value first appears). ``append=True`` continues an existing

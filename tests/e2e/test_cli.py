@@ -1,4 +1,4 @@
-"""The command line (DESIGN.md section 4): the demo, train end to end, bad input, Ctrl-C.
+"""The command line: the demo, train end to end, bad input, Ctrl-C.
 
 Most tests call ``ampguard.cli.main`` in-process (the ``cli`` fixture); a real process is used
 only where one is needed: SIGINT, ``python -m ampguard`` and the console script.

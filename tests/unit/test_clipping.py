@@ -1,4 +1,4 @@
-"""Global L2 clipping and the non-finite detector (DESIGN.md sections 1-2)."""
+"""Global L2 clipping and the non-finite detector (docs/design.md §2)."""
 
 from __future__ import annotations
 

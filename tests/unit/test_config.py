@@ -1,4 +1,4 @@
-"""The typed config tree (DESIGN.md section 5): defaults, file formats, --set, --print-config."""
+"""The typed config tree: defaults, file formats, --set, --print-config."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ batch_size = 8
 
 
 def test_defaults_from_design():
-    # DESIGN.md section 5 fixes these defaults; the loaded config (no file, no --set) must carry them.
+    # The contract fixes these defaults; the loaded config (no file, no --set) must carry them.
     c = load_config()
     assert (c.scaler.init_scale, c.scaler.growth_factor, c.scaler.backoff_factor, c.scaler.growth_interval) == (
         65536.0, 2.0, 0.5, 2000)

@@ -1,4 +1,4 @@
-"""Fault injection (DESIGN.md section 4): KIND@WHEN parsing, step mapping, and what each fault does."""
+"""Fault injection: KIND@WHEN parsing, step mapping, and what each fault does."""
 
 from __future__ import annotations
 

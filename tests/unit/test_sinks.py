@@ -1,4 +1,4 @@
-"""Sinks (DESIGN.md sections 2 and 3): the per-step CSV and the console lines."""
+"""Sinks (docs/design.md §3): the per-step CSV and the console lines."""
 
 from __future__ import annotations
 

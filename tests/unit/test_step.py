@@ -1,4 +1,4 @@
-"""The guarded step (DESIGN.md sections 1-2): AmpTrainState against the canonical PyTorch loop.
+"""The guarded step (docs/design.md §2): AmpTrainState against the canonical PyTorch loop.
 
 CPU only. Models are tiny (Linear(8,16)-GELU-Linear(16,2), batch 4) because fp16 autocast on
 CPU is slow.
@@ -93,7 +93,7 @@ def run_reference(
     make_sched=step_lr,
     seed: int = 0,
 ):
-    """The hand-written canonical AMP loop (DESIGN.md section 1), with clip_grad_norm_.
+    """The hand-written canonical AMP loop (docs/design.md §2), with clip_grad_norm_.
 
     Returns the model and one dict per step: scale after update, skipped, lr used, mean loss.
     """

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "my_model.py"
 
 FIXED = ("step", "lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "skipped", "skip_reason", "scaler_scale")
-"""The eight fixed CSV columns of DESIGN.md section 3, in order."""
+"""The eight fixed CSV columns of docs/design.md §3, in order."""
 
 LN_VOCAB = math.log(256)  # an untrained byte-level LM is about uniform over 256 values
 TINY_LM = ["task.name=charlm", "task.n_layer=1", "task.n_embd=32", "task.n_head=2", "task.block_size=32",
