@@ -28,6 +28,44 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 
+MAX_FILE_BYTES = 1 << 20
+"""A config file larger than this (1 MiB) is refused: configs are a page, not a data set."""
+MAX_DEPTH = 32
+"""How deeply a config may nest mappings and lists (the tree itself is 3 levels deep)."""
+MAX_SEED = 2**32 - 1
+"""Seeds go to torch, NumPy and ``random``; NumPy's global RNG takes at most 2**32 - 1."""
+MAX_NAME = 100
+"""The longest run-folder name (``log.name``); file systems stop at 255 bytes for the whole name."""
+
+
+class _PlainLoader(yaml.SafeLoader):
+    """YAML as plain data: no aliases (a few hundred bytes of nested aliases expand to gigabytes),
+    and only the JSON types (a date, ``!!binary`` or ``!!set`` is refused by :func:`_plain`)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(f"aliases (*name) are not allowed in a config (line {mark.line + 1})")
+        return super().compose_node(parent, index)
+
+
+def _plain(value: Any, where: str = "", depth: int = 0) -> None:
+    """Refuse anything but JSON's types (str, int, float, bool, None, lists, string-keyed
+    mappings), nested at most :data:`MAX_DEPTH` deep, naming where."""
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"config: {where or 'the top level'}: nested more than {MAX_DEPTH} levels deep")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"config: {where or 'the top level'}: key {key!r} is not a string")
+            _plain(item, f"{where}.{key}" if where else key, depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _plain(item, f"{where}[{i}]", depth + 1)
+    elif not (value is None or isinstance(value, (str, bool, int, float))):
+        raise ConfigError(f"config: {where}: a {type(value).__name__} is not a config value (use a string or a number)")
+
+
 def _not_bool(value: Any) -> Any:
     # pydantic would read true/false as 1/0; a boolean where a number belongs is a mistake
     if isinstance(value, bool):
@@ -47,6 +85,12 @@ def _at_least(low: float, *, strict: bool = False, finite: bool = False) -> Any:
         return value
 
     return AfterValidator(check)
+
+
+def _at_most(value: int, high: int) -> int:
+    if value > high:
+        raise ValueError(f"must be <= {high} (got {value})")
+    return value
 
 
 def _rate(value: float) -> float:
@@ -241,8 +285,10 @@ class LogConfig(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str | None) -> str | None:
-        if v is not None and (not v or "/" in v or v in (".", "..")):
+        if v is not None and (not v or "/" in v or "\0" in v or v in (".", "..")):
             raise ValueError(f"must be a plain folder name (got {v!r})")
+        if v is not None and len(v) > MAX_NAME:
+            raise ValueError(f"at most {MAX_NAME} characters (got {len(v)})")
         return v
 
 
@@ -436,8 +482,9 @@ class Config(_Section):
     """Micro-batches per optimizer update."""
     steps: Count = 1000
     """Optimizer steps (attempts, skipped ones included)."""
-    seed: Int = 0
-    """Seed for the model, the data order and seeded fault injection."""
+    seed: Annotated[Int, _at_least(0), AfterValidator(lambda v: _at_most(v, MAX_SEED))] = 0
+    """Seed for the model, the data order, seeded fault injection, and Python's ``random`` and
+    NumPy's global RNG (so a factory that draws from them is reproducible); 0 to 2**32 - 1."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: ``auto`` takes CUDA when available, the CPU otherwise."""
     scheduler_on_skip: Literal["hold", "step"] = "hold"
@@ -541,9 +588,11 @@ def read_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}")
     suffix = path.suffix.lower()
     try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"config file {path}: larger than {MAX_FILE_BYTES // 1024} KiB; is it a config?")
         text = path.read_text(encoding="utf-8")
         if suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_PlainLoader)  # noqa: S506 - a SafeLoader without aliases
         elif suffix == ".json":
             data = json.loads(text)
         elif suffix == ".toml":
@@ -552,13 +601,18 @@ def read_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"config file {path}: unknown format {suffix!r} (use .yaml, .yml, .json or .toml)")
     except ConfigError:
         raise
-    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"config file {path}: cannot parse: {first}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path}: nested more than {MAX_DEPTH} levels deep") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path}: cannot read it ({err.strerror})") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: the top level must be a mapping, got {type(data).__name__}")
+    _plain(data)
     return data
 
 
@@ -577,9 +631,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"--set {item!r}: expected key.sub=value")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
+            value = yaml.load(raw, Loader=_PlainLoader) if raw.strip() else None  # noqa: S506
+        except (yaml.YAMLError, ValueError, RecursionError):
             raise ConfigError(f"--set {key}: cannot parse value {raw!r}") from None
+        _plain(value, key)
         node = data
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .base import Batch, Task, cycle, mean_loss
 
-__all__ = ["Batch", "Task", "build_task", "cycle", "mean_loss"]
+__all__ = ["Batch", "Task", "build_task", "cycle", "mean_loss", "seed_everything"]
 
 
 def build_task(config: Any) -> Task:
-    """The workload a :class:`~ampguard.config.Config` names (``task.factory`` wins over ``task.name``).
+    """The workload a :class:`~ampguard.config.Config` names (``task.factory`` wins over ``task.name``),
+    built after every global RNG (torch, Python's ``random``, NumPy's) is seeded with ``seed``, so
+    a factory that draws from any of them builds the same model and data every time.
 
     Example::
 
@@ -25,6 +29,7 @@ def build_task(config: Any) -> Task:
         >>> task.name, task.mode, tuple(x.shape), tuple(y.shape), task.metrics
         ('linear', 'regression', (4, 16), (4, 4), ('val_loss',))
     """
+    seed_everything(config.seed)
     if config.task.factory:
         from .factory import build_from_factory
 
@@ -38,3 +43,22 @@ def build_task(config: Any) -> Task:
     else:  # pragma: no cover - the config only admits the names above
         raise ValueError(f"unknown task {config.task.name!r}")
     return build(config)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and every GPU), Python's ``random`` and NumPy's global RNG with ``seed``.
+
+    Example::
+
+        >>> import random
+        >>> seed_everything(3); a = (random.random(), torch.rand(1).item())
+        >>> seed_everything(3); a == (random.random(), torch.rand(1).item())
+        True
+    """
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)

@@ -1,0 +1,118 @@
+"""Hostile and careless config files: each refused with one ConfigError line, quickly, nothing run."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ampguard.config import MAX_DEPTH, MAX_FILE_BYTES, MAX_NAME, MAX_SEED, load_config, read_file
+from ampguard.errors import ConfigError
+from ampguard.tasks import build_task
+
+
+def _refused(path, *needles: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert "\n" not in text
+    for needle in needles:
+        assert needle in text, text
+    return text
+
+
+def test_a_608_byte_billion_laughs_yaml_is_refused_at_once(tmp_path):
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert path.stat().st_size < 700
+    start = time.perf_counter()
+    _refused(path, "aliases", "not allowed")
+    assert time.perf_counter() - start < 1.0  # refused while parsing, nothing expanded
+
+
+def test_a_recursive_alias_is_refused(tmp_path):
+    path = tmp_path / "rec.yaml"
+    path.write_text("a: &a [*a]\n", encoding="utf-8")
+    _refused(path, "aliases")
+
+
+def test_an_anchor_without_an_alias_is_fine(tmp_path):
+    path = tmp_path / "anchor.yaml"
+    path.write_text("optimizer: &opt\n  lr: 0.01\n", encoding="utf-8")
+    assert load_config(path).optimizer.lr == 0.01
+
+
+@pytest.mark.parametrize("name, text, what", [
+    ("date.yaml", "steps: 2020-01-01\n", "steps: a date"),
+    ("binary.yaml", "task:\n  name: !!binary aGVsbG8=\n", "task.name: a bytes"),
+    ("set.yaml", "inject: !!set {a: null}\n", "inject: a set"),
+    ("date.toml", "[task]\nname = 1979-05-27\n", "task.name: a date"),
+    ("time.toml", "steps = 07:32:00\n", "steps: a time"),
+    ("intkey.yaml", "monitor:\n  1: 2\n", "monitor: key 1 is not a string"),
+])
+def test_values_that_are_not_plain_data_name_their_key(tmp_path, name, text, what):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    _refused(path, what)
+
+
+def test_200k_deep_json_is_refused_not_a_recursion_traceback(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 200_000 + "]" * 200_000, encoding="utf-8")
+    _refused(path, "nested more than")
+
+
+@pytest.mark.parametrize("depth, ok", [(MAX_DEPTH, True), (MAX_DEPTH + 1, False)])
+def test_nesting_at_the_limit_reads_and_one_more_level_is_refused(tmp_path, depth, ok):
+    path = tmp_path / "nest.json"
+    # depth levels below the top-level mapping, as a list of lists under one key
+    path.write_text('{"x": ' + "[" * depth + "]" * depth + "}", encoding="utf-8")
+    if ok:
+        assert "x" in read_file(path)
+    else:
+        with pytest.raises(ConfigError, match="nested more than"):
+            read_file(path)
+
+
+def test_a_file_over_the_size_limit_is_refused_without_parsing(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("# " + "x" * MAX_FILE_BYTES + "\n", encoding="utf-8")
+    _refused(path, "larger than")
+
+
+def test_set_values_follow_the_same_rules():
+    with pytest.raises(ConfigError, match="--set steps"):
+        load_config(None, ["steps=*a"])
+    with pytest.raises(ConfigError, match="steps: a date"):
+        load_config(None, ["steps=2020-01-01"])
+
+
+@pytest.mark.parametrize("seed, ok", [(0, True), (MAX_SEED, True), (MAX_SEED + 1, False), (2**64, False), (-1, False)])
+def test_seed_bounds(seed, ok):
+    if ok:
+        assert load_config(None, [f"seed={seed}"]).seed == seed
+    else:
+        with pytest.raises(ConfigError, match="seed"):
+            load_config(None, [f"seed={seed}"])
+
+
+def test_a_long_run_name_is_refused_before_any_folder_exists():
+    assert load_config(None, [f"log.name={'x' * MAX_NAME}"]).log.name == "x" * MAX_NAME
+    with pytest.raises(ConfigError, match=f"log.name: at most {MAX_NAME} characters"):
+        load_config(None, [f"log.name={'x' * 256}"])
+
+
+def test_building_a_task_seeds_random_and_numpy_with_the_run_seed():
+    config = load_config(None, ["task.name=linear", "seed=7"])
+    build_task(config)
+    first = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    build_task(config)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == first
+    build_task(load_config(None, ["task.name=linear", "seed=8"]))
+    assert random.random() != first[0]
