@@ -1,10 +1,13 @@
-"""Shared fixtures: run the CLI in-process, snapshot a folder."""
+"""Shared fixtures: run the CLI in-process, snapshot a folder; the tiny classifier factory of the
+validate tests; one intra-op thread and no bytecode for the task tests (unit and whole runs)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ampguard.cli import main
 
@@ -35,3 +38,70 @@ def snapshot():
         }
 
     return take
+
+
+# ---------------------------------------------------------------------------- validate (unit and CLI)
+
+# The user factory of the validate tests: an identity ``Linear`` (logits = inputs), with options
+# that plant a near-tie, a margin of exactly 0.5, an exp overflow, a wrong label or swapped classes.
+FACTORY = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Exp(nn.Module):
+    def forward(self, x):
+        return torch.exp(x)
+
+
+def build(config):
+    opts = config.task.options
+    lin = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(2))  # logits = inputs
+    model = nn.Sequential(lin, Exp()) if opts.get("exp") else lin
+    # six well-separated examples (top-2 margin 3), the label is the larger logit
+    x = torch.tensor([[3.0, 0.0], [0.0, 3.0], [2.0, -1.0], [-1.0, 2.0], [4.0, 1.0], [1.0, 4.0]])
+    if opts.get("tie"):  # index 6: a near-tie that fp16 and bf16 cannot resolve
+        x = torch.cat([x, torch.tensor([[1.0, 1.0003]])])
+    if opts.get("narrow"):  # index 6: margin exactly 0.5 in every precision
+        x = torch.cat([x, torch.tensor([[1.5, 1.0]])])
+    if opts.get("exp"):  # index 6: exp(100) is inf even in fp32
+        x = torch.cat([x, torch.tensor([[100.0, 0.0]])])
+    y = x.argmax(1)
+    if opts.get("mislabel"):
+        y[0] = 1 - y[0]
+    made = {"model": model, "data": [(x, y)], "loss_fn": F.cross_entropy, "held_out": (x, y),
+            "edge_cases": (["big"], torch.tensor([[10.0, -10.0]]))}
+    if opts.get("swap"):
+        made["predict"] = lambda m, inputs: m(inputs)[:, [1, 0]]
+    return made
+'''
+
+
+@pytest.fixture(scope="module")
+def factory(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("factory") / "tiny_classifier.py"
+    path.write_text(FACTORY, encoding="utf-8")
+    return f"{path}:build"
+
+
+# ---------------------------------------------------------------------------- tasks (unit and whole runs)
+# Not autouse: test_tasks.py and test_task_runs.py ask for them with ``pytest.mark.usefixtures``.
+
+
+@pytest.fixture(scope="module")
+def _one_thread():
+    # these models are tiny: one intra-op thread is as fast, and it does not collapse (tens of times
+    # slower) when the two cores are shared with other processes
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def _no_bytecode(monkeypatch):
+    # loading a factory file must not leave __pycache__ next to it (or in examples/)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)

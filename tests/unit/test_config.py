@@ -1,4 +1,5 @@
-"""The typed config tree: defaults, file formats, --set, --print-config."""
+"""The typed config tree: defaults, file formats, --set, dump_config. ``--print-config`` on the
+command line is in ``tests/e2e/test_config_cli.py``."""
 
 from __future__ import annotations
 
@@ -8,69 +9,10 @@ import math
 import pytest
 import yaml
 
+from helpers import SAMPLE, SAMPLE_TOML
+
 from ampguard.config import Config, apply_overrides, dump_config, load_config, read_file, validate
 from ampguard.errors import ConfigError, InputError
-
-# One non-default config, written below as YAML, JSON and TOML.
-SAMPLE = {
-    "precision": "fp16",
-    "max_norm": 0.5,
-    "accumulation_steps": 2,
-    "steps": 7,
-    "seed": 3,
-    "device": "cpu",
-    "optimizer": {"name": "sgd", "lr": 0.01, "betas": [0.8, 0.99], "fused": False, "momentum": 0.5},
-    "schedule": {"warmup": 2, "decay": "linear"},
-    "scaler": {"init_scale": 1024.0, "growth_interval": 10, "backoff_factor": 0.25},
-    "monitor": {"window": 50, "fail_rate": 0.5, "fail_after": 5},
-    "log": {"dir": "elsewhere", "every": 2},
-    "checkpoint": {"every": 3, "keep": 1},
-    "task": {"name": "linear", "batch_size": 8},
-    "inject": ["inf_grad@5", "nan_loss@every:3"],
-}
-
-SAMPLE_TOML = """\
-precision = "fp16"
-max_norm = 0.5
-accumulation_steps = 2
-steps = 7
-seed = 3
-device = "cpu"
-inject = ["inf_grad@5", "nan_loss@every:3"]
-
-[optimizer]
-name = "sgd"
-lr = 0.01
-betas = [0.8, 0.99]
-fused = false
-momentum = 0.5
-
-[schedule]
-warmup = 2
-decay = "linear"
-
-[scaler]
-init_scale = 1024.0
-growth_interval = 10
-backoff_factor = 0.25
-
-[monitor]
-window = 50
-fail_rate = 0.5
-fail_after = 5
-
-[log]
-dir = "elsewhere"
-every = 2
-
-[checkpoint]
-every = 3
-keep = 1
-
-[task]
-name = "linear"
-batch_size = 8
-"""
 
 
 # ---------------------------------------------------------------------------- defaults
@@ -313,40 +255,9 @@ def test_set_below_a_scalar_names_the_key():
         load_config(None, ["steps.x=1"])
 
 
-# ---------------------------------------------------------------------------- --print-config
+# ---------------------------------------------------------------------------- dump_config
 
 
 def test_dump_config_round_trips():
     for config in (Config(), validate(SAMPLE), validate({"max_norm": None, "precision": "fp32"})):
         assert validate(yaml.safe_load(dump_config(config))) == config
-
-
-def test_print_config_round_trips_with_set_values(cli, tmp_path):
-    (tmp_path / "c.toml").write_text(SAMPLE_TOML, encoding="utf-8")
-    sets = ["optimizer.lr=0.02", "max_norm=null", "task.batch_size=3", "log.name=pc"]
-    argv = ["train", "c.toml"]
-    for item in sets:
-        argv += ["--set", item]
-    code, out, err = cli(*argv, "--inject", "spike@4", "--print-config")
-    assert code == 0, err
-    printed = yaml.safe_load(out)
-    assert set(printed) == set(Config.model_fields)  # every field shown
-    effective = validate(printed)
-    expected = load_config(tmp_path / "c.toml", sets + ["inject=[inf_grad@5, nan_loss@every:3, spike@4]"])
-    assert effective == expected
-    assert effective.optimizer.lr == 0.02 and effective.max_norm is None and effective.task.batch_size == 3
-    assert effective.inject[-1] == "spike@4"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]  # nothing written
-
-
-def test_print_config_without_file_is_the_defaults(cli, tmp_path):
-    code, out, err = cli("train", "--print-config")
-    assert code == 0, err
-    assert validate(yaml.safe_load(out)) == Config()
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_print_config_accepts_max_norm_zero(cli):
-    code, out, err = cli("train", "--set", "max_norm=0", "--print-config")
-    assert code == 0, err
-    assert yaml.safe_load(out)["max_norm"] == 0

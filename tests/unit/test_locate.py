@@ -1,9 +1,7 @@
-"""``ampguard locate`` and the automatic first-skip diagnosis (issue 5, parts 2 and 3).
-
-Where a non-finite value is born (the input, a module's forward output, the loss, or a
-parameter's gradient in backward), and whether an FP32 replay of the same batch is clean
-(``precision-range``) or not (``data/model``). Then the CLI verb, the first-skip diagnosis of
-``train`` (events.jsonl and the run card) and ``--strict`` (exit 3 at the first bad step).
+"""``ampguard.locate.diagnose`` (issue 5, part 2): where a non-finite value is born (the input, a
+module's forward output, the loss, or a parameter's gradient in backward), and whether an FP32
+replay of the same batch is clean (``precision-range``) or not (``data/model``). The CLI verb, the
+first-skip diagnosis of ``train`` and ``--strict`` are in ``tests/e2e/test_locate_cli.py``.
 
 Every overflow is planted from first principles: fp16's largest finite value is 65504 and
 fp32's is about 3.4e38, so exp(12) = 162755 or a Linear output of 120000 overflows fp16
@@ -12,12 +10,8 @@ while staying finite in fp32.
 
 from __future__ import annotations
 
-import csv
-import json
 import math
-import os
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +24,6 @@ from ampguard.precision import Precision
 FP16 = Precision("fp16", "cpu")
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 FP32_MAX = torch.finfo(torch.float32).max  # ~3.4e38
-LINEAR_FP16 = ["--set", "task.name=linear", "--set", "precision=fp16"]
 
 
 # ---------------------------------------------------------------------------- models
@@ -236,232 +229,3 @@ def test_diagnose_changes_neither_parameters_nor_their_grads_nor_the_mode():
     model.eval()
     diagnose(model, F.mse_loss, torch.randn(5, 4), torch.randn(5, 4), FP16)
     assert not model.training
-
-
-# ---------------------------------------------------------------------------- the CLI
-
-
-def test_cli_locate_names_the_backward_overflow_of_a_spiked_step(cli):
-    # spike: targets x 1e8, so dL/dout ~ 2e8 / N * scale, far above 65504 in fp16
-    code, out, err = cli("locate", *LINEAR_FP16, "--inject", "spike@3", "--step", "3")
-    assert code == 1, err  # found a non-finite value
-    assert "step 3" in out
-    assert "backward" in out and "precision-range" in out
-
-    code, out, err = cli("locate", *LINEAR_FP16, "--inject", "spike@3", "--step", "3", "--json")
-    assert code == 1, err  # found a non-finite value
-    found = json.loads(out)
-    assert found["verdict"] == "precision-range"
-    assert found["amp"]["where"] == "backward"
-    assert found["amp"]["name"] in ("weight", "bias")
-    assert found["amp"]["op"] == "Linear"
-    assert found["amp"]["precision"] == "fp16"
-    assert found["fp32"]["where"] == "none"
-    assert "step 3" in found["where"]
-
-
-def test_cli_locate_only_replays_the_step_asked_for(cli):
-    code, out, err = cli("locate", *LINEAR_FP16, "--inject", "spike@3", "--step", "2", "--json")
-    assert code == 0, err
-    found = json.loads(out)
-    assert found["verdict"] == "none" and found["amp"]["where"] == "none"
-
-
-def test_cli_locate_reports_a_nan_input(cli):
-    code, out, err = cli("locate", *LINEAR_FP16, "--inject", "nan_input@2", "--step", "2")
-    assert code == 1, err  # found a non-finite value
-    assert "input" in out and "data or model" in out
-
-    code, out, err = cli("locate", *LINEAR_FP16, "--inject", "nan_input@2", "--step", "2", "--json")
-    found = json.loads(out)
-    assert found["amp"]["where"] == "input" and found["amp"]["kind"] == "nan"
-    assert found["fp32"]["where"] == "input"
-    assert found["verdict"] == "data/model"
-
-
-def test_cli_locate_a_saved_batch(cli, tmp_path):
-    gen = torch.Generator().manual_seed(1)
-    spiked = tmp_path / "spiked.pt"
-    torch.save({"inputs": torch.randn(8, 16, generator=gen), "targets": torch.randn(8, 4, generator=gen) * 1e8}, spiked)
-    code, out, err = cli("locate", *LINEAR_FP16, "--batch", spiked, "--json")
-    assert code == 1, err  # found a non-finite value
-    found = json.loads(out)
-    assert str(spiked) in found["where"]
-    assert found["amp"]["where"] == "backward" and found["verdict"] == "precision-range"
-
-    nan_batch = tmp_path / "nan.pt"
-    x = torch.randn(8, 16, generator=gen)
-    x[3, 5] = float("nan")
-    torch.save({"inputs": x, "targets": torch.randn(8, 4, generator=gen)}, nan_batch)
-    code, out, err = cli("locate", *LINEAR_FP16, "--batch", nan_batch, "--json")
-    assert code == 1, err  # found a non-finite value
-    assert json.loads(out)["amp"]["where"] == "input"
-
-    clean = tmp_path / "clean.pt"
-    torch.save({"inputs": torch.randn(8, 16, generator=gen), "targets": torch.randn(8, 4, generator=gen)}, clean)
-    code, out, err = cli("locate", *LINEAR_FP16, "--batch", clean)
-    assert code == 0, err
-    assert "no non-finite value" in out
-
-
-def test_cli_locate_backward_uses_the_loss_scale(cli):
-    # a clean step: dL/dout = 2 (out - y) / 128 per element; times 2**24 that is ~262144 (out - y),
-    # beyond fp16's 65504 for any |out - y| > 0.25; times 1 it is tiny
-    code, out, err = cli("locate", *LINEAR_FP16, "--step", "1", "--scale", str(2.0**24), "--json")
-    assert code == 1, err  # found a non-finite value
-    found = json.loads(out)
-    assert found["amp"]["where"] == "backward" and found["verdict"] == "precision-range"
-
-    code, out, err = cli("locate", *LINEAR_FP16, "--step", "1", "--scale", "1", "--json")
-    assert code == 0, err
-    assert json.loads(out)["verdict"] == "none"
-
-
-class _RunsCode:
-    """Unpickling this would call os.makedirs(marker): code that must never run."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.makedirs, (str(self.marker),))
-
-
-def _one_line_error(code: int, out: str, err: str) -> str:
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
-
-
-def test_cli_locate_refuses_bad_batch_files_in_one_line(cli, tmp_path):
-    missing = tmp_path / "nope.pt"
-    line = _one_line_error(*cli("locate", *LINEAR_FP16, "--batch", missing))
-    assert "nope.pt" in line
-
-    not_a_batch = tmp_path / "tensor.pt"
-    torch.save(torch.zeros(3), not_a_batch)
-    line = _one_line_error(*cli("locate", *LINEAR_FP16, "--batch", not_a_batch))
-    assert "tensor.pt" in line and "inputs" in line
-
-    wrong_keys = tmp_path / "keys.pt"
-    torch.save({"x": torch.zeros(3), "y": torch.zeros(3)}, wrong_keys)
-    _one_line_error(*cli("locate", *LINEAR_FP16, "--batch", wrong_keys))
-
-    text = tmp_path / "notes.pt"
-    text.write_text("not a pytorch file at all\n")
-    line = _one_line_error(*cli("locate", *LINEAR_FP16, "--batch", text))
-    assert "notes.pt" in line
-
-    marker = tmp_path / "code-ran"
-    evil = tmp_path / "evil.pt"
-    torch.save({"inputs": torch.zeros(2, 16), "targets": _RunsCode(marker)}, evil)
-    line = _one_line_error(*cli("locate", *LINEAR_FP16, "--batch", evil))
-    assert "evil.pt" in line
-    assert not marker.exists()
-
-
-# ---------------------------------------------------------------------------- automatic diagnosis
-
-
-def _events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _card_row(run_dir: Path, label: str) -> str:
-    rows = [line for line in (run_dir / "RUN.md").read_text().splitlines() if line.startswith(f"| {label} |")]
-    assert len(rows) == 1, rows
-    return rows[0]
-
-
-def test_train_diagnoses_the_first_skipped_step(cli, tmp_path):
-    code, out, err = cli("train", *LINEAR_FP16, "--set", "steps=7", "--set", "log.name=diag",
-                         "--inject", "spike@5", "--set", "diagnose.first_skip=true")
-    assert code == 0, err
-    run = tmp_path / "runs" / "diag"
-    diagnoses = [e for e in _events(run) if e["event"] == "diagnosis"]
-    assert len(diagnoses) == 1
-    d = diagnoses[0]
-    assert d["step"] == 5
-    assert d["verdict"] == "precision-range"
-    assert d["amp"]["where"] == "backward" and d["amp"]["op"] == "Linear"
-    assert d["fp32"]["where"] == "none"
-
-    row = _card_row(run, "first-skip diagnosis")
-    assert "step 5" in row and "precision-range" in row and "backward" in row
-    assert any(line.startswith("DIAGNOSIS 5") for line in out.splitlines())
-    # the run went on after the diagnosis
-    with open(run / "steps.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert [r["step"] for r in rows] == [str(i) for i in range(1, 8)]
-    assert [r["skipped"] for r in rows].count("1") == 1
-
-    # locate --checkpoint takes the model and the loss scale the run ended with: 65536 halved once
-    # by the skip, never grown back (growth_interval 2000)
-    checkpoint = run / "checkpoints" / "step-00000007.pt"
-    code, out, err = cli("locate", *LINEAR_FP16, "--checkpoint", checkpoint, "--step", "1")
-    assert code == 0, err  # step 1 is clean at that scale
-    assert "loss scale 32768" in out and "no non-finite value" in out
-
-
-def test_the_first_skip_diagnosis_replays_at_the_scale_of_the_skipped_step(cli, tmp_path):
-    # init scale 2**24 overflows the clean fp16 gradients of step 1 (see the locate --scale test);
-    # replayed with loss scale 1 the same batch would look clean
-    code, out, err = cli("train", *LINEAR_FP16, "--set", "steps=2", "--set", "log.name=scale",
-                         "--set", f"scaler.init_scale={2**24}", "--set", "diagnose.first_skip=true")
-    assert code == 0, err
-    diagnoses = [e for e in _events(tmp_path / "runs" / "scale") if e["event"] == "diagnosis"]
-    assert len(diagnoses) == 1
-    assert diagnoses[0]["step"] == 1
-    assert diagnoses[0]["amp"]["where"] == "backward"
-    assert diagnoses[0]["verdict"] == "precision-range"
-
-
-def test_no_diagnosis_event_when_diagnose_is_off(cli, tmp_path):
-    code, out, err = cli("train", *LINEAR_FP16, "--set", "steps=6", "--set", "log.name=plain", "--inject", "spike@5")
-    assert code == 0, err
-    run = tmp_path / "runs" / "plain"
-    events = _events(run)
-    assert not [e for e in events if e["event"] == "diagnosis"]
-    assert "DIAGNOSIS" not in out
-    assert "off" in _card_row(run, "first-skip diagnosis")
-
-
-# ---------------------------------------------------------------------------- strict mode
-
-
-def test_demo_strict_stops_at_the_injected_gradient(cli):
-    code, out, err = cli("demo", "--strict")
-    assert code == 3, (out, err)
-    steps = [line.split()[:2] for line in out.splitlines() if line.startswith(("STEP ", "SKIP "))]
-    assert steps == [["STEP", "1"], ["STEP", "2"], ["STEP", "3"], ["STEP", "4"], ["SKIP", "5"]]
-    ended = [line for line in out.splitlines() if line.startswith("ended:")]
-    assert len(ended) == 1
-    assert "strict" in ended[0] and "gradient" in ended[0] and "step 5" in ended[0]
-    assert "non-finite loss" not in ended[0]
-    assert "weight" in ended[0]  # where: the parameter whose gradient went bad
-
-
-def test_demo_without_strict_goes_past_the_skip(cli):
-    code, out, err = cli("demo", "--steps", "7")
-    assert code == 0, err
-    assert [line.split()[1] for line in out.splitlines() if line.startswith(("STEP ", "SKIP "))] == \
-        [str(i) for i in range(1, 8)]
-
-
-def test_train_strict_stops_at_a_nan_loss_naming_the_loss(cli, tmp_path):
-    code, out, err = cli("train", "--strict", *LINEAR_FP16, "--set", "steps=8", "--set", "log.name=strict",
-                         "--inject", "nan_loss@3")
-    assert code == 3, (out, err)
-    ended = [line for line in out.splitlines() if line.startswith("ended:")]
-    assert len(ended) == 1
-    assert "non-finite loss" in ended[0] and "step 3" in ended[0]
-    assert "non-finite gradient" not in ended[0]
-    assert "in the loss" in ended[0]
-
-    with open(tmp_path / "runs" / "strict" / "steps.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert len(rows) == 3
-    assert [r["skipped"] for r in rows] == ["0", "0", "1"]
-    assert rows[2]["skip_reason"] == "non_finite_loss"

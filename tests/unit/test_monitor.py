@@ -1,29 +1,22 @@
 """Run health (issue 3): rolling skip rate, alerts, fail-fast, scale health, and the sinks that
 carry them (events.jsonl, steps.jsonl, TensorBoard).
 
-Unit tests feed the monitors synthetic records; the end-to-end tests train the linear task
-in-process for a few steps. Every expected number is computed here from the fault schedule
-(``parse_fault(...).hits``) and the window arithmetic, never read back from a run first.
-The plot is stubbed in the end-to-end runs here (it is what ``test_report.py`` is about, and it
-costs seconds on a CPU); everything else a run writes is real.
+These unit tests feed the monitors synthetic records; ``tests/e2e/test_monitor_runs.py`` trains
+the linear task for a few steps and reads the guard rails back from the run. Every expected number
+is computed here from the fault schedule (``parse_fault(...).hits``) and the window arithmetic.
 """
 
 from __future__ import annotations
 
 import copy
-import csv
-import importlib.util
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 
-from helpers import ag, reference_fail_step
+from helpers import HAS_TENSORBOARD, reference_fail_step, seen_episodes, seen_rates, strict_json
 
-import ampguard.report
-from ampguard.cli import main
 from ampguard.config import MonitorConfig
 from ampguard.errors import InputError
 from ampguard.faults import parse_fault
@@ -35,29 +28,6 @@ from ampguard.records import SkipLog, StepLog
 from ampguard.sinks import JsonlSink, TensorBoardSink
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def seen_rates(skipped: list[bool], window: int) -> list[float]:
-    """Rolling skip rate after each step, by brute force: skips among the steps the window holds
-    (the last ``window`` steps, or all the steps so far while fewer)."""
-    out = []
-    for i in range(len(skipped)):
-        held = skipped[max(0, i + 1 - window): i + 1]
-        out.append(sum(held) / len(held))
-    return out
-
-
-def seen_episodes(rates: list[float], threshold: float, min_steps: int) -> list[tuple[int, str]]:
-    """(step, ALERT|CLEAR) each time the rate crosses ``threshold``; an ALERT only from step ``min_steps``."""
-    out, alerting = [], False
-    for step, rate in enumerate(rates, start=1):
-        if rate > threshold and not alerting and step >= min_steps:
-            out.append((step, "ALERT"))
-            alerting = True
-        elif rate <= threshold and alerting:
-            out.append((step, "CLEAR"))
-            alerting = False
-    return out
 
 
 def step_record(step: int, *, loss: float = 1.0, pre: float = 0.5, post: float | None = None,
@@ -75,48 +45,6 @@ def skip_record(step: int, reason: str = "non_finite_grad", *, loss: float = 1.0
 
 def records_for(skipped: list[bool]) -> list:
     return [skip_record(i) if s else step_record(i) for i, s in enumerate(skipped, start=1)]
-
-
-def strict_json(line: str) -> dict:
-    def refuse(token: str):
-        raise AssertionError(f"non-strict JSON constant {token} in {line!r}")
-
-    return json.loads(line, parse_constant=refuse)
-
-
-def read_rows(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
-def read_events(path: Path) -> list[dict]:
-    return [strict_json(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
-LINEAR = ["--set", "task.name=linear", "--set", "log.every=1000"]
-
-
-@pytest.fixture
-def train(tmp_path, monkeypatch, capsys):
-    """``train(name, *argv) -> (code, stdout, stderr, run_dir)``; the plot is stubbed (see module doc)."""
-    monkeypatch.chdir(tmp_path)
-    drawn: list[Path] = []
-
-    def fake_plot(csv_path, png_path, **kwargs):
-        drawn.append(Path(png_path))
-        Path(png_path).write_bytes(b"stub")
-        return Path(png_path)
-
-    monkeypatch.setattr(ampguard.report, "plot_run", fake_plot)
-
-    def run(name: str, *argv: str) -> tuple[int, str, str, Path]:
-        capsys.readouterr()
-        code = main(["train", *LINEAR, "--set", f"log.dir={tmp_path / 'runs'}", "--set", f"log.name={name}", *argv])
-        out, err = capsys.readouterr()
-        return code, out, err, tmp_path / "runs" / name
-
-    run.drawn = drawn  # type: ignore[attr-defined]
-    return run
 
 
 # ---------------------------------------------------------------------------- RollingWindow
@@ -785,223 +713,6 @@ def test_run_monitor_loads_an_older_state_without_the_new_keys():
         assert [e.as_dict() for e in restored.observe(r)] == [e.as_dict() for e in m.observe(r)]
 
 
-# ---------------------------------------------------------------------------- train: fail-fast
-
-
-def test_train_fail_fast_stops_at_the_predicted_step(train):
-    fault = parse_fault("inf_grad@rate:0.5", seed=0)
-    window, fail_rate, fail_after, steps = 20, 0.1, 10, 200
-    skipped = [fault.hits(s) for s in range(1, steps + 1)]
-    expected = reference_fail_step(seen_rates(skipped, window), fail_rate, fail_after)
-    assert expected is not None and expected < steps
-
-    code, out, err, run_dir = train(
-        "ff", "--set", "precision=fp32", "--set", f"steps={steps}", "--inject", "inf_grad@rate:0.5",
-        "--set", f"monitor.window={window}", "--fail-skip-rate", str(fail_rate), "--fail-after", str(fail_after))
-    assert code == 3, err
-    assert "Traceback" not in err
-
-    # CSV: exactly `expected` complete rows, steps 1..expected, skips exactly where the fault hits.
-    text = (run_dir / "steps.csv").read_text(encoding="utf-8")
-    assert text.endswith("\n")
-    rows = read_rows(run_dir / "steps.csv")
-    assert [int(r["step"]) for r in rows] == list(range(1, expected + 1))
-    assert [r["skipped"] == "1" for r in rows] == skipped[:expected]
-    assert {r["skip_reason"] for r in rows if r["skipped"] == "1"} == {"non_finite_grad"}
-
-    # One FAIL line on the console, at that step.
-    fail_lines = [line for line in out.splitlines() if line.startswith("FAIL ")]
-    assert len(fail_lines) == 1 and fail_lines[0].startswith(f"FAIL {expected} ")
-    assert f"fail_rate {fail_rate:g}" in fail_lines[0] and f"{fail_after} consecutive" in fail_lines[0]
-
-    # events.jsonl: strict JSON, exactly one fail event at that step, then run_end.
-    events = read_events(run_dir / "events.jsonl")
-    fails = [e for e in events if e["event"] == "fail"]
-    assert [e["step"] for e in fails] == [expected]
-    assert fails[0]["cause"] == "skip_rate"  # which guard, without reading the message
-    held = skipped[max(0, expected - window):expected]
-    assert fails[0]["skip_rate"] == sum(held) / len(held)
-    assert events[-1]["event"] == "run_end" and events[-1]["step"] == expected
-    assert events[0]["event"] == "run_start"
-
-    # RUN.md says why it ended; the plot was still made.
-    card = (run_dir / "RUN.md").read_text(encoding="utf-8")
-    assert f"stopped by the guard at step {expected}" in card
-    assert f"above fail_rate {fail_rate:g} for {fail_after} consecutive steps" in card
-    assert train.drawn == [run_dir / "report.png"]
-    assert f"ended: stopped by the guard at step {expected}" in out
-
-
-def test_train_fail_rate_from_config_keys(train):
-    # monitor.fail_rate / monitor.fail_after are the config spelling of the two flags.
-    fault = parse_fault("nan_loss@every:2", seed=0)
-    skipped = [fault.hits(s) for s in range(1, 61)]
-    expected = reference_fail_step(seen_rates(skipped, 10), 0.3, 5)
-    assert expected is not None
-    code, out, err, run_dir = train(
-        "cfg", "--set", "precision=bf16", "--set", "steps=60", "--inject", "nan_loss@every:2",
-        "--set", "monitor.window=10", "--set", "monitor.fail_rate=0.3", "--set", "monitor.fail_after=5")
-    assert code == 3, err
-    assert len(read_rows(run_dir / "steps.csv")) == expected
-    assert [e["step"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "fail"] == [expected]
-
-
-def test_train_without_fail_rate_runs_to_the_end_despite_skips(train):
-    code, out, err, run_dir = train(
-        "nofail", "--set", "precision=fp32", "--set", "steps=15", "--inject", "inf_grad@rate:0.5",
-        "--set", "monitor.window=5")
-    assert code == 0, err
-    assert len(read_rows(run_dir / "steps.csv")) == 15
-    assert not [line for line in out.splitlines() if line.startswith("FAIL")]
-    assert "finished: 15 steps" in (run_dir / "RUN.md").read_text(encoding="utf-8")
-
-
-def test_train_fail_on_scale_collapse(train):
-    # fp16 from scale 4: injected overflows at steps 1-3 halve it to 2, then 1 = scaler.min_scale
-    # (the floor) at step 2; step 3 is skipped at the floor too: 2 consecutive -> exit 3 at step 3.
-    code, out, err, run_dir = train(
-        "collapse", "--set", "precision=fp16", "--set", "steps=30", "--set", "scaler.init_scale=4",
-        "--inject", "inf_grad@1,2,3", "--set", "monitor.fail_on_scale_collapse=true",
-        "--set", "monitor.fail_after=2")
-    assert code == 3, err
-    rows = read_rows(run_dir / "steps.csv")
-    assert len(rows) == 3 and all(r["skipped"] == "1" for r in rows)
-    assert [float(r["scaler_scale"]) for r in rows[:2]] == [2.0, 1.0]
-    events = read_events(run_dir / "events.jsonl")
-    assert [(e["step"], e["event"]) for e in events if e["event"] in ("scale_alert", "fail")] == [
-        (2, "scale_alert"), (3, "fail")]
-    assert [e["cause"] for e in events if e["event"] == "fail"] == ["scale_collapse"]
-    assert [line.split()[:2] for line in out.splitlines() if line.startswith(("ALERT", "FAIL"))] == [
-        ["ALERT", "2"], ["FAIL", "3"]]
-    card = (run_dir / "RUN.md").read_text(encoding="utf-8")
-    assert "scale health | collapsing" in card
-    assert "stopped by the guard at step 3" in card
-
-
-def test_demo_every_step_nan_fails_fast_at_fail_after():
-    # The defect: the rate divided by the whole (empty) window, so this ran all 300 steps, exit 0.
-    code, out, err = ag("demo", "--steps", 300, "--inject", "nan_loss@every:1", "--fail-skip-rate", 0.5,
-                        "--fail-after", 3)
-    assert code == 3, (out, err)
-    steps = [line.split()[:2] for line in out.splitlines() if line.startswith(("STEP ", "SKIP "))]
-    assert steps == [["SKIP", "1"], ["SKIP", "2"], ["SKIP", "3"]]
-    assert [line.split()[:2] for line in out.splitlines() if line.startswith("FAIL ")] == [["FAIL", "3"]]
-
-
-# ---------------------------------------------------------------------------- train: alert episodes
-
-
-def test_train_alerts_once_per_episode(train):
-    # The skip at step 3 is 1 of 3 steps seen (0.333 > 0.1) but the ALERT is not armed before
-    # monitor.min_steps (its default); the two episodes after it are.
-    min_steps = MonitorConfig().min_steps
-    steps, window, alert = min_steps + 35, 10, 0.1
-    late = [min_steps + d for d in (2, 3, 5, 20, 21)]
-    spec = "nan_loss@" + ",".join(str(s) for s in [3, *late])
-    fault = parse_fault(spec)
-    skipped = [fault.hits(s) for s in range(1, steps + 1)]
-    rates = seen_rates(skipped, window)
-    assert rates[2] > alert
-    expected = seen_episodes(rates, alert, min_steps)
-    assert expected == [(late[1], "ALERT"), (late[1] + 10, "CLEAR"), (late[4], "ALERT"), (late[4] + 9, "CLEAR")]
-
-    code, out, err, run_dir = train(
-        "alerts", "--set", "precision=fp32", "--set", f"steps={steps}", "--inject", spec,
-        "--set", f"monitor.window={window}", "--set", f"monitor.alert_rate={alert}")
-    assert code == 0, err
-    console = [(int(line.split()[1]), line.split()[0]) for line in out.splitlines()
-               if line.startswith(("ALERT ", "CLEAR "))]
-    assert console == expected  # once when it starts, once when it clears: not per step
-
-    events = read_events(run_dir / "events.jsonl")
-    logged = [(e["step"], {"skip_rate_alert": "ALERT", "skip_rate_clear": "CLEAR"}[e["event"]])
-              for e in events if e["event"] in ("skip_rate_alert", "skip_rate_clear")]
-    assert logged == expected
-    for e in events:
-        if e["event"] in ("skip_rate_alert", "skip_rate_clear"):
-            assert e["skip_rate"] == rates[e["step"] - 1] and e["window"] == window
-
-    card = (run_dir / "RUN.md").read_text(encoding="utf-8")
-    assert "| skip-rate alert episodes | 2 |" in card
-    assert f"| max rolling skip rate | {max(rates):.4f} |" in card  # from step 1: step 3 was 1 in 3
-    assert max(rates) == 1 / 3
-    assert f"| skipped steps | {sum(skipped)} (non_finite_loss={sum(skipped)}) |" in card
-
-
-# ---------------------------------------------------------------------------- train: real fp16 scale health
-
-
-def reference_verdicts(scales: list[float], skipped: list[bool], init: float, window: int) -> list[str]:
-    """The ScaleHealth rules re-derived from the per-step scales (all moves here are powers of 2)."""
-    moves, opening, prev, flag = [], [], init, True
-    for s, sk in zip(scales, skipped):
-        m = round(math.log2(s / prev))
-        flag = flag and sk
-        moves.append(m)
-        opening.append(m if flag else 0)
-        prev = s
-    out = []
-    for i in range(len(moves)):
-        w, o = moves[max(0, i + 1 - window): i + 1], opening[max(0, i + 1 - window): i + 1]
-        ups = sum(m > 0 for m in w)
-        downs = sum(m < 0 for m in w) - sum(m < 0 for m in o)
-        if scales[i] <= 1.0:  # at the floor scaler.min_scale
-            out.append("collapsing")
-        elif ups == 0 and downs == 0:
-            out.append("warming" if any(m < 0 for m in o) else "stable")
-        elif ups >= 2 and downs >= 2:
-            out.append("oscillating")
-        elif ups == 0 and sum(w) - sum(o) <= -3:
-            out.append("collapsing")
-        elif ups > downs:
-            out.append("climbing")
-        else:
-            out.append("stable")
-    return out
-
-
-def test_train_fp16_scale_health_warming_then_stable(train):
-    init, window, every, steps = 2.0**40, 10, 10, 40
-    code, out, err, run_dir = train(
-        "fp16", "--set", "precision=fp16", "--set", f"steps={steps}", "--set", f"scaler.init_scale={int(init)}",
-        "--set", f"monitor.window={window}", "--set", f"log.every={every}", "--set", "log.jsonl=true")
-    assert code == 0, err
-    rows = read_rows(run_dir / "steps.csv")
-    scales = [float(r["scaler_scale"]) for r in rows]
-    skipped = [r["skipped"] == "1" for r in rows]
-    # 2**40 times any gradient overflows fp16 (max 65504): the run opens with a streak of skips.
-    assert all(skipped[:every]), "the opening steps should all overflow"
-    assert all(r["skip_reason"] == "non_finite_grad" for r, s in zip(rows, skipped) if s)
-
-    stats = [line for line in out.splitlines() if line.startswith("STATS ")]
-    assert [int(line.split()[1]) for line in stats] == list(range(every, steps + 1, every))
-    verdicts = [re.search(r" scale=(\S+) ", line).group(1) for line in stats]
-    expected = reference_verdicts(scales, skipped, init, window)
-    assert verdicts == [expected[s - 1] for s in range(every, steps + 1, every)]
-    assert verdicts[0] == "warming" and verdicts[-1] == "stable"
-    for line, step in zip(stats, range(every, steps + 1, every)):
-        rate = sum(skipped[step - window: step]) / window
-        assert f"skip_rate={rate:.3f}" in line
-        n = sum(skipped[:step])
-        assert line.endswith(f"skips=non_finite_grad={n}")
-
-    card = (run_dir / "RUN.md").read_text(encoding="utf-8")
-    assert f"| scale health | stable (final scale {scales[-1]:g}) |" in card
-    assert "| precision | fp16 (autocast on cpu) |" in card
-
-    # steps.jsonl (log.jsonl=true): strict JSON, the opening's non-finite norms as strings.
-    lines = (run_dir / "steps.jsonl").read_text(encoding="utf-8").splitlines()
-    recs = [strict_json(line) for line in lines]
-    assert [r["step"] for r in recs] == list(range(1, steps + 1))
-    for rec, row in zip(recs, rows):
-        assert rec["skipped"] == (row["skipped"] == "1")
-        assert rec["skip_reason"] == (row["skip_reason"] or None)
-        assert rec["scaler_scale"] == float(row["scaler_scale"])
-        if row["grad_l2_pre_clip"] in ("inf", "nan"):
-            assert rec["grad_l2_pre_clip"] == row["grad_l2_pre_clip"]
-    assert any(r["grad_l2_pre_clip"] in ("inf", "nan") for r in recs[:every])
-
-
 # ---------------------------------------------------------------------------- sinks
 
 
@@ -1029,23 +740,10 @@ def test_jsonl_sink_refuses_to_overwrite(tmp_path):
     assert path.read_text(encoding="utf-8") == '{"a": 1}\n'
 
 
-HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
-
-
 @pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed")
 def test_tensorboard_sink_without_the_package_is_bad_input(tmp_path):
     with pytest.raises(InputError, match="tensorboard"):
         TensorBoardSink(tmp_path / "tb")
-
-
-@pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed")
-def test_train_with_tensorboard_missing_exits_2_and_writes_nothing(train, tmp_path):
-    code, out, err, run_dir = train("tb", "--set", "steps=3", "--set", "log.tensorboard=true")
-    assert code == 2
-    assert len(err.splitlines()) == 1 and "tensorboard" in err and "Traceback" not in err
-    # Bad input leaves nothing behind: the check comes before the run folder is made.
-    assert not run_dir.exists()
-    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")

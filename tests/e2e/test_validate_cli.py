@@ -1,0 +1,344 @@
+"""``ampguard validate`` (issue 5, part 1) from the command line: AMP vs an FP32 reference, by rules
+declared up front, written as validation.md and validation.json.
+
+The workloads are tiny and exact on purpose. The user factory (the ``factory`` fixture in
+tests/conftest.py) is an identity ``Linear`` (logits = inputs): small integers are exact in fp16
+and bf16, so a benign model shows no error at all, while a planted near-tie (1.0 vs 1.0003: fp16's
+spacing near 1 is 2**-10 ~ 0.00098, bf16's 2**-7) collapses to 1.0 vs 1.0 under autocast.
+exp(100) exceeds fp32's maximum (~3.4e38, ln of it ~ 88.7): a reference that cannot be trusted.
+``compare`` called directly is in ``tests/unit/test_validate.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ampguard.cli import main
+from ampguard.config import validate as make_config
+from ampguard.tasks import build_task
+
+FP16_SPACING_AT_1 = 2.0**-10
+BF16_SPACING_AT_1 = 2.0**-7
+
+SEPARATED = [f"typical:{i}" for i in range(6)]
+
+
+def write_config(folder: Path, factory: str, options: dict | None = None, **validation) -> Path:
+    path = folder / "validate.yaml"
+    data = {"task": {"factory": factory, "options": options or {}}, "validation": validation}
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def load_report(folder: Path) -> tuple[str, dict]:
+    md = (folder / "validation.md").read_text(encoding="utf-8")
+    data = json.loads((folder / "validation.json").read_text(encoding="utf-8"))
+    return md, data
+
+
+def precision_tables(md: str) -> dict[str, list[list[str]]]:
+    """{precision: rows of its rule table (header included)} from the Markdown report."""
+    tables: dict[str, list[list[str]]] = {}
+    sections = re.split(r"^## ", md, flags=re.M)
+    for section in sections:
+        match = re.match(r"(\w+) vs FP32", section)
+        if not match:
+            continue
+        rows = []
+        for line in section.splitlines():
+            if line.startswith("|"):
+                rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+            elif rows:
+                break  # the first table only: the rule table
+        tables[match.group(1)] = rows
+    return tables
+
+
+def check_rule_tables(md: str, data: dict) -> None:
+    """One table per precision asked, four columns: criterion, reference, AMP, decision."""
+    tables = precision_tables(md)
+    assert list(tables) == [p["precision"] for p in data["precisions"]]
+    for result in data["precisions"]:
+        header, rule, *rows = tables[result["precision"]]
+        assert len(header) == 4
+        assert header[0] == "criterion" and header[1].startswith("reference")
+        assert header[2] == "AMP" and header[3] == "decision"
+        assert set(rule) <= {"---"}
+        assert len(rows) == len(result["rules"])
+        for row, expected in zip(rows, result["rules"]):
+            assert len(row) == 4
+            assert row[0] == expected["criterion"]
+            assert row[3] == ("pass" if expected["ok"] else "FAIL")
+
+
+def one_line_error(code: int, out: str, err: str) -> str:
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def changed_probes(result: dict) -> set[str]:
+    return {row["probe"] for row in result["flips"] + result["ties"]}
+
+
+# ---------------------------------------------------------------------------- classifier
+
+
+def test_a_benign_classifier_is_accepted(cli, tmp_path, factory):
+    config = write_config(tmp_path, factory, min_accuracy=1.0)
+    code, out, err = cli("validate", config, "--out", "report")
+    assert code == 0, (out, err)
+    assert "ACCEPTED" in out
+    md, data = load_report(tmp_path / "report")
+    assert data["accepted"] is True and data["reference_trusted"] is True
+    assert data["mode"] == "classifier"
+    # the probe set: typical held-out examples, the nearest-boundary ones, the edge cases
+    assert data["probes"][:6] == SEPARATED
+    assert {p for p in data["probes"] if p.startswith("boundary:")} == {f"boundary:{i}" for i in range(6)}
+    assert data["probes"][-1] == "edge:big"
+    assert [p["precision"] for p in data["precisions"]] == ["fp16", "bf16"]
+    for result in data["precisions"]:
+        assert result["ok"] is True
+        assert result["flips"] == [] and result["ties"] == []
+        # small integers through an identity: exact in fp16 and bf16
+        assert result["stats"]["max_abs_error"] == 0.0
+        assert result["stats"]["quality_fp32"] == 1.0 and result["stats"]["quality_amp"] == 1.0
+        assert all(rule["ok"] for rule in result["rules"])
+    assert "**ACCEPTED**" in md
+    check_rule_tables(md, data)
+
+
+def test_a_near_tie_that_fp16_cannot_resolve_is_rejected(cli, tmp_path, factory):
+    assert 0.0003 < FP16_SPACING_AT_1 / 2  # 1.0003 rounds to 1.0 in fp16
+    assert torch.tensor(1.0003).half().item() == 1.0
+    config = write_config(tmp_path, factory, {"tie": True}, precisions=["fp16"])
+    code, out, err = cli("validate", config, "--out", "report")
+    assert code == 1, (out, err)
+    assert "REJECTED" in out
+    md, data = load_report(tmp_path / "report")
+    assert data["accepted"] is False
+    assert data["reference_trusted"] is True  # FP32 itself resolves it
+    assert [p["precision"] for p in data["precisions"]] == ["fp16"]  # only what was asked
+    fp16 = data["precisions"][0]
+    assert fp16["ok"] is False
+    # the planted probe (held-out index 6) and nothing else changed its decision
+    assert changed_probes(fp16) == {"typical:6", "boundary:6"}
+    row = next(r for r in fp16["flips"] + fp16["ties"] if r["probe"] == "boundary:6")
+    assert row["fp32"] == 1
+    assert row["fp32_margin"] == pytest.approx(0.0003, abs=1e-6)
+    assert row["amp_margin"] == 0.0
+    decision = next(rule for rule in fp16["rules"] if rule["criterion"].startswith("decision changes"))
+    assert decision["ok"] is False and "boundary:6" in decision["amp"]
+    # the Markdown lists the probe in the flips/ties table, with both decisions
+    probe_rows = [line for line in md.splitlines() if line.startswith("| boundary:6 |")]
+    assert len(probe_rows) == 1
+    cells = [c.strip() for c in probe_rows[0].strip("|").split("|")]
+    assert cells[1] == "1" and cells[2] == str(row["amp"]) and cells[-1] in ("flip", "tie")
+    assert "## bf16" not in md
+    check_rule_tables(md, data)
+
+
+def test_a_non_finite_reference_is_not_trusted(cli, tmp_path, factory):
+    assert 100.0 > math.log(torch.finfo(torch.float32).max)
+    config = write_config(tmp_path, factory, {"exp": True})
+    code, out, err = cli("validate", config, "--out", "report")
+    assert code == 1, (out, err)
+    assert "reference not trusted" in out
+    md, data = load_report(tmp_path / "report")
+    assert data["accepted"] is False
+    assert data["reference_trusted"] is False
+    finite = next(rule for rule in data["reference"] if rule["criterion"] == "reference outputs finite")
+    assert finite["ok"] is False
+    assert "**REJECTED**" in md
+    assert re.search(r"reference[^|\n]*not trusted", md)
+
+
+def test_the_json_report_stays_valid_json_when_the_reference_is_not_finite(cli, tmp_path, factory):
+    config = write_config(tmp_path, factory, {"exp": True})
+    code, _, _ = cli("validate", config, "--out", "report")
+    assert code == 1
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"{token} is not JSON")
+
+    json.loads((tmp_path / "report" / "validation.json").read_text(), parse_constant=refuse)
+
+
+# ---------------------------------------------------------------------------- regression
+
+
+def linear_reference_extremes(probes: list[str]) -> tuple[float, float]:
+    """min and max of the fresh linear task's FP32 outputs over the probes, computed here."""
+    config = make_config({"task": {"name": "linear"}})
+    task = build_task(config)
+    x_eval, _ = task.held_out()
+    names, edge = task.edge_cases()
+    rows = []
+    for probe in probes:
+        kind, _, key = probe.partition(":")
+        rows.append(x_eval[int(key)] if kind == "typical" else edge[names.index(key)])
+    with torch.no_grad():
+        out = task.model(torch.stack(rows))
+    return float(out.min()), float(out.max())
+
+
+def test_regression_on_the_linear_task(cli, tmp_path):
+    code, out, err = cli("validate", "--set", "task.name=linear", "--set", "validation.max_mse=10", "--out", "ok")
+    assert code == 0, (out, err)
+    md, data = load_report(tmp_path / "ok")
+    assert data["mode"] == "regression" and data["accepted"] is True
+    assert not any(p.startswith("boundary:") for p in data["probes"])  # no decisions to be near
+    assert {"edge:zeros", "edge:large", "edge:large_negative"} <= set(data["probes"])
+    lo, hi = linear_reference_extremes(data["probes"])
+    for result in data["precisions"]:
+        assert result["flips"] == [] and result["ties"] == []
+        criteria = [rule["criterion"] for rule in result["rules"]]
+        assert not any(c.startswith("decision changes") for c in criteria)
+        assert "extremes (min, max over probes)" in criteria
+        stats = result["stats"]
+        assert stats["extremes_fp32"] == pytest.approx([lo, hi], rel=1e-5)
+        # the edge case 'large' (all 100.0) makes the extremes far from zero, and AMP stays close
+        assert stats["extremes_amp"] == pytest.approx([lo, hi], rel=0.01)
+        assert stats["quality_fp32"] <= 10 and stats["quality_amp"] <= 10
+        assert math.isfinite(stats["max_abs_error"]) and math.isfinite(stats["max_rel_error"])
+    check_rule_tables(md, data)
+
+    # the target carries noise of std 0.01: no model gets its MSE below ~1e-4, so 1e-6 must fail
+    code, out, err = cli("validate", "--set", "task.name=linear", "--set", "validation.max_mse=1e-6", "--out", "tight")
+    assert code == 1, (out, err)
+    md, data = load_report(tmp_path / "tight")
+    assert data["accepted"] is False
+    for result in data["precisions"]:
+        quality = next(rule for rule in result["rules"] if rule["criterion"] == "quality on the fixed evaluation set")
+        assert quality["ok"] is False
+
+
+# ---------------------------------------------------------------------------- checkpoints, training, output
+
+
+@pytest.fixture(scope="module")
+def linear_checkpoint(tmp_path_factory) -> Path:
+    """The final checkpoint of a 5-step fp32 linear run."""
+    runs = tmp_path_factory.mktemp("runs")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "steps=5",
+                     "--set", "optimizer.lr=0.05", "--set", f"log.dir={runs}", "--set", "log.name=ck"])
+    assert code == 0
+    path = runs / "ck" / "checkpoints" / "step-00000005.pt"
+    assert path.is_file()
+    return path
+
+
+def held_out_mse(state_dict: dict | None) -> float:
+    task = build_task(make_config({"task": {"name": "linear"}}))
+    if state_dict is not None:
+        task.model.load_state_dict(state_dict)
+    x, y = task.held_out()
+    with torch.no_grad():
+        return float(((task.model(x) - y) ** 2).mean())
+
+
+def test_checkpoint_weights_are_the_ones_validated(cli, tmp_path, linear_checkpoint):
+    code, out, err = cli("validate", "--set", "task.name=linear", "--set", "validation.max_mse=10",
+                         "--set", "validation.precisions=[bf16]", "--checkpoint", linear_checkpoint, "--out", "r")
+    assert code == 0, (out, err)
+    md, data = load_report(tmp_path / "r")
+    assert str(linear_checkpoint) in data["weights"] and "step 5" in data["weights"]
+    assert str(linear_checkpoint) in md
+    payload = torch.load(linear_checkpoint, weights_only=True)
+    trained, fresh = held_out_mse(payload["model"]), held_out_mse(None)
+    assert trained != pytest.approx(fresh, rel=1e-4)  # 5 steps did move the weights
+    assert data["precisions"][0]["stats"]["quality_fp32"] == pytest.approx(trained, rel=1e-5)
+
+
+def test_a_foreign_or_misfit_checkpoint_is_bad_input(cli, tmp_path, factory, linear_checkpoint):
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"model": {"weight": torch.zeros(4, 16)}, "step": 1}, foreign)
+    line = one_line_error(*cli("validate", "--set", "task.name=linear", "--checkpoint", foreign, "--out", "a"))
+    assert "foreign.pt" in line
+    assert not (tmp_path / "a").exists()
+
+    text = tmp_path / "notes.pt"
+    text.write_text("hello\n")
+    one_line_error(*cli("validate", "--set", "task.name=linear", "--checkpoint", text, "--out", "b"))
+    assert not (tmp_path / "b").exists()
+
+    one_line_error(*cli("validate", "--set", "task.name=linear", "--checkpoint", tmp_path / "missing.pt", "--out", "c"))
+
+    # an ampguard checkpoint, but of another model
+    line = one_line_error(*cli("validate", "--set", f"task.factory={factory}", "--checkpoint", linear_checkpoint,
+                               "--out", "d"))
+    assert "fit" in line
+    assert not (tmp_path / "d").exists()
+
+
+def test_train_steps_compares_training_from_the_same_state(cli, tmp_path):
+    base = ["validate", "--set", "task.name=linear", "--set", "validation.max_mse=10", "--set", "optimizer.lr=0.1"]
+    code, out, err = cli(*base, "--train-steps", "3", "--out", "trained")
+    assert code == 0, (out, err)
+    md, data = load_report(tmp_path / "trained")
+    training = data["training"]
+    assert [t["precision"] for t in training] == ["fp32", "fp16", "bf16"]
+    fp32 = training[0]
+    assert fp32["updates_applied"] == 3  # clean data in FP32: nothing to skip
+    assert fp32["max_loss_diff_vs_fp32"] == 0.0
+    assert fp32["mean_grad_norm_ratio_vs_fp32"] == pytest.approx(1.0)
+    for t in training:
+        assert len(t["losses"]) == 3
+        assert 0 <= t["updates_applied"] <= 3
+        assert t["final_loss"] == t["losses"][-1]
+        # every run starts from the same weights on the same first batch
+        assert t["losses"][0] == pytest.approx(fp32["losses"][0], rel=1e-2)
+    assert fp32["losses"][-1] != pytest.approx(fp32["losses"][0], rel=1e-2)  # lr 0.1 moved it
+    assert "## Training from the same state" in md
+    for name in ("fp32", "fp16", "bf16"):
+        assert any(line.startswith(f"| {name} | ") for line in md.splitlines())
+    check_rule_tables(md, data)
+
+    # the comparison itself runs on the untouched weights: same numbers as without --train-steps
+    code, out, err = cli(*base, "--out", "plain")
+    assert code == 0, (out, err)
+    md_plain, plain = load_report(tmp_path / "plain")
+    assert plain["training"] == []
+    assert "## Training" not in md_plain
+    for a, b in zip(data["precisions"], plain["precisions"]):
+        assert a["stats"] == b["stats"]
+        assert a["rules"] == b["rules"]
+
+
+def test_train_steps_with_an_explicitly_enabled_fp16_scaler(cli, tmp_path):
+    code, out, err = cli("validate", "--set", "task.name=linear", "--set", "precision=fp16",
+                         "--set", "scaler.enabled=true", "--set", "validation.max_mse=10",
+                         "--train-steps", "2", "--out", "r")
+    assert code == 0, (out, err)
+    _, data = load_report(tmp_path / "r")
+    assert [t["precision"] for t in data["training"]] == ["fp32", "fp16", "bf16"]
+
+
+def test_out_onto_a_non_empty_folder_is_refused_untouched(cli, tmp_path, snapshot):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "validation.md").write_text("an earlier report\n")
+    (out / "notes.txt").write_text("keep me\n")
+    before = snapshot(out)
+    line = one_line_error(*cli("validate", "--set", "task.name=linear", "--out", out))
+    assert "taken" in line
+    assert snapshot(out) == before
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out_text, err = cli("validate", "--set", "task.name=linear", "--set", "validation.max_mse=10",
+                              "--out", empty)
+    assert code == 0, err
+    assert sorted(p.name for p in empty.iterdir()) == ["validation.json", "validation.md"]
