@@ -32,6 +32,19 @@ from .step import AmpTrainState
 
 @dataclass
 class Workload:
+    """What every contender trains: a model factory (the same seed each call), one fixed batch,
+    the loss, and the work per step (for tokens/s and MFU).
+
+    Example::
+
+        >>> def make():
+        ...     torch.manual_seed(0)
+        ...     return nn.Linear(4, 2)
+        >>> w = Workload("toy", make, (torch.ones(8, 4), torch.zeros(8, 2)), F.mse_loss)
+        >>> torch.equal(w.make_model().weight, w.make_model().weight), w.tokens_per_step
+        (True, 0)
+    """
+
     name: str
     make_model: Callable[[], nn.Module]
     batch: tuple[torch.Tensor, torch.Tensor]
@@ -77,23 +90,65 @@ def _transformer(device: torch.device, size: str) -> Workload:
 
 
 class Contender:
-    """One way of running a training step; ``step()`` runs one, ``close()`` cleans up."""
+    """One way of running a training step; ``step()`` runs one, ``close()`` cleans up.
+
+    Example (a subclass sets ``name``, ``model`` and ``opt`` and implements ``step``)::
+
+        >>> class PlainSGD(Contender):
+        ...     name = "plain sgd"
+        ...     def __init__(self, w):
+        ...         self.model, self.w = w.make_model(), w
+        ...         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        ...     def step(self):
+        ...         self.w.loss_fn(self.model(self.w.batch[0]), self.w.batch[1]).backward()
+        ...         self.opt.step()
+        ...         self.opt.zero_grad()
+        >>> results = measure(_mlp(torch.device("cpu")), Precision("fp32", "cpu"), torch.device("cpu"),
+        ...                   [lambda w, p, d, f: PlainSGD(w)], steps=1, rounds=1, warmup=1, fused=False)
+        >>> [r.contender for r in results], math.isnan(results[0].ratio_to_bare)  # no bare loop to compare with
+        (['plain sgd'], True)
+    """
 
     name = ""
     model: nn.Module
     opt: torch.optim.Optimizer
 
     def persistent_bytes(self) -> int:
-        """What this contender keeps between steps: parameters and optimizer state."""
+        """What this contender keeps between steps: parameters and optimizer state.
+
+        Only CUDA tensors count (it goes with the CUDA peak-memory figure); a CPU run keeps 0.
+
+        Example::
+
+        >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+        >>> Bare(_mlp(cpu), fp32, cpu, fused=False).persistent_bytes()
+        0
+        """
         tensors = list(self.model.parameters())
         for state in self.opt.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
 
     def step(self) -> None:
+        """One training step on the workload's batch; each subclass says how.
+
+        Example::
+
+            >>> Contender().step()
+            Traceback (most recent call last):
+            ...
+            NotImplementedError
+        """
         raise NotImplementedError
 
     def close(self) -> None:
+        """Release what the contender holds (files, threads); nothing by default.
+
+        Example::
+
+            >>> Contender().close() is None
+            True
+        """
         pass
 
 
@@ -102,7 +157,15 @@ def _optimizer(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
 
 
 class Bare(Contender):
-    """The canonical loop, as the PyTorch AMP recipe writes it."""
+    """The canonical loop, as the PyTorch AMP recipe writes it.
+
+    Example::
+
+        >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+        >>> bare = Bare(_mlp(cpu), fp32, cpu, fused=False)
+        >>> bare.scaler.is_enabled(), Bare(_mlp(cpu), Precision("fp16", "cpu"), cpu, fused=False).scaler.is_enabled()
+        (False, True)
+    """
 
     name = "bare loop"
 
@@ -113,6 +176,19 @@ class Bare(Contender):
         self.precision, self.w = precision, w
 
     def step(self) -> None:
+        """Autocast forward, scaled backward, unscale, ``clip_grad_norm_`` to 1.0, scaler step and
+        update (``scaler.step`` reads the found-inf flag: a host sync), ``zero_grad``.
+
+        Example (in FP32 ampguard's guarded step lands on the same weights, bit for bit)::
+
+            >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+            >>> bare, guarded = Bare(_mlp(cpu), fp32, cpu, False), Guarded(_mlp(cpu), fp32, cpu, False)
+            >>> for _ in range(3):
+            ...     bare.step(); guarded.step()
+            >>> all(torch.equal(a, b) for a, b in zip(bare.model.parameters(), guarded.model.parameters()))
+            True
+            >>> guarded.close()
+        """
         x, y = self.w.batch
         with self.precision.autocast():
             loss = self.w.loss_fn(self.model(x), y)
@@ -125,7 +201,21 @@ class Bare(Contender):
 
 
 class Guarded(Contender):
-    """ampguard's step, with every record written to a per-step CSV."""
+    """ampguard's step, with every record written to a per-step CSV.
+
+    The CSV goes to a temporary folder that :meth:`close` deletes.
+
+    Example::
+
+        >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+        >>> guarded = Guarded(_mlp(cpu), fp32, cpu, fused=False)
+        >>> csv = Path(guarded._dir.name) / "steps.csv"
+        >>> type(guarded.sink).__name__, csv.is_file()  # on CUDA a BackgroundSink
+        ('CsvSink', True)
+        >>> guarded.close()
+        >>> csv.exists()
+        False
+    """
 
     name = "ampguard + csv"
     sync_free = False
@@ -145,23 +235,78 @@ class Guarded(Contender):
         self.w = w
 
     def step(self) -> None:
+        """One guarded step and its CSV row. The step reads its skip flags on the host (its one
+        host sync) unless ``sync_free``; the row is read on the host by the sink (in a background
+        thread for a :class:`BackgroundSink`).
+
+        Example::
+
+            >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+            >>> guarded = Guarded(_mlp(cpu), fp32, cpu, fused=False)
+            >>> guarded.step(); guarded.step()
+            >>> rows = (Path(guarded._dir.name) / "steps.csv").read_text().splitlines()
+            >>> guarded.state.steps, len(rows), rows[2].split(",")[0]
+            (2, 3, '2')
+            >>> guarded.close()
+        """
         record = self.state.step(*self.w.batch)
         if record is not None:
             self.sink.write(record)
 
     def close(self) -> None:
+        """Flush and close the sink, then delete the temporary folder with the CSV.
+
+        Example::
+
+            >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+            >>> guarded = Guarded(_mlp(cpu), fp32, cpu, fused=False)
+            >>> folder = Path(guarded._dir.name)
+            >>> guarded.step(); guarded.close()
+            >>> folder.exists()
+            False
+        """
         self.sink.close()
         self._dir.cleanup()
 
 
 class GuardedSyncFree(Guarded):
-    """ampguard's sync-free path: fused AdamW takes the skip flag, no host read per step."""
+    """ampguard's sync-free path: fused AdamW takes the skip flag, no host read per step.
+
+    Example (the rows are read back by a background writer, never by the step)::
+
+        >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+        >>> sync_free = GuardedSyncFree(_mlp(cpu), fp32, cpu, fused=True)
+        >>> sync_free.step(); sync_free.step()
+        >>> type(sync_free.sink).__name__, sync_free.state.sync_free, sync_free.opt.defaults["fused"]
+        ('BackgroundSink', True, True)
+        >>> csv = Path(sync_free._dir.name) / "steps.csv"
+        >>> sync_free.sink.close(); len(csv.read_text().splitlines())  # header and two rows
+        3
+        >>> sync_free.close()
+    """
 
     name = "ampguard sync-free + csv"
     sync_free = True
 
 
 class AccelerateLoop(Contender):
+    """Hugging Face Accelerate doing the same work (``Accelerator(mixed_precision=...)``); listed
+    by :func:`available_peers` only when ``accelerate`` is installed.
+
+    Example (``measure`` leaves out a peer it cannot build, and says so)::
+
+        >>> import contextlib, importlib.util, io
+        >>> installed = importlib.util.find_spec("accelerate") is not None
+        >>> said = io.StringIO()
+        >>> with contextlib.redirect_stdout(said):
+        ...     results = measure(_mlp(torch.device("cpu")), Precision("fp32", "cpu"), torch.device("cpu"),
+        ...                       [Bare, AccelerateLoop], steps=1, rounds=1, warmup=1, fused=False)
+        >>> [r.contender for r in results] == ["bare loop"] + (["accelerate"] if installed else [])
+        True
+        >>> ("accelerate: not run (ModuleNotFoundError" in said.getvalue()) == (not installed)
+        True
+    """
+
     name = "accelerate"
 
     def __init__(self, w: Workload, precision: Precision, device: torch.device, fused: bool) -> None:
@@ -176,6 +321,19 @@ class AccelerateLoop(Contender):
         self.w = w
 
     def step(self) -> None:
+        """Accelerate's autocast, ``backward`` (it scales the loss for fp16), ``clip_grad_norm_``
+        to 1.0, the optimizer step and ``zero_grad``.
+
+        Example (runs only where ``accelerate`` is installed)::
+
+            >>> import importlib.util
+            >>> if importlib.util.find_spec("accelerate") is not None:
+            ...     cpu = torch.device("cpu")
+            ...     loop = AccelerateLoop(_mlp(cpu), Precision("fp32", "cpu"), cpu, fused=False)
+            ...     before = [p.detach().clone() for p in loop.model.parameters()]
+            ...     loop.step()
+            ...     assert any(not torch.equal(a, b) for a, b in zip(before, loop.model.parameters()))
+        """
         x, y = self.w.batch
         with self.acc.autocast():
             loss = self.w.loss_fn(self.model(x), y)
@@ -186,6 +344,23 @@ class AccelerateLoop(Contender):
 
 
 class FabricLoop(Contender):
+    """Lightning Fabric doing the same work (``Fabric(precision="16-mixed" | "bf16-mixed" |
+    "32-true")``); listed by :func:`available_peers` only when ``lightning`` is installed.
+
+    Example (``measure`` leaves out a peer it cannot build, and says so)::
+
+        >>> import contextlib, importlib.util, io
+        >>> installed = importlib.util.find_spec("lightning") is not None
+        >>> said = io.StringIO()
+        >>> with contextlib.redirect_stdout(said):
+        ...     results = measure(_mlp(torch.device("cpu")), Precision("fp32", "cpu"), torch.device("cpu"),
+        ...                       [Bare, FabricLoop], steps=1, rounds=1, warmup=1, fused=False)
+        >>> [r.contender for r in results] == ["bare loop"] + (["lightning fabric"] if installed else [])
+        True
+        >>> ("lightning fabric: not run (ModuleNotFoundError" in said.getvalue()) == (not installed)
+        True
+    """
+
     name = "lightning fabric"
 
     def __init__(self, w: Workload, precision: Precision, device: torch.device, fused: bool) -> None:
@@ -198,6 +373,19 @@ class FabricLoop(Contender):
         self.w = w
 
     def step(self) -> None:
+        """Forward (Fabric's wrapped model autocasts), ``fabric.backward``, ``clip_gradients`` to
+        1.0, the optimizer step and ``zero_grad``.
+
+        Example (runs only where ``lightning`` is installed)::
+
+            >>> import importlib.util
+            >>> if importlib.util.find_spec("lightning") is not None:
+            ...     cpu = torch.device("cpu")
+            ...     loop = FabricLoop(_mlp(cpu), Precision("fp32", "cpu"), cpu, fused=False)
+            ...     before = [p.detach().clone() for p in loop.model.parameters()]
+            ...     loop.step()
+            ...     assert any(not torch.equal(a, b) for a, b in zip(before, loop.model.parameters()))
+        """
         x, y = self.w.batch
         loss = self.w.loss_fn(self.model(x), y)
         self.fabric.backward(loss)
@@ -207,6 +395,16 @@ class FabricLoop(Contender):
 
 
 def available_peers() -> list[type[Contender]]:
+    """The peer contenders whose package is installed (Accelerate, Lightning Fabric).
+
+    Example::
+
+        >>> import importlib.util
+        >>> expected = [cls for cls, package in ((AccelerateLoop, "accelerate"), (FabricLoop, "lightning"))
+        ...             if importlib.util.find_spec(package) is not None]
+        >>> available_peers() == expected
+        True
+    """
     import importlib.util
 
     peers: list[type[Contender]] = []
@@ -222,6 +420,15 @@ def available_peers() -> list[type[Contender]]:
 
 @dataclass
 class Result:
+    """One contender's figures on one workload and precision (times in ms per step).
+
+    Example::
+
+        >>> r = Result("tiny-mlp", "fp32", "bare loop", median_ms=0.5, min_ms=0.4)
+        >>> math.isnan(r.ratio_to_bare), r.peak_mem_mib, r.rounds
+        (True, None, [])
+    """
+
     workload: str
     precision: str
     contender: str
@@ -243,7 +450,20 @@ def measure(
     w: Workload, precision: Precision, device: torch.device, contenders: list[type[Contender]],
     *, steps: int, rounds: int, warmup: int, fused: bool, peak_flops: float | None = None,
 ) -> list[Result]:
-    """Interleaved rounds: in each round every contender runs ``steps`` steps, in rotating order."""
+    """Interleaved rounds: in each round every contender runs ``steps`` steps, in rotating order.
+
+    Each timed round is bracketed by ``torch.cuda.synchronize`` on CUDA (a host sync), so the
+    time covers the device's work, not just the launches.
+
+    Example::
+
+        >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+        >>> results = measure(_mlp(cpu), fp32, cpu, [Bare, Guarded], steps=1, rounds=3, warmup=1, fused=False)
+        >>> [(r.contender, len(r.rounds), r.median_ms > 0) for r in results]
+        [('bare loop', 3, True), ('ampguard + csv', 3, True)]
+        >>> results[0].ratio_to_bare, results[1].ratio_to_bare == results[1].median_ms / results[0].median_ms
+        (1.0, True)
+    """
     built: list[Contender] = []
     for cls in contenders:
         try:
@@ -300,6 +520,14 @@ def measure(
 
 
 def table(results: list[Result]) -> str:
+    """The results as a markdown table, one row per contender (``n/a`` memory off CUDA).
+
+    Example::
+
+        >>> rows = table([Result("tiny-mlp", "fp32", "bare loop", 0.5, 0.4, ratio_to_bare=1.0)]).splitlines()
+        >>> len(rows), rows[2]
+        (3, '| tiny-mlp | fp32 | bare loop | 0.500 | 0.400 | 1.000 | n/a |  |  |')
+    """
     lines = ["| workload | precision | contender | median ms/step | min ms/step | ratio to bare | peak MiB | tokens/s | MFU |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -312,7 +540,15 @@ def table(results: list[Result]) -> str:
 
 
 def speedups(results: list[Result]) -> list[str]:
-    """AMP against FP32, per workload, for the bare loop and for ampguard."""
+    """AMP against FP32, per workload, for the bare loop and for ampguard.
+
+    Example::
+
+        >>> results = [Result("tiny-mlp", "fp32", Bare.name, 2.0, 2.0), Result("tiny-mlp", "bf16", Bare.name, 1.0, 1.0),
+        ...            Result("tiny-mlp", "bf16", Guarded.name, 1.2, 1.2)]  # ampguard has no fp32 row
+        >>> speedups(results)
+        ['tiny-mlp, bare loop: bf16 is 2.00x faster than fp32']
+    """
     out = []
     for workload in dict.fromkeys(r.workload for r in results):
         for contender in (Bare.name, Guarded.name):
@@ -328,6 +564,17 @@ def run_bench(
     *, device: torch.device, workloads: list[str], precisions: list[str], steps: int, rounds: int,
     warmup: int, peers: bool = True, fused: bool = False, peak_tflops: float | None = None,
 ) -> list[Result]:
+    """Every workload x precision, measured with the bare loop, the guarded step (and its
+    sync-free path with ``fused``) and the installed peers. fp16 on a CPU runs only the MLP.
+
+    Example::
+
+        >>> results = run_bench(device=torch.device("cpu"), workloads=["mlp"], precisions=["fp32"], steps=1,
+        ...                     rounds=1, warmup=1, peers=False)
+        tiny-mlp fp32: bare loop, ampguard + csv
+        >>> [(r.workload, r.precision, r.contender) for r in results]
+        [('tiny-mlp', 'fp32', 'bare loop'), ('tiny-mlp', 'fp32', 'ampguard + csv')]
+    """
     # the sync-free path needs fused AdamW: it runs when every contender uses it (--fused)
     contenders: list[type[Contender]] = [Bare, Guarded] + ([GuardedSyncFree] if fused else [])
     contenders += available_peers() if peers else []
@@ -344,6 +591,13 @@ def run_bench(
 
 
 def machine() -> str:
+    """The machine in one line: processor, CPU count, torch version (and the GPU's name).
+
+    Example::
+
+        >>> f"torch {torch.__version__}" in machine()
+        True
+    """
     import os
     import platform
 
@@ -354,6 +608,14 @@ def machine() -> str:
 
 
 def to_json(results: list[Result]) -> str:
+    """The machine and every result as JSON (``ampguard bench --json``).
+
+    Example::
+
+        >>> data = json.loads(to_json([Result("tiny-mlp", "fp32", "bare loop", 0.5, 0.4, rounds=[0.5])]))
+        >>> sorted(data), data["results"][0]["median_ms"], data["results"][0]["rounds"]
+        (['machine', 'results'], 0.5, [0.5])
+    """
     return json.dumps({"machine": machine(), "results": [asdict(r) for r in results]}, indent=2)
 
 
@@ -364,7 +626,23 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str = "fp32,bf16,fp16", steps: int = 30,
         rounds: int = 7, warmup: int = 5, fused: bool = False, peers: bool = True, peak_tflops: float | None = None,
         quick: bool = False, as_json: bool = False) -> int:
-    """``ampguard bench``: measure, then print a table (or JSON) and the speed-ups. Returns 0."""
+    """``ampguard bench``: measure, then print a table (or JSON) and the speed-ups. Returns 0.
+
+    Example (``quick``: 2 rounds of 3 steps, a smoke test rather than a measurement)::
+
+        >>> run(models="mlp", precisions="fp32", quick=True, peers=False)  # doctest: +ELLIPSIS
+        ampguard bench on cpu (...): 2 rounds x 3 steps, interleaved
+        tiny-mlp fp32: bare loop, ampguard + csv
+        | workload | precision | contender | median ms/step | ...
+        |---|---|---|---|---|---|---|---|---|
+        | tiny-mlp | fp32 | bare loop | ... | 1.000 | n/a |  |  |
+        | tiny-mlp | fp32 | ampguard + csv | ...
+        0
+        >>> run(models="mlp,resnet")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: bench: unknown model 'resnet' (mlp, transformer, gpt2)
+    """
     from .build import resolve_device
     from .errors import InputError
 

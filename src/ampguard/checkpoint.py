@@ -28,11 +28,33 @@ REQUIRED = ("magic", "format", "step", "config", "model", "optimizer", "state", 
 
 
 def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint taken after ``step``: zero-padded, so names sort by step.
+
+    Example::
+
+        >>> checkpoint_name(7), checkpoint_name(12345678)
+        ('step-00000007.pt', 'step-12345678.pt')
+        >>> sorted([checkpoint_name(10), checkpoint_name(9)])
+        ['step-00000009.pt', 'step-00000010.pt']
+    """
     return f"step-{step:08d}.pt"
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG a run may draw from: torch (CPU and CUDA), numpy's global one, ``random``."""
+    """Every RNG a run may draw from: torch (CPU and CUDA), numpy's global one, ``random``.
+
+    Example (restored by :func:`set_rng_state`, every generator draws the same numbers again)::
+
+        >>> import numpy as np
+        >>> saved = rng_state()
+        >>> sorted(saved) == sorted(["torch", "random", "numpy"] + (["cuda"] if torch.cuda.is_available() else []))
+        True
+        >>> first = torch.rand(2), random.random(), np.random.rand()
+        >>> set_rng_state(saved)
+        >>> again = torch.rand(2), random.random(), np.random.rand()
+        >>> torch.equal(first[0], again[0]), first[1:] == again[1:]
+        (True, True)
+    """
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -47,6 +69,19 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back the RNGs :func:`rng_state` saved (the CUDA ones only where CUDA is available).
+
+    Example (a state that went through a checkpoint file, its tuples turned into lists)::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> path = save_checkpoint(folder / "rng.pt", {"rng": rng_state()})
+        >>> expected = random.random(), torch.rand(1)
+        >>> set_rng_state(safe_load(path)["rng"])
+        >>> random.random() == expected[0], torch.equal(torch.rand(1), expected[1])
+        (True, True)
+        >>> shutil.rmtree(folder)
+    """
     torch.set_rng_state(state["torch"])
     random.setstate(_as_tuple(state["random"]))
     if "cuda" in state and torch.cuda.is_available():
@@ -63,7 +98,24 @@ def _as_tuple(value: Any) -> Any:
 
 
 def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` (plus the ampguard marker) to ``path`` atomically; return the path."""
+    """Write ``payload`` (plus the ampguard marker) to ``path`` atomically; return the path.
+
+    The payload goes to a temporary file beside ``path`` first, is fsync'ed, then replaces
+    ``path``: no reader ever sees half a file. ``torch.save`` copies CUDA tensors in the payload
+    to the host, a host sync.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> path = save_checkpoint(folder / "ckpt" / "step-00000003.pt", {"step": 3, "w": torch.ones(2)})
+        >>> [p.name for p in path.parent.iterdir()]  # the folder is made; no temporary file is left
+        ['step-00000003.pt']
+        >>> payload = torch.load(path, weights_only=True)
+        >>> payload["magic"], payload["format"], payload["step"], payload["w"].tolist()
+        ('ampguard-checkpoint', 1, 3, [1.0, 1.0])
+        >>> shutil.rmtree(folder)
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -92,7 +144,27 @@ def _fsync_dir(folder: Path) -> None:
 
 def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: str | torch.device = "cpu") -> Any:
     """``torch.load(weights_only=True)``, with every failure turned into one :class:`InputError`
-    line: a file with pickled code in it is refused and that code never runs."""
+    line: a file with pickled code in it is refused and that code never runs.
+
+    Example (a ``Path`` is a pickled object, not plain data; a cut-off file is unreadable)::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> torch.save({"x": torch.zeros(1)}, folder / "plain.pt")
+        >>> safe_load(folder / "plain.pt")
+        {'x': tensor([0.])}
+        >>> torch.save({"where": Path("elsewhere")}, folder / "object.pt")
+        >>> _ = (folder / "torn.pt").write_bytes((folder / "plain.pt").read_bytes()[:100])
+        >>> for name in ("object.pt", "torn.pt", "missing.pt"):
+        ...     try:
+        ...         safe_load(folder / name, "batch")
+        ...     except InputError as err:
+        ...         print(str(err).replace(str(folder), "DIR"))
+        DIR/object.pt: refused by the weights-only loader: it holds pickled objects ... (nothing in it was run)
+        DIR/torn.pt: unreadable batch (truncated, or not a PyTorch file)
+        no batch file at DIR/missing.pt
+        >>> shutil.rmtree(folder)
+    """
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no {what} file at {path}")
@@ -114,6 +186,24 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
     Only ``torch.load(weights_only=True)``: a file with pickled code in it is refused and that
     code never runs; a truncated or foreign file is refused too.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> torch.save({"model": {}}, folder / "foreign.pt")
+        >>> _ = save_checkpoint(folder / "partial.pt", {"step": 1, "model": {}})
+        >>> for name in ("foreign.pt", "partial.pt"):
+        ...     try:
+        ...         load_checkpoint(folder / name)
+        ...     except InputError as err:
+        ...         print(str(err).replace(str(folder), "DIR"))
+        DIR/foreign.pt: not an ampguard checkpoint
+        DIR/partial.pt: incomplete ampguard checkpoint (missing config, optimizer, state, scheduler, rng, data_position)
+        >>> complete = {key: {} for key in REQUIRED if key not in ("magic", "format")}
+        >>> load_checkpoint(save_checkpoint(folder / "whole.pt", {**complete, "step": 1}))["step"]
+        1
+        >>> shutil.rmtree(folder)
     """
     path = Path(path)
     payload = safe_load(path, "checkpoint", map_location)
@@ -130,7 +220,25 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 def load_weights(model: torch.nn.Module, path: str | os.PathLike,
                  map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load a checkpoint's model weights into ``model`` (one line of :class:`InputError` when the
-    file is unusable or the weights do not fit); return the whole payload."""
+    file is unusable or the weights do not fit); return the whole payload.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> saved = torch.nn.Linear(2, 1)
+        >>> payload = {key: {} for key in REQUIRED if key not in ("magic", "format")}
+        >>> path = save_checkpoint(folder / "step-00000004.pt", {**payload, "step": 4, "model": saved.state_dict()})
+        >>> model = torch.nn.Linear(2, 1)
+        >>> load_weights(model, path)["step"], torch.equal(model.weight, saved.weight)
+        (4, True)
+        >>> try:
+        ...     load_weights(torch.nn.Linear(3, 1), path)
+        ... except InputError as err:
+        ...     print(str(err).replace(str(folder), "DIR"))
+        DIR/step-00000004.pt: does not fit this model (Error(s) in loading state_dict for Linear:)
+        >>> shutil.rmtree(folder)
+    """
     payload = load_checkpoint(path, map_location)
     try:
         model.load_state_dict(payload["model"])
@@ -140,7 +248,20 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike,
 
 
 def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
-    """The finished checkpoints in ``folder``, oldest first (temporary files are not listed)."""
+    """The finished checkpoints in ``folder``, oldest first (temporary files are not listed).
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> for name in ("step-00000010.pt", "step-00000002.pt", ".step-00000012.pt.tmp-99", "notes.txt"):
+        ...     _ = (folder / name).write_bytes(b"")
+        >>> [p.name for p in list_checkpoints(folder)]
+        ['step-00000002.pt', 'step-00000010.pt']
+        >>> list_checkpoints(folder / "missing")
+        []
+        >>> shutil.rmtree(folder)
+    """
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -148,6 +269,13 @@ def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
 
 
 def checkpoint_step(path: Path) -> int:
+    """The step in a checkpoint's file name; -1 for a file not named like a checkpoint.
+
+    Example::
+
+        >>> checkpoint_step(Path("run/checkpoints/step-00000042.pt")), checkpoint_step(Path("step-42.pt"))
+        (42, -1)
+    """
     match = _NAME.match(path.name)
     return int(match.group(1)) if match else -1
 
@@ -156,7 +284,28 @@ def latest_loadable(
     folder: str | os.PathLike, map_location: str | torch.device = "cpu", before_step: int | None = None
 ) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint in ``folder`` that loads (taken before ``before_step`` if given);
-    older ones are tried when newer ones do not load."""
+    older ones are tried when newer ones do not load.
+
+    Example (the newest file is torn, so the one before it answers)::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> payload = {key: {} for key in REQUIRED if key not in ("magic", "format")}
+        >>> for step in (2, 4):
+        ...     _ = save_checkpoint(folder / checkpoint_name(step), {**payload, "step": step})
+        >>> _ = (folder / checkpoint_name(6)).write_bytes(b"torn")
+        >>> path, loaded = latest_loadable(folder)
+        >>> path.name, loaded["step"]
+        ('step-00000004.pt', 4)
+        >>> latest_loadable(folder, before_step=4)[0].name
+        'step-00000002.pt'
+        >>> try:
+        ...     latest_loadable(folder, before_step=2)
+        ... except InputError as err:
+        ...     print(str(err).replace(str(folder), "DIR"))
+        no checkpoint from before step 2 in DIR
+        >>> shutil.rmtree(folder)
+    """
     errors = []
     candidates = [p for p in list_checkpoints(folder) if before_step is None or checkpoint_step(p) < before_step]
     for path in reversed(candidates):
@@ -173,7 +322,24 @@ def latest_loadable(
 def set_aside_after(folder: str | os.PathLike, step: int) -> list[Path]:
     """Move checkpoints newer than ``step`` into ``folder/abandoned-<time>/``: a run resumed from
     an older checkpoint makes them a future that did not happen (its CSV rows go too), and a
-    later ``--resume RUN_DIR`` must not pick them. They are kept, not deleted."""
+    later ``--resume RUN_DIR`` must not pick them. They are kept, not deleted.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> for step in (1, 2, 3):
+        ...     _ = (folder / checkpoint_name(step)).write_bytes(b"")
+        >>> [p.name for p in set_aside_after(folder, 1)]
+        ['step-00000002.pt', 'step-00000003.pt']
+        >>> [p.name for p in list_checkpoints(folder)]
+        ['step-00000001.pt']
+        >>> [sorted(q.name for q in p.iterdir()) for p in folder.iterdir() if p.name.startswith("abandoned-")]
+        [['step-00000002.pt', 'step-00000003.pt']]
+        >>> set_aside_after(folder, 1)  # nothing newer left: no new folder either
+        []
+        >>> shutil.rmtree(folder)
+    """
     newer = [p for p in list_checkpoints(folder) if checkpoint_step(p) > step]
     if not newer:
         return []
@@ -185,6 +351,18 @@ def set_aside_after(folder: str | os.PathLike, step: int) -> list[Path]:
 
 
 def prune(folder: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints."""
+    """Delete all but the newest ``keep`` checkpoints.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> for step in (1, 2, 3, 4):
+        ...     _ = (folder / checkpoint_name(step)).write_bytes(b"")
+        >>> prune(folder, keep=2)
+        >>> [p.name for p in list_checkpoints(folder)]
+        ['step-00000003.pt', 'step-00000004.pt']
+        >>> shutil.rmtree(folder)
+    """
     for path in list_checkpoints(folder)[:-keep]:
         path.unlink(missing_ok=True)

@@ -74,13 +74,27 @@ class Stateful(Protocol):
 
 @dataclass
 class Loaded:
-    """A checkpoint read from disk: where it came from and its payload."""
+    """A checkpoint read from disk: where it came from and its payload.
+
+    Example::
+
+        >>> loaded = Loaded(Path("runs/a/checkpoints/step-00000005.pt"), {STEP: 5, MODEL: {}})
+        >>> loaded.path.name, sorted(loaded.payload)
+        ('step-00000005.pt', ['model', 'step'])
+    """
 
     path: Path
     payload: dict[str, Any]
 
     @property
     def step(self) -> int:
+        """The step the checkpoint was taken after (the payload's ``step``, as an int).
+
+        Example::
+
+            >>> Loaded(Path("step-00000007.pt"), {STEP: torch.tensor(7)}).step
+            7
+        """
         return int(self.payload[STEP])
 
 
@@ -89,12 +103,32 @@ class Loaded:
 
 class ModelState:
     """The model's weights: the user's module inside DDP, or FSDP2 shards as one full state dict
-    (gathered on every rank, a collective; offloaded to the CPU)."""
+    (gathered on every rank, a collective; offloaded to the CPU).
+
+    Example::
+
+        >>> model = nn.Linear(2, 1)
+        >>> part = ModelState(model)
+        >>> saved = {name: value.clone() for name, value in part.state_dict().items()}
+        >>> with torch.no_grad():
+        ...     _ = model.weight.zero_()
+        >>> part.load_state_dict(saved)
+        >>> sorted(saved), torch.equal(model.weight, saved["weight"])
+        (['bias', 'weight'], True)
+    """
 
     def __init__(self, model: nn.Module, fsdp: bool = False) -> None:
         self.model, self.fsdp = model, fsdp
 
     def state_dict(self) -> dict[str, Any]:
+        """The user's module's state dict (DDP unwrapped). Under FSDP2 a full state dict gathered
+        from every rank (a collective) and copied to the CPU (a host sync).
+
+        Example (the keys carry no DDP ``module.`` prefix)::
+
+            >>> list(ModelState(nn.Sequential(nn.Linear(2, 1))).state_dict())
+            ['0.weight', '0.bias']
+        """
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -102,6 +136,16 @@ class ModelState:
         return distributed.unwrap(self.model).state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a full state dict into the user's module (FSDP2: into every rank's shards).
+
+        Example (weights that do not fit raise, as ``nn.Module.load_state_dict`` does)::
+
+            >>> ModelState(nn.Linear(3, 1)).load_state_dict(nn.Linear(2, 1).state_dict())
+            Traceback (most recent call last):
+            ...
+            RuntimeError: Error(s) in loading state_dict for Linear:
+            ...
+        """
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -111,12 +155,33 @@ class ModelState:
 
 
 class OptimizerState:
-    """The optimizer's state, as a full state dict under FSDP2 (see :class:`ModelState`)."""
+    """The optimizer's state, as a full state dict under FSDP2 (see :class:`ModelState`).
+
+    Example (Adam's moments go into a fresh optimizer)::
+
+        >>> model = nn.Linear(2, 1)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+        >>> fresh = torch.optim.Adam(model.parameters())
+        >>> OptimizerState(model, fresh).load_state_dict(OptimizerState(model, opt).state_dict())
+        >>> torch.equal(fresh.state[model.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
+        True
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool = False) -> None:
         self.model, self.optimizer, self.fsdp = model, optimizer, fsdp
 
     def state_dict(self) -> dict[str, Any]:
+        """``optimizer.state_dict()``; under FSDP2 a full one gathered from every rank (a
+        collective) and copied to the CPU (a host sync).
+
+        Example::
+
+            >>> model = nn.Linear(2, 1)
+            >>> state = OptimizerState(model, torch.optim.SGD(model.parameters(), lr=0.5)).state_dict()
+            >>> sorted(state), state["param_groups"][0]["lr"]
+            (['param_groups', 'state'], 0.5)
+        """
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -125,6 +190,16 @@ class OptimizerState:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a full optimizer state dict (FSDP2: each rank takes its shards of it).
+
+        Example::
+
+            >>> model = nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            >>> OptimizerState(model, opt).load_state_dict(torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
+            >>> opt.param_groups[0]["lr"]
+            0.1
+        """
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -135,16 +210,43 @@ class OptimizerState:
 
 class RngState:
     """Every RNG of every rank: one state in a one-process run, a list by rank under torchrun
-    (gathered to rank 0, a collective); each rank restores its own."""
+    (gathered to rank 0, a collective); each rank restores its own.
+
+    Example (one process: one state, not a list)::
+
+        >>> part = RngState(distributed.DistInfo())
+        >>> state = part.state_dict()
+        >>> isinstance(state, dict), "torch" in state
+        (True, True)
+    """
 
     def __init__(self, dist: distributed.DistInfo) -> None:
         self.dist = dist
 
     def state_dict(self) -> Any:
+        """This rank's RNG states (:func:`ampguard.checkpoint.rng_state`); under torchrun the list
+        of every rank's on rank 0 and None elsewhere (a collective).
+
+        Example::
+
+            >>> sorted(RngState(distributed.DistInfo()).state_dict())[-2:]
+            ['random', 'torch']
+        """
         states = distributed.gather_to_main(ckpt.rng_state())  # None on ranks other than 0
         return states if self.dist.active or states is None else states[0]
 
     def load_state_dict(self, state: Any) -> None:
+        """Restore the RNGs: ``state`` itself, or this rank's entry of a list by rank.
+
+        Example (a list by rank, as torchrun's rank 0 saves it; rank 0 takes entry 0)::
+
+            >>> part = RngState(distributed.DistInfo())
+            >>> saved = part.state_dict()
+            >>> first = torch.rand(1)
+            >>> part.load_state_dict([saved])
+            >>> torch.equal(torch.rand(1), first)
+            True
+        """
         ckpt.set_rng_state(state[self.dist.rank] if isinstance(state, list) else state)
 
 
@@ -229,23 +331,69 @@ class CheckpointManager:
 
 @dataclass
 class Resume:
-    """Where a resumed run picks up: a loaded checkpoint and the run folder it belongs to."""
+    """Where a resumed run picks up: a loaded checkpoint and the run folder it belongs to.
+
+    Example::
+
+        >>> resume = Resume(Loaded(Path("runs/a/checkpoints/step-00000004.pt"), {STEP: 4, CONFIG: {"steps": 10}}),
+        ...                 Path("runs/a"))
+        >>> resume.path.name, resume.loaded.step, resume.saved_config
+        ('step-00000004.pt', 4, {'steps': 10})
+    """
 
     loaded: Loaded
     run_dir: Path
 
     @property
     def path(self) -> Path:
+        """The checkpoint file the run resumes from.
+
+        Example::
+
+            >>> Resume(Loaded(Path("a/checkpoints/step-00000002.pt"), {}), Path("a")).path.as_posix()
+            'a/checkpoints/step-00000002.pt'
+        """
         return self.loaded.path
 
     @property
     def saved_config(self) -> dict[str, Any]:
+        """The config the checkpoint was saved with, as plain data (the base of a resumed config).
+
+        Example::
+
+            >>> Resume(Loaded(Path("step-00000002.pt"), {CONFIG: {"precision": "bf16"}}), Path(".")).saved_config
+            {'precision': 'bf16'}
+        """
         return self.loaded.payload[CONFIG]
 
 
 def find_resume(target: str | Path) -> Resume:
     """The checkpoint for ``--resume RUN_DIR|CHECKPOINT``: a run folder's newest loadable one,
-    or the file named (inside its run folder's ``checkpoints/``)."""
+    or the file named (inside its run folder's ``checkpoints/``).
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> from ampguard.config import validate
+        >>> run_dir = Path(tempfile.mkdtemp())
+        >>> config = validate({"task": {"name": "linear"}, "precision": "bf16", "steps": 10})
+        >>> payload = {CONFIG: config.model_dump(mode="json"), MODEL: {}, OPTIMIZER: {}, SCHEDULER: {}, STATE: {},
+        ...            RNG: {}, DATA: 0}
+        >>> path = ckpt.save_checkpoint(run_dir / "checkpoints" / "step-00000004.pt", {**payload, STEP: 4})
+        >>> _ = (run_dir / "steps.csv").write_text("")
+        >>> resume = find_resume(run_dir)
+        >>> resume.path.name, resume.loaded.step, resume.run_dir == run_dir
+        ('step-00000004.pt', 4, True)
+        >>> find_resume(path).run_dir == run_dir  # a file inside checkpoints/: its run folder is two up
+        True
+        >>> (run_dir / "steps.csv").unlink()
+        >>> try:
+        ...     find_resume(run_dir)
+        ... except InputError as err:
+        ...     print(str(err).replace(str(run_dir), "RUN"))
+        RUN/checkpoints/step-00000004.pt: its run folder RUN has no steps.csv to continue
+        >>> shutil.rmtree(run_dir)
+    """
     target = Path(target)
     if target.is_dir():
         path, payload = ckpt.latest_loadable(target / "checkpoints")
@@ -261,7 +409,35 @@ def find_resume(target: str | Path) -> Resume:
 def check_resume(resume: Resume, config: Config, world_size: int | None = None) -> None:
     """Refuse a resume that would make the run differ from the uninterrupted one: a fixed config
     key changed (:data:`RESUME_FIXED`, naming the exact field), no steps left to run, or (when
-    ``world_size`` is given) another number of processes."""
+    ``world_size`` is given) another number of processes.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> from ampguard.config import validate
+        >>> run_dir = Path(tempfile.mkdtemp())
+        >>> config = validate({"task": {"name": "linear"}, "precision": "bf16", "steps": 10})
+        >>> payload = {CONFIG: config.model_dump(mode="json"), MODEL: {}, OPTIMIZER: {}, SCHEDULER: {}, STATE: {},
+        ...            RNG: {}, DATA: 0}
+        >>> path = ckpt.save_checkpoint(run_dir / "checkpoints" / "step-00000004.pt", {**payload, STEP: 4})
+        >>> _ = (run_dir / "steps.csv").write_text("")
+        >>> resume = find_resume(run_dir)
+        >>> check_resume(resume, config, world_size=1)  # the same run, more steps to go: fine
+        >>> for changed in ({"precision": "fp16"}, {"task": {"name": "linear", "batch_size": 8}}, {"steps": 3}):
+        ...     try:
+        ...         check_resume(resume, validate({**config.model_dump(mode="json"), **changed}))
+        ...     except InputError as err:
+        ...         print(str(err).replace(str(run_dir), "RUN"))
+        --resume: precision was 'bf16' in the checkpoint, now 'fp16'; a resumed run must keep it
+        --resume: task.batch_size was 32 in the checkpoint, now 8; a resumed run must keep it
+        --resume: RUN/checkpoints/step-00000004.pt is at step 4, the run asks for 3 steps; raise steps ...
+        >>> try:
+        ...     check_resume(resume, config, world_size=2)
+        ... except InputError as err:
+        ...     print(str(err).replace(str(run_dir), "RUN"))
+        RUN/checkpoints/step-00000004.pt: saved by 1 process(es), this run has 2; resume with the same world size
+        >>> shutil.rmtree(run_dir)
+    """
     saved, now = resume.saved_config, config.model_dump(mode="json")
     for key in RESUME_FIXED:
         a, b = saved, now

@@ -140,6 +140,19 @@ def _config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``ampguard`` parser: one subparser per verb, each with ``func`` set to its ``_verb``.
+    A usage error raises :class:`InputError` (one line) instead of printing a usage block.
+
+    Example::
+
+        >>> args = build_parser().parse_args(["demo", "--bf16", "--steps", "3"])
+        >>> args.verb, args.bf16, args.steps, args.precision, args.func.__name__
+        ('demo', True, 3, None, '_demo')
+        >>> build_parser().parse_args(["report", "runs/a", "--alert-rate", "2"])
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: report: argument --alert-rate: must be a rate in [0, 1], got 2
+    """
     parser = _Parser(prog="ampguard", description="Mixed-precision training made safe and observable.")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     verbs.required = True
@@ -256,6 +269,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ampguard ARGV`` and return its exit code (:class:`ExitCode`): bad input is one line
+    ``ampguard: error: ...`` on stderr and 2, Ctrl-C is 130; anything else is a bug and raises.
+
+    Example::
+
+        >>> import contextlib, io
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err):
+        ...     code = main(["demo", "--steps", "0"])
+        >>> code, err.getvalue()
+        (<ExitCode.BAD_INPUT: 2>, 'ampguard: error: demo: argument --steps: must be >= 1, got 0\\n')
+        >>> main(["demo", "--steps", "2", "--bf16", "--device", "cpu", "--inject", "nan_loss@2"])  # doctest: +ELLIPSIS
+        ampguard demo: nn.Linear, 2 steps, bf16 with no loss scaler, max_norm=1.0, inject: nan_loss@2
+        STEP 1 loss=... pre=... post=1 scale=1 lr=0.2
+        SKIP 2 loss=nan pre=- post=- scale=1 lr=0.2 reason=non_finite_loss
+        summary: steps=2 updates=1 skips=1 (non_finite_loss=1) final_scale=1 final_loss=nan
+        ended: finished: 2 steps
+        0
+    """
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args))

@@ -115,6 +115,27 @@ class Rollbacks:
     checkpoint before the trouble, keeps the step counter and the monitors' history, seeks the
     data ``rollback.skip_batches`` micro-batches past the checkpoint's position, and restarts the
     rolling windows. After ``rollback.max`` of them the next one is a :class:`Stop`.
+
+    Example (a run whose targets are multiplied by 1e8 at step 5: the loss spike rolls it back
+    to its checkpoint of step 4, and the run goes on to finish)::
+
+        >>> import shutil, tempfile
+        >>> from pathlib import Path
+        >>> from ampguard.config import validate
+        >>> from ampguard.run_folder import RunPaths
+        >>> from ampguard.train import run
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> config = validate({"task": {"name": "linear"}, "steps": 6, "precision": "bf16", "device": "cpu",
+        ...                    "inject": ["spike@5"], "checkpoint": {"every": 2},
+        ...                    "rollback": {"triggers": ["loss_spike"], "window": 3, "skip_batches": 1},
+        ...                    "log": {"dir": str(folder), "name": "a"}})
+        >>> lines = []
+        >>> result = run(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=1, print_fn=lines.append)
+        >>> [" ".join(line.split()[:2]) for line in lines]
+        ['STEP 1', 'STEP 2', 'STEP 3', 'STEP 4', 'STEP 5', 'ROLLBACK 5', 'STEP 6', 'EVAL 6']
+        >>> result.ended, result.rollbacks  # doctest: +ELLIPSIS
+        ('finished: 6 steps', ['step 5: loss spike (... > mean + 6 std): rolled back to step-00000004.pt (step 4) ...'])
+        >>> shutil.rmtree(folder)
     """
 
     def __init__(self, config: Config, checkpointer: CheckpointManager, state: AmpTrainState, data: DataStream,
@@ -125,6 +146,41 @@ class Rollbacks:
         self.log: list[str] = []
 
     def apply(self, decision: Rollback) -> Decision:
+        """Carry out ``decision``: :data:`CONTINUE` once rolled back, or a :class:`Stop` when
+        ``rollback.max`` is used up or no checkpoint from before ``first_bad_step`` loads. The
+        checkpoint is loaded to the CPU and copied onto the model's device.
+
+        Example::
+
+            >>> import shutil, tempfile, torch
+            >>> from pathlib import Path
+            >>> from ampguard.config import validate
+            >>> from ampguard.run_folder import RunPaths
+            >>> from ampguard.train import Trainer
+            >>> folder = Path(tempfile.mkdtemp())
+            >>> config = validate({"task": {"name": "linear"}, "steps": 6, "precision": "bf16", "device": "cpu",
+            ...                    "checkpoint": {"every": 2}, "log": {"dir": str(folder), "name": "a"},
+            ...                    "rollback": {"triggers": ["loss_spike"], "skip_batches": 1}})
+            >>> lines = []
+            >>> trainer = Trainer(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=1,
+            ...                   stats_every=None, print_fn=lines.append, progress=False, resume=None)
+            >>> trainer._open()  # run() does this: the run folder, its checkpoints/ and the event log
+            >>> for step in (1, 2, 3):  # a checkpoint at step 2
+            ...     trainer.maybe_save(trainer.train_step().step)
+            ...     if step == 2:
+            ...         weights = trainer.task.model.weight.detach().clone()
+            >>> trainer.rollbacks.apply(Rollback(3, "loss spike", LOSS_SPIKE))
+            Continue()
+            >>> trainer.state.steps, trainer.data.position, torch.equal(trainer.task.model.weight, weights)
+            (3, 3, True)
+            >>> lines  # doctest: +NORMALIZE_WHITESPACE
+            ['ROLLBACK 3 loss spike: rolled back to step-00000002.pt (step 2) and skipped 1 batches
+              (data position 3 -> 3)']
+            >>> stop = trainer.rollbacks.apply(Rollback(2, "loss spike", LOSS_SPIKE))  # nothing saved before step 2
+            >>> type(stop).__name__, stop.kind, int(stop.exit_code)
+            ('Stop', 'no_checkpoint', 3)
+            >>> trainer.sinks.close(); trainer.events.close(); shutil.rmtree(folder)
+        """
         step = self.state.steps
         if len(self.log) >= self.cfg.max:
             return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; all {self.cfg.max} rollbacks "
@@ -150,16 +206,61 @@ class Rollbacks:
         return CONTINUE
 
     def state_dict(self) -> list[str]:
+        """The rollback log, one line per rollback (a copy): a checkpoint carries it, so a resumed
+        run still counts the rollbacks spent against ``rollback.max``.
+
+        Example::
+
+            >>> from ampguard.config import Config
+            >>> rollbacks = Rollbacks(Config(), None, None, None, None, None)
+            >>> rollbacks.log.append("step 9: loss spike: rolled back to step-00000008.pt (step 8)")
+            >>> saved = rollbacks.state_dict()
+            >>> saved == rollbacks.log and saved is not rollbacks.log
+            True
+        """
         return list(self.log)
 
     def load_state_dict(self, log: list[str]) -> None:
+        """Take the log back from a checkpoint (a copy of it).
+
+        Example (``rollback.max`` is 1 and the resumed run has used it: the next one stops)::
+
+            >>> import torch
+            >>> from ampguard.config import validate
+            >>> from ampguard.monitor import RunMonitor
+            >>> from ampguard.step import AmpTrainState
+            >>> config = validate({"rollback": {"max": 1}})
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+            ...                       precision="fp32")
+            >>> rollbacks = Rollbacks(config, None, state, None, RunMonitor(), None)
+            >>> rollbacks.load_state_dict(["step 9: loss spike: rolled back to step-00000008.pt (step 8)"])
+            >>> rollbacks.apply(Rollback(12, "loss spike", LOSS_SPIKE)).kind
+            'rollbacks_used_up'
+        """
         self.log = list(log)
 
 
 class FirstSkipDiagnosis:
     """Keeps the open group's micro-batches and, at the first skipped step, replays them to find
     the first non-finite value (:func:`ampguard.locate.diagnose_group`). Built only when
-    ``diagnose.first_skip`` or ``diagnose.strict`` is on: otherwise it costs nothing."""
+    ``diagnose.first_skip`` or ``diagnose.strict`` is on: otherwise it costs nothing.
+
+    Example (two micro-batches a step; the second carries a NaN)::
+
+        >>> import torch
+        >>> from ampguard.step import AmpTrainState
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+        ...                       precision="bf16", accumulation_steps=2)
+        >>> diagnosis = FirstSkipDiagnosis(state, model)
+        >>> for batch in [(torch.ones(4, 2), torch.zeros(4, 1)), (torch.full((4, 2), float("nan")), torch.zeros(4, 1))]:
+        ...     diagnosis.capture(batch)
+        ...     record = state.step(*batch)
+        >>> print(diagnosis.after(record))
+        step 1 (non_finite_loss): first nan under bf16: in the input batch. FP32 replay is not finite either: a data
+        or model problem, not a precision one
+    """
 
     def __init__(self, state: AmpTrainState, model: Any, events: EventLog | None = None) -> None:
         self.state, self.model, self.events = state, model, events
@@ -169,13 +270,49 @@ class FirstSkipDiagnosis:
 
     def capture(self, batch: tuple[Any, Any]) -> None:
         """Call before the step takes ``batch``: keeps the group's batches and the loss scale they
-        run with (a device copy, no host read)."""
+        run with (a device copy, no host read).
+
+        Example (fp16 on two weights: a skipped step halves the scale, the next group keeps the new one)::
+
+            >>> import torch
+            >>> from ampguard.step import AmpTrainState
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+            ...                       precision="fp16")
+            >>> diagnosis = FirstSkipDiagnosis(state, model)
+            >>> bad = (torch.full((4, 2), float("nan")), torch.zeros(4, 1))
+            >>> diagnosis.capture(bad)
+            >>> state.step(*bad).skipped, diagnosis.group == [bad], float(diagnosis.scale)
+            (True, True, 65536.0)
+            >>> diagnosis.capture((torch.ones(4, 2), torch.zeros(4, 1)))
+            >>> len(diagnosis.group), float(diagnosis.scale)  # a new group
+            (1, 32768.0)
+        """
         if not self.state.mid_group:
             self.group, self.scale = [], self.state.scaler.scale_value()
         self.group.append(batch)
 
     def after(self, record: StepRecord) -> str | None:
-        """The finding for the run's first skipped step (None before it, and for clean steps)."""
+        """The finding for the run's first skipped step (None before it, and for clean steps).
+
+        At the first skipped step it replays the group (:func:`ampguard.locate.diagnose_group`:
+        host syncs, once a run); later skips repeat that finding without a replay.
+
+        Example::
+
+            >>> import torch
+            >>> from ampguard.step import AmpTrainState
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+            ...                       precision="bf16")
+            >>> diagnosis = FirstSkipDiagnosis(state, model)
+            >>> def step(x):
+            ...     diagnosis.capture((x, torch.zeros(4, 1)))
+            ...     return diagnosis.after(state.step(x, torch.zeros(4, 1)))
+            >>> nan, inf = torch.full((4, 2), float("nan")), torch.full((4, 2), float("inf"))
+            >>> step(torch.ones(4, 2)) is None, step(nan)[:42], step(inf)[:42], step(torch.ones(4, 2))
+            (True, 'step 2 (non_finite_loss): first nan under ', 'step 2 (non_finite_loss): first nan under ', None)
+        """
         if not record.skipped or self.found is not None:
             return self.found if record.skipped else None
         from .locate import diagnose_group

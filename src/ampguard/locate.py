@@ -45,7 +45,14 @@ def _dtypes(value: Any) -> list[str]:
 
 @dataclass
 class Finding:
-    """The first non-finite value of one pass, or ``where == "none"``."""
+    """The first non-finite value of one pass, or ``where == "none"``.
+
+    Example::
+
+        >>> f = Finding("forward", "0", "Linear", "inf", ["float16"], ["float16"], "fp16")
+        >>> f.where, f.name, f.kind, Finding("none").name
+        ('forward', '0', 'inf', '')
+    """
 
     where: str  # input | forward | loss | backward | none
     name: str = ""  # module or parameter qualified name ("" for input / loss)
@@ -58,13 +65,32 @@ class Finding:
 
 @dataclass
 class Diagnosis:
-    """A finding under the run's precision, the FP32 replay's finding, and what it means."""
+    """A finding under the run's precision, the FP32 replay's finding, and what it means.
+
+    Example::
+
+        >>> amp = Finding("loss", op="mse_loss", kind="nan", precision="bf16")
+        >>> d = Diagnosis(amp, Finding("loss", op="mse_loss", kind="nan", precision="fp32"), "data/model")
+        >>> d.verdict, d.fp32.precision
+        ('data/model', 'fp32')
+    """
 
     amp: Finding
     fp32: Finding | None
     verdict: str  # precision-range | data/model | none
 
     def message(self) -> str:
+        """The finding in one sentence: where the first non-finite value was, and whose problem it is.
+
+        Example::
+
+            >>> amp = Finding("forward", "encoder.0", "Linear", "inf", ["float16"], ["float16"], "fp16")
+            >>> print(Diagnosis(amp, Finding("none", precision="fp32"), "precision-range").message())
+            first inf under fp16: in the forward output of encoder.0 (Linear; inputs float16 -> outputs float16). FP32
+            replay is finite: a precision-range problem; run that module outside autocast or in FP32
+            >>> Diagnosis(Finding("none", precision="bf16"), None, "none").message()
+            'no non-finite value in forward, loss or backward under bf16'
+        """
         f = self.amp
         if f.where == "none":
             return f"no non-finite value in forward, loss or backward under {f.precision}"
@@ -89,6 +115,16 @@ class Diagnosis:
         return f"{first}. {hint}".strip()
 
     def as_dict(self) -> dict[str, Any]:
+        """Plain data for JSON (``ampguard locate --json``, the run's event log): verdict, both
+        findings, the message.
+
+        Example::
+
+            >>> data = Diagnosis(Finding("input", kind="nan", precision="bf16"),
+            ...                  Finding("input", kind="nan", precision="fp32"), "data/model").as_dict()
+            >>> data["verdict"], data["amp"]["where"], data["fp32"]["precision"], data["message"][:28]
+            ('data/model', 'input', 'fp32', 'first nan under bf16: in the')
+        """
         return {"verdict": self.verdict, "amp": asdict(self.amp),
                 "fp32": asdict(self.fp32) if self.fp32 else None, "message": self.message()}
 
@@ -101,7 +137,28 @@ def trace_first_non_finite(
     precision: Precision,
     loss_scale: float = 1.0,
 ) -> Finding:
-    """One forward + backward of the batch, watching for the first non-finite value."""
+    """One forward + backward of the batch, watching for the first non-finite value.
+
+    Every module output and every gradient is checked on the host (a host sync each): a
+    diagnostic, never part of the step. The parameters' ``.grad`` are put back afterwards.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+        >>> x, y = torch.ones(3, 2), torch.zeros(3, 1)
+        >>> fp32 = Precision("fp32", "cpu")
+        >>> trace_first_non_finite(model, nn.functional.mse_loss, x, y, fp32).where
+        'none'
+        >>> x[0, 0] = float("nan")
+        >>> f = trace_first_non_finite(model, nn.functional.mse_loss, x, y, fp32)
+        >>> f.where, f.kind, f.input_dtypes
+        ('input', 'nan', ['float32'])
+        >>> def inf_loss(out, target):
+        ...     return (out - target).abs().sum() * float("inf")
+        >>> f = trace_first_non_finite(model, inf_loss, torch.ones(3, 2), y, fp32)
+        >>> f.where, f.op, f.kind, all(p.grad is None for p in model.parameters())
+        ('loss', 'inf_loss', 'inf', True)
+    """
     label = precision.name
     if (kind := _bad(inputs)) is not None:
         return Finding("input", kind=kind, input_dtypes=_dtypes(inputs), precision=label)
@@ -156,7 +213,21 @@ def diagnose_group(
     precision: Precision,
     loss_scale: float = 1.0,
 ) -> Diagnosis:
-    """:func:`diagnose` each micro-batch of a step in turn; the first with a finding answers."""
+    """:func:`diagnose` each micro-batch of a step in turn; the first with a finding answers.
+
+    Example (the second micro-batch carries a NaN, in FP32 as well: not a precision problem)::
+
+        >>> model = nn.Linear(2, 1)
+        >>> clean, bad = torch.ones(4, 2), torch.ones(4, 2)
+        >>> bad[1, 1] = float("nan")
+        >>> d = diagnose_group(model, nn.functional.mse_loss, [(clean, torch.zeros(4, 1)), (bad, torch.zeros(4, 1))],
+        ...                    Precision("bf16", "cpu"))
+        >>> d.verdict, d.amp.where, d.fp32.where
+        ('data/model', 'input', 'input')
+        >>> d = diagnose_group(model, nn.functional.mse_loss, [(clean, torch.zeros(4, 1))], Precision("bf16", "cpu"))
+        >>> d.verdict, d.fp32  # nothing found: no FP32 replay
+        ('none', None)
+    """
     result = None
     for inputs, targets in batches:
         result = diagnose(model, loss_fn, inputs, targets, precision, loss_scale)
@@ -215,7 +286,23 @@ def diagnose(
 def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str | None = None,
         scale: float | None = None, as_json: bool = False) -> int:
     """``ampguard locate``: replay step ``step`` of the config's data (with its faults), or a saved
-    ``batch``, and print the finding. Returns 0 when all is finite, 1 when a value is not."""
+    ``batch``, and print the finding. Returns 0 when all is finite, 1 when a value is not.
+
+    Example (a NaN injected into step 2's inputs; step 1 is clean)::
+
+        >>> from ampguard.config import validate
+        >>> config = validate({"task": {"name": "linear"}, "device": "cpu", "precision": "bf16",
+        ...                    "inject": ["nan_input@2"]})
+        >>> run(config, step=1)
+        locate: step 1 of task linear (seed 0), bf16 on cpu, loss scale 1
+        no non-finite value in forward, loss or backward under bf16
+        0
+        >>> run(config, step=2)
+        locate: step 2 of task linear (seed 0), bf16 on cpu, loss scale 1
+        first nan under bf16: in the input batch. FP32 replay is not finite either: a data or model problem, not a
+        precision one
+        1
+    """
     import itertools
     import json
 
@@ -258,7 +345,26 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
 
 
 def load_batch(path: str) -> tuple[Any, Any]:
-    """A saved batch: ``torch.save({"inputs": x, "targets": y}, path)``, loaded weights-only."""
+    """A saved batch: ``torch.save({"inputs": x, "targets": y}, path)``, loaded weights-only.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> from pathlib import Path
+        >>> from ampguard.errors import InputError
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> torch.save({"inputs": torch.ones(2, 3), "targets": torch.zeros(2)}, folder / "batch.pt")
+        >>> x, y = load_batch(str(folder / "batch.pt"))
+        >>> tuple(x.shape), tuple(y.shape)
+        ((2, 3), (2,))
+        >>> torch.save({"x": torch.ones(1)}, folder / "other.pt")
+        >>> try:
+        ...     load_batch(str(folder / "other.pt"))
+        ... except InputError as err:
+        ...     print(str(err).replace(str(folder), "DIR"))
+        DIR/other.pt: a batch file holds {'inputs': ..., 'targets': ...}
+        >>> shutil.rmtree(folder)
+    """
     from .checkpoint import safe_load
     from .errors import InputError
 

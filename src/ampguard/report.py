@@ -29,6 +29,16 @@ DPI = 100  # -> a 1200 x 1400 pixel PNG
 
 @dataclass
 class Row:
+    """One line of a per-step CSV, as host values (``None`` for an empty cell).
+
+    Example::
+
+        >>> row = Row(step=2, lr=0.1, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None, loss=0.4,
+        ...           skipped=True, skip_reason="non_finite_grad", scaler_scale=32768.0)
+        >>> row.skipped, row.grad_l2_post_clip is None, row.record().reason
+        (True, True, 'non_finite_grad')
+    """
+
     step: int
     lr: float | None
     grad_l2_pre_clip: float | None
@@ -39,6 +49,17 @@ class Row:
     scaler_scale: float | None
 
     def record(self) -> StepRecord:
+        """The row as a record the monitor can observe: a ``SkipLog`` with the reason when the
+        row was skipped, else a ``StepLog``.
+
+        Example::
+
+            >>> applied = Row(step=1, lr=0.1, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, loss=0.5,
+            ...               skipped=False, skip_reason="", scaler_scale=1.0)
+            >>> record = applied.record()
+            >>> type(record).__name__, record.skipped, record.values()["grad_l2_post_clip"]
+            ('StepLog', False, 1.0)
+        """
         return record_from(self.step, vars(self), self.skip_reason if self.skipped else None)
 
 
@@ -52,7 +73,26 @@ def _number(text: str, column: str, where: str) -> float | None:
 
 
 def read_steps_csv(path: str | Path) -> list[Row]:
-    """Parse a per-step CSV (docs/design.md §3); a malformed file raises :class:`InputError`."""
+    """Parse a per-step CSV (docs/design.md §3); a malformed file raises :class:`InputError`.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> csv_path = folder / "steps.csv"
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
+        ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
+        >>> rows = read_steps_csv(csv_path)
+        >>> [(r.step, r.skipped, r.skip_reason, r.grad_l2_pre_clip, r.grad_l2_post_clip) for r in rows]
+        [(1, False, '', 2.0, 1.0), (2, True, 'non_finite_grad', inf, None), (3, False, '', 0.5, 0.5)]
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n2,0.1,1.0,1.0,0.5,0,,1.0\\n1,0.1,1.0,1.0,0.5,0,,1.0\\n")
+        >>> try:
+        ...     read_steps_csv(csv_path)
+        ... except InputError as err:
+        ...     print(str(err).replace(str(folder), "DIR"))
+        DIR/steps.csv line 3: step 1 does not follow step 2
+        >>> shutil.rmtree(folder)
+    """
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no such CSV file: {path}")
@@ -95,7 +135,16 @@ def _rows(path: Path, reader: Iterator[list[str]]) -> Iterator[Row]:
 
 
 def replay(rows: list[Row], **monitor_args: Any) -> RunMonitor:
-    """Feed CSV rows through a :class:`RunMonitor`: the same statistics the live run kept."""
+    """Feed CSV rows through a :class:`RunMonitor`: the same statistics the live run kept.
+
+    Example (``monitor_args`` are :class:`RunMonitor`'s)::
+
+        >>> rows = [Row(step, 0.1, 2.0, 1.0, 0.5, False, "", 1.0) for step in (1, 2)]
+        >>> rows.append(Row(3, 0.1, None, None, float("nan"), True, "non_finite_loss", 1.0))
+        >>> monitor = replay(rows, window=10, scaler_enabled=False)
+        >>> monitor.steps, monitor.updates, monitor.clipped, dict(monitor.skips), round(monitor.skip_rate, 3)
+        (3, 2, 2, {'non_finite_loss': 1}, 0.333)
+    """
     monitor = RunMonitor(**monitor_args)
     for row in rows:
         monitor.observe(row.record())
@@ -117,7 +166,27 @@ def plot_run(
 ) -> Path:
     """Draw one PNG (1200 x 1400 px) with five panels on a shared step axis: loss, pre/post-clip
     norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
-    rate with its thresholds. Skipped steps are marked on every panel, coloured by reason."""
+    rate with its thresholds. Skipped steps are marked on every panel, coloured by reason.
+
+    Example (the PNG's width and height are in its header)::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> csv_path = folder / "steps.csv"
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
+        ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
+        >>> png = plot_run(csv_path, folder / "report.png", window=10)
+        >>> import struct
+        >>> png.name, struct.unpack(">II", png.read_bytes()[16:24])
+        ('report.png', (1200, 1400))
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n")
+        >>> try:
+        ...     plot_run(csv_path, folder / "empty.png")
+        ... except InputError as err:
+        ...     print(str(err).replace(str(folder), "DIR"), (folder / "empty.png").exists())
+        DIR/steps.csv: no steps recorded yet, nothing to plot False
+        >>> shutil.rmtree(folder)
+    """
     rows = read_steps_csv(csv_path)
     if not rows:
         raise InputError(f"{csv_path}: no steps recorded yet, nothing to plot")
@@ -209,7 +278,29 @@ def _fmt(x: float | None, spec: str = ".4g") -> str:
 
 
 def write_run_card(path: Path, config: Config, result: RunResult) -> None:
-    """``RUN.md``: what a teammate reads first: set-up, outcome, where everything is, why it ended."""
+    """``RUN.md``: what a teammate reads first: set-up, outcome, where everything is, why it ended.
+
+    Example (a card written from a replayed CSV)::
+
+        >>> import torch
+        >>> from ampguard.config import validate
+        >>> from ampguard.run_folder import RunPaths, RunResult
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> csv_path = folder / "steps.csv"
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
+        ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
+        >>> monitor = replay(read_steps_csv(csv_path), init_scale=65536.0)
+        >>> paths = RunPaths.existing(folder)
+        >>> result = RunResult(ExitCode.OK, monitor, paths, "finished: 3 steps", torch.device("cpu"))
+        >>> write_run_card(folder / "RUN.md", validate({"precision": "fp16"}), result)
+        >>> card = (folder / "RUN.md").read_text().splitlines()
+        >>> card[2], [line for line in card if line.startswith(("| skipped", "| per-step", "| plot", "| precision"))]
+        ('**finished: 3 steps**', ['| precision | fp16 (autocast on cpu) |',
+                                   '| skipped steps | 1 (non_finite_grad=1) |',
+                                   '| per-step CSV | `steps.csv` |', '| plot | not written |'])
+        >>> shutil.rmtree(folder)
+    """
     m, paths = result.monitor, result.paths
     s, mon = config.scaler, config.monitor
     scaler_on = m.scaler_enabled
@@ -281,7 +372,26 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
 
 
 def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
-    """Run card and plot; a plotting failure is reported, never allowed to lose the run card."""
+    """Run card and plot; a plotting failure is reported, never allowed to lose the run card.
+
+    Example (a CSV with no rows yet cannot be plotted; the card is written all the same)::
+
+        >>> import shutil, tempfile, torch
+        >>> from ampguard.config import Config
+        >>> from ampguard.monitor import RunMonitor
+        >>> from ampguard.run_folder import RunPaths, RunResult
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = (folder / "steps.csv").write_text(",".join(CSV_COLUMNS) + "\\n")
+        >>> result = RunResult(ExitCode.INTERRUPTED, RunMonitor(), RunPaths.existing(folder), "interrupted",
+        ...                    torch.device("cpu"))
+        >>> said = []
+        >>> write_report(Config(), result, said.append)
+        >>> [line.replace(str(folder), "DIR") for line in said]
+        ['warning: could not draw DIR/report.png: DIR/steps.csv: no steps recorded yet, nothing to plot']
+        >>> sorted(p.name for p in folder.iterdir())
+        ['RUN.md', 'steps.csv']
+        >>> shutil.rmtree(folder)
+    """
     paths = result.paths
     assert paths.card is not None and paths.plot is not None and paths.csv is not None
     try:
@@ -300,7 +410,28 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         alert_rate: float | None = None, fail_rate: float | None = None, min_steps: int | None = None) -> ExitCode:
     """``ampguard report RUN_DIR|CSV``: draw the plot again and print a summary. Thresholds come
     from the run's ``config.yaml`` (beside the CSV) when there is one, else the config defaults;
-    each keyword given overrides its setting."""
+    each keyword given overrides its setting.
+
+    Example (a run folder without ``config.yaml``: the default thresholds, ``window`` given)::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> csv_path = folder / "steps.csv"
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
+        ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
+        >>> code = run(folder, window=2)  # doctest: +ELLIPSIS
+        summary: steps=3 updates=2 skips=1 (non_finite_grad=1) final_scale=32768 final_loss=0.3
+        max rolling skip rate 0.5000 (window 2), alert episodes 0, clip rate 0.333, scale stable
+        plot: .../report.png
+        >>> code, (folder / "report.png").is_file()
+        (<ExitCode.OK: 0>, True)
+        >>> try:
+        ...     run(folder / "missing.csv")
+        ... except InputError as err:
+        ...     print(str(err).replace(str(folder), "DIR"))
+        no per-step CSV at DIR/missing.csv
+        >>> shutil.rmtree(folder)
+    """
     from .config import Config, read_file, validate
 
     target = Path(path)

@@ -106,7 +106,24 @@ class RunPaths:
 
 @dataclass
 class RunResult:
-    """What a finished (or stopped) run hands back; the run card is written from it."""
+    """What a finished (or stopped) run hands back; the run card is written from it.
+
+    Example (a demo-like run: no folder, only a CSV)::
+
+        >>> import shutil, tempfile
+        >>> from ampguard.config import validate
+        >>> from ampguard.train import run
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> config = validate({"task": {"name": "linear"}, "steps": 2, "precision": "bf16", "device": "cpu",
+        ...                    "inject": ["nan_loss@2"]})
+        >>> result = run(config, outputs=lambda: RunPaths(csv=folder / "steps.csv"), console_every=1,
+        ...              print_fn=lambda line: None)
+        >>> result.exit_code, result.ended, result.monitor.skips_text(), result.device
+        (<ExitCode.OK: 0>, 'finished: 2 steps', 'non_finite_loss=1', device(type='cpu'))
+        >>> result.paths.dir, result.paths.csv.name, result.checkpoints, result.rollbacks, result.resumed_from
+        (None, 'steps.csv', [], [], None)
+        >>> shutil.rmtree(folder)
+    """
 
     exit_code: ExitCode
     monitor: RunMonitor

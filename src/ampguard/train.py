@@ -36,7 +36,24 @@ from .tasks import Task, build_task
 
 class Trainer:
     """One guarded training run. Everything that can reject the input happens in ``__init__``,
-    before :meth:`run` creates any file."""
+    before :meth:`run` creates any file.
+
+    Example (a run folder under a temporary ``log.dir``)::
+
+        >>> import shutil, tempfile
+        >>> from ampguard.config import validate
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> config = validate({"task": {"name": "linear"}, "steps": 2, "precision": "bf16", "device": "cpu",
+        ...                    "log": {"dir": str(folder / "runs"), "name": "a"}})
+        >>> trainer = Trainer(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=1,
+        ...                   stats_every=None, print_fn=lambda line: None, progress=False, resume=None)
+        >>> (folder / "runs").exists()  # everything is built and checked; nothing is written yet
+        False
+        >>> result = trainer.run()
+        >>> int(result.exit_code), sorted(p.name for p in (folder / "runs" / "a").iterdir())
+        (0, ['RUN.md', 'checkpoints', 'config.yaml', 'events.jsonl', 'report.png', 'steps.csv'])
+        >>> shutil.rmtree(folder)
+    """
 
     # what it trains
     config: Config
@@ -119,6 +136,23 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> RunResult:
+        """Open the outputs, train until ``config.steps`` (or a guard's stop, or Ctrl-C), save the
+        last checkpoint, close: the :class:`RunResult` (and, with a run folder, its card and plot).
+
+        Example (``outputs=RunPaths``: no folder, no CSV; a NaN loss at step 2 is skipped)::
+
+            >>> from ampguard.config import validate
+            >>> config = validate({"task": {"name": "linear"}, "steps": 3, "precision": "bf16", "device": "cpu",
+            ...                    "inject": ["nan_loss@2"]})
+            >>> lines = []
+            >>> trainer = Trainer(config, outputs=RunPaths, console_every=1, stats_every=None,
+            ...                   print_fn=lines.append, progress=False, resume=None)
+            >>> result = trainer.run()
+            >>> [" ".join(line.split()[:2]) for line in lines]
+            ['STEP 1', 'SKIP 2', 'STEP 3', 'EVAL 3']
+            >>> result.ended, result.monitor.updates, result.paths.dir, result.checkpoints
+            ('finished: 3 steps', 2, None, [])
+        """
         self._open()
         clean, stopped = True, None
         try:
@@ -151,7 +185,21 @@ class Trainer:
         return None
 
     def train_step(self) -> StepRecord:
-        """Micro-batches through the guarded step until one closes its group."""
+        """Micro-batches through the guarded step until one closes its group.
+
+        The step reads its skip flags on the host once per step (a host sync; docs/design.md §2).
+
+        Example (two micro-batches a step: one record, two batches taken)::
+
+            >>> from ampguard.config import validate
+            >>> config = validate({"task": {"name": "linear"}, "steps": 3, "precision": "bf16", "device": "cpu",
+            ...                    "accumulation_steps": 2})
+            >>> trainer = Trainer(config, outputs=RunPaths, console_every=1, stats_every=None,
+            ...                   print_fn=print, progress=False, resume=None)
+            >>> record = trainer.train_step()
+            >>> record.step, record.skipped, trainer.data.position, trainer.state.steps
+            (1, False, 2, 1)
+        """
         while True:
             batch = self.data.next(first_step=self.state.steps + 1)
             if self.diagnosis is not None:
@@ -161,7 +209,26 @@ class Trainer:
                 return record
 
     def record(self, record: StepRecord, metrics: dict[str, float] | None) -> None:
-        """The record to every sink; the monitors' events to the log; the console lines."""
+        """The record to every sink; the monitors' events to the log; the console lines.
+
+        The first sink to read the record copies its values to the host (the step's one
+        transfer; later readers pay nothing).
+
+        Example (``run()`` opens the sinks first; here ``_open()`` does it by hand)::
+
+            >>> from ampguard.config import validate
+            >>> config = validate({"task": {"name": "linear"}, "steps": 3, "precision": "bf16", "device": "cpu"})
+            >>> lines = []
+            >>> trainer = Trainer(config, outputs=RunPaths, console_every=1, stats_every=1,
+            ...                   print_fn=lines.append, progress=False, resume=None)
+            >>> trainer._open()
+            >>> trainer.record(trainer.train_step(), {"val_loss": 0.5})
+            >>> [line.split()[0] for line in lines], lines[1]
+            (['STEP', 'EVAL', 'STATS'], 'EVAL 1 val_loss=0.5')
+            >>> trainer.monitor.steps, trainer.monitor.eval_last
+            (1, {'val_loss': 0.5})
+            >>> trainer.sinks.close()
+        """
         self.sinks.write(record, metrics)
         for event in self.monitor.observe(record):
             self.events.emit(event.as_dict(), event_word(event.kind))
@@ -174,11 +241,47 @@ class Trainer:
             self.bar.update(1)
 
     def maybe_save(self, step: int) -> None:
+        """A checkpoint every ``checkpoint.every`` steps, but not at the last step (``run()``
+        saves that one).
+
+        Example::
+
+            >>> import shutil, tempfile
+            >>> from ampguard.config import validate
+            >>> folder = Path(tempfile.mkdtemp())
+            >>> config = validate({"task": {"name": "linear"}, "steps": 3, "precision": "bf16", "device": "cpu",
+            ...                    "checkpoint": {"every": 1}, "log": {"dir": str(folder), "name": "a"}})
+            >>> trainer = Trainer(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=1,
+            ...                   stats_every=None, print_fn=lambda line: None, progress=False, resume=None)
+            >>> trainer._open()  # run() does this: the run folder and its checkpoints/
+            >>> for _ in range(3):
+            ...     trainer.maybe_save(trainer.train_step().step)
+            >>> [p.name for p in trainer.checkpointer.saved]
+            ['step-00000001.pt', 'step-00000002.pt']
+            >>> trainer.sinks.close(); trainer.events.close(); shutil.rmtree(folder)
+        """
         every = self.config.checkpoint.every
         if every and step % every == 0 and step < self.config.steps:
             self.save()
 
     def save(self) -> None:
+        """A checkpoint of the current step, unless checkpoints are off, the step is mid-group, or
+        the run has no checkpoint folder (a demo). Device tensors are copied to the host to be
+        written (a host sync).
+
+        Example (``outputs=RunPaths``: no folder, so nothing is saved)::
+
+            >>> from ampguard.config import validate
+            >>> config = validate({"task": {"name": "linear"}, "steps": 3, "precision": "bf16", "device": "cpu"})
+            >>> trainer = Trainer(config, outputs=RunPaths, console_every=1, stats_every=None,
+            ...                   print_fn=lambda line: None, progress=False, resume=None)
+            >>> trainer._open()
+            >>> _ = trainer.train_step()
+            >>> trainer.save()
+            >>> trainer.checkpointer.enabled, trainer.checkpointer.saved
+            (False, [])
+            >>> trainer.sinks.close()
+        """
         if not self.config.checkpoint.enabled or self.state.mid_group or not self.checkpointer.enabled:
             return
         path = self.checkpointer.save(self.state.steps)  # every rank takes part; rank 0 writes
@@ -261,7 +364,24 @@ def run(config: Config, *, outputs: Callable[[], RunPaths] = RunPaths, console_e
 
 
 def finish(result: RunResult) -> ExitCode:
-    """The closing lines every run prints (rank 0): summary, why it ended, where its records are."""
+    """The closing lines every run prints (rank 0): summary, why it ended, where its records are.
+    Returns the run's exit code.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> from ampguard.config import validate
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> config = validate({"task": {"name": "linear"}, "steps": 2, "precision": "bf16", "device": "cpu"})
+        >>> result = run(config, outputs=lambda: RunPaths(csv=folder / "steps.csv"), console_every=1,
+        ...              print_fn=lambda line: None)
+        >>> finish(result)  # doctest: +ELLIPSIS
+        summary: steps=2 updates=2 skips=0 (none) final_scale=1 final_loss=...
+        ended: finished: 2 steps
+        csv: .../steps.csv (2 rows)
+        <ExitCode.OK: 0>
+        >>> shutil.rmtree(folder)
+    """
     if not distributed.current().is_main:
         return result.exit_code
     print(f"summary: {result.monitor.summary()}")
@@ -280,7 +400,29 @@ def finish(result: RunResult) -> ExitCode:
 
 
 def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
-    """``ampguard train``: a new run folder (or the resumed run's), progress, closing lines."""
+    """``ampguard train``: a new run folder (or the resumed run's), progress, closing lines.
+
+    Example (console lines every ``log.every`` steps, at the last one and at every skip)::
+
+        >>> import shutil, tempfile
+        >>> from ampguard.config import validate
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> config = validate({"task": {"name": "linear"}, "steps": 3, "precision": "bf16", "device": "cpu",
+        ...                    "log": {"dir": str(folder / "runs"), "name": "a"}, "checkpoint": {"every": 2}})
+        >>> code = train(config)  # doctest: +ELLIPSIS
+        run folder: .../runs/a
+        EVAL 3 val_loss=...
+        summary: steps=3 updates=3 skips=0 (none) final_scale=1 final_loss=...
+        ended: finished: 3 steps
+        run folder: .../runs/a (RUN.md, steps.csv, events.jsonl, report.png, checkpoints/)
+        >>> code, sorted(p.name for p in (folder / "runs" / "a" / "checkpoints").iterdir())
+        (<ExitCode.OK: 0>, ['step-00000002.pt', 'step-00000003.pt'])
+        >>> train(config)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: run folder .../runs/a already exists; choose another log.name
+        >>> shutil.rmtree(folder)
+    """
 
     def outputs() -> RunPaths:
         if resume is not None:

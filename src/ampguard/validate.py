@@ -35,6 +35,14 @@ CHUNK = 256
 
 @dataclass
 class Rule:
+    """One declared rule and how it came out: the reference's value, the AMP value, pass or not.
+
+    Example::
+
+        >>> Rule("complete and finite", "7/7", "6/7", ok=False).decision
+        'FAIL'
+    """
+
     criterion: str
     reference: str
     amp: str
@@ -42,11 +50,27 @@ class Rule:
 
     @property
     def decision(self) -> str:
+        """``pass`` or ``FAIL``, as the report's tables write it.
+
+        Example::
+
+            >>> [Rule("c", "", "", ok).decision for ok in (True, False)]
+            ['pass', 'FAIL']
+        """
         return "pass" if self.ok else "FAIL"
 
 
 @dataclass
 class PrecisionResult:
+    """One AMP precision against the FP32 reference: its rules, decision flips and ties, stats.
+
+    Example::
+
+        >>> result = PrecisionResult("fp16", rules=[Rule("complete and finite", "7/7", "7/7", True)])
+        >>> result.ok, result.flips
+        (True, [])
+    """
+
     precision: str
     rules: list[Rule] = field(default_factory=list)
     flips: list[dict[str, Any]] = field(default_factory=list)
@@ -55,11 +79,29 @@ class PrecisionResult:
 
     @property
     def ok(self) -> bool:
+        """Every rule of this precision holds.
+
+        Example::
+
+            >>> result = PrecisionResult("bf16", rules=[Rule("a", "", "", True), Rule("b", "", "", False)])
+            >>> result.ok, PrecisionResult("bf16", rules=result.rules[:1]).ok
+            (False, True)
+        """
         return all(rule.ok for rule in self.rules)
 
 
 @dataclass
 class Validation:
+    """The whole comparison: the probes, the reference's own checks, one result per precision.
+
+    Example::
+
+        >>> v = Validation("linear", "regression", ["typical:0"], [Rule("reference quality", "mse 0.1", "", True)],
+        ...                [PrecisionResult("bf16", [Rule("complete and finite", "1/1", "1/1", True)])])
+        >>> v.ok, v.weights
+        (True, 'freshly initialised')
+    """
+
     task: str
     mode: str
     probes: list[str]
@@ -70,10 +112,25 @@ class Validation:
 
     @property
     def reference_ok(self) -> bool:
+        """The FP32 reference passed its own checks (finite, quality): it can be trusted.
+
+        Example::
+
+            >>> Validation("t", "regression", [], [Rule("reference outputs finite", "1/1", "", False)], []).reference_ok
+            False
+        """
         return all(rule.ok for rule in self.reference)
 
     @property
     def ok(self) -> bool:
+        """Accepted: the reference is trusted and every precision passes every rule.
+
+        Example (an untrusted reference rejects, even with no precision failing)::
+
+            >>> bad_reference = [Rule("reference quality", "mse 9", "", False)]
+            >>> Validation("t", "regression", [], bad_reference, [PrecisionResult("bf16")]).ok
+            False
+        """
         return self.reference_ok and all(result.ok for result in self.results)
 
 
@@ -117,7 +174,20 @@ def _finite_count(scores: torch.Tensor) -> int:
 
 
 def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fixed probe set and evaluation set: (probe ids, probe inputs, eval inputs, eval targets)."""
+    """The fixed probe set and evaluation set: (probe ids, probe inputs, eval inputs, eval targets).
+
+    Example (a regression task: typical examples and edge cases, no decision boundary)::
+
+        >>> from ampguard.config import validate
+        >>> from ampguard.tasks import build_task
+        >>> config = validate({"task": {"name": "linear"}, "validation": {"typical": 2}})
+        >>> task = build_task(config)
+        >>> ids, probes, x_eval, y_eval = build_probes(task, task.model, torch.device("cpu"), config.validation)
+        >>> ids
+        ['typical:0', 'typical:1', 'edge:zeros', 'edge:large', 'edge:large_negative']
+        >>> tuple(probes.shape), tuple(x_eval.shape), torch.equal(probes[:2], x_eval[:2])
+        ((5, 16), (512, 16), True)
+    """
     if task.held_out is None or task.held_out() is None:
         raise InputError(f"validate: task {task.name} has no held-out set (a factory can return 'held_out')")
     x_eval, y_eval = task.held_out()
@@ -139,7 +209,24 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
 
 
 def compare(task: Task, model: nn.Module, config: Config, device: torch.device) -> Validation:
-    """Run the reference and every AMP precision on the probes and the evaluation set."""
+    """Run the reference and every AMP precision on the probes and the evaluation set.
+
+    Reads every score back to the host (several host syncs per precision): a diagnostic, run
+    outside the training loop. The model is left in eval mode.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> from ampguard.tasks import build_task
+        >>> config = validate({"task": {"name": "linear"}, "validation": {"precisions": ["bf16"], "typical": 4}})
+        >>> task = build_task(config)
+        >>> v = compare(task, task.model, config, torch.device("cpu"))
+        >>> v.ok, len(v.probes), [r.precision for r in v.results]
+        (True, 7, ['bf16'])
+        >>> [(rule.criterion, rule.decision) for rule in v.results[0].rules]  # doctest: +NORMALIZE_WHITESPACE
+        [('complete and finite', 'pass'), ('scores within abs 0.05 + rel 0.05', 'pass'),
+         ('extremes (min, max over probes)', 'pass'), ('quality on the fixed evaluation set', 'pass')]
+    """
     cfg = config.validation
     model.eval()
     ids, probes, x_eval, y_eval = build_probes(task, model, device, cfg)
@@ -207,7 +294,24 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
 
 
 def compare_training(task: Task, config: Config, device: torch.device, steps: int) -> list[dict[str, Any]]:
-    """Train ``steps`` steps from the same state in FP32 and each AMP precision; compare curves."""
+    """Train ``steps`` steps from the same state in FP32 and each AMP precision; compare curves.
+
+    Reads each step's record on the host (one host sync a step, as in a run). The model's
+    weights are put back as they were afterwards.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> from ampguard.tasks import build_task
+        >>> config = validate({"task": {"name": "linear"}, "device": "cpu", "validation": {"precisions": ["bf16"]}})
+        >>> task = build_task(config)
+        >>> before = task.model.weight.detach().clone()
+        >>> curves = compare_training(task, config, torch.device("cpu"), steps=2)
+        >>> [(c["precision"], c["updates_applied"], len(c["losses"])) for c in curves]
+        [('fp32', 2, 2), ('bf16', 2, 2)]
+        >>> curves[0]["max_loss_diff_vs_fp32"], torch.equal(task.model.weight, before)
+        (0.0, True)
+    """
     from .build import build_state
     from .step import AmpTrainState
 
@@ -253,6 +357,18 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
 
 
 def markdown(v: Validation, config: Config) -> str:
+    """``validation.md``: the verdict, the rules declared, then one table per precision.
+
+    Example::
+
+        >>> v = Validation("linear", "regression", ["typical:0"], [Rule("reference quality", "mse 0.1", "", True)],
+        ...                [PrecisionResult("fp16", [Rule("complete and finite", "1/1", "0/1", False)])])
+        >>> lines = markdown(v, Config()).splitlines()
+        >>> lines[0], lines[2]
+        ('# AMP validation: linear (regression)', '**REJECTED**')
+        >>> [line for line in lines if line.startswith("## ") or "complete and finite" in line]
+        ['## FP32 reference', '## fp16 vs FP32: FAIL', '| complete and finite | 1/1 | 0/1 | FAIL |']
+    """
     cfg = config.validation
     lines = [
         f"# AMP validation: {v.task} ({v.mode})",
@@ -297,6 +413,17 @@ def markdown(v: Validation, config: Config) -> str:
 
 
 def as_json(v: Validation) -> dict[str, Any]:
+    """``validation.json``'s content: the same verdict and rules as the markdown, as data.
+
+    Example::
+
+        >>> v = Validation("linear", "regression", ["typical:0"], [Rule("reference quality", "mse 0.1", "", True)],
+        ...                [PrecisionResult("bf16", [Rule("complete and finite", "1/1", "1/1", True)])])
+        >>> data = as_json(v)
+        >>> data["accepted"], data["precisions"][0]["rules"]
+        (True, [{'criterion': 'complete and finite', 'reference': '1/1', 'amp': '1/1', 'ok': True}])
+    """
+
     def rules(rs: list[Rule]) -> list[dict[str, Any]]:
         return [{"criterion": r.criterion, "reference": r.reference, "amp": r.amp, "ok": r.ok} for r in rs]
 
@@ -310,6 +437,20 @@ def as_json(v: Validation) -> dict[str, Any]:
 
 
 def write_outputs(v: Validation, config: Config, folder: Path) -> tuple[Path, Path]:
+    """Write ``validation.md`` and ``validation.json`` into ``folder`` (which must exist).
+
+    Example (non-finite stats are written as strict JSON)::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> result = PrecisionResult("fp16", [Rule("complete and finite", "1/1", "0/1", False)],
+        ...                          stats={"max_abs_error": math.inf})
+        >>> md, js = write_outputs(Validation("linear", "regression", [], [], [result]), Config(), folder)
+        >>> data = json.loads(js.read_text())
+        >>> md.name, data["accepted"], data["precisions"][0]["stats"]["max_abs_error"]
+        ('validation.md', False, 'inf')
+        >>> shutil.rmtree(folder)
+    """
     md, js = folder / "validation.md", folder / "validation.json"
     md.write_text(markdown(v, config), encoding="utf-8")
     js.write_text(json.dumps(strict_json(as_json(v)), indent=2) + "\n", encoding="utf-8")
@@ -323,7 +464,29 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         train_steps: int | None = None) -> ExitCode:
     """``ampguard validate``: compare, write ``validation.md`` and ``validation.json`` into ``out``
     (default ``log.dir/validate-<time>``; an existing non-empty folder is refused), print the
-    verdict. ``ExitCode.OK`` when every rule holds, ``ExitCode.REJECTED`` when any is violated."""
+    verdict. ``ExitCode.OK`` when every rule holds, ``ExitCode.REJECTED`` when any is violated.
+
+    Example (an untrained model misses a declared ``max_mse``: the reference is not trusted)::
+
+        >>> import shutil, tempfile
+        >>> from ampguard.config import validate
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> config = validate({"task": {"name": "linear"}, "device": "cpu",
+        ...                    "validation": {"precisions": ["bf16"], "typical": 4, "max_mse": 0.5}})
+        >>> code = run(config, out=folder / "v")  # doctest: +ELLIPSIS
+        reference: reference outputs finite: 7/7 probes, 512/512 eval -> pass
+        reference: reference quality: mse ... (<= 0.5) -> FAIL
+        ...
+        validate: REJECTED (FP32 reference not trusted); report .../validation.md, .../validation.json
+        >>> code, sorted(p.name for p in (folder / "v").iterdir())
+        (<ExitCode.REJECTED: 1>, ['validation.json', 'validation.md'])
+        >>> try:
+        ...     run(config, out=folder / "v")
+        ... except InputError as err:
+        ...     print(str(err).replace(str(folder), "DIR"))
+        --out DIR/v exists and is not empty; refusing to overwrite it
+        >>> shutil.rmtree(folder)
+    """
     import time
 
     from .checkpoint import load_weights
