@@ -1,0 +1,115 @@
+"""The run folder (``ampguard.run_folder.RunPaths``): a new folder is never a reused one, the
+effective config is written into it and replaced atomically, the paths of an existing one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ampguard import run_folder
+from ampguard.config import read_file, validate
+from ampguard.errors import InputError
+from ampguard.run_folder import RunPaths
+
+
+def config_in(folder: Path, name: str | None = None, steps: int = 10):
+    return validate({"task": {"name": "linear"}, "steps": steps, "log": {"dir": str(folder), "name": name}})
+
+
+# ---------------------------------------------------------------------------- new_run_dir
+
+
+def test_a_named_run_folder_is_created_with_its_config(tmp_path):
+    config = config_in(tmp_path / "runs", "first")
+    paths = RunPaths.new_run_dir(config)
+    assert paths.dir == tmp_path / "runs" / "first" and paths.csv == paths.dir / "steps.csv"
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["config.yaml"]  # nothing else until the run writes
+    assert validate(read_file(paths.config)) == config
+
+
+def test_a_named_run_folder_that_exists_is_refused_and_left_alone(tmp_path):
+    config = config_in(tmp_path, "taken")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "steps.csv").write_text("the earlier run's rows\n")
+    with pytest.raises(InputError) as err:
+        RunPaths.new_run_dir(config)
+    assert str(err.value) == f"run folder {tmp_path / 'taken'} already exists; choose another log.name"
+    assert sorted(p.name for p in (tmp_path / "taken").iterdir()) == ["steps.csv"]
+    assert (tmp_path / "taken" / "steps.csv").read_text() == "the earlier run's rows\n"
+
+
+def test_timestamp_names_are_made_unique(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_folder.time, "strftime", lambda fmt: "20240102-030405")
+    config = config_in(tmp_path)  # no log.name: a timestamp
+    names = [RunPaths.new_run_dir(config).dir.name for _ in range(3)]
+    assert names == ["20240102-030405", "20240102-030405-2", "20240102-030405-3"]
+    assert all((tmp_path / name / "config.yaml").is_file() for name in names)
+
+
+def test_a_timestamp_name_is_the_current_time(tmp_path):
+    name = RunPaths.new_run_dir(config_in(tmp_path)).dir.name
+    assert len(name) == 15 and name[8] == "-" and name.replace("-", "").isdigit()
+
+
+def test_the_log_dir_is_created_with_its_parents(tmp_path):
+    paths = RunPaths.new_run_dir(config_in(tmp_path / "a" / "b", "run"))
+    assert paths.dir.is_dir() and paths.dir.parent == tmp_path / "a" / "b"
+
+
+def test_a_run_folder_that_cannot_be_created_is_one_input_error_line(tmp_path):
+    (tmp_path / "not-a-folder").write_text("")
+    with pytest.raises(InputError) as err:
+        RunPaths.new_run_dir(config_in(tmp_path / "not-a-folder", "run"))
+    assert str(err.value).startswith(f"cannot create run folder {tmp_path / 'not-a-folder' / 'run'}: ")
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------- write_config
+
+
+def test_write_config_replaces_the_file_atomically(tmp_path, monkeypatch):
+    paths = RunPaths.new_run_dir(config_in(tmp_path, "run", steps=10))
+    replaced = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        replaced.append((Path(src).name, Path(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(run_folder.os, "replace", spy)
+    resumed = config_in(tmp_path, "run", steps=25)  # a resumed run may raise steps
+    paths.write_config(resumed)
+    assert replaced == [(".config.yaml.tmp", paths.config)]  # written beside it, then renamed over it
+    assert validate(read_file(paths.config)).steps == 25
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["config.yaml"]  # no temporary file left
+
+
+def test_write_config_without_a_folder_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    RunPaths(csv=tmp_path / "steps.csv").write_config(config_in(tmp_path, "run"))
+    RunPaths().write_config(config_in(tmp_path, "run"))
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- existing
+
+
+def test_existing_names_every_path_and_creates_nothing(tmp_path):
+    run_dir = tmp_path / "runs" / "a"
+    paths = RunPaths.existing(run_dir)
+    assert paths.dir == run_dir
+    assert {name: getattr(paths, name) for name in (
+        "csv", "events", "steps_jsonl", "plot", "card", "config", "tensorboard", "checkpoints")} == {
+        "csv": run_dir / "steps.csv", "events": run_dir / "events.jsonl", "steps_jsonl": run_dir / "steps.jsonl",
+        "plot": run_dir / "report.png", "card": run_dir / "RUN.md", "config": run_dir / "config.yaml",
+        "tensorboard": run_dir / "tensorboard", "checkpoints": run_dir / "checkpoints"}
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_demo_has_only_a_csv():
+    paths = RunPaths(csv=Path("steps.csv"))
+    assert paths.csv == Path("steps.csv")
+    assert [paths.events, paths.steps_jsonl, paths.plot, paths.card, paths.config, paths.tensorboard,
+            paths.checkpoints] == [None] * 7
