@@ -1,25 +1,49 @@
-"""ampguard: mixed-precision training made safe and observable."""
+"""ampguard: mixed-precision training made safe and observable.
 
-from .clipping import clip_global_l2_norm, has_non_finite_grad
-from .precision import GuardedGradScaler, Precision
-from .records import SkipLog, StepLog, StepRecord
-from .sinks import BackgroundSink, ConsoleSink, CsvSink, JsonlSink, Sink
-from .step import AmpTrainState
+The public names are imported on first use (PEP 562), so ``import ampguard`` and the
+``ampguard`` command start without loading torch: a Ctrl-C during start-up is caught by the
+command line like any other (exit 130, no traceback).
 
-__all__ = [
-    "AmpTrainState",
-    "BackgroundSink",
-    "ConsoleSink",
-    "CsvSink",
-    "GuardedGradScaler",
-    "JsonlSink",
-    "Precision",
-    "Sink",
-    "SkipLog",
-    "StepLog",
-    "StepRecord",
-    "clip_global_l2_norm",
-    "has_non_finite_grad",
-]
+Example::
+
+    >>> import ampguard
+    >>> ampguard.AmpTrainState.__name__, "AmpTrainState" in ampguard.__all__
+    ('AmpTrainState', True)
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_WHERE = {
+    "AmpTrainState": "step",
+    "BackgroundSink": "sinks",
+    "ConsoleSink": "sinks",
+    "CsvSink": "sinks",
+    "GuardedGradScaler": "precision",
+    "JsonlSink": "sinks",
+    "Precision": "precision",
+    "Sink": "sinks",
+    "SkipLog": "records",
+    "StepLog": "records",
+    "StepRecord": "records",
+    "clip_global_l2_norm": "clipping",
+    "has_non_finite_grad": "clipping",
+}
+
+__all__ = sorted(_WHERE)
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'ampguard' has no attribute {name!r}")
+    value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # the next look-up is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

@@ -408,7 +408,7 @@ def find_resume(target: str | Path) -> Resume:
 
 def check_resume(resume: Resume, config: Config, world_size: int | None = None) -> None:
     """Refuse a resume that would make the run differ from the uninterrupted one: a fixed config
-    key changed (:data:`RESUME_FIXED`, naming the exact field), no steps left to run, or (when
+    key changed (:data:`RESUME_FIXED`, naming the exact field), a checkpoint beyond ``steps``, or (when
     ``world_size`` is given) another number of processes.
 
     Example::
@@ -451,7 +451,7 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         if a != b:
             raise InputError(f"--resume: {key} was {a!r} in the checkpoint, now {b!r}; a resumed run must keep it")
     step = resume.loaded.step
-    if step >= config.steps:
+    if step > config.steps:  # (at config.steps the run was complete: resuming rewrites its card)
         raise InputError(f"--resume: {resume.path} is at step {step}, the run asks for {config.steps} steps; "
                          "raise steps (--set steps=N) to continue")
     saved_world = int(resume.loaded.payload.get(WORLD_SIZE, 1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -268,6 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _handled_keyboard_interrupt() -> None:
+    """Tell CPython the KeyboardInterrupt was handled. When one is raised inside code that C
+    extensions (torch) run through ``PyRun_*``, CPython notes it as unhandled and, at exit, kills
+    the process with SIGINT (status -2) whatever ``main`` returned; running an empty string
+    through the same door clears that note, so the exit status is ours (130)."""
+    if sys.implementation.name == "cpython":
+        import ctypes
+
+        ctypes.pythonapi.PyRun_SimpleString(b"")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ampguard ARGV`` and return its exit code (:class:`ExitCode`): bad input is one line
     ``ampguard: error: ...`` on stderr and 2, Ctrl-C is 130; anything else is a bug and raises.
@@ -288,14 +300,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         ended: finished: 2 steps
         0
     """
+    from .signals import Interrupted, held_signals
+
     try:
         args = build_parser().parse_args(argv)
+        with held_signals():  # a signal inside torch's import could be swallowed or break numpy
+            importlib.import_module("torch")  # every verb needs it; after this block a signal stops us
         return int(args.func(args))
     except InputError as err:
         print(f"ampguard: error: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    except Interrupted as err:
+        print("ampguard: interrupted", file=sys.stderr)
+        return err.exit_code
     except KeyboardInterrupt:
         print("ampguard: interrupted", file=sys.stderr)
+        _handled_keyboard_interrupt()
         return ExitCode.INTERRUPTED
     except BrokenPipeError:  # e.g. `ampguard demo | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -25,6 +25,8 @@ class ExitCode(IntEnum):
     """A guard stopped the run (skip rate, scale collapse, strict mode, rollbacks used up)."""
     INTERRUPTED = 130
     """Ctrl-C: logs flushed, a checkpoint and the run card written where possible."""
+    TERMINATED = 143
+    """SIGTERM (a scheduler's stop): handled as Ctrl-C is, exit 128 + 15 as shells report it."""
 
 
 class InputError(Exception):

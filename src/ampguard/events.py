@@ -8,11 +8,9 @@ only rank 0 has an :class:`EventLog` that writes or prints.
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,40 +54,6 @@ class EventLog:
     def close(self) -> None:
         if self._sink is not None:
             self._sink.close()
-
-
-class StopFlag:
-    """Set by the first Ctrl-C; the loop honours it at the next step boundary."""
-
-    requested = False
-
-
-@contextmanager
-def stop_on_sigint() -> Iterator[StopFlag]:
-    """First Ctrl-C: finish the current step, then stop. A second one interrupts at once.
-
-    Example::
-
-        >>> with stop_on_sigint() as stop:
-        ...     stop.requested
-        False
-    """
-    flag = StopFlag()
-
-    def handler(signum: int, frame: Any) -> None:
-        if flag.requested:
-            raise KeyboardInterrupt
-        flag.requested = True
-
-    try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield flag
-        return
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def progress_bar(total: int, initial: int = 0) -> Any:

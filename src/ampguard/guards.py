@@ -156,7 +156,7 @@ class Rollbacks:
             >>> from pathlib import Path
             >>> from ampguard.config import validate
             >>> from ampguard.run_folder import RunPaths
-            >>> from ampguard.train import Trainer
+            >>> from ampguard.trainer import Trainer
             >>> folder = Path(tempfile.mkdtemp())
             >>> config = validate({"task": {"name": "linear"}, "steps": 6, "precision": "bf16", "device": "cpu",
             ...                    "checkpoint": {"every": 2}, "log": {"dir": str(folder), "name": "a"},

@@ -159,13 +159,24 @@ def test_resume_of_a_run_folder_takes_the_newest_loadable_checkpoint(tmp_path):
     assert_same_training(final_checkpoint(a), final_checkpoint(b))
 
 
-def test_resume_at_the_last_step_is_refused_unless_steps_is_raised(tmp_path, snapshot):
+def test_resume_of_a_complete_run_rewrites_its_card_and_a_lower_steps_is_refused(tmp_path, snapshot):
     ok(train(tmp_path, "A", *LINEAR, "--set", "precision=fp32", "--set", "steps=12", "--set", "checkpoint.every=4"))
     run = tmp_path / "A"
+    card = (run / "RUN.md").read_text(encoding="utf-8")
+    rows = (run / "steps.csv").read_bytes()
+    (run / "RUN.md").unlink()  # killed after the final checkpoint, before the run card
     before = snapshot(run)
-    line = one_error_line(ag("train", "--resume", run))
-    assert "step 12" in line and "steps" in line
+    line = one_error_line(ag("train", "--resume", run, "--set", "steps=10"))
+    assert "step 12" in line and "10 steps" in line and "steps=N" in line
     assert snapshot(run) == before
+
+    out = ok(ag("train", "--resume", run))
+    assert "ended: finished: 12 steps" in out
+    assert (run / "steps.csv").read_bytes() == rows  # nothing trained, nothing rewritten
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*.pt"))[-1] == "step-00000012.pt"
+    rewritten = (run / "RUN.md").read_text(encoding="utf-8")
+    assert "| updates applied | 12 |" in card and "| updates applied | 12 |" in rewritten
+    assert "resumed from | `step-00000012.pt`" in rewritten
 
     ok(ag("train", "--resume", run, "--set", "steps=16"))
     assert csv_steps(run / "steps.csv") == list(range(1, 17))

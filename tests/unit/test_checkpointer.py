@@ -475,8 +475,12 @@ def test_check_resume_accepts_changes_outside_the_fixed_keys(change):
     ck.check_resume(_resume(), _with(**change), world_size=1)
 
 
-@pytest.mark.parametrize("steps", [8, 5, 1])
-def test_check_resume_refuses_a_run_with_no_steps_left(steps):
+def test_check_resume_accepts_a_complete_run_so_its_card_can_be_rewritten():
+    ck.check_resume(_resume(step=8), _with(steps=8), world_size=1)
+
+
+@pytest.mark.parametrize("steps", [7, 5, 1])
+def test_check_resume_refuses_a_checkpoint_beyond_the_runs_steps(steps):
     with pytest.raises(InputError) as err:
         ck.check_resume(_resume(step=8), _with(steps=steps), world_size=1)
     line = one_line(err)

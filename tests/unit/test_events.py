@@ -16,9 +16,7 @@ from ampguard import events
 from ampguard.errors import InputError
 from ampguard.events import EventLog, event_word
 
-# The SIGINT behaviour under test is the same whether the handler is ``stop_on_sigint`` or its
-# generalisation to SIGINT and SIGTERM, ``stop_on_signals``.
-stop_on_sigint = getattr(events, "stop_on_signals", None) or events.stop_on_sigint
+from ampguard.signals import stop_on_signals as stop_on_sigint
 
 MONITOR = Path(events.__file__).with_name("monitor.py")
 
