@@ -9,6 +9,7 @@ alike; the figure per contender is the median over rounds of its mean ms/step in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -463,6 +464,18 @@ def measure(
         [('bare loop', 3, True), ('ampguard + csv', 3, True)]
         >>> results[0].ratio_to_bare, results[1].ratio_to_bare == results[1].median_ms / results[0].median_ms
         (1.0, True)
+
+    A contender that cannot be built, or fails its warm-up, is left out with a line saying why;
+    when none is left the result is empty::
+
+        >>> class Broken(Bare):
+        ...     name = "broken"
+        ...     def step(self):
+        ...         raise RuntimeError("no kernel for this")
+        >>> measure(_mlp(cpu), fp32, cpu, [Broken], steps=1, rounds=3, warmup=1, fused=False)
+          broken: not run (RuntimeError: no kernel for this)
+          tiny-mlp fp32: no contender could run, nothing measured
+        []
     """
     built: list[Contender] = []
     for cls in contenders:
@@ -481,6 +494,8 @@ def measure(
             print(f"  {c.name}: not run ({type(err).__name__}: {err})")
             built.remove(c)
             del times[c.name], peaks[c.name]
+            with contextlib.suppress(Exception):  # its files and threads go, whatever state it is in
+                c.close()
             continue
         if device.type == "cuda":
             # all contenders live in this process: count this one's own tensors (parameters,
@@ -491,6 +506,9 @@ def measure(
             _sync(device)
             transient = torch.cuda.max_memory_allocated(device) - before
             peaks[c.name] = (c.persistent_bytes() + transient) / 2**20
+    if not built:  # nothing to time: say so, rather than divide by no contenders
+        print(f"  {w.name} {precision.name}: no contender could run, nothing measured")
+        return []
     for r in range(rounds):
         order = built[r % len(built):] + built[: r % len(built)]
         for c in order:
@@ -583,7 +601,9 @@ def run_bench(
         w = _mlp(device) if name == "mlp" else _transformer(device, "gpt2-small" if name == "gpt2" else "small")
         for p in precisions:
             if p == "fp16" and device.type == "cpu" and name != "mlp":
-                continue  # fp16 autocast on a CPU is far too slow for anything but the tiny MLP
+                # fp16 autocast on a CPU is far too slow for anything but the tiny MLP
+                print(f"{w.name} fp16: not run (on a CPU fp16 runs only the mlp model)", flush=True)
+                continue
             print(f"{w.name} {p}: {', '.join(c.name for c in contenders)}", flush=True)
             results += measure(w, Precision(p, device.type), device, contenders, steps=steps, rounds=rounds,
                                warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None)
@@ -642,6 +662,10 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         Traceback (most recent call last):
         ...
         ampguard.errors.InputError: bench: unknown model 'resnet' (mlp, transformer, gpt2)
+        >>> run(models="transformer", precisions="fp16")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: bench: on a CPU fp16 runs only the mlp model; nothing to measure for transformer
     """
     from .build import resolve_device
     from .errors import InputError
@@ -652,11 +676,17 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         for name in given:
             if name not in known:
                 raise InputError(f"bench: unknown {kind} {name!r} ({', '.join(known)})")
+    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
+        raise InputError(f"bench: --peak-tflops must be a finite number > 0, got {peak_tflops:g}")
+    if where.type == "cpu" and set(names) == {"fp16"} and "mlp" not in workloads:
+        raise InputError(f"bench: on a CPU fp16 runs only the mlp model; nothing to measure for {models}")
     if quick:
         steps, rounds, warmup = 3, 2, 1
     torch.manual_seed(0)
     print(f"ampguard bench on {where} ({machine()}): {rounds} rounds x {steps} steps, interleaved")
     results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
                         warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops)
+    if not results:
+        raise InputError(f"bench: no contender could run {models} in {precisions} on {where} (why: the lines above)")
     print(to_json(results) if as_json else "\n".join([table(results), *speedups(results)]))
     return 0

@@ -78,9 +78,11 @@ def _train(args: argparse.Namespace) -> int:
     from .checkpointer import find_resume
     from .config import dump_config
 
-    resume = find_resume(args.resume) if args.resume else None
+    if args.resume and args.config:
+        raise InputError("train: --resume takes the run's config from its config.yaml; change it with --set, not CONFIG")
+    resume = find_resume(args.resume) if args.resume else None  # the run folder's config, never the checkpoint's
     sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
-    config = _config_from(args, base=resume.saved_config if resume else None, sections=sections)
+    config = _config_from(args, base=resume.run_config() if resume else None, sections=sections)
     if args.print_config:
         print(dump_config(config), end="")
         return ExitCode.OK
@@ -212,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--checkpoint", metavar="CKPT", help="model weights from an ampguard checkpoint")
     validate.add_argument("--train-steps", dest="train_steps", type=_positive_int, metavar="N",
                           help="also train N steps from the same state in FP32 and AMP and compare")
-    validate.add_argument("--out", metavar="DIR", help="where to write the report (default: runs/validate-<time>)")
+    validate.add_argument("--out", metavar="DIR",
+                          help="where to write the report, a new or empty folder (default: runs/validate-<time>)")
     validate.set_defaults(func=_validate)
 
     bench = verbs.add_parser(
@@ -244,10 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_arguments(locate, example="precision=fp16")
     locate.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
-    locate.add_argument("--step", type=_positive_int, default=1, help="which step's micro-batches to replay (default 1)")
+    locate.add_argument("--step", type=_positive_int, default=1,
+                        help="which step's micro-batches to replay (default 1; at most the config's steps)")
     locate.add_argument("--batch", metavar="FILE.pt", help="a saved batch {'inputs': ..., 'targets': ...} instead")
     locate.add_argument("--checkpoint", metavar="CKPT", help="load the model's weights (and loss scale) from a checkpoint")
-    locate.add_argument("--scale", type=_number, help="loss scale for the backward pass (default: the scaler's)")
+    locate.add_argument("--scale", type=_number,
+                        help="loss scale for the backward pass, a finite number > 0 (default: the scaler's; fp16 only)")
     locate.add_argument("--json", action="store_true", help="print the finding as JSON")
     locate.set_defaults(func=_locate)
 
@@ -258,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         "marked) from a run folder or a per-step CSV, and prints a summary.",
     )
     report.add_argument("path", metavar="RUN_DIR|CSV")
-    report.add_argument("--out", metavar="PNG", help="where to write the plot (default: RUN_DIR/report.png or CSV's .png)")
+    report.add_argument("--out", metavar="PNG",
+                        help="where to write the plot, a .png in an existing folder (default: RUN_DIR/report.png or CSV's .png)")
     report.add_argument("--max-norm", dest="max_norm", type=_number, help="clip threshold line (default: the run's config)")
     report.add_argument("--window", type=_positive_int, help="rolling skip-rate window (default: the run's config)")
     report.add_argument("--alert-rate", dest="alert_rate", type=_rate, help="alert threshold line")

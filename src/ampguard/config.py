@@ -333,10 +333,14 @@ class ValidateConfig(_Section):
 
         >>> ValidateConfig().precisions, ValidateConfig().max_flips
         (['fp16', 'bf16'], 0)
+        >>> validate({"validation": {"precisions": []}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: validation.precisions: name at least one AMP precision to compare (fp16, bf16)
     """
 
     precisions: list[Literal["fp16", "bf16"]] = ["fp16", "bf16"]
-    """AMP precisions to compare with the FP32 reference."""
+    """AMP precisions to compare with the FP32 reference (at least one, each once)."""
     checkpoint: str | None = None
     """Model weights from an ampguard checkpoint (default: the task's freshly initialised model)."""
     typical: Count0 = 32
@@ -362,6 +366,17 @@ class ValidateConfig(_Section):
     train_steps: Count0 = 0
     """Also train this many steps from the same state in FP32 and in each AMP precision and
     compare loss curves, gradient norms and applied updates (informational)."""
+
+    @field_validator("precisions")
+    @classmethod
+    def _some_precisions(cls, value: list[str]) -> list[str]:
+        # nothing compared would read ACCEPTED; a precision named twice would be compared twice
+        if not value:
+            raise ValueError("name at least one AMP precision to compare (fp16, bf16)")
+        twice = sorted({name for name in value if value.count(name) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once")
+        return value
 
 
 class DistributedConfig(_Section):

@@ -13,6 +13,8 @@ gradients, the module buffers and the RNG states are restored afterwards.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .errors import InputError
 from .precision import Precision
 
 
@@ -288,11 +291,16 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     """``ampguard locate``: replay step ``step`` of the config's data (with its faults), or a saved
     ``batch``, and print the finding. Returns 0 when all is finite, 1 when a value is not.
 
+    Bad input is refused before anything runs (:class:`~ampguard.errors.InputError`): a step
+    beyond the config's ``steps``, a ``scale`` that is not a finite number > 0 or is given to a
+    run without a loss scaler, ``nan_input`` on a task with integer inputs; a ``batch`` the
+    model or the loss cannot take is one line naming the file.
+
     Example (a NaN injected into step 2's inputs; step 1 is clean)::
 
         >>> from ampguard.config import validate
         >>> config = validate({"task": {"name": "linear"}, "device": "cpu", "precision": "bf16",
-        ...                    "inject": ["nan_input@2"]})
+        ...                    "inject": ["nan_input@2"], "steps": 5})
         >>> run(config, step=1)
         locate: step 1 of task linear (seed 0), bf16 on cpu, loss scale 1
         no non-finite value in forward, loss or backward under bf16
@@ -302,6 +310,13 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         first nan under bf16: in the input batch. FP32 replay is not finite either: a data or model problem, not a
         precision one
         1
+        >>> for bad in ({"step": 6}, {"scale": 1024.0}):
+        ...     try:
+        ...         run(config, **bad)
+        ...     except InputError as err:
+        ...         print(err)
+        locate: --step 6 is beyond the run's 5 steps (config steps)
+        locate: --scale: bf16 uses no loss scaler
     """
     import itertools
     import json
@@ -311,10 +326,14 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     from .faults import FaultInjector, parse_fault
     from .tasks import build_task
 
+    faults = [parse_fault(spec, seed=config.seed) for spec in config.inject]
     device = resolve_device(config.device)
-    task = build_task(config)
-    model = task.model.to(device)
     precision = precision_of(config, device)
+    _check_arguments(config, precision, step=step, batch=batch, scale=scale)
+    task = build_task(config)
+    if not task.float_inputs and any(f.kind == "nan_input" for f in faults):
+        raise InputError(f"inject: nan_input needs floating-point inputs; task {task.name} feeds integer tokens")
+    model = task.model.to(device)
     loss_scale = initial_scale(config, device)
     if checkpoint:
         payload = load_weights(model, checkpoint, map_location=device)
@@ -322,7 +341,7 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         loss_scale = float(saved) if precision.uses_scaler else 1.0
     if scale is not None:
         loss_scale = scale
-    injector = FaultInjector([parse_fault(spec, seed=config.seed) for spec in config.inject], config.accumulation_steps)
+    injector = FaultInjector(faults, config.accumulation_steps)
     loss_fn = injector.wrap_loss(task.loss_fn)
     injector.attach(model)
     if batch:
@@ -334,14 +353,61 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         batches = list(itertools.islice(stream, (step - 1) * n, step * n))
         where = f"step {step} of task {task.name} (seed {config.seed})"
     injector.current_step = step if not batch else 0  # the faults of the replayed step
-    batches = [(to_device(x, device), to_device(y, device)) for x, y in batches]
-    result = diagnose_group(model, loss_fn, batches, precision, loss_scale)
+    # the replay's warnings (a loss broadcasting a target of another shape) are shown once it
+    # worked; when a saved batch does not fit, the one line says why and they are dropped
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            batches = [(to_device(x, device), to_device(y, device)) for x, y in batches]
+            result = diagnose_group(model, loss_fn, batches, precision, loss_scale)
+        except Exception as err:  # noqa: BLE001 - a saved batch the model or loss cannot take is bad input
+            if not batch or isinstance(err, InputError):
+                raise
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise InputError(f"locate: batch {batch} does not fit the model of task {task.name}: "
+                             f"{type(err).__name__}: {first}".rstrip(": ")) from None
+    for w in caught:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if as_json:
         print(json.dumps({"where": where, **result.as_dict()}))
     else:
         print(f"locate: {where}, {config.precision} on {device.type}, loss scale {loss_scale:g}")
         print(result.message())
     return 0 if result.verdict == "none" else 1
+
+
+def _check_arguments(config: Any, precision: Precision, *, step: int, batch: str | None, scale: float | None) -> None:
+    """Refuse what ``locate`` cannot replay, before anything is built (one :class:`InputError`).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> fp16 = validate({"precision": "fp16", "steps": 10})
+        >>> for step, scale in ((11, None), (1, -1.0), (1, math.nan), (1, math.inf)):
+        ...     try:
+        ...         _check_arguments(fp16, Precision("fp16", "cpu"), step=step, batch=None, scale=scale)
+        ...     except InputError as err:
+        ...         print(err)
+        locate: --step 11 is beyond the run's 10 steps (config steps)
+        locate: --scale must be a finite number > 0, got -1
+        locate: --scale must be a finite number > 0, got nan
+        locate: --scale must be a finite number > 0, got inf
+        >>> no_scaler = validate({"precision": "fp16", "scaler": {"enabled": False}})
+        >>> _check_arguments(no_scaler, Precision("fp16", "cpu"), step=1, batch=None, scale=8.0)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: locate: --scale: fp16 with scaler.enabled=false uses no loss scaler
+    """
+    if scale is not None:
+        if not (math.isfinite(scale) and scale > 0):
+            raise InputError(f"locate: --scale must be a finite number > 0, got {scale:g}")
+        if not precision.uses_scaler:
+            raise InputError(f"locate: --scale: {precision.name} uses no loss scaler")
+        if config.scaler.enabled is False:
+            raise InputError(f"locate: --scale: {precision.name} with scaler.enabled=false uses no loss scaler")
+    # the stream is read from its start up to the step: a step the run never reaches would be a
+    # (near) endless read, and no run of this config ever took it
+    if batch is None and step > config.steps:
+        raise InputError(f"locate: --step {step} is beyond the run's {config.steps} steps (config steps)")
 
 
 def load_batch(path: str) -> tuple[Any, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,8 +262,17 @@ def plot_run(
     skipped = sum(r.skipped for r in rows)
     fig.suptitle(f"{title or Path(csv_path).name}: {len(rows)} steps, {skipped} skipped", fontsize=13)
     png_path = Path(png_path)
-    fig.savefig(png_path, dpi=DPI)
-    plt.close(fig)
+    # drawn beside the target, then renamed over it: a failed write leaves no half a PNG, and an
+    # earlier plot stays as it was
+    partial = png_path.with_name(f".{png_path.name}.{os.getpid()}.partial")
+    try:
+        fig.savefig(partial, dpi=DPI, format="png")
+        os.replace(partial, png_path)
+    except OSError as err:
+        partial.unlink(missing_ok=True)
+        raise InputError(f"{png_path}: cannot write the plot ({err.strerror or err})") from None
+    finally:
+        plt.close(fig)
     return png_path
 
 
@@ -425,11 +435,13 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         plot: .../report.png
         >>> code, (folder / "report.png").is_file()
         (<ExitCode.OK: 0>, True)
-        >>> try:
-        ...     run(folder / "missing.csv")
-        ... except InputError as err:
-        ...     print(str(err).replace(str(folder), "DIR"))
+        >>> for bad in (folder / "missing.csv", folder):
+        ...     try:
+        ...         run(bad, out=folder / "plot.svg")
+        ...     except InputError as err:
+        ...         print(str(err).replace(str(folder), "DIR"))
         no per-step CSV at DIR/missing.csv
+        report: --out DIR/plot.svg: the plot is a PNG; name a .png file
         >>> shutil.rmtree(folder)
     """
     from .config import Config, read_file, validate
@@ -439,12 +451,13 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     config_path = csv_path.parent / "config.yaml"
     if not csv_path.is_file():
         raise InputError(f"no per-step CSV at {csv_path}")
+    png = Path(out) if out else (target / "report.png" if target.is_dir() else target.with_suffix(".png"))
+    check_plot_path(png, csv_path, given=out is not None)
     config = validate(read_file(config_path)) if config_path.is_file() else Config()
     settings: dict[str, Any] = {"max_norm": config.max_norm, "window": config.monitor.window,
                                 "alert_rate": config.monitor.alert_rate, "fail_rate": config.monitor.fail_rate}
     given = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "fail_rate": fail_rate}
     settings.update({key: value for key, value in given.items() if value is not None})
-    png = Path(out) if out else (target / "report.png" if target.is_dir() else target.with_suffix(".png"))
 
     rows = read_steps_csv(csv_path)
     if not rows:
@@ -460,3 +473,60 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
           f"alert episodes {monitor.alert_episodes}, clip rate {monitor.clip_rate:.3f}, scale {monitor.scale_verdict}")
     print(f"plot: {png}")
     return ExitCode.OK
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def check_plot_path(png: Path, csv_path: Path, *, given: bool = True) -> None:
+    """Refuse a plot path that cannot or must not be written, before anything is read or drawn:
+    not ``.png``, its folder missing or not writable, a folder, the CSV itself, or an existing
+    file that is not a PNG (an earlier plot is drawn again; anything else is never overwritten).
+    ``given``: the path came from ``--out`` (the message says so), else it is the default.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> csv_path = folder / "steps.csv"
+        >>> _ = csv_path.write_text("step\\n")
+        >>> check_plot_path(folder / "report.png", csv_path)  # fine
+        >>> for png in (folder / "plot.pdf", folder / "nowhere" / "x.png", folder):
+        ...     try:
+        ...         check_plot_path(png, csv_path)
+        ...     except InputError as err:
+        ...         print(str(err).replace(str(folder), "DIR"))
+        report: --out DIR/plot.pdf: the plot is a PNG; name a .png file
+        report: --out DIR/nowhere/x.png: folder DIR/nowhere does not exist
+        report: --out DIR: the plot is a PNG; name a .png file
+        >>> _ = (folder / "notes.png").write_text("not a picture")
+        >>> for data in (csv_path, folder / "notes.png"):  # the second: a CSV named notes.png
+        ...     try:
+        ...         check_plot_path(folder / "notes.png", data)
+        ...     except InputError as err:
+        ...         print(str(err).replace(str(folder), "DIR"))
+        report: --out DIR/notes.png exists and is not a PNG; refusing to overwrite it
+        report: --out DIR/notes.png is the CSV itself; refusing to overwrite it
+        >>> shutil.rmtree(folder)
+    """
+    where = f"report: --out {png}" if given else f"report: the plot {png}"
+    if png.suffix.lower() != ".png":
+        raise InputError(f"{where}: the plot is a PNG; name a .png file")
+    parent = png.parent
+    if not parent.is_dir():
+        raise InputError(f"{where}: folder {parent} does not exist" if not parent.exists()
+                         else f"{where}: {parent} is not a folder")
+    if png.is_dir():
+        raise InputError(f"{where} is a folder")
+    if png.exists():
+        if png.resolve() == csv_path.resolve():
+            raise InputError(f"{where} is the CSV itself; refusing to overwrite it")
+        try:
+            with png.open("rb") as f:
+                head = f.read(len(PNG_MAGIC))
+        except OSError as err:
+            raise InputError(f"{where}: cannot read the existing file ({err.strerror or err})") from None
+        if head != PNG_MAGIC:
+            raise InputError(f"{where} exists and is not a PNG; refusing to overwrite it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{where}: folder {parent} is not writable")

@@ -12,10 +12,12 @@ Diagnostics only: the training step never imports this.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,6 +195,8 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
     x_eval, y_eval = task.held_out()
     if not isinstance(x_eval, torch.Tensor):
         raise InputError("validate: the held-out inputs must be a tensor")
+    if len(x_eval) == 0:
+        raise InputError(f"validate: task {task.name} has an empty held-out set: nothing to evaluate")
     ids = [f"typical:{i}" for i in range(min(cfg.typical, len(x_eval)))]
     parts = [x_eval[: len(ids)]]
     if task.mode == "classifier" and cfg.boundary:
@@ -205,7 +209,48 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
         names, edge = task.edge_cases()
         ids += [f"edge:{name}" for name in names]
         parts.append(edge.to(x_eval.dtype))
+    if not ids:
+        raise InputError(_empty_probe_set(task, cfg))
     return ids, torch.cat(parts), x_eval, y_eval
+
+
+def check_rules(task: Task, cfg: Any) -> None:
+    """Refuse rules that cannot apply to ``task`` before anything runs or is written: a quality
+    threshold of the other mode (``min_accuracy`` is for classifiers, ``max_mse`` for regression)
+    and a probe set that would be empty (nothing compared would read ACCEPTED).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> from ampguard.tasks import build_task
+        >>> task = build_task(validate({"task": {"name": "linear"}}))
+        >>> for rules in ({"min_accuracy": 0.9}, {"typical": 0, "edge_cases": False}):
+        ...     try:
+        ...         check_rules(task, validate({"validation": rules}).validation)
+        ...     except InputError as err:
+        ...         print(err)
+        validate: validation.min_accuracy applies to classifiers; task linear is a regression task (declare validation.max_mse)
+        validate: the probe set is empty (validation.typical is 0, validation.boundary applies to classifiers only, validation.edge_cases is false): set validation.typical > 0
+        >>> check_rules(task, validate({"validation": {"max_mse": 1.0}}).validation)  # fine: nothing printed
+    """
+    if task.mode == "classifier" and cfg.max_mse is not None:
+        raise InputError(f"validate: validation.max_mse applies to regression tasks; task {task.name} is a "
+                         "classifier (declare validation.min_accuracy)")
+    if task.mode != "classifier" and cfg.min_accuracy is not None:
+        raise InputError(f"validate: validation.min_accuracy applies to classifiers; task {task.name} is a "
+                         f"{task.mode} task (declare validation.max_mse)")
+    classifier = task.mode == "classifier"
+    if not (cfg.typical or (classifier and cfg.boundary) or (cfg.edge_cases and task.edge_cases is not None)):
+        raise InputError(_empty_probe_set(task, cfg))
+
+
+def _empty_probe_set(task: Task, cfg: Any) -> str:
+    """The one line for a probe set with nothing in it, naming the keys that made it so."""
+    why = ["validation.typical is 0" if not cfg.typical else "the held-out set is empty",
+           ("validation.boundary is 0" if task.mode == "classifier"
+            else "validation.boundary applies to classifiers only"),
+           "validation.edge_cases is false" if not cfg.edge_cases else f"task {task.name} has no edge cases"]
+    return f"validate: the probe set is empty ({', '.join(why)}): set validation.typical > 0"
 
 
 def compare(task: Task, model: nn.Module, config: Config, device: torch.device) -> Validation:
@@ -463,8 +508,10 @@ def write_outputs(v: Validation, config: Config, folder: Path) -> tuple[Path, Pa
 def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None = None,
         train_steps: int | None = None) -> ExitCode:
     """``ampguard validate``: compare, write ``validation.md`` and ``validation.json`` into ``out``
-    (default ``log.dir/validate-<time>``; an existing non-empty folder is refused), print the
-    verdict. ``ExitCode.OK`` when every rule holds, ``ExitCode.REJECTED`` when any is violated.
+    (default ``log.dir/validate-<time>``; an existing non-empty folder, a file, or a place that
+    cannot be written is refused), print the verdict. ``ExitCode.OK`` when every rule holds,
+    ``ExitCode.REJECTED`` when any is violated. Every refusal (:class:`InputError`) comes before
+    anything is written.
 
     Example (an untrained model misses a declared ``max_mse``: the reference is not trusted)::
 
@@ -480,11 +527,13 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         validate: REJECTED (FP32 reference not trusted); report .../validation.md, .../validation.json
         >>> code, sorted(p.name for p in (folder / "v").iterdir())
         (<ExitCode.REJECTED: 1>, ['validation.json', 'validation.md'])
-        >>> try:
-        ...     run(config, out=folder / "v")
-        ... except InputError as err:
-        ...     print(str(err).replace(str(folder), "DIR"))
+        >>> for out in (folder / "v", folder / "v" / "validation.md"):
+        ...     try:
+        ...         run(config, out=out)
+        ...     except InputError as err:
+        ...         print(str(err).replace(str(folder), "DIR"))
         --out DIR/v exists and is not empty; refusing to overwrite it
+        --out DIR/v/validation.md is a file, not a folder
         >>> shutil.rmtree(folder)
     """
     import time
@@ -496,23 +545,22 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
     if train_steps is not None:
         cfg = cfg.model_copy(update={"train_steps": train_steps})
         config = config.model_copy(update={"validation": cfg})
+    folder = Path(out) if out else Path(config.log.dir) / time.strftime("validate-%Y%m%d-%H%M%S")
+    check_output_folder(folder)
     device = resolve_device(config.device)
     task = build_task(config)
+    check_rules(task, cfg)
     model = task.model.to(device)
     weights = "freshly initialised (no checkpoint given)"
     checkpoint = checkpoint or cfg.checkpoint
     if checkpoint:
         payload = load_weights(model, checkpoint, map_location=device)
         weights = f"from {checkpoint} (step {payload['step']})"
-    folder = Path(out) if out else Path(config.log.dir) / time.strftime("validate-%Y%m%d-%H%M%S")
-    if folder.exists() and any(folder.iterdir()):
-        raise InputError(f"--out {folder} exists and is not empty; refusing to overwrite it")
 
     training = compare_training(task, config, device, cfg.train_steps) if cfg.train_steps else []
     result = compare(task, model, config, device)
     result.weights, result.training = weights, training
-    folder.mkdir(parents=True, exist_ok=True)
-    md, js = write_outputs(result, config, folder)
+    md, js = write_report_folder(result, config, folder)
     for r in result.reference:
         print(f"reference: {r.criterion}: {r.reference} -> {r.decision}")
     for precision in result.results:
@@ -523,3 +571,63 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
     verdict = "ACCEPTED" if result.ok else "REJECTED" + ("" if result.reference_ok else " (FP32 reference not trusted)")
     print(f"validate: {verdict}; report {md}, {js}")
     return ExitCode.OK if result.ok else ExitCode.REJECTED
+
+
+def check_output_folder(folder: Path) -> None:
+    """Refuse an ``--out`` the report cannot go to, before anything runs: a file, a non-empty
+    folder, a path under a file, or a place this process may not write.
+
+    Example::
+
+        >>> import os, shutil, tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> _ = (root / "notes.txt").write_text("keep me")
+        >>> check_output_folder(root / "new" / "deeper")  # made later, with its parents: fine
+        >>> for out in (root, root / "notes.txt", root / "notes.txt" / "sub"):
+        ...     try:
+        ...         check_output_folder(out)
+        ...     except InputError as err:
+        ...         print(str(err).replace(str(root), "DIR"))
+        --out DIR exists and is not empty; refusing to overwrite it
+        --out DIR/notes.txt is a file, not a folder
+        --out DIR/notes.txt/sub: DIR/notes.txt is a file, not a folder
+        >>> shutil.rmtree(root)
+    """
+    if folder.is_dir():
+        if any(folder.iterdir()):
+            raise InputError(f"--out {folder} exists and is not empty; refusing to overwrite it")
+        existing = folder
+    elif folder.exists() or folder.is_symlink():
+        raise InputError(f"--out {folder} is a file, not a folder")
+    else:
+        existing = next(p for p in folder.absolute().parents if p.exists() or p.is_symlink())
+        if not existing.is_dir():
+            raise InputError(f"--out {folder}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--out {folder}: {existing} is not writable")
+
+
+def write_report_folder(v: Validation, config: Config, folder: Path) -> tuple[Path, Path]:
+    """Create ``folder`` (and its missing parents) and write the report into it; a write that
+    fails (permissions, a full disk) takes back what it made and is one :class:`InputError`.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> v = Validation("linear", "regression", [], [], [])
+        >>> [p.name for p in write_report_folder(v, Config(), root / "a" / "b")]
+        ['validation.md', 'validation.json']
+        >>> shutil.rmtree(root)
+    """
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return write_outputs(v, config, folder)
+    except OSError as err:
+        for name in ("validation.md", "validation.json"):
+            (folder / name).unlink(missing_ok=True)
+        for p in made:  # deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise InputError(f"--out {folder}: cannot write the report ({err.strerror or err})") from None

@@ -87,3 +87,39 @@ def test_background_writer_reports_the_inner_sinks_error():
             time.sleep(0.001)
             sink.write(_record(step))
         sink.close()
+
+
+# ---------------------------------------------------------------------------- measure with no contender left (issue 16)
+
+
+def test_measure_with_no_contender_left_is_an_empty_result(capsys):
+    from ampguard.bench import Guarded, _mlp, measure
+    from ampguard.precision import Precision
+
+    closed = []
+
+    class CannotBuild(Guarded):
+        name = "cannot build"
+
+        def __init__(self, *args):
+            raise ModuleNotFoundError("no module named 'peer'")
+
+    class FailsWarmUp(Guarded):
+        name = "fails warm-up"
+
+        def step(self):
+            raise RuntimeError("no kernel")
+
+        def close(self):
+            closed.append(self.name)
+            super().close()
+
+    cpu = torch.device("cpu")
+    results = measure(_mlp(cpu), Precision("fp32", "cpu"), cpu, [CannotBuild, FailsWarmUp], steps=1, rounds=3,
+                      warmup=1, fused=False)
+    assert results == []
+    out = capsys.readouterr().out
+    assert "cannot build: not run (ModuleNotFoundError" in out
+    assert "fails warm-up: not run (RuntimeError: no kernel)" in out
+    assert "tiny-mlp fp32: no contender could run, nothing measured" in out
+    assert closed == ["fails warm-up"]  # its CSV folder was deleted

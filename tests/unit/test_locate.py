@@ -229,3 +229,53 @@ def test_diagnose_changes_neither_parameters_nor_their_grads_nor_the_mode():
     model.eval()
     diagnose(model, F.mse_loss, torch.randn(5, 4), torch.randn(5, 4), FP16)
     assert not model.training
+
+
+# ---------------------------------------------------------------------------- refusals of the verb (issue 16)
+
+
+def _config(**keys):
+    from ampguard.config import validate
+
+    return validate({"task": {"name": "linear"}, "device": "cpu", **keys})
+
+
+@pytest.mark.parametrize("keys, arguments, message", [
+    ({"steps": 3}, {"step": 4}, "locate: --step 4 is beyond the run's 3 steps (config steps)"),
+    ({"precision": "fp16"}, {"scale": -2.0}, "locate: --scale must be a finite number > 0, got -2"),
+    ({"precision": "fp16"}, {"scale": math.nan}, "locate: --scale must be a finite number > 0, got nan"),
+    ({"precision": "bf16"}, {"scale": 4.0}, "locate: --scale: bf16 uses no loss scaler"),
+    ({"precision": "fp32"}, {"scale": 1.0}, "locate: --scale: fp32 uses no loss scaler"),
+])
+def test_the_verb_refuses_before_anything_is_built(monkeypatch, keys, arguments, message):
+    from ampguard import locate, tasks
+    from ampguard.errors import InputError
+
+    def no_task(config):
+        raise AssertionError("the task was built before the refusal")
+
+    monkeypatch.setattr(tasks, "build_task", no_task)
+    with pytest.raises(InputError) as caught:
+        locate.run(_config(**keys), **arguments)
+    assert str(caught.value) == message
+
+
+def test_a_step_beyond_the_run_is_fine_with_a_saved_batch(tmp_path, capsys):
+    from ampguard import locate
+
+    torch.save({"inputs": torch.ones(2, 16), "targets": torch.zeros(2, 4)}, tmp_path / "b.pt")
+    assert locate.run(_config(steps=1, precision="bf16"), step=5, batch=str(tmp_path / "b.pt")) == 0
+    assert "no non-finite value" in capsys.readouterr().out
+
+
+def test_a_saved_batch_that_does_not_fit_is_one_input_error(tmp_path):
+    from ampguard import locate
+    from ampguard.errors import InputError
+
+    path = tmp_path / "wide.pt"
+    torch.save({"inputs": torch.ones(2, 17), "targets": torch.zeros(2, 4)}, path)
+    with pytest.raises(InputError) as caught:
+        locate.run(_config(precision="bf16"), batch=str(path))
+    message = str(caught.value)
+    assert message.startswith(f"locate: batch {path} does not fit the model of task linear: RuntimeError: ")
+    assert "\n" not in message

@@ -74,3 +74,74 @@ def test_a_factory_predict_gives_the_scores(factory):
     result = run_compare(api_config(factory, {"swap": True}, min_accuracy=0.5, precisions=["bf16"]))
     assert result.results[0].stats["quality_fp32"] == 0.0
     assert not result.reference_ok
+
+
+# ---------------------------------------------------------------------------- refusals before the run (issue 16)
+
+
+def test_a_quality_threshold_of_the_other_mode_is_refused(factory):
+    from ampguard.errors import InputError
+    from ampguard.validate import check_rules
+
+    config = api_config(factory, max_mse=0.1)
+    with pytest.raises(InputError, match=r"validation\.max_mse applies to regression tasks; task factory is a classifier"):
+        check_rules(build_task(config), config.validation)
+    config = api_config(factory, min_accuracy=0.9)
+    check_rules(build_task(config), config.validation)  # a classifier's own threshold: fine
+
+
+@pytest.mark.parametrize("probes, refused", [
+    ({"typical": 0, "boundary": 0, "edge_cases": False}, True),
+    ({"typical": 0, "boundary": 1, "edge_cases": False}, False),
+    ({"typical": 0, "boundary": 0, "edge_cases": True}, False),  # the factory has an edge case
+    ({"typical": 1, "boundary": 0, "edge_cases": False}, False),
+])
+def test_an_empty_probe_set_is_refused(factory, probes, refused):
+    from ampguard.errors import InputError
+    from ampguard.validate import build_probes, check_rules
+
+    config = api_config(factory, **probes)
+    task = build_task(config)
+    if refused:
+        with pytest.raises(InputError, match=r"the probe set is empty \(validation\.typical is 0, validation\.boundary "
+                                             r"is 0, validation\.edge_cases is false\)"):
+            check_rules(task, config.validation)
+        with pytest.raises(InputError, match="the probe set is empty"):  # the API refuses it as well
+            build_probes(task, task.model, CPU, config.validation)
+    else:
+        check_rules(task, config.validation)
+        assert build_probes(task, task.model, CPU, config.validation)[0]
+
+
+def test_the_output_folder_is_checked_before_the_run(tmp_path):
+    from ampguard.errors import InputError
+    from ampguard.validate import check_output_folder
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    check_output_folder(tmp_path / "empty")
+    check_output_folder(tmp_path / "new" / "deeper")
+    for out, message in ((tmp_path / "file", "is a file, not a folder"),
+                         (tmp_path / "file" / "sub", "file is a file, not a folder"),
+                         (tmp_path, "exists and is not empty")):
+        with pytest.raises(InputError, match=message):
+            check_output_folder(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file"]  # nothing made by a check
+
+
+def test_a_failed_write_takes_back_what_it_made(tmp_path, monkeypatch):
+    from ampguard import validate
+    from ampguard.config import Config
+    from ampguard.errors import InputError
+
+    def half_then_fail(v, config, folder):
+        (folder / "validation.md").write_text("half")
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(validate, "write_outputs", half_then_fail)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "a" / "b", tmp_path / "empty"):
+        with pytest.raises(InputError, match=r"cannot write the report \(Permission denied\)"):
+            validate.write_report_folder(validate.Validation("t", "regression", [], [], []), Config(), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    assert not list((tmp_path / "empty").iterdir())
