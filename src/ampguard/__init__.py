@@ -21,6 +21,7 @@ _WHERE = {
     "BackgroundSink": "sinks",
     "ConsoleSink": "sinks",
     "CsvSink": "sinks",
+    "Guard": "step",
     "GuardedGradScaler": "precision",
     "JsonlSink": "sinks",
     "Precision": "precision",

@@ -32,9 +32,11 @@ _EPS = 1e-6
 
 
 def _grads(parameters: Params) -> list[torch.Tensor]:
+    """The gradients to measure; a sparse gradient (``nn.Embedding(sparse=True)``) by the values
+    it holds, coalesced (duplicate indices summed), as ``GradScaler`` checks it."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    return [p.grad for p in parameters if p.grad is not None]
+    return [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in parameters if p.grad is not None]
 
 
 @torch.no_grad()
@@ -59,7 +61,6 @@ def global_l2_norm(parameters: Params) -> torch.Tensor:
     return get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None)
 
 
-@torch.no_grad()
 def clip_threshold(max_norm: float | None) -> float | None:
     """The clip threshold, or None when clipping is off (``max_norm`` null, 0 or negative): the
     one place that reads "clipping off".
@@ -72,6 +73,7 @@ def clip_threshold(max_norm: float | None) -> float | None:
     return max_norm if max_norm is not None and max_norm > 0 else None
 
 
+@torch.no_grad()
 def clip_to_norm_(parameters: Params, max_norm: float | None, pre: torch.Tensor) -> torch.Tensor:
     """Scale gradients in place so their global norm ``pre`` becomes at most ``max_norm``.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,6 +21,10 @@ PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32")
 """The precision names :class:`Precision` accepts."""
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class SlowPrecisionWarning(UserWarning):
+    """A precision this device only emulates (fp16 on a CPU): correct, but slow."""
 
 
 DEFAULT_MIN_SCALE: float = torch.finfo(torch.float32).tiny
@@ -95,6 +100,25 @@ class GuardedGradScaler(torch.amp.GradScaler):
             enabled=enabled,
         )
         self._min_scale = min_scale
+
+    @classmethod
+    def from_scaler(cls, scaler: torch.amp.GradScaler, min_scale: float = DEFAULT_MIN_SCALE) -> GuardedGradScaler:
+        """A ``GuardedGradScaler`` with a plain ``GradScaler``'s settings and state (its scale and
+        growth tracker, when it has run), so a user's scaler can be handed to the guard.
+
+        Example::
+
+            >>> plain = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=10)
+            >>> g = GuardedGradScaler.from_scaler(plain)
+            >>> type(g).__name__, g.get_scale(), g.get_growth_interval(), g.is_enabled()
+            ('GuardedGradScaler', 512.0, 10, True)
+        """
+        guarded = cls(scaler._device, init_scale=scaler._init_scale, growth_factor=scaler.get_growth_factor(),
+                      backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
+                      enabled=scaler.is_enabled(), min_scale=min_scale)
+        if scaler.is_enabled() and scaler._scale is not None:
+            guarded.load_state_dict(scaler.state_dict())
+        return guarded
 
     def get_min_scale(self) -> float:
         """The floor the scale is clamped to after every :meth:`update`.
@@ -274,6 +298,34 @@ class Precision:
         if self.name == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def check(self, model: torch.nn.Module, device: torch.device) -> None:
+        """Refuse what this precision cannot train, up front (``ValueError``, one line each): weights
+        already cast to fp16/bf16 under autocast (mixed precision keeps FP32 master weights), bf16
+        on a CUDA device without bf16; warn that fp16 on a CPU is emulated (about 10x slower than
+        bf16 there).
+
+        Example::
+
+            >>> Precision("bf16", "cpu").check(torch.nn.Linear(2, 2).half(), torch.device("cpu"))
+            Traceback (most recent call last):
+            ...
+            ValueError: parameter 'weight' is float16, but bf16 mixed precision keeps FP32 master weights: autocast computes in bf16 while the optimizer updates float32 weights, so small updates are not lost to rounding; keep the model in float32 (no .half() / .to(torch.bfloat16))
+        """
+        if self.name != "fp32":
+            for name, param in model.named_parameters():
+                if param.is_floating_point() and param.dtype != torch.float32:
+                    kind = str(param.dtype).removeprefix("torch.")
+                    raise ValueError(
+                        f"parameter {name!r} is {kind}, but {self.name} mixed precision keeps FP32 master weights: "
+                        f"autocast computes in {self.name} while the optimizer updates float32 weights, so small "
+                        f"updates are not lost to rounding; keep the model in float32 (no .half() / "
+                        f".to(torch.{'bfloat16' if self.name == 'bf16' else 'float16'}))")
+        if self.name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"bf16 is not supported on {torch.cuda.get_device_name(device)}: use fp16")
+        if self.name == "fp16" and device.type == "cpu":
+            warnings.warn("fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 "
+                          "on CPUs", SlowPrecisionWarning, stacklevel=3)
 
     def make_scaler(
         self,

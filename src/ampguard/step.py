@@ -1,5 +1,9 @@
 """The guarded training step: the canonical PyTorch AMP recipe, with its failures made visible.
 
+:class:`Guard` is the step as verbs around the user's own code (``with guard.autocast():`` the
+forward and loss, ``guard.backward(loss)``, ``guard.step()``); :class:`AmpTrainState` is the
+shortcut that runs ``loss_fn(model(inputs), targets)`` through those verbs.
+
 Per micro-batch:        autocast forward -> loss (fp32) -> finite? -> scaler.scale(loss / N).backward()
 At the group boundary:  scaler.unscale_ -> global L2 norm -> ONE host read: skip or not
                         applied: clip to max_norm -> optimizer.step() -> scaler.update() -> scheduler.step()
@@ -12,6 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, Literal
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -31,38 +38,52 @@ def _model_device(model: nn.Module) -> torch.device:
     return devices.pop()
 
 
-class AmpTrainState:
-    """A guarded mixed-precision training step for any model, optimizer and LR scheduler.
+class Guard:
+    """The guarded mixed-precision step as verbs around your own forward and loss.
 
-    Call :meth:`step` once per micro-batch. It returns a :class:`StepLog` when the micro-batch
-    closes a group and the update was applied, a :class:`SkipLog` when the update was skipped
-    (non-finite loss or gradient; parameters and optimizer state untouched, the loss scale
-    backed off, the scheduler held), and ``None`` for a micro-batch inside a group.
+    Per micro-batch: run the forward and the loss inside ``with guard.autocast():``, then
+    ``guard.backward(loss)`` (checked on the device, divided by the accumulation steps, scaled,
+    backward; no gradient all-reduce mid-group under DDP/FSDP2), then ``guard.step()``: ``None``
+    inside an accumulation group, else a :class:`StepLog` (applied) or :class:`SkipLog`
+    (non-finite loss or gradient: parameters and optimizer state untouched, the loss scale
+    backed off, the scheduler held). Calls out of that order raise ``RuntimeError``.
 
-    Example::
+    Example (a model that computes its own loss, as a Hugging Face model does)::
 
         >>> model = torch.nn.Linear(4, 1)
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, precision="bf16")
-        >>> log = state.step(torch.randn(8, 4), torch.randn(8, 1))
-        >>> log.step, log.skipped, state.updates
+        >>> guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+        >>> x, y = torch.randn(8, 4), torch.randn(8, 1)
+        >>> with guard.autocast():
+        ...     loss = ((model(x) - y) ** 2).mean() + 0.01 * model.weight.abs().sum()
+        >>> guard.backward(loss)
+        >>> record = guard.step()
+        >>> record.step, record.skipped, guard.updates
         (1, False, 1)
+        >>> guard.step()
+        Traceback (most recent call last):
+        ...
+        RuntimeError: Guard.step() called twice: the order is `with guard.autocast(): loss = ...`, guard.backward(loss), guard.step()
 
     Host syncs: one per step, the skip decision (the same read ``GradScaler.step`` makes for a
     non-fused optimizer; the step calls ``optimizer.step()`` itself once it knows, so the read
     is not made twice). Loss, norms and scale stay device tensors in the record.
 
+    The parameters checked, measured and clipped are the optimizer's (in the model's order). A
+    model parameter that requires grad but no optimizer updates is refused, or, with
+    ``frozen="ignore"``, has its gradient dropped every step; never silently accumulated.
+
     Args:
-        model: any ``nn.Module``; its parameters are clipped together (global L2 norm).
+        model: any ``nn.Module`` (DDP/FSDP2-wrapped under torchrun), in float32: autocast
+            computes in the low precision, the optimizer updates FP32 master weights.
         optimizer: any optimizer over the model's parameters (fused AdamW included).
-        loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar loss.
         precision: ``"fp16"`` (with a loss scaler), ``"bf16"`` or ``"fp32"``.
         max_norm: global L2 clip threshold; ``None`` or ``<= 0`` disables clipping.
         accumulation_steps: micro-batches per optimizer update; each loss is divided by it.
         scheduler: an LR scheduler stepped once per applied update.
         device: the autocast device; defaults to the model's. A different one is an error.
-        scaler: a ``GuardedGradScaler`` to use, or keyword arguments for one
-            (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``).
+        scaler: a ``GuardedGradScaler`` to use, a plain ``torch.amp.GradScaler`` (its settings
+            and state are taken over), or keyword arguments for one (``init_scale``,
+            ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``min_scale``).
         scheduler_on_skip: ``"hold"`` (default) or ``"step"`` the scheduler on a skipped step.
         sync_free: the fast path with **no** host read at all (see ``_finish_group_sync_free``):
             needs an optimizer that takes ``found_inf`` (fused AdamW / Adam / SGD), tensor
@@ -71,13 +92,14 @@ class AmpTrainState:
         lr_schedule: with ``sync_free``, ``lr_schedule(applied_updates) -> factor`` on tensors,
             computed on the device; each group's lr is its initial lr times the factor. It
             advances only on applied updates, so it holds on skipped steps.
+        frozen: ``"refuse"`` (default) a model parameter that requires grad but is in no
+            optimizer, or ``"ignore"`` it (its gradient is dropped every step).
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
         precision: PrecisionName | Precision = "fp16",
         max_norm: float | None = 1.0,
@@ -88,6 +110,7 @@ class AmpTrainState:
         scheduler_on_skip: SchedulerOnSkip = "hold",
         sync_free: bool = False,
         lr_schedule: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        frozen: Literal["refuse", "ignore"] = "refuse",
     ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
@@ -95,6 +118,8 @@ class AmpTrainState:
             raise ValueError("max_norm must be a number or None, got nan")
         if scheduler_on_skip not in ("hold", "step"):
             raise ValueError(f"scheduler_on_skip must be 'hold' or 'step', got {scheduler_on_skip!r}")
+        if frozen not in ("refuse", "ignore"):
+            raise ValueError(f"frozen must be 'refuse' or 'ignore', got {frozen!r}")
 
         model_device = _model_device(model)
         device = torch.device(device) if device is not None else model_device
@@ -103,6 +128,7 @@ class AmpTrainState:
                 f"autocast device {device.type!r} does not match the model's device {model_device.type!r}"
             )
         model_params = {id(p) for p in model.parameters()}
+        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.device.type != device.type:
@@ -121,20 +147,30 @@ class AmpTrainState:
             raise ValueError(
                 f"autocast device {precision.device_type!r} does not match the model's device {device.type!r}"
             )
+        precision.check(model, device)
+        left_out = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in optimized]
+        if left_out and frozen == "refuse":
+            raise ValueError(
+                f"parameter {left_out[0]!r} requires grad but no optimizer updates it ({len(left_out)} such); its "
+                "gradient would be neither unscaled nor cleared: give it to the optimizer, set requires_grad=False, "
+                "or pass frozen='ignore'")
+        sparse = [name for name, m in model.named_modules() if getattr(m, "sparse", False) is True]
+        if sparse and max_norm is not None and max_norm > 0:
+            raise ValueError(f"module {sparse[0]!r} makes sparse gradients, which PyTorch's clip_grad_norm_ cannot "
+                             "clip: pass max_norm=None (the norm and the non-finite check still cover them)")
 
         self.model = model
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
         self.precision = precision
         self.max_norm = max_norm
         self.accumulation_steps = accumulation_steps
         self.scheduler = scheduler
         self.scheduler_on_skip = scheduler_on_skip
         self.device = device
-        if isinstance(scaler, GuardedGradScaler):
+        if isinstance(scaler, torch.amp.GradScaler):
             if scaler.is_enabled() and not precision.uses_scaler:
                 raise ValueError(f"{precision.name} does not use a loss scaler; pass a disabled one or none")
-            self.scaler = scaler
+            self.scaler = scaler if isinstance(scaler, GuardedGradScaler) else GuardedGradScaler.from_scaler(scaler)
         else:
             self.scaler = precision.make_scaler(**(scaler or {}))
 
@@ -147,54 +183,62 @@ class AmpTrainState:
             self._check_sync_free(optimizer, scheduler)
             self._updates_t = torch.zeros((), device=device)
             self._base_lrs = [group["lr"].detach().clone() for group in optimizer.param_groups]
-        self._params = list(model.parameters())
+        # what is checked, measured and clipped: the optimizer's parameters, in the model's order
+        self._params = [p for p in model.parameters() if id(p) in optimized]
+        self._frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in optimized]
         self._micro = 0  # micro-batches so far in the open group
+        self._backward_pending = False  # backward() ran, step() not yet
         self._loss_sum: torch.Tensor | None = None
         self._loss_bad: torch.Tensor | None = None
 
-    def step(self, inputs: Any, targets: Any) -> StepLog | SkipLog | None:
-        """Forward and backward one micro-batch; at the end of a group, update (or skip).
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The forward-pass context: autocast to the precision's dtype (nothing for fp32) and, on a
+        micro-batch that does not close its group, no gradient all-reduce (DDP's ``no_sync``)."""
+        if self._backward_pending:
+            raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)")
+        with distributed.accumulation_context(self.model, self._closes_group()), self.precision.autocast():
+            yield
 
-        Returns ``None`` inside an accumulation group, else the group's record. The skip
-        decision costs one host sync per group (none with ``sync_free``).
+    def backward(self, loss: torch.Tensor) -> None:
+        """Check ``loss`` on the device, divide it by the accumulation steps, scale it, backward.
 
-        Example::
-
-            >>> model = torch.nn.Linear(2, 1)
-            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            >>> state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, precision="fp32",
-            ...                       accumulation_steps=2)
-            >>> x, y = torch.ones(4, 2), torch.zeros(4, 1)
-            >>> state.step(x, y) is None, state.mid_group  # the first micro-batch of a group
-            (True, True)
-            >>> state.step(x, y).skipped, state.mid_group, state.updates
-            (False, False, 1)
-            >>> before = model.weight.detach().clone()
-            >>> _ = state.step(torch.full((4, 2), float("nan")), y)  # a NaN input makes a NaN loss
-            >>> log = state.step(x, y)
-            >>> log.step, log.skipped, log.reason, state.updates, torch.equal(before, model.weight)
-            (2, True, 'non_finite_loss', 1, True)
+        The loss is checked before backward, on the device: a non-finite loss is replaced by zero,
+        so it never seeds the backward pass, and the group is marked bad. Every micro-batch still
+        runs backward (no host read here; under DDP no rank leaves a collective waiting). The bad
+        group's gradients are discarded at the boundary.
         """
-        last = self._micro + 1 == self.accumulation_steps
-        with distributed.accumulation_context(self.model, last):  # no gradient all-reduce mid-group
-            with self.precision.autocast():
-                loss = self.loss_fn(self.model(inputs), targets).float()
-
-            # The loss is checked before backward, on the device: a non-finite loss is replaced
-            # by zero, so it never seeds the backward pass, and the group is marked bad. Every
-            # micro-batch still runs backward (no host read here; under DDP no rank leaves a
-            # collective waiting). The bad group's gradients are discarded at the boundary.
+        if self._backward_pending:
+            raise RuntimeError("Guard.backward() called twice: call guard.step() after each guard.backward(loss)")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}")
+        with distributed.accumulation_context(self.model, self._closes_group()):  # FSDP2 reduces in backward
+            loss = loss.float()
             finite = torch.isfinite(loss.detach())
             self._accumulate(loss.detach(), ~finite)
             loss = torch.where(finite, loss, 0.0)
             if self.accumulation_steps > 1:  # (x / 1 is x, bit for bit: one op and one node saved)
                 loss = loss / self.accumulation_steps
             self.scaler.scale(loss).backward()
-
         self._micro += 1
+        self._backward_pending = True
+
+    def step(self) -> StepLog | SkipLog | PendingStep | None:
+        """After each ``backward``: ``None`` inside an accumulation group; at its end the update
+        (or the skip) and the group's record. The skip decision costs one host sync per group
+        (none with ``sync_free``)."""
+        if not self._backward_pending:
+            raise RuntimeError("Guard.step() called twice: the order is `with guard.autocast(): loss = ...`, "
+                               "guard.backward(loss), guard.step()" if self._micro or self.steps else
+                               "Guard.step() before guard.backward(loss): nothing to step")
+        self._backward_pending = False
         if self._micro < self.accumulation_steps:
             return None
         return self._finish_group_sync_free() if self.sync_free else self._finish_group()
+
+    def _closes_group(self) -> bool:
+        return self._micro + 1 == self.accumulation_steps
 
     def _accumulate(self, loss: torch.Tensor, bad: torch.Tensor) -> None:
         if self._micro == 0:
@@ -228,7 +272,7 @@ class AmpTrainState:
             self.scaler.update()
             if self.scheduler is not None and self.scheduler_on_skip == "step":
                 self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             return SkipLog(
                 step=self.steps,
                 lr=lr,
@@ -244,7 +288,7 @@ class AmpTrainState:
         self.scaler.update()
         if self.scheduler is not None:
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self._updates += 1
         return StepLog(
             step=self.steps,
@@ -281,10 +325,15 @@ class AmpTrainState:
         self.scaler.add_found_inf_(self.optimizer, found)
         self.scaler.update()
         self._updates_t += 1.0 - found
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         bad = flags.to(torch.float32)
         return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
                            scaler_scale=self.scaler.scale_value(), bad_loss=bad[0], bad_grad=bad[1])
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self._frozen:  # frozen="ignore": what no optimizer updates is dropped, not accumulated
+            p.grad = None
 
     def _check_sync_free(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -350,7 +399,7 @@ class AmpTrainState:
             >>> saved["step"], saved["updates"], saved["precision"], saved["accumulation_steps"]
             (1, 1, 'bf16', 1)
         """
-        if self._micro:
+        if self._micro or self._backward_pending:
             raise RuntimeError("state_dict() called inside an accumulation group; call it after a step closes")
         return {
             "scaler": self.scaler.state_dict(),
@@ -393,3 +442,35 @@ class AmpTrainState:
             if name in self.monitors:
                 self.monitors[name].load_state_dict(monitor_state)
         self._micro = 0
+        self._backward_pending = False
+
+
+class AmpTrainState(Guard):
+    """The guarded step for the common loop shape: ``loss_fn(model(inputs), targets)``.
+
+    ``step(inputs, targets)`` runs the forward and the loss inside :meth:`Guard.autocast`, then
+    :meth:`Guard.backward` and :meth:`Guard.step`, once per micro-batch: ``None`` inside an
+    accumulation group, else the group's :class:`StepLog` or :class:`SkipLog`. Every other
+    argument, the records, host reads and ``state_dict`` are :class:`Guard`'s.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, precision="bf16")
+        >>> log = state.step(torch.randn(8, 4), torch.randn(8, 1))
+        >>> log.step, log.skipped, state.updates
+        (1, False, 1)
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], **settings: Any) -> None:
+        super().__init__(model, optimizer, **settings)
+        self.loss_fn = loss_fn
+
+    def step(self, inputs: Any, targets: Any) -> StepLog | SkipLog | PendingStep | None:  # type: ignore[override]
+        """Forward and backward one micro-batch; at the end of a group, update (or skip)."""
+        with self.autocast():
+            loss = self.loss_fn(self.model(inputs), targets)
+        self.backward(loss)
+        return super().step()

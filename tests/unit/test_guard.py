@@ -1,0 +1,335 @@
+"""``Guard``: the guarded step as verbs around the user's own forward and loss.
+
+Bit for bit the hand-written canonical AMP loop for a model that computes its own loss (an
+output object with ``.loss``) and for a summed multi-loss; calls out of order raise; the
+parameter set is the optimizer's; sparse gradients; what is refused up front, one line each.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampguard import AmpTrainState, Guard, GuardedGradScaler, Precision, SkipLog, StepLog
+from ampguard.precision import SlowPrecisionWarning
+
+INF = float("inf")
+
+
+class WithLoss(nn.Module):
+    """A model that returns an output object carrying its own loss, as Hugging Face models do."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> SimpleNamespace:
+        logits = self.net(x)
+        return SimpleNamespace(logits=logits, loss=F.mse_loss(logits, y))
+
+
+def output_loss(model: WithLoss, x, y):
+    return model(x, y).loss
+
+
+def multi_loss(model: WithLoss, x, y):
+    logits = model.net(x)
+    return F.mse_loss(logits[:, :1], y[:, :1]) + 0.5 * F.l1_loss(logits[:, 1:], y[:, 1:])
+
+
+def batches(n: int, *, spike_at: int | None = None, inf_at: int | None = None):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+        if i == spike_at:
+            y = y * 1e8
+        if i == inf_at:
+            x = x.clone()
+            x[0, 0] = INF
+        out.append((x, y))
+    return out
+
+
+def reference(precision: str, accum: int, data, loss_of, max_norm: float = 0.5):
+    """The hand-written canonical AMP loop with clip_grad_norm_; returns params and (scale, skipped) per step."""
+    model = WithLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    prec = Precision(precision, "cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=precision == "fp16")
+    steps = []
+    for i, (x, y) in enumerate(data):
+        with prec.autocast():
+            loss = loss_of(model, x, y).float()
+        scaler.scale(loss / accum).backward()
+        if (i + 1) % accum:
+            continue
+        scaler.unscale_(opt)
+        pre = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped = scaler.get_scale() < before if scaler.is_enabled() else not math.isfinite(float(pre))
+        if not skipped:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append((scaler.get_scale(), skipped))
+    return [p.detach().clone() for p in model.parameters()], steps
+
+
+def guarded(precision: str, accum: int, data, loss_of, max_norm: float = 0.5):
+    model = WithLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    guard = Guard(model, opt, precision=precision, max_norm=max_norm, accumulation_steps=accum, scheduler=sched,
+                  scaler={"init_scale": 2.0**16})
+    records = []
+    for x, y in data:
+        with guard.autocast():
+            loss = loss_of(model, x, y)
+        guard.backward(loss)
+        if (record := guard.step()) is not None:
+            records.append(record)
+    return [p.detach().clone() for p in model.parameters()], records
+
+
+@pytest.mark.parametrize("loss_of", [output_loss, multi_loss], ids=["output-object", "multi-loss"])
+@pytest.mark.parametrize("accum", [1, 3])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_guard_is_bit_for_bit_the_canonical_loop_clean_and_with_a_spike(precision, accum, loss_of):
+    data = batches(6 * accum, spike_at=2 * accum)
+    ref_params, ref_steps = reference(precision, accum, data, loss_of)
+    params, records = guarded(precision, accum, data, loss_of)
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+    assert [r.skipped for r in records] == [skipped for _, skipped in ref_steps]
+    assert [float(r.values()["scaler_scale"]) for r in records] == [scale if precision == "fp16" else 1.0
+                                                                     for scale, _ in ref_steps]
+    if precision == "fp16":  # a spike of 1e8 overflows fp16: the step with it is skipped, in both loops
+        assert any(skipped for _, skipped in ref_steps)
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_guard_skips_an_injected_inf_exactly_as_the_fp16_canonical_loop_does(accum):
+    data = batches(5 * accum, inf_at=accum + 1)
+    ref_params, ref_steps = reference("fp16", accum, data, output_loss)
+    params, records = guarded("fp16", accum, data, output_loss)
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+    assert [r.skipped for r in records] == [s for _, s in ref_steps]
+    bad = (accum + 1) // accum  # the step whose micro-batch holds the Inf
+    assert isinstance(records[bad], SkipLog) and records[bad].reason == "non_finite_loss"
+
+
+def test_amp_train_state_is_the_guard_verbs_in_one_call():
+    data = batches(6)
+    torch.manual_seed(0)
+    a_model, b_model = WithLoss(), WithLoss()
+    a = AmpTrainState(a_model.net, torch.optim.SGD(a_model.parameters(), lr=0.1), F.mse_loss, precision="bf16")
+    b = Guard(b_model.net, torch.optim.SGD(b_model.parameters(), lr=0.1), precision="bf16")
+    for x, y in data:
+        ra = a.step(x, y)
+        with b.autocast():
+            loss = F.mse_loss(b_model.net(x), y)
+        b.backward(loss)
+        rb = b.step()
+        assert ra.values() == rb.values()
+    for p, q in zip(a_model.parameters(), b_model.parameters()):
+        assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------------------- call order
+
+
+def _guard(**kw) -> tuple[nn.Module, Guard]:
+    model = nn.Linear(3, 1)
+    return model, Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", **kw)
+
+
+def _loss(model: nn.Module) -> torch.Tensor:
+    return model(torch.ones(2, 3)).pow(2).mean()
+
+
+def test_step_before_backward_raises():
+    _, guard = _guard()
+    with pytest.raises(RuntimeError, match=r"step\(\) before guard.backward"):
+        guard.step()
+
+
+def test_step_twice_raises_and_names_the_order():
+    model, guard = _guard()
+    guard.backward(_loss(model))
+    assert isinstance(guard.step(), StepLog)
+    with pytest.raises(RuntimeError, match=r"called twice: the order is"):
+        guard.step()
+
+
+def test_backward_twice_without_step_raises_even_inside_a_group():
+    model, guard = _guard(accumulation_steps=3)
+    guard.backward(_loss(model))
+    with pytest.raises(RuntimeError, match=r"backward\(\) called twice"):
+        guard.backward(_loss(model))
+
+
+def test_a_forward_before_the_pending_step_raises():
+    model, guard = _guard(accumulation_steps=2)
+    guard.backward(_loss(model))
+    with pytest.raises(RuntimeError, match=r"autocast\(\) before step\(\)"):
+        with guard.autocast():
+            pass
+
+
+def test_state_dict_mid_group_or_before_step_raises():
+    model, guard = _guard(accumulation_steps=2)
+    guard.backward(_loss(model))
+    with pytest.raises(RuntimeError, match="inside an accumulation group"):
+        guard.state_dict()
+    assert guard.step() is None
+    with pytest.raises(RuntimeError, match="inside an accumulation group"):
+        guard.state_dict()
+    guard.backward(_loss(model))
+    guard.step()
+    assert guard.state_dict()["step"] == 1
+
+
+def test_a_non_scalar_loss_is_refused_with_its_shape():
+    model, guard = _guard()
+    with pytest.raises(ValueError, match=r"scalar loss tensor, got \(2, 1\)"):
+        guard.backward(model(torch.ones(2, 3)))
+
+
+# ---------------------------------------------------------------------------- the optimizer's parameters
+
+
+class TwoPart(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_a_parameter_no_optimizer_updates_is_refused_naming_it():
+    model = TwoPart()
+    with pytest.raises(ValueError) as err:
+        Guard(model, torch.optim.SGD(model.head.parameters(), lr=0.1), precision="bf16")
+    assert str(err.value).startswith("parameter 'body.weight' requires grad but no optimizer updates it (2 such)")
+    model.body.requires_grad_(False)  # a frozen part is fine
+    Guard(model, torch.optim.SGD(model.head.parameters(), lr=0.1), precision="bf16")
+
+
+def test_frozen_ignore_measures_only_the_optimizers_parameters_and_drops_the_rest():
+    model = TwoPart()
+    guard = Guard(model, torch.optim.SGD(model.head.parameters(), lr=0.1), precision="fp32", max_norm=None,
+                  frozen="ignore")
+    body_before = model.body.weight.detach().clone()
+    x = torch.randn(8, 4)
+    with guard.autocast():
+        loss = model(x).pow(2).mean()
+    guard.backward(loss)
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.head.parameters()])
+    record = guard.step()
+    assert float(record.values()["grad_l2_pre_clip"]) == float(expected)
+    assert model.body.weight.grad is None and model.body.bias.grad is None  # dropped, never accumulated
+    assert torch.equal(model.body.weight, body_before)
+
+
+# ---------------------------------------------------------------------------- sparse gradients
+
+
+class Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(20, 4, sparse=True)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_sparse_embedding_trains_without_clipping(precision):
+    model = Bag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    guard = Guard(model, opt, precision=precision, max_norm=None)
+    before = model.emb.weight.detach().clone()
+    ids = torch.tensor([[1, 2, 2], [3, 4, 1]])
+    for _ in range(3):
+        with guard.autocast():
+            loss = (model(ids) - 1.0).pow(2).mean()
+        guard.backward(loss)
+        record = guard.step()
+        assert not record.skipped and math.isfinite(record.values()["grad_l2_pre_clip"])
+    changed = (model.emb.weight != before).any(dim=1)
+    assert changed[[1, 2, 3, 4]].all() and not changed[[0, 5, 19]].any()  # only the rows looked up
+
+
+def test_a_sparse_gradient_with_an_inf_is_a_skip():
+    model = Bag()
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.5), precision="fp32", max_norm=None)
+    ids = torch.tensor([[1, 2]])
+    with guard.autocast():
+        loss = model(ids).sum() * INF
+    guard.backward(loss)
+    assert guard.step().reason == "non_finite_loss"
+    model.emb.weight.register_hook(lambda g: torch.sparse_coo_tensor(g._indices(), g._values() * INF, g.shape))
+    with guard.autocast():
+        loss = model(ids).sum()
+    guard.backward(loss)
+    assert guard.step().reason == "non_finite_grad"
+
+
+def test_clipping_sparse_gradients_is_refused_up_front():
+    model = Bag()
+    with pytest.raises(ValueError, match=r"module 'emb' makes sparse gradients, which PyTorch's clip_grad_norm_ "
+                                         r"cannot clip: pass max_norm=None"):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.5), precision="fp32", max_norm=1.0)
+
+
+# ---------------------------------------------------------------------------- refused or warned up front
+
+
+@pytest.mark.parametrize("precision, cast, dtype", [("fp16", torch.float16, "float16"),
+                                                    ("bf16", torch.bfloat16, "bfloat16"),
+                                                    ("bf16", torch.float16, "float16")])
+def test_weights_already_cast_to_half_are_refused_saying_why(precision, cast, dtype):
+    model = nn.Linear(2, 2).to(cast)
+    with pytest.raises(ValueError) as err:
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith(f"parameter 'weight' is {dtype}, but {precision} mixed precision keeps FP32 master weights")
+    assert "small updates are not lost to rounding" in line
+
+
+def test_half_weights_with_fp32_precision_are_the_users_choice():
+    model = nn.Linear(2, 2).to(torch.bfloat16)
+    Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32")
+
+
+def test_a_plain_grad_scaler_is_taken_over_with_its_settings_and_state():
+    model = nn.Linear(2, 1)
+    plain = torch.amp.GradScaler("cpu", init_scale=256.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
+    plain.scale(torch.ones(()))  # lazily creates its scale tensor
+    plain._scale.fill_(64.0)
+    with pytest.warns(SlowPrecisionWarning):
+        guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", scaler=plain)
+    assert isinstance(guard.scaler, GuardedGradScaler)
+    s = guard.scaler
+    assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (64.0, 4.0, 0.25, 7)
+
+
+def test_fp16_on_a_cpu_warns_that_it_is_emulated():
+    model = nn.Linear(2, 1)
+    with pytest.warns(SlowPrecisionWarning, match="emulated, about 10x slower than bf16"):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
