@@ -1,0 +1,106 @@
+"""The guard in your own loop: a model that computes its own loss (as Hugging Face models do, an
+output object with ``.loss``), and a multi-task model whose losses are summed.
+
+    python examples/own_loop.py --model hf --precision fp16 --steps 40 --csv steps.csv --nan-at 7
+    python examples/own_loop.py --model multitask --precision bf16 --steps 40 --csv steps.csv
+
+Every step is written to the per-step CSV; ``--nan-at N`` makes the loss of step N non-finite so
+you can watch the guard skip it (and, in fp16, halve the loss scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ampguard import CsvSink, Guard
+
+
+class TinyLM(nn.Module):
+    """A two-layer causal language model that returns ``SimpleNamespace(logits=..., loss=...)``
+    when given labels, the calling convention of ``transformers`` models (``model(**batch).loss``)."""
+
+    def __init__(self, vocab: int = 32, width: int = 32, context: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.zeros(context, width))
+        layer = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=2 * width, batch_first=True, dropout=0.0)
+        self.blocks = nn.TransformerEncoder(layer, num_layers=2)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+        n = input_ids.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(n)
+        hidden = self.blocks(self.embed(input_ids) + self.pos[:n], mask=mask, is_causal=True)
+        logits = self.head(hidden)
+        loss = None if labels is None else F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return SimpleNamespace(logits=logits, loss=loss)
+
+
+class MultiTask(nn.Module):
+    """One trunk, two heads: a classification loss and a regression loss, summed with weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.GELU())
+        self.classify, self.regress = nn.Linear(32, 3), nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.classify(h), self.regress(h).squeeze(1)
+
+
+def batches(kind: str, steps: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        if kind == "hf":  # a repeating pattern to learn: token t is followed by t + 1
+            start = torch.randint(0, 32, (8, 1), generator=g)
+            ids = (start + torch.arange(17)) % 32
+            yield {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+        else:
+            x = torch.randn(16, 8, generator=g)
+            yield {"x": x, "label": (x[:, 0] > 0).long() + (x[:, 1] > 0).long(), "target": x[:, 2] - x[:, 3]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["hf", "multitask"], default="hf")
+    parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--accumulation-steps", type=int, default=1)
+    parser.add_argument("--csv", default="steps.csv")
+    parser.add_argument("--nan-at", type=int, default=None, help="make the loss of this step non-finite")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    model = TinyLM() if args.model == "hf" else MultiTask()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3 if args.model == "hf" else 2e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: min(1.0, (update + 1) / 5))
+    guard = Guard(model, optimizer, precision=args.precision, max_norm=1.0, scheduler=scheduler,
+                  accumulation_steps=args.accumulation_steps, scaler={"init_scale": 1024.0})
+    sink = CsvSink(args.csv)
+    try:
+        for batch in batches(args.model, args.steps * args.accumulation_steps):
+            with guard.autocast():
+                if args.model == "hf":
+                    loss = model(**batch).loss                       # the model computes its own loss
+                else:
+                    logits, value = model(batch["x"])                # two heads, two losses, one sum
+                    loss = F.cross_entropy(logits.float(), batch["label"]) + 0.5 * F.mse_loss(value.float(), batch["target"])
+                if args.nan_at is not None and guard.steps + 1 == args.nan_at:
+                    loss = loss * float("nan")
+            guard.backward(loss)                                     # checked, / N, scaled, backward
+            if (record := guard.step()) is not None:                 # None inside an accumulation group
+                sink.write(record)
+    finally:
+        sink.close()
+    print(f"{args.model} {args.precision}: {guard.steps} steps, {guard.updates} updates, csv {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""The examples run as a user would run them, with a fault injected, and write the per-step CSV."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("model, precision, accum", [("hf", "fp16", 1), ("hf", "bf16", 2), ("multitask", "fp16", 1),
+                                                     ("multitask", "fp32", 3)])
+def test_own_loop_skips_the_injected_nan_and_holds_the_schedule(tmp_path, capsys, model, precision, accum):
+    csv_path = tmp_path / "steps.csv"
+    code = _load("own_loop").main(["--model", model, "--precision", precision, "--steps", "20", "--csv",
+                                   str(csv_path), "--nan-at", "4", "--accumulation-steps", str(accum)])
+    assert code == 0
+    rows = _rows(csv_path)
+    assert [int(r["step"]) for r in rows] == list(range(1, 21))
+    assert [r["step"] for r in rows if r["skipped"] == "1"] == ["4"]
+    assert rows[3]["skip_reason"] == "non_finite_loss" and rows[3]["grad_l2_pre_clip"] == ""
+    assert rows[4]["lr"] == rows[3]["lr"]  # the warm-up schedule held on the skipped step
+    scales = [float(r["scaler_scale"]) for r in rows]
+    if precision == "fp16":
+        assert scales[2] == 1024.0 and scales[3] == 512.0  # the skip halved the scale
+    else:
+        assert set(scales) == {1.0}
+    first, last = ([float(r["loss"]) for r in part] for part in (rows[:3], rows[-5:]))
+    assert sum(last) / 5 < sum(first) / 3  # and it learned
+    assert f"{model} {precision}: 20 steps, 19 updates" in capsys.readouterr().out
