@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import pickletools
 import random
 import re
 import time
+import zipfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from .errors import InputError
 MAGIC = "ampguard-checkpoint"
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
+_PARTIAL = re.compile(r"^\.step-\d{8}\.pt\.tmp-(\d+)$")
 REQUIRED = ("magic", "format", "step", "config", "model", "optimizer", "state", "scheduler", "rng", "data_position")
 
 
@@ -146,7 +150,11 @@ def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: s
     """``torch.load(weights_only=True)``, with every failure turned into one :class:`InputError`
     line: a file with pickled code in it is refused and that code never runs.
 
-    Example (a ``Path`` is a pickled object, not plain data; a cut-off file is unreadable)::
+    A file the weights-only loader refuses is told apart by its bytes, not by torch's message: a
+    whole pickle stream (a ``torch.save`` zip's ``data.pkl``, or a bare pickle) holds objects the
+    loader does not allow; anything else is unreadable.
+
+    Example (a ``Path`` is a pickled object, not plain data; a cut-off file or text is unreadable)::
 
         >>> import shutil, tempfile
         >>> folder = Path(tempfile.mkdtemp())
@@ -155,13 +163,15 @@ def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: s
         {'x': tensor([0.])}
         >>> torch.save({"where": Path("elsewhere")}, folder / "object.pt")
         >>> _ = (folder / "torn.pt").write_bytes((folder / "plain.pt").read_bytes()[:100])
-        >>> for name in ("object.pt", "torn.pt", "missing.pt"):
+        >>> _ = (folder / "text.pt").write_bytes(b"not a checkpoint")
+        >>> for name in ("object.pt", "torn.pt", "text.pt", "missing.pt"):
         ...     try:
         ...         safe_load(folder / name, "batch")
         ...     except InputError as err:
         ...         print(str(err).replace(str(folder), "DIR"))
         DIR/object.pt: refused by the weights-only loader: it holds pickled objects ... (nothing in it was run)
         DIR/torn.pt: unreadable batch (truncated, or not a PyTorch file)
+        DIR/text.pt: unreadable batch (truncated, or not a PyTorch file)
         no batch file at DIR/missing.pt
         >>> shutil.rmtree(folder)
     """
@@ -170,8 +180,8 @@ def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: s
         raise InputError(f"no {what} file at {path}")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "WeightsUnpickler" in str(err) or "global" in str(err).lower():  # weights-only loader said no
+    except pickle.UnpicklingError:
+        if _whole_pickle(path):  # a real pickle the weights-only loader said no to
             raise InputError(
                 f"{path}: refused by the weights-only loader: it holds pickled objects or bytes beyond tensors "
                 "and plain data (nothing in it was run)"
@@ -179,6 +189,29 @@ def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: s
         raise InputError(f"{path}: unreadable {what} (truncated, or not a PyTorch file)") from None
     except Exception:  # noqa: BLE001 - torch's loaders raise many kinds on junk bytes; all mean the same
         raise InputError(f"{path}: unreadable {what} (truncated, or not a PyTorch file)") from None
+
+
+def _whole_pickle(path: Path) -> bool:
+    """Whether ``path`` holds a complete pickle stream (in a ``torch.save`` zip: its ``data.pkl``).
+    Only the opcodes are read (``pickletools.genops``); nothing is unpickled, nothing runs."""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+                if not names:
+                    return False
+                with archive.open(names[0]) as stream:
+                    return _opcodes_to_stop(stream)
+        with open(path, "rb") as stream:
+            return _opcodes_to_stop(stream)
+    except Exception:  # noqa: BLE001 - any failure to read the stream means: not a pickle
+        return False
+
+
+def _opcodes_to_stop(stream: Any) -> bool:
+    for _ in pickletools.genops(stream):  # raises ValueError on an unknown opcode or an early end
+        pass
+    return True
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -240,10 +273,14 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike,
         >>> shutil.rmtree(folder)
     """
     payload = load_checkpoint(path, map_location)
+    for key in ("model", "state"):
+        if not isinstance(payload[key], Mapping):
+            raise InputError(f"{path}: bad checkpoint: {key} is a {type(payload[key]).__name__}, expected a mapping")
     try:
         model.load_state_dict(payload["model"])
-    except RuntimeError as err:
-        raise InputError(f"{path}: does not fit this model ({str(err).splitlines()[0]})") from None
+    except (RuntimeError, TypeError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(f"{path}: does not fit this model ({first})") from None
     return payload
 
 
@@ -281,10 +318,12 @@ def checkpoint_step(path: Path) -> int:
 
 
 def latest_loadable(
-    folder: str | os.PathLike, map_location: str | torch.device = "cpu", before_step: int | None = None
+    folder: str | os.PathLike, map_location: str | torch.device = "cpu", before_step: int | None = None,
+    check: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint in ``folder`` that loads (taken before ``before_step`` if given);
-    older ones are tried when newer ones do not load.
+    older ones are tried when newer ones do not load. ``check(path, payload)``, when given, is
+    part of loading: a checkpoint it raises :class:`InputError` for counts as not loadable.
 
     Example (the newest file is torn, so the one before it answers)::
 
@@ -310,7 +349,10 @@ def latest_loadable(
     candidates = [p for p in list_checkpoints(folder) if before_step is None or checkpoint_step(p) < before_step]
     for path in reversed(candidates):
         try:
-            return path, load_checkpoint(path, map_location)
+            payload = load_checkpoint(path, map_location)
+            if check is not None:
+                check(path, payload)
+            return path, payload
         except InputError as err:
             errors.append(str(err))
     if errors:
@@ -348,6 +390,42 @@ def set_aside_after(folder: str | os.PathLike, step: int) -> list[Path]:
     for path in newer:
         os.replace(path, target / path.name)
     return newer
+
+
+def remove_partial(folder: str | os.PathLike, keep_pid: int | None = None) -> list[Path]:
+    """Delete the partial saves (``.step-<N>.pt.tmp-<PID>``) that runs killed during a save left
+    in ``folder``, except those of process ``keep_pid`` (a save of its own in progress); return
+    what was deleted. Such a file was never renamed to a checkpoint's name, so nothing loads it;
+    it only takes space. A run calls this with no ``keep_pid`` when it starts, and with its own
+    PID after every save.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> for name in (".step-00000005.pt.tmp-4242", f".step-00000006.pt.tmp-{os.getpid()}", "step-00000004.pt"):
+        ...     _ = (folder / name).write_bytes(b"")
+        >>> [p.name for p in remove_partial(folder, keep_pid=os.getpid())]
+        ['.step-00000005.pt.tmp-4242']
+        >>> len(remove_partial(folder)), sorted(p.name for p in folder.iterdir())
+        (1, ['step-00000004.pt'])
+        >>> remove_partial(folder / "missing")
+        []
+        >>> shutil.rmtree(folder)
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for path in sorted(folder.iterdir()):
+        match = _PARTIAL.match(path.name)
+        if match and int(match.group(1)) != keep_pid and path.is_file():
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:  # not worth stopping a run for: it is only space
+                continue
+            removed.append(path)
+    return removed
 
 
 def prune(folder: str | os.PathLike, keep: int) -> None:

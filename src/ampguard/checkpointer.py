@@ -9,6 +9,12 @@ alone writes (then a barrier), keep/prune, setting aside checkpoints a resume ma
 resume-compatibility checks, and ``load(before_step=N)`` + ``restore(parts=...)`` for resume and
 rollback. File-level safety (atomic write, weights-only load) is :mod:`ampguard.checkpoint`'s.
 
+What a resume trusts (``docs/resume.md``): nothing in a checkpoint is executed, and no field of
+it is used before :func:`check_payload` has checked its type; the run's config (hence its task)
+comes from the run folder's ``config.yaml``, never from the checkpoint; a checkpoint of another
+run (:data:`RUN_ID`), another step than its name says, another fixed config
+(:data:`RESUME_FIXED`) or another model shape is refused with one line before anything is written.
+
 Example (fakes stand in for a model; any object with ``state_dict`` / ``load_state_dict``)::
 
     >>> import tempfile
@@ -28,6 +34,8 @@ Example (fakes stand in for a model; any object with ``state_dict`` / ``load_sta
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +46,9 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import Config
+from .config import Config, read_file
 from .errors import InputError
+from .run_folder import RunPaths
 
 # The payload's keys (checkpoint format ckpt.FORMAT). Parts are restored; the rest identify.
 STEP = "step"
@@ -57,6 +66,13 @@ RNG = "rng"
 DATA = "data_position"
 """Micro-batches taken from the task's stream so far."""
 ROLLBACKS = "rollbacks"
+"""The rollback log: one line per rollback so far."""
+RUN_ID = "run_id"
+"""The id of the run folder that wrote the checkpoint (its ``run-id`` file): a resume refuses a
+checkpoint of another run. Checkpoints written before run ids have none."""
+
+STATE_KEYS = ("scaler", "step", "updates", "precision", "accumulation_steps", "monitors")
+"""The keys :meth:`ampguard.step.AmpTrainState.state_dict` writes under :data:`STATE`."""
 
 RESUME_PARTS = (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG, DATA, ROLLBACKS)
 ROLLBACK_PARTS = (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG)
@@ -262,18 +278,23 @@ class CheckpointManager:
             the step's monitors must be registered before it loads).
         keep: how many of the newest checkpoints to keep.
         meta: extra payload entries that identify a checkpoint (config, precision, world size,
-            ...), read at each save; they are checked on resume, never restored. The step is
-            ``save``'s argument, the same number as in the file's name.
+            run id, ...), read at each save; they are checked on resume, never restored. The step
+            is ``save``'s argument, the same number as in the file's name.
         dist: this process's place in the process group.
+        check: called on every checkpoint :meth:`load` reads, before it is used (a run passes
+            :func:`check_payload` and :func:`check_belongs`); one that fails counts as not
+            loadable, so a rollback goes to an older one.
     """
 
     def __init__(self, folder: Path | None, parts: Mapping[str, Stateful], *, keep: int,
-                 meta: Callable[[], dict[str, Any]] = dict, dist: distributed.DistInfo | None = None) -> None:
+                 meta: Callable[[], dict[str, Any]] = dict, dist: distributed.DistInfo | None = None,
+                 check: Callable[[Loaded], None] | None = None) -> None:
         self.dist = dist or distributed.DistInfo()
         self.folder = folder
         self.parts = dict(parts)
         self.keep = keep
         self.meta = meta
+        self.check = check
         self.saved: list[Path] = ckpt.list_checkpoints(folder) if folder is not None and self.dist.is_main else []
 
     @property
@@ -281,8 +302,9 @@ class CheckpointManager:
         return self.folder is not None
 
     def save(self, step: int) -> Path | None:
-        """Write ``step-<step>.pt`` (atomic), prune to ``keep``; the path on rank 0, else None.
-        Every rank must call it: FSDP2 state dicts and the RNGs are gathered."""
+        """Write ``step-<step>.pt`` (atomic), prune to ``keep``, delete partial saves other
+        processes left (:func:`ckpt.remove_partial`); the path on rank 0, else None. Every rank
+        must call it: FSDP2 state dicts and the RNGs are gathered."""
         if self.folder is None:
             return None
         payload = {**self.meta(), STEP: step, **{key: part.state_dict() for key, part in self.parts.items()}}
@@ -290,6 +312,7 @@ class CheckpointManager:
         if self.dist.is_main:
             path = ckpt.save_checkpoint(self.folder / ckpt.checkpoint_name(step), payload)
             ckpt.prune(self.folder, self.keep)
+            ckpt.remove_partial(self.folder, keep_pid=os.getpid())
             self.saved = ckpt.list_checkpoints(self.folder)
         distributed.barrier()  # no rank reads checkpoints (a rollback) before rank 0 has written them
         return path
@@ -299,8 +322,43 @@ class CheckpointManager:
         are tried when newer ones do not load. :class:`InputError` when there is none."""
         if self.folder is None:
             raise InputError("checkpoints are off in this run")
-        path, payload = ckpt.latest_loadable(self.folder, before_step=before_step)
+        check = None if self.check is None else (lambda p, payload: self.check(Loaded(p, payload)))
+        path, payload = ckpt.latest_loadable(self.folder, before_step=before_step, check=check)
         return Loaded(path, payload)
+
+    def remove_partial(self) -> list[Path]:
+        """Rank 0 deletes every partial save in the folder (a run starting: none is its own)."""
+        if self.folder is None or not self.dist.is_main:
+            return []
+        return ckpt.remove_partial(self.folder)
+
+    def check_fits(self, loaded: Loaded) -> None:
+        """Before :meth:`restore`: the checkpoint's model has this model's parameter names and
+        shapes, its optimizer state the shapes of the parameters it belongs to, its scheduler
+        state this scheduler's entries. One :class:`InputError` line naming the file and the
+        first difference; nothing is loaded. Parts that are not a :class:`ModelState`,
+        :class:`OptimizerState` or LR scheduler are not looked at.
+
+        Example::
+
+            >>> manager = CheckpointManager(None, {MODEL: ModelState(nn.Linear(4, 1))}, keep=1)
+            >>> manager.check_fits(Loaded(Path("step-00000002.pt"), {MODEL: nn.Linear(4, 1).state_dict()}))
+            >>> try:
+            ...     manager.check_fits(Loaded(Path("step-00000002.pt"), {MODEL: nn.Linear(8, 1).state_dict()}))
+            ... except InputError as err:
+            ...     print(err)
+            step-00000002.pt: its model does not match the one this run builds: weight is [1, 8] in the checkpoint, [1, 4] here
+        """
+        payload = loaded.payload
+        model = self.parts.get(MODEL)
+        if isinstance(model, ModelState):
+            _check_model(loaded.path, payload.get(MODEL), distributed.unwrap(model.model).state_dict())
+        optimizer = self.parts.get(OPTIMIZER)
+        if isinstance(optimizer, OptimizerState) and not optimizer.fsdp:
+            _check_optimizer(loaded.path, payload.get(OPTIMIZER), optimizer.optimizer)
+        scheduler = self.parts.get(SCHEDULER)
+        if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            _check_scheduler(loaded.path, payload.get(SCHEDULER), scheduler)
 
     def restore(self, loaded: Loaded, parts: Iterable[str] | None = None) -> None:
         """Load ``parts`` (default: all registered) from ``loaded``; one :class:`InputError` line
@@ -343,6 +401,10 @@ class Resume:
 
     loaded: Loaded
     run_dir: Path
+    run_id: str | None = None
+    """The run folder's id (its ``run-id`` file); None for a folder made before run ids."""
+    picked: bool = False
+    """True when ``--resume RUN_DIR`` picked the checkpoint (the newest one that reads)."""
 
     @property
     def path(self) -> Path:
@@ -366,10 +428,52 @@ class Resume:
         """
         return self.loaded.payload[CONFIG]
 
+    def run_config(self) -> dict[str, Any]:
+        """The run folder's ``config.yaml`` as plain data: the base of the resumed run's config
+        (then ``--set``). The task, and so any code a ``task.factory`` names, comes from here,
+        never from the checkpoint. One :class:`InputError` line when it is missing or unreadable.
+
+        Example::
+
+            >>> import shutil, tempfile
+            >>> run_dir = Path(tempfile.mkdtemp())
+            >>> resume = Resume(Loaded(run_dir / "checkpoints" / "step-00000002.pt", {}), run_dir)
+            >>> try:
+            ...     resume.run_config()
+            ... except InputError as err:
+            ...     print(str(err).replace(str(run_dir), "RUN"))
+            --resume: RUN has no config.yaml; a resumed run takes its config (and task) from it
+            >>> _ = (run_dir / "config.yaml").write_text("steps: 5\\n")
+            >>> resume.run_config()
+            {'steps': 5}
+            >>> shutil.rmtree(run_dir)
+        """
+        path = RunPaths.existing(self.run_dir).config
+        if not path.is_file():
+            raise InputError(f"--resume: {self.run_dir} has no config.yaml; a resumed run takes its config (and task) "
+                             "from it")
+        return read_file(path)
+
+
+def _example_payload(step: int, config: dict[str, Any]) -> dict[str, Any]:
+    """A payload :func:`check_payload` accepts, for the examples (no model, no optimizer)."""
+    state = {"scaler": {}, "step": step, "updates": step, "precision": config.get("precision", "fp32"),
+             "accumulation_steps": 1, "monitors": {}}
+    return {STEP: step, UPDATES: step, CONFIG: config, MODEL: {}, OPTIMIZER: {"state": {}, "param_groups": []},
+            SCHEDULER: {}, STATE: state, RNG: {}, DATA: step, ROLLBACKS: []}
+
 
 def find_resume(target: str | Path) -> Resume:
-    """The checkpoint for ``--resume RUN_DIR|CHECKPOINT``: a run folder's newest loadable one,
-    or the file named (inside its run folder's ``checkpoints/``).
+    """The checkpoint for ``--resume RUN_DIR|CHECKPOINT``: a run folder's newest one that reads,
+    or the file named (inside its run folder's ``checkpoints/``). Before anything is read the run
+    folder must be writable; then the checkpoint is checked (:func:`check_payload`,
+    :func:`check_belongs`) and its run folder must hold a ``steps.csv`` to continue.
+
+    ``RUN_DIR``: files that do not read as an ampguard checkpoint (torn by a kill, empty, foreign,
+    pickled code) are passed over for the next older one, as after a crash; the newest one that
+    reads is the one, and if it does not belong to this run (bad fields, another run's id, a name
+    that is not its step) the resume is refused naming it: it never silently gives way to an
+    older one.
 
     Example::
 
@@ -377,15 +481,21 @@ def find_resume(target: str | Path) -> Resume:
         >>> from ampguard.config import validate
         >>> run_dir = Path(tempfile.mkdtemp())
         >>> config = validate({"task": {"name": "linear"}, "precision": "bf16", "steps": 10})
-        >>> payload = {CONFIG: config.model_dump(mode="json"), MODEL: {}, OPTIMIZER: {}, SCHEDULER: {}, STATE: {},
-        ...            RNG: {}, DATA: 0}
-        >>> path = ckpt.save_checkpoint(run_dir / "checkpoints" / "step-00000004.pt", {**payload, STEP: 4})
+        >>> payload = _example_payload(4, config.model_dump(mode="json"))
+        >>> path = ckpt.save_checkpoint(run_dir / "checkpoints" / "step-00000004.pt", payload)
         >>> _ = (run_dir / "steps.csv").write_text("")
         >>> resume = find_resume(run_dir)
-        >>> resume.path.name, resume.loaded.step, resume.run_dir == run_dir
-        ('step-00000004.pt', 4, True)
+        >>> resume.path.name, resume.loaded.step, resume.run_dir == run_dir, resume.picked
+        ('step-00000004.pt', 4, True, True)
         >>> find_resume(path).run_dir == run_dir  # a file inside checkpoints/: its run folder is two up
         True
+        >>> _ = ckpt.save_checkpoint(run_dir / "checkpoints" / "step-00000009.pt", payload)  # step 4 inside
+        >>> try:
+        ...     find_resume(run_dir)
+        ... except InputError as err:
+        ...     print(str(err).replace(str(run_dir), "RUN"))
+        RUN/checkpoints/step-00000009.pt: named for step 9 but holds step 4; it is not the checkpoint a run saved under that name
+        >>> (run_dir / "checkpoints" / "step-00000009.pt").unlink()
         >>> (run_dir / "steps.csv").unlink()
         >>> try:
         ...     find_resume(run_dir)
@@ -396,20 +506,317 @@ def find_resume(target: str | Path) -> Resume:
     """
     target = Path(target)
     if target.is_dir():
-        path, payload = ckpt.latest_loadable(target / "checkpoints")
         run_dir = target
-    else:
-        path, payload = target, ckpt.load_checkpoint(target)
+    elif target.is_file():
         run_dir = target.parent.parent if target.parent.name == "checkpoints" else target.parent
-    if not (run_dir / "steps.csv").is_file():
-        raise InputError(f"{path}: its run folder {run_dir} has no steps.csv to continue")
-    return Resume(Loaded(path, payload), run_dir)
+    else:  # (not a FIFO or a device either: torch.load would wait on it)
+        raise InputError(f"no checkpoint file at {target}")
+    paths = RunPaths.existing(run_dir)
+    paths.check_writable()
+    run_id = paths.run_id()
+    if target.is_dir():
+        loaded = _newest_readable(paths.checkpoints)
+    else:
+        loaded = Loaded(target, ckpt.load_checkpoint(target))
+    check_payload(loaded)
+    if not paths.csv.is_file():
+        raise InputError(f"{loaded.path}: its run folder {run_dir} has no steps.csv to continue")
+    check_belongs(loaded, run_id, run_dir)
+    return Resume(loaded, run_dir, run_id=run_id, picked=target.is_dir())
+
+
+def _newest_readable(folder: Path) -> Loaded:
+    errors = []
+    for path in reversed(ckpt.list_checkpoints(folder)):
+        try:
+            return Loaded(path, ckpt.load_checkpoint(path))
+        except InputError as err:
+            errors.append(str(err))
+    if errors:
+        raise InputError(f"no loadable checkpoint in {folder} ({errors[0]})")
+    raise InputError(f"no checkpoint in {folder}")
+
+
+def check_belongs(loaded: Loaded, run_id: str | None, run_dir: Path | None = None) -> None:
+    """Refuse a checkpoint that is not this run's: a file name that is not ``step-<N>.pt`` with
+    N its step, or a :data:`RUN_ID` other than the run folder's ``run_id``. A checkpoint without
+    an id (written before run ids) passes here; its config and model are checked as every
+    checkpoint's are (:func:`check_resume`, :meth:`CheckpointManager.check_fits`).
+
+    Example::
+
+        >>> mine, other = "a" * 32, "b" * 32
+        >>> check_belongs(Loaded(Path("step-00000005.pt"), {STEP: 5, RUN_ID: mine}), mine)
+        >>> check_belongs(Loaded(Path("step-00000005.pt"), {STEP: 5}), mine)  # no id: judged by its config
+        >>> for loaded in (Loaded(Path("step-00000099.pt"), {STEP: 5, RUN_ID: mine}),
+        ...                Loaded(Path("best.pt"), {STEP: 5, RUN_ID: mine}),
+        ...                Loaded(Path("step-00000005.pt"), {STEP: 5, RUN_ID: other})):
+        ...     try:
+        ...         check_belongs(loaded, mine, Path("runs/a"))
+        ...     except InputError as err:
+        ...         print(err)
+        step-00000099.pt: named for step 99 but holds step 5; it is not the checkpoint a run saved under that name
+        best.pt: not named step-<8 digits>.pt; a run resumes only from checkpoints under the names it saved them
+        step-00000005.pt: saved by another run (run id bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb; runs/a is aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa); a run resumes only its own checkpoints
+    """
+    path, step = loaded.path, loaded.step
+    named = ckpt.checkpoint_step(path)
+    if named < 0:
+        raise InputError(f"{path}: not named step-<8 digits>.pt; a run resumes only from checkpoints under the "
+                         "names it saved them")
+    if named != step:
+        raise InputError(f"{path}: named for step {named} but holds step {step}; it is not the checkpoint a run "
+                         "saved under that name")
+    saved = loaded.payload.get(RUN_ID)
+    if saved is not None and saved != run_id:
+        where = run_dir if run_dir is not None else "this run folder"
+        if run_id is None:
+            raise InputError(f"{path}: saved by run {saved}, but {where} has no run-id file; resume the run folder "
+                             "it came from")
+        raise InputError(f"{path}: saved by another run (run id {saved}; {where} is {run_id}); a run resumes only "
+                         "its own checkpoints")
+
+
+# ---------------------------------------------------------------------------- the payload's schema
+
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_MAX_DEPTH = 32
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Plain data (what a config dumps to): str-keyed dicts, lists, str, numbers, bools, None."""
+    if depth > _MAX_DEPTH:
+        return False
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_plain(v, depth + 1) for v in value)
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _show(value: Any) -> str:
+    """A value for an error line: short, one line."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, (Mapping, list, tuple, set)):
+        return f"a {type(value).__name__}"
+    text = repr(value)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return text if isinstance(value, (str, int, float, bool, type(None))) else f"{text} ({type(value).__name__})"
+
+
+def _tensor_map(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(
+        isinstance(k, str) and (isinstance(v, torch.Tensor) or k.endswith("_extra_state")) for k, v in value.items())
+
+
+def _optimizer_state(value: Any) -> bool:
+    return (isinstance(value, Mapping) and isinstance(value.get("state"), Mapping)
+            and isinstance(value.get("param_groups"), list)
+            and all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in value["param_groups"]))
+
+
+def _rng(value: Any) -> bool:
+    return isinstance(value, Mapping) or (isinstance(value, list) and all(isinstance(v, Mapping) for v in value))
+
+
+_SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
+    # key, required, test, what it must be
+    (STEP, True, _is_int, "an int >= 0"),
+    (UPDATES, False, _is_int, "an int >= 0"),
+    (DATA, True, _is_int, "an int >= 0"),
+    (WORLD_SIZE, False, lambda v: _is_int(v, 1), "an int >= 1"),
+    (CONFIG, True, lambda v: isinstance(v, dict) and _plain(v), "a mapping of plain data"),
+    (PRECISION, False, lambda v: isinstance(v, str), "a str"),
+    (TORCH_VERSION, False, lambda v: isinstance(v, str), "a str"),
+    (RUN_ID, False, lambda v: isinstance(v, str) and _HEX32.fullmatch(v) is not None, "32 hex digits"),
+    (MODEL, True, _tensor_map, "a mapping of parameter names to tensors"),
+    (OPTIMIZER, True, _optimizer_state, "an optimizer state (a mapping with state and param_groups)"),
+    (SCHEDULER, True, lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v), "a mapping"),
+    (STATE, True, lambda v: isinstance(v, Mapping) and all(k in v for k in STATE_KEYS),
+     f"a mapping with {', '.join(STATE_KEYS)}"),
+    (RNG, True, _rng, "a mapping (a list of them under torchrun)"),
+    (ROLLBACKS, False, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of str"),
+)
+"""What each payload entry must be before anything uses it."""
+
+_STATE_SCHEMA: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("step", _is_int, "an int >= 0"),
+    ("updates", _is_int, "an int >= 0"),
+    ("accumulation_steps", lambda v: _is_int(v, 1), "an int >= 1"),
+    ("precision", lambda v: isinstance(v, str), "a str"),
+    ("scaler", lambda v: isinstance(v, Mapping), "a mapping"),
+    ("monitors", lambda v: isinstance(v, Mapping), "a mapping"),
+)
+
+
+def check_payload(loaded: Loaded) -> None:
+    """The payload's schema, checked after the weights-only load and before any field is used:
+    each entry's type (:data:`_SCHEMA`), the guarded step's state (:data:`STATE_KEYS`), and the
+    counters agreeing with each other. One :class:`InputError` line naming the file and the field.
+
+    Example::
+
+        >>> payload = _example_payload(4, {})
+        >>> check_payload(Loaded(Path("step-00000004.pt"), payload))
+        >>> for bad in ({STEP: "abc"}, {SCHEDULER: "x"}, {WORLD_SIZE: "two"}, {DATA: -1}, {ROLLBACKS: [1]},
+        ...             {STATE: {**payload[STATE], "step": 3}}, {UPDATES: 5}):
+        ...     try:
+        ...         check_payload(Loaded(Path("step-00000004.pt"), {**payload, **bad}))
+        ...     except InputError as err:
+        ...         print(err)
+        step-00000004.pt: bad checkpoint: step is 'abc', expected an int >= 0
+        step-00000004.pt: bad checkpoint: scheduler is 'x', expected a mapping
+        step-00000004.pt: bad checkpoint: world_size is 'two', expected an int >= 1
+        step-00000004.pt: bad checkpoint: data_position is -1, expected an int >= 0
+        step-00000004.pt: bad checkpoint: rollbacks is a list, expected a list of str
+        step-00000004.pt: bad checkpoint: state.step is 3, expected 4 (the checkpoint's step)
+        step-00000004.pt: bad checkpoint: updates is 5, expected at most 4 (the checkpoint's step)
+    """
+    payload, path = loaded.payload, loaded.path
+
+    def bad(key: str, value: Any, expected: str) -> InputError:
+        return InputError(f"{path}: bad checkpoint: {key} is {_show(value)}, expected {expected}")
+
+    if not isinstance(payload, Mapping):
+        raise InputError(f"{path}: bad checkpoint: the payload is {_show(payload)}, expected a mapping")
+    for key, required, test, expected in _SCHEMA:
+        if key not in payload:
+            if required:
+                raise InputError(f"{path}: bad checkpoint: {key} is missing")
+            continue
+        if not test(payload[key]):
+            raise bad(key, payload[key], expected)
+    state, step = payload[STATE], payload[STEP]
+    for key, test, expected in _STATE_SCHEMA:
+        if not test(state[key]):
+            raise bad(f"{STATE}.{key}", state[key], expected)
+    if state["step"] != step:
+        raise bad(f"{STATE}.step", state["step"], f"{step} (the checkpoint's step)")
+    if state["updates"] > step:
+        raise bad(f"{STATE}.updates", state["updates"], f"at most {step} (the checkpoint's step)")
+    if UPDATES in payload and payload[UPDATES] > step:
+        raise bad(UPDATES, payload[UPDATES], f"at most {step} (the checkpoint's step)")
+    if len(payload.get(ROLLBACKS) or []) > step:  # one rollback a step at most
+        raise bad(ROLLBACKS, payload[ROLLBACKS], f"at most {step} entries (one a step)")
+
+
+def check_checkpoint(loaded: Loaded, run_id: str | None) -> None:
+    """:func:`check_payload` then :func:`check_belongs`: what a run checks of a checkpoint it
+    rolls back to (:class:`CheckpointManager`'s ``check``)."""
+    check_payload(loaded)
+    check_belongs(loaded, run_id)
+
+
+# ---------------------------------------------------------------------------- does it fit this run
+
+
+def _names(keys: list[Any]) -> str:
+    shown = [repr(k) if len(repr(k)) <= 60 else repr(k)[:57] + "..." for k in keys[:3]]
+    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    return ", ".join(shown) + more
+
+
+def _check_model(path: Path, saved: Any, live: Mapping[str, Any]) -> None:
+    def refuse(why: str) -> InputError:
+        return InputError(f"{path}: its model does not match the one this run builds: {why}")
+
+    if not isinstance(saved, Mapping):
+        raise refuse(f"it is {_show(saved)}")
+    missing = [k for k in live if k not in saved]
+    unexpected = [k for k in saved if k not in live]
+    if missing or unexpected:
+        raise refuse("; ".join(([f"missing {_names(missing)}"] if missing else [])
+                               + ([f"unexpected {_names(unexpected)}"] if unexpected else [])))
+    for key, value in live.items():
+        other = saved[key]
+        if isinstance(value, torch.Tensor) and (not isinstance(other, torch.Tensor) or other.shape != value.shape):
+            shape = list(other.shape) if isinstance(other, torch.Tensor) else _show(other)
+            raise refuse(f"{key} is {shape} in the checkpoint, {list(value.shape)} here")
+
+
+def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -> None:
+    def refuse(why: str) -> InputError:
+        return InputError(f"{path}: its optimizer state does not match this run's parameters: {why}")
+
+    if not _optimizer_state(saved):
+        raise refuse(f"it is {_show(saved)}")
+    groups, live = saved["param_groups"], optimizer.param_groups
+    sizes, live_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in live]
+    if sizes != live_sizes:
+        raise refuse(f"parameter groups of {sizes} in the checkpoint, {live_sizes} here")
+    for group, live_group in zip(groups, live):
+        for pid, param in zip(group["params"], live_group["params"]):
+            if not isinstance(pid, (int, str)) or isinstance(pid, bool):
+                raise refuse(f"a parameter id is {_show(pid)}")
+            entry = saved["state"].get(pid)
+            if entry is None:
+                continue
+            if not isinstance(entry, Mapping):
+                raise refuse(f"the state of parameter {pid!r} is {_show(entry)}")
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise refuse(f"{name} of parameter {pid!r} is {list(value.shape)}, the parameter "
+                                 f"{list(param.shape)}")
+
+
+def _same_kind(saved: Any, live: Any, depth: int = 0) -> bool:
+    if depth > _MAX_DEPTH:
+        return False
+    if live is None or isinstance(live, (bool, str)):
+        return type(saved) is type(live)
+    if isinstance(live, int):
+        return _is_int(saved, -(2**63))
+    if isinstance(live, float):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool)
+    if isinstance(live, (list, tuple)):
+        return (isinstance(saved, (list, tuple)) and len(saved) == len(live)
+                and all(_same_kind(a, b, depth + 1) for a, b in zip(saved, live)))
+    if isinstance(live, Mapping):
+        return isinstance(saved, Mapping) and all(
+            _same_kind(saved[k], v, depth + 1) for k, v in live.items() if k in saved)
+    if isinstance(live, torch.Tensor):
+        return isinstance(saved, torch.Tensor) and saved.shape == live.shape
+    return type(saved) is type(live)
+
+
+def _check_scheduler(path: Path, saved: Any, scheduler: Any) -> None:
+    def refuse(why: str) -> InputError:
+        return InputError(f"{path}: its scheduler state does not fit this run's scheduler: {why}")
+
+    if not isinstance(saved, Mapping):
+        raise refuse(f"it is {_show(saved)}")
+    live = scheduler.state_dict()
+    for key, value in saved.items():
+        if key not in live:
+            if not isinstance(key, str) or key.startswith("__") or key in vars(scheduler):
+                raise refuse(f"{_names([key])} is not scheduler state")  # it would replace one of its attributes
+            continue
+        if not _same_kind(value, live[key]):
+            raise refuse(f"{key} is {_show(value)}, this scheduler's is {_show(live[key])}")
+
+
+# ---------------------------------------------------------------------------- resume checks
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_resume(resume: Resume, config: Config, world_size: int | None = None) -> None:
     """Refuse a resume that would make the run differ from the uninterrupted one: a fixed config
-    key changed (:data:`RESUME_FIXED`, naming the exact field), a checkpoint beyond ``steps``, or (when
-    ``world_size`` is given) another number of processes.
+    key changed (:data:`RESUME_FIXED`, naming the exact field), a checkpoint beyond ``steps``, a
+    data position beyond what its steps could have taken (``step x accumulation_steps +
+    rollbacks x rollback.skip_batches``: each step takes ``accumulation_steps`` micro-batches and
+    each rollback seeks at most ``skip_batches`` past a position already taken; the stream is
+    skipped to it by reading, so a larger one would spin), or (when ``world_size`` is given)
+    another number of processes. ``config`` is the run folder's ``config.yaml`` plus ``--set``;
+    the checkpoint's own config is only compared with it.
 
     Example::
 
@@ -417,11 +824,10 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         >>> from ampguard.config import validate
         >>> run_dir = Path(tempfile.mkdtemp())
         >>> config = validate({"task": {"name": "linear"}, "precision": "bf16", "steps": 10})
-        >>> payload = {CONFIG: config.model_dump(mode="json"), MODEL: {}, OPTIMIZER: {}, SCHEDULER: {}, STATE: {},
-        ...            RNG: {}, DATA: 0}
-        >>> path = ckpt.save_checkpoint(run_dir / "checkpoints" / "step-00000004.pt", {**payload, STEP: 4})
+        >>> payload = _example_payload(4, config.model_dump(mode="json"))
+        >>> path = ckpt.save_checkpoint(run_dir / "checkpoints" / "step-00000004.pt", payload)
         >>> _ = (run_dir / "steps.csv").write_text("")
-        >>> resume = find_resume(run_dir)
+        >>> resume = find_resume(path)
         >>> check_resume(resume, config, world_size=1)  # the same run, more steps to go: fine
         >>> for changed in ({"precision": "fp16"}, {"task": {"name": "linear", "batch_size": 8}}, {"steps": 3}):
         ...     try:
@@ -431,14 +837,17 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         --resume: precision was 'bf16' in the checkpoint, now 'fp16'; a resumed run must keep it
         --resume: task.batch_size was 32 in the checkpoint, now 8; a resumed run must keep it
         --resume: RUN/checkpoints/step-00000004.pt is at step 4, the run asks for 3 steps; raise steps ...
-        >>> try:
-        ...     check_resume(resume, config, world_size=2)
-        ... except InputError as err:
-        ...     print(str(err).replace(str(run_dir), "RUN"))
-        RUN/checkpoints/step-00000004.pt: saved by 1 process(es), this run has 2; resume with the same world size
+        >>> for bad in ({WORLD_SIZE: 2}, {DATA: 10**12}):
+        ...     try:
+        ...         check_resume(Resume(Loaded(path, {**payload, **bad}), run_dir), config, world_size=1)
+        ...     except InputError as err:
+        ...         print(str(err).replace(str(run_dir), "RUN"))
+        RUN/checkpoints/step-00000004.pt: saved by 2 process(es), this run has 1; resume with the same world size
+        RUN/checkpoints/step-00000004.pt: data position 1000000000000 is beyond what 4 steps could have taken (4 = step x accumulation_steps + rollbacks x rollback.skip_batches)
         >>> shutil.rmtree(run_dir)
     """
     saved, now = resume.saved_config, config.model_dump(mode="json")
+    where = resume.path if resume.picked else "the checkpoint"
     for key in RESUME_FIXED:
         a, b = saved, now
         for part in key.split("."):
@@ -449,7 +858,7 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
             if diff is not None:
                 key, a, b = f"{key}.{diff}", a.get(diff), b.get(diff)
         if a != b:
-            raise InputError(f"--resume: {key} was {a!r} in the checkpoint, now {b!r}; a resumed run must keep it")
+            raise InputError(f"--resume: {key} was {_short(a)} in {where}, now {_short(b)}; a resumed run must keep it")
     step = resume.loaded.step
     if step > config.steps:  # (at config.steps the run was complete: resuming rewrites its card)
         raise InputError(f"--resume: {resume.path} is at step {step}, the run asks for {config.steps} steps; "
@@ -458,3 +867,8 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
     if world_size is not None and saved_world != world_size:
         raise InputError(f"{resume.path}: saved by {saved_world} process(es), this run has {world_size}; "
                          "resume with the same world size")
+    position, rollbacks = resume.loaded.payload[DATA], resume.loaded.payload.get(ROLLBACKS) or []
+    bound = step * config.accumulation_steps + len(rollbacks) * config.rollback.skip_batches
+    if position > bound:
+        raise InputError(f"{resume.path}: data position {position} is beyond what {step} steps could have taken "
+                         f"({bound} = step x accumulation_steps + rollbacks x rollback.skip_batches)")

@@ -1,15 +1,21 @@
 """The run folder: where a run writes what (paths), and what a finished run hands back (result).
 
 ``runs/<name>/`` holds ``RUN.md``, ``steps.csv``, ``events.jsonl``, ``report.png``,
-``config.yaml``, ``checkpoints/`` (and ``steps.jsonl``, ``tensorboard/`` when asked for). A demo
-writes at most a CSV: its :class:`RunPaths` has no folder. :mod:`ampguard.report` reads these
-names from here; nothing here imports the training loop.
+``config.yaml``, ``run-id``, ``checkpoints/`` (and ``steps.jsonl``, ``tensorboard/`` when asked
+for). ``run-id`` is the folder's identity (32 hex digits, written when the run opens its outputs):
+every checkpoint carries it, and ``--resume`` refuses a checkpoint of another run. A demo writes
+at most a CSV: its :class:`RunPaths` has no folder. :mod:`ampguard.report` reads these names from
+here; nothing here imports the training loop.
 """
 
 from __future__ import annotations
 
+import csv
 import os
+import re
+import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,6 +74,10 @@ class RunPaths:
     def checkpoints(self) -> Path | None:
         return self._in_dir("checkpoints")
 
+    @property
+    def id_file(self) -> Path | None:
+        return self._in_dir(RUN_ID_FILE)
+
     @classmethod
     def existing(cls, run_dir: Path) -> RunPaths:
         """The paths of the run folder ``run_dir`` (nothing is created)."""
@@ -76,7 +86,26 @@ class RunPaths:
     @classmethod
     def new_run_dir(cls, config: Config) -> RunPaths:
         """Create the run folder ``log.dir/log.name`` (a timestamp by default), never reusing one,
-        and write the effective config into it."""
+        and write the effective config into it. When that fails it is one :class:`InputError`
+        line, and every folder it created (``log.dir`` and its parents included) is removed again.
+
+        Example (``log.dir`` under a file: nothing is left behind)::
+
+            >>> import shutil, tempfile
+            >>> from ampguard.config import validate
+            >>> root = Path(tempfile.mkdtemp())
+            >>> _ = (root / "a-file").write_text("")
+            >>> for log_dir in (root / "a-file" / "runs", root / "runs" / ("x" * 300)):
+            ...     try:
+            ...         RunPaths.new_run_dir(validate({"log": {"dir": str(log_dir), "name": "a"}}))
+            ...     except InputError as err:
+            ...         print(str(err).replace(str(root), "ROOT")[:60])
+            cannot create run folder ROOT/a-file/runs/a: Not a directory
+            cannot create run folder ROOT/runs/xxxxxxxxxxxxxxxxxxxxxxxxx
+            >>> sorted(p.name for p in root.iterdir())  # no empty runs/ left behind
+            ['a-file']
+            >>> shutil.rmtree(root)
+        """
         if config.log.name:
             run_dir = Path(config.log.dir) / config.log.name
             if run_dir.exists():
@@ -88,12 +117,21 @@ class RunPaths:
             while run_dir.exists():
                 n += 1
                 run_dir = Path(config.log.dir) / f"{stamp}-{n}"
+        created: list[Path] = []
         try:
-            run_dir.mkdir(parents=True)
-        except OSError as err:
-            raise InputError(f"cannot create run folder {run_dir}: {err.strerror}") from None
-        paths = cls.existing(run_dir)
-        paths.write_config(config)
+            for folder in [*reversed(run_dir.parents), run_dir]:  # one by one, to know which are new
+                if folder != run_dir and folder.exists():  # (a file there: the next mkdir says so)
+                    continue
+                folder.mkdir()
+                created.append(folder)
+            paths = cls.existing(run_dir)
+            paths.write_config(config)
+        except (OSError, ValueError) as err:
+            _remove_created(created)
+            if isinstance(err, FileExistsError) and run_dir not in created and run_dir.exists():  # a race
+                raise InputError(f"run folder {run_dir} already exists; choose another log.name") from None
+            why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise InputError(f"cannot create run folder {run_dir}: {why}") from None
         return paths
 
     def write_config(self, config: Config) -> None:
@@ -102,6 +140,117 @@ class RunPaths:
             tmp = self.config.with_name(".config.yaml.tmp")
             tmp.write_text(dump_config(config), encoding="utf-8")
             os.replace(tmp, self.config)
+
+    def run_id(self) -> str | None:
+        """The run folder's id (its ``run-id`` file), None when it has none (a folder made before
+        run ids, or no folder); one :class:`InputError` line when the file is not an id.
+
+        Example::
+
+            >>> import shutil, tempfile
+            >>> paths = RunPaths.existing(Path(tempfile.mkdtemp()))
+            >>> paths.run_id() is None, RunPaths().run_id() is None
+            (True, True)
+            >>> made = paths.ensure_run_id()
+            >>> len(made), paths.run_id() == made == paths.ensure_run_id()  # made once, then read
+            (32, True)
+            >>> _ = paths.id_file.write_text("../../etc/passwd")
+            >>> try:
+            ...     paths.run_id()
+            ... except InputError as err:
+            ...     print(str(err).replace(str(paths.dir), "RUN"))
+            RUN/run-id: not a run id (expected 32 hex digits)
+            >>> shutil.rmtree(paths.dir)
+        """
+        path = self.id_file
+        if path is None or not (path.exists() or path.is_symlink()):
+            return None
+        try:
+            with path.open("rb") as f:
+                text = f.read(100).decode("ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            text = ""
+        if not _RUN_ID.fullmatch(text):
+            raise InputError(f"{path}: not a run id (expected 32 hex digits)")
+        return text
+
+    def ensure_run_id(self) -> str | None:
+        """The run folder's id, made (a random uuid4, written atomically) if it has none yet;
+        None without a folder. Called when a run opens its outputs, new or resumed."""
+        if self.dir is None or self.id_file is None:
+            return None
+        found = self.run_id()
+        if found is not None:
+            return found
+        made = uuid.uuid4().hex
+        tmp = self.id_file.with_name(f".{RUN_ID_FILE}.tmp")
+        tmp.write_text(made + "\n", encoding="ascii")
+        os.replace(tmp, self.id_file)
+        return made
+
+    def check_writable(self) -> None:
+        """One :class:`InputError` line naming the run folder when it, or anything in it a run
+        writes, cannot be written (a read-only folder or file system): what ``--resume`` checks
+        before it reads or changes anything.
+
+        Example::
+
+            >>> import shutil, tempfile
+            >>> paths = RunPaths.existing(Path(tempfile.mkdtemp()))
+            >>> paths.check_writable()
+            >>> shutil.rmtree(paths.dir)
+        """
+        if self.dir is None:
+            return
+        for path in (self.dir, self.checkpoints, self.csv, self.events, self.steps_jsonl, self.card, self.plot,
+                     self.config, self.id_file, self.tensorboard):
+            if path is None or not path.exists():
+                continue
+            mode = os.W_OK | os.X_OK if path.is_dir() else os.W_OK
+            if not os.access(path, mode):
+                what = "it" if path == self.dir else f"{path.name} in it"
+                raise InputError(f"run folder {self.dir} is read-only ({what} cannot be written); "
+                                 "a resumed run writes its CSV, events and checkpoints there")
+
+    def csv_header(self) -> tuple[str, ...] | None:
+        """The column names in the first line of ``steps.csv`` (None when there is no such file
+        or it is empty); at most 64 KiB are read.
+
+        Example::
+
+            >>> import shutil, tempfile
+            >>> paths = RunPaths.existing(Path(tempfile.mkdtemp()))
+            >>> _ = paths.csv.write_text("step,lr\\n1,0.1\\n")
+            >>> paths.csv_header(), RunPaths().csv_header()
+            (('step', 'lr'), None)
+            >>> shutil.rmtree(paths.dir)
+        """
+        if self.csv is None or not self.csv.is_file():
+            return None
+        try:
+            with self.csv.open("rb") as f:
+                first = f.read(1 << 16).split(b"\n", 1)[0].decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            return ("<unreadable>",)
+        return tuple(next(csv.reader([first]), ())) or None
+
+
+RUN_ID_FILE = "run-id"
+"""The file in a run folder that holds its id."""
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Undo a failed :meth:`RunPaths.new_run_dir`: the run folder it made (with what it wrote in
+    it) and the parents it made, newest first, while they are empty."""
+    for folder in reversed(created):
+        try:
+            if folder == created[-1]:
+                shutil.rmtree(folder)
+            else:
+                folder.rmdir()
+        except OSError:
+            return
 
 
 @dataclass

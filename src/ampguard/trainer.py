@@ -9,27 +9,30 @@ describes how the loop sequences them. The verbs that use it are in :mod:`train`
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import checkpoint as ckpt
 from . import checkpointer as ck
 from . import distributed
-from .build import build_monitor, build_sinks, build_spike_detector, build_state, resolve_device
+from .build import (build_monitor, build_sinks, build_spike_detector, build_state, check_forward, check_trainable,
+                    precision_of, resolve_device)
 from .config import Config
 from .data import DataStream
 from .errors import ExitCode, InputError
 from .evaluation import Evaluator
 from .events import EventLog, event_word, progress_bar
-from .faults import FaultInjector, parse_fault
-from .guards import INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop
+from .faults import FaultInjector, check_ranks, parse_fault
+from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import StepRecord
 from .run_folder import RunPaths, RunResult
 from .signals import StopFlag, stop_on_signals
-from .sinks import ConsoleSink, Sinks, TensorBoardSink
+from .sinks import CSV_COLUMNS, ConsoleSink, DiskFull, Sinks, TensorBoardSink, disk_full_error
 from .step import AmpTrainState
 from .tasks import Task, build_task
 
@@ -51,7 +54,7 @@ class Trainer:
         False
         >>> result = trainer.run()
         >>> int(result.exit_code), sorted(p.name for p in (folder / "runs" / "a").iterdir())
-        (0, ['RUN.md', 'checkpoints', 'config.yaml', 'events.jsonl', 'report.png', 'steps.csv'])
+        (0, ['RUN.md', 'checkpoints', 'config.yaml', 'events.jsonl', 'report.png', 'run-id', 'steps.csv'])
         >>> shutil.rmtree(folder)
     """
 
@@ -73,12 +76,17 @@ class Trainer:
     checkpointer: ck.CheckpointManager
     rollbacks: Rollbacks
     resume: ck.Resume | None
+    run_id: str | None
+    """The run folder's id, carried by every checkpoint (known once run() opens the outputs)."""
     # what it writes: opened by run(), so bad input leaves nothing behind
     paths: RunPaths
     sinks: Sinks
     events: EventLog
     say: Callable[[str], None]
     bar: Any
+    _failed: DiskFull | None
+    """A write of the trainer's own that found the disk full (the run folder, a checkpoint, the
+    run card); the sinks and the event log keep theirs (:meth:`disk_full`)."""
 
     def __init__(self, config: Config, *, outputs: Callable[[], RunPaths], console_every: int,
                  stats_every: int | None, print_fn: Callable[[str], None], progress: bool,
@@ -92,12 +100,19 @@ class Trainer:
         if resume is not None:
             ck.check_resume(resume, config, self.dist.world_size)
         faults = [parse_fault(spec, seed=config.seed) for spec in config.inject]
+        try:
+            check_ranks(faults, self.dist.world_size)
+        except ValueError as err:
+            raise InputError(f"inject: {err}") from None
         self.task = _build_task(config, self.dist.world_size)
         if not self.task.float_inputs and any(f.kind == "nan_input" for f in faults):
             raise InputError(f"inject: nan_input needs floating-point inputs; task {self.task.name} feeds integer tokens")
         if config.log.tensorboard:
             TensorBoardSink.require()
         model = self.task.model.to(self.device)
+        self.injector = FaultInjector(faults, config.accumulation_steps, rank=self.dist.rank)
+        self.data = DataStream(self.task, self.injector, self.device, self.dist)
+        self._check_model(model)
         if self.dist.active:
             model = distributed.wrap(model, config.distributed.strategy, self.device)
         self.state = build_state(config, model, self.task.loss_fn, self.device)
@@ -109,18 +124,38 @@ class Trainer:
         if self.spikes is not None:
             self.state.monitors["loss_spike"] = self.spikes
         self.guards = Guards(config, self.monitor, self.spikes)
-        self.injector = FaultInjector(faults, config.accumulation_steps, rank=self.dist.rank)
         self.state.loss_fn = self.injector.wrap_loss(self.state.loss_fn)
         self.injector.attach(self.task.model)
-        self.data = DataStream(self.task, self.injector, self.device, self.dist)
         self.diagnosis = None
         if config.diagnose.first_skip or config.diagnose.strict:
             self.diagnosis = FirstSkipDiagnosis(self.state, self.task.model)
+        self.run_id = resume.run_id if resume is not None else None  # a new run's: made by run()
         self.checkpointer = self._checkpointer(None)  # the folder is known once run() opens the outputs
         self.rollbacks = Rollbacks(config, self.checkpointer, self.state, self.data, self.monitor, self.spikes)
         self.checkpointer.parts[ck.ROLLBACKS] = self.rollbacks
-        if resume is not None:
+        if resume is not None:  # still nothing written: a checkpoint that does not fit is one line
+            self.checkpointer.check_fits(resume.loaded)
+            header, columns = RunPaths.existing(resume.run_dir).csv_header(), CSV_COLUMNS + self.evaluator.metrics
+            if header is not None and header != columns:
+                raise InputError(f"{resume.run_dir / 'steps.csv'}: its header does not match this run's columns "
+                                 f"({', '.join(columns[len(CSV_COLUMNS):]) or 'no metrics'}), cannot append")
             self.checkpointer.restore(resume.loaded)
+
+    def _check_model(self, model: torch.nn.Module) -> None:
+        """Before anything is written: the model has something to train, and the first batch goes
+        through it and the loss (one forward pass that leaves no trace: ``build.check_forward``).
+        Under torchrun each rank checks its own slice, and all refuse with the first rank's line."""
+        factory = self.config.task.factory
+        who = f"task.factory {factory}" if factory else f"task {self.task.name}"
+        problem = None
+        try:
+            check_trainable(model, who)
+            check_forward(model, self.task.loss_fn, self.data.peek, precision_of(self.config, self.device), who)
+        except InputError as err:
+            problem = str(err)
+        problem = distributed.first_error(problem)
+        if problem is not None:
+            raise InputError(problem)
 
     def _checkpointer(self, folder: Path | None) -> ck.CheckpointManager:
         fsdp = self.dist.active and self.config.distributed.strategy == "fsdp2"
@@ -130,8 +165,10 @@ class Trainer:
             ck.SCHEDULER: state.scheduler, ck.STATE: state, ck.RNG: ck.RngState(self.dist), ck.DATA: self.data}
         meta = lambda: {ck.UPDATES: state.updates, ck.CONFIG: self.config.model_dump(mode="json"),  # noqa: E731
                         ck.PRECISION: self.config.precision, ck.WORLD_SIZE: self.dist.world_size,
-                        ck.TORCH_VERSION: str(torch.__version__)}
-        return ck.CheckpointManager(folder, parts, keep=self.config.checkpoint.keep, meta=meta, dist=self.dist)
+                        ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {})}
+        check = lambda loaded: ck.check_checkpoint(loaded, self.run_id)  # noqa: E731 - a rollback's too
+        return ck.CheckpointManager(folder, parts, keep=self.config.checkpoint.keep, meta=meta, dist=self.dist,
+                                    check=check)
 
     # ------------------------------------------------------------------ the loop
 
@@ -153,11 +190,14 @@ class Trainer:
                 self.injector.detach()
                 if self.bar is not None:
                     self.bar.close()
-            if clean and self.state.steps > first_step:  # (a resumed complete run only rewrites its card)
+            full = stopped is not None and stopped.kind == DISK_FULL  # agreed: every rank skips the save
+            if clean and not full and self.state.steps > first_step:  # (a resumed complete run only rewrites its card)
                 self.save()
             return self._close(stopped)
 
     def _loop(self, stop: StopFlag) -> Stop | None:
+        if self._agree(False, self.disk_full() is not None)[1]:  # opening the outputs found the disk full
+            return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
         while self.state.steps < self.config.steps:
             record = self.train_step()
             self.record(record, self.evaluator() if self.evaluator.due(record.step) else None)
@@ -166,9 +206,12 @@ class Trainer:
                 decision = self.rollbacks.apply(decision)
             if isinstance(decision, Stop):
                 return decision
-            self.maybe_save(record.step)
-            if self._agree(stop.requested):  # the first Ctrl-C or SIGTERM, honoured at a step boundary
+            interrupted, full = self._agree(stop.requested, self.disk_full() is not None)
+            if full:  # a file found no room (on rank 0): every rank stops here, nothing more is written
+                return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
+            if interrupted:  # the first Ctrl-C or SIGTERM, honoured at a step boundary (run() saves)
                 return self._interrupted(stop)
+            self.maybe_save(record.step)
         return None
 
     def _interrupted(self, stop: StopFlag) -> Stop:
@@ -219,7 +262,18 @@ class Trainer:
         """
         if not self.config.checkpoint.enabled or self.state.mid_group or not self.checkpointer.enabled:
             return
-        path = self.checkpointer.save(self.state.steps)  # every rank takes part; rank 0 writes
+        try:
+            path = self.checkpointer.save(self.state.steps)  # every rank takes part; rank 0 writes
+        except Exception as err:
+            if disk_full_error(err) is None:
+                raise
+            # rank 0 failed between the collectives and the barrier that ends save(): meet the
+            # other ranks there (the file was never put in place: earlier checkpoints are whole)
+            distributed.barrier()
+            if self._failed is None:  # (the records of this step are written: intact through it)
+                self._failed = DiskFull(self.checkpointer.folder / ckpt.checkpoint_name(self.state.steps),
+                                        disk_full_error(err))
+            return
         if path is not None:
             self.events.emit({"step": self.state.steps, "event": "checkpoint", "message": f"saved {path.name}"})
 
@@ -228,18 +282,29 @@ class Trainer:
     def _open(self) -> None:
         """Create what the run writes (rank 0 only), and tell every rank the checkpoint folder."""
         main, resuming = self.dist.is_main, self.resume is not None
-        self.paths = self.outputs() if main else RunPaths()
+        self._failed = None
+        try:
+            self.paths = self.outputs() if main else RunPaths()
+        except Exception as err:  # the disk is full already: train nothing, write nothing more
+            if disk_full_error(err) is None:
+                raise
+            self.paths, self._failed = RunPaths(), DiskFull("the run folder", disk_full_error(err))
         self.checkpointer.folder = distributed.broadcast_from_main(self.paths.checkpoints)
+        self.run_id = distributed.broadcast_from_main(self.paths.ensure_run_id())  # made now for a new run folder
         self.bar = progress_bar(self.config.steps, initial=self.state.steps) if self.progress and main else None
         self.say = say = (self.bar.write if self.bar is not None else self.print_fn) if main else (lambda line: None)
         console = ConsoleSink(self.console_every, say)
-        self.sinks = build_sinks(self.config, self.paths, self.evaluator.metrics, console,
-                                 keep_through=self.state.steps if resuming else None)
+        try:
+            self.sinks = build_sinks(self.config, self.paths, self.evaluator.metrics, console,
+                                     keep_through=self.state.steps if resuming else None)
+        except DiskFull as full:  # the CSV's header (or a resume's truncation) found no room
+            self.sinks, self._failed = Sinks(console), self._failed or full
         self.events = EventLog(self.paths.events, say, append=resuming)
         self.rollbacks.events = self.events
         if self.diagnosis is not None:
             self.diagnosis.events = self.events
         if self.resume is not None:
+            self.checkpointer.remove_partial()  # saves that a kill cut short: none of them is this run's
             set_aside = self.checkpointer.set_aside_after(self.state.steps)
             note = f"; newer checkpoints set aside: {', '.join(p.name for p in set_aside)}" if set_aside else ""
             self.events.emit({"step": self.state.steps, "event": "resume",
@@ -250,20 +315,55 @@ class Trainer:
 
     def _close(self, stopped: Stop | None) -> RunResult:
         ended = stopped.why if stopped else f"finished: {self.config.steps} steps"
-        self.events.emit({"step": self.monitor.steps, "event": "run_end", "message": ended})
+        if self.disk_full() is None:  # once a write found no room, nothing more is written
+            self.events.emit({"step": self.monitor.steps, "event": "run_end", "message": ended})
         self.events.close()
         result = RunResult(stopped.exit_code if stopped else ExitCode.OK, self.monitor, self.paths, ended, self.device,
                            self.checkpointer.saved, self.rollbacks.log, self.resume.path if self.resume else None,
                            self.task.description, self.diagnosis.found if self.diagnosis else None)
-        if self.paths.dir is not None:
+        if self.paths.dir is not None and self.disk_full() is None:
             from .report import write_report
 
-            write_report(self.config, result, self.say)
+            try:
+                write_report(self.config, result, self.say)
+            except Exception as err:
+                if disk_full_error(err) is None:
+                    raise
+                self._failed = DiskFull(disk_full_error(err).filename or self.paths.card, disk_full_error(err))
+        full = distributed.broadcast_from_main(self._disk_full_line())  # every rank ends with the same code
+        if full is None:
+            return result
+        if self.dist.is_main:
+            print(f"ampguard: error: {full}", file=sys.stderr, flush=True)
+        result.exit_code, result.ended = ExitCode.DISK_FULL, full
         return result
 
-    def _agree(self, requested: bool) -> bool:
-        """Ranks stop together: a Ctrl-C seen by any rank stops all at the same step boundary."""
-        return distributed.any_rank(requested, self.device)
+    def _agree(self, requested: bool, full: bool) -> tuple[bool, bool]:
+        """Ranks stop together: a Ctrl-C seen by any rank, or a write that found the disk full
+        (rank 0's), stops all at the same step boundary. One all-reduce and host read (torchrun)."""
+        interrupted, full = distributed.any_ranks([requested, full], self.device)
+        return interrupted, full
+
+    def disk_full(self) -> DiskFull | None:
+        """This rank's first write that found the disk full (the run folder, a sink, the event
+        log, a checkpoint, the run card), or None while every write went through."""
+        return self._failed or self.sinks.failed or self.events.failed
+
+    def _disk_full_line(self) -> str | None:
+        """Rank 0's one line for :meth:`disk_full`: the file, and the step up to which the run is
+        intact (its newest checkpoint, or without one the last step fully recorded)."""
+        full = self.disk_full()
+        if full is None:
+            return None
+        saved = [n for n in map(ckpt.checkpoint_step, self.checkpointer.saved) if 0 <= n <= self.state.steps]
+        if saved:
+            step = max(saved)
+            how = f"checkpoints/{ckpt.checkpoint_name(step)}: --resume {self.paths.dir} continues from there"
+        else:
+            step = self.monitor.steps if full.through is None else full.through
+            how = "its records; no checkpoint to resume from"
+        return (f"disk full while writing {full.path}; the run is intact up to step {step} "
+                f"({how}; {full.error.strerror or full.error})")
 
 
 def _build_task(config: Config, world: int) -> Task:

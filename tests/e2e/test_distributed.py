@@ -329,7 +329,7 @@ def test_only_rank_0_writes_the_run_folder_and_prints(launches, run_a, work):
     assert [p.name for p in runs.iterdir()] == [run_a.name]  # no second (timestamped) folder from rank 1
     assert list((work / "A_cwd").iterdir()) == []  # nothing relative to the working directory
     files = sorted(str(p.relative_to(run_a)) for p in run_a.rglob("*"))
-    assert files == sorted(["RUN.md", "config.yaml", "events.jsonl", "report.png", "steps.csv", "checkpoints",
+    assert files == sorted(["RUN.md", "config.yaml", "events.jsonl", "report.png", "run-id", "steps.csv", "checkpoints",
                             f"checkpoints/{CKPT4}", f"checkpoints/{CKPT8}"])
     lines = (run_a / "steps.csv").read_text(encoding="utf-8").splitlines()
     assert sum(line.startswith("step,") for line in lines) == 1 and lines[0].startswith("step,")

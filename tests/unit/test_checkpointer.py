@@ -351,8 +351,11 @@ def test_after_a_set_aside_the_same_steps_are_saved_again_and_pruned_normally(tm
 
 
 def _meta(step: int, config: dict | None = None, world_size: int | None = 1) -> dict[str, Any]:
-    meta = {STEP: step, CONFIG: config if config is not None else {}, MODEL: {}, OPTIMIZER: {}, SCHEDULER: {},
-            STATE: {}, RNG: {}, DATA: step}
+    """A payload ``check_payload`` accepts (the guarded step's state with every key it writes)."""
+    state = {"scaler": {}, "step": step, "updates": step, "precision": "bf16", "accumulation_steps": 1,
+             "monitors": {}}
+    meta = {STEP: step, CONFIG: config if config is not None else {}, MODEL: {},
+            OPTIMIZER: {"state": {}, "param_groups": []}, SCHEDULER: {}, STATE: state, RNG: {}, DATA: step}
     if world_size is not None:
         meta[WORLD_SIZE] = world_size
     return meta
@@ -564,3 +567,76 @@ def test_rng_state_of_one_process_is_one_state_and_each_rank_restores_its_own():
     torch.manual_seed(7)
     RngState(DistInfo(rank=1, world_size=2, local_rank=1)).load_state_dict([first, second])
     assert torch.equal(torch.rand(3), expected)
+
+
+# ---------------------------------------------------------------------------- issue 16: leftovers, checked loads
+
+
+def test_save_removes_partial_saves_of_other_processes_and_keeps_its_own(tmp_path):
+    import os
+
+    run = Run(tmp_path)
+    others = [tmp_path / ".step-00000003.pt.tmp-4242", tmp_path / ".step-00000001.pt.tmp-1"]
+    own = tmp_path / f".step-00000009.pt.tmp-{os.getpid()}"
+    for path in (*others, own):
+        path.write_bytes(b"a save killed halfway")
+    (tmp_path / "notes.txt").write_text("not a checkpoint", encoding="utf-8")
+    run.save(2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([own.name, "notes.txt", "step-00000002.pt"])
+
+
+def test_remove_partial_removes_every_partial_save_on_rank_0_only(tmp_path):
+    import os
+
+    paths = [tmp_path / ".step-00000003.pt.tmp-4242", tmp_path / f".step-00000004.pt.tmp-{os.getpid()}"]
+    for path in paths:
+        path.write_bytes(b"")
+    assert Run(tmp_path, dist=DistInfo(rank=1, world_size=2)).manager.remove_partial() == []
+    assert sorted(Run(tmp_path).manager.remove_partial()) == sorted(paths)
+    assert list(tmp_path.iterdir()) == []
+    assert Run(None).manager.remove_partial() == []
+
+
+def test_load_with_a_check_passes_over_checkpoints_it_refuses(tmp_path):
+    run = Run(tmp_path)
+    for step in (2, 4, 6):
+        run.save(step)
+    seen: list[int] = []
+
+    def check(loaded: Loaded) -> None:
+        seen.append(loaded.step)
+        if loaded.step == 6:
+            raise InputError(f"{loaded.path}: saved by another run")
+
+    run.manager.check = check
+    assert run.manager.load().step == 4 and seen == [6, 4]
+    assert run.manager.load(before_step=4).step == 2
+    run.manager.check = lambda loaded: (_ for _ in ()).throw(InputError(f"{loaded.path}: no"))
+    with pytest.raises(InputError) as err:
+        run.manager.load()
+    assert "no loadable checkpoint" in one_line(err) and "step-00000006.pt: no" in str(err.value)
+
+
+def test_find_resume_refuses_a_readable_newest_checkpoint_that_is_not_the_runs_instead_of_passing_it_over(tmp_path):
+    run = _run_folder(tmp_path / "run", (2, 4))
+    ckpt.save_checkpoint(run / "checkpoints" / "step-00000009.pt", _meta(4))  # step 4 under the name of step 9
+    with pytest.raises(InputError) as err:
+        ck.find_resume(run)
+    assert one_line(err).startswith(f"{run / 'checkpoints' / 'step-00000009.pt'}: named for step 9")
+    (run / "checkpoints" / "step-00000009.pt").write_bytes(b"torn")  # what a kill leaves: passed over
+    assert ck.find_resume(run).loaded.step == 4
+
+
+def test_find_resume_takes_the_run_folders_id_and_refuses_another_runs_checkpoint(tmp_path):
+    run = _run_folder(tmp_path / "run", (2,))
+    mine, other = "a" * 32, "b" * 32
+    (run / "run-id").write_text(mine + "\n", encoding="ascii")
+    assert ck.find_resume(run).run_id == mine  # an old checkpoint without an id is judged by its config
+    ckpt.save_checkpoint(run / "checkpoints" / "step-00000004.pt", {**_meta(4), ck.RUN_ID: other})
+    with pytest.raises(InputError) as err:
+        ck.find_resume(run)
+    assert "saved by another run" in one_line(err)
+    ckpt.save_checkpoint(run / "checkpoints" / "step-00000004.pt", {**_meta(4), ck.RUN_ID: mine})
+    resume = ck.find_resume(run)
+    assert resume.loaded.step == 4 and resume.run_id == mine and resume.picked
+    assert not ck.find_resume(run / "checkpoints" / "step-00000004.pt").picked

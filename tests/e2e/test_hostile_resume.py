@@ -1,0 +1,408 @@
+"""Hostile and careless resumes (issue 16): a run folder must not make ``--resume`` run code or
+take another run's state, a checkpoint's fields are checked before use, leftovers are cleaned up,
+a read-only run folder is one line. ``docs/resume.md`` says what a resume executes.
+
+Every refusal is one line ``ampguard: error: ...``, exit 2, and leaves the run folder exactly as it
+was (the ``snapshot`` fixture). Runs go through ``ampguard.cli.main`` in-process; what could hang
+runs under a wall-clock alarm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from helpers import ag
+
+from ampguard import checkpoint as ckpt
+from ampguard import checkpointer as ck
+
+LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32"]
+SHORT = ["--set", "steps=8", "--set", "checkpoint.every=4", "--set", "checkpoint.keep=10", "--set", "log.every=1000"]
+CKPT4, CKPT8 = "step-00000004.pt", "step-00000008.pt"
+
+
+class Hang(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """Fail as a hang (instead of blocking the suite) when the block runs longer than ``seconds``."""
+
+    def alarm(signum, frame):
+        raise Hang(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def train(log_dir: Path, name: str, *args: object) -> tuple[int, str, str]:
+    return ag("train", "--set", f"log.dir={log_dir}", "--set", f"log.name={name}", *args)
+
+
+def ok(result: tuple[int, str, str]) -> str:
+    code, out, err = result
+    assert code == 0, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
+    return out
+
+
+def one_error_line(result: tuple[int, str, str]) -> str:
+    code, out, err = result
+    assert code == 2, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ampguard: error: ") and "Traceback" not in err
+    return lines[0]
+
+
+def refused(snapshot, run: Path, *argv: object) -> str:
+    """``ampguard train ARGV``: one error line, and not a byte of ``run`` changed."""
+    before = snapshot(run)
+    with within(120):
+        line = one_error_line(ag("train", *argv))
+    assert snapshot(run) == before
+    return line
+
+
+def payload_of(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def rewrite(path: Path, payload: dict) -> None:
+    """Write ``payload`` at ``path`` as ampguard would (atomically, with the marker)."""
+    ckpt.save_checkpoint(path, {k: v for k, v in payload.items() if k not in ("magic", "format")})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two linear runs with the same config (so: two run ids), and a digits run."""
+    root = tmp_path_factory.mktemp("hostile")
+    ok(train(root, "lin", *LINEAR, *SHORT))
+    ok(train(root, "twin", *LINEAR, *SHORT))
+    ok(train(root, "digits", "--set", "task.name=digits", "--set", "precision=fp32", "--set", "steps=5",
+             "--set", "checkpoint.every=5", "--set", "eval.enabled=false", "--set", "log.every=1000"))
+    return root
+
+
+@pytest.fixture
+def lin(runs, tmp_path) -> Path:
+    """A copy of the linear run to spoil."""
+    run = tmp_path / "lin"
+    shutil.copytree(runs / "lin", run)
+    return run
+
+
+# ---------------------------------------------------------------------------- A. whose checkpoint
+
+
+def test_every_checkpoint_carries_its_run_folders_id(runs):
+    run_id = (runs / "lin" / "run-id").read_text(encoding="ascii").strip()
+    assert len(run_id) == 32 and int(run_id, 16) >= 0
+    assert run_id != (runs / "twin" / "run-id").read_text(encoding="ascii").strip()
+    for path in ckpt.list_checkpoints(runs / "lin" / "checkpoints"):
+        assert ckpt.load_checkpoint(path)[ck.RUN_ID] == run_id
+
+
+def test_a_digits_checkpoint_named_step_99_in_a_linear_run_is_refused_and_nothing_changes(runs, lin, snapshot):
+    """It used to replace the linear run's CSV rows and set its real checkpoints aside."""
+    dropped = lin / "checkpoints" / "step-00000099.pt"
+    shutil.copy(runs / "digits" / "checkpoints" / "step-00000005.pt", dropped)
+    for target in (lin, dropped):  # the folder's newest checkpoint, or named
+        line = refused(snapshot, lin, "--resume", target, "--set", "steps=200")
+        assert str(dropped) in line and "named for step 99 but holds step 5" in line
+
+
+@pytest.mark.parametrize("form", ["folder", "file"])
+def test_another_runs_checkpoint_under_the_right_name_is_refused_naming_it(runs, lin, snapshot, form):
+    """The newest checkpoint of the folder belongs to another run: refused, not passed over for step 4."""
+    shutil.copy(runs / "twin" / "checkpoints" / CKPT8, lin / "checkpoints" / CKPT8)
+    line = refused(snapshot, lin, "--resume", lin if form == "folder" else lin / "checkpoints" / CKPT8,
+                   "--set", "steps=12")
+    assert str(lin / "checkpoints" / CKPT8) in line and "saved by another run" in line
+
+
+def test_a_digits_checkpoint_with_the_runs_id_is_refused_by_its_config_before_the_task_is_built(runs, lin, snapshot):
+    foreign = payload_of(runs / "digits" / "checkpoints" / "step-00000005.pt")
+    foreign[ck.RUN_ID] = (lin / "run-id").read_text(encoding="ascii").strip()  # the id copied too
+    rewrite(lin / "checkpoints" / "step-00000005.pt", foreign)
+    line = refused(snapshot, lin, "--resume", lin / "checkpoints" / "step-00000005.pt")
+    assert "--resume: task.name was 'digits' in the checkpoint, now 'linear'" in line
+
+
+FACTORY = '''
+from pathlib import Path
+Path({marker!r}).write_text("imported")  # runs when the factory file is imported
+
+
+def build(config):
+    raise SystemExit("the factory was built")
+'''
+
+
+@pytest.mark.parametrize("run_id", ["none", "same", "other"])
+def test_a_checkpoint_naming_a_factory_file_never_gets_it_imported(lin, snapshot, tmp_path, run_id):
+    """The task comes from the run folder's config.yaml: a checkpoint whose embedded config names a
+    ``task.factory`` file is refused (another run's id, or a config that differs), and the file is
+    never imported. ``none``: a checkpoint from before run ids, judged by its config."""
+    marker = tmp_path / "IMPORTED"
+    factory = tmp_path / "evil.py"
+    factory.write_text(FACTORY.format(marker=str(marker)), encoding="utf-8")
+    payload = payload_of(lin / "checkpoints" / CKPT8)
+    payload[ck.CONFIG]["task"]["factory"] = f"{factory}:build"
+    if run_id == "none":
+        del payload[ck.RUN_ID]
+    elif run_id == "other":
+        payload[ck.RUN_ID] = "f" * 32
+    rewrite(lin / "checkpoints" / CKPT8, payload)
+    for target in (lin, lin / "checkpoints" / CKPT8):
+        line = refused(snapshot, lin, "--resume", target, "--set", "steps=12")
+        if run_id == "other":
+            assert "saved by another run" in line
+        else:
+            assert f"--resume: task.factory was '{factory}:build' in " in line and "now None" in line
+    assert not marker.exists()
+
+
+def test_a_model_of_another_shape_is_refused_after_the_model_is_built_and_before_anything_is_written(lin, snapshot):
+    payload = payload_of(lin / "checkpoints" / CKPT8)
+    del payload[ck.RUN_ID]  # a checkpoint from before run ids, with the right config
+    payload[ck.MODEL] = {"weight": torch.zeros(1, 9), "bias": torch.zeros(1)}
+    rewrite(lin / "checkpoints" / CKPT8, payload)
+    line = refused(snapshot, lin, "--resume", lin, "--set", "steps=12")
+    assert str(lin / "checkpoints" / CKPT8) in line
+    assert "its model does not match the one this run builds: weight is [1, 9] in the checkpoint" in line
+    payload[ck.MODEL] = {"weight": torch.zeros(1, 8), "bias": torch.zeros(1), "extra": torch.zeros(2)}
+    rewrite(lin / "checkpoints" / CKPT8, payload)
+    assert "unexpected 'extra'" in refused(snapshot, lin, "--resume", lin, "--set", "steps=12")
+
+
+def test_a_checkpoint_from_before_run_ids_resumes_when_its_config_matches(runs, tmp_path):
+    """A run folder made before run ids (no run-id file, checkpoints without an id) resumes bit for
+    bit; from then on it has an id and its new checkpoints carry it."""
+    old = tmp_path / "old"
+    shutil.copytree(runs / "lin", old)
+    (old / "run-id").unlink()
+    (old / "checkpoints" / CKPT8).unlink()
+    payload = payload_of(old / "checkpoints" / CKPT4)
+    del payload[ck.RUN_ID]
+    rewrite(old / "checkpoints" / CKPT4, payload)
+    out = ok(ag("train", "--resume", old))
+    assert "resuming from step-00000004.pt" in out
+    assert (old / "steps.csv").read_bytes() == (runs / "lin" / "steps.csv").read_bytes()
+    new_id = (old / "run-id").read_text(encoding="ascii").strip()
+    assert len(new_id) == 32 and ckpt.load_checkpoint(old / "checkpoints" / CKPT8)[ck.RUN_ID] == new_id
+
+
+def test_the_resumed_config_is_the_run_folders_config_yaml_plus_set(lin):
+    """Not the checkpoint's: an edit of config.yaml outside the fixed keys is what the run uses."""
+    config = yaml.safe_load((lin / "config.yaml").read_text(encoding="utf-8"))
+    assert ckpt.load_checkpoint(lin / "checkpoints" / CKPT8)[ck.CONFIG]["eval"]["every"] == config["eval"]["every"]
+    config["eval"]["every"] = 3
+    (lin / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    printed = yaml.safe_load(ok(ag("train", "--resume", lin, "--set", "steps=12", "--print-config")))
+    assert printed["eval"]["every"] == 3 and printed["steps"] == 12
+
+
+def test_a_run_folder_without_config_yaml_and_a_config_file_with_resume_are_refused(lin, snapshot):
+    (lin / "config.yaml").unlink()
+    line = refused(snapshot, lin, "--resume", lin)
+    assert "config.yaml" in line and str(lin) in line
+    (lin / "other.yaml").write_text("steps: 20\n", encoding="utf-8")
+    line = refused(snapshot, lin, lin / "other.yaml", "--resume", lin)
+    assert "--resume" in line and "--set" in line
+
+
+def test_a_resume_whose_csv_columns_would_change_is_refused_before_config_yaml_is_rewritten(lin, snapshot):
+    line = refused(snapshot, lin, "--resume", lin, "--set", "steps=12", "--set", "eval.enabled=false")
+    assert f"{lin / 'steps.csv'}: its header does not match this run's columns (no metrics), cannot append" in line
+
+
+# ---------------------------------------------------------------------------- B. the payload's fields
+
+
+BAD_FIELDS = {
+    "step": ("abc", "step is 'abc', expected an int >= 0"),
+    "scheduler": ("x", "scheduler is 'x', expected a mapping"),
+    "world_size": ("two", "world_size is 'two', expected an int >= 1"),
+    "data_position": (-3, "data_position is -3, expected an int >= 0"),
+    "rollbacks": ([7], "rollbacks is a list, expected a list of str"),
+    "config": ([1], "config is a list, expected a mapping of plain data"),
+    "model": ({"weight": "w"}, "model is a dict, expected a mapping of parameter names to tensors"),
+    "optimizer": ({"state": {}}, "optimizer is a dict, expected an optimizer state"),
+    "state": ({"step": 8}, "state is a dict, expected a mapping with scaler, step, updates"),
+    "rng": (3, "rng is 3, expected a mapping"),
+    "updates": (True, "updates is True, expected an int >= 0"),
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_FIELDS))
+@pytest.mark.parametrize("form", ["folder", "file"])
+def test_a_checkpoint_with_a_field_of_the_wrong_type_is_one_line_naming_it(lin, snapshot, field, form):
+    value, expected = BAD_FIELDS[field]
+    payload = payload_of(lin / "checkpoints" / CKPT8)
+    payload[field] = value
+    rewrite(lin / "checkpoints" / CKPT8, payload)
+    line = refused(snapshot, lin, "--resume", lin if form == "folder" else lin / "checkpoints" / CKPT8,
+                   "--set", "steps=12")
+    assert f"{lin / 'checkpoints' / CKPT8}: bad checkpoint: {expected}" in line
+
+
+def test_a_data_position_beyond_what_the_run_could_have_taken_is_refused_at_once(lin, snapshot):
+    """10**12: the data stream is skipped to it by reading, so the resume would spin for ever."""
+    payload = payload_of(lin / "checkpoints" / CKPT8)
+    payload[ck.DATA] = 10**12
+    rewrite(lin / "checkpoints" / CKPT8, payload)
+    line = refused(snapshot, lin, "--resume", lin, "--set", "steps=12")  # within 120 s, or it fails as a hang
+    assert "data position 1000000000000 is beyond what 8 steps could have taken (8 = " in line
+    payload[ck.DATA], payload[ck.ROLLBACKS] = 9, ["step 6: a rollback"]  # 8 + 1 rollback x skip_batches 20
+    rewrite(lin / "checkpoints" / CKPT8, payload)
+    with within(120):
+        ok(ag("train", "--resume", lin, "--set", "steps=9"))
+
+
+def test_the_data_bound_holds_for_a_real_run_with_a_rollback(tmp_path):
+    """A rollback seeks skip_batches past an older position: a run resumed after it is accepted."""
+    args = [*LINEAR, "--set", "steps=8", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=20",
+            "--set", "accumulation_steps=2", "--inject", "spike@5", "--set", "rollback.triggers=[loss_spike]",
+            "--set", "rollback.window=3", "--set", "rollback.skip_batches=3", "--set", "log.every=1000"]
+    out = ok(train(tmp_path, "r", *args))
+    assert "ROLLBACK 5" in out
+    run = tmp_path / "r"
+    last = ckpt.load_checkpoint(run / "checkpoints" / "step-00000006.pt")
+    assert last[ck.ROLLBACKS] and last[ck.DATA] == 6 * 2 - 2 + 3  # one step of data re-read, 3 skipped
+    for path in ckpt.list_checkpoints(run / "checkpoints"):
+        if ckpt.checkpoint_step(path) > 6:
+            path.unlink()
+    ok(ag("train", "--resume", run))
+
+
+# ---------------------------------------------------------------------------- C. leftovers
+
+
+def test_partial_saves_are_removed_when_a_resume_starts(lin):
+    folder = lin / "checkpoints"
+    stale = [folder / ".step-00000009.pt.tmp-4242", folder / f".step-00000010.pt.tmp-{os.getpid()}"]
+    for path in stale:
+        path.write_bytes(b"half a checkpoint")
+    ok(ag("train", "--resume", lin, "--set", "steps=9"))
+    assert not any(path.exists() for path in stale)
+    assert sorted(p.name for p in (lin / "checkpoints").iterdir()) == [CKPT4, CKPT8, "step-00000009.pt"]
+
+
+@pytest.mark.parametrize("where", ["under a file", "a name too long"])
+def test_a_run_folder_that_cannot_be_made_leaves_no_empty_folder_behind(cli, tmp_path, where):
+    (tmp_path / "a-file").write_text("", encoding="utf-8")
+    log_dir = tmp_path / "a-file" / "runs" if where == "under a file" else tmp_path / "runs" / ("x" * 300)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, out, err = cli("train", *LINEAR, "--set", "steps=2", "--set", f"log.dir={log_dir}", "--set", "log.name=a")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "cannot create run folder" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no runs/ left behind
+
+
+@pytest.mark.parametrize("error", [(13, "Permission denied"), (28, "No space left on device")])
+def test_a_run_folder_whose_config_cannot_be_written_is_taken_back(cli, tmp_path, monkeypatch, error):
+    from ampguard import run_folder
+
+    def cannot_write(self, config):
+        raise OSError(*error)
+
+    monkeypatch.setattr(run_folder.RunPaths, "write_config", cannot_write)
+    code, out, err = cli("train", *LINEAR, "--set", "steps=2", "--set", "log.dir=runs/deeper", "--set", "log.name=a")
+    assert code != 0 and error[1] in err and len(err.strip().splitlines()) == 1, err
+    if error[0] == 13:  # (a full disk is not bad input: it has its own exit code)
+        assert code == 2 and "cannot create run folder runs/deeper/a: Permission denied" in err
+    assert list(tmp_path.iterdir()) == []  # runs/ and runs/deeper were made by the run: taken back
+
+
+# ---------------------------------------------------------------------------- D. read-only run folders
+
+
+def _as_another_user(argv: list[str]) -> tuple[int, str]:
+    """``ampguard ARGV`` in a forked child that gave up root (as root every folder is writable):
+    (exit code, stderr). Everything the refusal needs is imported before the fork."""
+    import ampguard.train  # noqa: F401 - the child cannot read root's Python install to import it
+    from ampguard.cli import main
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 99
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            os.dup2(write, 2)
+            sys.stderr = os.fdopen(2, "w", closefd=False)
+            code = main(argv)
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        err = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), err
+
+
+@pytest.mark.parametrize("what", ["run folder", "checkpoints"])
+def test_resume_of_a_read_only_run_folder_is_one_line_naming_it(runs, snapshot, what):
+    root = Path(tempfile.mkdtemp())  # not under pytest's folder, which only root may enter
+    try:
+        root.chmod(0o755)
+        run = root / "lin"
+        shutil.copytree(runs / "lin", run)
+        if os.geteuid() == 0:  # the folder is the other user's own, but for what is made read-only
+            for path in [run, *run.rglob("*")]:
+                os.chown(path, 65534, 65534)
+        readonly = [run, *run.iterdir()] if what == "run folder" else [run / "checkpoints"]
+        for path in readonly:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        before = snapshot(run)
+        argv = ["train", "--resume", str(run), "--set", "steps=12"]
+        if os.geteuid() == 0:
+            code, err = _as_another_user(argv)
+        else:
+            code, _, err = ag(*argv)
+        assert code == 2, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert f"run folder {run} is read-only" in err
+        assert ("(it cannot be written)" if what == "run folder" else "(checkpoints in it cannot be written)") in err
+        assert snapshot(run) == before
+    finally:
+        for path in [root, *root.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        shutil.rmtree(root)
+
+
+# ---------------------------------------------------------------------------- the pickled-code message
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_junk_bytes_are_unreadable_and_pickled_code_is_refused_as_such(tmp_path):
+    class RunsCode:
+        def __reduce__(self):
+            return os.system, ("touch PWNED",)
+
+    junk, code = tmp_path / "step-00000001.pt", tmp_path / "step-00000002.pt"
+    junk.write_bytes(b"not a checkpoint")
+    code.write_bytes(pickle.dumps({"model": RunsCode()}))
+    with pytest.raises(ckpt.InputError, match=r"unreadable checkpoint \(truncated, or not a PyTorch file\)"):
+        ckpt.load_checkpoint(junk)
+    with pytest.raises(ckpt.InputError, match="refused by the weights-only loader: it holds pickled objects"):
+        ckpt.load_checkpoint(code)
