@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from .checkpoint import rng_state, set_rng_state
 from .clipping import clip_threshold
 from .config import Config
 from .errors import InputError
@@ -122,6 +123,8 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
                 device: torch.device) -> AmpTrainState:
     """The guarded step for a config: optimizer, LR schedule, scaler, clipping, accumulation.
     ``model`` is the model to train, already on ``device`` (DDP/FSDP2-wrapped under torchrun).
+    A model without trainable parameters, or a setup the step refuses (its ``ValueError``), is
+    one :class:`InputError` line.
 
     Example::
 
@@ -130,29 +133,135 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
         >>> state = build_state(config, nn.Linear(3, 1), torch.nn.functional.mse_loss, torch.device("cpu"))
         >>> state.step(torch.randn(4, 3), torch.randn(4, 1)) is None, state.accumulation_steps
         (True, 2)
+        >>> build_state(config, nn.ReLU(), torch.nn.functional.mse_loss, torch.device("cpu"))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: the model (ReLU) has no parameters: there is nothing to train
     """
-    optimizer = make_optimizer(config, model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config))
-    s = config.scaler
-    return AmpTrainState(
-        model,
-        optimizer,
-        loss_fn,
-        precision=precision_of(config, device),
-        max_norm=clip_threshold(config.max_norm),
-        accumulation_steps=config.accumulation_steps,
-        scheduler=scheduler,
-        device=device,
-        scaler=dict(
-            enabled=s.enabled,
-            init_scale=s.init_scale,
-            growth_factor=s.growth_factor,
-            backoff_factor=s.backoff_factor,
-            growth_interval=s.growth_interval,
-            min_scale=s.min_scale,
-        ),
-        scheduler_on_skip=config.scheduler_on_skip,
-    )
+    check_trainable(model)
+    try:
+        optimizer = make_optimizer(config, model)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config))
+        s = config.scaler
+        return AmpTrainState(
+            model,
+            optimizer,
+            loss_fn,
+            precision=precision_of(config, device),
+            max_norm=clip_threshold(config.max_norm),
+            accumulation_steps=config.accumulation_steps,
+            scheduler=scheduler,
+            device=device,
+            scaler=dict(
+                enabled=s.enabled,
+                init_scale=s.init_scale,
+                growth_factor=s.growth_factor,
+                backoff_factor=s.backoff_factor,
+                growth_interval=s.growth_interval,
+                min_scale=s.min_scale,
+            ),
+            scheduler_on_skip=config.scheduler_on_skip,
+        )
+    except ValueError as err:  # the step's (and the optimizer's) refusal of an impossible setup
+        raise InputError(f"cannot build the training step: {_first_line(err, with_type=False)}") from None
+
+
+def check_trainable(model: nn.Module, who: str = "") -> None:
+    """Refuse (one :class:`InputError` line, prefixed with ``who``) a model with no parameters,
+    or none that requires a gradient: the step would have nothing to update.
+
+    Example::
+
+        >>> frozen = nn.Linear(2, 1).requires_grad_(False)
+        >>> check_trainable(frozen, "task.factory toy.py:build")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task.factory toy.py:build: none of the model's 3 parameters requires a gradient (all frozen): there is nothing to train
+    """
+    prefix = f"{who}: " if who else ""
+    params = list(model.parameters())
+    if not params:
+        raise InputError(f"{prefix}the model ({type(model).__name__}) has no parameters: there is nothing to train")
+    if not any(p.requires_grad for p in params):
+        count = sum(p.numel() for p in params)
+        raise InputError(f"{prefix}none of the model's {count:,} parameters requires a gradient (all frozen): "
+                         "there is nothing to train")
+
+
+def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], read_batch: Callable[[], Any],
+                  precision: Precision, who: str) -> None:
+    """Read the first batch and run it forward through ``model`` and ``loss_fn`` once, under the
+    run's autocast, as the step will (no backward): a batch that cannot be read, data that does
+    not fit the model, a loss that fails, is not a scalar or does not depend on the parameters is
+    one :class:`InputError` line that starts with ``who`` (the first line of the error's text).
+
+    It leaves no trace: the RNG states (torch, CUDA, NumPy, ``random``), the module buffers
+    (BatchNorm statistics) and the gradients are as they were, so the run
+    goes on bit for bit as without it. Costs one forward pass and host reads.
+
+    Example::
+
+        >>> cpu = Precision("fp32", "cpu")
+        >>> batch = lambda: (torch.ones(4, 3), torch.zeros(4, 1))
+        >>> check_forward(nn.Linear(3, 1), nn.functional.mse_loss, batch, cpu, "task.factory toy.py:build")
+        >>> check_forward(nn.Linear(2, 1), nn.functional.mse_loss, batch, cpu, "task.factory toy.py:build")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task.factory toy.py:build: the model's forward pass on the first batch failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x3 and 2x1)
+        >>> per_example = lambda out, y: ((out - y) ** 2).mean(dim=1)
+        >>> check_forward(nn.Linear(3, 1), per_example, batch, cpu, "task.factory toy.py:build")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task.factory toy.py:build: loss_fn must return a scalar (a 0-dim tensor, e.g. .mean()); it returned shape (4,)
+    """
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    grads = {id(p): p.grad for p in model.parameters()}
+    rng = rng_state()
+    try:
+        try:
+            inputs, targets = read_batch()
+        except StopIteration:
+            raise InputError(f"{who}: the data yielded no batches") from None
+        except InputError:
+            raise
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - whatever the user's data raised, in one line
+            raise InputError(f"{who}: reading the first batch failed: {_first_line(err)}") from None
+        with precision.autocast():
+            try:
+                outputs = model(inputs)
+            except (Exception, SystemExit) as err:  # noqa: BLE001
+                raise InputError(f"{who}: the model's forward pass on the first batch failed: {_first_line(err)}") from None
+            try:
+                loss = loss_fn(outputs, targets)
+            except (Exception, SystemExit) as err:  # noqa: BLE001
+                raise InputError(f"{who}: loss_fn failed on the model's output for the first batch: "
+                                 f"{_first_line(err)}") from None
+        if not isinstance(loss, torch.Tensor):
+            raise InputError(f"{who}: loss_fn must return a scalar tensor; it returned a {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise InputError(f"{who}: loss_fn must return a scalar (a 0-dim tensor, e.g. .mean()); it returned shape "
+                             f"{tuple(loss.shape)}")
+        if not (loss.is_floating_point() or loss.is_complex()):
+            raise InputError(f"{who}: loss_fn must return a floating-point tensor; it returned {loss.dtype}")
+        if not loss.requires_grad:
+            raise InputError(f"{who}: the loss does not depend on the model's trainable parameters (no gradient "
+                             "flows back from it: was it detached, or computed outside torch?)")
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        for p in model.parameters():
+            p.grad = grads.get(id(p))
+        set_rng_state(rng)
+
+
+def _first_line(err: BaseException, with_type: bool = True) -> str:
+    """``Type: first line of the message`` (``Type`` alone for an empty message)."""
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if with_type else text.splitlines()[0]
 
 
 def build_monitor(config: Config, scaler_enabled: bool) -> RunMonitor:

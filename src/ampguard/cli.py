@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -70,6 +71,7 @@ def _demo(args: argparse.Namespace) -> int:
     config = demo.demo_config(precision="bf16" if args.bf16 else args.precision or "fp16", steps=args.steps,
                               inject=inject, max_norm=args.max_norm, seed=args.seed, device=args.device,
                               strict=args.strict, monitor=_monitor_flags(args))
+    _check_fail_after(args, config)
     return demo.run(config, csv=args.csv)
 
 
@@ -83,6 +85,7 @@ def _train(args: argparse.Namespace) -> int:
     resume = find_resume(args.resume) if args.resume else None  # the run folder's config, never the checkpoint's
     sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
     config = _config_from(args, base=resume.run_config() if resume else None, sections=sections)
+    _check_fail_after(args, config)
     if args.print_config:
         print(dump_config(config), end="")
         return ExitCode.OK
@@ -121,6 +124,15 @@ def _monitor_flags(args: argparse.Namespace) -> dict[str, Any]:
     """--fail-skip-rate and --fail-after, as the monitor section's keys."""
     flags = {"fail_rate": args.fail_skip_rate, "fail_after": args.fail_after}
     return {key: value for key, value in flags.items() if value is not None}
+
+
+def _check_fail_after(args: argparse.Namespace, config: Any) -> None:
+    """--fail-after counts steps above a fail rate (or skipped at a collapsed scale): without
+    either it would do nothing, so it is refused rather than silently ignored."""
+    monitor = config.monitor
+    if args.fail_after is not None and monitor.fail_rate is None and not monitor.fail_on_scale_collapse:
+        raise InputError("--fail-after needs a fail rate: add --fail-skip-rate RATE (or set monitor.fail_rate, "
+                         "or monitor.fail_on_scale_collapse=true)")
 
 
 def _config_from(
@@ -312,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         with held_signals():  # a signal inside torch's import could be swallowed or break numpy
             importlib.import_module("torch")  # every verb needs it; after this block a signal stops us
+        from .precision import SlowPrecisionWarning
+
+        warnings.filterwarnings("ignore", category=SlowPrecisionWarning)  # the CPU demo is fp16 on purpose
         return int(args.func(args))
     except InputError as err:
         print(f"ampguard: error: {err}", file=sys.stderr)

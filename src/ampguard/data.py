@@ -2,12 +2,13 @@
 
 The position (micro-batches taken so far) is the data's whole state: a checkpoint saves it, a
 resume or a rollback seeks to it, and a task's ``batches()`` gives the same sequence on every
-call, so the stream after a seek is the stream the uninterrupted run saw.
+call, so the stream after a seek is the stream the uninterrupted run saw. A seek costs nothing
+for the built-in tasks (batch ``i`` is drawn from its index: ``Task.batches_from``); a
+factory's stream is read from its start up to the position.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,9 +46,28 @@ class DataStream:
         self._first_step = 1
 
     def seek(self, position: int) -> None:
-        """Continue from ``position`` (a resume or a rollback); the next batch is re-read."""
+        """Continue from ``position`` (a resume or a rollback); the next batch is re-read. Nothing
+        is read here: the next :meth:`next` opens the task's stream at ``position``
+        (:meth:`Task.stream <ampguard.tasks.Task.stream>`)."""
         self.position = position
         self._iter = None
+
+    def peek(self) -> Batch:
+        """The batch :meth:`next` would give next, without its faults and without moving: this
+        rank's slice, on the device. Reads the task's stream afresh (``StopIteration`` when the
+        stream is empty; whatever a broken stream raises).
+
+        Example::
+
+            >>> from ampguard.config import validate
+            >>> from ampguard.tasks import build_task
+            >>> data = DataStream(build_task(validate({"task": {"name": "linear"}})), FaultInjector([]), torch.device("cpu"))
+            >>> x, _ = data.peek()
+            >>> data.position, torch.equal(x, data.next(first_step=1)[0])
+            (0, True)
+        """
+        inputs, targets = next(self._source())
+        return to_device(inputs, self.device), to_device(targets, self.device)
 
     def next(self, first_step: int) -> Batch:
         """The next micro-batch. ``first_step`` is the step the stream's next batch belongs to when
@@ -56,11 +76,14 @@ class DataStream:
             self._iter = self._open(first_step)
         return next(self._iter)
 
-    def _open(self, first_step: int) -> Iterator[Batch]:
-        source: Any = itertools.islice(self.task.batches(), self.position, None)
+    def _source(self) -> Iterator[Batch]:
+        source: Any = self.task.stream(self.position)
         if self.dist.active:  # this rank's slice of each global batch; faults then apply per rank
             source = ((distributed.rank_slice(x, self.dist), distributed.rank_slice(y, self.dist)) for x, y in source)
-        for inputs, targets in self.injector.wrap_data(source, first_step=first_step):
+        return source
+
+    def _open(self, first_step: int) -> Iterator[Batch]:
+        for inputs, targets in self.injector.wrap_data(self._source(), first_step=first_step):
             self.position += 1
             yield to_device(inputs, self.device), to_device(targets, self.device)
 

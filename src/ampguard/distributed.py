@@ -235,6 +235,36 @@ def gather_to_main(obj: Any) -> list[Any] | None:
     return out
 
 
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank (a collective);
+    ``[obj]`` without a process group.
+
+    Example (no process group)::
+
+        >>> all_gather("finding")
+        ['finding']
+    """
+    info = current()
+    if not info.active:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def first_error(message: str | None) -> str | None:
+    """The lowest rank's ``message`` that is not None, on every rank (a collective): ranks that
+    met a problem on their own share (their slice of a batch, a file they read) refuse or stop
+    together instead of one leaving the others waiting in a collective.
+
+    Example (no process group)::
+
+        >>> first_error(None), first_error("bad batch")
+        (None, 'bad batch')
+    """
+    return next((m for m in all_gather(message) if m is not None), None)
+
+
 def barrier() -> None:
     """Wait for every rank (nothing to wait for without a process group)."""
     if current().active:
@@ -252,14 +282,41 @@ def broadcast_from_main(value: Any) -> Any:
 
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank when ``flag`` is true on any (a collective; one host read)."""
+    return any_ranks([flag], device)[0]
+
+
+def any_ranks(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag true on every rank when it is true on any: one all-reduce for all of them and
+    one host read (nothing without a process group).
+
+    Example (no process group)::
+
+        >>> any_ranks([False, True], torch.device("cpu"))
+        [False, True]
+    """
     if not current().active:
-        return flag
-    t = torch.tensor([float(flag)], device=device)
+        return list(flags)
+    t = torch.tensor([float(f) for f in flags], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [v > 0 for v in t.tolist()]
 
 
 def shutdown() -> None:
-    """Leave the process group, if this process joined one."""
+    """Leave the process group, if this process joined one, after freeing what still uses it.
+
+    From here the process only exits, so a SIGTERM is ignored: torchrun sends one to every rank
+    still running as soon as one rank exits with a non-zero code (a guard's stop, exit 3, is
+    one), and this rank's own exit code (the same stop) must stand rather than become -15."""
     if dist.is_available() and dist.is_initialized():
+        import gc
+        import signal
+
+        # a DDP model still held in a reference cycle (the finished run's trainer) is freed now,
+        # with its process group: freed in the interpreter's teardown instead, its reducer
+        # aborted the process ("terminate called without an active exception", exit -6)
+        gc.collect()
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # pragma: no cover - not the main thread: signals are not ours to set
+            pass
         dist.destroy_process_group()

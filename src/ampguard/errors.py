@@ -23,6 +23,10 @@ class ExitCode(IntEnum):
     """Usage, config, data or checkpoint could not be used: one line on stderr, nothing written."""
     GUARD = 3
     """A guard stopped the run (skip rate, scale collapse, strict mode, rollbacks used up)."""
+    DISK_FULL = 74
+    """A run's file could not be written: no space left, the quota or the file-size limit
+    (``ulimit -f``) reached. One line names the file and the step up to which the run is intact;
+    nothing more is written. 74 is ``EX_IOERR`` of BSD's ``sysexits.h``."""
     INTERRUPTED = 130
     """Ctrl-C: logs flushed, a checkpoint and the run card written where possible."""
     TERMINATED = 143

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .sinks import JsonlSink
+from .sinks import DiskFull, JsonlSink
 
 
 def event_word(kind: str) -> str:
@@ -43,17 +43,38 @@ class EventLog:
     def __init__(self, path: Path | None, say: Callable[[str], None], *, append: bool = False) -> None:
         self.say = say
         self._sink = JsonlSink(path, append=append) if path is not None else None
+        self.failed: DiskFull | None = None
+        """The write that found the disk full; the log writes nothing after it (the console
+        words go on). The run stops at the step's end (``Trainer``)."""
 
     def emit(self, event: dict[str, Any], word: str | None = None) -> None:
         """Append ``event`` (with the time) to the log; with ``word``, also print ``WORD step message``."""
         if self._sink is not None:
-            self._sink.write_event({"time": round(time.time(), 3), **event})
+            try:
+                self._sink.write_event({"time": round(time.time(), 3), **event})
+            except DiskFull as full:
+                self._fail(full, through=event.get("step"))
         if word is not None:
             self.say(f"{word} {event['step']} {event['message']}")
 
     def close(self) -> None:
         if self._sink is not None:
-            self._sink.close()
+            try:
+                self._sink.close()
+            except DiskFull as full:
+                self._fail(full, through=None)
+            self._sink = None
+
+    def _fail(self, full: DiskFull, through: int | None) -> None:
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            try:
+                sink.close()
+            except DiskFull:  # what was left in its buffer found no room either
+                pass
+        if self.failed is None:
+            full.through = through
+            self.failed = full
 
 
 def progress_bar(total: int, initial: int = 0) -> Any:

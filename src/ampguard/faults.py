@@ -128,6 +128,27 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
         ) from None
 
 
+def check_ranks(faults: Iterable[Fault], world_size: int) -> None:
+    """Refuse (``ValueError``, one line) a fault aimed at a rank the run does not have: it
+    would never fire, and the run would look clean for the wrong reason.
+
+    Example::
+
+        >>> check_ranks([parse_fault("nan_loss@40@rank1")], world_size=2)
+        >>> check_ranks([parse_fault("nan_loss@40@rank3")], world_size=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: fault 'nan_loss@40@rank3' targets rank 3, but this run has 1 process (rank 0 only; torchrun --nproc_per_node sets more)
+    """
+    for fault in faults:
+        if fault.rank is not None and fault.rank >= world_size:
+            ranks = "rank 0 only" if world_size == 1 else f"ranks 0 to {world_size - 1}"
+            processes = "1 process" if world_size == 1 else f"{world_size} processes"
+            more = "; torchrun --nproc_per_node sets more" if world_size == 1 else ""
+            raise ValueError(f"fault {fault.spec()!r} targets rank {fault.rank}, but this run has {processes} "
+                             f"({ranks}{more})")
+
+
 class FaultInjector:
     """Wraps a micro-batch stream, a loss function and a model with the given faults.
 

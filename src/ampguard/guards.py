@@ -7,7 +7,12 @@ After each step the loop asks :meth:`Guards.check` for a :data:`Decision`:
   carried out by :class:`Rollbacks`, which may turn it into a stop (no checkpoint to return to,
   ``rollback.max`` used up);
 - :class:`Stop` (an :class:`~ampguard.errors.ExitCode`, why, ``kind``: the monitor's failure
-  cause, :data:`STRICT`, :data:`ROLLBACKS_USED_UP`, :data:`NO_CHECKPOINT`, :data:`INTERRUPTED`).
+  cause, :data:`STRICT`, :data:`ROLLBACKS_USED_UP`, :data:`NO_CHECKPOINT`, :data:`INTERRUPTED`,
+  :data:`DISK_FULL`).
+
+Under torchrun every decision is the same on every rank at the same step: the guards read
+values the step's all-reduce already agreed on, a rollback goes ahead only when every rank
+loaded the same checkpoint, and the first-skip diagnosis gathers each rank's finding.
 
 Nothing is decided by matching message text: a guard's ``kind`` says which guard it was.
 The first-skip diagnosis (:class:`FirstSkipDiagnosis`) lives here too: strict mode stops with
@@ -19,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
+from . import distributed
 from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded
 from .config import Config
 from .errors import ExitCode, InputError
@@ -36,6 +42,7 @@ STRICT = "strict"
 ROLLBACKS_USED_UP = "rollbacks_used_up"
 NO_CHECKPOINT = "no_checkpoint"
 INTERRUPTED = "interrupted"
+DISK_FULL = "disk_full"
 
 
 @dataclass(frozen=True)
@@ -185,10 +192,20 @@ class Rollbacks:
         if len(self.log) >= self.cfg.max:
             return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; all {self.cfg.max} rollbacks "
                         "(rollback.max) are used up", ROLLBACKS_USED_UP)
+        loaded, problem = None, None
         try:
             loaded = self.checkpointer.load(before_step=decision.first_bad_step)
         except InputError as err:
-            return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; cannot roll back: {err}", NO_CHECKPOINT)
+            problem = str(err)
+        # every rank rolls back to the same checkpoint, or none does (a rank that could not read
+        # it must not leave the others restored and waiting in the next step's collective)
+        answers = distributed.all_gather((None if loaded is None else loaded.path.name, problem))
+        problem = next((p for _, p in answers if p is not None), None)
+        if problem is None and len({name for name, _ in answers}) > 1:
+            problem = f"the ranks found different checkpoints ({', '.join(str(name) for name, _ in answers)})"
+        if problem is not None or loaded is None:
+            return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; cannot roll back: {problem}",
+                        NO_CHECKPOINT)
         # the step counter and the monitors' history go on; everything that trains goes back
         state = {**loaded.payload[STATE], "step": step, "monitors": {}}
         self.checkpointer.restore(Loaded(loaded.path, {**loaded.payload, STATE: state}), parts=ROLLBACK_PARTS)
@@ -318,8 +335,18 @@ class FirstSkipDiagnosis:
         from .locate import diagnose_group
 
         result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision, float(self.scale))
-        self.found = f"step {record.step} ({record.reason}): {result.message()}"
+        # under torchrun the value was born on one rank's share: each rank replays its own, and
+        # the first rank that found a non-finite value is the finding of every rank
+        findings = distributed.all_gather(result)
+        rank = next((r for r, found in enumerate(findings) if found.verdict != "none"), None)
+        head = tail = ""
+        if rank is not None and len(findings) > 1:
+            head, result = f" on rank {rank}", findings[rank]
+        elif len(findings) > 1:
+            tail = f" on any of the {len(findings)} ranks"
+        self.found = f"step {record.step} ({record.reason}){head}: {result.message()}{tail}"
         if self.events is not None:
-            self.events.emit({"step": record.step, "event": "diagnosis", **result.as_dict(), "message": self.found},
-                             "DIAGNOSIS")
+            extra = {"rank": rank} if len(findings) > 1 else {}
+            self.events.emit({"step": record.step, "event": "diagnosis", **result.as_dict(), **extra,
+                              "message": self.found}, "DIAGNOSIS")
         return self.found

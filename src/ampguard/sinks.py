@@ -6,11 +6,13 @@ A sink receives the step's record with device tensors in it and reads them itsel
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
@@ -35,6 +37,78 @@ class Sink(Protocol):
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None: ...
 
     def close(self) -> None: ...
+
+
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+"""No space left on the device, a file over the size limit (``ulimit -f``), the quota reached."""
+
+
+def disk_full_error(err: BaseException | None) -> OSError | None:
+    """The ``OSError`` behind ``err`` that says the disk is full (:data:`DISK_FULL_ERRNOS`):
+    ``err`` itself, or its cause or context (``torch.save`` reports a failed write as a
+    ``RuntimeError`` whose context is the ``OSError``); None for any other error.
+
+    Example::
+
+        >>> disk_full_error(OSError(errno.EFBIG, "File too large")).strerror
+        'File too large'
+        >>> try:
+        ...     try:
+        ...         raise OSError(errno.ENOSPC, "No space left on device")
+        ...     except OSError:
+        ...         raise RuntimeError("unexpected pos 64 vs 0")
+        ... except RuntimeError as err:
+        ...     found = disk_full_error(err)
+        >>> found.errno == errno.ENOSPC, disk_full_error(OSError(errno.EACCES, "Permission denied"))
+        (True, None)
+    """
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+class DiskFull(Exception):
+    """A run's file could not be written for want of space (:func:`disk_full_error`); ``path``
+    names it (or what was being written). ``through`` is set by whoever catches it: the last
+    step whose records are complete.
+
+    Example::
+
+        >>> str(DiskFull("runs/a/steps.csv", OSError(errno.EFBIG, "File too large")))
+        'disk full while writing runs/a/steps.csv (File too large)'
+    """
+
+    def __init__(self, path: str | os.PathLike, error: OSError) -> None:
+        super().__init__(f"disk full while writing {path} ({error.strerror or error})")
+        self.path = path
+        self.error = error
+        self.through: int | None = None
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Around a write to ``path``: a disk-full ``OSError`` becomes :class:`DiskFull`; any other
+    error passes unchanged.
+
+    Example::
+
+        >>> try:
+        ...     with writing("steps.csv"):
+        ...         raise OSError(errno.ENOSPC, "No space left on device")
+        ... except DiskFull as full:
+        ...     print(full.path, full.error.errno == errno.ENOSPC)
+        steps.csv True
+    """
+    try:
+        yield
+    except Exception as err:
+        if disk_full_error(err) is None:
+            raise
+        raise DiskFull(path, disk_full_error(err)) from None
 
 
 def _open_for_append(path: Path, newline: str | None = None) -> IO[str]:
@@ -126,8 +200,9 @@ class CsvSink:
         self._file: IO[str] | None = _open_for_append(self.path, newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self.columns, restval="", lineterminator="\n")
         if not existing:
-            self._writer.writeheader()
-            self._file.flush()
+            with writing(self.path):
+                self._writer.writeheader()
+                self._file.flush()
         self.rows = 0
 
     def _truncate_after(self, step: int) -> None:
@@ -144,20 +219,29 @@ class CsvSink:
                 break
             keep.append(line)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(keep), encoding="utf-8")
+        try:
+            with writing(self.path):
+                tmp.write_text("".join(keep), encoding="utf-8")
+        except DiskFull:
+            tmp.unlink(missing_ok=True)  # the CSV itself is untouched
+            raise
         os.replace(tmp, self.path)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
-        """Append one row (:func:`csv_row`) and flush it."""
+        """Append one row (:func:`csv_row`) and flush it (:class:`DiskFull` when there is no room)."""
         assert self._file is not None, "CsvSink is closed"
-        self._writer.writerow(csv_row(record, extra))
-        self._file.flush()
+        row = csv_row(record, extra)
+        with writing(self.path):
+            self._writer.writerow(row)
+            self._file.flush()
         self.rows += 1
 
     def close(self) -> None:
+        """Close the file (:class:`DiskFull` when what was left in its buffer found no room)."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            with writing(self.path):
+                file.close()
 
 
 def console_line(record: StepRecord) -> str:
@@ -258,15 +342,20 @@ class JsonlSink:
         })
 
     def write_event(self, obj: Mapping[str, object]) -> None:
-        """Write ``obj`` as one JSON line (non-finite floats as strings) and flush it."""
+        """Write ``obj`` as one JSON line (non-finite floats as strings) and flush it
+        (:class:`DiskFull` when there is no room)."""
         assert self._file is not None, "JsonlSink is closed"
-        self._file.write(json.dumps(strict_json(dict(obj))) + "\n")
-        self._file.flush()
+        line = json.dumps(strict_json(dict(obj))) + "\n"
+        with writing(self.path):
+            self._file.write(line)
+            self._file.flush()
 
     def close(self) -> None:
+        """Close the file (:class:`DiskFull` when what was left in its buffer found no room)."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            with writing(self.path):
+                file.close()
 
 
 class TensorBoardSink:
@@ -409,11 +498,29 @@ class Sinks:
 
     def __init__(self, *sinks: Sink) -> None:
         self.sinks = list(sinks)
+        self.failed: DiskFull | None = None
+        """The first write that found the disk full. That sink is dropped; the others go on (the
+        run stops at the step's end: ``Trainer``)."""
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
-        for sink in self.sinks:
-            sink.write(record, extra)
+        for sink in list(self.sinks):
+            try:
+                sink.write(record, extra)
+            except DiskFull as full:
+                self._drop(sink, full, through=record.step - 1)
 
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+        for sink in list(self.sinks):
+            try:
+                sink.close()
+            except DiskFull as full:
+                self._drop(sink, full, through=None)
+
+    def _drop(self, sink: Sink, full: DiskFull, through: int | None) -> None:
+        if sink in self.sinks:
+            self.sinks.remove(sink)
+            with contextlib.suppress(Exception):  # its buffer found no room: nothing more to save
+                sink.close()
+        if self.failed is None:
+            full.through = through
+            self.failed = full

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ampguard.build import (
-    build_monitor, build_spike_detector, build_state, clip_threshold, initial_scale, lr_multiplier, make_optimizer,
-    precision_of, resolve_device,
+    build_monitor, build_spike_detector, build_state, check_forward, clip_threshold, initial_scale, lr_multiplier,
+    make_optimizer, precision_of, resolve_device,
 )
 from ampguard.config import validate
 from ampguard.errors import InputError
@@ -183,3 +183,77 @@ def test_resolve_device_cuda_without_cuda_is_bad_input():
     with pytest.raises(InputError) as err:
         resolve_device("cuda")
     assert "\n" not in str(err.value) and "cuda" in str(err.value)
+
+
+# ---------------------------------------------------------------------------- refusing a model up front (issue 16)
+
+
+def test_build_state_refuses_a_model_without_parameters_or_with_all_frozen():
+    config = validate({"precision": "bf16"})
+    with pytest.raises(InputError, match=r"^the model \(Flatten\) has no parameters: there is nothing to train$"):
+        build_state(config, nn.Flatten(), nn.functional.mse_loss, CPU)
+    with pytest.raises(InputError, match=r"^none of the model's 3 parameters requires a gradient"):
+        build_state(config, nn.Linear(2, 1).requires_grad_(False), nn.functional.mse_loss, CPU)
+
+
+def test_build_state_turns_the_steps_value_error_into_one_input_error_line():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1).to("meta"))  # parameters on two devices
+    with pytest.raises(InputError) as caught:
+        build_state(validate({"precision": "bf16"}), model, nn.functional.mse_loss, CPU)
+    message = str(caught.value)
+    assert message.startswith("cannot build the training step: ") and "\n" not in message
+    assert "one device" in message
+
+
+class Noisy(nn.Module):
+    """Dropout draws from the global RNG, BatchNorm updates its running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_check_forward_leaves_no_trace_in_rngs_buffers_or_gradients():
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = Noisy()
+    model.net[0].weight.grad = torch.ones_like(model.net[0].weight)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+
+    def read():  # a data pipeline that draws from every global RNG
+        random.random(), np.random.rand(), torch.rand(1)
+        return torch.randn(16, 4), torch.randn(16, 1)
+
+    state = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    check_forward(model, nn.functional.mse_loss, read, precision_of(validate({"precision": "bf16"}), CPU), "task t")
+    assert torch.equal(torch.get_rng_state(), state[0]) and random.getstate() == state[1]
+    assert (np.random.get_state()[1] == state[2]).all()
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+    assert torch.equal(model.net[0].weight.grad, torch.ones_like(model.net[0].weight))
+    assert model.net[3].weight.grad is None and model.training
+
+
+@pytest.mark.parametrize(("loss_fn", "read", "expected"), [
+    (lambda out, y: out.sum().item(), None, "task t: loss_fn must return a scalar tensor; it returned a float"),
+    (lambda out, y: (out > 0).sum(), None, "task t: loss_fn must return a floating-point tensor; it returned torch.int64"),
+    (nn.functional.mse_loss, lambda: next(iter(())), "task t: the data yielded no batches"),
+    (nn.functional.mse_loss, lambda: 1 / 0, "task t: reading the first batch failed: ZeroDivisionError: division by zero"),
+    (nn.functional.mse_loss, lambda: (torch.ones(2, 4), torch.ones(2, 1), "extra"),
+     "task t: reading the first batch failed: ValueError: too many values to unpack (expected 2)"),
+])
+def test_check_forward_refusals_are_one_line_naming_who(loss_fn, read, expected):
+    read = read or (lambda: (torch.ones(2, 4), torch.ones(2, 1)))
+    with pytest.raises(InputError) as caught:
+        check_forward(nn.Linear(4, 1), loss_fn, read, precision_of(validate({}), CPU), "task t")
+    assert str(caught.value) == expected
+
+
+def test_check_forward_passes_a_scalar_of_one_element():
+    check_forward(nn.Linear(4, 1), lambda out, y: ((out - y) ** 2).mean().reshape(1),
+                  lambda: (torch.ones(2, 4), torch.ones(2, 1)), precision_of(validate({}), CPU), "task t")

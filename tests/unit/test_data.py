@@ -141,3 +141,44 @@ def test_under_torchrun_each_rank_takes_its_slice_of_each_global_batch(task, uni
             gx, gy = uninterrupted[i]
             assert torch.equal(x, gx[2 * rank: 2 * rank + 2]) and torch.equal(y, gy[2 * rank: 2 * rank + 2])
         assert data.position == 3  # global batches
+
+
+# ---------------------------------------------------------------------------- seeking without reading (issue 16)
+
+
+def test_seek_far_is_instant_for_a_built_in_task(task):
+    import time
+
+    from ampguard.tasks.linear import linear_batches
+
+    data = stream(task)
+    start = time.perf_counter()
+    data.seek(10**12)  # reading 10**12 batches would take days
+    x, y = data.next(first_step=1)
+    assert time.perf_counter() - start < 1.0
+    cx, cy = next(linear_batches(1, 4, start=10**12))  # the linear task of seed 0: its stream is seed + 1
+    assert torch.equal(x, cx) and torch.equal(y, cy) and data.position == 10**12 + 1
+
+
+def test_a_task_without_batches_from_is_read_up_to_the_position(uninterrupted):
+    from ampguard.tasks import Task
+
+    reads = []
+
+    def batches():
+        for i, batch in enumerate(uninterrupted):
+            reads.append(i)
+            yield batch
+
+    data = stream(Task("toy", torch.nn.Linear(16, 4), torch.nn.functional.mse_loss, batches=batches))
+    data.seek(5)
+    assert same(data.next(first_step=1), uninterrupted[5]) and reads == [0, 1, 2, 3, 4, 5]
+
+
+def test_peek_gives_the_next_batch_without_faults_and_without_moving(task, uninterrupted):
+    data = stream(task, "nan_input@1", "spike@1", dist=DistInfo(rank=1, world_size=2, local_rank=1))
+    data.seek(3)
+    x, y = data.peek()
+    assert data.position == 3
+    assert torch.equal(x, uninterrupted[3][0][2:]) and torch.equal(y, uninterrupted[3][1][2:])  # rank 1's half, clean
+    assert same(data.peek(), (x, y))

@@ -147,3 +147,32 @@ def test_each_use_starts_with_a_fresh_flag(previous_handler):
         sigint()  # a first SIGINT again: no KeyboardInterrupt
         assert second.requested
     assert signal.getsignal(signal.SIGINT) is previous_handler
+
+
+# ---------------------------------------------------------------------------- a full disk (issue 16)
+
+
+def test_an_event_log_that_finds_the_disk_full_goes_quiet_and_remembers_it(tmp_path):
+    import errno
+
+    lines: list[str] = []
+    log = EventLog(tmp_path / "events.jsonl", lines.append)
+    log.emit({"step": 1, "event": "checkpoint", "message": "saved"})
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    log._sink._file = Full()
+    log.emit({"step": 2, "event": "fail", "message": "skip rate"}, "FAIL")
+    log.emit({"step": 3, "event": "rollback", "message": "rolled back"}, "ROLLBACK")  # nothing more is tried
+    log.close()
+    assert log.failed is not None and log.failed.path == tmp_path / "events.jsonl" and log.failed.through == 2
+    assert lines == ["FAIL 2 skip rate", "ROLLBACK 3 rolled back"]  # the console words go on
+    assert [e["step"] for e in lines_of(tmp_path / "events.jsonl")] == [1]

@@ -240,3 +240,16 @@ def test_grad_fault_is_still_a_skip_without_a_scaler(precision):
 
 def test_fault_dataclass_defaults_never_hit():
     assert not any(Fault("spike").hits(s) for s in range(1, 100))
+
+
+# ---------------------------------------------------------------------------- a rank the run has (issue 16)
+
+
+def test_a_fault_for_a_rank_the_run_does_not_have_is_refused():
+    from ampguard.faults import check_ranks
+
+    check_ranks([parse_fault("nan_loss@4"), parse_fault("nan_loss@4@rank1")], world_size=2)
+    with pytest.raises(ValueError, match=r"^fault 'nan_loss@40@rank3' targets rank 3, but this run has 1 process"):
+        check_ranks([parse_fault("nan_loss@40@rank3")], world_size=1)
+    with pytest.raises(ValueError, match=r"targets rank 2, but this run has 2 processes \(ranks 0 to 1\)$"):
+        check_ranks([parse_fault("spike@1@rank2")], world_size=2)

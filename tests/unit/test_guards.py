@@ -382,3 +382,81 @@ def test_after_a_rollback_the_real_stream_gives_the_batch_at_checkpoint_position
     x, y = data.next(first_step=8)
     assert torch.equal(x, expected[13][0]) and torch.equal(y, expected[13][1])
     assert data.position == 14
+
+
+# ---------------------------------------------------------------------------- under torchrun: ranks agree (issue 16)
+
+
+class OtherRank:
+    """Stands in for ``distributed.all_gather`` in a world of 2: this process is rank 0, and rank 1
+    answers each call with the next of ``answers``."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers = list(answers)
+
+    def __call__(self, obj: Any) -> list[Any]:
+        return [obj, self.answers.pop(0)]
+
+
+def test_the_first_skip_diagnosis_names_the_rank_where_the_value_was_born(monkeypatch):
+    from ampguard import distributed
+    from ampguard.locate import Diagnosis, Finding
+    from ampguard.step import AmpTrainState
+
+    model = torch.nn.Linear(2, 1)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                          precision="bf16")
+    born = Diagnosis(Finding("loss", op="injected_loss", kind="nan", precision="bf16"),
+                     Finding("loss", op="injected_loss", kind="nan", precision="fp32"), "data/model")
+    monkeypatch.setattr(distributed, "all_gather", OtherRank(born))
+    lines: list[str] = []
+    diagnosis = g.FirstSkipDiagnosis(state, model, EventLog(None, lines.append))
+    diagnosis.capture((torch.ones(4, 2), torch.zeros(4, 1)))  # rank 0's own share is clean
+    found = diagnosis.after(skip(3, "non_finite_loss"))
+    assert found == ("step 3 (non_finite_loss) on rank 1: first nan under bf16: in the loss (injected_loss). "
+                     "FP32 replay is not finite either: a data or model problem, not a precision one")
+    assert lines == [f"DIAGNOSIS 3 {found}"]
+
+
+def test_a_diagnosis_that_no_rank_can_place_says_so(monkeypatch):
+    from ampguard import distributed
+    from ampguard.locate import Diagnosis, Finding
+    from ampguard.step import AmpTrainState
+
+    model = torch.nn.Linear(2, 1)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                          precision="bf16")
+    monkeypatch.setattr(distributed, "all_gather", OtherRank(Diagnosis(Finding("none", precision="bf16"), None, "none")))
+    diagnosis = g.FirstSkipDiagnosis(state, model)
+    diagnosis.capture((torch.ones(4, 2), torch.zeros(4, 1)))
+    assert diagnosis.after(skip(2)) == ("step 2 (non_finite_grad): no non-finite value in forward, loss or backward "
+                                        "under bf16 on any of the 2 ranks")
+
+
+def test_a_rollback_goes_ahead_only_when_every_rank_loaded_the_checkpoint(tmp_path, monkeypatch):
+    from ampguard import distributed
+
+    w = World(tmp_path)
+    w.save_at(10)
+    w.advance(14)
+    # rank 1 could not read it: its name is None and its problem the first error
+    monkeypatch.setattr(distributed, "all_gather", OtherRank((None, "no loadable checkpoint before step 12 in ckpts")))
+    decision = w.rollbacks.apply(Rollback(12, "loss spike", g.LOSS_SPIKE))
+    assert isinstance(decision, Stop) and decision.kind == g.NO_CHECKPOINT and decision.exit_code == ExitCode.GUARD
+    assert decision.why == ("stopped at step 14: loss spike; cannot roll back: no loadable checkpoint before step 12 "
+                            "in ckpts")
+    assert {name: p.value for name, p in w.parts.items()}[MODEL] == "model@14"  # nothing restored on this rank
+    assert w.rollbacks.log == []
+
+
+def test_a_rollback_stops_when_the_ranks_found_different_checkpoints(tmp_path, monkeypatch):
+    from ampguard import distributed
+
+    w = World(tmp_path)
+    w.save_at(10)
+    w.advance(14)
+    monkeypatch.setattr(distributed, "all_gather", OtherRank(("step-00000005.pt", None)))
+    decision = w.rollbacks.apply(Rollback(12, "loss spike", g.LOSS_SPIKE))
+    assert isinstance(decision, Stop) and decision.kind == g.NO_CHECKPOINT
+    assert decision.why.endswith("the ranks found different checkpoints (step-00000010.pt, step-00000005.pt)")
+    assert w.parts[MODEL].value == "model@14"

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
+import errno
+import json
 import math
+import os
 import re
 
 import pytest
@@ -12,7 +15,7 @@ import torch
 from ampguard import ConsoleSink, CsvSink, Sink, SkipLog, StepLog
 from ampguard.errors import InputError
 from ampguard.records import format_number
-from ampguard.sinks import CSV_COLUMNS, Sinks
+from ampguard.sinks import CSV_COLUMNS, DiskFull, JsonlSink, Sinks, csv_row, disk_full_error
 
 HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale"
 INF, NAN = float("inf"), float("nan")
@@ -230,3 +233,76 @@ def test_record_values_reads_tensors_once_as_floats():
     assert record.values() is values  # cached: several sinks pay once
     assert skipped(2, pre=None).values()["grad_l2_pre_clip"] is None
     assert math.isinf(skipped(3).values()["grad_l2_pre_clip"])
+
+
+# ---------------------------------------------------------------------------- a full disk (issue 16)
+
+
+class FullAfter:
+    """A text file that takes ``room`` more characters, then fails as a full disk does."""
+
+    def __init__(self, real, room: int, errno_: int) -> None:
+        self.real, self.room, self.errno = real, room, errno_
+
+    def write(self, text: str) -> int:
+        if len(text) > self.room:
+            raise OSError(self.errno, os.strerror(self.errno))
+        self.room -= len(text)
+        return self.real.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EDQUOT])
+def test_a_csv_row_that_finds_no_room_is_disk_full_naming_the_file(tmp_path, code):
+    sink = CsvSink(tmp_path / "steps.csv")
+    sink.write(applied(1))
+    sink._file = FullAfter(sink._file, room=0, errno_=code)
+    sink._writer = csv.DictWriter(sink._file, fieldnames=sink.columns, restval="", lineterminator="\n")
+    with pytest.raises(DiskFull) as caught:
+        sink.write(applied(2))
+    assert caught.value.path == tmp_path / "steps.csv" and caught.value.error.errno == code
+    assert sink.rows == 1
+
+
+def test_another_write_error_is_not_disk_full(tmp_path):
+    sink = CsvSink(tmp_path / "steps.csv")
+    sink._file = FullAfter(sink._file, room=0, errno_=errno.EIO)
+    sink._writer = csv.DictWriter(sink._file, fieldnames=sink.columns, restval="", lineterminator="\n")
+    with pytest.raises(OSError) as caught:
+        sink.write(applied(1))
+    assert not isinstance(caught.value, DiskFull) and disk_full_error(caught.value) is None
+
+
+def test_sinks_drop_a_full_sink_keep_the_others_and_remember_the_first_failure(tmp_path):
+    lines: list[str] = []
+    csv_sink = CsvSink(tmp_path / "steps.csv")
+    jsonl = JsonlSink(tmp_path / "steps.jsonl")
+    sinks = Sinks(csv_sink, jsonl, ConsoleSink(print_fn=lines.append))
+    sinks.write(applied(1))
+    csv_sink._file = FullAfter(csv_sink._file, room=0, errno_=errno.ENOSPC)
+    csv_sink._writer = csv.DictWriter(csv_sink._file, fieldnames=csv_sink.columns, restval="", lineterminator="\n")
+    sinks.write(applied(2))
+    sinks.write(applied(3))
+    assert sinks.failed is not None and sinks.failed.path == tmp_path / "steps.csv"
+    assert sinks.failed.through == 1  # the records are complete up to the step before
+    assert csv_sink not in sinks.sinks and len(lines) == 3
+    sinks.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert (tmp_path / "steps.csv").read_text().splitlines()[1:] == [csv_row_line(applied(1))]
+
+
+def csv_row_line(record) -> str:
+    row = csv_row(record)
+    return ",".join(row[c] for c in CSV_COLUMNS)
+
+
+def test_a_torch_save_that_found_no_room_is_disk_full():
+    try:
+        try:
+            raise OSError(errno.EFBIG, "File too large")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+    except RuntimeError as err:
+        assert disk_full_error(err).errno == errno.EFBIG

@@ -210,3 +210,44 @@ def build(config):
 def test_example_dataloader_stream_is_reproducible():
     task = build_task(load_config(None, [f"task.factory={EXAMPLE}:build"]))
     assert same_batches(take(task, 3), take(task, 3))
+
+
+# ---------------------------------------------------------------------------- a stream from any position (issue 16)
+
+
+@pytest.mark.parametrize(
+    "overrides,starts",
+    [(TINY_LM, [0, 1, 7]), (["task.name=digits", "task.batch_size=500"], [0, 1, 2, 3, 5, 8]),
+     (["task.name=linear"], [0, 1, 13])],
+    ids=["charlm", "digits", "linear"],
+)
+def test_a_built_in_stream_from_a_position_is_the_stream_read_up_to_it(overrides, starts):
+    task = build_task(load_config(None, overrides))
+    assert task.batches_from is not None
+    reference = take(task, max(starts) + 3)
+    for start in starts:  # digits: 2 batches of 500 an epoch, so these cross epoch boundaries
+        assert same_batches(list(itertools.islice(task.stream(start), 3)), reference[start:start + 3]), start
+
+
+def test_digits_refuses_a_batch_larger_than_its_training_set():
+    from ampguard.errors import InputError
+
+    with pytest.raises(InputError, match=r"^task.batch_size: a batch of 1498 images is larger than the digits "
+                                         r"training set \(1,497 images\); use at most 1497$"):
+        build_task(load_config(None, ["task.name=digits", "task.batch_size=1498"]))
+    assert len(next(build_task(load_config(None, ["task.name=digits", "task.batch_size=1497"])).batches())[0]) == 1497
+
+
+def test_a_digit_stream_with_no_whole_batch_raises_instead_of_looping_forever():
+    x, y = torch.zeros(5, 2), torch.zeros(5)
+    with pytest.raises(ValueError, match="a batch of 6 examples is larger than the 5 there are"):
+        next(digits.digit_batches(x, y, seed=0, batch_size=6))
+
+
+def test_charlm_refuses_a_context_longer_than_its_held_out_text():
+    from ampguard.errors import InputError
+
+    with pytest.raises(InputError, match=r"^task.block_size: a context of 10000000 is longer than the held-out text"):
+        build_task(load_config(None, [*TINY_LM, "task.block_size=10000000"]))
+    with pytest.raises(ValueError, match="a context of 8 needs at least 10 bytes of text, not 9"):
+        next(charlm.char_batches(torch.zeros(9, dtype=torch.uint8), seed=0, batch_size=1, block_size=8))

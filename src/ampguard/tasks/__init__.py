@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .base import Batch, Task, cycle, mean_loss
+from .base import Batch, Task, batch_generator, cycle, mean_loss
 
-__all__ = ["Batch", "Task", "build_task", "cycle", "mean_loss", "seed_everything"]
+__all__ = ["Batch", "Task", "batch_generator", "build_task", "cycle", "mean_loss", "seed_everything"]
 
 
 def build_task(config: Any) -> Task:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,25 @@ class Task:
     """``edge_cases()`` -> (names, inputs): unusual inputs for the probe set."""
     predict: Callable[[nn.Module, Any], torch.Tensor] | None = None
     """Scores for a batch of inputs, one row per example (default: ``model(inputs)``)."""
+    batches_from: Callable[[int], Iterator[Batch]] | None = None
+    """``batches_from(i)`` -> the stream of ``batches()`` from micro-batch ``i`` on, made without
+    reading the ``i`` batches before it (the built-in tasks draw batch ``i`` from its index, see
+    :func:`batch_generator`). Optional: without it :meth:`stream` reads and drops them."""
+
+    def stream(self, start: int = 0) -> Iterator[Batch]:
+        """The micro-batches from number ``start`` on (0-based): what ``batches()`` gives after
+        ``start`` batches, by :attr:`batches_from` when the task has it, else by reading and
+        dropping the first ``start`` (a resume or rollback then costs ``start`` batch reads).
+
+        Example::
+
+            >>> task = Task("toy", nn.Linear(1, 1), nn.functional.mse_loss, batches=lambda: cycle(lambda: "abc"))
+            >>> "".join(itertools.islice(task.stream(4), 4))
+            'bcab'
+        """
+        if self.batches_from is not None:
+            return self.batches_from(start)
+        return itertools.islice(self.batches(), start, None) if start else self.batches()
 
     def scores(self, model: nn.Module, inputs: Any) -> torch.Tensor:
         """Scores for ``inputs``, one row per example: ``predict`` if given, else ``model(inputs)``.
@@ -82,6 +102,32 @@ def cycle(make_iterable: Callable[[], Any]) -> Iterator[Batch]:
             yield batch
         if empty:
             raise ValueError("the data yielded no batches")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def batch_generator(seed: int, index: int) -> torch.Generator:
+    """The generator that draws micro-batch ``index`` of a stream seeded with ``seed``.
+
+    Batch ``i`` depends on ``(seed, i)`` alone, so a stream can start at any position without
+    drawing the batches before it. Torch seeds its CPU generator with 32 bits, so the seed is
+    mixed into 32 bits (SplitMix64's finaliser) and ``index`` added to it: within one stream no
+    two batches (below 2**32 of them) share a generator.
+
+    Example::
+
+        >>> a = torch.rand(3, generator=batch_generator(7, 5))
+        >>> torch.equal(a, torch.rand(3, generator=batch_generator(7, 5)))  # batch 5 of seed 7, every time
+        True
+        >>> torch.equal(a, torch.rand(3, generator=batch_generator(7, 6)))  # batch 6 is another
+        False
+    """
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    base = (z ^ (z >> 31)) & 0xFFFFFFFF
+    return torch.Generator().manual_seed((base + index) % 2**32)
 
 
 @torch.no_grad()

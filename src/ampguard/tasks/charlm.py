@@ -7,6 +7,7 @@ out.
 
 from __future__ import annotations
 
+import itertools
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import InputError
-from .base import Task, mean_loss
+from .base import Task, batch_generator, mean_loss
 
 SOURCES: tuple[str, ...] = (
     "argparse.py", "bisect.py", "calendar.py", "csv.py", "dataclasses.py", "fractions.py",
@@ -58,20 +59,27 @@ def split(corpus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def char_batches(
-    text: torch.Tensor, seed: int, batch_size: int, block_size: int
+    text: torch.Tensor, seed: int, batch_size: int, block_size: int, start: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless batches of random windows: inputs ``text[i:i+T]``, targets ``text[i+1:i+T+1]``.
+    """Endless batches of random windows: inputs ``text[i:i+T]``, targets ``text[i+1:i+T+1]``;
+    batch ``k`` drawn from its own generator (:func:`~ampguard.tasks.batch_generator` of ``seed``
+    and ``k``), from batch ``start`` on.
 
     Example::
 
         >>> x, y = next(char_batches(torch.arange(50, dtype=torch.uint8), seed=0, batch_size=2, block_size=4))
         >>> tuple(x.shape), x.dtype, torch.equal(x[:, 1:], y[:, :-1]), torch.equal(y - x, torch.ones(2, 4).long())
         ((2, 4), torch.int64, True, True)
+        >>> stream = char_batches(torch.arange(50, dtype=torch.uint8), seed=0, batch_size=2, block_size=4)
+        >>> _ = next(stream)
+        >>> torch.equal(next(stream)[0], next(char_batches(torch.arange(50, dtype=torch.uint8), 0, 2, 4, start=1))[0])
+        True
     """
-    gen = torch.Generator().manual_seed(seed)
+    if len(text) < block_size + 2:
+        raise ValueError(f"a context of {block_size} needs at least {block_size + 2} bytes of text, not {len(text)}")
     offsets = torch.arange(block_size)
-    while True:
-        starts = torch.randint(len(text) - block_size - 1, (batch_size,), generator=gen)
+    for index in itertools.count(start):
+        starts = torch.randint(len(text) - block_size - 1, (batch_size,), generator=batch_generator(seed, index))
         idx = starts[:, None] + offsets
         yield text[idx].long(), text[idx + 1].long()
 
@@ -170,6 +178,9 @@ def build(config: Any) -> Task:
     """
     train_text, val_text = split(read_corpus())
     t = config.task
+    if t.block_size + 2 > len(val_text):
+        raise InputError(f"task.block_size: a context of {t.block_size} is longer than the held-out text allows "
+                         f"(at most {len(val_text) - 2} bytes)")
     torch.manual_seed(config.seed)
     model = CharLM(t.block_size, t.n_layer, t.n_head, t.n_embd)
     val_stream = char_batches(val_text, 0, t.batch_size, t.block_size)  # fixed windows of the held-out text
@@ -179,6 +190,7 @@ def build(config: Any) -> Task:
         model=model,
         loss_fn=lm_loss,
         batches=lambda: char_batches(train_text, config.seed + 1, t.batch_size, t.block_size),
+        batches_from=lambda start: char_batches(train_text, config.seed + 1, t.batch_size, t.block_size, start),
         evaluate=lambda m, device: {"val_loss": mean_loss(m, lm_loss, held_out, device)},
         metrics=("val_loss",),
         float_inputs=False,

@@ -6,6 +6,7 @@ out for the test accuracy.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import InputError
-from .base import Task
+from .base import Task, batch_generator
 
 TEST_SIZE = 300
 SPLIT_SEED = 20_240_601
@@ -41,8 +42,11 @@ def load_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
     return x[train], y[train], x[test], y[test]
 
 
-def digit_batches(x: torch.Tensor, y: torch.Tensor, seed: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless shuffled epochs of the training split (a last partial batch is dropped).
+def digit_batches(x: torch.Tensor, y: torch.Tensor, seed: int, batch_size: int,
+                  start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless shuffled epochs of the training split (a last partial batch is dropped), from
+    batch ``start`` on: epoch ``e``'s order comes from its own generator
+    (:func:`~ampguard.tasks.batch_generator` of ``seed`` and ``e``), so no epoch before it is drawn.
 
     Example::
 
@@ -51,13 +55,24 @@ def digit_batches(x: torch.Tensor, y: torch.Tensor, seed: int, batch_size: int) 
         >>> epoch = [next(stream)[1].tolist() for _ in range(2)]  # 2 full batches per epoch of 5
         >>> len(set(sum(epoch, []))), all(len(b) == 2 for b in epoch)
         (4, True)
+        >>> later = [b.tolist() for _, b in itertools.islice(stream, 3)]  # batches 2, 3, 4
+        >>> [b.tolist() for _, b in itertools.islice(digit_batches(x, y, seed=0, batch_size=2, start=2), 3)] == later
+        True
+        >>> next(digit_batches(x, y, seed=0, batch_size=6))
+        Traceback (most recent call last):
+        ...
+        ValueError: a batch of 6 examples is larger than the 5 there are
     """
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        order = torch.randperm(len(x), generator=gen)
-        for start in range(0, len(x) - batch_size + 1, batch_size):
-            idx = order[start : start + batch_size]
+    per_epoch = len(x) // batch_size
+    if per_epoch == 0:  # no batch would ever come: an endless loop that yields nothing
+        raise ValueError(f"a batch of {batch_size} examples is larger than the {len(x)} there are")
+    first_epoch, skip = divmod(start, per_epoch)
+    for epoch in itertools.count(first_epoch):
+        order = torch.randperm(len(x), generator=batch_generator(seed, epoch))
+        for k in range(skip, per_epoch):
+            idx = order[k * batch_size : (k + 1) * batch_size]
             yield x[idx], y[idx]
+        skip = 0
 
 
 def build(config: Any) -> Task:
@@ -76,6 +91,10 @@ def build(config: Any) -> Task:
         (['val_accuracy', 'val_loss'], True)
     """
     x_train, y_train, x_test, y_test = load_split()
+    batch_size = config.task.batch_size
+    if batch_size > len(x_train):
+        raise InputError(f"task.batch_size: a batch of {batch_size} images is larger than the digits training set "
+                         f"({len(x_train):,} images); use at most {len(x_train)}")
     hidden = config.task.n_embd * 2
     torch.manual_seed(config.seed)
     model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
@@ -92,7 +111,8 @@ def build(config: Any) -> Task:
         name="digits",
         model=model,
         loss_fn=F.cross_entropy,
-        batches=lambda: digit_batches(x_train, y_train, config.seed + 1, config.task.batch_size),
+        batches=lambda: digit_batches(x_train, y_train, config.seed + 1, batch_size),
+        batches_from=lambda start: digit_batches(x_train, y_train, config.seed + 1, batch_size, start),
         evaluate=evaluate,
         metrics=("val_loss", "val_accuracy"),
         held_out=lambda: (x_test, y_test),

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from .base import Task, mean_loss
+from .base import Task, batch_generator, mean_loss
 
 IN_FEATURES = 16
 OUT_FEATURES = 4
 
 
 def linear_batches(
-    seed: int, batch_size: int, sample_seed: int | None = None
+    seed: int, batch_size: int, sample_seed: int | None = None, start: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless batches of ``x ~ N(0, 1)``, ``y = x @ W + b + 0.01 * noise``; (W, b) fixed by
-    ``seed``, the samples drawn from ``sample_seed`` (default: the same generator).
+    ``seed``, batch ``i`` drawn from its own generator (:func:`~ampguard.tasks.batch_generator`
+    of ``sample_seed``, default ``seed``, and ``i``), from batch ``start`` on.
 
     Example::
 
@@ -27,13 +29,16 @@ def linear_batches(
         ((3, 16), (3, 4))
         >>> torch.equal(y, next(linear_batches(seed=0, batch_size=3))[1])  # the same stream every time
         True
+        >>> stream = linear_batches(seed=0, batch_size=3)
+        >>> _ = next(stream); torch.equal(next(stream)[0], next(linear_batches(seed=0, batch_size=3, start=1))[0])
+        True
     """
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(IN_FEATURES, OUT_FEATURES, generator=gen) / IN_FEATURES**0.5
     bias = torch.randn(OUT_FEATURES, generator=gen) * 0.1
-    if sample_seed is not None:
-        gen = torch.Generator().manual_seed(sample_seed)
-    while True:
+    sample_seed = seed if sample_seed is None else sample_seed
+    for index in itertools.count(start):
+        gen = batch_generator(sample_seed, index)
         x = torch.randn(batch_size, IN_FEATURES, generator=gen)
         y = x @ weight + bias + 0.01 * torch.randn(batch_size, OUT_FEATURES, generator=gen)
         yield x, y
@@ -63,6 +68,7 @@ def build(config: Any) -> Task:
         model=model,
         loss_fn=nn.functional.mse_loss,
         batches=lambda: linear_batches(seed + 1, batch_size),
+        batches_from=lambda start: linear_batches(seed + 1, batch_size, start=start),
         evaluate=lambda m, device: {"val_loss": mean_loss(m, nn.functional.mse_loss, held_out, device)},
         metrics=("val_loss",),
         description=f"nn.Linear({IN_FEATURES}, {OUT_FEATURES}) on a noisy linear target",

@@ -1,0 +1,327 @@
+"""Hostile and careless input to ``ampguard train`` and ``demo`` (issue 16): every refusal is one
+line ``ampguard: error: ...`` on stderr, exit 2, no traceback and the working folder exactly as it
+was (``snapshot``); what used to hang runs under a deadline and fails instead. A disk that fills
+up while the run writes (``ulimit -f`` in a subprocess) is a clean stop: one line, exit
+``ExitCode.DISK_FULL`` (74), the run intact up to the step it names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import errno
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampguard.errors import ExitCode
+
+LINEAR = ["--set", "task.name=linear", "--set", "device=cpu", "--set", "precision=fp32"]
+SHORT = [*LINEAR, "--set", "steps=3", "--set", "eval.enabled=false"]
+
+
+def refused(result: tuple[int, str, str]) -> str:
+    """The single error line of a refusal (exit 2, no traceback, nothing on stdout)."""
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ampguard: error: "), lines[0]
+    assert "run folder" not in out, out
+    return lines[0]
+
+
+class Hang(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raise :class:`Hang` in this (main) thread after ``seconds``: a loop that never yields fails
+    the test instead of hanging the suite."""
+
+    def alarm(signum, frame):
+        raise Hang(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def unchanged(tmp_path, snapshot):
+    """``check = unchanged()`` snapshots the working folder; ``check()`` asserts it is the same."""
+
+    def take():
+        before = snapshot(tmp_path)
+
+        def check() -> None:
+            assert snapshot(tmp_path) == before
+
+        return check
+
+    return take
+
+
+# ---------------------------------------------------------------------------- 1. hangs
+
+
+@pytest.mark.parametrize("batch", [1498, 2000])
+def test_a_digits_batch_larger_than_the_training_set_is_refused_at_once(cli, unchanged, batch):
+    check = unchanged()
+    with deadline(60):
+        line = refused(cli("train", "--set", "task.name=digits", "--set", f"task.batch_size={batch}",
+                           "--set", "device=cpu"))
+    assert "task.batch_size" in line and str(batch) in line and "1,497" in line
+    check()
+
+
+def test_a_charlm_context_longer_than_its_text_is_refused(cli, unchanged):
+    check = unchanged()
+    with deadline(60):
+        line = refused(cli("train", "--set", "task.name=charlm", "--set", "task.block_size=1000000",
+                           "--set", "task.n_layer=1", "--set", "task.n_embd=8", "--set", "task.n_head=1",
+                           "--set", "device=cpu"))
+    assert "task.block_size" in line
+    check()
+
+
+EMPTY_STREAM = '''
+import torch
+from ampguard.tasks import Task
+
+def build(config):  # a Task whose stream ends before its first batch
+    return Task("empty", torch.nn.Linear(2, 1), torch.nn.functional.mse_loss, batches=lambda: iter(()))
+'''
+
+
+def test_a_task_stream_that_yields_no_batch_is_refused_before_anything_is_written(cli, unchanged, tmp_path):
+    (tmp_path / "empty.py").write_text(EMPTY_STREAM)
+    check = unchanged()
+    with deadline(60):
+        line = refused(cli("train", *SHORT, "--set", "task.factory=empty.py:build"))
+    assert line == "ampguard: error: task.factory empty.py:build: the data yielded no batches"
+    check()
+
+
+# ---------------------------------------------------------------------------- 2. a factory that does not fit
+
+FACTORIES = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+def data():
+    return [(torch.ones(4, 3), torch.zeros(4, 1))]
+
+def wrong_width(config):
+    return nn.Linear(2, 1), data(), F.mse_loss
+
+def per_example_loss(config):
+    return nn.Linear(3, 1), data(), lambda out, y: ((out - y) ** 2).squeeze(1)
+
+def no_parameters(config):
+    return nn.Identity(), [(torch.ones(4, 3), torch.zeros(4, 3))], F.mse_loss
+
+def frozen(config):
+    return nn.Linear(3, 1).requires_grad_(False), data(), F.mse_loss
+
+def detached_loss(config):
+    return nn.Linear(3, 1), data(), lambda out, y: F.mse_loss(out, y).detach()
+
+def loss_raises(config):
+    return nn.Linear(3, 1), data(), lambda out, y: F.cross_entropy(out, y.long().squeeze(1) + 5)
+'''
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("wrong_width", "the model's forward pass on the first batch failed: RuntimeError: mat1 and mat2 shapes cannot "
+                    "be multiplied (4x3 and 2x1)"),
+    ("per_example_loss", "loss_fn must return a scalar (a 0-dim tensor, e.g. .mean()); it returned shape (4,)"),
+    ("no_parameters", "the model (Identity) has no parameters: there is nothing to train"),
+    ("frozen", "none of the model's 4 parameters requires a gradient (all frozen): there is nothing to train"),
+    ("detached_loss", "the loss does not depend on the model's trainable parameters"),
+    ("loss_raises", "loss_fn failed on the model's output for the first batch: IndexError: Target 5 is out of bounds."),
+])
+def test_a_factory_that_does_not_fit_its_model_is_one_line_naming_it(cli, unchanged, tmp_path, name, expected):
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    check = unchanged()
+    line = refused(cli("train", *SHORT, "--set", f"task.factory=factories.py:{name}"))
+    assert line.startswith(f"ampguard: error: task.factory factories.py:{name}: {expected}"), line
+    check()
+
+
+# ---------------------------------------------------------------------------- 4. accepted without checking
+
+
+@pytest.mark.parametrize("verb", [["train", *SHORT], ["demo", "--steps", "3", "--device", "cpu"]])
+def test_a_fault_for_a_rank_the_run_does_not_have_is_refused(cli, unchanged, verb):
+    check = unchanged()
+    line = refused(cli(*verb, "--inject", "nan_loss@40@rank3"))
+    assert line == ("ampguard: error: inject: fault 'nan_loss@40@rank3' targets rank 3, but this run has 1 process "
+                    "(rank 0 only; torchrun --nproc_per_node sets more)")
+    check()
+
+
+@pytest.mark.parametrize("verb", [["train", *SHORT], ["demo", "--steps", "3", "--device", "cpu"]])
+def test_fail_after_without_a_fail_rate_is_refused(cli, unchanged, verb):
+    check = unchanged()
+    line = refused(cli(*verb, "--fail-after", "5"))
+    assert line.startswith("ampguard: error: --fail-after needs a fail rate: add --fail-skip-rate")
+    check()
+
+
+@pytest.mark.parametrize("rate", [["--fail-skip-rate", "0.5"], ["--set", "monitor.fail_rate=0.5"],
+                                  ["--set", "monitor.fail_on_scale_collapse=true"]])
+def test_fail_after_with_a_fail_rate_is_taken(cli, rate):
+    code, out, err = cli("train", *SHORT, "--fail-after", "5", *rate, "--print-config")
+    assert code == 0, err
+    assert "fail_after: 5" in out
+
+
+# ---------------------------------------------------------------------------- 3. disk full
+
+
+def _limited(limit: int):
+    def set_up() -> None:  # in the child: EFBIG instead of a SIGXFSZ that would kill it
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return set_up
+
+
+DISK_RUN = [*LINEAR, "--set", "log.every=1000", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
+DISK_CASES = {
+    # name: (file-size limit in bytes, extra arguments)
+    "csv": (2000, ["--set", "steps=200", "--set", "checkpoint.enabled=false"]),
+    "checkpoint": (6000, ["--set", "steps=20", "--set", "checkpoint.every=5"]),
+}
+
+
+@pytest.fixture(scope="module")
+def disk_full_runs(tmp_path_factory):
+    """Every case of :data:`DISK_CASES` run side by side in a subprocess under ``ulimit -f``:
+    {name: (exit code, stdout, stderr, run folder)}."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    started = {}
+    for name, (limit, extra) in DISK_CASES.items():
+        cwd = tmp_path_factory.mktemp(f"disk-{name}")
+        proc = subprocess.Popen([sys.executable, "-m", "ampguard", "train", *DISK_RUN, "--set", f"log.name={name}",
+                                 *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=_limited(limit))
+        started[name] = (proc, cwd)
+    results = {}
+    for name, (proc, cwd) in started.items():
+        try:
+            out, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"the {name} run under ulimit -f hangs\n{err[-2000:]}")
+        results[name] = (proc.returncode, out, err, cwd / "runs" / name)
+    return results
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _steps(csv_path: Path) -> list[int]:
+    """The step of every complete row (a torn last line is what a resume drops)."""
+    text = csv_path.read_text()
+    complete = text[: text.rfind("\n") + 1]
+    return [int(row["step"]) for row in csv.DictReader(complete.splitlines())]
+
+
+def test_a_full_disk_while_writing_the_csv_stops_cleanly_with_one_line(disk_full_runs):
+    code, out, err, run = disk_full_runs["csv"]
+    assert code == ExitCode.DISK_FULL == 74, (code, err)
+    line = _one_error_line(err)
+    steps = _steps(run / "steps.csv")
+    n = steps[-1]
+    assert steps == list(range(1, n + 1)) and 5 < n < 200
+    assert line == (f"ampguard: error: disk full while writing runs/csv/steps.csv; the run is intact up to step {n} "
+                    "(its records; no checkpoint to resume from; File too large)")
+    assert "ended: disk full while writing runs/csv/steps.csv" in out
+    # it stopped at the step whose row found no room: nothing more was written
+    assert f"steps={n + 1} " in out
+    assert not (run / "RUN.md").exists() and not (run / "report.png").exists()
+    assert '"run_end"' not in (run / "events.jsonl").read_text()
+
+
+def test_a_full_disk_while_saving_a_checkpoint_leaves_no_partial_file(disk_full_runs):
+    code, out, err, run = disk_full_runs["checkpoint"]
+    assert code == ExitCode.DISK_FULL, (code, err)
+    line = _one_error_line(err)
+    assert line.startswith("ampguard: error: disk full while writing runs/checkpoint/checkpoints/step-00000005.pt; "
+                           "the run is intact up to step 6 (its records; no checkpoint to resume from; "), line
+    assert list((run / "checkpoints").iterdir()) == []  # no temporary file left behind
+    assert _steps(run / "steps.csv") == list(range(1, 7))  # the failed save is seen at the next step's end
+    assert not (run / "RUN.md").exists()
+
+
+def _no_space(after: int):
+    """A ``write`` that fails with ENOSPC from its ``after + 1``-th call on (a disk that fills up)."""
+    calls = {"n": 0}
+
+    def fail(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > after:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    return fail
+
+
+def test_after_a_full_disk_the_line_names_the_last_checkpoint_and_resume_continues_from_it(cli, monkeypatch, tmp_path):
+    from ampguard import sinks
+
+    real_write = sinks.CsvSink.write
+    fail = _no_space(after=4)
+
+    def write(self, record, extra=None):
+        with sinks.writing(self.path):
+            fail()
+        real_write(self, record, extra)
+
+    monkeypatch.setattr(sinks.CsvSink, "write", write)
+    code, out, err = cli("train", *LINEAR, "--set", "steps=8", "--set", "checkpoint.every=2", "--set", "log.dir=runs",
+                         "--set", "log.name=x")
+    assert code == ExitCode.DISK_FULL, err
+    assert _one_error_line(err) == (
+        "ampguard: error: disk full while writing runs/x/steps.csv; the run is intact up to step 4 "
+        "(checkpoints/step-00000004.pt: --resume runs/x continues from there; No space left on device)")
+    run = tmp_path / "runs" / "x"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002.pt", "step-00000004.pt"]
+    assert _steps(run / "steps.csv") == [1, 2, 3, 4] and not (run / "RUN.md").exists()
+    # the disk has room again: the hint works, and the records go on from step 5
+    monkeypatch.setattr(sinks.CsvSink, "write", real_write)
+    code, out, err = cli("train", "--resume", "runs/x")
+    assert code == 0, err
+    assert _steps(run / "steps.csv") == list(range(1, 9)) and (run / "RUN.md").exists()
+
+
+def test_a_full_disk_while_writing_the_run_card_is_the_same_clean_stop(cli, monkeypatch, tmp_path):
+    from ampguard import report
+
+    def write_run_card(path, config, result):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(report, "write_run_card", write_run_card)
+    code, out, err = cli("train", *SHORT, "--set", "checkpoint.every=2", "--set", "log.dir=runs", "--set", "log.name=y")
+    assert code == ExitCode.DISK_FULL, err
+    assert _one_error_line(err) == (
+        "ampguard: error: disk full while writing runs/y/RUN.md; the run is intact up to step 3 "
+        "(checkpoints/step-00000003.pt: --resume runs/y continues from there; No space left on device)")
