@@ -1,0 +1,255 @@
+"""A corpus of hostile and careless inputs across every verb: each is refused with ONE line on
+stderr (``ampguard: error: ...``) and exit 2, no traceback, no hang, and nothing written or
+changed in the folder it ran in (fixture files included).
+
+Each case runs ``ampguard.cli.main`` in-process (fast) under a wall-clock alarm: a case that
+hangs fails as a hang instead of blocking the suite. ``tally`` at the end prints the counts
+(tried / clean / tracebacks / hangs / wrote files) with ``pytest -s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import shutil
+import signal
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampguard.cli import main
+
+HANG_S = 30
+LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32"]
+TALLY: Counter[str] = Counter()
+
+
+class _Hang(Exception):
+    pass
+
+
+class _RunsCode:
+    """A pickle that would create a file if it were ever unpickled with code allowed."""
+
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def _files(folder: Path) -> None:
+    """The fixture files every case may name, written into the case's own folder."""
+    (folder / "existing.csv").write_text("keep me\n", encoding="utf-8")
+    (folder / "bomb.yaml").write_text(
+        'a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
+        + "".join(f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]\n" for i in range(1, 9)), encoding="utf-8")
+    (folder / "recursive.yaml").write_text("a: &a [*a]\n", encoding="utf-8")
+    (folder / "date.yaml").write_text("steps: 2020-01-01\n", encoding="utf-8")
+    (folder / "binary.yaml").write_text("task:\n  name: !!binary aGVsbG8=\n", encoding="utf-8")
+    (folder / "deep.json").write_text("[" * 200_000 + "]" * 200_000, encoding="utf-8")
+    (folder / "date.toml").write_text("steps = 1979-05-27\n", encoding="utf-8")
+    (folder / "list.yaml").write_text("- 1\n- 2\n", encoding="utf-8")
+    (folder / "syntax.yaml").write_text("steps: [1, 2\n", encoding="utf-8")
+    (folder / "syntax.json").write_text('{"steps": }', encoding="utf-8")
+    (folder / "latin1.yaml").write_bytes(b"steps: 3 # caf\xe9\n")
+    (folder / "config.txt").write_text("steps: 3\n", encoding="utf-8")
+    (folder / "huge.yaml").write_text("# " + "x" * (1 << 20) + "\n", encoding="utf-8")
+    (folder / "unknown_key.yaml").write_text("stepz: 3\n", encoding="utf-8")
+    (folder / "junk.pt").write_bytes(b"not a checkpoint at all")
+    (folder / "empty.pt").write_bytes(b"")
+    with (folder / "code.pt").open("wb") as f:
+        pickle.dump({"magic": _RunsCode()}, f)
+    torch.save({"inputs": torch.randn(4, 3), "targets": torch.randn(4, 2)}, folder / "wrong_shape.pt")
+    torch.save({"x": torch.randn(4, 16)}, folder / "not_a_batch.pt")
+    torch.save({"model": {}}, folder / "foreign.pt")
+    (folder / "bad_header.csv").write_text("a,b,c\n1,2,3\n", encoding="utf-8")
+    (folder / "empty.csv").write_text("", encoding="utf-8")
+    header = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale\n"
+    (folder / "good.csv").write_text(header + "1,0.1,1.0,1.0,0.5,0,,1.0\n2,0.1,1.0,1.0,0.4,0,,1.0\n", encoding="utf-8")
+    (folder / "bad_rows.csv").write_text(header + "1,0.1,1.0,1.0,0.5,maybe,,1.0\n", encoding="utf-8")
+    (folder / "no_run").mkdir()
+    (folder / "no_run" / "steps.csv").write_text(header, encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> Path:
+    """A folder with every fixture file and one finished 4-step linear run, copied for each case."""
+    root = tmp_path_factory.mktemp("corpus-template")
+    _files(root)
+    cwd = Path.cwd()
+    os.chdir(root)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            code = main(["train", *LINEAR, "--set", "steps=4", "--set", "checkpoint.every=2", "--set", "log.dir=.", "--set", "log.name=run",
+                         "--set", "eval.enabled=false"])
+    finally:
+        os.chdir(cwd)
+    assert code == 0
+    truncated = root / "run" / "checkpoints" / "step-00000002.pt"
+    shutil.copy(truncated, root / "truncated.pt")
+    data = (root / "truncated.pt").read_bytes()
+    (root / "truncated.pt").write_bytes(data[: len(data) // 2])
+    return root
+
+
+def _snapshot(folder: Path) -> dict[str, object]:
+    return {str(p.relative_to(folder)): ("<dir>" if p.is_dir() else p.read_bytes()) for p in sorted(folder.rglob("*"))}
+
+
+CASES: list[tuple[str, list[str]]] = [
+    # ---- usage, every verb
+    ("no verb", []),
+    ("unknown verb", ["nope"]),
+    ("demo steps 0", ["demo", "--steps", "0"]),
+    ("demo steps negative", ["demo", "--steps", "-3"]),
+    ("demo steps text", ["demo", "--steps", "abc"]),
+    ("demo precision fp8", ["demo", "--precision", "fp8"]),
+    ("demo bf16 vs fp16", ["demo", "--bf16", "--precision", "fp16"]),
+    ("demo fault kind", ["demo", "--inject", "bogus@5"]),
+    ("demo fault when empty", ["demo", "--inject", "nan_loss@"]),
+    ("demo fault rate > 1", ["demo", "--inject", "nan_loss@rate:2"]),
+    ("demo max-norm text", ["demo", "--max-norm", "abc"]),
+    ("demo csv exists", ["demo", "--csv", "existing.csv"]),
+    ("demo fail rate > 1", ["demo", "--fail-skip-rate", "1.5"]),
+    ("demo fail-after 0", ["demo", "--fail-after", "0"]),
+    ("demo fail-after without a rate", ["demo", "--fail-after", "3"]),
+    ("bench model", ["bench", "--models", "nope"]),
+    ("bench precision", ["bench", "--precisions", "fp8"]),
+    ("bench steps 0", ["bench", "--steps", "0"]),
+    # ---- config values through --set
+    ("steps 0", ["train", "--set", "steps=0"]),
+    ("steps text", ["train", "--set", "steps=abc"]),
+    ("precision fp8", ["train", "--set", "precision=fp8"]),
+    ("unknown key", ["train", "--set", "nope=1"]),
+    ("lr negative", ["train", "--set", "optimizer.lr=-1"]),
+    ("lr nan", ["train", "--set", "optimizer.lr=.nan"]),
+    ("max_norm nan", ["train", "--set", "max_norm=.nan"]),
+    ("scaler with bf16", ["train", "--set", "precision=bf16", "--set", "scaler.enabled=true"]),
+    ("backoff > 1", ["train", "--set", "scaler.backoff_factor=1.5"]),
+    ("growth 1", ["train", "--set", "scaler.growth_factor=1"]),
+    ("window 0", ["train", "--set", "monitor.window=0"]),
+    ("alert rate 2", ["train", "--set", "monitor.alert_rate=2"]),
+    ("task unknown", ["train", "--set", "task.name=mnist"]),
+    ("factory file missing", ["train", "--set", "task.factory=nonexistent.py:build"]),
+    ("run name with a slash", ["train", "--set", "log.name=a/b"]),
+    ("run name 256 chars", ["train", "--set", "log.name=" + "x" * 256]),
+    ("seed negative", ["train", "--set", "seed=-1"]),
+    ("seed 2**64", ["train", "--set", f"seed={2**64}"]),
+    ("rollback without checkpoints", ["train", "--set", "rollback.triggers=[loss_spike]"]),
+    ("skip guard without a fail rate", ["train", "--set", "rollback.triggers=[skip_guard]", "--set", "checkpoint.every=5"]),
+    ("--set without =", ["train", "--set", "steps"]),
+    ("--set empty key part", ["train", "--set", ".a=1"]),
+    ("--set a date", ["train", "--set", "steps=2020-01-01"]),
+    ("--set an alias", ["train", "--set", "steps=*a"]),
+    ("fault rank beyond the world", ["train", *LINEAR, "--inject", "nan_loss@3@rank3"]),
+    ("train fail-after without a rate", ["train", *LINEAR, "--fail-after", "3"]),
+    ("nan_input on integer tokens", ["train", "--inject", "nan_input@1"]),
+    ("digits batch larger than the data", ["train", "--set", "task.name=digits", "--set", "task.batch_size=2000"]),
+    # ---- config files
+    ("config missing", ["train", "missing.yaml"]),
+    ("config unknown format", ["train", "config.txt"]),
+    ("alias bomb", ["train", "bomb.yaml"]),
+    ("recursive alias", ["train", "recursive.yaml"]),
+    ("yaml date", ["train", "date.yaml"]),
+    ("yaml binary", ["train", "binary.yaml"]),
+    ("200k-deep json", ["train", "deep.json"]),
+    ("toml date", ["train", "date.toml"]),
+    ("yaml list at the top", ["train", "list.yaml"]),
+    ("yaml syntax", ["train", "syntax.yaml"]),
+    ("json syntax", ["train", "syntax.json"]),
+    ("not utf-8", ["train", "latin1.yaml"]),
+    ("over 1 MiB", ["train", "huge.yaml"]),
+    ("unknown key in a file", ["train", "unknown_key.yaml"]),
+    ("print-config of a bad file", ["train", "date.yaml", "--print-config"]),
+    # ---- checkpoints and resume
+    ("resume nothing there", ["train", "--resume", "nowhere"]),
+    ("resume junk", ["train", "--resume", "junk.pt"]),
+    ("resume empty file", ["train", "--resume", "empty.pt"]),
+    ("resume pickled code", ["train", "--resume", "code.pt"]),
+    ("resume foreign .pt", ["train", "--resume", "foreign.pt"]),
+    ("resume truncated", ["train", "--resume", "truncated.pt"]),
+    ("resume a folder without checkpoints", ["train", "--resume", "no_run"]),
+    ("resume with another precision", ["train", "--resume", "run", "--set", "precision=fp16"]),
+    ("resume with another seed", ["train", "--resume", "run", "--set", "seed=3"]),
+    ("resume below the saved step", ["train", "--resume", "run", "--set", "steps=2"]),
+    # ---- validate
+    ("validate no precisions", ["validate", *LINEAR, "--set", "validation.precisions=[]"]),
+    ("validate out is a file", ["validate", *LINEAR, "--out", "existing.csv"]),
+    ("validate checkpoint junk", ["validate", *LINEAR, "--checkpoint", "junk.pt"]),
+    ("validate checkpoint of another model", ["validate", "--set", "task.name=digits", "--checkpoint",
+                                              "run/checkpoints/step-00000004.pt"]),
+    ("validate accuracy floor on a regression", ["validate", *LINEAR, "--set", "validation.min_accuracy=0.9"]),
+    # ---- locate
+    ("locate step beyond steps", ["locate", *LINEAR, "--step", "100000000"]),
+    ("locate scale negative", ["locate", *LINEAR, "--scale", "-1"]),
+    ("locate scale nan", ["locate", *LINEAR, "--scale", "nan"]),
+    ("locate scale on bf16", ["locate", "--set", "task.name=linear", "--set", "precision=bf16", "--scale", "1024"]),
+    ("locate batch junk", ["locate", *LINEAR, "--batch", "junk.pt"]),
+    ("locate batch not a batch", ["locate", *LINEAR, "--batch", "not_a_batch.pt"]),
+    ("locate batch of the wrong shape", ["locate", *LINEAR, "--batch", "wrong_shape.pt"]),
+    ("locate nan_input on integer tokens", ["locate", "--inject", "nan_input@1"]),
+    ("locate checkpoint missing", ["locate", *LINEAR, "--checkpoint", "missing.pt"]),
+    # ---- report
+    ("report nothing there", ["report", "nowhere"]),
+    ("report bad header", ["report", "bad_header.csv"]),
+    ("report empty csv", ["report", "empty.csv"]),
+    ("report bad rows", ["report", "bad_rows.csv"]),
+    ("report out in a missing folder", ["report", "good.csv", "--out", "missing/x.png"]),
+    ("report out not a png", ["report", "good.csv", "--out", "x.xyz"]),
+    ("report window 0", ["report", "good.csv", "--window", "0"]),
+    ("report a run folder without rows", ["report", "no_run"]),
+]
+if not torch.cuda.is_available():
+    CASES += [("train on cuda without one", ["train", "--set", "device=cuda"]),
+              ("demo on cuda without one", ["demo", "--device", "cuda"])]
+
+
+@pytest.mark.parametrize("argv", [argv for _, argv in CASES], ids=[name for name, _ in CASES])
+def test_refused_with_one_line_exit_2_nothing_written(template, tmp_path, monkeypatch, argv):
+    folder = tmp_path / "case"
+    shutil.copytree(template, folder)
+    monkeypatch.chdir(folder)
+    before = _snapshot(folder)
+
+    def alarm(signum, frame):
+        raise _Hang
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(HANG_S)
+    out, err = io.StringIO(), io.StringIO()
+    outcome = "clean"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    except _Hang:
+        outcome, code = "hang", None
+    except BaseException:  # noqa: BLE001 - a traceback is what this test counts
+        outcome, code = "traceback", None
+        err.write(traceback.format_exc())
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    lines = err.getvalue().splitlines()
+    if outcome == "clean" and "Traceback" in out.getvalue() + err.getvalue():
+        outcome = "traceback"
+    if outcome == "clean" and _snapshot(folder) != before:
+        outcome = "wrote files"
+    if outcome == "clean" and (code != 2 or len(lines) != 1 or not lines[0].startswith("ampguard: error: ")):
+        outcome = "not one line, exit 2"
+    TALLY["tried"] += 1
+    TALLY[outcome] += 1
+    assert not (folder / "PWNED").exists(), "a checkpoint ran code"
+    assert outcome == "clean", f"{outcome}: exit {code}\nstdout:\n{out.getvalue()[-1500:]}\nstderr:\n{err.getvalue()[-3000:]}"
+
+
+def test_the_corpus_is_large_and_the_tally_adds_up():
+    assert len(CASES) >= 60
+    assert len({name for name, _ in CASES}) == len(CASES)
+    if TALLY["tried"]:  # after the cases ran in this session
+        print("\ncorpus tally:", json.dumps(dict(TALLY)))
+        assert TALLY["tried"] == sum(TALLY[k] for k in ("clean", "traceback", "hang", "wrote files",
+                                                          "not one line, exit 2"))
