@@ -48,6 +48,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import Config, read_file
 from .errors import InputError
+from .sinks import DiskFull, disk_full_error
 from .run_folder import RunPaths
 
 # The payload's keys (checkpoint format ckpt.FORMAT). Parts are restored; the rest identify.
@@ -295,6 +296,8 @@ class CheckpointManager:
         self.keep = keep
         self.meta = meta
         self.check = check
+        self.failed: DiskFull | None = None
+        """The first save that found the disk full (rank 0); the run then writes nothing more."""
         self.saved: list[Path] = ckpt.list_checkpoints(folder) if folder is not None and self.dist.is_main else []
 
     @property
@@ -310,10 +313,17 @@ class CheckpointManager:
         payload = {**self.meta(), STEP: step, **{key: part.state_dict() for key, part in self.parts.items()}}
         path = None
         if self.dist.is_main:
-            path = ckpt.save_checkpoint(self.folder / ckpt.checkpoint_name(step), payload)
-            ckpt.prune(self.folder, self.keep)
-            ckpt.remove_partial(self.folder, keep_pid=os.getpid())
-            self.saved = ckpt.list_checkpoints(self.folder)
+            target = self.folder / ckpt.checkpoint_name(step)
+            try:
+                path = ckpt.save_checkpoint(target, payload)
+            except Exception as err:  # a full disk: the file never took its name, earlier ones are whole
+                if disk_full_error(err) is None:
+                    raise
+                self.failed = self.failed or DiskFull(target, disk_full_error(err))
+            else:
+                ckpt.prune(self.folder, self.keep)
+                ckpt.remove_partial(self.folder, keep_pid=os.getpid())
+                self.saved = ckpt.list_checkpoints(self.folder)
         distributed.barrier()  # no rank reads checkpoints (a rollback) before rank 0 has written them
         return path
 

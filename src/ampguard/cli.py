@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -320,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from .signals import Interrupted, held_signals
 
+    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # `ulimit -f` reached: a write error (disk full), not a kill
     try:
         args = build_parser().parse_args(argv)
         with held_signals():  # a signal inside torch's import could be swallowed or break numpy

@@ -24,6 +24,7 @@ import torch
 
 from .config import Config, dump_config
 from .errors import ExitCode, InputError
+from .sinks import DiskFull
 
 if TYPE_CHECKING:
     from .monitor import RunMonitor
@@ -285,3 +286,28 @@ class RunResult:
     resumed_from: Path | None = None
     task: str = ""
     diagnosis: str | None = None
+
+
+def disk_full_line(full: DiskFull, saved: list[Path], step: int, recorded: int, run_dir: Path | None) -> str:
+    """The one line a run that found the disk full ends with: the file, and the step up to which
+    the run is intact (its newest checkpoint up to ``step``; without one, the last step whose
+    records are complete, ``full.through`` or ``recorded``).
+
+    Example::
+
+        >>> import errno
+        >>> full = DiskFull("runs/a/steps.csv", OSError(errno.ENOSPC, "No space left on device"))
+        >>> disk_full_line(full, [Path("runs/a/checkpoints/step-00000004.pt")], 6, 6, Path("runs/a"))
+        'disk full while writing runs/a/steps.csv; the run is intact up to step 4 (checkpoints/step-00000004.pt: --resume runs/a continues from there; No space left on device)'
+    """
+    from .checkpoint import checkpoint_name, checkpoint_step
+
+    steps = [n for n in map(checkpoint_step, saved) if 0 <= n <= step]
+    if steps:
+        intact = max(steps)
+        how = f"checkpoints/{checkpoint_name(intact)}: --resume {run_dir} continues from there"
+    else:
+        intact = recorded if full.through is None else full.through
+        how = "its records; no checkpoint to resume from"
+    return (f"disk full while writing {full.path}; the run is intact up to step {intact} "
+            f"({how}; {full.error.strerror or full.error})")

@@ -65,7 +65,9 @@ def finish(result: RunResult) -> ExitCode:
     print(f"ended: {result.ended}")
     csv_path, run_dir = result.paths.csv, result.paths.dir
     if run_dir is not None:
-        print(f"run folder: {run_dir} (RUN.md, steps.csv, events.jsonl, report.png, checkpoints/)")
+        written = [name for name in ("RUN.md", "steps.csv", "events.jsonl", "report.png", "checkpoints/")
+                   if (run_dir / name.rstrip("/")).exists()]
+        print(f"run folder: {run_dir} ({', '.join(written)})")
     elif csv_path is not None:
         print(f"csv: {csv_path} ({result.monitor.steps} rows)")
     if result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED):

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ckpt
 from . import checkpointer as ck
 from . import distributed
 from .build import (build_monitor, build_sinks, build_spike_detector, build_state, check_forward, check_trainable,
@@ -30,7 +29,7 @@ from .faults import FaultInjector, check_ranks, parse_fault
 from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import StepRecord
-from .run_folder import RunPaths, RunResult
+from .run_folder import RunPaths, RunResult, disk_full_line
 from .signals import StopFlag, stop_on_signals
 from .sinks import CSV_COLUMNS, ConsoleSink, DiskFull, Sinks, TensorBoardSink, disk_full_error
 from .step import AmpTrainState
@@ -262,18 +261,7 @@ class Trainer:
         """
         if not self.config.checkpoint.enabled or self.state.mid_group or not self.checkpointer.enabled:
             return
-        try:
-            path = self.checkpointer.save(self.state.steps)  # every rank takes part; rank 0 writes
-        except Exception as err:
-            if disk_full_error(err) is None:
-                raise
-            # rank 0 failed between the collectives and the barrier that ends save(): meet the
-            # other ranks there (the file was never put in place: earlier checkpoints are whole)
-            distributed.barrier()
-            if self._failed is None:  # (the records of this step are written: intact through it)
-                self._failed = DiskFull(self.checkpointer.folder / ckpt.checkpoint_name(self.state.steps),
-                                        disk_full_error(err))
-            return
+        path = self.checkpointer.save(self.state.steps)  # every rank takes part; rank 0 writes
         if path is not None:
             self.events.emit({"step": self.state.steps, "event": "checkpoint", "message": f"saved {path.name}"})
 
@@ -347,23 +335,13 @@ class Trainer:
     def disk_full(self) -> DiskFull | None:
         """This rank's first write that found the disk full (the run folder, a sink, the event
         log, a checkpoint, the run card), or None while every write went through."""
-        return self._failed or self.sinks.failed or self.events.failed
+        return self._failed or self.checkpointer.failed or self.sinks.failed or self.events.failed
 
     def _disk_full_line(self) -> str | None:
-        """Rank 0's one line for :meth:`disk_full`: the file, and the step up to which the run is
-        intact (its newest checkpoint, or without one the last step fully recorded)."""
         full = self.disk_full()
         if full is None:
             return None
-        saved = [n for n in map(ckpt.checkpoint_step, self.checkpointer.saved) if 0 <= n <= self.state.steps]
-        if saved:
-            step = max(saved)
-            how = f"checkpoints/{ckpt.checkpoint_name(step)}: --resume {self.paths.dir} continues from there"
-        else:
-            step = self.monitor.steps if full.through is None else full.through
-            how = "its records; no checkpoint to resume from"
-        return (f"disk full while writing {full.path}; the run is intact up to step {step} "
-                f"({how}; {full.error.strerror or full.error})")
+        return disk_full_line(full, self.checkpointer.saved, self.state.steps, self.monitor.steps, self.paths.dir)
 
 
 def _build_task(config: Config, world: int) -> Task:
