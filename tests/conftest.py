@@ -1,13 +1,15 @@
-"""Shared fixtures: run the CLI in-process, snapshot a folder; the tiny classifier factory of the
-validate tests; one intra-op thread and no bytecode for the task tests (unit and whole runs)."""
+"""Shared fixtures: run the CLI in-process, snapshot a folder (and check it is unchanged); the tiny
+classifier factory of the validate tests; one intra-op thread and no bytecode for the task tests
+(unit and whole runs)."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import snapshot_of
 
 from ampguard.cli import main
 
@@ -29,13 +31,20 @@ def cli(tmp_path, monkeypatch, capsys):
 @pytest.fixture
 def snapshot():
     """``snapshot(folder) -> {relative path: bytes or '<dir>'}`` of everything under ``folder``."""
+    return snapshot_of
 
-    def take(folder: Path) -> dict[str, object]:
-        folder = Path(folder)
-        return {
-            str(p.relative_to(folder)): ("<dir>" if p.is_dir() else p.read_bytes())
-            for p in sorted(folder.rglob("*"))
-        }
+
+@pytest.fixture
+def unchanged(tmp_path, snapshot):
+    """``check = unchanged()`` snapshots the working folder; ``check()`` asserts it is the same."""
+
+    def take():
+        before = snapshot(tmp_path)
+
+        def check() -> None:
+            assert snapshot(tmp_path) == before
+
+        return check
 
     return take
 

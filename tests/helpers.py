@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import importlib.util
 import io
 import json
+import os
+import resource
+import signal
+import sys
 import textwrap
 from pathlib import Path
 from unittest import mock
@@ -97,15 +102,78 @@ def ag(*argv: object) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-# ---------------------------------------------------------------------------- monitor (unit and whole runs)
+def train(log_dir: Path, name: str, *args: object) -> tuple[int, str, str]:
+    """``ampguard train`` in-process (``ag``), its run folder ``log_dir/name``."""
+    return ag("train", "--set", f"log.dir={log_dir}", "--set", f"log.name={name}", *args)
 
-seen_rates = reference_rates
-"""test_monitor's name for ``reference_rates``."""
+
+def ok(result: tuple[int, str, str]) -> str:
+    """The stdout of a run that exited 0."""
+    code, out, err = result
+    assert code == 0, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
+    return out
 
 
-def seen_episodes(rates: list[float], threshold: float, min_steps: int) -> list[tuple[int, str]]:
-    """(step, ALERT|CLEAR) each time the rate crosses ``threshold``; an ALERT only from step ``min_steps``."""
-    return reference_episodes(rates, threshold, min_steps=min_steps)
+# ---------------------------------------------------------------------------- refusals (one line on stderr)
+
+
+def only_line(err: str) -> str:
+    """The single line of ``err``, which holds no traceback."""
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def one_line_error(code: int, out: str, err: str) -> str:
+    """The single error line of a refusal: exit 2, no traceback."""
+    assert code == 2, (code, out, err)
+    return only_line(err)
+
+
+def one_error_line(result: tuple[int, str, str], code: int = 2) -> str:
+    """The single ``ampguard: error: ...`` line of a ``(exit code, stdout, stderr)`` that exited ``code``."""
+    got, out, err = result
+    assert got == code, f"exit {got}\nstdout:\n{out}\nstderr:\n{err}"
+    line = only_line(err)
+    assert line.startswith("ampguard: error: "), line
+    return line
+
+
+class Hang(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raise :class:`Hang` in this (main) thread after ``seconds``: a block that never ends fails
+    the test instead of hanging the suite."""
+
+    def alarm(signum, frame):
+        raise Hang(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def snapshot_of(folder: Path) -> dict[str, object]:
+    """``{relative path: bytes or '<dir>'}`` of everything under ``folder``."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): ("<dir>" if p.is_dir() else p.read_bytes()) for p in sorted(folder.rglob("*"))}
+
+
+# ---------------------------------------------------------------------------- what a run writes
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    """The rows of a CSV file (steps.csv) as dicts."""
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
 
 
 def strict_json(line: str) -> dict:
@@ -114,6 +182,49 @@ def strict_json(line: str) -> dict:
 
     return json.loads(line, parse_constant=refuse)
 
+
+def read_events(path: Path, *, strict: bool = True) -> list[dict]:
+    """One dict per line of a JSON-lines file (events.jsonl); ``strict``: NaN and Infinity refused."""
+    parse = strict_json if strict else json.loads
+    return [parse(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
+def run_events(run: Path) -> list[dict]:
+    """The events of the run folder ``run`` (its events.jsonl, read as plain JSON)."""
+    return read_events(run / "events.jsonl", strict=False)
+
+
+# ---------------------------------------------------------------------------- child processes
+
+
+def file_size_limit(limit: int):
+    """A ``preexec_fn`` that sets ``ulimit -f`` to ``limit`` bytes in the child (inherited by its
+    children): a write past it fails with EFBIG instead of a SIGXFSZ that would kill the process."""
+
+    def set_up() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return set_up
+
+
+def torchrun() -> list[str]:
+    """The command that starts torchrun from this virtualenv."""
+    exe = Path(sys.executable).with_name("torchrun")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the variables of an enclosing torchrun, one thread a
+    process, unbuffered output; and ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1", **extra)
+    return env
+
+
+# ---------------------------------------------------------------------------- monitor (unit and whole runs)
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import snapshot_of
+
 from ampguard.cli import main
 
 HANG_S = 30
@@ -94,10 +96,6 @@ def template(tmp_path_factory) -> Path:
     data = (root / "truncated.pt").read_bytes()
     (root / "truncated.pt").write_bytes(data[: len(data) // 2])
     return root
-
-
-def _snapshot(folder: Path) -> dict[str, object]:
-    return {str(p.relative_to(folder)): ("<dir>" if p.is_dir() else p.read_bytes()) for p in sorted(folder.rglob("*"))}
 
 
 CASES: list[tuple[str, list[str]]] = [
@@ -213,7 +211,7 @@ def test_refused_with_one_line_exit_2_nothing_written(template, tmp_path, monkey
     folder = tmp_path / "case"
     shutil.copytree(template, folder)
     monkeypatch.chdir(folder)
-    before = _snapshot(folder)
+    before = snapshot_of(folder)
 
     def alarm(signum, frame):
         raise _Hang
@@ -236,7 +234,7 @@ def test_refused_with_one_line_exit_2_nothing_written(template, tmp_path, monkey
     lines = err.getvalue().splitlines()
     if outcome == "clean" and "Traceback" in out.getvalue() + err.getvalue():
         outcome = "traceback"
-    if outcome == "clean" and _snapshot(folder) != before:
+    if outcome == "clean" and snapshot_of(folder) != before:
         outcome = "wrote files"
     if outcome == "clean" and (code != 2 or len(lines) != 1 or not lines[0].startswith("ampguard: error: ")):
         outcome = "not one line, exit 2"

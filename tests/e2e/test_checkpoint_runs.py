@@ -8,7 +8,6 @@ functions of ``ampguard.checkpoint`` alone are in ``tests/unit/test_checkpoint.p
 
 from __future__ import annotations
 
-import csv
 import os
 import pickle
 import shutil
@@ -18,20 +17,11 @@ import pytest
 import torch
 import yaml
 
-from helpers import _truncated, ag, minimal_payload
+from helpers import _truncated, ag, minimal_payload, one_error_line, read_rows
 
 from ampguard import checkpoint as ckpt
 from ampguard.checkpoint import MAGIC
 from ampguard.errors import InputError
-
-
-def one_error_line(result: tuple[int, str, str]) -> str:
-    code, out, err = result
-    assert code == 2, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("ampguard: error: ") and "Traceback" not in err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +65,7 @@ def test_a_checkpoint_holds_everything_a_resume_needs(fp16_run):
 
 def test_the_saved_scaler_is_taken_after_update(fp16_run):
     """Step 12 overflowed: the scale halved in that step's update(); the checkpoint has the halved one."""
-    with open(fp16_run / "steps.csv", newline="", encoding="utf-8") as f:
-        scales = {int(r["step"]): float(r["scaler_scale"]) for r in csv.DictReader(f)}
+    scales = {int(r["step"]): float(r["scaler_scale"]) for r in read_rows(fp16_run / "steps.csv")}
     assert scales[12] == scales[11] / 2
     scaler = ckpt.load_checkpoint(fp16_run / "checkpoints" / "step-00000012.pt")["state"]["scaler"]
     assert scaler["scale"] == scales[12]

@@ -7,7 +7,6 @@ only where one is needed: SIGINT, ``python -m ampguard`` and the console script.
 from __future__ import annotations
 
 import contextlib
-import csv
 import io
 import math
 import os
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from helpers import read_rows
 
 from ampguard.cli import main
 from ampguard.config import load_config, validate
@@ -48,10 +49,7 @@ def summary(out: str) -> str:
 
 
 def read_csv(path: Path) -> tuple[str, list[dict[str, str]]]:
-    text = Path(path).read_text(encoding="utf-8")
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    return text.splitlines()[0], rows
+    return Path(path).read_text(encoding="utf-8").splitlines()[0], read_rows(path)
 
 
 def number(cell: str) -> float:

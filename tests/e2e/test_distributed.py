@@ -16,20 +16,19 @@ few, started early, run side by side and shared by the tests of this module:
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import read_rows, run_events, snapshot_of, torchrun, torchrun_env
 
 from ampguard.checkpoint import load_checkpoint
 from ampguard.cli import main as ampguard_main
@@ -63,21 +62,6 @@ FAULTS_F_SINGLE = ["--inject", "nan_loss@2"]
 # ---------------------------------------------------------------------------- launching
 
 
-def _torchrun() -> list[str]:
-    exe = Path(sys.executable).with_name("torchrun")
-    if exe.exists():
-        return [str(exe)]
-    return [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
-    return env
-
-
 class Launch:
     """One ``torchrun --standalone --nproc_per_node 2 ...`` in its own process group, killed on
     timeout or at teardown."""
@@ -85,11 +69,11 @@ class Launch:
     def __init__(self, name: str, args: list[str], cwd: Path) -> None:
         self.name, self.cwd = name, cwd
         cwd.mkdir(parents=True, exist_ok=True)
-        self.cmd = [*_torchrun(), "--standalone", "--nproc_per_node", "2", *args]
+        self.cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", *args]
         self._out = (cwd.parent / f"{name}.stdout").open("w+")
         self._err = (cwd.parent / f"{name}.stderr").open("w+")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=_env(), stdout=self._out, stderr=self._err,
+        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=torchrun_env(), stdout=self._out, stderr=self._err,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.rc: int | None = None
         self.stdout = self.stderr = ""
@@ -169,10 +153,6 @@ def run_a(launches, work) -> Path:
     return _single_run_dir(work / "A_runs")
 
 
-def _snapshot(folder: Path) -> dict[str, bytes | str]:
-    return {str(p.relative_to(folder)): ("<dir>" if p.is_dir() else p.read_bytes()) for p in sorted(folder.rglob("*"))}
-
-
 @pytest.fixture(scope="module")
 def resume_launches(run_a, single_a, work):
     """Started together once run A is done (not waited on here):
@@ -184,7 +164,7 @@ def resume_launches(run_a, single_a, work):
     shutil.copytree(run_a, b)
     w = work / "W_runs" / "W"
     shutil.copytree(single_a, w)
-    w_before = _snapshot(w)
+    w_before = snapshot_of(w)
     started: dict[str, Launch] = {}
     try:
         started["B"] = Launch("B", ["-m", "ampguard", "train", "--resume", str(b / "checkpoints" / CKPT4)],
@@ -228,11 +208,6 @@ def lib_states(launches, work) -> tuple[dict, dict]:
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _rows(csv_path: Path) -> list[dict[str, str]]:
-    with csv_path.open(newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
 
 
 def _num(text: str) -> float | None:
@@ -295,7 +270,7 @@ def test_ddp_with_batch_b_per_rank_matches_one_process_with_batch_2b(run_a, sing
     # (resume_launches is requested here only so that those launches start as soon as run A is done)
     _assert_params_close(_final_model(run_a, 8), _final_model(single_a, 8))
     _assert_params_close(_final_model(run_a, 4), _final_model(single_a, 4))
-    _assert_rows_match(_rows(run_a / "steps.csv"), _rows(single_a / "steps.csv"))
+    _assert_rows_match(read_rows(run_a / "steps.csv"), read_rows(single_a / "steps.csv"))
     payload = load_checkpoint(run_a / "checkpoints" / CKPT8)
     assert payload["world_size"] == 2
     assert payload["updates"] == 6 and payload["step"] == 8
@@ -305,7 +280,7 @@ def test_ddp_with_batch_b_per_rank_matches_one_process_with_batch_2b(run_a, sing
 
 
 def test_a_fault_on_rank_1_makes_both_ranks_skip_that_step(launches, run_a):
-    rows = _rows(run_a / "steps.csv")
+    rows = read_rows(run_a / "steps.csv")
     skips = {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"}
     assert skips == {3: "non_finite_loss", 6: "non_finite_grad"}
     assert all(r["skip_reason"] == "" for r in rows if r["skipped"] == "0")
@@ -334,7 +309,7 @@ def test_only_rank_0_writes_the_run_folder_and_prints(launches, run_a, work):
     lines = (run_a / "steps.csv").read_text(encoding="utf-8").splitlines()
     assert sum(line.startswith("step,") for line in lines) == 1 and lines[0].startswith("step,")
     assert [int(line.split(",")[0]) for line in lines[1:]] == list(range(1, 9))
-    events = [json.loads(line) for line in (run_a / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    events = run_events(run_a)
     kinds = [e["event"] for e in events]
     assert kinds.count("run_start") == 1 and kinds.count("run_end") == 1
     assert [e["message"] for e in events if e["event"] == "checkpoint"] == [f"saved {CKPT4}", f"saved {CKPT8}"]
@@ -367,8 +342,8 @@ def test_fsdp2_matches_one_process_with_batch_2b(launches, single_f, work):
     launch = launches["F"].ok()
     run_f = work / "F_runs" / "F"
     _assert_params_close(_final_model(run_f, 6), _final_model(single_f, 6))
-    rows = _rows(run_f / "steps.csv")
-    _assert_rows_match(rows, _rows(single_f / "steps.csv"))
+    rows = read_rows(run_f / "steps.csv")
+    _assert_rows_match(rows, read_rows(single_f / "steps.csv"))
     assert {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"} == {2: "non_finite_loss"}
     assert load_checkpoint(run_f / "checkpoints" / "step-00000006.pt")["world_size"] == 2
     assert [p.name for p in (work / "F_runs").iterdir()] == ["F"]
@@ -449,7 +424,7 @@ def test_resume_under_ddp_is_bit_for_bit_the_uninterrupted_run(run_a, resume_lau
     assert _same(resumed["scheduler"], whole["scheduler"])
     for key in ("step", "updates", "data_position", "world_size"):
         assert resumed[key] == whole[key], key
-    events = [json.loads(line) for line in (b / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    events = run_events(b)
     assert [e["event"] for e in events].count("resume") == 1
     assert [p.name for p in b.parent.iterdir()] == ["B"]  # no second run folder
     assert list((b.parent.parent / "B_cwd").iterdir()) == []
@@ -468,7 +443,7 @@ def test_resuming_a_single_process_checkpoint_under_torchrun_is_refused(resume_l
     assert 1 <= len(errors) <= 2 and len(set(errors)) == 1, launch.stderr[-3000:]
     assert "saved by 1 process" in errors[0] and "2" in errors[0] and "world size" in errors[0]
     assert "ampguard/" not in launch.stderr.replace("-m ampguard", "")
-    assert _snapshot(w) == before  # nothing written or overwritten
+    assert snapshot_of(w) == before  # nothing written or overwritten
     assert list((work / "W_cwd").iterdir()) == []
 
 
@@ -477,7 +452,7 @@ def test_nan_input_on_rank_1_makes_every_rank_skip_that_step(resume_launches):
     launch.wait()
     if launch.rc != 0:  # a crash is a real failure, not the expected one
         raise RuntimeError(f"torchrun N exited {launch.rc}:\n{launch.stderr[-3000:]}")
-    rows = _rows(run_dir / "steps.csv")
+    rows = read_rows(run_dir / "steps.csv")
     if [r["step"] for r in rows] != ["1", "2", "3"]:
         raise RuntimeError(f"unexpected rows {rows}")
     assert {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"} == {2: "non_finite_loss"}

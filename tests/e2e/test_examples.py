@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 from pathlib import Path
 
 import pytest
+
+from helpers import read_rows
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -18,11 +19,6 @@ def _load(name: str):
     return module
 
 
-def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
 @pytest.mark.parametrize("model, precision, accum", [("hf", "fp16", 1), ("hf", "bf16", 2), ("multitask", "fp16", 1),
                                                      ("multitask", "fp32", 3)])
 def test_own_loop_skips_the_injected_nan_and_holds_the_schedule(tmp_path, capsys, model, precision, accum):
@@ -30,7 +26,7 @@ def test_own_loop_skips_the_injected_nan_and_holds_the_schedule(tmp_path, capsys
     code = _load("own_loop").main(["--model", model, "--precision", precision, "--steps", "20", "--csv",
                                    str(csv_path), "--nan-at", "4", "--accumulation-steps", str(accum)])
     assert code == 0
-    rows = _rows(csv_path)
+    rows = read_rows(csv_path)
     assert [int(r["step"]) for r in rows] == list(range(1, 21))
     assert [r["step"] for r in rows if r["skipped"] == "1"] == ["4"]
     assert rows[3]["skip_reason"] == "non_finite_loss" and rows[3]["grad_l2_pre_clip"] == ""

@@ -19,38 +19,14 @@ import pytest
 import torch
 import yaml
 
+from helpers import one_error_line as refused  # the single error line of a refusal (exit 2, no traceback)
+
 LINEAR = ["--set", "task.name=linear"]
 LINEAR_FP16 = [*LINEAR, "--set", "precision=fp16"]
 TINY_CHARLM = ["--set", "task.name=charlm", "--set", "task.n_layer=1", "--set", "task.n_embd=16",
                "--set", "task.n_head=2", "--set", "task.block_size=16", "--set", "task.batch_size=4"]
 CSV_TEXT = ("step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale\n"
             "1,0.1,2.0,1.0,0.5,0,,65536.0\n2,0.1,inf,,0.4,1,non_finite_grad,32768.0\n3,0.1,0.5,0.5,0.3,0,,32768.0\n")
-
-
-def refused(result: tuple[int, str, str]) -> str:
-    """The single error line of a refusal (exit 2, no traceback, no result on stdout)."""
-    code, out, err = result
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("ampguard: error: "), lines[0]
-    return lines[0]
-
-
-@pytest.fixture
-def unchanged(tmp_path, snapshot):
-    """``check = unchanged()`` takes the working folder's snapshot; ``check()`` asserts it is the same."""
-
-    def take():
-        before = snapshot(tmp_path)
-
-        def check() -> None:
-            assert snapshot(tmp_path) == before
-
-        return check
-
-    return take
 
 
 @pytest.fixture

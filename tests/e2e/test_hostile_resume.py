@@ -9,11 +9,9 @@ runs under a wall-clock alarm.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import ag
+from helpers import ag, deadline, ok, one_error_line, train
 
 from ampguard import checkpoint as ckpt
 from ampguard import checkpointer as ck
@@ -32,49 +30,10 @@ SHORT = ["--set", "steps=8", "--set", "checkpoint.every=4", "--set", "checkpoint
 CKPT4, CKPT8 = "step-00000004.pt", "step-00000008.pt"
 
 
-class Hang(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def within(seconds: float):
-    """Fail as a hang (instead of blocking the suite) when the block runs longer than ``seconds``."""
-
-    def alarm(signum, frame):
-        raise Hang(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def train(log_dir: Path, name: str, *args: object) -> tuple[int, str, str]:
-    return ag("train", "--set", f"log.dir={log_dir}", "--set", f"log.name={name}", *args)
-
-
-def ok(result: tuple[int, str, str]) -> str:
-    code, out, err = result
-    assert code == 0, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
-    return out
-
-
-def one_error_line(result: tuple[int, str, str]) -> str:
-    code, out, err = result
-    assert code == 2, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("ampguard: error: ") and "Traceback" not in err
-    return lines[0]
-
-
 def refused(snapshot, run: Path, *argv: object) -> str:
     """``ampguard train ARGV``: one error line, and not a byte of ``run`` changed."""
     before = snapshot(run)
-    with within(120):
+    with deadline(120):
         line = one_error_line(ag("train", *argv))
     assert snapshot(run) == before
     return line
@@ -272,7 +231,7 @@ def test_a_data_position_beyond_what_the_run_could_have_taken_is_refused_at_once
     assert "data position 1000000000000 is beyond what 8 steps could have taken (8 = " in line
     payload[ck.DATA], payload[ck.ROLLBACKS] = 9, ["step 6: a rollback"]  # 8 + 1 rollback x skip_batches 20
     rewrite(lin / "checkpoints" / CKPT8, payload)
-    with within(120):
+    with deadline(120):
         ok(ag("train", "--resume", lin, "--set", "steps=9"))
 
 

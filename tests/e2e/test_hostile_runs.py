@@ -7,17 +7,16 @@ up while the run writes (``ulimit -f`` in a subprocess) is a clean stop: one lin
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import errno
 import os
-import resource
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import deadline, file_size_limit, one_error_line, only_line
 
 from ampguard.errors import ExitCode
 
@@ -27,50 +26,10 @@ SHORT = [*LINEAR, "--set", "steps=3", "--set", "eval.enabled=false"]
 
 def refused(result: tuple[int, str, str]) -> str:
     """The single error line of a refusal (exit 2, no traceback, nothing on stdout)."""
-    code, out, err = result
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("ampguard: error: "), lines[0]
+    line = one_error_line(result)
+    out = result[1]
     assert "run folder" not in out, out
-    return lines[0]
-
-
-class Hang(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Raise :class:`Hang` in this (main) thread after ``seconds``: a loop that never yields fails
-    the test instead of hanging the suite."""
-
-    def alarm(signum, frame):
-        raise Hang(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-@pytest.fixture
-def unchanged(tmp_path, snapshot):
-    """``check = unchanged()`` snapshots the working folder; ``check()`` asserts it is the same."""
-
-    def take():
-        before = snapshot(tmp_path)
-
-        def check() -> None:
-            assert snapshot(tmp_path) == before
-
-        return check
-
-    return take
+    return line
 
 
 # ---------------------------------------------------------------------------- 1. hangs
@@ -192,14 +151,6 @@ def test_fail_after_with_a_fail_rate_is_taken(cli, rate):
 # ---------------------------------------------------------------------------- 3. disk full
 
 
-def _limited(limit: int):
-    def set_up() -> None:  # in the child: EFBIG instead of a SIGXFSZ that would kill it
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return set_up
-
-
 DISK_RUN = [*LINEAR, "--set", "log.every=1000", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
 DISK_CASES = {
     # name: (file-size limit in bytes, extra arguments)
@@ -218,7 +169,7 @@ def disk_full_runs(tmp_path_factory):
         cwd = tmp_path_factory.mktemp(f"disk-{name}")
         proc = subprocess.Popen([sys.executable, "-m", "ampguard", "train", *DISK_RUN, "--set", f"log.name={name}",
                                  *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=_limited(limit))
+                                text=True, preexec_fn=file_size_limit(limit))
         started[name] = (proc, cwd)
     results = {}
     for name, (proc, cwd) in started.items():
@@ -232,13 +183,6 @@ def disk_full_runs(tmp_path_factory):
     return results
 
 
-def _one_error_line(err: str) -> str:
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 def _steps(csv_path: Path) -> list[int]:
     """The step of every complete row (a torn last line is what a resume drops)."""
     text = csv_path.read_text()
@@ -249,7 +193,7 @@ def _steps(csv_path: Path) -> list[int]:
 def test_a_full_disk_while_writing_the_csv_stops_cleanly_with_one_line(disk_full_runs):
     code, out, err, run = disk_full_runs["csv"]
     assert code == ExitCode.DISK_FULL == 74, (code, err)
-    line = _one_error_line(err)
+    line = only_line(err)
     steps = _steps(run / "steps.csv")
     n = steps[-1]
     assert steps == list(range(1, n + 1)) and 5 < n < 200
@@ -265,7 +209,7 @@ def test_a_full_disk_while_writing_the_csv_stops_cleanly_with_one_line(disk_full
 def test_a_full_disk_while_saving_a_checkpoint_leaves_no_partial_file(disk_full_runs):
     code, out, err, run = disk_full_runs["checkpoint"]
     assert code == ExitCode.DISK_FULL, (code, err)
-    line = _one_error_line(err)
+    line = only_line(err)
     assert line.startswith("ampguard: error: disk full while writing runs/checkpoint/checkpoints/step-00000005.pt; "
                            "the run is intact up to step 6 (its records; no checkpoint to resume from; "), line
     assert list((run / "checkpoints").iterdir()) == []  # no temporary file left behind
@@ -300,7 +244,7 @@ def test_after_a_full_disk_the_line_names_the_last_checkpoint_and_resume_continu
     code, out, err = cli("train", *LINEAR, "--set", "steps=8", "--set", "checkpoint.every=2", "--set", "log.dir=runs",
                          "--set", "log.name=x")
     assert code == ExitCode.DISK_FULL, err
-    assert _one_error_line(err) == (
+    assert only_line(err) == (
         "ampguard: error: disk full while writing runs/x/steps.csv; the run is intact up to step 4 "
         "(checkpoints/step-00000004.pt: --resume runs/x continues from there; No space left on device)")
     run = tmp_path / "runs" / "x"
@@ -322,6 +266,6 @@ def test_a_full_disk_while_writing_the_run_card_is_the_same_clean_stop(cli, monk
     monkeypatch.setattr(report, "write_run_card", write_run_card)
     code, out, err = cli("train", *SHORT, "--set", "checkpoint.every=2", "--set", "log.dir=runs", "--set", "log.name=y")
     assert code == ExitCode.DISK_FULL, err
-    assert _one_error_line(err) == (
+    assert only_line(err) == (
         "ampguard: error: disk full while writing runs/y/RUN.md; the run is intact up to step 3 "
         "(checkpoints/step-00000003.pt: --resume runs/y continues from there; No space left on device)")

@@ -6,12 +6,13 @@ itself, on planted overflows, is in ``tests/unit/test_locate.py``.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 from pathlib import Path
 
 import torch
+
+from helpers import one_line_error, read_rows, run_events
 
 LINEAR_FP16 = ["--set", "task.name=linear", "--set", "precision=fp16"]
 
@@ -105,46 +106,34 @@ class _RunsCode:
         return (os.makedirs, (str(self.marker),))
 
 
-def _one_line_error(code: int, out: str, err: str) -> str:
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 def test_cli_locate_refuses_bad_batch_files_in_one_line(cli, tmp_path):
     missing = tmp_path / "nope.pt"
-    line = _one_line_error(*cli("locate", *LINEAR_FP16, "--batch", missing))
+    line = one_line_error(*cli("locate", *LINEAR_FP16, "--batch", missing))
     assert "nope.pt" in line
 
     not_a_batch = tmp_path / "tensor.pt"
     torch.save(torch.zeros(3), not_a_batch)
-    line = _one_line_error(*cli("locate", *LINEAR_FP16, "--batch", not_a_batch))
+    line = one_line_error(*cli("locate", *LINEAR_FP16, "--batch", not_a_batch))
     assert "tensor.pt" in line and "inputs" in line
 
     wrong_keys = tmp_path / "keys.pt"
     torch.save({"x": torch.zeros(3), "y": torch.zeros(3)}, wrong_keys)
-    _one_line_error(*cli("locate", *LINEAR_FP16, "--batch", wrong_keys))
+    one_line_error(*cli("locate", *LINEAR_FP16, "--batch", wrong_keys))
 
     text = tmp_path / "notes.pt"
     text.write_text("not a pytorch file at all\n")
-    line = _one_line_error(*cli("locate", *LINEAR_FP16, "--batch", text))
+    line = one_line_error(*cli("locate", *LINEAR_FP16, "--batch", text))
     assert "notes.pt" in line
 
     marker = tmp_path / "code-ran"
     evil = tmp_path / "evil.pt"
     torch.save({"inputs": torch.zeros(2, 16), "targets": _RunsCode(marker)}, evil)
-    line = _one_line_error(*cli("locate", *LINEAR_FP16, "--batch", evil))
+    line = one_line_error(*cli("locate", *LINEAR_FP16, "--batch", evil))
     assert "evil.pt" in line
     assert not marker.exists()
 
 
 # ---------------------------------------------------------------------------- automatic diagnosis
-
-
-def _events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _card_row(run_dir: Path, label: str) -> str:
@@ -158,7 +147,7 @@ def test_train_diagnoses_the_first_skipped_step(cli, tmp_path):
                          "--inject", "spike@5", "--set", "diagnose.first_skip=true")
     assert code == 0, err
     run = tmp_path / "runs" / "diag"
-    diagnoses = [e for e in _events(run) if e["event"] == "diagnosis"]
+    diagnoses = [e for e in run_events(run) if e["event"] == "diagnosis"]
     assert len(diagnoses) == 1
     d = diagnoses[0]
     assert d["step"] == 5
@@ -170,8 +159,7 @@ def test_train_diagnoses_the_first_skipped_step(cli, tmp_path):
     assert "step 5" in row and "precision-range" in row and "backward" in row
     assert any(line.startswith("DIAGNOSIS 5") for line in out.splitlines())
     # the run went on after the diagnosis
-    with open(run / "steps.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(run / "steps.csv")
     assert [r["step"] for r in rows] == [str(i) for i in range(1, 8)]
     assert [r["skipped"] for r in rows].count("1") == 1
 
@@ -189,7 +177,7 @@ def test_the_first_skip_diagnosis_replays_at_the_scale_of_the_skipped_step(cli, 
     code, out, err = cli("train", *LINEAR_FP16, "--set", "steps=2", "--set", "log.name=scale",
                          "--set", f"scaler.init_scale={2**24}", "--set", "diagnose.first_skip=true")
     assert code == 0, err
-    diagnoses = [e for e in _events(tmp_path / "runs" / "scale") if e["event"] == "diagnosis"]
+    diagnoses = [e for e in run_events(tmp_path / "runs" / "scale") if e["event"] == "diagnosis"]
     assert len(diagnoses) == 1
     assert diagnoses[0]["step"] == 1
     assert diagnoses[0]["amp"]["where"] == "backward"
@@ -200,7 +188,7 @@ def test_no_diagnosis_event_when_diagnose_is_off(cli, tmp_path):
     code, out, err = cli("train", *LINEAR_FP16, "--set", "steps=6", "--set", "log.name=plain", "--inject", "spike@5")
     assert code == 0, err
     run = tmp_path / "runs" / "plain"
-    events = _events(run)
+    events = run_events(run)
     assert not [e for e in events if e["event"] == "diagnosis"]
     assert "DIAGNOSIS" not in out
     assert "off" in _card_row(run, "first-skip diagnosis")
@@ -238,8 +226,7 @@ def test_train_strict_stops_at_a_nan_loss_naming_the_loss(cli, tmp_path):
     assert "non-finite gradient" not in ended[0]
     assert "in the loss" in ended[0]
 
-    with open(tmp_path / "runs" / "strict" / "steps.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(tmp_path / "runs" / "strict" / "steps.csv")
     assert len(rows) == 3
     assert [r["skipped"] for r in rows] == ["0", "0", "1"]
     assert rows[2]["skip_reason"] == "non_finite_loss"

@@ -10,31 +10,19 @@ is real. The monitors themselves, fed synthetic records, are in ``tests/unit/tes
 
 from __future__ import annotations
 
-import csv
 import math
 import re
 from pathlib import Path
 
 import pytest
 
-from helpers import HAS_TENSORBOARD, ag, reference_fail_step, seen_episodes, seen_rates, strict_json
+from helpers import (HAS_TENSORBOARD, ag, read_events, read_rows, reference_episodes, reference_fail_step,
+                     reference_rates, strict_json)
 
 import ampguard.report
 from ampguard.cli import main
 from ampguard.config import MonitorConfig
 from ampguard.faults import parse_fault
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def read_rows(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
-def read_events(path: Path) -> list[dict]:
-    return [strict_json(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
 
 LINEAR = ["--set", "task.name=linear", "--set", "log.every=1000"]
 
@@ -69,7 +57,7 @@ def test_train_fail_fast_stops_at_the_predicted_step(train):
     fault = parse_fault("inf_grad@rate:0.5", seed=0)
     window, fail_rate, fail_after, steps = 20, 0.1, 10, 200
     skipped = [fault.hits(s) for s in range(1, steps + 1)]
-    expected = reference_fail_step(seen_rates(skipped, window), fail_rate, fail_after)
+    expected = reference_fail_step(reference_rates(skipped, window), fail_rate, fail_after)
     assert expected is not None and expected < steps
 
     code, out, err, run_dir = train(
@@ -113,7 +101,7 @@ def test_train_fail_rate_from_config_keys(train):
     # monitor.fail_rate / monitor.fail_after are the config spelling of the two flags.
     fault = parse_fault("nan_loss@every:2", seed=0)
     skipped = [fault.hits(s) for s in range(1, 61)]
-    expected = reference_fail_step(seen_rates(skipped, 10), 0.3, 5)
+    expected = reference_fail_step(reference_rates(skipped, 10), 0.3, 5)
     assert expected is not None
     code, out, err, run_dir = train(
         "cfg", "--set", "precision=bf16", "--set", "steps=60", "--inject", "nan_loss@every:2",
@@ -177,9 +165,9 @@ def test_train_alerts_once_per_episode(train):
     spec = "nan_loss@" + ",".join(str(s) for s in [3, *late])
     fault = parse_fault(spec)
     skipped = [fault.hits(s) for s in range(1, steps + 1)]
-    rates = seen_rates(skipped, window)
+    rates = reference_rates(skipped, window)
     assert rates[2] > alert
-    expected = seen_episodes(rates, alert, min_steps)
+    expected = reference_episodes(rates, alert, min_steps=min_steps)
     assert expected == [(late[1], "ALERT"), (late[1] + 10, "CLEAR"), (late[4], "ALERT"), (late[4] + 9, "CLEAR")]
 
     code, out, err, run_dir = train(

@@ -9,9 +9,7 @@ only read to check they agree with each other (the card against the CSV it summa
 from __future__ import annotations
 
 import contextlib
-import csv
 import io
-import json
 import os
 import re
 import signal
@@ -24,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import reference_episodes_events, reference_fail_step, reference_rates
+from helpers import read_events, read_rows, reference_episodes_events, reference_fail_step, reference_rates
 
 from ampguard.cli import main
 from ampguard.faults import parse_fault
@@ -42,18 +40,6 @@ def png_size(path: Path) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
     assert data[12:16] == b"IHDR"
     return struct.unpack(">II", data[16:24])
-
-
-def read_rows(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
-def read_events(path: Path) -> list[dict]:
-    def refuse(token: str):
-        raise AssertionError(f"non-strict JSON constant {token}")
-
-    return [json.loads(line, parse_constant=refuse) for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
 def in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:

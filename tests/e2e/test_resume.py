@@ -6,7 +6,6 @@ run and is not under test here). Only the SIGKILL tests start a real process.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -21,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ag
+import helpers
+from helpers import ag, ok, one_error_line, read_rows, run_events
 
 from ampguard import checkpoint as ckpt
 from ampguard.errors import InputError
@@ -36,31 +36,11 @@ TMP_NAME = re.compile(r"^\.step-\d{8}\.pt\.tmp-\d+$")
 
 
 def train(log_dir: Path, name: str, *args: object) -> tuple[int, str, str]:
-    return ag("train", "--set", f"log.dir={log_dir}", "--set", f"log.name={name}", "--set", "log.every=1000", *args)
-
-
-def ok(result: tuple[int, str, str]) -> str:
-    code, out, err = result
-    assert code == 0, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
-    return out
-
-
-def one_error_line(result: tuple[int, str, str], code: int = 2) -> str:
-    got, out, err = result
-    assert got == code, f"exit {got}\nstdout:\n{out}\nstderr:\n{err}"
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("ampguard: error: ") and "Traceback" not in err
-    return lines[0]
-
-
-def csv_rows(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+    return helpers.train(log_dir, name, "--set", "log.every=1000", *args)
 
 
 def csv_steps(path: Path) -> list[int]:
-    return [int(r["step"]) for r in csv_rows(path)]
+    return [int(r["step"]) for r in read_rows(path)]
 
 
 def final_checkpoint(run: Path) -> dict:
@@ -79,10 +59,6 @@ def assert_same_training(a: dict, b: dict) -> None:
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (pid, key)
     assert a["scheduler"] == b["scheduler"]
     assert a["state"]["scaler"] == b["state"]["scaler"]
-
-
-def events(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "events.jsonl").read_text(encoding="utf-8").splitlines()]
 
 
 def scramble_rows_after(csv_path: Path, step: int) -> None:
@@ -112,7 +88,7 @@ CUT_RUN = ["--set", "steps=24", "--set", "checkpoint.every=12", "--set", "checkp
 def test_resume_from_a_checkpoint_file_is_bit_for_bit_the_uninterrupted_run(tmp_path, kind):
     ok(train(tmp_path, "A", *EQUIVALENCE[kind], *CUT_RUN))
     a, b = tmp_path / "A", tmp_path / "B"
-    rows = csv_rows(a / "steps.csv")
+    rows = read_rows(a / "steps.csv")
     assert [int(r["step"]) for r in rows] == list(range(1, 25))
     skipped = {int(r["step"]): r["skip_reason"] for r in rows if r["skipped"] == "1"}
     assert skipped == {5: "non_finite_loss", 20: "non_finite_grad"}  # one skip on each side of the cut
@@ -132,7 +108,7 @@ def test_resume_from_a_checkpoint_file_is_bit_for_bit_the_uninterrupted_run(tmp_
     assert (b / "steps.csv").read_bytes() == (a / "steps.csv").read_bytes()
     assert [p.name for p in ckpt.list_checkpoints(b / "checkpoints")] == ["step-00000012.pt", "step-00000024.pt"]
     assert_same_training(final_checkpoint(a), final_checkpoint(b))
-    kinds = [e["event"] for e in events(b)]
+    kinds = [e["event"] for e in run_events(b)]
     assert kinds.count("run_start") == 1 and kinds.count("resume") == 1  # the event log is appended to
     assert "step-00000012.pt" in (b / "RUN.md").read_text(encoding="utf-8")
 
@@ -350,7 +326,7 @@ def test_a_run_killed_during_a_checkpoint_save_resumes(tmp_path):
     ok(ag("train", *args, "--set", "checkpoint.every=0", "--set", "log.name=REF"))
     ref = tmp_path / "runs" / "REF"
     assert csv_steps(run / "steps.csv") == list(range(1, 15))
-    assert [int(r["step"]) for r in csv_rows(ref / "steps.csv") if r["skipped"] == "1"] == [4, 9]
+    assert [int(r["step"]) for r in read_rows(ref / "steps.csv") if r["skipped"] == "1"] == [4, 9]
     assert (run / "steps.csv").read_bytes() == (ref / "steps.csv").read_bytes()
     assert_same_training(final_checkpoint(ref), final_checkpoint(run))
 
@@ -399,7 +375,7 @@ def test_a_loss_spike_rolls_back_skips_the_bad_batches_and_finishes(tmp_path):
     out = ok(train(tmp_path, "R", *args, *SPIKE, "--set", "rollback.skip_batches=5", "--set", "steps=80"))
     run = tmp_path / "R"
     assert "ROLLBACK 31" in out
-    rollbacks = [e for e in events(run) if e["event"] == "rollback"]
+    rollbacks = [e for e in run_events(run) if e["event"] == "rollback"]
     assert len(rollbacks) == 1
     assert rollbacks[0]["step"] == 31 and rollbacks[0]["checkpoint"] == "step-00000030.pt"
     assert "data position 31 -> 35" in rollbacks[0]["message"]
@@ -407,7 +383,7 @@ def test_a_loss_spike_rolls_back_skips_the_bad_batches_and_finishes(tmp_path):
     row = next(line for line in card.splitlines() if line.startswith("| rollbacks |"))
     assert "step 31" in row and "step-00000030.pt" in row
 
-    rows = csv_rows(run / "steps.csv")
+    rows = read_rows(run / "steps.csv")
     losses = {int(r["step"]): float(r["loss"]) for r in rows}
     assert sorted(losses) == list(range(1, 81))
     assert losses[31] > 1e6  # the spike itself is recorded ...
@@ -448,7 +424,7 @@ def test_a_loss_spike_with_no_rollbacks_left_stops_the_run_with_exit_3(tmp_path)
     code, out, err = train(tmp_path, "R", *args, *SPIKE, "--set", "rollback.max=0", "--set", "steps=80")
     assert code == 3, out + err
     run = tmp_path / "R"
-    assert not [e for e in events(run) if e["event"] == "rollback"]
+    assert not [e for e in run_events(run) if e["event"] == "rollback"]
     assert "rollback.max" in out and "stopped at step 31" in out
     assert csv_steps(run / "steps.csv")[-1] == 31
 
@@ -461,10 +437,10 @@ def test_the_skip_guard_trigger_rolls_back_past_bad_data_and_finishes(tmp_path):
     args = _factory(tmp_path, set(range(40, 50)), "float('nan')")  # ten batches with NaN targets
     out = ok(train(tmp_path, "R", *args, *SKIP_GUARD, "--set", "rollback.skip_batches=12", "--set", "steps=70"))
     run = tmp_path / "R"
-    rollbacks = [e for e in events(run) if e["event"] == "rollback"]
+    rollbacks = [e for e in run_events(run) if e["event"] == "rollback"]
     assert len(rollbacks) == 1, out
     assert rollbacks[0]["checkpoint"] == "step-00000040.pt" and "skip-rate guard" in rollbacks[0]["message"]
-    rows = csv_rows(run / "steps.csv")
+    rows = read_rows(run / "steps.csv")
     assert [int(r["step"]) for r in rows] == list(range(1, 71))
     bad = [int(r["step"]) for r in rows if r["skipped"] == "1"]
     assert bad and min(bad) == 41 and max(bad) <= 46  # no skip after the rollback: the NaN batches were passed over
@@ -477,7 +453,7 @@ def test_the_skip_guard_trigger_on_injected_faults_rolls_back_and_finishes(tmp_p
     code, out, err = train(tmp_path, "R", *LINEAR, "--set", "precision=fp32", "--set", "steps=40",
                            "--set", "checkpoint.every=10", *SKIP_GUARD, "--inject", f"inf_grad@{faults}")
     assert code == 0, out + err
-    rollbacks = [e for e in events(tmp_path / "R") if e["event"] == "rollback"]
+    rollbacks = [e for e in run_events(tmp_path / "R") if e["event"] == "rollback"]
     # the full 10-step window reads 0.4 at step 24 and 0.5 at 25: above 0.3 twice -> a trip at 25. The
     # rollback restarts the windows; step 26 is still faulted (faults follow step numbers), so the
     # young window reads 1/1 at 26 and 1/2 at 27 (the rate over the steps it holds): a second trip at 27
@@ -492,7 +468,7 @@ def test_after_rollback_max_rollbacks_the_next_skip_guard_trigger_exits_3(tmp_pa
                            "--set", f"rollback.max={allowed}", "--set", "steps=150")
     assert code == 3, out + err
     run = tmp_path / "R"
-    assert len([e for e in events(run) if e["event"] == "rollback"]) == allowed
+    assert len([e for e in run_events(run) if e["event"] == "rollback"]) == allowed
     assert f"all {allowed} rollbacks (rollback.max) are used up" in out
     assert "rollback.max" in (run / "RUN.md").read_text(encoding="utf-8")
 

@@ -3,11 +3,9 @@ train`` (the defect: every clean step after them was skipped as inf x 0, final s
 
 from __future__ import annotations
 
-import csv
-
 import pytest
 
-from helpers import ag
+from helpers import ag, read_rows
 
 
 def test_200_nan_losses_then_clean_data_train_again_from_the_floor(tmp_path, monkeypatch):
@@ -17,8 +15,7 @@ def test_200_nan_losses_then_clean_data_train_again_from_the_floor(tmp_path, mon
                         "--set", "eval.enabled=false", "--set", "log.name=f", "--set", "log.every=1000",
                         "--inject", f"nan_loss@{bad}")
     assert code == 0, out + err
-    with open(tmp_path / "runs" / "f" / "steps.csv", newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(tmp_path / "runs" / "f" / "steps.csv")
     scales = [float(r["scaler_scale"]) for r in rows]
     assert min(scales) == 1.0  # scaler.min_scale: the floor, never 0 or a subnormal
     assert scales[15] == 1.0  # 2**16 halved 16 times: at the floor from step 16 on

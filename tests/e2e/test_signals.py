@@ -3,7 +3,6 @@ arrive while a run writes its last checkpoint and run card wait for them."""
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 import subprocess
@@ -12,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from helpers import read_rows
 
 HERE = Path(__file__).resolve().parent
 LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "eval.enabled=false"]
@@ -24,10 +25,7 @@ def _spawn(cwd: Path, *argv: str) -> subprocess.Popen:
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
-    if not path.exists():
-        return []
-    with path.open(newline="", encoding="utf-8") as f:
-        return [r for r in csv.DictReader(f)]
+    return read_rows(path) if path.exists() else []
 
 
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 60.0) -> None:

@@ -13,17 +13,16 @@ returned to ``rank<R>.rc`` before leaving: torchrun reports only the first failu
 
 from __future__ import annotations
 
-import json
 import os
-import resource
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import file_size_limit, run_events, torchrun, torchrun_env
 
 from ampguard.errors import ExitCode
 
@@ -47,28 +46,6 @@ sys.exit(code)
 '''
 
 
-def _torchrun() -> list[str]:
-    exe = Path(sys.executable).with_name("torchrun")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1",
-               PYTHONDONTWRITEBYTECODE="1")
-    return env
-
-
-def _limited(limit: int):
-    def set_up() -> None:  # inherited by torchrun's workers: EFBIG, not a SIGXFSZ that kills
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return set_up
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     """{name: (torchrun's exit code, stdout, stderr, working folder)} for S and D, run side by side."""
@@ -78,15 +55,16 @@ def launches(tmp_path_factory):
     specs = {
         "S": ([*RUN, "--set", "steps=6", "--set", "log.name=S", "--strict", "--inject", "nan_loss@3@rank1"], None),
         "D": ([*RUN, "--set", "steps=300", "--set", "log.every=1000", "--set", "checkpoint.enabled=false",
-               "--set", "log.name=D"], _limited(2000)),
+               "--set", "log.name=D"], file_size_limit(2000)),
     }
+    env = torchrun_env(PYTHONDONTWRITEBYTECODE="1")
     started = {}
     try:
         for name, (args, limit) in specs.items():
             cwd = work / name
             cwd.mkdir()
-            cmd = [*_torchrun(), "--standalone", "--nproc_per_node", "2", str(wrapper), str(cwd), *args]
-            started[name] = (subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", str(wrapper), str(cwd), *args]
+            started[name] = (subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                               stdin=subprocess.DEVNULL, text=True, start_new_session=True,
                                               preexec_fn=limit), cwd)
         results, t0 = {}, time.monotonic()
@@ -119,7 +97,7 @@ def test_strict_mode_every_rank_stops_with_3_and_the_card_names_the_rank_of_the_
     assert finding in card
     assert f"ended: strict mode: non-finite loss at step 3: {finding}" in out
     assert "no non-finite value" not in out + card  # rank 0's clean replay is not the finding
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = run_events(run)
     diagnosis = [e for e in events if e["event"] == "diagnosis"]
     assert len(diagnosis) == 1 and diagnosis[0]["rank"] == 1 and diagnosis[0]["amp"]["where"] == "loss"
     assert [e["message"] for e in events if e["event"] == "run_end"] == [f"strict mode: non-finite loss at step 3: "

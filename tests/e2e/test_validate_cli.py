@@ -22,6 +22,8 @@ import pytest
 import torch
 import yaml
 
+from helpers import one_line_error
+
 from ampguard.cli import main
 from ampguard.config import validate as make_config
 from ampguard.tasks import build_task
@@ -78,14 +80,6 @@ def check_rule_tables(md: str, data: dict) -> None:
             assert len(row) == 4
             assert row[0] == expected["criterion"]
             assert row[3] == ("pass" if expected["ok"] else "FAIL")
-
-
-def one_line_error(code: int, out: str, err: str) -> str:
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def changed_probes(result: dict) -> set[str]:

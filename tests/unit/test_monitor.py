@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from helpers import HAS_TENSORBOARD, reference_fail_step, seen_episodes, seen_rates, strict_json
+from helpers import HAS_TENSORBOARD, reference_episodes, reference_fail_step, reference_rates, strict_json
 
 from ampguard.config import MonitorConfig
 from ampguard.errors import InputError
@@ -308,8 +308,8 @@ def test_monitor_alerts_once_per_episode(min_steps, first_alert):
     for s in (3, 5, 6, 7, 25, 26, 28):
         skipped[s - 1] = True
     window, alert = 8, 0.2
-    rates = seen_rates(skipped, window)
-    expected = seen_episodes(rates, alert, min_steps)
+    rates = reference_rates(skipped, window)
+    expected = reference_episodes(rates, alert, min_steps=min_steps)
     assert [k for _, k in expected] == ["ALERT", "CLEAR", "ALERT", "CLEAR"]  # the pattern has two episodes
     # Armed from step 0: step 3 is 1 skip in 3 steps (0.333). Armed at 10: the rate was above
     # since step 3, the ALERT comes when it is armed, at step 10 (4 skips in the last 8).
@@ -340,7 +340,7 @@ def test_monitor_rate_at_exactly_the_threshold_is_not_an_alert():
 def test_monitor_fails_at_exactly_the_predicted_step(fail_rate, fail_after):
     fault = parse_fault("inf_grad@rate:0.5", seed=0)
     skipped = [fault.hits(s) for s in range(1, 201)]
-    rates = seen_rates(skipped, 20)
+    rates = reference_rates(skipped, 20)
     expected = reference_fail_step(rates, fail_rate, fail_after)
     assert expected is not None
     m = RunMonitor(window=20, fail_rate=fail_rate, fail_after=fail_after, scaler_enabled=False)
@@ -364,7 +364,7 @@ def test_monitor_without_fail_rate_never_fails():
 def test_monitor_fail_counter_resets_when_the_rate_drops():
     # window 4, fail_rate 0.5 (above: 3 of the last 4, or all of 1, or 2 of 3 while filling); fail_after 3
     skipped = [True, False, False, False, False, True, True, False, True, True, True, False]
-    rates = seen_rates(skipped, 4)
+    rates = reference_rates(skipped, 4)
     assert rates[:3] == [1.0, 0.5, 1 / 3]  # step 1 is above (1 of 1); step 2 resets the counter
     expected = reference_fail_step(rates, 0.5, 3)
     assert expected == 11  # rates 0.75 at steps 9, 10, 11
@@ -473,7 +473,7 @@ def test_monitor_window_filling_then_full_matches_brute_force():
     for r in records_for(skipped):
         m.observe(r)
         got.append(m.skip_rate)
-    assert got == seen_rates(skipped, 16)
+    assert got == reference_rates(skipped, 16)
 
 
 @pytest.mark.parametrize("fail_after", [1, 3, 100])
@@ -594,14 +594,14 @@ def _mixed_records() -> list:
 def test_mixed_stream_has_two_episodes_then_a_fail():
     # What the round trips below must preserve really happens in this stream.
     skipped = [ch == "S" for ch in MIXED]
-    rates = seen_rates(skipped, 6)
+    rates = reference_rates(skipped, 6)
     fail_step = reference_fail_step(rates, 0.4, 4)
     assert fail_step == 30
     assert rates[1] == 0.5  # step 2 is above fail_rate and alert_rate, before min_steps (3)
     m = RunMonitor(**MIXED_ARGS)
     events = [(e.step, e.kind) for r in _mixed_records() for e in m.observe(r)]
     expected_alerts = [(s, {"ALERT": "skip_rate_alert", "CLEAR": "skip_rate_clear"}[k])
-                       for s, k in seen_episodes(rates, 0.2, 3)]
+                       for s, k in reference_episodes(rates, 0.2, min_steps=3)]
     assert expected_alerts[0] == (3, "skip_rate_alert")  # armed at step 3, not 2
     assert [e for e in events if e[1].startswith("skip_rate")] == expected_alerts
     assert [e for e in events if e[1] == "fail"] == [(fail_step, "fail")]

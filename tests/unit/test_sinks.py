@@ -12,6 +12,8 @@ import re
 import pytest
 import torch
 
+from helpers import read_rows
+
 from ampguard import ConsoleSink, CsvSink, Sink, SkipLog, StepLog
 from ampguard.errors import InputError
 from ampguard.records import format_number
@@ -33,11 +35,6 @@ def skipped(step, reason="non_finite_grad", pre=INF, loss=0.7, scale=512.0, lr=0
                    grad_l2_post_clip=None, scaler_scale=torch.tensor(scale), reason=reason)
 
 
-def rows_of(path):
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
 # ---------------------------------------------------------------------------- CSV
 
 
@@ -57,7 +54,7 @@ def test_csv_header_rows_and_cells(tmp_path):
     lines = path.read_text(encoding="utf-8").splitlines()
     assert lines[0] == HEADER
     assert len(lines) == 5
-    rows = rows_of(path)
+    rows = read_rows(path)
     assert [r["step"] for r in rows] == ["1", "2", "3", "4"]
     assert [r["skipped"] for r in rows] == ["0", "1", "1", "0"]
     assert [r["skip_reason"] for r in rows] == ["", "non_finite_grad", "non_finite_loss", ""]
@@ -78,7 +75,7 @@ def test_csv_numbers_round_trip(tmp_path):
     sink = CsvSink(path)
     sink.write(with_tensors)
     sink.close()
-    (row,) = rows_of(path)
+    (row,) = read_rows(path)
     assert float(row["loss"]) == float(value)
     assert float(row["lr"]) == 3e-4
     assert float(row["grad_l2_pre_clip"]) == float(torch.tensor(1e-30))
@@ -99,9 +96,9 @@ def test_csv_rows_are_readable_before_close(tmp_path):
             assert reader.read() == HEADER + "\n"
             sink.write(applied(1))
             assert reader.read().startswith("1,")
-        assert [r["step"] for r in rows_of(path)] == ["1"]
+        assert [r["step"] for r in read_rows(path)] == ["1"]
         sink.write(skipped(2))
-        rows = rows_of(path)
+        rows = read_rows(path)
         assert [r["step"] for r in rows] == ["1", "2"] and rows[1]["skipped"] == "1"
     finally:
         sink.close()
@@ -126,7 +123,7 @@ def test_csv_append_continues_without_a_second_header(tmp_path):
     second.close()
     text = path.read_text(encoding="utf-8")
     assert text.count("step,lr") == 1 and text.startswith(HEADER + "\n")
-    assert [r["step"] for r in rows_of(path)] == ["1", "2", "3"]
+    assert [r["step"] for r in read_rows(path)] == ["1", "2", "3"]
 
 
 def test_csv_append_to_a_new_file_writes_the_header(tmp_path):
@@ -161,7 +158,7 @@ def test_extra_columns_come_after_the_fixed_eight(tmp_path):
     sink.close()
     header = path.read_text(encoding="utf-8").splitlines()[0]
     assert header == HEADER + ",tokens_per_s,mem_gb"
-    rows = rows_of(path)
+    rows = read_rows(path)
     assert (rows[0]["tokens_per_s"], rows[0]["mem_gb"]) == ("1500.5", "")
     assert (rows[1]["tokens_per_s"], rows[1]["mem_gb"]) == ("inf", "1.25")
 
@@ -222,7 +219,7 @@ def test_sinks_fan_out(tmp_path):
     out.write(applied(1))
     out.write(skipped(2))
     out.close()
-    assert len(rows_of(path)) == 2 and len(lines) == 2
+    assert len(read_rows(path)) == 2 and len(lines) == 2
 
 
 def test_record_values_reads_tensors_once_as_floats():
