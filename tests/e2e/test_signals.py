@@ -55,7 +55,7 @@ def test_sigterm_stops_at_a_step_boundary_with_checkpoint_card_and_exit_143(tmp_
                   "--set", "checkpoint.every=0")
     _wait_for(lambda: len(_rows(run / "steps.csv")) >= 3, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=180)
     assert proc.returncode == 143, out + err
     assert "Traceback" not in err
     n = len(_rows(run / "steps.csv"))
@@ -80,7 +80,7 @@ def test_signals_while_the_run_card_is_written_wait_for_it(tmp_path, signals):
         proc.send_signal(sig)
         time.sleep(0.05)
     marker.with_name("closing.go").write_text("go", encoding="utf-8")
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, out + err  # the run had finished: a signal while closing changes nothing
     assert "Traceback" not in err
     assert _card(run)["ended"] == "finished: 5 steps"
@@ -92,6 +92,6 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, delay):
     proc = _spawn(tmp_path, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000", "--set", "log.name=s")
     time.sleep(delay)  # inside the imports (torch takes a second or more) or the building of the run
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, out + err
     assert "Traceback" not in err
