@@ -566,6 +566,8 @@ def speedups(results: list[Result]) -> list[str]:
         ...            Result("tiny-mlp", "bf16", Guarded.name, 1.2, 1.2)]  # ampguard has no fp32 row
         >>> speedups(results)
         ['tiny-mlp, bare loop: bf16 is 2.00x faster than fp32']
+        >>> speedups([Result("mlp", "fp32", Bare.name, 1.0, 1.0), Result("mlp", "bf16", Bare.name, 1.4, 1.4)])
+        ['mlp, bare loop: bf16 is 1.40x slower than fp32']
     """
     out = []
     for workload in dict.fromkeys(r.workload for r in results):
@@ -574,7 +576,9 @@ def speedups(results: list[Result]) -> list[str]:
             if "fp32" in rows:
                 for p in ("bf16", "fp16"):
                     if p in rows:
-                        out.append(f"{workload}, {contender}: {p} is {rows['fp32'] / rows[p]:.2f}x faster than fp32")
+                        ratio = rows["fp32"] / rows[p]  # > 1: faster; a slower one says so, never "0.7x faster"
+                        how = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+                        out.append(f"{workload}, {contender}: {p} is {how} than fp32")
     return out
 
 

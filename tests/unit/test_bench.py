@@ -123,3 +123,12 @@ def test_measure_with_no_contender_left_is_an_empty_result(capsys):
     assert "fails warm-up: not run (RuntimeError: no kernel)" in out
     assert "tiny-mlp fp32: no contender could run, nothing measured" in out
     assert closed == ["fails warm-up"]  # its CSV folder was deleted
+
+
+def test_speedups_say_slower_when_amp_is_slower_never_a_fraction_faster():
+    from ampguard.bench import Bare, Guarded, Result, speedups
+
+    results = [Result("mlp", "fp32", Bare.name, 0.458, 0.45), Result("mlp", "bf16", Bare.name, 0.642, 0.62),
+               Result("mlp", "fp32", Guarded.name, 1.0, 1.0), Result("mlp", "fp16", Guarded.name, 0.5, 0.5)]
+    assert speedups(results) == ["mlp, bare loop: bf16 is 1.40x slower than fp32",
+                                 "mlp, ampguard + csv: fp16 is 2.00x faster than fp32"]
