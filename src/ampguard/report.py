@@ -381,6 +381,20 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
     path.write_text(text + "\n", encoding="utf-8")
 
 
+def _start_scale(rows: list[Row], backoff: float) -> float:
+    """The scale a run started with, read off its first row when no config says (a demo's CSV):
+    the scale after step 1, undone by one back-off when step 1 was skipped.
+
+    Example::
+
+        >>> rows = [Row(1, 0.1, 1.0, 1.0, 0.5, False, "", 1024.0), Row(2, 0.1, None, None, None, True, "x", 512.0)]
+        >>> _start_scale(rows, 0.5), _start_scale(rows[1:], 0.5)
+        (1024.0, 1024.0)
+    """
+    first = rows[0].scaler_scale or 1.0
+    return first / backoff if rows[0].skipped else first
+
+
 def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
     """Run card and plot; a plotting failure is reported, never allowed to lose the run card.
 
@@ -463,9 +477,10 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if not rows:
         raise InputError(f"{csv_path}: no steps recorded, nothing to report")
     scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
+    init_scale = config.scaler.init_scale if config_path.is_file() else _start_scale(rows, config.scaler.backoff_factor)
     monitor = replay(rows, window=settings["window"], alert_rate=settings["alert_rate"],
                      fail_rate=settings["fail_rate"], max_norm=clip_threshold(settings["max_norm"]),
-                     scaler_enabled=scaler_on, init_scale=config.scaler.init_scale, min_scale=config.scaler.min_scale,
+                     scaler_enabled=scaler_on, init_scale=init_scale, min_scale=min(config.scaler.min_scale, init_scale),
                      min_steps=config.monitor.min_steps if min_steps is None else min_steps)
     plot_run(csv_path, png, **settings)
     print(f"summary: {monitor.summary()}")

@@ -380,3 +380,13 @@ def test_interrupted_run_card_and_plot(tmp_path):
     events = read_events(run_dir / "events.jsonl")
     assert events[-1]["event"] == "run_end" and events[-1]["step"] == n
     assert "interrupted" in events[-1]["message"]
+
+
+def test_report_of_a_bare_demo_csv_judges_the_scale_from_where_the_demo_started(cli, tmp_path):
+    # no config.yaml beside a demo's CSV: the start scale is read off the CSV (1024), not assumed
+    # to be 65536, so the demo's single halving (1024 -> 512) is not a "collapse"
+    code, out, err = cli("demo", "--csv", "d.csv")
+    assert code == 0, err
+    code, out, err = cli("report", "d.csv")
+    assert code == 0, err
+    assert "scale stable" in out and "collapsing" not in out
