@@ -349,8 +349,8 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         where = f"batch {batch}"
     else:
         n = config.accumulation_steps
-        stream = injector.wrap_data(task.batches(), first_step=1)
-        batches = list(itertools.islice(stream, (step - 1) * n, step * n))
+        stream = injector.wrap_data(task.stream((step - 1) * n), first_step=step)  # seeks: no reading up to it
+        batches = list(itertools.islice(stream, n))
         where = f"step {step} of task {task.name} (seed {config.seed})"
     injector.current_step = step if not batch else 0  # the faults of the replayed step
     # the replay's warnings (a loss broadcasting a target of another shape) are shown once it

@@ -230,3 +230,15 @@ def test_train_strict_stops_at_a_nan_loss_naming_the_loss(cli, tmp_path):
     assert len(rows) == 3
     assert [r["skipped"] for r in rows] == ["0", "0", "1"]
     assert rows[2]["skip_reason"] == "non_finite_loss"
+
+
+def test_locate_seeks_to_a_late_step_instead_of_reading_up_to_it(cli):
+    from helpers import deadline
+
+    late = 99_999_999
+    with deadline(60):  # reading 10**8 batches would take hours
+        code, out, err = cli("locate", "--set", "task.name=linear", "--set", "precision=fp16", "--set",
+                             f"steps={late}", "--step", late, "--inject", f"spike@{late}", "--json")
+    assert code == 1, err
+    found = json.loads(out)
+    assert f"step {late}" in found["where"] and found["amp"]["where"] == "backward"
