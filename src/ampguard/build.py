@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from .checkpoint import rng_state, set_rng_state
+from .checkpoint import untouched
 from .clipping import clip_threshold
 from .config import Config
 from .errors import InputError
@@ -214,10 +214,7 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         ...
         ampguard.errors.InputError: task.factory toy.py:build: loss_fn must return a scalar (a 0-dim tensor, e.g. .mean()); it returned shape (4,)
     """
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    grads = {id(p): p.grad for p in model.parameters()}
-    rng = rng_state()
-    try:
+    with untouched(model):
         try:
             inputs, targets = read_batch()
         except StopIteration:
@@ -246,14 +243,6 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         if not loss.requires_grad:
             raise InputError(f"{who}: the loss does not depend on the model's trainable parameters (no gradient "
                              "flows back from it: was it detached, or computed outside torch?)")
-    finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
-        for p in model.parameters():
-            p.grad = grads.get(id(p))
-        set_rng_state(rng)
 
 
 def _first_line(err: BaseException, with_type: bool = True) -> str:

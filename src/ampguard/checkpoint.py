@@ -9,6 +9,7 @@ pickled code is refused before any of it runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import pickletools
@@ -16,7 +17,7 @@ import random
 import re
 import time
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,38 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
         s = state["numpy"]
         np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["gauss"]))
+
+
+@contextlib.contextmanager
+def untouched(model: torch.nn.Module) -> Iterator[None]:
+    """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
+    (BatchNorm statistics), its parameters' gradients and every RNG (torch, CUDA, NumPy,
+    ``random``) are as they were, so a run goes on bit for bit as without it.
+
+    Example::
+
+        >>> model = torch.nn.BatchNorm1d(2)
+        >>> before, draw = model.running_mean.clone(), torch.get_rng_state()
+        >>> with untouched(model):
+        ...     _ = model(torch.randn(4, 2) + 5)
+        >>> torch.equal(model.running_mean, before), torch.equal(torch.get_rng_state(), draw)
+        (True, True)
+    """
+    was_training = model.training
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    grads = {id(p): p.grad for p in model.parameters()}
+    rng = rng_state()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        for p in model.parameters():
+            p.grad = grads.get(id(p))
+        set_rng_state(rng)
 
 
 def _as_tuple(value: Any) -> Any:

@@ -263,23 +263,13 @@ def diagnose(
     """
     # The replays leave no trace in the run: buffers (BatchNorm statistics) and the RNGs (dropout)
     # are put back as they were, so a run that diagnosed goes on exactly as one that did not.
-    was_training = model.training
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
+    from .checkpoint import untouched
+
+    with untouched(model):
         amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale)
         if amp.where == "none":
             return Diagnosis(amp, None, "none")
         fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, Precision("fp32", precision.device_type), 1.0)
-    finally:
-        model.train(was_training)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
     return Diagnosis(amp, fp32, "precision-range" if fp32.where == "none" else "data/model")
 
 
