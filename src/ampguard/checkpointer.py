@@ -46,9 +46,9 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import Config, read_file
+from .config import MAX_DEPTH, Config, is_plain, read_file
 from .errors import InputError
-from .sinks import DiskFull, disk_full_error
+from .sinks import DiskFull, writing
 from .run_folder import RunPaths
 
 # The payload's keys (checkpoint format ckpt.FORMAT). Parts are restored; the rest identify.
@@ -315,11 +315,10 @@ class CheckpointManager:
         if self.dist.is_main:
             target = self.folder / ckpt.checkpoint_name(step)
             try:
-                path = ckpt.save_checkpoint(target, payload)
-            except Exception as err:  # a full disk: the file never took its name, earlier ones are whole
-                if disk_full_error(err) is None:
-                    raise
-                self.failed = self.failed or DiskFull(target, disk_full_error(err))
+                with writing(target):
+                    path = ckpt.save_checkpoint(target, payload)
+            except DiskFull as full:  # the file never took its name: earlier checkpoints are whole
+                self.failed = self.failed or full
             else:
                 ckpt.prune(self.folder, self.keep)
                 ckpt.remove_partial(self.folder, keep_pid=os.getpid())
@@ -590,22 +589,8 @@ def check_belongs(loaded: Loaded, run_id: str | None, run_dir: Path | None = Non
 # ---------------------------------------------------------------------------- the payload's schema
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
-_MAX_DEPTH = 32
-
-
 def _is_int(value: Any, low: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
-def _plain(value: Any, depth: int = 0) -> bool:
-    """Plain data (what a config dumps to): str-keyed dicts, lists, str, numbers, bools, None."""
-    if depth > _MAX_DEPTH:
-        return False
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
-    if isinstance(value, list):
-        return all(_plain(v, depth + 1) for v in value)
-    return value is None or isinstance(value, (str, int, float, bool))
 
 
 def _show(value: Any) -> str:
@@ -640,7 +625,7 @@ _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
     (UPDATES, False, _is_int, "an int >= 0"),
     (DATA, True, _is_int, "an int >= 0"),
     (WORLD_SIZE, False, lambda v: _is_int(v, 1), "an int >= 1"),
-    (CONFIG, True, lambda v: isinstance(v, dict) and _plain(v), "a mapping of plain data"),
+    (CONFIG, True, lambda v: isinstance(v, dict) and is_plain(v), "a mapping of plain data"),
     (PRECISION, False, lambda v: isinstance(v, str), "a str"),
     (TORCH_VERSION, False, lambda v: isinstance(v, str), "a str"),
     (RUN_ID, False, lambda v: isinstance(v, str) and _HEX32.fullmatch(v) is not None, "32 hex digits"),
@@ -775,7 +760,7 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
 
 
 def _same_kind(saved: Any, live: Any, depth: int = 0) -> bool:
-    if depth > _MAX_DEPTH:
+    if depth > MAX_DEPTH:
         return False
     if live is None or isinstance(live, (bool, str)):
         return type(saved) is type(live)

@@ -66,6 +66,22 @@ def _plain(value: Any, where: str = "", depth: int = 0) -> None:
         raise ConfigError(f"config: {where}: a {type(value).__name__} is not a config value (use a string or a number)")
 
 
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is plain config data (JSON's types, at most :data:`MAX_DEPTH` deep), as
+    ``config.yaml`` and a checkpoint's embedded config must be.
+
+    Example::
+
+        >>> is_plain({"steps": 3, "inject": ["nan_loss@2"]}), is_plain({"seed": b"x"}), is_plain({1: 2})
+        (True, False, False)
+    """
+    try:
+        _plain(value)
+    except ConfigError:
+        return False
+    return True
+
+
 def _not_bool(value: Any) -> Any:
     # pydantic would read true/false as 1/0; a boolean where a number belongs is a mistake
     if isinstance(value, bool):

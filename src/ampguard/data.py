@@ -43,7 +43,6 @@ class DataStream:
         self.position = 0
         """Micro-batches taken from the task's stream so far (global batches under torchrun)."""
         self._iter: Iterator[Batch] | None = None
-        self._first_step = 1
 
     def seek(self, position: int) -> None:
         """Continue from ``position`` (a resume or a rollback); the next batch is re-read. Nothing

@@ -280,11 +280,6 @@ def broadcast_from_main(value: Any) -> Any:
     return box[0]
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when ``flag`` is true on any (a collective; one host read)."""
-    return any_ranks([flag], device)[0]
-
-
 def any_ranks(flags: list[bool], device: torch.device) -> list[bool]:
     """Each flag true on every rank when it is true on any: one all-reduce for all of them and
     one host read (nothing without a process group).

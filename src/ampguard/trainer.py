@@ -31,7 +31,7 @@ from .monitor import LossSpikeDetector, RunMonitor
 from .records import StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
 from .signals import StopFlag, stop_on_signals
-from .sinks import CSV_COLUMNS, ConsoleSink, DiskFull, Sinks, TensorBoardSink, disk_full_error
+from .sinks import CSV_COLUMNS, ConsoleSink, DiskFull, Sinks, TensorBoardSink, disk_full_error, writing
 from .step import AmpTrainState
 from .tasks import Task, build_task
 
@@ -272,11 +272,10 @@ class Trainer:
         main, resuming = self.dist.is_main, self.resume is not None
         self._failed = None
         try:
-            self.paths = self.outputs() if main else RunPaths()
-        except Exception as err:  # the disk is full already: train nothing, write nothing more
-            if disk_full_error(err) is None:
-                raise
-            self.paths, self._failed = RunPaths(), DiskFull("the run folder", disk_full_error(err))
+            with writing("the run folder"):
+                self.paths = self.outputs() if main else RunPaths()
+        except DiskFull as full:  # the disk is full already: train nothing, write nothing more
+            self.paths, self._failed = RunPaths(), full
         self.checkpointer.folder = distributed.broadcast_from_main(self.paths.checkpoints)
         self.run_id = distributed.broadcast_from_main(self.paths.ensure_run_id())  # made now for a new run folder
         self.bar = progress_bar(self.config.steps, initial=self.state.steps) if self.progress and main else None
