@@ -15,6 +15,8 @@ import torch
 
 SkipReason = Literal["non_finite_loss", "non_finite_grad"]
 SKIP_REASONS: tuple[str, ...] = ("non_finite_loss", "non_finite_grad")
+# the extra CSV columns of a guard over several optimizers (``Guard.record_columns``)
+LABEL_COLUMNS: tuple[str, ...] = ("optimizers", "skipped_optimizers")
 
 Value = torch.Tensor | float | None
 
@@ -44,6 +46,10 @@ class StepRecord:
     grad_l2_post_clip: Value
     scaler_scale: Value
     _host: dict[str, float | None] | None = field(default=None, init=False, repr=False, compare=False)
+    # A guard over several optimizers names those this step stepped and those of them it skipped
+    # (both empty for a guard over one optimizer): the CSV columns of :data:`LABEL_COLUMNS`.
+    optimizers: tuple[str, ...] = field(default=(), repr=False)
+    skipped_optimizers: tuple[str, ...] = field(default=(), repr=False)
 
     skipped: ClassVar[bool] = False
     _NUMERIC: ClassVar[tuple[str, ...]] = (
@@ -54,6 +60,19 @@ class StepRecord:
     def reason(self) -> str | None:
         """Why the step was skipped (one of :data:`SKIP_REASONS`), ``None`` for an applied one."""
         return None
+
+    def labels(self) -> dict[str, str]:
+        """The text cells of :data:`LABEL_COLUMNS`: optimizer names joined by ``;``.
+
+        Example::
+
+            >>> log = SkipLog(4, lr=0.1, loss=0.5, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=0.9,
+            ...               scaler_scale=512.0, optimizers=("discriminator", "generator"),
+            ...               skipped_optimizers=("generator",))
+            >>> log.labels()
+            {'optimizers': 'discriminator;generator', 'skipped_optimizers': 'generator'}
+        """
+        return {"optimizers": ";".join(self.optimizers), "skipped_optimizers": ";".join(self.skipped_optimizers)}
 
     def values(self) -> dict[str, float | None]:
         """The numeric fields as Python floats (``None`` stays ``None``).
@@ -144,6 +163,10 @@ class StepLog(StepRecord):
 @dataclass(frozen=True, slots=True)
 class SkipLog(StepRecord):
     """A skipped step: parameters and optimizer state untouched, the scale backed off.
+
+    With several optimizers a step is skipped when any optimizer it stepped was: those in
+    ``skipped_optimizers`` are untouched, the others applied their update (``grad_l2_post_clip``
+    is then their norm after clipping).
 
     Example::
 

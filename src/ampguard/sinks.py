@@ -119,7 +119,7 @@ def _open_for_append(path: Path, newline: str | None = None) -> IO[str]:
         raise InputError(f"cannot write {path}: {err.strerror or err}") from None
 
 
-def csv_row(record: StepRecord, extra: Mapping[str, float | None] | None = None) -> dict[str, str]:
+def csv_row(record: StepRecord, extra: Mapping[str, float | str | None] | None = None) -> dict[str, str]:
     """The CSV cells of one record: numbers via :func:`format_number`, missing values empty.
 
     Reads ``record.values()`` (which costs a host sync if the record holds device tensors).
@@ -145,7 +145,7 @@ def csv_row(record: StepRecord, extra: Mapping[str, float | None] | None = None)
         "scaler_scale": format_number(v["scaler_scale"]),
     }
     for key, value in (extra or {}).items():
-        row[key] = format_number(value)
+        row[key] = value if isinstance(value, str) else format_number(value)
     return row
 
 
@@ -230,7 +230,8 @@ class CsvSink:
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Append one row (:func:`csv_row`) and flush it (:class:`DiskFull` when there is no room)."""
         assert self._file is not None, "CsvSink is closed"
-        row = csv_row(record, extra)
+        labels = {k: v for k, v in record.labels().items() if k in self.columns}  # declared label columns
+        row = csv_row(record, {**labels, **(extra or {})})
         with writing(self.path):
             self._writer.writerow(row)
             self._file.flush()
@@ -266,8 +267,12 @@ def console_line(record: StepRecord) -> str:
         f"pre={num(v['grad_l2_pre_clip'])} post={num(v['grad_l2_post_clip'])} "
         f"scale={num(v['scaler_scale'])} lr={num(v['lr'])}"
     )
+    if record.optimizers:
+        line += f" optimizers={','.join(record.optimizers)}"
     if record.skipped:
         line += f" reason={record.reason}"
+        if record.skipped_optimizers:
+            line += f" skipped={','.join(record.skipped_optimizers)}"
     return line
 
 
@@ -338,6 +343,8 @@ class JsonlSink:
             **record.values(),
             "skipped": record.skipped,
             "skip_reason": record.reason,
+            **({"optimizers": list(record.optimizers), "skipped_optimizers": list(record.skipped_optimizers)}
+               if record.optimizers else {}),
             **(extra or {}),
         })
 

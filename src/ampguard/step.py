@@ -14,11 +14,9 @@ On clean data this is bit-for-bit the hand-written loop with ``clip_grad_norm_``
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
-
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -26,9 +24,11 @@ from torch import nn
 from . import distributed
 from .clipping import clip_to_norm_, global_l2_norm
 from .precision import GuardedGradScaler, Precision, PrecisionName
-from .records import PendingStep, SkipLog, StepLog
+from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
 
 SchedulerOnSkip = Literal["hold", "step"]
+Models = nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module]
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | Mapping[str, torch.optim.Optimizer]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -36,6 +36,63 @@ def _model_device(model: nn.Module) -> torch.device:
     if len(devices) != 1:
         raise ValueError(f"the model's parameters must live on one device, found {sorted(map(str, devices))}")
     return devices.pop()
+
+
+def _modules(model: Models) -> list[nn.Module]:
+    if isinstance(model, nn.Module):
+        return [model]
+    modules = list(model.values()) if isinstance(model, Mapping) else list(model)
+    bad = [m for m in modules if not isinstance(m, nn.Module)]
+    if not modules or bad:
+        raise ValueError(f"model must be an nn.Module or a list/dict of them, got {type(bad[0] if bad else model).__name__}")
+    return modules
+
+
+def _root(model: Models) -> nn.Module:
+    """One module over the model(s), so parameter names say which model: ``1.fc.weight`` for a list,
+    ``generator.fc.weight`` for a dict."""
+    if isinstance(model, nn.Module):
+        return model
+    return nn.ModuleDict(model) if isinstance(model, Mapping) else nn.ModuleList(model)
+
+
+def _named_optimizers(optimizer: Optimizers) -> dict[str, torch.optim.Optimizer]:
+    """``{name: optimizer}``: a dict's keys, a list's positions (``"0"``, ``"1"``), ``"optimizer"`` for one."""
+    if isinstance(optimizer, Mapping):
+        named = {str(k): v for k, v in optimizer.items()}
+    elif isinstance(optimizer, (list, tuple)):
+        named = {str(i): v for i, v in enumerate(optimizer)}
+    else:
+        named = {"optimizer": optimizer}
+    if not named:
+        raise ValueError("no optimizer given")
+    for name, opt in named.items():
+        if not hasattr(opt, "param_groups"):
+            raise ValueError(f"optimizer {name!r} is a {type(opt).__name__}, not an optimizer (no param_groups)")
+    return named
+
+
+def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, list[Any]]:
+    """Which optimizer each scheduler drives: a dict by name, else by the scheduler's own
+    ``.optimizer`` (any scheduler object, when there is one optimizer)."""
+    out: dict[str, list[Any]] = {name: [] for name in optimizers}
+    if scheduler is None:
+        return out
+    if isinstance(scheduler, Mapping):
+        for name, sched in scheduler.items():
+            if str(name) not in out:
+                raise ValueError(f"scheduler {name!r} names no optimizer; the optimizers are {sorted(out)}")
+            out[str(name)].append(sched)
+        return out
+    for sched in scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]:
+        owner = [n for n, o in optimizers.items() if getattr(sched, "optimizer", None) is o]
+        if not owner and len(optimizers) == 1:
+            owner = list(optimizers)
+        if not owner:
+            raise ValueError(f"scheduler {type(sched).__name__} drives none of the optimizers; pass "
+                             "scheduler={optimizer name: scheduler}")
+        out[owner[0]].append(sched)
+    return out
 
 
 class Guard:
@@ -74,12 +131,18 @@ class Guard:
 
     Args:
         model: any ``nn.Module`` (DDP/FSDP2-wrapped under torchrun), in float32: autocast
-            computes in the low precision, the optimizer updates FP32 master weights.
-        optimizer: any optimizer over the model's parameters (fused AdamW included).
+            computes in the low precision, the optimizer updates FP32 master weights. Several
+            models (a GAN's generator and discriminator) as a list or a dict of modules.
+        optimizer: any optimizer over the model's parameters (fused AdamW included), or several
+            as a dict ``{name: optimizer}`` (or a list, named ``"0"``, ``"1"``, ...): each
+            parameter in at most one. ``step()`` steps them all, ``step(name)`` those named; each
+            is skipped only when its own gradients are non-finite (``GradScaler``'s semantics),
+            the clip covers what is applied, and the records name them (:attr:`record_columns`).
         precision: ``"fp16"`` (with a loss scaler), ``"bf16"`` or ``"fp32"``.
         max_norm: global L2 clip threshold; ``None`` or ``<= 0`` disables clipping.
         accumulation_steps: micro-batches per optimizer update; each loss is divided by it.
-        scheduler: an LR scheduler stepped once per applied update.
+        scheduler: an LR scheduler stepped once per applied update of its optimizer; with
+            several optimizers a list (each matched by its ``.optimizer``) or ``{name: scheduler}``.
         device: the autocast device; defaults to the model's. A different one is an error.
         scaler: a ``GuardedGradScaler`` to use, a plain ``torch.amp.GradScaler`` (its settings
             and state are taken over), or keyword arguments for one (``init_scale``,
@@ -98,8 +161,8 @@ class Guard:
 
     def __init__(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: Models,
+        optimizer: Optimizers,
         *,
         precision: PrecisionName | Precision = "fp16",
         max_norm: float | None = 1.0,
@@ -121,25 +184,35 @@ class Guard:
         if frozen not in ("refuse", "ignore"):
             raise ValueError(f"frozen must be 'refuse' or 'ignore', got {frozen!r}")
 
-        model_device = _model_device(model)
+        modules = _modules(model)
+        root = _root(model)
+        model_device = _model_device(root)
         device = torch.device(device) if device is not None else model_device
         if device.type != model_device.type:
             raise ValueError(
                 f"autocast device {device.type!r} does not match the model's device {model_device.type!r}"
             )
-        model_params = {id(p) for p in model.parameters()}
-        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.device.type != device.type:
-                    raise ValueError(
-                        f"the optimizer holds a parameter on {p.device.type!r}, the model is on {device.type!r}"
-                    )
-                if id(p) not in model_params:
-                    raise ValueError(
-                        "the optimizer holds a parameter that is not the model's; the step clips and checks "
-                        "the model's parameters, so every optimized tensor must belong to the model"
-                    )
+        optimizers = _named_optimizers(optimizer)
+        names = {id(p): name for name, p in root.named_parameters()}
+        holder: dict[int, str] = {}  # parameter -> the optimizer that updates it
+        for opt_name, opt in optimizers.items():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.device.type != device.type:
+                        raise ValueError(
+                            f"the optimizer holds a parameter on {p.device.type!r}, the model is on {device.type!r}"
+                        )
+                    if id(p) not in names:
+                        raise ValueError(
+                            "the optimizer holds a parameter that is not the model's; the step clips and checks "
+                            "the model's parameters, so every optimized tensor must belong to the model"
+                        )
+                    if holder.setdefault(id(p), opt_name) != opt_name:
+                        raise ValueError(
+                            f"parameter {names[id(p)]!r} is in optimizers {holder[id(p)]!r} and {opt_name!r}; its "
+                            "gradient would be unscaled twice: give each parameter to one optimizer")
+        if sync_free and len(optimizers) > 1:
+            raise ValueError("sync_free takes one optimizer; several step with one host read per step")
 
         if not isinstance(precision, Precision):
             precision = Precision(precision, device.type)
@@ -147,24 +220,27 @@ class Guard:
             raise ValueError(
                 f"autocast device {precision.device_type!r} does not match the model's device {device.type!r}"
             )
-        precision.check(model, device)
-        left_out = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in optimized]
+        precision.check(root, device)
+        left_out = [name for name, p in root.named_parameters() if p.requires_grad and id(p) not in holder]
         if left_out and frozen == "refuse":
             raise ValueError(
                 f"parameter {left_out[0]!r} requires grad but no optimizer updates it ({len(left_out)} such); its "
                 "gradient would be neither unscaled nor cleared: give it to the optimizer, set requires_grad=False, "
                 "or pass frozen='ignore'")
-        sparse = [name for name, m in model.named_modules() if getattr(m, "sparse", False) is True]
+        sparse = [name for name, m in root.named_modules() if getattr(m, "sparse", False) is True]
         if sparse and max_norm is not None and max_norm > 0:
             raise ValueError(f"module {sparse[0]!r} makes sparse gradients, which PyTorch's clip_grad_norm_ cannot "
                              "clip: pass max_norm=None (the norm and the non-finite check still cover them)")
 
         self.model = model
-        self.optimizer = optimizer
+        # the optimizer itself when there is one (a one-entry list or dict too), else {name: optimizer}
+        self.optimizer = next(iter(optimizers.values())) if len(optimizers) == 1 else optimizers
+        self.optimizers = optimizers
         self.precision = precision
         self.max_norm = max_norm
         self.accumulation_steps = accumulation_steps
         self.scheduler = scheduler
+        self._schedulers = _schedulers_of(scheduler, optimizers)
         self.scheduler_on_skip = scheduler_on_skip
         self.device = device
         if isinstance(scaler, torch.amp.GradScaler):
@@ -178,18 +254,32 @@ class Guard:
         self.steps = 0  # optimizer steps attempted (closed groups); the next record is steps + 1
         self.sync_free = sync_free
         self.lr_schedule = lr_schedule
-        self._updates = 0  # optimizer steps applied (a device count in the sync-free path)
+        self._updates = 0  # steps applied in full (a device count in the sync-free path)
+        self._applied = dict.fromkeys(optimizers, 0)  # updates each optimizer applied
         if sync_free:
-            self._check_sync_free(optimizer, scheduler)
+            self._check_sync_free(self.optimizer, scheduler)
             self._updates_t = torch.zeros((), device=device)
-            self._base_lrs = [group["lr"].detach().clone() for group in optimizer.param_groups]
-        # what is checked, measured and clipped: the optimizer's parameters, in the model's order
-        self._params = [p for p in model.parameters() if id(p) in optimized]
-        self._frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in optimized]
+            self._base_lrs = [group["lr"].detach().clone() for group in self.optimizer.param_groups]
+        # what is checked, measured and clipped: each optimizer's parameters, in the model's order
+        self._modules = modules
+        self._params_of = {n: [p for p in root.parameters() if holder.get(id(p)) == n] for n in optimizers}
+        self._frozen = [p for p in root.parameters() if p.requires_grad and id(p) not in holder]
         self._micro = 0  # micro-batches so far in the open group
+        self._group: tuple[str, ...] | None = None  # the optimizers the open group steps
         self._backward_pending = False  # backward() ran, step() not yet
         self._loss_sum: torch.Tensor | None = None
         self._loss_bad: torch.Tensor | None = None
+
+    @property
+    def record_columns(self) -> tuple[str, ...]:
+        """The extra CSV columns this guard's records fill: ``("optimizers", "skipped_optimizers")``
+        with several optimizers, none with one. ``CsvSink(path, extra_columns=guard.record_columns)``."""
+        return LABEL_COLUMNS if len(self.optimizers) > 1 else ()
+
+    @property
+    def applied(self) -> dict[str, int]:
+        """Updates each optimizer applied, by name (with one optimizer, ``{"optimizer": updates}``)."""
+        return dict(self._applied) if len(self._applied) > 1 else dict.fromkeys(self._applied, self.updates)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -197,48 +287,92 @@ class Guard:
         micro-batch that does not close its group, no gradient all-reduce (DDP's ``no_sync``)."""
         if self._backward_pending:
             raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)")
-        with distributed.accumulation_context(self.model, self._closes_group()), self.precision.autocast():
+        with self._no_sync(), self.precision.autocast():
             yield
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Check ``loss`` on the device, divide it by the accumulation steps, scale it, backward.
+    def backward(self, *losses: torch.Tensor) -> None:
+        """Check the loss on the device, divide it by the accumulation steps, scale it, backward.
 
         The loss is checked before backward, on the device: a non-finite loss is replaced by zero,
         so it never seeds the backward pass, and the group is marked bad. Every micro-batch still
         runs backward (no host read here; under DDP no rank leaves a collective waiting). The bad
         group's gradients are discarded at the boundary.
+
+        Several losses (``guard.backward(loss0, loss1)``) run backward one after the other over
+        a shared graph, as ``scaler.scale(loss0).backward(retain_graph=True)`` then
+        ``scaler.scale(loss1).backward()`` do; the record's loss is their sum.
         """
         if self._backward_pending:
             raise RuntimeError("Guard.backward() called twice: call guard.step() after each guard.backward(loss)")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}")
-        with distributed.accumulation_context(self.model, self._closes_group()):  # FSDP2 reduces in backward
-            loss = loss.float()
-            finite = torch.isfinite(loss.detach())
-            self._accumulate(loss.detach(), ~finite)
-            loss = torch.where(finite, loss, 0.0)
-            if self.accumulation_steps > 1:  # (x / 1 is x, bit for bit: one op and one node saved)
-                loss = loss / self.accumulation_steps
-            self.scaler.scale(loss).backward()
+        if not losses:
+            raise ValueError("Guard.backward() takes a loss tensor")
+        for loss in losses:
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}")
+        with self._no_sync():  # FSDP2 reduces in backward
+            losses = tuple(loss.float() for loss in losses)
+            finite = [torch.isfinite(loss.detach()) for loss in losses]
+            total, bad = losses[0].detach(), ~finite[0]
+            for loss, ok in zip(losses[1:], finite[1:]):
+                total, bad = total + loss.detach(), bad | ~ok
+            self._accumulate(total, bad)
+            for i, (loss, ok) in enumerate(zip(losses, finite)):
+                loss = torch.where(ok, loss, 0.0)
+                if self.accumulation_steps > 1:  # (x / 1 is x, bit for bit: one op and one node saved)
+                    loss = loss / self.accumulation_steps
+                self.scaler.scale(loss).backward(retain_graph=i < len(losses) - 1)
         self._micro += 1
         self._backward_pending = True
 
-    def step(self) -> StepLog | SkipLog | PendingStep | None:
+    def step(self, *which: str | torch.optim.Optimizer) -> StepLog | SkipLog | PendingStep | None:
         """After each ``backward``: ``None`` inside an accumulation group; at its end the update
         (or the skip) and the group's record. The skip decision costs one host sync per group
-        (none with ``sync_free``)."""
+        (none with ``sync_free``).
+
+        With several optimizers, ``step()`` steps them all and ``step("generator")`` (names or
+        optimizer objects) only those named, as ``scaler.step(opt)`` does: each is skipped only
+        when its own gradients are non-finite, and the one loss scale backs off when any was.
+        After every step all the guard's gradients are dropped, the unstepped optimizers' too
+        (as a GAN's ``zero_grad`` before each backward drops what the other loss left there).
+        """
         if not self._backward_pending:
             raise RuntimeError("Guard.step() called twice: the order is `with guard.autocast(): loss = ...`, "
                                "guard.backward(loss), guard.step()" if self._micro or self.steps else
                                "Guard.step() before guard.backward(loss): nothing to step")
+        names = self._names(which)
+        if self._group is not None and names != self._group:
+            raise RuntimeError(f"Guard.step() names optimizers {list(names)} inside a group begun with "
+                               f"{list(self._group)}: step the same optimizers until the group closes")
         self._backward_pending = False
         if self._micro < self.accumulation_steps:
+            self._group = names
             return None
-        return self._finish_group_sync_free() if self.sync_free else self._finish_group()
+        self._group = None
+        return self._finish_group_sync_free() if self.sync_free else self._finish_group(names)
+
+    def _names(self, which: tuple[str | torch.optim.Optimizer, ...]) -> tuple[str, ...]:
+        if not which:
+            return tuple(self.optimizers)
+        chosen = set()
+        for item in which:
+            name = item if isinstance(item, str) else next(
+                (n for n, o in self.optimizers.items() if o is item), None)
+            if name not in self.optimizers:
+                raise ValueError(f"Guard.step(): {item if isinstance(item, str) else type(item).__name__!r} is not "
+                                 f"one of this guard's optimizers {list(self.optimizers)}")
+            chosen.add(name)
+        return tuple(n for n in self.optimizers if n in chosen)
 
     def _closes_group(self) -> bool:
         return self._micro + 1 == self.accumulation_steps
+
+    def _no_sync(self) -> contextlib.ExitStack:
+        """No gradient all-reduce (DDP's ``no_sync``) on a micro-batch that does not close its group."""
+        stack = contextlib.ExitStack()
+        for module in self._modules:
+            stack.enter_context(distributed.accumulation_context(module, self._closes_group()))
+        return stack
 
     def _accumulate(self, loss: torch.Tensor, bad: torch.Tensor) -> None:
         if self._micro == 0:
@@ -247,56 +381,75 @@ class Guard:
             self._loss_sum = self._loss_sum + loss
             self._loss_bad = self._loss_bad | bad
 
-    def _close_group(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Unscale, take the global norm and agree on the flags: (loss, pre, flags). No host read."""
+    def _union(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """The parameters of these optimizers (one optimizer's list as it is)."""
+        if len(names) == 1:
+            return self._params_of[names[0]]
+        return [p for n in names for p in self._params_of[n]]
+
+    def _close_group(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unscale, take the global norm and agree on the flags: (loss, pre, flags). No host read.
+
+        flags: [non-finite loss, non-finite gradient] on any rank, then with several optimizers
+        one flag per optimizer (its own gradients non-finite)."""
         self._micro = 0
         self.steps += 1
         loss = self._loss_sum / self.accumulation_steps if self.accumulation_steps > 1 else self._loss_sum
-        self.scaler.unscale_(self.optimizer)
+        for name in names:
+            self.scaler.unscale_(self.optimizers[name])
         # the norm over all gradients (all shards); also the non-finite detector: inf/nan iff a grad is
-        pre = distributed.full_norm(global_l2_norm(self._params))
-        flags, loss = distributed.agree(torch.stack([self._loss_bad, ~torch.isfinite(pre)]), loss)
-        return loss, pre, flags  # flags: [non-finite loss, non-finite gradient], on any rank
+        pre = distributed.full_norm(global_l2_norm(self._union(names)))
+        bad = [self._loss_bad, ~torch.isfinite(pre)]
+        if len(names) > 1:
+            bad += [~torch.isfinite(distributed.full_norm(global_l2_norm(self._params_of[n]))) for n in names]
+        flags, loss = distributed.agree(torch.stack(bad), loss)
+        return loss, pre, flags
 
-    def _finish_group(self) -> StepLog | SkipLog:
-        lr = self.optimizer.param_groups[0]["lr"]
+    def _finish_group(self, names: tuple[str, ...]) -> StepLog | SkipLog:
+        lr = self.optimizers[names[0]].param_groups[0]["lr"]
         if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
             lr = lr.detach().clone()
-        loss, pre, flags = self._close_group()
+        loss, pre, flags = self._close_group(names)
 
-        # The one host read of the step: was the loss or the gradient non-finite (on any rank)?
-        bad_loss, bad_grad = flags.tolist()
+        # The one host read of the step: was the loss or a gradient non-finite (on any rank)?
+        bad_loss, bad_grad, *bad_each = flags.tolist()
+        if bad_loss or (bad_grad and not any(bad_each)):
+            skipped = names
+        else:
+            skipped = tuple(n for n, bad in zip(names, bad_each) if bad)
+        applied = tuple(n for n in names if n not in skipped)
 
-        if bad_loss or bad_grad:
-            self.scaler.mark_found_inf_(self.optimizer)  # a loss skip backs the scale off too
-            self.scaler.update()
-            if self.scheduler is not None and self.scheduler_on_skip == "step":
-                self.scheduler.step()
-            self._zero_grad()
-            return SkipLog(
-                step=self.steps,
-                lr=lr,
-                loss=loss,
-                grad_l2_pre_clip=None if bad_loss else pre,
-                grad_l2_post_clip=None,
-                scaler_scale=self.scaler.scale_value(),
-                reason="non_finite_loss" if bad_loss else "non_finite_grad",
-            )
-
-        post = clip_to_norm_(self._params, self.max_norm, pre)
-        self.optimizer.step()  # what scaler.step() does once found_inf reads 0, as it just did
+        post = None
+        if applied:
+            # clip what is applied by its own global norm (all of them: the norm already taken)
+            norm = pre if not skipped else distributed.full_norm(global_l2_norm(self._union(applied)))
+            post = clip_to_norm_(self._union(applied), self.max_norm, norm)
+            for name in applied:
+                self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
+        for name in skipped:
+            self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         self.scaler.update()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        for name in names:
+            if name in applied or self.scheduler_on_skip == "step":
+                for scheduler in self._schedulers[name]:
+                    scheduler.step()
         self._zero_grad()
-        self._updates += 1
-        return StepLog(
+        for name in applied:
+            self._applied[name] += 1
+        labels = {"optimizers": names, "skipped_optimizers": skipped} if len(self.optimizers) > 1 else {}
+        if not skipped:
+            self._updates += 1
+            return StepLog(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
+                           scaler_scale=self.scaler.scale_value(), **labels)
+        return SkipLog(
             step=self.steps,
             lr=lr,
             loss=loss,
-            grad_l2_pre_clip=pre,
+            grad_l2_pre_clip=None if bad_loss else pre,
             grad_l2_post_clip=post,
             scaler_scale=self.scaler.scale_value(),
+            reason="non_finite_loss" if bad_loss else "non_finite_grad",
+            **labels,
         )
 
     def _finish_group_sync_free(self) -> PendingStep:
@@ -308,10 +461,10 @@ class Guard:
         of a device count of applied updates, which the flag keeps from advancing. Clipping runs
         unconditionally: on a skipped step it scales gradients nobody will use.
         """
-        loss, pre, flags = self._close_group()
+        loss, pre, flags = self._close_group(tuple(self.optimizers))
         found = flags.any().to(torch.float32)
 
-        post = clip_to_norm_(self._params, self.max_norm, pre)
+        post = clip_to_norm_(self._params_of[next(iter(self.optimizers))], self.max_norm, pre)
         if self.lr_schedule is not None:
             factor = self.lr_schedule(self._updates_t)
             for group, base in zip(self.optimizer.param_groups, self._base_lrs):
@@ -331,7 +484,8 @@ class Guard:
                            scaler_scale=self.scaler.scale_value(), bad_loss=bad[0], bad_grad=bad[1])
 
     def _zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
         for p in self._frozen:  # frozen="ignore": what no optimizer updates is dropped, not accumulated
             p.grad = None
 
@@ -408,6 +562,7 @@ class Guard:
             "precision": self.precision.name,
             "accumulation_steps": self.accumulation_steps,
             "monitors": {name: monitor.state_dict() for name, monitor in self.monitors.items()},
+            **({"applied": dict(self._applied)} if len(self.optimizers) > 1 else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -434,14 +589,22 @@ class Guard:
             mine = self.precision.name if key == "precision" else self.accumulation_steps
             if state.get(key) != mine:
                 raise ValueError(f"state was saved with {key}={state.get(key)!r}, this step uses {mine!r}")
+        saved = sorted(state.get("applied", {"optimizer": 0}))
+        if saved != sorted(self._applied):
+            raise ValueError(f"state was saved with optimizers {saved}, this step has {sorted(self._applied)}")
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.steps = int(state["step"])
         self.updates = int(state["updates"])
+        if "applied" in state:
+            self._applied = {name: int(state["applied"][name]) for name in self._applied}
+        else:
+            self._applied = {name: self.updates for name in self._applied}
         for name, monitor_state in state.get("monitors", {}).items():
             if name in self.monitors:
                 self.monitors[name].load_state_dict(monitor_state)
         self._micro = 0
+        self._group = None
         self._backward_pending = False
 
 
@@ -463,8 +626,10 @@ class AmpTrainState(Guard):
         (1, False, 1)
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: nn.Module, optimizer: Optimizers,
                  loss_fn: Callable[[Any, Any], torch.Tensor], **settings: Any) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError("AmpTrainState calls model(inputs): pass one module, or use Guard for several")
         super().__init__(model, optimizer, **settings)
         self.loss_fn = loss_fn
 
