@@ -39,3 +39,26 @@ def test_own_loop_skips_the_injected_nan_and_holds_the_schedule(tmp_path, capsys
     first, last = ([float(r["loss"]) for r in part] for part in (rows[:3], rows[-5:]))
     assert sum(last) / 5 < sum(first) / 3  # and it learned
     assert f"{model} {precision}: 20 steps, 19 updates" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_gan_skips_only_the_generator_whose_gradient_overflowed(tmp_path, capsys, precision):
+    csv_path = tmp_path / "gan.csv"
+    assert _load("gan").main(["--precision", precision, "--iterations", "150", "--csv", str(csv_path),
+                              "--inf-at", "30"]) == 0
+    rows = read_rows(csv_path)
+    assert [int(r["step"]) for r in rows] == list(range(1, 301))
+    assert [r["optimizers"] for r in rows] == ["discriminator", "generator"] * 150
+    skipped = [r for r in rows if r["skipped"] == "1"]
+    assert [(r["step"], r["skipped_optimizers"], r["skip_reason"]) for r in skipped] == [
+        ("60", "generator", "non_finite_grad")]  # iteration 30's generator step, and nothing else
+    assert rows[58]["skipped"] == "0" and rows[58]["optimizers"] == "discriminator"  # D of that iteration applied
+    scales = [float(r["scaler_scale"]) for r in rows]
+    if precision == "fp16":
+        assert scales[58] == 1024.0 and scales[59] == 512.0  # one back-off, for the one overflow
+    else:
+        assert set(scales) == {1.0}
+    out = capsys.readouterr().out
+    assert "applied discriminator 150 generator 149" in out
+    start, end = (float(x) for x in out.split("distance to the ring ")[1].split(";")[0].split(" -> "))
+    assert end < 0.7 * start  # and the generator learned to move its samples toward the ring
