@@ -1,10 +1,16 @@
 """``ampguard bench``: what the guard rails cost, measured side by side in one process.
 
 The same model, data, optimizer and seed run under each contender: the bare canonical PyTorch
-AMP loop, ampguard's guarded step with per-step CSV logging on, and, when installed, Hugging
-Face Accelerate and Lightning Fabric doing the same work. Contenders are interleaved in rounds
-(in a rotating order) so that drift of the machine (clocks, other load) falls on all of them
-alike; the figure per contender is the median over rounds of its mean ms/step in that round.
+AMP loop, a second bare loop (the A/A contender: what the noise alone makes of two identical
+loops), ampguard's guarded step with per-step CSV logging on, and, when installed, Hugging Face
+Accelerate and Lightning Fabric doing the same work.
+
+Paired rounds: each round runs every contender back to back (in a rotating order), so drift of
+the machine (clocks, other load) falls on all of them alike, and each contender's ratio to the
+bare loop is taken *within* the round. The figure is the median of those per-round ratios with a
+95% bootstrap interval; with ``resolve`` rounds are added until every interval is narrower than
+``± resolve`` (or the time budget runs out, and the table says so). On CUDA each contender's
+steps are timed with CUDA events.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import random
 import statistics
 import tempfile
 import time
@@ -199,6 +206,19 @@ class Bare(Contender):
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
+
+
+class BareAgain(Bare):
+    """The bare loop once more: its ratio to the bare loop is the noise floor of the measurement
+    (an A/A test: two identical loops should read 1.00; the interval says how well we can tell).
+
+    Example::
+
+        >>> BareAgain.name, issubclass(BareAgain, Bare)
+        ('bare loop (A/A)', True)
+    """
+
+    name = "bare loop (A/A)"
 
 
 class Guarded(Contender):
@@ -423,11 +443,16 @@ def available_peers() -> list[type[Contender]]:
 class Result:
     """One contender's figures on one workload and precision (times in ms per step).
 
+    ``ratio_to_bare`` is the median over rounds of this contender's ms/step divided by the bare
+    loop's in the same round; ``ratio_low``/``ratio_high`` its 95% bootstrap interval; ``stop``
+    why the rounds ended: ``"resolved"`` (every interval within ``± resolve``), ``"budget"``
+    (time ran out first), ``"max rounds"``, or ``"fixed"`` (no ``resolve`` asked).
+
     Example::
 
         >>> r = Result("tiny-mlp", "fp32", "bare loop", median_ms=0.5, min_ms=0.4)
-        >>> math.isnan(r.ratio_to_bare), r.peak_mem_mib, r.rounds
-        (True, None, [])
+        >>> math.isnan(r.ratio_to_bare), r.peak_mem_mib, r.rounds, r.stop
+        (True, None, [], 'fixed')
     """
 
     workload: str
@@ -440,6 +465,40 @@ class Result:
     tokens_per_s: float | None = None
     mfu: float | None = None
     rounds: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    ratio_low: float = math.nan
+    ratio_high: float = math.nan
+    stop: str = "fixed"
+
+    @property
+    def half_width(self) -> float:
+        """Half the interval's width, relative to the ratio (0.01 is ``± 1%``); nan without one.
+
+        Example::
+
+            >>> round(Result("m", "fp32", "x", 1.0, 1.0, ratio_to_bare=1.0, ratio_low=0.99, ratio_high=1.03).half_width, 6)
+            0.02
+        """
+        return (self.ratio_high - self.ratio_low) / 2 / self.ratio_to_bare
+
+
+def median_interval(values: list[float], *, confidence: float = 0.95, resamples: int = 1000,
+                    seed: int = 0) -> tuple[float, float, float]:
+    """``(median, low, high)``: the median and its bootstrap interval (percentiles of the medians
+    of ``resamples`` resamples with replacement; seeded, so the same values give the same interval).
+
+    Example::
+
+        >>> median_interval([1.0, 1.0, 1.0])
+        (1.0, 1.0, 1.0)
+        >>> med, low, high = median_interval([0.9, 1.0, 1.1, 1.0, 0.95, 1.05, 1.0])
+        >>> med, low <= med <= high, high - low > 0
+        (1.0, True, True)
+    """
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - confidence) / 2
+    return statistics.median(values), meds[int(tail * resamples)], meds[math.ceil((1 - tail) * resamples) - 1]
 
 
 def _sync(device: torch.device) -> None:
@@ -447,23 +506,72 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time_steps(c: Contender, steps: int, device: torch.device) -> float:
+    """ms per step over ``steps`` steps: CUDA events on CUDA (the device's time from the first
+    step's launch to the last one's end), the wall clock elsewhere. Starts from an idle device."""
+    _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            c.step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / steps
+    start_s = time.perf_counter()
+    for _ in range(steps):
+        c.step()
+    return (time.perf_counter() - start_s) * 1000 / steps
+
+
+def _ratios(times: dict[str, list[float]], name: str) -> list[float]:
+    """Each round's ms/step of ``name`` over the bare loop's in the same round (over its own
+    median when there is no bare loop: the spread of the contender alone)."""
+    base = times.get(Bare.name) or [statistics.median(times[name])] * len(times[name])
+    return [t / b for t, b in zip(times[name], base)]
+
+
+def _widest(times: dict[str, list[float]]) -> float:
+    """The widest relative half-width among the contenders' ratio intervals."""
+    widths = []
+    for name in times:
+        if name != Bare.name or len(times) == 1:
+            med, low, high = median_interval(_ratios(times, name), resamples=400)
+            widths.append((high - low) / 2 / med)
+    return max(widths)
+
+
 def measure(
     w: Workload, precision: Precision, device: torch.device, contenders: list[type[Contender]],
     *, steps: int, rounds: int, warmup: int, fused: bool, peak_flops: float | None = None,
+    resolve: float | None = None, budget_s: float | None = None, max_rounds: int = 1000,
 ) -> list[Result]:
-    """Interleaved rounds: in each round every contender runs ``steps`` steps, in rotating order.
+    """Paired rounds: in each round every contender runs ``steps`` steps, back to back, in
+    rotating order; the ratio to the bare loop is taken within each round.
 
-    Each timed round is bracketed by ``torch.cuda.synchronize`` on CUDA (a host sync), so the
-    time covers the device's work, not just the launches.
+    ``rounds`` is the least number of rounds. With ``resolve`` (0.01 is ``± 1%``) rounds are
+    added until every contender's ratio interval is within ``± resolve``, ``budget_s`` seconds
+    of rounds have passed, or ``max_rounds`` were run; each result's ``stop`` says which.
+    Each timing starts from an idle device (``torch.cuda.synchronize``, then CUDA events).
 
     Example::
 
         >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
         >>> results = measure(_mlp(cpu), fp32, cpu, [Bare, Guarded], steps=1, rounds=3, warmup=1, fused=False)
-        >>> [(r.contender, len(r.rounds), r.median_ms > 0) for r in results]
-        [('bare loop', 3, True), ('ampguard + csv', 3, True)]
-        >>> results[0].ratio_to_bare, results[1].ratio_to_bare == results[1].median_ms / results[0].median_ms
+        >>> [(r.contender, len(r.rounds), r.median_ms > 0, r.stop) for r in results]
+        [('bare loop', 3, True, 'fixed'), ('ampguard + csv', 3, True, 'fixed')]
+        >>> ratios = [g / b for g, b in zip(results[1].rounds, results[0].rounds)]  # within each round
+        >>> results[0].ratio_to_bare, results[1].ratio_to_bare == statistics.median(ratios)
         (1.0, True)
+        >>> results[1].ratio_low <= results[1].ratio_to_bare <= results[1].ratio_high
+        True
+
+    With a budget that is already spent, the rounds stop at the least number and say why::
+
+        >>> results = measure(_mlp(cpu), fp32, cpu, [Bare, BareAgain], steps=1, rounds=4, warmup=1, fused=False,
+        ...                   resolve=1e-9, budget_s=0.0)
+        >>> [(len(r.rounds), r.stop) for r in results]
+        [(4, 'budget'), (4, 'budget')]
 
     A contender that cannot be built, or fails its warm-up, is left out with a line saying why;
     when none is left the result is empty::
@@ -509,52 +617,98 @@ def measure(
     if not built:  # nothing to time: say so, rather than divide by no contenders
         print(f"  {w.name} {precision.name}: no contender could run, nothing measured")
         return []
-    for r in range(rounds):
-        order = built[r % len(built):] + built[: r % len(built)]
+    started, done, stop = time.perf_counter(), 0, "fixed"
+    while True:
+        order = built[done % len(built):] + built[: done % len(built)]
         for c in order:
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                c.step()
-            _sync(device)
-            times[c.name].append((time.perf_counter() - start) * 1000 / steps)
+            times[c.name].append(_time_steps(c, steps, device))
+        done += 1
+        if done < rounds:
+            continue
+        if resolve is None:
+            break
+        if _widest(times) <= resolve:
+            stop = "resolved"
+        elif budget_s is not None and time.perf_counter() - started >= budget_s:
+            stop = "budget"
+        elif done >= max_rounds:
+            stop = "max rounds"
+        else:
+            continue
+        break
     for c in built:
         c.close()
     results = []
     for c in built:
         med = statistics.median(times[c.name])
         res = Result(w.name, precision.name, c.name, med, min(times[c.name]), peak_mem_mib=peaks[c.name],
-                     rounds=times[c.name])
+                     rounds=times[c.name], stop=stop)
         if w.tokens_per_step:
             res.tokens_per_s = w.tokens_per_step / (med / 1000)
             if peak_flops:
                 res.mfu = w.flops_per_step / (med / 1000) / peak_flops
+        if Bare.name in times:
+            res.ratios = _ratios(times, c.name)
+            res.ratio_to_bare, res.ratio_low, res.ratio_high = median_interval(res.ratios, resamples=2000)
         results.append(res)
-    bare = next((r.median_ms for r in results if r.contender == Bare.name), None)
-    for res in results:
-        if bare:
-            res.ratio_to_bare = res.median_ms / bare
     return results
 
 
 def table(results: list[Result]) -> str:
     """The results as a markdown table, one row per contender (``n/a`` memory off CUDA).
 
+    The ratio column is the median per-round ratio and its 95% interval.
+
     Example::
 
-        >>> rows = table([Result("tiny-mlp", "fp32", "bare loop", 0.5, 0.4, ratio_to_bare=1.0)]).splitlines()
+        >>> rows = table([Result("tiny-mlp", "fp32", "ampguard + csv", 0.5, 0.4, ratio_to_bare=1.012,
+        ...                      ratio_low=1.004, ratio_high=1.019, rounds=[0.5] * 9)]).splitlines()
         >>> len(rows), rows[2]
-        (3, '| tiny-mlp | fp32 | bare loop | 0.500 | 0.400 | 1.000 | n/a |  |  |')
+        (3, '| tiny-mlp | fp32 | ampguard + csv | 0.500 | 0.400 | 1.012 [1.004, 1.019] | 9 | n/a |  |  |')
     """
-    lines = ["| workload | precision | contender | median ms/step | min ms/step | ratio to bare | peak MiB | tokens/s | MFU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | precision | contender | median ms/step | min ms/step | ratio to bare [95% CI] | rounds "
+             "| peak MiB | tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         mem = "n/a" if r.peak_mem_mib is None else f"{r.peak_mem_mib:.1f}"
         tps = "" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"
         mfu = "" if r.mfu is None else f"{r.mfu:.1%}"
+        ratio = f"{r.ratio_to_bare:.3f}" + ("" if math.isnan(r.ratio_low) else f" [{r.ratio_low:.3f}, {r.ratio_high:.3f}]")
         lines.append(f"| {r.workload} | {r.precision} | {r.contender} | {r.median_ms:.3f} | {r.min_ms:.3f} | "
-                     f"{r.ratio_to_bare:.3f} | {mem} | {tps} | {mfu} |")
+                     f"{ratio} | {len(r.rounds)} | {mem} | {tps} | {mfu} |")
     return "\n".join(lines)
+
+
+def resolution(results: list[Result], resolve: float | None) -> list[str]:
+    """One line per workload and precision: resolved to ``± resolve``, or how close it came.
+
+    Example::
+
+        >>> r = [Result("mlp", "fp32", "bare loop", 1, 1, 1.0, ratio_low=1.0, ratio_high=1.0, stop="budget",
+        ...             rounds=[1] * 40),
+        ...      Result("mlp", "fp32", "ampguard + csv", 1, 1, 1.1, ratio_low=1.078, ratio_high=1.122,
+        ...             stop="budget", rounds=[1] * 40)]
+        >>> resolution(r, 0.01)
+        ['mlp fp32: not resolved to ±1.0% (the time budget ran out after 40 rounds; widest ±2.0%, ampguard + csv)']
+        >>> resolution([Result("mlp", "fp32", "bare loop", 1, 1, 1.0, stop="fixed", rounds=[1] * 7)], None)
+        []
+    """
+    out = []
+    for key in dict.fromkeys((r.workload, r.precision) for r in results):
+        rows = [r for r in results if (r.workload, r.precision) == key and not math.isnan(r.ratio_low)
+                and r.contender != Bare.name]
+        if not rows or resolve is None:
+            continue
+        widest = max(rows, key=lambda r: r.half_width)
+        where = f"{key[0]} {key[1]}: "
+        if rows[0].stop == "resolved":
+            out.append(where + f"resolved to ±{resolve:.1%} in {len(rows[0].rounds)} rounds "
+                               f"(widest ±{widest.half_width:.1%}, {widest.contender})")
+        else:
+            why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran"}.get(rows[0].stop, rows[0].stop)
+            out.append(where + f"not resolved to ±{resolve:.1%} ({why} after {len(rows[0].rounds)} rounds; widest "
+                               f"±{widest.half_width:.1%}, {widest.contender})")
+    return out
 
 
 def speedups(results: list[Result]) -> list[str]:
@@ -585,9 +739,11 @@ def speedups(results: list[Result]) -> list[str]:
 def run_bench(
     *, device: torch.device, workloads: list[str], precisions: list[str], steps: int, rounds: int,
     warmup: int, peers: bool = True, fused: bool = False, peak_tflops: float | None = None,
+    resolve: float | None = None, budget_s: float | None = None, aa: bool = False,
 ) -> list[Result]:
-    """Every workload x precision, measured with the bare loop, the guarded step (and its
-    sync-free path with ``fused``) and the installed peers. fp16 on a CPU runs only the MLP.
+    """Every workload x precision, measured with the bare loop (and its A/A twin with ``aa``),
+    the guarded step (and its sync-free path with ``fused``) and the installed peers. fp16 on a
+    CPU runs only the MLP.
 
     Example::
 
@@ -598,7 +754,8 @@ def run_bench(
         [('tiny-mlp', 'fp32', 'bare loop'), ('tiny-mlp', 'fp32', 'ampguard + csv')]
     """
     # the sync-free path needs fused AdamW: it runs when every contender uses it (--fused)
-    contenders: list[type[Contender]] = [Bare, Guarded] + ([GuardedSyncFree] if fused else [])
+    contenders: list[type[Contender]] = [Bare] + ([BareAgain] if aa else []) + [Guarded]
+    contenders += [GuardedSyncFree] if fused else []
     contenders += available_peers() if peers else []
     results: list[Result] = []
     for name in workloads:
@@ -610,7 +767,8 @@ def run_bench(
                 continue
             print(f"{w.name} {p}: {', '.join(c.name for c in contenders)}", flush=True)
             results += measure(w, Precision(p, device.type), device, contenders, steps=steps, rounds=rounds,
-                               warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None)
+                               warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None,
+                               resolve=resolve, budget_s=budget_s)
     return results
 
 
@@ -631,16 +789,23 @@ def machine() -> str:
     return text
 
 
-def to_json(results: list[Result]) -> str:
-    """The machine and every result as JSON (``ampguard bench --json``).
+def to_json(results: list[Result], resolve: float | None = None) -> str:
+    """The machine, the resolution asked and every result as JSON (``ampguard bench --json``):
+    per contender its per-round times and ratios, the median ratio, its interval and why the
+    rounds stopped. Not-a-number (no bare loop to compare with) is written ``null``.
 
     Example::
 
         >>> data = json.loads(to_json([Result("tiny-mlp", "fp32", "bare loop", 0.5, 0.4, rounds=[0.5])]))
         >>> sorted(data), data["results"][0]["median_ms"], data["results"][0]["rounds"]
-        (['machine', 'results'], 0.5, [0.5])
+        (['machine', 'resolve', 'results', 'threads'], 0.5, [0.5])
+        >>> data["results"][0]["ratio_low"], data["results"][0]["stop"]
+        (None, 'fixed')
     """
-    return json.dumps({"machine": machine(), "results": [asdict(r) for r in results]}, indent=2)
+    rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()}
+            for r in results]
+    return json.dumps({"machine": machine(), "threads": torch.get_num_threads(), "resolve": resolve,
+                       "results": rows}, indent=2)
 
 
 WORKLOADS = ("mlp", "transformer", "gpt2")
@@ -649,17 +814,23 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str = "fp32,bf16,fp16", steps: int = 30,
         rounds: int = 7, warmup: int = 5, fused: bool = False, peers: bool = True, peak_tflops: float | None = None,
-        quick: bool = False, as_json: bool = False) -> int:
-    """``ampguard bench``: measure, then print a table (or JSON) and the speed-ups. Returns 0.
+        quick: bool = False, as_json: bool = False, resolve_pct: float = 1.0, budget_s: float = 120.0,
+        threads: int | None = None, aa: bool = True) -> int:
+    """``ampguard bench``: measure, then print a table (or JSON), the resolution and the
+    speed-ups. Returns 0.
+
+    At least ``rounds`` paired rounds per case, then more until every ratio is resolved to
+    ``± resolve_pct`` percent (0: exactly ``rounds``) or ``budget_s`` seconds of rounds have
+    passed. On a CPU the intra-op threads are pinned (``threads``, default all cores).
 
     Example (``quick``: 2 rounds of 3 steps, a smoke test rather than a measurement)::
 
         >>> run(models="mlp", precisions="fp32", quick=True, peers=False)  # doctest: +ELLIPSIS
-        ampguard bench on cpu (...): 2 rounds x 3 steps, interleaved
+        ampguard bench on cpu (...): 2 rounds x 3 steps, paired, fixed rounds
         tiny-mlp fp32: bare loop, ampguard + csv
         | workload | precision | contender | median ms/step | ...
-        |---|---|---|---|---|---|---|---|---|
-        | tiny-mlp | fp32 | bare loop | ... | 1.000 | n/a |  |  |
+        |---|---|---|---|---|---|---|---|---|---|
+        | tiny-mlp | fp32 | bare loop | ... | 1.000 [1.000, 1.000] | 2 | n/a |  |  |
         | tiny-mlp | fp32 | ampguard + csv | ...
         0
         >>> run(models="mlp,resnet")
@@ -684,13 +855,27 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         raise InputError(f"bench: --peak-tflops must be a finite number > 0, got {peak_tflops:g}")
     if where.type == "cpu" and set(names) == {"fp16"} and "mlp" not in workloads:
         raise InputError(f"bench: on a CPU fp16 runs only the mlp model; nothing to measure for {models}")
+    for flag, value in (("--resolve", resolve_pct), ("--budget", budget_s)):
+        if not (math.isfinite(value) and value >= 0):
+            raise InputError(f"bench: {flag} must be a finite number >= 0, got {value:g}")
+    if threads is not None and threads < 1:
+        raise InputError(f"bench: --threads must be >= 1, got {threads}")
     if quick:
-        steps, rounds, warmup = 3, 2, 1
+        steps, rounds, warmup, resolve_pct, aa = 3, 2, 1, 0.0, False
+    resolve = resolve_pct / 100 if resolve_pct > 0 else None
+    if where.type == "cpu":  # pinned, so no round runs with another thread count than the next
+        import os
+
+        torch.set_num_threads(threads or os.cpu_count() or 1)
     torch.manual_seed(0)
-    print(f"ampguard bench on {where} ({machine()}): {rounds} rounds x {steps} steps, interleaved")
+    until = f"until ±{resolve_pct:g}% or {budget_s:g} s a case" if resolve else "fixed rounds"
+    threads_said = f", {torch.get_num_threads()} threads" if where.type == "cpu" else ""
+    print(f"ampguard bench on {where} ({machine()}{threads_said}): {rounds} rounds x {steps} steps, paired, {until}")
     results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
-                        warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops)
+                        warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
+                        budget_s=budget_s, aa=aa)
     if not results:
         raise InputError(f"bench: no contender could run {models} in {precisions} on {where} (why: the lines above)")
-    print(to_json(results) if as_json else "\n".join([table(results), *speedups(results)]))
+    print(to_json(results, resolve) if as_json else
+          "\n".join([table(results), *resolution(results, resolve), *speedups(results)]))
     return 0

@@ -119,7 +119,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     return bench.run(device=args.device, models=args.models, precisions=args.precisions, steps=args.steps,
                      rounds=args.rounds, warmup=args.warmup, fused=args.fused, peers=not args.no_peers,
-                     peak_tflops=args.peak_tflops, quick=args.quick, as_json=args.json)
+                     peak_tflops=args.peak_tflops, quick=args.quick, as_json=args.json, resolve_pct=args.resolve,
+                     budget_s=args.budget, threads=args.threads, aa=not args.no_aa)
 
 
 def _monitor_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -250,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--peak-tflops", type=_number, help="the accelerator's peak, for model FLOP utilisation")
     bench.add_argument("--quick", action="store_true", help="a few steps only (a smoke test, not a measurement)")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
+    bench.add_argument("--resolve", type=_number, default=1.0, metavar="PCT",
+                       help="add rounds until every ratio's 95%% interval is within ±PCT%% (0: just --rounds)")
+    bench.add_argument("--budget", type=_number, default=120.0, metavar="SECONDS",
+                       help="stop adding rounds to a case after this long (the table says it was not resolved)")
+    bench.add_argument("--threads", type=_positive_int, help="CPU intra-op threads, pinned (default: all cores)")
+    bench.add_argument("--no-aa", action="store_true", help="leave out the A/A contender (a second bare loop)")
     bench.set_defaults(func=_bench)
 
     locate = verbs.add_parser(

@@ -14,7 +14,7 @@ def test_bench_runs_end_to_end_in_quick_mode(capsys):
     assert len(rows) == 4  # two contenders x two precisions
     assert {row.split("|")[3].strip() for row in rows} == {"bare loop", "ampguard + csv"}
     bare = [row for row in rows if "bare loop" in row]
-    assert all(row.split("|")[6].strip() == "1.000" for row in bare)  # the ratio is to the bare loop
+    assert all(row.split("|")[6].strip() == "1.000 [1.000, 1.000]" for row in bare)  # the ratio is to the bare loop
 
 
 def test_bench_json_and_bad_arguments(capsys):
@@ -29,3 +29,11 @@ def test_bench_json_and_bad_arguments(capsys):
     assert main(["bench", "--precisions", "fp8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "resnet" in err and "fp8" in err
+
+
+def test_bench_refuses_a_negative_resolution_or_budget(capsys):
+    assert main(["bench", "--resolve", "-1"]) == 2
+    assert main(["bench", "--budget", "nan"]) == 2
+    assert main(["bench", "--threads", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--resolve must be a finite number >= 0, got -1" in err

@@ -132,3 +132,69 @@ def test_speedups_say_slower_when_amp_is_slower_never_a_fraction_faster():
                Result("mlp", "fp32", Guarded.name, 1.0, 1.0), Result("mlp", "fp16", Guarded.name, 0.5, 0.5)]
     assert speedups(results) == ["mlp, bare loop: bf16 is 1.40x slower than fp32",
                                  "mlp, ampguard + csv: fp16 is 2.00x faster than fp32"]
+
+
+# ---------------------------------------------------------------- paired rounds that resolve 1%
+
+
+def test_the_ratio_is_taken_within_each_round_so_drift_cancels():
+    # the machine slows down 8x over four rounds (clocks, other load); ampguard is 1% slower in
+    # every round. Paired, the ratio is exactly 1.01 with no spread; the medians of the raw times
+    # alone would mix rounds of different speeds.
+    from ampguard.bench import Bare, Guarded, _ratios, median_interval
+
+    times = {Bare.name: [1.0, 2.0, 4.0, 8.0], Guarded.name: [1.01, 2.02, 4.04, 8.08]}
+    ratios = _ratios(times, Guarded.name)
+    assert ratios == pytest.approx([1.01] * 4)
+    med, low, high = median_interval(ratios)
+    assert (med, high - low) == (pytest.approx(1.01), pytest.approx(0.0, abs=1e-12))
+
+
+def test_the_bootstrap_interval_narrows_with_more_rounds_and_is_seeded():
+    import random
+
+    from ampguard.bench import median_interval
+
+    rng = random.Random(3)
+    noisy = [1.02 + rng.gauss(0, 0.02) for _ in range(200)]
+    few, many = median_interval(noisy[:10]), median_interval(noisy)
+    assert few[1] <= few[0] <= few[2] and many[1] <= many[0] <= many[2]
+    assert many[2] - many[1] < (few[2] - few[1]) / 2  # ~ 1/sqrt(n): 20x the rounds, < half the width
+    assert median_interval(noisy) == many  # the same values give the same interval
+
+
+def _measure(**kw):
+    from ampguard.bench import Bare, BareAgain, _mlp, measure
+    from ampguard.precision import Precision
+
+    cpu = torch.device("cpu")
+    return measure(_mlp(cpu), Precision("fp32", "cpu"), cpu, [Bare, BareAgain], steps=1, warmup=1, fused=False, **kw)
+
+
+def test_rounds_stop_when_resolved_at_the_least_number_when_the_goal_is_loose():
+    results = _measure(rounds=5, resolve=10.0)  # ±1000%: any two loops agree that well
+    assert [(len(r.rounds), r.stop) for r in results] == [(5, "resolved")] * 2
+    aa = results[1]
+    assert aa.contender == "bare loop (A/A)" and aa.ratio_low <= aa.ratio_to_bare <= aa.ratio_high
+    assert len(aa.ratios) == 5 and results[0].ratios == [1.0] * 5
+
+
+def test_rounds_are_added_until_the_most_rounds_when_the_goal_cannot_be_met():
+    results = _measure(rounds=3, resolve=1e-12, max_rounds=6)  # no two timings agree to 1e-12
+    assert [(len(r.rounds), r.stop) for r in results] == [(6, "max rounds")] * 2
+
+
+def test_bench_pins_the_cpu_threads_and_says_when_a_case_was_not_resolved(capsys):
+    from ampguard.bench import run
+
+    before = torch.get_num_threads()
+    try:
+        assert run(models="mlp", precisions="fp32", steps=1, rounds=3, warmup=1, peers=False, threads=1,
+                   resolve_pct=1e-9, budget_s=0.0) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert ", 1 threads): 3 rounds x 1 steps, paired, until ±1e-09% or 0 s a case" in out
+    assert "| tiny-mlp | fp32 | bare loop (A/A) |" in out
+    assert "tiny-mlp fp32: not resolved to ±0.0% (the time budget ran out after 3 rounds; widest ±" in out
