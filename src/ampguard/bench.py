@@ -870,10 +870,15 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     torch.manual_seed(0)
     until = f"until ±{resolve_pct:g}% or {budget_s:g} s a case" if resolve else "fixed rounds"
     threads_said = f", {torch.get_num_threads()} threads" if where.type == "cpu" else ""
-    print(f"ampguard bench on {where} ({machine()}{threads_said}): {rounds} rounds x {steps} steps, paired, {until}")
-    results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
-                        warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
-                        budget_s=budget_s, aa=aa)
+    import sys
+
+    # with --json, stdout is the JSON alone: the progress lines go to stderr
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        print(f"ampguard bench on {where} ({machine()}{threads_said}): {rounds} rounds x {steps} steps, paired, "
+              f"{until}", flush=True)
+        results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
+                            warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
+                            budget_s=budget_s, aa=aa)
     if not results:
         raise InputError(f"bench: no contender could run {models} in {precisions} on {where} (why: the lines above)")
     print(to_json(results, resolve) if as_json else

@@ -22,7 +22,7 @@ def test_bench_json_and_bad_arguments(capsys):
 
     assert main(["bench", "--quick", "--models", "mlp", "--precisions", "fp32", "--no-peers", "--json"]) == 0
     out = capsys.readouterr().out
-    data = json.loads(out[out.index("{"):])
+    data = json.loads(out)  # stdout is the JSON alone; the progress lines went to stderr
     assert {r["contender"] for r in data["results"]} == {"bare loop", "ampguard + csv"}
     assert all(r["median_ms"] > 0 and len(r["rounds"]) == 2 for r in data["results"])
     assert main(["bench", "--models", "resnet"]) == 2
