@@ -205,13 +205,25 @@ def test_wandb_sink_logs_into_a_run_you_made_and_leaves_it_open(tmp_path):
     sink = WandbSink(run=run)
     sink.write(StepLog(7, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0),
                {"val_accuracy": 0.75})
+    sink.write(SkipLog(8, lr=0.1, loss=0.5, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
+                       scaler_scale=float("-inf"), reason="non_finite_grad"))
     sink.close()
-    run.log({"mine": 1.0}, step=8)  # still open: the sink did not finish it
+    run.log({"mine": 1.0}, step=9)  # still open: the sink did not finish it
     run.finish()
     wandb.teardown()
     (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))]
     assert logged.history[7]["train/grad_l2_pre_clip"] == 2.0 and logged.history[7]["eval/val_accuracy"] == 0.75
-    assert logged.history[8]["mine"] == 1.0
+    skip = logged.history[8]
+    assert skip["train/grad_l2_pre_clip"] == math.inf and skip["train/scaler_scale"] == -math.inf
+    assert skip["train/skip.non_finite_grad"] == 1 and "train/grad_l2_post_clip" not in skip
+    assert logged.history[9]["mine"] == 1.0
+
+
+def test_the_sinks_are_public_names_of_ampguard():
+    import ampguard
+
+    assert ampguard.WandbSink is WandbSink and ampguard.MLflowSink is MLflowSink
+    assert {"WandbSink", "MLflowSink"} <= set(ampguard.__all__)
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -505,8 +505,17 @@ def check_trackers(config: Config) -> None:
 
 def build_trackers(config: Config, paths: RunPaths, *, resuming: bool) -> list[TrackerSink]:
     """The tracker sinks ``config.log`` asks for, for the run folder ``paths`` (rank 0's; a run
-    without a folder, a demo or another rank, gets none). Each continues its tracker run when
-    ``resuming``; the run's end (:meth:`TrackerSink.finish`) is the Trainer's to call."""
+    without a folder, a demo or another rank, gets none). Each continues the tracker run of the
+    folder's ``run-id`` when there is one (``resuming``: W&B resumes it, or makes it); the run's
+    end (:meth:`TrackerSink.finish`) is the Trainer's to call.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> from ampguard.run_folder import RunPaths
+        >>> build_trackers(validate({"log": {"wandb": True, "mlflow": True}}), RunPaths(), resuming=False)
+        []
+    """
     if paths.dir is None:
         return []
     run_id, settings = paths.run_id(), config.model_dump(mode="json")
@@ -521,5 +530,5 @@ def build_trackers(config: Config, paths: RunPaths, *, resuming: bool) -> list[T
         m = config.log.mlflow
         trackers.append(MLflowSink(
             tracking_uri=m.tracking_uri, experiment=m.experiment, run_name=m.run_name or paths.dir.name, tags=m.tags,
-            params=None if resuming else settings, ampguard_run_id=run_id, finish_later=True))
+            params=settings, ampguard_run_id=run_id, finish_later=True))  # params: only a new MLflow run's
     return trackers
