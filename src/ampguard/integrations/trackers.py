@@ -8,7 +8,7 @@ Each logs, per step, the numbers of the CSV row (:func:`step_metrics`): ``train/
 metrics as ``eval/<name>``; and what the run's monitor makes of them (:func:`monitor_metrics`):
 ``monitor/skip_rate``, ``monitor/clip_rate``, ``monitor/skip_rate_alert`` and
 ``monitor/scale_alert`` (1 while the ALERT is up), ``monitor/scale_health`` (fp16: the index of
-the verdict in ``monitor.HEALTH_VERDICTS``). At the end (:meth:`TrackerSink.finish`) the run's
+the verdict in :data:`~ampguard.monitor.HEALTH_VERDICTS`). At the end (:meth:`TrackerSink.finish`) the run's
 totals (skips by reason, alert episodes, the scale verdict, the exit code) go to the tracker
 run's summary (W&B) or tags and metrics (MLflow), and the run card ``RUN.md``, ``report.png``,
 ``events.jsonl``, ``steps.csv`` and ``config.yaml`` are uploaded as artifacts.
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from ..errors import InputError
+from ..monitor import HEALTH_VERDICTS
 from ..records import SKIP_REASONS, StepRecord
 
 if TYPE_CHECKING:
@@ -48,7 +49,6 @@ RUN_ID_TAG = "ampguard.run_id"
 """The MLflow tag that names the ampguard run folder's ``run-id`` (how a resume finds its run)."""
 ARTIFACTS: tuple[str, ...] = ("RUN.md", "report.png", "events.jsonl", "steps.csv", "config.yaml")
 """What :meth:`TrackerSink.finish` uploads from the run folder, those that exist."""
-_HEALTH = ("warming", "climbing", "stable", "oscillating", "collapsing")  # monitor.HEALTH_VERDICTS
 
 
 def require(package: str, flag: str) -> None:
@@ -124,7 +124,7 @@ def monitor_metrics(monitor: RunMonitor) -> dict[str, float]:
         "monitor/scale_alert": float(monitor.scale_alerting),
     }
     if monitor.scaler_enabled:
-        row["monitor/scale_health"] = float(_HEALTH.index(monitor.health.verdict))
+        row["monitor/scale_health"] = float(HEALTH_VERDICTS.index(monitor.health.verdict))
     return row
 
 
@@ -182,7 +182,7 @@ class TrackerSink:
     def close(self) -> None:
         self._flush()
         if not self._finish_later:
-            self._end(0, None)
+            self._end(0)
 
     def finish(self, result: RunResult) -> None:
         """Totals to the summary, the run folder's :data:`ARTIFACTS` uploaded, the tracker run ended."""
@@ -194,7 +194,7 @@ class TrackerSink:
         files = [folder / name for name in ARTIFACTS if folder is not None and (folder / name).is_file()]
         if files:
             self._upload(files)
-        self._end(int(result.exit_code), result.ended)
+        self._end(int(result.exit_code))
 
     def _flush(self) -> None:
         if self._pending is not None and not self._ended:
@@ -202,10 +202,10 @@ class TrackerSink:
             self._log(step, row)
         self._pending = None
 
-    def _end(self, exit_code: int, ended: str | None) -> None:
+    def _end(self, exit_code: int) -> None:
         if not self._ended:
             self._ended = True
-            self._stop(exit_code, ended)
+            self._stop(exit_code)
 
     # -- what each tracker does
     def _log(self, step: int, row: dict[str, float]) -> None:
@@ -220,7 +220,7 @@ class TrackerSink:
     def _upload(self, files: list[Path]) -> None:
         raise NotImplementedError
 
-    def _stop(self, exit_code: int, ended: str | None) -> None:
+    def _stop(self, exit_code: int) -> None:
         raise NotImplementedError
 
 
@@ -237,16 +237,16 @@ class WandbSink(TrackerSink):
 
     Example (offline: nothing leaves the machine)::
 
-        >>> import tempfile
+        >>> import shutil, tempfile
         >>> from ampguard.records import StepLog
-        >>> tmp = tempfile.TemporaryDirectory()
-        >>> sink = WandbSink(project="demo", mode="offline", dir=tmp.name)
+        >>> tmp = tempfile.mkdtemp()
+        >>> sink = WandbSink(project="demo", mode="offline", dir=tmp)
         >>> sink.write(StepLog(1, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0,
         ...                    scaler_scale=1.0))
         >>> sink.close()
-        >>> [p.suffix for p in Path(tmp.name, "wandb").glob("offline-run-*/*.wandb")]
+        >>> [p.suffix for p in Path(tmp, "wandb").glob("offline-run-*/*.wandb")]
         ['.wandb']
-        >>> tmp.cleanup()
+        >>> shutil.rmtree(tmp, ignore_errors=True)  # (W&B's service may still be writing its logs)
     """
 
     def __init__(self, *, project: str = "ampguard", entity: str | None = None, mode: str | None = None,
@@ -296,7 +296,7 @@ class WandbSink(TrackerSink):
             artifact.add_file(str(path), name=path.name)
         self.run.log_artifact(artifact)
 
-    def _stop(self, exit_code: int, ended: str | None) -> None:
+    def _stop(self, exit_code: int) -> None:
         if self._own:
             self.run.finish(exit_code=exit_code)
 
@@ -346,7 +346,7 @@ class MLflowSink(TrackerSink):
             raise
         except Exception as err:  # noqa: BLE001 - the store refused: one line
             raise InputError(f"log.mlflow: {_first_line(err)}") from None
-        atexit.register(self._end, 1, "the process ended before the run did")  # a crash: not left RUNNING
+        atexit.register(self._end, 1)  # the process ends before the run did (a crash): FAILED, not RUNNING
 
     def _find(self, experiment: str, ampguard_run_id: str | None) -> str | None:
         if ampguard_run_id is None:
@@ -409,7 +409,7 @@ class MLflowSink(TrackerSink):
         for path in files:
             self.client.log_artifact(self.run_id, str(path))
 
-    def _stop(self, exit_code: int, ended: str | None) -> None:
+    def _stop(self, exit_code: int) -> None:
         self._wait()
         status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 143) else "FAILED"
         self.client.set_terminated(self.run_id, status)
