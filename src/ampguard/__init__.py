@@ -24,11 +24,13 @@ _WHERE = {
     "Guard": "step",
     "GuardedGradScaler": "precision",
     "JsonlSink": "sinks",
+    "MLflowSink": "integrations.trackers",
     "Precision": "precision",
     "Sink": "sinks",
     "SkipLog": "records",
     "StepLog": "records",
     "StepRecord": "records",
+    "WandbSink": "integrations.trackers",
     "clip_global_l2_norm": "clipping",
     "has_non_finite_grad": "clipping",
 }

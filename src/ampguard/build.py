@@ -21,6 +21,7 @@ from .checkpoint import untouched
 from .clipping import clip_threshold
 from .config import Config
 from .errors import InputError
+from .integrations.trackers import build_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .precision import Precision
 from .run_folder import RunPaths
@@ -298,7 +299,7 @@ def to_device(value: Any, device: torch.device) -> Any:
 def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], console: ConsoleSink,
                 keep_through: int | None = None) -> Sinks:
     """Where a run's records go: the CSV (appended after ``keep_through`` on a resume), the
-    optional JSON lines and TensorBoard sinks, and the console."""
+    optional JSON lines, TensorBoard, W&B and MLflow sinks, and the console."""
     append = keep_through is not None
     sinks: list[Sink] = []
     if paths.csv is not None:
@@ -307,5 +308,6 @@ def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], conso
         sinks.append(JsonlSink(paths.steps_jsonl, append=append))
     if config.log.tensorboard and paths.tensorboard is not None:
         sinks.append(TensorBoardSink(paths.tensorboard))
+    sinks.extend(build_trackers(config, paths, resuming=append))  # log.wandb, log.mlflow (rank 0's folder only)
     sinks.append(console)
     return Sinks(*sinks)

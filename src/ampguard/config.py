@@ -274,6 +274,75 @@ class MonitorConfig(_Section):
     Fail-fast is not delayed by it (``fail_after`` already asks for consecutive steps)."""
 
 
+class WandbConfig(_Section):
+    """``log.wandb``: log every step to Weights & Biases (``WandbSink``; ``pip install 'ampguard[wandb]'``).
+
+    Off (null) by default; ``--set log.wandb=true`` turns it on with these defaults. The W&B run's
+    id is the run folder's ``run-id``, so a resumed run continues the same W&B run.
+
+    Example::
+
+        >>> validate({"log": {"wandb": True}}).log.wandb.project, Config().log.wandb is None
+        ('ampguard', True)
+        >>> validate({"log": {"wandb": {"mode": "cloud"}}})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: log.wandb.mode: Input should be 'online', 'offline' or 'disabled' ...
+    """
+
+    project: str = "ampguard"
+    """The W&B project."""
+    entity: str | None = None
+    """The W&B entity (user or team); None: your default entity."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """``online``, ``offline`` (a local run folder, uploaded later by ``wandb sync``) or
+    ``disabled``; None: W&B's own choice (``WANDB_MODE``, ``wandb offline``)."""
+    name: str | None = None
+    """The W&B run's display name; None: the run folder's name."""
+    group: str | None = None
+    """W&B run group (e.g. one sweep's runs)."""
+    tags: list[str] = []
+    """W&B run tags."""
+    dir: str | None = None
+    """Where W&B keeps its local files (``<dir>/wandb/``); None: the run folder."""
+
+
+class MLflowConfig(_Section):
+    """``log.mlflow``: log every step to MLflow (``MLflowSink``; ``pip install 'ampguard[mlflow]'``).
+
+    Off (null) by default; ``--set log.mlflow=true`` turns it on with these defaults. A resumed
+    run continues the MLflow run tagged with its run folder's ``run-id``.
+
+    Example::
+
+        >>> validate({"log": {"mlflow": {"tracking_uri": "file:./mlruns"}}}).log.mlflow.experiment
+        'ampguard'
+        >>> validate({"log": {"mlflow": False}}).log.mlflow is None
+        True
+    """
+
+    tracking_uri: str | None = None
+    """Where runs are stored: a server (``http://...``), ``sqlite:///mlflow.db`` (needs
+    SQLAlchemy) or a local folder (``file:./mlruns``; MLflow 3 refuses its file store unless
+    ``MLFLOW_ALLOW_FILE_STORE=true``, which ampguard sets for a ``file:`` URI unless you set it
+    yourself); None: ``MLFLOW_TRACKING_URI`` or MLflow's default."""
+    experiment: str = "ampguard"
+    """The MLflow experiment (created if it does not exist)."""
+    run_name: str | None = None
+    """The MLflow run's name; None: the run folder's name."""
+    tags: dict[str, str] = {}
+    """Extra MLflow run tags."""
+
+
+def _section_switch(value: Any) -> Any:
+    # ``log.wandb: true`` turns a tracker on with its defaults, ``false`` turns it off
+    if value is True:
+        return {}
+    if value is False:
+        return None
+    return value
+
+
 class LogConfig(_Section):
     """``log``: where run folders go and what the console shows.
 
@@ -297,6 +366,10 @@ class LogConfig(_Section):
     """Also write every step record as JSON lines (``steps.jsonl``)."""
     tensorboard: bool = False
     """Also write TensorBoard scalars (``tensorboard/``); needs the ``tensorboard`` package."""
+    wandb: Annotated[WandbConfig | None, BeforeValidator(_section_switch)] = None
+    """Also log every step to Weights & Biases (see ``WandbConfig``); null: off."""
+    mlflow: Annotated[MLflowConfig | None, BeforeValidator(_section_switch)] = None
+    """Also log every step to MLflow (see ``MLflowConfig``); null: off."""
 
     @field_validator("name")
     @classmethod

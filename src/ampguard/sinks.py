@@ -516,12 +516,26 @@ class Sinks:
             except DiskFull as full:
                 self._drop(sink, full, through=record.step - 1)
 
+    def observe(self, monitor: Any, events: Sequence[Any] = ()) -> None:
+        """The run monitor's view of the step just written (and the events it raised), to the
+        sinks that take it (the tracker sinks, ``ampguard.integrations.trackers``)."""
+        for sink in self.sinks:
+            if hasattr(sink, "observe"):
+                sink.observe(monitor, events)
+
     def close(self) -> None:
         for sink in list(self.sinks):
             try:
                 sink.close()
             except DiskFull as full:
                 self._drop(sink, full, through=None)
+
+    def finish(self, result: Any) -> None:
+        """After the run card is written: the sinks that end a tracker run (``finish(result)``)
+        upload the run folder's files and end it."""
+        for sink in self.sinks:
+            if hasattr(sink, "finish"):
+                sink.finish(result)
 
     def _drop(self, sink: Sink, full: DiskFull, through: int | None) -> None:
         if sink in self.sinks:

@@ -27,6 +27,7 @@ from .evaluation import Evaluator
 from .events import EventLog, event_word, progress_bar
 from .faults import FaultInjector, check_ranks, parse_fault
 from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop
+from .integrations.trackers import check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
@@ -108,6 +109,7 @@ class Trainer:
             raise InputError(f"inject: nan_input needs floating-point inputs; task {self.task.name} feeds integer tokens")
         if config.log.tensorboard:
             TensorBoardSink.require()
+        check_trackers(config)  # log.wandb / log.mlflow: the package is there, the MLflow store opens
         model = self.task.model.to(self.device)
         self.injector = FaultInjector(faults, config.accumulation_steps, rank=self.dist.rank)
         self.data = DataStream(self.task, self.injector, self.device, self.dist)
@@ -236,8 +238,10 @@ class Trainer:
         transfer; later readers pay nothing).
         """
         self.sinks.write(record, metrics)
-        for event in self.monitor.observe(record):
+        events = self.monitor.observe(record)
+        for event in events:
             self.events.emit(event.as_dict(), event_word(event.kind))
+        self.sinks.observe(self.monitor, events)  # the tracker sinks log the monitor's view with the step
         if metrics:
             self.monitor.observe_eval(metrics)
             self.say(f"EVAL {record.step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
@@ -318,11 +322,11 @@ class Trainer:
                     raise
                 self._failed = DiskFull(disk_full_error(err).filename or self.paths.card, disk_full_error(err))
         full = distributed.broadcast_from_main(self._disk_full_line())  # every rank ends with the same code
-        if full is None:
-            return result
-        if self.dist.is_main:
-            print(f"ampguard: error: {full}", file=sys.stderr, flush=True)
-        result.exit_code, result.ended = ExitCode.DISK_FULL, full
+        if full is not None:
+            if self.dist.is_main:
+                print(f"ampguard: error: {full}", file=sys.stderr, flush=True)
+            result.exit_code, result.ended = ExitCode.DISK_FULL, full
+        self.sinks.finish(result)  # the tracker runs: totals, the run card and plot as artifacts, the end
         return result
 
     def _agree(self, requested: bool, full: bool) -> tuple[bool, bool]:

@@ -1,0 +1,534 @@
+"""Tracker sinks: every step's record to Weights & Biases (:class:`WandbSink`) or MLflow
+(:class:`MLflowSink`), next to the CSV, JSON lines and TensorBoard sinks.
+
+Each logs, per step, the numbers of the CSV row (:func:`step_metrics`): ``train/lr``,
+``train/loss``, ``train/grad_l2_pre_clip``, ``train/grad_l2_post_clip``, ``train/scaler_scale``,
+``train/skipped`` (0/1) and the reason as one 0/1 metric per reason
+(``train/skip.non_finite_loss``, ``train/skip.non_finite_grad``: a chart, a filter), the held-out
+metrics as ``eval/<name>``; and what the run's monitor makes of them (:func:`monitor_metrics`):
+``monitor/skip_rate``, ``monitor/clip_rate``, ``monitor/skip_rate_alert`` and
+``monitor/scale_alert`` (1 while the ALERT is up), ``monitor/scale_health`` (fp16: the index of
+the verdict in :data:`~ampguard.monitor.HEALTH_VERDICTS`). At the end (:meth:`TrackerSink.finish`) the run's
+totals (skips by reason, alert episodes, the scale verdict, the exit code) go to the tracker
+run's summary (W&B) or tags and metrics (MLflow), and the run card ``RUN.md``, ``report.png``,
+``events.jsonl``, ``steps.csv`` and ``config.yaml`` are uploaded as artifacts.
+
+A value that does not exist (the norm of a step skipped before backward) is not logged;
+non-finite values are logged as they are: both trackers take ``nan`` and ``inf``
+(``tests/integrations/test_trackers.py`` reads them back; MLflow's SQL stores keep ``nan`` and
+store ``inf`` as +-1.8e308).
+
+The frameworks are imported when a sink is made, never by ``import ampguard``; a missing one is
+one :class:`~ampguard.errors.InputError` line naming the extra to install. In a run
+(``log.wandb``, ``log.mlflow``: :func:`build_trackers`) only rank 0 logs, and a resumed run
+continues the same tracker run: the W&B run's id is the run folder's ``run-id``; the MLflow run
+is found by its ``ampguard.run_id`` tag.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from ..errors import InputError
+from ..monitor import HEALTH_VERDICTS
+from ..records import SKIP_REASONS, StepRecord
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..monitor import Event, RunMonitor
+    from ..run_folder import RunPaths, RunResult
+
+RUN_ID_TAG = "ampguard.run_id"
+"""The MLflow tag that names the ampguard run folder's ``run-id`` (how a resume finds its run)."""
+ARTIFACTS: tuple[str, ...] = ("RUN.md", "report.png", "events.jsonl", "steps.csv", "config.yaml")
+"""What :meth:`TrackerSink.finish` uploads from the run folder, those that exist."""
+
+
+def require(package: str, flag: str) -> None:
+    """Raise :class:`InputError` (one line, naming the extra) unless ``package`` can be imported.
+
+    Example::
+
+        >>> require("json", "log.json")
+        >>> require("no_such_package_here", "log.wandb")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: log.wandb is on but the no_such_package_here package is not installed: pip install 'ampguard[no_such_package_here]'
+    """
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a parent that is not a package, a module without a spec
+        found = False
+    if not found:
+        raise InputError(f"{flag} is on but the {package} package is not installed: pip install 'ampguard[{package}]'")
+
+
+def _import(package: str, flag: str) -> Any:
+    require(package, flag)
+    try:
+        return importlib.import_module(package)
+    except ImportError as err:
+        raise InputError(f"{flag}: cannot import {package} ({err}): pip install 'ampguard[{package}]'") from None
+
+
+def step_metrics(record: StepRecord, extra: Mapping[str, float | None] | None = None) -> dict[str, float]:
+    """One step's numbers for a tracker: the CSV row's, a missing value left out, non-finite
+    ones kept. Reads ``record.values()`` (a host sync if the record holds device tensors).
+
+    Example::
+
+        >>> from ampguard.records import SkipLog
+        >>> skip = SkipLog(3, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None, grad_l2_post_clip=None,
+        ...                scaler_scale=512.0, reason="non_finite_loss")
+        >>> step_metrics(skip, {"val_loss": None})  # doctest: +NORMALIZE_WHITESPACE
+        {'train/lr': 0.1, 'train/loss': nan, 'train/scaler_scale': 512.0, 'train/skipped': 1.0,
+         'train/skip.non_finite_loss': 1.0, 'train/skip.non_finite_grad': 0.0}
+    """
+    row = {f"train/{name}": value for name, value in record.values().items() if value is not None}
+    row["train/skipped"] = float(record.skipped)
+    for reason in SKIP_REASONS:
+        row[f"train/skip.{reason}"] = float(record.reason == reason)
+    for name in record.optimizers:  # a guard over several optimizers: which of them skipped
+        row[f"train/skipped.{name}"] = float(name in record.skipped_optimizers)
+    for name, value in (extra or {}).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            row[f"eval/{name}"] = float(value)
+    return row
+
+
+def monitor_metrics(monitor: RunMonitor) -> dict[str, float]:
+    """What the run's monitor makes of the steps so far, as tracker metrics.
+
+    Example::
+
+        >>> from ampguard.monitor import RunMonitor
+        >>> from ampguard.records import SkipLog
+        >>> m = RunMonitor(window=4, min_steps=0, scaler_enabled=True, init_scale=1024.0)
+        >>> _ = m.observe(SkipLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
+        ...                       scaler_scale=512.0, reason="non_finite_grad"))
+        >>> monitor_metrics(m)  # doctest: +NORMALIZE_WHITESPACE
+        {'monitor/skip_rate': 1.0, 'monitor/clip_rate': 0.0, 'monitor/skip_rate_alert': 1.0,
+         'monitor/scale_alert': 0.0, 'monitor/scale_health': 0.0}
+    """
+    row = {
+        "monitor/skip_rate": float(monitor.skip_rate),
+        "monitor/clip_rate": float(monitor.clip_window.seen_mean),
+        "monitor/skip_rate_alert": float(monitor.alerting),
+        "monitor/scale_alert": float(monitor.scale_alerting),
+    }
+    if monitor.scaler_enabled:
+        row["monitor/scale_health"] = float(HEALTH_VERDICTS.index(monitor.health.verdict))
+    return row
+
+
+def run_totals(result: RunResult) -> dict[str, Any]:
+    """The run's totals for the tracker's summary: numbers, and words (``scale_health``, ``ended``).
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> from ampguard.monitor import RunMonitor
+        >>> m = RunMonitor(scaler_enabled=False)
+        >>> m.skips["non_finite_loss"] += 1
+        >>> totals = run_totals(SimpleNamespace(monitor=m, exit_code=0, ended="finished: 5 steps"))
+        >>> totals["skips.non_finite_loss"], totals["skips.non_finite_grad"], totals["scale_health"]
+        (1, 0, 'none (no loss scaler)')
+    """
+    m = result.monitor
+    return {
+        "steps": m.steps, "updates": m.updates, "skips": sum(m.skips.values()),
+        **{f"skips.{reason}": m.skips.get(reason, 0) for reason in SKIP_REASONS},
+        "max_skip_rate": m.max_skip_rate, "alert_episodes": m.alert_episodes,
+        "scale_health": m.scale_verdict, "exit_code": int(result.exit_code), "ended": result.ended,
+    }
+
+
+class TrackerSink:
+    """What the two tracker sinks share: a :class:`~ampguard.sinks.Sink` whose step row waits
+    until the run's monitor has seen the record too (:meth:`observe`), so each step is one
+    tracker call. Without a run loop (your own loop), a row goes out at the next ``write`` or at
+    ``close``.
+
+    In a run (``finish_later=True``) ``close()`` flushes the last row and :meth:`finish` (after
+    the run card is written) uploads the artifacts and ends the tracker run; otherwise ``close()``
+    ends it.
+    """
+
+    def __init__(self, *, finish_later: bool = False) -> None:
+        self._pending: tuple[int, dict[str, float]] | None = None
+        self._finish_later = finish_later
+        self._ended = False
+
+    # -- the Sink protocol
+    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        self._flush()
+        self._pending = (record.step, step_metrics(record, extra))
+
+    def observe(self, monitor: RunMonitor, events: Sequence[Event] = ()) -> None:
+        """Add the monitor's view of the step just written, and the events it raised; send the row."""
+        if self._pending is not None:
+            self._pending[1].update(monitor_metrics(monitor))
+        for event in events:
+            self._event(event.as_dict())
+        self._flush()
+
+    def close(self) -> None:
+        self._flush()
+        if not self._finish_later:
+            self._end(0)
+
+    def finish(self, result: RunResult) -> None:
+        """Totals to the summary, the run folder's :data:`ARTIFACTS` uploaded, the tracker run ended."""
+        self._flush()
+        if self._ended:
+            return
+        self._summary(run_totals(result))
+        folder = result.paths.dir
+        files = [folder / name for name in ARTIFACTS if folder is not None and (folder / name).is_file()]
+        if files:
+            self._upload(files)
+        self._end(int(result.exit_code))
+
+    def _flush(self) -> None:
+        if self._pending is not None and not self._ended:
+            step, row = self._pending
+            self._log(step, row)
+        self._pending = None
+
+    def _end(self, exit_code: int) -> None:
+        if not self._ended:
+            self._ended = True
+            self._stop(exit_code)
+
+    # -- what each tracker does
+    def _log(self, step: int, row: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def _event(self, event: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _summary(self, totals: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _upload(self, files: list[Path]) -> None:
+        raise NotImplementedError
+
+    def _stop(self, exit_code: int) -> None:
+        raise NotImplementedError
+
+
+class WandbSink(TrackerSink):
+    """Every step to a Weights & Biases run (``pip install 'ampguard[wandb]'``), at the run's
+    own step (``run.log(row, step=record.step)``).
+
+    ``id`` and ``resume="allow"`` continue a W&B run (a run's id is its folder's ``run-id``);
+    ``run`` logs into a W&B run you made yourself (then ``close`` leaves it open). Offline
+    (``mode="offline"`` or ``WANDB_MODE=offline``) W&B writes ``<dir>/wandb/offline-run-*``,
+    uploaded later by ``wandb sync``. The monitor's events (ALERT, CLEAR, FAIL) go to the summary
+    (``last_alert``, ``events.<kind>`` counts); the run's totals to the summary at the end (all
+    the run's events are in the uploaded ``events.jsonl``).
+
+    Example (offline: nothing leaves the machine)::
+
+        >>> import shutil, tempfile
+        >>> from ampguard.records import StepLog
+        >>> tmp = tempfile.mkdtemp()
+        >>> sink = WandbSink(project="demo", mode="offline", dir=tmp)
+        >>> sink.write(StepLog(1, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0,
+        ...                    scaler_scale=1.0))
+        >>> sink.close()
+        >>> [p.suffix for p in Path(tmp, "wandb").glob("offline-run-*/*.wandb")]
+        ['.wandb']
+        >>> shutil.rmtree(tmp, ignore_errors=True)  # (W&B's service may still be writing its logs)
+    """
+
+    def __init__(self, *, project: str = "ampguard", entity: str | None = None, mode: str | None = None,
+                 name: str | None = None, group: str | None = None, tags: Sequence[str] = (),
+                 dir: str | os.PathLike | None = None, id: str | None = None, resume: str | None = None,
+                 config: Mapping[str, Any] | None = None, run: Any = None, finish_later: bool = False) -> None:
+        super().__init__(finish_later=finish_later)
+        self._own = run is None
+        if run is None:
+            wandb = _import("wandb", "log.wandb")
+            if dir is not None:
+                Path(dir).mkdir(parents=True, exist_ok=True)
+            try:
+                run = wandb.init(
+                    project=project, entity=entity, mode=mode, name=name, group=group, tags=list(tags) or None,
+                    dir=None if dir is None else str(dir), id=id, resume=resume,
+                    config=dict(config) if config is not None else None, reinit="create_new",
+                    # ampguard prints its own lines: W&B must not wrap stdout/stderr
+                    settings=wandb.Settings(console="off", save_code=False))
+            except Exception as err:  # noqa: BLE001 - any failure to start is one line
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise InputError(f"log.wandb: cannot start a W&B run: {first}") from None
+        self.run = run
+        self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
+        self._events: dict[str, int] = {}
+
+    def _log(self, step: int, row: dict[str, float]) -> None:
+        if step >= self._first:  # W&B refuses (with a warning) a step it already holds
+            self.run.log(row, step=step)
+
+    def _event(self, event: dict[str, Any]) -> None:
+        kind = str(event.get("event"))
+        self._events[kind] = self._events.get(kind, 0) + 1
+        self.run.summary[f"events.{kind}"] = self._events[kind]
+        if kind.endswith("_alert") or kind == "fail":
+            self.run.summary["last_alert"] = f"step {event.get('step')}: {event.get('message')}"
+
+    def _summary(self, totals: dict[str, Any]) -> None:
+        self.run.summary.update(totals)
+
+    def _upload(self, files: list[Path]) -> None:
+        import wandb
+
+        artifact = wandb.Artifact(f"run-{self.run.id}", type="ampguard-run",
+                                  description="the ampguard run card, plot, events, CSV and config")
+        for path in files:
+            artifact.add_file(str(path), name=path.name)
+        self.run.log_artifact(artifact)
+
+    def _stop(self, exit_code: int) -> None:
+        if self._own:
+            self.run.finish(exit_code=exit_code)
+
+
+class MLflowSink(TrackerSink):
+    """Every step to an MLflow run (``pip install 'ampguard[mlflow]'``): one ``log_batch`` per
+    step, sent by MLflow's background logger (``synchronous=False``), so a tracking server's
+    round trip stays out of the training loop; ``close``/``finish`` wait for them all.
+
+    The run is found by ``run_id`` (the MLflow run's), else by the tag ``ampguard.run_id`` =
+    ``ampguard_run_id`` (how a resumed run continues its MLflow run), else made anew with that
+    tag, ``params`` (flattened, logged once, on a new run) and ``tags``. The monitor's events
+    set the tags ``ampguard.last_alert`` and ``ampguard.events.<kind>`` (its last step); at the end the run's totals are
+    tags and ``summary/*`` metrics, and the run ends FINISHED (exit 0), KILLED (interrupted) or
+    FAILED. A ``file:`` store needs ``MLFLOW_ALLOW_FILE_STORE=true`` in MLflow 3: set for this
+    process unless you set it yourself.
+
+    Example (a local file store)::
+
+        >>> import tempfile
+        >>> from ampguard.records import StepLog
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> sink = MLflowSink(tracking_uri=Path(tmp.name).as_uri(), experiment="demo")
+        >>> sink.write(StepLog(1, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0,
+        ...                    scaler_scale=1.0))
+        >>> sink.close()
+        >>> [(m.step, m.value) for m in sink.client.get_metric_history(sink.run_id, "train/grad_l2_pre_clip")]
+        [(1, 2.0)]
+        >>> sink.client.get_run(sink.run_id).info.status
+        'FINISHED'
+        >>> tmp.cleanup()
+    """
+
+    def __init__(self, *, tracking_uri: str | None = None, experiment: str = "ampguard", run_name: str | None = None,
+                 tags: Mapping[str, str] | None = None, params: Mapping[str, Any] | None = None,
+                 ampguard_run_id: str | None = None, run_id: str | None = None, finish_later: bool = False) -> None:
+        super().__init__(finish_later=finish_later)
+        self.client = mlflow_client(tracking_uri)
+        self._ops: list[Any] = []
+        try:
+            self.run_id = run_id or self._find(experiment, ampguard_run_id) or self._create(
+                experiment, run_name, {**(tags or {}), **({RUN_ID_TAG: ampguard_run_id} if ampguard_run_id else {})},
+                params)
+            if run_id or self.client.get_run(self.run_id).info.status != "RUNNING":
+                self.client.update_run(self.run_id, status="RUNNING")
+        except InputError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the store refused: one line
+            raise InputError(f"log.mlflow: {_first_line(err)}") from None
+        atexit.register(self._end, 1)  # the process ends before the run did (a crash): FAILED, not RUNNING
+
+    def _find(self, experiment: str, ampguard_run_id: str | None) -> str | None:
+        if ampguard_run_id is None:
+            return None
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            return None
+        runs = self.client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{ampguard_run_id}'",
+                                       max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def _create(self, experiment: str, run_name: str | None, tags: dict[str, str],
+                params: Mapping[str, Any] | None) -> str:
+        from mlflow.entities import Param
+
+        exp = self.client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
+        run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+        flat = [Param(k, str(v)[:6000]) for k, v in flatten(params or {}).items()]
+        for i in range(0, len(flat), 100):  # MLflow takes at most 100 params a batch
+            self.client.log_batch(run_id, params=flat[i:i + 100])
+        return run_id
+
+    def _log(self, step: int, row: dict[str, float]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, value, now, step) for key, value in row.items()]
+        self._ops.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        if len(self._ops) > 256:  # keep the handles bounded: wait for the oldest
+            self._wait(keep=128)
+
+    def _wait(self, keep: int = 0) -> None:
+        while len(self._ops) > keep:
+            op = self._ops.pop(0)
+            if op is not None:
+                op.wait()
+
+    def _event(self, event: dict[str, Any]) -> None:
+        kind = str(event.get("event"))
+        if kind.endswith("_alert") or kind == "fail":
+            self.client.set_tag(self.run_id, "ampguard.last_alert", f"step {event.get('step')}: {event.get('message')}"[:5000])
+        self.client.set_tag(self.run_id, f"ampguard.events.{kind}", str(event.get("step")))
+
+    def _summary(self, totals: dict[str, Any]) -> None:
+        import time
+
+        from mlflow.entities import Metric, RunTag
+
+        self._wait()
+        now = int(time.time() * 1000)
+        numbers = [Metric(f"summary/{k}", float(v), now, 0) for k, v in totals.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+        tags = [RunTag(f"ampguard.{k}", str(v)[:5000]) for k, v in totals.items()]
+        self.client.log_batch(self.run_id, metrics=numbers, tags=tags)
+
+    def _upload(self, files: list[Path]) -> None:
+        for path in files:
+            self.client.log_artifact(self.run_id, str(path))
+
+    def _stop(self, exit_code: int) -> None:
+        self._wait()
+        status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 143) else "FAILED"
+        self.client.set_terminated(self.run_id, status)
+        atexit.unregister(self._end)
+
+
+def mlflow_client(tracking_uri: str | None) -> Any:
+    """An ``MlflowClient`` for ``tracking_uri`` whose store has been reached (a bad URI, a store
+    MLflow cannot open, a missing SQLAlchemy: one :class:`InputError` line). A ``file:`` URI (or
+    a plain path) sets ``MLFLOW_ALLOW_FILE_STORE=true`` unless it is set already: MLflow 3
+    refuses its file store without it.
+
+    Example::
+
+        >>> import tempfile
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> type(mlflow_client(Path(tmp.name).as_uri())._tracking_client.store).__name__
+        'FileStore'
+        >>> mlflow_client("nosuchscheme://x")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: log.mlflow: cannot open the tracking store nosuchscheme://x: ...
+        >>> tmp.cleanup()
+    """
+    mlflow = _import("mlflow", "log.mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    if urlparse(uri).scheme in ("", "file") or Path(uri).is_absolute():  # MLflow's file store
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        client._tracking_client.store  # noqa: B018 - opens the store now, so a bad one is bad input
+    except Exception as err:  # noqa: BLE001 - MLflow's many errors, one line
+        raise InputError(f"log.mlflow: cannot open the tracking store {uri}: {_first_line(err)}") from None
+    return client
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``a.b.c`` keys (lists kept whole).
+
+    Example::
+
+        >>> flatten({"steps": 3, "log": {"dir": "runs", "wandb": None}, "inject": ["nan_loss@3"]})
+        {'steps': 3, 'log.dir': 'runs', 'log.wandb': None, 'inject': ['nan_loss@3']}
+    """
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+# ---------------------------------------------------------------------------- in a run
+
+
+def check_trackers(config: Config) -> None:
+    """Before a run writes anything: the packages of the trackers ``config.log`` asks for are
+    installed and (rank 0, the one that logs) MLflow's tracking store opens; else one
+    :class:`InputError` line, on every rank under torchrun (``distributed.first_error``).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> check_trackers(validate({}))  # none asked for: nothing to check
+    """
+    if config.log.wandb is None and config.log.mlflow is None:
+        return
+    from .. import distributed
+
+    problem = None
+    try:
+        if config.log.wandb is not None:
+            require("wandb", "log.wandb")
+        if config.log.mlflow is not None:
+            require("mlflow", "log.mlflow")
+            if distributed.current().is_main:
+                mlflow_client(config.log.mlflow.tracking_uri)
+    except InputError as err:
+        problem = str(err)
+    problem = distributed.first_error(problem)
+    if problem is not None:
+        raise InputError(problem)
+
+
+def build_trackers(config: Config, paths: RunPaths, *, resuming: bool) -> list[TrackerSink]:
+    """The tracker sinks ``config.log`` asks for, for the run folder ``paths`` (rank 0's; a run
+    without a folder, a demo or another rank, gets none). Each continues the tracker run of the
+    folder's ``run-id`` when there is one (``resuming``: W&B resumes it, or makes it); the run's
+    end (:meth:`TrackerSink.finish`) is the Trainer's to call.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> from ampguard.run_folder import RunPaths
+        >>> build_trackers(validate({"log": {"wandb": True, "mlflow": True}}), RunPaths(), resuming=False)
+        []
+    """
+    if paths.dir is None:
+        return []
+    run_id, settings = paths.run_id(), config.model_dump(mode="json")
+    trackers: list[TrackerSink] = []
+    if config.log.wandb is not None:
+        w = config.log.wandb
+        trackers.append(WandbSink(
+            project=w.project, entity=w.entity, mode=w.mode, name=w.name or paths.dir.name, group=w.group,
+            tags=w.tags, dir=w.dir or paths.dir, id=run_id, resume="allow" if run_id else None, config=settings,
+            finish_later=True))
+    if config.log.mlflow is not None:
+        m = config.log.mlflow
+        trackers.append(MLflowSink(
+            tracking_uri=m.tracking_uri, experiment=m.experiment, run_name=m.run_name or paths.dir.name, tags=m.tags,
+            params=settings, ampguard_run_id=run_id, finish_later=True))  # params: only a new MLflow run's
+    return trackers

@@ -1,0 +1,270 @@
+"""The tracker sinks against the real trackers, offline: W&B in offline mode (its ``.wandb`` run
+file read back record by record) and MLflow's file store (read back through ``MlflowClient``).
+A tiny charlm ``ampguard train`` with a NaN loss injected at step 3 logs to both; every step's
+numbers are compared with the CSV row, then a resume continues both tracker runs."""
+
+from __future__ import annotations
+
+import csv
+import ast
+import glob
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ampguard.records import SkipLog, StepLog
+
+wandb = pytest.importorskip("wandb")
+pytest.importorskip("mlflow")
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+from wandb.proto import wandb_internal_pb2  # noqa: E402
+
+from ampguard.cli import main  # noqa: E402
+from ampguard.integrations.trackers import RUN_ID_TAG, MLflowSink, WandbSink  # noqa: E402
+
+TINY_CHARLM = ["task.name=charlm", "task.n_layer=1", "task.n_embd=16", "task.n_head=2", "task.block_size=16",
+               "task.batch_size=4"]
+NUMBERS = ("lr", "loss", "grad_l2_pre_clip", "grad_l2_post_clip", "scaler_scale")
+
+
+# ---------------------------------------------------------------------------- reading W&B's run file
+
+def wandb_records(path: Path):
+    """The protobuf records of a ``.wandb`` run file. Its framing is LevelDB's log format (the one
+    W&B's old ``datastore.py`` wrote and W&B's Go core still writes): a 7-byte file header
+    ``:W&B``, magic 0xBEE1, version 0; then 32 KiB blocks of chunks, each a 7-byte header (crc32,
+    length, type: 1 full, 2 first, 3 middle, 4 last) and its bytes; a block's tail shorter than
+    a header is padding."""
+    data = path.read_bytes()
+    ident, magic, version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), "not a W&B run file"
+    block, pos, parts = 32768, 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:  # zero padding up to the next block
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            yield record
+
+
+def _key(item) -> str:
+    return item.key or ".".join(item.nested_key)  # W&B's core may send a key as a one-part nested key
+
+
+def wandb_run(run_file: Path) -> SimpleNamespace:
+    """What an offline W&B run file holds: its id, history rows by step, the last summary,
+    the artifacts' file names."""
+    history, summary, artifacts, run_id, kind = {}, {}, {}, None, None
+    for record in wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run_id = record.run.run_id
+        elif kind == "history":
+            row = {_key(item): json.loads(item.value_json, parse_constant=float) for item in record.history.item}
+            history[int(row["_step"])] = row
+        elif kind == "summary":
+            summary.update({_key(item): json.loads(item.value_json, parse_constant=float)
+                            for item in record.summary.update})
+        elif kind == "artifact":
+            artifacts[record.artifact.name] = sorted(entry.path for entry in record.artifact.manifest.contents)
+    assert kind == "exit", f"{run_file} is not complete (its last record: {kind})"
+    return SimpleNamespace(id=run_id, history=history, summary=summary, artifacts=artifacts)
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def cell(text: str) -> float | None:
+    return None if text == "" else float(text)
+
+
+def same(a: float | None, b: float | None) -> bool:
+    return a is b is None or (a is not None and b is not None and (a == b or (math.isnan(a) and math.isnan(b))))
+
+
+# ---------------------------------------------------------------------------- a tiny run, then its resume
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    """A 4-step fp16 charlm run (NaN loss at step 3, a checkpoint every 2 steps) logging to W&B
+    offline and an MLflow file store, then ``--resume`` of its folder to 6 steps."""
+    root = tmp_path_factory.mktemp("trackers")
+    store = (root / "mlruns").as_uri()
+    sets = [*TINY_CHARLM, "steps=4", "precision=fp16", "checkpoint.every=2", f"log.dir={root / 'runs'}", "log.name=t",
+            "log.wandb.project=ampguard-test", f"log.mlflow.tracking_uri={store}", "log.mlflow.experiment=tiny"]
+    argv = ["train", "--inject", "nan_loss@3"] + [a for item in sets for a in ("--set", item)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")  # no network at all: W&B writes its run file locally
+        mp.setenv("WANDB_SILENT", "true")
+        mp.chdir(root)
+        first = main(argv)
+        run_dir = root / "runs" / "t"
+        first_csv = read_csv(run_dir / "steps.csv")
+        second = main(["train", "--resume", str(run_dir), "--set", "steps=6"])
+        wandb.teardown()  # W&B's service writes the run file behind finish(); its shutdown completes it
+    return SimpleNamespace(codes=(first, second), run_dir=run_dir, store=store, first_csv=first_csv,
+                           csv=read_csv(run_dir / "steps.csv"), run_id=(run_dir / "run-id").read_text().strip())
+
+
+def wandb_runs(run_dir: Path) -> list[SimpleNamespace]:
+    files = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "*.wandb")))
+    return [wandb_run(Path(f)) for f in files]
+
+
+def test_the_runs_finish(tracked):
+    assert tracked.codes == (0, 0)
+    assert [int(r["step"]) for r in tracked.csv] == [1, 2, 3, 4, 5, 6]
+    assert tracked.csv[2]["skipped"] == "1" and tracked.csv[2]["skip_reason"] == "non_finite_loss"
+
+
+def test_wandb_offline_history_holds_every_csv_row_and_the_skip(tracked):
+    first, resumed = wandb_runs(tracked.run_dir)  # one run file per process, both of the same W&B run
+    assert first.id == resumed.id == tracked.run_id
+    assert sorted(first.history) == [1, 2, 3, 4] and sorted(resumed.history) == [5, 6]
+    history = {**first.history, **resumed.history}
+    for row in tracked.csv:
+        logged = history[int(row["step"])]
+        for name in NUMBERS:
+            assert same(logged.get(f"train/{name}"), cell(row[name])), (row["step"], name, logged)
+        assert logged["train/skipped"] == float(row["skipped"])
+        assert logged["train/skip.non_finite_loss"] == float(row["skip_reason"] == "non_finite_loss")
+        assert "monitor/skip_rate" in logged and "monitor/scale_health" in logged  # fp16: the scale's verdict
+    skip = history[3]
+    assert math.isnan(skip["train/loss"]) and "train/grad_l2_pre_clip" not in skip  # nan kept, missing left out
+    assert skip["monitor/skip_rate"] == pytest.approx(1 / 3)
+    assert history[6]["eval/val_loss"] == float(tracked.csv[5]["val_loss"])
+    assert first.summary["skips.non_finite_loss"] == 1 and first.summary["exit_code"] == 0
+    files = ["RUN.md", "config.yaml", "events.jsonl", "report.png", "steps.csv"]
+    assert first.artifacts == resumed.artifacts == {f"run-{tracked.run_id}": files}
+
+
+def mlflow_history(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+def test_mlflow_file_store_holds_every_csv_row_and_the_resume_continues_the_same_run(tracked, tmp_path):
+    client = MlflowClient(tracking_uri=tracked.store)
+    experiment = client.get_experiment_by_name("tiny")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1  # the resume found its run by the run-id tag
+    run = runs[0]
+    assert run.data.tags[RUN_ID_TAG] == tracked.run_id and run.info.status == "FINISHED"
+    assert run.data.params["steps"] == "4" and run.data.params["precision"] == "fp16"  # the new run's config
+    for name in NUMBERS:
+        logged = mlflow_history(client, run.info.run_id, f"train/{name}")
+        for row in tracked.csv:
+            assert same(logged.get(int(row["step"])), cell(row[name])), (row["step"], name)
+    skipped = mlflow_history(client, run.info.run_id, "train/skipped")
+    reason = mlflow_history(client, run.info.run_id, "train/skip.non_finite_loss")
+    assert skipped == reason == {1: 0.0, 2: 0.0, 3: 1.0, 4: 0.0, 5: 0.0, 6: 0.0}
+    assert run.data.tags["ampguard.skips.non_finite_loss"] == "1" and run.data.metrics["summary/skips"] == 1.0
+    names = sorted(a.path for a in client.list_artifacts(run.info.run_id))
+    assert names == ["RUN.md", "config.yaml", "events.jsonl", "report.png", "steps.csv"]
+    card = client.download_artifacts(run.info.run_id, "RUN.md", str(tmp_path))  # the resumed run's card
+    assert Path(card).read_text() == (tracked.run_dir / "RUN.md").read_text()
+
+
+# ---------------------------------------------------------------------------- the sinks in your own loop
+
+def test_mlflow_takes_non_finite_values_and_ends_a_stopped_run_failed(tmp_path):
+    sink = MLflowSink(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="own")
+    sink.write(SkipLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
+                       scaler_scale=float("-inf"), reason="non_finite_grad"))
+    sink.write(StepLog(2, lr=0.1, loss=float("nan"), grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0))
+    monitor = SimpleNamespace(skips={"non_finite_grad": 1}, steps=2, updates=1, max_skip_rate=1.0, alert_episodes=0,
+                              scale_verdict="stable")
+    sink.finish(SimpleNamespace(monitor=monitor, exit_code=3, ended="stopped", paths=SimpleNamespace(dir=None)))
+    client = sink.client
+    assert mlflow_history(client, sink.run_id, "train/grad_l2_pre_clip") == {1: math.inf, 2: 2.0}
+    assert mlflow_history(client, sink.run_id, "train/scaler_scale") == {1: -math.inf, 2: 1.0}
+    assert math.isnan(mlflow_history(client, sink.run_id, "train/loss")[2])
+    assert mlflow_history(client, sink.run_id, "train/skip.non_finite_grad") == {1: 1.0, 2: 0.0}
+    assert client.get_run(sink.run_id).info.status == "FAILED"
+
+
+def test_wandb_sink_logs_into_a_run_you_made_and_leaves_it_open(tmp_path):
+    run = wandb.init(project="own", mode="offline", dir=str(tmp_path), reinit="create_new",
+                     settings=wandb.Settings(console="off", silent=True))
+    sink = WandbSink(run=run)
+    sink.write(StepLog(7, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0),
+               {"val_accuracy": 0.75})
+    sink.write(SkipLog(8, lr=0.1, loss=0.5, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
+                       scaler_scale=float("-inf"), reason="non_finite_grad"))
+    sink.close()
+    run.log({"mine": 1.0}, step=9)  # still open: the sink did not finish it
+    run.finish()
+    wandb.teardown()
+    (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))]
+    assert logged.history[7]["train/grad_l2_pre_clip"] == 2.0 and logged.history[7]["eval/val_accuracy"] == 0.75
+    skip = logged.history[8]
+    assert skip["train/grad_l2_pre_clip"] == math.inf and skip["train/scaler_scale"] == -math.inf
+    assert skip["train/skip.non_finite_grad"] == 1 and "train/grad_l2_post_clip" not in skip
+    assert logged.history[9]["mine"] == 1.0
+
+
+def test_the_sinks_are_public_names_of_ampguard():
+    import ampguard
+
+    assert ampguard.WandbSink is WandbSink and ampguard.MLflowSink is MLflowSink
+    assert {"WandbSink", "MLflowSink"} <= set(ampguard.__all__)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("flag, package", [("log.wandb.project=x", "wandb"), ("log.mlflow=true", "mlflow")])
+def test_a_tracker_without_its_package_is_one_line_exit_2_and_nothing_written(cli, tmp_path, monkeypatch, flag,
+                                                                                package):
+    monkeypatch.setitem(sys.modules, package, None)  # as if it were not installed
+    code, out, err = cli("train", "--set", "steps=1", "--set", "task.name=linear", "--set", flag)
+    assert code == 2 and not out
+    assert err.strip().splitlines() == [
+        f"ampguard: error: log.{package} is on but the {package} package is not installed: "
+        f"pip install 'ampguard[{package}]'"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_mlflow_store_that_does_not_open_is_one_line_exit_2(cli, tmp_path):
+    code, _, err = cli("train", "--set", "steps=1", "--set", "task.name=linear",
+                       "--set", "log.mlflow.tracking_uri=nosuchscheme://x")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("ampguard: error: log.mlflow: cannot open the tracking store nosuchscheme://x")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_misspelled_tracker_key_is_named(cli):
+    code, _, err = cli("train", "--set", "log.wandb.projekt=x")
+    assert code == 2 and err.strip() == "ampguard: error: config: log.wandb.projekt: unknown key"
+
+
+def test_no_module_of_ampguard_imports_a_tracker_when_it_is_imported():
+    """``import ampguard`` (and the run loop, which builds the tracker sinks) never loads W&B or
+    MLflow: every import of them in the package is inside a function."""
+    src = Path(__file__).resolve().parents[2] / "src" / "ampguard"
+    top_level, lazy = [], 0
+    for path in src.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        body = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n.split(".")[0] in ("wandb", "mlflow") for n in names):
+                (top_level.append(f"{path.name}:{node.lineno}") if node in body else None)
+                lazy += node not in body
+    assert not top_level and lazy > 0  # the sinks do import them, lazily
