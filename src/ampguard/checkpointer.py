@@ -396,6 +396,33 @@ class CheckpointManager:
 # ---------------------------------------------------------------------------- resume
 
 
+def set_base_lr(scheduler: Any, lr: float) -> None:
+    """Make ``lr`` the base learning rate of a ``LambdaLR`` schedule from now on: its
+    ``base_lrs``, each group's ``initial_lr``, and each group's current ``lr`` (``lr x`` the
+    schedule's factor at its current count), so the next step already uses it. What a rollback
+    with ``rollback.lr_factor`` and a resume that changes ``optimizer.lr`` do after loading a
+    checkpoint (which brings back the LR it was saved with).
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.5 ** n)
+        >>> optimizer.step(); scheduler.step()
+        >>> set_base_lr(scheduler, 0.02)
+        >>> scheduler.base_lrs, optimizer.param_groups[0]["lr"], scheduler.get_last_lr()
+        ([0.02], 0.01, [0.01])
+        >>> optimizer.step(); scheduler.step(); optimizer.param_groups[0]["lr"]
+        0.005
+    """
+    scheduler.base_lrs = [lr for _ in scheduler.optimizer.param_groups]
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
+
 @dataclass
 class Resume:
     """Where a resumed run picks up: a loaded checkpoint and the run folder it belongs to.

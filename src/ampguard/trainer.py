@@ -26,7 +26,7 @@ from .errors import ExitCode, InputError
 from .evaluation import Evaluator
 from .events import EventLog, event_word, progress_bar
 from .faults import FaultInjector, check_ranks, parse_fault
-from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop
+from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop, TriggerBatches
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
@@ -122,7 +122,7 @@ class Trainer:
         self.spikes = build_spike_detector(config)
         if self.spikes is not None:
             self.state.monitors["loss_spike"] = self.spikes
-        self.guards = Guards(config, self.monitor, self.spikes)
+        self.guards = Guards(config, self.monitor, self.spikes, self.evaluator.metrics)
         self.state.loss_fn = self.injector.wrap_loss(self.state.loss_fn)
         self.injector.attach(self.task.model)
         self.diagnosis = None
@@ -131,6 +131,8 @@ class Trainer:
         self.run_id = resume.run_id if resume is not None else None  # a new run's: made by run()
         self.checkpointer = self._checkpointer(None)  # the folder is known once run() opens the outputs
         self.rollbacks = Rollbacks(config, self.checkpointer, self.state, self.data, self.monitor, self.spikes)
+        if config.rollback.triggers:  # the batches a rollback keeps as evidence
+            self.rollbacks.evidence = TriggerBatches(self.state)
         self.checkpointer.parts[ck.ROLLBACKS] = self.rollbacks
         if resume is not None:  # still nothing written: a checkpoint that does not fit is one line
             self.checkpointer.check_fits(resume.loaded)
@@ -199,8 +201,9 @@ class Trainer:
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
         while self.state.steps < self.config.steps:
             record = self.train_step()
-            self.record(record, self.evaluator() if self.evaluator.due(record.step) else None)
-            decision = self.guards.check(record, self.diagnosis.after(record) if self.diagnosis else None)
+            metrics = self.evaluator() if self.evaluator.due(record.step) else None
+            self.record(record, metrics)
+            decision = self.guards.check(record, self.diagnosis.after(record) if self.diagnosis else None, metrics)
             if isinstance(decision, Rollback):
                 decision = self.rollbacks.apply(decision)
             if isinstance(decision, Stop):
@@ -225,8 +228,13 @@ class Trainer:
             batch = self.data.next(first_step=self.state.steps + 1)
             if self.diagnosis is not None:
                 self.diagnosis.capture(batch)
+            evidence = self.rollbacks.evidence
+            if evidence is not None:
+                evidence.capture(batch)
             record = self.state.step(*batch)
             if record is not None:
+                if evidence is not None:
+                    evidence.closed(record)
                 return record
 
     def record(self, record: StepRecord, metrics: dict[str, float] | None) -> None:
@@ -288,6 +296,7 @@ class Trainer:
             self.sinks, self._failed = Sinks(console), self._failed or full
         self.events = EventLog(self.paths.events, say, append=resuming)
         self.rollbacks.events = self.events
+        self.rollbacks.folder = self.paths.dir
         if self.diagnosis is not None:
             self.diagnosis.events = self.events
         if self.resume is not None:
