@@ -239,9 +239,12 @@ class TriggerBatches:
     def payload(self, step: int, kind: str, why: str) -> dict[str, Any] | None:
         """What ``rollback/step-N.pt`` holds, on the CPU: the triggering step's micro-batches (a
         skip-rate guard's: the last skipped step's), its loss scale, step, kind and why; None
-        when nothing was kept."""
+        when nothing was kept, and for a held-out regression (no training batch triggered it; the
+        event names the data positions passed over)."""
         from torch.utils._pytree import tree_map
 
+        if kind == VAL_REGRESSION:  # judged on held-out data: no training batch is the trigger
+            return None
         kept = self.last_skipped if kind == SKIP_GUARD and self.last_skipped is not None else self.last
         if kept is None:
             return None

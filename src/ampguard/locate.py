@@ -437,6 +437,10 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     """``ampguard locate``: replay step ``step`` of the config's data (with its faults), or a saved
     ``batch``, and print the finding. Returns 0 when all is finite, 1 when a value is not.
 
+    The loss scale (fp16 with its scaler) is ``scale`` when given, else the one a batch file
+    names (a rollback's ``rollback/step-N.pt``: the scale that step ran with), else the
+    ``checkpoint``'s, else ``scaler.init_scale``.
+
     Bad input is refused before anything runs (:class:`~ampguard.errors.InputError`): a step
     beyond the config's ``steps``, a ``scale`` that is not a finite number > 0 or is given to a
     run without a loss scaler, ``nan_input`` on a task with integer inputs; a ``batch`` the
@@ -492,9 +496,8 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     injector.attach(model)
     if batch:
         batches, saved_scale = load_batches(batch)
-        if saved_scale is not None and precision.uses_scaler and config.scaler.enabled is not False \
-                and not checkpoint and scale is None:
-            loss_scale = saved_scale  # the scale the run's step used (a rollback's evidence names it)
+        if saved_scale is not None and precision.uses_scaler and config.scaler.enabled is not False and scale is None:
+            loss_scale = saved_scale  # the scale the step ran with (a rollback's evidence names it): over a checkpoint's
         where = f"batch {batch}"
     else:
         n = config.accumulation_steps

@@ -486,3 +486,52 @@ def test_a_rollback_stops_when_the_ranks_found_different_checkpoints(tmp_path, m
     assert isinstance(decision, Stop) and decision.kind == g.NO_CHECKPOINT
     assert decision.why.endswith("the ranks found different checkpoints (step-00000010.pt, step-00000005.pt)")
     assert w.parts[MODEL].value == "model@14"
+
+
+# ---------------------------------------------------------------------------- issue item 11
+
+
+def test_a_held_out_regression_rolls_back_to_before_the_previous_evaluation():
+    config = validate({"rollback": {"triggers": ["val_regression"], "val_regression": 0.2},
+                       "checkpoint": {"every": 5}, "eval": {"every": 5}})
+    monitor = RunMonitor(scaler_enabled=False)
+    guards = Guards(config, monitor, metrics=("val_loss", "val_accuracy"))
+    for step, value in ((5, 2.0), (10, 1.0), (15, 1.2)):  # 1.2 = best + 0.2 x 1: not beyond
+        monitor.observe(clean(step))
+        monitor.observe_eval({"val_loss": value})
+        assert guards.check(clean(step), None, {"val_loss": value}) == g.CONTINUE
+    monitor.observe(clean(16))
+    assert guards.check(clean(16), None, None) == g.CONTINUE  # no evaluation at this step: nothing judged
+    monitor.observe(clean(20))
+    monitor.observe_eval({"val_loss": 1.21})
+    decision = guards.check(clean(20), None, {"val_loss": 1.21})
+    assert isinstance(decision, Rollback) and decision.kind == g.VAL_REGRESSION
+    assert decision.first_bad_step == 16  # the checkpoint at 15 (judged fine at its evaluation) is the newest allowed
+    assert "val_loss 1.21 > best 1 + 0.2 x 1" in decision.why
+
+
+def test_an_accuracy_regresses_downwards():
+    config = validate({"rollback": {"triggers": ["val_regression"], "val_metric": "val_accuracy"},
+                       "checkpoint": {"every": 5}, "eval": {"every": 5}})
+    monitor = RunMonitor(scaler_enabled=False)
+    guards = Guards(config, monitor, metrics=("val_loss", "val_accuracy"))
+    monitor.observe_eval({"val_accuracy": 0.9})
+    assert guards.val_regression(0.85) is None
+    monitor.observe_eval({"val_accuracy": 0.5})
+    assert guards.val_regression(0.5) == "val_accuracy 0.5 < best 0.9 - 0.1 x 0.9"
+
+
+def test_after_a_rollback_the_monitors_updates_are_the_checkpoints(tmp_path):
+    # the run card's "updates applied" comes from the monitor: the updates after the checkpoint are undone
+    w = World(tmp_path)
+    w.step.updates = 9
+    w.save_at(10)
+    w.advance(14)
+    for step in range(1, 15):
+        w.monitor.observe(clean(step))
+    w.step.updates = 13
+    assert w.monitor.updates == 14
+    assert w.rollbacks.apply(Rollback(12, "why", g.LOSS_SPIKE)) == g.CONTINUE
+    assert w.step.updates == 9 and w.monitor.updates == 9
+    w.monitor.observe(clean(15))
+    assert w.monitor.updates == 10
