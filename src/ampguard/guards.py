@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from . import distributed
-from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, set_base_lr
+from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes, set_base_lr
 from .config import Config
 from .errors import ConfigError, ExitCode, InputError
 from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor
@@ -297,7 +297,10 @@ class Rollbacks:
         self.checkpointer, self.state, self.data = checkpointer, state, data
         self.monitor, self.spikes, self.events = monitor, spikes, events
         self.log: list[str] = []
+        self.config = config
         self.base_lr = config.optimizer.lr
+        self.policy: list[dict[str, Any]] = []
+        """Policy changes made on resume ({key, old, new, step}); re-applied over a checkpoint older than them."""
         self.evidence: TriggerBatches | None = None
         """The batches to keep as evidence (set by the Trainer when rollbacks are on)."""
         self.folder: Path | None = None
@@ -365,6 +368,9 @@ class Rollbacks:
         # the step counter and the monitors' history go on; everything that trains goes back
         state = {**loaded.payload[STATE], "step": step, "monitors": {}}
         self.checkpointer.restore(Loaded(loaded.path, {**loaded.payload, STATE: state}), parts=ROLLBACK_PARTS)
+        # a checkpoint from before a resume's policy change brings the old settings back: apply them again
+        stale = [c for c in self.policy if c["step"] >= loaded.step and c["key"] != "scaler.init_scale"]
+        apply_policy_changes(stale, self.config, self.state, len(self.log) + 1)
         undone = self.monitor.updates - self.state.updates
         self.monitor.updates = self.state.updates  # the run card's "updates applied" is what the model holds
         old, saved = self.data.position, int(loaded.payload[DATA])

@@ -75,6 +75,10 @@ class Trainer:
     checkpointer: ck.CheckpointManager
     rollbacks: Rollbacks
     resume: ck.Resume | None
+    policy: list[dict[str, Any]]
+    """Every policy change made on resume so far ({key, old, new, step}); carried by checkpoints."""
+    policy_new: list[dict[str, Any]]
+    """This resume's policy changes."""
     run_id: str | None
     """The run folder's id, carried by every checkpoint (known once run() opens the outputs)."""
     # what it writes: opened by run(), so bad input leaves nothing behind
@@ -141,6 +145,12 @@ class Trainer:
                 raise InputError(f"{resume.run_dir / 'steps.csv'}: its header does not match this run's columns "
                                  f"({', '.join(columns[len(CSV_COLUMNS):]) or 'no metrics'}), cannot append")
             self.checkpointer.restore(resume.loaded)
+        # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
+        self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
+        self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
+        ck.apply_policy_changes(self.policy_new, config, self.state, len(self.rollbacks.log))
+        self.policy += self.policy_new
+        self.rollbacks.policy = self.policy
 
     def _check_model(self, model: torch.nn.Module) -> None:
         """Before anything is written: the model has something to train, and the first batch goes
@@ -166,7 +176,8 @@ class Trainer:
             ck.SCHEDULER: state.scheduler, ck.STATE: state, ck.RNG: ck.RngState(self.dist), ck.DATA: self.data}
         meta = lambda: {ck.UPDATES: state.updates, ck.CONFIG: self.config.model_dump(mode="json"),  # noqa: E731
                         ck.PRECISION: self.config.precision, ck.WORLD_SIZE: self.dist.world_size,
-                        ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {})}
+                        ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
+                        **({ck.POLICY: list(self.policy)} if self.policy else {})}
         check = lambda loaded: ck.check_checkpoint(loaded, self.run_id)  # noqa: E731 - a rollback's too
         return ck.CheckpointManager(folder, parts, keep=self.config.checkpoint.keep, meta=meta, dist=self.dist,
                                     check=check)
@@ -305,6 +316,9 @@ class Trainer:
             note = f"; newer checkpoints set aside: {', '.join(p.name for p in set_aside)}" if set_aside else ""
             self.events.emit({"step": self.state.steps, "event": "resume",
                               "message": f"resumed from {self.resume.path.name} at step {self.state.steps}{note}"}, "RESUME")
+            for change in self.policy_new:  # each is a line on the console, in events.jsonl and the run card
+                self.events.emit({"step": self.state.steps, "event": "policy_change", **change,
+                                  "message": ck.policy_line(change)}, "POLICY")
         else:
             self.events.emit({"step": 0, "event": "run_start",
                               "message": f"{self.task.description}; {self.config.precision} on {self.device}"})
@@ -317,6 +331,7 @@ class Trainer:
         result = RunResult(stopped.exit_code if stopped else ExitCode.OK, self.monitor, self.paths, ended, self.device,
                            self.checkpointer.saved, self.rollbacks.log, self.resume.path if self.resume else None,
                            self.task.description, self.diagnosis.found if self.diagnosis else None)
+        result.policy_changes = [ck.policy_line(change) for change in self.policy]
         if self.paths.dir is not None and self.disk_full() is None:
             from .report import write_report
 
