@@ -109,6 +109,10 @@ def test_a_skip_smaller_than_the_checkpoint_gap_still_skips_the_spiking_batch(tm
     assert len(rollbacks) == 1, out
     assert rollbacks[0]["step"] == 35 and "data position 35 -> 35" in rollbacks[0]["message"]
     assert _final(run)["data_position"] == 35 + 10  # steps 36-45 on batches 35-44
+    # the spike window restarts after a rollback, so a replayed batch 34 would not even be judged:
+    # it would be trained on (its loss ~2e8 at step 38); it never comes back
+    losses = {int(r["step"]): float(r["loss"]) for r in read_rows(run / "steps.csv")}
+    assert losses[35] > 1e6 and all(losses[s] < 10 for s in range(36, 46))
 
     # the evidence is batch 34 itself
     saved = torch.load(run / "rollback" / "step-35.pt", weights_only=True)
