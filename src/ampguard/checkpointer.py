@@ -79,8 +79,17 @@ RESUME_PARTS = (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG, DATA, ROLLBACKS)
 ROLLBACK_PARTS = (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG)
 """A rollback returns the training state; the data position and the rollback log go on."""
 
-RESUME_FIXED = ("precision", "accumulation_steps", "seed", "task", "optimizer.name")
-"""Config keys a resumed run must keep: changing any would make it differ from the uninterrupted run."""
+RESUME_FIXED = ("precision", "accumulation_steps", "seed", "task", "optimizer.name",
+                "scaler.enabled", "optimizer.fused", "monitor.window", "rollback.window")
+"""Config keys a resumed run must keep: changing any would make it differ from the uninterrupted run.
+``scaler.enabled`` is compared as it takes effect (null is on for fp16); the two rolling windows'
+contents are in the checkpoint, so their sizes cannot change (docs/resume.md has the table)."""
+POLICY = "policy_changes"
+"""Payload key (meta, never restored as a part): the policy changes made on resume so far, each
+``{"key", "old", "new", "step"}``; a resumed run carries them on to its run card."""
+POLICY_UNRECORDED = ("log", "validation")
+"""Config sections whose change on resume is no policy change: where the run writes and what
+``ampguard validate`` checks change nothing the run trains or decides."""
 
 
 class Stateful(Protocol):
@@ -396,6 +405,33 @@ class CheckpointManager:
 # ---------------------------------------------------------------------------- resume
 
 
+def set_base_lr(scheduler: Any, lr: float) -> None:
+    """Make ``lr`` the base learning rate of a ``LambdaLR`` schedule from now on: its
+    ``base_lrs``, each group's ``initial_lr``, and each group's current ``lr`` (``lr x`` the
+    schedule's factor at its current count), so the next step already uses it. What a rollback
+    with ``rollback.lr_factor`` and a resume that changes ``optimizer.lr`` do after loading a
+    checkpoint (which brings back the LR it was saved with).
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.5 ** n)
+        >>> optimizer.step(); scheduler.step()
+        >>> set_base_lr(scheduler, 0.02)
+        >>> scheduler.base_lrs, optimizer.param_groups[0]["lr"], scheduler.get_last_lr()
+        ([0.02], 0.01, [0.01])
+        >>> optimizer.step(); scheduler.step(); optimizer.param_groups[0]["lr"]
+        0.005
+    """
+    scheduler.base_lrs = [lr for _ in scheduler.optimizer.param_groups]
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
+
 @dataclass
 class Resume:
     """Where a resumed run picks up: a loaded checkpoint and the run folder it belongs to.
@@ -619,6 +655,11 @@ def _rng(value: Any) -> bool:
     return isinstance(value, Mapping) or (isinstance(value, list) and all(isinstance(v, Mapping) for v in value))
 
 
+def _policy_entry(value: Any) -> bool:
+    return (isinstance(value, dict) and set(value) == {"key", "old", "new", "step"} and isinstance(value["key"], str)
+            and _is_int(value["step"]) and is_plain(value))
+
+
 _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
     # key, required, test, what it must be
     (STEP, True, _is_int, "an int >= 0"),
@@ -636,6 +677,8 @@ _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
      f"a mapping with {', '.join(STATE_KEYS)}"),
     (RNG, True, _rng, "a mapping (a list of them under torchrun)"),
     (ROLLBACKS, False, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of str"),
+    (POLICY, False, lambda v: isinstance(v, list) and all(_policy_entry(x) for x in v),
+     "a list of {key, old, new, step}"),
 )
 """What each payload entry must be before anything uses it."""
 
@@ -841,7 +884,7 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         RUN/checkpoints/step-00000004.pt: data position 1000000000000 is beyond what 4 steps could have taken (4 = step x accumulation_steps + rollbacks x rollback.skip_batches)
         >>> shutil.rmtree(run_dir)
     """
-    saved, now = resume.saved_config, config.model_dump(mode="json")
+    saved, now = _effective(resume.saved_config), _effective(config.model_dump(mode="json"))
     where = resume.path if resume.picked else "the checkpoint"
     for key in RESUME_FIXED:
         a, b = saved, now
@@ -867,3 +910,138 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
     if position > bound:
         raise InputError(f"{resume.path}: data position {position} is beyond what {step} steps could have taken "
                          f"({bound} = step x accumulation_steps + rollbacks x rollback.skip_batches)")
+
+
+# ---------------------------------------------------------------------------- policy changes on resume
+
+
+def _effective(config: dict[str, Any]) -> dict[str, Any]:
+    """A config as plain data with ``scaler.enabled`` as it takes effect (null: on for fp16 only).
+
+    Example::
+
+        >>> _effective({"precision": "fp16", "scaler": {"enabled": None}})["scaler"]["enabled"]
+        True
+        >>> _effective({"precision": "bf16"})["scaler"]["enabled"]
+        False
+    """
+    scaler = dict(config.get("scaler") or {})
+    if scaler.get("enabled") is None:
+        scaler["enabled"] = config.get("precision", "bf16") == "fp16"
+    return {**config, "scaler": scaler}
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys to leaves (lists are leaves).
+
+    Example::
+
+        >>> _flat({"a": 1, "b": {"c": [1, 2], "d": {}}})
+        {'a': 1, 'b.c': [1, 2]}
+    """
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def policy_changes(resume: Resume, config: Config) -> list[dict[str, Any]]:
+    """The settings a resumed run changes (``config.yaml`` + ``--set`` against the checkpoint's
+    config), each ``{"key", "old", "new", "step"}`` (``step``: the checkpoint's; the new value
+    holds from the next step). Keys :func:`check_resume` refuses never get here; the sections in
+    :data:`POLICY_UNRECORDED` are not policy. A key the checkpoint's config lacks (written by an
+    older ampguard) compares with its default.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> base = validate({"precision": "fp16", "steps": 10}).model_dump(mode="json")
+        >>> resume = Resume(Loaded(Path("step-00000004.pt"), {STEP: 4, CONFIG: base}), Path("."))
+        >>> now = validate({**base, "steps": 20, "optimizer": {**base["optimizer"], "lr": 0.001},
+        ...                 "log": {**base["log"], "every": 1}})
+        >>> for change in policy_changes(resume, now):
+        ...     print(change)
+        {'key': 'steps', 'old': 10, 'new': 20, 'step': 4}
+        {'key': 'optimizer.lr', 'old': 0.003, 'new': 0.001, 'step': 4}
+    """
+    default = _flat(_effective(Config().model_dump(mode="json")))
+    saved = _flat(_effective(resume.saved_config))
+    now = _flat(_effective(config.model_dump(mode="json")))
+    changes = []
+    for key, new in now.items():
+        if key.split(".")[0] in POLICY_UNRECORDED:
+            continue
+        old = saved.get(key, default.get(key))
+        if old != new:
+            changes.append({"key": key, "old": old, "new": new, "step": resume.loaded.step})
+    return changes
+
+
+_OPTIMIZER_KEYS = ("weight_decay", "betas", "eps", "momentum")
+_SCALER_KEYS = {"init_scale": "scale", "growth_factor": "growth_factor", "backoff_factor": "backoff_factor",
+                "growth_interval": "growth_interval", "min_scale": "min_scale"}
+
+
+def apply_policy_changes(changes: list[dict[str, Any]], config: Config, state: Any, rollbacks: int = 0) -> None:
+    """Make the restored training state follow the new settings, where the checkpoint would
+    otherwise bring back the old ones (everything else is built from the new config already):
+
+    - ``optimizer.lr``, ``schedule.*``, ``steps``, ``rollback.lr_factor``: the schedule's base LR
+      becomes ``optimizer.lr x rollback.lr_factor ** rollbacks`` and the next step's LR follows
+      the new schedule (:func:`set_base_lr`);
+    - ``optimizer.weight_decay`` / ``betas`` / ``eps`` / ``momentum``: every parameter group
+      (where the optimizer has the setting);
+    - ``scaler.*``: the loss scaler's factors, interval and floor; ``scaler.init_scale`` restarts
+      the scale at the new value (its growth count at 0); the count of clean steps in a row is
+      kept, below a shorter ``growth_interval``.
+
+    Example (the checkpoint's LR was 0.1; the resumed run asks for 0.01)::
+
+        >>> from ampguard.config import validate
+        >>> from ampguard.step import AmpTrainState
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> state = AmpTrainState(model, optimizer, torch.nn.functional.mse_loss, precision="fp16",
+        ...                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 1.0))
+        >>> config = validate({"precision": "fp16", "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.5},
+        ...                    "scaler": {"growth_interval": 10}})
+        >>> apply_policy_changes([{"key": "optimizer.lr"}, {"key": "optimizer.momentum"},
+        ...                       {"key": "scaler.growth_interval"}], config, state)
+        >>> group = optimizer.param_groups[0]
+        >>> group["lr"], group["momentum"], state.scaler.get_growth_interval(), state.scaler.get_scale()
+        (0.01, 0.5, 10, 65536.0)
+    """
+    keys = {change["key"] for change in changes}
+    if keys & {"optimizer.lr", "steps", "rollback.lr_factor"} or any(k.startswith("schedule.") for k in keys):
+        if state.scheduler is not None:
+            set_base_lr(state.scheduler, config.optimizer.lr * config.rollback.lr_factor ** rollbacks)
+    for name in _OPTIMIZER_KEYS:
+        if f"optimizer.{name}" in keys:
+            value = getattr(config.optimizer, name)
+            for group in state.optimizer.param_groups:
+                if name in group:
+                    group[name] = tuple(value) if name == "betas" else value
+    scaler_keys = [name for name in _SCALER_KEYS if f"scaler.{name}" in keys]
+    if scaler_keys and state.scaler.is_enabled():
+        saved = state.scaler.state_dict()
+        for name in scaler_keys:
+            saved[_SCALER_KEYS[name]] = getattr(config.scaler, name)
+        if "init_scale" in scaler_keys:
+            saved["_growth_tracker"] = 0
+        # PyTorch grows the scale when the count of clean steps *equals* the interval: a count
+        # already past a shorter interval would never grow again
+        saved["_growth_tracker"] = min(int(saved["_growth_tracker"]), saved["growth_interval"] - 1)
+        state.scaler.load_state_dict(saved)
+
+
+def policy_line(change: dict[str, Any]) -> str:
+    """One change in words (the event's message and the run card's entry).
+
+    Example::
+
+        >>> policy_line({"key": "scaler.growth_interval", "old": 2000, "new": 100, "step": 40})
+        'scaler.growth_interval 2000 -> 100 from step 41'
+    """
+    return f"{change['key']} {_short(change['old'])} -> {_short(change['new'])} from step {change['step'] + 1}"

@@ -109,6 +109,12 @@ def _at_most(value: int, high: int) -> int:
     return value
 
 
+def _at_most_one(value: float) -> float:
+    if value > 1.0:
+        raise ValueError(f"must be in (0, 1] (got {value!r})")
+    return value
+
+
 def _rate(value: float) -> float:
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise ValueError(f"must be in [0, 1] (got {value!r})")
@@ -512,17 +518,32 @@ class RollbackConfig(_Section):
         ampguard.errors.ConfigError: config: rollback.triggers: skip_guard needs the guard itself (set monitor.fail_rate)
     """
 
-    triggers: list[Literal["skip_guard", "loss_spike"]] = []
-    """What triggers a rollback: ``skip_guard`` (the fail-fast skip-rate guard trips) and/or
-    ``loss_spike`` (loss above mean + z * std of the last ``window`` applied steps). Empty: off."""
+    triggers: list[Literal["skip_guard", "loss_spike", "val_regression"]] = []
+    """What triggers a rollback: ``skip_guard`` (the fail-fast skip-rate guard trips), ``loss_spike``
+    (loss above mean + z * std of the last ``window`` applied steps) and/or ``val_regression`` (a
+    held-out evaluation worse than the best so far by more than ``val_regression``). Empty: off."""
     z: Positive = 6.0
     """Loss-spike threshold in standard deviations."""
     window: Annotated[Int, _at_least(2)] = 50
     """Applied steps in the loss-spike window (it must be full before spikes are judged)."""
     skip_batches: Count0 = 20
-    """Micro-batches of data skipped past the checkpoint's data position after a rollback."""
+    """Micro-batches of data skipped past the checkpoint's data position after a rollback; never
+    fewer than it takes to get past the triggering step's own micro-batches (when the checkpoint
+    is further back than ``skip_batches``, the stream goes on right after the trigger)."""
     max: Count0 = 3
     """Rollbacks allowed; the next trigger fails the run (exit 3)."""
+    lr_factor: Annotated[Positive, AfterValidator(_at_most_one)] = 1.0
+    """The learning rate after a rollback: the schedule's base ``optimizer.lr`` times
+    ``lr_factor ** n`` after the n-th rollback (the checkpoint's own LR is not kept), in (0, 1];
+    1: unchanged."""
+    val_regression: Positive = 0.1
+    """The ``val_regression`` trigger's threshold, relative to the best held-out value so far:
+    a loss-like metric above ``best + val_regression * |best|`` (an accuracy below ``best -
+    val_regression * |best|``), or a non-finite one, rolls back to the newest checkpoint at or
+    before the previous evaluation. Judged at each evaluation (``eval.every``)."""
+    val_metric: str | None = None
+    """The held-out metric the ``val_regression`` trigger watches (None: the task's first, e.g.
+    ``val_loss``); one of the task's metrics (names with ``acc`` count as higher-is-better)."""
 
 
 class TaskConfig(_Section):
@@ -633,6 +654,8 @@ class Config(_Section):
             raise ValueError(f"scaler.enabled: {self.precision} does not use a loss scaler (set it false or null)")
         if self.rollback.triggers and not (self.checkpoint.enabled and self.checkpoint.every > 0):
             raise ValueError("rollback.triggers: rolling back needs checkpoints to return to (set checkpoint.every > 0)")
+        if "val_regression" in self.rollback.triggers and not (self.eval.enabled and self.eval.every > 0):
+            raise ValueError("rollback.triggers: val_regression needs the held-out evaluation (set eval.every > 0)")
         if "skip_guard" in self.rollback.triggers and self.monitor.fail_rate is None:
             raise ValueError("rollback.triggers: skip_guard needs the guard itself (set monitor.fail_rate)")
         if self.scaler.min_scale > self.scaler.init_scale:

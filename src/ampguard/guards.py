@@ -3,9 +3,11 @@
 After each step the loop asks :meth:`Guards.check` for a :data:`Decision`:
 
 - :class:`Continue`;
-- :class:`Rollback` (``first_bad_step``, why, ``kind``: :data:`LOSS_SPIKE` or :data:`SKIP_GUARD`),
-  carried out by :class:`Rollbacks`, which may turn it into a stop (no checkpoint to return to,
-  ``rollback.max`` used up);
+- :class:`Rollback` (``first_bad_step``, why, ``kind``: :data:`LOSS_SPIKE`, :data:`SKIP_GUARD` or
+  :data:`VAL_REGRESSION`), carried out by :class:`Rollbacks`, which may turn it into a stop (no
+  checkpoint to return to, ``rollback.max`` used up), and which keeps the evidence: the batches
+  that triggered it (:class:`TriggerBatches`), saved as ``rollback/step-N.pt`` for ``ampguard
+  locate --batch``;
 - :class:`Stop` (an :class:`~ampguard.errors.ExitCode`, why, ``kind``: the monitor's failure
   cause, :data:`STRICT`, :data:`ROLLBACKS_USED_UP`, :data:`NO_CHECKPOINT`, :data:`INTERRUPTED`,
   :data:`DISK_FULL`).
@@ -21,13 +23,15 @@ its finding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from . import distributed
-from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded
+from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes, set_base_lr
 from .config import Config
-from .errors import ExitCode, InputError
+from .errors import ConfigError, ExitCode, InputError
 from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor
 from .records import StepRecord
 
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 
 LOSS_SPIKE = "loss_spike"
 SKIP_GUARD = "skip_guard"
+VAL_REGRESSION = "val_regression"
 STRICT = "strict"
 ROLLBACKS_USED_UP = "rollbacks_used_up"
 NO_CHECKPOINT = "no_checkpoint"
@@ -90,16 +95,22 @@ class Guards:
         ('Stop', 3, 'skip_rate')
     """
 
-    def __init__(self, config: Config, monitor: RunMonitor, spikes: LossSpikeDetector | None = None) -> None:
+    def __init__(self, config: Config, monitor: RunMonitor, spikes: LossSpikeDetector | None = None,
+                 metrics: tuple[str, ...] = ()) -> None:
         self.monitor = monitor
         self.spikes = spikes
         self.strict = config.diagnose.strict
         self.triggers = set(config.rollback.triggers)
         self.z = config.rollback.z
         self.fail_after = config.monitor.fail_after
+        self.eval_every = config.eval.every
+        self.val_threshold = config.rollback.val_regression
+        self.val_metric = check_val_metric(config, metrics)
 
-    def check(self, record: StepRecord, diagnosis: str | None = None) -> Decision:
-        """The decision after ``record`` (already observed by the monitor)."""
+    def check(self, record: StepRecord, diagnosis: str | None = None,
+              metrics: dict[str, float] | None = None) -> Decision:
+        """The decision after ``record`` (already observed by the monitor) and, at an evaluation,
+        its held-out ``metrics`` (already observed by the monitor too)."""
         if record.skipped and self.strict:
             which = "loss" if record.reason == "non_finite_loss" else "gradient"
             return Stop(ExitCode.GUARD, f"strict mode: non-finite {which} at step {record.step}: {diagnosis}", STRICT)
@@ -107,6 +118,13 @@ class Guards:
             loss = self.monitor.last.get("loss")
             if self.spikes.check(loss):
                 return Rollback(record.step, f"loss spike ({loss:.4g} > mean + {self.z:g} std)", LOSS_SPIKE)
+        if self.val_metric is not None and metrics and self.val_metric in metrics:
+            regression = self.val_regression(metrics[self.val_metric])
+            if regression is not None:
+                # the previous evaluation was judged fine: return to a checkpoint at or before it
+                previous = (record.step - 1) // self.eval_every * self.eval_every
+                return Rollback(previous + 1, f"held-out regression at step {record.step} ({regression})",
+                                VAL_REGRESSION)
         failed = self.monitor.failed
         if failed is None:
             return CONTINUE
@@ -115,13 +133,141 @@ class Guards:
         return Stop(ExitCode.GUARD, f"stopped by the guard at step {record.step}: {failed.message}", failed.cause)
 
 
+    def val_regression(self, value: float) -> str | None:
+        """Whether a held-out ``value`` of the watched metric regressed past the threshold, in
+        words, or None. The best so far is the monitor's (it has seen ``value`` already).
+
+        Example::
+
+            >>> from ampguard.config import validate
+            >>> config = validate({"rollback": {"triggers": ["val_regression"], "val_regression": 0.5},
+            ...                    "checkpoint": {"every": 5}, "eval": {"every": 5}})
+            >>> monitor = RunMonitor()
+            >>> guards = Guards(config, monitor, metrics=("val_loss", "val_accuracy"))
+            >>> for value in (2.0, 1.0, 1.4, 1.6, float("nan")):
+            ...     monitor.observe_eval({"val_loss": value})
+            ...     print(guards.val_regression(value))
+            None
+            None
+            None
+            val_loss 1.6 > best 1 + 0.5 x 1
+            val_loss nan is not finite
+        """
+        name, best = self.val_metric, self.monitor.eval_best.get(self.val_metric or "")
+        if not math.isfinite(value):
+            return f"{name} {value:.4g} is not finite"
+        if best is None:
+            return None
+        margin = self.val_threshold * abs(best)
+        if "acc" in str(name):  # higher is better, as the monitor counts it
+            return f"{name} {value:.4g} < best {best:.4g} - {self.val_threshold:g} x {abs(best):.4g}" \
+                if value < best - margin else None
+        return f"{name} {value:.4g} > best {best:.4g} + {self.val_threshold:g} x {abs(best):.4g}" \
+            if value > best + margin else None
+
+
+def check_val_metric(config: Config, metrics: tuple[str, ...]) -> str | None:
+    """The metric the ``val_regression`` trigger watches (None when the trigger is off); a task
+    without held-out metrics, or a ``rollback.val_metric`` it does not report, is one
+    :class:`~ampguard.errors.ConfigError` line.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> on = {"rollback": {"triggers": ["val_regression"]}, "checkpoint": {"every": 5}, "eval": {"every": 5}}
+        >>> check_val_metric(validate(on), ("val_loss", "val_accuracy")), check_val_metric(validate({}), ())
+        ('val_loss', None)
+        >>> check_val_metric(validate({**on, "rollback": {**on["rollback"], "val_metric": "val_f1"}}), ("val_loss",))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: rollback.val_metric: the task reports val_loss, not 'val_f1'
+    """
+    if VAL_REGRESSION not in config.rollback.triggers:
+        return None
+    if not metrics:
+        raise ConfigError("config: rollback.triggers: val_regression needs held-out metrics, and this task reports none")
+    name = config.rollback.val_metric or metrics[0]
+    if name not in metrics:
+        raise ConfigError(f"config: rollback.val_metric: the task reports {', '.join(metrics)}, not {name!r}")
+    return name
+
+
+class TriggerBatches:
+    """The evidence a rollback keeps: references to the open group's micro-batches and the loss
+    scale they run with, and the last skipped group's (what tripped a skip-rate guard). Nothing
+    is copied or read on the host while training; only a rollback copies them to the CPU
+    (:meth:`payload`). Built only when ``rollback.triggers`` is set.
+
+    Example (fp16, a NaN batch: the skipped group is kept; the next clean group replaces the open one)::
+
+        >>> import torch
+        >>> from ampguard.step import AmpTrainState
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+        ...                       precision="fp16")
+        >>> kept = TriggerBatches(state)
+        >>> for x in (torch.full((4, 2), float("nan")), torch.ones(4, 2)):
+        ...     kept.capture((x, torch.zeros(4, 1)))
+        ...     kept.closed(state.step(x, torch.zeros(4, 1)))
+        >>> data = kept.payload(2, LOSS_SPIKE, "loss spike")
+        >>> data["step"], data["loss_scale"], len(data["micro_batches"]), bool(data["micro_batches"][0]["inputs"].isnan().any())
+        (2, 32768.0, 1, False)
+        >>> data = kept.payload(2, SKIP_GUARD, "skip-rate guard")  # the skipped step's batch
+        >>> data["step"], data["loss_scale"], bool(data["micro_batches"][0]["inputs"].isnan().any())
+        (1, 65536.0, True)
+    """
+
+    def __init__(self, state: AmpTrainState) -> None:
+        self.state = state
+        self.group: list[tuple[Any, Any]] = []
+        self.scale: Any = 1.0
+        self.last: tuple[int, list[tuple[Any, Any]], Any] | None = None  # the closed group
+        self.last_skipped: tuple[int, list[tuple[Any, Any]], Any] | None = None
+
+    def capture(self, batch: tuple[Any, Any]) -> None:
+        """Call before the step takes ``batch`` (a reference is kept; the scale is a device copy)."""
+        if not self.state.mid_group:
+            self.group, self.scale = [], self.state.scaler.scale_value()
+        self.group.append(batch)
+
+    def closed(self, record: StepRecord) -> None:
+        """Call with the record of the step that closed the group."""
+        self.last = (record.step, self.group, self.scale)
+        if record.skipped:
+            self.last_skipped = self.last
+
+    def payload(self, step: int, kind: str, why: str) -> dict[str, Any] | None:
+        """What ``rollback/step-N.pt`` holds, on the CPU: the triggering step's micro-batches (a
+        skip-rate guard's: the last skipped step's), its loss scale, step, kind and why; None
+        when nothing was kept, and for a held-out regression (no training batch triggered it; the
+        event names the data positions passed over)."""
+        from torch.utils._pytree import tree_map
+
+        if kind == VAL_REGRESSION:  # judged on held-out data: no training batch is the trigger
+            return None
+        kept = self.last_skipped if kind == SKIP_GUARD and self.last_skipped is not None else self.last
+        if kept is None:
+            return None
+        batch_step, group, scale = kept
+        cpu = lambda value: tree_map(lambda t: t.detach().cpu() if hasattr(t, "detach") else t, value)  # noqa: E731
+        return {"micro_batches": [{"inputs": cpu(x), "targets": cpu(y)} for x, y in group],
+                "loss_scale": float(scale), "step": batch_step, "rollback_step": step, "kind": kind, "why": why,
+                "precision": self.state.precision.name}
+
+
 class Rollbacks:
     """Carries out :class:`Rollback` decisions and keeps their log (a checkpointed part).
 
-    A rollback reloads the model, optimizer, scheduler, scaler and RNGs from the newest
-    checkpoint before the trouble, keeps the step counter and the monitors' history, seeks the
-    data ``rollback.skip_batches`` micro-batches past the checkpoint's position, and restarts the
-    rolling windows. After ``rollback.max`` of them the next one is a :class:`Stop`.
+    A rollback first saves the batches that triggered it (``rollback/step-N.pt`` in the run
+    folder, from :class:`TriggerBatches`), then reloads the model, optimizer, scheduler, scaler
+    and RNGs from the newest checkpoint before the trouble, keeps the step counter and the
+    monitors' history (but the monitor's count of applied updates becomes the checkpoint's: the
+    updates after it were undone), seeks the data ``rollback.skip_batches`` micro-batches past
+    the checkpoint's position but never before the end of the triggering step's micro-batches
+    (so the batch that triggered it is skipped even when the checkpoint is further back than
+    ``skip_batches``), sets the learning rate to ``optimizer.lr x rollback.lr_factor ** n`` (n
+    rollbacks so far; only when ``lr_factor`` is not 1), and restarts the rolling windows.
+    After ``rollback.max`` of them the next one is a :class:`Stop`.
 
     Example (a run whose targets are multiplied by 1e8 at step 5: the loss spike rolls it back
     to its checkpoint of step 4, and the run goes on to finish)::
@@ -151,6 +297,14 @@ class Rollbacks:
         self.checkpointer, self.state, self.data = checkpointer, state, data
         self.monitor, self.spikes, self.events = monitor, spikes, events
         self.log: list[str] = []
+        self.config = config
+        self.base_lr = config.optimizer.lr
+        self.policy: list[dict[str, Any]] = []
+        """Policy changes made on resume ({key, old, new, step}); re-applied over a checkpoint older than them."""
+        self.evidence: TriggerBatches | None = None
+        """The batches to keep as evidence (set by the Trainer when rollbacks are on)."""
+        self.folder: Path | None = None
+        """The run folder; evidence goes to its ``rollback/`` (None: not saved, e.g. other ranks)."""
 
     def apply(self, decision: Rollback) -> Decision:
         """Carry out ``decision``: :data:`CONTINUE` once rolled back, or a :class:`Stop` when
@@ -182,7 +336,11 @@ class Rollbacks:
             (3, 3, True)
             >>> lines  # doctest: +NORMALIZE_WHITESPACE
             ['ROLLBACK 3 loss spike: rolled back to step-00000002.pt (step 2) and skipped 1 batches
-              (data position 3 -> 3)']
+              (data position 3 -> 3); batches saved to rollback/step-3.pt']
+            >>> trainer.monitor.updates, trainer.state.updates  # step 3's update was undone
+            (2, 2)
+            >>> sorted(p.name for p in (folder / "a" / "rollback").iterdir())
+            ['step-3.pt']
             >>> stop = trainer.rollbacks.apply(Rollback(2, "loss spike", LOSS_SPIKE))  # nothing saved before step 2
             >>> type(stop).__name__, stop.kind, int(stop.exit_code)
             ('Stop', 'no_checkpoint', 3)
@@ -206,21 +364,54 @@ class Rollbacks:
         if problem is not None or loaded is None:
             return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; cannot roll back: {problem}",
                         NO_CHECKPOINT)
+        evidence = self._save_evidence(step, decision)  # before anything goes back
         # the step counter and the monitors' history go on; everything that trains goes back
         state = {**loaded.payload[STATE], "step": step, "monitors": {}}
         self.checkpointer.restore(Loaded(loaded.path, {**loaded.payload, STATE: state}), parts=ROLLBACK_PARTS)
-        old = self.data.position
-        self.data.seek(int(loaded.payload[DATA]) + self.cfg.skip_batches)
+        # a checkpoint from before a resume's policy change brings the old settings back: apply them again
+        stale = [c for c in self.policy if c["step"] >= loaded.step and c["key"] != "scaler.init_scale"]
+        apply_policy_changes(stale, self.config, self.state, len(self.log) + 1)
+        undone = self.monitor.updates - self.state.updates
+        self.monitor.updates = self.state.updates  # the run card's "updates applied" is what the model holds
+        old, saved = self.data.position, int(loaded.payload[DATA])
+        # never back onto the triggering step's own micro-batches (they end at the current position)
+        self.data.seek(max(saved + self.cfg.skip_batches, old))
         message = (f"{decision.why}: rolled back to {loaded.path.name} (step {loaded.step}) and skipped "
-                   f"{self.cfg.skip_batches} batches (data position {old} -> {self.data.position})")
+                   f"{self.data.position - saved} batches (data position {old} -> {self.data.position})")
+        if self.cfg.lr_factor != 1.0:
+            lr = self.base_lr * self.cfg.lr_factor ** (len(self.log) + 1)
+            set_base_lr(self.state.scheduler, lr)
+            message += f"; lr {lr:.4g} (rollback.lr_factor {self.cfg.lr_factor:g})"
+        if evidence is not None:
+            message += f"; batches saved to rollback/{evidence.name}"
         self.log.append(f"step {step}: {message}")
         self.monitor.restart_windows()
         if self.spikes is not None:
             self.spikes.reset()
         if self.events is not None:
-            self.events.emit({"step": step, "event": "rollback", "message": message, "checkpoint": loaded.path.name},
+            self.events.emit({"step": step, "event": "rollback", "message": message, "checkpoint": loaded.path.name,
+                              "kind": decision.kind, "updates_undone": undone,
+                              "evidence": f"rollback/{evidence.name}" if evidence is not None else None},
                              "ROLLBACK")
         return CONTINUE
+
+    def _save_evidence(self, step: int, decision: Rollback) -> Path | None:
+        """Rank 0 writes the triggering batches to ``rollback/step-N.pt`` (atomically; a file of
+        that name already there, from an earlier pass over this step, is kept: ``step-N-2.pt``)."""
+        if self.evidence is None or self.folder is None:  # (only rank 0 has a run folder)
+            return None
+        data = self.evidence.payload(step, decision.kind, decision.why)
+        if data is None:
+            return None
+        from .checkpoint import save_checkpoint
+
+        folder = self.folder / "rollback"
+        path, n = folder / f"step-{step}.pt", 1
+        while path.exists():
+            n += 1
+            path = folder / f"step-{step}-{n}.pt"
+        folder.mkdir(exist_ok=True)
+        return save_checkpoint(path, data)
 
     def state_dict(self) -> list[str]:
         """The rollback log, one line per rollback (a copy): a checkpoint carries it, so a resumed

@@ -4,8 +4,12 @@ Forward hooks on every module and gradient hooks on every parameter watch one fo
 backward pass of the batch (under the run's autocast and loss scale); the first place a
 non-finite value shows up is the finding: the input, a module's output (qualified name, type,
 input and output dtypes), the loss, or a parameter's gradient in backward. The batch is then
-replayed in FP32 (no autocast, no loss scale): finite there means a precision-range problem
-(run that module outside autocast / in FP32); non-finite there too means the data or the model.
+replayed in FP32 (no autocast, no loss scale): finite there means a precision-range problem;
+non-finite there too means the data or the model. For a precision-range problem the batch is then
+replayed with autocast disabled around the first offending module alone (its floating inputs cast
+to FP32), then around its parent, and so on up to the model: the smallest module whose FP32 run
+makes the whole batch finite is the answer a user can act on ("keeping ``blocks.3.mlp`` in FP32
+fixes this batch").
 
 Diagnostics only: the training step never imports this. Parameters are not changed; their
 gradients, the module buffers and the RNG states are restored afterwards.
@@ -15,7 +19,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -81,6 +86,13 @@ class Diagnosis:
     amp: Finding
     fp32: Finding | None
     verdict: str  # precision-range | data/model | none
+    loss_scale: float = 1.0
+    """The loss scale the backward ran with under the run's precision (1: none)."""
+    fp32_scope: str | None = None
+    """The smallest module that, run alone in FP32 (autocast off around it), makes the batch finite;
+    ``""`` is the whole model; None when no scope was tried or none fixed it."""
+    scopes_tried: list[str] = field(default_factory=list)
+    """The modules replayed alone in FP32, innermost first, up to the first that fixed the batch."""
 
     def message(self) -> str:
         """The finding in one sentence: where the first non-finite value was, and whose problem it is.
@@ -108,14 +120,41 @@ class Diagnosis:
             place = f"in backward, the gradient of parameter {f.name} ({f.op})"
         first = f"first {f.kind} under {f.precision}: {place}"
         if self.verdict == "precision-range":
-            hint = ("FP32 replay is finite: a precision-range problem; run that module outside autocast or in FP32"
-                    if f.where != "backward" else
-                    "FP32 replay is finite: a precision-range problem (the scaled gradient overflows fp16)")
+            if f.where != "backward":
+                hint = "FP32 replay is finite: a precision-range problem"
+            elif self.loss_scale != 1.0:
+                hint = (f"FP32 replay is finite: a precision-range problem (the gradient scaled by "
+                        f"{self.loss_scale:g} overflows {f.precision})")
+            else:
+                hint = f"FP32 replay is finite: a precision-range problem (the gradient overflows {f.precision} with no loss scale)"
+            hint += self._scope_hint()
         elif self.verdict == "data/model":
             hint = "FP32 replay is not finite either: a data or model problem, not a precision one"
         else:
             hint = ""
         return f"{first}. {hint}".strip()
+
+    def _scope_hint(self) -> str:
+        """What the module-alone FP32 replays found, as the end of the message.
+
+        Example::
+
+            >>> d = Diagnosis(Finding("forward", "blocks.3.mlp.fc", "Linear", "inf", precision="fp16"),
+            ...               Finding("none"), "precision-range", fp32_scope="blocks.3.mlp",
+            ...               scopes_tried=["blocks.3.mlp.fc", "blocks.3.mlp"])
+            >>> d._scope_hint()
+            '; keeping blocks.3.mlp in FP32 (autocast off around it alone) fixes this batch'
+            >>> Diagnosis(d.amp, d.fp32, "precision-range", scopes_tried=["blocks.3.mlp.fc", ""])._scope_hint()
+            '; no module alone in FP32 fixes this batch (tried blocks.3.mlp.fc, <model>); run the whole step in FP32'
+        """
+        if self.fp32_scope == "":
+            return "; only the whole model in FP32 (autocast off, the same loss scale) fixes this batch"
+        if self.fp32_scope is not None:
+            return f"; keeping {self.fp32_scope} in FP32 (autocast off around it alone) fixes this batch"
+        if self.scopes_tried:
+            tried = ", ".join(name or "<model>" for name in self.scopes_tried)
+            return f"; no module alone in FP32 fixes this batch (tried {tried}); run the whole step in FP32"
+        return "; run that module outside autocast or in FP32"
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for JSON (``ampguard locate --json``, the run's event log): verdict, both
@@ -129,7 +168,8 @@ class Diagnosis:
             ('data/model', 'input', 'fp32', 'first nan under bf16: in the')
         """
         return {"verdict": self.verdict, "amp": asdict(self.amp),
-                "fp32": asdict(self.fp32) if self.fp32 else None, "message": self.message()}
+                "fp32": asdict(self.fp32) if self.fp32 else None, "loss_scale": self.loss_scale,
+                "fp32_scope": self.fp32_scope, "scopes_tried": list(self.scopes_tried), "message": self.message()}
 
 
 def trace_first_non_finite(
@@ -139,8 +179,12 @@ def trace_first_non_finite(
     targets: Any,
     precision: Precision,
     loss_scale: float = 1.0,
+    fp32_module: str | None = None,
 ) -> Finding:
     """One forward + backward of the batch, watching for the first non-finite value.
+
+    ``fp32_module`` names a module (``""``: the model) that runs with autocast disabled around it
+    alone, its floating inputs cast to FP32 (:func:`fp32_around`); the rest keeps ``precision``.
 
     Every module output and every gradient is checked on the host (a host sync each): a
     diagnostic, never part of the step. The parameters' ``.grad`` are put back afterwards.
@@ -190,7 +234,7 @@ def trace_first_non_finite(
                         found.append(Finding("backward", owner[0], owner[1], kind, [], [str(grad.dtype).removeprefix("torch.")], label))
 
                 handles.append(p.register_hook(grad_hook))
-        with precision.autocast():
+        with precision.autocast(), fp32_around(model, fp32_module, precision.device_type):
             outputs = model(inputs)
             loss = loss_fn(outputs, targets)
         if found:
@@ -207,6 +251,105 @@ def trace_first_non_finite(
             handle.remove()
         for p in model.parameters():
             p.grad = saved_grads[id(p)]
+
+
+def _to_fp32(value: Any) -> Any:
+    """``value`` with its floating tensors (nested in lists, tuples, dicts) cast to float32."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+@contextmanager
+def fp32_around(model: nn.Module, name: str | None, device_type: str) -> Iterator[None]:
+    """While inside, the submodule ``name`` of ``model`` (``""``: the model itself; None: none) runs
+    with autocast disabled and its floating inputs cast to FP32: the usual fix, "keep this module
+    in FP32", tried on one batch. Its ``forward`` is wrapped for the duration and put back.
+
+    Example (under bf16 autocast the first Linear computes in bf16, unless it is kept in FP32)::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), fp32_around(model, "0", "cpu"):
+        ...     model[0](torch.ones(1, 2)).dtype, model[1](torch.ones(1, 2)).dtype
+        (torch.float32, torch.bfloat16)
+        >>> "forward" in vars(model[0])  # put back
+        False
+    """
+    if name is None:
+        yield
+        return
+    module = model.get_submodule(name)
+    own = vars(module).get("forward")  # an instance attribute already there (rare) is put back
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, enabled=False):
+            return original(*_to_fp32(args), **_to_fp32(kwargs))
+
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+def _scopes(name: str) -> list[str]:
+    """A module's qualified name and each of its parents', innermost first, ending with the model (``""``).
+
+    Example::
+
+        >>> _scopes("blocks.3.mlp"), _scopes("")
+        (['blocks.3.mlp', 'blocks.3', 'blocks', ''], [''])
+    """
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + [""]
+
+
+def find_fp32_scope(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    inputs: Any,
+    targets: Any,
+    precision: Precision,
+    loss_scale: float,
+    module: str,
+) -> tuple[str | None, list[str]]:
+    """Replay the batch with ``module`` alone in FP32, then its parent, up to the model, until one
+    makes the batch all finite: ``(that scope or None, the scopes tried)``. Each replay keeps the
+    run's precision elsewhere and its loss scale.
+
+    Example (a block's Linear outputs 1e5, past fp16's 65504; the LayerNorm after it brings it back
+    in range, so that Linear alone in FP32 fixes the batch; the output Linear alone does not)::
+
+        >>> model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)), nn.Linear(2, 1))
+        >>> with torch.no_grad():
+        ...     _ = model[0][0].weight.fill_(1e3), model[0][0].bias.zero_()
+        >>> x, y = torch.full((1, 2), 50.0), torch.zeros(1, 1)
+        >>> fp16 = Precision("fp16", "cpu")
+        >>> find_fp32_scope(model, nn.functional.mse_loss, x, y, fp16, 1.0, "0.0")
+        ('0.0', ['0.0'])
+        >>> find_fp32_scope(model, nn.functional.mse_loss, x, y, fp16, 1.0, "1")  # not the culprit: only the model
+        ('', ['1', ''])
+    """
+    tried: list[str] = []
+    for scope in _scopes(module):
+        tried.append(scope)
+        found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale, fp32_module=scope)
+        if found.where == "none":
+            return scope, tried
+    return None, tried
+
+
+def _module_of(finding: Finding) -> str | None:
+    """The module a finding points at: a forward output's module, a gradient's owner; else None."""
+    if finding.where == "forward":
+        return finding.name
+    if finding.where == "backward":
+        return finding.name.rpartition(".")[0]
+    return None
 
 
 def diagnose_group(
@@ -251,15 +394,22 @@ def diagnose(
 ) -> Diagnosis:
     """Locate the first non-finite value, then replay in FP32 to say whose problem it is.
 
-    Example (an activation of 1e5 is finite in FP32 but overflows fp16's range of 65504)::
+    For a precision-range problem in a module's output or a parameter's gradient it then looks
+    for the smallest module that fixes the batch when kept in FP32 (:func:`find_fp32_scope`).
 
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    Example (an activation of 1e5 is finite in FP32 but overflows fp16's range of 65504; the
+    LayerNorm after it brings it back, so that Linear alone in FP32 is enough)::
+
+        >>> model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)), nn.Linear(2, 1))
         >>> with torch.no_grad():
-        ...     _ = model[0].weight.fill_(1e3), model[0].bias.zero_()
+        ...     _ = model[0][0].weight.fill_(1e3), model[0][0].bias.zero_()
         >>> x, y = torch.full((1, 2), 50.0), torch.zeros(1, 1)
         >>> d = diagnose(model, nn.functional.mse_loss, x, y, Precision("fp16", "cpu"))
-        >>> d.verdict, d.amp.where, d.amp.name
-        ('precision-range', 'forward', '0')
+        >>> d.verdict, d.amp.where, d.amp.name, d.fp32_scope
+        ('precision-range', 'forward', '0.0', '0.0')
+        >>> print(d.message())
+        first inf under fp16: in the forward output of 0.0 (Linear; inputs float32 -> outputs float16). FP32 replay
+        is finite: a precision-range problem; keeping 0.0 in FP32 (autocast off around it alone) fixes this batch
     """
     # The replays leave no trace in the run: buffers (BatchNorm statistics) and the RNGs (dropout)
     # are put back as they were, so a run that diagnosed goes on exactly as one that did not.
@@ -268,9 +418,15 @@ def diagnose(
     with untouched(model):
         amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale)
         if amp.where == "none":
-            return Diagnosis(amp, None, "none")
+            return Diagnosis(amp, None, "none", loss_scale)
         fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, Precision("fp32", precision.device_type), 1.0)
-    return Diagnosis(amp, fp32, "precision-range" if fp32.where == "none" else "data/model")
+        if fp32.where != "none":
+            return Diagnosis(amp, fp32, "data/model", loss_scale)
+        scope, tried = None, []
+        module = _module_of(amp)
+        if module is not None and precision.name != "fp32":
+            scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module)
+    return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried)
 
 
 # ---------------------------------------------------------------------------- the verb
@@ -280,6 +436,10 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         scale: float | None = None, as_json: bool = False) -> int:
     """``ampguard locate``: replay step ``step`` of the config's data (with its faults), or a saved
     ``batch``, and print the finding. Returns 0 when all is finite, 1 when a value is not.
+
+    The loss scale (fp16 with its scaler) is ``scale`` when given, else the one a batch file
+    names (a rollback's ``rollback/step-N.pt``: the scale that step ran with), else the
+    ``checkpoint``'s, else ``scaler.init_scale``.
 
     Bad input is refused before anything runs (:class:`~ampguard.errors.InputError`): a step
     beyond the config's ``steps``, a ``scale`` that is not a finite number > 0 or is given to a
@@ -335,7 +495,9 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     loss_fn = injector.wrap_loss(task.loss_fn)
     injector.attach(model)
     if batch:
-        batches = [load_batch(batch)]
+        batches, saved_scale = load_batches(batch)
+        if saved_scale is not None and precision.uses_scaler and config.scaler.enabled is not False and scale is None:
+            loss_scale = saved_scale  # the scale the step ran with (a rollback's evidence names it): over a checkpoint's
         where = f"batch {batch}"
     else:
         n = config.accumulation_steps
@@ -401,7 +563,8 @@ def _check_arguments(config: Any, precision: Precision, *, step: int, batch: str
 
 
 def load_batch(path: str) -> tuple[Any, Any]:
-    """A saved batch: ``torch.save({"inputs": x, "targets": y}, path)``, loaded weights-only.
+    """A saved batch: ``torch.save({"inputs": x, "targets": y}, path)``, loaded weights-only (the
+    first micro-batch of a file :func:`load_batches` reads).
 
     Example::
 
@@ -418,13 +581,46 @@ def load_batch(path: str) -> tuple[Any, Any]:
         ...     load_batch(str(folder / "other.pt"))
         ... except InputError as err:
         ...     print(str(err).replace(str(folder), "DIR"))
-        DIR/other.pt: a batch file holds {'inputs': ..., 'targets': ...}
+        DIR/other.pt: a batch file holds {'inputs': ..., 'targets': ...} (or 'micro_batches': a list of them)
+        >>> shutil.rmtree(folder)
+    """
+    return load_batches(path)[0][0]
+
+
+def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
+    """A saved batch file, loaded weights-only: ``{"inputs": x, "targets": y}``, or a step's
+    micro-batches ``{"micro_batches": [{"inputs": x, "targets": y}, ...], "loss_scale": s, ...}``
+    (what a rollback saves as ``rollback/step-N.pt``). Returns the micro-batches and the loss scale
+    the file names (None when it names none).
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> from pathlib import Path
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> one = {"inputs": torch.ones(2, 3), "targets": torch.zeros(2)}
+        >>> torch.save({"micro_batches": [one, one], "loss_scale": 1024.0, "step": 7}, folder / "step-7.pt")
+        >>> batches, scale = load_batches(str(folder / "step-7.pt"))
+        >>> len(batches), scale
+        (2, 1024.0)
+        >>> torch.save({"micro_batches": [], "loss_scale": "big"}, folder / "bad.pt")
+        >>> try:
+        ...     load_batches(str(folder / "bad.pt"))
+        ... except InputError as err:
+        ...     print(str(err).replace(str(folder), "DIR"))
+        DIR/bad.pt: a batch file holds {'inputs': ..., 'targets': ...} (or 'micro_batches': a list of them)
         >>> shutil.rmtree(folder)
     """
     from .checkpoint import safe_load
-    from .errors import InputError
 
     data = safe_load(path, "batch")
-    if not isinstance(data, dict) or not {"inputs", "targets"} <= set(data):
-        raise InputError(f"{path}: a batch file holds {{'inputs': ..., 'targets': ...}}")
-    return data["inputs"], data["targets"]
+    problem = InputError(f"{path}: a batch file holds {{'inputs': ..., 'targets': ...}} (or 'micro_batches': a list of them)")
+    if not isinstance(data, dict):
+        raise problem
+    items = data.get("micro_batches", [data])
+    scale = data.get("loss_scale")
+    if (not isinstance(items, list) or not items
+            or not all(isinstance(b, dict) and {"inputs", "targets"} <= set(b) for b in items)
+            or not (scale is None or (isinstance(scale, float) and math.isfinite(scale) and scale > 0))):
+        raise problem
+    return [(b["inputs"], b["targets"]) for b in items], scale

@@ -286,6 +286,8 @@ class RunResult:
     resumed_from: Path | None = None
     task: str = ""
     diagnosis: str | None = None
+    policy_changes: list[str] = field(default_factory=list)
+    """Settings changed on resume (``key old -> new from step N``), in order (docs/resume.md)."""
 
 
 def disk_full_line(full: DiskFull, saved: list[Path], step: int, recorded: int, run_dir: Path | None) -> str:

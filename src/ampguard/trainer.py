@@ -26,7 +26,7 @@ from .errors import ExitCode, InputError
 from .evaluation import Evaluator
 from .events import EventLog, event_word, progress_bar
 from .faults import FaultInjector, check_ranks, parse_fault
-from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop
+from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop, TriggerBatches
 from .integrations.trackers import check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import StepRecord
@@ -76,6 +76,10 @@ class Trainer:
     checkpointer: ck.CheckpointManager
     rollbacks: Rollbacks
     resume: ck.Resume | None
+    policy: list[dict[str, Any]]
+    """Every policy change made on resume so far ({key, old, new, step}); carried by checkpoints."""
+    policy_new: list[dict[str, Any]]
+    """This resume's policy changes."""
     run_id: str | None
     """The run folder's id, carried by every checkpoint (known once run() opens the outputs)."""
     # what it writes: opened by run(), so bad input leaves nothing behind
@@ -124,7 +128,7 @@ class Trainer:
         self.spikes = build_spike_detector(config)
         if self.spikes is not None:
             self.state.monitors["loss_spike"] = self.spikes
-        self.guards = Guards(config, self.monitor, self.spikes)
+        self.guards = Guards(config, self.monitor, self.spikes, self.evaluator.metrics)
         self.state.loss_fn = self.injector.wrap_loss(self.state.loss_fn)
         self.injector.attach(self.task.model)
         self.diagnosis = None
@@ -133,6 +137,8 @@ class Trainer:
         self.run_id = resume.run_id if resume is not None else None  # a new run's: made by run()
         self.checkpointer = self._checkpointer(None)  # the folder is known once run() opens the outputs
         self.rollbacks = Rollbacks(config, self.checkpointer, self.state, self.data, self.monitor, self.spikes)
+        if config.rollback.triggers:  # the batches a rollback keeps as evidence
+            self.rollbacks.evidence = TriggerBatches(self.state)
         self.checkpointer.parts[ck.ROLLBACKS] = self.rollbacks
         if resume is not None:  # still nothing written: a checkpoint that does not fit is one line
             self.checkpointer.check_fits(resume.loaded)
@@ -141,6 +147,12 @@ class Trainer:
                 raise InputError(f"{resume.run_dir / 'steps.csv'}: its header does not match this run's columns "
                                  f"({', '.join(columns[len(CSV_COLUMNS):]) or 'no metrics'}), cannot append")
             self.checkpointer.restore(resume.loaded)
+        # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
+        self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
+        self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
+        ck.apply_policy_changes(self.policy_new, config, self.state, len(self.rollbacks.log))
+        self.policy += self.policy_new
+        self.rollbacks.policy = self.policy
 
     def _check_model(self, model: torch.nn.Module) -> None:
         """Before anything is written: the model has something to train, and the first batch goes
@@ -166,7 +178,8 @@ class Trainer:
             ck.SCHEDULER: state.scheduler, ck.STATE: state, ck.RNG: ck.RngState(self.dist), ck.DATA: self.data}
         meta = lambda: {ck.UPDATES: state.updates, ck.CONFIG: self.config.model_dump(mode="json"),  # noqa: E731
                         ck.PRECISION: self.config.precision, ck.WORLD_SIZE: self.dist.world_size,
-                        ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {})}
+                        ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
+                        **({ck.POLICY: list(self.policy)} if self.policy else {})}
         check = lambda loaded: ck.check_checkpoint(loaded, self.run_id)  # noqa: E731 - a rollback's too
         return ck.CheckpointManager(folder, parts, keep=self.config.checkpoint.keep, meta=meta, dist=self.dist,
                                     check=check)
@@ -201,8 +214,9 @@ class Trainer:
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
         while self.state.steps < self.config.steps:
             record = self.train_step()
-            self.record(record, self.evaluator() if self.evaluator.due(record.step) else None)
-            decision = self.guards.check(record, self.diagnosis.after(record) if self.diagnosis else None)
+            metrics = self.evaluator() if self.evaluator.due(record.step) else None
+            self.record(record, metrics)
+            decision = self.guards.check(record, self.diagnosis.after(record) if self.diagnosis else None, metrics)
             if isinstance(decision, Rollback):
                 decision = self.rollbacks.apply(decision)
             if isinstance(decision, Stop):
@@ -227,8 +241,13 @@ class Trainer:
             batch = self.data.next(first_step=self.state.steps + 1)
             if self.diagnosis is not None:
                 self.diagnosis.capture(batch)
+            evidence = self.rollbacks.evidence
+            if evidence is not None:
+                evidence.capture(batch)
             record = self.state.step(*batch)
             if record is not None:
+                if evidence is not None:
+                    evidence.closed(record)
                 return record
 
     def record(self, record: StepRecord, metrics: dict[str, float] | None) -> None:
@@ -292,6 +311,7 @@ class Trainer:
             self.sinks, self._failed = Sinks(console), self._failed or full
         self.events = EventLog(self.paths.events, say, append=resuming)
         self.rollbacks.events = self.events
+        self.rollbacks.folder = self.paths.dir
         if self.diagnosis is not None:
             self.diagnosis.events = self.events
         if self.resume is not None:
@@ -300,6 +320,9 @@ class Trainer:
             note = f"; newer checkpoints set aside: {', '.join(p.name for p in set_aside)}" if set_aside else ""
             self.events.emit({"step": self.state.steps, "event": "resume",
                               "message": f"resumed from {self.resume.path.name} at step {self.state.steps}{note}"}, "RESUME")
+            for change in self.policy_new:  # each is a line on the console, in events.jsonl and the run card
+                self.events.emit({"step": self.state.steps, "event": "policy_change", **change,
+                                  "message": ck.policy_line(change)}, "POLICY")
         else:
             self.events.emit({"step": 0, "event": "run_start",
                               "message": f"{self.task.description}; {self.config.precision} on {self.device}"})
@@ -312,6 +335,7 @@ class Trainer:
         result = RunResult(stopped.exit_code if stopped else ExitCode.OK, self.monitor, self.paths, ended, self.device,
                            self.checkpointer.saved, self.rollbacks.log, self.resume.path if self.resume else None,
                            self.task.description, self.diagnosis.found if self.diagnosis else None)
+        result.policy_changes = [ck.policy_line(change) for change in self.policy]
         if self.paths.dir is not None and self.disk_full() is None:
             from .report import write_report
 

@@ -242,3 +242,24 @@ def test_locate_seeks_to_a_late_step_instead_of_reading_up_to_it(cli):
     assert code == 1, err
     found = json.loads(out)
     assert f"step {late}" in found["where"] and found["amp"]["where"] == "backward"
+
+
+def test_cli_locate_with_scale_1_does_not_blame_the_scale_and_exits_1(cli):
+    # spike: targets x 1e8, the gradient overflows fp16 even with no loss scale
+    code, out, err = cli("locate", *LINEAR_FP16, "--inject", "spike@3", "--step", "3", "--scale", "1")
+    assert code == 1, err  # a non-finite value found
+    assert "loss scale 1" in out
+    assert "scaled" not in out.splitlines()[1] and "overflows fp16 with no loss scale" in out
+    code, out, err = cli("locate", *LINEAR_FP16, "--inject", "spike@3", "--step", "3")
+    assert code == 1 and "the gradient scaled by 65536 overflows fp16" in out
+
+
+def test_cli_locate_help_documents_the_exit_codes(capsys):
+    from ampguard.cli import build_parser
+
+    try:
+        build_parser().parse_args(["locate", "--help"])
+    except SystemExit as done:
+        assert done.code == 0
+    out = capsys.readouterr().out
+    assert "0 all finite, 1 a non-finite value found, 2 bad input" in " ".join(out.split())

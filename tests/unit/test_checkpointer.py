@@ -435,6 +435,9 @@ FIXED_CHANGES = [
     ({"task": {"name": "linear", "n_embd": 16, "n_head": 2}}, "task.name", "'charlm'", "'linear'"),
     ({"task": {"name": "charlm", "n_embd": 16, "n_head": 2, "factory": "m:build"}}, "task.factory", "None", "'m:build'"),
     ({"optimizer": {"name": "sgd"}}, "optimizer.name", "'adamw'", "'sgd'"),
+    ({"optimizer": {"name": "adamw", "fused": False}}, "optimizer.fused", "None", "False"),
+    ({"monitor": {"window": 7}}, "monitor.window", "1000", "7"),
+    ({"rollback": {"window": 7}}, "rollback.window", "50", "7"),
 ]
 
 
@@ -464,15 +467,25 @@ def test_check_resume_refuses_a_checkpoint_whose_config_lacks_a_fixed_section():
     assert "optimizer.name" in one_line(err)
 
 
+def test_check_resume_refuses_turning_the_loss_scaler_off_or_on_as_it_takes_effect():
+    fp16 = {**BASE, "precision": "fp16"}
+    saved = validate(fp16).model_dump(mode="json")  # scaler.enabled null: on, for fp16
+    resume = Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), _meta(8, saved)), Path("run"))
+    with pytest.raises(InputError) as err:
+        ck.check_resume(resume, validate({**fp16, "scaler": {"enabled": False}}), world_size=1)
+    assert one_line(err) == "--resume: scaler.enabled was True in the checkpoint, now False; a resumed run must keep it"
+    ck.check_resume(resume, validate({**fp16, "scaler": {"enabled": True}}), world_size=1)  # null and true: both on
+
+
 def test_every_fixed_key_has_a_refusal_test():
-    fields = [field for _, field, _, _ in FIXED_CHANGES]
+    fields = [field for _, field, _, _ in FIXED_CHANGES] + ["scaler.enabled"]  # the test just above
     for key in RESUME_FIXED:
         assert any(f == key or f.startswith(f"{key}.") for f in fields), key
 
 
 @pytest.mark.parametrize("change", [
     {"steps": 40}, {"optimizer": {"name": "adamw", "lr": 0.5}}, {"checkpoint": {"every": 3}},
-    {"monitor": {"window": 7}}, {"max_norm": 0.0},
+    {"monitor": {"alert_rate": 0.5}}, {"max_norm": 0.0},
 ])
 def test_check_resume_accepts_changes_outside_the_fixed_keys(change):
     ck.check_resume(_resume(), _with(**change), world_size=1)

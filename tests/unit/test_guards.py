@@ -201,17 +201,18 @@ class Part:
 
 
 class FakeStep:
-    """Stands in for AmpTrainState: a step counter, a scaler value, monitors' state."""
+    """Stands in for AmpTrainState: step and update counters, a scaler value, monitors' state."""
 
     def __init__(self) -> None:
-        self.steps, self.scale, self.loaded = 0, 1024.0, None
+        self.steps, self.updates, self.scale, self.loaded = 0, 0, 1024.0, None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.steps, "scaler": self.scale, "monitors": {"run": {"steps": self.steps}}}
+        return {"step": self.steps, "updates": self.updates, "scaler": self.scale,
+                "monitors": {"run": {"steps": self.steps}}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded = state
-        self.steps, self.scale = state["step"], state["scaler"]
+        self.steps, self.updates, self.scale = state["step"], state["updates"], state["scaler"]
 
 
 class FakeData:
@@ -280,12 +281,14 @@ def test_a_rollback_restores_the_training_state_keeps_the_step_and_seeks_past_th
     assert w.step.scale == 1024.0 / 10  # the scaler goes back ...
     assert w.step.steps == 14 and w.step.loaded["step"] == 14  # ... the step counter does not
     assert w.step.loaded["monitors"] == {}  # the monitors' history goes on (not reloaded from the checkpoint)
-    assert w.data.loads == 0 and w.data.position == 20 + 3  # not restored: sought to checkpoint + skip_batches
+    # not restored: sought to checkpoint + skip_batches (20 + 3), but never back onto the triggering
+    # step's batches (26, 27): the stream goes on at 28
+    assert w.data.loads == 0 and w.data.position == 28
     assert w.rollbacks.log[0] == "step 3: an earlier rollback" and len(w.rollbacks.log) == 2
     assert w.rollbacks.log[1].startswith("step 14: loss spike (100 > mean + 3 std): rolled back to step-00000010.pt")
     assert len(w.lines) == 1
     assert w.lines[0] == ("ROLLBACK 14 loss spike (100 > mean + 3 std): rolled back to step-00000010.pt (step 10) "
-                          "and skipped 3 batches (data position 28 -> 23)")
+                          "and skipped 8 batches (data position 28 -> 28)")
     assert w.monitor.failed is None  # the windows restart ...
     assert w.spikes.check(100.0) is False  # ... the spike detector's too
 
@@ -315,7 +318,7 @@ def test_a_rollback_goes_to_the_newest_checkpoint_strictly_before_the_first_bad_
     w.advance(17)
     assert w.rollbacks.apply(Rollback(first_bad, "why", g.SKIP_GUARD)) == g.CONTINUE
     assert w.parts[MODEL].value == f"model@{expected}"
-    assert w.data.position == expected * 2 and w.step.steps == 17
+    assert w.data.position == 17 * 2 and w.step.steps == 17  # skip_batches 0: on from the trigger, not back
 
 
 def test_no_checkpoint_before_the_bad_step_stops_and_restores_nothing(tmp_path):
@@ -364,12 +367,13 @@ def test_the_rollback_log_is_a_checkpointed_part(tmp_path):
 
 
 def test_after_a_rollback_the_real_stream_gives_the_batch_at_checkpoint_position_plus_skip(tmp_path):
+    # checkpoint at data position 8, skip_batches 8: the stream goes on at batch 16, past the trigger's (13)
     task = build_task(validate({"task": {"name": "linear", "batch_size": 2}}))
     reference = DataStream(task, FaultInjector([]), torch.device("cpu"))
     expected = [reference.next(first_step=1) for _ in range(30)]
 
     data = DataStream(task, FaultInjector([]), torch.device("cpu"))
-    w = World(tmp_path, data=data, skip_batches=5)
+    w = World(tmp_path, data=data, skip_batches=8)
     for _ in range(8):
         data.next(first_step=1)
     w.step.steps = 4
@@ -378,10 +382,32 @@ def test_after_a_rollback_the_real_stream_gives_the_batch_at_checkpoint_position
         data.next(first_step=5)
     w.step.steps = 7
     assert w.rollbacks.apply(Rollback(6, "why", g.LOSS_SPIKE)) == g.CONTINUE
-    assert data.position == 13
+    assert data.position == 16
     x, y = data.next(first_step=8)
-    assert torch.equal(x, expected[13][0]) and torch.equal(y, expected[13][1])
+    assert torch.equal(x, expected[16][0]) and torch.equal(y, expected[16][1])
+    assert data.position == 17
+
+
+def test_a_skip_smaller_than_the_checkpoint_gap_still_skips_the_triggering_batch(tmp_path):
+    # checkpoint at data position 8, the trigger's batch is 13 (position 14 after it), skip_batches 2:
+    # 8 + 2 = 10 would train on batch 13 again and trigger again; the stream goes on at 14
+    task = build_task(validate({"task": {"name": "linear", "batch_size": 2}}))
+    reference = DataStream(task, FaultInjector([]), torch.device("cpu"))
+    expected = [reference.next(first_step=1) for _ in range(30)]
+    data = DataStream(task, FaultInjector([]), torch.device("cpu"))
+    w = World(tmp_path, data=data, skip_batches=2)
+    for _ in range(8):
+        data.next(first_step=1)
+    w.step.steps = 4
+    w.manager.save(4)
+    for _ in range(6):
+        data.next(first_step=5)
+    w.step.steps = 7
+    assert w.rollbacks.apply(Rollback(6, "why", g.LOSS_SPIKE)) == g.CONTINUE
     assert data.position == 14
+    x, _ = data.next(first_step=8)
+    assert torch.equal(x, expected[14][0])
+    assert "skipped 6 batches (data position 14 -> 14)" in w.rollbacks.log[-1]
 
 
 # ---------------------------------------------------------------------------- under torchrun: ranks agree (issue 16)
@@ -460,3 +486,52 @@ def test_a_rollback_stops_when_the_ranks_found_different_checkpoints(tmp_path, m
     assert isinstance(decision, Stop) and decision.kind == g.NO_CHECKPOINT
     assert decision.why.endswith("the ranks found different checkpoints (step-00000010.pt, step-00000005.pt)")
     assert w.parts[MODEL].value == "model@14"
+
+
+# ---------------------------------------------------------------------------- issue item 11
+
+
+def test_a_held_out_regression_rolls_back_to_before_the_previous_evaluation():
+    config = validate({"rollback": {"triggers": ["val_regression"], "val_regression": 0.2},
+                       "checkpoint": {"every": 5}, "eval": {"every": 5}})
+    monitor = RunMonitor(scaler_enabled=False)
+    guards = Guards(config, monitor, metrics=("val_loss", "val_accuracy"))
+    for step, value in ((5, 2.0), (10, 1.0), (15, 1.2)):  # 1.2 = best + 0.2 x 1: not beyond
+        monitor.observe(clean(step))
+        monitor.observe_eval({"val_loss": value})
+        assert guards.check(clean(step), None, {"val_loss": value}) == g.CONTINUE
+    monitor.observe(clean(16))
+    assert guards.check(clean(16), None, None) == g.CONTINUE  # no evaluation at this step: nothing judged
+    monitor.observe(clean(20))
+    monitor.observe_eval({"val_loss": 1.21})
+    decision = guards.check(clean(20), None, {"val_loss": 1.21})
+    assert isinstance(decision, Rollback) and decision.kind == g.VAL_REGRESSION
+    assert decision.first_bad_step == 16  # the checkpoint at 15 (judged fine at its evaluation) is the newest allowed
+    assert "val_loss 1.21 > best 1 + 0.2 x 1" in decision.why
+
+
+def test_an_accuracy_regresses_downwards():
+    config = validate({"rollback": {"triggers": ["val_regression"], "val_metric": "val_accuracy"},
+                       "checkpoint": {"every": 5}, "eval": {"every": 5}})
+    monitor = RunMonitor(scaler_enabled=False)
+    guards = Guards(config, monitor, metrics=("val_loss", "val_accuracy"))
+    monitor.observe_eval({"val_accuracy": 0.9})
+    assert guards.val_regression(0.85) is None
+    monitor.observe_eval({"val_accuracy": 0.5})
+    assert guards.val_regression(0.5) == "val_accuracy 0.5 < best 0.9 - 0.1 x 0.9"
+
+
+def test_after_a_rollback_the_monitors_updates_are_the_checkpoints(tmp_path):
+    # the run card's "updates applied" comes from the monitor: the updates after the checkpoint are undone
+    w = World(tmp_path)
+    w.step.updates = 9
+    w.save_at(10)
+    w.advance(14)
+    for step in range(1, 15):
+        w.monitor.observe(clean(step))
+    w.step.updates = 13
+    assert w.monitor.updates == 14
+    assert w.rollbacks.apply(Rollback(12, "why", g.LOSS_SPIKE)) == g.CONTINUE
+    assert w.step.updates == 9 and w.monitor.updates == 9
+    w.monitor.observe(clean(15))
+    assert w.monitor.updates == 10

@@ -279,3 +279,114 @@ def test_a_saved_batch_that_does_not_fit_is_one_input_error(tmp_path):
     message = str(caught.value)
     assert message.startswith(f"locate: batch {path} does not fit the model of task linear: RuntimeError: ")
     assert "\n" not in message
+
+
+# ---------------------------------------------------------------------------- one module in FP32 (issue item 7)
+
+
+class Mlp(nn.Module):
+    """fc (x 1000: 4 * 1000 * 30 = 120000, past fp16's 65504) -> relu -> proj (x 1e-3: back to 480).
+
+    fc alone in FP32 is not enough: its FP32 output goes into proj, which autocast runs in fp16
+    (the input cast to fp16 is inf). fc and proj together, the mlp, in FP32 are finite.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+        self.proj = nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            self.fc.weight.fill_(1000.0)
+            self.proj.weight.fill_(1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.relu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+def blocks_net() -> nn.Module:
+    """blocks.0 harmless, blocks.1.mlp the culprit; a head after them."""
+    harmless = nn.Linear(4, 4, bias=False)
+    with torch.no_grad():
+        harmless.weight.copy_(torch.eye(4))
+    head = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        head.weight.fill_(1e-4)  # small enough that its own gradient stays in fp16's range
+    return nn.Sequential(OrderedDict(blocks=nn.Sequential(Block(harmless), Block(Mlp())), head=head))
+
+
+def test_the_smallest_module_that_fixes_the_batch_in_fp32_is_named():
+    model = blocks_net()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x = torch.full((2, 4), 30.0)  # blocks.0: 30 + 120 = 150; blocks.1.mlp.fc: 4 * 1000 * 150 overflows
+    result = diagnose(model, mse_to_zero, x, torch.zeros(2, 1), FP16)
+
+    assert result.verdict == "precision-range"
+    assert result.amp.where == "forward" and result.amp.name == "blocks.1.mlp.fc"
+    # fc alone is tried first and is not enough; its parent, the mlp, is
+    assert result.scopes_tried == ["blocks.1.mlp.fc", "blocks.1.mlp"]
+    assert result.fp32_scope == "blocks.1.mlp"
+    assert "keeping blocks.1.mlp in FP32 (autocast off around it alone) fixes this batch" in result.message()
+    data = result.as_dict()
+    assert data["fp32_scope"] == "blocks.1.mlp" and data["scopes_tried"] == result.scopes_tried
+    # the replays left no wrapper behind and changed nothing
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert model.blocks[1].mlp.fc(torch.ones(1, 4)).dtype == torch.float16  # autocast is back on for it
+
+
+def test_a_module_kept_in_fp32_alone_really_fixes_the_batch():
+    # the finding is an experiment, not a guess: run the batch by hand with the named module in FP32
+    model, x = blocks_net(), torch.full((2, 4), 30.0)
+    mlp = model.blocks[1].mlp
+    plain = mlp.forward
+
+    def fp32_forward(inputs):
+        with torch.autocast("cpu", enabled=False):
+            return plain(inputs.float())
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not torch.isfinite(model(x)).all()
+        mlp.forward = fp32_forward
+        assert torch.isfinite(model(x)).all()
+    del mlp.forward
+
+
+def test_when_no_module_alone_fixes_it_the_message_says_so():
+    # one Linear at the root: the only scopes are the Linear and the model (the model "fixes" it)
+    model = huge_linear_net()
+    result = diagnose(model, mse_to_zero, torch.full((3, 4), 30.0), torch.zeros(3, 2), FP16)
+    assert result.scopes_tried[0] == "body.big"
+    assert result.fp32_scope == "body.big"  # its output (120000) is fine in FP32 and head is an Identity
+
+    # a data problem is never sent looking for a module to keep in FP32
+    bad = torch.full((3, 4), 30.0)
+    bad[0, 0] = float("nan")
+    result = diagnose(model, mse_to_zero, bad, torch.zeros(3, 2), FP16)
+    assert result.verdict == "data/model" and result.scopes_tried == [] and result.fp32_scope is None
+
+
+def test_a_backward_overflow_without_a_loss_scale_does_not_blame_the_scale():
+    # targets of 1e8: the gradient itself overflows fp16 with no loss scale at all (locate --scale 1)
+    lin = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    x, y = torch.ones(2, 4), torch.full((2, 1), 1e8)  # dL/dout = 2 * (4 - 1e8) / 2 ~ -1e8: inf in fp16
+    unscaled = diagnose(lin, F.mse_loss, x, y, FP16, loss_scale=1.0)
+    assert unscaled.amp.where == "backward" and unscaled.verdict == "precision-range"
+    assert "scaled by" not in unscaled.message()
+    assert "overflows fp16 with no loss scale" in unscaled.message()
+
+    small = torch.full((2, 1), 100.0)  # dL/dout ~ -96: finite unscaled, inf times 2**20
+    scaled = diagnose(lin, F.mse_loss, x, small, FP16, loss_scale=2.0**20)
+    assert scaled.amp.where == "backward"
+    assert "the gradient scaled by 1.04858e+06 overflows fp16" in scaled.message()

@@ -1,0 +1,131 @@
+"""Policy changes on resume are recorded, not silent (issue item 10): a setting that changes the
+numerics is either refused on resume (as precision is) or applied and recorded (key, old, new,
+step) in events.jsonl, the console, the checkpoints and the run card. docs/resume.md has the
+table; the last test holds it to the config tree. Tiny linear runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, ag, ok, one_error_line, read_rows, run_events, snapshot_of, train
+
+from ampguard import checkpoint as ckpt
+from ampguard.checkpointer import POLICY, POLICY_UNRECORDED, RESUME_FIXED
+from ampguard.config import Config
+
+BASE = ["--set", "task.name=linear", "--set", "device=cpu", "--set", "schedule.decay=constant",
+        "--set", "checkpoint.every=5", "--set", "steps=10", "--set", "log.every=1"]
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory) -> Path:
+    """A finished 10-step fp16 run with checkpoints at 5 and 10 (copied by each test that resumes it)."""
+    folder = tmp_path_factory.mktemp("policy")
+    ok(train(folder, "R", *BASE, "--set", "precision=fp16"))
+    return folder / "R"
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    target = tmp_path / "R"
+    shutil.copytree(run, target)
+    return target
+
+
+def _policy_events(run: Path) -> list[dict]:
+    return [e for e in run_events(run) if e["event"] == "policy_change"]
+
+
+def _card_row(run: Path, label: str) -> str:
+    return next(line for line in (run / "RUN.md").read_text(encoding="utf-8").splitlines()
+                if line.startswith(f"| {label} |"))
+
+
+def test_turning_the_loss_scaler_off_on_resume_is_refused_in_one_line(fp16_run, tmp_path):
+    run = _copy(fp16_run, tmp_path)
+    before = snapshot_of(run)
+    line = one_error_line(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt",
+                             "--set", "scaler.enabled=false"))
+    assert line == ("ampguard: error: --resume: scaler.enabled was True in the checkpoint, now False; "
+                    "a resumed run must keep it")
+    assert snapshot_of(run) == before  # nothing written, nothing moved
+
+
+def test_a_resume_applies_and_records_each_changed_setting(fp16_run, tmp_path):
+    run = _copy(fp16_run, tmp_path)
+    out = ok(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt",
+                "--set", "optimizer.lr=0.001", "--set", "optimizer.weight_decay=0.1",
+                "--set", "scaler.growth_interval=3", "--set", "max_norm=0.5", "--set", "log.every=2"))
+    changes = {e["key"]: (e["old"], e["new"], e["step"]) for e in _policy_events(run)}
+    # log.every is no policy: it changes nothing the run trains or decides
+    assert changes == {"optimizer.lr": (0.003, 0.001, 5), "optimizer.weight_decay": (0.0, 0.1, 5),
+                       "scaler.growth_interval": (2000, 3, 5), "max_norm": (1.0, 0.5, 5)}
+    assert "POLICY 5 optimizer.lr 0.003 -> 0.001 from step 6" in out
+
+    # applied, not only recorded: the LR, the clip, the optimizer's and the scaler's settings
+    rows = {int(r["step"]): r for r in read_rows(run / "steps.csv")}
+    assert {float(rows[s]["lr"]) for s in range(1, 6)} == {0.003}
+    assert {float(rows[s]["lr"]) for s in range(6, 11)} == {0.001}
+    assert all(float(rows[s]["grad_l2_post_clip"]) <= 0.5 + 1e-6 for s in range(6, 11) if rows[s]["skipped"] == "0")
+    final = ckpt.load_checkpoint(run / "checkpoints" / "step-00000010.pt")
+    group = final["optimizer"]["param_groups"][0]
+    assert group["lr"] == 0.001 and group["weight_decay"] == 0.1
+    assert final["state"]["scaler"]["growth_interval"] == 3
+    assert final["scheduler"]["base_lrs"] == [0.001]
+    assert [c["key"] for c in final[POLICY]] == sorted(changes, key=list(changes).index)
+
+    row = _card_row(run, "policy changes on resume")
+    assert "optimizer.lr 0.003 -> 0.001 from step 6" in row and "max_norm 1.0 -> 0.5 from step 6" in row
+
+
+def test_a_second_resume_keeps_the_first_ones_changes_on_the_card(fp16_run, tmp_path):
+    run = _copy(fp16_run, tmp_path)
+    ok(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt", "--set", "optimizer.lr=0.001"))
+    ok(ag("train", "--resume", run, "--set", "steps=12"))
+    assert [(e["key"], e["step"]) for e in _policy_events(run)] == [("optimizer.lr", 5), ("steps", 10)]
+    row = _card_row(run, "policy changes on resume")
+    assert "optimizer.lr 0.003 -> 0.001 from step 6; steps 10 -> 12 from step 11" in row
+    assert {float(r["lr"]) for r in read_rows(run / "steps.csv")[10:]} == {0.001}  # still the changed LR
+
+
+def test_an_unchanged_resume_records_nothing(fp16_run, tmp_path):
+    run = _copy(fp16_run, tmp_path)
+    ok(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt"))
+    assert _policy_events(run) == []
+    assert _card_row(run, "policy changes on resume") == "| policy changes on resume | none |"
+    assert POLICY not in ckpt.load_checkpoint(run / "checkpoints" / "step-00000010.pt")
+
+
+def test_a_rollback_to_a_checkpoint_older_than_the_change_keeps_the_new_setting(tmp_path):
+    # resumed at step 4 with a new LR; the spike at 5 rolls back to step 4's checkpoint, which was
+    # saved with the old LR: the new one must hold after the rollback too
+    ok(train(tmp_path, "R", "--set", "task.name=linear", "--set", "device=cpu", "--set", "precision=bf16",
+             "--set", "schedule.decay=constant", "--set", "checkpoint.every=2", "--set", "steps=8",
+             "--set", "rollback.window=3", "--set", "rollback.triggers=[loss_spike]"))
+    run = tmp_path / "R"
+    out = ok(ag("train", "--resume", run / "checkpoints" / "step-00000004.pt", "--set", "optimizer.lr=0.001",
+                "--set", "rollback.skip_batches=1", "--inject", "spike@5"))
+    assert "ROLLBACK 5" in out and "rolled back to step-00000004.pt" in out
+    assert {e["key"] for e in _policy_events(run)} == {"optimizer.lr", "rollback.skip_batches", "inject"}
+    rows = {int(r["step"]): float(r["lr"]) for r in read_rows(run / "steps.csv")}
+    assert [rows[s] for s in range(5, 9)] == [0.001] * 4
+
+
+def test_docs_resume_table_decides_every_setting():
+    text = (ROOT / "docs" / "resume.md").read_text(encoding="utf-8")
+    table = text[text.index("## Changing settings on resume"):]
+    named = set(re.findall(r"`([a-z_.*]+)`", table))
+    for key in RESUME_FIXED:
+        assert key in named, key
+    for section in POLICY_UNRECORDED:
+        assert f"{section}.*" in named, section
+    # every setting of the config tree is decided by a row: its own key or its section's `section.*`
+    for key, value in Config().model_dump(mode="json").items():
+        keys = [f"{key}.{sub}" for sub in value] if isinstance(value, dict) else [key]
+        for k in keys:
+            assert k in named or f"{k.split('.')[0]}.*" in named or k.split(".")[0] in named, k

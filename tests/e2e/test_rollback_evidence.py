@@ -1,0 +1,162 @@
+"""A rollback keeps the evidence (issue item 11): the batches that triggered it saved as
+``rollback/step-N.pt`` and loadable by ``locate --batch``; the run card's "updates applied" equal
+to the checkpoint's counter; ``rollback.lr_factor``; a ``val_regression`` trigger on the run's
+own evaluation; and the triggering batch skipped even when ``skip_batches`` is smaller than the
+gap back to the checkpoint. Tiny runs, CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from helpers import ag, ok, one_error_line, read_rows, run_events, train
+
+from ampguard import checkpoint as ckpt
+
+LINEAR = ["--set", "task.name=linear", "--set", "device=cpu"]
+
+POISONED_FACTORY = '''
+import torch
+from torch import nn
+
+BAD = {bad}  # micro-batch indices whose targets are multiplied by 1e4
+
+
+def build(config):
+    torch.manual_seed(config.seed)
+    gen = torch.Generator().manual_seed(123)
+    w = torch.randn(8, 1, generator=gen)
+    data = []
+    for i in range(200):
+        x = torch.randn(16, 8, generator=gen)
+        data.append((x, x @ w * (1e4 if i in BAD else 1.0)))
+    return {{"model": nn.Linear(8, 1), "data": data, "loss_fn": nn.functional.mse_loss}}
+'''
+
+
+def _factory(tmp_path: Path, bad: set[int]) -> tuple[list[str], Path]:
+    path = tmp_path / "poisoned.py"
+    path.write_text(POISONED_FACTORY.format(bad=sorted(bad)), encoding="utf-8")
+    return ["--set", f"task.factory={path}:build", "--set", "precision=fp32", "--set", "optimizer.name=sgd",
+            "--set", "optimizer.lr=0.05", "--set", "optimizer.momentum=0", "--set", "schedule.decay=constant",
+            "--set", "checkpoint.keep=20"], path
+
+
+def _card_value(run: Path, label: str) -> str:
+    row = next(line for line in (run / "RUN.md").read_text(encoding="utf-8").splitlines()
+               if line.startswith(f"| {label} |"))
+    return row.split("|")[2].strip()
+
+
+def _final(run: Path) -> dict:
+    return ckpt.load_checkpoint(ckpt.list_checkpoints(run / "checkpoints")[-1])
+
+
+def test_a_skip_guard_rollback_saves_the_skipped_batch_for_locate_and_counts_only_kept_updates(tmp_path):
+    # fp16: targets x 1e8 at steps 6 and 7 overflow the backward, both skipped; the guard trips at 8
+    code, out, err = train(tmp_path, "R", *LINEAR, "--set", "precision=fp16", "--set", "steps=10",
+                           "--set", "checkpoint.every=4", "--set", "rollback.triggers=[skip_guard]",
+                           "--set", "monitor.window=4", "--set", "monitor.fail_rate=0.3", "--set", "monitor.fail_after=2",
+                           "--set", "rollback.skip_batches=1", "--inject", "spike@6,7")
+    assert code == 0, out + err
+    run = tmp_path / "R"
+    [event] = [e for e in run_events(run) if e["event"] == "rollback"]
+    assert event["step"] == 8 and event["checkpoint"] == "step-00000004.pt" and event["kind"] == "skip_guard"
+    assert event["evidence"] == "rollback/step-8.pt"
+    assert event["updates_undone"] == 2  # steps 5 and 8 were applied after the checkpoint, then undone
+
+    saved = torch.load(run / "rollback" / "step-8.pt", weights_only=True)
+    assert saved["step"] == 7 and saved["kind"] == "skip_guard"  # the last skipped step's batch
+    assert saved["loss_scale"] == 2.0**15  # the scale step 7 ran with (backed off once at step 6)
+    [micro] = saved["micro_batches"]
+    assert micro["targets"].abs().max() > 1e6  # the spiked targets themselves
+
+    # the card's "updates applied" is what the model holds: the final checkpoint's counter
+    final = _final(run)
+    assert final["updates"] == final["state"]["updates"] == 4 + 2  # steps 1-4, then 9 and 10
+    assert _card_value(run, "updates applied") == str(final["updates"])
+    assert "rollback/step-8.pt" in _card_value(run, "rollbacks")
+
+    # locate --batch replays it (at the scale it ran with) and finds the overflow: exit 1
+    code, out, err = ag("locate", run / "config.yaml", "--batch", run / "rollback" / "step-8.pt", "--json")
+    assert code == 1, err
+    found = json.loads(out)
+    assert found["amp"]["where"] == "backward" and found["verdict"] == "precision-range"
+    assert found["loss_scale"] == 2.0**15
+
+
+def _poisoned_batch(factory: Path, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = importlib.util.spec_from_file_location("poisoned_for_test", factory)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build(SimpleNamespace(seed=0))["data"][index]
+
+
+def test_a_skip_smaller_than_the_checkpoint_gap_still_skips_the_spiking_batch(tmp_path):
+    # checkpoint at step 30 (data position 30); batch 34 (step 35) spikes; skip_batches 2 would go
+    # back to position 32 and train on batch 34 again, spiking again until rollback.max is spent
+    args, factory = _factory(tmp_path, {34})
+    out = ok(train(tmp_path, "R", *args, "--set", "checkpoint.every=10", "--set", "rollback.triggers=[loss_spike]",
+                   "--set", "rollback.window=20", "--set", "rollback.skip_batches=2", "--set", "rollback.lr_factor=0.5",
+                   "--set", "steps=45"))
+    run = tmp_path / "R"
+    rollbacks = [e for e in run_events(run) if e["event"] == "rollback"]
+    assert len(rollbacks) == 1, out
+    assert rollbacks[0]["step"] == 35 and "data position 35 -> 35" in rollbacks[0]["message"]
+    assert _final(run)["data_position"] == 35 + 10  # steps 36-45 on batches 35-44
+    # the spike window restarts after a rollback, so a replayed batch 34 would not even be judged:
+    # it would be trained on (its loss ~2e8 at step 38); it never comes back
+    losses = {int(r["step"]): float(r["loss"]) for r in read_rows(run / "steps.csv")}
+    assert losses[35] > 1e6 and all(losses[s] < 10 for s in range(36, 46))
+
+    # the evidence is batch 34 itself
+    saved = torch.load(run / "rollback" / "step-35.pt", weights_only=True)
+    x, y = _poisoned_batch(factory, 34)
+    assert saved["step"] == 35 and saved["kind"] == "loss_spike"
+    assert torch.equal(saved["micro_batches"][0]["inputs"], x) and torch.equal(saved["micro_batches"][0]["targets"], y)
+
+    # rollback.lr_factor 0.5: the (constant) LR halves from the first step after the rollback
+    lrs = {int(r["step"]): float(r["lr"]) for r in read_rows(run / "steps.csv")}
+    assert {lrs[s] for s in range(1, 36)} == {0.05}
+    assert {lrs[s] for s in range(36, 46)} == {0.025}
+    assert "lr 0.025 (rollback.lr_factor 0.5)" in rollbacks[0]["message"]
+
+
+def test_a_held_out_regression_rolls_back_to_the_checkpoint_of_the_last_good_evaluation(tmp_path):
+    # no clipping, targets x 1e8 at step 7: the update wrecks the model; the evaluation at 8 sees it
+    out = ok(train(tmp_path, "R", *LINEAR, "--set", "precision=fp32", "--set", "steps=12", "--set", "max_norm=0",
+                   "--set", "optimizer.name=sgd", "--set", "optimizer.lr=0.01", "--set", "checkpoint.every=2",
+                   "--set", "eval.every=2", "--set", "rollback.triggers=[val_regression]",
+                   "--set", "rollback.skip_batches=1", "--inject", "spike@7"))
+    run = tmp_path / "R"
+    [event] = [e for e in run_events(run) if e["event"] == "rollback"]
+    assert event["kind"] == "val_regression" and event["step"] == 8
+    assert event["checkpoint"] == "step-00000006.pt"  # the evaluation at 6 was fine
+    assert "held-out regression at step 8 (val_loss" in event["message"]
+    assert event["evidence"] is None and not (run / "rollback").exists()  # no training batch to keep
+    rows = {int(r["step"]): r for r in read_rows(run / "steps.csv")}
+    assert float(rows[12]["val_loss"]) < 2 * float(rows[6]["val_loss"]), out  # trained on, back to normal
+
+
+def test_bad_rollback_settings_are_one_line_and_write_nothing(tmp_path):
+    args, _ = _factory(tmp_path, set())
+    cases = [
+        (LINEAR + ["--set", "rollback.lr_factor=2"], "rollback.lr_factor: must be in (0, 1]"),
+        (LINEAR + ["--set", "rollback.val_regression=-0.1"], "rollback.val_regression: must be a finite number > 0"),
+        (LINEAR + ["--set", "rollback.triggers=[val_regression]", "--set", "checkpoint.every=2",
+                   "--set", "eval.every=0"], "val_regression needs the held-out evaluation"),
+        (LINEAR + ["--set", "rollback.triggers=[val_regression]", "--set", "checkpoint.every=2",
+                   "--set", "eval.every=2", "--set", "rollback.val_metric=val_f1"],
+         "rollback.val_metric: the task reports val_loss, not 'val_f1'"),
+        (args + ["--set", "rollback.triggers=[val_regression]", "--set", "checkpoint.every=2",
+                 "--set", "eval.every=2"], "val_regression needs held-out metrics"),
+    ]
+    for i, (argv, message) in enumerate(cases):
+        line = one_error_line(train(tmp_path / "runs", f"R{i}", *argv, "--set", "steps=4"))
+        assert message in line, line
+    assert not (tmp_path / "runs").exists()
