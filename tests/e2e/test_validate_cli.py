@@ -31,7 +31,7 @@ from ampguard.tasks import build_task
 FP16_SPACING_AT_1 = 2.0**-10
 BF16_SPACING_AT_1 = 2.0**-7
 
-SEPARATED = [f"typical:{i}" for i in range(6)]
+SEPARATED = [f"held_out:{i}" for i in range(6)]
 
 
 def write_config(folder: Path, factory: str, options: dict | None = None, **validation) -> Path:
@@ -58,11 +58,16 @@ def precision_tables(md: str) -> dict[str, list[list[str]]]:
         rows = []
         for line in section.splitlines():
             if line.startswith("|"):
-                rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+                rows.append(cells(line))
             elif rows:
                 break  # the first table only: the rule table
         tables[match.group(1)] = rows
     return tables
+
+
+def cells(line: str) -> list[str]:
+    """The cells of one Markdown table row; an escaped ``\\|`` (as in ``\\|amp - fp32\\|``) is text."""
+    return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
 
 
 def check_rule_tables(md: str, data: dict) -> None:
@@ -97,10 +102,10 @@ def test_a_benign_classifier_is_accepted(cli, tmp_path, factory):
     md, data = load_report(tmp_path / "report")
     assert data["accepted"] is True and data["reference_trusted"] is True
     assert data["mode"] == "classifier"
-    # the probe set: typical held-out examples, the nearest-boundary ones, the edge cases
-    assert data["probes"][:6] == SEPARATED
-    assert {p for p in data["probes"] if p.startswith("boundary:")} == {f"boundary:{i}" for i in range(6)}
-    assert data["probes"][-1] == "edge:big"
+    # the probe set: typical held-out examples, the nearest-boundary ones, the edge cases; the six
+    # held-out examples are both typical and (boundary 16 >= 6) nearest the boundary: probed once each
+    assert data["probes"] == [*SEPARATED, "edge:big"]
+    assert data["probe_tags"] == {**{p: ["typical", "boundary"] for p in SEPARATED}, "edge:big": ["edge"]}
     assert [p["precision"] for p in data["precisions"]] == ["fp16", "bf16"]
     for result in data["precisions"]:
         assert result["ok"] is True
@@ -127,18 +132,19 @@ def test_a_near_tie_that_fp16_cannot_resolve_is_rejected(cli, tmp_path, factory)
     fp16 = data["precisions"][0]
     assert fp16["ok"] is False
     # the planted probe (held-out index 6) and nothing else changed its decision
-    assert changed_probes(fp16) == {"typical:6", "boundary:6"}
-    row = next(r for r in fp16["flips"] + fp16["ties"] if r["probe"] == "boundary:6")
+    assert changed_probes(fp16) == {"held_out:6"}
+    row = next(r for r in fp16["flips"] + fp16["ties"] if r["probe"] == "held_out:6")
     assert row["fp32"] == 1
     assert row["fp32_margin"] == pytest.approx(0.0003, abs=1e-6)
     assert row["amp_margin"] == 0.0
     decision = next(rule for rule in fp16["rules"] if rule["criterion"].startswith("decision changes"))
-    assert decision["ok"] is False and "boundary:6" in decision["amp"]
-    # the Markdown lists the probe in the flips/ties table, with both decisions
-    probe_rows = [line for line in md.splitlines() if line.startswith("| boundary:6 |")]
+    assert decision["ok"] is False and "held_out:6" in decision["amp"]
+    # the Markdown lists the probe in the flips/ties table, with its tags and both decisions
+    probe_rows = [line for line in md.splitlines() if line.startswith("| held_out:6 |")]
     assert len(probe_rows) == 1
-    cells = [c.strip() for c in probe_rows[0].strip("|").split("|")]
-    assert cells[1] == "1" and cells[2] == str(row["amp"]) and cells[-1] in ("flip", "tie")
+    row_cells = cells(probe_rows[0])
+    assert row_cells[1] == "typical, boundary"
+    assert row_cells[2] == "1" and row_cells[3] == str(row["amp"]) and row_cells[-1] in ("flip", "tie")
     assert "## bf16" not in md
     check_rule_tables(md, data)
 
@@ -181,7 +187,7 @@ def linear_reference_extremes(probes: list[str]) -> tuple[float, float]:
     rows = []
     for probe in probes:
         kind, _, key = probe.partition(":")
-        rows.append(x_eval[int(key)] if kind == "typical" else edge[names.index(key)])
+        rows.append(x_eval[int(key)] if kind == "held_out" else edge[names.index(key)])
     with torch.no_grad():
         out = task.model(torch.stack(rows))
     return float(out.min()), float(out.max())
