@@ -245,11 +245,12 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
 
 
 def _top2(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decision, margin): the argmax and the gap between the two best scores."""
+    """(decision, margin): the argmax (the first of equal best scores, as ``torch.argmax``) and
+    the gap between the two best scores."""
     if scores.shape[1] < 2:
         return scores.argmax(1), torch.full((len(scores),), math.inf)
     top = scores.topk(2, dim=1)
-    return top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
+    return scores.argmax(1), top.values[:, 0] - top.values[:, 1]
 
 
 def _top_k(row: torch.Tensor, k: int) -> list[list[float]]:
