@@ -449,6 +449,9 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
     parts = [x_eval[list(tags)]] if tags else []
     if cfg.edge_cases and task.edge_cases is not None:
         names, edge = task.edge_cases()
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise InputError(f"validate: task {task.name} names edge case {twice[0]!r} more than once")
         for name in names:
             ids.append(f"edge:{name}")
             by_id[f"edge:{name}"] = ["edge"]
@@ -564,8 +567,7 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
     for out in ref.names:
         label = "scores" if ref.names == [SINGLE_OUTPUT] else f"output {out}"
         rule, rows = _score_rule(out, label, ref.outputs[out], amp.outputs[out], cfg, ids, per_output)
-        rule.ok = rule.ok and finite == n
-        result.rules.append(rule)
+        result.rules.append(rule)  # a non-finite element is never within: it fails its output's rule
         deviated[out] = rows
     result.stats.update(max_abs_error=max(s["max_abs_error"] for s in per_output.values()),
                         max_rel_error=max(s["max_rel_error"] for s in per_output.values()),
@@ -800,10 +802,9 @@ def markdown(v: Validation, config: Config) -> str:
         "",
         f"**{'ACCEPTED' if v.ok else 'REJECTED'}**" + ("" if v.reference_ok else " (the FP32 reference itself is not trusted)"),
         "",
-        f"Weights: {v.weights}. Model in eval mode. Probe set ({len(v.probes)}): {cfg.typical} typical, "
-        f"{cfg.boundary if v.mode == 'classifier' else 0} nearest a decision boundary in FP32, "
-        f"{'the task edge cases' if cfg.edge_cases else 'no edge cases'}; each example probed once, with all its "
-        f"tags. Rules declared before the run: scores {tolerance_text(cfg.abs_tol, cfg.rel_tol)}"
+        f"Weights: {v.weights}. Model in eval mode. Probe set ({len(v.probes)} examples, each probed once with "
+        f"all its tags): {_probe_counts(v, cfg)}. Rules declared before the run: scores "
+        f"{tolerance_text(cfg.abs_tol, cfg.rel_tol)}{' (outputs not named below)' if cfg.outputs else ''}"
         + "".join(f"; output {name}: {tolerance_text(*tolerance(cfg, name))}" for name in cfg.outputs)
         + f"; at most {cfg.max_flips} decision changes (a tie: FP32 top-2 gap <= {cfg.tie_margin:g}, or AMP's "
         f"with the same decision; ties {TIE_POLICIES[cfg.ties]}); no non-finite output; "
@@ -844,6 +845,16 @@ def markdown(v: Validation, config: Config) -> str:
                          f"{t['max_loss_diff_vs_fp32']:.3g} | {'n/a' if ratio is None else format(ratio, '.4f')} |")
     lines += _reproducibility(v)
     return "\n".join(lines) + "\n"
+
+
+def _probe_counts(v: Validation, cfg: Any) -> str:
+    """How many probes carry each tag, e.g. ``7 typical, 7 nearest a decision boundary in FP32, 1 edge case``."""
+    if not v.tags:  # a Validation made by hand: what was asked
+        return (f"{cfg.typical} typical, {cfg.boundary if v.mode == 'classifier' else 0} nearest a decision "
+                f"boundary in FP32, {'the task edge cases' if cfg.edge_cases else 'no edge cases'}")
+    count = {tag: sum(tag in tags for tags in v.tags.values()) for tag in ("typical", "boundary", "edge")}
+    return (f"{count['typical']} typical, {count['boundary']} nearest a decision boundary in FP32, "
+            f"{count['edge']} edge case{'' if count['edge'] == 1 else 's'}")
 
 
 def _reproducibility(v: Validation) -> list[str]:
