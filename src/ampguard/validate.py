@@ -582,7 +582,7 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
             "max_abs_error": max(float(e.max()) if e.numel() else 0.0 for e in errors),
         })
     if task.mode == "classifier":
-        _decisions(result, cfg, probes, first, first_amp)
+        _decisions(result, cfg, first, first_amp)
     else:
         targets = probes.y_eval.to(amp_eval.device).reshape(len(amp_eval), -1).float()
         result.stats.update(
@@ -625,7 +625,7 @@ def classify_probe(fp32_decision: int, amp_decision: int, fp32_margin: float, am
     return "flip" if amp_decision != fp32_decision else "same"
 
 
-def _decisions(result: PrecisionResult, cfg: Any, probes: ProbeSet, ref: torch.Tensor, amp: torch.Tensor) -> None:
+def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.Tensor) -> None:
     """Decisions per probe (argmax of the first output): flips, ties, the records, the rule."""
     ref_decision, ref_margin = _top2(ref)
     decision, margin = _top2(amp)
@@ -677,12 +677,14 @@ def describe_environment(config: Config, device: torch.device, fp32_dtypes: dict
     from . import __version__
 
     effective = config.model_dump(mode="json")
-    info: dict[str, Any] = {"type": device.type, "name": platform.processor() or platform.machine()}
+    # the FP32 reference is only FP32 where matmuls are: "high" or "medium" lets them use TF32 / bf16
+    info: dict[str, Any] = {"type": device.type, "name": platform.processor() or platform.machine(),
+                            "float32_matmul_precision": torch.get_float32_matmul_precision()}
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         info.update(name=torch.cuda.get_device_name(index),
                     capability=".".join(map(str, torch.cuda.get_device_capability(index))),
-                    cuda=torch.version.cuda)
+                    cuda=torch.version.cuda, cudnn_allow_tf32=torch.backends.cudnn.allow_tf32)
     support = {}
     for name in config.validation.precisions:
         entry: dict[str, Any] = {"autocast_available": torch.amp.is_autocast_available(device.type)}
