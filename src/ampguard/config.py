@@ -421,6 +421,27 @@ class CheckpointConfig(_Section):
     """How many recent checkpoints to keep (>= 1)."""
 
 
+VALIDATION_PRECISIONS: tuple[str, ...] = ("fp16", "bf16")
+"""The AMP precisions ``validation.precisions`` may name (one line per precision)."""
+
+
+class OutputTolerance(_Section):
+    """``validation.outputs.<name>``: the score tolerance of one named model output (a key of a
+    dict output, or the index of a tuple output as a string, ``"0"``); an unset part keeps
+    ``validation.abs_tol`` / ``validation.rel_tol``.
+
+    Example::
+
+        >>> validate({"validation": {"outputs": {"logits": {"abs_tol": 0.1}}}}).validation.outputs["logits"].rel_tol is None
+        True
+    """
+
+    abs_tol: Amount | None = None
+    """|amp - fp32| <= abs_tol + rel_tol * |fp32|, per element of this output (null: validation.abs_tol)."""
+    rel_tol: Amount | None = None
+    """The relative part for this output (null: validation.rel_tol)."""
+
+
 class ValidateConfig(_Section):
     """``ampguard validate``: every rule is declared here, before the run.
 
@@ -434,7 +455,7 @@ class ValidateConfig(_Section):
         ampguard.errors.ConfigError: config: validation.precisions: name at least one AMP precision to compare (fp16, bf16)
     """
 
-    precisions: list[Literal["fp16", "bf16"]] = ["fp16", "bf16"]
+    precisions: list[Literal[VALIDATION_PRECISIONS]] = ["fp16", "bf16"]  # type: ignore[valid-type]
     """AMP precisions to compare with the FP32 reference (at least one, each once)."""
     checkpoint: str | None = None
     """Model weights from an ampguard checkpoint (default: the task's freshly initialised model)."""
@@ -449,15 +470,26 @@ class ValidateConfig(_Section):
     rel_tol: Amount = 0.05
     """Score tolerance, relative part."""
     tie_margin: Amount = 0.0
-    """Tie rule: an AMP top-2 gap <= this is a tie (the decision is not well defined)."""
-    ties: Literal["count_as_flip", "accept"] = "count_as_flip"
-    """Tie rule: a tie under AMP counts as a decision change, or is accepted."""
+    """Tie rule: a probe whose FP32 top-2 gap is <= this is a tie whichever way AMP decides (the
+    reference itself barely decides); so is one AMP keeps the decision of but with a gap <= this."""
+    ties: Literal["count_as_flip", "accept", "reject"] = "count_as_flip"
+    """Tie rule: a tie counts toward ``max_flips`` (``count_as_flip``), is accepted (``accept``),
+    or rejects the run by itself (``reject``)."""
     max_flips: Count0 = 0
     """Decision changes (argmax flips, and ties when they count) allowed on the probe set."""
     min_accuracy: Rate | None = None
     """Classifiers: minimum accuracy on the held-out set, for the reference and for AMP."""
     max_mse: Amount | None = None
     """Regression: maximum mean squared error on the held-out set, for the reference and for AMP."""
+    max_quality_drop: Amount | None = 0.01
+    """Quality relative to the reference, on the held-out set: AMP accuracy >= FP32 accuracy - this
+    (classifiers; 0.01 = one point), AMP MSE <= FP32 MSE * (1 + this) (regression; 0.01 = 1%);
+    null: no relative rule (``min_accuracy`` / ``max_mse`` stay absolute floors)."""
+    outputs: dict[str, OutputTolerance] = {}
+    """Score tolerances per named output (a dict output's keys, a tuple output's indices ``"0"``,
+    ``"1"``...; a lone tensor is ``output``); outputs not named here use abs_tol / rel_tol."""
+    top_k: Count = 5
+    """Classifiers: how many of the best scores (FP32 and AMP) each probe's record keeps."""
     train_steps: Count0 = 0
     """Also train this many steps from the same state in FP32 and in each AMP precision and
     compare loss curves, gradient norms and applied updates (informational)."""
@@ -467,7 +499,7 @@ class ValidateConfig(_Section):
     def _some_precisions(cls, value: list[str]) -> list[str]:
         # nothing compared would read ACCEPTED; a precision named twice would be compared twice
         if not value:
-            raise ValueError("name at least one AMP precision to compare (fp16, bf16)")
+            raise ValueError(f"name at least one AMP precision to compare ({', '.join(VALIDATION_PRECISIONS)})")
         twice = sorted({name for name in value if value.count(name) > 1})
         if twice:
             raise ValueError(f"{', '.join(twice)} listed more than once")

@@ -2,10 +2,16 @@
 
 The acceptance test of a precision choice, with every rule declared in the config before the
 run (``validation``): a fixed probe set (typical held-out examples, edge cases, and the
-examples nearest a decision boundary in FP32), a score tolerance, a tie rule, a minimum quality
-on a fixed evaluation set, and no non-finite output. The model is fixed (weights, eval mode).
-The FP32 reference runs first and is checked itself: a non-finite or low-quality reference is
-reported as such, never trusted. Then each AMP precision is compared with it, rule by rule.
+examples nearest a decision boundary in FP32; each example probed once, with all its tags), a
+score tolerance per output, a tie rule, a quality rule relative to the reference (and optional
+absolute floors) on a fixed evaluation set, and no non-finite output. The model is fixed
+(weights, eval mode). The FP32 reference runs first and is checked itself: a non-finite or
+low-quality reference is reported as such, never trusted. Then each AMP precision is compared
+with it, rule by rule, and every probe keeps its record (scores, decisions, margins, tags).
+
+A model's outputs are named: a tensor is ``output``; a dict's are its keys; a tuple's or list's
+are their indices as strings (``"0"``, ``"1"``...). ``validation.outputs.<name>`` gives one its
+own tolerance. Decisions and quality are read from the first output.
 
 Diagnostics only: the training step never imports this.
 """
@@ -14,13 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import itertools
 import json
 import math
 import os
+import platform
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -33,6 +42,10 @@ from .records import strict_json
 from .tasks import Task
 
 CHUNK = 256
+SINGLE_OUTPUT = "output"
+"""The name of a model's output when it returns one tensor."""
+TIE_POLICIES = {"count_as_flip": "count as flips", "accept": "accepted", "reject": "reject the run"}
+"""``validation.ties``, as the report words it."""
 
 
 @dataclass
@@ -64,13 +77,14 @@ class Rule:
 
 @dataclass
 class PrecisionResult:
-    """One AMP precision against the FP32 reference: its rules, decision flips and ties, stats.
+    """One AMP precision against the FP32 reference: its rules, decision flips and ties, one
+    record per probe, stats.
 
     Example::
 
         >>> result = PrecisionResult("fp16", rules=[Rule("complete and finite", "7/7", "7/7", True)])
-        >>> result.ok, result.flips
-        (True, [])
+        >>> result.ok, result.flips, result.records
+        (True, [], [])
     """
 
     precision: str
@@ -78,6 +92,9 @@ class PrecisionResult:
     flips: list[dict[str, Any]] = field(default_factory=list)
     ties: list[dict[str, Any]] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """Per probe: its tags, FP32 and AMP top-k scores and decisions, margins, and whether it
+    flipped, tied or deviated beyond the tolerance."""
 
     @property
     def ok(self) -> bool:
@@ -98,7 +115,7 @@ class Validation:
 
     Example::
 
-        >>> v = Validation("linear", "regression", ["typical:0"], [Rule("reference quality", "mse 0.1", "", True)],
+        >>> v = Validation("linear", "regression", ["held_out:0"], [Rule("reference quality", "mse 0.1", "", True)],
         ...                [PrecisionResult("bf16", [Rule("complete and finite", "1/1", "1/1", True)])])
         >>> v.ok, v.weights
         (True, 'freshly initialised')
@@ -111,6 +128,10 @@ class Validation:
     results: list[PrecisionResult]
     training: list[dict[str, Any]] = field(default_factory=list)
     weights: str = "freshly initialised"
+    tags: dict[str, list[str]] = field(default_factory=dict)
+    """Each probe's tags: ``typical``, ``boundary`` (both for one example when it is both), ``edge``."""
+    environment: dict[str, Any] = field(default_factory=dict)
+    """What it takes to reproduce the report: versions, device, dtype support, hashes."""
 
     @property
     def reference_ok(self) -> bool:
@@ -136,28 +157,114 @@ class Validation:
         return self.reference_ok and all(result.ok for result in self.results)
 
 
+# ---------------------------------------------------------------------------- scores
+
+
+@dataclass
+class Scores:
+    """A model's outputs on a batch of examples, by name, each as float32 rows (one per example),
+    and the dtype each came out in (autocast may leave some in float32).
+
+    Example::
+
+        >>> s = Scores({"logits": torch.ones(3, 2), "aux": torch.zeros(3, 1)}, {"logits": "torch.bfloat16"})
+        >>> tuple(s.primary.shape), s.names
+        ((3, 2), ['logits', 'aux'])
+    """
+
+    outputs: dict[str, torch.Tensor]
+    dtypes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.outputs)
+
+    @property
+    def primary(self) -> torch.Tensor:
+        """The first output: the one decisions and quality are read from."""
+        return next(iter(self.outputs.values()))
+
+    def finite_rows(self) -> torch.Tensor:
+        """Per example: every score of every output is finite."""
+        return torch.stack([torch.isfinite(t).all(dim=1) for t in self.outputs.values()]).all(dim=0)
+
+
+def named_outputs(raw: Any) -> list[tuple[str, torch.Tensor]]:
+    """A model's outputs by name: a tensor is ``output``, a dict's are its keys, a tuple's or
+    list's are their indices as strings; ``None`` entries are left out. Anything else, or an
+    entry that is not a tensor, is an :class:`InputError`.
+
+    Example::
+
+        >>> [name for name, _ in named_outputs({"logits": torch.ones(1), "loss": None})]
+        ['logits']
+        >>> [name for name, _ in named_outputs((torch.ones(1), None, torch.ones(1)))], named_outputs(torch.ones(1))[0][0]
+        (['0', '2'], 'output')
+        >>> named_outputs("text")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: validate: the model returned a str; validate compares a tensor, or a dict, tuple or list of tensors
+    """
+    if isinstance(raw, torch.Tensor):
+        return [(SINGLE_OUTPUT, raw)]
+    if isinstance(raw, Mapping):
+        items = [(str(key), value) for key, value in raw.items()]
+    elif isinstance(raw, (tuple, list)):
+        items = [(str(i), value) for i, value in enumerate(raw)]
+    else:
+        raise InputError(f"validate: the model returned a {type(raw).__name__}; validate compares a tensor, "
+                         "or a dict, tuple or list of tensors")
+    items = [(name, value) for name, value in items if value is not None]
+    for name, value in items:
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"validate: the model's output {name} is a {type(value).__name__}, not a tensor")
+    if not items:
+        raise InputError("validate: the model returned no tensor to compare")
+    return items
+
+
 @torch.no_grad()
-def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Precision) -> torch.Tensor:
+def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Precision) -> Scores:
     device = next(model.parameters()).device
-    rows = []
+    parts: dict[str, list[torch.Tensor]] = {}
+    dtypes: dict[str, str] = {}
     for start in range(0, len(inputs), CHUNK):
+        chunk = inputs[start : start + CHUNK]
         with precision.autocast():
-            rows.append(task.scores(model, inputs[start : start + CHUNK].to(device)).float())
-    out = torch.cat(rows)
-    return out.reshape(len(inputs), -1)
+            named = named_outputs(task.scores(model, chunk.to(device)))
+        if parts and [name for name, _ in named] != list(parts):
+            raise InputError(f"validate: the model's outputs changed names between batches "
+                             f"({', '.join(parts)} -> {', '.join(name for name, _ in named)})")
+        for name, value in named:
+            if value.dim() == 0 or value.shape[0] != len(chunk):
+                raise InputError(f"validate: the model's output {name} has shape {tuple(value.shape)} for "
+                                 f"{len(chunk)} examples; validate compares one row per example")
+            parts.setdefault(name, []).append(value.float().reshape(len(chunk), -1))
+            dtypes[name] = str(value.dtype)
+    return Scores({name: torch.cat(rows) for name, rows in parts.items()}, dtypes)
 
 
 def _top2(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decision, margin): the argmax and the gap between the two best scores."""
+    """(decision, margin): the argmax (the first of equal best scores, as ``torch.argmax``) and
+    the gap between the two best scores."""
     if scores.shape[1] < 2:
         return scores.argmax(1), torch.full((len(scores),), math.inf)
     top = scores.topk(2, dim=1)
-    return top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
+    return scores.argmax(1), top.values[:, 0] - top.values[:, 1]
+
+
+def _top_k(row: torch.Tensor, k: int) -> list[list[float]]:
+    """The ``k`` best ``[class, score]`` pairs of one probe's scores, best first."""
+    top = row.topk(min(k, len(row)))
+    return [[int(i), float(v)] for i, v in zip(top.indices, top.values)]
+
+
+# ---------------------------------------------------------------------------- quality
 
 
 def _quality(mode: str, scores: torch.Tensor, targets: torch.Tensor) -> float:
     if mode == "classifier":
-        return float((scores.argmax(1) == targets.to(scores.device)).float().mean())
+        return int((scores.argmax(1) == targets.to(scores.device)).sum()) / len(scores)
     return float(((scores - targets.to(scores.device).reshape(len(scores), -1).float()) ** 2).mean())
 
 
@@ -171,12 +278,144 @@ def _quality_rule(mode: str, cfg: Any, value: float) -> tuple[str, bool]:
     return f"mse {value:.4g} (<= {cfg.max_mse:g})", math.isfinite(value) and value <= cfg.max_mse
 
 
-def _finite_count(scores: torch.Tensor) -> int:
-    return int(torch.isfinite(scores).all(dim=1).sum())
+QUALITY_SLACK = 1e-12
+"""Rounding slack on the relative quality bound (0.8 - 0.01 is 0.7900000000000001 in floats)."""
 
 
-def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fixed probe set and evaluation set: (probe ids, probe inputs, eval inputs, eval targets).
+def relative_quality_rule(mode: str, drop: float | None, reference: float, amp: float) -> Rule | None:
+    """The quality rule relative to the reference (``validation.max_quality_drop``): AMP accuracy
+    may fall by at most ``drop`` (classifiers), AMP MSE may rise by at most a fraction ``drop`` of
+    the reference's (regression). ``None`` when no drop is declared.
+
+    Example (accuracy falling from 1.0 to 0.5 is refused; 0.995 is within a 0.01 drop)::
+
+        >>> for amp in (0.5, 0.995):
+        ...     rule = relative_quality_rule("classifier", 0.01, 1.0, amp)
+        ...     print(rule.criterion, "|", rule.amp, "|", rule.decision)
+        quality vs FP32: accuracy drop <= 0.01 | accuracy 0.5000 (>= 1.0000 - 0.01 = 0.9900) | FAIL
+        quality vs FP32: accuracy drop <= 0.01 | accuracy 0.9950 (>= 1.0000 - 0.01 = 0.9900) | pass
+        >>> relative_quality_rule("regression", 0.01, 2.0, 2.03).amp
+        'mse 2.03 (<= 2 x (1 + 0.01) = 2.02)'
+    """
+    if drop is None:
+        return None
+    if mode == "classifier":
+        bound = reference - drop
+        return Rule(f"quality vs FP32: accuracy drop <= {drop:g}", f"accuracy {reference:.4f}",
+                    f"accuracy {amp:.4f} (>= {reference:.4f} - {drop:g} = {bound:.4f})",
+                    math.isfinite(bound) and amp >= bound - QUALITY_SLACK)
+    bound = reference * (1 + drop)
+    return Rule(f"quality vs FP32: mse <= FP32 mse x (1 + {drop:g})", f"mse {reference:.4g}",
+                f"mse {amp:.4g} (<= {reference:.4g} x (1 + {drop:g}) = {bound:.4g})",
+                math.isfinite(amp) and math.isfinite(bound) and amp <= bound * (1 + QUALITY_SLACK))
+
+
+# ---------------------------------------------------------------------------- tolerances
+
+
+def tolerance(cfg: Any, name: str) -> tuple[float, float]:
+    """``(abs_tol, rel_tol)`` for the output ``name``: its own ``validation.outputs.<name>`` where
+    declared, part by part, else ``validation.abs_tol`` / ``rel_tol``.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> cfg = validate({"validation": {"abs_tol": 0.05, "outputs": {"box": {"abs_tol": 0.5}}}}).validation
+        >>> tolerance(cfg, "box"), tolerance(cfg, "logits")
+        ((0.5, 0.05), (0.05, 0.05))
+    """
+    own = cfg.outputs.get(name)
+    abs_tol = own.abs_tol if own is not None and own.abs_tol is not None else cfg.abs_tol
+    rel_tol = own.rel_tol if own is not None and own.rel_tol is not None else cfg.rel_tol
+    return abs_tol, rel_tol
+
+
+def tolerance_text(abs_tol: float, rel_tol: float) -> str:
+    """The tolerance rule as it is applied.
+
+    Example::
+
+        >>> tolerance_text(0.05, 0.01)
+        '|amp - fp32| <= 0.05 + 0.01 * |fp32| per element'
+    """
+    return f"|amp - fp32| <= {abs_tol:g} + {rel_tol:g} * |fp32| per element"
+
+
+def _within(ref: torch.Tensor, amp: torch.Tensor, abs_tol: float, rel_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inside, used): per element, whether it is within the tolerance (a non-finite one never
+    is), and the share of its allowance it uses (inf where none is allowed or it is not finite)."""
+    err = (amp - ref).abs()
+    allowed = abs_tol + rel_tol * ref.abs()
+    inside = err <= allowed
+    used = torch.where(allowed > 0, err / allowed, torch.where(err > 0, math.inf, 0.0))
+    used = torch.where(torch.isnan(used) | ~torch.isfinite(amp) | ~torch.isfinite(ref), math.inf, used)
+    return inside, used
+
+
+def _score_rule(name: str, label: str, ref: torch.Tensor, amp: torch.Tensor, cfg: Any, ids: list[str],
+                stats: dict[str, Any]) -> tuple[Rule, torch.Tensor]:
+    """The tolerance rule of one output, and per probe whether any of its elements deviates."""
+    abs_tol, rel_tol = tolerance(cfg, name)
+    inside, used = _within(ref, amp, abs_tol, rel_tol)
+    err = (amp - ref).abs()
+    rel = err / ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    total, good = inside.numel(), int(inside.sum())
+    worst = int(used.flatten().argmax()) if total else 0
+    row, col = divmod(worst, max(ref.shape[1], 1))
+    worst_used = float(used.flatten()[worst]) if total else 0.0
+    stats[name] = {"abs_tol": abs_tol, "rel_tol": rel_tol, "elements": total, "within": good,
+                   "max_abs_error": float(err.max()) if total else 0.0,
+                   "max_rel_error": float(rel.max()) if total else 0.0,
+                   "worst_allowance_used": worst_used}
+    finite_ref = ref[torch.isfinite(ref)]
+    ref_text = (f"{total} scores in [{float(finite_ref.min()):.4g}, {float(finite_ref.max()):.4g}]"
+                if finite_ref.numel() else f"{total} scores, none finite")
+    if not total:
+        amp_text = "no scores"
+    elif math.isfinite(worst_used):
+        amp_text = (f"{good}/{total} within; worst {ids[row]}[{col}]: |{float(amp[row, col]):.6g} - "
+                    f"{float(ref[row, col]):.6g}| = {float(err[row, col]):.3g} <= allowed "
+                    f"{abs_tol + rel_tol * abs(float(ref[row, col])):.3g} ({100 * worst_used:.3g}% of it)")
+    else:
+        amp_text = (f"{good}/{total} within; {ids[row]}[{col}]: amp {float(amp[row, col]):.6g}, "
+                    f"fp32 {float(ref[row, col]):.6g}")
+    rule = Rule(f"{label}: {tolerance_text(abs_tol, rel_tol)}", ref_text, amp_text, good == total)
+    return rule, ~inside.all(dim=1)
+
+
+# ---------------------------------------------------------------------------- probes
+
+
+class ProbeSet(NamedTuple):
+    """The fixed probe set and evaluation set. Each example is probed once: ``ids`` name it
+    (``held_out:<index>`` or ``edge:<name>``), ``tags`` say why it is in the set."""
+
+    ids: list[str]
+    tags: dict[str, list[str]]
+    inputs: torch.Tensor
+    x_eval: torch.Tensor
+    y_eval: torch.Tensor
+
+    def sha256(self) -> str:
+        """A hash of the probes: ids, tags, and the inputs' dtype, shape and bytes.
+
+        Example::
+
+            >>> p = ProbeSet(["held_out:0"], {"held_out:0": ["typical"]}, torch.ones(1, 2), torch.ones(1, 2), torch.ones(1))
+            >>> p.sha256() == p._replace(inputs=torch.ones(1, 2)).sha256() != p._replace(inputs=torch.zeros(1, 2)).sha256()
+            True
+        """
+        digest = hashlib.sha256(json.dumps([self.ids, self.tags, str(self.inputs.dtype),
+                                            list(self.inputs.shape)]).encode())
+        data = self.inputs.detach().cpu().contiguous()
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        return digest.hexdigest()
+
+
+def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -> ProbeSet:
+    """The fixed probe set and evaluation set. The typical examples (the first ``typical``
+    held-out ones) and the boundary ones (the ``boundary`` with the smallest FP32 top-2 margin)
+    are both drawn from the held-out set: an example that is both is probed once, with both tags.
 
     Example (a regression task: typical examples and edge cases, no decision boundary)::
 
@@ -184,10 +423,12 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
         >>> from ampguard.tasks import build_task
         >>> config = validate({"task": {"name": "linear"}, "validation": {"typical": 2}})
         >>> task = build_task(config)
-        >>> ids, probes, x_eval, y_eval = build_probes(task, task.model, torch.device("cpu"), config.validation)
-        >>> ids
-        ['typical:0', 'typical:1', 'edge:zeros', 'edge:large', 'edge:large_negative']
-        >>> tuple(probes.shape), tuple(x_eval.shape), torch.equal(probes[:2], x_eval[:2])
+        >>> probes = build_probes(task, task.model, torch.device("cpu"), config.validation)
+        >>> probes.ids
+        ['held_out:0', 'held_out:1', 'edge:zeros', 'edge:large', 'edge:large_negative']
+        >>> probes.tags["held_out:1"], probes.tags["edge:large"]
+        (['typical'], ['edge'])
+        >>> tuple(probes.inputs.shape), tuple(probes.x_eval.shape), torch.equal(probes.inputs[:2], probes.x_eval[:2])
         ((5, 16), (512, 16), True)
     """
     if task.held_out is None or task.held_out() is None:
@@ -197,23 +438,27 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
         raise InputError("validate: the held-out inputs must be a tensor")
     if len(x_eval) == 0:
         raise InputError(f"validate: task {task.name} has an empty held-out set: nothing to evaluate")
-    ids = [f"typical:{i}" for i in range(min(cfg.typical, len(x_eval)))]
-    parts = [x_eval[: len(ids)]]
+    tags: dict[int, list[str]] = {i: ["typical"] for i in range(min(cfg.typical, len(x_eval)))}
     if task.mode == "classifier" and cfg.boundary:
-        _, margin = _top2(_scores(task, model, x_eval, Precision("fp32", device.type)))
+        _, margin = _top2(_scores(task, model, x_eval, Precision("fp32", device.type)).primary)
         margin = torch.where(torch.isfinite(margin), margin, torch.full_like(margin, math.inf))
-        nearest = margin.cpu().argsort()[: min(cfg.boundary, len(x_eval))]
-        ids += [f"boundary:{int(i)}" for i in nearest]
-        parts.append(x_eval[nearest])
+        for i in margin.cpu().argsort(stable=True)[: min(cfg.boundary, len(x_eval))].tolist():
+            tags.setdefault(i, []).append("boundary")
+    ids = [f"held_out:{i}" for i in tags]
+    by_id = {f"held_out:{i}": t for i, t in tags.items()}
+    parts = [x_eval[list(tags)]] if tags else []
     if cfg.edge_cases and task.edge_cases is not None:
         names, edge = task.edge_cases()
-        ids += [f"edge:{name}" for name in names]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise InputError(f"validate: task {task.name} names edge case {twice[0]!r} more than once")
+        for name in names:
+            ids.append(f"edge:{name}")
+            by_id[f"edge:{name}"] = ["edge"]
         parts.append(edge.to(x_eval.dtype))
     if not ids:
         raise InputError(_empty_probe_set(task, cfg))
-    return ids, torch.cat(parts), x_eval, y_eval
-
-
+    return ProbeSet(ids, by_id, torch.cat(parts), x_eval, y_eval)
 def check_rules(task: Task, cfg: Any) -> None:
     """Refuse rules that cannot apply to ``task`` before anything runs or is written: a quality
     threshold of the other mode (``min_accuracy`` is for classifiers, ``max_mse`` for regression)
@@ -257,7 +502,8 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
     """Run the reference and every AMP precision on the probes and the evaluation set.
 
     Reads every score back to the host (several host syncs per precision): a diagnostic, run
-    outside the training loop. The model is left in eval mode.
+    outside the training loop. The model is left in eval mode. A ``validation.outputs`` name the
+    model does not produce is an :class:`InputError` (raised before anything is written).
 
     Example::
 
@@ -269,73 +515,210 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
         >>> v.ok, len(v.probes), [r.precision for r in v.results]
         (True, 7, ['bf16'])
         >>> [(rule.criterion, rule.decision) for rule in v.results[0].rules]  # doctest: +NORMALIZE_WHITESPACE
-        [('complete and finite', 'pass'), ('scores within abs 0.05 + rel 0.05', 'pass'),
-         ('extremes (min, max over probes)', 'pass'), ('quality on the fixed evaluation set', 'pass')]
+        [('complete and finite', 'pass'), ('scores: |amp - fp32| <= 0.05 + 0.05 * |fp32| per element', 'pass'),
+         ('extremes (min, max over probes)', 'pass'), ('quality on the fixed evaluation set', 'pass'),
+         ('quality vs FP32: mse <= FP32 mse x (1 + 0.01)', 'pass')]
     """
     cfg = config.validation
     model.eval()
-    ids, probes, x_eval, y_eval = build_probes(task, model, device, cfg)
+    probes = build_probes(task, model, device, cfg)
+    ids, x_eval, y_eval = probes.ids, probes.x_eval, probes.y_eval
     fp32 = Precision("fp32", device.type)
-    ref = _scores(task, model, probes, fp32)
-    ref_eval = _scores(task, model, x_eval, fp32)
+    ref = _scores(task, model, probes.inputs, fp32)
+    unknown = [name for name in cfg.outputs if name not in ref.outputs]
+    if unknown:
+        raise InputError(f"validate: validation.outputs.{unknown[0]}: the model has no output named {unknown[0]!r} "
+                         f"(its outputs: {', '.join(ref.names)})")
+    ref_eval = _scores(task, model, x_eval, fp32).primary
     ref_quality = _quality(task.mode, ref_eval, y_eval)
     n = len(ids)
+    ref_finite = int(ref.finite_rows().sum())
     text, ok = _quality_rule(task.mode, cfg, ref_quality)
     reference = [
-        Rule("reference outputs finite", f"{_finite_count(ref)}/{n} probes, "
-             f"{_finite_count(ref_eval)}/{len(x_eval)} eval", "", _finite_count(ref) == n
+        Rule("reference outputs finite", f"{ref_finite}/{n} probes, "
+             f"{_finite_count(ref_eval)}/{len(x_eval)} eval", "", ref_finite == n
              and _finite_count(ref_eval) == len(x_eval)),
         Rule("reference quality", text, "", ok),
     ]
+    results = [_compare_precision(name, task, model, cfg, device, probes, ref, ref_eval, ref_quality, text)
+               for name in cfg.precisions]
+    environment = describe_environment(config, device, ref.dtypes, results)
+    environment["probe_set_sha256"] = probes.sha256()
+    return Validation(task.name, task.mode, ids, reference, results, tags=probes.tags, environment=environment)
+
+
+def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device: torch.device, probes: ProbeSet,
+                       ref: Scores, ref_eval: torch.Tensor, ref_quality: float, ref_text: str) -> PrecisionResult:
+    """One AMP precision against the reference, rule by rule, with one record per probe."""
+    ids, n = probes.ids, len(probes.ids)
+    amp_p = Precision(name, device.type)
+    amp = _scores(task, model, probes.inputs, amp_p)
+    if amp.names != ref.names:
+        raise InputError(f"validate: the model's outputs under {name} ({', '.join(amp.names)}) are not those "
+                         f"of FP32 ({', '.join(ref.names)})")
+    amp_eval = _scores(task, model, probes.x_eval, amp_p).primary
+    result = PrecisionResult(name, stats={"output_dtypes": amp.dtypes})
+    finite_rows = amp.finite_rows()
+    finite = int(finite_rows.sum())
+    result.rules.append(Rule("complete and finite", f"{int(ref.finite_rows().sum())}/{n}", f"{finite}/{n}",
+                             finite == n))
+    per_output: dict[str, Any] = {}
+    deviated = {}
+    for out in ref.names:
+        label = "scores" if ref.names == [SINGLE_OUTPUT] else f"output {out}"
+        rule, rows = _score_rule(out, label, ref.outputs[out], amp.outputs[out], cfg, ids, per_output)
+        result.rules.append(rule)  # a non-finite element is never within: it fails its output's rule
+        deviated[out] = rows
+    result.stats.update(max_abs_error=max(s["max_abs_error"] for s in per_output.values()),
+                        max_rel_error=max(s["max_rel_error"] for s in per_output.values()),
+                        outputs=per_output)
+    first, first_amp = ref.primary, amp.primary
+    for i, probe in enumerate(ids):
+        errors = [(amp.outputs[o][i] - ref.outputs[o][i]).abs() for o in ref.names]
+        result.records.append({
+            "probe": probe, "tags": probes.tags[probe], "finite": bool(finite_rows[i]),
+            "deviated": any(bool(rows[i]) for rows in deviated.values()),
+            "deviated_outputs": [o for o, rows in deviated.items() if bool(rows[i])],
+            "max_abs_error": max(float(e.max()) if e.numel() else 0.0 for e in errors),
+        })
+    if task.mode == "classifier":
+        _decisions(result, cfg, first, first_amp)
+    else:
+        targets = probes.y_eval.to(amp_eval.device).reshape(len(amp_eval), -1).float()
+        result.stats.update(
+            max_abs_error_vs_target_fp32=float((ref_eval - targets).abs().max()),
+            max_abs_error_vs_target_amp=float((amp_eval - targets).abs().max()),
+            extremes_fp32=[float(first.min()), float(first.max())],
+            extremes_amp=[float(first_amp.min()), float(first_amp.max())],
+        )
+        within = all(rule.ok for rule in result.rules[1:])
+        result.rules.append(Rule("extremes (min, max over probes)",
+                                 f"{float(first.min()):.4g}, {float(first.max()):.4g}",
+                                 f"{float(first_amp.min()):.4g}, {float(first_amp.max()):.4g}", within))
+    amp_quality = _quality(task.mode, amp_eval, probes.y_eval)
+    text_amp, ok_amp = _quality_rule(task.mode, cfg, amp_quality)
+    result.stats.update(quality_fp32=ref_quality, quality_amp=amp_quality)
+    result.rules.append(Rule("quality on the fixed evaluation set", ref_text, text_amp, ok_amp))
+    relative = relative_quality_rule(task.mode, cfg.max_quality_drop, ref_quality, amp_quality)
+    if relative is not None:
+        result.rules.append(relative)
+    return result
+
+
+def classify_probe(fp32_decision: int, amp_decision: int, fp32_margin: float, amp_margin: float,
+                   tie_margin: float) -> str:
+    """``flip``, ``tie`` or ``same``. A probe whose FP32 top-2 gap is within ``tie_margin`` is a
+    tie whichever way AMP decides: the reference itself barely decides. One whose decision AMP
+    keeps with a gap within ``tie_margin`` is a tie too. A changed decision is a flip otherwise.
+
+    Example (the lesson's scores, 1.0000 and 1.0003: a tie under a tie margin of 0.001, whichever
+    class AMP picks; a flip under a margin of 0.0001)::
+
+        >>> fp32_margin = 1.0003 - 1.0000
+        >>> classify_probe(1, 0, fp32_margin, 0.0, 0.001), classify_probe(1, 1, fp32_margin, 0.0002, 0.001)
+        ('tie', 'tie')
+        >>> classify_probe(1, 0, fp32_margin, 0.0, 0.0001), classify_probe(1, 1, 3.0, 2.9, 0.0001)
+        ('flip', 'same')
+    """
+    if fp32_margin <= tie_margin or (amp_decision == fp32_decision and amp_margin <= tie_margin):
+        return "tie"
+    return "flip" if amp_decision != fp32_decision else "same"
+
+
+def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.Tensor) -> None:
+    """Decisions per probe (argmax of the first output): flips, ties, the records, the rule."""
     ref_decision, ref_margin = _top2(ref)
-    results = []
-    for name in cfg.precisions:
-        amp_p = Precision(name, device.type)
-        amp = _scores(task, model, probes, amp_p)
-        amp_eval = _scores(task, model, x_eval, amp_p)
-        result = PrecisionResult(name)
-        finite = _finite_count(amp)
-        result.rules.append(Rule("complete and finite", f"{_finite_count(ref)}/{n}", f"{finite}/{n}", finite == n))
-        err = (amp - ref).abs()
-        rel = err / ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
-        allowed = cfg.abs_tol + cfg.rel_tol * ref.abs()
-        within = bool((err <= allowed).all()) and finite == n
-        max_abs, max_rel = float(err.max()), float(rel.max())
-        result.stats.update(max_abs_error=max_abs, max_rel_error=max_rel)
-        result.rules.append(Rule(f"scores within abs {cfg.abs_tol:g} + rel {cfg.rel_tol:g}", "(reference)",
-                                 f"max abs {max_abs:.3g}, max rel {max_rel:.3g}", within))
-        if task.mode == "classifier":
-            decision, margin = _top2(amp)
-            for i in range(n):
-                row = {"probe": ids[i], "fp32": int(ref_decision[i]), "amp": int(decision[i]),
-                       "fp32_margin": float(ref_margin[i]), "amp_margin": float(margin[i])}
-                if int(decision[i]) != int(ref_decision[i]):
-                    result.flips.append(row)
-                elif float(margin[i]) <= cfg.tie_margin:
-                    result.ties.append(row)
-            changes = len(result.flips) + (len(result.ties) if cfg.ties == "count_as_flip" else 0)
-            listed = ", ".join(f"{r['probe']} ({r['fp32']}->{r['amp']}, fp32 margin {r['fp32_margin']:.3g})"
-                               for r in result.flips) or "none"
-            result.rules.append(Rule(f"decision changes <= {cfg.max_flips} (ties {cfg.ties.replace('_', ' ')})",
-                                     "0", f"{len(result.flips)} flips, {len(result.ties)} ties: {listed}",
-                                     changes <= cfg.max_flips))
+    decision, margin = _top2(amp)
+    for i, record in enumerate(result.records):
+        fp32_d, amp_d = int(ref_decision[i]), int(decision[i])
+        kind = classify_probe(fp32_d, amp_d, float(ref_margin[i]), float(margin[i]), cfg.tie_margin)
+        record.update(fp32={"decision": fp32_d, "top": _top_k(ref[i], cfg.top_k)},
+                      amp={"decision": amp_d, "top": _top_k(amp[i], cfg.top_k)},
+                      fp32_margin=float(ref_margin[i]), amp_margin=float(margin[i]),
+                      changed=fp32_d != amp_d, flipped=kind == "flip", tied=kind == "tie")
+        row = {"probe": record["probe"], "tags": record["tags"], "fp32": fp32_d, "amp": amp_d,
+               "fp32_margin": record["fp32_margin"], "amp_margin": record["amp_margin"]}
+        if kind == "flip":
+            result.flips.append(row)
+        elif kind == "tie":
+            result.ties.append(row)
+    changes = len(result.flips) + (len(result.ties) if cfg.ties == "count_as_flip" else 0)
+    ok = changes <= cfg.max_flips and not (cfg.ties == "reject" and result.ties)
+
+    def listed(rows: list[dict[str, Any]]) -> str:
+        return "".join(f"{', ' if i else ': '}{r['probe']} ({r['fp32']}->{r['amp']}, fp32 margin {r['fp32_margin']:.3g})"
+                       for i, r in enumerate(rows))
+
+    result.rules.append(Rule(f"decision changes <= {cfg.max_flips} (tie: FP32 top-2 gap <= {cfg.tie_margin:g}; "
+                             f"ties {TIE_POLICIES[cfg.ties]})",
+                             "0", f"{len(result.flips)} flips{listed(result.flips)}; "
+                             f"{len(result.ties)} ties{listed(result.ties)}", ok))
+
+
+def _finite_count(scores: torch.Tensor) -> int:
+    return int(torch.isfinite(scores).all(dim=1).sum())
+
+
+# ---------------------------------------------------------------------------- reproducibility
+
+
+def describe_environment(config: Config, device: torch.device, fp32_dtypes: dict[str, str],
+                         results: list[PrecisionResult]) -> dict[str, Any]:
+    """What the report was made with: ampguard, torch and Python versions, the device, the dtype
+    support of each precision compared there, and the effective config with its SHA-256.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> env = describe_environment(validate({"validation": {"precisions": ["bf16"]}}), torch.device("cpu"), {}, [])
+        >>> env["device"]["type"], env["dtype_support"]["bf16"]["dtype"], len(env["config_sha256"])
+        ('cpu', 'torch.bfloat16', 64)
+    """
+    from . import __version__
+
+    effective = config.model_dump(mode="json")
+    # the FP32 reference is only FP32 where matmuls are: "high" or "medium" lets them use TF32 / bf16
+    info: dict[str, Any] = {"type": device.type, "name": platform.processor() or platform.machine(),
+                            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        info.update(name=torch.cuda.get_device_name(index),
+                    capability=".".join(map(str, torch.cuda.get_device_capability(index))),
+                    cuda=torch.version.cuda, cudnn_allow_tf32=torch.backends.cudnn.allow_tf32)
+    support = {}
+    for name in config.validation.precisions:
+        entry: dict[str, Any] = {"autocast_available": torch.amp.is_autocast_available(device.type)}
+        with contextlib.suppress(KeyError, ValueError):
+            entry["dtype"] = str(Precision(name, device.type).dtype)
+        if device.type == "cuda" and name == "bf16":
+            entry["supported"] = bool(torch.cuda.is_bf16_supported())
+        elif device.type == "cpu" and name == "fp16":
+            entry["supported"], entry["note"] = True, "emulated on a CPU (slow)"
         else:
-            targets = y_eval.to(amp_eval.device).reshape(len(amp_eval), -1).float()
-            result.stats.update(
-                max_abs_error_vs_target_fp32=float((ref_eval - targets).abs().max()),
-                max_abs_error_vs_target_amp=float((amp_eval - targets).abs().max()),
-                extremes_fp32=[float(ref.min()), float(ref.max())],
-                extremes_amp=[float(amp.min()), float(amp.max())],
-            )
-            result.rules.append(Rule("extremes (min, max over probes)",
-                                     f"{float(ref.min()):.4g}, {float(ref.max()):.4g}",
-                                     f"{float(amp.min()):.4g}, {float(amp.max()):.4g}", within))
-        amp_quality = _quality(task.mode, amp_eval, y_eval)
-        text_amp, ok_amp = _quality_rule(task.mode, cfg, amp_quality)
-        result.stats.update(quality_fp32=ref_quality, quality_amp=amp_quality)
-        result.rules.append(Rule("quality on the fixed evaluation set", text, text_amp, ok_amp))
-        results.append(result)
-    return Validation(task.name, task.mode, ids, reference, results)
+            entry["supported"] = entry["autocast_available"]
+        support[name] = entry
+    outputs = {r.precision: r.stats.get("output_dtypes", {}) for r in results}
+    return {"ampguard": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "device": info, "dtype_support": support, "output_dtypes": {"fp32": fp32_dtypes, **outputs},
+            "config_sha256": hashlib.sha256(json.dumps(effective, sort_keys=True).encode()).hexdigest(),
+            "config": effective}
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file, read in 1 MiB pieces.
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     file_sha256(f.name)[:12]
+        'e3b0c44298fc'
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 def compare_training(task: Task, config: Config, device: torch.device, steps: int) -> list[dict[str, Any]]:
@@ -406,13 +789,14 @@ def markdown(v: Validation, config: Config) -> str:
 
     Example::
 
-        >>> v = Validation("linear", "regression", ["typical:0"], [Rule("reference quality", "mse 0.1", "", True)],
-        ...                [PrecisionResult("fp16", [Rule("complete and finite", "1/1", "0/1", False)])])
+        >>> v = Validation("linear", "regression", ["held_out:0"], [Rule("reference quality", "mse 0.1", "", True)],
+        ...                [PrecisionResult("fp16", [Rule("complete and finite", "1/1", "0/1", False)])],
+        ...                environment={"torch": "2.13.0"})
         >>> lines = markdown(v, Config()).splitlines()
         >>> lines[0], lines[2]
         ('# AMP validation: linear (regression)', '**REJECTED**')
-        >>> [line for line in lines if line.startswith("## ") or "complete and finite" in line]
-        ['## FP32 reference', '## fp16 vs FP32: FAIL', '| complete and finite | 1/1 | 0/1 | FAIL |']
+        >>> [line for line in lines if line.startswith("## ") or "complete and finite" in line or "torch" in line]
+        ['## FP32 reference', '## fp16 vs FP32: FAIL', '| complete and finite | 1/1 | 0/1 | FAIL |', '## Reproducibility', '| torch | 2.13.0 |']
     """
     cfg = config.validation
     lines = [
@@ -420,32 +804,39 @@ def markdown(v: Validation, config: Config) -> str:
         "",
         f"**{'ACCEPTED' if v.ok else 'REJECTED'}**" + ("" if v.reference_ok else " (the FP32 reference itself is not trusted)"),
         "",
-        f"Weights: {v.weights}. Model in eval mode. Probe set ({len(v.probes)}): {cfg.typical} typical, "
-        f"{cfg.boundary if v.mode == 'classifier' else 0} nearest a decision boundary in FP32, "
-        f"{'the task edge cases' if cfg.edge_cases else 'no edge cases'}. Rules declared before the run: scores within "
-        f"abs {cfg.abs_tol:g} + rel {cfg.rel_tol:g}; at most {cfg.max_flips} decision changes (tie margin "
-        f"{cfg.tie_margin:g}, ties {cfg.ties.replace('_', ' ')}); no non-finite output; "
+        f"Weights: {v.weights}. Model in eval mode. Probe set ({len(v.probes)} examples, each probed once with "
+        f"all its tags): {_probe_counts(v, cfg)}. Rules declared before the run: scores "
+        f"{tolerance_text(cfg.abs_tol, cfg.rel_tol)}{' (outputs not named below)' if cfg.outputs else ''}"
+        + "".join(f"; output {name}: {tolerance_text(*tolerance(cfg, name))}" for name in cfg.outputs)
+        + f"; at most {cfg.max_flips} decision changes (a tie: FP32 top-2 gap <= {cfg.tie_margin:g}, or AMP's "
+        f"with the same decision; ties {TIE_POLICIES[cfg.ties]}); no non-finite output; "
         + (f"accuracy >= {cfg.min_accuracy:g}" if v.mode == "classifier" and cfg.min_accuracy is not None
            else f"mse <= {cfg.max_mse:g}" if v.mode == "regression" and cfg.max_mse is not None
-           else "no quality threshold") + ".",
+           else "no absolute quality floor")
+        + ("" if cfg.max_quality_drop is None else
+           f"; accuracy at most {cfg.max_quality_drop:g} below FP32's" if v.mode == "classifier" else
+           f"; mse at most (1 + {cfg.max_quality_drop:g}) x FP32's") + ".",
         "",
         "## FP32 reference",
         "",
         "| criterion | reference | decision |",
         "|---|---|---|",
-        *(f"| {r.criterion} | {r.reference} | {r.decision} |" for r in v.reference),
+        *(_row(r.criterion, r.reference, r.decision) for r in v.reference),
     ]
     for result in v.results:
         lines += ["", f"## {result.precision} vs FP32: {'pass' if result.ok else 'FAIL'}", "",
                   "| criterion | reference (FP32) | AMP | decision |", "|---|---|---|---|"]
-        lines += [f"| {r.criterion} | {r.reference} | {r.amp} | {r.decision} |" for r in result.rules]
+        lines += [_row(r.criterion, r.reference, r.amp, r.decision) for r in result.rules]
         if result.flips or result.ties:
-            lines += ["", "| probe | FP32 decision | AMP decision | FP32 margin | AMP margin | change |",
-                      "|---|---|---|---|---|---|"]
-            lines += [f"| {r['probe']} | {r['fp32']} | {r['amp']} | {r['fp32_margin']:.4g} | {r['amp_margin']:.4g} | flip |"
-                      for r in result.flips]
-            lines += [f"| {r['probe']} | {r['fp32']} | {r['amp']} | {r['fp32_margin']:.4g} | {r['amp_margin']:.4g} | tie |"
-                      for r in result.ties]
+            lines += ["", "| probe | tags | FP32 decision | AMP decision | FP32 margin | AMP margin | change |",
+                      "|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['probe']} | {', '.join(r.get('tags', []))} | {r['fp32']} | {r['amp']} | "
+                      f"{r['fp32_margin']:.4g} | {r['amp_margin']:.4g} | {change} |"
+                      for change, rows in (("flip", result.flips), ("tie", result.ties)) for r in rows]
+        deviated = [r for r in result.records if r.get("deviated")]
+        if deviated:
+            lines += ["", f"Probes outside the tolerance ({len(deviated)}): " + ", ".join(
+                f"{r['probe']} ({', '.join(r['tags'])}; max |amp - fp32| {r['max_abs_error']:.3g})" for r in deviated)]
     if v.training:
         lines += ["", "## Training from the same state (informational)", "",
                   "| precision | updates applied | final loss | max loss diff vs FP32 | mean grad-norm ratio vs FP32 |",
@@ -454,7 +845,49 @@ def markdown(v: Validation, config: Config) -> str:
             ratio = t["mean_grad_norm_ratio_vs_fp32"]
             lines.append(f"| {t['precision']} | {t['updates_applied']} | {t['final_loss']:.4g} | "
                          f"{t['max_loss_diff_vs_fp32']:.3g} | {'n/a' if ratio is None else format(ratio, '.4f')} |")
+    lines += _reproducibility(v)
     return "\n".join(lines) + "\n"
+
+
+def _probe_counts(v: Validation, cfg: Any) -> str:
+    """How many probes carry each tag, e.g. ``7 typical, 7 nearest a decision boundary in FP32, 1 edge case``."""
+    if not v.tags:  # a Validation made by hand: what was asked
+        return (f"{cfg.typical} typical, {cfg.boundary if v.mode == 'classifier' else 0} nearest a decision "
+                f"boundary in FP32, {'the task edge cases' if cfg.edge_cases else 'no edge cases'}")
+    count = {tag: sum(tag in tags for tags in v.tags.values()) for tag in ("typical", "boundary", "edge")}
+    return (f"{count['typical']} typical, {count['boundary']} nearest a decision boundary in FP32, "
+            f"{count['edge']} edge case{'' if count['edge'] == 1 else 's'}")
+
+
+def _reproducibility(v: Validation) -> list[str]:
+    """The report's last section: what it was made with (the full config is in validation.json)."""
+    env = v.environment
+    if not env:
+        return []
+    rows = [(key, env[key]) for key in ("ampguard", "torch", "python") if key in env]
+    device = env.get("device")
+    if device:
+        rows.append(("device", ", ".join(f"{k} {val}" for k, val in device.items())))
+    for name, support in env.get("dtype_support", {}).items():
+        rows.append((f"{name} support", ", ".join(f"{k} {val}" for k, val in support.items())))
+    for name, dtypes in env.get("output_dtypes", {}).items():
+        rows.append((f"{name} output dtypes", ", ".join(f"{k} {val}" for k, val in dtypes.items()) or "n/a"))
+    checkpoint = env.get("checkpoint")
+    if checkpoint:
+        rows.append(("checkpoint", f"{checkpoint['path']} (sha256 {checkpoint['sha256']})"))
+    rows += [(key.replace("_", " "), env[key]) for key in ("config_sha256", "probe_set_sha256") if key in env]
+    return ["", "## Reproducibility", "", "| what | value |", "|---|---|", *(_row(k, val) for k, val in rows)]
+
+
+def _row(*cells: Any) -> str:
+    """One Markdown table row; a ``|`` inside a cell (``|amp - fp32|``) is escaped.
+
+    Example::
+
+        >>> print(_row("scores: |a - b| <= 0.1", "pass"))
+        | scores: \\|a - b\\| <= 0.1 | pass |
+    """
+    return "| " + " | ".join(str(cell).replace("|", "\\|") for cell in cells) + " |"
 
 
 def as_json(v: Validation) -> dict[str, Any]:
@@ -462,7 +895,7 @@ def as_json(v: Validation) -> dict[str, Any]:
 
     Example::
 
-        >>> v = Validation("linear", "regression", ["typical:0"], [Rule("reference quality", "mse 0.1", "", True)],
+        >>> v = Validation("linear", "regression", ["held_out:0"], [Rule("reference quality", "mse 0.1", "", True)],
         ...                [PrecisionResult("bf16", [Rule("complete and finite", "1/1", "1/1", True)])])
         >>> data = as_json(v)
         >>> data["accepted"], data["precisions"][0]["rules"]
@@ -474,10 +907,10 @@ def as_json(v: Validation) -> dict[str, Any]:
 
     return {
         "accepted": v.ok, "reference_trusted": v.reference_ok, "task": v.task, "mode": v.mode,
-        "weights": v.weights, "probes": v.probes, "reference": rules(v.reference),
+        "weights": v.weights, "probes": v.probes, "probe_tags": v.tags, "reference": rules(v.reference),
         "precisions": [{"precision": r.precision, "ok": r.ok, "rules": rules(r.rules), "flips": r.flips,
-                        "ties": r.ties, "stats": r.stats} for r in v.results],
-        "training": v.training,
+                        "ties": r.ties, "stats": r.stats, "probes": r.records} for r in v.results],
+        "training": v.training, "environment": v.environment,
     }
 
 
@@ -542,8 +975,9 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
     from .tasks import build_task
 
     cfg = config.validation
-    if train_steps is not None:
-        cfg = cfg.model_copy(update={"train_steps": train_steps})
+    if train_steps is not None or checkpoint:  # the report's config is the one that reproduces it
+        update = {"train_steps": train_steps} if train_steps is not None else {}
+        cfg = cfg.model_copy(update={**update, **({"checkpoint": str(checkpoint)} if checkpoint else {})})
         config = config.model_copy(update={"validation": cfg})
     folder = Path(out) if out else Path(config.log.dir) / time.strftime("validate-%Y%m%d-%H%M%S")
     check_output_folder(folder)
@@ -552,14 +986,20 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
     check_rules(task, cfg)
     model = task.model.to(device)
     weights = "freshly initialised (no checkpoint given)"
-    checkpoint = checkpoint or cfg.checkpoint
+    checkpoint = cfg.checkpoint
     if checkpoint:
         payload = load_weights(model, checkpoint, map_location=device)
         weights = f"from {checkpoint} (step {payload['step']})"
+        try:
+            provenance = {"path": str(Path(checkpoint).resolve()), "sha256": file_sha256(checkpoint)}
+        except OSError as err:
+            raise InputError(f"{checkpoint}: cannot read it ({err.strerror or err})") from None
 
     training = compare_training(task, config, device, cfg.train_steps) if cfg.train_steps else []
     result = compare(task, model, config, device)
     result.weights, result.training = weights, training
+    if checkpoint:
+        result.environment["checkpoint"] = provenance
     md, js = write_report_folder(result, config, folder)
     for r in result.reference:
         print(f"reference: {r.criterion}: {r.reference} -> {r.decision}")

@@ -31,7 +31,7 @@ from ampguard.tasks import build_task
 FP16_SPACING_AT_1 = 2.0**-10
 BF16_SPACING_AT_1 = 2.0**-7
 
-SEPARATED = [f"typical:{i}" for i in range(6)]
+SEPARATED = [f"held_out:{i}" for i in range(6)]
 
 
 def write_config(folder: Path, factory: str, options: dict | None = None, **validation) -> Path:
@@ -58,11 +58,16 @@ def precision_tables(md: str) -> dict[str, list[list[str]]]:
         rows = []
         for line in section.splitlines():
             if line.startswith("|"):
-                rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+                rows.append(cells(line))
             elif rows:
                 break  # the first table only: the rule table
         tables[match.group(1)] = rows
     return tables
+
+
+def cells(line: str) -> list[str]:
+    """The cells of one Markdown table row; an escaped ``\\|`` (as in ``\\|amp - fp32\\|``) is text."""
+    return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
 
 
 def check_rule_tables(md: str, data: dict) -> None:
@@ -97,10 +102,10 @@ def test_a_benign_classifier_is_accepted(cli, tmp_path, factory):
     md, data = load_report(tmp_path / "report")
     assert data["accepted"] is True and data["reference_trusted"] is True
     assert data["mode"] == "classifier"
-    # the probe set: typical held-out examples, the nearest-boundary ones, the edge cases
-    assert data["probes"][:6] == SEPARATED
-    assert {p for p in data["probes"] if p.startswith("boundary:")} == {f"boundary:{i}" for i in range(6)}
-    assert data["probes"][-1] == "edge:big"
+    # the probe set: typical held-out examples, the nearest-boundary ones, the edge cases; the six
+    # held-out examples are both typical and (boundary 16 >= 6) nearest the boundary: probed once each
+    assert data["probes"] == [*SEPARATED, "edge:big"]
+    assert data["probe_tags"] == {**{p: ["typical", "boundary"] for p in SEPARATED}, "edge:big": ["edge"]}
     assert [p["precision"] for p in data["precisions"]] == ["fp16", "bf16"]
     for result in data["precisions"]:
         assert result["ok"] is True
@@ -127,18 +132,19 @@ def test_a_near_tie_that_fp16_cannot_resolve_is_rejected(cli, tmp_path, factory)
     fp16 = data["precisions"][0]
     assert fp16["ok"] is False
     # the planted probe (held-out index 6) and nothing else changed its decision
-    assert changed_probes(fp16) == {"typical:6", "boundary:6"}
-    row = next(r for r in fp16["flips"] + fp16["ties"] if r["probe"] == "boundary:6")
+    assert changed_probes(fp16) == {"held_out:6"}
+    row = next(r for r in fp16["flips"] + fp16["ties"] if r["probe"] == "held_out:6")
     assert row["fp32"] == 1
     assert row["fp32_margin"] == pytest.approx(0.0003, abs=1e-6)
     assert row["amp_margin"] == 0.0
     decision = next(rule for rule in fp16["rules"] if rule["criterion"].startswith("decision changes"))
-    assert decision["ok"] is False and "boundary:6" in decision["amp"]
-    # the Markdown lists the probe in the flips/ties table, with both decisions
-    probe_rows = [line for line in md.splitlines() if line.startswith("| boundary:6 |")]
+    assert decision["ok"] is False and "held_out:6" in decision["amp"]
+    # the Markdown lists the probe in the flips/ties table, with its tags and both decisions
+    probe_rows = [line for line in md.splitlines() if line.startswith("| held_out:6 |")]
     assert len(probe_rows) == 1
-    cells = [c.strip() for c in probe_rows[0].strip("|").split("|")]
-    assert cells[1] == "1" and cells[2] == str(row["amp"]) and cells[-1] in ("flip", "tie")
+    row_cells = cells(probe_rows[0])
+    assert row_cells[1] == "typical, boundary"
+    assert row_cells[2] == "1" and row_cells[3] == str(row["amp"]) and row_cells[-1] in ("flip", "tie")
     assert "## bf16" not in md
     check_rule_tables(md, data)
 
@@ -181,7 +187,7 @@ def linear_reference_extremes(probes: list[str]) -> tuple[float, float]:
     rows = []
     for probe in probes:
         kind, _, key = probe.partition(":")
-        rows.append(x_eval[int(key)] if kind == "typical" else edge[names.index(key)])
+        rows.append(x_eval[int(key)] if kind == "held_out" else edge[names.index(key)])
     with torch.no_grad():
         out = task.model(torch.stack(rows))
     return float(out.min()), float(out.max())
@@ -336,3 +342,95 @@ def test_out_onto_a_non_empty_folder_is_refused_untouched(cli, tmp_path, snapsho
                               "--out", empty)
     assert code == 0, err
     assert sorted(p.name for p in empty.iterdir()) == ["validation.json", "validation.md"]
+
+
+# ---------------------------------------------------------------------------- seed 001: records, provenance, new keys
+
+
+def test_the_json_keeps_a_record_per_probe(cli, tmp_path, factory):
+    # the lesson's near-tie (1.0000 vs 1.0003 at held-out index 6), a tie under tie_margin 0.001
+    config = write_config(tmp_path, factory, {"tie": True}, precisions=["bf16"], tie_margin=0.001, ties="accept",
+                          max_quality_drop=0.15)
+    code, out, err = cli("validate", config, "--out", "report")
+    assert code == 0, (out, err)
+    md, data = load_report(tmp_path / "report")
+    [bf16] = data["precisions"]
+    records = {record["probe"]: record for record in bf16["probes"]}
+    assert list(records) == data["probes"]
+    tie = records["held_out:6"]
+    assert tie["tags"] == ["typical", "boundary"] == data["probe_tags"]["held_out:6"]
+    assert (tie["fp32"]["decision"], tie["amp"]["decision"]) == (1, 0)
+    assert (tie["changed"], tie["flipped"], tie["tied"], tie["deviated"]) == (True, False, True, False)
+    assert tie["fp32"]["top"][0] == [1, pytest.approx(1.0003, abs=1e-6)]
+    assert sum(record["tied"] for record in records.values()) == 1
+    check_rule_tables(md, data)
+    assert any(cells(line)[:2] == ["held_out:6", "typical, boundary"] and cells(line)[-1] == "tie"
+               for line in md.splitlines() if line.startswith("| held_out:6 |"))
+
+
+def test_the_report_records_what_reproduces_it(cli, tmp_path, linear_checkpoint):
+    import hashlib
+
+    import ampguard
+
+    code, out, err = cli("validate", "--set", "task.name=linear", "--set", "validation.precisions=[bf16]",
+                         "--checkpoint", linear_checkpoint, "--out", "first")
+    assert code == 0, (out, err)
+    md, data = load_report(tmp_path / "first")
+    env = data["environment"]
+    assert (env["ampguard"], env["torch"]) == (ampguard.__version__, torch.__version__)
+    assert env["device"]["type"] == "cpu"
+    assert env["device"]["float32_matmul_precision"] == torch.get_float32_matmul_precision()  # TF32 or not
+    assert env["dtype_support"]["bf16"]["dtype"] == "torch.bfloat16" and env["dtype_support"]["bf16"]["supported"]
+    assert env["output_dtypes"] == {"fp32": {"output": "torch.float32"}, "bf16": {"output": "torch.bfloat16"}}
+    assert env["checkpoint"] == {"path": str(linear_checkpoint.resolve()),
+                                 "sha256": hashlib.sha256(linear_checkpoint.read_bytes()).hexdigest()}
+    assert env["config"]["validation"]["checkpoint"] == str(linear_checkpoint)
+    assert env["config_sha256"] == hashlib.sha256(json.dumps(env["config"], sort_keys=True).encode()).hexdigest()
+    assert re.fullmatch(r"[0-9a-f]{64}", env["probe_set_sha256"])
+    for key in ("config_sha256", "probe_set_sha256"):
+        assert env[key] in md
+    assert env["checkpoint"]["sha256"] in md
+    # the score row: the reference's own numbers, and the rule as it is applied
+    [scores] = [rule for rule in data["precisions"][0]["rules"] if rule["criterion"].startswith("scores")]
+    assert scores["criterion"] == "scores: |amp - fp32| <= 0.05 + 0.05 * |fp32| per element"
+    assert re.fullmatch(r"\d+ scores in \[-?[\d.]+, -?[\d.]+\]", scores["reference"])
+    assert re.match(r"\d+/\d+ within; worst ", scores["amp"]) and "max rel" not in scores["amp"]
+
+    # the report reproduces from itself: its config, run again, gives the same report
+    (tmp_path / "recorded.json").write_text(json.dumps(env["config"]), encoding="utf-8")
+    code, out, err = cli("validate", "recorded.json", "--out", "again")
+    assert code == 0, (out, err)
+    _, again = load_report(tmp_path / "again")
+    assert again["environment"] == env
+    assert again["precisions"] == data["precisions"] and again["probes"] == data["probes"]
+
+
+@pytest.mark.parametrize("setting, named", [
+    ("validation.ties=maybe", "validation.ties"),
+    ("validation.max_quality_drop=-0.1", "validation.max_quality_drop"),
+    ("validation.top_k=0", "validation.top_k"),
+    ("validation.outputs=[1]", "validation.outputs"),
+    ("validation.outputs.box.bogus=1", "validation.outputs.box.bogus: unknown key"),
+    ("validation.outputs.box.rel_tol=-1", "validation.outputs.box.rel_tol"),
+    ("validation.outputs.output=2", "validation.outputs.output"),
+])
+def test_bad_new_validation_keys_are_one_line(cli, tmp_path, unchanged, setting, named):
+    check = unchanged()
+    line = one_line_error(*cli("validate", "--set", "task.name=linear", "--set", setting, "--out", "r"))
+    assert named in line
+    check()
+
+
+def test_an_output_name_the_model_lacks_is_one_line_and_nothing_written(cli, tmp_path, factory, unchanged):
+    check = unchanged()
+    line = one_line_error(*cli("validate", "--set", f"task.factory={factory}", "--set",
+                               "validation.outputs.logits.abs_tol=0.1", "--out", "r"))
+    assert line == ("ampguard: error: validate: validation.outputs.logits: the model has no output named 'logits' "
+                    "(its outputs: output)")
+    check()
+    code, out, err = cli("validate", "--set", f"task.factory={factory}", "--set",
+                         "validation.outputs.output.abs_tol=0.1", "--out", "r")  # a lone tensor is 'output'
+    assert code == 0, (out, err)
+    _, data = load_report(tmp_path / "r")
+    assert data["precisions"][0]["stats"]["outputs"]["output"]["abs_tol"] == 0.1

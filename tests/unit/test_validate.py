@@ -6,6 +6,8 @@ identity ``Linear``, logits = inputs). The ``ampguard validate`` verb, its repor
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -31,10 +33,13 @@ def run_compare(config):
 def test_boundary_probes_are_the_smallest_fp32_margins(factory):
     config = api_config(factory, {"tie": True}, typical=0, boundary=1, edge_cases=False, precisions=["fp16"])
     result = run_compare(config)
-    assert result.probes == ["boundary:6"]
+    assert result.probes == ["held_out:6"]
+    assert result.tags == {"held_out:6": ["boundary"]}
 
     config = api_config(factory, {"tie": True}, typical=2, boundary=0, edge_cases=True, precisions=["fp16"])
-    assert run_compare(config).probes == ["typical:0", "typical:1", "edge:big"]
+    result = run_compare(config)
+    assert result.probes == ["held_out:0", "held_out:1", "edge:big"]
+    assert result.tags == {"held_out:0": ["typical"], "held_out:1": ["typical"], "edge:big": ["edge"]}
 
 
 def test_the_tie_rule_is_applied_as_declared(factory):
@@ -42,15 +47,15 @@ def test_the_tie_rule_is_applied_as_declared(factory):
     counted = run_compare(api_config(factory, {"narrow": True}, precisions=["fp16"], tie_margin=0.6))
     fp16 = counted.results[0]
     assert fp16.flips == []
-    assert {row["probe"] for row in fp16.ties} == {"typical:6", "boundary:6"}
+    assert [row["probe"] for row in fp16.ties] == ["held_out:6"]  # typical and boundary: one probe
     assert all(row["amp_margin"] == 0.5 for row in fp16.ties)
     assert not fp16.ok and not counted.ok
 
     accepted = run_compare(api_config(factory, {"narrow": True}, precisions=["fp16"], tie_margin=0.6, ties="accept"))
-    assert len(accepted.results[0].ties) == 2
+    assert len(accepted.results[0].ties) == 1
     assert accepted.ok
 
-    allowed = run_compare(api_config(factory, {"narrow": True}, precisions=["fp16"], tie_margin=0.6, max_flips=2))
+    allowed = run_compare(api_config(factory, {"narrow": True}, precisions=["fp16"], tie_margin=0.6, max_flips=1))
     assert allowed.ok
 
     below = run_compare(api_config(factory, {"narrow": True}, precisions=["fp16"], tie_margin=0.4))
@@ -145,3 +150,213 @@ def test_a_failed_write_takes_back_what_it_made(tmp_path, monkeypatch):
             validate.write_report_folder(validate.Validation("t", "regression", [], [], []), Config(), out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
     assert not list((tmp_path / "empty").iterdir())
+
+
+# ---------------------------------------------------------------------------- seed 001: ties, probes, records,
+# relative quality, per-output tolerances (the reproducibility record is in tests/e2e/test_validate_cli.py)
+
+LESSON_LOW, LESSON_HIGH = 1.0000, 1.0003
+"""Seed 001's illustration: two classes the reference scores 1.0000 and 1.0003 (held-out index 6
+of the ``tie`` factory). bf16's spacing near 1 is 2**-7: both become 1.0 and argmax picks class 0."""
+
+# Two more tiny classifiers, built on the identity ``Linear`` of tests/conftest.py's factory:
+# ``two_ties`` holds the lesson's near-tie and the same one at 2 (2.0000 vs 2.0006; bf16's spacing
+# there is 2**-6), so bf16 gets half of its four held-out examples wrong; ``heads`` returns two
+# outputs, ``logits`` (small integers: exact in bf16) and ``box`` = 0.1 * (x0 + x1) (0.1 is not a
+# bf16 number: every box is off by ~0.1%), as a dict, as a tuple, or next to a scalar.
+MORE_FACTORIES = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Heads(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.lin = nn.Linear(2, 2, bias=False)
+        self.box = nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.eye(2))
+            self.box.weight.fill_(0.1)
+
+    def forward(self, x):
+        logits, box = self.lin(x), self.box(x)
+        if self.form == "tuple":
+            return logits, None, box
+        if self.form == "scalar":
+            return {"logits": logits, "loss": box.sum()}
+        return {"logits": logits, "box": box}
+
+
+def identity():
+    lin = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(2))
+    return lin
+
+
+def two_ties(config):
+    x = torch.tensor([[3.0, 0.0], [0.0, 3.0], [1.0000, 1.0003], [2.0000, 2.0006]])
+    y = x.argmax(1)
+    return {"model": identity(), "data": [(x, y)], "loss_fn": F.cross_entropy, "held_out": (x, y)}
+
+
+def heads(config):
+    x = torch.tensor([[3.0, 0.0], [0.0, 3.0], [2.0, -1.0], [-1.0, 2.0]])
+    y = x.argmax(1)
+    model = Heads(config.task.options.get("form", "dict"))
+    return {"model": model, "data": [(x, y)], "loss_fn": lambda out, t: F.cross_entropy(out["logits"], t),
+            "held_out": (x, y)}
+'''
+
+
+@pytest.fixture(scope="module")
+def more_factories(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("factories") / "more_classifiers.py"
+    path.write_text(MORE_FACTORIES, encoding="utf-8")
+    return str(path)
+
+
+def rule_named(result, prefix: str):
+    [rule] = [rule for rule in result.rules if rule.criterion.startswith(prefix)]
+    return rule
+
+
+def test_the_lessons_near_tie_is_a_tie_whichever_way_amp_decides(factory):
+    # issue item 1: an FP32 gap within tie_margin is a tie, even when AMP breaks it the other way
+    assert torch.tensor(LESSON_HIGH).bfloat16().item() == LESSON_LOW
+    lesson = {"precisions": ["bf16"], "tie_margin": 0.001, "max_quality_drop": None}
+    accepted = run_compare(api_config(factory, {"tie": True}, ties="accept", **lesson))
+    bf16 = accepted.results[0]
+    assert bf16.flips == []
+    [tie] = bf16.ties
+    assert tie["probe"] == "held_out:6"
+    assert (tie["fp32"], tie["amp"]) == (1, 0)  # AMP decided the other way
+    assert tie["fp32_margin"] == pytest.approx(LESSON_HIGH - LESSON_LOW, abs=1e-6)
+    assert tie["amp_margin"] == 0.0
+    assert rule_named(bf16, "decision changes").ok and accepted.ok
+
+    counted = run_compare(api_config(factory, {"tie": True}, **lesson))  # ties: count_as_flip, the default
+    assert not rule_named(counted.results[0], "decision changes").ok
+    assert run_compare(api_config(factory, {"tie": True}, max_flips=1, **lesson)).ok
+    rejected = run_compare(api_config(factory, {"tie": True}, ties="reject", max_flips=5, **lesson))
+    assert not rule_named(rejected.results[0], "decision changes").ok and not rejected.ok
+
+    # a tie margin below the lesson's 0.0003 makes it a flip, which ties: accept does not excuse
+    flip = run_compare(api_config(factory, {"tie": True}, **{**lesson, "tie_margin": 0.0001}, ties="accept"))
+    assert [row["probe"] for row in flip.results[0].flips] == ["held_out:6"] and flip.results[0].ties == []
+    assert not flip.ok
+
+
+def test_an_example_both_typical_and_boundary_is_probed_once(factory):
+    # issue item 2: held-out index 6 is typical (the first 32) and nearest the boundary (margin 0.0003)
+    result = run_compare(api_config(factory, {"tie": True}, precisions=["bf16"], max_flips=1, max_quality_drop=None))
+    assert result.probes == [f"held_out:{i}" for i in range(7)] + ["edge:big"]
+    assert len(set(result.probes)) == len(result.probes)
+    assert result.tags["held_out:6"] == ["typical", "boundary"]
+    bf16 = result.results[0]
+    assert [row["probe"] for row in bf16.flips] == ["held_out:6"]  # one flip, not one per tag
+    assert bf16.flips[0]["tags"] == ["typical", "boundary"]
+    assert result.ok  # max_flips 1 holds: the example counts once
+
+    apart = run_compare(api_config(factory, {"tie": True}, typical=2, boundary=1, edge_cases=False, precisions=["bf16"]))
+    assert apart.tags == {"held_out:0": ["typical"], "held_out:1": ["typical"], "held_out:6": ["boundary"]}
+
+
+def test_every_probe_keeps_its_record(factory):
+    # issue item 3: per probe, FP32 and AMP top-k scores, decisions, margin, tags, flipped / tied / deviated
+    result = run_compare(api_config(factory, {"tie": True}, precisions=["bf16"], abs_tol=0.0, rel_tol=0.0, top_k=1,
+                                    max_quality_drop=None))
+    records = {record["probe"]: record for record in result.results[0].records}
+    assert list(records) == result.probes
+    tie = records["held_out:6"]
+    assert tie["tags"] == ["typical", "boundary"]
+    assert tie["fp32"] == {"decision": 1, "top": [[1, pytest.approx(LESSON_HIGH, abs=1e-6)]]}
+    assert tie["amp"]["decision"] == 0 and tie["amp"]["top"][0][1] == LESSON_LOW
+    assert tie["fp32_margin"] == pytest.approx(LESSON_HIGH - LESSON_LOW, abs=1e-6) and tie["amp_margin"] == 0.0
+    assert (tie["changed"], tie["flipped"], tie["tied"]) == (True, True, False)
+    # with no tolerance at all, 1.0003 -> 1.0 is a deviation; the small integers elsewhere are exact
+    assert tie["deviated"] and tie["deviated_outputs"] == ["output"]
+    assert tie["max_abs_error"] == pytest.approx(LESSON_HIGH - LESSON_LOW, abs=1e-6)
+    for probe, record in records.items():
+        if probe != "held_out:6":
+            assert not (record["deviated"] or record["changed"] or record["flipped"] or record["tied"]), record
+            assert record["max_abs_error"] == 0.0 and record["finite"]
+    assert records["edge:big"]["tags"] == ["edge"]
+    assert records["edge:big"]["fp32"]["top"] == [[0, 10.0]]
+
+    both = run_compare(api_config(factory, {"tie": True}, precisions=["bf16"], top_k=5, tie_margin=0.001,
+                                  max_quality_drop=None))
+    tie = next(record for record in both.results[0].records if record["probe"] == "held_out:6")
+    assert len(tie["fp32"]["top"]) == 2  # top_k is capped by the two classes
+    assert sorted(tie["amp"]["top"]) == [[0, 1.0], [1, 1.0]]
+    assert (tie["changed"], tie["flipped"], tie["tied"], tie["deviated"]) == (True, False, True, False)
+
+
+def test_accuracy_falling_from_1_to_0_5_is_rejected_without_a_declared_floor(more_factories):
+    # issue item 4: no min_accuracy, flips allowed; the default relative rule (drop <= 0.01) rejects
+    name = f"{more_factories}:two_ties"
+    result = run_compare(api_config(name, precisions=["bf16"], max_flips=2))
+    bf16 = result.results[0]
+    assert (bf16.stats["quality_fp32"], bf16.stats["quality_amp"]) == (1.0, 0.5)
+    assert rule_named(bf16, "decision changes").ok
+    assert rule_named(bf16, "quality on the fixed evaluation set").ok  # no floor declared
+    relative = rule_named(bf16, "quality vs FP32")
+    assert not relative.ok and relative.amp == "accuracy 0.5000 (>= 1.0000 - 0.01 = 0.9900)"
+    assert not result.ok
+
+    assert run_compare(api_config(name, precisions=["bf16"], max_flips=2, max_quality_drop=0.5)).ok
+    off = run_compare(api_config(name, precisions=["bf16"], max_flips=2, max_quality_drop=None))
+    assert off.ok and not [rule for rule in off.results[0].rules if rule.criterion.startswith("quality vs FP32")]
+    floor = run_compare(api_config(name, precisions=["bf16"], max_flips=2, max_quality_drop=None, min_accuracy=0.75))
+    assert not floor.ok  # the absolute floor stays
+
+
+@pytest.mark.parametrize("mode, reference, amp, ok", [
+    ("regression", 2.0, 2.02, True),  # MSE may rise by 1% of the reference's
+    ("regression", 2.0, 2.0201, False),
+    ("regression", 2.0, 1.5, True),  # better is fine
+    ("regression", 2.0, math.nan, False),
+    ("regression", 2.0, math.inf, False),
+    ("classifier", 0.8, 0.79, True),  # 0.8 - 0.01 rounds to 0.7900000000000001
+    ("classifier", 0.8, 0.7899, False),
+])
+def test_the_relative_quality_rule_at_its_edges(mode, reference, amp, ok):
+    from ampguard.validate import relative_quality_rule
+
+    assert relative_quality_rule(mode, 0.01, reference, amp).ok is ok
+
+
+@pytest.mark.parametrize("form, box", [("dict", "box"), ("tuple", "2")])
+def test_per_output_tolerances(more_factories, form, box):
+    # issue item 6: a dict output's keys and a tuple output's indices name the outputs
+    name = f"{more_factories}:heads"
+    strict = run_compare(api_config(name, {"form": form}, precisions=["bf16"], abs_tol=0.0, rel_tol=0.0))
+    bf16 = strict.results[0]
+    logits = "logits" if form == "dict" else "0"
+    assert rule_named(bf16, f"output {logits}:").ok  # small integers: exact in bf16
+    assert not rule_named(bf16, f"output {box}:").ok  # 0.1 is not a bf16 number
+    assert not strict.ok
+    assert sorted(bf16.stats["outputs"]) == sorted([logits, box])
+    assert all(record["deviated_outputs"] == [box] for record in bf16.records)
+    assert bf16.stats["quality_amp"] == 1.0  # decisions come from the first output
+
+    own = {box: {"abs_tol": 0.01, "rel_tol": 0.01}}
+    loose = run_compare(api_config(name, {"form": form}, precisions=["bf16"], abs_tol=0.0, rel_tol=0.0, outputs=own))
+    assert loose.ok
+    stats = loose.results[0].stats["outputs"]
+    assert (stats[box]["abs_tol"], stats[box]["rel_tol"]) == (0.01, 0.01)
+    assert (stats[logits]["abs_tol"], stats[logits]["rel_tol"]) == (0.0, 0.0)  # the default stays
+    assert rule_named(loose.results[0], f"output {box}:").criterion.endswith(
+        "|amp - fp32| <= 0.01 + 0.01 * |fp32| per element")
+
+
+def test_an_output_the_model_lacks_or_a_scalar_output_is_bad_input(more_factories):
+    from ampguard.errors import InputError
+
+    with pytest.raises(InputError, match=r"validation\.outputs\.boxes: the model has no output named 'boxes' "
+                                         r"\(its outputs: logits, box\)"):
+        run_compare(api_config(f"{more_factories}:heads", outputs={"boxes": {"abs_tol": 1.0}}))
+    with pytest.raises(InputError, match=r"the model's output loss has shape \(\) for 4 examples"):
+        run_compare(api_config(f"{more_factories}:heads", {"form": "scalar"}))
