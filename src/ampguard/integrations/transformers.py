@@ -140,16 +140,17 @@ class AmpGuardCallback(TrainerCallback):
         HF has already unscaled and clipped (with ``max_grad_norm > 0``); the optimizer has not
         stepped. The skip is the Accelerate scaler's found-inf (:func:`found_inf`), not
         ``optimizer_step_was_skipped`` (wrong for fused optimizers, accelerate#4242); the norm
-        measured here is the post-clip one. Loss and pre-clip norm are not shown to a callback.
+        measured here is the post-clip one. The loss and the pre-clip norm are not shown to a
+        callback: their cells stay empty. Nothing here can stop a NaN loss's backward or veto
+        the step: that takes :class:`GuardedTrainer`.
         """
         if self._guarded:
             return
         optimizer = kwargs["optimizer"]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         scaler = _scaler_of(optimizer)
-        post = global_l2_norm(params)
-        bad = found_inf(scaler, optimizer) if scaler is not None else (~torch.isfinite(post)).float()
-        self._watch = {"lr": optimizer.param_groups[0]["lr"], "post": post, "bad": bad}
+        bad = found_inf(scaler, optimizer) if scaler is not None and scaler.is_enabled() else None
+        self._watch = {"lr": optimizer.param_groups[0]["lr"], "post": global_l2_norm(params), "bad": bad}
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         record = self._pending if self._guarded else self._watched(kwargs.get("optimizer"), state.global_step)
@@ -194,17 +195,24 @@ class AmpGuardCallback(TrainerCallback):
             self._events.emit(event, word)
 
     def _watched(self, optimizer: Any, step: int) -> StepRecord | None:
-        """A stock Trainer's step as a record: skip, lr, post-clip norm, scale; no loss, no pre-clip norm."""
+        """A stock Trainer's step as a record: skip, lr, post-clip norm, scale; no loss, no pre-clip norm.
+
+        Without a loss scaler (bf16, fp32, or fp16 on a CPU, where Accelerate scales nothing)
+        nothing skips: a non-finite gradient is applied, and said so (``non_finite_update``)."""
         seen, self._watch = self._watch, {}
         if not seen:
             return None
         scaler = _scaler_of(optimizer)
         scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
-        skipped = bool(seen["bad"].item())
         common = {"step": step, "lr": seen["lr"], "loss": None, "grad_l2_pre_clip": None, "scaler_scale": scale}
-        if skipped:
+        if seen["bad"] is not None and seen["bad"].item():
             return SkipLog(**common, grad_l2_post_clip=None, reason="non_finite_grad")
-        return StepLog(**common, grad_l2_post_clip=seen["post"])
+        post = float(seen["post"])
+        if not math.isfinite(post):
+            self._emit({"step": step, "event": "non_finite_update", "message": (
+                f"the Trainer applied a non-finite gradient (norm {post}): no loss scaler skips it; the "
+                "weights are now non-finite (GuardedTrainer would have skipped the step)")}, "ALERT")
+        return StepLog(**common, grad_l2_post_clip=post)
 
 
 def _scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
