@@ -13,6 +13,7 @@ replicas stay identical. Process 0 writes the per-step CSV; each process prints 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -64,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         if sink is not None:
             sink.close()
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-    print(f"rank {accelerator.process_index}: {guard.steps} steps, {guard.updates} updates, skipped {skipped} "
-          f"checksum {checksum:.10f}", flush=True)
+    line = (f"rank {accelerator.process_index}: {guard.steps} steps, {guard.updates} updates, skipped {skipped} "
+            f"checksum {checksum:.10f}\n")
+    sys.stdout.write(line)  # one write: the processes share the pipe, print() would write the newline apart
+    sys.stdout.flush()
     accelerator.wait_for_everyone()                    # leave together, then close the process group
     accelerator.end_training()
     return 0

@@ -75,6 +75,9 @@ def test_guarded_trainer_fp16_skips_the_overflow_backs_off_and_holds_the_schedul
     assert all(float(r["grad_l2_pre_clip"]) > 0 and float(r["grad_l2_post_clip"]) <= 1.0 + 1e-5 for r in applied)
     assert any(float(r["grad_l2_pre_clip"]) > 1.0 for r in applied)  # clipped, and the pre-clip norm shows it
     assert finite(model) and trainer.state.global_step == 20
+    # the guard applied 19 updates and HF's own optimizer.step() (after the guard's) applied none
+    adam_steps = {int(state["step"]) for state in trainer.guard.optimizer.state.values()}
+    assert trainer.guard.updates == 19 and adam_steps == {19}
     # HF's own log now carries the guard's pre-clip norm (inf at the skip) and the held learning rate
     logged = {h["step"]: h for h in trainer.state.log_history if "grad_norm" in h}
     assert logged[5]["grad_norm"] == float("inf")
