@@ -3,6 +3,10 @@ output object with ``.loss``), and a multi-task model whose losses are summed.
 
     python examples/own_loop.py --model hf --precision fp16 --steps 40 --csv steps.csv --nan-at 7
     python examples/own_loop.py --model multitask --precision bf16 --steps 40 --csv steps.csv
+    python examples/own_loop.py --model gpt2 --precision bf16 --steps 40 --csv steps.csv --nan-at 7
+
+``--model gpt2`` is a real ``transformers`` GPT2LMHeadModel, tiny and built from a GPT2Config (no
+download; needs the ``transformers`` extra).
 
 Every step is written to the per-step CSV; ``--nan-at N`` makes the loss of step N non-finite so
 you can watch the guard skip it (and, in fp16, halve the loss scale).
@@ -41,6 +45,13 @@ class TinyLM(nn.Module):
         return SimpleNamespace(logits=logits, loss=loss)
 
 
+def tiny_gpt2(vocab: int = 32, context: int = 16) -> nn.Module:
+    """A two-layer GPT-2 from ``transformers``, built from its config: nothing is downloaded."""
+    from transformers import GPT2Config, GPT2LMHeadModel  # the optional extra, only for --model gpt2
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=vocab, n_positions=context))
+
+
 class MultiTask(nn.Module):
     """One trunk, two heads: a classification loss and a regression loss, summed with weights."""
 
@@ -57,10 +68,11 @@ class MultiTask(nn.Module):
 def batches(kind: str, steps: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        if kind == "hf":  # a repeating pattern to learn: token t is followed by t + 1
+        if kind in ("hf", "gpt2"):  # a repeating pattern to learn: token t is followed by t + 1
             start = torch.randint(0, 32, (8, 1), generator=g)
             ids = (start + torch.arange(17)) % 32
-            yield {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+            # GPT-2 shifts the labels itself; TinyLM takes them shifted
+            yield {"input_ids": ids[:, :-1], "labels": ids[:, :-1] if kind == "gpt2" else ids[:, 1:]}
         else:
             x = torch.randn(16, 8, generator=g)
             yield {"x": x, "label": (x[:, 0] > 0).long() + (x[:, 1] > 0).long(), "target": x[:, 2] - x[:, 3]}
@@ -68,7 +80,7 @@ def batches(kind: str, steps: int, seed: int = 0):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["hf", "multitask"], default="hf")
+    parser.add_argument("--model", choices=["hf", "gpt2", "multitask"], default="hf")
     parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--accumulation-steps", type=int, default=1)
@@ -77,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    model = TinyLM() if args.model == "hf" else MultiTask()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3 if args.model == "hf" else 2e-2)
+    model = {"hf": TinyLM, "gpt2": tiny_gpt2, "multitask": MultiTask}[args.model]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2 if args.model == "multitask" else 3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: min(1.0, (update + 1) / 5))
     guard = Guard(model, optimizer, precision=args.precision, max_norm=1.0, scheduler=scheduler,
                   accumulation_steps=args.accumulation_steps, scaler={"init_scale": 1024.0})
@@ -86,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for batch in batches(args.model, args.steps * args.accumulation_steps):
             with guard.autocast():
-                if args.model == "hf":
+                if args.model in ("hf", "gpt2"):
                     loss = model(**batch).loss                       # the model computes its own loss
                 else:
                     logits, value = model(batch["x"])                # two heads, two losses, one sum

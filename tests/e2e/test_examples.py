@@ -20,7 +20,7 @@ def _load(name: str):
 
 
 @pytest.mark.parametrize("model, precision, accum", [("hf", "fp16", 1), ("hf", "bf16", 2), ("multitask", "fp16", 1),
-                                                     ("multitask", "fp32", 3)])
+                                                     ("multitask", "fp32", 3), ("gpt2", "bf16", 2)])
 def test_own_loop_skips_the_injected_nan_and_holds_the_schedule(tmp_path, capsys, model, precision, accum):
     csv_path = tmp_path / "steps.csv"
     code = _load("own_loop").main(["--model", model, "--precision", precision, "--steps", "20", "--csv",

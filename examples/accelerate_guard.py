@@ -1,0 +1,78 @@
+"""ampguard's guarded step inside an Accelerate script: Accelerate places and wraps (DDP), ampguard
+does the AMP (``mixed_precision="no"`` for Accelerate), every process skips the same steps.
+
+    accelerate launch --cpu --num_processes 2 --mixed_precision no examples/accelerate_guard.py \\
+        --precision bf16 --steps 12 --csv steps.csv --inf-at 5 --inf-rank 1
+
+``--inf-at N --inf-rank R`` writes inf into one gradient on process R alone at step N: the guard's
+one all-reduce per step (``ampguard.distributed.agree``) makes it a skip on every process, so the
+replicas stay identical. Process 0 writes the per-step CSV; each process prints its own line
+(``rank R: ... skipped [N] checksum ...``) so you can check they agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ampguard import CsvSink
+from ampguard.integrations.accelerate import make_guard
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--csv", default="steps.csv")
+    parser.add_argument("--inf-at", type=int, default=None, help="write inf into a gradient at this step")
+    parser.add_argument("--inf-rank", type=int, default=0, help="... on this process only")
+    args = parser.parse_args(argv)
+
+    # ampguard does the autocast and the loss scaling; cpu=True: gloo processes where there is no GPU
+    accelerator = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
+    torch.manual_seed(0)                               # the same initial weights on every process
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: min(1.0, (update + 1) / 4))
+    x = torch.randn(16 * args.steps * accelerator.num_processes, 8)
+    data = DataLoader(TensorDataset(x, x[:, :1] - x[:, 1:2]), batch_size=16)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)   # DDP, each process its shard
+
+    guard = make_guard(accelerator, model, optimizer, precision=args.precision, max_norm=1.0,
+                       scheduler=scheduler, scaler={"init_scale": 1024.0} if args.precision == "fp16" else None)
+    first = next(model.parameters())
+    if args.inf_at is not None and accelerator.process_index == args.inf_rank:
+        first.register_hook(lambda g: g.fill_(float("inf")) if guard.steps + 1 == args.inf_at else g)
+
+    sink = CsvSink(args.csv) if accelerator.is_main_process else None   # process 0 writes
+    skipped = []
+    try:
+        for step, (inputs, targets) in zip(range(args.steps), data):
+            with guard.autocast():
+                loss = nn.functional.mse_loss(model(inputs).float(), targets)
+            guard.backward(loss)                      # instead of accelerator.backward(loss)
+            record = guard.step()                     # instead of clip_grad_norm_ + optimizer.step()
+            if record.skipped:
+                skipped.append(record.step)
+            if sink is not None:
+                sink.write(record)
+    finally:
+        if sink is not None:
+            sink.close()
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    line = (f"rank {accelerator.process_index}: {guard.steps} steps, {guard.updates} updates, skipped {skipped} "
+            f"checksum {checksum:.10f}\n")
+    sys.stdout.write(line)  # one write: the processes share the pipe, print() would write the newline apart
+    sys.stdout.flush()
+    accelerator.wait_for_everyone()                    # leave together, then close the process group
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""ampguard in an Accelerate script, both ways round.
+
+Needs the ``accelerate`` extra (``pip install 'ampguard[accelerate]'``) only for
+:func:`make_guard`; :func:`found_inf` reads a plain ``torch.amp.GradScaler``.
+
+- **ampguard does the AMP** (Accelerate with ``mixed_precision="no"``): :func:`make_guard` builds a
+  :class:`Guard` over what ``accelerator.prepare`` returned. Under ``accelerate launch`` the
+  process group is up, so the guard's one all-reduce per step (``distributed.agree``) makes every
+  process skip the same steps; ``accelerator.is_main_process`` writes the CSV.
+- **Accelerate owns the scaler** (``mixed_precision="fp16"`` on a GPU): ampguard can read the
+  truth of a step, :func:`found_inf`, from the scaler before ``optimizer.step()``, instead of
+  ``accelerator.optimizer_step_was_skipped``, which says "not skipped" for fused optimizers
+  (accelerate#4242: ``GradScaler.step`` hands a fused optimizer the flag and always calls it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..step import Guard
+
+
+def _inner(optimizer: Any) -> Any:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` wrapper(s)."""
+    while hasattr(optimizer, "optimizer") and hasattr(optimizer, "step_was_skipped"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def found_inf(scaler: torch.amp.GradScaler, optimizer: Any) -> torch.Tensor:
+    """1.0 if ``scaler.step(optimizer)`` is about to skip this step (an inf/nan gradient), else 0.0.
+
+    A device tensor: no host read (``bool(...)`` of it is one). Call it after the backward and
+    before ``optimizer.step()``; the scaler forgets the flag in ``update()``. When the gradients
+    are already unscaled (``accelerator.clip_grad_norm_`` unscales them) it is the flag the scaler
+    itself found; otherwise the gradients are checked without unscaling them (the scaler's own
+    ``_check_inf_per_device``), so a later ``clip_grad_norm_`` still works. ``optimizer`` may be
+    Accelerate's wrapper. A disabled scaler never skips: 0.0.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.AdamW(model.parameters(), fused=True)
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        >>> scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+        >>> found_inf(scaler, opt).item()
+        1.0
+        >>> scaler.step(opt); scaler.update(); scaler.get_scale()  # fused: the kernel skipped it
+        2.0
+    """
+    device = scaler._scale.device if getattr(scaler, "_scale", None) is not None else torch.device("cpu")
+    if not scaler.is_enabled():
+        return torch.zeros((), device=device)
+    optimizer = _inner(optimizer)
+    # torch's own per-optimizer record; unscale_ fills it, _check_inf_per_device fills it without unscaling
+    per_device = scaler._found_inf_per_device(optimizer) or scaler._check_inf_per_device(optimizer)
+    return torch.stack([v.to(device) for v in per_device.values()]).sum().clamp(max=1.0)
+
+
+def make_guard(accelerator: Any, model: Any, optimizer: Any, **settings: Any) -> Guard:
+    """A :class:`Guard` over a model and optimizer that ``accelerator.prepare`` returned.
+
+    Accelerate must not do the AMP too (``Accelerator(mixed_precision="no")``, the default):
+    autocast twice and two loss scalers would be refused anyway, so it is refused here with the
+    fix. The guard takes the torch optimizer inside Accelerate's wrapper and the accelerator's
+    device; ``settings`` are :class:`Guard`'s (``precision``, ``max_norm``, ``scheduler``, ...).
+    Use the guard's verbs instead of ``accelerator.backward``, ``clip_grad_norm_`` and
+    ``optimizer.step``; don't wrap them in ``accelerator.accumulate`` (pass
+    ``accumulation_steps``).
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> accelerator = SimpleNamespace(mixed_precision="no", device=torch.device("cpu"))  # Accelerator(cpu=True)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)  # model, opt = accelerator.prepare(model, opt)
+        >>> guard = make_guard(accelerator, model, opt, precision="bf16")
+        >>> with guard.autocast():
+        ...     loss = model(torch.randn(8, 4)).square().mean()
+        >>> guard.backward(loss)
+        >>> guard.step().skipped
+        False
+        >>> make_guard(SimpleNamespace(mixed_precision="fp16"), model, opt)
+        Traceback (most recent call last):
+        ...
+        ValueError: the accelerator does mixed precision 'fp16' already; ...
+    """
+    if accelerator.mixed_precision != "no":
+        raise ValueError(f"the accelerator does mixed precision {accelerator.mixed_precision!r} already; with "
+                         "ampguard doing the AMP, make it Accelerator(mixed_precision='no') (or launch with "
+                         "--mixed_precision no) and pass precision= to the guard")
+    settings.setdefault("device", accelerator.device)
+    return Guard(model, _inner(optimizer), **settings)

@@ -1,0 +1,332 @@
+"""The Hugging Face ``Trainer`` under ampguard: ``GuardedTrainer`` and ``AmpGuardCallback``.
+
+Needs the ``transformers`` extra (``pip install 'ampguard[transformers]'``), imported when this
+module is.
+
+A callback cannot guard a Trainer step: it runs after the backward (it cannot keep a NaN loss
+from seeding it), after HF's clipping (the pre-clip norm is gone) and it cannot veto the optimizer
+step. So the guard is a ``Trainer`` subclass, and the callback is what writes and watches:
+
+- :class:`GuardedTrainer` does the AMP itself (Accelerate is told ``mixed_precision="no"``):
+  ``training_step`` runs the forward under :meth:`Guard.autocast` and ``Guard.backward``; the
+  group's last micro-batch closes with ``Guard.step()`` (unscale, global norm, one host read,
+  skip or clip + step, ``scaler.update()``). The Trainer's own clip returns the guard's pre-clip
+  norm, its ``optimizer.step()`` then finds no gradients (nothing left to apply) and its scheduler
+  is held on a skip through Accelerate's own signal, ``optimizer_step_was_skipped``.
+- :class:`AmpGuardCallback` writes one CSV row per optimizer step (the 8 contract columns), feeds
+  a :class:`RunMonitor` (the skip-rate ALERT, fail-fast), writes ``events.jsonl`` and, at the
+  end, ``summary.json``; on a failure it sets ``control.should_training_stop`` with the reason
+  written out. On a stock ``Trainer`` (no guard) it only reads what the Trainer exposes: see
+  :meth:`AmpGuardCallback.on_pre_optimizer_step`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from ..clipping import global_l2_norm
+from ..events import EventLog, event_word
+from ..monitor import DEFAULT_MIN_STEPS, RunMonitor
+from ..records import SkipLog, StepLog, StepRecord
+from ..sinks import CsvSink
+from ..step import Guard
+from .accelerate import found_inf
+
+CSV_NAME, EVENTS_NAME, SUMMARY_NAME = "steps.csv", "events.jsonl", "summary.json"
+GUARD_EXIT_CODE = 3  # what `ampguard train` exits with when a guard stops a run (docs/design.md §4)
+
+
+def precision_of(args: Any) -> str:
+    """The ampguard precision a ``TrainingArguments`` asks for.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> precision_of(SimpleNamespace(fp16=True, bf16=False)), precision_of(SimpleNamespace(fp16=False, bf16=False))
+        ('fp16', 'fp32')
+    """
+    return "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+
+
+class AmpGuardCallback(TrainerCallback):
+    """Per-step CSV, skip-rate alert and fail-fast for a Hugging Face ``Trainer``.
+
+    Files (process 0 only) go to ``out_dir`` (default ``<args.output_dir>/ampguard``):
+    ``steps.csv`` (one row per optimizer step), ``events.jsonl`` (alerts, the failure, the end)
+    and ``summary.json`` (the monitor's counts, ``ended``, ``exit_code``: 0, or 3 when a guard
+    stopped the run). An existing ``steps.csv`` is refused, never overwritten.
+
+    With :class:`GuardedTrainer` (which adds one of these if none is given) every row is the
+    guard's record: loss, pre- and post-clip norm, scale, skips with their reason. On a stock
+    ``Trainer`` it reads what a callback can: see :meth:`on_pre_optimizer_step`.
+
+    Args:
+        out_dir: where the files go.
+        window, alert_rate, fail_rate, fail_after, min_steps: :class:`RunMonitor`'s settings;
+            ``fail_rate=None`` (default) turns fail-fast off.
+        print_fn: where ``ALERT``/``FAIL`` lines go (``print`` by default).
+
+    Example (the callback's monitor without a Trainer)::
+
+        >>> cb = AmpGuardCallback(fail_rate=0.5, fail_after=2)
+        >>> cb.fail_rate, cb.failed, cb.exit_code
+        (0.5, None, 0)
+    """
+
+    def __init__(self, out_dir: str | Path | None = None, *, window: int = 1000, alert_rate: float = 0.05,
+                 fail_rate: float | None = None, fail_after: int = 100, min_steps: int = DEFAULT_MIN_STEPS,
+                 print_fn: Any = print) -> None:
+        if fail_after < 1:
+            raise ValueError(f"fail_after must be >= 1, got {fail_after}")
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.window, self.alert_rate, self.fail_rate = window, alert_rate, fail_rate
+        self.fail_after, self.min_steps, self.print_fn = fail_after, min_steps, print_fn
+        self.monitor: RunMonitor | None = None
+        self.failed = None  # the monitor's failure Event, once a guard stopped the run
+        self.ended = ""
+        self._csv: CsvSink | None = None
+        self._events: EventLog | None = None
+        self._pending: StepRecord | None = None  # handed over by GuardedTrainer, written at on_step_end
+        self._guarded = False
+        self._scaler: dict[str, float] | None = None  # the loss scaler's init_scale and floor, if there is one
+        self._watch: dict[str, Any] = {}  # stock Trainer: what on_pre_optimizer_step saw
+
+    @property
+    def exit_code(self) -> int:
+        """0, or 3 (``ExitCode.GUARD``) once a guard stopped the run."""
+        return GUARD_EXIT_CODE if self.failed is not None else 0
+
+    # ---------------------------------------------------------------- fed by GuardedTrainer
+
+    def attach(self, scaler: dict[str, float] | None) -> None:
+        """Called by :class:`GuardedTrainer`: the guard's loss scaler (``init_scale``, ``min_scale``)
+        or ``None`` without one (bf16, fp32)."""
+        self._guarded = True
+        self._scaler = scaler
+
+    def take(self, record: StepRecord) -> None:
+        """The guard's record of the step that just closed (called by :class:`GuardedTrainer`)."""
+        self._guarded = True
+        self._pending = record
+
+    # ---------------------------------------------------------------- Trainer events
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._scaler is None and not self._guarded:  # a stock Trainer: Accelerate's scaler, if any
+            scaler = _scaler_of(kwargs.get("optimizer"))
+            if scaler is not None and scaler.is_enabled():
+                self._scaler = {"init_scale": float(scaler.get_scale()), "min_scale": 0.0}
+        self.monitor = RunMonitor(
+            window=self.window, alert_rate=self.alert_rate, fail_rate=self.fail_rate, fail_after=self.fail_after,
+            max_norm=args.max_grad_norm, scaler_enabled=self._scaler is not None,
+            init_scale=(self._scaler or {}).get("init_scale"), min_scale=(self._scaler or {}).get("min_scale", 1.0),
+            min_steps=self.min_steps)
+        if state.is_world_process_zero:
+            folder = self.out_dir or Path(args.output_dir) / "ampguard"
+            folder.mkdir(parents=True, exist_ok=True)
+            self._csv = CsvSink(folder / CSV_NAME)
+            self._events = EventLog(folder / EVENTS_NAME, self.print_fn)
+            self.out_dir = folder
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """On a stock ``Trainer`` (no guard): read the skip where it is decided.
+
+        HF has already unscaled and clipped (with ``max_grad_norm > 0``); the optimizer has not
+        stepped. The skip is the Accelerate scaler's found-inf (:func:`found_inf`), not
+        ``optimizer_step_was_skipped`` (wrong for fused optimizers, accelerate#4242); the norm
+        measured here is the post-clip one. The loss and the pre-clip norm are not shown to a
+        callback: their cells stay empty. Nothing here can stop a NaN loss's backward or veto
+        the step: that takes :class:`GuardedTrainer`.
+        """
+        if self._guarded:
+            return
+        optimizer = kwargs["optimizer"]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        scaler = _scaler_of(optimizer)
+        bad = found_inf(scaler, optimizer) if scaler is not None and scaler.is_enabled() else None
+        self._watch = {"lr": optimizer.param_groups[0]["lr"], "post": global_l2_norm(params), "bad": bad}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        record = self._pending if self._guarded else self._watched(kwargs.get("optimizer"), state.global_step)
+        self._pending = None
+        if record is None or self.monitor is None:
+            return
+        if self._csv is not None:
+            self._csv.write(record)
+        for event in self.monitor.observe(record):
+            self._emit(event.as_dict(), event_word(event.kind))
+        if self.monitor.failed is not None and self.failed is None:
+            self.failed = self.monitor.failed
+            self.ended = f"stopped by a guard at step {record.step}: {self.failed.message}"
+            control.should_training_stop = True
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is None:
+            return
+        self.ended = self.ended or f"finished: {self.monitor.steps} steps"
+        self._emit({"step": self.monitor.steps, "event": "run_end", "message": self.ended,
+                    "exit_code": self.exit_code}, None)
+        if self._csv is not None:
+            self._csv.close()
+            self._csv = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+            m = self.monitor
+            summary = {
+                "ended": self.ended, "exit_code": self.exit_code, "cause": self.failed.cause if self.failed else None,
+                "steps": m.steps, "updates": m.updates, "skips": dict(m.skips), "max_skip_rate": m.max_skip_rate,
+                "alert_episodes": m.alert_episodes, "clip_rate": m.clip_rate, "scale": m.scale_verdict,
+                "final_scale": m.last.get("scaler_scale"), "summary": m.summary(),
+                "guarded": self._guarded,
+            }
+            (self.out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+
+    # ---------------------------------------------------------------- helpers
+
+    def _emit(self, event: dict[str, Any], word: str | None) -> None:
+        if self._events is not None:
+            self._events.emit(event, word)
+
+    def _watched(self, optimizer: Any, step: int) -> StepRecord | None:
+        """A stock Trainer's step as a record: skip, lr, post-clip norm, scale; no loss, no pre-clip norm.
+
+        Without a loss scaler (bf16, fp32, or fp16 on a CPU, where Accelerate scales nothing)
+        nothing skips: a non-finite gradient is applied, and said so (``non_finite_update``)."""
+        seen, self._watch = self._watch, {}
+        if not seen:
+            return None
+        scaler = _scaler_of(optimizer)
+        scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+        common = {"step": step, "lr": seen["lr"], "loss": None, "grad_l2_pre_clip": None, "scaler_scale": scale}
+        if seen["bad"] is not None and seen["bad"].item():
+            return SkipLog(**common, grad_l2_post_clip=None, reason="non_finite_grad")
+        post = float(seen["post"])
+        if not math.isfinite(post):
+            self._emit({"step": step, "event": "non_finite_update", "message": (
+                f"the Trainer applied a non-finite gradient (norm {post}): no loss scaler skips it; the "
+                "weights are now non-finite (GuardedTrainer would have skipped the step)")}, "ALERT")
+        return StepLog(**common, grad_l2_post_clip=post)
+
+
+def _scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
+    """The loss scaler Accelerate gave the Trainer's optimizer (``AcceleratedOptimizer.scaler``), if any."""
+    return getattr(optimizer, "scaler", None)
+
+
+class GuardedTrainer(Trainer):
+    """A ``transformers.Trainer`` whose AMP step is ampguard's :class:`Guard`.
+
+    Use it where you use ``Trainer``, with ``fp16=True`` or ``bf16=True`` as usual (``use_cpu=True``
+    works too: Accelerate alone would run fp16 on a CPU in fp32 without a scaler, see the README):
+    ampguard does the autocast and the loss scaling, Accelerate is asked for
+    ``mixed_precision="no"``. Per optimizer step:
+
+    - a non-finite loss never seeds the backward, and the step is skipped (``non_finite_loss``);
+      a non-finite gradient skips it too (``non_finite_grad``): parameters and optimizer state
+      untouched, the loss scale backed off (fp16), HF's LR scheduler held;
+    - otherwise the gradients are clipped to ``args.max_grad_norm`` and applied;
+    - HF's logged ``grad_norm`` is the pre-clip norm; :class:`AmpGuardCallback` writes the rows.
+
+    Args (beyond ``Trainer``'s):
+        ampguard: the :class:`AmpGuardCallback` that writes and watches; one with defaults when
+            ``None`` (``<output_dir>/ampguard/steps.csv``). An instance already in ``callbacks``
+            is used as it is.
+        scaler: keyword arguments for the loss scaler (``init_scale``, ``growth_interval``, ...,
+            ``min_scale``), fp16 only.
+        scheduler_on_skip: ``"hold"`` (default) or ``"step"`` HF's LR scheduler on a skipped step.
+
+    The guard is built at the first step (``self.guard``). Limits: the epoch's number of batches
+    must be a multiple of ``gradient_accumulation_steps`` (a shorter last group is refused); the
+    scaler's state is not in HF checkpoints (a resumed run starts the scale again at init_scale).
+    """
+
+    def __init__(self, *args: Any, ampguard: AmpGuardCallback | None = None, scaler: dict[str, Any] | None = None,
+                 scheduler_on_skip: str = "hold", **kwargs: Any) -> None:
+        if scheduler_on_skip not in ("hold", "step"):
+            raise ValueError(f"scheduler_on_skip must be 'hold' or 'step', got {scheduler_on_skip!r}")
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        given = [cb for cb in callbacks if isinstance(cb, AmpGuardCallback)]
+        if ampguard is None:
+            ampguard = given[0] if given else AmpGuardCallback()
+        if ampguard not in callbacks:
+            callbacks.append(ampguard)
+        super().__init__(*args, callbacks=callbacks, **kwargs)
+        self.ampguard = ampguard
+        # ampguard train's defaults: the scale never falls below 1.0 (scaler.min_scale)
+        self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if precision_of(self.args) == "fp16" else {}
+        ampguard.attach({"init_scale": self.scaler_settings.get("init_scale", 2.0**16),
+                         "min_scale": self.scaler_settings["min_scale"]} if self.scaler_settings else None)
+        self.scheduler_on_skip = scheduler_on_skip
+        self.guard: Guard | None = None
+        self.record: StepRecord | None = None  # the last closed step's record
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        args = super()._build_accelerator_args(**kwargs)
+        args["mixed_precision"] = "no"  # ampguard autocasts and scales; Accelerate must not do it twice
+        return args
+
+    def _make_guard(self, model: torch.nn.Module) -> Guard:
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
+        device = next(model.parameters()).device
+        return Guard(model, optimizer, precision=precision_of(self.args), max_norm=self.args.max_grad_norm,
+                     accumulation_steps=self.args.gradient_accumulation_steps, device=device,
+                     scaler=self.scaler_settings or None)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """One micro-batch through the guard; the group's last one also closes the optimizer step."""
+        if self.guard is None:
+            self.guard = self._make_guard(model)
+        guard = self.guard
+        n = self.current_gradient_accumulation_steps
+        if n != guard.accumulation_steps:
+            raise RuntimeError(
+                f"this accumulation group has {n} micro-batches, not gradient_accumulation_steps="
+                f"{guard.accumulation_steps}: GuardedTrainer needs the epoch's batches to be a multiple of it")
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        with guard.autocast(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        scaled_for_ga = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else (
+            (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
+        # the guard divides by the accumulation steps itself: give it the micro-batch's own loss
+        guard.backward(loss * n if scaled_for_ga and n > 1 else loss)
+        record = guard.step()
+        if record is not None:
+            self.record = record
+            self.ampguard.take(record)
+            _report_skip(self.optimizer, record.skipped and self.scheduler_on_skip == "hold")
+        return (loss if scaled_for_ga else loss / n).detach()
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        """The guard clipped already; HF's logged ``grad_norm`` is its pre-clip norm."""
+        return self._pre_clip()
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        return grad_norm if grad_norm is not None else self._pre_clip()
+
+    def _pre_clip(self) -> Any:
+        return self.record.grad_l2_pre_clip if self.record is not None else None
+
+
+def _report_skip(optimizer: Any, skipped: bool) -> None:
+    """Tell the Trainer the step was skipped, the way Accelerate's own scaler path does.
+
+    ``Trainer`` holds its LR scheduler when ``accelerator.optimizer_step_was_skipped``, which reads
+    each ``AcceleratedOptimizer.step_was_skipped``, i.e. its ``_is_overflow`` (set by
+    ``AcceleratedOptimizer.step`` only when Accelerate owns a scaler). The guard decided the
+    skip, so it sets the flag; the Trainer's ``optimizer.step()`` leaves it alone without a scaler.
+    """
+    if hasattr(optimizer, "_is_overflow"):
+        optimizer._is_overflow = skipped

@@ -1,0 +1,98 @@
+"""ampguard with Accelerate, for real: the guard in a script under ``accelerate launch`` (2 CPU
+processes, gloo), and the skip read from the scaler when Accelerate owns it (accelerate#4242)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import read_rows, torchrun_env
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
+
+from ampguard.integrations.accelerate import found_inf, make_guard  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_guard.py"
+TIMEOUT_S = 180
+
+
+@pytest.fixture
+def accelerator():
+    """An ``Accelerator`` on the CPU; Accelerate's process-wide state is reset afterwards."""
+    yield accelerate.Accelerator(cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _overflowing_step(optimizer: AcceleratedOptimizer, model: torch.nn.Module) -> torch.Tensor:
+    optimizer.scaler.scale(model(torch.ones(2, 4)).sum() * float("inf")).backward()
+    return found_inf(optimizer.scaler, optimizer)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_found_inf_is_the_skip_where_step_was_skipped_is_wrong_for_fused_adamw(accelerator, fused):
+    model = torch.nn.Linear(4, 1)
+    optimizer = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), fused=fused), device_placement=False,
+                                     scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
+    before = [p.detach().clone() for p in model.parameters()]
+    flag = _overflowing_step(optimizer, model)
+    optimizer.step()
+    assert flag.item() == 1.0  # ampguard's reading: skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # and it was
+    assert optimizer.scaler.get_scale() == 4.0  # the scale backed off
+    # Accelerate's own signal: right for a plain AdamW, "not skipped" for the fused one (accelerate#4242)
+    assert optimizer.step_was_skipped is (not fused)
+
+
+def test_found_inf_after_clip_grad_norm_and_on_a_clean_step(accelerator):
+    model = torch.nn.Linear(4, 1)
+    optimizer = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), device_placement=False,
+                                     scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
+    optimizer.scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    assert found_inf(optimizer.scaler, optimizer).item() == 0.0  # checked without unscaling ...
+    optimizer.scaler.unscale_(optimizer.optimizer)  # ... so the usual unscale (clip_grad_norm_) still works
+    assert found_inf(optimizer.scaler, optimizer).item() == 0.0
+    optimizer.step()
+    assert optimizer.scaler.get_scale() == 8.0
+    assert found_inf(torch.amp.GradScaler("cpu", enabled=False), optimizer).item() == 0.0  # no scaler, no skip
+
+
+def test_make_guard_refuses_an_accelerator_that_does_the_amp_too(accelerator):
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    guard = make_guard(accelerator, model, optimizer, precision="bf16")
+    assert guard.optimizer is optimizer.optimizer  # the torch optimizer inside Accelerate's wrapper
+    AcceleratorState._reset_state(reset_partial_state=True)
+    amp = accelerate.Accelerator(cpu=True, mixed_precision="bf16")  # Accelerate autocasts too: refused
+    with pytest.raises(ValueError, match="mixed_precision='no'"):
+        make_guard(amp, model, optimizer, precision="bf16")
+
+
+@pytest.mark.slow
+def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(tmp_path):
+    csv_path = tmp_path / "steps.csv"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+           str(EXAMPLE), "--precision", "bf16", "--steps", "8", "--csv", str(csv_path),
+           "--inf-at", "3", "--inf-rank", "1"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=torchrun_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(re.findall(r"rank (\d): (\d+ steps, .*? checksum -?[\d.]+)", done.stdout))
+    assert sorted(lines) == ["0", "1"]
+    # the inf was on process 1 alone; both skipped step 3 and stayed identical
+    assert all("8 steps, 7 updates, skipped [3]" in line for line in lines.values())
+    assert lines["0"].split("checksum")[1] == lines["1"].split("checksum")[1]
+    rows = read_rows(csv_path)  # one CSV, written by process 0
+    assert [r["step"] for r in rows] == [str(s) for s in range(1, 9)]
+    assert [(r["step"], r["skip_reason"], r["grad_l2_pre_clip"]) for r in rows if r["skipped"] == "1"] == [
+        ("3", "non_finite_grad", "inf")]
+    lrs = [float(r["lr"]) for r in rows]
+    assert lrs[1] < lrs[2] == lrs[3] < lrs[4]  # the warm-up held on the skipped step
+    assert not list(tmp_path.glob("*.csv.*"))

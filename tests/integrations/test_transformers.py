@@ -1,0 +1,160 @@
+"""The Hugging Face Trainer under ampguard, for real: a tiny GPT-2 (from a GPT2Config, no download)
+on in-memory token ids, on the CPU, with an injected overflow or NaN loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import read_rows
+
+transformers = pytest.importorskip("transformers")
+from accelerate.state import AcceleratorState  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from ampguard.errors import InputError  # noqa: E402
+from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
+from ampguard.sinks import CSV_COLUMNS  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+
+
+def token_ids(n: int = 160) -> list[dict[str, torch.Tensor]]:
+    """A pattern to learn: each sequence counts up from a random start (mod 64); labels = inputs."""
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, 64, (n, 1), generator=g)
+    return [{"input_ids": ids, "labels": ids} for ids in ((starts + torch.arange(16)) % 64)]
+
+
+def arguments(tmp_path, precision: str, steps: int = 20, **extra) -> TrainingArguments:
+    return TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=steps, use_cpu=True, report_to=[],
+        logging_steps=1, save_strategy="no", learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=0,
+        max_grad_norm=1.0, fp16=precision == "fp16", bf16=precision == "bf16", disable_tqdm=True, **extra)
+
+
+def inf_gradient_at(trainer: Trainer, model: GPT2LMHeadModel, steps: set[int]) -> None:
+    """Write inf into one gradient during the backward of these optimizer steps (counted from 1)."""
+    model.transformer.wte.weight.register_hook(
+        lambda g: torch.full_like(g, float("inf")) if trainer.state.global_step + 1 in steps else g)
+
+
+def finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_guarded_trainer_fp16_skips_the_overflow_backs_off_and_holds_the_schedule(tmp_path):
+    model = tiny_gpt2()
+    trainer = GuardedTrainer(model=model, args=arguments(tmp_path, "fp16"), train_dataset=token_ids(),
+                             scaler={"init_scale": 1024.0, "growth_interval": 1000})
+    inf_gradient_at(trainer, model, {5})
+    trainer.train()
+
+    folder = tmp_path / "out" / "ampguard"
+    assert (folder / "steps.csv").read_text().splitlines()[0] == ",".join(CSV_COLUMNS)
+    rows = read_rows(folder / "steps.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 21))  # one row per optimizer step
+    assert [(r["step"], r["skip_reason"]) for r in rows if r["skipped"] == "1"] == [("5", "non_finite_grad")]
+    skip = rows[4]
+    assert skip["grad_l2_pre_clip"] == "inf" and skip["grad_l2_post_clip"] == ""
+    assert [float(r["scaler_scale"]) for r in rows[3:6]] == [1024.0, 512.0, 512.0]  # one back-off
+    lrs = [float(r["lr"]) for r in rows]
+    assert lrs[3] > lrs[4] == lrs[5] > lrs[6]  # HF's linear decay held on the skipped step
+    applied = [r for r in rows if r["skipped"] == "0"]
+    assert all(float(r["grad_l2_pre_clip"]) > 0 and float(r["grad_l2_post_clip"]) <= 1.0 + 1e-5 for r in applied)
+    assert any(float(r["grad_l2_pre_clip"]) > 1.0 for r in applied)  # clipped, and the pre-clip norm shows it
+    assert finite(model) and trainer.state.global_step == 20
+    # the guard applied 19 updates and HF's own optimizer.step() (after the guard's) applied none
+    adam_steps = {int(state["step"]) for state in trainer.guard.optimizer.state.values()}
+    assert trainer.guard.updates == 19 and adam_steps == {19}
+    # HF's own log now carries the guard's pre-clip norm (inf at the skip) and the held learning rate
+    logged = {h["step"]: h for h in trainer.state.log_history if "grad_norm" in h}
+    assert logged[5]["grad_norm"] == float("inf")
+    assert logged[7]["grad_norm"] == pytest.approx(float(rows[6]["grad_l2_pre_clip"]))
+
+    summary = json.loads((folder / "summary.json").read_text())
+    assert (summary["steps"], summary["updates"], summary["skips"], summary["exit_code"]) == (
+        20, 19, {"non_finite_grad": 1}, 0)
+    assert summary["final_scale"] == 512.0 and summary["guarded"] is True
+
+
+def test_guarded_trainer_bf16_nan_loss_never_reaches_the_weights(tmp_path):
+    class NanAtStep3(GuardedTrainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            loss = super().compute_loss(model, inputs, **kwargs)
+            return loss * float("nan") if self.state.global_step + 1 == 3 else loss
+
+    model = tiny_gpt2()
+    trainer = NanAtStep3(model=model, args=arguments(tmp_path, "bf16", steps=4, gradient_accumulation_steps=2),
+                         train_dataset=token_ids())
+    trainer.train()
+    rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
+    assert [(r["step"], r["skip_reason"], r["loss"], r["grad_l2_pre_clip"]) for r in rows if r["skipped"] == "1"] == [
+        ("3", "non_finite_loss", "nan", "")]
+    assert {r["scaler_scale"] for r in rows} == {"1.0"}  # bf16: no loss scaler
+    assert float(rows[2]["lr"]) == float(rows[3]["lr"])
+    assert finite(model)
+    # HF's logging_nan_inf_filter hides the NaN from its own log; the CSV keeps it
+    logged = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    assert torch.isfinite(torch.tensor(logged[3]))
+
+
+def test_guarded_trainer_fail_fast_stops_the_trainer_and_says_why(tmp_path):
+    model = tiny_gpt2()
+    guard_cb = AmpGuardCallback(fail_rate=0.5, fail_after=2, print_fn=lambda line: None)
+    trainer = GuardedTrainer(model=model, args=arguments(tmp_path, "bf16"), train_dataset=token_ids(),
+                             callbacks=[guard_cb])
+    inf_gradient_at(trainer, model, set(range(3, 21)))
+    trainer.train()
+    # skip rate 1/3, 2/4, 3/5 (> 0.5), 4/6 (> 0.5 twice in a row): stopped at step 6 of 20
+    assert trainer.state.global_step == 6 and guard_cb.exit_code == 3
+    assert trainer.ampguard is guard_cb and len(read_rows(tmp_path / "out" / "ampguard" / "steps.csv")) == 6
+    summary = json.loads((tmp_path / "out" / "ampguard" / "summary.json").read_text())
+    assert summary["exit_code"] == 3 and summary["cause"] == "skip_rate"
+    assert summary["ended"].startswith("stopped by a guard at step 6: rolling skip rate above fail_rate 0.5")
+    events = [json.loads(line) for line in (tmp_path / "out" / "ampguard" / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in events][-2:] == [("fail", 6), ("run_end", 6)]
+    assert finite(model)
+
+
+def test_stock_trainer_with_the_callback_alone_sees_the_poisoned_update_it_cannot_stop(tmp_path):
+    # fp16=True on a CPU: Accelerate makes no scaler and no autocast; bf16 here has no scaler either.
+    # Nothing skips the inf gradient: HF applies it, the callback says so.
+    lines: list[str] = []
+    model = tiny_gpt2()
+    trainer = Trainer(model=model, args=arguments(tmp_path, "bf16", steps=4), train_dataset=token_ids(),
+                      callbacks=[AmpGuardCallback(print_fn=lines.append)])
+    inf_gradient_at(trainer, model, {3})
+    trainer.train()
+    rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
+    assert [r["skipped"] for r in rows] == ["0"] * 4
+    assert rows[0]["loss"] == rows[0]["grad_l2_pre_clip"] == ""  # not shown to a callback
+    assert 0 < float(rows[0]["grad_l2_post_clip"]) <= 1.0 + 1e-5 and float(rows[0]["lr"]) == 3e-3
+    assert rows[2]["grad_l2_post_clip"] in ("nan", "inf")
+    assert any(line.startswith("ALERT 3 the Trainer applied a non-finite gradient") for line in lines)
+    assert not finite(model)  # what the guard exists to prevent
+
+
+def test_an_existing_csv_is_refused_before_any_step(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "steps.csv").write_text("keep me\n")
+    model = tiny_gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = GuardedTrainer(model=model, args=arguments(tmp_path, "bf16"), train_dataset=token_ids(),
+                             ampguard=AmpGuardCallback(folder))
+    with pytest.raises(InputError, match="already exists; refusing to overwrite it"):
+        trainer.train()
+    assert (folder / "steps.csv").read_text() == "keep me\n"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
