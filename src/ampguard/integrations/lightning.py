@@ -37,6 +37,7 @@ optimizers that unscale themselves, ``training_step`` returning ``None``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -64,7 +65,7 @@ from ..step import Guard
 
 LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
 _NAMES = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-# what goes to LightningModule.log, from the record's values (None is not logged)
+# what goes to LightningModule.log, from the record's values (None is logged as nan)
 LOG_KEYS: dict[str, str] = {
     "loss": "ampguard/loss", "lr": "ampguard/lr", "grad_l2_pre_clip": "ampguard/grad_l2_pre_clip",
     "grad_l2_post_clip": "ampguard/grad_l2_post_clip", "scaler_scale": "ampguard/scale",
@@ -112,7 +113,7 @@ class AmpGuardPlugin(_LightningPrecision):
         ...     def configure_optimizers(self):
         ...         return torch.optim.SGD(self.parameters(), lr=0.1)
         ...     def train_dataloader(self):
-        ...         return [(torch.randn(8, 4),)] * 3
+        ...         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4)), batch_size=8)
         >>> plugin = AmpGuardPlugin("bf16-mixed", max_norm=1.0)
         >>> trainer = L.Trainer(max_steps=3, plugins=[plugin], accelerator="cpu", logger=False,
         ...                     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
@@ -242,7 +243,8 @@ class AmpGuardPlugin(_LightningPrecision):
         device = next(module.parameters()).device
         precision = self._autocast or Precision(self.name, device.type)
         scaler = precision.make_scaler(**self.scaler_settings)
-        scaler = _UnscaleOnce.from_scaler(scaler, min_scale=scaler.get_min_scale())
+        if scaler.is_enabled():  # (a disabled scaler's unscale_ does nothing already)
+            scaler = _UnscaleOnce.from_scaler(scaler, min_scale=scaler.get_min_scale())
         guard = Guard(module, optimizers, precision=precision, max_norm=self.max_norm,
                       accumulation_steps=self._divided_by, scaler=scaler, frozen=self.frozen)
         monitor = RunMonitor(max_norm=self.max_norm, scaler_enabled=scaler.is_enabled(),
@@ -314,6 +316,11 @@ class AmpGuardPlugin(_LightningPrecision):
         Lightning has already divided the loss by ``accumulate_grad_batches`` (N); the guard
         divides by N itself, so it is given ``loss * N`` (exact for N a power of two)."""
         guard = self.guard or self._setup(model)
+        if guard._backward_pending:  # the micro-batch before, inside its accumulation group: no update
+            if guard._micro >= guard.accumulation_steps:
+                raise RuntimeError("AmpGuardPlugin: two backward passes without an optimizer step in between; "
+                                   "accumulate with Trainer(accumulate_grad_batches=N)")
+            guard.step()
         if args or kwargs:
             raise ValueError("AmpGuardPlugin runs the backward itself: manual_backward(loss) takes no arguments")
         guard.backward(tensor * self._divided_by if self._divided_by > 1 else tensor)
@@ -358,7 +365,9 @@ class AmpGuardPlugin(_LightningPrecision):
         del self.records[: -self.keep_records]
         if self.log:
             values = record.values()
-            metrics = {key: values[field] for field, key in LOG_KEYS.items() if values[field] is not None}
+            # every key every step (nan where the value does not exist, e.g. the norm of a loss skip):
+            # Lightning would otherwise repeat the last value logged under a key
+            metrics = {key: math.nan if values[field] is None else values[field] for field, key in LOG_KEYS.items()}
             metrics["ampguard/skipped"] = float(record.skipped)
             metrics["ampguard/skip_rate"] = self.monitor.skip_rate
             module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
