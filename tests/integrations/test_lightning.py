@@ -214,3 +214,45 @@ def test_fabric_is_refused_with_the_way_to_guard_a_fabric_loop():
     model = nn.Linear(2, 1)
     with pytest.raises(TypeError, match="use ampguard.Guard there"):
         fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_hooks_see_unscaled_gradients_and_a_checkpoint_inside_an_accumulation_group_saves(tmp_path):
+    """on_before_optimizer_step sees the true (unscaled) gradients, as with Lightning's
+    MixedPrecision: their norm is the record's pre-clip norm. A checkpoint saved between two
+    micro-batches of a group holds the guard's state at the group before."""
+    seen, saved = [], []
+
+    class Watch(L.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            seen.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()]))))
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 2:  # the first micro-batch of the second group
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+                saved.append(torch.load(tmp_path / "mid.ckpt", weights_only=False)["AmpGuardPlugin"])
+
+    plugin = AmpGuardPlugin("16-mixed", max_norm=None)
+    fit(Digits(hidden=8), plugin, steps=2, accumulate_grad_batches=2, callbacks=[Watch()])
+    assert seen == pytest.approx([float(r.grad_l2_pre_clip) for r in plugin.records], rel=1e-5)
+    assert seen[0] < 100  # not x 65536
+    assert saved[0]["step"] == 1 and saved[0]["updates"] == 1 and plugin.guard.steps == 2
+
+
+def test_the_fabric_recipe_the_readme_gives_guard_in_a_fabric_loop():
+    """Fabric is your own loop: the Guard's verbs go in it (what the README shows)."""
+    from ampguard import Guard
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    guard = Guard(model, optimizer, precision="bf16", max_norm=1.0)
+    records = []
+    for step, (x, y) in enumerate(fabric.setup_dataloaders(loader()), start=1):
+        with guard.autocast():
+            loss = F.cross_entropy(model(x), y)
+        guard.backward(loss * float("nan") if step == 2 else loss)
+        records.append(guard.step())
+        if step == 3:
+            break
+    assert [r.reason for r in records] == [None, "non_finite_loss", None] and guard.updates == 2

@@ -383,7 +383,18 @@ class AmpGuardPlugin(_LightningPrecision):
 
     def state_dict(self) -> dict[str, Any]:
         """The guard's state (scaler, step and update counters, the monitor), once it exists."""
-        return self.guard.state_dict() if self.guard is not None else (self._loaded or {})
+        if self.guard is None:
+            return self._loaded or {}
+        guard = self.guard
+        # Lightning may save inside an accumulation group (validation or a callback between micro-
+        # batches). The guard's state changes only at a group's end, so the state at the last
+        # boundary is the one to save; Guard.state_dict refuses mid-group, hence the flags aside.
+        inside = guard._micro, guard._backward_pending
+        guard._micro, guard._backward_pending = 0, False
+        try:
+            return guard.state_dict()
+        finally:
+            guard._micro, guard._backward_pending = inside
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restored when Lightning resumes (``ckpt_path``); the CSV then appends after its step."""
