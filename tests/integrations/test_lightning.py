@@ -256,3 +256,13 @@ def test_the_fabric_recipe_the_readme_gives_guard_in_a_fabric_loop():
         if step == 3:
             break
     assert [r.reason for r in records] == [None, "non_finite_loss", None] and guard.updates == 2
+
+
+def test_a_second_fit_with_the_same_plugin_builds_a_new_guard_for_its_new_optimizer():
+    plugin = AmpGuardPlugin("bf16-mixed")
+    module = Digits(faults=["nan_loss@1"])
+    fit(module, plugin, steps=2)
+    first = plugin.guard
+    fit(module, plugin, steps=2)  # a new Trainer: configure_optimizers runs again, steps count from 1
+    assert plugin.guard is not first and plugin.guard.optimizer is module.trainer.optimizers[0]
+    assert [(r.step, r.reason) for r in plugin.records] == [(1, "non_finite_loss"), (2, None)]

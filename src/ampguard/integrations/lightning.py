@@ -215,6 +215,10 @@ class AmpGuardPlugin(_LightningPrecision):
         module = _lightning_module(model)
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == "fit":
+            # a new fit has new optimizers (configure_optimizers ran again): a new guard at its first
+            # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
+            self.guard, self.monitor, self.records, self.stop_reason = None, None, [], None
+            self._loaded, self._hold = None, False
             if trainer.gradient_clip_val:
                 raise ValueError(f"AmpGuardPlugin clips to max_norm after its non-finite check: drop the Trainer's "
                                  f"gradient_clip_val={trainer.gradient_clip_val} (use max_norm="
