@@ -106,6 +106,7 @@ def test_a_nan_loss_at_step_5_is_skipped_params_and_lr_hold_and_the_csv_says_so(
     scales = [float(r["scaler_scale"]) for r in table]
     assert scales[4] == scales[3] / 2  # a loss skip backs the scale off too
     assert trainer.global_step == 7 and not trainer.should_stop
+    assert module.lr_schedulers().last_epoch == 6  # stepped after the 6 applied updates only
 
 
 def test_scheduler_on_skip_step_steps_as_lightning_does():
