@@ -53,7 +53,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "16-mixed"])
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: no OpenMP barriers "
+                        "on a shared, oversubscribed CPU)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     x, y, _, _ = load_split()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64, shuffle=True)

@@ -267,3 +267,24 @@ def test_a_second_fit_with_the_same_plugin_builds_a_new_guard_for_its_new_optimi
     fit(module, plugin, steps=2)  # a new Trainer: configure_optimizers runs again, steps count from 1
     assert plugin.guard is not first and plugin.guard.optimizer is module.trainer.optimizers[0]
     assert [(r.step, r.reason) for r in plugin.records] == [(1, "non_finite_loss"), (2, None)]
+
+
+def test_manual_optimization_one_optimizer_records_and_skips():
+    """manual_backward + opt.step() go through the same guard; the scheduler is the user's."""
+
+    class Manual(Digits):
+        def __init__(self):
+            super().__init__(faults=["nan_loss@2"])
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    module, plugin = Manual(), AmpGuardPlugin("bf16-mixed")
+    fit(module, plugin, steps=3)
+    assert [(r.step, r.reason) for r in plugin.records] == [(1, None), (2, "non_finite_loss"), (3, None)]
+    assert same(module.after[2], module.after[1]) and not same(module.after[3], module.after[2])
