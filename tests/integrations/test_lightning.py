@@ -183,6 +183,13 @@ def test_every_lightning_logger_sees_the_records(tmp_path):
     assert [float(r["ampguard/skip_rate"]) for r in table] == [0.0, 0.5, pytest.approx(1 / 3)]
     assert table[1]["ampguard/grad_l2_pre_clip"] == "nan"  # a loss skip has no norm (not the last one again)
 
+    # logged only on the steps Lightning writes its loggers (log_every_n_steps), the CSV every step
+    plugin = AmpGuardPlugin("bf16-mixed", csv=tmp_path / "steps.csv")
+    fit(Digits(), plugin, steps=4, logger=CSVLogger(tmp_path, name="sparse"), log_every_n_steps=2)
+    (metrics,) = tmp_path.glob("sparse/*/metrics.csv")
+    assert len([r for r in rows(metrics) if r.get("ampguard/skip_rate")]) == 2
+    assert len(rows(tmp_path / "steps.csv")) == 4
+
 
 def test_resume_from_a_lightning_checkpoint_continues_the_guard_and_appends_the_csv(tmp_path):
     path = tmp_path / "steps.csv"

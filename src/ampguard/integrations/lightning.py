@@ -130,10 +130,12 @@ class AmpGuardPlugin(_LightningPrecision):
             written by global rank 0). An existing file is refused unless the fit resumes from
             a checkpoint (``ckpt_path``), which appends after the checkpoint's step.
         sinks: more ampguard sinks (``JsonlSink``, ``TensorBoardSink``, ...), written on rank 0.
-        log: send each record to ``LightningModule.log`` (so to every Lightning logger) as
+        log: send the record to ``LightningModule.log`` (so to every Lightning logger) as
             ``ampguard/loss``, ``ampguard/lr``, ``ampguard/grad_l2_pre_clip``,
             ``ampguard/grad_l2_post_clip``, ``ampguard/scale``, ``ampguard/skipped``,
-            ``ampguard/skip_rate``.
+            ``ampguard/skip_rate``, on the steps Lightning writes its loggers
+            (``Trainer(log_every_n_steps=...)``: logging costs milliseconds per key; the CSV and
+            sinks get every step).
         scaler: a ``torch.amp.GradScaler``'s keyword arguments (``init_scale``, ``growth_interval``,
             ``min_scale``, ...) for fp16.
         window, alert_rate, fail_rate, fail_after, fail_on_scale_collapse, min_steps: the
@@ -367,14 +369,6 @@ class AmpGuardPlugin(_LightningPrecision):
         events = self.monitor.observe(record)
         self.records.append(record)
         del self.records[: -self.keep_records]
-        if self.log:
-            values = record.values()
-            # every key every step (nan where the value does not exist, e.g. the norm of a loss skip):
-            # Lightning would otherwise repeat the last value logged under a key
-            metrics = {key: math.nan if values[field] is None else values[field] for field, key in LOG_KEYS.items()}
-            metrics["ampguard/skipped"] = float(record.skipped)
-            metrics["ampguard/skip_rate"] = self.monitor.skip_rate
-            module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         for event in events:
             if event.kind == "fail":
                 self.stop_reason = f"ampguard stopped the trainer at step {event.step}: {event.message}"
@@ -382,6 +376,14 @@ class AmpGuardPlugin(_LightningPrecision):
                 rank_zero_warn(self.stop_reason)
             elif event.kind in ("skip_rate_alert", "scale_alert"):
                 rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}")
+        if self.log and _loggers_write_now(trainer):
+            values = record.values()
+            # every key every time (nan where the value does not exist, e.g. the norm of a loss
+            # skip): Lightning would otherwise repeat the last value logged under a key
+            metrics = {key: math.nan if values[field] is None else values[field] for field, key in LOG_KEYS.items()}
+            metrics["ampguard/skipped"] = float(record.skipped)
+            metrics["ampguard/skip_rate"] = self.monitor.skip_rate
+            module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -419,6 +421,13 @@ def _group_of(guard: Guard, size: int) -> Iterator[None]:
         yield
     finally:
         guard.accumulation_steps = full
+
+
+def _loggers_write_now(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes its loggers after this step (every ``log_every_n_steps``, and when
+    stopping). ``LightningModule.log`` costs milliseconds per key; on the other steps what it
+    logs reaches no logger, so the plugin logs only on these."""
+    return bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True))
 
 
 def _lightning_module(model: torch.nn.Module) -> pl.LightningModule | None:
