@@ -1,0 +1,441 @@
+"""The guarded step inside PyTorch Lightning's own loop: ``AmpGuardPlugin``, a precision plugin.
+
+``pip install 'ampguard[lightning]'``. Two lines in an existing script::
+
+    from ampguard.integrations.lightning import AmpGuardPlugin
+    trainer = L.Trainer(..., plugins=[AmpGuardPlugin("16-mixed", max_norm=1.0, csv="steps.csv")])
+
+(no ``precision=`` and no ``gradient_clip_val=`` on the Trainer: the plugin is the precision and
+does the clipping). Lightning's automatic optimization then runs ampguard's :class:`~ampguard.Guard`
+step (docs/design.md §2) on every micro-batch and optimizer step:
+
+=======================  ===================================================================
+Lightning calls          the plugin does
+=======================  ===================================================================
+``forward_context``      autocast (fp16 / bf16) around ``training_step`` (and val/test/predict)
+``backward``             ``guard.backward(loss)``: the loss checked on the device before
+                         backward (a non-finite one seeds no gradient), scaled, backward
+``optimizer_step``       the closure (forward + backward), ``scaler.unscale_``, the
+                         ``on_before_optimizer_step`` hooks (unscaled gradients, as Lightning's
+                         ``MixedPrecision``), then ``guard.step()``: global L2 norm pre- and
+                         post-clip, skip on a non-finite loss or gradient, ``scaler.update()``
+                         every step; one record to the sinks, the monitor and ``self.log``
+``lr_scheduler_step``    held on a skipped step (``interval="step"`` schedulers), so the LR
+                         schedule counts applied updates (Lightning#18828)
+=======================  ===================================================================
+
+The skip-rate alarm is ampguard's :class:`~ampguard.monitor.RunMonitor`: with ``fail_rate``
+set, the trainer is stopped (``trainer.should_stop = True``) and :attr:`AmpGuardPlugin.stop_reason`
+says why. ``accumulate_grad_batches=N`` gives one record per optimizer step (the short group
+Lightning steps at an epoch's end too).
+
+Not covered: Fabric (``L.Fabric`` is your own loop: put :class:`~ampguard.Guard`'s verbs in it),
+strategies that own the backward or the step (DeepSpeed, FSDP's mixed precision), LBFGS, fused
+optimizers that unscale themselves, ``training_step`` returning ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
+    from lightning.pytorch.trainer import call
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+except ImportError as err:  # pragma: no cover - the extra is installed in the test environment
+    raise ImportError("ampguard.integrations.lightning needs PyTorch Lightning: "
+                      "pip install 'ampguard[lightning]'") from err
+
+import torch
+from torch import Tensor
+
+from ..errors import InputError
+from ..monitor import RunMonitor
+from ..precision import GuardedGradScaler, Precision
+from ..records import SkipLog, StepLog
+from ..sinks import CsvSink, Sink
+from ..step import Guard
+
+LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
+_NAMES = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+# what goes to LightningModule.log, from the record's values (None is logged as nan)
+LOG_KEYS: dict[str, str] = {
+    "loss": "ampguard/loss", "lr": "ampguard/lr", "grad_l2_pre_clip": "ampguard/grad_l2_pre_clip",
+    "grad_l2_post_clip": "ampguard/grad_l2_post_clip", "scaler_scale": "ampguard/scale",
+}
+
+
+class _UnscaleOnce(GuardedGradScaler):
+    """The guard's scaler, with an ``unscale_`` that is a no-op when this iteration already
+    unscaled the optimizer: the plugin unscales before Lightning's ``on_before_optimizer_step``
+    hooks (so they see true gradients), and the guard's own ``unscale_`` then finds it done.
+
+    Example::
+
+        >>> scaler = _UnscaleOnce("cpu", init_scale=4.0)
+        >>> p = torch.nn.Parameter(torch.ones(1))
+        >>> opt = torch.optim.SGD([p], lr=0.1)
+        >>> scaler.scale(p.sum()).backward()
+        >>> scaler.unscale_(opt); scaler.unscale_(opt)  # GradScaler would raise on the second
+        >>> p.grad
+        tensor([1.])
+    """
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._enabled:
+            from torch.amp.grad_scaler import OptState
+
+            if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
+                return
+        super().unscale_(optimizer)
+
+
+class AmpGuardPlugin(_LightningPrecision):
+    """A Lightning precision plugin that runs ampguard's guarded step in the Trainer's loop.
+
+    Example (bf16 on a CPU, three steps, the third loss non-finite)::
+
+        >>> import lightning as L
+        >>> class Tiny(L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer = torch.nn.Linear(4, 1)
+        ...     def training_step(self, batch, i):
+        ...         loss = self.layer(batch[0]).pow(2).mean()
+        ...         return loss * float("nan") if self.trainer.global_step == 2 else loss
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        ...     def train_dataloader(self):
+        ...         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4)), batch_size=8)
+        >>> plugin = AmpGuardPlugin("bf16-mixed", max_norm=1.0)
+        >>> trainer = L.Trainer(max_steps=3, plugins=[plugin], accelerator="cpu", logger=False,
+        ...                     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+        >>> trainer.fit(Tiny())
+        >>> [(r.step, r.reason) for r in plugin.records], plugin.guard.updates
+        ([(1, None), (2, None), (3, 'non_finite_loss')], 2)
+
+    Args:
+        precision: ``"16-mixed"`` (fp16 with a loss scaler), ``"bf16-mixed"``, or ``"32-true"``
+            (the same checks and records, no autocast); ampguard's ``"fp16"``/``"bf16"``/``"fp32"`` too.
+        max_norm: global L2 clip threshold (``None`` or ``<= 0``: no clipping). Replaces the
+            Trainer's ``gradient_clip_val``, which must then be unset.
+        csv: path of the per-step CSV (the eight contract columns, a row flushed per step,
+            written by global rank 0). An existing file is refused unless the fit resumes from
+            a checkpoint (``ckpt_path``), which appends after the checkpoint's step.
+        sinks: more ampguard sinks (``JsonlSink``, ``TensorBoardSink``, ...), written on rank 0.
+        log: send the record to ``LightningModule.log`` (so to every Lightning logger) as
+            ``ampguard/loss``, ``ampguard/lr``, ``ampguard/grad_l2_pre_clip``,
+            ``ampguard/grad_l2_post_clip``, ``ampguard/scale``, ``ampguard/skipped``,
+            ``ampguard/skip_rate``, on the steps Lightning writes its loggers
+            (``Trainer(log_every_n_steps=...)``: logging costs milliseconds per key; the CSV and
+            sinks get every step).
+        scaler: a ``torch.amp.GradScaler``'s keyword arguments (``init_scale``, ``growth_interval``,
+            ``min_scale``, ...) for fp16.
+        window, alert_rate, fail_rate, fail_after, fail_on_scale_collapse, min_steps: the
+            :class:`~ampguard.monitor.RunMonitor`'s settings; with ``fail_rate`` set, a skip rate
+            above it for ``fail_after`` consecutive steps stops the trainer.
+        scheduler_on_skip: ``"hold"`` (default) the ``interval="step"`` LR schedulers on a
+            skipped step, or ``"step"`` them as Lightning does.
+        frozen: the guard's ``frozen`` (``"refuse"`` a parameter that requires grad but is in no
+            optimizer, or ``"ignore"`` it).
+
+    After a fit: :attr:`guard` (the :class:`~ampguard.Guard`: ``steps``, ``updates``, ``scaler``),
+    :attr:`monitor`, :attr:`records` (the last ``keep_records`` records), :attr:`stop_reason`.
+    Host reads: the guard's one per step (the skip decision), and the sinks/monitor/logging
+    reading each record once (one transfer of its five values).
+    """
+
+    def __init__(
+        self,
+        precision: LightningPrecision | str = "16-mixed",
+        *,
+        max_norm: float | None = 1.0,
+        csv: str | os.PathLike | None = None,
+        sinks: Sequence[Sink] = (),
+        log: bool = True,
+        scaler: dict[str, Any] | None = None,
+        window: int = 1000,
+        alert_rate: float = 0.05,
+        fail_rate: float | None = None,
+        fail_after: int = 100,
+        fail_on_scale_collapse: bool = False,
+        min_steps: int = 100,
+        scheduler_on_skip: Literal["hold", "step"] = "hold",
+        frozen: Literal["refuse", "ignore"] = "refuse",
+        keep_records: int = 10_000,
+    ) -> None:
+        if precision not in _NAMES:
+            raise ValueError(f"AmpGuardPlugin(precision={precision!r}): use '16-mixed', 'bf16-mixed' or '32-true'")
+        if scheduler_on_skip not in ("hold", "step"):
+            raise ValueError(f"scheduler_on_skip must be 'hold' or 'step', got {scheduler_on_skip!r}")
+        if max_norm is not None and not max_norm == max_norm:
+            raise ValueError("max_norm must be a number or None, got nan")
+        self.precision = {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[_NAMES[precision]]
+        self.name = _NAMES[precision]
+        self.max_norm = max_norm
+        self.csv = Path(csv) if csv is not None else None
+        self.extra_sinks = list(sinks)
+        self.log = log
+        self.scaler_settings = dict(scaler or {})
+        self.monitor_settings = dict(window=window, alert_rate=alert_rate, fail_rate=fail_rate, fail_after=fail_after,
+                                     fail_on_scale_collapse=fail_on_scale_collapse, min_steps=min_steps)
+        RunMonitor(**self.monitor_settings)  # bad settings fail here, not after the first step
+        self.scheduler_on_skip = scheduler_on_skip
+        self.frozen = frozen
+        self.keep_records = keep_records
+
+        self.guard: Guard | None = None
+        self.monitor: RunMonitor | None = None
+        self.records: list[StepLog | SkipLog] = []
+        self.stop_reason: str | None = None
+        self._autocast: Precision | None = None
+        self._sinks: list[Sink] | None = None
+        self._loaded: dict[str, Any] | None = None
+        self._divided_by = 1  # Lightning's accumulate_grad_batches: it divides the loss before backward
+        self._hold = False  # the last optimizer step was skipped: hold the step-interval schedulers
+        self._hooked: pl.LightningModule | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def scaler(self) -> GuardedGradScaler | None:
+        """The guard's loss scaler once the fit started (``None`` before, and for bf16/fp32)."""
+        return self.guard.scaler if self.guard is not None and self.guard.scaler.is_enabled() else None
+
+    def connect(self, model: torch.nn.Module, optimizers: list, lr_schedulers: list) -> tuple:
+        """Called by the strategy once the model is on its device: the autocast device, and early
+        refusals (a CSV that exists when not resuming, ``gradient_clip_val``, LBFGS)."""
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._autocast = Precision(self.name, device.type)
+        module = _lightning_module(model)
+        trainer = module._trainer if module is not None else None
+        if trainer is not None and trainer.state.fn == "fit":
+            # a new fit has new optimizers (configure_optimizers ran again): a new guard at its first
+            # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
+            self.guard, self.monitor, self.records, self.stop_reason = None, None, [], None
+            self._loaded, self._hold = None, False
+            if trainer.gradient_clip_val:
+                raise ValueError(f"AmpGuardPlugin clips to max_norm after its non-finite check: drop the Trainer's "
+                                 f"gradient_clip_val={trainer.gradient_clip_val} (use max_norm="
+                                 f"{trainer.gradient_clip_val} on the plugin)")
+            if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
+                raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
+            if (self.csv is not None and self.csv.exists() and self.csv.stat().st_size > 0
+                    and trainer.ckpt_path is None and trainer.is_global_zero):
+                raise InputError(f"{self.csv} already exists; refusing to overwrite it")
+        return model, optimizers, lr_schedulers
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if not isinstance(module, pl.LightningModule) or module._trainer is None:
+            raise TypeError("AmpGuardPlugin guards the Lightning Trainer's loop; L.Fabric's loop is your own: "
+                            "use ampguard.Guard there (with guard.autocast(), guard.backward(loss), guard.step())")
+        return module
+
+    def _setup(self, module: pl.LightningModule) -> Guard:
+        """Build the guard at the fit's first backward: the optimizers, the accumulation and the
+        schedulers are Lightning's by then."""
+        trainer = module.trainer
+        optimizers = trainer.optimizers
+        if len(optimizers) == 1:
+            optimizers = optimizers[0]
+        self._divided_by = trainer.accumulate_grad_batches if module.automatic_optimization else 1
+        device = next(module.parameters()).device
+        precision = self._autocast or Precision(self.name, device.type)
+        scaler = precision.make_scaler(**self.scaler_settings)
+        if scaler.is_enabled():  # (a disabled scaler's unscale_ does nothing already)
+            scaler = _UnscaleOnce.from_scaler(scaler, min_scale=scaler.get_min_scale())
+        guard = Guard(module, optimizers, precision=precision, max_norm=self.max_norm,
+                      accumulation_steps=self._divided_by, scaler=scaler, frozen=self.frozen)
+        monitor = RunMonitor(max_norm=self.max_norm, scaler_enabled=scaler.is_enabled(),
+                             init_scale=scaler.get_scale() if scaler.is_enabled() else None,
+                             min_scale=scaler.get_min_scale(), **self.monitor_settings)
+        guard.monitors["run"] = monitor
+        if self._loaded:
+            guard.load_state_dict(self._loaded)
+        self.guard, self.monitor = guard, monitor
+        self._hook_schedulers(module)
+        return guard
+
+    def _open_sinks(self, trainer: pl.Trainer) -> list[Sink]:
+        sinks: list[Sink] = []
+        if trainer.is_global_zero:
+            if self.csv is not None:
+                resumed = self._loaded is not None and self.csv.exists()
+                self.csv.parent.mkdir(parents=True, exist_ok=True)
+                sinks.append(CsvSink(self.csv, append=resumed,
+                                     keep_through=int(self._loaded["step"]) if resumed else None))
+            sinks += self.extra_sinks
+        return sinks
+
+    def _hook_schedulers(self, module: pl.LightningModule) -> None:
+        """Hold the step-interval LR schedulers on a skipped step: Lightning steps them after
+        every optimizer step through ``LightningModule.lr_scheduler_step``, which is wrapped on
+        this module instance (the user's own override included) for the fit."""
+        if self.scheduler_on_skip != "hold" or self._hooked is module:
+            return
+        configs = module.trainer.lr_scheduler_configs
+        step_interval = {id(c.scheduler) for c in configs if c.interval == "step"}
+        user_hook = module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
+            if self._hold and id(scheduler) in step_interval:
+                return  # the optimizer step was skipped: the schedule holds
+            return user_hook(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+        self._hooked = module
+
+    def teardown(self) -> None:
+        """Close the sinks and unwrap ``lr_scheduler_step`` (the run's rows are all flushed)."""
+        if self._hooked is not None:
+            self._hooked.__dict__.pop("lr_scheduler_step", None)
+            self._hooked = None
+        if self._sinks:
+            for sink in self._sinks:
+                sink.close()
+        self._sinks = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ the step
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Autocast to the plugin's precision (nothing for ``32-true``)."""
+        precision = self._autocast or Precision(self.name, "cuda" if torch.cuda.is_available() else "cpu")
+        with precision.autocast():
+            yield
+
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        return super().pre_backward(tensor, module)  # the on_before_backward hooks; the guard scales
+
+    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any,  # type: ignore[override]
+                 *args: Any, **kwargs: Any) -> None:
+        """``guard.backward``: the loss checked before backward, scaled, backward.
+
+        Lightning has already divided the loss by ``accumulate_grad_batches`` (N); the guard
+        divides by N itself, so it is given ``loss * N`` (exact for N a power of two)."""
+        guard = self.guard or self._setup(model)
+        if guard._backward_pending:  # the micro-batch before, inside its accumulation group: no update
+            if guard._micro >= guard.accumulation_steps:
+                raise RuntimeError("AmpGuardPlugin: two backward passes without an optimizer step in between; "
+                                   "accumulate with Trainer(accumulate_grad_batches=N)")
+            guard.step()
+        if args or kwargs:
+            raise ValueError("AmpGuardPlugin runs the backward itself: manual_backward(loss) takes no arguments")
+        guard.backward(tensor * self._divided_by if self._divided_by > 1 else tensor)
+
+    def optimizer_step(self, optimizer: Any, model: pl.LightningModule,  # type: ignore[override]
+                       closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """The closure (training_step, backward), the hooks, then the guarded step and its record."""
+        closure_result = closure()
+        guard = self.guard
+        if guard is None or not guard._backward_pending:
+            raise RuntimeError("AmpGuardPlugin: no backward ran before this optimizer step (training_step "
+                               "returned None?); the guard needs a loss on every step")
+        names = () if len(guard.optimizers) == 1 else (optimizer,)
+        # only at a group's end (Lightning steps a short last group of an epoch too)
+        with _group_of(guard, guard._micro):
+            for name in names or guard.optimizers:
+                opt = guard.optimizers[name] if isinstance(name, str) else name
+                guard.scaler.unscale_(opt)  # so on_before_optimizer_step sees true gradients
+            self._after_closure(model, optimizer)
+            record = guard.step(*names)
+        assert record is not None
+        self._record(record, model)
+        return closure_result
+
+    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        """Refused: the guard clips to ``max_norm`` after its non-finite check."""
+        if clip_val and clip_val > 0:
+            raise ValueError("AmpGuardPlugin clips to max_norm itself; gradient_clip_val / clip_gradients must be unset")
+
+    def _record(self, record: StepLog | SkipLog, module: pl.LightningModule) -> None:
+        """One record per optimizer step: sinks (rank 0), monitor, ``self.log``, the scheduler hold."""
+        self._hold = bool(record.skipped)
+        trainer = module.trainer
+        if self._sinks is None:
+            self._sinks = self._open_sinks(trainer)
+        for sink in self._sinks:
+            sink.write(record)
+        assert self.monitor is not None
+        events = self.monitor.observe(record)
+        self.records.append(record)
+        del self.records[: -self.keep_records]
+        for event in events:
+            if event.kind == "fail":
+                self.stop_reason = f"ampguard stopped the trainer at step {event.step}: {event.message}"
+                trainer.should_stop = True
+                rank_zero_warn(self.stop_reason)
+            elif event.kind in ("skip_rate_alert", "scale_alert"):
+                rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}")
+        if self.log and _loggers_write_now(trainer):
+            values = record.values()
+            # every key every time (nan where the value does not exist, e.g. the norm of a loss
+            # skip): Lightning would otherwise repeat the last value logged under a key
+            metrics = {key: math.nan if values[field] is None else values[field] for field, key in LOG_KEYS.items()}
+            metrics["ampguard/skipped"] = float(record.skipped)
+            metrics["ampguard/skip_rate"] = self.monitor.skip_rate
+            module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's state (scaler, step and update counters, the monitor), once it exists."""
+        if self.guard is None:
+            return self._loaded or {}
+        guard = self.guard
+        # Lightning may save inside an accumulation group (validation or a callback between micro-
+        # batches). The guard's state changes only at a group's end, so the state at the last
+        # boundary is the one to save; Guard.state_dict refuses mid-group, hence the flags aside.
+        inside = guard._micro, guard._backward_pending
+        guard._micro, guard._backward_pending = 0, False
+        try:
+            return guard.state_dict()
+        finally:
+            guard._micro, guard._backward_pending = inside
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restored when Lightning resumes (``ckpt_path``); the CSV then appends after its step."""
+        if not state_dict:
+            return
+        self._loaded = dict(state_dict)
+        if self.guard is not None:
+            self.guard.load_state_dict(self._loaded)
+
+
+@contextlib.contextmanager
+def _group_of(guard: Guard, size: int) -> Iterator[None]:
+    """Let the guard close a group of ``size`` micro-batches: Lightning steps the epoch's last
+    batches as a short group. The record's loss is then the mean over the ``size`` taken."""
+    full = guard.accumulation_steps
+    guard.accumulation_steps = size
+    try:
+        yield
+    finally:
+        guard.accumulation_steps = full
+
+
+def _loggers_write_now(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes its loggers after this step (every ``log_every_n_steps``, and when
+    stopping). ``LightningModule.log`` costs milliseconds per key; on the other steps what it
+    logs reaches no logger, so the plugin logs only on these."""
+    return bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True))
+
+
+def _lightning_module(model: torch.nn.Module) -> pl.LightningModule | None:
+    """The LightningModule inside a strategy's wrapper (DDP's ``.module``), or ``None``."""
+    for _ in range(4):
+        if isinstance(model, pl.LightningModule):
+            return model
+        model = getattr(model, "module", None)
+        if model is None:
+            return None
+    return None

@@ -1,0 +1,297 @@
+"""AmpGuardPlugin in real Lightning Trainers on the CPU (docs/design.md §2 inside Lightning's loop).
+
+The workload is ampguard's ``digits`` data (scikit-learn's bundled images) and a small MLP, a
+few steps each. Faults are injected from inside the LightningModule with ampguard's own
+``parse_fault`` (``nan_loss`` multiplies the loss by NaN; ``inf_grad`` writes inf into the
+logits' gradient during backward).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+
+from ampguard.errors import InputError  # noqa: E402
+from ampguard.faults import parse_fault  # noqa: E402
+from ampguard.integrations.lightning import AmpGuardPlugin  # noqa: E402
+from ampguard.sinks import CSV_COLUMNS  # noqa: E402
+from ampguard.tasks.digits import load_split  # noqa: E402
+
+X, Y, _, _ = load_split()
+
+
+class Digits(L.LightningModule):
+    """An MLP on the digits; ``faults`` like ``["nan_loss@5"]`` hit the optimizer step they name.
+    ``after[k]`` holds the parameters after optimizer step ``k`` (``after[0]``: the initial ones)."""
+
+    def __init__(self, faults=(), hidden=16, lr=0.5, gamma=0.9):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        self.faults = [parse_fault(f) for f in faults]
+        self.lr, self.gamma = lr, gamma
+        self.after = {0: self._params()}
+
+    def _params(self):
+        return [p.detach().clone() for p in self.parameters()]
+
+    def _hits(self, kind):
+        step = self.trainer.global_step + 1  # the optimizer step this batch feeds
+        return any(f.kind == kind and f.hits(step) for f in self.faults)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        if self._hits("inf_grad"):
+            logits.register_hook(lambda g: torch.full_like(g, float("inf")))
+        loss = F.cross_entropy(logits, y)
+        return loss * float("nan") if self._hits("nan_loss") else loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.after[self.trainer.global_step] = self._params()
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=self.gamma)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loader(batch_size=32, n=None):
+    x, y = (X, Y) if n is None else (X[:n], Y[:n])
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+
+
+def fit(module, plugin, steps, data=None, ckpt_path=None, **trainer_args):
+    settings = dict(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                    enable_checkpointing=False, enable_model_summary=False)
+    trainer = L.Trainer(plugins=[plugin], **{**settings, **trainer_args})
+    trainer.fit(module, data or loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def same(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+def test_a_nan_loss_at_step_5_is_skipped_params_and_lr_hold_and_the_csv_says_so(tmp_path):
+    path = tmp_path / "steps.csv"
+    module = Digits(faults=["nan_loss@5"])
+    trainer = fit(module, AmpGuardPlugin("16-mixed", max_norm=1.0, csv=path), steps=7)
+
+    table = rows(path)
+    assert tuple(table[0]) == CSV_COLUMNS
+    assert [r["step"] for r in table] == [str(s) for s in range(1, 8)]  # one row per optimizer step
+    assert (table[4]["skipped"], table[4]["skip_reason"]) == ("1", "non_finite_loss")
+    assert table[4]["grad_l2_pre_clip"] == "" and table[4]["loss"] == "nan"  # no norm: no backward ran
+    assert all(r["skipped"] == "0" for i, r in enumerate(table) if i != 4)
+    assert same(module.after[5], module.after[4])  # skipped: nothing applied
+    assert not same(module.after[6], module.after[5])  # and training goes on
+    lrs = [float(r["lr"]) for r in table]
+    assert lrs[5] == lrs[4] and lrs[4] < lrs[3] and lrs[6] < lrs[5]  # the schedule held for step 5 only
+    scales = [float(r["scaler_scale"]) for r in table]
+    assert scales[4] == scales[3] / 2  # a loss skip backs the scale off too
+    assert trainer.global_step == 7 and not trainer.should_stop
+    assert module.lr_schedulers().last_epoch == 6  # stepped after the 6 applied updates only
+
+
+def test_scheduler_on_skip_step_steps_as_lightning_does():
+    plugin = AmpGuardPlugin("bf16-mixed", scheduler_on_skip="step")
+    fit(Digits(faults=["nan_loss@2"]), plugin, steps=3)
+    lrs = [r.lr for r in plugin.records]
+    assert lrs[1] < lrs[0] and lrs[2] < lrs[1] and plugin.records[1].reason == "non_finite_loss"
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_clean_fp16_run_equals_plain_lightning_with_gradient_clip_val(accumulate):
+    """Bit for bit: Lightning's MixedPrecision("16-mixed") and gradient_clip_val against the plugin
+    with max_norm (0.3: most steps clip). With accumulation the plugin hands the guard Lightning's
+    loss x N (Lightning divided it by N, the guard divides again): exact for N a power of two."""
+    plain, guarded = Digits(), Digits()
+    fit(plain, MixedPrecision("16-mixed", "cpu"), steps=5, gradient_clip_val=0.3,
+        accumulate_grad_batches=accumulate)
+    plugin = AmpGuardPlugin("16-mixed", max_norm=0.3)
+    fit(guarded, plugin, steps=5, accumulate_grad_batches=accumulate)
+    assert same(guarded.after[5], plain.after[5])
+    assert len(plugin.records) == 5 and not any(r.skipped for r in plugin.records)
+    assert sum(float(r.grad_l2_pre_clip) > 0.3 for r in plugin.records) >= 3  # the clip engaged
+    assert all(float(r.grad_l2_post_clip) <= 0.3 + 1e-6 for r in plugin.records)
+
+
+def test_accumulation_gives_one_record_per_optimizer_step_short_last_group_included():
+    """10 batches an epoch, accumulate_grad_batches=4: Lightning steps after batches 4, 8 and 10
+    (the epoch's short last group). Six optimizer steps over two epochs: six records, and the
+    parameters equal plain Lightning's (bf16)."""
+    plain, guarded = Digits(), Digits()
+    data = loader(batch_size=16, n=160)
+    fit(plain, MixedPrecision("bf16-mixed", "cpu"), steps=6, data=data, gradient_clip_val=0.5,
+        accumulate_grad_batches=4)
+    plugin = AmpGuardPlugin("bf16-mixed", max_norm=0.5)
+    trainer = fit(guarded, plugin, steps=6, data=data, accumulate_grad_batches=4)
+    assert [r.step for r in plugin.records] == [1, 2, 3, 4, 5, 6] and trainer.global_step == 6
+    assert plugin.guard.accumulation_steps == 4 and not plugin.guard.mid_group
+    assert same(guarded.after[6], plain.after[6])
+
+
+def test_an_inf_gradient_under_fp16_is_a_non_finite_grad_skip_that_halves_the_scale(tmp_path):
+    module = Digits(faults=["inf_grad@3"], hidden=8)
+    plugin = AmpGuardPlugin("16-mixed", csv=tmp_path / "steps.csv")
+    fit(module, plugin, steps=4)
+    table = rows(tmp_path / "steps.csv")
+    assert (table[2]["skipped"], table[2]["skip_reason"]) == ("1", "non_finite_grad")
+    assert math.isinf(float(table[2]["grad_l2_pre_clip"])) or table[2]["grad_l2_pre_clip"] == "nan"
+    assert float(table[2]["scaler_scale"]) == float(table[1]["scaler_scale"]) / 2 == 2.0**15
+    assert same(module.after[3], module.after[2])
+    assert table[3]["skipped"] == "0" and plugin.guard.updates == 3
+
+
+def test_the_skip_rate_alarm_stops_the_trainer_and_says_why():
+    bad = ",".join(str(s) for s in range(3, 40))
+    plugin = AmpGuardPlugin("bf16-mixed", fail_rate=0.5, fail_after=3, min_steps=0)
+    with pytest.warns(UserWarning, match="ampguard stopped the trainer"):
+        trainer = fit(Digits(faults=[f"nan_loss@{bad}"]), plugin, steps=30)
+    assert trainer.should_stop and trainer.global_step < 30
+    # steps 1-2 applied, skips from 3: the rate is above 0.5 from step 5 (3/5; 2/4 is not above), for
+    # the third consecutive step at step 7, which stops the trainer
+    assert trainer.global_step == 7 and plugin.monitor.failed.cause == "skip_rate"
+    assert plugin.stop_reason.startswith("ampguard stopped the trainer at step 7: rolling skip rate above")
+
+
+def test_every_lightning_logger_sees_the_records(tmp_path):
+    plugin = AmpGuardPlugin("bf16-mixed")
+    fit(Digits(faults=["nan_loss@2"]), plugin, steps=3, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1)
+    (metrics,) = tmp_path.glob("run/*/metrics.csv")
+    table = [r for r in rows(metrics) if r.get("ampguard/skip_rate")]
+    assert len(table) == 3
+    assert {"ampguard/scale", "ampguard/grad_l2_pre_clip", "ampguard/grad_l2_post_clip", "ampguard/lr",
+            "ampguard/loss", "ampguard/skipped"} <= set(table[0])
+    assert [float(r["ampguard/skipped"]) for r in table] == [0.0, 1.0, 0.0]
+    assert [float(r["ampguard/skip_rate"]) for r in table] == [0.0, 0.5, pytest.approx(1 / 3)]
+    assert table[1]["ampguard/grad_l2_pre_clip"] == "nan"  # a loss skip has no norm (not the last one again)
+
+    # logged only on the steps Lightning writes its loggers (log_every_n_steps), the CSV every step
+    plugin = AmpGuardPlugin("bf16-mixed", csv=tmp_path / "steps.csv")
+    fit(Digits(), plugin, steps=4, logger=CSVLogger(tmp_path, name="sparse"), log_every_n_steps=2)
+    (metrics,) = tmp_path.glob("sparse/*/metrics.csv")
+    assert len([r for r in rows(metrics) if r.get("ampguard/skip_rate")]) == 2
+    assert len(rows(tmp_path / "steps.csv")) == 4
+
+
+def test_resume_from_a_lightning_checkpoint_continues_the_guard_and_appends_the_csv(tmp_path):
+    path = tmp_path / "steps.csv"
+    first = AmpGuardPlugin("16-mixed", csv=path)
+    trainer = fit(Digits(faults=["nan_loss@2"], hidden=8), first, steps=3)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    resumed = AmpGuardPlugin("16-mixed", csv=path)
+    fit(Digits(hidden=8), resumed, steps=5, ckpt_path=tmp_path / "last.ckpt")
+    assert [r["step"] for r in rows(path)] == ["1", "2", "3", "4", "5"]
+    assert resumed.guard.steps == 5 and resumed.guard.updates == 4  # step 2 was skipped before the resume
+    assert resumed.guard.scaler.get_scale() == first.guard.scaler.get_scale()  # no growth in 5 steps
+
+
+def test_what_the_plugin_refuses_up_front(tmp_path):
+    with pytest.raises(ValueError, match="precision='16-true'"):
+        AmpGuardPlugin("16-true")
+    with pytest.raises(ValueError, match="fail_after must be >= 1"):
+        AmpGuardPlugin(fail_after=0)
+    with pytest.raises(ValueError, match="drop the Trainer's gradient_clip_val=1.0"):
+        fit(Digits(), AmpGuardPlugin("bf16-mixed"), steps=1, gradient_clip_val=1.0)
+    existing = tmp_path / "steps.csv"
+    existing.write_text("keep me\n")
+    with pytest.raises(InputError, match="already exists; refusing to overwrite it"):
+        fit(Digits(), AmpGuardPlugin("bf16-mixed", csv=existing), steps=1)
+    assert existing.read_text() == "keep me\n"
+
+
+def test_fabric_is_refused_with_the_way_to_guard_a_fabric_loop():
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[AmpGuardPlugin("bf16-mixed")])
+    model = nn.Linear(2, 1)
+    with pytest.raises(TypeError, match="use ampguard.Guard there"):
+        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_hooks_see_unscaled_gradients_and_a_checkpoint_inside_an_accumulation_group_saves(tmp_path):
+    """on_before_optimizer_step sees the true (unscaled) gradients, as with Lightning's
+    MixedPrecision: their norm is the record's pre-clip norm. A checkpoint saved between two
+    micro-batches of a group holds the guard's state at the group before."""
+    seen, saved = [], []
+
+    class Watch(L.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            seen.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()]))))
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 2:  # the first micro-batch of the second group
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+                saved.append(torch.load(tmp_path / "mid.ckpt", weights_only=False)["AmpGuardPlugin"])
+
+    plugin = AmpGuardPlugin("16-mixed", max_norm=None)
+    fit(Digits(hidden=8), plugin, steps=2, accumulate_grad_batches=2, callbacks=[Watch()])
+    assert seen == pytest.approx([float(r.grad_l2_pre_clip) for r in plugin.records], rel=1e-5)
+    assert seen[0] < 100  # not x 65536
+    assert saved[0]["step"] == 1 and saved[0]["updates"] == 1 and plugin.guard.steps == 2
+
+
+def test_the_fabric_recipe_the_readme_gives_guard_in_a_fabric_loop():
+    """Fabric is your own loop: the Guard's verbs go in it (what the README shows)."""
+    from ampguard import Guard
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    guard = Guard(model, optimizer, precision="bf16", max_norm=1.0)
+    records = []
+    for step, (x, y) in enumerate(fabric.setup_dataloaders(loader()), start=1):
+        with guard.autocast():
+            loss = F.cross_entropy(model(x), y)
+        guard.backward(loss * float("nan") if step == 2 else loss)
+        records.append(guard.step())
+        if step == 3:
+            break
+    assert [r.reason for r in records] == [None, "non_finite_loss", None] and guard.updates == 2
+
+
+def test_a_second_fit_with_the_same_plugin_builds_a_new_guard_for_its_new_optimizer():
+    plugin = AmpGuardPlugin("bf16-mixed")
+    module = Digits(faults=["nan_loss@1"])
+    fit(module, plugin, steps=2)
+    first = plugin.guard
+    fit(module, plugin, steps=2)  # a new Trainer: configure_optimizers runs again, steps count from 1
+    assert plugin.guard is not first and plugin.guard.optimizer is module.trainer.optimizers[0]
+    assert [(r.step, r.reason) for r in plugin.records] == [(1, "non_finite_loss"), (2, None)]
+
+
+def test_manual_optimization_one_optimizer_records_and_skips():
+    """manual_backward + opt.step() go through the same guard; the scheduler is the user's."""
+
+    class Manual(Digits):
+        def __init__(self):
+            super().__init__(faults=["nan_loss@2"])
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    module, plugin = Manual(), AmpGuardPlugin("bf16-mixed")
+    fit(module, plugin, steps=3)
+    assert [(r.step, r.reason) for r in plugin.records] == [(1, None), (2, "non_finite_loss"), (3, None)]
+    assert same(module.after[2], module.after[1]) and not same(module.after[3], module.after[2])
