@@ -125,7 +125,7 @@ def load_run(path: str | Path) -> RunSummary:
     mon, scaler = config.monitor, config.scaler
     monitor = replay(rows, window=mon.window, alert_rate=mon.alert_rate, fail_rate=mon.fail_rate,
                      fail_after=mon.fail_after, max_norm=clip_threshold(config.max_norm),
-                     scaler_enabled=any(r.scaler_scale not in (None, 1.0) for r in rows),
+                     scaler_enabled=config.precision == "fp16" if scaler.enabled is None else scaler.enabled,
                      init_scale=scaler.init_scale, min_scale=min(scaler.min_scale, scaler.init_scale),
                      min_steps=mon.min_steps)
     for metrics in _metrics(folder / "steps.csv"):
