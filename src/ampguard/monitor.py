@@ -2,7 +2,8 @@
 
 Everything here reads records after the step made them (it is a sink); nothing runs inside the
 step. Each piece keeps O(1) work per step and a ``state_dict`` so a resumed run continues its
-windows exactly.
+windows exactly (the scale-health label reads its window, O(window), only when asked: the
+``STATS`` line and the run card). The labels are the table in docs/design.md, "Scale health".
 
 The rolling skip rate is the share of skipped steps among the steps the window holds: while
 the window has not filled yet, that is the steps seen so far (25 skips in the first 25 steps is
