@@ -39,11 +39,9 @@ DPI = 100  # -> a 1200 x 1100 pixel PNG
 
 @dataclass
 class RunSummary:
-    """One run folder, read back: its settings, its rows, the statistics replayed from them.
-
-    ``metrics`` holds the held-out metrics found in the CSV's extra columns, one
-    ``{name: value}`` per evaluated step (fed to the monitor's ``observe_eval``).
-    """
+    """One run folder, read back: its settings, its rows, the statistics replayed from them
+    (held-out metrics included: the CSV's extra columns, fed to ``monitor.observe_eval``), and
+    why it ended (from the run card)."""
 
     name: str
     path: Path
@@ -118,7 +116,10 @@ def load_run(path: str | Path) -> RunSummary:
             hint = " (a run still going, or one killed before its end: `ampguard train --resume` finishes it)" \
                 if name == "RUN.md" else ""
             raise InputError(f"compare: {folder} has no {what} {name}; is it a run folder?{hint}")
-    config = validate(read_file(folder / "config.yaml"))
+    try:
+        config = validate(read_file(folder / "config.yaml"))
+    except InputError as err:  # ConfigError included: say which run's config it is
+        raise InputError(f"compare: {folder / 'config.yaml'}: {err}") from None
     rows = read_steps_csv(folder / "steps.csv")
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
@@ -166,7 +167,7 @@ def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
 
 
 def _g(x: float | None, spec: str = ".4g") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    return "-" if x is None or math.isnan(x) else format(x, spec)
 
 
 def table_rows(run: RunSummary) -> list[tuple[str, str]]:

@@ -97,6 +97,10 @@ def test_a_missing_folder_a_file_and_an_empty_csv_are_refused(tmp_path):
     (empty / "steps.csv").write_text(HEADER + "\n")
     with pytest.raises(InputError, match="has no steps, nothing to compare"):
         compare.load_run(empty)
+    bad_config = make_run(tmp_path, "bad-config", [clean(1)])
+    (bad_config / "config.yaml").write_text("steps: many\n")
+    with pytest.raises(InputError, match=r"^compare: .*bad-config/config\.yaml: config: steps: "):
+        compare.load_run(bad_config)
     broken = make_run(tmp_path, "broken", ["1,0.1,x,1.0,0.5,0,,1.0"])
     with pytest.raises(InputError, match="column grad_l2_pre_clip holds 'x', not a number"):
         compare.load_run(broken)
