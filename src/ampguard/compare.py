@@ -293,7 +293,7 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     fig, axes = plt.subplots(4, 1, sharex=True, figsize=FIGSIZE, dpi=DPI, layout="constrained")
     ax_loss, ax_norm, ax_scale, ax_skip = axes
     colours = plt.get_cmap("tab10")
-    log_loss = True
+    log_loss, top_rate = True, 0.0
     for i, run in enumerate(runs):
         colour, rows = colours(i % 10), run.rows
 
@@ -319,7 +319,9 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
             ax_norm.axhline(clip, color=colour, ls="--", lw=1, label=f"{run.name}: max_norm {clip:g}")
         xs, ys = finite([r.scaler_scale for r in rows], positive=True)
         ax_scale.step(xs, [math.log2(v) for v in ys], where="post", lw=1.2, color=colour, label=run.name)
-        ax_skip.plot([r.step for r in rows], _rolling(rows, run.config.monitor.window), lw=1.2, color=colour,
+        rates = _rolling(rows, run.config.monitor.window)
+        top_rate = max(top_rate, *rates)
+        ax_skip.plot([r.step for r in rows], rates, lw=1.2, color=colour,
                      label=f"{run.name} (window {run.config.monitor.window})")
     ax_loss.set_yscale("log" if log_loss else "linear")
     ax_loss.set_ylabel("loss" + (" (log)" if log_loss else ""))
@@ -329,6 +331,7 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     ax_norm.set_title("Global gradient L2 norm before clipping (dashed: each run's max_norm)")
     ax_scale.set_ylabel("log2(loss scale)")
     ax_scale.set_title("Loss scale after each step's update (0 = 1.0: no scaler)")
+    ax_skip.set_ylim(0, max(0.1, top_rate * 1.2))
     ax_skip.set_ylabel("skip rate")
     ax_skip.set_title("Rolling skip rate (over the steps each run's window holds)")
     ax_skip.set_xlabel("step (optimizer steps, not micro-batches)")
