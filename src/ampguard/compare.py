@@ -110,7 +110,8 @@ def load_run(path: str | Path) -> RunSummary:
 
     folder = Path(path)
     if not folder.is_dir():
-        raise InputError(f"compare: {folder} is not a folder" if folder.exists() else f"compare: no such folder {folder}")
+        raise InputError(f"compare: {folder} is not a folder" if folder.exists()
+                         else f"compare: no such folder {folder}")
     for name, what in (("steps.csv", "per-step CSV"), ("RUN.md", "run card"), ("config.yaml", "config")):
         if not (folder / name).is_file():
             hint = " (a run still going, or one killed before its end: `ampguard train --resume` finishes it)" \

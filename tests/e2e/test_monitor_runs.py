@@ -211,7 +211,8 @@ def reference_verdicts(scales: list[float], skipped: list[bool], init: float, wi
         fall = max(octs[j] - octs[k] for j in range(len(octs)) for k in range(j, len(octs)))
         rise = max(octs[k] - octs[j] for j in range(len(octs)) for k in range(j, len(octs)))
         after = scales[opening: i + 1]  # since the opening streak
-        new_high = bool(after) and after[-1] == max(after) and all(x == max(after) for x in after[after.index(max(after)):])
+        peak = max(after, default=None)
+        new_high = bool(after) and all(x == peak for x in after[after.index(peak):])  # at the peak, no fall since
         if scales[i] <= 1.0 or octs[-1] <= -3 or streak > 8:  # the floor scaler.min_scale is 1
             out.append("collapsing")
         elif warm and len(set(seg)) == 1:

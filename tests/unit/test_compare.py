@@ -109,7 +109,8 @@ def test_a_missing_folder_a_file_and_an_empty_csv_are_refused(tmp_path):
 def test_fewer_than_two_runs_and_a_run_given_twice_are_refused(tmp_path, monkeypatch):
     a = make_run(tmp_path, "a", [clean(1)])
     monkeypatch.chdir(tmp_path)
-    for paths, message in (([], "needs at least two run folders, got 0"), ([a], "needs at least two run folders, got 1"),
+    for paths, message in (([], "needs at least two run folders, got 0"),
+                           ([a], "needs at least two run folders, got 1"),
                            ([a, a], f"{a} is given twice"), ([a, "a"], f"a is given twice (as {a})")):
         with pytest.raises(InputError) as err:
             compare.load_runs(paths)
