@@ -114,6 +114,12 @@ def _report(args: argparse.Namespace) -> int:
                       alert_rate=args.alert_rate, fail_rate=args.fail_rate, min_steps=args.min_steps)
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from . import compare
+
+    return compare.run(args.runs, out=args.out)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -295,6 +301,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="steps seen before an alert may start (default: the run's config)")
     report.add_argument("--fail-rate", dest="fail_rate", type=_rate, help="fail threshold line")
     report.set_defaults(func=_report)
+
+    compare = verbs.add_parser(
+        "compare",
+        help="several runs side by side: one table from their run folders, one overlay plot",
+        description="Reads each RUN_DIR's config.yaml, steps.csv and run card and prints one table, a column per "
+        "run: precision, max_norm, steps / updates / skips by reason, max rolling skip rate, clip rate, scale "
+        "health, final and best loss and held-out metrics. --out draws loss, pre-clip norm, log2 of the loss "
+        "scale and the rolling skip rate of every run over each other.",
+    )
+    compare.add_argument("runs", nargs="+", metavar="RUN_DIR", help="two or more run folders (runs/<name>)")
+    compare.add_argument("--out", metavar="PNG", help="draw the overlay plot here: a new .png in an existing folder")
+    compare.set_defaults(func=_compare)
     return parser
 
 
@@ -323,8 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (<ExitCode.BAD_INPUT: 2>, 'ampguard: error: demo: argument --steps: must be >= 1, got 0\\n')
         >>> main(["demo", "--steps", "2", "--bf16", "--device", "cpu", "--inject", "nan_loss@2"])  # doctest: +ELLIPSIS
         ampguard demo: nn.Linear, 2 steps, bf16 with no loss scaler, max_norm=1.0, inject: nan_loss@2
-        STEP 1 loss=... pre=... post=1 scale=1 lr=0.2
-        SKIP 2 loss=nan pre=- post=- scale=1 lr=0.2 reason=non_finite_loss
+        STEP 1 loss=... pre=... post=1 scale=1 lr=0.02
+        SKIP 2 loss=nan pre=- post=- scale=1 lr=0.04 reason=non_finite_loss
         summary: steps=2 updates=1 skips=1 (non_finite_loss=1) final_scale=1 final_loss=nan
         ended: finished: 2 steps
         0

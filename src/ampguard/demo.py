@@ -1,5 +1,8 @@
 """``ampguard demo``: the teaching demo. ``nn.Linear`` for 20 steps in fp16 with a loss scaler;
 an Inf is injected into the gradients at step 5, which is skipped, and the scale halves there.
+The learning rate warms up linearly over the first :data:`WARMUP` applied updates, so the
+schedule held on the skipped step shows: step 6 runs at step 5's lr, every other step higher.
+A step is one optimizer update (with accumulation, a group of micro-batches), counted from 1.
 
 It is an ordinary guarded run (:func:`ampguard.train.run`) of the ``linear`` task, with every
 step printed and no run folder: at most a CSV.
@@ -15,18 +18,24 @@ from .errors import ExitCode, InputError
 
 INIT_SCALE = 2.0**10
 """Small enough that clean fp16 gradients never overflow in the demo."""
+LR = 0.2
+"""The SGD learning rate after the warm-up."""
+WARMUP = 10
+"""Linear warm-up over this many applied updates (``schedule.warmup``): update u runs at
+``LR * (u + 1) / WARMUP``. A skipped step applies no update, so the lr holds there."""
 
 
 def demo_config(*, precision: str = "fp16", steps: int = 20, inject: list[str] | None = None, max_norm: float = 1.0,
                 seed: int = 0, device: str = "auto", strict: bool = False,
                 monitor: dict[str, Any] | None = None) -> Config:
-    """The demo's config: the ``linear`` task, SGD at a constant 0.2, ``inject`` (default ``inf_grad@5``).
+    """The demo's config: the ``linear`` task, SGD at 0.2 after a linear warm-up over
+    :data:`WARMUP` updates (held on skipped steps), ``inject`` (default ``inf_grad@5``).
 
     Example::
 
         >>> c = demo_config(precision="bf16", inject=["spike@5"])
-        >>> c.task.name, c.precision, c.inject, c.steps
-        ('linear', 'bf16', ['spike@5'], 20)
+        >>> c.task.name, c.precision, c.inject, c.steps, c.schedule.warmup, c.scheduler_on_skip
+        ('linear', 'bf16', ['spike@5'], 20, 10, 'hold')
     """
     return validate({
         "precision": precision,
@@ -36,8 +45,8 @@ def demo_config(*, precision: str = "fp16", steps: int = 20, inject: list[str] |
         "device": device,
         "inject": ["inf_grad@5"] if inject is None else inject,
         "task": {"name": "linear", "batch_size": 32},
-        "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.0},
-        "schedule": {"decay": "constant"},
+        "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0},
+        "schedule": {"warmup": WARMUP, "decay": "constant"},
         "eval": {"enabled": False},
         "diagnose": {"strict": strict},
         "scaler": {"init_scale": INIT_SCALE, "growth_interval": 1_000_000},

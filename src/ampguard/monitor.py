@@ -2,7 +2,8 @@
 
 Everything here reads records after the step made them (it is a sink); nothing runs inside the
 step. Each piece keeps O(1) work per step and a ``state_dict`` so a resumed run continues its
-windows exactly.
+windows exactly (the scale-health label reads its window, O(window), only when asked: the
+``STATS`` line and the run card). The labels are the table in docs/design.md, "Scale health".
 
 The rolling skip rate is the share of skipped steps among the steps the window holds: while
 the window has not filled yet, that is the steps seen so far (25 skips in the first 25 steps is
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,20 +269,75 @@ class Event:
         return cls(d["step"], d["event"], d["message"], data, cause)
 
 
+WARMUP_SKIPS = 8
+"""The longest opening streak of skips that still reads as ``warming`` (the scaler's search down
+from ``init_scale``, one halving per skipped step).
+
+From the default ``init_scale`` 2**16 a model whose gradients fit fp16 at all finds its scale
+within a few halvings; 8 of them already mean a scale 256x below where it started. A streak that
+goes on past 8 (say 16 straight skipped steps) is not a warm-up any more but a run that skips
+every step: ``collapsing``.
+"""
+OSCILLATION_OCTAVES = 2.0
+"""``oscillating`` needs the scale to fall this many octaves (powers of two) from an earlier high
+and climb as many from an earlier low within the window. One octave is the healthy equilibrium
+(the scale alternating between two neighbouring powers of two, e.g. 2**17 <-> 2**18)."""
+COLLAPSE_OCTAVES = 3.0
+"""``collapsing``: the scale ended the window this many octaves (8x) or more below where it began."""
+
+
+@dataclass(frozen=True)
+class ScaleStats:
+    """What the loss scale did over the window, in octaves (factors of two), warm-up set aside.
+
+    - ``swing``: octaves between the highest and the lowest scale;
+    - ``fall``: the largest drop from an earlier high; ``rise``: the largest climb from an
+      earlier low;
+    - ``trend``: net octaves from the window's start to now (negative: it fell);
+    - ``headroom``: octaves above the floor ``min_scale`` (0 at the floor);
+    - ``skip_share``: skipped steps over the steps the window holds (warm-up included);
+    - ``streak``: skipped steps in a row up to now;
+    - ``warmup``: the opening skips set aside as warm-up (0 when none is in the window).
+
+    Example::
+
+        >>> ScaleStats(swing=1.0, fall=1.0, rise=1.0, trend=0.0, headroom=17.0, skip_share=0.01, streak=0,
+        ...            warmup=0).fall
+        1.0
+    """
+
+    swing: float
+    fall: float
+    rise: float
+    trend: float
+    headroom: float
+    skip_share: float
+    streak: int
+    warmup: int
+
+
 class ScaleHealth:
-    """Classifies the loss-scale history over the last ``window`` steps.
+    """Labels the loss-scale history of the last ``window`` steps (the table in docs/design.md,
+    "Scale health"). First that holds:
 
-    ``min_scale`` is the scaler's floor (``scaler.min_scale``): the scale is clamped there and
-    can go no lower, so "at the floor" is the end of any fall.
+    - ``collapsing``: the scale is at (or below) its floor ``min_scale``; or it ended the window
+      :data:`COLLAPSE_OCTAVES` (3) or more octaves below where the window began; or more than
+      :data:`WARMUP_SKIPS` (8) steps in a row were skipped (outside a warm-up);
+    - ``warming``: every move in the window belongs to the run's opening streak of skips (the
+      search down from ``init_scale``), and that streak is at most :data:`WARMUP_SKIPS` long;
+    - ``oscillating``: the scale fell :data:`OSCILLATION_OCTAVES` (2) or more octaves from an
+      earlier high and climbed as many from an earlier low: gradients sometimes fit fp16,
+      sometimes not;
+    - ``climbing``: the scale rose in the window to the highest it has been since the warm-up,
+      and has not fallen since it first got there (the scaler has not yet met the gradients'
+      limit); back at a level it fell from before is the equilibrium, not a climb;
+    - ``stable``: otherwise: no move, or moves within an octave (2**17 <-> 2**18, the healthy
+      equilibrium), or a fall of less than 3 octaves.
 
-    - ``warming``: the only moves are the back-offs of the run's opening streak of skips, the
-      usual search down from ``init_scale`` for a scale that fits;
-    - ``oscillating``: at least 2 rises and 2 falls in the window (repeated halve/double:
-      gradients sometimes out of fp16's range);
-    - ``collapsing``: the scale is at (or below) its floor ``min_scale``, or (outside warm-up) it
-      fell by a factor of 8 or more over the window with no rise: heading for the floor;
-    - ``climbing``: more rises than falls;
-    - ``stable``: otherwise (no moves, or a few that cancel).
+    A warm-up in the window is set aside: the other labels judge the steps after it. ``min_scale``
+    is the scaler's floor (``scaler.min_scale``): the scale is clamped there and goes no lower.
+    :meth:`push` is O(1) per step; :attr:`verdict` and :meth:`stats` read the window, O(window),
+    so they are for the log interval and the run card, not every step.
 
     Example::
 
@@ -294,13 +350,21 @@ class ScaleHealth:
         ['stable', 'stable', 'stable', 'collapsing', 'collapsing']
     """
 
-    def __init__(self, window: int, min_scale: float = 1.0, init_scale: float | None = None) -> None:
+    def __init__(self, window: int, min_scale: float = 1.0, init_scale: float | None = None,
+                 warmup_skips: int = WARMUP_SKIPS) -> None:
         self.window = window
         self.min_scale = min_scale
+        self.warmup_skips = warmup_skips
         self._floor = _as_float32(min_scale)
-        self._windows = {name: RollingWindow(window) for name in ("ups", "downs", "log2", "opening_downs", "opening_log2")}
+        # the scale before the window's first step, then the scale after each of its steps
+        self._scales: deque[float] = deque([] if init_scale is None else [float(init_scale)], maxlen=window + 1)
+        self._skipped = RollingWindow(window)
         self.scale: float | None = init_scale  # the scale before the next step
-        self._opening = True  # still in the run's opening streak of skips
+        self.opening = 0  # length of the run's opening streak of skips (from step 1)
+        self._opening = True  # that streak is still going
+        self.streak = 0  # skipped steps in a row up to the last one
+        self.peak: float | None = None  # the highest scale since the opening streak
+        self._fell = False  # the scale fell since it first reached `peak`
 
     @property
     def at_floor(self) -> bool:
@@ -326,19 +390,51 @@ class ScaleHealth:
             >>> h.scale, h.verdict
             (512.0, 'warming')
         """
-        prev = self.scale
-        move = math.log2(scale / prev) if prev and prev > 0 and scale > 0 else 0.0
-        self._opening = self._opening and skipped
-        opening = move if self._opening else 0.0
-        for name, value in (
-            ("ups", move > 0),
-            ("downs", move < 0),
-            ("log2", move),
-            ("opening_downs", opening < 0),
-            ("opening_log2", opening),
-        ):
-            self._windows[name].push(float(value))
+        self._opening = self._opening and bool(skipped)
+        self.opening += self._opening
+        self.streak = self.streak + 1 if skipped else 0
+        if not self._opening:
+            if self.peak is None or scale > self.peak:
+                self.peak, self._fell = scale, False
+            elif self.scale is not None and scale < self.scale:
+                self._fell = True
+        self._scales.append(float(scale))
+        self._skipped.push(float(bool(skipped)))
         self.scale = scale
+
+    def _judged(self) -> tuple[int, list[float]]:
+        """(warm-up skips set aside, the scales judged): the window's scales after the warm-up."""
+        scales = list(self._scales)
+        if not 1 <= self.opening <= self.warmup_skips:
+            return 0, scales
+        # scales[j] is the scale after step count - (len - 1 - j); the warm-up ends after step `opening`
+        end = self.opening - self._skipped.count + len(scales) - 1
+        if end < 1:  # no move of the warm-up is in the window any more
+            return 0, scales
+        return min(self.opening, end), scales[end:]
+
+    def stats(self) -> ScaleStats:
+        """The measures the labels are defined by (see :class:`ScaleStats`), over the window.
+
+        Example (the healthy equilibrium: 2**17 and 2**18 in turn)::
+
+            >>> h = ScaleHealth(100, init_scale=2.0**17)
+            >>> for i in range(40):
+            ...     h.push(2.0**18 if i % 10 < 5 else 2.0**17, i % 10 == 5)
+            >>> s = h.stats()
+            >>> s.swing, s.fall, s.rise, s.trend, s.headroom, s.skip_share, h.verdict
+            (1.0, 1.0, 1.0, 0.0, 17.0, 0.1, 'stable')
+        """
+        warmup, scales = self._judged()
+        logs = [math.log2(s / scales[0]) if scales[0] > 0 and s > 0 else 0.0 for s in scales] or [0.0]
+        fall = rise = 0.0
+        high = low = logs[0]
+        for x in logs:
+            high, low = max(high, x), min(low, x)
+            fall, rise = max(fall, high - x), max(rise, x - low)
+        headroom = 0.0 if self.at_floor or self.scale is None else math.log2(self.scale / self.min_scale)
+        return ScaleStats(swing=max(logs) - min(logs), fall=fall, rise=rise, trend=logs[-1] - logs[0],
+                          headroom=headroom, skip_share=self._skipped.seen_mean, streak=self.streak, warmup=warmup)
 
     @property
     def verdict(self) -> str:
@@ -351,17 +447,17 @@ class ScaleHealth:
             >>> h.verdict
             'climbing'
         """
-        w = {name: win.total for name, win in self._windows.items()}
         if self.at_floor:
             return "collapsing"
-        ups, downs = w["ups"], w["downs"] - w["opening_downs"]
-        if ups == 0 and downs == 0:
-            return "warming" if w["opening_downs"] > 0 else "stable"
-        if ups >= 2 and downs >= 2:
-            return "oscillating"
-        if ups == 0 and w["log2"] - w["opening_log2"] <= -3:  # a fall by 8x or more
+        s = self.stats()
+        eps = 1e-9  # octaves of non-power-of-two growth factors are not exact
+        if s.trend <= -COLLAPSE_OCTAVES + eps or self.streak > self.warmup_skips:
             return "collapsing"
-        if ups > downs:
+        if s.warmup and s.swing == 0:
+            return "warming"
+        if s.fall >= OSCILLATION_OCTAVES - eps and s.rise >= OSCILLATION_OCTAVES - eps:
+            return "oscillating"
+        if s.trend > eps and not self._fell and self.scale == self.peak:
             return "climbing"
         return "stable"
 
@@ -378,17 +474,45 @@ class ScaleHealth:
             True
         """
         return {
-            "windows": {name: win.state_dict() for name, win in self._windows.items()},
+            "scales": list(self._scales),
+            "skipped": self._skipped.state_dict(),
             "scale": self.scale,
-            "opening": self._opening,
+            "opening": self.opening,
+            "opening_open": self._opening,
+            "streak": self.streak,
+            "peak": self.peak,
+            "fell": self._fell,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (see there for an example)."""
-        for name, win in self._windows.items():
-            win.load_state_dict(state["windows"][name])
+        """Restore a :meth:`state_dict`. A state saved before the window kept its scales (it kept
+        counts of moves) restarts the history at its last scale.
+
+        Example::
+
+            >>> h = ScaleHealth(3, init_scale=4.0)
+            >>> h.load_state_dict({"windows": {"ups": {"count": 5}}, "scale": 2.0, "opening": False})
+            >>> h.scale, h.verdict
+            (2.0, 'stable')
+        """
         self.scale = state["scale"]
-        self._opening = bool(state["opening"])
+        if "scales" not in state:  # the older layout: counts of moves, no scales
+            count = int(state["windows"]["ups"]["count"])
+            self._scales = deque([] if self.scale is None else [float(self.scale)], maxlen=self.window + 1)
+            self._skipped = RollingWindow(self.window)
+            self._skipped.count = count
+            self._opening = bool(state["opening"])
+            self.opening = count if self._opening else 0
+            self.streak = self.opening
+            self.peak, self._fell = (None if self._opening else self.scale), False
+            return
+        self._scales = deque((float(s) for s in state["scales"]), maxlen=self.window + 1)
+        self._skipped.load_state_dict(state["skipped"])
+        self.opening = int(state["opening"])
+        self._opening = bool(state["opening_open"])
+        self.streak = int(state["streak"])
+        self.peak = state["peak"]
+        self._fell = bool(state["fell"])
 
 
 class RunMonitor:

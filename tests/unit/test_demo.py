@@ -21,7 +21,8 @@ def test_the_defaults_are_the_documented_demo():
     assert c.scaler.init_scale == 1024 == demo.INIT_SCALE
     assert c.scaler.growth_interval == 1_000_000  # the scale never grows during the demo
     assert (c.optimizer.name, c.optimizer.lr, c.optimizer.momentum) == ("sgd", 0.2, 0.0)
-    assert c.schedule.decay == "constant"
+    assert (c.schedule.warmup, c.schedule.decay, c.scheduler_on_skip) == (10, "constant", "hold") == (
+        demo.WARMUP, "constant", "hold")
     assert not c.eval.enabled and not c.diagnose.strict
 
 
@@ -75,3 +76,26 @@ def test_without_a_csv_the_demo_writes_no_file(tmp_path, monkeypatch, capsys):
     assert [line.split()[0] for line in step_lines(out)] == ["STEP"] * 3
     assert "inject: none" in out.splitlines()[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_default_demo_holds_the_warming_lr_at_its_skip(tmp_path, capsys):
+    # The contract: step 5 is the only SKIP and the scale halves exactly there. The warm-up makes
+    # "the LR schedule holds on a skipped step" visible: step 6 runs at step 5's lr.
+    csv_path = tmp_path / "steps.csv"
+    assert demo.run(demo.demo_config(device="cpu"), csv=str(csv_path)) == ExitCode.OK
+    lines = step_lines(capsys.readouterr().out)
+    assert [line.split()[0] for line in lines] == ["STEP"] * 4 + ["SKIP"] + ["STEP"] * 15
+    assert [int(line.split()[1]) for line in lines] == list(range(1, 21))
+    with csv_path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    scales = [float(r["scaler_scale"]) for r in rows]
+    assert scales == [demo.INIT_SCALE] * 4 + [demo.INIT_SCALE / 2] * 16
+    lrs = [float(r["lr"]) for r in rows]
+    assert [float(line.split("lr=")[1].split()[0]) for line in lines] == pytest.approx(lrs, rel=1e-3)
+    # step k runs at LR * (u + 1) / WARMUP, u the updates applied before it (the skip applied none)
+    applied = [sum(r["skipped"] == "0" for r in rows[:k]) for k in range(20)]
+    assert lrs == pytest.approx([demo.LR * min(1.0, (u + 1) / demo.WARMUP) for u in applied])
+    assert lrs[5] == lrs[4] == pytest.approx(0.1)  # held: the step after the skip, at the skip's lr
+    rises = [later > earlier for earlier, later in zip(lrs, lrs[1:])]
+    assert rises[:10] == [True] * 4 + [False] + [True] * 5  # it rises everywhere else in the warm-up
+    assert lrs[10:] == pytest.approx([demo.LR] * 10)  # then constant

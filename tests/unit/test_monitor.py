@@ -21,8 +21,8 @@ from ampguard.config import MonitorConfig
 from ampguard.errors import InputError
 from ampguard.faults import parse_fault
 from ampguard.monitor import (
-    DEFAULT_MIN_STEPS, FAIL_CAUSES, FAIL_SCALE_COLLAPSE, FAIL_SKIP_RATE, HEALTH_VERDICTS, Event, RollingWindow,
-    RunMonitor, ScaleHealth,
+    DEFAULT_MIN_STEPS, FAIL_CAUSES, FAIL_SCALE_COLLAPSE, FAIL_SKIP_RATE, HEALTH_VERDICTS, WARMUP_SKIPS, Event,
+    RollingWindow, RunMonitor, ScaleHealth,
 )
 from ampguard.records import SkipLog, StepLog
 from ampguard.sinks import JsonlSink, TensorBoardSink
@@ -176,21 +176,30 @@ def test_health_climbing():
     assert verdicts == ["stable", "climbing", "climbing", "climbing"]
 
 
-def test_health_more_rises_than_falls_is_climbing_equal_is_stable():
+def test_health_back_at_a_level_it_fell_from_is_stable_not_climbing():
     h = ScaleHealth(10, init_scale=1024.0)
-    verdicts = feed(h, [(1024.0, False), (2048.0, False), (1024.0, True), (2048.0, False)])
-    # ups 1 > downs 0 -> climbing; 1 = 1 -> stable; 2 > 1 -> climbing
-    assert verdicts == ["stable", "climbing", "stable", "climbing"]
+    verdicts = feed(h, [(1024.0, False), (2048.0, False), (1024.0, True), (2048.0, False), (4096.0, False)])
+    # a new high -> climbing; the fall -> stable; back to 2048, the level it fell from -> stable
+    # (the equilibrium); 4096, higher than it has ever been -> climbing again
+    assert verdicts == ["stable", "climbing", "stable", "stable", "climbing"]
+    assert h.peak == 4096.0
 
 
-def test_health_oscillating_needs_two_rises_and_two_falls():
+def test_health_moves_within_one_octave_are_stable_however_many():
     h = ScaleHealth(8, init_scale=1024.0)
-    moves = [(1024.0, False), (2048.0, False), (1024.0, True), (2048.0, False), (1024.0, True)]
-    verdicts = feed(h, moves)
-    assert verdicts[-2] == "climbing"  # 2 rises, 1 fall
-    assert verdicts[-1] == "oscillating"  # 2 rises, 2 falls
-    # When the moves leave the window the verdict calms down again.
-    assert feed(h, [(1024.0, False)] * 8)[-1] == "stable"
+    moves = [(1024.0, False), (2048.0, False), (1024.0, True), (2048.0, False), (1024.0, True)] * 3
+    assert feed(h, moves)[2:] == ["stable"] * 13  # 6 rises and 6 falls, a swing of one octave
+
+
+def test_health_oscillating_is_a_swing_of_two_octaves_both_ways():
+    # a clean first step, so that the falls are not the opening's warm-up
+    h = ScaleHealth(8, init_scale=2.0**18)
+    moves = [(2.0**18, False), (2.0**17, True), (2.0**16, True), (2.0**16, False), (2.0**17, False), (2.0**18, False)]
+    assert feed(h, moves) == ["stable", "stable", "stable", "stable", "stable", "oscillating"]
+    s = h.stats()
+    assert (s.swing, s.fall, s.rise, s.trend) == (2.0, 2.0, 2.0, 0.0)
+    # When the fall leaves the window the verdict calms down again.
+    assert feed(h, [(2.0**18, False)] * 8)[-1] == "stable"
 
 
 def test_health_collapsing_by_a_factor_of_eight_without_a_rise():
@@ -202,11 +211,12 @@ def test_health_collapsing_by_a_factor_of_eight_without_a_rise():
     assert feed(h, [(128.0, False)] * 3) == ["collapsing", "collapsing", "stable"]
 
 
-def test_health_a_rise_in_the_window_prevents_collapsing_by_factor():
+def test_health_a_fall_of_three_octaves_is_collapsing_even_after_a_rise():
     h = ScaleHealth(10, init_scale=1024.0)
     verdicts = feed(h, [(1024.0, False), (2048.0, False), (1024.0, True), (512.0, True), (256.0, True),
                         (128.0, True)])
-    assert verdicts[-1] == "stable"  # ups 1, downs 4, factor 16 net 8 but a rise: not the 'no rise' rule
+    assert verdicts == ["stable", "climbing", "stable", "stable", "stable", "collapsing"]
+    assert h.stats().trend == -3.0 and h.stats().fall == 4.0  # 1024 -> 128 net; 2048 -> 128 from the high
 
 
 def test_health_at_the_floor_is_collapsing_whatever_the_moves():
@@ -265,6 +275,141 @@ def test_health_factor_eight_fall_after_non_power_of_two_growth():
     restored.load_state_dict(h.state_dict())
     assert restored.verdict == "collapsing"
     assert h.verdict == "collapsing"
+
+
+# ---------------------------------------------------------------------------- ScaleHealth: the lesson's traces
+# The traces come from a real torch.amp.GradScaler (on the CPU), told which steps overflow: the
+# labels are judged on what the scaler really does, growth interval and all.
+
+
+def scaler_trace(overflow, steps: int, *, init: float, growth_interval: int = 2000,
+                 backoff: float = 0.5) -> list[tuple[float, bool]]:
+    """(scale after update, skipped) per step; ``overflow(step, scale)`` says which steps overflow."""
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_interval=growth_interval, backoff_factor=backoff)
+    scaler.scale(p.sum())  # the scaler makes its scale tensor lazily, at the first scale()
+    scale, out = init, []
+    for step in range(1, steps + 1):
+        bad = overflow(step, scale)
+        p.grad = torch.full((1,), float("inf") if bad else 1.0)  # as if backward had left it
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        scale = scaler.get_scale()
+        out.append((scale, bad))
+    return out
+
+
+def test_health_lesson_equilibrium_2_17_2_18_is_stable_with_the_default_settings():
+    # The lesson's healthy run: the scale settles at 2**17 <-> 2**18. With GradScaler's defaults
+    # (growth every 2000 clean steps) and the monitor's window of 1000: it doubles to 2**18, which
+    # overflows 10 steps later, back to 2**17, 2000 clean steps, 2**18 again...
+    trace = scaler_trace(lambda step, scale: scale >= 2.0**18 and step % 10 == 0, 4200, init=2.0**17)
+    scales = [s for s, _ in trace]
+    assert set(scales) == {2.0**17, 2.0**18} and sum(sk for _, sk in trace) == 2
+    first_rise, first_fall = scales.index(2.0**18) + 1, 2010
+    assert (first_rise, scales[first_fall - 1]) == (2000, 2.0**17)
+    h = ScaleHealth(1000, init_scale=2.0**17)
+    verdicts = []
+    for step, (scale, skipped) in enumerate(trace, start=1):
+        h.push(scale, skipped)
+        if step % 50 == 0 or step in (first_rise, first_fall, 4010, 4019):
+            verdicts.append((step, h.verdict))
+    assert {v for s, v in verdicts if s < first_rise} == {"stable"}
+    # the first time at 2**18 it is a new high: climbing, until the first overflow shows the limit
+    assert {v for s, v in verdicts if first_rise <= s < first_fall} == {"climbing"}
+    assert {v for s, v in verdicts if s >= first_fall} == {"stable"}  # every later visit to 2**18 too
+    assert h.stats().swing <= 1.0
+
+
+def test_health_lesson_equilibrium_many_alternations_in_the_window_are_stable():
+    # The same equilibrium with a short growth interval: many 2**17 <-> 2**18 moves per window
+    # (the old rule, 2 rises and 2 falls, called this "oscillating").
+    trace = scaler_trace(lambda step, scale: scale >= 2.0**18 and step % 3 == 0, 300, init=2.0**17,
+                         growth_interval=5)
+    h = ScaleHealth(100, init_scale=2.0**17)
+    verdicts = feed(h, trace)
+    first_fall = [sk for _, sk in trace].index(True) + 1
+    assert sum(sk for _, sk in trace[-100:]) >= 10  # at least 10 falls (and rises) in the last window
+    assert set(verdicts[first_fall - 1:]) == {"stable"}
+    s = h.stats()
+    assert (s.swing, s.fall, s.rise) == (1.0, 1.0, 1.0) and -1.0 <= s.trend <= 1.0
+
+
+@pytest.mark.parametrize("init", [2.0**16, 2.0**24])
+def test_health_lesson_16_straight_skips_are_collapsing_not_warming(init):
+    # 16 steps in a row, every one skipped (100% skip share), from the start of the run.
+    trace = scaler_trace(lambda step, scale: True, 16, init=init)
+    assert [s for s, _ in trace] == [init / 2**k for k in range(1, 17)]
+    h = ScaleHealth(1000, min_scale=1.0, init_scale=init)
+    verdicts = feed(h, trace)
+    # A warm-up is at most WARMUP_SKIPS halvings; the 9th skip in a row ends it.
+    assert verdicts[:WARMUP_SKIPS] == ["warming"] * WARMUP_SKIPS
+    assert verdicts[WARMUP_SKIPS:] == ["collapsing"] * (16 - WARMUP_SKIPS)
+    assert h.stats().skip_share == 1.0 and h.streak == 16
+    assert h.stats().headroom == math.log2(init) - 16  # 0 from 2**16: at the floor
+
+
+def test_health_16_straight_skips_mid_run_are_collapsing_even_with_a_gentle_backoff():
+    # backoff 0.9: 16 skips take the scale down only 2.4 octaves; the streak alone says collapsing
+    trace = scaler_trace(lambda step, scale: step > 20, 36, init=2.0**17, backoff=0.9)
+    h = ScaleHealth(1000, init_scale=2.0**17)
+    verdicts = feed(h, trace)
+    assert verdicts[:20] == ["stable"] * 20
+    assert verdicts[20:28] == ["stable"] * 8  # 8 skips in a row: not yet
+    assert verdicts[28:] == ["collapsing"] * 8  # the 9th to the 16th
+    assert -3.0 < h.stats().trend < -2.0
+
+
+def test_health_warmup_of_at_most_eight_skips_then_stable():
+    trace = scaler_trace(lambda step, scale: scale > 2.0**8, 30, init=2.0**16)
+    assert sum(sk for _, sk in trace) == WARMUP_SKIPS == 8  # 2**16 down to 2**8
+    h = ScaleHealth(20, init_scale=2.0**16)
+    verdicts = feed(h, trace)
+    assert verdicts[:27] == ["warming"] * 27  # the last opening halving (step 8) leaves the window of 20 at step 28
+    assert verdicts[27:] == ["stable"] * 3
+    assert h.stats().warmup == 0 and h.opening == 8
+
+
+def test_health_the_demos_single_halving_is_stable():
+    # the demo: fp16 from 1024, an Inf at step 5 halves the scale once (1024 -> 512), 20 steps
+    trace = scaler_trace(lambda step, scale: step == 5, 20, init=1024.0, growth_interval=1_000_000)
+    h = ScaleHealth(1000, init_scale=1024.0)
+    assert feed(h, trace) == ["stable"] * 20
+    s = h.stats()
+    assert (s.trend, s.fall, s.headroom, s.skip_share) == (-1.0, 1.0, 9.0, 0.05)
+
+
+def test_health_oscillating_from_a_real_scaler_trace():
+    # gradients sometimes in range, sometimes not: bursts of 3 overflows, then 3 clean growths
+    trace = scaler_trace(lambda step, scale: (step // 6) % 2 == 1 and step % 6 < 3, 60, init=2.0**17,
+                         growth_interval=1)
+    h = ScaleHealth(30, init_scale=2.0**17)
+    verdicts = feed(h, trace)
+    assert verdicts[-1] == "oscillating"
+    s = h.stats()
+    assert s.fall >= 2 and s.rise >= 2 and s.swing >= 2
+
+
+def test_health_headroom_is_octaves_above_the_floor():
+    h = ScaleHealth(10, min_scale=2.0**10, init_scale=2.0**16)
+    h.push(2.0**16, False)
+    assert h.stats().headroom == 6.0
+    for k in range(15, 9, -1):
+        h.push(2.0**k, True)
+    assert h.stats().headroom == 0.0 and h.at_floor and h.verdict == "collapsing"
+
+
+def test_health_old_state_without_scales_loads_and_continues():
+    old = {"windows": {name: {"size": 4, "ring": [0.0] * 4, "pos": 2, "count": 6}
+                       for name in ("ups", "downs", "log2", "opening_downs", "opening_log2")},
+           "scale": 512.0, "opening": False}
+    h = ScaleHealth(4, init_scale=1024.0)
+    h.load_state_dict(old)
+    assert (h.scale, h.verdict) == (512.0, "stable")
+    assert feed(h, [(1024.0, False)]) == ["climbing"]
 
 
 # ---------------------------------------------------------------------------- RunMonitor (synthetic)
@@ -464,6 +609,26 @@ def test_monitor_window_not_full_25_skips_in_25_steps_is_rate_one():
     assert m.skip_window.held == 25
     assert " skip_rate=1.000 " in m.stats_line()
 
+
+def test_monitor_lesson_numbers_25_in_25_reads_one_and_5_percent_over_1000_is_the_threshold():
+    # The lesson: a rolling window of 1000 steps, paging above 5%.
+    m = RunMonitor(scaler_enabled=False)  # window 1000, alert_rate 0.05, min_steps 100: the config's defaults
+    assert (m.window, m.alert_rate, m.min_steps) == (1000, 0.05, 100)
+    events = [e for r in every_step_skips(25) for e in m.observe(r)]
+    assert m.skip_rate == 1.0 and m.skip_window.held == 25  # 25 skips in 25 steps, not 25/1000 = 0.025
+    assert events == [] and not m.alert_armed  # the start-up skips: the ALERT is not armed before step 100
+
+    # 50 skips in 1000 steps (every 20th) is 5.0%: at the threshold, not above it; the 51st pages.
+    m = RunMonitor(scaler_enabled=False)
+    kinds = []
+    for i in range(1, 1001):
+        kinds += [e.kind for e in m.observe(skip_record(i) if i % 20 == 0 else step_record(i))]
+    assert (m.skip_rate, m.skip_window.held, sum(m.skips.values())) == (0.05, 1000, 50)
+    assert kinds == [] and m.max_skip_rate == 0.05
+    events = m.observe(skip_record(1001))  # the window now holds steps 2..1001: 51 skips
+    assert m.skip_rate == 0.051
+    assert [(e.kind, e.data) for e in events] == [("skip_rate_alert", {"skip_rate": 0.051, "window": 1000})]
+    assert " skip_rate=0.051 " in m.stats_line()
 
 def test_monitor_window_filling_then_full_matches_brute_force():
     fault = parse_fault("nan_loss@rate:0.3", seed=4)

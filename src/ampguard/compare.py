@@ -1,0 +1,398 @@
+"""``ampguard compare RUN_DIR RUN_DIR ...``: several runs side by side, one table and one plot.
+
+The lesson's exercise: train the same model with several clip thresholds (or precisions, or
+learning rates) and compare. Each run folder is read the way ``ampguard report`` reads one: its
+``config.yaml`` for the settings, its ``steps.csv`` replayed through a
+:class:`~ampguard.monitor.RunMonitor` for the statistics (so the numbers are the run card's), and
+its run card ``RUN.md`` for why it ended. The table has one column per run; ``--out PNG`` draws
+the runs over each other: loss, pre-clip gradient norm (with each ``max_norm``), log2 of the
+loss scale and the rolling skip rate.
+
+Diagnostics only: nothing here is imported by the training step. Everything is read and checked
+before anything is written; ``--out`` must be a new ``.png`` (an existing file is never
+overwritten).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .clipping import clip_threshold
+from .errors import ExitCode, InputError
+from .monitor import RollingWindow, RunMonitor
+from .records import LABEL_COLUMNS
+from .report import Row, read_steps_csv, replay
+from .sinks import CSV_COLUMNS
+
+if TYPE_CHECKING:
+    from .config import Config
+
+FIGSIZE = (12.0, 11.0)  # inches
+DPI = 100  # -> a 1200 x 1100 pixel PNG
+
+
+@dataclass
+class RunSummary:
+    """One run folder, read back: its settings, its rows, the statistics replayed from them
+    (held-out metrics included: the CSV's extra columns, fed to ``monitor.observe_eval``), and
+    why it ended (from the run card)."""
+
+    name: str
+    path: Path
+    config: Config
+    rows: list[Row]
+    monitor: RunMonitor
+    ended: str
+
+
+def _ended(card: Path) -> str:
+    """Why the run ended: the run card's bold line (``**finished: 20 steps**``).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     card = Path(d) / "RUN.md"
+        ...     _ = card.write_text("# Run a\\n\\n**finished: 20 steps**\\n\\n## Set-up\\n")
+        ...     _ended(card)
+        'finished: 20 steps'
+    """
+    try:
+        lines = card.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"{card}: cannot read the run card ({err})") from None
+    bold = [line.strip()[2:-2] for line in lines if line.strip().startswith("**") and line.strip().endswith("**")]
+    return bold[0] if bold else "unknown"
+
+
+def _metrics(csv_path: Path) -> list[dict[str, float]]:
+    """The held-out metrics of each evaluated step: the CSV's extra numeric columns (the fixed
+    eight and the optimizer labels left out), empty cells skipped. The file was checked by
+    :func:`~ampguard.report.read_steps_csv` already."""
+    with csv_path.open(newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        names = [(i, name) for i, name in enumerate(header)
+                 if i >= len(CSV_COLUMNS) and name not in LABEL_COLUMNS]
+        out = []
+        for cells in reader:
+            values = {}
+            for i, name in names:
+                if cells[i] != "":
+                    try:
+                        values[name] = float(cells[i])
+                    except ValueError:
+                        raise InputError(f"{csv_path}: column {name} holds {cells[i]!r}, not a number") from None
+            if values:
+                out.append(values)
+    return out
+
+
+def load_run(path: str | Path) -> RunSummary:
+    """Read one run folder (``steps.csv``, ``RUN.md``, ``config.yaml``); anything missing or
+    malformed is an :class:`InputError` naming the folder and the file.
+
+    Example::
+
+        >>> try:
+        ...     load_run("no/such/run")
+        ... except InputError as err:
+        ...     print(err)
+        compare: no such folder no/such/run
+    """
+    from .config import read_file, validate
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise InputError(f"compare: {folder} is not a folder" if folder.exists()
+                         else f"compare: no such folder {folder}")
+    for name, what in (("steps.csv", "per-step CSV"), ("RUN.md", "run card"), ("config.yaml", "config")):
+        if not (folder / name).is_file():
+            hint = " (a run still going, or one killed before its end: `ampguard train --resume` finishes it)" \
+                if name == "RUN.md" else ""
+            raise InputError(f"compare: {folder} has no {what} {name}; is it a run folder?{hint}")
+    try:
+        config = validate(read_file(folder / "config.yaml"))
+    except InputError as err:  # ConfigError included: say which run's config it is
+        raise InputError(f"compare: {folder / 'config.yaml'}: {err}") from None
+    rows = read_steps_csv(folder / "steps.csv")
+    if not rows:
+        raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
+    mon, scaler = config.monitor, config.scaler
+    monitor = replay(rows, window=mon.window, alert_rate=mon.alert_rate, fail_rate=mon.fail_rate,
+                     fail_after=mon.fail_after, max_norm=clip_threshold(config.max_norm),
+                     scaler_enabled=config.precision == "fp16" if scaler.enabled is None else scaler.enabled,
+                     init_scale=scaler.init_scale, min_scale=min(scaler.min_scale, scaler.init_scale),
+                     min_steps=mon.min_steps)
+    for metrics in _metrics(folder / "steps.csv"):
+        monitor.observe_eval(metrics)
+    return RunSummary(folder.name, folder, config, rows, monitor, _ended(folder / "RUN.md"))
+
+
+def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
+    """Every run, checked: at least two, none given twice. Runs that share a folder name are
+    named by the path given.
+
+    Example::
+
+        >>> try:
+        ...     load_runs(["runs/a"])
+        ... except InputError as err:
+        ...     print(err)
+        compare: needs at least two run folders, got 1
+    """
+    if len(paths) < 2:
+        raise InputError(f"compare: needs at least two run folders, got {len(paths)}")
+    seen: dict[Path, str] = {}
+    for p in paths:
+        key = Path(p).resolve()
+        if key in seen:
+            raise InputError(f"compare: {p} is given twice (as {seen[key]})" if seen[key] != str(p)
+                             else f"compare: {p} is given twice")
+        seen[key] = str(p)
+    runs = [load_run(p) for p in paths]
+    names = [r.name for r in runs]
+    for run, given in zip(runs, paths):
+        if names.count(run.name) > 1:
+            run.name = str(given)
+    return runs
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def _g(x: float | None, spec: str = ".4g") -> str:
+    return "-" if x is None or math.isnan(x) else format(x, spec)
+
+
+def table_rows(run: RunSummary) -> list[tuple[str, str]]:
+    """The run's column of the table, as (row name, cell) pairs.
+
+    Example (hand-made rows: 2 applied steps, 1 skipped)::
+
+        >>> from ampguard.config import Config
+        >>> rows = [Row(1, 0.1, 2.0, 1.0, 0.5, False, "", 1024.0), Row(2, 0.1, 0.5, 0.5, 0.3, False, "", 1024.0),
+        ...         Row(3, 0.1, float("inf"), None, 0.4, True, "non_finite_grad", 512.0)]
+        >>> monitor = replay(rows, window=10, init_scale=1024.0)
+        >>> for key, cell in table_rows(RunSummary("a", Path("a"), Config(), rows, monitor, "finished: 3 steps")):
+        ...     print(f"{key}: {cell}")
+        ended: finished: 3 steps
+        precision: bf16
+        max_norm: 1
+        steps / updates: 3 / 2
+        skips: 1 (non_finite_grad=1)
+        max rolling skip rate: 0.3333
+        clip rate: 0.333
+        scale health: stable (final 512)
+        loss final / best: 0.4 / 0.3
+    """
+    m, c = run.monitor, run.config
+    clip = clip_threshold(c.max_norm)
+    scale = m.last.get("scaler_scale")
+    cells = [
+        ("ended", run.ended),
+        ("precision", c.precision),
+        ("max_norm", _g(clip, "g") if clip else "off"),
+        ("steps / updates", f"{m.steps} / {m.updates}"),
+        ("skips", f"{sum(m.skips.values())} ({m.skips_text()})"),
+        ("max rolling skip rate", f"{m.max_skip_rate:.4f}"),
+        ("clip rate", f"{m.clip_rate:.3f}" if clip else "n/a"),
+        ("scale health", m.scale_verdict + (f" (final {_g(scale, 'g')})" if m.scaler_enabled else "")),
+        ("loss final / best", f"{_g(m.last.get('loss'))} / {_g(m.best_loss)}"),
+    ]
+    cells += [(f"{name} final / best", f"{_g(value)} / {_g(m.eval_best.get(name))}")
+              for name, value in m.eval_last.items()]
+    return cells
+
+
+def format_table(runs: Sequence[RunSummary]) -> str:
+    """One Markdown table, a row per quantity and a column per run (padded to line up in a
+    terminal). A held-out metric one run lacks is ``-`` there.
+
+    Example::
+
+        >>> from ampguard.config import Config
+        >>> rows = [Row(1, 0.1, 2.0, 1.0, 0.5, False, "", 1.0)]
+        >>> runs = [RunSummary(n, Path(n), Config(), rows, replay(rows, scaler_enabled=False), "finished: 1 steps")
+        ...         for n in ("clip-0.5", "clip-5")]
+        >>> print(format_table(runs).splitlines()[0])
+        |                       | clip-0.5                 | clip-5                   |
+    """
+    columns = [dict(table_rows(r)) for r in runs]
+    keys: list[str] = []
+    for col in columns:
+        keys += [k for k in col if k not in keys]
+    lines = [["", *(r.name for r in runs)], *([k, *(col.get(k, "-") for col in columns)] for k in keys)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+
+    def fmt(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.ljust(w) for cell, w in zip(cells, widths)) + " |"
+
+    return "\n".join([fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines[1:])])
+
+
+# ---------------------------------------------------------------------------- the plot
+
+
+def check_out(png: Path) -> None:
+    """Refuse an ``--out`` that cannot or must not be written, before anything is read or drawn:
+    not ``.png``, its folder missing or not writable, or any existing file (never overwritten).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = (Path(d) / "old.png").write_bytes(b"x")
+        ...     for png in ("plot.pdf", "nowhere/x.png", "old.png"):
+        ...         try:
+        ...             check_out(Path(d) / png)
+        ...         except InputError as err:
+        ...             print(str(err).replace(d, "DIR"))
+        compare: --out DIR/plot.pdf: the plot is a PNG; name a .png file
+        compare: --out DIR/nowhere/x.png: folder DIR/nowhere does not exist
+        compare: --out DIR/old.png already exists; refusing to overwrite it
+    """
+    where = f"compare: --out {png}"
+    if png.suffix.lower() != ".png":
+        raise InputError(f"{where}: the plot is a PNG; name a .png file")
+    if png.exists() or png.is_symlink():
+        raise InputError(f"{where} already exists; refusing to overwrite it")
+    parent = png.parent
+    if not parent.is_dir():
+        raise InputError(f"{where}: folder {parent} does not exist" if not parent.exists()
+                         else f"{where}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{where}: folder {parent} is not writable")
+
+
+def _rolling(rows: list[Row], window: int) -> list[float]:
+    win, rates = RollingWindow(window), []
+    for r in rows:
+        win.push(float(r.skipped))
+        rates.append(win.seen_mean)  # over the steps the window holds, as the run judged it
+    return rates
+
+
+def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
+    """Draw the runs over each other (1200 x 1100 px, four panels on a shared step axis): loss,
+    pre-clip global norm with each run's ``max_norm``, log2 of the loss scale, rolling skip rate.
+    Skipped steps are marked with an ``x`` on the loss panel. Written beside the target and
+    linked into place, so an existing file is never replaced.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    png = Path(png)
+    fig, axes = plt.subplots(4, 1, sharex=True, figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    ax_loss, ax_norm, ax_scale, ax_skip = axes
+    colours = plt.get_cmap("tab10")
+    log_loss, top_rate = True, 0.0
+    for i, run in enumerate(runs):
+        colour, rows = colours(i % 10), run.rows
+
+        def finite(values: list[float | None], positive: bool = False) -> tuple[list[int], list[float]]:
+            pairs = [(r.step, v) for r, v in zip(rows, values)
+                     if v is not None and math.isfinite(v) and (v > 0 or not positive)]
+            return [s for s, _ in pairs], [v for _, v in pairs]
+
+        xs, ys = finite([r.loss for r in rows])
+        log_loss = log_loss and bool(ys) and min(ys) > 0
+        ax_loss.plot(xs, ys, lw=1, color=colour, label=run.name)
+        marks, last = [], None  # a skipped step at its loss (or the last finite one, for a non-finite loss)
+        for r in rows:
+            last = r.loss if r.loss is not None and math.isfinite(r.loss) else last
+            if r.skipped and last is not None:
+                marks.append((r.step, last))
+        if marks:
+            ax_loss.plot([s for s, _ in marks], [y for _, y in marks], "x", color=colour, ms=5)
+        xs, ys = finite([r.grad_l2_pre_clip for r in rows], positive=True)
+        ax_norm.plot(xs, ys, lw=1, color=colour, label=run.name)
+        clip = clip_threshold(run.config.max_norm)
+        if clip:
+            ax_norm.axhline(clip, color=colour, ls="--", lw=1, label=f"{run.name}: max_norm {clip:g}")
+        xs, ys = finite([r.scaler_scale for r in rows], positive=True)
+        ax_scale.step(xs, [math.log2(v) for v in ys], where="post", lw=1.2, color=colour, label=run.name)
+        rates = _rolling(rows, run.config.monitor.window)
+        top_rate = max(top_rate, *rates)
+        ax_skip.plot([r.step for r in rows], rates, lw=1.2, color=colour,
+                     label=f"{run.name} (window {run.config.monitor.window})")
+    ax_loss.set_yscale("log" if log_loss else "linear")
+    ax_loss.set_ylabel("loss" + (" (log)" if log_loss else ""))
+    ax_loss.set_title("Loss (x: a skipped step)")
+    ax_norm.set_yscale("log")
+    ax_norm.set_ylabel("gradient norm (log)")
+    ax_norm.set_title("Global gradient L2 norm before clipping (dashed: each run's max_norm)")
+    ax_scale.set_ylabel("log2(loss scale)")
+    ax_scale.set_title("Loss scale after each step's update (0 = 1.0: no scaler)")
+    ax_skip.set_ylim(0, max(0.1, top_rate * 1.2))
+    ax_skip.set_ylabel("skip rate")
+    ax_skip.set_title("Rolling skip rate (over the steps each run's window holds)")
+    ax_skip.set_xlabel("step (optimizer steps, not micro-batches)")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
+    fig.suptitle(f"ampguard compare: {', '.join(r.name for r in runs)}", fontsize=13)
+    partial = png.with_name(f".{png.name}.{os.getpid()}.partial")
+    try:
+        fig.savefig(partial, dpi=DPI, format="png")
+        os.link(partial, png)  # fails if something appeared there meanwhile: never replaced
+    except FileExistsError:
+        raise InputError(f"compare: --out {png} already exists; refusing to overwrite it") from None
+    except OSError as err:
+        raise InputError(f"compare: --out {png}: cannot write the plot ({err.strerror or err})") from None
+    finally:
+        partial.unlink(missing_ok=True)
+        plt.close(fig)
+    return png
+
+
+# ---------------------------------------------------------------------------- the verb
+
+
+def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCode:
+    """``ampguard compare RUN_DIR RUN_DIR ... [--out PNG]``: print the table (and draw the plot).
+
+    Example (two hand-made run folders)::
+
+        >>> import shutil, tempfile
+        >>> from ampguard.config import dump_config, validate
+        >>> root = Path(tempfile.mkdtemp())
+        >>> config = dump_config(validate({"precision": "fp16", "scaler": {"init_scale": 1024}}))
+        >>> for name, cells in (("a", "2.0,1.0,0.5,0,,1024.0"), ("b", "inf,,0.5,1,non_finite_grad,512.0")):
+        ...     (root / name).mkdir()
+        ...     _ = (root / name / "config.yaml").write_text(config)
+        ...     _ = (root / name / "RUN.md").write_text(f"# Run {name}\\n\\n**finished: 1 steps**\\n")
+        ...     _ = (root / name / "steps.csv").write_text(",".join(CSV_COLUMNS) + f"\\n1,0.1,{cells}\\n")
+        >>> run([root / "a", root / "b"])
+        |                       | a                   | b                     |
+        |-----------------------|---------------------|-----------------------|
+        | ended                 | finished: 1 steps   | finished: 1 steps     |
+        | precision             | fp16                | fp16                  |
+        | max_norm              | 1                   | 1                     |
+        | steps / updates       | 1 / 1               | 1 / 0                 |
+        | skips                 | 0 (none)            | 1 (non_finite_grad=1) |
+        | max rolling skip rate | 0.0000              | 1.0000                |
+        | clip rate             | 1.000               | 0.000                 |
+        | scale health          | stable (final 1024) | warming (final 512)   |
+        | loss final / best     | 0.5 / 0.5           | 0.5 / -               |
+        <ExitCode.OK: 0>
+        >>> shutil.rmtree(root)
+    """
+    png = Path(out) if out is not None else None
+    if png is not None:
+        check_out(png)
+    runs = load_runs(paths)
+    if png is not None:
+        plot_overlay(runs, png)
+    print(format_table(runs))
+    if png is not None:
+        print(f"plot: {png}")
+    return ExitCode.OK

@@ -1,0 +1,115 @@
+"""``ampguard compare`` on real runs: the lesson's exercise (the same model at several clip
+thresholds, then compare), run the way the README's recipe runs it. The table must say what each
+run card says; bad input is one line and exit 2 with nothing written."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from helpers import snapshot_of
+
+import ampguard.report
+from ampguard.cli import main
+
+MAX_NORMS = ("0.5", "1", "5")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """The README's recipe: one linear fp16 run per max_norm, an Inf at step 10 in each."""
+    root = tmp_path_factory.mktemp("sweep")
+    with pytest.MonkeyPatch.context() as mp:
+        # the runs' own report.png is not what is tested here: skip drawing it
+        mp.setattr(ampguard.report, "plot_run", lambda csv_path, png_path, **kw: Path(png_path))
+        for max_norm in MAX_NORMS:
+            code = main(["train", "--set", "task.name=linear", "--set", "precision=fp16", "--set", "steps=20",
+                         "--set", "log.every=1000", "--set", f"max_norm={max_norm}", "--inject", "inf_grad@10",
+                         "--set", f"log.dir={root / 'runs'}", "--set", f"log.name=clip-{max_norm}"])
+            assert code == 0
+    return root / "runs"
+
+
+def card_table(card: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for line in card.splitlines()
+            if (m := re.fullmatch(r"\| (.+?) \| (.*) \|", line)) and m.group(1) != ""}
+
+
+def compare_table(out: str) -> dict[str, list[str]]:
+    lines = [line for line in out.splitlines() if line.startswith("|") and not set(line) <= {"|", "-"}]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return {row[0]: row[1:] for row in cells}
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_compare_says_what_each_run_card_says_and_draws_the_overlay(cli, sweep, tmp_path):
+    runs = [sweep / f"clip-{m}" for m in MAX_NORMS]
+    before = snapshot_of(sweep)
+    code, out, err = cli("compare", *runs, "--out", "cmp.png")
+    assert code == 0, err
+    assert err == ""
+    assert png_size(tmp_path / "cmp.png") == (1200, 1100)
+    assert out.splitlines()[-1] == "plot: cmp.png"
+    assert snapshot_of(sweep) == before  # the run folders are only read
+    table = compare_table(out)
+    assert table[""] == [f"clip-{m}" for m in MAX_NORMS]
+    assert table["max_norm"] == list(MAX_NORMS)
+    for i, run in enumerate(runs):
+        card = card_table((run / "RUN.md").read_text(encoding="utf-8"))
+        col = {key: cells[i] for key, cells in table.items()}
+        assert col["ended"] == "finished: 20 steps"
+        assert col["precision"] == card["precision"].split()[0] == "fp16"
+        assert col["steps / updates"] == f"{card['steps attempted']} / {card['updates applied']}" == "20 / 19"
+        assert col["skips"] == card["skipped steps"] == "1 (non_finite_grad=1)"
+        assert col["max rolling skip rate"] == card["max rolling skip rate"]
+        assert col["clip rate"] == card["clip rate (whole run)"].split()[0]
+        verdict, final = re.fullmatch(r"(\w+) \(final scale (\S+)\)", card["scale health"]).groups()
+        assert col["scale health"] == f"{verdict} (final {final})"
+        assert verdict == "stable"  # one halving at step 10
+        first, final_loss, best = re.fullmatch(r"first (\S+), final (\S+), best (\S+)", card["loss"]).groups()
+        assert col["loss final / best"] == f"{final_loss} / {best}"
+        final_val, best_val = re.fullmatch(r"final (\S+), best (\S+)", card["held-out val_loss"]).groups()
+        assert col["val_loss final / best"] == f"{final_val} / {best_val}"
+    # the clip threshold is what differs: a lower max_norm clips at least as many steps
+    rates = [float(r) for r in table["clip rate"]]
+    assert rates == sorted(rates, reverse=True) and rates[0] > rates[-1]
+
+
+@pytest.mark.parametrize("case", ["one run", "no run card", "a csv", "missing", "twice", "existing out", "not png"])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(cli, sweep, tmp_path, case):
+    a, b = sweep / "clip-0.5", sweep / "clip-1"
+    half = tmp_path / "half-run"
+    shutil.copytree(b, half)
+    (half / "RUN.md").unlink()  # a run killed before its end
+    (tmp_path / "old.png").write_bytes(b"keep me")
+    argv, expected = {
+        "one run": ([a], "compare: needs at least two run folders, got 1"),
+        "no run card": ([a, half], f"compare: {half} has no run card RUN.md; is it a run folder?"),
+        "a csv": ([a, b / "steps.csv"], f"compare: {b / 'steps.csv'} is not a folder"),
+        "missing": ([a, tmp_path / "nope"], f"compare: no such folder {tmp_path / 'nope'}"),
+        "twice": ([a, a], f"compare: {a} is given twice"),
+        "existing out": ([a, b, "--out", "old.png"], "compare: --out old.png already exists; refusing to overwrite it"),
+        "not png": ([a, b, "--out", "cmp.svg"], "compare: --out cmp.svg: the plot is a PNG; name a .png file"),
+    }[case]
+    before_here, before_runs = snapshot_of(tmp_path), snapshot_of(sweep)
+    code, out, err = cli("compare", *argv)
+    assert code == 2
+    assert out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(f"ampguard: error: {expected}")
+    assert "Traceback" not in err
+    assert snapshot_of(tmp_path) == before_here and snapshot_of(sweep) == before_runs
+
+
+def test_compare_without_runs_is_a_usage_error(cli):
+    code, out, err = cli("compare")
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err == "ampguard: error: compare: the following arguments are required: RUN_DIR\n"

@@ -1,0 +1,201 @@
+"""``ampguard.compare`` on hand-made run folders: what it reads, what it refuses, the table's cells
+and the overlay plot. Whole runs through the CLI are in ``tests/e2e/test_compare_cli.py``."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from ampguard import compare
+from ampguard.config import dump_config, validate
+from ampguard.errors import InputError
+from ampguard.report import read_steps_csv, replay
+from ampguard.sinks import CSV_COLUMNS
+
+HEADER = ",".join(CSV_COLUMNS)
+
+
+def make_run(root: Path, name: str, rows: list[str], *, config: dict | None = None, extra: list[str] = (),
+             ended: str = "finished") -> Path:
+    """A run folder as `ampguard train` leaves it: config.yaml, steps.csv (rows after the header), RUN.md."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(dump_config(validate(config or {"precision": "fp16"})), encoding="utf-8")
+    (folder / "steps.csv").write_text("\n".join([",".join([HEADER, *extra]), *rows]) + "\n", encoding="utf-8")
+    (folder / "RUN.md").write_text(f"# Run {name}\n\n**{ended}**\n\n## Set-up\n\n| | |\n|---|---|\n", encoding="utf-8")
+    return folder
+
+
+def clean(step: int, pre: float = 2.0, loss: float = 0.5, scale: float = 65536.0, extra: str = "") -> str:
+    post = min(pre, 1.0)
+    return f"{step},0.1,{pre!r},{post!r},{loss!r},0,,{scale!r}" + extra
+
+
+def skip(step: int, scale: float, reason: str = "non_finite_grad", extra: str = "") -> str:
+    pre, loss = ("inf", "0.5") if reason == "non_finite_grad" else ("", "nan")
+    return f"{step},0.1,{pre},,{loss},1,{reason},{scale!r}" + extra
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+# ---------------------------------------------------------------------------- reading a run
+
+
+def test_a_run_is_read_as_report_reads_it(tmp_path):
+    rows = [clean(1), clean(2, pre=0.5), skip(3, 32768.0), clean(4, pre=3.0, loss=0.25, scale=32768.0)]
+    folder = make_run(tmp_path, "a", rows, config={"precision": "fp16", "max_norm": 1.0,
+                                                   "monitor": {"window": 2, "min_steps": 0}}, ended="finished: 4 steps")
+    run = compare.load_run(folder)
+    ref = replay(read_steps_csv(folder / "steps.csv"), window=2, min_steps=0, max_norm=1.0)
+    m = run.monitor
+    assert (run.name, run.ended, run.config.precision) == ("a", "finished: 4 steps", "fp16")
+    assert (m.steps, m.updates, dict(m.skips), m.clipped) == (4, 3, {"non_finite_grad": 1}, 2)
+    assert (m.max_skip_rate, m.best_loss) == (ref.max_skip_rate, ref.best_loss) == (0.5, 0.25)
+    assert m.scale_verdict == "stable"  # one halving from init_scale 65536
+
+
+def test_held_out_metrics_come_from_the_extra_columns_best_by_their_direction(tmp_path):
+    rows = [clean(1, extra=",0.9,0.5"), clean(2, extra=",,"), clean(3, extra=",0.7,0.8"), clean(4, extra=",0.8,0.6")]
+    run = compare.load_run(make_run(tmp_path, "a", rows, extra=["val_loss", "val_accuracy"]))
+    assert run.monitor.eval_last == {"val_loss": 0.8, "val_accuracy": 0.6}
+    assert run.monitor.eval_best == {"val_loss": 0.7, "val_accuracy": 0.8}  # lower loss, higher accuracy
+    cells = dict(compare.table_rows(run))
+    assert cells["val_loss final / best"] == "0.8 / 0.7" and cells["val_accuracy final / best"] == "0.6 / 0.8"
+
+
+def test_the_optimizer_label_columns_are_not_metrics(tmp_path):
+    rows = [clean(1, extra=",d;g,"), skip(2, 32768.0, extra=",d;g,g")]
+    run = compare.load_run(make_run(tmp_path, "gan", rows, extra=["optimizers", "skipped_optimizers"]))
+    assert run.monitor.eval_last == {}
+
+
+@pytest.mark.parametrize("missing,what", [("steps.csv", "per-step CSV"), ("RUN.md", "run card"),
+                                          ("config.yaml", "config")])
+def test_a_folder_without_one_of_its_files_is_refused_naming_it(tmp_path, missing, what):
+    folder = make_run(tmp_path, "a", [clean(1)])
+    (folder / missing).unlink()
+    with pytest.raises(InputError) as err:
+        compare.load_run(folder)
+    assert str(err.value).startswith(f"compare: {folder} has no {what} {missing}; is it a run folder?")
+    assert "\n" not in str(err.value)
+
+
+def test_a_missing_folder_a_file_and_an_empty_csv_are_refused(tmp_path):
+    with pytest.raises(InputError, match="^compare: no such folder .*nope$"):
+        compare.load_run(tmp_path / "nope")
+    folder = make_run(tmp_path, "a", [clean(1)])
+    with pytest.raises(InputError, match=r"^compare: .*steps\.csv is not a folder$"):
+        compare.load_run(folder / "steps.csv")
+    empty = make_run(tmp_path, "empty", [])
+    (empty / "steps.csv").write_text(HEADER + "\n")
+    with pytest.raises(InputError, match="has no steps, nothing to compare"):
+        compare.load_run(empty)
+    bad_config = make_run(tmp_path, "bad-config", [clean(1)])
+    (bad_config / "config.yaml").write_text("steps: many\n")
+    with pytest.raises(InputError, match=r"^compare: .*bad-config/config\.yaml: config: steps: "):
+        compare.load_run(bad_config)
+    broken = make_run(tmp_path, "broken", ["1,0.1,x,1.0,0.5,0,,1.0"])
+    with pytest.raises(InputError, match="column grad_l2_pre_clip holds 'x', not a number"):
+        compare.load_run(broken)
+
+
+def test_fewer_than_two_runs_and_a_run_given_twice_are_refused(tmp_path, monkeypatch):
+    a = make_run(tmp_path, "a", [clean(1)])
+    monkeypatch.chdir(tmp_path)
+    for paths, message in (([], "needs at least two run folders, got 0"),
+                           ([a], "needs at least two run folders, got 1"),
+                           ([a, a], f"{a} is given twice"), ([a, "a"], f"a is given twice (as {a})")):
+        with pytest.raises(InputError) as err:
+            compare.load_runs(paths)
+        assert str(err.value) == f"compare: {message}"
+
+
+def test_runs_sharing_a_folder_name_are_named_by_their_path(tmp_path):
+    a = make_run(tmp_path / "x", "run", [clean(1)])
+    b = make_run(tmp_path / "y", "run", [clean(1)])
+    c = make_run(tmp_path, "other", [clean(1)])
+    assert [r.name for r in compare.load_runs([a, b, c])] == [str(a), str(b), "other"]
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def test_the_table_has_a_column_per_run_and_a_dash_for_a_metric_a_run_lacks(tmp_path):
+    a = make_run(tmp_path, "fp16-clip", [clean(1, extra=",0.5"), skip(2, 32768.0, extra=",")], extra=["val_loss"])
+    b = make_run(tmp_path, "bf16-noclip", [clean(1, pre=2.0, scale=1.0), skip(2, 1.0, reason="non_finite_loss")],
+                 config={"precision": "bf16", "max_norm": 0})
+    lines = compare.format_table(compare.load_runs([a, b])).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert cells[0] == ["", "fp16-clip", "bf16-noclip"]
+    assert set(lines[1]) == {"|", "-"}
+    table = {row[0]: row[1:] for row in cells[2:]}
+    assert table["precision"] == ["fp16", "bf16"]
+    assert table["max_norm"] == ["1", "off"]
+    assert table["steps / updates"] == ["2 / 1", "2 / 1"]
+    assert table["skips"] == ["1 (non_finite_grad=1)", "1 (non_finite_loss=1)"]
+    assert table["max rolling skip rate"] == ["0.5000", "0.5000"]
+    assert table["clip rate"] == ["0.500", "n/a"]
+    assert table["scale health"] == ["stable (final 32768)", "none (no loss scaler)"]
+    assert table["loss final / best"] == ["0.5 / 0.5", "- / 0.5"]  # a non-finite final loss shows as -
+    assert table["val_loss final / best"] == ["0.5 / 0.5", "-"]  # the bf16 run has no val_loss column
+    assert len({len(line) for line in lines}) == 1  # padded: the columns line up
+
+
+# ---------------------------------------------------------------------------- --out and the plot
+
+
+def test_an_existing_out_file_is_refused_before_anything_is_read(tmp_path, capsys):
+    old = tmp_path / "old.png"
+    old.write_bytes(b"someone's picture")
+    with pytest.raises(InputError, match=r"--out .*old\.png already exists; refusing to overwrite it"):
+        compare.run([tmp_path / "nope1", tmp_path / "nope2"], out=old)  # --out is checked first
+    assert old.read_bytes() == b"someone's picture"
+    assert capsys.readouterr().out == ""
+
+
+def test_a_dangling_link_at_out_is_refused_too(tmp_path):
+    link = tmp_path / "link.png"
+    os.symlink(tmp_path / "nowhere.png", link)
+    with pytest.raises(InputError, match="already exists"):
+        compare.check_out(link)
+    assert not (tmp_path / "nowhere.png").exists()
+
+
+def test_the_overlay_plot_is_a_new_png_and_nothing_else_is_written(tmp_path, capsys):
+    a = make_run(tmp_path, "a", [clean(1), skip(2, 32768.0), clean(3, scale=32768.0)])
+    b = make_run(tmp_path, "b", [clean(1, pre=5.0, scale=1.0), clean(2, scale=1.0), clean(3, scale=1.0)],
+                 config={"precision": "bf16"})
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    out = tmp_path / "cmp.png"
+    assert compare.run([a, b], out=out) == 0
+    assert png_size(out) == (1200, 1100)
+    assert capsys.readouterr().out.splitlines()[-1] == f"plot: {out}"
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p != out}
+    assert after == before  # the run folders untouched, no partial file left behind
+
+
+def test_a_file_that_appears_at_out_while_drawing_is_not_replaced(tmp_path, monkeypatch):
+    a = make_run(tmp_path, "a", [clean(1)])
+    b = make_run(tmp_path, "b", [clean(1)])
+    out = tmp_path / "cmp.png"
+    runs = compare.load_runs([a, b])
+    import matplotlib.figure
+
+    savefig = matplotlib.figure.Figure.savefig
+
+    def savefig_then_someone_writes(self, *args, **kwargs):
+        savefig(self, *args, **kwargs)
+        out.write_bytes(b"theirs")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig_then_someone_writes)
+    with pytest.raises(InputError, match="already exists; refusing to overwrite it"):
+        compare.plot_overlay(runs, out)
+    assert out.read_bytes() == b"theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "cmp.png"]
