@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -568,17 +568,23 @@ def speedups(results: list[Result]) -> list[str]:
         ['tiny-mlp, bare loop: bf16 is 2.00x faster than fp32']
         >>> speedups([Result("mlp", "fp32", Bare.name, 1.0, 1.0), Result("mlp", "bf16", Bare.name, 1.4, 1.4)])
         ['mlp, bare loop: bf16 is 1.40x slower than fp32']
+        >>> speedups([Result("gpt2", "bf16", Bare.name, 3.0, 3.0), Result("gpt2", "fp8", Bare.name, 2.0, 2.0)])
+        ['gpt2, bare loop: fp8 is 1.50x faster than bf16']
     """
     out = []
     for workload in dict.fromkeys(r.workload for r in results):
         for contender in (Bare.name, Guarded.name):
             rows = {r.precision: r.median_ms for r in results if r.workload == workload and r.contender == contender}
             if "fp32" in rows:
-                for p in ("bf16", "fp16"):
+                for p in ("bf16", "fp16", "fp8"):
                     if p in rows:
                         ratio = rows["fp32"] / rows[p]  # > 1: faster; a slower one says so, never "0.7x faster"
                         how = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
                         out.append(f"{workload}, {contender}: {p} is {how} than fp32")
+            if "bf16" in rows and "fp8" in rows:  # what fp8 is for: its gain over bf16
+                ratio = rows["bf16"] / rows["fp8"]
+                how = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+                out.append(f"{workload}, {contender}: fp8 is {how} than bf16")
     return out
 
 
@@ -608,10 +614,35 @@ def run_bench(
                 # fp16 autocast on a CPU is far too slow for anything but the tiny MLP
                 print(f"{w.name} fp16: not run (on a CPU fp16 runs only the mlp model)", flush=True)
                 continue
-            print(f"{w.name} {p}: {', '.join(c.name for c in contenders)}", flush=True)
-            results += measure(w, Precision(p, device.type), device, contenders, steps=steps, rounds=rounds,
+            run_w, run_c = (fp8_workload(w), [Bare, Guarded] + ([GuardedSyncFree] if fused else [])) if p == "fp8" \
+                else (w, contenders)
+            print(f"{w.name} {p}: {', '.join(c.name for c in run_c)}", flush=True)
+            results += measure(run_w, Precision(p, device.type), device, run_c, steps=steps, rounds=rounds,
                                warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None)
     return results
+
+
+def fp8_workload(w: Workload) -> Workload:
+    """The same workload with its model converted to torchao float8 training (the default
+    layers: :func:`ampguard.fp8.convert_to_fp8`); its FLOPs are counted as before, so MFU stays
+    against ``--peak-tflops`` (give the bf16 peak to compare fp8 with bf16 on one scale). The
+    peers (Accelerate, Fabric) have no such setting here: fp8 runs the bare loop and ampguard.
+    On a CPU torchao emulates the float8 matmuls: a correctness smoke test, not a speed figure.
+
+    Example::
+
+        >>> w = fp8_workload(_mlp(torch.device("cpu")))
+        >>> [type(m).__name__ for m in w.make_model()]
+        ['Linear', 'GELU', 'Float8Linear', 'GELU', 'Linear']
+    """
+    from .fp8 import convert_to_fp8
+
+    def make() -> nn.Module:
+        model = w.make_model()
+        convert_to_fp8(model)
+        return model
+
+    return replace(w, make_model=make)
 
 
 def machine() -> str:
@@ -644,7 +675,7 @@ def to_json(results: list[Result]) -> str:
 
 
 WORKLOADS = ("mlp", "transformer", "gpt2")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str = "fp32,bf16,fp16", steps: int = 30,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .build import resolve_device, to_device
+from .build import prepare_model, resolve_device, to_device
 from .config import Config
 from .errors import ExitCode, InputError
 from .precision import Precision
@@ -291,8 +291,9 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
     results = []
     for name in cfg.precisions:
         amp_p = Precision(name, device.type)
-        amp = _scores(task, model, probes, amp_p)
-        amp_eval = _scores(task, model, x_eval, amp_p)
+        amp_model = prepare_model(config, model, name, copy_model=True)  # fp8: a converted copy; else model
+        amp = _scores(task, amp_model, probes, amp_p)
+        amp_eval = _scores(task, amp_model, x_eval, amp_p)
         result = PrecisionResult(name)
         finite = _finite_count(amp)
         result.rules.append(Rule("complete and finite", f"{_finite_count(ref)}/{n}", f"{finite}/{n}", finite == n))
@@ -368,7 +369,8 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
         scales = Precision(name, device.type).uses_scaler  # a scaler setting applies where one is used
         scaler = config.scaler.model_copy(update={"enabled": config.scaler.enabled if scales else None})
         run_config = config.model_copy(update={"precision": name, "steps": steps, "scaler": scaler})
-        state: AmpTrainState = build_state(run_config, task.model, task.loss_fn, device)
+        model = prepare_model(run_config, task.model, copy_model=True)  # fp8: a converted copy; else task.model
+        state: AmpTrainState = build_state(run_config, model, task.loss_fn, device)
         losses, norms, updates = [], [], 0
         stream = itertools.islice(task.batches(), steps * config.accumulation_steps)
         for inputs, targets in stream:
