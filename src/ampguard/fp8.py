@@ -75,7 +75,7 @@ def require_torchao() -> ModuleType:
             log.setLevel(logging.ERROR)
         from torchao import float8
     except ImportError:
-        raise ImportError("precision fp8 needs torchao's float8 training: pip install 'ampguard[fp8]' "
+        raise ImportError("fp8 needs torchao, which is not installed: pip install 'ampguard[fp8]' "
                           "(or pip install torchao)") from None
     finally:
         for log, level in zip(logs, levels):

@@ -339,7 +339,7 @@ class Precision:
             try:
                 check_model(model, device)
             except ImportError as err:
-                raise ValueError(str(err)) from None
+                raise ValueError(f"precision {err}") from None
             if device.type == "cpu":
                 warnings.warn("fp8 on a CPU is emulated by torchao: right for correctness checks, no speed-up",
                               SlowPrecisionWarning, stacklevel=3)
