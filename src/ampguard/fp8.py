@@ -122,7 +122,7 @@ def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[st
         if cls is not None and isinstance(m, cls):
             out[name] = f"{CONVERT} (already)"
         elif name == "":
-            out[name] = "the model itself is a Linear (conversion swaps children)"
+            out[name] = "a bare Linear, not a model that holds one"
         elif keep_first_last and i == 0:
             out[name] = "first layer"
         elif keep_first_last and i == len(linears) - 1:

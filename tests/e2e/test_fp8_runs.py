@@ -1,0 +1,117 @@
+"""``precision: fp8`` in whole runs: torchao float8 training (emulated on the CPU) on the digits
+task learns as well as bf16 over the same steps, ``ampguard train`` writes the same run folder
+and CSV, ``validate`` judges fp8 against the FP32 reference with bf16's rules and report format,
+``bench`` measures it, and bad fp8 input is one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import one_line_error
+
+from ampguard.config import load_config
+from ampguard.run_folder import RunPaths
+from ampguard.train import run
+
+pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
+
+FIXED = ["step", "lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "skipped", "skip_reason", "scaler_scale"]
+DIGITS = ["device=cpu", "task.name=digits", "checkpoint.enabled=false", "eval.every=0"]
+
+
+def rows_of(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    return list(reader.fieldnames or []), rows
+
+
+def train_digits(tmp_path: Path, precision: str, steps: int) -> tuple[list[str], list[dict[str, str]]]:
+    config = load_config(None, [*DIGITS, f"precision={precision}", f"steps={steps}"])
+    path = tmp_path / f"{precision}.csv"
+    result = run(config, outputs=lambda: RunPaths(csv=path), console_every=10**9, print_fn=lambda s: None)
+    assert result.exit_code == 0, result.ended
+    return rows_of(path)
+
+
+def test_fp8_on_digits_reaches_bf16_accuracy_within_two_points(tmp_path):
+    # the MLP is 64-128-128-10: its middle Linear trains in float8, the first and last stay bf16
+    header_bf16, bf16 = train_digits(tmp_path, "bf16", 300)
+    header_fp8, fp8 = train_digits(tmp_path, "fp8", 300)
+    assert header_fp8 == header_bf16 == [*FIXED, "val_loss", "val_accuracy"]  # the CSV gains nothing
+    assert [r["skipped"] for r in fp8] == ["0"] * 300 and {r["scaler_scale"] for r in fp8} == {"1.0"}
+    acc_bf16, acc_fp8 = float(bf16[-1]["val_accuracy"]), float(fp8[-1]["val_accuracy"])
+    assert acc_bf16 > 0.85  # it learned (chance is 0.1)
+    assert abs(acc_fp8 - acc_bf16) <= 0.02, (acc_fp8, acc_bf16)
+    assert fp8[-1]["loss"] != bf16[-1]["loss"]  # fp8 really ran (a different numeric path)
+
+
+def test_train_fp8_end_to_end_writes_the_run_folder(cli, tmp_path):
+    code, out, err = cli("train", "--set", "precision=fp8", "--set", "task.name=digits", "--set", "steps=12",
+                         "--set", "device=cpu", "--set", "eval.every=6", "--set", "log.name=fp8")
+    assert code == 0, err
+    folder = tmp_path / "runs" / "fp8"
+    header, rows = rows_of(folder / "steps.csv")
+    assert header == [*FIXED, "val_loss", "val_accuracy"] and len(rows) == 12
+    assert all(r["skipped"] == "0" and r["skip_reason"] == "" for r in rows)
+    card = (folder / "RUN.md").read_text(encoding="utf-8")
+    assert re.search(r"\| precision \| fp8\b", card), card
+    assert (folder / "config.yaml").read_text(encoding="utf-8").count("recipe: tensorwise") == 1
+    assert "Traceback" not in err and "Failed to load" not in err  # torchao's CPU import noise held back
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--set", "task.name=linear"], "precision: fp8: no Linear layer can train in fp8 (the model: a bare Linear, "
+                                    "not a model that holds one); set fp8.keep_first_last false, or use bf16"),
+    (["--set", "fp8.recipe=delayed"], "config: fp8.recipe: Input should be 'tensorwise' or 'rowwise' "
+                                      "(got 'delayed')"),
+    (["--set", "fp8.keep_first_last=maybe"], "config: fp8.keep_first_last: Input should be a valid boolean, "
+                                             "unable to interpret input (got 'maybe')"),
+])
+def test_bad_fp8_input_is_one_line_exit_2_and_nothing_written(cli, tmp_path, unchanged, argv, expected):
+    check = unchanged()
+    code, out, err = cli("train", "--set", "precision=fp8", "--set", "device=cpu", "--set", "steps=2", *argv)
+    assert one_line_error(code, out, err) == f"ampguard: error: {expected}"
+    check()
+
+
+def test_fp8_without_torchao_is_one_line_exit_2(cli, tmp_path, unchanged, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # the fp8 extra not installed
+    check = unchanged()
+    code, out, err = cli("train", "--set", "precision=fp8", "--set", "task.name=digits", "--set", "device=cpu",
+                         "--set", "steps=2")
+    assert one_line_error(code, out, err) == ("ampguard: error: precision: fp8 needs torchao, which is not "
+                                              "installed: pip install 'ampguard[fp8]' (or pip install torchao)")
+    check()
+
+
+def test_validate_judges_fp8_with_the_rules_and_report_of_bf16(cli, tmp_path):
+    code, out, err = cli("validate", "--set", "task.name=digits", "--set", "device=cpu",
+                         "--set", "validation.precisions=[bf16,fp8]", "--set", "validation.max_flips=100",
+                         "--set", "validation.ties=accept", "--train-steps", "3", "--out", "report")
+    assert code == 0, out + err
+    md = (tmp_path / "report" / "validation.md").read_text(encoding="utf-8")
+    data = json.loads((tmp_path / "report" / "validation.json").read_text(encoding="utf-8"))
+    assert "## bf16 vs FP32" in md and "## fp8 vs FP32" in md
+    by_name = {p["precision"]: p for p in data["precisions"]}
+    assert list(by_name) == ["bf16", "fp8"]
+    criteria = {name: [r["criterion"] for r in p["rules"]] for name, p in by_name.items()}
+    assert criteria["fp8"] == criteria["bf16"] and len(criteria["fp8"]) == 4  # same probes, tolerances, flips
+    assert set(by_name["fp8"]) == set(by_name["bf16"])
+    # float8 rounds harder than bf16: its scores stray further from the FP32 reference
+    assert by_name["fp8"]["stats"]["max_abs_error"] > by_name["bf16"]["stats"]["max_abs_error"]
+    assert re.search(r"^train fp8: 3 updates applied", out, flags=re.M), out
+
+
+def test_bench_measures_fp8_next_to_bf16(cli):
+    code, out, err = cli("bench", "--quick", "--models", "mlp", "--precisions", "bf16,fp8", "--no-peers")
+    assert code == 0, err
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| tiny-mlp | fp8")]
+    assert {row[3].strip() for row in rows} == {"bare loop", "ampguard + csv"}
+    assert re.search(r"^tiny-mlp, bare loop: fp8 is \d+\.\d\dx (faster|slower) than bf16$", out, flags=re.M), out
