@@ -591,9 +591,12 @@ def speedups(results: list[Result]) -> list[str]:
 def run_bench(
     *, device: torch.device, workloads: list[str], precisions: list[str], steps: int, rounds: int,
     warmup: int, peers: bool = True, fused: bool = False, peak_tflops: float | None = None,
+    compiled: bool = False,
 ) -> list[Result]:
     """Every workload x precision, measured with the bare loop, the guarded step (and its
     sync-free path with ``fused``) and the installed peers. fp16 on a CPU runs only the MLP.
+    fp8 converts the model (:func:`fp8_workload`); ``compiled`` runs every model through
+    ``torch.compile`` (:func:`compiled_workload`), as torchao's float8 needs to be fast.
 
     Example::
 
@@ -616,6 +619,7 @@ def run_bench(
                 continue
             run_w, run_c = (fp8_workload(w), [Bare, Guarded] + ([GuardedSyncFree] if fused else [])) if p == "fp8" \
                 else (w, contenders)
+            run_w = compiled_workload(run_w) if compiled else run_w
             print(f"{w.name} {p}: {', '.join(c.name for c in run_c)}", flush=True)
             results += measure(run_w, Precision(p, device.type), device, run_c, steps=steps, rounds=rounds,
                                warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None)
@@ -641,6 +645,23 @@ def fp8_workload(w: Workload) -> Workload:
         model = w.make_model()
         convert_to_fp8(model)
         return model
+
+    return replace(w, make_model=make)
+
+
+def compiled_workload(w: Workload) -> Workload:
+    """The same workload with its model wrapped in ``torch.compile`` (compiled on its first
+    steps, which the warm-up takes). torchao's float8 casts are separate eager kernels without
+    it: fp8 against bf16 is a fair race only when both are compiled.
+
+    Example::
+
+        >>> type(compiled_workload(_mlp(torch.device("cpu"))).make_model()).__name__
+        'OptimizedModule'
+    """
+
+    def make() -> nn.Module:
+        return torch.compile(w.make_model())
 
     return replace(w, make_model=make)
 
@@ -680,8 +701,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str = "fp32,bf16,fp16", steps: int = 30,
         rounds: int = 7, warmup: int = 5, fused: bool = False, peers: bool = True, peak_tflops: float | None = None,
-        quick: bool = False, as_json: bool = False) -> int:
+        quick: bool = False, as_json: bool = False, compiled: bool = False) -> int:
     """``ampguard bench``: measure, then print a table (or JSON) and the speed-ups. Returns 0.
+    ``compiled`` runs every model through ``torch.compile`` (from Python, e.g.
+    ``benchmarks/gpu/fp8_vs_bf16.sh``; fp8 is fast only compiled).
 
     Example (``quick``: 2 rounds of 3 steps, a smoke test rather than a measurement)::
 
@@ -720,7 +743,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     torch.manual_seed(0)
     print(f"ampguard bench on {where} ({machine()}): {rounds} rounds x {steps} steps, interleaved")
     results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
-                        warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops)
+                        warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, compiled=compiled)
     if not results:
         raise InputError(f"bench: no contender could run {models} in {precisions} on {where} (why: the lines above)")
     print(to_json(results) if as_json else "\n".join([table(results), *speedups(results)]))
