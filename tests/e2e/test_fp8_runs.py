@@ -15,6 +15,7 @@ import pytest
 
 from helpers import one_line_error
 
+from ampguard.build import prepare_model
 from ampguard.config import load_config
 from ampguard.run_folder import RunPaths
 from ampguard.train import run
@@ -89,6 +90,57 @@ def test_fp8_without_torchao_is_one_line_exit_2(cli, tmp_path, unchanged, monkey
     assert one_line_error(code, out, err) == ("ampguard: error: precision: fp8 needs torchao, which is not "
                                               "installed: pip install 'ampguard[fp8]' (or pip install torchao)")
     check()
+
+
+ZERO_PROJECTION = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def build(config):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[2].weight.zero_()  # a zero-initialised projection: its amax is 0
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.rand(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(4)]
+    return {"model": model, "data": data, "loss_fn": F.cross_entropy}
+"""
+
+
+def test_a_floorless_scale_in_a_run_is_skipped_then_stopped_and_named(tmp_path, monkeypatch):
+    # torchao#3356's bug injected (float8_max / amax with no floor): the zero weight's scale is inf
+    # and its cast 0 x inf = NaN on every step; the step skips it, strict mode stops the run (exit
+    # 3) naming the Float8Linear layer, and find_bad_scales names the operand and the scale
+    import torch
+    from torchao.float8 import float8_scaling_utils
+    from torchao.float8.float8_utils import tensor_to_amax
+
+    from ampguard.fp8 import find_bad_scales
+    from ampguard.precision import Precision
+    from ampguard.tasks import build_task
+
+    def floorless(hp, float8_dtype, reduce_amax=False, mesh=None, granularity=None, axiswise_dim=None, rnd=False):
+        amax = tensor_to_amax(hp, reduce_amax, mesh, granularity, axiswise_dim).to(torch.float64)
+        return (torch.finfo(float8_dtype).max / amax).to(torch.float32)
+
+    monkeypatch.setattr(float8_scaling_utils, "tensor_to_scale", floorless)
+    factory = tmp_path / "zero_projection.py"
+    factory.write_text(ZERO_PROJECTION, encoding="utf-8")
+    config = load_config(None, ["device=cpu", "precision=fp8", f"task.factory={factory}:build", "steps=6",
+                                "checkpoint.enabled=false", "diagnose.strict=true"])
+    path = tmp_path / "steps.csv"
+    result = run(config, outputs=lambda: RunPaths(csv=path), console_every=10**9, print_fn=lambda s: None)
+    assert int(result.exit_code) == 3 and "forward output of 2 (Float8Linear" in result.ended, result.ended
+    _, rows = rows_of(path)
+    assert [(r["skipped"], r["skip_reason"]) for r in rows] == [("1", "non_finite_loss")]
+
+    task = build_task(config)
+    _ = prepare_model(config, task.model)
+    x, y = next(iter(task.batches()))
+    found = find_bad_scales(task.model, task.loss_fn, x, y, Precision("fp8", "cpu").autocast)
+    assert str(found[0]) == "2 weight: amax 0 -> fp8 scale inf (the scale itself is broken: the tensor is finite)"
 
 
 def test_validate_judges_fp8_with_the_rules_and_report_of_bf16(cli, tmp_path):
