@@ -248,11 +248,41 @@ class BadScale:
         return f"{self.module} {self.role}: amax {self.amax:g} -> fp8 scale {self.scale:g} ({why})"
 
 
+@dataclass(frozen=True)
+class CastStats:
+    """One float8 cast: the largest magnitude, the worst scale, and the share of the tensor's
+    nonzero values that the cast flushes to zero (below half float8's smallest subnormal after
+    scaling): one outlier in a tensorwise-scaled tensor shrinks the scale until the rest vanish.
+
+    Example::
+
+        >>> print(CastStats("fc", "weight", amax=1e4, scale=0.0448, flushed=0.97))
+        fc weight: amax 1e+04, fp8 scale 0.0448, 97.0% of its nonzero values flush to 0
+    """
+
+    module: str
+    role: str
+    amax: float
+    scale: float
+    flushed: float
+
+    def __str__(self) -> str:
+        return (f"{self.module} {self.role}: amax {self.amax:.3g}, fp8 scale {self.scale:.3g}, "
+                f"{self.flushed:.1%} of its nonzero values flush to 0")
+
+
+def _flush_below(dtype: torch.dtype) -> float:
+    """Half the smallest subnormal of a float8 dtype: a scaled magnitude below it rounds to 0."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps / 2
+
+
 class ScaleWatch:
-    """While open, every float8 cast of the model's ``Float8Linear`` layers is recomputed with
-    torchao's own scale function (``tensor_to_scale``, with each layer's cast settings) and kept
-    as device tensors; :meth:`bad` reads them (host syncs) and lists the non-finite or zero
-    ones, forward casts first, in the order they ran.
+    """While open, every float8 cast of the model's ``Float8Linear`` layers (input and weight in
+    the forward, ``grad_output`` in the backward) is recomputed with torchao's own scale function
+    (``tensor_to_scale``, with each layer's cast settings) and kept as device tensors;
+    :meth:`bad` reads them (host syncs) and lists the non-finite or zero ones, forward casts
+    first, in the order they ran; :meth:`stats` gives every cast with its flushed share.
 
     A diagnostic: it repeats each amax reduction. Open it around one micro-batch (it keeps every
     cast it sees); :func:`find_bad_scales` does that for you.
@@ -260,7 +290,8 @@ class ScaleWatch:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.seen: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []  # module, role, amax, worst scale
+        self.seen: list[tuple[str, str, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # module, role, amax,
+        # worst scale, flushed share
         self._handles: list[Any] = []
 
     def __enter__(self) -> ScaleWatch:
@@ -286,7 +317,10 @@ class ScaleWatch:
             scale = scaling.tensor_to_scale(t, cast.target_dtype, False, None, granularity, axiswise, round_pow2)
             nan, zero, inf = scale.isnan().any(), (scale == 0).any(), scale.isinf().any()
             worst = torch.where(nan, math.nan, torch.where(zero, 0.0, torch.where(inf, math.inf, scale.min())))
-            self.seen.append((name, role, t.abs().float().max(), worst.float()))
+            nonzero = t != 0
+            flushed = (nonzero & ((t.float() * scale).abs() < _flush_below(cast.target_dtype))).sum()
+            share = flushed / nonzero.sum().clamp(min=1)
+            self.seen.append((name, role, t.abs().float().max(), worst.float(), share.float()))
 
     def _forward_casts(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -308,11 +342,16 @@ class ScaleWatch:
     def bad(self) -> list[BadScale]:
         """The casts whose scale was non-finite or zero, in the order they ran (host reads)."""
         out = []
-        for name, role, amax, worst in self.seen:
+        for name, role, amax, worst, _ in self.seen:
             scale = float(worst)
             if not math.isfinite(scale) or scale == 0.0:
                 out.append(BadScale(name, role, float(amax), scale))
         return out
+
+    def stats(self) -> list[CastStats]:
+        """Every cast seen, in the order they ran, with its flushed share (host reads)."""
+        return [CastStats(name, role, float(amax), float(worst), float(share))
+                for name, role, amax, worst, share in self.seen]
 
 
 def find_bad_scales(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
@@ -335,10 +374,38 @@ def find_bad_scales(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor
         >>> model[2].weight.grad is None
         True
     """
+    return _replay(model, loss_fn, inputs, targets, autocast).bad()
+
+
+def cast_stats(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
+               autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+               ) -> list[CastStats]:
+    """Replay one micro-batch as :func:`find_bad_scales` does and return every float8 cast with
+    its amax, scale and the share of its nonzero values flushed to zero: where an outlier
+    silences the rest of a tensor (the ``rowwise`` recipe confines it to its row).
+
+    Example (one outlier of 1e4 among weights of about 0.01)::
+
+        >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        >>> _ = convert_to_fp8(model)
+        >>> with torch.no_grad():
+        ...     _ = model[2].weight.normal_(0, 0.01)
+        ...     model[2].weight[0, 0] = 1e4
+        >>> x, y = torch.rand(8, 16), torch.randint(0, 4, (8,))
+        >>> weight = [s for s in cast_stats(model, nn.functional.cross_entropy, x, y) if s.role == "weight"][0]
+        >>> weight.flushed > 0.9
+        True
+    """
+    return _replay(model, loss_fn, inputs, targets, autocast).stats()
+
+
+def _replay(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
+            autocast: Callable[[], contextlib.AbstractContextManager]) -> ScaleWatch:
+    """Forward, loss and backward of one micro-batch under a :class:`ScaleWatch`, leaving no trace."""
     with untouched(model), ScaleWatch(model) as watch:
         with autocast():
             loss = loss_fn(model(inputs), targets)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.float().backward()
-    return watch.bad()
+    return watch
 

@@ -21,7 +21,7 @@ from ampguard import Guard
 from ampguard.build import build_state, prepare_model
 from ampguard.config import load_config, validate
 from ampguard.errors import ConfigError, InputError
-from ampguard.fp8 import BadScale, convert_to_fp8, find_bad_scales, fp8_layers, plan
+from ampguard.fp8 import BadScale, CastStats, cast_stats, convert_to_fp8, find_bad_scales, fp8_layers, plan
 from ampguard.precision import Precision, SlowPrecisionWarning
 
 pytestmark = pytest.mark.usefixtures("_one_thread")  # tests/conftest.py
@@ -289,3 +289,33 @@ def test_clean_fp8_steps_have_no_bad_scale_and_one_host_read():
         record = one_step(guard, model, x, y)
     assert not record.skipped and reads.count == 1  # the step's skip decision, as for bf16
     assert find_bad_scales(model, F.cross_entropy, x, y, guard.precision.autocast) == []
+
+
+# ---------------------------------------------------------------------------- an outlier flushes the rest
+
+
+def outlier_model(recipe: str) -> nn.Sequential:
+    model = mlp()
+    convert_to_fp8(model, recipe=recipe)
+    with torch.no_grad():
+        model[2].weight.normal_(0, 0.01)
+        model[2].weight[0, 0] = 1e4  # one outlier among weights of about 0.01
+    return model
+
+
+def weight_cast(model: nn.Module) -> CastStats:
+    x, y = batch()
+    return next(s for s in cast_stats(model, F.cross_entropy, x, y, Precision("fp8", "cpu").autocast)
+                if (s.module, s.role) == ("2", "weight"))
+
+
+def test_one_outlier_flushes_a_tensorwise_weight_to_zero_and_rowwise_confines_it():
+    # tensorwise: scale 448 / 1e4, so 0.01 x 0.0448 is below half of e4m3's smallest subnormal
+    # (2**-10): every other weight becomes 0 in float8. rowwise scales each output column apart
+    tensorwise, rowwise = weight_cast(outlier_model("tensorwise")), weight_cast(outlier_model("rowwise"))
+    assert tensorwise.amax == 1e4 and tensorwise.scale == pytest.approx(448 / 1e4)
+    assert tensorwise.flushed > 0.9  # all but the normal's tails beyond 2**-10 / 0.0448 ~ 0.022 (2.2 sigma)
+    assert rowwise.flushed < 2 / 64  # at most the outlier's own column (1 of 64)
+    clean = mlp()
+    convert_to_fp8(clean)
+    assert weight_cast(clean).flushed < 0.01
