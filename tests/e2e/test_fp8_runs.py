@@ -167,3 +167,16 @@ def test_bench_measures_fp8_next_to_bf16(cli):
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| tiny-mlp | fp8")]
     assert {row[3].strip() for row in rows} == {"bare loop", "ampguard + csv"}
     assert re.search(r"^tiny-mlp, bare loop: fp8 is \d+\.\d\dx (faster|slower) than bf16$", out, flags=re.M), out
+
+
+def test_an_fp8_run_resumes_bit_for_bit(cli, tmp_path):
+    common = ["--set", "precision=fp8", "--set", "task.name=digits", "--set", "device=cpu", "--set", "eval.every=0",
+              "--set", "checkpoint.every=3", "--set", "schedule.decay=constant"]  # the same lr whatever steps says
+    assert cli("train", *common, "--set", "steps=6", "--set", "log.name=straight")[0] == 0
+    assert cli("train", *common, "--set", "steps=3", "--set", "log.name=cut")[0] == 0
+    code, out, err = cli("train", "--resume", "runs/cut", "--set", "steps=6")
+    assert code == 0, err
+    _, straight = rows_of(tmp_path / "runs" / "straight" / "steps.csv")
+    _, resumed = rows_of(tmp_path / "runs" / "cut" / "steps.csv")
+    assert [r["step"] for r in resumed] == [str(i) for i in range(1, 7)]
+    assert [(r["loss"], r["grad_l2_pre_clip"]) for r in resumed] == [(r["loss"], r["grad_l2_pre_clip"]) for r in straight]
