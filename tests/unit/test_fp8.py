@@ -179,6 +179,14 @@ def test_build_without_torchao_is_one_input_error_line(monkeypatch):
                               "(or pip install torchao)")
 
 
+def test_fp8_under_torchrun_is_refused_before_anything_is_converted(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets for a world of two processes
+    model = mlp()
+    with pytest.raises(InputError, match=r"^precision: fp8 under torchrun is not supported yet"):
+        prepare_model(load_config(None, ["precision=fp8"]), model)
+    assert fp8_layers(model) == []
+
+
 def test_prepare_model_copies_for_validate_and_leaves_other_precisions_alone():
     model = mlp()
     config = load_config(None, ["precision=bf16"])
