@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -722,28 +722,36 @@ def speedups(results: list[Result]) -> list[str]:
         ['tiny-mlp, bare loop: bf16 is 2.00x faster than fp32']
         >>> speedups([Result("mlp", "fp32", Bare.name, 1.0, 1.0), Result("mlp", "bf16", Bare.name, 1.4, 1.4)])
         ['mlp, bare loop: bf16 is 1.40x slower than fp32']
+        >>> speedups([Result("gpt2", "bf16", Bare.name, 3.0, 3.0), Result("gpt2", "fp8", Bare.name, 2.0, 2.0)])
+        ['gpt2, bare loop: fp8 is 1.50x faster than bf16']
     """
     out = []
     for workload in dict.fromkeys(r.workload for r in results):
         for contender in (Bare.name, Guarded.name):
             rows = {r.precision: r.median_ms for r in results if r.workload == workload and r.contender == contender}
             if "fp32" in rows:
-                for p in ("bf16", "fp16"):
+                for p in ("bf16", "fp16", "fp8"):
                     if p in rows:
                         ratio = rows["fp32"] / rows[p]  # > 1: faster; a slower one says so, never "0.7x faster"
                         how = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
                         out.append(f"{workload}, {contender}: {p} is {how} than fp32")
+            if "bf16" in rows and "fp8" in rows:  # what fp8 is for: its gain over bf16
+                ratio = rows["bf16"] / rows["fp8"]
+                how = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+                out.append(f"{workload}, {contender}: fp8 is {how} than bf16")
     return out
 
 
 def run_bench(
     *, device: torch.device, workloads: list[str], precisions: list[str], steps: int, rounds: int,
     warmup: int, peers: bool = True, fused: bool = False, peak_tflops: float | None = None,
-    resolve: float | None = None, budget_s: float | None = None, aa: bool = False,
+    resolve: float | None = None, budget_s: float | None = None, aa: bool = False, compiled: bool = False,
 ) -> list[Result]:
     """Every workload x precision, measured with the bare loop (and its A/A twin with ``aa``),
     the guarded step (and its sync-free path with ``fused``) and the installed peers. fp16 on a
-    CPU runs only the MLP.
+    CPU runs only the MLP. fp8 converts the model (:func:`fp8_workload`; the peers are left out);
+    ``compiled`` runs every model through ``torch.compile`` (:func:`compiled_workload`), as
+    torchao's float8 needs to be fast.
 
     Example::
 
@@ -765,11 +773,54 @@ def run_bench(
                 # fp16 autocast on a CPU is far too slow for anything but the tiny MLP
                 print(f"{w.name} fp16: not run (on a CPU fp16 runs only the mlp model)", flush=True)
                 continue
-            print(f"{w.name} {p}: {', '.join(c.name for c in contenders)}", flush=True)
-            results += measure(w, Precision(p, device.type), device, contenders, steps=steps, rounds=rounds,
+            ours = [Bare] + ([BareAgain] if aa else []) + [Guarded] + ([GuardedSyncFree] if fused else [])
+            run_w, run_c = (fp8_workload(w), ours) if p == "fp8" else (w, contenders)
+            run_w = compiled_workload(run_w) if compiled else run_w
+            print(f"{w.name} {p}: {', '.join(c.name for c in run_c)}", flush=True)
+            results += measure(run_w, Precision(p, device.type), device, run_c, steps=steps, rounds=rounds,
                                warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None,
                                resolve=resolve, budget_s=budget_s)
     return results
+
+
+def fp8_workload(w: Workload) -> Workload:
+    """The same workload with its model converted to torchao float8 training (the default
+    layers: :func:`ampguard.fp8.convert_to_fp8`); its FLOPs are counted as before, so MFU stays
+    against ``--peak-tflops`` (give the bf16 peak to compare fp8 with bf16 on one scale). The
+    peers (Accelerate, Fabric) have no such setting here: fp8 runs the bare loop and ampguard.
+    On a CPU torchao emulates the float8 matmuls: a correctness smoke test, not a speed figure.
+
+    Example::
+
+        >>> w = fp8_workload(_mlp(torch.device("cpu")))
+        >>> [type(m).__name__ for m in w.make_model()]
+        ['Linear', 'GELU', 'Float8Linear', 'GELU', 'Linear']
+    """
+    from .fp8 import convert_to_fp8
+
+    def make() -> nn.Module:
+        model = w.make_model()
+        convert_to_fp8(model)
+        return model
+
+    return replace(w, make_model=make)
+
+
+def compiled_workload(w: Workload) -> Workload:
+    """The same workload with its model wrapped in ``torch.compile`` (compiled on its first
+    steps, which the warm-up takes). torchao's float8 casts are separate eager kernels without
+    it: fp8 against bf16 is a fair race only when both are compiled.
+
+    Example::
+
+        >>> type(compiled_workload(_mlp(torch.device("cpu"))).make_model()).__name__
+        'OptimizedModule'
+    """
+
+    def make() -> nn.Module:
+        return torch.compile(w.make_model())
+
+    return replace(w, make_model=make)
 
 
 def machine() -> str:
@@ -809,19 +860,21 @@ def to_json(results: list[Result], resolve: float | None = None) -> str:
 
 
 WORKLOADS = ("mlp", "transformer", "gpt2")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str = "fp32,bf16,fp16", steps: int = 30,
         rounds: int = 7, warmup: int = 5, fused: bool = False, peers: bool = True, peak_tflops: float | None = None,
         quick: bool = False, as_json: bool = False, resolve_pct: float = 1.0, budget_s: float = 120.0,
-        threads: int | None = None, aa: bool = True) -> int:
+        threads: int | None = None, aa: bool = True, compiled: bool = False) -> int:
     """``ampguard bench``: measure, then print a table (or JSON), the resolution and the
     speed-ups. Returns 0.
 
     At least ``rounds`` paired rounds per case, then more until every ratio is resolved to
     ``± resolve_pct`` percent (0: exactly ``rounds``) or ``budget_s`` seconds of rounds have
     passed. On a CPU the intra-op threads are pinned (``threads``, default all cores).
+    ``compiled`` runs every model through ``torch.compile`` (from Python, e.g.
+    ``benchmarks/gpu/fp8_vs_bf16.sh``; fp8 is fast only compiled).
 
     Example (``quick``: 2 rounds of 3 steps, a smoke test rather than a measurement)::
 
@@ -878,7 +931,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
               f"{until}", flush=True)
         results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
                             warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
-                            budget_s=budget_s, aa=aa)
+                            budget_s=budget_s, aa=aa, compiled=compiled)
     if not results:
         raise InputError(f"bench: no contender could run {models} in {precisions} on {where} (why: the lines above)")
     print(to_json(results, resolve) if as_json else

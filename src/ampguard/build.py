@@ -9,6 +9,7 @@ whether clipping is on (:func:`~ampguard.clipping.clip_threshold`).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -140,6 +141,7 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
         ampguard.errors.InputError: the model (ReLU) has no parameters: there is nothing to train
     """
     check_trainable(model)
+    model = prepare_model(config, model)
     try:
         optimizer = make_optimizer(config, model)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config))
@@ -165,6 +167,50 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
         )
     except ValueError as err:  # the step's (and the optimizer's) refusal of an impossible setup
         raise InputError(f"cannot build the training step: {_first_line(err, with_type=False)}") from None
+
+
+def prepare_model(config: Config, model: nn.Module, precision: str | None = None, *, copy_model: bool = False
+                  ) -> nn.Module:
+    """The model as ``precision`` (default: the config's) trains it. For every precision but fp8
+    that is ``model`` itself; for fp8 its eligible Linear layers are swapped for torchao's
+    ``Float8Linear`` as the ``fp8`` section says (:func:`ampguard.fp8.convert_to_fp8`), in place, or
+    in a deep copy with ``copy_model`` (``validate`` compares a copy with the FP32 model). Calling it
+    on a converted model changes nothing. fp8 without torchao, with no layer that can convert, or
+    under torchrun is one :class:`InputError` line.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        >>> prepare_model(validate({}), mlp) is mlp
+        True
+        >>> fp8 = prepare_model(validate({"precision": "fp8"}), mlp, copy_model=True)
+        >>> type(fp8[2]).__name__, type(mlp[2]).__name__
+        ('Float8Linear', 'Linear')
+        >>> prepare_model(validate({"precision": "fp8"}), nn.Sequential(nn.Linear(3, 1)))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: precision: fp8: no Linear layer can train in fp8 (0: first layer); set fp8.keep_first_last false, or use bf16
+    """
+    if (precision or config.precision) != "fp8":
+        return model
+    from . import distributed, fp8
+
+    try:
+        fp8.require_torchao()
+    except ImportError as err:
+        raise InputError(f"precision: {err}") from None
+    if distributed.launched_by_torchrun():
+        raise InputError("precision: fp8 under torchrun is not supported yet (the model is converted after DDP/FSDP2 "
+                         "wraps it); train fp8 in one process, or use bf16")
+    if copy_model:
+        model = copy.deepcopy(model)
+    s = config.fp8
+    try:
+        fp8.convert_to_fp8(model, recipe=s.recipe, keep_first_last=s.keep_first_last, exclude=s.exclude)
+    except ValueError as err:
+        raise InputError(f"precision: fp8: {err}") from None
+    return model
 
 
 def check_trainable(model: nn.Module, who: str = "") -> None:

@@ -421,7 +421,7 @@ class CheckpointConfig(_Section):
     """How many recent checkpoints to keep (>= 1)."""
 
 
-VALIDATION_PRECISIONS: tuple[str, ...] = ("fp16", "bf16")
+VALIDATION_PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp8")
 """The AMP precisions ``validation.precisions`` may name (one line per precision)."""
 
 
@@ -456,7 +456,8 @@ class ValidateConfig(_Section):
     """
 
     precisions: list[Literal[VALIDATION_PRECISIONS]] = ["fp16", "bf16"]  # type: ignore[valid-type]
-    """AMP precisions to compare with the FP32 reference (at least one, each once)."""
+    """AMP precisions to compare with the FP32 reference (at least one, each once); ``fp8``
+    compares a copy of the model converted as the ``fp8`` section says (needs torchao)."""
     checkpoint: str | None = None
     """Model weights from an ampguard checkpoint (default: the task's freshly initialised model)."""
     typical: Count0 = 32
@@ -504,6 +505,30 @@ class ValidateConfig(_Section):
         if twice:
             raise ValueError(f"{', '.join(twice)} listed more than once")
         return value
+
+
+class Fp8Config(_Section):
+    """``fp8``: torchao float8 training, used when ``precision: fp8`` (needs the ``fp8`` extra).
+
+    Example::
+
+        >>> Fp8Config().recipe, Fp8Config().keep_first_last, Fp8Config().exclude
+        ('tensorwise', True, [])
+        >>> validate({"fp8": {"recipe": "blockwise"}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: fp8.recipe: Input should be 'tensorwise' or 'rowwise' (got 'blockwise')
+    """
+
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """torchao's scaling recipe: ``tensorwise`` (one dynamic scale per tensor, the fastest) or
+    ``rowwise`` (one per row, scales rounded down to powers of two: one outlier costs only its row)."""
+    keep_first_last: bool = True
+    """Keep the model's first and last ``nn.Linear`` (input layer, output head) in bf16: they are
+    the most sensitive to float8 rounding. Linear layers whose dimensions are not multiples of 16
+    always stay in bf16 (``torch._scaled_mm`` needs them)."""
+    exclude: list[str] = []
+    """Module names (``fnmatch`` patterns, e.g. ``"blocks.*.attn.*"``) that stay in bf16."""
 
 
 class DistributedConfig(_Section):
@@ -631,8 +656,9 @@ class Config(_Section):
         ampguard.errors.ConfigError: config: scaler.min_scale: the floor (1) must be <= scaler.init_scale (0.5)
     """
 
-    precision: Literal["fp16", "bf16", "fp32"] = "bf16"
-    """Compute precision under autocast; fp16 adds a dynamic loss scaler."""
+    precision: Literal["fp16", "bf16", "fp32", "fp8"] = "bf16"
+    """Compute precision under autocast; fp16 adds a dynamic loss scaler; fp8 is bf16 autocast
+    with torchao float8 training for the Linear layers the ``fp8`` section selects."""
     max_norm: Amount | None = 1.0
     """Global L2 gradient clip threshold; 0 or null disables clipping."""
     accumulation_steps: Count = 1
@@ -666,6 +692,8 @@ class Config(_Section):
     """Automatic diagnosis of non-finite values."""
     distributed: DistributedConfig = DistributedConfig()
     """Multi-process training when launched by torchrun."""
+    fp8: Fp8Config = Fp8Config()
+    """Float8 training (``precision: fp8``): recipe and which Linear layers convert."""
     rollback: RollbackConfig = RollbackConfig()
     """Rolling back to the last good checkpoint on a loss spike or a tripped guard."""
     task: TaskConfig = TaskConfig()

@@ -1,7 +1,9 @@
-"""The one place that knows fp16, bf16 and fp32.
+"""The one place that knows fp16, bf16, fp32 and fp8.
 
-Everything that differs between the three precisions lives here: the autocast context, the
-compute dtype, and whether gradients go through a loss scaler. The training step asks this
+Everything that differs between the precisions lives here: the autocast context, the
+compute dtype, and whether gradients go through a loss scaler. fp8 is bf16 autocast plus
+torchao's ``Float8Linear`` layers (the model is converted once, :mod:`ampguard.fp8`), no loss
+scaler. The training step asks this
 object and never branches on the precision itself (the pattern of Lightning's MixedPrecision
 plugin). Impossible combinations, such as bf16 with a loss scaler, are rejected up front.
 """
@@ -16,15 +18,16 @@ from typing import Any, Literal
 
 import torch
 
-PrecisionName = Literal["fp16", "bf16", "fp32"]
-PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32")
-"""The precision names :class:`Precision` accepts."""
+PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
+PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
+"""The precision names :class:`Precision` accepts (fp8 with the optional ``torchao`` extra)."""
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# fp8: torchao's Float8Linear layers matmul in float8; everything else runs under bf16 autocast
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
 
 class SlowPrecisionWarning(UserWarning):
-    """A precision this device only emulates (fp16 on a CPU): correct, but slow."""
+    """A precision this device only emulates (fp16 or fp8 on a CPU): correct, but slow."""
 
 
 DEFAULT_MIN_SCALE: float = torch.finfo(torch.float32).tiny
@@ -266,23 +269,25 @@ class Precision:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype autocast computes eligible ops in (float32 for fp32: no autocast).
+        """The dtype autocast computes eligible ops in (float32 for fp32: no autocast; bfloat16
+        for fp8, whose Float8Linear layers cast their own operands to float8).
 
         Example::
 
             >>> [Precision(n, "cpu").dtype for n in PRECISIONS]
-            [torch.float16, torch.bfloat16, torch.float32]
+            [torch.float16, torch.bfloat16, torch.float32, torch.bfloat16]
         """
         return _DTYPES[self.name]
 
     @property
     def uses_scaler(self) -> bool:
-        """Only fp16 needs loss scaling: its 5-bit exponent underflows small gradients.
+        """Only fp16 needs loss scaling: its 5-bit exponent underflows small gradients. fp8's
+        casts scale each tensor dynamically themselves (torchao), so it runs without one.
 
         Example::
 
             >>> [Precision(n, "cpu").uses_scaler for n in PRECISIONS]
-            [True, False, False]
+            [True, False, False, False]
         """
         return self.name == "fp16"
 
@@ -302,8 +307,10 @@ class Precision:
     def check(self, model: torch.nn.Module, device: torch.device) -> None:
         """Refuse what this precision cannot train, up front (``ValueError``, one line each): weights
         already cast to fp16/bf16 under autocast (mixed precision keeps FP32 master weights), bf16
-        on a CUDA device without bf16; warn that fp16 on a CPU is emulated (about 10x slower than
-        bf16 there).
+        on a CUDA device without bf16, fp8 without torchao, on a model with no ``Float8Linear``
+        layer (:func:`ampguard.fp8.convert_to_fp8` first) or on a GPU older than compute
+        capability 8.9; warn that fp16 on a CPU is emulated (about 10x slower than bf16 there),
+        and fp8 too (torchao emulates its float8 matmuls: for correctness, not speed).
 
         Example::
 
@@ -326,6 +333,16 @@ class Precision:
         if self.name == "fp16" and device.type == "cpu":
             warnings.warn("fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 "
                           "on CPUs", SlowPrecisionWarning, stacklevel=3)
+        if self.name == "fp8":
+            from .fp8 import check_model
+
+            try:
+                check_model(model, device)
+            except ImportError as err:
+                raise ValueError(f"precision {err}") from None
+            if device.type == "cpu":
+                warnings.warn("fp8 on a CPU is emulated by torchao: right for correctness checks, no speed-up",
+                              SlowPrecisionWarning, stacklevel=3)
 
     def make_scaler(
         self,

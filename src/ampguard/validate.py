@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .build import resolve_device, to_device
+from .build import prepare_model, resolve_device, to_device
 from .config import Config
 from .errors import ExitCode, InputError
 from .precision import Precision
@@ -540,7 +540,9 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
              and _finite_count(ref_eval) == len(x_eval)),
         Rule("reference quality", text, "", ok),
     ]
-    results = [_compare_precision(name, task, model, cfg, device, probes, ref, ref_eval, ref_quality, text)
+    # fp8 compares a converted copy of the model; every other precision the model itself
+    results = [_compare_precision(name, task, prepare_model(config, model, name, copy_model=True), cfg, device,
+                                  probes, ref, ref_eval, ref_quality, text)
                for name in cfg.precisions]
     environment = describe_environment(config, device, ref.dtypes, results)
     environment["probe_set_sha256"] = probes.sha256()
@@ -751,7 +753,8 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
         scales = Precision(name, device.type).uses_scaler  # a scaler setting applies where one is used
         scaler = config.scaler.model_copy(update={"enabled": config.scaler.enabled if scales else None})
         run_config = config.model_copy(update={"precision": name, "steps": steps, "scaler": scaler})
-        state: AmpTrainState = build_state(run_config, task.model, task.loss_fn, device)
+        model = prepare_model(run_config, task.model, copy_model=True)  # fp8: a converted copy; else task.model
+        state: AmpTrainState = build_state(run_config, model, task.loss_fn, device)
         losses, norms, updates = [], [], 0
         stream = itertools.islice(task.batches(), steps * config.accumulation_steps)
         for inputs, targets in stream:

@@ -26,9 +26,9 @@ def test_bench_json_and_bad_arguments(capsys):
     assert {r["contender"] for r in data["results"]} == {"bare loop", "ampguard + csv"}
     assert all(r["median_ms"] > 0 and len(r["rounds"]) == 2 for r in data["results"])
     assert main(["bench", "--models", "resnet"]) == 2
-    assert main(["bench", "--precisions", "fp8"]) == 2
+    assert main(["bench", "--precisions", "fp4"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 2 and "resnet" in err and "fp8" in err
+    assert err.count("\n") == 2 and "resnet" in err and "fp4" in err
 
 
 def test_bench_refuses_a_negative_resolution_or_budget(capsys):

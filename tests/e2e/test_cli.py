@@ -231,7 +231,7 @@ BAD_INPUTS = [
     ("backoff > 1", ("c.yaml", "scaler:\n  backoff_factor: 2\n"), ["train", "c.yaml"], "scaler.backoff_factor"),
     ("growth 1", ("c.yaml", "scaler:\n  growth_factor: 1.0\n"), ["train", "c.yaml"], "scaler.growth_factor"),
     ("growth < 1", ("c.yaml", "scaler:\n  growth_factor: 0.5\n"), ["train", "c.yaml"], "scaler.growth_factor"),
-    ("unknown precision", ("c.yaml", "precision: fp8\n"), ["train", "c.yaml"], "precision"),
+    ("unknown precision", ("c.yaml", "precision: fp4\n"), ["train", "c.yaml"], "precision"),
     ("bf16 with scaler", ("c.yaml", "precision: bf16\nscaler:\n  enabled: true\n"), ["train", "c.yaml"],
      "scaler.enabled"),
     ("alert_rate > 1", ("c.yaml", "monitor:\n  alert_rate: 2\n"), ["train", "c.yaml"], "monitor.alert_rate"),

@@ -143,7 +143,7 @@ def test_missing_file_is_a_config_error(tmp_path):
         ({"monitor": {"min_steps": -1}}, "monitor.min_steps"),
         ({"monitor": {"min_steps": 2.5}}, "monitor.min_steps"),
         ({"monitor": {"min_steps": True}}, "monitor.min_steps"),
-        ({"precision": "fp8"}, "precision"),
+        ({"precision": "fp4"}, "precision"),
         ({"precision": "bf16", "scaler": {"enabled": True}}, "scaler.enabled"),
         ({"precision": "fp32", "scaler": {"enabled": True}}, "scaler.enabled"),
         ({"monitor": {"alert_rate": 1.5}}, "monitor.alert_rate"),

@@ -251,10 +251,11 @@ def test_precision_dtypes_scaler_and_autocast():
         p = Precision(name, "cpu")
         with p.autocast():
             got[name] = (lin(x).dtype, p.dtype, p.uses_scaler)
+    # fp8: bf16 autocast around torchao's Float8Linear layers (a plain Linear stays bf16), no scaler
     assert got == {"fp16": (torch.float16, torch.float16, True), "bf16": (torch.bfloat16, torch.bfloat16, False),
-                   "fp32": (torch.float32, torch.float32, False)}
+                   "fp32": (torch.float32, torch.float32, False), "fp8": (torch.bfloat16, torch.bfloat16, False)}
 
 
 def test_precision_refuses_an_unknown_name():
-    with pytest.raises(ValueError, match="fp8"):
-        Precision("fp8", "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fp4"):
+        Precision("fp4", "cpu")  # type: ignore[arg-type]

@@ -1,0 +1,411 @@
+"""FP8 training through torchao's ``Float8Linear``: which layers convert, the conversion, and
+naming a broken scale.
+
+``precision: fp8`` is bf16 autocast for the whole model plus torchao's float8 training for the
+``nn.Linear`` layers that can take it: each of their three matmuls (output, grad input, grad
+weight) casts its operands to float8 with a *dynamic* scale, ``float8_max / amax`` of the tensor
+(``tensorwise``, the default recipe) or of each row (``rowwise``). The optimizer still updates
+FP32 master weights, no loss scaler is used, and the guarded step is the same as for bf16.
+
+Which layers convert (:func:`plan`): every ``nn.Linear`` whose ``in_features`` and
+``out_features`` are multiples of 16 (what ``torch._scaled_mm`` takes), except the first and
+the last one (``keep_first_last``: the input embedding-like layer and the output head are the
+most sensitive to rounding, as torchtitan keeps its ``output`` layer) and the module names
+matching an ``exclude`` pattern (``fnmatch``). The conversion swaps modules in place and keeps
+the parameter objects, so an optimizer built before it still holds the right tensors.
+
+A bad scale: a scale is ``float8_max / clamp(amax, 1e-12)`` in torchao's float8 training, so
+it is NaN when the tensor holds a NaN and 0 when it holds an inf, and either makes the matmul's
+output non-finite; the guarded step then skips the step (``non_finite_loss`` for a forward cast,
+``non_finite_grad`` for a backward one) with the parameters untouched. A scale function without
+that floor (torchao#3356's path) turns an all-zero tensor into an inf scale and 0 x inf = NaN.
+:func:`find_bad_scales` replays a micro-batch and names the layer, the operand and the amax
+behind every non-finite or zero scale, telling a broken scale (finite tensor) from a non-finite
+tensor. It is a diagnostic (hooks, host reads): never part of the step.
+
+torchao is an optional extra (``pip install 'ampguard[fp8]'``), imported only here and only
+when fp8 is asked for. On a CPU torchao emulates the float8 matmuls: right for correctness
+checks, no speed-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import untouched
+
+RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
+"""The torchao float8 recipes ``fp8.recipe`` takes: per-tensor or per-row dynamic scaling."""
+DIM_MULTIPLE = 16
+"""Both dimensions of a Linear must be multiples of this for ``torch._scaled_mm``."""
+CONVERT = "fp8"
+""":func:`plan`'s word for a layer that converts."""
+
+
+def require_torchao() -> ModuleType:
+    """``torchao.float8``, or an ``ImportError`` with one line saying how to get it.
+
+    torchao's CUDA extensions cannot load on a machine without CUDA and it logs a warning for
+    each; there (and only there) those lines are held back while importing.
+
+    Example::
+
+        >>> require_torchao().__name__
+        'torchao.float8'
+    """
+    # torchao's warnings on import: its CUDA extensions (on a machine without CUDA), and torch's
+    # note on an Enum torchao registers with pytree
+    logs = [logging.getLogger("torch.utils._pytree")]
+    if not torch.cuda.is_available():
+        logs.append(logging.getLogger("torchao"))
+    levels = [log.level for log in logs]
+    try:
+        for log in logs:
+            log.setLevel(logging.ERROR)
+        from torchao import float8
+    except ImportError:
+        raise ImportError("fp8 needs torchao, which is not installed: pip install 'ampguard[fp8]' "
+                          "(or pip install torchao)") from None
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+    return float8
+
+
+def _float8_linear() -> type | None:
+    """torchao's ``Float8Linear`` class when torchao is loaded (no model holds one otherwise)."""
+    module = sys.modules.get("torchao.float8.float8_linear")
+    return getattr(module, "Float8Linear", None) if module is not None else None
+
+
+def fp8_layers(model: nn.Module) -> list[str]:
+    """The names of the model's ``Float8Linear`` layers (none when torchao was never imported).
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 16))
+        >>> fp8_layers(model), convert_to_fp8(model), fp8_layers(model)
+        ([], ['2'], ['2'])
+    """
+    cls = _float8_linear()
+    return [] if cls is None else [name for name, m in model.named_modules() if isinstance(m, cls)]
+
+
+def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[str] = ()) -> dict[str, str]:
+    """Every ``nn.Linear`` of the model (by name, in module order) and what happens to it:
+    :data:`CONVERT` or why it stays in high precision.
+
+    Example (digits' MLP: 64-64-64-10)::
+
+        >>> mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        >>> plan(mlp)
+        {'0': 'first layer', '2': 'fp8', '4': 'last layer'}
+        >>> plan(mlp, keep_first_last=False, exclude=["2"])
+        {'0': 'fp8', '2': 'excluded (2)', '4': 'out_features 10 is not a multiple of 16'}
+    """
+    cls = _float8_linear()
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    out: dict[str, str] = {}
+    for i, (name, m) in enumerate(linears):
+        pattern = next((p for p in exclude if fnmatch.fnmatchcase(name, p)), None)
+        if cls is not None and isinstance(m, cls):
+            out[name] = f"{CONVERT} (already)"
+        elif name == "":
+            out[name] = "a bare Linear, not a model that holds one"
+        elif keep_first_last and i == 0:
+            out[name] = "first layer"
+        elif keep_first_last and i == len(linears) - 1:
+            out[name] = "last layer"
+        elif pattern is not None:
+            out[name] = f"excluded ({pattern})"
+        elif m.in_features % DIM_MULTIPLE:
+            out[name] = f"in_features {m.in_features} is not a multiple of {DIM_MULTIPLE}"
+        elif m.out_features % DIM_MULTIPLE:
+            out[name] = f"out_features {m.out_features} is not a multiple of {DIM_MULTIPLE}"
+        else:
+            out[name] = CONVERT
+    return out
+
+
+def float8_config(recipe: str = "tensorwise") -> Any:
+    """torchao's ``Float8LinearConfig`` for a recipe name in :data:`RECIPES`.
+
+    Example::
+
+        >>> float8_config("rowwise").round_scales_to_power_of_2
+        True
+        >>> float8_config("blockwise")
+        Traceback (most recent call last):
+        ...
+        ValueError: fp8 recipe must be one of tensorwise, rowwise, got 'blockwise'
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    return require_torchao().Float8LinearConfig.from_recipe_name(recipe)
+
+
+def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_last: bool = True,
+                   exclude: Sequence[str] = ()) -> list[str]:
+    """Swap the model's eligible ``nn.Linear`` layers (:func:`plan`) for torchao's ``Float8Linear``,
+    in place; return their names. The parameters stay the same objects, so the optimizer may be
+    built before or after. Layers already converted are left as they are (calling it twice
+    converts nothing more). A model left with no float8 layer at all is refused (``ValueError``
+    naming why each Linear stayed): it would train in plain bf16 under the name fp8.
+
+    Then train it with ``precision="fp8"``::
+
+        >>> from ampguard import Guard
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        >>> convert_to_fp8(model)
+        ['2']
+        >>> guard = Guard(model, torch.optim.AdamW(model.parameters()), precision="fp8")
+        >>> with guard.autocast():
+        ...     loss = nn.functional.cross_entropy(model(torch.rand(32, 64)), torch.randint(0, 10, (32,)))
+        >>> guard.backward(loss)
+        >>> guard.step().skipped, type(model[2]).__name__
+        (False, 'Float8Linear')
+        >>> convert_to_fp8(nn.Sequential(nn.Linear(64, 10)))
+        Traceback (most recent call last):
+        ...
+        ValueError: no Linear layer can train in fp8 (0: first layer); set fp8.keep_first_last false, or use bf16
+    """
+    config = float8_config(recipe)
+    chosen = [name for name, what in plan(model, keep_first_last=keep_first_last, exclude=exclude).items()
+              if what == CONVERT]
+    if not chosen and not fp8_layers(model):
+        why = "; ".join(f"{name or 'the model'}: {what}" for name, what in
+                        plan(model, keep_first_last=keep_first_last, exclude=exclude).items()) or "it has none"
+        raise ValueError(f"no Linear layer can train in fp8 ({why}); set fp8.keep_first_last false, or use bf16")
+    if chosen:
+        names = set(chosen)
+        require_torchao().convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in names,
+                                                     config=config)
+    return chosen
+
+
+def check_model(model: nn.Module, device: torch.device) -> None:
+    """Refuse (``ValueError``, one line) what fp8 cannot train: a model without ``Float8Linear``
+    layers (not converted), or a CUDA device older than compute capability 8.9 (no float8 matmul).
+
+    Example::
+
+        >>> check_model(nn.Linear(16, 16), torch.device("cpu"))
+        Traceback (most recent call last):
+        ...
+        ValueError: precision fp8 trains torchao Float8Linear layers and the model has none: convert it first with ampguard.fp8.convert_to_fp8(model)
+    """
+    require_torchao()
+    if not fp8_layers(model):
+        raise ValueError("precision fp8 trains torchao Float8Linear layers and the model has none: convert it first "
+                         "with ampguard.fp8.convert_to_fp8(model)")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"fp8 needs a GPU of compute capability 8.9 or newer (H100, L4, RTX 4090...); "
+                         f"{torch.cuda.get_device_name(device)} has none: use bf16")
+
+
+# ---------------------------------------------------------------------------- naming a bad scale
+
+
+@dataclass(frozen=True)
+class BadScale:
+    """One float8 cast whose dynamic scale was non-finite or zero.
+
+    ``role`` is the operand: ``input``, ``weight`` or ``grad_output``; ``amax`` the largest
+    magnitude of the tensor (nan when it held a NaN); ``scale`` the worst scale (nan, 0 or inf).
+
+    Example::
+
+        >>> print(BadScale("blocks.0.fc", "weight", amax=0.0, scale=math.inf))
+        blocks.0.fc weight: amax 0 -> fp8 scale inf (the scale itself is broken: the tensor is finite)
+        >>> print(BadScale("fc", "input", amax=math.nan, scale=math.nan))
+        fc input: amax nan -> fp8 scale nan (the tensor itself is not finite)
+    """
+
+    module: str
+    role: str
+    amax: float
+    scale: float
+
+    @property
+    def broken_scale(self) -> bool:
+        """The tensor was finite: the scale computation failed (a zero amax without a floor)."""
+        return math.isfinite(self.amax)
+
+    def __str__(self) -> str:
+        why = ("the scale itself is broken: the tensor is finite" if self.broken_scale
+               else "the tensor itself is not finite")
+        return f"{self.module} {self.role}: amax {self.amax:g} -> fp8 scale {self.scale:g} ({why})"
+
+
+@dataclass(frozen=True)
+class CastStats:
+    """One float8 cast: the largest magnitude, the worst scale, and the share of the tensor's
+    nonzero values that the cast flushes to zero (below half float8's smallest subnormal after
+    scaling): one outlier in a tensorwise-scaled tensor shrinks the scale until the rest vanish.
+
+    Example::
+
+        >>> print(CastStats("fc", "weight", amax=1e4, scale=0.0448, flushed=0.97))
+        fc weight: amax 1e+04, fp8 scale 0.0448, 97.0% of its nonzero values flush to 0
+    """
+
+    module: str
+    role: str
+    amax: float
+    scale: float
+    flushed: float
+
+    def __str__(self) -> str:
+        return (f"{self.module} {self.role}: amax {self.amax:.3g}, fp8 scale {self.scale:.3g}, "
+                f"{self.flushed:.1%} of its nonzero values flush to 0")
+
+
+def _flush_below(dtype: torch.dtype) -> float:
+    """Half the smallest subnormal of a float8 dtype: a scaled magnitude below it rounds to 0."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps / 2
+
+
+class ScaleWatch:
+    """While open, every float8 cast of the model's ``Float8Linear`` layers (input and weight in
+    the forward, ``grad_output`` in the backward) is recomputed with torchao's own scale function
+    (``tensor_to_scale``, with each layer's cast settings) and kept as device tensors;
+    :meth:`bad` reads them (host syncs) and lists the non-finite or zero ones, forward casts
+    first, in the order they ran; :meth:`stats` gives every cast with its flushed share.
+
+    A diagnostic: it repeats each amax reduction. Open it around one micro-batch (it keeps every
+    cast it sees); :func:`find_bad_scales` does that for you.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.seen: list[tuple[str, str, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # module, role, amax,
+        # worst scale, flushed share
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ScaleWatch:
+        cls = _float8_linear()
+        for name, module in self.model.named_modules():
+            if cls is not None and isinstance(module, cls):
+                self._handles.append(module.register_forward_pre_hook(self._forward_casts(name)))
+                self._handles.append(module.register_forward_hook(self._backward_cast(name)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _record(self, name: str, role: str, tensor: torch.Tensor, cast: Any, dim: int, round_pow2: bool) -> None:
+        from torchao.float8 import float8_scaling_utils as scaling
+
+        granularity = cast.scaling_granularity
+        axiswise = dim if granularity.name == "AXISWISE" else None
+        with torch.no_grad():
+            t = tensor.detach().reshape(-1, tensor.shape[-1])
+            scale = scaling.tensor_to_scale(t, cast.target_dtype, False, None, granularity, axiswise, round_pow2)
+            nan, zero, inf = scale.isnan().any(), (scale == 0).any(), scale.isinf().any()
+            worst = torch.where(nan, math.nan, torch.where(zero, 0.0, torch.where(inf, math.inf, scale.min())))
+            nonzero = t != 0
+            flushed = (nonzero & ((t.float() * scale).abs() < _flush_below(cast.target_dtype))).sum()
+            share = flushed / nonzero.sum().clamp(min=1)
+            self.seen.append((name, role, t.abs().float().max(), worst.float(), share.float()))
+
+    def _forward_casts(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            c = module.config
+            if c.cast_config_input.scaling_type.name != "DISABLED":
+                self._record(name, "input", args[0], c.cast_config_input, -1, c.round_scales_to_power_of_2)
+            if c.cast_config_weight.scaling_type.name != "DISABLED":
+                self._record(name, "weight", module.weight.t(), c.cast_config_weight, 0, c.round_scales_to_power_of_2)
+        return hook
+
+    def _backward_cast(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            c = module.config
+            if output.requires_grad and c.cast_config_grad_output.scaling_type.name != "DISABLED":
+                output.register_hook(lambda grad: self._record(name, "grad_output", grad, c.cast_config_grad_output,
+                                                               -1, c.round_scales_to_power_of_2))
+        return hook
+
+    def bad(self) -> list[BadScale]:
+        """The casts whose scale was non-finite or zero, in the order they ran (host reads)."""
+        out = []
+        for name, role, amax, worst, _ in self.seen:
+            scale = float(worst)
+            if not math.isfinite(scale) or scale == 0.0:
+                out.append(BadScale(name, role, float(amax), scale))
+        return out
+
+    def stats(self) -> list[CastStats]:
+        """Every cast seen, in the order they ran, with its flushed share (host reads)."""
+        return [CastStats(name, role, float(amax), float(worst), float(share))
+                for name, role, amax, worst, share in self.seen]
+
+
+def find_bad_scales(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
+                    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                    ) -> list[BadScale]:
+    """Replay one micro-batch (forward, loss, backward) under ``autocast`` (the run's:
+    ``Precision("fp8", ...).autocast``) and name every float8 cast whose scale was non-finite or
+    zero (:class:`ScaleWatch`). Leaves no trace: gradients, buffers, mode and RNG are restored.
+    The first entry is where it began; backward casts downstream of a NaN follow it.
+
+    Example (a weight that holds a NaN: its scale is NaN, the step would skip)::
+
+        >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        >>> _ = convert_to_fp8(model)
+        >>> with torch.no_grad():
+        ...     model[2].weight[0, 0] = float("nan")
+        >>> x, y = torch.rand(8, 16), torch.randint(0, 4, (8,))
+        >>> print(find_bad_scales(model, nn.functional.cross_entropy, x, y)[0])
+        2 weight: amax nan -> fp8 scale nan (the tensor itself is not finite)
+        >>> model[2].weight.grad is None
+        True
+    """
+    return _replay(model, loss_fn, inputs, targets, autocast).bad()
+
+
+def cast_stats(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
+               autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+               ) -> list[CastStats]:
+    """Replay one micro-batch as :func:`find_bad_scales` does and return every float8 cast with
+    its amax, scale and the share of its nonzero values flushed to zero: where an outlier
+    silences the rest of a tensor (the ``rowwise`` recipe confines it to its row).
+
+    Example (one outlier of 1e4 among weights of about 0.01)::
+
+        >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        >>> _ = convert_to_fp8(model)
+        >>> with torch.no_grad():
+        ...     _ = model[2].weight.normal_(0, 0.01)
+        ...     model[2].weight[0, 0] = 1e4
+        >>> x, y = torch.rand(8, 16), torch.randint(0, 4, (8,))
+        >>> weight = [s for s in cast_stats(model, nn.functional.cross_entropy, x, y) if s.role == "weight"][0]
+        >>> weight.flushed > 0.9
+        True
+    """
+    return _replay(model, loss_fn, inputs, targets, autocast).stats()
+
+
+def _replay(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
+            autocast: Callable[[], contextlib.AbstractContextManager]) -> ScaleWatch:
+    """Forward, loss and backward of one micro-batch under a :class:`ScaleWatch`, leaving no trace."""
+    with untouched(model), ScaleWatch(model) as watch:
+        with autocast():
+            loss = loss_fn(model(inputs), targets)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.float().backward()
+    return watch
+
