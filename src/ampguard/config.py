@@ -452,7 +452,7 @@ class ValidateConfig(_Section):
         >>> validate({"validation": {"precisions": []}})
         Traceback (most recent call last):
         ...
-        ampguard.errors.ConfigError: config: validation.precisions: name at least one AMP precision to compare (fp16, bf16)
+        ampguard.errors.ConfigError: config: validation.precisions: name at least one AMP precision to compare (fp16, bf16, fp8)
     """
 
     precisions: list[Literal[VALIDATION_PRECISIONS]] = ["fp16", "bf16"]  # type: ignore[valid-type]
