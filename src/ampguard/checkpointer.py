@@ -80,7 +80,7 @@ ROLLBACK_PARTS = (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG)
 """A rollback returns the training state; the data position and the rollback log go on."""
 
 RESUME_FIXED = ("precision", "accumulation_steps", "seed", "task", "optimizer.name",
-                "scaler.enabled", "optimizer.fused", "monitor.window", "rollback.window")
+                "scaler.enabled", "optimizer.fused", "monitor.window", "rollback.window", "fp8")
 """Config keys a resumed run must keep: changing any would make it differ from the uninterrupted run.
 ``scaler.enabled`` is compared as it takes effect (null is on for fp16); the two rolling windows'
 contents are in the checkpoint, so their sizes cannot change (docs/resume.md has the table)."""
@@ -916,19 +916,23 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
 
 
 def _effective(config: dict[str, Any]) -> dict[str, Any]:
-    """A config as plain data with ``scaler.enabled`` as it takes effect (null: on for fp16 only).
+    """A config as plain data with ``scaler.enabled`` as it takes effect (null: on for fp16 only)
+    and the ``fp8`` section only where it takes effect (precision fp8; a checkpoint from before
+    the section existed has none).
 
     Example::
 
         >>> _effective({"precision": "fp16", "scaler": {"enabled": None}})["scaler"]["enabled"]
         True
-        >>> _effective({"precision": "bf16"})["scaler"]["enabled"]
-        False
+        >>> eff = _effective({"precision": "bf16", "fp8": {"recipe": "rowwise"}})
+        >>> eff["scaler"]["enabled"], "fp8" in eff, "fp8" in _effective({"precision": "fp8", "fp8": {}})
+        (False, False, True)
     """
     scaler = dict(config.get("scaler") or {})
     if scaler.get("enabled") is None:
         scaler["enabled"] = config.get("precision", "bf16") == "fp16"
-    return {**config, "scaler": scaler}
+    fp8 = {"fp8": config["fp8"]} if config.get("precision") == "fp8" and "fp8" in config else {}
+    return {**{k: v for k, v in config.items() if k != "fp8"}, "scaler": scaler, **fp8}
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -190,7 +190,7 @@ def test_validate_no_precisions_is_refused(cli, tmp_path, unchanged):
     check = unchanged()
     line = refused(cli("validate", *LINEAR, "--set", "validation.precisions=[]", "--out", "r"))
     assert line == ("ampguard: error: config: validation.precisions: name at least one AMP precision to compare "
-                    "(fp16, bf16)")
+                    "(fp16, bf16, fp8)")
     line = refused(cli("validate", *LINEAR, "--set", "validation.precisions=[bf16,bf16]", "--out", "r"))
     assert line == "ampguard: error: config: validation.precisions: bf16 listed more than once"
     check()

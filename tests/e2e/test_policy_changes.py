@@ -119,7 +119,7 @@ def test_a_rollback_to_a_checkpoint_older_than_the_change_keeps_the_new_setting(
 def test_docs_resume_table_decides_every_setting():
     text = (ROOT / "docs" / "resume.md").read_text(encoding="utf-8")
     table = text[text.index("## Changing settings on resume"):]
-    named = set(re.findall(r"`([a-z_.*]+)`", table))
+    named = set(re.findall(r"`([a-z0-9_.*]+)`", table))
     for key in RESUME_FIXED:
         assert key in named, key
     for section in POLICY_UNRECORDED:

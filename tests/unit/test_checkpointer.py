@@ -477,8 +477,24 @@ def test_check_resume_refuses_turning_the_loss_scaler_off_or_on_as_it_takes_effe
     ck.check_resume(resume, validate({**fp16, "scaler": {"enabled": True}}), world_size=1)  # null and true: both on
 
 
+def test_the_fp8_recipe_is_fixed_on_resume_only_where_it_takes_effect():
+    fp8 = {"precision": "fp8", "fp8": {"recipe": "tensorwise"}}
+    saved = Resume(Loaded(Path("run/checkpoints/step-00000008.pt"),
+                          _meta(8, validate({**BASE, **fp8}).model_dump(mode="json"), 1)), Path("run"))
+    with pytest.raises(InputError) as err:
+        ck.check_resume(saved, _with(precision="fp8", fp8={"recipe": "rowwise"}), world_size=1)
+    assert one_line(err) == ("--resume: fp8.recipe was 'tensorwise' in the checkpoint, now 'rowwise'; "
+                             "a resumed run must keep it")
+    # under bf16 the section changes nothing: no refusal, and a checkpoint without it resumes
+    ck.check_resume(_resume(), _with(fp8={"recipe": "rowwise"}), world_size=1)
+    old = validate(BASE).model_dump(mode="json")
+    del old["fp8"]
+    ck.check_resume(Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), _meta(8, old, 1)), Path("run")),
+                    _with(), world_size=1)
+
+
 def test_every_fixed_key_has_a_refusal_test():
-    fields = [field for _, field, _, _ in FIXED_CHANGES] + ["scaler.enabled"]  # the test just above
+    fields = [field for _, field, _, _ in FIXED_CHANGES] + ["scaler.enabled", "fp8.recipe"]  # the tests above
     for key in RESUME_FIXED:
         assert any(f == key or f.startswith(f"{key}.") for f in fields), key
 
