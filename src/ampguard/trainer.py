@@ -9,6 +9,7 @@ describes how the loop sequences them. The verbs that use it are in :mod:`train`
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +19,8 @@ import torch
 
 from . import checkpointer as ck
 from . import distributed
-from .build import (build_monitor, build_sinks, build_spike_detector, build_state, check_forward, check_trainable,
-                    precision_of, resolve_device)
+from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
+                    check_trainable, precision_of, resolve_device)
 from .config import Config
 from .data import DataStream
 from .errors import ExitCode, InputError
@@ -27,6 +28,7 @@ from .evaluation import Evaluator
 from .events import EventLog, event_word, progress_bar
 from .faults import FaultInjector, check_ranks, parse_fault
 from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop
+from .headroom import Headroom, SkipGradNorms
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
@@ -71,6 +73,10 @@ class Trainer:
     guards: Guards
     diagnosis: FirstSkipDiagnosis | None
     evaluator: Evaluator
+    headroom: Headroom | None
+    """Per-layer headroom every ``monitor.headroom.every`` steps (``headroom.csv``, ALERTs), or None."""
+    grad_norms: SkipGradNorms
+    """Each parameter's gradient norm at a skipped step, to the event log."""
     # what it keeps
     checkpointer: ck.CheckpointManager
     rollbacks: Rollbacks
@@ -123,6 +129,10 @@ class Trainer:
         if self.spikes is not None:
             self.state.monitors["loss_spike"] = self.spikes
         self.guards = Guards(config, self.monitor, self.spikes)
+        self.headroom = build_headroom(config, self.task.model, self.state.scaler.is_enabled())
+        if self.headroom is not None:
+            self.state.monitors["headroom"] = self.headroom
+        self.grad_norms = SkipGradNorms(self.task.model)
         self.state.loss_fn = self.injector.wrap_loss(self.state.loss_fn)
         self.injector.attach(self.task.model)
         self.diagnosis = None
@@ -220,14 +230,18 @@ class Trainer:
         """Micro-batches through the guarded step until one closes its group.
 
         The step reads its skip flags on the host once per step (a host sync; docs/design.md §2).
+        The diagnostics watch from outside the step, through hooks that live for this call only:
+        the gradients of a step that may be skipped, and on a measured step the headroom.
         """
-        while True:
-            batch = self.data.next(first_step=self.state.steps + 1)
-            if self.diagnosis is not None:
-                self.diagnosis.capture(batch)
-            record = self.state.step(*batch)
-            if record is not None:
-                return record
+        headroom = self.headroom.measuring(self.state.steps + 1) if self.headroom else contextlib.nullcontext()
+        with self.grad_norms.capturing(), headroom:
+            while True:
+                batch = self.data.next(first_step=self.state.steps + 1)
+                if self.diagnosis is not None:
+                    self.diagnosis.capture(batch)
+                record = self.state.step(*batch)
+                if record is not None:
+                    return record
 
     def record(self, record: StepRecord, metrics: dict[str, float] | None) -> None:
         """The record to every sink; the monitors' events to the log; the console lines.
@@ -236,8 +250,11 @@ class Trainer:
         transfer; later readers pay nothing).
         """
         self.sinks.write(record, metrics)
-        for event in self.monitor.observe(record):
+        for event in self.monitor.observe(record) + (self.headroom.observe(record) if self.headroom else []):
             self.events.emit(event.as_dict(), event_word(event.kind))
+        norms = self.grad_norms.after(record)  # a skipped step's per-parameter norms (read on skips only)
+        if norms is not None:
+            self.events.emit(norms)
         if metrics:
             self.monitor.observe_eval(metrics)
             self.say(f"EVAL {record.step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
@@ -283,7 +300,7 @@ class Trainer:
         console = ConsoleSink(self.console_every, say)
         try:
             self.sinks = build_sinks(self.config, self.paths, self.evaluator.metrics, console,
-                                     keep_through=self.state.steps if resuming else None)
+                                     keep_through=self.state.steps if resuming else None, headroom=self.headroom)
         except DiskFull as full:  # the CSV's header (or a resume's truncation) found no room
             self.sinks, self._failed = Sinks(console), self._failed or full
         self.events = EventLog(self.paths.events, say, append=resuming)
