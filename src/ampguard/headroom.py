@@ -421,7 +421,8 @@ class SkipGradNorms:
     backward finished them, roughly the reverse of registration). :meth:`after` drops them, and
     for a skipped step first returns the event (norms in that order, the non-finite ones named):
     one host read on a skipped step, none on an applied one. Under FSDP2 the sharded
-    parameters' gradients are written outside autograd's hooks, so nothing is recorded there.
+    parameters' gradients may be written outside autograd's hooks: then nothing is recorded
+    (when they are seen, their norms are reduced over the shards, a collective every rank makes).
 
     Example (an inf planted in the first layer's weight gradient)::
 

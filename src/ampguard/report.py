@@ -417,6 +417,10 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         ("faults injected", ", ".join(config.inject) or "none"),
         ("skip-rate alert", f"rolling rate > {mon.alert_rate:g} over {mon.window} steps"),
         ("fail-fast", fail),
+        ("headroom telemetry", (f"every {mon.headroom.every} steps against "
+                                f"{config.precision if mon.headroom.format == 'auto' else mon.headroom.format}, "
+                                f"ALERT below {mon.headroom.alert_bits:g} bits") if mon.headroom.every
+         else "off (monitor.headroom.every)"),
         ("seed", str(config.seed)),
     ]
     outcome = [
@@ -441,6 +445,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
     files = [
         ("per-step CSV", rel(paths.csv)),
         ("event log (JSON lines)", rel(paths.events)),
+        *((("headroom CSV", rel(paths.dir / HEADROOM_CSV)),) if mon.headroom.every and paths.dir is not None else ()),
         ("plot", rel(paths.plot)),
         ("effective config", rel(paths.config)),
         ("checkpoints", (f"`checkpoints/` ({len(result.checkpoints)} kept, latest `{result.checkpoints[-1].name}`)"
