@@ -333,11 +333,12 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
     ax.set_ylabel("module, tensor")
     ax.set_title(f"Headroom: bits below the format's max, per layer (every {gap:g} steps; red: close to overflow, "
                  "dark red: beyond it)")
-    bar = fig.colorbar(mesh, ax=ax, extend="min", pad=0.01)
-    bar.set_label("headroom (bits)")
+    # below the panel, so the heatmap keeps the width (and the step axis) of the panels above
+    bar = fig.colorbar(mesh, ax=ax, location="bottom", extend="min", fraction=0.06, pad=0.01, aspect=80)
+    bar.set_label("headroom (bits below the format's max)" + (f"; black line: alert_bits {alert_bits:g}"
+                                                               if alert_bits is not None else ""))
     if alert_bits is not None:
-        bar.ax.axhline(alert_bits, color="black", lw=1.5)
-        bar.ax.text(0.5, alert_bits, "alert", transform=bar.ax.get_yaxis_transform(), ha="center", va="bottom", fontsize=7)
+        bar.ax.axvline(alert_bits, color="black", lw=2)
 
 
 def headroom_beside(csv_path: Path) -> Path | None:

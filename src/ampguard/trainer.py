@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -208,7 +208,8 @@ class Trainer:
         if self._agree(False, self.disk_full() is not None)[1]:  # opening the outputs found the disk full
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
         while self.state.steps < self.config.steps:
-            record = self.train_step()
+            with self.watching():
+                record = self.train_step()
             self.record(record, self.evaluator() if self.evaluator.due(record.step) else None)
             decision = self.guards.check(record, self.diagnosis.after(record) if self.diagnosis else None)
             if isinstance(decision, Rollback):
@@ -230,18 +231,23 @@ class Trainer:
         """Micro-batches through the guarded step until one closes its group.
 
         The step reads its skip flags on the host once per step (a host sync; docs/design.md §2).
-        The diagnostics watch from outside the step, through hooks that live for this call only:
-        the gradients of a step that may be skipped, and on a measured step the headroom.
         """
+        while True:
+            batch = self.data.next(first_step=self.state.steps + 1)
+            if self.diagnosis is not None:
+                self.diagnosis.capture(batch)
+            record = self.state.step(*batch)
+            if record is not None:
+                return record
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Around :meth:`train_step`: the diagnostics' hooks, which live for that call only and
+        watch from outside the step (``headroom.py``): the gradients kept for a step that may be
+        skipped, and on a measured step the headroom hooks."""
         headroom = self.headroom.measuring(self.state.steps + 1) if self.headroom else contextlib.nullcontext()
         with self.grad_norms.capturing(), headroom:
-            while True:
-                batch = self.data.next(first_step=self.state.steps + 1)
-                if self.diagnosis is not None:
-                    self.diagnosis.capture(batch)
-                record = self.state.step(*batch)
-                if record is not None:
-                    return record
+            yield
 
     def record(self, record: StepRecord, metrics: dict[str, float] | None) -> None:
         """The record to every sink; the monitors' events to the log; the console lines.
