@@ -423,6 +423,7 @@ class SkipGradNorms:
     one host read on a skipped step, none on an applied one. Under FSDP2 the sharded
     parameters' gradients may be written outside autograd's hooks: then nothing is recorded
     (when they are seen, their norms are reduced over the shards, a collective every rank makes).
+    ``enabled=False`` (``diagnose.grad_norms: false``): no hooks, no event.
 
     Example (an inf planted in the first layer's weight gradient)::
 
@@ -441,8 +442,9 @@ class SkipGradNorms:
         'step 1 skipped (non_finite_grad): 1 of 4 gradients non-finite, in backward order: 0.weight'
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    def __init__(self, model: nn.Module, enabled: bool = True) -> None:
+        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if enabled else []
+        self.enabled = enabled
         self._grads: dict[str, torch.Tensor] = {}
 
     @contextlib.contextmanager
@@ -467,7 +469,7 @@ class SkipGradNorms:
         """For a skipped step the ``grad_norms`` event (a host read), else None; the gradients
         kept are dropped either way."""
         grads, self._grads = self._grads, {}
-        if not record.skipped:
+        if not record.skipped or not self.enabled:
             return None
         names = list(grads)
         norms = [distributed.full_norm(torch.linalg.vector_norm(_values(g), dtype=torch.float32)) for g in grads.values()]

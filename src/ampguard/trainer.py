@@ -132,7 +132,7 @@ class Trainer:
         self.headroom = build_headroom(config, self.task.model, self.state.scaler.is_enabled())
         if self.headroom is not None:
             self.state.monitors["headroom"] = self.headroom
-        self.grad_norms = SkipGradNorms(self.task.model)
+        self.grad_norms = SkipGradNorms(self.task.model, enabled=config.diagnose.grad_norms)
         self.state.loss_fn = self.injector.wrap_loss(self.state.loss_fn)
         self.injector.attach(self.task.model)
         self.diagnosis = None

@@ -189,3 +189,13 @@ def test_headroom_csv_appends_on_resume_without_duplicates_and_never_overwrites(
     path.write_text("step,lr\n1,0.1\n")
     with pytest.raises(InputError, match="header does not match"):
         HeadroomCsv(path, headroom, append=True, keep_through=1)
+
+
+def test_grad_norms_switched_off_install_nothing_and_report_nothing():
+    model = nn.Linear(2, 1)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss, precision="fp32")
+    norms = SkipGradNorms(model, enabled=False)
+    with norms.capturing():
+        assert not model.weight._post_accumulate_grad_hooks
+        record = state.step(torch.full((4, 2), float("nan")), torch.zeros(4, 1))
+    assert record.skipped and norms.after(record) is None
