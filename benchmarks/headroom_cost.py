@@ -99,23 +99,25 @@ def in_process(rounds: int, steps: int, every: int, threads: int) -> None:
             headroom.observe(record)
             norms.after(record)
 
-        arms = {"bare step": bare, "+ gradient capture": captured, "+ capture, measured headroom": measured}
-        times: dict[str, list[float]] = {name: [] for name in arms}
-        for fn in arms.values():  # warm-up
-            fn()
-        for _ in range(rounds * steps):  # the arms take turns step by step; CPU time of this process
-            for name, fn in arms.items():
-                start = time.process_time()
-                fn()
-                times[name].append(1000 * (time.process_time() - start))
+        def alternate(a, b) -> tuple[float, float]:  # two arms, step by step: medians of CPU ms/step
+            a(), b()  # warm-up
+            ta, tb = [], []
+            for _ in range(rounds * steps):
+                for fn, out in ((a, ta), (b, tb)):
+                    start = time.process_time()
+                    fn()
+                    out.append(1000 * (time.process_time() - start))
+            return statistics.median(ta), statistics.median(tb)
+
+        base, cap = alternate(bare, captured)
+        cap2, meas = alternate(captured, measured)
         csv.close()
-    med = {name: statistics.median(v) for name, v in times.items()}
-    base, cap, meas = med.values()
-    for name, ms in med.items():
-        print(f"{name:>30}: {ms:8.3f} ms/step CPU time (median of {rounds * steps} steps, {threads} thread(s))")
-    print(f"gradient capture ({len(norms.params)} parameters), every step: {100 * (cap / base - 1):+.2f}%")
-    print(f"a measured headroom step ({len(headroom.modules)} modules) costs {meas - cap:.3f} ms more; at every={every}: "
-          f"{100 * (meas - cap) / every / base:+.3f}% of a step")
+    n = rounds * steps
+    print(f"bare step {base:.3f} ms vs + gradient capture ({len(norms.params)} parameters) {cap:.3f} ms CPU time: "
+          f"{100 * (cap / base - 1):+.2f}% every step (medians of {n} alternating steps, {threads} thread(s))")
+    print(f"captured step {cap2:.3f} ms vs measured headroom step ({len(headroom.modules)} modules) {meas:.3f} ms: "
+          f"{meas - cap2:.3f} ms more; spread over every={every} steps: {100 * (meas - cap2) / every / cap2:+.3f}% "
+          f"of a step")
 
 
 def main() -> None:
