@@ -22,6 +22,7 @@ from .checkpoint import untouched
 from .clipping import clip_threshold
 from .config import Config
 from .errors import InputError
+from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .precision import Precision
@@ -331,6 +332,26 @@ def build_spike_detector(config: Config) -> LossSpikeDetector | None:
     return LossSpikeDetector(config.rollback.window, config.rollback.z)
 
 
+def build_headroom(config: Config, model: nn.Module, scaler_enabled: bool) -> Headroom | None:
+    """The headroom telemetry when ``monitor.headroom.every`` is set, else None. Measured against
+    ``monitor.headroom.format`` (``auto``: the run's precision).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> build_headroom(validate({}), nn.Linear(2, 1), False) is None
+        True
+        >>> h = build_headroom(validate({"precision": "fp16", "monitor": {"headroom": {"every": 10}}}), nn.Linear(2, 1), True)
+        >>> h.every, h.format.name, h.alert_bits, h.scaled_grads
+        (10, 'fp16', 4.0, True)
+    """
+    h = config.monitor.headroom
+    if h.every is None:
+        return None
+    fmt = config.precision if h.format == "auto" else h.format
+    return Headroom(model, fmt, every=h.every, alert_bits=h.alert_bits, scaled_grads=scaler_enabled)
+
+
 def to_device(value: Any, device: torch.device) -> Any:
     """Tensors (inside lists, tuples and dicts too) moved to ``device``; anything else as it is.
 
@@ -343,9 +364,10 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 
 def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], console: ConsoleSink,
-                keep_through: int | None = None) -> Sinks:
+                keep_through: int | None = None, headroom: Headroom | None = None) -> Sinks:
     """Where a run's records go: the CSV (appended after ``keep_through`` on a resume), the
-    optional JSON lines, TensorBoard, W&B and MLflow sinks, and the console."""
+    optional JSON lines and TensorBoard sinks, ``headroom.csv`` with ``headroom``, the W&B and MLflow
+    sinks, and the console."""
     append = keep_through is not None
     sinks: list[Sink] = []
     if paths.csv is not None:
@@ -354,6 +376,8 @@ def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], conso
         sinks.append(JsonlSink(paths.steps_jsonl, append=append))
     if config.log.tensorboard and paths.tensorboard is not None:
         sinks.append(TensorBoardSink(paths.tensorboard))
+    if headroom is not None and paths.dir is not None:
+        sinks.append(HeadroomCsv(paths.dir / HEADROOM_CSV, headroom, append=append, keep_through=keep_through))
     sinks.extend(build_trackers(config, paths, resuming=append))  # log.wandb, log.mlflow (rank 0's folder only)
     sinks.append(console)
     return Sinks(*sinks)

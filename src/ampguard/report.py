@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .clipping import clip_threshold
 from .errors import ExitCode, InputError
+from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor
 from .records import SKIP_REASONS, StepRecord, record_from
 from .sinks import CSV_COLUMNS
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 REASON_COLOURS = {"non_finite_grad": "tab:orange", "non_finite_loss": "tab:red"}
 FIGSIZE = (12.0, 14.0)  # inches
 DPI = 100  # -> a 1200 x 1400 pixel PNG
+HEATMAP_HEIGHT = 5.0  # inches added for the headroom heatmap, when the run recorded headroom
 
 
 @dataclass
@@ -164,10 +166,14 @@ def plot_run(
     alert_rate: float = 0.05,
     fail_rate: float | None = None,
     title: str | None = None,
+    headroom: str | Path | None = None,
+    alert_bits: float | None = None,
 ) -> Path:
     """Draw one PNG (1200 x 1400 px) with five panels on a shared step axis: loss, pre/post-clip
     norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
     rate with its thresholds. Skipped steps are marked on every panel, coloured by reason.
+    With ``headroom`` (a ``headroom.csv`` with rows), a sixth panel below (the PNG 500 px
+    taller): the layer x step heatmap of :func:`headroom_panel`.
 
     Example (the PNG's width and height are in its header)::
 
@@ -191,6 +197,7 @@ def plot_run(
     rows = read_steps_csv(csv_path)
     if not rows:
         raise InputError(f"{csv_path}: no steps recorded yet, nothing to plot")
+    heat = read_headroom_csv(headroom) if headroom is not None else []
 
     import matplotlib
 
@@ -198,8 +205,10 @@ def plot_run(
     import matplotlib.pyplot as plt
 
     steps = [r.step for r in rows]
-    fig, axes = plt.subplots(5, 1, sharex=True, figsize=FIGSIZE, dpi=DPI, layout="constrained")
-    ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes
+    size = (FIGSIZE[0], FIGSIZE[1] + (HEATMAP_HEIGHT if heat else 0.0))
+    fig, axes = plt.subplots(6 if heat else 5, 1, sharex=True, figsize=size, dpi=DPI, layout="constrained",
+                             height_ratios=[1.0] * 5 + ([2.2] if heat else []))
+    ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes[:5]
 
     def finite(values: list[float | None], positive: bool = False) -> tuple[list[int], list[float]]:
         pairs = [(s, v) for s, v in zip(steps, values) if v is not None and math.isfinite(v) and (v > 0 or not positive)]
@@ -247,7 +256,9 @@ def plot_run(
     ax_skip.set_ylim(0, max(0.1, alert_rate * 1.5, (fail_rate or 0) * 1.5, max(rates) * 1.2))
     ax_skip.set_ylabel("skip rate")
     ax_skip.set_title("Rolling skip rate")
-    ax_skip.set_xlabel("step")
+    axes[-1].set_xlabel("step")
+    if heat:
+        headroom_panel(fig, axes[5], heat, alert_bits)
 
     for reason in SKIP_REASONS:
         marks = [r.step for r in rows if r.skipped and r.skip_reason == reason]
@@ -256,7 +267,7 @@ def plot_run(
         for i, ax in enumerate(axes):
             ax.vlines(marks, 0, 1, transform=ax.get_xaxis_transform(), color=REASON_COLOURS[reason], alpha=0.35,
                       lw=1, label=f"skipped: {reason} ({len(marks)})" if i == 0 else None)
-    for ax in axes:
+    for ax in axes[:5]:
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
     skipped = sum(r.skipped for r in rows)
@@ -274,6 +285,72 @@ def plot_run(
     finally:
         plt.close(fig)
     return png_path
+
+
+def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float | None = None) -> None:
+    """The headroom heatmap on ``ax``: one row per module and tensor (output, then the gradient
+    into it; in the model's order, top down), one column per measured step, the colour the bits
+    of headroom left below the format's max: red is close to overflowing, green is far from it,
+    dark red below 0 (beyond the format: it overflowed, or would when cast), grey a nan. The
+    colour bar marks ``alert_bits``.
+
+    Example::
+
+        >>> import matplotlib
+        >>> matplotlib.use("Agg")
+        >>> import matplotlib.pyplot as plt
+        >>> fig, ax = plt.subplots()
+        >>> rows = [HeadroomRow(s, "fc", t, 1.0, b, 0.0) for s, t, b in [(10, "output", 9.0), (10, "grad", 3.0),
+        ...                                                              (20, "output", 8.0), (20, "grad", -math.inf)]]
+        >>> headroom_panel(fig, ax, rows, alert_bits=4.0)
+        >>> ax.get_title()[:8], [t.get_text() for t in ax.get_yticklabels()]
+        ('Headroom', ['fc output', 'fc grad'])
+        >>> plt.close(fig)
+    """
+    import numpy as np
+    from matplotlib import colormaps
+
+    labels: list[tuple[str, str]] = []
+    for r in rows:
+        if (r.module, r.tensor) not in labels:
+            labels.append((r.module, r.tensor))
+    steps = sorted({r.step for r in rows})
+    where_label = {label: i for i, label in enumerate(labels)}
+    where_step = {step: j for j, step in enumerate(steps)}
+    grid = np.full((len(labels), len(steps)), np.nan)
+    for r in rows:
+        grid[where_label[(r.module, r.tensor)], where_step[r.step]] = r.headroom_bits
+    finite = grid[np.isfinite(grid)]
+    top = max(1.0, float(finite.max()) if finite.size else 1.0, 2 * (alert_bits or 0.0))
+    shown = np.where(np.isposinf(grid), top, grid)  # all zeros: as far from overflow as anything
+    cmap = colormaps["RdYlGn"].with_extremes(under="darkred", bad="lightgrey")
+    gap = (steps[-1] - steps[0]) / max(1, len(steps) - 1) if len(steps) > 1 else 1.0
+    edges = [steps[0] - gap / 2] + [(a + b) / 2 for a, b in zip(steps, steps[1:])] + [steps[-1] + gap / 2]
+    mesh = ax.pcolormesh(edges, np.arange(len(labels) + 1), np.ma.masked_invalid(shown), cmap=cmap, vmin=0.0,
+                         vmax=top, shading="flat")
+    ax.set_yticks(np.arange(len(labels)) + 0.5, [f"{m} {t}" for m, t in labels], fontsize=7 if len(labels) > 24 else 8)
+    ax.set_ylim(len(labels), 0)
+    ax.set_ylabel("module, tensor")
+    ax.set_title(f"Headroom: bits below the format's max, per layer (every {gap:g} steps; red: close to overflow, "
+                 "dark red: beyond it)")
+    # below the panel, so the heatmap keeps the width (and the step axis) of the panels above
+    bar = fig.colorbar(mesh, ax=ax, location="bottom", extend="min", fraction=0.06, pad=0.01, aspect=80)
+    bar.set_label("headroom (bits below the format's max)" + (f"; black line: alert_bits {alert_bits:g}"
+                                                               if alert_bits is not None else ""))
+    if alert_bits is not None:
+        bar.ax.axvline(alert_bits, color="black", lw=2)
+
+
+def headroom_beside(csv_path: Path) -> Path | None:
+    """The ``headroom.csv`` beside a per-step CSV, if the run wrote one.
+
+    Example::
+
+        >>> headroom_beside(Path("/nonexistent/steps.csv")) is None
+        True
+    """
+    path = csv_path.parent / HEADROOM_CSV
+    return path if path.is_file() else None
 
 
 # ---------------------------------------------------------------------------- the run card
@@ -341,6 +418,10 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         ("faults injected", ", ".join(config.inject) or "none"),
         ("skip-rate alert", f"rolling rate > {mon.alert_rate:g} over {mon.window} steps"),
         ("fail-fast", fail),
+        ("headroom telemetry", (f"every {mon.headroom.every} steps against "
+                                f"{config.precision if mon.headroom.format == 'auto' else mon.headroom.format}, "
+                                f"ALERT below {mon.headroom.alert_bits:g} bits") if mon.headroom.every
+         else "off (monitor.headroom.every)"),
         ("seed", str(config.seed)),
     ]
     outcome = [
@@ -366,6 +447,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
     files = [
         ("per-step CSV", rel(paths.csv)),
         ("event log (JSON lines)", rel(paths.events)),
+        *((("headroom CSV", rel(paths.dir / HEADROOM_CSV)),) if mon.headroom.every and paths.dir is not None else ()),
         ("plot", rel(paths.plot)),
         ("effective config", rel(paths.config)),
         ("checkpoints", (f"`checkpoints/` ({len(result.checkpoints)} kept, latest `{result.checkpoints[-1].name}`)"
@@ -422,7 +504,8 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
     try:
         plot_run(paths.csv, paths.plot, max_norm=config.max_norm, window=config.monitor.window,
                  alert_rate=config.monitor.alert_rate, fail_rate=config.monitor.fail_rate,
-                 title=f"run {paths.dir.name}" if paths.dir is not None else None)
+                 title=f"run {paths.dir.name}" if paths.dir is not None else None,
+                 headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
         say(f"warning: could not draw {paths.plot}: {err}")
     write_run_card(paths.card, config, result)
@@ -483,7 +566,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                      fail_rate=settings["fail_rate"], max_norm=clip_threshold(settings["max_norm"]),
                      scaler_enabled=scaler_on, init_scale=init_scale, min_scale=min(config.scaler.min_scale, init_scale),
                      min_steps=config.monitor.min_steps if min_steps is None else min_steps)
-    plot_run(csv_path, png, **settings)
+    plot_run(csv_path, png, **settings, headroom=headroom_beside(csv_path), alert_bits=config.monitor.headroom.alert_bits)
     print(f"summary: {monitor.summary()}")
     print(f"max rolling skip rate {monitor.max_skip_rate:.4f} (window {settings['window']}), "
           f"alert episodes {monitor.alert_episodes}, clip rate {monitor.clip_rate:.3f}, scale {monitor.scale_verdict}")

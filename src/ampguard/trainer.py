@@ -9,8 +9,9 @@ describes how the loop sequences them. The verbs that use it are in :mod:`train`
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ import torch
 
 from . import checkpointer as ck
 from . import distributed
-from .build import (build_monitor, build_sinks, build_spike_detector, build_state, check_forward, check_trainable,
-                    precision_of, resolve_device)
+from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
+                    check_trainable, precision_of, resolve_device)
 from .config import Config
 from .data import DataStream
 from .errors import ExitCode, InputError
@@ -27,6 +28,7 @@ from .evaluation import Evaluator
 from .events import EventLog, event_word, progress_bar
 from .faults import FaultInjector, check_ranks, parse_fault
 from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop, TriggerBatches
+from .headroom import Headroom, SkipGradNorms
 from .integrations.trackers import check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import StepRecord
@@ -72,6 +74,10 @@ class Trainer:
     guards: Guards
     diagnosis: FirstSkipDiagnosis | None
     evaluator: Evaluator
+    headroom: Headroom | None
+    """Per-layer headroom every ``monitor.headroom.every`` steps (``headroom.csv``, ALERTs), or None."""
+    grad_norms: SkipGradNorms
+    """Each parameter's gradient norm at a skipped step, to the event log."""
     # what it keeps
     checkpointer: ck.CheckpointManager
     rollbacks: Rollbacks
@@ -129,6 +135,10 @@ class Trainer:
         if self.spikes is not None:
             self.state.monitors["loss_spike"] = self.spikes
         self.guards = Guards(config, self.monitor, self.spikes, self.evaluator.metrics)
+        self.headroom = build_headroom(config, self.task.model, self.state.scaler.is_enabled())
+        if self.headroom is not None:
+            self.state.monitors["headroom"] = self.headroom
+        self.grad_norms = SkipGradNorms(self.task.model, enabled=config.diagnose.grad_norms)
         self.state.loss_fn = self.injector.wrap_loss(self.state.loss_fn)
         self.injector.attach(self.task.model)
         self.diagnosis = None
@@ -213,7 +223,8 @@ class Trainer:
         if self._agree(False, self.disk_full() is not None)[1]:  # opening the outputs found the disk full
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
         while self.state.steps < self.config.steps:
-            record = self.train_step()
+            with self.watching():
+                record = self.train_step()
             metrics = self.evaluator() if self.evaluator.due(record.step) else None
             self.record(record, metrics)
             decision = self.guards.check(record, self.diagnosis.after(record) if self.diagnosis else None, metrics)
@@ -250,6 +261,15 @@ class Trainer:
                     evidence.closed(record)
                 return record
 
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Around :meth:`train_step`: the diagnostics' hooks, which live for that call only and
+        watch from outside the step (``headroom.py``): the gradients kept for a step that may be
+        skipped, and on a measured step the headroom hooks."""
+        headroom = self.headroom.measuring(self.state.steps + 1) if self.headroom else contextlib.nullcontext()
+        with self.grad_norms.capturing(), headroom:
+            yield
+
     def record(self, record: StepRecord, metrics: dict[str, float] | None) -> None:
         """The record to every sink; the monitors' events to the log; the console lines.
 
@@ -257,10 +277,13 @@ class Trainer:
         transfer; later readers pay nothing).
         """
         self.sinks.write(record, metrics)
-        events = self.monitor.observe(record)
+        events = self.monitor.observe(record) + (self.headroom.observe(record) if self.headroom else [])
         for event in events:
             self.events.emit(event.as_dict(), event_word(event.kind))
         self.sinks.observe(self.monitor, events)  # the tracker sinks log the monitor's view with the step
+        norms = self.grad_norms.after(record)  # a skipped step's per-parameter norms (read on skips only)
+        if norms is not None:
+            self.events.emit(norms)
         if metrics:
             self.monitor.observe_eval(metrics)
             self.say(f"EVAL {record.step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
@@ -306,7 +329,7 @@ class Trainer:
         console = ConsoleSink(self.console_every, say)
         try:
             self.sinks = build_sinks(self.config, self.paths, self.evaluator.metrics, console,
-                                     keep_through=self.state.steps if resuming else None)
+                                     keep_through=self.state.steps if resuming else None, headroom=self.headroom)
         except DiskFull as full:  # the CSV's header (or a resume's truncation) found no room
             self.sinks, self._failed = Sinks(console), self._failed or full
         self.events = EventLog(self.paths.events, say, append=resuming)

@@ -1,0 +1,490 @@
+"""Early warnings from the value ranges: per-layer headroom, and per-parameter gradient norms at
+every skipped step.
+
+**Headroom** (``monitor.headroom.every: N``; off by default). Every N-th step (``step % N == 0``)
+:class:`Headroom` puts a forward hook on every module that holds parameters of its own
+(``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, a custom module's own ``nn.Parameter``...;
+what such a module computes between its parameters, an attention's softmax for instance, shows
+in the output of that module or of the next one), and a tensor hook on each output, which sees
+the gradient flowing back into it. For each (module, tensor) it keeps, on the device:
+
+- ``amax``: the largest ``|value|`` (of the output, or of the gradient of the output), over
+  every micro-batch of the step;
+- ``headroom_bits = log2(format max / amax)``: how many doublings are left before the value
+  overflows the run's low-precision format (:data:`FORMATS`: fp16 65504, bf16 ~3.39e38, fp8
+  e4m3 448, e5m2 57344). It is ``inf`` when everything is zero, negative when the value is
+  already beyond the format (a float32 tensor, e.g. a norm's output under autocast, overflows
+  when the next op casts it), ``-inf`` once it is inf, ``nan`` when it holds a nan;
+- ``underflow_share``: the share of the values with ``0 < |x| <`` the format's smallest normal
+  number: subnormal in the format (they lose precision), or flushed to zero when cast into it.
+  A value already flushed to zero in a half tensor cannot be told from a true zero, so for such
+  tensors this is a lower bound.
+
+Under fp16 the gradients in the backward are *scaled* by the loss scale: the hook sees (and
+``headroom.csv`` records) the scaled gradient, the one that overflows. The dynamic scaler raises
+the scale until a scaled gradient overflows and then halves it, so under fp16 a gradient's
+headroom sinks towards 0-1 bits every ``scaler.growth_interval`` steps by design; the outputs'
+headroom is what no scaler can fix.
+
+The hooks exist only during a measured step (removed when its micro-batches are done), so the
+other steps pay nothing. A measured step pays: two small reductions per hooked tensor (``abs``,
+``amax``, a count) on the device, and **one host read** after the step (all the numbers in one
+transfer), then one ``headroom.csv`` row per (module, tensor). A module whose headroom falls
+below ``monitor.headroom.alert_bits`` raises one ``headroom_alert`` (``ALERT`` on the console,
+``events.jsonl``) naming the module, once per episode; ``headroom_clear`` when it is back.
+
+**Gradient norms at a skipped step** (:class:`SkipGradNorms`, always on in a run). While a
+step's micro-batches run, a ``register_post_accumulate_grad_hook`` on each trainable parameter
+keeps a reference to its gradient (no copy, no device work): the order in which backward
+finished them is the record order. When the step was skipped, the norms of those gradients are
+taken (one host read, on skipped steps only) and written to ``events.jsonl`` as a ``grad_norms``
+event, the non-finite ones named in that order: the cheap part of ``ampguard locate``, for free.
+On an applied step the references are dropped when the step's record is read: no host read, no
+device work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from . import distributed
+from .errors import InputError
+from .monitor import Event
+from .records import StepRecord, format_number
+from .sinks import CsvSink, _open_for_append, writing
+
+HEADROOM_CSV = "headroom.csv"
+"""The file name of the headroom telemetry in a run folder (beside ``steps.csv``)."""
+HEADROOM_COLUMNS: tuple[str, ...] = ("step", "module", "tensor", "amax", "headroom_bits", "underflow_share")
+"""``headroom.csv``'s header: one row per measured step, module and tensor (long format)."""
+TENSORS: tuple[str, ...] = ("output", "grad")
+"""What is measured of each module: its forward ``output`` and the ``grad`` flowing back into it."""
+ROOT = "(root)"
+"""The name a model that holds parameters itself (``nn.Linear`` as the whole model) goes by."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """A floating-point format's range, from ``torch.finfo``: ``max`` (the largest finite value)
+    and ``tiny`` (the smallest normal one; below it values are subnormal, then zero).
+
+    Example::
+
+        >>> f = FORMATS["fp16"]
+        >>> f.max, f.tiny, FORMATS["fp8_e4m3"].max, FORMATS["fp8_e5m2"].max
+        (65504.0, 6.103515625e-05, 448.0, 57344.0)
+    """
+
+    name: str
+    dtype: torch.dtype
+
+    @property
+    def max(self) -> float:
+        return float(torch.finfo(self.dtype).max)
+
+    @property
+    def tiny(self) -> float:
+        return float(torch.finfo(self.dtype).tiny)
+
+
+FORMATS: dict[str, Format] = {name: Format(name, dtype) for name, dtype in (
+    ("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32),
+    ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2))}
+"""The formats headroom is measured against (``monitor.headroom.format``); ``fp8_e4m3`` and
+``fp8_e5m2`` are PyTorch's ``float8_e4m3fn`` (max 448) and ``float8_e5m2`` (max 57344)."""
+
+
+def headroom_bits(amax: float, fmt: Format) -> float:
+    """``log2(fmt.max / amax)``: the doublings left before ``amax`` overflows ``fmt``.
+
+    Example::
+
+        >>> fp16 = FORMATS["fp16"]
+        >>> headroom_bits(65504 / 8, fp16), headroom_bits(0.0, fp16), headroom_bits(float("inf"), fp16)
+        (3.0, inf, -inf)
+        >>> headroom_bits(131008.0, fp16), math.isnan(headroom_bits(float("nan"), fp16))
+        (-1.0, True)
+    """
+    if math.isnan(amax):
+        return math.nan
+    if amax == 0:
+        return math.inf
+    if math.isinf(amax):
+        return -math.inf
+    return math.log2(fmt.max / amax)
+
+
+@dataclass(frozen=True)
+class HeadroomRow:
+    """One ``headroom.csv`` row.
+
+    Example::
+
+        >>> HeadroomRow(100, "fc", "grad", 8188.0, 3.0, 0.25).cells()
+        ['100', 'fc', 'grad', '8188.0', '3.0', '0.25']
+    """
+
+    step: int
+    module: str
+    tensor: str
+    amax: float
+    headroom_bits: float
+    underflow_share: float
+
+    def cells(self) -> list[str]:
+        return [str(self.step), self.module, self.tensor, format_number(self.amax), format_number(self.headroom_bits),
+                format_number(self.underflow_share)]
+
+
+def measured_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules :class:`Headroom` measures: every one that holds parameters of its own, by
+    qualified name (the model itself is :data:`ROOT`), in registration order.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.LayerNorm(4), nn.Linear(4, 1))
+        >>> [name for name, _ in measured_modules(model)]
+        ['0', '2', '3']
+        >>> [name for name, _ in measured_modules(nn.Linear(2, 1))]
+        ['(root)']
+    """
+    return [(name or ROOT, m) for name, m in model.named_modules()
+            if next(m.parameters(recurse=False), None) is not None]
+
+
+class Headroom:
+    """Headroom telemetry every ``every`` steps, for the modules of ``model`` (see the module
+    docstring): :meth:`measuring` around a step's micro-batches, then :meth:`read` (one host read)
+    and :meth:`observe` (the alerts). ``scaled_grads``: the gradients carry the fp16 loss scale
+    (the alert says so). ``state_dict`` carries which modules are alerting, so a resumed run does
+    not alert twice for one episode.
+
+    Example (fp32 arithmetic, measured against fp16: the output of ``fc`` is 1000, 6 bits below 65504)::
+
+        >>> model = nn.Sequential()
+        >>> model.add_module("fc", nn.Linear(1, 1, bias=False))
+        >>> _ = model.fc.weight.data.fill_(1000.0)
+        >>> h = Headroom(model, "fp16", every=2, alert_bits=7.0)
+        >>> for step in (1, 2):
+        ...     with h.measuring(step):
+        ...         model(torch.ones(3, 1)).sum().backward()
+        >>> h.read(1), [(r.module, r.tensor, r.amax, round(r.headroom_bits, 2)) for r in h.read(2)]
+        ([], [('fc', 'output', 1000.0, 6.03), ('fc', 'grad', 1.0, 16.0)])
+        >>> [e.message for e in h.observe_step(2)]
+        ['headroom_alert: fc output headroom 6.0 bits < alert_bits 7 (amax 1000, fp16 max 65504)']
+        >>> h.observe_step(2), h.alerting  # once per episode
+        ([], ['fc'])
+    """
+
+    def __init__(self, model: nn.Module, fmt: Format | str, *, every: int, alert_bits: float,
+                 scaled_grads: bool = False) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.format = FORMATS[fmt] if isinstance(fmt, str) else fmt
+        self.every, self.alert_bits, self.scaled_grads = every, alert_bits, scaled_grads
+        self.modules = measured_modules(model)
+        self._order = {name: i for i, (name, _) in enumerate(self.modules)}
+        self._step: int | None = None  # the step being (or last) measured
+        self._stats: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        self._rows: tuple[int, list[HeadroomRow]] | None = None
+        self._observed: int | None = None  # the last step observe_step judged
+        self.alerting: list[str] = []
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is measured: ``step % every == 0``.
+
+        Example::
+
+            >>> h = Headroom(nn.Linear(1, 1), "bf16", every=100, alert_bits=4.0)
+            >>> h.due(99), h.due(100)
+            (False, True)
+        """
+        return step % self.every == 0
+
+    @contextlib.contextmanager
+    def measuring(self, step: int) -> Iterator[None]:
+        """Around one step's micro-batches: on a measured step, the hooks for the time of the
+        block (removed on the way out, also on an error); on any other step, nothing at all."""
+        if not self.due(step):
+            yield
+            return
+        self._step, self._stats, self._rows = step, {}, None
+        handles = [m.register_forward_hook(self._forward_hook(name)) for name, m in self.modules]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _forward_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    self._add(name, "output", t)
+                    if t.requires_grad:
+                        t.register_hook(lambda grad: self._add(name, "grad", grad))
+
+        return hook
+
+    def _add(self, name: str, tensor: str, value: torch.Tensor) -> None:
+        """Device reductions only (no host read): the largest |value| and the count of
+        values between 0 and the format's smallest normal."""
+        a = value.detach().abs()
+        under = ((a > 0) & (a < self.format.tiny)).sum()
+        self._stats.setdefault((name, tensor), []).append((a.amax().float(), under, a.numel()))
+
+    def read(self, step: int) -> list[HeadroomRow]:
+        """The rows of ``step`` (none unless it was measured): every number of the step copied to
+        the host in one transfer, the first time it is asked for (a host sync); then kept."""
+        if self._rows is not None and self._rows[0] == step:
+            return self._rows[1]
+        if step != self._step or not self._stats:
+            return []
+        keys = sorted(self._stats, key=lambda k: (self._order[k[0]], TENSORS.index(k[1])))
+        amax = torch.stack([torch.stack([s[0] for s in self._stats[k]]).amax() for k in keys])
+        under = torch.stack([torch.stack([s[1] for s in self._stats[k]]).sum().float() for k in keys])
+        host = torch.stack([amax, under]).tolist()  # the one host read of a measured step
+        rows = []
+        for (module, tensor), top, count in zip(keys, *host):
+            numel = sum(s[2] for s in self._stats[(module, tensor)])
+            rows.append(HeadroomRow(step, module, tensor, top, headroom_bits(top, self.format), count / numel))
+        self._stats, self._rows = {}, (step, rows)
+        return rows
+
+    def observe(self, record: StepRecord) -> list[Event]:
+        """The alerts and clears a step's record brings (none on an unmeasured step)."""
+        return self.observe_step(record.step)
+
+    def observe_step(self, step: int) -> list[Event]:
+        """:meth:`observe` by step number: one ``headroom_alert`` per module whose lowest
+        headroom (over its output and gradient; nan ignored) is below ``alert_bits`` and was
+        not already, one ``headroom_clear`` per alerting module back at or above it."""
+        rows = self.read(step)
+        if not rows or self._observed == step:
+            return []
+        self._observed = step
+        worst: dict[str, HeadroomRow] = {}
+        for row in rows:
+            if not math.isnan(row.headroom_bits) and (row.module not in worst
+                                                       or row.headroom_bits < worst[row.module].headroom_bits):
+                worst[row.module] = row
+        events = []
+        for module, row in worst.items():
+            low = row.headroom_bits < self.alert_bits
+            if low and module not in self.alerting:
+                self.alerting.append(module)
+                events.append(Event(step, "headroom_alert", self._message(row), self._data(row)))
+            elif not low and module in self.alerting:
+                self.alerting.remove(module)
+                events.append(Event(step, "headroom_clear", (
+                    f"headroom_clear: {module} back to {row.headroom_bits:.1f} bits >= alert_bits {self.alert_bits:g}"),
+                    self._data(row)))
+        return events
+
+    def _message(self, row: HeadroomRow) -> str:
+        scaled = " (the loss-scaled gradient)" if row.tensor == "grad" and self.scaled_grads else ""
+        return (f"headroom_alert: {row.module} {row.tensor} headroom {row.headroom_bits:.1f} bits < alert_bits "
+                f"{self.alert_bits:g} (amax {row.amax:.4g}{scaled}, {self.format.name} max {self.format.max:.6g})")
+
+    def _data(self, row: HeadroomRow) -> dict[str, Any]:
+        return {"module": row.module, "tensor": row.tensor, "amax": row.amax, "headroom_bits": row.headroom_bits,
+                "format": self.format.name, "alert_bits": self.alert_bits}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: the modules alerting now.
+
+        Example::
+
+            >>> Headroom(nn.Linear(1, 1), "fp16", every=1, alert_bits=4.0).state_dict()
+            {'alerting': []}
+        """
+        return {"alerting": list(self.alerting)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.alerting = [str(name) for name in state.get("alerting", [])]
+
+
+class HeadroomCsv(CsvSink):
+    """``headroom.csv`` as a sink of the run: for each record, the rows :meth:`Headroom.read`
+    gives for its step (none on an unmeasured step), each flushed when written. Like the per-step
+    CSV, an existing file is never overwritten; ``append=True`` continues one with the same
+    header, after dropping the rows past ``keep_through`` (a resume: no duplicate steps).
+
+    Example::
+
+        >>> import tempfile
+        >>> from ampguard.records import StepLog
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> model = nn.Linear(1, 1)
+        >>> h = Headroom(model, "bf16", every=1, alert_bits=4.0)
+        >>> with h.measuring(1):
+        ...     _ = model(torch.ones(2, 1))
+        >>> sink = HeadroomCsv(Path(tmp.name) / "headroom.csv", h)
+        >>> sink.write(StepLog(1, lr=0.1, loss=0.5, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0))
+        >>> sink.close()
+        >>> print((Path(tmp.name) / "headroom.csv").read_text().splitlines()[0])
+        step,module,tensor,amax,headroom_bits,underflow_share
+        >>> [row.module for row in read_headroom_csv(Path(tmp.name) / "headroom.csv")]
+        ['(root)']
+        >>> tmp.cleanup()
+    """
+
+    def __init__(self, path: str | Path, headroom: Headroom, *, append: bool = False,
+                 keep_through: int | None = None) -> None:
+        self.path, self.headroom, self.columns = Path(path), headroom, HEADROOM_COLUMNS
+        existing = self.path.exists() and self.path.stat().st_size > 0
+        if existing and not append:
+            raise InputError(f"{self.path} already exists; refusing to overwrite it")
+        if existing:
+            with self.path.open(newline="", encoding="utf-8") as f:
+                if tuple(next(csv.reader(f), ())) != self.columns:
+                    raise InputError(f"{self.path}: its header does not match {', '.join(self.columns)}, cannot append")
+            if keep_through is not None:
+                self._truncate_after(keep_through)
+        self._file: IO[str] | None = _open_for_append(self.path, newline="")
+        self._rows = csv.writer(self._file, lineterminator="\n")
+        if not existing:
+            with writing(self.path):
+                self._rows.writerow(self.columns)
+                self._file.flush()
+        self.rows = 0
+
+    def write(self, record: StepRecord, extra: Any = None) -> None:
+        """Append the step's rows, each flushed (:class:`~ampguard.sinks.DiskFull` when there is no room)."""
+        assert self._file is not None, "HeadroomCsv is closed"
+        for row in self.headroom.read(record.step):
+            with writing(self.path):
+                self._rows.writerow(row.cells())
+                self._file.flush()
+            self.rows += 1
+
+
+def read_headroom_csv(path: str | Path) -> list[HeadroomRow]:
+    """The rows of a ``headroom.csv``; a file that is not one is one :class:`InputError` line.
+
+    Example::
+
+        >>> import tempfile
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> p = Path(tmp.name) / "headroom.csv"
+        >>> _ = p.write_text("step,module,tensor,amax,headroom_bits,underflow_share\\n5,fc,grad,inf,-inf,0.0\\n")
+        >>> read_headroom_csv(p)
+        [HeadroomRow(step=5, module='fc', tensor='grad', amax=inf, headroom_bits=-inf, underflow_share=0.0)]
+        >>> _ = p.write_text("step,module\\n5,fc\\n")
+        >>> read_headroom_csv(p)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: .../headroom.csv: not a headroom CSV (header step, module)
+        >>> tmp.cleanup()
+    """
+    path = Path(path)
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = tuple(next(reader, ()))
+            if header != HEADROOM_COLUMNS:
+                raise InputError(f"{path}: not a headroom CSV (header {', '.join(header) or 'missing'})")
+            rows = []
+            for n, cells in enumerate(reader, start=2):
+                try:
+                    step, module, tensor, amax, bits, share = cells
+                    rows.append(HeadroomRow(int(step), module, tensor, float(amax), float(bits), float(share)))
+                except ValueError:
+                    if n > 2 and not f.read():  # a torn last line (a run killed mid-write): what came before stands
+                        break
+                    raise InputError(f"{path}: line {n} is not a headroom row: {','.join(cells)!r}") from None
+            return rows
+    except OSError as err:
+        raise InputError(f"{path}: cannot read it ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a text file") from None
+
+
+# ---------------------------------------------------------------------------- skipped steps
+
+
+class SkipGradNorms:
+    """Every trainable parameter's gradient norm at a skipped step, for ``events.jsonl``.
+
+    :meth:`capturing` around a step's micro-batches keeps a reference to each gradient as
+    backward finishes it (``register_post_accumulate_grad_hook``; record order = the order
+    backward finished them, roughly the reverse of registration). :meth:`after` drops them, and
+    for a skipped step first returns the event (norms in that order, the non-finite ones named):
+    one host read on a skipped step, none on an applied one. Under FSDP2 the sharded
+    parameters' gradients may be written outside autograd's hooks: then nothing is recorded
+    (when they are seen, their norms are reduced over the shards, a collective every rank makes).
+    ``enabled=False`` (``diagnose.grad_norms: false``): no hooks, no event.
+
+    Example (an inf planted in the first layer's weight gradient)::
+
+        >>> from ampguard.step import AmpTrainState
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
+        ...                       precision="bf16")
+        >>> _ = model[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+        >>> norms = SkipGradNorms(model)
+        >>> with norms.capturing():
+        ...     record = state.step(torch.ones(4, 2), torch.zeros(4, 1))
+        >>> event = norms.after(record)
+        >>> event["event"], list(event["norms"]), event["non_finite"]
+        ('grad_norms', ['1.weight', '1.bias', '0.weight', '0.bias'], ['0.weight'])
+        >>> event["message"]
+        'step 1 skipped (non_finite_grad): 1 of 4 gradients non-finite, in backward order: 0.weight'
+    """
+
+    def __init__(self, model: nn.Module, enabled: bool = True) -> None:
+        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if enabled else []
+        self.enabled = enabled
+        self._grads: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """The hooks for the time of the block (removed on the way out)."""
+        self._grads = {}
+        handles = [p.register_post_accumulate_grad_hook(self._hook(name)) for name, p in self.params]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is not None:  # first arrival fixes the order; a later micro-batch's keeps it
+                self._grads[name] = param.grad
+
+        return hook
+
+    def after(self, record: StepRecord) -> dict[str, Any] | None:
+        """For a skipped step the ``grad_norms`` event (a host read), else None; the gradients
+        kept are dropped either way."""
+        grads, self._grads = self._grads, {}
+        if not record.skipped or not self.enabled:
+            return None
+        names = list(grads)
+        norms = [distributed.full_norm(torch.linalg.vector_norm(_values(g), dtype=torch.float32)) for g in grads.values()]
+        values = torch.stack(norms).tolist() if norms else []
+        bad = [name for name, value in zip(names, values) if not math.isfinite(value)]
+        if not names:
+            what = "no per-parameter gradients recorded (none flowed, or FSDP2 wrote them outside autograd's hooks)"
+        elif bad:
+            what = f"{len(bad)} of {len(names)} gradients non-finite, in backward order: {', '.join(bad[:5])}"
+            what += f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""
+        else:
+            what = f"all {len(names)} gradients finite"
+        return {"step": record.step, "event": "grad_norms", "message": f"step {record.step} skipped ({record.reason}): {what}",
+                "reason": record.reason, "order": "backward", "norms": dict(zip(names, values)), "non_finite": bad}
+
+
+def _values(grad: torch.Tensor) -> torch.Tensor:
+    return grad.coalesce().values() if grad.is_sparse else grad.detach()

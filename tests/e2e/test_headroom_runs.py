@@ -1,0 +1,121 @@
+"""Headroom telemetry and the skipped steps' gradient norms in whole ``ampguard train`` runs: the
+ALERT before an overflow, naming the layer; ``headroom.csv`` (long format, appended on a resume
+exactly as the uninterrupted run wrote it); the report's heatmap panel; ``grad_norms`` events at
+an injected skip; bad settings as one line, exit 2."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from helpers import ag, ok, one_error_line, read_events, read_rows, train
+
+import ampguard.report
+from ampguard.cli import main
+from ampguard.headroom import HEADROOM_COLUMNS
+
+# fc1 then a LayerNorm: the inputs double every step, so fc1's output loses one bit of fp16
+# headroom a step and overflows (65504) around step 10; the layers after the norm stay put.
+RAMP = '''
+import torch
+from collections import OrderedDict
+from torch import nn
+
+
+def build(config):
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(fc1=nn.Linear(2, 8), norm=nn.LayerNorm(8), fc2=nn.Linear(8, 1)))
+    data = [(torch.full((4, 2), 128.0 * 2.0 ** i), torch.zeros(4, 1)) for i in range(40)]
+    return model, data, nn.functional.mse_loss
+'''
+RAMP_RUN = ["--set", "precision=fp16", "--set", "scaler.init_scale=1", "--set", "optimizer.lr=0",
+            "--set", "steps=11", "--set", "monitor.headroom.every=1", "--set", "monitor.headroom.alert_bits=4",
+            "--set", "checkpoint.enabled=false", "--set", "log.every=1000"]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    return struct.unpack(">II", path.read_bytes()[16:24])
+
+
+def test_an_overflow_is_announced_before_the_first_skip_and_drawn_in_the_report(tmp_path, monkeypatch, capsys):
+    factory = tmp_path / "ramp.py"
+    factory.write_text(RAMP, encoding="utf-8")
+    titles: list[str] = []
+    real_panel = ampguard.report.headroom_panel
+
+    def spy(fig, ax, rows, alert_bits=None):  # the real panel, its title kept
+        real_panel(fig, ax, rows, alert_bits)
+        titles.append(ax.get_title())
+
+    monkeypatch.setattr(ampguard.report, "headroom_panel", spy)
+    code = main(["train", *RAMP_RUN, "--set", f"task.factory={factory}:build", "--set", f"log.dir={tmp_path}",
+                 "--set", "log.name=ramp"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    run = tmp_path / "ramp"
+
+    steps = read_rows(run / "steps.csv")
+    first_skip = next(int(r["step"]) for r in steps if r["skipped"] == "1")
+    alerts = [e for e in read_events(run / "events.jsonl") if e["event"] == "headroom_alert"]
+    assert alerts and alerts[0]["module"] == "fc1" and alerts[0]["tensor"] == "output"
+    assert alerts[0]["step"] <= first_skip - 3  # at least k = 3 steps of warning
+    assert {e["module"] for e in alerts if e["step"] < first_skip} == {"fc1"}
+    assert f"ALERT {alerts[0]['step']} headroom_alert: fc1 output headroom" in out
+
+    rows = read_rows(run / "headroom.csv")
+    assert tuple(rows[0]) == HEADROOM_COLUMNS
+    assert sorted({int(r["step"]) for r in rows}) == list(range(1, 12))  # every step measured (every: 1)
+    fc1 = {int(r["step"]): float(r["headroom_bits"]) for r in rows if (r["module"], r["tensor"]) == ("fc1", "output")}
+    assert not fc1[first_skip] >= 0 and fc1[first_skip - 1] >= 0  # the skip: beyond the format (or nan) there
+
+    # the report: a heatmap panel below the five, a taller and larger PNG than the same run without it
+    assert len(titles) == 1 and titles[0].startswith("Headroom")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(run / "steps.csv", bare / "steps.csv")
+    assert main(["report", str(bare)]) == 0
+    with_panel, without = run / "report.png", bare / "report.png"
+    assert png_size(with_panel)[1] > png_size(without)[1] and png_size(with_panel)[0] == png_size(without)[0]
+    assert with_panel.stat().st_size > without.stat().st_size
+    assert len(titles) == 1  # nothing to draw without headroom.csv
+
+
+def test_an_injected_skip_writes_every_parameters_gradient_norm_and_only_then(tmp_path):
+    ok(train(tmp_path, "inj", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "steps=5",
+             "--inject", "inf_grad@3", "--set", "checkpoint.enabled=false"))
+    events = [e for e in read_events(tmp_path / "inj" / "events.jsonl") if e["event"] == "grad_norms"]
+    assert [e["step"] for e in events] == [3]
+    event = events[0]
+    assert event["reason"] == "non_finite_grad" and event["order"] == "backward"
+    assert set(event["norms"]) == {"weight", "bias"}
+    assert event["non_finite"] == ["weight"] and event["norms"]["weight"] == "inf"  # strict JSON: inf as a string
+    assert isinstance(event["norms"]["bias"], float)
+    assert "1 of 2 gradients non-finite" in event["message"]
+
+
+def test_a_resume_appends_headroom_csv_exactly_as_the_uninterrupted_run_wrote_it(tmp_path):
+    args = ["--set", "task.name=linear", "--set", "precision=bf16", "--set", "steps=6", "--set", "checkpoint.every=2",
+            "--set", "checkpoint.keep=10", "--set", "monitor.headroom.every=1"]
+    ok(train(tmp_path, "A", *args))
+    a, b = tmp_path / "A", tmp_path / "B"
+    shutil.copytree(a, b)
+    (b / "checkpoints" / "step-00000006.pt").unlink()
+    ok(ag("train", "--resume", b / "checkpoints" / "step-00000004.pt"))
+    assert (b / "headroom.csv").read_bytes() == (a / "headroom.csv").read_bytes()
+    steps = [int(r["step"]) for r in read_rows(b / "headroom.csv")]
+    assert steps == sorted(steps) and len(steps) == 6 * 2  # one output and one grad row a step, none twice
+
+
+@pytest.mark.parametrize("setting, key", [
+    ("monitor.headroom.every=0", "monitor.headroom.every: must be >= 1"),
+    ("monitor.headroom.alert_bits=-1", "monitor.headroom.alert_bits: must be a finite number >= 0"),
+    ("monitor.headroom.format=fp4", "monitor.headroom.format:"),
+    ("monitor.headroom.every_n=5", "monitor.headroom.every_n: unknown key"),
+])
+def test_bad_headroom_settings_are_one_line_and_exit_2(tmp_path, setting, key):
+    line = one_error_line(train(tmp_path, "bad", "--set", setting))
+    assert key in line
+    assert not (tmp_path / "bad").exists()

@@ -1,0 +1,201 @@
+"""Headroom telemetry and the per-parameter gradient norms of a skipped step (ampguard.headroom),
+on real models through the real guarded step: an overflow announced before it happens, underflow
+seen (and cured by the loss scale), hooks only where they belong, host reads only where promised,
+the CSV's resume rules."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import HostReads
+
+from ampguard.errors import InputError
+from ampguard.headroom import (FORMATS, HEADROOM_COLUMNS, Headroom, HeadroomCsv, SkipGradNorms, headroom_bits,
+                               read_headroom_csv)
+from ampguard.records import StepLog
+from ampguard.step import AmpTrainState
+
+
+def test_the_format_table_holds_fp16_bf16_and_both_fp8_formats():
+    assert FORMATS["fp16"].max == 65504.0 and FORMATS["fp16"].tiny == 2.0**-14
+    assert FORMATS["bf16"].max == pytest.approx(3.3895e38, rel=1e-4) and FORMATS["bf16"].tiny == 2.0**-126
+    assert FORMATS["fp8_e4m3"].max == 448.0 and FORMATS["fp8_e4m3"].tiny == 2.0**-6
+    assert FORMATS["fp8_e5m2"].max == 57344.0 and FORMATS["fp8_e5m2"].tiny == 2.0**-14
+    assert headroom_bits(448.0 / 16, FORMATS["fp8_e4m3"]) == 4.0
+    assert headroom_bits(57344.0, FORMATS["fp8_e5m2"]) == 0.0
+
+
+def _ramp_model() -> nn.Module:
+    """``fc1`` then a LayerNorm: only fc1's output grows with its weight; what follows stays put."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(2, 8), norm=nn.LayerNorm(8), fc2=nn.Linear(8, 1)))
+
+
+def test_a_layer_growing_to_overflow_fp16_is_announced_before_the_first_skip_and_named():
+    model = _ramp_model()
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.functional.mse_loss,
+                          precision="fp16", scaler={"init_scale": 1.0})
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0, scaled_grads=True)
+    with torch.no_grad():
+        model.fc1.weight.mul_(16.0)  # a head start: fewer (slow, fp16 on a CPU) steps to the overflow
+    x, y = torch.ones(4, 2), torch.zeros(4, 1)
+    alerts, first_skip, fc1_bits = [], None, []
+    for step in range(1, 40):
+        with torch.no_grad():
+            model.fc1.weight.mul_(2.0)  # one doubling a step: one bit of headroom lost a step
+        with headroom.measuring(step):
+            record = state.step(x, y)
+        alerts += [e for e in headroom.observe(record) if e.kind == "headroom_alert"]
+        fc1_bits.append(next(r.headroom_bits for r in headroom.read(step) if (r.module, r.tensor) == ("fc1", "output")))
+        if record.skipped:
+            first_skip = step
+            break
+    assert first_skip is not None and first_skip > 6
+    assert alerts, "no headroom alert before the overflow"
+    first = alerts[0]
+    assert first.data["module"] == "fc1" and first.data["tensor"] == "output" and "fc1" in first.message
+    assert first.step <= first_skip - 3  # k = 3 steps of warning at one bit a step and alert_bits 4
+    assert all(e.data["module"] == "fc1" for e in alerts)  # the layers after the norm never come close
+    drops = [a - b for a, b in zip(fc1_bits[:-2], fc1_bits[1:-1])]
+    assert all(d == pytest.approx(1.0, abs=0.05) for d in drops[3:])  # one bit a step, as the weight doubles
+
+
+def _underflow_share(init_scale: float) -> float:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(4, 4)))
+    tiny_loss = lambda out, y: nn.functional.mse_loss(out, y) * 1e-3  # noqa: E731 - grads ~1e-5: below fp16's normals
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.0), tiny_loss, precision="fp16",
+                          scaler={"init_scale": init_scale})
+    headroom = Headroom(model, "fp16", every=1, alert_bits=0.0, scaled_grads=True)
+    with headroom.measuring(1):
+        state.step(torch.randn(16, 4), torch.randn(16, 4))
+    grad = next(r for r in headroom.read(1) if r.tensor == "grad")
+    assert grad.module == "fc" and math.isfinite(grad.headroom_bits)
+    return grad.underflow_share
+
+
+def test_gradients_that_underflow_fp16_show_their_share_and_the_loss_scale_lifts_them_out():
+    assert _underflow_share(init_scale=1.0) > 0.9  # unscaled: subnormal (or flushed) in fp16
+    assert _underflow_share(init_scale=2.0**16) == 0.0  # what the loss scale is for
+
+
+def test_hooks_live_only_during_a_measured_step_even_when_it_fails():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    headroom = Headroom(model, "bf16", every=3, alert_bits=4.0)
+    hooked = lambda: sum(len(m._forward_hooks) for m in model.modules())  # noqa: E731
+    with headroom.measuring(2):
+        assert hooked() == 0  # not a measured step: nothing installed
+        model(torch.ones(1, 2)).sum().backward()
+    assert headroom.read(2) == []
+    with pytest.raises(RuntimeError, match="boom"), headroom.measuring(3):
+        assert hooked() == 2
+        raise RuntimeError("boom")
+    assert hooked() == 0
+
+
+def test_an_unmeasured_applied_step_adds_no_host_read_and_a_skipped_one_reads_once():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
+                          precision="bf16")
+    headroom, norms = Headroom(model, "bf16", every=10, alert_bits=4.0), SkipGradNorms(model)
+    x, y = torch.ones(4, 2), torch.zeros(4, 1)
+    with HostReads() as bare:
+        state.step(x, y)
+    with HostReads() as watched:
+        with norms.capturing(), headroom.measuring(2):
+            record = state.step(x, y)
+        assert headroom.observe(record) == [] and norms.after(record) is None
+    assert watched.count == bare.count == 1  # the step's own skip decision, nothing more
+    with HostReads() as skipped:
+        with norms.capturing():
+            record = state.step(torch.full((4, 2), float("inf")), y)
+        event = norms.after(record)
+    assert record.skipped and event is not None and skipped.count == bare.count + 1
+
+
+def test_skipped_step_norms_name_the_non_finite_gradient_in_backward_order_and_applied_steps_drop_them():
+    model = nn.Sequential(OrderedDict(a=nn.Linear(3, 3), b=nn.Linear(3, 3), c=nn.Linear(3, 1)))
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
+                          precision="fp32", accumulation_steps=2)
+    poison = {"on": False}
+    model.b.weight.register_hook(lambda g: g.fill_(float("nan")) if poison["on"] else None)
+    norms = SkipGradNorms(model)
+    x, y = torch.ones(2, 3), torch.zeros(2, 1)
+    with norms.capturing():
+        state.step(x, y)
+        record = state.step(x, y)
+    assert not record.skipped and norms.after(record) is None and norms._grads == {}  # references dropped
+    with norms.capturing():
+        state.step(x, y)
+        poison["on"] = True  # the group's second micro-batch
+        record = state.step(x, y)
+    event = norms.after(record)
+    assert record.skipped and event["step"] == 2 and event["reason"] == "non_finite_grad"
+    order = list(event["norms"])  # backward finishes the last layer's gradients first
+    assert set(order[:2]) == {"c.weight", "c.bias"} and set(order[2:4]) == {"b.weight", "b.bias"}
+    assert set(order[4:]) == {"a.weight", "a.bias"}
+    assert event["non_finite"] == ["b.weight"] and "b.weight" in event["message"]
+    assert math.isnan(event["norms"]["b.weight"]) and math.isfinite(event["norms"]["c.weight"])
+
+
+def test_alert_once_per_episode_clear_when_back_and_the_state_round_trips():
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(1, 1, bias=False)))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    kinds = []
+    for step, weight in enumerate([1.0, 8000.0, 9000.0, 1.0, 8000.0], start=1):
+        model.fc.weight.data.fill_(weight)
+        with headroom.measuring(step):
+            model(torch.ones(1, 1))
+        kinds.append([e.kind for e in headroom.observe_step(step)])
+    assert kinds == [[], ["headroom_alert"], [], ["headroom_clear"], ["headroom_alert"]]
+    again = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    again.load_state_dict(headroom.state_dict())
+    with again.measuring(6):
+        model(torch.ones(1, 1))
+    assert again.observe_step(6) == []  # still the same episode after a resume
+
+
+def _rows_at(headroom: Headroom, model: nn.Module, step: int) -> None:
+    with headroom.measuring(step):
+        model(torch.ones(1, 1))
+
+
+def test_headroom_csv_appends_on_resume_without_duplicates_and_never_overwrites(tmp_path):
+    model = nn.Linear(1, 1)
+    headroom = Headroom(model, "bf16", every=1, alert_bits=4.0)
+    path = tmp_path / "headroom.csv"
+    log = lambda step: StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0,  # noqa: E731
+                               scaler_scale=1.0)
+    sink = HeadroomCsv(path, headroom)
+    for step in (1, 2, 3):
+        _rows_at(headroom, model, step)
+        sink.write(log(step))
+        assert [r.step for r in read_headroom_csv(path)][-1] == step  # flushed when written
+    sink.close()
+    with pytest.raises(InputError, match="refusing to overwrite"):
+        HeadroomCsv(path, headroom)
+    sink = HeadroomCsv(path, headroom, append=True, keep_through=2)  # resumed from step 2
+    for step in (3, 4):
+        _rows_at(headroom, model, step)
+        sink.write(log(step))
+    sink.close()
+    assert [r.step for r in read_headroom_csv(path)] == [1, 2, 3, 4]
+    assert path.read_text().count(",".join(HEADROOM_COLUMNS)) == 1
+    path.write_text("step,lr\n1,0.1\n")
+    with pytest.raises(InputError, match="header does not match"):
+        HeadroomCsv(path, headroom, append=True, keep_through=1)
+
+
+def test_grad_norms_switched_off_install_nothing_and_report_nothing():
+    model = nn.Linear(2, 1)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss, precision="fp32")
+    norms = SkipGradNorms(model, enabled=False)
+    with norms.capturing():
+        assert not model.weight._post_accumulate_grad_hooks
+        record = state.step(torch.full((4, 2), float("nan")), torch.zeros(4, 1))
+    assert record.skipped and norms.after(record) is None
