@@ -416,14 +416,16 @@ def read_headroom_csv(path: str | Path) -> list[HeadroomRow]:
 class SkipGradNorms:
     """Every trainable parameter's gradient norm at a skipped step, for ``events.jsonl``.
 
-    :meth:`capturing` around a step's micro-batches keeps a reference to each gradient as
-    backward finishes it (``register_post_accumulate_grad_hook``; record order = the order
-    backward finished them, roughly the reverse of registration). :meth:`after` drops them, and
-    for a skipped step first returns the event (norms in that order, the non-finite ones named):
-    one host read on a skipped step, none on an applied one. Under FSDP2 the sharded
-    parameters' gradients may be written outside autograd's hooks: then nothing is recorded
-    (when they are seen, their norms are reduced over the shards, a collective every rank makes).
-    ``enabled=False`` (``diagnose.grad_norms: false``): no hooks, no event.
+    Attached to the guard (:meth:`attach`), it is called at a skipped step before the step drops
+    the gradients, and takes their norms there, on the device; :meth:`after` then returns the
+    event (norms in backward's order, the non-finite ones named): one host read on a skipped
+    step, nothing at all on an applied one. Backward's order (the order it finished the
+    gradients, roughly the reverse of registration) is learned once, by hooks that
+    :meth:`capturing` installs around the first step only; parameters that step gave no gradient
+    follow in reverse registration order. Under FSDP2 the sharded parameters' gradients may be
+    written outside autograd's hooks: the order is then reverse registration, and each norm is
+    reduced over the shards (a collective every rank makes). ``enabled=False``
+    (``diagnose.grad_norms: false``): no hooks, no event.
 
     Example (an inf planted in the first layer's weight gradient)::
 
@@ -432,7 +434,7 @@ class SkipGradNorms:
         >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
         ...                       precision="bf16")
         >>> _ = model[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
-        >>> norms = SkipGradNorms(model)
+        >>> norms = SkipGradNorms(model).attach(state)
         >>> with norms.capturing():
         ...     record = state.step(torch.ones(4, 2), torch.zeros(4, 1))
         >>> event = norms.after(record)
@@ -445,38 +447,64 @@ class SkipGradNorms:
     def __init__(self, model: nn.Module, enabled: bool = True) -> None:
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if enabled else []
         self.enabled = enabled
-        self._grads: dict[str, torch.Tensor] = {}
+        self.order: list[str] | None = None  # backward's order, learned at the first step
+        self._seen: list[str] = []
+        self._taken: tuple[list[str], torch.Tensor | None] | None = None  # a skipped step's names and norms
+
+    def attach(self, guard: Any) -> SkipGradNorms:
+        """Be called by ``guard`` at each skipped step (``Guard.skip_hooks``); returns self."""
+        if self.enabled:
+            guard.skip_hooks.append(self.at_skip)
+        return self
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """The hooks for the time of the block (removed on the way out)."""
-        self._grads = {}
+        """Around a step: until backward's order is known, hooks that note it (removed on the
+        way out); after that, nothing."""
+        self._taken = None
+        if not self.enabled or self.order is not None:
+            yield
+            return
+        self._seen = []
         handles = [p.register_post_accumulate_grad_hook(self._hook(name)) for name, p in self.params]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+            if self._seen:
+                self.order = self._current_order()
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            if param.grad is not None:  # first arrival fixes the order; a later micro-batch's keeps it
-                self._grads[name] = param.grad
+            if param.grad is not None and name not in self._seen:  # the first arrival fixes the order
+                self._seen.append(name)
 
         return hook
 
+    def _current_order(self) -> list[str]:
+        known = self.order or self._seen
+        seen = set(known)
+        return known + [name for name, _ in reversed(self.params) if name not in seen]
+
+    def at_skip(self) -> None:
+        """The skipped step's gradient norms, on the device (no host read), in backward's order."""
+        grads = {name: p.grad for name, p in self.params if p.grad is not None}
+        names = [name for name in self._current_order() if name in grads]
+        norms = [distributed.full_norm(torch.linalg.vector_norm(_values(grads[n]), dtype=torch.float32))
+                 for n in names]
+        self._taken = (names, torch.stack(norms) if norms else None)
+
     def after(self, record: StepRecord) -> dict[str, Any] | None:
-        """For a skipped step the ``grad_norms`` event (a host read), else None; the gradients
-        kept are dropped either way."""
-        grads, self._grads = self._grads, {}
+        """For a skipped step the ``grad_norms`` event (a host read), else None."""
+        taken, self._taken = self._taken, None
         if not record.skipped or not self.enabled:
             return None
-        names = list(grads)
-        norms = [distributed.full_norm(torch.linalg.vector_norm(_values(g), dtype=torch.float32)) for g in grads.values()]
-        values = torch.stack(norms).tolist() if norms else []
+        names, norms = taken if taken is not None else ([], None)
+        values = norms.tolist() if norms is not None else []
         bad = [name for name, value in zip(names, values) if not math.isfinite(value)]
         if not names:
-            what = "no per-parameter gradients recorded (none flowed, or FSDP2 wrote them outside autograd's hooks)"
+            what = "no per-parameter gradients recorded (none flowed, or the guard was not attached)"
         elif bad:
             what = f"{len(bad)} of {len(names)} gradients non-finite, in backward order: {', '.join(bad[:5])}"
             what += f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""

@@ -251,6 +251,8 @@ class Guard:
             self.scaler = precision.make_scaler(**(scaler or {}))
 
         self.monitors: dict[str, Any] = {}  # fed by the loop, saved here: name -> obj with state_dict()
+        # called at a skipped step, before its gradients are dropped (diagnostics: nothing on applied steps)
+        self.skip_hooks: list[Callable[[], None]] = []
         self.steps = 0  # optimizer steps attempted (closed groups); the next record is steps + 1
         self.sync_free = sync_free
         self.lr_schedule = lr_schedule
@@ -428,6 +430,8 @@ class Guard:
                 self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
         for name in skipped:
             self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
+        for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
+            hook()
         self.scaler.update()
         for name in names:
             if name in applied or self.scheduler_on_skip == "step":

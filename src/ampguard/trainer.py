@@ -138,7 +138,7 @@ class Trainer:
         self.headroom = build_headroom(config, self.task.model, self.state.scaler.is_enabled())
         if self.headroom is not None:
             self.state.monitors["headroom"] = self.headroom
-        self.grad_norms = SkipGradNorms(self.task.model, enabled=config.diagnose.grad_norms)
+        self.grad_norms = SkipGradNorms(self.task.model, enabled=config.diagnose.grad_norms).attach(self.state)
         self.state.loss_fn = self.injector.wrap_loss(self.state.loss_fn)
         self.injector.attach(self.task.model)
         self.diagnosis = None
@@ -264,8 +264,9 @@ class Trainer:
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         """Around :meth:`train_step`: the diagnostics' hooks, which live for that call only and
-        watch from outside the step (``headroom.py``): the gradients kept for a step that may be
-        skipped, and on a measured step the headroom hooks."""
+        watch from outside the step (``headroom.py``): at the first step the hooks that learn
+        backward's order (for a skipped step's gradient norms), and on a measured step the
+        headroom hooks. Other steps pay nothing."""
         headroom = self.headroom.measuring(self.state.steps + 1) if self.headroom else contextlib.nullcontext()
         with self.grad_norms.capturing(), headroom:
             yield

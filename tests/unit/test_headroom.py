@@ -102,7 +102,7 @@ def test_an_unmeasured_applied_step_adds_no_host_read_and_a_skipped_one_reads_on
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
                           precision="bf16")
-    headroom, norms = Headroom(model, "bf16", every=10, alert_bits=4.0), SkipGradNorms(model)
+    headroom, norms = Headroom(model, "bf16", every=10, alert_bits=4.0), SkipGradNorms(model).attach(state)
     x, y = torch.ones(4, 2), torch.zeros(4, 1)
     with HostReads() as bare:
         state.step(x, y)
@@ -118,19 +118,20 @@ def test_an_unmeasured_applied_step_adds_no_host_read_and_a_skipped_one_reads_on
     assert record.skipped and event is not None and skipped.count == bare.count + 1
 
 
-def test_skipped_step_norms_name_the_non_finite_gradient_in_backward_order_and_applied_steps_drop_them():
+def test_skipped_step_norms_name_the_non_finite_gradient_in_backward_order_learned_at_the_first_step():
     model = nn.Sequential(OrderedDict(a=nn.Linear(3, 3), b=nn.Linear(3, 3), c=nn.Linear(3, 1)))
     state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
                           precision="fp32", accumulation_steps=2)
     poison = {"on": False}
     model.b.weight.register_hook(lambda g: g.fill_(float("nan")) if poison["on"] else None)
-    norms = SkipGradNorms(model)
+    norms = SkipGradNorms(model).attach(state)
     x, y = torch.ones(2, 3), torch.zeros(2, 1)
     with norms.capturing():
         state.step(x, y)
         record = state.step(x, y)
-    assert not record.skipped and norms.after(record) is None and norms._grads == {}  # references dropped
-    with norms.capturing():
+    assert not record.skipped and norms.after(record) is None
+    with norms.capturing():  # backward's order is known after the first step: no hooks any more
+        assert not model.a.weight._post_accumulate_grad_hooks
         state.step(x, y)
         poison["on"] = True  # the group's second micro-batch
         record = state.step(x, y)
@@ -194,8 +195,24 @@ def test_headroom_csv_appends_on_resume_without_duplicates_and_never_overwrites(
 def test_grad_norms_switched_off_install_nothing_and_report_nothing():
     model = nn.Linear(2, 1)
     state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss, precision="fp32")
-    norms = SkipGradNorms(model, enabled=False)
+    norms = SkipGradNorms(model, enabled=False).attach(state)
+    assert state.skip_hooks == []
     with norms.capturing():
         assert not model.weight._post_accumulate_grad_hooks
         record = state.step(torch.full((4, 2), float("nan")), torch.zeros(4, 1))
     assert record.skipped and norms.after(record) is None
+
+
+def test_a_skip_at_the_very_first_step_is_reported_in_the_order_seen_so_far():
+    # the skip hook runs inside the first step, while the order is still being learned
+    model = nn.Sequential(OrderedDict(a=nn.Linear(3, 3), b=nn.Linear(3, 1)))
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
+                          precision="fp32")
+    model.a.weight.register_hook(lambda g: g.fill_(float("nan")))
+    norms = SkipGradNorms(model).attach(state)
+    with norms.capturing():
+        record = state.step(torch.ones(2, 3), torch.zeros(2, 1))
+    event = norms.after(record)
+    assert record.skipped and event["non_finite"] == ["a.weight"]
+    assert list(event["norms"])[:2] in (["b.bias", "b.weight"], ["b.weight", "b.bias"])  # the last layer first
+    assert list(event["norms"]) == norms.order and set(norms.order[2:]) == {"a.weight", "a.bias"}
