@@ -366,48 +366,32 @@ def test_the_rollback_log_is_a_checkpointed_part(tmp_path):
     assert other.rollbacks.state_dict() is not other.rollbacks.log  # a copy, not the live list
 
 
-def test_after_a_rollback_the_real_stream_gives_the_batch_at_checkpoint_position_plus_skip(tmp_path):
-    # checkpoint at data position 8, skip_batches 8: the stream goes on at batch 16, past the trigger's (13)
+@pytest.mark.parametrize("skip_batches, resumes_at", [
+    (8, 16),  # checkpoint at data position 8 + skip 8: past the trigger's batch (13)
+    (2, 14),  # 8 + 2 = 10 would train on batch 13 again and trigger again: the stream goes on at 14
+])
+def test_after_a_rollback_the_stream_goes_on_past_the_checkpoint_plus_skip_and_the_triggering_batch(
+        tmp_path, skip_batches, resumes_at):
     task = build_task(validate({"task": {"name": "linear", "batch_size": 2}}))
     reference = DataStream(task, FaultInjector([]), torch.device("cpu"))
     expected = [reference.next(first_step=1) for _ in range(30)]
 
     data = DataStream(task, FaultInjector([]), torch.device("cpu"))
-    w = World(tmp_path, data=data, skip_batches=8)
+    w = World(tmp_path, data=data, skip_batches=skip_batches)
     for _ in range(8):
         data.next(first_step=1)
     w.step.steps = 4
     w.manager.save(4)  # data position 8
-    for _ in range(6):
+    for _ in range(6):  # batches 8..13; the trigger's is 13
         data.next(first_step=5)
     w.step.steps = 7
     assert w.rollbacks.apply(Rollback(6, "why", g.LOSS_SPIKE)) == g.CONTINUE
-    assert data.position == 16
+    assert data.position == resumes_at
     x, y = data.next(first_step=8)
-    assert torch.equal(x, expected[16][0]) and torch.equal(y, expected[16][1])
-    assert data.position == 17
-
-
-def test_a_skip_smaller_than_the_checkpoint_gap_still_skips_the_triggering_batch(tmp_path):
-    # checkpoint at data position 8, the trigger's batch is 13 (position 14 after it), skip_batches 2:
-    # 8 + 2 = 10 would train on batch 13 again and trigger again; the stream goes on at 14
-    task = build_task(validate({"task": {"name": "linear", "batch_size": 2}}))
-    reference = DataStream(task, FaultInjector([]), torch.device("cpu"))
-    expected = [reference.next(first_step=1) for _ in range(30)]
-    data = DataStream(task, FaultInjector([]), torch.device("cpu"))
-    w = World(tmp_path, data=data, skip_batches=2)
-    for _ in range(8):
-        data.next(first_step=1)
-    w.step.steps = 4
-    w.manager.save(4)
-    for _ in range(6):
-        data.next(first_step=5)
-    w.step.steps = 7
-    assert w.rollbacks.apply(Rollback(6, "why", g.LOSS_SPIKE)) == g.CONTINUE
-    assert data.position == 14
-    x, _ = data.next(first_step=8)
-    assert torch.equal(x, expected[14][0])
-    assert "skipped 6 batches (data position 14 -> 14)" in w.rollbacks.log[-1]
+    assert torch.equal(x, expected[resumes_at][0]) and torch.equal(y, expected[resumes_at][1])
+    assert data.position == resumes_at + 1
+    if skip_batches == 2:
+        assert "skipped 6 batches (data position 14 -> 14)" in w.rollbacks.log[-1]
 
 
 # ---------------------------------------------------------------------------- under torchrun: ranks agree (issue 16)
