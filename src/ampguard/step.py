@@ -313,17 +313,18 @@ class Guard:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}")
         with self._no_sync():  # FSDP2 reduces in backward
-            losses = tuple(loss.float() for loss in losses)
+            losses = [loss.float() for loss in losses]
             finite = [torch.isfinite(loss.detach()) for loss in losses]
             total, bad = losses[0].detach(), ~finite[0]
             for loss, ok in zip(losses[1:], finite[1:]):
                 total, bad = total + loss.detach(), bad | ~ok
             self._accumulate(total, bad)
+            last = len(losses) - 1
             for i, (loss, ok) in enumerate(zip(losses, finite)):
                 loss = torch.where(ok, loss, 0.0)
                 if self.accumulation_steps > 1:  # (x / 1 is x, bit for bit: one op and one node saved)
                     loss = loss / self.accumulation_steps
-                self.scaler.scale(loss).backward(retain_graph=i < len(losses) - 1)
+                self.scaler.scale(loss).backward(retain_graph=i < last)
         self._micro += 1
         self._backward_pending = True
 
@@ -369,11 +370,15 @@ class Guard:
     def _closes_group(self) -> bool:
         return self._micro + 1 == self.accumulation_steps
 
-    def _no_sync(self) -> contextlib.ExitStack:
+    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """No gradient all-reduce (DDP's ``no_sync``) on a micro-batch that does not close its group."""
+        if self._closes_group():  # the group's last micro-batch (every one without accumulation): sync
+            return contextlib.nullcontext()
+        if len(self._modules) == 1:
+            return distributed.accumulation_context(self._modules[0], False)
         stack = contextlib.ExitStack()
         for module in self._modules:
-            stack.enter_context(distributed.accumulation_context(module, self._closes_group()))
+            stack.enter_context(distributed.accumulation_context(module, False))
         return stack
 
     def _accumulate(self, loss: torch.Tensor, bad: torch.Tensor) -> None:
@@ -415,11 +420,13 @@ class Guard:
 
         # The one host read of the step: was the loss or a gradient non-finite (on any rank)?
         bad_loss, bad_grad, *bad_each = flags.tolist()
-        if bad_loss or (bad_grad and not any(bad_each)):
-            skipped = names
+        if not (bad_loss or bad_grad):  # (a non-finite gradient anywhere makes the joint norm so)
+            skipped, applied = (), names
+        elif bad_loss or not any(bad_each):  # a loss skip, or one optimizer, or no single culprit
+            skipped, applied = names, ()
         else:
             skipped = tuple(n for n, bad in zip(names, bad_each) if bad)
-        applied = tuple(n for n in names if n not in skipped)
+            applied = tuple(n for n in names if n not in skipped)
 
         post = None
         if applied:
