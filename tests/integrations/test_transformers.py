@@ -87,6 +87,9 @@ def test_guarded_trainer_fp16_skips_the_overflow_backs_off_and_holds_the_schedul
     assert (summary["steps"], summary["updates"], summary["skips"], summary["exit_code"]) == (
         20, 19, {"non_finite_grad": 1}, 0)
     assert summary["final_scale"] == 512.0 and summary["guarded"] is True
+    card = (folder / "RUN.md").read_text()  # the run card shows the overflow too
+    assert "| steps / updates applied | 20 / 19 |" in card
+    assert "| skipped steps | 1 (non_finite_grad 1) |" in card and "| loss scale | 512 at the end" in card
 
 
 def test_guarded_trainer_bf16_nan_loss_never_reaches_the_weights(tmp_path):

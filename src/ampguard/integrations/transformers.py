@@ -38,7 +38,39 @@ from ..sinks import CsvSink
 from ..step import Guard
 from .accelerate import found_inf
 
-CSV_NAME, EVENTS_NAME, SUMMARY_NAME = "steps.csv", "events.jsonl", "summary.json"
+CSV_NAME, EVENTS_NAME, SUMMARY_NAME, CARD_NAME = "steps.csv", "events.jsonl", "summary.json", "RUN.md"
+
+
+def run_card(summary: dict[str, Any]) -> str:
+    """``RUN.md``: what a teammate reads first about a Trainer run, from ``summary.json``'s fields
+    (``ampguard report DIR/steps.csv`` draws its plot).
+
+    Example::
+
+        >>> card = run_card({"ended": "finished: 20 steps", "exit_code": 0, "steps": 20, "updates": 19,
+        ...                  "skips": {"non_finite_grad": 1}, "max_skip_rate": 0.05, "alert_episodes": 0,
+        ...                  "clip_rate": 0.9, "scale": "stable", "final_scale": 512.0, "guarded": True})
+        >>> print(card.splitlines()[5]); print(card.splitlines()[7])
+        | steps / updates applied | 20 / 19 |
+        | skipped steps | 1 (non_finite_grad 1) |
+    """
+    skips = summary.get("skips") or {}
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skips.items())) or "none"
+    scale = summary.get("final_scale")
+    rows = [
+        ("ended", f"{summary.get('ended')} (exit {summary.get('exit_code')})"),
+        ("steps / updates applied", f"{summary.get('steps')} / {summary.get('updates')}"),
+        ("guarded", "yes: GuardedTrainer (the step skipped, the schedule held)" if summary.get("guarded")
+         else "watched only: a stock Trainer with the callback"),
+        ("skipped steps", f"{sum(skips.values())} ({reasons})"),
+        ("max rolling skip rate", f"{summary.get('max_skip_rate', 0):.4g}"),
+        ("skip-rate alert episodes", str(summary.get("alert_episodes"))),
+        ("clip rate", "n/a" if summary.get("clip_rate") is None else f"{summary['clip_rate']:.3g}"),
+        ("loss scale", "n/a" if scale is None else f"{scale:g} at the end ({summary.get('scale') or 'no scaler'})"),
+        ("files", f"`{CSV_NAME}` (one row per optimizer step), `{EVENTS_NAME}`, `{SUMMARY_NAME}`"),
+    ]
+    lines = ["# ampguard run card (Hugging Face Trainer)", "", "| | |", "|---|---|"]
+    return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows]) + "\n"
 GUARD_EXIT_CODE = 3  # what `ampguard train` exits with when a guard stops a run (docs/design.md §4)
 
 
@@ -187,6 +219,7 @@ class AmpGuardCallback(TrainerCallback):
                 "guarded": self._guarded,
             }
             (self.out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+            (self.out_dir / CARD_NAME).write_text(run_card(summary), encoding="utf-8")
 
     # ---------------------------------------------------------------- helpers
 
