@@ -731,6 +731,11 @@ class Config(_Section):
     """Rolling back to the last good checkpoint on a loss spike or a tripped guard."""
     task: TaskConfig = TaskConfig()
     """The workload: a built-in one or your own factory."""
+    compile: bool = False
+    """Compile the model's forward with ``torch.compile`` (in place, ``nn.Module.compile``, so
+    checkpoints keep their keys). The first steps take longer while it compiles (tens of seconds
+    on a CPU); on a GPU it is what makes a transformer fast. Inductor may fuse operations: not bit
+    for bit the eager run."""
     inject: list[str] = []
     """Faults to inject, ``KIND@WHEN`` (see ``ampguard demo --help``); for testing the guard rails."""
 

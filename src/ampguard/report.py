@@ -407,7 +407,8 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         return f"`{p.name}`" if p is not None and p.exists() else "not written"
 
     setup = [
-        ("precision", f"{config.precision} (autocast on {result.device.type})"),
+        ("precision", f"{config.precision} (autocast on {result.device.type})"
+                      + (", model compiled (torch.compile)" if config.compile else "")),
         ("loss scaler", scaler),
         ("clipping", clip),
         ("accumulation", f"{config.accumulation_steps} micro-batch(es) per step"),

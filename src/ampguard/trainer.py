@@ -127,6 +127,8 @@ class Trainer:
         if self.dist.active:
             model = distributed.wrap(model, config.distributed.strategy, self.device)
         self.state = build_state(config, model, self.task.loss_fn, self.device)
+        if config.compile:  # after fp8's conversion and the DDP/FSDP2 wrap; in place: the same parameters
+            model.compile()
         self.evaluator = Evaluator(self.task, self.state.precision, self.device, config)
         if self.task.name == "factory":
             self.evaluator.check()
@@ -349,7 +351,8 @@ class Trainer:
                                   "message": ck.policy_line(change)}, "POLICY")
         else:
             self.events.emit({"step": 0, "event": "run_start",
-                              "message": f"{self.task.description}; {self.config.precision} on {self.device}"})
+                              "message": f"{self.task.description}; {self.config.precision} on {self.device}"
+                                         + ("; compiled (torch.compile)" if self.config.compile else "")})
 
     def _close(self, stopped: Stop | None) -> RunResult:
         ended = stopped.why if stopped else f"finished: {self.config.steps} steps"
