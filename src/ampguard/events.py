@@ -83,3 +83,46 @@ def progress_bar(total: int, initial: int = 0) -> Any:
 
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
                 disable=None)
+
+
+class Throughput:
+    """Training throughput for the ``STATS`` line: tokens/s for a model fed integer token ids (a
+    batch's ``numel``), examples/s otherwise (its first dimension), over the wall time since the
+    previous line (so it includes what the loop did between: evaluation, checkpoints).
+
+    Example (a fake clock)::
+
+        >>> import torch
+        >>> now = iter([0.0, 2.0, 3.0])
+        >>> meter = Throughput(clock=lambda: next(now))
+        >>> meter.add(torch.zeros(4, 64, dtype=torch.long)); meter.add(torch.zeros(4, 64, dtype=torch.long))
+        >>> meter.take()
+        ' tokens/s=256'
+        >>> meter.add(torch.zeros(8, 3)); meter.take()
+        ' examples/s=8'
+        >>> Throughput(clock=lambda: 0.0).take()  # nothing measured: nothing said
+        ''
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._since = clock()
+        self._items, self._unit = 0, ""
+
+    def add(self, inputs: Any) -> None:
+        """Count one micro-batch's inputs (anything that is not a tensor counts nothing)."""
+        shape = getattr(inputs, "shape", None)
+        if shape is None or not len(shape):
+            return
+        tokens = not inputs.is_floating_point()
+        self._items += inputs.numel() if tokens else shape[0]
+        self._unit = "tokens" if tokens else "examples"
+
+    def take(self) -> str:
+        """`` tokens/s=N`` (or examples) since the last call, and start counting again."""
+        now = self._clock()
+        elapsed, self._since = now - self._since, now
+        items, self._items = self._items, 0
+        if not items or elapsed <= 0:
+            return ""
+        return f" {self._unit}/s={items / elapsed:,.0f}"

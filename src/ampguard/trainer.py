@@ -25,7 +25,7 @@ from .config import Config
 from .data import DataStream
 from .errors import ExitCode, InputError
 from .evaluation import Evaluator
-from .events import EventLog, event_word, progress_bar
+from .events import EventLog, Throughput, event_word, progress_bar
 from .faults import FaultInjector, check_ranks, parse_fault
 from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop, TriggerBatches
 from .headroom import Headroom, SkipGradNorms
@@ -94,6 +94,7 @@ class Trainer:
     events: EventLog
     say: Callable[[str], None]
     bar: Any
+    throughput: Throughput
     _failed: DiskFull | None
     """A write of the trainer's own that found the disk full (the run folder, a checkpoint, the
     run card); the sinks and the event log keep theirs (:meth:`disk_full`)."""
@@ -252,6 +253,7 @@ class Trainer:
         """
         while True:
             batch = self.data.next(first_step=self.state.steps + 1)
+            self.throughput.add(batch[0])
             if self.diagnosis is not None:
                 self.diagnosis.capture(batch)
             evidence = self.rollbacks.evidence
@@ -291,7 +293,7 @@ class Trainer:
             self.monitor.observe_eval(metrics)
             self.say(f"EVAL {record.step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         if self.stats_every and record.step % self.stats_every == 0:
-            self.say(self.monitor.stats_line())
+            self.say(self.monitor.stats_line() + self.throughput.take())
         if self.bar is not None:
             self.bar.update(1)
 
@@ -328,6 +330,7 @@ class Trainer:
         self.checkpointer.folder = distributed.broadcast_from_main(self.paths.checkpoints)
         self.run_id = distributed.broadcast_from_main(self.paths.ensure_run_id())  # made now for a new run folder
         self.bar = progress_bar(self.config.steps, initial=self.state.steps) if self.progress and main else None
+        self.throughput = Throughput()  # for the STATS lines: counted from here
         self.say = say = (self.bar.write if self.bar is not None else self.print_fn) if main else (lambda line: None)
         console = ConsoleSink(self.console_every, say)
         try:
