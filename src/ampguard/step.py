@@ -264,7 +264,8 @@ class Guard:
             self._base_lrs = [group["lr"].detach().clone() for group in self.optimizer.param_groups]
         # what is checked, measured and clipped: each optimizer's parameters, in the model's order
         self._modules = modules
-        self._params_of = {n: [p for p in root.parameters() if holder.get(id(p)) == n] for n in optimizers}
+        self._owned = [(p, holder[id(p)]) for p in root.parameters() if id(p) in holder]  # (param, optimizer)
+        self._params_of = {n: [p for p, owner in self._owned if owner == n] for n in optimizers}
         self._frozen = [p for p in root.parameters() if p.requires_grad and id(p) not in holder]
         self._micro = 0  # micro-batches so far in the open group
         self._group: tuple[str, ...] | None = None  # the optimizers the open group steps
@@ -389,10 +390,11 @@ class Guard:
             self._loss_bad = self._loss_bad | bad
 
     def _union(self, names: Sequence[str]) -> list[torch.Tensor]:
-        """The parameters of these optimizers (one optimizer's list as it is)."""
+        """The parameters of these optimizers in the model's order (whatever order the optimizers
+        are named in), so their norm is bit for bit ``clip_grad_norm_`` over the model's parameters."""
         if len(names) == 1:
             return self._params_of[names[0]]
-        return [p for n in names for p in self._params_of[n]]
+        return [p for p, owner in self._owned if owner in names]
 
     def _close_group(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Unscale, take the global norm and agree on the flags: (loss, pre, flags). No host read.
@@ -475,7 +477,7 @@ class Guard:
         loss, pre, flags = self._close_group(tuple(self.optimizers))
         found = flags.any().to(torch.float32)
 
-        post = clip_to_norm_(self._params_of[next(iter(self.optimizers))], self.max_norm, pre)
+        post = clip_to_norm_(self._union(tuple(self.optimizers)), self.max_norm, pre)
         if self.lr_schedule is not None:
             factor = self.lr_schedule(self._updates_t)
             for group, base in zip(self.optimizer.param_groups, self._base_lrs):

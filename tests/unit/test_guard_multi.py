@@ -154,9 +154,11 @@ def canonical_two_optimizers(precision: str, accum: int, data, *, max_norm: floa
 
 
 def guarded_two_optimizers(precision: str, accum: int, data, *, max_norm: float, inf_in: str | None = None,
-                           inf_at: int | None = None):
+                           inf_at: int | None = None, head_first: bool = False):
     model = Tagger()
     opts = _tagger_optimizers(model)
+    if head_first:  # the optimizers named in another order than their parameters stand in the model
+        opts = dict(reversed(opts.items()))
     guard = Guard(model, opts, precision=precision, max_norm=max_norm, accumulation_steps=accum,
                   scaler=dict(init_scale=2.0**10))
     records = []
@@ -173,10 +175,11 @@ def guarded_two_optimizers(precision: str, accum: int, data, *, max_norm: float,
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("accum", [1, 3])
-def test_two_optimizers_over_one_model_are_bit_for_bit_the_canonical_loop(precision, accum):
+@pytest.mark.parametrize("head_first", [False, True])
+def test_two_optimizers_over_one_model_are_bit_for_bit_the_canonical_loop(precision, accum, head_first):
     data = _tagger_data(6 * accum)
     ref, history = canonical_two_optimizers(precision, accum, data, max_norm=0.3)
-    model, guard, records = guarded_two_optimizers(precision, accum, data, max_norm=0.3)
+    model, guard, records = guarded_two_optimizers(precision, accum, data, max_norm=0.3, head_first=head_first)
     assert_same(model, ref)
     assert [float(r.scaler_scale) for r in records] == [scale for _, scale in history]
     assert not any(r.skipped for r in records) and guard.applied == {"emb": 6, "head": 6}
