@@ -46,7 +46,6 @@ from typing import Any, Literal
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
-    from lightning.pytorch.trainer import call
     from lightning.pytorch.utilities import GradClipAlgorithmType
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 except ImportError as err:  # pragma: no cover - the extra is installed in the test environment
