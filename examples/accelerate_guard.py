@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ampguard import CsvSink
+from ampguard import CsvSink, distributed
 from ampguard.integrations.accelerate import make_guard
 
 
@@ -35,6 +35,19 @@ def main(argv: list[str] | None = None) -> int:
 
     # ampguard does the autocast and the loss scaling; cpu=True: gloo processes where there is no GPU
     accelerator = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
+    line = train(accelerator, args)                    # the DDP model and the guard live in there only
+    sys.stdout.write(line)  # one write: the processes share the pipe, print() would write the newline apart
+    sys.stdout.flush()
+    accelerator.wait_for_everyone()                    # leave together
+    accelerator.free_memory()                          # the accelerator's own references to the DDP model
+    # free the DDP model (its reducer) before the process group, then leave it: freed in the
+    # interpreter's teardown instead, the reducer can abort the process (exit -6)
+    distributed.shutdown()
+    return 0
+
+
+def train(accelerator: Accelerator, args: argparse.Namespace) -> str:
+    """The guarded loop; returns this process's line (steps, updates, skips, a weights checksum)."""
     torch.manual_seed(0)                               # the same initial weights on every process
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -65,13 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         if sink is not None:
             sink.close()
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-    line = (f"rank {accelerator.process_index}: {guard.steps} steps, {guard.updates} updates, skipped {skipped} "
+    return (f"rank {accelerator.process_index}: {guard.steps} steps, {guard.updates} updates, skipped {skipped} "
             f"checksum {checksum:.10f}\n")
-    sys.stdout.write(line)  # one write: the processes share the pipe, print() would write the newline apart
-    sys.stdout.flush()
-    accelerator.wait_for_everyone()                    # leave together, then close the process group
-    accelerator.end_training()
-    return 0
 
 
 if __name__ == "__main__":
