@@ -27,6 +27,7 @@ from .integrations.trackers import build_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .precision import Precision
 from .run_folder import RunPaths
+from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
 from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
 from .step import AmpTrainState
 
@@ -77,57 +78,84 @@ def _scaler_on(config: Config, device: torch.device) -> bool:
     return precision_of(config, device).uses_scaler if enabled is None else enabled
 
 
-def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
-    """``optimizer.name``: SGD (with momentum) or AdamW (``fused`` when asked).
+def make_optimizer(config: Config, model: nn.Module, fast: bool = False) -> torch.optim.Optimizer:
+    """``optimizer.name``: SGD (with momentum) or AdamW (``fused`` when asked, and always on the
+    fast path, whose sync-free step hands the skip flag to the fused kernel).
 
     Example::
 
         >>> from ampguard.config import validate
         >>> type(make_optimizer(validate({}), nn.Linear(2, 1))).__name__
         'AdamW'
+        >>> make_optimizer(validate({}), nn.Linear(2, 1), fast=True).defaults["fused"]
+        True
     """
     opt = config.optimizer
+    fused = True if fast else opt.fused
     if opt.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+        return torch.optim.SGD(model.parameters(), lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay,
+                               fused=fused)
     return torch.optim.AdamW(
-        model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, fused=opt.fused
+        model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, fused=fused
     )
 
 
-def lr_multiplier(config: Config) -> Callable[[int], float]:
-    """The schedule as a factor of ``optimizer.lr``, a function of applied updates: linear warmup
-    over ``schedule.warmup`` updates, then ``schedule.decay`` down to ``min_lr_ratio`` at the
-    last step.
+EXACT_ONLY: tuple[tuple[str, Callable[[Config], bool]], ...] = (
+    ("diagnose.first_skip", lambda c: c.diagnose.first_skip),
+    ("diagnose.strict", lambda c: c.diagnose.strict),
+    ("monitor.headroom", lambda c: c.monitor.headroom.every is not None),
+    ("rollback.triggers", lambda c: bool(c.rollback.triggers)),
+    ("scheduler_on_skip: step", lambda c: c.scheduler_on_skip == "step"),
+)
+"""The settings that need each step decided at the host (the exact path): they act on a
+skipped step's own batch or gradients, or on the state right after the trigger step."""
+
+
+def fast_path(config: Config, device: torch.device, world_size: int = 1) -> tuple[bool, str]:
+    """Whether the run takes the fast path (config ``fast``), and in a few words why (or why not).
+
+    ``fast: null`` takes it on CUDA in one process unless an :data:`EXACT_ONLY` setting is on;
+    ``fast: true`` with such a setting, or under torchrun, is one :class:`InputError` line.
 
     Example::
 
         >>> from ampguard.config import validate
-        >>> f = lr_multiplier(validate({"steps": 11, "schedule": {"warmup": 2, "decay": "linear"}}))
-        >>> [round(f(u), 3) for u in (0, 1, 2, 10)]
-        [0.5, 1.0, 1.0, 0.1]
+        >>> fast_path(validate({}), torch.device("cuda"))
+        (True, 'fast path: fused optimizer, sync-free step, records read back as they land')
+        >>> fast_path(validate({"diagnose": {"strict": True}}), torch.device("cuda"))
+        (False, 'exact path: diagnose.strict needs each step decided at the host')
+        >>> fast_path(validate({}), torch.device("cpu"))[0]
+        False
+        >>> fast_path(validate({"fast": True, "monitor": {"headroom": {"every": 10}}}), torch.device("cpu"))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: fast: true cannot serve monitor.headroom, which needs each step decided at the host (set fast: false)
     """
-    warmup, total, floor = config.schedule.warmup, config.steps, config.schedule.min_lr_ratio
-    decay = config.schedule.decay
-
-    def factor(update: int) -> float:
-        if update < warmup:
-            return (update + 1) / warmup
-        if decay == "constant":
-            return 1.0
-        # the last step (update total - 1, when none was skipped) runs at the floor
-        progress = min(1.0, (update - warmup) / max(1, total - warmup - 1))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
-        return floor + (1 - floor) * shape
-
-    return factor
+    blocking = next((name for name, on in EXACT_ONLY if on(config)), None)
+    if config.fast:
+        if blocking is not None:
+            raise InputError(f"fast: true cannot serve {blocking}, which needs each step decided at the host "
+                             "(set fast: false)")
+        if world_size > 1:
+            raise InputError("fast: true runs in one process; under torchrun the step agrees with the other "
+                             "ranks at the host every step (set fast: false)")
+    elif config.fast is False:
+        return False, "exact path (fast: false)"
+    elif device.type != "cuda" or world_size > 1:
+        return False, "exact path"
+    elif blocking is not None:
+        return False, f"exact path: {blocking} needs each step decided at the host"
+    return True, "fast path: fused optimizer, sync-free step, records read back as they land"
 
 
 def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
-                device: torch.device) -> AmpTrainState:
+                device: torch.device, fast: bool = False) -> AmpTrainState:
     """The guarded step for a config: optimizer, LR schedule, scaler, clipping, accumulation.
     ``model`` is the model to train, already on ``device`` (DDP/FSDP2-wrapped under torchrun).
     A model without trainable parameters, or a setup the step refuses (its ``ValueError``), is
-    one :class:`InputError` line.
+    one :class:`InputError` line. ``fast``: the fast path's step (:func:`fast_path`): a fused
+    optimizer, tensor learning rates that a :class:`~ampguard.schedule.DeviceLambdaLR` drives
+    on the device, ``sync_free``.
 
     Example::
 
@@ -144,8 +172,13 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
     check_trainable(model)
     model = prepare_model(config, model)
     try:
-        optimizer = make_optimizer(config, model)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config))
+        optimizer = make_optimizer(config, model, fast)
+        if fast:  # the LR lives on the device as a tensor the step sets from its count of applied updates
+            scheduler = DeviceLambdaLR(optimizer, lr_multiplier(config), device_multiplier(config))
+            for group in optimizer.param_groups:
+                group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
+        else:
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config))
         s = config.scaler
         return AmpTrainState(
             model,
@@ -165,6 +198,7 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
                 min_scale=s.min_scale,
             ),
             scheduler_on_skip=config.scheduler_on_skip,
+            sync_free=fast,
         )
     except ValueError as err:  # the step's (and the optimizer's) refusal of an impossible setup
         raise InputError(f"cannot build the training step: {_first_line(err, with_type=False)}") from None

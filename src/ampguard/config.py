@@ -736,6 +736,14 @@ class Config(_Section):
     checkpoints keep their keys). The first steps take longer while it compiles (tens of seconds
     on a CPU); on a GPU it is what makes a transformer fast. Inductor may fuse operations: not bit
     for bit the eager run."""
+    fast: bool | None = None
+    """The fast path (``docs/design.md`` §5): fused AdamW/SGD, the sync-free step with the LR
+    schedule on the device (no host read decides a step), and records read back as their copies
+    land, at most :data:`~ampguard.trainer.LAG` steps behind the step being trained; the monitors
+    still name each record's own step. ``None``: on for CUDA in one process unless a setting
+    needs the exact step at the host (``diagnose.first_skip``/``strict``, ``monitor.headroom``,
+    ``rollback.triggers``, ``scheduler_on_skip: step``); ``true``: on (any device; such a
+    setting is then an error); ``false``: the exact path, bit for bit the canonical loop."""
     inject: list[str] = []
     """Faults to inject, ``KIND@WHEN`` (see ``ampguard demo --help``); for testing the guard rails."""
 

@@ -449,19 +449,22 @@ class SkipGradNorms:
         self.enabled = enabled
         self.order: list[str] | None = None  # backward's order, learned at the first step
         self._seen: list[str] = []
-        self._taken: tuple[list[str], torch.Tensor | None] | None = None  # a skipped step's names and norms
+        self._taken: dict[int, tuple[list[str], torch.Tensor | None]] = {}  # step -> its names and norms
+        self._guard: Any = None
 
     def attach(self, guard: Any) -> SkipGradNorms:
-        """Be called by ``guard`` at each skipped step (``Guard.skip_hooks``); returns self."""
+        """Be called by ``guard`` at each skipped step (``Guard.skip_hooks``); returns self. On the
+        sync-free path, which cannot know at the step whether it skips, at every step
+        (``Guard.group_hooks``: one fused norm kernel a step), kept until :meth:`after` reads it."""
         if self.enabled:
-            guard.skip_hooks.append(self.at_skip)
+            self._guard = guard
+            (guard.group_hooks if guard.sync_free else guard.skip_hooks).append(self.at_skip)
         return self
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """Around a step: until backward's order is known, hooks that note it (removed on the
         way out); after that, nothing."""
-        self._taken = None
         if not self.enabled or self.order is not None:
             yield
             return
@@ -491,13 +494,19 @@ class SkipGradNorms:
         """The skipped step's gradient norms, on the device (no host read), in backward's order."""
         grads = {name: p.grad for name, p in self.params if p.grad is not None}
         names = [name for name in self._current_order() if name in grads]
-        norms = [distributed.full_norm(torch.linalg.vector_norm(_values(grads[n]), dtype=torch.float32))
-                 for n in names]
-        self._taken = (names, torch.stack(norms) if norms else None)
+        if self._guard.sync_free:  # every step: one fused kernel (one process: no shards to reduce)
+            norms = [n.float() for n in torch._foreach_norm([_values(grads[n]) for n in names])]
+        else:
+            norms = [distributed.full_norm(torch.linalg.vector_norm(_values(grads[n]), dtype=torch.float32))
+                     for n in names]
+        self._taken[self._guard.steps] = (names, torch.stack(norms) if norms else None)
 
     def after(self, record: StepRecord) -> dict[str, Any] | None:
-        """For a skipped step the ``grad_norms`` event (a host read), else None."""
-        taken, self._taken = self._taken, None
+        """For a skipped step the ``grad_norms`` event (a host read), else None. Norms taken for
+        this step and any before it are let go."""
+        taken = self._taken.pop(record.step, None)
+        for step in [s for s in self._taken if s < record.step]:
+            del self._taken[step]
         if not record.skipped or not self.enabled:
             return None
         names, norms = taken if taken is not None else ([], None)

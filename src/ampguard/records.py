@@ -7,7 +7,7 @@ calls :meth:`StepRecord.values`, which copies every tensor field to the host in 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -110,9 +110,10 @@ class StepRecord:
         object.__setattr__(self, "_host", out)
         return out
 
-    def prefetch(self) -> Callable[[], dict[str, float | None]]:
-        """Start copying the values to the host without waiting; return a function that waits
-        for the copy (not for the whole device) and gives :meth:`values`.
+    def prefetch(self) -> Prefetch:
+        """Start copying the values to the host without waiting; return a :class:`Prefetch`,
+        a function that waits for the copy (not for the whole device) and gives :meth:`values`,
+        with ``landed()`` to ask without waiting.
 
         On CUDA the tensors go, stacked, into pinned memory with a non-blocking copy and a CUDA
         event; the returned function waits on that event, so a background thread can do the
@@ -132,7 +133,7 @@ class StepRecord:
         # float lr) are read where they are: copying them to the device would be a sync of its own
         cuda = {n: v for n in self._NUMERIC if isinstance(v := getattr(self, n), torch.Tensor) and v.is_cuda}
         if not cuda or self._host is not None:
-            return self.values
+            return Prefetch(self.values)
         device = next(iter(cuda.values())).device
         stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in cuda.values()])
         pinned = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
@@ -144,7 +145,84 @@ class StepRecord:
             done.synchronize()
             return self._keep(dict(zip(cuda, pinned.tolist())))
 
-        return wait
+        return Prefetch(wait, done.query)
+
+
+class Prefetch:
+    """A record's values on their way to the host (:meth:`StepRecord.prefetch`): call it to wait
+    for them; :meth:`landed` says, without waiting, whether the copy is done.
+
+    Example::
+
+        >>> p = Prefetch(lambda: {"loss": 0.5})
+        >>> p.landed(), p()
+        (True, {'loss': 0.5})
+    """
+
+    __slots__ = ("_wait", "_landed")
+
+    def __init__(self, wait: Callable[[], dict[str, float | None]], landed: Callable[[], bool] | None = None) -> None:
+        self._wait, self._landed = wait, landed
+
+    def __call__(self) -> dict[str, float | None]:
+        return self._wait()
+
+    def landed(self) -> bool:
+        """True once the values can be read without waiting for the device."""
+        return self._landed is None or self._landed()
+
+
+LAG = 2
+"""How many steps behind the training step the fast path's run loop may read records back."""
+
+
+class InFlight:
+    """The run loop's records in flight: each one's host copy is started when it is added; they
+    come back in step order, each as soon as its copy has landed, and never more than ``lag``
+    steps behind the newest (an older one is waited for). With ``lag`` 0 every record comes back
+    at once (its values read on the spot): the exact path.
+
+    Example (CPU values land at once; a fake copy that has not landed shows the lag)::
+
+        >>> flight = InFlight(lag=2)
+        >>> records = [StepLog(s, lr=0.1, loss=0.5, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+        ...            for s in (1, 2, 3, 4)]
+        >>> flight.add(records[0], None); [r.step for r, _ in flight.ready()]
+        [1]
+        >>> for r in records[1:]:
+        ...     flight._queue.append((r, None, Prefetch(r.values, lambda: False)))  # still on its way
+        >>> [r.step for r, _ in flight.ready()], len(flight)  # step 2 is waited for: 2 stay in flight
+        ([2], 2)
+        >>> [r.step for r, _ in flight.drain()], len(flight)
+        ([3, 4], 0)
+    """
+
+    def __init__(self, lag: int = LAG) -> None:
+        from collections import deque
+
+        self.lag = lag
+        self._queue: deque[tuple[StepRecord, Any, Prefetch]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, record: StepRecord, extra: Any) -> None:
+        """A record just made (and what goes with it, e.g. the evaluation of its step)."""
+        self._queue.append((record, extra, record.prefetch() if self.lag else Prefetch(record.values)))
+
+    def ready(self) -> Iterator[tuple[StepRecord, Any]]:
+        """The records whose values have landed, oldest first, and those beyond ``lag`` (waited for)."""
+        while self._queue and (len(self._queue) > self.lag or self._queue[0][2].landed()):
+            record, extra, wait = self._queue.popleft()
+            wait()
+            yield record, extra
+
+    def drain(self) -> Iterator[tuple[StepRecord, Any]]:
+        """Every record still in flight, oldest first (waiting for each)."""
+        while self._queue:
+            record, extra, wait = self._queue.popleft()
+            wait()
+            yield record, extra
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,8 +150,10 @@ class Guard:
         scheduler_on_skip: ``"hold"`` (default) or ``"step"`` the scheduler on a skipped step.
         sync_free: the fast path with **no** host read at all (see ``_finish_group_sync_free``):
             needs an optimizer that takes ``found_inf`` (fused AdamW / Adam / SGD), tensor
-            learning rates, and ``lr_schedule`` instead of ``scheduler``. ``step()`` then returns
-            a :class:`PendingStep` whose skip decision is read by whoever reads its values.
+            learning rates, and ``lr_schedule`` or a schedule on the device as ``scheduler``
+            (:class:`~ampguard.schedule.DeviceLambdaLR`, which the step drives, never steps).
+            ``step()`` then returns a :class:`PendingStep` whose skip decision is read by
+            whoever reads its values.
         lr_schedule: with ``sync_free``, ``lr_schedule(applied_updates) -> factor`` on tensors,
             computed on the device; each group's lr is its initial lr times the factor. It
             advances only on applied updates, so it holds on skipped steps.
@@ -253,6 +255,8 @@ class Guard:
         self.monitors: dict[str, Any] = {}  # fed by the loop, saved here: name -> obj with state_dict()
         # called at a skipped step, before its gradients are dropped (diagnostics: nothing on applied steps)
         self.skip_hooks: list[Callable[[], None]] = []
+        # sync_free: called at every group's end before clipping (whether it skips is not known yet)
+        self.group_hooks: list[Callable[[], None]] = []
         self.steps = 0  # optimizer steps attempted (closed groups); the next record is steps + 1
         self.sync_free = sync_free
         self.lr_schedule = lr_schedule
@@ -262,6 +266,8 @@ class Guard:
             self._check_sync_free(self.optimizer, scheduler)
             self._updates_t = torch.zeros((), device=device)
             self._base_lrs = [group["lr"].detach().clone() for group in self.optimizer.param_groups]
+            if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
+                scheduler.applied = self._updates_t
         # what is checked, measured and clipped: each optimizer's parameters, in the model's order
         self._modules = modules
         self._owned = [(p, holder[id(p)]) for p in root.parameters() if id(p) in holder]  # (param, optimizer)
@@ -476,12 +482,10 @@ class Guard:
         """
         loss, pre, flags = self._close_group(tuple(self.optimizers))
         found = flags.any().to(torch.float32)
-
+        for hook in self.group_hooks:
+            hook()
         post = clip_to_norm_(self._union(tuple(self.optimizers)), self.max_norm, pre)
-        if self.lr_schedule is not None:
-            factor = self.lr_schedule(self._updates_t)
-            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
-                group["lr"].copy_(base * factor)
+        self._set_lrs()
         lr = self.optimizer.param_groups[0]["lr"].detach().clone()
         self.optimizer.found_inf = found  # type: ignore[attr-defined]
         try:
@@ -496,6 +500,23 @@ class Guard:
         return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
                            scaler_scale=self.scaler.scale_value(), bad_loss=bad[0], bad_grad=bad[1])
 
+    def _set_lrs(self) -> None:
+        """Sync-free: each group's LR for this step, ``base x factor(applied updates)`` on the
+        device. A group whose LR a checkpoint's optimizer state brought back as a float or on
+        the host gets a device tensor again."""
+        if self.scheduler is not None:  # a DeviceLambdaLR: its base LRs (a rollback or resume may change them)
+            factor, bases = self.scheduler.device_factor(self._updates_t), self.scheduler.base_lrs
+        elif self.lr_schedule is not None:
+            factor, bases = self.lr_schedule(self._updates_t), self._base_lrs
+        else:
+            return
+        for group, base in zip(self.optimizer.param_groups, bases):
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device == self._updates_t.device:
+                lr.copy_(base * factor)
+            else:
+                group["lr"] = (base * factor).to(torch.float32)
+
     def _zero_grad(self) -> None:
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
@@ -505,8 +526,9 @@ class Guard:
     def _check_sync_free(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
             raise ValueError("sync_free needs an optimizer that takes found_inf, e.g. torch.optim.AdamW(..., fused=True)")
-        if scheduler is not None:
-            raise ValueError("sync_free computes the LR on the device: pass lr_schedule=, not scheduler=")
+        if scheduler is not None and not hasattr(scheduler, "device_factor"):
+            raise ValueError("sync_free computes the LR on the device: pass lr_schedule=, or a schedule on the "
+                             "device as scheduler= (ampguard.schedule.DeviceLambdaLR)")
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise ValueError("sync_free needs tensor learning rates, e.g. AdamW(params, lr=torch.tensor(1e-3), fused=True)")
 

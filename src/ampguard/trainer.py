@@ -20,7 +20,7 @@ import torch
 from . import checkpointer as ck
 from . import distributed
 from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
-                    check_trainable, precision_of, resolve_device)
+                    check_trainable, fast_path, precision_of, resolve_device)
 from .config import Config
 from .data import DataStream
 from .errors import ExitCode, InputError
@@ -31,7 +31,7 @@ from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback
 from .headroom import Headroom, SkipGradNorms
 from .integrations.trackers import check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
-from .records import StepRecord
+from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
 from .signals import StopFlag, stop_on_signals
 from .sinks import CSV_COLUMNS, ConsoleSink, DiskFull, Sinks, TensorBoardSink, disk_full_error, writing
@@ -68,6 +68,13 @@ class Trainer:
     state: AmpTrainState
     data: DataStream
     injector: FaultInjector
+    fast: bool
+    """The fast path (config ``fast``, :func:`~ampguard.build.fast_path`): the sync-free step, records
+    read back up to :data:`~ampguard.records.LAG` steps behind."""
+    path: str
+    """Which path, and why, in a few words (the run_start event and the run card say it)."""
+    inflight: InFlight
+    """The records made and not yet handled (written, watched, judged)."""
     # what watches it
     monitor: RunMonitor
     spikes: LossSpikeDetector | None
@@ -127,7 +134,9 @@ class Trainer:
         self._check_model(model)
         if self.dist.active:
             model = distributed.wrap(model, config.distributed.strategy, self.device)
-        self.state = build_state(config, model, self.task.loss_fn, self.device)
+        self.fast, self.path = fast_path(config, self.device, self.dist.world_size)
+        self.inflight = InFlight(lag=LAG if self.fast else 0)
+        self.state = build_state(config, model, self.task.loss_fn, self.device, fast=self.fast)
         if config.compile:  # after fp8's conversion and the DDP/FSDP2 wrap; in place: the same parameters
             model.compile()
         self.evaluator = Evaluator(self.task, self.state.precision, self.device, config)
@@ -213,6 +222,8 @@ class Trainer:
                 clean, stopped = False, self._interrupted(stop)
             finally:
                 stop.closing = True  # from here a signal waits: the checkpoint and the run card come first
+                with contextlib.suppress(Exception):  # after an error too: the steps already taken reach the CSV
+                    self.settle()
                 self.sinks.close()
                 self.injector.detach()
                 if self.bar is not None:
@@ -228,20 +239,45 @@ class Trainer:
         while self.state.steps < self.config.steps:
             with self.watching():
                 record = self.train_step()
+            # evaluated now, on this step's model; written and judged with its record
             metrics = self.evaluator() if self.evaluator.due(record.step) else None
-            self.record(record, metrics)
-            decision = self.guards.check(record, self.diagnosis.after(record) if self.diagnosis else None, metrics)
-            if isinstance(decision, Rollback):
-                decision = self.rollbacks.apply(decision)
-            if isinstance(decision, Stop):
+            self.inflight.add(record, metrics)
+            decision = self.handle(self.inflight.ready())
+            if decision is not None:
                 return decision
             interrupted, full = self._agree(stop.requested, self.disk_full() is not None)
             if full:  # a file found no room (on rank 0): every rank stops here, nothing more is written
                 return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
             if interrupted:  # the first Ctrl-C or SIGTERM, honoured at a step boundary (run() saves)
+                self.settle()
                 return self._interrupted(stop)
-            self.maybe_save(record.step)
+            if self.save_due(self.state.steps):  # a checkpoint holds the monitors: every record handled first
+                decision = self.handle(self.inflight.drain())
+                if decision is not None:
+                    return decision
+                self.save()
+        return self.handle(self.inflight.drain())
+
+    def handle(self, records: Iterator[tuple[StepRecord, dict[str, float] | None]]) -> Stop | None:
+        """Records read back, oldest first: each written, watched and judged (the guards name its
+        own step). A rollback is carried out here (the exact path only: it has no records in
+        flight); a stop first writes the records still in flight, then ends the loop."""
+        for record, metrics in records:
+            self.record(record, metrics)
+            decision = self.guards.check(record, self.diagnosis.after(record) if self.diagnosis else None, metrics)
+            if isinstance(decision, Rollback):
+                decision = self.rollbacks.apply(decision)
+            if isinstance(decision, Stop):
+                self.settle()
+                return decision
         return None
+
+    def settle(self) -> None:
+        """Write (and watch, but no longer judge) every record still in flight: the steps after
+        a stop's trigger that the fast path had already trained; the CSV holds every step the
+        model took."""
+        for record, metrics in self.inflight.drain():
+            self.record(record, metrics)
 
     def _interrupted(self, stop: StopFlag) -> Stop:
         return Stop(stop.exit_code, f"interrupted ({stop.name}) after step {self.monitor.steps}", INTERRUPTED)
@@ -297,12 +333,15 @@ class Trainer:
         if self.bar is not None:
             self.bar.update(1)
 
-    def maybe_save(self, step: int) -> None:
+    def save_due(self, step: int) -> bool:
         """A checkpoint every ``checkpoint.every`` steps, but not at the last step (``run()``
-        saves that one).
-        """
+        saves that one)."""
         every = self.config.checkpoint.every
-        if every and step % every == 0 and step < self.config.steps:
+        return bool(every) and step % every == 0 and step < self.config.steps
+
+    def maybe_save(self, step: int) -> None:
+        """:meth:`save` when :meth:`save_due`."""
+        if self.save_due(step):
             self.save()
 
     def save(self) -> None:
@@ -355,7 +394,8 @@ class Trainer:
         else:
             self.events.emit({"step": 0, "event": "run_start",
                               "message": f"{self.task.description}; {self.config.precision} on {self.device}"
-                                         + ("; compiled (torch.compile)" if self.config.compile else "")})
+                                         + ("; compiled (torch.compile)" if self.config.compile else "")
+                                         + f"; {self.path}"})
 
     def _close(self, stopped: Stop | None) -> RunResult:
         ended = stopped.why if stopped else f"finished: {self.config.steps} steps"

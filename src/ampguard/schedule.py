@@ -1,0 +1,122 @@
+"""The learning-rate schedule of a run, on the host (``LambdaLR``) or on the device (the fast path).
+
+One shape (``schedule``: linear warmup, then constant, cosine or linear decay down to
+``min_lr_ratio`` at the last step), counted in *applied* updates so it holds on a skipped step.
+:func:`lr_multiplier` is it as a Python function for ``torch.optim.lr_scheduler.LambdaLR`` (the
+exact path steps that scheduler after each applied update). :class:`DeviceLambdaLR` is the same
+scheduler object for the sync-free step: the step evaluates :meth:`DeviceLambdaLR.device_factor`
+on its device count of applied updates, so no host read decides the LR; checkpoints, resume
+policy changes and rollbacks see an ordinary ``LambdaLR`` (``base_lrs``, ``last_epoch``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .config import Config
+
+
+def lr_multiplier(config: Config) -> Callable[[int], float]:
+    """The schedule as a factor of ``optimizer.lr``, a function of applied updates: linear warmup
+    over ``schedule.warmup`` updates, then ``schedule.decay`` down to ``min_lr_ratio`` at the
+    last step.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> f = lr_multiplier(validate({"steps": 11, "schedule": {"warmup": 2, "decay": "linear"}}))
+        >>> [round(f(u), 3) for u in (0, 1, 2, 10)]
+        [0.5, 1.0, 1.0, 0.1]
+    """
+    warmup, total, floor = config.schedule.warmup, config.steps, config.schedule.min_lr_ratio
+    decay = config.schedule.decay
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / warmup
+        if decay == "constant":
+            return 1.0
+        # the last step (update total - 1, when none was skipped) runs at the floor
+        progress = min(1.0, (update - warmup) / max(1, total - warmup - 1))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
+        return floor + (1 - floor) * shape
+
+    return factor
+
+
+def device_multiplier(config: Config) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`lr_multiplier` on tensors: a float32 factor on the count's device, computed in
+    float64 (the host function's arithmetic) with no host read.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> config = validate({"steps": 11, "schedule": {"warmup": 2, "decay": "cosine"}})
+        >>> host, device = lr_multiplier(config), device_multiplier(config)
+        >>> all(abs(device(torch.tensor(float(u))).item() - host(u)) < 1e-7 for u in range(12))
+        True
+    """
+    warmup, total, floor = config.schedule.warmup, config.steps, config.schedule.min_lr_ratio
+    decay = config.schedule.decay
+
+    def factor(applied: torch.Tensor) -> torch.Tensor:
+        u = applied.to(torch.float64)
+        if decay == "constant":
+            decayed = torch.ones_like(u)
+        else:
+            progress = ((u - warmup) / max(1, total - warmup - 1)).clamp(0.0, 1.0)
+            shape = 0.5 * (1 + torch.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
+            decayed = floor + (1 - floor) * shape
+        if warmup:
+            decayed = torch.where(u < warmup, (u + 1) / warmup, decayed)
+        return decayed.to(torch.float32)
+
+    return factor
+
+
+class DeviceLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """A ``LambdaLR`` whose factor the sync-free step takes on the device.
+
+    The guarded step (``Guard(sync_free=True, scheduler=...)``) never calls :meth:`step`: at each
+    group's end it sets every group's tensor LR to ``base_lrs[i] * device_factor(applied)``,
+    ``applied`` being its device count of applied updates (shared here as :attr:`applied`). The
+    host bookkeeping (``last_epoch``, the LR of ``get_last_lr``) is brought up to date when the
+    state is saved (:meth:`state_dict`, a host read), so a checkpoint holds what the exact path's
+    ``LambdaLR`` would and either path resumes from it.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> config = validate({"steps": 10, "schedule": {"warmup": 4}})
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        >>> schedule = DeviceLambdaLR(optimizer, lr_multiplier(config), device_multiplier(config))
+        >>> schedule.applied = torch.tensor(2.0)  # what the step shares with it
+        >>> round(schedule.device_factor(schedule.applied).item(), 3), schedule.state_dict()["last_epoch"]
+        (0.75, 2)
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: Callable[[int], float],
+                 device_factor: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__(optimizer, factor)
+        self.device_factor = device_factor
+        self.applied: torch.Tensor | None = None
+        """The step's device count of applied updates (set by the step that drives it)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.applied is not None:  # the host count catches up (a host read; saves only)
+            self.last_epoch = int(self.applied.item())
+            self._last_lr = [float(base) * self.lr_lambdas[0](self.last_epoch) for base in self.base_lrs]
+        state = super().state_dict()
+        for name in ("device_factor", "applied"):
+            state.pop(name, None)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        keep = self.device_factor, self.applied
+        super().load_state_dict(state_dict)
+        self.device_factor, self.applied = keep

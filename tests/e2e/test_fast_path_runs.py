@@ -1,0 +1,167 @@
+"""The fast path of ``ampguard train`` (config ``fast``), run on the CPU with ``fast: true``: the
+sync-free step (fused optimizer, LR on the device, no host read decides a step) and the records
+read back behind the step (``records.InFlight``).
+
+On a CPU a record's values land at once, so the lag never shows by itself; the tests that are
+about the lag hold every copy "in flight" (``Prefetch.landed`` answers False), so the loop runs
+exactly ``LAG`` steps behind, as it can on a GPU. Expected steps come from the fault schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import HostReads, read_events, read_rows, reference_fail_step, reference_rates, train
+
+import ampguard.records
+from ampguard.config import validate
+from ampguard.faults import parse_fault
+from ampguard.records import LAG
+from ampguard.run_folder import RunPaths
+from ampguard.trainer import Trainer
+
+LINEAR = ("--set", "task.name=linear", "--set", "log.every=1000", "--set", "device=cpu")
+
+
+@pytest.fixture
+def lagging(monkeypatch):
+    """Every record's copy stays "in flight" until the loop must wait for it (LAG steps on)."""
+    monkeypatch.setattr(ampguard.records.Prefetch, "landed", lambda self: False)
+
+
+def _run(tmp_path: Path, name: str, *args: str) -> tuple[int, str, str, Path]:
+    code, out, err = train(tmp_path, name, *LINEAR, *args)
+    return code, out, err, tmp_path / name
+
+
+def _close(a: str, b: str, rel: float) -> bool:
+    x, y = float(a), float(b)
+    return (math.isnan(x) and math.isnan(y)) or x == y or abs(x - y) <= rel * max(abs(x), abs(y))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fast_run_makes_the_exact_runs_decisions(tmp_path, precision):
+    """The same skips, reasons, scales and LR schedule (held on skips) as the exact path; the loss
+    curve agrees to float rounding (fused vs foreach AdamW are not bit for bit)."""
+    faults = ("--inject", "nan_loss@7", "--inject", "inf_grad@12")
+    common = ("--set", f"precision={precision}", "--set", "steps=24", "--set", "schedule.warmup=5",
+              "--set", "checkpoint.enabled=false", *faults)
+    runs = {}
+    for fast in ("true", "false"):
+        code, out, err, run = _run(tmp_path, f"fast-{fast}", *common, "--set", f"fast={fast}")
+        assert code == 0, err
+        runs[fast] = (read_rows(run / "steps.csv"), read_events(run / "events.jsonl"))
+    (fast_rows, fast_events), (exact_rows, exact_events) = runs["true"], runs["false"]
+    assert [r["step"] for r in fast_rows] == [str(s) for s in range(1, 25)]
+    for a, b in zip(fast_rows, exact_rows):
+        assert (a["skipped"], a["skip_reason"], a["scaler_scale"]) == (b["skipped"], b["skip_reason"], b["scaler_scale"])
+        assert _close(a["lr"], b["lr"], 1e-6), (a["step"], a["lr"], b["lr"])
+        assert _close(a["loss"], b["loss"], 1e-3), (a["step"], a["loss"], b["loss"])
+    assert [r["skip_reason"] for r in fast_rows if r["skipped"] == "1"] == ["non_finite_loss", "non_finite_grad"]
+    # the LR holds on a skip: step 8 runs with step 7's LR (update 6 of the warm-up still to come)
+    assert fast_rows[7]["lr"] == fast_rows[6]["lr"]
+    # each skipped step's per-parameter gradient norms, named as on the exact path
+    norms = {e["step"]: e for e in fast_events if e["event"] == "grad_norms"}
+    exact_norms = {e["step"]: e for e in exact_events if e["event"] == "grad_norms"}
+    assert sorted(norms) == sorted(exact_norms) == [7, 12]
+    assert list(norms[12]["norms"]) == list(exact_norms[12]["norms"])
+    assert norms[12]["non_finite"] == exact_norms[12]["non_finite"] != []
+    start = [e for e in fast_events if e["event"] == "run_start"][0]["message"]
+    assert "fast path" in start
+    assert "exact path (fast: false)" in [e for e in exact_events if e["event"] == "run_start"][0]["message"]
+
+
+def test_the_fast_step_reads_nothing_on_the_host(tmp_path):
+    config = validate({"task": {"name": "linear"}, "steps": 6, "precision": "bf16", "device": "cpu", "fast": True,
+                       "log": {"dir": str(tmp_path), "name": "a"}})
+    trainer = Trainer(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=0, stats_every=None,
+                      print_fn=lambda line: None, progress=False, resume=None)
+    trainer._open()
+    with trainer.watching():  # the first step learns backward's order (diagnose.grad_norms)
+        trainer.train_step()
+    for _ in range(3):
+        with HostReads() as reads, trainer.watching():
+            record = trainer.train_step()
+        assert reads.count == 0, reads.names
+        assert isinstance(record.loss, torch.Tensor)
+    trainer.sinks.close()
+    trainer.events.close()
+
+
+def test_a_lagging_loop_stops_at_the_trigger_step_and_writes_every_step_taken(tmp_path, lagging):
+    fault = parse_fault("inf_grad@rate:0.5", seed=0)
+    window, fail_rate, fail_after, steps = 10, 0.2, 5, 80
+    skipped = [fault.hits(s) for s in range(1, steps + 1)]
+    expected = reference_fail_step(reference_rates(skipped, window), fail_rate, fail_after)
+    assert expected is not None and expected + LAG < steps
+    code, out, err, run = _run(tmp_path, "ff", "--set", "precision=fp32", "--set", f"steps={steps}",
+                               "--set", "fast=true", "--inject", "inf_grad@rate:0.5", "--set", f"monitor.window={window}",
+                               "--fail-skip-rate", str(fail_rate), "--fail-after", str(fail_after))
+    assert code == 3, err
+    # the guard names the step that tripped it, though the loop was LAG steps on
+    assert [line for line in out.splitlines() if line.startswith("FAIL ")][0].startswith(f"FAIL {expected} ")
+    events = read_events(run / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "fail"] == [expected]
+    # every step the model took is in the CSV, with its own skip flag; the checkpoint is of the last
+    rows = read_rows(run / "steps.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, expected + LAG + 1))
+    assert [r["skipped"] == "1" for r in rows] == skipped[:expected + LAG]
+    assert events[-1]["event"] == "run_end" and events[-1]["step"] == expected + LAG
+    assert sorted(p.name for p in (run / "checkpoints").glob("*.pt")) == [f"step-{expected + LAG:08d}.pt"]
+    assert f"stopped by the guard at step {expected}" in (run / "RUN.md").read_text(encoding="utf-8")
+
+
+def test_a_lagging_loop_names_each_skip_at_its_own_step(tmp_path, lagging):
+    code, out, err, run = _run(tmp_path, "lag", "--set", "precision=bf16", "--set", "steps=12", "--set", "fast=true",
+                               "--set", "log.every=1", "--inject", "nan_loss@4", "--inject", "inf_grad@9",
+                               "--set", "eval.every=5")
+    assert code == 0, err
+    rows = read_rows(run / "steps.csv")
+    assert [r["step"] for r in rows if r["skipped"] == "1"] == ["4", "9"]
+    assert [r["step"] for r in rows if r["val_loss"]] == ["5", "10", "12"]  # evaluated at its own step
+    skips = [line.split()[:2] for line in out.splitlines() if line.startswith("SKIP")]
+    assert skips == [["SKIP", "4"], ["SKIP", "9"]]
+    norms = [e for e in read_events(run / "events.jsonl") if e["event"] == "grad_norms"]
+    assert [e["step"] for e in norms] == [4, 9]
+
+
+def test_an_interrupt_mid_step_leaves_every_finished_step_in_the_csv(tmp_path, lagging, monkeypatch):
+    original = Trainer.train_step
+
+    def train_step(self):
+        if self.state.steps == 6:  # a second Ctrl-C inside step 7: steps 5 and 6 are still in flight
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    code, out, err, run = _run(tmp_path, "int", "--set", "steps=20", "--set", "fast=true")
+    assert code == 130, err
+    assert [r["step"] for r in read_rows(run / "steps.csv")] == [str(s) for s in range(1, 7)]
+
+
+@pytest.mark.parametrize("setting", ["diagnose.strict=true", "monitor.headroom.every=5", "scheduler_on_skip=step"])
+def test_fast_true_refuses_what_needs_the_exact_path(tmp_path, setting):
+    code, out, err, run = _run(tmp_path, "refused", "--set", "fast=true", "--set", setting)
+    assert code == 2
+    assert err.count("\n") == 1 and "fast: true cannot serve" in err and "set fast: false" in err
+    assert not run.exists()
+
+
+def test_resume_switches_paths_and_records_it(tmp_path):
+    code, _, err, run = _run(tmp_path, "r", "--set", "steps=10", "--set", "fast=true", "--set", "schedule.warmup=4",
+                             "--inject", "inf_grad@3", "--set", "checkpoint.every=5")
+    assert code == 0, err
+    straight = read_rows(run / "steps.csv")
+    (run / "checkpoints" / "step-00000010.pt").unlink()  # resume from step 5 on the exact path
+    code, out, err = train(tmp_path, "r", *LINEAR, "--resume", str(run), "--set", "steps=10", "--set", "fast=false",
+                           "--set", "schedule.warmup=4", "--inject", "inf_grad@3", "--set", "checkpoint.every=5")
+    assert code == 0, err
+    resumed = read_rows(run / "steps.csv")
+    assert [r["step"] for r in resumed] == [str(s) for s in range(1, 11)]
+    for a, b in zip(straight, resumed):  # the schedule goes on from the applied updates the checkpoint counted
+        assert _close(a["lr"], b["lr"], 1e-6), (a["step"], a["lr"], b["lr"])
+    policy = [e for e in read_events(run / "events.jsonl") if e["event"] == "policy_change"]
+    assert [(e["old"], e["new"]) for e in policy if e["key"] == "fast"] == [(True, False)]
