@@ -10,7 +10,6 @@ whether clipping is on (:func:`~ampguard.clipping.clip_threshold`).
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from typing import Any
 

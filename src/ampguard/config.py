@@ -405,6 +405,10 @@ class LogConfig(_Section):
     """Also log every step to Weights & Biases (see ``WandbConfig``); null: off."""
     mlflow: Annotated[MLflowConfig | None, BeforeValidator(_section_switch)] = None
     """Also log every step to MLflow (see ``MLflowConfig``); null: off."""
+    peak_tflops: Positive | None = None
+    """The accelerator's dense peak (TFLOP/s at the run's precision) for the MFU on the STATS
+    lines and the run card; None: the known GPUs' bf16 peak (H100/H200 989, A100 312; a task
+    that knows its FLOPs per token), no MFU elsewhere."""
 
     @field_validator("name")
     @classmethod
@@ -636,6 +640,10 @@ class RollbackConfig(_Section):
     ``val_loss``); one of the task's metrics (names with ``acc`` count as higher-is-better)."""
 
 
+PRESETS: dict[str, dict[str, int]] = {"gpt2-small": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}}
+"""``task.preset``: named charlm sizes."""
+
+
 class TaskConfig(_Section):
     """``task``: the workload, a built-in one or your own factory.
 
@@ -652,6 +660,11 @@ class TaskConfig(_Section):
     name: Literal["charlm", "digits", "linear"] = "charlm"
     """Built-in workload: ``charlm`` (a character-level transformer on Python's own sources),
     ``digits`` (an MLP on scikit-learn's handwritten digits) or ``linear`` (the demo's regression)."""
+    preset: Literal["gpt2-small"] | None = None
+    """charlm: a named model size. ``gpt2-small``: GPT-2 small's shape, 12 layers x 768 wide, 12
+    heads, a context of 1024 (byte vocabulary; attention through SDPA, so flash kernels apply on
+    a GPU); it sets ``n_layer``, ``n_head``, ``n_embd`` and ``block_size``, which are then not
+    set apart from it. For a GPU: ``precision: bf16``, ``compile: true``."""
     factory: str | None = None
     """Your own workload instead: ``"package.module:build"`` or ``"path/to/file.py:build"``
     (see the README); ``build(config)`` returns the model, the data and the loss function."""
@@ -670,6 +683,17 @@ class TaskConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TaskConfig:
+        if self.preset is not None:
+            if self.name != "charlm" or self.factory:
+                raise ValueError(f"preset {self.preset} sizes the charlm task (task.name: charlm, no factory)")
+            shape = PRESETS[self.preset]
+            clash = [f"{k}={getattr(self, k)}" for k, v in shape.items() if k in self.model_fields_set
+                     and getattr(self, k) != v]
+            if clash:
+                raise ValueError(f"preset {self.preset} sets {', '.join(f'{k}={v}' for k, v in shape.items())}; "
+                                 f"drop {', '.join(clash)} or the preset")
+            for k, v in shape.items():
+                object.__setattr__(self, k, v)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
         return self

@@ -85,10 +85,29 @@ def progress_bar(total: int, initial: int = 0) -> Any:
                 disable=None)
 
 
+PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "GH200": 989.0, "A100": 312.0}
+"""Dense bf16/fp16 tensor-core peaks (TFLOP/s, the vendors' datasheets, SXM parts) of the GPUs
+whose MFU a run reports without ``log.peak_tflops``; matched against the device's name."""
+
+
+def known_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named ``device_name`` (:data:`PEAK_TFLOPS`), or None.
+
+    Example::
+
+        >>> known_peak_tflops("NVIDIA H200"), known_peak_tflops("NVIDIA A100-SXM4-80GB"), known_peak_tflops("cpu")
+        (989.0, 312.0, None)
+    """
+    words = device_name.replace("-", " ").split()
+    return next((peak for name, peak in PEAK_TFLOPS.items() if name in words), None)
+
+
 class Throughput:
-    """Training throughput for the ``STATS`` line: tokens/s for a model fed integer token ids (a
-    batch's ``numel``), examples/s otherwise (its first dimension), over the wall time since the
-    previous line (so it includes what the loop did between: evaluation, checkpoints).
+    """Training throughput for the ``STATS`` line and the run card: tokens/s for a model fed
+    integer token ids (a batch's ``numel``), examples/s otherwise (its first dimension), over the
+    wall time since the previous line (so it includes what the loop did between: evaluation,
+    checkpoints). With the model's FLOPs per token and the device's peak FLOP/s it adds the
+    model FLOPs utilisation (MFU: achieved model FLOP/s over the peak, nanoGPT's measure).
 
     Example (a fake clock)::
 
@@ -102,12 +121,22 @@ class Throughput:
         ' examples/s=8'
         >>> Throughput(clock=lambda: 0.0).take()  # nothing measured: nothing said
         ''
+        >>> now = iter([0.0, 1.0, 3.0, 3.0])  # 1 GFLOP a token against a 1 TFLOP/s peak
+        >>> meter = Throughput(clock=lambda: next(now), flops_per_token=1e9, peak_flops=1e12)
+        >>> meter.steady(); meter.add(torch.zeros(2, 100, dtype=torch.long)); meter.take()
+        ' tokens/s=67 mfu=6.7%'
+        >>> meter.summary()  # since steady(), at 1.0
+        '100 tokens/s, MFU 10.0% (from the end of the first step, wall clock)'
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, flops_per_token: float | None = None,
+                 peak_flops: float | None = None) -> None:
         self._clock = clock
         self._since = clock()
         self._items, self._unit = 0, ""
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self._run_since: float | None = None
+        self._run_items = 0
 
     def add(self, inputs: Any) -> None:
         """Count one micro-batch's inputs (anything that is not a tensor counts nothing)."""
@@ -115,14 +144,41 @@ class Throughput:
         if shape is None or not len(shape):
             return
         tokens = not inputs.is_floating_point()
-        self._items += inputs.numel() if tokens else shape[0]
+        n = inputs.numel() if tokens else shape[0]
+        self._items += n
+        if self._run_since is not None:
+            self._run_items += n
         self._unit = "tokens" if tokens else "examples"
 
+    def steady(self) -> None:
+        """Start the run's own count (:meth:`summary`) now: after the first step, which pays for
+        compiling, allocating and warming up."""
+        if self._run_since is None:
+            self._run_since = self._clock()
+
+    def _rate(self, items: int, elapsed: float) -> str:
+        text = f"{items / elapsed:,.0f} {self._unit}/s"
+        if self._unit == "tokens" and self.flops_per_token and self.peak_flops:
+            text += f", MFU {items * self.flops_per_token / elapsed / self.peak_flops:.1%}"
+        return text
+
     def take(self) -> str:
-        """`` tokens/s=N`` (or examples) since the last call, and start counting again."""
+        """`` tokens/s=N`` (or examples; `` mfu=P%`` with FLOPs and a peak) since the last call,
+        and start counting again."""
         now = self._clock()
         elapsed, self._since = now - self._since, now
         items, self._items = self._items, 0
         if not items or elapsed <= 0:
             return ""
-        return f" {self._unit}/s={items / elapsed:,.0f}"
+        rate, _, mfu = self._rate(items, elapsed).partition(", MFU ")
+        value, unit = rate.split(" ")
+        return f" {unit}={value}" + (f" mfu={mfu}" if mfu else "")
+
+    def summary(self) -> str | None:
+        """The run's throughput since :meth:`steady` (the run card's line), or None before it."""
+        if self._run_since is None or not self._run_items:
+            return None
+        elapsed = self._clock() - self._run_since
+        if elapsed <= 0:
+            return None
+        return self._rate(self._run_items, elapsed) + " (from the end of the first step, wall clock)"

@@ -409,6 +409,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
     setup = [
         ("precision", f"{config.precision} (autocast on {result.device.type})"
                       + (", model compiled (torch.compile)" if config.compile else "")),
+        *((("step path", result.path),) if result.path else ()),
         ("loss scaler", scaler),
         ("clipping", clip),
         ("accumulation", f"{config.accumulation_steps} micro-batch(es) per step"),
@@ -440,6 +441,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
           for name, value in m.eval_last.items()),
         ("rollbacks", "; ".join(result.rollbacks) if result.rollbacks else "none"),
         ("policy changes on resume", "; ".join(result.policy_changes) if result.policy_changes else "none"),
+        ("throughput", result.throughput or "not measured"),
         ("first-skip diagnosis", result.diagnosis or (
             "none (no skipped step)" if config.diagnose.first_skip or config.diagnose.strict
             else "off (diagnose.first_skip)")),

@@ -288,6 +288,10 @@ class RunResult:
     diagnosis: str | None = None
     policy_changes: list[str] = field(default_factory=list)
     """Settings changed on resume (``key old -> new from step N``), in order (docs/resume.md)."""
+    throughput: str | None = None
+    """Tokens (or examples) per second after the first step, and the MFU where known."""
+    path: str = ""
+    """The step's path and why (``build.fast_path``)."""
 
 
 def disk_full_line(full: DiskFull, saved: list[Path], step: int, recorded: int, run_dir: Path | None) -> str:

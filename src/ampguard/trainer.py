@@ -25,7 +25,7 @@ from .config import Config
 from .data import DataStream
 from .errors import ExitCode, InputError
 from .evaluation import Evaluator
-from .events import EventLog, Throughput, event_word, progress_bar
+from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, check_ranks, parse_fault
 from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop, TriggerBatches
 from .headroom import Headroom, SkipGradNorms
@@ -239,6 +239,7 @@ class Trainer:
         while self.state.steps < self.config.steps:
             with self.watching():
                 record = self.train_step()
+            self.throughput.steady()  # the run card's throughput counts from the end of the first step
             # evaluated now, on this step's model; written and judged with its record
             metrics = self.evaluator() if self.evaluator.due(record.step) else None
             self.inflight.add(record, metrics)
@@ -369,7 +370,7 @@ class Trainer:
         self.checkpointer.folder = distributed.broadcast_from_main(self.paths.checkpoints)
         self.run_id = distributed.broadcast_from_main(self.paths.ensure_run_id())  # made now for a new run folder
         self.bar = progress_bar(self.config.steps, initial=self.state.steps) if self.progress and main else None
-        self.throughput = Throughput()  # for the STATS lines: counted from here
+        self.throughput = Throughput(flops_per_token=self.task.flops_per_token, peak_flops=self._peak_flops())
         self.say = say = (self.bar.write if self.bar is not None else self.print_fn) if main else (lambda line: None)
         console = ConsoleSink(self.console_every, say)
         try:
@@ -406,6 +407,7 @@ class Trainer:
                            self.checkpointer.saved, self.rollbacks.log, self.resume.path if self.resume else None,
                            self.task.description, self.diagnosis.found if self.diagnosis else None)
         result.policy_changes = [ck.policy_line(change) for change in self.policy]
+        result.throughput, result.path = self.throughput.summary(), self.path
         if self.paths.dir is not None and self.disk_full() is None:
             from .report import write_report
 
@@ -422,6 +424,15 @@ class Trainer:
             result.exit_code, result.ended = ExitCode.DISK_FULL, full
         self.sinks.finish(result)  # the tracker runs: totals, the run card and plot as artifacts, the end
         return result
+
+    def _peak_flops(self) -> float | None:
+        """FLOP/s for the MFU: ``log.peak_tflops``, else a known GPU's (``events.PEAK_TFLOPS``)."""
+        if self.config.log.peak_tflops is not None:
+            return self.config.log.peak_tflops * 1e12
+        if self.device.type != "cuda" or self.config.precision == "fp32":
+            return None
+        peak = known_peak_tflops(torch.cuda.get_device_name(self.device))
+        return peak * 1e12 if peak else None
 
     def _agree(self, requested: bool, full: bool) -> tuple[bool, bool]:
         """Ranks stop together: a Ctrl-C seen by any rank, or a write that found the disk full

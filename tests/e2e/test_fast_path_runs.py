@@ -165,3 +165,38 @@ def test_resume_switches_paths_and_records_it(tmp_path):
         assert _close(a["lr"], b["lr"], 1e-6), (a["step"], a["lr"], b["lr"])
     policy = [e for e in read_events(run / "events.jsonl") if e["event"] == "policy_change"]
     assert [(e["old"], e["new"]) for e in policy if e["key"] == "fast"] == [(True, False)]
+
+
+def test_tokens_per_second_and_mfu_on_the_stats_lines_and_the_run_card(tmp_path):
+    """A tiny charlm on the CPU against a made-up peak of 1 GFLOP/s: the STATS lines and the run
+    card carry tokens/s and the MFU that the task's FLOPs per token and that peak give."""
+    code, out, err, run = _run(
+        tmp_path, "mfu", "--set", "task.name=charlm", "--set", "task.n_layer=1", "--set", "task.n_embd=16",
+        "--set", "task.n_head=2", "--set", "task.block_size=16", "--set", "task.batch_size=4", "--set", "steps=4",
+        "--set", "log.every=2", "--set", "log.peak_tflops=0.001", "--set", "eval.enabled=false")
+    assert code == 0, err
+    stats = [line for line in out.splitlines() if line.startswith("STATS ")]
+    assert len(stats) == 2
+    for line in stats:
+        fields = dict(word.split("=", 1) for word in line.split()[2:] if "=" in word)
+        tokens, mfu = float(fields["tokens/s"].replace(",", "")), float(fields["mfu"].rstrip("%")) / 100
+        from ampguard.tasks.charlm import CharLM, flops_per_token
+        flops = flops_per_token(CharLM(16, 1, 2, 16), 1, 16, 16)
+        assert mfu == pytest.approx(tokens * flops / 1e9, rel=0.02, abs=0.001)
+    card = (run / "RUN.md").read_text(encoding="utf-8")
+    row = [line for line in card.splitlines() if line.startswith("| throughput")][0]
+    assert "tokens/s, MFU" in row and "from the end of the first step" in row
+    assert "| step path | exact path |" in card
+
+
+def test_the_gpt2_small_preset_sizes_the_model(tmp_path):
+    from ampguard.config import validate
+    from ampguard.tasks import build_task
+
+    config = validate({"task": {"preset": "gpt2-small", "batch_size": 1}, "eval": {"batches": 1}})
+    task = build_task(config)
+    assert len(task.model.blocks) == 12 and task.model.tok.weight.shape[1] == 768 and task.model.pos.weight.shape[0] == 1024
+    assert 84e6 < sum(p.numel() for p in task.model.parameters()) < 87e6
+    code, out, err, run = _run(tmp_path, "clash", "--set", "task.name=charlm", "--set", "task.preset=gpt2-small",
+                               "--set", "task.n_layer=4")
+    assert code == 2 and "preset gpt2-small sets n_layer=12" in err and "drop n_layer=4" in err and not run.exists()

@@ -49,6 +49,9 @@ class Task:
     """``edge_cases()`` -> (names, inputs): unusual inputs for the probe set."""
     predict: Callable[[nn.Module, Any], torch.Tensor] | None = None
     """Scores for a batch of inputs, one row per example (default: ``model(inputs)``)."""
+    flops_per_token: float | None = None
+    """Model FLOPs to train on one token (forward and backward), for the MFU a run reports; None
+    for a model not fed tokens, or when unknown."""
     batches_from: Callable[[int], Iterator[Batch]] | None = None
     """``batches_from(i)`` -> the stream of ``batches()`` from micro-batch ``i`` on, made without
     reading the ``i`` batches before it (the built-in tasks draw batch ``i`` from its index, see

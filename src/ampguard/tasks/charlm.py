@@ -164,6 +164,21 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def flops_per_token(model: CharLM, n_layer: int, n_embd: int, block_size: int) -> float:
+    """Training FLOPs per token, nanoGPT's estimate (the PaLM paper's appendix B): ``6 N`` for the
+    weights (forward 2, backward 4 per parameter; position embeddings left out, the tied head
+    counted once) plus ``12 L C T`` for attention over a context of ``T``.
+
+    Example (GPT-2 small's shape with a byte vocabulary)::
+
+        >>> model = CharLM(block_size=1024, n_layer=12, n_head=12, n_embd=768)
+        >>> round(flops_per_token(model, 12, 768, 1024) / 1e6)
+        625
+    """
+    n = sum(p.numel() for p in model.parameters()) - model.pos.weight.numel()
+    return 6.0 * n + 12.0 * n_layer * n_embd * block_size
+
+
 def build(config: Any) -> Task:
     """The ``charlm`` task: a :class:`CharLM` sized by ``config.task``, a held-out ``val_loss``.
 
@@ -188,6 +203,7 @@ def build(config: Any) -> Task:
     return Task(
         name="charlm",
         model=model,
+        flops_per_token=flops_per_token(model, t.n_layer, t.n_embd, t.block_size),
         loss_fn=lm_loss,
         batches=lambda: char_batches(train_text, config.seed + 1, t.batch_size, t.block_size),
         batches_from=lambda start: char_batches(train_text, config.seed + 1, t.batch_size, t.block_size, start),
