@@ -240,6 +240,7 @@ class Guarded(Contender):
 
     name = "ampguard + csv"
     sync_free = False
+    fuse_tail = False
 
     def __init__(self, w: Workload, precision: Precision, device: torch.device, fused: bool) -> None:
         self.model = w.make_model().to(device)
@@ -247,7 +248,8 @@ class Guarded(Contender):
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(1e-4, device=device), fused=True)
         else:
             self.opt = _optimizer(self.model, fused)
-        self.state = AmpTrainState(self.model, self.opt, w.loss_fn, precision=precision, sync_free=self.sync_free)
+        self.state = AmpTrainState(self.model, self.opt, w.loss_fn, precision=precision, sync_free=self.sync_free,
+                                   fuse_tail=self.fuse_tail)
         self._dir = tempfile.TemporaryDirectory(prefix="ampguard-bench-")
         csv = CsvSink(Path(self._dir.name) / "steps.csv")
         # on CUDA the rows are read back by a background writer (non-blocking copies into pinned
@@ -308,6 +310,19 @@ class GuardedSyncFree(Guarded):
 
     name = "ampguard sync-free + csv"
     sync_free = True
+
+
+class GuardedFusedTail(GuardedSyncFree):
+    """The sync-free path with its scalar tail compiled (``fuse_tail``): for launch-bound models.
+
+    Example::
+
+        >>> GuardedFusedTail.name, GuardedFusedTail.fuse_tail
+        ('ampguard sync-free, fused tail + csv', True)
+    """
+
+    name = "ampguard sync-free, fused tail + csv"
+    fuse_tail = True
 
 
 class AccelerateLoop(Contender):
@@ -763,7 +778,7 @@ def run_bench(
     """
     # the sync-free path needs fused AdamW: it runs when every contender uses it (--fused)
     contenders: list[type[Contender]] = [Bare] + ([BareAgain] if aa else []) + [Guarded]
-    contenders += [GuardedSyncFree] if fused else []
+    contenders += [GuardedSyncFree, GuardedFusedTail] if fused else []
     contenders += available_peers() if peers else []
     results: list[Result] = []
     for name in workloads:
@@ -773,7 +788,7 @@ def run_bench(
                 # fp16 autocast on a CPU is far too slow for anything but the tiny MLP
                 print(f"{w.name} fp16: not run (on a CPU fp16 runs only the mlp model)", flush=True)
                 continue
-            ours = [Bare] + ([BareAgain] if aa else []) + [Guarded] + ([GuardedSyncFree] if fused else [])
+            ours = [Bare] + ([BareAgain] if aa else []) + [Guarded] + ([GuardedSyncFree, GuardedFusedTail] if fused else [])
             run_w, run_c = (fp8_workload(w), ours) if p == "fp8" else (w, contenders)
             run_w = compiled_workload(run_w) if compiled else run_w
             print(f"{w.name} {p}: {', '.join(c.name for c in run_c)}", flush=True)

@@ -4,10 +4,12 @@ The global L2 norm is the Euclidean norm of *all* gradients concatenated into on
 norm per parameter: ``sqrt(sum_p ||g_p||^2)``. One bad batch shows up as one huge number, and
 clipping rescales every gradient by the same factor, so the update keeps its direction.
 
-Both functions use PyTorch's own foreach kernels (``get_total_norm`` and
-``clip_grads_with_norm_``, the two halves of ``clip_grad_norm_``), so the result is bit-for-bit
-what ``torch.nn.utils.clip_grad_norm_`` does, and neither makes a host sync: the clip
-coefficient is clamped on the device instead of being tested with a Python ``if``.
+The norm is PyTorch's own ``get_total_norm``; the clip is the other half of ``clip_grad_norm_``,
+``clip_grads_with_norm_``, done as it does it (the factor ``min(1, max_norm / (norm + 1e-6))``,
+then one foreach multiply per device and dtype) but split in two (:func:`clip_factor`,
+:func:`scale_grads_`) so the factor is computed once and the reported post-clip norm reuses it.
+The result is bit-for-bit ``torch.nn.utils.clip_grad_norm_`` (tested), and nothing makes a host
+sync: the clip coefficient is clamped on the device instead of being tested with a Python ``if``.
 """
 
 from __future__ import annotations
@@ -17,12 +19,9 @@ from collections.abc import Iterable
 import torch
 
 try:  # torch >= 2.6
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+    from torch.nn.utils import get_total_norm
 except ImportError:  # pragma: no cover - torch 2.4/2.5 keep them private
-    from torch.nn.utils.clip_grad import (  # type: ignore[attr-defined,no-redef]
-        _clip_grads_with_norm_ as clip_grads_with_norm_,
-        _get_total_norm as get_total_norm,
-    )
+    from torch.nn.utils.clip_grad import _get_total_norm as get_total_norm  # type: ignore[attr-defined,no-redef]
 
 Params = torch.Tensor | Iterable[torch.Tensor]
 
@@ -91,11 +90,56 @@ def clip_to_norm_(parameters: Params, max_norm: float | None, pre: torch.Tensor)
         >>> float(clip_to_norm_([w], None, torch.tensor(7.0)))  # disabled: pre comes back
         7.0
     """
+    factor, post = clip_factor(pre, max_norm)  # the factor clip_grads_with_norm_ computes, once
+    if factor is not None:
+        scale_grads_(parameters, factor)
+    return post
+
+
+def clip_factor(pre: torch.Tensor, max_norm: float | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The clip's scalar half: ``(factor, post)``, the factor ``min(1, max_norm / (pre + 1e-6))``
+    that ``clip_grads_with_norm_`` multiplies the gradients by (computed with the same operations)
+    and the post-clip norm :func:`clip_to_norm_` reports; ``(None, pre)`` when clipping is off.
+    No host sync.
+
+    Example::
+
+        >>> factor, post = clip_factor(torch.tensor(4.0), 1.0)  # 1 / (4 + 1e-6), as PyTorch's clip
+        >>> round(factor.item(), 6), round(post.item(), 6)
+        (0.25, 1.0)
+        >>> clip_factor(torch.tensor(4.0), None)
+        (None, tensor(4.))
+    """
     max_norm = clip_threshold(max_norm)
     if max_norm is None:
-        return pre
-    clip_grads_with_norm_(parameters, max_norm, pre, foreach=None)
-    return torch.clamp(pre * torch.clamp(max_norm / (pre + _EPS), max=1.0), max=max_norm)
+        return None, pre
+    factor = torch.clamp(max_norm / (pre + _EPS), max=1.0)
+    return factor, torch.clamp(pre * factor, max=max_norm)
+
+
+@torch.no_grad()
+def scale_grads_(parameters: Params, factor: torch.Tensor) -> None:
+    """The clip's other half: every gradient multiplied by ``factor`` in place, with the foreach
+    kernel per device and dtype, as ``clip_grads_with_norm_`` does it.
+
+    Example::
+
+        >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.tensor([3.0, 4.0])
+        >>> scale_grads_([w], torch.tensor(0.5)); w.grad.tolist()
+        [1.5, 2.0]
+    """
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():  # type: ignore[assignment]
+        if _has_foreach_support(group, device):
+            torch._foreach_mul_(group, factor.to(device))
+        else:
+            for g in group:
+                g.mul_(factor.to(device))
 
 
 def clip_global_l2_norm(

@@ -94,7 +94,9 @@ class StepRecord:
             return self._host
         tensors = {n: v for n in self._NUMERIC if isinstance(v := getattr(self, n), torch.Tensor)}
         read: dict[str, float] = {}
-        if tensors:
+        if tensors and next(iter(tensors.values())).device.type == "cpu":  # no transfer to share: a read each
+            read = {n: t.item() for n, t in tensors.items()}
+        elif tensors:
             device = next(iter(tensors.values())).device
             # float32 and narrower convert to Python floats exactly; float64 is kept as it is
             dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors.values()) else torch.float32

@@ -49,31 +49,28 @@ def lr_multiplier(config: Config) -> Callable[[int], float]:
 
 
 def device_multiplier(config: Config) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`lr_multiplier` on tensors: a float32 factor on the count's device, computed in
-    float64 (the host function's arithmetic) with no host read.
+    """:func:`lr_multiplier` on the device: a float32 table of the factor for every count of
+    applied updates up to ``steps`` (computed once, in float64, on the host), looked up by the
+    count: three small kernels a step and no host read. A count past the table (``steps``
+    lowered on a resume) reads its last entry, as the host function's clamp does.
 
     Example::
 
         >>> from ampguard.config import validate
         >>> config = validate({"steps": 11, "schedule": {"warmup": 2, "decay": "cosine"}})
         >>> host, device = lr_multiplier(config), device_multiplier(config)
-        >>> all(abs(device(torch.tensor(float(u))).item() - host(u)) < 1e-7 for u in range(12))
+        >>> all(abs(device(torch.tensor(float(u))).item() - host(u)) < 1e-7 for u in range(14))
         True
     """
-    warmup, total, floor = config.schedule.warmup, config.steps, config.schedule.min_lr_ratio
-    decay = config.schedule.decay
+    host = lr_multiplier(config)
+    table = torch.tensor([host(u) for u in range(config.steps + 1)], dtype=torch.float64).to(torch.float32)
+    on_device: dict[torch.device, torch.Tensor] = {}
 
     def factor(applied: torch.Tensor) -> torch.Tensor:
-        u = applied.to(torch.float64)
-        if decay == "constant":
-            decayed = torch.ones_like(u)
-        else:
-            progress = ((u - warmup) / max(1, total - warmup - 1)).clamp(0.0, 1.0)
-            shape = 0.5 * (1 + torch.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
-            decayed = floor + (1 - floor) * shape
-        if warmup:
-            decayed = torch.where(u < warmup, (u + 1) / warmup, decayed)
-        return decayed.to(torch.float32)
+        values = on_device.get(applied.device)
+        if values is None:
+            values = on_device[applied.device] = table.to(applied.device)
+        return values[applied.long().clamp_(0, len(values) - 1)]
 
     return factor
 

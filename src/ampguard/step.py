@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import distributed
-from .clipping import clip_to_norm_, global_l2_norm
+from .clipping import clip_factor, clip_to_norm_, global_l2_norm, scale_grads_
 from .precision import GuardedGradScaler, Precision, PrecisionName
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
 
@@ -95,6 +95,35 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
     return out
 
 
+def sync_free_tail(flags: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The sync-free step's scalar arithmetic once the flags and the norm are known: ``(found,
+    flags as 0/1, clip factor, post-clip norm, next count of applied updates)``. Only scalar
+    tensor operations, so ``torch.compile`` fuses them into a kernel or two (``fuse_tail``);
+    eagerly they are the same operations as the exact path's.
+
+    Example (a non-finite gradient: found, and the count does not advance)::
+
+        >>> found, bad, factor, post, applied = sync_free_tail(
+        ...     torch.tensor([False, True]), torch.tensor(float("inf")), torch.tensor(3.0), 1.0)
+        >>> found.item(), bad.tolist(), applied.item()
+        (1.0, [0.0, 1.0], 3.0)
+    """
+    found = flags.any().to(torch.float32)
+    factor, post = clip_factor(pre, max_norm)
+    return found, flags.to(torch.float32), factor, post, applied + (1.0 - found)
+
+
+_compiled_tails: dict[Any, Any] = {}
+
+
+def _compiled_tail() -> Callable[..., Any]:
+    """:func:`sync_free_tail` compiled once per process (``torch.compile``, the whole graph)."""
+    if "tail" not in _compiled_tails:
+        _compiled_tails["tail"] = torch.compile(sync_free_tail, fullgraph=True, dynamic=False)
+    return _compiled_tails["tail"]
+
+
 class Guard:
     """The guarded mixed-precision step as verbs around your own forward and loss.
 
@@ -159,6 +188,10 @@ class Guard:
             advances only on applied updates, so it holds on skipped steps.
         frozen: ``"refuse"`` (default) a model parameter that requires grad but is in no
             optimizer, or ``"ignore"`` it (its gradient is dropped every step).
+        fuse_tail: with ``sync_free``, run the step's scalar tail (:func:`sync_free_tail`: the
+            skip flag, the clip factor, the post-clip norm, the update count) compiled by
+            ``torch.compile`` into a kernel or two instead of a dozen launches: for launch-bound
+            models on a GPU. Inductor's arithmetic may differ from eager in the last bit.
     """
 
     def __init__(
@@ -176,6 +209,7 @@ class Guard:
         sync_free: bool = False,
         lr_schedule: Callable[[torch.Tensor], torch.Tensor] | None = None,
         frozen: Literal["refuse", "ignore"] = "refuse",
+        fuse_tail: bool = False,
     ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
@@ -213,6 +247,8 @@ class Guard:
                         raise ValueError(
                             f"parameter {names[id(p)]!r} is in optimizers {holder[id(p)]!r} and {opt_name!r}; its "
                             "gradient would be unscaled twice: give each parameter to one optimizer")
+        if fuse_tail and not sync_free:
+            raise ValueError("fuse_tail compiles the sync-free step's tail: pass sync_free=True too")
         if sync_free and len(optimizers) > 1:
             raise ValueError("sync_free takes one optimizer; several step with one host read per step")
 
@@ -259,6 +295,7 @@ class Guard:
         self.group_hooks: list[Callable[[], None]] = []
         self.steps = 0  # optimizer steps attempted (closed groups); the next record is steps + 1
         self.sync_free = sync_free
+        self.fuse_tail = fuse_tail
         self.lr_schedule = lr_schedule
         self._updates = 0  # steps applied in full (a device count in the sync-free path)
         self._applied = dict.fromkeys(optimizers, 0)  # updates each optimizer applied
@@ -480,11 +517,14 @@ class Guard:
         of a device count of applied updates, which the flag keeps from advancing. Clipping runs
         unconditionally: on a skipped step it scales gradients nobody will use.
         """
+        params = self._union(tuple(self.optimizers))
         loss, pre, flags = self._close_group(tuple(self.optimizers))
-        found = flags.any().to(torch.float32)
+        tail = _compiled_tail() if self.fuse_tail else sync_free_tail
+        found, bad, factor, post, applied = tail(flags, pre, self._updates_t, self.max_norm)
         for hook in self.group_hooks:
             hook()
-        post = clip_to_norm_(self._union(tuple(self.optimizers)), self.max_norm, pre)
+        if factor is not None:
+            scale_grads_(params, factor)
         self._set_lrs()
         lr = self.optimizer.param_groups[0]["lr"].detach().clone()
         self.optimizer.found_inf = found  # type: ignore[attr-defined]
@@ -494,9 +534,8 @@ class Guard:
             del self.optimizer.found_inf  # type: ignore[attr-defined]
         self.scaler.add_found_inf_(self.optimizer, found)
         self.scaler.update()
-        self._updates_t += 1.0 - found
+        self._updates_t.copy_(applied)  # in place: a DeviceLambdaLR reads this tensor
         self._zero_grad()
-        bad = flags.to(torch.float32)
         return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
                            scaler_scale=self.scaler.scale_value(), bad_loss=bad[0], bad_grad=bad[1])
 

@@ -35,14 +35,14 @@ def _data(accumulation: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return data
 
 
-def _run(sync_free: bool, precision: str, accumulation: int):
+def _run(sync_free: bool, precision: str, accumulation: int, fuse_tail: bool = False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
     scaler = dict(init_scale=1024.0) if precision == "fp16" else None
     if sync_free:
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
         state = AmpTrainState(model, opt, F.mse_loss, precision=precision, accumulation_steps=accumulation,
-                              scaler=scaler, sync_free=True, lr_schedule=factor_t)
+                              scaler=scaler, sync_free=True, lr_schedule=factor_t, fuse_tail=fuse_tail)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor_py)
@@ -74,6 +74,26 @@ def test_same_decisions_as_the_default_path_and_no_host_read(precision, accumula
     for a, b in zip(model.parameters(), ref_model.parameters()):  # fp32 lr tensor vs float lr
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert state.updates == ref_state.updates == STEPS - len(expected)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_compiled_tail_makes_the_same_decisions(precision):
+    """fuse_tail: the tail through torch.compile (Inductor's C++ on a CPU) skips the same steps,
+    reports the same scales, clips to the same norms and lands on the same weights (to rounding)."""
+    eager_model, eager, _, _ = _run(True, precision, 1)
+    model, fused, reads, state = _run(True, precision, 1, fuse_tail=True)
+    assert reads == [0] * STEPS
+    assert [r.reason for r in fused] == [r.reason for r in eager] and any(r.skipped for r in fused)
+    for a, b in zip(fused, eager):
+        va, vb = a.values(), b.values()
+        assert va["scaler_scale"] == vb["scaler_scale"] and va["lr"] == vb["lr"]
+        for key in ("loss", "grad_l2_pre_clip", "grad_l2_post_clip"):
+            assert (va[key] is None and vb[key] is None) or va[key] == pytest.approx(vb[key], rel=1e-4, nan_ok=True)
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    plain = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="fuse_tail compiles the sync-free"):
+        AmpTrainState(plain, torch.optim.SGD(plain.parameters(), lr=0.1), F.mse_loss, precision="bf16", fuse_tail=True)
 
 
 def test_the_lr_schedule_holds_on_skipped_steps():
