@@ -495,7 +495,8 @@ class SkipGradNorms:
         grads = {name: p.grad for name, p in self.params if p.grad is not None}
         names = [name for name in self._current_order() if name in grads]
         if self._guard.sync_free:  # every step: one fused kernel (one process: no shards to reduce)
-            norms = [n.float() for n in torch._foreach_norm([_values(grads[n]) for n in names])]
+            norms = [n if n.dtype == torch.float32 else n.float()
+                     for n in torch._foreach_norm([_values(grads[n]) for n in names])]
         else:
             norms = [distributed.full_norm(torch.linalg.vector_norm(_values(grads[n]), dtype=torch.float32))
                      for n in names]

@@ -70,7 +70,8 @@ def device_multiplier(config: Config) -> Callable[[torch.Tensor], torch.Tensor]:
         values = on_device.get(applied.device)
         if values is None:
             values = on_device[applied.device] = table.to(applied.device)
-        return values[applied.long().clamp_(0, len(values) - 1)]
+        index = applied.reshape(1).long().clamp_(0, len(values) - 1)
+        return values.gather(0, index).reshape(())  # (not values[index]: indexing may read the index)
 
     return factor
 

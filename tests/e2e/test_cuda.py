@@ -153,3 +153,77 @@ def test_sync_free_path_makes_no_host_sync_at_all(tmp_path, precision: str) -> N
     assert lrs[4] == lrs[3] if precision == "fp16" else lrs[4] < lrs[3]  # held after the skip at step 4
     assert lrs[6] == lrs[5]  # held after the skip at step 6
     assert state.updates == 8 - len(skips)
+
+
+# ---------------------------------------------------------------------------- ampguard train's fast path
+
+
+def _trainer(tmp_path, **settings):
+    from ampguard.config import validate
+    from ampguard.run_folder import RunPaths
+    from ampguard.trainer import Trainer
+
+    config = validate({"task": {"name": "linear"}, "steps": 12, "device": "cuda",
+                       "log": {"dir": str(tmp_path), "name": "a"}, **settings})
+    return Trainer(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=0, stats_every=None,
+                   print_fn=lambda line: None, progress=False, resume=None)
+
+
+def test_train_takes_the_fast_path_on_cuda_and_its_step_never_syncs(tmp_path) -> None:
+    trainer = _trainer(tmp_path)
+    assert trainer.fast and trainer.state.sync_free and trainer.state.optimizer.defaults["fused"]
+    trainer._open()
+    with trainer.watching():  # the first step: lazy state, backward's order
+        trainer.train_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            with trainer.watching():
+                record = trainer.train_step()
+            trainer.inflight.add(record, None)  # the host copy starts: no sync either
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [r.step for r, _ in trainer.inflight.drain()] == [2, 3, 4, 5]
+    trainer.sinks.close()
+    trainer.events.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_train_fast_and_exact_paths_decide_alike_on_cuda(tmp_path, precision) -> None:
+    from helpers import read_events, read_rows, train
+
+    common = ("--set", "task.name=linear", "--set", "device=cuda", "--set", f"precision={precision}",
+              "--set", "steps=30", "--set", "schedule.warmup=5", "--set", "checkpoint.enabled=false",
+              "--inject", "nan_loss@7", "--inject", "inf_grad@12", "--inject", "inf_grad@13")
+    rows = {}
+    for fast in ("null", "false"):
+        code, out, err = train(tmp_path, f"f-{fast}", *common, "--set", f"fast={fast}")
+        assert code == 0, err
+        rows[fast] = read_rows(tmp_path / f"f-{fast}" / "steps.csv")
+        start = [e for e in read_events(tmp_path / f"f-{fast}" / "events.jsonl") if e["event"] == "run_start"][0]
+        assert ("fast path" in start["message"]) == (fast == "null")
+    for a, b in zip(rows["null"], rows["false"], strict=True):
+        assert (a["step"], a["skipped"], a["skip_reason"], a["scaler_scale"]) == \
+            (b["step"], b["skipped"], b["skip_reason"], b["scaler_scale"])
+        assert float(a["lr"]) == pytest.approx(float(b["lr"]), rel=1e-6)
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-3, nan_ok=True)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_fused_tail_decides_like_the_eager_one_on_cuda(precision) -> None:
+    runs = {}
+    for fuse in (False, True):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="cuda"), fused=True)
+        state = AmpTrainState(model, opt, nn.functional.mse_loss, precision=precision, sync_free=True,
+                              fuse_tail=fuse, scaler=dict(init_scale=1024.0) if precision == "fp16" else None)
+        data = _data(12, spike_at=4)
+        data[8] = (data[8][0], data[8][1] * float("nan"))
+        records = [state.step(x, y) for x, y in data]
+        runs[fuse] = (model, [r.values() for r in records], [r.reason for r in records])
+    (m0, v0, r0), (m1, v1, r1) = runs[False], runs[True]
+    assert r0 == r1 and r1[8] == "non_finite_loss"
+    assert [v["scaler_scale"] for v in v0] == [v["scaler_scale"] for v in v1]
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
