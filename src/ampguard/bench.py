@@ -32,7 +32,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from .precision import Precision
-from .sinks import BackgroundSink, CsvSink, Sink
+from .records import LAG, InFlight
+from .sinks import CsvSink, Sink
 from .step import AmpTrainState
 
 # ---------------------------------------------------------------------------- workloads
@@ -231,8 +232,8 @@ class Guarded(Contender):
         >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
         >>> guarded = Guarded(_mlp(cpu), fp32, cpu, fused=False)
         >>> csv = Path(guarded._dir.name) / "steps.csv"
-        >>> type(guarded.sink).__name__, csv.is_file()  # on CUDA a BackgroundSink
-        ('CsvSink', True)
+        >>> type(guarded.sink).__name__, csv.is_file(), guarded.inflight.lag
+        ('CsvSink', True, 0)
         >>> guarded.close()
         >>> csv.exists()
         False
@@ -251,16 +252,18 @@ class Guarded(Contender):
         self.state = AmpTrainState(self.model, self.opt, w.loss_fn, precision=precision, sync_free=self.sync_free,
                                    fuse_tail=self.fuse_tail)
         self._dir = tempfile.TemporaryDirectory(prefix="ampguard-bench-")
-        csv = CsvSink(Path(self._dir.name) / "steps.csv")
-        # on CUDA the rows are read back by a background writer (non-blocking copies into pinned
-        # memory); the sync-free path always needs one, or the CSV row would read them back itself
-        self.sink: Sink = BackgroundSink(csv) if device.type == "cuda" or self.sync_free else csv
+        self.sink: Sink = CsvSink(Path(self._dir.name) / "steps.csv")
+        # as `ampguard train` reads them: the sync-free path's records come back as their copies
+        # land, up to LAG steps behind, and are written on this thread (no writer thread to take
+        # the interpreter from the loop); the default path has read its values already
+        self.inflight = InFlight(lag=LAG if self.sync_free else 0)
         self.w = w
 
     def step(self) -> None:
         """One guarded step and its CSV row. The step reads its skip flags on the host (its one
-        host sync) unless ``sync_free``; the row is read on the host by the sink (in a background
-        thread for a :class:`BackgroundSink`).
+        host sync) unless ``sync_free``; then its row is written once its values have landed on
+        the host, at most ``LAG`` steps later (:class:`~ampguard.records.InFlight`, as in
+        ``ampguard train``).
 
         Example::
 
@@ -274,7 +277,9 @@ class Guarded(Contender):
         """
         record = self.state.step(*self.w.batch)
         if record is not None:
-            self.sink.write(record)
+            self.inflight.add(record, None)
+            for done, _ in self.inflight.ready():
+                self.sink.write(done)
 
     def close(self) -> None:
         """Flush and close the sink, then delete the temporary folder with the CSV.
@@ -288,6 +293,8 @@ class Guarded(Contender):
             >>> folder.exists()
             False
         """
+        for done, _ in self.inflight.drain():
+            self.sink.write(done)
         self.sink.close()
         self._dir.cleanup()
 
@@ -295,17 +302,16 @@ class Guarded(Contender):
 class GuardedSyncFree(Guarded):
     """ampguard's sync-free path: fused AdamW takes the skip flag, no host read per step.
 
-    Example (the rows are read back by a background writer, never by the step)::
+    Example (the rows are read back as their copies land, never by the step)::
 
         >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
         >>> sync_free = GuardedSyncFree(_mlp(cpu), fp32, cpu, fused=True)
         >>> sync_free.step(); sync_free.step()
-        >>> type(sync_free.sink).__name__, sync_free.state.sync_free, sync_free.opt.defaults["fused"]
-        ('BackgroundSink', True, True)
+        >>> sync_free.inflight.lag, sync_free.state.sync_free, sync_free.opt.defaults["fused"]
+        (2, True, True)
         >>> csv = Path(sync_free._dir.name) / "steps.csv"
-        >>> sync_free.sink.close(); len(csv.read_text().splitlines())  # header and two rows
-        3
-        >>> sync_free.close()
+        >>> sync_free.close(); csv.exists()  # every row was written, then the folder went
+        False
     """
 
     name = "ampguard sync-free + csv"

@@ -199,9 +199,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
             >>> scaler.get_scale()
             32.0
         """
-        self.add_found_inf_(optimizer, torch.ones(()))
+        self.add_found_inf_(optimizer, 1.0)
 
-    def add_found_inf_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+    def add_found_inf_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor | float) -> None:
         """Merge ``found`` (0 or 1, a tensor: no host read) into what ``unscale_`` recorded, so the
         next ``update()`` backs off when it is 1.
 
@@ -224,7 +224,10 @@ class GuardedGradScaler(torch.amp.GradScaler):
         if not record:
             record[self._scale.device] = torch.zeros((), device=self._scale.device)
         for flag in record.values():
-            torch.maximum(flag, found.to(flag.device, flag.dtype), out=flag)
+            if isinstance(found, torch.Tensor):
+                torch.maximum(flag, found.to(flag.device, flag.dtype), out=flag)
+            elif found:  # a number: filled in on the device (a host tensor would be a copy, and a sync)
+                flag.fill_(1.0)
 
     def scale_value(self) -> torch.Tensor:
         """The current scale as a detached 0-dim tensor on the scaler's device (no host sync).

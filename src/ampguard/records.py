@@ -50,6 +50,9 @@ class StepRecord:
     # (both empty for a guard over one optimizer): the CSV columns of :data:`LABEL_COLUMNS`.
     optimizers: tuple[str, ...] = field(default=(), repr=False)
     skipped_optimizers: tuple[str, ...] = field(default=(), repr=False)
+    # Every numeric field in one device tensor (in ``_NUMERIC`` order; the fields are views of
+    # it), as the sync-free step makes it: read back with one copy and no conversions.
+    packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     skipped: ClassVar[bool] = False
     _NUMERIC: ClassVar[tuple[str, ...]] = (
@@ -92,6 +95,8 @@ class StepRecord:
         """
         if self._host is not None:
             return self._host
+        if self.packed is not None:
+            return self._keep(dict(zip(self._NUMERIC, self.packed.tolist())))
         tensors = {n: v for n in self._NUMERIC if isinstance(v := getattr(self, n), torch.Tensor)}
         read: dict[str, float] = {}
         if tensors and next(iter(tensors.values())).device.type == "cpu":  # no transfer to share: a read each
@@ -133,11 +138,15 @@ class StepRecord:
         """
         # only device tensors travel through pinned memory; host values (a CPU scale of 1.0, a
         # float lr) are read where they are: copying them to the device would be a sync of its own
-        cuda = {n: v for n in self._NUMERIC if isinstance(v := getattr(self, n), torch.Tensor) and v.is_cuda}
-        if not cuda or self._host is not None:
-            return Prefetch(self.values)
-        device = next(iter(cuda.values())).device
-        stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in cuda.values()])
+        if self.packed is not None and self.packed.is_cuda:  # one copy of what the step packed
+            cuda = dict.fromkeys(self._NUMERIC)
+            stacked, device = self.packed, self.packed.device
+        else:
+            cuda = {n: v for n in self._NUMERIC if isinstance(v := getattr(self, n), torch.Tensor) and v.is_cuda}
+            if not cuda or self._host is not None:
+                return Prefetch(self.values)
+            device = next(iter(cuda.values())).device
+            stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in cuda.values()])
         pinned = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
         pinned.copy_(stacked, non_blocking=True)
         done = torch.cuda.Event()

@@ -526,7 +526,8 @@ class Guard:
         if factor is not None:
             scale_grads_(params, factor)
         self._set_lrs()
-        lr = self.optimizer.param_groups[0]["lr"].detach().clone()
+        lr = self.optimizer.param_groups[0]["lr"]
+        fields = [lr.detach(), loss.detach(), pre, post]  # read now (the LR before a later step changes it)
         self.optimizer.found_inf = found  # type: ignore[attr-defined]
         try:
             self.optimizer.step()
@@ -536,8 +537,21 @@ class Guard:
         self.scaler.update()
         self._updates_t.copy_(applied)  # in place: a DeviceLambdaLR reads this tensor
         self._zero_grad()
+        # the record's values in one tensor (one kernel; read back with one copy), the fields views of it
+        fields += [self._scale_on(pre.device), *bad.unbind()]
+        packed = torch.stack([f.to(torch.float32) for f in fields])
+        lr, loss, pre, post, scale, bad_loss, bad_grad = packed.unbind()
         return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
-                           scaler_scale=self.scaler.scale_value(), bad_loss=bad[0], bad_grad=bad[1])
+                           scaler_scale=scale, bad_loss=bad_loss, bad_grad=bad_grad, packed=packed)
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        """The loss scale as a device tensor (1.0 without a scaler: made once)."""
+        scale = self.scaler.scale_value()
+        if scale.device == device:
+            return scale
+        if getattr(self, "_one_on", None) is None or self._one_on.device != device:
+            self._one_on = torch.ones((), device=device)
+        return self._one_on
 
     def _set_lrs(self) -> None:
         """Sync-free: each group's LR for this step, ``base x factor(applied updates)`` on the
