@@ -352,13 +352,7 @@ def format_number(x: float | None) -> str:
         >>> format_number(0.1), format_number(3), format_number(float("-inf")), format_number(None)
         ('0.1', '3.0', '-inf', '')
     """
-    if x is None:
-        return ""
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return repr(float(x))
+    return "" if x is None else repr(float(x))  # (repr gives nan, inf and -inf as they are)
 
 
 def strict_json(value: Any) -> Any:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from .errors import InputError
-from .records import StepRecord, format_number, strict_json
+from .records import LABEL_COLUMNS, StepRecord, format_number, strict_json
 
 CSV_COLUMNS: tuple[str, ...] = (
     "step", "lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "skipped", "skip_reason", "scaler_scale",
@@ -198,12 +198,14 @@ class CsvSink:
             if keep_through is not None:
                 self._truncate_after(keep_through)
         self._file: IO[str] | None = _open_for_append(self.path, newline="")
-        self._writer = csv.DictWriter(self._file, fieldnames=self.columns, restval="", lineterminator="\n")
+        self._writer = csv.writer(self._file, lineterminator="\n")
         if not existing:
             with writing(self.path):
-                self._writer.writeheader()
+                self._writer.writerow(self.columns)
                 self._file.flush()
         self.rows = 0
+        self._extra = self.columns[len(CSV_COLUMNS):]
+        self._labels = any(c in LABEL_COLUMNS for c in self._extra)
 
     def _truncate_after(self, step: int) -> None:
         """Drop rows after ``step`` (written after the checkpoint a run resumes from), atomically,
@@ -230,11 +232,17 @@ class CsvSink:
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Append one row (:func:`csv_row`) and flush it (:class:`DiskFull` when there is no room)."""
         assert self._file is not None, "CsvSink is closed"
-        labels = {k: v for k, v in record.labels().items() if k in self.columns}  # declared label columns
-        row = csv_row(record, {**labels, **(extra or {})})
-        with writing(self.path):
-            self._writer.writerow(row)
+        row = csv_row(record)
+        if self._extra:
+            cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns
+            row.update((k, v if isinstance(v := cells.get(k), str) else format_number(v)) for k in self._extra)
+        try:  # (not `with writing(...)`: this runs every step)
+            self._writer.writerow(row.values())
             self._file.flush()
+        except Exception as err:
+            if disk_full_error(err) is None:
+                raise
+            raise DiskFull(self.path, disk_full_error(err)) from None
         self.rows += 1
 
     def close(self) -> None:
