@@ -22,6 +22,7 @@ _WHERE = {
     "ConsoleSink": "sinks",
     "CsvSink": "sinks",
     "Guard": "step",
+    "InFlight": "records",
     "GuardedGradScaler": "precision",
     "JsonlSink": "sinks",
     "MLflowSink": "integrations.trackers",
