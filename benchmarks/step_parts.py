@@ -1,0 +1,73 @@
+"""Where the guard's cost goes on a launch-bound step: the bare loop, the guarded step alone, the
+step with its values read, and the step with its CSV row, interleaved in one process.
+
+    python benchmarks/step_parts.py [--device cpu|cuda] [--precision bf16] [--rounds 30]
+
+Prints each part's median microseconds per step and its ratio to the bare loop (bench.py's tiny
+MLP: 32-64-64-10 at batch 64; one thread on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from ampguard.bench import Bare, Guarded, _mlp
+from ampguard.precision import Precision
+
+
+class StepOnly(Guarded):
+    """The guarded step, its record left unread."""
+
+    def step(self) -> None:
+        self.state.step(*self.w.batch)
+
+
+class StepAndValues(Guarded):
+    """The guarded step and its record's values read on the host (what every sink starts with)."""
+
+    def step(self) -> None:
+        self.state.step(*self.w.batch).values()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    precision = Precision(args.precision, device.type)
+    parts = {c.__name__: c(_mlp(device), precision, device, False) for c in (Bare, StepOnly, StepAndValues, Guarded)}
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for _ in range(20):
+        for part in parts.values():
+            part.step()
+    for _ in range(args.rounds):
+        for name, part in parts.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                part.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append((time.perf_counter() - start) / args.steps)
+    bare = statistics.median(times["Bare"])
+    labels = {"Bare": "bare loop", "StepOnly": "guarded step", "StepAndValues": "+ values() read",
+              "Guarded": "+ CSV row (ampguard + csv)"}
+    for name, series in times.items():
+        median = statistics.median(series)
+        print(f"{labels[name]:<28} {median * 1e6:8.1f} us  x{median / bare:.3f}")
+    for part in parts.values():
+        part.close()
+
+
+if __name__ == "__main__":
+    main()
