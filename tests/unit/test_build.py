@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ampguard.build import (
+    EXACT_ONLY, fast_path,
     build_monitor, build_spike_detector, build_state, check_forward, clip_threshold, initial_scale, lr_multiplier,
     make_optimizer, precision_of, resolve_device,
 )
@@ -257,3 +258,45 @@ def test_check_forward_refusals_are_one_line_naming_who(loss_fn, read, expected)
 def test_check_forward_passes_a_scalar_of_one_element():
     check_forward(nn.Linear(4, 1), lambda out, y: ((out - y) ** 2).mean().reshape(1),
                   lambda: (torch.ones(2, 4), torch.ones(2, 1)), precision_of(validate({}), CPU), "task t")
+
+
+# ---------------------------------------------------------------------------- fast_path (config fast)
+
+
+_BLOCKING = {"diagnose.first_skip": {"diagnose": {"first_skip": True}},
+             "diagnose.strict": {"diagnose": {"strict": True}},
+             "monitor.headroom": {"monitor": {"headroom": {"every": 5}}},
+             "rollback.triggers": {"rollback": {"triggers": ["loss_spike"]}, "checkpoint": {"every": 5}},
+             "scheduler_on_skip: step": {"scheduler_on_skip": "step"}}
+
+
+def test_every_exact_only_setting_is_listed_here():
+    assert [name for name, _ in EXACT_ONLY] == list(_BLOCKING)
+
+
+@pytest.mark.parametrize("name", list(_BLOCKING))
+def test_a_setting_that_needs_the_host_keeps_the_exact_path_and_refuses_fast_true(name):
+    on, why = fast_path(validate(_BLOCKING[name]), torch.device("cuda"))
+    assert not on and why == f"exact path: {name} needs each step decided at the host"
+    with pytest.raises(InputError, match=f"fast: true cannot serve {name}"):
+        fast_path(validate({**_BLOCKING[name], "fast": True}), torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("fast", "device", "world", "on"), [
+    (None, "cuda", 1, True), (None, "cpu", 1, False), (None, "cuda", 2, False),
+    (True, "cpu", 1, True), (True, "cuda", 1, True), (False, "cuda", 1, False)])
+def test_which_path(fast, device, world, on):
+    assert fast_path(validate({"fast": fast}), torch.device(device), world)[0] is on
+
+
+def test_fast_true_under_torchrun_is_refused():
+    with pytest.raises(InputError, match="fast: true runs in one process"):
+        fast_path(validate({"fast": True}), torch.device("cuda"), world_size=2)
+
+
+def test_the_fast_state_is_sync_free_with_a_fused_optimizer_and_device_lrs():
+    config = validate({"steps": 5, "optimizer": {"name": "sgd"}})
+    state = build_state(config, nn.Linear(3, 1), torch.nn.functional.mse_loss, torch.device("cpu"), fast=True)
+    assert state.sync_free and state.optimizer.defaults["fused"]
+    assert all(isinstance(g["lr"], torch.Tensor) for g in state.optimizer.param_groups)
+    assert state.scheduler.applied is state._updates_t

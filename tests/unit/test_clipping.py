@@ -236,3 +236,27 @@ def test_has_non_finite_grad_mixed_dtypes():
     assert has_non_finite_grad(params) is False
     params[0].grad = torch.tensor([65504.0, INF], dtype=torch.float16)
     assert has_non_finite_grad(params) is True
+
+
+def test_the_split_clip_is_clip_grad_norm_bit_for_bit_over_mixed_dtypes():
+    """clip_factor + scale_grads_ (what clip_to_norm_ does) against PyTorch's clip_grad_norm_,
+    with float32 and bfloat16 gradients grouped separately."""
+    from ampguard.clipping import clip_factor, global_l2_norm, scale_grads_
+
+    def params():
+        g = torch.Generator().manual_seed(3)
+        out = []
+        for dtype in (torch.float32, torch.bfloat16, torch.float32):
+            p = torch.nn.Parameter(torch.zeros(5, dtype=dtype))
+            p.grad = (torch.randn(5, generator=g) * 4).to(dtype)
+            out.append(p)
+        return out
+
+    mine, ref = params(), params()
+    pre = global_l2_norm(mine)
+    factor, post = clip_factor(pre, 0.5)
+    scale_grads_(mine, factor)
+    ref_pre = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    assert torch.equal(pre, ref_pre)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine, ref))
+    assert post.item() <= 0.5

@@ -259,3 +259,19 @@ def test_precision_dtypes_scaler_and_autocast():
 def test_precision_refuses_an_unknown_name():
     with pytest.raises(ValueError, match="fp4"):
         Precision("fp4", "cpu")  # type: ignore[arg-type]
+
+
+def test_a_found_inf_mark_is_a_number_filled_in_on_the_device_and_zero_marks_nothing():
+    from ampguard.precision import GuardedGradScaler
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GuardedGradScaler("cpu", init_scale=64.0, growth_interval=1)
+    scaler.add_found_inf_(opt, 0.0)  # a clean step: the scale grows
+    scaler.update()
+    assert scaler.get_scale() == 128.0
+    scaler.mark_found_inf_(opt)  # 1.0: backs off
+    record = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+    assert [flag.item() for flag in record.values()] == [1.0]
+    scaler.update()
+    assert scaler.get_scale() == 64.0

@@ -1,0 +1,65 @@
+"""The LR schedule on the host and on the device, and the DeviceLambdaLR that either path resumes from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ampguard.config import validate
+from ampguard.schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
+
+
+@pytest.mark.parametrize("decay", ["constant", "cosine", "linear"])
+@pytest.mark.parametrize("warmup", [0, 1, 7])
+def test_the_device_table_is_the_host_schedule_in_float32(decay, warmup):
+    config = validate({"steps": 40, "schedule": {"warmup": warmup, "decay": decay, "min_lr_ratio": 0.2}})
+    host, device = lr_multiplier(config), device_multiplier(config)
+    counts = torch.arange(0, 46, dtype=torch.float32)  # past the last step too: the table's last entry
+    got = torch.stack([device(c) for c in counts])
+    want = torch.tensor([host(min(int(c), 40)) for c in counts], dtype=torch.float64).to(torch.float32)
+    assert torch.equal(got, want)
+    assert got.dtype == torch.float32 and got.shape == (46,)
+
+
+def test_the_count_is_read_on_its_own_device_and_never_indexed_by_python():
+    config = validate({"steps": 10, "schedule": {"warmup": 2}})
+    factor = device_multiplier(config)
+    applied = torch.tensor(1.0)
+    assert factor(applied).shape == () and factor(applied).item() == pytest.approx(1.0)
+    assert factor(torch.tensor(-3.0)).item() == pytest.approx(0.5)  # clamped at the first entry
+
+
+def _optimizer() -> torch.optim.Optimizer:
+    return torch.optim.AdamW(nn.Linear(2, 1).parameters(), lr=0.1)
+
+
+def test_a_device_schedules_state_is_a_lambdalr_state_at_the_applied_count():
+    config = validate({"steps": 10, "schedule": {"warmup": 4}})
+    device = DeviceLambdaLR(_optimizer(), lr_multiplier(config), device_multiplier(config))
+    device.applied = torch.tensor(3.0)
+    host = torch.optim.lr_scheduler.LambdaLR(_optimizer(), lr_multiplier(config))
+    for _ in range(3):
+        host.optimizer.step()
+        host.step()
+    saved, reference = device.state_dict(), host.state_dict()
+    assert set(saved) == set(reference) and "device_factor" not in saved and "applied" not in saved
+    assert saved["last_epoch"] == reference["last_epoch"] == 3
+    assert saved["base_lrs"] == reference["base_lrs"] == [0.1]
+    assert saved["_last_lr"] == pytest.approx(reference["_last_lr"])
+
+
+def test_each_loads_the_others_state():
+    config = validate({"steps": 10, "schedule": {"warmup": 4}})
+    device = DeviceLambdaLR(_optimizer(), lr_multiplier(config), device_multiplier(config))
+    applied = device.applied = torch.tensor(0.0)
+    host = torch.optim.lr_scheduler.LambdaLR(_optimizer(), lr_multiplier(config))
+    for _ in range(5):
+        host.optimizer.step()
+        host.step()
+    device.load_state_dict(host.state_dict())
+    assert device.last_epoch == 5 and device.applied is applied and callable(device.device_factor)
+    device.applied.fill_(7.0)
+    host2 = torch.optim.lr_scheduler.LambdaLR(_optimizer(), lr_multiplier(config))
+    host2.load_state_dict(device.state_dict())
+    assert host2.last_epoch == 7
