@@ -33,7 +33,7 @@ class Copies:
 
 @pytest.mark.parametrize("lag", [1, 2, 3])
 def test_a_record_is_never_more_than_lag_steps_behind(monkeypatch, lag):
-    copies = Copies(monkeypatch)
+    copies = Copies(monkeypatch)  # none lands by itself: every record waits until it is lag behind
     flight = InFlight(lag=lag)
     handled = []
     for step in range(1, 11):
@@ -42,6 +42,7 @@ def test_a_record_is_never_more_than_lag_steps_behind(monkeypatch, lag):
         assert len(flight) <= lag and step - len(flight) == len(handled)
     assert handled == list(range(1, 11 - lag))
     assert [r.step for r, _ in flight.drain()] == list(range(11 - lag, 11)) and len(flight) == 0
+    assert copies.waited == list(range(1, 11))  # each waited for once, in order
 
 
 def test_landed_records_come_back_at_once_in_order_and_an_unlanded_one_holds_the_later(monkeypatch):
