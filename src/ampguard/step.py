@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import distributed
-from .clipping import clip_factor, clip_to_norm_, global_l2_norm, scale_grads_
+from .clipping import clip_factor, clip_to_norm_, global_l2_norm, non_finite, scale_grads_
 from .precision import GuardedGradScaler, Precision, PrecisionName
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
 
@@ -358,14 +358,14 @@ class Guard:
                 raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}")
         with self._no_sync():  # FSDP2 reduces in backward
             losses = [loss.float() for loss in losses]
-            finite = [torch.isfinite(loss.detach()) for loss in losses]
-            total, bad = losses[0].detach(), ~finite[0]
-            for loss, ok in zip(losses[1:], finite[1:]):
-                total, bad = total + loss.detach(), bad | ~ok
+            bads = [non_finite(loss.detach()) for loss in losses]
+            total, bad = losses[0].detach(), bads[0]
+            for loss, bad_i in zip(losses[1:], bads[1:]):
+                total, bad = total + loss.detach(), bad | bad_i
             self._accumulate(total, bad)
             last = len(losses) - 1
-            for i, (loss, ok) in enumerate(zip(losses, finite)):
-                loss = torch.where(ok, loss, 0.0)
+            for i, (loss, bad_i) in enumerate(zip(losses, bads)):
+                loss = torch.where(bad_i, 0.0, loss)
                 if self.accumulation_steps > 1:  # (x / 1 is x, bit for bit: one op and one node saved)
                     loss = loss / self.accumulation_steps
                 self.scaler.scale(loss).backward(retain_graph=i < last)
@@ -451,9 +451,9 @@ class Guard:
             self.scaler.unscale_(self.optimizers[name])
         # the norm over all gradients (all shards); also the non-finite detector: inf/nan iff a grad is
         pre = distributed.full_norm(global_l2_norm(self._union(names)))
-        bad = [self._loss_bad, ~torch.isfinite(pre)]
+        bad = [self._loss_bad, non_finite(pre)]
         if len(names) > 1:
-            bad += [~torch.isfinite(distributed.full_norm(global_l2_norm(self._params_of[n]))) for n in names]
+            bad += [non_finite(distributed.full_norm(global_l2_norm(self._params_of[n]))) for n in names]
         flags, loss = distributed.agree(torch.stack(bad), loss)
         return loss, pre, flags
 
