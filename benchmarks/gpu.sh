@@ -4,7 +4,7 @@
 #   1. the CUDA tests (tests/e2e/test_cuda.py: bit for bit, one sync per step, the sync-free
 #      step, `ampguard train`'s fast path with no sync in its step, the fused tail);
 #   2. `ampguard train` on GPT-2 small (task.preset gpt2-small, bf16, compile) against the bare
-#      compiled loop: tokens/s and MFU (benchmarks/train_vs_bare.py);
+#      compiled loop: tokens/s and MFU (benchmarks/train_vs_bare.py); then on the default model;
 #   3. `ampguard bench` resolved to ±1% on the tiny MLP (launch-bound), with the sync-free path,
 #      the fused tail and the installed peers;
 #   4. `ampguard bench` on GPT-2 small's shape in bf16, the same contenders.
@@ -37,7 +37,10 @@ if [ "$DEVICE" = cuda ]; then
     timeout 110 "$PY" -m pytest -p no:cacheprovider -q -x -o addopts="" tests/e2e/test_cuda.py 2>&1 | tail -25
 fi
 stage "2. ampguard train vs the bare compiled loop, GPT-2 small"
-timeout "${TRAIN_S:-230}" "$PY" benchmarks/train_vs_bare.py --device "$DEVICE" "${quick[@]}" --out "$OUT"
+timeout "${TRAIN_S:-200}" "$PY" benchmarks/train_vs_bare.py --device "$DEVICE" "${quick[@]}" --out "$OUT"
+stage "2b. the same on the embedded default model (small, launch-bound on a GPU), eager"
+timeout 60 "$PY" benchmarks/train_vs_bare.py --device "$DEVICE" --model default --eager --steps 300 --every 60 \
+    --skip 60 "${quick[@]}" --out "$OUT"
 stage "3. bench: tiny MLP (launch-bound)"
 timeout "${MLP_S:-85}" "$PY" -m ampguard bench --device "$DEVICE" --models mlp --precisions bf16,fp16 --fused \
     --resolve 1 --budget 25 "${quick[@]}" --json > "$OUT/bench-mlp.json"

@@ -16,7 +16,7 @@ records, the CSV, the monitors).
     python benchmarks/train_vs_bare.py --out benchmarks/out             # GPU: GPT-2 small
     python benchmarks/train_vs_bare.py --quick --device cpu              # a dry run on a CPU
 
-Prints a table and writes ``train-vs-bare.json`` to ``--out``.
+Prints a table and writes ``train-vs-bare-<model>.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ def _config(args: argparse.Namespace, **extra):
     from ampguard.config import validate
 
     task = {"name": "charlm", "batch_size": args.batch}
-    task.update({"preset": "gpt2-small"} if not args.quick else
-                {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32})
+    if args.quick:
+        task.update({"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32})
+    elif args.model == "gpt2-small":
+        task["preset"] = "gpt2-small"  # (--model default: the embedded default's 2 x 64, context 64)
     return validate({"task": task, "precision": args.precision, "device": args.device, "compile": not args.eager,
                      "steps": args.steps, "eval": {"enabled": False}, "checkpoint": {"enabled": False},
                      "log": {"every": args.every, **({"peak_tflops": args.peak_tflops} if args.peak_tflops else {})},
@@ -112,6 +114,8 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=40, help="steps per measured interval")
     parser.add_argument("--skip", type=int, default=40, help="steps before the first measured interval")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--model", choices=["gpt2-small", "default"], default="gpt2-small",
+                        help="GPT-2 small, or the embedded default charlm (small: launch-bound on a GPU)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
     parser.add_argument("--quick", action="store_true", help="a tiny model (a dry run of the script)")
     parser.add_argument("--peak-tflops", type=float, default=None)
@@ -121,7 +125,8 @@ def main() -> int:
         args.steps, args.every, args.skip, args.batch = 12, 4, 4, 4
     if (args.steps - args.skip) % args.every:
         parser.error("--steps minus --skip must be a multiple of --every")
-    print(f"train vs bare: {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), "
+    print(f"train vs bare, {args.model}: {args.device} "
+          f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, {args.precision}, {'eager' if args.eager else 'compiled'}, batch "
           f"{args.batch}, {args.steps} steps, intervals of {args.every} after {args.skip}", flush=True)
     results: dict[str, dict] = {}
@@ -145,7 +150,7 @@ def main() -> int:
     print(f"  drift between the two bare runs: {drift:+.1%}", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "train-vs-bare.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+        (args.out / f"train-vs-bare-{args.model}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                                  "results": results, "drift": drift}, indent=1))
     return 0
 
