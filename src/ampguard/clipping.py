@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch.utils._foreach_utils import (_device_has_foreach_support, _group_tensors_by_device_and_dtype,
+                                        _has_foreach_support)
 
 try:  # torch >= 2.6
     from torch.nn.utils import get_total_norm
@@ -57,7 +59,19 @@ def global_l2_norm(parameters: Params) -> torch.Tensor:
     grads = _grads(parameters)
     if not grads:
         return torch.zeros(())
+    if _one_foreach_group(grads):  # get_total_norm's own operations for its one group, minus its wrappers
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
     return get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None)
+
+
+def _one_foreach_group(tensors: list[torch.Tensor]) -> bool:
+    """Plain dense tensors on one device, of one dtype, where foreach kernels run: the case in
+    which ``get_total_norm`` and ``clip_grads_with_norm_`` make one foreach call (the step's
+    usual case; a DTensor, a second dtype or device takes PyTorch's own grouping)."""
+    first = tensors[0]
+    device, dtype = first.device, first.dtype
+    return (all(type(t) is torch.Tensor and t.device == device and t.dtype == dtype for t in tensors)
+            and _device_has_foreach_support(device))
 
 
 def non_finite(x: torch.Tensor) -> torch.Tensor:
@@ -140,11 +154,12 @@ def scale_grads_(parameters: Params, factor: torch.Tensor) -> None:
         >>> scale_grads_([w], torch.tensor(0.5)); w.grad.tolist()
         [1.5, 2.0]
     """
-    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
-
     params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
+        return
+    if _one_foreach_group(grads):
+        torch._foreach_mul_(grads, factor.to(grads[0].device))
         return
     for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():  # type: ignore[assignment]
         if _has_foreach_support(group, device):
