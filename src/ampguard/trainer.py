@@ -286,7 +286,9 @@ class Trainer:
     def train_step(self) -> StepRecord:
         """Micro-batches through the guarded step until one closes its group.
 
-        The step reads its skip flags on the host once per step (a host sync; docs/design.md §2).
+        On the exact path the step reads its skip flags on the host once per step (a host sync;
+        docs/design.md §2); on the fast path it reads nothing (its record is read back later,
+        :class:`~ampguard.records.InFlight`).
         """
         while True:
             batch = self.data.next(first_step=self.state.steps + 1)
