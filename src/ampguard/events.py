@@ -124,9 +124,9 @@ class Throughput:
         >>> now = iter([0.0, 1.0, 3.0, 3.0])  # 1 GFLOP a token against a 1 TFLOP/s peak
         >>> meter = Throughput(clock=lambda: next(now), flops_per_token=1e9, peak_flops=1e12)
         >>> meter.steady(); meter.add(torch.zeros(2, 100, dtype=torch.long)); meter.take()
-        ' tokens/s=67 mfu=6.7%'
+        ' tokens/s=67 mfu=6.67%'
         >>> meter.summary()  # since steady(), at 1.0
-        '100 tokens/s, MFU 10.0% (from the end of the first step, wall clock)'
+        '100 tokens/s, MFU 10% (from the end of the first step, wall clock)'
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, flops_per_token: float | None = None,
@@ -159,7 +159,7 @@ class Throughput:
     def _rate(self, items: int, elapsed: float) -> str:
         text = f"{items / elapsed:,.0f} {self._unit}/s"
         if self._unit == "tokens" and self.flops_per_token and self.peak_flops:
-            text += f", MFU {items * self.flops_per_token / elapsed / self.peak_flops:.1%}"
+            text += f", MFU {100 * items * self.flops_per_token / elapsed / self.peak_flops:.3g}%"  # 42.3%, 0.0412%
         return text
 
     def take(self) -> str:
