@@ -51,7 +51,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ from . import distributed
 from .errors import InputError
 from .monitor import Event
 from .records import StepRecord, format_number
-from .sinks import CsvSink, _open_for_append, writing
+from .sinks import CsvSink, writing
 
 HEADROOM_CSV = "headroom.csv"
 """The file name of the headroom telemetry in a run folder (beside ``steps.csv``)."""
@@ -342,29 +342,14 @@ class HeadroomCsv(CsvSink):
     def __init__(self, path: str | Path, headroom: Headroom, *, append: bool = False,
                  keep_through: int | None = None) -> None:
         self.path, self.headroom, self.columns = Path(path), headroom, HEADROOM_COLUMNS
-        existing = self.path.exists() and self.path.stat().st_size > 0
-        if existing and not append:
-            raise InputError(f"{self.path} already exists; refusing to overwrite it")
-        if existing:
-            with self.path.open(newline="", encoding="utf-8") as f:
-                if tuple(next(csv.reader(f), ())) != self.columns:
-                    raise InputError(f"{self.path}: its header does not match {', '.join(self.columns)}, cannot append")
-            if keep_through is not None:
-                self._truncate_after(keep_through)
-        self._file: IO[str] | None = _open_for_append(self.path, newline="")
-        self._rows = csv.writer(self._file, lineterminator="\n")
-        if not existing:
-            with writing(self.path):
-                self._rows.writerow(self.columns)
-                self._file.flush()
-        self.rows = 0
+        self._open(append, keep_through, ", ".join(self.columns))
 
     def write(self, record: StepRecord, extra: Any = None) -> None:
         """Append the step's rows, each flushed (:class:`~ampguard.sinks.DiskFull` when there is no room)."""
         assert self._file is not None, "HeadroomCsv is closed"
         for row in self.headroom.read(record.step):
             with writing(self.path):
-                self._rows.writerow(row.cells())
+                self._writer.writerow(row.cells())
                 self._file.flush()
             self.rows += 1
 

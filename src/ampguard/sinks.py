@@ -187,6 +187,14 @@ class CsvSink:
     ) -> None:
         self.path = Path(path)
         self.columns = CSV_COLUMNS + tuple(extra_columns)
+        self._open(append, keep_through, "this run's columns")
+        self._extra = self.columns[len(CSV_COLUMNS):]
+        self._labels = any(c in LABEL_COLUMNS for c in self._extra)
+
+    def _open(self, append: bool, keep_through: int | None, expected: str) -> None:
+        """Open ``self.path`` for rows of ``self.columns``: a new file gets the header; an existing
+        one is refused unless ``append``, and then its header must match (``expected`` names what
+        it should be, for the error) and its rows after ``keep_through`` are dropped."""
         existing = self.path.exists() and self.path.stat().st_size > 0
         if existing and not append:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")
@@ -194,7 +202,7 @@ class CsvSink:
             with self.path.open(newline="", encoding="utf-8") as f:
                 header = tuple(next(csv.reader(f), ()))
             if header != self.columns:
-                raise InputError(f"{self.path}: its header does not match this run's columns, cannot append")
+                raise InputError(f"{self.path}: its header does not match {expected}, cannot append")
             if keep_through is not None:
                 self._truncate_after(keep_through)
         self._file: IO[str] | None = _open_for_append(self.path, newline="")
@@ -204,8 +212,6 @@ class CsvSink:
                 self._writer.writerow(self.columns)
                 self._file.flush()
         self.rows = 0
-        self._extra = self.columns[len(CSV_COLUMNS):]
-        self._labels = any(c in LABEL_COLUMNS for c in self._extra)
 
     def _truncate_after(self, step: int) -> None:
         """Drop rows after ``step`` (written after the checkpoint a run resumes from), atomically,
