@@ -12,7 +12,7 @@ import errno
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
@@ -89,10 +89,9 @@ class DiskFull(Exception):
         self.through: int | None = None
 
 
-@contextlib.contextmanager
-def writing(path: str | os.PathLike) -> Iterator[None]:
+class writing:  # noqa: N801 - used as `with writing(path):`, like a function
     """Around a write to ``path``: a disk-full ``OSError`` becomes :class:`DiskFull`; any other
-    error passes unchanged.
+    error passes unchanged. (A class, not a generator context manager: it wraps every CSV row.)
 
     Example::
 
@@ -103,12 +102,19 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
         ...     print(full.path, full.error.errno == errno.ENOSPC)
         steps.csv True
     """
-    try:
-        yield
-    except Exception as err:
-        if disk_full_error(err) is None:
-            raise
-        raise DiskFull(path, disk_full_error(err)) from None
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
+        full = disk_full_error(err) if isinstance(err, Exception) else None
+        if full is not None:
+            raise DiskFull(self.path, full) from None
 
 
 def _open_for_append(path: Path, newline: str | None = None) -> IO[str]:
@@ -242,13 +248,9 @@ class CsvSink:
         if self._extra:
             cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns
             row.update((k, v if isinstance(v := cells.get(k), str) else format_number(v)) for k in self._extra)
-        try:  # (not `with writing(...)`: this runs every step)
+        with writing(self.path):
             self._writer.writerow(row.values())
             self._file.flush()
-        except Exception as err:
-            if disk_full_error(err) is None:
-                raise
-            raise DiskFull(self.path, disk_full_error(err)) from None
         self.rows += 1
 
     def close(self) -> None:
