@@ -229,10 +229,11 @@ class GuardedGradScaler(torch.amp.GradScaler):
             elif found:  # a number: filled in on the device (a host tensor would be a copy, and a sync)
                 flag.fill_(1.0)
 
-    def scale_value(self) -> torch.Tensor:
+    def scale_value(self, device: torch.device | None = None) -> torch.Tensor:
         """The current scale as a detached 0-dim tensor on the scaler's device (no host sync).
 
-        1.0 when the scaler is disabled (bf16, fp32), as the per-step CSV reports it.
+        1.0 when the scaler is disabled (bf16, fp32), as the per-step CSV reports it: on the
+        host, or on ``device`` when given (what the sync-free step packs with its other values).
 
         Example::
 
@@ -242,9 +243,11 @@ class GuardedGradScaler(torch.amp.GradScaler):
             tensor(1.)
         """
         if not self._enabled:
-            if not hasattr(self, "_one"):
-                self._one = torch.ones(())  # never written to: one tensor serves every record
-            return self._one
+            device = torch.device("cpu") if device is None else device
+            ones = self.__dict__.setdefault("_ones", {})  # never written to: one tensor a device serves every record
+            if device not in ones:
+                ones[device] = torch.ones((), device=device)
+            return ones[device]
         if self._scale is None:
             return torch.full((), float(self._init_scale))
         return self._scale.detach().clone()

@@ -15,6 +15,7 @@ On clean data this is bit-for-bit the hand-written loop with ``clip_grad_norm_``
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -114,14 +115,10 @@ def sync_free_tail(flags: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor
     return found, flags.to(torch.float32), factor, post, applied + (1.0 - found)
 
 
-_compiled_tails: dict[Any, Any] = {}
-
-
+@functools.cache
 def _compiled_tail() -> Callable[..., Any]:
     """:func:`sync_free_tail` compiled once per process (``torch.compile``, the whole graph)."""
-    if "tail" not in _compiled_tails:
-        _compiled_tails["tail"] = torch.compile(sync_free_tail, fullgraph=True, dynamic=False)
-    return _compiled_tails["tail"]
+    return torch.compile(sync_free_tail, fullgraph=True, dynamic=False)
 
 
 class Guard:
@@ -538,20 +535,11 @@ class Guard:
         self._updates_t.copy_(applied)  # in place: a DeviceLambdaLR reads this tensor
         self._zero_grad()
         # the record's values in one tensor (one kernel; read back with one copy), the fields views of it
-        fields += [self._scale_on(pre.device), *bad.unbind()]
+        fields += [self.scaler.scale_value(pre.device), *bad.unbind()]
         packed = torch.stack([f.to(torch.float32) for f in fields])
         lr, loss, pre, post, scale, bad_loss, bad_grad = packed.unbind()
         return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
                            scaler_scale=scale, bad_loss=bad_loss, bad_grad=bad_grad, packed=packed)
-
-    def _scale_on(self, device: torch.device) -> torch.Tensor:
-        """The loss scale as a device tensor (1.0 without a scaler: made once)."""
-        scale = self.scaler.scale_value()
-        if scale.device == device:
-            return scale
-        if getattr(self, "_one_on", None) is None or self._one_on.device != device:
-            self._one_on = torch.ones((), device=device)
-        return self._one_on
 
     def _set_lrs(self) -> None:
         """Sync-free: each group's LR for this step, ``base x factor(applied updates)`` on the
