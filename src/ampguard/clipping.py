@@ -162,11 +162,12 @@ def scale_grads_(parameters: Params, factor: torch.Tensor) -> None:
         torch._foreach_mul_(grads, factor.to(grads[0].device))
         return
     for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():  # type: ignore[assignment]
+        on_device = factor.to(device)
         if _has_foreach_support(group, device):
-            torch._foreach_mul_(group, factor.to(device))
+            torch._foreach_mul_(group, on_device)
         else:
             for g in group:
-                g.mul_(factor.to(device))
+                g.mul_(on_device)
 
 
 def clip_global_l2_norm(

@@ -471,7 +471,9 @@ class SkipGradNorms:
         return hook
 
     def _current_order(self) -> list[str]:
-        known = self.order or self._seen
+        if self.order is not None:  # learned at the first step, every parameter in it
+            return self.order
+        known = self._seen
         seen = set(known)
         return known + [name for name, _ in reversed(self.params) if name not in seen]
 

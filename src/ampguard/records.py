@@ -7,6 +7,7 @@ calls :meth:`StepRecord.values`, which copies every tensor field to the host in 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -209,8 +210,6 @@ class InFlight:
     """
 
     def __init__(self, lag: int = LAG) -> None:
-        from collections import deque
-
         self.lag = lag
         self._queue: deque[tuple[StepRecord, Any, Prefetch]] = deque()
 
@@ -224,16 +223,17 @@ class InFlight:
     def ready(self) -> Iterator[tuple[StepRecord, Any]]:
         """The records whose values have landed, oldest first, and those beyond ``lag`` (waited for)."""
         while self._queue and (len(self._queue) > self.lag or self._queue[0][2].landed()):
-            record, extra, wait = self._queue.popleft()
-            wait()
-            yield record, extra
+            yield self._take()
 
     def drain(self) -> Iterator[tuple[StepRecord, Any]]:
         """Every record still in flight, oldest first (waiting for each)."""
         while self._queue:
-            record, extra, wait = self._queue.popleft()
-            wait()
-            yield record, extra
+            yield self._take()
+
+    def _take(self) -> tuple[StepRecord, Any]:
+        record, extra, wait = self._queue.popleft()
+        wait()
+        return record, extra
 
 
 @dataclass(frozen=True, slots=True)
