@@ -783,9 +783,9 @@ def run_bench(
         [('tiny-mlp', 'fp32', 'bare loop'), ('tiny-mlp', 'fp32', 'ampguard + csv')]
     """
     # the sync-free path needs fused AdamW: it runs when every contender uses it (--fused)
-    contenders: list[type[Contender]] = [Bare] + ([BareAgain] if aa else []) + [Guarded]
-    contenders += [GuardedSyncFree, GuardedFusedTail] if fused else []
-    contenders += available_peers() if peers else []
+    ours: list[type[Contender]] = [Bare] + ([BareAgain] if aa else []) + [Guarded]
+    ours += [GuardedSyncFree, GuardedFusedTail] if fused else []
+    contenders = ours + (available_peers() if peers else [])
     results: list[Result] = []
     for name in workloads:
         w = _mlp(device) if name == "mlp" else _transformer(device, "gpt2-small" if name == "gpt2" else "small")
@@ -794,7 +794,6 @@ def run_bench(
                 # fp16 autocast on a CPU is far too slow for anything but the tiny MLP
                 print(f"{w.name} fp16: not run (on a CPU fp16 runs only the mlp model)", flush=True)
                 continue
-            ours = [Bare] + ([BareAgain] if aa else []) + [Guarded] + ([GuardedSyncFree, GuardedFusedTail] if fused else [])
             run_w, run_c = (fp8_workload(w), ours) if p == "fp8" else (w, contenders)
             run_w = compiled_workload(run_w) if compiled else run_w
             print(f"{w.name} {p}: {', '.join(c.name for c in run_c)}", flush=True)

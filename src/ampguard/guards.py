@@ -327,7 +327,8 @@ class Rollbacks:
             ...                   stats_every=None, print_fn=lines.append, progress=False, resume=None)
             >>> trainer._open()  # run() does this: the run folder, its checkpoints/ and the event log
             >>> for step in (1, 2, 3):  # a checkpoint at step 2
-            ...     trainer.maybe_save(trainer.train_step().step)
+            ...     if trainer.save_due(trainer.train_step().step):
+            ...         trainer.save()
             ...     if step == 2:
             ...         weights = trainer.task.model.weight.detach().clone()
             >>> trainer.rollbacks.apply(Rollback(3, "loss spike", LOSS_SPIKE))

@@ -342,11 +342,6 @@ class Trainer:
         every = self.config.checkpoint.every
         return bool(every) and step % every == 0 and step < self.config.steps
 
-    def maybe_save(self, step: int) -> None:
-        """:meth:`save` when :meth:`save_due`."""
-        if self.save_due(step):
-            self.save()
-
     def save(self) -> None:
         """A checkpoint of the current step, unless checkpoints are off, the step is mid-group, or
         the run has no checkpoint folder (a demo). Device tensors are copied to the host to be
