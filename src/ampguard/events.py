@@ -156,11 +156,12 @@ class Throughput:
         if self._run_since is None:
             self._run_since = self._clock()
 
-    def _rate(self, items: int, elapsed: float) -> str:
-        text = f"{items / elapsed:,.0f} {self._unit}/s"
+    def _rate(self, items: int, elapsed: float) -> tuple[str, str | None]:
+        """Items per second and the MFU (None where unknown), as text: ``"1,234"``, ``"42.3%"``."""
+        mfu = None
         if self._unit == "tokens" and self.flops_per_token and self.peak_flops:
-            text += f", MFU {100 * items * self.flops_per_token / elapsed / self.peak_flops:.3g}%"  # 42.3%, 0.0412%
-        return text
+            mfu = f"{100 * items * self.flops_per_token / elapsed / self.peak_flops:.3g}%"  # 42.3%, 0.0412%
+        return f"{items / elapsed:,.0f}", mfu
 
     def take(self) -> str:
         """`` tokens/s=N`` (or examples; `` mfu=P%`` with FLOPs and a peak) since the last call,
@@ -170,9 +171,8 @@ class Throughput:
         items, self._items = self._items, 0
         if not items or elapsed <= 0:
             return ""
-        rate, _, mfu = self._rate(items, elapsed).partition(", MFU ")
-        value, unit = rate.split(" ")
-        return f" {unit}={value}" + (f" mfu={mfu}" if mfu else "")
+        rate, mfu = self._rate(items, elapsed)
+        return f" {self._unit}/s={rate}" + (f" mfu={mfu}" if mfu else "")
 
     def summary(self) -> str | None:
         """The run's throughput since :meth:`steady` (the run card's line), or None before it."""
@@ -181,4 +181,5 @@ class Throughput:
         elapsed = self._clock() - self._run_since
         if elapsed <= 0:
             return None
-        return self._rate(self._run_items, elapsed) + " (from the end of the first step, wall clock)"
+        rate, mfu = self._rate(self._run_items, elapsed)
+        return f"{rate} {self._unit}/s" + (f", MFU {mfu}" if mfu else "") + " (from the end of the first step, wall clock)"

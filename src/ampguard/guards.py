@@ -32,7 +32,7 @@ from . import distributed
 from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes, set_base_lr
 from .config import Config
 from .errors import ConfigError, ExitCode, InputError
-from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor
+from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor, higher_is_better
 from .records import StepRecord
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class Guards:
         if best is None:
             return None
         margin = self.val_threshold * abs(best)
-        if "acc" in str(name):  # higher is better, as the monitor counts it
+        if higher_is_better(str(name)):
             return f"{name} {value:.4g} < best {best:.4g} - {self.val_threshold:g} x {abs(best):.4g}" \
                 if value < best - margin else None
         return f"{name} {value:.4g} > best {best:.4g} + {self.val_threshold:g} x {abs(best):.4g}" \
@@ -298,7 +298,6 @@ class Rollbacks:
         self.monitor, self.spikes, self.events = monitor, spikes, events
         self.log: list[str] = []
         self.config = config
-        self.base_lr = config.optimizer.lr
         self.policy: list[dict[str, Any]] = []
         """Policy changes made on resume ({key, old, new, step}); re-applied over a checkpoint older than them."""
         self.evidence: TriggerBatches | None = None
@@ -380,7 +379,7 @@ class Rollbacks:
         message = (f"{decision.why}: rolled back to {loaded.path.name} (step {loaded.step}) and skipped "
                    f"{self.data.position - saved} batches (data position {old} -> {self.data.position})")
         if self.cfg.lr_factor != 1.0:
-            lr = self.base_lr * self.cfg.lr_factor ** (len(self.log) + 1)
+            lr = self.config.optimizer.lr * self.cfg.lr_factor ** (len(self.log) + 1)
             set_base_lr(self.state.scheduler, lr)
             message += f"; lr {lr:.4g} (rollback.lr_factor {self.cfg.lr_factor:g})"
         if evidence is not None:

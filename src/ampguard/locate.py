@@ -562,31 +562,6 @@ def _check_arguments(config: Any, precision: Precision, *, step: int, batch: str
         raise InputError(f"locate: --step {step} is beyond the run's {config.steps} steps (config steps)")
 
 
-def load_batch(path: str) -> tuple[Any, Any]:
-    """A saved batch: ``torch.save({"inputs": x, "targets": y}, path)``, loaded weights-only (the
-    first micro-batch of a file :func:`load_batches` reads).
-
-    Example::
-
-        >>> import shutil, tempfile
-        >>> from pathlib import Path
-        >>> from ampguard.errors import InputError
-        >>> folder = Path(tempfile.mkdtemp())
-        >>> torch.save({"inputs": torch.ones(2, 3), "targets": torch.zeros(2)}, folder / "batch.pt")
-        >>> x, y = load_batch(str(folder / "batch.pt"))
-        >>> tuple(x.shape), tuple(y.shape)
-        ((2, 3), (2,))
-        >>> torch.save({"x": torch.ones(1)}, folder / "other.pt")
-        >>> try:
-        ...     load_batch(str(folder / "other.pt"))
-        ... except InputError as err:
-        ...     print(str(err).replace(str(folder), "DIR"))
-        DIR/other.pt: a batch file holds {'inputs': ..., 'targets': ...} (or 'micro_batches': a list of them)
-        >>> shutil.rmtree(folder)
-    """
-    return load_batches(path)[0][0]
-
-
 def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
     """A saved batch file, loaded weights-only: ``{"inputs": x, "targets": y}``, or a step's
     micro-batches ``{"micro_batches": [{"inputs": x, "targets": y}, ...], "loss_scale": s, ...}``

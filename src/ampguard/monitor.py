@@ -515,6 +515,18 @@ class ScaleHealth:
         self._fell = bool(state["fell"])
 
 
+def higher_is_better(metric: str) -> bool:
+    """Whether a held-out metric improves upwards: names with ``acc`` (accuracy), as the monitor's
+    best-so-far and the ``val_regression`` trigger both count it.
+
+    Example::
+
+        >>> higher_is_better("val_accuracy"), higher_is_better("val_loss")
+        (True, False)
+    """
+    return "acc" in metric
+
+
 class RunMonitor:
     """Watches a run's records: counts, rolling skip rate, alerts, fail-fast, clip rate, scale health.
 
@@ -696,8 +708,7 @@ class RunMonitor:
             if not math.isfinite(value):
                 continue
             best = self.eval_best.get(name)
-            higher = "acc" in name
-            if best is None or (value > best if higher else value < best):
+            if best is None or (value > best if higher_is_better(name) else value < best):
                 self.eval_best[name] = value
 
     def restart_windows(self) -> None:
