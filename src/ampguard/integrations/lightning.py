@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -188,11 +189,10 @@ class AmpGuardPlugin(_LightningPrecision):
         RunMonitor(**self.monitor_settings)  # bad settings fail here, not after the first step
         self.scheduler_on_skip = scheduler_on_skip
         self.frozen = frozen
-        self.keep_records = keep_records
 
         self.guard: Guard | None = None
         self.monitor: RunMonitor | None = None
-        self.records: list[StepLog | SkipLog] = []
+        self.records: deque[StepLog | SkipLog] = deque(maxlen=keep_records)
         self.stop_reason: str | None = None
         self._autocast: Precision | None = None
         self._sinks: list[Sink] | None = None
@@ -218,7 +218,8 @@ class AmpGuardPlugin(_LightningPrecision):
         if trainer is not None and trainer.state.fn == "fit":
             # a new fit has new optimizers (configure_optimizers ran again): a new guard at its first
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
-            self.guard, self.monitor, self.records, self.stop_reason = None, None, [], None
+            self.guard, self.monitor, self.stop_reason = None, None, None
+            self.records.clear()
             self._loaded, self._hold = None, False
             if trainer.gradient_clip_val:
                 raise ValueError(f"AmpGuardPlugin clips to max_norm after its non-finite check: drop the Trainer's "
@@ -267,7 +268,6 @@ class AmpGuardPlugin(_LightningPrecision):
         if trainer.is_global_zero:
             if self.csv is not None:
                 resumed = self._loaded is not None and self.csv.exists()
-                self.csv.parent.mkdir(parents=True, exist_ok=True)
                 sinks.append(CsvSink(self.csv, append=resumed,
                                      keep_through=int(self._loaded["step"]) if resumed else None))
             sinks += self.extra_sinks
@@ -366,8 +366,7 @@ class AmpGuardPlugin(_LightningPrecision):
             sink.write(record)
         assert self.monitor is not None
         events = self.monitor.observe(record)
-        self.records.append(record)
-        del self.records[: -self.keep_records]
+        self.records.append(record)  # (the last keep_records)
         for event in events:
             if event.kind == "fail":
                 self.stop_reason = f"ampguard stopped the trainer at step {event.step}: {event.message}"

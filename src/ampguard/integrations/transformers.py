@@ -31,12 +31,13 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..clipping import global_l2_norm
+from ..errors import ExitCode
 from ..events import EventLog, event_word
 from ..monitor import DEFAULT_MIN_STEPS, RunMonitor
 from ..records import SkipLog, StepLog, StepRecord
 from ..sinks import CsvSink
 from ..step import Guard
-from .accelerate import found_inf
+from .accelerate import _inner, found_inf
 
 CSV_NAME, EVENTS_NAME, SUMMARY_NAME, CARD_NAME = "steps.csv", "events.jsonl", "summary.json", "RUN.md"
 
@@ -71,7 +72,7 @@ def run_card(summary: dict[str, Any]) -> str:
     ]
     lines = ["# ampguard run card (Hugging Face Trainer)", "", "| | |", "|---|---|"]
     return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows]) + "\n"
-GUARD_EXIT_CODE = 3  # what `ampguard train` exits with when a guard stops a run (docs/design.md §4)
+GUARD_EXIT_CODE = int(ExitCode.GUARD)  # what `ampguard train` exits with when a guard stops a run
 
 
 def precision_of(args: Any) -> str:
@@ -306,10 +307,8 @@ class GuardedTrainer(Trainer):
         return args
 
     def _make_guard(self, model: torch.nn.Module) -> Guard:
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
-        device = next(model.parameters()).device
-        return Guard(model, optimizer, precision=precision_of(self.args), max_norm=self.args.max_grad_norm,
-                     accumulation_steps=self.args.gradient_accumulation_steps, device=device,
+        return Guard(model, _inner(self.optimizer), precision=precision_of(self.args),  # (inside Accelerate's wrapper)
+                     max_norm=self.args.max_grad_norm, accumulation_steps=self.args.gradient_accumulation_steps,
                      scaler=self.scaler_settings or None)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
