@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 from .clipping import clip_threshold
 from .errors import ExitCode, InputError
-from .monitor import RollingWindow, RunMonitor
+from .monitor import RunMonitor
 from .records import LABEL_COLUMNS
-from .report import Row, read_steps_csv, replay
+from .report import Row, _number, finite_points, read_steps_csv, replay, rolling_skip_rate
 from .sinks import CSV_COLUMNS
 
 if TYPE_CHECKING:
@@ -82,13 +82,7 @@ def _metrics(csv_path: Path) -> list[dict[str, float]]:
                  if i >= len(CSV_COLUMNS) and name not in LABEL_COLUMNS]
         out = []
         for cells in reader:
-            values = {}
-            for i, name in names:
-                if cells[i] != "":
-                    try:
-                        values[name] = float(cells[i])
-                    except ValueError:
-                        raise InputError(f"{csv_path}: column {name} holds {cells[i]!r}, not a number") from None
+            values = {name: value for i, name in names if (value := _number(cells[i], name, str(csv_path))) is not None}
             if values:
                 out.append(values)
     return out
@@ -106,6 +100,7 @@ def load_run(path: str | Path) -> RunSummary:
         ...     print(err)
         compare: no such folder no/such/run
     """
+    from .build import build_monitor
     from .config import read_file, validate
 
     folder = Path(path)
@@ -124,12 +119,8 @@ def load_run(path: str | Path) -> RunSummary:
     rows = read_steps_csv(folder / "steps.csv")
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
-    mon, scaler = config.monitor, config.scaler
-    monitor = replay(rows, window=mon.window, alert_rate=mon.alert_rate, fail_rate=mon.fail_rate,
-                     fail_after=mon.fail_after, max_norm=clip_threshold(config.max_norm),
-                     scaler_enabled=config.precision == "fp16" if scaler.enabled is None else scaler.enabled,
-                     init_scale=scaler.init_scale, min_scale=min(scaler.min_scale, scaler.init_scale),
-                     min_steps=mon.min_steps)
+    scaler_on = config.precision == "fp16" if config.scaler.enabled is None else config.scaler.enabled
+    monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on))  # the run's own monitor
     for metrics in _metrics(folder / "steps.csv"):
         monitor.observe_eval(metrics)
     return RunSummary(folder.name, folder, config, rows, monitor, _ended(folder / "RUN.md"))
@@ -271,14 +262,6 @@ def check_out(png: Path) -> None:
         raise InputError(f"{where}: folder {parent} is not writable")
 
 
-def _rolling(rows: list[Row], window: int) -> list[float]:
-    win, rates = RollingWindow(window), []
-    for r in rows:
-        win.push(float(r.skipped))
-        rates.append(win.seen_mean)  # over the steps the window holds, as the run judged it
-    return rates
-
-
 def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     """Draw the runs over each other (1200 x 1100 px, four panels on a shared step axis): loss,
     pre-clip global norm with each run's ``max_norm``, log2 of the loss scale, rolling skip rate.
@@ -299,9 +282,7 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         colour, rows = colours(i % 10), run.rows
 
         def finite(values: list[float | None], positive: bool = False) -> tuple[list[int], list[float]]:
-            pairs = [(r.step, v) for r, v in zip(rows, values)
-                     if v is not None and math.isfinite(v) and (v > 0 or not positive)]
-            return [s for s, _ in pairs], [v for _, v in pairs]
+            return finite_points(rows, values, positive)
 
         xs, ys = finite([r.loss for r in rows])
         log_loss = log_loss and bool(ys) and min(ys) > 0
@@ -320,7 +301,7 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
             ax_norm.axhline(clip, color=colour, ls="--", lw=1, label=f"{run.name}: max_norm {clip:g}")
         xs, ys = finite([r.scaler_scale for r in rows], positive=True)
         ax_scale.step(xs, [math.log2(v) for v in ys], where="post", lw=1.2, color=colour, label=run.name)
-        rates = _rolling(rows, run.config.monitor.window)
+        rates = rolling_skip_rate(rows, run.config.monitor.window)
         top_rate = max(top_rate, *rates)
         ax_skip.plot([r.step for r in rows], rates, lw=1.2, color=colour,
                      label=f"{run.name} (window {run.config.monitor.window})")

@@ -137,8 +137,39 @@ def _rows(path: Path, reader: Iterator[list[str]]) -> Iterator[Row]:
         )
 
 
-def replay(rows: list[Row], **monitor_args: Any) -> RunMonitor:
-    """Feed CSV rows through a :class:`RunMonitor`: the same statistics the live run kept.
+def finite_points(rows: list[Row], values: list[float | None], positive: bool = False
+                  ) -> tuple[list[int], list[float]]:
+    """The (steps, values) a plot draws: the finite values (and > 0 with ``positive``).
+
+    Example::
+
+        >>> rows = [Row(s, 0.1, 2.0, 1.0, 0.5, False, "", 1.0) for s in (1, 2, 3)]
+        >>> finite_points(rows, [1.0, float("nan"), 0.0], positive=True)
+        ([1], [1.0])
+    """
+    pairs = [(r.step, v) for r, v in zip(rows, values) if v is not None and math.isfinite(v) and (v > 0 or not positive)]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def rolling_skip_rate(rows: list[Row], window: int) -> list[float]:
+    """The rolling skip rate at each row, as the run judged it: over the steps the window holds.
+
+    Example::
+
+        >>> rows = [Row(s, 0.1, 2.0, 1.0, 0.5, s == 2, "", 1.0) for s in (1, 2, 3, 4)]
+        >>> rolling_skip_rate(rows, window=2)
+        [0.0, 0.5, 0.5, 0.0]
+    """
+    win, rates = RollingWindow(window), []
+    for r in rows:
+        win.push(float(r.skipped))
+        rates.append(win.seen_mean)
+    return rates
+
+
+def replay(rows: list[Row], monitor: RunMonitor | None = None, **monitor_args: Any) -> RunMonitor:
+    """Feed CSV rows through a :class:`RunMonitor` (``monitor``, or one made of ``monitor_args``):
+    the same statistics the live run kept.
 
     Example (``monitor_args`` are :class:`RunMonitor`'s)::
 
@@ -148,7 +179,7 @@ def replay(rows: list[Row], **monitor_args: Any) -> RunMonitor:
         >>> monitor.steps, monitor.updates, monitor.clipped, dict(monitor.skips), round(monitor.skip_rate, 3)
         (3, 2, 2, {'non_finite_loss': 1}, 0.333)
     """
-    monitor = RunMonitor(**monitor_args)
+    monitor = RunMonitor(**monitor_args) if monitor is None else monitor
     for row in rows:
         monitor.observe(row.record())
     return monitor
@@ -211,8 +242,7 @@ def plot_run(
     ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes[:5]
 
     def finite(values: list[float | None], positive: bool = False) -> tuple[list[int], list[float]]:
-        pairs = [(s, v) for s, v in zip(steps, values) if v is not None and math.isfinite(v) and (v > 0 or not positive)]
-        return [s for s, _ in pairs], [v for _, v in pairs]
+        return finite_points(rows, values, positive)
 
     losses = [r.loss for r in rows]
     xs, ys = finite(losses)
@@ -244,11 +274,7 @@ def plot_run(
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_title("Learning rate")
 
-    win = RollingWindow(window)
-    rates = []
-    for r in rows:
-        win.push(float(r.skipped))
-        rates.append(win.seen_mean)  # the rate the run judged: over the steps the window holds
+    rates = rolling_skip_rate(rows, window)
     ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})")
     ax_skip.axhline(alert_rate, color="tab:orange", ls="--", lw=1, label=f"alert_rate = {alert_rate:g}")
     if fail_rate is not None:
