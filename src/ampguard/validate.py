@@ -395,6 +395,9 @@ class ProbeSet(NamedTuple):
     inputs: torch.Tensor
     x_eval: torch.Tensor
     y_eval: torch.Tensor
+    fp32_eval: torch.Tensor | None = None
+    """The FP32 scores of ``x_eval`` when choosing the boundary examples took them (the
+    reference then reuses them instead of running the evaluation set again)."""
 
     def sha256(self) -> str:
         """A hash of the probes: ids, tags, and the inputs' dtype, shape and bytes.
@@ -439,8 +442,10 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
     if len(x_eval) == 0:
         raise InputError(f"validate: task {task.name} has an empty held-out set: nothing to evaluate")
     tags: dict[int, list[str]] = {i: ["typical"] for i in range(min(cfg.typical, len(x_eval)))}
+    fp32_eval = None
     if task.mode == "classifier" and cfg.boundary:
-        _, margin = _top2(_scores(task, model, x_eval, Precision("fp32", device.type)).primary)
+        fp32_eval = _scores(task, model, x_eval, Precision("fp32", device.type)).primary
+        _, margin = _top2(fp32_eval)
         margin = torch.where(torch.isfinite(margin), margin, torch.full_like(margin, math.inf))
         for i in margin.cpu().argsort(stable=True)[: min(cfg.boundary, len(x_eval))].tolist():
             tags.setdefault(i, []).append("boundary")
@@ -458,7 +463,7 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
         parts.append(edge.to(x_eval.dtype))
     if not ids:
         raise InputError(_empty_probe_set(task, cfg))
-    return ProbeSet(ids, by_id, torch.cat(parts), x_eval, y_eval)
+    return ProbeSet(ids, by_id, torch.cat(parts), x_eval, y_eval, fp32_eval)
 def check_rules(task: Task, cfg: Any) -> None:
     """Refuse rules that cannot apply to ``task`` before anything runs or is written: a quality
     threshold of the other mode (``min_accuracy`` is for classifiers, ``max_mse`` for regression)
@@ -529,15 +534,14 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
     if unknown:
         raise InputError(f"validate: validation.outputs.{unknown[0]}: the model has no output named {unknown[0]!r} "
                          f"(its outputs: {', '.join(ref.names)})")
-    ref_eval = _scores(task, model, x_eval, fp32).primary
+    ref_eval = probes.fp32_eval if probes.fp32_eval is not None else _scores(task, model, x_eval, fp32).primary
     ref_quality = _quality(task.mode, ref_eval, y_eval)
     n = len(ids)
-    ref_finite = int(ref.finite_rows().sum())
+    ref_finite, eval_finite = int(ref.finite_rows().sum()), _finite_count(ref_eval)
     text, ok = _quality_rule(task.mode, cfg, ref_quality)
     reference = [
-        Rule("reference outputs finite", f"{ref_finite}/{n} probes, "
-             f"{_finite_count(ref_eval)}/{len(x_eval)} eval", "", ref_finite == n
-             and _finite_count(ref_eval) == len(x_eval)),
+        Rule("reference outputs finite", f"{ref_finite}/{n} probes, {eval_finite}/{len(x_eval)} eval", "",
+             ref_finite == n and eval_finite == len(x_eval)),
         Rule("reference quality", text, "", ok),
     ]
     # fp8 compares a converted copy of the model; every other precision the model itself
