@@ -365,6 +365,7 @@ class ScaleHealth:
         self.streak = 0  # skipped steps in a row up to the last one
         self.peak: float | None = None  # the highest scale since the opening streak
         self._fell = False  # the scale fell since it first reached `peak`
+        self._verdict: str | None = None  # the verdict as of the last push (None: not worked out yet)
 
     @property
     def at_floor(self) -> bool:
@@ -390,6 +391,7 @@ class ScaleHealth:
             >>> h.scale, h.verdict
             (512.0, 'warming')
         """
+        self._verdict = None
         self._opening = self._opening and bool(skipped)
         self.opening += self._opening
         self.streak = self.streak + 1 if skipped else 0
@@ -438,7 +440,8 @@ class ScaleHealth:
 
     @property
     def verdict(self) -> str:
-        """One of :data:`HEALTH_VERDICTS` for the window as it stands.
+        """One of :data:`HEALTH_VERDICTS` for the window as it stands (worked out once per
+        :meth:`push`: it walks the window, and a tracker asks for it every step).
 
         Example::
 
@@ -447,6 +450,11 @@ class ScaleHealth:
             >>> h.verdict
             'climbing'
         """
+        if self._verdict is None:
+            self._verdict = self._judge()
+        return self._verdict
+
+    def _judge(self) -> str:
         if self.at_floor:
             return "collapsing"
         s = self.stats()
@@ -495,6 +503,7 @@ class ScaleHealth:
             >>> h.scale, h.verdict
             (2.0, 'stable')
         """
+        self._verdict = None
         self.scale = state["scale"]
         if "scales" not in state:  # the older layout: counts of moves, no scales
             count = int(state["windows"]["ups"]["count"])
