@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from .clipping import clip_threshold
 from .errors import ExitCode, InputError
 from .monitor import RunMonitor
+from .precision import Precision
 from .records import LABEL_COLUMNS
 from .report import Row, _number, finite_points, read_steps_csv, replay, rolling_skip_rate
 from .sinks import CSV_COLUMNS
@@ -119,7 +120,7 @@ def load_run(path: str | Path) -> RunSummary:
     rows = read_steps_csv(folder / "steps.csv")
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
-    scaler_on = config.precision == "fp16" if config.scaler.enabled is None else config.scaler.enabled
+    scaler_on = Precision(config.precision, "cpu").uses_scaler if config.scaler.enabled is None else config.scaler.enabled
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on))  # the run's own monitor
     for metrics in _metrics(folder / "steps.csv"):
         monitor.observe_eval(metrics)
