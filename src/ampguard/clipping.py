@@ -37,7 +37,19 @@ def _grads(parameters: Params) -> list[torch.Tensor]:
     it holds, coalesced (duplicate indices summed), as ``GradScaler`` checks it."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    return [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in parameters if p.grad is not None]
+    return [grad_values(p.grad) for p in parameters if p.grad is not None]
+
+
+def grad_values(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's values: itself, or a sparse one's coalesced values (duplicate indices summed).
+
+    Example::
+
+        >>> sparse = torch.sparse_coo_tensor([[0, 0, 2]], [1.0, 2.0, 4.0], (4,))
+        >>> grad_values(sparse).tolist(), grad_values(torch.ones(2)).tolist()
+        ([3.0, 4.0], [1.0, 1.0])
+    """
+    return grad.coalesce().values() if grad.is_sparse else grad
 
 
 @torch.no_grad()

@@ -58,6 +58,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from . import distributed
+from .clipping import grad_values
 from .errors import InputError
 from .monitor import Event
 from .records import StepRecord, format_number
@@ -483,9 +484,9 @@ class SkipGradNorms:
         names = [name for name in self._current_order() if name in grads]
         if self._guard.sync_free:  # every step: one fused kernel (one process: no shards to reduce)
             norms = [n if n.dtype == torch.float32 else n.float()
-                     for n in torch._foreach_norm([_values(grads[n]) for n in names])]
+                     for n in torch._foreach_norm([grad_values(grads[n]) for n in names])]
         else:
-            norms = [distributed.full_norm(torch.linalg.vector_norm(_values(grads[n]), dtype=torch.float32))
+            norms = [distributed.full_norm(torch.linalg.vector_norm(grad_values(grads[n]), dtype=torch.float32))
                      for n in names]
         self._taken[self._guard.steps] = (names, torch.stack(norms) if norms else None)
 
@@ -509,7 +510,3 @@ class SkipGradNorms:
             what = f"all {len(names)} gradients finite"
         return {"step": record.step, "event": "grad_norms", "message": f"step {record.step} skipped ({record.reason}): {what}",
                 "reason": record.reason, "order": "backward", "norms": dict(zip(names, values)), "non_finite": bad}
-
-
-def _values(grad: torch.Tensor) -> torch.Tensor:
-    return grad.coalesce().values() if grad.is_sparse else grad.detach()
