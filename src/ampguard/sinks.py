@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
+import importlib.util
 import json
 import os
 import sys
@@ -381,6 +382,25 @@ class JsonlSink:
                 file.close()
 
 
+def require(package: str, flag: str) -> None:
+    """Raise :class:`InputError` (one line, naming the extra) unless ``package`` can be imported.
+
+    Example::
+
+        >>> require("json", "log.json")
+        >>> require("no_such_package_here", "log.wandb")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: log.wandb is on but the no_such_package_here package is not installed: pip install 'ampguard[no_such_package_here]'
+    """
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a parent that is not a package, a module without a spec
+        found = False
+    if not found:
+        raise InputError(f"{flag} is on but the {package} package is not installed: pip install 'ampguard[{package}]'")
+
+
 class TensorBoardSink:
     """Scalars for TensorBoard (``torch.utils.tensorboard``); needs the ``tensorboard`` package.
 
@@ -424,10 +444,7 @@ class TensorBoardSink:
             >>> found == (importlib.util.find_spec("tensorboard") is not None)
             True
         """
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None:
-            raise InputError("log.tensorboard is on but the tensorboard package is not installed")
+        require("tensorboard", "log.tensorboard")
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         for name, value in {**record.values(), **(extra or {})}.items():

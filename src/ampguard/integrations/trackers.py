@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 from ..errors import InputError
 from ..monitor import HEALTH_VERDICTS
 from ..records import SKIP_REASONS, StepRecord
+from ..sinks import require
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -49,25 +50,6 @@ RUN_ID_TAG = "ampguard.run_id"
 """The MLflow tag that names the ampguard run folder's ``run-id`` (how a resume finds its run)."""
 ARTIFACTS: tuple[str, ...] = ("RUN.md", "report.png", "events.jsonl", "steps.csv", "config.yaml")
 """What :meth:`TrackerSink.finish` uploads from the run folder, those that exist."""
-
-
-def require(package: str, flag: str) -> None:
-    """Raise :class:`InputError` (one line, naming the extra) unless ``package`` can be imported.
-
-    Example::
-
-        >>> require("json", "log.json")
-        >>> require("no_such_package_here", "log.wandb")
-        Traceback (most recent call last):
-        ...
-        ampguard.errors.InputError: log.wandb is on but the no_such_package_here package is not installed: pip install 'ampguard[no_such_package_here]'
-    """
-    try:
-        found = importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):  # a parent that is not a package, a module without a spec
-        found = False
-    if not found:
-        raise InputError(f"{flag} is on but the {package} package is not installed: pip install 'ampguard[{package}]'")
 
 
 def _import(package: str, flag: str) -> Any:
