@@ -114,6 +114,7 @@ def tracked(tmp_path_factory):
         mp.setenv("WANDB_MODE", "offline")  # no network at all: W&B writes its run file locally
         mp.setenv("WANDB_SILENT", "true")
         mp.chdir(root)
+        wandb.teardown()  # a W&B set up earlier in this process (a doctest) keeps its settings: WANDB_MODE is read anew
         first = main(argv)
         run_dir = root / "runs" / "t"
         first_csv = read_csv(run_dir / "steps.csv")
