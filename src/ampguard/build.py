@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map_only
 from .checkpoint import untouched
 from .clipping import clip_threshold
 from .config import Config
-from .errors import InputError
+from .errors import InputError, first_line
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers
 from .monitor import LossSpikeDetector, RunMonitor
@@ -200,7 +200,7 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
             sync_free=fast,
         )
     except ValueError as err:  # the step's (and the optimizer's) refusal of an impossible setup
-        raise InputError(f"cannot build the training step: {_first_line(err, with_type=False)}") from None
+        raise InputError(f"cannot build the training step: {first_line(err)}") from None
 
 
 def prepare_model(config: Config, model: nn.Module, precision: str | None = None, *, copy_model: bool = False
@@ -303,17 +303,17 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         except InputError:
             raise
         except (Exception, SystemExit) as err:  # noqa: BLE001 - whatever the user's data raised, in one line
-            raise InputError(f"{who}: reading the first batch failed: {_first_line(err)}") from None
+            raise InputError(f"{who}: reading the first batch failed: {first_line(err, with_type=True)}") from None
         with precision.autocast():
             try:
                 outputs = model(inputs)
             except (Exception, SystemExit) as err:  # noqa: BLE001
-                raise InputError(f"{who}: the model's forward pass on the first batch failed: {_first_line(err)}") from None
+                raise InputError(f"{who}: the model's forward pass on the first batch failed: {first_line(err, with_type=True)}") from None
             try:
                 loss = loss_fn(outputs, targets)
             except (Exception, SystemExit) as err:  # noqa: BLE001
                 raise InputError(f"{who}: loss_fn failed on the model's output for the first batch: "
-                                 f"{_first_line(err)}") from None
+                                 f"{first_line(err, with_type=True)}") from None
         if not isinstance(loss, torch.Tensor):
             raise InputError(f"{who}: loss_fn must return a scalar tensor; it returned a {type(loss).__name__}")
         if loss.numel() != 1:
@@ -324,14 +324,6 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         if not loss.requires_grad:
             raise InputError(f"{who}: the loss does not depend on the model's trainable parameters (no gradient "
                              "flows back from it: was it detached, or computed outside torch?)")
-
-
-def _first_line(err: BaseException, with_type: bool = True) -> str:
-    """``Type: first line of the message`` (``Type`` alone for an empty message)."""
-    text = str(err).strip()
-    if not text:
-        return type(err).__name__
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if with_type else text.splitlines()[0]
 
 
 def build_monitor(config: Config, scaler_enabled: bool) -> RunMonitor:

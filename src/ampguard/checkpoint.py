@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, first_line
 
 MAGIC = "ampguard-checkpoint"
 FORMAT = 1
@@ -312,7 +312,7 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike,
     try:
         model.load_state_dict(payload["model"])
     except (RuntimeError, TypeError, ValueError, KeyError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise InputError(f"{path}: does not fit this model ({first})") from None
     return payload
 

@@ -47,7 +47,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import distributed
 from .config import MAX_DEPTH, Config, is_plain, read_file
-from .errors import InputError
+from .errors import InputError, first_line
 from .sinks import DiskFull, writing
 from .run_folder import RunPaths
 
@@ -390,7 +390,7 @@ class CheckpointManager:
             for name in names:
                 self.parts[name].load_state_dict(loaded.payload[name])
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first_line(err)
             raise InputError(f"{loaded.path}: does not fit this run ({first})") from None
 
     def set_aside_after(self, step: int) -> list[Path]:

@@ -17,7 +17,7 @@ from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator,
 )
 
-from .errors import ConfigError
+from .errors import ConfigError, first_line
 from .faults import parse_fault
 from .monitor import DEFAULT_MIN_STEPS
 from .precision import DEFAULT_MIN_SCALE
@@ -859,7 +859,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
     except ConfigError:
         raise
     except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise ConfigError(f"config file {path}: cannot parse: {first}") from None
     except RecursionError:
         raise ConfigError(f"config file {path}: nested more than {MAX_DEPTH} levels deep") from None

@@ -58,3 +58,20 @@ class ConfigError(InputError):
         ...     print(isinstance(err, ConfigError), "precision" in str(err))
         True True
     """
+
+
+def first_line(err: BaseException, with_type: bool = False) -> str:
+    """An error in one line for a one-line refusal: the first line of its message, with its type
+    in front when ``with_type`` (the type alone for an empty message).
+
+    Example::
+
+        >>> first_line(ValueError("bad shape\\nat layer 3")), first_line(KeyError(), with_type=True)
+        ('bad shape', 'KeyError')
+        >>> first_line(RuntimeError("size mismatch"), with_type=True)
+        'RuntimeError: size mismatch'
+    """
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if with_type else text.splitlines()[0]

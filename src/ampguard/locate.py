@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .errors import InputError
+from .errors import InputError, first_line
 from .precision import Precision
 
 
@@ -514,9 +514,8 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         except Exception as err:  # noqa: BLE001 - a saved batch the model or loss cannot take is bad input
             if not batch or isinstance(err, InputError):
                 raise
-            first = (str(err).strip().splitlines() or [""])[0]
             raise InputError(f"locate: batch {batch} does not fit the model of task {task.name}: "
-                             f"{type(err).__name__}: {first}".rstrip(": ")) from None
+                             f"{first_line(err, with_type=True)}") from None
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if as_json:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import InputError
+from ..errors import InputError, first_line
 from ..monitor import HEALTH_VERDICTS
 from ..records import SKIP_REASONS, StepRecord
 from ..sinks import require
@@ -249,7 +249,7 @@ class WandbSink(TrackerSink):
                     # ampguard prints its own lines: W&B must not wrap stdout/stderr
                     settings=wandb.Settings(console="off", save_code=False))
             except Exception as err:  # noqa: BLE001 - any failure to start is one line
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                first = first_line(err)
                 raise InputError(f"log.wandb: cannot start a W&B run: {first}") from None
         self.run = run
         self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
@@ -327,7 +327,7 @@ class MLflowSink(TrackerSink):
         except InputError:
             raise
         except Exception as err:  # noqa: BLE001 - the store refused: one line
-            raise InputError(f"log.mlflow: {_first_line(err)}") from None
+            raise InputError(f"log.mlflow: {first_line(err)}") from None
         atexit.register(self._end, 1)  # the process ends before the run did (a crash): FAILED, not RUNNING
 
     def _find(self, experiment: str, ampguard_run_id: str | None) -> str | None:
@@ -426,13 +426,8 @@ def mlflow_client(tracking_uri: str | None) -> Any:
         client = MlflowClient(tracking_uri=uri)
         client._tracking_client.store  # noqa: B018 - opens the store now, so a bad one is bad input
     except Exception as err:  # noqa: BLE001 - MLflow's many errors, one line
-        raise InputError(f"log.mlflow: cannot open the tracking store {uri}: {_first_line(err)}") from None
+        raise InputError(f"log.mlflow: cannot open the tracking store {uri}: {first_line(err)}") from None
     return client
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
