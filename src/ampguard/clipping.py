@@ -32,12 +32,58 @@ Params = torch.Tensor | Iterable[torch.Tensor]
 _EPS = 1e-6
 
 
-def _grads(parameters: Params) -> list[torch.Tensor]:
-    """The gradients to measure; a sparse gradient (``nn.Embedding(sparse=True)``) by the values
-    it holds, coalesced (duplicate indices summed), as ``GradScaler`` checks it."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    return [grad_values(p.grad) for p in parameters if p.grad is not None]
+class GradSet:
+    """The gradients of some parameters, looked up once for both halves of a step's clip: their
+    global norm (:meth:`norm`) and the multiply by the clip factor (:meth:`scale_`).
+
+    ``grads`` are the gradients, ``values`` what is measured: a sparse gradient
+    (``nn.Embedding(sparse=True)``) by the values it holds, coalesced (duplicate indices
+    summed), as ``GradScaler`` checks it. The methods build no
+    autograd graph as long as the gradients do not require grad (a plain backward's never do);
+    :func:`global_l2_norm` and :func:`scale_grads_` wrap them in ``no_grad`` for any caller.
+
+    Example::
+
+        >>> a = torch.nn.Parameter(torch.zeros(1)); a.grad = torch.tensor([3.0])
+        >>> b = torch.nn.Parameter(torch.zeros(1)); b.grad = torch.tensor([4.0])
+        >>> grads = GradSet([a, b, torch.nn.Parameter(torch.zeros(1))])  # (no gradient: left out)
+        >>> grads.norm().item()
+        5.0
+        >>> grads.scale_(torch.tensor(0.5)); a.grad.item(), b.grad.item()
+        (1.5, 2.0)
+    """
+
+    __slots__ = ("grads", "values", "_one_group")
+
+    def __init__(self, parameters: Params) -> None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+        self.grads = [p.grad for p in params if p.grad is not None]
+        self.values = [grad_values(g) for g in self.grads]
+        self._one_group = bool(self.grads) and _one_foreach_group(self.grads)
+
+    def norm(self) -> torch.Tensor:
+        """The global L2 norm, a 0-dim device tensor (``inf``/``nan`` if any gradient is; 0 with none)."""
+        if not self.values:
+            return torch.zeros(())
+        if self._one_group:  # get_total_norm's own operations for its one group, minus its wrappers
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self.values, 2.0)), 2.0)
+        return get_total_norm(self.values, norm_type=2.0, error_if_nonfinite=False, foreach=None)
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        """Every gradient multiplied by ``factor`` in place, with the foreach kernel per device
+        and dtype, as ``clip_grads_with_norm_`` does it."""
+        if not self.grads:
+            return
+        if self._one_group:
+            torch._foreach_mul_(self.grads, factor.to(self.grads[0].device))
+            return
+        for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([self.grads]).items():  # type: ignore[assignment]
+            on_device = factor.to(device)
+            if _has_foreach_support(group, device):
+                torch._foreach_mul_(group, on_device)
+            else:
+                for g in group:
+                    g.mul_(on_device)
 
 
 def grad_values(grad: torch.Tensor) -> torch.Tensor:
@@ -68,12 +114,7 @@ def global_l2_norm(parameters: Params) -> torch.Tensor:
         >>> float(global_l2_norm([torch.nn.Parameter(torch.zeros(1))]))  # no gradient at all
         0.0
     """
-    grads = _grads(parameters)
-    if not grads:
-        return torch.zeros(())
-    if _one_foreach_group(grads):  # get_total_norm's own operations for its one group, minus its wrappers
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-    return get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None)
+    return GradSet(parameters).norm()
 
 
 def _one_foreach_group(tensors: list[torch.Tensor]) -> bool:
@@ -151,8 +192,10 @@ def clip_factor(pre: torch.Tensor, max_norm: float | None) -> tuple[torch.Tensor
     max_norm = clip_threshold(max_norm)
     if max_norm is None:
         return None, pre
-    factor = torch.clamp(max_norm / (pre + _EPS), max=1.0)
-    return factor, torch.clamp(pre * factor, max=max_norm)
+    # ``max_norm / (pre + 1e-6)`` is ``reciprocal() * max_norm`` in PyTorch (Tensor.__rdiv__):
+    # the same kernels, called without the operator's Python wrapper, on the temporary in place
+    factor = (pre + _EPS).reciprocal_().mul_(max_norm).clamp_(max=1.0)
+    return factor, (pre * factor).clamp_(max=max_norm)
 
 
 @torch.no_grad()
@@ -166,20 +209,7 @@ def scale_grads_(parameters: Params, factor: torch.Tensor) -> None:
         >>> scale_grads_([w], torch.tensor(0.5)); w.grad.tolist()
         [1.5, 2.0]
     """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    if _one_foreach_group(grads):
-        torch._foreach_mul_(grads, factor.to(grads[0].device))
-        return
-    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():  # type: ignore[assignment]
-        on_device = factor.to(device)
-        if _has_foreach_support(group, device):
-            torch._foreach_mul_(group, on_device)
-        else:
-            for g in group:
-                g.mul_(on_device)
+    GradSet(parameters).scale_(factor)
 
 
 def clip_global_l2_norm(
@@ -223,7 +253,7 @@ def has_non_finite_grad(parameters: Params) -> bool:
         >>> has_non_finite_grad([w])
         True
     """
-    grads = _grads(parameters)
+    grads = GradSet(parameters).values
     if not grads:
         return False
     device = grads[0].device

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,23 +121,27 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
 
 
-def agree(flags: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One all-reduce: any rank's bad flag becomes every rank's; the loss becomes the global mean.
+def agree(loss: torch.Tensor, norms: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One all-reduce: ``[loss, *norms]`` with the loss the global mean and a norm that is
+    non-finite on any rank non-finite on every rank (NaN where the rank's own was finite), so
+    every rank reads the same skip decision off them. A norm finite everywhere is unchanged.
 
-    No host sync. Without a process group (a world of one) both come back as they are.
+    No host sync. Without a process group (a world of one) they come back as they are.
 
     Example (no process group)::
 
-        >>> flags, loss = agree(torch.tensor([False, True]), torch.tensor(0.5))
-        >>> flags.tolist(), loss.item()
-        ([False, True], 0.5)
+        >>> loss, pre = agree(torch.tensor(0.5), [torch.tensor(float("inf"))])
+        >>> loss.item(), pre.item()
+        (0.5, inf)
     """
-    info = current()
-    if not info.active:
-        return flags, loss
-    packed = torch.cat([flags.to(torch.float32), loss.detach().reshape(1).to(torch.float32)])
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [loss, *norms]
+    local = torch.stack([n.detach().reshape(()).to(torch.float32) for n in norms])
+    # x - x is 0 for a finite x, NaN otherwise: summed over ranks, NaN if any rank's was not finite
+    packed = torch.cat([loss.detach().reshape(1).to(torch.float32), local - local])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-    return packed[:-1] > 0, packed[-1] / info.world_size
+    keep = (packed[1:] == 0) | ((local - local) != 0)  # finite everywhere, or not finite here already
+    return [packed[0] / dist.get_world_size(), *(torch.where(k, n, torch.nan) for k, n in zip(keep.unbind(), norms))]
 
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:

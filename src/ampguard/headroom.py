@@ -62,7 +62,7 @@ from .clipping import grad_values
 from .errors import InputError
 from .monitor import Event
 from .records import StepRecord, format_number
-from .sinks import CsvSink, writing
+from .sinks import CsvSink
 
 HEADROOM_CSV = "headroom.csv"
 """The file name of the headroom telemetry in a run folder (beside ``steps.csv``)."""
@@ -347,11 +347,8 @@ class HeadroomCsv(CsvSink):
 
     def write(self, record: StepRecord, extra: Any = None) -> None:
         """Append the step's rows, each flushed (:class:`~ampguard.sinks.DiskFull` when there is no room)."""
-        assert self._file is not None, "HeadroomCsv is closed"
         for row in self.headroom.read(record.step):
-            with writing(self.path):
-                self._writer.writerow(row.cells())
-                self._file.flush()
+            self._append_row(row.cells())
             self.rows += 1
 
 

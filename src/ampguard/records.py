@@ -54,6 +54,9 @@ class StepRecord:
     # Every numeric field in one device tensor (in ``_NUMERIC`` order; the fields are views of
     # it), as the sync-free step makes it: read back with one copy and no conversions.
     packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # Values already on the host, by field name: what the exact step's one host read brought
+    # over with its skip decision. :meth:`values` reads only the other tensor fields.
+    read: dict[str, float | None] | None = field(default=None, repr=False, compare=False)
 
     skipped: ClassVar[bool] = False
     _NUMERIC: ClassVar[tuple[str, ...]] = (
@@ -98,17 +101,22 @@ class StepRecord:
             return self._host
         if self.packed is not None:
             return self._keep(dict(zip(self._NUMERIC, self.packed.tolist())))
-        tensors = {n: v for n in self._NUMERIC if isinstance(v := getattr(self, n), torch.Tensor)}
-        read: dict[str, float] = {}
+        tensors = self._unread()
+        read = dict(self.read or {})
         if tensors and next(iter(tensors.values())).device.type == "cpu":  # no transfer to share: a read each
-            read = {n: t.item() for n, t in tensors.items()}
+            read.update((n, t.item()) for n, t in tensors.items())
         elif tensors:
             device = next(iter(tensors.values())).device
             # float32 and narrower convert to Python floats exactly; float64 is kept as it is
             dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors.values()) else torch.float32
             stacked = torch.stack([t.detach().reshape(()).to(device, dtype) for t in tensors.values()])
-            read = dict(zip(tensors, stacked.tolist()))
+            read.update(zip(tensors, stacked.tolist()))
         return self._keep(read)
+
+    def _unread(self) -> dict[str, torch.Tensor]:
+        """The tensor fields whose values are not on the host yet."""
+        known = self.read or {}
+        return {n: v for n in self._NUMERIC if n not in known and isinstance(v := getattr(self, n), torch.Tensor)}
 
     def _keep(self, read: dict[str, float]) -> dict[str, float | None]:
         """The host values: ``read`` (tensors already brought over), the rest converted here.
@@ -143,7 +151,7 @@ class StepRecord:
             cuda = dict.fromkeys(self._NUMERIC)
             stacked, device = self.packed, self.packed.device
         else:
-            cuda = {n: v for n in self._NUMERIC if isinstance(v := getattr(self, n), torch.Tensor) and v.is_cuda}
+            cuda = {n: v for n, v in self._unread().items() if v.is_cuda}
             if not cuda or self._host is not None:
                 return Prefetch(self.values)
             device = next(iter(cuda.values())).device
@@ -155,7 +163,7 @@ class StepRecord:
 
         def wait() -> dict[str, float | None]:
             done.synchronize()
-            return self._keep(dict(zip(cuda, pinned.tolist())))
+            return self._keep({**(self.read or {}), **dict(zip(cuda, pinned.tolist()))})
 
         return Prefetch(wait, done.query)
 

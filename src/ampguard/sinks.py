@@ -13,7 +13,7 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
@@ -118,12 +118,31 @@ class writing:  # noqa: N801 - used as `with writing(path):`, like a function
             raise DiskFull(self.path, full) from None
 
 
-def _open_for_append(path: Path, newline: str | None = None) -> IO[str]:
+def _open_for_append(path: Path) -> IO[bytes]:
+    """``path`` opened to append lines, unbuffered: each :func:`_append` is one ``write``
+    system call, so a line is in the file (the OS's page cache) the moment it returns and
+    survives a SIGKILL of the process; no Python buffer layers to flush."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("a", newline=newline, encoding="utf-8")
+        return path.open("ab", buffering=0)
     except OSError as err:
         raise InputError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+def _append(file: IO[bytes], text: str) -> None:
+    """Write ``text`` (UTF-8) to an unbuffered file, all of it (a raw write may take part)."""
+    data = memoryview(text.encode("utf-8"))
+    while data:
+        data = data[file.write(data) or 0:]
+
+
+class _Line:
+    """What a ``csv.writer`` over it returns from ``writerow``: the row's line, quoted as the
+    csv module quotes it (the writer hands its file the whole line, in one ``write``)."""
+
+    @staticmethod
+    def write(line: str) -> str:
+        return line
 
 
 def csv_row(record: StepRecord, extra: Mapping[str, float | str | None] | None = None) -> dict[str, str]:
@@ -140,20 +159,18 @@ def csv_row(record: StepRecord, extra: Mapping[str, float | str | None] | None =
         >>> row["loss"], row["grad_l2_pre_clip"], row["skipped"], row["skip_reason"], row["val_loss"]
         ('nan', '', '1', 'non_finite_loss', '')
     """
-    v = record.values()
-    row = {
-        "step": str(record.step),
-        "lr": format_number(v["lr"]),
-        "grad_l2_pre_clip": format_number(v["grad_l2_pre_clip"]),
-        "grad_l2_post_clip": format_number(v["grad_l2_post_clip"]),
-        "loss": format_number(v["loss"]),
-        "skipped": "1" if record.skipped else "0",
-        "skip_reason": record.reason or "",
-        "scaler_scale": format_number(v["scaler_scale"]),
-    }
+    row = dict(zip(CSV_COLUMNS, _cells(record)))
     for key, value in (extra or {}).items():
         row[key] = value if isinstance(value, str) else format_number(value)
     return row
+
+
+def _cells(record: StepRecord) -> list[str]:
+    """The cells of :data:`CSV_COLUMNS` for one record, in order."""
+    v = record.values()
+    return [str(record.step), format_number(v["lr"]), format_number(v["grad_l2_pre_clip"]),
+            format_number(v["grad_l2_post_clip"]), format_number(v["loss"]), "1" if record.skipped else "0",
+            record.reason or "", format_number(v["scaler_scale"])]
 
 
 class CsvSink:
@@ -212,13 +229,17 @@ class CsvSink:
                 raise InputError(f"{self.path}: its header does not match {expected}, cannot append")
             if keep_through is not None:
                 self._truncate_after(keep_through)
-        self._file: IO[str] | None = _open_for_append(self.path, newline="")
-        self._writer = csv.writer(self._file, lineterminator="\n")
+        self._file: IO[bytes] | None = _open_for_append(self.path)
+        self._writer = csv.writer(_Line, lineterminator="\n")
         if not existing:
-            with writing(self.path):
-                self._writer.writerow(self.columns)
-                self._file.flush()
+            self._append_row(self.columns)
         self.rows = 0
+
+    def _append_row(self, cells: Iterable[str]) -> None:
+        """One CSV line, in the file when this returns (:class:`DiskFull` when there is no room)."""
+        assert self._file is not None, f"{type(self).__name__} is closed"
+        with writing(self.path):
+            _append(self._file, self._writer.writerow(cells))
 
     def _truncate_after(self, step: int) -> None:
         """Drop rows after ``step`` (written after the checkpoint a run resumes from), atomically,
@@ -244,18 +265,16 @@ class CsvSink:
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Append one row (:func:`csv_row`) and flush it (:class:`DiskFull` when there is no room)."""
-        assert self._file is not None, "CsvSink is closed"
-        row = csv_row(record)
+        row = _cells(record)
         if self._extra:
             cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns
-            row.update((k, v if isinstance(v := cells.get(k), str) else format_number(v)) for k in self._extra)
-        with writing(self.path):
-            self._writer.writerow(row.values())
-            self._file.flush()
+            row += [v if isinstance(v := cells.get(k), str) else format_number(v) for k in self._extra]
+        self._append_row(row)
         self.rows += 1
 
     def close(self) -> None:
-        """Close the file (:class:`DiskFull` when what was left in its buffer found no room)."""
+        """Close the file. Every line is in it already (nothing is buffered); a file system that
+        reports a write error only at close (NFS, quotas) gives :class:`DiskFull` here."""
         if self._file is not None:
             file, self._file = self._file, None
             with writing(self.path):
@@ -352,7 +371,7 @@ class JsonlSink:
         self.path = Path(path)
         if self.path.exists() and self.path.stat().st_size > 0 and not append:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")
-        self._file: IO[str] | None = _open_for_append(self.path)
+        self._file: IO[bytes] | None = _open_for_append(self.path)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         self.write_event({
@@ -371,11 +390,11 @@ class JsonlSink:
         assert self._file is not None, "JsonlSink is closed"
         line = json.dumps(strict_json(dict(obj))) + "\n"
         with writing(self.path):
-            self._file.write(line)
-            self._file.flush()
+            _append(self._file, line)
 
     def close(self) -> None:
-        """Close the file (:class:`DiskFull` when what was left in its buffer found no room)."""
+        """Close the file. Every line is in it already (nothing is buffered); a file system that
+        reports a write error only at close (NFS, quotas) gives :class:`DiskFull` here."""
         if self._file is not None:
             file, self._file = self._file, None
             with writing(self.path):

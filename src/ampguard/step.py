@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from . import distributed
-from .clipping import clip_factor, clip_to_norm_, global_l2_norm, non_finite, scale_grads_
+from .clipping import GradSet, clip_factor, clip_to_norm_, global_l2_norm, non_finite
 from .precision import GuardedGradScaler, Precision, PrecisionName
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
 
@@ -96,20 +97,21 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
     return out
 
 
-def sync_free_tail(flags: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None
+def sync_free_tail(loss: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The sync-free step's scalar arithmetic once the flags and the norm are known: ``(found,
-    flags as 0/1, clip factor, post-clip norm, next count of applied updates)``. Only scalar
-    tensor operations, so ``torch.compile`` fuses them into a kernel or two (``fuse_tail``);
-    eagerly they are the same operations as the exact path's.
+    """The sync-free step's scalar arithmetic once the group's loss and norm are known: ``(found,
+    [non-finite loss, non-finite gradient] as 0/1, clip factor, post-clip norm, next count of
+    applied updates)``. Only scalar tensor operations, so ``torch.compile`` fuses them into a
+    kernel or two (``fuse_tail``); eagerly they are the same operations as the exact path's.
 
     Example (a non-finite gradient: found, and the count does not advance)::
 
         >>> found, bad, factor, post, applied = sync_free_tail(
-        ...     torch.tensor([False, True]), torch.tensor(float("inf")), torch.tensor(3.0), 1.0)
+        ...     torch.tensor(0.5), torch.tensor(float("inf")), torch.tensor(3.0), 1.0)
         >>> found.item(), bad.tolist(), applied.item()
         (1.0, [0.0, 1.0], 3.0)
     """
+    flags = non_finite(torch.stack([loss, pre.to(loss.dtype)]))
     found = flags.any().to(torch.float32)
     factor, post = clip_factor(pre, max_norm)
     return found, flags.to(torch.float32), factor, post, applied + (1.0 - found)
@@ -310,8 +312,7 @@ class Guard:
         self._micro = 0  # micro-batches so far in the open group
         self._group: tuple[str, ...] | None = None  # the optimizers the open group steps
         self._backward_pending = False  # backward() ran, step() not yet
-        self._loss_sum: torch.Tensor | None = None
-        self._loss_bad: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed (non-finite if any was)
 
     @property
     def record_columns(self) -> tuple[str, ...]:
@@ -324,12 +325,15 @@ class Guard:
         """Updates each optimizer applied, by name (with one optimizer, ``{"optimizer": updates}``)."""
         return dict(self._applied) if len(self._applied) > 1 else dict.fromkeys(self._applied, self.updates)
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward-pass context: autocast to the precision's dtype (nothing for fp32) and, on a
         micro-batch that does not close its group, no gradient all-reduce (DDP's ``no_sync``)."""
         if self._backward_pending:
             raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)")
+        return self.precision.autocast() if self._closes_group() else self._autocast_no_sync()
+
+    @contextlib.contextmanager
+    def _autocast_no_sync(self) -> Iterator[None]:
         with self._no_sync(), self.precision.autocast():
             yield
 
@@ -337,9 +341,10 @@ class Guard:
         """Check the loss on the device, divide it by the accumulation steps, scale it, backward.
 
         The loss is checked before backward, on the device: a non-finite loss is replaced by zero,
-        so it never seeds the backward pass, and the group is marked bad. Every micro-batch still
-        runs backward (no host read here; under DDP no rank leaves a collective waiting). The bad
-        group's gradients are discarded at the boundary.
+        so it never seeds the backward pass, and the group is marked bad (its summed loss, which
+        the boundary reads, is non-finite). Every micro-batch still runs backward (no host read
+        here; under DDP no rank leaves a collective waiting). The bad group's gradients are
+        discarded at the boundary.
 
         Several losses (``guard.backward(loss0, loss1)``) run backward one after the other over
         a shared graph, as ``scaler.scale(loss0).backward(retain_graph=True)`` then
@@ -355,14 +360,13 @@ class Guard:
                 raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}")
         with self._no_sync():  # FSDP2 reduces in backward
             losses = [loss.float() for loss in losses]
-            bads = [non_finite(loss.detach()) for loss in losses]
-            total, bad = losses[0].detach(), bads[0]
-            for loss, bad_i in zip(losses[1:], bads[1:]):
-                total, bad = total + loss.detach(), bad | bad_i
-            self._accumulate(total, bad)
+            total = losses[0].detach()
+            for loss in losses[1:]:
+                total = total + loss.detach()
+            self._loss_sum = total if self._micro == 0 else self._loss_sum + total
             last = len(losses) - 1
-            for i, (loss, bad_i) in enumerate(zip(losses, bads)):
-                loss = torch.where(bad_i, 0.0, loss)
+            for i, loss in enumerate(losses):
+                loss = loss.masked_fill(non_finite(loss.detach()), 0.0)  # (its backward zeroes the seed likewise)
                 if self.accumulation_steps > 1:  # (x / 1 is x, bit for bit: one op and one node saved)
                     loss = loss / self.accumulation_steps
                 self.scaler.scale(loss).backward(retain_graph=i < last)
@@ -422,13 +426,6 @@ class Guard:
             stack.enter_context(distributed.accumulation_context(module, False))
         return stack
 
-    def _accumulate(self, loss: torch.Tensor, bad: torch.Tensor) -> None:
-        if self._micro == 0:
-            self._loss_sum, self._loss_bad = loss, bad
-        else:
-            self._loss_sum = self._loss_sum + loss
-            self._loss_bad = self._loss_bad | bad
-
     def _union(self, names: Sequence[str]) -> list[torch.Tensor]:
         """The parameters of these optimizers in the model's order (whatever order the optimizers
         are named in), so their norm is bit for bit ``clip_grad_norm_`` over the model's parameters."""
@@ -436,32 +433,38 @@ class Guard:
             return self._params_of[names[0]]
         return [p for p, owner in self._owned if owner in names]
 
-    def _close_group(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Unscale, take the global norm and agree on the flags: (loss, pre, flags). No host read.
+    def _close_group(self, names: tuple[str, ...]) -> tuple[GradSet, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Unscale, take the global norm, agree across ranks: ``(grads, loss, pre, each)``. No host read.
 
-        flags: [non-finite loss, non-finite gradient] on any rank, then with several optimizers
-        one flag per optimizer (its own gradients non-finite)."""
+        ``loss`` is the group's mean loss (the mean over ranks), ``pre`` the global norm of the
+        named optimizers' gradients (all shards), ``each`` with several optimizers each one's
+        own norm; ``grads`` are the named optimizers' gradients, for the clip. The values are the step's detectors: the loss is non-finite iff a micro-batch loss
+        was (or their sum overflowed), a norm iff a gradient element was (or the norm overflowed),
+        and :func:`distributed.agree` makes a value non-finite on one rank so on every rank."""
         self._micro = 0
         self.steps += 1
         loss = self._loss_sum / self.accumulation_steps if self.accumulation_steps > 1 else self._loss_sum
         for name in names:
             self.scaler.unscale_(self.optimizers[name])
-        # the norm over all gradients (all shards); also the non-finite detector: inf/nan iff a grad is
-        pre = distributed.full_norm(global_l2_norm(self._union(names)))
-        bad = [self._loss_bad, non_finite(pre)]
+        grads = GradSet(self._union(names))
+        norms = [distributed.full_norm(grads.norm())]
         if len(names) > 1:
-            bad += [non_finite(distributed.full_norm(global_l2_norm(self._params_of[n]))) for n in names]
-        flags, loss = distributed.agree(torch.stack(bad), loss)
-        return loss, pre, flags
+            norms += [distributed.full_norm(global_l2_norm(self._params_of[n])) for n in names]
+        loss, pre, *each = distributed.agree(loss, norms)
+        return grads, loss, pre, each
 
     def _finish_group(self, names: tuple[str, ...]) -> StepLog | SkipLog:
         lr = self.optimizers[names[0]].param_groups[0]["lr"]
         if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
             lr = lr.detach().clone()
-        loss, pre, flags = self._close_group(names)
+        grads, loss, pre, each = self._close_group(names)
+        factor, post = clip_factor(pre, self.max_norm)  # the clip of them all (unused if any is skipped)
 
         # The one host read of the step: was the loss or a gradient non-finite (on any rank)?
-        bad_loss, bad_grad, *bad_each = flags.tolist()
+        # The values themselves come over, so it also brings the record's loss and norms.
+        read = torch.stack([loss, pre, post, *each]).tolist()
+        bad_loss, bad_grad = not math.isfinite(read[0]), not math.isfinite(read[1])
+        bad_each = [not math.isfinite(v) for v in read[3:]]
         if not (bad_loss or bad_grad):  # (a non-finite gradient anywhere makes the joint norm so)
             skipped, applied = (), names
         elif bad_loss or not any(bad_each):  # a loss skip, or one optimizer, or no single culprit
@@ -470,13 +473,13 @@ class Guard:
             skipped = tuple(n for n, bad in zip(names, bad_each) if bad)
             applied = tuple(n for n in names if n not in skipped)
 
-        post = None
-        if applied:
-            # clip what is applied by its own global norm (all of them: the norm already taken)
-            norm = pre if not skipped else distributed.full_norm(global_l2_norm(self._union(applied)))
-            post = clip_to_norm_(self._union(applied), self.max_norm, norm)
-            for name in applied:
-                self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
+        if skipped:  # what is applied (some optimizers' parameters, or none) is clipped by its own norm
+            post = clip_to_norm_(self._union(applied), self.max_norm,
+                                 distributed.full_norm(global_l2_norm(self._union(applied)))) if applied else None
+        elif factor is not None:
+            grads.scale_(factor)
+        for name in applied:
+            self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
         for name in skipped:
             self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
@@ -493,7 +496,8 @@ class Guard:
         if not skipped:
             self._updates += 1
             return StepLog(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
-                           scaler_scale=self.scaler.scale_value(), **labels)
+                           scaler_scale=self.scaler.scale_value(), **labels,
+                           read={"loss": read[0], "grad_l2_pre_clip": read[1], "grad_l2_post_clip": read[2]})
         return SkipLog(
             step=self.steps,
             lr=lr,
@@ -503,6 +507,7 @@ class Guard:
             scaler_scale=self.scaler.scale_value(),
             reason="non_finite_loss" if bad_loss else "non_finite_grad",
             **labels,
+            read={"loss": read[0]} if bad_loss else {"loss": read[0], "grad_l2_pre_clip": read[1]},
         )
 
     def _finish_group_sync_free(self) -> PendingStep:
@@ -514,14 +519,13 @@ class Guard:
         of a device count of applied updates, which the flag keeps from advancing. Clipping runs
         unconditionally: on a skipped step it scales gradients nobody will use.
         """
-        params = self._union(tuple(self.optimizers))
-        loss, pre, flags = self._close_group(tuple(self.optimizers))
+        grads, loss, pre, _ = self._close_group(tuple(self.optimizers))
         tail = _compiled_tail() if self.fuse_tail else sync_free_tail
-        found, bad, factor, post, applied = tail(flags, pre, self._updates_t, self.max_norm)
+        found, bad, factor, post, applied = tail(loss, pre, self._updates_t, self.max_norm)
         for hook in self.group_hooks:
             hook()
         if factor is not None:
-            scale_grads_(params, factor)
+            grads.scale_(factor)
         self._set_lrs()
         lr = self.optimizer.param_groups[0]["lr"]
         fields = [lr.detach(), loss.detach(), pre, post]  # read now (the LR before a later step changes it)

@@ -96,6 +96,33 @@ def test_one_host_sync_per_step(precision: str, accumulation: int) -> None:
     assert len(syncs) == len(closed), [str(w.message) for w in syncs]
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_exact_path_csv_rows_cost_no_sync_beyond_the_scale(tmp_path, precision: str) -> None:
+    # the step's one read brings the loss and norms over with the skip decision: writing the
+    # row reads nothing more from the GPU in bf16, and only the scale after fp16's update
+    from ampguard import CsvSink
+
+    model = _model()
+    state = AmpTrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3), nn.functional.mse_loss,
+                          precision=precision)
+    sink = CsvSink(tmp_path / "steps.csv")
+    data = _data(6, spike_at=3)  # a skip among them in fp16
+    sink.write(state.step(*data[0]))  # warm-up: lazy initialisation outside the count
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in data[1:]:
+                sink.write(state.step(x, y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    sink.close()
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 5 * (2 if precision == "fp16" else 1), [str(w.message) for w in syncs]
+    assert len((tmp_path / "steps.csv").read_text().splitlines()) == 7
+
+
 def test_autocast_device_must_match_the_model() -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import errno
 import json
 import math
@@ -256,7 +255,6 @@ def test_a_csv_row_that_finds_no_room_is_disk_full_naming_the_file(tmp_path, cod
     sink = CsvSink(tmp_path / "steps.csv")
     sink.write(applied(1))
     sink._file = FullAfter(sink._file, room=0, errno_=code)
-    sink._writer = csv.writer(sink._file, lineterminator="\n")
     with pytest.raises(DiskFull) as caught:
         sink.write(applied(2))
     assert caught.value.path == tmp_path / "steps.csv" and caught.value.error.errno == code
@@ -266,7 +264,6 @@ def test_a_csv_row_that_finds_no_room_is_disk_full_naming_the_file(tmp_path, cod
 def test_another_write_error_is_not_disk_full(tmp_path):
     sink = CsvSink(tmp_path / "steps.csv")
     sink._file = FullAfter(sink._file, room=0, errno_=errno.EIO)
-    sink._writer = csv.writer(sink._file, lineterminator="\n")
     with pytest.raises(OSError) as caught:
         sink.write(applied(1))
     assert not isinstance(caught.value, DiskFull) and disk_full_error(caught.value) is None
@@ -279,7 +276,6 @@ def test_sinks_drop_a_full_sink_keep_the_others_and_remember_the_first_failure(t
     sinks = Sinks(csv_sink, jsonl, ConsoleSink(print_fn=lines.append))
     sinks.write(applied(1))
     csv_sink._file = FullAfter(csv_sink._file, room=0, errno_=errno.ENOSPC)
-    csv_sink._writer = csv.writer(csv_sink._file, lineterminator="\n")
     sinks.write(applied(2))
     sinks.write(applied(3))
     assert sinks.failed is not None and sinks.failed.path == tmp_path / "steps.csv"

@@ -530,6 +530,49 @@ def test_at_most_one_host_read_per_step(precision, accum):
     assert kinds == [None, None, "non_finite_grad", "non_finite_loss", None]
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_the_steps_one_read_brings_the_records_loss_and_norms(precision):
+    # the skip decision's read carries the values themselves: a sink reading the record reads
+    # only the scale again (a device tensor after fp16's update; bf16/fp32's 1.0), not the
+    # loss and norms, which stay tensors on the record all the same
+    model = make_model()
+    inject = GradInjector(model[2].weight)
+    state = AmpTrainState(model, adamw(model), F.mse_loss, precision=precision, max_norm=0.5,
+                          scaler=dict(init_scale=256.0) if precision == "fp16" else None)
+    logs, reads_of_values = [], []
+    for i, (x, y) in enumerate(make_batches(4)):
+        inject.mode = "inf_grad" if i == 1 else None
+        log = state.step(x, y if i != 2 else torch.full_like(y, NAN))
+        with HostReads() as reads:
+            values = log.values()
+        logs.append(log)
+        reads_of_values.append(reads.names)
+        for name in ("loss", "grad_l2_pre_clip", "grad_l2_post_clip"):
+            field = getattr(log, name)
+            assert (field is None) == (values[name] is None)
+            if field is not None:
+                assert isinstance(field, torch.Tensor)
+                assert values[name] == field.item() or (math.isnan(values[name]) and field.isnan())
+    assert [log.reason for log in logs] == [None, "non_finite_grad", "non_finite_loss", None]
+    assert reads_of_values == [["item"]] * 4
+    assert logs[1].values()["grad_l2_pre_clip"] == INF and logs[1].grad_l2_post_clip is None
+
+
+def test_a_group_whose_summed_loss_overflows_is_a_loss_skip():
+    # each micro-batch loss is finite, their sum is not: the group's loss (the record's) is inf,
+    # so the step is a loss skip, the parameters untouched; the loss reads inf, as it was
+    model = make_model()
+    state = AmpTrainState(model, adamw(model), lambda out, y: out.sum() * 0 + y, precision="fp32",
+                          accumulation_steps=2)
+    before = params_of(model)
+    x = torch.randn(4, 8)
+    assert state.step(x, torch.tensor(3e38)) is None
+    log = state.step(x, torch.tensor(3e38))
+    assert log.reason == "non_finite_loss" and log.values()["loss"] == INF
+    assert_params_equal(model, before)
+    assert state.updates == 0
+
+
 # ----------------------------------------------------------------------------- 5. records
 
 
