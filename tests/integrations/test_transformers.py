@@ -161,3 +161,28 @@ def test_an_existing_csv_is_refused_before_any_step(tmp_path):
         trainer.train()
     assert (folder / "steps.csv").read_text() == "keep me\n"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_the_callback_reads_a_stock_steps_norm_skip_and_scale_in_one_host_read(poisoned):
+    # what a stock Trainer with Accelerate's GradScaler (fp16 on a GPU) shows the callback,
+    # driven by hand on the CPU: the post-clip norm, the found-inf flag and the updated scale
+    # come over together
+    from helpers import HostReads
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
+    callback = AmpGuardCallback()
+    loss = model(torch.ones(3, 4)).sum() * (float("inf") if poisoned else 1.0)
+    optimizer.scaler.scale(loss).backward()
+    optimizer.scaler.unscale_(optimizer)
+    callback.on_pre_optimizer_step(None, None, None, optimizer=optimizer)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    optimizer.scaler.step(optimizer)
+    optimizer.scaler.update()
+    with HostReads() as reads:
+        record = callback._watched(optimizer, 1)
+    assert reads.count == 1, reads.names
+    assert record.skipped == poisoned and record.scaler_scale == (4.0 if poisoned else 16.0)
+    assert record.grad_l2_post_clip == (None if poisoned else norm) and record.lr == 0.1

@@ -237,11 +237,17 @@ class AmpGuardCallback(TrainerCallback):
         if not seen:
             return None
         scaler = _scaler_of(optimizer)
-        scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+        scaled = scaler is not None and scaler.is_enabled()
+        # the norm, the found-inf flag and the scale after update() come to the host in one read
+        tensors = [seen["post"], *([seen["bad"]] if seen["bad"] is not None else []),
+                   *([scaler._scale] if scaled and scaler._scale is not None else [])]
+        post, *rest = torch.stack([t.detach().reshape(()).to(tensors[0].device, torch.float64)
+                                   for t in tensors]).tolist()
+        bad = rest.pop(0) if seen["bad"] is not None else 0.0
+        scale = rest[0] if rest else (scaler.get_scale() if scaled else 1.0)  # (no scale tensor yet: no read)
         common = {"step": step, "lr": seen["lr"], "loss": None, "grad_l2_pre_clip": None, "scaler_scale": scale}
-        if seen["bad"] is not None and seen["bad"].item():
+        if bad:
             return SkipLog(**common, grad_l2_post_clip=None, reason="non_finite_grad")
-        post = float(seen["post"])
         if not math.isfinite(post):
             self._emit({"step": step, "event": "non_finite_update", "message": (
                 f"the Trainer applied a non-finite gradient (norm {post}): no loss scaler skips it; the "
