@@ -337,7 +337,7 @@ class Guard:
         with self._no_sync(), self.precision.autocast():
             yield
 
-    def backward(self, *losses: torch.Tensor) -> None:
+    def backward(self, *losses: torch.Tensor, divided: bool = False) -> None:
         """Check the loss on the device, divide it by the accumulation steps, scale it, backward.
 
         The loss is checked before backward, on the device: a non-finite loss is replaced by zero,
@@ -349,6 +349,10 @@ class Guard:
         Several losses (``guard.backward(loss0, loss1)``) run backward one after the other over
         a shared graph, as ``scaler.scale(loss0).backward(retain_graph=True)`` then
         ``scaler.scale(loss1).backward()`` do; the record's loss is their sum.
+
+        ``divided=True``: the losses are already divided by ``accumulation_steps`` (as Lightning's
+        and the Hugging Face Trainer's loops hand them over). They seed the backward as they are,
+        bit for bit what that loop would do, and the record counts each as ``loss x N``.
         """
         if self._backward_pending:
             raise RuntimeError("Guard.backward() called twice: call guard.step() after each guard.backward(loss)")
@@ -363,12 +367,15 @@ class Guard:
             total = losses[0].detach()
             for loss in losses[1:]:
                 total = total + loss.detach()
+            n = self.accumulation_steps
+            if divided and n > 1:  # the record's loss is the mean of the undivided ones
+                total = total * n
             self._loss_sum = total if self._micro == 0 else self._loss_sum + total
             last = len(losses) - 1
             for i, loss in enumerate(losses):
                 loss = loss.masked_fill(non_finite(loss.detach()), 0.0)  # (its backward zeroes the seed likewise)
-                if self.accumulation_steps > 1:  # (x / 1 is x, bit for bit: one op and one node saved)
-                    loss = loss / self.accumulation_steps
+                if n > 1 and not divided:  # (x / 1 is x, bit for bit: one op and one node saved)
+                    loss = loss / n
                 self.scaler.scale(loss).backward(retain_graph=i < last)
         self._micro += 1
         self._backward_pending = True

@@ -116,11 +116,11 @@ def test_scheduler_on_skip_step_steps_as_lightning_does():
     assert lrs[1] < lrs[0] and lrs[2] < lrs[1] and plugin.records[1].reason == "non_finite_loss"
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
 def test_a_clean_fp16_run_equals_plain_lightning_with_gradient_clip_val(accumulate):
     """Bit for bit: Lightning's MixedPrecision("16-mixed") and gradient_clip_val against the plugin
-    with max_norm (0.3: most steps clip). With accumulation the plugin hands the guard Lightning's
-    loss x N (Lightning divided it by N, the guard divides again): exact for N a power of two."""
+    with max_norm (0.3: the clip engages). With accumulation the guard takes Lightning's loss as
+    Lightning divided it (``backward(loss, divided=True)``), 3 included."""
     plain, guarded = Digits(), Digits()
     fit(plain, MixedPrecision("16-mixed", "cpu"), steps=5, gradient_clip_val=0.3,
         accumulate_grad_batches=accumulate)
@@ -128,7 +128,7 @@ def test_a_clean_fp16_run_equals_plain_lightning_with_gradient_clip_val(accumula
     fit(guarded, plugin, steps=5, accumulate_grad_batches=accumulate)
     assert same(guarded.after[5], plain.after[5])
     assert len(plugin.records) == 5 and not any(r.skipped for r in plugin.records)
-    assert sum(float(r.grad_l2_pre_clip) > 0.3 for r in plugin.records) >= 3  # the clip engaged
+    assert sum(float(r.grad_l2_pre_clip) > 0.3 for r in plugin.records) >= 2  # the clip engaged
     assert all(float(r.grad_l2_post_clip) <= 0.3 + 1e-6 for r in plugin.records)
 
 

@@ -84,7 +84,7 @@ def reference(precision: str, accum: int, data, loss_of, max_norm: float = 0.5):
     return [p.detach().clone() for p in model.parameters()], steps
 
 
-def guarded(precision: str, accum: int, data, loss_of, max_norm: float = 0.5):
+def guarded(precision: str, accum: int, data, loss_of, max_norm: float = 0.5, divided: bool = False):
     model = WithLoss()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -94,7 +94,10 @@ def guarded(precision: str, accum: int, data, loss_of, max_norm: float = 0.5):
     for x, y in data:
         with guard.autocast():
             loss = loss_of(model, x, y)
-        guard.backward(loss)
+        if divided:  # as Lightning's and HF's loops hand it over
+            guard.backward(loss.float() / accum, divided=True)
+        else:
+            guard.backward(loss)
         if (record := guard.step()) is not None:
             records.append(record)
     return [p.detach().clone() for p in model.parameters()], records
@@ -114,6 +117,22 @@ def test_guard_is_bit_for_bit_the_canonical_loop_clean_and_with_a_spike(precisio
                                                                      for scale, _ in ref_steps]
     if precision == "fp16":  # a spike of 1e8 overflows fp16: the step with it is skipped, in both loops
         assert any(skipped for _, skipped in ref_steps)
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_loss_already_divided_by_the_accumulation_steps_is_not_divided_again(precision, accum):
+    # backward(loss / N, divided=True) seeds what the canonical loop's scaler.scale(loss / N) does,
+    # bit for bit; the record's loss is still the mean of the undivided micro-batch losses
+    data = batches(4 * accum, spike_at=accum)
+    ref_params, ref_steps = reference(precision, accum, data, output_loss)
+    params, records = guarded(precision, accum, data, output_loss, divided=True)
+    _, undivided = guarded(precision, accum, data, output_loss)
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+    assert [r.skipped for r in records] == [skipped for _, skipped in ref_steps]
+    for mine, plain in zip(records, undivided):
+        assert mine.values()["loss"] == pytest.approx(plain.values()["loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("accum", [1, 3])

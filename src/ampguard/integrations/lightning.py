@@ -318,8 +318,8 @@ class AmpGuardPlugin(_LightningPrecision):
                  *args: Any, **kwargs: Any) -> None:
         """``guard.backward``: the loss checked before backward, scaled, backward.
 
-        Lightning has already divided the loss by ``accumulate_grad_batches`` (N); the guard
-        divides by N itself, so it is given ``loss * N`` (exact for N a power of two)."""
+        Lightning has already divided the loss by ``accumulate_grad_batches`` (N): the guard takes
+        it as it is (``divided``), so the gradients are bit for bit Lightning's for any N."""
         guard = self.guard or self._setup(model)
         if guard._backward_pending:  # the micro-batch before, inside its accumulation group: no update
             if guard._micro >= guard.accumulation_steps:
@@ -328,7 +328,7 @@ class AmpGuardPlugin(_LightningPrecision):
             guard.step()
         if args or kwargs:
             raise ValueError("AmpGuardPlugin runs the backward itself: manual_backward(loss) takes no arguments")
-        guard.backward(tensor * self._divided_by if self._divided_by > 1 else tensor)
+        guard.backward(tensor, divided=True)
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule,  # type: ignore[override]
                        closure: Callable[[], Any], **kwargs: Any) -> Any:

@@ -338,8 +338,8 @@ class GuardedTrainer(Trainer):
             loss = loss.mean()
         scaled_for_ga = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else (
             (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
-        # the guard divides by the accumulation steps itself: give it the micro-batch's own loss
-        guard.backward(loss * n if scaled_for_ga and n > 1 else loss)
+        # a loss normalised over the whole group's items is divided already: the guard takes it as it is
+        guard.backward(loss, divided=scaled_for_ga)
         record = guard.step()
         if record is not None:
             self.record = record
