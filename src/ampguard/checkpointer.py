@@ -49,6 +49,7 @@ from . import distributed
 from .config import MAX_DEPTH, Config, is_plain, read_file
 from .errors import InputError, first_line
 from .sinks import DiskFull, writing
+from .precision import uses_loss_scaler
 from .run_folder import RunPaths
 
 # The payload's keys (checkpoint format ckpt.FORMAT). Parts are restored; the rest identify.
@@ -930,7 +931,7 @@ def _effective(config: dict[str, Any]) -> dict[str, Any]:
     """
     scaler = dict(config.get("scaler") or {})
     if scaler.get("enabled") is None:
-        scaler["enabled"] = config.get("precision", "bf16") == "fp16"
+        scaler["enabled"] = uses_loss_scaler(config.get("precision"))
     fp8 = {"fp8": config["fp8"]} if config.get("precision") == "fp8" and "fp8" in config else {}
     return {**{k: v for k, v in config.items() if k != "fp8"}, "scaler": scaler, **fp8}
 
@@ -988,18 +989,25 @@ _SCALER_KEYS = {"init_scale": "scale", "growth_factor": "growth_factor", "backof
                 "growth_interval": "growth_interval", "min_scale": "min_scale"}
 
 
-def apply_policy_changes(changes: list[dict[str, Any]], config: Config, state: Any, rollbacks: int = 0) -> None:
+def apply_policy_changes(changes: list[dict[str, Any]], config: Config, state: Any, rollbacks: int = 0, *,
+                         rolled_back: bool = False) -> float | None:
     """Make the restored training state follow the new settings, where the checkpoint would
-    otherwise bring back the old ones (everything else is built from the new config already):
+    otherwise bring back the old ones (everything else is built from the new config already).
+    The one place settings are restored after a checkpoint is loaded: on resume (``changes``: the
+    resume's own) and at a rollback (``rolled_back``; ``changes``: the policy changes newer than
+    the checkpoint rolled back to, ``rollbacks`` counting this rollback):
 
-    - ``optimizer.lr``, ``schedule.*``, ``steps``, ``rollback.lr_factor``: the schedule's base LR
-      becomes ``optimizer.lr x rollback.lr_factor ** rollbacks`` and the next step's LR follows
-      the new schedule (:func:`set_base_lr`);
+    - ``optimizer.lr``, ``schedule.*``, ``steps``, ``rollback.lr_factor`` (and, at a rollback,
+      ``rollback.lr_factor`` not 1, changed or not): the schedule's base LR becomes
+      ``optimizer.lr x rollback.lr_factor ** rollbacks`` and the next step's LR follows the new
+      schedule (:func:`set_base_lr`, called once);
     - ``optimizer.weight_decay`` / ``betas`` / ``eps`` / ``momentum``: every parameter group
       (where the optimizer has the setting);
     - ``scaler.*``: the loss scaler's factors, interval and floor; ``scaler.init_scale`` restarts
       the scale at the new value (its growth count at 0); the count of clean steps in a row is
       kept, below a shorter ``growth_interval``.
+
+    Returns the base LR it set, or None when it left the checkpoint's.
 
     Example (the checkpoint's LR was 0.1; the resumed run asks for 0.01)::
 
@@ -1013,14 +1021,28 @@ def apply_policy_changes(changes: list[dict[str, Any]], config: Config, state: A
         ...                    "scaler": {"growth_interval": 10}})
         >>> apply_policy_changes([{"key": "optimizer.lr"}, {"key": "optimizer.momentum"},
         ...                       {"key": "scaler.growth_interval"}], config, state)
+        0.01
         >>> group = optimizer.param_groups[0]
         >>> group["lr"], group["momentum"], state.scaler.get_growth_interval(), state.scaler.get_scale()
         (0.01, 0.5, 10, 65536.0)
+
+    Under ``rollback.lr_factor`` 0.5 a second rollback sets the LR even with no change since the
+    checkpoint; a resume with no change leaves it::
+
+        >>> halving = validate({**config.model_dump(mode="json"), "rollback": {"lr_factor": 0.5}})
+        >>> apply_policy_changes([], halving, state, 2, rolled_back=True), group["lr"]
+        (0.0025, 0.0025)
+        >>> apply_policy_changes([], halving, state, 2) is None  # a resume: the checkpoint's LR holds
+        True
     """
     keys = {change["key"] for change in changes}
-    if keys & {"optimizer.lr", "steps", "rollback.lr_factor"} or any(k.startswith("schedule.") for k in keys):
-        if state.scheduler is not None:
-            set_base_lr(state.scheduler, config.optimizer.lr * config.rollback.lr_factor ** rollbacks)
+    lr = None
+    changed = (bool(keys & {"optimizer.lr", "steps", "rollback.lr_factor"})
+               or any(key.startswith("schedule.") for key in keys))
+    # a rollback brings back the checkpoint's LR: under lr_factor it must come down with or without a change
+    if (changed or (rolled_back and config.rollback.lr_factor != 1.0)) and state.scheduler is not None:
+        lr = config.optimizer.lr * config.rollback.lr_factor ** rollbacks
+        set_base_lr(state.scheduler, lr)
     for name in _OPTIMIZER_KEYS:
         if f"optimizer.{name}" in keys:
             value = getattr(config.optimizer, name)
@@ -1038,6 +1060,7 @@ def apply_policy_changes(changes: list[dict[str, Any]], config: Config, state: A
         # already past a shorter interval would never grow again
         saved["_growth_tracker"] = min(int(saved["_growth_tracker"]), saved["growth_interval"] - 1)
         state.scaler.load_state_dict(saved)
+    return lr
 
 
 def policy_line(change: dict[str, Any]) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from . import distributed
-from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes, set_base_lr
+from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes
 from .config import Config
 from .errors import ConfigError, ExitCode, InputError
 from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor, higher_is_better
@@ -368,9 +368,10 @@ class Rollbacks:
         # the step counter and the monitors' history go on; everything that trains goes back
         state = {**loaded.payload[STATE], "step": step, "monitors": {}}
         self.checkpointer.restore(Loaded(loaded.path, {**loaded.payload, STATE: state}), parts=ROLLBACK_PARTS)
-        # a checkpoint from before a resume's policy change brings the old settings back: apply them again
+        # the checkpoint brings its own settings back: the resume's policy changes newer than it are
+        # applied again and the LR comes down by rollback.lr_factor, in one pass (one set_base_lr)
         stale = [c for c in self.policy if c["step"] >= loaded.step and c["key"] != "scaler.init_scale"]
-        apply_policy_changes(stale, self.config, self.state, len(self.log) + 1)
+        lr = apply_policy_changes(stale, self.config, self.state, len(self.log) + 1, rolled_back=True)
         undone = self.monitor.updates - self.state.updates
         self.monitor.updates = self.state.updates  # the run card's "updates applied" is what the model holds
         old, saved = self.data.position, int(loaded.payload[DATA])
@@ -378,9 +379,7 @@ class Rollbacks:
         self.data.seek(max(saved + self.cfg.skip_batches, old))
         message = (f"{decision.why}: rolled back to {loaded.path.name} (step {loaded.step}) and skipped "
                    f"{self.data.position - saved} batches (data position {old} -> {self.data.position})")
-        if self.cfg.lr_factor != 1.0:
-            lr = self.config.optimizer.lr * self.cfg.lr_factor ** (len(self.log) + 1)
-            set_base_lr(self.state.scheduler, lr)
+        if self.cfg.lr_factor != 1.0 and lr is not None:
             message += f"; lr {lr:.4g} (rollback.lr_factor {self.cfg.lr_factor:g})"
         if evidence is not None:
             message += f"; batches saved to rollback/{evidence.name}"

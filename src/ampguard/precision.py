@@ -22,6 +22,20 @@ PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
 """The precision names :class:`Precision` accepts (fp8 with the optional ``torchao`` extra)."""
 
+
+def uses_loss_scaler(name: object) -> bool:
+    """Whether precision ``name`` goes through a loss scaler (when ``scaler.enabled`` is null):
+    fp16 only. The rule :attr:`Precision.uses_scaler` and a resume's compare of configs share;
+    anything that is not a precision name (a hostile checkpoint's config) is False, never an
+    error: whoever reads such a config refuses it where it compares the precision itself.
+
+    Example::
+
+        >>> [uses_loss_scaler(n) for n in PRECISIONS], uses_loss_scaler("fp17"), uses_loss_scaler(["fp16"])
+        ([True, False, False, False], False, False)
+    """
+    return isinstance(name, str) and name == "fp16"
+
 # fp8: torchao's Float8Linear layers matmul in float8; everything else runs under bf16 autocast
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
@@ -295,7 +309,7 @@ class Precision:
             >>> [Precision(n, "cpu").uses_scaler for n in PRECISIONS]
             [True, False, False, False]
         """
-        return self.name == "fp16"
+        return uses_loss_scaler(self.name)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward-pass context: autocast to ``dtype``, or nothing at all for fp32.

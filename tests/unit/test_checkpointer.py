@@ -458,6 +458,20 @@ def test_check_resume_refuses_a_checkpoint_whose_config_lacks_a_fixed_key():
     assert one_line(err).startswith("--resume: precision was None in the checkpoint, now 'bf16'")
 
 
+@pytest.mark.parametrize("garbage", ["fp4", "FP16", "", 42, True, None, ["fp16"], {"name": "fp16"}])
+def test_check_resume_refuses_a_checkpoint_with_a_garbage_precision_in_one_line(garbage):
+    # the checkpoint's config is hostile input: whatever its precision holds, the scaler's rule in
+    # _effective must not raise (no scaler for a name that is not fp16), and the answer is the refusal
+    saved = {**validate(BASE).model_dump(mode="json"), "precision": garbage}
+    assert ck._effective(saved)["scaler"]["enabled"] is False
+    resume = Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), _meta(8, saved)), Path("run"))
+    for now in (_with(), _with(precision="fp16")):
+        with pytest.raises(InputError) as err:
+            ck.check_resume(resume, now, world_size=1)
+        assert one_line(err) == (f"--resume: precision was {garbage!r} in the checkpoint, now {now.precision!r}; "
+                                 "a resumed run must keep it")
+
+
 def test_check_resume_refuses_a_checkpoint_whose_config_lacks_a_fixed_section():
     saved = validate(BASE).model_dump(mode="json")
     del saved["optimizer"]  # load_checkpoint accepts any payload with a "config" entry

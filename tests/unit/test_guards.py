@@ -519,3 +519,38 @@ def test_after_a_rollback_the_monitors_updates_are_the_checkpoints(tmp_path):
     assert w.step.updates == 9 and w.monitor.updates == 9
     w.monitor.observe(clean(15))
     assert w.monitor.updates == 10
+
+
+@pytest.mark.parametrize("lr_factor, stale, expected", [
+    (0.5, True, 0.003 * 0.5),  # a resume's LR change newer than the checkpoint, and the factor
+    (0.5, False, 0.003 * 0.5),  # the factor alone
+    (1.0, True, 0.003),  # the LR change alone: no lr in the message
+])
+def test_a_rollback_sets_the_lr_in_one_call(tmp_path, monkeypatch, lr_factor, stale, expected):
+    # restoring settings after a rollback is one path (checkpointer.apply_policy_changes): the LR
+    # is set once, to optimizer.lr x lr_factor ** n, however many reasons there are to set it
+    from ampguard import checkpointer as ck
+
+    w = World(tmp_path, lr_factor=lr_factor)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # the checkpoint's LR
+    w.step.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 1.0)
+    w.save_at(10)
+    w.advance(14)
+    if stale:  # resumed at step 12 with the config's LR (0.003): after the checkpoint, so re-applied
+        w.rollbacks.policy = [{"key": "optimizer.lr", "old": 0.1, "new": 0.003, "step": 12}]
+    calls: list[float] = []
+    real = ck.set_base_lr
+
+    def counted(scheduler: Any, lr: float) -> None:
+        calls.append(lr)
+        real(scheduler, lr)
+
+    monkeypatch.setattr(ck, "set_base_lr", counted)
+    monkeypatch.setattr(g, "set_base_lr", counted, raising=False)  # wherever the rollback might call it
+    assert w.rollbacks.apply(Rollback(12, "loss spike", g.LOSS_SPIKE)) == g.CONTINUE
+    assert calls == [pytest.approx(expected)]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+    assert w.step.scheduler.base_lrs == [pytest.approx(expected)]
+    mentioned = f"; lr {expected:.4g} (rollback.lr_factor {lr_factor:g})"
+    assert (mentioned in w.lines[0]) == (lr_factor != 1.0)
+    assert ("lr_factor" in w.rollbacks.log[0]) == (lr_factor != 1.0)
