@@ -341,10 +341,11 @@ def tolerance_text(abs_tol: float, rel_tol: float) -> str:
     return f"|amp - fp32| <= {abs_tol:g} + {rel_tol:g} * |fp32| per element"
 
 
-def _within(ref: torch.Tensor, amp: torch.Tensor, abs_tol: float, rel_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _within(ref: torch.Tensor, amp: torch.Tensor, err: torch.Tensor, abs_tol: float, rel_tol: float
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inside, used): per element, whether it is within the tolerance (a non-finite one never
-    is), and the share of its allowance it uses (inf where none is allowed or it is not finite)."""
-    err = (amp - ref).abs()
+    is), and the share of its allowance it uses (inf where none is allowed or it is not finite).
+    ``err`` is ``|amp - ref|``."""
     allowed = abs_tol + rel_tol * ref.abs()
     inside = err <= allowed
     used = torch.where(allowed > 0, err / allowed, torch.where(err > 0, math.inf, 0.0))
@@ -353,11 +354,12 @@ def _within(ref: torch.Tensor, amp: torch.Tensor, abs_tol: float, rel_tol: float
 
 
 def _score_rule(name: str, label: str, ref: torch.Tensor, amp: torch.Tensor, cfg: Any, ids: list[str],
-                stats: dict[str, Any]) -> tuple[Rule, torch.Tensor]:
-    """The tolerance rule of one output, and per probe whether any of its elements deviates."""
+                stats: dict[str, Any]) -> tuple[Rule, torch.Tensor, torch.Tensor]:
+    """The tolerance rule of one output, its ``|amp - fp32|`` per element (computed once: the
+    probe records read it too), and per probe whether any of its elements deviates."""
     abs_tol, rel_tol = tolerance(cfg, name)
-    inside, used = _within(ref, amp, abs_tol, rel_tol)
     err = (amp - ref).abs()
+    inside, used = _within(ref, amp, err, abs_tol, rel_tol)
     rel = err / ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
     total, good = inside.numel(), int(inside.sum())
     worst = int(used.flatten().argmax()) if total else 0
@@ -380,7 +382,7 @@ def _score_rule(name: str, label: str, ref: torch.Tensor, amp: torch.Tensor, cfg
         amp_text = (f"{good}/{total} within; {ids[row]}[{col}]: amp {float(amp[row, col]):.6g}, "
                     f"fp32 {float(ref[row, col]):.6g}")
     rule = Rule(f"{label}: {tolerance_text(abs_tol, rel_tol)}", ref_text, amp_text, good == total)
-    return rule, ~inside.all(dim=1)
+    return rule, err, ~inside.all(dim=1)
 
 
 # ---------------------------------------------------------------------------- probes
@@ -569,23 +571,23 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
     result.rules.append(Rule("complete and finite", f"{int(ref.finite_rows().sum())}/{n}", f"{finite}/{n}",
                              finite == n))
     per_output: dict[str, Any] = {}
-    deviated = {}
+    errors, deviated = {}, {}
     for out in ref.names:
         label = "scores" if ref.names == [SINGLE_OUTPUT] else f"output {out}"
-        rule, rows = _score_rule(out, label, ref.outputs[out], amp.outputs[out], cfg, ids, per_output)
+        rule, err, rows = _score_rule(out, label, ref.outputs[out], amp.outputs[out], cfg, ids, per_output)
         result.rules.append(rule)  # a non-finite element is never within: it fails its output's rule
-        deviated[out] = rows
+        errors[out], deviated[out] = err, rows
     result.stats.update(max_abs_error=max(s["max_abs_error"] for s in per_output.values()),
                         max_rel_error=max(s["max_rel_error"] for s in per_output.values()),
                         outputs=per_output)
     first, first_amp = ref.primary, amp.primary
     for i, probe in enumerate(ids):
-        errors = [(amp.outputs[o][i] - ref.outputs[o][i]).abs() for o in ref.names]
+        row_errors = [errors[o][i] for o in ref.names]
         result.records.append({
             "probe": probe, "tags": probes.tags[probe], "finite": bool(finite_rows[i]),
             "deviated": any(bool(rows[i]) for rows in deviated.values()),
             "deviated_outputs": [o for o, rows in deviated.items() if bool(rows[i])],
-            "max_abs_error": max(float(e.max()) if e.numel() else 0.0 for e in errors),
+            "max_abs_error": max(float(e.max()) if e.numel() else 0.0 for e in row_errors),
         })
     if task.mode == "classifier":
         _decisions(result, cfg, first, first_amp)
