@@ -15,7 +15,6 @@ overwritten).
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 from collections.abc import Sequence
@@ -28,8 +27,7 @@ from .errors import ExitCode, InputError
 from .monitor import RunMonitor
 from .precision import Precision
 from .records import LABEL_COLUMNS
-from .report import Row, _number, finite_points, read_steps_csv, replay, rolling_skip_rate
-from .sinks import CSV_COLUMNS
+from .report import Row, _number, finite_points, read_steps_and_columns, replay, rolling_skip_rate
 
 if TYPE_CHECKING:
     from .config import Config
@@ -72,20 +70,16 @@ def _ended(card: Path) -> str:
     return bold[0] if bold else "unknown"
 
 
-def _metrics(csv_path: Path) -> list[dict[str, float]]:
-    """The held-out metrics of each evaluated step: the CSV's extra numeric columns (the fixed
-    eight and the optimizer labels left out), empty cells skipped. The file was checked by
-    :func:`~ampguard.report.read_steps_csv` already."""
-    with csv_path.open(newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        header = next(reader)
-        names = [(i, name) for i, name in enumerate(header)
-                 if i >= len(CSV_COLUMNS) and name not in LABEL_COLUMNS]
-        out = []
-        for cells in reader:
-            values = {name: value for i, name in names if (value := _number(cells[i], name, str(csv_path))) is not None}
-            if values:
-                out.append(values)
+def _metrics(csv_path: Path, extra: list[dict[str, str]]) -> list[dict[str, float]]:
+    """The held-out metrics of each evaluated step: the CSV's extra numeric columns (``extra``,
+    as :func:`~ampguard.report.read_steps_and_columns` read them; the optimizer labels left
+    out), empty cells skipped."""
+    out = []
+    for cells in extra:
+        values = {name: value for name, cell in cells.items()
+                  if name not in LABEL_COLUMNS and (value := _number(cell, name, str(csv_path))) is not None}
+        if values:
+            out.append(values)
     return out
 
 
@@ -117,12 +111,12 @@ def load_run(path: str | Path) -> RunSummary:
         config = validate(read_file(folder / "config.yaml"))
     except InputError as err:  # ConfigError included: say which run's config it is
         raise InputError(f"compare: {folder / 'config.yaml'}: {err}") from None
-    rows = read_steps_csv(folder / "steps.csv")
+    rows, extra = read_steps_and_columns(folder / "steps.csv")
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
     scaler_on = Precision(config.precision, "cpu").uses_scaler if config.scaler.enabled is None else config.scaler.enabled
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on))  # the run's own monitor
-    for metrics in _metrics(folder / "steps.csv"):
+    for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
     return RunSummary(folder.name, folder, config, rows, monitor, _ended(folder / "RUN.md"))
 
@@ -346,6 +340,7 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
 
         >>> import shutil, tempfile
         >>> from ampguard.config import dump_config, validate
+        >>> from ampguard.sinks import CSV_COLUMNS
         >>> root = Path(tempfile.mkdtemp())
         >>> config = dump_config(validate({"precision": "fp16", "scaler": {"init_scale": 1024}}))
         >>> for name, cells in (("a", "2.0,1.0,0.5,0,,1024.0"), ("b", "inf,,0.5,1,non_finite_grad,512.0")):

@@ -96,25 +96,46 @@ def read_steps_csv(path: str | Path) -> list[Row]:
         DIR/steps.csv line 3: step 1 does not follow step 2
         >>> shutil.rmtree(folder)
     """
+    return read_steps_and_columns(path)[0]
+
+
+def read_steps_and_columns(path: str | Path) -> tuple[list[Row], list[dict[str, str]]]:
+    """:func:`read_steps_csv`'s rows and, from the same one read, each row's cells of the columns
+    after the fixed eight (a run's ``val_loss``, the optimizer labels), by column name.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> csv_path = folder / "steps.csv"
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + ",val_loss\\n1,0.1,2.0,1.0,0.5,0,,1.0,0.7\\n")
+        >>> rows, extra = read_steps_and_columns(csv_path)
+        >>> [r.step for r in rows], extra
+        ([1], [{'val_loss': '0.7'}])
+        >>> shutil.rmtree(folder)
+    """
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no such CSV file: {path}")
+    extra: list[dict[str, str]] = []
     try:
         with path.open(newline="", encoding="utf-8") as f:
-            return list(_rows(path, csv.reader(f)))
+            return list(_rows(path, csv.reader(f), extra)), extra
     except (UnicodeDecodeError, csv.Error) as err:
         raise InputError(f"{path}: not a readable CSV ({err})") from None
 
 
-def _rows(path: Path, reader: Iterator[list[str]]) -> Iterator[Row]:
+def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) -> Iterator[Row]:
     header = next(reader, None)
     if header is None or tuple(header[: len(CSV_COLUMNS)]) != CSV_COLUMNS:
         raise InputError(f"{path}: the header is not ampguard's ({','.join(CSV_COLUMNS)})")
+    fixed = len(CSV_COLUMNS)
     previous = 0
     for line_no, cells in enumerate(reader, start=2):
         where = f"{path} line {line_no}"
         if len(cells) != len(header):
             raise InputError(f"{where}: {len(cells)} cells, the header has {len(header)}")
+        extra.append(dict(zip(header[fixed:], cells[fixed:])))
         cell = dict(zip(header, cells))
         try:
             step = int(cell["step"])
