@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 from . import distributed
 from .clipping import grad_values
@@ -163,6 +164,26 @@ def measured_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if next(m.parameters(recurse=False), None) is not None]
 
 
+@contextlib.contextmanager
+def _installed(handles: list[RemovableHandle]) -> Iterator[None]:
+    """The hooks behind ``handles`` for the time of the block: removed on the way out, also on an error.
+
+    Example::
+
+        >>> model, calls = nn.Linear(1, 1), []
+        >>> with _installed([model.register_forward_hook(lambda *_: calls.append("seen"))]):
+        ...     _ = model(torch.ones(1, 1))
+        >>> _ = model(torch.ones(1, 1))  # after the block: no hook
+        >>> calls
+        ['seen']
+    """
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class Headroom:
     """Headroom telemetry every ``every`` steps, for the modules of ``model`` (see the module
     docstring): :meth:`measuring` around a step's micro-batches, then :meth:`read` (one host read)
@@ -220,12 +241,8 @@ class Headroom:
             yield
             return
         self._step, self._stats, self._rows = step, {}, None
-        handles = [m.register_forward_hook(self._forward_hook(name)) for name, m in self.modules]
-        try:
+        with _installed([m.register_forward_hook(self._forward_hook(name)) for name, m in self.modules]):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def _forward_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -452,13 +469,11 @@ class SkipGradNorms:
             yield
             return
         self._seen = []
-        handles = [p.register_post_accumulate_grad_hook(self._hook(name)) for name, p in self.params]
         try:
-            yield
+            with _installed([p.register_post_accumulate_grad_hook(self._hook(name)) for name, p in self.params]):
+                yield
         finally:
-            for handle in handles:
-                handle.remove()
-            if self._seen:
+            if self._seen:  # also after an error: what backward finished so far fixes the order
                 self.order = self._current_order()
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:

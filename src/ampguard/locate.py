@@ -484,26 +484,25 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     if not task.float_inputs and any(f.kind == "nan_input" for f in faults):
         raise InputError(f"inject: nan_input needs floating-point inputs; task {task.name} feeds integer tokens")
     model = task.model.to(device)
-    loss_scale = initial_scale(config, device)
+    checkpoint_scale = None
     if checkpoint:
-        payload = load_weights(model, checkpoint, map_location=device)
-        saved = (payload["state"].get("scaler") or {}).get("scale", loss_scale)
-        loss_scale = float(saved) if precision.uses_scaler else 1.0
-    if scale is not None:
-        loss_scale = scale
+        saved = (load_weights(model, checkpoint, map_location=device)["state"].get("scaler") or {}).get("scale")
+        checkpoint_scale = None if saved is None else float(saved)
     injector = FaultInjector(faults, config.accumulation_steps)
     loss_fn = injector.wrap_loss(task.loss_fn)
     injector.attach(model)
+    batch_scale = None
     if batch:
-        batches, saved_scale = load_batches(batch)
-        if saved_scale is not None and precision.uses_scaler and config.scaler.enabled is not False and scale is None:
-            loss_scale = saved_scale  # the scale the step ran with (a rollback's evidence names it): over a checkpoint's
+        batches, batch_scale = load_batches(batch)
         where = f"batch {batch}"
     else:
         n = config.accumulation_steps
         stream = injector.wrap_data(task.stream((step - 1) * n), first_step=step)  # seeks: no reading up to it
         batches = list(itertools.islice(stream, n))
         where = f"step {step} of task {task.name} (seed {config.seed})"
+    scaler_on = precision.uses_scaler and config.scaler.enabled is not False  # else no saved scale applies
+    loss_scale = _replay_scale(given=scale, batch_file=batch_scale if scaler_on else None,
+                               checkpoint=checkpoint_scale if scaler_on else None, init=initial_scale(config, device))
     injector.current_step = step if not batch else 0  # the faults of the replayed step
     # the replay's warnings (a loss broadcasting a target of another shape) are shown once it
     # worked; when a saved batch does not fit, the one line says why and they are dropped
@@ -524,6 +523,23 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         print(f"locate: {where}, {config.precision} on {device.type}, loss scale {loss_scale:g}")
         print(result.message())
     return 0 if result.verdict == "none" else 1
+
+
+def _replay_scale(*, given: float | None, batch_file: float | None, checkpoint: float | None, init: float) -> float:
+    """The loss scale ``locate`` replays with: the first of these that names one, in this order:
+    ``--scale``, the batch file's (the scale its step ran with: a rollback's evidence names it),
+    the checkpoint's, ``scaler.init_scale``.
+
+    Example::
+
+        >>> _replay_scale(given=8.0, batch_file=1024.0, checkpoint=512.0, init=65536.0)
+        8.0
+        >>> _replay_scale(given=None, batch_file=1024.0, checkpoint=512.0, init=65536.0)
+        1024.0
+        >>> _replay_scale(given=None, batch_file=None, checkpoint=None, init=65536.0)
+        65536.0
+    """
+    return next((s for s in (given, batch_file, checkpoint) if s is not None), init)
 
 
 def _check_arguments(config: Any, precision: Precision, *, step: int, batch: str | None, scale: float | None) -> None:

@@ -281,6 +281,33 @@ def test_a_saved_batch_that_does_not_fit_is_one_input_error(tmp_path):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("keys, batch_scale, checkpoint_scale, scale, expected", [
+    ({"precision": "fp16"}, 1024.0, 512.0, 8.0, "8"),  # --scale over everything
+    ({"precision": "fp16"}, 1024.0, 512.0, None, "1024"),  # the batch file's over the checkpoint's
+    ({"precision": "fp16"}, None, 512.0, None, "512"),  # the checkpoint's over scaler.init_scale
+    ({"precision": "fp16"}, None, None, None, "65536"),  # scaler.init_scale
+    ({"precision": "fp16", "scaler": {"enabled": False}}, 1024.0, 512.0, None, "1"),  # no scaler: no saved scale
+    ({"precision": "bf16"}, 1024.0, 512.0, None, "1"),  # no scaler at all: 1
+])
+def test_the_loss_scale_of_a_replay_comes_from_the_first_source_that_names_one(
+        tmp_path, capsys, keys, batch_scale, checkpoint_scale, scale, expected):
+    from ampguard import locate
+    from ampguard.checkpoint import REQUIRED, save_checkpoint
+    from ampguard.tasks import build_task
+
+    config = _config(**keys)
+    one = {"inputs": torch.zeros(2, 16), "targets": torch.zeros(2, 4)}
+    torch.save({"micro_batches": [one], **({"loss_scale": batch_scale} if batch_scale else {})}, tmp_path / "b.pt")
+    checkpoint = None
+    if checkpoint_scale is not None:
+        payload = {key: {} for key in REQUIRED if key not in ("magic", "format")}
+        checkpoint = str(save_checkpoint(tmp_path / "step-00000001.pt", {
+            **payload, "step": 1, "model": build_task(config).model.state_dict(),
+            "state": {"scaler": {"scale": checkpoint_scale}}}))
+    assert locate.run(config, batch=str(tmp_path / "b.pt"), checkpoint=checkpoint, scale=scale) == 0
+    assert f", loss scale {expected}\n" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------- one module in FP32 (issue item 7)
 
 
