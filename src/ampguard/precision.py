@@ -201,6 +201,22 @@ class GuardedGradScaler(torch.amp.GradScaler):
         if self._scale is not None:
             self._scale.clamp_(min=min_scale)
 
+    def unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``unscale_(optimizer)`` ran since the last ``update()`` (a second call would raise).
+
+        Example::
+
+            >>> scaler = GuardedGradScaler("cpu", init_scale=4.0)
+            >>> p = torch.nn.Parameter(torch.ones(1)); opt = torch.optim.SGD([p], lr=0.1)
+            >>> scaler.scale(p.sum()).backward()
+            >>> before = scaler.unscaled(opt); scaler.unscale_(opt)
+            >>> before, scaler.unscaled(opt)
+            (False, True)
+        """
+        from torch.amp.grad_scaler import OptState
+
+        return self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
     def mark_found_inf_(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the next ``update()`` treat this iteration as an overflow (backoff, tracker reset).
 

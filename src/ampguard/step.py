@@ -380,10 +380,17 @@ class Guard:
         self._micro += 1
         self._backward_pending = True
 
-    def step(self, *which: str | torch.optim.Optimizer) -> StepLog | SkipLog | PendingStep | None:
+    def step(self, *which: str | torch.optim.Optimizer, close: bool = False
+             ) -> StepLog | SkipLog | PendingStep | None:
         """After each ``backward``: ``None`` inside an accumulation group; at its end the update
         (or the skip) and the group's record. The skip decision costs one host sync per group
         (none with ``sync_free``).
+
+        ``close=True`` ends the group now, with the micro-batches it has (a loop's short last
+        group, as Lightning steps an epoch's last batches): their losses were divided by
+        ``accumulation_steps`` all the same, and the record's loss is their mean. (Under DDP the
+        guard synchronises gradients on the micro-batch it expects to be last: a short group's
+        last backward is the loop's to synchronise.)
 
         With several optimizers, ``step()`` steps them all and ``step("generator")`` (names or
         optimizer objects) only those named, as ``scaler.step(opt)`` does: each is skipped only
@@ -400,11 +407,25 @@ class Guard:
             raise RuntimeError(f"Guard.step() names optimizers {list(names)} inside a group begun with "
                                f"{list(self._group)}: step the same optimizers until the group closes")
         self._backward_pending = False
-        if self._micro < self.accumulation_steps:
+        if self._micro < self.accumulation_steps and not close:
             self._group = names
             return None
         self._group = None
         return self._finish_group_sync_free() if self.sync_free else self._finish_group(names)
+
+    def unscale_(self, *which: str | torch.optim.Optimizer) -> None:
+        """Unscale the gradients of these optimizers (all by default) now, before :meth:`step`,
+        so code between the group's last backward and the step sees true gradients (a
+        framework's ``on_before_optimizer_step`` hooks, a look of your own); ``step()`` then
+        does not unscale them again. ``GradScaler.unscale_``'s use, without its error on a
+        second call."""
+        self._unscale(self._names(which))
+
+    def _unscale(self, names: Sequence[str]) -> None:
+        for name in names:
+            optimizer = self.optimizers[name]
+            if not self.scaler.unscaled(optimizer):
+                self.scaler.unscale_(optimizer)
 
     def _names(self, which: tuple[str | torch.optim.Optimizer, ...]) -> tuple[str, ...]:
         if not which:
@@ -448,11 +469,10 @@ class Guard:
         own norm; ``grads`` are the named optimizers' gradients, for the clip. The values are the step's detectors: the loss is non-finite iff a micro-batch loss
         was (or their sum overflowed), a norm iff a gradient element was (or the norm overflowed),
         and :func:`distributed.agree` makes a value non-finite on one rank so on every rank."""
-        self._micro = 0
+        micro, self._micro = self._micro, 0
         self.steps += 1
-        loss = self._loss_sum / self.accumulation_steps if self.accumulation_steps > 1 else self._loss_sum
-        for name in names:
-            self.scaler.unscale_(self.optimizers[name])
+        loss = self._loss_sum / micro if micro > 1 else self._loss_sum
+        self._unscale(names)
         grads = GradSet(self._union(names))
         norms = [distributed.full_norm(grads.norm())]
         if len(names) > 1:
@@ -627,8 +647,12 @@ class Guard:
         """
         return self._micro != 0
 
-    def state_dict(self) -> dict[str, Any]:
-        """Scaler, counters, monitors and settings that must match on resume. Call between steps.
+    def state_dict(self, *, mid_group: bool = False) -> dict[str, Any]:
+        """Scaler, counters, monitors and settings that must match on resume. Call between steps;
+        ``mid_group=True`` allows it inside an accumulation group and gives the state as of the
+        last closed group (all of it changes only at a group's end; the open group's
+        micro-batches are not in it: a loop that saves there, as Lightning may, resumes at that
+        boundary).
 
         Example::
 
@@ -640,7 +664,7 @@ class Guard:
             >>> saved["step"], saved["updates"], saved["precision"], saved["accumulation_steps"]
             (1, 1, 'bf16', 1)
         """
-        if self._micro or self._backward_pending:
+        if (self._micro or self._backward_pending) and not mid_group:
             raise RuntimeError("state_dict() called inside an accumulation group; call it after a step closes")
         return {
             "scaler": self.scaler.state_dict(),

@@ -218,6 +218,83 @@ def test_state_dict_mid_group_or_before_step_raises():
     assert guard.state_dict()["step"] == 1
 
 
+def test_state_dict_mid_group_gives_the_last_boundarys_state():
+    model, guard = _guard(accumulation_steps=2)
+    for _ in range(2):
+        guard.backward(_loss(model))
+        guard.step()
+    at_boundary = guard.state_dict()
+    guard.backward(_loss(model))  # the next group's first micro-batch, its step still pending
+    assert guard.state_dict(mid_group=True) == at_boundary
+    assert guard.step() is None and guard.state_dict(mid_group=True) == at_boundary
+    assert guard.mid_group  # and the group goes on
+    guard.backward(_loss(model))
+    assert guard.step().step == 2
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_close_ends_a_short_group_as_a_loop_steps_an_epochs_last_batches(precision):
+    # accumulation 3, five micro-batches: a full group, then a short one of two closed by hand;
+    # every loss divided by 3 (as the canonical loop and Lightning divide), the record's loss the
+    # mean over the two the short group took
+    data = batches(5)
+    model = WithLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = Guard(model, opt, precision=precision, max_norm=0.5, accumulation_steps=3,
+                  scaler={"init_scale": 2.0**16})
+    records, losses = [], []
+    for i, (x, y) in enumerate(data):
+        with guard.autocast():
+            loss = output_loss(model, x, y)
+        losses.append(loss.float().item())
+        guard.backward(loss)
+        record = guard.step(close=i == len(data) - 1)
+        if record is not None:
+            records.append(record)
+    ref = WithLoss()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=precision == "fp16")
+    for i, (x, y) in enumerate(data):
+        with Precision(precision, "cpu").autocast():
+            loss = output_loss(ref, x, y).float()
+        scaler.scale(loss / 3).backward()
+        if i in (2, 4):
+            scaler.unscale_(ref_opt)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            scaler.step(ref_opt)
+            scaler.update()
+            ref_opt.zero_grad(set_to_none=True)
+    assert [r.step for r in records] == [1, 2] and not guard.mid_group
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert records[1].values()["loss"] == pytest.approx((losses[3] + losses[4]) / 2, rel=1e-6)
+
+
+def test_unscale_before_step_shows_true_gradients_and_is_not_done_twice():
+    # what a framework's on_before_optimizer_step hook sees; the step then does not unscale again
+    data = batches(3)
+    model, ref = WithLoss(), WithLoss()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    guard = Guard(model, opt, precision="fp16", max_norm=None, scaler={"init_scale": 1024.0})
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for x, y in data:
+        with guard.autocast():
+            loss = output_loss(model, x, y)
+        guard.backward(loss)
+        guard.unscale_()
+        guard.unscale_("optimizer")  # a second call: nothing more (GradScaler.unscale_ would raise)
+        seen = [p.grad.clone() for p in model.parameters()]
+        guard.step()
+        with Precision("fp16", "cpu").autocast():
+            ref_loss = output_loss(ref, x, y).float()
+        scaler.scale(ref_loss).backward()
+        scaler.unscale_(ref_opt)
+        assert all(torch.equal(a, p.grad) for a, p in zip(seen, ref.parameters()))
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
 def test_a_non_scalar_loss_is_refused_with_its_shape():
     model, guard = _guard()
     with pytest.raises(ValueError, match=r"scalar loss tensor, got \(2, 1\)"):

@@ -15,9 +15,9 @@ Lightning calls          the plugin does
 ``forward_context``      autocast (fp16 / bf16) around ``training_step`` (and val/test/predict)
 ``backward``             ``guard.backward(loss)``: the loss checked on the device before
                          backward (a non-finite one seeds no gradient), scaled, backward
-``optimizer_step``       the closure (forward + backward), ``scaler.unscale_``, the
+``optimizer_step``       the closure (forward + backward), ``guard.unscale_()``, the
                          ``on_before_optimizer_step`` hooks (unscaled gradients, as Lightning's
-                         ``MixedPrecision``), then ``guard.step()``: global L2 norm pre- and
+                         ``MixedPrecision``), then ``guard.step(close=True)``: global L2 norm pre- and
                          post-clip, skip on a non-finite loss or gradient, ``scaler.update()``
                          every step; one record to the sinks, the monitor and ``self.log``
 ``lr_scheduler_step``    held on a skipped step (``interval="step"`` schedulers), so the LR
@@ -70,31 +70,6 @@ LOG_KEYS: dict[str, str] = {
     "loss": "ampguard/loss", "lr": "ampguard/lr", "grad_l2_pre_clip": "ampguard/grad_l2_pre_clip",
     "grad_l2_post_clip": "ampguard/grad_l2_post_clip", "scaler_scale": "ampguard/scale",
 }
-
-
-class _UnscaleOnce(GuardedGradScaler):
-    """The guard's scaler, with an ``unscale_`` that is a no-op when this iteration already
-    unscaled the optimizer: the plugin unscales before Lightning's ``on_before_optimizer_step``
-    hooks (so they see true gradients), and the guard's own ``unscale_`` then finds it done.
-
-    Example::
-
-        >>> scaler = _UnscaleOnce("cpu", init_scale=4.0)
-        >>> p = torch.nn.Parameter(torch.ones(1))
-        >>> opt = torch.optim.SGD([p], lr=0.1)
-        >>> scaler.scale(p.sum()).backward()
-        >>> scaler.unscale_(opt); scaler.unscale_(opt)  # GradScaler would raise on the second
-        >>> p.grad
-        tensor([1.])
-    """
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._enabled:
-            from torch.amp.grad_scaler import OptState
-
-            if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
-                return
-        super().unscale_(optimizer)
 
 
 class AmpGuardPlugin(_LightningPrecision):
@@ -249,8 +224,6 @@ class AmpGuardPlugin(_LightningPrecision):
         device = next(module.parameters()).device
         precision = self._autocast or Precision(self.name, device.type)
         scaler = precision.make_scaler(**self.scaler_settings)
-        if scaler.is_enabled():  # (a disabled scaler's unscale_ does nothing already)
-            scaler = _UnscaleOnce.from_scaler(scaler, min_scale=scaler.get_min_scale())
         guard = Guard(module, optimizers, precision=precision, max_norm=self.max_norm,
                       accumulation_steps=self._divided_by, scaler=scaler, frozen=self.frozen)
         monitor = RunMonitor(max_norm=self.max_norm, scaler_enabled=scaler.is_enabled(),
@@ -339,13 +312,9 @@ class AmpGuardPlugin(_LightningPrecision):
             raise RuntimeError("AmpGuardPlugin: no backward ran before this optimizer step (training_step "
                                "returned None?); the guard needs a loss on every step")
         names = () if len(guard.optimizers) == 1 else (optimizer,)
-        # only at a group's end (Lightning steps a short last group of an epoch too)
-        with _group_of(guard, guard._micro):
-            for name in names or guard.optimizers:
-                opt = guard.optimizers[name] if isinstance(name, str) else name
-                guard.scaler.unscale_(opt)  # so on_before_optimizer_step sees true gradients
-            self._after_closure(model, optimizer)
-            record = guard.step(*names)
+        guard.unscale_(*names)  # so on_before_optimizer_step sees true gradients
+        self._after_closure(model, optimizer)
+        record = guard.step(*names, close=True)  # only at a group's end (or an epoch's short last group)
         assert record is not None
         self._record(record, model)
         return closure_result
@@ -391,14 +360,8 @@ class AmpGuardPlugin(_LightningPrecision):
             return self._loaded or {}
         guard = self.guard
         # Lightning may save inside an accumulation group (validation or a callback between micro-
-        # batches). The guard's state changes only at a group's end, so the state at the last
-        # boundary is the one to save; Guard.state_dict refuses mid-group, hence the flags aside.
-        inside = guard._micro, guard._backward_pending
-        guard._micro, guard._backward_pending = 0, False
-        try:
-            return guard.state_dict()
-        finally:
-            guard._micro, guard._backward_pending = inside
+        # batches): the state at the last boundary is the one to save
+        return guard.state_dict(mid_group=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restored when Lightning resumes (``ckpt_path``); the CSV then appends after its step."""
@@ -407,18 +370,6 @@ class AmpGuardPlugin(_LightningPrecision):
         self._loaded = dict(state_dict)
         if self.guard is not None:
             self.guard.load_state_dict(self._loaded)
-
-
-@contextlib.contextmanager
-def _group_of(guard: Guard, size: int) -> Iterator[None]:
-    """Let the guard close a group of ``size`` micro-batches: Lightning steps the epoch's last
-    batches as a short group. The record's loss is then the mean over the ``size`` taken."""
-    full = guard.accumulation_steps
-    guard.accumulation_steps = size
-    try:
-        yield
-    finally:
-        guard.accumulation_steps = full
 
 
 def _loggers_write_now(trainer: pl.Trainer) -> bool:
