@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
@@ -213,8 +214,6 @@ class GuardedGradScaler(torch.amp.GradScaler):
             >>> before, scaler.unscaled(opt)
             (False, True)
         """
-        from torch.amp.grad_scaler import OptState
-
         return self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
 
     def mark_found_inf_(self, optimizer: torch.optim.Optimizer) -> None:
