@@ -53,12 +53,15 @@ class GradSet:
         (1.5, 2.0)
     """
 
-    __slots__ = ("grads", "values", "_one_group")
+    __slots__ = ("params", "grads", "values", "norms", "_one_group")
 
     def __init__(self, parameters: Params) -> None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
-        self.grads = [p.grad for p in params if p.grad is not None]
+        self.params = [p for p in params if p.grad is not None]
+        self.grads = [p.grad for p in self.params]
         self.values = [grad_values(g) for g in self.grads]
+        # each gradient's own norm, once :meth:`norm` has taken them on its way (one foreach group)
+        self.norms: list[torch.Tensor] | None = None
         self._one_group = bool(self.grads) and _one_foreach_group(self.grads)
 
     def norm(self) -> torch.Tensor:
@@ -66,8 +69,21 @@ class GradSet:
         if not self.values:
             return torch.zeros(())
         if self._one_group:  # get_total_norm's own operations for its one group, minus its wrappers
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self.values, 2.0)), 2.0)
+            self.norms = torch._foreach_norm(self.values, 2.0)
+            return torch.linalg.vector_norm(torch.stack(self.norms), 2.0)
         return get_total_norm(self.values, norm_type=2.0, error_if_nonfinite=False, foreach=None)
+
+    def norms_by_param(self) -> dict[int, torch.Tensor]:
+        """Each gradient's own norm by ``id`` of its parameter, where :meth:`norm` took them (else empty).
+
+        Example::
+
+            >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+            >>> grads = GradSet([w]); _ = grads.norm()
+            >>> grads.norms_by_param()[id(w)].item()
+            5.0
+        """
+        return {} if self.norms is None else {id(p): n for p, n in zip(self.params, self.norms)}
 
     def scale_(self, factor: torch.Tensor) -> None:
         """Every gradient multiplied by ``factor`` in place, with the foreach kernel per device

@@ -59,7 +59,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from . import distributed
-from .clipping import grad_values
+from .clipping import GradSet, grad_values
 from .errors import InputError
 from .monitor import Event
 from .records import StepRecord, format_number
@@ -490,15 +490,20 @@ class SkipGradNorms:
         seen = set(known)
         return known + [name for name, _ in reversed(self.params) if name not in seen]
 
-    def at_skip(self) -> None:
-        """The skipped step's gradient norms, on the device (no host read), in backward's order."""
-        grads = {name: p.grad for name, p in self.params if p.grad is not None}
-        names = [name for name in self._current_order() if name in grads]
-        if self._guard.sync_free:  # every step: one fused kernel (one process: no shards to reduce)
+    def at_skip(self, taken: GradSet | None = None) -> None:
+        """The skipped step's gradient norms, on the device (no host read), in backward's order:
+        those the step's global norm took on its way (``taken``, the guard's :class:`GradSet`)
+        when it covers every parameter, else computed here."""
+        params = {name: p for name, p in self.params if p.grad is not None}
+        names = [name for name in self._current_order() if name in params]
+        shared = taken.norms_by_param() if taken is not None else {}
+        if all(id(params[n]) in shared for n in names):  # no second pass over the gradients
+            norms = [n if n.dtype == torch.float32 else n.float() for n in (shared[id(params[n])] for n in names)]
+        elif self._guard.sync_free:  # every step: one fused kernel (one process: no shards to reduce)
             norms = [n if n.dtype == torch.float32 else n.float()
-                     for n in torch._foreach_norm([grad_values(grads[n]) for n in names])]
+                     for n in torch._foreach_norm([grad_values(params[n].grad) for n in names])]
         else:
-            norms = [distributed.full_norm(torch.linalg.vector_norm(grad_values(grads[n]), dtype=torch.float32))
+            norms = [distributed.full_norm(torch.linalg.vector_norm(grad_values(params[n].grad), dtype=torch.float32))
                      for n in names]
         self._taken[self._guard.steps] = (names, torch.stack(norms) if norms else None)
 

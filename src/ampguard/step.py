@@ -288,10 +288,11 @@ class Guard:
             self.scaler = precision.make_scaler(**(scaler or {}))
 
         self.monitors: dict[str, Any] = {}  # fed by the loop, saved here: name -> obj with state_dict()
-        # called at a skipped step, before its gradients are dropped (diagnostics: nothing on applied steps)
-        self.skip_hooks: list[Callable[[], None]] = []
+        # called at a skipped step, before its gradients are dropped (diagnostics: nothing on applied
+        # steps), with the group's GradSet (its per-parameter norms, where the global norm took them)
+        self.skip_hooks: list[Callable[[GradSet], None]] = []
         # sync_free: called at every group's end before clipping (whether it skips is not known yet)
-        self.group_hooks: list[Callable[[], None]] = []
+        self.group_hooks: list[Callable[[GradSet], None]] = []
         self.steps = 0  # optimizer steps attempted (closed groups); the next record is steps + 1
         self.sync_free = sync_free
         self.fuse_tail = fuse_tail
@@ -510,7 +511,7 @@ class Guard:
         for name in skipped:
             self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
-            hook()
+            hook(grads)
         self.scaler.update()
         for name in names:
             if name in applied or self.scheduler_on_skip == "step":
@@ -550,7 +551,7 @@ class Guard:
         tail = _compiled_tail() if self.fuse_tail else sync_free_tail
         found, bad, factor, post, applied = tail(loss, pre, self._updates_t, self.max_norm)
         for hook in self.group_hooks:
-            hook()
+            hook(grads)
         if factor is not None:
             grads.scale_(factor)
         self._set_lrs()

@@ -216,3 +216,39 @@ def test_a_skip_at_the_very_first_step_is_reported_in_the_order_seen_so_far():
     assert record.skipped and event["non_finite"] == ["a.weight"]
     assert list(event["norms"])[:2] in (["b.bias", "b.weight"], ["b.weight", "b.bias"])  # the last layer first
     assert list(event["norms"]) == norms.order and set(norms.order[2:]) == {"a.weight", "a.bias"}
+
+
+class _CountNorms(torch.overrides.TorchFunctionMode):
+    """Counts the passes over the gradients a step makes for norms: a foreach norm over them
+    all, or the per-gradient norms the event would take itself (``vector_norm`` in float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch._foreach_norm or (func is torch.linalg.vector_norm and (kwargs or {}).get("dtype")):
+            self.passes += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_the_skip_norms_are_the_ones_the_global_norm_took(sync_free):
+    # one pass over the gradients a step: the global norm's per-parameter norms are the event's
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    lr = torch.tensor(0.1) if sync_free else 0.1
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=sync_free or None)
+    state = AmpTrainState(model, opt, nn.functional.mse_loss, precision="bf16", sync_free=sync_free,
+                          **({"lr_schedule": lambda updates: torch.ones(())} if sync_free else {}))
+    _ = model[1].weight.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), float("inf")))
+    norms = SkipGradNorms(model).attach(state)
+    with norms.capturing():
+        state.step(torch.ones(4, 2), torch.zeros(4, 1))  # learns backward's order
+    with _CountNorms() as count:
+        record = state.step(torch.ones(4, 2), torch.zeros(4, 1))
+    event = norms.after(record)
+    assert count.passes == 1
+    assert record.skipped and event["non_finite"] == ["1.weight"]
+    grads = {n: p.grad for n, p in model.named_parameters()}  # dropped by the step: None
+    assert all(g is None for g in grads.values())
+    assert [math.isfinite(v) for v in event["norms"].values()] == [n != "1.weight" for n in event["norms"]]
