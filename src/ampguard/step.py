@@ -111,10 +111,10 @@ def sync_free_tail(loss: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor,
         >>> found.item(), bad.tolist(), applied.item()
         (1.0, [0.0, 1.0], 3.0)
     """
-    flags = non_finite(torch.stack([loss, pre.to(loss.dtype)]))
-    found = flags.any().to(torch.float32)
+    bad = non_finite(torch.stack([loss, pre.to(loss.dtype)])).to(torch.float32)
+    found = bad.amax()
     factor, post = clip_factor(pre, max_norm)
-    return found, flags.to(torch.float32), factor, post, applied + (1.0 - found)
+    return found, bad, factor, post, applied + (1.0 - found)
 
 
 @functools.cache
@@ -556,7 +556,6 @@ class Guard:
             grads.scale_(factor)
         self._set_lrs()
         lr = self.optimizer.param_groups[0]["lr"]
-        fields = [lr.detach(), loss.detach(), pre, post]  # read now (the LR before a later step changes it)
         self.optimizer.found_inf = found  # type: ignore[attr-defined]
         try:
             self.optimizer.step()
@@ -566,9 +565,10 @@ class Guard:
         self.scaler.update()
         self._updates_t.copy_(applied)  # in place: a DeviceLambdaLR reads this tensor
         self._zero_grad()
-        # the record's values in one tensor (one kernel; read back with one copy), the fields views of it
-        fields += [self.scaler.scale_value(pre.device), *bad.unbind()]
-        packed = torch.stack([f.to(torch.float32) for f in fields])
+        # the record's values in one float32 tensor (read back with one copy), the fields views of it;
+        # the LR as this step used it (the next step's _set_lrs writes the same tensor in place)
+        scalars = torch.stack([lr.detach(), loss, pre, post, self.scaler.scale_value(pre.device)])
+        packed = torch.cat([scalars.to(torch.float32), bad])
         lr, loss, pre, post, scale, bad_loss, bad_grad = packed.unbind()
         return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
                            scaler_scale=scale, bad_loss=bad_loss, bad_grad=bad_grad, packed=packed)
