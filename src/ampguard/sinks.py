@@ -131,9 +131,12 @@ def _open_for_append(path: Path) -> IO[bytes]:
 
 def _append(file: IO[bytes], text: str) -> None:
     """Write ``text`` (UTF-8) to an unbuffered file, all of it (a raw write may take part)."""
-    data = memoryview(text.encode("utf-8"))
-    while data:
-        data = data[file.write(data) or 0:]
+    data = text.encode("utf-8")
+    written = file.write(data)
+    if written != len(data):  # (a regular file takes it all; anything else may not)
+        rest = memoryview(data)[written or 0:]
+        while rest:
+            rest = rest[file.write(rest) or 0:]
 
 
 class _Line:
