@@ -176,7 +176,31 @@ def _cells(record: StepRecord) -> list[str]:
             record.reason or "", format_number(v["scaler_scale"])]
 
 
-class CsvSink:
+class _LineFile:
+    """A file that lines are appended to, each in the file when its call returns (one ``write``
+    system call on an unbuffered file, :func:`_append`): what survives a SIGKILL is every line
+    written. The base of :class:`CsvSink` and :class:`JsonlSink` (``path`` and ``_file`` set
+    by them)."""
+
+    path: Path
+    _file: IO[bytes] | None
+
+    def _write_line(self, line: str) -> None:
+        """Append ``line`` (:class:`DiskFull` when there is no room)."""
+        assert self._file is not None, f"{type(self).__name__} is closed"
+        with writing(self.path):
+            _append(self._file, line)
+
+    def close(self) -> None:
+        """Close the file. Every line is in it already (nothing is buffered); a file system that
+        reports a write error only at close (NFS, quotas) gives :class:`DiskFull` here."""
+        if self._file is not None:
+            file, self._file = self._file, None
+            with writing(self.path):
+                file.close()
+
+
+class CsvSink(_LineFile):
     """The per-step CSV of docs/design.md §3: one row per step, flushed when written.
 
     The header is the eight fixed columns, then ``extra_columns`` (declared up front, so the
@@ -240,9 +264,7 @@ class CsvSink:
 
     def _append_row(self, cells: Iterable[str]) -> None:
         """One CSV line, in the file when this returns (:class:`DiskFull` when there is no room)."""
-        assert self._file is not None, f"{type(self).__name__} is closed"
-        with writing(self.path):
-            _append(self._file, self._writer.writerow(cells))
+        self._write_line(self._writer.writerow(cells))
 
     def _truncate_after(self, step: int) -> None:
         """Drop rows after ``step`` (written after the checkpoint a run resumes from), atomically,
@@ -274,14 +296,6 @@ class CsvSink:
             row += [v if isinstance(v := cells.get(k), str) else format_number(v) for k in self._extra]
         self._append_row(row)
         self.rows += 1
-
-    def close(self) -> None:
-        """Close the file. Every line is in it already (nothing is buffered); a file system that
-        reports a write error only at close (NFS, quotas) gives :class:`DiskFull` here."""
-        if self._file is not None:
-            file, self._file = self._file, None
-            with writing(self.path):
-                file.close()
 
 
 def console_line(record: StepRecord) -> str:
@@ -346,7 +360,7 @@ class ConsoleSink:
         pass
 
 
-class JsonlSink:
+class JsonlSink(_LineFile):
     """One JSON object per line, flushed per line: step records (``write``) or plain events
     (``write_event``). Non-finite numbers are written as the strings ``"inf"``/``"nan"`` so
     every line is strict JSON.
@@ -390,18 +404,7 @@ class JsonlSink:
     def write_event(self, obj: Mapping[str, object]) -> None:
         """Write ``obj`` as one JSON line (non-finite floats as strings) and flush it
         (:class:`DiskFull` when there is no room)."""
-        assert self._file is not None, "JsonlSink is closed"
-        line = json.dumps(strict_json(dict(obj))) + "\n"
-        with writing(self.path):
-            _append(self._file, line)
-
-    def close(self) -> None:
-        """Close the file. Every line is in it already (nothing is buffered); a file system that
-        reports a write error only at close (NFS, quotas) gives :class:`DiskFull` here."""
-        if self._file is not None:
-            file, self._file = self._file, None
-            with writing(self.path):
-                file.close()
+        self._write_line(json.dumps(strict_json(dict(obj))) + "\n")
 
 
 def require(package: str, flag: str) -> None:
