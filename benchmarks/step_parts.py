@@ -2,9 +2,11 @@
 step with its values read, and the step with its CSV row, interleaved in one process.
 
     python benchmarks/step_parts.py [--device cpu|cuda] [--precision bf16] [--rounds 30]
+                                    [--model mlp|transformer]
 
 Prints each part's median microseconds per step and its ratio to the bare loop (bench.py's tiny
-MLP: 32-64-64-10 at batch 64; one thread on a CPU).
+MLP: 32-64-64-10 at batch 64, or its small transformer; one thread on a CPU), the ratio also
+as the median of each round's ratio with its interquartile range, the order rotated each round.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 
 import torch
 
-from ampguard.bench import Bare, Guarded, _mlp
+from ampguard.bench import Bare, Guarded, _mlp, _transformer
 from ampguard.precision import Precision
 
 
@@ -39,18 +41,21 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
     precision = Precision(args.precision, device.type)
-    parts = {c.__name__: c(_mlp(device), precision, device, False) for c in (Bare, StepOnly, StepAndValues, Guarded)}
+    workload = (lambda: _mlp(device)) if args.model == "mlp" else (lambda: _transformer(device, "small"))
+    parts = {c.__name__: c(workload(), precision, device, False) for c in (Bare, StepOnly, StepAndValues, Guarded)}
     times: dict[str, list[float]] = {name: [] for name in parts}
-    for _ in range(20):
+    for _ in range(20 if args.model == "mlp" else 3):
         for part in parts.values():
             part.step()
-    for _ in range(args.rounds):
-        for name, part in parts.items():
+    order = list(parts.items())
+    for r in range(args.rounds):
+        for name, part in order[r % len(order):] + order[:r % len(order)]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
@@ -64,7 +69,10 @@ def main() -> None:
               "Guarded": "+ CSV row (ampguard + csv)"}
     for name, series in times.items():
         median = statistics.median(series)
-        print(f"{labels[name]:<28} {median * 1e6:8.1f} us  x{median / bare:.3f}")
+        ratios = [t / b for t, b in zip(series, times["Bare"])]
+        q1, mid, q3 = statistics.quantiles(ratios, n=4)
+        print(f"{labels[name]:<28} {median * 1e6:8.1f} us  x{median / bare:.3f}  "
+              f"(per round x{mid:.3f} [{q1:.3f}, {q3:.3f}])")
     for part in parts.values():
         part.close()
 
