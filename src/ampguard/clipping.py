@@ -53,10 +53,11 @@ class GradSet:
         (1.5, 2.0)
     """
 
-    __slots__ = ("params", "grads", "values", "norms", "_one_group")
+    __slots__ = ("params", "grads", "values", "norms", "_one_group", "_device")
 
     def __init__(self, parameters: Params) -> None:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        self._device = params[0].device if params else torch.device("cpu")  # (a norm of no gradients: 0 there)
         self.params = [p for p in params if p.grad is not None]
         self.grads = [p.grad for p in self.params]
         self.values = [grad_values(g) for g in self.grads]
@@ -67,7 +68,7 @@ class GradSet:
     def norm(self) -> torch.Tensor:
         """The global L2 norm, a 0-dim device tensor (``inf``/``nan`` if any gradient is; 0 with none)."""
         if not self.values:
-            return torch.zeros(())
+            return torch.zeros((), device=self._device)
         if self._one_group:  # get_total_norm's own operations for its one group, minus its wrappers
             self.norms = torch._foreach_norm(self.values, 2.0)
             return torch.linalg.vector_norm(torch.stack(self.norms), 2.0)

@@ -136,11 +136,12 @@ def agree(loss: torch.Tensor, norms: Sequence[torch.Tensor]) -> list[torch.Tenso
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [loss, *norms]
-    local = torch.stack([n.detach().reshape(()).to(torch.float32) for n in norms])
-    # x - x is 0 for a finite x, NaN otherwise: summed over ranks, NaN if any rank's was not finite
-    packed = torch.cat([loss.detach().reshape(1).to(torch.float32), local - local])
+    # x - x is 0 for a finite x, NaN otherwise (in x's own dtype, then as float32): summed over
+    # ranks, NaN if any rank's was not finite
+    marks = torch.stack([(n.detach() - n.detach()).reshape(()).to(torch.float32) for n in norms])
+    packed = torch.cat([loss.detach().reshape(1).to(torch.float32), marks])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-    keep = (packed[1:] == 0) | ((local - local) != 0)  # finite everywhere, or not finite here already
+    keep = (packed[1:] == 0) | (marks != 0)  # finite everywhere, or not finite here already
     return [packed[0] / dist.get_world_size(), *(torch.where(k, n, torch.nan) for k, n in zip(keep.unbind(), norms))]
 
 
@@ -157,6 +158,18 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
     """
     full = getattr(norm, "full_tensor", None)
     return full() if callable(full) else norm
+
+
+def defers_sync(model: nn.Module) -> bool:
+    """Whether ``model`` all-reduces its gradients only when told to (DDP, FSDP2): what
+    :func:`accumulation_context` switches off mid-group.
+
+    Example::
+
+        >>> defers_sync(nn.Linear(2, 1))
+        False
+    """
+    return hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")
 
 
 def accumulation_context(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:

@@ -136,7 +136,9 @@ def _append(file: IO[bytes], text: str) -> None:
     if written != len(data):  # (a regular file takes it all; anything else may not)
         rest = memoryview(data)[written or 0:]
         while rest:
-            rest = rest[file.write(rest) or 0:]
+            if not (written := file.write(rest)):  # a file that takes nothing (a full pipe): never spin
+                raise OSError(errno.EAGAIN, f"the write took none of {len(rest)} bytes")
+            rest = rest[written:]
 
 
 class _Line:

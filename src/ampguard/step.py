@@ -97,21 +97,22 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
     return out
 
 
-def sync_free_tail(loss: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None
+def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The sync-free step's scalar arithmetic once the group's loss and norm are known: ``(found,
-    [non-finite loss, non-finite gradient] as 0/1, clip factor, post-clip norm, next count of
-    applied updates)``. Only scalar tensor operations, so ``torch.compile`` fuses them into a
-    kernel or two (``fuse_tail``); eagerly they are the same operations as the exact path's.
+    """The sync-free step's scalar arithmetic once the group's loss mark (0, or NaN when a
+    micro-batch loss was non-finite) and norm are known: ``(found, [non-finite loss, non-finite
+    gradient] as 0/1, clip factor, post-clip norm, next count of applied updates)``. Only scalar
+    tensor operations, so ``torch.compile`` fuses them into a kernel or two (``fuse_tail``);
+    eagerly they are the same operations as the exact path's.
 
     Example (a non-finite gradient: found, and the count does not advance)::
 
         >>> found, bad, factor, post, applied = sync_free_tail(
-        ...     torch.tensor(0.5), torch.tensor(float("inf")), torch.tensor(3.0), 1.0)
+        ...     torch.tensor(0.0), torch.tensor(float("inf")), torch.tensor(3.0), 1.0)
         >>> found.item(), bad.tolist(), applied.item()
         (1.0, [0.0, 1.0], 3.0)
     """
-    bad = non_finite(torch.stack([loss, pre.to(loss.dtype)])).to(torch.float32)
+    bad = non_finite(torch.stack([mark.to(pre.dtype), pre])).to(torch.float32)
     found = bad.amax()
     factor, post = clip_factor(pre, max_norm)
     return found, bad, factor, post, applied + (1.0 - found)
@@ -313,7 +314,8 @@ class Guard:
         self._micro = 0  # micro-batches so far in the open group
         self._group: tuple[str, ...] | None = None  # the optimizers the open group steps
         self._backward_pending = False  # backward() ran, step() not yet
-        self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed (non-finite if any was)
+        self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed
+        self._loss_mark: torch.Tensor | None = None  # the sum of each loss's x - x: NaN iff one was non-finite
 
     @property
     def record_columns(self) -> tuple[str, ...]:
@@ -342,10 +344,10 @@ class Guard:
         """Check the loss on the device, divide it by the accumulation steps, scale it, backward.
 
         The loss is checked before backward, on the device: a non-finite loss is replaced by zero,
-        so it never seeds the backward pass, and the group is marked bad (its summed loss, which
-        the boundary reads, is non-finite). Every micro-batch still runs backward (no host read
-        here; under DDP no rank leaves a collective waiting). The bad group's gradients are
-        discarded at the boundary.
+        so it never seeds the backward pass, and the group is marked bad (its mark, the sum of
+        each loss's ``x - x``, is NaN; the boundary reads it). Every micro-batch still runs
+        backward (no host read here; under DDP no rank leaves a collective waiting). The bad
+        group's gradients are discarded at the boundary.
 
         Several losses (``guard.backward(loss0, loss1)``) run backward one after the other over
         a shared graph, as ``scaler.scale(loss0).backward(retain_graph=True)`` then
@@ -363,18 +365,25 @@ class Guard:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}")
+        if any(self.scaler.unscaled(optimizer) for optimizer in self.optimizers.values()):
+            raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
+                               "has run (the gradients this backward adds would stay scaled)")
         with self._no_sync():  # FSDP2 reduces in backward
-            losses = [loss.float() for loss in losses]
-            total = losses[0].detach()
-            for loss in losses[1:]:
-                total = total + loss.detach()
+            losses = [loss.float() if loss.dim() == 0 else loss.float().reshape(()) for loss in losses]
+            detached = [loss.detach() for loss in losses]
+            marks = [d - d for d in detached]  # 0 for a finite loss, NaN otherwise (IEEE 754)
+            total, mark = detached[0], marks[0]
+            for d, m in zip(detached[1:], marks[1:]):
+                total, mark = total + d, mark + m
             n = self.accumulation_steps
             if divided and n > 1:  # the record's loss is the mean of the undivided ones
                 total = total * n
-            self._loss_sum = total if self._micro == 0 else self._loss_sum + total
+            first = self._micro == 0
+            self._loss_sum = total if first else self._loss_sum + total
+            self._loss_mark = mark if first else self._loss_mark + mark
             last = len(losses) - 1
-            for i, loss in enumerate(losses):
-                loss = loss.masked_fill(non_finite(loss.detach()), 0.0)  # (its backward zeroes the seed likewise)
+            for i, (loss, m) in enumerate(zip(losses, marks)):
+                loss = loss.masked_fill(m.ne(0), 0.0)  # (its backward zeroes the seed likewise)
                 if n > 1 and not divided:  # (x / 1 is x, bit for bit: one op and one node saved)
                     loss = loss / n
                 self.scaler.scale(loss).backward(retain_graph=i < last)
@@ -407,6 +416,9 @@ class Guard:
         if self._group is not None and names != self._group:
             raise RuntimeError(f"Guard.step() names optimizers {list(names)} inside a group begun with "
                                f"{list(self._group)}: step the same optimizers until the group closes")
+        if close and self._micro < self.accumulation_steps and any(map(distributed.defers_sync, self._modules)):
+            raise RuntimeError("Guard.step(close=True) cannot end a short group under DDP/FSDP2: its micro-batches "
+                               "ran without the gradient all-reduce (the guard expected more); end groups full there")
         self._backward_pending = False
         if self._micro < self.accumulation_steps and not close:
             self._group = names
@@ -462,14 +474,17 @@ class Guard:
             return self._params_of[names[0]]
         return [p for p, owner in self._owned if owner in names]
 
-    def _close_group(self, names: tuple[str, ...]) -> tuple[GradSet, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Unscale, take the global norm, agree across ranks: ``(grads, loss, pre, each)``. No host read.
+    def _close_group(self, names: tuple[str, ...]
+                     ) -> tuple[GradSet, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Unscale, take the global norm, agree across ranks: ``(grads, loss, mark, pre, each)``.
+        No host read.
 
-        ``loss`` is the group's mean loss (the mean over ranks), ``pre`` the global norm of the
-        named optimizers' gradients (all shards), ``each`` with several optimizers each one's
-        own norm; ``grads`` are the named optimizers' gradients, for the clip. The values are the step's detectors: the loss is non-finite iff a micro-batch loss
-        was (or their sum overflowed), a norm iff a gradient element was (or the norm overflowed),
-        and :func:`distributed.agree` makes a value non-finite on one rank so on every rank."""
+        ``loss`` is the group's mean loss (the mean over ranks); ``mark`` is 0, or NaN when a
+        micro-batch loss was non-finite (on any rank); ``pre`` the global norm of the named
+        optimizers' gradients (all shards), non-finite iff a gradient element was (or the norm
+        overflowed); ``each`` with several optimizers each one's own norm; ``grads`` the named
+        optimizers' gradients, for the clip. :func:`distributed.agree` makes a value that is
+        non-finite on one rank so on every rank: the mark and the norms are the step's detectors."""
         micro, self._micro = self._micro, 0
         self.steps += 1
         loss = self._loss_sum / micro if micro > 1 else self._loss_sum
@@ -478,21 +493,21 @@ class Guard:
         norms = [distributed.full_norm(grads.norm())]
         if len(names) > 1:
             norms += [distributed.full_norm(global_l2_norm(self._params_of[n])) for n in names]
-        loss, pre, *each = distributed.agree(loss, norms)
-        return grads, loss, pre, each
+        loss, mark, pre, *each = distributed.agree(loss, [self._loss_mark, *norms])
+        return grads, loss, mark, pre, each
 
     def _finish_group(self, names: tuple[str, ...]) -> StepLog | SkipLog:
         lr = self.optimizers[names[0]].param_groups[0]["lr"]
         if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
             lr = lr.detach().clone()
-        grads, loss, pre, each = self._close_group(names)
+        grads, loss, mark, pre, each = self._close_group(names)
         factor, post = clip_factor(pre, self.max_norm)  # the clip of them all (unused if any is skipped)
 
         # The one host read of the step: was the loss or a gradient non-finite (on any rank)?
         # The values themselves come over, so it also brings the record's loss and norms.
-        read = torch.stack([loss, pre, post, *each]).tolist()
-        bad_loss, bad_grad = not math.isfinite(read[0]), not math.isfinite(read[1])
-        bad_each = [not math.isfinite(v) for v in read[3:]]
+        read = torch.stack([loss, pre, post, mark, *each]).tolist()
+        bad_loss, bad_grad = not math.isfinite(read[3]), not math.isfinite(read[1])
+        bad_each = [not math.isfinite(v) for v in read[4:]]
         if not (bad_loss or bad_grad):  # (a non-finite gradient anywhere makes the joint norm so)
             skipped, applied = (), names
         elif bad_loss or not any(bad_each):  # a loss skip, or one optimizer, or no single culprit
@@ -547,9 +562,9 @@ class Guard:
         of a device count of applied updates, which the flag keeps from advancing. Clipping runs
         unconditionally: on a skipped step it scales gradients nobody will use.
         """
-        grads, loss, pre, _ = self._close_group(tuple(self.optimizers))
+        grads, loss, mark, pre, _ = self._close_group(tuple(self.optimizers))
         tail = _compiled_tail() if self.fuse_tail else sync_free_tail
-        found, bad, factor, post, applied = tail(loss, pre, self._updates_t, self.max_norm)
+        found, bad, factor, post, applied = tail(mark, pre, self._updates_t, self.max_norm)
         for hook in self.group_hooks:
             hook(grads)
         if factor is not None:

@@ -123,6 +123,22 @@ def test_exact_path_csv_rows_cost_no_sync_beyond_the_scale(tmp_path, precision: 
     assert len((tmp_path / "steps.csv").read_text().splitlines()) == 7
 
 
+def test_stepping_an_optimizer_that_got_no_gradients_on_cuda() -> None:
+    # a GAN's discriminator loss on fake.detach(): the generator's optimizer has no gradients;
+    # its norm is a zero on the GPU (it was a CPU zero, which the step's stack refused)
+    from ampguard import Guard
+
+    gen, disc = _model(), nn.Linear(8, 1).cuda()
+    guard = Guard([gen, disc], {"discriminator": torch.optim.SGD(disc.parameters(), lr=0.1),
+                                "generator": torch.optim.SGD(gen.parameters(), lr=0.1)}, precision="bf16")
+    x, _ = _data(1)[0]
+    with guard.autocast():
+        loss = disc(gen(x).detach()).float().mean()
+    guard.backward(loss)
+    record = guard.step()
+    assert not record.skipped and record.values()["grad_l2_pre_clip"] > 0
+
+
 def test_autocast_device_must_match_the_model() -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -7,6 +7,7 @@ parameter set is the optimizer's; sparse gradients; what is refused up front, on
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -293,6 +294,33 @@ def test_unscale_before_step_shows_true_gradients_and_is_not_done_twice():
         scaler.update()
         ref_opt.zero_grad(set_to_none=True)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_unscale_before_the_groups_last_backward_is_refused():
+    # the next backward would add scaled gradients to unscaled ones: refused, not a wrong norm
+    model = nn.Linear(3, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", accumulation_steps=2,
+                  scaler={"init_scale": 1024.0})
+    guard.backward(_loss(model))
+    guard.unscale_()
+    assert guard.step() is None
+    with pytest.raises(RuntimeError, match="after guard.unscale_"):
+        guard.backward(_loss(model))
+
+
+def test_close_is_refused_for_a_short_group_of_a_model_that_defers_its_all_reduce():
+    class Deferring(nn.Linear):  # a stand-in for DDP: its micro-batches ran under no_sync
+        def no_sync(self):
+            return contextlib.nullcontext()
+
+    model = Deferring(3, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", accumulation_steps=3)
+    with guard.autocast():
+        loss = _loss(model)
+    guard.backward(loss)
+    with pytest.raises(RuntimeError, match="cannot end a short group under DDP"):
+        guard.step(close=True)
+    assert guard.step() is None  # the guard is as it was: the group goes on
 
 
 def test_a_non_scalar_loss_is_refused_with_its_shape():

@@ -558,19 +558,32 @@ def test_the_steps_one_read_brings_the_records_loss_and_norms(precision):
     assert logs[1].values()["grad_l2_pre_clip"] == INF and logs[1].grad_l2_post_clip is None
 
 
-def test_a_group_whose_summed_loss_overflows_is_a_loss_skip():
-    # each micro-batch loss is finite, their sum is not: the group's loss (the record's) is inf,
-    # so the step is a loss skip, the parameters untouched; the loss reads inf, as it was
-    model = make_model()
-    state = AmpTrainState(model, adamw(model), lambda out, y: out.sum() * 0 + y, precision="fp32",
-                          accumulation_steps=2)
-    before = params_of(model)
+def test_a_group_whose_finite_losses_overflow_when_summed_is_applied_as_the_loop_applies_it():
+    # each micro-batch loss is finite, their sum is not: no loss was non-finite, so nothing is
+    # skipped (the canonical loop applies it too, bit for bit); the record's loss reads inf
+    def loss_fn(out, y):
+        return out.sum() * 1e-3 + y
+
+    model, ref = make_model(), make_model()
+    state = AmpTrainState(model, adamw(model), loss_fn, precision="fp32", accumulation_steps=2)
+    ref_opt = adamw(ref)
     x = torch.randn(4, 8)
-    assert state.step(x, torch.tensor(3e38)) is None
-    log = state.step(x, torch.tensor(3e38))
-    assert log.reason == "non_finite_loss" and log.values()["loss"] == INF
-    assert_params_equal(model, before)
-    assert state.updates == 0
+    for y in (torch.tensor(3e38), torch.tensor(3e38)):
+        log = state.step(x, y)
+        (loss_fn(ref(x), y) / 2).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ref_opt.step()
+    assert not log.skipped and log.values()["loss"] == INF
+    assert_params_equal(model, ref)
+    assert state.updates == 1
+
+
+def test_a_loss_of_shape_one_is_taken_as_a_scalar():
+    model = make_model()
+    state = AmpTrainState(model, adamw(model), lambda out, y: F.mse_loss(out, y).reshape(1), precision="bf16")
+    x, y = make_batches(1)[0]
+    log = state.step(x, y)
+    assert log.step == 1 and not log.skipped and log.loss.shape == ()
 
 
 # ----------------------------------------------------------------------------- 5. records
