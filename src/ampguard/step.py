@@ -365,28 +365,27 @@ class Guard:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}")
-        if any(self.scaler.unscaled(optimizer) for optimizer in self.optimizers.values()):
+        if self.scaler.is_enabled() and any(map(self.scaler.unscaled, self.optimizers.values())):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
+        n, last = self.accumulation_steps, len(losses) - 1
+        total: Any = None  # the losses' sum and their marks' (a NaN mark: a non-finite loss among them)
+        bad: Any = None
         with self._no_sync():  # FSDP2 reduces in backward
-            losses = [loss.float() if loss.dim() == 0 else loss.float().reshape(()) for loss in losses]
-            detached = [loss.detach() for loss in losses]
-            marks = [d - d for d in detached]  # 0 for a finite loss, NaN otherwise (IEEE 754)
-            total, mark = detached[0], marks[0]
-            for d, m in zip(detached[1:], marks[1:]):
-                total, mark = total + d, mark + m
-            n = self.accumulation_steps
-            if divided and n > 1:  # the record's loss is the mean of the undivided ones
-                total = total * n
-            first = self._micro == 0
-            self._loss_sum = total if first else self._loss_sum + total
-            self._loss_mark = mark if first else self._loss_mark + mark
-            last = len(losses) - 1
-            for i, (loss, m) in enumerate(zip(losses, marks)):
-                loss = loss.masked_fill(m.ne(0), 0.0)  # (its backward zeroes the seed likewise)
+            for i, loss in enumerate(losses):
+                loss = loss.float() if loss.dim() == 0 else loss.float().reshape(())
+                value = loss.detach()
+                mark = value - value  # 0 for a finite loss, NaN otherwise (IEEE 754)
+                total, bad = (value, mark) if total is None else (total + value, bad + mark)
+                loss = loss.masked_fill(mark.ne(0), 0.0)  # (its backward zeroes the seed likewise)
                 if n > 1 and not divided:  # (x / 1 is x, bit for bit: one op and one node saved)
                     loss = loss / n
                 self.scaler.scale(loss).backward(retain_graph=i < last)
+        if divided and n > 1:  # the record's loss is the mean of the undivided ones
+            total = total * n
+        first = self._micro == 0
+        self._loss_sum = total if first else self._loss_sum + total
+        self._loss_mark = bad if first else self._loss_mark + bad
         self._micro += 1
         self._backward_pending = True
 
