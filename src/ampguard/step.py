@@ -645,6 +645,28 @@ class Guard:
     # ------------------------------------------------------------------ state
 
     @property
+    def pending(self) -> bool:
+        """True after a ``backward`` whose ``step()`` has not been called yet.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1)
+            >>> guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32",
+            ...               accumulation_steps=2)
+            >>> guard.backward(model(torch.ones(1, 2)).sum())
+            >>> guard.pending, guard.micro_batches
+            (True, 1)
+            >>> guard.step() is None, guard.pending, guard.micro_batches
+            (True, False, 1)
+        """
+        return self._backward_pending
+
+    @property
+    def micro_batches(self) -> int:
+        """The micro-batches the open accumulation group has taken so far (0 between groups)."""
+        return self._micro
+
+    @property
     def mid_group(self) -> bool:
         """True between the first and last micro-batch of an accumulation group.
 

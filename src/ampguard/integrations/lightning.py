@@ -294,8 +294,8 @@ class AmpGuardPlugin(_LightningPrecision):
         Lightning has already divided the loss by ``accumulate_grad_batches`` (N): the guard takes
         it as it is (``divided``), so the gradients are bit for bit Lightning's for any N."""
         guard = self.guard or self._setup(model)
-        if guard._backward_pending:  # the micro-batch before, inside its accumulation group: no update
-            if guard._micro >= guard.accumulation_steps:
+        if guard.pending:  # the micro-batch before, inside its accumulation group: no update
+            if guard.micro_batches >= guard.accumulation_steps:
                 raise RuntimeError("AmpGuardPlugin: two backward passes without an optimizer step in between; "
                                    "accumulate with Trainer(accumulate_grad_batches=N)")
             guard.step()
@@ -308,7 +308,7 @@ class AmpGuardPlugin(_LightningPrecision):
         """The closure (training_step, backward), the hooks, then the guarded step and its record."""
         closure_result = closure()
         guard = self.guard
-        if guard is None or not guard._backward_pending:
+        if guard is None or not guard.pending:
             raise RuntimeError("AmpGuardPlugin: no backward ran before this optimizer step (training_step "
                                "returned None?); the guard needs a loss on every step")
         names = () if len(guard.optimizers) == 1 else (optimizer,)
