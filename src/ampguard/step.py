@@ -152,7 +152,8 @@ class Guard:
 
     Host syncs: one per step, the skip decision (the same read ``GradScaler.step`` makes for a
     non-fused optimizer; the step calls ``optimizer.step()`` itself once it knows, so the read
-    is not made twice). Loss, norms and scale stay device tensors in the record.
+    is not made twice). That read brings the loss and norms over with the decision: they stay
+    device tensors in the record, and a sink reads only the scale again (after fp16's update).
 
     The parameters checked, measured and clipped are the optimizer's (in the model's order). A
     model parameter that requires grad but no optimizer updates is refused, or, with
