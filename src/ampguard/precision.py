@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.amp.grad_scaler import OptState
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
@@ -215,6 +216,11 @@ class GuardedGradScaler(torch.amp.GradScaler):
             (False, True)
         """
         return self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+    def forget_unscaled(self) -> None:
+        """Forget what ``unscale_`` did since the last ``update()`` (as ``update()`` does): for a
+        restore that abandons an open group, whose unscaled mark would otherwise outlive it."""
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def mark_found_inf_(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the next ``update()`` treat this iteration as an overflow (backoff, tracker reset).

@@ -398,9 +398,9 @@ class Guard:
 
         ``close=True`` ends the group now, with the micro-batches it has (a loop's short last
         group, as Lightning steps an epoch's last batches): their losses were divided by
-        ``accumulation_steps`` all the same, and the record's loss is their mean. (Under DDP the
-        guard synchronises gradients on the micro-batch it expects to be last: a short group's
-        last backward is the loop's to synchronise.)
+        ``accumulation_steps`` all the same, and the record's loss is their mean. Refused for a
+        model under DDP/FSDP2: the guard all-reduces gradients on the micro-batch it expects to
+        be last, so a short group's never were.
 
         With several optimizers, ``step()`` steps them all and ``step("generator")`` (names or
         optimizer objects) only those named, as ``scaler.step(opt)`` does: each is skipped only
@@ -752,9 +752,12 @@ class Guard:
         for name, monitor_state in state.get("monitors", {}).items():
             if name in self.monitors:
                 self.monitors[name].load_state_dict(monitor_state)
+        # an open group is abandoned: its gradients dropped, and what it unscaled forgotten
         self._micro = 0
         self._group = None
         self._backward_pending = False
+        self.scaler.forget_unscaled()
+        self._zero_grad()
 
 
 class AmpTrainState(Guard):

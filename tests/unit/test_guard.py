@@ -306,6 +306,14 @@ def test_unscale_before_the_groups_last_backward_is_refused():
     assert guard.step() is None
     with pytest.raises(RuntimeError, match="after guard.unscale_"):
         guard.backward(_loss(model))
+    # a restore abandons the group: its gradients and its unscaled mark go, the guard trains on
+    saved = guard.state_dict(mid_group=True)
+    guard.load_state_dict(saved)
+    assert model.weight.grad is None and not guard.mid_group
+    for _ in range(2):
+        guard.backward(_loss(model))
+        record = guard.step()
+    assert record.step == 1 and not record.skipped
 
 
 def test_close_is_refused_for_a_short_group_of_a_model_that_defers_its_all_reduce():
