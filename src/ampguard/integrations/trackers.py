@@ -286,7 +286,9 @@ class WandbSink(TrackerSink):
 class MLflowSink(TrackerSink):
     """Every step to an MLflow run (``pip install 'ampguard[mlflow]'``): one ``log_batch`` per
     step, sent by MLflow's background logger (``synchronous=False``), so a tracking server's
-    round trip stays out of the training loop; ``close``/``finish`` wait for them all.
+    round trip stays out of the training loop; ``close``/``finish`` wait for them all. A local
+    file store is written synchronously instead: it is a local write, and MLflow's background
+    threads race creating its metric folders ("File exists").
 
     The run is found by ``run_id`` (the MLflow run's), else by the tag ``ampguard.run_id`` =
     ``ampguard_run_id`` (how a resumed run continues its MLflow run), else made anew with that
@@ -318,6 +320,7 @@ class MLflowSink(TrackerSink):
         super().__init__(finish_later=finish_later)
         self.client = mlflow_client(tracking_uri)
         self._ops: list[Any] = []
+        self._async = urlparse(str(self.client.tracking_uri)).scheme not in ("", "file")
         try:
             self.run_id = run_id or self._find(experiment, ampguard_run_id) or self._create(
                 experiment, run_name, {**(tags or {}), **({RUN_ID_TAG: ampguard_run_id} if ampguard_run_id else {})},
@@ -359,7 +362,7 @@ class MLflowSink(TrackerSink):
 
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, value in row.items()]
-        self._ops.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        self._ops.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=not self._async))
         if len(self._ops) > 256:  # keep the handles bounded: wait for the oldest
             self._wait(keep=128)
 
