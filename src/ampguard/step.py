@@ -505,9 +505,9 @@ class Guard:
 
         # The one host read of the step: was the loss or a gradient non-finite (on any rank)?
         # The values themselves come over, so it also brings the record's loss and norms.
-        read = torch.stack([loss, pre, post, mark, *each]).tolist()
-        bad_loss, bad_grad = not math.isfinite(read[3]), not math.isfinite(read[1])
-        bad_each = [not math.isfinite(v) for v in read[4:]]
+        loss_v, pre_v, post_v, mark_v, *each_v = torch.stack([loss, pre, post, mark, *each]).tolist()
+        bad_loss, bad_grad = not math.isfinite(mark_v), not math.isfinite(pre_v)
+        bad_each = [not math.isfinite(v) for v in each_v]
         if not (bad_loss or bad_grad):  # (a non-finite gradient anywhere makes the joint norm so)
             skipped, applied = (), names
         elif bad_loss or not any(bad_each):  # a loss skip, or one optimizer, or no single culprit
@@ -540,7 +540,7 @@ class Guard:
             self._updates += 1
             return StepLog(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
                            scaler_scale=self.scaler.scale_value(), **labels,
-                           read={"loss": read[0], "grad_l2_pre_clip": read[1], "grad_l2_post_clip": read[2]})
+                           read={"loss": loss_v, "grad_l2_pre_clip": pre_v, "grad_l2_post_clip": post_v})
         return SkipLog(
             step=self.steps,
             lr=lr,
@@ -550,7 +550,7 @@ class Guard:
             scaler_scale=self.scaler.scale_value(),
             reason="non_finite_loss" if bad_loss else "non_finite_grad",
             **labels,
-            read={"loss": read[0]} if bad_loss else {"loss": read[0], "grad_l2_pre_clip": read[1]},
+            read={"loss": loss_v} if bad_loss else {"loss": loss_v, "grad_l2_pre_clip": pre_v},
         )
 
     def _finish_group_sync_free(self) -> PendingStep:
