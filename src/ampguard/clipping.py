@@ -14,7 +14,7 @@ sync: the clip coefficient is clamped on the device instead of being tested with
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch.utils._foreach_utils import (_device_has_foreach_support, _group_tensors_by_device_and_dtype,
@@ -73,6 +73,25 @@ class GradSet:
             self.norms = torch._foreach_norm(self.values, 2.0)
             return torch.linalg.vector_norm(torch.stack(self.norms), 2.0)
         return get_total_norm(self.values, norm_type=2.0, error_if_nonfinite=False, foreach=None)
+
+    def norm_of(self, parameters: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of some of these parameters' gradients: from the per-parameter
+        norms :meth:`norm` took, when it took them (no second pass over the gradients), else
+        measured anew (:func:`global_l2_norm`).
+
+        Example::
+
+            >>> a = torch.nn.Parameter(torch.zeros(1)); a.grad = torch.tensor([3.0])
+            >>> b = torch.nn.Parameter(torch.zeros(2)); b.grad = torch.tensor([4.0, 12.0])
+            >>> grads = GradSet([a, b]); _ = grads.norm()
+            >>> grads.norm_of([b]).item(), grads.norm_of([a, b]).item()
+            (12.649110794067383, 13.0)
+        """
+        by_param = self.norms_by_param()
+        if not by_param:
+            return global_l2_norm(parameters)
+        taken = [by_param[id(p)] for p in parameters if id(p) in by_param]
+        return torch.linalg.vector_norm(torch.stack(taken), 2.0) if taken else torch.zeros((), device=self._device)
 
     def norms_by_param(self) -> dict[int, torch.Tensor]:
         """Each gradient's own norm by ``id`` of its parameter, where :meth:`norm` took them (else empty).

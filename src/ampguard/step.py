@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import distributed
-from .clipping import GradSet, clip_factor, clip_to_norm_, global_l2_norm, non_finite
+from .clipping import GradSet, clip_factor, clip_to_norm_, non_finite
 from .precision import GuardedGradScaler, Precision, PrecisionName
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
 
@@ -491,8 +491,8 @@ class Guard:
         self._unscale(names)
         grads = GradSet(self._union(names))
         norms = [distributed.full_norm(grads.norm())]
-        if len(names) > 1:
-            norms += [distributed.full_norm(global_l2_norm(self._params_of[n])) for n in names]
+        if len(names) > 1:  # each optimizer's own norm, from the per-parameter norms just taken
+            norms += [distributed.full_norm(grads.norm_of(self._params_of[n])) for n in names]
         loss, mark, pre, *each = distributed.agree(loss, [self._loss_mark, *norms])
         return grads, loss, mark, pre, each
 
@@ -518,7 +518,7 @@ class Guard:
 
         if skipped:  # what is applied (some optimizers' parameters, or none) is clipped by its own norm
             post = clip_to_norm_(self._union(applied), self.max_norm,
-                                 distributed.full_norm(global_l2_norm(self._union(applied)))) if applied else None
+                                 distributed.full_norm(grads.norm_of(self._union(applied)))) if applied else None
         elif factor is not None:
             grads.scale_(factor)
         for name in applied:

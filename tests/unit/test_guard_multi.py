@@ -436,3 +436,25 @@ def test_state_dict_keeps_each_optimizers_count_and_refuses_other_optimizers():
         one.load_state_dict(state)
     with pytest.raises(ValueError, match=r"saved with optimizers \['optimizer'\], this step has \['emb', 'head'\]"):
         resumed.load_state_dict(one.state_dict())
+
+
+def test_each_optimizers_norm_comes_from_the_one_pass_over_the_gradients():
+    # the global norm's per-parameter norms give each optimizer's own (its skip detector): one
+    # foreach norm a step, not one more per optimizer; a culprit is still found alone
+    class Count(torch.overrides.TorchFunctionMode):
+        passes = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch._foreach_norm:
+                Count.passes += 1
+            return func(*args, **(kwargs or {}))
+
+    first, second = nn.Linear(3, 3), nn.Linear(3, 1)
+    guard = Guard([first, second], {"first": torch.optim.SGD(first.parameters(), lr=0.1),
+                                    "second": torch.optim.SGD(second.parameters(), lr=0.1)}, precision="fp32")
+    second.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    guard.backward(second(first(torch.ones(2, 3))).sum())
+    with Count():
+        record = guard.step()
+    assert Count.passes == 1
+    assert record.skipped and record.skipped_optimizers == ("second",)
