@@ -36,7 +36,8 @@ def uses_loss_scaler(name: object) -> bool:
         >>> [uses_loss_scaler(n) for n in PRECISIONS], uses_loss_scaler("fp17"), uses_loss_scaler(["fp16"])
         ([True, False, False, False], False, False)
     """
-    return isinstance(name, str) and name == "fp16"
+    return name == "fp16"
+
 
 # fp8: torchao's Float8Linear layers matmul in float8; everything else runs under bf16 autocast
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16}
