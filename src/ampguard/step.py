@@ -344,8 +344,9 @@ class Guard:
     def backward(self, *losses: torch.Tensor, divided: bool = False) -> None:
         """Check the loss on the device, divide it by the accumulation steps, scale it, backward.
 
-        The loss is checked before backward, on the device: a non-finite loss is replaced by zero,
-        so it never seeds the backward pass, and the group is marked bad (its mark, the sum of
+        The loss is checked before backward, on the device: a non-finite loss is replaced by zero
+        as far as the backward can tell (its seed is 0, where a finite loss's is 1), so it never
+        seeds the backward pass, and the group is marked bad (its mark, the sum of
         each loss's ``x - x``, is NaN; the boundary reads it). Every micro-batch still runs
         backward (no host read here; under DDP no rank leaves a collective waiting). The bad
         group's gradients are discarded at the boundary.
@@ -378,10 +379,12 @@ class Guard:
                 value = loss.detach()
                 mark = value - value  # 0 for a finite loss, NaN otherwise (IEEE 754)
                 total, bad = (value, mark) if total is None else (total + value, bad + mark)
-                loss = loss.masked_fill(mark.ne(0), 0.0)  # (its backward zeroes the seed likewise)
                 if n > 1 and not divided:  # (x / 1 is x, bit for bit: one op and one node saved)
                     loss = loss / n
-                self.scaler.scale(loss).backward(retain_graph=i < last)
+                # the backward's seed: 1 (what backward() seeds with) for a finite loss, 0 for a
+                # non-finite one, as if it were replaced by a constant zero (2 kernels fewer than a
+                # masked_fill and its backward); autograd casts the boolean to the loss's dtype
+                self.scaler.scale(loss).backward(mark.eq(0), retain_graph=i < last)
         if divided and n > 1:  # the record's loss is the mean of the undivided ones
             total = total * n
         first = self._micro == 0
