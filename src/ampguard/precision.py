@@ -279,14 +279,37 @@ class GuardedGradScaler(torch.amp.GradScaler):
             tensor(1.)
         """
         if not self._enabled:
-            device = torch.device("cpu") if device is None else device
-            ones = self.__dict__.setdefault("_ones", {})  # never written to: one tensor a device serves every record
-            if device not in ones:
-                ones[device] = torch.ones((), device=device)
-            return ones[device]
+            return self._one(device)
         if self._scale is None:
             return torch.full((), float(self._init_scale))
         return self._scale.detach().clone()
+
+    def scale_tensor(self, device: torch.device) -> torch.Tensor:
+        """The scale tensor itself, which the next ``update()`` changes in place (a 1.0 that
+        never changes when the scaler is disabled): for an operation that copies it at once, as
+        the sync-free step's ``stack`` of its record does, without the copy :meth:`scale_value` makes.
+
+        Example::
+
+            >>> scaler = GuardedGradScaler("cpu", init_scale=512.0)
+            >>> scaler.scale(torch.ones(())).item(), scaler.scale_tensor(torch.device("cpu")) is scaler._scale
+            (512.0, True)
+        """
+        if not self._enabled:
+            return self._one(device)
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        assert self._scale is not None
+        return self._scale
+
+    def _one(self, device: torch.device | None) -> torch.Tensor:
+        """A 1.0 on ``device`` (the host by default), the disabled scaler's scale: one tensor a
+        device, never written to, serves every record."""
+        device = torch.device("cpu") if device is None else device
+        ones = self.__dict__.setdefault("_ones", {})
+        if device not in ones:
+            ones[device] = torch.ones((), device=device)
+        return ones[device]
 
 
 @dataclass(frozen=True)

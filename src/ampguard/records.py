@@ -284,41 +284,48 @@ class PendingStep(StepRecord):
     ``skipped`` and ``reason`` read it (with the other values, in one transfer; through a
     :class:`~ampguard.sinks.BackgroundSink` that transfer happens off the training thread).
     Norms that do not exist for the step (a loss skip's, a skip's post-clip) read as ``None``,
-    exactly as in a :class:`SkipLog`.
+    exactly as in a :class:`SkipLog`. ``loss_mark`` is the group's loss mark (0, or NaN when a
+    micro-batch loss was non-finite): with the pre-clip norm it tells on the host whether the
+    step was skipped and why, so the device computes no flags for the record.
 
     Example::
 
         >>> p = PendingStep(2, lr=0.1, loss=torch.tensor(1.0), grad_l2_pre_clip=torch.tensor(float("inf")),
         ...                 grad_l2_post_clip=torch.tensor(float("nan")), scaler_scale=torch.tensor(512.0),
-        ...                 bad_loss=torch.tensor(0.0), bad_grad=torch.tensor(1.0))
+        ...                 loss_mark=torch.tensor(0.0))
         >>> p.skipped, p.reason, p.values()["grad_l2_post_clip"]  # the read costs a host sync
         (True, 'non_finite_grad', None)
+        >>> sorted(p.values())  # the mark is not a value of the record
+        ['grad_l2_post_clip', 'grad_l2_pre_clip', 'loss', 'lr', 'scaler_scale']
     """
 
-    bad_loss: Value = None
-    bad_grad: Value = None
+    loss_mark: Value = None
+    _reason: str | None = field(default=None, init=False, repr=False, compare=False)
 
-    _NUMERIC: ClassVar[tuple[str, ...]] = StepRecord._NUMERIC + ("bad_loss", "bad_grad")
+    _NUMERIC: ClassVar[tuple[str, ...]] = StepRecord._NUMERIC + ("loss_mark",)
 
     def _keep(self, read: dict[str, float]) -> dict[str, float | None]:
         out = StepRecord._keep(self, read)
-        if out["bad_loss"]:
+        mark, pre = out.pop("loss_mark"), out["grad_l2_pre_clip"]
+        reason = ("non_finite_loss" if mark is not None and not math.isfinite(mark) else
+                  "non_finite_grad" if pre is not None and not math.isfinite(pre) else None)
+        object.__setattr__(self, "_reason", reason)
+        if reason == "non_finite_loss":
             out["grad_l2_pre_clip"] = out["grad_l2_post_clip"] = None
-        elif out["bad_grad"]:
+        elif reason:
             out["grad_l2_post_clip"] = None
         return out
 
     @property
     def skipped(self) -> bool:  # type: ignore[override]
         """Whether the step was skipped: reads :meth:`values` (costs a host sync, once)."""
-        v = self.values()
-        return bool(v["bad_loss"] or v["bad_grad"])
+        return self.reason is not None
 
     @property
     def reason(self) -> str | None:
         """``non_finite_loss``, ``non_finite_grad`` or ``None``: reads :meth:`values` (a host sync, once)."""
-        v = self.values()
-        return "non_finite_loss" if v["bad_loss"] else "non_finite_grad" if v["bad_grad"] else None
+        self.values()
+        return self._reason
 
     def resolve(self) -> StepLog | SkipLog:
         """The :class:`StepLog` or :class:`SkipLog` this step turned out to be (reads the values,
@@ -328,7 +335,7 @@ class PendingStep(StepRecord):
 
             >>> p = PendingStep(4, lr=0.1, loss=torch.tensor(0.5), grad_l2_pre_clip=torch.tensor(2.0),
             ...                 grad_l2_post_clip=torch.tensor(1.0), scaler_scale=torch.tensor(1024.0),
-            ...                 bad_loss=torch.tensor(0.0), bad_grad=torch.tensor(0.0))
+            ...                 loss_mark=torch.tensor(0.0))
             >>> p.resolve()
             StepLog(step=4, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1024.0)
         """

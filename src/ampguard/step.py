@@ -97,25 +97,36 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
     return out
 
 
-def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None,
+                   zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The sync-free step's scalar arithmetic once the group's loss mark (0, or NaN when a
-    micro-batch loss was non-finite) and norm are known: ``(found, [non-finite loss, non-finite
-    gradient] as 0/1, clip factor, post-clip norm, next count of applied updates)``. Only scalar
-    tensor operations, so ``torch.compile`` fuses them into a kernel or two (``fuse_tail``);
-    eagerly they are the same operations as the exact path's.
+    micro-batch loss was non-finite) and norm are known: ``(found, clip factor, post-clip
+    norm)``, where ``found`` is 1.0 when the step must be skipped (the mark or the norm
+    non-finite) and 0.0 otherwise; and ``applied``, the device count of applied updates,
+    advanced in place unless found. ``zero`` is a 0.0 of the norm's device.
+
+    ``found`` takes two kernels: ``mark + pre * 0`` is 0 for a finite norm and mark, NaN
+    otherwise (``inf * 0`` is NaN, IEEE 754), and ``nan_to_num(1.0)`` makes that 0 or 1. Only
+    scalar tensor operations, so ``torch.compile`` fuses them into a kernel or two
+    (``fuse_tail``); eagerly the clip's are the exact path's.
 
     Example (a non-finite gradient: found, and the count does not advance)::
 
-        >>> found, bad, factor, post, applied = sync_free_tail(
-        ...     torch.tensor(0.0), torch.tensor(float("inf")), torch.tensor(3.0), 1.0)
-        >>> found.item(), bad.tolist(), applied.item()
-        (1.0, [0.0, 1.0], 3.0)
+        >>> applied = torch.tensor(3.0)
+        >>> found, factor, post = sync_free_tail(torch.tensor(0.0), torch.tensor(float("inf")), applied, 1.0,
+        ...                                      torch.tensor(0.0))
+        >>> found.item(), applied.item()
+        (1.0, 3.0)
+        >>> found, factor, post = sync_free_tail(torch.tensor(0.0), torch.tensor(4.0), applied, 1.0, torch.tensor(0.0))
+        >>> found.item(), round(post.item(), 6), applied.item()
+        (0.0, 1.0, 4.0)
     """
-    bad = non_finite(torch.stack([mark.to(pre.dtype), pre])).to(torch.float32)
-    found = bad.amax()
+    found = torch.addcmul(mark, pre, zero).nan_to_num_(1.0)
+    if found.dtype != torch.float32:  # (a float64 norm): fused optimizers take a float32 flag
+        found = found.float()
     factor, post = clip_factor(pre, max_norm)
-    return found, bad, factor, post, applied + (1.0 - found)
+    applied.sub_(found).add_(1.0)
+    return found, factor, post
 
 
 @functools.cache
@@ -304,6 +315,7 @@ class Guard:
         if sync_free:
             self._check_sync_free(self.optimizer, scheduler)
             self._updates_t = torch.zeros((), device=device)
+            self._zero = torch.zeros((), device=device)  # (never written: the tail's ``pre * 0``)
             self._base_lrs = [group["lr"].detach().clone() for group in self.optimizer.param_groups]
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
                 scheduler.applied = self._updates_t
@@ -317,6 +329,7 @@ class Guard:
         self._backward_pending = False  # backward() ran, step() not yet
         self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed
         self._loss_mark: torch.Tensor | None = None  # the sum of each loss's x - x: NaN iff one was non-finite
+        self._seed = torch.empty((), device=device)  # each backward's seed, rewritten per loss (float32, as the loss)
 
     @property
     def record_columns(self) -> tuple[str, ...]:
@@ -381,10 +394,11 @@ class Guard:
                 total, bad = (value, mark) if total is None else (total + value, bad + mark)
                 if n > 1 and not divided:  # (x / 1 is x, bit for bit: one op and one node saved)
                     loss = loss / n
-                # the backward's seed: 1 (what backward() seeds with) for a finite loss, 0 for a
-                # non-finite one, as if it were replaced by a constant zero (2 kernels fewer than a
-                # masked_fill and its backward); autograd casts the boolean to the loss's dtype
-                self.scaler.scale(loss).backward(mark.eq(0), retain_graph=i < last)
+                # the backward's seed: 1.0 (what backward() seeds with) for a finite loss, 0.0 for
+                # a non-finite one, as if it were replaced by a constant zero; one kernel, written
+                # as float32 into the guard's own buffer (a masked_fill and its backward took four)
+                seed = torch.eq(mark, 0, out=self._seed)
+                self.scaler.scale(loss).backward(seed, retain_graph=i < last)
         if divided and n > 1:  # the record's loss is the mean of the undivided ones
             total = total * n
         first = self._micro == 0
@@ -559,21 +573,21 @@ class Guard:
     def _finish_group_sync_free(self) -> PendingStep:
         """The group boundary without any host read: every decision stays on the device.
 
-        The skip flag goes to the optimizer as ``found_inf`` (a fused kernel skips its update and
-        undoes its step count when it is 1, as it does for ``GradScaler.step``) and to the
-        scaler's found-inf record (so ``update()`` backs off); the LR comes from ``lr_schedule``
-        of a device count of applied updates, which the flag keeps from advancing. Clipping runs
-        unconditionally: on a skipped step it scales gradients nobody will use.
+        The LR comes from ``lr_schedule`` of a device count of applied updates, which a skip
+        keeps from advancing. The skip flag goes to the optimizer as ``found_inf`` (a fused
+        kernel skips its update and undoes its step count when it is 1, as it does for
+        ``GradScaler.step``) and to the scaler's found-inf record (so ``update()`` backs off).
+        Clipping runs unconditionally: on a skipped step it scales gradients nobody will use.
         """
         grads, loss, mark, pre, _ = self._close_group(tuple(self.optimizers))
+        self._set_lrs()  # this step's LR, from the count before it
+        lr = self.optimizer.param_groups[0]["lr"]
         tail = _compiled_tail() if self.fuse_tail else sync_free_tail
-        found, bad, factor, post, applied = tail(mark, pre, self._updates_t, self.max_norm)
+        found, factor, post = tail(mark, pre, self._updates_t, self.max_norm, self._zero)
         for hook in self.group_hooks:
             hook(grads)
         if factor is not None:
             grads.scale_(factor)
-        self._set_lrs()
-        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.found_inf = found  # type: ignore[attr-defined]
         try:
             self.optimizer.step()
@@ -581,15 +595,14 @@ class Guard:
             del self.optimizer.found_inf  # type: ignore[attr-defined]
         self.scaler.add_found_inf_(self.optimizer, found)
         self.scaler.update()
-        self._updates_t.copy_(applied)  # in place: a DeviceLambdaLR reads this tensor
         self._zero_grad()
-        # the record's values in one float32 tensor (read back with one copy), the fields views of it;
-        # the LR as this step used it (the next step's _set_lrs writes the same tensor in place)
-        scalars = torch.stack([lr.detach(), loss, pre, post, self.scaler.scale_value(pre.device)])
-        packed = torch.cat([scalars.to(torch.float32), bad])
-        lr, loss, pre, post, scale, bad_loss, bad_grad = packed.unbind()
+        # the record's values in one tensor (read back with one copy), the fields views of it;
+        # the LR as this step used it (the next step's _set_lrs writes that tensor in place), the
+        # scale after update(), and the loss mark, from which the reader tells a skip and its reason
+        packed = torch.stack([lr, loss, pre, post, self.scaler.scale_tensor(pre.device), mark])
+        lr, loss, pre, post, scale, mark = packed.unbind()
         return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
-                           scaler_scale=scale, bad_loss=bad_loss, bad_grad=bad_grad, packed=packed)
+                           scaler_scale=scale, loss_mark=mark, packed=packed)
 
     def _set_lrs(self) -> None:
         """Sync-free: each group's LR for this step, ``base x factor(applied updates)`` on the

@@ -68,10 +68,10 @@ def test_the_default_lag_is_two():
 
 
 def test_a_packed_record_reads_back_with_one_copy_and_its_views():
-    packed = torch.tensor([0.1, 2.0, float("inf"), float("nan"), 512.0, 0.0, 1.0])
-    lr, loss, pre, post, scale, bad_loss, bad_grad = packed.unbind()
+    packed = torch.tensor([0.1, 2.0, float("inf"), float("nan"), 512.0, 0.0])
+    lr, loss, pre, post, scale, mark = packed.unbind()
     record = PendingStep(3, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post, scaler_scale=scale,
-                         bad_loss=bad_loss, bad_grad=bad_grad, packed=packed)
+                         loss_mark=mark, packed=packed)
     values = record.prefetch()()
     assert values["grad_l2_post_clip"] is None and values["scaler_scale"] == 512.0  # a skip has no post-clip norm
     assert record.skipped and record.reason == "non_finite_grad"
