@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ampguard.bench import Bare, Guarded, _mlp, _transformer
+from ampguard.bench import Bare, Guarded, _mlp, _nano, _transformer
 from ampguard.precision import Precision
 
 
@@ -41,16 +41,18 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    parser.add_argument("--fused", action="store_true", help="fused AdamW for every part (bench's --fused)")
+    parser.add_argument("--model", choices=("mlp", "nano", "transformer"), default="mlp")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
     precision = Precision(args.precision, device.type)
-    workload = (lambda: _mlp(device)) if args.model == "mlp" else (lambda: _transformer(device, "small"))
-    parts = {c.__name__: c(workload(), precision, device, False) for c in (Bare, StepOnly, StepAndValues, Guarded)}
+    workload = {"mlp": lambda: _mlp(device), "nano": lambda: _nano(device),
+                "transformer": lambda: _transformer(device, "small")}[args.model]
+    parts = {c.__name__: c(workload(), precision, device, args.fused) for c in (Bare, StepOnly, StepAndValues, Guarded)}
     times: dict[str, list[float]] = {name: [] for name in parts}
-    for _ in range(20 if args.model == "mlp" else 3):
+    for _ in range(3 if args.model == "transformer" else 20):
         for part in parts.values():
             part.step()
     order = list(parts.items())

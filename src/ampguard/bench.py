@@ -73,6 +73,20 @@ def _mlp(device: torch.device) -> Workload:
     return Workload("tiny-mlp", make, (x.to(device), y.to(device)), F.cross_entropy)
 
 
+def _nano(device: torch.device) -> Workload:
+    """An MLP too small to compute anything (8 wide, batch 4): its step is all host time (Python,
+    the dispatcher, kernel launches), as a tiny model's is on a GPU, so on a CPU it shows what
+    the guard costs a launch-bound step."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+
+    return Workload("nano-mlp", make, (x.to(device), y.to(device)), F.cross_entropy)
+
+
 def _transformer(device: torch.device, size: str) -> Workload:
     from .tasks.charlm import CharLM, lm_loss
 
@@ -121,6 +135,7 @@ class Contender:
     name = ""
     model: nn.Module
     opt: torch.optim.Optimizer
+    compiled = False  # its step runs code torch.compile compiled (ops_per_step leaves it uncounted)
 
     def persistent_bytes(self) -> int:
         """What this contender keeps between steps: parameters and optimizer state.
@@ -329,6 +344,7 @@ class GuardedFusedTail(GuardedSyncFree):
 
     name = "ampguard sync-free, fused tail + csv"
     fuse_tail = True
+    compiled = True
 
 
 class AccelerateLoop(Contender):
@@ -490,6 +506,7 @@ class Result:
     ratio_low: float = math.nan
     ratio_high: float = math.nan
     stop: str = "fixed"
+    ops: int | None = None  # ops_per_step: the device operations one step dispatches
 
     @property
     def half_width(self) -> float:
@@ -543,6 +560,49 @@ def _time_steps(c: Contender, steps: int, device: torch.device) -> float:
     for _ in range(steps):
         c.step()
     return (time.perf_counter() - start_s) * 1000 / steps
+
+
+def ops_per_step(c: Contender) -> int | None:
+    """The device operations one step of ``c`` dispatches: the ATen operators that reach the
+    dispatcher's kernels, views (no kernel) and the profiler's markers left out. An eager step
+    on a GPU launches about this many kernels, each costing host time a launch-bound model
+    pays in full; unlike a time, the count is the same on every run and every machine. ``None``
+    for a step that runs compiled code (``Contender.compiled``, or a ``torch.compile``'d model):
+    Inductor's kernels bypass the counter, and running them under it would make Dynamo give
+    the compiled frames up.
+
+    Example (a linear layer's SGD step: the input's ``ones``, ``addmm``, ``sum``; backward's
+    seed ``ones_like``, ``mm``, ``sum``; the update's one ``_foreach_add_``)::
+
+        >>> class Linear(Contender):
+        ...     name = "linear"
+        ...     def __init__(self):
+        ...         self.model = torch.nn.Linear(2, 1)
+        ...         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, foreach=True)
+        ...     def step(self):
+        ...         self.model(torch.ones(1, 2)).sum().backward()
+        ...         self.opt.step()
+        ...         self.opt.zero_grad()
+        >>> ops_per_step(Linear())
+        7
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if not func.is_view and not func.__name__.startswith("_record_function"):
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    if c.compiled or isinstance(getattr(c, "model", None), torch._dynamo.eval_frame.OptimizedModule):
+        return None
+    with Count() as count:
+        c.step()
+    return count.ops
 
 
 def _ratios(times: dict[str, list[float]], name: str) -> list[float]:
@@ -614,6 +674,7 @@ def measure(
             print(f"  {cls.name}: not run ({type(err).__name__}: {err})")
     times: dict[str, list[float]] = {c.name: [] for c in built}
     peaks: dict[str, float | None] = {c.name: None for c in built}
+    ops: dict[str, int | None] = {}
     for c in list(built):  # warm-up, and the peak memory of a steady-state step
         try:
             for _ in range(warmup):
@@ -635,6 +696,7 @@ def measure(
             _sync(device)
             transient = torch.cuda.max_memory_allocated(device) - before
             peaks[c.name] = (c.persistent_bytes() + transient) / 2**20
+        ops[c.name] = ops_per_step(c)
     if not built:  # nothing to time: say so, rather than divide by no contenders
         print(f"  {w.name} {precision.name}: no contender could run, nothing measured")
         return []
@@ -663,7 +725,7 @@ def measure(
     for c in built:
         med = statistics.median(times[c.name])
         res = Result(w.name, precision.name, c.name, med, min(times[c.name]), peak_mem_mib=peaks[c.name],
-                     rounds=times[c.name], stop=stop)
+                     rounds=times[c.name], stop=stop, ops=ops[c.name])
         if w.tokens_per_step:
             res.tokens_per_s = w.tokens_per_step / (med / 1000)
             if peak_flops:
@@ -683,20 +745,20 @@ def table(results: list[Result]) -> str:
     Example::
 
         >>> rows = table([Result("tiny-mlp", "fp32", "ampguard + csv", 0.5, 0.4, ratio_to_bare=1.012,
-        ...                      ratio_low=1.004, ratio_high=1.019, rounds=[0.5] * 9)]).splitlines()
+        ...                      ratio_low=1.004, ratio_high=1.019, rounds=[0.5] * 9, ops=82)]).splitlines()
         >>> len(rows), rows[2]
-        (3, '| tiny-mlp | fp32 | ampguard + csv | 0.500 | 0.400 | 1.012 [1.004, 1.019] | 9 | n/a |  |  |')
+        (3, '| tiny-mlp | fp32 | ampguard + csv | 0.500 | 0.400 | 1.012 [1.004, 1.019] | 9 | 82 | n/a |  |  |')
     """
     lines = ["| workload | precision | contender | median ms/step | min ms/step | ratio to bare [95% CI] | rounds "
-             "| peak MiB | tokens/s | MFU |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| ops/step | peak MiB | tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         mem = "n/a" if r.peak_mem_mib is None else f"{r.peak_mem_mib:.1f}"
         tps = "" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"
         mfu = "" if r.mfu is None else f"{r.mfu:.1%}"
         ratio = f"{r.ratio_to_bare:.3f}" + ("" if math.isnan(r.ratio_low) else f" [{r.ratio_low:.3f}, {r.ratio_high:.3f}]")
         lines.append(f"| {r.workload} | {r.precision} | {r.contender} | {r.median_ms:.3f} | {r.min_ms:.3f} | "
-                     f"{ratio} | {len(r.rounds)} | {mem} | {tps} | {mfu} |")
+                     f"{ratio} | {len(r.rounds)} | {'' if r.ops is None else r.ops} | {mem} | {tps} | {mfu} |")
     return "\n".join(lines)
 
 
@@ -788,11 +850,12 @@ def run_bench(
     contenders = ours + (available_peers() if peers else [])
     results: list[Result] = []
     for name in workloads:
-        w = _mlp(device) if name == "mlp" else _transformer(device, "gpt2-small" if name == "gpt2" else "small")
+        w = {"mlp": _mlp, "nano": _nano}[name](device) if name in SMALL else _transformer(
+            device, "gpt2-small" if name == "gpt2" else "small")
         for p in precisions:
-            if p == "fp16" and device.type == "cpu" and name != "mlp":
-                # fp16 autocast on a CPU is far too slow for anything but the tiny MLP
-                print(f"{w.name} fp16: not run (on a CPU fp16 runs only the mlp model)", flush=True)
+            if p == "fp16" and device.type == "cpu" and name not in SMALL:
+                # fp16 autocast on a CPU is far too slow for anything but the tiny MLPs
+                print(f"{w.name} fp16: not run (on a CPU fp16 runs only the mlp and nano models)", flush=True)
                 continue
             run_w, run_c = (fp8_workload(w), ours) if p == "fp8" else (w, contenders)
             run_w = compiled_workload(run_w) if compiled else run_w
@@ -879,7 +942,8 @@ def to_json(results: list[Result], resolve: float | None = None) -> str:
                        "results": rows}, indent=2)
 
 
-WORKLOADS = ("mlp", "transformer", "gpt2")
+WORKLOADS = ("mlp", "nano", "transformer", "gpt2")
+SMALL = ("mlp", "nano")  # the MLPs: fp16 runs them on a CPU too
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
@@ -902,18 +966,18 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         ampguard bench on cpu (...): 2 rounds x 3 steps, paired, fixed rounds
         tiny-mlp fp32: bare loop, ampguard + csv
         | workload | precision | contender | median ms/step | ...
-        |---|---|---|---|---|---|---|---|---|---|
-        | tiny-mlp | fp32 | bare loop | ... | 1.000 [1.000, 1.000] | 2 | n/a |  |  |
+        |---|---|---|---|---|---|---|---|---|---|---|
+        | tiny-mlp | fp32 | bare loop | ... | 1.000 [1.000, 1.000] | 2 | ... | n/a |  |  |
         | tiny-mlp | fp32 | ampguard + csv | ...
         0
         >>> run(models="mlp,resnet")
         Traceback (most recent call last):
         ...
-        ampguard.errors.InputError: bench: unknown model 'resnet' (mlp, transformer, gpt2)
+        ampguard.errors.InputError: bench: unknown model 'resnet' (mlp, nano, transformer, gpt2)
         >>> run(models="transformer", precisions="fp16")
         Traceback (most recent call last):
         ...
-        ampguard.errors.InputError: bench: on a CPU fp16 runs only the mlp model; nothing to measure for transformer
+        ampguard.errors.InputError: bench: on a CPU fp16 runs only the mlp and nano models; nothing to measure for transformer
     """
     from .build import resolve_device
     from .errors import InputError
@@ -926,8 +990,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                 raise InputError(f"bench: unknown {kind} {name!r} ({', '.join(known)})")
     if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
         raise InputError(f"bench: --peak-tflops must be a finite number > 0, got {peak_tflops:g}")
-    if where.type == "cpu" and set(names) == {"fp16"} and "mlp" not in workloads:
-        raise InputError(f"bench: on a CPU fp16 runs only the mlp model; nothing to measure for {models}")
+    if where.type == "cpu" and set(names) == {"fp16"} and not set(SMALL) & set(workloads):
+        raise InputError(f"bench: on a CPU fp16 runs only the mlp and nano models; nothing to measure for {models}")
     for flag, value in (("--resolve", resolve_pct), ("--budget", budget_s)):
         if not (math.isfinite(value) and value >= 0):
             raise InputError(f"bench: {flag} must be a finite number >= 0, got {value:g}")

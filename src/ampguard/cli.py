@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Prints median and min ms/step, the ratio to the bare loop, peak memory (CUDA), tokens/s and MFU.",
     )
     bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
-    bench.add_argument("--models", default="mlp,transformer", help="comma-separated: mlp, transformer, gpt2")
+    bench.add_argument("--models", default="mlp,transformer", help="comma-separated: mlp, nano, transformer, gpt2")
     bench.add_argument("--precisions", default="fp32,bf16,fp16", help="comma-separated: fp32, bf16, fp16, fp8")
     bench.add_argument("--steps", type=_positive_int, default=30, help="steps per contender per round")
     bench.add_argument("--rounds", type=_positive_int, default=7)

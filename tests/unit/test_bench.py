@@ -198,3 +198,64 @@ def test_bench_pins_the_cpu_threads_and_says_when_a_case_was_not_resolved(capsys
     assert ", 1 threads): 3 rounds x 1 steps, paired, until ±1e-09% or 0 s a case" in out
     assert "| tiny-mlp | fp32 | bare loop (A/A) |" in out
     assert "tiny-mlp fp32: not resolved to ±0.0% (the time budget ran out after 3 rounds; widest ±" in out
+
+
+def _ops(cls, precision="bf16", fused=True):
+    from ampguard import bench
+    from ampguard.precision import Precision
+
+    cpu = torch.device("cpu")
+    c = cls(bench._nano(cpu), Precision(precision, "cpu"), cpu, fused)
+    try:
+        for _ in range(2):  # past the optimizer's lazy state
+            c.step()
+        return bench.ops_per_step(c)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_guard_adds_a_handful_of_device_ops_to_the_bare_step(precision):
+    """What a launch-bound model pays per kernel: the exact step adds the loss's mark and seed,
+    the post-clip norm's two and the read's stack (5); the sync-free one also its skip flag and
+    count (9). A change that adds a kernel to every step fails here, whatever the timings say."""
+    from ampguard import bench
+
+    bare = _ops(bench.Bare, precision)
+    assert bare > 20
+    assert _ops(bench.Guarded, precision) - bare <= 5
+    assert _ops(bench.GuardedSyncFree, precision) - bare <= 9
+
+
+def test_ops_are_counted_per_step_and_not_for_compiled_code():
+    from ampguard import bench
+
+    bare = _ops(bench.Bare)
+    assert _ops(bench.Bare) == bare  # the same count every time
+
+    class Twice(bench.Bare):
+        def step(self):
+            super().step()
+            super().step()
+
+    assert _ops(Twice) == 2 * bare
+
+    class Compiled(bench.Bare):
+        compiled = True
+        steps = 0
+
+        def step(self):
+            Compiled.steps += 1
+
+    assert _ops(Compiled) is None and Compiled.steps == 2  # its counted step never ran
+
+
+def test_the_table_and_json_carry_ops_per_step(capsys):
+    import json
+
+    from ampguard import bench
+
+    assert bench.run(models="nano", precisions="bf16", quick=True, peers=False, as_json=True) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [r["workload"] for r in rows] == ["nano-mlp", "nano-mlp"]
+    assert rows[1]["ops"] - rows[0]["ops"] in range(1, 6)
