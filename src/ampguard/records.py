@@ -219,18 +219,19 @@ class InFlight:
 
     def __init__(self, lag: int = LAG) -> None:
         self.lag = lag
-        self._queue: deque[tuple[StepRecord, Any, Prefetch]] = deque()
+        # (record, extra, wait): a Prefetch, or with lag 0 the record's values() (read on the spot)
+        self._queue: deque[tuple[StepRecord, Any, Callable[[], Any]]] = deque()
 
     def __len__(self) -> int:
         return len(self._queue)
 
     def add(self, record: StepRecord, extra: Any) -> None:
         """A record just made (and what goes with it, e.g. the evaluation of its step)."""
-        self._queue.append((record, extra, record.prefetch() if self.lag else Prefetch(record.values)))
+        self._queue.append((record, extra, record.prefetch() if self.lag else record.values))
 
     def ready(self) -> Iterator[tuple[StepRecord, Any]]:
         """The records whose values have landed, oldest first, and those beyond ``lag`` (waited for)."""
-        while self._queue and (len(self._queue) > self.lag or self._queue[0][2].landed()):
+        while self._queue and (len(self._queue) > self.lag or self._queue[0][2].landed()):  # type: ignore[union-attr]
             yield self._take()
 
     def drain(self) -> Iterator[tuple[StepRecord, Any]]:

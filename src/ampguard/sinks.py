@@ -188,10 +188,15 @@ class _LineFile:
     _file: IO[bytes] | None
 
     def _write_line(self, line: str) -> None:
-        """Append ``line`` (:class:`DiskFull` when there is no room)."""
+        """Append ``line`` (:class:`DiskFull` when there is no room). (What ``with
+        writing(path)`` does, as a ``try``: it runs for every row.)"""
         assert self._file is not None, f"{type(self).__name__} is closed"
-        with writing(self.path):
+        try:
             _append(self._file, line)
+        except Exception as err:
+            if (full := disk_full_error(err)) is not None:
+                raise DiskFull(self.path, full) from None
+            raise
 
     def close(self) -> None:
         """Close the file. Every line is in it already (nothing is buffered); a file system that
@@ -296,7 +301,9 @@ class CsvSink(_LineFile):
         if self._extra:
             cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns
             row += [v if isinstance(v := cells.get(k), str) else format_number(v) for k in self._extra]
-        self._append_row(row)
+            self._append_row(row)
+        else:  # numbers, empty cells and the reasons' identifiers: nothing the csv module would quote
+            self._write_line(",".join(row) + "\n")
         self.rows += 1
 
 

@@ -553,11 +553,15 @@ class Guard:
         for name in applied:
             self._applied[name] += 1
         labels = {"optimizers": names, "skipped_optimizers": skipped} if len(self.optimizers) > 1 else {}
+        # what the read brought, and a disabled scaler's 1.0: a sink reads only the rest
+        read = {"loss": loss_v} if bad_loss else {"loss": loss_v, "grad_l2_pre_clip": pre_v}
+        if not self.scaler.is_enabled():
+            read["scaler_scale"] = 1.0
         if not skipped:
             self._updates += 1
+            read["grad_l2_post_clip"] = post_v
             return StepLog(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
-                           scaler_scale=self.scaler.scale_value(), **labels,
-                           read={"loss": loss_v, "grad_l2_pre_clip": pre_v, "grad_l2_post_clip": post_v})
+                           scaler_scale=self.scaler.scale_value(), **labels, read=read)
         return SkipLog(
             step=self.steps,
             lr=lr,
@@ -567,7 +571,7 @@ class Guard:
             scaler_scale=self.scaler.scale_value(),
             reason="non_finite_loss" if bad_loss else "non_finite_grad",
             **labels,
-            read={"loss": loss_v} if bad_loss else {"loss": loss_v, "grad_l2_pre_clip": pre_v},
+            read=read,
         )
 
     def _finish_group_sync_free(self) -> PendingStep:

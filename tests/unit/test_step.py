@@ -533,8 +533,8 @@ def test_at_most_one_host_read_per_step(precision, accum):
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
 def test_the_steps_one_read_brings_the_records_loss_and_norms(precision):
     # the skip decision's read carries the values themselves: a sink reading the record reads
-    # only the scale again (a device tensor after fp16's update; bf16/fp32's 1.0), not the
-    # loss and norms, which stay tensors on the record all the same
+    # only fp16's scale again (a device tensor after its update; bf16/fp32's is 1.0, known),
+    # not the loss and norms, which stay tensors on the record all the same
     model = make_model()
     inject = GradInjector(model[2].weight)
     state = AmpTrainState(model, adamw(model), F.mse_loss, precision=precision, max_norm=0.5,
@@ -554,7 +554,7 @@ def test_the_steps_one_read_brings_the_records_loss_and_norms(precision):
                 assert isinstance(field, torch.Tensor)
                 assert values[name] == field.item() or (math.isnan(values[name]) and field.isnan())
     assert [log.reason for log in logs] == [None, "non_finite_grad", "non_finite_loss", None]
-    assert reads_of_values == [["item"]] * 4
+    assert reads_of_values == [["item"] if precision == "fp16" else []] * 4
     assert logs[1].values()["grad_l2_pre_clip"] == INF and logs[1].grad_l2_post_clip is None
 
 
