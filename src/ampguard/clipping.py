@@ -58,12 +58,15 @@ class GradSet:
     def __init__(self, parameters: Params) -> None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self._device = params[0].device if params else torch.device("cpu")  # (a norm of no gradients: 0 there)
-        self.params = [p for p in params if p.grad is not None]
-        self.grads = [p.grad for p in self.params]
-        self.values = [grad_values(g) for g in self.grads]
+        grads = [p.grad for p in params]
+        if any(g is None for g in grads):
+            params = [p for p, g in zip(params, grads) if g is not None]
+            grads = [g for g in grads if g is not None]
+        self.params, self.grads = params, grads
         # each gradient's own norm, once :meth:`norm` has taken them on its way (one foreach group)
         self.norms: list[torch.Tensor] | None = None
-        self._one_group = bool(self.grads) and _one_foreach_group(self.grads)
+        self._one_group = bool(grads) and _one_foreach_group(grads)  # (dense: the values are the gradients)
+        self.values = grads if self._one_group else [grad_values(g) for g in grads]
 
     def norm(self) -> torch.Tensor:
         """The global L2 norm, a 0-dim device tensor (``inf``/``nan`` if any gradient is; 0 with none)."""
@@ -154,13 +157,13 @@ def global_l2_norm(parameters: Params) -> torch.Tensor:
 
 
 def _one_foreach_group(tensors: list[torch.Tensor]) -> bool:
-    """Plain dense tensors on one device, of one dtype, where foreach kernels run: the case in
+    """Plain dense (not sparse) tensors on one device, of one dtype, where foreach kernels run: the case in
     which ``get_total_norm`` and ``clip_grads_with_norm_`` make one foreach call (the step's
     usual case; a DTensor, a second dtype or device takes PyTorch's own grouping)."""
     first = tensors[0]
     device, dtype = first.device, first.dtype
-    return (all(type(t) is torch.Tensor and t.device == device and t.dtype == dtype for t in tensors)
-            and _device_has_foreach_support(device))
+    return (all(type(t) is torch.Tensor and t.device == device and t.dtype == dtype and not t.is_sparse
+                for t in tensors) and _device_has_foreach_support(device))
 
 
 def non_finite(x: torch.Tensor) -> torch.Tensor:

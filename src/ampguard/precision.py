@@ -305,10 +305,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
     def _one(self, device: torch.device | None) -> torch.Tensor:
         """A 1.0 on ``device`` (the host by default), the disabled scaler's scale: one tensor a
         device, never written to, serves every record."""
-        device = torch.device("cpu") if device is None else device
-        ones = self.__dict__.setdefault("_ones", {})
+        ones = self.__dict__.setdefault("_ones", {})  # by device (None: the host)
         if device not in ones:
-            ones[device] = torch.ones((), device=device)
+            ones[device] = torch.ones((), device=device or "cpu")
         return ones[device]
 
 
