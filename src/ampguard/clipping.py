@@ -14,6 +14,8 @@ sync: the clip coefficient is clamped on the device instead of being tested with
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -216,9 +218,9 @@ def clip_to_norm_(parameters: Params, max_norm: float | None, pre: torch.Tensor)
 
 def clip_factor(pre: torch.Tensor, max_norm: float | None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The clip's scalar half: ``(factor, post)``, the factor ``min(1, max_norm / (pre + 1e-6))``
-    that ``clip_grads_with_norm_`` multiplies the gradients by (computed with the same operations)
-    and the post-clip norm :func:`clip_to_norm_` reports; ``(None, pre)`` when clipping is off.
-    No host sync.
+    that ``clip_grads_with_norm_`` multiplies the gradients by (:func:`clip_coefficient`) and the
+    post-clip norm :func:`clip_to_norm_` reports (:func:`post_clip_norm`); ``(None, pre)`` when
+    clipping is off. No host sync.
 
     Example::
 
@@ -228,13 +230,68 @@ def clip_factor(pre: torch.Tensor, max_norm: float | None) -> tuple[torch.Tensor
         >>> clip_factor(torch.tensor(4.0), None)
         (None, tensor(4.))
     """
+    factor = clip_coefficient(pre, max_norm)
+    return (None, pre) if factor is None else (factor, post_clip_norm(pre, factor, max_norm))  # type: ignore[arg-type]
+
+
+def clip_coefficient(pre: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:
+    """``min(1, max_norm / (pre + 1e-6))`` on the device, computed with the operations
+    ``clip_grads_with_norm_`` uses; ``None`` when clipping is off.
+
+    Example::
+
+        >>> clip_coefficient(torch.tensor(0.5), 1.0).item(), clip_coefficient(torch.tensor(0.5), 0.0)
+        (1.0, None)
+    """
     max_norm = clip_threshold(max_norm)
     if max_norm is None:
-        return None, pre
+        return None
     # ``max_norm / (pre + 1e-6)`` is ``reciprocal() * max_norm`` in PyTorch (Tensor.__rdiv__):
     # the same kernels, called without the operator's Python wrapper, on the temporary in place
-    factor = (pre + _EPS).reciprocal_().mul_(max_norm).clamp_(max=1.0)
-    return factor, (pre * factor).clamp_(max=max_norm)
+    return (pre + _EPS).reciprocal_().mul_(max_norm).clamp_(max=1.0)
+
+
+def post_clip_norm(pre: torch.Tensor, factor: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``pre * factor`` (the factor the gradients were really multiplied by), capped at
+    ``max_norm`` so float32 rounding of the product never reports a norm an ulp above it (a
+    ``max_norm`` past the dtype's largest number caps nothing: the clamp takes that largest,
+    where the number itself would not convert)."""
+    return (pre * factor).clamp_(max=min(max_norm, torch.finfo(pre.dtype).max))
+
+
+# the dtypes whose post-clip norm :func:`post_clip_value` computes on the host, bit for bit
+HOST_ROUNDED = (torch.float32, torch.float64)
+
+
+def post_clip_value(pre: float, factor: float, max_norm: float, dtype: torch.dtype) -> float:
+    """:func:`post_clip_norm` on the host, from the values of ``pre`` and ``factor`` read back,
+    bit for bit what the device computes for a ``dtype`` in :data:`HOST_ROUNDED`: a product
+    of two float32 values is exact in a double, so rounding it to float32 once is the device's
+    float32 multiply; ``max_norm`` becomes a float32 as the clamp's scalar does. The exact step
+    takes the post-clip norm this way, two kernels fewer per step.
+
+    Example::
+
+        >>> pre = torch.tensor(3.7); factor = clip_coefficient(pre, 1.0)
+        >>> post_clip_value(pre.item(), factor.item(), 1.0, torch.float32) == post_clip_norm(pre, factor, 1.0).item()
+        True
+    """
+    if dtype == torch.float64:
+        return min(pre * factor, max_norm)
+    if dtype != torch.float32:
+        raise ValueError(f"post_clip_value rounds float32 and float64, not {dtype}")
+    return min(_float32(pre * factor), _float32(max_norm))
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (to inf past its largest), as a Python float."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+_F32 = struct.Struct("f")
 
 
 @torch.no_grad()

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from . import distributed
-from .clipping import GradSet, clip_factor, clip_to_norm_, non_finite
+from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_factor, clip_to_norm_, post_clip_norm,
+                       post_clip_value)
 from .precision import GuardedGradScaler, Precision, PrecisionName
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
 
@@ -518,11 +519,18 @@ class Guard:
         if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
             lr = lr.detach().clone()
         grads, loss, mark, pre, each = self._close_group(names)
-        factor, post = clip_factor(pre, self.max_norm)  # the clip of them all (unused if any is skipped)
+        factor = clip_coefficient(pre, self.max_norm)  # the clip of them all (unused if any is skipped)
+        if factor is None:  # clipping off: the post-clip norm is the norm
+            post = carried = pre
+        elif pre.dtype in HOST_ROUNDED:  # the host computes it from the factor read (bit for bit, 2 kernels fewer)
+            post, carried = None, factor
+        else:
+            post = carried = post_clip_norm(pre, factor, self.max_norm)  # type: ignore[arg-type]
 
         # The one host read of the step: was the loss or a gradient non-finite (on any rank)?
         # The values themselves come over, so it also brings the record's loss and norms.
-        loss_v, pre_v, post_v, mark_v, *each_v = torch.stack([loss, pre, post, mark, *each]).tolist()
+        loss_v, pre_v, carried_v, mark_v, *each_v = torch.stack([loss, pre, carried, mark, *each]).tolist()
+        post_v = carried_v if post is not None else post_clip_value(pre_v, carried_v, self.max_norm, pre.dtype)  # type: ignore[arg-type]
         bad_loss, bad_grad = not math.isfinite(mark_v), not math.isfinite(pre_v)
         bad_each = [not math.isfinite(v) for v in each_v]
         if not (bad_loss or bad_grad):  # (a non-finite gradient anywhere makes the joint norm so)
@@ -560,6 +568,8 @@ class Guard:
         if not skipped:
             self._updates += 1
             read["grad_l2_post_clip"] = post_v
+            if post is None:  # (a host tensor: the record's values stay tensors, and no kernel runs for it)
+                post = torch.tensor(post_v, dtype=pre.dtype)
             return StepLog(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
                            scaler_scale=self.scaler.scale_value(), **labels, read=read)
         return SkipLog(

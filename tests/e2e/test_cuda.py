@@ -270,3 +270,22 @@ def test_the_fused_tail_decides_like_the_eager_one_on_cuda(precision) -> None:
     assert [v["scaler_scale"] for v in v0] == [v["scaler_scale"] for v in v1]
     for a, b in zip(m0.parameters(), m1.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_host_post_clip_norm_is_the_gpus_bit_for_bit(dtype: torch.dtype) -> None:
+    # the exact step computes the post-clip norm on the host from the norm and clip factor its
+    # read brought: it must be the GPU's multiply and clamp, over the whole range of norms
+    import math
+
+    from ampguard.clipping import clip_coefficient, post_clip_norm, post_clip_value
+
+    g = torch.Generator().manual_seed(0)
+    exponents = torch.empty(20000, dtype=torch.float64).uniform_(-45, 38, generator=g)
+    pre = ((10 ** exponents) * torch.empty(20000, dtype=torch.float64).uniform_(1, 10, generator=g)).to(dtype).cuda()
+    for max_norm in (1.0, 0.5, 3.3, 1e30, 1e300):
+        factor = clip_coefficient(pre, max_norm)
+        device = post_clip_norm(pre, factor, max_norm).tolist()
+        host = [post_clip_value(p, f, max_norm, dtype) for p, f in zip(pre.tolist(), factor.tolist())]
+        bad = [(p, d, h) for p, d, h in zip(pre.tolist(), device, host) if not (d == h or math.isnan(d) and math.isnan(h))]
+        assert not bad, (max_norm, bad[:3])

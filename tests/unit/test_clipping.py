@@ -260,3 +260,35 @@ def test_the_split_clip_is_clip_grad_norm_bit_for_bit_over_mixed_dtypes():
     assert torch.equal(pre, ref_pre)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine, ref))
     assert post.item() <= 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("max_norm", [1.0, 0.5, 1e-3, 3.3, 1e30, 3.4028236e38, 1e300, 7e-39])
+def test_the_host_post_clip_norm_is_the_devices_bit_for_bit(dtype, max_norm):
+    """The exact step computes the post-clip norm on the host from the pre-clip norm and the
+    clip factor it read: it must be the value the device's multiply and clamp give, for norms
+    over the whole range (subnormal to near the largest), around the threshold and at 0; a
+    threshold past float32's largest must neither change the result nor fail (the device clamp
+    used to raise on it)."""
+    import math
+
+    from ampguard.clipping import clip_coefficient, post_clip_norm, post_clip_value
+
+    g = torch.Generator().manual_seed(int(max_norm * 1000) % 997)
+    exponents = torch.empty(3000, dtype=torch.float64).uniform_(-45, 38, generator=g)
+    pre = (10 ** exponents) * torch.empty(3000, dtype=torch.float64).uniform_(1, 10, generator=g)
+    edges = [max_norm, max_norm * (1 + 1e-7), max_norm * (1 - 1e-7), 0.0, 1e-45, 3.4e38]
+    pre = torch.cat([pre, torch.tensor(edges, dtype=torch.float64)]).to(dtype)
+    factor = clip_coefficient(pre, max_norm)
+    device = post_clip_norm(pre, factor, max_norm)
+    host = [post_clip_value(p, f, max_norm, dtype) for p, f in zip(pre.tolist(), factor.tolist())]
+    mismatches = [(p, d, h) for p, d, h in zip(pre.tolist(), device.tolist(), host)
+                  if not (d == h or (math.isnan(d) and math.isnan(h)))]
+    assert not mismatches, mismatches[:3]
+
+
+def test_the_host_post_clip_norm_refuses_a_dtype_it_cannot_round():
+    from ampguard.clipping import post_clip_value
+
+    with pytest.raises(ValueError, match="bfloat16"):
+        post_clip_value(2.0, 0.5, 1.0, torch.bfloat16)

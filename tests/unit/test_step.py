@@ -965,3 +965,31 @@ def test_floor_survives_the_state_dict_round_trip_mid_streak():
         (l.step, l.skipped, float(l.scaler_scale)) for l in lb]
     assert [float(l.scaler_scale) for l in la] == [2.0] * 4 + [2.0 * 2 ** ((i + 1) // 2) for i in range(8)]
     assert_params_equal(a.model, b.model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_records_post_clip_norm_is_the_device_clip_of_its_norm(dtype):
+    # float32/float64 norms: the post-clip norm is computed on the host from the values the
+    # step's read brought; a bfloat16 norm (an fp32 run of a bf16 model) keeps the device's.
+    # Either way it is the value clip_factor gives on the device, and a tensor on the record.
+    from ampguard.clipping import clip_factor
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(dtype)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="fp32",
+                          max_norm=0.05)
+    log = state.step(torch.randn(16, 8, dtype=dtype), torch.randn(16, 4, dtype=dtype))
+    expected = clip_factor(log.grad_l2_pre_clip, 0.05)[1].item()
+    assert isinstance(log.grad_l2_post_clip, torch.Tensor) and log.grad_l2_post_clip.dtype == dtype
+    assert log.values()["grad_l2_post_clip"] == log.grad_l2_post_clip.item() == expected
+    assert log.values()["grad_l2_post_clip"] < log.values()["grad_l2_pre_clip"]  # it clipped
+
+
+def test_a_threshold_past_float32s_largest_clips_nothing_and_runs():
+    # the post-clip clamp used to convert max_norm to float32 and raise past its largest
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="bf16",
+                          max_norm=1e300)
+    values = state.step(torch.randn(16, 8), torch.randn(16, 4)).values()
+    assert values["grad_l2_post_clip"] == values["grad_l2_pre_clip"] > 0
