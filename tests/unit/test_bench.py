@@ -216,14 +216,16 @@ def _ops(cls, precision="bf16", fused=True):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_the_guard_adds_a_handful_of_device_ops_to_the_bare_step(precision):
-    """What a launch-bound model pays per kernel: the exact step adds the loss's mark and seed,
-    the post-clip norm's two and the read's stack (5); the sync-free one also its skip flag and
-    count (9). A change that adds a kernel to every step fails here, whatever the timings say."""
+    """What a launch-bound model pays per kernel: the exact step adds the loss's mark, its seed
+    and the read's stack, and leaves out the bare loop's seed and clip-factor copy (+2); the
+    sync-free one also computes its skip flag, its count and the post-clip norm on the device,
+    and fused AdamW undoes the step count with found_inf (+9). A change that adds a kernel to
+    every step fails here, whatever the timings say."""
     from ampguard import bench
 
     bare = _ops(bench.Bare, precision)
     assert bare > 20
-    assert _ops(bench.Guarded, precision) - bare <= 5
+    assert _ops(bench.Guarded, precision) - bare <= 2
     assert _ops(bench.GuardedSyncFree, precision) - bare <= 9
 
 
@@ -258,4 +260,4 @@ def test_the_table_and_json_carry_ops_per_step(capsys):
     assert bench.run(models="nano", precisions="bf16", quick=True, peers=False, as_json=True) == 0
     rows = json.loads(capsys.readouterr().out)["results"]
     assert [r["workload"] for r in rows] == ["nano-mlp", "nano-mlp"]
-    assert rows[1]["ops"] - rows[0]["ops"] in range(1, 6)
+    assert rows[1]["ops"] - rows[0]["ops"] in range(1, 3)
