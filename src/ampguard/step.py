@@ -569,7 +569,7 @@ class Guard:
             self._updates += 1
             read["grad_l2_post_clip"] = post_v
             if post is None:  # (a host tensor: the record's values stay tensors, and no kernel runs for it)
-                post = torch.tensor(post_v, dtype=pre.dtype)
+                post = torch.scalar_tensor(post_v, dtype=pre.dtype)
             return StepLog(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
                            scaler_scale=self.scaler.scale_value(), **labels, read=read)
         return SkipLog(
