@@ -631,7 +631,7 @@ class Guard:
         for group, base in zip(self.optimizer.param_groups, bases):
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device == self._updates_t.device:
-                lr.copy_(base * factor)
+                torch.mul(factor, base, out=lr)  # (base * factor, written in place: one kernel)
             else:
                 group["lr"] = (base * factor).to(torch.float32)
 
