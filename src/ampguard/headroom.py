@@ -449,8 +449,11 @@ class SkipGradNorms:
         self.enabled = enabled
         self.order: list[str] | None = None  # backward's order, learned at the first step
         self._seen: list[str] = []
-        self._taken: dict[int, tuple[list[str], torch.Tensor | None]] = {}  # step -> its names and norms
+        # step -> its norms: (names, stacked norms), or the step's own (parameters, norms) as the
+        # sync-free path keeps them every step, sorted out only for a step that was skipped
+        self._taken: dict[int, tuple[list[Any], Any]] = {}
         self._guard: Any = None
+        self._covered = False  # the guard measures every parameter watched here (its norms cover them)
 
     def attach(self, guard: Any) -> SkipGradNorms:
         """Be called by ``guard`` at each skipped step (``Guard.skip_hooks``); returns self. On the
@@ -458,6 +461,8 @@ class SkipGradNorms:
         (``Guard.group_hooks``: one fused norm kernel a step), kept until :meth:`after` reads it."""
         if self.enabled:
             self._guard = guard
+            owned = {id(p) for p, _ in guard._owned}
+            self._covered = all(id(p) in owned for _, p in self.params)
             (guard.group_hooks if guard.sync_free else guard.skip_hooks).append(self.at_skip)
         return self
 
@@ -493,7 +498,14 @@ class SkipGradNorms:
     def at_skip(self, taken: GradSet | None = None) -> None:
         """The skipped step's gradient norms, on the device (no host read), in backward's order:
         those the step's global norm took on its way (``taken``, the guard's :class:`GradSet`)
-        when it covers every parameter, else computed here."""
+        when it covers every parameter, else computed here.
+
+        On the sync-free path (every step, skipped or not) the step's own per-parameter norms
+        are kept as they are when they cover every parameter: no kernel and next to no Python a
+        step; :meth:`after` puts them in order for a step that turns out skipped."""
+        if self._guard.sync_free and self._covered and taken is not None and taken.norms is not None:
+            self._taken[self._guard.steps] = (taken.params, taken.norms)
+            return
         params = {name: p for name, p in self.params if p.grad is not None}
         names = [name for name in self._current_order() if name in params]
         shared = taken.norms_by_param() if taken is not None else {}
@@ -507,6 +519,16 @@ class SkipGradNorms:
                      for n in names]
         self._taken[self._guard.steps] = (names, torch.stack(norms) if norms else None)
 
+    def _in_order(self, first: list[Any], second: Any) -> tuple[list[str], torch.Tensor | None]:
+        """``(names, stacked norms)`` in backward's order, from what :meth:`at_skip` kept."""
+        if not first or isinstance(first[0], str):  # (names, stacked norms) already
+            return first, second
+        by_param = {id(p): n for p, n in zip(first, second)}  # the step's own (parameters, norms)
+        params = dict(self.params)
+        names = [name for name in self._current_order() if id(params[name]) in by_param]
+        norms = [n if n.dtype == torch.float32 else n.float() for n in (by_param[id(params[name])] for name in names)]
+        return names, torch.stack(norms) if norms else None
+
     def after(self, record: StepRecord) -> dict[str, Any] | None:
         """For a skipped step the ``grad_norms`` event (a host read), else None. Norms taken for
         this step and any before it are let go."""
@@ -515,7 +537,7 @@ class SkipGradNorms:
             del self._taken[step]
         if not record.skipped or not self.enabled:
             return None
-        names, norms = taken if taken is not None else ([], None)
+        names, norms = self._in_order(*taken) if taken is not None else ([], None)
         values = norms.tolist() if norms is not None else []
         bad = [name for name, value in zip(names, values) if not math.isfinite(value)]
         if not names:

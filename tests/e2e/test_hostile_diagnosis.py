@@ -300,7 +300,7 @@ def test_bench_with_no_contender_left_is_one_line(cli, monkeypatch):
 
 def test_bench_nothing_to_measure_is_refused_up_front(cli):
     line = refused(cli("bench", "--models", "transformer,gpt2", "--precisions", "fp16", "--device", "cpu"))
-    assert line == "ampguard: error: bench: on a CPU fp16 runs only the mlp model; nothing to measure for transformer,gpt2"
+    assert line == "ampguard: error: bench: on a CPU fp16 runs only the mlp and nano models; nothing to measure for transformer,gpt2"
     for value in ("-1", "0", "nan"):
         line = refused(cli("bench", "--quick", "--models", "mlp", f"--peak-tflops={value}"))
         assert line == f"ampguard: error: bench: --peak-tflops must be a finite number > 0, got {value}"
