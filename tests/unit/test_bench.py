@@ -216,8 +216,9 @@ def _ops(cls, precision="bf16", fused=True):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_the_guard_adds_a_handful_of_device_ops_to_the_bare_step(precision):
-    """What a launch-bound model pays per kernel: the exact step adds the loss's mark, its seed
-    and the read's stack, and leaves out the bare loop's seed and clip-factor copy (+2); the
+    """What a launch-bound model pays per kernel: the exact step adds the loss's mark, its seed,
+    the read's stack and the post-clip norm's host tensor (no kernel on a GPU), and leaves out
+    the bare loop's seed and clip-factor copy (+3); the
     sync-free one also computes its skip flag, its count and the post-clip norm on the device,
     and fused AdamW undoes the step count with found_inf (+9). A change that adds a kernel to
     every step fails here, whatever the timings say."""
@@ -225,7 +226,7 @@ def test_the_guard_adds_a_handful_of_device_ops_to_the_bare_step(precision):
 
     bare = _ops(bench.Bare, precision)
     assert bare > 20
-    assert _ops(bench.Guarded, precision) - bare <= 2
+    assert _ops(bench.Guarded, precision) - bare <= 3
     assert _ops(bench.GuardedSyncFree, precision) - bare <= 9
 
 
@@ -260,4 +261,4 @@ def test_the_table_and_json_carry_ops_per_step(capsys):
     assert bench.run(models="nano", precisions="bf16", quick=True, peers=False, as_json=True) == 0
     rows = json.loads(capsys.readouterr().out)["results"]
     assert [r["workload"] for r in rows] == ["nano-mlp", "nano-mlp"]
-    assert rows[1]["ops"] - rows[0]["ops"] in range(1, 3)
+    assert rows[1]["ops"] - rows[0]["ops"] in range(1, 4)
