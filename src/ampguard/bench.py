@@ -62,29 +62,38 @@ class Workload:
     flops_per_step: float = 0.0  # model FLOPs (6 N per token for a transformer), for MFU
 
 
-def _mlp(device: torch.device) -> Workload:
+def _mlp(device: torch.device, *, name: str = "tiny-mlp", width: int = 64, inputs: int = 32, classes: int = 10,
+         batch: int = 64) -> Workload:
+    """An MLP of three linear layers with GELUs between (``width`` wide), one fixed batch.
+
+    Example::
+
+        >>> w = _mlp(torch.device("cpu"))
+        >>> w.name, [tuple(t.shape) for t in w.batch], w.make_model()[2]
+        ('tiny-mlp', [(64, 32), (64,)], Linear(in_features=64, out_features=64, bias=True))
+    """
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g)
+    x, y = torch.randn(batch, inputs, generator=g), torch.randint(0, classes, (batch,), generator=g)
 
     def make() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+        return nn.Sequential(nn.Linear(inputs, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
+                             nn.Linear(width, classes))
 
-    return Workload("tiny-mlp", make, (x.to(device), y.to(device)), F.cross_entropy)
+    return Workload(name, make, (x.to(device), y.to(device)), F.cross_entropy)
 
 
 def _nano(device: torch.device) -> Workload:
     """An MLP too small to compute anything (8 wide, batch 4): its step is all host time (Python,
     the dispatcher, kernel launches), as a tiny model's is on a GPU, so on a CPU it shows what
-    the guard costs a launch-bound step."""
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+    the guard costs a launch-bound step.
 
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    Example::
 
-    return Workload("nano-mlp", make, (x.to(device), y.to(device)), F.cross_entropy)
+        >>> [tuple(t.shape) for t in _nano(torch.device("cpu")).batch]
+        [(4, 8), (4,)]
+    """
+    return _mlp(device, name="nano-mlp", width=8, inputs=8, classes=4, batch=4)
 
 
 def _transformer(device: torch.device, size: str) -> Workload:
