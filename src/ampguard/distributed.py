@@ -156,6 +156,8 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
         >>> full_norm(norm) is norm
         True
     """
+    if type(norm) is torch.Tensor:  # (the usual case, without a failed attribute lookup every step)
+        return norm
     full = getattr(norm, "full_tensor", None)
     return full() if callable(full) else norm
 
