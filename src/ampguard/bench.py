@@ -573,7 +573,8 @@ def _time_steps(c: Contender, steps: int, device: torch.device) -> float:
 
 def ops_per_step(c: Contender) -> int | None:
     """The device operations one step of ``c`` dispatches: the ATen operators that reach the
-    dispatcher's kernels, views (no kernel) and the profiler's markers left out. An eager step
+    dispatcher's kernels, views, bare allocations (``empty``) and the profiler's markers left
+    out (they launch no kernel). An eager step
     on a GPU launches about this many kernels, each costing host time a launch-bound model
     pays in full; unlike a time, the count is the same on every run and every machine. ``None``
     for a step that runs compiled code (``Contender.compiled``, or a ``torch.compile``'d model):
@@ -603,15 +604,25 @@ def ops_per_step(c: Contender) -> int | None:
             self.ops = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if not func.is_view and not func.__name__.startswith("_record_function"):
+            if not func.is_view and func.__name__.split(".")[0] not in _NO_KERNEL:
                 self.ops += 1
             return func(*args, **(kwargs or {}))
 
-    if c.compiled or isinstance(getattr(c, "model", None), torch._dynamo.eval_frame.OptimizedModule):
+    model = getattr(c, "model", None)
+    if c.compiled or (isinstance(model, nn.Module) and any(
+            isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())):
+        return None  # (a compiled model anywhere inside: Fabric wraps it in a module of its own)
+    try:
+        with Count() as count:
+            c.step()
+    except Exception:  # noqa: BLE001 - a step that cannot run under the counter goes uncounted
         return None
-    with Count() as count:
-        c.step()
     return count.ops
+
+
+# operators that launch no kernel: profiler markers and bare allocations
+_NO_KERNEL = frozenset({"_record_function_enter_new", "_record_function_exit", "empty", "empty_like",
+                        "empty_strided"})
 
 
 def _ratios(times: dict[str, list[float]], name: str) -> list[float]:

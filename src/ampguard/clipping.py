@@ -288,7 +288,7 @@ def _float32(x: float) -> float:
     try:
         return _F32.unpack(_F32.pack(x))[0]
     except OverflowError:
-        return math.copysign(math.inf, x)
+        return math.inf if x > 0 else -math.inf
 
 
 _F32 = struct.Struct("f")

@@ -315,8 +315,9 @@ class Guard:
         self._applied = dict.fromkeys(optimizers, 0)  # updates each optimizer applied
         if sync_free:
             self._check_sync_free(self.optimizer, scheduler)
-            self._updates_t = torch.zeros((), device=device)
-            self._zero = torch.zeros((), device=device)  # (never written: the tail's ``pre * 0``)
+            # on the parameters' device (``device`` may name only the type: "cuda" for a model on cuda:1)
+            self._updates_t = torch.zeros((), device=model_device)
+            self._zero = torch.zeros((), device=model_device)  # (never written: the tail's ``pre * 0``)
             self._base_lrs = [group["lr"].detach().clone() for group in self.optimizer.param_groups]
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
                 scheduler.applied = self._updates_t
@@ -330,7 +331,6 @@ class Guard:
         self._backward_pending = False  # backward() ran, step() not yet
         self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed
         self._loss_mark: torch.Tensor | None = None  # the sum of each loss's x - x: NaN iff one was non-finite
-        self._seed = torch.empty((), device=device)  # each backward's seed, rewritten per loss (float32, as the loss)
 
     @property
     def record_columns(self) -> tuple[str, ...]:
@@ -397,8 +397,10 @@ class Guard:
                     loss = loss / n
                 # the backward's seed: 1.0 (what backward() seeds with) for a finite loss, 0.0 for
                 # a non-finite one, as if it were replaced by a constant zero; one kernel, written
-                # as float32 into the guard's own buffer (a masked_fill and its backward took four)
-                seed = torch.eq(mark, 0, out=self._seed)
+                # as float32 into a fresh tensor on the loss's device (a masked_fill and its backward
+                # took four). Fresh each time: autograd may keep the seed itself as a gradient (a
+                # parameter reached through views only), so a shared buffer would be overwritten
+                seed = torch.eq(mark, 0, out=torch.empty_like(mark))
                 self.scaler.scale(loss).backward(seed, retain_graph=i < last)
         if divided and n > 1:  # the record's loss is the mean of the undivided ones
             total = total * n

@@ -465,3 +465,38 @@ def test_fp16_on_a_cpu_warns_that_it_is_emulated():
     model = nn.Linear(2, 1)
     with pytest.warns(SlowPrecisionWarning, match="emulated, about 10x slower than bf16"):
         Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
+
+
+@pytest.mark.parametrize("accumulation, losses, divided", [(1, 2, False), (1, 3, False), (2, 1, True), (3, 1, True)])
+def test_a_parameter_reached_through_views_only_gets_its_own_gradient(accumulation, losses, divided):
+    # autograd may keep the backward's seed itself as such a parameter's gradient (no copy): a
+    # seed shared between backwards was then overwritten by the next one, and the gradient
+    # accumulated into it seeded the other branches with 2 (found in review). Against plain
+    # autograd, micro-batch by micro-batch.
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+            self.lin = torch.nn.Linear(2, 1)
+
+        def loss(self, x):
+            return self.lin(x).mean() + self.p.squeeze()
+
+    def make():
+        torch.manual_seed(0)
+        return Model()
+
+    mine, ref = make(), make()
+    guard = Guard(mine, torch.optim.SGD(mine.parameters(), lr=0.0), precision="fp32", max_norm=None,
+                  accumulation_steps=accumulation)
+    x = torch.randn(4, 2)
+    for i in range(accumulation):
+        # (divided: the caller says the losses are divided already, so the guard seeds them as they are)
+        guard.backward(*[mine.loss(x) for _ in range(losses)], divided=divided)
+        for _ in range(losses):
+            (ref.loss(x) if divided else ref.loss(x) / accumulation).backward()
+        if i < accumulation - 1:
+            assert guard.step() is None
+            assert torch.equal(mine.p.grad, ref.p.grad) and torch.equal(mine.lin.weight.grad, ref.lin.weight.grad)
+    grads = [p.grad.clone() for p in mine.parameters()]
+    assert all(torch.equal(a, b.grad) for a, b in zip(grads, ref.parameters()))
