@@ -574,9 +574,8 @@ def _time_steps(c: Contender, steps: int, device: torch.device) -> float:
 def ops_per_step(c: Contender) -> int | None:
     """The device operations one step of ``c`` dispatches: the ATen operators that reach the
     dispatcher's kernels, views, bare allocations (``empty``) and the profiler's markers left
-    out (they launch no kernel). An eager step
-    on a GPU launches about this many kernels, each costing host time a launch-bound model
-    pays in full; unlike a time, the count is the same on every run and every machine. ``None``
+    out (they launch no kernel). An eager step on a GPU launches about this many kernels, each
+    costing host time a launch-bound model pays in full; unlike a time, the count is the same on every run and every machine. ``None``
     for a step that runs compiled code (``Contender.compiled``, or a ``torch.compile``'d model):
     Inductor's kernels bypass the counter, and running them under it would make Dynamo give
     the compiled frames up.
@@ -870,8 +869,7 @@ def run_bench(
     contenders = ours + (available_peers() if peers else [])
     results: list[Result] = []
     for name in workloads:
-        w = {"mlp": _mlp, "nano": _nano}[name](device) if name in SMALL else _transformer(
-            device, "gpt2-small" if name == "gpt2" else "small")
+        w = _WORKLOADS[name](device)
         for p in precisions:
             if p == "fp16" and device.type == "cpu" and name not in SMALL:
                 # fp16 autocast on a CPU is far too slow for anything but the tiny MLPs
@@ -962,7 +960,10 @@ def to_json(results: list[Result], resolve: float | None = None) -> str:
                        "results": rows}, indent=2)
 
 
-WORKLOADS = ("mlp", "nano", "transformer", "gpt2")
+_WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
+    "mlp": _mlp, "nano": _nano, "transformer": lambda device: _transformer(device, "small"),
+    "gpt2": lambda device: _transformer(device, "gpt2-small")}
+WORKLOADS = tuple(_WORKLOADS)
 SMALL = ("mlp", "nano")  # the MLPs: fp16 runs them on a CPU too
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 

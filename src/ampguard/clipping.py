@@ -168,18 +168,6 @@ def _one_foreach_group(tensors: list[torch.Tensor]) -> bool:
                 for t in tensors) and _device_has_foreach_support(device))
 
 
-def non_finite(x: torch.Tensor) -> torch.Tensor:
-    """``~torch.isfinite(x)`` in two kernels instead of five: ``x - x`` is exactly 0 for a finite
-    ``x`` and NaN for an infinite or NaN one (IEEE 754). For the step's scalars (a loss, a norm).
-
-    Example::
-
-        >>> non_finite(torch.tensor([1.5, float("inf"), float("-inf"), float("nan"), 3e38])).tolist()
-        [False, True, True, True, False]
-    """
-    return (x - x).ne(0)
-
-
 def clip_threshold(max_norm: float | None) -> float | None:
     """The clip threshold, or None when clipping is off (``max_norm`` null, 0 or negative): the
     one place that reads "clipping off".

@@ -449,9 +449,8 @@ class SkipGradNorms:
         self.enabled = enabled
         self.order: list[str] | None = None  # backward's order, learned at the first step
         self._seen: list[str] = []
-        # step -> its norms: (names, stacked norms), or the step's own (parameters, norms) as the
-        # sync-free path keeps them every step, sorted out only for a step that was skipped
-        self._taken: dict[int, tuple[list[Any], Any]] = {}
+        # step -> (parameters, their norms), put in order only for a step that was skipped
+        self._taken: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._guard: Any = None
         self._covered = False  # the guard measures every parameter watched here (its norms cover them)
 
@@ -496,38 +495,35 @@ class SkipGradNorms:
         return known + [name for name, _ in reversed(self.params) if name not in seen]
 
     def at_skip(self, taken: GradSet | None = None) -> None:
-        """The skipped step's gradient norms, on the device (no host read), in backward's order:
+        """The skipped step's gradient norms, on the device (no host read), kept with their
+        parameters until :meth:`after` puts them in backward's order (for a skipped step only):
         those the step's global norm took on its way (``taken``, the guard's :class:`GradSet`)
-        when it covers every parameter, else computed here.
+        when they cover every parameter, else computed here.
 
         On the sync-free path (every step, skipped or not) the step's own per-parameter norms
-        are kept as they are when they cover every parameter: no kernel and next to no Python a
-        step; :meth:`after` puts them in order for a step that turns out skipped."""
+        are kept as they are when the guard measures every parameter watched here: no kernel
+        and next to no Python a step."""
         if self._guard.sync_free and self._covered and taken is not None and taken.norms is not None:
             self._taken[self._guard.steps] = (taken.params, taken.norms)
             return
-        params = {name: p for name, p in self.params if p.grad is not None}
-        names = [name for name in self._current_order() if name in params]
+        params = [p for _, p in self.params if p.grad is not None]
         shared = taken.norms_by_param() if taken is not None else {}
-        if all(id(params[n]) in shared for n in names):  # no second pass over the gradients
-            norms = [n if n.dtype == torch.float32 else n.float() for n in (shared[id(params[n])] for n in names)]
+        if all(id(p) in shared for p in params):  # no second pass over the gradients
+            norms = [shared[id(p)] for p in params]
         elif self._guard.sync_free:  # every step: one fused kernel (one process: no shards to reduce)
-            norms = [n if n.dtype == torch.float32 else n.float()
-                     for n in torch._foreach_norm([grad_values(params[n].grad) for n in names])]
+            norms = list(torch._foreach_norm([grad_values(p.grad) for p in params]))
         else:
-            norms = [distributed.full_norm(torch.linalg.vector_norm(grad_values(params[n].grad), dtype=torch.float32))
-                     for n in names]
-        self._taken[self._guard.steps] = (names, torch.stack(norms) if norms else None)
+            norms = [distributed.full_norm(torch.linalg.vector_norm(grad_values(p.grad), dtype=torch.float32))
+                     for p in params]
+        self._taken[self._guard.steps] = (params, norms)
 
-    def _in_order(self, first: list[Any], second: Any) -> tuple[list[str], torch.Tensor | None]:
-        """``(names, stacked norms)`` in backward's order, from what :meth:`at_skip` kept."""
-        if not first or isinstance(first[0], str):  # (names, stacked norms) already
-            return first, second
-        by_param = {id(p): n for p, n in zip(first, second)}  # the step's own (parameters, norms)
-        params = dict(self.params)
-        names = [name for name in self._current_order() if id(params[name]) in by_param]
-        norms = [n if n.dtype == torch.float32 else n.float() for n in (by_param[id(params[name])] for name in names)]
-        return names, torch.stack(norms) if norms else None
+    def _in_order(self, params: list[torch.Tensor], norms: list[torch.Tensor]) -> tuple[list[str], torch.Tensor | None]:
+        """``(names, stacked float32 norms)`` in backward's order, from what :meth:`at_skip` kept."""
+        by_param = {id(p): n for p, n in zip(params, norms)}
+        named = dict(self.params)
+        names = [name for name in self._current_order() if id(named[name]) in by_param]
+        ordered = [n if n.dtype == torch.float32 else n.float() for n in (by_param[id(named[name])] for name in names)]
+        return names, torch.stack(ordered) if ordered else None
 
     def after(self, record: StepRecord) -> dict[str, Any] | None:
         """For a skipped step the ``grad_norms`` event (a host read), else None. Norms taken for

@@ -265,11 +265,10 @@ class GuardedGradScaler(torch.amp.GradScaler):
             elif found:  # a number: filled in on the device (a host tensor would be a copy, and a sync)
                 flag.fill_(1.0)
 
-    def scale_value(self, device: torch.device | None = None) -> torch.Tensor:
+    def scale_value(self) -> torch.Tensor:
         """The current scale as a detached 0-dim tensor on the scaler's device (no host sync).
 
-        1.0 when the scaler is disabled (bf16, fp32), as the per-step CSV reports it: on the
-        host, or on ``device`` when given (what the sync-free step packs with its other values).
+        1.0 when the scaler is disabled (bf16, fp32), as the per-step CSV reports it (on the host).
 
         Example::
 
@@ -279,7 +278,7 @@ class GuardedGradScaler(torch.amp.GradScaler):
             tensor(1.)
         """
         if not self._enabled:
-            return self._one(device)
+            return self._one(None)
         if self._scale is None:
             return torch.full((), float(self._init_scale))
         return self._scale.detach().clone()

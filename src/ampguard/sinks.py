@@ -188,15 +188,10 @@ class _LineFile:
     _file: IO[bytes] | None
 
     def _write_line(self, line: str) -> None:
-        """Append ``line`` (:class:`DiskFull` when there is no room). (What ``with
-        writing(path)`` does, as a ``try``: it runs for every row.)"""
+        """Append ``line`` (:class:`DiskFull` when there is no room)."""
         assert self._file is not None, f"{type(self).__name__} is closed"
-        try:
+        with writing(self.path):
             _append(self._file, line)
-        except Exception as err:
-            if (full := disk_full_error(err)) is not None:
-                raise DiskFull(self.path, full) from None
-            raise
 
     def close(self) -> None:
         """Close the file. Every line is in it already (nothing is buffered); a file system that

@@ -532,7 +532,6 @@ class Guard:
         # The one host read of the step: was the loss or a gradient non-finite (on any rank)?
         # The values themselves come over, so it also brings the record's loss and norms.
         loss_v, pre_v, carried_v, mark_v, *each_v = torch.stack([loss, pre, carried, mark, *each]).tolist()
-        post_v = carried_v if post is not None else post_clip_value(pre_v, carried_v, self.max_norm, pre.dtype)  # type: ignore[arg-type]
         bad_loss, bad_grad = not math.isfinite(mark_v), not math.isfinite(pre_v)
         bad_each = [not math.isfinite(v) for v in each_v]
         if not (bad_loss or bad_grad):  # (a non-finite gradient anywhere makes the joint norm so)
@@ -569,9 +568,11 @@ class Guard:
             read["scaler_scale"] = 1.0
         if not skipped:
             self._updates += 1
-            read["grad_l2_post_clip"] = post_v
-            if post is None:  # (a host tensor: the record's values stay tensors, and no kernel runs for it)
-                post = torch.scalar_tensor(post_v, dtype=pre.dtype)
+            if post is None:  # from the factor read; a host tensor (the record's values stay tensors, no kernel)
+                read["grad_l2_post_clip"] = post_clip_value(pre_v, carried_v, self.max_norm, pre.dtype)  # type: ignore[arg-type]
+                post = torch.scalar_tensor(read["grad_l2_post_clip"], dtype=pre.dtype)
+            else:
+                read["grad_l2_post_clip"] = carried_v
             return StepLog(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
                            scaler_scale=self.scaler.scale_value(), **labels, read=read)
         return SkipLog(
