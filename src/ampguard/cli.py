@@ -327,6 +327,21 @@ def _handled_keyboard_interrupt() -> None:
         ctypes.pythonapi.PyRun_SimpleString(b"")
 
 
+def _an_interrupt(err: BaseException) -> bool:
+    """A Ctrl-C, or one that Python wrapped on its way out: a KeyboardInterrupt raised while a
+    class body runs (an import torch makes lazily, e.g. ``torch._dynamo`` from the optimizer's
+    constructor) comes out as ``RuntimeError: Error calling __set_name__`` caused by it.
+
+    Example::
+
+        >>> wrapped = RuntimeError("Error calling __set_name__ on 'Field' instance")
+        >>> wrapped.__cause__ = KeyboardInterrupt()
+        >>> _an_interrupt(KeyboardInterrupt()), _an_interrupt(wrapped), _an_interrupt(RuntimeError("shape"))
+        (True, True, False)
+    """
+    return isinstance(err, KeyboardInterrupt) or isinstance(err.__cause__, KeyboardInterrupt)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ampguard ARGV`` and return its exit code (:class:`ExitCode`): bad input is one line
     ``ampguard: error: ...`` on stderr and 2, Ctrl-C is 130; anything else is a bug and raises.
@@ -365,7 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Interrupted as err:
         print("ampguard: interrupted", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as err:
+        if not _an_interrupt(err):
+            raise
         print("ampguard: interrupted", file=sys.stderr)
         _handled_keyboard_interrupt()
         return ExitCode.INTERRUPTED
