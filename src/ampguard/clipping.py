@@ -14,13 +14,13 @@ sync: the clip coefficient is clamped on the device instead of being tested with
 
 from __future__ import annotations
 
-import math
-import struct
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch.utils._foreach_utils import (_device_has_foreach_support, _group_tensors_by_device_and_dtype,
                                         _has_foreach_support)
+
+from .precision import round_float32
 
 try:  # torch >= 2.6
     from torch.nn.utils import get_total_norm
@@ -268,18 +268,9 @@ def post_clip_value(pre: float, factor: float, max_norm: float, dtype: torch.dty
         return min(pre * factor, max_norm)
     if dtype != torch.float32:
         raise ValueError(f"post_clip_value rounds float32 and float64, not {dtype}")
-    return min(_float32(pre * factor), _float32(max_norm))
+    return min(round_float32(pre * factor), round_float32(max_norm))
 
 
-def _float32(x: float) -> float:
-    """``x`` rounded to the nearest float32 (to inf past its largest), as a Python float."""
-    try:
-        return _F32.unpack(_F32.pack(x))[0]
-    except OverflowError:
-        return math.inf if x > 0 else -math.inf
-
-
-_F32 = struct.Struct("f")
 
 
 @torch.no_grad()

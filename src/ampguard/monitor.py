@@ -20,11 +20,11 @@ message to know which guard tripped.
 from __future__ import annotations
 
 import math
-import struct
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from .precision import round_float32
 from .records import StepRecord
 
 HEALTH_VERDICTS: tuple[str, ...] = ("warming", "climbing", "stable", "oscillating", "collapsing")
@@ -54,18 +54,6 @@ _UNITS = 2**1074
 def _exact(value: float) -> int:
     num, den = float(value).as_integer_ratio()
     return num * (_UNITS // den)
-
-
-def _as_float32(value: float) -> float:
-    """``value`` rounded to float32, as the scaler's scale tensor holds it (its floor included).
-
-    A floor such as 0.1 is stored as float32(0.1) > 0.1; comparing the scale read back with the
-    unrounded 0.1 would never find it at the floor.
-    """
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:  # beyond float32's range: no float32 scale can reach it anyway
-        return value
 
 
 class RollingWindow:
@@ -355,7 +343,7 @@ class ScaleHealth:
         self.window = window
         self.min_scale = min_scale
         self.warmup_skips = warmup_skips
-        self._floor = _as_float32(min_scale)
+        self._floor = round_float32(min_scale)
         # the scale before the window's first step, then the scale after each of its steps
         self._scales: deque[float] = deque([] if init_scale is None else [float(init_scale)], maxlen=window + 1)
         self._skipped = RollingWindow(window)

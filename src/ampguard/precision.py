@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -64,6 +65,24 @@ def _check_min_scale(min_scale: float) -> float:
             f"got {min_scale!r}"
         )
     return min_scale
+
+
+def round_float32(x: float) -> float:
+    """``x`` rounded to the nearest float32, as a Python float (to inf past float32's largest,
+    as a conversion to float32 does): what a float32 tensor holds once ``x`` is written to it.
+
+    Example::
+
+        >>> round_float32(0.1) == torch.tensor(0.1).item(), round_float32(1e39)
+        (True, inf)
+    """
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
+_F32 = struct.Struct("f")
 
 
 class GuardedGradScaler(torch.amp.GradScaler):
@@ -264,6 +283,52 @@ class GuardedGradScaler(torch.amp.GradScaler):
                 torch.maximum(flag, found.to(flag.device, flag.dtype), out=flag)
             elif found:  # a number: filled in on the device (a host tensor would be a copy, and a sync)
                 flag.fill_(1.0)
+
+    def update_inputs(self) -> list[torch.Tensor]:
+        """The scale and growth tracker as the next ``update()`` will find them (``[]`` when
+        disabled): read back with a step's skip decision, they let :meth:`scale_after` tell the
+        updated scale on the host, without reading the scale again after the update.
+
+        Example::
+
+            >>> scaler = GuardedGradScaler("cpu", init_scale=512.0)
+            >>> _ = scaler.scale(torch.ones(()))
+            >>> [t.item() for t in scaler.update_inputs()], GuardedGradScaler("cpu", enabled=False).update_inputs()
+            ([512.0, 0], [])
+        """
+        if not self._enabled or self._scale is None or self._growth_tracker is None:
+            return []
+        return [self._scale, self._growth_tracker]
+
+    def scale_after(self, inputs: list[float], found: bool) -> float | None:
+        """What ``update()`` makes of the scale and tracker values ``inputs`` (from
+        :meth:`update_inputs`) when the step's found-inf is ``found``: PyTorch's
+        ``_amp_update_scale_`` (x ``backoff_factor`` on an overflow; x ``growth_factor``, if
+        that stays finite, on the ``growth_interval``-th clean step in a row) and the floor, on
+        the host and bit for bit (the products in double, rounded to float32 once, as the
+        kernels compute them). ``None`` where the host cannot tell: no inputs, a non-finite
+        scale, a tracker past float32's exact integers, or a subclass with an ``update`` of
+        its own; the caller then reads the scale from the device.
+
+        Example::
+
+            >>> scaler = GuardedGradScaler("cpu", init_scale=4.0, growth_interval=2, min_scale=2.0)
+            >>> scaler.scale_after([4.0, 0], False), scaler.scale_after([4.0, 1], False), scaler.scale_after([4.0, 0], True)
+            (4.0, 8.0, 2.0)
+            >>> scaler.scale_after([2.0, 0], True)  # at the floor
+            2.0
+        """
+        if len(inputs) != 2 or type(self).update is not GuardedGradScaler.update:
+            return None
+        scale, tracker = inputs
+        if not math.isfinite(scale) or tracker >= 2**24:
+            return None
+        if found:
+            scale = round_float32(scale * self._backoff_factor)
+        elif tracker + 1 == self._growth_interval:
+            grown = round_float32(scale * self._growth_factor)
+            scale = grown if math.isfinite(grown) else scale
+        return max(scale, round_float32(self._min_scale))
 
     def scale_value(self) -> torch.Tensor:
         """The current scale as a detached 0-dim tensor on the scaler's device (no host sync).

@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from .clipping import post_clip_value
+
 SkipReason = Literal["non_finite_loss", "non_finite_grad"]
 SKIP_REASONS: tuple[str, ...] = ("non_finite_loss", "non_finite_grad")
 # the extra CSV columns of a guard over several optimizers (``Guard.record_columns``)
@@ -287,7 +289,11 @@ class PendingStep(StepRecord):
     Norms that do not exist for the step (a loss skip's, a skip's post-clip) read as ``None``,
     exactly as in a :class:`SkipLog`. ``loss_mark`` is the group's loss mark (0, or NaN when a
     micro-batch loss was non-finite): with the pre-clip norm it tells on the host whether the
-    step was skipped and why, so the device computes no flags for the record.
+    step was skipped and why, so the device computes no flags for the record. With ``clip``,
+    ``(max_norm, the norm's dtype)``, the packed post-clip slot holds the clip factor instead
+    and the host computes the post-clip norm from it (:func:`~ampguard.clipping.post_clip_value`,
+    bit for bit the device's; the ``grad_l2_post_clip`` field is then ``None`` until read), as
+    the exact step does: two kernels fewer per step.
 
     Example::
 
@@ -301,6 +307,7 @@ class PendingStep(StepRecord):
     """
 
     loss_mark: Value = None
+    clip: tuple[float, torch.dtype] | None = field(default=None, repr=False, compare=False)
     _reason: str | None = field(default=None, init=False, repr=False, compare=False)
 
     _NUMERIC: ClassVar[tuple[str, ...]] = StepRecord._NUMERIC + ("loss_mark",)
@@ -315,6 +322,8 @@ class PendingStep(StepRecord):
             out["grad_l2_pre_clip"] = out["grad_l2_post_clip"] = None
         elif reason:
             out["grad_l2_post_clip"] = None
+        elif self.clip is not None:  # the slot held the clip factor
+            out["grad_l2_post_clip"] = post_clip_value(pre, out["grad_l2_post_clip"], *self.clip)  # type: ignore[arg-type]
         return out
 
     @property

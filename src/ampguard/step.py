@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import distributed
-from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_factor, clip_to_norm_, post_clip_norm,
+from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_to_norm_, post_clip_norm,
                        post_clip_value)
 from .precision import GuardedGradScaler, Precision, PrecisionName
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
@@ -99,35 +99,36 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
 
 
 def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None,
-                   zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                   zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The sync-free step's scalar arithmetic once the group's loss mark (0, or NaN when a
-    micro-batch loss was non-finite) and norm are known: ``(found, clip factor, post-clip
-    norm)``, where ``found`` is 1.0 when the step must be skipped (the mark or the norm
-    non-finite) and 0.0 otherwise; and ``applied``, the device count of applied updates,
-    advanced in place unless found. ``zero`` is a 0.0 of the norm's device.
+    micro-batch loss was non-finite) and norm are known: ``(found, clip factor)``, where
+    ``found`` is 1.0 when the step must be skipped (the mark or the norm non-finite) and 0.0
+    otherwise, and the factor is ``None`` when clipping is off; and ``applied``, the device
+    count of applied updates, advanced in place unless found. ``zero`` is a 0.0 of the norm's
+    device. (The post-clip norm is the host's, from the factor: :meth:`AmpTrainState._post_clip`.)
 
     ``found`` takes two kernels: ``mark + pre * 0`` is 0 for a finite norm and mark, NaN
     otherwise (``inf * 0`` is NaN, IEEE 754), and ``nan_to_num(1.0)`` makes that 0 or 1. Only
     scalar tensor operations, so ``torch.compile`` fuses them into a kernel or two
-    (``fuse_tail``); eagerly the clip's are the exact path's.
+    (``fuse_tail``); eagerly the clip factor's are the exact path's.
 
     Example (a non-finite gradient: found, and the count does not advance)::
 
         >>> applied = torch.tensor(3.0)
-        >>> found, factor, post = sync_free_tail(torch.tensor(0.0), torch.tensor(float("inf")), applied, 1.0,
-        ...                                      torch.tensor(0.0))
+        >>> found, factor = sync_free_tail(torch.tensor(0.0), torch.tensor(float("inf")), applied, 1.0,
+        ...                                torch.tensor(0.0))
         >>> found.item(), applied.item()
         (1.0, 3.0)
-        >>> found, factor, post = sync_free_tail(torch.tensor(0.0), torch.tensor(4.0), applied, 1.0, torch.tensor(0.0))
-        >>> found.item(), round(post.item(), 6), applied.item()
-        (0.0, 1.0, 4.0)
+        >>> found, factor = sync_free_tail(torch.tensor(0.0), torch.tensor(4.0), applied, 1.0, torch.tensor(0.0))
+        >>> found.item(), round(factor.item(), 6), applied.item()
+        (0.0, 0.25, 4.0)
     """
     found = torch.addcmul(mark, pre, zero).nan_to_num_(1.0)
     if found.dtype != torch.float32:  # (a float64 norm): fused optimizers take a float32 flag
         found = found.float()
-    factor, post = clip_factor(pre, max_norm)
+    factor = clip_coefficient(pre, max_norm)
     applied.sub_(found).add_(1.0)
-    return found, factor, post
+    return found, factor
 
 
 @functools.cache
@@ -164,8 +165,9 @@ class Guard:
 
     Host syncs: one per step, the skip decision (the same read ``GradScaler.step`` makes for a
     non-fused optimizer; the step calls ``optimizer.step()`` itself once it knows, so the read
-    is not made twice). That read brings the loss and norms over with the decision: they stay
-    device tensors in the record, and a sink reads only the scale again (after fp16's update).
+    is not made twice). That read brings the loss and norms over with the decision (they stay
+    device tensors in the record), and fp16's scale and growth tracker, from which the host
+    tells the scale after ``update()`` bit for bit: a sink reads nothing from the device again.
 
     The parameters checked, measured and clipped are the optimizer's (in the model's order). A
     model parameter that requires grad but no optimizer updates is refused, or, with
@@ -522,16 +524,14 @@ class Guard:
             lr = lr.detach().clone()
         grads, loss, mark, pre, each = self._close_group(names)
         factor = clip_coefficient(pre, self.max_norm)  # the clip of them all (unused if any is skipped)
-        if factor is None:  # clipping off: the post-clip norm is the norm
-            post = carried = pre
-        elif pre.dtype in HOST_ROUNDED:  # the host computes it from the factor read (bit for bit, 2 kernels fewer)
-            post, carried = None, factor
-        else:
-            post = carried = post_clip_norm(pre, factor, self.max_norm)  # type: ignore[arg-type]
+        post, carried = self._post_clip(pre, factor)
 
         # The one host read of the step: was the loss or a gradient non-finite (on any rank)?
-        # The values themselves come over, so it also brings the record's loss and norms.
-        loss_v, pre_v, carried_v, mark_v, *each_v = torch.stack([loss, pre, carried, mark, *each]).tolist()
+        # The values themselves come over, so it also brings the record's loss and norms, and
+        # the scale and growth tracker the update will find (the host tells the new scale).
+        scaling = self.scaler.update_inputs()
+        loss_v, pre_v, carried_v, mark_v, *rest = torch.stack([loss, pre, carried, mark, *scaling, *each]).tolist()
+        scaling_v, each_v = rest[:len(scaling)], rest[len(scaling):]
         bad_loss, bad_grad = not math.isfinite(mark_v), not math.isfinite(pre_v)
         bad_each = [not math.isfinite(v) for v in each_v]
         if not (bad_loss or bad_grad):  # (a non-finite gradient anywhere makes the joint norm so)
@@ -562,10 +562,13 @@ class Guard:
         for name in applied:
             self._applied[name] += 1
         labels = {"optimizers": names, "skipped_optimizers": skipped} if len(self.optimizers) > 1 else {}
-        # what the read brought, and a disabled scaler's 1.0: a sink reads only the rest
+        # what the read brought, the scale after update() told on the host: a sink reads nothing more
         read = {"loss": loss_v} if bad_loss else {"loss": loss_v, "grad_l2_pre_clip": pre_v}
-        if not self.scaler.is_enabled():
-            read["scaler_scale"] = 1.0
+        scale = 1.0 if not self.scaler.is_enabled() else self.scaler.scale_after(scaling_v, bool(skipped))
+        if scale is None:  # (the host cannot tell: the record reads it from the device)
+            scale = self.scaler.scale_value()
+        else:
+            read["scaler_scale"] = scale
         if not skipped:
             self._updates += 1
             if post is None:  # from the factor read; a host tensor (the record's values stay tensors, no kernel)
@@ -574,18 +577,30 @@ class Guard:
             else:
                 read["grad_l2_post_clip"] = carried_v
             return StepLog(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
-                           scaler_scale=self.scaler.scale_value(), **labels, read=read)
+                           scaler_scale=scale, **labels, read=read)
         return SkipLog(
             step=self.steps,
             lr=lr,
             loss=loss,
             grad_l2_pre_clip=None if bad_loss else pre,
             grad_l2_post_clip=post,
-            scaler_scale=self.scaler.scale_value(),
+            scaler_scale=scale,
             reason="non_finite_loss" if bad_loss else "non_finite_grad",
             **labels,
             read=read,
         )
+
+    def _post_clip(self, pre: torch.Tensor, factor: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(post-clip norm, what the record's read carries for it)``: the norm itself when
+        clipping is off; for a norm in :data:`HOST_ROUNDED`, ``None`` and the clip factor, from
+        whose value the host computes the post-clip norm bit for bit (two kernels fewer a step);
+        else the device's post-clip norm."""
+        if factor is None:
+            return pre, pre
+        if pre.dtype in HOST_ROUNDED:
+            return None, factor
+        post = post_clip_norm(pre, factor, self.max_norm)  # type: ignore[arg-type]
+        return post, post
 
     def _finish_group_sync_free(self) -> PendingStep:
         """The group boundary without any host read: every decision stays on the device.
@@ -600,7 +615,8 @@ class Guard:
         self._set_lrs()  # this step's LR, from the count before it
         lr = self.optimizer.param_groups[0]["lr"]
         tail = _compiled_tail() if self.fuse_tail else sync_free_tail
-        found, factor, post = tail(mark, pre, self._updates_t, self.max_norm, self._zero)
+        found, factor = tail(mark, pre, self._updates_t, self.max_norm, self._zero)
+        post, carried = self._post_clip(pre, factor)
         for hook in self.group_hooks:
             hook(grads)
         if factor is not None:
@@ -615,11 +631,14 @@ class Guard:
         self._zero_grad()
         # the record's values in one tensor (read back with one copy), the fields views of it;
         # the LR as this step used it (the next step's _set_lrs writes that tensor in place), the
-        # scale after update(), and the loss mark, from which the reader tells a skip and its reason
-        packed = torch.stack([lr, loss, pre, post, self.scaler.scale_tensor(pre.device), mark])
-        lr, loss, pre, post, scale, mark = packed.unbind()
-        return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
-                           scaler_scale=scale, loss_mark=mark, packed=packed)
+        # post-clip norm or the factor the host computes it from, the scale after update(), and
+        # the loss mark, from which the reader tells a skip and its reason
+        clip = None if post is not None else (self.max_norm, pre.dtype)
+        packed = torch.stack([lr, loss, pre, carried, self.scaler.scale_tensor(pre.device), mark])
+        lr, loss, pre, carried, scale, mark = packed.unbind()
+        return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre,
+                           grad_l2_post_clip=None if clip else carried, scaler_scale=scale, loss_mark=mark,
+                           packed=packed, clip=clip)
 
     def _set_lrs(self) -> None:
         """Sync-free: each group's LR for this step, ``base x factor(applied updates)`` on the

@@ -275,3 +275,51 @@ def test_a_found_inf_mark_is_a_number_filled_in_on_the_device_and_zero_marks_not
     assert [flag.item() for flag in record.values()] == [1.0]
     scaler.update()
     assert scaler.get_scale() == 64.0
+
+
+# ---------------------------------------------------------------------------- the scale on the host
+
+
+def test_the_host_scale_after_update_is_the_devices_bit_for_bit():
+    """scale_after (the exact step's host copy of update(): x backoff, x growth on the
+    growth_interval-th clean step unless that overflows, the floor) against the device's
+    update() itself, over scales from the floor's neighbourhood to float32's largest, odd
+    factors and floors, every tracker position and both flags: 0 mismatches."""
+    rng = random.Random(7)
+    opt = optimizer()
+    huge = torch.finfo(torch.float32).max
+    cases = 0
+    for growth, backoff, interval, floor in [(2.0, 0.5, 3, DEFAULT_MIN_SCALE), (1.7, 0.37, 2, 0.1),
+                                             (3.3, 0.9, 1, 7.3), (1e30, 1e-30, 2, 1.0)]:
+        scaler = GuardedGradScaler("cpu", init_scale=max(floor, 1.0), growth_factor=growth, backoff_factor=backoff,
+                                   growth_interval=interval, min_scale=floor)
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        scales = [huge, huge / 1.5, floor, floor * 1.01, TINY] + [
+            float(torch.tensor(rng.uniform(-130, 128)).exp2()) for _ in range(300)]
+        for scale in scales:
+            for tracker in range(interval):
+                for found in (False, True):
+                    scaler._scale.fill_(scale)
+                    scaler._growth_tracker.fill_(tracker)
+                    inputs = [t.item() for t in scaler.update_inputs()]
+                    predicted = scaler.scale_after(inputs, found)
+                    scaler.add_found_inf_(opt, torch.tensor(float(found)))
+                    scaler.update()
+                    assert predicted == scaler.get_scale(), (scale, tracker, found, growth, backoff, floor)
+                    cases += 1
+    assert cases > 2000
+
+
+def test_the_host_cannot_tell_a_non_finite_scale_or_a_subclass_update():
+    scaler = GuardedGradScaler("cpu", init_scale=8.0)
+    assert scaler.update_inputs() == []  # nothing scaled yet: nothing to read
+    assert scaler.scale_after([], False) is None
+    assert scaler.scale_after([float("inf"), 0], False) is None
+    assert scaler.scale_after([8.0, 2.0**24], False) is None  # a tracker float32 cannot hold exactly
+
+    class Own(GuardedGradScaler):
+        def update(self, new_scale=None):
+            super().update(4.0)
+
+    assert Own("cpu", init_scale=8.0).scale_after([8.0, 0], False) is None
+    assert GuardedGradScaler("cpu", enabled=False).update_inputs() == []

@@ -533,8 +533,9 @@ def test_at_most_one_host_read_per_step(precision, accum):
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
 def test_the_steps_one_read_brings_the_records_loss_and_norms(precision):
     # the skip decision's read carries the values themselves: a sink reading the record reads
-    # only fp16's scale again (a device tensor after its update; bf16/fp32's is 1.0, known),
-    # not the loss and norms, which stay tensors on the record all the same
+    # nothing again (fp16's scale after its update is told on the host from the scale and
+    # growth tracker the read brought; bf16/fp32's is 1.0), and the loss and norms stay
+    # tensors on the record all the same
     model = make_model()
     inject = GradInjector(model[2].weight)
     state = AmpTrainState(model, adamw(model), F.mse_loss, precision=precision, max_norm=0.5,
@@ -554,7 +555,9 @@ def test_the_steps_one_read_brings_the_records_loss_and_norms(precision):
                 assert isinstance(field, torch.Tensor)
                 assert values[name] == field.item() or (math.isnan(values[name]) and field.isnan())
     assert [log.reason for log in logs] == [None, "non_finite_grad", "non_finite_loss", None]
-    assert reads_of_values == [["item"] if precision == "fp16" else []] * 4
+    assert reads_of_values == [[]] * 4
+    assert [log.values()["scaler_scale"] for log in logs] == (
+        [256.0, 128.0, 64.0, 64.0] if precision == "fp16" else [1.0] * 4)
     assert logs[1].values()["grad_l2_pre_clip"] == INF and logs[1].grad_l2_post_clip is None
 
 
@@ -624,8 +627,13 @@ def test_records_fields_and_values():
         assert l.lr == seen == pytest.approx(0.1 * 0.5 ** (applied_before // 2))
         applied_before += 0 if l.skipped else 1
 
+    # the scale after each update, as the host told it from the step's read: the scaler's own
+    # (512 halved by the skip at step 3; growth_interval 2000 is never reached)
+    assert [l.scaler_scale for l in logs] == [512.0, 512.0, 256.0, 256.0, 256.0, 256.0] == [
+        l.values()["scaler_scale"] for l in logs]
+    assert logs[-1].scaler_scale == state.scaler.get_scale()
     for l, mine in zip(logs, my_losses):
-        assert isinstance(l.loss, torch.Tensor) and isinstance(l.scaler_scale, torch.Tensor)
+        assert isinstance(l.loss, torch.Tensor) and isinstance(l.scaler_scale, float)
         if l.skipped:
             assert math.isnan(float(l.loss))
             assert l.grad_l2_pre_clip is None and l.grad_l2_post_clip is None

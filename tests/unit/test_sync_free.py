@@ -156,3 +156,37 @@ def test_what_the_sync_free_path_needs_is_checked_up_front(make, kwargs, match):
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match=match):
         AmpTrainState(model, make(model.parameters()), F.mse_loss, precision="bf16", sync_free=True, **kwargs)
+
+
+@pytest.mark.parametrize(("max_norm", "dtype"), [(0.05, torch.float32), (1e6, torch.float32), (None, torch.float32),
+                                                 (0.05, torch.float64), (0.05, torch.bfloat16)])
+def test_the_post_clip_norm_is_the_devices_whether_the_host_or_the_device_computes_it(max_norm, dtype):
+    """The record's post-clip norm is ``min(pre x factor, max_norm)`` as the device rounds it:
+    for a float32/float64 norm the host computes it from the factor the record carries (the
+    field stays None until read; two kernels fewer), for another dtype (a bf16 model's norm) the
+    device does; with clipping off it is the pre-clip norm. Against the device's own operations
+    on the values read, bit for bit, and against the exact path's record of the same step."""
+    from ampguard.clipping import clip_coefficient, post_clip_norm
+
+    def run(sync_free):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 2).to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2) if sync_free else 1e-2, fused=True)
+        state = AmpTrainState(model, opt, F.mse_loss, precision="fp32", max_norm=max_norm, sync_free=sync_free)
+        g = torch.Generator().manual_seed(3)
+        return [state.step(torch.randn(4, 8, generator=g, dtype=dtype), torch.randn(4, 2, generator=g, dtype=dtype))
+                for _ in range(4)]
+
+    fast, exact = run(True), run(False)
+    for record in fast:
+        host = dtype in (torch.float32, torch.float64) and max_norm is not None
+        assert (record.grad_l2_post_clip is None) == host
+        values = record.values()
+        pre = torch.tensor(values["grad_l2_pre_clip"], dtype=dtype)
+        factor = clip_coefficient(pre, max_norm)
+        expected = pre if factor is None else post_clip_norm(pre, factor, max_norm)
+        assert values["grad_l2_post_clip"] == expected.item()
+    # (the first step: later the float32 LR tensor and the float LR update a float64 model apart)
+    assert fast[0].values()["grad_l2_post_clip"] == exact[0].values()["grad_l2_post_clip"]
+    if max_norm == 0.05:
+        assert all(r.values()["grad_l2_post_clip"] < r.values()["grad_l2_pre_clip"] for r in fast)  # it clipped
