@@ -256,9 +256,14 @@ class GuardedGradScaler(torch.amp.GradScaler):
         """
         self.add_found_inf_(optimizer, 1.0)
 
-    def add_found_inf_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor | float) -> None:
+    def add_found_inf_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor | float, *,
+                       covers: bool = False) -> None:
         """Merge ``found`` (0 or 1, a tensor: no host read) into what ``unscale_`` recorded, so the
-        next ``update()`` backs off when it is 1.
+        next ``update()`` backs off when it is 1. ``covers``: ``found`` is 1 whenever what
+        ``unscale_`` recorded is (the sync-free step's flag: a non-finite gradient makes the
+        norm it tests non-finite), so for a lone optimizer on one device it replaces the record
+        rather than being merged into it (no kernel; with several, ``update()`` adds the others'
+        flags into the first in place).
 
         Example::
 
@@ -278,6 +283,11 @@ class GuardedGradScaler(torch.amp.GradScaler):
         record = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         if not record:
             record[self._scale.device] = torch.zeros((), device=self._scale.device)
+        if covers and isinstance(found, torch.Tensor) and len(record) == 1 and len(self._per_optimizer_states) == 1:
+            (device, flag), = record.items()
+            if found.device == device and found.dtype == flag.dtype:
+                record[device] = found
+                return
         for flag in record.values():
             if isinstance(found, torch.Tensor):
                 torch.maximum(flag, found.to(flag.device, flag.dtype), out=flag)

@@ -626,7 +626,7 @@ class Guard:
             self.optimizer.step()
         finally:
             del self.optimizer.found_inf  # type: ignore[attr-defined]
-        self.scaler.add_found_inf_(self.optimizer, found)
+        self.scaler.add_found_inf_(self.optimizer, found, covers=True)
         self.scaler.update()
         self._zero_grad()
         # the record's values in one tensor (read back with one copy), the fields views of it;

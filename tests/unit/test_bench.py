@@ -214,7 +214,7 @@ def _ops(cls, precision="bf16", fused=True):
         c.close()
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "fp16"])
 def test_the_guard_adds_a_handful_of_device_ops_to_the_bare_step(precision):
     """What a launch-bound model pays per kernel: the exact step adds the loss's mark, its seed,
     the read's stack and the post-clip norm's host tensor (no kernel on a GPU), and leaves out

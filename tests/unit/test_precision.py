@@ -323,3 +323,24 @@ def test_the_host_cannot_tell_a_non_finite_scale_or_a_subclass_update():
 
     assert Own("cpu", init_scale=8.0).scale_after([8.0, 0], False) is None
     assert GuardedGradScaler("cpu", enabled=False).update_inputs() == []
+
+
+def test_a_found_flag_that_covers_unscales_replaces_it_for_a_lone_optimizer_and_merges_otherwise():
+    """add_found_inf_(covers=True), the sync-free step's flag: with one optimizer on one device
+    the flag replaces what unscale_ recorded (no kernel); with several optimizers it is merged,
+    so a 0 never hides another optimizer's overflow."""
+    scaler = GuardedGradScaler("cpu", init_scale=64.0, growth_interval=100)
+    opt, other = optimizer(), optimizer()
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    found = torch.ones(())
+    scaler.add_found_inf_(opt, found, covers=True)
+    assert scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")] is found
+    scaler.update()
+    assert scaler.get_scale() == 32.0
+
+    clean = torch.zeros(())
+    scaler._per_optimizer_states[id(opt)]  # (this optimizer's record first: update() adds the others into it)
+    scaler.add_found_inf_(other, 1.0)  # another optimizer overflowed
+    scaler.add_found_inf_(opt, clean, covers=True)  # merged into its own record, not put in its place
+    scaler.update()
+    assert scaler.get_scale() == 16.0 and clean.item() == 0.0  # (in its place, update()'s sum wrote into it)
