@@ -51,8 +51,10 @@ def lr_multiplier(config: Config) -> Callable[[int], float]:
 def device_multiplier(config: Config) -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`lr_multiplier` on the device: a float32 table of the factor for every count of
     applied updates up to ``steps`` (computed once, in float64, on the host), looked up by the
-    count: three small kernels a step and no host read. A count past the table (``steps``
-    lowered on a resume) reads its last entry, as the host function's clamp does.
+    count: two small kernels a step and no host read. The count's index is a ``searchsorted``
+    among the table's positions 1..steps, which is the count clamped to the table in one kernel
+    (a cast and a clamp otherwise): a count past the table (``steps`` lowered on a resume) reads
+    its last entry, as the host function's clamp does.
 
     Example::
 
@@ -64,13 +66,15 @@ def device_multiplier(config: Config) -> Callable[[torch.Tensor], torch.Tensor]:
     """
     host = lr_multiplier(config)
     table = torch.tensor([host(u) for u in range(config.steps + 1)], dtype=torch.float64).to(torch.float32)
-    on_device: dict[torch.device, torch.Tensor] = {}
+    on_device: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def factor(applied: torch.Tensor) -> torch.Tensor:
-        values = on_device.get(applied.device)
-        if values is None:
-            values = on_device[applied.device] = table.to(applied.device)
-        index = applied.reshape(1).long().clamp_(0, len(values) - 1)
+        found = on_device.get((applied.device, applied.dtype))
+        if found is None:
+            positions = torch.arange(1, len(table), dtype=applied.dtype)
+            found = on_device[applied.device, applied.dtype] = table.to(applied.device), positions.to(applied.device)
+        values, positions = found
+        index = torch.searchsorted(positions, applied.reshape(1), right=True)  # min(max(count, 0), steps)
         return values.gather(0, index).reshape(())  # (not values[index]: indexing may read the index)
 
     return factor

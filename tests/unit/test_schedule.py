@@ -28,6 +28,7 @@ def test_the_count_is_read_on_its_own_device_and_never_indexed_by_python():
     applied = torch.tensor(1.0)
     assert factor(applied).shape == () and factor(applied).item() == pytest.approx(1.0)
     assert factor(torch.tensor(-3.0)).item() == pytest.approx(0.5)  # clamped at the first entry
+    assert factor(torch.tensor(1.0, dtype=torch.float64)).item() == factor(applied).item()  # a count of any float dtype
 
 
 def _optimizer() -> torch.optim.Optimizer:
