@@ -6,7 +6,7 @@ step with its values read, and the step with its CSV row, interleaved in one pro
 
 Prints each part's median microseconds per step and its ratio to the bare loop (bench.py's tiny
 MLP: 32-64-64-10 at batch 64, or its small transformer; one thread on a CPU), the ratio also
-as the median of each round's ratio with its interquartile range, the order rotated each round.
+as the median of each round's ratio with its interquartile range, the rounds in balanced orders.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ampguard.bench import Bare, Guarded, _mlp, _nano, _transformer
+from ampguard.bench import Bare, Guarded, _mlp, _nano, _transformer, balanced_orders
 from ampguard.precision import Precision
 
 
@@ -55,9 +55,9 @@ def main() -> None:
     for _ in range(3 if args.model == "transformer" else 20):
         for part in parts.values():
             part.step()
-    order = list(parts.items())
+    order, orders = list(parts.items()), balanced_orders(len(parts))  # each part after every other alike
     for r in range(args.rounds):
-        for name, part in order[r % len(order):] + order[:r % len(order)]:
+        for name, part in (order[i] for i in orders[r % len(orders)]):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()

@@ -5,9 +5,11 @@ AMP loop, a second bare loop (the A/A contender: what the noise alone makes of t
 loops), ampguard's guarded step with per-step CSV logging on, and, when installed, Hugging Face
 Accelerate and Lightning Fabric doing the same work.
 
-Paired rounds: each round runs every contender back to back (in a rotating order), so drift of
-the machine (clocks, other load) falls on all of them alike, and each contender's ratio to the
-bare loop is taken *within* the round. The figure is the median of those per-round ratios with a
+Paired rounds: each round runs every contender back to back, so drift of the machine (clocks,
+other load) falls on all of them alike, and each contender's ratio to the bare loop is taken
+*within* the round. The rounds' orders are a balanced (Williams) design: every contender runs
+right after every other one equally often, since what ran before a contender warms or
+evicts the caches it runs from. The figure is the median of those per-round ratios with a
 95% bootstrap interval; with ``resolve`` rounds are added until every interval is narrower than
 ``± resolve`` (or the time budget runs out, and the table says so). On CUDA each contender's
 steps are timed with CUDA events.
@@ -624,6 +626,40 @@ _NO_KERNEL = frozenset({"_record_function_enter_new", "_record_function_exit", "
                         "empty_strided"})
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """The orders rounds run ``n`` contenders in: a Williams design, ``n`` orders (``2n`` for
+    an odd ``n``) in which every contender runs right after every other one equally often.
+    A contender's time depends on what ran before it (the caches it finds warm): in a plain
+    rotation each one always follows the same neighbour, and an A/A copy of the bare loop,
+    always right after the bare loop, read 1-2% faster than it in every run.
+
+    Example (each ordered pair of neighbours exactly once over the four orders)::
+
+        >>> balanced_orders(4)
+        [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
+        >>> pairs = [(o[i], o[i + 1]) for o in balanced_orders(5) for i in range(4)]
+        >>> len(pairs), len(set(pairs)), max(pairs.count(p) for p in pairs)  # 20 pairs, each twice
+        (40, 20, 2)
+    """
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(x + shift) % n for x in first] for shift in range(n)]
+    return orders + [order[::-1] for order in orders] if n % 2 else orders
+
+
+def rotated_orders(n: int) -> list[list[int]]:
+    """A plain rotation (each contender always after the same neighbour): for comparison."""
+    return [[(x + shift) % n for x in range(n)] for shift in range(n)]
+
+
+ORDERS = balanced_orders
+
+
 def _ratios(times: dict[str, list[float]], name: str) -> list[float]:
     """Each round's ms/step of ``name`` over the bare loop's in the same round (over its own
     median when there is no bare loop: the spread of the contender alone)."""
@@ -647,11 +683,13 @@ def measure(
     resolve: float | None = None, budget_s: float | None = None, max_rounds: int = 1000,
 ) -> list[Result]:
     """Paired rounds: in each round every contender runs ``steps`` steps, back to back, in
-    rotating order; the ratio to the bare loop is taken within each round.
+    the orders of :func:`balanced_orders`; the ratio to the bare loop is taken within each round.
 
     ``rounds`` is the least number of rounds. With ``resolve`` (0.01 is ``± 1%``) rounds are
     added until every contender's ratio interval is within ``± resolve``, ``budget_s`` seconds
-    of rounds have passed, or ``max_rounds`` were run; each result's ``stop`` says which.
+    of rounds have passed, or ``max_rounds`` were run; each result's ``stop`` says which. Those
+    checks are made at the end of a whole cycle of the orders (``n`` rounds for ``n``
+    contenders, ``2n`` for an odd ``n``), so every contender has followed every other alike.
     Each timing starts from an idle device (``torch.cuda.synchronize``, then CUDA events).
 
     Example::
@@ -720,12 +758,12 @@ def measure(
         print(f"  {w.name} {precision.name}: no contender could run, nothing measured")
         return []
     started, done, stop = time.perf_counter(), 0, "fixed"
+    orders = ORDERS(len(built))
     while True:
-        order = built[done % len(built):] + built[: done % len(built)]
-        for c in order:
-            times[c.name].append(_time_steps(c, steps, device))
+        for i in orders[done % len(orders)]:
+            times[built[i].name].append(_time_steps(built[i], steps, device))
         done += 1
-        if done < rounds:
+        if done < rounds or (resolve is not None and done % len(orders)):  # (resolving: whole cycles)
             continue
         if resolve is None:
             break

@@ -172,11 +172,32 @@ def _measure(**kw):
 
 
 def test_rounds_stop_when_resolved_at_the_least_number_when_the_goal_is_loose():
+    # resolving, rounds stop at whole cycles of the balanced orders: two contenders' cycle is
+    # two rounds, so the least number, 5, becomes 6
     results = _measure(rounds=5, resolve=10.0)  # ±1000%: any two loops agree that well
-    assert [(len(r.rounds), r.stop) for r in results] == [(5, "resolved")] * 2
+    assert [(len(r.rounds), r.stop) for r in results] == [(6, "resolved")] * 2
     aa = results[1]
     assert aa.contender == "bare loop (A/A)" and aa.ratio_low <= aa.ratio_to_bare <= aa.ratio_high
-    assert len(aa.ratios) == 5 and results[0].ratios == [1.0] * 5
+    assert len(aa.ratios) == 6 and results[0].ratios == [1.0] * 6
+    assert [(len(r.rounds), r.stop) for r in _measure(rounds=5)] == [(5, "fixed")] * 2  # not resolving: as asked
+
+
+def test_every_contender_runs_after_every_other_equally_often(monkeypatch):
+    # what each contender ran right after, over a resolving run's rounds: every other
+    # contender, equally often (a plain rotation put the A/A copy after the bare loop always)
+    from ampguard import bench
+    from ampguard.precision import Precision
+
+    ran: list[str] = []
+    monkeypatch.setattr(bench, "_time_steps", lambda c, steps, device: ran.append(c.name) or 1.0)
+    cpu = torch.device("cpu")
+    contenders = [bench.Bare, bench.BareAgain, bench.Guarded]
+    measure_rounds = bench.measure(bench._mlp(cpu), Precision("fp32", "cpu"), cpu, contenders, steps=1, rounds=1,
+                                   warmup=1, fused=False, resolve=10.0)[0].rounds
+    assert len(measure_rounds) == 6 and len(ran) == 18  # three contenders (odd): a cycle of six rounds
+    rounds = [ran[i:i + 3] for i in range(0, 18, 3)]
+    after = [(r[i], r[i + 1]) for r in rounds for i in range(2)]
+    assert {pair: after.count(pair) for pair in after} == {pair: 2 for pair in set(after)} and len(set(after)) == 6
 
 
 def test_rounds_are_added_until_the_most_rounds_when_the_goal_cannot_be_met():
@@ -197,7 +218,8 @@ def test_bench_pins_the_cpu_threads_and_says_when_a_case_was_not_resolved(capsys
     out = capsys.readouterr().out
     assert ", 1 threads): 3 rounds x 1 steps, paired, until ±1e-09% or 0 s a case" in out
     assert "| tiny-mlp | fp32 | bare loop (A/A) |" in out
-    assert "tiny-mlp fp32: not resolved to ±0.0% (the time budget ran out after 3 rounds; widest ±" in out
+    # (three contenders: the rounds stop at whole cycles of six)
+    assert "tiny-mlp fp32: not resolved to ±0.0% (the time budget ran out after 6 rounds; widest ±" in out
 
 
 def _ops(cls, precision="bf16", fused=True):
