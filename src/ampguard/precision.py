@@ -294,46 +294,50 @@ class GuardedGradScaler(torch.amp.GradScaler):
             elif found:  # a number: filled in on the device (a host tensor would be a copy, and a sync)
                 flag.fill_(1.0)
 
-    def update_inputs(self) -> list[torch.Tensor]:
-        """The scale and growth tracker as the next ``update()`` will find them (``[]`` when
-        disabled): read back with a step's skip decision, they let :meth:`scale_after` tell the
+    def update_inputs(self, device: torch.device) -> list[torch.Tensor]:
+        """What the next ``update()`` will find, on ``device`` (``[]`` when disabled): the scale,
+        the growth tracker, and every found-inf flag recorded so far (``unscale_``'s, of any
+        optimizer). Read back with a step's skip decision, they let :meth:`scale_after` tell the
         updated scale on the host, without reading the scale again after the update.
 
         Example::
 
             >>> scaler = GuardedGradScaler("cpu", init_scale=512.0)
             >>> _ = scaler.scale(torch.ones(()))
-            >>> [t.item() for t in scaler.update_inputs()], GuardedGradScaler("cpu", enabled=False).update_inputs()
-            ([512.0, 0], [])
+            >>> [t.item() for t in scaler.update_inputs(torch.device("cpu"))]
+            [512.0, 0]
+            >>> GuardedGradScaler("cpu", enabled=False).update_inputs(torch.device("cpu"))
+            []
         """
         if not self._enabled or self._scale is None or self._growth_tracker is None:
             return []
-        return [self._scale, self._growth_tracker]
+        flags = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
+        return [t if t.device == device else t.to(device) for t in (self._scale, self._growth_tracker, *flags)]
 
     def scale_after(self, inputs: list[float], found: bool) -> float | None:
-        """What ``update()`` makes of the scale and tracker values ``inputs`` (from
-        :meth:`update_inputs`) when the step's found-inf is ``found``: PyTorch's
-        ``_amp_update_scale_`` (x ``backoff_factor`` on an overflow; x ``growth_factor``, if
-        that stays finite, on the ``growth_interval``-th clean step in a row) and the floor, on
-        the host and bit for bit (the products in double, rounded to float32 once, as the
-        kernels compute them). ``None`` where the host cannot tell: no inputs, a non-finite
-        scale, a tracker past float32's exact integers, or a subclass with an ``update`` of
-        its own; the caller then reads the scale from the device.
+        """What ``update()`` makes of the values ``inputs`` (from :meth:`update_inputs`: scale,
+        tracker, found-inf flags) when the step adds its own found-inf ``found`` (a skip it
+        marks): PyTorch's ``_amp_update_scale_`` (x ``backoff_factor`` when any flag is set; x
+        ``growth_factor``, if that stays finite, on the ``growth_interval``-th clean step in a
+        row) and the floor, on the host and bit for bit (the products in double, rounded to
+        float32 once, as the kernels compute them). ``None`` where the host cannot tell: no
+        inputs, a non-finite scale, a tracker past float32's exact integers, or a subclass
+        with an ``update`` of its own; the caller then reads the scale from the device.
 
         Example::
 
             >>> scaler = GuardedGradScaler("cpu", init_scale=4.0, growth_interval=2, min_scale=2.0)
             >>> scaler.scale_after([4.0, 0], False), scaler.scale_after([4.0, 1], False), scaler.scale_after([4.0, 0], True)
             (4.0, 8.0, 2.0)
-            >>> scaler.scale_after([2.0, 0], True)  # at the floor
+            >>> scaler.scale_after([4.0, 1, 1.0], False)  # a flag unscale_ recorded backs off too
             2.0
         """
-        if len(inputs) != 2 or type(self).update is not GuardedGradScaler.update:
+        if len(inputs) < 2 or type(self).update is not GuardedGradScaler.update:
             return None
-        scale, tracker = inputs
+        scale, tracker, *flags = inputs
         if not math.isfinite(scale) or tracker >= 2**24:
             return None
-        if found:
+        if found or any(flags):
             scale = round_float32(scale * self._backoff_factor)
         elif tracker + 1 == self._growth_interval:
             grown = round_float32(scale * self._growth_factor)

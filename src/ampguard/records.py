@@ -292,8 +292,8 @@ class PendingStep(StepRecord):
     step was skipped and why, so the device computes no flags for the record. With ``clip``,
     ``(max_norm, the norm's dtype)``, the packed post-clip slot holds the clip factor instead
     and the host computes the post-clip norm from it (:func:`~ampguard.clipping.post_clip_value`,
-    bit for bit the device's; the ``grad_l2_post_clip`` field is then ``None`` until read), as
-    the exact step does: two kernels fewer per step.
+    bit for bit the device's; the ``grad_l2_post_clip`` field is then ``None``, and
+    :meth:`values` has the number), as the exact step does: two kernels fewer per step.
 
     Example::
 

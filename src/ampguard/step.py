@@ -204,7 +204,7 @@ class Guard:
         frozen: ``"refuse"`` (default) a model parameter that requires grad but is in no
             optimizer, or ``"ignore"`` it (its gradient is dropped every step).
         fuse_tail: with ``sync_free``, run the step's scalar tail (:func:`sync_free_tail`: the
-            skip flag, the clip factor, the post-clip norm, the update count) compiled by
+            skip flag, the clip factor, the update count) compiled by
             ``torch.compile`` into a kernel or two instead of a dozen launches: for launch-bound
             models on a GPU. Inductor's arithmetic may differ from eager in the last bit.
     """
@@ -529,7 +529,7 @@ class Guard:
         # The one host read of the step: was the loss or a gradient non-finite (on any rank)?
         # The values themselves come over, so it also brings the record's loss and norms, and
         # the scale and growth tracker the update will find (the host tells the new scale).
-        scaling = self.scaler.update_inputs()
+        scaling = self.scaler.update_inputs(pre.device)
         loss_v, pre_v, carried_v, mark_v, *rest = torch.stack([loss, pre, carried, mark, *scaling, *each]).tolist()
         scaling_v, each_v = rest[:len(scaling)], rest[len(scaling):]
         bad_loss, bad_grad = not math.isfinite(mark_v), not math.isfinite(pre_v)

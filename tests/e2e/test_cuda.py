@@ -311,7 +311,7 @@ def test_the_host_scale_after_update_is_the_gpus_bit_for_bit() -> None:
                 for found in (False, True):
                     scaler._scale.fill_(scale)
                     scaler._growth_tracker.fill_(tracker)
-                    predicted = scaler.scale_after([t.item() for t in scaler.update_inputs()], found)
+                    predicted = scaler.scale_after([t.item() for t in scaler.update_inputs(torch.device("cuda"))], found)
                     scaler.add_found_inf_(opt, torch.tensor(float(found), device="cuda"))
                     scaler.update()
                     assert predicted == scaler.get_scale(), (scale, tracker, found, growth, backoff, floor)

@@ -458,3 +458,36 @@ def test_each_optimizers_norm_comes_from_the_one_pass_over_the_gradients():
         record = guard.step()
     assert Count.passes == 1
     assert record.skipped and record.skipped_optimizers == ("second",)
+
+
+def test_the_records_scale_follows_a_found_inf_that_unscale_recorded_for_an_unstepped_or_cleaned_optimizer():
+    """update() backs off for every found-inf flag unscale_ recorded, not only for the step's
+    skips: an optimizer unscaled (guard.unscale_()) but not stepped, whose gradient overflowed;
+    an applied optimizer whose gradients a hook cleaned after unscale_. The record's scale
+    (told on the host from the step's one read) is the scaler's all the same."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(2, 2), nn.Linear(2, 1)
+    guard = Guard([gen, disc], {"gen": torch.optim.SGD(gen.parameters(), lr=0.1),
+                                "disc": torch.optim.SGD(disc.parameters(), lr=0.1)},
+                  precision="fp16", scaler=dict(init_scale=512.0))
+    with guard.autocast():
+        loss = disc(gen(torch.ones(1, 2))).sum()
+    guard.backward(loss)
+    disc.weight.grad[0, 0] = float("inf")
+    guard.unscale_()
+    record = guard.step("gen")
+    assert not record.skipped and guard.scaler.get_scale() == 256.0
+    assert record.values()["scaler_scale"] == 256.0
+
+    model = nn.Linear(2, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", scaler=dict(init_scale=512.0))
+    with guard.autocast():
+        loss = model(torch.ones(1, 2)).sum()
+    guard.backward(loss)
+    model.weight.grad[0, 0] = float("inf")
+    guard.unscale_()
+    for p in model.parameters():  # (a framework hook's clean-up after unscale_)
+        p.grad.nan_to_num_(0.0, 0.0, 0.0)
+    record = guard.step()
+    assert not record.skipped and guard.scaler.get_scale() == 256.0
+    assert record.values()["scaler_scale"] == 256.0

@@ -284,9 +284,10 @@ def test_the_host_scale_after_update_is_the_devices_bit_for_bit():
     """scale_after (the exact step's host copy of update(): x backoff, x growth on the
     growth_interval-th clean step unless that overflows, the floor) against the device's
     update() itself, over scales from the floor's neighbourhood to float32's largest, odd
-    factors and floors, every tracker position and both flags: 0 mismatches."""
+    factors and floors, every tracker position, a clean step, the step's own skip mark and
+    another optimizer's unscale_ flag: 0 mismatches."""
     rng = random.Random(7)
-    opt = optimizer()
+    opt, other = optimizer(), optimizer()
     huge = torch.finfo(torch.float32).max
     cases = 0
     for growth, backoff, interval, floor in [(2.0, 0.5, 3, DEFAULT_MIN_SCALE), (1.7, 0.37, 2, 0.1),
@@ -298,21 +299,25 @@ def test_the_host_scale_after_update_is_the_devices_bit_for_bit():
             float(torch.tensor(rng.uniform(-130, 128)).exp2()) for _ in range(300)]
         for scale in scales:
             for tracker in range(interval):
-                for found in (False, True):
+                # the step's own mark (found, added after the read), or a flag unscale_ had
+                # recorded before it (read with the inputs), or neither
+                for found, flagged in ((False, False), (True, False), (False, True)):
                     scaler._scale.fill_(scale)
                     scaler._growth_tracker.fill_(tracker)
-                    inputs = [t.item() for t in scaler.update_inputs()]
+                    if flagged:
+                        scaler.add_found_inf_(other, 1.0)
+                    inputs = [t.item() for t in scaler.update_inputs(torch.device("cpu"))]
                     predicted = scaler.scale_after(inputs, found)
                     scaler.add_found_inf_(opt, torch.tensor(float(found)))
                     scaler.update()
-                    assert predicted == scaler.get_scale(), (scale, tracker, found, growth, backoff, floor)
+                    assert predicted == scaler.get_scale(), (scale, tracker, found, flagged, growth, backoff, floor)
                     cases += 1
-    assert cases > 2000
+    assert cases > 3000
 
 
 def test_the_host_cannot_tell_a_non_finite_scale_or_a_subclass_update():
     scaler = GuardedGradScaler("cpu", init_scale=8.0)
-    assert scaler.update_inputs() == []  # nothing scaled yet: nothing to read
+    assert scaler.update_inputs(torch.device("cpu")) == []  # nothing scaled yet: nothing to read
     assert scaler.scale_after([], False) is None
     assert scaler.scale_after([float("inf"), 0], False) is None
     assert scaler.scale_after([8.0, 2.0**24], False) is None  # a tracker float32 cannot hold exactly
@@ -322,7 +327,7 @@ def test_the_host_cannot_tell_a_non_finite_scale_or_a_subclass_update():
             super().update(4.0)
 
     assert Own("cpu", init_scale=8.0).scale_after([8.0, 0], False) is None
-    assert GuardedGradScaler("cpu", enabled=False).update_inputs() == []
+    assert GuardedGradScaler("cpu", enabled=False).update_inputs(torch.device("cpu")) == []
 
 
 def test_a_found_flag_that_covers_unscales_replaces_it_for_a_lone_optimizer_and_merges_otherwise():
