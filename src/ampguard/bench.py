@@ -687,9 +687,10 @@ def measure(
 
     ``rounds`` is the least number of rounds. With ``resolve`` (0.01 is ``± 1%``) rounds are
     added until every contender's ratio interval is within ``± resolve``, ``budget_s`` seconds
-    of rounds have passed, or ``max_rounds`` were run; each result's ``stop`` says which. Those
-    checks are made at the end of a whole cycle of the orders (``n`` rounds for ``n``
-    contenders, ``2n`` for an odd ``n``), so every contender has followed every other alike.
+    of rounds have passed, or ``max_rounds`` were run; each result's ``stop`` says which. A
+    case is called resolved only at the end of a whole cycle of the orders (``n`` rounds for
+    ``n`` contenders, ``2n`` for an odd ``n``), when every contender has followed every other
+    alike; the budget and ``max_rounds`` cut where they run out.
     Each timing starts from an idle device (``torch.cuda.synchronize``, then CUDA events).
 
     Example::
@@ -763,13 +764,13 @@ def measure(
         for i in orders[done % len(orders)]:
             times[built[i].name].append(_time_steps(built[i], steps, device))
         done += 1
-        if done < rounds or (resolve is not None and done % len(orders)):  # (resolving: whole cycles)
+        if done < rounds:
             continue
         if resolve is None:
             break
-        if _widest(times) <= resolve:
+        if done % len(orders) == 0 and _widest(times) <= resolve:  # (resolved: over whole cycles)
             stop = "resolved"
-        elif budget_s is not None and time.perf_counter() - started >= budget_s:
+        elif budget_s is not None and time.perf_counter() - started >= budget_s:  # (limits cut anywhere)
             stop = "budget"
         elif done >= max_rounds:
             stop = "max rounds"

@@ -172,8 +172,8 @@ def _measure(**kw):
 
 
 def test_rounds_stop_when_resolved_at_the_least_number_when_the_goal_is_loose():
-    # resolving, rounds stop at whole cycles of the balanced orders: two contenders' cycle is
-    # two rounds, so the least number, 5, becomes 6
+    # resolved only at whole cycles of the balanced orders: two contenders' cycle is two
+    # rounds, so the least number, 5, becomes 6 (a budget or max_rounds cuts anywhere)
     results = _measure(rounds=5, resolve=10.0)  # ±1000%: any two loops agree that well
     assert [(len(r.rounds), r.stop) for r in results] == [(6, "resolved")] * 2
     aa = results[1]
@@ -218,8 +218,7 @@ def test_bench_pins_the_cpu_threads_and_says_when_a_case_was_not_resolved(capsys
     out = capsys.readouterr().out
     assert ", 1 threads): 3 rounds x 1 steps, paired, until ±1e-09% or 0 s a case" in out
     assert "| tiny-mlp | fp32 | bare loop (A/A) |" in out
-    # (three contenders: the rounds stop at whole cycles of six)
-    assert "tiny-mlp fp32: not resolved to ±0.0% (the time budget ran out after 6 rounds; widest ±" in out
+    assert "tiny-mlp fp32: not resolved to ±0.0% (the time budget ran out after 3 rounds; widest ±" in out
 
 
 def _ops(cls, precision="bf16", fused=True):
