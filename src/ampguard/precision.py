@@ -298,21 +298,25 @@ class GuardedGradScaler(torch.amp.GradScaler):
         """What the next ``update()`` will find, on ``device`` (``[]`` when disabled): the scale,
         the growth tracker, and every found-inf flag recorded so far (``unscale_``'s, of any
         optimizer). Read back with a step's skip decision, they let :meth:`scale_after` tell the
-        updated scale on the host, without reading the scale again after the update.
+        updated scale on the host, without reading the scale again after the update. All
+        float32 (the tracker cast, exact below 2**24): stacked with the step's other float32
+        values they make one kernel on a GPU, where a ``cat`` of mixed dtypes copies each input
+        with a kernel of its own.
 
         Example::
 
             >>> scaler = GuardedGradScaler("cpu", init_scale=512.0)
             >>> _ = scaler.scale(torch.ones(()))
-            >>> [t.item() for t in scaler.update_inputs(torch.device("cpu"))]
-            [512.0, 0]
+            >>> [(t.item(), t.dtype) for t in scaler.update_inputs(torch.device("cpu"))]
+            [(512.0, torch.float32), (0.0, torch.float32)]
             >>> GuardedGradScaler("cpu", enabled=False).update_inputs(torch.device("cpu"))
             []
         """
         if not self._enabled or self._scale is None or self._growth_tracker is None:
             return []
         flags = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
-        return [t if t.device == device else t.to(device) for t in (self._scale, self._growth_tracker, *flags)]
+        tracker = self._growth_tracker.to(device, torch.float32)
+        return [t if t.device == device else t.to(device) for t in (self._scale, tracker, *flags)]
 
     def scale_after(self, inputs: list[float], found: bool) -> float | None:
         """What ``update()`` makes of the values ``inputs`` (from :meth:`update_inputs`: scale,

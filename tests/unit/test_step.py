@@ -1001,3 +1001,32 @@ def test_a_threshold_past_float32s_largest_clips_nothing_and_runs():
                           max_norm=1e300)
     values = state.step(torch.randn(16, 8), torch.randn(16, 4)).values()
     assert values["grad_l2_post_clip"] == values["grad_l2_pre_clip"] > 0
+
+
+@pytest.mark.parametrize(("precision", "sync_free"), [("fp16", False), ("bf16", False), ("fp16", True), ("bf16", True)])
+def test_every_stack_the_step_makes_is_of_one_dtype(precision, sync_free):
+    """The one read (exact path) and the packed record (sync-free) are each one ``stack``: on a
+    GPU a stack of one dtype is one kernel, a mixed one a copy kernel per input (PyTorch's
+    cat_out_cuda). fp16's growth tracker (int32) rides cast to float32 for that reason."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Stacks(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith(("stack", "cat")):
+                self.dtypes.append({t.dtype for t in args[0]})
+            return func(*args, **(kwargs or {}))
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2) if sync_free else 1e-2, fused=True)
+    state = AmpTrainState(model, opt, F.mse_loss, precision=precision, sync_free=sync_free,
+                          scaler=dict(init_scale=256.0) if precision == "fp16" else None)
+    batches = make_batches(3)
+    state.step(*batches[0])  # (lazy initialisation first)
+    with Stacks() as stacks:
+        for x, y in batches[1:]:
+            state.step(x, y).values()
+    assert stacks.dtypes and all(len(d) == 1 for d in stacks.dtypes), stacks.dtypes
