@@ -577,8 +577,8 @@ def ops_per_step(c: Contender) -> int | None:
     """The device operations one step of ``c`` dispatches: the ATen operators that reach the
     dispatcher's kernels, views, bare allocations (``empty``) and the profiler's markers left
     out (they launch no kernel). An eager step on a GPU launches about this many kernels, each
-    costing host time a launch-bound model pays in full; unlike a time, the count is the same on every run and every machine. ``None``
-    for a step that runs compiled code (``Contender.compiled``, or a ``torch.compile``'d model):
+    costing host time a launch-bound model pays in full; unlike a time, the count is the same
+    on every run and every machine. ``None`` for a step that runs compiled code (``Contender.compiled``, or a ``torch.compile``'d model):
     Inductor's kernels bypass the counter, and running them under it would make Dynamo give
     the compiled frames up.
 
@@ -657,9 +657,6 @@ def rotated_orders(n: int) -> list[list[int]]:
     return [[(x + shift) % n for x in range(n)] for shift in range(n)]
 
 
-ORDERS = balanced_orders
-
-
 def _ratios(times: dict[str, list[float]], name: str) -> list[float]:
     """Each round's ms/step of ``name`` over the bare loop's in the same round (over its own
     median when there is no bare loop: the spread of the contender alone)."""
@@ -681,9 +678,11 @@ def measure(
     w: Workload, precision: Precision, device: torch.device, contenders: list[type[Contender]],
     *, steps: int, rounds: int, warmup: int, fused: bool, peak_flops: float | None = None,
     resolve: float | None = None, budget_s: float | None = None, max_rounds: int = 1000,
+    orders: Callable[[int], list[list[int]]] = balanced_orders,
 ) -> list[Result]:
     """Paired rounds: in each round every contender runs ``steps`` steps, back to back, in
-    the orders of :func:`balanced_orders`; the ratio to the bare loop is taken within each round.
+    the orders of :func:`balanced_orders` (``orders``); the ratio to the bare loop is taken
+    within each round.
 
     ``rounds`` is the least number of rounds. With ``resolve`` (0.01 is ``± 1%``) rounds are
     added until every contender's ratio interval is within ``± resolve``, ``budget_s`` seconds
@@ -759,16 +758,16 @@ def measure(
         print(f"  {w.name} {precision.name}: no contender could run, nothing measured")
         return []
     started, done, stop = time.perf_counter(), 0, "fixed"
-    orders = ORDERS(len(built))
+    cycle = orders(len(built))
     while True:
-        for i in orders[done % len(orders)]:
+        for i in cycle[done % len(cycle)]:
             times[built[i].name].append(_time_steps(built[i], steps, device))
         done += 1
         if done < rounds:
             continue
         if resolve is None:
             break
-        if done % len(orders) == 0 and _widest(times) <= resolve:  # (resolved: over whole cycles)
+        if done % len(cycle) == 0 and _widest(times) <= resolve:  # (resolved: over whole cycles)
             stop = "resolved"
         elif budget_s is not None and time.perf_counter() - started >= budget_s:  # (limits cut anywhere)
             stop = "budget"

@@ -271,8 +271,6 @@ def post_clip_value(pre: float, factor: float, max_norm: float, dtype: torch.dty
     return min(round_float32(pre * factor), round_float32(max_norm))
 
 
-
-
 @torch.no_grad()
 def scale_grads_(parameters: Params, factor: torch.Tensor) -> None:
     """The clip's other half: every gradient multiplied by ``factor`` in place, with the foreach

@@ -315,8 +315,7 @@ class GuardedGradScaler(torch.amp.GradScaler):
         if not self._enabled or self._scale is None or self._growth_tracker is None:
             return []
         flags = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
-        tracker = self._growth_tracker.to(device, torch.float32)
-        return [t if t.device == device else t.to(device) for t in (self._scale, tracker, *flags)]
+        return [t.to(device, torch.float32) for t in (self._scale, self._growth_tracker, *flags)]  # (no-op but the cast)
 
     def scale_after(self, inputs: list[float], found: bool) -> float | None:
         """What ``update()`` makes of the values ``inputs`` (from :meth:`update_inputs`: scale,
