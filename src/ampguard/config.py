@@ -20,7 +20,7 @@ from pydantic import (
 from .errors import ConfigError, first_line
 from .faults import parse_fault
 from .monitor import DEFAULT_MIN_STEPS
-from .precision import DEFAULT_MIN_SCALE
+from .precision import DEFAULT_MIN_SCALE, MAX_SCALE
 
 try:
     import tomllib
@@ -212,7 +212,7 @@ class ScalerConfig(_Section):
     enabled: bool | None = None
     """Loss scaling: None means on for fp16, off otherwise. True with bf16/fp32 is an error."""
     init_scale: Positive = 2.0**16
-    """Starting loss scale."""
+    """Starting loss scale (at most the largest float32, about 3.4e38)."""
     growth_factor: Float = 2.0
     """Scale multiplier after ``growth_interval`` clean steps in a row (> 1)."""
     backoff_factor: Float = 0.5
@@ -226,6 +226,13 @@ class ScalerConfig(_Section):
     skipped is a collapse: the monitor raises a ``scale_alert`` at the floor and, with
     ``monitor.fail_on_scale_collapse``, stops the run. At least 2**-126 (the smallest normal
     float32) and at most ``init_scale``."""
+
+    @field_validator("init_scale")
+    @classmethod
+    def _float32(cls, v: float) -> float:
+        if v > MAX_SCALE:
+            raise ValueError(f"must be <= {MAX_SCALE:.6g}, the largest float32: the scale is a float32 (got {v!r})")
+        return v
 
     @field_validator("min_scale")
     @classmethod

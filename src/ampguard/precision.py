@@ -57,6 +57,10 @@ config sets a much higher floor, ``scaler.min_scale`` (default 1.0).
 """
 
 
+MAX_SCALE: float = torch.finfo(torch.float32).max
+"""The largest loss scale a :class:`GuardedGradScaler` starts from: its scale is a float32 tensor."""
+
+
 def _check_min_scale(min_scale: float) -> float:
     min_scale = float(min_scale)
     if not (math.isfinite(min_scale) and min_scale >= DEFAULT_MIN_SCALE):
@@ -130,6 +134,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
         min_scale = _check_min_scale(min_scale)
         if enabled and not init_scale >= min_scale:
             raise ValueError(f"init_scale ({init_scale:g}) must be >= min_scale ({min_scale:g})")
+        if enabled and not init_scale <= MAX_SCALE:  # (the scale is a float32 tensor)
+            raise ValueError(f"init_scale ({init_scale:g}) must be <= {MAX_SCALE:g}, the largest float32")
         super().__init__(
             device,
             init_scale=init_scale,

@@ -129,6 +129,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("scaler with bf16", ["train", "--set", "precision=bf16", "--set", "scaler.enabled=true"]),
     ("backoff > 1", ["train", "--set", "scaler.backoff_factor=1.5"]),
     ("growth 1", ["train", "--set", "scaler.growth_factor=1"]),
+    ("init_scale past float32", ["train", "--set", "precision=fp16", "--set", "scaler.init_scale=1e39"]),
     ("window 0", ["train", "--set", "monitor.window=0"]),
     ("alert rate 2", ["train", "--set", "monitor.alert_rate=2"]),
     ("task unknown", ["train", "--set", "task.name=mnist"]),

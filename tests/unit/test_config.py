@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 import yaml
 
 from helpers import SAMPLE, SAMPLE_TOML
@@ -140,6 +141,7 @@ def test_missing_file_is_a_config_error(tmp_path):
         ({"scaler": {"min_scale": math.inf}}, "scaler.min_scale"),
         ({"scaler": {"min_scale": math.nan}}, "scaler.min_scale"),
         ({"scaler": {"init_scale": 4.0, "min_scale": 8.0}}, "scaler.min_scale"),
+        ({"scaler": {"init_scale": 1e39}}, "scaler.init_scale"),  # past float32: the scale tensor overflows
         ({"monitor": {"min_steps": -1}}, "monitor.min_steps"),
         ({"monitor": {"min_steps": 2.5}}, "monitor.min_steps"),
         ({"monitor": {"min_steps": True}}, "monitor.min_steps"),
@@ -182,6 +184,8 @@ def test_max_norm_zero_or_null_is_allowed(value, tmp_path):
 def test_min_scale_edges_that_are_allowed():
     assert validate({"scaler": {"min_scale": 2.0**-126}}).scaler.min_scale == 2.0**-126  # smallest normal
     assert validate({"scaler": {"init_scale": 8.0, "min_scale": 8.0}}).scaler.min_scale == 8.0  # floor = start
+    biggest = float(torch.finfo(torch.float32).max)
+    assert validate({"scaler": {"init_scale": biggest}}).scaler.init_scale == biggest  # the largest float32
     assert validate({"monitor": {"min_steps": 0}}).monitor.min_steps == 0  # armed from step 1
 
 

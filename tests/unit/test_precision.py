@@ -168,6 +168,15 @@ def test_refuses_init_scale_below_the_floor_when_enabled():
     assert GuardedGradScaler("cpu", init_scale=1.0, min_scale=1.0).get_scale() == 1.0  # equal is fine
 
 
+def test_refuses_init_scale_past_float32():
+    # PyTorch's scaler would fail at the first scale() ("value cannot be converted to type float")
+    with pytest.raises(ValueError, match="init_scale .* largest float32"):
+        GuardedGradScaler("cpu", init_scale=1e39)
+    biggest = torch.finfo(torch.float32).max
+    scaler = GuardedGradScaler("cpu", init_scale=biggest)
+    assert scaler.scale(torch.ones(())).item() == biggest and scaler.get_scale() == biggest
+
+
 # ---------------------------------------------------------------------------- state_dict
 
 
