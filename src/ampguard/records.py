@@ -242,8 +242,9 @@ class InFlight:
             yield self._take()
 
     def _take(self) -> tuple[StepRecord, Any]:
-        record, extra, wait = self._queue.popleft()
-        wait()
+        record, extra, wait = self._queue[0]
+        wait()  # then taken: a wait that is interrupted (Ctrl-C) leaves the record for the next drain
+        self._queue.popleft()
         return record, extra
 
 

@@ -26,6 +26,28 @@ class StopFlag:
         """The first stop signal received (``signal.SIGINT`` or ``signal.SIGTERM``), or None."""
         self.closing = False
         """Set while the run writes its last checkpoint and run card: further signals wait."""
+        self.holding = False
+        """Set while the run writes a step's record: a second signal waits for :meth:`release`."""
+        self.held = False
+        """A second signal arrived while :attr:`holding`."""
+
+    def release(self) -> None:
+        """End :attr:`holding`; a second signal that waited interrupts now (``KeyboardInterrupt``).
+
+        Example::
+
+            >>> flag = StopFlag()
+            >>> flag.holding, flag.held = True, True  # what the handler does with a second signal
+            >>> try:
+            ...     flag.release()
+            ... except KeyboardInterrupt:
+            ...     print("interrupted", flag.holding)
+            interrupted False
+        """
+        self.holding = False
+        if self.held:
+            self.held = False
+            raise KeyboardInterrupt
 
     @property
     def requested(self) -> bool:
@@ -48,7 +70,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def stop_on_signals() -> Iterator[StopFlag]:
     """The first SIGINT or SIGTERM: finish the current step, then stop. A second one interrupts
     at once (``KeyboardInterrupt``), except while the run is closing (``flag.closing``): then
-    the checkpoint and the run card are written first.
+    the checkpoint and the run card are written first; and while a step's record is written
+    (``flag.holding``): then it interrupts when the record is whole (:meth:`StopFlag.release`).
 
     Example::
 
@@ -60,6 +83,9 @@ def stop_on_signals() -> Iterator[StopFlag]:
 
     def handler(signum: int, frame: Any) -> None:
         if flag.requested and not flag.closing:
+            if flag.holding:
+                flag.held = True
+                return
             raise KeyboardInterrupt
         if flag.signal is None:
             flag.signal = signum

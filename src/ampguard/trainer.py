@@ -110,6 +110,7 @@ class Trainer:
                  stats_every: int | None, print_fn: Callable[[str], None], progress: bool,
                  resume: ck.Resume | None) -> None:
         self.config, self.outputs, self.resume = config, outputs, resume
+        self.stop_flag = StopFlag()  # run()'s, once it installs the signal handlers
         self.console_every, self.stats_every, self.print_fn, self.progress = console_every, stats_every, print_fn, progress
         if distributed.launched_by_torchrun():
             self.dist, self.device = distributed.init_from_env(config.device)
@@ -215,11 +216,11 @@ class Trainer:
         self._open()
         first_step = self.state.steps
         with stop_on_signals() as stop:
-            clean, stopped = True, None
+            self.stop_flag, clean, stopped = stop, True, None
             try:
                 stopped = self._loop(stop)
             except KeyboardInterrupt:  # a second signal mid-step: no checkpoint of a half-done step
-                clean, stopped = False, self._interrupted(stop)
+                clean = False
             finally:
                 stop.closing = True  # from here a signal waits: the checkpoint and the run card come first
                 with contextlib.suppress(Exception):  # after an error too: the steps already taken reach the CSV
@@ -228,6 +229,8 @@ class Trainer:
                 self.injector.detach()
                 if self.bar is not None:
                     self.bar.close()
+            if not clean:  # after settle(): "after step N" names the last step the CSV holds
+                stopped = self._interrupted(stop)
             full = stopped is not None and stopped.kind == DISK_FULL  # agreed: every rank skips the save
             if clean and not full and self.state.steps > first_step:  # (a resumed complete run only rewrites its card)
                 self.save()
@@ -320,21 +323,26 @@ class Trainer:
         The first sink to read the record copies its values to the host (the step's one
         transfer; later readers pay nothing).
         """
-        self.sinks.write(record, metrics)
-        events = self.monitor.observe(record) + (self.headroom.observe(record) if self.headroom else [])
-        for event in events:
-            self.events.emit(event.as_dict(), event_word(event.kind))
-        self.sinks.observe(self.monitor, events)  # the tracker sinks log the monitor's view with the step
-        norms = self.grad_norms.after(record)  # a skipped step's per-parameter norms (read on skips only)
-        if norms is not None:
-            self.events.emit(norms)
-        if metrics:
-            self.monitor.observe_eval(metrics)
-            self.say(f"EVAL {record.step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-        if self.stats_every and record.step % self.stats_every == 0:
-            self.say(self.monitor.stats_line() + self.throughput.take())
-        if self.bar is not None:
-            self.bar.update(1)
+        self.stop_flag.holding = True  # a second Ctrl-C here waits until the record is whole
+        try:
+            self.sinks.write(record, metrics)
+            events = self.monitor.observe(record) + (self.headroom.observe(record) if self.headroom else [])
+            for event in events:
+                self.events.emit(event.as_dict(), event_word(event.kind))
+            self.sinks.observe(self.monitor, events)  # the tracker sinks log the monitor's view with the step
+            norms = self.grad_norms.after(record)  # a skipped step's per-parameter norms (read on skips only)
+            if norms is not None:
+                self.events.emit(norms)
+            if metrics:
+                self.monitor.observe_eval(metrics)
+                self.say(f"EVAL {record.step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            if self.stats_every and record.step % self.stats_every == 0:
+                self.say(self.monitor.stats_line() + self.throughput.take())
+            if self.bar is not None:
+                self.bar.update(1)
+        finally:
+            self.stop_flag.holding = False
+        self.stop_flag.release()
 
     def save_due(self, step: int) -> bool:
         """A checkpoint every ``checkpoint.every`` steps, but not at the last step (``run()``

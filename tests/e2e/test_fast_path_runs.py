@@ -140,6 +140,53 @@ def test_an_interrupt_mid_step_leaves_every_finished_step_in_the_csv(tmp_path, l
     code, out, err, run = _run(tmp_path, "int", "--set", "steps=20", "--set", "fast=true")
     assert code == 130, err
     assert [r["step"] for r in read_rows(run / "steps.csv")] == [str(s) for s in range(1, 7)]
+    # "after step N" names the last step the CSV holds, not the last one read back before the interrupt
+    assert [e["message"] for e in read_events(run / "events.jsonl") if e["event"] == "run_end"] == [
+        "interrupted (Ctrl-C) after step 6"]
+
+
+def test_a_second_ctrl_c_while_a_record_is_waited_for_leaves_no_gap(tmp_path, lagging, monkeypatch):
+    # On a GPU the loop spends its time waiting for the LAG-old record's copy: a second Ctrl-C lands
+    # there. The record waited for stays in flight, and the run's last drain writes it.
+    original, fired = ampguard.records.Prefetch.__call__, []
+
+    def call(self):
+        if not fired and getattr(getattr(self._wait, "__self__", None), "step", None) == 5:
+            fired.append(5)
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(ampguard.records.Prefetch, "__call__", call)
+    code, out, err, run = _run(tmp_path, "wait", "--set", "steps=20", "--set", "fast=true")
+    assert code == 130 and fired == [5], err
+    steps = [int(r["step"]) for r in read_rows(run / "steps.csv")]
+    assert steps == list(range(1, 5 + LAG + 1))  # 5 waited for when step 5 + LAG was made
+    ends = [e["message"] for e in read_events(run / "events.jsonl") if e["event"] == "run_end"]
+    assert ends == [f"interrupted (Ctrl-C) after step {steps[-1]}"]
+
+
+@pytest.mark.parametrize("fast", ["true", "false"])
+def test_a_second_ctrl_c_while_a_record_is_written_finishes_that_record(tmp_path, lagging, monkeypatch, fast):
+    # Both signals arrive inside the CSV write of step 5 (the first asks for a stop; the second would
+    # interrupt at once): the row is written whole, then the run is interrupted, with no gap after it.
+    import os
+    import signal
+
+    import ampguard.sinks
+    original = ampguard.sinks.CsvSink.write
+
+    def write(self, record, extra=None):
+        if record.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, record, extra)
+
+    monkeypatch.setattr(ampguard.sinks.CsvSink, "write", write)
+    code, out, err, run = _run(tmp_path, "write", "--set", "steps=20", "--set", f"fast={fast}")
+    assert code == 130, err
+    steps = [int(r["step"]) for r in read_rows(run / "steps.csv")]
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 5
+    assert steps[-1] == (5 + LAG if fast == "true" else 5)  # the steps trained: all written
 
 
 @pytest.mark.parametrize("setting", ["diagnose.strict=true", "monitor.headroom.every=5", "scheduler_on_skip=step"])
