@@ -80,11 +80,13 @@ def reference_episodes_events(rates: list[float], threshold: float, min_steps: i
     return reference_episodes(rates, threshold, ("skip_rate_alert", "skip_rate_clear"), min_steps)
 
 
-def reference_fail_step(rates: list[float], fail_rate: float, fail_after: int) -> int | None:
+def reference_fail_step(rates: list[float], fail_rate: float, fail_after: int, after: int = 0) -> int | None:
+    """The first step past ``after`` ending ``fail_after`` consecutive rates above ``fail_rate``
+    (the run counted from step 1)."""
     run = 0
     for step, rate in enumerate(rates, start=1):
         run = run + 1 if rate > fail_rate else 0
-        if run >= fail_after:
+        if run >= fail_after and step > after:
             return step
     return None
 

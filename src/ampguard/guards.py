@@ -114,6 +114,11 @@ class Guards:
         if record.skipped and self.strict:
             which = "loss" if record.reason == "non_finite_loss" else "gradient"
             return Stop(ExitCode.GUARD, f"strict mode: non-finite {which} at step {record.step}: {diagnosis}", STRICT)
+        failed = self.monitor.failed  # first: a rollback for a spike would forget it (restart_windows)
+        if failed is not None:
+            if failed.cause == FAIL_SKIP_RATE and SKIP_GUARD in self.triggers:
+                return Rollback(record.step - self.fail_after + 1, f"skip-rate guard: {failed.message}", SKIP_GUARD)
+            return Stop(ExitCode.GUARD, f"stopped by the guard at step {record.step}: {failed.message}", failed.cause)
         if self.spikes is not None and not record.skipped:
             loss = self.monitor.last.get("loss")
             if self.spikes.check(loss):
@@ -125,12 +130,7 @@ class Guards:
                 previous = (record.step - 1) // self.eval_every * self.eval_every
                 return Rollback(previous + 1, f"held-out regression at step {record.step} ({regression})",
                                 VAL_REGRESSION)
-        failed = self.monitor.failed
-        if failed is None:
-            return CONTINUE
-        if failed.cause == FAIL_SKIP_RATE and SKIP_GUARD in self.triggers:
-            return Rollback(record.step - self.fail_after + 1, f"skip-rate guard: {failed.message}", SKIP_GUARD)
-        return Stop(ExitCode.GUARD, f"stopped by the guard at step {record.step}: {failed.message}", failed.cause)
+        return CONTINUE
 
 
     def val_regression(self, value: float) -> str | None:

@@ -8,9 +8,11 @@ windows exactly (the scale-health label reads its window, O(window), only when a
 The rolling skip rate is the share of skipped steps among the steps the window holds: while
 the window has not filled yet, that is the steps seen so far (25 skips in the first 25 steps is
 a rate of 1.0, not 25/window). A run failing from its first step is therefore caught after
-``fail_after`` steps, not after the window has filled with evidence. The ALERT waits for
-``min_steps`` steps, so the fp16 scaler's usual opening skips (its search down from
-``init_scale``) do not raise it.
+``fail_after`` steps, not after the window has filled with evidence. The ALERT and the fail-fast
+judge that rate with the fp16 scaler's opening search set aside (its search down from
+``init_scale``: at most :data:`WARMUP_SKIPS` skips from step 1, which scale health labels
+``warming``), and the ALERT waits for ``min_steps`` steps, so a healthy fp16 start raises
+neither.
 
 A failure is typed: ``Event.kind == "fail"`` and ``Event.cause`` is one of :data:`FAIL_CAUSES`
 (:data:`FAIL_SKIP_RATE`, :data:`FAIL_SCALE_COLLAPSE`); nothing downstream has to read the
@@ -533,14 +535,21 @@ class RunMonitor:
     The rolling skip rate (:attr:`skip_rate`) is the skipped share of the last ``window``
     steps, or of all the steps so far while fewer than ``window`` were seen.
 
-    - ALERT episodes: an ``ALERT`` starts when the rate rises above ``alert_rate`` and clears
-      when it falls back to it or below, one event each, not one per step. It is armed only
-      once ``min_steps`` steps were seen, so the fp16 scaler's opening skips (its search down
-      from ``init_scale``, typically a handful of steps) do not raise it.
-    - Fail-fast (cause :data:`FAIL_SKIP_RATE`): the rate has been above ``fail_rate`` for
+    - The judged rate (:attr:`judged_skip_rate`): the rate with the scaler's opening search set
+      aside, the run's opening streak of gradient overflows while it is at most
+      :data:`WARMUP_SKIPS` long (what scale health calls ``warming``; with the scaler on only;
+      a non-finite loss is no search). Six opening halvings
+      from ``init_scale`` are the scaler finding its scale, not 6% of the first 100 steps
+      failing. A streak that goes past :data:`WARMUP_SKIPS` is counted whole.
+    - ALERT episodes: an ``ALERT`` starts when the judged rate rises above ``alert_rate`` and
+      clears when it falls back to it or below, one event each, not one per step. It is armed
+      only once ``min_steps`` steps were seen, so a few skips early in the run (k of the first
+      n steps read k/n) do not raise it.
+    - Fail-fast (cause :data:`FAIL_SKIP_RATE`): the judged rate has been above ``fail_rate`` for
       ``fail_after`` consecutive steps, counted from step 1 (``min_steps`` does not apply:
       ``fail_after`` consecutive steps are the evidence). A run that skips every step with
-      ``fail_after=3`` fails at step 3.
+      ``fail_after=3`` fails at step 3, or when the scaler is on and the gradients overflow at
+      step 11 (its first 8 skips could have been the opening search).
     - Scale (fp16): ``scale_alert`` while the scale is at (or below) ``min_scale``, the floor
       the scaler clamps it to; with ``fail_on_scale_collapse``, fail-fast (cause
       :data:`FAIL_SCALE_COLLAPSE`) after ``fail_after`` consecutive steps at the floor and skipped.
@@ -605,6 +614,8 @@ class RunMonitor:
             "alerting": False, "scale_alerting": False, "alert_episodes": 0, "max_skip_rate": 0.0,
             "above_fail": 0,  # consecutive steps with the rate above fail_rate
             "at_floor_skipped": 0,  # consecutive steps skipped with the scale at its floor
+            "opening": 0,  # the scaler's opening search: gradient overflows in a row from step 1
+            "in_opening": True,  # that search is still going
             "first_loss": None, "best_loss": None, "eval_last": {}, "eval_best": {},
         }
 
@@ -626,6 +637,8 @@ class RunMonitor:
         v = record.values()
         self.steps = record.step
         self.last = v
+        self.in_opening = self.in_opening and self.scaler_enabled and record.reason == "non_finite_grad"
+        self.opening += self.in_opening
         if record.skipped:
             self.skips[str(record.reason)] += 1
         else:
@@ -643,22 +656,23 @@ class RunMonitor:
         self.clipped += clipped
         self.clip_window.push(float(clipped))
         self.skip_window.push(float(record.skipped))
-        rate = self.skip_rate
-        self.max_skip_rate = max(self.max_skip_rate, rate)
+        self.max_skip_rate = max(self.max_skip_rate, self.skip_rate)
         scale = v["scaler_scale"] if v["scaler_scale"] is not None else 1.0
         if self.scaler_enabled:
             self.health.push(scale, record.skipped)
-        return self._events(record.step, rate, scale, bool(record.skipped))
+        return self._events(record.step, self.judged_skip_rate, scale, bool(record.skipped))
 
     def _events(self, step: int, rate: float, scale: float, skipped: bool) -> list[Event]:
         events: list[Event] = []
-        held = self.skip_window.held
+        aside = self._opening_in_window()
+        held = self.skip_window.held - aside
         data = {"skip_rate": rate, "window": self.window}
+        over = f"over the last {held} steps" + (f" (the scaler's {aside} opening skips set aside)" if aside else "")
         if rate > self.alert_rate and not self.alerting and self.alert_armed:
             self.alerting = True
             self.alert_episodes += 1
             events.append(Event(step, "skip_rate_alert", (
-                f"rolling skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over the last {held} steps"), data))
+                f"rolling skip rate {rate:.3f} > alert_rate {self.alert_rate:g} {over}"), data))
         elif rate <= self.alert_rate and self.alerting:
             self.alerting = False
             events.append(Event(step, "skip_rate_clear", (
@@ -679,7 +693,7 @@ class RunMonitor:
             if self.above_fail >= self.fail_after:
                 self.failed = Event(step, "fail", (
                     f"rolling skip rate above fail_rate {self.fail_rate:g} for {self.fail_after} consecutive steps "
-                    f"(now {rate:.3f} over the last {held} steps)"), data, cause=FAIL_SKIP_RATE)
+                    f"(now {rate:.3f} {over})"), data, cause=FAIL_SKIP_RATE)
             elif self.fail_on_scale_collapse and self.at_floor_skipped >= self.fail_after:
                 self.failed = Event(step, "fail", (
                     f"loss scale at its floor scaler.min_scale {self.min_scale:g} with every step skipped "
@@ -760,6 +774,42 @@ class RunMonitor:
         return self.skip_window.seen_mean
 
     @property
+    def judged_skip_rate(self) -> float:
+        """:attr:`skip_rate` with the scaler's opening search set aside: what the ALERT and the
+        fail-fast judge. The opening search is the run's opening streak of steps skipped for a
+        non-finite gradient while it is at most :data:`WARMUP_SKIPS` long, with the scaler on
+        and its scale above the floor (its halvings down from ``init_scale``, scale health's
+        ``warming``; a non-finite loss is no search: the loss is checked before it is scaled);
+        its steps leave the judged rate's numerator and denominator alike, and once they have
+        left the window the two rates are the same.
+
+        Example (fp16: six opening halvings, then 94 clean steps)::
+
+            >>> from ampguard.records import SkipLog, StepLog
+            >>> m = RunMonitor()
+            >>> for s in range(1, 101):
+            ...     _ = m.observe(SkipLog(step=s, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"),
+            ...                           grad_l2_post_clip=None, scaler_scale=2.0 ** (16 - s),
+            ...                           reason="non_finite_grad") if s <= 6 else
+            ...                   StepLog(step=s, lr=0.1, loss=1.0, grad_l2_pre_clip=0.5,
+            ...                           grad_l2_post_clip=0.5, scaler_scale=2.0 ** 10))
+            >>> m.skip_rate, m.judged_skip_rate, m.alerting
+            (0.06, 0.0, False)
+        """
+        aside = self._opening_in_window()
+        held = self.skip_window.held - aside
+        return (self.skip_window.total - aside) / held if held > 0 else 0.0
+
+    def _opening_in_window(self) -> int:
+        """How many of the skip window's steps are the scaler's opening search (0 when none)."""
+        opening = self.opening
+        if not 1 <= opening <= WARMUP_SKIPS or self.health.at_floor:  # (at its floor: no search)
+            return 0
+        # the window holds the last `held` steps up to `steps`; the opening is steps 1..opening
+        first = self.steps - self.skip_window.held + 1
+        return max(0, min(opening - first + 1, self.skip_window.held, round(self.skip_window.total)))
+
+    @property
     def clip_rate(self) -> float:
         """Share of the steps so far whose pre-clip norm exceeded ``max_norm`` ("we clip every step" is a finding).
 
@@ -822,7 +872,7 @@ class RunMonitor:
 
     _SCALARS = (
         "steps", "updates", "clipped", "alerting", "scale_alerting", "alert_episodes", "max_skip_rate",
-        "above_fail", "at_floor_skipped", "first_loss", "best_loss", "eval_last", "eval_best",
+        "above_fail", "at_floor_skipped", "opening", "in_opening", "first_loss", "best_loss", "eval_last", "eval_best",
     )
     _RENAMED = {"at_floor_skipped": "below_min_scale"}  # new name -> its name in older states
 
@@ -849,6 +899,11 @@ class RunMonitor:
         """Restore a :meth:`state_dict`. A key missing from an older state takes its default
         (a fresh monitor's value); a window of another size is refused (``ValueError``).
 
+        A saved failure (``failed``) is not restored: the resumed run judges its steps with its
+        own thresholds, which a resume may have changed (docs/resume.md). The counters go on, so
+        with the same thresholds the guard trips again at the first step whose rate is still
+        above; with ``fail_rate`` raised or off, it does not.
+
         Example::
 
             >>> old = RunMonitor(window=8).state_dict()
@@ -865,8 +920,9 @@ class RunMonitor:
         for name in self._SCALARS:
             old_name = self._RENAMED.get(name, name)
             setattr(self, name, state.get(name, state.get(old_name, defaults[name])))
-        failed = state.get("failed")
-        self.failed = None if failed is None else Event.from_dict(failed)
+        self.failed = None
+        if "in_opening" not in state:  # saved before the opening was kept: over unless nothing ran
+            self.in_opening = self.steps == 0
         self.skips = Counter(state.get("skips", {}))
         self.last = dict(state.get("last", {}))
         if "health" in state:

@@ -111,6 +111,47 @@ def test_train_fail_rate_from_config_keys(train):
     assert [e["step"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "fail"] == [expected]
 
 
+def test_a_resumed_guard_stop_is_judged_with_the_resumed_thresholds(train):
+    # stopped by the guard; resumed as it was: stopped again at its next step (the rate is still
+    # above, the counters went on); resumed with the guard off or a higher rate: trains to the end
+    args = ["--set", "precision=bf16", "--set", "steps=60", "--inject", "nan_loss@every:2",
+            "--set", "monitor.window=10", "--set", "monitor.fail_after=5"]
+    fault = parse_fault("nan_loss@every:2", seed=0)
+    rates = reference_rates([fault.hits(s) for s in range(1, 61)], 10)
+    stop = reference_fail_step(rates, 0.3, 5)
+    code, out, err, run_dir = train("r", *args, "--set", "monitor.fail_rate=0.3")
+    assert code == 3 and len(read_rows(run_dir / "steps.csv")) == stop, err
+    again = reference_fail_step(rates, 0.3, 5, after=stop)
+    assert again == stop + 1
+    for name, change, code_, rows, fails in (
+            ("same", "monitor.fail_rate=0.3", 3, again, [stop, again]),
+            ("guard-off", "monitor.fail_rate=null", 0, 60, [stop]),
+            ("higher", "monitor.fail_rate=0.9", 0, 60, [stop])):
+        copy = run_dir.parent / name
+        copy.mkdir()
+        for f in run_dir.rglob("*"):
+            if f.is_file():
+                (copy / f.relative_to(run_dir)).parent.mkdir(parents=True, exist_ok=True)
+                (copy / f.relative_to(run_dir)).write_bytes(f.read_bytes())
+        code, out, err, _ = train(name, *args, "--resume", str(copy), "--set", change)
+        assert code == code_, (name, err)
+        assert len(read_rows(copy / "steps.csv")) == rows, name
+        assert [e["step"] for e in read_events(copy / "events.jsonl") if e["event"] == "fail"] == fails, name
+
+
+def test_fail_fast_sets_the_fp16_scalers_opening_search_aside(train):
+    # fp16: six overflows in a row at the start are the scaler finding its scale (scale health: warming),
+    # not 6% of the first 100 steps skipped; nine are no search (counted whole: 9% from step 9 on)
+    code, out, err, run_dir = train("warm", "--set", "precision=fp16", "--set", "steps=120",
+                                    "--inject", "inf_grad@1,2,3,4,5,6", "--fail-skip-rate", "0.05")
+    assert code == 0, err
+    assert "ALERT" not in out and "FAIL" not in out
+    code, out, err, run_dir = train("nine", "--set", "precision=fp16", "--set", "steps=120",
+                                    "--inject", "inf_grad@1,2,3,4,5,6,7,8,9", "--fail-skip-rate", "0.05")
+    assert code == 3, err
+    assert [e["step"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "fail"] == [9 + 100 - 1]
+
+
 def test_train_without_fail_rate_runs_to_the_end_despite_skips(train):
     code, out, err, run_dir = train(
         "nofail", "--set", "precision=fp32", "--set", "steps=15", "--inject", "inf_grad@rate:0.5",

@@ -148,6 +148,16 @@ def test_a_loss_spike_after_a_full_window_of_steady_losses_rolls_back_to_before_
     assert rollback.why == "loss spike (40 > mean + 3 std)"
 
 
+def test_a_loss_spike_on_the_step_the_skip_rate_guard_fails_does_not_hide_the_stop():
+    # the rollback for the spike would restart the monitor's windows and forget the failure
+    guards, monitor, _ = spike_guards(monitor={"window": 10, "fail_rate": 0.3, "fail_after": 3})
+    records = [clean(s, loss=2.0) for s in range(1, 5)] + [skip(s) for s in (5, 6, 7)] + [clean(8, loss=40.0)]
+    decisions = feed(guards, monitor, records)
+    assert decisions[:7] == [g.CONTINUE] * 7
+    assert monitor.failed is not None and monitor.failed.step == 8  # rates .33, .43, .375 above 0.3
+    assert isinstance(decisions[7], Stop) and decisions[7].kind == FAIL_SKIP_RATE
+
+
 def test_a_spike_before_the_window_is_full_is_not_judged():
     guards, monitor, _ = spike_guards()
     decisions = feed(guards, monitor, [clean(s, loss=2.0) for s in range(1, 4)] + [clean(4, loss=1e6)])

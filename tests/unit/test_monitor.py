@@ -681,7 +681,7 @@ def test_monitor_default_min_steps_is_the_configs():
     assert alerts == [DEFAULT_MIN_STEPS]
 
 
-@pytest.mark.parametrize("opening", [1, 3, 5])
+@pytest.mark.parametrize("opening", [1, 3, 5, 6, 8])
 def test_monitor_default_settings_do_not_alert_on_the_fp16_opening(opening):
     # fp16 from 2**16: the scaler's search skips the first few steps, halving each time, then trains.
     m = RunMonitor()  # window 1000, alert_rate 0.05, min_steps = DEFAULT_MIN_STEPS
@@ -806,10 +806,28 @@ def test_run_monitor_state_dict_round_trip_mid_run(split):
 
 @pytest.mark.parametrize("split", [30, 33])
 def test_run_monitor_round_trip_after_the_fail(split):
+    # A failure is not restored (a resume may change the thresholds): the counters are, so with the
+    # same thresholds the restored monitor fails again at its first step whose rate is still above.
     live, restored, rest = _round_trip(split)
     assert live.failed is not None and live.failed.step == 30
+    assert restored.failed is None and restored.above_fail == live.above_fail
     for r in rest:
-        assert [e.as_dict() for e in restored.observe(r)] == [e.as_dict() for e in live.observe(r)], r.step
+        got, want = restored.observe(r), live.observe(r)
+        assert [e.as_dict() for e in got if e.kind != "fail"] == [e.as_dict() for e in want], r.step
+    again = reference_fail_step(reference_rates([ch == "S" for ch in MIXED], 6), 0.4, 4, after=split)
+    assert again == {30: 31, 33: 44}[split]  # at 30 still above: at once; at 33 the rate had fallen
+    assert restored.failed.step == again and restored.failed.cause == FAIL_SKIP_RATE
+
+
+def test_run_monitor_restored_after_the_fail_judges_with_new_thresholds():
+    live, _, rest = _round_trip(30)
+    state = json.loads(json.dumps(live.state_dict()))
+    for changed in ({"fail_rate": None}, {"fail_rate": 0.99}, {"fail_after": 1000}):
+        restored = RunMonitor(**{**MIXED_ARGS, **changed})
+        restored.load_state_dict(copy.deepcopy(state))
+        for r in rest:
+            assert all(e.kind != "fail" for e in restored.observe(r)), (changed, r.step)
+        assert restored.failed is None
 
 
 def test_run_monitor_round_trip_needs_the_same_window():
@@ -855,8 +873,11 @@ def test_run_monitor_round_trip_at_the_scale_floor(split):
     assert restored.at_floor_skipped == live.at_floor_skipped
     for i, (scale, skip) in enumerate(plan[split:], start=split + 1):
         rec = skip_record(i, scale=scale) if skip else step_record(i, scale=scale)
-        assert [e.as_dict() for e in restored.observe(rec)] == [e.as_dict() for e in live.observe(rec)]
-    assert live.failed.step == restored.failed.step == 6
+        got = [e.as_dict() for e in restored.observe(rec)]
+        want = [e.as_dict() for e in live.observe(rec)]
+        assert got == want or (split == 6 and i == 7 and [e["event"] for e in got] == ["fail"] and want == [])
+    # restored after the failure (split 6): not restored, but tripped again at the next step at the floor
+    assert live.failed.step == 6 and restored.failed.step == (7 if split == 6 else 6)
     assert restored.failed.cause == FAIL_SCALE_COLLAPSE
 
 
@@ -872,10 +893,13 @@ def test_run_monitor_loads_an_older_state_without_the_new_keys():
         del old[key]
     restored = RunMonitor(**MIXED_ARGS)
     restored.load_state_dict(old)
-    assert restored.failed.cause == FAIL_SKIP_RATE and restored.failed.step == 30
+    assert restored.failed is None  # judged again (the counters go on): fails at its next step
     assert (restored.eval_last, restored.eval_best, restored.max_skip_rate) == ({}, {}, 0.0)
     for r in records[31:]:
-        assert [e.as_dict() for e in restored.observe(r)] == [e.as_dict() for e in m.observe(r)]
+        got, want = restored.observe(r), m.observe(r)
+        assert [e.as_dict() for e in got if e.kind != "fail"] == [e.as_dict() for e in want]
+    again = reference_fail_step(reference_rates([ch == "S" for ch in MIXED], 6), 0.4, 4, after=31)
+    assert restored.failed.cause == FAIL_SKIP_RATE and restored.failed.step == again == 44
 
 
 # ---------------------------------------------------------------------------- sinks
@@ -918,3 +942,79 @@ def test_tensorboard_sink_writes_event_files(tmp_path):
     sink.write(skip_record(2))
     sink.close()
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").rglob("*"))
+
+
+def fp16_opening(opening: int, steps: int, later_skips: tuple[int, ...] = ()) -> list:
+    """fp16 from 2**16: ``opening`` halvings (skipped steps), then clean steps but ``later_skips``."""
+    scale, records = 2.0**16, []
+    for i in range(1, steps + 1):
+        if i <= opening or i in later_skips:
+            scale /= 2
+            records.append(skip_record(i, scale=scale))
+        else:
+            records.append(step_record(i, scale=scale))
+    return records
+
+
+@pytest.mark.parametrize("opening", [6, 8])
+def test_monitor_fail_fast_sets_the_fp16_opening_aside(opening):
+    # --fail-skip-rate 0.05: 6-8 opening skips are 6-8% of the first 100 steps, the scaler's search
+    m = RunMonitor(fail_rate=0.05, fail_after=100)
+    events = [(e.step, e.kind) for r in fp16_opening(opening, 300) for e in m.observe(r)]
+    assert events == [] and m.failed is None
+    assert m.skip_rate == opening / 300 and m.judged_skip_rate == 0.0
+    assert m.scale_verdict == "warming"
+
+
+def test_monitor_an_opening_longer_than_the_warmup_counts_whole():
+    # 9 opening skips are not a warm-up (scale health: collapsing); 9% of 100 steps alerts at step 100,
+    # and the fail-fast counts from step 9, the first it knew the streak was no search
+    m = RunMonitor(fail_rate=0.05, fail_after=100)
+    events = [(e.step, e.kind) for r in fp16_opening(WARMUP_SKIPS + 1, 300) for e in m.observe(r)]
+    assert events[:2] == [(100, "skip_rate_alert"), (WARMUP_SKIPS + 100, "fail")]
+    assert m.failed.cause == FAIL_SKIP_RATE
+
+
+@pytest.mark.parametrize("scaler", [True, False])
+def test_monitor_fail_fast_on_a_run_that_skips_every_step(scaler):
+    # with the scaler, its first WARMUP_SKIPS skips could be the search: the run fails 8 steps later
+    m = RunMonitor(fail_rate=0.05, fail_after=3, scaler_enabled=scaler)
+    fails = [r.step for r in fp16_opening(30, 30) for e in m.observe(r) if e.kind == "fail"]
+    assert fails == [WARMUP_SKIPS + 3 if scaler else 3]
+
+
+def test_monitor_non_finite_losses_are_no_scaler_search():
+    # the loss is checked before it is scaled: NaN losses from step 1 are counted whole, fp16 or not
+    m = RunMonitor(fail_rate=0.05, fail_after=3)
+    fails = [s for s in range(1, 20) for e in m.observe(skip_record(s, "non_finite_loss")) if e.kind == "fail"]
+    assert fails == [3] and m.opening == 0
+    # and a loss skip ends the opening (step 1's overflow stays set aside): the overflows after it
+    # count, from step 2 on, so the guard trips at step 4
+    m = RunMonitor(fail_rate=0.05, fail_after=3)
+    records = [skip_record(1, "non_finite_grad", scale=2.0**15), skip_record(2, "non_finite_loss", scale=2.0**14)]
+    records += [skip_record(s, scale=2.0 ** (16 - s)) for s in range(3, 10)]
+    assert [e.step for r in records for e in m.observe(r) if e.kind == "fail"] == [4]
+    assert m.opening == 1 and not m.in_opening
+
+
+def test_monitor_alert_after_the_opening_names_what_it_set_aside():
+    # 6 opening skips set aside; 5 more at steps 101-105 are 5 of 99 judged steps (> 5%): ALERT at 105
+    m = RunMonitor()
+    events = [e for r in fp16_opening(6, 105, later_skips=tuple(range(101, 106))) for e in m.observe(r)]
+    alerts = [e for e in events if e.kind == "skip_rate_alert"]
+    assert [e.step for e in alerts] == [105]
+    assert "over the last 99 steps (the scaler's 6 opening skips set aside)" in alerts[0].message
+    assert alerts[0].data["skip_rate"] == 5 / 99 == m.judged_skip_rate
+    assert m.skip_rate == 11 / 105
+
+
+def test_monitor_the_opening_leaves_the_judged_rate_with_the_window():
+    # window 20: once the opening's steps have left the window, the judged rate is the rolling rate
+    m = RunMonitor(window=20, min_steps=0)
+    for r in fp16_opening(4, 40, later_skips=(30,)):
+        m.observe(r)
+        if r.step <= 20:
+            assert m.judged_skip_rate == 0.0
+        if r.step >= 24:
+            assert m.judged_skip_rate == m.skip_rate
+    assert m.skip_rate == 1 / 20

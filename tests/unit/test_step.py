@@ -944,7 +944,8 @@ def test_floor_collapse_and_skip_rate_guards_on_the_steps_records():
         events["rate"] += [(e.step, e.kind, e.cause) for e in rate.observe(log)]
     # 2**16 halves to the floor 1.0 at step 16 (skipped there: 1), the 5th such step is 20.
     assert events["collapse"] == [(16, "scale_alert", None), (20, "fail", FAIL_SCALE_COLLAPSE)]
-    # Every step skips: the young window's rate is 1.0 from step 1, the guard trips at step 3.
+    # Every loss is NaN (no scaler search: the loss is checked before it is scaled): the young
+    # window's rate is 1.0 from step 1, the guard trips at step 3.
     assert events["rate"] == [(3, "fail", FAIL_SKIP_RATE), (16, "scale_alert", None)]
     assert float(state.scaler.scale_value()) == 1.0
 

@@ -91,13 +91,15 @@ def monitor_metrics(monitor: RunMonitor) -> dict[str, float]:
     Example::
 
         >>> from ampguard.monitor import RunMonitor
-        >>> from ampguard.records import SkipLog
+        >>> from ampguard.records import SkipLog, StepLog
         >>> m = RunMonitor(window=4, min_steps=0, scaler_enabled=True, init_scale=1024.0)
-        >>> _ = m.observe(SkipLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
+        >>> _ = m.observe(StepLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=0.5, grad_l2_post_clip=0.5,
+        ...                       scaler_scale=1024.0))
+        >>> _ = m.observe(SkipLog(2, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
         ...                       scaler_scale=512.0, reason="non_finite_grad"))
         >>> monitor_metrics(m)  # doctest: +NORMALIZE_WHITESPACE
-        {'monitor/skip_rate': 1.0, 'monitor/clip_rate': 0.0, 'monitor/skip_rate_alert': 1.0,
-         'monitor/scale_alert': 0.0, 'monitor/scale_health': 0.0}
+        {'monitor/skip_rate': 0.5, 'monitor/clip_rate': 0.0, 'monitor/skip_rate_alert': 1.0,
+         'monitor/scale_alert': 0.0, 'monitor/scale_health': 2.0}
     """
     row = {
         "monitor/skip_rate": float(monitor.skip_rate),
