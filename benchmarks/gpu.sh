@@ -13,9 +13,15 @@
 #
 #   bash benchmarks/gpu.sh                      # on the GPU machine
 #   DEVICE=cpu QUICK=1 bash benchmarks/gpu.sh   # the same commands on a CPU, a dry run of the script
-#   STAGES="1 3 4" MLP_S=200 MLP_BUDGET=120 GPT2_S=330 GPT2_BUDGET=240 bash benchmarks/gpu.sh
+#   STAGES="1 3 4" MLP_MODELS=mlp MLP_BUDGET=60 GPT2_BUDGET=180 bash benchmarks/gpu.sh
 #                                               # only the tests and the two benches, with the time
-#                                               # the stages skipped (the train goals are met: RESULTS.md)
+#                                               # the stages skipped (the train goals are met: RESULTS.md);
+#                                               # about 7 minutes, under one device command's 600 s
+#
+# A bench stage's limit follows from its budget (a budget is per case, and each case costs some
+# seconds of setup beyond it): MLP_S and GPT2_S override. A bench that reaches its limit still
+# prints the whole rounds it measured (it takes timeout's SIGTERM as Ctrl-C), so its JSON is
+# complete up to there. Stage 1 runs every CUDA test (no -x) and keeps the whole log.
 #
 # The GPU image's python3 has torch but not pydantic: carry wheels in .whl (see the device
 # notes: `pip download --no-deps --only-binary=:all: ... -d .whl pydantic pydantic-core
@@ -32,6 +38,11 @@ if ! "$PY" -c "import pydantic" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/nu
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ! "$PY" -c "import pydantic, ampguard"; then  # every stage needs them: stop here, not in each stage
+    echo "gpu.sh: cannot import pydantic and ampguard (carry .whl with the device call: see above)"
+    exit 1
+fi
+count() { tr ',' '\n' <<< "$1" | grep -c .; }
 quick=(); [ -n "${QUICK:-}" ] && quick=(--quick)
 stage() { echo "=== $1 ($(date +%T))"; }
 STAGES=" ${STAGES:-1 2 2b 3 4} "
@@ -40,7 +51,9 @@ want() { [[ "$STAGES" == *" $1 "* ]]; }
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv
 if [ "$DEVICE" = cuda ] && want 1; then
     stage "1. CUDA tests"
-    timeout 110 "$PY" -m pytest -p no:cacheprovider -q -x -o addopts="" tests/e2e/test_cuda.py 2>&1 | tail -25
+    timeout -k 10 140 "$PY" -m pytest -p no:cacheprovider -q -rfE --tb=short -o addopts="" tests/e2e/test_cuda.py \
+        > "$OUT/test_cuda.log" 2>&1
+    tail -40 "$OUT/test_cuda.log"
 fi
 if want 2; then
     stage "2. ampguard train vs the bare compiled loop, GPT-2 small"
@@ -53,15 +66,18 @@ if want 2b; then
 fi
 if want 3; then
     stage "3. bench: tiny MLP (launch-bound)"
-    timeout "${MLP_S:-85}" "$PY" -m ampguard bench --device "$DEVICE" --models "${MLP_MODELS:-mlp,nano}" \
-        --precisions "${MLP_PRECISIONS:-bf16}" --fused --resolve 1 --budget "${MLP_BUDGET:-25}" "${quick[@]}" --json \
+    models=${MLP_MODELS:-mlp,nano} precisions=${MLP_PRECISIONS:-bf16} budget=${MLP_BUDGET:-25}
+    cases=$(( $(count "$models") * $(count "$precisions") ))
+    timeout -k 20 "${MLP_S:-$(( cases * (budget + 30) + 30 ))}" "$PY" -m ampguard bench --device "$DEVICE" \
+        --models "$models" --precisions "$precisions" --fused --resolve 1 --budget "$budget" "${quick[@]}" --json \
         > "$OUT/bench-mlp.json"
 fi
 if want 4; then
     stage "4. bench: GPT-2 small's shape, bf16"
-    timeout "${GPT2_S:-115}" "$PY" -m ampguard bench --device "$DEVICE" \
+    budget=${GPT2_BUDGET:-70}
+    timeout -k 20 "${GPT2_S:-$(( budget + 60 ))}" "$PY" -m ampguard bench --device "$DEVICE" \
         --models "$([ "$DEVICE" = cuda ] && echo gpt2 || echo transformer)" --precisions bf16 --fused --steps 10 \
-        --rounds 5 --resolve 1 --budget "${GPT2_BUDGET:-70}" --peak-tflops 989 "${quick[@]}" --json \
+        --rounds 5 --resolve 1 --budget "$budget" --peak-tflops 989 "${quick[@]}" --json \
         > "$OUT/bench-gpt2.json"
 fi
 stage "done"

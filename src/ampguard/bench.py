@@ -24,7 +24,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -674,6 +674,10 @@ def _widest(times: dict[str, list[float]]) -> float:
     return max(widths)
 
 
+INTERRUPTED = "interrupted"
+"""``Result.stop`` of a case whose rounds Ctrl-C or a SIGTERM cut short (its whole rounds are kept)."""
+
+
 def measure(
     w: Workload, precision: Precision, device: torch.device, contenders: list[type[Contender]],
     *, steps: int, rounds: int, warmup: int, fused: bool, peak_flops: float | None = None,
@@ -759,25 +763,33 @@ def measure(
         return []
     started, done, stop = time.perf_counter(), 0, "fixed"
     cycle = orders(len(built))
-    while True:
-        for i in cycle[done % len(cycle)]:
-            times[built[i].name].append(_time_steps(built[i], steps, device))
-        done += 1
-        if done < rounds:
-            continue
-        if resolve is None:
+    try:
+        while True:
+            for i in cycle[done % len(cycle)]:
+                times[built[i].name].append(_time_steps(built[i], steps, device))
+            done += 1
+            if done < rounds:
+                continue
+            if resolve is None:
+                break
+            if done % len(cycle) == 0 and _widest(times) <= resolve:  # (resolved: over whole cycles)
+                stop = "resolved"
+            elif budget_s is not None and time.perf_counter() - started >= budget_s:  # (limits cut anywhere)
+                stop = "budget"
+            elif done >= max_rounds:
+                stop = "max rounds"
+            else:
+                continue
             break
-        if done % len(cycle) == 0 and _widest(times) <= resolve:  # (resolved: over whole cycles)
-            stop = "resolved"
-        elif budget_s is not None and time.perf_counter() - started >= budget_s:  # (limits cut anywhere)
-            stop = "budget"
-        elif done >= max_rounds:
-            stop = "max rounds"
-        else:
-            continue
-        break
+    except KeyboardInterrupt:  # Ctrl-C, or the SIGTERM of a time limit (run()): the whole rounds so far
+        stop = INTERRUPTED
+        for name in times:
+            del times[name][done:]
     for c in built:
         c.close()
+    if not done:
+        print(f"  {w.name} {precision.name}: interrupted before a whole round, nothing measured")
+        return []
     results = []
     for c in built:
         med = statistics.median(times[c.name])
@@ -845,7 +857,8 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
             out.append(where + f"resolved to ±{resolve:.1%} in {len(rows[0].rounds)} rounds "
                                f"(widest ±{widest.half_width:.1%}, {widest.contender})")
         else:
-            why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran"}.get(rows[0].stop, rows[0].stop)
+            why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran",
+                   INTERRUPTED: "interrupted"}.get(rows[0].stop, rows[0].stop)
             out.append(where + f"not resolved to ±{resolve:.1%} ({why} after {len(rows[0].rounds)} rounds; widest "
                                f"±{widest.half_width:.1%}, {widest.contender})")
     return out
@@ -906,20 +919,33 @@ def run_bench(
     ours += [GuardedSyncFree, GuardedFusedTail] if fused else []
     contenders = ours + (available_peers() if peers else [])
     results: list[Result] = []
-    for name in workloads:
-        w = _WORKLOADS[name](device)
-        for p in precisions:
-            if p == "fp16" and device.type == "cpu" and name not in SMALL:
-                # fp16 autocast on a CPU is far too slow for anything but the tiny MLPs
-                print(f"{w.name} fp16: not run (on a CPU fp16 runs only the mlp and nano models)", flush=True)
-                continue
-            run_w, run_c = (fp8_workload(w), ours) if p == "fp8" else (w, contenders)
-            run_w = compiled_workload(run_w) if compiled else run_w
-            print(f"{w.name} {p}: {', '.join(c.name for c in run_c)}", flush=True)
-            results += measure(run_w, Precision(p, device.type), device, run_c, steps=steps, rounds=rounds,
-                               warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None,
-                               resolve=resolve, budget_s=budget_s)
+    try:
+        for name in workloads:
+            w = _WORKLOADS[name](device)
+            for p in precisions:
+                if p == "fp16" and device.type == "cpu" and name not in SMALL:
+                    # fp16 autocast on a CPU is far too slow for anything but the tiny MLPs
+                    print(f"{w.name} fp16: not run (on a CPU fp16 runs only the mlp and nano models)", flush=True)
+                    continue
+                run_w, run_c = (fp8_workload(w), ours) if p == "fp8" else (w, contenders)
+                run_w = compiled_workload(run_w) if compiled else run_w
+                print(f"{w.name} {p}: {', '.join(c.name for c in run_c)}", flush=True)
+                results += measure(run_w, Precision(p, device.type), device, run_c, steps=steps, rounds=rounds,
+                                   warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None,
+                                   resolve=resolve, budget_s=budget_s)
+                if results and results[-1].stop == INTERRUPTED:  # (measure() kept its whole rounds)
+                    return results
+    except KeyboardInterrupt:  # outside a case's rounds (building, warming up): the cases measured before
+        raise BenchInterrupted(results) from None
     return results
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """A bench interrupted outside a case's rounds; ``results`` holds the cases measured before."""
+
+    def __init__(self, results: list[Result]) -> None:
+        super().__init__("bench interrupted")
+        self.results = results
 
 
 def fp8_workload(w: Workload) -> Workload:
@@ -1039,7 +1065,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         ampguard.errors.InputError: bench: on a CPU fp16 runs only the mlp and nano models; nothing to measure for transformer
     """
     from .build import resolve_device
-    from .errors import InputError
+    from .errors import ExitCode, InputError
 
     where = resolve_device(device)
     workloads, names = models.split(","), precisions.split(",")
@@ -1069,14 +1095,49 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     import sys
 
     # with --json, stdout is the JSON alone: the progress lines go to stderr
-    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext(), \
+            _interrupted_by_sigterm() as signalled:
         print(f"ampguard bench on {where} ({machine()}{threads_said}): {rounds} rounds x {steps} steps, paired, "
               f"{until}", flush=True)
-        results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
-                            warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
-                            budget_s=budget_s, aa=aa, compiled=compiled)
+        try:
+            results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
+                                warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
+                                budget_s=budget_s, aa=aa, compiled=compiled)
+        except BenchInterrupted as stopped:
+            results = stopped.results
+            if not results:
+                raise
+    interrupted = bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
+    if interrupted:
+        print("bench: interrupted; the rounds measured so far follow", file=sys.stderr, flush=True)
     if not results:
         raise InputError(f"bench: no contender could run {models} in {precisions} on {where} (why: the lines above)")
     print(to_json(results, resolve) if as_json else
-          "\n".join([table(results), *resolution(results, resolve), *speedups(results)]))
+          "\n".join([table(results), *resolution(results, resolve), *speedups(results)]), flush=True)
+    if interrupted:
+        return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
     return 0
+
+
+@contextlib.contextmanager
+def _interrupted_by_sigterm() -> Iterator[list[int]]:
+    """SIGTERM (what ``timeout`` and schedulers send) interrupts as Ctrl-C does, so a bench cut
+    short by a time limit still prints the whole rounds it measured; the list it yields holds
+    the signal once one came. (Not the main thread: signals are left alone.)"""
+    import signal
+
+    came: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        yield came
+        return
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -37,3 +37,30 @@ def test_bench_refuses_a_negative_resolution_or_budget(capsys):
     assert main(["bench", "--threads", "0"]) == 2
     err = capsys.readouterr().err
     assert "--resolve must be a finite number >= 0, got -1" in err
+
+
+def test_a_bench_cut_by_a_time_limit_prints_what_it_measured(tmp_path):
+    # `timeout` sends SIGTERM: the whole rounds so far come out as JSON, exit 143 (gpu.sh relies on it)
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    err_path = tmp_path / "err.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ampguard", "bench", "--models", "mlp", "--precisions", "fp32",
+                                 "--no-peers", "--steps", "3", "--resolve", "0.0001", "--budget", "600", "--json"],
+                                stdout=subprocess.PIPE, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 120
+        while "tiny-mlp fp32:" not in err_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.5)  # some rounds
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err_path.read_text()
+    results = json.loads(out)["results"]
+    assert {r["stop"] for r in results} == {"interrupted"}
+    assert len({len(r["rounds"]) for r in results}) == 1 and len(results[0]["rounds"]) >= 1
+    assert "interrupted; the rounds measured so far follow" in err_path.read_text()

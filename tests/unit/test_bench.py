@@ -200,6 +200,47 @@ def test_every_contender_runs_after_every_other_equally_often(monkeypatch):
     assert {pair: after.count(pair) for pair in after} == {pair: 2 for pair in set(after)} and len(set(after)) == 6
 
 
+def test_an_interrupt_keeps_the_whole_rounds_measured_before_it(monkeypatch):
+    # Ctrl-C (or the SIGTERM of a time limit) in round 4, after one contender ran in it: three whole
+    # rounds are kept for every contender, and the case says it was interrupted
+    from ampguard import bench
+    from ampguard.precision import Precision
+
+    ran: list[str] = []
+
+    def time_steps(c, steps, device):
+        ran.append(c.name)
+        if len(ran) == 7:
+            raise KeyboardInterrupt
+        return 1.0 + len(ran) / 100
+
+    monkeypatch.setattr(bench, "_time_steps", time_steps)
+    cpu = torch.device("cpu")
+    results = bench.measure(bench._mlp(cpu), Precision("fp32", "cpu"), cpu, [bench.Bare, bench.BareAgain],
+                            steps=1, rounds=2, warmup=1, fused=False, resolve=1e-12, budget_s=1e9)
+    assert [(len(r.rounds), r.stop) for r in results] == [(3, bench.INTERRUPTED)] * 2
+    assert len(results[1].ratios) == 3
+
+
+def test_an_interrupt_outside_the_rounds_hands_back_the_cases_measured(monkeypatch):
+    from ampguard import bench
+
+    class InterruptedWarmUp(bench.Bare):  # the second case's warm-up is interrupted
+        name = "bare loop"
+
+        def step(self):
+            if self.w.name == "nano-mlp":
+                raise KeyboardInterrupt
+            super().step()
+
+    monkeypatch.setattr(bench, "Bare", InterruptedWarmUp)
+    with pytest.raises(bench.BenchInterrupted) as stopped:
+        bench.run_bench(device=torch.device("cpu"), workloads=["mlp", "nano"], precisions=["fp32"], steps=1,
+                        rounds=1, warmup=1, peers=False)
+    assert [(r.workload, r.contender, r.stop) for r in stopped.value.results] == [
+        ("tiny-mlp", "bare loop", "fixed"), ("tiny-mlp", "ampguard + csv", "fixed")]
+
+
 def test_rounds_are_added_until_the_most_rounds_when_the_goal_cannot_be_met():
     results = _measure(rounds=3, resolve=1e-12, max_rounds=6)  # no two timings agree to 1e-12
     assert [(len(r.rounds), r.stop) for r in results] == [(6, "max rounds")] * 2
