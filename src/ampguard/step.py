@@ -643,12 +643,16 @@ class Guard:
     def _set_lrs(self) -> None:
         """Sync-free: each group's LR for this step, ``base x factor(applied updates)`` on the
         device. A group whose LR a checkpoint's optimizer state brought back as a float or on
-        the host gets a device tensor again."""
+        the host gets a device tensor again, as does a constant LR given as a host tensor."""
         if self.scheduler is not None:  # a DeviceLambdaLR: its base LRs (a rollback or resume may change them)
             factor, bases = self.scheduler.device_factor(self._updates_t), self.scheduler.base_lrs
         elif self.lr_schedule is not None:
             factor, bases = self.lr_schedule(self._updates_t), self._base_lrs
-        else:
+        else:  # a constant LR: a tensor on the step's device, where the record stacks it (once moved, stays)
+            for group in self.optimizer.param_groups:
+                lr = group["lr"]
+                if not (isinstance(lr, torch.Tensor) and lr.device == self._updates_t.device):
+                    group["lr"] = torch.as_tensor(lr, dtype=torch.float32).to(self._updates_t.device)
             return
         for group, base in zip(self.optimizer.param_groups, bases):
             lr = group["lr"]

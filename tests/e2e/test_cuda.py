@@ -199,6 +199,18 @@ def test_sync_free_path_makes_no_host_sync_at_all(tmp_path, precision: str) -> N
     assert state.updates == 8 - len(skips)
 
 
+def test_sync_free_with_a_constant_host_tensor_lr(tmp_path) -> None:
+    # AdamW(params, lr=torch.tensor(1e-3), fused=True), the refusal message's own example: a host
+    # tensor; with no schedule nothing moved it, and the record's stack refused host with CUDA
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), fused=True)
+    state = AmpTrainState(model, opt, nn.functional.mse_loss, precision="bf16", sync_free=True)
+    for x, y in _data(3):
+        record = state.step(x, y)
+    assert record.values()["lr"] == pytest.approx(1e-3) and opt.param_groups[0]["lr"].device.type == "cuda"
+    assert state.updates == 3
+
+
 # ---------------------------------------------------------------------------- ampguard train's fast path
 
 
