@@ -475,6 +475,33 @@ class FirstSkipDiagnosis:
         self.scale: Any = 1.0  # the loss scale the open group runs with
         self.found: str | None = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """The finding, saved with the monitors (``state.monitors``): a resumed run's card still
+        names the run's first skip, and a later skip is not taken for the first.
+
+        Example::
+
+            >>> import torch
+            >>> from ampguard.step import AmpTrainState
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+            >>> a, b = FirstSkipDiagnosis(state, model), FirstSkipDiagnosis(state, model)
+            >>> a.found = "step 3 (non_finite_grad): first inf under fp16: in fc1"
+            >>> b.load_state_dict(a.state_dict()); b.found
+            'step 3 (non_finite_grad): first inf under fp16: in fc1'
+            >>> b.load_state_dict({"found": 3})
+            Traceback (most recent call last):
+            ...
+            ValueError: first_skip.found must be a string or None, got int
+        """
+        return {"found": self.found}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        found = state.get("found")
+        if found is not None and not isinstance(found, str):
+            raise ValueError(f"first_skip.found must be a string or None, got {type(found).__name__}")
+        self.found = found
+
     def capture(self, batch: tuple[Any, Any]) -> None:
         """Call before the step takes ``batch``: keeps the group's batches and the loss scale they
         run with (a device copy, no host read).

@@ -135,6 +135,25 @@ def test_resume_of_a_run_folder_takes_the_newest_loadable_checkpoint(tmp_path):
     assert_same_training(final_checkpoint(a), final_checkpoint(b))
 
 
+def test_a_resumed_run_keeps_its_first_skip_diagnosis(tmp_path):
+    # diagnose.first_skip: the finding is history, saved with the monitors; resumed after it, the run
+    # card still names step 3 (it read "none (no skipped step)"), and the skip at 6 is not "the first"
+    args = [*LINEAR, "--set", "precision=fp16", "--set", "steps=8", "--set", "checkpoint.every=4",
+            "--set", "eval.enabled=false", "--set", "diagnose.first_skip=true", "--inject", "inf_grad@3",
+            "--inject", "inf_grad@6"]
+    ok(train(tmp_path, "A", *args))
+    b = tmp_path / "B"
+    shutil.copytree(tmp_path / "A", b)
+    (b / "checkpoints" / "step-00000008.pt").unlink()
+    ok(ag("train", "--resume", b))
+    for run in (tmp_path / "A", b):
+        card = (run / "RUN.md").read_text(encoding="utf-8")
+        line = next(x for x in card.splitlines() if "first-skip diagnosis" in x)
+        assert "step 3 (non_finite_grad)" in line, (run.name, line)
+    diagnoses = [e["step"] for e in run_events(b) if e["event"] == "diagnosis"]
+    assert diagnoses == [3]  # one diagnosis, of the first skip: the resume did not make a second
+
+
 def test_resume_of_a_complete_run_rewrites_its_card_and_a_lower_steps_is_refused(tmp_path, snapshot):
     ok(train(tmp_path, "A", *LINEAR, "--set", "precision=fp32", "--set", "steps=12", "--set", "checkpoint.every=4"))
     run = tmp_path / "A"
