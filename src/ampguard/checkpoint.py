@@ -10,6 +10,7 @@ pickled code is refused before any of it runs.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pickle
 import pickletools
@@ -27,8 +28,8 @@ from .errors import InputError, first_line
 
 MAGIC = "ampguard-checkpoint"
 FORMAT = 1
-_NAME = re.compile(r"^step-(\d{8})\.pt$")
-_PARTIAL = re.compile(r"^\.step-\d{8}\.pt\.tmp-(\d+)$")
+_NAME = re.compile(r"^step-(\d{8,})\.pt$")  # (8 digits, more from step 10**8 on)
+_PARTIAL = re.compile(r"^\.step-\d{8,}\.pt\.tmp-(\d+)$")
 REQUIRED = ("magic", "format", "step", "config", "model", "optimizer", "state", "scheduler", "rng", "data_position")
 
 
@@ -320,14 +321,15 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike,
 def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
     """The finished checkpoints in ``folder``, oldest first (temporary files are not listed).
 
-    Example::
+    Example (by step, so past step 99,999,999, whose name has a ninth digit, too)::
 
         >>> import shutil, tempfile
         >>> folder = Path(tempfile.mkdtemp())
-        >>> for name in ("step-00000010.pt", "step-00000002.pt", ".step-00000012.pt.tmp-99", "notes.txt"):
+        >>> for name in ("step-100000000.pt", "step-00000010.pt", "step-00000002.pt", ".step-00000012.pt.tmp-99",
+        ...              "notes.txt"):
         ...     _ = (folder / name).write_bytes(b"")
         >>> [p.name for p in list_checkpoints(folder)]
-        ['step-00000002.pt', 'step-00000010.pt']
+        ['step-00000002.pt', 'step-00000010.pt', 'step-100000000.pt']
         >>> list_checkpoints(folder / "missing")
         []
         >>> shutil.rmtree(folder)
@@ -335,7 +337,7 @@ def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if _NAME.match(p.name))
+    return sorted((p for p in folder.iterdir() if _NAME.match(p.name)), key=checkpoint_step)
 
 
 def checkpoint_step(path: Path) -> int:
@@ -413,13 +415,23 @@ def set_aside_after(folder: str | os.PathLike, step: int) -> list[Path]:
         [['step-00000002.pt', 'step-00000003.pt']]
         >>> set_aside_after(folder, 1)  # nothing newer left: no new folder either
         []
+        >>> _ = (folder / checkpoint_name(2)).write_bytes(b"another future")
+        >>> _ = set_aside_after(folder, 1)  # in the same second: its own folder, the first one's files kept
+        >>> sorted(len(list(p.iterdir())) for p in folder.iterdir() if p.name.startswith("abandoned-"))
+        [1, 2]
         >>> shutil.rmtree(folder)
     """
     newer = [p for p in list_checkpoints(folder) if checkpoint_step(p) > step]
     if not newer:
         return []
-    target = Path(folder) / time.strftime("abandoned-%Y%m%d-%H%M%S")
-    target.mkdir(exist_ok=True)
+    stamp = Path(folder) / time.strftime("abandoned-%Y%m%d-%H%M%S")
+    for n in itertools.count(1):  # a folder of its own, even for two set-asides in the same second
+        target = stamp if n == 1 else stamp.with_name(f"{stamp.name}-{n}")
+        try:
+            target.mkdir()
+            break
+        except FileExistsError:
+            continue
     for path in newer:
         os.replace(path, target / path.name)
     return newer

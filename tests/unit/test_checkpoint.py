@@ -122,6 +122,29 @@ def test_list_checkpoints_lists_finished_ones_oldest_first(tmp_path):
     assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path)] == [2, 10, 100]
 
 
+def test_checkpoints_past_step_99_999_999_are_listed_pruned_and_resumed_in_step_order(tmp_path):
+    # step 10**8's name has nine digits: it was never listed, so never pruned nor resumed from
+    steps = [99_999_998, 99_999_999, 100_000_000, 100_000_001]
+    for step in steps:
+        ckpt.save_checkpoint(tmp_path / ckpt.checkpoint_name(step), minimal_payload(step))
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path)] == steps
+    assert ckpt.latest_loadable(tmp_path)[1]["step"] == 100_000_001
+    ckpt.prune(tmp_path, 2)
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path)] == steps[-2:]
+
+
+def test_two_set_asides_in_the_same_second_keep_both_futures(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt.time, "strftime", lambda fmt: "abandoned-20261201-120000")
+    ckpt.save_checkpoint(tmp_path / ckpt.checkpoint_name(1), minimal_payload(1))
+    for future in ("first", "second"):
+        payload = {**minimal_payload(4), "config": {"future": future}}
+        ckpt.save_checkpoint(tmp_path / ckpt.checkpoint_name(4), payload)
+        assert [p.name for p in ckpt.set_aside_after(tmp_path, 1)] == ["step-00000004.pt"]
+    kept = sorted(p for p in tmp_path.iterdir() if p.name.startswith("abandoned-"))
+    assert [p.name for p in kept] == ["abandoned-20261201-120000", "abandoned-20261201-120000-2"]
+    assert [ckpt.load_checkpoint(p / "step-00000004.pt")["config"]["future"] for p in kept] == ["first", "second"]
+
+
 @pytest.mark.parametrize("keep", [1, 2, 5, 10])
 def test_prune_keeps_the_newest_keep(tmp_path, keep):
     steps = [3, 6, 9, 12, 15]
