@@ -199,14 +199,25 @@ class RunPaths:
             >>> import shutil, tempfile
             >>> paths = RunPaths.existing(Path(tempfile.mkdtemp()))
             >>> paths.check_writable()
+            >>> paths.card.mkdir()
+            >>> try:
+            ...     paths.check_writable()
+            ... except InputError as err:
+            ...     print(str(err).split(": ", 1)[1])
+            RUN.md is not a file; a resumed run writes it, so it must be one or not exist
             >>> shutil.rmtree(paths.dir)
         """
         if self.dir is None:
             return
-        for path in (self.dir, self.checkpoints, self.csv, self.events, self.steps_jsonl, self.card, self.plot,
-                     self.config, self.id_file, self.tensorboard):
+        folders = (self.dir, self.checkpoints, self.tensorboard)
+        for path in (*folders, self.csv, self.events, self.steps_jsonl, self.card, self.plot, self.config, self.id_file):
             if path is None or not path.exists():
                 continue
+            if path.is_dir() != (path in folders) or not (path.is_dir() or path.is_file()):
+                # (what the run writes must be what it writes: a folder named RUN.md fails at the end)
+                should = "a folder" if path in folders else "a file"
+                raise InputError(f"run folder {self.dir}: {path.name} is not {should}; "
+                                 "a resumed run writes it, so it must be one or not exist")
             mode = os.W_OK | os.X_OK if path.is_dir() else os.W_OK
             if not os.access(path, mode):
                 what = "it" if path == self.dir else f"{path.name} in it"

@@ -178,6 +178,28 @@ def test_resume_of_a_complete_run_rewrites_its_card_and_a_lower_steps_is_refused
     assert final_checkpoint(run)["step"] == 16
 
 
+@pytest.mark.parametrize("spoiled", ["events.jsonl", "RUN.md", "config.yaml", "checkpoints/step-00000004.pt"])
+def test_a_resume_refuses_a_folder_where_a_run_file_should_be_and_changes_nothing(tmp_path, snapshot, spoiled):
+    # events.jsonl as a folder was refused only after config.yaml was rewritten; RUN.md as one ended
+    # the run with a traceback; a folder named like a checkpoint is no checkpoint
+    ok(train(tmp_path, "A", *LINEAR, "--set", "precision=fp32", "--set", "steps=8", "--set", "checkpoint.every=4"))
+    run = tmp_path / "A"
+    (run / "checkpoints" / "step-00000008.pt").unlink()
+    target = run / spoiled
+    if target.exists():
+        target.unlink()
+    target.mkdir()
+    (target / "x").write_text("someone's file")
+    before = snapshot(run)
+    code, out, err = ag("train", "--resume", run)
+    if spoiled.startswith("checkpoints/"):  # the only checkpoint is a folder: none loads
+        assert "no loadable checkpoint" in one_error_line((code, out, err))
+    else:
+        line = one_error_line((code, out, err))
+        assert f"{spoiled} is not a file" in line and str(run) in line
+    assert snapshot(run) == before
+
+
 @pytest.fixture(scope="module")
 def refusal_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("refusals")
