@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -40,13 +41,30 @@ MAX_NAME = 100
 
 class _PlainLoader(yaml.SafeLoader):
     """YAML as plain data: no aliases (a few hundred bytes of nested aliases expand to gigabytes),
-    and only the JSON types (a date, ``!!binary`` or ``!!set`` is refused by :func:`_plain`)."""
+    only the JSON types (a date, ``!!binary`` or ``!!set`` is refused by :func:`_plain`), and
+    YAML 1.2's booleans: ``true`` and ``false`` only, so ``log.name=off`` is the name "off", not
+    False (a boolean setting still takes yes/no/on/off: the config's validation reads them).
+
+    Example::
+
+        >>> yaml.load("[off, yes, true, False]", Loader=_PlainLoader)
+        ['off', 'yes', True, False]
+    """
+
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             mark = self.peek_event().start_mark
             raise yaml.YAMLError(f"aliases (*name) are not allowed in a config (line {mark.line + 1})")
         return super().compose_node(parent, index)
+
+
+_PlainLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
 
 
 def _plain(value: Any, where: str = "", depth: int = 0) -> None:
@@ -131,7 +149,9 @@ Rate = Annotated[Float, AfterValidator(_rate)]  # in [0, 1]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
+    # (coerce_numbers_to_str: a name given as 2024 is the name "2024")
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True,
+                              coerce_numbers_to_str=True)
 
 
 class OptimizerConfig(_Section):

@@ -265,3 +265,17 @@ def test_set_below_a_scalar_names_the_key():
 def test_dump_config_round_trips():
     for config in (Config(), validate(SAMPLE), validate({"max_norm": None, "precision": "fp32"})):
         assert validate(yaml.safe_load(dump_config(config))) == config
+
+
+@pytest.mark.parametrize("name", ["off", "yes", "no", "on", "2024", "1.5"])
+def test_a_name_that_yaml_1_1_reads_as_a_bool_or_a_number_is_the_name(name):
+    # --set log.name=off was refused ("Input should be a valid string (got False)"), 2024 too
+    assert load_config(None, [f"log.name={name}"]).log.name == name
+
+
+def test_boolean_settings_still_read_yes_no_on_off(tmp_path):
+    for word, value in (("off", False), ("no", False), ("yes", True), ("on", True), ("true", True), ("False", False)):
+        assert load_config(None, ["precision=fp16", f"scaler.enabled={word}"]).scaler.enabled is value
+        path = tmp_path / "c.yaml"
+        path.write_text(f"precision: fp16\nscaler:\n  enabled: {word}\n", encoding="utf-8")
+        assert load_config(path).scaler.enabled is value
