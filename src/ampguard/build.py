@@ -393,16 +393,16 @@ def to_device(value: Any, device: torch.device) -> Any:
 def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], console: ConsoleSink,
                 keep_through: int | None = None, headroom: Headroom | None = None) -> Sinks:
     """Where a run's records go: the CSV (appended after ``keep_through`` on a resume), the
-    optional JSON lines and TensorBoard sinks, ``headroom.csv`` with ``headroom``, the W&B and MLflow
-    sinks, and the console."""
+    optional JSON lines and TensorBoard sinks (cut or purged after ``keep_through`` the same way),
+    ``headroom.csv`` with ``headroom``, the W&B and MLflow sinks, and the console."""
     append = keep_through is not None
     sinks: list[Sink] = []
     if paths.csv is not None:
         sinks.append(CsvSink(paths.csv, metrics, append=append, keep_through=keep_through))
     if config.log.jsonl and paths.steps_jsonl is not None:
-        sinks.append(JsonlSink(paths.steps_jsonl, append=append))
+        sinks.append(JsonlSink(paths.steps_jsonl, append=append, keep_through=keep_through))
     if config.log.tensorboard and paths.tensorboard is not None:
-        sinks.append(TensorBoardSink(paths.tensorboard))
+        sinks.append(TensorBoardSink(paths.tensorboard, keep_through=keep_through))
     if headroom is not None and paths.dir is not None:
         sinks.append(HeadroomCsv(paths.dir / HEADROOM_CSV, headroom, append=append, keep_through=keep_through))
     sinks.extend(build_trackers(config, paths, resuming=append))  # log.wandb, log.mlflow (rank 0's folder only)

@@ -10,7 +10,6 @@ here; nothing here imports the training loop.
 
 from __future__ import annotations
 
-import csv
 import os
 import re
 import shutil
@@ -223,28 +222,6 @@ class RunPaths:
                 what = "it" if path == self.dir else f"{path.name} in it"
                 raise InputError(f"run folder {self.dir} is read-only ({what} cannot be written); "
                                  "a resumed run writes its CSV, events and checkpoints there")
-
-    def csv_header(self) -> tuple[str, ...] | None:
-        """The column names in the first line of ``steps.csv`` (None when there is no such file
-        or it is empty); at most 64 KiB are read.
-
-        Example::
-
-            >>> import shutil, tempfile
-            >>> paths = RunPaths.existing(Path(tempfile.mkdtemp()))
-            >>> _ = paths.csv.write_text("step,lr\\n1,0.1\\n")
-            >>> paths.csv_header(), RunPaths().csv_header()
-            (('step', 'lr'), None)
-            >>> shutil.rmtree(paths.dir)
-        """
-        if self.csv is None or not self.csv.is_file():
-            return None
-        try:
-            with self.csv.open("rb") as f:
-                first = f.read(1 << 16).split(b"\n", 1)[0].decode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            return ("<unreadable>",)
-        return tuple(next(csv.reader([first]), ())) or None
 
 
 RUN_ID_FILE = "run-id"

@@ -201,6 +201,18 @@ class _LineFile:
             with writing(self.path):
                 file.close()
 
+    def _replace_with(self, data: bytes) -> None:
+        """Make ``data`` the whole of ``self.path`` atomically (a temporary file renamed over it),
+        so a kill or a full disk leaves the old file or the new one, never half of one."""
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            with writing(self.path):
+                tmp.write_bytes(data)
+        except DiskFull:
+            tmp.unlink(missing_ok=True)  # the file itself is untouched
+            raise
+        os.replace(tmp, self.path)
+
 
 class CsvSink(_LineFile):
     """The per-step CSV of docs/design.md §3: one row per step, flushed when written.
@@ -252,10 +264,7 @@ class CsvSink(_LineFile):
         if existing and not append:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")
         if existing:
-            with self.path.open(newline="", encoding="utf-8") as f:
-                header = tuple(next(csv.reader(f), ()))
-            if header != self.columns:
-                raise InputError(f"{self.path}: its header does not match {expected}, cannot append")
+            self.check_header(self.path, self.columns, expected)
             if keep_through is not None:
                 self._truncate_after(keep_through)
         self._file: IO[bytes] | None = _open_for_append(self.path)
@@ -263,6 +272,30 @@ class CsvSink(_LineFile):
         if not existing:
             self._append_row(self.columns)
         self.rows = 0
+
+    @staticmethod
+    def check_header(path: Path, columns: tuple[str, ...], expected: str) -> None:
+        """One :class:`InputError` line unless the CSV at ``path`` (if any) has the header
+        ``columns`` (``expected`` names them, for the error). A resume checks every file it
+        appends to before it cuts any (``Trainer``): a refused resume changes none of them.
+
+        Example::
+
+            >>> import tempfile
+            >>> path = Path(tempfile.mkdtemp()) / "steps.csv"
+            >>> _ = path.write_text("step,lr\\n1,0.1\\n")
+            >>> CsvSink.check_header(path, ("step", "lr"), "")
+            >>> CsvSink.check_header(path, ("step", "loss"), "step, loss")  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ampguard.errors.InputError: ...steps.csv: its header does not match step, loss, cannot append
+        """
+        if not path.exists() or path.stat().st_size == 0:
+            return
+        with path.open(newline="", encoding="utf-8") as f:
+            header = tuple(next(csv.reader(f), ()))
+        if header != columns:
+            raise InputError(f"{path}: its header does not match {expected}, cannot append")
 
     def _append_row(self, cells: Iterable[str]) -> None:
         """One CSV line, in the file when this returns (:class:`DiskFull` when there is no room)."""
@@ -281,14 +314,7 @@ class CsvSink(_LineFile):
             if int(cells[0]) > step:
                 break
             keep.append(line)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        try:
-            with writing(self.path):
-                tmp.write_text("".join(keep), encoding="utf-8")
-        except DiskFull:
-            tmp.unlink(missing_ok=True)  # the CSV itself is untouched
-            raise
-        os.replace(tmp, self.path)
+        self._replace_with("".join(keep).encode("utf-8"))
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Append one row (:func:`csv_row`) and flush it (:class:`DiskFull` when there is no room)."""
@@ -385,14 +411,54 @@ class JsonlSink(_LineFile):
         ('inf', None, True, 'non_finite_grad')
         >>> second
         {'event': 'rollback', 'step': 1}
+
+    ``append=True`` continues an existing file; with ``keep_through`` (a resume of step records)
+    its lines after that step are dropped first, as :class:`CsvSink` drops its rows::
+
+        >>> sink = JsonlSink(path, append=True, keep_through=0)
+        >>> sink.close()
+        >>> path.read_text()
+        ''
         >>> tmp.cleanup()
     """
 
-    def __init__(self, path: str | os.PathLike, *, append: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, append: bool = False, keep_through: int | None = None) -> None:
         self.path = Path(path)
-        if self.path.exists() and self.path.stat().st_size > 0 and not append:
+        existing = self.path.exists() and self.path.stat().st_size > 0
+        if existing and not append:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")
+        if existing and keep_through is not None:
+            self._truncate_after(keep_through)
         self._file: IO[bytes] | None = _open_for_append(self.path)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop the lines after ``step`` (written after the checkpoint a run resumes from),
+        atomically, so the resumed run appends without duplicate steps. A torn last line goes too,
+        and so does everything from the first line that is not a step record on. A file whose
+        first line is not a step record is no step log: refused (as :class:`CsvSink` refuses a
+        header that does not match), and left as it is."""
+        self.check_step_log(self.path)
+        lines = self.path.read_bytes().splitlines(keepends=True)
+        keep = 0  # how many lines stay
+        for line in lines:
+            at = _record_step(line)
+            if not line.endswith(b"\n") or at is None or at > step:
+                break
+            keep += 1
+        self._replace_with(b"".join(lines[:keep]))
+
+    @staticmethod
+    def check_step_log(path: Path) -> None:
+        """One :class:`InputError` line unless the file at ``path`` (if any) starts with a step
+        record: what a resume appends to (checked before any file is cut, as
+        :meth:`CsvSink.check_header`)."""
+        if not path.exists() or path.stat().st_size == 0:
+            return
+        with path.open("rb") as f:
+            first = f.readline(1 << 20)
+        if _record_step(first) is None:
+            raise InputError(f"{path}: its first line is not a step record (a JSON object with an "
+                             "integer \"step\"), cannot append")
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         self.write_event({
@@ -409,6 +475,25 @@ class JsonlSink(_LineFile):
         """Write ``obj`` as one JSON line (non-finite floats as strings) and flush it
         (:class:`DiskFull` when there is no room)."""
         self._write_line(json.dumps(strict_json(dict(obj))) + "\n")
+
+
+def _record_step(line: bytes) -> int | None:
+    """The ``step`` of a step record's JSON line (as :class:`JsonlSink` writes it); None for a
+    line that is not one (not UTF-8, not JSON, not an object, no integer ``step``: a torn line).
+
+    Example::
+
+        >>> _record_step(b'{"step": 3, "loss": 0.5}\\n'), _record_step(b'{"step": 3, "lo')
+        (3, None)
+        >>> _record_step(b'{"step": true}\\n'), _record_step(b'{"event": "run_start"}\\n')
+        (None, None)
+    """
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors;
+        return None                        # a foreign line nested too deep is a RecursionError)
+    step = obj.get("step") if isinstance(obj, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def require(package: str, flag: str) -> None:
@@ -452,11 +537,16 @@ class TensorBoardSink:
         >>> tmp.cleanup()
     """
 
-    def __init__(self, log_dir: str | os.PathLike) -> None:
+    def __init__(self, log_dir: str | os.PathLike, *, keep_through: int | None = None) -> None:
+        """``keep_through`` (a resume): the steps after it that an earlier writer left in
+        ``log_dir`` are purged, so TensorBoard shows the resumed run's steps only. The new event
+        file starts with a restart marker at ``keep_through + 1`` (``SummaryWriter``'s
+        ``purge_step``); a reader drops the earlier events from that step on."""
         self.require()
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(str(log_dir))
+        purge_step = None if keep_through is None else keep_through + 1
+        self._writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     @staticmethod
     def require() -> None:

@@ -28,13 +28,14 @@ from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, check_ranks, parse_fault
 from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop, TriggerBatches
-from .headroom import Headroom, SkipGradNorms
+from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms
 from .integrations.trackers import check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
 from .signals import StopFlag, stop_on_signals
-from .sinks import CSV_COLUMNS, ConsoleSink, DiskFull, Sinks, TensorBoardSink, disk_full_error, writing
+from .sinks import (CSV_COLUMNS, ConsoleSink, CsvSink, DiskFull, JsonlSink, Sinks, TensorBoardSink, disk_full_error,
+                    writing)
 from .step import AmpTrainState
 from .tasks import Task, build_task
 
@@ -165,10 +166,7 @@ class Trainer:
         self.checkpointer.parts[ck.ROLLBACKS] = self.rollbacks
         if resume is not None:  # still nothing written: a checkpoint that does not fit is one line
             self.checkpointer.check_fits(resume.loaded)
-            header, columns = RunPaths.existing(resume.run_dir).csv_header(), CSV_COLUMNS + self.evaluator.metrics
-            if header is not None and header != columns:
-                raise InputError(f"{resume.run_dir / 'steps.csv'}: its header does not match this run's columns "
-                                 f"({', '.join(columns[len(CSV_COLUMNS):]) or 'no metrics'}), cannot append")
+            self._check_logs(RunPaths.existing(resume.run_dir))
             self.checkpointer.restore(resume.loaded)
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
@@ -176,6 +174,16 @@ class Trainer:
         ck.apply_policy_changes(self.policy_new, config, self.state, len(self.rollbacks.log))
         self.policy += self.policy_new
         self.rollbacks.policy = self.policy
+
+    def _check_logs(self, paths: RunPaths) -> None:
+        """Every log a resume appends to (and cuts back to its step) is of this run, checked
+        before any is cut: a refused resume changes none of them."""
+        columns = CSV_COLUMNS + self.evaluator.metrics
+        CsvSink.check_header(paths.csv, columns, f"this run's columns ({', '.join(self.evaluator.metrics) or 'no metrics'})")
+        if self.config.log.jsonl:
+            JsonlSink.check_step_log(paths.steps_jsonl)
+        if self.headroom is not None:
+            CsvSink.check_header(paths.dir / HEADROOM_CSV, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS))
 
     def _check_model(self, model: torch.nn.Module) -> None:
         """Before anything is written: the model has something to train, and the first batch goes

@@ -1,4 +1,5 @@
-"""Sinks (docs/design.md §3): the per-step CSV and the console lines."""
+"""Sinks (docs/design.md §3): the per-step CSV and the console lines; the JSON lines and
+TensorBoard on a resume."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ import json
 import math
 import os
 import re
+import time
 
 import pytest
 import torch
 
-from helpers import read_rows
+from helpers import HAS_TENSORBOARD, read_rows
 
 from ampguard import ConsoleSink, CsvSink, Sink, SkipLog, StepLog
 from ampguard.errors import InputError
 from ampguard.records import format_number
-from ampguard.sinks import CSV_COLUMNS, DiskFull, JsonlSink, Sinks, csv_row, disk_full_error
+from ampguard.sinks import CSV_COLUMNS, DiskFull, JsonlSink, Sinks, TensorBoardSink, csv_row, disk_full_error
 
 HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale"
 INF, NAN = float("inf"), float("nan")
@@ -299,3 +301,83 @@ def test_a_torch_save_that_found_no_room_is_disk_full():
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
     except RuntimeError as err:
         assert disk_full_error(err).errno == errno.EFBIG
+
+
+# ---------------------------------------------------------------------------- JSON lines and TensorBoard on a resume
+
+
+def jsonl_steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_jsonl_resume_drops_the_lines_after_the_checkpoint_step(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    first = JsonlSink(path)
+    for step in range(1, 6):
+        first.write(applied(step, loss=1.0))
+    first.close()
+    JsonlSink(path, append=True).close()  # append alone (events.jsonl) keeps every line
+    assert jsonl_steps(path) == [1, 2, 3, 4, 5]
+    before = path.read_bytes().splitlines(keepends=True)
+
+    resumed = JsonlSink(path, append=True, keep_through=3)  # resumed from step 3's checkpoint
+    resumed.write(applied(4, loss=2.0))
+    resumed.close()
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert jsonl_steps(path) == [1, 2, 3, 4]  # no duplicate step
+    assert lines[:3] == before[:3] and json.loads(lines[3])["loss"] == 2.0  # step 4 is the resumed run's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.jsonl"]  # no temporary file left
+
+
+def test_jsonl_resume_drops_a_torn_last_line(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    sink = JsonlSink(path)
+    for step in (1, 2):
+        sink.write(applied(step))
+    sink.close()
+    with path.open("ab") as f:
+        f.write(b'{"step": 3, "lr": 0.1, "lo')  # a write that found the disk full
+    resumed = JsonlSink(path, append=True, keep_through=5)
+    resumed.write(applied(3))
+    resumed.close()
+    assert jsonl_steps(path) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("existing", [
+    '{"event": "run_start"}\n{"step": 1}\n',  # JSON lines, but not step records
+    HEADER + "\n1,0.1,1,1,1,0,,1\n",  # a CSV
+    '{"step": 1, "lr": 0.1, "lo',  # a torn first line (as CsvSink refuses a torn header)
+    '[1, 2]\n',
+])
+def test_jsonl_resume_refuses_a_file_that_is_no_step_log_and_leaves_it(tmp_path, existing):
+    path = tmp_path / "steps.jsonl"
+    path.write_text(existing, encoding="utf-8")
+    with pytest.raises(InputError, match="first line is not a step record") as caught:
+        JsonlSink(path, append=True, keep_through=0)
+    assert "\n" not in str(caught.value)
+    assert path.read_text(encoding="utf-8") == existing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.jsonl"]
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")
+def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = TensorBoardSink(tmp_path)
+    for step in range(1, 7):
+        first.write(applied(step, loss=1.0))
+    first.close()
+    # Event files are read in name order: the second the writer opened, then the pid and a
+    # counter that is not zero-padded. A resume (a new process) opens its file seconds later at
+    # least; here, in one process, wait for the next second so the order is the same.
+    time.sleep(1.05 - time.time() % 1)
+    resumed = TensorBoardSink(tmp_path, keep_through=3)
+    for step in (4, 5):
+        resumed.write(applied(step, loss=2.0))
+    resumed.close()
+
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0)]  # step 6 and the first run's 4, 5 purged
+    assert [e.step for e in events.Scalars("train/skipped")] == [1, 2, 3, 4, 5]

@@ -1,0 +1,85 @@
+"""Resume and the run's other step logs: ``steps.jsonl`` is cut back to the checkpoint's step as
+``steps.csv`` is, and TensorBoard's steps after it are purged, so neither holds the abandoned
+future's steps next to the resumed run's.
+
+Runs go through ``ampguard.cli.main`` in-process (``helpers.ag``; the plot is stubbed out), on
+the linear task, a few steps each.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import helpers
+from helpers import HAS_TENSORBOARD, ag, ok, read_rows
+
+RUN = ["--set", "task.name=linear", "--set", "precision=fp16", "--set", "steps=8", "--set", "checkpoint.every=4",
+       "--set", "log.every=1000"]
+
+
+def jsonl_steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def scramble_lines_after(path: Path, step: int) -> None:
+    """Rewrite the lines after ``step`` with a wrong loss: a resume must replace them, not keep them."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record["step"] > step:
+            record["loss"] = 12345.0
+        out.append(json.dumps(record) + "\n")
+    path.write_text("".join(out), encoding="utf-8")
+
+
+def test_resume_cuts_steps_jsonl_back_to_the_checkpoint_step(tmp_path):
+    ok(helpers.train(tmp_path, "r", *RUN, "--set", "log.jsonl=true"))
+    run = tmp_path / "r"
+    uninterrupted = (run / "steps.jsonl").read_bytes()
+    assert jsonl_steps(run / "steps.jsonl") == list(range(1, 9))
+
+    (run / "checkpoints" / "step-00000008.pt").unlink()  # the future after step 4 is abandoned
+    scramble_lines_after(run / "steps.jsonl", 4)
+    assert "RESUME 4" in ok(ag("train", "--resume", run))
+
+    assert jsonl_steps(run / "steps.jsonl") == list(range(1, 9))  # no duplicate steps
+    assert [int(r["step"]) for r in read_rows(run / "steps.csv")] == list(range(1, 9))
+    # the resume is bit-for-bit the uninterrupted run: its lines for steps 5..8 replaced the old ones
+    assert (run / "steps.jsonl").read_bytes() == uninterrupted
+    assert not list(run.glob(".steps.jsonl.tmp"))
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")
+def test_resume_purges_tensorboard_steps_after_the_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ok(helpers.train(tmp_path, "r", *RUN, "--set", "log.tensorboard=true"))
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step-00000008.pt").unlink()
+    # Event files are read in name order, which starts with the second the writer opened: the
+    # resume, in this same process, opens its file in a later second, as a new process would.
+    time.sleep(1.05 - time.time() % 1)
+    assert "RESUME 4" in ok(ag("train", "--resume", run))
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 9))
+    assert len(list((run / "tensorboard").glob("events.out.tfevents*"))) == 2  # both runs' files are kept
+
+
+@pytest.mark.parametrize("spoiled", ["steps.jsonl", "headroom.csv"])
+def test_a_resume_refused_for_one_log_cuts_none_of_them(tmp_path, snapshot, spoiled):
+    # every log a resume appends to is checked before any is cut: a foreign steps.jsonl (or
+    # headroom.csv) was refused only after steps.csv had lost the rows after the checkpoint
+    ok(helpers.train(tmp_path, "r", *RUN, "--set", "log.jsonl=true", "--set", "monitor.headroom.every=2"))
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step-00000008.pt").unlink()
+    (run / spoiled).write_text("not this run's log\n", encoding="utf-8")
+    before = snapshot(run)
+    line = helpers.one_error_line(ag("train", "--resume", run))
+    assert spoiled in line and "cannot append" in line
+    assert snapshot(run) == before
