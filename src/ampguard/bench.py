@@ -1066,6 +1066,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     """
     from .build import resolve_device
     from .errors import ExitCode, InputError
+    from .signals import Interrupted
 
     where = resolve_device(device)
     workloads, names = models.split(","), precisions.split(",")
@@ -1105,8 +1106,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                                 budget_s=budget_s, aa=aa, compiled=compiled)
         except BenchInterrupted as stopped:
             results = stopped.results
-            if not results:
-                raise
+            if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
+                raise Interrupted(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED) from None
     interrupted = bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
     if interrupted:
         print("bench: interrupted; the rounds measured so far follow", file=sys.stderr, flush=True)

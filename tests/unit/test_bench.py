@@ -241,6 +241,20 @@ def test_an_interrupt_outside_the_rounds_hands_back_the_cases_measured(monkeypat
         ("tiny-mlp", "bare loop", "fixed"), ("tiny-mlp", "ampguard + csv", "fixed")]
 
 
+def test_an_interrupt_before_anything_was_measured_exits_as_an_interrupt(monkeypatch):
+    from ampguard import bench
+    from ampguard.errors import ExitCode
+    from ampguard.signals import Interrupted
+
+    def step(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench.Bare, "step", step)
+    with pytest.raises(Interrupted) as stopped:
+        bench.run(models="mlp", precisions="fp32", quick=True, peers=False)
+    assert stopped.value.exit_code == ExitCode.INTERRUPTED
+
+
 def test_rounds_are_added_until_the_most_rounds_when_the_goal_cannot_be_met():
     results = _measure(rounds=3, resolve=1e-12, max_rounds=6)  # no two timings agree to 1e-12
     assert [(len(r.rounds), r.stop) for r in results] == [(6, "max rounds")] * 2
