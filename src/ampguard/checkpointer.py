@@ -10,7 +10,8 @@ resume-compatibility checks, and ``load(before_step=N)`` + ``restore(parts=...)`
 rollback. File-level safety (atomic write, weights-only load) is :mod:`ampguard.checkpoint`'s.
 
 What a resume trusts (``docs/resume.md``): nothing in a checkpoint is executed, and no field of
-it is used before :func:`check_payload` has checked its type; the run's config (hence its task)
+it is used before its type is checked (:func:`check_payload`; the states inside, such as the
+loss scaler's, by :meth:`CheckpointManager.check_fits`); the run's config (hence its task)
 comes from the run folder's ``config.yaml``, never from the checkpoint; a checkpoint of another
 run (:data:`RUN_ID`), another step than its name says, another fixed config
 (:data:`RESUME_FIXED`) or another model shape is refused with one line before anything is written.
@@ -49,7 +50,7 @@ from . import distributed
 from .config import MAX_DEPTH, Config, is_plain, read_file
 from .errors import InputError, first_line
 from .sinks import DiskFull, writing
-from .precision import uses_loss_scaler
+from .precision import finite_number, uses_loss_scaler
 from .run_folder import RunPaths
 
 # The payload's keys (checkpoint format ckpt.FORMAT). Parts are restored; the rest identify.
@@ -353,10 +354,12 @@ class CheckpointManager:
 
     def check_fits(self, loaded: Loaded) -> None:
         """Before :meth:`restore`: the checkpoint's model has this model's parameter names and
-        shapes, its optimizer state the shapes of the parameters it belongs to, its scheduler
-        state this scheduler's entries. One :class:`InputError` line naming the file and the
-        first difference; nothing is loaded. Parts that are not a :class:`ModelState`,
-        :class:`OptimizerState` or LR scheduler are not looked at.
+        shapes, its optimizer state the shapes of the parameters it belongs to and each parameter
+        group's settings of this optimizer's kinds, its scheduler state this scheduler's entries,
+        and the guarded step's loss scaler and monitors can take their states (each checks its
+        own: ``check_state``). One :class:`InputError` line naming the file and the first
+        difference; nothing is loaded. Parts that are not a :class:`ModelState`,
+        :class:`OptimizerState`, LR scheduler or guarded step are not looked at.
 
         Example::
 
@@ -378,21 +381,40 @@ class CheckpointManager:
         scheduler = self.parts.get(SCHEDULER)
         if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             _check_scheduler(loaded.path, payload.get(SCHEDULER), scheduler)
+        if isinstance(payload.get(STATE), Mapping):
+            _check_step_state(loaded.path, payload[STATE], self.parts.get(STATE))
 
     def restore(self, loaded: Loaded, parts: Iterable[str] | None = None) -> None:
         """Load ``parts`` (default: all registered) from ``loaded``; one :class:`InputError` line
-        when the checkpoint does not fit this run."""
+        naming the part when the checkpoint does not fit this run. Each part checks what it
+        takes (the loss scaler's and the monitors' states raise ``ValueError`` naming a bad
+        field; an RNG state with an int past C's ``long``, ``OverflowError``); a run restores
+        before it writes anything, so such a checkpoint leaves the run folder as it was.
+
+        Example (an RNG state NumPy cannot take)::
+
+            >>> manager = CheckpointManager(None, {RNG: RngState(distributed.DistInfo())}, keep=1)
+            >>> state = ckpt.rng_state()
+            >>> try:
+            ...     manager.restore(Loaded(Path("step-00000002.pt"), {RNG: {**state, "numpy": {
+            ...         **state["numpy"], "pos": 10**30}}}))
+            ... except InputError as err:
+            ...     print(err)
+            step-00000002.pt: does not fit this run (rng: Python int too large to convert to C long)
+        """
         wanted = set(self.parts if parts is None else parts)
         unknown = wanted - set(self.parts)
         if unknown:
             raise ValueError(f"no registered part named {', '.join(sorted(unknown))}")
         names = [name for name in self.parts if name in wanted]  # registry order, whatever was asked
-        try:
-            for name in names:
+        for name in names:
+            if name not in loaded.payload:
+                raise InputError(f"{loaded.path}: does not fit this run (it has no {name})")
+            try:
                 self.parts[name].load_state_dict(loaded.payload[name])
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
-            first = first_line(err)
-            raise InputError(f"{loaded.path}: does not fit this run ({first})") from None
+            # (ArithmeticError: an RNG state's int past C's long, which NumPy and random refuse with OverflowError)
+            except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError, ArithmeticError) as err:
+                raise InputError(f"{loaded.path}: does not fit this run ({name}: {first_line(err)})") from None
 
     def set_aside_after(self, step: int) -> list[Path]:
         """Rank 0 moves checkpoints newer than ``step`` aside (see :func:`ckpt.set_aside_after`)."""
@@ -788,7 +810,17 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
     sizes, live_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in live]
     if sizes != live_sizes:
         raise refuse(f"parameter groups of {sizes} in the checkpoint, {live_sizes} here")
-    for group, live_group in zip(groups, live):
+    for i, (group, live_group) in enumerate(zip(groups, live)):
+        # the group's settings replace the live group's (Optimizer.load_state_dict), and the step
+        # reads them as they are: each must be of the live one's kind (betas two numbers, ...)
+        for key, value in live_group.items():
+            if key in ("params", "param_names"):  # (the load keeps this run's)
+                continue
+            if key not in group:
+                if not _flag(value):  # a flag an older PyTorch did not save is set by the optimizer
+                    raise refuse(f"param_groups[{i}] has no {_names([key])}")
+            elif not _same_setting(group[key], value):
+                raise refuse(_difference(f"param_groups[{i}].{key}", group[key], value, "this optimizer's"))
         for pid, param in zip(group["params"], live_group["params"]):
             if not isinstance(pid, (int, str)) or isinstance(pid, bool):
                 raise refuse(f"a parameter id is {_show(pid)}")
@@ -803,15 +835,59 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
                                  f"{list(param.shape)}")
 
 
+def _flag(value: Any) -> bool:
+    """A parameter group's flag: True, False or None (``fused``, ``foreach``, ``amsgrad``, ...)."""
+    return value is None or isinstance(value, bool)
+
+
+def _scalar(value: Any) -> bool:
+    """A number, or a tensor of one floating-point value (the LR on the fast path)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.is_floating_point()
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _same_setting(saved: Any, live: Any) -> bool:
+    """A parameter group's setting of the live one's kind. ``fast`` may change on resume, and
+    either path reads the other's checkpoints: a flag (``fused``, ``foreach``, ...) may be True,
+    False or None whatever the live one is, and a number (``lr``: a tensor on the fast path) a
+    finite number or a one-value tensor; anything else as :func:`_same_kind` (``betas``: two
+    numbers).
+
+    Example::
+
+        >>> _same_setting(None, True), _same_setting(torch.tensor(0.1), 0.1), _same_setting(0.1, torch.tensor(0.1))
+        (True, True, True)
+        >>> _same_setting([0.9], (0.9, 0.999)), _same_setting("x", 0.1), _same_setting(float("nan"), 0.1)
+        (False, False, False)
+    """
+    if _flag(live):
+        return _flag(saved)
+    if _scalar(live):
+        if isinstance(saved, torch.Tensor):
+            return _scalar(saved) and bool(torch.isfinite(saved).all())
+        return finite_number(saved)
+    return _same_kind(saved, live)
+
+
 def _same_kind(saved: Any, live: Any, depth: int = 0) -> bool:
+    """Whether a saved value is of the live one's kind: the same type (an int for a float too;
+    numbers finite, ints within int64), lists of the same length and kinds, mappings whose shared
+    keys are, tensors of the same shape.
+
+    Example::
+
+        >>> _same_kind([1, 0.5], [0.1, 0.1]), _same_kind([float("nan")], [0.1]), _same_kind(10**30, 3)
+        (True, False, False)
+    """
     if depth > MAX_DEPTH:
         return False
     if live is None or isinstance(live, (bool, str)):
         return type(saved) is type(live)
     if isinstance(live, int):
-        return _is_int(saved, -(2**63))
+        return _is_int(saved, -(2**63)) and saved < 2**63
     if isinstance(live, float):
-        return isinstance(saved, (int, float)) and not isinstance(saved, bool)
+        return finite_number(saved)
     if isinstance(live, (list, tuple)):
         return (isinstance(saved, (list, tuple)) and len(saved) == len(live)
                 and all(_same_kind(a, b, depth + 1) for a, b in zip(saved, live)))
@@ -821,6 +897,41 @@ def _same_kind(saved: Any, live: Any, depth: int = 0) -> bool:
     if isinstance(live, torch.Tensor):
         return isinstance(saved, torch.Tensor) and saved.shape == live.shape
     return type(saved) is type(live)
+
+
+def _check_step_state(path: Path, saved: Mapping[str, Any], state: Any) -> None:
+    """The guarded step's saved loss scaler and monitors, checked by the parts that will load
+    them (their ``check_state``: a str factor, a window's position past its size, ...), so that
+    the line names the whole field (``state.monitors.run.skip_window.pos``). Loaded as they are,
+    such fields fail only at the first step, mid-run. A part without ``check_state``, or a
+    monitor this run does not have, is not looked at (the step loads only those it has).
+
+    Example::
+
+        >>> from ampguard.step import AmpTrainState
+        >>> model = nn.Linear(2, 1)
+        >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
+        ...                       precision="fp16")
+        >>> saved = state.state_dict()
+        >>> try:
+        ...     _check_step_state(Path("step-00000002.pt"), {**saved, "scaler": {**saved["scaler"], "scale": -1.0}},
+        ...                       state)
+        ... except InputError as err:
+        ...     print(err)
+        step-00000002.pt: bad checkpoint: state.scaler.scale is -1.0, expected a number in [0, 3.40282e+38] (a float32)
+    """
+    scaler, monitors = getattr(state, "scaler", None), getattr(state, "monitors", None)
+    try:
+        # (the step loads a scaler state only when there is one, into a scaler that is on)
+        if saved.get("scaler") and hasattr(scaler, "check_state") and scaler.is_enabled():
+            scaler.check_state(saved["scaler"], f"{STATE}.scaler.")
+        saved_monitors = saved.get("monitors")
+        if isinstance(saved_monitors, Mapping) and isinstance(monitors, Mapping):
+            for name, monitor in monitors.items():
+                if name in saved_monitors and hasattr(monitor, "check_state"):
+                    monitor.check_state(saved_monitors[name], f"{STATE}.monitors.{name}.")
+    except ValueError as err:
+        raise InputError(f"{path}: bad checkpoint: {first_line(err)}") from None
 
 
 def _check_scheduler(path: Path, saved: Any, scheduler: Any) -> None:
@@ -836,7 +947,31 @@ def _check_scheduler(path: Path, saved: Any, scheduler: Any) -> None:
                 raise refuse(f"{_names([key])} is not scheduler state")  # it would replace one of its attributes
             continue
         if not _same_kind(value, live[key]):
-            raise refuse(f"{key} is {_show(value)}, this scheduler's is {_show(live[key])}")
+            raise refuse(_difference(key, value, live[key], "this scheduler's"))
+
+
+def _difference(name: str, saved: Any, live: Any, whose: str, depth: int = 0) -> str:
+    """What makes ``saved`` (named ``name``) not of ``live``'s kind (:func:`_same_kind`), in
+    words: the first entry of a list or mapping that differs, or the lengths.
+
+    Example::
+
+        >>> _difference("base_lrs", ["x"], [0.1], "this scheduler's")
+        "base_lrs[0] is 'x', this scheduler's is 0.1"
+        >>> _difference("base_lrs", [0.1, 0.1], [0.1], "this scheduler's")
+        "base_lrs has 2 entries, this scheduler's 1"
+    """
+    if depth < MAX_DEPTH and isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)):
+        if len(saved) != len(live):
+            return f"{name} has {len(saved)} entries, {whose} {len(live)}"
+        for i, (a, b) in enumerate(zip(saved, live)):
+            if not _same_kind(a, b, depth + 1):
+                return _difference(f"{name}[{i}]", a, b, whose, depth + 1)
+    if depth < MAX_DEPTH and isinstance(saved, Mapping) and isinstance(live, Mapping):
+        for key, value in live.items():
+            if key in saved and not _same_kind(saved[key], value, depth + 1):
+                return _difference(f"{name}.{key}", saved[key], value, whose, depth + 1)
+    return f"{name} is {_show(saved)}, {whose} is {_show(live)}"
 
 
 # ---------------------------------------------------------------------------- resume checks
@@ -851,9 +986,10 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
     """Refuse a resume that would make the run differ from the uninterrupted one: a fixed config
     key changed (:data:`RESUME_FIXED`, naming the exact field), a checkpoint beyond ``steps``, a
     data position beyond what its steps could have taken (``step x accumulation_steps +
-    rollbacks x rollback.skip_batches``: each step takes ``accumulation_steps`` micro-batches and
-    each rollback seeks at most ``skip_batches`` past a position already taken; the stream is
-    skipped to it by reading, so a larger one would spin), or (when ``world_size`` is given)
+    rollbacks x rollback.skip_batches``, the largest the run used: each step takes
+    ``accumulation_steps`` micro-batches and each rollback seeks at most ``skip_batches`` past a
+    position already taken; the stream is skipped to it by reading, so a larger one would
+    spin), or (when ``world_size`` is given)
     another number of processes. ``config`` is the run folder's ``config.yaml`` plus ``--set``;
     the checkpoint's own config is only compared with it.
 
@@ -882,7 +1018,7 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         ...     except InputError as err:
         ...         print(str(err).replace(str(run_dir), "RUN"))
         RUN/checkpoints/step-00000004.pt: saved by 2 process(es), this run has 1; resume with the same world size
-        RUN/checkpoints/step-00000004.pt: data position 1000000000000 is beyond what 4 steps could have taken (4 = step x accumulation_steps + rollbacks x rollback.skip_batches)
+        RUN/checkpoints/step-00000004.pt: data position 1000000000000 is beyond what 4 steps could have taken (4 = step x accumulation_steps + rollbacks x the largest rollback.skip_batches the run used)
         >>> shutil.rmtree(run_dir)
     """
     saved, now = _effective(resume.saved_config), _effective(config.model_dump(mode="json"))
@@ -907,10 +1043,36 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         raise InputError(f"{resume.path}: saved by {saved_world} process(es), this run has {world_size}; "
                          "resume with the same world size")
     position, rollbacks = resume.loaded.payload[DATA], resume.loaded.payload.get(ROLLBACKS) or []
-    bound = step * config.accumulation_steps + len(rollbacks) * config.rollback.skip_batches
+    bound = step * config.accumulation_steps + len(rollbacks) * _skip_batches_used(resume, config)
     if position > bound:
         raise InputError(f"{resume.path}: data position {position} is beyond what {step} steps could have taken "
-                         f"({bound} = step x accumulation_steps + rollbacks x rollback.skip_batches)")
+                         f"({bound} = step x accumulation_steps + rollbacks x the largest rollback.skip_batches "
+                         "the run used)")
+
+
+def _skip_batches_used(resume: Resume, config: Config) -> int:
+    """The largest ``rollback.skip_batches`` the run has used: this resume's, the checkpoint's
+    config's, and each earlier resume's change of it (the checkpoint's policy log, old and new).
+    A rollback seeks with the value in force at the time, and ``skip_batches`` may change on
+    resume (docs/resume.md), so the resumed run's own value does not bound the past ones.
+
+    Example (lowered from 20 to 5 at an earlier resume, and to 0 now)::
+
+        >>> from ampguard.config import validate
+        >>> saved = validate({"rollback": {"skip_batches": 5}}).model_dump(mode="json")
+        >>> log = [{"key": "rollback.skip_batches", "old": 20, "new": 5, "step": 3}]
+        >>> resume = Resume(Loaded(Path("step-00000004.pt"), {STEP: 4, CONFIG: saved, POLICY: log}), Path("."))
+        >>> _skip_batches_used(resume, validate({"rollback": {"skip_batches": 0}}))
+        20
+    """
+    used = [config.rollback.skip_batches]
+    saved = resume.saved_config.get("rollback")
+    if isinstance(saved, dict):  # (a checkpoint from before the key, or a bad one, has none)
+        used.append(saved.get("skip_batches"))
+    for change in resume.loaded.payload.get(POLICY) or []:
+        if change["key"] == "rollback.skip_batches":
+            used += [change["old"], change["new"]]
+    return max(value for value in used if _is_int(value))
 
 
 # ---------------------------------------------------------------------------- policy changes on resume

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .precision import round_float32
+from .precision import finite_number, round_float32
 from .records import StepRecord
 
 HEALTH_VERDICTS: tuple[str, ...] = ("warming", "climbing", "stable", "oscillating", "collapsing")
@@ -56,6 +57,61 @@ _UNITS = 2**1074
 def _exact(value: float) -> int:
     num, den = float(value).as_integer_ratio()
     return num * (_UNITS // den)
+
+
+# ---------------------------------------------------------------------------- checking a saved state
+# A state comes from a checkpoint file: each load_state_dict checks every field it takes
+# (check_state, which a resume also calls up front, naming the whole field) before it changes
+# anything, and raises ValueError naming the field, so a corrupt or hostile file is one line at
+# resume (the checkpoint manager's InputError) rather than a traceback mid-run.
+
+
+def _brief(value: Any) -> str:
+    """A saved value for an error message: a short repr of a plain value, else its type."""
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if not isinstance(value, (str, int, float, type(None))):
+        return f"a {type(value).__name__}"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    """A real number, finite or not (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number_or_none(value: Any) -> bool:
+    return value is None or finite_number(value)
+
+
+def _names_to(value: Any, test: Callable[[Any], bool]) -> bool:
+    """A mapping of str names to values that pass ``test``."""
+    return isinstance(value, dict) and all(isinstance(k, str) and test(v) for k, v in value.items())
+
+
+def _need(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} is {_brief(value)}, expected {expected}")
+
+
+def _mapping(state: Any, where: str) -> None:
+    """``state`` is a mapping (``where``: its name, ``""`` for a state of its own)."""
+    _need(isinstance(state, dict), where.rstrip(".") or "the state", state, "a mapping")
+
+
+def _get(state: dict[str, Any], key: str, where: str) -> Any:
+    if key not in state:
+        raise ValueError(f"{where}{key} is missing")
+    return state[key]
 
 
 class RollingWindow:
@@ -171,8 +227,34 @@ class RollingWindow:
         """
         return {"size": self.size, "ring": list(self._ring), "pos": self._pos, "count": self.count}
 
+    def check_state(self, state: Any, where: str = "") -> None:
+        """Raise ``ValueError`` naming the field (after the prefix ``where``) unless ``state`` is
+        a state this window can load: its size, a ring of that many finite numbers, a position in
+        it, a count >= 0.
+
+        Example::
+
+            >>> w = RollingWindow(3)
+            >>> w.check_state({**w.state_dict(), "pos": 3}, "skip_window.")
+            Traceback (most recent call last):
+            ...
+            ValueError: skip_window.pos is 3, expected an int in [0, 3)
+        """
+        _mapping(state, where)
+        size = _get(state, "size", where)
+        if size != self.size:
+            raise ValueError(f"{where.rstrip('.') or 'window'} was saved with size {_brief(size)}, this one has "
+                             f"{self.size}")
+        ring = _get(state, "ring", where)
+        _need(isinstance(ring, list) and len(ring) == self.size and all(finite_number(v) for v in ring),
+              f"{where}ring", ring, f"a list of {self.size} finite numbers")
+        pos = _get(state, "pos", where)
+        _need(_count(pos) and pos < self.size, f"{where}pos", pos, f"an int in [0, {self.size})")
+        _need(_count(_get(state, "count", where)), f"{where}count", state["count"], "an int >= 0")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; a window of another size is refused (``ValueError``).
+        """Restore a :meth:`state_dict`; a window of another size, or a field that is not what
+        :meth:`state_dict` writes, is refused (``ValueError``, this window untouched).
 
         Example::
 
@@ -184,8 +266,7 @@ class RollingWindow:
             >>> (b.total, b.seen_mean, b.count) == (a.total, a.seen_mean, a.count)
             True
         """
-        if state["size"] != self.size:
-            raise ValueError(f"window was saved with size {state['size']}, this one has {self.size}")
+        self.check_state(state)
         self._ring = [float(v) for v in state["ring"]]
         self._pos = int(state["pos"])
         self.count = int(state["count"])
@@ -482,9 +563,47 @@ class ScaleHealth:
             "fell": self._fell,
         }
 
+    _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+        ("opening", _count, "an int >= 0"),
+        ("opening_open", _flag, "True or False"),
+        ("streak", _count, "an int >= 0"),
+        ("peak", _number_or_none, "a finite number or None"),
+        ("fell", _flag, "True or False"),
+    )
+    """The fields of a state (besides the scales and the window) and what each must be."""
+
+    def check_state(self, state: Any, where: str = "") -> None:
+        """Raise ``ValueError`` naming the field (after the prefix ``where``) unless ``state`` is
+        one :meth:`load_state_dict` can take (either layout).
+
+        Example::
+
+            >>> h = ScaleHealth(3, init_scale=4.0)
+            >>> h.check_state({**h.state_dict(), "streak": -1}, "health.")
+            Traceback (most recent call last):
+            ...
+            ValueError: health.streak is -1, expected an int >= 0
+        """
+        _mapping(state, where)
+        _need(_number_or_none(_get(state, "scale", where)), f"{where}scale", state["scale"], "a finite number or None")
+        if "scales" not in state:  # the older layout
+            windows = _get(state, "windows", where)
+            ups = windows.get("ups") if isinstance(windows, dict) else None
+            count = ups.get("count") if isinstance(ups, dict) else None
+            _need(_count(count), f"{where}windows.ups.count", count, "an int >= 0")
+            _need(_flag(_get(state, "opening", where)), f"{where}opening", state["opening"], "True or False")
+            return
+        scales = state["scales"]
+        _need(isinstance(scales, list) and len(scales) <= self.window + 1 and all(finite_number(v) for v in scales),
+              f"{where}scales", scales, f"a list of at most {self.window + 1} finite numbers")
+        self._skipped.check_state(_get(state, "skipped", where), f"{where}skipped.")
+        for key, test, expected in self._FIELDS:
+            _need(test(_get(state, key, where)), f"{where}{key}", state[key], expected)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. A state saved before the window kept its scales (it kept
-        counts of moves) restarts the history at its last scale.
+        counts of moves) restarts the history at its last scale. A field that is not what
+        :meth:`state_dict` writes is refused (``ValueError``, see :meth:`check_state`).
 
         Example::
 
@@ -493,6 +612,7 @@ class ScaleHealth:
             >>> h.scale, h.verdict
             (2.0, 'stable')
         """
+        self.check_state(state)
         self._verdict = None
         self.scale = state["scale"]
         if "scales" not in state:  # the older layout: counts of moves, no scales
@@ -875,6 +995,8 @@ class RunMonitor:
         "above_fail", "at_floor_skipped", "opening", "in_opening", "first_loss", "best_loss", "eval_last", "eval_best",
     )
     _RENAMED = {"at_floor_skipped": "below_min_scale"}  # new name -> its name in older states
+    _COUNTS = ("steps", "updates", "clipped", "alert_episodes", "above_fail", "at_floor_skipped", "opening")
+    _FLAGS = ("alerting", "scale_alerting", "in_opening")
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-safe) from which :meth:`load_state_dict` continues identically.
@@ -913,13 +1035,12 @@ class RunMonitor:
             >>> m.at_floor_skipped
             0
         """
+        self.check_state(state)  # first: a state that does not fit leaves this monitor untouched
         for name, win in (("skip_window", self.skip_window), ("clip_window", self.clip_window)):
-            if name in state:  # first: a size mismatch leaves this monitor untouched
+            if name in state:
                 win.load_state_dict(state[name])
-        defaults = self._scalar_defaults()
-        for name in self._SCALARS:
-            old_name = self._RENAMED.get(name, name)
-            setattr(self, name, state.get(name, state.get(old_name, defaults[name])))
+        for name, value in self._saved_scalars(state).items():
+            setattr(self, name, value)
         self.failed = None
         if "in_opening" not in state:  # saved before the opening was kept: over unless nothing ran
             self.in_opening = self.steps == 0
@@ -927,6 +1048,59 @@ class RunMonitor:
         self.last = dict(state.get("last", {}))
         if "health" in state:
             self.health.load_state_dict(state["health"])
+
+    def _saved_scalars(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The scalars of a saved ``state``: a name missing (an older state) takes its older
+        name's value, else its default."""
+        defaults = self._scalar_defaults()
+        return {name: state.get(name, state.get(self._RENAMED.get(name, name), defaults[name]))
+                for name in self._SCALARS}
+
+    def check_state(self, state: Any, where: str = "") -> None:
+        """Raise ``ValueError`` naming the field (after the prefix ``where``) unless ``state`` is
+        one :meth:`load_state_dict` can take: windows of this monitor's size
+        (:meth:`RollingWindow.check_state`), counters ints >= 0, flags True or False, rates and
+        losses finite numbers, the skip counts and the last and held-out values mappings of names
+        to numbers, the scale health's state (:meth:`ScaleHealth.check_state`). A key an older
+        state lacks is not looked for.
+
+        Example::
+
+            >>> m = RunMonitor(window=8)
+            >>> for bad in ({"updates": "x"}, {"skips": {"non_finite_grad": -1}}, {"skip_window": {"size": 4}}):
+            ...     try:
+            ...         m.check_state({**m.state_dict(), **bad})
+            ...     except ValueError as err:
+            ...         print(err)
+            updates is 'x', expected an int >= 0
+            skips is a dict of 1, expected a mapping of names to ints >= 0
+            skip_window was saved with size 4, this one has 8
+        """
+        _mapping(state, where)
+        for name, win in (("skip_window", self.skip_window), ("clip_window", self.clip_window)):
+            if name in state:
+                win.check_state(state[name], f"{where}{name}.")
+        scalars = self._saved_scalars(state)
+        for name in self._COUNTS:
+            _need(_count(scalars[name]), f"{where}{name}", scalars[name], "an int >= 0")
+        for name in self._FLAGS:
+            _need(_flag(scalars[name]), f"{where}{name}", scalars[name], "True or False")
+        rate = scalars["max_skip_rate"]
+        _need(finite_number(rate) and 0 <= rate <= 1, f"{where}max_skip_rate", rate, "a number in [0, 1]")
+        for name in ("first_loss", "best_loss"):
+            _need(_number_or_none(scalars[name]), f"{where}{name}", scalars[name], "a finite number or None")
+        # held-out metrics may be non-finite (a diverged evaluation), the best ones never; so may
+        # the last record's values (a NaN loss)
+        _need(_names_to(scalars["eval_last"], _number), f"{where}eval_last", scalars["eval_last"],
+              "a mapping of names to numbers")
+        _need(_names_to(scalars["eval_best"], finite_number), f"{where}eval_best", scalars["eval_best"],
+              "a mapping of names to finite numbers")
+        skips, last = state.get("skips", {}), state.get("last", {})
+        _need(_names_to(skips, _count), f"{where}skips", skips, "a mapping of names to ints >= 0")
+        _need(_names_to(last, lambda v: v is None or _number(v)), f"{where}last", last,
+              "a mapping of names to numbers or None")
+        if "health" in state:
+            self.health.check_state(state["health"], f"{where}health.")
 
 
 class LossSpikeDetector:
@@ -989,6 +1163,22 @@ class LossSpikeDetector:
         """
         return {"sum": self._sum.state_dict(), "sq": self._sq.state_dict()}
 
+    def check_state(self, state: Any, where: str = "") -> None:
+        """Raise ``ValueError`` naming the field (after the prefix ``where``) unless ``state`` is
+        one :meth:`load_state_dict` can take: the two windows' (:meth:`RollingWindow.check_state`).
+
+        Example::
+
+            >>> d = LossSpikeDetector(window=2, z=1.0)
+            >>> d.check_state({"sum": d.state_dict()["sum"]}, "loss_spike.")
+            Traceback (most recent call last):
+            ...
+            ValueError: loss_spike.sq is missing
+        """
+        _mapping(state, where)
+        for name, win in (("sum", self._sum), ("sq", self._sq)):
+            win.check_state(_get(state, name, where), f"{where}{name}.")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`.
 
@@ -1001,6 +1191,15 @@ class LossSpikeDetector:
             >>> b.load_state_dict(a.state_dict())
             >>> b.check(5.0)
             True
+
+        A field that is not what :meth:`state_dict` writes is refused (``ValueError``, this
+        detector untouched)::
+
+            >>> b.load_state_dict({"sum": a.state_dict()["sum"], "sq": {**a.state_dict()["sq"], "ring": [1.0]}})
+            Traceback (most recent call last):
+            ...
+            ValueError: sq.ring is a list of 1, expected a list of 2 finite numbers
         """
+        self.check_state(state)  # both windows checked before either is loaded
         self._sum.load_state_dict(state["sum"])
         self._sq.load_state_dict(state["sq"])

@@ -89,6 +89,38 @@ def round_float32(x: float) -> float:
 _F32 = struct.Struct("f")
 
 
+def finite_number(value: object) -> bool:
+    """Whether ``value`` is a real number (an int or a float, not a bool) that is finite as a
+    float: what a checkpoint's settings and counters are checked with before they are used. An
+    int too large for a float is not one: it would raise ``OverflowError`` where it is used.
+
+    Example::
+
+        >>> [finite_number(v) for v in (1, 2.5, -3, float("inf"), float("nan"), True, "1", None, 10**400)]
+        [True, True, True, False, False, False, False, False, False]
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past the largest float
+        return False
+
+
+def _brief(value: object) -> str:
+    """A saved value for an error message: a short repr of a plain value, else its type."""
+    if not isinstance(value, (str, int, float, type(None))):
+        return f"a {type(value).__name__}"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_INT32_MAX = 2**31 - 1
+"""The growth tracker is an int32 tensor: it counts no further."""
+_INT64_MAX = 2**63 - 1
+"""``growth_interval`` goes to PyTorch's update kernel as an int64."""
+
+
 class GuardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` with a floor under the scale, that can also be told "this step
     is bad" from outside.
@@ -206,11 +238,54 @@ class GuardedGradScaler(torch.amp.GradScaler):
             state["min_scale"] = self._min_scale
         return state
 
+    def check_state(self, state: Any, where: str = "") -> None:
+        """Raise ``ValueError`` naming the field (after the prefix ``where``) unless ``state`` is
+        one :meth:`load_state_dict` can take: a scale in ``[0, MAX_SCALE]`` (a collapsed 0 is
+        raised to the floor), factors finite numbers > 0, an interval an int >= 1 (an int64 for
+        PyTorch's update kernel), a count of clean steps in ``[0, growth_interval)`` (PyTorch
+        grows the scale when it reaches the interval and restarts it at 0; an int32 tensor), a
+        floor (if saved) a normal float32. A checkpoint's state would otherwise be taken as it is
+        and fail at the first ``update()``, mid-run.
+
+        Example::
+
+            >>> scaler = GuardedGradScaler("cpu", growth_interval=3)
+            >>> scaler.check_state({**scaler.state_dict(), "growth_factor": "x"}, "state.scaler.")
+            Traceback (most recent call last):
+            ...
+            ValueError: state.scaler.growth_factor is 'x', expected a finite number > 0
+        """
+
+        def bad(key: str, expected: str) -> ValueError:
+            return ValueError(f"{where}{key} is {_brief(state[key])}, expected {expected}")
+
+        if not isinstance(state, dict):
+            raise ValueError(f"{where.rstrip('.') or 'the scaler state'} is {_brief(state)}, expected a mapping")
+        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
+            if key not in state:
+                raise ValueError(f"{where}{key} is missing")
+        if not (finite_number(state["scale"]) and 0 <= state["scale"] <= MAX_SCALE):
+            raise bad("scale", f"a number in [0, {MAX_SCALE:g}] (a float32)")
+        for key in ("growth_factor", "backoff_factor"):
+            if not (finite_number(state[key]) and state[key] > 0):
+                raise bad(key, "a finite number > 0")
+        interval, tracker = state["growth_interval"], state["_growth_tracker"]
+        if not (isinstance(interval, int) and not isinstance(interval, bool) and 1 <= interval <= _INT64_MAX):
+            raise bad("growth_interval", "an int >= 1")
+        if not (isinstance(tracker, int) and not isinstance(tracker, bool) and 0 <= tracker < interval
+                and tracker <= _INT32_MAX):
+            raise bad("_growth_tracker", f"an int in [0, growth_interval {interval})")
+        floor = state.get("min_scale", DEFAULT_MIN_SCALE)
+        if not (finite_number(floor) and DEFAULT_MIN_SCALE <= floor <= MAX_SCALE):
+            raise bad("min_scale", f"a number in [{DEFAULT_MIN_SCALE:g}, {MAX_SCALE:g}]")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``GradScaler.load_state_dict``; the saved floor wins (as the saved growth factor does),
         and a state without one (a plain GradScaler's, or saved before floors existed) keeps
         this scaler's. A saved scale below the floor (a scale that had decayed to 0) is raised
-        to it, so a resumed run recovers at once.
+        to it, so a resumed run recovers at once. Every field is checked first (a finite
+        number, a factor > 0, a growth tracker in ``[0, growth_interval)``: :meth:`check_state`):
+        ``ValueError`` naming the field, this scaler untouched.
 
         Example::
 
@@ -219,11 +294,19 @@ class GuardedGradScaler(torch.amp.GradScaler):
             >>> scaler.load_state_dict(plain.state_dict())
             >>> scaler.get_scale(), scaler.get_min_scale()
             (1.0, 1.0)
+            >>> scaler.load_state_dict({**plain.state_dict(), "_growth_tracker": "x"})
+            Traceback (most recent call last):
+            ...
+            ValueError: _growth_tracker is 'x', expected an int in [0, growth_interval 2000)
         """
         if not self._enabled:
             return
+        self.check_state(state_dict)
         min_scale = _check_min_scale(state_dict.get("min_scale", self._min_scale))
-        super().load_state_dict(state_dict)
+        # as Python numbers (a saved int scale or factor is fine; the update kernel takes floats)
+        super().load_state_dict({**state_dict, "scale": float(state_dict["scale"]),
+                                 "growth_factor": float(state_dict["growth_factor"]),
+                                 "backoff_factor": float(state_dict["backoff_factor"])})
         self._min_scale = min_scale
         self._init_scale = max(float(self._init_scale), min_scale)
         if self._scale is not None:

@@ -50,10 +50,13 @@ def rewrite(path: Path, payload: dict) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two linear runs with the same config (so: two run ids), and a digits run."""
+    """Two linear runs with the same config (so: two run ids), an fp16 one (its loss scaler on,
+    a loss-spike detector), and a digits run."""
     root = tmp_path_factory.mktemp("hostile")
     ok(train(root, "lin", *LINEAR, *SHORT))
     ok(train(root, "twin", *LINEAR, *SHORT))
+    ok(train(root, "fp16", "--set", "task.name=linear", "--set", "precision=fp16", *SHORT,
+             "--set", "rollback.triggers=[loss_spike]", "--set", "rollback.window=4"))
     ok(train(root, "digits", "--set", "task.name=digits", "--set", "precision=fp32", "--set", "steps=5",
              "--set", "checkpoint.every=5", "--set", "eval.enabled=false", "--set", "log.every=1000"))
     return root
@@ -236,7 +239,8 @@ def test_a_data_position_beyond_what_the_run_could_have_taken_is_refused_at_once
 
 
 def test_the_data_bound_holds_for_a_real_run_with_a_rollback(tmp_path):
-    """A rollback seeks skip_batches past an older position: a run resumed after it is accepted."""
+    """A rollback seeks skip_batches past an older position: a run resumed after it is accepted,
+    also with ``rollback.skip_batches`` lowered (a recorded change: the rollback skipped 3)."""
     args = [*LINEAR, "--set", "steps=8", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=20",
             "--set", "accumulation_steps=2", "--inject", "spike@5", "--set", "rollback.triggers=[loss_spike]",
             "--set", "rollback.window=3", "--set", "rollback.skip_batches=3", "--set", "log.every=1000"]
@@ -248,7 +252,58 @@ def test_the_data_bound_holds_for_a_real_run_with_a_rollback(tmp_path):
     for path in ckpt.list_checkpoints(run / "checkpoints"):
         if ckpt.checkpoint_step(path) > 6:
             path.unlink()
+    lowered = tmp_path / "lowered"
+    shutil.copytree(run, lowered)
     ok(ag("train", "--resume", run))
+    out = ok(ag("train", "--resume", lowered, "--set", "rollback.skip_batches=0"))
+    assert "POLICY 6 rollback.skip_batches 3 -> 0" in out
+    # and again from a checkpoint the lowered run wrote: its policy log still knows the 3
+    for path in ckpt.list_checkpoints(lowered / "checkpoints"):
+        if ckpt.checkpoint_step(path) > 7:
+            path.unlink()
+    written = ckpt.load_checkpoint(lowered / "checkpoints" / "step-00000007.pt")
+    assert written[ck.CONFIG]["rollback"]["skip_batches"] == 0 and written[ck.ROLLBACKS]
+    ok(ag("train", "--resume", lowered))
+
+
+# A field inside the guarded step's state, the optimizer's parameter groups or the RNG state: each
+# used to pass every check, then fail with a traceback (exit 1) in the training loop, after
+# config.yaml, events.jsonl and steps.csv had been changed (or, for the RNG, in the restore).
+NESTED = {
+    "scaler growth_factor": (["state", "scaler", "growth_factor"], "x",
+                             "bad checkpoint: state.scaler.growth_factor is 'x', expected a finite number > 0"),
+    "scaler tracker": (["state", "scaler", "_growth_tracker"], "x",
+                       "bad checkpoint: state.scaler._growth_tracker is 'x', expected an int in [0, growth_interval"),
+    "monitor counter": (["state", "monitors", "run", "updates"], "x",
+                        "bad checkpoint: state.monitors.run.updates is 'x', expected an int >= 0"),
+    "short ring": (["state", "monitors", "run", "skip_window", "ring"], [0.0],
+                   "bad checkpoint: state.monitors.run.skip_window.ring is a list of 1, expected a list of 1000"),
+    "ring position": (["state", "monitors", "run", "skip_window", "pos"], 1000,
+                      "bad checkpoint: state.monitors.run.skip_window.pos is 1000, expected an int in [0, 1000)"),
+    "loss-spike window": (["state", "monitors", "loss_spike", "sum", "pos"], -1,
+                          "bad checkpoint: state.monitors.loss_spike.sum.pos is -1, expected an int in [0, 4)"),
+    "betas": (["optimizer", "param_groups", 0, "betas"], [0.9],
+              "its optimizer state does not match this run's parameters: param_groups[0].betas has 1 entries, "
+              "this optimizer's 2"),
+    "rng": (["rng", "numpy", "pos"], 10**30,
+            "does not fit this run (rng: Python int too large to convert to C long)"),
+}
+
+
+@pytest.mark.parametrize("case", list(NESTED))
+def test_a_bad_field_inside_the_checkpoint_is_one_line_before_the_run_folder_is_touched(runs, tmp_path, snapshot,
+                                                                                        case):
+    path, value, expected = NESTED[case]
+    run = tmp_path / "fp16"
+    shutil.copytree(runs / "fp16", run)
+    payload = payload_of(run / "checkpoints" / CKPT8)
+    node = payload
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    rewrite(run / "checkpoints" / CKPT8, payload)
+    line = refused(snapshot, run, "--resume", run, "--set", "steps=12")
+    assert f"{run / 'checkpoints' / CKPT8}: {expected}" in line
 
 
 # ---------------------------------------------------------------------------- C. leftovers

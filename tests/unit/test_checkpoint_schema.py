@@ -1,8 +1,9 @@
 """What a checkpoint must be before a resume uses it (issue 16): the payload's schema
 (``checkpointer.check_payload``), whose checkpoint it is (``check_belongs``), whether it fits the
-model, optimizer and scheduler this run built (``CheckpointManager.check_fits``), the data
-position's bound (``check_resume``), and ``checkpoint.safe_load`` telling junk bytes from pickled
-code. Real parts (a tiny ``nn.Linear``), no training run.
+model, optimizer, scheduler, loss scaler and monitors this run built
+(``CheckpointManager.check_fits``), what ``restore`` refuses (an RNG state past C's integers),
+the data position's bound (``check_resume``), and ``checkpoint.safe_load`` telling junk bytes
+from pickled code. Real parts (a tiny ``nn.Linear``), no training run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ampguard.checkpointer import (
 from ampguard.config import validate
 from ampguard.distributed import DistInfo
 from ampguard.errors import InputError
+from ampguard.monitor import LossSpikeDetector, RunMonitor
 from ampguard.step import AmpTrainState
 
 PATH = Path("run/checkpoints/step-00000004.pt")
@@ -223,13 +225,139 @@ def test_an_optimizer_state_of_other_parameters_does_not_fit():
     ({"optimizer": {}}, "'optimizer' is not scheduler state"),
     ({"__class__": 1}, "'__class__' is not scheduler state"),
     ({"last_epoch": "x"}, "last_epoch is 'x', this scheduler's is 0"),
-    ({"base_lrs": [0.1, 0.1]}, "base_lrs is a list, this scheduler's is a list"),
-    ({"lr_lambdas": [{"x": 1}]}, "lr_lambdas is a list"),
+    ({"base_lrs": [0.1, 0.1]}, "base_lrs has 2 entries, this scheduler's 1"),
+    ({"base_lrs": ["x"]}, "base_lrs[0] is 'x', this scheduler's is 0.1"),  # not "a list ... a list"
+    ({"base_lrs": [float("nan")]}, "base_lrs[0] is nan, this scheduler's is 0.1"),
+    ({"lr_lambdas": [{"x": 1}]}, "lr_lambdas[0] is a dict, this scheduler's is None"),
 ])
 def test_a_scheduler_state_that_would_replace_its_attributes_or_types_does_not_fit(changes, said):
     scheduler = {**payload()[SCHEDULER], **changes}
     line = refusal(Loaded(PATH, payload(scheduler=scheduler)), manager().check_fits)
     assert line.startswith(f"{PATH}: its scheduler state does not fit this run's scheduler: ") and said in line
+
+
+# ---------------------------------------------------------------------------- check_fits: parameter groups
+# Optimizer.load_state_dict puts the saved groups' settings in place as they are, and the step
+# reads them: betas [0.9] used to fail in AdamW's step ("not enough values to unpack"), mid-run.
+
+
+def saved_group(**changes: Any) -> dict[str, Any]:
+    """The optimizer state of ``parts()`` with its one parameter group changed (``...``: removed)."""
+    state = payload()[OPTIMIZER]
+    group = {**state["param_groups"][0], **changes}
+    return {**state, "param_groups": [{k: v for k, v in group.items() if v is not ...}]}
+
+
+BAD_GROUP = [
+    ({"betas": [0.9]}, "param_groups[0].betas has 1 entries, this optimizer's 2"),
+    ({"betas": (0.9, "x")}, "param_groups[0].betas[1] is 'x', this optimizer's is 0.999"),
+    ({"lr": "x"}, "param_groups[0].lr is 'x', this optimizer's is 0.1"),
+    ({"lr": float("nan")}, "param_groups[0].lr is nan, this optimizer's is 0.1"),
+    ({"lr": torch.tensor([0.1, 0.2])}, "param_groups[0].lr is a tensor of shape [2], this optimizer's is 0.1"),
+    ({"eps": 10**400}, "param_groups[0].eps is 1000000000"),  # float() of it: OverflowError
+    ({"weight_decay": None}, "param_groups[0].weight_decay is None, this optimizer's is 0.01"),
+    ({"amsgrad": "x"}, "param_groups[0].amsgrad is 'x', this optimizer's is False"),
+    ({"eps": ...}, "param_groups[0] has no 'eps'"),  # KeyError in the step
+]
+
+
+@pytest.mark.parametrize(("changes", "said"), BAD_GROUP,
+                         ids=[f"{next(iter(c))}-{i}" for i, (c, _) in enumerate(BAD_GROUP)])
+def test_a_parameter_group_setting_of_another_kind_does_not_fit(changes, said):
+    line = refusal(Loaded(PATH, payload(optimizer=saved_group(**changes))), manager().check_fits)
+    assert line.startswith(f"{PATH}: its optimizer state does not match this run's parameters: {said}")
+
+
+def test_a_group_from_the_other_path_or_an_older_pytorch_fits_and_loads_but_not_a_str_lr():
+    """The fast path's LR is a tensor and its AdamW fused; either path reads the other's
+    checkpoints. A flag an older PyTorch did not save is set by the optimizer."""
+    saved = saved_group(lr=torch.tensor(0.5), fused=True, decoupled_weight_decay=...)
+    manager().check_fits(Loaded(PATH, payload(optimizer=saved)))
+    made = parts()
+    made[OPTIMIZER].load_state_dict(saved)
+    group = made[OPTIMIZER].optimizer.param_groups[0]
+    assert float(group["lr"]) == 0.5 and group["decoupled_weight_decay"] is True
+    str_lr = {**saved, "param_groups": [{**saved["param_groups"][0], "lr": "0.5"}]}
+    line = refusal(Loaded(PATH, payload(optimizer=str_lr)), manager().check_fits)
+    assert line.endswith("param_groups[0].lr is '0.5', this optimizer's is 0.1")
+
+
+# ---------------------------------------------------------------------------- check_fits: the loss scaler and monitors
+
+
+def step_parts() -> dict[str, Any]:
+    """``parts()`` under fp16 (the loss scaler on), with the monitors a run registers."""
+    made = parts()
+    model, optimizer, scheduler = made[MODEL].model, made[OPTIMIZER].optimizer, made[SCHEDULER]
+    state = AmpTrainState(model, optimizer, nn.functional.mse_loss, precision="fp16", scheduler=scheduler)
+    state.monitors["run"] = RunMonitor(window=8)
+    state.monitors["loss_spike"] = LossSpikeDetector(window=3, z=3.0)
+    return {**made, STATE: state}
+
+
+def step_payload(path: str, value: Any) -> dict[str, Any]:
+    """A payload of ``step_parts()`` after 4 steps, with ``state.<path>`` set (``...``: removed)."""
+    made = step_parts()
+    state = made[STATE]
+    for _ in range(4):
+        state.step(torch.ones(2, 3), torch.zeros(2, 2))
+    saved = state.state_dict()
+    for name, monitor in state.monitors.items():
+        saved["monitors"][name] = monitor.state_dict()
+    *parents, last = path.split(".")
+    node = saved
+    for key in parents:
+        node = node[key]
+    if value is ...:
+        del node[last]
+    elif last:
+        node[last] = value
+    return payload(state=saved)
+
+
+BAD_STEP_STATE = [  # each loaded as it was, then failed in the training loop (traceback, exit 1)
+    ("scaler.growth_factor", "x", "state.scaler.growth_factor is 'x', expected a finite number > 0"),
+    ("scaler._growth_tracker", "x",
+     "state.scaler._growth_tracker is 'x', expected an int in [0, growth_interval 2000)"),
+    ("scaler.scale", float("nan"), "state.scaler.scale is nan, expected a number in [0, 3.40282e+38] (a float32)"),
+    ("monitors.run", "x", "state.monitors.run is 'x', expected a mapping"),
+    ("monitors.run.updates", "x", "state.monitors.run.updates is 'x', expected an int >= 0"),
+    ("monitors.run.skip_window.ring", [0.0], "state.monitors.run.skip_window.ring is a list of 1, expected a list of 8 "
+                                             "finite numbers"),
+    ("monitors.run.skip_window.pos", 8, "state.monitors.run.skip_window.pos is 8, expected an int in [0, 8)"),
+    ("monitors.run.health.opening", -1, "state.monitors.run.health.opening is -1, expected an int >= 0"),
+    ("monitors.loss_spike.sq", ..., "state.monitors.loss_spike.sq is missing"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "said"), BAD_STEP_STATE,
+                         ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(BAD_STEP_STATE)])
+def test_the_loss_scaler_and_monitor_states_are_checked_naming_the_whole_field(path, value, said):
+    manager = CheckpointManager(None, step_parts(), keep=1)
+    manager.check_fits(Loaded(PATH, step_payload("", None)))  # as the run saved it
+    manager.check_fits(Loaded(PATH, step_payload("monitors.headroom", "x")))  # a monitor the step does not have
+    bad = Loaded(PATH, step_payload(path, value))
+    ck.check_payload(bad)  # the payload's schema holds: these are inside state.scaler / state.monitors
+    assert refusal(bad, manager.check_fits) == f"{PATH}: bad checkpoint: {said}"
+    line = refusal(bad, manager.restore)  # and restore refuses it too (a rollback's checkpoint)
+    assert line.startswith(f"{PATH}: does not fit this run (state: ")
+
+
+# ---------------------------------------------------------------------------- restore: the RNG state
+
+
+@pytest.mark.parametrize("spoil", ["numpy", "random"])
+def test_an_rng_state_past_cs_integers_is_one_line_naming_the_rng(spoil):
+    """``np.random.set_state`` / ``random.setstate`` raise OverflowError, which restore let through."""
+    state = ckpt.rng_state()
+    if spoil == "numpy":
+        state["numpy"] = {**state["numpy"], "pos": 10**30}
+    else:
+        version, internal, gauss = state["random"]
+        state["random"] = (version, (2**70, *internal[1:]), gauss)
+    line = refusal(Loaded(PATH, payload(rng=state)), CheckpointManager(None, parts(), keep=1).restore)
+    assert line == f"{PATH}: does not fit this run (rng: Python int too large to convert to C " + (
+        "long)" if spoil == "numpy" else "unsigned long)")
 
 
 def test_parts_that_are_not_model_optimizer_or_scheduler_are_not_looked_at():
@@ -254,7 +382,38 @@ def test_a_data_position_up_to_steps_x_accumulation_plus_rollbacks_x_skip_is_acc
         ck.check_resume(resume(bound + 1, rollbacks, **config), validate({"task": {"name": "linear"}, **config}))
     assert str(err.value) == (
         f"run/checkpoints/step-00000008.pt: data position {bound + 1} is beyond what 8 steps could have taken "
-        f"({bound} = step x accumulation_steps + rollbacks x rollback.skip_batches)")
+        f"({bound} = step x accumulation_steps + rollbacks x the largest rollback.skip_batches the run used)")
+
+
+def check_bound(made: Resume, skip_now: int, bound: int) -> None:
+    """``bound`` is the largest data position ``check_resume`` accepts of ``made`` with
+    ``rollback.skip_batches`` now ``skip_now``."""
+    now = validate({"task": {"name": "linear"}, "rollback": {"skip_batches": skip_now}})
+    made.loaded.payload[DATA] = bound
+    ck.check_resume(made, now)
+    made.loaded.payload[DATA] = bound + 1
+    with pytest.raises(InputError, match=f"data position {bound + 1} is beyond what 8 steps could have taken"):
+        ck.check_resume(made, now)
+
+
+def test_skip_batches_lowered_on_resume_still_bounds_the_rollbacks_taken_with_the_old_value():
+    """``rollback.skip_batches`` is a recorded change (docs/resume.md): the run's own checkpoint,
+    whose two rollbacks skipped 5 batches each, is accepted with skip_batches 0 now."""
+    check_bound(resume(8, 2, rollback={"skip_batches": 5}), 0, 8 + 2 * 5)
+    check_bound(resume(8, 2, rollback={"skip_batches": 5}), 7, 8 + 2 * 7)  # raised: the new one
+
+
+def test_skip_batches_changed_at_an_earlier_resume_counts_from_the_policy_log():
+    made = resume(8, 2, rollback={"skip_batches": 5})  # lowered from 30 to 5 at a resume from step 6
+    made.loaded.payload[ck.POLICY] = [{"key": "rollback.skip_batches", "old": 30, "new": 5, "step": 6},
+                                      {"key": "steps", "old": 8, "new": 100, "step": 6}]
+    check_bound(made, 0, 8 + 2 * 30)
+    # a checkpoint config's value that is no count is passed over (a plain-data config need not be valid)
+    made.loaded.payload[CONFIG]["rollback"]["skip_batches"] = "x"
+    check_bound(made, 0, 8 + 2 * 30)
+    del made.loaded.payload[CONFIG]["rollback"]["skip_batches"]  # (one from before the key)
+    made.loaded.payload[ck.POLICY] = []
+    check_bound(made, 4, 8 + 2 * 4)
 
 
 def test_a_fixed_key_of_a_picked_checkpoint_names_the_file():

@@ -22,7 +22,7 @@ from ampguard.errors import InputError
 from ampguard.faults import parse_fault
 from ampguard.monitor import (
     DEFAULT_MIN_STEPS, FAIL_CAUSES, FAIL_SCALE_COLLAPSE, FAIL_SKIP_RATE, HEALTH_VERDICTS, WARMUP_SKIPS, Event,
-    RollingWindow, RunMonitor, ScaleHealth,
+    LossSpikeDetector, RollingWindow, RunMonitor, ScaleHealth,
 )
 from ampguard.records import SkipLog, StepLog
 from ampguard.sinks import JsonlSink, TensorBoardSink
@@ -1018,3 +1018,155 @@ def test_monitor_the_opening_leaves_the_judged_rate_with_the_window():
         if r.step >= 24:
             assert m.judged_skip_rate == m.skip_rate
     assert m.skip_rate == 1 / 20
+
+
+# ---------------------------------------------------------------------------- a saved state that does not fit
+# A monitor's state comes from a checkpoint file. Each of these used to load as it was and fail
+# mid-run (a str counter in an addition, a short ring indexed by pos) or go quietly wrong; now the
+# load refuses it with a ValueError naming the field, before it changes anything.
+
+
+def _mid_run_monitor() -> RunMonitor:
+    """A monitor 21 steps in, the last with a NaN loss, after a held-out loss of 2 then one that diverged."""
+    m = RunMonitor(**MIXED_ARGS)
+    for r in _mixed_records()[:20]:
+        m.observe(r)
+    m.observe_eval({"val_loss": 2.0})
+    m.observe(skip_record(21, "non_finite_loss"))
+    m.observe_eval({"val_loss": float("nan")})
+    return m
+
+
+def _with(state: dict, path: str, value) -> dict:
+    """A copy of ``state`` with the dotted ``path`` set to ``value``, or removed (``...``)."""
+    state = copy.deepcopy(state)
+    *parents, last = path.split(".")
+    node = state
+    for key in parents:
+        node = node[key]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return state
+
+
+BAD_WINDOW = [
+    ("ring", [0.0], "ring is a list of 1, expected a list of 4 finite numbers"),
+    ("ring", [0.0, 1.0, "x", 0.0], "ring is a list of 4, expected a list of 4 finite numbers"),
+    ("ring", [0.0, float("inf"), 0.0, 0.0], "ring is a list of 4, expected a list of 4 finite numbers"),  # no exact sum
+    ("pos", 4, "pos is 4, expected an int in [0, 4)"),
+    ("pos", -1, "pos is -1, expected an int in [0, 4)"),
+    ("pos", 1.0, "pos is 1.0, expected an int in [0, 4)"),
+    ("count", "x", "count is 'x', expected an int >= 0"),
+    ("count", ..., "count is missing"),
+    ("size", 5, "window was saved with size 5, this one has 4"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "said"), BAD_WINDOW,
+                         ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(BAD_WINDOW)])
+def test_rolling_window_refuses_a_saved_field_that_does_not_fit_and_stays_untouched(key, value, said):
+    saved = RollingWindow(4)
+    for v in (1, 0, 1):
+        saved.push(v)
+    window = RollingWindow(4)
+    window.push(1)
+    before = window.state_dict()
+    with pytest.raises(ValueError) as err:
+        window.load_state_dict(_with(saved.state_dict(), key, value))
+    assert str(err.value) == said
+    assert window.state_dict() == before
+    with pytest.raises(ValueError, match="^the state is 'x', expected a mapping$"):
+        window.load_state_dict("x")
+
+
+BAD_HEALTH = [
+    ("scale", "x", "scale is 'x', expected a finite number or None"),
+    ("scales", [4.0, "x"], "scales is a list of 2, expected a list of at most 5 finite numbers"),
+    ("scales", [4.0] * 6, "scales is a list of 6, expected a list of at most 5 finite numbers"),
+    ("skipped.pos", 9, "skipped.pos is 9, expected an int in [0, 4)"),
+    ("opening", "x", "opening is 'x', expected an int >= 0"),
+    ("opening_open", 1, "opening_open is 1, expected True or False"),
+    ("streak", -1, "streak is -1, expected an int >= 0"),
+    ("peak", float("nan"), "peak is nan, expected a finite number or None"),
+    ("fell", None, "fell is None, expected True or False"),
+    ("streak", ..., "streak is missing"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "said"), BAD_HEALTH,
+                         ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(BAD_HEALTH)])
+def test_health_refuses_a_saved_field_that_does_not_fit_and_stays_untouched(key, value, said):
+    saved = ScaleHealth(4, init_scale=8.0)
+    feed(saved, [(4.0, True), (4.0, False), (8.0, False)])
+    health = ScaleHealth(4, init_scale=8.0)
+    feed(health, [(4.0, True)])
+    before = health.state_dict()
+    with pytest.raises(ValueError) as err:
+        health.load_state_dict(_with(saved.state_dict(), key, value))
+    assert str(err.value) == said
+    assert health.state_dict() == before
+
+
+BAD_MONITOR = [
+    ("updates", "x", "updates is 'x', expected an int >= 0"),  # was: str + int in observe(), mid-run
+    ("steps", -1, "steps is -1, expected an int >= 0"),
+    ("opening", 2.5, "opening is 2.5, expected an int >= 0"),
+    ("in_opening", 1, "in_opening is 1, expected True or False"),
+    ("alerting", "no", "alerting is 'no', expected True or False"),
+    ("max_skip_rate", 2.0, "max_skip_rate is 2.0, expected a number in [0, 1]"),
+    ("best_loss", "x", "best_loss is 'x', expected a finite number or None"),
+    ("eval_best", {"val_loss": float("nan")},
+     "eval_best is a dict of 1, expected a mapping of names to finite numbers"),
+    ("eval_last", {"val_loss": "x"}, "eval_last is a dict of 1, expected a mapping of names to numbers"),
+    ("skips", {"non_finite_grad": -2}, "skips is a dict of 1, expected a mapping of names to ints >= 0"),
+    ("last", {"loss": [1.0]}, "last is a dict of 1, expected a mapping of names to numbers or None"),
+    ("skip_window.ring", [0.0], "skip_window.ring is a list of 1, expected a list of 6 finite numbers"),  # IndexError
+    ("skip_window.pos", 6, "skip_window.pos is 6, expected an int in [0, 6)"),
+    ("clip_window.count", None, "clip_window.count is None, expected an int >= 0"),
+    ("health.streak", "x", "health.streak is 'x', expected an int >= 0"),
+    ("health.skipped.ring", [0.0] * 7, "health.skipped.ring is a list of 7, expected a list of 6 finite numbers"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "said"), BAD_MONITOR,
+                         ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(BAD_MONITOR)])
+def test_run_monitor_refuses_a_saved_field_that_does_not_fit_and_stays_untouched(key, value, said):
+    saved = json.loads(json.dumps(_mid_run_monitor().state_dict()))  # as a checkpoint holds it: loads
+    assert math.isnan(saved["last"]["loss"]) and math.isnan(saved["eval_last"]["val_loss"])  # (non-finite: fine)
+    RunMonitor(**MIXED_ARGS).load_state_dict(copy.deepcopy(saved))
+    monitor = RunMonitor(**MIXED_ARGS)
+    monitor.observe(skip_record(1))
+    before = canon(monitor.state_dict())
+    with pytest.raises(ValueError) as err:
+        monitor.load_state_dict(_with(saved, key, value))
+    assert str(err.value) == said
+    assert canon(monitor.state_dict()) == before
+    with pytest.raises(ValueError, match=rf"^state\.monitors\.run\.{re.escape(said)}$"):  # named in full
+        monitor.check_state(_with(saved, key, value), "state.monitors.run.")
+
+
+def test_run_monitor_checks_every_scalar_it_saves():
+    """A scalar added to the state is checked too: a str in its place is refused, naming it."""
+    saved = _mid_run_monitor().state_dict()
+    for name in RunMonitor._SCALARS:
+        with pytest.raises(ValueError, match=f"^{name} is 'x', expected "):
+            RunMonitor(**MIXED_ARGS).load_state_dict(_with(saved, name, "x"))
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("sq", ..., "sq is missing"),
+    ("sum.ring", [1.0, float("inf")], "sum.ring is a list of 2, expected a list of 2 finite numbers"),
+    ("sq.pos", 2, "sq.pos is 2, expected an int in [0, 2)"),
+])
+def test_loss_spike_detector_refuses_a_saved_field_that_does_not_fit_and_stays_untouched(key, value, said):
+    saved = LossSpikeDetector(window=2, z=1.0)
+    saved.check(1.0), saved.check(3.0)
+    detector = LossSpikeDetector(window=2, z=1.0)
+    detector.check(1.0)
+    before = detector.state_dict()
+    with pytest.raises(ValueError) as err:
+        detector.load_state_dict(_with(saved.state_dict(), key, value))
+    assert str(err.value) == said
+    assert detector.state_dict() == before

@@ -231,6 +231,77 @@ def test_load_refuses_a_bad_saved_floor():
     assert scaler.get_scale() == 4.0 and scaler.get_min_scale() == DEFAULT_MIN_SCALE  # untouched
 
 
+def saved_scaler() -> dict:
+    """A scaler's state mid-run, as a checkpoint holds it (scale grown, a count of clean steps)."""
+    scaler, opt = GuardedGradScaler("cpu", init_scale=16.0, growth_interval=4, min_scale=2.0), optimizer()
+    for bad in (False, False, False, False, False, True, False):
+        one_update(scaler, opt, bad)
+    return json.loads(json.dumps(scaler.state_dict()))
+
+
+# A checkpoint's scaler state is taken as it is by PyTorch: each of these used to load, then fail at
+# the first update() mid-run (a str factor, a tracker past the interval or int32) or go quietly wrong.
+BAD_SCALER = [
+    ("growth_factor", "x", "growth_factor is 'x', expected a finite number > 0"),
+    ("growth_factor", 0.0, "growth_factor is 0.0, expected a finite number > 0"),
+    ("backoff_factor", float("nan"), "backoff_factor is nan, expected a finite number > 0"),
+    ("backoff_factor", True, "backoff_factor is True"),
+    ("scale", float("inf"), "scale is inf, expected a number in [0, "),
+    ("scale", -1.0, "scale is -1.0"),
+    ("scale", 1e39, "scale is 1e+39"),  # past float32: the scale tensor would hold inf
+    ("scale", [8.0], "scale is a list"),
+    ("growth_interval", 0, "growth_interval is 0, expected an int >= 1"),
+    ("growth_interval", 2.5, "growth_interval is 2.5"),
+    ("growth_interval", 2**63, "growth_interval is 9223372036854775808"),  # past the kernel's int64
+    ("_growth_tracker", "x", "_growth_tracker is 'x', expected an int in [0, growth_interval 4)"),
+    ("_growth_tracker", -1, "_growth_tracker is -1"),
+    ("_growth_tracker", 4, "_growth_tracker is 4, expected an int in [0, growth_interval 4)"),  # would never grow
+    ("min_scale", 10**400, "min_scale is 1000000000"),  # float() of it raises OverflowError
+    ("min_scale", "1", "min_scale is '1'"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "said"), BAD_SCALER,
+                         ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(BAD_SCALER)])
+def test_load_refuses_a_saved_field_of_the_wrong_kind_naming_it_and_leaves_the_scaler_untouched(key, value, said):
+    scaler = GuardedGradScaler("cpu", init_scale=64.0, growth_interval=10, min_scale=1.0)
+    scaler.scale(torch.ones(()))  # its tensors exist: a load would fill them
+    before = scaler.state_dict()
+    with pytest.raises(ValueError) as err:
+        scaler.load_state_dict({**saved_scaler(), key: value})
+    assert str(err.value).startswith(said) and "\n" not in str(err.value)
+    assert scaler.state_dict() == before
+
+
+def test_a_tracker_past_int32_is_refused_under_a_longer_interval():
+    state = {**saved_scaler(), "growth_interval": 2**40, "_growth_tracker": 2**31}
+    with pytest.raises(ValueError, match=r"_growth_tracker is 2147483648"):
+        GuardedGradScaler("cpu").load_state_dict(state)
+
+
+@pytest.mark.parametrize("missing", ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"])
+def test_load_refuses_a_state_missing_a_field(missing):
+    state = saved_scaler()
+    del state[missing]
+    with pytest.raises(ValueError, match=f"^{missing} is missing$"):
+        GuardedGradScaler("cpu").load_state_dict(state)
+    with pytest.raises(ValueError, match="^the scaler state is 'x', expected a mapping$"):
+        GuardedGradScaler("cpu").load_state_dict("x")
+
+
+def test_check_state_names_the_field_under_a_prefix():
+    with pytest.raises(ValueError, match=r"^state\.scaler\.growth_factor is 'x'"):
+        GuardedGradScaler("cpu").check_state({**saved_scaler(), "growth_factor": "x"}, "state.scaler.")
+
+
+def test_a_state_of_whole_numbers_loads_as_floats_and_goes_on_updating():
+    state = {**saved_scaler(), "scale": 32, "growth_factor": 2, "min_scale": 2}
+    scaler, opt = GuardedGradScaler("cpu"), optimizer()
+    scaler.load_state_dict(state)
+    assert scaler.state_dict()["scale"] == 32.0 and isinstance(scaler.get_growth_factor(), float)
+    assert [one_update(scaler, opt, bad) for bad in (False, False, False, True)] == [32.0, 32.0, 64.0, 32.0]
+
+
 # ---------------------------------------------------------------------------- Precision
 
 
