@@ -218,22 +218,34 @@ class OptimizerState:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a full optimizer state dict (FSDP2: each rank takes its shards of it).
+        """Load a full optimizer state dict (FSDP2: each rank takes its shards of it). The
+        groups keep this run's implementation flags (:data:`HOW_IT_STEPS`: ``fused``,
+        ``foreach``, ...): they say how this run steps, not what it learned, and a resume may
+        change the path (``fast``). The fast path's sync-free step hands its skip flag to a fused
+        kernel, which an exact run's saved ``fused=None`` would have taken away.
 
         Example::
 
             >>> model = nn.Linear(2, 1)
-            >>> opt = torch.optim.SGD(model.parameters(), lr=0.5)
-            >>> OptimizerState(model, opt).load_state_dict(torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
-            >>> opt.param_groups[0]["lr"]
-            0.1
+            >>> opt = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+            >>> saved = torch.optim.AdamW(model.parameters(), lr=0.1).state_dict()  # fused=None
+            >>> OptimizerState(model, opt).load_state_dict(saved)
+            >>> opt.param_groups[0]["lr"], opt.param_groups[0]["fused"]
+            (0.1, True)
         """
+        how = [{key: group[key] for key in HOW_IT_STEPS if key in group} for group in self.optimizer.param_groups]
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
         else:
             self.optimizer.load_state_dict(state)
+        for group, flags in zip(self.optimizer.param_groups, how):
+            group.update(flags)
+
+
+HOW_IT_STEPS = ("fused", "foreach", "capturable", "differentiable")
+"""A parameter group's implementation flags: kept from this run when an optimizer state loads."""
 
 
 class RngState:

@@ -214,6 +214,21 @@ def test_resume_switches_paths_and_records_it(tmp_path):
     assert [(e["old"], e["new"]) for e in policy if e["key"] == "fast"] == [(True, False)]
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_an_exact_run_resumes_on_the_fast_path(tmp_path, precision):
+    # the exact run's checkpoint saves fused=None; loaded as it was, the fast step handed its
+    # found_inf to the unfused AdamW, which raised "Expected grad_scale and found_inf to be None"
+    code, _, err, run = _run(tmp_path, "x", "--set", f"precision={precision}", "--set", "steps=8",
+                             "--set", "fast=false", "--set", "checkpoint.every=4", "--inject", "inf_grad@6")
+    assert code == 0, err
+    code, out, err = train(tmp_path, "x", *LINEAR, "--resume", str(run), "--set", "steps=12", "--set", "fast=true",
+                           "--set", f"precision={precision}", "--inject", "inf_grad@10")
+    assert code == 0, err
+    rows = read_rows(run / "steps.csv")
+    assert [r["step"] for r in rows] == [str(s) for s in range(1, 13)]
+    assert {int(r["step"]) for r in rows if r["skipped"] == "1"} == {6, 10}  # skipped on both paths
+
+
 def test_tokens_per_second_and_mfu_on_the_stats_lines_and_the_run_card(tmp_path):
     """A tiny charlm on the CPU against a made-up peak of 1 GFLOP/s: the STATS lines and the run
     card carry tokens/s and the MFU that the task's FLOPs per token and that peak give."""
