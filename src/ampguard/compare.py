@@ -356,7 +356,7 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
         | max_norm              | 1                   | 1                     |
         | steps / updates       | 1 / 1               | 1 / 0                 |
         | skips                 | 0 (none)            | 1 (non_finite_grad=1) |
-        | max rolling skip rate | 0.0000              | 1.0000                |
+        | max rolling skip rate | 0.0000              | 0.0000                |
         | clip rate             | 1.000               | 0.000                 |
         | scale health          | stable (final 1024) | warming (final 512)   |
         | loss final / best     | 0.5 / 0.5           | 0.5 / -               |

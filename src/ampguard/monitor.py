@@ -341,13 +341,13 @@ class Event:
 
 
 WARMUP_SKIPS = 8
-"""The longest opening streak of skips that still reads as ``warming`` (the scaler's search down
-from ``init_scale``, one halving per skipped step).
+"""The longest streak of skipped steps that is not yet ``collapsing`` while it goes on.
 
-From the default ``init_scale`` 2**16 a model whose gradients fit fp16 at all finds its scale
-within a few halvings; 8 of them already mean a scale 256x below where it started. A streak that
-goes on past 8 (say 16 straight skipped steps) is not a warm-up any more but a run that skips
-every step: ``collapsing``.
+More than 8 skipped steps in a row (a scale 256x lower) is a run that skips every step:
+``collapsing`` while the streak lasts, at the start of a run too. The run's opening streak of
+skips, the scaler's search down from ``init_scale`` (one halving per skipped step), is a warm-up
+once a step applies, however long it was, unless it reached the floor ``min_scale`` (then it
+found no scale fp16 can hold; from the default 2**16 to the floor 1.0 that is 16 halvings).
 """
 OSCILLATION_OCTAVES = 2.0
 """``oscillating`` needs the scale to fall this many octaves (powers of two) from an earlier high
@@ -394,8 +394,9 @@ class ScaleHealth:
     - ``collapsing``: the scale is at (or below) its floor ``min_scale``; or it ended the window
       :data:`COLLAPSE_OCTAVES` (3) or more octaves below where the window began; or more than
       :data:`WARMUP_SKIPS` (8) steps in a row were skipped (outside a warm-up);
-    - ``warming``: every move in the window belongs to the run's opening streak of skips (the
-      search down from ``init_scale``), and that streak is at most :data:`WARMUP_SKIPS` long;
+    - ``warming``: every move in the window belongs to the warm-up: the run's opening streak of
+      skips (the search down from ``init_scale``), unless that streak reached the floor (a
+      streak of more than 8 is ``collapsing`` while it lasts: warm-up only once a step applies);
     - ``oscillating``: the scale fell :data:`OSCILLATION_OCTAVES` (2) or more octaves from an
       earlier high and climbed as many from an earlier low: gradients sometimes fit fp16,
       sometimes not;
@@ -433,6 +434,7 @@ class ScaleHealth:
         self.scale: float | None = init_scale  # the scale before the next step
         self.opening = 0  # length of the run's opening streak of skips (from step 1)
         self._opening = True  # that streak is still going
+        self.opening_floored = False  # that streak reached the floor: no warm-up, a collapse
         self.streak = 0  # skipped steps in a row up to the last one
         self.peak: float | None = None  # the highest scale since the opening streak
         self._fell = False  # the scale fell since it first reached `peak`
@@ -465,6 +467,7 @@ class ScaleHealth:
         self._verdict = None
         self._opening = self._opening and bool(skipped)
         self.opening += self._opening
+        self.opening_floored = self.opening_floored or (self._opening and scale <= self._floor)
         self.streak = self.streak + 1 if skipped else 0
         if not self._opening:
             if self.peak is None or scale > self.peak:
@@ -478,7 +481,7 @@ class ScaleHealth:
     def _judged(self) -> tuple[int, list[float]]:
         """(warm-up skips set aside, the scales judged): the window's scales after the warm-up."""
         scales = list(self._scales)
-        if not 1 <= self.opening <= self.warmup_skips:
+        if self.opening < 1 or self.opening_floored:
             return 0, scales
         # scales[j] is the scale after step count - (len - 1 - j); the warm-up ends after step `opening`
         end = self.opening - self._skipped.count + len(scales) - 1
@@ -558,6 +561,7 @@ class ScaleHealth:
             "scale": self.scale,
             "opening": self.opening,
             "opening_open": self._opening,
+            "opening_floored": self.opening_floored,
             "streak": self.streak,
             "peak": self.peak,
             "fell": self._fell,
@@ -599,6 +603,8 @@ class ScaleHealth:
         self._skipped.check_state(_get(state, "skipped", where), f"{where}skipped.")
         for key, test, expected in self._FIELDS:
             _need(test(_get(state, key, where)), f"{where}{key}", state[key], expected)
+        if "opening_floored" in state:  # (saved since the warm-up ends at the floor, not after 8 skips)
+            _need(_flag(state["opening_floored"]), f"{where}opening_floored", state["opening_floored"], "True or False")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. A state saved before the window kept its scales (it kept
@@ -622,6 +628,7 @@ class ScaleHealth:
             self._skipped.count = count
             self._opening = bool(state["opening"])
             self.opening = count if self._opening else 0
+            self.opening_floored = False
             self.streak = self.opening
             self.peak, self._fell = (None if self._opening else self.scale), False
             return
@@ -629,6 +636,7 @@ class ScaleHealth:
         self._skipped.load_state_dict(state["skipped"])
         self.opening = int(state["opening"])
         self._opening = bool(state["opening_open"])
+        self.opening_floored = bool(state.get("opening_floored", False))
         self.streak = int(state["streak"])
         self.peak = state["peak"]
         self._fell = bool(state["fell"])
@@ -655,12 +663,14 @@ class RunMonitor:
     The rolling skip rate (:attr:`skip_rate`) is the skipped share of the last ``window``
     steps, or of all the steps so far while fewer than ``window`` were seen.
 
-    - The judged rate (:attr:`judged_skip_rate`): the rate with the scaler's opening search set
-      aside, the run's opening streak of gradient overflows while it is at most
-      :data:`WARMUP_SKIPS` long (what scale health calls ``warming``; with the scaler on only;
-      a non-finite loss is no search). Six opening halvings
-      from ``init_scale`` are the scaler finding its scale, not 6% of the first 100 steps
-      failing. A streak that goes past :data:`WARMUP_SKIPS` is counted whole.
+    - The judged rate (:attr:`judged_skip_rate`): while the window is not yet full, the rate
+      with the scaler's opening search set aside: the run's opening streak of gradient
+      overflows (with the scaler on; a non-finite loss is no search), each a halving down from
+      ``init_scale``, until a step applies. Nine opening halvings are the scaler finding its
+      scale, not 9% of the first 100 steps failing. A streak that reaches the floor
+      ``min_scale`` found no scale: it is counted whole, from its first step. Once the window
+      is full the judged rate is the rolling rate, opening and all: 51 skips in the last 1000
+      steps page at 5%.
     - ALERT episodes: an ``ALERT`` starts when the judged rate rises above ``alert_rate`` and
       clears when it falls back to it or below, one event each, not one per step. It is armed
       only once ``min_steps`` steps were seen, so a few skips early in the run (k of the first
@@ -668,14 +678,14 @@ class RunMonitor:
     - Fail-fast (cause :data:`FAIL_SKIP_RATE`): the judged rate has been above ``fail_rate`` for
       ``fail_after`` consecutive steps, counted from step 1 (``min_steps`` does not apply:
       ``fail_after`` consecutive steps are the evidence). A run that skips every step with
-      ``fail_after=3`` fails at step 3, or when the scaler is on and the gradients overflow at
-      step 11 (its first 8 skips could have been the opening search).
+      ``fail_after=3`` fails at step 3; when its fp16 gradients overflow, at the step its scale
+      reaches the floor if that is later (until then it could have been the opening search).
     - Scale (fp16): ``scale_alert`` while the scale is at (or below) ``min_scale``, the floor
       the scaler clamps it to; with ``fail_on_scale_collapse``, fail-fast (cause
       :data:`FAIL_SCALE_COLLAPSE`) after ``fail_after`` consecutive steps at the floor and skipped.
 
-    ``max_skip_rate`` is the highest rate seen from step 1 (young-window rates included: a
-    skipped first step makes it 1.0, ALERT or not).
+    ``max_skip_rate`` is the highest judged rate from step 1 (young-window rates included: a
+    first step skipped for a non-finite loss makes it 1.0, ALERT or not).
 
     Example::
 
@@ -757,8 +767,6 @@ class RunMonitor:
         v = record.values()
         self.steps = record.step
         self.last = v
-        self.in_opening = self.in_opening and self.scaler_enabled and record.reason == "non_finite_grad"
-        self.opening += self.in_opening
         if record.skipped:
             self.skips[str(record.reason)] += 1
         else:
@@ -776,11 +784,28 @@ class RunMonitor:
         self.clipped += clipped
         self.clip_window.push(float(clipped))
         self.skip_window.push(float(record.skipped))
-        self.max_skip_rate = max(self.max_skip_rate, self.skip_rate)
         scale = v["scaler_scale"] if v["scaler_scale"] is not None else 1.0
         if self.scaler_enabled:
             self.health.push(scale, record.skipped)
-        return self._events(record.step, self.judged_skip_rate, scale, bool(record.skipped))
+        if self.in_opening:
+            self._follow_opening(record)
+        rate = self.judged_skip_rate
+        self.max_skip_rate = max(self.max_skip_rate, rate)
+        return self._events(record.step, rate, scale, bool(record.skipped))
+
+    def _follow_opening(self, record: StepRecord) -> None:
+        """The scaler's opening search: gradient overflows in a row from step 1, until a step
+        applies. One that reaches the floor found no scale: it was no search, and the steps the
+        fail-fast set aside count now (each one skipped: a rate of 1.0, above any ``fail_rate``
+        below 1), so an fp16 run that skips every step fails as early as a bf16 one could."""
+        if not (self.scaler_enabled and record.reason == "non_finite_grad"):
+            self.in_opening = False
+        elif self.health.at_floor:
+            self.in_opening, self.opening = False, 0
+            if self.fail_rate is not None and self.fail_rate < 1:
+                self.above_fail = record.step - 1  # (this step's own comes in _events)
+        else:
+            self.opening += 1
 
     def _events(self, step: int, rate: float, scale: float, skipped: bool) -> list[Event]:
         events: list[Event] = []
@@ -895,13 +920,14 @@ class RunMonitor:
 
     @property
     def judged_skip_rate(self) -> float:
-        """:attr:`skip_rate` with the scaler's opening search set aside: what the ALERT and the
-        fail-fast judge. The opening search is the run's opening streak of steps skipped for a
-        non-finite gradient while it is at most :data:`WARMUP_SKIPS` long, with the scaler on
-        and its scale above the floor (its halvings down from ``init_scale``, scale health's
-        ``warming``; a non-finite loss is no search: the loss is checked before it is scaled);
-        its steps leave the judged rate's numerator and denominator alike, and once they have
-        left the window the two rates are the same.
+        """What the ALERT and the fail-fast judge: :attr:`skip_rate`, with the scaler's opening
+        search set aside while the window is not yet full. The opening search is the run's
+        opening streak of steps skipped for a non-finite gradient, with the scaler on, until a
+        step applies (its halvings down from ``init_scale``, scale health's ``warming``; a
+        non-finite loss is no search: the loss is checked before it is scaled); a streak that
+        reaches the floor is no search. Its steps leave the judged rate's numerator and
+        denominator alike. Once the window is full (``window`` steps, 1000 by default) the
+        judged rate is the rolling rate the seed lesson pages on, opening and all.
 
         Example (fp16: six opening halvings, then 94 clean steps)::
 
@@ -921,9 +947,10 @@ class RunMonitor:
         return (self.skip_window.total - aside) / held if held > 0 else 0.0
 
     def _opening_in_window(self) -> int:
-        """How many of the skip window's steps are the scaler's opening search (0 when none)."""
+        """How many of the skip window's steps are the scaler's opening search, set aside while
+        the window is young (0 when none, and once the window is full)."""
         opening = self.opening
-        if not 1 <= opening <= WARMUP_SKIPS or self.health.at_floor:  # (at its floor: no search)
+        if opening < 1 or self.skip_window.count >= self.window:
             return 0
         # the window holds the last `held` steps up to `steps`; the opening is steps 1..opening
         first = self.steps - self.skip_window.held + 1

@@ -140,16 +140,21 @@ def test_a_resumed_guard_stop_is_judged_with_the_resumed_thresholds(train):
 
 
 def test_fail_fast_sets_the_fp16_scalers_opening_search_aside(train):
-    # fp16: six overflows in a row at the start are the scaler finding its scale (scale health: warming),
-    # not 6% of the first 100 steps skipped; nine are no search (counted whole: 9% from step 9 on)
-    code, out, err, run_dir = train("warm", "--set", "precision=fp16", "--set", "steps=120",
-                                    "--inject", "inf_grad@1,2,3,4,5,6", "--fail-skip-rate", "0.05")
-    assert code == 0, err
-    assert "ALERT" not in out and "FAIL" not in out
-    code, out, err, run_dir = train("nine", "--set", "precision=fp16", "--set", "steps=120",
-                                    "--inject", "inf_grad@1,2,3,4,5,6,7,8,9", "--fail-skip-rate", "0.05")
-    assert code == 3, err
-    assert [e["step"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "fail"] == [9 + 100 - 1]
+    # fp16: overflows in a row at the start are the scaler finding its scale (scale health: warming),
+    # not 6% or 12% of the first 100 steps skipped; an fp16 run that overflows at every step reaches
+    # the floor (2**16 -> 1.0 at step 16), and then its skips count from step 1: it fails at step 100
+    # as a bf16 run would
+    for name, opening in (("six", 6), ("twelve", 12)):
+        faults = "inf_grad@" + ",".join(str(s) for s in range(1, opening + 1))
+        code, out, err, run_dir = train(name, "--set", "precision=fp16", "--set", "steps=120",
+                                        "--inject", faults, "--fail-skip-rate", "0.05")
+        assert code == 0, (name, err)
+        assert "ALERT" not in out and "FAIL" not in out
+    for precision in ("fp16", "bf16"):
+        code, out, err, run_dir = train(f"all-{precision}", "--set", f"precision={precision}", "--set", "steps=120",
+                                        "--inject", "inf_grad@every:1", "--fail-skip-rate", "0.05")
+        assert code == 3, err
+        assert [e["step"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "fail"] == [100]
 
 
 def test_train_without_fail_rate_runs_to_the_end_despite_skips(train):
@@ -246,7 +251,8 @@ def reference_verdicts(scales: list[float], skipped: list[bool], init: float, wi
         opening = min(run_opening, i + 1)  # the streak as far as step i + 1 has seen it
         start = max(0, i + 1 - window)  # full[start]: the scale before the window's first step
         streak = next((n for n, s in enumerate(reversed(skipped[: i + 1])) if not s), i + 1)
-        warm = 1 <= opening <= 8 and opening >= start + 1  # a warm-up, and a move of it in the window
+        floored = any(x <= 1.0 for x in scales[:opening])  # the opening reached the floor: no warm-up
+        warm = 1 <= opening and not floored and opening >= start + 1  # a warm-up, and a move of it in the window
         seg = full[max(start, opening) if warm else start: i + 2]
         octs = [math.log2(x / seg[0]) for x in seg]
         fall = max(octs[j] - octs[k] for j in range(len(octs)) for k in range(j, len(octs)))
@@ -270,8 +276,9 @@ def reference_verdicts(scales: list[float], skipped: list[bool], init: float, wi
 @pytest.mark.parametrize("init,window,every,steps,labels", [
     # a search of 5 halvings down from 2**22 is a warm-up; the skip at step 7 comes after a clean step
     (2.0**22, 10, 5, 20, ["warming", "stable", "stable", "stable"]),
-    # 2**40: 23 straight skips before a scale fits; no warm-up takes that long
-    (2.0**40, 10, 10, 40, ["collapsing", "collapsing", "collapsing", "stable"]),
+    # 2**40: 23 straight skips before a scale fits: collapsing while more than 8 in a row go on,
+    # a warm-up once a step applies (the search found a scale above the floor)
+    (2.0**40, 10, 10, 40, ["collapsing", "collapsing", "stable", "stable"]),
 ])
 def test_train_fp16_scale_health_from_the_opening_on(train, init, window, every, steps, labels):
     code, out, err, run_dir = train(

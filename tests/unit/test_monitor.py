@@ -681,7 +681,7 @@ def test_monitor_default_min_steps_is_the_configs():
     assert alerts == [DEFAULT_MIN_STEPS]
 
 
-@pytest.mark.parametrize("opening", [1, 3, 5, 6, 8])
+@pytest.mark.parametrize("opening", [1, 3, 5, 6, 8, 9, 12, 15])
 def test_monitor_default_settings_do_not_alert_on_the_fp16_opening(opening):
     # fp16 from 2**16: the scaler's search skips the first few steps, halving each time, then trains.
     m = RunMonitor()  # window 1000, alert_rate 0.05, min_steps = DEFAULT_MIN_STEPS
@@ -695,7 +695,8 @@ def test_monitor_default_settings_do_not_alert_on_the_fp16_opening(opening):
         events += [(e.step, e.kind) for e in m.observe(rec)]
     assert events == []
     assert m.scale_verdict == "warming"  # the opening is still in the window
-    assert m.max_skip_rate == 1.0  # the rate shown at step 1 (1 skip in 1 step); no ALERT all the same
+    assert m.max_skip_rate == 0.0  # the judged rate: the opening set aside
+    assert m.skip_rate == opening / 300  # the rate shown counts it
 
 
 def test_monitor_min_steps_rejects_negative():
@@ -966,21 +967,34 @@ def test_monitor_fail_fast_sets_the_fp16_opening_aside(opening):
     assert m.scale_verdict == "warming"
 
 
-def test_monitor_an_opening_longer_than_the_warmup_counts_whole():
-    # 9 opening skips are not a warm-up (scale health: collapsing); 9% of 100 steps alerts at step 100,
-    # and the fail-fast counts from step 9, the first it knew the streak was no search
+@pytest.mark.parametrize("opening", [9, 12, 15])
+def test_monitor_a_long_opening_that_finds_a_scale_is_a_search(opening):
+    # a sum-reduced loss can need 9-15 halvings from 2**16: 9% of the first 100 steps is no failure
     m = RunMonitor(fail_rate=0.05, fail_after=100)
-    events = [(e.step, e.kind) for r in fp16_opening(WARMUP_SKIPS + 1, 300) for e in m.observe(r)]
-    assert events[:2] == [(100, "skip_rate_alert"), (WARMUP_SKIPS + 100, "fail")]
-    assert m.failed.cause == FAIL_SKIP_RATE
+    events = [(e.step, e.kind) for r in fp16_opening(opening, 300) for e in m.observe(r)]
+    assert events == [] and m.failed is None
+    assert m.scale_verdict == "warming"  # scale health agrees: a warm-up, not a collapse
+
+
+def test_monitor_an_opening_that_reaches_the_floor_counts_whole_from_its_first_step():
+    # from 2**16 to the floor 1.0 in 16 halvings: no scale found. Its skips count from step 1, so
+    # the fail-fast trips at step 100, as for a bf16 run that skips every step
+    fp16 = RunMonitor(fail_rate=0.05, fail_after=100)
+    bf16 = RunMonitor(fail_rate=0.05, fail_after=100, scaler_enabled=False)
+    records = [skip_record(s, scale=max(2.0 ** (16 - s), 1.0)) for s in range(1, 151)]
+    fails = [[e.step for r in records for e in m.observe(r) if e.kind == "fail"] for m in (fp16, bf16)]
+    assert fails == [[100], [100]]
+    assert fp16.opening == 0 and not fp16.in_opening and fp16.judged_skip_rate == 1.0
 
 
 @pytest.mark.parametrize("scaler", [True, False])
 def test_monitor_fail_fast_on_a_run_that_skips_every_step(scaler):
-    # with the scaler, its first WARMUP_SKIPS skips could be the search: the run fails 8 steps later
+    # with the scaler its skips could be the opening search until its scale reaches the floor
+    # (2**16 -> 1.0: step 16); fail_after=3 was met long before, so it fails there
     m = RunMonitor(fail_rate=0.05, fail_after=3, scaler_enabled=scaler)
-    fails = [r.step for r in fp16_opening(30, 30) for e in m.observe(r) if e.kind == "fail"]
-    assert fails == [WARMUP_SKIPS + 3 if scaler else 3]
+    records = [skip_record(s, scale=max(2.0 ** (16 - s), 1.0)) for s in range(1, 31)]
+    fails = [r.step for r in records for e in m.observe(r) if e.kind == "fail"]
+    assert fails == [16 if scaler else 3]
 
 
 def test_monitor_non_finite_losses_are_no_scaler_search():
@@ -1008,16 +1022,27 @@ def test_monitor_alert_after_the_opening_names_what_it_set_aside():
     assert m.skip_rate == 11 / 105
 
 
-def test_monitor_the_opening_leaves_the_judged_rate_with_the_window():
-    # window 20: once the opening's steps have left the window, the judged rate is the rolling rate
+def test_monitor_the_opening_is_set_aside_only_while_the_window_is_young():
+    # window 20: once it is full the judged rate is the rolling rate, the opening's skips included
     m = RunMonitor(window=20, min_steps=0)
-    for r in fp16_opening(4, 40, later_skips=(30,)):
+    for r in fp16_opening(4, 40, later_skips=(12,)):
         m.observe(r)
-        if r.step <= 20:
-            assert m.judged_skip_rate == 0.0
-        if r.step >= 24:
-            assert m.judged_skip_rate == m.skip_rate
-    assert m.skip_rate == 1 / 20
+        if r.step < 20:
+            assert m.judged_skip_rate == (1 / (r.step - 4) if r.step >= 12 else 0.0), r.step
+        else:
+            assert m.judged_skip_rate == m.skip_rate, r.step
+    assert m.skip_rate == 0.0  # steps 21-40: the opening and step 12 have left the window
+
+
+def test_monitor_51_skips_in_the_last_1000_steps_page_opening_or_not():
+    # seed 000: the 1000-step rolling rate pages above 5%. 8 opening halvings + 43 later skips are
+    # 51 of the first 1000 steps: the ALERT comes once the window is full, at step 1000
+    m = RunMonitor()
+    later = tuple(range(510, 940, 10))  # 43, spread: never 5% of the steps after the opening
+    assert len(later) == 43
+    records = fp16_opening(8, 1000, later_skips=later)
+    alerts = [r.step for r in records for e in m.observe(r) if e.kind == "skip_rate_alert"]
+    assert alerts == [1000] and m.judged_skip_rate == m.skip_rate == 51 / 1000
 
 
 # ---------------------------------------------------------------------------- a saved state that does not fit
