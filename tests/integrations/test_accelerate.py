@@ -74,6 +74,24 @@ def test_make_guard_refuses_an_accelerator_that_does_the_amp_too(accelerator):
         make_guard(amp, model, optimizer, precision="bf16")
 
 
+def test_make_guard_takes_the_accelerators_gradient_accumulation_steps():
+    model = torch.nn.Linear(4, 1)
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=4)  # as launch --gradient_accumulation_steps 4
+    try:
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert make_guard(accelerator, model, optimizer, precision="bf16").accumulation_steps == 4
+        assert make_guard(accelerator, model, optimizer, precision="bf16", accumulation_steps=4).accumulation_steps == 4
+        with pytest.raises(ValueError, match="accumulation_steps=2 but the accelerator has gradient_accumulation_steps=4"):
+            make_guard(accelerator, model, optimizer, precision="bf16", accumulation_steps=2)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    default = accelerate.Accelerator(cpu=True)  # its default 1 asks nothing: the guard's own number stands
+    try:
+        assert make_guard(default, model, optimizer, precision="bf16", accumulation_steps=3).accumulation_steps == 3
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.mark.slow
 def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(tmp_path):
     csv_path = tmp_path / "steps.csv"

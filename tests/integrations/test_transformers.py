@@ -38,10 +38,10 @@ def token_ids(n: int = 160) -> list[dict[str, torch.Tensor]]:
 
 
 def arguments(tmp_path, precision: str, steps: int = 20, **extra) -> TrainingArguments:
-    return TrainingArguments(
-        str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=steps, use_cpu=True, report_to=[],
-        logging_steps=1, save_strategy="no", learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=0,
-        max_grad_norm=1.0, fp16=precision == "fp16", bf16=precision == "bf16", disable_tqdm=True, **extra)
+    settings = dict(per_device_train_batch_size=4, max_steps=steps, use_cpu=True, report_to=[], logging_steps=1,
+                    save_strategy="no", learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=0,
+                    max_grad_norm=1.0, fp16=precision == "fp16", bf16=precision == "bf16", disable_tqdm=True)
+    return TrainingArguments(str(tmp_path / "out"), **{**settings, **extra})
 
 
 def inf_gradient_at(trainer: Trainer, model: GPT2LMHeadModel, steps: set[int]) -> None:
@@ -186,3 +186,133 @@ def test_the_callback_reads_a_stock_steps_norm_skip_and_scale_in_one_host_read(p
     assert reads.count == 1, reads.names
     assert record.skipped == poisoned and record.scaler_scale == (4.0 if poisoned else 16.0)
     assert record.grad_l2_post_clip == (None if poisoned else norm) and record.lr == 0.1
+
+
+# ---------------------------------------------------------------- HF's groups, resume, evaluation
+
+
+@pytest.mark.parametrize("loss", ["num_items_in_batch", "per_micro_batch"])
+def test_an_epochs_short_last_group_is_the_stock_trainers_step_bit_for_bit(tmp_path, loss):
+    # 28 sequences in batches of 4: 7 batches an epoch, so with GA 3 HF steps after batches 3, 6
+    # and 7 (a group of one). GPT-2 normalises its loss over the group's tokens (HF's
+    # num_items_in_batch); without it HF divides each loss by the group's batch count.
+    def run(cls, folder, **extra):
+        model = tiny_gpt2()
+        trainer = cls(model=model, args=arguments(folder, "bf16", steps=-1, num_train_epochs=2,
+                                                  gradient_accumulation_steps=3), train_dataset=token_ids(28), **extra)
+        if loss == "per_micro_batch":
+            trainer.model_accepts_loss_kwargs = False
+        trainer.train()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        logged = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+        return model, logged, trainer.state.global_step
+
+    stock, stock_losses, stock_steps = run(Trainer, tmp_path / "stock")
+    guarded, losses, steps = run(GuardedTrainer, tmp_path, ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    assert steps == stock_steps == 6  # 3 a pass, the third of each a group of one micro-batch
+    assert all(torch.equal(a, b) for a, b in zip(stock.parameters(), guarded.parameters()))
+    assert losses == stock_losses
+    rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 7)) and {r["skipped"] for r in rows} == {"0"}
+    # each row's loss is the group's own (the short group's too), the loss HF logs for the step
+    assert [float(r["loss"]) for r in rows] == pytest.approx(losses, rel=1e-6)
+    summary = json.loads((tmp_path / "out" / "ampguard" / "summary.json").read_text())
+    assert (summary["ended"], summary["exit_code"]) == ("finished: 6 steps", 0)
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """A dataset without a length: 10 sequences, then it runs out (HF then iterates it again)."""
+
+    def __iter__(self):
+        return iter(token_ids(10))
+
+
+def test_an_error_that_ends_train_is_written_to_the_run_end_summary_and_card(tmp_path):
+    # a dataset without a length: HF fetches groups of GA batches until it runs out. 10 sequences
+    # are 3 batches, so with GA 2 the second group has one batch, after which HF does not step:
+    # it carries the group on into the next pass. The guard refuses such a group, and the error
+    # that ends train() is still written down.
+    model = tiny_gpt2()
+    trainer = GuardedTrainer(model=model, args=arguments(tmp_path, "bf16", steps=4, gradient_accumulation_steps=2),
+                             train_dataset=Batches(), ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    with pytest.raises(RuntimeError, match="HF does not step after micro-batch 1 of the 1 it fetched for this group"):
+        trainer.train()
+    folder = tmp_path / "out" / "ampguard"
+    assert [r["step"] for r in read_rows(folder / "steps.csv")] == ["1"]
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["exit_code"] == 1 and summary["steps"] == 1
+    assert summary["ended"].startswith("crashed after step 1: RuntimeError: HF does not step after micro-batch 1 ")
+    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    assert (events[-1]["event"], events[-1]["exit_code"]) == ("run_end", 1)
+    assert "| ended | crashed after step 1" in (folder / "RUN.md").read_text()
+    assert trainer.ampguard.exit_code == 1
+
+
+def test_a_ctrl_c_in_train_is_written_down_as_interrupted(tmp_path):
+    class CtrlCAtStep3(GuardedTrainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            if self.state.global_step + 1 == 3:
+                raise KeyboardInterrupt
+            return super().compute_loss(model, inputs, **kwargs)
+
+    trainer = CtrlCAtStep3(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=5), train_dataset=token_ids(),
+                           ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    summary = json.loads((tmp_path / "out" / "ampguard" / "summary.json").read_text())
+    assert (summary["ended"], summary["exit_code"], summary["steps"]) == ("interrupted after step 2", 130, 2)
+    assert trainer.ampguard.exit_code == 130
+
+
+def test_a_resume_goes_on_at_the_checkpoints_step_with_its_scale_and_monitor(tmp_path):
+    # fp16: the overflow at step 2 halves the scale (1024 -> 512); HF saves a checkpoint at step 2
+    args = arguments(tmp_path, "fp16", steps=4, save_strategy="steps", save_steps=2)
+    model = tiny_gpt2()
+    first = GuardedTrainer(model=model, args=args, train_dataset=token_ids(), scaler={"init_scale": 1024.0})
+    inf_gradient_at(first, model, {2})
+    first.train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    folder = tmp_path / "out" / "ampguard"
+    whole = (folder / "steps.csv").read_text()
+    assert (tmp_path / "out" / "checkpoint-2" / "ampguard_state.json").is_file()
+
+    # resume the same folder from step 2: rows 3-4 (the abandoned future) are cut and trained again
+    again = tiny_gpt2()
+    resumed = GuardedTrainer(model=again, args=args, train_dataset=token_ids(), scaler={"init_scale": 1024.0})
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert resumed.state.global_step == 4 and resumed.guard.steps == 4 and resumed.guard.updates == 3
+    # the steps go on at 3, at the saved scale (512, not init_scale): the uninterrupted run's rows, bit for bit
+    assert (folder / "steps.csv").read_text() == whole
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    summary = json.loads((folder / "summary.json").read_text())  # the monitor went on from step 2's counts
+    assert (summary["steps"], summary["updates"], summary["skips"], summary["final_scale"]) == (
+        4, 3, {"non_finite_grad": 1}, 512.0)
+    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in events][-2:] == [("resume", 2), ("run_end", 4)]
+
+    # the state of an fp16 run does not fit a bf16 one: refused before anything is written
+    bf16 = GuardedTrainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=4), train_dataset=token_ids())
+    with pytest.raises(InputError, match="saved with precision='fp16', this step uses 'bf16'"):
+        bf16.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert (folder / "steps.csv").read_text() == whole
+
+
+def test_evaluate_and_predict_autocast_as_the_stock_trainer_does(tmp_path):
+    # Accelerate autocasts the stock Trainer's forward (bf16 on a CPU too) and hands its outputs
+    # back in float32; GuardedTrainer told Accelerate "no", so it brings both back itself
+    def run(cls, **extra):
+        model = tiny_gpt2()
+        seen = set()
+        model.transformer.h[0].attn.c_attn.register_forward_hook(
+            lambda module, args, out: seen.add(out.dtype) if not module.training else None)
+        trainer = cls(model=model, args=arguments(tmp_path, "bf16", steps=1), train_dataset=token_ids(8),
+                      eval_dataset=token_ids(8), **extra)
+        metrics = trainer.evaluate()
+        predictions = trainer.predict(token_ids(4)).predictions
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return seen, metrics["eval_loss"], predictions.dtype
+
+    guarded = run(GuardedTrainer, ampguard=AmpGuardCallback(tmp_path / "ag"))
+    assert guarded == run(Trainer)
+    assert guarded[0] == {torch.bfloat16} and str(guarded[2]) == "float32"

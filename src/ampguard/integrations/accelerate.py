@@ -67,13 +67,19 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, **settings: Any) ->
     fix. The guard takes the torch optimizer inside Accelerate's wrapper and the accelerator's
     device; ``settings`` are :class:`Guard`'s (``precision``, ``max_norm``, ``scheduler``, ...).
     Use the guard's verbs instead of ``accelerator.backward``, ``clip_grad_norm_`` and
-    ``optimizer.step``; don't wrap them in ``accelerator.accumulate`` (pass
-    ``accumulation_steps``).
+    ``optimizer.step``; don't wrap them in ``accelerator.accumulate``: the guard accumulates.
+
+    Its ``accumulation_steps`` is the accelerator's ``gradient_accumulation_steps``
+    (``Accelerator(gradient_accumulation_steps=4)``, ``accelerate launch
+    --gradient_accumulation_steps 4``) unless given. Given, it must be the same, or the
+    accelerator's must be 1 (its default: nothing asked of it); another number is refused
+    rather than one of the two silently winning.
 
     Example::
 
         >>> from types import SimpleNamespace
-        >>> accelerator = SimpleNamespace(mixed_precision="no", device=torch.device("cpu"))  # Accelerator(cpu=True)
+        >>> accelerator = SimpleNamespace(mixed_precision="no", device=torch.device("cpu"),  # Accelerator(cpu=True)
+        ...                               gradient_accumulation_steps=1)
         >>> model = torch.nn.Linear(4, 1)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)  # model, opt = accelerator.prepare(model, opt)
         >>> guard = make_guard(accelerator, model, opt, precision="bf16")
@@ -91,5 +97,11 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, **settings: Any) ->
         raise ValueError(f"the accelerator does mixed precision {accelerator.mixed_precision!r} already; with "
                          "ampguard doing the AMP, make it Accelerator(mixed_precision='no') (or launch with "
                          "--mixed_precision no) and pass precision= to the guard")
+    accumulation = accelerator.gradient_accumulation_steps
+    given = settings.setdefault("accumulation_steps", accumulation)
+    if accumulation != 1 and given != accumulation:
+        raise ValueError(f"accumulation_steps={given} but the accelerator has gradient_accumulation_steps="
+                         f"{accumulation}: give the guard the same number (or leave accumulation_steps out to "
+                         "take the accelerator's)")
     settings.setdefault("device", accelerator.device)
     return Guard(model, _inner(optimizer), **settings)

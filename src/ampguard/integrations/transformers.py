@@ -18,28 +18,38 @@ step. So the guard is a ``Trainer`` subclass, and the callback is what writes an
   end, ``summary.json``; on a failure it sets ``control.should_training_stop`` with the reason
   written out. On a stock ``Trainer`` (no guard) it only reads what the Trainer exposes: see
   :meth:`AmpGuardCallback.on_pre_optimizer_step`.
+
+HF checkpoints carry the guard: ``GuardedTrainer`` writes ``ampguard_state.json`` (the guard's
+scaler and counters, the callback's monitor) into each ``checkpoint-N`` folder, where HF saves
+its own AMP scaler, and ``train(resume_from_checkpoint=...)`` restores it: the steps go on at
+N + 1 and the CSV continues after row N.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import convert_to_fp32
 from transformers import Trainer, TrainerCallback
 
 from ..clipping import global_l2_norm
-from ..errors import ExitCode
+from ..errors import ExitCode, InputError, first_line
 from ..events import EventLog, event_word
 from ..monitor import DEFAULT_MIN_STEPS, RunMonitor
+from ..precision import Precision
 from ..records import SkipLog, StepLog, StepRecord
 from ..sinks import CsvSink
 from ..step import Guard
 from .accelerate import _inner, found_inf
 
 CSV_NAME, EVENTS_NAME, SUMMARY_NAME, CARD_NAME = "steps.csv", "events.jsonl", "summary.json", "RUN.md"
+STATE_NAME = "ampguard_state.json"  # in each HF checkpoint-N folder: the guard's and the monitor's state
 
 
 def run_card(summary: dict[str, Any]) -> str:
@@ -91,9 +101,12 @@ class AmpGuardCallback(TrainerCallback):
     """Per-step CSV, skip-rate alert and fail-fast for a Hugging Face ``Trainer``.
 
     Files (process 0 only) go to ``out_dir`` (default ``<args.output_dir>/ampguard``):
-    ``steps.csv`` (one row per optimizer step), ``events.jsonl`` (alerts, the failure, the end)
-    and ``summary.json`` (the monitor's counts, ``ended``, ``exit_code``: 0, or 3 when a guard
-    stopped the run). An existing ``steps.csv`` is refused, never overwritten.
+    ``steps.csv`` (one row per optimizer step, ``step`` being HF's ``global_step``),
+    ``events.jsonl`` (alerts, the failure, a resume, the end) and ``summary.json`` (the
+    monitor's counts, ``ended``, ``exit_code``: 0, or 3 when a guard stopped the run; under
+    :class:`GuardedTrainer` also 130 for a Ctrl-C and 1 for an error that ended ``train()``,
+    what the process then exits with). An existing ``steps.csv`` is refused, never overwritten,
+    except by a resume of :class:`GuardedTrainer`, which appends after the checkpoint's step.
 
     With :class:`GuardedTrainer` (which adds one of these if none is given) every row is the
     guard's record: loss, pre- and post-clip norm, scale, skips with their reason. On a stock
@@ -129,11 +142,20 @@ class AmpGuardCallback(TrainerCallback):
         self._guarded = False
         self._scaler: dict[str, float] | None = None  # the loss scaler's init_scale and floor, if there is one
         self._watch: dict[str, Any] = {}  # stock Trainer: what on_pre_optimizer_step saw
+        # GuardedTrainer resuming: (the checkpoint's step, its monitor state or None, the checkpoint's name)
+        self._resume: tuple[int, dict[str, Any] | None, str] | None = None
+        self.crash: BaseException | None = None  # the error that ended train(), if one did (GuardedTrainer)
+        self._ended = False  # run_end and summary.json written
 
     @property
     def exit_code(self) -> int:
-        """0, or 3 (``ExitCode.GUARD``) once a guard stopped the run."""
-        return GUARD_EXIT_CODE if self.failed is not None else 0
+        """0; 3 (``ExitCode.GUARD``) once a guard stopped the run; 130 after a Ctrl-C and 1
+        after an error that ended ``train()`` (seen by :class:`GuardedTrainer`)."""
+        if self.failed is not None:
+            return GUARD_EXIT_CODE
+        if self.crash is not None:
+            return int(ExitCode.INTERRUPTED) if isinstance(self.crash, KeyboardInterrupt) else 1
+        return 0
 
     # ---------------------------------------------------------------- fed by GuardedTrainer
 
@@ -148,6 +170,26 @@ class AmpGuardCallback(TrainerCallback):
         self._guarded = True
         self._pending = record
 
+    def resume(self, step: int, monitor_state: dict[str, Any] | None, source: str) -> None:
+        """Called by :class:`GuardedTrainer` before ``on_train_begin`` of a resumed run: the
+        checkpoint's ``step``, the monitor's state saved with it (``None`` in a checkpoint
+        without ampguard's state) and the checkpoint's name. The monitor goes on from that
+        state and the files append: rows after ``step`` (an abandoned future) are cut first."""
+        self._resume = (step, monitor_state, source)
+
+    def crashed(self, error: BaseException) -> None:
+        """``train()`` ended with ``error`` (called by :class:`GuardedTrainer`): ``run_end``,
+        ``summary.json`` and ``RUN.md`` still say how far the run got and why it ended. Nothing
+        once they are written, or before the files were opened."""
+        if self.monitor is None or self._ended:
+            return
+        self.crash = error
+        if isinstance(error, KeyboardInterrupt):
+            self.ended = self.ended or f"interrupted after step {self.monitor.steps}"
+        else:
+            self.ended = self.ended or f"crashed after step {self.monitor.steps}: {first_line(error, with_type=True)}"
+        self._finish()
+
     # ---------------------------------------------------------------- Trainer events
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -155,17 +197,34 @@ class AmpGuardCallback(TrainerCallback):
             scaler = _scaler_of(kwargs.get("optimizer"))
             if scaler is not None and scaler.is_enabled():
                 self._scaler = {"init_scale": float(scaler.get_scale()), "min_scale": 0.0}
-        self.monitor = RunMonitor(
+        monitor = RunMonitor(
             window=self.window, alert_rate=self.alert_rate, fail_rate=self.fail_rate, fail_after=self.fail_after,
             max_norm=args.max_grad_norm, scaler_enabled=self._scaler is not None,
             init_scale=(self._scaler or {}).get("init_scale"), min_scale=(self._scaler or {}).get("min_scale", 1.0),
             min_steps=self.min_steps)
+        resume, self._resume = self._resume, None
+        if resume is not None and resume[1] is not None:  # before any file changes: a state that does not fit is refused
+            try:
+                monitor.load_state_dict(resume[1])
+            except (ValueError, KeyError, TypeError) as err:
+                raise InputError(f"{resume[2]}/{STATE_NAME}: the monitor's state does not fit this callback: "
+                                 f"{first_line(err)}") from None
+        self.monitor, self.failed, self.crash, self.ended, self._ended = monitor, None, None, "", False
         if state.is_world_process_zero:
             folder = self.out_dir or Path(args.output_dir) / "ampguard"
             folder.mkdir(parents=True, exist_ok=True)
-            self._csv = CsvSink(folder / CSV_NAME)
-            self._events = EventLog(folder / EVENTS_NAME, self.print_fn)
+            # a resume appends (the CSV cut after the checkpoint's step); a fresh run refuses an existing file
+            self._csv = CsvSink(folder / CSV_NAME, append=resume is not None,
+                                keep_through=resume[0] if resume is not None else None)
+            self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=resume is not None)
             self.out_dir = folder
+        if resume is not None:
+            step, saved, source = resume
+            note = "" if saved is not None else (
+                f"; {source} holds no ampguard state ({STATE_NAME}): the loss scale starts again at init_scale "
+                "and the monitor counts from here")
+            self._emit({"step": step, "event": "resume", "message": f"resumed from {source} at step {step}{note}"},
+                       "RESUME")
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """On a stock ``Trainer`` (no guard): read the skip where it is decided.
@@ -200,9 +259,16 @@ class AmpGuardCallback(TrainerCallback):
             control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.monitor is None:
+        if self.monitor is None or self._ended:
             return
         self.ended = self.ended or f"finished: {self.monitor.steps} steps"
+        self._finish()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _finish(self) -> None:
+        """``run_end``, then close the files and write ``summary.json`` and ``RUN.md`` (process 0)."""
+        self._ended = True
         self._emit({"step": self.monitor.steps, "event": "run_end", "message": self.ended,
                     "exit_code": self.exit_code}, None)
         if self._csv is not None:
@@ -221,8 +287,6 @@ class AmpGuardCallback(TrainerCallback):
             }
             (self.out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
             (self.out_dir / CARD_NAME).write_text(run_card(summary), encoding="utf-8")
-
-    # ---------------------------------------------------------------- helpers
 
     def _emit(self, event: dict[str, Any], word: str | None) -> None:
         if self._events is not None:
@@ -282,9 +346,28 @@ class GuardedTrainer(Trainer):
             ``min_scale``), fp16 only.
         scheduler_on_skip: ``"hold"`` (default) or ``"step"`` HF's LR scheduler on a skipped step.
 
-    The guard is built at the first step (``self.guard``). Limits: the epoch's number of batches
-    must be a multiple of ``gradient_accumulation_steps`` (a shorter last group is refused); the
-    scaler's state is not in HF checkpoints (a resumed run starts the scale again at init_scale).
+    Accumulation follows HF's groups exactly, the epoch's shorter last group included (HF steps
+    after its ``steps_in_epoch % gradient_accumulation_steps`` batches): each group's loss is
+    divided by the group's own number of micro-batches, or taken as it is when HF normalised it
+    over the group's items (``num_items_in_batch``), as the stock ``training_step`` does.
+
+    Checkpoints: each ``checkpoint-N`` folder gets ``ampguard_state.json`` (the guard's scaler
+    and counters, the callback's monitor), and ``train(resume_from_checkpoint=...)`` restores it
+    before the first step: the steps go on at N + 1 as HF's ``global_step`` does, the loss scale
+    and the skip-rate window where they were, and the callback's CSV appends after row N. A
+    state saved with another precision or ``gradient_accumulation_steps`` is refused
+    (``InputError``) before anything is written. An error that ends ``train()`` still writes
+    ``run_end``, ``summary.json`` and ``RUN.md`` (``ended``: how far the run got, and why).
+
+    ``evaluate()`` and ``predict()`` run under the same autocast as training, their outputs
+    handed back in float32, as the stock Trainer's Accelerate does (``mixed_precision="no"``
+    turned Accelerate's off).
+
+    Limits: the guard steps inside ``training_step``, so when HF's ``on_pre_optimizer_step``
+    and ``on_optimizer_step`` callbacks run, the step is already applied (or skipped) and the
+    gradients are dropped: a callback that reads gradients there sees none (the norms are in
+    each CSV row, in ``self.record`` and in HF's logged ``grad_norm``). The guard is built at
+    the first step (``self.guard``), or when a resume loads its state.
     """
 
     def __init__(self, *args: Any, ampguard: AmpGuardCallback | None = None, scaler: dict[str, Any] | None = None,
@@ -306,6 +389,18 @@ class GuardedTrainer(Trainer):
         self.scheduler_on_skip = scheduler_on_skip
         self.guard: Guard | None = None
         self.record: StepRecord | None = None  # the last closed step's record
+        # evaluation's autocast: the training precision on the Trainer's device (see autocast_smart_context_manager)
+        self.precision = Precision(precision_of(self.args), self.args.device.type)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; an error that ends it (a Ctrl-C included) is first written to the
+        callback's files (:meth:`AmpGuardCallback.crashed`), then raised as it is."""
+        self.guard = None  # each train() builds its guard: at its first step, or from the checkpoint it resumes
+        try:
+            return super().train(*args, **kwargs)
+        except BaseException as error:
+            self.ampguard.crashed(error)
+            raise
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
@@ -317,21 +412,79 @@ class GuardedTrainer(Trainer):
                      max_norm=self.args.max_grad_norm, accumulation_steps=self.args.gradient_accumulation_steps,
                      scaler=self.scaler_settings or None)
 
+    # ---------------------------------------------------------------- checkpoints
+    # HF saves and loads its AMP scaler through _save_scaler / _load_scaler (Accelerate's, which
+    # is None here): the guard owns the scaler, so its state goes through the same two seams, into
+    # the checkpoint folder beside HF's files. _load_scaler runs after the model, optimizer and
+    # trainer state are loaded and before on_train_begin.
+
+    def _save_scaler(self, output_dir: str) -> None:
+        super()._save_scaler(output_dir)
+        if not self.args.should_save or self.guard is None:
+            return
+        monitor = self.ampguard.monitor
+        state = {"guard": self.guard.state_dict(mid_group=True),  # (HF saves between steps: the group is closed)
+                 "monitor": monitor.state_dict() if monitor is not None else None}
+        path = Path(output_dir) / STATE_NAME
+        tmp = path.with_name(f".{STATE_NAME}.tmp")
+        tmp.write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)  # a reader never sees half a file
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        super()._load_scaler(checkpoint)
+        if checkpoint is None:
+            return
+        step, source = self.state.global_step, Path(checkpoint).name
+        path = Path(checkpoint) / STATE_NAME
+        saved = None
+        if path.is_file():
+            try:
+                saved = json.loads(path.read_text(encoding="utf-8"))
+                saved_step = saved["guard"]["step"]
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise InputError(f"{path}: not an ampguard state: {first_line(err, with_type=True)}") from None
+            if saved_step != step:
+                raise InputError(f"{path}: the guard's state is at step {saved_step!r}, HF's trainer_state at "
+                                 f"{step}: they come from different runs")
+        # the guard now, over the prepared model and optimizer, so a state that does not fit is refused
+        # before on_train_begin opens (and cuts) the callback's files
+        self.guard = self._make_guard(self.model_wrapped)
+        if saved is None:  # (a checkpoint saved without ampguard: its steps are HF's, the rest starts afresh)
+            self.guard.steps = step
+        else:
+            try:
+                self.guard.load_state_dict(saved["guard"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise InputError(f"{path}: {first_line(err)}") from None
+        self.ampguard.resume(step, saved.get("monitor") if saved is not None else None, source)
+
+    # ---------------------------------------------------------------- the step
+
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
         """One micro-batch through the guard; the group's last one also closes the optimizer step."""
         if self.guard is None:
             self.guard = self._make_guard(model)
         guard = self.guard
+        # HF fetches each group's batches before its first micro-batch and says how many there are:
+        # gradient_accumulation_steps, fewer in an epoch's short last group. The guard's group is
+        # that one: it divides each loss by this count, as HF's own training_step does (unless the
+        # loss is normalised over the group's items, below), and closes on the group's last batch.
         n = self.current_gradient_accumulation_steps
-        if n != guard.accumulation_steps:
+        if not guard.mid_group:
+            guard.accumulation_steps = n
+        closes = guard.micro_batches + 1 == n
+        if closes != self.accelerator.sync_gradients:  # (HF's do_sync_step: whether it steps after this batch)
             raise RuntimeError(
-                f"this accumulation group has {n} micro-batches, not gradient_accumulation_steps="
-                f"{guard.accumulation_steps}: GuardedTrainer needs the epoch's batches to be a multiple of it")
+                f"HF {'does not step' if closes else 'steps'} after micro-batch {guard.micro_batches + 1} of the {n} "
+                f"it fetched for this group, where the guard {'would' if closes else 'would not'}: as when a dataset "
+                "without a length runs out inside a group (HF carries the group on into the next pass, past "
+                "gradient_accumulation_steps); give the dataset a length, or make it endless and set max_steps")
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
+        # (the Trainer's own context holds the same autocast, autocast_smart_context_manager: nested, a no-op)
         with guard.autocast(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if self.args.n_gpu > 1:
@@ -342,6 +495,7 @@ class GuardedTrainer(Trainer):
         guard.backward(loss, divided=scaled_for_ga)
         record = guard.step()
         if record is not None:
+            guard.accumulation_steps = self.args.gradient_accumulation_steps  # (what its state_dict saves)
             self.record = record
             self.ampguard.take(record)
             _report_skip(self.optimizer, record.skipped and self.scheduler_on_skip == "hold")
@@ -356,6 +510,26 @@ class GuardedTrainer(Trainer):
 
     def _pre_clip(self) -> Any:
         return self.record.grad_l2_pre_clip if self.record is not None else None
+
+    # ---------------------------------------------------------------- evaluation
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+        """The autocast of ``evaluate()`` and ``predict()`` (``prediction_step`` enters it through
+        ``compute_loss_context_manager``): the training precision's.
+
+        The stock Trainer returns nothing here because Accelerate autocasts the model's forward
+        itself (``prepare_model`` wraps it, when its ``mixed_precision`` is on). Here Accelerate is
+        told ``"no"``, so the autocast comes back through this seam. In ``training_step`` it
+        nests inside the guard's own autocast, the same one: a no-op there.
+        """
+        return self.precision.autocast()
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """``Trainer.prediction_step`` with its outputs in float32, as Accelerate's wrapped forward
+        (``convert_outputs_to_fp32``) hands them to the stock Trainer."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        return loss, convert_to_fp32(logits) if logits is not None else None, labels
 
 
 def _report_skip(optimizer: Any, skipped: bool) -> None:
