@@ -68,8 +68,8 @@ def _key(item) -> str:
 
 def wandb_run(run_file: Path) -> SimpleNamespace:
     """What an offline W&B run file holds: its id, history rows by step, the last summary,
-    the artifacts' file names."""
-    history, summary, artifacts, run_id, kind = {}, {}, {}, None, None
+    the artifacts' file names, the exit code the run finished with."""
+    history, summary, artifacts, run_id, kind, exit_code = {}, {}, {}, None, None, None
     for record in wandb_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -82,8 +82,10 @@ def wandb_run(run_file: Path) -> SimpleNamespace:
                             for item in record.summary.update})
         elif kind == "artifact":
             artifacts[record.artifact.name] = sorted(entry.path for entry in record.artifact.manifest.contents)
+        elif kind == "exit":
+            exit_code = record.exit.exit_code
     assert kind == "exit", f"{run_file} is not complete (its last record: {kind})"
-    return SimpleNamespace(id=run_id, history=history, summary=summary, artifacts=artifacts)
+    return SimpleNamespace(id=run_id, history=history, summary=summary, artifacts=artifacts, exit_code=exit_code)
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:

@@ -25,9 +25,17 @@ Lightning calls          the plugin does
 =======================  ===================================================================
 
 The skip-rate alarm is ampguard's :class:`~ampguard.monitor.RunMonitor`: with ``fail_rate``
-set, the trainer is stopped (``trainer.should_stop = True``) and :attr:`AmpGuardPlugin.stop_reason`
-says why. ``accumulate_grad_batches=N`` gives one record per optimizer step (the short group
-Lightning steps at an epoch's end too).
+set, the trainer is stopped at the failing step (``trainer.should_stop = True``, with the
+Trainer's ``min_steps`` / ``min_epochs`` set aside for the rest of the fit: Lightning would
+otherwise train on to them) and :attr:`AmpGuardPlugin.stop_reason` says why.
+``accumulate_grad_batches=N`` gives one record per optimizer step (the short group Lightning
+steps at an epoch's end too).
+
+The sinks (``csv=`` and ``sinks=[...]``) are the fit's: written on rank 0, the tracker sinks
+(:class:`~ampguard.integrations.trackers.WandbSink`, :class:`~ampguard.integrations.trackers.MLflowSink`)
+also given the monitor's view of each step, and all closed when the fit ends, a tracker run
+with the fit's outcome (``TrackerSink.finish``: exit code 0, 3 for a guard's stop, 1 for a
+crash, 130 for Ctrl-C, 143 for SIGTERM, as ``ampguard train``).
 
 Not covered: Fabric (``L.Fabric`` is your own loop: put :class:`~ampguard.Guard`'s verbs in it),
 strategies that own the backward or the step (DeepSpeed, FSDP's mixed precision), LBFGS, fused
@@ -39,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -47,7 +56,9 @@ from typing import Any, Literal
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
+    from lightning.pytorch.trainer.states import TrainerStatus
     from lightning.pytorch.utilities import GradClipAlgorithmType
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 except ImportError as err:  # pragma: no cover - the extra is installed in the test environment
     raise ImportError("ampguard.integrations.lightning needs PyTorch Lightning: "
@@ -56,10 +67,11 @@ except ImportError as err:  # pragma: no cover - the extra is installed in the t
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from ..errors import ExitCode, InputError
 from ..monitor import RunMonitor
 from ..precision import GuardedGradScaler, Precision
 from ..records import SkipLog, StepLog
+from ..run_folder import RunPaths
 from ..sinks import CsvSink, Sink
 from ..step import Guard
 
@@ -104,7 +116,12 @@ class AmpGuardPlugin(_LightningPrecision):
         csv: path of the per-step CSV (the eight contract columns, a row flushed per step,
             written by global rank 0). An existing file is refused unless the fit resumes from
             a checkpoint (``ckpt_path``), which appends after the checkpoint's step.
-        sinks: more ampguard sinks (``JsonlSink``, ``TensorBoardSink``, ...), written on rank 0.
+        sinks: more ampguard sinks (``JsonlSink``, ``TensorBoardSink``, ``WandbSink``,
+            ``MLflowSink``, ...), written on rank 0; a tracker sink also gets the monitor's view
+            of each step (``monitor/*``, the alert tags). The plugin closes them when the fit
+            ends, a tracker run with the fit's exit code (:meth:`teardown`), so they serve one
+            fit: a later fit with the same plugin is refused until it is given new ones
+            (``plugin.extra_sinks = [...]``).
         log: send the record to ``LightningModule.log`` (so to every Lightning logger) as
             ``ampguard/loss``, ``ampguard/lr``, ``ampguard/grad_l2_pre_clip``,
             ``ampguard/grad_l2_post_clip``, ``ampguard/scale``, ``ampguard/skipped``,
@@ -115,7 +132,8 @@ class AmpGuardPlugin(_LightningPrecision):
             ``min_scale``, ...) for fp16.
         window, alert_rate, fail_rate, fail_after, fail_on_scale_collapse, min_steps: the
             :class:`~ampguard.monitor.RunMonitor`'s settings; with ``fail_rate`` set, a skip rate
-            above it for ``fail_after`` consecutive steps stops the trainer.
+            above it for ``fail_after`` consecutive steps stops the trainer at that step (its
+            ``min_steps`` / ``min_epochs`` set aside: a diverged fit trains no further).
         scheduler_on_skip: ``"hold"`` (default) the ``interval="step"`` LR schedulers on a
             skipped step, or ``"step"`` them as Lightning does.
         frozen: the guard's ``frozen`` (``"refuse"`` a parameter that requires grad but is in no
@@ -175,6 +193,9 @@ class AmpGuardPlugin(_LightningPrecision):
         self._divided_by = 1  # Lightning's accumulate_grad_batches: it divides the loss before backward
         self._hold = False  # the last optimizer step was skipped: hold the step-interval schedulers
         self._hooked: pl.LightningModule | None = None
+        self._fitting: pl.Trainer | None = None  # the fit under way (past connect's checks): teardown ends it
+        self._closed: list[Sink] = []  # the user's sinks a fit's teardown closed: a later fit refuses them
+        self._minimums: tuple[Any, Any] | None = None  # the Trainer's (min_epochs, min_steps), set aside by a stop
 
     # ------------------------------------------------------------------ setup
 
@@ -191,6 +212,11 @@ class AmpGuardPlugin(_LightningPrecision):
         module = _lightning_module(model)
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == "fit":
+            closed = [s for s in self.extra_sinks if any(s is c for c in self._closed)]
+            if closed:  # before anything is trained: the first step would crash on them
+                raise ValueError(f"AmpGuardPlugin: sinks={[type(s).__name__ for s in closed]} were closed when the "
+                                 f"previous fit with this plugin ended (its tracker runs ended with that fit); give "
+                                 f"this fit new sinks (plugin.extra_sinks = [...]) or a new AmpGuardPlugin")
             # a new fit has new optimizers (configure_optimizers ran again): a new guard at its first
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
             self.guard, self.monitor, self.stop_reason = None, None, None
@@ -205,6 +231,7 @@ class AmpGuardPlugin(_LightningPrecision):
             if (self.csv is not None and self.csv.exists() and self.csv.stat().st_size > 0
                     and trainer.ckpt_path is None and trainer.is_global_zero):
                 raise InputError(f"{self.csv} already exists; refusing to overwrite it")
+            self._fitting = trainer  # past the refusals: the sinks are this fit's, closed at its end
         return model, optimizers, lr_schedulers
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -265,15 +292,66 @@ class AmpGuardPlugin(_LightningPrecision):
         self._hooked = module
 
     def teardown(self) -> None:
-        """Close the sinks and unwrap ``lr_scheduler_step`` (the run's rows are all flushed)."""
+        """The fit's end, finished or not (Lightning calls it from inside its ``except`` on a
+        crash): unwrap ``lr_scheduler_step``, give the Trainer back the ``min_steps`` /
+        ``min_epochs`` a guard's stop set aside, and close the sinks (the run's rows are all
+        flushed); a tracker sink's run gets the fit's totals and ends with its exit code
+        (:meth:`_exit_code`), as ``ampguard train`` ends it."""
         if self._hooked is not None:
             self._hooked.__dict__.pop("lr_scheduler_step", None)
             self._hooked = None
-        if self._sinks:
-            for sink in self._sinks:
-                sink.close()
+        trainer, self._fitting = self._fitting, None
+        if trainer is not None and self._minimums is not None:
+            trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = self._minimums
+        self._minimums = None
+        sinks = self._sinks
+        if sinks is None and trainer is not None:  # no record written (a crash before the first step)
+            sinks = self.extra_sinks if trainer.is_global_zero else []
         self._sinks = None
-        super().teardown()
+        if trainer is not None:
+            self._closed += self.extra_sinks  # on every rank: a later fit is refused on every rank alike
+        try:
+            if sinks:
+                self._close_sinks(sinks, trainer)
+        finally:
+            super().teardown()
+
+    def _close_sinks(self, sinks: list[Sink], trainer: pl.Trainer | None) -> None:
+        """Every sink closed (one that fails does not keep the others open: the first error is
+        raised after); a tracker sink first finished with the fit's result."""
+        code, ended = self._exit_code(trainer)
+        monitor = self.monitor or RunMonitor(**self.monitor_settings)  # (a fit that crashed before its first step)
+        result = _FitResult(monitor, code, ended, RunPaths())
+        errors: list[Exception] = []
+        for sink in sinks:
+            try:
+                if hasattr(sink, "finish"):  # a tracker sink: totals to its run, which ends with the code
+                    sink.finish(result)
+                sink.close()
+            except Exception as err:  # noqa: BLE001 - raised below, once the others are closed
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
+    def _exit_code(self, trainer: pl.Trainer | None) -> tuple[int, str]:
+        """The fit's outcome as ``ampguard train``'s exit code (docs/design.md §4) and a line.
+
+        Lightning marks a fit that raised ``INTERRUPTED`` before its teardown, and calls the
+        teardown inside its ``except`` (lightning/pytorch/trainer/call.py), so the exception is
+        ``sys.exc_info()``'s there: Ctrl-C (130), SIGTERM (143, Lightning's ``SIGTERMException``),
+        anything else a crash (1). A fit that returned: 3 if the guard stopped it, else 0."""
+        if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+            error = sys.exc_info()[1]
+            if isinstance(error, KeyboardInterrupt):
+                return ExitCode.INTERRUPTED, "interrupted (Ctrl-C)"
+            if isinstance(error, SIGTERMException) or trainer.received_sigterm:
+                return ExitCode.TERMINATED, "interrupted (SIGTERM)"
+            # (ampguard has no code of its own for a crash: 1 is Python's for an uncaught exception)
+            return 1, f"crashed: {type(error).__name__}: {error}" if error is not None else "crashed"
+        if self.stop_reason is not None:
+            return ExitCode.GUARD, self.stop_reason
+        steps = self.guard.steps if self.guard is not None else 0
+        return ExitCode.OK, f"finished: {steps} steps"
 
     # ------------------------------------------------------------------ the step
 
@@ -335,11 +413,15 @@ class AmpGuardPlugin(_LightningPrecision):
             sink.write(record)
         assert self.monitor is not None
         events = self.monitor.observe(record)
+        for sink in self._sinks:  # the tracker sinks: the monitor's view and its events, with the step's row
+            if hasattr(sink, "observe"):
+                sink.observe(self.monitor, events)
         self.records.append(record)  # (the last keep_records)
         for event in events:
             if event.kind == "fail":
-                self.stop_reason = f"ampguard stopped the trainer at step {event.step}: {event.message}"
-                trainer.should_stop = True
+                set_aside = self._stop(trainer)
+                self.stop_reason = (f"ampguard stopped the trainer at step {event.step}: {event.message}"
+                                    + (f" (set aside: the Trainer's {set_aside})" if set_aside else ""))
                 rank_zero_warn(self.stop_reason)
             elif event.kind in ("skip_rate_alert", "scale_alert"):
                 rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}")
@@ -351,6 +433,35 @@ class AmpGuardPlugin(_LightningPrecision):
             metrics["ampguard/skipped"] = float(record.skipped)
             metrics["ampguard/skip_rate"] = self.monitor.skip_rate
             module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def _stop(self, trainer: pl.Trainer) -> str:
+        """Stop the fit after this step, as ``ampguard train`` stops at a guard's failure.
+
+        ``trainer.should_stop`` alone is what Lightning's ``EarlyStopping`` sets, and Lightning
+        ignores it until ``min_steps`` and ``min_epochs`` are met (``_FitLoop._can_stop_early``;
+        ``min_steps`` alone implies ``min_epochs=1``): a diverged fit would train on, every step
+        skipped. So the minimums not met yet are cleared for the rest of this fit (``teardown``
+        restores them) and the fit ends as an early stop does: the epoch's end hooks, a
+        checkpoint callback's last save, ``fit`` returns. Every rank sees the same records (the
+        skip is agreed), so every rank stops at the same step. Returns the minimums set aside
+        (``"min_steps=20"``), or ``""``."""
+        trainer.should_stop = True
+        fit_loop = trainer.fit_loop
+        min_epochs, min_steps = fit_loop.min_epochs, fit_loop.epoch_loop.min_steps
+        step = trainer.global_step + 1  # this step, which Lightning counts once the optimizer step returns
+        steps_short = bool(min_steps) and step < min_steps
+        epochs_short = bool(min_epochs) and trainer.current_epoch < min_epochs
+        if not (steps_short or epochs_short):
+            return ""
+        if self._minimums is None:
+            self._minimums = (min_epochs, min_steps)
+        fit_loop.min_epochs, fit_loop.epoch_loop.min_steps = 0, None
+        named = [f"min_steps={min_steps}"] if steps_short else []
+        if epochs_short and not (steps_short and min_steps and min_epochs == 1):
+            implied = min_steps and min_epochs == 1  # Lightning's min_epochs=1 for a min_steps
+            named.append(f"min_epochs=1, which Lightning sets for min_steps={min_steps}" if implied
+                         else f"min_epochs={min_epochs}")
+        return ", ".join(named)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -370,6 +481,15 @@ class AmpGuardPlugin(_LightningPrecision):
         self._loaded = dict(state_dict)
         if self.guard is not None:
             self.guard.load_state_dict(self._loaded)
+
+
+class _FitResult:
+    """What :meth:`TrackerSink.finish <ampguard.integrations.trackers.TrackerSink.finish>` reads of
+    a run's result (``monitor``, ``exit_code``, ``ended``, ``paths``): a fit has no run folder, so
+    no artifacts are uploaded."""
+
+    def __init__(self, monitor: RunMonitor, exit_code: int, ended: str, paths: RunPaths) -> None:
+        self.monitor, self.exit_code, self.ended, self.paths = monitor, exit_code, ended, paths
 
 
 def _loggers_write_now(trainer: pl.Trainer) -> bool:

@@ -23,6 +23,16 @@ one :class:`~ampguard.errors.InputError` line naming the extra to install. In a 
 (``log.wandb``, ``log.mlflow``: :func:`build_trackers`) only rank 0 logs, and a resumed run
 continues the same tracker run: the W&B run's id is the run folder's ``run-id``; the MLflow run
 is found by its ``ampguard.run_id`` tag.
+
+A resume from a checkpoint older than the tracker run's last step (a crash after the last
+checkpoint, or ``--resume`` of an older one) replays steps the tracker already holds. The CSV
+drops its set-aside rows; trackers cannot: MLflow appends metric values and has no way to delete
+them (mlflow#2973), W&B ignores a step below the run's current one (wandb#3890). So an MLflow
+sink that finds the steps it is about to log already there forks (:meth:`MLflowSink._fork`): a
+new MLflow run with the old one's history up to the checkpoint's step, the old run tagged as
+superseded and left as it was. W&B's rewind (``wandb.init(resume_from=...)``) is a private
+preview, online only: not used; the W&B run keeps the set-aside values for those steps (README,
+"W&B and MLflow").
 """
 
 from __future__ import annotations
@@ -48,6 +58,10 @@ if TYPE_CHECKING:
 
 RUN_ID_TAG = "ampguard.run_id"
 """The MLflow tag that names the ampguard run folder's ``run-id`` (how a resume finds its run)."""
+RESUMED_FROM_TAG, RESUMED_AT_TAG = "ampguard.resumed_from", "ampguard.resumed_at"
+SUPERSEDED_BY_TAG = "ampguard.superseded_by"
+"""The MLflow tags of a fork (:meth:`MLflowSink._fork`): on the new run, the old run's id and the
+step its history was copied through; on the old run, the new run's id."""
 ARTIFACTS: tuple[str, ...] = ("RUN.md", "report.png", "events.jsonl", "steps.csv", "config.yaml")
 """What :meth:`TrackerSink.finish` uploads from the run folder, those that exist."""
 
@@ -293,8 +307,11 @@ class MLflowSink(TrackerSink):
     threads race creating its metric folders ("File exists").
 
     The run is found by ``run_id`` (the MLflow run's), else by the tag ``ampguard.run_id`` =
-    ``ampguard_run_id`` (how a resumed run continues its MLflow run), else made anew with that
-    tag, ``params`` (flattened, logged once, on a new run) and ``tags``. The monitor's events
+    ``ampguard_run_id`` (the newest run with it: how a resumed run continues its MLflow run),
+    else made anew with that tag, ``params`` (flattened, logged once, on a new run) and ``tags``.
+    A run continued that already holds the first step written (a resume from an older
+    checkpoint) is forked at that step (:meth:`_fork`; :attr:`run_id` is then the new run's), so
+    the run holds one value per step, as the CSV does. The monitor's events
     set the tags ``ampguard.last_alert`` and ``ampguard.events.<kind>`` (its last step); at the end the run's totals are
     tags and ``summary/*`` metrics, and the run ends FINISHED (exit 0), KILLED (interrupted) or
     FAILED. A ``file:`` store needs ``MLFLOW_ALLOW_FILE_STORE=true`` in MLflow 3: set for this
@@ -324,11 +341,14 @@ class MLflowSink(TrackerSink):
         self._ops: list[Any] = []
         self._async = urlparse(str(self.client.tracking_uri)).scheme not in ("", "file")
         try:
-            self.run_id = run_id or self._find(experiment, ampguard_run_id) or self._create(
+            found = run_id or self._find(experiment, ampguard_run_id)
+            self.run_id = found or self._create(
                 experiment, run_name, {**(tags or {}), **({RUN_ID_TAG: ampguard_run_id} if ampguard_run_id else {})},
                 params)
-            if run_id or self.client.get_run(self.run_id).info.status != "RUNNING":
-                self.client.update_run(self.run_id, status="RUNNING")
+            # a run continued: back to RUNNING; the status it had is kept in case the first write forks it
+            self._continued: str | None = self.client.get_run(found).info.status if found else None
+            if found:
+                self.client.update_run(found, status="RUNNING")
         except InputError:
             raise
         except Exception as err:  # noqa: BLE001 - the store refused: one line
@@ -341,8 +361,9 @@ class MLflowSink(TrackerSink):
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
             return None
+        # the newest: a fork (below) leaves the run it supersedes behind with the same tag
         runs = self.client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{ampguard_run_id}'",
-                                       max_results=1)
+                                       order_by=["attributes.start_time DESC"], max_results=1)
         return runs[0].info.run_id if runs else None
 
     def _create(self, experiment: str, run_name: str | None, tags: dict[str, str],
@@ -356,6 +377,49 @@ class MLflowSink(TrackerSink):
         for i in range(0, len(flat), 100):  # MLflow takes at most 100 params a batch
             self.client.log_batch(run_id, params=flat[i:i + 100])
         return run_id
+
+    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        if self._continued is not None:  # the first step written to a run continued: is it there already?
+            status, self._continued = self._continued, None
+            held = self.client.get_metric_history(self.run_id, "train/skipped")  # (logged at every step)
+            if held and max(m.step for m in held) >= record.step:
+                self._fork(record.step - 1, status)
+        super().write(record, extra)
+
+    def _fork(self, through: int, status: str) -> None:
+        """Continue in a new MLflow run holding the current one's history through step
+        ``through``: a resume from a checkpoint older than the run's last step replays steps the
+        run already holds, and MLflow can append a metric value but not delete one (mlflow#2973),
+        so logging on in the same run would leave two values at each replayed step.
+
+        The new run gets the old one's name, params, tags (not ``ampguard.*`` ones: the totals
+        and alerts of the old run's end; the ``ampguard.run_id`` tag is kept, and a later resume
+        finds the newest run with it), ``ampguard.resumed_from`` (the old run's id) and
+        ``ampguard.resumed_at`` (``through``), and every metric value at steps up to ``through``
+        with its timestamp (``summary/*`` not: they are the old end's). The old run keeps its
+        history (the set-aside steps, as the checkpoints after the resumed one are set aside),
+        gets ``ampguard.superseded_by`` and the status it had (``KILLED`` if it was still
+        ``RUNNING``: its process was killed). Cost: one read and a ``log_batch`` per 1000 values
+        of the history, once."""
+        from mlflow.entities import Metric, Param
+
+        old = self.client.get_run(self.run_id)
+        tags = {k: v for k, v in old.data.tags.items() if not k.startswith("ampguard.") or k == RUN_ID_TAG}
+        tags.update({RESUMED_FROM_TAG: old.info.run_id, RESUMED_AT_TAG: str(through)})
+        new = self.client.create_run(old.info.experiment_id, run_name=old.info.run_name, tags=tags).info.run_id
+        params = [Param(k, v) for k, v in old.data.params.items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+            self.client.log_batch(new, params=params[i:i + 100])
+        for key in sorted(old.data.metrics):
+            if key.startswith("summary/"):
+                continue
+            kept = [Metric(key, m.value, m.timestamp, m.step)
+                    for m in self.client.get_metric_history(old.info.run_id, key) if m.step <= through]
+            for i in range(0, len(kept), 1000):  # and at most 1000 metric values
+                self.client.log_batch(new, metrics=kept[i:i + 1000])
+        self.client.set_tag(old.info.run_id, SUPERSEDED_BY_TAG, new)
+        self.client.set_terminated(old.info.run_id, "KILLED" if status == "RUNNING" else status)
+        self.run_id = new
 
     def _log(self, step: int, row: dict[str, float]) -> None:
         import time

@@ -1,0 +1,90 @@
+"""A resume from a checkpoint older than the MLflow run's last step (a crash after the last
+checkpoint, or ``--resume`` of an older one) replays steps the run already holds. MLflow cannot
+delete a logged value, so the sink forks: a new MLflow run with the history up to the
+checkpoint's step, one value per step as in the CSV; the old run kept, marked superseded.
+Against MLflow's real file store, read back through ``MlflowClient``."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mlflow")
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+from test_trackers import NUMBERS, cell, read_csv, same  # noqa: E402 - the CSV/tracker comparison helpers
+
+from ampguard.cli import main  # noqa: E402
+from ampguard.integrations.trackers import MLflowSink  # noqa: E402
+from ampguard.records import StepLog  # noqa: E402
+
+# the tags, as the README names them
+RUN_ID_TAG, RESUMED_FROM_TAG, RESUMED_AT_TAG = "ampguard.run_id", "ampguard.resumed_from", "ampguard.resumed_at"
+SUPERSEDED_BY_TAG = "ampguard.superseded_by"
+
+
+def steps_of(client, run_id, key="train/loss"):
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_a_resume_from_an_older_checkpoint_forks_the_mlflow_run_so_each_step_has_one_value(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = (tmp_path / "mlruns").as_uri()
+    sets = ["task.name=linear", "precision=bf16", "device=cpu", "steps=4", "checkpoint.every=2",
+            f"log.dir={tmp_path / 'runs'}", "log.name=t", f"log.mlflow.tracking_uri={store}", "log.mlflow.experiment=x"]
+    assert main(["train"] + [a for item in sets for a in ("--set", item)]) == 0
+    run_dir = tmp_path / "runs" / "t"
+    first_csv = read_csv(run_dir / "steps.csv")
+    # steps 3-4 trained again from the step-2 checkpoint (the trainer sets the step-4 one aside)
+    assert main(["train", "--resume", str(run_dir / "checkpoints" / "step-00000002.pt"), "--set", "steps=6"]) == 0
+    csv = read_csv(run_dir / "steps.csv")
+    assert [r["step"] for r in csv] == ["1", "2", "3", "4", "5", "6"] and csv[3]["loss"] != first_csv[3]["loss"]
+
+    client = MlflowClient(tracking_uri=store)
+    new, old = client.search_runs([client.get_experiment_by_name("x").experiment_id],
+                                  order_by=["attributes.start_time DESC"])
+    for name in NUMBERS:  # one value per step, the CSV's, in the run the resume logged to
+        logged = client.get_metric_history(new.info.run_id, f"train/{name}")
+        assert sorted(m.step for m in logged) == [1, 2, 3, 4, 5, 6], name
+        values = {m.step: m.value for m in logged}
+        assert all(same(values.get(int(r["step"])), cell(r[name])) for r in csv), name
+    assert steps_of(client, new.info.run_id, "monitor/skip_rate") == [1, 2, 3, 4, 5, 6]
+    old_loss = {m.step: m.value for m in client.get_metric_history(old.info.run_id, "train/loss")}
+    assert old_loss == {int(r["step"]): float(r["loss"]) for r in first_csv}  # the old run as it was
+    run_id = (run_dir / "run-id").read_text().strip()
+    assert new.data.tags[RUN_ID_TAG] == old.data.tags[RUN_ID_TAG] == run_id
+    assert (new.data.tags[RESUMED_FROM_TAG], new.data.tags[RESUMED_AT_TAG]) == (old.info.run_id, "2")
+    assert old.data.tags[SUPERSEDED_BY_TAG] == new.info.run_id and RESUMED_FROM_TAG not in old.data.tags
+    assert new.info.status == old.info.status == "FINISHED" and new.info.run_name == old.info.run_name == "t"
+    assert new.data.params == old.data.params and new.data.params["steps"] == "4"  # the run's first config
+    assert new.data.tags["ampguard.steps"] == "6" and old.data.tags["ampguard.steps"] == "4"
+
+    # the next resume (the folder's newest checkpoint, step 6) continues the newest run: no fork
+    assert main(["train", "--resume", str(run_dir), "--set", "steps=7"]) == 0
+    runs = client.search_runs([client.get_experiment_by_name("x").experiment_id])
+    assert len(runs) == 2 and steps_of(client, new.info.run_id) == [1, 2, 3, 4, 5, 6, 7]
+
+
+def step(n):
+    return StepLog(n, lr=0.1, loss=float(n), grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+
+
+def test_a_sink_continuing_a_run_by_its_id_forks_only_when_the_steps_are_there(tmp_path):
+    """In your own loop (``MLflowSink(run_id=...)``): writing step 3 again into a run that holds
+    1-3 forks (``sink.run_id`` is the new run's); writing the step after the last does not."""
+    uri = (tmp_path / "mlruns").as_uri()
+    first = MLflowSink(tracking_uri=uri, experiment="own")
+    for n in (1, 2, 3):
+        first.write(step(n))
+    first.close()
+    again = MLflowSink(tracking_uri=uri, run_id=first.run_id)
+    again.write(step(3))
+    again.close()
+    client = first.client
+    assert again.run_id != first.run_id
+    assert {m.step: m.value for m in client.get_metric_history(again.run_id, "train/loss")} == {1: 1.0, 2: 2.0, 3: 3.0}
+    assert steps_of(client, first.run_id) == [1, 2, 3]
+    assert client.get_run(first.run_id).data.tags[SUPERSEDED_BY_TAG] == again.run_id
+    on = MLflowSink(tracking_uri=uri, run_id=again.run_id)
+    on.write(step(4))
+    on.close()
+    assert on.run_id == again.run_id and steps_of(client, again.run_id) == [1, 2, 3, 4]
