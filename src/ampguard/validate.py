@@ -376,7 +376,7 @@ def _score_rule(name: str, label: str, ref: torch.Tensor, amp: torch.Tensor, cfg
         amp_text = "no scores"
     elif math.isfinite(worst_used):
         amp_text = (f"{good}/{total} within; worst {ids[row]}[{col}]: |{float(amp[row, col]):.6g} - "
-                    f"{float(ref[row, col]):.6g}| = {float(err[row, col]):.3g} <= allowed "
+                    f"{float(ref[row, col]):.6g}| = {float(err[row, col]):.3g} {'<=' if inside[row, col] else '>'} allowed "
                     f"{abs_tol + rel_tol * abs(float(ref[row, col])):.3g} ({100 * worst_used:.3g}% of it)")
     else:
         amp_text = (f"{good}/{total} within; {ids[row]}[{col}]: amp {float(amp[row, col]):.6g}, "

@@ -360,3 +360,15 @@ def test_an_output_the_model_lacks_or_a_scalar_output_is_bad_input(more_factorie
         run_compare(api_config(f"{more_factories}:heads", outputs={"boxes": {"abs_tol": 1.0}}))
     with pytest.raises(InputError, match=r"the model's output loss has shape \(\) for 4 examples"):
         run_compare(api_config(f"{more_factories}:heads", {"form": "scalar"}))
+
+
+def test_the_worst_element_is_written_with_the_comparison_that_holds():
+    # "|556 - 536| = 19.9 <= allowed 0.537 -> FAIL" said the opposite of what it meant
+    from ampguard.config import validate as validate_config
+    from ampguard.validate import _score_rule
+
+    cfg = validate_config({"validation": {"abs_tol": 0.5, "rel_tol": 0.0}}).validation
+    ref = torch.tensor([[1.0, 2.0]])
+    for amp, sign, ok in ((torch.tensor([[1.2, 2.0]]), "<=", True), (torch.tensor([[1.0, 4.0]]), ">", False)):
+        rule, _, _ = _score_rule("logits", "logits", ref, amp, cfg, ["held_out:0"], {})
+        assert f" {sign} allowed 0.5 " in rule.amp and rule.ok is ok, rule
