@@ -237,11 +237,38 @@ class OptimizerState:
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+            state = self._by_name(state)  # (a DDP or one-process run's state: by position)
             set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
         else:
             self.optimizer.load_state_dict(state)
         for group, flags in zip(self.optimizer.param_groups, how):
             group.update(flags)
+
+
+    def _by_name(self, state: dict[str, Any]) -> dict[str, Any]:
+        """An optimizer state keyed by parameter position (``Optimizer.state_dict()``: what a DDP
+        or one-process run saves) keyed by parameter name instead, as FSDP2's full state dict is:
+        the optimizer's parameters in the same order, named by the model (``module.``, which a
+        DDP wrapper adds, left out). A state keyed by name already is returned as it is.
+
+        Example::
+
+            >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> by_name = OptimizerState(model, opt, fsdp=True)._by_name(opt.state_dict())
+            >>> by_name["param_groups"][0]["params"]
+            ['0.weight', '0.bias', '1.weight', '1.bias']
+        """
+        groups = state.get("param_groups") or []
+        if not all(isinstance(pid, int) for group in groups for pid in group.get("params", [])):
+            return state
+        names = {id(p): name.removeprefix("module.") for name, p in self.model.named_parameters()}
+        rename: dict[int, str] = {}
+        for group, live in zip(groups, self.optimizer.param_groups):
+            for pid, param in zip(group["params"], live["params"]):
+                rename[pid] = names[id(param)]
+        return {"state": {rename[pid]: value for pid, value in state.get("state", {}).items() if pid in rename},
+                "param_groups": [{**group, "params": [rename[pid] for pid in group["params"]]} for group in groups]}
 
 
 HOW_IT_STEPS = ("fused", "foreach", "capturable", "differentiable")

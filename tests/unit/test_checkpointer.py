@@ -683,3 +683,28 @@ def test_find_resume_takes_the_run_folders_id_and_refuses_another_runs_checkpoin
     resume = ck.find_resume(run)
     assert resume.loaded.step == 4 and resume.run_id == mine and resume.picked
     assert not ck.find_resume(run / "checkpoints" / "step-00000004.pt").picked
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with the gloo backend is not available")
+def test_a_ddp_runs_optimizer_state_loads_into_an_fsdp2_model():
+    # distributed.strategy ddp -> fsdp2 on resume: the state keyed by position was refused
+    # ("does not fit this run ('state.0.step')"); now keyed by name, every moment arrives. In a
+    # process of its own: a one-process gloo group
+    import subprocess
+    import sys
+
+    script = Path(__file__).parent.parent / "dist_scripts" / "optimizer_by_name.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+def test_a_state_keyed_by_position_is_renamed_by_the_optimizers_parameter_order():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    opt = torch.optim.SGD([{"params": [model[1].weight, model[1].bias]},
+                           {"params": [model[0].weight, model[0].bias], "lr": 0.5}], lr=0.1)
+    state = opt.state_dict()
+    by_name = ck.OptimizerState(model, opt, fsdp=True)._by_name(state)
+    assert [g["params"] for g in by_name["param_groups"]] == [["1.weight", "1.bias"], ["0.weight", "0.bias"]]
+    assert by_name["param_groups"][1]["lr"] == 0.5
+    assert ck.OptimizerState(model, opt, fsdp=True)._by_name(by_name) is by_name  # by name already
