@@ -1076,6 +1076,15 @@ def _with(state: dict, path: str, value) -> dict:
     return state
 
 
+def refused_untouched(obj, state, said: str, canonical=lambda st: st) -> None:
+    """``obj.load_state_dict(state)`` raises ``ValueError(said)`` and leaves ``obj`` as it was."""
+    before = canonical(obj.state_dict())
+    with pytest.raises(ValueError) as err:
+        obj.load_state_dict(state)
+    assert str(err.value) == said
+    assert canonical(obj.state_dict()) == before
+
+
 BAD_WINDOW = [
     ("ring", [0.0], "ring is a list of 1, expected a list of 4 finite numbers"),
     ("ring", [0.0, 1.0, "x", 0.0], "ring is a list of 4, expected a list of 4 finite numbers"),
@@ -1097,11 +1106,7 @@ def test_rolling_window_refuses_a_saved_field_that_does_not_fit_and_stays_untouc
         saved.push(v)
     window = RollingWindow(4)
     window.push(1)
-    before = window.state_dict()
-    with pytest.raises(ValueError) as err:
-        window.load_state_dict(_with(saved.state_dict(), key, value))
-    assert str(err.value) == said
-    assert window.state_dict() == before
+    refused_untouched(window, _with(saved.state_dict(), key, value), said)
     with pytest.raises(ValueError, match="^the state is 'x', expected a mapping$"):
         window.load_state_dict("x")
 
@@ -1127,11 +1132,7 @@ def test_health_refuses_a_saved_field_that_does_not_fit_and_stays_untouched(key,
     feed(saved, [(4.0, True), (4.0, False), (8.0, False)])
     health = ScaleHealth(4, init_scale=8.0)
     feed(health, [(4.0, True)])
-    before = health.state_dict()
-    with pytest.raises(ValueError) as err:
-        health.load_state_dict(_with(saved.state_dict(), key, value))
-    assert str(err.value) == said
-    assert health.state_dict() == before
+    refused_untouched(health, _with(saved.state_dict(), key, value), said)
 
 
 BAD_MONITOR = [
@@ -1163,11 +1164,7 @@ def test_run_monitor_refuses_a_saved_field_that_does_not_fit_and_stays_untouched
     RunMonitor(**MIXED_ARGS).load_state_dict(copy.deepcopy(saved))
     monitor = RunMonitor(**MIXED_ARGS)
     monitor.observe(skip_record(1))
-    before = canon(monitor.state_dict())
-    with pytest.raises(ValueError) as err:
-        monitor.load_state_dict(_with(saved, key, value))
-    assert str(err.value) == said
-    assert canon(monitor.state_dict()) == before
+    refused_untouched(monitor, _with(saved, key, value), said, canonical=canon)
     with pytest.raises(ValueError, match=rf"^state\.monitors\.run\.{re.escape(said)}$"):  # named in full
         monitor.check_state(_with(saved, key, value), "state.monitors.run.")
 
@@ -1190,8 +1187,4 @@ def test_loss_spike_detector_refuses_a_saved_field_that_does_not_fit_and_stays_u
     saved.check(1.0), saved.check(3.0)
     detector = LossSpikeDetector(window=2, z=1.0)
     detector.check(1.0)
-    before = detector.state_dict()
-    with pytest.raises(ValueError) as err:
-        detector.load_state_dict(_with(saved.state_dict(), key, value))
-    assert str(err.value) == said
-    assert detector.state_dict() == before
+    refused_untouched(detector, _with(saved.state_dict(), key, value), said)
