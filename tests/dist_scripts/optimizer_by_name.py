@@ -6,41 +6,48 @@ and step count arrived, or what did not."""
 import os
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-with socket.socket() as s:  # a free port for the one-process group
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-dist.init_process_group("gloo", rank=0, world_size=1)
-from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from ampguard.checkpointer import MODEL, OPTIMIZER, CheckpointManager, Loaded, ModelState, OptimizerState  # noqa: E402
+def main() -> int:
+    with socket.socket() as s:  # a free port for the one-process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from torch.distributed.fsdp import fully_shard
 
-torch.manual_seed(0)
-plain = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
-opt = torch.optim.AdamW(plain.parameters(), lr=0.1)
-for _ in range(2):
-    plain(torch.randn(2, 4)).sum().backward()
-    opt.step()
-saved_model, saved_opt = ModelState(plain).state_dict(), OptimizerState(plain, opt).state_dict()
-assert all(isinstance(k, int) for k in saved_opt["state"])
+    from ampguard.checkpointer import MODEL, OPTIMIZER, CheckpointManager, Loaded, ModelState, OptimizerState
 
-sharded = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
-fully_shard(sharded[0])
-fully_shard(sharded[2])
-fully_shard(sharded)
-opt2 = torch.optim.AdamW(sharded.parameters(), lr=0.1)
-parts = {MODEL: ModelState(sharded, True), OPTIMIZER: OptimizerState(sharded, opt2, True)}
-CheckpointManager(None, parts, keep=1).restore(Loaded(__import__("pathlib").Path("step-00000002.pt"),
-                                                      {MODEL: saved_model, OPTIMIZER: saved_opt}))
-full = OptimizerState(sharded, opt2, True).state_dict()
-names = [name for name, _ in plain.named_parameters()]
-bad = [f"{name}.{key}" for i, name in enumerate(names) for key in ("exp_avg", "exp_avg_sq", "step")
-       if not torch.equal(torch.as_tensor(full["state"][name][key]).cpu(), torch.as_tensor(saved_opt["state"][i][key]))]
-dist.destroy_process_group()
-print("ok" if not bad else "differ: " + ", ".join(bad))
-sys.exit(0 if not bad else 1)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.1)
+    for _ in range(2):
+        plain(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    saved_model, saved_opt = ModelState(plain).state_dict(), OptimizerState(plain, opt).state_dict()
+    assert all(isinstance(k, int) for k in saved_opt["state"])
+
+    sharded = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
+    fully_shard(sharded[0])
+    fully_shard(sharded[2])
+    fully_shard(sharded)
+    opt2 = torch.optim.AdamW(sharded.parameters(), lr=0.1)
+    parts = {MODEL: ModelState(sharded, True), OPTIMIZER: OptimizerState(sharded, opt2, True)}
+    CheckpointManager(None, parts, keep=1).restore(Loaded(Path("step-00000002.pt"),
+                                                          {MODEL: saved_model, OPTIMIZER: saved_opt}))
+    full = OptimizerState(sharded, opt2, True).state_dict()
+    names = [name for name, _ in plain.named_parameters()]
+    bad = [f"{name}.{key}" for i, name in enumerate(names) for key in ("exp_avg", "exp_avg_sq", "step")
+           if not torch.equal(torch.as_tensor(full["state"][name][key]).cpu(), torch.as_tensor(saved_opt["state"][i][key]))]
+    dist.destroy_process_group()
+    print("ok" if not bad else "differ: " + ", ".join(bad))
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":  # (pytest imports this file for doctests: nothing runs then)
+    sys.exit(main())
