@@ -261,6 +261,13 @@ class ScalerConfig(_Section):
             raise ValueError(f"must be >= 2**-126, the smallest normal float32 (got {v!r})")
         return v
 
+    @field_validator("growth_interval")
+    @classmethod
+    def _interval(cls, v: int) -> int:
+        if v > 2**31 - 1:  # the scaler's growth tracker, an int32 tensor, counts up to it
+            raise ValueError(f"must be <= 2**31 - 1, what the scaler's int32 growth tracker can count to (got {v})")
+        return v
+
     @field_validator("growth_factor")
     @classmethod
     def _growth(cls, v: float) -> float:

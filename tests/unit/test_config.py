@@ -142,6 +142,7 @@ def test_missing_file_is_a_config_error(tmp_path):
         ({"scaler": {"min_scale": math.nan}}, "scaler.min_scale"),
         ({"scaler": {"init_scale": 4.0, "min_scale": 8.0}}, "scaler.min_scale"),
         ({"scaler": {"init_scale": 1e39}}, "scaler.init_scale"),  # past float32: the scale tensor overflows
+        ({"scaler": {"growth_interval": 2**31}}, "scaler.growth_interval"),  # past the int32 growth tracker
         ({"monitor": {"min_steps": -1}}, "monitor.min_steps"),
         ({"monitor": {"min_steps": 2.5}}, "monitor.min_steps"),
         ({"monitor": {"min_steps": True}}, "monitor.min_steps"),
