@@ -787,9 +787,9 @@ def measure(
             del times[name][done:]
     for c in built:
         c.close()
-    if not done:
+    if not done:  # nothing of this case: the interrupt goes on (run_bench hands back the cases before it)
         print(f"  {w.name} {precision.name}: interrupted before a whole round, nothing measured")
-        return []
+        raise KeyboardInterrupt
     results = []
     for c in built:
         med = statistics.median(times[c.name])

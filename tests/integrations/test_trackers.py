@@ -127,8 +127,11 @@ def tracked(tmp_path_factory):
 
 
 def wandb_runs(run_dir: Path) -> list[SimpleNamespace]:
-    files = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "*.wandb")))
-    return [wandb_run(Path(f)) for f in files]
+    """The offline run files, in the order the processes wrote them (by their first step: two
+    processes that start in the same second share a folder, and the second file's name, with a
+    suffix, sorts first)."""
+    files = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "*.wandb"))
+    return sorted((wandb_run(Path(f)) for f in files), key=lambda run: min(run.history, default=0))
 
 
 def test_the_runs_finish(tracked):

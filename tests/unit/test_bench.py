@@ -241,6 +241,24 @@ def test_an_interrupt_outside_the_rounds_hands_back_the_cases_measured(monkeypat
         ("tiny-mlp", "bare loop", "fixed"), ("tiny-mlp", "ampguard + csv", "fixed")]
 
 
+def test_an_interrupt_in_a_cases_first_round_hands_back_the_cases_before_it(monkeypatch):
+    from ampguard import bench
+
+    calls: list[str] = []
+
+    def time_steps(c, steps, device):  # the second case's first round is interrupted
+        calls.append(c.w.name)
+        if c.w.name == "nano-mlp":
+            raise KeyboardInterrupt
+        return 1.0
+
+    monkeypatch.setattr(bench, "_time_steps", time_steps)
+    with pytest.raises(bench.BenchInterrupted) as stopped:
+        bench.run_bench(device=torch.device("cpu"), workloads=["mlp", "nano"], precisions=["fp32"], steps=1,
+                        rounds=1, warmup=1, peers=False)
+    assert [(r.workload, r.stop) for r in stopped.value.results] == [("tiny-mlp", "fixed")] * 2
+
+
 def test_an_interrupt_before_anything_was_measured_exits_as_an_interrupt(monkeypatch):
     from ampguard import bench
     from ampguard.errors import ExitCode
