@@ -403,11 +403,23 @@ class MLflowConfig(_Section):
     """Extra MLflow run tags."""
 
 
+_ON, _OFF = {"true", "yes", "on", "y", "t", "1"}, {"false", "no", "off", "n", "f", "0"}
+"""The words a boolean setting takes (pydantic's), for the switches that are also sections."""
+
+
 def _section_switch(value: Any) -> Any:
-    # ``log.wandb: true`` turns a tracker on with its defaults, ``false`` turns it off
-    if value is True:
+    """``log.wandb: true`` turns a tracker on with its defaults, ``false`` turns it off; the
+    words a boolean setting takes (yes/no, on/off: YAML 1.2 reads them as text) do the same.
+
+    Example::
+
+        >>> [_section_switch(v) for v in (True, "on", "Yes", False, "off", {"project": "p"})]
+        [{}, {}, {}, None, None, {'project': 'p'}]
+    """
+    word = value.strip().lower() if isinstance(value, str) else None
+    if value is True or word in _ON:
         return {}
-    if value is False:
+    if value is False or word in _OFF:
         return None
     return value
 

@@ -716,6 +716,8 @@ class RunMonitor:
     ) -> None:
         if min_steps < 0:
             raise ValueError(f"min_steps must be >= 0, got {min_steps}")
+        if not (math.isfinite(min_scale) and min_scale > 0):  # (the scale's headroom is log2(scale / min_scale))
+            raise ValueError(f"min_scale must be a finite number > 0, got {min_scale}")
         if fail_after < 1:
             raise ValueError(f"fail_after must be >= 1, got {fail_after}")
         self.window = window

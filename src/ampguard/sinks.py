@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from .errors import InputError
+from .errors import InputError, first_line
 from .records import LABEL_COLUMNS, StepRecord, format_number, strict_json
 
 CSV_COLUMNS: tuple[str, ...] = (
@@ -290,10 +290,15 @@ class CsvSink(_LineFile):
             ...
             ampguard.errors.InputError: ...steps.csv: its header does not match step, loss, cannot append
         """
-        if not path.exists() or path.stat().st_size == 0:
+        if not path.exists() or (path.is_file() and path.stat().st_size == 0):
             return
-        with path.open(newline="", encoding="utf-8") as f:
-            header = tuple(next(csv.reader(f), ()))
+        if not path.is_file():
+            raise InputError(f"{path}: is not a file, cannot append to it")
+        try:
+            with path.open(newline="", encoding="utf-8") as f:
+                header = tuple(next(csv.reader(f), ()))
+        except (UnicodeDecodeError, csv.Error) as err:
+            raise InputError(f"{path}: not a CSV this run wrote ({first_line(err)}), cannot append") from None
         if header != columns:
             raise InputError(f"{path}: its header does not match {expected}, cannot append")
 
@@ -452,8 +457,10 @@ class JsonlSink(_LineFile):
         """One :class:`InputError` line unless the file at ``path`` (if any) starts with a step
         record: what a resume appends to (checked before any file is cut, as
         :meth:`CsvSink.check_header`)."""
-        if not path.exists() or path.stat().st_size == 0:
+        if not path.exists() or (path.is_file() and path.stat().st_size == 0):
             return
+        if not path.is_file():
+            raise InputError(f"{path}: is not a file, cannot append to it")
         with path.open("rb") as f:
             first = f.readline(1 << 20)
         if _record_step(first) is None:

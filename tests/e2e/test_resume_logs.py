@@ -83,3 +83,22 @@ def test_a_resume_refused_for_one_log_cuts_none_of_them(tmp_path, snapshot, spoi
     line = helpers.one_error_line(ag("train", "--resume", run))
     assert spoiled in line and "cannot append" in line
     assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("spoil", ["not utf-8", "a folder"])
+def test_a_resume_refuses_a_log_it_cannot_read_with_one_line(tmp_path, snapshot, spoil):
+    # a non-UTF-8 steps.csv / a headroom.csv that is a folder ended the resume with a traceback
+    ok(helpers.train(tmp_path, "r", *RUN, "--set", "monitor.headroom.every=2"))
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step-00000008.pt").unlink()
+    if spoil == "not utf-8":
+        (run / "steps.csv").write_bytes(b"\xff\xfe step,lr\n")
+        name = "steps.csv"
+    else:
+        (run / "headroom.csv").unlink()
+        (run / "headroom.csv").mkdir()
+        name = "headroom.csv"
+    before = snapshot(run)
+    line = helpers.one_error_line(ag("train", "--resume", run))
+    assert name in line and "cannot append" in line
+    assert snapshot(run) == before

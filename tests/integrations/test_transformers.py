@@ -188,6 +188,34 @@ def test_the_callback_reads_a_stock_steps_norm_skip_and_scale_in_one_host_read(p
     assert record.grad_l2_post_clip == (None if poisoned else norm) and record.lr == 0.1
 
 
+def test_the_callback_on_a_stock_gradscaler_writes_its_summary_and_judges_the_scale(tmp_path):
+    # a stock Trainer's GradScaler has no floor: the monitor was given 0.0 and the scale's label
+    # divided by it (ZeroDivisionError in on_train_end: no summary.json, no RUN.md); it takes 1.0
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    callback = AmpGuardCallback(out_dir=tmp_path, print_fn=lambda line: None)
+    args = SimpleNamespace(max_grad_norm=1.0, output_dir=str(tmp_path))
+    state = SimpleNamespace(is_world_process_zero=True, global_step=0)
+    control = SimpleNamespace(should_training_stop=False)
+    callback.on_train_begin(args, state, control, optimizer=optimizer)
+    for step in (1, 2, 3):  # every step overflows: 4 -> 2 -> 1 (the floor) -> 0.5
+        optimizer.scaler.scale(model(torch.ones(3, 4)).sum() * float("inf")).backward()
+        optimizer.scaler.unscale_(optimizer)
+        callback.on_pre_optimizer_step(args, state, control, optimizer=optimizer)
+        optimizer.scaler.step(optimizer)
+        optimizer.scaler.update()
+        optimizer.zero_grad()
+        state.global_step = step
+        callback.on_step_end(args, state, control, optimizer=optimizer)
+    callback.on_train_end(args, state, control)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["scale"] == "collapsing" and summary["max_skip_rate"] == 1.0 and (tmp_path / "RUN.md").exists()
+    assert callback.monitor.min_scale == 1.0 and callback.monitor.opening == 0  # reached the floor: no search
+
+
 # ---------------------------------------------------------------- HF's groups, resume, evaluation
 
 

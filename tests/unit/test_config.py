@@ -280,3 +280,10 @@ def test_boolean_settings_still_read_yes_no_on_off(tmp_path):
         path = tmp_path / "c.yaml"
         path.write_text(f"precision: fp16\nscaler:\n  enabled: {word}\n", encoding="utf-8")
         assert load_config(path).scaler.enabled is value
+
+
+@pytest.mark.parametrize("word,on", [("yes", True), ("on", True), ("true", True), ("no", False), ("off", False)])
+def test_a_tracker_switch_takes_the_words_a_boolean_setting_takes(word, on):
+    # YAML 1.2 reads yes/on/no/off as text: log.wandb=yes was refused ("a valid dictionary")
+    config = load_config(None, [f"log.wandb={word}", f"log.mlflow={word}"])
+    assert (config.log.wandb is not None, config.log.mlflow is not None) == (on, on)

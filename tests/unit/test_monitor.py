@@ -704,6 +704,13 @@ def test_monitor_min_steps_rejects_negative():
         RunMonitor(min_steps=-1)
 
 
+@pytest.mark.parametrize("floor", [0.0, -1.0, float("nan")])
+def test_monitor_refuses_a_floor_that_is_not_a_positive_number(floor):
+    # the scale's headroom is log2(scale / min_scale): a 0 floor crashed the run card's label
+    with pytest.raises(ValueError, match="min_scale"):
+        RunMonitor(min_scale=floor)
+
+
 def test_monitor_restart_windows_rearms_min_steps_and_fail_counters():
     m = RunMonitor(window=100, alert_rate=0.1, fail_rate=0.5, fail_after=4, scaler_enabled=False, min_steps=3)
     for r in every_step_skips(3):

@@ -49,6 +49,9 @@ from ..step import Guard
 from .accelerate import _inner, found_inf
 
 CSV_NAME, EVENTS_NAME, SUMMARY_NAME, CARD_NAME = "steps.csv", "events.jsonl", "summary.json", "RUN.md"
+STOCK_FLOOR = 1.0
+"""The floor the callback's monitor gives a stock Trainer's GradScaler, which has none: ``ampguard
+train``'s default ``scaler.min_scale``."""
 STATE_NAME = "ampguard_state.json"  # in each HF checkpoint-N folder: the guard's and the monitor's state
 
 
@@ -196,7 +199,9 @@ class AmpGuardCallback(TrainerCallback):
         if self._scaler is None and not self._guarded:  # a stock Trainer: Accelerate's scaler, if any
             scaler = _scaler_of(kwargs.get("optimizer"))
             if scaler is not None and scaler.is_enabled():
-                self._scaler = {"init_scale": float(scaler.get_scale()), "min_scale": 0.0}
+                # a plain GradScaler has no floor: the monitor takes ampguard's default one, 1.0 (a scale
+                # at or below it is a collapse: scale_alert), which also ends the opening search it sets aside
+                self._scaler = {"init_scale": float(scaler.get_scale()), "min_scale": STOCK_FLOOR}
         monitor = RunMonitor(
             window=self.window, alert_rate=self.alert_rate, fail_rate=self.fail_rate, fail_after=self.fail_after,
             max_norm=args.max_grad_norm, scaler_enabled=self._scaler is not None,
