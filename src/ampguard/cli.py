@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import signal
 import sys
@@ -23,13 +24,59 @@ class _Parser(argparse.ArgumentParser):
         raise InputError(f"{verb}: {message}" if verb else message)
 
 
-def _positive_int(text: str) -> int:
+MAX_COUNT = 10**9
+"""The largest count a flag takes (steps, rounds, a window): past it a run would never end, and a
+window or a schedule table of that size does not fit in memory."""
+
+
+def _positive_int(text: str, at_least: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if not at_least <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be in [{at_least}, {MAX_COUNT:.0e}], got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    """A whole number >= 0 (``report --min-steps``)."""
+    return _positive_int(text, at_least=0)
+
+
+def _path(text: str) -> str:
+    """A path: an empty one is refused (it would read as "not given" and fall back to a default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
+def _window(text: str) -> int:
+    """A rolling window's size, at most the config's ``MAX_WINDOW`` (its ring is kept in memory)."""
+    from .config import MAX_WINDOW
+
+    value = _positive_int(text)
+    if value > MAX_WINDOW:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_WINDOW:.0e}], got {value}")
+    return value
+
+
+def _threads(text: str) -> int:
+    """``bench --threads``: at most 4096 (torch takes an int32; no machine has more cores)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= 4096:
+        raise argparse.ArgumentTypeError(f"must be in [1, 4096], got {value}")
+    return value
+
+
+def _clip(text: str) -> float:
+    """A clip threshold: a finite number >= 0 (0: off), as ``max_norm`` in a config."""
+    value = _number(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: off), got {text}")
     return value
 
 
@@ -159,7 +206,7 @@ def _config_from(
 
 def _config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     """CONFIG and --set, the same for every verb that reads a config."""
-    parser.add_argument("config", nargs="?", metavar="CONFIG", help="a .yaml, .yml, .json or .toml config file")
+    parser.add_argument("config", nargs="?", type=_path, metavar="CONFIG", help="a .yaml, .yml, .json or .toml config file")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help=f"override a config key, e.g. {example}")
 
 
@@ -197,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=20)
     demo.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
     demo.add_argument("--spike", action="store_true", help="a real loss spike at step 5 (spike@5) instead of the Inf")
-    demo.add_argument("--csv", metavar="PATH", help="also write the per-step CSV here (must not exist)")
+    demo.add_argument("--csv", type=_path, metavar="PATH", help="also write the per-step CSV here (must not exist)")
     demo.add_argument("--max-norm", type=_number, default=1.0, help="global L2 clip threshold (0: off)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -212,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arguments(train, example="optimizer.lr=1e-3")
     train.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
     train.add_argument("--print-config", action="store_true", help="print the effective config and exit")
-    train.add_argument("--resume", metavar="RUN_DIR|CHECKPOINT",
+    train.add_argument("--resume", type=_path, metavar="RUN_DIR|CHECKPOINT",
                        help="continue a run from its latest loadable checkpoint (or the one named), in its run folder")
     for verb in (demo, train):
         verb.add_argument("--strict", action="store_true",
@@ -232,10 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
         "holds, 1 when any is violated.",
     )
     _config_arguments(validate, example="validation.max_flips=2")
-    validate.add_argument("--checkpoint", metavar="CKPT", help="model weights from an ampguard checkpoint")
+    validate.add_argument("--checkpoint", type=_path, metavar="CKPT", help="model weights from an ampguard checkpoint")
     validate.add_argument("--train-steps", dest="train_steps", type=_positive_int, metavar="N",
                           help="also train N steps from the same state in FP32 and AMP and compare")
-    validate.add_argument("--out", metavar="DIR",
+    validate.add_argument("--out", type=_path, metavar="DIR",
                           help="where to write the report, a new or empty folder (default: runs/validate-<time>)")
     validate.set_defaults(func=_validate)
 
@@ -261,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="add rounds until every ratio's 95%% interval is within ±PCT%% (0: just --rounds)")
     bench.add_argument("--budget", type=_number, default=120.0, metavar="SECONDS",
                        help="stop adding rounds to a case after this long (the table says it was not resolved)")
-    bench.add_argument("--threads", type=_positive_int, help="CPU intra-op threads, pinned (default: all cores)")
+    bench.add_argument("--threads", type=_threads, help="CPU intra-op threads, pinned (default: all cores)")
     bench.add_argument("--no-aa", action="store_true", help="leave out the A/A contender (a second bare loop)")
     bench.set_defaults(func=_bench)
 
@@ -278,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     locate.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
     locate.add_argument("--step", type=_positive_int, default=1,
                         help="which step's micro-batches to replay (default 1; at most the config's steps)")
-    locate.add_argument("--batch", metavar="FILE.pt", help="a saved batch {'inputs': ..., 'targets': ...} instead")
-    locate.add_argument("--checkpoint", metavar="CKPT", help="load the model's weights (and loss scale) from a checkpoint")
+    locate.add_argument("--batch", type=_path, metavar="FILE.pt", help="a saved batch {'inputs': ..., 'targets': ...} instead")
+    locate.add_argument("--checkpoint", type=_path, metavar="CKPT", help="load the model's weights (and loss scale) from a checkpoint")
     locate.add_argument("--scale", type=_number,
                         help="loss scale for the backward pass, a finite number > 0 (default: the scaler's; fp16 only)")
     locate.add_argument("--json", action="store_true", help="print the finding as JSON")
@@ -291,13 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Draws report.png (loss, gradient norms, loss scale, lr, rolling skip rate; skipped steps "
         "marked) from a run folder or a per-step CSV, and prints a summary.",
     )
-    report.add_argument("path", metavar="RUN_DIR|CSV")
-    report.add_argument("--out", metavar="PNG",
+    report.add_argument("path", type=_path, metavar="RUN_DIR|CSV")
+    report.add_argument("--out", type=_path, metavar="PNG",
                         help="where to write the plot, a .png in an existing folder (default: RUN_DIR/report.png or CSV's .png)")
-    report.add_argument("--max-norm", dest="max_norm", type=_number, help="clip threshold line (default: the run's config)")
-    report.add_argument("--window", type=_positive_int, help="rolling skip-rate window (default: the run's config)")
+    report.add_argument("--max-norm", dest="max_norm", type=_clip, help="clip threshold line (default: the run's config)")
+    report.add_argument("--window", type=_window, help="rolling skip-rate window (default: the run's config)")
     report.add_argument("--alert-rate", dest="alert_rate", type=_rate, help="alert threshold line")
-    report.add_argument("--min-steps", dest="min_steps", type=int, metavar="N",
+    report.add_argument("--min-steps", dest="min_steps", type=_count, metavar="N",
                         help="steps seen before an alert may start (default: the run's config)")
     report.add_argument("--fail-rate", dest="fail_rate", type=_rate, help="fail threshold line")
     report.set_defaults(func=_report)
@@ -310,8 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
         "health, final and best loss and held-out metrics. --out draws loss, pre-clip norm, log2 of the loss "
         "scale and the rolling skip rate of every run over each other.",
     )
-    compare.add_argument("runs", nargs="+", metavar="RUN_DIR", help="two or more run folders (runs/<name>)")
-    compare.add_argument("--out", metavar="PNG", help="draw the overlay plot here: a new .png in an existing folder")
+    compare.add_argument("runs", nargs="+", type=_path, metavar="RUN_DIR", help="two or more run folders (runs/<name>)")
+    compare.add_argument("--out", type=_path, metavar="PNG", help="draw the overlay plot here: a new .png in an existing folder")
     compare.set_defaults(func=_compare)
     return parser
 
@@ -353,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> with contextlib.redirect_stderr(err):
         ...     code = main(["demo", "--steps", "0"])
         >>> code, err.getvalue()
-        (<ExitCode.BAD_INPUT: 2>, 'ampguard: error: demo: argument --steps: must be >= 1, got 0\\n')
+        (<ExitCode.BAD_INPUT: 2>, 'ampguard: error: demo: argument --steps: must be in [1, 1e+09], got 0\\n')
         >>> main(["demo", "--steps", "2", "--bf16", "--device", "cpu", "--inject", "nan_loss@2"])  # doctest: +ELLIPSIS
         ampguard demo: nn.Linear, 2 steps, bf16 with no loss scaler, max_norm=1.0, inject: nan_loss@2
         STEP 1 loss=... pre=... post=1 scale=1 lr=0.02

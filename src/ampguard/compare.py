@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .clipping import clip_threshold
-from .errors import ExitCode, InputError
+from .errors import ExitCode, InputError, first_line
 from .monitor import RunMonitor
 from .precision import Precision
 from .records import LABEL_COLUMNS
@@ -137,7 +137,10 @@ def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
         raise InputError(f"compare: needs at least two run folders, got {len(paths)}")
     seen: dict[Path, str] = {}
     for p in paths:
-        key = Path(p).resolve()
+        try:
+            key = Path(p).resolve()
+        except (RuntimeError, OSError) as err:  # (a symlink loop: RuntimeError before Python 3.13)
+            raise InputError(f"compare: {p}: cannot resolve it ({first_line(err)})") from None
         if key in seen:
             raise InputError(f"compare: {p} is given twice (as {seen[key]})" if seen[key] != str(p)
                              else f"compare: {p} is given twice")

@@ -141,8 +141,16 @@ def _rate(value: float) -> float:
 
 Int = Annotated[int, BeforeValidator(_not_bool)]
 Float = Annotated[float, BeforeValidator(_not_bool)]
-Count = Annotated[Int, _at_least(1)]  # a positive whole number
-Count0 = Annotated[Int, _at_least(0)]  # zero allowed
+MAX_COUNT = 10**9
+"""The largest count a setting takes (steps, batch sizes, intervals): past it a run would never end
+or its tables would not fit in memory (the fast path's LR table has ``steps + 1`` entries)."""
+MAX_WINDOW = 10**7
+"""The largest rolling window (``monitor.window``, ``rollback.window``): each keeps a ring of
+that many numbers in memory."""
+_COUNT_CAP = AfterValidator(lambda v: _at_most(v, MAX_COUNT))
+Count = Annotated[Int, _at_least(1), _COUNT_CAP]  # a positive whole number
+Count0 = Annotated[Int, _at_least(0), _COUNT_CAP]  # zero allowed
+Window = Annotated[Int, _at_least(1), AfterValidator(lambda v: _at_most(v, MAX_WINDOW))]  # a rolling window's size
 Amount = Annotated[Float, _at_least(0.0, finite=True)]  # a finite number >= 0
 Positive = Annotated[Float, _at_least(0.0, strict=True, finite=True)]  # a finite number > 0
 Rate = Annotated[Float, AfterValidator(_rate)]  # in [0, 1]
@@ -320,8 +328,8 @@ class MonitorConfig(_Section):
         (1000, 0.05, None, 100, 100)
     """
 
-    window: Count = 1000
-    """Steps in the rolling skip-rate window."""
+    window: Window = 1000
+    """Steps in the rolling skip-rate window (at most ``MAX_WINDOW``, 10**7)."""
     alert_rate: Rate = 0.05
     """Rolling skip rate above which an ALERT is raised, in [0, 1]."""
     fail_rate: Rate | None = None
@@ -456,13 +464,20 @@ class LogConfig(_Section):
     lines and the run card; None: the known GPUs' bf16 peak (H100/H200 989, A100 312; a task
     that knows its FLOPs per token), no MFU elsewhere."""
 
+    @field_validator("dir")
+    @classmethod
+    def _dir(cls, v: str) -> str:
+        if not v.strip():  # (it would put the run folder in the working folder)
+            raise ValueError("must be a folder, not an empty string")
+        return v
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str | None) -> str | None:
         if v is not None and (not v or "/" in v or "\0" in v or v in (".", "..")):
             raise ValueError(f"must be a plain folder name (got {v!r})")
-        if v is not None and len(v) > MAX_NAME:
-            raise ValueError(f"at most {MAX_NAME} characters (got {len(v)})")
+        if v is not None and len(v.encode("utf-8", "surrogateescape")) > MAX_NAME:  # (a file name's limit is bytes)
+            raise ValueError(f"at most {MAX_NAME} bytes in UTF-8 (got {len(v.encode('utf-8', 'surrogateescape'))})")
         return v
 
 
@@ -664,8 +679,8 @@ class RollbackConfig(_Section):
     held-out evaluation worse than the best so far by more than ``val_regression``). Empty: off."""
     z: Positive = 6.0
     """Loss-spike threshold in standard deviations."""
-    window: Annotated[Int, _at_least(2)] = 50
-    """Applied steps in the loss-spike window (it must be full before spikes are judged)."""
+    window: Annotated[Window, _at_least(2)] = 50
+    """Applied steps in the loss-spike window (it must be full before spikes are judged; at most 10**7)."""
     skip_batches: Count0 = 20
     """Micro-batches of data skipped past the checkpoint's data position after a rollback; never
     fewer than it takes to get past the triggering step's own micro-batches (when the checkpoint
@@ -716,6 +731,13 @@ class TaskConfig(_Section):
     (see the README); ``build(config)`` returns the model, the data and the loss function."""
     options: dict[str, Any] = {}
     """Free-form settings for your factory (``config.task.options``)."""
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():  # (it would read as "no factory": the built-in task)
+            raise ValueError("must be module:function or path/to/file.py:function, not an empty string")
+        return v
     batch_size: Count = 32
     """Examples per micro-batch."""
     block_size: Count = 64

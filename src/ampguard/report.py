@@ -123,6 +123,8 @@ def read_steps_and_columns(path: str | Path) -> tuple[list[Row], list[dict[str, 
             return list(_rows(path, csv.reader(f), extra)), extra
     except (UnicodeDecodeError, csv.Error) as err:
         raise InputError(f"{path}: not a readable CSV ({err})") from None
+    except OSError as err:  # (a file that cannot be read: permissions, an I/O error)
+        raise InputError(f"{path}: cannot read it ({err.strerror or err})") from None
 
 
 def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) -> Iterator[Row]:
@@ -511,7 +513,13 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         "## Outcome\n\n" + _table(outcome),
         "## Files\n\n" + _table(files),
     ])
-    path.write_text(text + "\n", encoding="utf-8")
+    # a new file renamed over the old one: a failed write never leaves the card half-written or empty
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text + "\n", encoding="utf-8", errors="surrogateescape")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _start_scale(rows: list[Row], backoff: float) -> float:

@@ -103,7 +103,7 @@ def test_seed_bounds(seed, ok):
 
 def test_a_long_run_name_is_refused_before_any_folder_exists():
     assert load_config(None, [f"log.name={'x' * MAX_NAME}"]).log.name == "x" * MAX_NAME
-    with pytest.raises(ConfigError, match=f"log.name: at most {MAX_NAME} characters"):
+    with pytest.raises(ConfigError, match=f"log.name: at most {MAX_NAME} bytes"):
         load_config(None, [f"log.name={'x' * 256}"])
 
 
