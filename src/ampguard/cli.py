@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import math
 import os
@@ -436,3 +437,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `ampguard demo | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as err:  # (after BrokenPipeError, an OSError too)
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        # a path the user gave has a part over the file system's limit (255 bytes): bad input
+        print(f"ampguard: error: file name too long: {err.filename!r}", file=sys.stderr)
+        return ExitCode.BAD_INPUT

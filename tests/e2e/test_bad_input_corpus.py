@@ -224,6 +224,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("report min-steps negative", ["report", "good.csv", "--min-steps", "-5"]),
     ("report max-norm nan", ["report", "good.csv", "--max-norm", "nan"]),
     ("report max-norm negative", ["report", "good.csv", "--max-norm", "-1"]),
+    ("demo csv name over 255 bytes", ["demo", "--csv", "y" * 256 + ".csv"]),
+    ("report a name over 255 bytes", ["report", "y" * 256]),
+    ("train log.dir name over 255 bytes", ["train", "--set", "log.dir=" + "y" * 256]),
+    ("wandb dir a file", ["train", *LINEAR, "--set", "log.wandb.mode=offline", "--set", "log.wandb.dir=existing.csv"]),
 ]
 if not torch.cuda.is_available():
     CASES += [("train on cuda without one", ["train", "--set", "device=cuda"]),

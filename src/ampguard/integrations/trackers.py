@@ -538,6 +538,9 @@ def check_trackers(config: Config) -> None:
     try:
         if config.log.wandb is not None:
             require("wandb", "log.wandb")
+            folder = config.log.wandb.dir
+            if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+                raise InputError(f"log.wandb.dir: {folder} is not a folder (W&B keeps its files in <dir>/wandb/)")
         if config.log.mlflow is not None:
             require("mlflow", "log.mlflow")
             if distributed.current().is_main:
