@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from .errors import ExitCode, InputError
+from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,11 +23,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         verb = self.prog.removeprefix("ampguard").strip()  # "demo" for `ampguard demo`, "" at the top
         raise InputError(f"{verb}: {message}" if verb else message)
-
-
-MAX_COUNT = 10**9
-"""The largest count a flag takes (steps, rounds, a window): past it a run would never end, and a
-window or a schedule table of that size does not fit in memory."""
 
 
 def _positive_int(text: str, at_least: int = 1) -> int:
@@ -53,9 +48,7 @@ def _path(text: str) -> str:
 
 
 def _window(text: str) -> int:
-    """A rolling window's size, at most the config's ``MAX_WINDOW`` (its ring is kept in memory)."""
-    from .config import MAX_WINDOW
-
+    """A rolling window's size, at most ``MAX_WINDOW`` (its ring is kept in memory)."""
     value = _positive_int(text)
     if value > MAX_WINDOW:
         raise argparse.ArgumentTypeError(f"must be in [1, {MAX_WINDOW:.0e}], got {value}")

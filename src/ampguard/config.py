@@ -18,7 +18,7 @@ from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator,
 )
 
-from .errors import ConfigError, first_line
+from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, first_line
 from .faults import parse_fault
 from .monitor import DEFAULT_MIN_STEPS
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE
@@ -141,12 +141,6 @@ def _rate(value: float) -> float:
 
 Int = Annotated[int, BeforeValidator(_not_bool)]
 Float = Annotated[float, BeforeValidator(_not_bool)]
-MAX_COUNT = 10**9
-"""The largest count a setting takes (steps, batch sizes, intervals): past it a run would never end
-or its tables would not fit in memory (the fast path's LR table has ``steps + 1`` entries)."""
-MAX_WINDOW = 10**7
-"""The largest rolling window (``monitor.window``, ``rollback.window``): each keeps a ring of
-that many numbers in memory."""
 _COUNT_CAP = AfterValidator(lambda v: _at_most(v, MAX_COUNT))
 Count = Annotated[Int, _at_least(1), _COUNT_CAP]  # a positive whole number
 Count0 = Annotated[Int, _at_least(0), _COUNT_CAP]  # zero allowed
@@ -267,13 +261,6 @@ class ScalerConfig(_Section):
     def _floor(cls, v: float) -> float:
         if v < DEFAULT_MIN_SCALE:
             raise ValueError(f"must be >= 2**-126, the smallest normal float32 (got {v!r})")
-        return v
-
-    @field_validator("growth_interval")
-    @classmethod
-    def _interval(cls, v: int) -> int:
-        if v > 2**31 - 1:  # the scaler's growth tracker, an int32 tensor, counts up to it
-            raise ValueError(f"must be <= 2**31 - 1, what the scaler's int32 growth tracker can count to (got {v})")
         return v
 
     @field_validator("growth_factor")

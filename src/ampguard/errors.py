@@ -12,6 +12,33 @@ Example::
 from enum import IntEnum
 
 
+MAX_COUNT = 10**9
+"""The largest count a setting or flag takes (steps, batch sizes, intervals, rounds): past it a
+run would never end or its tables would not fit in memory (the fast path's LR table has
+``steps + 1`` entries). Here, with no import, so that the command line checks its flags without
+importing torch."""
+MAX_WINDOW = 10**7
+"""The largest rolling window (``monitor.window``, ``rollback.window``, ``report --window``): each
+keeps a ring of that many numbers in memory."""
+
+
+def brief(value: object) -> str:
+    """A value from a file (a checkpoint's, a saved state's) for an error line: a short repr of
+    a plain value, else its kind.
+
+    Example::
+
+        >>> brief("x"), brief([0.0, 1.0]), brief(object())
+        ("'x'", 'a list of 2', 'a object')
+    """
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if not isinstance(value, (str, int, float, type(None))):
+        return f"a {type(value).__name__}"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 class ExitCode(IntEnum):
     """How an ``ampguard`` process ends."""
 

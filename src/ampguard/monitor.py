@@ -9,10 +9,10 @@ The rolling skip rate is the share of skipped steps among the steps the window h
 the window has not filled yet, that is the steps seen so far (25 skips in the first 25 steps is
 a rate of 1.0, not 25/window). A run failing from its first step is therefore caught after
 ``fail_after`` steps, not after the window has filled with evidence. The ALERT and the fail-fast
-judge that rate with the fp16 scaler's opening search set aside (its search down from
-``init_scale``: at most :data:`WARMUP_SKIPS` skips from step 1, which scale health labels
-``warming``), and the ALERT waits for ``min_steps`` steps, so a healthy fp16 start raises
-neither.
+judge that rate, while the window is young, with the fp16 scaler's opening search set aside
+(its gradient overflows from step 1 down from ``init_scale`` until a step applies, the warm-up
+scale health labels ``warming``; once the window is full, the rolling rate itself), and the
+ALERT waits for ``min_steps`` steps, so a healthy fp16 start raises neither.
 
 A failure is typed: ``Event.kind == "fail"`` and ``Event.cause`` is one of :data:`FAIL_CAUSES`
 (:data:`FAIL_SKIP_RATE`, :data:`FAIL_SCALE_COLLAPSE`); nothing downstream has to read the
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import brief
 from .precision import finite_number, round_float32
 from .records import StepRecord
 
@@ -66,16 +67,6 @@ def _exact(value: float) -> int:
 # resume (the checkpoint manager's InputError) rather than a traceback mid-run.
 
 
-def _brief(value: Any) -> str:
-    """A saved value for an error message: a short repr of a plain value, else its type."""
-    if isinstance(value, (list, tuple, dict)):
-        return f"a {type(value).__name__} of {len(value)}"
-    if not isinstance(value, (str, int, float, type(None))):
-        return f"a {type(value).__name__}"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -100,7 +91,7 @@ def _names_to(value: Any, test: Callable[[Any], bool]) -> bool:
 
 def _need(ok: bool, name: str, value: Any, expected: str) -> None:
     if not ok:
-        raise ValueError(f"{name} is {_brief(value)}, expected {expected}")
+        raise ValueError(f"{name} is {brief(value)}, expected {expected}")
 
 
 def _mapping(state: Any, where: str) -> None:
@@ -243,7 +234,7 @@ class RollingWindow:
         _mapping(state, where)
         size = _get(state, "size", where)
         if size != self.size:
-            raise ValueError(f"{where.rstrip('.') or 'window'} was saved with size {_brief(size)}, this one has "
+            raise ValueError(f"{where.rstrip('.') or 'window'} was saved with size {brief(size)}, this one has "
                              f"{self.size}")
         ring = _get(state, "ring", where)
         _need(isinstance(ring, list) and len(ring) == self.size and all(finite_number(v) for v in ring),

@@ -21,6 +21,8 @@ from typing import Any, Literal
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from .errors import brief
+
 PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
 """The precision names :class:`Precision` accepts (fp8 with the optional ``torchao`` extra)."""
@@ -105,14 +107,6 @@ def finite_number(value: object) -> bool:
         return math.isfinite(value)
     except OverflowError:  # an int past the largest float
         return False
-
-
-def _brief(value: object) -> str:
-    """A saved value for an error message: a short repr of a plain value, else its type."""
-    if not isinstance(value, (str, int, float, type(None))):
-        return f"a {type(value).__name__}"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 _INT32_MAX = 2**31 - 1
@@ -257,10 +251,10 @@ class GuardedGradScaler(torch.amp.GradScaler):
         """
 
         def bad(key: str, expected: str) -> ValueError:
-            return ValueError(f"{where}{key} is {_brief(state[key])}, expected {expected}")
+            return ValueError(f"{where}{key} is {brief(state[key])}, expected {expected}")
 
         if not isinstance(state, dict):
-            raise ValueError(f"{where.rstrip('.') or 'the scaler state'} is {_brief(state)}, expected a mapping")
+            raise ValueError(f"{where.rstrip('.') or 'the scaler state'} is {brief(state)}, expected a mapping")
         for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
             if key not in state:
                 raise ValueError(f"{where}{key} is missing")
