@@ -290,10 +290,8 @@ class CsvSink(_LineFile):
             ...
             ampguard.errors.InputError: ...steps.csv: its header does not match step, loss, cannot append
         """
-        if not path.exists() or (path.is_file() and path.stat().st_size == 0):
+        if not _has_lines(path):
             return
-        if not path.is_file():
-            raise InputError(f"{path}: is not a file, cannot append to it")
         try:
             with path.open(newline="", encoding="utf-8") as f:
                 header = tuple(next(csv.reader(f), ()))
@@ -457,10 +455,8 @@ class JsonlSink(_LineFile):
         """One :class:`InputError` line unless the file at ``path`` (if any) starts with a step
         record: what a resume appends to (checked before any file is cut, as
         :meth:`CsvSink.check_header`)."""
-        if not path.exists() or (path.is_file() and path.stat().st_size == 0):
+        if not _has_lines(path):
             return
-        if not path.is_file():
-            raise InputError(f"{path}: is not a file, cannot append to it")
         with path.open("rb") as f:
             first = f.readline(1 << 20)
         if _record_step(first) is None:
@@ -482,6 +478,16 @@ class JsonlSink(_LineFile):
         """Write ``obj`` as one JSON line (non-finite floats as strings) and flush it
         (:class:`DiskFull` when there is no room)."""
         self._write_line(json.dumps(strict_json(dict(obj))) + "\n")
+
+
+def _has_lines(path: Path) -> bool:
+    """Whether a log a resume appends to holds something to check (False: missing or empty); one
+    :class:`InputError` line when it is not a file."""
+    if not path.exists() or (path.is_file() and path.stat().st_size == 0):
+        return False
+    if not path.is_file():
+        raise InputError(f"{path}: is not a file, cannot append to it")
+    return True
 
 
 def _record_step(line: bytes) -> int | None:
