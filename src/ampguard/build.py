@@ -22,7 +22,7 @@ from .clipping import clip_threshold
 from .config import Config
 from .errors import InputError, first_line
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
-from .integrations.trackers import build_trackers
+from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .precision import Precision
 from .run_folder import RunPaths
@@ -396,15 +396,22 @@ def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], conso
     optional JSON lines and TensorBoard sinks (cut or purged after ``keep_through`` the same way),
     ``headroom.csv`` with ``headroom``, the W&B and MLflow sinks, and the console."""
     append = keep_through is not None
+    # log.wandb, log.mlflow (rank 0's folder only) first: a tracker that refuses at its open (a
+    # store gone since the up-front check) does so before a resume has cut back any log
+    trackers = build_trackers(config, paths, resuming=append)
     sinks: list[Sink] = []
-    if paths.csv is not None:
-        sinks.append(CsvSink(paths.csv, metrics, append=append, keep_through=keep_through))
-    if config.log.jsonl and paths.steps_jsonl is not None:
-        sinks.append(JsonlSink(paths.steps_jsonl, append=append, keep_through=keep_through))
-    if config.log.tensorboard and paths.tensorboard is not None:
-        sinks.append(TensorBoardSink(paths.tensorboard, keep_through=keep_through))
-    if headroom is not None and paths.dir is not None:
-        sinks.append(HeadroomCsv(paths.dir / HEADROOM_CSV, headroom, append=append, keep_through=keep_through))
-    sinks.extend(build_trackers(config, paths, resuming=append))  # log.wandb, log.mlflow (rank 0's folder only)
+    try:
+        if paths.csv is not None:
+            sinks.append(CsvSink(paths.csv, metrics, append=append, keep_through=keep_through))
+        if config.log.jsonl and paths.steps_jsonl is not None:
+            sinks.append(JsonlSink(paths.steps_jsonl, append=append, keep_through=keep_through))
+        if config.log.tensorboard and paths.tensorboard is not None:
+            sinks.append(TensorBoardSink(paths.tensorboard, keep_through=keep_through))
+        if headroom is not None and paths.dir is not None:
+            sinks.append(HeadroomCsv(paths.dir / HEADROOM_CSV, headroom, append=append, keep_through=keep_through))
+    except BaseException as err:  # the tracker runs end with the run, which ends here
+        end_trackers(trackers, err)
+        raise
+    sinks += trackers
     sinks.append(console)
     return Sinks(*sinks)

@@ -105,8 +105,7 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
 
     def outputs() -> RunPaths:
         if resume is not None:
-            paths = RunPaths.existing(resume.run_dir)
-            paths.write_config(config)
+            paths = RunPaths.existing(resume.run_dir)  # config.yaml: rewritten once the logs are open
             print(f"run folder: {paths.dir} (resuming from {resume.path.name}, step {resume.loaded.step})")
         else:
             paths = RunPaths.new_run_dir(config)

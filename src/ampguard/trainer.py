@@ -391,6 +391,12 @@ class Trainer:
                                      keep_through=self.state.steps if resuming else None, headroom=self.headroom)
         except DiskFull as full:  # the CSV's header (or a resume's truncation) found no room
             self.sinks, self._failed = Sinks(console), self._failed or full
+        if resuming and self._failed is None:  # rank 0's; a resume a sink refused keeps the old config.yaml
+            try:
+                with writing(self.paths.config or "config.yaml"):
+                    self.paths.write_config(self.config)
+            except DiskFull as full:
+                self._failed = full
         self.events = EventLog(self.paths.events, say, append=resuming)
         self.rollbacks.events = self.events
         self.rollbacks.folder = self.paths.dir

@@ -17,6 +17,8 @@ import pytest
 import helpers
 from helpers import HAS_TENSORBOARD, ag, ok, read_rows
 
+from ampguard.errors import InputError
+
 RUN = ["--set", "task.name=linear", "--set", "precision=fp16", "--set", "steps=8", "--set", "checkpoint.every=4",
        "--set", "log.every=1000"]
 
@@ -102,3 +104,24 @@ def test_a_resume_refuses_a_log_it_cannot_read_with_one_line(tmp_path, snapshot,
     line = helpers.one_error_line(ag("train", "--resume", run))
     assert name in line and "cannot append" in line
     assert snapshot(run) == before
+
+
+def test_a_resume_whose_sinks_do_not_open_keeps_the_old_config_yaml(tmp_path, snapshot, monkeypatch):
+    # config.yaml (the resume's --set changes) was rewritten before the sinks opened: a tracker
+    # that refused at its open (a store that went away after the up-front check) left the folder
+    # holding a config the run never trained with
+    ok(helpers.train(tmp_path, "r", *RUN))
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step-00000008.pt").unlink()
+    before = snapshot(run)
+
+    def refuse(*args, **kwargs):
+        raise InputError("log.mlflow: cannot open the tracking store (gone)")
+
+    monkeypatch.setattr("ampguard.build.build_trackers", refuse)
+    line = helpers.one_error_line(ag("train", "--resume", run, "--set", "steps=12"))
+    assert "gone" in line
+    assert snapshot(run) == before
+    monkeypatch.undo()
+    assert "RESUME 4" in ok(ag("train", "--resume", run, "--set", "steps=12"))
+    assert "steps: 12" in (run / "config.yaml").read_text(encoding="utf-8")

@@ -88,3 +88,23 @@ def test_a_sink_continuing_a_run_by_its_id_forks_only_when_the_steps_are_there(t
     on.write(step(4))
     on.close()
     assert on.run_id == again.run_id and steps_of(client, again.run_id) == [1, 2, 3, 4]
+
+
+def test_a_run_refused_after_its_tracker_opened_ends_the_mlflow_run_failed(tmp_path, monkeypatch):
+    # the tracker sinks open first (a store that refuses does so before a resume cuts a log); a
+    # file sink refused after them left the MLflow run RUNNING until the process exited
+    from ampguard.errors import InputError
+
+    monkeypatch.chdir(tmp_path)
+    store = (tmp_path / "mlruns").as_uri()
+
+    def refuse(*args, **kwargs):
+        raise InputError("steps.jsonl: refused")
+
+    monkeypatch.setattr("ampguard.build.JsonlSink", refuse)
+    sets = ["task.name=linear", "precision=bf16", "device=cpu", "steps=2", "log.jsonl=true",
+            f"log.dir={tmp_path / 'runs'}", "log.name=t", f"log.mlflow.tracking_uri={store}", "log.mlflow.experiment=x"]
+    assert main(["train"] + [a for item in sets for a in ("--set", item)]) == 2
+    client = MlflowClient(tracking_uri=store)
+    (run,) = client.search_runs([client.get_experiment_by_name("x").experiment_id])
+    assert run.info.status == "FAILED"

@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import InputError, first_line
+from ..errors import ExitCode, InputError, first_line
 from ..monitor import HEALTH_VERDICTS
 from ..records import SKIP_REASONS, StepRecord
-from ..sinks import require
+from ..sinks import DiskFull, require
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -577,7 +577,20 @@ def build_trackers(config: Config, paths: RunPaths, *, resuming: bool) -> list[T
             finish_later=True))
     if config.log.mlflow is not None:
         m = config.log.mlflow
-        trackers.append(MLflowSink(
-            tracking_uri=m.tracking_uri, experiment=m.experiment, run_name=m.run_name or paths.dir.name, tags=m.tags,
-            params=settings, ampguard_run_id=run_id, finish_later=True))  # params: only a new MLflow run's
+        try:
+            trackers.append(MLflowSink(
+                tracking_uri=m.tracking_uri, experiment=m.experiment, run_name=m.run_name or paths.dir.name,
+                tags=m.tags, params=settings, ampguard_run_id=run_id, finish_later=True))  # params: a new run's
+        except BaseException as err:  # the W&B run opened above ends with the run, which ends here
+            end_trackers(trackers, err)
+            raise
     return trackers
+
+
+def end_trackers(trackers: Sequence[TrackerSink], err: BaseException) -> None:
+    """End the tracker runs of a run that ends with ``err`` before its first step: FAILED (or
+    KILLED after a Ctrl-C), each with what it has, rather than left running until the process exits."""
+    code = ExitCode.INTERRUPTED if isinstance(err, KeyboardInterrupt) else \
+        ExitCode.DISK_FULL if isinstance(err, DiskFull) else ExitCode.BAD_INPUT
+    for tracker in trackers:
+        tracker._end(int(code))
