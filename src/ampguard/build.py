@@ -24,7 +24,7 @@ from .errors import InputError, first_line
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
-from .precision import Precision
+from .precision import Precision, scale_in_use
 from .run_folder import RunPaths
 from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
 from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
@@ -357,24 +357,28 @@ def build_spike_detector(config: Config) -> LossSpikeDetector | None:
     return LossSpikeDetector(config.rollback.window, config.rollback.z)
 
 
-def build_headroom(config: Config, model: nn.Module, scaler_enabled: bool) -> Headroom | None:
+def build_headroom(config: Config, model: nn.Module, scaler: torch.amp.GradScaler) -> Headroom | None:
     """The headroom telemetry when ``monitor.headroom.every`` is set, else None. Measured against
-    ``monitor.headroom.format`` (``auto``: the run's precision).
+    ``monitor.headroom.format`` (``HeadroomConfig.format_for``: ``auto`` is the run's precision,
+    bf16 for fp8). With the loss scaler on,
+    the alert judges the gradients without the scale (:meth:`Headroom.judged_bits`).
 
     Example::
 
         >>> from ampguard.config import validate
-        >>> build_headroom(validate({}), nn.Linear(2, 1), False) is None
+        >>> from ampguard.precision import GuardedGradScaler
+        >>> build_headroom(validate({}), nn.Linear(2, 1), GuardedGradScaler("cpu", enabled=False)) is None
         True
-        >>> h = build_headroom(validate({"precision": "fp16", "monitor": {"headroom": {"every": 10}}}), nn.Linear(2, 1), True)
-        >>> h.every, h.format.name, h.alert_bits, h.scaled_grads
-        (10, 'fp16', 4.0, True)
+        >>> h = build_headroom(validate({"precision": "fp16", "monitor": {"headroom": {"every": 10}}}), nn.Linear(2, 1),
+        ...                    GuardedGradScaler("cpu", init_scale=1024.0))
+        >>> h.every, h.format.name, h.alert_bits, h.scaled_grads, h.loss_scale()
+        (10, 'fp16', 4.0, True, 1024.0)
     """
     h = config.monitor.headroom
     if h.every is None:
         return None
-    fmt = config.precision if h.format == "auto" else h.format
-    return Headroom(model, fmt, every=h.every, alert_bits=h.alert_bits, scaled_grads=scaler_enabled)
+    loss_scale = (lambda: scale_in_use(scaler)) if scaler.is_enabled() else None
+    return Headroom(model, h.format_for(config.precision), every=h.every, alert_bits=h.alert_bits, loss_scale=loss_scale)
 
 
 def to_device(value: Any, device: torch.device) -> Any:

@@ -294,15 +294,29 @@ class HeadroomConfig(_Section):
 
     every: Count | None = None
     """Measure every this many steps (``step % every == 0``); None: off. A measured step hooks
-    every module that holds parameters (forward output, and the gradient flowing back into it)
-    and pays a few device reductions per module and one host read; other steps pay nothing.
+    every module that holds parameters (forward output, the gradient flowing back into it, its
+    parameters' gradient) and pays a few device reductions per module and one host read; other
+    steps pay nothing.
     On the default ``ampguard train`` run at ``every: 100``: +0.6% of a step (README, "Headroom")."""
     alert_bits: Amount = 4.0
     """ALERT (once per episode, per module) when a module's headroom, the doublings left before
-    its output or its (fp16: loss-scaled) gradient overflows the format, falls below this."""
+    its output or its gradients (fp16: without the loss scale) overflow the format, falls below
+    this; CLEAR once it is a bit above it again."""
     format: Literal["auto", "fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    """The format headroom and underflow are measured against: ``auto`` is the run's precision;
-    name another to ask whether this run's values would fit it (fp8 e4m3: max 448, e5m2: 57344)."""
+    """The format headroom and underflow are measured against: ``auto`` is the run's precision
+    (bf16 under fp8: its autocast computes in bf16, and the float8 casts are scaled to their
+    range); name another to ask whether this run's values would fit it (fp8 e4m3: max 448, e5m2:
+    57344)."""
+
+    def format_for(self, precision: str) -> str:
+        """The format measured against in a run of ``precision``.
+
+        Example::
+
+            >>> HeadroomConfig().format_for("fp16"), HeadroomConfig().format_for("fp8")
+            ('fp16', 'bf16')
+        """
+        return self.format if self.format != "auto" else "bf16" if precision == "fp8" else precision
 
 
 class MonitorConfig(_Section):

@@ -99,12 +99,29 @@ def fp8_layers(model: nn.Module) -> list[str]:
         ([], ['2'], ['2'])
     """
     cls = _float8_linear()
-    return [] if cls is None else [name for name, m in model.named_modules() if isinstance(m, cls)]
+    unused = _not_called(model)
+    return [] if cls is None else [name for name, m in model.named_modules() if isinstance(m, cls) and id(m) not in unused]
+
+
+def _not_called(model: nn.Module) -> set[int]:
+    """The Linear layers whose ``forward`` never runs: an ``nn.MultiheadAttention``'s
+    ``out_proj`` (the attention passes its weight and bias to ``F.multi_head_attention_forward``),
+    so a float8 swap of it would change nothing.
+
+    Example::
+
+        >>> attention = nn.MultiheadAttention(32, 4)
+        >>> _not_called(attention) == {id(attention.out_proj)}
+        True
+    """
+    return {id(child) for m in model.modules() if isinstance(m, nn.MultiheadAttention)
+            for child in m.children() if isinstance(child, nn.Linear)}
 
 
 def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[str] = ()) -> dict[str, str]:
     """Every ``nn.Linear`` of the model (by name, in module order) and what happens to it:
-    :data:`CONVERT` or why it stays in high precision.
+    :data:`CONVERT` or why it stays in high precision. The first and last layer are those the
+    forward calls (an attention's ``out_proj`` is not called: :func:`_not_called`).
 
     Example (digits' MLP: 64-64-64-10)::
 
@@ -113,19 +130,25 @@ def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[st
         {'0': 'first layer', '2': 'fp8', '4': 'last layer'}
         >>> plan(mlp, keep_first_last=False, exclude=["2"])
         {'0': 'fp8', '2': 'excluded (2)', '4': 'out_features 10 is not a multiple of 16'}
+        >>> plan(nn.Sequential(nn.Linear(16, 32), nn.MultiheadAttention(32, 4), nn.Linear(32, 16)))["1.out_proj"]
+        'inside nn.MultiheadAttention, which does not call its forward'
     """
     cls = _float8_linear()
+    unused = _not_called(model)
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    called = [name for name, m in linears if id(m) not in unused]
     out: dict[str, str] = {}
-    for i, (name, m) in enumerate(linears):
+    for name, m in linears:
         pattern = next((p for p in exclude if fnmatch.fnmatchcase(name, p)), None)
-        if cls is not None and isinstance(m, cls):
+        if id(m) in unused:
+            out[name] = "inside nn.MultiheadAttention, which does not call its forward"
+        elif cls is not None and isinstance(m, cls):
             out[name] = f"{CONVERT} (already)"
         elif name == "":
             out[name] = "a bare Linear, not a model that holds one"
-        elif keep_first_last and i == 0:
+        elif keep_first_last and name == called[0]:
             out[name] = "first layer"
-        elif keep_first_last and i == len(linears) - 1:
+        elif keep_first_last and name == called[-1]:
             out[name] = "last layer"
         elif pattern is not None:
             out[name] = f"excluded ({pattern})"
@@ -181,11 +204,14 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
         ValueError: no Linear layer can train in fp8 (0: first layer); set fp8.keep_first_last false, or use bf16
     """
     config = float8_config(recipe)
-    chosen = [name for name, what in plan(model, keep_first_last=keep_first_last, exclude=exclude).items()
-              if what == CONVERT]
+    layers = plan(model, keep_first_last=keep_first_last, exclude=exclude)
+    idle = [p for p in exclude if not any(fnmatch.fnmatchcase(name, p) for name in layers)]
+    if idle:  # a typo would leave the layer it meant in fp8
+        raise ValueError(f"fp8.exclude {', '.join(map(repr, idle))} matches no Linear layer of the model "
+                         f"(it has {', '.join(repr(n) for n in layers if n) or 'none'})")
+    chosen = [name for name, what in layers.items() if what == CONVERT]
     if not chosen and not fp8_layers(model):
-        why = "; ".join(f"{name or 'the model'}: {what}" for name, what in
-                        plan(model, keep_first_last=keep_first_last, exclude=exclude).items()) or "it has none"
+        why = "; ".join(f"{name or 'the model'}: {what}" for name, what in layers.items()) or "it has none"
         raise ValueError(f"no Linear layer can train in fp8 ({why}); set fp8.keep_first_last false, or use bf16")
     if chosen:
         names = set(chosen)

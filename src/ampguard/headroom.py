@@ -5,11 +5,13 @@ every skipped step.
 :class:`Headroom` puts a forward hook on every module that holds parameters of its own
 (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, a custom module's own ``nn.Parameter``...;
 what such a module computes between its parameters, an attention's softmax for instance, shows
-in the output of that module or of the next one), and a tensor hook on each output, which sees
-the gradient flowing back into it. For each (module, tensor) it keeps, on the device:
+in the output of that module or of the next one), a tensor hook on each output, which sees
+the gradient flowing back into it, and one on each of its own parameters, which sees their
+gradient (a weight's sums over the batch: often the largest, the one that overflows). For each
+(module, tensor: :data:`TENSORS`) it keeps, on the device:
 
-- ``amax``: the largest ``|value|`` (of the output, or of the gradient of the output), over
-  every micro-batch of the step;
+- ``amax``: the largest ``|value|`` (of the output, of the gradient of the output, or of the
+  module's parameters' gradients), over every micro-batch of the step;
 - ``headroom_bits = log2(format max / amax)``: how many doublings are left before the value
   overflows the run's low-precision format (:data:`FORMATS`: fp16 65504, bf16 ~3.39e38, fp8
   e4m3 448, e5m2 57344). It is ``inf`` when everything is zero, negative when the value is
@@ -23,15 +25,17 @@ the gradient flowing back into it. For each (module, tensor) it keeps, on the de
 Under fp16 the gradients in the backward are *scaled* by the loss scale: the hook sees (and
 ``headroom.csv`` records) the scaled gradient, the one that overflows. The dynamic scaler raises
 the scale until a scaled gradient overflows and then halves it, so under fp16 a gradient's
-headroom sinks towards 0-1 bits every ``scaler.growth_interval`` steps by design; the outputs'
-headroom is what no scaler can fix.
+headroom sinks towards 0-1 bits every ``scaler.growth_interval`` steps by design: the alert
+judges a gradient without the scale (:meth:`Headroom.judged_bits`); the outputs' headroom is
+what no scaler can fix.
 
-The hooks exist only during a measured step (removed when its micro-batches are done), so the
-other steps pay nothing. A measured step pays: two small reductions per hooked tensor (``abs``,
+The hooks exist only during a measured step (all removed when its micro-batches are done), so
+the other steps pay nothing. A measured step pays: two small reductions per hooked tensor (``abs``,
 ``amax``, a count) on the device, and **one host read** after the step (all the numbers in one
 transfer), then one ``headroom.csv`` row per (module, tensor). A module whose headroom falls
 below ``monitor.headroom.alert_bits`` raises one ``headroom_alert`` (``ALERT`` on the console,
-``events.jsonl``) naming the module, once per episode; ``headroom_clear`` when it is back.
+``events.jsonl``) naming the module, once per episode; ``headroom_clear`` when it is back,
+:data:`CLEAR_MARGIN` above the threshold.
 
 **Gradient norms at a skipped step** (:class:`SkipGradNorms`, always on in a run). While a
 step's micro-batches run, a ``register_post_accumulate_grad_hook`` on each trainable parameter
@@ -60,7 +64,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import distributed
 from .clipping import GradSet, grad_values
-from .errors import InputError
+from .errors import InputError, brief
 from .monitor import Event
 from .records import StepRecord, format_number
 from .sinks import CsvSink
@@ -69,8 +73,13 @@ HEADROOM_CSV = "headroom.csv"
 """The file name of the headroom telemetry in a run folder (beside ``steps.csv``)."""
 HEADROOM_COLUMNS: tuple[str, ...] = ("step", "module", "tensor", "amax", "headroom_bits", "underflow_share")
 """``headroom.csv``'s header: one row per measured step, module and tensor (long format)."""
-TENSORS: tuple[str, ...] = ("output", "grad")
-"""What is measured of each module: its forward ``output`` and the ``grad`` flowing back into it."""
+TENSORS: tuple[str, ...] = ("output", "grad", "param_grad")
+"""What is measured of each module: its forward ``output``, the ``grad`` flowing back into it, and
+the gradient of its own parameters (``param_grad``: a weight's gradient sums over the batch, so it
+is often the largest, and the one that overflows)."""
+CLEAR_MARGIN = 1.0
+"""A module's alert clears once its headroom is this many bits above ``alert_bits``, so a value
+hovering at the threshold raises one alert, not one per measured step."""
 ROOT = "(root)"
 """The name a model that holds parameters itself (``nn.Linear`` as the whole model) goes by."""
 
@@ -191,7 +200,8 @@ class Headroom:
     (the alert says so). ``state_dict`` carries which modules are alerting, so a resumed run does
     not alert twice for one episode.
 
-    Example (fp32 arithmetic, measured against fp16: the output of ``fc`` is 1000, 6 bits below 65504)::
+    Example (fp32 arithmetic, measured against fp16: the output of ``fc`` is 1000, 6 bits below
+    65504; its weight's gradient sums the three rows' ones)::
 
         >>> model = nn.Sequential()
         >>> model.add_module("fc", nn.Linear(1, 1, bias=False))
@@ -201,7 +211,7 @@ class Headroom:
         ...     with h.measuring(step):
         ...         model(torch.ones(3, 1)).sum().backward()
         >>> h.read(1), [(r.module, r.tensor, r.amax, round(r.headroom_bits, 2)) for r in h.read(2)]
-        ([], [('fc', 'output', 1000.0, 6.03), ('fc', 'grad', 1.0, 16.0)])
+        ([], [('fc', 'output', 1000.0, 6.03), ('fc', 'grad', 1.0, 16.0), ('fc', 'param_grad', 3.0, 14.41)])
         >>> [e.message for e in h.observe_step(2)]
         ['headroom_alert: fc output headroom 6.0 bits < alert_bits 7 (amax 1000, fp16 max 65504)']
         >>> h.observe_step(2), h.alerting  # once per episode
@@ -209,16 +219,20 @@ class Headroom:
     """
 
     def __init__(self, model: nn.Module, fmt: Format | str, *, every: int, alert_bits: float,
-                 scaled_grads: bool = False) -> None:
+                 scaled_grads: bool = False, loss_scale: Callable[[], torch.Tensor | float] | None = None) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.format = FORMATS[fmt] if isinstance(fmt, str) else fmt
-        self.every, self.alert_bits, self.scaled_grads = every, alert_bits, scaled_grads
+        self.every, self.alert_bits = every, alert_bits
+        self.scaled_grads = scaled_grads or loss_scale is not None
+        self.loss_scale = loss_scale
         self.modules = measured_modules(model)
         self._order = {name: i for i, (name, _) in enumerate(self.modules)}
         self._step: int | None = None  # the step being (or last) measured
         self._stats: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        self._scale: torch.Tensor | float | None = None  # the loss scale of the step being measured
         self._rows: tuple[int, list[HeadroomRow]] | None = None
+        self._row_scale: float | None = None  # the loss scale of the step whose rows are kept
         self._observed: int | None = None  # the last step observe_step judged
         self.alerting: list[str] = []
 
@@ -241,18 +255,29 @@ class Headroom:
             yield
             return
         self._step, self._stats, self._rows = step, {}, None
-        with _installed([m.register_forward_hook(self._forward_hook(name)) for name, m in self.modules]):
+        # the scale the step's backward multiplies by (a device copy: no host read; read with the rows)
+        self._scale = self.loss_scale() if self.loss_scale is not None else None
+        handles: list[RemovableHandle] = []
+        handles += [m.register_forward_hook(self._forward_hook(name, handles)) for name, m in self.modules]
+        for name, m in self.modules:
+            for p in m.parameters(recurse=False):
+                if p.requires_grad:  # each backward's gradient of the parameter, before it is accumulated
+                    handles.append(p.register_hook(self._param_hook(name)))
+        with _installed(handles):  # the output tensors' hooks too (an output that outlives the step keeps none)
             yield
 
-    def _forward_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+    def _forward_hook(self, name: str, handles: list[RemovableHandle]) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
                     self._add(name, "output", t)
                     if t.requires_grad:
-                        t.register_hook(lambda grad: self._add(name, "grad", grad))
+                        handles.append(t.register_hook(lambda grad: self._add(name, "grad", grad)))
 
         return hook
+
+    def _param_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        return lambda grad: self._add(name, "param_grad", grad)
 
     def _add(self, name: str, tensor: str, value: torch.Tensor) -> None:
         """Device reductions only (no host read): the largest |value| and the count of
@@ -271,52 +296,93 @@ class Headroom:
         keys = sorted(self._stats, key=lambda k: (self._order[k[0]], TENSORS.index(k[1])))
         amax = torch.stack([torch.stack([s[0] for s in self._stats[k]]).amax() for k in keys])
         under = torch.stack([torch.stack([s[1] for s in self._stats[k]]).sum().float() for k in keys])
-        host = torch.stack([amax, under]).tolist()  # the one host read of a measured step
+        numbers = [amax, under]
+        if isinstance(self._scale, torch.Tensor):
+            numbers.append(self._scale.detach().float().to(amax.device).reshape(1).expand_as(amax))
+        host = torch.stack(numbers).tolist()  # the one host read of a measured step
+        scale = host[2][0] if len(host) > 2 else self._scale
         rows = []
-        for (module, tensor), top, count in zip(keys, *host):
+        for (module, tensor), top, count in zip(keys, host[0], host[1]):
             numel = sum(s[2] for s in self._stats[(module, tensor)])
             rows.append(HeadroomRow(step, module, tensor, top, headroom_bits(top, self.format), count / numel))
-        self._stats, self._rows = {}, (step, rows)
+        self._stats, self._rows, self._row_scale = {}, (step, rows), None if scale is None else float(scale)
         return rows
+
+    def judged_bits(self, row: HeadroomRow) -> float | None:
+        """The headroom the alert judges ``row`` by: an output's own; a gradient's without the
+        loss scale (``bits + log2(scale)``), what fp16 holds of it with no help from the scaler:
+        a scaled gradient overflowing is the scaler's search (one skip, then a halved scale), not
+        a warning. None when the row says nothing: a nan, or a scaled gradient that overflowed at
+        a scale above ``2**alert_bits`` (its unscaled size is unknown beyond ``> max / scale``).
+
+        Example::
+
+            >>> h = Headroom(nn.Linear(1, 1), "fp16", every=1, alert_bits=4.0, loss_scale=lambda: 1024.0)
+            >>> h._row_scale = 1024.0
+            >>> [h.judged_bits(HeadroomRow(1, "fc", t, 1.0, b, 0.0))
+            ...  for t, b in [("output", 3.0), ("grad", 3.0), ("grad", -math.inf), ("grad", math.nan)]]
+            [3.0, 13.0, None, None]
+            >>> h._row_scale = 8.0  # overflowed at a scale of 2**3: unscaled headroom < 3 bits < alert_bits
+            >>> h.judged_bits(HeadroomRow(1, "fc", "grad", math.inf, -math.inf, 0.0))
+            -inf
+        """
+        bits, scale = row.headroom_bits, self._row_scale
+        if math.isnan(bits):
+            return None
+        if row.tensor == "output" or scale is None or not scale > 0 or scale == 1.0:
+            return bits
+        if math.isinf(bits) and bits < 0:  # overflowed scaled: unscaled headroom < log2(scale)
+            return bits if math.log2(scale) <= self.alert_bits else None
+        return bits + math.log2(scale)
 
     def observe(self, record: StepRecord) -> list[Event]:
         """The alerts and clears a step's record brings (none on an unmeasured step)."""
         return self.observe_step(record.step)
 
     def observe_step(self, step: int) -> list[Event]:
-        """:meth:`observe` by step number: one ``headroom_alert`` per module whose lowest
-        headroom (over its output and gradient; nan ignored) is below ``alert_bits`` and was
-        not already, one ``headroom_clear`` per alerting module back at or above it."""
+        """:meth:`observe` by step number: one ``headroom_alert`` per module whose lowest judged
+        headroom (:meth:`judged_bits`, over its output and gradients) is below ``alert_bits``
+        and was not already, one ``headroom_clear`` per alerting module back at or above
+        ``alert_bits +`` :data:`CLEAR_MARGIN`."""
         rows = self.read(step)
         if not rows or self._observed == step:
             return []
         self._observed = step
-        worst: dict[str, HeadroomRow] = {}
+        worst: dict[str, tuple[float, HeadroomRow]] = {}
         for row in rows:
-            if not math.isnan(row.headroom_bits) and (row.module not in worst
-                                                       or row.headroom_bits < worst[row.module].headroom_bits):
-                worst[row.module] = row
+            bits = self.judged_bits(row)
+            if bits is not None and (row.module not in worst or bits < worst[row.module][0]):
+                worst[row.module] = (bits, row)
         events = []
-        for module, row in worst.items():
-            low = row.headroom_bits < self.alert_bits
-            if low and module not in self.alerting:
+        for module, (bits, row) in worst.items():
+            if bits < self.alert_bits and module not in self.alerting:
                 self.alerting.append(module)
-                events.append(Event(step, "headroom_alert", self._message(row), self._data(row)))
-            elif not low and module in self.alerting:
+                events.append(Event(step, "headroom_alert", self._message(row, bits), self._data(row, bits)))
+            elif bits >= self.alert_bits + CLEAR_MARGIN and module in self.alerting:
                 self.alerting.remove(module)
                 events.append(Event(step, "headroom_clear", (
-                    f"headroom_clear: {module} back to {row.headroom_bits:.1f} bits >= alert_bits {self.alert_bits:g}"),
-                    self._data(row)))
+                    f"headroom_clear: {module} back to {bits:.1f} bits >= alert_bits {self.alert_bits:g} + "
+                    f"{CLEAR_MARGIN:g}"), self._data(row, bits)))
         return events
 
-    def _message(self, row: HeadroomRow) -> str:
-        scaled = " (the loss-scaled gradient)" if row.tensor == "grad" and self.scaled_grads else ""
-        return (f"headroom_alert: {row.module} {row.tensor} headroom {row.headroom_bits:.1f} bits < alert_bits "
-                f"{self.alert_bits:g} (amax {row.amax:.4g}{scaled}, {self.format.name} max {self.format.max:.6g})")
+    def _message(self, row: HeadroomRow, bits: float) -> str:
+        scale, what = self._row_scale, f"{row.module} {row.tensor} headroom {bits:.1f} bits"
+        if row.tensor == "output" or not self.scaled_grads:
+            amax = f"amax {row.amax:.4g}"
+        elif scale is None or not scale > 0:
+            amax = f"amax {row.amax:.4g} (the loss-scaled gradient)"
+        elif bits == row.headroom_bits:  # unscaled (scale 1), or overflowed at a scale <= 2**alert_bits
+            amax = f"amax {row.amax:.4g} at loss scale {scale:g}"
+        else:
+            what += " without the loss scale"
+            amax = f"amax {row.amax / scale:.4g} unscaled, {row.amax:.4g} at loss scale {scale:g}"
+        return (f"headroom_alert: {what} < alert_bits {self.alert_bits:g} ({amax}, {self.format.name} max "
+                f"{self.format.max:.6g})")
 
-    def _data(self, row: HeadroomRow) -> dict[str, Any]:
+    def _data(self, row: HeadroomRow, bits: float) -> dict[str, Any]:
         return {"module": row.module, "tensor": row.tensor, "amax": row.amax, "headroom_bits": row.headroom_bits,
-                "format": self.format.name, "alert_bits": self.alert_bits}
+                "judged_bits": bits, "loss_scale": self._row_scale, "format": self.format.name,
+                "alert_bits": self.alert_bits}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: the modules alerting now.
@@ -328,8 +394,27 @@ class Headroom:
         """
         return {"alerting": list(self.alerting)}
 
+    def check_state(self, state: Any, where: str = "") -> None:
+        """Raise ``ValueError`` naming the field (after the prefix ``where``) unless ``state`` is
+        one :meth:`state_dict` writes: ``alerting``, a list of distinct module names.
+
+        Example::
+
+            >>> Headroom(nn.Linear(1, 1), "fp16", every=1, alert_bits=4.0).check_state({"alerting": "fc"}, "headroom.")
+            Traceback (most recent call last):
+            ...
+            ValueError: headroom.alerting is 'fc', expected a list of distinct module names
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"{where.rstrip('.') or 'the state'} is {brief(state)}, expected a mapping")
+        alerting = state.get("alerting", [])
+        if not (isinstance(alerting, list) and all(isinstance(n, str) for n in alerting)
+                and len(set(alerting)) == len(alerting)):
+            raise ValueError(f"{where}alerting is {brief(alerting)}, expected a list of distinct module names")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.alerting = [str(name) for name in state.get("alerting", [])]
+        self.check_state(state)
+        self.alerting = list(state.get("alerting", []))
 
 
 class HeadroomCsv(CsvSink):
@@ -400,7 +485,7 @@ def read_headroom_csv(path: str | Path) -> list[HeadroomRow]:
                     step, module, tensor, amax, bits, share = cells
                     rows.append(HeadroomRow(int(step), module, tensor, float(amax), float(bits), float(share)))
                 except ValueError:
-                    if n > 2 and not f.read():  # a torn last line (a run killed mid-write): what came before stands
+                    if not f.read():  # a torn last line (a run killed mid-write): what came before stands
                         break
                     raise InputError(f"{path}: line {n} is not a headroom row: {','.join(cells)!r}") from None
             return rows

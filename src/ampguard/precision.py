@@ -91,6 +91,23 @@ def round_float32(x: float) -> float:
 _F32 = struct.Struct("f")
 
 
+def scale_in_use(scaler: torch.amp.GradScaler) -> torch.Tensor | float:
+    """The scale the scaler's next ``scale(loss)`` multiplies by, without a host read: a device
+    copy of its scale tensor (``update()`` changes that one in place), or ``init_scale`` before
+    its first step.
+
+    Example::
+
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+        >>> scale_in_use(scaler)
+        512.0
+        >>> _ = scaler.scale(torch.ones(()))
+        >>> scale_in_use(scaler)
+        tensor(512.)
+    """
+    return float(scaler._init_scale) if scaler._scale is None else scaler._scale.detach().clone()
+
+
 def finite_number(value: object) -> bool:
     """Whether ``value`` is a real number (an int or a float, not a bool) that is finite as a
     float: what a checkpoint's settings and counters are checked with before they are used. An

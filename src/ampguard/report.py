@@ -470,7 +470,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         ("skip-rate alert", f"rolling rate > {mon.alert_rate:g} over {mon.window} steps"),
         ("fail-fast", fail),
         ("headroom telemetry", (f"every {mon.headroom.every} steps against "
-                                f"{config.precision if mon.headroom.format == 'auto' else mon.headroom.format}, "
+                                f"{mon.headroom.format_for(config.precision)}, "
                                 f"ALERT below {mon.headroom.alert_bits:g} bits") if mon.headroom.every
          else "off (monitor.headroom.every)"),
         ("seed", str(config.seed)),

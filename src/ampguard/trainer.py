@@ -149,7 +149,7 @@ class Trainer:
         if self.spikes is not None:
             self.state.monitors["loss_spike"] = self.spikes
         self.guards = Guards(config, self.monitor, self.spikes, self.evaluator.metrics)
-        self.headroom = build_headroom(config, self.task.model, self.state.scaler.is_enabled())
+        self.headroom = build_headroom(config, self.task.model, self.state.scaler)
         if self.headroom is not None:
             self.state.monitors["headroom"] = self.headroom
         self.grad_norms = SkipGradNorms(self.task.model, enabled=config.diagnose.grad_norms).attach(self.state)
@@ -414,8 +414,19 @@ class Trainer:
         else:
             self.events.emit({"step": 0, "event": "run_start",
                               "message": f"{self.task.description}; {self.config.precision} on {self.device}"
+                                         + self._fp8_note()
                                          + ("; compiled (torch.compile)" if self.config.compile else "")
                                          + f"; {self.path}"})
+
+    def _fp8_note(self) -> str:
+        """Under fp8, which Linear layers train in float8 (``fp8.keep_first_last``, ``fp8.exclude``)."""
+        if self.config.precision != "fp8":
+            return ""
+        from .fp8 import fp8_layers
+
+        layers = fp8_layers(self.task.model)
+        plural = "s" if len(layers) != 1 else ""
+        return f" ({len(layers)} Linear layer{plural} in float8: {', '.join(layers)})"
 
     def _close(self, stopped: Stop | None) -> RunResult:
         ended = stopped.why if stopped else f"finished: {self.config.steps} steps"

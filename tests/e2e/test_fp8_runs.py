@@ -65,6 +65,22 @@ def test_train_fp8_end_to_end_writes_the_run_folder(cli, tmp_path):
     assert re.search(r"\| precision \| fp8\b", card), card
     assert (folder / "config.yaml").read_text(encoding="utf-8").count("recipe: tensorwise") == 1
     assert "Traceback" not in err and "Failed to load" not in err  # torchao's CPU import noise held back
+    start = next(json.loads(line) for line in (folder / "events.jsonl").read_text(encoding="utf-8").splitlines()
+                 if json.loads(line)["event"] == "run_start")
+    assert "fp8 on cpu (1 Linear layer in float8: 2)" in start["message"]  # 64-128-128-10: the middle one
+
+
+def test_fp8_with_headroom_measures_against_bf16_the_format_it_computes_in(cli, tmp_path):
+    # monitor.headroom.format auto looked up a format "fp8" that does not exist: a KeyError traceback
+    code, out, err = cli("train", "--set", "precision=fp8", "--set", "task.name=digits", "--set", "steps=2",
+                         "--set", "device=cpu", "--set", "eval.every=0", "--set", "monitor.headroom.every=1",
+                         "--set", "log.name=hr")
+    assert code == 0, err
+    folder = tmp_path / "runs" / "hr"
+    _, rows = rows_of(folder / "headroom.csv")
+    assert {r["tensor"] for r in rows} == {"output", "grad", "param_grad"} and {r["step"] for r in rows} == {"1", "2"}
+    assert all(float(r["headroom_bits"]) > 100 for r in rows)  # bf16's range: nowhere near
+    assert "every 1 steps against bf16" in (folder / "RUN.md").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -74,6 +90,9 @@ def test_train_fp8_end_to_end_writes_the_run_folder(cli, tmp_path):
                                       "(got 'delayed')"),
     (["--set", "fp8.keep_first_last=maybe"], "config: fp8.keep_first_last: Input should be a valid boolean, "
                                              "unable to interpret input (got 'maybe')"),
+    # a typo would leave the layer it meant to keep in bf16 in float8
+    (["--set", "task.name=digits", "--set", "fp8.exclude=[2, nosuch*]"],
+     "precision: fp8: fp8.exclude 'nosuch*' matches no Linear layer of the model (it has '0', '2', '4')"),
 ])
 def test_bad_fp8_input_is_one_line_exit_2_and_nothing_written(cli, tmp_path, unchanged, argv, expected):
     check = unchanged()

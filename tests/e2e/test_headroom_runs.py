@@ -106,7 +106,7 @@ def test_a_resume_appends_headroom_csv_exactly_as_the_uninterrupted_run_wrote_it
     ok(ag("train", "--resume", b / "checkpoints" / "step-00000004.pt"))
     assert (b / "headroom.csv").read_bytes() == (a / "headroom.csv").read_bytes()
     steps = [int(r["step"]) for r in read_rows(b / "headroom.csv")]
-    assert steps == sorted(steps) and len(steps) == 6 * 2  # one output and one grad row a step, none twice
+    assert steps == sorted(steps) and len(steps) == 6 * 3  # output, grad and param_grad rows a step, none twice
 
 
 @pytest.mark.parametrize("setting, key", [
@@ -119,3 +119,29 @@ def test_bad_headroom_settings_are_one_line_and_exit_2(tmp_path, setting, key):
     line = one_error_line(train(tmp_path, "bad", "--set", setting))
     assert key in line
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_healthy_fp16_run_raises_no_headroom_alert_while_its_scaler_works(tmp_path):
+    # the scaled gradients sink to 0-3 bits each time the scaler grows the scale: judged with the
+    # scale in them they raised an ALERT and a CLEAR every few clean steps (4 pairs in 40 steps)
+    ok(train(tmp_path, "h", "--set", "task.name=linear", "--set", "precision=fp16", "--set", "steps=40",
+             "--set", "scaler.growth_interval=2", "--set", "checkpoint.enabled=false",
+             "--set", "monitor.headroom.every=1"))
+    rows = read_rows(tmp_path / "h" / "headroom.csv")
+    assert min(float(r["headroom_bits"]) for r in rows if r["tensor"] != "output") < 4  # scaled: close, by design
+    kinds = [e["event"] for e in read_events(tmp_path / "h" / "events.jsonl")]
+    assert "headroom_alert" not in kinds and "headroom_clear" not in kinds
+
+
+def test_a_checkpoint_with_a_forged_headroom_state_is_one_line_naming_the_field(tmp_path):
+    import torch
+
+    ok(train(tmp_path, "f", "--set", "task.name=linear", "--set", "precision=bf16", "--set", "steps=2",
+             "--set", "monitor.headroom.every=1"))
+    path = tmp_path / "f" / "checkpoints" / "step-00000002.pt"
+    saved = torch.load(path, weights_only=False)
+    saved["state"]["monitors"]["headroom"]["alerting"] = "fc"  # loaded, it became ['f', 'c']
+    torch.save(saved, path)
+    line = one_error_line(ag("train", "--resume", path, "--set", "steps=3"))
+    assert line.endswith("bad checkpoint: state.monitors.headroom.alerting is 'fc', expected a list of distinct "
+                         "module names")

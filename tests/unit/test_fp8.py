@@ -327,3 +327,23 @@ def test_one_outlier_flushes_a_tensorwise_weight_to_zero_and_rowwise_confines_it
     clean = mlp()
     convert_to_fp8(clean)
     assert weight_cast(clean).flushed < 0.01
+
+
+def test_an_attentions_out_proj_is_not_converted_since_its_forward_never_runs():
+    # nn.MultiheadAttention hands out_proj's weight to F.multi_head_attention_forward: a Float8Linear
+    # there would count as an fp8 layer and never run, a bf16 model under the name fp8
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.attn, self.head = nn.Linear(16, 32), nn.MultiheadAttention(32, 4), nn.Linear(32, 16)
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.head(self.attn(h, h, h)[0])
+
+    assert plan(Block())["attn.out_proj"] == "inside nn.MultiheadAttention, which does not call its forward"
+    with pytest.raises(ValueError, match="no Linear layer can train in fp8 .*attn.out_proj: inside nn.Multi"):
+        convert_to_fp8(Block())
+    model = Block()
+    assert convert_to_fp8(model, keep_first_last=False) == ["inp", "head"]
+    assert fp8_layers(model) == ["inp", "head"] and type(model.attn.out_proj) is not type(model.inp)

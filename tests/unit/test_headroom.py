@@ -252,3 +252,107 @@ def test_the_skip_norms_are_the_ones_the_global_norm_took(sync_free):
     grads = {n: p.grad for n, p in model.named_parameters()}  # dropped by the step: None
     assert all(g is None for g in grads.values())
     assert [math.isfinite(v) for v in event["norms"].values()] == [n != "1.weight" for n in event["norms"]]
+
+
+# ---------------------------------------------------------------------------- what the alert judges
+
+
+def test_a_weight_gradient_summed_over_the_batch_is_measured_and_alerts_where_the_output_gradient_does_not():
+    # a Linear's weight gradient sums over the batch: 64 rows of 100 make it 6400, 3.4 bits from
+    # fp16's max, while the gradient flowing into its output is 1.0 (16 bits): only the
+    # parameter's gradient tells the layer is close
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(1, 1, bias=False)))
+    model.fc.weight.data.fill_(1.0)
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.full((64, 1), 100.0)).sum().backward()
+    rows = {r.tensor: r for r in headroom.read(1)}
+    assert rows["grad"].amax == 1.0 and rows["param_grad"].amax == 6400.0
+    (alert,) = headroom.observe_step(1)
+    assert alert.data["tensor"] == "param_grad" and "fc param_grad headroom 3.4 bits" in alert.message
+
+
+def _scaled_step(headroom: Headroom, model: nn.Module, step: int, weight: float, scale: float) -> list:
+    """One measured step whose backward carries the loss scale ``scale`` (as GradScaler's does)."""
+    model.fc.weight.data.fill_(weight)
+    with headroom.measuring(step):
+        (model(torch.ones(1, 1)).sum() * scale).backward()
+    model.zero_grad()
+    return [e.kind for e in headroom.observe_step(step)]
+
+
+def test_under_a_loss_scale_the_gradients_alert_on_their_unscaled_headroom():
+    # the scaled gradient near (or past) fp16's max is the scaler's search, one skip; what warns
+    # is the unscaled gradient close to the max, which no scale can fit. The scale is read with
+    # the rows (a device tensor: no host read of its own)
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(1, 1, bias=False)))
+    scale = torch.tensor(2.0**15)
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0, loss_scale=lambda: scale.clone())
+    assert _scaled_step(headroom, model, 1, 1.0, 2.0**15) == []  # the scaled gradient 32768: 1 bit, no alert
+    assert _scaled_step(headroom, model, 2, 1.0, 2.0**17) == []  # overflowed (inf) at 2**15: unknown, no alert
+    scale.fill_(8.0)
+    events = _scaled_step(headroom, model, 3, 1.0, 1e6)  # overflowed at a scale of 8: unscaled > 8188
+    assert events == ["headroom_alert"]
+    scale.fill_(2.0**15)
+    assert _scaled_step(headroom, model, 4, 1.0, 2.0**15) == ["headroom_clear"]
+    scale.fill_(2.0)
+    model.fc.weight.data.fill_(1 / 8000)
+    with headroom.measuring(5):  # output 1; the weight's gradient 8000 unscaled (3 bits), 16000 scaled
+        (model(torch.full((1, 1), 8000.0)).sum() * 2.0).backward()
+    (alert,) = headroom.observe_step(5)
+    assert alert.data["tensor"] == "param_grad"
+    assert alert.data["judged_bits"] == pytest.approx(math.log2(65504 / 8000), abs=1e-3)
+    assert "without the loss scale" in alert.message and "8000 unscaled, 1.6e+04 at loss scale 2" in alert.message
+
+
+def test_an_alert_clears_only_a_bit_above_the_threshold_so_a_value_at_it_alerts_once():
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(1, 1, bias=False)))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    kinds = []
+    # 65504 / 2**4 = 4094: 4500 is below the threshold, 3500 above it but within the 1-bit margin
+    for step, weight in enumerate([4500.0, 3500.0, 4500.0, 3500.0, 1000.0], start=1):
+        model.fc.weight.data.fill_(weight)
+        with headroom.measuring(step):
+            model(torch.ones(1, 1))
+        kinds.append([e.kind for e in headroom.observe_step(step)])
+    assert kinds == [["headroom_alert"], [], [], [], ["headroom_clear"]]
+
+
+def test_no_hook_outlives_a_measured_step_even_on_a_tensor_that_outlives_it():
+    class Query(nn.Module):  # returns its own parameter: the output tensor lives on after the step
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Parameter(torch.ones(2))
+
+        def forward(self) -> torch.Tensor:
+            return self.q
+
+    model = Query()
+    headroom = Headroom(model, "bf16", every=1, alert_bits=4.0)
+    for step in range(1, 4):
+        with headroom.measuring(step):
+            model().sum().backward()
+        headroom.read(step)
+    assert not model.q._backward_hooks
+    model().sum().backward()  # an unmeasured step: nothing measured, nothing kept
+    assert headroom._stats == {}
+
+
+def test_a_saved_alert_state_that_is_not_a_list_of_distinct_names_is_refused_naming_the_field():
+    headroom = Headroom(nn.Linear(1, 1), "fp16", every=1, alert_bits=4.0)
+    for bad in ("fc", ["fc", "fc"], [1], None):
+        with pytest.raises(ValueError, match=r"^headroom\.alerting is .*, expected a list of distinct module names"):
+            headroom.check_state({"alerting": bad}, "headroom.")
+        with pytest.raises(ValueError):
+            headroom.load_state_dict({"alerting": bad})
+    with pytest.raises(ValueError, match="expected a mapping"):
+        headroom.check_state([], "headroom.")
+
+
+def test_a_torn_first_row_is_dropped_like_a_torn_last_one(tmp_path):
+    path = tmp_path / "headroom.csv"
+    path.write_text(",".join(HEADROOM_COLUMNS) + "\n1,(root),out", encoding="utf-8")
+    assert read_headroom_csv(path) == []
+    path.write_text(",".join(HEADROOM_COLUMNS) + "\n1,(root),out\n2,(root),output,1.0,16.0,0.0\n", encoding="utf-8")
+    with pytest.raises(InputError, match="line 2 is not a headroom row"):
+        read_headroom_csv(path)
