@@ -13,6 +13,7 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -214,6 +215,90 @@ def torchrun() -> list[str]:
     """The command that starts torchrun from this virtualenv."""
     exe = Path(sys.executable).with_name("torchrun")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the process ``pid`` (a torchrun started with ``start_new_session``), its process
+    group and every descendant: torchrun's workers may sit in sessions of their own, out of
+    reach of ``killpg``, and a worker hung in a collective would outlive the test holding its
+    pipes open (psutil, where installed, finds them)."""
+    try:
+        import psutil
+
+        children = psutil.Process(pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - no psutil, or the process is gone: the group is what is left
+        children = []
+    for child in children:
+        with contextlib.suppress(Exception):
+            child.kill()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+class Launch:
+    """One ``torchrun --standalone --nproc_per_node 2 ARGS`` in ``cwd``, in a session of its own,
+    its output in ``NAME.stdout`` / ``NAME.stderr`` beside ``cwd`` (files, not pipes: a hung
+    worker cannot block the test on a pipe); killed with its workers (:func:`kill_tree`) when it
+    runs past ``timeout_s`` (counted from its start) or at :meth:`close`."""
+
+    def __init__(self, name: str, args: list[str], cwd: Path, *, timeout_s: float,
+                 env: dict[str, str] | None = None, preexec_fn: Any = None) -> None:
+        import subprocess
+        import time
+
+        self.name, self.cwd, self.timeout_s = name, cwd, timeout_s
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", *args]
+        self._out = (cwd.parent / f"{name}.stdout").open("w+")
+        self._err = (cwd.parent / f"{name}.stderr").open("w+")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=env or torchrun_env(), stdout=self._out,
+                                     stderr=self._err, stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=preexec_fn)
+        self.rc: int | None = None
+        self.stdout = self.stderr = ""
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+
+    def wait(self) -> Launch:
+        """Its exit code and output, once it ended (a test failure if it ran past ``timeout_s``)."""
+        import subprocess
+        import time
+
+        import pytest
+
+        if self.rc is None:
+            left = max(1.0, self.timeout_s - (time.monotonic() - self.started))
+            try:
+                self.rc = self.proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                self.rc = -9
+                self._read()
+                pytest.fail(f"torchrun {self.name} did not finish within {self.timeout_s:g} s (a rank hangs?)\n"
+                            f"stderr tail:\n{self.stderr[-3000:]}")
+            self._read()
+        return self
+
+    def _read(self) -> None:
+        for f in (self._out, self._err):
+            f.flush()
+            f.seek(0)
+        self.stdout, self.stderr = self._out.read(), self._err.read()
+
+    def ok(self) -> Launch:
+        self.wait()
+        assert self.rc == 0, (f"torchrun {self.name} exited {self.rc}\nstdout tail:\n{self.stdout[-2000:]}\n"
+                              f"stderr tail:\n{self.stderr[-4000:]}")
+        return self
+
+    def close(self) -> None:
+        self.kill()
+        self._out.close()
+        self._err.close()
 
 
 def torchrun_env(**extra: str) -> dict[str, str]:

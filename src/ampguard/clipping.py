@@ -20,6 +20,7 @@ import torch
 from torch.utils._foreach_utils import (_device_has_foreach_support, _group_tensors_by_device_and_dtype,
                                         _has_foreach_support)
 
+from . import distributed
 from .precision import round_float32
 
 try:  # torch >= 2.6
@@ -320,6 +321,12 @@ def has_non_finite_grad(parameters: Params) -> bool:
     which is non-finite whenever some gradient element is (and also when the norm itself
     overflows, a gradient no update should use either).
 
+    Sharded gradients (FSDP2's DTensors) are checked shard by shard and the answer is agreed
+    over the process group (``distributed.any_ranks``: one all-reduce, a collective, so call it
+    on every rank): true on every rank when any rank's shard holds a non-finite value. Other
+    gradients are checked as they are on this rank (DDP's, once all-reduced, are the same on
+    every rank).
+
     Example::
 
         >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([1.0, float("inf")])
@@ -329,6 +336,11 @@ def has_non_finite_grad(parameters: Params) -> bool:
     grads = GradSet(parameters).values
     if not grads:
         return False
-    device = grads[0].device
-    flags = torch.stack([torch.isfinite(g).all().to(device) for g in grads])
-    return not bool(flags.all())
+    sharded = [callable(getattr(g, "to_local", None)) for g in grads]
+    local = [g.to_local() if s else g for g, s in zip(grads, sharded)]
+    device = local[0].device
+    flags = torch.stack([torch.isfinite(g).all().to(device) for g in local])
+    bad = not bool(flags.all())
+    if any(sharded):
+        bad = distributed.any_ranks([bad], device)[0]
+    return bad

@@ -89,18 +89,83 @@ def init_from_env(device_name: str) -> tuple[DistInfo, torch.device]:
 
 
 def wrap(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
-    """``ddp`` -> DistributedDataParallel; ``fsdp2`` -> ``fully_shard`` on each child block and the root."""
+    """``ddp`` -> DistributedDataParallel; ``fsdp2`` -> ``fully_shard`` on each unit of the model
+    (:func:`fsdp_units`: each child block, each item of a ModuleList/ModuleDict child), then the root.
+
+    A unit that shares a parameter with another unit or with the root's own (tied weights, such as
+    an output head tied to the embedding) is not sharded on its own: its parameters go to the
+    root's group. Whatever ``fully_shard`` still refuses (a 0-dim parameter, a root that is itself
+    a container) is an :class:`InputError`, the same line on every rank."""
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     from torch.distributed.fsdp import fully_shard
 
-    for child in model.children():
-        if any(p.requires_grad for p in child.parameters()):
-            fully_shard(child)
-    fully_shard(model)
+    try:
+        for unit in fsdp_units(model):
+            fully_shard(unit)
+        fully_shard(model)
+    except (ValueError, RuntimeError, TypeError, AssertionError, NotImplementedError) as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise InputError(f"distributed.strategy=fsdp2: fully_shard cannot shard this model: {reason}") from None
     return model
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules :func:`wrap` gives their own FSDP2 group, before the root's.
+
+    Each child of ``model`` with a trainable parameter, where a ModuleList or ModuleDict child
+    (which has no ``forward`` for ``fully_shard`` to hook) stands for its items, recursively. A
+    unit that shares a parameter with another unit, or with a module outside every unit (the
+    root's own parameters included), is left out: its parameters belong to the root's group.
+
+    Example::
+
+        >>> class Tied(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.tok = nn.Embedding(8, 4)
+        ...         self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.ModuleDict({"a": nn.Linear(4, 4)})])
+        ...         self.norm = nn.LayerNorm(4).requires_grad_(False)
+        ...         self.head = nn.Linear(4, 8, bias=False)
+        ...         self.head.weight = self.tok.weight
+        >>> model = Tied()
+        >>> [name for name, m in model.named_modules() if any(m is u for u in fsdp_units(model))]
+        ['blocks.0', 'blocks.1.a']
+    """
+    candidates: list[nn.Module] = []
+
+    def expand(module: nn.Module) -> None:
+        if isinstance(module, _CONTAINERS):
+            for item in module.children():
+                expand(item)
+        elif any(p.requires_grad for p in module.parameters()) and all(module is not c for c in candidates):
+            candidates.append(module)
+
+    for child in model.children():
+        expand(child)
+    owners: dict[int, int] = {}  # parameter id -> how many groups would hold it
+    for unit in candidates:
+        for p in unit.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    unit_ids = {id(u) for u in candidates}
+    seen: set[int] = set()
+
+    def root_params(module: nn.Module) -> None:  # what the root's group gets, as fully_shard walks it
+        if id(module) in unit_ids or id(module) in seen:
+            return
+        seen.add(id(module))
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+        for child in module.children():
+            root_params(child)
+
+    root_params(model)
+    return [u for u in candidates if all(owners[id(p)] == 1 for p in u.parameters())]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -216,7 +281,8 @@ def _fsdp_no_sync(model: Any) -> Any:
 def rank_slice(value: Any, info: DistInfo) -> Any:
     """This rank's share of a global batch (dimension 0 split into ``world_size`` equal parts).
 
-    Tensors are sliced; lists, tuples and dicts are sliced item by item; anything else is kept.
+    Tensors are sliced; lists, tuples and dicts are sliced item by item; a 0-dim tensor (a
+    scalar, such as a temperature) and anything that is not a tensor are kept whole.
 
     Example::
 
@@ -224,12 +290,16 @@ def rank_slice(value: Any, info: DistInfo) -> Any:
         >>> part = rank_slice(batch, DistInfo(rank=1, world_size=2))
         >>> part["x"].tolist(), part["ids"][0].tolist(), part["name"]
         ([[4, 5], [6, 7]], [2, 3], 'b')
+        >>> rank_slice({"x": torch.zeros(4, 2), "temp": torch.tensor(0.5)}, DistInfo(rank=1, world_size=2))["temp"]
+        tensor(0.5000)
         >>> rank_slice(torch.arange(3), DistInfo(rank=0, world_size=2))
         Traceback (most recent call last):
         ...
         ampguard.errors.InputError: a batch of 3 examples does not split evenly over 2 ranks
     """
     def part(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:  # no batch dimension to split
+            return tensor
         n = tensor.shape[0]
         if n % info.world_size:
             raise InputError(f"a batch of {n} examples does not split evenly over {info.world_size} ranks")

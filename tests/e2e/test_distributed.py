@@ -20,15 +20,13 @@ import math
 import os
 import re
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import read_rows, run_events, snapshot_of, torchrun, torchrun_env
+from helpers import read_rows, run_events, snapshot_of
+from helpers import Launch as _Launch
 
 from ampguard.checkpoint import load_checkpoint
 from ampguard.cli import main as ampguard_main
@@ -62,60 +60,8 @@ FAULTS_F_SINGLE = ["--inject", "nan_loss@2"]
 # ---------------------------------------------------------------------------- launching
 
 
-class Launch:
-    """One ``torchrun --standalone --nproc_per_node 2 ...`` in its own process group, killed on
-    timeout or at teardown."""
-
-    def __init__(self, name: str, args: list[str], cwd: Path) -> None:
-        self.name, self.cwd = name, cwd
-        cwd.mkdir(parents=True, exist_ok=True)
-        self.cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", *args]
-        self._out = (cwd.parent / f"{name}.stdout").open("w+")
-        self._err = (cwd.parent / f"{name}.stderr").open("w+")
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=torchrun_env(), stdout=self._out, stderr=self._err,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.rc: int | None = None
-        self.stdout = self.stderr = ""
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
-
-    def wait(self) -> Launch:
-        if self.rc is None:
-            left = max(1.0, TIMEOUT_S - (time.monotonic() - self.started))
-            try:
-                self.rc = self.proc.wait(timeout=left)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                self.rc = -9
-                self._read()
-                pytest.fail(f"torchrun {self.name} did not finish within {TIMEOUT_S} s (a rank hangs?)\n"
-                            f"stderr tail:\n{self.stderr[-3000:]}")
-            self._read()
-        return self
-
-    def _read(self) -> None:
-        for f in (self._out, self._err):
-            f.flush()
-            f.seek(0)
-        self.stdout, self.stderr = self._out.read(), self._err.read()
-
-    def ok(self) -> Launch:
-        self.wait()
-        assert self.rc == 0, (f"torchrun {self.name} exited {self.rc}\nstdout tail:\n{self.stdout[-2000:]}\n"
-                              f"stderr tail:\n{self.stderr[-4000:]}")
-        return self
-
-    def close(self) -> None:
-        self.kill()
-        self._out.close()
-        self._err.close()
+def Launch(name: str, args: list[str], cwd: Path) -> _Launch:  # noqa: N802 - the class, with this module's limit
+    return _Launch(name, args, cwd, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

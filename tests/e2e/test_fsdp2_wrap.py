@@ -1,0 +1,278 @@
+"""FSDP2's wrap of models that are not a row of plain children: CPU, gloo, 2 processes.
+
+``distributed.wrap(..., "fsdp2")`` shards the items of a ModuleList/ModuleDict (a container has no
+``forward`` for ``fully_shard``), leaves a unit whose parameters are shared with another (tied
+weights) to the root's group, and turns what ``fully_shard`` still refuses into one line.
+
+Five torchrun launches, started together and shared by the tests:
+
+- ``CF`` / ``CD``: the built-in ``charlm`` (a ModuleList of blocks, the head tied to the
+  embedding), tiny, fp32, under FSDP2 and under DDP: the same steps.csv;
+- ``T``: a ``task.factory`` model (written to the test's folder) with tied weights, nested
+  containers and a 0-dim tensor in its batches, trained under FSDP2;
+- ``E``: a ``task.factory`` model with a 0-dim parameter, which ``fully_shard`` refuses: one
+  line and exit 2 on every rank;
+- ``H``: this file run as a script (``python test_fsdp2_wrap.py OUT`` under torchrun): which
+  modules ``wrap`` shards, the sharded model's loss and gradient norm against the unsharded
+  one, the refusals as :class:`InputError`, and ``has_non_finite_grad`` agreed over the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TIMEOUT_S = 120
+TESTS = Path(__file__).resolve().parent.parent
+CHARLM = ["--set", "task.name=charlm", "--set", "task.n_layer=1", "--set", "task.n_embd=16", "--set", "task.n_head=2",
+          "--set", "task.block_size=16", "--set", "task.batch_size=2", "--set", "eval.batches=1",
+          "--set", "precision=fp32", "--set", "device=cpu", "--set", "steps=3", "--set", "checkpoint.every=3"]
+
+TIED_FACTORY = '''
+import torch
+from torch import nn
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.ModuleDict({"a": nn.Linear(8, 8)})])
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, batch):
+        h = torch.tanh(self.blocks[0](self.tok(batch["x"])))
+        return self.head(torch.tanh(self.blocks[1]["a"](h))) * batch["temp"]
+
+
+def build(config):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = [({"x": torch.randint(0, 16, (4, 5), generator=g), "temp": torch.tensor(0.5)},
+             torch.randint(0, 16, (4, 5), generator=g)) for _ in range(4)]
+    loss = lambda out, y: nn.functional.cross_entropy(out.reshape(-1, 16), y.reshape(-1))
+    return Tied(), data, loss
+'''
+
+SCALAR_FACTORY = '''
+import torch
+from torch import nn
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.gain = nn.Parameter(torch.tensor(1.0))  # 0-dim: fully_shard cannot shard it
+
+    def forward(self, x):
+        return self.lin(x) * self.gain
+
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    return Scaled(), [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g))], nn.functional.mse_loss
+'''
+
+
+def _gloo_available() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_gloo_available()
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available"),
+]
+
+
+def Launch(name: str, args: list[str], cwd: Path):  # noqa: N802 - helpers.Launch with this module's limit and path
+    from helpers import Launch, torchrun_env
+
+    env = torchrun_env(PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    return Launch(name, args, cwd, timeout_s=TIMEOUT_S, env=env)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fsdp2_wrap")
+
+
+@pytest.fixture(scope="module")
+def launches(work):
+    (work / "tied.py").write_text(TIED_FACTORY)
+    (work / "scalar.py").write_text(SCALAR_FACTORY)
+    specs = {
+        "CF": ["-m", "ampguard", "train", *CHARLM, "--set", "distributed.strategy=fsdp2"],
+        "CD": ["-m", "ampguard", "train", *CHARLM, "--set", "distributed.strategy=ddp"],
+        "T": ["-m", "ampguard", "train", "--set", f"task.factory={work / 'tied.py'}:build", "--set", "precision=fp32",
+              "--set", "device=cpu", "--set", "steps=4", "--set", "eval.enabled=false",
+              "--set", "checkpoint.enabled=false", "--set", "distributed.strategy=fsdp2"],
+        "E": ["-m", "ampguard", "train", "--set", f"task.factory={work / 'scalar.py'}:build", "--set", "precision=fp32",
+              "--set", "device=cpu", "--set", "steps=2", "--set", "distributed.strategy=fsdp2"],
+        "H": [str(Path(__file__).resolve()), str(work / "H_out")],
+    }
+    started: dict[str, Launch] = {}
+    try:
+        for name, args in specs.items():
+            if name != "H":
+                args = [*args, "--set", f"log.dir={work / 'runs'}", "--set", f"log.name={name}"]
+            started[name] = Launch(name, args, work / f"{name}_cwd")
+        yield started
+    finally:
+        for launch in started.values():
+            launch.close()
+
+
+def _steps(work: Path, name: str) -> str:
+    return (work / "runs" / name / "steps.csv").read_text()
+
+
+def _cells(csv: str) -> list[list[object]]:
+    """The CSV's cells, a number as a float (``pytest.approx`` compares those)."""
+    def cell(text: str) -> object:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+    return [[cell(c) for c in line.split(",")] for line in csv.splitlines()]
+
+
+def test_charlm_under_fsdp2_trains_as_under_ddp(launches, work):
+    launches["CF"].ok()
+    launches["CD"].ok()
+    fsdp, ddp = _steps(work, "CF"), _steps(work, "CD")
+    rows = fsdp.splitlines()[1:]
+    assert len(rows) == 3 and all(",0,," in row for row in rows), fsdp  # three steps, none skipped
+    # the same steps, losses and norms; FSDP2's reduce-scatter may sum in another order than
+    # DDP's all-reduce, so a value may differ in its last bit
+    expected = [[pytest.approx(c, rel=1e-6) if isinstance(c, float) else c for c in row] for row in _cells(ddp)]
+    assert _cells(fsdp) == expected
+    assert (work / "runs" / "CF" / "checkpoints" / "step-00000003.pt").exists()
+
+
+def test_a_tied_weight_factory_model_trains_under_fsdp2(launches, work):
+    launches["T"].ok()
+    rows = _steps(work, "T").splitlines()[1:]
+    assert len(rows) == 4 and all(",0,," in row for row in rows), rows
+    assert "Traceback" not in launches["T"].stderr
+
+
+def test_a_model_fully_shard_refuses_is_one_line_and_exit_2_on_every_rank(launches, work):
+    launch = launches["E"].wait()
+    assert launch.rc != 0
+    lines = [line for line in launch.stderr.splitlines() if line.startswith("ampguard: error:")]
+    assert lines == ["ampguard: error: distributed.strategy=fsdp2: fully_shard cannot shard this model: "
+                     "fully_shard doesn't support scalar parameters. Change gain to a 1D tensor with numel "
+                     "equal to 1."] * 2, launch.stderr
+    assert launch.stderr.count("exitcode  : 2 ") == 2, launch.stderr  # torchrun's report: both ranks exit 2
+    assert "[rank0]: Traceback" not in launch.stderr and "[rank1]: Traceback" not in launch.stderr
+    assert not (work / "runs" / "E").exists()
+
+
+@pytest.fixture(scope="module")
+def wrap_results(launches, work) -> list[dict]:
+    launches["H"].ok()
+    return [json.loads((work / "H_out" / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_wrap_shards_container_items_and_leaves_tied_units_to_the_root(wrap_results):
+    for got in wrap_results:
+        assert got["sharded"] == ["", "blocks.0", "blocks.1.a", "blocks.1.b.0", "mid"]
+        assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-6)
+        assert got["norm"] == pytest.approx(got["ref_norm"], rel=1e-5)
+
+
+def test_what_fully_shard_refuses_is_one_input_error_line(wrap_results):
+    for got in wrap_results:
+        assert got["scalar"].startswith("distributed.strategy=fsdp2: fully_shard cannot shard this model: ")
+        assert "scalar parameters" in got["scalar"]
+        assert "containers that do not implement forward" in got["container"]
+        assert "\n" not in got["scalar"] + got["container"]
+
+
+def test_has_non_finite_grad_agrees_over_the_ranks_under_fsdp2(wrap_results):
+    # an inf in rank 1's shard only: every rank says so; before it, none does
+    assert [got["non_finite"] for got in wrap_results] == [[False, True], [False, True]]
+
+
+# ---------------------------------------------------------------------------- the H script (torchrun)
+
+
+def _script(out: Path) -> None:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule
+
+    from ampguard import distributed as agd
+    from ampguard.clipping import global_l2_norm, has_non_finite_grad
+    from ampguard.errors import InputError
+
+    dist.init_process_group("gloo")
+    rank, cpu = dist.get_rank(), torch.device("cpu")
+    got: dict = {}
+
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.ModuleDict({"a": nn.Linear(8, 8),
+                                                                         "b": nn.ModuleList([nn.Linear(8, 8)])})])
+            self.mid = nn.Linear(8, 8)
+            self.frozen = nn.LayerNorm(8).requires_grad_(False)
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.tok.weight
+
+        def forward(self, x):
+            h = self.tok(x)
+            for layer in (self.blocks[0], self.blocks[1]["a"], self.blocks[1]["b"][0], self.mid):
+                h = torch.tanh(layer(h))
+            return self.head(self.frozen(h))
+
+    torch.manual_seed(0)
+    model, ref = Nested(), Nested()
+    ref.load_state_dict(model.state_dict())
+    agd.wrap(model, "fsdp2", cpu)
+    got["sharded"] = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    x = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (model, ref):
+        loss = nn.functional.cross_entropy(m(x).reshape(-1, 16), x.reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+    got["loss"], got["ref_loss"] = losses
+    got["norm"] = agd.full_norm(global_l2_norm(model.parameters())).item()
+    got["ref_norm"] = global_l2_norm(ref.parameters()).item()
+
+    first = next(p for p in model.parameters() if p.grad is not None and p.grad.to_local().numel())
+    got["non_finite"] = [has_non_finite_grad(model.parameters())]
+    if rank == 1:
+        first.grad.to_local().view(-1)[0] = float("inf")
+    got["non_finite"].append(has_non_finite_grad(model.parameters()))
+
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.scale = nn.Parameter(torch.tensor(1.0))
+
+    for key, bad in (("scalar", Scalar()), ("container", nn.ModuleList([nn.Linear(2, 2)]))):
+        try:
+            agd.wrap(bad, "fsdp2", cpu)
+            got[key] = "accepted"
+        except InputError as err:
+            got[key] = str(err)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _script(Path(sys.argv[1]))
