@@ -16,8 +16,11 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from . import distributed
 from .config import Config
 from .errors import InputError
 from .precision import Precision
@@ -39,6 +42,11 @@ class Evaluator:
         return self.enabled and (step >= self.last_step or (self.every > 0 and step % self.every == 0))
 
     def __call__(self) -> dict[str, float]:
+        """The metrics, the same on every rank under torchrun (:func:`agreed`): every rank
+        evaluates, and each decides its guards (a ``val_regression`` rollback) on them."""
+        return agreed(self._evaluate())
+
+    def _evaluate(self) -> dict[str, float]:
         model, evaluate = self.task.model, self.task.evaluate
         if not self.enabled or evaluate is None:
             return {}
@@ -50,13 +58,40 @@ class Evaluator:
             model.train()
 
     def check(self) -> None:
-        """A user's evaluate() must return the metrics it declared: try it once, before any file exists."""
+        """A user's evaluate() must return the metrics it declared: try it once, before any file
+        exists (under torchrun every rank tries, and all refuse with the first rank's line)."""
         if not self.enabled:
             return
+        problem = None
         try:
-            names = set(self())
+            names = set(self._evaluate())
+            if not names <= set(self.task.metrics):
+                problem = (f"task.factory: evaluate() returned {sorted(names)}, but metrics declares "
+                           f"{list(self.task.metrics)}")
         except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's code: any failure is bad input
-            raise InputError(f"task.factory: evaluate() raised {type(err).__name__}: {err}") from None
-        if not names <= set(self.task.metrics):
-            raise InputError(f"task.factory: evaluate() returned {sorted(names)}, but metrics declares "
-                             f"{list(self.task.metrics)}")
+            problem = f"task.factory: evaluate() raised {type(err).__name__}: {err}"
+        problem = distributed.first_error(problem)
+        if problem is not None:
+            raise InputError(problem)
+
+
+def agreed(metrics: dict[str, float]) -> dict[str, float]:
+    """Under torchrun, each metric's mean over the ranks (a collective), on every rank: a
+    factory's ``evaluate`` that scores this rank's share of the held-out set gives the whole
+    set's mean (equal shares); one that scores the whole set on every rank gives its value
+    unchanged (the ranks agree: no arithmetic). Without a process group, ``metrics`` itself.
+
+    Example (no process group)::
+
+        >>> agreed({"val_loss": 0.5})
+        {'val_loss': 0.5}
+    """
+    ranks = distributed.all_gather(metrics)
+    if len(ranks) == 1:
+        return metrics
+    out = {}
+    for name, value in metrics.items():
+        values = [m.get(name, math.nan) for m in ranks]
+        same = all(v == value or (math.isnan(v) and math.isnan(value)) for v in values)
+        out[name] = value if same else math.fsum(values) / len(values)
+    return out

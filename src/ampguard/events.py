@@ -85,9 +85,11 @@ def progress_bar(total: int, initial: int = 0) -> Any:
                 disable=None)
 
 
-PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "GH200": 989.0, "A100": 312.0}
-"""Dense bf16/fp16 tensor-core peaks (TFLOP/s, the vendors' datasheets, SXM parts) of the GPUs
-whose MFU a run reports without ``log.peak_tflops``; matched against the device's name."""
+PEAK_TFLOPS: dict[str, float] = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0,
+                                  "H200": 989.0, "GH200": 989.0, "A100": 312.0}
+"""Dense bf16/fp16 tensor-core peaks (TFLOP/s, the vendors' datasheets) of the GPUs whose MFU a
+run reports without ``log.peak_tflops``, matched against the device's name: the PCIe and NVL
+parts first, then a bare name, which is the SXM part."""
 
 
 def known_peak_tflops(device_name: str) -> float | None:
@@ -97,9 +99,12 @@ def known_peak_tflops(device_name: str) -> float | None:
 
         >>> known_peak_tflops("NVIDIA H200"), known_peak_tflops("NVIDIA A100-SXM4-80GB"), known_peak_tflops("cpu")
         (989.0, 312.0, None)
+        >>> known_peak_tflops("NVIDIA H100 PCIe"), known_peak_tflops("NVIDIA H100 NVL")
+        (756.0, 835.0)
     """
     words = device_name.replace("-", " ").split()
-    return next((peak for name, peak in PEAK_TFLOPS.items() if name in words), None)
+    return next((peak for name, peak in PEAK_TFLOPS.items()
+                 if any(words[i:i + len(name.split())] == name.split() for i in range(len(words)))), None)
 
 
 class Throughput:
@@ -108,6 +113,8 @@ class Throughput:
     wall time since the previous line (so it includes what the loop did between: evaluation,
     checkpoints). With the model's FLOPs per token and the device's peak FLOP/s it adds the
     model FLOPs utilisation (MFU: achieved model FLOP/s over the peak, nanoGPT's measure).
+    Under torchrun (``ranks``: the world size) each rank counts its own slice and the rate is
+    the job's (every rank trains an equal slice of the global batch); the MFU is per GPU.
 
     Example (a fake clock)::
 
@@ -127,15 +134,20 @@ class Throughput:
         ' tokens/s=67 mfu=6.67%'
         >>> meter.summary()  # since steady(), at 1.0
         '100 tokens/s, MFU 10% (from the end of the first step, wall clock)'
+        >>> now = iter([0.0, 1.0, 2.0, 9.0])  # two ranks; the run's clock stops at the last step
+        >>> meter = Throughput(clock=lambda: next(now), flops_per_token=1e9, peak_flops=1e12, ranks=2)
+        >>> meter.steady(); meter.add(torch.zeros(2, 100, dtype=torch.long)); meter.ended(); meter.summary()
+        '400 tokens/s, MFU 20% (from the end of the first step to the end of the last, wall clock)'
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, flops_per_token: float | None = None,
-                 peak_flops: float | None = None) -> None:
+                 peak_flops: float | None = None, ranks: int = 1) -> None:
         self._clock = clock
         self._since = clock()
         self._items, self._unit = 0, ""
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.flops_per_token, self.peak_flops, self.ranks = flops_per_token, peak_flops, ranks
         self._run_since: float | None = None
+        self._run_until: float | None = None
         self._run_items = 0
 
     def add(self, inputs: Any) -> None:
@@ -144,10 +156,11 @@ class Throughput:
         if shape is None or not len(shape):
             return
         tokens = not inputs.is_floating_point()
-        n = inputs.numel() if tokens else shape[0]
+        n = (inputs.numel() if tokens else shape[0]) * self.ranks
         self._items += n
         if self._run_since is not None:
             self._run_items += n
+            self._run_until = None  # training again (a rollback from the last step)
         self._unit = "tokens" if tokens else "examples"
 
     def steady(self) -> None:
@@ -156,11 +169,18 @@ class Throughput:
         if self._run_since is None:
             self._run_since = self._clock()
 
+    def ended(self) -> None:
+        """Stop the run's own count now: at the end of its last step, before the final
+        evaluation and checkpoint (a step trained after it, once a rollback undid the last
+        one, starts it again)."""
+        self._run_until = self._clock()
+
     def _rate(self, items: int, elapsed: float) -> tuple[str, str | None]:
         """Items per second and the MFU (None where unknown), as text: ``"1,234"``, ``"42.3%"``."""
         mfu = None
         if self._unit == "tokens" and self.flops_per_token and self.peak_flops:
-            mfu = f"{100 * items * self.flops_per_token / elapsed / self.peak_flops:.3g}%"  # 42.3%, 0.0412%
+            peak = self.peak_flops * self.ranks  # each GPU's share of the job's FLOP/s
+            mfu = f"{100 * items * self.flops_per_token / elapsed / peak:.3g}%"  # 42.3%, 0.0412%
         return f"{items / elapsed:,.0f}", mfu
 
     def take(self) -> str:
@@ -178,8 +198,10 @@ class Throughput:
         """The run's throughput since :meth:`steady` (the run card's line), or None before it."""
         if self._run_since is None or not self._run_items:
             return None
-        elapsed = self._clock() - self._run_since
+        until = self._run_until if self._run_until is not None else self._clock()
+        elapsed = until - self._run_since
         if elapsed <= 0:
             return None
         rate, mfu = self._rate(self._run_items, elapsed)
-        return f"{rate} {self._unit}/s" + (f", MFU {mfu}" if mfu else "") + " (from the end of the first step, wall clock)"
+        span = "from the end of the first step" + (" to the end of the last" if self._run_until is not None else "")
+        return f"{rate} {self._unit}/s" + (f", MFU {mfu}" if mfu else "") + f" ({span}, wall clock)"

@@ -251,6 +251,8 @@ class Trainer:
             with self.watching():
                 record = self.train_step()
             self.throughput.steady()  # the run card's throughput counts from the end of the first step
+            if self.state.steps >= self.config.steps:
+                self.throughput.ended()  # ... to the end of the last (not its evaluation, the final save)
             # evaluated now, on this step's model; written and judged with its record
             metrics = self.evaluator() if self.evaluator.due(record.step) else None
             self.inflight.add(record, metrics)
@@ -374,16 +376,22 @@ class Trainer:
     def _open(self) -> None:
         """Create what the run writes (rank 0 only), and tell every rank the checkpoint folder."""
         main, resuming = self.dist.is_main, self.resume is not None
-        self._failed = None
+        self._failed, refused = None, None
         try:
             with writing("the run folder"):
                 self.paths = self.outputs() if main else RunPaths()
         except DiskFull as full:  # the disk is full already: train nothing, write nothing more
             self.paths, self._failed = RunPaths(), full
+        except InputError as err:  # rank 0's alone (the folder exists): every rank refuses with its line
+            refused = str(err)
+        refused = distributed.first_error(refused)
+        if refused is not None:
+            raise InputError(refused)
         self.checkpointer.folder = distributed.broadcast_from_main(self.paths.checkpoints)
         self.run_id = distributed.broadcast_from_main(self.paths.ensure_run_id())  # made now for a new run folder
         self.bar = progress_bar(self.config.steps, initial=self.state.steps) if self.progress and main else None
-        self.throughput = Throughput(flops_per_token=self.task.flops_per_token, peak_flops=self._peak_flops())
+        self.throughput = Throughput(flops_per_token=self.task.flops_per_token, peak_flops=self._peak_flops(),
+                                     ranks=self.dist.world_size)
         self.say = say = (self.bar.write if self.bar is not None else self.print_fn) if main else (lambda line: None)
         console = ConsoleSink(self.console_every, say)
         try:

@@ -6,6 +6,11 @@
   is clean).
 - ``D``: the same run under ``ulimit -f`` (2,000 bytes a file): rank 0's CSV finds no room; every
   rank stops at the same step with ``ExitCode.DISK_FULL`` (74), none waits in a collective.
+- ``E``: a factory whose ``evaluate`` scores each rank's share of the held-out set, the share of
+  rank 1 getting worse at the second evaluation, with the ``val_regression`` trigger: the
+  metrics are the mean over ranks, and every rank rolls back together (rank 1 alone rolled back
+  and waited in a collective the others never joined: a hang).
+- ``X``: a run folder that exists already (rank 0 alone looks): every rank refuses with exit 2.
 
 Each rank runs ``ampguard.cli.main`` through a small wrapper that writes the exit code ``main``
 returned to ``rank<R>.rc`` before leaving: torchrun reports only the first failure it sees.
@@ -13,16 +18,12 @@ returned to ``rank<R>.rc`` before leaving: torchrun reports only the first failu
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import file_size_limit, run_events, torchrun, torchrun_env
+from helpers import Launch, file_size_limit, run_events, torchrun_env
 
 from ampguard.errors import ExitCode
 
@@ -35,6 +36,26 @@ pytestmark = [
 TIMEOUT_S = 180
 RUN = ["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",
        "--set", "task.batch_size=8", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
+SHARDED_EVAL = '''
+import os
+import torch
+from torch import nn
+
+
+def build(config):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(8)]
+    calls = []
+
+    def evaluate(model, device):  # each rank's own share; the first call is the up-front check
+        calls.append(1)
+        worse = os.environ["RANK"] == "1" and len(calls) >= 3
+        return {"val_loss": 10.0 if worse else 1.0 / len(calls)}
+
+    return {"model": nn.Linear(4, 1), "data": data, "loss_fn": nn.functional.mse_loss, "evaluate": evaluate,
+            "metrics": ("val_loss",)}
+'''
 WRAPPER = '''
 import os, sys
 from pathlib import Path
@@ -52,36 +73,31 @@ def launches(tmp_path_factory):
     work = tmp_path_factory.mktemp("torchrun_guards")
     wrapper = work / "rank_exit.py"
     wrapper.write_text(WRAPPER)
+    (work / "sharded_eval.py").write_text(SHARDED_EVAL)
+    (work / "X" / "runs" / "X").mkdir(parents=True)  # the folder of an earlier run
     specs = {
         "S": ([*RUN, "--set", "steps=6", "--set", "log.name=S", "--strict", "--inject", "nan_loss@3@rank1"], None),
         "D": ([*RUN, "--set", "steps=300", "--set", "log.every=1000", "--set", "checkpoint.enabled=false",
                "--set", "log.name=D"], file_size_limit(2000)),
+        "E": (["train", "--set", f"task.factory={work / 'sharded_eval.py'}:build", "--set", "precision=fp32",
+               "--set", "device=cpu", "--set", "steps=6", "--set", "eval.every=2", "--set", "checkpoint.every=2",
+               "--set", "rollback.triggers=[val_regression]", "--set", "log.dir=runs", "--set", "log.name=E"], None),
+        "X": ([*RUN, "--set", "steps=2", "--set", "log.name=X"], None),
     }
     env = torchrun_env(PYTHONDONTWRITEBYTECODE="1")
-    started = {}
+    started: dict[str, Launch] = {}
     try:
         for name, (args, limit) in specs.items():
-            cwd = work / name
-            cwd.mkdir()
-            cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", str(wrapper), str(cwd), *args]
-            started[name] = (subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                              stdin=subprocess.DEVNULL, text=True, start_new_session=True,
-                                              preexec_fn=limit), cwd)
-        results, t0 = {}, time.monotonic()
-        for name, (proc, cwd) in started.items():
-            try:
-                out, err = proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - t0)))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
-                pytest.fail(f"torchrun {name} did not finish within {TIMEOUT_S} s (a rank hangs?)\n{err[-3000:]}")
-            results[name] = (proc.returncode, out, err, cwd)
+            started[name] = Launch(name, [str(wrapper), str(work / name), *args], work / name, timeout_s=TIMEOUT_S,
+                                   env=env, preexec_fn=limit)
+        results = {}
+        for name, launch in started.items():
+            launch.wait()
+            results[name] = (launch.rc, launch.stdout, launch.stderr, launch.cwd)
         yield results
     finally:
-        for proc, _ in started.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        for launch in started.values():
+            launch.close()
 
 
 def _rank_codes(cwd: Path) -> dict[int, int]:
@@ -116,3 +132,24 @@ def test_a_full_disk_on_rank_0_stops_every_rank_at_the_same_step(launches):
     assert not [line for line in err.splitlines() if line.strip().startswith("File ") and "ampguard" in line]
     assert lines[0].startswith("ampguard: error: disk full while writing runs/D/steps.csv; the run is intact up to step ")
     assert not (cwd / "runs" / "D" / "RUN.md").exists()
+
+
+def test_held_out_metrics_are_the_mean_over_ranks_and_every_rank_rolls_back_together(launches):
+    code, out, err, cwd = launches["E"]
+    codes = _rank_codes(cwd)
+    assert len(codes) == 2 and codes[0] == codes[1], f"torchrun exited {code}\n{err[-3000:]}"
+    rows = {int(r.split(",")[0]): r.split(",")[-1] for r in (cwd / "runs" / "E" / "steps.csv").read_text().splitlines()[1:]}
+    assert float(rows[2]) == 0.5  # both ranks 1/2
+    rollbacks = [e for e in run_events(cwd / "runs" / "E") if e["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["step"] == 4
+    assert "val_loss=5.167" in out  # (1/3 + 10) / 2: rank 1's share got worse
+
+
+def test_a_run_folder_that_exists_is_refused_on_every_rank_with_one_line(launches):
+    code, out, err, cwd = launches["X"]
+    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    lines = [line for line in err.splitlines() if line.startswith("ampguard: error: ")]
+    assert lines and set(lines) == {"ampguard: error: run folder runs/X already exists; choose another log.name"}
+    # no rank's traceback (torchrun prints its own ChildFailedError for any non-zero exit)
+    assert not [line for line in err.splitlines() if line.strip().startswith("File ") and "ampguard" in line]
+    assert "Connection closed by peer" not in err
