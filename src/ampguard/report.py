@@ -8,13 +8,15 @@ from __future__ import annotations
 import csv
 import math
 import os
-from collections.abc import Callable, Iterator
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .clipping import clip_threshold
-from .errors import ExitCode, InputError
+from .errors import ExitCode, InputError, first_line
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor
 from .records import SKIP_REASONS, StepRecord, record_from
@@ -99,9 +101,14 @@ def read_steps_csv(path: str | Path) -> list[Row]:
     return read_steps_and_columns(path)[0]
 
 
-def read_steps_and_columns(path: str | Path) -> tuple[list[Row], list[dict[str, str]]]:
+def read_steps_and_columns(path: str | Path, torn: list[str] | None = None
+                           ) -> tuple[list[Row], list[dict[str, str]]]:
     """:func:`read_steps_csv`'s rows and, from the same one read, each row's cells of the columns
     after the fixed eight (a run's ``val_loss``, the optimizer labels), by column name.
+
+    A last line that does not end in a newline is a row whose write was cut short (a kill, a
+    full disk): it is left out, as a resume drops it, and appended to ``torn`` when given (a
+    torn row of eight cells would otherwise be read with a truncated number).
 
     Example::
 
@@ -112,6 +119,10 @@ def read_steps_and_columns(path: str | Path) -> tuple[list[Row], list[dict[str, 
         >>> rows, extra = read_steps_and_columns(csv_path)
         >>> [r.step for r in rows], extra
         ([1], [{'val_loss': '0.7'}])
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n2,0.1,2.0,1.0,0.5,0,,655")
+        >>> torn = []
+        >>> [(r.step, r.scaler_scale) for r in read_steps_and_columns(csv_path, torn)[0]], torn
+        ([(1, 65536.0)], ['2,0.1,2.0,1.0,0.5,0,,655'])
         >>> shutil.rmtree(folder)
     """
     path = Path(path)
@@ -120,17 +131,38 @@ def read_steps_and_columns(path: str | Path) -> tuple[list[Row], list[dict[str, 
     extra: list[dict[str, str]] = []
     try:
         with path.open(newline="", encoding="utf-8") as f:
-            return list(_rows(path, csv.reader(f), extra)), extra
+            return list(_rows(path, csv.reader(_whole_lines(f, torn)), extra)), extra
     except (UnicodeDecodeError, csv.Error) as err:
         raise InputError(f"{path}: not a readable CSV ({err})") from None
     except OSError as err:  # (a file that cannot be read: permissions, an I/O error)
         raise InputError(f"{path}: cannot read it ({err.strerror or err})") from None
 
 
+def _whole_lines(lines: Iterable[str], torn: list[str] | None = None) -> Iterator[str]:
+    """``lines`` (a text file's, newlines kept) but a last one that does not end in a newline,
+    after the first: a write cut short. It goes into ``torn`` when given.
+
+    Example::
+
+        >>> torn = []
+        >>> list(_whole_lines(["step\\n", "1\\r\\n", "2\\n", "3"], torn)), torn, list(_whole_lines(["step"]))
+        (['step\\n', '1\\r\\n', '2\\n'], ['3'], ['step'])
+    """
+    for n, line in enumerate(lines):
+        if n and not line.endswith(("\n", "\r")):
+            if torn is not None:
+                torn.append(line)
+            return
+        yield line
+
+
 def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) -> Iterator[Row]:
     header = next(reader, None)
     if header is None or tuple(header[: len(CSV_COLUMNS)]) != CSV_COLUMNS:
         raise InputError(f"{path}: the header is not ampguard's ({','.join(CSV_COLUMNS)})")
+    twice = [name for name, n in Counter(header).items() if n > 1]
+    if twice:  # (a metric named like a fixed column: which of the two is the loss?)
+        raise InputError(f"{path}: the header names {', '.join(map(repr, twice))} more than once")
     fixed = len(CSV_COLUMNS)
     previous = 0
     for line_no, cells in enumerate(reader, start=2):
@@ -138,8 +170,10 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
         if len(cells) != len(header):
             raise InputError(f"{where}: {len(cells)} cells, the header has {len(header)}")
         extra.append(dict(zip(header[fixed:], cells[fixed:])))
-        cell = dict(zip(header, cells))
+        cell = dict(zip(CSV_COLUMNS, cells))  # the fixed eight, by position
         try:
+            if not (cell["step"].isascii() and cell["step"].isdigit()):  # (int() takes "1_000", " 7", "+7")
+                raise ValueError(cell["step"])
             step = int(cell["step"])
         except ValueError:
             raise InputError(f"{where}: step {cell['step']!r} is not a whole number") from None
@@ -258,11 +292,66 @@ def plot_run(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r.step for r in rows]
     size = (FIGSIZE[0], FIGSIZE[1] + (HEATMAP_HEIGHT if heat else 0.0))
     fig, axes = plt.subplots(6 if heat else 5, 1, sharex=True, figsize=size, dpi=DPI, layout="constrained",
                              height_ratios=[1.0] * 5 + ([2.2] if heat else []))
+    png_path = Path(png_path)
+    # drawn beside the target, then renamed over it: a failed write leaves no half a PNG, and an
+    # earlier plot stays as it was
+    partial = png_path.with_name(f".{png_path.name}.{os.getpid()}.partial")
+    try:
+        with warnings.catch_warnings():  # (numpy's overflow notes on values near the float64 limit)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
+                  fail_rate=fail_rate, alert_bits=alert_bits, title=title or Path(csv_path).name)
+            fig.savefig(partial, dpi=DPI, format="png")
+        os.replace(partial, png_path)
+    except OSError as err:
+        partial.unlink(missing_ok=True)
+        raise InputError(f"{png_path}: cannot write the plot ({err.strerror or err})") from None
+    except (ValueError, ArithmeticError) as err:  # numbers matplotlib cannot lay out: one line, no PNG
+        partial.unlink(missing_ok=True)
+        raise InputError(f"{csv_path}: cannot be plotted ({first_line(err, with_type=True)})") from None
+    finally:
+        plt.close(fig)
+    return png_path
+
+
+LINEAR_LIMIT = 1e300
+"""Beyond this magnitude a linear axis overflows (its span, its margins, its ticks): a panel with
+such a value is drawn on a symmetric log axis instead."""
+
+
+def _linear_y(ax: Any, values: list[float], label: str) -> None:
+    """A y axis for ``values`` that is linear when it can be, else (a value beyond
+    :data:`LINEAR_LIMIT`: losses from -1e308 to 1e308) symmetric log from the lowest value (or 0)
+    to the highest (or 0), set outright (autoscaling's margins overflow there); ``label`` says which.
+
+    Example::
+
+        >>> import matplotlib
+        >>> matplotlib.use("Agg")
+        >>> import matplotlib.pyplot as plt
+        >>> fig, (a, b) = plt.subplots(2)
+        >>> _linear_y(a, [0.5, -2.0], "loss"), _linear_y(b, [1e308, -1e308, 0.5], "loss")
+        (None, None)
+        >>> a.get_yscale(), a.get_ylabel(), b.get_yscale(), b.get_ylabel(), tuple(map(float, b.get_ylim()))
+        ('linear', 'loss', 'symlog', 'loss (symlog)', (-1e+308, 1e+308))
+        >>> plt.close(fig)
+    """
+    if not any(abs(v) > LINEAR_LIMIT for v in values):
+        ax.set_ylabel(label)
+        return
+    ax.set_yscale("symlog")
+    ax.set_ylim(min(min(values), 0.0), max(max(values), 0.0))
+    ax.set_ylabel(f"{label} (symlog)")
+
+
+def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_norm: float | None, window: int,
+          alert_rate: float, fail_rate: float | None, alert_bits: float | None, title: str) -> None:
+    """:func:`plot_run`'s panels on ``axes`` (five, and the headroom heatmap with ``heat``)."""
     ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes[:5]
+    steps = [r.step for r in rows]
 
     def finite(values: list[float | None], positive: bool = False) -> tuple[list[int], list[float]]:
         return finite_points(rows, values, positive)
@@ -271,8 +360,11 @@ def plot_run(
     xs, ys = finite(losses)
     log_loss = bool(ys) and min(ys) > 0
     ax_loss.plot(xs, ys, lw=1, color="tab:blue", label="loss (mean of the step's micro-batches)")
-    ax_loss.set_yscale("log" if log_loss else "linear")
-    ax_loss.set_ylabel("loss" + (" (log)" if log_loss else ""))
+    if log_loss:
+        ax_loss.set_yscale("log")
+        ax_loss.set_ylabel("loss (log)")
+    else:
+        _linear_y(ax_loss, ys, "loss")
     ax_loss.set_title("Loss")
 
     for values, label, colour in (
@@ -294,7 +386,7 @@ def plot_run(
 
     xs, ys = finite([r.lr for r in rows])
     ax_lr.plot(xs, ys, color="tab:cyan", lw=1.2, label="learning rate (param group 0)")
-    ax_lr.set_ylabel("learning rate")
+    _linear_y(ax_lr, ys, "learning rate")
     ax_lr.set_title("Learning rate")
 
     rates = rolling_skip_rate(rows, window)
@@ -320,20 +412,7 @@ def plot_run(
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
     skipped = sum(r.skipped for r in rows)
-    fig.suptitle(f"{title or Path(csv_path).name}: {len(rows)} steps, {skipped} skipped", fontsize=13)
-    png_path = Path(png_path)
-    # drawn beside the target, then renamed over it: a failed write leaves no half a PNG, and an
-    # earlier plot stays as it was
-    partial = png_path.with_name(f".{png_path.name}.{os.getpid()}.partial")
-    try:
-        fig.savefig(partial, dpi=DPI, format="png")
-        os.replace(partial, png_path)
-    except OSError as err:
-        partial.unlink(missing_ok=True)
-        raise InputError(f"{png_path}: cannot write the plot ({err.strerror or err})") from None
-    finally:
-        plt.close(fig)
-    return png_path
+    fig.suptitle(f"{title}: {len(rows)} steps, {skipped} skipped", fontsize=13)
 
 
 def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float | None = None) -> None:
@@ -523,17 +602,25 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
 
 
 def _start_scale(rows: list[Row], backoff: float) -> float:
-    """The scale a run started with, read off its first row when no config says (a demo's CSV):
-    the scale after step 1, undone by one back-off when step 1 was skipped.
+    """The scale a run started with, read off its rows when no config says (a demo's CSV): the
+    first finite scale > 0 (the scale after that step), undone by one back-off when that step was
+    skipped; 1.0 when no row has one (a scale of 0, negative, nan or empty is no loss scale).
 
     Example::
 
         >>> rows = [Row(1, 0.1, 1.0, 1.0, 0.5, False, "", 1024.0), Row(2, 0.1, None, None, None, True, "x", 512.0)]
         >>> _start_scale(rows, 0.5), _start_scale(rows[1:], 0.5)
         (1024.0, 1024.0)
+        >>> bad = Row(1, 0.1, 1.0, 1.0, 0.5, False, "", -1.0)
+        >>> _start_scale([bad, rows[0]], 0.5), _start_scale([bad], 0.5)
+        (1024.0, 1.0)
     """
-    first = rows[0].scaler_scale or 1.0
-    return first / backoff if rows[0].skipped else first
+    for row in rows:
+        scale = row.scaler_scale
+        if scale is not None and math.isfinite(scale) and scale > 0:
+            before = scale / backoff if row.skipped and backoff > 0 else scale
+            return before if math.isfinite(before) else scale
+    return 1.0
 
 
 def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
@@ -615,7 +702,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     given = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "fail_rate": fail_rate}
     settings.update({key: value for key, value in given.items() if value is not None})
 
-    rows = read_steps_csv(csv_path)
+    torn: list[str] = []
+    rows = read_steps_and_columns(csv_path, torn)[0]
     if not rows:
         raise InputError(f"{csv_path}: no steps recorded, nothing to report")
     scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
@@ -624,7 +712,13 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                      fail_rate=settings["fail_rate"], max_norm=clip_threshold(settings["max_norm"]),
                      scaler_enabled=scaler_on, init_scale=init_scale, min_scale=min(config.scaler.min_scale, init_scale),
                      min_steps=config.monitor.min_steps if min_steps is None else min_steps)
-    plot_run(csv_path, png, **settings, headroom=headroom_beside(csv_path), alert_bits=config.monitor.headroom.alert_bits)
+    # a run folder's plot keeps the title the run gave it (write_report)
+    title = f"run {target.resolve().name}" if target.is_dir() else None
+    plot_run(csv_path, png, **settings, title=title, headroom=headroom_beside(csv_path),
+             alert_bits=config.monitor.headroom.alert_bits)
+    if torn:
+        print(f"note: the last line of {csv_path} is torn (no newline: a write cut short), left out: "
+              f"{torn[0][:40]!r}")
     print(f"summary: {monitor.summary()}")
     print(f"max rolling skip rate {monitor.max_skip_rate:.4f} (window {settings['window']}), "
           f"alert episodes {monitor.alert_episodes}, clip rate {monitor.clip_rate:.3f}, scale {monitor.scale_verdict}")

@@ -25,6 +25,41 @@ CSV_COLUMNS: tuple[str, ...] = (
 )
 
 
+def check_column_names(names: Iterable[object], what: str, reserved: Iterable[str] = CSV_COLUMNS) -> tuple[str, ...]:
+    """``names`` as a tuple of CSV column names, or one :class:`InputError` line naming the first
+    that is not a name (not a string, or empty), repeats an earlier one, or is one of ``reserved``
+    (the fixed columns: a second ``loss`` column would be read as the loss). ``what`` says whose
+    names they are, for the error.
+
+    Example::
+
+        >>> check_column_names(["val_loss", "val_accuracy"], "CsvSink: extra column")
+        ('val_loss', 'val_accuracy')
+        >>> for names in (["loss"], ["val_loss", "val_loss"], [""]):
+        ...     try:
+        ...         check_column_names(names, "task metric")
+        ...     except InputError as err:
+        ...         print(err)
+        task metric 'loss' is one of the CSV's fixed columns (step, lr, grad_l2_pre_clip, grad_l2_post_clip, loss, skipped, skip_reason, scaler_scale); name it otherwise
+        task metric 'val_loss' is named twice
+        task metric '' is empty; name it
+    """
+    reserved = tuple(reserved)
+    seen: list[str] = []
+    for name in names:
+        if not isinstance(name, str):
+            raise InputError(f"{what} {name!r} is a {type(name).__name__}, not a name (a string)")
+        if not name:
+            raise InputError(f"{what} {name!r} is empty; name it")
+        if name in reserved:
+            raise InputError(f"{what} {name!r} is one of the CSV's fixed columns ({', '.join(reserved)}); "
+                             "name it otherwise")
+        if name in seen:
+            raise InputError(f"{what} {name!r} is named twice")
+        seen.append(name)
+    return tuple(seen)
+
+
 @runtime_checkable
 class Sink(Protocol):
     """Anything with ``write(record, extra=None)`` and ``close()``.
@@ -130,15 +165,33 @@ def _open_for_append(path: Path) -> IO[bytes]:
 
 
 def _append(file: IO[bytes], text: str) -> None:
-    """Write ``text`` (UTF-8) to an unbuffered file, all of it (a raw write may take part)."""
+    """Write ``text`` (UTF-8) to an unbuffered file, all of it (a raw write may take part).
+
+    A write that fails after part of ``text`` went in (a disk that fills: the first ``write``
+    takes what fits, the next one raises) takes that part back out (``os.ftruncate`` to where the
+    line began), so the file never ends in half a line; the error is raised as it came.
+    """
     data = text.encode("utf-8")
-    written = file.write(data)
+    written = file.write(data) or 0
     if written != len(data):  # (a regular file takes it all; anything else may not)
-        rest = memoryview(data)[written or 0:]
-        while rest:
-            if not (written := file.write(rest)):  # a file that takes nothing (a full pipe): never spin
-                raise OSError(errno.EAGAIN, f"the write took none of {len(rest)} bytes")
-            rest = rest[written:]
+        rest = memoryview(data)[written:]
+        try:
+            while rest:
+                if not (took := file.write(rest)):  # a file that takes nothing (a full pipe): never spin
+                    raise OSError(errno.EAGAIN, f"the write took none of {len(rest)} bytes")
+                written += took
+                rest = rest[took:]
+        except BaseException:
+            _take_back(file, written)
+            raise
+
+
+def _take_back(file: IO[bytes], written: int) -> None:
+    """Cut the last ``written`` bytes off ``file`` (appended to, so its offset is its end): the
+    part of a line whose write failed. Nothing for a file that cannot be cut (a pipe)."""
+    if written:
+        with contextlib.suppress(OSError, ValueError):
+            os.ftruncate(file.fileno(), file.tell() - written)
 
 
 class _Line:
@@ -218,7 +271,8 @@ class CsvSink(_LineFile):
     """The per-step CSV of docs/design.md §3: one row per step, flushed when written.
 
     The header is the eight fixed columns, then ``extra_columns`` (declared up front, so the
-    file is never rewritten when a value first appears). ``append=True`` continues an existing
+    file is never rewritten when a value first appears; an empty, repeated or fixed column's name
+    is refused: :func:`check_column_names`). ``append=True`` continues an existing
     file whose header matches, without writing a second header; otherwise an existing file is
     an error, never overwritten.
 
@@ -251,7 +305,8 @@ class CsvSink(_LineFile):
         keep_through: int | None = None,
     ) -> None:
         self.path = Path(path)
-        self.columns = CSV_COLUMNS + tuple(extra_columns)
+        extra = (extra_columns,) if isinstance(extra_columns, str) else extra_columns
+        self.columns = CSV_COLUMNS + check_column_names(extra, "CsvSink: extra column")
         self._open(append, keep_through, "this run's columns")
         self._extra = self.columns[len(CSV_COLUMNS):]
         self._labels = any(c in LABEL_COLUMNS for c in self._extra)
@@ -306,18 +361,53 @@ class CsvSink(_LineFile):
 
     def _truncate_after(self, step: int) -> None:
         """Drop rows after ``step`` (written after the checkpoint a run resumes from), atomically,
-        so the resumed run appends without duplicate steps. A torn last line goes too."""
-        with self.path.open(newline="", encoding="utf-8") as f:
-            lines = f.read().splitlines(keepends=True)
+        so the resumed run appends without duplicate steps. A torn last line goes too.
+
+        Every line up to the first row after ``step`` is checked before the file is touched: one
+        that is not a row of this CSV (bytes that are not UTF-8, the wrong number of cells, a
+        step that is not a whole number in ASCII digits) is one :class:`InputError` line, and the
+        file stays as it was (never a traceback; never rows the resumed run kept, cut).
+
+        Example::
+
+            >>> import tempfile
+            >>> path = Path(tempfile.mkdtemp()) / "steps.csv"
+            >>> _ = path.write_bytes(b"step,lr\\n1,0.1\\n2,0.1\\n3,0.1\\n4,0.")
+            >>> sink = CsvSink.__new__(CsvSink)
+            >>> sink.path, sink.columns = path, ("step", "lr")
+            >>> sink._truncate_after(2)
+            >>> path.read_bytes()
+            b'step,lr\\n1,0.1\\n2,0.1\\n'
+            >>> _ = path.write_bytes(b"step,lr\\n1,0.1\\n\\xb2,0.\\xff\\n3,0.1\\n")
+            >>> try:
+            ...     sink._truncate_after(2)
+            ... except InputError as err:
+            ...     print(str(err).replace(str(path), "steps.csv"))
+            steps.csv line 3: not UTF-8 text (byte 0xb2 at column 1), cannot resume from it
+            >>> path.read_bytes()  # as it was
+            b'step,lr\\n1,0.1\\n\\xb2,0.\\xff\\n3,0.1\\n'
+        """
+        lines = self.path.read_bytes().splitlines(keepends=True)
         keep = lines[:1]
-        for line in lines[1:]:
-            cells = next(csv.reader([line]), [])
-            if not line.endswith("\n") or len(cells) != len(self.columns) or not cells[0].isdigit():
+        for line_no, raw in enumerate(lines[1:], start=2):
+            if not raw.endswith(b"\n"):  # a torn last line (a write cut short): it goes
                 break
+            where = f"{self.path} line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise InputError(f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}), "
+                                 "cannot resume from it") from None
+            cells = next(csv.reader([line]), [])
+            if len(cells) != len(self.columns):
+                raise InputError(f"{where}: {len(cells)} cells, the header has {len(self.columns)}; "
+                                 "cannot resume from it")
+            if not (cells[0].isascii() and cells[0].isdigit()):
+                raise InputError(f"{where}: step {cells[0]!r} is not a whole number, cannot resume from it")
             if int(cells[0]) > step:
                 break
-            keep.append(line)
-        self._replace_with("".join(keep).encode("utf-8"))
+            keep.append(raw)
+        self._replace_with(b"".join(keep))
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Append one row (:func:`csv_row`) and flush it (:class:`DiskFull` when there is no room)."""

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from ..records import LABEL_COLUMNS
+from ..sinks import CSV_COLUMNS, check_column_names
 from .base import Task, cycle
 
 
@@ -76,6 +78,26 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return fn
 
 
+def check_metrics(metrics: Any, spec: str) -> tuple[str, ...]:
+    """A factory's ``metrics`` as a tuple of names, or one :class:`~ampguard.errors.InputError`
+    line naming the first that cannot be a CSV column of its own: empty, named twice, or one of
+    the fixed columns (``sinks.CSV_COLUMNS``, ``records.LABEL_COLUMNS``). A metric called
+    ``loss`` would be a second ``loss`` column, read back as the training loss.
+
+    Example::
+
+        >>> check_metrics(("val_loss", "val_accuracy"), "f.py:build")
+        ('val_loss', 'val_accuracy')
+        >>> check_metrics(("val_loss", "loss"), "f.py:build")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task.factory f.py:build: metric 'loss' is one of the CSV's fixed columns (step, ...); name it otherwise
+    """
+    if not isinstance(metrics, Iterable):
+        raise InputError(f"task.factory {spec}: metrics must be a sequence of names, not a {type(metrics).__name__}")
+    return check_column_names(metrics, f"task.factory {spec}: metric", CSV_COLUMNS + LABEL_COLUMNS)
+
+
 def build_from_factory(config: Any) -> Task:
     r"""The :class:`Task` that ``config.task.factory`` builds, its result checked (bad ones raise
     :class:`~ampguard.errors.InputError` in one line).
@@ -103,6 +125,7 @@ def build_from_factory(config: Any) -> Task:
     except (Exception, SystemExit) as err:  # noqa: BLE001
         raise InputError(f"task.factory {spec} raised {type(err).__name__}: {err}") from None
     if isinstance(made, Task):
+        check_metrics(made.metrics, spec)
         return made
     if isinstance(made, tuple) and len(made) == 3:
         made = dict(zip(("model", "data", "loss_fn"), made))
@@ -120,8 +143,8 @@ def build_from_factory(config: Any) -> Task:
     else:
         raise InputError(f"task.factory {spec}: data must be re-iterable (a list, a DataLoader) or a function "
                          "returning an iterable, not a one-shot iterator")
-    metrics = made.get("metrics", ())
-    metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+    metrics = made.get("metrics")
+    metrics = check_metrics(() if metrics is None else (metrics,) if isinstance(metrics, str) else metrics, spec)
     evaluate = made.get("evaluate")
     if evaluate is not None and not metrics:
         raise InputError(f"task.factory {spec}: evaluate is given, so metrics must name what it returns")

@@ -1,0 +1,229 @@
+"""What ``ampguard report`` (and a resume) reads back, against hostile files (review of the
+observability code): a task metric named like a fixed CSV column is refused before anything is
+written; a header that names a column twice, a step like ``1_000`` are one line, exit 2; a torn
+last line (a row a kill or a full disk cut short) is left out instead of refusing the run, and
+a full disk leaves no torn row behind at all; losses and learning rates out to +-1e308 and a
+negative first loss scale are plotted; a run folder's plot keeps the run's title; a resume that
+meets a line it cannot read past the CSV's first 8 KB is one line and cuts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import helpers
+from helpers import file_size_limit, ok, one_error_line, read_rows
+
+from ampguard.errors import ExitCode
+from ampguard.sinks import CSV_COLUMNS
+
+HEADER = ",".join(CSV_COLUMNS)
+LINEAR = ["--set", "task.name=linear", "--set", "device=cpu", "--set", "precision=fp32"]
+
+
+def csv_text(*lines: str) -> str:
+    return "\n".join(lines) + "\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def refused(cli, target: str) -> str:
+    code, out, err = cli("report", target)
+    assert code == 2 and out == "", (code, out, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+# ---------------------------------------------------------------------------- a metric named like a column
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    y = x.sum(1, keepdim=True)
+    loss_fn = nn.MSELoss()
+
+    def evaluate(model, device):
+        with torch.no_grad():
+            return {{"{metric}": float(loss_fn(model(x.to(device)), y.to(device))) + 1000.0}}
+
+    return {{"model": nn.Linear(4, 1), "data": [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)],
+            "loss_fn": loss_fn, "evaluate": evaluate, "metrics": ("{metric}",)}}
+"""
+
+
+@pytest.mark.parametrize("metric", ["loss", "step", "skipped"])
+def test_a_factory_metric_named_like_a_csv_column_is_refused_before_the_run_folder_is_made(tmp_path, snapshot,
+                                                                                            metric):
+    # the CSV got two "loss" columns; report, steps.jsonl and TensorBoard took the held-out value for
+    # the training loss (a metric "step" or "skipped" made report refuse the run)
+    factory = tmp_path / "fac.py"
+    factory.write_text(FACTORY.format(metric=metric), encoding="utf-8")
+    before = snapshot(tmp_path)
+    line = one_error_line(helpers.train(tmp_path / "runs", "fac", "--set", f"task.factory={factory}:build",
+                                        *LINEAR, "--set", "steps=4", "--set", "eval.every=2",
+                                        "--set", "log.jsonl=true"))
+    assert f"metric '{metric}' is one of the CSV's fixed columns" in line, line
+    assert snapshot(tmp_path) == before
+
+
+def test_a_factory_metric_with_its_own_name_is_a_column_of_its_own(tmp_path):
+    factory = tmp_path / "fac.py"
+    factory.write_text(FACTORY.format(metric="held_out_loss"), encoding="utf-8")
+    ok(helpers.train(tmp_path, "fac", "--set", f"task.factory={factory}:build", *LINEAR, "--set", "steps=4",
+                     "--set", "eval.every=2"))
+    rows = read_rows(tmp_path / "fac" / "steps.csv")
+    assert float(rows[1]["held_out_loss"]) > 1000 > float(rows[1]["loss"])
+
+
+def test_report_refuses_a_header_that_names_a_column_twice(cli, tmp_path, snapshot):
+    # the last "loss" column won: the report read the metric as the training loss
+    (tmp_path / "two.csv").write_text(csv_text(HEADER + ",loss", "1,0.1,2.0,1.0,0.5,0,,1.0,1000.5"))
+    before = snapshot(tmp_path)
+    line = refused(cli, "two.csv")
+    assert line.startswith("ampguard: error: two.csv: ") and "'loss' more than once" in line, line
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("step", ["1_000", " 7", "+7", "\u0662"])  # the last: ARABIC-INDIC DIGIT TWO
+def test_report_refuses_a_step_that_int_would_take_but_is_no_whole_number_in_ascii(cli, tmp_path, step):
+    (tmp_path / "s.csv").write_text(csv_text(HEADER, f"{step},0.1,2.0,1.0,0.5,0,,1.0"), encoding="utf-8")
+    line = refused(cli, "s.csv")
+    assert f"line 2: step {step!r} is not a whole number" in line, line
+
+
+# ---------------------------------------------------------------------------- torn last lines, a full disk
+
+
+@pytest.mark.parametrize("tail", ["2,0.1,2.0,1.", "2,0.1,2.0,1.0,0.5,0,,655"])  # the second: 8 cells, cut in a number
+def test_report_leaves_out_a_torn_last_line_and_says_so(cli, tmp_path, tail):
+    (tmp_path / "t.csv").write_text(f"{HEADER}\n1,0.1,2.0,1.0,0.5,0,,65536.0\n{tail}", encoding="utf-8")
+    code, out, err = cli("report", "t.csv")
+    assert code == 0, err
+    assert "note: the last line of t.csv is torn" in out, out
+    assert "summary: steps=1 updates=1 skips=0 (none) final_scale=65536 " in out, out  # not 655
+    assert png_size(tmp_path / "t.png") == (1200, 1400)
+
+
+def test_report_reads_a_last_line_that_ends_in_a_newline_as_a_row(cli, tmp_path):
+    (tmp_path / "t.csv").write_text(csv_text(HEADER, "1,0.1,2.0,1.0,0.5,0,,65536.0", "2,0.1,2.0,1.0,0.5,0,,655"))
+    code, out, err = cli("report", "t.csv")
+    assert code == 0 and "torn" not in out and "summary: steps=2 " in out and "final_scale=655 " in out, out
+
+
+def test_a_full_disk_leaves_no_half_row_and_report_reads_the_run(tmp_path, cli):
+    # the first write took what fitted, the second raised EFBIG: steps.csv ended in half a row, and
+    # report refused the run ("line 34: 3 cells, the header has 9")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=200", "--set", "checkpoint.enabled=false",
+         "--set", "eval.enabled=false", "--set", "log.every=1000", "--set", "log.dir=runs", "--set", "log.name=full"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, preexec_fn=file_size_limit(3072))
+    assert done.returncode == ExitCode.DISK_FULL, done.stderr
+    run = tmp_path / "runs" / "full"
+    data = (run / "steps.csv").read_bytes()
+    assert data.endswith(b"\n") and len(data) <= 3072, data[-80:]
+    n = int(re.search(r"intact up to step (\d+)", done.stderr).group(1))
+    assert [int(r["step"]) for r in read_rows(run / "steps.csv")] == list(range(1, n + 1))
+    code, out, err = cli("report", run)
+    assert code == 0, err
+    assert f"summary: steps={n} " in out and "torn" not in out
+
+
+# ---------------------------------------------------------------------------- what cannot be laid out
+
+
+@pytest.mark.parametrize("rows", [
+    ["1,0.1,2.0,1.0,1e308,0,,1.0", "2,0.1,2.0,1.0,-1e308,0,,1.0", "3,0.1,2.0,1.0,0.5,0,,1.0"],  # loss
+    ["1,1e308,2.0,1.0,0.5,0,,1.0", "2,-1e308,2.0,1.0,0.5,0,,1.0"],  # lr
+    ["1,0.1,2.0,1.0,1.7e308,0,,1.0", "2,0.1,2.0,1.0,1.6e308,0,,1.0", "3,0.1,2.0,1.0,-1.0,0,,1.0"],
+], ids=["loss", "lr", "loss-near-max"])
+def test_report_plots_values_out_to_the_float64_limit(cli, tmp_path, rows):
+    # matplotlib's linear tick locator overflowed: "ValueError: arange: cannot compute length" (exit 1)
+    (tmp_path / "h.csv").write_text(csv_text(HEADER, *rows))
+    code, out, err = cli("report", "h.csv")
+    assert code == 0 and err == "", (code, err)
+    assert png_size(tmp_path / "h.png") == (1200, 1400)
+
+
+def test_report_of_a_csv_whose_first_scale_is_negative_starts_from_the_first_real_scale(cli, tmp_path):
+    # the negative first scale became the monitor's init_scale and min_scale: ValueError (exit 1)
+    (tmp_path / "n.csv").write_text(csv_text(HEADER, "1,0.1,2.0,1.0,0.5,0,,-1.0", "2,0.1,2.0,1.0,0.5,0,,1024.0",
+                                             "3,0.1,2.0,1.0,0.5,0,,1024.0"))
+    code, out, err = cli("report", "n.csv")
+    assert code == 0 and err == "", (code, err)
+    assert "summary: steps=3 " in out and png_size(tmp_path / "n.png") == (1200, 1400)
+
+
+def test_a_drawing_error_is_one_line_and_no_png(cli, tmp_path, monkeypatch, snapshot):
+    def cannot(*args, **kwargs):
+        raise ValueError("arange: cannot compute length")
+
+    monkeypatch.setattr("ampguard.report._draw", cannot)
+    (tmp_path / "d.csv").write_text(csv_text(HEADER, "1,0.1,2.0,1.0,0.5,0,,1.0"))
+    before = snapshot(tmp_path)
+    line = refused(cli, "d.csv")
+    assert line == "ampguard: error: d.csv: cannot be plotted (ValueError: arange: cannot compute length)", line
+    assert snapshot(tmp_path) == before
+
+
+def test_report_of_a_run_folder_keeps_the_runs_title(cli, tmp_path, monkeypatch):
+    # the run drew "run <name>: N steps"; report drew it again as "steps.csv: N steps"
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    real = Figure.suptitle
+
+    def suptitle(self, text, *args, **kwargs):
+        titles.append(text)
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "suptitle", suptitle)
+    ok(cli("train", *LINEAR, "--set", "steps=3", "--set", "eval.enabled=false", "--set", "checkpoint.enabled=false",
+           "--set", "log.dir=.", "--set", "log.name=titled"))
+    assert titles == ["run titled: 3 steps, 0 skipped"]
+    code, out, err = cli("report", "titled")
+    assert code == 0, err
+    code, out, err = cli("report", "titled/steps.csv", "--out", "bare.png")
+    assert code == 0, err
+    assert titles == ["run titled: 3 steps, 0 skipped"] * 2 + ["steps.csv: 3 steps, 0 skipped"]
+
+
+# ---------------------------------------------------------------------------- a resume past the first 8 KB
+
+
+def test_a_resume_that_meets_a_bad_line_past_8_kb_is_one_line_and_cuts_nothing(tmp_path, snapshot):
+    # steps.csv was decoded whole (UnicodeDecodeError) and int() took what isdigit() passed ('²':
+    # ValueError): a traceback, after the header check (the first 8 KB) had passed
+    ok(helpers.train(tmp_path, "big", *LINEAR, "--set", "steps=120", "--set", "checkpoint.every=50",
+                     "--set", "eval.enabled=false", "--set", "log.every=1000"))
+    run = tmp_path / "big"
+    (run / "checkpoints" / "step-00000120.pt").unlink()  # resume from step 100
+    good = (run / "steps.csv").read_bytes()
+    lines = good.splitlines(keepends=True)
+    assert sum(map(len, lines[:99])) > 8192  # line 100 (step 99) starts past the first 8 KB
+    for spoiled, said in ((lines[99].replace(b".", b"\xff.", 1), "not UTF-8 text"),
+                          (b"\xc2\xb2" + lines[99][2:], "step '\u00b2' is not a whole number")):
+        (run / "steps.csv").write_bytes(b"".join(lines[:99] + [spoiled] + lines[100:]))
+        before = snapshot(run)
+        line = one_error_line(helpers.ag("train", "--resume", run))
+        assert f"steps.csv line 100: {said}" in line, line
+        assert snapshot(run) == before
+    (run / "steps.csv").write_bytes(good)
+    ok(helpers.ag("train", "--resume", run))
+    assert (run / "steps.csv").read_bytes() == good  # the resumed run wrote steps 101..120 again, as they were
