@@ -1,10 +1,13 @@
 """Where was this NaN born? The first non-finite value of a batch, in execution order.
 
 Forward hooks on every module and gradient hooks on every parameter watch one forward and
-backward pass of the batch (under the run's autocast and loss scale); the first place a
-non-finite value shows up is the finding: the input, a module's output (qualified name, type,
-input and output dtypes), the loss, or a parameter's gradient in backward. The batch is then
-replayed in FP32 (no autocast, no loss scale): finite there means a precision-range problem;
+backward pass of the batch (under the run's autocast and loss scale, each micro-batch's loss
+divided by the accumulation steps as the step does); the first place a non-finite value shows up
+is the finding: the input, a module's output (qualified name, type, input and output dtypes), a
+module's own code between its submodules (a functional or in-place op), the loss (or the targets
+it was given), or a parameter's gradient in backward. The batch is then replayed in FP32 (no
+autocast, no loss scale), from the same RNG state (dropout draws the same masks in every pass):
+finite there means a precision-range problem;
 non-finite there too means the data or the model. For a precision-range problem the batch is then
 replayed with autocast disabled around the first offending module alone (its floating inputs cast
 to FP32), then around its parent, and so on up to the model: the smallest module whose FP32 run
@@ -17,7 +20,10 @@ gradients, the module buffers and the RNG states are restored afterwards.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .errors import InputError, first_line
+from .errors import InputError, brief, first_line
 from .precision import Precision
 
 
@@ -63,12 +69,15 @@ class Finding:
     """
 
     where: str  # input | forward | loss | backward | none
-    name: str = ""  # module or parameter qualified name ("" for input / loss)
+    name: str = ""  # module or parameter qualified name ("" for the inputs and the loss; "targets")
     op: str = ""  # module type, or the loss function's name
     kind: str = ""  # nan | inf
     input_dtypes: list[str] = field(default_factory=list)
     output_dtypes: list[str] = field(default_factory=list)
     precision: str = ""
+    before: str = ""
+    """For a value born in module ``name``'s own code (a functional or in-place op between its
+    submodules): the submodule it was passed to, whose output it made non-finite."""
 
 
 @dataclass
@@ -109,11 +118,13 @@ class Diagnosis:
         f = self.amp
         if f.where == "none":
             return f"no non-finite value in forward, loss or backward under {f.precision}"
+        dtypes = f"{','.join(f.input_dtypes) or '-'} -> outputs {','.join(f.output_dtypes) or '-'}"
         if f.where == "input":
-            place = "in the input batch"
+            place = "in the batch's targets" if f.name == "targets" else "in the input batch"
+        elif f.where == "forward" and f.before:
+            place = f"in the forward code of {f.name or '<model>'} itself ({f.op}; inputs {dtypes}), before it calls {f.before}"
         elif f.where == "forward":
-            place = (f"in the forward output of {f.name or '<model>'} ({f.op}; inputs "
-                     f"{','.join(f.input_dtypes) or '-'} -> outputs {','.join(f.output_dtypes) or '-'})")
+            place = f"in the forward output of {f.name or '<model>'} ({f.op}; inputs {dtypes})"
         elif f.where == "loss":
             place = f"in the loss ({f.op})"
         else:
@@ -180,11 +191,20 @@ def trace_first_non_finite(
     precision: Precision,
     loss_scale: float = 1.0,
     fp32_module: str | None = None,
+    accumulation_steps: int = 1,
 ) -> Finding:
     """One forward + backward of the batch, watching for the first non-finite value.
 
-    ``fp32_module`` names a module (``""``: the model) that runs with autocast disabled around it
-    alone, its floating inputs cast to FP32 (:func:`fp32_around`); the rest keeps ``precision``.
+    The backward is the guarded step's for one micro-batch: ``(loss / accumulation_steps *
+    loss_scale).backward()``, as ``scaler.scale(loss / N).backward()``. ``fp32_module`` names a
+    module (``""``: the model) that runs with autocast disabled around it alone, its floating
+    inputs cast to FP32 (:func:`fp32_around`); the rest keeps ``precision``.
+
+    A module whose output is non-finite while its first input already was did not make the value:
+    the code of the module that called it did, between its submodules (a ``torch.exp`` or an
+    in-place op in its ``forward``); the finding names that caller, ``before`` the module. (Only
+    the first input counts: a mask of -inf in a later argument is no finding.) Non-finite targets
+    are the finding when the loss is not finite (a loss may mask them out, as ``nanmean`` does).
 
     Every module output and every gradient is checked on the host (a host sync each): a
     diagnostic, never part of the step. The parameters' ``.grad`` are put back afterwards.
@@ -205,6 +225,9 @@ def trace_first_non_finite(
         >>> f = trace_first_non_finite(model, inf_loss, torch.ones(3, 2), y, fp32)
         >>> f.where, f.op, f.kind, all(p.grad is None for p in model.parameters())
         ('loss', 'inf_loss', 'inf', True)
+        >>> f = trace_first_non_finite(model, nn.functional.mse_loss, torch.ones(3, 2), y / 0, fp32)
+        >>> f.where, f.name, f.kind
+        ('input', 'targets', 'nan')
     """
     label = precision.name
     if (kind := _bad(inputs)) is not None:
@@ -214,13 +237,26 @@ def trace_first_non_finite(
     names = {id(m): name for name, m in model.named_modules()}
     param_owner = {id(p): (name, type(model.get_submodule(name.rpartition(".")[0])).__name__)
                    for name, p in model.named_parameters()}
+    calls: list[tuple[nn.Module, list[str]]] = []  # the modules in forward, outermost first, and their input dtypes
+
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        calls.append((module, _dtypes(args)))
 
     def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not found and (kind := _bad(output)) is not None:
+        calls.pop()
+        if found or (kind := _bad(output)) is None:
+            return
+        first = next(iter(_tensors(args)), None)
+        if calls and first is not None and (born := _bad(first)) is not None:  # the caller's own code made it
+            caller, caller_dtypes = calls[-1]
+            found.append(Finding("forward", names.get(id(caller), "?"), type(caller).__name__, born,
+                                 caller_dtypes, _dtypes(first), label, before=names.get(id(module), "?")))
+        else:
             found.append(Finding("forward", names.get(id(module), "?"), type(module).__name__, kind,
                                  _dtypes(args), _dtypes(output), label))
 
-    handles = [m.register_forward_hook(forward_hook) for m in model.modules()]
+    handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
+    handles += [m.register_forward_hook(forward_hook) for m in model.modules()]
     saved_grads = {id(p): p.grad for p in model.parameters()}
     try:
         for p in model.parameters():
@@ -241,9 +277,14 @@ def trace_first_non_finite(
             return found[0]
         loss = loss.float()
         if (kind := _bad(loss)) is not None:
-            return Finding("loss", op=getattr(loss_fn, "__name__", type(loss_fn).__name__), kind=kind,
+            if (bad_targets := _bad(targets)) is not None:
+                return Finding("input", "targets", kind=bad_targets, input_dtypes=_dtypes(targets), precision=label)
+            fn = inspect.unwrap(loss_fn)  # through a wrapper (the fault injector's) to the task's loss
+            return Finding("loss", op=getattr(fn, "__name__", type(fn).__name__), kind=kind,
                            output_dtypes=_dtypes(loss), precision=label)
         if loss.requires_grad:
+            if accumulation_steps > 1:  # (x / 1 is x: the step skips it too)
+                loss = loss / accumulation_steps
             (loss * loss_scale).backward()
         return found[0] if found else Finding("none", precision=label)
     finally:
@@ -316,10 +357,12 @@ def find_fp32_scope(
     precision: Precision,
     loss_scale: float,
     module: str,
+    accumulation_steps: int = 1,
 ) -> tuple[str | None, list[str]]:
     """Replay the batch with ``module`` alone in FP32, then its parent, up to the model, until one
     makes the batch all finite: ``(that scope or None, the scopes tried)``. Each replay keeps the
-    run's precision elsewhere and its loss scale.
+    run's precision elsewhere, its loss scale and accumulation steps, and starts from the RNG
+    state this was called with (dropout draws the same masks each time).
 
     Example (a block's Linear outputs 1e5, past fp16's 65504; the LayerNorm after it brings it back
     in range, so that Linear alone in FP32 fixes the batch; the output Linear alone does not)::
@@ -334,10 +377,15 @@ def find_fp32_scope(
         >>> find_fp32_scope(model, nn.functional.mse_loss, x, y, fp16, 1.0, "1")  # not the culprit: only the model
         ('', ['1', ''])
     """
+    from .checkpoint import rng_state, set_rng_state
+
+    rng = rng_state()
     tried: list[str] = []
     for scope in _scopes(module):
         tried.append(scope)
-        found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale, fp32_module=scope)
+        set_rng_state(rng)
+        found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
+                                       fp32_module=scope, accumulation_steps=accumulation_steps)
         if found.where == "none":
             return scope, tried
     return None, tried
@@ -358,8 +406,12 @@ def diagnose_group(
     batches: list[tuple[Any, Any]],
     precision: Precision,
     loss_scale: float = 1.0,
+    accumulation_steps: int | None = None,
 ) -> Diagnosis:
     """:func:`diagnose` each micro-batch of a step in turn; the first with a finding answers.
+
+    Each micro-batch's loss is divided by ``accumulation_steps`` before the loss scale, as the
+    step's ``scaler.scale(loss / N)``; None: the number of ``batches`` (a whole step's).
 
     Example (the second micro-batch carries a NaN, in FP32 as well: not a precision problem)::
 
@@ -374,9 +426,10 @@ def diagnose_group(
         >>> d.verdict, d.fp32  # nothing found: no FP32 replay
         ('none', None)
     """
+    n = len(batches) if accumulation_steps is None else accumulation_steps
     result = None
     for inputs, targets in batches:
-        result = diagnose(model, loss_fn, inputs, targets, precision, loss_scale)
+        result = diagnose(model, loss_fn, inputs, targets, precision, loss_scale, n)
         if result.verdict != "none":
             break
     if result is None:
@@ -391,11 +444,14 @@ def diagnose(
     targets: Any,
     precision: Precision,
     loss_scale: float = 1.0,
+    accumulation_steps: int = 1,
 ) -> Diagnosis:
     """Locate the first non-finite value, then replay in FP32 to say whose problem it is.
 
     For a precision-range problem in a module's output or a parameter's gradient it then looks
     for the smallest module that fixes the batch when kept in FP32 (:func:`find_fp32_scope`).
+    Every pass starts from the RNG state this was called with, so dropout draws the same masks
+    in each; the caller's RNG state is put back afterwards.
 
     Example (an activation of 1e5 is finite in FP32 but overflows fp16's range of 65504; the
     LayerNorm after it brings it back, so that Linear alone in FP32 is enough)::
@@ -413,19 +469,24 @@ def diagnose(
     """
     # The replays leave no trace in the run: buffers (BatchNorm statistics) and the RNGs (dropout)
     # are put back as they were, so a run that diagnosed goes on exactly as one that did not.
-    from .checkpoint import untouched
+    from .checkpoint import rng_state, set_rng_state, untouched
 
+    n = accumulation_steps
     with untouched(model):
-        amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale)
+        rng = rng_state()  # each pass starts here: the FP32 replay sees the AMP pass's dropout masks
+        amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale, accumulation_steps=n)
         if amp.where == "none":
             return Diagnosis(amp, None, "none", loss_scale)
-        fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, Precision("fp32", precision.device_type), 1.0)
+        set_rng_state(rng)
+        fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, Precision("fp32", precision.device_type), 1.0,
+                                      accumulation_steps=n)
         if fp32.where != "none":
             return Diagnosis(amp, fp32, "data/model", loss_scale)
         scope, tried = None, []
         module = _module_of(amp)
         if module is not None and precision.name != "fp32":
-            scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module)
+            set_rng_state(rng)
+            scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n)
     return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried)
 
 
@@ -437,9 +498,11 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     """``ampguard locate``: replay step ``step`` of the config's data (with its faults), or a saved
     ``batch``, and print the finding. Returns 0 when all is finite, 1 when a value is not.
 
+    The model is the one ``train`` runs (fp8: its Linear layers converted, :func:`~ampguard.build.prepare_model`).
     The loss scale (fp16 with its scaler) is ``scale`` when given, else the one a batch file
     names (a rollback's ``rollback/step-N.pt``: the scale that step ran with), else the
-    ``checkpoint``'s, else ``scaler.init_scale``.
+    ``checkpoint``'s, else ``scaler.init_scale``; each micro-batch's loss is divided by
+    ``accumulation_steps`` before it, as in the step.
 
     Bad input is refused before anything runs (:class:`~ampguard.errors.InputError`): a step
     beyond the config's ``steps``, a ``scale`` that is not a finite number > 0 or is given to a
@@ -471,7 +534,7 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     import itertools
     import json
 
-    from .build import initial_scale, precision_of, resolve_device, to_device
+    from .build import initial_scale, precision_of, prepare_model, resolve_device, to_device
     from .checkpoint import load_weights
     from .faults import FaultInjector, parse_fault
     from .tasks import build_task
@@ -483,13 +546,14 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     task = build_task(config)
     if not task.float_inputs and any(f.kind == "nan_input" for f in faults):
         raise InputError(f"inject: nan_input needs floating-point inputs; task {task.name} feeds integer tokens")
-    model = task.model.to(device)
+    model = prepare_model(config, task.model.to(device))  # fp8: the Float8Linear layers train runs
     checkpoint_scale = None
     if checkpoint:
         saved = (load_weights(model, checkpoint, map_location=device)["state"].get("scaler") or {}).get("scale")
         checkpoint_scale = None if saved is None else float(saved)
     injector = FaultInjector(faults, config.accumulation_steps)
-    loss_fn = injector.wrap_loss(task.loss_fn)
+    # a finding in the loss names the task's loss function, not the injector's wrapper
+    loss_fn = functools.update_wrapper(injector.wrap_loss(task.loss_fn), task.loss_fn, updated=())
     injector.attach(model)
     batch_scale = None
     if batch:
@@ -509,7 +573,7 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     with warnings.catch_warnings(record=True) as caught:
         try:
             batches = [(to_device(x, device), to_device(y, device)) for x, y in batches]
-            result = diagnose_group(model, loss_fn, batches, precision, loss_scale)
+            result = diagnose_group(model, loss_fn, batches, precision, loss_scale, config.accumulation_steps)
         except Exception as err:  # noqa: BLE001 - a saved batch the model or loss cannot take is bad input
             if not batch or isinstance(err, InputError):
                 raise
@@ -581,7 +645,8 @@ def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
     """A saved batch file, loaded weights-only: ``{"inputs": x, "targets": y}``, or a step's
     micro-batches ``{"micro_batches": [{"inputs": x, "targets": y}, ...], "loss_scale": s, ...}``
     (what a rollback saves as ``rollback/step-N.pt``). Returns the micro-batches and the loss scale
-    the file names (None when it names none).
+    the file names (None when it names none). A file that is not that, a ``loss_scale`` that is
+    not a finite number > 0, or a batch with no examples is one :class:`InputError` line.
 
     Example::
 
@@ -593,12 +658,19 @@ def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
         >>> batches, scale = load_batches(str(folder / "step-7.pt"))
         >>> len(batches), scale
         (2, 1024.0)
-        >>> torch.save({"micro_batches": [], "loss_scale": "big"}, folder / "bad.pt")
-        >>> try:
-        ...     load_batches(str(folder / "bad.pt"))
-        ... except InputError as err:
-        ...     print(str(err).replace(str(folder), "DIR"))
+        >>> torch.save({**one, "loss_scale": 8}, folder / "int.pt")  # an int scale is a number too
+        >>> load_batches(str(folder / "int.pt"))[1]
+        8.0
+        >>> for name, data in (("bad", {"micro_batches": []}), ("scale", {**one, "loss_scale": "big"}),
+        ...                    ("empty", {"inputs": torch.ones(0, 3), "targets": torch.zeros(0)})):
+        ...     torch.save(data, folder / f"{name}.pt")
+        ...     try:
+        ...         load_batches(str(folder / f"{name}.pt"))
+        ...     except InputError as err:
+        ...         print(str(err).replace(str(folder), "DIR"))
         DIR/bad.pt: a batch file holds {'inputs': ..., 'targets': ...} (or 'micro_batches': a list of them)
+        DIR/scale.pt: loss_scale must be a finite number > 0, got 'big'
+        DIR/empty.pt: the batch holds no examples (inputs of shape (0, 3))
         >>> shutil.rmtree(folder)
     """
     from .checkpoint import safe_load
@@ -608,9 +680,17 @@ def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
     if not isinstance(data, dict):
         raise problem
     items = data.get("micro_batches", [data])
-    scale = data.get("loss_scale")
     if (not isinstance(items, list) or not items
-            or not all(isinstance(b, dict) and {"inputs", "targets"} <= set(b) for b in items)
-            or not (scale is None or (isinstance(scale, float) and math.isfinite(scale) and scale > 0))):
+            or not all(isinstance(b, dict) and {"inputs", "targets"} <= set(b) for b in items)):
         raise problem
-    return [(b["inputs"], b["targets"]) for b in items], scale
+    scale = data.get("loss_scale")
+    # (an int is fine; NaN, inf and an int past the largest float fail the comparison)
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                  and 0 < scale <= sys.float_info.max):
+        raise InputError(f"{path}: loss_scale must be a finite number > 0, got {brief(scale)}")
+    for i, b in enumerate(items):  # a loss over no examples is a NaN mean, not a finding
+        first = next(iter(_tensors(b["inputs"])), None)
+        if first is not None and first.dim() > 0 and first.shape[0] == 0:
+            which = f"micro-batch {i}" if "micro_batches" in data else "the batch"
+            raise InputError(f"{path}: {which} holds no examples (inputs of shape {tuple(first.shape)})")
+    return [(b["inputs"], b["targets"]) for b in items], None if scale is None else float(scale)

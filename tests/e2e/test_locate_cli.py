@@ -133,6 +133,29 @@ def test_cli_locate_refuses_bad_batch_files_in_one_line(cli, tmp_path):
     assert not marker.exists()
 
 
+def test_cli_locate_refuses_a_batch_without_examples_and_names_a_bad_loss_scale(cli, tmp_path):
+    empty = tmp_path / "empty.pt"
+    torch.save({"inputs": torch.zeros(0, 16), "targets": torch.zeros(0, 4)}, empty)  # its mean loss is NaN
+    line = one_line_error(*cli("locate", *LINEAR_FP16, "--batch", empty))
+    assert line == f"ampguard: error: {empty}: the batch holds no examples (inputs of shape (0, 16))"
+
+    scale = tmp_path / "scale.pt"
+    torch.save({"inputs": torch.zeros(2, 16), "targets": torch.zeros(2, 4), "loss_scale": "8"}, scale)
+    line = one_line_error(*cli("locate", *LINEAR_FP16, "--batch", scale))
+    assert line == f"ampguard: error: {scale}: loss_scale must be a finite number > 0, got '8'"
+
+
+def test_cli_locate_with_accumulation_agrees_with_the_step(cli, tmp_path):
+    # four micro-batches a step: the step backpropagates scale(loss / 4), so 2**17 trains cleanly
+    accumulate = [*LINEAR_FP16, "--set", "accumulation_steps=4", "--set", f"scaler.init_scale={2**17}", "--set", "steps=1"]
+    code, out, err = cli("train", *accumulate, "--set", "log.name=acc")
+    assert code == 0, err
+    assert read_rows(tmp_path / "runs" / "acc" / "steps.csv")[0]["skipped"] == "0"
+    code, out, err = cli("locate", *accumulate)
+    assert code == 0, err
+    assert "loss scale 131072" in out and "no non-finite value" in out
+
+
 # ---------------------------------------------------------------------------- automatic diagnosis
 
 

@@ -389,16 +389,32 @@ def test_a_module_kept_in_fp32_alone_really_fixes_the_batch():
 
 
 def test_when_no_module_alone_fixes_it_the_message_says_so():
-    # one Linear at the root: the only scopes are the Linear and the model (the model "fixes" it)
+    # body.big's FP32 output of 120000 goes into head, a Linear autocast runs in fp16 (inf again);
+    # body holds only big: only the model as a whole in FP32 is finite
     model = huge_linear_net()
-    result = diagnose(model, mse_to_zero, torch.full((3, 4), 30.0), torch.zeros(3, 2), FP16)
-    assert result.scopes_tried[0] == "body.big"
-    assert result.fp32_scope == "body.big"  # its output (120000) is fine in FP32 and head is an Identity
+    model.head = nn.Linear(2, 2)
+    x, zeros = torch.full((3, 4), 30.0), torch.zeros(3, 2)
+    result = diagnose(model, mse_to_zero, x, zeros, FP16)
+    assert result.verdict == "precision-range" and result.amp.name == "body.big"
+    assert result.scopes_tried == ["body.big", "body", ""]
+    assert result.fp32_scope == ""
+    assert result.message().endswith("; only the whole model in FP32 (autocast off, the same loss scale) fixes this batch")
+
+    # a loss whose matmul autocast runs in fp16: 120000 overflows there whatever runs in FP32 before
+    def gram_loss(outputs, targets):
+        return (outputs @ outputs.T).float().mean()
+
+    result = diagnose(huge_linear_net(), gram_loss, x, zeros, FP16)
+    assert result.verdict == "precision-range" and result.amp.name == "body.big"
+    assert result.scopes_tried == ["body.big", "body", ""]
+    assert result.fp32_scope is None
+    assert result.message().endswith("; no module alone in FP32 fixes this batch (tried body.big, body, <model>); "
+                                     "run the whole step in FP32")
 
     # a data problem is never sent looking for a module to keep in FP32
     bad = torch.full((3, 4), 30.0)
     bad[0, 0] = float("nan")
-    result = diagnose(model, mse_to_zero, bad, torch.zeros(3, 2), FP16)
+    result = diagnose(huge_linear_net(), mse_to_zero, bad, zeros, FP16)
     assert result.verdict == "data/model" and result.scopes_tried == [] and result.fp32_scope is None
 
 
@@ -417,3 +433,222 @@ def test_a_backward_overflow_without_a_loss_scale_does_not_blame_the_scale():
     scaled = diagnose(lin, F.mse_loss, x, small, FP16, loss_scale=2.0**20)
     assert scaled.amp.where == "backward"
     assert "the gradient scaled by 1.04858e+06 overflows fp16" in scaled.message()
+
+
+# ---------------------------------------------------------------------------- as the step runs it (review of locate)
+
+
+def test_with_accumulation_locate_replays_the_loss_scale_the_step_backpropagates():
+    # the step backpropagates scaler.scale(loss / N). Here dL/dout = 2 (4 - 3) / 2 = 1, so the fp16
+    # output gradient is scale / N: with N = 4, 2**16 / 4 is finite and 2**18 / 4 = 65536 is inf
+    from ampguard.locate import diagnose_group
+    from ampguard.step import AmpTrainState
+
+    lin = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    batches = [(torch.ones(2, 4), torch.full((2, 1), 3.0))] * 4
+    for scale, overflows in ((2.0**16, False), (2.0**18, True)):
+        state = AmpTrainState(lin, torch.optim.SGD(lin.parameters(), lr=0.0), F.mse_loss, precision="fp16",
+                              accumulation_steps=4, max_norm=None, scaler=torch.amp.GradScaler("cpu", init_scale=scale))
+        record = [state.step(x, y) for x, y in batches][-1]
+        assert record.skipped is overflows
+        result = diagnose_group(lin, F.mse_loss, batches, FP16, scale, accumulation_steps=4)
+        assert (result.verdict == "precision-range") is overflows, scale
+        assert diagnose_group(lin, F.mse_loss, batches, FP16, scale).verdict == result.verdict  # N: the batches'
+    assert diagnose_group(lin, F.mse_loss, batches[:1], FP16, 2.0**16, accumulation_steps=1).amp.where == "backward"
+
+
+def test_the_verb_divides_by_the_configs_accumulation_steps(capsys):
+    from ampguard import locate
+
+    # the linear task's clean step 1 overflows at 2**17 with one micro-batch, and not at 2**17 / 4
+    config = _config(precision="fp16", accumulation_steps=4, scaler={"init_scale": 2.0**17})
+    assert locate.run(config) == 0
+    assert "loss scale 131072\nno non-finite value" in capsys.readouterr().out
+    assert locate.run(_config(precision="fp16", scaler={"init_scale": 2.0**19})) == 1
+
+
+def test_the_verb_replays_fp8_on_the_model_train_runs(tmp_path, capsys):
+    pytest.importorskip("torchao")
+    from ampguard import locate
+    from ampguard.checkpoint import REQUIRED, save_checkpoint
+    from ampguard.errors import InputError
+    from ampguard.tasks import build_task
+
+    # train refuses the linear task's bare Linear in fp8: so does locate (it replayed bf16 instead)
+    with pytest.raises(InputError, match="^precision: fp8: no Linear layer can train in fp8"):
+        locate.run(_config(precision="fp8"))
+
+    # digits (64-16-16-10): the middle Linear converts; a weight of inf there is found in a Float8Linear
+    config = _config(precision="fp8", task={"name": "digits", "n_embd": 8})
+    weights = build_task(config).model.state_dict()
+    weights["2.weight"][0, 0] = math.inf
+    payload = {key: {} for key in REQUIRED if key not in ("magic", "format")}
+    checkpoint = save_checkpoint(tmp_path / "step-00000001.pt", {**payload, "step": 1, "model": weights, "state": {}})
+    assert locate.run(config, checkpoint=str(checkpoint), as_json=True) == 1
+    import json
+
+    found = json.loads(capsys.readouterr().out)
+    assert (found["amp"]["where"], found["amp"]["name"], found["amp"]["op"]) == ("forward", "2", "Float8Linear")
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # log(0) = -inf in any precision: a model problem
+
+
+def test_every_pass_draws_the_same_dropout_masks():
+    # a dropped input gives log(0) = -inf in float32 in both passes: never a precision problem.
+    # When the FP32 replay drew its own mask, some seeds read "precision-range" (seed 2 did)
+    model = nn.Sequential(nn.Dropout(0.5), Log()).train()
+    x, y = torch.ones(1, 1), torch.zeros(1, 1)
+    verdicts = set()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        before = torch.get_rng_state()
+        result = diagnose(model, F.mse_loss, x, y, Precision("bf16", "cpu"))
+        verdicts.add(result.verdict)
+        assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is put back
+    assert verdicts == {"none", "data/model"}
+
+
+class TwoPaths(nn.Module):
+    """Dropout, then fc.lin on the first input and other on the second, each x 1000: a kept input
+    of 50 (100 after dropout's scaling) gives 100000, past fp16's 65504; a dropped one gives 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        lin, self.other = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
+        self.drop, self.fc = nn.Dropout(0.5), nn.Sequential(OrderedDict(lin=lin))
+        with torch.no_grad():
+            lin.weight.fill_(1000.0)
+            self.other.weight.fill_(1000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.drop(x)
+        return torch.cat([self.fc(d[:, :1]), self.other(d[:, 1:])], dim=1)
+
+
+def test_every_module_alone_replay_draws_the_same_dropout_masks():
+    # fc.lin overflows first; fc.lin (or fc) alone in FP32 fixes the batch exactly when other's input
+    # was dropped, else only the model does
+    model, x = TwoPaths().train(), torch.full((1, 2), 50.0)
+    scopes = []
+    for seed in range(12):
+        torch.manual_seed(seed)
+        kept = F.dropout(torch.ones(1, 2), 0.5) != 0  # the mask the AMP pass draws
+        torch.manual_seed(seed)
+        result = diagnose(model, mse_to_zero, x, torch.zeros(1, 2), FP16)
+        if kept[0, 0]:
+            assert result.amp.name == "fc.lin" and result.verdict == "precision-range", seed
+            assert result.fp32_scope == ("" if kept[0, 1] else "fc.lin"), seed
+            scopes.append(result.fp32_scope)
+    assert set(scopes) == {"", "fc.lin"}  # both cases were seen
+
+
+class ExpBetween(nn.Module):
+    """fc1 -> torch.exp in its own forward -> fc2: exp(12) = 162755 is inf in fp16, born between modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(2, 2), nn.Linear(2, 1)
+        with torch.no_grad():
+            self.fc1.weight.fill_(1.0)
+            self.fc1.bias.zero_()
+            self.fc2.weight.copy_(torch.tensor([[1.0, -1.0]]))  # inf - inf: fc2's output is nan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.exp(self.fc1(x)))
+
+
+def test_a_value_born_in_a_modules_own_code_names_that_module_not_the_next():
+    model = nn.Sequential(OrderedDict(block=ExpBetween()))
+    result = diagnose(model, mse_to_zero, torch.full((1, 2), 6.0), torch.zeros(1, 1), FP16)
+
+    amp = result.amp
+    assert (amp.where, amp.name, amp.op, amp.before) == ("forward", "block", "ExpBetween", "block.fc2")
+    assert amp.kind == "inf"  # what exp made, not fc2's nan
+    assert amp.input_dtypes == ["float32"] and amp.output_dtypes == ["float16"]
+    assert result.verdict == "precision-range"
+    assert result.scopes_tried == ["block"] and result.fp32_scope == "block"  # the search starts at block
+    assert result.message().startswith("first inf under fp16: in the forward code of block itself (ExpBetween; "
+                                       "inputs float32 -> outputs float16), before it calls block.fc2. ")
+    assert result.as_dict()["amp"]["before"] == "block.fc2"
+
+
+class MaskedScores(nn.Module):
+    """softmax(x x^T + mask): the mask of -inf is a later input, normal; the scores overflow fp16 here."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x @ x.transpose(-1, -2) + mask, dim=-1)
+
+
+class Attends(nn.Module):
+    def __init__(self, weight: float) -> None:
+        super().__init__()
+        self.proj, self.scores = nn.Linear(4, 4, bias=False), MaskedScores()
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(4) * weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.full((x.shape[0], x.shape[0]), -math.inf).triu(1)
+        return self.scores(self.proj(x), mask)
+
+
+def test_a_mask_of_minus_inf_passed_to_a_module_is_no_finding():
+    x, y = torch.ones(3, 4), torch.zeros(3, 3)
+    assert diagnose(Attends(1.0), mse_to_zero, x, y, FP16).verdict == "none"
+    # 300 * 300 * 4 = 360000 overflows fp16 in the matmul: born in scores, not in its caller's mask
+    result = diagnose(Attends(300.0), mse_to_zero, x, y, FP16)
+    assert (result.amp.where, result.amp.name, result.amp.before) == ("forward", "scores", "")
+    assert result.verdict == "precision-range" and result.fp32_scope == "scores"
+
+
+def test_non_finite_targets_are_the_batch_unless_the_loss_masks_them():
+    model = gate_net()
+    model.gate.g.data.fill_(1.0)
+    y = torch.randn(3, 4)
+    y[1, 2] = math.nan
+    result = diagnose(model, F.mse_loss, torch.randn(3, 4), y, FP16)
+    assert (result.amp.where, result.amp.name, result.amp.kind) == ("input", "targets", "nan")
+    assert result.verdict == "data/model" and "in the batch's targets" in result.message()
+
+    def masked_mse(outputs, targets):  # NaN targets mark missing values: left out of the mean
+        keep = ~targets.isnan()
+        return ((outputs.float() - targets.nan_to_num()) ** 2)[keep].mean()
+
+    assert diagnose(model, masked_mse, torch.randn(3, 4), y, FP16).verdict == "none"
+
+
+def test_the_verb_names_the_tasks_loss_not_the_fault_injectors_wrapper(tmp_path, capsys):
+    from ampguard import locate
+
+    # inputs of 1e20: the Linear's outputs are finite, their squares (1e40) overflow the float32 loss
+    torch.save({"inputs": torch.full((2, 16), 1e20), "targets": torch.zeros(2, 4)}, tmp_path / "huge.pt")
+    assert locate.run(_config(precision="bf16"), batch=str(tmp_path / "huge.pt")) == 1
+    assert "first inf under bf16: in the loss (mse_loss)." in capsys.readouterr().out
+
+
+def test_a_saved_batch_without_examples_or_with_a_bad_loss_scale_is_one_input_error(tmp_path, capsys):
+    from ampguard import locate
+    from ampguard.errors import InputError
+
+    one = {"inputs": torch.zeros(2, 16), "targets": torch.zeros(2, 4)}
+    cases = {
+        "empty.pt": ({"inputs": torch.zeros(0, 16), "targets": torch.zeros(0, 4)},
+                     "the batch holds no examples (inputs of shape (0, 16))"),
+        "empty_micro.pt": ({"micro_batches": [one, {"inputs": torch.zeros(0, 16), "targets": torch.zeros(0, 4)}]},
+                           "micro-batch 1 holds no examples (inputs of shape (0, 16))"),
+        "bool.pt": ({**one, "loss_scale": True}, "loss_scale must be a finite number > 0, got True"),
+        "zero.pt": ({**one, "loss_scale": 0}, "loss_scale must be a finite number > 0, got 0"),
+    }
+    for name, (data, message) in cases.items():
+        torch.save(data, tmp_path / name)
+        with pytest.raises(InputError) as caught:
+            locate.run(_config(precision="fp16"), batch=str(tmp_path / name))
+        assert str(caught.value) == f"{tmp_path / name}: {message}"
+
+    torch.save({"micro_batches": [one], "loss_scale": 8}, tmp_path / "int.pt")  # an int scale is a scale
+    assert locate.run(_config(precision="fp16"), batch=str(tmp_path / "int.pt")) == 0
+    assert ", loss scale 8\n" in capsys.readouterr().out
