@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ from .report import Row, _number, finite_points, read_steps_and_columns, replay,
 if TYPE_CHECKING:
     from .config import Config
 
+LINEAR_LIMIT = 1e300
+"""Beyond this magnitude a linear axis overflows (its span, its ticks): the loss panel is then
+drawn on a symmetric log axis."""
 FIGSIZE = (12.0, 11.0)  # inches
 DPI = 100  # -> a 1200 x 1100 pixel PNG
 
@@ -264,8 +268,17 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     """Draw the runs over each other (1200 x 1100 px, four panels on a shared step axis): loss,
     pre-clip global norm with each run's ``max_norm``, log2 of the loss scale, rolling skip rate.
     Skipped steps are marked with an ``x`` on the loss panel. Written beside the target and
-    linked into place, so an existing file is never replaced.
+    linked into place, so an existing file is never replaced. Losses of both signs beyond
+    :data:`LINEAR_LIMIT` (-1e308 and 1e308 in an edited CSV) put the loss panel on a symmetric log
+    axis; values matplotlib still cannot lay an axis out for are an :class:`InputError`, with
+    nothing written.
     """
+    with warnings.catch_warnings():  # (numpy's overflow notes on values near the float maximum)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _plot_overlay(runs, png)
+
+
+def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,7 +288,7 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     fig, axes = plt.subplots(4, 1, sharex=True, figsize=FIGSIZE, dpi=DPI, layout="constrained")
     ax_loss, ax_norm, ax_scale, ax_skip = axes
     colours = plt.get_cmap("tab10")
-    log_loss, top_rate = True, 0.0
+    log_loss, top_rate, losses = True, 0.0, []
     for i, run in enumerate(runs):
         colour, rows = colours(i % 10), run.rows
 
@@ -284,6 +297,7 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
 
         xs, ys = finite([r.loss for r in rows])
         log_loss = log_loss and bool(ys) and min(ys) > 0
+        losses += ys
         ax_loss.plot(xs, ys, lw=1, color=colour, label=run.name)
         marks, last = [], None  # a skipped step at its loss (or the last finite one, for a non-finite loss)
         for r in rows:
@@ -303,8 +317,13 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         top_rate = max(top_rate, *rates)
         ax_skip.plot([r.step for r in rows], rates, lw=1.2, color=colour,
                      label=f"{run.name} (window {run.config.monitor.window})")
-    ax_loss.set_yscale("log" if log_loss else "linear")
-    ax_loss.set_ylabel("loss" + (" (log)" if log_loss else ""))
+    huge = not log_loss and max(map(abs, losses), default=0.0) > LINEAR_LIMIT
+    if huge:  # losses of both signs near the float maximum: a linear axis cannot span them
+        ax_loss.set_yscale("symlog")
+        ax_loss.set_ylim(min(*losses, 0.0), max(*losses, 0.0))
+    else:
+        ax_loss.set_yscale("log" if log_loss else "linear")
+    ax_loss.set_ylabel("loss" + (" (log)" if log_loss else " (symmetric log)" if huge else ""))
     ax_loss.set_title("Loss (x: a skipped step)")
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("gradient norm (log)")
@@ -327,6 +346,9 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         raise InputError(f"compare: --out {png} already exists; refusing to overwrite it") from None
     except OSError as err:
         raise InputError(f"compare: --out {png}: cannot write the plot ({err.strerror or err})") from None
+    except (ValueError, OverflowError) as err:  # matplotlib's axes: values spanning more than a float holds
+        raise InputError(f"compare: --out {png}: cannot draw these runs' values (a steps.csv value too large "
+                         f"to plot, such as losses of -1e308 and 1e308?): {first_line(err, with_type=True)}") from None
     finally:
         partial.unlink(missing_ok=True)
         plt.close(fig)

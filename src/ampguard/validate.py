@@ -26,7 +26,7 @@ import json
 import math
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -36,7 +36,7 @@ from torch import nn
 
 from .build import prepare_model, resolve_device, to_device
 from .config import Config
-from .errors import ExitCode, InputError
+from .errors import ExitCode, InputError, first_line
 from .precision import Precision
 from .records import strict_json
 from .tasks import Task
@@ -224,14 +224,49 @@ def named_outputs(raw: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Precision) -> Scores:
+def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Precision,
+            seed: int | None = None) -> Scores:
+    """The model's outputs on ``inputs`` under ``precision``, in chunks of :data:`CHUNK`, the RNG
+    seeded with ``seed`` first when one is given (:func:`seed_pass`: every precision then draws the
+    same noise, a model that samples in its forward included). What the
+    user's code does wrong is an :class:`InputError`: the model (or the task's ``predict``)
+    raising, outputs that are not one row per example, and a classifier whose first output is not
+    one score per class (the decision is the argmax over them).
+
+    Example::
+
+        >>> from ampguard.tasks.base import Task
+        >>> task = Task("toy", nn.Linear(2, 1), nn.functional.mse_loss, batches=lambda: iter(()))
+        >>> try:
+        ...     _scores(task, task.model, torch.ones(3, 2), Precision("fp32", "cpu"))
+        ... except InputError as err:
+        ...     print(err)
+        validate: task toy is a classifier, but its first output (output) has 1 score per example: a classifier's decision is the argmax over one score per class (for a binary logit z, return torch.cat([torch.zeros_like(z), z], 1) from predict), or declare mode 'regression'
+        >>> def broken(model, inputs):
+        ...     raise ZeroDivisionError("division by zero")
+        >>> try:
+        ...     _scores(Task("toy", task.model, task.loss_fn, task.batches, predict=broken), task.model,
+        ...             torch.ones(3, 2), Precision("bf16", "cpu"))
+        ... except InputError as err:
+        ...     print(err)
+        validate: task toy: the model (or the task's predict) raised under bf16: ZeroDivisionError: division by zero
+    """
     device = next(model.parameters()).device
+    if seed is not None:
+        seed_pass(seed, device)
     parts: dict[str, list[torch.Tensor]] = {}
     dtypes: dict[str, str] = {}
     for start in range(0, len(inputs), CHUNK):
         chunk = inputs[start : start + CHUNK]
-        with precision.autocast():
-            named = named_outputs(task.scores(model, chunk.to(device)))
+        try:
+            with precision.autocast():
+                raw = task.scores(model, chunk.to(device))
+        except InputError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the user's code: one line, not a traceback
+            raise InputError(f"validate: task {task.name}: the model (or the task's predict) raised under "
+                             f"{precision.name}: {first_line(err, with_type=True)}") from None
+        named = named_outputs(raw)
         if parts and [name for name, _ in named] != list(parts):
             raise InputError(f"validate: the model's outputs changed names between batches "
                              f"({', '.join(parts)} -> {', '.join(name for name, _ in named)})")
@@ -241,7 +276,59 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
                                  f"{len(chunk)} examples; validate compares one row per example")
             parts.setdefault(name, []).append(value.float().reshape(len(chunk), -1))
             dtypes[name] = str(value.dtype)
+        if task.mode == "classifier":
+            first, rows = next(iter(parts.items()))
+            if rows[0].shape[1] < 2:
+                raise InputError(
+                    f"validate: task {task.name} is a classifier, but its first output ({first}) has "
+                    f"{rows[0].shape[1]} score{'' if rows[0].shape[1] == 1 else 's'} per example: a classifier's "
+                    "decision is the argmax over one score per class (for a binary logit z, return "
+                    "torch.cat([torch.zeros_like(z), z], 1) from predict), or declare mode 'regression'")
     return Scores({name: torch.cat(rows) for name, rows in parts.items()}, dtypes)
+
+
+@contextlib.contextmanager
+def rng_kept(device: torch.device) -> Iterator[None]:
+    """Put the caller's RNG state back afterwards: the CPU generator's and, on a CUDA device, that
+    device's.
+
+    Example::
+
+        >>> before = torch.get_rng_state()
+        >>> with rng_kept(torch.device("cpu")):
+        ...     seed_pass(7, torch.device("cpu"))
+        ...     first = torch.rand(2)
+        ...     seed_pass(7, torch.device("cpu"))
+        ...     torch.equal(torch.rand(2), first)
+        True
+        >>> torch.equal(torch.get_rng_state(), before)
+        True
+    """
+    cuda = _cuda_index(device)
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(cuda) if cuda is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, cuda)
+
+
+def seed_pass(seed: int, device: torch.device) -> None:
+    """Seed the generators a pass on ``device`` draws from (the CPU's and, on a CUDA device,
+    that device's), so the FP32 reference and each AMP precision start from the same state.
+    Call it inside :func:`rng_kept`."""
+    torch.default_generator.manual_seed(seed)
+    cuda = _cuda_index(device)
+    if cuda is not None:
+        torch.cuda.default_generators[cuda].manual_seed(seed)
+
+
+def _cuda_index(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _top2(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,8 +351,34 @@ def _top_k(row: torch.Tensor, k: int) -> list[list[float]]:
 
 def _quality(mode: str, scores: torch.Tensor, targets: torch.Tensor) -> float:
     if mode == "classifier":
-        return int((scores.argmax(1) == targets.to(scores.device)).sum()) / len(scores)
+        return int((scores.argmax(1) == targets.to(scores.device).reshape(len(scores))).sum()) / len(scores)
     return float(((scores - targets.to(scores.device).reshape(len(scores), -1).float()) ** 2).mean())
+
+
+def _check_targets(task: Task, scores: torch.Tensor, targets: torch.Tensor) -> None:
+    """Refuse held-out targets the quality rule cannot read: a classifier needs one class index
+    per example, a regression task one target per score of its first output.
+
+    Example::
+
+        >>> from ampguard.tasks.base import Task
+        >>> task = Task("toy", nn.Linear(2, 2), nn.functional.mse_loss, batches=lambda: iter(()), mode="regression")
+        >>> _check_targets(task, torch.zeros(4, 2), torch.zeros(4, 2))  # fine: nothing printed
+        >>> try:
+        ...     _check_targets(task, torch.zeros(4, 2), torch.zeros(4, 1))
+        ... except InputError as err:
+        ...     print(err)
+        validate: task toy: the held-out targets have shape (4, 1), but the first output has 2 scores per example: a regression task needs one target per score
+    """
+    n = len(scores)
+    per_example = targets.numel() // max(len(targets), 1)
+    if task.mode == "classifier" and per_example != 1:
+        raise InputError(f"validate: task {task.name}: the held-out targets have shape {tuple(targets.shape)}: "
+                         "a classifier needs one class index per example")
+    if task.mode != "classifier" and targets.numel() != scores.numel():
+        raise InputError(f"validate: task {task.name}: the held-out targets have shape {tuple(targets.shape)}, but "
+                         f"the first output has {scores.shape[1] if n else 0} scores per example: a regression task "
+                         "needs one target per score")
 
 
 def _quality_rule(mode: str, cfg: Any, value: float) -> tuple[str, bool]:
@@ -417,7 +530,7 @@ class ProbeSet(NamedTuple):
         return digest.hexdigest()
 
 
-def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -> ProbeSet:
+def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any, seed: int | None = None) -> ProbeSet:
     """The fixed probe set and evaluation set. The typical examples (the first ``typical``
     held-out ones) and the boundary ones (the ``boundary`` with the smallest FP32 top-2 margin)
     are both drawn from the held-out set: an example that is both is probed once, with both tags.
@@ -436,17 +549,27 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
         >>> tuple(probes.inputs.shape), tuple(probes.x_eval.shape), torch.equal(probes.inputs[:2], probes.x_eval[:2])
         ((5, 16), (512, 16), True)
     """
-    if task.held_out is None or task.held_out() is None:
+    held_out = task.held_out() if task.held_out is not None else None
+    if held_out is None:
         raise InputError(f"validate: task {task.name} has no held-out set (a factory can return 'held_out')")
-    x_eval, y_eval = task.held_out()
+    if not (isinstance(held_out, (tuple, list)) and len(held_out) == 2):
+        raise InputError(f"validate: task {task.name}: held_out must be an (inputs, targets) pair of tensors, "
+                         f"got a {type(held_out).__name__}")
+    x_eval, y_eval = held_out
     if not isinstance(x_eval, torch.Tensor):
         raise InputError("validate: the held-out inputs must be a tensor")
+    if not isinstance(y_eval, torch.Tensor):
+        raise InputError(f"validate: task {task.name}: the held-out targets must be a tensor, "
+                         f"got a {type(y_eval).__name__}")
+    if x_eval.dim() == 0 or y_eval.dim() == 0 or len(y_eval) != len(x_eval):
+        raise InputError(f"validate: task {task.name}: held_out has inputs of shape {tuple(x_eval.shape)} and "
+                         f"targets of shape {tuple(y_eval.shape)}; it needs one target per input example")
     if len(x_eval) == 0:
         raise InputError(f"validate: task {task.name} has an empty held-out set: nothing to evaluate")
     tags: dict[int, list[str]] = {i: ["typical"] for i in range(min(cfg.typical, len(x_eval)))}
     fp32_eval = None
     if task.mode == "classifier" and cfg.boundary:
-        fp32_eval = _scores(task, model, x_eval, Precision("fp32", device.type)).primary
+        fp32_eval = _scores(task, model, x_eval, Precision("fp32", device.type), seed).primary
         _, margin = _top2(fp32_eval)
         margin = torch.where(torch.isfinite(margin), margin, torch.full_like(margin, math.inf))
         for i in margin.cpu().argsort(stable=True)[: min(cfg.boundary, len(x_eval))].tolist():
@@ -455,7 +578,7 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
     by_id = {f"held_out:{i}": t for i, t in tags.items()}
     parts = [x_eval[list(tags)]] if tags else []
     if cfg.edge_cases and task.edge_cases is not None:
-        names, edge = task.edge_cases()
+        names, edge = _edge_cases(task, x_eval)
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             raise InputError(f"validate: task {task.name} names edge case {twice[0]!r} more than once")
@@ -466,6 +589,48 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any) -
     if not ids:
         raise InputError(_empty_probe_set(task, cfg))
     return ProbeSet(ids, by_id, torch.cat(parts), x_eval, y_eval, fp32_eval)
+
+
+def _edge_cases(task: Task, x_eval: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+    """The task's edge cases, checked: a ``(names, inputs)`` pair, one name (a string) per row,
+    each row shaped as a held-out example. Anything else is an :class:`InputError`.
+
+    Example::
+
+        >>> from ampguard.tasks.base import Task
+        >>> def task(edge):
+        ...     return Task("toy", nn.Linear(4, 2), nn.functional.cross_entropy, batches=lambda: iter(()),
+        ...                 edge_cases=lambda: edge)
+        >>> _edge_cases(task((["a"], torch.ones(1, 4))), torch.zeros(8, 4))[0]
+        ['a']
+        >>> for edge in ((["a"], torch.ones(1, 5)), (["a"], torch.ones(3, 4)), torch.ones(1, 4)):
+        ...     try:
+        ...         _edge_cases(task(edge), torch.zeros(8, 4))
+        ...     except InputError as err:
+        ...         print(err)
+        validate: task toy: edge_cases: the inputs have shape (1, 5); each row must have a held-out example's shape (4,)
+        validate: task toy: edge_cases names 1 edge case but holds 3 rows; give one name per row
+        validate: task toy: edge_cases must be a (names, inputs) pair: a list of names and a tensor with one row per name, got a Tensor
+    """
+    made = task.edge_cases() if task.edge_cases is not None else None
+    where = f"validate: task {task.name}: edge_cases"
+    if not (isinstance(made, (tuple, list)) and len(made) == 2):
+        raise InputError(f"{where} must be a (names, inputs) pair: a list of names and a tensor with one row "
+                         f"per name, got a {type(made).__name__}")
+    names, edge = made
+    if not (isinstance(names, (tuple, list)) and all(isinstance(name, str) for name in names)):
+        raise InputError(f"{where}: the names must be a list of strings, got {type(names).__name__}")
+    if not isinstance(edge, torch.Tensor):
+        raise InputError(f"{where}: the inputs must be a tensor, got a {type(edge).__name__}")
+    if edge.dim() == 0 or tuple(edge.shape[1:]) != tuple(x_eval.shape[1:]):
+        raise InputError(f"{where}: the inputs have shape {tuple(edge.shape)}; each row must have a held-out "
+                         f"example's shape {tuple(x_eval.shape[1:])}")
+    if len(names) != len(edge):
+        raise InputError(f"{where} names {len(names)} edge case{'' if len(names) == 1 else 's'} but holds "
+                         f"{len(edge)} row{'' if len(edge) == 1 else 's'}; give one name per row")
+    return list(names), edge
+
+
 def check_rules(task: Task, cfg: Any) -> None:
     """Refuse rules that cannot apply to ``task`` before anything runs or is written: a quality
     threshold of the other mode (``min_accuracy`` is for classifiers, ``max_mse`` for regression)
@@ -509,8 +674,11 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
     """Run the reference and every AMP precision on the probes and the evaluation set.
 
     Reads every score back to the host (several host syncs per precision): a diagnostic, run
-    outside the training loop. The model is left in eval mode. A ``validation.outputs`` name the
-    model does not produce is an :class:`InputError` (raised before anything is written).
+    outside the training loop. The model is left in eval mode. Every pass (the reference's and
+    each precision's, on the probes and on the evaluation set) starts from the same RNG state,
+    seeded with ``config.seed``, so only the precision differs; the caller's RNG state is put back
+    afterwards. A ``validation.outputs`` name the model does not produce is an
+    :class:`InputError` (raised before anything is written).
 
     Example::
 
@@ -526,17 +694,23 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
          ('extremes (min, max over probes)', 'pass'), ('quality on the fixed evaluation set', 'pass'),
          ('quality vs FP32: mse <= FP32 mse x (1 + 0.01)', 'pass')]
     """
-    cfg = config.validation
+    with rng_kept(device):
+        return _compare(task, model, config, device)
+
+
+def _compare(task: Task, model: nn.Module, config: Config, device: torch.device) -> Validation:
+    cfg, seed = config.validation, config.seed
     model.eval()
-    probes = build_probes(task, model, device, cfg)
+    probes = build_probes(task, model, device, cfg, seed)
     ids, x_eval, y_eval = probes.ids, probes.x_eval, probes.y_eval
     fp32 = Precision("fp32", device.type)
-    ref = _scores(task, model, probes.inputs, fp32)
+    ref = _scores(task, model, probes.inputs, fp32, seed)
     unknown = [name for name in cfg.outputs if name not in ref.outputs]
     if unknown:
         raise InputError(f"validate: validation.outputs.{unknown[0]}: the model has no output named {unknown[0]!r} "
                          f"(its outputs: {', '.join(ref.names)})")
-    ref_eval = probes.fp32_eval if probes.fp32_eval is not None else _scores(task, model, x_eval, fp32).primary
+    ref_eval = probes.fp32_eval if probes.fp32_eval is not None else _scores(task, model, x_eval, fp32, seed).primary
+    _check_targets(task, ref_eval, y_eval)
     ref_quality = _quality(task.mode, ref_eval, y_eval)
     n = len(ids)
     ref_finite, eval_finite = int(ref.finite_rows().sum()), _finite_count(ref_eval)
@@ -548,7 +722,7 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
     ]
     # fp8 compares a converted copy of the model; every other precision the model itself
     results = [_compare_precision(name, task, prepare_model(config, model, name, copy_model=True), cfg, device,
-                                  probes, ref, ref_eval, ref_quality, text)
+                                  probes, ref, ref_eval, ref_quality, text, seed)
                for name in cfg.precisions]
     environment = describe_environment(config, device, ref.dtypes, results)
     environment["probe_set_sha256"] = probes.sha256()
@@ -556,20 +730,24 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
 
 
 def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device: torch.device, probes: ProbeSet,
-                       ref: Scores, ref_eval: torch.Tensor, ref_quality: float, ref_text: str) -> PrecisionResult:
-    """One AMP precision against the reference, rule by rule, with one record per probe."""
+                       ref: Scores, ref_eval: torch.Tensor, ref_quality: float, ref_text: str,
+                       seed: int | None = None) -> PrecisionResult:
+    """One AMP precision against the reference, rule by rule, with one record per probe. Its
+    passes are seeded with ``seed`` as the reference's were."""
     ids, n = probes.ids, len(probes.ids)
     amp_p = Precision(name, device.type)
-    amp = _scores(task, model, probes.inputs, amp_p)
+    amp = _scores(task, model, probes.inputs, amp_p, seed)
     if amp.names != ref.names:
         raise InputError(f"validate: the model's outputs under {name} ({', '.join(amp.names)}) are not those "
                          f"of FP32 ({', '.join(ref.names)})")
-    amp_eval = _scores(task, model, probes.x_eval, amp_p).primary
+    amp_eval = _scores(task, model, probes.x_eval, amp_p, seed).primary
     result = PrecisionResult(name, stats={"output_dtypes": amp.dtypes})
     finite_rows = amp.finite_rows()
-    finite = int(finite_rows.sum())
-    result.rules.append(Rule("complete and finite", f"{int(ref.finite_rows().sum())}/{n}", f"{finite}/{n}",
-                             finite == n))
+    finite, n_eval = int(finite_rows.sum()), len(probes.x_eval)
+    eval_finite = _finite_count(amp_eval)  # the evaluation set too: an inf there must not pass as a wrong answer
+    result.rules.append(Rule("complete and finite",
+                             f"{int(ref.finite_rows().sum())}/{n} probes, {_finite_count(ref_eval)}/{n_eval} eval",
+                             f"{finite}/{n} probes, {eval_finite}/{n_eval} eval", finite == n and eval_finite == n_eval))
     per_output: dict[str, Any] = {}
     errors, deviated = {}, {}
     for out in ref.names:
@@ -616,19 +794,24 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
 def classify_probe(fp32_decision: int, amp_decision: int, fp32_margin: float, amp_margin: float,
                    tie_margin: float) -> str:
     """``flip``, ``tie`` or ``same``. A probe whose FP32 top-2 gap is within ``tie_margin`` is a
-    tie whichever way AMP decides: the reference itself barely decides. One whose decision AMP
-    keeps with a gap within ``tie_margin`` is a tie too. A changed decision is a flip otherwise.
+    tie whichever way AMP decides: the reference itself barely decides. One whose AMP top-2 gap
+    is within ``tie_margin`` is a tie too, whichever class AMP's argmax names: AMP barely decides
+    (an exact AMP tie's argmax is only the lower class index). A changed decision is a flip
+    otherwise.
 
     Example (the lesson's scores, 1.0000 and 1.0003: a tie under a tie margin of 0.001, whichever
-    class AMP picks; a flip under a margin of 0.0001)::
+    class AMP picks; with a margin of 0.0001, AMP scoring both 1.0 is a tie whichever class its
+    argmax names, and AMP deciding the other way by more than the margin is a flip)::
 
         >>> fp32_margin = 1.0003 - 1.0000
         >>> classify_probe(1, 0, fp32_margin, 0.0, 0.001), classify_probe(1, 1, fp32_margin, 0.0002, 0.001)
         ('tie', 'tie')
-        >>> classify_probe(1, 0, fp32_margin, 0.0, 0.0001), classify_probe(1, 1, 3.0, 2.9, 0.0001)
+        >>> classify_probe(1, 0, fp32_margin, 0.0, 0.0001), classify_probe(0, 0, fp32_margin, 0.0, 0.0001)
+        ('tie', 'tie')
+        >>> classify_probe(1, 0, fp32_margin, 0.0002, 0.0001), classify_probe(1, 1, 3.0, 2.9, 0.0001)
         ('flip', 'same')
     """
-    if fp32_margin <= tie_margin or (amp_decision == fp32_decision and amp_margin <= tie_margin):
+    if fp32_margin <= tie_margin or amp_margin <= tie_margin:
         return "tie"
     return "flip" if amp_decision != fp32_decision else "same"
 
@@ -657,7 +840,7 @@ def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.
         return "".join(f"{', ' if i else ': '}{r['probe']} ({r['fp32']}->{r['amp']}, fp32 margin {r['fp32_margin']:.3g})"
                        for i, r in enumerate(rows))
 
-    result.rules.append(Rule(f"decision changes <= {cfg.max_flips} (tie: FP32 top-2 gap <= {cfg.tie_margin:g}; "
+    result.rules.append(Rule(f"decision changes <= {cfg.max_flips} (tie: FP32 or AMP top-2 gap <= {cfg.tie_margin:g}; "
                              f"ties {TIE_POLICIES[cfg.ties]})",
                              "0", f"{len(result.flips)} flips{listed(result.flips)}; "
                              f"{len(result.ties)} ties{listed(result.ties)}", ok))
@@ -733,7 +916,9 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
     """Train ``steps`` steps from the same state in FP32 and each AMP precision; compare curves.
 
     Reads each step's record on the host (one host sync a step, as in a run). The model's
-    weights are put back as they were afterwards.
+    weights are put back as they were afterwards. Each precision trains from the same RNG state
+    too (seeded with ``config.seed``: the same dropout masks), and the caller's RNG state is put
+    back afterwards.
 
     Example::
 
@@ -748,30 +933,10 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
         >>> curves[0]["max_loss_diff_vs_fp32"], torch.equal(task.model.weight, before)
         (0.0, True)
     """
-    from .build import build_state
-    from .step import AmpTrainState
-
     start = copy.deepcopy(task.model.state_dict())
-    runs: dict[str, dict[str, Any]] = {}
-    for name in ["fp32", *config.validation.precisions]:
-        task.model.load_state_dict(start)
-        task.model.train()
-        scales = Precision(name, device.type).uses_scaler  # a scaler setting applies where one is used
-        scaler = config.scaler.model_copy(update={"enabled": config.scaler.enabled if scales else None})
-        run_config = config.model_copy(update={"precision": name, "steps": steps, "scaler": scaler})
-        model = prepare_model(run_config, task.model, copy_model=True)  # fp8: a converted copy; else task.model
-        state: AmpTrainState = build_state(run_config, model, task.loss_fn, device)
-        losses, norms, updates = [], [], 0
-        stream = itertools.islice(task.batches(), steps * config.accumulation_steps)
-        for inputs, targets in stream:
-            record = state.step(to_device(inputs, device), to_device(targets, device))
-            if record is None:
-                continue
-            v = record.values()
-            losses.append(v["loss"])
-            norms.append(v["grad_l2_pre_clip"])
-            updates += not record.skipped
-        runs[name] = {"losses": losses, "norms": norms, "updates": updates}
+    with rng_kept(device):
+        runs = {name: _train_from(task, config, device, steps, name, start)
+                for name in ["fp32", *config.validation.precisions]}
     task.model.load_state_dict(start)
     ref = runs["fp32"]
     out = []
@@ -788,6 +953,34 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
             "losses": r["losses"],
         })
     return out
+
+
+def _train_from(task: Task, config: Config, device: torch.device, steps: int, name: str,
+                start: dict[str, Any]) -> dict[str, Any]:
+    """``steps`` training steps of ``task.model`` under ``name`` from the weights ``start`` and
+    the RNG seeded with ``config.seed``: the losses, pre-clip norms and updates applied."""
+    from .build import build_state
+    from .step import AmpTrainState
+
+    task.model.load_state_dict(start)
+    task.model.train()
+    scales = Precision(name, device.type).uses_scaler  # a scaler setting applies where one is used
+    scaler = config.scaler.model_copy(update={"enabled": config.scaler.enabled if scales else None})
+    run_config = config.model_copy(update={"precision": name, "steps": steps, "scaler": scaler})
+    model = prepare_model(run_config, task.model, copy_model=True)  # fp8: a converted copy; else task.model
+    state: AmpTrainState = build_state(run_config, model, task.loss_fn, device)
+    losses, norms, updates = [], [], 0
+    seed_pass(config.seed, device)  # the same dropout masks (and shuffle, for a DataLoader) in every precision
+    stream = itertools.islice(task.batches(), steps * config.accumulation_steps)
+    for inputs, targets in stream:
+        record = state.step(to_device(inputs, device), to_device(targets, device))
+        if record is None:
+            continue
+        v = record.values()
+        losses.append(v["loss"])
+        norms.append(v["grad_l2_pre_clip"])
+        updates += not record.skipped
+    return {"losses": losses, "norms": norms, "updates": updates}
 
 
 # ---------------------------------------------------------------------------- output
@@ -817,8 +1010,8 @@ def markdown(v: Validation, config: Config) -> str:
         f"all its tags): {_probe_counts(v, cfg)}. Rules declared before the run: scores "
         f"{tolerance_text(cfg.abs_tol, cfg.rel_tol)}{' (outputs not named below)' if cfg.outputs else ''}"
         + "".join(f"; output {name}: {tolerance_text(*tolerance(cfg, name))}" for name in cfg.outputs)
-        + f"; at most {cfg.max_flips} decision changes (a tie: FP32 top-2 gap <= {cfg.tie_margin:g}, or AMP's "
-        f"with the same decision; ties {TIE_POLICIES[cfg.ties]}); no non-finite output; "
+        + f"; at most {cfg.max_flips} decision changes (a tie: FP32 or AMP top-2 gap <= {cfg.tie_margin:g}, "
+        f"whichever class AMP picks; ties {TIE_POLICIES[cfg.ties]}); no non-finite output; "
         + (f"accuracy >= {cfg.min_accuracy:g}" if v.mode == "classifier" and cfg.min_accuracy is not None
            else f"mse <= {cfg.max_mse:g}" if v.mode == "regression" and cfg.max_mse is not None
            else "no absolute quality floor")

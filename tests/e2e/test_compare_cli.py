@@ -113,3 +113,22 @@ def test_compare_without_runs_is_a_usage_error(cli):
     code, out, err = cli("compare")
     assert code == 2 and len(err.splitlines()) == 1
     assert err == "ampguard: error: compare: the following arguments are required: RUN_DIR\n"
+
+
+def test_losses_of_both_signs_near_the_float_maximum_still_draw(cli, sweep, tmp_path):
+    # review #8: an edited steps.csv with losses of 1e308 and -1e308 crashed `compare --out` (exit 1, a
+    # traceback from matplotlib); it draws the loss panel on a symmetric log axis now
+    edited = tmp_path / "edited"
+    shutil.copytree(sweep / "clip-1", edited)
+    lines = (edited / "steps.csv").read_text(encoding="utf-8").splitlines()
+    header = lines[0].split(",")
+    loss = header.index("loss")
+    for i, value in ((1, "1e308"), (2, "-1e308")):
+        cells = lines[i].split(",")
+        cells[loss] = value
+        lines[i] = ",".join(cells)
+    (edited / "steps.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    code, out, err = cli("compare", sweep / "clip-0.5", edited, "--out", "cmp.png")
+    assert (code, err) == (0, "")
+    assert png_size(tmp_path / "cmp.png") == (1200, 1100)
+    assert out.splitlines()[-1] == "plot: cmp.png"

@@ -434,3 +434,91 @@ def test_an_output_name_the_model_lacks_is_one_line_and_nothing_written(cli, tmp
     assert code == 0, (out, err)
     _, data = load_report(tmp_path / "r")
     assert data["precisions"][0]["stats"]["outputs"]["output"]["abs_tol"] == 0.1
+
+
+# A factory's bad output is bad input (review #7, #10): one line naming what is wrong, exit 2, nothing
+# written; before, each was a traceback with exit 1, the code for "AMP rejected".
+BAD_FACTORIES = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class EvalOnly(nn.Linear):
+    def forward(self, x):
+        if not self.training:
+            raise ValueError("eval not supported")
+        return super().forward(x)
+
+
+def base(config):
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    return {"model": nn.Linear(4, 2), "data": [(x, (x[:, 0] > 0).long())], "loss_fn": F.cross_entropy}
+
+
+def edge(config):
+    made = base(config)
+    made["edge_cases"] = {
+        "wide": (["a"], torch.ones(1, 5)),
+        "more_names": (["a", "b", "c"], torch.ones(1, 4)),
+        "fewer_names": (["a"], torch.stack([torch.ones(4), torch.full((4,), 1e30), torch.zeros(4)])),
+        "one_dim": (["a"], torch.ones(4)),
+        "not_a_pair": torch.ones(1, 4),
+    }[config.task.options["case"]]
+    return made
+
+
+def held_out(config):
+    made = base(config)
+    made["held_out"] = (torch.randn(10, 4), torch.zeros(3, dtype=torch.long))
+    return made
+
+
+def predict_raises(config):
+    made = base(config)
+    made["predict"] = lambda m, x: 1 / 0
+    return made
+
+
+def eval_raises(config):
+    made = base(config)
+    made["model"] = EvalOnly(4, 2)
+    return made
+
+
+def one_logit(config):
+    made = base(config)
+    made["model"] = nn.Linear(4, 1)
+    made["mode"] = "classifier"
+    return made
+'''
+
+
+@pytest.fixture(scope="module")
+def bad_factories(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("bad_factories") / "bad.py"
+    path.write_text(BAD_FACTORIES, encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize("name, case, expected", [
+    ("edge", "wide", "edge_cases: the inputs have shape (1, 5); each row must have a held-out example's shape (4,)"),
+    ("edge", "more_names", "edge_cases names 3 edge cases but holds 1 row; give one name per row"),
+    ("edge", "fewer_names", "edge_cases names 1 edge case but holds 3 rows; give one name per row"),
+    ("edge", "one_dim", "edge_cases: the inputs have shape (4,); each row must have a held-out example's shape (4,)"),
+    ("edge", "not_a_pair", "edge_cases must be a (names, inputs) pair"),
+    ("held_out", None, "held_out has inputs of shape (10, 4) and targets of shape (3,); it needs one target per input"),
+    ("predict_raises", None, "the model (or the task's predict) raised under fp32: ZeroDivisionError: division by zero"),
+    ("eval_raises", None, "the model (or the task's predict) raised under fp32: ValueError: eval not supported"),
+    ("one_logit", None, "is a classifier, but its first output (output) has 1 score per example"),
+])
+def test_a_factorys_bad_output_is_one_line_exit_2_and_nothing_written(cli, unchanged, bad_factories, name, case,
+                                                                       expected):
+    check = unchanged()
+    options = ["--set", f"task.options.case={case}"] if case else []
+    code, out, err = cli("validate", "--set", f"task.factory={bad_factories}:{name}", *options, "--set",
+                         "validation.precisions=[bf16]", "--out", "r")
+    line = one_line_error(code, out, err)
+    assert line.startswith("ampguard: error: validate: task factory") and expected in line, line
+    check()

@@ -199,3 +199,34 @@ def test_a_file_that_appears_at_out_while_drawing_is_not_replaced(tmp_path, monk
         compare.plot_overlay(runs, out)
     assert out.read_bytes() == b"theirs"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "cmp.png"]
+
+
+def test_losses_spanning_the_float_range_are_drawn_on_a_symmetric_log_axis(tmp_path):
+    # review #8: losses of -1e308 and 1e308 (an edited CSV) made matplotlib's tick locator raise in
+    # savefig: a traceback and exit 1. The loss panel now goes symmetric log; the plot is drawn.
+    a = make_run(tmp_path, "a", [clean(1), clean(2)])
+    b = make_run(tmp_path, "b", [clean(1, loss=1.7976931348623157e308), clean(2, loss=1.0),
+                                 clean(3, loss=-1.7976931348623157e308)])
+    out = tmp_path / "cmp.png"
+    assert compare.plot_overlay(compare.load_runs([a, b]), out) == out
+    assert png_size(out) == (1200, 1100)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "cmp.png"]
+
+
+def test_values_matplotlib_cannot_lay_out_are_one_input_error_and_no_file(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    a = make_run(tmp_path, "a", [clean(1)])
+    b = make_run(tmp_path, "b", [clean(1)])
+    runs = compare.load_runs([a, b])
+
+    def cannot_lay_out(self, *args, **kwargs):  # what the tick locator raised on a span over the float max
+        raise ValueError("arange: cannot compute length")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", cannot_lay_out)
+    out = tmp_path / "cmp.png"
+    with pytest.raises(InputError) as err:
+        compare.plot_overlay(runs, out)
+    assert str(err.value) == (f"compare: --out {out}: cannot draw these runs' values (a steps.csv value too large "
+                              "to plot, such as losses of -1e308 and 1e308?): ValueError: arange: cannot compute length")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]

@@ -243,10 +243,29 @@ def test_the_lessons_near_tie_is_a_tie_whichever_way_amp_decides(factory):
     rejected = run_compare(api_config(factory, {"tie": True}, ties="reject", max_flips=5, **lesson))
     assert not rule_named(rejected.results[0], "decision changes").ok and not rejected.ok
 
-    # a tie margin below the lesson's 0.0003 makes it a flip, which ties: accept does not excuse
-    flip = run_compare(api_config(factory, {"tie": True}, **{**lesson, "tie_margin": 0.0001}, ties="accept"))
-    assert [row["probe"] for row in flip.results[0].flips] == ["held_out:6"] and flip.results[0].ties == []
-    assert not flip.ok
+    # a tie margin below the lesson's 0.0003: bf16 scores both classes 1.0, AMP's own gap is 0, so it
+    # is still a tie (AMP barely decides), which ties: reject refuses
+    narrow = {**lesson, "tie_margin": 0.0001}
+    tie = run_compare(api_config(factory, {"tie": True}, **narrow, ties="accept"))
+    assert [row["probe"] for row in tie.results[0].ties] == ["held_out:6"] and tie.results[0].flips == []
+    assert tie.ok
+    assert not run_compare(api_config(factory, {"tie": True}, **narrow, ties="reject", max_flips=5)).ok
+
+
+@pytest.mark.parametrize("tie_margin", [0.0, 0.0001])
+def test_an_exact_amp_tie_is_a_tie_whichever_class_index_fp32_chose(factory, tie_margin):
+    # review #11: bf16 scores the lesson's 1.0000 / 1.0003 as 1.0 / 1.0 and argmax takes class 0. With the
+    # classes in the other order (swap: FP32 picks class 0) that once read as "AMP kept the decision": a tie;
+    # in this order (FP32 picks class 1) as a flip. The same numbers must get the same verdict.
+    lesson = {"precisions": ["bf16"], "tie_margin": tie_margin, "max_quality_drop": None, "ties": "accept",
+              "typical": 0, "boundary": 1, "edge_cases": False}
+    for options, fp32_decision in (({"tie": True}, 1), ({"tie": True, "swap": True}, 0)):
+        result = run_compare(api_config(factory, options, **lesson))
+        bf16 = result.results[0]
+        assert bf16.flips == [], options
+        [tie] = bf16.ties
+        assert (tie["probe"], tie["fp32"], tie["amp"], tie["amp_margin"]) == ("held_out:6", fp32_decision, 0, 0.0)
+        assert result.ok, options
 
 
 def test_an_example_both_typical_and_boundary_is_probed_once(factory):
@@ -256,9 +275,9 @@ def test_an_example_both_typical_and_boundary_is_probed_once(factory):
     assert len(set(result.probes)) == len(result.probes)
     assert result.tags["held_out:6"] == ["typical", "boundary"]
     bf16 = result.results[0]
-    assert [row["probe"] for row in bf16.flips] == ["held_out:6"]  # one flip, not one per tag
-    assert bf16.flips[0]["tags"] == ["typical", "boundary"]
-    assert result.ok  # max_flips 1 holds: the example counts once
+    assert bf16.flips == [] and [row["probe"] for row in bf16.ties] == ["held_out:6"]  # one tie, not one per tag
+    assert bf16.ties[0]["tags"] == ["typical", "boundary"]
+    assert result.ok  # ties count as flips, max_flips 1 holds: the example counts once
 
     apart = run_compare(api_config(factory, {"tie": True}, typical=2, boundary=1, edge_cases=False, precisions=["bf16"]))
     assert apart.tags == {"held_out:0": ["typical"], "held_out:1": ["typical"], "held_out:6": ["boundary"]}
@@ -275,7 +294,7 @@ def test_every_probe_keeps_its_record(factory):
     assert tie["fp32"] == {"decision": 1, "top": [[1, pytest.approx(LESSON_HIGH, abs=1e-6)]]}
     assert tie["amp"]["decision"] == 0 and tie["amp"]["top"][0][1] == LESSON_LOW
     assert tie["fp32_margin"] == pytest.approx(LESSON_HIGH - LESSON_LOW, abs=1e-6) and tie["amp_margin"] == 0.0
-    assert (tie["changed"], tie["flipped"], tie["tied"]) == (True, True, False)
+    assert (tie["changed"], tie["flipped"], tie["tied"]) == (True, False, True)  # AMP's gap 0 <= tie_margin 0
     # with no tolerance at all, 1.0003 -> 1.0 is a deviation; the small integers elsewhere are exact
     assert tie["deviated"] and tie["deviated_outputs"] == ["output"]
     assert tie["max_abs_error"] == pytest.approx(LESSON_HIGH - LESSON_LOW, abs=1e-6)
@@ -372,3 +391,116 @@ def test_the_worst_element_is_written_with_the_comparison_that_holds():
     for amp, sign, ok in ((torch.tensor([[1.2, 2.0]]), "<=", True), (torch.tensor([[1.0, 4.0]]), ">", False)):
         rule, _, _ = _score_rule("logits", "logits", ref, amp, cfg, ["held_out:0"], {})
         assert f" {sign} allowed 0.5 " in rule.amp and rule.ok is ok, rule
+
+
+# ---------------------------------------------------------------------------- review findings
+
+
+def identity_task(x, y, *, mode="classifier", model=None, **fields):
+    from torch import nn
+
+    from ampguard.tasks.base import Task, cycle
+
+    if model is None:
+        model = nn.Linear(x.shape[1], x.shape[1], bias=False)
+        with torch.no_grad():
+            model.weight.copy_(torch.eye(x.shape[1]))
+    return Task("toy", model, nn.functional.cross_entropy if mode == "classifier" else nn.functional.mse_loss,
+                batches=lambda: cycle(lambda: [(x, y)]), mode=mode, held_out=lambda: (x, y), **fields)
+
+
+def test_non_finite_amp_scores_on_the_evaluation_set_fail_complete_and_finite():
+    # review #5: only the probes were checked for AMP. 3.4e38 is below float32's maximum but rounds to inf in
+    # bfloat16 (whose maximum is ~3.39e38); example 4 is in the evaluation set, not a probe. Its bf16 scores
+    # [inf, -inf] still name the right class, so the quality rules do not notice: the run was ACCEPTED.
+    from torch import nn
+
+    x = torch.tensor([[3.0, 0.0], [-3.0, 0.0], [2.0, 1.0], [-2.0, 1.0], [3.4e38, 0.0]])
+    model = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 0.0], [-1.0, 0.0]]))  # scores (x0, -x0): class 0 when x0 > 0
+    task = identity_task(x, torch.tensor([0, 1, 0, 1, 0]), model=model)
+    config = make_config({"validation": {"precisions": ["bf16"], "typical": 2, "boundary": 0, "edge_cases": False}})
+    result = compare(task, task.model, config, CPU)
+    bf16 = result.results[0]
+    assert bf16.stats["quality_amp"] == bf16.stats["quality_fp32"] == 1.0
+    assert rule_named(bf16, "quality vs FP32").ok and rule_named(bf16, "scores").ok
+    finite = rule_named(bf16, "complete and finite")
+    assert (finite.reference, finite.amp, finite.ok) == ("2/2 probes, 5/5 eval", "2/2 probes, 4/5 eval", False)
+    assert result.reference_ok and not result.ok
+
+
+def noisy_task():
+    # a model that samples in its forward, in eval mode too (a VAE's reparameterisation)
+    from torch import nn
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu = nn.Linear(4, 2)
+
+        def forward(self, x):
+            mu = self.mu(x)
+            return mu + 0.5 * torch.randn_like(mu, dtype=torch.float32)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    return identity_task(x, y, mode="regression", model=Noisy())
+
+
+def test_the_reference_and_amp_draw_the_same_noise_and_the_callers_rng_is_kept():
+    # review #9: each pass drew other random numbers, and the difference was blamed on bf16 (0/16 within)
+    task = noisy_task()
+    config = make_config({"validation": {"precisions": ["bf16"], "typical": 8, "edge_cases": False}})
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    result = compare(task, task.model, config, CPU)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is where it was
+    scores = rule_named(result.results[0], "scores")
+    assert scores.ok and scores.amp.startswith("16/16 within"), scores.amp
+    assert result.ok
+    # the same report from another caller state: the passes are seeded with config.seed
+    torch.manual_seed(99)
+    again = compare(task, task.model, config, CPU)
+    assert again.results[0].stats == result.results[0].stats
+
+
+def test_training_from_the_same_state_draws_the_same_dropout_masks():
+    # review #9 (--train-steps): inputs, weights and targets are small integers, exact in bfloat16, so the
+    # first step's loss differs between FP32 and bf16 only if their dropout masks do
+    from torch import nn
+
+    from ampguard.validate import compare_training
+
+    x = torch.arange(-16, 16, dtype=torch.float32).reshape(8, 4) % 5 - 2
+    y = torch.arange(8, dtype=torch.float32).reshape(8, 1) % 3
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[1].weight.fill_(1.0)
+        model[1].bias.zero_()
+    task = identity_task(x, y, mode="regression", model=model)
+    config = make_config({"device": "cpu", "validation": {"precisions": ["bf16"]}})
+    before = torch.get_rng_state()
+    curves = compare_training(task, config, CPU, steps=1)
+    assert torch.equal(torch.get_rng_state(), before)
+    fp32, bf16 = curves
+    assert bf16["losses"] == fp32["losses"] and bf16["max_loss_diff_vs_fp32"] == 0.0
+
+
+def test_a_classifier_with_one_score_per_example_is_refused():
+    # review #10: argmax over one column is always class 0, so no decision could ever flip (ACCEPTED while
+    # bf16 changed the sign of a logit); a single score's decision rule is not known, so it is refused
+    from torch import nn
+
+    from ampguard.errors import InputError
+
+    x = torch.linspace(-1, 1, 11).reshape(-1, 1)
+    task = identity_task(x, (x[:, 0] > 0).long(), model=nn.Linear(1, 1))
+    config = make_config({"validation": {"precisions": ["bf16"], "typical": 4, "edge_cases": False}})
+    for boundary in (0, 4):  # the first FP32 pass is the reference's, or the one choosing boundary probes
+        with pytest.raises(InputError, match=r"^validate: task toy is a classifier, but its first output \(output\) "
+                                             r"has 1 score per example: .* or declare mode 'regression'$"):
+            compare(task, task.model, make_config({"validation": {**config.validation.model_dump(),
+                                                                  "boundary": boundary}}), CPU)
+    regression = identity_task(x, x, mode="regression", model=nn.Linear(1, 1))
+    assert compare(regression, regression.model, config, CPU).results  # one score is fine for regression
