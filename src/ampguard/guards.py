@@ -551,7 +551,8 @@ class FirstSkipDiagnosis:
             return self.found if record.skipped else None
         from .locate import diagnose_group
 
-        result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision, float(self.scale))
+        result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision, float(self.scale),
+                                accumulation_steps=self.state.accumulation_steps)
         # under torchrun the value was born on one rank's share: each rank replays its own, and
         # the first rank that found a non-finite value is the finding of every rank
         findings = distributed.all_gather(result)
