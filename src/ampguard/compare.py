@@ -183,7 +183,7 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
         max rolling skip rate: 0.3333
         clip rate: 0.333
         scale health: stable (final 512)
-        loss final / best: 0.4 / 0.3
+        loss final / best: 0.3 / 0.3
     """
     m, c = run.monitor, run.config
     clip = clip_threshold(c.max_norm)
@@ -194,10 +194,11 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
         ("max_norm", _g(clip, "g") if clip else "off"),
         ("steps / updates", f"{m.steps} / {m.updates}"),
         ("skips", f"{sum(m.skips.values())} ({m.skips_text()})"),
-        ("max rolling skip rate", f"{m.max_skip_rate:.4f}"),
+        ("max rolling skip rate", f"{m.max_rolling_skip_rate:.4f}" + (
+            f" (judged {m.max_skip_rate:.4f})" if f"{m.max_skip_rate:.4f}" != f"{m.max_rolling_skip_rate:.4f}" else "")),
         ("clip rate", f"{m.clip_rate:.3f}" if clip else "n/a"),
         ("scale health", m.scale_verdict + (f" (final {_g(scale, 'g')})" if m.scaler_enabled else "")),
-        ("loss final / best", f"{_g(m.last.get('loss'))} / {_g(m.best_loss)}"),
+        ("loss final / best", f"{_g(m.final_loss_and_step[0])} / {_g(m.best_loss)}"),
     ]
     cells += [(f"{name} final / best", f"{_g(value)} / {_g(m.eval_best.get(name))}")
               for name, value in m.eval_last.items()]
@@ -374,17 +375,17 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
         ...     _ = (root / name / "RUN.md").write_text(f"# Run {name}\\n\\n**finished: 1 steps**\\n")
         ...     _ = (root / name / "steps.csv").write_text(",".join(CSV_COLUMNS) + f"\\n1,0.1,{cells}\\n")
         >>> run([root / "a", root / "b"])
-        |                       | a                   | b                     |
-        |-----------------------|---------------------|-----------------------|
-        | ended                 | finished: 1 steps   | finished: 1 steps     |
-        | precision             | fp16                | fp16                  |
-        | max_norm              | 1                   | 1                     |
-        | steps / updates       | 1 / 1               | 1 / 0                 |
-        | skips                 | 0 (none)            | 1 (non_finite_grad=1) |
-        | max rolling skip rate | 0.0000              | 0.0000                |
-        | clip rate             | 1.000               | 0.000                 |
-        | scale health          | stable (final 1024) | warming (final 512)   |
-        | loss final / best     | 0.5 / 0.5           | 0.5 / -               |
+        |                       | a                   | b                      |
+        |-----------------------|---------------------|------------------------|
+        | ended                 | finished: 1 steps   | finished: 1 steps      |
+        | precision             | fp16                | fp16                   |
+        | max_norm              | 1                   | 1                      |
+        | steps / updates       | 1 / 1               | 1 / 0                  |
+        | skips                 | 0 (none)            | 1 (non_finite_grad=1)  |
+        | max rolling skip rate | 0.0000              | 1.0000 (judged 0.0000) |
+        | clip rate             | 1.000               | 0.000                  |
+        | scale health          | stable (final 1024) | warming (final 512)    |
+        | loss final / best     | 0.5 / 0.5           | - / -                  |
         <ExitCode.OK: 0>
         >>> shutil.rmtree(root)
     """

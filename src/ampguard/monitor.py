@@ -445,8 +445,10 @@ class ScaleHealth:
         """
         return self.scale is not None and self.scale <= self._floor
 
-    def push(self, scale: float, skipped: bool) -> None:
-        """Record the scale after a step's ``update()`` and whether the step was skipped.
+    def push(self, scale: float, skipped: bool, search: bool = True) -> None:
+        """Record the scale after a step's ``update()`` and whether the step was skipped;
+        ``search``: a skip for a gradient overflow, the scaler's search. A skip for a non-finite
+        loss is none: it ends the opening warm-up (a run whose losses are NaN is not warming up).
 
         Example::
 
@@ -454,9 +456,13 @@ class ScaleHealth:
             >>> h.push(512.0, True)
             >>> h.scale, h.verdict
             (512.0, 'warming')
+            >>> h = ScaleHealth(4, init_scale=1024.0)
+            >>> h.push(512.0, True, search=False)
+            >>> h.verdict
+            'stable'
         """
         self._verdict = None
-        self._opening = self._opening and bool(skipped)
+        self._opening = self._opening and bool(skipped) and search
         self.opening += self._opening
         self.opening_floored = self.opening_floored or (self._opening and scale <= self._floor)
         self.streak = self.streak + 1 if skipped else 0
@@ -676,7 +682,8 @@ class RunMonitor:
       :data:`FAIL_SCALE_COLLAPSE`) after ``fail_after`` consecutive steps at the floor and skipped.
 
     ``max_skip_rate`` is the highest judged rate from step 1 (young-window rates included: a
-    first step skipped for a non-finite loss makes it 1.0, ALERT or not).
+    first step skipped for a non-finite loss makes it 1.0, ALERT or not);
+    ``max_rolling_skip_rate`` the highest rolling rate, the fp16 opening search included.
 
     Example::
 
@@ -740,6 +747,8 @@ class RunMonitor:
             "opening": 0,  # the scaler's opening search: gradient overflows in a row from step 1
             "in_opening": True,  # that search is still going
             "first_loss": None, "best_loss": None, "eval_last": {}, "eval_best": {},
+            "max_rolling_skip_rate": 0.0,  # the raw rolling rate's highest (max_skip_rate: the judged one's)
+            "final_loss": None, "final_loss_step": None,  # the last applied step's (finite) loss
         }
 
     # -------------------------------------------------------------- per record
@@ -768,6 +777,7 @@ class RunMonitor:
             if loss is not None and math.isfinite(loss):
                 self.first_loss = loss if self.first_loss is None else self.first_loss
                 self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
+                self.final_loss, self.final_loss_step = loss, record.step
         clipped = (
             self.max_norm is not None
             and not record.skipped
@@ -779,11 +789,12 @@ class RunMonitor:
         self.skip_window.push(float(record.skipped))
         scale = v["scaler_scale"] if v["scaler_scale"] is not None else 1.0
         if self.scaler_enabled:
-            self.health.push(scale, record.skipped)
+            self.health.push(scale, record.skipped, search=record.reason == "non_finite_grad")
         if self.in_opening:
             self._follow_opening(record)
         rate = self.judged_skip_rate
         self.max_skip_rate = max(self.max_skip_rate, rate)
+        self.max_rolling_skip_rate = max(self.max_rolling_skip_rate, self.skip_rate)
         return self._events(record.step, rate, scale, bool(record.skipped))
 
     def _follow_opening(self, record: StepRecord) -> None:
@@ -995,7 +1006,9 @@ class RunMonitor:
         )
 
     def summary(self) -> str:
-        """``steps=20 updates=19 skips=1 (non_finite_grad=1) final_scale=512 final_loss=0.01``
+        """``steps=20 updates=19 skips=1 (non_finite_grad=1) final_scale=512 final_loss=0.01``:
+        ``final_loss`` is the last applied step's (a skipped step left the model as it was; its
+        loss, a NaN or a spike, is not the model's), with its step when that is not the last.
 
         Example::
 
@@ -1003,18 +1016,48 @@ class RunMonitor:
             'steps=0 updates=0 skips=0 (none)'
         """
         text = f"steps={self.steps} updates={self.updates} skips={sum(self.skips.values())} ({self.skips_text()})"
-        for key, label in (("scaler_scale", "final_scale"), ("loss", "final_loss")):
-            if self.last.get(key) is not None:
-                text += f" {label}={self.last[key]:.6g}"
+        if self.last.get("scaler_scale") is not None:
+            text += f" final_scale={self.last['scaler_scale']:.6g}"
+        loss, step = self.final_loss_and_step
+        if loss is not None:
+            text += f" final_loss={loss:.6g}" + (f" (step {step})" if step is not None and step != self.steps else "")
         return text
+
+    @property
+    def max_skip_rate_text(self) -> str:
+        """The highest rolling skip rate, and the highest the guard judged when the two differ
+        (the fp16 scaler's opening search set aside while the window was young): the run card's
+        and ``report``'s "max rolling skip rate".
+
+        Example::
+
+            >>> m = RunMonitor(window=8)
+            >>> m.max_rolling_skip_rate, m.max_skip_rate = 1.0, 0.0
+            >>> print(m.max_skip_rate_text)
+            1.0000 (0.0000 as the guard judged it: the fp16 scaler's opening search set aside)
+        """
+        text = f"{self.max_rolling_skip_rate:.4f}"
+        if f"{self.max_skip_rate:.4f}" != text:
+            text += f" ({self.max_skip_rate:.4f} as the guard judged it: the fp16 scaler's opening search set aside)"
+        return text
+
+    @property
+    def final_loss_and_step(self) -> tuple[float | None, int | None]:
+        """The last applied step's finite loss and its step (None, None when no step applied);
+        a state saved before they were kept gives the last record's loss."""
+        if self.final_loss is not None or not self.updates:
+            return self.final_loss, self.final_loss_step
+        return self.last.get("loss"), None
 
     # -------------------------------------------------------------- state
 
     _SCALARS = (
         "steps", "updates", "clipped", "alerting", "scale_alerting", "alert_episodes", "max_skip_rate",
         "above_fail", "at_floor_skipped", "opening", "in_opening", "first_loss", "best_loss", "eval_last", "eval_best",
+        "max_rolling_skip_rate", "final_loss", "final_loss_step",
     )
-    _RENAMED = {"at_floor_skipped": "below_min_scale"}  # new name -> its name in older states
+    # new name -> its name in older states (an older state's judged maximum is the closest it holds)
+    _RENAMED = {"at_floor_skipped": "below_min_scale", "max_rolling_skip_rate": "max_skip_rate"}
     _COUNTS = ("steps", "updates", "clipped", "alert_episodes", "above_fail", "at_floor_skipped", "opening")
     _FLAGS = ("alerting", "scale_alerting", "in_opening")
 
@@ -1105,10 +1148,13 @@ class RunMonitor:
             _need(_count(scalars[name]), f"{where}{name}", scalars[name], "an int >= 0")
         for name in self._FLAGS:
             _need(_flag(scalars[name]), f"{where}{name}", scalars[name], "True or False")
-        rate = scalars["max_skip_rate"]
-        _need(finite_number(rate) and 0 <= rate <= 1, f"{where}max_skip_rate", rate, "a number in [0, 1]")
-        for name in ("first_loss", "best_loss"):
+        for name in ("max_skip_rate", "max_rolling_skip_rate"):
+            rate = scalars[name]
+            _need(finite_number(rate) and 0 <= rate <= 1, f"{where}{name}", rate, "a number in [0, 1]")
+        for name in ("first_loss", "best_loss", "final_loss"):
             _need(_number_or_none(scalars[name]), f"{where}{name}", scalars[name], "a finite number or None")
+        step = scalars["final_loss_step"]
+        _need(step is None or _count(step), f"{where}final_loss_step", step, "an int >= 0 or None")
         # held-out metrics may be non-finite (a diverged evaluation), the best ones never; so may
         # the last record's values (a NaN loss)
         _need(_names_to(scalars["eval_last"], _number), f"{where}eval_last", scalars["eval_last"],

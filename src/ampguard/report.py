@@ -488,6 +488,12 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
 
+def _final_loss(m: RunMonitor) -> str:
+    """The run card's final loss: the last applied step's, with its step when a skipped step came after."""
+    loss, step = m.final_loss_and_step
+    return _fmt(loss) + (f" (step {step}, the last applied)" if step is not None and step != m.steps else "")
+
+
 def _fmt(x: float | None, spec: str = ".4g") -> str:
     return "n/a" if x is None else format(x, spec)
 
@@ -559,12 +565,12 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         ("steps attempted", str(m.steps)),
         ("updates applied", str(m.updates)),
         ("skipped steps", f"{skips} ({m.skips_text()})"),
-        ("max rolling skip rate", f"{m.max_skip_rate:.4f}"),
+        ("max rolling skip rate", m.max_skip_rate_text),
         ("skip-rate alert episodes", str(m.alert_episodes)),
         ("clip rate (whole run)", f"{m.clip_rate:.3f} ({m.clipped} of {m.steps} steps had pre-clip norm > max_norm)"
                       if clip_threshold(config.max_norm) else "n/a (clipping off)"),
         ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(last.get('scaler_scale'), 'g')})" if scaler_on else "")),
-        ("loss", f"first {_fmt(m.first_loss)}, final {_fmt(last.get('loss'))}, best {_fmt(m.best_loss)}"),
+        ("loss", f"first {_fmt(m.first_loss)}, final {_final_loss(m)}, best {_fmt(m.best_loss)}"),
         *((f"held-out {name}", f"final {_fmt(value)}, best {_fmt(m.eval_best.get(name))}")
           for name, value in m.eval_last.items()),
         ("rollbacks", "; ".join(result.rollbacks) if result.rollbacks else "none"),
@@ -720,7 +726,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         print(f"note: the last line of {csv_path} is torn (no newline: a write cut short), left out: "
               f"{torn[0][:40]!r}")
     print(f"summary: {monitor.summary()}")
-    print(f"max rolling skip rate {monitor.max_skip_rate:.4f} (window {settings['window']}), "
+    print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {settings['window']}), "
           f"alert episodes {monitor.alert_episodes}, clip rate {monitor.clip_rate:.3f}, scale {monitor.scale_verdict}")
     print(f"plot: {png}")
     return ExitCode.OK

@@ -100,7 +100,9 @@ def check_card_against_csv(run_dir: Path, *, window: int, alert_rate: float, max
     clipped = sum(1 for r in rows if r["skipped"] == "0" and float(r["grad_l2_pre_clip"]) > max_norm)
     assert table["clip rate (whole run)"] == f"{clipped / n:.3f} ({clipped} of {n} steps had pre-clip norm > max_norm)"
     applied = [float(r["loss"]) for r in rows if r["skipped"] == "0"]
-    assert table["loss"] == (f"first {applied[0]:.4g}, final {float(rows[-1]['loss']):.4g}, "
+    last_applied = next(r for r in reversed(rows) if r["skipped"] == "0")  # a skipped step left the model as it was
+    note = "" if last_applied is rows[-1] else f" (step {last_applied['step']}, the last applied)"
+    assert table["loss"] == (f"first {applied[0]:.4g}, final {float(last_applied['loss']):.4g}{note}, "
                              f"best {min(applied):.4g}")
     assert table["clipping"] == f"global L2, max_norm {max_norm:g}"
     assert table["skip-rate alert"] == f"rolling rate > {alert_rate:g} over {window} steps"
