@@ -9,10 +9,12 @@ factory's stream is read from its start up to the position.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from . import distributed
 from .build import to_device
@@ -68,6 +70,28 @@ class DataStream:
         inputs, targets = next(self._source())
         return to_device(inputs, self.device), to_device(targets, self.device)
 
+    def digest(self) -> str:
+        """A hash of the next *global* batch (before this rank's slice): under torchrun every
+        rank must read the same stream, and each takes its slice of it (:func:`check_same_data`).
+
+        Example::
+
+            >>> from ampguard.config import validate
+            >>> from ampguard.tasks import build_task
+            >>> data = DataStream(build_task(validate({"task": {"name": "linear"}})), FaultInjector([]), torch.device("cpu"))
+            >>> data.digest() == data.digest(), len(data.digest())
+            (True, 64)
+        """
+        h = hashlib.sha256()
+        for leaf in tree_leaves(next(iter(self.task.stream(self.position)))):
+            if isinstance(leaf, torch.Tensor):
+                t = leaf.detach().cpu().contiguous()
+                h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            else:
+                h.update(repr(leaf).encode())
+        return h.hexdigest()
+
     def next(self, first_step: int) -> Batch:
         """The next micro-batch. ``first_step`` is the step the stream's next batch belongs to when
         the stream is (re)opened, so that step-targeted faults hit the right batches."""
@@ -91,3 +115,25 @@ class DataStream:
 
     def load_state_dict(self, position: int) -> None:
         self.seek(int(position))
+
+
+def check_same_data(data: DataStream, who: str) -> str | None:
+    """Under torchrun, the line refusing a run whose ranks read different global batches (a
+    factory's ``DistributedSampler``: ampguard would slice each rank's own shard again and train
+    on a fraction of it), else None. A collective: every rank calls it.
+
+    Example (no process group)::
+
+        >>> from ampguard.config import validate
+        >>> from ampguard.tasks import build_task
+        >>> check_same_data(DataStream(build_task(validate({})), FaultInjector([]), torch.device("cpu")), "task charlm")
+    """
+    if not data.dist.active:
+        return None
+    digests = distributed.all_gather(data.digest())
+    if len(set(digests)) == 1:
+        return None
+    ranks = [r for r, d in enumerate(digests) if d != digests[0]]
+    return (f"{who}: the ranks read different data (the first batch of rank {ranks[0]} differs from rank 0's); "
+            "under torchrun every rank reads the same global batches and ampguard gives each rank its slice: "
+            "no DistributedSampler, and the same shuffling seed on every rank")

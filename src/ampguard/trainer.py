@@ -22,7 +22,7 @@ from . import distributed
 from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
                     check_trainable, fast_path, precision_of, resolve_device)
 from .config import Config
-from .data import DataStream
+from .data import DataStream, check_same_data
 from .errors import ExitCode, InputError
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
@@ -197,7 +197,7 @@ class Trainer:
             check_forward(model, self.task.loss_fn, self.data.peek, precision_of(self.config, self.device), who)
         except InputError as err:
             problem = str(err)
-        problem = distributed.first_error(problem)
+        problem = distributed.first_error(problem) or check_same_data(self.data, who)
         if problem is not None:
             raise InputError(problem)
 

@@ -11,6 +11,8 @@
   metrics are the mean over ranks, and every rank rolls back together (rank 1 alone rolled back
   and waited in a collective the others never joined: a hang).
 - ``X``: a run folder that exists already (rank 0 alone looks): every rank refuses with exit 2.
+- ``R``: a factory whose data a ``DistributedSampler`` already splits per rank (ampguard would
+  slice each rank's share again and never train on half the data): every rank refuses, exit 2.
 
 Each rank runs ``ampguard.cli.main`` through a small wrapper that writes the exit code ``main``
 returned to ``rank<R>.rc`` before leaving: torchrun reports only the first failure it sees.
@@ -56,6 +58,18 @@ def build(config):
     return {"model": nn.Linear(4, 1), "data": data, "loss_fn": nn.functional.mse_loss, "evaluate": evaluate,
             "metrics": ("val_loss",)}
 '''
+SAMPLER = '''
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
+    return nn.Linear(4, 1), loader, nn.functional.mse_loss
+'''
 WRAPPER = '''
 import os, sys
 from pathlib import Path
@@ -75,6 +89,7 @@ def launches(tmp_path_factory):
     wrapper.write_text(WRAPPER)
     (work / "sharded_eval.py").write_text(SHARDED_EVAL)
     (work / "X" / "runs" / "X").mkdir(parents=True)  # the folder of an earlier run
+    (work / "sampler.py").write_text(SAMPLER)
     specs = {
         "S": ([*RUN, "--set", "steps=6", "--set", "log.name=S", "--strict", "--inject", "nan_loss@3@rank1"], None),
         "D": ([*RUN, "--set", "steps=300", "--set", "log.every=1000", "--set", "checkpoint.enabled=false",
@@ -83,6 +98,8 @@ def launches(tmp_path_factory):
                "--set", "device=cpu", "--set", "steps=6", "--set", "eval.every=2", "--set", "checkpoint.every=2",
                "--set", "rollback.triggers=[val_regression]", "--set", "log.dir=runs", "--set", "log.name=E"], None),
         "X": ([*RUN, "--set", "steps=2", "--set", "log.name=X"], None),
+        "R": (["train", "--set", f"task.factory={work / 'sampler.py'}:build", "--set", "precision=fp32",
+               "--set", "device=cpu", "--set", "steps=2", "--set", "log.dir=runs", "--set", "log.name=R"], None),
     }
     env = torchrun_env(PYTHONDONTWRITEBYTECODE="1")
     started: dict[str, Launch] = {}
@@ -153,3 +170,11 @@ def test_a_run_folder_that_exists_is_refused_on_every_rank_with_one_line(launche
     # no rank's traceback (torchrun prints its own ChildFailedError for any non-zero exit)
     assert not [line for line in err.splitlines() if line.strip().startswith("File ") and "ampguard" in line]
     assert "Connection closed by peer" not in err
+
+
+def test_data_a_sampler_already_split_per_rank_is_refused_on_every_rank(launches):
+    code, out, err, cwd = launches["R"]
+    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    lines = {line for line in err.splitlines() if line.startswith("ampguard: error: ")}
+    assert len(lines) == 1 and "the ranks read different data (the first batch of rank 1 differs" in lines.pop()
+    assert not (cwd / "runs").exists()  # refused before anything is written

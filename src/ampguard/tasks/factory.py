@@ -17,7 +17,10 @@ holds free-form settings for it) and returns a mapping::
 
 or the tuple ``(model, data, loss_fn)``. For a resumed run to be bit-for-bit the uninterrupted
 one, ``data`` must yield the same sequence each time it is iterated (give a shuffling
-DataLoader its own seeded ``generator``).
+DataLoader its own seeded ``generator``). Under torchrun ``data`` is the global stream, the same
+on every rank (no ``DistributedSampler``): each rank takes its slice of each batch, and ranks
+whose first batches differ are refused. ``evaluate`` may score the whole held-out set or this
+rank's share: the run logs and judges the mean over ranks.
 """
 
 from __future__ import annotations
