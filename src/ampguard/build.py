@@ -270,11 +270,14 @@ def check_trainable(model: nn.Module, who: str = "") -> None:
 
 
 def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], read_batch: Callable[[], Any],
-                  precision: Precision, who: str) -> None:
+                  precision: Precision, who: str, *, find_unused: bool = False) -> list[str]:
     """Read the first batch and run it forward through ``model`` and ``loss_fn`` once, under the
     run's autocast, as the step will (no backward): a batch that cannot be read, data that does
     not fit the model, a loss that fails, is not a scalar or does not depend on the parameters is
     one :class:`InputError` line that starts with ``who`` (the first line of the error's text).
+    With ``find_unused``, also a backward (``torch.autograd.grad``: nothing accumulated) that
+    returns the trainable parameters this batch gives no gradient (DDP must be told of them);
+    else ``[]``.
 
     It leaves no trace: the RNG states (torch, CUDA, NumPy, ``random``), the module buffers
     (BatchNorm statistics) and the gradients are as they were, so the run
@@ -285,6 +288,11 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         >>> cpu = Precision("fp32", "cpu")
         >>> batch = lambda: (torch.ones(4, 3), torch.zeros(4, 1))
         >>> check_forward(nn.Linear(3, 1), nn.functional.mse_loss, batch, cpu, "task.factory toy.py:build")
+        []
+        >>> model = nn.Linear(3, 1)
+        >>> model.register_parameter("unused", nn.Parameter(torch.ones(1)))  # its forward never reads it
+        >>> check_forward(model, nn.functional.mse_loss, batch, cpu, "toy", find_unused=True)
+        ['unused']
         >>> check_forward(nn.Linear(2, 1), nn.functional.mse_loss, batch, cpu, "task.factory toy.py:build")
         Traceback (most recent call last):
         ...
@@ -324,6 +332,11 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         if not loss.requires_grad:
             raise InputError(f"{who}: the loss does not depend on the model's trainable parameters (no gradient "
                              "flows back from it: was it detached, or computed outside torch?)")
+        if not find_unused:
+            return []
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        return [name for (name, _), g in zip(named, grads) if g is None]
 
 
 def build_monitor(config: Config, scaler_enabled: bool) -> RunMonitor:

@@ -88,18 +88,21 @@ def init_from_env(device_name: str) -> tuple[DistInfo, torch.device]:
     return current(), device
 
 
-def wrap(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
+def wrap(model: nn.Module, strategy: str, device: torch.device, *, find_unused_parameters: bool = False) -> nn.Module:
     """``ddp`` -> DistributedDataParallel; ``fsdp2`` -> ``fully_shard`` on each unit of the model
     (:func:`fsdp_units`: each child block, each item of a ModuleList/ModuleDict child), then the root.
 
     A unit that shares a parameter with another unit or with the root's own (tied weights, such as
     an output head tied to the embedding) is not sharded on its own: its parameters go to the
     root's group. Whatever ``fully_shard`` still refuses (a 0-dim parameter, a root that is itself
-    a container) is an :class:`InputError`, the same line on every rank."""
+    a container) is an :class:`InputError`, the same line on every rank. ``find_unused_parameters``:
+    DDP's, for a model with trainable parameters its forward does not use (each step then walks
+    the autograd graph to find them: DDP's cost, paid only then)."""
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       find_unused_parameters=find_unused_parameters)
     from torch.distributed.fsdp import fully_shard
 
     try:

@@ -133,9 +133,11 @@ class Trainer:
         model = self.task.model.to(self.device)
         self.injector = FaultInjector(faults, config.accumulation_steps, rank=self.dist.rank)
         self.data = DataStream(self.task, self.injector, self.device, self.dist)
-        self._check_model(model)
+        unused = self._check_model(model)
+        self._unused_note = f"; DDP find_unused_parameters ({', '.join(unused[:4])}{'...' if len(unused) > 4 else ''} " \
+            "unused at the first batch)" if unused else ""
         if self.dist.active:
-            model = distributed.wrap(model, config.distributed.strategy, self.device)
+            model = distributed.wrap(model, config.distributed.strategy, self.device, find_unused_parameters=bool(unused))
         self.fast, self.path = fast_path(config, self.device, self.dist.world_size)
         self.inflight = InFlight(lag=LAG if self.fast else 0)
         self.state = build_state(config, model, self.task.loss_fn, self.device, fast=self.fast)
@@ -185,21 +187,29 @@ class Trainer:
         if self.headroom is not None:
             CsvSink.check_header(paths.dir / HEADROOM_CSV, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS))
 
-    def _check_model(self, model: torch.nn.Module) -> None:
+    def _check_model(self, model: torch.nn.Module) -> list[str]:
         """Before anything is written: the model has something to train, and the first batch goes
         through it and the loss (one forward pass that leaves no trace: ``build.check_forward``).
-        Under torchrun each rank checks its own slice, and all refuse with the first rank's line."""
+        Under torchrun each rank checks its own slice, and all refuse with the first rank's line;
+        under DDP the check also finds the trainable parameters no rank's first slice gives a
+        gradient (returned: DDP must look for them each step, or it fails at the second)."""
         factory = self.config.task.factory
         who = f"task.factory {factory}" if factory else f"task {self.task.name}"
-        problem = None
+        problem, unused = None, []
+        ddp = self.dist.active and self.config.distributed.strategy == "ddp"
         try:
             check_trainable(model, who)
-            check_forward(model, self.task.loss_fn, self.data.peek, precision_of(self.config, self.device), who)
+            unused = check_forward(model, self.task.loss_fn, self.data.peek, precision_of(self.config, self.device),
+                                   who, find_unused=ddp)
         except InputError as err:
             problem = str(err)
         problem = distributed.first_error(problem) or check_same_data(self.data, who)
         if problem is not None:
             raise InputError(problem)
+        if not ddp:
+            return []
+        everyone = set().union(*map(set, distributed.all_gather(unused)))  # unused on any rank's slice
+        return [name for name, _ in model.named_parameters() if name in everyone]
 
     def _checkpointer(self, folder: Path | None) -> ck.CheckpointManager:
         fsdp = self.dist.active and self.config.distributed.strategy == "fsdp2"
@@ -422,7 +432,7 @@ class Trainer:
         else:
             self.events.emit({"step": 0, "event": "run_start",
                               "message": f"{self.task.description}; {self.config.precision} on {self.device}"
-                                         + self._fp8_note()
+                                         + self._fp8_note() + self._unused_note
                                          + ("; compiled (torch.compile)" if self.config.compile else "")
                                          + f"; {self.path}"})
 

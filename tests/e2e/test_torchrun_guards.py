@@ -13,6 +13,9 @@
 - ``X``: a run folder that exists already (rank 0 alone looks): every rank refuses with exit 2.
 - ``R``: a factory whose data a ``DistributedSampler`` already splits per rank (ampguard would
   slice each rank's share again and never train on half the data): every rank refuses, exit 2.
+- ``U``: a factory model with a trainable head its forward never uses: DDP is told
+  (``find_unused_parameters``) and the run trains (it failed at step 2 with DDP's "Expected to
+  have finished reduction" traceback).
 
 Each rank runs ``ampguard.cli.main`` through a small wrapper that writes the exit code ``main``
 returned to ``rank<R>.rc`` before leaving: torchrun reports only the first failure it sees.
@@ -70,6 +73,25 @@ def build(config):
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
     return nn.Linear(4, 1), loader, nn.functional.mse_loss
 '''
+UNUSED = '''
+import torch
+from torch import nn
+
+
+class WithAux(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.aux = nn.Linear(4, 1), nn.Linear(4, 1)  # aux: trained elsewhere, not here
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
+    return WithAux(), data, nn.functional.mse_loss
+'''
 WRAPPER = '''
 import os, sys
 from pathlib import Path
@@ -90,6 +112,7 @@ def launches(tmp_path_factory):
     (work / "sharded_eval.py").write_text(SHARDED_EVAL)
     (work / "X" / "runs" / "X").mkdir(parents=True)  # the folder of an earlier run
     (work / "sampler.py").write_text(SAMPLER)
+    (work / "unused.py").write_text(UNUSED)
     specs = {
         "S": ([*RUN, "--set", "steps=6", "--set", "log.name=S", "--strict", "--inject", "nan_loss@3@rank1"], None),
         "D": ([*RUN, "--set", "steps=300", "--set", "log.every=1000", "--set", "checkpoint.enabled=false",
@@ -100,6 +123,8 @@ def launches(tmp_path_factory):
         "X": ([*RUN, "--set", "steps=2", "--set", "log.name=X"], None),
         "R": (["train", "--set", f"task.factory={work / 'sampler.py'}:build", "--set", "precision=fp32",
                "--set", "device=cpu", "--set", "steps=2", "--set", "log.dir=runs", "--set", "log.name=R"], None),
+        "U": (["train", "--set", f"task.factory={work / 'unused.py'}:build", "--set", "precision=fp32",
+               "--set", "device=cpu", "--set", "steps=3", "--set", "log.dir=runs", "--set", "log.name=U"], None),
     }
     env = torchrun_env(PYTHONDONTWRITEBYTECODE="1")
     started: dict[str, Launch] = {}
@@ -178,3 +203,11 @@ def test_data_a_sampler_already_split_per_rank_is_refused_on_every_rank(launches
     lines = {line for line in err.splitlines() if line.startswith("ampguard: error: ")}
     assert len(lines) == 1 and "the ranks read different data (the first batch of rank 1 differs" in lines.pop()
     assert not (cwd / "runs").exists()  # refused before anything is written
+
+
+def test_a_parameter_the_forward_never_uses_trains_under_ddp(launches):
+    code, out, err, cwd = launches["U"]
+    assert _rank_codes(cwd) == {0: ExitCode.OK, 1: ExitCode.OK}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert len((cwd / "runs" / "U" / "steps.csv").read_text().splitlines()) == 4  # header and 3 steps
+    start = next(e for e in run_events(cwd / "runs" / "U") if e["event"] == "run_start")
+    assert "DDP find_unused_parameters (aux.weight, aux.bias unused at the first batch)" in start["message"]
