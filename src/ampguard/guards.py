@@ -48,6 +48,7 @@ ROLLBACKS_USED_UP = "rollbacks_used_up"
 NO_CHECKPOINT = "no_checkpoint"
 INTERRUPTED = "interrupted"
 DISK_FULL = "disk_full"
+BAD_DATA = "bad_data"
 
 
 @dataclass(frozen=True)

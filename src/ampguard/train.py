@@ -75,6 +75,14 @@ def finish(result: RunResult) -> ExitCode:
 
         where = f"; {result.monitor.steps} complete rows in {csv_path}" if csv_path else ""
         print(f"interrupted after step {result.monitor.steps}{where}", file=sys.stderr)
+    elif result.exit_code == ExitCode.BAD_INPUT:  # a batch found bad mid-run: the steps before it stand
+        import sys
+
+        saved = result.checkpoints[-1].name if result.checkpoints else None
+        resume = f"checkpoints/{saved}: --resume continues from there once the data is fixed" if saved else \
+            "no checkpoint"
+        print(f"ampguard: error: {result.ended}; the run is intact up to step {result.monitor.steps} ({resume})",
+              file=sys.stderr)
     return result.exit_code
 
 

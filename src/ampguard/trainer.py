@@ -23,11 +23,11 @@ from .build import (build_headroom, build_monitor, build_sinks, build_spike_dete
                     check_trainable, fast_path, precision_of, resolve_device)
 from .config import Config
 from .data import DataStream, check_same_data
-from .errors import ExitCode, InputError
+from .errors import ExitCode, InputError, first_line
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, check_ranks, parse_fault
-from .guards import DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop, TriggerBatches
+from .guards import BAD_DATA, DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop, TriggerBatches
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms
 from .integrations.trackers import check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
@@ -38,6 +38,12 @@ from .sinks import (CSV_COLUMNS, ConsoleSink, CsvSink, DiskFull, JsonlSink, Sink
                     writing)
 from .step import AmpTrainState
 from .tasks import Task, build_task
+
+
+class BadBatch(Exception):
+    """A micro-batch the run cannot take, found mid-run (reading it raised, or under torchrun it
+    does not split evenly over the ranks, the same on every rank): the run stops with exit 2,
+    its earlier steps kept and its run card written."""
 
 
 class Trainer:
@@ -259,7 +265,10 @@ class Trainer:
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
         while self.state.steps < self.config.steps:
             with self.watching():
-                record = self.train_step()
+                try:
+                    record = self.train_step()
+                except BadBatch as bad:  # the steps before it stand: their records, the run card
+                    return Stop(ExitCode.BAD_INPUT, f"bad data at step {self.state.steps + 1}: {bad}", BAD_DATA)
             self.throughput.steady()  # the run card's throughput counts from the end of the first step
             if self.state.steps >= self.config.steps:
                 self.throughput.ended()  # ... to the end of the last (not its evaluation, the final save)
@@ -314,7 +323,12 @@ class Trainer:
         :class:`~ampguard.records.InFlight`).
         """
         while True:
-            batch = self.data.next(first_step=self.state.steps + 1)
+            try:
+                batch = self.data.next(first_step=self.state.steps + 1)
+            except (KeyboardInterrupt, SystemExit, StopIteration):
+                raise
+            except Exception as err:  # noqa: BLE001 - a batch that does not split over the ranks, the user's data raising
+                raise BadBatch(first_line(err, with_type=not isinstance(err, InputError))) from None
             self.throughput.add(batch[0])
             if self.diagnosis is not None:
                 self.diagnosis.capture(batch)

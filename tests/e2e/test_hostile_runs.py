@@ -269,3 +269,40 @@ def test_a_full_disk_while_writing_the_run_card_is_the_same_clean_stop(cli, monk
     assert only_line(err) == (
         "ampguard: error: disk full while writing runs/y/RUN.md; the run is intact up to step 3 "
         "(checkpoints/step-00000003.pt: --resume runs/y continues from there; No space left on device)")
+
+
+# ---------------------------------------------------------------------------- data that fails mid-run
+
+FAILING_DATA = '''
+import torch
+from torch import nn
+
+
+def build(config):
+    def data():
+        g = torch.Generator().manual_seed(0)
+        for i in range(100):
+            if i == 5:
+                raise OSError("cannot read shard 5")
+            yield torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+
+    return nn.Linear(4, 1), data, nn.functional.mse_loss
+'''
+
+
+def test_data_that_fails_mid_run_stops_it_with_exit_2_and_keeps_the_steps_before(cli, tmp_path):
+    # reading batch 6 raised: a traceback (the user's error) that left no run card, and no
+    # checkpoint of the five steps that were fine
+    (tmp_path / "failing.py").write_text(FAILING_DATA, encoding="utf-8")
+    code, out, err = cli("train", "--set", f"task.factory={tmp_path / 'failing.py'}:build", "--set", "device=cpu",
+                         "--set", "precision=fp32", "--set", "steps=10", "--set", "checkpoint.every=2",
+                         "--set", "log.name=f")
+    line = one_error_line((code, out, err))
+    run = tmp_path / "runs" / "f"
+    assert line == ("ampguard: error: bad data at step 6: OSError: cannot read shard 5; the run is intact up to "
+                    "step 5 (checkpoints/step-00000005.pt: --resume continues from there once the data is fixed)")
+    assert "ended: bad data at step 6" in out
+    with open(run / "steps.csv", newline="", encoding="utf-8") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["1", "2", "3", "4", "5"]
+    assert "| ended | bad data at step 6: OSError: cannot read shard 5 |" in (run / "RUN.md").read_text(encoding="utf-8")
+    assert (run / "checkpoints" / "step-00000005.pt").is_file()

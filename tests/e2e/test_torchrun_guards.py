@@ -13,6 +13,9 @@
 - ``X``: a run folder that exists already (rank 0 alone looks): every rank refuses with exit 2.
 - ``R``: a factory whose data a ``DistributedSampler`` already splits per rank (ampguard would
   slice each rank's share again and never train on half the data): every rank refuses, exit 2.
+- ``V``: a factory whose fourth batch (15 examples in batches of 4) does not split over the two
+  ranks: every rank stops there with exit 2, the three steps before it, their card and a
+  checkpoint kept (it was exit 2 with no card, no checkpoint, no ``run_end``).
 - ``U``: a factory model with a trainable head its forward never uses: DDP is told
   (``find_unused_parameters``) and the run trains (it failed at step 2 with DDP's "Expected to
   have finished reduction" traceback).
@@ -92,6 +95,16 @@ def build(config):
     data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
     return WithAux(), data, nn.functional.mse_loss
 '''
+UNEVEN = '''
+import torch
+from torch import nn
+
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(15, 4, generator=g), torch.randn(15, 1, generator=g)
+    return nn.Linear(4, 1), [(x[i:i + 4], y[i:i + 4]) for i in range(0, 15, 4)], nn.functional.mse_loss
+'''
 WRAPPER = '''
 import os, sys
 from pathlib import Path
@@ -113,6 +126,7 @@ def launches(tmp_path_factory):
     (work / "X" / "runs" / "X").mkdir(parents=True)  # the folder of an earlier run
     (work / "sampler.py").write_text(SAMPLER)
     (work / "unused.py").write_text(UNUSED)
+    (work / "uneven.py").write_text(UNEVEN)
     specs = {
         "S": ([*RUN, "--set", "steps=6", "--set", "log.name=S", "--strict", "--inject", "nan_loss@3@rank1"], None),
         "D": ([*RUN, "--set", "steps=300", "--set", "log.every=1000", "--set", "checkpoint.enabled=false",
@@ -123,6 +137,9 @@ def launches(tmp_path_factory):
         "X": ([*RUN, "--set", "steps=2", "--set", "log.name=X"], None),
         "R": (["train", "--set", f"task.factory={work / 'sampler.py'}:build", "--set", "precision=fp32",
                "--set", "device=cpu", "--set", "steps=2", "--set", "log.dir=runs", "--set", "log.name=R"], None),
+        "V": (["train", "--set", f"task.factory={work / 'uneven.py'}:build", "--set", "precision=fp32",
+               "--set", "device=cpu", "--set", "steps=6", "--set", "checkpoint.every=2", "--set", "log.dir=runs",
+               "--set", "log.name=V"], None),
         "U": (["train", "--set", f"task.factory={work / 'unused.py'}:build", "--set", "precision=fp32",
                "--set", "device=cpu", "--set", "steps=3", "--set", "log.dir=runs", "--set", "log.name=U"], None),
     }
@@ -211,3 +228,15 @@ def test_a_parameter_the_forward_never_uses_trains_under_ddp(launches):
     assert len((cwd / "runs" / "U" / "steps.csv").read_text().splitlines()) == 4  # header and 3 steps
     start = next(e for e in run_events(cwd / "runs" / "U") if e["event"] == "run_start")
     assert "DDP find_unused_parameters (aux.weight, aux.bias unused at the first batch)" in start["message"]
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_stops_every_rank_and_keeps_the_steps_before(launches):
+    code, out, err, cwd = launches["V"]
+    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    lines = [line for line in err.splitlines() if line.startswith("ampguard: error: ")]
+    assert lines == ["ampguard: error: bad data at step 4: a batch of 3 examples does not split evenly over 2 ranks; "
+                     "the run is intact up to step 3 (checkpoints/step-00000003.pt: --resume continues from there "
+                     "once the data is fixed)"]
+    run = cwd / "runs" / "V"
+    assert (run / "RUN.md").is_file() and (run / "checkpoints" / "step-00000003.pt").is_file()
+    assert [e["event"] for e in run_events(run)][-1] == "run_end"
