@@ -89,7 +89,7 @@ def finish(result: RunResult) -> ExitCode:
 def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
     """``ampguard train``: a new run folder (or the resumed run's), progress, closing lines.
 
-    Example (console lines every ``log.every`` steps, at the last one and at every skip)::
+    Example (a console line every ``log.every`` steps and at every skip; the summary at the end)::
 
         >>> import pathlib, shutil, tempfile
         >>> from ampguard.config import validate
