@@ -398,7 +398,8 @@ class Guard:
                 if n > 1 and not divided:  # (x / 1 is x, bit for bit: one op and one node saved)
                     loss = loss / n
                 # the backward's seed: 1.0 (what backward() seeds with) for a finite loss, 0.0 for
-                # a non-finite one, as if it were replaced by a constant zero; one kernel, written
+                # a non-finite one (the loss's own NaN never flows back; a NaN activation still may:
+                # the step drops a skipped step's gradients whatever they hold); one kernel, written
                 # as float32 into a fresh tensor on the loss's device (a masked_fill and its backward
                 # took four). Fresh each time: autograd may keep the seed itself as a gradient (a
                 # parameter reached through views only), so a shared buffer would be overwritten
