@@ -399,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ampguard demo: nn.Linear, 2 steps, bf16 with no loss scaler, max_norm=1.0, inject: nan_loss@2
         STEP 1 loss=... pre=... post=1 scale=1 lr=0.02
         SKIP 2 loss=nan pre=- post=- scale=1 lr=0.04 reason=non_finite_loss
-        summary: steps=2 updates=1 skips=1 (non_finite_loss=1) final_scale=1 final_loss=nan
+        summary: steps=2 updates=1 skips=1 (non_finite_loss=1) final_scale=1 final_loss=... (step 1)
         ended: finished: 2 steps
         0
     """

@@ -143,7 +143,7 @@ def test_the_table_has_a_column_per_run_and_a_dash_for_a_metric_a_run_lacks(tmp_
     assert table["max rolling skip rate"] == ["0.5000", "0.5000"]
     assert table["clip rate"] == ["0.500", "n/a"]
     assert table["scale health"] == ["stable (final 32768)", "none (no loss scaler)"]
-    assert table["loss final / best"] == ["0.5 / 0.5", "- / 0.5"]  # a non-finite final loss shows as -
+    assert table["loss final / best"] == ["0.5 / 0.5", "0.5 / 0.5"]  # final: the last applied step's, not the NaN skip
     assert table["val_loss final / best"] == ["0.5 / 0.5", "-"]  # the bf16 run has no val_loss column
     assert len({len(line) for line in lines}) == 1  # padded: the columns line up
 
