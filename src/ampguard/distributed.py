@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_map, tree_map_only
 from torch import nn
 
 from .errors import InputError
@@ -310,6 +310,25 @@ def rank_slice(value: Any, info: DistInfo) -> Any:
         return tensor[info.rank * size : (info.rank + 1) * size]
 
     return tree_map_only(torch.Tensor, part, value)
+
+
+def join_slices(parts: Sequence[Any]) -> Any:
+    """The global batch back from every rank's :func:`rank_slice`, in rank order: tensors joined
+    along dimension 0; a 0-dim tensor and anything that is not a tensor taken from rank 0.
+
+    Example::
+
+        >>> batch = {"x": torch.arange(8).reshape(4, 2), "temp": torch.tensor(0.5), "name": "b"}
+        >>> parts = [rank_slice(batch, DistInfo(rank=r, world_size=2)) for r in (0, 1)]
+        >>> joined = join_slices(parts)
+        >>> torch.equal(joined["x"], batch["x"]), joined["temp"].item(), joined["name"]
+        (True, 0.5, 'b')
+    """
+    def join(*values: Any) -> Any:
+        first = values[0]
+        return torch.cat(values) if isinstance(first, torch.Tensor) and first.dim() else first
+
+    return tree_map(join, parts[0], *parts[1:])
 
 
 def gather_to_main(obj: Any) -> list[Any] | None:

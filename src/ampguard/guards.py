@@ -397,11 +397,18 @@ class Rollbacks:
 
     def _save_evidence(self, step: int, decision: Rollback) -> Path | None:
         """Rank 0 writes the triggering batches to ``rollback/step-N.pt`` (atomically; a file of
-        that name already there, from an earlier pass over this step, is kept: ``step-N-2.pt``)."""
-        if self.evidence is None or self.folder is None:  # (only rank 0 has a run folder)
+        that name already there, from an earlier pass over this step, is kept: ``step-N-2.pt``).
+        Under torchrun they are the global batches: every rank's slice, gathered to rank 0 and
+        joined in rank order (the spike may have been in any rank's share); a collective."""
+        if self.evidence is None:
             return None
         data = self.evidence.payload(step, decision.kind, decision.why)
-        if data is None:
+        if distributed.current().active:
+            parts = distributed.gather_to_main(data)
+            data = None if parts is None or data is None else {
+                **data, "micro_batches": [distributed.join_slices(group) for group in
+                                          zip(*(part["micro_batches"] for part in parts))]}
+        if data is None or self.folder is None:  # (only rank 0 has a run folder)
             return None
         from .checkpoint import save_checkpoint
 

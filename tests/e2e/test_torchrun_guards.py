@@ -16,6 +16,9 @@
 - ``V``: a factory whose fourth batch (15 examples in batches of 4) does not split over the two
   ranks: every rank stops there with exit 2, the three steps before it, their card and a
   checkpoint kept (it was exit 2 with no card, no checkpoint, no ``run_end``).
+- ``K``: a loss spike in rank 1's share of step 5 (``spike@5@rank1``) rolls the run back: the
+  evidence file holds the global batch, every rank's slice in rank order (it held rank 0's, which
+  had no spike).
 - ``U``: a factory model with a trainable head its forward never uses: DDP is told
   (``find_unused_parameters``) and the run trains (it failed at step 2 with DDP's "Expected to
   have finished reduction" traceback).
@@ -140,6 +143,9 @@ def launches(tmp_path_factory):
         "V": (["train", "--set", f"task.factory={work / 'uneven.py'}:build", "--set", "precision=fp32",
                "--set", "device=cpu", "--set", "steps=6", "--set", "checkpoint.every=2", "--set", "log.dir=runs",
                "--set", "log.name=V"], None),
+        "K": ([*RUN, "--set", "steps=8", "--set", "task.batch_size=4", "--set", "checkpoint.every=2",
+               "--set", "rollback.triggers=[loss_spike]", "--set", "rollback.window=3", "--set", "rollback.skip_batches=1",
+               "--set", "log.name=K", "--inject", "spike@5@rank1"], None),
         "U": (["train", "--set", f"task.factory={work / 'unused.py'}:build", "--set", "precision=fp32",
                "--set", "device=cpu", "--set", "steps=3", "--set", "log.dir=runs", "--set", "log.name=U"], None),
     }
@@ -240,3 +246,15 @@ def test_a_batch_that_does_not_split_over_the_ranks_stops_every_rank_and_keeps_t
     run = cwd / "runs" / "V"
     assert (run / "RUN.md").is_file() and (run / "checkpoints" / "step-00000003.pt").is_file()
     assert [e["event"] for e in run_events(run)][-1] == "run_end"
+
+
+def test_rollback_evidence_under_torchrun_is_the_global_batch(launches):
+    import torch
+
+    code, out, err, cwd = launches["K"]
+    assert _rank_codes(cwd) == {0: ExitCode.OK, 1: ExitCode.OK}, f"torchrun exited {code}\n{err[-3000:]}"
+    evidence = torch.load(cwd / "runs" / "K" / "rollback" / "step-5.pt", weights_only=False)
+    (batch,) = evidence["micro_batches"]
+    assert batch["inputs"].shape[0] == 8  # 4 a rank, both ranks
+    rows = batch["targets"].abs().flatten(1).amax(dim=1)
+    assert rows[4:].min() > 1e6 and rows[:4].max() < 1e3  # rank 1's half is the spiked one (x 1e8)
