@@ -100,6 +100,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Every RNG (:func:`rng_state`) as it was once the block is left, also on an error: a check
+    or a replay that draws numbers leaves the run's stream where it was.
+
+    Example::
+
+        >>> with rng_kept():
+        ...     first = torch.rand(2)
+        >>> torch.equal(torch.rand(2), first)
+        True
+    """
+    saved = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(saved)
+
+
+@contextlib.contextmanager
 def untouched(model: torch.nn.Module) -> Iterator[None]:
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
     (BatchNorm statistics), its parameters' gradients and every RNG (torch, CUDA, NumPy,
@@ -117,9 +136,9 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
     was_training = model.training
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     grads = {id(p): p.grad for p in model.parameters()}
-    rng = rng_state()
     try:
-        yield
+        with rng_kept():
+            yield
     finally:
         model.train(was_training)
         with torch.no_grad():
@@ -128,7 +147,6 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
                     b.copy_(buffers[name])
         for p in model.parameters():
             p.grad = grads.get(id(p))
-        set_rng_state(rng)
 
 
 def _as_tuple(value: Any) -> Any:

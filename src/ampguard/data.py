@@ -82,8 +82,12 @@ class DataStream:
             >>> data.digest() == data.digest(), len(data.digest())
             (True, 64)
         """
+        from .checkpoint import rng_kept
+
         h = hashlib.sha256()
-        for leaf in tree_leaves(next(iter(self.task.stream(self.position)))):
+        with rng_kept():  # a factory's stream may draw (a shuffle): the run's draws stay where they were
+            batch = next(iter(self.task.stream(self.position)))
+        for leaf in tree_leaves(batch):
             if isinstance(leaf, torch.Tensor):
                 t = leaf.detach().cpu().contiguous()
                 h.update(f"{t.dtype}{tuple(t.shape)}".encode())

@@ -387,27 +387,34 @@ class CsvSink(_LineFile):
             >>> path.read_bytes()  # as it was
             b'step,lr\\n1,0.1\\n\\xb2,0.\\xff\\n3,0.1\\n'
         """
-        lines = self.path.read_bytes().splitlines(keepends=True)
+        self._replace_with(self.kept_rows(self.path, len(self.columns), step))
+
+    @staticmethod
+    def kept_rows(path: Path, width: int, step: int) -> bytes:
+        """The bytes of the CSV at ``path`` a resume from ``step`` keeps: the header and the rows
+        up to ``step``, each checked (UTF-8, ``width`` cells, an ASCII whole-number step; else
+        one :class:`InputError` line); a torn last line and the rows after ``step`` left out.
+        Reads only: a resume checks every log with it before it cuts any (``Trainer``)."""
+        lines = path.read_bytes().splitlines(keepends=True)
         keep = lines[:1]
         for line_no, raw in enumerate(lines[1:], start=2):
             if not raw.endswith(b"\n"):  # a torn last line (a write cut short): it goes
                 break
-            where = f"{self.path} line {line_no}"
+            where = f"{path} line {line_no}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise InputError(f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}), "
                                  "cannot resume from it") from None
             cells = next(csv.reader([line]), [])
-            if len(cells) != len(self.columns):
-                raise InputError(f"{where}: {len(cells)} cells, the header has {len(self.columns)}; "
-                                 "cannot resume from it")
+            if len(cells) != width:
+                raise InputError(f"{where}: {len(cells)} cells, the header has {width}; cannot resume from it")
             if not (cells[0].isascii() and cells[0].isdigit()):
                 raise InputError(f"{where}: step {cells[0]!r} is not a whole number, cannot resume from it")
             if int(cells[0]) > step:
                 break
             keep.append(raw)
-        self._replace_with(b"".join(keep))
+        return b"".join(keep)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Append one row (:func:`csv_row`) and flush it (:class:`DiskFull` when there is no room)."""

@@ -41,9 +41,10 @@ from .tasks import Task, build_task
 
 
 class BadBatch(Exception):
-    """A micro-batch the run cannot take, found mid-run (reading it raised, or under torchrun it
-    does not split evenly over the ranks, the same on every rank): the run stops with exit 2,
-    its earlier steps kept and its run card written."""
+    """A micro-batch the run cannot take, found mid-run: reading it raised (in one process; under
+    torchrun one rank's failure is its own, and a traceback ends the job), or under torchrun it
+    does not split evenly over the ranks (the same on every rank). The run stops with exit 2, its
+    earlier steps kept and its run card written."""
 
 
 class Trainer:
@@ -174,7 +175,7 @@ class Trainer:
         self.checkpointer.parts[ck.ROLLBACKS] = self.rollbacks
         if resume is not None:  # still nothing written: a checkpoint that does not fit is one line
             self.checkpointer.check_fits(resume.loaded)
-            self._check_logs(RunPaths.existing(resume.run_dir))
+            self._check_logs(RunPaths.existing(resume.run_dir), resume.loaded.step)
             self.checkpointer.restore(resume.loaded)
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
@@ -183,15 +184,19 @@ class Trainer:
         self.policy += self.policy_new
         self.rollbacks.policy = self.policy
 
-    def _check_logs(self, paths: RunPaths) -> None:
-        """Every log a resume appends to (and cuts back to its step) is of this run, checked
-        before any is cut: a refused resume changes none of them."""
+    def _check_logs(self, paths: RunPaths, step: int) -> None:
+        """Every log a resume appends to (and cuts back to its ``step``) is of this run, checked
+        before any is cut, each CSV row it keeps included: a refused resume changes none of them."""
         columns = CSV_COLUMNS + self.evaluator.metrics
-        CsvSink.check_header(paths.csv, columns, f"this run's columns ({', '.join(self.evaluator.metrics) or 'no metrics'})")
+        csvs = [(paths.csv, columns, f"this run's columns ({', '.join(self.evaluator.metrics) or 'no metrics'})")]
+        if self.headroom is not None:
+            csvs.append((paths.dir / HEADROOM_CSV, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS)))
+        for path, names, expected in csvs:
+            CsvSink.check_header(path, names, expected)
+            if path is not None and path.is_file():
+                CsvSink.kept_rows(path, len(names), step)
         if self.config.log.jsonl:
             JsonlSink.check_step_log(paths.steps_jsonl)
-        if self.headroom is not None:
-            CsvSink.check_header(paths.dir / HEADROOM_CSV, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS))
 
     def _check_model(self, model: torch.nn.Module) -> list[str]:
         """Before anything is written: the model has something to train, and the first batch goes
@@ -325,10 +330,14 @@ class Trainer:
         while True:
             try:
                 batch = self.data.next(first_step=self.state.steps + 1)
-            except (KeyboardInterrupt, SystemExit, StopIteration):
+            except InputError as err:  # a batch that does not split over the ranks: the same on every rank
+                raise BadBatch(str(err)) from None
+            except (torch.cuda.OutOfMemoryError, StopIteration):
                 raise
-            except Exception as err:  # noqa: BLE001 - a batch that does not split over the ranks, the user's data raising
-                raise BadBatch(first_line(err, with_type=not isinstance(err, InputError))) from None
+            except Exception as err:  # noqa: BLE001 - the user's data raising, in one process
+                if self.dist.active:  # one rank's own failure: a stop on it alone would leave the others
+                    raise  # waiting in the step's collectives; the traceback ends the job (torchrun)
+                raise BadBatch(first_line(err, with_type=True)) from None
             self.throughput.add(batch[0])
             if self.diagnosis is not None:
                 self.diagnosis.capture(batch)

@@ -26,7 +26,7 @@ import json
 import math
 import os
 import platform
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .build import prepare_model, resolve_device, to_device
+from .checkpoint import rng_kept
 from .config import Config
 from .errors import ExitCode, InputError, first_line
 from .precision import Precision
@@ -46,6 +47,11 @@ SINGLE_OUTPUT = "output"
 """The name of a model's output when it returns one tensor."""
 TIE_POLICIES = {"count_as_flip": "count as flips", "accept": "accepted", "reject": "reject the run"}
 """``validation.ties``, as the report words it."""
+
+
+class ModelRaised(InputError):
+    """The model (or the task's ``predict``) raised under a precision: bad input under the FP32
+    reference, a failed precision under AMP once the reference ran."""
 
 
 @dataclass
@@ -264,8 +270,8 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
         except InputError:
             raise
         except Exception as err:  # noqa: BLE001 - the user's code: one line, not a traceback
-            raise InputError(f"validate: task {task.name}: the model (or the task's predict) raised under "
-                             f"{precision.name}: {first_line(err, with_type=True)}") from None
+            raise ModelRaised(f"validate: task {task.name}: the model (or the task's predict) raised under "
+                              f"{precision.name}: {first_line(err, with_type=True)}") from None
         named = named_outputs(raw)
         if parts and [name for name, _ in named] != list(parts):
             raise InputError(f"validate: the model's outputs changed names between batches "
@@ -287,38 +293,10 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
     return Scores({name: torch.cat(rows) for name, rows in parts.items()}, dtypes)
 
 
-@contextlib.contextmanager
-def rng_kept(device: torch.device) -> Iterator[None]:
-    """Put the caller's RNG state back afterwards: the CPU generator's and, on a CUDA device, that
-    device's.
-
-    Example::
-
-        >>> before = torch.get_rng_state()
-        >>> with rng_kept(torch.device("cpu")):
-        ...     seed_pass(7, torch.device("cpu"))
-        ...     first = torch.rand(2)
-        ...     seed_pass(7, torch.device("cpu"))
-        ...     torch.equal(torch.rand(2), first)
-        True
-        >>> torch.equal(torch.get_rng_state(), before)
-        True
-    """
-    cuda = _cuda_index(device)
-    cpu_state = torch.get_rng_state()
-    cuda_state = torch.cuda.get_rng_state(cuda) if cuda is not None else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state, cuda)
-
-
 def seed_pass(seed: int, device: torch.device) -> None:
     """Seed the generators a pass on ``device`` draws from (the CPU's and, on a CUDA device,
     that device's), so the FP32 reference and each AMP precision start from the same state.
-    Call it inside :func:`rng_kept`."""
+    Call it inside :func:`~ampguard.checkpoint.rng_kept`."""
     torch.default_generator.manual_seed(seed)
     cuda = _cuda_index(device)
     if cuda is not None:
@@ -694,7 +672,7 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
          ('extremes (min, max over probes)', 'pass'), ('quality on the fixed evaluation set', 'pass'),
          ('quality vs FP32: mse <= FP32 mse x (1 + 0.01)', 'pass')]
     """
-    with rng_kept(device):
+    with rng_kept():
         return _compare(task, model, config, device)
 
 
@@ -733,14 +711,20 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
                        ref: Scores, ref_eval: torch.Tensor, ref_quality: float, ref_text: str,
                        seed: int | None = None) -> PrecisionResult:
     """One AMP precision against the reference, rule by rule, with one record per probe. Its
-    passes are seeded with ``seed`` as the reference's were."""
+    passes are seeded with ``seed`` as the reference's were. A model that raised under this
+    precision, where the FP32 reference ran, fails it (the rule "runs under <precision>")."""
     ids, n = probes.ids, len(probes.ids)
     amp_p = Precision(name, device.type)
-    amp = _scores(task, model, probes.inputs, amp_p, seed)
+    try:
+        amp = _scores(task, model, probes.inputs, amp_p, seed)
+        amp_eval = _scores(task, model, probes.x_eval, amp_p, seed).primary
+    except ModelRaised as err:  # FP32 ran: the precision is what fails, not the input
+        why = str(err).split(f"raised under {name}: ", 1)[-1]
+        return PrecisionResult(name, rules=[Rule(f"runs under {name}", "ran", f"raised {why}", False)],
+                               stats={"output_dtypes": {}})
     if amp.names != ref.names:
         raise InputError(f"validate: the model's outputs under {name} ({', '.join(amp.names)}) are not those "
                          f"of FP32 ({', '.join(ref.names)})")
-    amp_eval = _scores(task, model, probes.x_eval, amp_p, seed).primary
     result = PrecisionResult(name, stats={"output_dtypes": amp.dtypes})
     finite_rows = amp.finite_rows()
     finite, n_eval = int(finite_rows.sum()), len(probes.x_eval)
@@ -934,7 +918,7 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
         (0.0, True)
     """
     start = copy.deepcopy(task.model.state_dict())
-    with rng_kept(device):
+    with rng_kept():
         runs = {name: _train_from(task, config, device, steps, name, start)
                 for name in ["fp32", *config.validation.precisions]}
     task.model.load_state_dict(start)

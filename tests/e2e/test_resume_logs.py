@@ -125,3 +125,18 @@ def test_a_resume_whose_sinks_do_not_open_keeps_the_old_config_yaml(tmp_path, sn
     monkeypatch.undo()
     assert "RESUME 4" in ok(ag("train", "--resume", run, "--set", "steps=12"))
     assert "steps: 12" in (run / "config.yaml").read_text(encoding="utf-8")
+
+
+def test_a_bad_row_in_the_kept_part_of_the_last_log_opened_cuts_none_of_them(tmp_path, snapshot):
+    # headroom.csv opens last: a bad row in the part a resume keeps was found after steps.csv and
+    # steps.jsonl had been cut back to the checkpoint's step
+    ok(helpers.train(tmp_path, "r", *RUN, "--set", "log.jsonl=true", "--set", "monitor.headroom.every=2"))
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step-00000008.pt").unlink()
+    lines = (run / "headroom.csv").read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1].rstrip(b"\n") + b",x\n"  # step 2's first row, kept by a resume from step 4: a cell too many
+    (run / "headroom.csv").write_bytes(b"".join(lines))
+    before = snapshot(run)
+    line = helpers.one_error_line(ag("train", "--resume", run))
+    assert "headroom.csv line 2: 7 cells, the header has 6" in line
+    assert snapshot(run) == before

@@ -492,6 +492,12 @@ def one_logit(config):
     made["model"] = nn.Linear(4, 1)
     made["mode"] = "classifier"
     return made
+
+
+def amp_raises(config):  # runs in FP32, raises under autocast: the precision fails, the input is fine
+    made = base(config)
+    made["predict"] = lambda m, x: m(x) if not torch.is_autocast_enabled("cpu") else 1 / 0
+    return made
 '''
 
 
@@ -522,3 +528,13 @@ def test_a_factorys_bad_output_is_one_line_exit_2_and_nothing_written(cli, uncha
     line = one_line_error(code, out, err)
     assert line.startswith("ampguard: error: validate: task factory") and expected in line, line
     check()
+
+
+def test_a_model_that_raises_only_under_amp_is_rejected_not_bad_input(cli, tmp_path, bad_factories):
+    # FP32 ran, so the input is fine: the crash under bf16 is the precision failing (exit 1, a
+    # report), not exit 2 with no report
+    code, out, err = cli("validate", "--set", f"task.factory={bad_factories}:amp_raises", "--set",
+                         "validation.precisions=[bf16]", "--out", "r")
+    assert code == 1, (out, err)
+    report = next((tmp_path / "r").glob("*.md")).read_text(encoding="utf-8")
+    assert "runs under bf16" in report and "ZeroDivisionError: division by zero" in report
