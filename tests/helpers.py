@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -217,6 +218,11 @@ def torchrun() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
+GLOO = torch.distributed.is_available() and torch.distributed.is_gloo_available()
+TORCHRUN = [pytest.mark.slow, pytest.mark.skipif(not GLOO, reason="torch.distributed with the gloo backend is not available")]
+"""The marks of a module of torchrun launches (``pytestmark = TORCHRUN``): slow, and skipped without gloo."""
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL the process ``pid`` (a torchrun started with ``start_new_session``), its process
     group and every descendant: torchrun's workers may sit in sessions of their own, out of
@@ -267,8 +273,6 @@ class Launch:
         """Its exit code and output, once it ended (a test failure if it ran past ``timeout_s``)."""
         import subprocess
         import time
-
-        import pytest
 
         if self.rc is None:
             left = max(1.0, self.timeout_s - (time.monotonic() - self.started))

@@ -25,22 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import read_rows, run_events, snapshot_of
+from helpers import TORCHRUN, read_rows, run_events, snapshot_of
 from helpers import Launch as _Launch
 
 from ampguard.checkpoint import load_checkpoint
 from ampguard.cli import main as ampguard_main
 
 
-def _gloo_available() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_gloo_available()
-
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available"),
-]
+pytestmark = TORCHRUN
 
 TIMEOUT_S = 180
 SCRIPTS = Path(__file__).parent.parent / "dist_scripts"

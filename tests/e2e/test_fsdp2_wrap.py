@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import TORCHRUN
+
 TIMEOUT_S = 120
 TESTS = Path(__file__).resolve().parent.parent
 CHARLM = ["--set", "task.name=charlm", "--set", "task.n_layer=1", "--set", "task.n_embd=16", "--set", "task.n_head=2",
@@ -81,15 +83,7 @@ def build(config):
 '''
 
 
-def _gloo_available() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_gloo_available()
-
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available"),
-]
+pytestmark = TORCHRUN
 
 
 def Launch(name: str, args: list[str], cwd: Path):  # noqa: N802 - helpers.Launch with this module's limit and path

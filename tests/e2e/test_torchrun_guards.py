@@ -32,17 +32,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import Launch, file_size_limit, run_events, torchrun_env
+from helpers import TORCHRUN, Launch, file_size_limit, run_events, torchrun_env
 
 from ampguard.errors import ExitCode
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="torch.distributed with the gloo backend is not available"),
-]
+pytestmark = TORCHRUN
 
 TIMEOUT_S = 180
 RUN = ["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",

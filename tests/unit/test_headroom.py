@@ -144,15 +144,21 @@ def test_skipped_step_norms_name_the_non_finite_gradient_in_backward_order_learn
     assert math.isnan(event["norms"]["b.weight"]) and math.isfinite(event["norms"]["c.weight"])
 
 
-def test_alert_once_per_episode_clear_when_back_and_the_state_round_trips():
-    model = nn.Sequential(OrderedDict(fc=nn.Linear(1, 1, bias=False)))
-    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+def _events_of_outputs(headroom: Headroom, model: nn.Module, weights: list[float]) -> list[list[str]]:
+    """The events of one measured forward a step, ``fc``'s output (its weight x 1) at each weight."""
     kinds = []
-    for step, weight in enumerate([1.0, 8000.0, 9000.0, 1.0, 8000.0], start=1):
+    for step, weight in enumerate(weights, start=1):
         model.fc.weight.data.fill_(weight)
         with headroom.measuring(step):
             model(torch.ones(1, 1))
         kinds.append([e.kind for e in headroom.observe_step(step)])
+    return kinds
+
+
+def test_alert_once_per_episode_clear_when_back_and_the_state_round_trips():
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(1, 1, bias=False)))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    kinds = _events_of_outputs(headroom, model, [1.0, 8000.0, 9000.0, 1.0, 8000.0])
     assert kinds == [[], ["headroom_alert"], [], ["headroom_clear"], ["headroom_alert"]]
     again = Headroom(model, "fp16", every=1, alert_bits=4.0)
     again.load_state_dict(headroom.state_dict())
@@ -308,13 +314,8 @@ def test_under_a_loss_scale_the_gradients_alert_on_their_unscaled_headroom():
 def test_an_alert_clears_only_a_bit_above_the_threshold_so_a_value_at_it_alerts_once():
     model = nn.Sequential(OrderedDict(fc=nn.Linear(1, 1, bias=False)))
     headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
-    kinds = []
     # 65504 / 2**4 = 4094: 4500 is below the threshold, 3500 above it but within the 1-bit margin
-    for step, weight in enumerate([4500.0, 3500.0, 4500.0, 3500.0, 1000.0], start=1):
-        model.fc.weight.data.fill_(weight)
-        with headroom.measuring(step):
-            model(torch.ones(1, 1))
-        kinds.append([e.kind for e in headroom.observe_step(step)])
+    kinds = _events_of_outputs(headroom, model, [4500.0, 3500.0, 4500.0, 3500.0, 1000.0])
     assert kinds == [["headroom_alert"], [], [], [], ["headroom_clear"]]
 
 
