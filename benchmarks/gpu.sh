@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
-# The GPU checks in one command, for a session lent a device (about 9 minutes on an H100/H200),
-# each stage under its own time limit so a slow one cannot starve the others:
+# The GPU checks in one command, for a session lent a device (about 5 minutes on an H200; each
+# stage under its own time limit, so a slow one cannot starve the others, and the limits, kill
+# grace and setup included, add up to at most 570 s: under one device command's 600 s):
 #   1. the CUDA tests (tests/e2e/test_cuda.py: bit for bit, one sync per step, the sync-free
 #      step, `ampguard train`'s fast path with no sync in its step, the fused tail);
 #   2. `ampguard train` on GPT-2 small (task.preset gpt2-small, bf16, compile) against the bare
-#      compiled loop: tokens/s and MFU (benchmarks/train_vs_bare.py); then on the default model;
+#      compiled loop: tokens/s and MFU (benchmarks/train_vs_bare.py); 2b. then on the default model;
 #   3. `ampguard bench` resolved to ±1% on the tiny MLP (launch-bound), with the sync-free path,
 #      the fused tail and the installed peers; and on the nano MLP, whose CPU figures are the
 #      proxy for this one (MLP_MODELS, MLP_PRECISIONS=bf16,fp16 to add fp16);
-#   4. `ampguard bench` on GPT-2 small's shape in bf16, the same contenders.
+#   4. `ampguard bench` on GPT-2 small's shape in bf16, the same contenders; MFU against the
+#      GPU's dense bf16 peak (ampguard.events.known_peak_tflops; PEAK_TFLOPS overrides).
 # Results land in $OUT (the device tool's folder) or benchmarks/out; the whole log in gpu.log.
 #
 #   bash benchmarks/gpu.sh                      # on the GPU machine
 #   DEVICE=cpu QUICK=1 bash benchmarks/gpu.sh   # the same commands on a CPU, a dry run of the script
+#   PLAN_ONLY=1 bash benchmarks/gpu.sh          # only print the stage limits and their worst case
 #   STAGES="1 3 4" MLP_MODELS=mlp MLP_BUDGET=60 GPT2_BUDGET=180 bash benchmarks/gpu.sh
 #                                               # only the tests and the two benches, with the time
 #                                               # the stages skipped (the train goals are met: RESULTS.md);
-#                                               # about 7 minutes, under one device command's 600 s
+#                                               # at most 480 s, kill grace and setup included
 #
+# Default limits (seconds, + the grace after timeout's SIGTERM before its SIGKILL): stage 1 90
+# (+10), stage 2 TRAIN_S=130 (+20), stage 2b TRAIN2B_S=40 (+20), stage 3 (mlp,nano at a budget
+# of 20) 100 (+20), stage 4 (a budget of 55) 100 (+20), and 20 for setup and the summary.
 # A bench stage's limit follows from its budget (a budget is per case, and each case costs some
-# seconds of setup beyond it): MLP_S and GPT2_S override. A bench that reaches its limit still
-# prints the whole rounds it measured (it takes timeout's SIGTERM as Ctrl-C), so its JSON is
-# complete up to there. Stage 1 runs every CUDA test (no -x) and keeps the whole log.
+# seconds of setup beyond it: 25 for an MLP, 45 for GPT-2): MLP_S and GPT2_S override. A bench
+# that reaches its limit still prints the whole rounds it measured (it takes timeout's SIGTERM
+# as Ctrl-C), so its JSON is complete up to there; train_vs_bare.py stops with a non-zero exit
+# when a run is cut short, rather than report it. Stage 1 runs every CUDA test (no -x) and
+# keeps the whole log.
 #
 # The GPU image's python3 has torch but not pydantic: carry wheels in .whl (see the device
 # notes: `pip download --no-deps --only-binary=:all: ... -d .whl pydantic pydantic-core
@@ -31,53 +39,87 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-benchmarks/out}
+STAGES=" ${STAGES:-1 2 2b 3 4} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
+count() { tr ',' '\n' <<< "$1" | grep -c .; }
+
+# the stage limits, and their worst case with each kill grace (and 20 s of setup and summary)
+MLP_MODELS=${MLP_MODELS:-mlp,nano} MLP_PRECISIONS=${MLP_PRECISIONS:-bf16} MLP_BUDGET=${MLP_BUDGET:-20}
+GPT2_BUDGET=${GPT2_BUDGET:-55} TESTS_S=${TESTS_S:-90} TRAIN_S=${TRAIN_S:-130} TRAIN2B_S=${TRAIN2B_S:-40}
+MLP_S=${MLP_S:-$(( $(count "$MLP_MODELS") * $(count "$MLP_PRECISIONS") * (MLP_BUDGET + 25) + 10 ))}
+GPT2_S=${GPT2_S:-$(( GPT2_BUDGET + 45 ))}
+plan="" worst=20
+if [ "$DEVICE" = cuda ] && want 1; then plan+=" 1: ${TESTS_S}+10"; worst=$(( worst + TESTS_S + 10 )); fi
+if want 2; then plan+=" 2: ${TRAIN_S}+20"; worst=$(( worst + TRAIN_S + 20 )); fi
+if want 2b; then plan+=" 2b: ${TRAIN2B_S}+20"; worst=$(( worst + TRAIN2B_S + 20 )); fi
+if want 3; then plan+=" 3: ${MLP_S}+20"; worst=$(( worst + MLP_S + 20 )); fi
+if want 4; then plan+=" 4: ${GPT2_S}+20"; worst=$(( worst + GPT2_S + 20 )); fi
+plan="stage limits (s, + kill grace):${plan:- none}; worst case ${worst} s with setup"
+if [ -n "${PLAN_ONLY:-}" ]; then
+    echo "$plan"
+    exit 0
+fi
+
 mkdir -p "$OUT"
+exec 3>&1 4>&2
 exec > >(tee "$OUT/gpu.log") 2>&1
+tee_pid=$!
+echo "$plan"
+[ "$worst" -gt 600 ] && echo "gpu.sh: warning: the stages may take ${worst} s, more than one device command's 600 s"
 if ! "$PY" -c "import pydantic" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ! "$PY" -c "import pydantic, ampguard"; then  # every stage needs them: stop here, not in each stage
+# every stage needs pydantic and ampguard: stop here, not in each stage; and the GPU's bf16 peak
+if ! peak=$("$PY" - "$DEVICE" <<'PY'
+import sys
+
+import pydantic  # noqa: F401
+import torch
+
+from ampguard.events import known_peak_tflops
+
+cuda = sys.argv[1] == "cuda" and torch.cuda.is_available()
+print((known_peak_tflops(torch.cuda.get_device_name()) or "") if cuda else "")
+PY
+); then
     echo "gpu.sh: cannot import pydantic and ampguard (carry .whl with the device call: see above)"
     exit 1
 fi
-count() { tr ',' '\n' <<< "$1" | grep -c .; }
+PEAK_TFLOPS=${PEAK_TFLOPS:-$peak}
+peak_arg=(); [ -n "$PEAK_TFLOPS" ] && peak_arg=(--peak-tflops "$PEAK_TFLOPS")
 quick=(); [ -n "${QUICK:-}" ] && quick=(--quick)
 stage() { echo "=== $1 ($(date +%T))"; }
-STAGES=" ${STAGES:-1 2 2b 3 4} "
-want() { [[ "$STAGES" == *" $1 "* ]]; }
 
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv
 if [ "$DEVICE" = cuda ] && want 1; then
     stage "1. CUDA tests"
-    timeout -k 10 140 "$PY" -m pytest -p no:cacheprovider -q -rfE --tb=short -o addopts="" tests/e2e/test_cuda.py \
-        > "$OUT/test_cuda.log" 2>&1
+    timeout -k 10 "$TESTS_S" "$PY" -m pytest -p no:cacheprovider -q -rfE --tb=short -o addopts="" \
+        tests/e2e/test_cuda.py > "$OUT/test_cuda.log" 2>&1
     tail -40 "$OUT/test_cuda.log"
 fi
 if want 2; then
     stage "2. ampguard train vs the bare compiled loop, GPT-2 small"
-    timeout "${TRAIN_S:-200}" "$PY" benchmarks/train_vs_bare.py --device "$DEVICE" "${quick[@]}" --out "$OUT"
+    timeout -k 20 "$TRAIN_S" "$PY" benchmarks/train_vs_bare.py --device "$DEVICE" "${quick[@]}" --out "$OUT" \
+        || echo "stage 2 ended with exit $?"
 fi
 if want 2b; then
     stage "2b. the same on the embedded default model (small, launch-bound on a GPU), eager"
-    timeout 60 "$PY" benchmarks/train_vs_bare.py --device "$DEVICE" --model default --eager --steps 300 --every 60 \
-        --skip 60 "${quick[@]}" --out "$OUT"
+    timeout -k 20 "$TRAIN2B_S" "$PY" benchmarks/train_vs_bare.py --device "$DEVICE" --model default --eager \
+        --steps 300 --every 60 --skip 60 "${quick[@]}" --out "$OUT" || echo "stage 2b ended with exit $?"
 fi
 if want 3; then
     stage "3. bench: tiny MLP (launch-bound)"
-    models=${MLP_MODELS:-mlp,nano} precisions=${MLP_PRECISIONS:-bf16} budget=${MLP_BUDGET:-25}
-    cases=$(( $(count "$models") * $(count "$precisions") ))
-    timeout -k 20 "${MLP_S:-$(( cases * (budget + 30) + 30 ))}" "$PY" -m ampguard bench --device "$DEVICE" \
-        --models "$models" --precisions "$precisions" --fused --resolve 1 --budget "$budget" "${quick[@]}" --json \
+    timeout -k 20 "$MLP_S" "$PY" -m ampguard bench --device "$DEVICE" --models "$MLP_MODELS" \
+        --precisions "$MLP_PRECISIONS" --fused --resolve 1 --budget "$MLP_BUDGET" "${quick[@]}" --json \
         > "$OUT/bench-mlp.json"
 fi
 if want 4; then
     stage "4. bench: GPT-2 small's shape, bf16"
-    budget=${GPT2_BUDGET:-70}
-    timeout -k 20 "${GPT2_S:-$(( budget + 60 ))}" "$PY" -m ampguard bench --device "$DEVICE" \
+    timeout -k 20 "$GPT2_S" "$PY" -m ampguard bench --device "$DEVICE" \
         --models "$([ "$DEVICE" = cuda ] && echo gpt2 || echo transformer)" --precisions bf16 --fused --steps 10 \
-        --rounds 5 --resolve 1 --budget "$budget" --peak-tflops 989 "${quick[@]}" --json \
+        --rounds 5 --resolve 1 --budget "$GPT2_BUDGET" "${peak_arg[@]}" "${quick[@]}" --json \
         > "$OUT/bench-gpt2.json"
 fi
 stage "done"
@@ -90,10 +132,14 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
         print(path.name, "incomplete (its stage ran out of time)")
         continue
     print(path.name, data["machine"])
+    print("  run:", " ".join(f"{k}={v}" for k, v in (data.get("run") or {}).items()))
     for r in data["results"]:
+        ratio = "" if r["ratio_to_bare"] is None else f"x{r['ratio_to_bare']:.3f}"  # (null: no bare loop ran)
         ci = "" if r["ratio_low"] is None else f" [{r['ratio_low']:.3f}, {r['ratio_high']:.3f}]"
         mfu = "" if r["mfu"] is None else f" MFU {r['mfu']:.1%}"
         mfu += "" if r.get("ops") is None else f" {r['ops']} ops/step"
         print(f"  {r['workload']:<24} {r['precision']:<5} {r['contender']:<38} {r['median_ms']:8.3f} ms"
-              f"  x{r['ratio_to_bare']:.3f}{ci}  {len(r['rounds'])} rounds ({r['stop']}){mfu}")
+              f"  {ratio:>6}{ci}  {len(r['rounds'])} rounds ({r['stop']}){mfu}")
 PY
+exec 1>&3 2>&4 3>&- 4>&-  # the log's tee gets its end of file; wait for its last lines
+wait "$tee_pid" 2>/dev/null || true

@@ -16,7 +16,9 @@ records, the CSV, the monitors).
     python benchmarks/train_vs_bare.py --out benchmarks/out             # GPU: GPT-2 small
     python benchmarks/train_vs_bare.py --quick --device cpu              # a dry run on a CPU
 
-Prints a table and writes ``train-vs-bare-<model>.json`` to ``--out``.
+Prints a table and writes ``train-vs-bare-<model>.json`` to ``--out``. A run that does not
+finish (a time limit's SIGTERM, Ctrl-C, a guard's stop) is not reported: the script stops there
+with the run's exit code.
 """
 
 from __future__ import annotations
@@ -83,9 +85,18 @@ def bare(args: argparse.Namespace) -> list[float]:
     return rates
 
 
+class RunCutShort(Exception):
+    """An ``ampguard train`` run that did not finish: its figures cover part of the run only."""
+
+    def __init__(self, exit_code: int, ended: str) -> None:
+        super().__init__(f"{ended} (exit {exit_code})")
+        self.exit_code = exit_code
+
+
 def ampguard(args: argparse.Namespace, **extra) -> tuple[list[float], list[str], str | None, str]:
     """``ampguard train`` in-process: tokens/s from its STATS lines after ``--skip``, and the MFU
-    and throughput it reports itself."""
+    and throughput it reports itself. A run that did not finish raises :class:`RunCutShort`."""
+    from ampguard.errors import ExitCode
     from ampguard.run_folder import RunPaths
     from ampguard.train import run
 
@@ -95,6 +106,8 @@ def ampguard(args: argparse.Namespace, **extra) -> tuple[list[float], list[str],
         config = config.model_copy(update={"log": config.log.model_copy(update={"dir": folder, "name": "run"})})
         result = run(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=10**9,
                      stats_every=args.every, print_fn=lines.append)
+    if result.exit_code != ExitCode.OK:  # (a SIGTERM inside the run is a graceful stop, not the end of us)
+        raise RunCutShort(int(result.exit_code), result.ended)
     stats = [line for line in lines if line.startswith("STATS ")]
     rates, mfus = [], []
     for line in stats:
@@ -135,19 +148,27 @@ def main() -> int:
                      ("ampguard train (fast: false)", lambda: ampguard(args, fast=False)),
                      ("bare loop (again)", lambda: (bare(args), [], None, ""))):
         start = time.perf_counter()
-        rates, mfus, summary, path = fn()
+        try:
+            rates, mfus, summary, path = fn()
+        except RunCutShort as stopped:
+            print(f"train_vs_bare: {name}: the run did not finish ({stopped}); not reported, stopping here",
+                  file=sys.stderr, flush=True)
+            return stopped.exit_code or 1
         results[name] = {"tokens_per_s": rates, "median": statistics.median(rates) if rates else None,
                          "mfu": mfus, "summary": summary, "path": path, "wall_s": time.perf_counter() - start}
         print(f"  {name:<30} {results[name]['median'] or float('nan'):>12,.0f} tokens/s  "
               f"intervals {[round(r) for r in rates]}  {mfus[-1] if mfus else ''}  "
               f"({results[name]['wall_s']:.0f} s{', ' + path if path else ''})", flush=True)
-    bare_rate = statistics.mean(r["median"] for k, r in results.items() if k.startswith("bare") and r["median"])
+    bare_rates = [r["median"] for k, r in results.items() if k.startswith("bare") and r["median"]]
+    bare_rate = statistics.mean(bare_rates) if bare_rates else None
     for name, r in results.items():
-        r["ratio_to_bare"] = r["median"] / bare_rate if r["median"] else None
-        print(f"  {name:<30} x{r['ratio_to_bare']:.3f} of the bare loop's tokens/s"
+        r["ratio_to_bare"] = r["median"] / bare_rate if r["median"] and bare_rate else None
+        ratio = "no ratio" if r["ratio_to_bare"] is None else f"x{r['ratio_to_bare']:.3f}"  # (no interval measured)
+        print(f"  {name:<30} {ratio} of the bare loop's tokens/s"
               + (f"; run card: {r['summary']}" if r["summary"] else ""), flush=True)
-    drift = results["bare loop (again)"]["median"] / results["bare loop"]["median"] - 1
-    print(f"  drift between the two bare runs: {drift:+.1%}", flush=True)
+    first, again = results["bare loop"]["median"], results["bare loop (again)"]["median"]
+    drift = again / first - 1 if first and again else None
+    print(f"  drift between the two bare runs: {'n/a' if drift is None else f'{drift:+.1%}'}", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"train-vs-bare-{args.model}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

@@ -9,10 +9,11 @@ Paired rounds: each round runs every contender back to back, so drift of the mac
 other load) falls on all of them alike, and each contender's ratio to the bare loop is taken
 *within* the round. The rounds' orders are a balanced (Williams) design: every contender runs
 right after every other one equally often, since what ran before a contender warms or
-evicts the caches it runs from. The figure is the median of those per-round ratios with a
-95% bootstrap interval; with ``resolve`` rounds are added until every interval is narrower than
-``± resolve`` (or the time budget runs out, and the table says so). On CUDA each contender's
-steps are timed with CUDA events.
+evicts the caches it runs from; each round's first contender runs one untimed step right before
+its timed ones, so across rounds too every contender runs right after itself equally often. The
+figure is the median of those per-round ratios with a 95% bootstrap interval; with ``resolve``
+rounds are added until every interval is within ``± resolve`` (or the time budget runs out, and
+the table says so). On CUDA each contender's steps are timed with CUDA events.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import random
+import os
 import statistics
 import tempfile
 import time
@@ -99,7 +100,7 @@ def _nano(device: torch.device) -> Workload:
 
 
 def _transformer(device: torch.device, size: str) -> Workload:
-    from .tasks.charlm import CharLM, lm_loss
+    from .tasks.charlm import CharLM, flops_per_token, lm_loss
 
     if size == "gpt2-small":  # GPT-2 small's shape (12 x 768, 12 heads, context 1024), byte vocabulary
         layers, width, heads, block, batch = 12, 768, 12, 1024, 8
@@ -112,10 +113,10 @@ def _transformer(device: torch.device, size: str) -> Workload:
         torch.manual_seed(0)
         return CharLM(block, layers, heads, width)
 
-    n_params = sum(p.numel() for p in make().parameters())
     tokens = batch * block
-    # 6 N per token (forward + backward) plus attention's 12 * layers * width * block per token
-    flops = 6 * n_params * tokens + 12 * layers * width * block * tokens
+    # the task's own count (6 N, position embeddings left out, plus attention's 12 L C T), so the
+    # bench's MFU is `ampguard train`'s for the same model
+    flops = flops_per_token(make(), layers, width, block) * tokens
     name = "transformer-gpt2-small" if size == "gpt2-small" else "small-transformer"
     return Workload(name, make, (idx[:, :-1].to(device), idx[:, 1:].to(device)), lm_loss, tokens, flops)
 
@@ -492,9 +493,12 @@ class Result:
     """One contender's figures on one workload and precision (times in ms per step).
 
     ``ratio_to_bare`` is the median over rounds of this contender's ms/step divided by the bare
-    loop's in the same round; ``ratio_low``/``ratio_high`` its 95% bootstrap interval; ``stop``
-    why the rounds ended: ``"resolved"`` (every interval within ``± resolve``), ``"budget"``
-    (time ran out first), ``"max rounds"``, or ``"fixed"`` (no ``resolve`` asked).
+    loop's in the same round; ``ratio_low``/``ratio_high`` its 95% bootstrap interval (the one
+    :func:`median_interval` gives, which also decided the stop); ``stop`` why the rounds ended:
+    ``"resolved"`` (every interval within ``± resolve``), ``"budget"`` (time ran out first),
+    ``"max rounds"``, ``"fixed"`` (no ``resolve`` asked), ``"interrupted"``, or
+    ``"error: ..."`` (a timed step failed: the line says which and why; the whole rounds before
+    it are kept).
 
     Example::
 
@@ -531,10 +535,21 @@ class Result:
         return (self.ratio_high - self.ratio_low) / 2 / self.ratio_to_bare
 
 
-def median_interval(values: list[float], *, confidence: float = 0.95, resamples: int = 1000,
+CONFIDENCE = 0.95
+"""The confidence level of every ratio interval (the stop rule's and the reported one: the same)."""
+RESAMPLES = 2000
+"""Bootstrap resamples of every ratio interval (the stop rule's and the reported one: the same)."""
+MIN_ROUNDS_TO_RESOLVE = 6
+"""No case is called resolved before this many rounds (nor before a whole cycle of the orders):
+a percentile bootstrap of the median of 2-5 values covers far less than its 95%."""
+
+
+def median_interval(values: list[float], *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
                     seed: int = 0) -> tuple[float, float, float]:
     """``(median, low, high)``: the median and its bootstrap interval (percentiles of the medians
-    of ``resamples`` resamples with replacement; seeded, so the same values give the same interval).
+    of ``resamples`` resamples with replacement, drawn at once with torch; seeded, so the same
+    values give the same interval). The one interval of the bench: the stop rule decides with it
+    and the table reports it.
 
     Example::
 
@@ -543,11 +558,16 @@ def median_interval(values: list[float], *, confidence: float = 0.95, resamples:
         >>> med, low, high = median_interval([0.9, 1.0, 1.1, 1.0, 0.95, 1.05, 1.0])
         >>> med, low <= med <= high, high - low > 0
         (1.0, True, True)
+        >>> median_interval([0.9, 1.1, 1.0, 1.2]) == median_interval([0.9, 1.1, 1.0, 1.2])
+        True
     """
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    n = len(values)
+    picks = torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))
+    drawn = torch.tensor(values, dtype=torch.float64)[picks].sort(dim=1).values
+    meds = ((drawn[:, (n - 1) // 2] + drawn[:, n // 2]) / 2).sort().values  # (the middle two for an even n)
     tail = (1 - confidence) / 2
-    return statistics.median(values), meds[int(tail * resamples)], meds[math.ceil((1 - tail) * resamples) - 1]
+    return (statistics.median(values), float(meds[int(tail * resamples)]),
+            float(meds[math.ceil((1 - tail) * resamples) - 1]))
 
 
 def _sync(device: torch.device) -> None:
@@ -664,14 +684,51 @@ def _ratios(times: dict[str, list[float]], name: str) -> list[float]:
     return [t / b for t, b in zip(times[name], base)]
 
 
-def _widest(times: dict[str, list[float]]) -> float:
-    """The widest relative half-width among the contenders' ratio intervals."""
-    widths = []
-    for name in times:
-        if name != Bare.name or len(times) == 1:
-            med, low, high = median_interval(_ratios(times, name), resamples=400)
-            widths.append((high - low) / 2 / med)
-    return max(widths)
+def _intervals(times: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
+    """Each contender's ``(median, low, high)`` ratio interval (:func:`median_interval`, the
+    bench's one setting): what the stop rule decides on and, unchanged, what the table reports.
+    The bare loop's own (its ratio to itself: 1) is left out unless it runs alone, when it is
+    its spread over its own median."""
+    return {name: median_interval(_ratios(times, name)) for name in times
+            if name != Bare.name or len(times) == 1}
+
+
+def _widest(intervals: dict[str, tuple[float, float, float]]) -> float:
+    """The widest relative half-width among the intervals (as :attr:`Result.half_width` reads it).
+
+    Example::
+
+        >>> round(_widest({"a": (1.0, 0.99, 1.01), "b": (2.0, 1.9, 2.1)}), 9)
+        0.05
+    """
+    return max((high - low) / 2 / med for med, low, high in intervals.values())
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: ``taskset``, a cpuset, a scheduler's
+    allocation), not the host's count; ``os.cpu_count()`` where the mask cannot be read.
+
+    Example::
+
+        >>> 1 <= _usable_cpus() <= (os.cpu_count() or 1)
+        True
+    """
+    if hasattr(os, "sched_getaffinity"):
+        with contextlib.suppress(OSError):
+            return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def _one_line(err: BaseException, limit: int = 200) -> str:
+    """``Type: message`` on one line, at most ``limit`` characters (a CUDA OOM's is long).
+
+    Example::
+
+        >>> _one_line(RuntimeError("CUDA out of memory." + chr(10) + "Tried to allocate 2 GiB"))
+        'RuntimeError: CUDA out of memory.'
+    """
+    text = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}".rstrip(": ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 INTERRUPTED = "interrupted"
@@ -686,14 +743,21 @@ def measure(
 ) -> list[Result]:
     """Paired rounds: in each round every contender runs ``steps`` steps, back to back, in
     the orders of :func:`balanced_orders` (``orders``); the ratio to the bare loop is taken
-    within each round.
+    within each round. Each round's first contender first runs one untimed step, so its timed
+    steps, too, start right after a step of its own: the rounds run back to back, and the last
+    contender of one round would otherwise precede the first of the next (for three
+    contenders, sometimes itself).
 
     ``rounds`` is the least number of rounds. With ``resolve`` (0.01 is ``± 1%``) rounds are
     added until every contender's ratio interval is within ``± resolve``, ``budget_s`` seconds
     of rounds have passed, or ``max_rounds`` were run; each result's ``stop`` says which. A
     case is called resolved only at the end of a whole cycle of the orders (``n`` rounds for
     ``n`` contenders, ``2n`` for an odd ``n``), when every contender has followed every other
-    alike; the budget and ``max_rounds`` cut where they run out.
+    alike, and after at least :data:`MIN_ROUNDS_TO_RESOLVE` rounds; the budget and
+    ``max_rounds`` cut where they run out. The intervals the stop rule decides on are the ones
+    reported (:func:`median_interval`, one setting), so a resolved case's every row is within
+    ``± resolve``. A timed step that fails (a CUDA out-of-memory, say) ends the case: its whole
+    rounds are kept and ``stop`` reads ``"error: ..."``.
     Each timing starts from an idle device (``torch.cuda.synchronize``, then CUDA events).
 
     Example::
@@ -741,40 +805,51 @@ def measure(
             for _ in range(warmup):
                 c.step()
             _sync(device)
-        except Exception as err:  # noqa: BLE001 - a peer that fails on this case is left out, said so
-            print(f"  {c.name}: not run ({type(err).__name__}: {err})")
+            if device.type == "cuda":
+                # all contenders live in this process: count this one's own tensors (parameters,
+                # optimizer state) plus the most one of its steps allocates on top of what was there
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+                c.step()
+                _sync(device)
+                transient = torch.cuda.max_memory_allocated(device) - before
+                peaks[c.name] = (c.persistent_bytes() + transient) / 2**20
+        except Exception as err:  # noqa: BLE001 - a peer that fails on this case (an OOM, say) is left out, said so
+            print(f"  {c.name}: not run ({_one_line(err)})")
             built.remove(c)
             del times[c.name], peaks[c.name]
             with contextlib.suppress(Exception):  # its files and threads go, whatever state it is in
                 c.close()
             continue
-        if device.type == "cuda":
-            # all contenders live in this process: count this one's own tensors (parameters,
-            # optimizer state) plus the most one of its steps allocates on top of what was there
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            c.step()
-            _sync(device)
-            transient = torch.cuda.max_memory_allocated(device) - before
-            peaks[c.name] = (c.persistent_bytes() + transient) / 2**20
         ops[c.name] = ops_per_step(c)
     if not built:  # nothing to time: say so, rather than divide by no contenders
         print(f"  {w.name} {precision.name}: no contender could run, nothing measured")
         return []
     started, done, stop = time.perf_counter(), 0, "fixed"
     cycle = orders(len(built))
+    least_to_resolve = max(rounds, MIN_ROUNDS_TO_RESOLVE, len(cycle))
+    intervals: dict[str, tuple[float, float, float]] = {}
+    intervals_at = -1  # the number of rounds `intervals` was computed over
+    running = built[0]
     try:
         while True:
-            for i in cycle[done % len(cycle)]:
-                times[built[i].name].append(_time_steps(built[i], steps, device))
+            order = cycle[done % len(cycle)]
+            running = built[order[0]]
+            running.step()  # untimed: the first contender's timed steps, too, follow a step of its own
+            for i in order:
+                running = built[i]
+                times[running.name].append(_time_steps(running, steps, device))
             done += 1
             if done < rounds:
                 continue
             if resolve is None:
                 break
-            if done % len(cycle) == 0 and _widest(times) <= resolve:  # (resolved: over whole cycles)
-                stop = "resolved"
-            elif budget_s is not None and time.perf_counter() - started >= budget_s:  # (limits cut anywhere)
+            if done % len(cycle) == 0 and done >= least_to_resolve:  # (resolved: over whole cycles)
+                intervals, intervals_at = _intervals(times), done
+                if _widest(intervals) <= resolve:
+                    stop = "resolved"
+                    break
+            if budget_s is not None and time.perf_counter() - started >= budget_s:  # (limits cut anywhere)
                 stop = "budget"
             elif done >= max_rounds:
                 stop = "max rounds"
@@ -785,11 +860,23 @@ def measure(
         stop = INTERRUPTED
         for name in times:
             del times[name][done:]
+    except Exception as err:  # noqa: BLE001 - a failed step (a CUDA OOM, say) ends this case, not the bench
+        stop = f"error: {_one_line(err)} ({running.name}, round {done + 1})"
+        print(f"  {w.name} {precision.name}: {running.name} failed in round {done + 1} ({_one_line(err)}); "
+              f"the case ends with its {done} whole rounds", flush=True)
+        for name in times:
+            del times[name][done:]
     for c in built:
-        c.close()
-    if not done:  # nothing of this case: the interrupt goes on (run_bench hands back the cases before it)
+        with contextlib.suppress(Exception) if stop.startswith("error") else contextlib.nullcontext():
+            c.close()
+    if not done:
+        if stop.startswith("error"):  # nothing of this case; the bench goes on with the next
+            return []
+        # nothing of this case: the interrupt goes on (run_bench hands back the cases before it)
         print(f"  {w.name} {precision.name}: interrupted before a whole round, nothing measured")
         raise KeyboardInterrupt
+    if Bare.name in times and intervals_at != done:  # (when the stop rule has not just computed them)
+        intervals = _intervals(times)
     results = []
     for c in built:
         med = statistics.median(times[c.name])
@@ -801,7 +888,8 @@ def measure(
                 res.mfu = w.flops_per_step / (med / 1000) / peak_flops
         if Bare.name in times:
             res.ratios = _ratios(times, c.name)
-            res.ratio_to_bare, res.ratio_low, res.ratio_high = median_interval(res.ratios, resamples=2000)
+            res.ratio_to_bare, res.ratio_low, res.ratio_high = (
+                intervals[c.name] if c.name in intervals else median_interval(res.ratios))
         results.append(res)
     return results
 
@@ -988,39 +1076,50 @@ def compiled_workload(w: Workload) -> Workload:
     return replace(w, make_model=make)
 
 
-def machine() -> str:
-    """The machine in one line: processor, CPU count, torch version (and the GPU's name).
+def machine(device: torch.device | None = None) -> str:
+    """The machine in one line: processor, the CPUs this process may use, torch version (and,
+    for a CUDA ``device``, or with none given where CUDA is available, the GPU's name).
 
     Example::
 
-        >>> f"torch {torch.__version__}" in machine()
-        True
+        >>> f"torch {torch.__version__}" in machine(), f"{_usable_cpus()} CPUs" in machine()
+        (True, True)
     """
-    import os
     import platform
 
-    text = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
-    if torch.cuda.is_available():
-        text += f", {torch.cuda.get_device_name()}"
+    text = f"{platform.processor() or platform.machine()}, {_usable_cpus()} CPUs, torch {torch.__version__}"
+    if (device.type == "cuda") if device is not None else torch.cuda.is_available():
+        text += f", {torch.cuda.get_device_name(device)}"
     return text
 
 
-def to_json(results: list[Result], resolve: float | None = None) -> str:
-    """The machine, the resolution asked and every result as JSON (``ampguard bench --json``):
-    per contender its per-round times and ratios, the median ratio, its interval and why the
-    rounds stopped. Not-a-number (no bare loop to compare with) is written ``null``.
+def to_json(results: list[Result], resolve: float | None = None, settings: dict[str, Any] | None = None,
+            device: torch.device | None = None) -> str:
+    """The machine, the run's settings, the resolution asked and every result as JSON
+    (``ampguard bench --json``): per contender its per-round times and ratios, the median ratio,
+    its interval and half-width and why the rounds stopped. Not-a-number (no bare loop to
+    compare with) is written ``null``. ``threads`` is the pinned CPU thread count (``null`` on
+    CUDA, where nothing is pinned).
 
     Example::
 
-        >>> data = json.loads(to_json([Result("tiny-mlp", "fp32", "bare loop", 0.5, 0.4, rounds=[0.5])]))
+        >>> data = json.loads(to_json([Result("tiny-mlp", "fp32", "bare loop", 0.5, 0.4, rounds=[0.5])],
+        ...                           settings={"steps": 3}))
         >>> sorted(data), data["results"][0]["median_ms"], data["results"][0]["rounds"]
-        (['machine', 'resolve', 'results', 'threads'], 0.5, [0.5])
-        >>> data["results"][0]["ratio_low"], data["results"][0]["stop"]
-        (None, 'fixed')
+        (['machine', 'resolve', 'results', 'run', 'threads'], 0.5, [0.5])
+        >>> data["results"][0]["ratio_low"], data["results"][0]["half_width"], data["results"][0]["stop"]
+        (None, None, 'fixed')
+        >>> data["run"]["steps"], data["run"]["confidence"], data["run"]["resamples"]
+        (3, 0.95, 2000)
     """
-    rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()}
-            for r in results]
-    return json.dumps({"machine": machine(), "threads": torch.get_num_threads(), "resolve": resolve,
+    def plain(v: Any) -> Any:
+        return None if isinstance(v, float) and math.isnan(v) else v
+
+    rows = [{**{k: plain(v) for k, v in asdict(r).items()}, "half_width": plain(r.half_width)} for r in results]
+    run = {**(settings or {}), "confidence": CONFIDENCE, "resamples": RESAMPLES,
+           "min_rounds_to_resolve": MIN_ROUNDS_TO_RESOLVE}
+    threads = None if device is not None and device.type == "cuda" else torch.get_num_threads()
+    return json.dumps({"machine": machine(device), "threads": threads, "resolve": resolve, "run": run,
                        "results": rows}, indent=2)
 
 
@@ -1041,7 +1140,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
 
     At least ``rounds`` paired rounds per case, then more until every ratio is resolved to
     ``± resolve_pct`` percent (0: exactly ``rounds``) or ``budget_s`` seconds of rounds have
-    passed. On a CPU the intra-op threads are pinned (``threads``, default all cores).
+    passed. On a CPU the intra-op threads are pinned (``threads``, default the CPUs this process may
+    run on: its affinity mask, not the host's count).
     ``compiled`` runs every model through ``torch.compile`` (from Python, e.g.
     ``benchmarks/gpu/fp8_vs_bf16.sh``; fp8 is fast only compiled).
 
@@ -1087,9 +1187,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         steps, rounds, warmup, resolve_pct, aa = 3, 2, 1, 0.0, False
     resolve = resolve_pct / 100 if resolve_pct > 0 else None
     if where.type == "cpu":  # pinned, so no round runs with another thread count than the next
-        import os
-
-        torch.set_num_threads(threads or os.cpu_count() or 1)
+        torch.set_num_threads(threads or _usable_cpus())  # (the CPUs this process may use, not the host's)
     torch.manual_seed(0)
     until = f"until ±{resolve_pct:g}% or {budget_s:g} s a case" if resolve else "fixed rounds"
     threads_said = f", {torch.get_num_threads()} threads" if where.type == "cpu" else ""
@@ -1098,8 +1196,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     # with --json, stdout is the JSON alone: the progress lines go to stderr
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext(), \
             _interrupted_by_sigterm() as signalled:
-        print(f"ampguard bench on {where} ({machine()}{threads_said}): {rounds} rounds x {steps} steps, paired, "
-              f"{until}", flush=True)
+        print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {rounds} rounds x {steps} steps, "
+              f"paired, {until}", flush=True)
         try:
             results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
                                 warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
@@ -1113,7 +1211,11 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         print("bench: interrupted; the rounds measured so far follow", file=sys.stderr, flush=True)
     if not results:
         raise InputError(f"bench: no contender could run {models} in {precisions} on {where} (why: the lines above)")
-    print(to_json(results, resolve) if as_json else
+    settings = {"device": str(where), "models": workloads, "precisions": names, "steps": steps,
+                "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
+                "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa, "compiled": compiled,
+                "quick": quick}
+    print(to_json(results, resolve, settings, where) if as_json else
           "\n".join([table(results), *resolution(results, resolve), *speedups(results)]), flush=True)
     if interrupted:
         return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)

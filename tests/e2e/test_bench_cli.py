@@ -67,3 +67,95 @@ def test_a_bench_cut_by_a_time_limit_prints_what_it_measured(tmp_path):
     assert {r["stop"] for r in results} == {"interrupted"}
     assert len({len(r["rounds"]) for r in results}) == 1 and len(results[0]["rounds"]) >= 1
     assert "interrupted; the rounds measured so far follow" in err_path.read_text()
+
+
+def test_bench_json_carries_the_runs_settings(capsys):
+    import json
+
+    assert main(["bench", "--models", "nano", "--precisions", "fp32", "--no-peers", "--no-aa", "--steps", "1",
+                 "--rounds", "2", "--warmup", "1", "--resolve", "50", "--budget", "5", "--peak-tflops", "100",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    run = data["run"]
+    assert {k: run[k] for k in ("device", "steps", "warmup", "min_rounds", "budget_s", "peak_tflops")} == {
+        "device": "cpu", "steps": 1, "warmup": 1, "min_rounds": 2, "budget_s": 5.0, "peak_tflops": 100.0}
+    assert (run["confidence"], run["resamples"], run["min_rounds_to_resolve"]) == (0.95, 2000, 6)
+    assert data["resolve"] == 0.5 and isinstance(data["threads"], int)
+    guarded = [r for r in data["results"] if r["contender"] == "ampguard + csv"][0]
+    assert guarded["half_width"] == (guarded["ratio_high"] - guarded["ratio_low"]) / 2 / guarded["ratio_to_bare"]
+    if guarded["stop"] == "resolved":  # (within ±50% after 6 rounds, or the 5 s ran out)
+        assert guarded["half_width"] <= 0.5 and len(guarded["rounds"]) >= 6
+
+
+def _gpu_sh(env, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), **env})
+
+
+def test_gpu_sh_stage_limits_fit_one_device_command(tmp_path):
+    # every stage's limit plus its kill grace (and the setup): under a device command's 600 s,
+    # for the defaults and for the call the header suggests
+    import re
+
+    for env in ({}, {"STAGES": "1 3 4", "MLP_MODELS": "mlp", "MLP_BUDGET": "60", "GPT2_BUDGET": "180"}):
+        done = _gpu_sh({"PLAN_ONLY": "1", "DEVICE": "cuda", **env}, tmp_path)
+        assert done.returncode == 0, done.stderr
+        worst = int(re.search(r"worst case (\d+) s", done.stdout).group(1))
+        assert worst <= 580, done.stdout
+        assert re.findall(r" (\w+): \d+\+(\d+)", done.stdout) and all(
+            int(grace) >= 10 for _, grace in re.findall(r" (\w+): \d+\+(\d+)", done.stdout))
+
+
+def test_gpu_sh_summary_takes_a_case_with_no_bare_loop(tmp_path):
+    # no stage runs; the summary reads a bench JSON whose contenders had no bare loop (ratio null)
+    import json
+
+    rows = [{"workload": "tiny-mlp", "precision": "bf16", "contender": "lightning fabric", "median_ms": 0.5,
+             "ratio_to_bare": None, "ratio_low": None, "ratio_high": None, "mfu": None, "ops": 40,
+             "rounds": [0.5, 0.5], "stop": "fixed"}]
+    (tmp_path / "bench-mlp.json").write_text(json.dumps({"machine": "test", "run": {"steps": 3}, "results": rows}))
+    done = _gpu_sh({"STAGES": "none", "DEVICE": "cpu"}, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "lightning fabric" in done.stdout and "2 rounds (fixed)" in done.stdout, done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_train_vs_bare_stops_when_a_run_is_cut_short(tmp_path, monkeypatch, capsys):
+    # a time limit's SIGTERM inside `ampguard train` (in-process) is a graceful stop: the script
+    # must not report the cut-short run as that contender's figure, but stop with its exit code
+    import importlib.util
+    import signal
+    import sys
+    from pathlib import Path
+
+    import ampguard.train
+
+    spec = importlib.util.spec_from_file_location(
+        "train_vs_bare", Path(__file__).resolve().parents[2] / "benchmarks" / "train_vs_bare.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    real_run = ampguard.train.run
+
+    def cut_short(config, **kw):  # the run gets SIGTERM, as `timeout` sends it, at its first STATS line
+        print_fn = kw["print_fn"]
+
+        def on_line(line):
+            print_fn(line)
+            if line.startswith("STATS ") and signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+                signal.raise_signal(signal.SIGTERM)  # (only once the run has its own handler)
+        return real_run(config, **{**kw, "print_fn": on_line})
+
+    monkeypatch.setattr(ampguard.train, "run", cut_short)
+    monkeypatch.setattr(sys, "argv", ["train_vs_bare.py", "--quick", "--device", "cpu", "--eager",
+                                      "--out", str(tmp_path)])
+    assert script.main() == 143
+    captured = capsys.readouterr()
+    assert "ampguard train: the run did not finish (interrupted" in captured.err
+    assert "  ampguard train " not in captured.out  # not reported
+    assert not list(tmp_path.glob("*.json"))
