@@ -347,12 +347,26 @@ def _check_targets(task: Task, scores: torch.Tensor, targets: torch.Tensor) -> N
         ... except InputError as err:
         ...     print(err)
         validate: task toy: the held-out targets have shape (4, 1), but the first output has 2 scores per example: a regression task needs one target per score
+        >>> task.mode = "classifier"
+        >>> try:
+        ...     _check_targets(task, torch.zeros(4, 2), torch.tensor([0, 1, 2, 1]))
+        ... except InputError as err:
+        ...     print(err)
+        validate: task toy: the held-out targets hold labels from 0 to 2, but the first output scores 2 classes: a classifier's targets are class indices in [0, 2)
     """
     n = len(scores)
     per_example = targets.numel() // max(len(targets), 1)
     if task.mode == "classifier" and per_example != 1:
         raise InputError(f"validate: task {task.name}: the held-out targets have shape {tuple(targets.shape)}: "
                          "a classifier needs one class index per example")
+    if task.mode == "classifier" and targets.numel():  # a label no score can name would count as wrong, silently
+        classes, labels = scores.shape[1], targets.reshape(-1)
+        whole = not labels.is_floating_point() or bool((labels == labels.round()).all())
+        if not whole or int(labels.min()) < 0 or int(labels.max()) >= classes:
+            raise InputError(f"validate: task {task.name}: the held-out targets hold "
+                             f"{'non-integer labels' if not whole else f'labels from {int(labels.min())} to {int(labels.max())}'}"
+                             f", but the first output scores {classes} classes: a classifier's targets are class "
+                             f"indices in [0, {classes})")
     if task.mode != "classifier" and targets.numel() != scores.numel():
         raise InputError(f"validate: task {task.name}: the held-out targets have shape {tuple(targets.shape)}, but "
                          f"the first output has {scores.shape[1] if n else 0} scores per example: a regression task "

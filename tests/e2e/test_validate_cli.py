@@ -494,6 +494,13 @@ def one_logit(config):
     return made
 
 
+def labels_out_of_range(config):  # 2 scores, labels up to 5: they count as wrong answers, silently
+    made = base(config)
+    x = made["data"][0][0]
+    made["data"] = [(x, torch.arange(len(x)) % 6)]
+    return made
+
+
 def amp_raises(config):  # runs in FP32, raises under autocast: the precision fails, the input is fine
     made = base(config)
     made["predict"] = lambda m, x: m(x) if not torch.is_autocast_enabled("cpu") else 1 / 0
@@ -518,6 +525,8 @@ def bad_factories(tmp_path_factory) -> str:
     ("predict_raises", None, "the model (or the task's predict) raised under fp32: ZeroDivisionError: division by zero"),
     ("eval_raises", None, "the model (or the task's predict) raised under fp32: ValueError: eval not supported"),
     ("one_logit", None, "is a classifier, but its first output (output) has 1 score per example"),
+    ("labels_out_of_range", None, "the held-out targets hold labels from 0 to 5, but the first output scores 2 "
+                                  "classes"),
 ])
 def test_a_factorys_bad_output_is_one_line_exit_2_and_nothing_written(cli, unchanged, bad_factories, name, case,
                                                                        expected):
