@@ -529,4 +529,10 @@ def _build_task(config: Config, world: int) -> Task:
     if world == 1:
         return build_task(config)
     task = config.task.model_copy(update={"batch_size": config.task.batch_size * world})
-    return build_task(config.model_copy(update={"task": task}))
+    try:
+        return build_task(config.model_copy(update={"task": task}))
+    except InputError as err:  # its numbers are the global batch's: say how it was made
+        if not str(err).startswith("task.batch_size"):
+            raise
+        raise InputError(f"{err} (under torchrun task.batch_size is per process: the global batch is "
+                         f"{config.task.batch_size} x {world} processes; divide by {world})") from None

@@ -251,3 +251,15 @@ def test_charlm_refuses_a_context_longer_than_its_held_out_text():
         build_task(load_config(None, [*TINY_LM, "task.block_size=10000000"]))
     with pytest.raises(ValueError, match="a context of 8 needs at least 10 bytes of text, not 9"):
         next(charlm.char_batches(torch.zeros(9, dtype=torch.uint8), seed=0, batch_size=1, block_size=8))
+
+
+def test_under_torchrun_a_batch_size_refusal_says_its_numbers_are_the_global_batchs():
+    # "use at most 1497" read as a per-process limit: under 2 processes it is 748
+    from ampguard.config import validate
+    from ampguard.errors import InputError
+    from ampguard.trainer import _build_task
+
+    config = validate({"task": {"name": "digits", "batch_size": 1000}})
+    with pytest.raises(InputError, match=r"use at most 1497 \(under torchrun task.batch_size is per process: the global "
+                                         r"batch is 1000 x 2 processes; divide by 2\)"):
+        _build_task(config, 2)
