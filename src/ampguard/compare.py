@@ -28,14 +28,11 @@ from .errors import ExitCode, InputError, first_line
 from .monitor import RunMonitor
 from .precision import Precision
 from .records import LABEL_COLUMNS
-from .report import Row, _number, finite_points, read_steps_and_columns, replay, rolling_skip_rate
+from .report import Row, _linear_y, _number, finite_points, read_steps_and_columns, replay, rolling_skip_rate
 
 if TYPE_CHECKING:
     from .config import Config
 
-LINEAR_LIMIT = 1e300
-"""Beyond this magnitude a linear axis overflows (its span, its ticks): the loss panel is then
-drawn on a symmetric log axis."""
 FIGSIZE = (12.0, 11.0)  # inches
 DPI = 100  # -> a 1200 x 1100 pixel PNG
 
@@ -270,7 +267,7 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     pre-clip global norm with each run's ``max_norm``, log2 of the loss scale, rolling skip rate.
     Skipped steps are marked with an ``x`` on the loss panel. Written beside the target and
     linked into place, so an existing file is never replaced. Losses of both signs beyond
-    :data:`LINEAR_LIMIT` (-1e308 and 1e308 in an edited CSV) put the loss panel on a symmetric log
+    :data:`~ampguard.report.LINEAR_LIMIT` (-1e308 and 1e308 in an edited CSV) put the loss panel on a symmetric log
     axis; values matplotlib still cannot lay an axis out for are an :class:`InputError`, with
     nothing written.
     """
@@ -318,13 +315,11 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         top_rate = max(top_rate, *rates)
         ax_skip.plot([r.step for r in rows], rates, lw=1.2, color=colour,
                      label=f"{run.name} (window {run.config.monitor.window})")
-    huge = not log_loss and max(map(abs, losses), default=0.0) > LINEAR_LIMIT
-    if huge:  # losses of both signs near the float maximum: a linear axis cannot span them
-        ax_loss.set_yscale("symlog")
-        ax_loss.set_ylim(min(*losses, 0.0), max(*losses, 0.0))
-    else:
-        ax_loss.set_yscale("log" if log_loss else "linear")
-    ax_loss.set_ylabel("loss" + (" (log)" if log_loss else " (symmetric log)" if huge else ""))
+    if log_loss:
+        ax_loss.set_yscale("log")
+        ax_loss.set_ylabel("loss (log)")
+    else:  # linear, or symmetric log for losses of both signs near the float maximum
+        _linear_y(ax_loss, losses, "loss")
     ax_loss.set_title("Loss (x: a skipped step)")
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("gradient norm (log)")
