@@ -368,6 +368,28 @@ def _handled_keyboard_interrupt() -> None:
         ctypes.pythonapi.PyRun_SimpleString(b"")
 
 
+def _slow_precision_in_one_line(*, quiet: bool) -> None:
+    """Show a :class:`~ampguard.precision.SlowPrecisionWarning` as ``ampguard: warning: ...`` (or not at all).
+
+    fp16 or fp8 on a CPU is emulated: worth one line on stderr, not Python's two-line warning
+    with a source line. Other warnings are shown as Python shows them.
+    """
+    from .precision import SlowPrecisionWarning
+
+    if quiet:
+        warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
+        return
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, SlowPrecisionWarning):
+            print(f"ampguard: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def _an_interrupt(err: BaseException) -> bool:
     """A Ctrl-C, or one that Python wrapped on its way out: a KeyboardInterrupt raised while a
     class body runs (an import torch makes lazily, e.g. ``torch._dynamo`` from the optimizer's
@@ -411,10 +433,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         with held_signals():  # a signal inside torch's import could be swallowed or break numpy
             importlib.import_module("torch")  # every verb needs it; after this block a signal stops us
-        from .precision import SlowPrecisionWarning
-
-        warnings.filterwarnings("ignore", category=SlowPrecisionWarning)  # the CPU demo is fp16 on purpose
-        return int(args.func(args))
+        with warnings.catch_warnings():  # restores the caller's filters (main() runs in-process in tests)
+            _slow_precision_in_one_line(quiet=args.func is _demo)  # the CPU demo is fp16 on purpose
+            return int(args.func(args))
     except InputError as err:
         print(f"ampguard: error: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT

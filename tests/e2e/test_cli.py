@@ -15,15 +15,18 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from helpers import read_rows
 
 from ampguard.cli import main
 from ampguard.config import load_config, validate
+from ampguard.precision import Precision, SlowPrecisionWarning
 
 HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale"
 LINE = re.compile(r"^(STEP|SKIP) (\d+) ")
@@ -173,6 +176,25 @@ def test_demo_other_faults(cli, tmp_path, argv, step, reason, pre):
     )
     if "fp32" in argv:
         assert {number(r["scaler_scale"]) for r in rows} == {1.0}
+
+
+def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_path):
+    """fp16 on a CPU is emulated: ``train`` says so in one stderr line; the demo (fp16 on purpose) does not."""
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", SlowPrecisionWarning)  # the suite's config ignores it
+        code, _, err = cli("train", *sum((["--set", s] for s in [
+            "steps=1", "precision=fp16", *TINY_CHARLM, f"log.dir={tmp_path / 'runs'}"]), []))
+        assert code == 0, err
+        warned = [line for line in err.splitlines() if "emulated" in line]
+        assert warned == [line for line in err.splitlines() if "Warning" in line or "warning" in line]
+        assert warned == ["ampguard: warning: fp16 autocast on a CPU is emulated, about 10x slower than bf16 "
+                          "there; prefer bf16 on CPUs"]
+        code, _, err = cli("demo", "--steps", "2")  # fp16 by default
+        assert code == 0 and "emulated" not in err, err
+        assert warnings.showwarning is shown  # main() put Python's own back
+        with pytest.warns(SlowPrecisionWarning):  # and left the caller's filters as they were
+            Precision("fp16", "cpu").check(torch.nn.Linear(2, 2), torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------- train
