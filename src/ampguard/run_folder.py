@@ -42,6 +42,8 @@ class RunPaths:
 
     csv: Path | None = None
     dir: Path | None = None
+    created: list[Path] = field(default_factory=list, repr=False, compare=False)
+    """The folders :meth:`new_run_dir` made (parents first), for :meth:`remove_unused`."""
 
     def _in_dir(self, name: str) -> Path | None:
         return self.dir / name if self.dir is not None else None
@@ -124,7 +126,7 @@ class RunPaths:
                     continue
                 folder.mkdir()
                 created.append(folder)
-            paths = cls.existing(run_dir)
+            paths = cls(csv=run_dir / "steps.csv", dir=run_dir, created=created)
             paths.write_config(config)
         except (OSError, ValueError) as err:
             _remove_created(created)
@@ -133,6 +135,37 @@ class RunPaths:
             why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
             raise InputError(f"cannot create run folder {run_dir}: {why}") from None
         return paths
+
+    def remove_unused(self) -> bool:
+        """Take back a new run folder that a refusal stopped before it held anything of a run
+        (a tracker that refused at its open): the folders :meth:`new_run_dir` made, when the run
+        folder holds nothing but ``config.yaml`` and ``run-id``. True when it did.
+
+        Example::
+
+            >>> import shutil, tempfile
+            >>> from ampguard.config import validate
+            >>> root = Path(tempfile.mkdtemp())
+            >>> paths = RunPaths.new_run_dir(validate({"log": {"dir": str(root / "runs"), "name": "a"}}))
+            >>> _ = paths.ensure_run_id()
+            >>> paths.remove_unused(), sorted(p.name for p in root.iterdir())  # runs/ was made for it too
+            (True, [])
+            >>> paths = RunPaths.new_run_dir(validate({"log": {"dir": str(root / "runs"), "name": "b"}}))
+            >>> _ = paths.csv.write_text("step\\n")
+            >>> paths.remove_unused(), sorted(p.name for p in paths.dir.iterdir())  # it has records: kept
+            (False, ['config.yaml', 'steps.csv'])
+            >>> shutil.rmtree(root)
+        """
+        if not self.created or self.dir is None:
+            return False
+        try:
+            if {p.name for p in self.dir.iterdir()} - {"config.yaml", RUN_ID_FILE}:
+                return False
+        except OSError:
+            return False
+        _remove_created(self.created)
+        self.created = []
+        return True
 
     def write_config(self, config: Config) -> None:
         """``config.yaml``, replaced atomically (a resumed run may have changed ``steps``)."""

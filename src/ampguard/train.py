@@ -12,7 +12,7 @@ from collections.abc import Callable
 from . import checkpointer as ck
 from . import distributed
 from .config import Config
-from .errors import ExitCode
+from .errors import ExitCode, InputError
 from .run_folder import RunPaths, RunResult
 from .trainer import Trainer
 
@@ -111,12 +111,15 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
         >>> shutil.rmtree(folder)
     """
 
+    made: list[RunPaths] = []
+
     def outputs() -> RunPaths:
         if resume is not None:
             paths = RunPaths.existing(resume.run_dir)  # config.yaml: rewritten once the logs are open
             print(f"run folder: {paths.dir} (resuming from {resume.path.name}, step {resume.loaded.step})")
         else:
             paths = RunPaths.new_run_dir(config)
+            made.append(paths)
             print(f"run folder: {paths.dir}")
         return paths
 
@@ -125,5 +128,9 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
         result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume)
         distributed.barrier()  # ranks leave together, once rank 0 has written the run card
         return finish(result)
+    except InputError:  # refused while opening (a tracker's store gone since the check): leave nothing
+        if made and made[0].remove_unused():
+            print(f"run folder: {made[0].dir} removed (nothing was run)")
+        raise
     finally:
         distributed.shutdown()

@@ -10,6 +10,8 @@ import ast
 import glob
 import json
 import math
+import os
+import socket
 import struct
 import sys
 from pathlib import Path
@@ -251,6 +253,35 @@ def test_an_mlflow_store_that_does_not_open_is_one_line_exit_2(cli, tmp_path):
                        "--set", "log.mlflow.tracking_uri=nosuchscheme://x")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith("ampguard: error: log.mlflow: cannot open the tracking store nosuchscheme://x")
+    assert not (tmp_path / "runs").exists()
+
+
+def _a_port_nobody_answers() -> int:
+    with socket.socket() as sock:  # bound, never listening: a connection is refused at once
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_mlflow_server_nobody_answers_is_one_line_exit_2_before_anything_is_written(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the user's own setting wins over the probe's 2
+    uri = f"http://127.0.0.1:{_a_port_nobody_answers()}"
+    code, out, err = cli("train", "--set", "steps=1", "--set", "task.name=linear", "--set", f"log.mlflow.tracking_uri={uri}")
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"ampguard: error: log.mlflow: cannot reach the tracking server {uri}: ")
+    assert not (tmp_path / "runs").exists()
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0" and "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+
+
+def test_a_tracker_refused_at_its_open_takes_the_new_run_folder_back(cli, tmp_path, monkeypatch):
+    """A server gone between the up-front check and the run's open: the refusal leaves no run folder
+    (nor the ``runs/`` made for it) behind."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setattr("ampguard.integrations.trackers.reach_server", lambda client: None)  # it answered then
+    uri = f"http://127.0.0.1:{_a_port_nobody_answers()}"
+    code, out, err = cli("train", "--set", "steps=1", "--set", "task.name=linear", "--set", "log.name=r",
+                         "--set", f"log.mlflow.tracking_uri={uri}")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("ampguard: error: log.mlflow: ")
+    assert out.splitlines()[-1] == f"run folder: {Path('runs', 'r')} removed (nothing was run)"
     assert not (tmp_path / "runs").exists()
 
 

@@ -520,6 +520,40 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 # ---------------------------------------------------------------------------- in a run
 
 
+PROBE_RETRIES, PROBE_TIMEOUT_S = 2, 10
+"""How hard :func:`reach_server` tries, where the user has not set MLflow's own
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (7 retries and 120 s: about
+four minutes before an address nobody answers is refused)."""
+
+
+def reach_server(client: Any) -> None:
+    """A tracking server (an ``http``/``https`` store) answers one request, before the run writes
+    anything; else one :class:`InputError` line. The store objects of a URI are made without a
+    request, so an address nobody answers otherwise fails only at the run's first call, after the
+    run folder was made. Other stores (files, a database) opened in :func:`mlflow_client`.
+
+    Example::
+
+        >>> import tempfile
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> reach_server(mlflow_client(Path(tmp.name).as_uri()))  # a file store: nothing to reach
+        >>> tmp.cleanup()
+    """
+    uri = client.tracking_uri
+    if urlparse(uri).scheme not in ("http", "https"):
+        return
+    bounded = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(PROBE_RETRIES), "MLFLOW_HTTP_REQUEST_TIMEOUT": str(PROBE_TIMEOUT_S)}
+    bounded = {key: value for key, value in bounded.items() if key not in os.environ}
+    os.environ.update(bounded)
+    try:
+        client.search_experiments(max_results=1)
+    except Exception as err:  # noqa: BLE001 - refused, timed out, not an MLflow server: one line
+        raise InputError(f"log.mlflow: cannot reach the tracking server {uri}: {first_line(err)}") from None
+    finally:
+        for key in bounded:
+            os.environ.pop(key, None)
+
+
 def check_trackers(config: Config) -> None:
     """Before a run writes anything: the packages of the trackers ``config.log`` asks for are
     installed and (rank 0, the one that logs) MLflow's tracking store opens; else one
@@ -544,7 +578,7 @@ def check_trackers(config: Config) -> None:
         if config.log.mlflow is not None:
             require("mlflow", "log.mlflow")
             if distributed.current().is_main:
-                mlflow_client(config.log.mlflow.tracking_uri)
+                reach_server(mlflow_client(config.log.mlflow.tracking_uri))
     except InputError as err:
         problem = str(err)
     problem = distributed.first_error(problem)
