@@ -89,6 +89,20 @@ def _float8_linear() -> type | None:
     return getattr(module, "Float8Linear", None) if module is not None else None
 
 
+def float8_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's ``Float8Linear`` layers (itself included), unused ones too; none when torchao
+    was never imported.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 16))
+        >>> float8_modules(model), convert_to_fp8(model), float8_modules(model) == [model[2]]
+        ([], ['2'], True)
+    """
+    cls = _float8_linear()
+    return [] if cls is None else [m for m in model.modules() if isinstance(m, cls)]
+
+
 def fp8_layers(model: nn.Module) -> list[str]:
     """The names of the model's ``Float8Linear`` layers (none when torchao was never imported).
 

@@ -26,7 +26,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -157,11 +157,15 @@ class Diagnosis:
             '; keeping blocks.3.mlp in FP32 (autocast off around it alone) fixes this batch'
             >>> Diagnosis(d.amp, d.fp32, "precision-range", scopes_tried=["blocks.3.mlp.fc", ""])._scope_hint()
             '; no module alone in FP32 fixes this batch (tried blocks.3.mlp.fc, <model>); run the whole step in FP32'
+            >>> Diagnosis(Finding("forward", "blocks.3", "Block", "inf", precision="fp8"), d.fp32, "precision-range",
+            ...           fp32_scope="blocks.3")._scope_hint()  # under fp8 its Linear layers leave float8 too
+            '; keeping blocks.3 in FP32 (autocast and float8 off around it alone) fixes this batch'
         """
         if self.fp32_scope == "":
             return "; only the whole model in FP32 (autocast off, the same loss scale) fixes this batch"
         if self.fp32_scope is not None:
-            return f"; keeping {self.fp32_scope} in FP32 (autocast off around it alone) fixes this batch"
+            how = "autocast and float8 off" if self.amp.precision == "fp8" else "autocast off"
+            return f"; keeping {self.fp32_scope} in FP32 ({how} around it alone) fixes this batch"
         if self.scopes_tried:
             tried = ", ".join(name or "<model>" for name in self.scopes_tried)
             return f"; no module alone in FP32 fixes this batch (tried {tried}); run the whole step in FP32"
@@ -305,7 +309,9 @@ def _to_fp32(value: Any) -> Any:
 def fp32_around(model: nn.Module, name: str | None, device_type: str) -> Iterator[None]:
     """While inside, the submodule ``name`` of ``model`` (``""``: the model itself; None: none) runs
     with autocast disabled and its floating inputs cast to FP32: the usual fix, "keep this module
-    in FP32", tried on one batch. Its ``forward`` is wrapped for the duration and put back.
+    in FP32", tried on one batch. Under fp8 its float8 layers (torchao's ``Float8Linear``) compute
+    a plain FP32 ``F.linear`` on their master weights too: autocast does not reach their casts.
+    The forwards are wrapped for the duration and put back.
 
     Example (under bf16 autocast the first Linear computes in bf16, unless it is kept in FP32)::
 
@@ -319,14 +325,30 @@ def fp32_around(model: nn.Module, name: str | None, device_type: str) -> Iterato
     if name is None:
         yield
         return
+    from .fp8 import float8_modules
+
     module = model.get_submodule(name)
+
+    def in_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type, enabled=False):
+                return original(*_to_fp32(args), **_to_fp32(kwargs))
+        return forward
+
+    def plain_linear(layer: nn.Module) -> Callable[..., Any]:
+        return in_fp32(lambda x: nn.functional.linear(x, layer.weight, layer.bias))
+
+    with ExitStack() as stack:
+        for layer in float8_modules(module):
+            stack.enter_context(_forward_replaced(layer, plain_linear(layer)))
+        stack.enter_context(_forward_replaced(module, in_fp32(module.forward)))
+        yield
+
+
+@contextmanager
+def _forward_replaced(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """``module.forward`` is ``forward`` while inside (an instance attribute), then what it was."""
     own = vars(module).get("forward")  # an instance attribute already there (rare) is put back
-    original = module.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type, enabled=False):
-            return original(*_to_fp32(args), **_to_fp32(kwargs))
-
     module.forward = forward
     try:
         yield
@@ -478,8 +500,11 @@ def diagnose(
         if amp.where == "none":
             return Diagnosis(amp, None, "none", loss_scale)
         set_rng_state(rng)
+        from .fp8 import float8_modules
+
+        whole = "" if float8_modules(model) else None  # fp8: its float8 layers compute in FP32 as well
         fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, Precision("fp32", precision.device_type), 1.0,
-                                      accumulation_steps=n)
+                                      fp32_module=whole, accumulation_steps=n)
         if fp32.where != "none":
             return Diagnosis(amp, fp32, "data/model", loss_scale)
         scope, tried = None, []

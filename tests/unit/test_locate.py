@@ -652,3 +652,37 @@ def test_a_saved_batch_without_examples_or_with_a_bad_loss_scale_is_one_input_er
     torch.save({"micro_batches": [one], "loss_scale": 8}, tmp_path / "int.pt")  # an int scale is a scale
     assert locate.run(_config(precision="fp16"), batch=str(tmp_path / "int.pt")) == 0
     assert ", loss scale 8\n" in capsys.readouterr().out
+
+
+class InfBelowFP32(nn.Module):
+    """Finite in FP32, inf in any lower precision: a precision-range problem after the layer before it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1.0 if x.dtype == torch.float32 else math.inf)
+
+
+def test_under_fp8_the_fp32_replays_compute_the_float8_layers_in_fp32():
+    """The FP32 replay, and a scope kept in FP32, run a ``Float8Linear`` as a plain FP32 linear on
+    its master weights: autocast off does not reach torchao's float8 casts."""
+    pytest.importorskip("torchao")
+    from ampguard.fp8 import convert_to_fp8
+    from ampguard.locate import fp32_around
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16), InfBelowFP32())
+    assert convert_to_fp8(model) == ["1"]
+    seen = []  # (autocast on, input, output) of each call of the float8 layer
+    model[1].register_forward_hook(lambda m, args, out: seen.append((torch.is_autocast_enabled("cpu"), args[0], out)))
+    x, y = torch.randn(8, 16), torch.zeros(8, 16)
+    d = diagnose(model, F.mse_loss, x, y, Precision("fp8", "cpu"))
+    assert (d.verdict, d.amp.name, d.fp32.where, d.fp32_scope) == ("precision-range", "3", "none", "3")
+    plain = lambda inputs: F.linear(inputs, model[1].weight, model[1].bias)  # noqa: E731
+    (amp_on, amp_in, amp_out), (fp32_on, fp32_in, fp32_out) = seen[:2]  # the AMP pass, the FP32 replay
+    assert amp_on and not torch.allclose(amp_out.float(), plain(amp_in.float()))  # float8 ran under AMP
+    assert not fp32_on and fp32_out.dtype == torch.float32 and torch.equal(fp32_out, plain(fp32_in))
+
+    h = torch.randn(8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), fp32_around(model, "", "cpu"):  # a scope holding it
+        out = model[1](h)
+    assert out.dtype == torch.float32 and torch.equal(out, plain(h))
+    assert "forward" not in vars(model[1]) and "forward" not in vars(model)  # put back
