@@ -575,7 +575,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
           for name, value in m.eval_last.items()),
         ("rollbacks", "; ".join(result.rollbacks) if result.rollbacks else "none"),
         ("policy changes on resume", "; ".join(result.policy_changes) if result.policy_changes else "none"),
-        ("throughput", result.throughput or "not measured"),
+        ("throughput", result.throughput or "not measured (this process trained fewer than two steps)"),
         ("first-skip diagnosis", result.diagnosis or (
             "none (no skipped step)" if config.diagnose.first_skip or config.diagnose.strict
             else "off (diagnose.first_skip)")),
