@@ -429,6 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # `ulimit -f` reached: a write error (disk full), not a kill
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        # a path whose name is not UTF-8 is printed as its bytes, as `ls` does (and Python in the C locale)
+        sys.stdout.reconfigure(errors="surrogateescape")
     try:
         args = build_parser().parse_args(argv)
         with held_signals():  # a signal inside torch's import could be swallowed or break numpy

@@ -28,7 +28,8 @@ from .errors import ExitCode, InputError, first_line
 from .monitor import RunMonitor
 from .precision import Precision
 from .records import LABEL_COLUMNS
-from .report import Row, _linear_y, _number, finite_points, read_steps_and_columns, replay, rolling_skip_rate
+from .report import (Row, _linear_y, _number, finite_points, read_steps_and_columns, replay, rolling_skip_rate,
+                     shown)
 
 if TYPE_CHECKING:
     from .config import Config
@@ -119,7 +120,7 @@ def load_run(path: str | Path) -> RunSummary:
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on))  # the run's own monitor
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
-    return RunSummary(folder.name, folder, config, rows, monitor, _ended(folder / "RUN.md"))
+    return RunSummary(shown(folder.name), folder, config, rows, monitor, _ended(folder / "RUN.md"))
 
 
 def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
@@ -150,7 +151,7 @@ def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
     names = [r.name for r in runs]
     for run, given in zip(runs, paths):
         if names.count(run.name) > 1:
-            run.name = str(given)
+            run.name = shown(str(given))
     return runs
 
 

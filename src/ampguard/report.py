@@ -245,6 +245,18 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, **monitor_args: A
 # ---------------------------------------------------------------------------- the plot
 
 
+def shown(text: str) -> str:
+    """``text`` as it can be drawn and printed: the bytes of a file name that are not UTF-8 (which
+    Python keeps as surrogate escapes, and matplotlib cannot draw) read as U+FFFD.
+
+    Example::
+
+        >>> shown("run a\\udcffb"), shown("run ä")
+        ('run a\ufffdb', 'run ä')
+    """
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def plot_run(
     csv_path: str | Path,
     png_path: str | Path,
@@ -303,7 +315,7 @@ def plot_run(
         with warnings.catch_warnings():  # (numpy's overflow notes on values near the float64 limit)
             warnings.simplefilter("ignore", RuntimeWarning)
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
-                  fail_rate=fail_rate, alert_bits=alert_bits, title=title or Path(csv_path).name)
+                  fail_rate=fail_rate, alert_bits=alert_bits, title=shown(title or Path(csv_path).name))
             fig.savefig(partial, dpi=DPI, format="png")
         os.replace(partial, png_path)
     except OSError as err:

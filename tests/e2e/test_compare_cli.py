@@ -4,6 +4,9 @@ run card says; bad input is one line and exit 2 with nothing written."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import re
 import shutil
 import struct
@@ -132,3 +135,26 @@ def test_losses_of_both_signs_near_the_float_maximum_still_draw(cli, sweep, tmp_
     assert (code, err) == (0, "")
     assert png_size(tmp_path / "cmp.png") == (1200, 1100)
     assert out.splitlines()[-1] == "plot: cmp.png"
+
+
+def test_run_folders_whose_names_are_not_utf8_are_compared_and_reported(sweep, tmp_path, monkeypatch):
+    # a folder renamed to bytes that are not UTF-8: matplotlib could not draw the name (exit 1, a
+    # traceback), and printing its path failed under a UTF-8 locale (strict); paths print as their bytes
+    odd = tmp_path / os.fsdecode(b"clip-\xff")
+    shutil.copytree(sweep / "clip-1", odd)
+    monkeypatch.chdir(tmp_path)
+
+    def cli(*argv):
+        out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")  # a UTF-8 locale's stdout
+        with contextlib.redirect_stdout(out):
+            code = main([os.fspath(a) for a in argv])
+        out.flush()
+        return code, out.buffer.getvalue()
+
+    code, out = cli("compare", odd, sweep / "clip-5", "--out", "cmp.png")
+    assert code == 0
+    assert compare_table(out.decode("utf-8"))[""][0] == "clip-\ufffd"  # the table names it as it can be shown
+    assert png_size(tmp_path / "cmp.png") == (1200, 1100)
+    code, out = cli("report", odd)
+    assert code == 0 and out.splitlines()[-1] == b"plot: " + os.fsencode(odd / "report.png")
+    assert png_size(odd / "report.png")[0] > 0
