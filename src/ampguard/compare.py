@@ -28,8 +28,8 @@ from .errors import ExitCode, InputError, first_line
 from .monitor import RunMonitor
 from .precision import Precision
 from .records import LABEL_COLUMNS
-from .report import (Row, _linear_y, _number, finite_points, read_steps_and_columns, replay, rolling_skip_rate,
-                     shown)
+from .report import (Row, _linear_y, _number, finite_points, policy_changes_of, read_steps_and_columns, replay,
+                     rolling_skip_rate, shown)
 
 if TYPE_CHECKING:
     from .config import Config
@@ -117,7 +117,8 @@ def load_run(path: str | Path) -> RunSummary:
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
     scaler_on = Precision(config.precision, "cpu").uses_scaler if config.scaler.enabled is None else config.scaler.enabled
-    monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on))  # the run's own monitor
+    # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
+    monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy_changes_of(folder))
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, _ended(folder / "RUN.md"))

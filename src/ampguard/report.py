@@ -224,20 +224,89 @@ def rolling_skip_rate(rows: list[Row], window: int) -> list[float]:
     return rates
 
 
-def replay(rows: list[Row], monitor: RunMonitor | None = None, **monitor_args: Any) -> RunMonitor:
+REPLAYED_POLICY = {"max_norm": "max_norm", "monitor.alert_rate": "alert_rate", "monitor.fail_rate": "fail_rate",
+                   "monitor.fail_after": "fail_after", "monitor.min_steps": "min_steps",
+                   "monitor.fail_on_scale_collapse": "fail_on_scale_collapse"}
+"""The settings a resume may change (a policy change) that decide what the monitor counts: the
+config key, and the :class:`RunMonitor` attribute it sets."""
+
+
+def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's policy changes on resume that a replay follows (:data:`REPLAYED_POLICY`), from its
+    ``events.jsonl`` in the order they were made: each ``{key, old, new, step}``, applied from
+    ``step + 1``. None without the file; a line that is no JSON object (a torn last line) is passed over.
+
+    Example::
+
+        >>> import json, shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> events = [{"step": 0, "event": "run_start"}, {"step": 8, "event": "policy_change", "key": "max_norm",
+        ...            "old": 1.0, "new": 2.0}, {"step": 8, "event": "policy_change", "key": "optimizer.lr",
+        ...            "old": 0.1, "new": 0.2}]
+        >>> _ = (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\\n" for e in events) + '{"step": 9')
+        >>> policy_changes_of(folder)
+        [{'step': 8, 'event': 'policy_change', 'key': 'max_norm', 'old': 1.0, 'new': 2.0}]
+        >>> shutil.rmtree(folder)
+    """
+    import json
+
+    changes = []
+    try:
+        lines = (run_dir / "events.jsonl").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if (isinstance(event, dict) and event.get("event") == "policy_change" and event.get("key") in REPLAYED_POLICY
+                and isinstance(event.get("step"), int) and "old" in event and "new" in event):
+            changes.append(event)
+    return changes
+
+
+def _policy_at(changes: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    """Each changed key's value at ``step``: the last change made before it (in the order they were
+    made: a resume from an older checkpoint changes what it replays), else the first one's old value.
+
+    Example (max_norm 1 -> 2 from step 9, then a resume from step 4 set 3 from step 5)::
+
+        >>> changes = [{"key": "max_norm", "old": 1.0, "new": 2.0, "step": 8},
+        ...            {"key": "max_norm", "old": 1.0, "new": 3.0, "step": 4}]
+        >>> [_policy_at(changes, step)["max_norm"] for step in (4, 5, 9)]
+        [1.0, 3.0, 3.0]
+    """
+    values: dict[str, Any] = {}
+    for change in changes:
+        values.setdefault(change["key"], change["old"])
+    for change in changes:
+        if change["step"] < step:
+            values[change["key"]] = change["new"]
+    return values
+
+
+def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: list[dict[str, Any]] = (),
+           **monitor_args: Any) -> RunMonitor:
     """Feed CSV rows through a :class:`RunMonitor` (``monitor``, or one made of ``monitor_args``):
-    the same statistics the live run kept.
+    the same statistics the live run kept. ``policy`` (:func:`policy_changes_of`) sets the
+    thresholds each step ran under, where a resume changed them.
 
-    Example (``monitor_args`` are :class:`RunMonitor`'s)::
+    Example (``monitor_args`` are :class:`RunMonitor`'s; max_norm 1, then 4 from step 3)::
 
-        >>> rows = [Row(step, 0.1, 2.0, 1.0, 0.5, False, "", 1.0) for step in (1, 2)]
-        >>> rows.append(Row(3, 0.1, None, None, float("nan"), True, "non_finite_loss", 1.0))
+        >>> rows = [Row(step, 0.1, 2.0, 1.0, 0.5, False, "", 1.0) for step in (1, 2, 3)]
+        >>> rows.append(Row(4, 0.1, None, None, float("nan"), True, "non_finite_loss", 1.0))
         >>> monitor = replay(rows, window=10, scaler_enabled=False)
         >>> monitor.steps, monitor.updates, monitor.clipped, dict(monitor.skips), round(monitor.skip_rate, 3)
-        (3, 2, 2, {'non_finite_loss': 1}, 0.333)
+        (4, 3, 3, {'non_finite_loss': 1}, 0.25)
+        >>> replay(rows, window=10, scaler_enabled=False, max_norm=4.0,
+        ...        policy=[{"key": "max_norm", "old": 1.0, "new": 4.0, "step": 2}]).clipped
+        2
     """
     monitor = RunMonitor(**monitor_args) if monitor is None else monitor
     for row in rows:
+        for key, value in _policy_at(list(policy), row.step).items() if policy else ():
+            setattr(monitor, REPLAYED_POLICY[key], clip_threshold(value) if key == "max_norm" else value)
         monitor.observe(row.record())
     return monitor
 
@@ -726,10 +795,13 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         raise InputError(f"{csv_path}: no steps recorded, nothing to report")
     scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
     init_scale = config.scaler.init_scale if config_path.is_file() else _start_scale(rows, config.scaler.backoff_factor)
+    overridden = {key for key, name in REPLAYED_POLICY.items() if {**given, "min_steps": min_steps}.get(name) is not None}
+    policy = [c for c in policy_changes_of(csv_path.parent) if c["key"] not in overridden] if config_path.is_file() else []
     monitor = replay(rows, window=settings["window"], alert_rate=settings["alert_rate"],
                      fail_rate=settings["fail_rate"], max_norm=clip_threshold(settings["max_norm"]),
                      scaler_enabled=scaler_on, init_scale=init_scale, min_scale=min(config.scaler.min_scale, init_scale),
-                     min_steps=config.monitor.min_steps if min_steps is None else min_steps)
+                     min_steps=config.monitor.min_steps if min_steps is None else min_steps,
+                     fail_after=config.monitor.fail_after, policy=policy)
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
     plot_run(csv_path, png, **settings, title=title, headroom=headroom_beside(csv_path),

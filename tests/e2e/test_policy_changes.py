@@ -129,3 +129,23 @@ def test_docs_resume_table_decides_every_setting():
         keys = [f"{key}.{sub}" for sub in value] if isinstance(value, dict) else [key]
         for k in keys:
             assert k in named or f"{k.split('.')[0]}.*" in named or k.split(".")[0] in named, k
+
+
+def test_report_and_compare_replay_each_step_under_the_max_norm_it_ran_with(fp16_run, tmp_path):
+    # review: after a resume that raised max_norm, `report` replayed every step under the final
+    # max_norm (config.yaml's) and printed a clip rate the run card did not have
+    run = _copy(fp16_run, tmp_path)
+    before = read_rows(run / "steps.csv")
+    clipped_before = sum(float(r["grad_l2_pre_clip"]) > 1.0 for r in before[:5] if r["skipped"] == "0")
+    assert clipped_before > 0  # steps 1-5 ran under max_norm 1 and some were clipped
+    ok(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt", "--set", "max_norm=1e9"))
+    card = _card_row(run, "clip rate (whole run)")
+    assert f"({clipped_before} of 10 steps had pre-clip norm > max_norm)" in card
+    rate = re.search(r"\| ([\d.]+) \(", card).group(1)
+    out = ok(ag("report", run))
+    assert f"clip rate {rate}," in out
+    assert "clip rate 0.000," in ok(ag("report", run, "--max-norm", "1e9"))  # a threshold given: the whole run
+    other = _copy(fp16_run, tmp_path / "other")
+    table = ok(ag("compare", run, other))
+    row = next(line for line in table.splitlines() if line.startswith("| clip rate"))
+    assert row.split("|")[2].strip().startswith(rate), row
