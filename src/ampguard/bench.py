@@ -1136,7 +1136,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         quick: bool = False, as_json: bool = False, resolve_pct: float = 1.0, budget_s: float = 120.0,
         threads: int | None = None, aa: bool = True, compiled: bool = False) -> int:
     """``ampguard bench``: measure, then print a table (or JSON), the resolution and the
-    speed-ups. Returns 0.
+    speed-ups. Returns 0; no contender able to run at all is an InputError (exit 2).
 
     At least ``rounds`` paired rounds per case, then more until every ratio is resolved to
     ``± resolve_pct`` percent (0: exactly ``rounds``) or ``budget_s`` seconds of rounds have

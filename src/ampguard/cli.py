@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="add rounds until every ratio's 95%% interval is within ±PCT%% (0: just --rounds)")
     bench.add_argument("--budget", type=_number, default=120.0, metavar="SECONDS",
                        help="stop adding rounds to a case after this long (the table says it was not resolved)")
-    bench.add_argument("--threads", type=_threads, help="CPU intra-op threads, pinned (default: all cores)")
+    bench.add_argument("--threads", type=_threads, help="CPU intra-op threads, pinned (default: the CPUs this process may run on)")
     bench.add_argument("--no-aa", action="store_true", help="leave out the A/A contender (a second bare loop)")
     bench.set_defaults(func=_bench)
 

@@ -1,4 +1,5 @@
-"""The package's shape, as docs/design.md states it: no import circle, the step imports no
+"""The package's shape, as docs/design.md states it: imports point down its layer tree (the
+upward ones inside functions are the ones it lists), no import circle, the step imports no
 diagnostics, no control flow by message text, thin CLI verbs."""
 
 from __future__ import annotations
@@ -70,7 +71,59 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("diagnostic", ["ampguard.validate", "ampguard.locate", "ampguard.report", "ampguard.bench"])
+DESIGN = SRC.parents[1] / "docs" / "design.md"
+UPWARD_IN_FUNCTIONS = {  # design.md section 1, "Imports inside functions that point up the tree"
+    ("ampguard.precision", "ampguard.fp8"),
+    ("ampguard.trainer", "ampguard.report"),
+    ("ampguard.guards", "ampguard.locate"),
+    ("ampguard.validate", "ampguard"),
+}
+
+
+def layer_order() -> dict[str, int]:
+    """Each module's place in design.md's layer tree, bottom (0) to top; a package's modules
+    (``tasks/``) share its place. Read from the tree's code block in section 1: a name at the
+    start of a line, or after "; " (``__main__.py``, on ``__init__.py``'s line)."""
+    text = DESIGN.read_text(encoding="utf-8")
+    block = text[text.index("```\nsrc/ampguard/\n"):]
+    block = block[: block.index("\n```", 4)]
+    order: dict[str, int] = {}
+    for line in block.splitlines()[2:]:
+        for path in re.findall(r"(?:^  |; )([\w/]+?)(?:\.py|/)(?=\s)", line + " "):
+            order["ampguard." + path.replace("/", ".")] = len(order)
+    order["ampguard"] = order.pop("ampguard.__init__")
+    return order
+
+
+def _place(order: dict[str, int], module: str) -> int | None:
+    while module and module not in order:
+        module = module.rpartition(".")[0]
+    return order.get(module)
+
+
+def test_the_layer_tree_names_every_module():
+    order = layer_order()
+    missing = [m for m in _modules() if _place(order, m) is None and m != "ampguard.integrations"]
+    assert not missing, f"modules design.md's tree does not place: {missing}"
+    assert len(order) > 30
+
+
+def test_module_level_imports_point_down_the_layer_tree():
+    order = layer_order()
+    upward = [f"{m} -> {d}" for m, deps in import_graph(lazy=False).items() for d in deps
+              if m != "ampguard" and (_place(order, d) or 0) > (_place(order, m) or 0)]
+    assert not upward, f"imports at module level that point up design.md's tree: {upward}"
+
+
+def test_the_imports_in_functions_that_point_up_are_the_ones_design_md_lists():
+    order, eager = layer_order(), import_graph(lazy=False)
+    upward = {(m, d) for m, deps in import_graph(lazy=True).items() for d in deps - eager[m]
+              if m != "ampguard" and (_place(order, d) or 0) > (_place(order, m) or 0)}
+    assert upward == UPWARD_IN_FUNCTIONS, (sorted(upward - UPWARD_IN_FUNCTIONS), sorted(UPWARD_IN_FUNCTIONS - upward))
+
+
+@pytest.mark.parametrize("diagnostic", ["ampguard.validate", "ampguard.locate", "ampguard.report", "ampguard.bench",
+                                        "ampguard.compare"])
 def test_the_step_never_imports_diagnostics(diagnostic):
     assert diagnostic not in _reachable(import_graph(lazy=True), "ampguard.step")
 
@@ -86,6 +139,6 @@ def test_cli_verbs_are_thin():
     tree = ast.parse((SRC / "cli.py").read_text(encoding="utf-8"))
     verbs = {node.name: node.end_lineno - node.lineno + 1 for node in tree.body
              if isinstance(node, ast.FunctionDef) and node.name in
-             {"_demo", "_train", "_validate", "_locate", "_report", "_bench"}}
-    assert len(verbs) == 6
+             {"_demo", "_train", "_validate", "_locate", "_report", "_compare", "_bench"}}
+    assert len(verbs) == 7
     assert max(verbs.values()) <= 25, verbs
