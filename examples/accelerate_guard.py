@@ -17,15 +17,17 @@ import sys
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ampguard import CsvSink, distributed
+from ampguard.errors import InputError
 from ampguard.integrations.accelerate import make_guard
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="accelerate_guard.py", description=__doc__.splitlines()[0])
     parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--csv", default="steps.csv")
@@ -35,7 +37,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # ampguard does the autocast and the loss scaling; cpu=True: gloo processes where there is no GPU
     accelerator = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
-    line = train(accelerator, args)                    # the DDP model and the guard live in there only
+    try:
+        sink = open_csv(accelerator, args.csv)
+    except InputError as err:  # e.g. the CSV exists already: never overwritten, said in one line
+        if accelerator.is_main_process:
+            print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        distributed.shutdown()                         # every process stops here, before any step
+        return 2
+    line = train(accelerator, args, sink)              # the DDP model and the guard live in there only
     sys.stdout.write(line)  # one write: the processes share the pipe, print() would write the newline apart
     sys.stdout.flush()
     accelerator.wait_for_everyone()                    # leave together
@@ -46,8 +55,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(accelerator: Accelerator, args: argparse.Namespace) -> str:
-    """The guarded loop; returns this process's line (steps, updates, skips, a weights checksum)."""
+def open_csv(accelerator: Accelerator, path: str) -> CsvSink | None:
+    """Process 0's CSV (``None`` on the others), opened before any step. A refusal (the file
+    exists) is sent to every process and raised there too: all stop, none waits for the others."""
+    sink, refusal = None, [None]
+    if accelerator.is_main_process:
+        try:
+            sink = CsvSink(path)
+        except InputError as err:
+            refusal = [str(err)]
+    broadcast_object_list(refusal)                     # (in place: process 0's message, or None)
+    if refusal[0] is not None:
+        raise InputError(refusal[0])
+    return sink
+
+
+def train(accelerator: Accelerator, args: argparse.Namespace, sink: CsvSink | None) -> str:
+    """The guarded loop, ``sink`` written and closed by process 0; returns this process's line
+    (steps, updates, skips, a weights checksum)."""
     torch.manual_seed(0)                               # the same initial weights on every process
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -62,7 +87,6 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> str:
     if args.inf_at is not None and accelerator.process_index == args.inf_rank:
         first.register_hook(lambda g: g.fill_(float("inf")) if guard.steps + 1 == args.inf_at else g)
 
-    sink = CsvSink(args.csv) if accelerator.is_main_process else None   # process 0 writes
     skipped = []
     try:
         for step, (inputs, targets) in zip(range(args.steps), data):

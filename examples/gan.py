@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ampguard import CsvSink, Guard
+from ampguard.errors import InputError
 
 
 def ring(n: int, generator: torch.Generator, modes: int = 8, radius: float = 2.0) -> torch.Tensor:
@@ -49,14 +51,22 @@ def bce(logits: torch.Tensor, target: float) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gan.py", description=__doc__.splitlines()[0])
     parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--csv", default="gan.csv")
     parser.add_argument("--inf-at", type=int, default=None, help="overflow the generator's gradient in this iteration")
     args = parser.parse_args(argv)
+    try:
+        return train(args)
+    except InputError as err:  # e.g. the CSV exists already: never overwritten, said in one line
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
 
+
+def train(args: argparse.Namespace) -> int:
+    """The guarded loop; writes the CSV, prints one line, returns 0."""
     torch.manual_seed(0)
     data = torch.Generator().manual_seed(1)
     generator, discriminator = networks()

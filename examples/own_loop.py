@@ -15,6 +15,7 @@ you can watch the guard skip it (and, in fp16, halve the loss scale).
 from __future__ import annotations
 
 import argparse
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ampguard import CsvSink, Guard
+from ampguard.errors import InputError
 
 
 class TinyLM(nn.Module):
@@ -79,7 +81,7 @@ def batches(kind: str, steps: int, seed: int = 0):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="own_loop.py", description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["hf", "gpt2", "multitask"], default="hf")
     parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
     parser.add_argument("--steps", type=int, default=40)
@@ -87,7 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", default="steps.csv")
     parser.add_argument("--nan-at", type=int, default=None, help="make the loss of this step non-finite")
     args = parser.parse_args(argv)
+    try:
+        return train(args)
+    except InputError as err:  # e.g. the CSV exists already: never overwritten, said in one line
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
 
+
+def train(args: argparse.Namespace) -> int:
+    """The guarded loop; writes the CSV, prints one line, returns 0."""
     torch.manual_seed(0)
     model = {"hf": TinyLM, "gpt2": tiny_gpt2, "multitask": MultiTask}[args.model]()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2 if args.model == "multitask" else 3e-3)

@@ -62,3 +62,45 @@ def test_gan_skips_only_the_generator_whose_gradient_overflowed(tmp_path, capsys
     assert "applied discriminator 150 generator 149" in out
     start, end = (float(x) for x in out.split("distance to the ring ")[1].split(";")[0].split(" -> "))
     assert end < 0.7 * start  # and the generator learned to move its samples toward the ring
+
+
+# every example that writes a file, with a cheap run of it (its default CSV, in the working folder)
+WRITERS = {"own_loop": ["--model", "multitask", "--steps", "2"], "gan": ["--iterations", "2"],
+           "accelerate_guard": ["--steps", "2"]}
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_running_an_example_again_in_the_same_folder_is_one_error_line_and_exit_2(tmp_path, monkeypatch, capsys,
+                                                                                  name):
+    # the second run finds the first run's CSV: refused (never overwritten) in one line, not a traceback
+    monkeypatch.chdir(tmp_path)
+    main = _load(name).main
+    try:
+        assert main(WRITERS[name]) == 0
+        (csv_path,) = tmp_path.glob("*.csv")
+        written = csv_path.read_text()
+        capsys.readouterr()
+        assert main(WRITERS[name]) == 2
+    finally:
+        if name == "accelerate_guard":  # Accelerate's process-wide state, for the tests after this one
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state(reset_partial_state=True)
+    out, err = capsys.readouterr()
+    assert err == f"{name}.py: error: {csv_path.name} already exists; refusing to overwrite it\n" and out == ""
+    assert csv_path.read_text() == written
+
+
+@pytest.mark.slow
+def test_own_loop_run_again_as_a_script_exits_2_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    def run():
+        return subprocess.run([sys.executable, str(EXAMPLES / "own_loop.py"), "--model", "multitask", "--steps", "2"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+    assert run().returncode == 0
+    again = run()
+    assert (again.returncode, again.stdout) == (2, "")
+    assert again.stderr == "own_loop.py: error: steps.csv already exists; refusing to overwrite it\n"

@@ -295,3 +295,25 @@ def test_manual_optimization_one_optimizer_records_and_skips():
     fit(module, plugin, steps=3)
     assert [(r.step, r.reason) for r in plugin.records] == [(1, None), (2, "non_finite_loss"), (3, None)]
     assert same(module.after[2], module.after[1]) and not same(module.after[3], module.after[2])
+
+
+def test_a_second_fit_with_the_same_plugin_and_csv_is_refused_before_it_trains_unless_it_resumes(tmp_path):
+    """One fit per plugin, as with its sinks: a later fit with the same ``csv`` is refused up
+    front with a ValueError naming the ways on (it was the InputError of an existing file, which
+    said neither); resuming with ``ckpt_path`` appends. A fit refused by the plugin's own checks
+    does not count."""
+    path = tmp_path / "steps.csv"
+    plugin, module = AmpGuardPlugin("bf16-mixed", csv=path), Digits(hidden=8)
+    with pytest.raises(ValueError, match="drop the Trainer's gradient_clip_val"):
+        fit(module, plugin, steps=2, gradient_clip_val=1.0)
+    trainer = fit(module, plugin, steps=2)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    written, before = path.read_text(), [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(ValueError, match=(
+            r"^AmpGuardPlugin: csv='.*steps\.csv' was the previous fit's with this plugin \(one fit per plugin\); "
+            r"give this fit a new AmpGuardPlugin with a new csv path, or resume the previous fit with "
+            r"trainer\.fit\(\.\.\., ckpt_path=\.\.\.\), which appends to it$")):
+        fit(module, plugin, steps=2)
+    assert path.read_text() == written and same(before, list(module.parameters()))  # nothing trained or written
+    fit(module, plugin, steps=4, ckpt_path=tmp_path / "last.ckpt")  # the same plugin resumes: the CSV appends
+    assert [r["step"] for r in rows(path)] == ["1", "2", "3", "4"] and plugin.guard.steps == 4

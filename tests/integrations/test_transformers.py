@@ -344,3 +344,38 @@ def test_evaluate_and_predict_autocast_as_the_stock_trainer_does(tmp_path):
     guarded = run(GuardedTrainer, ampguard=AmpGuardCallback(tmp_path / "ag"))
     assert guarded == run(Trainer)
     assert guarded[0] == {torch.bfloat16} and str(guarded[2]) == "float32"
+
+
+# ---------------------------------------------------------------- watched, not guarded: said up front
+
+
+def test_a_stock_trainer_with_the_callback_warns_once_that_it_only_watches(tmp_path):
+    # the stock Trainer's rows have no loss and no pre-clip norm, and nothing checks the loss
+    # before backward: the user hears it when training begins, not only in RUN.md afterwards
+    from ampguard.integrations.transformers import WatchOnlyWarning
+
+    trainer = Trainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=2), train_dataset=token_ids(8),
+                      callbacks=[AmpGuardCallback(print_fn=lambda line: None)])
+    with pytest.warns(WatchOnlyWarning) as seen:
+        trainer.train()
+    watch_only = [w for w in seen if issubclass(w.category, WatchOnlyWarning)]
+    assert len(watch_only) == 1 and issubclass(WatchOnlyWarning, UserWarning)
+    assert str(watch_only[0].message) == (
+        "AmpGuardCallback on a stock Trainer only watches (no loss check before backward, no pre-clip norm: the "
+        "CSV's loss and grad_l2_pre_clip stay empty): use ampguard.integrations.transformers.GuardedTrainer(..., "
+        "ampguard=...) to guard the step")
+    assert len(read_rows(tmp_path / "out" / "ampguard" / "steps.csv")) == 2  # and it still watched
+
+
+def test_a_guarded_trainer_does_not_warn_that_it_only_watches(tmp_path):
+    import warnings
+
+    from ampguard.integrations.transformers import WatchOnlyWarning
+
+    trainer = GuardedTrainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=2), train_dataset=token_ids(8),
+                             ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in seen if issubclass(w.category, WatchOnlyWarning)]
+    assert json.loads((tmp_path / "out" / "ampguard" / "summary.json").read_text())["guarded"] is True

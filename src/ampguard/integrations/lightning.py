@@ -115,7 +115,9 @@ class AmpGuardPlugin(_LightningPrecision):
             Trainer's ``gradient_clip_val``, which must then be unset.
         csv: path of the per-step CSV (the eight contract columns, a row flushed per step,
             written by global rank 0). An existing file is refused unless the fit resumes from
-            a checkpoint (``ckpt_path``), which appends after the checkpoint's step.
+            a checkpoint (``ckpt_path``), which appends after the checkpoint's step. It serves one
+            fit, as the sinks do: a later fit with the same plugin and ``csv`` is refused
+            (``ValueError``) before it trains, unless it resumes (``ckpt_path``).
         sinks: more ampguard sinks (``JsonlSink``, ``TensorBoardSink``, ``WandbSink``,
             ``MLflowSink``, ...), written on rank 0; a tracker sink also gets the monitor's view
             of each step (``monitor/*``, the alert tags). The plugin closes them when the fit
@@ -195,6 +197,7 @@ class AmpGuardPlugin(_LightningPrecision):
         self._hooked: pl.LightningModule | None = None
         self._fitting: pl.Trainer | None = None  # the fit under way (past connect's checks): teardown ends it
         self._closed: list[Sink] = []  # the user's sinks a fit's teardown closed: a later fit refuses them
+        self._csv_fits: set[str] = set()  # the CSVs of the fits begun: a later fit refuses them unless it resumes
         self._minimums: tuple[Any, Any] | None = None  # the Trainer's (min_epochs, min_steps), set aside by a stop
 
     # ------------------------------------------------------------------ setup
@@ -217,6 +220,11 @@ class AmpGuardPlugin(_LightningPrecision):
                 raise ValueError(f"AmpGuardPlugin: sinks={[type(s).__name__ for s in closed]} were closed when the "
                                  f"previous fit with this plugin ended (its tracker runs ended with that fit); give "
                                  f"this fit new sinks (plugin.extra_sinks = [...]) or a new AmpGuardPlugin")
+            if self.csv is not None and os.path.abspath(self.csv) in self._csv_fits and trainer.ckpt_path is None:
+                # on every rank alike, as the sinks' refusal (not the InputError of a file found on rank 0)
+                raise ValueError(f"AmpGuardPlugin: csv={str(self.csv)!r} was the previous fit's with this plugin "
+                                 f"(one fit per plugin); give this fit a new AmpGuardPlugin with a new csv path, or "
+                                 f"resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
             # a new fit has new optimizers (configure_optimizers ran again): a new guard at its first
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
             self.guard, self.monitor, self.stop_reason = None, None, None
@@ -232,6 +240,8 @@ class AmpGuardPlugin(_LightningPrecision):
                     and trainer.ckpt_path is None and trainer.is_global_zero):
                 raise InputError(f"{self.csv} already exists; refusing to overwrite it")
             self._fitting = trainer  # past the refusals: the sinks are this fit's, closed at its end
+            if self.csv is not None:
+                self._csv_fits.add(os.path.abspath(self.csv))
         return model, optimizers, lr_schedulers
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -16,8 +16,9 @@ step. So the guard is a ``Trainer`` subclass, and the callback is what writes an
 - :class:`AmpGuardCallback` writes one CSV row per optimizer step (the 8 contract columns), feeds
   a :class:`RunMonitor` (the skip-rate ALERT, fail-fast), writes ``events.jsonl`` and, at the
   end, ``summary.json``; on a failure it sets ``control.should_training_stop`` with the reason
-  written out. On a stock ``Trainer`` (no guard) it only reads what the Trainer exposes: see
-  :meth:`AmpGuardCallback.on_pre_optimizer_step`.
+  written out. On a stock ``Trainer`` (no guard) it only reads what the Trainer exposes (see
+  :meth:`AmpGuardCallback.on_pre_optimizer_step`) and warns so when training begins
+  (:class:`WatchOnlyWarning`).
 
 HF checkpoints carry the guard: ``GuardedTrainer`` writes ``ampguard_state.json`` (the guard's
 scaler and counters, the callback's monitor) into each ``checkpoint-N`` folder, where HF saves
@@ -31,6 +32,7 @@ import contextlib
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,21 @@ STOCK_FLOOR = 1.0
 """The floor the callback's monitor gives a stock Trainer's GradScaler, which has none: ``ampguard
 train``'s default ``scaler.min_scale``."""
 STATE_NAME = "ampguard_state.json"  # in each HF checkpoint-N folder: the guard's and the monitor's state
+WATCH_ONLY = ("AmpGuardCallback on a stock Trainer only watches (no loss check before backward, no pre-clip norm: "
+              "the CSV's loss and grad_l2_pre_clip stay empty): use ampguard.integrations.transformers."
+              "GuardedTrainer(..., ampguard=...) to guard the step")
+
+
+class WatchOnlyWarning(UserWarning):
+    """:class:`AmpGuardCallback` was added to a stock ``Trainer``: it watches the steps, it does
+    not guard them (warned when training begins, on process 0). Where watching is all you want:
+    ``warnings.filterwarnings("ignore", category=WatchOnlyWarning)``.
+
+    Example::
+
+        >>> issubclass(WatchOnlyWarning, UserWarning)  # shown by default, as Python shows a UserWarning
+        True
+    """
 
 
 def run_card(summary: dict[str, Any]) -> str:
@@ -113,7 +130,8 @@ class AmpGuardCallback(TrainerCallback):
 
     With :class:`GuardedTrainer` (which adds one of these if none is given) every row is the
     guard's record: loss, pre- and post-clip norm, scale, skips with their reason. On a stock
-    ``Trainer`` it reads what a callback can: see :meth:`on_pre_optimizer_step`.
+    ``Trainer`` it reads what a callback can (see :meth:`on_pre_optimizer_step`), and says so
+    when training begins: one :class:`WatchOnlyWarning`.
 
     Args:
         out_dir: where the files go.
@@ -196,6 +214,8 @@ class AmpGuardCallback(TrainerCallback):
     # ---------------------------------------------------------------- Trainer events
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self._guarded and state.is_world_process_zero:  # said where a HF user looks, not only in RUN.md
+            warnings.warn(WATCH_ONLY, WatchOnlyWarning)
         if self._scaler is None and not self._guarded:  # a stock Trainer: Accelerate's scaler, if any
             scaler = _scaler_of(kwargs.get("optimizer"))
             if scaler is not None and scaler.is_enabled():
