@@ -303,9 +303,11 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
 
 def load_weights(model: torch.nn.Module, path: str | os.PathLike,
-                 map_location: str | torch.device = "cpu") -> dict[str, Any]:
+                 map_location: str | torch.device = "cpu", *, task: str | None = None) -> dict[str, Any]:
     """Load a checkpoint's model weights into ``model`` (one line of :class:`InputError` when the
-    file is unusable or the weights do not fit); return the whole payload.
+    file is unusable or the weights do not fit, saying how: :func:`misfit`; with ``task``, the
+    name of the task the model is built for, also which task the checkpoint was of when another);
+    return the whole payload.
 
     Example::
 
@@ -321,7 +323,7 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike,
         ...     load_weights(torch.nn.Linear(3, 1), path)
         ... except InputError as err:
         ...     print(str(err).replace(str(folder), "DIR"))
-        DIR/step-00000004.pt: does not fit this model (Error(s) in loading state_dict for Linear:)
+        DIR/step-00000004.pt: does not fit this model (weight: checkpoint [1, 2], model [1, 3])
         >>> shutil.rmtree(folder)
     """
     payload = load_checkpoint(path, map_location)
@@ -331,9 +333,37 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike,
     try:
         model.load_state_dict(payload["model"])
     except (RuntimeError, TypeError, ValueError, KeyError) as err:
-        first = first_line(err)
-        raise InputError(f"{path}: does not fit this model ({first})") from None
+        how = misfit(model.state_dict(), payload["model"]) or first_line(err)
+        saved = payload["config"].get("task", {}) if isinstance(payload["config"], Mapping) else {}
+        was = saved.get("name") if isinstance(saved, Mapping) else None
+        other = (f"; it is a checkpoint of task {was}, this config's is {task}: pass that run's config.yaml, or "
+                 f"--set task.name={was}") if task is not None and isinstance(was, str) and was != task else ""
+        raise InputError(f"{path}: does not fit this model ({how}){other}") from None
     return payload
+
+
+def misfit(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
+    """How a checkpoint's weights ``saved`` fail to fit a model's ``model`` (both state dicts), in
+    a few words: the first tensor whose shape differs, else the names missing on either side (a
+    count and the first); "" when neither (the load failed for another reason).
+
+    Example::
+
+        >>> a, b = {"w": torch.zeros(2, 3), "b": torch.zeros(2)}, {"w": torch.zeros(2, 4), "b": torch.zeros(2)}
+        >>> misfit(a, b), misfit(a, {"w": a["w"]}), misfit({"w": a["w"]}, {**a, "x": 1, "y": 2}), misfit(a, a)
+        ('w: checkpoint [2, 4], model [2, 3]', '1 weight of the model not in the checkpoint (b)', '3 weights of the checkpoint not in the model (b, ...)', '')
+    """
+    for name, value in model.items():
+        other = saved.get(name)
+        if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and value.shape != other.shape:
+            return f"{name}: checkpoint {list(other.shape)}, model {list(value.shape)}"
+    parts = []
+    for names, where in (([n for n in model if n not in saved], "of the model not in the checkpoint"),
+                         ([n for n in saved if n not in model], "of the checkpoint not in the model")):
+        if names:
+            plural = "s" if len(names) > 1 else ""
+            parts.append(f"{len(names)} weight{plural} {where} ({names[0]}{', ...' if len(names) > 1 else ''})")
+    return "; ".join(parts)
 
 
 def list_checkpoints(folder: str | os.PathLike) -> list[Path]:

@@ -282,6 +282,14 @@ def test_a_foreign_or_misfit_checkpoint_is_bad_input(cli, tmp_path, factory, lin
     assert "fit" in line
     assert not (tmp_path / "d").exists()
 
+    # another task's checkpoint: how it misfits, and whose it is (walkthrough: the line ended in
+    # "Error(s) in loading state_dict for CharLM:", cut off, with no hint)
+    line = one_line_error(*cli("validate", "--set", "task.name=digits", "--checkpoint", linear_checkpoint,
+                               "--out", "e"))
+    assert line.endswith("weights of the checkpoint not in the model (weight, ...)); it is a checkpoint of task "
+                         "linear, this config's is digits: pass that run's config.yaml, or --set task.name=linear"), line
+    assert not (tmp_path / "e").exists()
+
 
 def test_train_steps_compares_training_from_the_same_state(cli, tmp_path):
     base = ["validate", "--set", "task.name=linear", "--set", "validation.max_mse=10", "--set", "optimizer.lr=0.1"]
