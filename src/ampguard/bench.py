@@ -413,6 +413,39 @@ class AccelerateLoop(Contender):
         self.opt.zero_grad(set_to_none=True)
 
 
+@contextlib.contextmanager
+def _lightning_info_held_back() -> Iterator[None]:
+    """Lightning's rank-zero info lines (``Using bfloat16 Automatic Mixed Precision (AMP)``) held
+    back while a Fabric contender is built: they would land between the bench's header and its
+    table. ``rank_zero_info`` writes to ``lightning_utilities``' module logger, which
+    ``lightning.fabric`` (or ``lightning.pytorch``, whichever was imported last) points at a logger
+    of its own; that one and ``lightning.fabric``'s are raised to WARNING (warnings still show),
+    and put back after. Call it once ``lightning.fabric`` is imported.
+
+    Example::
+
+        >>> import importlib.util, logging
+        >>> if importlib.util.find_spec("lightning") is not None:
+        ...     import lightning.fabric
+        ...     with _lightning_info_held_back():
+        ...         assert not logging.getLogger("lightning.fabric").isEnabledFor(logging.INFO)
+        ...     assert logging.getLogger("lightning.fabric").isEnabledFor(logging.INFO)
+    """
+    import logging
+
+    from lightning_utilities.core import rank_zero
+
+    loggers = {logging.getLogger("lightning.fabric"), rank_zero.log}
+    levels = {logger: logger.level for logger in loggers}
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for logger, level in levels.items():
+            logger.setLevel(level)
+
+
 class FabricLoop(Contender):
     """Lightning Fabric doing the same work (``Fabric(precision="16-mixed" | "bf16-mixed" |
     "32-true")``); listed by :func:`available_peers` only when ``lightning`` is installed.
@@ -437,9 +470,10 @@ class FabricLoop(Contender):
         from lightning.fabric import Fabric
 
         mp = {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[precision.name]
-        self.fabric = Fabric(accelerator=device.type, devices=1, precision=mp)
-        model = w.make_model()
-        self.model, self.opt = self.fabric.setup(model, _optimizer(model, fused))
+        with _lightning_info_held_back():
+            self.fabric = Fabric(accelerator=device.type, devices=1, precision=mp)
+            model = w.make_model()
+            self.model, self.opt = self.fabric.setup(model, _optimizer(model, fused))
         self.w = w
 
     def step(self) -> None:
@@ -1196,7 +1230,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     # with --json, stdout is the JSON alone: the progress lines go to stderr
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext(), \
             _interrupted_by_sigterm() as signalled:
-        print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {rounds} rounds x {steps} steps, "
+        least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
+        print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {least}{rounds} rounds x {steps} steps, "
               f"paired, {until}", flush=True)
         try:
             results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,

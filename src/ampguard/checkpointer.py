@@ -614,15 +614,20 @@ def find_resume(target: str | Path) -> Resume:
     target = Path(target)
     if target.is_dir():
         run_dir = target
+        if not (target / "config.yaml").exists() and not (target / "checkpoints").exists():
+            raise InputError(f"--resume: {target} is not a run folder (no config.yaml, no checkpoints/); "
+                             f"{_what_to_pass(target)}")
     elif target.is_file():
         run_dir = target.parent.parent if target.parent.name == "checkpoints" else target.parent
+    elif not target.exists():
+        raise InputError(f"--resume: no such run folder or checkpoint file: {target}")
     else:  # (not a FIFO or a device either: torch.load would wait on it)
-        raise InputError(f"no checkpoint file at {target}")
+        raise InputError(f"--resume: {target} is neither a run folder nor a checkpoint file")
     paths = RunPaths.existing(run_dir)
     paths.check_writable()
     run_id = paths.run_id()
     if target.is_dir():
-        loaded = _newest_readable(paths.checkpoints)
+        loaded = _newest_readable(paths)
     else:
         loaded = Loaded(target, ckpt.load_checkpoint(target))
     check_payload(loaded)
@@ -632,7 +637,65 @@ def find_resume(target: str | Path) -> Resume:
     return Resume(loaded, run_dir, run_id=run_id, picked=target.is_dir())
 
 
-def _newest_readable(folder: Path) -> Loaded:
+def _what_to_pass(folder: Path) -> str:
+    """What ``--resume`` takes instead of ``folder``, which is no run folder: the run folder above
+    a ``checkpoints/`` folder, one of the run folders inside a ``log.dir`` such as ``runs/``.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> runs = Path(tempfile.mkdtemp())
+        >>> _what_to_pass(runs)
+        'pass runs/<name> or a checkpoint file'
+        >>> (runs / "a" / "checkpoints").mkdir(parents=True)
+        >>> _ = (runs / "a" / "config.yaml").write_text("steps: 5\\n")
+        >>> for folder in (runs, runs / "a" / "checkpoints"):
+        ...     print(_what_to_pass(folder).replace(str(runs), "RUNS"))
+        pass one of its run folders (RUNS/<name>, e.g. RUNS/a) or a checkpoint file
+        pass its run folder RUNS/a or a checkpoint file
+        >>> shutil.rmtree(runs)
+    """
+    if folder.name == "checkpoints" and (folder.parent / "config.yaml").is_file():
+        return f"pass its run folder {folder.parent} or a checkpoint file"
+    try:
+        runs = sorted(p for p in folder.iterdir() if (p / "config.yaml").is_file())
+    except OSError:  # (unreadable: no example to give)
+        runs = []
+    if runs:  # (the newest last: run folders are named by a timestamp unless log.name says otherwise)
+        return f"pass one of its run folders ({folder / '<name>'}, e.g. {runs[-1]}) or a checkpoint file"
+    return "pass runs/<name> or a checkpoint file"
+
+
+def _why_no_checkpoint(config_file: Path | None) -> str:
+    """Why a run folder may hold no checkpoint, from its ``config.yaml`` (``""`` when it says nothing).
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> run_dir = Path(tempfile.mkdtemp())
+        >>> _ = (run_dir / "config.yaml").write_text("checkpoint:\\n  every: 0\\n")
+        >>> print(_why_no_checkpoint(run_dir / "config.yaml").strip())
+        (checkpoint.every is 0: the run saves only at its end, at a guard's stop and on Ctrl-C/SIGTERM)
+        >>> _ = (run_dir / "config.yaml").write_text("checkpoint:\\n  every: 5\\n")
+        >>> _why_no_checkpoint(run_dir / "config.yaml"), _why_no_checkpoint(run_dir / "missing.yaml")
+        ('', '')
+        >>> shutil.rmtree(run_dir)
+    """
+    try:
+        section = read_file(config_file).get("checkpoint") if config_file is not None else None
+    except InputError:  # (unreadable: resuming it says so later; here it only explains)
+        return ""
+    if not isinstance(section, dict):
+        return ""
+    if section.get("enabled") is False:
+        return " (checkpoint.enabled is false: the run saves none)"
+    if section.get("every") == 0:
+        return " (checkpoint.every is 0: the run saves only at its end, at a guard's stop and on Ctrl-C/SIGTERM)"
+    return ""
+
+
+def _newest_readable(paths: RunPaths) -> Loaded:
+    folder = paths.checkpoints
     errors = []
     for path in reversed(ckpt.list_checkpoints(folder)):
         try:
@@ -641,7 +704,7 @@ def _newest_readable(folder: Path) -> Loaded:
             errors.append(str(err))
     if errors:
         raise InputError(f"no loadable checkpoint in {folder} ({errors[0]})")
-    raise InputError(f"no checkpoint in {folder}")
+    raise InputError(f"no checkpoint in {folder}{_why_no_checkpoint(paths.config)}")
 
 
 def check_belongs(loaded: Loaded, run_id: str | None, run_dir: Path | None = None) -> None:

@@ -108,7 +108,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.bf16 and args.precision not in (None, "bf16"):
         raise InputError(f"demo: --bf16 contradicts --precision {args.precision}")
-    inject = [f for f in (args.inject or ["spike@5" if args.spike else "inf_grad@5"]) if f != "none"]
+    given = args.inject or (["spike@5"] if args.spike else None)  # None: the demo's default fault
+    inject = None if given is None else [f for f in given if f != "none"]
     if args.spike and args.inject:
         inject.append("spike@5")
     config = demo.demo_config(precision="bf16" if args.bf16 else args.precision or "fp16", steps=args.steps,
@@ -198,6 +199,40 @@ def _config_from(
 # ---------------------------------------------------------------------------- main
 
 
+class _Version(argparse.Action):
+    """``ampguard --version``: ampguard's version, the torch it runs on and Python's, then exit 0.
+    torch's version is its installed package's (its metadata), so torch is not imported for it.
+
+    Example::
+
+        >>> import contextlib, io, platform
+        >>> from ampguard import __version__
+        >>> out = io.StringIO()
+        >>> with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        ...     build_parser().parse_args(["--version"])
+        >>> out.getvalue().startswith(f"ampguard {__version__} (torch "), out.getvalue().endswith(
+        ...     f", Python {platform.python_version()})\\n")
+        (True, True)
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> NoReturn:
+        import platform
+        from importlib import metadata
+
+        from . import __version__
+
+        try:
+            torch_version = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            torch_version = "not installed"
+        print(f"ampguard {__version__} (torch {torch_version}, Python {platform.python_version()})")
+        parser.exit(0)
+
+
 def _config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     """CONFIG and --set, the same for every verb that reads a config."""
     parser.add_argument("config", nargs="?", type=_path, metavar="CONFIG", help="a .yaml, .yml, .json or .toml config file")
@@ -219,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         ampguard.errors.InputError: report: argument --alert-rate: must be a rate in [0, 1], got 2
     """
     parser = _Parser(prog="ampguard", description="Mixed-precision training made safe and observable.")
+    parser.add_argument("--version", action=_Version, help="print ampguard's, torch's and Python's versions and exit")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     verbs.required = True
 
@@ -291,7 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--models", default="mlp,transformer", help="comma-separated: mlp, nano, transformer, gpt2")
     bench.add_argument("--precisions", default="fp32,bf16,fp16", help="comma-separated: fp32, bf16, fp16, fp8")
     bench.add_argument("--steps", type=_positive_int, default=30, help="steps per contender per round")
-    bench.add_argument("--rounds", type=_positive_int, default=7)
+    bench.add_argument("--rounds", type=_positive_int, default=7,
+                       help="the least number of paired rounds a case runs (default 7); more are added until every "
+                       "ratio's 95%% interval is as narrow as --resolve asks or --budget runs out (--resolve 0: "
+                       "exactly this many)")
     bench.add_argument("--warmup", type=_positive_int, default=5)
     bench.add_argument("--fused", action="store_true", help="fused AdamW for every contender")
     bench.add_argument("--no-peers", action="store_true", help="leave Accelerate and Fabric out")
@@ -421,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ampguard demo: nn.Linear, 2 steps, bf16 with no loss scaler, max_norm=1.0, inject: nan_loss@2
         STEP 1 loss=... pre=... post=1 scale=1 lr=0.02
         SKIP 2 loss=nan pre=- post=- scale=1 lr=0.04 reason=non_finite_loss
+        ALERT 2 skip rate 0.500 > alert_rate 0.05 over the run's 2 steps, which ended before the rolling ALERT armed (monitor.min_steps 100)
         summary: steps=2 updates=1 skips=1 (non_finite_loss=1) final_scale=1 final_loss=... (step 1)
         ended: finished: 2 steps
         0

@@ -7,16 +7,19 @@ one line that names the key, e.g. ``optimizer.lr: must be a finite number >= 0 (
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, first_line
 from .faults import parse_fault
@@ -866,16 +869,73 @@ class Config(_Section):
 # ---------------------------------------------------------------------------- loading
 
 
+def _section_at(path: Sequence[str | int]) -> type[BaseModel] | None:
+    """The section class at ``path`` in the tree (a key of a mapping of sections, such as
+    ``validation.outputs.<name>``, is one part of it), or None where there is no section.
+
+    Example::
+
+        >>> [getattr(_section_at(p), "__name__", None) for p in ((), ("log", "wandb"), ("validation", "outputs", "x"),
+        ...                                                       ("task", "options"), ("nope",))]
+        ['Config', 'WandbConfig', 'OutputTolerance', None, None]
+    """
+    section: type[BaseModel] | None = Config
+    parts = list(path)
+    while parts and section is not None:
+        field = section.model_fields.get(str(parts.pop(0)))
+        if field is None:
+            return None
+        annotation = field.annotation
+        if get_origin(annotation) is dict and parts:  # (a mapping of sections: the next part is its key)
+            parts.pop(0)
+            annotation = get_args(annotation)[1]
+        section = next((t for t in (annotation, *get_args(annotation)) if isinstance(t, type) and
+                        issubclass(t, BaseModel)), None)
+    return section
+
+
+def _field_at(path: Sequence[str | int]) -> FieldInfo | None:
+    """The field at ``path`` (``("log", "wandb")``), or None (a list's item, a free-form mapping's key)."""
+    section = _section_at(path[:-1]) if path else None
+    return section.model_fields.get(str(path[-1])) if section is not None else None
+
+
+def _did_you_mean(path: Sequence[str | int]) -> str:
+    """`` (did you mean KEY?)`` for an unknown key close to a known one of its section, else ``""``.
+
+    Example::
+
+        >>> _did_you_mean(("optimzer",)), _did_you_mean(("task", "nmae")), _did_you_mean(("task", "zzz"))
+        (' (did you mean optimizer?)', ' (did you mean name?)', '')
+    """
+    section = _section_at(path[:-1])
+    close = difflib.get_close_matches(str(path[-1]), list(section.model_fields), n=1) if section else []
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+_NULL_WORDS = {"none", "nil"}
+"""What a ``null`` is written as in other languages (YAML reads them as text): the error of a
+key that takes null says how YAML writes it (``Null`` and ``NULL`` are YAML's null already)."""
+
+
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
-    loc = ".".join(str(part) for part in first["loc"])
+    path = first["loc"]
+    loc = ".".join(str(part) for part in path)
     if first["type"] == "extra_forbidden":
-        return f"{loc}: unknown key"
+        return f"{loc}: unknown key{_did_you_mean(path)}"
     msg = first["msg"].removeprefix("Value error, ")
     if msg.startswith(("scaler.enabled:", "scaler.min_scale:", "rollback.triggers:")):  # cross-field rules name their own key
         return msg
+    field, given = _field_at(path), first.get("input")
+    if first["type"] == "model_type" and field is not None and any(
+            getattr(check, "func", None) is _section_switch for check in field.metadata):  # log.wandb, log.mlflow
+        msg = "expected true, false, null or a mapping of its settings"
     if first["type"] not in ("value_error", "assertion_error"):
-        msg = f"{msg} (got {first.get('input')!r})"
+        msg = f"{msg} (got {given!r})"
+    if (isinstance(given, str) and given.strip().lower() in _NULL_WORDS and field is not None
+            and type(None) in get_args(field.annotation)):
+        msg += " (null is written null)"
     return f"{loc}: {msg}" if loc else msg
 
 
@@ -890,6 +950,14 @@ def validate(data: dict[str, Any]) -> Config:
         Traceback (most recent call last):
         ...
         ampguard.errors.ConfigError: config: monitor.bogus: unknown key
+        >>> validate({"monitor": {"windw": 100}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: monitor.windw: unknown key (did you mean window?)
+        >>> validate({"monitor": {"fail_rate": "None"}})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: monitor.fail_rate: Input should be a valid number, unable to parse string as a number (got 'None') (null is written null)
     """
     try:
         return Config.model_validate(data)

@@ -159,3 +159,33 @@ def test_train_vs_bare_stops_when_a_run_is_cut_short(tmp_path, monkeypatch, caps
     assert "ampguard train: the run did not finish (interrupted" in captured.err
     assert "  ampguard train " not in captured.out  # not reported
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_bench_help_says_what_rounds_does(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("--rounds ROUNDS the least number of paired rounds a case runs (default 7); more are added until every "
+            "ratio's 95% interval is as narrow as --resolve asks or --budget runs out (--resolve 0: exactly this "
+            "many)") in text
+
+
+def test_lightnings_precision_banner_stays_out_of_the_bench_output(capfd, caplog):
+    # "Using bfloat16 Automatic Mixed Precision (AMP)" came between the header and the table
+    import importlib.util
+    import logging
+
+    import pytest
+
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed")
+    caplog.set_level(logging.INFO)
+    assert main(["bench", "--quick", "--models", "mlp", "--precisions", "bf16", "--no-aa"]) == 0
+    out, err = capfd.readouterr()
+    assert "| tiny-mlp | bf16 | lightning fabric |" in out  # the Fabric contender was built and ran
+    assert "Automatic Mixed Precision" not in out + err + caplog.text
+    fabric = logging.getLogger("lightning.fabric")
+    assert fabric.isEnabledFor(logging.INFO)  # held back only while bench built the contender

@@ -571,3 +571,24 @@ def test_spike_detector_state_dict_round_trip():
     assert b.check(100.0) is False  # after a reset it judges nothing until the window is full again
     with pytest.raises(ValueError):
         LossSpikeDetector(window=6, z=4.0).load_state_dict(a.state_dict())
+
+
+# ---------------------------------------------------------------------------- what --resume was given
+
+
+def test_resume_names_what_it_was_given_when_it_is_no_run(tmp_path, snapshot):
+    # a run of checkpoint.every 0 killed before its end has no checkpoint: the line says why
+    ok(train(tmp_path, "A", *LINEAR, "--set", "precision=fp32", "--set", "steps=2"))
+    run = tmp_path / "A"
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").mkdir()
+    before = snapshot(tmp_path)
+    line = one_error_line(ag("train", "--resume", run))
+    assert line == (f"ampguard: error: no checkpoint in {run / 'checkpoints'} (checkpoint.every is 0: the run saves "
+                    "only at its end, at a guard's stop and on Ctrl-C/SIGTERM)")
+    line = one_error_line(ag("train", "--resume", tmp_path))  # the folder of the run folders
+    assert line == (f"ampguard: error: --resume: {tmp_path} is not a run folder (no config.yaml, no checkpoints/); "
+                    f"pass one of its run folders ({tmp_path}/<name>, e.g. {run}) or a checkpoint file")
+    line = one_error_line(ag("train", "--resume", tmp_path / "B"))
+    assert line == f"ampguard: error: --resume: no such run folder or checkpoint file: {tmp_path / 'B'}"
+    assert snapshot(tmp_path) == before  # nothing written

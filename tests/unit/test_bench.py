@@ -389,7 +389,7 @@ def test_bench_pins_the_cpu_threads_and_says_when_a_case_was_not_resolved(capsys
     finally:
         torch.set_num_threads(before)
     out = capsys.readouterr().out
-    assert ", 1 threads): 3 rounds x 1 steps, paired, until ±1e-09% or 0 s a case" in out
+    assert ", 1 threads): at least 3 rounds x 1 steps, paired, until ±1e-09% or 0 s a case" in out
     assert "| tiny-mlp | fp32 | bare loop (A/A) |" in out
     assert "tiny-mlp fp32: not resolved to ±0.0% (the time budget ran out after 3 rounds; widest ±" in out
 
@@ -539,3 +539,17 @@ def test_a_failing_step_ends_its_case_and_the_bench_goes_on(monkeypatch, capsys)
         ("tiny-mlp", 2, "error: RuntimeError: out of memory")] * 2
     out = capsys.readouterr().out
     assert "nano-mlp fp32: ampguard + csv failed in round 1 (RuntimeError: out of memory); the case ends" in out
+
+
+def test_the_header_says_at_least_only_when_rounds_are_added(capsys):
+    # "7 rounds x 30 steps ... until ±1%" above a table of 19 rounds: the rounds are the least number
+    from ampguard.bench import run
+
+    before = torch.get_num_threads()
+    try:
+        assert run(models="mlp", precisions="fp32", steps=1, rounds=2, warmup=1, peers=False, aa=False, threads=1,
+                   resolve_pct=0.0) == 0
+    finally:
+        torch.set_num_threads(before)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.endswith("): 2 rounds x 1 steps, paired, fixed rounds") and "at least" not in header

@@ -708,3 +708,48 @@ def test_a_state_keyed_by_position_is_renamed_by_the_optimizers_parameter_order(
     assert [g["params"] for g in by_name["param_groups"]] == [["1.weight", "1.bias"], ["0.weight", "0.bias"]]
     assert by_name["param_groups"][1]["lr"] == 0.5
     assert ck.OptimizerState(model, opt, fsdp=True)._by_name(by_name) is by_name  # by name already
+
+
+# ---------------------------------------------------------------------------- what --resume says it was given
+
+
+def test_find_resume_of_nothing_there_says_so(tmp_path):
+    with pytest.raises(InputError) as err:
+        ck.find_resume(tmp_path / "nowhere")
+    assert one_line(err) == f"--resume: no such run folder or checkpoint file: {tmp_path / 'nowhere'}"
+
+
+def test_find_resume_of_the_folder_above_the_run_folders_names_one_of_them(tmp_path):
+    runs = tmp_path / "runs"
+    for name in ("20240101-000000", "20240102-000000"):
+        _run_folder(runs / name, (2,))
+        (runs / name / "config.yaml").write_text("steps: 5\n", encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        ck.find_resume(runs)
+    assert one_line(err) == (f"--resume: {runs} is not a run folder (no config.yaml, no checkpoints/); pass one of "
+                             f"its run folders ({runs}/<name>, e.g. {runs / '20240102-000000'}) or a checkpoint file")
+    with pytest.raises(InputError) as err:  # the run's checkpoints/ folder: its run folder is the one
+        ck.find_resume(runs / "20240101-000000" / "checkpoints")
+    assert one_line(err) == (f"--resume: {runs / '20240101-000000' / 'checkpoints'} is not a run folder (no "
+                             f"config.yaml, no checkpoints/); pass its run folder {runs / '20240101-000000'} or a "
+                             "checkpoint file")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError) as err:  # an empty folder: no example to give
+        ck.find_resume(tmp_path / "empty")
+    assert one_line(err).endswith("is not a run folder (no config.yaml, no checkpoints/); pass runs/<name> or a "
+                                  "checkpoint file")
+
+
+@pytest.mark.parametrize("section, why", [
+    ("checkpoint:\n  enabled: true\n  every: 0\n",
+     " (checkpoint.every is 0: the run saves only at its end, at a guard's stop and on Ctrl-C/SIGTERM)"),
+    ("checkpoint:\n  enabled: false\n  every: 0\n", " (checkpoint.enabled is false: the run saves none)"),
+    ("checkpoint:\n  enabled: true\n  every: 5\n", ""),
+    ("steps: [\n", ""),  # an unreadable config.yaml explains nothing (the resume would say what is wrong)
+])
+def test_find_resume_of_a_run_with_no_checkpoint_says_when_its_config_saves_them(tmp_path, section, why):
+    run = _run_folder(tmp_path / "run", ())
+    (run / "config.yaml").write_text(section, encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        ck.find_resume(run)
+    assert one_line(err) == f"no checkpoint in {run / 'checkpoints'}{why}"

@@ -287,3 +287,53 @@ def test_a_tracker_switch_takes_the_words_a_boolean_setting_takes(word, on):
     # YAML 1.2 reads yes/on/no/off as text: log.wandb=yes was refused ("a valid dictionary")
     config = load_config(None, [f"log.wandb={word}", f"log.mlflow={word}"])
     assert (config.log.wandb is not None, config.log.mlflow is not None) == (on, on)
+
+
+# ---------------------------------------------------------------------------- error hints
+
+
+@pytest.mark.parametrize("setting, line", [
+    ("optimzer.lr=1e-3", "config: optimzer: unknown key (did you mean optimizer?)"),
+    ("task.nmae=x", "config: task.nmae: unknown key (did you mean name?)"),
+    ("monitor.headroom.evry=3", "config: monitor.headroom.evry: unknown key (did you mean every?)"),
+    ("log.wandb.projct=x", "config: log.wandb.projct: unknown key (did you mean project?)"),
+    ("validation.outputs.box.abs_tl=1", "config: validation.outputs.box.abs_tl: unknown key (did you mean abs_tol?)"),
+    ("nope=1", "config: nope: unknown key"),  # nothing close: no guess
+    ("task.zzz=1", "config: task.zzz: unknown key"),
+])
+def test_an_unknown_key_names_the_close_known_one(setting, line):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [setting])
+    assert str(err.value) == line
+
+
+@pytest.mark.parametrize("setting", ["max_norm=none", "max_norm=None", "monitor.fail_rate=NONE", "optimizer.fused=nil",
+                                     "monitor.headroom.every=None", "validation.outputs.box.abs_tol=nil",
+                                     "task.preset=none"])
+def test_a_null_written_as_none_or_nil_says_how_null_is_written(setting):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [setting])
+    key, _, word = setting.partition("=")
+    line = str(err.value)
+    assert line.startswith(f"config: {key}: ") and f"(got {word!r}) (null is written null)" in line, line
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize("setting", ["steps=None", "optimizer.lr=nil", "max_norm=nul"])
+def test_no_null_hint_for_a_key_that_takes_no_null_or_another_word(setting):
+    # steps and optimizer.lr take no null; "nul" is not a way of writing null
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [setting])
+    assert "null is written" not in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["wandb", "mlflow"])
+def test_a_tracker_switch_that_is_neither_a_switch_nor_a_mapping_says_what_it_takes(key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"log.{key}=maybe"])
+    assert str(err.value) == f"config: log.{key}: expected true, false, null or a mapping of its settings (got 'maybe')"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"log.{key}=None"])
+    assert str(err.value) == (f"config: log.{key}: expected true, false, null or a mapping of its settings "
+                              "(got 'None') (null is written null)")
+    assert load_config(None, [f"log.{key}=null"]).log.model_dump()[key] is None
