@@ -118,7 +118,8 @@ def load_run(path: str | Path) -> RunSummary:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
     scaler_on = Precision(config.precision, "cpu").uses_scaler if config.scaler.enabled is None else config.scaler.enabled
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
-    monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy_changes_of(folder))
+    monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy_changes_of(folder),
+                     steps=config.steps)
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, _ended(folder / "RUN.md"))

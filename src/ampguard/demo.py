@@ -29,13 +29,16 @@ def demo_config(*, precision: str = "fp16", steps: int = 20, inject: list[str] |
                 seed: int = 0, device: str = "auto", strict: bool = False,
                 monitor: dict[str, Any] | None = None) -> Config:
     """The demo's config: the ``linear`` task, SGD at 0.2 after a linear warm-up over
-    :data:`WARMUP` updates (held on skipped steps), ``inject`` (default ``inf_grad@5``).
+    :data:`WARMUP` updates (held on skipped steps), ``inject`` (default ``inf_grad@5``, in a run
+    that reaches step 5: a fault given that never fires is refused, the default is left out).
 
     Example::
 
         >>> c = demo_config(precision="bf16", inject=["spike@5"])
         >>> c.task.name, c.precision, c.inject, c.steps, c.schedule.warmup, c.scheduler_on_skip
         ('linear', 'bf16', ['spike@5'], 20, 10, 'hold')
+        >>> demo_config().inject, demo_config(steps=4).inject
+        (['inf_grad@5'], [])
     """
     return validate({
         "precision": precision,
@@ -43,7 +46,7 @@ def demo_config(*, precision: str = "fp16", steps: int = 20, inject: list[str] |
         "max_norm": max_norm,
         "seed": seed,
         "device": device,
-        "inject": ["inf_grad@5"] if inject is None else inject,
+        "inject": (["inf_grad@5"] if steps >= 5 else []) if inject is None else inject,  # the default: when reached
         "task": {"name": "linear", "batch_size": 32},
         "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0},
         "schedule": {"warmup": WARMUP, "decay": "constant"},
@@ -57,6 +60,7 @@ def demo_config(*, precision: str = "fp16", steps: int = 20, inject: list[str] |
 def run(config: Config, *, csv: str | None = None) -> ExitCode:
     """Print the set-up, train with a line per step, print the closing lines; ``csv`` must not exist."""
     from .build import precision_of, resolve_device
+    from .faults import parse_faults
     from .run_folder import RunPaths
     from .train import finish
     from .train import run as train_run
@@ -64,6 +68,7 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     csv_path = Path(csv) if csv else None
     if csv_path is not None and csv_path.exists():
         raise InputError(f"--csv {csv_path} already exists; refusing to overwrite it")
+    parse_faults(config.inject, seed=config.seed, steps=config.steps)  # refused before the set-up line
     uses_scaler = precision_of(config, resolve_device(config.device)).uses_scaler
     scaler = f"GradScaler(init_scale={config.scaler.init_scale:g})" if uses_scaler else "no loss scaler"
     print(f"ampguard demo: nn.Linear, {config.steps} steps, {config.precision} with {scaler}, "

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import InputError
+
 KINDS: tuple[str, ...] = ("inf_grad", "nan_grad", "nan_loss", "spike", "nan_input")
 SPIKE_FACTOR = 1e8
 
@@ -147,6 +149,49 @@ def check_ranks(faults: Iterable[Fault], world_size: int) -> None:
             more = "; torchrun --nproc_per_node sets more" if world_size == 1 else ""
             raise ValueError(f"fault {fault.spec()!r} targets rank {fault.rank}, but this run has {processes} "
                              f"({ranks}{more})")
+
+
+def check_steps(faults: Iterable[Fault], steps: int) -> None:
+    """Refuse (``ValueError``, one line) a fault that fires only after the run's last step (all
+    its steps, or its ``every``, beyond ``steps``): as one aimed at a missing rank, it would never
+    fire, and the run would look clean for the wrong reason.
+
+    Example::
+
+        >>> check_steps([parse_fault("nan_loss@5,500"), parse_fault("spike@every:20")], steps=20)
+        >>> check_steps([parse_fault("inf_grad@500")], steps=20)
+        Traceback (most recent call last):
+        ...
+        ValueError: fault 'inf_grad@500' never fires: the run has 20 steps (config steps; a step counts optimizer steps, not micro-batches)
+    """
+    for fault in faults:
+        first = fault.every if fault.every is not None else min(fault.steps, default=None)
+        if fault.rate is None and first is not None and first > steps:
+            raise ValueError(f"fault {fault.spec()!r} never fires: the run has {steps} steps (config steps; a step "
+                             "counts optimizer steps, not micro-batches)")
+
+
+def parse_faults(specs: Iterable[str], *, seed: int, steps: int, world_size: int = 1) -> list[Fault]:
+    """A run's ``inject`` list, parsed and checked against its ``steps`` and ranks
+    (:func:`check_steps`, :func:`check_ranks`); a fault that cannot fire is one
+    :class:`~ampguard.errors.InputError` line.
+
+    Example::
+
+        >>> [f.spec() for f in parse_faults(["nan_loss@3"], seed=0, steps=5)]
+        ['nan_loss@3']
+        >>> parse_faults(["nan_loss@3@rank1"], seed=0, steps=5)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: inject: fault 'nan_loss@3@rank1' targets rank 1, but this run has 1 process (rank 0 only; torchrun --nproc_per_node sets more)
+    """
+    faults = [parse_fault(spec, seed=seed) for spec in specs]
+    try:
+        check_ranks(faults, world_size)
+        check_steps(faults, steps)
+    except ValueError as err:
+        raise InputError(f"inject: {err}") from None
+    return faults
 
 
 class FaultInjector:

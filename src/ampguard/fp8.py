@@ -212,10 +212,14 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
         >>> guard.backward(loss)
         >>> guard.step().skipped, type(model[2]).__name__
         (False, 'Float8Linear')
-        >>> convert_to_fp8(nn.Sequential(nn.Linear(64, 10)))
+        >>> convert_to_fp8(nn.Sequential(nn.Linear(64, 16)))
         Traceback (most recent call last):
         ...
         ValueError: no Linear layer can train in fp8 (0: first layer); set fp8.keep_first_last false, or use bf16
+        >>> convert_to_fp8(nn.Linear(64, 16))  # the hint names only what would convert a layer
+        Traceback (most recent call last):
+        ...
+        ValueError: no Linear layer can train in fp8 (the model: a bare Linear, not a model that holds one); use bf16
     """
     config = float8_config(recipe)
     layers = plan(model, keep_first_last=keep_first_last, exclude=exclude)
@@ -226,7 +230,10 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
     chosen = [name for name, what in layers.items() if what == CONVERT]
     if not chosen and not fp8_layers(model):
         why = "; ".join(f"{name or 'the model'}: {what}" for name, what in layers.items()) or "it has none"
-        raise ValueError(f"no Linear layer can train in fp8 ({why}); set fp8.keep_first_last false, or use bf16")
+        would = [hint for hint, kept, left in (("set fp8.keep_first_last false", False, exclude),
+                                                ("exclude fewer layers (fp8.exclude)", keep_first_last, ()))
+                 if CONVERT in plan(model, keep_first_last=kept, exclude=left).values()]
+        raise ValueError(f"no Linear layer can train in fp8 ({why}); {', or '.join([*would, 'use bf16'])}")
     if chosen:
         names = set(chosen)
         require_torchao().convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in names,

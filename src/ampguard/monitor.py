@@ -852,6 +852,49 @@ class RunMonitor:
                 events.append(self.failed)
         return events
 
+    def at_end(self, step: int) -> list[Event]:
+        """The run ended at ``step`` (its last): what its steps show that the rolling rules had no
+        time to. A run shorter than ``min_steps`` never armed the ALERT, and one shorter than
+        ``fail_after`` could not fail fast, however many of its steps skipped:
+
+        - its judged skip rate above ``alert_rate`` with the ALERT never armed raises one ALERT
+          for the whole run (an episode);
+        - with ``fail_rate``, every one of its judged steps (fewer than ``fail_after``) above it
+          fails the run (cause :data:`FAIL_SKIP_RATE`): the whole run is the evidence.
+
+        Example (a 30-step run that skipped every step, with the defaults' min_steps and fail_after 100)::
+
+            >>> from ampguard.records import SkipLog
+            >>> m = RunMonitor(fail_rate=0.5, scaler_enabled=False)
+            >>> for s in range(1, 31):
+            ...     _ = m.observe(SkipLog(step=s, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None,
+            ...                           grad_l2_post_clip=None, scaler_scale=1.0, reason="non_finite_loss"))
+            >>> m.alert_episodes, m.failed
+            (0, None)
+            >>> [e.kind for e in m.at_end(30)], m.alert_episodes, m.failed.cause
+            (['skip_rate_alert', 'fail'], 1, 'skip_rate')
+            >>> print(m.failed.message)
+            skip rate above fail_rate 0.5 at every one of the run's 30 steps (it ended before fail_after 100 consecutive steps)
+        """
+        judged, rate = self.skip_window.count, self.judged_skip_rate
+        events: list[Event] = []
+        if judged == 0:
+            return events
+        data = {"skip_rate": rate, "window": self.window}
+        if not self.alert_armed and not self.alerting and rate > self.alert_rate:
+            self.alerting = True
+            self.alert_episodes += 1
+            events.append(Event(step, "skip_rate_alert", (
+                f"skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over the run's {judged} steps, which "
+                f"ended before the rolling ALERT armed (monitor.min_steps {self.min_steps})"), data))
+        if (self.failed is None and self.fail_rate is not None and judged < self.fail_after
+                and self.above_fail >= judged):
+            self.failed = Event(step, "fail", (
+                f"skip rate above fail_rate {self.fail_rate:g} at every one of the run's {judged} steps "
+                f"(it ended before fail_after {self.fail_after} consecutive steps)"), data, cause=FAIL_SKIP_RATE)
+            events.append(self.failed)
+        return events
+
     def observe_eval(self, metrics: dict[str, float]) -> None:
         """Keep the latest and the best held-out metrics (higher is better for accuracies).
 

@@ -287,10 +287,12 @@ def _policy_at(changes: list[dict[str, Any]], step: int) -> dict[str, Any]:
 
 
 def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: list[dict[str, Any]] = (),
-           **monitor_args: Any) -> RunMonitor:
+           steps: int | None = None, **monitor_args: Any) -> RunMonitor:
     """Feed CSV rows through a :class:`RunMonitor` (``monitor``, or one made of ``monitor_args``):
     the same statistics the live run kept. ``policy`` (:func:`policy_changes_of`) sets the
-    thresholds each step ran under, where a resume changed them.
+    thresholds each step ran under, where a resume changed them. Rows that reach the run's
+    ``steps`` are a run that ended there: the monitor judges it whole, as the run did
+    (:meth:`~ampguard.monitor.RunMonitor.at_end`).
 
     Example (``monitor_args`` are :class:`RunMonitor`'s; max_norm 1, then 4 from step 3)::
 
@@ -308,6 +310,8 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: list[d
         for key, value in _policy_at(list(policy), row.step).items() if policy else ():
             setattr(monitor, REPLAYED_POLICY[key], clip_threshold(value) if key == "max_norm" else value)
         monitor.observe(row.record())
+    if rows and steps is not None and rows[-1].step >= steps:
+        monitor.at_end(rows[-1].step)
     return monitor
 
 
@@ -801,7 +805,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                      fail_rate=settings["fail_rate"], max_norm=clip_threshold(settings["max_norm"]),
                      scaler_enabled=scaler_on, init_scale=init_scale, min_scale=min(config.scaler.min_scale, init_scale),
                      min_steps=config.monitor.min_steps if min_steps is None else min_steps,
-                     fail_after=config.monitor.fail_after, policy=policy)
+                     fail_after=config.monitor.fail_after, policy=policy,
+                     steps=config.steps if config_path.is_file() else None)
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
     plot_run(csv_path, png, **settings, title=title, headroom=headroom_beside(csv_path),

@@ -26,10 +26,10 @@ from .data import DataStream, check_same_data
 from .errors import ExitCode, InputError, first_line
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
-from .faults import FaultInjector, check_ranks, parse_fault
+from .faults import FaultInjector, parse_faults
 from .guards import BAD_DATA, DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop, TriggerBatches
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms
-from .integrations.trackers import check_trackers
+from .integrations.trackers import TrackerSink, check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
@@ -126,11 +126,7 @@ class Trainer:
             self.dist, self.device = distributed.DistInfo(), resolve_device(config.device)
         if resume is not None:
             ck.check_resume(resume, config, self.dist.world_size)
-        faults = [parse_fault(spec, seed=config.seed) for spec in config.inject]
-        try:
-            check_ranks(faults, self.dist.world_size)
-        except ValueError as err:
-            raise InputError(f"inject: {err}") from None
+        faults = parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=self.dist.world_size)
         self.task = _build_task(config, self.dist.world_size)
         if not self.task.float_inputs and any(f.kind == "nan_input" for f in faults):
             raise InputError(f"inject: nan_input needs floating-point inputs; task {self.task.name} feeds integer tokens")
@@ -294,7 +290,20 @@ class Trainer:
                 if decision is not None:
                     return decision
                 self.save()
-        return self.handle(self.inflight.drain())
+        return self.handle(self.inflight.drain()) or self._judge_end()
+
+    def _judge_end(self) -> Stop | None:
+        """The run trained all its steps: the monitor judges the whole run once
+        (:meth:`~ampguard.monitor.RunMonitor.at_end`: a run too short to arm the ALERT or to fail
+        fast is not waved through)."""
+        events = self.monitor.at_end(self.state.steps)
+        for event in events:
+            self.events.emit(event.as_dict(), event_word(event.kind))
+        failed = self.monitor.failed
+        if failed is None or not events or failed is not events[-1]:
+            return None
+        return Stop(ExitCode.GUARD, f"stopped by the guard at the end of the run (step {failed.step}): {failed.message}",
+                    failed.cause)
 
     def handle(self, records: Iterator[tuple[StepRecord, dict[str, float] | None]]) -> Stop | None:
         """Records read back, oldest first: each written, watched and judged (the guards name its
@@ -432,6 +441,9 @@ class Trainer:
                                      keep_through=self.state.steps if resuming else None, headroom=self.headroom)
         except DiskFull as full:  # the CSV's header (or a resume's truncation) found no room
             self.sinks, self._failed = Sinks(console), self._failed or full
+        for sink in self.sinks.sinks:
+            if isinstance(sink, TrackerSink):  # where the tracker run is: it may not be where one looks first
+                say(f"tracking: {sink.where}")
         if resuming and self._failed is None:  # rank 0's; a resume a sink refused keeps the old config.yaml
             try:
                 with writing(self.paths.config or "config.yaml"):

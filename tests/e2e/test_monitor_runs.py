@@ -53,6 +53,29 @@ def train(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------------------- train: fail-fast
 
 
+def test_a_run_too_short_to_arm_the_alert_or_fail_fast_is_judged_at_its_end(train):
+    # review: 30 of 30 steps skipped ended "finished", exit 0, no ALERT (min_steps and fail_after are 100)
+    code, out, err, run = train("short", "--set", "steps=30", "--inject", "nan_loss@every:1")
+    assert code == 0, err
+    alerts = [line for line in out.splitlines() if line.startswith("ALERT ")]
+    assert alerts == ["ALERT 30 skip rate 1.000 > alert_rate 0.05 over the run's 30 steps, which ended before the "
+                      "rolling ALERT armed (monitor.min_steps 100)"]
+    card = (run / "RUN.md").read_text(encoding="utf-8")
+    assert "| skip-rate alert episodes | 1 |" in card
+    assert [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "skip_rate_alert"] == [30]
+    code, out, err = ag("report", run, "--out", run / "again.png")  # (this fixture's report.png is a stub)
+    assert code == 0 and "alert episodes 1," in out, err  # the replay judges the whole run as the run did
+
+    code, out, err, run = train("short-fail", "--set", "steps=30", "--inject", "nan_loss@every:1",
+                                "--set", "monitor.fail_rate=0.5")
+    assert code == 3, err
+    assert "ended: stopped by the guard at the end of the run (step 30): skip rate above fail_rate 0.5 at every one " \
+           "of the run's 30 steps (it ended before fail_after 100 consecutive steps)" in out
+    assert len(read_rows(run / "steps.csv")) == 30
+    code, out, err, _ = train("short-ok", "--set", "steps=30", "--inject", "nan_loss@2", "--set", "monitor.fail_rate=0.5")
+    assert code == 0 and "ALERT" not in out  # 1 of 30 (0.033) is below alert_rate
+
+
 def test_train_fail_fast_stops_at_the_predicted_step(train):
     fault = parse_fault("inf_grad@rate:0.5", seed=0)
     window, fail_rate, fail_after, steps = 20, 0.1, 10, 200

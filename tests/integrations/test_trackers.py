@@ -5,8 +5,11 @@ numbers are compared with the CSV row, then a resume continues both tracker runs
 
 from __future__ import annotations
 
-import csv
 import ast
+import contextlib
+import csv
+import importlib.util
+import io
 import glob
 import json
 import math
@@ -119,13 +122,38 @@ def tracked(tmp_path_factory):
         mp.setenv("WANDB_SILENT", "true")
         mp.chdir(root)
         wandb.teardown()  # a W&B set up earlier in this process (a doctest) keeps its settings: WANDB_MODE is read anew
-        first = main(argv)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            first = main(argv)
         run_dir = root / "runs" / "t"
         first_csv = read_csv(run_dir / "steps.csv")
         second = main(["train", "--resume", str(run_dir), "--set", "steps=6"])
         wandb.teardown()  # W&B's service writes the run file behind finish(); its shutdown completes it
     return SimpleNamespace(codes=(first, second), run_dir=run_dir, store=store, first_csv=first_csv,
-                           csv=read_csv(run_dir / "steps.csv"), run_id=(run_dir / "run-id").read_text().strip())
+                           csv=read_csv(run_dir / "steps.csv"), run_id=(run_dir / "run-id").read_text().strip(),
+                           out=out.getvalue())
+
+
+def test_the_console_says_where_each_tracker_run_is(tracked):
+    client = MlflowClient(tracking_uri=tracked.store)
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                              filter_string=f"tags.`{RUN_ID_TAG}` = '{tracked.run_id}'")
+    lines = [line for line in tracked.out.splitlines() if line.startswith("tracking: ")]
+    wandb_folder = min((tracked.run_dir / "wandb").glob("offline-run-*"))  # the first run's (the resume adds one)
+    assert lines == [f"tracking: W&B run {tracked.run_id} (offline), files in {wandb_folder}",
+                     f"tracking: MLflow run {runs[-1].info.run_id} at {tracked.store}"]
+
+
+def test_mlflows_default_database_store_without_sqlalchemy_says_how_to_go_on(cli, tmp_path, monkeypatch):
+    if importlib.util.find_spec("sqlalchemy") is not None:
+        pytest.skip("SQLAlchemy is installed: MLflow's database store opens")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    code, out, err = cli("train", "--set", "steps=1", "--set", "task.name=linear", "--set", "log.mlflow=true")
+    assert code == 2 and not out
+    assert err.strip() == (f"ampguard: error: log.mlflow: the tracking store sqlite:///{tmp_path}/mlflow.db (MLflow's "
+                           "default) is a database, which MLflow opens with SQLAlchemy: pip install sqlalchemy alembic, "
+                           "or set log.mlflow.tracking_uri=file:./mlruns (a folder)")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 def wandb_runs(run_dir: Path) -> list[SimpleNamespace]:
@@ -287,7 +315,7 @@ def test_a_tracker_refused_at_its_open_takes_the_new_run_folder_back(cli, tmp_pa
 
 def test_a_misspelled_tracker_key_is_named(cli):
     code, _, err = cli("train", "--set", "log.wandb.projekt=x")
-    assert code == 2 and err.strip() == "ampguard: error: config: log.wandb.projekt: unknown key"
+    assert code == 2 and err.strip() == "ampguard: error: config: log.wandb.projekt: unknown key (did you mean project?)"
 
 
 def test_no_module_of_ampguard_imports_a_tracker_when_it_is_imported():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -253,3 +254,27 @@ def test_a_fault_for_a_rank_the_run_does_not_have_is_refused():
         check_ranks([parse_fault("nan_loss@40@rank3")], world_size=1)
     with pytest.raises(ValueError, match=r"targets rank 2, but this run has 2 processes \(ranks 0 to 1\)$"):
         check_ranks([parse_fault("spike@1@rank2")], world_size=2)
+
+
+@pytest.mark.parametrize(("spec", "steps", "fires"), [
+    ("nan_loss@20", 20, True),  # the last step
+    ("nan_loss@21", 20, False),
+    ("nan_loss@21,3", 20, True),  # one of its steps is in the run
+    ("nan_loss@every:20", 20, True),
+    ("nan_loss@every:21", 20, False),
+    ("nan_loss@rate:0.01", 1, True),  # a rate may fire at any step: never refused
+])
+def test_a_fault_that_can_never_fire_within_the_runs_steps_is_refused(spec, steps, fires):
+    from ampguard.errors import InputError
+    from ampguard.faults import check_steps, parse_faults
+
+    fault = parse_fault(spec)
+    if fires:
+        check_steps([fault], steps)
+        assert [f.spec() for f in parse_faults([spec], seed=0, steps=steps)] == [fault.spec()]
+    else:
+        assert not any(fault.hits(s) for s in range(1, steps + 1))
+        with pytest.raises(ValueError, match=rf"^fault '{re.escape(fault.spec())}' never fires: the run has {steps} steps"):
+            check_steps([fault], steps)
+        with pytest.raises(InputError, match="^inject: fault .* never fires"):
+            parse_faults([spec], seed=0, steps=steps)

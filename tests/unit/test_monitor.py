@@ -1195,3 +1195,54 @@ def test_loss_spike_detector_refuses_a_saved_field_that_does_not_fit_and_stays_u
     detector = LossSpikeDetector(window=2, z=1.0)
     detector.check(1.0)
     refused_untouched(detector, _with(saved.state_dict(), key, value), said)
+
+
+# ---------------------------------------------------------------------------- the run's end
+
+
+def _fed(skipped: list[bool], **kwargs) -> RunMonitor:
+    m = RunMonitor(scaler_enabled=False, **kwargs)
+    for record in records_for(skipped):
+        m.observe(record)
+    return m
+
+
+@pytest.mark.parametrize("steps", [1, 2, 30, DEFAULT_MIN_STEPS - 1])
+def test_a_run_shorter_than_min_steps_that_skipped_above_alert_rate_alerts_at_its_end(steps):
+    m = _fed([True] * steps)
+    assert m.alert_episodes == 0 and not m.alerting  # never armed
+    events = m.at_end(steps)
+    assert [e.kind for e in events] == ["skip_rate_alert"] and events[0].step == steps
+    assert f"over the run's {steps} steps" in events[0].message and m.alert_episodes == 1 and m.failed is None
+    assert m.at_end(steps) == []  # once
+
+
+def test_at_end_leaves_a_run_below_alert_rate_an_armed_run_and_an_empty_run_alone():
+    assert _fed([False] * 19 + [True]).at_end(20) == []  # 0.05 is not above 0.05
+    assert _fed([False] * 18 + [True] * 2).at_end(20)[0].kind == "skip_rate_alert"  # 0.10 is
+    armed = _fed([True] * DEFAULT_MIN_STEPS)  # armed at min_steps: the rolling ALERT spoke already
+    assert armed.alert_episodes == 1 and armed.at_end(DEFAULT_MIN_STEPS) == [] and armed.alert_episodes == 1
+    assert RunMonitor().at_end(0) == []
+
+
+@pytest.mark.parametrize(("skipped", "fails"), [
+    ([True] * 30, True),  # every step above fail_rate 0.5: the whole run is the evidence
+    ([True], True),  # the first step alone: a rate of 1.0
+    ([False] + [True] * 29, False),  # step 1 read 0.0: not every step was above
+    ([True, False] + [True] * 28, False),  # step 2 read 0.5: not above 0.5
+])
+def test_a_run_shorter_than_fail_after_fails_at_its_end_only_when_every_step_was_above_fail_rate(skipped, fails):
+    m = _fed(skipped, fail_rate=0.5, fail_after=100)
+    assert m.failed is None
+    events = m.at_end(len(skipped))
+    assert (m.failed is not None) == fails
+    if fails:
+        assert events[-1] is m.failed and m.failed.cause == FAIL_SKIP_RATE and m.failed.step == len(skipped)
+    assert _fed(skipped, fail_after=100).at_end(len(skipped)) == [e for e in events if e.kind != "fail"]  # no fail_rate
+
+
+def test_at_end_does_not_fail_a_run_again_or_one_long_enough_for_fail_after():
+    m = _fed([True] * 5, fail_rate=0.5, fail_after=3)
+    assert m.failed is not None and m.failed.step == 3
+    assert [e.kind for e in m.at_end(5)] == ["skip_rate_alert"]  # the failure stands as it was
+    assert m.failed.step == 3

@@ -164,6 +164,11 @@ class TrackerSink:
         self._finish_later = finish_later
         self._ended = False
 
+    @property
+    def where(self) -> str:
+        """Where the run goes, in words (a console line when the run opens it)."""
+        raise NotImplementedError
+
     # -- the Sink protocol
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         self._flush()
@@ -271,6 +276,12 @@ class WandbSink(TrackerSink):
         self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
         self._events: dict[str, int] = {}
 
+    @property
+    def where(self) -> str:
+        files = getattr(self.run, "dir", None)
+        mode = "offline" if getattr(getattr(self.run, "settings", None), "_offline", False) else "online"
+        return f"W&B run {getattr(self.run, 'id', '?')} ({mode})" + (f", files in {Path(files).parent}" if files else "")
+
     def _log(self, step: int, row: dict[str, float]) -> None:
         if step >= self._first:  # W&B refuses (with a warning) a step it already holds
             self.run.log(row, step=step)
@@ -354,6 +365,10 @@ class MLflowSink(TrackerSink):
         except Exception as err:  # noqa: BLE001 - the store refused: one line
             raise InputError(f"log.mlflow: {first_line(err)}") from None
         atexit.register(self._end, 1)  # the process ends before the run did (a crash): FAILED, not RUNNING
+
+    @property
+    def where(self) -> str:
+        return f"MLflow run {self.run_id} at {self.client.tracking_uri}"
 
     def _find(self, experiment: str, ampguard_run_id: str | None) -> str | None:
         if ampguard_run_id is None:
@@ -467,6 +482,10 @@ class MLflowSink(TrackerSink):
         atexit.unregister(self._end)
 
 
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+"""MLflow tracking URIs whose store is a database (MLflow's SQLAlchemy store)."""
+
+
 def mlflow_client(tracking_uri: str | None) -> Any:
     """An ``MlflowClient`` for ``tracking_uri`` whose store has been reached (a bad URI, a store
     MLflow cannot open, a missing SQLAlchemy: one :class:`InputError` line). A ``file:`` URI (or
@@ -489,8 +508,14 @@ def mlflow_client(tracking_uri: str | None) -> Any:
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri or mlflow.get_tracking_uri()
-    if urlparse(uri).scheme in ("", "file") or Path(uri).is_absolute():  # MLflow's file store
+    scheme = urlparse(uri).scheme.partition("+")[0]
+    if scheme in ("", "file") or Path(uri).is_absolute():  # MLflow's file store
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    elif scheme in DATABASE_SCHEMES and importlib.util.find_spec("sqlalchemy") is None:
+        default = " (MLflow's default)" if tracking_uri is None else ""
+        raise InputError(f"log.mlflow: the tracking store {uri}{default} is a database, which MLflow opens with "
+                         "SQLAlchemy: pip install sqlalchemy alembic, or set log.mlflow.tracking_uri=file:./mlruns "
+                         "(a folder)")
     try:
         client = MlflowClient(tracking_uri=uri)
         client._tracking_client.store  # noqa: B018 - opens the store now, so a bad one is bad input
