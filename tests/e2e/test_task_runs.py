@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from helpers import EXAMPLE, FILE_FACTORY, REGRESSION, ROOT, TINY_LM, write
 
@@ -303,6 +304,30 @@ def test_example_my_model_relative_path_reaches_accuracy(cli, tmp_path, monkeypa
     losses = applied_losses(rows)
     assert mean(losses[-10:]) < mean(losses[:5]) / 2 and mean(losses[:5]) > 0.4  # starts near ln 2
     assert sorted(p.name for p in (ROOT / "examples").iterdir()) == before  # nothing written into the repo
+
+
+def test_a_relative_factory_path_is_kept_absolute_so_a_resume_from_another_folder_finds_it(cli, tmp_path,
+                                                                                            monkeypatch):
+    # walkthrough: config.yaml kept "my_model.py:build" as given; a resume from any other folder
+    # failed with "task.factory: no such file my_model.py"
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "my_model.py").write_text(EXAMPLE.read_text(encoding="utf-8"), encoding="utf-8")
+    monkeypatch.chdir(here)
+    code, _, err = cli("train", "--set", "task.factory=my_model.py:build", "--set", "steps=4", "--set", "eval.every=0",
+                       "--set", "checkpoint.every=2", "--set", "log.dir=runs", "--set", "log.name=f")
+    assert code == 0, err
+    run = here / "runs" / "f"
+    saved = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))["task"]["factory"]
+    assert saved == f"{here / 'my_model.py'}:build"
+    rows = read_csv(run / "steps.csv")[1]
+    monkeypatch.chdir(tmp_path)  # elsewhere
+    code, _, err = cli("train", "--resume", run / "checkpoints" / "step-00000002.pt")
+    assert code == 0, err
+    assert read_csv(run / "steps.csv")[1] == rows  # the same run, bit for bit
+    code, _, err = cli("train", "--set", "task.factory=my_model.py:build", "--set", "steps=1")  # not here
+    assert code == 2 and err.strip() == (f"ampguard: error: task.factory: no such file my_model.py (relative to "
+                                         f"{tmp_path})")
 
 
 def test_example_my_model_absolute_path_fp32(tmp_path):

@@ -62,7 +62,8 @@ def load_factory(spec: str) -> Callable[..., Any]:
         if target.endswith(".py") or "/" in target:
             path = Path(target)
             if not path.is_file():
-                raise InputError(f"task.factory: no such file {path}")
+                where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+                raise InputError(f"task.factory: no such file {path}{where}")
             name = f"_ampguard_factory_{abs(hash(str(path.resolve())))}"
             module_spec = importlib.util.spec_from_file_location(name, path)
             assert module_spec is not None and module_spec.loader is not None
