@@ -570,6 +570,7 @@ class FirstSkipDiagnosis:
             head, result = f" on rank {rank}", findings[rank]
         elif len(findings) > 1:
             tail = f" on any of the {len(findings)} ranks"
+            result.amp.loss = None  # (this rank's share of the step's loss would read as the step's)
         self.found = f"step {record.step} ({record.reason}){head}: {result.message()}{tail}"
         if self.events is not None:
             extra = {"rank": rank} if len(findings) > 1 else {}

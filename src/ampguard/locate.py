@@ -78,6 +78,9 @@ class Finding:
     before: str = ""
     """For a value born in module ``name``'s own code (a functional or in-place op between its
     submodules): the submodule it was passed to, whose output it made non-finite."""
+    loss: float | None = None
+    """With ``where == "none"``: the (finite) loss of the pass (of a group, the micro-batches'
+    mean, the step's loss): a loss spike's evidence replays finite, and this says how large."""
 
 
 @dataclass
@@ -114,10 +117,13 @@ class Diagnosis:
             replay is finite: a precision-range problem; run that module outside autocast or in FP32
             >>> Diagnosis(Finding("none", precision="bf16"), None, "none").message()
             'no non-finite value in forward, loss or backward under bf16'
+            >>> Diagnosis(Finding("none", precision="bf16", loss=1.872e8), None, "none").message()  # a spike's evidence
+            'no non-finite value in forward, loss or backward under bf16 (loss 1.872e+08)'
         """
         f = self.amp
         if f.where == "none":
-            return f"no non-finite value in forward, loss or backward under {f.precision}"
+            loss = f" (loss {f.loss:.4g})" if f.loss is not None else ""
+            return f"no non-finite value in forward, loss or backward under {f.precision}{loss}"
         dtypes = f"{','.join(f.input_dtypes) or '-'} -> outputs {','.join(f.output_dtypes) or '-'}"
         if f.where == "input":
             place = "in the batch's targets" if f.name == "targets" else "in the input batch"
@@ -286,11 +292,12 @@ def trace_first_non_finite(
             fn = inspect.unwrap(loss_fn)  # through a wrapper (the fault injector's) to the task's loss
             return Finding("loss", op=getattr(fn, "__name__", type(fn).__name__), kind=kind,
                            output_dtypes=_dtypes(loss), precision=label)
+        value = float(loss.detach()) if loss.numel() == 1 else None
         if loss.requires_grad:
             if accumulation_steps > 1:  # (x / 1 is x: the step skips it too)
                 loss = loss / accumulation_steps
             (loss * loss_scale).backward()
-        return found[0] if found else Finding("none", precision=label)
+        return found[0] if found else Finding("none", precision=label, loss=value)
     finally:
         for handle in handles:
             handle.remove()
@@ -449,13 +456,16 @@ def diagnose_group(
         ('none', None)
     """
     n = len(batches) if accumulation_steps is None else accumulation_steps
-    result = None
+    result, losses = None, []
     for inputs, targets in batches:
         result = diagnose(model, loss_fn, inputs, targets, precision, loss_scale, n)
         if result.verdict != "none":
             break
+        losses.append(result.amp.loss)
     if result is None:
         raise ValueError("diagnose_group needs at least one batch")
+    if result.verdict == "none" and None not in losses:  # the step's loss: the micro-batches' mean
+        result.amp.loss = sum(losses) / len(losses)
     return result
 
 
@@ -541,7 +551,7 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         ...                    "inject": ["nan_input@2"], "steps": 5})
         >>> run(config, step=1)
         locate: step 1 of task linear (seed 0), bf16 on cpu, loss scale 1
-        no non-finite value in forward, loss or backward under bf16
+        no non-finite value in forward, loss or backward under bf16 (loss 1.582)
         0
         >>> run(config, step=2)
         locate: step 2 of task linear (seed 0), bf16 on cpu, loss scale 1

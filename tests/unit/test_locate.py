@@ -686,3 +686,17 @@ def test_under_fp8_the_fp32_replays_compute_the_float8_layers_in_fp32():
         out = model[1](h)
     assert out.dtype == torch.float32 and torch.equal(out, plain(h))
     assert "forward" not in vars(model[1]) and "forward" not in vars(model)  # put back
+
+
+def test_a_finite_replay_names_the_steps_loss_so_a_spikes_evidence_says_how_large():
+    from ampguard.locate import diagnose_group
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    batches = [(torch.randn(4, 3), torch.randn(4, 1)), (torch.randn(4, 3), 1e4 * torch.randn(4, 1))]  # a spike
+    with torch.no_grad():
+        expected = sum(float(F.mse_loss(model(x), y)) for x, y in batches) / 2  # the step's loss: the mean
+    d = diagnose_group(model, F.mse_loss, batches, Precision("fp32", "cpu"))
+    assert d.verdict == "none" and d.amp.loss == pytest.approx(expected, rel=1e-6) and expected > 1e6
+    assert d.message() == f"no non-finite value in forward, loss or backward under fp32 (loss {expected:.4g})"
+    assert d.as_dict()["amp"]["loss"] == d.amp.loss
