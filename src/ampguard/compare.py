@@ -28,8 +28,8 @@ from .errors import ExitCode, InputError, first_line
 from .monitor import RunMonitor
 from .precision import Precision
 from .records import LABEL_COLUMNS
-from .report import (Row, _linear_y, _number, finite_points, policy_changes_of, read_steps_and_columns, replay,
-                     rolling_skip_rate, shown)
+from .report import (Row, _linear_y, _number, check_plot_path, finite_points, policy_changes_of,
+                     read_steps_and_columns, replay, rolling_skip_rate, shown)
 
 if TYPE_CHECKING:
     from .config import Config
@@ -234,45 +234,15 @@ def format_table(runs: Sequence[RunSummary]) -> str:
 # ---------------------------------------------------------------------------- the plot
 
 
-def check_out(png: Path) -> None:
-    """Refuse an ``--out`` that cannot or must not be written, before anything is read or drawn:
-    not ``.png``, its folder missing or not writable, or any existing file (never overwritten).
-
-    Example::
-
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     _ = (Path(d) / "old.png").write_bytes(b"x")
-        ...     for png in ("plot.pdf", "nowhere/x.png", "old.png"):
-        ...         try:
-        ...             check_out(Path(d) / png)
-        ...         except InputError as err:
-        ...             print(str(err).replace(d, "DIR"))
-        compare: --out DIR/plot.pdf: the plot is a PNG; name a .png file
-        compare: --out DIR/nowhere/x.png: folder DIR/nowhere does not exist
-        compare: --out DIR/old.png already exists; refusing to overwrite it
-    """
-    where = f"compare: --out {png}"
-    if png.suffix.lower() != ".png":
-        raise InputError(f"{where}: the plot is a PNG; name a .png file")
-    if png.exists() or png.is_symlink():
-        raise InputError(f"{where} already exists; refusing to overwrite it")
-    parent = png.parent
-    if not parent.is_dir():
-        raise InputError(f"{where}: folder {parent} does not exist" if not parent.exists()
-                         else f"{where}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{where}: folder {parent} is not writable")
-
-
 def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     """Draw the runs over each other (1200 x 1100 px, four panels on a shared step axis): loss,
     pre-clip global norm with each run's ``max_norm``, log2 of the loss scale, rolling skip rate.
     Skipped steps are marked with an ``x`` on the loss panel. Written beside the target and
-    linked into place, so an existing file is never replaced. Losses of both signs beyond
-    :data:`~ampguard.report.LINEAR_LIMIT` (-1e308 and 1e308 in an edited CSV) put the loss panel on a symmetric log
-    axis; values matplotlib still cannot lay an axis out for are an :class:`InputError`, with
-    nothing written.
+    renamed over it, so a failed write leaves no half a PNG and an earlier plot stays as it was
+    (an existing file that is no PNG is refused before: ``report.check_plot_path``). Losses of
+    both signs beyond :data:`~ampguard.report.LINEAR_LIMIT` (-1e308 and 1e308 in an edited CSV)
+    put the loss panel on a symmetric log axis; values matplotlib still cannot lay an axis out
+    for are an :class:`InputError`, with nothing written.
     """
     with warnings.catch_warnings():  # (numpy's overflow notes on values near the float maximum)
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -340,9 +310,7 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     partial = png.with_name(f".{png.name}.{os.getpid()}.partial")
     try:
         fig.savefig(partial, dpi=DPI, format="png")
-        os.link(partial, png)  # fails if something appeared there meanwhile: never replaced
-    except FileExistsError:
-        raise InputError(f"compare: --out {png} already exists; refusing to overwrite it") from None
+        os.replace(partial, png)
     except OSError as err:
         raise InputError(f"compare: --out {png}: cannot write the plot ({err.strerror or err})") from None
     except (ValueError, OverflowError) as err:  # matplotlib's axes: values spanning more than a float holds
@@ -389,7 +357,7 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
     """
     png = Path(out) if out is not None else None
     if png is not None:
-        check_out(png)
+        check_plot_path(png, None, verb="compare")
     runs = load_runs(paths)
     if png is not None:
         plot_overlay(runs, png)

@@ -824,11 +824,12 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def check_plot_path(png: Path, csv_path: Path, *, given: bool = True) -> None:
+def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, verb: str = "report") -> None:
     """Refuse a plot path that cannot or must not be written, before anything is read or drawn:
     not ``.png``, its folder missing or not writable, a folder, the CSV itself, or an existing
     file that is not a PNG (an earlier plot is drawn again; anything else is never overwritten).
-    ``given``: the path came from ``--out`` (the message says so), else it is the default.
+    ``given``: the path came from ``--out`` (the message says so), else it is the default;
+    ``verb`` the command whose path it is (``report``, ``compare``).
 
     Example::
 
@@ -855,7 +856,7 @@ def check_plot_path(png: Path, csv_path: Path, *, given: bool = True) -> None:
         report: --out DIR/notes.png is the CSV itself; refusing to overwrite it
         >>> shutil.rmtree(folder)
     """
-    where = f"report: --out {png}" if given else f"report: the plot {png}"
+    where = f"{verb}: --out {png}" if given else f"{verb}: the plot {png}"
     if png.suffix.lower() != ".png":
         raise InputError(f"{where}: the plot is a PNG; name a .png file")
     parent = png.parent
@@ -865,7 +866,7 @@ def check_plot_path(png: Path, csv_path: Path, *, given: bool = True) -> None:
     if png.is_dir():
         raise InputError(f"{where} is a folder")
     if png.exists():
-        if png.resolve() == csv_path.resolve():
+        if csv_path is not None and png.resolve() == csv_path.resolve():
             raise InputError(f"{where} is the CSV itself; refusing to overwrite it")
         try:
             with png.open("rb") as f:

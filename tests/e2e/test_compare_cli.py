@@ -100,7 +100,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(cli, sweep, tmp_path, 
         "a csv": ([a, b / "steps.csv"], f"compare: {b / 'steps.csv'} is not a folder"),
         "missing": ([a, tmp_path / "nope"], f"compare: no such folder {tmp_path / 'nope'}"),
         "twice": ([a, a], f"compare: {a} is given twice"),
-        "existing out": ([a, b, "--out", "old.png"], "compare: --out old.png already exists; refusing to overwrite it"),
+        "existing out": ([a, b, "--out", "old.png"], "compare: --out old.png exists and is not a PNG; refusing to "
+                                                     "overwrite it"),
         "not png": ([a, b, "--out", "cmp.svg"], "compare: --out cmp.svg: the plot is a PNG; name a .png file"),
     }[case]
     before_here, before_runs = snapshot_of(tmp_path), snapshot_of(sweep)
@@ -158,3 +159,15 @@ def test_run_folders_whose_names_are_not_utf8_are_compared_and_reported(sweep, t
     code, out = cli("report", odd)
     assert code == 0 and out.splitlines()[-1] == b"plot: " + os.fsencode(odd / "report.png")
     assert png_size(odd / "report.png")[0] > 0
+
+
+def test_compare_draws_an_earlier_plot_again_as_report_does(cli, sweep, tmp_path):
+    # walkthrough: re-running the lesson's sweep failed at compare ("--out ... already exists"),
+    # while report draws its plot again; both now redraw a PNG and refuse any other file
+    runs = [sweep / "clip-0.5", sweep / "clip-5"]
+    assert cli("compare", *runs, "--out", "cmp.png")[0] == 0
+    first = (tmp_path / "cmp.png").read_bytes()
+    code, out, err = cli("compare", *runs[::-1], "--out", "cmp.png")  # the other order: another title
+    assert (code, err) == (0, "") and out.splitlines()[-1] == "plot: cmp.png"
+    assert png_size(tmp_path / "cmp.png") == (1200, 1100) and (tmp_path / "cmp.png").read_bytes() != first
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
