@@ -629,6 +629,8 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         ("precision", f"{config.precision} (autocast on {result.device.type})"
                       + (", model compiled (torch.compile)" if config.compile else "")),
         *((("step path", result.path),) if result.path else ()),
+        *((("fp8", f"recipe {config.fp8.recipe}; {len(result.fp8_layers)} Linear layer(s) in float8: "
+                   f"{', '.join(result.fp8_layers) or 'none'}"),) if config.precision == "fp8" else ()),
         ("loss scaler", scaler),
         ("clipping", clip),
         ("accumulation", f"{config.accumulation_steps} micro-batch(es) per step"),

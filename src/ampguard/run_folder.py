@@ -313,6 +313,8 @@ class RunResult:
     """Tokens (or examples) per second after the first step, and the MFU where known."""
     path: str = ""
     """The step's path and why (``build.fast_path``)."""
+    fp8_layers: list[str] = field(default_factory=list)
+    """Under fp8: the Linear layers that trained in float8."""
 
 
 def disk_full_line(full: DiskFull, saved: list[Path], step: int, recorded: int, run_dir: Path | None) -> str:

@@ -65,7 +65,8 @@ def finish(result: RunResult) -> ExitCode:
     print(f"ended: {result.ended}")
     csv_path, run_dir = result.paths.csv, result.paths.dir
     if run_dir is not None:
-        written = [name for name in ("RUN.md", "steps.csv", "events.jsonl", "report.png", "checkpoints/")
+        written = [name for name in ("RUN.md", "steps.csv", "events.jsonl", "report.png", "checkpoints/",
+                                     "headroom.csv", "steps.jsonl", "tensorboard/", "wandb/", "rollback/")
                    if (run_dir / name.rstrip("/")).exists()]
         print(f"run folder: {run_dir} ({', '.join(written)})")
     elif csv_path is not None:

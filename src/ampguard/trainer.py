@@ -491,6 +491,10 @@ class Trainer:
                            self.task.description, self.diagnosis.found if self.diagnosis else None)
         result.policy_changes = [ck.policy_line(change) for change in self.policy]
         result.throughput, result.path = self.throughput.summary(), self.path
+        if self.config.precision == "fp8":
+            from .fp8 import fp8_layers
+
+            result.fp8_layers = fp8_layers(self.task.model)
         if self.paths.dir is not None and self.disk_full() is None:
             from .report import write_report
 

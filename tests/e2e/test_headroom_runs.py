@@ -64,6 +64,8 @@ def test_an_overflow_is_announced_before_the_first_skip_and_drawn_in_the_report(
     assert alerts[0]["step"] <= first_skip - 3  # at least k = 3 steps of warning
     assert {e["module"] for e in alerts if e["step"] < first_skip} == {"fc1"}
     assert f"ALERT {alerts[0]['step']} headroom_alert: fc1 output headroom" in out
+    closing = out.splitlines()[-1]  # what the folder holds, headroom.csv included (it was left out)
+    assert closing.startswith("run folder: ") and closing.endswith(", headroom.csv)"), closing
 
     rows = read_rows(run / "headroom.csv")
     assert tuple(rows[0]) == HEADROOM_COLUMNS
