@@ -317,3 +317,24 @@ def test_a_second_fit_with_the_same_plugin_and_csv_is_refused_before_it_trains_u
     assert path.read_text() == written and same(before, list(module.parameters()))  # nothing trained or written
     fit(module, plugin, steps=4, ckpt_path=tmp_path / "last.ckpt")  # the same plugin resumes: the CSV appends
     assert [r["step"] for r in rows(path)] == ["1", "2", "3", "4"] and plugin.guard.steps == 4
+
+
+def test_a_fit_too_short_to_arm_the_alarm_is_judged_at_its_end():
+    # as `ampguard train`: 6 of 6 steps skipped, with the defaults' min_steps and fail_after of 100,
+    # ended in silence; the end of the fit judges it whole
+    every = ",".join(str(s) for s in range(1, 7))
+    plugin = AmpGuardPlugin("bf16-mixed")
+    with pytest.warns(UserWarning, match=r"ampguard ALERT at step 6: skip rate 1\.000 > alert_rate 0\.05 over the "
+                                         r"run's 6 steps"):
+        fit(Digits(faults=[f"nan_loss@{every}"]), plugin, steps=6)
+    assert plugin.monitor.alert_episodes == 1 and plugin.stop_reason is None
+
+    plugin = AmpGuardPlugin("bf16-mixed", fail_rate=0.5)
+    with pytest.warns(UserWarning, match="ampguard failed the fit at its end"):
+        fit(Digits(faults=[f"nan_loss@{every}"]), plugin, steps=6)
+    assert plugin.stop_reason == ("ampguard failed the fit at its end (step 6): skip rate above fail_rate 0.5 at every "
+                                  "one of the run's 6 steps (it ended before fail_after 100 consecutive steps)")
+
+    plugin = AmpGuardPlugin("bf16-mixed", fail_rate=0.5)
+    fit(Digits(faults=["nan_loss@6"]), plugin, steps=20)  # 1 of 20: nothing to say
+    assert plugin.monitor.alert_episodes == 0 and plugin.stop_reason is None

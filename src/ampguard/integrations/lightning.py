@@ -311,6 +311,8 @@ class AmpGuardPlugin(_LightningPrecision):
             self._hooked.__dict__.pop("lr_scheduler_step", None)
             self._hooked = None
         trainer, self._fitting = self._fitting, None
+        if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED:  # (FINISHED comes after)
+            self._judge_end()
         if trainer is not None and self._minimums is not None:
             trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = self._minimums
         self._minimums = None
@@ -325,6 +327,23 @@ class AmpGuardPlugin(_LightningPrecision):
                 self._close_sinks(sinks, trainer)
         finally:
             super().teardown()
+
+    def _judge_end(self) -> None:
+        """A fit that ended by itself: the monitor judges it whole once (a fit too short to arm
+        the ALERT or to fail fast, :meth:`~ampguard.monitor.RunMonitor.at_end`): an ALERT is
+        warned, a failure becomes :attr:`stop_reason` (the fit's exit code 3 for the trackers)."""
+        if self.monitor is None or self.stop_reason is not None:
+            return
+        events = self.monitor.at_end(self.monitor.steps)
+        for sink in self._sinks or []:  # the tracker sinks: the events, as with each step's
+            if hasattr(sink, "observe"):
+                sink.observe(self.monitor, events)
+        for event in events:
+            if event.kind == "fail":
+                self.stop_reason = f"ampguard failed the fit at its end (step {event.step}): {event.message}"
+                rank_zero_warn(self.stop_reason)
+            else:
+                rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}")
 
     def _close_sinks(self, sinks: list[Sink], trainer: pl.Trainer | None) -> None:
         """Every sink closed (one that fails does not keep the others open: the first error is

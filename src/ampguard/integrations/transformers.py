@@ -286,6 +286,12 @@ class AmpGuardCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None or self._ended:
             return
+        if self.failed is None:  # a run too short to arm the ALERT or to fail fast is judged whole
+            for event in self.monitor.at_end(self.monitor.steps):
+                self._emit(event.as_dict(), event_word(event.kind))
+            if self.monitor.failed is not None:
+                self.failed = self.monitor.failed
+                self.ended = f"stopped by a guard at the end of the run (step {self.failed.step}): {self.failed.message}"
         self.ended = self.ended or f"finished: {self.monitor.steps} steps"
         self._finish()
 

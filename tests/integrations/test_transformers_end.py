@@ -1,0 +1,50 @@
+"""The Hugging Face adapter judges a run too short for the rolling rules at its end, as
+``ampguard train`` does (``RunMonitor.at_end``): a tiny GPT-2 on the CPU whose every step skips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from accelerate.state import AcceleratorState  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
+
+from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _run(tmp_path, steps: int, bad: set[int], **monitor) -> dict:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
+    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=steps, use_cpu=True,
+                             report_to=[], save_strategy="no", bf16=True, disable_tqdm=True)
+    trainer = GuardedTrainer(model=model, args=args, train_dataset=ids,
+                             ampguard=AmpGuardCallback(tmp_path / "out" / "ampguard", **monitor))
+    model.transformer.wte.weight.register_hook(  # inf into the gradient of these optimizer steps
+        lambda g: torch.full_like(g, float("inf")) if trainer.state.global_step + 1 in bad else g)
+    trainer.train()
+    return json.loads((tmp_path / "out" / "ampguard" / "summary.json").read_text(encoding="utf-8"))
+
+
+def test_a_run_whose_every_step_skipped_alerts_at_its_end_and_fails_with_a_fail_rate(tmp_path):
+    summary = _run(tmp_path / "a", 5, set(range(1, 6)))
+    assert (summary["skips"], summary["alert_episodes"], summary["exit_code"]) == ({"non_finite_grad": 5}, 1, 0)
+    events = [json.loads(line) for line in
+              (tmp_path / "a" / "out" / "ampguard" / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [(e["event"], e["step"]) for e in events if e["event"] == "skip_rate_alert"] == [("skip_rate_alert", 5)]
+
+    summary = _run(tmp_path / "b", 5, set(range(1, 6)), fail_rate=0.5)
+    assert summary["exit_code"] == 3 and summary["cause"] == "skip_rate"
+    assert summary["ended"].startswith("stopped by a guard at the end of the run (step 5): skip rate above fail_rate")
+
+    summary = _run(tmp_path / "c", 5, {3}, fail_rate=0.5)  # 1 of 5: above alert_rate, never all above fail_rate
+    assert (summary["alert_episodes"], summary["exit_code"], summary["ended"]) == (1, 0, "finished: 5 steps")
