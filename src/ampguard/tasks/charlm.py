@@ -216,7 +216,8 @@ def build(config: Any) -> Task:
             torch.arange(t.block_size) % VOCAB])),
         predict=lambda m, x: m(x)[:, -1, :],  # the decision: the next character after the context
         description=(
-            f"character-level transformer ({t.n_layer} layers, {t.n_embd} wide, context {t.block_size}) "
+            f"character-level transformer ({t.n_layer} layer{'s' if t.n_layer != 1 else ''}, {t.n_embd} wide, "
+            f"context {t.block_size}) "
             f"on {len(train_text):,} bytes of Python's standard library ({len(val_text):,} held out)"
         ),
     )
