@@ -24,6 +24,7 @@ from helpers import ag, deadline, ok, one_error_line, train
 
 from ampguard import checkpoint as ckpt
 from ampguard import checkpointer as ck
+from ampguard.errors import ExitCode
 
 LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32"]
 SHORT = ["--set", "steps=8", "--set", "checkpoint.every=4", "--set", "checkpoint.keep=10", "--set", "log.every=1000"]
@@ -329,8 +330,13 @@ def test_a_run_folder_that_cannot_be_made_leaves_no_empty_folder_behind(cli, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no runs/ left behind
 
 
-@pytest.mark.parametrize("error", [(13, "Permission denied"), (28, "No space left on device")])
-def test_a_run_folder_whose_config_cannot_be_written_is_taken_back(cli, tmp_path, monkeypatch, error):
+@pytest.mark.parametrize("error, expected_code, line", [
+    ((13, "Permission denied"), ExitCode.BAD_INPUT, "cannot create run folder runs/deeper/a: Permission denied"),
+    # a full disk is not bad input: it has its own exit code
+    ((28, "No space left on device"), ExitCode.DISK_FULL, "disk full while writing the run folder"),
+], ids=["EACCES", "ENOSPC"])
+def test_a_run_folder_whose_config_cannot_be_written_is_taken_back(cli, tmp_path, monkeypatch, error,
+                                                                   expected_code, line):
     from ampguard import run_folder
 
     def cannot_write(self, config):
@@ -338,9 +344,9 @@ def test_a_run_folder_whose_config_cannot_be_written_is_taken_back(cli, tmp_path
 
     monkeypatch.setattr(run_folder.RunPaths, "write_config", cannot_write)
     code, out, err = cli("train", *LINEAR, "--set", "steps=2", "--set", "log.dir=runs/deeper", "--set", "log.name=a")
-    assert code != 0 and error[1] in err and len(err.strip().splitlines()) == 1, err
-    if error[0] == 13:  # (a full disk is not bad input: it has its own exit code)
-        assert code == 2 and "cannot create run folder runs/deeper/a: Permission denied" in err
+    assert code == expected_code, (code, out, err)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("ampguard: error: "), err
+    assert line in err and error[1] in err, err
     assert list(tmp_path.iterdir()) == []  # runs/ and runs/deeper were made by the run: taken back
 
 

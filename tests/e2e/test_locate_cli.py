@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from helpers import one_line_error, read_rows, run_events
@@ -280,9 +281,8 @@ def test_cli_locate_with_scale_1_does_not_blame_the_scale_and_exits_1(cli):
 def test_cli_locate_help_documents_the_exit_codes(capsys):
     from ampguard.cli import build_parser
 
-    try:
+    with pytest.raises(SystemExit) as done:
         build_parser().parse_args(["locate", "--help"])
-    except SystemExit as done:
-        assert done.code == 0
+    assert done.value.code == 0
     out = capsys.readouterr().out
     assert "0 all finite, 1 a non-finite value found, 2 bad input" in " ".join(out.split())

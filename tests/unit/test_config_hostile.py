@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import random
-import time
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
-from ampguard.config import MAX_DEPTH, MAX_FILE_BYTES, MAX_NAME, MAX_SEED, load_config, read_file
+from helpers import deadline
+
+from ampguard.config import MAX_DEPTH, MAX_FILE_BYTES, MAX_NAME, MAX_SEED, _PlainLoader, load_config, read_file
 from ampguard.errors import ConfigError
 from ampguard.tasks import build_task
 
@@ -24,15 +26,33 @@ def _refused(path, *needles: str) -> str:
     return text
 
 
-def test_a_608_byte_billion_laughs_yaml_is_refused_at_once(tmp_path):
+def test_a_608_byte_billion_laughs_yaml_is_refused_at_once(tmp_path, monkeypatch):
     lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
     lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
     path = tmp_path / "bomb.yaml"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     assert path.stat().st_size < 700
-    start = time.perf_counter()
-    _refused(path, "aliases", "not allowed")
-    assert time.perf_counter() - start < 1.0  # refused while parsing, nothing expanded
+    # Spies (each calls the real method): the alias events composition reaches, and whether any
+    # document gets constructed at all (the expansion would happen there, and past it).
+    aliases_seen, constructed = [], []
+    compose_node, construct_document = _PlainLoader.compose_node, _PlainLoader.construct_document
+
+    def counting_compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            aliases_seen.append(self.peek_event().anchor)
+        return compose_node(self, parent, index)
+
+    def counting_construct_document(self, node):
+        constructed.append(node)
+        return construct_document(self, node)
+
+    monkeypatch.setattr(_PlainLoader, "compose_node", counting_compose_node)
+    monkeypatch.setattr(_PlainLoader, "construct_document", counting_construct_document)
+    with deadline(30):  # fails on a hang (an expansion), never on a slow machine
+        text = _refused(path, "aliases", "not allowed")
+    assert "line 2" in text  # the first alias, *a0 in the line of a1
+    assert aliases_seen == ["a0"]  # refused at the first alias: none of the other 71 was composed
+    assert constructed == []  # refused while composing: nothing was built, so nothing expanded
 
 
 def test_a_recursive_alias_is_refused(tmp_path):

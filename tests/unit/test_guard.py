@@ -445,8 +445,21 @@ def test_weights_already_cast_to_half_are_refused_saying_why(precision, cast, dt
 
 
 def test_half_weights_with_fp32_precision_are_the_users_choice():
+    torch.manual_seed(0)
     model = nn.Linear(2, 2).to(torch.bfloat16)
-    Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32")
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32")
+    before = model.weight.detach().clone()
+    x = torch.randn(4, 2).to(torch.bfloat16)
+    with guard.autocast():
+        loss = (model(x) - 1.0).pow(2).mean()
+    guard.backward(loss)
+    record = guard.step()
+    # accepted, and the guard then works on them: the step is applied, the weights stay bf16
+    assert isinstance(record, StepLog) and not record.skipped, record
+    assert math.isfinite(record.values()["loss"]) and math.isfinite(record.values()["grad_l2_pre_clip"])
+    assert guard.updates == 1
+    assert not torch.equal(model.weight, before)
+    assert model.weight.dtype == torch.bfloat16 and model.bias.dtype == torch.bfloat16
 
 
 def test_a_plain_grad_scaler_is_taken_over_with_its_settings_and_state():

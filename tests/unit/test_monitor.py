@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import re
+import sys
 
 import pytest
 
@@ -937,19 +938,38 @@ def test_jsonl_sink_refuses_to_overwrite(tmp_path):
     assert path.read_text(encoding="utf-8") == '{"a": 1}\n'
 
 
-@pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed")
-def test_tensorboard_sink_without_the_package_is_bad_input(tmp_path):
-    with pytest.raises(InputError, match="tensorboard"):
+def test_tensorboard_sink_without_the_package_is_bad_input(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # hidden: find_spec raises, import fails
+    with pytest.raises(InputError) as info:
         TensorBoardSink(tmp_path / "tb")
+    assert str(info.value) == ("log.tensorboard is on but the tensorboard package is not installed: "
+                               "pip install 'ampguard[tensorboard]'")
+    assert not (tmp_path / "tb").exists()  # refused before the writer made its folder
 
 
 @pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")
 def test_tensorboard_sink_writes_event_files(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     sink = TensorBoardSink(tmp_path / "tb")
-    sink.write(step_record(1))
-    sink.write(skip_record(2))
+    sink.write(step_record(1, pre=2.0, post=1.0, scale=8.0))
+    sink.write(skip_record(2, scale=4.0))  # an overflow: pre-clip norm inf, no post-clip norm
     sink.close()
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").rglob("*"))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+
+    def scalars(name: str) -> list[tuple[int, float]]:
+        return [(e.step, e.value) for e in events.Scalars(f"train/{name}")]
+
+    assert sorted(events.Tags()["scalars"]) == sorted(
+        f"train/{name}" for name in ("lr", "loss", "grad_l2_pre_clip", "grad_l2_post_clip", "scaler_scale", "skipped"))
+    assert scalars("loss") == [(1, 1.0), (2, 1.0)]
+    assert scalars("skipped") == [(1, 0.0), (2, 1.0)]
+    assert scalars("scaler_scale") == [(1, 8.0), (2, 4.0)]
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("train/lr")] == [(1, 0.1), (2, 0.1)]
+    assert scalars("grad_l2_pre_clip") == [(1, 2.0), (2, math.inf)]  # the skip's non-finite norm, as inf
+    assert scalars("grad_l2_post_clip") == [(1, 1.0)]  # None (the skip's) is left out, not written as 0
 
 
 def fp16_opening(opening: int, steps: int, later_skips: tuple[int, ...] = ()) -> list:

@@ -54,8 +54,13 @@ def test_an_opening_of_nan_losses_is_no_warm_up_of_the_scale():
     m = RunMonitor(window=100, init_scale=2.0**16)
     for step in range(1, 4):
         m.observe(skipped(step, "non_finite_loss", scale=2.0 ** (16 - step)))
-    assert m.scale_verdict != "warming"
+    # 2**16 -> 2**13, three octaves down and not one step applied: collapsing, not warming
+    assert m.scale_verdict == "collapsing"
+    assert m.health.opening == 0  # a NaN loss is no search of the scaler: no opening streak
+    assert "scale=collapsing" in m.stats_line()
     search = RunMonitor(window=100, init_scale=2.0**16)
     for step in range(1, 4):
         search.observe(skipped(step, "non_finite_grad", scale=2.0 ** (16 - step)))
     assert search.scale_verdict == "warming"
+    assert search.health.opening == 3  # the same skips as overflows are the scaler's opening search
+    assert "scale=warming" in search.stats_line()
