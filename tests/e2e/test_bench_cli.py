@@ -3,6 +3,8 @@ themselves are not asserted)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ampguard.cli import main
 
 
@@ -39,34 +41,71 @@ def test_bench_refuses_a_negative_resolution_or_budget(capsys):
     assert "--resolve must be a finite number >= 0, got -1" in err
 
 
-def test_a_bench_cut_by_a_time_limit_prints_what_it_measured(tmp_path):
-    # `timeout` sends SIGTERM: the whole rounds so far come out as JSON, exit 143 (gpu.sh relies on it)
-    import json
+PAUSE_IN_BENCH = Path(__file__).with_name("pause_in_bench.py")
+BENCH_ARGS = ["bench", "--models", "mlp", "--precisions", "fp32", "--no-peers", "--no-aa", "--steps", "3",
+              "--warmup", "1", "--rounds", "7", "--resolve", "0", "--json"]
+
+
+def _bench_sigterm_at(tmp_path, where):
+    """``ampguard bench BENCH_ARGS`` held by ``pause_in_bench.py`` at ``where``, then SIGTERM (what
+    ``timeout`` sends): (exit code, stdout, stderr)."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    err_path = tmp_path / "err.txt"
+    import pytest
+
+    marker, err_path = tmp_path / "paused", tmp_path / "err.txt"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "ampguard", "bench", "--models", "mlp", "--precisions", "fp32",
-                                 "--no-peers", "--steps", "3", "--resolve", "0.0001", "--budget", "600", "--json"],
-                                stdout=subprocess.PIPE, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + 120
-        while "tiny-mlp fp32:" not in err_path.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(5)  # the warm-up, then some rounds (a round of 3 steps takes milliseconds)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err_path.read_text()
-    if not out:  # (a loaded machine: still warming up after 5 s; the rounds' own test is in test_bench.py)
-        assert "nothing measured" in err_path.read_text() and "ampguard: interrupted" in err_path.read_text()
-        return
+        proc = subprocess.Popen([sys.executable, str(PAUSE_IN_BENCH), str(marker), where, *BENCH_ARGS],
+                                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            deadline = time.monotonic() + 120  # only a hang runs into it
+            while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not marker.exists():
+                proc.kill()
+                pytest.fail(f"bench never paused at {where} (exit {proc.poll()}):\n{err_path.read_text()}")
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return proc.returncode, out.decode(), err_path.read_text()
+
+
+def test_a_bench_cut_by_a_time_limit_after_two_rounds_prints_them_as_json(tmp_path):
+    # `timeout` sends SIGTERM: the whole rounds so far come out as JSON, exit 143 (gpu.sh relies on it)
+    import json
+
+    code, out, err = _bench_sigterm_at(tmp_path, "round:2")  # 2 of 7 rounds measured, the third started
+    assert code == 143, err
+    assert "Traceback" not in err
     results = json.loads(out)["results"]
+    assert [r["contender"] for r in results] == ["bare loop", "ampguard + csv"]
     assert {r["stop"] for r in results} == {"interrupted"}
-    assert len({len(r["rounds"]) for r in results}) == 1 and len(results[0]["rounds"]) >= 1
-    assert "interrupted; the rounds measured so far follow" in err_path.read_text()
+    assert [len(r["rounds"]) for r in results] == [2, 2]  # the cut third round left out
+    assert all(r["median_ms"] > 0 and all(t > 0 for t in r["rounds"]) for r in results)
+    assert err.rstrip().endswith("bench: interrupted; the rounds measured so far follow"), err
+
+
+def test_a_bench_cut_by_a_time_limit_inside_its_first_round_says_nothing_was_measured(tmp_path):
+    code, out, err = _bench_sigterm_at(tmp_path, "round:0")
+    assert code == 143, err
+    assert out == "" and "Traceback" not in err
+    assert err.splitlines()[-2:] == ["  tiny-mlp fp32: interrupted before a whole round, nothing measured",
+                                     "ampguard: interrupted"], err
+
+
+def test_a_bench_cut_by_a_time_limit_in_its_warm_up_exits_143_with_no_json(tmp_path):
+    code, out, err = _bench_sigterm_at(tmp_path, "warmup")
+    assert code == 143, err
+    assert out == "" and "Traceback" not in err
+    assert err.splitlines()[-2:] == ["tiny-mlp fp32: bare loop, ampguard + csv", "ampguard: interrupted"], err
 
 
 def test_bench_json_carries_the_runs_settings(capsys):

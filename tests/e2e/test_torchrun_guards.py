@@ -196,13 +196,16 @@ def test_a_full_disk_on_rank_0_stops_every_rank_at_the_same_step(launches):
 
 def test_held_out_metrics_are_the_mean_over_ranks_and_every_rank_rolls_back_together(launches):
     code, out, err, cwd = launches["E"]
-    codes = _rank_codes(cwd)
-    assert len(codes) == 2 and codes[0] == codes[1], f"torchrun exited {code}\n{err[-3000:]}"
+    assert _rank_codes(cwd) == {0: ExitCode.OK, 1: ExitCode.OK}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert code == 0
     rows = {int(r.split(",")[0]): r.split(",")[-1] for r in (cwd / "runs" / "E" / "steps.csv").read_text().splitlines()[1:]}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]  # each step once: the rolled-back rows were replaced
     assert float(rows[2]) == 0.5  # both ranks 1/2
     rollbacks = [e for e in run_events(cwd / "runs" / "E") if e["event"] == "rollback"]
-    assert rollbacks and rollbacks[0]["step"] == 4
+    assert [e["step"] for e in rollbacks] == [4, 6]  # both ranks rolled back, twice, and went on together
     assert "val_loss=5.167" in out  # (1/3 + 10) / 2: rank 1's share got worse
+    assert "EVAL 6 val_loss=5.125" in out  # (1/4 + 10) / 2: the third evaluation on each rank
+    assert "ended: finished: 6 steps" in out
 
 
 def test_a_run_folder_that_exists_is_refused_on_every_rank_with_one_line(launches):

@@ -4,6 +4,7 @@ on in-memory token ids, on the CPU, with an injected overflow or NaN loss."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -163,57 +164,116 @@ def test_an_existing_csv_is_refused_before_any_step(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("poisoned", [False, True])
-def test_the_callback_reads_a_stock_steps_norm_skip_and_scale_in_one_host_read(poisoned):
-    # what a stock Trainer with Accelerate's GradScaler (fp16 on a GPU) shows the callback,
-    # driven by hand on the CPU: the post-clip norm, the found-inf flag and the updated scale
-    # come over together
-    from helpers import HostReads
-
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    optimizer.scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
-    callback = AmpGuardCallback()
+def _stock_step(handler, args, state, control, optimizer, model, *, poisoned: bool) -> float | None:
+    """One optimizer step as a stock Trainer takes it with Accelerate's GradScaler (fp16 on a GPU),
+    driven by hand on the CPU through HF's own CallbackHandler: ``accelerator.backward`` (the scaled
+    loss), ``clip_grad_norm_`` (its unscale), ``on_pre_optimizer_step``, ``AcceleratedOptimizer.step``
+    (the scaler's step and update), ``zero_grad``, then ``on_step_end`` with the new global step.
+    Returns the post-clip norm the optimizer saw (None when not finite)."""
     loss = model(torch.ones(3, 4)).sum() * (float("inf") if poisoned else 1.0)
     optimizer.scaler.scale(loss).backward()
-    optimizer.scaler.unscale_(optimizer)
-    callback.on_pre_optimizer_step(None, None, None, optimizer=optimizer)
+    optimizer.scaler.unscale_(optimizer.optimizer)  # what accelerator.clip_grad_norm_ does first
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
-    optimizer.scaler.step(optimizer)
-    optimizer.scaler.update()
-    with HostReads() as reads:
-        record = callback._watched(optimizer, 1)
-    assert reads.count == 1, reads.names
-    assert record.skipped == poisoned and record.scaler_scale == (4.0 if poisoned else 16.0)
-    assert record.grad_l2_post_clip == (None if poisoned else norm) and record.lr == 0.1
+    handler.on_pre_optimizer_step(args, state, control)
+    optimizer.step()
+    optimizer.zero_grad()
+    state.global_step += 1
+    handler.on_step_end(args, state, control)
+    return norm if math.isfinite(norm) else None
 
 
-def test_the_callback_on_a_stock_gradscaler_writes_its_summary_and_judges_the_scale(tmp_path):
-    # a stock Trainer's GradScaler has no floor: the monitor was given 0.0 and the scale's label
-    # divided by it (ZeroDivisionError in on_train_end: no summary.json, no RUN.md); it takes 1.0
-    from types import SimpleNamespace
+def _stock_trainer_parts(tmp_path, callback, model, *, init_scale: float, growth_interval: int = 2000):
+    """Real HF and Accelerate objects around ``callback``: TrainingArguments, TrainerState,
+    TrainerControl, an AcceleratedOptimizer holding a GradScaler, and HF's CallbackHandler."""
+    import accelerate
+    from accelerate.optimizer import AcceleratedOptimizer
+    from transformers import TrainerControl, TrainerState
+    from transformers.trainer_callback import CallbackHandler
+
+    args = TrainingArguments(str(tmp_path / "out"), use_cpu=True, max_grad_norm=1.0, report_to=[])
+    assert args.device.type == "cpu"  # (setting up its device resets Accelerate's state: the Accelerator comes after)
+    accelerate.Accelerator(cpu=True)  # Accelerate's process state, as the Trainer makes it (reset after the test)
+    state, control = TrainerState(), TrainerControl()
+    state.is_world_process_zero, state.global_step = True, 0
+    optimizer = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=False,
+                                     scaler=torch.amp.GradScaler("cpu", init_scale=init_scale,
+                                                                 growth_interval=growth_interval))
+    handler = CallbackHandler([callback], model, None, optimizer, None)
+    return args, state, control, optimizer, handler
+
+
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_the_callback_reads_a_stock_steps_norm_skip_and_scale_in_one_host_read(tmp_path, poisoned):
+    # the post-clip norm, the found-inf flag and the updated scale come over together, in on_step_end
+    from helpers import HostReads
+
+    from ampguard.integrations.transformers import WatchOnlyWarning
 
     model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    optimizer.scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    callback = AmpGuardCallback(out_dir=tmp_path, print_fn=lambda line: None)
-    args = SimpleNamespace(max_grad_norm=1.0, output_dir=str(tmp_path))
-    state = SimpleNamespace(is_world_process_zero=True, global_step=0)
-    control = SimpleNamespace(should_training_stop=False)
-    callback.on_train_begin(args, state, control, optimizer=optimizer)
-    for step in (1, 2, 3):  # every step overflows: 4 -> 2 -> 1 (the floor) -> 0.5
-        optimizer.scaler.scale(model(torch.ones(3, 4)).sum() * float("inf")).backward()
-        optimizer.scaler.unscale_(optimizer)
-        callback.on_pre_optimizer_step(args, state, control, optimizer=optimizer)
-        optimizer.scaler.step(optimizer)
-        optimizer.scaler.update()
-        optimizer.zero_grad()
-        state.global_step = step
-        callback.on_step_end(args, state, control, optimizer=optimizer)
-    callback.on_train_end(args, state, control)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["scale"] == "collapsing" and summary["max_skip_rate"] == 1.0 and (tmp_path / "RUN.md").exists()
+    callback = AmpGuardCallback(print_fn=lambda line: None)
+    args, state, control, optimizer, handler = _stock_trainer_parts(tmp_path, callback, model, init_scale=8.0,
+                                                                    growth_interval=1)
+    with pytest.warns(WatchOnlyWarning):
+        handler.on_train_begin(args, state, control)
+    before = [p.detach().clone() for p in model.parameters()]
+    on_step_end = handler.on_step_end
+
+    def counted(*a, **k):
+        with HostReads() as reads:
+            result = on_step_end(*a, **k)
+        counts.append(reads.count)
+        return result
+
+    counts: list[int] = []
+    handler.on_step_end = counted
+    norm = _stock_step(handler, args, state, control, optimizer, model, poisoned=poisoned)
+    assert counts == [1]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) == poisoned  # the scaler skipped it
+    handler.on_train_end(args, state, control)
+    [row] = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")  # <output_dir>/ampguard, from the real args
+    assert (row["step"], row["skipped"], row["lr"], row["loss"], row["grad_l2_pre_clip"]) == (
+        "1", "1" if poisoned else "0", "0.1", "", "")
+    assert row["scaler_scale"] == ("4.0" if poisoned else "16.0")  # after the real scaler's update
+    if poisoned:
+        assert (row["skip_reason"], row["grad_l2_post_clip"], norm) == ("non_finite_grad", "", None)
+    else:
+        assert row["skip_reason"] == "" and row["grad_l2_post_clip"] == repr(norm) and norm > 0
+    assert callback.monitor.steps == 1 and callback.monitor.updates == (0 if poisoned else 1)
+
+
+@pytest.mark.parametrize("fail_after", [None, 2])
+def test_the_callback_on_a_stock_gradscaler_writes_its_summary_and_judges_the_scale(tmp_path, fail_after):
+    # a stock Trainer's GradScaler has no floor: the monitor was given 0.0 and the scale's label
+    # divided by it (ZeroDivisionError in on_train_end: no summary.json, no RUN.md); it takes 1.0.
+    # With fail-fast on, the failure reaches the real TrainerControl.
+    from ampguard.integrations.transformers import WatchOnlyWarning
+
+    model = torch.nn.Linear(4, 2)
+    fail = {"fail_rate": 0.5, "fail_after": fail_after, "min_steps": 0} if fail_after else {}
+    callback = AmpGuardCallback(out_dir=tmp_path / "ag", print_fn=lambda line: None, **fail)
+    args, state, control, optimizer, handler = _stock_trainer_parts(tmp_path, callback, model, init_scale=4.0)
+    with pytest.warns(WatchOnlyWarning):
+        handler.on_train_begin(args, state, control)
+    stopped_at = []
+    for _ in (1, 2, 3):  # every step overflows: 4 -> 2 -> 1 (the floor) -> 0.5
+        _stock_step(handler, args, state, control, optimizer, model, poisoned=True)
+        if control.should_training_stop and not stopped_at:
+            stopped_at.append(state.global_step)
+    handler.on_train_end(args, state, control)
+    rows = read_rows(tmp_path / "ag" / "steps.csv")
+    assert [(r["step"], r["skipped"], r["skip_reason"], r["scaler_scale"]) for r in rows] == [
+        ("1", "1", "non_finite_grad", "2.0"), ("2", "1", "non_finite_grad", "1.0"),
+        ("3", "1", "non_finite_grad", "0.5")]
+    summary = json.loads((tmp_path / "ag" / "summary.json").read_text())
+    assert summary["scale"] == "collapsing" and summary["max_skip_rate"] == 1.0
+    assert (tmp_path / "ag" / "RUN.md").exists()
+    assert summary["steps"] == 3 and summary["updates"] == 0 and summary["guarded"] is False
     assert callback.monitor.min_scale == 1.0 and callback.monitor.opening == 0  # reached the floor: no search
+    if fail_after is None:
+        assert stopped_at == [] and summary["exit_code"] == 0 and summary["ended"] == "finished: 3 steps"
+    else:  # two steps above the 0.5 rate: the stop is asked at step 2 (a real Trainer then ends its loop)
+        assert stopped_at == [2] and summary["exit_code"] == 3, summary
+        assert summary["ended"].startswith("stopped by a guard at step 2: "), summary
 
 
 # ---------------------------------------------------------------- HF's groups, resume, evaluation
@@ -317,7 +377,8 @@ def test_a_resume_goes_on_at_the_checkpoints_step_with_its_scale_and_monitor(tmp
     assert (summary["steps"], summary["updates"], summary["skips"], summary["final_scale"]) == (
         4, 3, {"non_finite_grad": 1}, 512.0)
     events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
-    assert [(e["event"], e["step"]) for e in events][-2:] == [("resume", 2), ("run_end", 4)]
+    # 1 of the run's 4 steps skipped: above alert_rate, said at its end (too short to arm the rolling ALERT)
+    assert [(e["event"], e["step"]) for e in events][-3:] == [("resume", 2), ("skip_rate_alert", 4), ("run_end", 4)]
 
     # the state of an fp16 run does not fit a bf16 one: refused before anything is written
     bf16 = GuardedTrainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=4), train_dataset=token_ids())
