@@ -15,6 +15,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,10 +87,12 @@ class RunPaths:
         return cls(csv=run_dir / "steps.csv", dir=run_dir)
 
     @classmethod
-    def new_run_dir(cls, config: Config) -> RunPaths:
+    def new_run_dir(cls, config: Config, on_made: Callable[[RunPaths], None] | None = None) -> RunPaths:
         """Create the run folder ``log.dir/log.name`` (a timestamp by default), never reusing one,
         and write the effective config into it. When that fails it is one :class:`InputError`
         line, and every folder it created (``log.dir`` and its parents included) is removed again.
+        ``on_made`` is told the paths as soon as the folder exists (a caller that takes an unused
+        folder back after a Ctrl-C knows it even if the signal lands before this returns).
 
         Example (``log.dir`` under a file: nothing is left behind)::
 
@@ -127,6 +130,8 @@ class RunPaths:
                 folder.mkdir()
                 created.append(folder)
             paths = cls(csv=run_dir / "steps.csv", dir=run_dir, created=created)
+            if on_made is not None:
+                on_made(paths)
             paths.write_config(config)
         except (OSError, ValueError) as err:
             _remove_created(created)
@@ -159,8 +164,9 @@ class RunPaths:
         if not self.created or self.dir is None:
             return False
         try:
-            if {p.name for p in self.dir.iterdir()} - {"config.yaml", RUN_ID_FILE}:
-                return False
+            names = {p.name for p in self.dir.iterdir()}
+            if {n for n in names if not (n.startswith(".") and n.endswith(".tmp"))} - {"config.yaml", RUN_ID_FILE}:
+                return False  # (a write cut short leaves its .NAME.tmp: nothing of a run either)
         except OSError:
             return False
         _remove_created(self.created)

@@ -14,6 +14,7 @@ from . import distributed
 from .config import Config
 from .errors import ExitCode, InputError
 from .run_folder import RunPaths, RunResult
+from .signals import Interrupted
 from .trainer import Trainer
 
 
@@ -119,8 +120,7 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
             paths = RunPaths.existing(resume.run_dir)  # config.yaml: rewritten once the logs are open
             print(f"run folder: {paths.dir} (resuming from {resume.path.name}, step {resume.loaded.step})")
         else:
-            paths = RunPaths.new_run_dir(config)
-            made.append(paths)
+            paths = RunPaths.new_run_dir(config, on_made=made.append)
             print(f"run folder: {paths.dir}")
         return paths
 
@@ -129,8 +129,8 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
         result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume)
         distributed.barrier()  # ranks leave together, once rank 0 has written the run card
         return finish(result)
-    except InputError:  # refused while opening (a tracker's store gone since the check): leave nothing
-        if made and made[0].remove_unused():
+    except (InputError, KeyboardInterrupt, Interrupted):  # refused or stopped while opening: leave nothing
+        if made and made[0].remove_unused():  # (only a folder that holds nothing of a run)
             print(f"run folder: {made[0].dir} removed (nothing was run)")
         raise
     finally:

@@ -87,11 +87,35 @@ def test_signals_while_the_run_card_is_written_wait_for_it(tmp_path, signals):
     assert (run / "report.png").is_file()
 
 
-@pytest.mark.parametrize("delay", [0.3, 0.8, 1.5])
-def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, delay):
-    proc = _spawn(tmp_path, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000", "--set", "log.name=s")
-    time.sleep(delay)  # inside the imports (torch takes a second or more) or the building of the run
+PAUSE_IN_STARTUP = HERE / "pause_in_startup.py"
+
+
+@pytest.mark.parametrize("phase", ["torch_import", "building", "run_folder", "before_step_1"])
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, phase):
+    # each Ctrl-C lands in its phase every time: pause_in_startup.py holds the run there until the
+    # test has sent it (see its docstring for where each phase is)
+    marker, runs = tmp_path / "paused", tmp_path / "runs"
+    proc = _spawn(tmp_path, str(PAUSE_IN_STARTUP), str(marker), phase, "train", *LINEAR, "--set", "steps=100000",
+                  "--set", "log.name=s")
+    _wait_for(marker.exists, proc)
+    assert marker.read_text(encoding="utf-8") == f"{phase} {proc.pid}"
     proc.send_signal(signal.SIGINT)
+    marker.with_name("paused.go").write_text("go", encoding="utf-8")
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, out + err
     assert "Traceback" not in err
+    if phase in ("torch_import", "building"):  # held through the import, or before the run folder: nothing written
+        assert err == "ampguard: interrupted\n" and out == ""
+        assert not runs.exists()
+    elif phase == "run_folder":  # before the run's own handlers: it stops at once, no step, no logs
+        assert err == "ampguard: interrupted\n"
+        # the new folder held the config alone, nothing of a run: it is taken back (it was left behind,
+        # and a rerun with the same log.name was refused as "already exists")
+        assert out.splitlines()[-1] == "run folder: runs/s removed (nothing was run)", out
+        assert not runs.exists()
+    else:  # before_step_1: the run's handler holds it to the end of step 1, then closes it as a stop does
+        run = runs / "s"
+        assert err.splitlines()[-1] == "interrupted after step 1; 1 complete rows in runs/s/steps.csv", err
+        assert [r["step"] for r in _rows(run / "steps.csv")] == ["1"]
+        assert _card(run)["ended"] == "interrupted (Ctrl-C) after step 1"
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001.pt"]
