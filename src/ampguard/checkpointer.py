@@ -1192,12 +1192,20 @@ def _effective(config: dict[str, Any]) -> dict[str, Any]:
         >>> eff = _effective({"precision": "bf16", "fp8": {"recipe": "rowwise"}})
         >>> eff["scaler"]["enabled"], "fp8" in eff, "fp8" in _effective({"precision": "fp8", "fp8": {}})
         (False, False, True)
+        >>> _effective({"task": {"factory": "/old/project/my_model.py:build"}})["task"]  # moved: the same file
+        {'factory': 'my_model.py:build'}
     """
     scaler = dict(config.get("scaler") or {})
     if scaler.get("enabled") is None:
         scaler["enabled"] = uses_loss_scaler(config.get("precision"))
     fp8 = {"fp8": config["fp8"]} if config.get("precision") == "fp8" and "fp8" in config else {}
-    return {**{k: v for k, v in config.items() if k != "fp8"}, "scaler": scaler, **fp8}
+    task = dict(config.get("task") or {})
+    factory = task.get("factory")
+    if isinstance(factory, str):  # a file is the same file wherever the folder now is: its name and function
+        target, sep, attr = factory.rpartition(":")
+        if sep and (target.endswith(".py") or "/" in target):
+            task["factory"] = f"{Path(target).name}:{attr}"
+    return {**{k: v for k, v in config.items() if k not in ("fp8", "task")}, "task": task, "scaler": scaler, **fp8}
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -733,8 +733,8 @@ class TaskConfig(_Section):
     factory: str | None = None
     """Your own workload instead: ``"package.module:build"`` or ``"path/to/file.py:build"``
     (see the README); ``build(config)`` returns the model, the data and the loss function. A
-    relative file path that exists is made absolute when the config is read, so the run folder's
-    ``config.yaml`` (what ``--resume`` reads) finds it from any folder."""
+    relative file path is read from the folder the command runs in; a resume elsewhere gives the
+    file's path there (``--resume`` compares the file's name and the function, not the folder)."""
     options: dict[str, Any] = {}
     """Free-form settings for your factory (``config.task.options``)."""
 
@@ -743,11 +743,6 @@ class TaskConfig(_Section):
     def _factory(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():  # (it would read as "no factory": the built-in task)
             raise ValueError("must be module:function or path/to/file.py:function, not an empty string")
-        target, sep, attr = (v or "").rpartition(":")
-        if sep and (target.endswith(".py") or "/" in target):
-            path = Path(target).expanduser()
-            if not path.is_absolute() and path.is_file():
-                return f"{path.resolve()}:{attr}"
         return v
     batch_size: Count = 32
     """Examples per micro-batch."""

@@ -306,28 +306,40 @@ def test_example_my_model_relative_path_reaches_accuracy(cli, tmp_path, monkeypa
     assert sorted(p.name for p in (ROOT / "examples").iterdir()) == before  # nothing written into the repo
 
 
-def test_a_relative_factory_path_is_kept_absolute_so_a_resume_from_another_folder_finds_it(cli, tmp_path,
-                                                                                            monkeypatch):
-    # walkthrough: config.yaml kept "my_model.py:build" as given; a resume from any other folder
-    # failed with "task.factory: no such file my_model.py"
+def test_a_run_with_a_relative_factory_path_resumes_from_its_folder_and_from_elsewhere_given_the_path(
+        cli, tmp_path, monkeypatch):
+    # walkthrough: a resume from another folder failed "no such file my_model.py" with no way on (the
+    # path was a fixed setting); review: making the path absolute broke existing and moved run folders
     here = tmp_path / "here"
     here.mkdir()
     (here / "my_model.py").write_text(EXAMPLE.read_text(encoding="utf-8"), encoding="utf-8")
     monkeypatch.chdir(here)
     code, _, err = cli("train", "--set", "task.factory=my_model.py:build", "--set", "steps=4", "--set", "eval.every=0",
-                       "--set", "checkpoint.every=2", "--set", "log.dir=runs", "--set", "log.name=f")
+                       "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5", "--set", "log.dir=runs",
+                       "--set", "log.name=f")
     assert code == 0, err
     run = here / "runs" / "f"
-    saved = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))["task"]["factory"]
-    assert saved == f"{here / 'my_model.py'}:build"
+    assert yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))["task"]["factory"] == "my_model.py:build"
     rows = read_csv(run / "steps.csv")[1]
-    monkeypatch.chdir(tmp_path)  # elsewhere
+    code, _, err = cli("train", "--resume", run / "checkpoints" / "step-00000002.pt")  # from its own folder
+    assert code == 0, err
+    assert read_csv(run / "steps.csv")[1] == rows
+
+    moved = tmp_path / "moved"
+    here.rename(moved)  # the project moved (a copy on another machine, a scratch folder)
+    monkeypatch.chdir(tmp_path)
+    run = moved / "runs" / "f"
     code, _, err = cli("train", "--resume", run / "checkpoints" / "step-00000002.pt")
+    assert code == 2 and err.strip() == (
+        f"ampguard: error: task.factory: no such file my_model.py (relative to {tmp_path}); run from the folder the "
+        "path is relative to, or give the file's path here: --set task.factory=PATH:build")
+    code, _, err = cli("train", "--resume", run / "checkpoints" / "step-00000002.pt",
+                       "--set", f"task.factory={moved / 'my_model.py'}:build")  # the same file, here: not a change
     assert code == 0, err
     assert read_csv(run / "steps.csv")[1] == rows  # the same run, bit for bit
-    code, _, err = cli("train", "--set", "task.factory=my_model.py:build", "--set", "steps=1")  # not here
-    assert code == 2 and err.strip() == (f"ampguard: error: task.factory: no such file my_model.py (relative to "
-                                         f"{tmp_path})")
+    code, _, err = cli("train", "--resume", run / "checkpoints" / "step-00000002.pt",
+                       "--set", f"task.factory={moved / 'my_model.py'}:other")
+    assert code == 2 and "task.factory was 'my_model.py:build'" in err, err
 
 
 def test_example_my_model_absolute_path_fp32(tmp_path):

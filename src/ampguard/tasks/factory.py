@@ -63,7 +63,8 @@ def load_factory(spec: str) -> Callable[..., Any]:
             path = Path(target)
             if not path.is_file():
                 where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
-                raise InputError(f"task.factory: no such file {path}{where}")
+                raise InputError(f"task.factory: no such file {path}{where}; run from the folder the path "
+                                 f"is relative to, or give the file's path here: --set task.factory=PATH:{attr}")
             name = f"_ampguard_factory_{abs(hash(str(path.resolve())))}"
             module_spec = importlib.util.spec_from_file_location(name, path)
             assert module_spec is not None and module_spec.loader is not None
