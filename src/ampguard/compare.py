@@ -28,7 +28,7 @@ from .errors import ExitCode, InputError, first_line
 from .monitor import RunMonitor
 from .precision import Precision
 from .records import LABEL_COLUMNS
-from .report import (Row, _linear_y, _number, check_plot_path, finite_points, policy_changes_of,
+from .report import (Row, _linear_y, _number, check_plot_path, finite_points, is_png, policy_changes_of,
                      read_steps_and_columns, replay, rolling_skip_rate, shown)
 
 if TYPE_CHECKING:
@@ -118,11 +118,12 @@ def load_run(path: str | Path) -> RunSummary:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
     scaler_on = Precision(config.precision, "cpu").uses_scaler if config.scaler.enabled is None else config.scaler.enabled
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
+    ended = _ended(folder / "RUN.md")
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy_changes_of(folder),
-                     steps=config.steps)
+                     steps=config.steps if ended.startswith("finished: ") else None)
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
-    return RunSummary(shown(folder.name), folder, config, rows, monitor, _ended(folder / "RUN.md"))
+    return RunSummary(shown(folder.name), folder, config, rows, monitor, ended)
 
 
 def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
@@ -310,7 +311,14 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     partial = png.with_name(f".{png.name}.{os.getpid()}.partial")
     try:
         fig.savefig(partial, dpi=DPI, format="png")
-        os.replace(partial, png)
+        if png.exists() or png.is_symlink():  # an earlier plot: drawn again, if it still is one
+            if not is_png(png):
+                raise InputError(f"compare: --out {png} exists and is not a PNG; refusing to overwrite it")
+            os.replace(partial, png)
+        else:
+            os.link(partial, png)  # fails if something appeared there meanwhile: never replaced
+    except FileExistsError:
+        raise InputError(f"compare: --out {png} already exists; refusing to overwrite it") from None
     except OSError as err:
         raise InputError(f"compare: --out {png}: cannot write the plot ({err.strerror or err})") from None
     except (ValueError, OverflowError) as err:  # matplotlib's axes: values spanning more than a float holds
@@ -357,6 +365,8 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
     """
     png = Path(out) if out is not None else None
     if png is not None:
+        if png.name == "report.png" and (png.parent / "steps.csv").is_file():  # a PNG, but the run's own plot
+            raise InputError(f"compare: --out {png} is the plot of the run in {png.parent}; name another file")
         check_plot_path(png, None, verb="compare")
     runs = load_runs(paths)
     if png is not None:

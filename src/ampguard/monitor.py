@@ -853,14 +853,17 @@ class RunMonitor:
         return events
 
     def at_end(self, step: int) -> list[Event]:
-        """The run ended at ``step`` (its last): what its steps show that the rolling rules had no
-        time to. A run shorter than ``min_steps`` never armed the ALERT, and one shorter than
-        ``fail_after`` could not fail fast, however many of its steps skipped:
+        """The run ended at ``step`` (its last, trained to the end): what its steps show that the
+        rolling rules had no time to. A run shorter than ``min_steps`` never armed the ALERT, and
+        one shorter than ``fail_after`` could not fail fast, however many of its steps skipped.
+        Judged over the whole run (:attr:`steps`, :attr:`skips`: a rollback's fresh window, or a
+        window shorter than the run, does not narrow it), the fp16 scaler's opening search set
+        aside as the rolling rate sets it aside:
 
-        - its judged skip rate above ``alert_rate`` with the ALERT never armed raises one ALERT
-          for the whole run (an episode);
-        - with ``fail_rate``, every one of its judged steps (fewer than ``fail_after``) above it
-          fails the run (cause :data:`FAIL_SKIP_RATE`): the whole run is the evidence.
+        - its skip rate above ``alert_rate`` in a run shorter than ``min_steps`` raises one ALERT
+          (an episode);
+        - with ``fail_rate``, a run shorter than ``fail_after`` whose rolling rate was above it at
+          every step fails (cause :data:`FAIL_SKIP_RATE`): the whole run is the evidence.
 
         Example (a 30-step run that skipped every step, with the defaults' min_steps and fail_after 100)::
 
@@ -876,21 +879,23 @@ class RunMonitor:
             >>> print(m.failed.message)
             skip rate above fail_rate 0.5 at every one of the run's 30 steps (it ended before fail_after 100 consecutive steps)
         """
-        judged, rate = self.skip_window.count, self.judged_skip_rate
+        aside = self.opening  # the scaler's opening search (0 once it reached the floor: then it counts)
+        judged, skipped = self.steps - aside, sum(self.skips.values()) - aside
         events: list[Event] = []
-        if judged == 0:
+        if judged <= 0:
             return events
+        rate = skipped / judged
         data = {"skip_rate": rate, "window": self.window}
-        if not self.alert_armed and not self.alerting and rate > self.alert_rate:
+        if self.steps < self.min_steps and not self.alerting and rate > self.alert_rate:
             self.alerting = True
             self.alert_episodes += 1
             events.append(Event(step, "skip_rate_alert", (
                 f"skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over the run's {judged} steps, which "
                 f"ended before the rolling ALERT armed (monitor.min_steps {self.min_steps})"), data))
-        if (self.failed is None and self.fail_rate is not None and judged < self.fail_after
-                and self.above_fail >= judged):
+        if (self.failed is None and self.fail_rate is not None and self.steps < self.fail_after
+                and self.above_fail >= self.steps):
             self.failed = Event(step, "fail", (
-                f"skip rate above fail_rate {self.fail_rate:g} at every one of the run's {judged} steps "
+                f"skip rate above fail_rate {self.fail_rate:g} at every one of the run's {self.steps} steps "
                 f"(it ended before fail_after {self.fail_after} consecutive steps)"), data, cause=FAIL_SKIP_RATE)
             events.append(self.failed)
         return events

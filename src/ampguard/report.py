@@ -234,7 +234,9 @@ config key, and the :class:`RunMonitor` attribute it sets."""
 def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
     """The run's policy changes on resume that a replay follows (:data:`REPLAYED_POLICY`), from its
     ``events.jsonl`` in the order they were made: each ``{key, old, new, step}``, applied from
-    ``step + 1``. None without the file; a line that is no JSON object (a torn last line) is passed over.
+    ``step + 1``. A ``resume`` at step s abandons what came after s, so the changes made before it
+    at s or later go (that future was trained again without them). None without the file; a line
+    that is no JSON object (a torn last line) is passed over.
 
     Example::
 
@@ -246,6 +248,10 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
         >>> _ = (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\\n" for e in events) + '{"step": 9')
         >>> policy_changes_of(folder)
         [{'step': 8, 'event': 'policy_change', 'key': 'max_norm', 'old': 1.0, 'new': 2.0}]
+        >>> with (folder / "events.jsonl").open("a") as f:  # then a resume from step 4: the change at 8 is gone
+        ...     _ = f.write("\\n" + json.dumps({"step": 4, "event": "resume"}) + "\\n")
+        >>> policy_changes_of(folder)
+        []
         >>> shutil.rmtree(folder)
     """
     import json
@@ -260,8 +266,12 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
             event = json.loads(line)
         except ValueError:
             continue
-        if (isinstance(event, dict) and event.get("event") == "policy_change" and event.get("key") in REPLAYED_POLICY
-                and isinstance(event.get("step"), int) and "old" in event and "new" in event):
+        if not isinstance(event, dict) or not isinstance(event.get("step"), int):
+            continue
+        if event.get("event") == "resume":
+            changes = [change for change in changes if change["step"] < event["step"]]
+        elif (event.get("event") == "policy_change" and event.get("key") in REPLAYED_POLICY
+              and "old" in event and "new" in event):
             changes.append(event)
     return changes
 
@@ -286,12 +296,38 @@ def _policy_at(changes: list[dict[str, Any]], step: int) -> dict[str, Any]:
     return values
 
 
+CARD_FILE = "RUN.md"
+
+
+def finished(card: Path) -> bool:
+    """Whether a run card says its run trained to the end (``**finished: N steps**``): only then
+    does a replay judge the run whole, as the run did (a stop, even at the last step, did not).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     card = Path(d) / "RUN.md"
+        ...     missing = finished(card)
+        ...     _ = card.write_text("# Run a\\n\\n**finished: 20 steps**\\n")
+        ...     done = finished(card)
+        ...     _ = card.write_text("# Run a\\n\\n**strict mode: non-finite loss at step 5**\\n")
+        ...     missing, done, finished(card)
+        (False, True, False)
+    """
+    try:
+        text = card.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return any(line.strip().startswith("**finished: ") for line in text.splitlines())
+
+
 def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: list[dict[str, Any]] = (),
            steps: int | None = None, **monitor_args: Any) -> RunMonitor:
     """Feed CSV rows through a :class:`RunMonitor` (``monitor``, or one made of ``monitor_args``):
     the same statistics the live run kept. ``policy`` (:func:`policy_changes_of`) sets the
-    thresholds each step ran under, where a resume changed them. Rows that reach the run's
-    ``steps`` are a run that ended there: the monitor judges it whole, as the run did
+    thresholds each step ran under, where a resume changed them. With ``steps`` (a run that
+    trained to the end: :func:`finished`), rows that reach it are judged whole, as the run was
     (:meth:`~ampguard.monitor.RunMonitor.at_end`).
 
     Example (``monitor_args`` are :class:`RunMonitor`'s; max_norm 1, then 4 from step 3)::
@@ -808,7 +844,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                      scaler_enabled=scaler_on, init_scale=init_scale, min_scale=min(config.scaler.min_scale, init_scale),
                      min_steps=config.monitor.min_steps if min_steps is None else min_steps,
                      fail_after=config.monitor.fail_after, policy=policy,
-                     steps=config.steps if config_path.is_file() else None)
+                     steps=config.steps if finished(csv_path.parent / CARD_FILE) else None)
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
     plot_run(csv_path, png, **settings, title=title, headroom=headroom_beside(csv_path),
@@ -824,6 +860,24 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
 
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def is_png(path: Path) -> bool:
+    """Whether ``path`` is a file that begins as a PNG does (unreadable: no).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = (Path(d) / "a.png").write_bytes(PNG_MAGIC + b"..."); _ = (Path(d) / "b.png").write_text("no")
+        ...     is_png(Path(d) / "a.png"), is_png(Path(d) / "b.png"), is_png(Path(d) / "c.png")
+        (True, False, False)
+    """
+    try:
+        with path.open("rb") as f:
+            return f.read(len(PNG_MAGIC)) == PNG_MAGIC
+    except OSError:
+        return False
 
 
 def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, verb: str = "report") -> None:
@@ -867,6 +921,8 @@ def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, ver
                          else f"{where}: {parent} is not a folder")
     if png.is_dir():
         raise InputError(f"{where} is a folder")
+    if png.is_symlink():  # (dangling or not: what it points at is not the plot's to replace)
+        raise InputError(f"{where} is a symbolic link; refusing to overwrite it")
     if png.exists():
         if csv_path is not None and png.resolve() == csv_path.resolve():
             raise InputError(f"{where} is the CSV itself; refusing to overwrite it")

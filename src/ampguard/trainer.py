@@ -239,7 +239,7 @@ class Trainer:
         last checkpoint, close: the :class:`RunResult` (and, with a run folder, its card and plot).
         """
         self._open()
-        first_step = self.state.steps
+        first_step = self._first_step = self.state.steps
         with stop_on_signals() as stop:
             self.stop_flag, clean, stopped = stop, True, None
             try:
@@ -297,8 +297,11 @@ class Trainer:
         (:meth:`~ampguard.monitor.RunMonitor.at_end`: a run too short to arm the ALERT or to fail
         fast is not waved through)."""
         events = self.monitor.at_end(self.state.steps)
-        for event in events:
-            self.events.emit(event.as_dict(), event_word(event.kind))
+        if self.state.steps > self._first_step:  # (a resumed run that had finished logged them when it did:
+            for event in events:                 #  its last checkpoint is saved after this judgement)
+                self.events.emit(event.as_dict(), event_word(event.kind))
+            if events:
+                self.sinks.observe(self.monitor, events)  # the tracker sinks: last_alert, events.<kind>
         failed = self.monitor.failed
         if failed is None or not events or failed is not events[-1]:
             return None

@@ -356,3 +356,20 @@ def test_train_with_tensorboard_missing_exits_2_and_writes_nothing(train, tmp_pa
     # Bad input leaves nothing behind: the check comes before the run folder is made.
     assert not run_dir.exists()
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_end_of_a_run_is_judged_once_and_only_for_a_run_that_trained_to_it(train):
+    # review: a run stopped at its last step (strict) has no end judgement, and report must not add one
+    code, out, err, run = train("st", "--set", "steps=5", "--inject", "nan_loss@5", "--strict")
+    assert code == 3 and "ALERT" not in out, out
+    assert "| skip-rate alert episodes | 0 |" in (run / "RUN.md").read_text(encoding="utf-8")
+    assert "alert episodes 0," in ag("report", run, "--out", run / "again.png")[1]
+    # a resume of a run that had finished trains nothing and logs its end judgement no second time
+    code, out, err, run = train("twice", "--set", "steps=10", "--inject", "nan_loss@every:1",
+                                "--set", "monitor.fail_rate=0.5", "--set", "checkpoint.every=5")
+    assert code == 3, err
+    kinds = lambda: [e["event"] for e in read_events(run / "events.jsonl") if e["event"] in ("fail", "skip_rate_alert")]  # noqa: E731
+    assert kinds() == ["skip_rate_alert", "fail"]
+    code, out, err = ag("train", "--resume", run)
+    assert code == 3 and "ended: stopped by the guard at the end of the run (step 10)" in out, out + err
+    assert kinds() == ["skip_rate_alert", "fail"]  # (the guard's stop saved step 10: nothing trained again)

@@ -149,3 +149,16 @@ def test_report_and_compare_replay_each_step_under_the_max_norm_it_ran_with(fp16
     table = ok(ag("compare", run, other))
     row = next(line for line in table.splitlines() if line.startswith("| clip rate"))
     assert row.split("|")[2].strip().startswith(rate), row
+
+
+def test_the_replay_drops_the_policy_changes_of_a_future_a_resume_abandoned(tmp_path):
+    # review: max_norm 100 -> 0.01 at step 8, then a resume from step 4 at max_norm 100 trained 5..16 again
+    # without the change; report and compare still applied it and read a clip rate the run card did not have
+    base = [*BASE, "--set", "precision=fp32", "--set", "checkpoint.every=4", "--set", "checkpoint.keep=10"]
+    ok(train(tmp_path, "p", *base, "--set", "steps=8", "--set", "max_norm=100"))
+    run = tmp_path / "p"
+    ok(ag("train", "--resume", run, "--set", "steps=16", "--set", "max_norm=0.01"))
+    ok(ag("train", "--resume", run / "checkpoints" / "step-00000004.pt", "--set", "max_norm=100"))
+    card = _card_row(run, "clip rate (whole run)")
+    assert "(0 of 16 steps had pre-clip norm > max_norm)" in card  # max_norm 100 throughout the surviving run
+    assert "clip rate 0.000," in ok(ag("report", run))

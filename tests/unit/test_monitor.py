@@ -1266,3 +1266,28 @@ def test_at_end_does_not_fail_a_run_again_or_one_long_enough_for_fail_after():
     assert m.failed is not None and m.failed.step == 3
     assert [e.kind for e in m.at_end(5)] == ["skip_rate_alert"]  # the failure stands as it was
     assert m.failed.step == 3
+
+
+def test_at_end_judges_the_whole_run_not_a_rollbacks_fresh_window_nor_a_short_window():
+    # review: after a rollback at step 95 one skip in the 5 steps since read "0.200 over the run's 5 steps"
+    m = _fed([False] * 95)
+    m.restart_windows()
+    for record in records_for([False] * 95 + [True] + [False] * 4)[95:]:
+        m.observe(record)
+    assert m.steps == 100 and m.at_end(100) == []  # 1 of 100: nothing to say
+    # a window of 10 under min_steps 100: 2 skips in 40 steps is 0.05, not above (the window read 0.2)
+    m = _fed([False] * 37 + [True, True, False], window=10)
+    assert m.skip_rate == 0.2 and m.at_end(40) == []
+
+
+def test_at_end_sets_the_fp16_opening_search_aside_as_the_rolling_rate_does():
+    def search(step, scale):  # an opening overflow: the scaler halving from init_scale
+        return skip_record(step, scale=scale)
+
+    m = RunMonitor(init_scale=2.0**16)
+    records = [search(s, 2.0**(16 - s)) for s in (1, 2, 3)] + [step_record(s, scale=2.0**13) for s in range(4, 11)]
+    for record in records:
+        m.observe(record)
+    assert sum(m.skips.values()) == 3 and m.at_end(10) == []  # 3 opening halvings: the search, not failures
+    m.observe(skip_record(11, scale=2.0**12))  # a later overflow counts: 1 of 8 judged steps
+    assert [e.message.split(" > ")[0] for e in m.at_end(11)] == ["skip rate 0.125"]
