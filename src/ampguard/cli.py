@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import math
@@ -11,7 +12,7 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError
@@ -192,8 +193,9 @@ def _config_from(
     """The effective, validated config of CONFIG, --set, --inject and the flags that fill sections."""
     from .config import load_config
 
-    inject = [f for f in getattr(args, "inject", None) or [] if f != "none"]
-    return load_config(args.config, args.set, base=base, inject=inject, sections=sections)
+    given = getattr(args, "inject", None) or []
+    inject = [f for f in given if f != "none"]
+    return load_config(args.config, args.set, base=base, inject=inject, no_inject="none" in given, sections=sections)
 
 
 # ---------------------------------------------------------------------------- main
@@ -260,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fault_help = (
         "inject a fault, KIND@WHEN (repeatable): KIND is inf_grad, nan_grad, nan_loss, spike (targets x 1e8) "
-        "or nan_input; WHEN is 5, 5,9,12, every:10 or rate:0.05; 'none' injects nothing"
+        "or nan_input; WHEN is 5, 5,9,12, every:10 or rate:0.05; 'none' injects nothing (not even the config's)"
     )
 
     demo = verbs.add_parser(
@@ -469,9 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # `ulimit -f` reached: a write error (disk full), not a kill
-    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
-        # a path whose name is not UTF-8 is printed as its bytes, as `ls` does (and Python in the C locale)
-        sys.stdout.reconfigure(errors="surrogateescape")
+    undo = _paths_as_bytes()
     try:
         args = build_parser().parse_args(argv)
         with held_signals():  # a signal inside torch's import could be swallowed or break numpy
@@ -500,3 +500,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a path the user gave has a part over the file system's limit (255 bytes): bad input
         print(f"ampguard: error: file name too long: {err.filename!r}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    finally:
+        undo()
+
+
+def _paths_as_bytes() -> Callable[[], None]:
+    """Print a path whose name is not UTF-8 as its bytes, as ``ls`` does (and Python in the C
+    locale), not as a ``UnicodeEncodeError``: stdout's ``errors`` becomes ``surrogateescape``
+    where it was ``strict``. Returns what puts it back (``main()`` runs in-process too)."""
+    stream = sys.stdout
+    if getattr(stream, "errors", None) != "strict" or not hasattr(stream, "reconfigure"):
+        return lambda: None
+    stream.reconfigure(errors="surrogateescape")
+
+    def undo() -> None:
+        with contextlib.suppress(OSError, ValueError):  # (a reader that left, a closed stream)
+            stream.reconfigure(errors="strict")
+
+    return undo

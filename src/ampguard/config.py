@@ -1043,11 +1043,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
-                base: dict[str, Any] | None = None, inject: list[str] | None = None,
+                base: dict[str, Any] | None = None, inject: list[str] | None = None, no_inject: bool = False,
                 sections: dict[str, dict[str, Any]] | None = None) -> Config:
     """The effective config: the file at ``path`` (or ``base``, or the defaults), then ``--set``
-    overrides, then ``inject`` specs added to the file's, then ``sections`` merged into their
-    sections (flags such as ``--fail-skip-rate`` -> ``monitor.fail_rate``). What every verb reads.
+    overrides, then ``inject`` specs added to the file's (``no_inject``: in place of them, as
+    ``--inject none`` asks), then ``sections`` merged into their sections (flags such as
+    ``--fail-skip-rate`` -> ``monitor.fail_rate``). What every verb reads.
 
     Example::
 
@@ -1056,9 +1057,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         >>> c = load_config(base={"inject": ["nan_loss@3"]}, inject=["spike@5"], sections={"monitor": {"fail_rate": 0.5}})
         >>> c.inject, c.monitor.fail_rate
         (['nan_loss@3', 'spike@5'], 0.5)
+        >>> load_config(base={"inject": ["nan_loss@3"]}, no_inject=True).inject
+        []
     """
     data = read_file(path) if path is not None else dict(base or {})
     data = apply_overrides(data, overrides or [])
+    if no_inject:
+        data["inject"] = []
     if inject:
         data["inject"] = list(data.get("inject") or []) + list(inject)
     for section, values in (sections or {}).items():

@@ -162,13 +162,13 @@ def check_steps(faults: Iterable[Fault], steps: int) -> None:
         >>> check_steps([parse_fault("inf_grad@500")], steps=20)
         Traceback (most recent call last):
         ...
-        ValueError: fault 'inf_grad@500' never fires: the run has 20 steps (config steps; a step counts optimizer steps, not micro-batches)
+        ValueError: fault 'inf_grad@500' never fires: the run has 20 steps (config steps; a step counts optimizer steps, not micro-batches); drop it: --inject none, or --set inject=[...]
     """
     for fault in faults:
         first = fault.every if fault.every is not None else min(fault.steps, default=None)
         if fault.rate is None and first is not None and first > steps:
             raise ValueError(f"fault {fault.spec()!r} never fires: the run has {steps} steps (config steps; a step "
-                             "counts optimizer steps, not micro-batches)")
+                             "counts optimizer steps, not micro-batches); drop it: --inject none, or --set inject=[...]")
 
 
 def parse_faults(specs: Iterable[str], *, seed: int, steps: int, world_size: int = 1) -> list[Fault]:

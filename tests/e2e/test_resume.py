@@ -592,3 +592,15 @@ def test_resume_names_what_it_was_given_when_it_is_no_run(tmp_path, snapshot):
     line = one_error_line(ag("train", "--resume", tmp_path / "B"))
     assert line == f"ampguard: error: --resume: no such run folder or checkpoint file: {tmp_path / 'B'}"
     assert snapshot(tmp_path) == before  # nothing written
+
+
+def test_a_resume_that_ends_before_the_configs_fault_names_the_way_on(tmp_path):
+    # review: lowering steps below a fault of config.yaml was refused with no way out named, and
+    # `--inject none` (its help: "injects nothing") left the file's faults in place
+    ok(train(tmp_path, "A", *LINEAR, "--set", "steps=8", "--set", "checkpoint.every=3", "--inject", "spike@6"))
+    ckpt = tmp_path / "A" / "checkpoints" / "step-00000003.pt"
+    line = one_error_line(ag("train", "--resume", ckpt, "--set", "steps=5"))
+    assert line.endswith("fault 'spike@6' never fires: the run has 5 steps (config steps; a step counts optimizer "
+                         "steps, not micro-batches); drop it: --inject none, or --set inject=[...]"), line
+    out = ok(ag("train", "--resume", ckpt, "--set", "steps=5", "--inject", "none"))
+    assert "ended: finished: 5 steps" in out and "SKIP" not in out
