@@ -333,3 +333,56 @@ def test_no_module_of_ampguard_imports_a_tracker_when_it_is_imported():
                 (top_level.append(f"{path.name}:{node.lineno}") if node in body else None)
                 lazy += node not in body
     assert not top_level and lazy > 0  # the sinks do import them, lazily
+
+
+def test_the_end_of_run_alert_reaches_the_trackers(tracked):
+    # review: the ALERT a run too short for the rolling rule gets at its end (1 of 4 steps skipped) went
+    # to events.jsonl only; the trackers' last_alert / events.<kind> never heard of it
+    client = MlflowClient(tracking_uri=tracked.store)
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                              filter_string=f"tags.`{RUN_ID_TAG}` = '{tracked.run_id}'")
+    tags = runs[-1].data.tags
+    assert tags["ampguard.events.skip_rate_alert"] == "4"
+    assert tags["ampguard.last_alert"].startswith("step 4: skip rate 0.250 > alert_rate 0.05 over the run's 4 steps")
+
+
+@pytest.mark.parametrize(("status", "reached"), [(200, True), (404, False)])
+def test_the_servers_answer_decides_and_the_environment_is_left_alone(monkeypatch, status, reached):
+    # review: the probe set MLFLOW_HTTP_REQUEST_* in os.environ for every thread; its retries and
+    # timeout are now the request's own. A server that answers the search is reached; one that
+    # answers 404 (no MLflow there) is refused in one line
+    import http.server
+    import threading
+
+    from ampguard.errors import InputError
+    from ampguard.integrations.trackers import mlflow_client, reach_server
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = b'{"experiments": []}'
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")  # the user's own: read, never changed
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = mlflow_client(f"http://127.0.0.1:{server.server_address[1]}")
+        if reached:
+            reach_server(client)
+        else:
+            monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            with pytest.raises(InputError, match="^log.mlflow: cannot reach the tracking server http://127.0.0.1:"):
+                reach_server(client)
+    finally:
+        server.shutdown()
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7"
+    assert ("MLFLOW_HTTP_REQUEST_MAX_RETRIES" in os.environ) == (not reached)

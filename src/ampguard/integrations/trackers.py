@@ -555,7 +555,9 @@ def reach_server(client: Any) -> None:
     """A tracking server (an ``http``/``https`` store) answers one request, before the run writes
     anything; else one :class:`InputError` line. The store objects of a URI are made without a
     request, so an address nobody answers otherwise fails only at the run's first call, after the
-    run folder was made. Other stores (files, a database) opened in :func:`mlflow_client`.
+    run folder was made. Other stores (files, a database) opened in :func:`mlflow_client`. The
+    request's retries and timeout are its own arguments (the user's ``MLFLOW_HTTP_REQUEST_*``
+    when set, else :data:`PROBE_RETRIES`, :data:`PROBE_TIMEOUT_S`): the environment is left alone.
 
     Example::
 
@@ -567,16 +569,16 @@ def reach_server(client: Any) -> None:
     uri = client.tracking_uri
     if urlparse(uri).scheme not in ("http", "https"):
         return
-    bounded = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(PROBE_RETRIES), "MLFLOW_HTTP_REQUEST_TIMEOUT": str(PROBE_TIMEOUT_S)}
-    bounded = {key: value for key, value in bounded.items() if key not in os.environ}
-    os.environ.update(bounded)
+    from mlflow.utils.rest_utils import http_request
+
+    retries = int(os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", PROBE_RETRIES))
+    timeout = int(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", PROBE_TIMEOUT_S))
     try:
-        client.search_experiments(max_results=1)
+        response = http_request(client._tracking_client.store.get_host_creds(), "/api/2.0/mlflow/experiments/search",
+                                "POST", max_retries=retries, timeout=timeout, json={"max_results": 1})
+        response.raise_for_status()
     except Exception as err:  # noqa: BLE001 - refused, timed out, not an MLflow server: one line
         raise InputError(f"log.mlflow: cannot reach the tracking server {uri}: {first_line(err)}") from None
-    finally:
-        for key in bounded:
-            os.environ.pop(key, None)
 
 
 def check_trackers(config: Config) -> None:
