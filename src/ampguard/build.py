@@ -224,7 +224,7 @@ def prepare_model(config: Config, model: nn.Module, precision: str | None = None
         >>> prepare_model(validate({"precision": "fp8"}), nn.Sequential(nn.Linear(3, 1)))
         Traceback (most recent call last):
         ...
-        ampguard.errors.InputError: precision: fp8: no Linear layer can train in fp8 (0: first layer); set fp8.keep_first_last false, or use bf16
+        ampguard.errors.InputError: precision: fp8: no Linear layer can train in fp8 (0: first layer); use bf16
     """
     if (precision or config.precision) != "fp8":
         return model

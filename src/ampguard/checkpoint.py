@@ -303,11 +303,11 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
 
 def load_weights(model: torch.nn.Module, path: str | os.PathLike,
-                 map_location: str | torch.device = "cpu", *, task: str | None = None) -> dict[str, Any]:
+                 map_location: str | torch.device = "cpu", *, task: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Load a checkpoint's model weights into ``model`` (one line of :class:`InputError` when the
     file is unusable or the weights do not fit, saying how: :func:`misfit`; with ``task``, the
-    name of the task the model is built for, also which task the checkpoint was of when another);
-    return the whole payload.
+    config's ``task`` section the model is built from, also which task the checkpoint was of when
+    another: :func:`other_task`); return the whole payload.
 
     Example::
 
@@ -334,12 +334,44 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike,
         model.load_state_dict(payload["model"])
     except (RuntimeError, TypeError, ValueError, KeyError) as err:
         how = misfit(model.state_dict(), payload["model"]) or first_line(err)
-        saved = payload["config"].get("task", {}) if isinstance(payload["config"], Mapping) else {}
-        was = saved.get("name") if isinstance(saved, Mapping) else None
-        other = (f"; it is a checkpoint of task {was}, this config's is {task}: pass that run's config.yaml, or "
-                 f"--set task.name={was}") if task is not None and isinstance(was, str) and was != task else ""
-        raise InputError(f"{path}: does not fit this model ({how}){other}") from None
+        saved = payload["config"].get("task") if isinstance(payload["config"], Mapping) else None
+        raise InputError(f"{path}: does not fit this model ({how}){other_task(saved, task)}") from None
     return payload
+
+
+def other_task(saved: Any, now: Mapping[str, Any] | None) -> str:
+    """When a checkpoint's ``task`` section (``saved``) names another workload than the config's
+    (``now``): which, and how to ask for it; else "". A factory is the workload when set.
+
+    Example::
+
+        >>> other_task({"name": "digits"}, {"name": "charlm"})
+        "; it is a checkpoint of task digits, this config's is charlm: pass that run's config.yaml, or --set task.name=digits"
+        >>> other_task({"name": "charlm", "factory": "my_model.py:build"}, {"name": "charlm", "factory": None})
+        "; it is a checkpoint of task.factory my_model.py:build, this config's is charlm: pass that run's config.yaml, or --set task.factory=my_model.py:build"
+        >>> other_task({"name": "linear"}, {"name": "charlm", "factory": "f.py:build"}).split(", or ")[1]
+        '--set task.factory=null --set task.name=linear'
+        >>> other_task({"name": "linear"}, {"name": "linear"}), other_task(None, {"name": "linear"})
+        ('', '')
+    """
+    if not isinstance(saved, Mapping) or now is None:
+        return ""
+
+    def workload(task: Mapping[str, Any]) -> str | None:  # "task.factory f.py:build" or "task digits"
+        factory, name = task.get("factory"), task.get("name")
+        if isinstance(factory, str):
+            return f"task.factory {factory}"
+        return f"task {name}" if isinstance(name, str) else None
+
+    was, this = workload(saved), workload(now)
+    if was is None or this is None or was == this:
+        return ""
+    key, _, value = was.partition(" ")
+    ask = f"--set {'task.name' if key == 'task' else key}={value}"
+    if isinstance(now.get("factory"), str) and not isinstance(saved.get("factory"), str):
+        ask = "--set task.factory=null " + ask
+    return f"; it is a checkpoint of {was}, this config's is {this.removeprefix('task ')}: pass that run's " \
+           f"config.yaml, or {ask}"
 
 
 def misfit(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str:

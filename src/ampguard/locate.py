@@ -584,7 +584,7 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     model = prepare_model(config, task.model.to(device))  # fp8: the Float8Linear layers train runs
     checkpoint_scale = None
     if checkpoint:
-        saved = (load_weights(model, checkpoint, map_location=device, task=config.task.name)["state"]
+        saved = (load_weights(model, checkpoint, map_location=device, task=config.task.model_dump(mode="json"))["state"]
                  .get("scaler") or {}).get("scale")
         checkpoint_scale = None if saved is None else float(saved)
     injector = FaultInjector(faults, config.accumulation_steps)

@@ -1188,7 +1188,7 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
     weights = "freshly initialised (no checkpoint given)"
     checkpoint = cfg.checkpoint
     if checkpoint:
-        payload = load_weights(model, checkpoint, map_location=device, task=config.task.name)
+        payload = load_weights(model, checkpoint, map_location=device, task=config.task.model_dump(mode="json"))
         weights = f"from {checkpoint} (step {payload['step']})"
         try:
             provenance = {"path": str(Path(checkpoint).resolve()), "sha256": file_sha256(checkpoint)}
