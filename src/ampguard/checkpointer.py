@@ -1123,7 +1123,8 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         RUN/checkpoints/step-00000004.pt: data position 1000000000000 is beyond what 4 steps could have taken (4 = step x accumulation_steps + rollbacks x the largest rollback.skip_batches the run used)
         >>> shutil.rmtree(run_dir)
     """
-    saved, now = _effective(resume.saved_config), _effective(config.model_dump(mode="json"))
+    raw = resume.saved_config, config.model_dump(mode="json")
+    saved, now = _effective(raw[0]), _effective(raw[1])
     where = resume.path if resume.picked else "the checkpoint"
     for key in RESUME_FIXED:
         a, b = saved, now
@@ -1135,6 +1136,8 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
             if diff is not None:
                 key, a, b = f"{key}.{diff}", a.get(diff), b.get(diff)
         if a != b:
+            if key == "task.factory":  # compared by the file's name; named as written
+                a, b = (_flat(side).get(key) for side in raw)
             raise InputError(f"--resume: {key} was {_short(a)} in {where}, now {_short(b)}; a resumed run must keep it")
     step = resume.loaded.step
     if step > config.steps:  # (at config.steps the run was complete: resuming rewrites its card)
