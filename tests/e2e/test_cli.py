@@ -280,6 +280,8 @@ BAD_INPUTS = [
     ("demo --steps 0", None, ["demo", "--steps", "0"], "--steps"),
     ("demo --max-norm -1", None, ["demo", "--max-norm", "-1"], "max_norm"),
     ("demo --bf16 vs --precision", None, ["demo", "--bf16", "--precision", "fp32"], "--bf16"),
+    ("demo --csv in a missing folder", None, ["demo", "--csv", "nowhere/d.csv"],
+     "--csv nowhere/d.csv: folder nowhere does not exist"),
     ("a fault after the last step", None,
      ["train", "--set", "task.name=linear", "--set", "steps=5", "--inject", "inf_grad@6"], "'inf_grad@6' never fires"),
     ("demo: every:N past its steps", None, ["demo", "--inject", "nan_grad@every:21"], "never fires: the run has 20 steps"),
