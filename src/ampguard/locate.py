@@ -582,6 +582,10 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     if not task.float_inputs and any(f.kind == "nan_input" for f in faults):
         raise InputError(f"inject: nan_input needs floating-point inputs; task {task.name} feeds integer tokens")
     model = prepare_model(config, task.model.to(device))  # fp8: the Float8Linear layers train runs
+    try:
+        precision.check(model, device)  # what train refuses (and fp16/fp8 on a CPU: a SlowPrecisionWarning)
+    except ValueError as err:
+        raise InputError(f"precision: {err}") from None
     checkpoint_scale = None
     if checkpoint:
         saved = (load_weights(model, checkpoint, map_location=device, task=config.task.model_dump(mode="json"))["state"]

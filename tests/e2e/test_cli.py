@@ -190,6 +190,8 @@ def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_p
         assert warned == [line for line in err.splitlines() if "Warning" in line or "warning" in line]
         assert warned == ["ampguard: warning: fp16 autocast on a CPU is emulated, about 10x slower than bf16 "
                           "there; prefer bf16 on CPUs"]
+        code, _, err = cli("locate", "--set", "task.name=linear", "--set", "precision=fp16", "--step", "1")
+        assert code == 0 and [line for line in err.splitlines() if "emulated" in line] == warned, err  # it too
         code, _, err = cli("demo", "--steps", "2")  # fp16 by default
         assert code == 0 and "emulated" not in err, err
         assert warnings.showwarning is shown  # main() put Python's own back
