@@ -22,6 +22,8 @@
 - ``U``: a factory model with a trainable head its forward never uses: DDP is told
   (``find_unused_parameters``) and the run trains (it failed at step 2 with DDP's "Expected to
   have finished reduction" traceback).
+- ``Z``: a 6-step run whose every step skips for a NaN born on rank 1 alone, with ``fail_rate``:
+  too short for the rolling rules, it is judged at its end, and every rank fails there together.
 
 Each rank runs ``ampguard.cli.main`` through a small wrapper that writes the exit code ``main``
 returned to ``rank<R>.rc`` before leaving: torchrun reports only the first failure it sees.
@@ -143,6 +145,8 @@ def launches(tmp_path_factory):
                "--set", "log.name=K", "--inject", "spike@5@rank1"], None),
         "U": (["train", "--set", f"task.factory={work / 'unused.py'}:build", "--set", "precision=fp32",
                "--set", "device=cpu", "--set", "steps=3", "--set", "log.dir=runs", "--set", "log.name=U"], None),
+        "Z": ([*RUN, "--set", "steps=6", "--set", "log.name=Z", "--set", "monitor.fail_rate=0.5",
+               "--inject", "nan_loss@every:1@rank1"], None),
     }
     env = torchrun_env(PYTHONDONTWRITEBYTECODE="1")
     started: dict[str, Launch] = {}
@@ -256,3 +260,17 @@ def test_rollback_evidence_under_torchrun_is_the_global_batch(launches):
     assert batch["inputs"].shape[0] == 8  # 4 a rank, both ranks
     rows = batch["targets"].abs().flatten(1).amax(dim=1)
     assert rows[4:].min() > 1e6 and rows[:4].max() < 1e3  # rank 1's half is the spiked one (x 1e8)
+
+
+def test_a_run_too_short_for_fail_after_fails_at_its_end_on_every_rank_together(launches):
+    code, out, err, cwd = launches["Z"]
+    assert _rank_codes(cwd) == {0: ExitCode.GUARD, 1: ExitCode.GUARD}, f"torchrun exited {code}\n{err[-3000:]}"
+    run = cwd / "runs" / "Z"
+    assert ("ended: stopped by the guard at the end of the run (step 6): skip rate above fail_rate 0.5 at every one "
+            "of the run's 6 steps") in out
+    events = run_events(run)
+    assert [(e["event"], e["step"]) for e in events if e["event"] in ("skip_rate_alert", "fail")] == [
+        ("skip_rate_alert", 6), ("fail", 6)]  # rank 0 writes them, once
+    rows = (run / "steps.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4", "5", "6"]
+    assert all(r.split(",")[5] == "1" for r in rows[1:])  # every rank skipped every step (rank 1's NaN, agreed)
