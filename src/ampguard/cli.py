@@ -393,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
         "scale and the rolling skip rate of every run over each other.",
     )
     compare.add_argument("runs", nargs="+", type=_path, metavar="RUN_DIR", help="two or more run folders (runs/<name>)")
-    compare.add_argument("--out", type=_path, metavar="PNG", help="draw the overlay plot here: a new .png in an existing folder")
+    compare.add_argument("--out", type=_path, metavar="PNG", help="draw the overlay plot here: a .png in an existing folder (an earlier plot is drawn "
+                         "again; nothing else is overwritten)")
     compare.set_defaults(func=_compare)
     return parser
 

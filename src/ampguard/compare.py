@@ -9,8 +9,9 @@ the runs over each other: loss, pre-clip gradient norm (with each ``max_norm``),
 loss scale and the rolling skip rate.
 
 Diagnostics only: nothing here is imported by the training step. Everything is read and checked
-before anything is written; ``--out`` must be a new ``.png`` (an existing file is never
-overwritten).
+before anything is written; ``--out`` is a ``.png`` in an existing folder (an earlier plot is
+drawn again, as ``report`` does; any other existing file, or a run folder's own ``report.png``,
+is never overwritten).
 """
 
 from __future__ import annotations
