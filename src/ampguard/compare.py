@@ -29,8 +29,8 @@ from .errors import ExitCode, InputError, first_line
 from .monitor import RunMonitor
 from .precision import Precision
 from .records import LABEL_COLUMNS
-from .report import (Row, _linear_y, _number, check_plot_path, finite_points, is_png, policy_changes_of,
-                     read_steps_and_columns, replay, rolling_skip_rate, shown)
+from .report import (Row, _linear_y, _number, card_ended, check_plot_path, finite_points, is_png,
+                     policy_changes_of, read_steps_and_columns, replay, rolling_skip_rate, shown)
 
 if TYPE_CHECKING:
     from .config import Config
@@ -54,23 +54,11 @@ class RunSummary:
 
 
 def _ended(card: Path) -> str:
-    """Why the run ended: the run card's bold line (``**finished: 20 steps**``).
-
-    Example::
-
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     card = Path(d) / "RUN.md"
-        ...     _ = card.write_text("# Run a\\n\\n**finished: 20 steps**\\n\\n## Set-up\\n")
-        ...     _ended(card)
-        'finished: 20 steps'
-    """
+    """Why the run ended (:func:`~ampguard.report.card_ended`); a card that cannot be read is one line."""
     try:
-        lines = card.read_text(encoding="utf-8").splitlines()
+        return card_ended(card)
     except (OSError, UnicodeDecodeError) as err:
         raise InputError(f"{card}: cannot read the run card ({err})") from None
-    bold = [line.strip()[2:-2] for line in lines if line.strip().startswith("**") and line.strip().endswith("**")]
-    return bold[0] if bold else "unknown"
 
 
 def _metrics(csv_path: Path, extra: list[dict[str, str]]) -> list[dict[str, float]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, validate
-from .errors import ExitCode, InputError
+from .errors import ExitCode, InputError, check_folder_of
 
 INIT_SCALE = 2.0**10
 """Small enough that clean fp16 gradients never overflow in the demo."""
@@ -68,9 +68,8 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     csv_path = Path(csv) if csv else None
     if csv_path is not None and csv_path.exists():
         raise InputError(f"--csv {csv_path} already exists; refusing to overwrite it")
-    if csv_path is not None and not csv_path.parent.is_dir():  # as report --out: a typo makes no stray folders
-        raise InputError(f"--csv {csv_path}: folder {csv_path.parent} does not exist" if not csv_path.parent.exists()
-                         else f"--csv {csv_path}: {csv_path.parent} is not a folder")
+    if csv_path is not None:
+        check_folder_of(csv_path, f"--csv {csv_path}")  # as report --out
     parse_faults(config.inject, seed=config.seed, steps=config.steps)  # refused before the set-up line
     uses_scaler = precision_of(config, resolve_device(config.device)).uses_scaler
     scaler = f"GradScaler(init_scale={config.scaler.init_scale:g})" if uses_scaler else "no loss scaler"

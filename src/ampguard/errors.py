@@ -10,6 +10,7 @@ Example::
 """
 
 from enum import IntEnum
+from pathlib import Path
 
 
 MAX_COUNT = 10**9
@@ -102,3 +103,21 @@ def first_line(err: BaseException, with_type: bool = False) -> str:
     if not text:
         return type(err).__name__
     return f"{type(err).__name__}: {text.splitlines()[0]}" if with_type else text.splitlines()[0]
+
+
+def check_folder_of(path: Path, where: str) -> None:
+    """Refuse (one :class:`InputError` line, ``where`` first) an output ``path`` whose folder does
+    not exist or is not a folder: a typo in a folder name makes no stray folders.
+
+    Example::
+
+        >>> check_folder_of(Path(__file__), "--out")
+        >>> check_folder_of(Path("/no/such/folder/x.png"), "--out")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: --out: folder /no/such/folder does not exist
+    """
+    parent = path.parent
+    if not parent.is_dir():
+        raise InputError(f"{where}: folder {parent} does not exist" if not parent.exists()
+                         else f"{where}: {parent} is not a folder")

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .clipping import clip_threshold
-from .errors import ExitCode, InputError, first_line
+from .errors import ExitCode, InputError, check_folder_of, first_line
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor
 from .records import SKIP_REASONS, StepRecord, record_from
 from .sinks import CSV_COLUMNS
+
+from .run_folder import RunPaths
 
 if TYPE_CHECKING:
     from .config import Config
@@ -277,15 +279,15 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _policy_at(changes: list[dict[str, Any]], step: int) -> dict[str, Any]:
-    """Each changed key's value at ``step``: the last change made before it (in the order they were
-    made: a resume from an older checkpoint changes what it replays), else the first one's old value.
+    """Each changed key's value at ``step``: the last change made before it, else the first one's
+    old value (``changes`` as :func:`policy_changes_of` gives them: those of abandoned futures gone).
 
-    Example (max_norm 1 -> 2 from step 9, then a resume from step 4 set 3 from step 5)::
+    Example (max_norm 1 -> 2 from step 5, then 2 -> 3 from step 9)::
 
-        >>> changes = [{"key": "max_norm", "old": 1.0, "new": 2.0, "step": 8},
-        ...            {"key": "max_norm", "old": 1.0, "new": 3.0, "step": 4}]
+        >>> changes = [{"key": "max_norm", "old": 1.0, "new": 2.0, "step": 4},
+        ...            {"key": "max_norm", "old": 2.0, "new": 3.0, "step": 8}]
         >>> [_policy_at(changes, step)["max_norm"] for step in (4, 5, 9)]
-        [1.0, 3.0, 3.0]
+        [1.0, 2.0, 3.0]
     """
     values: dict[str, Any] = {}
     for change in changes:
@@ -296,7 +298,23 @@ def _policy_at(changes: list[dict[str, Any]], step: int) -> dict[str, Any]:
     return values
 
 
-CARD_FILE = "RUN.md"
+def card_ended(card: Path, *, errors: str = "strict") -> str:
+    """Why the run ended: the run card's bold line (``**finished: 20 steps**``), ``"unknown"``
+    without one. A card that cannot be read raises (``OSError``; ``UnicodeDecodeError`` with
+    ``errors="strict"``).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     card = Path(d) / "RUN.md"
+        ...     _ = card.write_text("# Run a\\n\\n**finished: 20 steps**\\n\\n## Set-up\\n")
+        ...     card_ended(card)
+        'finished: 20 steps'
+    """
+    lines = card.read_text(encoding="utf-8", errors=errors).splitlines()
+    bold = [line.strip()[2:-2] for line in lines if line.strip().startswith("**") and line.strip().endswith("**")]
+    return bold[0] if bold else "unknown"
 
 
 def finished(card: Path) -> bool:
@@ -316,10 +334,9 @@ def finished(card: Path) -> bool:
         (False, True, False)
     """
     try:
-        text = card.read_text(encoding="utf-8", errors="replace")
+        return card_ended(card, errors="replace").startswith("finished: ")
     except OSError:
         return False
-    return any(line.strip().startswith("**finished: ") for line in text.splitlines())
 
 
 def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: list[dict[str, Any]] = (),
@@ -844,7 +861,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                      scaler_enabled=scaler_on, init_scale=init_scale, min_scale=min(config.scaler.min_scale, init_scale),
                      min_steps=config.monitor.min_steps if min_steps is None else min_steps,
                      fail_after=config.monitor.fail_after, policy=policy,
-                     steps=config.steps if finished(csv_path.parent / CARD_FILE) else None)
+                     steps=config.steps if finished(RunPaths.existing(csv_path.parent).card) else None)
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
     plot_run(csv_path, png, **settings, title=title, headroom=headroom_beside(csv_path),
@@ -915,10 +932,8 @@ def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, ver
     where = f"{verb}: --out {png}" if given else f"{verb}: the plot {png}"
     if png.suffix.lower() != ".png":
         raise InputError(f"{where}: the plot is a PNG; name a .png file")
+    check_folder_of(png, where)
     parent = png.parent
-    if not parent.is_dir():
-        raise InputError(f"{where}: folder {parent} does not exist" if not parent.exists()
-                         else f"{where}: {parent} is not a folder")
     if png.is_dir():
         raise InputError(f"{where} is a folder")
     if png.is_symlink():  # (dangling or not: what it points at is not the plot's to replace)

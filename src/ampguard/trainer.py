@@ -10,6 +10,7 @@ describes how the loop sequences them. The verbs that use it are in :mod:`train`
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -302,9 +303,9 @@ class Trainer:
                 self.events.emit(event.as_dict(), event_word(event.kind))
             if events:
                 self.sinks.observe(self.monitor, events)  # the tracker sinks: last_alert, events.<kind>
-        failed = self.monitor.failed
-        if failed is None or not events or failed is not events[-1]:
+        if not events or events[-1].kind != "fail":  # (a failure is the last event at_end gives)
             return None
+        failed = events[-1]
         return Stop(ExitCode.GUARD, f"stopped by the guard at the end of the run (step {failed.step}): {failed.message}",
                     failed.cause)
 
@@ -474,13 +475,21 @@ class Trainer:
                                          + ("; compiled (torch.compile)" if self.config.compile else "")
                                          + f"; {self.path}"})
 
-    def _fp8_note(self) -> str:
-        """Under fp8, which Linear layers train in float8 (``fp8.keep_first_last``, ``fp8.exclude``)."""
+    @functools.cached_property
+    def fp8_layers(self) -> list[str]:
+        """Under fp8, the Linear layers that train in float8 (``fp8.keep_first_last``,
+        ``fp8.exclude``); none under another precision. The run's start and its card name them."""
         if self.config.precision != "fp8":
-            return ""
+            return []
         from .fp8 import fp8_layers
 
-        layers = fp8_layers(self.task.model)
+        return fp8_layers(self.task.model)
+
+    def _fp8_note(self) -> str:
+        """Under fp8, which Linear layers train in float8, for ``run_start``."""
+        if self.config.precision != "fp8":
+            return ""
+        layers = self.fp8_layers
         plural = "s" if len(layers) != 1 else ""
         return f" ({len(layers)} Linear layer{plural} in float8: {', '.join(layers)})"
 
@@ -493,11 +502,7 @@ class Trainer:
                            self.checkpointer.saved, self.rollbacks.log, self.resume.path if self.resume else None,
                            self.task.description, self.diagnosis.found if self.diagnosis else None)
         result.policy_changes = [ck.policy_line(change) for change in self.policy]
-        result.throughput, result.path = self.throughput.summary(), self.path
-        if self.config.precision == "fp8":
-            from .fp8 import fp8_layers
-
-            result.fp8_layers = fp8_layers(self.task.model)
+        result.throughput, result.path, result.fp8_layers = self.throughput.summary(), self.path, self.fp8_layers
         if self.paths.dir is not None and self.disk_full() is None:
             from .report import write_report
 

@@ -279,7 +279,7 @@ class WandbSink(TrackerSink):
     @property
     def where(self) -> str:
         files = getattr(self.run, "dir", None)
-        mode = "offline" if getattr(getattr(self.run, "settings", None), "_offline", False) else "online"
+        mode = getattr(getattr(self.run, "settings", None), "mode", None) or "online"
         return f"W&B run {getattr(self.run, 'id', '?')} ({mode})" + (f", files in {Path(files).parent}" if files else "")
 
     def _log(self, step: int, row: dict[str, float]) -> None:
