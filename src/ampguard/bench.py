@@ -627,14 +627,31 @@ def _time_steps(c: Contender, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - start_s) * 1000 / steps
 
 
-def ops_per_step(c: Contender) -> int | None:
-    """The device operations one step of ``c`` dispatches: the ATen operators that reach the
-    dispatcher's kernels, views, bare allocations (``empty``) and the profiler's markers left
-    out (they launch no kernel). An eager step on a GPU launches about this many kernels, each
-    costing host time a launch-bound model pays in full; unlike a time, the count is the same
-    on every run and every machine. ``None`` for a step that runs compiled code (``Contender.compiled``, or a ``torch.compile``'d model):
-    Inductor's kernels bypass the counter, and running them under it would make Dynamo give
-    the compiled frames up.
+@dataclass(frozen=True)
+class Census:
+    """What one step of a contender dispatched (:func:`census`): ``ops``, the device operations
+    (:func:`ops_per_step`); ``matmuls``, the dtypes its matrix products computed in; ``scales``,
+    whether a loss scaler updated its scale (``_amp_update_scale_``, which ``scaler.update()``
+    runs every step).
+
+    Example::
+
+        >>> Census(ops=7, matmuls=frozenset({torch.float32}), scales=False).ops
+        7
+    """
+
+    ops: int
+    matmuls: frozenset[torch.dtype]
+    scales: bool
+
+
+def census(c: Contender) -> Census | None:
+    """Run one step of ``c`` under a dispatch mode that counts its device operations (the ATen
+    operators that reach the dispatcher's kernels, views, bare allocations (``empty``) and the
+    profiler's markers left out: they launch no kernel), notes the dtypes of its matrix products
+    and whether a loss scaler ran. ``None`` for a step that runs compiled code
+    (``Contender.compiled``, or a ``torch.compile``'d model): Inductor's kernels bypass the
+    counter, and running them under it would make Dynamo give the compiled frames up.
 
     Example (a linear layer's SGD step: the input's ``ones``, ``addmm``, ``sum``; backward's
     seed ``ones_like``, ``mm``, ``sum``; the update's one ``_foreach_add_``)::
@@ -648,20 +665,25 @@ def ops_per_step(c: Contender) -> int | None:
         ...         self.model(torch.ones(1, 2)).sum().backward()
         ...         self.opt.step()
         ...         self.opt.zero_grad()
-        >>> ops_per_step(Linear())
-        7
+        >>> census(Linear())
+        Census(ops=7, matmuls=frozenset({torch.float32}), scales=False)
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.ops = 0
+            self.ops, self.matmuls, self.scales = 0, set(), False
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if not func.is_view and func.__name__.split(".")[0] not in _NO_KERNEL:
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            if not func.is_view and name not in _NO_KERNEL:
                 self.ops += 1
-            return func(*args, **(kwargs or {}))
+            if name in _MATMULS and isinstance(out, torch.Tensor):
+                self.matmuls.add(out.dtype)
+            self.scales = self.scales or name == "_amp_update_scale_"
+            return out
 
     model = getattr(c, "model", None)
     if c.compiled or (isinstance(model, nn.Module) and any(
@@ -672,7 +694,55 @@ def ops_per_step(c: Contender) -> int | None:
             c.step()
     except Exception:  # noqa: BLE001 - a step that cannot run under the counter goes uncounted
         return None
-    return count.ops
+    return Census(count.ops, frozenset(count.matmuls), count.scales)
+
+
+def ops_per_step(c: Contender) -> int | None:
+    """The device operations one step of ``c`` dispatches (:func:`census`). An eager step on a
+    GPU launches about this many kernels, each costing host time a launch-bound model pays in
+    full; unlike a time, the count is the same on every run and every machine. ``None`` for a
+    step that runs compiled code.
+
+    Example::
+
+        >>> cpu = torch.device("cpu")
+        >>> ops_per_step(Bare(_mlp(cpu), Precision("fp32", "cpu"), cpu, fused=False)) > 20
+        True
+    """
+    seen = census(c)
+    return None if seen is None else seen.ops
+
+
+def other_work(seen: Census | None, precision: Precision) -> str | None:
+    """Why a step with this census does not run the work of ``precision``'s row, or ``None``
+    when it does (or when it cannot be told: compiled code, fp8's own casts). A peer may run
+    something else than it was asked for: Accelerate with fp16 on a CPU runs FP32 (no autocast,
+    no scaler), Lightning Fabric falls back to bf16. Timing it beside the fp16 loops would
+    compare other work; :func:`measure` leaves it out and says why.
+
+    Example::
+
+        >>> fp16 = Precision("fp16", "cpu")
+        >>> other_work(Census(9, frozenset({torch.float16}), scales=True), fp16) is None
+        True
+        >>> other_work(Census(9, frozenset({torch.float32}), scales=False), fp16)
+        "its matrix products ran in float32, not fp16's float16: it would time other work"
+        >>> other_work(Census(9, frozenset({torch.float16}), scales=False), fp16)
+        'it ran no loss scaler (no scaler.update): fp16 without one is other work'
+    """
+    if seen is None or precision.name == "fp8":
+        return None
+    wrong = sorted(str(d).removeprefix("torch.") for d in seen.matmuls - {precision.dtype})
+    if wrong:
+        want = str(precision.dtype).removeprefix("torch.")
+        return f"its matrix products ran in {', '.join(wrong)}, not {precision.name}'s {want}: it would time other work"
+    if precision.uses_scaler and not seen.scales:
+        return f"it ran no loss scaler (no scaler.update): {precision.name} without one is other work"
+    return None
+
+
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"})
+"""The ATen matrix products whose output dtype says what precision a step computed in."""
 
 
 # operators that launch no kernel: profiler markers and bare allocations
@@ -813,8 +883,9 @@ def measure(
         >>> [(len(r.rounds), r.stop) for r in results]
         [(4, 'budget'), (4, 'budget')]
 
-    A contender that cannot be built, or fails its warm-up, is left out with a line saying why;
-    when none is left the result is empty::
+    A contender that cannot be built, fails its warm-up, or does not run the precision asked
+    for (:func:`other_work`: measured only after it is seen doing the same work) is left out
+    with a line saying why; when none is left the result is empty::
 
         >>> class Broken(Bare):
         ...     name = "broken"
@@ -848,14 +919,18 @@ def measure(
                 _sync(device)
                 transient = torch.cuda.max_memory_allocated(device) - before
                 peaks[c.name] = (c.persistent_bytes() + transient) / 2**20
+            seen = census(c)  # one more untimed step: what it dispatched
+            why = other_work(seen, precision)
         except Exception as err:  # noqa: BLE001 - a peer that fails on this case (an OOM, say) is left out, said so
-            print(f"  {c.name}: not run ({_one_line(err)})")
+            why = _one_line(err)
+        if why is not None:  # left out, said so
+            print(f"  {c.name}: not run ({why})")
             built.remove(c)
             del times[c.name], peaks[c.name]
             with contextlib.suppress(Exception):  # its files and threads go, whatever state it is in
                 c.close()
             continue
-        ops[c.name] = ops_per_step(c)
+        ops[c.name] = None if seen is None else seen.ops
     if not built:  # nothing to time: say so, rather than divide by no contenders
         print(f"  {w.name} {precision.name}: no contender could run, nothing measured")
         return []

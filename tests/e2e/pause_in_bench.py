@@ -3,7 +3,7 @@
 Usage: ``python pause_in_bench.py MARKER WHERE ARGS...`` with WHERE one of
 
 - ``warmup``: after the first contender's warm-up steps, before the next contender's (the first
-  call of ``ampguard.bench.ops_per_step``, which runs once per contender after its warm-up); no
+  call of ``ampguard.bench.census``, which runs once per contender after its warm-up); no
   round has been timed.
 - ``round:N``: when round N + 1 starts timing, so exactly N whole rounds were measured (the
   first call of ``ampguard.bench._time_steps`` for a contender already timed N times: each round
@@ -42,13 +42,13 @@ def main(argv: list[str]) -> int:
     from ampguard.cli import main as ampguard_main
 
     if where == "warmup":
-        ops_per_step = bench.ops_per_step
+        census = bench.census
 
         def after_warmup(c: Any) -> Any:
             _pause(marker, f"warm-up of {c.name} done")
-            return ops_per_step(c)
+            return census(c)
 
-        bench.ops_per_step = after_warmup  # measure() calls it through the module
+        bench.census = after_warmup  # measure() calls it through the module
     elif where.startswith("round:"):
         whole = int(where.removeprefix("round:"))
         timed: Counter[str] = Counter()

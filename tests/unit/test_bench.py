@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -124,6 +125,68 @@ def test_measure_with_no_contender_left_is_an_empty_result(capsys):
     assert "fails warm-up: not run (RuntimeError: no kernel)" in out
     assert "tiny-mlp fp32: no contender could run, nothing measured" in out
     assert closed == ["fails warm-up"]  # its CSV folder was deleted
+
+
+def test_a_contender_that_runs_other_work_than_its_row_is_left_out_and_said_so(capsys):
+    """Measure only what was seen doing the same work: a loop that drops autocast under an fp16
+    row (as Accelerate does on a CPU) or runs fp16 without a loss scaler is not timed beside the
+    fp16 loops, and the line says what it ran; the loops that do run fp16 are kept."""
+    from ampguard.bench import Bare, _nano, measure
+
+    class NoAutocast(Bare):
+        name = "no autocast"
+
+        def step(self):
+            x, y = self.w.batch
+            self.w.loss_fn(self.model(x), y).backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    class NoScaler(Bare):
+        name = "no scaler"
+
+        def step(self):
+            x, y = self.w.batch
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = self.w.loss_fn(self.model(x), y)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    cpu = torch.device("cpu")
+    results = measure(_nano(cpu), Precision("fp16", "cpu"), cpu, [Bare, NoAutocast, NoScaler], steps=1,
+                      rounds=1, warmup=1, fused=False)
+    out = capsys.readouterr().out
+    assert [r.contender for r in results] == ["bare loop"]
+    assert "no autocast: not run (its matrix products ran in float32, not fp16's float16" in out
+    assert "no scaler: not run (it ran no loss scaler (no scaler.update)" in out
+    # the same loops under the precision they do run are measured
+    results = measure(_nano(cpu), Precision("fp32", "cpu"), cpu, [Bare, NoAutocast], steps=1, rounds=1,
+                      warmup=1, fused=False)
+    assert [r.contender for r in results] == ["bare loop", "no autocast"]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_peers_that_fall_back_on_a_cpu_are_not_timed_as_fp16(precision, capsys):
+    """Accelerate runs fp16 on a CPU as FP32 and Lightning Fabric as bf16: left out of the fp16
+    row (the real frameworks); under bf16 both run it and are timed."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("lightning")
+    from ampguard.bench import AccelerateLoop, Bare, FabricLoop, _nano, measure
+
+    cpu = torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's own warning about the fallback
+        results = measure(_nano(cpu), Precision(precision, "cpu"), cpu, [Bare, AccelerateLoop, FabricLoop],
+                          steps=1, rounds=1, warmup=1, fused=False)
+    out = capsys.readouterr().out
+    if precision == "bf16":
+        assert [r.contender for r in results] == ["bare loop", "accelerate", "lightning fabric"]
+        assert "not run" not in out
+    else:
+        assert [r.contender for r in results] == ["bare loop"]
+        assert "accelerate: not run (its matrix products ran in float32, not fp16's float16" in out
+        assert "lightning fabric: not run (its matrix products ran in bfloat16, not fp16's float16" in out
 
 
 def test_speedups_say_slower_when_amp_is_slower_never_a_fraction_faster():
