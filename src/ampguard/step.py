@@ -379,6 +379,9 @@ class Guard:
             raise RuntimeError("Guard.backward() called twice: call guard.step() after each guard.backward(loss)")
         if not losses:
             raise ValueError("Guard.backward() takes a loss tensor")
+        if torch.is_autocast_enabled(self.precision.device_type):
+            raise RuntimeError("Guard.backward() inside autocast: close the `with guard.autocast():` block first "
+                               "(autocast wraps the forward and the loss; the backward runs after it)")
         for loss in losses:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__

@@ -198,6 +198,21 @@ def test_backward_twice_without_step_raises_even_inside_a_group():
         guard.backward(_loss(model))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_backward_inside_autocast_is_refused_and_nothing_is_counted(precision):
+    # the recipe: autocast wraps the forward and the loss, the backward runs after it closes
+    # (fp32: the guard's autocast is none, but a user's own still is refused)
+    model = nn.Linear(3, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
+    with guard.autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _loss(model)
+        with pytest.raises(RuntimeError, match=r"backward\(\) inside autocast: close the `with guard.autocast\(\):`"):
+            guard.backward(loss)
+    assert model.weight.grad is None  # no backward ran
+    guard.backward(loss)  # after the block: the step goes on as usual
+    assert isinstance(guard.step(), StepLog) and guard.steps == 1
+
+
 def test_a_forward_before_the_pending_step_raises():
     model, guard = _guard(accumulation_steps=2)
     guard.backward(_loss(model))

@@ -581,6 +581,32 @@ def test_a_group_whose_finite_losses_overflow_when_summed_is_applied_as_the_loop
     assert state.updates == 1
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_finite_gradients_whose_global_norm_overflows_are_a_non_finite_grad_skip(precision):
+    # DESIGN: the global norm is also the non-finite detector. Every gradient element finite
+    # (about 1e20, which fp32 and bf16 hold), their squares' sum is not: the norm reads inf and
+    # the step is a `non_finite_grad` skip, weights untouched (the canonical loop's clip factor
+    # would be 0: it would apply an update from zeroed gradients). README's CSV table says so.
+    def loss_fn(out, y):
+        return out.sum() * 1e19
+
+    model = make_model()
+    before = copy.deepcopy(model.state_dict())
+    state = AmpTrainState(model, adamw(model), loss_fn, precision=precision)
+    x = torch.full((4, 8), 10.0)
+    log = state.step(x, torch.zeros(()))
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is None for g in grads)  # dropped with the skip
+    # the same gradients, computed again outside the guard: finite element by element
+    loss_fn(model(x), None).backward()
+    assert not ampguard.has_non_finite_grad(model.parameters())
+    assert max(float(p.grad.abs().max()) for p in model.parameters()) > 1e19
+    assert isinstance(log, SkipLog) and log.reason == "non_finite_grad"
+    assert math.isinf(float(log.grad_l2_pre_clip)) and log.grad_l2_post_clip is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert state.updates == 0
+
+
 def test_a_loss_of_shape_one_is_taken_as_a_scalar():
     model = make_model()
     state = AmpTrainState(model, adamw(model), lambda out, y: F.mse_loss(out, y).reshape(1), precision="bf16")

@@ -399,7 +399,10 @@ class AmpGuardPlugin(_LightningPrecision):
         """``guard.backward``: the loss checked before backward, scaled, backward.
 
         Lightning has already divided the loss by ``accumulate_grad_batches`` (N): the guard takes
-        it as it is (``divided``), so the gradients are bit for bit Lightning's for any N."""
+        it as it is (``divided``), so the gradients are bit for bit Lightning's for any N. In
+        manual optimization ``manual_backward`` is called inside ``training_step``, so inside
+        the forward's autocast: the backward runs with autocast closed, as the AMP recipe runs it
+        (the guard refuses a backward inside autocast)."""
         guard = self.guard or self._setup(model)
         if guard.pending:  # the micro-batch before, inside its accumulation group: no update
             if guard.micro_batches >= guard.accumulation_steps:
@@ -408,7 +411,8 @@ class AmpGuardPlugin(_LightningPrecision):
             guard.step()
         if args or kwargs:
             raise ValueError("AmpGuardPlugin runs the backward itself: manual_backward(loss) takes no arguments")
-        guard.backward(tensor, divided=True)
+        with torch.autocast(guard.precision.device_type, enabled=False):  # (manual optimization: inside it)
+            guard.backward(tensor, divided=True)
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule,  # type: ignore[override]
                        closure: Callable[[], Any], **kwargs: Any) -> Any:
