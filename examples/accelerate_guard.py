@@ -94,6 +94,8 @@ def train(accelerator: Accelerator, args: argparse.Namespace, sink: CsvSink | No
                 loss = nn.functional.mse_loss(model(inputs).float(), targets)
             guard.backward(loss)                      # instead of accelerator.backward(loss)
             record = guard.step()                     # instead of clip_grad_norm_ + optimizer.step()
+            if record is None:                        # inside an accumulation group
+                continue
             if record.skipped:
                 skipped.append(record.step)
             if sink is not None:

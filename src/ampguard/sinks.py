@@ -194,6 +194,10 @@ def _take_back(file: IO[bytes], written: int) -> None:
             os.ftruncate(file.fileno(), file.tell() - written)
 
 
+NONE_WRITTEN = ("a sink was handed None: guard.step() returns None for a micro-batch inside an accumulation "
+                "group; write what it returns at the group's end (if record is not None: sink.write(record))")
+
+
 class _Line:
     """What a ``csv.writer`` over it returns from ``writerow``: the row's line, quoted as the
     csv module quotes it (the writer hands its file the whole line, in one ``write``)."""
@@ -418,6 +422,8 @@ class CsvSink(_LineFile):
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Append one row (:func:`csv_row`) and flush it (:class:`DiskFull` when there is no room)."""
+        if record is None:
+            raise TypeError(NONE_WRITTEN)
         row = _cells(record)
         if self._extra:
             cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns
@@ -483,6 +489,8 @@ class ConsoleSink:
         self._print = print_fn or (lambda s: print(s, file=sys.stdout, flush=True))
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        if record is None:
+            raise TypeError(NONE_WRITTEN)
         if record.skipped or record.step % self.every == 0:
             self._print(console_line(record))
 
@@ -561,6 +569,8 @@ class JsonlSink(_LineFile):
                              "integer \"step\"), cannot append")
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        if record is None:
+            raise TypeError(NONE_WRITTEN)
         self.write_event({
             "step": record.step,
             **record.values(),
@@ -676,6 +686,8 @@ class TensorBoardSink:
         require("tensorboard", "log.tensorboard")
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        if record is None:
+            raise TypeError(NONE_WRITTEN)
         for name, value in {**record.values(), **(extra or {})}.items():
             if value is not None:
                 self._writer.add_scalar(f"train/{name}", value, record.step)
@@ -739,6 +751,8 @@ class BackgroundSink:
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Start the record's host copy and queue it; raises an earlier error of the thread."""
+        if record is None:
+            raise TypeError(NONE_WRITTEN)
         self._raise()
         self._queue.put((record, extra, record.prefetch()))
 
@@ -772,6 +786,8 @@ class Sinks:
         run stops at the step's end: ``Trainer``)."""
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        if record is None:
+            raise TypeError(NONE_WRITTEN)
         for sink in list(self.sinks):
             try:
                 sink.write(record, extra)

@@ -61,6 +61,10 @@ def test_found_inf_after_clip_grad_norm_and_on_a_clean_step(accelerator):
     optimizer.step()
     assert optimizer.scaler.get_scale() == 8.0
     assert found_inf(torch.amp.GradScaler("cpu", enabled=False), optimizer).item() == 0.0  # no scaler, no skip
+    # Accelerate makes no scaler at all for bf16 (and for fp16 on a CPU): accelerator.scaler is None
+    AcceleratorState._reset_state(reset_partial_state=True)
+    bf16 = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    assert bf16.scaler is None and found_inf(bf16.scaler, optimizer).item() == 0.0
 
 
 def test_make_guard_refuses_an_accelerator_that_does_the_amp_too(accelerator):
@@ -76,7 +80,7 @@ def test_make_guard_refuses_an_accelerator_that_does_the_amp_too(accelerator):
 
 def test_make_guard_takes_the_accelerators_gradient_accumulation_steps():
     model = torch.nn.Linear(4, 1)
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=4)  # as launch --gradient_accumulation_steps 4
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=4)
     try:
         model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         assert make_guard(accelerator, model, optimizer, precision="bf16").accumulation_steps == 4
@@ -90,6 +94,38 @@ def test_make_guard_takes_the_accelerators_gradient_accumulation_steps():
         assert make_guard(default, model, optimizer, precision="bf16", accumulation_steps=3).accumulation_steps == 3
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_make_guard_takes_the_accumulation_from_accelerates_environment_variable(monkeypatch):
+    # what `accelerate launch --gradient_accumulation_steps` sets, for DeepSpeed launches only
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3")
+    model = torch.nn.Linear(4, 1)
+    accelerator = accelerate.Accelerator(cpu=True)
+    try:
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert make_guard(accelerator, model, optimizer, precision="bf16").accumulation_steps == 3
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_accelerators_own_clipping_is_refused_once_the_guard_clips(accelerator, precision):
+    # left in a port, accelerator.clip_grad_norm_ (no scaler of its own with mixed_precision="no")
+    # clipped the guard's still-scaled fp16 gradients: every update shrank by the scale, silently
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    guard = make_guard(accelerator, model, optimizer, precision=precision)
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).square().mean()
+    guard.backward(loss)
+    for call in (lambda: accelerator.clip_grad_norm_(model.parameters(), 1.0),
+                 lambda: accelerator.clip_grad_value_(model.parameters(), 1.0)):
+        with pytest.raises(ValueError, match=r"the guard clips at guard.step\(\) \(max_norm=\).*remove the call"):
+            call()
+    assert guard.step().step == 1  # the step itself goes on (fp16 at 2**16 may skip it: an overflow)
+    fresh = accelerate.Accelerator(cpu=True)  # another accelerator (the same process-wide state) is left alone
+    assert type(fresh).clip_grad_norm_ is accelerate.Accelerator.clip_grad_norm_
+    assert "clip_grad_norm_" not in vars(fresh)
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 from ampguard.cli import main  # noqa: E402
-from ampguard.integrations.trackers import RUN_ID_TAG, MLflowSink, WandbSink  # noqa: E402
+from ampguard.integrations.trackers import RUN_ID_TAG, MLflowSink, WandbSink, mlflow_client  # noqa: E402
 
 TINY_CHARLM = ["task.name=charlm", "task.n_layer=1", "task.n_embd=16", "task.n_head=2", "task.block_size=16",
                "task.batch_size=4"]
@@ -253,6 +253,48 @@ def test_wandb_sink_logs_into_a_run_you_made_and_leaves_it_open(tmp_path):
     assert skip["train/grad_l2_pre_clip"] == math.inf and skip["train/scaler_scale"] == -math.inf
     assert skip["train/skip.non_finite_grad"] == 1 and "train/grad_l2_post_clip" not in skip
     assert logged.history[9]["mine"] == 1.0
+
+
+CRASHING_LOOP = """
+import sys
+import torch
+from ampguard import Guard, MLflowSink, WandbSink
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+ml = MLflowSink(tracking_uri=sys.argv[1], experiment="crash")
+wb = WandbSink(project="crash", mode="offline", dir=sys.argv[2])
+print(ml.run_id, flush=True)
+for i in range(3):
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).pow(2).mean() * (float("nan") if i == 2 else 1.0)
+    guard.backward(loss)
+    record = guard.step()
+    ml.write(record)
+    wb.write(record)
+raise RuntimeError("the loop crashed after step 3")
+"""
+
+
+def test_a_loop_that_crashes_without_close_still_sends_its_last_step(tmp_path):
+    """A sink holds each row back until the next write (so a run's monitor view joins it): a
+    loop that crashes without ``close()`` sent steps 1-2 only, and the lost step 3 was the NaN
+    the crash followed. At exit both sinks send it and end their runs failed."""
+    import subprocess
+
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_LOOP, encoding="utf-8")
+    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    done = subprocess.run([sys.executable, str(script), (tmp_path / "mlruns").as_uri(), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 1 and "the loop crashed after step 3" in done.stderr
+    run_id = done.stdout.split()[0]
+    client = mlflow_client((tmp_path / "mlruns").as_uri())  # (MLflow 3 opens a file store only when asked to)
+    assert mlflow_history(client, run_id, "train/skipped") == {1: 0.0, 2: 0.0, 3: 1.0}
+    assert client.get_run(run_id).info.status == "FAILED"
+    (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))]
+    assert sorted(logged.history) == [1, 2, 3] and logged.history[3]["train/skip.non_finite_loss"] == 1
+    assert logged.exit_code == 1
 
 
 def test_the_sinks_are_public_names_of_ampguard():

@@ -68,6 +68,23 @@ def test_csv_header_rows_and_cells(tmp_path):
     assert float(rows[1]["scaler_scale"]) == 512.0
 
 
+def test_a_sink_handed_none_says_why_and_writes_nothing(tmp_path):
+    # guard.step() returns None inside an accumulation group; `log.write(guard.step())` was an
+    # AttributeError deep inside the row's formatting (or, in the writer thread, later)
+    from ampguard.sinks import BackgroundSink
+
+    csv_sink, jsonl = CsvSink(tmp_path / "s.csv"), JsonlSink(tmp_path / "s.jsonl")
+    background = BackgroundSink(CsvSink(tmp_path / "b.csv"))
+    for sink in (csv_sink, jsonl, ConsoleSink(), background, Sinks([csv_sink])):
+        with pytest.raises(TypeError, match=r"guard.step\(\) returns None for a micro-batch inside an accumulation"):
+            sink.write(None)
+    for sink in (csv_sink, jsonl, background):
+        sink.close()
+    assert (tmp_path / "s.csv").read_text().splitlines() == [",".join(CSV_COLUMNS)]
+    assert (tmp_path / "b.csv").read_text().splitlines() == [",".join(CSV_COLUMNS)]
+    assert (tmp_path / "s.jsonl").read_text() == ""
+
+
 def test_csv_numbers_round_trip(tmp_path):
     path = tmp_path / "steps.csv"
     value = torch.tensor(0.1, dtype=torch.float32)  # not exactly 0.1: the float32 value must survive

@@ -29,7 +29,7 @@ def _inner(optimizer: Any) -> Any:
     return optimizer
 
 
-def found_inf(scaler: torch.amp.GradScaler, optimizer: Any) -> torch.Tensor:
+def found_inf(scaler: torch.amp.GradScaler | None, optimizer: Any) -> torch.Tensor:
     """1.0 if ``scaler.step(optimizer)`` is about to skip this step (an inf/nan gradient), else 0.0.
 
     A device tensor: no host read (``bool(...)`` of it is one). Call it after the backward and
@@ -37,7 +37,8 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: Any) -> torch.Tensor:
     are already unscaled (``accelerator.clip_grad_norm_`` unscales them) it is the flag the scaler
     itself found; otherwise the gradients are checked without unscaling them (the scaler's own
     ``_check_inf_per_device``), so a later ``clip_grad_norm_`` still works. ``optimizer`` may be
-    Accelerate's wrapper. A disabled scaler never skips: 0.0.
+    Accelerate's wrapper. A disabled scaler, or none (``accelerator.scaler`` is ``None`` for bf16
+    and for fp16 on a CPU), never skips: 0.0.
 
     Example::
 
@@ -50,9 +51,9 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: Any) -> torch.Tensor:
         >>> scaler.step(opt); scaler.update(); scaler.get_scale()  # fused: the kernel skipped it
         2.0
     """
+    if scaler is None or not scaler.is_enabled():  # (Accelerate makes none for bf16, nor for fp16 on a CPU)
+        return torch.zeros(())
     device = scaler._scale.device if getattr(scaler, "_scale", None) is not None else torch.device("cpu")
-    if not scaler.is_enabled():
-        return torch.zeros((), device=device)
     optimizer = _inner(optimizer)
     # torch's own per-optimizer record; unscale_ fills it, _check_inf_per_device fills it without unscaling
     per_device = scaler._found_inf_per_device(optimizer) or scaler._check_inf_per_device(optimizer)
@@ -70,10 +71,17 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, **settings: Any) ->
     ``optimizer.step``; don't wrap them in ``accelerator.accumulate``: the guard accumulates.
 
     Its ``accumulation_steps`` is the accelerator's ``gradient_accumulation_steps``
-    (``Accelerator(gradient_accumulation_steps=4)``, ``accelerate launch
-    --gradient_accumulation_steps 4``) unless given. Given, it must be the same, or the
-    accelerator's must be 1 (its default: nothing asked of it); another number is refused
-    rather than one of the two silently winning.
+    (``Accelerator(gradient_accumulation_steps=4)``, or ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4``
+    in the environment; ``accelerate launch --gradient_accumulation_steps`` passes it on only to
+    DeepSpeed) unless given. Given, it must be the same, or the accelerator's must be 1 (its
+    default: nothing asked of it); another number is refused rather than one of the two silently
+    winning. The guard's groups run on across epochs (a loop over a loader whose length is no
+    multiple of N); ``guard.step(close=True)`` ends a short one in a single process.
+
+    The accelerator's ``clip_grad_norm_`` and ``clip_grad_value_`` are refused from then on (a
+    ``ValueError`` naming the fix): the guard clips at ``guard.step()``, and the accelerator,
+    with no scaler of its own, would clip the guard's still-scaled fp16 gradients (the updates
+    shrink by the scale, silently) or clip twice, hiding the pre-clip norm.
 
     Example::
 
@@ -104,4 +112,15 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, **settings: Any) ->
                          f"{accumulation}: give the guard the same number (or leave accumulation_steps out to "
                          "take the accelerator's)")
     settings.setdefault("device", accelerator.device)
-    return Guard(model, _inner(optimizer), **settings)
+    guard = Guard(model, _inner(optimizer), **settings)
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        if hasattr(accelerator, name):
+            setattr(accelerator, name, _refused(name))  # (this accelerator's own attribute, not the class's)
+    return guard
+
+
+def _refused(name: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(f"accelerator.{name}() with the guard doing the AMP: the guard clips at guard.step() "
+                         "(max_norm=), and this would clip its still-scaled gradients; remove the call")
+    return refuse

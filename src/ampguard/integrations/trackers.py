@@ -49,7 +49,7 @@ from urllib.parse import urlparse
 from ..errors import ExitCode, InputError, first_line
 from ..monitor import HEALTH_VERDICTS
 from ..records import SKIP_REASONS, StepRecord
-from ..sinks import DiskFull, require
+from ..sinks import NONE_WRITTEN, DiskFull, require
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -171,6 +171,8 @@ class TrackerSink:
 
     # -- the Sink protocol
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        if record is None:
+            raise TypeError(NONE_WRITTEN)
         self._flush()
         self._pending = (record.step, step_metrics(record, extra))
 
@@ -206,8 +208,14 @@ class TrackerSink:
         self._pending = None
 
     def _end(self, exit_code: int) -> None:
+        """Send the row still held, then end the tracker run (once). Registered with ``atexit``
+        (exit code 1) once the run is open: a loop that crashes without ``close()`` still sends
+        its last step, usually the one that matters (the NaN before the crash), and the run ends
+        FAILED instead of staying RUNNING."""
         if not self._ended:
+            self._flush()
             self._ended = True
+            atexit.unregister(self._end)
             self._stop(exit_code)
 
     # -- what each tracker does
@@ -275,6 +283,7 @@ class WandbSink(TrackerSink):
         self.run = run
         self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
         self._events: dict[str, int] = {}
+        atexit.register(self._end, 1)  # the process ends before the sink closed (a crash): the last row, FAILED
 
     @property
     def where(self) -> str:
@@ -479,7 +488,6 @@ class MLflowSink(TrackerSink):
         self._wait()
         status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 143) else "FAILED"
         self.client.set_terminated(self.run_id, status)
-        atexit.unregister(self._end)
 
 
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
