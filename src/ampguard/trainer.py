@@ -265,6 +265,8 @@ class Trainer:
     def _loop(self, stop: StopFlag) -> Stop | None:
         if self._agree(False, self.disk_full() is not None)[1]:  # opening the outputs found the disk full
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
+        if self.config.rollback.triggers and self.state.steps == 0:
+            self.save()  # step-00000000.pt: a trigger before the first checkpoint.every returns to the start
         while self.state.steps < self.config.steps:
             with self.watching():
                 try:

@@ -90,6 +90,35 @@ def test_a_skip_guard_rollback_saves_the_skipped_batch_for_locate_and_counts_onl
     assert found["loss_scale"] == 2.0**15
 
 
+def test_a_trigger_before_the_first_checkpoint_rolls_back_to_the_runs_start(tmp_path):
+    # seed 001: keep a consistent checkpoint before trying. With rollbacks on, the run saves
+    # step 0 before it trains: a guard that trips at step 3, before checkpoint.every's first
+    # save at 5, rolls back there (it stopped the run, exit 3, "cannot roll back")
+    args = [*LINEAR, "--set", "precision=bf16", "--set", "steps=10", "--set", "checkpoint.every=5",
+            "--set", "rollback.triggers=[skip_guard]", "--set", "monitor.fail_rate=0.5", "--set", "monitor.fail_after=3",
+            "--inject", "nan_loss@1,2,3"]
+    ok(train(tmp_path, "R", *args))
+    run = tmp_path / "R"
+    [event] = [e for e in run_events(run) if e["event"] == "rollback"]
+    assert event["step"] == 3 and event["checkpoint"] == "step-00000000.pt"
+    start = ckpt.load_checkpoint(run / "checkpoints" / "step-00000000.pt")
+    assert start["step"] == 0 and start["updates"] == 0
+    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == [
+        "step-00000000.pt", "step-00000005.pt", "step-00000010.pt"]
+    rows = read_rows(run / "steps.csv")
+    assert [r["step"] for r in rows] == [str(s) for s in range(1, 11)] and _final(run)["updates"] == 7
+    # a run killed before its first checkpoint.every resumes from the start, bit for bit
+    (run / "checkpoints" / "step-00000005.pt").unlink()
+    (run / "checkpoints" / "step-00000010.pt").unlink()
+    before = (run / "steps.csv").read_bytes()
+    ok(ag("train", "--resume", run))
+    assert (run / "steps.csv").read_bytes() == before
+    # without rollbacks nothing is saved before step 1
+    ok(train(tmp_path, "plain", *LINEAR, "--set", "steps=4", "--set", "checkpoint.every=2"))
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "plain" / "checkpoints")] == [
+        "step-00000002.pt", "step-00000004.pt"]
+
+
 def _poisoned_batch(factory: Path, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     spec = importlib.util.spec_from_file_location("poisoned_for_test", factory)
     module = importlib.util.module_from_spec(spec)
