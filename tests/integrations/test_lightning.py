@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import math
+import warnings
 
 import pytest
 import torch
@@ -18,12 +19,14 @@ from torch.nn import functional as F
 
 L = pytest.importorskip("lightning")
 
+from lightning.pytorch.callbacks import GradientAccumulationScheduler  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 from ampguard.errors import InputError  # noqa: E402
 from ampguard.faults import parse_fault  # noqa: E402
 from ampguard.integrations.lightning import AmpGuardPlugin  # noqa: E402
+from ampguard.records import LABEL_COLUMNS  # noqa: E402
 from ampguard.sinks import CSV_COLUMNS  # noqa: E402
 from ampguard.tasks.digits import load_split  # noqa: E402
 
@@ -338,3 +341,278 @@ def test_a_fit_too_short_to_arm_the_alarm_is_judged_at_its_end():
     plugin = AmpGuardPlugin("bf16-mixed", fail_rate=0.5)
     fit(Digits(faults=["nan_loss@6"]), plugin, steps=20)  # 1 of 20: nothing to say
     assert plugin.monitor.alert_episodes == 0 and plugin.stop_reason is None
+
+
+class Losses(Digits):
+    """``losses[epoch]``: each micro-batch's loss as ``training_step`` returned it (undivided)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.losses = {}
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.setdefault(self.current_epoch, []).append(loss.detach().clone())
+        return loss
+
+
+def group_means(losses, schedule):
+    """The mean loss of each accumulation group Lightning steps: an epoch's batches in runs of
+    the schedule's N for that epoch (the short one at its end included)."""
+    means = []
+    for epoch, epoch_losses in sorted(losses.items()):
+        n = schedule[max(e for e in schedule if e <= epoch)]
+        means += [float(torch.stack(epoch_losses[i:i + n]).mean()) for i in range(0, len(epoch_losses), n)]
+    return means
+
+
+@pytest.mark.parametrize("schedule", [{0: 2, 1: 1}, {0: 1, 1: 2}])
+def test_a_gradient_accumulation_scheduler_is_followed_group_by_group(schedule):
+    """Lightning's GradientAccumulationScheduler sets ``accumulate_grad_batches`` at each epoch's
+    start; the guard takes it at each group's start. 2 then 1: each record's loss is its group's
+    mean loss (it was twice that from epoch 1, the loss taken as divided by the first epoch's 2);
+    1 then 2: the fit runs (it crashed at epoch 1's second backward). Both bit for bit plain
+    Lightning's, fp16 with the clip engaged; the state saves the Trainer's setting, 1."""
+    data = loader(batch_size=32, n=160)  # 5 batches an epoch: groups of 2 are 2, 2 and the short 1
+    plain, guarded = Losses(), Losses()
+    fit(plain, MixedPrecision("16-mixed", "cpu"), steps=-1, data=data, max_epochs=2, gradient_clip_val=0.3,
+        callbacks=[GradientAccumulationScheduler(scheduling=dict(schedule))])
+    plugin = AmpGuardPlugin("16-mixed", max_norm=0.3)
+    trainer = fit(guarded, plugin, steps=-1, data=data, max_epochs=2,
+                  callbacks=[GradientAccumulationScheduler(scheduling=dict(schedule))])
+    assert trainer.global_step == 8 and [r.step for r in plugin.records] == list(range(1, 9))  # 3 + 5 steps
+    assert [float(r.loss) for r in plugin.records] == pytest.approx(group_means(guarded.losses, schedule), rel=1e-6)
+    assert not any(r.skipped for r in plugin.records)
+    assert same(guarded.after[8], plain.after[8])
+    assert plugin.guard.accumulation_steps == 1 and plugin.state_dict()["accumulation_steps"] == 1
+
+
+def test_a_fit_resumes_across_a_change_of_the_accumulation_schedule(tmp_path):
+    """A checkpoint saved in an epoch that accumulates 2 (inside a group, and at the epoch's end)
+    holds the Trainer's setting (1), not the group's: the resume into an epoch that accumulates 1
+    is not refused as a change of accumulation (it was: 2 saved, 1 found), and goes on bit for
+    bit as the uninterrupted fit, the CSV appended."""
+    schedule, data, path, saved = {0: 2, 1: 1}, loader(batch_size=32, n=160), tmp_path / "steps.csv", []
+
+    class SaveMidGroup(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 0:  # the first micro-batch of the first group
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+                saved.append(torch.load(tmp_path / "mid.ckpt", weights_only=False)["AmpGuardPlugin"])
+
+    whole = Digits()
+    fit(whole, AmpGuardPlugin("16-mixed", max_norm=0.3), steps=-1, data=data, max_epochs=2,
+        callbacks=[GradientAccumulationScheduler(scheduling=dict(schedule))])
+    first = Digits()
+    trainer = fit(first, AmpGuardPlugin("16-mixed", max_norm=0.3, csv=path), steps=-1, data=data, max_epochs=1,
+                  callbacks=[GradientAccumulationScheduler(scheduling=dict(schedule)), SaveMidGroup()])
+    trainer.save_checkpoint(tmp_path / "epoch0.ckpt")
+    assert saved[0]["accumulation_steps"] == 1 and saved[0]["step"] == 0  # (the first group still open)
+    resumed, plugin = Digits(), AmpGuardPlugin("16-mixed", max_norm=0.3, csv=path)
+    fit(resumed, plugin, steps=-1, data=data, max_epochs=2, ckpt_path=tmp_path / "epoch0.ckpt",
+        callbacks=[GradientAccumulationScheduler(scheduling=dict(schedule))])
+    assert [r.step for r in plugin.records] == [4, 5, 6, 7, 8]
+    assert [r["step"] for r in rows(path)] == [str(s) for s in range(1, 9)]
+    assert same(resumed.after[8], whole.after[8])
+
+
+class GAN(L.LightningModule):
+    """Lightning's manual-optimization GAN: the discriminator's step, then the generator's, each
+    batch (``configure_optimizers`` gives ``[G's, D's]``: Lightning's indexes name them "0" and
+    "1"); ``inf_at``: the batches whose generator backward overflows."""
+
+    def __init__(self, inf_at=()):
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.G = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.D = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.inf_at = set(inf_at)
+
+    def training_step(self, batch, batch_idx):
+        real = batch[0]
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(real.shape[0], 4)
+        fake = self.G(z)
+        d_real, d_fake = self.D(real), self.D(fake.detach())
+        d_loss = (F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real))
+                  + F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake)))
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        if batch_idx in self.inf_at:
+            fake.register_hook(lambda g: torch.full_like(g, float("inf")))
+        g_out = self.D(fake)
+        g_loss = F.binary_cross_entropy_with_logits(g_out, torch.ones_like(g_out))
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.G.parameters(), lr=1e-3), torch.optim.Adam(self.D.parameters(), lr=1e-3)]
+
+
+def points():
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 2, generator=g)), batch_size=4)
+
+
+def test_with_two_optimizers_the_csv_names_each_rows_optimizer_and_a_resume_appends_to_it(tmp_path):
+    """A manual-optimization GAN: the CSV has the guard's record_columns, so the alternating D
+    and G rows say which optimizer stepped and which skipped (the README's Guard GAN recipe,
+    CsvSink(..., extra_columns=guard.record_columns)). A resume appends under the same header;
+    one whose CSV lacks those columns is refused before the fit trains."""
+    path = tmp_path / "steps.csv"
+    plugin = AmpGuardPlugin("bf16-mixed", max_norm=5.0, csv=path)
+    trainer = fit(GAN(inf_at={1}), plugin, steps=4, data=points())  # 2 batches, a D and a G step each
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    table = rows(path)
+    assert tuple(table[0]) == CSV_COLUMNS + LABEL_COLUMNS == CSV_COLUMNS + plugin.guard.record_columns
+    assert [(r["step"], r["optimizers"], r["skipped"], r["skip_reason"], r["skipped_optimizers"]) for r in table] == [
+        ("1", "1", "0", "", ""), ("2", "0", "0", "", ""), ("3", "1", "0", "", ""),
+        ("4", "0", "1", "non_finite_grad", "0")]  # batch 1's generator step
+
+    resumed = AmpGuardPlugin("bf16-mixed", max_norm=5.0, csv=path)
+    fit(GAN(), resumed, steps=8, data=points(), ckpt_path=tmp_path / "last.ckpt")
+    with open(path, newline="") as f:
+        lines = list(csv.reader(f))
+    assert tuple(lines[0]) == CSV_COLUMNS + LABEL_COLUMNS and all(len(line) == len(lines[0]) for line in lines)
+    assert [(line[0], line[-2]) for line in lines[1:]] == [(str(s), "01"[s % 2]) for s in range(1, 9)]
+    assert resumed.guard.applied == {"0": 3, "1": 4}  # G's step 4 was skipped before the resume
+
+    one_optimizer = tmp_path / "one.csv"  # a CSV of the 8 columns (a fit with one optimizer)
+    one_optimizer.write_text(",".join(CSV_COLUMNS) + "\n")
+    refused = AmpGuardPlugin("bf16-mixed", csv=one_optimizer)
+    with pytest.raises(InputError, match=(
+            r"one\.csv: its header does not match this fit's columns \(optimizers, skipped_optimizers with 2 "
+            r"optimizers\), cannot append: give this fit a new csv path$")):
+        fit(GAN(), refused, steps=8, data=points(), ckpt_path=tmp_path / "last.ckpt")
+    assert refused.guard is None and one_optimizer.read_text() == ",".join(CSV_COLUMNS) + "\n"  # nothing trained
+
+
+def test_resume_from_a_checkpoint_without_ampguard_state_goes_on_from_its_global_step(tmp_path):
+    """A plain Lightning fit's checkpoint (no AmpGuardPlugin state), resumed with the plugin: the
+    steps go on from its global_step as Lightning's do (they restarted at 1), with one warning
+    that the scale and the monitor start afresh; the CSV is a resume's (it was refused as
+    existing on a second try from the same checkpoint): cut after that step, then appended."""
+    path = tmp_path / "steps.csv"
+    plain = fit(Digits(hidden=8), MixedPrecision("16-mixed", "cpu"), steps=3, gradient_clip_val=1.0)
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    for _ in range(2):  # the second try finds the first one's CSV, rows 4 to 6
+        plugin = AmpGuardPlugin("16-mixed", csv=path)
+        with pytest.warns(UserWarning, match=(
+                r"^AmpGuardPlugin: plain\.ckpt holds no ampguard state \(saved without the plugin\): steps go on "
+                r"from its global_step 3; the loss scale starts again at init_scale and the skip-rate monitor "
+                r"starts afresh$")):
+            trainer = fit(Digits(hidden=8), plugin, steps=6, ckpt_path=tmp_path / "plain.ckpt")
+        assert [r.step for r in plugin.records] == [4, 5, 6] and plugin.guard.steps == trainer.global_step == 6
+        assert [r["step"] for r in rows(path)] == ["4", "5", "6"]
+        assert float(plugin.records[0].scaler_scale) == 2.0**16 and plugin.monitor.updates == 3
+    assert plugin.guard.steps == plugin.state_dict()["step"] == 6  # what its next checkpoint saves
+
+
+def test_manual_optimization_refusals_say_what_to_do_there():
+    """Lightning's manual accumulation (a manual_backward per batch, opt.step() every 2) is refused
+    at the second backward with what works in manual optimization; the advice is not
+    Trainer(accumulate_grad_batches=N), which Lightning refuses there. An opt.step() with no
+    manual_backward before it is named as such (not "training_step returned None?")."""
+
+    class Accumulates(Digits):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            self.manual_backward(super().training_step(batch, batch_idx) / 2)
+            if batch_idx % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+
+    with pytest.raises(RuntimeError, match=(
+            r"^AmpGuardPlugin: two manual_backward calls without an optimizer step in between; in manual "
+            r"optimization the guard steps once per manual_backward \(Lightning refuses accumulate_grad_batches "
+            r"there\): call opt.step\(\) after each manual_backward, sum the losses into one manual_backward, or "
+            r"accumulate in automatic optimization with Trainer\(accumulate_grad_batches=N\)$")):
+        fit(Accumulates(), AmpGuardPlugin("bf16-mixed"), steps=2)
+
+    class StepsTwice(Accumulates):
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            self.manual_backward(Digits.training_step(self, batch, batch_idx))
+            opt.step()
+            opt.step()
+
+    plugin = AmpGuardPlugin("bf16-mixed")
+    with pytest.raises(RuntimeError, match=(
+            r"^AmpGuardPlugin: opt.step\(\) without a manual_backward\(loss\) since the last optimizer step; the "
+            r"guard steps once per manual_backward: call self.manual_backward\(loss\) once before each "
+            r"opt.step\(\)$")):
+        fit(StepsTwice(), plugin, steps=4)
+    assert plugin.guard.steps == 1  # the first step went through
+
+
+CLIP_WARNING = "configure_gradient_clipping is overridden"
+
+
+def test_a_configure_gradient_clipping_override_is_warned_before_the_first_step():
+    """Lightning runs the override after the unscale and before the guard's step: a clip there
+    clips first, and the record's pre-clip norm is the norm after it (0.5 here, every step). The
+    plugin warns at the fit's setup; with no override, or in manual optimization (where Lightning
+    never calls it), nothing is said."""
+    seen_at_first_step = []
+
+    class Clips(Digits):
+        def training_step(self, batch, batch_idx):
+            if not seen_at_first_step:
+                seen_at_first_step.append([str(w.message) for w in caught])
+            return super().training_step(batch, batch_idx)
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
+
+    plugin = AmpGuardPlugin("bf16-mixed", max_norm=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(Clips(), plugin, steps=2)
+    assert [m for m in seen_at_first_step[0] if CLIP_WARNING in m] == [
+        "AmpGuardPlugin: Clips.configure_gradient_clipping is overridden; Lightning runs it before the guard's "
+        "step, so a clip there (clip_grad_norm_) clips first and the CSV's grad_l2_pre_clip is the norm after it: "
+        "clip with the plugin's max_norm and look at gradients in on_before_optimizer_step instead"]
+    assert all(float(r.grad_l2_pre_clip) <= 0.5 + 1e-6 for r in plugin.records)  # what it warns of
+
+    class ManualClips(Clips):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            self.manual_backward(Digits.training_step(self, batch, batch_idx))
+            opt.step()
+
+    for module in (Digits(), ManualClips()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(module, AmpGuardPlugin("bf16-mixed"), steps=1)
+        assert not [w for w in caught if CLIP_WARNING in str(w.message)]
+
+
+def test_a_csv_path_through_a_file_or_at_a_folder_is_refused_before_anything_trains(tmp_path):
+    """Refused up front, naming the part that is not a folder (it was "cannot write ...: File
+    exists", after the first update); folders that do not exist yet are made, as before."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    module = Digits(hidden=8)
+    before = module._params()
+    for csv_path, why in ((afile / "sub" / "steps.csv", f"{afile} is not a folder"),
+                          (afile / "steps.csv", f"{afile} is not a folder"),
+                          (tmp_path, "that is a folder; give the path of the CSV file")):
+        plugin = AmpGuardPlugin("bf16-mixed", csv=csv_path)
+        with pytest.raises(InputError) as refused:
+            fit(module, plugin, steps=2)
+        assert str(refused.value) == f"AmpGuardPlugin csv={str(csv_path)!r}: {why}"
+        assert plugin.guard is None and same(module._params(), before)  # nothing trained
+    made = tmp_path / "new" / "sub" / "steps.csv"
+    fit(module, AmpGuardPlugin("bf16-mixed", csv=made), steps=2)
+    assert [r["step"] for r in rows(made)] == ["1", "2"]

@@ -29,7 +29,8 @@ set, the trainer is stopped at the failing step (``trainer.should_stop = True``,
 Trainer's ``min_steps`` / ``min_epochs`` set aside for the rest of the fit: Lightning would
 otherwise train on to them) and :attr:`AmpGuardPlugin.stop_reason` says why.
 ``accumulate_grad_batches=N`` gives one record per optimizer step (the short group Lightning
-steps at an epoch's end too).
+steps at an epoch's end too); the guard takes N from the Trainer at each group's start, so a
+``GradientAccumulationScheduler`` that changes it between epochs is followed.
 
 The sinks (``csv=`` and ``sinks=[...]``) are the fit's: written on rank 0, the tracker sinks
 (:class:`~ampguard.integrations.trackers.WandbSink`, :class:`~ampguard.integrations.trackers.MLflowSink`)
@@ -39,7 +40,8 @@ crash, 130 for Ctrl-C, 143 for SIGTERM, as ``ampguard train``).
 
 Not covered: Fabric (``L.Fabric`` is your own loop: put :class:`~ampguard.Guard`'s verbs in it),
 strategies that own the backward or the step (DeepSpeed, FSDP's mixed precision), LBFGS, fused
-optimizers that unscale themselves, ``training_step`` returning ``None``.
+optimizers that unscale themselves, ``training_step`` returning ``None``, accumulation in manual
+optimization (the guard steps once per ``manual_backward``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ try:
     from lightning.pytorch.trainer.states import TrainerStatus
     from lightning.pytorch.utilities import GradClipAlgorithmType
     from lightning.pytorch.utilities.exceptions import SIGTERMException
+    from lightning.pytorch.utilities.model_helpers import is_overridden
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 except ImportError as err:  # pragma: no cover - the extra is installed in the test environment
     raise ImportError("ampguard.integrations.lightning needs PyTorch Lightning: "
@@ -67,12 +70,12 @@ except ImportError as err:  # pragma: no cover - the extra is installed in the t
 import torch
 from torch import Tensor
 
-from ..errors import ExitCode, InputError
+from ..errors import ExitCode, InputError, check_folder_of
 from ..monitor import RunMonitor
 from ..precision import GuardedGradScaler, Precision
-from ..records import SkipLog, StepLog
+from ..records import LABEL_COLUMNS, SkipLog, StepLog
 from ..run_folder import RunPaths
-from ..sinks import CsvSink, Sink
+from ..sinks import CSV_COLUMNS, CsvSink, Sink
 from ..step import Guard
 
 LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
@@ -114,10 +117,14 @@ class AmpGuardPlugin(_LightningPrecision):
         max_norm: global L2 clip threshold (``None`` or ``<= 0``: no clipping). Replaces the
             Trainer's ``gradient_clip_val``, which must then be unset.
         csv: path of the per-step CSV (the eight contract columns, a row flushed per step,
-            written by global rank 0). An existing file is refused unless the fit resumes from
-            a checkpoint (``ckpt_path``), which appends after the checkpoint's step. It serves one
-            fit, as the sinks do: a later fit with the same plugin and ``csv`` is refused
-            (``ValueError``) before it trains, unless it resumes (``ckpt_path``).
+            written by global rank 0; with several optimizers also the guard's
+            ``record_columns``, ``optimizers`` and ``skipped_optimizers``, named by Lightning's
+            index ``"0"``, ``"1"``, ...). A missing folder is created; a path through a file is
+            refused up front. An existing file is refused unless the fit resumes from a
+            checkpoint (``ckpt_path``), which appends after the checkpoint's step (its header
+            checked before the fit trains). It serves one fit, as the sinks do: a later fit with
+            the same plugin and ``csv`` is refused (``ValueError``) before it trains, unless it
+            resumes (``ckpt_path``).
         sinks: more ampguard sinks (``JsonlSink``, ``TensorBoardSink``, ``WandbSink``,
             ``MLflowSink``, ...), written on rank 0; a tracker sink also gets the monitor's view
             of each step (``monitor/*``, the alert tags). The plugin closes them when the fit
@@ -140,6 +147,10 @@ class AmpGuardPlugin(_LightningPrecision):
             skipped step, or ``"step"`` them as Lightning does.
         frozen: the guard's ``frozen`` (``"refuse"`` a parameter that requires grad but is in no
             optimizer, or ``"ignore"`` it).
+
+    A resume (``fit(ckpt_path=...)``) restores the guard's state from the checkpoint; a checkpoint
+    without it (saved by a fit without the plugin) goes on numbering steps from its
+    ``global_step``, with a warning that the loss scale and the monitor start afresh.
 
     After a fit: :attr:`guard` (the :class:`~ampguard.Guard`: ``steps``, ``updates``, ``scaler``),
     :attr:`monitor`, :attr:`records` (the last ``keep_records`` records), :attr:`stop_reason`.
@@ -192,7 +203,10 @@ class AmpGuardPlugin(_LightningPrecision):
         self._autocast: Precision | None = None
         self._sinks: list[Sink] | None = None
         self._loaded: dict[str, Any] | None = None
-        self._divided_by = 1  # Lightning's accumulate_grad_batches: it divides the loss before backward
+        # the Trainer's accumulate_grad_batches as the fit began: what the guard's state saves (a
+        # GradientAccumulationScheduler changes the Trainer's per epoch; each group takes that one)
+        self._accumulation = 1
+        self._resumed_at: int | None = None  # the step a resumed fit goes on from (the CSV keeps rows to it)
         self._hold = False  # the last optimizer step was skipped: hold the step-interval schedulers
         self._hooked: pl.LightningModule | None = None
         self._fitting: pl.Trainer | None = None  # the fit under way (past connect's checks): teardown ends it
@@ -209,12 +223,13 @@ class AmpGuardPlugin(_LightningPrecision):
 
     def connect(self, model: torch.nn.Module, optimizers: list, lr_schedulers: list) -> tuple:
         """Called by the strategy once the model is on its device: the autocast device, and early
-        refusals (a CSV that exists when not resuming, ``gradient_clip_val``, LBFGS)."""
+        refusals (a CSV that exists when not resuming, one whose header does not fit when
+        resuming, a CSV path through a file, ``gradient_clip_val``, LBFGS), before anything trains."""
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._autocast = Precision(self.name, device.type)
         module = _lightning_module(model)
         trainer = module._trainer if module is not None else None
-        if trainer is not None and trainer.state.fn == "fit":
+        if module is not None and trainer is not None and trainer.state.fn == "fit":
             closed = [s for s in self.extra_sinks if any(s is c for c in self._closed)]
             if closed:  # before anything is trained: the first step would crash on them
                 raise ValueError(f"AmpGuardPlugin: sinks={[type(s).__name__ for s in closed]} were closed when the "
@@ -229,20 +244,58 @@ class AmpGuardPlugin(_LightningPrecision):
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
             self.guard, self.monitor, self.stop_reason = None, None, None
             self.records.clear()
-            self._loaded, self._hold = None, False
+            self._loaded, self._hold, self._resumed_at = None, False, None
             if trainer.gradient_clip_val:
                 raise ValueError(f"AmpGuardPlugin clips to max_norm after its non-finite check: drop the Trainer's "
                                  f"gradient_clip_val={trainer.gradient_clip_val} (use max_norm="
                                  f"{trainer.gradient_clip_val} on the plugin)")
             if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
                 raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
-            if (self.csv is not None and self.csv.exists() and self.csv.stat().st_size > 0
-                    and trainer.ckpt_path is None and trainer.is_global_zero):
-                raise InputError(f"{self.csv} already exists; refusing to overwrite it")
+            if self.csv is not None:
+                self._check_csv(trainer, len(optimizers))
+            if module.automatic_optimization and is_overridden("configure_gradient_clipping", module):
+                # warned, not refused: the override may not clip at all (Lightning's own example
+                # forwards gradient_clip_val, unset here; a logging hook), and a clip through
+                # self.clip_gradients is refused when it runs; only a direct clip goes unseen
+                rank_zero_warn(f"AmpGuardPlugin: {type(module).__name__}.configure_gradient_clipping is overridden; "
+                               f"Lightning runs it before the guard's step, so a clip there (clip_grad_norm_) "
+                               f"clips first and the CSV's grad_l2_pre_clip is the norm after it: clip with the "
+                               f"plugin's max_norm and look at gradients in on_before_optimizer_step instead")
+            # the Trainer's setting, read before its first epoch (a GradientAccumulationScheduler, which
+            # Lightning allows only with accumulate_grad_batches=1, sets its own at each epoch's start)
+            self._accumulation = trainer.accumulate_grad_batches if module.automatic_optimization else 1
             self._fitting = trainer  # past the refusals: the sinks are this fit's, closed at its end
             if self.csv is not None:
                 self._csv_fits.add(os.path.abspath(self.csv))
         return model, optimizers, lr_schedulers
+
+    def _check_csv(self, trainer: pl.Trainer, optimizers: int) -> None:
+        """The CSV's refusals, before the fit trains (the file opens at the first record, after
+        the first update): a path that is a folder or goes through a file (on every rank alike:
+        one file system, one answer); on rank 0, which writes it, an existing file unless the fit
+        resumes, and when it resumes one whose header is not this fit's columns."""
+        assert self.csv is not None
+        where = f"AmpGuardPlugin csv={str(self.csv)!r}"
+        if self.csv.is_dir():
+            raise InputError(f"{where}: that is a folder; give the path of the CSV file")
+        # the path's highest part that does not exist yet (made when the CSV opens), or the CSV:
+        # its folder must be one (a missing folder is made, as before; a file on the way is refused)
+        missing = self.csv
+        while missing.parent != missing.parent.parent and not missing.parent.exists():
+            missing = missing.parent
+        check_folder_of(missing, where)
+        if not (trainer.is_global_zero and self.csv.exists() and self.csv.stat().st_size > 0):
+            return
+        if trainer.ckpt_path is None:
+            raise InputError(f"{self.csv} already exists; refusing to overwrite it")
+        # a resume appends: the same columns the sink will write (the guard's record_columns); a
+        # CSV of other columns (another fit's, or one written before the plugin wrote them) cannot be
+        try:
+            CsvSink.check_header(self.csv, CSV_COLUMNS + (LABEL_COLUMNS if optimizers > 1 else ()),
+                                 "this fit's columns" + (f" ({', '.join(LABEL_COLUMNS)} with {optimizers} optimizers)"
+                                                         if optimizers > 1 else " (one optimizer)"))
+        except InputError as err:
+            raise InputError(f"{err}: give this fit a new csv path") from None
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if not isinstance(module, pl.LightningModule) or module._trainer is None:
@@ -252,23 +305,36 @@ class AmpGuardPlugin(_LightningPrecision):
 
     def _setup(self, module: pl.LightningModule) -> Guard:
         """Build the guard at the fit's first backward: the optimizers, the accumulation and the
-        schedulers are Lightning's by then."""
+        schedulers are Lightning's by then, and so is a resumed checkpoint's state.
+
+        The guard's ``accumulation_steps`` is the Trainer's setting as the fit began (what its
+        state saves and a resume compares); :meth:`backward` sets each group's own. A resume from
+        a checkpoint without ampguard's state (a fit without the plugin) goes on from its
+        ``global_step``, as :class:`~ampguard.integrations.transformers.GuardedTrainer` does:
+        the records' steps are Lightning's, the scale and the monitor start afresh (warned)."""
         trainer = module.trainer
         optimizers = trainer.optimizers
         if len(optimizers) == 1:
             optimizers = optimizers[0]
-        self._divided_by = trainer.accumulate_grad_batches if module.automatic_optimization else 1
         device = next(module.parameters()).device
         precision = self._autocast or Precision(self.name, device.type)
         scaler = precision.make_scaler(**self.scaler_settings)
         guard = Guard(module, optimizers, precision=precision, max_norm=self.max_norm,
-                      accumulation_steps=self._divided_by, scaler=scaler, frozen=self.frozen)
+                      accumulation_steps=self._accumulation, scaler=scaler, frozen=self.frozen)
         monitor = RunMonitor(max_norm=self.max_norm, scaler_enabled=scaler.is_enabled(),
                              init_scale=scaler.get_scale() if scaler.is_enabled() else None,
                              min_scale=scaler.get_min_scale(), **self.monitor_settings)
         guard.monitors["run"] = monitor
         if self._loaded:
             guard.load_state_dict(self._loaded)
+            self._resumed_at = guard.steps
+        elif trainer.ckpt_path is not None:
+            guard.steps = self._resumed_at = trainer.global_step
+            if trainer.global_step:
+                scale = "the loss scale starts again at init_scale and " if scaler.is_enabled() else ""
+                rank_zero_warn(f"AmpGuardPlugin: {Path(trainer.ckpt_path).name} holds no ampguard state (saved "
+                               f"without the plugin): steps go on from its global_step {trainer.global_step}; "
+                               f"{scale}the skip-rate monitor starts afresh")
         self.guard, self.monitor = guard, monitor
         self._hook_schedulers(module)
         return guard
@@ -277,9 +343,11 @@ class AmpGuardPlugin(_LightningPrecision):
         sinks: list[Sink] = []
         if trainer.is_global_zero:
             if self.csv is not None:
-                resumed = self._loaded is not None and self.csv.exists()
-                sinks.append(CsvSink(self.csv, append=resumed,
-                                     keep_through=int(self._loaded["step"]) if resumed else None))
+                assert self.guard is not None  # (sinks open at the first record)
+                resumed = self._resumed_at is not None and self.csv.exists()
+                # with several optimizers each row names them and the ones skipped (a GAN's D and G rows)
+                sinks.append(CsvSink(self.csv, self.guard.record_columns, append=resumed,
+                                     keep_through=self._resumed_at if resumed else None))
             sinks += self.extra_sinks
         return sinks
 
@@ -399,18 +467,30 @@ class AmpGuardPlugin(_LightningPrecision):
         """``guard.backward``: the loss checked before backward, scaled, backward.
 
         Lightning has already divided the loss by ``accumulate_grad_batches`` (N): the guard takes
-        it as it is (``divided``), so the gradients are bit for bit Lightning's for any N. In
-        manual optimization ``manual_backward`` is called inside ``training_step``, so inside
-        the forward's autocast: the backward runs with autocast closed, as the AMP recipe runs it
-        (the guard refuses a backward inside autocast)."""
+        it as it is (``divided``), so the gradients are bit for bit Lightning's for any N. N is
+        the Trainer's at each group's start, where a ``GradientAccumulationScheduler`` changes it
+        (at an epoch's start, and Lightning ends every group by the epoch's end): the record's
+        loss is then the group's mean loss, not N/N' times it. In manual optimization N is 1
+        (Lightning refuses accumulation there), and ``manual_backward`` is called inside
+        ``training_step``, so inside the forward's autocast: the backward runs with autocast
+        closed, as the AMP recipe runs it (the guard refuses a backward inside autocast)."""
         guard = self.guard or self._setup(model)
         if guard.pending:  # the micro-batch before, inside its accumulation group: no update
             if guard.micro_batches >= guard.accumulation_steps:
+                if not model.automatic_optimization:
+                    raise RuntimeError(
+                        "AmpGuardPlugin: two manual_backward calls without an optimizer step in between; in manual "
+                        "optimization the guard steps once per manual_backward (Lightning refuses "
+                        "accumulate_grad_batches there): call opt.step() after each manual_backward, sum the "
+                        "losses into one manual_backward, or accumulate in automatic optimization with "
+                        "Trainer(accumulate_grad_batches=N)")
                 raise RuntimeError("AmpGuardPlugin: two backward passes without an optimizer step in between; "
                                    "accumulate with Trainer(accumulate_grad_batches=N)")
             guard.step()
         if args or kwargs:
             raise ValueError("AmpGuardPlugin runs the backward itself: manual_backward(loss) takes no arguments")
+        if not guard.mid_group:  # a group begins: its N (the loss Lightning hands over is divided by it)
+            guard.accumulation_steps = model.trainer.accumulate_grad_batches if model.automatic_optimization else 1
         with torch.autocast(guard.precision.device_type, enabled=False):  # (manual optimization: inside it)
             guard.backward(tensor, divided=True)
 
@@ -420,6 +500,10 @@ class AmpGuardPlugin(_LightningPrecision):
         closure_result = closure()
         guard = self.guard
         if guard is None or not guard.pending:
+            if not model.automatic_optimization:
+                raise RuntimeError("AmpGuardPlugin: opt.step() without a manual_backward(loss) since the last "
+                                   "optimizer step; the guard steps once per manual_backward: call "
+                                   "self.manual_backward(loss) once before each opt.step()")
             raise RuntimeError("AmpGuardPlugin: no backward ran before this optimizer step (training_step "
                                "returned None?); the guard needs a loss on every step")
         names = () if len(guard.optimizers) == 1 else (optimizer,)
@@ -427,6 +511,7 @@ class AmpGuardPlugin(_LightningPrecision):
         self._after_closure(model, optimizer)
         record = guard.step(*names, close=True)  # only at a group's end (or an epoch's short last group)
         assert record is not None
+        guard.accumulation_steps = self._accumulation  # the Trainer's setting between groups (what state_dict saves)
         self._record(record, model)
         return closure_result
 
@@ -504,8 +589,9 @@ class AmpGuardPlugin(_LightningPrecision):
             return self._loaded or {}
         guard = self.guard
         # Lightning may save inside an accumulation group (validation or a callback between micro-
-        # batches): the state at the last boundary is the one to save
-        return guard.state_dict(mid_group=True)
+        # batches): the state at the last boundary is the one to save, with the Trainer's
+        # accumulation setting, not the open group's (a GradientAccumulationScheduler's)
+        return {**guard.state_dict(mid_group=True), "accumulation_steps": self._accumulation}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restored when Lightning resumes (``ckpt_path``); the CSV then appends after its step."""
