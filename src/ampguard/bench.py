@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .precision import Precision
+from .precision import Precision, backend_text
 from .records import LAG, InFlight
 from .sinks import CsvSink, Sink
 from .step import AmpTrainState
@@ -1187,7 +1187,9 @@ def compiled_workload(w: Workload) -> Workload:
 
 def machine(device: torch.device | None = None) -> str:
     """The machine in one line: processor, the CPUs this process may use, torch version (and,
-    for a CUDA ``device``, or with none given where CUDA is available, the GPU's name).
+    for a CUDA ``device``, or with none given where CUDA is available, the GPU's name and its
+    backend: ``cuda`` with the CUDA version, or ``rocm`` with the HIP version on an AMD GPU,
+    which PyTorch names ``cuda`` too).
 
     Example::
 
@@ -1198,7 +1200,7 @@ def machine(device: torch.device | None = None) -> str:
 
     text = f"{platform.processor() or platform.machine()}, {_usable_cpus()} CPUs, torch {torch.__version__}"
     if (device.type == "cuda") if device is not None else torch.cuda.is_available():
-        text += f", {torch.cuda.get_device_name(device)}"
+        text += f", {torch.cuda.get_device_name(device)}, {backend_text(torch.device('cuda'))}"
     return text
 
 

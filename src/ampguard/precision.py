@@ -629,3 +629,38 @@ class Precision:
             enabled=on,
             min_scale=min_scale,
         )
+
+
+def backend_of(device: torch.device) -> dict[str, Any]:
+    """The compute backend behind ``device``: ``rocm`` on a HIP build of PyTorch (which still
+    calls an AMD GPU ``cuda``: the same name, not the same kernels or results), ``cuda`` on a
+    CUDA device otherwise, else the device type (``cpu``); on a GPU, with the CUDA and HIP
+    versions PyTorch was built with (one of them ``None``). Reads no device: only ``torch.version``.
+
+    Example::
+
+        >>> backend_of(torch.device("cpu"))
+        {'backend': 'cpu'}
+        >>> backend_of(torch.device("cuda"))["backend"] == ("rocm" if torch.version.hip else "cuda")
+        True
+    """
+    if device.type != "cuda":
+        return {"backend": device.type}
+    hip = getattr(torch.version, "hip", None)
+    return {"backend": "rocm" if hip else "cuda", "cuda": torch.version.cuda, "hip": hip}
+
+
+def backend_text(device: torch.device) -> str:
+    """:func:`backend_of` in words, for a report's set-up table.
+
+    Example::
+
+        >>> backend_text(torch.device("cpu"))
+        'cpu'
+    """
+    info = backend_of(device)
+    if info["backend"] == "rocm":
+        return f"rocm (HIP {info['hip']}; PyTorch names the device cuda)"
+    if info["backend"] == "cuda":
+        return f"cuda (CUDA {info['cuda']})"
+    return info["backend"]

@@ -19,6 +19,7 @@ from .clipping import clip_threshold
 from .errors import ExitCode, InputError, check_folder_of, first_line
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor
+from .precision import backend_text
 from .records import SKIP_REASONS, StepRecord, record_from
 from .sinks import CSV_COLUMNS
 
@@ -654,8 +655,9 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         >>> result = RunResult(ExitCode.OK, monitor, paths, "finished: 3 steps", torch.device("cpu"))
         >>> write_run_card(folder / "RUN.md", validate({"precision": "fp16"}), result)
         >>> card = (folder / "RUN.md").read_text().splitlines()
-        >>> card[2], [line for line in card if line.startswith(("| skipped", "| per-step", "| plot", "| precision"))]
-        ('**finished: 3 steps**', ['| precision | fp16 (autocast on cpu) |',
+        >>> card[2], [line for line in card if line.startswith(("| skipped", "| per-step", "| plot", "| precision",
+        ...                                                     "| backend"))]
+        ('**finished: 3 steps**', ['| precision | fp16 (autocast on cpu) |', '| backend | cpu |',
                                    '| skipped steps | 1 (non_finite_grad=1) |',
                                    '| per-step CSV | `steps.csv` |', '| plot | not written |'])
         >>> shutil.rmtree(folder)
@@ -681,6 +683,8 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
     setup = [
         ("precision", f"{config.precision} (autocast on {result.device.type})"
                       + (", model compiled (torch.compile)" if config.compile else "")),
+        # PyTorch on ROCm names an AMD GPU "cuda" too: the backend says which it was, with its version
+        ("backend", backend_text(result.device)),
         *((("step path", result.path),) if result.path else ()),
         *((("fp8", f"recipe {config.fp8.recipe}; {len(result.fp8_layers)} Linear layer(s) in float8: "
                    f"{', '.join(result.fp8_layers) or 'none'}"),) if config.precision == "fp8" else ()),

@@ -6,8 +6,11 @@ examples nearest a decision boundary in FP32; each example probed once, with all
 score tolerance per output, a tie rule, a quality rule relative to the reference (and optional
 absolute floors) on a fixed evaluation set, and no non-finite output. The model is fixed
 (weights, eval mode). The FP32 reference runs first and is checked itself: a non-finite or
-low-quality reference is reported as such, never trusted. Then each AMP precision is compared
-with it, rule by rule, and every probe keeps its record (scores, decisions, margins, tags).
+low-quality reference is reported as such, never trusted; with no floor declared
+(``validation.min_accuracy`` / ``max_mse``) its quality is ``NOT CHECKED`` and the verdict says
+so (an untrained model is finite too). Then each AMP precision is compared with it, rule by
+rule, and every probe keeps its record (scores, decisions, margins, tags). The environment
+names the backend: ``rocm`` (with its HIP version) where PyTorch still calls the device ``cuda``.
 
 A model's outputs are named: a tensor is ``output``; a dict's are its keys; a tuple's or list's
 are their indices as strings (``"0"``, ``"1"``...). ``validation.outputs.<name>`` gives one its
@@ -26,6 +29,7 @@ import json
 import math
 import os
 import platform
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +42,7 @@ from .build import prepare_model, resolve_device, to_device
 from .checkpoint import rng_kept
 from .config import Config
 from .errors import ExitCode, InputError, first_line
-from .precision import Precision
+from .precision import Precision, backend_of
 from .records import strict_json
 from .tasks import Task
 
@@ -56,7 +60,10 @@ class ModelRaised(InputError):
 
 @dataclass
 class Rule:
-    """One declared rule and how it came out: the reference's value, the AMP value, pass or not.
+    """One rule and how it came out: the reference's value, the AMP value, pass or not. A rule
+    with nothing declared to check against (the reference's quality when neither
+    ``validation.min_accuracy`` nor ``validation.max_mse`` is set) is ``checked=False``: it
+    fails nothing (``ok``), and it passes nothing either: it reads ``NOT CHECKED``.
 
     Example::
 
@@ -68,17 +75,24 @@ class Rule:
     reference: str
     amp: str
     ok: bool
+    """Not violated: a rule that was not checked is ``ok`` (it rejects nothing)."""
+    checked: bool = True
+    """There was a declared rule to check against."""
 
     @property
     def decision(self) -> str:
-        """``pass`` or ``FAIL``, as the report's tables write it.
+        """``pass``, ``FAIL`` or ``NOT CHECKED``, as the report's tables write it.
 
         Example::
 
             >>> [Rule("c", "", "", ok).decision for ok in (True, False)]
             ['pass', 'FAIL']
+            >>> Rule("reference quality", "mse 1.444 (no maximum declared)", "", True, checked=False).decision
+            'NOT CHECKED'
         """
-        return "pass" if self.ok else "FAIL"
+        if not self.ok:
+            return "FAIL"
+        return "pass" if self.checked else "NOT CHECKED"
 
 
 @dataclass
@@ -141,7 +155,7 @@ class Validation:
 
     @property
     def reference_ok(self) -> bool:
-        """The FP32 reference passed its own checks (finite, quality): it can be trusted.
+        """No check of the FP32 reference failed (finite; quality, where a floor is declared).
 
         Example::
 
@@ -151,16 +165,75 @@ class Validation:
         return all(rule.ok for rule in self.reference)
 
     @property
-    def ok(self) -> bool:
-        """Accepted: the reference is trusted and every precision passes every rule.
+    def reference_quality_checked(self) -> bool:
+        """The reference's quality was checked against a declared floor (``validation.min_accuracy``
+        or ``validation.max_mse``). Without one, a finite but wrong FP32 run (an untrained model,
+        say) passes every other check: it is not shown to be a baseline worth matching.
 
-        Example (an untrusted reference rejects, even with no precision failing)::
+        Example::
+
+            >>> unchecked = [Rule("reference quality", "mse 1.444 (no maximum declared)", "", True, checked=False)]
+            >>> v = Validation("t", "regression", [], unchecked, [PrecisionResult("bf16")])
+            >>> v.reference_quality_checked, v.reference_ok, v.reference_trusted, v.ok
+            (False, True, False, True)
+        """
+        return all(rule.checked for rule in self.reference)
+
+    @property
+    def reference_trusted(self) -> bool:
+        """Every check of the FP32 reference was made and held: finite, and of the declared quality.
+
+        Example::
+
+            >>> Validation("t", "regression", [], [Rule("reference quality", "mse 0.1 (<= 0.5)", "", True)], []).reference_trusted
+            True
+        """
+        return self.reference_ok and self.reference_quality_checked
+
+    @property
+    def ok(self) -> bool:
+        """Accepted: no check of the reference failed and every precision passes every rule. A
+        reference whose quality was not checked (no floor declared) does not reject: the verdict
+        says so instead (:attr:`reference_quality_checked`).
+
+        Example (a reference failing its checks rejects, even with no precision failing)::
 
             >>> bad_reference = [Rule("reference quality", "mse 9", "", False)]
             >>> Validation("t", "regression", [], bad_reference, [PrecisionResult("bf16")]).ok
             False
         """
         return self.reference_ok and all(result.ok for result in self.results)
+
+    @property
+    def floor_key(self) -> str:
+        """The key that declares the reference's minimum quality for this task's mode.
+
+        Example::
+
+            >>> Validation("t", "classifier", [], [], []).floor_key, Validation("t", "regression", [], [], []).floor_key
+            ('validation.min_accuracy', 'validation.max_mse')
+        """
+        return "validation.min_accuracy" if self.mode == "classifier" else "validation.max_mse"
+
+    @property
+    def verdict(self) -> str:
+        """The verdict line's words: ``ACCEPTED`` or ``REJECTED``, and why the reference is not
+        to be relied on when it is not (a check failed; or its quality was not checked).
+
+        Example::
+
+            >>> unchecked = [Rule("reference quality", "mse 1.444 (no maximum declared)", "", True, checked=False)]
+            >>> Validation("t", "regression", [], unchecked, [PrecisionResult("bf16")]).verdict
+            'ACCEPTED (reference quality not checked: declare validation.max_mse)'
+            >>> Validation("t", "classifier", [], [Rule("reference outputs finite", "0/1", "", False)], []).verdict
+            'REJECTED (FP32 reference not trusted)'
+        """
+        words = "ACCEPTED" if self.ok else "REJECTED"
+        if not self.reference_ok:
+            return f"{words} (FP32 reference not trusted)"
+        if not self.reference_quality_checked:
+            return f"{words} (reference quality not checked: declare {self.floor_key})"
+        return words
 
 
 # ---------------------------------------------------------------------------- scores
@@ -373,14 +446,28 @@ def _check_targets(task: Task, scores: torch.Tensor, targets: torch.Tensor) -> N
                          "needs one target per score")
 
 
-def _quality_rule(mode: str, cfg: Any, value: float) -> tuple[str, bool]:
+def _quality_rule(mode: str, cfg: Any, value: float) -> tuple[str, bool, bool]:
+    """``(text, ok, checked)`` of the absolute quality rule for one quality value. With no floor
+    declared (``validation.min_accuracy`` / ``max_mse``) there is nothing to check a finite value
+    against: it is not checked (``NOT CHECKED``, never ``pass``); a non-finite one still fails.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> _quality_rule("regression", validate({}).validation, 1.444)
+        ('mse 1.444 (no maximum declared)', True, False)
+        >>> _quality_rule("regression", validate({"validation": {"max_mse": 0.5}}).validation, 1.444)
+        ('mse 1.444 (<= 0.5)', False, True)
+        >>> _quality_rule("classifier", validate({}).validation, math.nan)
+        ('accuracy nan (no minimum declared)', False, True)
+    """
     if mode == "classifier":
         if cfg.min_accuracy is None:
-            return f"accuracy {value:.4f} (no minimum declared)", math.isfinite(value)
-        return f"accuracy {value:.4f} (>= {cfg.min_accuracy:g})", value >= cfg.min_accuracy
+            return f"accuracy {value:.4f} (no minimum declared)", math.isfinite(value), not math.isfinite(value)
+        return f"accuracy {value:.4f} (>= {cfg.min_accuracy:g})", value >= cfg.min_accuracy, True
     if cfg.max_mse is None:
-        return f"mse {value:.4g} (no maximum declared)", math.isfinite(value)
-    return f"mse {value:.4g} (<= {cfg.max_mse:g})", math.isfinite(value) and value <= cfg.max_mse
+        return f"mse {value:.4g} (no maximum declared)", math.isfinite(value), not math.isfinite(value)
+    return f"mse {value:.4g} (<= {cfg.max_mse:g})", math.isfinite(value) and value <= cfg.max_mse, True
 
 
 QUALITY_SLACK = 1e-12
@@ -683,8 +770,13 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
         (True, 7, ['bf16'])
         >>> [(rule.criterion, rule.decision) for rule in v.results[0].rules]  # doctest: +NORMALIZE_WHITESPACE
         [('complete and finite', 'pass'), ('scores: |amp - fp32| <= 0.05 + 0.05 * |fp32| per element', 'pass'),
-         ('extremes (min, max over probes)', 'pass'), ('quality on the fixed evaluation set', 'pass'),
+         ('extremes (min, max over probes)', 'pass'), ('quality on the fixed evaluation set', 'NOT CHECKED'),
          ('quality vs FP32: mse <= FP32 mse x (1 + 0.01)', 'pass')]
+
+    No ``max_mse`` is declared: the untrained reference is finite, but its quality is not checked::
+
+        >>> [(rule.criterion, rule.decision) for rule in v.reference], v.reference_trusted
+        ([('reference outputs finite', 'pass'), ('reference quality', 'NOT CHECKED')], False)
     """
     with rng_kept():
         return _compare(task, model, config, device)
@@ -706,11 +798,11 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
     ref_quality = _quality(task.mode, ref_eval, y_eval)
     n = len(ids)
     ref_finite, eval_finite = int(ref.finite_rows().sum()), _finite_count(ref_eval)
-    text, ok = _quality_rule(task.mode, cfg, ref_quality)
+    text, ok, checked = _quality_rule(task.mode, cfg, ref_quality)
     reference = [
         Rule("reference outputs finite", f"{ref_finite}/{n} probes, {eval_finite}/{len(x_eval)} eval", "",
              ref_finite == n and eval_finite == len(x_eval)),
-        Rule("reference quality", text, "", ok),
+        Rule("reference quality", text, "", ok, checked),
     ]
     # fp8 compares a converted copy of the model; every other precision the model itself
     results = [_compare_precision(name, task, prepare_model(config, model, name, copy_model=True), cfg, device,
@@ -780,9 +872,9 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
                                  f"{float(first.min()):.4g}, {float(first.max()):.4g}",
                                  f"{float(first_amp.min()):.4g}, {float(first_amp.max()):.4g}", within))
     amp_quality = _quality(task.mode, amp_eval, probes.y_eval)
-    text_amp, ok_amp = _quality_rule(task.mode, cfg, amp_quality)
+    text_amp, ok_amp, checked_amp = _quality_rule(task.mode, cfg, amp_quality)
     result.stats.update(quality_fp32=ref_quality, quality_amp=amp_quality)
-    result.rules.append(Rule("quality on the fixed evaluation set", ref_text, text_amp, ok_amp))
+    result.rules.append(Rule("quality on the fixed evaluation set", ref_text, text_amp, ok_amp, checked_amp))
     relative = relative_quality_rule(task.mode, cfg.max_quality_drop, ref_quality, amp_quality)
     if relative is not None:
         result.rules.append(relative)
@@ -853,27 +945,31 @@ def _finite_count(scores: torch.Tensor) -> int:
 
 def describe_environment(config: Config, device: torch.device, fp32_dtypes: dict[str, str],
                          results: list[PrecisionResult]) -> dict[str, Any]:
-    """What the report was made with: ampguard, torch and Python versions, the device, the dtype
-    support of each precision compared there, and the effective config with its SHA-256.
+    """What the report was made with: ampguard, torch and Python versions, the device and its
+    backend (:func:`backend_of`: ``rocm`` with its HIP version, ``cuda`` with its CUDA version, or
+    ``cpu``), the dtype support of each precision compared there, and the effective config with
+    its SHA-256.
 
     Example::
 
         >>> from ampguard.config import validate
         >>> env = describe_environment(validate({"validation": {"precisions": ["bf16"]}}), torch.device("cpu"), {}, [])
-        >>> env["device"]["type"], env["dtype_support"]["bf16"]["dtype"], len(env["config_sha256"])
-        ('cpu', 'torch.bfloat16', 64)
+        >>> env["device"]["type"], env["device"]["backend"], env["dtype_support"]["bf16"]["dtype"], len(env["config_sha256"])
+        ('cpu', 'cpu', 'torch.bfloat16', 64)
     """
     from . import __version__
 
     effective = config.model_dump(mode="json")
+    backend = backend_of(device)
     # the FP32 reference is only FP32 where matmuls are: "high" or "medium" lets them use TF32 / bf16
-    info: dict[str, Any] = {"type": device.type, "name": platform.processor() or platform.machine(),
+    info: dict[str, Any] = {"type": device.type, "backend": backend["backend"],
+                            "name": platform.processor() or platform.machine(),
                             "float32_matmul_precision": torch.get_float32_matmul_precision()}
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         info.update(name=torch.cuda.get_device_name(index),
                     capability=".".join(map(str, torch.cuda.get_device_capability(index))),
-                    cuda=torch.version.cuda, cudnn_allow_tf32=torch.backends.cudnn.allow_tf32)
+                    cuda=backend["cuda"], hip=backend["hip"], cudnn_allow_tf32=torch.backends.cudnn.allow_tf32)
     support = {}
     for name in config.validation.precisions:
         entry: dict[str, Any] = {"autocast_available": torch.amp.is_autocast_available(device.type)}
@@ -1002,7 +1098,10 @@ def markdown(v: Validation, config: Config) -> str:
     lines = [
         f"# AMP validation: {v.task} ({v.mode})",
         "",
-        f"**{'ACCEPTED' if v.ok else 'REJECTED'}**" + ("" if v.reference_ok else " (the FP32 reference itself is not trusted)"),
+        f"**{'ACCEPTED' if v.ok else 'REJECTED'}**" + (
+            " (the FP32 reference itself is not trusted)" if not v.reference_ok
+            else f" (the FP32 reference's quality was not checked: declare {v.floor_key})"
+            if not v.reference_quality_checked else ""),
         "",
         f"Weights: {v.weights}. Model in eval mode. Probe set ({len(v.probes)} examples, each probed once with "
         f"all its tags): {_probe_counts(v, cfg)}. Rules declared before the run: scores "
@@ -1012,7 +1111,7 @@ def markdown(v: Validation, config: Config) -> str:
         f"whichever class AMP picks; ties {TIE_POLICIES[cfg.ties]}); no non-finite output; "
         + (f"accuracy >= {cfg.min_accuracy:g}" if v.mode == "classifier" and cfg.min_accuracy is not None
            else f"mse <= {cfg.max_mse:g}" if v.mode == "regression" and cfg.max_mse is not None
-           else "no absolute quality floor")
+           else "no absolute quality floor (the reference's quality is not checked)")
         + ("" if cfg.max_quality_drop is None else
            f"; accuracy at most {cfg.max_quality_drop:g} below FP32's" if v.mode == "classifier" else
            f"; mse at most (1 + {cfg.max_quality_drop:g}) x FP32's") + ".",
@@ -1093,20 +1192,30 @@ def _row(*cells: Any) -> str:
 def as_json(v: Validation) -> dict[str, Any]:
     """``validation.json``'s content: the same verdict and rules as the markdown, as data.
 
+    ``accepted`` is the exit code's verdict; ``reference_trusted`` is true only when every check of
+    the FP32 reference was made and held, and ``reference_quality_checked`` says whether its
+    quality was checked at all (false when no ``validation.min_accuracy`` / ``max_mse`` is
+    declared: ``accepted`` may then be true while ``reference_trusted`` is false). Each rule
+    carries ``ok`` (not violated) and ``checked`` (there was a declared rule to check).
+
     Example::
 
         >>> v = Validation("linear", "regression", ["held_out:0"], [Rule("reference quality", "mse 0.1", "", True)],
         ...                [PrecisionResult("bf16", [Rule("complete and finite", "1/1", "1/1", True)])])
         >>> data = as_json(v)
-        >>> data["accepted"], data["precisions"][0]["rules"]
-        (True, [{'criterion': 'complete and finite', 'reference': '1/1', 'amp': '1/1', 'ok': True}])
+        >>> data["accepted"], data["reference_trusted"], data["reference_quality_checked"]
+        (True, True, True)
+        >>> data["precisions"][0]["rules"]
+        [{'criterion': 'complete and finite', 'reference': '1/1', 'amp': '1/1', 'ok': True, 'checked': True}]
     """
 
     def rules(rs: list[Rule]) -> list[dict[str, Any]]:
-        return [{"criterion": r.criterion, "reference": r.reference, "amp": r.amp, "ok": r.ok} for r in rs]
+        return [{"criterion": r.criterion, "reference": r.reference, "amp": r.amp, "ok": r.ok, "checked": r.checked}
+                for r in rs]
 
     return {
-        "accepted": v.ok, "reference_trusted": v.reference_ok, "task": v.task, "mode": v.mode,
+        "accepted": v.ok, "reference_trusted": v.reference_trusted,
+        "reference_quality_checked": v.reference_quality_checked, "task": v.task, "mode": v.mode,
         "weights": v.weights, "probes": v.probes, "probe_tags": v.tags, "reference": rules(v.reference),
         "precisions": [{"precision": r.precision, "ok": r.ok, "rules": rules(r.rules), "flips": r.flips,
                         "ties": r.ties, "stats": r.stats, "probes": r.records} for r in v.results],
@@ -1144,7 +1253,9 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
     (default ``log.dir/validate-<time>``; an existing non-empty folder, a file, or a place that
     cannot be written is refused), print the verdict. ``ExitCode.OK`` when every rule holds,
     ``ExitCode.REJECTED`` when any is violated. Every refusal (:class:`InputError`) comes before
-    anything is written.
+    anything is written. With no floor declared (``validation.min_accuracy`` / ``max_mse``) the
+    reference's quality reads ``NOT CHECKED`` and the verdict says so; with no checkpoint, a
+    warning on stderr says the reference is the untrained model (:func:`untrained_reference`).
 
     Example (an untrained model misses a declared ``max_mse``: the reference is not trusted)::
 
@@ -1208,9 +1319,29 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
             print(f"{precision.precision}: {r.criterion}: {r.amp} -> {r.decision}")
     for t in training:
         print(f"train {t['precision']}: {t['updates_applied']} updates applied, final loss {t['final_loss']:.4g}")
-    verdict = "ACCEPTED" if result.ok else "REJECTED" + ("" if result.reference_ok else " (FP32 reference not trusted)")
-    print(f"validate: {verdict}; report {md}, {js}")
+    if not checkpoint:  # stderr: after the report, so a refusal above stays the one line there
+        print(f"ampguard: warning: validate: {untrained_reference(config)}", file=sys.stderr)
+    print(f"validate: {result.verdict}; report {md}, {js}")
     return ExitCode.OK if result.ok else ExitCode.REJECTED
+
+
+def untrained_reference(config: Config) -> str:
+    """The warning for a run with no checkpoint: the FP32 reference is the model as the task
+    builds it, untrained for a built-in task (a factory may load weights of its own).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> print(untrained_reference(validate({"task": {"name": "linear"}})))
+        no --checkpoint: the FP32 reference is task linear freshly initialised (untrained weights); pass --checkpoint (or set validation.checkpoint) to validate trained ones
+    """
+    if config.task.factory:
+        what = (f"the model task factory {config.task.factory} returns (untrained unless the factory loads "
+                "weights); pass --checkpoint (or set validation.checkpoint) to validate the weights of a run")
+    else:
+        what = (f"task {config.task.name} freshly initialised (untrained weights); pass --checkpoint (or set "
+                "validation.checkpoint) to validate trained ones")
+    return f"no --checkpoint: the FP32 reference is {what}"
 
 
 def check_output_folder(folder: Path) -> None:

@@ -67,7 +67,7 @@ def card_table(card: str) -> dict[str, str]:
 
 CARD_KEYS = {
     # set-up
-    "precision", "loss scaler", "clipping", "accumulation", "skip-rate alert", "fail-fast",
+    "precision", "backend", "loss scaler", "clipping", "accumulation", "skip-rate alert", "fail-fast",
     # outcome
     "ended", "steps attempted", "updates applied", "skipped steps", "max rolling skip rate",
     "skip-rate alert episodes", "clip rate (whole run)", "scale health", "loss",
@@ -303,6 +303,7 @@ def test_finished_run_card_and_plot(finished_run):
     table = check_card_against_csv(run_dir, window=FINISHED["window"], alert_rate=0.05, max_norm=1.0)
     assert table["ended"] == f"finished: {n} steps"
     assert table["precision"] == "fp16 (autocast on cpu)"
+    assert table["backend"] == "cpu"
     assert table["accumulation"] == "2 micro-batch(es) per step"
     assert table["loss scaler"] == (f"dynamic: init {FINISHED['init_scale']}, x2 after 2000 clean steps, "
                                     f"x0.5 on a skip, floor (min_scale) 1")
@@ -320,6 +321,36 @@ def test_finished_run_card_and_plot(finished_run):
     assert events[0]["event"] == "run_start"
     assert (events[-1]["event"], events[-1]["step"], events[-1]["message"]) == ("run_end", n, table["ended"])
     assert "run folder:" in out and "STATS 15 " in out
+
+
+def test_the_run_card_names_rocm_where_pytorch_says_cuda(tmp_path, monkeypatch):
+    # review_seeds8 #5: PyTorch on ROCm names an AMD GPU "cuda" and leaves torch.version.cuda None; the
+    # card said only "autocast on cuda". No GPU here: the card reads torch.version, not the device.
+    import torch
+
+    from ampguard.config import validate
+    from ampguard.errors import ExitCode
+    from ampguard.monitor import RunMonitor
+    from ampguard.report import write_run_card
+    from ampguard.run_folder import RunPaths, RunResult
+
+    (tmp_path / "steps.csv").write_text(HEADER + "\n", encoding="utf-8")
+    config = validate({"precision": "bf16"})
+
+    def card(device: str) -> dict[str, str]:
+        result = RunResult(ExitCode.OK, RunMonitor(), RunPaths.existing(tmp_path), "finished", torch.device(device))
+        write_run_card(tmp_path / "RUN.md", config, result)
+        return card_table((tmp_path / "RUN.md").read_text(encoding="utf-8"))
+
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133-dd7f95766")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    table = card("cuda")
+    assert table["precision"] == "bf16 (autocast on cuda)"
+    assert table["backend"] == "rocm (HIP 6.2.41133-dd7f95766; PyTorch names the device cuda)"
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    assert card("cuda")["backend"] == "cuda (CUDA 12.4)"
+    assert card("cpu")["backend"] == "cpu"
 
 
 def test_failed_run_card_and_plot(failed_run):

@@ -84,7 +84,8 @@ def check_rule_tables(md: str, data: dict) -> None:
         for row, expected in zip(rows, result["rules"]):
             assert len(row) == 4
             assert row[0] == expected["criterion"]
-            assert row[3] == ("pass" if expected["ok"] else "FAIL")
+            # a rule with no declared threshold (quality, no floor) fails nothing and passes nothing
+            assert row[3] == ("FAIL" if not expected["ok"] else "pass" if expected["checked"] else "NOT CHECKED")
 
 
 def changed_probes(result: dict) -> set[str]:
@@ -99,8 +100,12 @@ def test_a_benign_classifier_is_accepted(cli, tmp_path, factory):
     code, out, err = cli("validate", config, "--out", "report")
     assert code == 0, (out, err)
     assert "ACCEPTED" in out
+    # a factory may build trained weights itself: the warning does not call them untrained
+    assert (f"ampguard: warning: validate: no --checkpoint: the FP32 reference is the model task factory {factory} "
+            "returns (untrained unless the factory loads weights)") in err
     md, data = load_report(tmp_path / "report")
     assert data["accepted"] is True and data["reference_trusted"] is True
+    assert data["reference_quality_checked"] is True  # min_accuracy is declared
     assert data["mode"] == "classifier"
     # the probe set: typical held-out examples, the nearest-boundary ones, the edge cases; the six
     # held-out examples are both typical and (boundary 16 >= 6) nearest the boundary: probed once each
@@ -127,7 +132,11 @@ def test_a_near_tie_that_fp16_cannot_resolve_is_rejected(cli, tmp_path, factory)
     assert "REJECTED" in out
     md, data = load_report(tmp_path / "report")
     assert data["accepted"] is False
-    assert data["reference_trusted"] is True  # FP32 itself resolves it
+    # FP32 itself resolves it: no check of the reference fails; with no min_accuracy declared its
+    # quality is not checked, so it is not shown trusted either
+    assert all(rule["ok"] for rule in data["reference"])
+    assert data["reference_quality_checked"] is False and data["reference_trusted"] is False
+    assert "REJECTED (reference quality not checked: declare validation.min_accuracy)" in out
     assert [p["precision"] for p in data["precisions"]] == ["fp16"]  # only what was asked
     fp16 = data["precisions"][0]
     assert fp16["ok"] is False
@@ -323,6 +332,61 @@ def test_train_steps_compares_training_from_the_same_state(cli, tmp_path):
     for a, b in zip(data["precisions"], plain["precisions"]):
         assert a["stats"] == b["stats"]
         assert a["rules"] == b["rules"]
+
+
+def test_train_steps_counts_only_the_updates_applied(cli, tmp_path):
+    # review_seeds8 #9 (seed 001: "GradScaler: the updates actually performed"): fp16 starting from a loss
+    # scale of 2**40 overflows its float16 gradients (|grad| ~ 0.1 x 2**40 > 65504) and backs off by half a
+    # step, still far too high after 3 steps: every fp16 step is skipped, while FP32 (no scaler) applies all 3
+    code, out, err = cli("validate", "--set", "task.name=linear", "--set", "validation.max_mse=10",
+                         "--set", "validation.precisions=[fp16]", "--set", f"scaler.init_scale={2.0**40}",
+                         "--train-steps", "3", "--out", "r")
+    assert code == 0, (out, err)  # training is informational: the verdict is the comparison's
+    md, data = load_report(tmp_path / "r")
+    fp32, fp16 = data["training"]
+    assert (fp32["precision"], fp16["precision"]) == ("fp32", "fp16")
+    assert fp32["updates_applied"] == 3 and len(fp16["losses"]) == 3
+    assert fp16["updates_applied"] < fp32["updates_applied"]
+    assert fp16["updates_applied"] == 0
+    assert all(math.isfinite(loss) for loss in fp16["losses"])  # the loss was fine: the gradients overflowed
+    assert re.search(r"^train fp16: 0 updates applied", out, flags=re.M), out
+    assert any(line.startswith("| fp16 | 0 | ") for line in md.splitlines())
+
+
+def test_an_untrained_reference_with_no_declared_floor_says_so(cli, tmp_path, linear_checkpoint):
+    # review_seeds8 #2: the review's command. A freshly initialised linear model, no max_mse: it used to
+    # read "reference quality: mse 1.444 (no maximum declared) -> pass" and a plain ACCEPTED
+    code, out, err = cli("validate", "--set", "task.name=linear", "--set", "device=cpu",
+                         "--set", "validation.precisions=[bf16]", "--out", "val1")
+    assert code == 0, (out, err)  # the exit code is unchanged: nothing failed
+    assert re.search(r"^reference: reference quality: mse [\d.]+ \(no maximum declared\) -> NOT CHECKED$", out,
+                     flags=re.M), out
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith("validate: ACCEPTED (reference quality not checked: declare validation.max_mse); "
+                              "report "), verdict
+    warnings = [line for line in err.splitlines() if line.startswith("ampguard: warning: validate:")]
+    assert warnings == ["ampguard: warning: validate: no --checkpoint: the FP32 reference is task linear freshly "
+                        "initialised (untrained weights); pass --checkpoint (or set validation.checkpoint) to "
+                        "validate trained ones"], err
+    md, data = load_report(tmp_path / "val1")
+    assert data["accepted"] is True
+    assert data["reference_quality_checked"] is False and data["reference_trusted"] is False
+    quality = next(rule for rule in data["reference"] if rule["criterion"] == "reference quality")
+    assert (quality["ok"], quality["checked"]) == (True, False)
+    assert "**ACCEPTED** (the FP32 reference's quality was not checked: declare validation.max_mse)" in md
+    assert any(cells(line)[0] == "reference quality" and cells(line)[-1] == "NOT CHECKED"
+               for line in md.splitlines() if line.startswith("| reference quality |"))
+    check_rule_tables(md, data)
+
+    # trained weights and a declared floor: checked, trusted, a plain verdict and no warning
+    code, out, err = cli("validate", "--set", "task.name=linear", "--set", "validation.precisions=[bf16]",
+                         "--set", "validation.max_mse=10", "--checkpoint", linear_checkpoint, "--out", "val2")
+    assert code == 0, (out, err)
+    assert re.search(r"^reference: reference quality: mse [\d.]+ \(<= 10\) -> pass$", out, flags=re.M), out
+    assert out.splitlines()[-1].startswith("validate: ACCEPTED; report "), out
+    assert "warning" not in err, err
+    _, data = load_report(tmp_path / "val2")
+    assert data["reference_quality_checked"] is True and data["reference_trusted"] is True
 
 
 def test_train_steps_with_an_explicitly_enabled_fp16_scaler(cli, tmp_path):

@@ -336,6 +336,25 @@ def test_precision_dtypes_scaler_and_autocast():
                    "fp32": (torch.float32, torch.float32, False), "fp8": (torch.bfloat16, torch.bfloat16, False)}
 
 
+def test_bf16_on_a_cuda_device_without_bf16_is_refused(monkeypatch):
+    # review_seeds8 #9 (seed 001: check what the target supports). No GPU here: the device's capability
+    # answers (is_bf16_supported, its name) are stubbed; the model stays on the CPU, which check() allows
+    # (AmpTrainState refuses a model/autocast device mismatch before it gets there).
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: asked.append("bf16") or False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    cuda, model = torch.device("cuda"), torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"^bf16 is not supported on Tesla V100-SXM2-16GB: use fp16$"):
+        Precision("bf16", "cuda").check(model, cuda)
+    assert asked == ["bf16"]
+    Precision("fp16", "cuda").check(model, cuda)  # what the line suggests instead is not refused
+    Precision("bf16", "cpu").check(model, torch.device("cpu"))  # a CPU's bf16 is not the GPU's question
+    assert asked == ["bf16"]
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    Precision("bf16", "cuda").check(model, cuda)  # a GPU that has it: fine
+
+
 def test_precision_refuses_an_unknown_name():
     with pytest.raises(ValueError, match="fp4"):
         Precision("fp4", "cpu")  # type: ignore[arg-type]

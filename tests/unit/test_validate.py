@@ -504,3 +504,56 @@ def test_a_classifier_with_one_score_per_example_is_refused():
                                                                   "boundary": boundary}}), CPU)
     regression = identity_task(x, x, mode="regression", model=nn.Linear(1, 1))
     assert compare(regression, regression.model, config, CPU).results  # one score is fine for regression
+
+
+# ---------------------------------------------------------------------------- review seeds8: reference quality, ROCm
+
+
+def test_a_reference_with_no_declared_floor_is_not_checked_and_not_trusted():
+    # review_seeds8 #2: with no max_mse, any finite FP32 quality read "-> pass" and the reference "trusted"
+    task = build_task(make_config({"task": {"name": "linear"}}))
+    for floor, decision, trusted in ((None, "NOT CHECKED", False), (10.0, "pass", True), (1e-6, "FAIL", False)):
+        config = make_config({"task": {"name": "linear"}, "validation": {"precisions": ["bf16"], "typical": 4,
+                                                                           "max_mse": floor}})
+        result = compare(task, task.model, config, CPU)
+        quality = next(rule for rule in result.reference if rule.criterion == "reference quality")
+        assert quality.decision == decision, floor
+        assert (result.reference_quality_checked, result.reference_trusted) == (floor is not None, trusted), floor
+        assert result.ok is (floor != 1e-6)  # not checked rejects nothing: the exit code is as before
+    # a non-finite quality still fails with no floor: there is something to check
+    from ampguard.validate import _quality_rule
+
+    assert _quality_rule("regression", make_config({}).validation, math.inf)[1:] == (False, True)
+
+
+def test_the_backend_is_rocm_when_torch_is_a_hip_build(monkeypatch):
+    # review_seeds8 #5: on ROCm PyTorch still names the device "cuda" and torch.version.cuda is None;
+    # only torch.version.hip tells the backend. Device identity (name, capability) is stubbed: no GPU here.
+    from ampguard.config import Config
+    from ampguard.precision import backend_of, backend_text
+    from ampguard.validate import Validation, describe_environment, markdown
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133-dd7f95766")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert backend_of(cuda) == {"backend": "rocm", "cuda": None, "hip": "6.2.41133-dd7f95766"}
+    assert backend_text(cuda) == "rocm (HIP 6.2.41133-dd7f95766; PyTorch names the device cuda)"
+    assert backend_of(CPU) == {"backend": "cpu"}  # a HIP build running on the CPU is a CPU run
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "AMD Instinct MI300X")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 4))
+    config = make_config({"validation": {"precisions": ["fp16"]}})
+    device = describe_environment(config, cuda, {}, [])["device"]
+    assert (device["type"], device["backend"], device["cuda"], device["hip"]) == ("cuda", "rocm", None,
+                                                                                 "6.2.41133-dd7f95766")
+    assert device["name"] == "AMD Instinct MI300X"
+    v = Validation("linear", "regression", [], [], [], environment=describe_environment(config, cuda, {}, []))
+    [row] = [line for line in markdown(v, Config()).splitlines() if line.startswith("| device |")]
+    assert "type cuda, backend rocm" in row and "cuda None, hip 6.2.41133-dd7f95766" in row
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    device = describe_environment(config, cuda, {}, [])["device"]
+    assert (device["backend"], device["cuda"], device["hip"]) == ("cuda", "12.4", None)
+    assert backend_text(cuda) == "cuda (CUDA 12.4)"
+    assert describe_environment(config, CPU, {}, [])["device"]["backend"] == "cpu"
