@@ -616,3 +616,75 @@ def test_a_csv_path_through_a_file_or_at_a_folder_is_refused_before_anything_tra
     made = tmp_path / "new" / "sub" / "steps.csv"
     fit(module, AmpGuardPlugin("bf16-mixed", csv=made), steps=2)
     assert [r["step"] for r in rows(made)] == ["1", "2"]
+
+
+DDP_FIT = '''
+import sys
+import torch
+import lightning as L
+from torch import nn
+from torch.nn import functional as F
+from ampguard.integrations.lightning import AmpGuardPlugin
+
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        if self.global_rank == 1 and self.trainer.global_step + 1 == 3:  # a NaN on rank 1 alone
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                                   "interval": "step"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+plugin = AmpGuardPlugin("bf16-mixed", max_norm=1.0, csv=sys.argv[1])
+module = Module()
+trainer = L.Trainer(max_epochs=1, accumulate_grad_batches=2, plugins=[plugin], strategy="ddp", devices=2,
+                    accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                    enable_checkpointing=False)
+trainer.fit(module)
+checksum = sum(float(p.detach().double().sum()) for p in module.parameters())
+print(f"rank {trainer.global_rank}: {[(r.step, r.skipped, r.reason) for r in plugin.records]} "
+      f"lr {trainer.optimizers[0].param_groups[0]['lr']} checksum {checksum!r}", flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(tmp_path):
+    """Lightning's DDP strategy, two CPU processes (gloo): a NaN loss on rank 1 alone at step 3 is
+    the same skip on both ranks (the guard's one all-reduce), the replicas stay identical, the
+    step scheduler holds on both, and one CSV is written, by rank 0. Each rank has 5 batches of
+    4: groups of 2, 2 and Lightning's short last one."""
+    import re
+    import subprocess
+    import sys
+
+    from helpers import read_rows, torchrun_env
+
+    script, csv_path = tmp_path / "fit.py", tmp_path / "steps.csv"
+    script.write_text(DDP_FIT, encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script), str(csv_path)], cwd=tmp_path, env=torchrun_env(),
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(re.findall(r"rank (\d): (.*)", done.stdout))
+    assert sorted(lines) == ["0", "1"], done.stdout
+    assert lines["0"] == lines["1"]  # the same records, the same held LR, the same weights
+    assert lines["0"].startswith("[(1, False, None), (2, False, None), (3, True, 'non_finite_loss')] lr 0.025 ")
+    rows = read_rows(csv_path)
+    assert [(r["step"], r["skipped"], r["skip_reason"]) for r in rows] == [
+        ("1", "0", ""), ("2", "0", ""), ("3", "1", "non_finite_loss")]
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("fit.py", "steps.csv")]
