@@ -480,6 +480,16 @@ def test_with_two_optimizers_the_csv_names_each_rows_optimizer_and_a_resume_appe
     assert [(line[0], line[-2]) for line in lines[1:]] == [(str(s), "01"[s % 2]) for s in range(1, 9)]
     assert resumed.guard.applied == {"0": 3, "1": 4}  # G's step 4 was skipped before the resume
 
+    # Lightning's loggers get each optimizer's record under keys of its own (one training_step
+    # logs both: under the same keys the generator's would replace the discriminator's)
+    logged = AmpGuardPlugin("bf16-mixed", max_norm=5.0)
+    fit(GAN(inf_at={1}), logged, steps=4, data=points(), logger=CSVLogger(tmp_path, name="gan"), log_every_n_steps=1)
+    (metrics,) = tmp_path.glob("gan/*/metrics.csv")
+    table = [r for r in rows(metrics) if r.get("ampguard/skip_rate")]
+    assert {"ampguard/0/loss", "ampguard/1/loss", "ampguard/0/skipped", "ampguard/1/scale"} <= set(table[0])
+    assert "ampguard/loss" not in table[0]
+    assert [(r["ampguard/0/skipped"], r["ampguard/1/skipped"]) for r in table] == [("0.0", "0.0"), ("1.0", "0.0")]
+
     one_optimizer = tmp_path / "one.csv"  # a CSV of the 8 columns (a fit with one optimizer)
     one_optimizer.write_text(",".join(CSV_COLUMNS) + "\n")
     refused = AmpGuardPlugin("bf16-mixed", csv=one_optimizer)

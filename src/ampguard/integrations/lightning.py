@@ -547,8 +547,12 @@ class AmpGuardPlugin(_LightningPrecision):
             values = record.values()
             # every key every time (nan where the value does not exist, e.g. the norm of a loss
             # skip): Lightning would otherwise repeat the last value logged under a key
-            metrics = {key: math.nan if values[field] is None else values[field] for field, key in LOG_KEYS.items()}
-            metrics["ampguard/skipped"] = float(record.skipped)
+            # several optimizers (a GAN's D and G steps in one training_step): keys of their own,
+            # ampguard/<optimizer>/..., or the second record's values would replace the first's
+            prefix = f"ampguard/{'+'.join(record.optimizers)}/" if record.optimizers else "ampguard/"
+            metrics = {key.replace("ampguard/", prefix, 1): math.nan if values[field] is None else values[field]
+                       for field, key in LOG_KEYS.items()}
+            metrics[f"{prefix}skipped"] = float(record.skipped)
             metrics["ampguard/skip_rate"] = self.monitor.skip_rate
             module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
