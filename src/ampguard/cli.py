@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import importlib
 import math
@@ -12,7 +11,7 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError
@@ -468,54 +467,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         ended: finished: 2 steps
         0
     """
-    from .signals import Interrupted, held_signals
+    from .signals import Interrupted, held_signals, tolerant_console
 
     if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # `ulimit -f` reached: a write error (disk full), not a kill
-    undo = _paths_as_bytes()
-    try:
-        args = build_parser().parse_args(argv)
-        with held_signals():  # a signal inside torch's import could be swallowed or break numpy
-            importlib.import_module("torch")  # every verb needs it; after this block a signal stops us
-        with warnings.catch_warnings():  # restores the caller's filters (main() runs in-process in tests)
-            _slow_precision_in_one_line(quiet=args.func is _demo)  # the CPU demo is fp16 on purpose
-            return int(args.func(args))
-    except InputError as err:
-        print(f"ampguard: error: {err}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    except Interrupted as err:
-        print("ampguard: interrupted", file=sys.stderr)
-        return err.exit_code
-    except (KeyboardInterrupt, RuntimeError) as err:
-        if not _an_interrupt(err):
-            raise
-        print("ampguard: interrupted", file=sys.stderr)
-        _handled_keyboard_interrupt()
-        return ExitCode.INTERRUPTED
-    except BrokenPipeError:  # e.g. `ampguard demo | head`: the reader left; say nothing more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except OSError as err:  # (after BrokenPipeError, an OSError too)
-        if err.errno != errno.ENAMETOOLONG:
-            raise
-        # a path the user gave has a part over the file system's limit (255 bytes): bad input
-        print(f"ampguard: error: file name too long: {err.filename!r}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    finally:
-        undo()
+    with tolerant_console():  # a reader that left, a full /dev/full, an ASCII terminal: never a traceback
+        try:
+            args = build_parser().parse_args(argv)
+            with held_signals():  # a signal inside torch's import could be swallowed or break numpy
+                importlib.import_module("torch")  # every verb needs it; after this block a signal stops us
+            with warnings.catch_warnings():  # restores the caller's filters (main() runs in-process in tests)
+                _slow_precision_in_one_line(quiet=args.func is _demo)  # the CPU demo is fp16 on purpose
+                return int(args.func(args))
+        except InputError as err:
+            print(f"ampguard: error: {err}", file=sys.stderr)
+            return ExitCode.BAD_INPUT
+        except Interrupted as err:
+            print("ampguard: interrupted", file=sys.stderr)
+            return err.exit_code
+        except (KeyboardInterrupt, RuntimeError) as err:
+            if not _an_interrupt(err):
+                raise
+            print("ampguard: interrupted", file=sys.stderr)
+            _handled_keyboard_interrupt()
+            return ExitCode.INTERRUPTED
+        except BrokenPipeError:  # a write past the console's guard: the reader left, as SIGPIPE says
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return ExitCode.BROKEN_PIPE
+        except OSError as err:  # (after BrokenPipeError, an OSError too)
+            if err.errno != errno.ENAMETOOLONG:
+                raise
+            # a path the user gave has a part over the file system's limit (255 bytes): bad input
+            print(f"ampguard: error: file name too long: {err.filename!r}", file=sys.stderr)
+            return ExitCode.BAD_INPUT
 
 
-def _paths_as_bytes() -> Callable[[], None]:
-    """Print a path whose name is not UTF-8 as its bytes, as ``ls`` does (and Python in the C
-    locale), not as a ``UnicodeEncodeError``: stdout's ``errors`` becomes ``surrogateescape``
-    where it was ``strict``. Returns what puts it back (``main()`` runs in-process too)."""
-    stream = sys.stdout
-    if getattr(stream, "errors", None) != "strict" or not hasattr(stream, "reconfigure"):
-        return lambda: None
-    stream.reconfigure(errors="surrogateescape")
-
-    def undo() -> None:
-        with contextlib.suppress(OSError, ValueError):  # (a reader that left, a closed stream)
-            stream.reconfigure(errors="strict")
-
-    return undo

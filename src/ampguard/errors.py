@@ -57,6 +57,9 @@ class ExitCode(IntEnum):
     nothing more is written. 74 is ``EX_IOERR`` of BSD's ``sysexits.h``."""
     INTERRUPTED = 130
     """Ctrl-C: logs flushed, a checkpoint and the run card written where possible."""
+    BROKEN_PIPE = 141
+    """stdout's reader left (``ampguard train | head``): a run stops as on SIGTERM, checkpoint
+    and run card written; 128 + 13, the SIGPIPE that ends a Unix tool there."""
     TERMINATED = 143
     """SIGTERM (a scheduler's stop): handled as Ctrl-C is, exit 128 + 15 as shells report it."""
 

@@ -1,18 +1,25 @@
-"""Stop signals: Ctrl-C's SIGINT and the SIGTERM that schedulers (SLURM, Kubernetes) send.
+"""Stop signals: Ctrl-C's SIGINT and the SIGTERM that schedulers (SLURM, Kubernetes) send, and
+stdout's reader leaving (``ampguard train | head``), what SIGPIPE is to a Unix tool.
 
-A run honours the first one at the next step boundary (checkpoint, run card, exit 130 or 143);
-a second one interrupts the step in flight; while the run writes its last checkpoint and run
-card, signals wait. This module imports nothing heavy, so the command line can hold signals
-while torch is imported (a Ctrl-C inside that import can be swallowed, or leave a half-made
-module behind).
+A run honours the first one at the next step boundary (checkpoint, run card, exit 130, 143 or
+141); a second one interrupts the step in flight; while the run writes its last checkpoint and
+run card, signals wait. The console streams never end the process themselves
+(:func:`tolerant_console`). This module imports nothing heavy, so the command line can hold
+signals while torch is imported (a Ctrl-C inside that import can be swallowed, or leave a
+half-made module behind).
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import errno
+import os
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TextIO
 
 from .errors import ExitCode
 
@@ -55,15 +62,21 @@ class StopFlag:
 
     @property
     def exit_code(self) -> ExitCode:
-        """130 for Ctrl-C, 143 for SIGTERM (128 + the signal's number, as shells report it)."""
-        return ExitCode.TERMINATED if self.signal == signal.SIGTERM else ExitCode.INTERRUPTED
+        """130 for Ctrl-C, 143 for SIGTERM, 141 for stdout's reader leaving (128 + the signal's
+        number, as shells report it)."""
+        return _EXIT_CODES.get(self.signal, ExitCode.INTERRUPTED)
 
     @property
     def name(self) -> str:
-        return "SIGTERM" if self.signal == signal.SIGTERM else "Ctrl-C"
+        return _NAMES.get(_EXIT_CODES.get(self.signal, ExitCode.INTERRUPTED), "Ctrl-C")
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_EXIT_CODES = {signal.SIGTERM: ExitCode.TERMINATED, signal.SIGPIPE: ExitCode.BROKEN_PIPE}
+_NAMES = {ExitCode.TERMINATED: "SIGTERM", ExitCode.BROKEN_PIPE: "stdout's reader left"}
+_FLAGS: list[StopFlag] = []
+"""The stop flags of the ``stop_on_signals`` blocks open now, innermost last: where
+:func:`reader_left` asks for a stop."""
 
 
 @contextmanager
@@ -90,23 +103,27 @@ def stop_on_signals() -> Iterator[StopFlag]:
         if flag.signal is None:
             flag.signal = signum
 
+    _FLAGS.append(flag)
     try:
-        previous = [(sig, signal.signal(sig, handler)) for sig in STOP_SIGNALS]
-    except ValueError:  # not the main thread: leave signals alone
-        yield flag
-        return
-    try:
-        yield flag
+        try:
+            previous = [(sig, signal.signal(sig, handler)) for sig in STOP_SIGNALS]
+        except ValueError:  # not the main thread: leave signals alone
+            yield flag
+            return
+        try:
+            yield flag
+        finally:
+            for sig, old in previous:
+                signal.signal(sig, old)
     finally:
-        for sig, old in previous:
-            signal.signal(sig, old)
+        _FLAGS.remove(flag)
 
 
 class Interrupted(Exception):
     """A stop signal arrived while nothing could be stopped cleanly (start-up): exit with ``exit_code``."""
 
     def __init__(self, exit_code: ExitCode) -> None:
-        super().__init__(f"interrupted ({'SIGTERM' if exit_code == ExitCode.TERMINATED else 'Ctrl-C'})")
+        super().__init__(f"interrupted ({_NAMES.get(exit_code, 'Ctrl-C')})")
         self.exit_code = exit_code
 
 
@@ -132,3 +149,127 @@ def held_signals() -> Iterator[StopFlag]:
         yield flag
     if flag.requested:
         raise Interrupted(flag.exit_code)
+
+
+def reader_left() -> None:
+    """stdout's reader has left (a broken pipe: ``ampguard train | head``). To a Unix tool that is
+    SIGPIPE, which ends it; here it is a stop signal like the first SIGTERM: a run stops at the
+    next step boundary with its checkpoint and run card (exit 141, ``--resume`` goes on), where a
+    bare exit would leave the run folder half-written. Outside a run nothing stops: the verb
+    finishes, its output dropped, and exits with its own code (``validate | head -1`` of a
+    rejected model is still 1).
+
+    Example::
+
+        >>> with stop_on_signals() as stop:
+        ...     reader_left()
+        ...     stop.requested, int(stop.exit_code), stop.name
+        (True, 141, "stdout's reader left")
+        >>> reader_left()  # no run: nothing to stop
+    """
+    if _FLAGS and _FLAGS[-1].signal is None:
+        _FLAGS[-1].signal = signal.SIGPIPE
+
+
+class TolerantStream:
+    """A console stream (stdout, stderr) whose write failures do not end the process: the lines
+    are only the console's; a run's record is its folder. On the first failure the stream's file
+    descriptor is pointed at ``/dev/null`` (so what is buffered, and Python's flush at exit, go
+    nowhere instead of failing again) and later lines are dropped. A reader that left (EPIPE)
+    asks the run to stop (:func:`reader_left`); another error (``> /dev/full``, an I/O error) is
+    said once on stderr and the run goes on: it was the console, not the run folder, that had no
+    room. Everything else is the wrapped stream's.
+
+    Example::
+
+        >>> import io
+        >>> class Full(io.StringIO):
+        ...     def write(self, text):
+        ...         raise OSError(errno.ENOSPC, "No space left on device")
+        >>> said = io.StringIO()
+        >>> with contextlib.redirect_stderr(said):
+        ...     out = TolerantStream(Full(), "stdout")
+        ...     out.write("summary: ..."), out.write("ended: ..."), type(out.gone).__name__
+        (12, 10, 'OSError')
+        >>> said.getvalue()
+        'ampguard: warning: stdout: No space left on device; its lines are dropped, the run goes on\\n'
+    """
+
+    def __init__(self, stream: TextIO, name: str) -> None:
+        self._stream, self._name = stream, name
+        self.gone: OSError | None = None
+
+    def write(self, text: str) -> int:
+        if self.gone is None:
+            try:
+                return self._stream.write(text)
+            except OSError as err:
+                self._lose(err)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.gone is None:
+            try:
+                self._stream.flush()
+            except OSError as err:
+                self._lose(err)
+
+    def _lose(self, err: OSError) -> None:
+        self.gone = err
+        with contextlib.suppress(Exception):  # (a stream with no descriptor: its lines are dropped all the same)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        if err.errno == errno.EPIPE:
+            reader_left()
+        elif self._name != "stderr":
+            print(f"ampguard: warning: {self._name}: {err.strerror or err}; its lines are dropped, the run goes on",
+                  file=sys.stderr)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _console_errors(err: UnicodeError) -> tuple[str | bytes, int]:
+    """The encoding errors of the console: a name that is not UTF-8 (a surrogate-escaped byte)
+    printed as its bytes, as ``ls`` does; a character the stream's codec lacks (an ASCII
+    terminal) as a backslash escape; never a ``UnicodeEncodeError`` that ends the process."""
+    try:
+        return codecs.lookup_error("surrogateescape")(err)
+    except UnicodeError:
+        return codecs.backslashreplace_errors(err)
+
+
+codecs.register_error("ampguard.console", _console_errors)
+
+
+@contextmanager
+def tolerant_console() -> Iterator[None]:
+    """``sys.stdout`` and ``sys.stderr`` as :class:`TolerantStream` for the block (stdout's
+    encoding errors as :func:`_console_errors` says), then as they were, stdout flushed through
+    its guard first (a block-buffered stdout fails at its flush).
+
+    Example::
+
+        >>> import io
+        >>> with contextlib.redirect_stdout(io.StringIO()):
+        ...     with tolerant_console():
+        ...         inside = type(sys.stdout).__name__
+        ...     after = type(sys.stdout).__name__
+        >>> inside, after
+        ('TolerantStream', 'StringIO')
+    """
+    out, err = sys.stdout, sys.stderr
+    strict = getattr(out, "errors", None) == "strict" and hasattr(out, "reconfigure")
+    if strict:
+        out.reconfigure(errors="ampguard.console")
+    sys.stdout, sys.stderr = TolerantStream(out, "stdout"), TolerantStream(err, "stderr")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        sys.stdout, sys.stderr = out, err
+        if strict:
+            with contextlib.suppress(OSError, ValueError):  # (a closed stream)
+                out.reconfigure(errors="strict")

@@ -72,7 +72,7 @@ def finish(result: RunResult) -> ExitCode:
         print(f"run folder: {run_dir} ({', '.join(written)})")
     elif csv_path is not None:
         print(f"csv: {csv_path} ({result.monitor.steps} rows)")
-    if result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED):
+    if result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED, ExitCode.BROKEN_PIPE):
         import sys
 
         where = f"; {result.monitor.steps} complete rows in {csv_path}" if csv_path else ""

@@ -119,3 +119,67 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, phase):
         assert [r["step"] for r in _rows(run / "steps.csv")] == ["1"]
         assert _card(run)["ended"] == "interrupted (Ctrl-C) after step 1"
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001.pt"]
+
+
+# ---------------------------------------------------------------------------- the console itself failing
+
+
+def test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_exit_141(tmp_path):
+    """`ampguard train | head -2`: stdout's reader leaves. To a Unix tool that is SIGPIPE; the run
+    ended with exit 0 and a half-written folder (no run card, no checkpoint: --resume found
+    nothing). Now it is a stop signal: the step boundary, the checkpoint, the card, exit 141."""
+    run = tmp_path / "runs" / "t"
+    proc = _spawn(tmp_path, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000", "--set", "log.name=t",
+                  "--set", "log.every=1", "--set", "checkpoint.every=0")
+    assert proc.stdout.readline().startswith("run folder: ")
+    proc.stdout.close()  # the reader leaves: the next console line is a broken pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=180) == 141, err
+    assert "Traceback" not in err
+    n = len(_rows(run / "steps.csv"))
+    assert n >= 1 and _card(run)["ended"] == f"interrupted (stdout's reader left) after step {n}"
+    assert (run / "checkpoints" / f"step-{n:08d}.pt").is_file()
+    assert f"interrupted after step {n}" in err
+
+    resumed = subprocess.run([sys.executable, "-m", "ampguard", "train", "--resume", str(run), "--set",
+                              f"steps={n + 2}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert [int(r["step"]) for r in _rows(run / "steps.csv")] == list(range(1, n + 3))
+
+
+def test_a_verb_whose_reader_left_keeps_its_own_exit_code(tmp_path):
+    """`ampguard locate ... | head -1` (or `validate`): the reader leaving mapped every verb to
+    exit 0, so a CI step piped into head passed a NaN found (or a model rejected). The verb
+    finishes, its output dropped, with its own code: 1 here, a non-finite value found."""
+    proc = subprocess.Popen([sys.executable, "-m", "ampguard", "locate", "--set", "task.name=linear",
+                             "--inject", "nan_input@1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc.stdout.close()  # gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=180) == 1, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_a_console_that_cannot_take_the_lines_leaves_the_run_whole(tmp_path):
+    """stdout that cannot encode the run's name (an ASCII terminal) or has no room (/dev/full)
+    ended the run with a traceback after its folder was made: a folder holding config.yaml alone
+    (a rerun refused as existing), and a false "disk full while writing the run folder". The
+    name is printed escaped; a full console is said once on stderr and the run goes on."""
+    ascii_env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run([sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=2",
+                           "--set", "log.name=ünï"], cwd=tmp_path, capture_output=True, env=ascii_env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert b"run folder: runs/\\xfcn\\xef (RUN.md" in done.stdout
+    assert (tmp_path / "runs" / "ünï" / "RUN.md").is_file()
+
+    if not Path("/dev/full").exists():
+        return
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=2",
+                               "--set", "log.name=full"], cwd=tmp_path, stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "ampguard: warning: stdout: No space left on device; its lines are dropped, the run goes on"]
+    card = _card(tmp_path / "runs" / "full")
+    assert card["ended"] == "finished: 2 steps"

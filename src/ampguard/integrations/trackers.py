@@ -486,7 +486,7 @@ class MLflowSink(TrackerSink):
 
     def _stop(self, exit_code: int) -> None:
         self._wait()
-        status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 143) else "FAILED"
+        status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 141, 143) else "FAILED"
         self.client.set_terminated(self.run_id, status)
 
 
