@@ -3,13 +3,15 @@
 ``runs/<name>/`` holds ``RUN.md``, ``steps.csv``, ``events.jsonl``, ``report.png``,
 ``config.yaml``, ``run-id``, ``checkpoints/`` (and ``steps.jsonl``, ``tensorboard/`` when asked
 for). ``run-id`` is the folder's identity (32 hex digits, written when the run opens its outputs):
-every checkpoint carries it, and ``--resume`` refuses a checkpoint of another run. A demo writes
+every checkpoint carries it, and ``--resume`` refuses a checkpoint of another run. While a
+process trains in it, it holds ``.ampguard.lock`` (:meth:`RunPaths.lock`). A demo writes
 at most a CSV: its :class:`RunPaths` has no folder. :mod:`ampguard.report` reads these names from
 here; nothing here imports the training loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -29,6 +31,15 @@ from .sinks import DiskFull
 if TYPE_CHECKING:
     from .monitor import RunMonitor
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not a POSIX system: run folders go unlocked
+    fcntl = None  # type: ignore[assignment]
+
+LOCK_FILE = ".ampguard.lock"
+"""Held (``flock``) by the process that trains in a run folder, with its pid in it; the kernel
+lets go of it when that process ends, however it ends."""
+
 
 @dataclass
 class RunPaths:
@@ -45,6 +56,8 @@ class RunPaths:
     dir: Path | None = None
     created: list[Path] = field(default_factory=list, repr=False, compare=False)
     """The folders :meth:`new_run_dir` made (parents first), for :meth:`remove_unused`."""
+    _lock: int | None = field(default=None, repr=False, compare=False)
+    """The descriptor of the held :data:`LOCK_FILE` (:meth:`lock`), or None."""
 
     def _in_dir(self, name: str) -> Path | None:
         return self.dir / name if self.dir is not None else None
@@ -140,6 +153,62 @@ class RunPaths:
             why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
             raise InputError(f"cannot create run folder {run_dir}: {why}") from None
         return paths
+
+    def lock(self) -> None:
+        """Hold the run folder for this process: one :class:`InputError` line when another process
+        holds it (a run still training, whose ``--resume`` would cut its CSV and set its newer
+        checkpoints aside while it goes on writing them: rows lost, silently). The lock is the
+        kernel's (``flock`` on :data:`LOCK_FILE`), so a process that dies, even by SIGKILL,
+        leaves none behind; a file system that has no locks (some network mounts) goes unlocked.
+        :meth:`unlock` lets go. Nothing for a run with no folder (a demo).
+
+        Example::
+
+            >>> import subprocess, sys, tempfile
+            >>> paths = RunPaths.existing(Path(tempfile.mkdtemp()))
+            >>> paths.lock()
+            >>> other = subprocess.run([sys.executable, "-c", "from pathlib import Path; "
+            ...                         "from ampguard.run_folder import RunPaths; "
+            ...                         f"RunPaths.existing(Path({str(paths.dir)!r})).lock()"],
+            ...                        capture_output=True, text=True)
+            >>> other.stderr.splitlines()[-1].replace(str(paths.dir), "RUN")  # doctest: +ELLIPSIS
+            'ampguard.errors.InputError: run folder RUN is being written by another process (pid ...): ...'
+            >>> paths.unlock(); sorted(p.name for p in paths.dir.iterdir())  # taken back, the file too
+            []
+            >>> paths.dir.rmdir()
+        """
+        if self.dir is None or fcntl is None or self._lock is not None:
+            return
+        path = self.dir / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # a folder that cannot be written: what the run writes says so, in its words
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode("ascii", "replace").strip()
+            os.close(fd)
+            held = f" (pid {pid})" if pid.isdigit() else ""
+            raise InputError(f"run folder {self.dir} is being written by another process{held}: wait for it to "
+                             "end, or stop it, before you resume it") from None
+        except OSError:  # no locks on this file system: unlocked, as before
+            os.close(fd)
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+        self._lock = fd
+
+    def unlock(self) -> None:
+        """Let go of :meth:`lock`: the file is removed while still held (a process that opened it
+        before then finds it held; one after, a new file), then closed. Nothing if not held."""
+        fd, self._lock = self._lock, None
+        if fd is None or self.dir is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.dir / LOCK_FILE)
+        os.close(fd)
 
     def remove_unused(self) -> bool:
         """Take back a new run folder that a refusal stopped before it held anything of a run

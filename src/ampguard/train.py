@@ -114,13 +114,18 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
     """
 
     made: list[RunPaths] = []
+    held: list[RunPaths] = []  # the run folder this process holds while it trains (RunPaths.lock)
 
     def outputs() -> RunPaths:
         if resume is not None:
             paths = RunPaths.existing(resume.run_dir)  # config.yaml: rewritten once the logs are open
+            paths.lock()  # before anything in it changes: a run still training there refuses the resume
+            held.append(paths)
             print(f"run folder: {paths.dir} (resuming from {resume.path.name}, step {resume.loaded.step})")
         else:
             paths = RunPaths.new_run_dir(config, on_made=made.append)
+            paths.lock()
+            held.append(paths)
             print(f"run folder: {paths.dir}")
         return paths
 
@@ -130,8 +135,12 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
         distributed.barrier()  # ranks leave together, once rank 0 has written the run card
         return finish(result)
     except (InputError, KeyboardInterrupt, Interrupted):  # refused or stopped while opening: leave nothing
+        for paths in held:
+            paths.unlock()
         if made and made[0].remove_unused():  # (only a folder that holds nothing of a run)
             print(f"run folder: {made[0].dir} removed (nothing was run)")
         raise
     finally:
+        for paths in held:  # the card and the last checkpoint are written: the folder is free
+            paths.unlock()
         distributed.shutdown()

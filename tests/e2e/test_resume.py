@@ -604,3 +604,35 @@ def test_a_resume_that_ends_before_the_configs_fault_names_the_way_on(tmp_path):
                          "steps, not micro-batches); drop it: --inject none, or --set inject=[...]"), line
     out = ok(ag("train", "--resume", ckpt, "--set", "steps=5", "--inject", "none"))
     assert "ended: finished: 5 steps" in out and "SKIP" not in out
+
+
+def test_a_resume_of_a_run_still_training_is_refused_and_changes_nothing(tmp_path):
+    """A job thought dead (an SSH drop, a requeue) resumed while it still trains: the resume cut
+    its steps.csv to a new file and set its newer checkpoints aside while the live run kept
+    writing the old ones, and rows were lost with both processes saying they were all there.
+    The training process holds the folder (a kernel lock, gone with the process however it
+    ends): the resume is one line, exit 2, and touches nothing; once the run ends it goes on."""
+    run = tmp_path / "runs" / "live"
+    proc = subprocess.Popen([sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "precision=fp32",
+                             "--set", "eval.enabled=false", "--set", "steps=1000000", "--set", "checkpoint.every=2",
+                             "--set", f"log.dir={tmp_path / 'runs'}", "--set", "log.name=live"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=helpers.torchrun_env())
+    try:
+        deadline = time.monotonic() + 120
+        while len(list((run / "checkpoints").glob("step-*.pt"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not get going"
+            time.sleep(0.05)
+        csv_inode = (run / "steps.csv").stat().st_ino
+        assert one_error_line(ag("train", "--resume", run)) == (f"ampguard: error: run folder {run} is being written by another process "
+                                       f"(pid {proc.pid}): wait for it to end, or stop it, before you resume it")
+        assert (run / "steps.csv").stat().st_ino == csv_inode  # not replaced
+        assert not list((run / "checkpoints").glob("abandoned*"))  # the live run's checkpoints left alone
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    assert proc.returncode == 143
+    n = len(read_rows(run / "steps.csv"))
+    ok(ag("train", "--resume", run, "--set", f"steps={n + 2}"))  # the run ended: its folder is free
+    assert [int(r["step"]) for r in read_rows(run / "steps.csv")] == list(range(1, n + 3))
+    assert not (run / ".ampguard.lock").exists()
