@@ -1059,15 +1059,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         (['nan_loss@3', 'spike@5'], 0.5)
         >>> load_config(base={"inject": ["nan_loss@3"]}, no_inject=True).inject
         []
+        >>> load_config(base={"diagnose": False}, sections={"diagnose": {"strict": True}})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: diagnose: Input should be a valid dictionary...
     """
     data = read_file(path) if path is not None else dict(base or {})
     data = apply_overrides(data, overrides or [])
     if no_inject:
         data["inject"] = []
-    if inject:
+    # the flags add to what the file holds where it holds the right shape; anything else is left as
+    # it is for validate() to refuse in its words (a flag never hides a file's bad value)
+    if inject and isinstance(data.get("inject", []), (list, type(None))):
         data["inject"] = list(data.get("inject") or []) + list(inject)
     for section, values in (sections or {}).items():
-        if values:
+        if values and isinstance(data.get(section, {}), (dict, type(None))):
             data[section] = {**(data.get(section) or {}), **values}
     return validate(data)
 

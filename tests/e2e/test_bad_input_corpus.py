@@ -61,6 +61,9 @@ def _files(folder: Path) -> None:
     (folder / "config.txt").write_text("steps: 3\n", encoding="utf-8")
     (folder / "huge.yaml").write_text("# " + "x" * (1 << 20) + "\n", encoding="utf-8")
     (folder / "unknown_key.yaml").write_text("stepz: 3\n", encoding="utf-8")
+    (folder / "inject_int.yaml").write_text("steps: 3\ntask: {name: linear}\ninject: 5\n", encoding="utf-8")
+    (folder / "inject_str.yaml").write_text("steps: 3\ntask: {name: linear}\ninject: nan_loss@2\n", encoding="utf-8")
+    (folder / "monitor_int.yaml").write_text("steps: 3\ntask: {name: linear}\nmonitor: 5\n", encoding="utf-8")
     (folder / "junk.pt").write_bytes(b"not a checkpoint at all")
     (folder / "empty.pt").write_bytes(b"")
     with (folder / "code.pt").open("wb") as f:
@@ -228,6 +231,12 @@ CASES: list[tuple[str, list[str]]] = [
     ("report a name over 255 bytes", ["report", "y" * 256]),
     ("train log.dir name over 255 bytes", ["train", "--set", "log.dir=" + "y" * 256]),
     ("wandb dir a file", ["train", *LINEAR, "--set", "log.wandb.mode=offline", "--set", "log.wandb.dir=existing.csv"]),
+    # a section the file holds as a scalar, with a flag that fills it (a TypeError in the merge)
+    ("inject a number, --inject", ["train", "inject_int.yaml", "--inject", "nan_loss@2"]),
+    ("inject a string, --inject", ["train", "inject_str.yaml", "--inject", "spike@3"]),
+    ("monitor a number, --fail-skip-rate", ["train", "monitor_int.yaml", "--fail-skip-rate", "0.5"]),
+    ("diagnose false, --strict", ["train", *LINEAR, "--set", "diagnose=false", "--strict"]),
+    ("locate: inject a number, --inject", ["locate", *LINEAR, "--set", "inject=5", "--inject", "nan_loss@1"]),
 ]
 if not torch.cuda.is_available():
     CASES += [("train on cuda without one", ["train", "--set", "device=cuda"]),
