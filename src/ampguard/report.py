@@ -6,6 +6,7 @@ Diagnostics only: nothing here is imported by the training step.
 from __future__ import annotations
 
 import csv
+import errno
 import math
 import os
 import warnings
@@ -260,10 +261,14 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
     import json
 
     changes = []
-    try:
-        lines = (run_dir / "events.jsonl").read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
         return []
+    try:
+        _regular(path)
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as err:
+        raise InputError(f"{path}: cannot read the run's events ({err.strerror or err})") from None
     for line in lines:
         try:
             event = json.loads(line)
@@ -274,9 +279,37 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
         if event.get("event") == "resume":
             changes = [change for change in changes if change["step"] < event["step"]]
         elif (event.get("event") == "policy_change" and event.get("key") in REPLAYED_POLICY
-              and "old" in event and "new" in event):
-            changes.append(event)
+              and "old" in event and "new" in event
+              and _policy_value(event["key"], event["old"]) and _policy_value(event["key"], event["new"])):
+            changes.append(event)  # (one whose values are not the key's kind is passed over, as a torn line)
     return changes
+
+
+def _policy_value(key: str, value: Any) -> bool:
+    """Whether ``value`` is of the kind the setting ``key`` takes (what a run writes: a number,
+    a whole number for counts, a bool for the switch, ``null`` for clipping off).
+
+    Example::
+
+        >>> [_policy_value("max_norm", v) for v in (2.0, None, "2.0", True)]
+        [True, True, False, False]
+        >>> _policy_value("monitor.fail_after", 3), _policy_value("monitor.fail_after", 3.5)
+        (True, False)
+    """
+    if key == "monitor.fail_on_scale_collapse":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if key in ("monitor.fail_after", "monitor.min_steps"):
+        return isinstance(value, int)
+    return isinstance(value, (int, float)) or (key == "max_norm" and value is None)
+
+
+def _regular(path: Path) -> None:
+    """``OSError`` unless ``path`` is a regular file: reading a named pipe (or a device) would wait
+    for a writer for ever."""
+    if path.exists() and not path.is_file():
+        raise OSError(errno.EINVAL, "not a regular file (a pipe, a device)", str(path))
 
 
 def _policy_at(changes: list[dict[str, Any]], step: int) -> dict[str, Any]:
@@ -313,6 +346,7 @@ def card_ended(card: Path, *, errors: str = "strict") -> str:
         ...     card_ended(card)
         'finished: 20 steps'
     """
+    _regular(card)
     lines = card.read_text(encoding="utf-8", errors=errors).splitlines()
     bold = [line.strip()[2:-2] for line in lines if line.strip().startswith("**") and line.strip().endswith("**")]
     return bold[0] if bold else "unknown"
@@ -895,6 +929,7 @@ def is_png(path: Path) -> bool:
         (True, False, False)
     """
     try:
+        _regular(path)
         with path.open("rb") as f:
             return f.read(len(PNG_MAGIC)) == PNG_MAGIC
     except OSError:
@@ -945,6 +980,8 @@ def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, ver
     if png.exists():
         if csv_path is not None and png.resolve() == csv_path.resolve():
             raise InputError(f"{where} is the CSV itself; refusing to overwrite it")
+        if not png.is_file():
+            raise InputError(f"{where} exists and is not a regular file (a pipe, a device); refusing to write it")
         try:
             with png.open("rb") as f:
                 head = f.read(len(PNG_MAGIC))

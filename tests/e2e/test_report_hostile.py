@@ -227,3 +227,52 @@ def test_a_resume_that_meets_a_bad_line_past_8_kb_is_one_line_and_cuts_nothing(t
     (run / "steps.csv").write_bytes(good)
     ok(helpers.ag("train", "--resume", run))
     assert (run / "steps.csv").read_bytes() == good  # the resumed run wrote steps 101..120 again, as they were
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_named_pipe_where_report_reads_or_writes_is_one_line_not_a_hang(cli, tmp_path):
+    """A FIFO at the plot's path, or as a run folder's report.png or events.jsonl: report and
+    compare opened it to read and waited for a writer for ever. Each is one line, exit 2."""
+    import shutil
+    import signal
+
+    ok(cli("train", *LINEAR, "--set", "steps=3", "--set", "log.name=R"))
+    run = tmp_path / "runs" / "R"
+    os.mkfifo(tmp_path / "fifo.png")
+    cases = [(("report", run / "steps.csv", "--out", "fifo.png"),
+              "--out fifo.png exists and is not a regular file (a pipe, a device); refusing to write it")]
+    for name in ("report.png", "events.jsonl"):
+        other = tmp_path / "runs" / name.replace(".", "_")
+        shutil.copytree(run, other)
+        (other / name).unlink()
+        os.mkfifo(other / name)
+        cases.append((("report", other), "not a regular file"))
+    cases.append((("compare", run, tmp_path / "runs" / "events_jsonl"), "events.jsonl: cannot read the run's events"))
+
+    def hang(*_):
+        raise TimeoutError("waited on a named pipe")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    try:
+        for argv, said in cases:
+            signal.alarm(30)
+            assert said in one_error_line(cli(*argv)), argv
+            signal.alarm(0)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_policy_change_whose_value_is_not_the_settings_kind_is_passed_over(cli, tmp_path):
+    """A hand-edited events.jsonl whose max_norm change reads "2.0" (a string), or a count that
+    is no whole number: report and compare ended in a TypeError traceback. Such an event is
+    passed over, as a torn line is; the rest of the replay stands."""
+    ok(cli("train", *LINEAR, "--set", "steps=3", "--set", "log.name=R"))
+    run = tmp_path / "runs" / "R"
+    before = ok(cli("report", run))
+    with (run / "events.jsonl").open("a", encoding="utf-8") as f:
+        f.write('{"step": 1, "event": "policy_change", "key": "max_norm", "old": 1.0, "new": "2.0"}\n')
+        f.write('{"step": 1, "event": "policy_change", "key": "monitor.fail_after", "old": 100, "new": [1]}\n')
+    assert ok(cli("report", run)) == before
+    ok(cli("train", *LINEAR, "--set", "steps=3", "--set", "log.name=S"))
+    ok(cli("compare", run, tmp_path / "runs" / "S", "--out", tmp_path / "both.png"))
