@@ -66,8 +66,10 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     from .train import run as train_run
 
     csv_path = Path(csv) if csv else None
-    if csv_path is not None and csv_path.exists():
-        raise InputError(f"--csv {csv_path} already exists; refusing to overwrite it")
+    if csv_path is not None and (csv_path.exists() or csv_path.is_symlink()):  # (a link to nothing too)
+        raise InputError(f"--csv {csv_path} already exists; refusing to overwrite it"
+                         if csv_path.exists() else f"--csv {csv_path} is a symbolic link to nothing; refusing to "
+                         "write through it")
     if csv_path is not None:
         check_folder_of(csv_path, f"--csv {csv_path}")  # as report --out
     parse_faults(config.inject, seed=config.seed, steps=config.steps)  # refused before the set-up line

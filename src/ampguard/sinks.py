@@ -156,7 +156,10 @@ class writing:  # noqa: N801 - used as `with writing(path):`, like a function
 def _open_for_append(path: Path) -> IO[bytes]:
     """``path`` opened to append lines, unbuffered: each :func:`_append` is one ``write``
     system call, so a line is in the file (the OS's page cache) the moment it returns and
-    survives a SIGKILL of the process; no Python buffer layers to flush."""
+    survives a SIGKILL of the process; no Python buffer layers to flush. A link to nothing is
+    refused: appending through it would create its target, wherever that is."""
+    if path.is_symlink() and not path.exists():
+        raise InputError(f"{path} is a symbolic link to nothing ({os.readlink(path)}); refusing to write through it")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path.open("ab", buffering=0)

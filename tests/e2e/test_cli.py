@@ -317,6 +317,15 @@ def test_demo_csv_refuses_existing_file(cli, tmp_path, snapshot):
     assert (tmp_path / "kept.csv").read_text(encoding="utf-8") == "precious,data\n1,2\n"
 
 
+def test_demo_csv_refuses_a_link_to_nothing_before_it_trains(cli, tmp_path):
+    # it wrote through the link and created the target wherever it pointed
+    (tmp_path / "link.csv").symlink_to(tmp_path / "elsewhere" / "made.csv")
+    code, out, err = cli("demo", "--steps", "2", "--csv", "link.csv")
+    assert (code, out) == (2, "")
+    assert err == "ampguard: error: --csv link.csv is a symbolic link to nothing; refusing to write through it\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.csv"]
+
+
 def test_train_refuses_existing_run_folder(cli, tmp_path, snapshot):
     run_dir = tmp_path / "runs" / "X"
     run_dir.mkdir(parents=True)

@@ -85,6 +85,19 @@ def test_a_sink_handed_none_says_why_and_writes_nothing(tmp_path):
     assert (tmp_path / "s.jsonl").read_text() == ""
 
 
+def test_a_sink_never_writes_through_a_link_to_nothing(tmp_path):
+    # appending through a dangling link creates its target, wherever it points (a demo --csv made
+    # a file under /etc that way); a link to an existing file is that file, as before
+    target = tmp_path / "elsewhere" / "made.csv"
+    (tmp_path / "link.csv").symlink_to(target)
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "elsewhere" / "made.jsonl")
+    with pytest.raises(InputError, match=r"link\.csv is a symbolic link to nothing \(.*made\.csv\); refusing"):
+        CsvSink(tmp_path / "link.csv")
+    with pytest.raises(InputError, match=r"link\.jsonl is a symbolic link to nothing"):
+        JsonlSink(tmp_path / "link.jsonl")
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_csv_numbers_round_trip(tmp_path):
     path = tmp_path / "steps.csv"
     value = torch.tensor(0.1, dtype=torch.float32)  # not exactly 0.1: the float32 value must survive
