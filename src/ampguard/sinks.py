@@ -397,13 +397,33 @@ class CsvSink(_LineFile):
         self._replace_with(self.kept_rows(self.path, len(self.columns), step))
 
     @staticmethod
-    def kept_rows(path: Path, width: int, step: int) -> bytes:
+    def kept_rows(path: Path, width: int, step: int, first: int | None = None) -> bytes:
         """The bytes of the CSV at ``path`` a resume from ``step`` keeps: the header and the rows
         up to ``step``, each checked (UTF-8, ``width`` cells, an ASCII whole-number step; else
         one :class:`InputError` line); a torn last line and the rows after ``step`` left out.
-        Reads only: a resume checks every log with it before it cuts any (``Trainer``)."""
+        ``first``: the rows kept must be every step from ``first`` to ``step``, one each (a run's
+        own steps.csv from 1): a row missing, or a step going back, is one line too (appending
+        to it would make a CSV that disagrees with the run card, or one ``report`` refuses).
+        Reads only: a resume checks every log with it before it cuts any (``Trainer``).
+
+        Example::
+
+            >>> import tempfile
+            >>> path = Path(tempfile.mkdtemp()) / "steps.csv"
+            >>> for text in ("step\\n1\\n2\\n3\\n", "step\\n1\\n2\\n", "step\\n1\\n3\\n", "step\\n1\\n2\\n3\\n2\\n"):
+            ...     _ = path.write_text(text)
+            ...     try:
+            ...         print(CsvSink.kept_rows(path, 1, 3, first=1))
+            ...     except InputError as err:
+            ...         print(str(err).replace(str(path), "steps.csv"))
+            b'step\\n1\\n2\\n3\\n'
+            steps.csv: its rows end at step 2, the checkpoint is at step 3 (rows missing); cannot resume into it
+            steps.csv line 3: step 3 where step 2 should be (a row is missing); cannot resume into it
+            steps.csv line 5: step 2 where step 4 should be (a step goes back); cannot resume into it
+        """
         lines = path.read_bytes().splitlines(keepends=True)
         keep = lines[:1]
+        expected = first
         for line_no, raw in enumerate(lines[1:], start=2):
             if not raw.endswith(b"\n"):  # a torn last line (a write cut short): it goes
                 break
@@ -418,9 +438,17 @@ class CsvSink(_LineFile):
                 raise InputError(f"{where}: {len(cells)} cells, the header has {width}; cannot resume from it")
             if not (cells[0].isascii() and cells[0].isdigit()):
                 raise InputError(f"{where}: step {cells[0]!r} is not a whole number, cannot resume from it")
-            if int(cells[0]) > step:
+            n = int(cells[0])
+            if expected is not None and n != expected and (n <= step or n < expected):
+                why = "a row is missing" if n > expected else "a step goes back"
+                raise InputError(f"{where}: step {n} where step {expected} should be ({why}); cannot resume into it")
+            if n > step:
                 break
             keep.append(raw)
+            expected = None if expected is None else expected + 1
+        if expected is not None and expected <= step:
+            raise InputError(f"{path}: its rows end at step {expected - 1}, the checkpoint is at step {step} (rows "
+                             "missing); cannot resume into it")
         return b"".join(keep)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:

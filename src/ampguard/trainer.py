@@ -190,8 +190,8 @@ class Trainer:
             csvs.append((paths.dir / HEADROOM_CSV, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS)))
         for path, names, expected in csvs:
             CsvSink.check_header(path, names, expected)
-            if path is not None and path.is_file():
-                CsvSink.kept_rows(path, len(names), step)
+            if path is not None and path.is_file():  # (steps.csv: every step from 1 to the checkpoint's)
+                CsvSink.kept_rows(path, len(names), step, first=1 if path == paths.csv else None)
         if self.config.log.jsonl:
             JsonlSink.check_step_log(paths.steps_jsonl)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import ag, deadline, ok, one_error_line, train
+from helpers import ag, deadline, ok, one_error_line, snapshot_of, train
 
 from ampguard import checkpoint as ckpt
 from ampguard import checkpointer as ck
@@ -426,3 +426,28 @@ def test_junk_bytes_are_unreadable_and_pickled_code_is_refused_as_such(tmp_path)
         ckpt.load_checkpoint(junk)
     with pytest.raises(ckpt.InputError, match="refused by the weights-only loader: it holds pickled objects"):
         ckpt.load_checkpoint(code)
+
+
+def test_a_steps_csv_that_does_not_reach_the_checkpoint_or_goes_back_is_refused(tmp_path):
+    """The resume appended after the checkpoint's step whatever the CSV held before it: a CSV cut
+    short (rows 1-2 of 6, or the header alone) became 1, 2, 7, 8 (report then disagreed with the
+    run card), and a row going back (..., 6, 2) stayed in a CSV report refuses. Each is one
+    line, exit 2, the CSV as it was."""
+    code, out, err = train(tmp_path, "base", "--set", "task.name=linear", "--set", "steps=6",
+                           "--set", "checkpoint.every=2")
+    assert code == 0, err
+    base = tmp_path / "base"
+    rows = (base / "steps.csv").read_text(encoding="utf-8").splitlines(keepends=True)
+    cases = {"short": (rows[:3], "its rows end at step 2, the checkpoint is at step 6 (rows missing)"),
+             "header": (rows[:1], "its rows end at step 0, the checkpoint is at step 6 (rows missing)"),
+             "gap": (rows[:3] + rows[4:], "line 4: step 4 where step 3 should be (a row is missing)"),
+             "back": (rows + [rows[2]], "line 8: step 2 where step 7 should be (a step goes back)")}
+    for name, (lines, said) in cases.items():
+        run = tmp_path / name
+        shutil.copytree(base, run)
+        (run / "steps.csv").write_text("".join(lines), encoding="utf-8")
+        before = snapshot_of(run)
+        assert one_error_line(ag("train", "--resume", run, "--set", "steps=8")) == (
+            f"ampguard: error: {run / 'steps.csv'}{': ' if said.startswith('its') else ' '}{said}; "
+            "cannot resume into it"), name
+        assert snapshot_of(run) == before, name
