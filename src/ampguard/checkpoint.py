@@ -17,6 +17,7 @@ import pickletools
 import random
 import re
 import time
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -231,7 +232,9 @@ def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: s
     if not path.is_file():
         raise InputError(f"no {what} file at {path}")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # torch's note on a file pickled with another protocol: no one's business
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         if _whole_pickle(path):  # a real pickle the weights-only loader said no to
             raise InputError(

@@ -52,6 +52,10 @@ class _PlainLoader(yaml.SafeLoader):
 
         >>> yaml.load("[off, yes, true, False]", Loader=_PlainLoader)
         ['off', 'yes', True, False]
+        >>> yaml.load("optimizer:\\n  lr: 0.1\\nsteps: 3\\noptimizer:\\n  weight_decay: 0.0\\n", Loader=_PlainLoader)
+        Traceback (most recent call last):
+        ...
+        yaml.error.YAMLError: key 'optimizer' appears twice (lines 1 and 4)
     """
 
     yaml_implicit_resolvers = {
@@ -64,6 +68,38 @@ class _PlainLoader(yaml.SafeLoader):
             mark = self.peek_event().start_mark
             raise yaml.YAMLError(f"aliases (*name) are not allowed in a config (line {mark.line + 1})")
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        # a key given twice: YAML 1.2 says keys are unique, and PyYAML's last-wins dropped the first
+        # silently (a second `optimizer:` section reset the first one's lr to its default)
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)):
+                if key in lines:
+                    where = f"lines {lines[key]} and {line}" if lines[key] != line else f"line {line}"
+                    raise yaml.YAMLError(f"key {key!r} appears twice ({where})")
+                lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (``json``'s last-wins would drop the first).
+
+    Example::
+
+        >>> json.loads('{"steps": 3, "steps": 4}', object_pairs_hook=_unique_keys)
+        Traceback (most recent call last):
+        ...
+        ValueError: key 'steps' appears twice
+    """
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"key {key!r} appears twice")
+        data[key] = value
+    return data
 
 
 _PlainLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
@@ -990,7 +1026,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
         if suffix in (".yaml", ".yml"):
             data = yaml.load(text, Loader=_PlainLoader)  # noqa: S506 - a SafeLoader without aliases
         elif suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         elif suffix == ".toml":
             data = tomllib.loads(text)
         else:

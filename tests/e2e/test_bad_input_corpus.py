@@ -61,6 +61,9 @@ def _files(folder: Path) -> None:
     (folder / "config.txt").write_text("steps: 3\n", encoding="utf-8")
     (folder / "huge.yaml").write_text("# " + "x" * (1 << 20) + "\n", encoding="utf-8")
     (folder / "unknown_key.yaml").write_text("stepz: 3\n", encoding="utf-8")
+    (folder / "twice.yaml").write_text("optimizer:\n  lr: 0.1\nsteps: 3\noptimizer:\n  weight_decay: 0.0\n",
+                                       encoding="utf-8")
+    (folder / "twice.json").write_text('{"steps": 3, "steps": 4}', encoding="utf-8")
     (folder / "inject_int.yaml").write_text("steps: 3\ntask: {name: linear}\ninject: 5\n", encoding="utf-8")
     (folder / "inject_str.yaml").write_text("steps: 3\ntask: {name: linear}\ninject: nan_loss@2\n", encoding="utf-8")
     (folder / "monitor_int.yaml").write_text("steps: 3\ntask: {name: linear}\nmonitor: 5\n", encoding="utf-8")
@@ -232,6 +235,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("train log.dir name over 255 bytes", ["train", "--set", "log.dir=" + "y" * 256]),
     ("wandb dir a file", ["train", *LINEAR, "--set", "log.wandb.mode=offline", "--set", "log.wandb.dir=existing.csv"]),
     # a section the file holds as a scalar, with a flag that fills it (a TypeError in the merge)
+    # a key given twice: last-wins dropped the first silently (a second optimizer: reset lr)
+    ("yaml section twice", ["train", "twice.yaml", "--print-config"]),
+    ("json key twice", ["train", "twice.json", "--print-config"]),
+    ("--set flow mapping with a key twice", ["train", "--set", "optimizer={lr: 1, lr: 2}", "--print-config"]),
     ("inject a number, --inject", ["train", "inject_int.yaml", "--inject", "nan_loss@2"]),
     ("inject a string, --inject", ["train", "inject_str.yaml", "--inject", "spike@3"]),
     ("monitor a number, --fail-skip-rate", ["train", "monitor_int.yaml", "--fail-skip-rate", "0.5"]),
