@@ -229,6 +229,8 @@ def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: s
         >>> shutil.rmtree(folder)
     """
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path} is a folder, not a {what} file")
     if not path.is_file():
         raise InputError(f"no {what} file at {path}")
     try:

@@ -99,6 +99,22 @@ def _fault(text: str) -> str:
     return text
 
 
+def _without_none(given: list[str]) -> list[str]:
+    """The ``--inject`` faults, ``none`` (inject nothing) taken out; ``none`` beside a fault says
+    two things at once: refused.
+
+    Example::
+
+        >>> _without_none(["none"]), _without_none(["nan_loss@2", "spike@3"])
+        ([], ['nan_loss@2', 'spike@3'])
+    """
+    faults = [f for f in given if f != "none"]
+    if faults and len(faults) < len(given):
+        raise InputError(f"--inject none injects nothing, but --inject {faults[0]} asks for a fault: give one or "
+                         "the other")
+    return faults
+
+
 # ---------------------------------------------------------------------------- verbs
 # Each verb parses, then calls one function of its module; main() maps exceptions to exit codes.
 
@@ -109,7 +125,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.bf16 and args.precision not in (None, "bf16"):
         raise InputError(f"demo: --bf16 contradicts --precision {args.precision}")
     given = args.inject or (["spike@5"] if args.spike else None)  # None: the demo's default fault
-    inject = None if given is None else [f for f in given if f != "none"]
+    inject = None if given is None else _without_none(given)
     if args.spike and args.inject:
         inject.append("spike@5")
     config = demo.demo_config(precision="bf16" if args.bf16 else args.precision or "fp16", steps=args.steps,
@@ -128,7 +144,15 @@ def _train(args: argparse.Namespace) -> int:
         raise InputError("train: --resume takes the run's config from its config.yaml; change it with --set, not CONFIG")
     resume = find_resume(args.resume) if args.resume else None  # the run folder's config, never the checkpoint's
     sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
-    config = _config_from(args, base=resume.run_config() if resume else None, sections=sections)
+    base, here = None, None
+    if resume is not None:  # it trains in its own folder, wherever that is now (a moved one too)
+        base, here = resume.run_config(), (str(resume.run_dir.parent), resume.run_dir.name)
+        log = base.get("log")
+        base["log"] = {**(log if isinstance(log, dict) else {}), "dir": here[0], "name": here[1]}
+    config = _config_from(args, base=base, sections=sections)
+    if here is not None and (config.log.dir, config.log.name) != here:
+        raise InputError(f"train --resume trains in its own run folder {resume.run_dir}: log.dir and log.name "
+                         "cannot change (a new folder is a new run: leave out --resume)")
     _check_fail_after(args, config)
     if args.print_config:
         print(dump_config(config), end="")
@@ -193,7 +217,7 @@ def _config_from(
     from .config import load_config
 
     given = getattr(args, "inject", None) or []
-    inject = [f for f in given if f != "none"]
+    inject = _without_none(given)
     return load_config(args.config, args.set, base=base, inject=inject, no_inject="none" in given, sections=sections)
 
 
@@ -409,26 +433,65 @@ def _handled_keyboard_interrupt() -> None:
         ctypes.pythonapi.PyRun_SimpleString(b"")
 
 
-def _slow_precision_in_one_line(*, quiet: bool) -> None:
-    """Show a :class:`~ampguard.precision.SlowPrecisionWarning` as ``ampguard: warning: ...`` (or not at all).
+class _HeldWarnings:
+    """``ampguard: warning: ...`` lines held back until the verb writes its first line to stdout
+    (or returns): a refusal found after the warning was raised (a resume's checkpoint checked
+    once the fp16 model is built) is then the only line on stderr, as bad input must be."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] | None = []
+
+    def say(self, line: str) -> None:
+        if self.lines is None:
+            print(line, file=sys.stderr)
+        else:
+            self.lines.append(line)
+
+    def release(self) -> None:
+        lines, self.lines = self.lines or [], None
+        for line in lines:
+            print(line, file=sys.stderr)
+
+
+def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWarnings:
+    """Show a :class:`~ampguard.precision.SlowPrecisionWarning` as ``ampguard: warning: ...`` (or not
+    at all), held back (:class:`_HeldWarnings`) until ``console`` (stdout) is first written to.
 
     fp16 or fp8 on a CPU is emulated: worth one line on stderr, not Python's two-line warning
     with a source line. Other warnings are shown as Python shows them.
+
+    Example::
+
+        >>> import contextlib, io
+        >>> from ampguard.precision import SlowPrecisionWarning
+        >>> from ampguard.signals import TolerantStream
+        >>> out, err = TolerantStream(io.StringIO(), "stdout"), io.StringIO()
+        >>> with warnings.catch_warnings(), contextlib.redirect_stderr(err):
+        ...     held = _slow_precision_in_one_line(quiet=False, console=out)
+        ...     warnings.warn("fp16 on a CPU is slow", SlowPrecisionWarning)
+        ...     before = err.getvalue()
+        ...     _ = out.write("run folder: runs/a\\n")
+        >>> before, err.getvalue()
+        ('', 'ampguard: warning: fp16 on a CPU is slow\\n')
     """
     from .precision import SlowPrecisionWarning
 
+    held = _HeldWarnings()
     if quiet:
         warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
-        return
+        return held
+    if console is not None:
+        console.before_write = held.release
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, SlowPrecisionWarning):
-            print(f"ampguard: warning: {message}", file=sys.stderr)
+            held.say(f"ampguard: warning: {message}")
         else:
             shown(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show
+    return held
 
 
 def _an_interrupt(err: BaseException) -> bool:
@@ -471,15 +534,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # `ulimit -f` reached: a write error (disk full), not a kill
-    with tolerant_console():  # a reader that left, a full /dev/full, an ASCII terminal: never a traceback
+    with tolerant_console() as console:  # a reader that left, a full /dev/full, an ASCII terminal: never a traceback
         try:
             args = build_parser().parse_args(argv)
             with held_signals():  # a signal inside torch's import could be swallowed or break numpy
                 importlib.import_module("torch")  # every verb needs it; after this block a signal stops us
             with warnings.catch_warnings():  # restores the caller's filters (main() runs in-process in tests)
-                _slow_precision_in_one_line(quiet=args.func is _demo)  # the CPU demo is fp16 on purpose
-                return int(args.func(args))
-        except InputError as err:
+                # (the CPU demo is fp16 on purpose: quiet)
+                held = _slow_precision_in_one_line(quiet=args.func is _demo, console=console)
+                code = int(args.func(args))
+            held.release()
+            return code
+        except InputError as err:  # (a warning held back stays so: the refusal is the one line)
             print(f"ampguard: error: {err}", file=sys.stderr)
             return ExitCode.BAD_INPUT
         except Interrupted as err:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -509,13 +510,13 @@ class LogConfig(_Section):
     def _dir(cls, v: str) -> str:
         if not v.strip():  # (it would put the run folder in the working folder)
             raise ValueError("must be a folder, not an empty string")
-        return v
+        return os.path.expanduser(v)  # `~/runs` is the home folder's runs, not a folder named ~ (a trap for rm -rf ~)
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str | None) -> str | None:
-        if v is not None and (not v or "/" in v or "\0" in v or v in (".", "..")):
-            raise ValueError(f"must be a plain folder name (got {v!r})")
+        if v is not None and (not v or "/" in v or v in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in v)):
+            raise ValueError(f"must be a plain folder name (got {v!r})")  # (a newline broke every line naming it)
         if v is not None and len(v.encode("utf-8", "surrogateescape")) > MAX_NAME:  # (a file name's limit is bytes)
             raise ValueError(f"at most {MAX_NAME} bytes in UTF-8 (got {len(v.encode('utf-8', 'surrogateescape'))})")
         return v
@@ -1016,13 +1017,15 @@ def read_file(path: str | Path) -> dict[str, Any]:
         {'steps': 3, 'scaler': {'min_scale': 2.0}}
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; name the config file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     suffix = path.suffix.lower()
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise ConfigError(f"config file {path}: larger than {MAX_FILE_BYTES // 1024} KiB; is it a config?")
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as Windows editors write: gone)
         if suffix in (".yaml", ".yml"):
             data = yaml.load(text, Loader=_PlainLoader)  # noqa: S506 - a SafeLoader without aliases
         elif suffix == ".json":
@@ -1102,6 +1105,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     data = read_file(path) if path is not None else dict(base or {})
     data = apply_overrides(data, overrides or [])
+    _plain(data)  # (a --set key path nests too: deeper than MAX_DEPTH, no reader takes the run's config.yaml)
     if no_inject:
         data["inject"] = []
     # the flags add to what the file holds where it holds the right shape; anything else is left as

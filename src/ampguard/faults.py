@@ -117,7 +117,7 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
             return Fault(kind, every=every, seed=seed, rank=rank)
         if when.startswith("rate:"):
             rate = float(when.removeprefix("rate:"))
-            if not 0.0 <= rate <= 1.0:
+            if not 0.0 < rate <= 1.0:  # (rate:0 never fires: the run would look clean for the wrong reason)
                 raise ValueError
             return Fault(kind, rate=rate, seed=seed, rank=rank)
         steps = frozenset(int(s) for s in when.split(","))
@@ -126,7 +126,7 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
         return Fault(kind, steps=steps, seed=seed, rank=rank)
     except ValueError:
         raise ValueError(
-            f"bad WHEN in fault {spec!r}: use step numbers >= 1 (5 or 5,9,12), every:K with K >= 1, or rate:P with 0 <= P <= 1"
+            f"bad WHEN in fault {spec!r}: use step numbers >= 1 (5 or 5,9,12), every:K with K >= 1, or rate:P with 0 < P <= 1"
         ) from None
 
 

@@ -17,7 +17,7 @@ import errno
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
@@ -198,8 +198,14 @@ class TolerantStream:
     def __init__(self, stream: TextIO, name: str) -> None:
         self._stream, self._name = stream, name
         self.gone: OSError | None = None
+        self.before_write: Callable[[], None] | None = None
+        """Called once, before the first line is written (what the command line holds back until
+        the verb says anything: a warning that a refusal would make a second line)."""
 
     def write(self, text: str) -> int:
+        if self.before_write is not None:
+            hook, self.before_write = self.before_write, None
+            hook()
         if self.gone is None:
             try:
                 return self._stream.write(text)
@@ -244,10 +250,10 @@ codecs.register_error("ampguard.console", _console_errors)
 
 
 @contextmanager
-def tolerant_console() -> Iterator[None]:
+def tolerant_console() -> Iterator[TolerantStream]:
     """``sys.stdout`` and ``sys.stderr`` as :class:`TolerantStream` for the block (stdout's
     encoding errors as :func:`_console_errors` says), then as they were, stdout flushed through
-    its guard first (a block-buffered stdout fails at its flush).
+    its guard first (a block-buffered stdout fails at its flush). Yields stdout's.
 
     Example::
 
@@ -263,9 +269,9 @@ def tolerant_console() -> Iterator[None]:
     strict = getattr(out, "errors", None) == "strict" and hasattr(out, "reconfigure")
     if strict:
         out.reconfigure(errors="ampguard.console")
-    sys.stdout, sys.stderr = TolerantStream(out, "stdout"), TolerantStream(err, "stderr")
+    sys.stdout, sys.stderr = console, _ = TolerantStream(out, "stdout"), TolerantStream(err, "stderr")
     try:
-        yield
+        yield console
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()

@@ -78,7 +78,8 @@ def test_rate_is_seeded_order_independent_and_near_p():
 
 
 def test_rate_extremes():
-    assert not any(parse_fault("spike@rate:0").hits(s) for s in range(1, 500))
+    with pytest.raises(ValueError, match=r"rate:P with 0 < P <= 1"):  # rate:0 never fires: refused
+        parse_fault("spike@rate:0")
     assert all(parse_fault("spike@rate:1").hits(s) for s in range(1, 500))
 
 
