@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import helpers
 from helpers import ag, ok, one_error_line, read_rows, run_events
@@ -636,3 +637,21 @@ def test_a_resume_of_a_run_still_training_is_refused_and_changes_nothing(tmp_pat
     ok(ag("train", "--resume", run, "--set", f"steps={n + 2}"))  # the run ended: its folder is free
     assert [int(r["step"]) for r in read_rows(run / "steps.csv")] == list(range(1, n + 3))
     assert not (run / ".ampguard.lock").exists()
+
+
+def test_a_resume_trains_in_its_own_folder_wherever_it_is(tmp_path):
+    """A --set log.dir/log.name on a resume was ignored but written into the run's config.yaml;
+    a moved run folder kept the old place there. The resume names its own folder in config.yaml,
+    and a log.dir/log.name naming another is refused in one line, the folder as it was."""
+    ok(train(tmp_path, "a", *LINEAR, "--set", "steps=2", "--set", "checkpoint.every=1"))
+    moved = tmp_path / "elsewhere" / "b"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "a", moved)
+    before = helpers.snapshot_of(moved)
+    assert one_error_line(ag("train", "--resume", moved, "--set", "log.name=other")) == (
+        f"ampguard: error: train --resume trains in its own run folder {moved}: log.dir and log.name cannot "
+        "change (a new folder is a new run: leave out --resume)")
+    assert helpers.snapshot_of(moved) == before
+    ok(ag("train", "--resume", moved, "--set", "steps=3"))
+    saved = yaml.safe_load((moved / "config.yaml").read_text(encoding="utf-8"))["log"]
+    assert (saved["dir"], saved["name"]) == (str(moved.parent), "b")

@@ -136,3 +136,15 @@ def test_building_a_task_seeds_random_and_numpy_with_the_run_seed():
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == first
     build_task(load_config(None, ["task.name=linear", "seed=8"]))
     assert random.random() != first[0]
+
+
+def test_a_byte_order_mark_is_read_past_and_tilde_in_log_dir_is_home(tmp_path, monkeypatch):
+    # Windows editors write a BOM: JSON and TOML refused it ("Unexpected UTF-8 BOM"), YAML read it;
+    # `--set log.dir=~/runs` made a folder named ~ in the working folder (the rm -rf ~ trap)
+    from ampguard.config import load_config, read_file
+
+    for name, text in (("c.json", '{"steps": 3}'), ("c.toml", "steps = 3\n"), ("c.yaml", "steps: 3\n")):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert read_file(tmp_path / name) == {"steps": 3}, name
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert load_config(None, ["log.dir=~/runs"]).log.dir == str(tmp_path / "home" / "runs")
