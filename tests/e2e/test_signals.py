@@ -57,16 +57,22 @@ def test_sigterm_stops_at_a_step_boundary_with_checkpoint_card_and_exit_143(tmp_
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 143, out + err
+    _stopped_whole_and_resumed(tmp_path, run, err, "SIGTERM")
+
+
+def _stopped_whole_and_resumed(tmp_path: Path, run: Path, err: str, why: str) -> None:
+    """A run stopped at a step boundary (``why`` in the card): no traceback, the card, the
+    checkpoint of its last step, the closing line; then ``--resume`` appends two more steps."""
     assert "Traceback" not in err
     n = len(_rows(run / "steps.csv"))
-    assert _card(run)["ended"] == f"interrupted (SIGTERM) after step {n}"
+    assert n >= 1 and _card(run)["ended"] == f"interrupted ({why}) after step {n}"
     assert (run / "checkpoints" / f"step-{n:08d}.pt").is_file()
     assert f"interrupted after step {n}" in err
 
     resumed = subprocess.run([sys.executable, "-m", "ampguard", "train", "--resume", str(run), "--set",
-                              f"steps={n + 3}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                              f"steps={n + 2}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert [int(r["step"]) for r in _rows(run / "steps.csv")] == list(range(1, n + 4))
+    assert [int(r["step"]) for r in _rows(run / "steps.csv")] == list(range(1, n + 3))
 
 
 @pytest.mark.parametrize("signals", [[signal.SIGINT], [signal.SIGINT, signal.SIGINT], [signal.SIGTERM, signal.SIGINT]])
@@ -135,16 +141,7 @@ def test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_exit_141(tmp_pa
     proc.stdout.close()  # the reader leaves: the next console line is a broken pipe
     err = proc.stderr.read()
     assert proc.wait(timeout=180) == 141, err
-    assert "Traceback" not in err
-    n = len(_rows(run / "steps.csv"))
-    assert n >= 1 and _card(run)["ended"] == f"interrupted (stdout's reader left) after step {n}"
-    assert (run / "checkpoints" / f"step-{n:08d}.pt").is_file()
-    assert f"interrupted after step {n}" in err
-
-    resumed = subprocess.run([sys.executable, "-m", "ampguard", "train", "--resume", str(run), "--set",
-                              f"steps={n + 2}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert [int(r["step"]) for r in _rows(run / "steps.csv")] == list(range(1, n + 3))
+    _stopped_whole_and_resumed(tmp_path, run, err, "stdout's reader left")
 
 
 def test_a_verb_whose_reader_left_keeps_its_own_exit_code(tmp_path):
