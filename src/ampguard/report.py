@@ -857,6 +857,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
         ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
         >>> code = run(folder, window=2)  # doctest: +ELLIPSIS
+        note: ... has no config.yaml: judged with the default thresholds (--max-norm, --window, ...)
         summary: steps=3 updates=2 skips=1 (non_finite_grad=1) final_scale=32768 final_loss=0.3
         max rolling skip rate 0.5000 (window 2), alert episodes 0, clip rate 0.333, scale stable
         plot: .../report.png
@@ -881,6 +882,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     png = Path(out) if out else (target / "report.png" if target.is_dir() else target.with_suffix(".png"))
     check_plot_path(png, csv_path, given=out is not None)
     config = validate(read_file(config_path)) if config_path.is_file() else Config()
+    if target.is_dir() and not config_path.is_file():  # (a bare CSV, a demo's, has none by design)
+        print(f"note: {target} has no config.yaml: judged with the default thresholds (--max-norm, --window, "
+              "--alert-rate, --fail-rate and --min-steps set them)")
     settings: dict[str, Any] = {"max_norm": config.max_norm, "window": config.monitor.window,
                                 "alert_rate": config.monitor.alert_rate, "fail_rate": config.monitor.fail_rate}
     given = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "fail_rate": fail_rate}
