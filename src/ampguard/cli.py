@@ -467,6 +467,7 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
         >>> from ampguard.signals import TolerantStream
         >>> out, err = TolerantStream(io.StringIO(), "stdout"), io.StringIO()
         >>> with warnings.catch_warnings(), contextlib.redirect_stderr(err):
+        ...     warnings.simplefilter("always")  # (shown even if this warning was shown before)
         ...     held = _slow_precision_in_one_line(quiet=False, console=out)
         ...     warnings.warn("fp16 on a CPU is slow", SlowPrecisionWarning)
         ...     before = err.getvalue()
