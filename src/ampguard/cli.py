@@ -12,6 +12,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError
@@ -99,6 +100,19 @@ def _fault(text: str) -> str:
     return text
 
 
+def _folder_of(log_dir: Any, name: Any) -> Path | None:
+    """The run folder ``log.dir/log.name`` names, resolved (None when they name none).
+
+    Example::
+
+        >>> _folder_of("runs", "a") == Path("runs/a").resolve(), _folder_of("runs", None)
+        (True, None)
+    """
+    if not (isinstance(log_dir, str) and isinstance(name, str) and name):
+        return None
+    return Path(os.path.expanduser(log_dir), name).resolve()
+
+
 def _without_none(given: list[str]) -> list[str]:
     """The ``--inject`` faults, ``none`` (inject nothing) taken out; ``none`` beside a fault says
     two things at once: refused.
@@ -146,13 +160,14 @@ def _train(args: argparse.Namespace) -> int:
     sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
     base, here = None, None
     if resume is not None:  # it trains in its own folder, wherever that is now (a moved one too)
-        base, here = resume.run_config(), (str(resume.run_dir.parent), resume.run_dir.name)
-        log = base.get("log")
-        base["log"] = {**(log if isinstance(log, dict) else {}), "dir": here[0], "name": here[1]}
+        base, here = resume.run_config(), resume.run_dir.resolve()
+        log = base.get("log") if isinstance(base.get("log"), dict) else {}
+        if _folder_of(log.get("dir"), log.get("name")) != here:  # (as saved, unless it names another place now)
+            base["log"] = {**log, "dir": str(here.parent), "name": here.name}
     config = _config_from(args, base=base, sections=sections)
-    if here is not None and (config.log.dir, config.log.name) != here:
+    if here is not None and _folder_of(config.log.dir, config.log.name) != here:
         raise InputError(f"train --resume trains in its own run folder {resume.run_dir}: log.dir and log.name "
-                         "cannot change (a new folder is a new run: leave out --resume)")
+                         "cannot name another (a new folder is a new run: leave out --resume)")
     _check_fail_after(args, config)
     if args.print_config:
         print(dump_config(config), end="")
@@ -535,6 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # `ulimit -f` reached: a write error (disk full), not a kill
+    held = _HeldWarnings()
     with tolerant_console() as console:  # a reader that left, a full /dev/full, an ASCII terminal: never a traceback
         try:
             args = build_parser().parse_args(argv)
@@ -550,11 +566,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"ampguard: error: {err}", file=sys.stderr)
             return ExitCode.BAD_INPUT
         except Interrupted as err:
+            held.release()  # (a Ctrl-C because fp16 on a CPU is slow: the line says why it was)
             print("ampguard: interrupted", file=sys.stderr)
             return err.exit_code
         except (KeyboardInterrupt, RuntimeError) as err:
             if not _an_interrupt(err):
                 raise
+            held.release()
             print("ampguard: interrupted", file=sys.stderr)
             _handled_keyboard_interrupt()
             return ExitCode.INTERRUPTED

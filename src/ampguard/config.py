@@ -140,6 +140,18 @@ def is_plain(value: Any) -> bool:
     return True
 
 
+def _home(path: str | None) -> str | None:
+    """A path setting's leading ``~`` as the home folder (``--set log.dir=~/runs`` is not expanded
+    by the shell): it made a folder named ``~`` in the working folder, a trap for ``rm -rf ~``.
+
+    Example::
+
+        >>> _home("~/runs") == os.path.join(os.path.expanduser("~"), "runs"), _home("runs"), _home(None)
+        (True, 'runs', None)
+    """
+    return None if path is None else os.path.expanduser(path)
+
+
 def _not_bool(value: Any) -> Any:
     # pydantic would read true/false as 1/0; a boolean where a number belongs is a mistake
     if isinstance(value, bool):
@@ -424,6 +436,11 @@ class WandbConfig(_Section):
     dir: str | None = None
     """Where W&B keeps its local files (``<dir>/wandb/``); None: the run folder."""
 
+    @field_validator("dir")
+    @classmethod
+    def _dir(cls, v: str | None) -> str | None:
+        return _home(v)
+
 
 class MLflowConfig(_Section):
     """``log.mlflow``: log every step to MLflow (``MLflowSink``; ``pip install 'ampguard[mlflow]'``).
@@ -510,7 +527,7 @@ class LogConfig(_Section):
     def _dir(cls, v: str) -> str:
         if not v.strip():  # (it would put the run folder in the working folder)
             raise ValueError("must be a folder, not an empty string")
-        return os.path.expanduser(v)  # `~/runs` is the home folder's runs, not a folder named ~ (a trap for rm -rf ~)
+        return _home(v)
 
     @field_validator("name")
     @classmethod
@@ -595,6 +612,11 @@ class ValidateConfig(_Section):
     compares a copy of the model converted as the ``fp8`` section says (needs torchao)."""
     checkpoint: str | None = None
     """Model weights from an ampguard checkpoint (default: the task's freshly initialised model)."""
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _checkpoint(cls, v: str | None) -> str | None:
+        return _home(v)
     typical: Count0 = 32
     """Probe set: the first this many held-out examples."""
     boundary: Count0 = 16
@@ -780,7 +802,7 @@ class TaskConfig(_Section):
     def _factory(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():  # (it would read as "no factory": the built-in task)
             raise ValueError("must be module:function or path/to/file.py:function, not an empty string")
-        return v
+        return _home(v)
     batch_size: Count = 32
     """Examples per micro-batch."""
     block_size: Count = 64
@@ -1067,8 +1089,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"--set {item!r}: expected key.sub=value")
         try:
             value = yaml.load(raw, Loader=_PlainLoader) if raw.strip() else None  # noqa: S506
-        except (yaml.YAMLError, ValueError, RecursionError):
-            raise ConfigError(f"--set {key}: cannot parse value {raw!r}") from None
+        except (yaml.YAMLError, ValueError, RecursionError) as err:
+            why = f" ({err})" if type(err) is yaml.YAMLError else ""  # (ours: a key given twice, an alias)
+            raise ConfigError(f"--set {key}: cannot parse value {raw!r}{why}") from None
         _plain(value, key)
         node = data
         parts = key.split(".")
@@ -1110,11 +1133,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data["inject"] = []
     # the flags add to what the file holds where it holds the right shape; anything else is left as
     # it is for validate() to refuse in its words (a flag never hides a file's bad value)
-    if inject and isinstance(data.get("inject", []), (list, type(None))):
-        data["inject"] = list(data.get("inject") or []) + list(inject)
+    if inject and isinstance(data.get("inject", []), list):
+        data["inject"] = list(data.get("inject", [])) + list(inject)
     for section, values in (sections or {}).items():
-        if values and isinstance(data.get(section, {}), (dict, type(None))):
-            data[section] = {**(data.get(section) or {}), **values}
+        if values and isinstance(data.get(section, {}), dict):
+            data[section] = {**data.get(section, {}), **values}
     return validate(data)
 
 

@@ -57,6 +57,14 @@ class EventLog:
         if word is not None:
             self.say(f"{word} {event['step']} {event['message']}")
 
+    def sync(self) -> None:
+        """The events written so far made durable (before a checkpoint: ``JsonlSink.sync``)."""
+        if self._sink is not None:
+            try:
+                self._sink.sync()
+            except DiskFull as full:
+                self._fail(full, through=None)
+
     def close(self) -> None:
         if self._sink is not None:
             try:

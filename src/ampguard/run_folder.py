@@ -12,9 +12,11 @@ here; nothing here imports the training loop.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -180,10 +182,15 @@ class RunPaths:
         if self.dir is None or fcntl is None or self._lock is not None:
             return
         path = self.dir / LOCK_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:  # a folder that cannot be written: what the run writes says so, in its words
-            return
+        try:  # (never through a link: the pid would be written into whatever it names)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise InputError(f"{path} is a symbolic link; remove it (ampguard keeps its lock there)") from None
+            return  # a folder that cannot be written: what the run writes says so, in its words
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InputError(f"{path} is not a regular file; remove it (ampguard keeps its lock there)")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -77,6 +77,10 @@ _NAMES = {ExitCode.TERMINATED: "SIGTERM", ExitCode.BROKEN_PIPE: "stdout's reader
 _FLAGS: list[StopFlag] = []
 """The stop flags of the ``stop_on_signals`` blocks open now, innermost last: where
 :func:`reader_left` asks for a stop."""
+_READER_GONE = [False]
+"""stdout's reader left before any ``stop_on_signals`` block was open (a run's first line, its
+folder, is printed before its loop arms its flag): the next flag starts stopped. Reset by
+:func:`tolerant_console`."""
 
 
 @contextmanager
@@ -93,6 +97,8 @@ def stop_on_signals() -> Iterator[StopFlag]:
         (False, 130)
     """
     flag = StopFlag()
+    if _READER_GONE[0]:  # (the reader left before there was a run to stop: stop it at its first boundary)
+        flag.signal = signal.SIGPIPE
 
     def handler(signum: int, frame: Any) -> None:
         if flag.requested and not flag.closing:
@@ -165,9 +171,15 @@ def reader_left() -> None:
         ...     reader_left()
         ...     stop.requested, int(stop.exit_code), stop.name
         (True, 141, "stdout's reader left")
-        >>> reader_left()  # no run: nothing to stop
+        >>> reader_left()  # no run yet: the next one starts stopped
+        >>> with stop_on_signals() as stop:
+        ...     stop.name
+        "stdout's reader left"
+        >>> _READER_GONE[0] = False
     """
-    if _FLAGS and _FLAGS[-1].signal is None:
+    if not _FLAGS:
+        _READER_GONE[0] = True
+    elif _FLAGS[-1].signal is None:
         _FLAGS[-1].signal = signal.SIGPIPE
 
 
@@ -266,6 +278,7 @@ def tolerant_console() -> Iterator[TolerantStream]:
         ('TolerantStream', 'StringIO')
     """
     out, err = sys.stdout, sys.stderr
+    _READER_GONE[0] = False
     strict = getattr(out, "errors", None) == "strict" and hasattr(out, "reconfigure")
     if strict:
         out.reconfigure(errors="ampguard.console")
@@ -276,6 +289,7 @@ def tolerant_console() -> Iterator[TolerantStream]:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         sys.stdout, sys.stderr = out, err
+        _READER_GONE[0] = False
         if strict:
             with contextlib.suppress(OSError, ValueError):  # (a closed stream)
                 out.reconfigure(errors="strict")

@@ -197,6 +197,15 @@ def _take_back(file: IO[bytes], written: int) -> None:
             os.ftruncate(file.fileno(), file.tell() - written)
 
 
+class RowsEndEarly(InputError):
+    """A CSV a resume would append to stops before the checkpoint's step (:meth:`CsvSink.kept_rows`):
+    ``last`` is the last step it holds, so the caller can name a checkpoint it does reach."""
+
+    def __init__(self, message: str, last: int) -> None:
+        super().__init__(message)
+        self.last = last
+
+
 NONE_WRITTEN = ("a sink was handed None: guard.step() returns None for a micro-batch inside an accumulation "
                 "group; write what it returns at the group's end (if record is not None: sink.write(record))")
 
@@ -252,6 +261,19 @@ class _LineFile:
         assert self._file is not None, f"{type(self).__name__} is closed"
         with writing(self.path):
             _append(self._file, line)
+
+    def sync(self) -> None:
+        """Make every line written so far durable (``fsync``): before a checkpoint is saved (it is
+        fsync'ed itself), so a machine that goes down keeps the rows up to the checkpoint's step,
+        which a resume needs. Nothing for a file that cannot be synced (a pipe)."""
+        if self._file is None:
+            return
+        try:
+            with writing(self.path):  # (no room: DiskFull, as a write)
+                os.fsync(self._file.fileno())
+        except OSError as err:
+            if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EROFS):  # (what cannot be synced)
+                raise
 
     def close(self) -> None:
         """Close the file. Every line is in it already (nothing is buffered); a file system that
@@ -447,8 +469,8 @@ class CsvSink(_LineFile):
             keep.append(raw)
             expected = None if expected is None else expected + 1
         if expected is not None and expected <= step:
-            raise InputError(f"{path}: its rows end at step {expected - 1}, the checkpoint is at step {step} (rows "
-                             "missing); cannot resume into it")
+            raise RowsEndEarly(f"{path}: its rows end at step {expected - 1}, the checkpoint is at step {step} (rows "
+                               "missing); cannot resume into it", expected - 1)
         return b"".join(keep)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
@@ -817,13 +839,20 @@ class Sinks:
         run stops at the step's end: ``Trainer``)."""
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
-        if record is None:
-            raise TypeError(NONE_WRITTEN)
-        for sink in list(self.sinks):
+        for sink in list(self.sinks):  # (each refuses a None itself: NONE_WRITTEN)
             try:
                 sink.write(record, extra)
             except DiskFull as full:
                 self._drop(sink, full, through=record.step - 1)
+
+    def sync(self) -> None:
+        """Every line written so far made durable, in the sinks that write files (:meth:`_LineFile.sync`)."""
+        for sink in list(self.sinks):
+            if hasattr(sink, "sync"):
+                try:
+                    sink.sync()
+                except DiskFull as full:
+                    self._drop(sink, full, through=None)
 
     def observe(self, monitor: Any, events: Sequence[Any] = ()) -> None:
         """The run monitor's view of the step just written (and the events it raised), to the

@@ -22,6 +22,7 @@ from . import checkpointer as ck
 from . import distributed
 from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
                     check_trainable, fast_path, precision_of, resolve_device)
+from .checkpoint import checkpoint_step, list_checkpoints
 from .config import Config
 from .data import DataStream, check_same_data
 from .errors import ExitCode, InputError, first_line
@@ -35,8 +36,8 @@ from .monitor import LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
 from .signals import StopFlag, stop_on_signals
-from .sinks import (CSV_COLUMNS, ConsoleSink, CsvSink, DiskFull, JsonlSink, Sinks, TensorBoardSink, disk_full_error,
-                    writing)
+from .sinks import (CSV_COLUMNS, ConsoleSink, CsvSink, DiskFull, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink,
+                    disk_full_error, writing)
 from .step import AmpTrainState
 from .tasks import Task, build_task
 
@@ -191,7 +192,12 @@ class Trainer:
         for path, names, expected in csvs:
             CsvSink.check_header(path, names, expected)
             if path is not None and path.is_file():  # (steps.csv: every step from 1 to the checkpoint's)
-                CsvSink.kept_rows(path, len(names), step, first=1 if path == paths.csv else None)
+                try:
+                    CsvSink.kept_rows(path, len(names), step, first=1 if path == paths.csv else None)
+                except RowsEndEarly as short:  # (its tail lost in a crash): the newest checkpoint it reaches
+                    reached = [p for p in list_checkpoints(paths.checkpoints) if checkpoint_step(p) <= short.last]
+                    way = f"; --resume {reached[-1]} goes on from there" if reached else ""
+                    raise InputError(f"{short}{way}") from None
         if self.config.log.jsonl:
             JsonlSink.check_step_log(paths.steps_jsonl)
 
@@ -265,7 +271,7 @@ class Trainer:
     def _loop(self, stop: StopFlag) -> Stop | None:
         if self._agree(False, self.disk_full() is not None)[1]:  # opening the outputs found the disk full
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
-        if self.config.rollback.triggers and self.state.steps == 0:
+        if self.config.rollback.triggers and self.state.steps == 0 and self.resume is None:
             self.save()  # step-00000000.pt: a trigger before the first checkpoint.every returns to the start
         while self.state.steps < self.config.steps:
             with self.watching():
@@ -415,6 +421,10 @@ class Trainer:
         """
         if not self.config.checkpoint.enabled or self.state.mid_group or not self.checkpointer.enabled:
             return
+        # the logs up to this step made durable first (the checkpoint is fsync'ed): after a machine
+        # crash a resume from it finds every row up to its step (it refuses a CSV that stops short)
+        self.sinks.sync()
+        self.events.sync()
         path = self.checkpointer.save(self.state.steps)  # every rank takes part; rank 0 writes
         if path is not None:
             self.events.emit({"step": self.state.steps, "event": "checkpoint", "message": f"saved {path.name}"})

@@ -639,7 +639,7 @@ def test_a_resume_of_a_run_still_training_is_refused_and_changes_nothing(tmp_pat
     assert not (run / ".ampguard.lock").exists()
 
 
-def test_a_resume_trains_in_its_own_folder_wherever_it_is(tmp_path):
+def test_a_resume_trains_in_its_own_folder_wherever_it_is(tmp_path, monkeypatch):
     """A --set log.dir/log.name on a resume was ignored but written into the run's config.yaml;
     a moved run folder kept the old place there. The resume names its own folder in config.yaml,
     and a log.dir/log.name naming another is refused in one line, the folder as it was."""
@@ -650,8 +650,12 @@ def test_a_resume_trains_in_its_own_folder_wherever_it_is(tmp_path):
     before = helpers.snapshot_of(moved)
     assert one_error_line(ag("train", "--resume", moved, "--set", "log.name=other")) == (
         f"ampguard: error: train --resume trains in its own run folder {moved}: log.dir and log.name cannot "
-        "change (a new folder is a new run: leave out --resume)")
+        "name another (a new folder is a new run: leave out --resume)")
     assert helpers.snapshot_of(moved) == before
     ok(ag("train", "--resume", moved, "--set", "steps=3"))
     saved = yaml.safe_load((moved / "config.yaml").read_text(encoding="utf-8"))["log"]
-    assert (saved["dir"], saved["name"]) == (str(moved.parent), "b")
+    assert (saved["dir"], saved["name"]) == (str(moved.parent.resolve()), "b")
+    # the same folder named another way (`--resume .` from inside it, log.dir spelled relative) is its own
+    monkeypatch.chdir(moved)
+    ok(ag("train", "--resume", ".", "--set", "steps=4", "--set", "log.dir=..", "--set", "log.name=b"))
+    assert [r["step"] for r in read_rows(moved / "steps.csv")] == ["1", "2", "3", "4"]

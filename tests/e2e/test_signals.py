@@ -144,6 +144,20 @@ def test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_exit_141(tmp_pa
     _stopped_whole_and_resumed(tmp_path, run, err, "stdout's reader left")
 
 
+def test_a_reader_gone_before_the_run_began_stops_it_at_its_first_step(tmp_path):
+    """`ampguard train | true`: the reader is gone before the run's first line (its folder), so
+    before the loop armed its stop flag: the run trained to its end and exited 0. It stops
+    after its first step, whole, with exit 141."""
+    run = tmp_path / "runs" / "t"
+    proc = _spawn(tmp_path, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000", "--set", "log.name=t",
+                  "--set", "checkpoint.every=0")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=180) == 141, err
+    assert _card(run)["ended"] == "interrupted (stdout's reader left) after step 1"
+    assert (run / "checkpoints" / "step-00000001.pt").is_file()
+
+
 def test_a_verb_whose_reader_left_keeps_its_own_exit_code(tmp_path):
     """`ampguard locate ... | head -1` (or `validate`): the reader leaving mapped every verb to
     exit 0, so a CI step piped into head passed a NaN found (or a model rejected). The verb

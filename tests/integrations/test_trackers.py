@@ -272,7 +272,8 @@ for i in range(3):
     record = guard.step()
     ml.write(record)
     wb.write(record)
-raise RuntimeError("the loop crashed after step 3")
+if sys.argv[3] == "crash":
+    raise RuntimeError("the loop crashed after step 3")
 """
 
 
@@ -285,16 +286,20 @@ def test_a_loop_that_crashes_without_close_still_sends_its_last_step(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASHING_LOOP, encoding="utf-8")
     env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
-    done = subprocess.run([sys.executable, str(script), (tmp_path / "mlruns").as_uri(), str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 1 and "the loop crashed after step 3" in done.stderr
-    run_id = done.stdout.split()[0]
-    client = mlflow_client((tmp_path / "mlruns").as_uri())  # (MLflow 3 opens a file store only when asked to)
-    assert mlflow_history(client, run_id, "train/skipped") == {1: 0.0, 2: 0.0, 3: 1.0}
-    assert client.get_run(run_id).info.status == "FAILED"
-    (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))]
-    assert sorted(logged.history) == [1, 2, 3] and logged.history[3]["train/skip.non_finite_loss"] == 1
-    assert logged.exit_code == 1
+    for how, code, status in (("crash", 1, "FAILED"), ("end", 0, "FINISHED")):  # a script that just ends: not failed
+        folder = tmp_path / how
+        done = subprocess.run([sys.executable, str(script), (folder / "mlruns").as_uri(), str(folder), how],
+                              capture_output=True, text=True, env=env, timeout=240)
+        assert done.returncode == code, done.stderr
+        assert ("the loop crashed after step 3" in done.stderr) == (how == "crash")
+        assert "Exception ignored" not in done.stderr
+        run_id = done.stdout.split()[0]
+        client = mlflow_client((folder / "mlruns").as_uri())  # (MLflow 3 opens a file store only when asked to)
+        assert mlflow_history(client, run_id, "train/skipped") == {1: 0.0, 2: 0.0, 3: 1.0}
+        assert client.get_run(run_id).info.status == status
+        (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(folder / "wandb" / "offline-run-*" / "*.wandb"))]
+        assert sorted(logged.history) == [1, 2, 3] and logged.history[3]["train/skip.non_finite_loss"] == 1
+        assert logged.exit_code == code
 
 
 def test_the_sinks_are_public_names_of_ampguard():

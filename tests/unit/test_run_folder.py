@@ -113,3 +113,24 @@ def test_a_demo_has_only_a_csv():
     assert paths.csv == Path("steps.csv")
     assert [paths.events, paths.steps_jsonl, paths.plot, paths.card, paths.config, paths.tensorboard,
             paths.checkpoints] == [None] * 7
+
+
+def test_the_lock_is_never_taken_through_a_link(tmp_path):
+    # the pid went into whatever a link at .ampguard.lock named (a copied or shared run folder)
+    from ampguard.errors import InputError
+    from ampguard.run_folder import LOCK_FILE, RunPaths
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).symlink_to(victim)
+    with pytest.raises(InputError, match=r"\.ampguard\.lock is a symbolic link; remove it"):
+        RunPaths.existing(run).lock()
+    assert victim.read_text() == "precious\n"
+    (run / LOCK_FILE).unlink()
+    paths = RunPaths.existing(run)
+    paths.lock()
+    assert (run / LOCK_FILE).read_text().strip().isdigit()
+    paths.unlock()
+    assert not (run / LOCK_FILE).exists()

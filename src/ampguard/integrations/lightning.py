@@ -491,7 +491,11 @@ class AmpGuardPlugin(_LightningPrecision):
             raise ValueError("AmpGuardPlugin runs the backward itself: manual_backward(loss) takes no arguments")
         if not guard.mid_group:  # a group begins: its N (the loss Lightning hands over is divided by it)
             guard.accumulation_steps = model.trainer.accumulate_grad_batches if model.automatic_optimization else 1
-        with torch.autocast(guard.precision.device_type, enabled=False):  # (manual optimization: inside it)
+        device_type = guard.precision.device_type
+        if torch.is_autocast_enabled(device_type):  # manual optimization: inside training_step's autocast
+            with torch.autocast(device_type, enabled=False):
+                guard.backward(tensor, divided=True)
+        else:
             guard.backward(tensor, divided=True)
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule,  # type: ignore[override]

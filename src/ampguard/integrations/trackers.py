@@ -38,9 +38,11 @@ preview, online only: not used; the W&B run keeps the set-aside values for those
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -208,15 +210,22 @@ class TrackerSink:
         self._pending = None
 
     def _end(self, exit_code: int) -> None:
-        """Send the row still held, then end the tracker run (once). Registered with ``atexit``
-        (exit code 1) once the run is open: a loop that crashes without ``close()`` still sends
-        its last step, usually the one that matters (the NaN before the crash), and the run ends
-        FAILED instead of staying RUNNING."""
+        """Send the row still held, then end the tracker run (once)."""
         if not self._ended:
             self._flush()
             self._ended = True
-            atexit.unregister(self._end)
+            atexit.unregister(self._at_exit)
             self._stop(exit_code)
+
+    def _at_exit(self) -> None:
+        """Registered with ``atexit`` once the run is open, for a loop that never called ``close()``:
+        the row still held goes out (after a crash usually the step that matters, the NaN before
+        it) and the run ends as the process did: FAILED after an uncaught exception (KILLED after
+        Ctrl-C), FINISHED after a script that simply ended. A run you finished yourself (``run=``)
+        is left as it is: nothing here may raise at exit."""
+        crashed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # (set for an uncaught one)
+        with contextlib.suppress(Exception):
+            self._end(130 if isinstance(crashed, KeyboardInterrupt) else 1 if crashed is not None else 0)
 
     # -- what each tracker does
     def _log(self, step: int, row: dict[str, float]) -> None:
@@ -283,7 +292,7 @@ class WandbSink(TrackerSink):
         self.run = run
         self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
         self._events: dict[str, int] = {}
-        atexit.register(self._end, 1)  # the process ends before the sink closed (a crash): the last row, FAILED
+        atexit.register(self._at_exit)  # the process ends before the sink closed: the last row, the end
 
     @property
     def where(self) -> str:
@@ -373,7 +382,7 @@ class MLflowSink(TrackerSink):
             raise
         except Exception as err:  # noqa: BLE001 - the store refused: one line
             raise InputError(f"log.mlflow: {first_line(err)}") from None
-        atexit.register(self._end, 1)  # the process ends before the run did (a crash): FAILED, not RUNNING
+        atexit.register(self._at_exit)  # the process ends before the run did: not left RUNNING
 
     @property
     def where(self) -> str:
