@@ -66,6 +66,7 @@ def _files(folder: Path) -> None:
     (folder / "twice.json").write_text('{"steps": 3, "steps": 4}', encoding="utf-8")
     (folder / "inject_int.yaml").write_text("steps: 3\ntask: {name: linear}\ninject: 5\n", encoding="utf-8")
     (folder / "inject_str.yaml").write_text("steps: 3\ntask: {name: linear}\ninject: nan_loss@2\n", encoding="utf-8")
+    (folder / "monitor_null.yaml").write_text("steps: 3\ntask: {name: linear}\nmonitor:\n", encoding="utf-8")
     (folder / "monitor_int.yaml").write_text("steps: 3\ntask: {name: linear}\nmonitor: 5\n", encoding="utf-8")
     (folder / "junk.pt").write_bytes(b"not a checkpoint at all")
     (folder / "empty.pt").write_bytes(b"")
@@ -248,6 +249,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("inject a number, --inject", ["train", "inject_int.yaml", "--inject", "nan_loss@2"]),
     ("inject a string, --inject", ["train", "inject_str.yaml", "--inject", "spike@3"]),
     ("monitor a number, --fail-skip-rate", ["train", "monitor_int.yaml", "--fail-skip-rate", "0.5"]),
+    ("monitor null, --fail-skip-rate", ["train", "monitor_null.yaml", "--fail-skip-rate", "0.5"]),
     ("diagnose false, --strict", ["train", *LINEAR, "--set", "diagnose=false", "--strict"]),
     ("locate: inject a number, --inject", ["locate", *LINEAR, "--set", "inject=5", "--inject", "nan_loss@1"]),
 ]

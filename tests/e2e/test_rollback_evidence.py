@@ -110,9 +110,10 @@ def test_a_trigger_before_the_first_checkpoint_rolls_back_to_the_runs_start(tmp_
     # a run killed before its first checkpoint.every resumes from the start, bit for bit
     (run / "checkpoints" / "step-00000005.pt").unlink()
     (run / "checkpoints" / "step-00000010.pt").unlink()
-    before = (run / "steps.csv").read_bytes()
+    before, start_file = (run / "steps.csv").read_bytes(), (run / "checkpoints" / "step-00000000.pt").read_bytes()
     ok(ag("train", "--resume", run))
     assert (run / "steps.csv").read_bytes() == before
+    assert (run / "checkpoints" / "step-00000000.pt").read_bytes() == start_file  # what it resumed from: not rewritten
     # without rollbacks nothing is saved before step 1
     ok(train(tmp_path, "plain", *LINEAR, "--set", "steps=4", "--set", "checkpoint.every=2"))
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "plain" / "checkpoints")] == [
