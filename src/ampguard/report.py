@@ -134,7 +134,7 @@ def read_steps_and_columns(path: str | Path, torn: list[str] | None = None
         raise InputError(f"no such CSV file: {path}")
     extra: list[dict[str, str]] = []
     try:
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:  # (a spreadsheet's byte-order mark: read past)
             return list(_rows(path, csv.reader(_whole_lines(f, torn)), extra)), extra
     except (UnicodeDecodeError, csv.Error) as err:
         raise InputError(f"{path}: not a readable CSV ({err})") from None
@@ -182,7 +182,8 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
         except ValueError:
             raise InputError(f"{where}: step {cell['step']!r} is not a whole number") from None
         if step <= previous:
-            raise InputError(f"{where}: step {step} does not follow step {previous}")
+            raise InputError(f"{where}: step {step} does not follow step {previous}" if previous else
+                             f"{where}: step {step}, but steps count from 1")
         previous = step
         if cell["skipped"] not in ("0", "1"):
             raise InputError(f"{where}: skipped must be 0 or 1, got {cell['skipped']!r}")

@@ -276,3 +276,12 @@ def test_a_policy_change_whose_value_is_not_the_settings_kind_is_passed_over(cli
     assert ok(cli("report", run)) == before
     ok(cli("train", *LINEAR, "--set", "steps=3", "--set", "log.name=S"))
     ok(cli("compare", run, tmp_path / "runs" / "S", "--out", tmp_path / "both.png"))
+
+
+def test_report_reads_past_a_spreadsheets_byte_order_mark_and_names_a_step_0(cli, tmp_path):
+    # a CSV saved again by a spreadsheet starts with a BOM ("the header is not ampguard's"); a first
+    # row of step 0 read "step 0 does not follow step 0"
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + csv_text(HEADER, "1,0.1,2.0,1.0,0.5,0,,1.0").encode())
+    assert "summary: steps=1 updates=1" in ok(cli("report", "bom.csv"))
+    (tmp_path / "zero.csv").write_text(csv_text(HEADER, "0,0.1,2.0,1.0,0.5,0,,1.0"), encoding="utf-8")
+    assert one_error_line(cli("report", "zero.csv")).endswith("zero.csv line 2: step 0, but steps count from 1")
