@@ -75,7 +75,7 @@ def test_a_sink_handed_none_says_why_and_writes_nothing(tmp_path):
 
     csv_sink, jsonl = CsvSink(tmp_path / "s.csv"), JsonlSink(tmp_path / "s.jsonl")
     background = BackgroundSink(CsvSink(tmp_path / "b.csv"))
-    for sink in (csv_sink, jsonl, ConsoleSink(), background, Sinks([csv_sink])):
+    for sink in (csv_sink, jsonl, ConsoleSink(), background, Sinks(csv_sink, ConsoleSink())):
         with pytest.raises(TypeError, match=r"guard.step\(\) returns None for a micro-batch inside an accumulation"):
             sink.write(None)
     for sink in (csv_sink, jsonl, background):
