@@ -87,7 +87,7 @@ def load_run(path: str | Path) -> RunSummary:
         compare: no such folder no/such/run
     """
     from .build import build_monitor
-    from .config import read_file, validate
+    from .config import read_run_config
 
     folder = Path(path)
     if not folder.is_dir():
@@ -99,9 +99,9 @@ def load_run(path: str | Path) -> RunSummary:
                 if name == "RUN.md" else ""
             raise InputError(f"compare: {folder} has no {what} {name}; is it a run folder?{hint}")
     try:
-        config = validate(read_file(folder / "config.yaml"))
-    except InputError as err:  # ConfigError included: say which run's config it is
-        raise InputError(f"compare: {folder / 'config.yaml'}: {err}") from None
+        config = read_run_config(folder / "config.yaml")
+    except InputError as err:  # ConfigError included (it names the file)
+        raise InputError(f"compare: {err}") from None
     rows, extra = read_steps_and_columns(folder / "steps.csv")
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")

@@ -1073,6 +1073,35 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def read_run_config(path: str | Path) -> Config:
+    """A run folder's ``config.yaml``, validated. A run writes every setting there
+    (:func:`dump_config`): an empty file is refused, not read as the defaults (an fp16 run's
+    would read as bf16 without a scaler).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = Path(d) / "config.yaml"
+        ...     _ = path.write_text(dump_config(validate({"precision": "fp16"})))
+        ...     precision = read_run_config(path).precision
+        ...     _ = path.write_text("")
+        ...     try:
+        ...         read_run_config(path)
+        ...     except ConfigError as err:
+        ...         refused = str(err).replace(d, "RUN")
+        >>> precision, refused
+        ('fp16', "config file RUN/config.yaml: empty; a run's config.yaml holds every setting")
+    """
+    data = read_file(path)
+    if not data:
+        raise ConfigError(f"config file {path}: empty; a run's config.yaml holds every setting")
+    try:
+        return validate(data)
+    except ConfigError as err:  # (which file's settings they are)
+        raise ConfigError(f"config file {path}: {err}") from None
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key.sub=value`` overrides (values parsed as YAML scalars) to a copy of ``data``.
 

@@ -873,7 +873,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         report: --out DIR/plot.svg: the plot is a PNG; name a .png file
         >>> shutil.rmtree(folder)
     """
-    from .config import Config, read_file, validate
+    from .config import Config, read_run_config
 
     target = Path(path)
     csv_path = target / "steps.csv" if target.is_dir() else target
@@ -882,7 +882,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         raise InputError(f"no per-step CSV at {csv_path}")
     png = Path(out) if out else (target / "report.png" if target.is_dir() else target.with_suffix(".png"))
     check_plot_path(png, csv_path, given=out is not None)
-    config = validate(read_file(config_path)) if config_path.is_file() else Config()
+    config = read_run_config(config_path) if config_path.is_file() else Config()
     if target.is_dir() and not config_path.is_file():  # (a bare CSV, a demo's, has none by design)
         print(f"note: {target} has no config.yaml: judged with the default thresholds (--max-norm, --window, "
               "--alert-rate, --fail-rate and --min-steps set them)")

@@ -181,3 +181,20 @@ def test_compare_draws_an_earlier_plot_again_as_report_does(cli, sweep, tmp_path
     code, out, err = cli("compare", *runs, "--out", own / "report.png")
     assert code == 2 and err.strip() == (f"ampguard: error: compare: --out {own / 'report.png'} is the plot of the run "
                                          f"in {own}; name another file") and (own / "report.png").read_bytes() == first
+
+
+def test_an_empty_config_yaml_is_refused_not_read_as_the_defaults(cli, tmp_path):
+    # an fp16 run whose config.yaml was emptied showed as "bf16 / no loss scaler" in compare, and
+    # report judged it with the defaults: a run writes every setting there, so empty is refused
+    import shutil
+
+    for name in ("a", "b"):
+        code, out, err = cli("train", "--set", "task.name=linear", "--set", "steps=2", "--set", "precision=fp32",
+                             "--set", f"log.name={name}")
+        assert code == 0, err
+    (tmp_path / "runs" / "a" / "config.yaml").write_text("")
+    for argv in (("compare", "runs/a", "runs/b"), ("report", "runs/a")):
+        code, out, err = cli(*argv)
+        assert code == 2 and err.splitlines() == [
+            f"ampguard: error: {'compare: ' if argv[0] == 'compare' else ''}config file runs/a/config.yaml: empty; "
+            "a run's config.yaml holds every setting"], err
