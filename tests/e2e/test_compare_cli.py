@@ -186,8 +186,6 @@ def test_compare_draws_an_earlier_plot_again_as_report_does(cli, sweep, tmp_path
 def test_an_empty_config_yaml_is_refused_not_read_as_the_defaults(cli, tmp_path):
     # an fp16 run whose config.yaml was emptied showed as "bf16 / no loss scaler" in compare, and
     # report judged it with the defaults: a run writes every setting there, so empty is refused
-    import shutil
-
     for name in ("a", "b"):
         code, out, err = cli("train", "--set", "task.name=linear", "--set", "steps=2", "--set", "precision=fp32",
                              "--set", f"log.name={name}")
