@@ -793,11 +793,12 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
     if unknown:
         raise InputError(f"validate: validation.outputs.{unknown[0]}: the model has no output named {unknown[0]!r} "
                          f"(its outputs: {', '.join(ref.names)})")
-    ref_eval = probes.fp32_eval if probes.fp32_eval is not None else _scores(task, model, x_eval, fp32, seed).primary
+    ref_eval_all = _scores(task, model, x_eval, fp32, seed)  # every output: each must be finite
+    ref_eval = probes.fp32_eval if probes.fp32_eval is not None else ref_eval_all.primary
     _check_targets(task, ref_eval, y_eval)
     ref_quality = _quality(task.mode, ref_eval, y_eval)
     n = len(ids)
-    ref_finite, eval_finite = int(ref.finite_rows().sum()), _finite_count(ref_eval)
+    ref_finite, eval_finite = int(ref.finite_rows().sum()), int(ref_eval_all.finite_rows().sum())
     text, ok, checked = _quality_rule(task.mode, cfg, ref_quality)
     reference = [
         Rule("reference outputs finite", f"{ref_finite}/{n} probes, {eval_finite}/{len(x_eval)} eval", "",
@@ -806,7 +807,7 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
     ]
     # fp8 compares a converted copy of the model; every other precision the model itself
     results = [_compare_precision(name, task, prepare_model(config, model, name, copy_model=True), cfg, device,
-                                  probes, ref, ref_eval, ref_quality, text, seed)
+                                  probes, ref, ref_eval, ref_quality, text, seed, ref_eval_finite=eval_finite)
                for name in cfg.precisions]
     environment = describe_environment(config, device, ref.dtypes, results)
     environment["probe_set_sha256"] = probes.sha256()
@@ -815,7 +816,7 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
 
 def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device: torch.device, probes: ProbeSet,
                        ref: Scores, ref_eval: torch.Tensor, ref_quality: float, ref_text: str,
-                       seed: int | None = None) -> PrecisionResult:
+                       seed: int | None = None, ref_eval_finite: int | None = None) -> PrecisionResult:
     """One AMP precision against the reference, rule by rule, with one record per probe. Its
     passes are seeded with ``seed`` as the reference's were. A model that raised under this
     precision, where the FP32 reference ran, fails it (the rule "runs under <precision>")."""
@@ -823,7 +824,8 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
     amp_p = Precision(name, device.type)
     try:
         amp = _scores(task, model, probes.inputs, amp_p, seed)
-        amp_eval = _scores(task, model, probes.x_eval, amp_p, seed).primary
+        amp_eval_all = _scores(task, model, probes.x_eval, amp_p, seed)
+        amp_eval = amp_eval_all.primary
     except ModelRaised as err:  # FP32 ran: the precision is what fails, not the input
         why = str(err).split(f"raised under {name}: ", 1)[-1]
         return PrecisionResult(name, rules=[Rule(f"runs under {name}", "ran", f"raised {why}", False)],
@@ -831,12 +833,20 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
     if amp.names != ref.names:
         raise InputError(f"validate: the model's outputs under {name} ({', '.join(amp.names)}) are not those "
                          f"of FP32 ({', '.join(ref.names)})")
+    for out in ref.names:  # (compared element by element below)
+        if amp.outputs[out].shape != ref.outputs[out].shape:
+            what = "the model's output" if out == SINGLE_OUTPUT else f"output {out}"
+            raise InputError(f"validate: {what} has shape {tuple(amp.outputs[out].shape)} under {name}, "
+                             f"{tuple(ref.outputs[out].shape)} in FP32")
     result = PrecisionResult(name, stats={"output_dtypes": amp.dtypes})
     finite_rows = amp.finite_rows()
     finite, n_eval = int(finite_rows.sum()), len(probes.x_eval)
-    eval_finite = _finite_count(amp_eval)  # the evaluation set too: an inf there must not pass as a wrong answer
+    # the evaluation set too, every output of it: an inf there must not pass as a wrong answer (or
+    # pass at all, in an output the quality rule does not read)
+    eval_finite = int(amp_eval_all.finite_rows().sum())
+    ref_finite_eval = _finite_count(ref_eval) if ref_eval_finite is None else ref_eval_finite
     result.rules.append(Rule("complete and finite",
-                             f"{int(ref.finite_rows().sum())}/{n} probes, {_finite_count(ref_eval)}/{n_eval} eval",
+                             f"{int(ref.finite_rows().sum())}/{n} probes, {ref_finite_eval}/{n_eval} eval",
                              f"{finite}/{n} probes, {eval_finite}/{n_eval} eval", finite == n and eval_finite == n_eval))
     per_output: dict[str, Any] = {}
     errors, deviated = {}, {}

@@ -577,6 +577,24 @@ def amp_raises(config):  # runs in FP32, raises under autocast: the precision fa
     made = base(config)
     made["predict"] = lambda m, x: m(x) if not torch.is_autocast_enabled("cpu") else 1 / 0
     return made
+
+
+def aux_inf_under_amp(config):  # a second output, inf under autocast on every row but the first
+    made = base(config)
+
+    def predict(m, x):
+        aux = torch.where(x[:, :1] > -4, torch.full_like(x[:, :1], float("inf")), x[:, :1])
+        aux[0] = 0.0
+        return {"logits": m(x), "aux": aux if torch.is_autocast_enabled("cpu") else torch.zeros_like(aux)}
+
+    made["predict"] = predict
+    return made
+
+
+def narrower_under_amp(config):  # the same output, another shape under autocast
+    made = base(config)
+    made["predict"] = lambda m, x: {"logits": m(x), "aux": x[:, :2] if torch.is_autocast_enabled("cpu") else x[:, :3]}
+    return made
 '''
 
 
@@ -619,3 +637,18 @@ def test_a_model_that_raises_only_under_amp_is_rejected_not_bad_input(cli, tmp_p
     assert code == 1, (out, err)
     report = next((tmp_path / "r").glob("*.md")).read_text(encoding="utf-8")
     assert "runs under bf16" in report and "ZeroDivisionError: division by zero" in report
+
+
+def test_every_output_must_be_finite_on_the_evaluation_set_and_keep_its_shape(cli, tmp_path, bad_factories):
+    """The evaluation set's finiteness read the first output only: a second output, inf under
+    bf16 on every held-out row but the one probed, was ACCEPTED (exit 0). And an output whose
+    shape differs under AMP was a traceback, not a line."""
+    code, out, err = cli("validate", "--set", f"task.factory={bad_factories}:aux_inf_under_amp", "--set",
+                         "validation.precisions=[bf16]", "--set", "validation.typical=1", "--set",
+                         "validation.boundary=0", "--set", "validation.edge_cases=false", "--out", "r")
+    assert code == 1, (out, err)
+    assert "bf16: complete and finite: 1/1 probes, 1/32 eval -> FAIL" in out
+    code, out, err = cli("validate", "--set", f"task.factory={bad_factories}:narrower_under_amp", "--set",
+                         "validation.precisions=[bf16]", "--out", "r2")
+    assert one_line_error(code, out, err) == (
+        "ampguard: error: validate: output aux has shape (32, 2) under bf16, (32, 3) in FP32"), err
