@@ -10,7 +10,7 @@ After each step the loop asks :meth:`Guards.check` for a :data:`Decision`:
   locate --batch``;
 - :class:`Stop` (an :class:`~ampguard.errors.ExitCode`, why, ``kind``: the monitor's failure
   cause, :data:`STRICT`, :data:`ROLLBACKS_USED_UP`, :data:`NO_CHECKPOINT`, :data:`INTERRUPTED`,
-  :data:`DISK_FULL`).
+  :data:`DISK_FULL`, :data:`BAD_DATA`, :data:`CRASHED`).
 
 Under torchrun every decision is the same on every rank at the same step: the guards read
 values the step's all-reduce already agreed on, a rollback goes ahead only when every rank
@@ -49,6 +49,7 @@ NO_CHECKPOINT = "no_checkpoint"
 INTERRUPTED = "interrupted"
 DISK_FULL = "disk_full"
 BAD_DATA = "bad_data"
+CRASHED = "crashed"
 
 
 @dataclass(frozen=True)

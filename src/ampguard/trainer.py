@@ -29,7 +29,8 @@ from .errors import ExitCode, InputError, first_line
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, parse_faults
-from .guards import BAD_DATA, DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks, Stop, TriggerBatches
+from .guards import (BAD_DATA, CRASHED, DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks,
+                     Stop, TriggerBatches)
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms
 from .integrations.trackers import TrackerSink, check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
@@ -247,12 +248,15 @@ class Trainer:
         """
         self._open()
         first_step = self._first_step = self.state.steps
+        crashed: Exception | None = None
         with stop_on_signals() as stop:
             self.stop_flag, clean, stopped = stop, True, None
             try:
                 stopped = self._loop(stop)
             except KeyboardInterrupt:  # a second signal mid-step: no checkpoint of a half-done step
                 clean = False
+            except Exception as err:  # a crash mid-run (the task's model or loss, or a bug): card, then traceback
+                crashed, clean = err, False
             finally:
                 stop.closing = True  # from here a signal waits: the checkpoint and the run card come first
                 with contextlib.suppress(Exception):  # after an error too: the steps already taken reach the CSV
@@ -261,6 +265,13 @@ class Trainer:
                 self.injector.detach()
                 if self.bar is not None:
                     self.bar.close()
+            if crashed is not None:  # the steps before it stand: their rows, the last checkpoint, a card that says so
+                if not self.dist.active:  # (under torchrun the other ranks wait in a collective: the traceback ends it)
+                    with contextlib.suppress(Exception):
+                        self._close(Stop(ExitCode.REJECTED,  # 1, what the traceback exits with
+                                         f"crashed after step {self.monitor.steps}: {first_line(crashed, with_type=True)}",
+                                         CRASHED))
+                raise crashed
             if not clean:  # after settle(): "after step N" names the last step the CSV holds
                 stopped = self._interrupted(stop)
             full = stopped is not None and stopped.kind == DISK_FULL  # agreed: every rank skips the save
@@ -355,7 +366,7 @@ class Trainer:
                 raise BadBatch(str(err)) from None
             except (torch.cuda.OutOfMemoryError, StopIteration):
                 raise
-            except Exception as err:  # noqa: BLE001 - the user's data raising, in one process
+            except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's data raising (or exiting), in one process
                 if self.dist.active:  # one rank's own failure: a stop on it alone would leave the others
                     raise  # waiting in the step's collectives; the traceback ends the job (torchrun)
                 raise BadBatch(first_line(err, with_type=True)) from None
@@ -365,7 +376,11 @@ class Trainer:
             evidence = self.rollbacks.evidence
             if evidence is not None:
                 evidence.capture(batch)
-            record = self.state.step(*batch)
+            try:
+                record = self.state.step(*batch)
+            except SystemExit as err:  # its code would pass for ours (0: done; 3: a guard's stop): a crash
+                raise RuntimeError(f"the task's model or loss called sys.exit({err.code!r}) at step "
+                                   f"{self.state.steps + 1}") from None
             if record is not None:
                 if evidence is not None:
                     evidence.closed(record)

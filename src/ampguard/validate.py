@@ -342,7 +342,8 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
                 raw = task.scores(model, chunk.to(device))
         except InputError:
             raise
-        except Exception as err:  # noqa: BLE001 - the user's code: one line, not a traceback
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's code: one line, not a traceback
+            # (a sys.exit() in it passed through as validate's own exit: 0, no report, a model never judged)
             raise ModelRaised(f"validate: task {task.name}: the model (or the task's predict) raised under "
                               f"{precision.name}: {first_line(err, with_type=True)}") from None
         named = named_outputs(raw)

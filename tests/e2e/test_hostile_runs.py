@@ -306,3 +306,74 @@ def test_data_that_fails_mid_run_stops_it_with_exit_2_and_keeps_the_steps_before
         assert [r["step"] for r in csv.DictReader(f)] == ["1", "2", "3", "4", "5"]
     assert "| ended | bad data at step 6: OSError: cannot read shard 5 |" in (run / "RUN.md").read_text(encoding="utf-8")
     assert (run / "checkpoints" / "step-00000005.pt").is_file()
+
+
+CRASHING_FACTORY = '''
+import sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Fixed(nn.Module):  # assumes batches of 4: the epoch's short last batch (18 = 4 x 4 + 2) breaks it
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(2, 1)
+
+    def forward(self, x):
+        return self.l(x.view(4, 2))
+
+
+class Exits(nn.Linear):  # calls sys.exit(0) on its fourth forward (the first checks the set-up)
+    calls = 0
+
+    def forward(self, x):
+        Exits.calls += 1
+        if Exits.calls > 3:
+            sys.exit(0)
+        return super().forward(x)
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(18, 2, generator=g), torch.randn(18, 1, generator=g)), batch_size=4)
+
+
+def short_batch(config):
+    return Fixed(), data(), nn.functional.mse_loss
+
+
+def exits(config):
+    Exits.calls = 0
+    return Exits(2, 1), data(), nn.functional.mse_loss
+'''
+
+
+def test_a_model_that_crashes_mid_run_leaves_a_whole_folder_and_its_traceback(tmp_path, monkeypatch):
+    """A model that breaks on the epoch's short last batch: a traceback and exit 1 (a crash is not
+    bad input), but the run folder held no run card, no run_end, no plot. Now the card says where
+    and why it crashed, the checkpoints before it stand, and then the traceback. A sys.exit(0) in
+    the model passed through as the run's own exit 0 (success) with a half folder: now a crash."""
+    from ampguard.cli import main
+
+    (tmp_path / "crashing.py").write_text(CRASHING_FACTORY, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    base = ["--set", "precision=bf16", "--set", "eval.enabled=false", "--set", "log.every=1000"]
+    with pytest.raises(RuntimeError, match=r"shape '\[4, 2\]' is invalid"):
+        main(["train", "--set", "task.factory=crashing.py:short_batch", "--set", "steps=8", "--set",
+              "checkpoint.every=2", "--set", "log.name=short", *base])
+    run = tmp_path / "runs" / "short"
+    card = (run / "RUN.md").read_text(encoding="utf-8")
+    assert "**crashed after step 4: RuntimeError: shape '[4, 2]' is invalid for input of size 4**" in card
+    assert (run / "checkpoints" / "step-00000004.pt").is_file() and (run / "report.png").is_file()
+    assert '"event": "run_end"' in (run / "events.jsonl").read_text(encoding="utf-8")
+
+    with pytest.raises(RuntimeError, match=r"the task.s model or loss called sys.exit\(0\) at step 3"):
+        main(["train", "--set", "task.factory=crashing.py:exits", "--set", "steps=8", "--set", "log.name=exits", *base])
+    assert "**crashed after step 2: RuntimeError: the task's model or loss called sys.exit(0) at step 3**" in (
+        tmp_path / "runs" / "exits" / "RUN.md").read_text(encoding="utf-8")
+    # validate: the model exiting (here under fp16, after FP32 ran) fails that precision in the report;
+    # it exited 0 with no report, a model never judged
+    code = main(["validate", "--set", "task.factory=crashing.py:exits", "--out", "v"])
+    assert code == ExitCode.REJECTED
+    assert "raised SystemExit: 0" in (tmp_path / "v" / "validation.md").read_text(encoding="utf-8")
