@@ -761,7 +761,11 @@ class RollbackConfig(_Section):
     before the previous evaluation. Judged at each evaluation (``eval.every``)."""
     val_metric: str | None = None
     """The held-out metric the ``val_regression`` trigger watches (None: the task's first, e.g.
-    ``val_loss``); one of the task's metrics (names with ``acc`` count as higher-is-better)."""
+    ``val_loss``); one of the task's metrics."""
+    val_mode: Literal["auto", "max", "min"] = "auto"
+    """Whether ``val_metric`` is better higher (``max``) or lower (``min``); ``auto``: as its name
+    says (``acc``, ``f1``, ``auc``, ``bleu``, ... higher; ``loss``, ``err``, ``mse``, ``ppl``, ...
+    lower), and a name that does not say is refused (a wrong guess rolls back on every gain)."""
 
 
 PRESETS: dict[str, dict[str, int]] = {"gpt2-small": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}}

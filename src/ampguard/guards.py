@@ -32,7 +32,7 @@ from . import distributed
 from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes
 from .config import Config
 from .errors import ConfigError, ExitCode, InputError
-from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor, higher_is_better
+from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor, metric_direction
 from .records import StepRecord
 
 if TYPE_CHECKING:
@@ -108,6 +108,11 @@ class Guards:
         self.eval_every = config.eval.every
         self.val_threshold = config.rollback.val_regression
         self.val_metric = check_val_metric(config, metrics)
+        self.val_higher = False
+        if self.val_metric is not None:  # declared, or said by its name (check_val_metric refused a guess)
+            mode = config.rollback.val_mode
+            self.val_higher = mode == "max" if mode != "auto" else metric_direction(self.val_metric) is True
+            monitor.higher_better[self.val_metric] = self.val_higher
 
     def check(self, record: StepRecord, diagnosis: str | None = None,
               metrics: dict[str, float] | None = None) -> Decision:
@@ -161,7 +166,7 @@ class Guards:
         if best is None:
             return None
         margin = self.val_threshold * abs(best)
-        if higher_is_better(str(name)):
+        if self.val_higher:
             return f"{name} {value:.4g} < best {best:.4g} - {self.val_threshold:g} x {abs(best):.4g}" \
                 if value < best - margin else None
         return f"{name} {value:.4g} > best {best:.4g} + {self.val_threshold:g} x {abs(best):.4g}" \
@@ -183,6 +188,10 @@ def check_val_metric(config: Config, metrics: tuple[str, ...]) -> str | None:
         Traceback (most recent call last):
         ...
         ampguard.errors.ConfigError: config: rollback.val_metric: the task reports val_loss, not 'val_f1'
+        >>> check_val_metric(validate({**on, "rollback": {**on["rollback"], "val_metric": "val_thing"}}), ("val_thing",))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: rollback.val_mode: is val_thing better higher or lower? its name does not say: set rollback.val_mode to max or min
     """
     if VAL_REGRESSION not in config.rollback.triggers:
         return None
@@ -191,6 +200,9 @@ def check_val_metric(config: Config, metrics: tuple[str, ...]) -> str | None:
     name = config.rollback.val_metric or metrics[0]
     if name not in metrics:
         raise ConfigError(f"config: rollback.val_metric: the task reports {', '.join(metrics)}, not {name!r}")
+    if config.rollback.val_mode == "auto" and metric_direction(name) is None:  # a wrong guess rolls back on gains
+        raise ConfigError(f"config: rollback.val_mode: is {name} better higher or lower? its name does not say: set "
+                          "rollback.val_mode to max or min")
     return name
 
 

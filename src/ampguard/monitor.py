@@ -639,16 +639,37 @@ class ScaleHealth:
         self._fell = bool(state["fell"])
 
 
-def higher_is_better(metric: str) -> bool:
-    """Whether a held-out metric improves upwards: names with ``acc`` (accuracy), as the monitor's
-    best-so-far and the ``val_regression`` trigger both count it.
+_HIGHER = ("acc", "f1", "auc", "precision", "recall", "bleu", "rouge", "mrr", "map", "iou", "dice", "r2", "score")
+_LOWER = ("loss", "err", "mse", "mae", "ppl", "perplexity", "nll", "wer", "cer")
+
+
+def metric_direction(metric: str) -> bool | None:
+    """Whether a held-out metric improves upwards (True), downwards (False), or the name does not
+    say (None): words of accuracy-like metrics (``acc``, ``f1``, ``auc``, ``bleu``, ...) against
+    words of losses and errors (``loss``, ``err``, ``mse``, ``ppl``, ...); a name with both, or
+    neither, is None.
 
     Example::
 
-        >>> higher_is_better("val_accuracy"), higher_is_better("val_loss")
-        (True, False)
+        >>> [metric_direction(m) for m in ("val_accuracy", "val_f1", "val_loss", "val_ppl", "val_thing")]
+        [True, True, False, False, None]
     """
-    return "acc" in metric
+    name = metric.lower()
+    higher, lower = any(w in name for w in _HIGHER), any(w in name for w in _LOWER)
+    return higher if higher != lower else None
+
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a held-out metric improves upwards (:func:`metric_direction`; a name that does not
+    say counts as a loss, for the run card's best-so-far; the ``val_regression`` trigger refuses
+    to guess: ``rollback.val_mode``).
+
+    Example::
+
+        >>> higher_is_better("val_accuracy"), higher_is_better("val_loss"), higher_is_better("val_thing")
+        (True, False, False)
+    """
+    return metric_direction(metric) is True
 
 
 class RunMonitor:
@@ -736,6 +757,9 @@ class RunMonitor:
         self.skips: Counter[str] = Counter()
         self.last: dict[str, float | None] = {}
         self.failed: Event | None = None
+        self.higher_better: dict[str, bool] = {}
+        """Held-out metrics whose direction was declared (``rollback.val_mode`` for the watched
+        one); the others go by their name (:func:`higher_is_better`). Set up, not saved."""
 
     @staticmethod
     def _scalar_defaults() -> dict[str, Any]:
@@ -916,7 +940,8 @@ class RunMonitor:
             if not math.isfinite(value):
                 continue
             best = self.eval_best.get(name)
-            if best is None or (value > best if higher_is_better(name) else value < best):
+            higher = self.higher_better.get(name, higher_is_better(name))  # (the watched metric's: declared)
+            if best is None or (value > best if higher else value < best):
                 self.eval_best[name] = value
 
     def restart_windows(self) -> None:

@@ -190,3 +190,44 @@ def test_bad_rollback_settings_are_one_line_and_write_nothing(tmp_path):
         line = one_error_line(train(tmp_path / "runs", f"R{i}", *argv, "--set", "steps=4"))
         assert message in line, line
     assert not (tmp_path / "runs").exists()
+
+
+IMPROVING_FACTORY = """
+import torch
+from torch import nn
+
+def build(config):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 2, generator=g), torch.randn(8, 1, generator=g)) for _ in range(64)]
+    calls = [0]
+
+    def evaluate(model, held_out):
+        calls[0] += 1
+        return {NAME: 0.5 + 0.1 * calls[0]}  # better at every evaluation, if higher is better
+
+    return {"model": nn.Linear(2, 1), "data": data, "loss_fn": nn.functional.mse_loss, "evaluate": evaluate,
+            "metrics": [NAME]}
+"""
+
+
+def test_a_val_regression_watch_goes_the_way_its_metric_improves(tmp_path):
+    """Every name without "acc" counted as a loss: an F1 improving at every evaluation rolled
+    back three times and stopped the run (exit 3). F1 (AUC, BLEU, ...) now count as higher-is-
+    better, a name that says nothing is refused until rollback.val_mode says, and val_mode
+    decides when given."""
+    args = ["--set", "precision=fp32", "--set", "steps=5", "--set", "eval.every=1", "--set", "checkpoint.every=1",
+            "--set", "rollback.triggers=[val_regression]"]
+    for name, extra, refused in (("val_f1", [], None),
+                                 ("val_thing", [], "is val_thing better higher or lower? its name does not say"),
+                                 ("val_thing", ["--set", "rollback.val_mode=max"], None)):
+        factory = tmp_path / f"{name}.py"
+        factory.write_text(IMPROVING_FACTORY.replace("NAME", repr(name)), encoding="utf-8")
+        result = train(tmp_path, f"{name}-{len(extra)}", "--set", f"task.factory={factory}:build", *args, *extra)
+        if refused:
+            assert refused in one_error_line(result)
+            continue
+        ok(result)
+        run = tmp_path / f"{name}-{len(extra)}"
+        assert not [e for e in run_events(run) if e["event"] == "rollback"]
+        assert f"best {0.5 + 0.1 * 5:g}" in (run / "RUN.md").read_text(encoding="utf-8")  # the highest is the best
