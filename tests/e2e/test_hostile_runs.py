@@ -100,6 +100,22 @@ def detached_loss(config):
 
 def loss_raises(config):
     return nn.Linear(3, 1), data(), lambda out, y: F.cross_entropy(out, y.long().squeeze(1) + 5)
+
+def on_meta(config):
+    with torch.device("meta"):
+        model = nn.Linear(3, 1)
+    return model, data(), F.mse_loss
+
+class Lengths(nn.Module):  # sequences of any length: a sum over them
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x.sum(1, keepdim=True) * self.w
+
+def variable_lengths(config):
+    return Lengths(), [(torch.ones(4, 2), torch.ones(4, 1)), (torch.ones(4, 3), torch.ones(4, 1))], F.mse_loss
 '''
 
 
@@ -111,6 +127,7 @@ def loss_raises(config):
     ("frozen", "none of the model's 4 parameters requires a gradient (all frozen): there is nothing to train"),
     ("detached_loss", "the loss does not depend on the model's trainable parameters"),
     ("loss_raises", "loss_fn failed on the model's output for the first batch: IndexError: Target 5 is out of bounds."),
+    ("on_meta", "the model's parameter weight is on the meta device (not made yet): materialise it"),
 ])
 def test_a_factory_that_does_not_fit_its_model_is_one_line_naming_it(cli, unchanged, tmp_path, name, expected):
     (tmp_path / "factories.py").write_text(FACTORIES)
@@ -118,6 +135,15 @@ def test_a_factory_that_does_not_fit_its_model_is_one_line_naming_it(cli, unchan
     line = refused(cli("train", *SHORT, "--set", f"task.factory=factories.py:{name}"))
     assert line.startswith(f"ampguard: error: task.factory factories.py:{name}: {expected}"), line
     check()
+
+
+def test_batches_of_varying_lengths_train_and_validate_asks_for_a_held_out_set(cli, tmp_path):
+    # the default held-out set concatenated the first batches: a traceback for sequences of any length
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    code, out, err = cli("train", *SHORT, "--set", "task.factory=factories.py:variable_lengths")
+    assert code == 0, err
+    line = refused(cli("validate", "--set", "task.factory=factories.py:variable_lengths", "--out", "v"))
+    assert line == "ampguard: error: validate: task factory has no held-out set (a factory can return 'held_out')"
 
 
 # ---------------------------------------------------------------------------- 4. accepted without checking

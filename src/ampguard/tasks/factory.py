@@ -139,6 +139,10 @@ def build_from_factory(config: Any) -> Task:
     model, data, loss_fn = made["model"], made["data"], made["loss_fn"]
     if not isinstance(model, nn.Module):
         raise InputError(f"task.factory {spec}: model is a {type(model).__name__}, not an nn.Module")
+    meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:  # (a traceback "Cannot copy out of meta tensor" at the first move otherwise)
+        raise InputError(f"task.factory {spec}: the model's parameter {meta} is on the meta device (not made yet): "
+                         "materialise it (to_empty(), then load or initialise the weights) before returning it")
     if not callable(loss_fn):
         raise InputError(f"task.factory {spec}: loss_fn is not callable")
     if callable(data) and not isinstance(data, Iterable):
@@ -174,7 +178,9 @@ def build_from_factory(config: Any) -> Task:
     inputs, targets = first_batches[0]
     held_out = made.get("held_out")
     if held_out is None and all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) for x, y in first_batches):
-        held_out = torch.cat([x for x, _ in first_batches]), torch.cat([y for _, y in first_batches])
+        xs, ys = [x for x, _ in first_batches], [y for _, y in first_batches]
+        if len({x.shape[1:] for x in xs}) == 1 and len({y.shape[1:] for y in ys}) == 1:  # (batches of one shape)
+            held_out = torch.cat(xs), torch.cat(ys)  # else none: validate asks for held_out (sequences of any length)
     mode = made.get("mode") or ("classifier" if isinstance(targets, torch.Tensor)
                                 and not targets.is_floating_point() else "regression")
     if mode not in ("classifier", "regression"):
