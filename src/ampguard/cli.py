@@ -184,7 +184,10 @@ def _validate(args: argparse.Namespace) -> int:
 def _locate(args: argparse.Namespace) -> int:
     from . import locate
 
-    return locate.run(_config_from(args), step=args.step, batch=args.batch, checkpoint=args.checkpoint,
+    if args.batch and (args.step is not None or args.inject):  # (they were ignored: a clean replay read as a finding's absence)
+        raise InputError(f"locate: --batch replays the saved batch as it is; {'--step' if args.step else '--inject'} "
+                         "does not apply to it (leave out --batch to replay a step of the data)")
+    return locate.run(_config_from(args), step=args.step or 1, batch=args.batch, checkpoint=args.checkpoint,
                       scale=args.scale, as_json=args.json)
 
 
@@ -396,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_arguments(locate, example="precision=fp16")
     locate.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
-    locate.add_argument("--step", type=_positive_int, default=1,
+    locate.add_argument("--step", type=_positive_int, default=None,
                         help="which step's micro-batches to replay (default 1; at most the config's steps)")
     locate.add_argument("--batch", type=_path, metavar="FILE.pt", help="a saved batch {'inputs': ..., 'targets': ...} instead")
     locate.add_argument("--checkpoint", type=_path, metavar="CKPT", help="load the model's weights (and loss scale) from a checkpoint")

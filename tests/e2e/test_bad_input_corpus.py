@@ -246,6 +246,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("a folder as --checkpoint", ["validate", *LINEAR, "--checkpoint", "no_run"]),
     ("--inject none beside a fault", ["train", *LINEAR, "--inject", "none", "--inject", "nan_loss@2"]),
     ("a rate that never fires", ["train", *LINEAR, "--inject", "nan_loss@rate:0"]),
+    ("locate --batch with --inject", ["locate", *LINEAR, "--batch", "wrong_shape.pt", "--inject", "nan_input@1"]),
+    ("locate --batch with --step", ["locate", *LINEAR, "--batch", "wrong_shape.pt", "--step", "2"]),
     ("inject a number, --inject", ["train", "inject_int.yaml", "--inject", "nan_loss@2"]),
     ("inject a string, --inject", ["train", "inject_str.yaml", "--inject", "spike@3"]),
     ("monitor a number, --fail-skip-rate", ["train", "monitor_int.yaml", "--fail-skip-rate", "0.5"]),
