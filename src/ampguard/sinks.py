@@ -344,6 +344,9 @@ class CsvSink(_LineFile):
         """Open ``self.path`` for rows of ``self.columns``: a new file gets the header; an existing
         one is refused unless ``append``, and then its header must match (``expected`` names what
         it should be, for the error) and its rows after ``keep_through`` are dropped."""
+        if keep_through is not None and (isinstance(keep_through, bool) or not isinstance(keep_through, int)
+                                         or keep_through < 0):  # (-5 kept no row: every row cut)
+            raise ValueError(f"keep_through must be a step >= 0, got {keep_through!r}")
         existing = self.path.exists() and self.path.stat().st_size > 0
         if existing and not append:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")
@@ -585,6 +588,9 @@ class JsonlSink(_LineFile):
 
     def __init__(self, path: str | os.PathLike, *, append: bool = False, keep_through: int | None = None) -> None:
         self.path = Path(path)
+        if keep_through is not None and (isinstance(keep_through, bool) or not isinstance(keep_through, int)
+                                         or keep_through < 0):  # (-5 kept no row: every row cut)
+            raise ValueError(f"keep_through must be a step >= 0, got {keep_through!r}")
         existing = self.path.exists() and self.path.stat().st_size > 0
         if existing and not append:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")

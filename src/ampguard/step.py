@@ -89,12 +89,21 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
         return out
     for sched in scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]:
         owner = [n for n, o in optimizers.items() if getattr(sched, "optimizer", None) is o]
-        if not owner and len(optimizers) == 1:
-            owner = list(optimizers)
-        if not owner:
-            raise ValueError(f"scheduler {type(sched).__name__} drives none of the optimizers; pass "
-                             "scheduler={optimizer name: scheduler}")
+        if not owner and len(optimizers) == 1 and getattr(sched, "optimizer", None) is None:
+            owner = list(optimizers)  # (a scheduler of its own making, with no .optimizer: the one there is)
+        if not owner:  # (another optimizer's: it was stepped, the guard's schedule never)
+            raise ValueError(f"scheduler {type(sched).__name__} drives none of the guard's optimizers; pass "
+                             "the scheduler of the optimizer it steps (several: scheduler={optimizer name: scheduler})")
         out[owner[0]].append(sched)
+    for sched in [sched for scheds in out.values() for sched in scheds]:
+        if not callable(getattr(sched, "step", None)):
+            raise TypeError(f"scheduler must have a step() method, got a {type(sched).__name__}")
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError("ReduceLROnPlateau steps on a metric the guard does not have: step it yourself, after "
+                             "your evaluation (the guard steps only schedulers that take no argument)")
+    scheds = [id(sched) for scheds in out.values() for sched in scheds]
+    if len(scheds) != len(set(scheds)):
+        raise ValueError("the same scheduler is given twice: it would step twice per update")
     return out
 
 
@@ -226,8 +235,8 @@ class Guard:
         frozen: Literal["refuse", "ignore"] = "refuse",
         fuse_tail: bool = False,
     ) -> None:
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be a whole number >= 1, got {accumulation_steps!r}")
         if max_norm is not None and not max_norm == max_norm:
             raise ValueError("max_norm must be a number or None, got nan")
         if scheduler_on_skip not in ("hold", "step"):

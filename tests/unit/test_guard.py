@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -528,3 +529,34 @@ def test_a_parameter_reached_through_views_only_gets_its_own_gradient(accumulati
             assert torch.equal(mine.p.grad, ref.p.grad) and torch.equal(mine.lin.weight.grad, ref.lin.weight.grad)
     grads = [p.grad.clone() for p in mine.parameters()]
     assert all(torch.equal(a, b.grad) for a, b in zip(grads, ref.parameters()))
+
+
+def test_library_settings_the_config_refuses_are_refused_here_too():
+    """The Python API took what the CLI refuses, silently: accumulation_steps=1.5 divided each loss
+    by 1.5 while stepping every 2; a backoff_factor of 0 pinned the scale at the float32 floor after
+    one skip, every later step "applied" with zero gradients; another optimizer's scheduler was
+    stepped while the guard's schedule never was; a scheduler given twice stepped twice."""
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad in (1.5, 2.0, "2", True):
+        with pytest.raises(ValueError, match=r"^accumulation_steps must be a whole number >= 1, got"):
+            Guard(model, opt, precision="fp32", accumulation_steps=bad)
+    for settings, said in (({"backoff_factor": 0.0}, "backoff_factor must be in (0, 1), got 0.0"),
+                           ({"backoff_factor": -1.0}, "backoff_factor must be in (0, 1)"),
+                           ({"growth_factor": 0.5}, "growth_factor must be a finite number > 1"),
+                           ({"growth_factor": float("inf")}, "growth_factor must be a finite number > 1"),
+                           ({"growth_interval": 0}, "growth_interval must be a whole number >= 1"),
+                           ({"init_scale": float("nan")}, "init_scale must be a finite number > 0")):
+        with pytest.raises(ValueError, match=re.escape(f"scaler {said}")):
+            Guard(model, opt, precision="fp16", scaler=settings)
+    other = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"^scheduler StepLR drives none of the guard's optimizers"):
+        Guard(model, opt, precision="fp32", scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with pytest.raises(ValueError, match=r"^the same scheduler is given twice"):
+        Guard(model, opt, precision="fp32", scheduler=[sched, sched])
+    with pytest.raises(ValueError, match=r"^ReduceLROnPlateau steps on a metric"):
+        Guard(model, opt, precision="fp32", scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    with pytest.raises(TypeError, match=r"^scheduler must have a step\(\) method, got a str"):
+        Guard(model, opt, precision="fp32", scheduler="abc")
+    assert model.weight.grad is None and opt.state == {}  # refused before anything ran

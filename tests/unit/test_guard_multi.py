@@ -407,7 +407,7 @@ def test_refused_up_front_one_line_each():
     with pytest.raises(ValueError, match="^sync_free takes one optimizer"):
         Guard(model, opts, precision="fp32", sync_free=True)
     other = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="^scheduler LambdaLR drives none of the optimizers"):
+    with pytest.raises(ValueError, match="^scheduler LambdaLR drives none of the guard's optimizers"):
         Guard(model, opts, precision="fp32", scheduler=torch.optim.lr_scheduler.LambdaLR(other, lambda n: 1.0))
     with pytest.raises(ValueError, match=r"^scheduler 'tail' names no optimizer; the optimizers are \['emb', 'head'\]"):
         Guard(model, opts, precision="fp32", scheduler={"tail": object()})

@@ -411,3 +411,13 @@ def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
         (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0)]  # step 6 and the first run's 4, 5 purged
     assert [e.step for e in events.Scalars("train/skipped")] == [1, 2, 3, 4, 5]
+
+
+def test_keep_through_must_be_a_step(tmp_path):
+    # keep_through=-5 kept no row: every row of the CSV was cut
+    path = tmp_path / "s.csv"
+    path.write_text(",".join(CSV_COLUMNS) + "\n1,0.1,1.0,1.0,0.5,0,,1.0\n")
+    for bad in (-5, "1", 1.5):
+        with pytest.raises(ValueError, match=r"^keep_through must be a step >= 0, got"):
+            CsvSink(path, append=True, keep_through=bad)
+    assert path.read_text().count("\n") == 2
