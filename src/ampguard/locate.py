@@ -614,9 +614,13 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         try:
             batches = [(to_device(x, device), to_device(y, device)) for x, y in batches]
             result = diagnose_group(model, loss_fn, batches, precision, loss_scale, config.accumulation_steps)
-        except Exception as err:  # noqa: BLE001 - a saved batch the model or loss cannot take is bad input
-            if not batch or isinstance(err, InputError):
+        except Exception as err:  # noqa: BLE001 - a batch the model or loss cannot take is bad input
+            if isinstance(err, InputError):
                 raise
+            if not batch:  # the task's own data (train refuses it at its first batch): one line, not the
+                # traceback whose exit 1 read as "a non-finite value found"
+                raise InputError(f"locate: task {task.name}: the model or the loss failed on step {step}'s "
+                                 f"batch: {first_line(err, with_type=True)}") from None
             raise InputError(f"locate: batch {batch} does not fit the model of task {task.name}: "
                              f"{first_line(err, with_type=True)}") from None
     for w in caught:

@@ -1317,6 +1317,14 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         except OSError as err:
             raise InputError(f"{checkpoint}: cannot read it ({err.strerror or err})") from None
 
+    if cfg.train_steps:  # what train refuses at its first batch, refused here in its words (not a traceback
+        # whose exit 1 read as REJECTED)
+        from .build import check_forward, check_trainable
+
+        who = f"validate --train-steps: task {config.task.factory or task.name}"
+        check_trainable(model, who)
+        check_forward(model, task.loss_fn, lambda: tuple(to_device(t, device) for t in next(iter(task.batches()))),
+                      Precision(config.precision, device.type), who)
     training = compare_training(task, config, device, cfg.train_steps) if cfg.train_steps else []
     result = compare(task, model, config, device)
     result.weights, result.training = weights, training

@@ -137,6 +137,21 @@ def test_a_factory_that_does_not_fit_its_model_is_one_line_naming_it(cli, unchan
     check()
 
 
+@pytest.mark.parametrize("verb, name, expected", [
+    (["locate"], "wrong_width", "ampguard: error: locate: task factory: the model or the loss failed on step 1's "
+                                "batch: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x3 and 2x1)"),
+    (["validate", "--train-steps", "2", "--out", "v"], "per_example_loss",
+     "ampguard: error: validate --train-steps: task factories.py:{name}: loss_fn must return a scalar (a 0-dim "
+     "tensor, e.g. .mean()); it returned shape (4,)"),
+])
+def test_what_train_refuses_is_one_line_in_locate_and_validate_too(cli, unchanged, tmp_path, verb, name, expected):
+    # a traceback there, whose exit 1 read as "a non-finite value found" or as REJECTED
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    check = unchanged()
+    assert refused(cli(*verb, *LINEAR[2:], "--set", f"task.factory=factories.py:{name}")) == expected.format(name=name)
+    check()
+
+
 def test_batches_of_varying_lengths_train_and_validate_asks_for_a_held_out_set(cli, tmp_path):
     # the default held-out set concatenated the first batches: a traceback for sequences of any length
     (tmp_path / "factories.py").write_text(FACTORIES)
