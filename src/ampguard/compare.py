@@ -31,6 +31,7 @@ from .precision import Precision
 from .records import LABEL_COLUMNS
 from .report import (Row, _linear_y, _number, card_ended, check_plot_path, finite_points, is_png,
                      policy_changes_of, read_steps_and_columns, replay, rolling_skip_rate, shown)
+from .run_folder import RunPaths
 
 if TYPE_CHECKING:
     from .config import Config
@@ -93,6 +94,10 @@ def load_run(path: str | Path) -> RunSummary:
     if not folder.is_dir():
         raise InputError(f"compare: {folder} is not a folder" if folder.exists()
                          else f"compare: no such folder {folder}")
+    pid = RunPaths.existing(folder).writer()
+    if pid is not None:  # (its card is from before this process began: the table would mix it with live rows)
+        raise InputError(f"compare: {folder} is being written by another process (pid {pid}); compare it once "
+                         "that run ends")
     for name, what in (("steps.csv", "per-step CSV"), ("RUN.md", "run card"), ("config.yaml", "config")):
         if not (folder / name).is_file():
             hint = " (a run still going, or one killed before its end: `ampguard train --resume` finishes it)" \

@@ -883,6 +883,10 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     png = Path(out) if out else (target / "report.png" if target.is_dir() else target.with_suffix(".png"))
     check_plot_path(png, csv_path, given=out is not None)
     config = read_run_config(config_path) if config_path.is_file() else Config()
+    pid = RunPaths.existing(csv_path.parent).writer()
+    if pid is not None:  # (a live run, looked at: fine, said)
+        print(f"note: {csv_path.parent} is being written by another process (pid {pid}): the figures are as of "
+              "its last row; the run has not ended")
     if target.is_dir() and not config_path.is_file():  # (a bare CSV, a demo's, has none by design)
         print(f"note: {target} has no config.yaml: judged with the default thresholds (--max-norm, --window, "
               "--alert-rate, --fail-rate and --min-steps set them)")

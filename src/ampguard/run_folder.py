@@ -207,6 +207,41 @@ class RunPaths:
             os.write(fd, f"{os.getpid()}\n".encode("ascii"))
         self._lock = fd
 
+    def writer(self) -> str | None:
+        """The pid of the process that trains in this folder now (it holds :meth:`lock`), or None:
+        nobody does, or it cannot be told (no lock file, a file system without locks). Takes no
+        lock itself. What ``report`` and ``compare`` ask before they read a run as if it had ended.
+
+        Example::
+
+            >>> import tempfile
+            >>> paths = RunPaths.existing(Path(tempfile.mkdtemp()))
+            >>> paths.writer() is None
+            True
+            >>> paths.lock(); RunPaths.existing(paths.dir).writer() == str(os.getpid())  # (a second open: held)
+            True
+            >>> paths.unlock(); paths.dir.rmdir()
+        """
+        if self.dir is None or fcntl is None:
+            return None
+        try:
+            fd = os.open(self.dir / LOCK_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = os.read(fd, 32).decode("ascii", "replace").strip()
+                return pid if pid.isdigit() else "?"
+            except OSError:
+                return None
+            return None  # (got it: nobody holds it; closing lets go)
+        finally:
+            os.close(fd)
+
     def unlock(self) -> None:
         """Let go of :meth:`lock`: the file is removed while still held (a process that opened it
         before then finds it held; one after, a new file), then closed. Nothing if not held."""

@@ -628,7 +628,14 @@ def test_a_resume_of_a_run_still_training_is_refused_and_changes_nothing(tmp_pat
         assert one_error_line(ag("train", "--resume", run)) == (f"ampguard: error: run folder {run} is being written by another process "
                                        f"(pid {proc.pid}): wait for it to end, or stop it, before you resume it")
         assert (run / "steps.csv").stat().st_ino == csv_inode  # not replaced
-        assert not list((run / "checkpoints").glob("abandoned*"))  # the live run's checkpoints left alone
+        # report looks at a live run and says so; compare, which would mix an old card with live
+        # rows (a resumed run's), refuses
+        code, out, err = ag("report", run, "--out", tmp_path / "live.png")
+        assert code == 0 and f"note: {run} is being written by another process (pid {proc.pid})" in out, err
+        ok(train(tmp_path / "runs", "done", *LINEAR, "--set", "steps=2"))
+        assert one_error_line(ag("compare", run, tmp_path / "runs" / "done", "--out", tmp_path / "c.png")) == (
+            f"ampguard: error: compare: {run} is being written by another process (pid {proc.pid}); compare it "
+            "once that run ends")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
