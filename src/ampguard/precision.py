@@ -201,6 +201,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
             >>> type(g).__name__, g.get_scale(), g.get_growth_interval(), g.is_enabled()
             ('GuardedGradScaler', 512.0, 10, True)
         """
+        if not scaler.is_enabled():  # (a disabled GradScaler keeps no settings: an AttributeError otherwise)
+            return cls(scaler._device, enabled=False, min_scale=min_scale)
         guarded = cls(scaler._device, init_scale=scaler._init_scale, growth_factor=scaler.get_growth_factor(),
                       backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
                       enabled=scaler.is_enabled(), min_scale=min_scale)

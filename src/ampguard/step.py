@@ -308,6 +308,9 @@ class Guard:
         if isinstance(scaler, torch.amp.GradScaler):
             if scaler.is_enabled() and not precision.uses_scaler:
                 raise ValueError(f"{precision.name} does not use a loss scaler; pass a disabled one or none")
+            if scaler._device != precision.device_type:  # (on a machine without CUDA, torch turns it off silently)
+                raise ValueError(f"the scaler is for {scaler._device}, the model on {precision.device_type}: make it "
+                                 f"GradScaler({precision.device_type!r}, ...)")
             self.scaler = scaler if isinstance(scaler, GuardedGradScaler) else GuardedGradScaler.from_scaler(scaler)
         else:
             self.scaler = precision.make_scaler(**(scaler or {}))

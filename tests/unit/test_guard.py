@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -560,3 +561,16 @@ def test_library_settings_the_config_refuses_are_refused_here_too():
     with pytest.raises(TypeError, match=r"^scheduler must have a step\(\) method, got a str"):
         Guard(model, opt, precision="fp32", scheduler="abc")
     assert model.weight.grad is None and opt.state == {}  # refused before anything ran
+
+
+def test_a_plain_gradscaler_handed_over_is_taken_whatever_its_state_or_refused_for_another_device():
+    # a disabled GradScaler keeps no settings: taking it over was an AttributeError ('_init_scale');
+    # one made for cuda, given with a CPU model, was the same AttributeError
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, opt, precision="fp16", scaler=torch.amp.GradScaler("cpu", enabled=False))
+    assert not guard.scaler.is_enabled() and guard.scaler.get_scale() == 1.0
+    with pytest.raises(ValueError, match=r"^the scaler is for cuda, the model on cpu: make it GradScaler\('cpu', \.\.\.\)"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch warns that CUDA is not available: the scaler it makes is off)
+            Guard(model, opt, precision="fp16", scaler=torch.amp.GradScaler("cuda", enabled=True))
