@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -149,7 +150,7 @@ def test_pending_steps_resolve_and_write_the_same_csv(tmp_path):
     [
         (lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.1)), {}, "found_inf"),  # not fused
         (lambda p: torch.optim.AdamW(p, lr=0.1, fused=True), {}, "tensor learning rates"),
-        (lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.1), fused=True), {"scheduler": object()}, "lr_schedule"),
+        (lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.1), fused=True), {"scheduler": SimpleNamespace(step=lambda: None)}, "lr_schedule"),
     ],
 )
 def test_what_the_sync_free_path_needs_is_checked_up_front(make, kwargs, match):
