@@ -590,7 +590,7 @@ class ProbeSet(NamedTuple):
     inputs: torch.Tensor
     x_eval: torch.Tensor
     y_eval: torch.Tensor
-    fp32_eval: torch.Tensor | None = None
+    fp32_eval: Scores | None = None
     """The FP32 scores of ``x_eval`` when choosing the boundary examples took them (the
     reference then reuses them instead of running the evaluation set again)."""
 
@@ -649,8 +649,8 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any, s
     tags: dict[int, list[str]] = {i: ["typical"] for i in range(min(cfg.typical, len(x_eval)))}
     fp32_eval = None
     if task.mode == "classifier" and cfg.boundary:
-        fp32_eval = _scores(task, model, x_eval, Precision("fp32", device.type), seed).primary
-        _, margin = _top2(fp32_eval)
+        fp32_eval = _scores(task, model, x_eval, Precision("fp32", device.type), seed)
+        _, margin = _top2(fp32_eval.primary)
         margin = torch.where(torch.isfinite(margin), margin, torch.full_like(margin, math.inf))
         for i in margin.cpu().argsort(stable=True)[: min(cfg.boundary, len(x_eval))].tolist():
             tags.setdefault(i, []).append("boundary")
@@ -794,8 +794,8 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
     if unknown:
         raise InputError(f"validate: validation.outputs.{unknown[0]}: the model has no output named {unknown[0]!r} "
                          f"(its outputs: {', '.join(ref.names)})")
-    ref_eval_all = _scores(task, model, x_eval, fp32, seed)  # every output: each must be finite
-    ref_eval = probes.fp32_eval if probes.fp32_eval is not None else ref_eval_all.primary
+    ref_eval_all = probes.fp32_eval if probes.fp32_eval is not None else _scores(task, model, x_eval, fp32, seed)
+    ref_eval = ref_eval_all.primary  # (every output must be finite; quality reads the first)
     _check_targets(task, ref_eval, y_eval)
     ref_quality = _quality(task.mode, ref_eval, y_eval)
     n = len(ids)
@@ -817,7 +817,7 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
 
 def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device: torch.device, probes: ProbeSet,
                        ref: Scores, ref_eval: torch.Tensor, ref_quality: float, ref_text: str,
-                       seed: int | None = None, ref_eval_finite: int | None = None) -> PrecisionResult:
+                       seed: int | None = None, *, ref_eval_finite: int) -> PrecisionResult:
     """One AMP precision against the reference, rule by rule, with one record per probe. Its
     passes are seeded with ``seed`` as the reference's were. A model that raised under this
     precision, where the FP32 reference ran, fails it (the rule "runs under <precision>")."""
@@ -845,9 +845,8 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
     # the evaluation set too, every output of it: an inf there must not pass as a wrong answer (or
     # pass at all, in an output the quality rule does not read)
     eval_finite = int(amp_eval_all.finite_rows().sum())
-    ref_finite_eval = _finite_count(ref_eval) if ref_eval_finite is None else ref_eval_finite
     result.rules.append(Rule("complete and finite",
-                             f"{int(ref.finite_rows().sum())}/{n} probes, {ref_finite_eval}/{n_eval} eval",
+                             f"{int(ref.finite_rows().sum())}/{n} probes, {ref_eval_finite}/{n_eval} eval",
                              f"{finite}/{n} probes, {eval_finite}/{n_eval} eval", finite == n and eval_finite == n_eval))
     per_output: dict[str, Any] = {}
     errors, deviated = {}, {}
@@ -945,10 +944,6 @@ def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.
                              f"ties {TIE_POLICIES[cfg.ties]})",
                              "0", f"{len(result.flips)} flips{listed(result.flips)}; "
                              f"{len(result.ties)} ties{listed(result.ties)}", ok))
-
-
-def _finite_count(scores: torch.Tensor) -> int:
-    return int(torch.isfinite(scores).all(dim=1).sum())
 
 
 # ---------------------------------------------------------------------------- reproducibility
