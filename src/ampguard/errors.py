@@ -23,6 +23,18 @@ MAX_WINDOW = 10**7
 keeps a ring of that many numbers in memory."""
 
 
+def whole_number(value: object, least: int = 0) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``least``: what a count handed to the
+    library is checked with (a config's counts are pydantic's).
+
+    Example::
+
+        >>> [whole_number(v, 1) for v in (1, 2, 0, 1.5, 2.0, True, "2", None)]
+        [True, True, False, False, False, False, False, False]
+    """
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def brief(value: object) -> str:
     """A value from a file (a checkpoint's, a saved state's) for an error line: a short repr of
     a plain value, else its kind.

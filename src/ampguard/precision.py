@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from .errors import brief
+from .errors import brief, whole_number
 
 PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
@@ -625,13 +625,13 @@ class Precision:
         # what the config refuses, refused for the library too: a backoff of 0 pinned the scale at
         # the float32 floor after one skip, every later step "applied" with zero gradients
         for name, value, ok, want in (
-                ("init_scale", init_scale, lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
-                ("growth_factor", growth_factor, lambda v: math.isfinite(v) and v > 1, "a finite number > 1"),
+                ("init_scale", init_scale, lambda v: v > 0, "a finite number > 0"),
+                ("growth_factor", growth_factor, lambda v: v > 1, "a finite number > 1"),
                 ("backoff_factor", backoff_factor, lambda v: 0 < v < 1, "in (0, 1)"),
-                ("min_scale", min_scale, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                ("min_scale", min_scale, lambda v: v > 0, "a finite number > 0")):
+            if not (finite_number(value) and ok(value)):
                 raise ValueError(f"scaler {name} must be {want}, got {value!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        if not whole_number(growth_interval, 1):
             raise ValueError(f"scaler growth_interval must be a whole number >= 1, got {growth_interval!r}")
         return GuardedGradScaler(
             self.device_type,

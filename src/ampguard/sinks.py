@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from .errors import InputError, first_line
+from .errors import InputError, first_line, whole_number
 from .records import LABEL_COLUMNS, StepRecord, format_number, strict_json
 
 CSV_COLUMNS: tuple[str, ...] = (
@@ -247,6 +247,13 @@ def _cells(record: StepRecord) -> list[str]:
             record.reason or "", format_number(v["scaler_scale"])]
 
 
+def _check_keep_through(keep_through: int | None) -> None:
+    """A resume's step to keep rows through, for :class:`CsvSink` and :class:`JsonlSink`: a whole
+    number >= 0 (-5 kept no row: every row was cut)."""
+    if keep_through is not None and not whole_number(keep_through):
+        raise ValueError(f"keep_through must be a step >= 0, got {keep_through!r}")
+
+
 class _LineFile:
     """A file that lines are appended to, each in the file when its call returns (one ``write``
     system call on an unbuffered file, :func:`_append`): what survives a SIGKILL is every line
@@ -344,9 +351,7 @@ class CsvSink(_LineFile):
         """Open ``self.path`` for rows of ``self.columns``: a new file gets the header; an existing
         one is refused unless ``append``, and then its header must match (``expected`` names what
         it should be, for the error) and its rows after ``keep_through`` are dropped."""
-        if keep_through is not None and (isinstance(keep_through, bool) or not isinstance(keep_through, int)
-                                         or keep_through < 0):  # (-5 kept no row: every row cut)
-            raise ValueError(f"keep_through must be a step >= 0, got {keep_through!r}")
+        _check_keep_through(keep_through)
         existing = self.path.exists() and self.path.stat().st_size > 0
         if existing and not append:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")
@@ -588,9 +593,7 @@ class JsonlSink(_LineFile):
 
     def __init__(self, path: str | os.PathLike, *, append: bool = False, keep_through: int | None = None) -> None:
         self.path = Path(path)
-        if keep_through is not None and (isinstance(keep_through, bool) or not isinstance(keep_through, int)
-                                         or keep_through < 0):  # (-5 kept no row: every row cut)
-            raise ValueError(f"keep_through must be a step >= 0, got {keep_through!r}")
+        _check_keep_through(keep_through)
         existing = self.path.exists() and self.path.stat().st_size > 0
         if existing and not append:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")

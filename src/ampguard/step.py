@@ -26,6 +26,7 @@ from torch import nn
 from . import distributed
 from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_to_norm_, post_clip_norm,
                        post_clip_value)
+from .errors import whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
 
@@ -235,7 +236,7 @@ class Guard:
         frozen: Literal["refuse", "ignore"] = "refuse",
         fuse_tail: bool = False,
     ) -> None:
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        if not whole_number(accumulation_steps, 1):
             raise ValueError(f"accumulation_steps must be a whole number >= 1, got {accumulation_steps!r}")
         if max_norm is not None and not max_norm == max_norm:
             raise ValueError("max_norm must be a number or None, got nan")
