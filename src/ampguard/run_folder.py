@@ -193,9 +193,9 @@ class RunPaths:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid = os.read(fd, 32).decode("ascii", "replace").strip()
+            pid = _pid_in(fd)
             os.close(fd)
-            held = f" (pid {pid})" if pid.isdigit() else ""
+            held = f" (pid {pid})" if pid else ""
             raise InputError(f"run folder {self.dir} is being written by another process{held}: wait for it to "
                              "end, or stop it, before you resume it") from None
         except OSError:  # no locks on this file system: unlocked, as before
@@ -233,8 +233,7 @@ class RunPaths:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                pid = os.read(fd, 32).decode("ascii", "replace").strip()
-                return pid if pid.isdigit() else "?"
+                return _pid_in(fd) or "?"
             except OSError:
                 return None
             return None  # (got it: nobody holds it; closing lets go)
@@ -376,6 +375,12 @@ class RunPaths:
 RUN_ID_FILE = "run-id"
 """The file in a run folder that holds its id."""
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def _pid_in(fd: int) -> str | None:
+    """The pid a lock file's holder wrote in it (:meth:`RunPaths.lock`), or None when it holds none."""
+    pid = os.read(fd, 32).decode("ascii", "replace").strip()
+    return pid if pid.isdigit() else None
 
 
 def _remove_created(created: list[Path]) -> None:

@@ -68,7 +68,7 @@ class StopFlag:
 
     @property
     def name(self) -> str:
-        return _NAMES.get(_EXIT_CODES.get(self.signal, ExitCode.INTERRUPTED), "Ctrl-C")
+        return _NAMES.get(self.exit_code, "Ctrl-C")
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -282,7 +282,8 @@ def tolerant_console() -> Iterator[TolerantStream]:
     strict = getattr(out, "errors", None) == "strict" and hasattr(out, "reconfigure")
     if strict:
         out.reconfigure(errors="ampguard.console")
-    sys.stdout, sys.stderr = console, _ = TolerantStream(out, "stdout"), TolerantStream(err, "stderr")
+    console = TolerantStream(out, "stdout")
+    sys.stdout, sys.stderr = console, TolerantStream(err, "stderr")
     try:
         yield console
     finally:
