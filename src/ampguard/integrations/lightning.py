@@ -263,7 +263,7 @@ class AmpGuardPlugin(_LightningPrecision):
                                f"plugin's max_norm and look at gradients in on_before_optimizer_step instead")
             # the Trainer's setting, read before its first epoch (a GradientAccumulationScheduler, which
             # Lightning allows only with accumulate_grad_batches=1, sets its own at each epoch's start)
-            self._accumulation = trainer.accumulate_grad_batches if module.automatic_optimization else 1
+            self._accumulation = _group_size(module, trainer)
             self._fitting = trainer  # past the refusals: the sinks are this fit's, closed at its end
             if self.csv is not None:
                 self._csv_fits.add(os.path.abspath(self.csv))
@@ -490,12 +490,10 @@ class AmpGuardPlugin(_LightningPrecision):
         if args or kwargs:
             raise ValueError("AmpGuardPlugin runs the backward itself: manual_backward(loss) takes no arguments")
         if not guard.mid_group:  # a group begins: its N (the loss Lightning hands over is divided by it)
-            guard.accumulation_steps = model.trainer.accumulate_grad_batches if model.automatic_optimization else 1
+            guard.accumulation_steps = _group_size(model, model.trainer)
         device_type = guard.precision.device_type
-        if torch.is_autocast_enabled(device_type):  # manual optimization: inside training_step's autocast
-            with torch.autocast(device_type, enabled=False):
-                guard.backward(tensor, divided=True)
-        else:
+        with (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)  # (manual
+              else contextlib.nullcontext()):  # optimization: inside training_step's autocast)
             guard.backward(tensor, divided=True)
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule,  # type: ignore[override]
@@ -624,6 +622,13 @@ def _loggers_write_now(trainer: pl.Trainer) -> bool:
     stopping). ``LightningModule.log`` costs milliseconds per key; on the other steps what it
     logs reaches no logger, so the plugin logs only on these."""
     return bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True))
+
+
+def _group_size(module: pl.LightningModule, trainer: pl.Trainer) -> int:
+    """The micro-batches of the group about to begin: the Trainer's ``accumulate_grad_batches``
+    now (a ``GradientAccumulationScheduler`` changes it per epoch); 1 in manual optimization,
+    where Lightning refuses accumulation."""
+    return trainer.accumulate_grad_batches if module.automatic_optimization else 1
 
 
 def _lightning_module(model: torch.nn.Module) -> pl.LightningModule | None:
