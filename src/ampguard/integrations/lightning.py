@@ -491,9 +491,9 @@ class AmpGuardPlugin(_LightningPrecision):
             raise ValueError("AmpGuardPlugin runs the backward itself: manual_backward(loss) takes no arguments")
         if not guard.mid_group:  # a group begins: its N (the loss Lightning hands over is divided by it)
             guard.accumulation_steps = _group_size(model, model.trainer)
-        device_type = guard.precision.device_type
-        with (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)  # (manual
-              else contextlib.nullcontext()):  # optimization: inside training_step's autocast)
+        device_type = guard.precision.device_type  # (manual optimization calls this inside training_step's autocast)
+        inside = torch.is_autocast_enabled(device_type)
+        with torch.autocast(device_type, enabled=False) if inside else contextlib.nullcontext():
             guard.backward(tensor, divided=True)
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule,  # type: ignore[override]
