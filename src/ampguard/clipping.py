@@ -63,6 +63,8 @@ class GradSet:
         self._device = params[0].device if params else torch.device("cpu")  # (a norm of no gradients: 0 there)
         grads = [p.grad for p in params]
         if any(g is None for g in grads):
+            if all(g is None for g in grads):
+                _refuse_gradients(params)
             params = [p for p, g in zip(params, grads) if g is not None]
             grads = [g for g in grads if g is not None]
         self.params, self.grads = params, grads
@@ -157,6 +159,22 @@ def global_l2_norm(parameters: Params) -> torch.Tensor:
         0.0
     """
     return GradSet(parameters).norm()
+
+
+def _refuse_gradients(tensors: Sequence[torch.Tensor]) -> None:
+    """Refuse tensors that cannot hold a gradient: a frozen parameter is skipped (it has none), so
+    ``has_non_finite_grad([p.grad for p in params])`` would say ``False`` for NaN gradients.
+
+    Checked only when no tensor given has a ``.grad`` (the step's path never gets here)::
+
+        >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([1.0, float("nan")])
+        >>> GradSet([w.grad])
+        Traceback (most recent call last):
+        TypeError: given a tensor that is neither a parameter nor requires grad (a gradient?): pass the parameters, whose .grad is read
+    """
+    if any(not isinstance(t, torch.nn.Parameter) and not t.requires_grad for t in tensors):
+        raise TypeError("given a tensor that is neither a parameter nor requires grad (a gradient?): "
+                        "pass the parameters, whose .grad is read")
 
 
 def _one_foreach_group(tensors: list[torch.Tensor]) -> bool:

@@ -231,6 +231,20 @@ def test_has_non_finite_grad_ignores_params_without_grads():
     assert has_non_finite_grad(p) is True  # a single tensor
 
 
+@pytest.mark.parametrize("measure", [has_non_finite_grad, lambda grads: clip_global_l2_norm(grads, 1.0)])
+def test_gradient_tensors_given_for_parameters_are_refused_not_read_as_no_gradient(measure):
+    """``[p.grad for p in params]`` holding a NaN: each tensor has no ``.grad`` of its own, so it
+    would be skipped like a frozen parameter and the answer would be "finite"."""
+    (p,) = params_with_grads(torch.tensor([1.0, NAN]))
+    with pytest.raises(TypeError, match="pass the parameters"):
+        measure([p.grad])
+    # a frozen parameter (no grad, requires_grad False) and a plain leaf that requires grad are
+    # still skipped quietly, as clip_grad_norm_ skips them
+    frozen = nn.Parameter(torch.zeros(2), requires_grad=False)
+    leaf = torch.zeros(2, requires_grad=True)
+    assert has_non_finite_grad([frozen, leaf]) is False
+
+
 def test_has_non_finite_grad_mixed_dtypes():
     params = params_with_grads(torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.bfloat16))
     assert has_non_finite_grad(params) is False
