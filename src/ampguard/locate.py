@@ -26,7 +26,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext, redirect_stdout
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -566,8 +566,23 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         locate: --step 6 is beyond the run's 5 steps (config steps)
         locate: --scale: bf16 uses no loss scaler
     """
-    import itertools
     import json
+
+    # with --json, stdout is the one JSON line: what a user's factory or model prints goes to stderr
+    with redirect_stdout(sys.stderr) if as_json else nullcontext():
+        result, where, device, loss_scale = _replay(config, step=step, batch=batch, checkpoint=checkpoint, scale=scale)
+    if as_json:
+        print(json.dumps({"where": where, **result.as_dict()}))
+    else:
+        print(f"locate: {where}, {config.precision} on {device.type}, loss scale {loss_scale:g}")
+        print(result.message())
+    return 0 if result.verdict == "none" else 1
+
+
+def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None,
+            scale: float | None) -> tuple[Any, str, torch.device, float]:
+    """:func:`run`'s replay: the diagnosis, where it was made, the device and the loss scale."""
+    import itertools
 
     from .build import initial_scale, precision_of, prepare_model, resolve_device, to_device
     from .checkpoint import load_weights
@@ -625,12 +640,7 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
                              f"{first_line(err, with_type=True)}") from None
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    if as_json:
-        print(json.dumps({"where": where, **result.as_dict()}))
-    else:
-        print(f"locate: {where}, {config.precision} on {device.type}, loss scale {loss_scale:g}")
-        print(result.message())
-    return 0 if result.verdict == "none" else 1
+    return result, where, device, loss_scale
 
 
 def _replay_scale(*, given: float | None, batch_file: float | None, checkpoint: float | None, init: float) -> float:

@@ -286,3 +286,31 @@ def test_cli_locate_help_documents_the_exit_codes(capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "0 all finite, 1 a non-finite value found, 2 bad input" in " ".join(out.split())
+
+
+def test_cli_locate_json_is_one_json_line_when_the_factory_and_model_print(cli, tmp_path):
+    """``--json`` output is read by programs: what a user's factory and forward print goes to
+    stderr, so stdout parses (it held the prints before the JSON line)."""
+    (tmp_path / "noisy.py").write_text("""
+import torch
+from torch import nn
+
+class Loud(nn.Linear):
+    def forward(self, x):
+        print("forward called")
+        return super().forward(x)
+
+def build(config):
+    print("building the model")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g)
+    return Loud(4, 1), [(x, x.sum(1, keepdim=True))], nn.functional.mse_loss
+""")
+    code, out, err = cli("locate", "--set", f"task.factory={tmp_path / 'noisy.py'}:build", "--set", "precision=bf16",
+                         "--json")
+    assert code == 0, err
+    finding = json.loads(out)  # the whole of stdout is the one JSON document
+    assert finding["where"].startswith("step 1") and finding["verdict"] == "none"
+    assert "building the model" in err and "forward called" in err
+    code, out, _ = cli("locate", "--set", f"task.factory={tmp_path / 'noisy.py'}:build", "--set", "precision=bf16")
+    assert code == 0 and "building the model" in out  # without --json the prints stay where the user put them
