@@ -1270,6 +1270,10 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         Traceback (most recent call last):
         ...
         ampguard.errors.InputError: bench: unknown model 'resnet' (mlp, nano, transformer, gpt2)
+        >>> run(models="nano,nano")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: bench: model 'nano' given twice
         >>> run(models="transformer", precisions="fp16")
         Traceback (most recent call last):
         ...
@@ -1285,6 +1289,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         for name in given:
             if name not in known:
                 raise InputError(f"bench: unknown {kind} {name!r} ({', '.join(known)})")
+            if given.count(name) > 1:  # (it ran the case twice, two tables of the same thing)
+                raise InputError(f"bench: {kind} {name!r} given twice")
     if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
         raise InputError(f"bench: --peak-tflops must be a finite number > 0, got {peak_tflops:g}")
     if where.type == "cpu" and set(names) == {"fp16"} and not set(SMALL) & set(workloads):
@@ -1302,6 +1308,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     torch.manual_seed(0)
     until = f"until ±{resolve_pct:g}% or {budget_s:g} s a case" if resolve else "fixed rounds"
     threads_said = f", {torch.get_num_threads()} threads" if where.type == "cpu" else ""
+    if where.type == "cpu" and torch.get_num_threads() > _usable_cpus():  # allowed: but the timings say so
+        threads_said += f" on {_usable_cpus()} usable CPUs (oversubscribed: the threads share cores)"
     import sys
 
     # with --json, stdout is the JSON alone: the progress lines go to stderr

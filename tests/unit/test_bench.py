@@ -616,3 +616,31 @@ def test_the_header_says_at_least_only_when_rounds_are_added(capsys):
         torch.set_num_threads(before)
     header = capsys.readouterr().out.splitlines()[0]
     assert header.endswith("): 2 rounds x 1 steps, paired, fixed rounds") and "at least" not in header
+
+
+def test_more_threads_than_usable_cpus_are_pinned_and_the_header_says_oversubscribed(monkeypatch, capsys):
+    # allowed (a user may want to see contention), but the timings then measure threads sharing cores
+    import os
+
+    from ampguard import bench
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    before = torch.get_num_threads()
+    try:
+        assert bench.run(models="nano", precisions="fp32", quick=True, peers=False, threads=3) == 0
+        assert torch.get_num_threads() == 3
+        assert bench.run(models="nano", precisions="fp32", quick=True, peers=False, threads=1) == 0
+    finally:
+        torch.set_num_threads(before)
+    first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ampguard bench on")]
+    assert ", 3 threads on 1 usable CPUs (oversubscribed: the threads share cores))" in first
+    assert "oversubscribed" not in second and ", 1 threads)" in second
+
+
+@pytest.mark.parametrize("given", [{"models": "nano,mlp,nano"}, {"precisions": "fp32,fp32"}])
+def test_a_model_or_precision_given_twice_is_refused(given):
+    from ampguard import bench
+    from ampguard.errors import InputError
+
+    with pytest.raises(InputError, match=r"^bench: (model 'nano'|precision 'fp32') given twice$"):
+        bench.run(**{"models": "nano", "precisions": "fp32", "quick": True, "peers": False, **given})
