@@ -65,6 +65,8 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     from .train import finish
     from .train import run as train_run
 
+    if csv == "-":  # (it wrote a file named "-"; stdout already carries the demo's own lines)
+        raise InputError("--csv -: the demo prints its lines to stdout; give a file path for the CSV")
     csv_path = Path(csv) if csv else None
     if csv_path is not None and (csv_path.exists() or csv_path.is_symlink()):  # (a link to nothing too)
         raise InputError(f"--csv {csv_path} already exists; refusing to overwrite it"

@@ -326,6 +326,14 @@ def test_demo_csv_refuses_a_link_to_nothing_before_it_trains(cli, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.csv"]
 
 
+def test_demo_csv_dash_is_refused_not_written_as_a_file_named_dash(cli, tmp_path):
+    # "-" reads as stdout by convention; stdout carries the demo's own lines, so it is refused
+    code, out, err = cli("demo", "--steps", "2", "--csv", "-")
+    assert (code, out) == (2, "")
+    assert err == "ampguard: error: --csv -: the demo prints its lines to stdout; give a file path for the CSV\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_train_refuses_existing_run_folder(cli, tmp_path, snapshot):
     run_dir = tmp_path / "runs" / "X"
     run_dir.mkdir(parents=True)
