@@ -229,6 +229,26 @@ def format_table(runs: Sequence[RunSummary]) -> str:
 # ---------------------------------------------------------------------------- the plot
 
 
+FEW_RUNS = 4  # up to this many, a legend in each panel and the runs' names in the title
+
+
+def run_colours(n: int) -> list[tuple[float, ...]]:
+    """``n`` colours, one per run, none repeated: matplotlib's ``tab10`` up to 10 runs (the
+    default cycle's colours), ``tab20`` up to 20, beyond that evenly spaced over ``turbo``.
+
+    Example::
+
+        >>> len(set(run_colours(12))), len(set(run_colours(30)))
+        (12, 30)
+    """
+    import matplotlib
+
+    if n <= 20:
+        cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+        return [cmap(i) for i in range(n)]
+    return [matplotlib.colormaps["turbo"](i / (n - 1)) for i in range(n)]
+
+
 def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     """Draw the runs over each other (1200 x 1100 px, four panels on a shared step axis): loss,
     pre-clip global norm with each run's ``max_norm``, log2 of the loss scale, rolling skip rate.
@@ -253,10 +273,10 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     png = Path(png)
     fig, axes = plt.subplots(4, 1, sharex=True, figsize=FIGSIZE, dpi=DPI, layout="constrained")
     ax_loss, ax_norm, ax_scale, ax_skip = axes
-    colours = plt.get_cmap("tab10")
-    log_loss, top_rate, losses = True, 0.0, []
-    for i, run in enumerate(runs):
-        colour, rows = colours(i % 10), run.rows
+    colours, few = run_colours(len(runs)), len(runs) <= FEW_RUNS
+    log_loss, top_rate, losses, handles = True, 0.0, [], []
+    for colour, run in zip(colours, runs):
+        rows = run.rows
 
         def finite(values: list[float | None], positive: bool = False) -> tuple[list[int], list[float]]:
             return finite_points(rows, values, positive)
@@ -264,7 +284,7 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         xs, ys = finite([r.loss for r in rows])
         log_loss = log_loss and bool(ys) and min(ys) > 0
         losses += ys
-        ax_loss.plot(xs, ys, lw=1, color=colour, label=run.name)
+        handles += ax_loss.plot(xs, ys, lw=1, color=colour, label=run.name)
         marks, last = [], None  # a skipped step at its loss (or the last finite one, for a non-finite loss)
         for r in rows:
             last = r.loss if r.loss is not None and math.isfinite(r.loss) else last
@@ -300,8 +320,14 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     ax_skip.set_xlabel("step (optimizer steps, not micro-batches)")
     for ax in axes:
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
-    fig.suptitle(f"ampguard compare: {', '.join(r.name for r in runs)}", fontsize=13)
+        if few:
+            ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
+    if few:
+        fig.suptitle(f"ampguard compare: {', '.join(r.name for r in runs)}", fontsize=13)
+    else:  # one legend of the runs beside the panels: four in the panels would cover the curves
+        fig.legend(handles, [r.name for r in runs], loc="outside right upper", fontsize=8,
+                   ncols=math.ceil(len(runs) / 40))
+        fig.suptitle(f"ampguard compare: {len(runs)} runs", fontsize=13)
     partial = png.with_name(f".{png.name}.{os.getpid()}.partial")
     try:
         fig.savefig(partial, dpi=DPI, format="png")

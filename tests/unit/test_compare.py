@@ -230,3 +230,35 @@ def test_values_matplotlib_cannot_lay_out_are_one_input_error_and_no_file(tmp_pa
     assert str(err.value) == (f"compare: --out {out}: cannot draw these runs' values (a steps.csv value too large "
                               "to plot, such as losses of -1e308 and 1e308?): ValueError: arange: cannot compute length")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.parametrize("n", [4, 12])
+def test_many_runs_get_distinct_colours_and_one_legend_beside_the_panels(tmp_path, monkeypatch, n):
+    # 12 runs: tab10 gave runs 1 and 11 one colour, and each panel's legend (two entries a run in
+    # the norm panel) covered its curves; the title listed every name
+    import matplotlib.figure
+
+    folders = [make_run(tmp_path, f"run{i:02d}", [clean(1, loss=1.0 + i), skip(2, 32768.0)],
+                        config={"precision": "fp16", "max_norm": 1.0}) for i in range(n)]
+    drawn = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        drawn.append(self)
+        return savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    out = compare.plot_overlay(compare.load_runs(folders), tmp_path / "cmp.png")
+    assert png_size(out) == (1200, 1100)
+    (fig,) = drawn
+    loss_panel = fig.axes[0]
+    colours = [line.get_color() for line in loss_panel.get_lines() if line.get_marker() in ("None", None, "")]
+    assert len(colours) == n and len({tuple(c) for c in colours}) == n
+    panel_legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    if n <= compare.FEW_RUNS:
+        assert len(panel_legends) == 4 and not fig.legends
+        assert fig._suptitle.get_text() == "ampguard compare: " + ", ".join(f"run{i:02d}" for i in range(n))
+    else:
+        assert panel_legends == [] and len(fig.legends) == 1
+        assert [t.get_text() for t in fig.legends[0].get_texts()] == [f"run{i:02d}" for i in range(n)]
+        assert fig._suptitle.get_text() == f"ampguard compare: {n} runs"
