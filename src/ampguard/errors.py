@@ -59,6 +59,9 @@ class ExitCode(IntEnum):
     """Done: the run finished, the validation accepted, locate found everything finite."""
     REJECTED = 1
     """``validate`` rejected the precision; ``locate`` found a non-finite value."""
+    CRASHED = 1
+    """The task's own code (or a bug) raised mid-run: the run card says so, then the traceback,
+    whose exit status Python makes 1 (an alias of ``REJECTED``'s number, named for what happened)."""
     BAD_INPUT = 2
     """Usage, config, data or checkpoint could not be used: one line on stderr, nothing written."""
     GUARD = 3

@@ -268,7 +268,7 @@ class Trainer:
             if crashed is not None:  # the steps before it stand: their rows, the last checkpoint, a card that says so
                 if not self.dist.active:  # (under torchrun the other ranks wait in a collective: the traceback ends it)
                     with contextlib.suppress(Exception):
-                        self._close(Stop(ExitCode.REJECTED,  # 1, what the traceback exits with
+                        self._close(Stop(ExitCode.CRASHED,
                                          f"crashed after step {self.monitor.steps}: {first_line(crashed, with_type=True)}",
                                          CRASHED))
                 raise crashed
