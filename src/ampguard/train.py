@@ -20,13 +20,14 @@ from .trainer import Trainer
 
 def run(config: Config, *, outputs: Callable[[], RunPaths] = RunPaths, console_every: int,
         stats_every: int | None = None, print_fn: Callable[[str], None] = print, progress: bool = False,
-        resume: ck.Resume | None = None) -> RunResult:
+        resume: ck.Resume | None = None, announce: Callable[[RunPaths], str] | None = None) -> RunResult:
     """Train until ``config.steps`` guarded steps, writing records, events, checkpoints and (with
     a run folder) the run card and plot. The console gets a step line every ``console_every``
     steps (and every skip), a ``STATS`` line every ``stats_every`` steps, and every alert.
 
     ``outputs()`` is called once everything that can reject the input has been built; it
-    creates whatever the run writes. So bad input leaves nothing behind.
+    creates whatever the run writes. So bad input leaves nothing behind. ``announce(paths)``,
+    when given, is the line printed once the outputs are open (the run folder's).
 
     Example::
 
@@ -37,7 +38,7 @@ def run(config: Config, *, outputs: Callable[[], RunPaths] = RunPaths, console_e
         (0, 3, 'finished: 3 steps')
     """
     trainer = Trainer(config, outputs=outputs, console_every=console_every, stats_every=stats_every,
-                      print_fn=print_fn, progress=progress, resume=resume)
+                      print_fn=print_fn, progress=progress, resume=resume, announce=announce)
     return trainer.run()
 
 
@@ -120,18 +121,21 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
         if resume is not None:
             paths = RunPaths.existing(resume.run_dir)  # config.yaml: rewritten once the logs are open
             paths.lock()  # before anything in it changes: a run still training there refuses the resume
-            held.append(paths)
-            print(f"run folder: {paths.dir} (resuming from {resume.path.name}, step {resume.loaded.step})")
         else:
             paths = RunPaths.new_run_dir(config, on_made=made.append)
             paths.lock()
-            held.append(paths)
-            print(f"run folder: {paths.dir}")
+        held.append(paths)
         return paths
+
+    def announce(paths: RunPaths) -> str:
+        if resume is not None:
+            return f"run folder: {paths.dir} (resuming from {resume.path.name}, step {resume.loaded.step})"
+        return f"run folder: {paths.dir}"
 
     every = config.log.every
     try:
-        result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume)
+        result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume,
+                     announce=announce)
         distributed.barrier()  # ranks leave together, once rank 0 has written the run card
         return finish(result)
     except (InputError, KeyboardInterrupt, Interrupted):  # refused or stopped while opening: leave nothing

@@ -119,8 +119,8 @@ class Trainer:
 
     def __init__(self, config: Config, *, outputs: Callable[[], RunPaths], console_every: int,
                  stats_every: int | None, print_fn: Callable[[str], None], progress: bool,
-                 resume: ck.Resume | None) -> None:
-        self.config, self.outputs, self.resume = config, outputs, resume
+                 resume: ck.Resume | None, announce: Callable[[RunPaths], str] | None = None) -> None:
+        self.config, self.outputs, self.resume, self.announce = config, outputs, resume, announce
         self.stop_flag = StopFlag()  # run()'s, once it installs the signal handlers
         self.console_every, self.stats_every, self.print_fn, self.progress = console_every, stats_every, print_fn, progress
         if distributed.launched_by_torchrun():
@@ -472,6 +472,11 @@ class Trainer:
                                      keep_through=self.state.steps if resuming else None, headroom=self.headroom)
         except DiskFull as full:  # the CSV's header (or a resume's truncation) found no room
             self.sinks, self._failed = Sinks(console), self._failed or full
+        if self.announce is not None and self.paths.dir is not None and main:
+            # the run folder's line once nothing can refuse the run any more (a sink that did not
+            # open): a refusal is then the console's only output besides "removed (nothing was run)",
+            # and a warning held until the first line (fp16 on a CPU) stays held
+            say(self.announce(self.paths))
         for sink in self.sinks.sinks:
             if isinstance(sink, TrackerSink):  # where the tracker run is: it may not be where one looks first
                 say(f"tracking: {sink.where}")
