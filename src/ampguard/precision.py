@@ -188,11 +188,23 @@ class GuardedGradScaler(torch.amp.GradScaler):
             enabled=enabled,
         )
         self._min_scale = min_scale
+        self._twin: torch.amp.GradScaler | None = None  # the plain scaler handed over (:meth:`from_scaler`)
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        """``GradScaler``'s, and the plain scaler this one took over then holds the same scale and
+        growth tracker tensors: its ``get_scale()`` and ``state_dict()`` follow the guard's."""
+        super()._lazy_init_scale_growth_tracker(dev)
+        if self._twin is not None:
+            self._twin._scale, self._twin._growth_tracker = self._scale, self._growth_tracker
 
     @classmethod
     def from_scaler(cls, scaler: torch.amp.GradScaler, min_scale: float = DEFAULT_MIN_SCALE) -> GuardedGradScaler:
         """A ``GuardedGradScaler`` with a plain ``GradScaler``'s settings and state (its scale and
-        growth tracker, when it has run), so a user's scaler can be handed to the guard.
+        growth tracker, when it has run), so a user's scaler can be handed to the guard. From the
+        first ``scale()`` on, the two hold the same scale and growth tracker tensors: the plain
+        scaler's ``get_scale()`` and ``state_dict()`` (a loop's logging, its checkpoints) follow
+        the guard's backoffs and growth instead of staying where they were (its settings are
+        its own).
 
         Example::
 
@@ -200,6 +212,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
             >>> g = GuardedGradScaler.from_scaler(plain)
             >>> type(g).__name__, g.get_scale(), g.get_growth_interval(), g.is_enabled()
             ('GuardedGradScaler', 512.0, 10, True)
+            >>> _ = g.scale(torch.ones(())); g.update(64.0)
+            >>> plain.get_scale(), plain.state_dict()["scale"]
+            (64.0, 64.0)
         """
         if not scaler.is_enabled():  # (a disabled GradScaler keeps no settings: an AttributeError otherwise)
             return cls(scaler._device, enabled=False, min_scale=min_scale)
@@ -208,6 +223,7 @@ class GuardedGradScaler(torch.amp.GradScaler):
                       enabled=scaler.is_enabled(), min_scale=min_scale)
         if scaler.is_enabled() and scaler._scale is not None:
             guarded.load_state_dict(scaler.state_dict())
+        guarded._twin = scaler
         return guarded
 
     def get_min_scale(self) -> float:
@@ -553,7 +569,8 @@ class Precision:
 
     def check(self, model: torch.nn.Module, device: torch.device) -> None:
         """Refuse what this precision cannot train, up front (``ValueError``, one line each): weights
-        already cast to fp16/bf16 under autocast (mixed precision keeps FP32 master weights), bf16
+        already cast to fp16/bf16 (or fp8) under autocast (mixed precision keeps FP32 master weights;
+        float64 ones are kept), complex weights under fp16 (the loss scaler cannot unscale them), bf16
         on a CUDA device without bf16, fp8 without torchao, on a model with no ``Float8Linear``
         layer (:func:`ampguard.fp8.convert_to_fp8` first) or on a GPU older than compute
         capability 8.9; warn that fp16 on a CPU is emulated (about 10x slower than bf16 there),
@@ -566,15 +583,20 @@ class Precision:
             ...
             ValueError: parameter 'weight' is float16, but bf16 mixed precision keeps FP32 master weights: autocast computes in bf16 while the optimizer updates float32 weights, so small updates are not lost to rounding; keep the model in float32 (no .half() / .to(torch.bfloat16))
         """
-        if self.name != "fp32":
+        if self.name != "fp32":  # (float64 weights hold more than the master weights need: theirs to choose)
             for name, param in model.named_parameters():
-                if param.is_floating_point() and param.dtype != torch.float32:
+                if param.is_floating_point() and param.dtype.itemsize < 4:
                     kind = str(param.dtype).removeprefix("torch.")
                     raise ValueError(
                         f"parameter {name!r} is {kind}, but {self.name} mixed precision keeps FP32 master weights: "
                         f"autocast computes in {self.name} while the optimizer updates float32 weights, so small "
                         f"updates are not lost to rounding; keep the model in float32 (no .half() / "
                         f".to(torch.{'bfloat16' if self.name == 'bf16' else 'float16'}))")
+        if self.uses_scaler:  # (PyTorch's unscale kernel has no complex version: a NotImplementedError mid-step)
+            name = next((n for n, p in model.named_parameters() if p.is_complex()), None)
+            if name is not None:
+                raise ValueError(f"parameter {name!r} is complex, which fp16's loss scaler cannot unscale "
+                                 "(GradScaler has no complex kernel): train it in bf16 or fp32")
         if self.name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError(f"bf16 is not supported on {torch.cuda.get_device_name(device)}: use fp16")
         if self.name == "fp16" and device.type == "cpu":

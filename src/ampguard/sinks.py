@@ -485,6 +485,10 @@ class CsvSink(_LineFile):
         """Append one row (:func:`csv_row`) and flush it (:class:`DiskFull` when there is no room)."""
         if record is None:
             raise TypeError(NONE_WRITTEN)
+        if record.optimizers and not self._labels:  # (a partial skip read as a whole one, which skipped unsaid)
+            raise ValueError(f"CsvSink {self.path}: a record of a guard over several optimizers (this step's: "
+                             f"{', '.join(record.optimizers)}) needs the columns saying which skipped: "
+                             "CsvSink(path, extra_columns=guard.record_columns)")
         row = _cells(record)
         if self._extra:
             cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns
@@ -760,13 +764,16 @@ class TensorBoardSink:
 
 
 class BackgroundSink:
-    """Writes records to ``inner`` from a background thread, in order, losing none.
+    """Writes records to ``inner`` from a background thread, in order.
 
     ``write`` starts the record's device-to-host copy (non-blocking, into pinned memory on
     CUDA) and queues it; the thread waits for that copy, not the training loop, then hands the
     record to ``inner``. ``close`` drains the queue (also after Ctrl-C: the loop's ``finally``
     closes its sinks), so every row written so far reaches the file. An error in the thread is
-    raised by the next ``write`` or by ``close``.
+    raised by the next ``write`` or by ``close``, and no record after the one that failed is
+    written (a CSV never has a hole). A SIGKILL loses the records still queued (at most
+    ``max_pending``; a ``CsvSink`` inside keeps whole rows, the steps up to some step): ``train``
+    writes its rows on the loop's thread instead.
 
     Example::
 

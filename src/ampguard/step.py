@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -27,7 +28,7 @@ from . import distributed
 from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_to_norm_, post_clip_norm,
                        post_clip_value)
 from .errors import whole_number
-from .precision import GuardedGradScaler, Precision, PrecisionName
+from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
 
 SchedulerOnSkip = Literal["hold", "step"]
@@ -73,7 +74,22 @@ def _named_optimizers(optimizer: Optimizers) -> dict[str, torch.optim.Optimizer]
     for name, opt in named.items():
         if not hasattr(opt, "param_groups"):
             raise ValueError(f"optimizer {name!r} is a {type(opt).__name__}, not an optimizer (no param_groups)")
+        if _needs_closure(opt):  # (LBFGS: a TypeError from inside the first applied step, after it was counted)
+            raise ValueError(f"optimizer {name!r} ({type(opt).__name__}) needs a closure in step(), which evaluates "
+                             "the loss again itself: the guard steps it once on the gradients it checked, so "
+                             "closure optimizers do not fit; use one that steps without a closure")
     return named
+
+
+def _needs_closure(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` must be given a closure (``LBFGS``: no default for it)."""
+    import inspect
+
+    try:
+        parameter = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # (a step whose signature cannot be read: taken as it is)
+        return False
+    return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, list[Any]]:
@@ -106,6 +122,46 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
     if len(scheds) != len(set(scheds)):
         raise ValueError("the same scheduler is given twice: it would step twice per update")
     return out
+
+
+def _holders(root: nn.Module, optimizers: dict[str, torch.optim.Optimizer], device: torch.device) -> dict[int, str]:
+    """Which optimizer updates each parameter (by id); refused: a parameter on another device,
+    one that is not the model's, one in two optimizers."""
+    names = {id(p): name for name, p in root.named_parameters()}
+    holder: dict[int, str] = {}
+    for opt_name, opt in optimizers.items():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.device.type != device.type:
+                    raise ValueError(
+                        f"the optimizer holds a parameter on {p.device.type!r}, the model is on {device.type!r}"
+                    )
+                if id(p) not in names:
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not the model's; the step clips and checks "
+                        "the model's parameters, so every optimized tensor must belong to the model"
+                    )
+                if holder.setdefault(id(p), opt_name) != opt_name:
+                    raise ValueError(
+                        f"parameter {names[id(p)]!r} is in optimizers {holder[id(p)]!r} and {opt_name!r}; its "
+                        "gradient would be unscaled twice: give each parameter to one optimizer")
+    return holder
+
+
+def _check_left_out(root: nn.Module, holder: dict[int, str], frozen: str) -> None:
+    """Refuse (unless ``frozen="ignore"``) a parameter that requires grad but no optimizer updates."""
+    left_out = [name for name, p in root.named_parameters() if p.requires_grad and id(p) not in holder]
+    if left_out and frozen == "refuse":
+        raise ValueError(
+            f"parameter {left_out[0]!r} requires grad but no optimizer updates it ({len(left_out)} such); its "
+            "gradient would be neither unscaled nor cleared: give it to the optimizer, set requires_grad=False, "
+            "or pass frozen='ignore'")
+
+
+def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
+    """How many parameters the optimizers hold: a change means ``add_param_group`` (or a group
+    taken out) since the guard read them."""
+    return sum(len(group["params"]) for opt in optimizers.values() for group in opt.param_groups)
 
 
 def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None,
@@ -147,6 +203,33 @@ def _compiled_tail() -> Callable[..., Any]:
     return torch.compile(sync_free_tail, fullgraph=True, dynamic=False)
 
 
+class _SetOnce:
+    """An attribute set once, in ``Guard()``: the step reads what it holds then (the parameters it
+    checks, the LR schedule), so a later assignment would be ignored, silently; it is refused.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+        >>> guard.optimizer = torch.optim.Adam(model.parameters())
+        Traceback (most recent call last):
+        ...
+        AttributeError: Guard.optimizer is set once, in Guard(): the step would go on with the one it read; build a new Guard (scaler=old.scaler, then load_state_dict(old.state_dict()))
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.public, self.private = name, f"_{name}_"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj, self.private)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if hasattr(obj, self.private):
+            raise AttributeError(f"Guard.{self.public} is set once, in Guard(): the step would go on with the one it "
+                                 "read; build a new Guard (scaler=old.scaler, then load_state_dict(old.state_dict()))")
+        setattr(obj, self.private, value)
+
+
 class Guard:
     """The guarded mixed-precision step as verbs around your own forward and loss.
 
@@ -179,7 +262,8 @@ class Guard:
     device tensors in the record), and fp16's scale and growth tracker, from which the host
     tells the scale after ``update()`` bit for bit: a sink reads nothing from the device again.
 
-    The parameters checked, measured and clipped are the optimizer's (in the model's order). A
+    The parameters checked, measured and clipped are the optimizer's (in the model's order),
+    read again when their number changes (``add_param_group`` mid-run). A
     model parameter that requires grad but no optimizer updates is refused, or, with
     ``frozen="ignore"``, has its gradient dropped every step; never silently accumulated.
 
@@ -219,6 +303,10 @@ class Guard:
             models on a GPU. Inductor's arithmetic may differ from eager in the last bit.
     """
 
+    optimizer = _SetOnce()
+    optimizers = _SetOnce()
+    scheduler = _SetOnce()
+
     def __init__(
         self,
         model: Models,
@@ -254,24 +342,7 @@ class Guard:
                 f"autocast device {device.type!r} does not match the model's device {model_device.type!r}"
             )
         optimizers = _named_optimizers(optimizer)
-        names = {id(p): name for name, p in root.named_parameters()}
-        holder: dict[int, str] = {}  # parameter -> the optimizer that updates it
-        for opt_name, opt in optimizers.items():
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if p.device.type != device.type:
-                        raise ValueError(
-                            f"the optimizer holds a parameter on {p.device.type!r}, the model is on {device.type!r}"
-                        )
-                    if id(p) not in names:
-                        raise ValueError(
-                            "the optimizer holds a parameter that is not the model's; the step clips and checks "
-                            "the model's parameters, so every optimized tensor must belong to the model"
-                        )
-                    if holder.setdefault(id(p), opt_name) != opt_name:
-                        raise ValueError(
-                            f"parameter {names[id(p)]!r} is in optimizers {holder[id(p)]!r} and {opt_name!r}; its "
-                            "gradient would be unscaled twice: give each parameter to one optimizer")
+        holder = _holders(root, optimizers, device)
         if fuse_tail and not sync_free:
             raise ValueError("fuse_tail compiles the sync-free step's tail: pass sync_free=True too")
         if sync_free and len(optimizers) > 1:
@@ -284,12 +355,7 @@ class Guard:
                 f"autocast device {precision.device_type!r} does not match the model's device {device.type!r}"
             )
         precision.check(root, device)
-        left_out = [name for name, p in root.named_parameters() if p.requires_grad and id(p) not in holder]
-        if left_out and frozen == "refuse":
-            raise ValueError(
-                f"parameter {left_out[0]!r} requires grad but no optimizer updates it ({len(left_out)} such); its "
-                "gradient would be neither unscaled nor cleared: give it to the optimizer, set requires_grad=False, "
-                "or pass frozen='ignore'")
+        _check_left_out(root, holder, frozen)
         sparse = [name for name, m in root.named_modules() if getattr(m, "sparse", False) is True]
         if sparse and max_norm is not None and max_norm > 0:
             raise ValueError(f"module {sparse[0]!r} makes sparse gradients, which PyTorch's clip_grad_norm_ cannot "
@@ -336,16 +402,42 @@ class Guard:
             self._base_lrs = [group["lr"].detach().clone() for group in self.optimizer.param_groups]
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
                 scheduler.applied = self._updates_t
-        # what is checked, measured and clipped: each optimizer's parameters, in the model's order
-        self._modules = modules
-        self._owned = [(p, holder[id(p)]) for p in root.parameters() if id(p) in holder]  # (param, optimizer)
-        self._params_of = {n: [p for p, owner in self._owned if owner == n] for n in optimizers}
-        self._frozen = [p for p in root.parameters() if p.requires_grad and id(p) not in holder]
+        self._modules, self._root, self._frozen_mode = modules, root, frozen
+        self._own(holder)
         self._micro = 0  # micro-batches so far in the open group
         self._group: tuple[str, ...] | None = None  # the optimizers the open group steps
         self._backward_pending = False  # backward() ran, step() not yet
         self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed
         self._loss_mark: torch.Tensor | None = None  # the sum of each loss's x - x: NaN iff one was non-finite
+
+    def _own(self, holder: dict[int, str]) -> None:
+        """What is checked, measured and clipped: each optimizer's parameters, in the model's order
+        (``holder``: parameter id -> the optimizer that updates it); and what is dropped unused."""
+        root = self._root
+        self._owned = [(p, holder[id(p)]) for p in root.parameters() if id(p) in holder]  # (param, optimizer)
+        self._params_of = {n: [p for p, owner in self._owned if owner == n] for n in self.optimizers}
+        self._frozen = [p for p in root.parameters() if p.requires_grad and id(p) not in holder]
+        # what no optimizer holds and needs no gradient now: unfrozen later, it is refused (or dropped)
+        self._unowned = [p for p in root.parameters() if not p.requires_grad and id(p) not in holder]
+        self._held = _parameter_count(self.optimizers)
+
+    def _own_again(self) -> None:
+        """The optimizers' parameters changed since they were read (``add_param_group`` mid-run:
+        progressive unfreezing, adapters added), or a parameter no optimizer holds was unfrozen:
+        read them again, with the checks ``Guard()`` makes, so the new ones are clipped and
+        checked too (they were neither: an inf gradient in a group added later was applied),
+        and an unfrozen parameter no optimizer updates is refused (or, ``frozen="ignore"``,
+        has its gradient dropped) instead of accumulating its gradient, never cleared."""
+        holder = _holders(self._root, self.optimizers, self.device)
+        with warnings.catch_warnings():  # (its "fp16 on a CPU is slow" was said at Guard())
+            warnings.simplefilter("ignore", SlowPrecisionWarning)
+            self.precision.check(self._root, self.device)
+        _check_left_out(self._root, holder, self._frozen_mode)
+        if self.sync_free:  # a group added: its LR is its base (the schedule's factor applies from this step)
+            self._check_sync_free(self.optimizer, self.scheduler)
+            groups = self.optimizer.param_groups
+            self._base_lrs += [group["lr"].detach().clone() for group in groups[len(self._base_lrs):]]
+        self._own(holder)
 
     @property
     def record_columns(self) -> tuple[str, ...]:
@@ -402,6 +494,7 @@ class Guard:
         if self.scaler.is_enabled() and any(map(self.scaler.unscaled, self.optimizers.values())):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
+        self._check_gradients_so_far()
         n, last = self.accumulation_steps, len(losses) - 1
         total: Any = None  # the losses' sum and their marks' (a NaN mark: a non-finite loss among them)
         bad: Any = None
@@ -428,6 +521,33 @@ class Guard:
         self._loss_mark = bad if first else self._loss_mark + bad
         self._micro += 1
         self._backward_pending = True
+
+    def _check_gradients_so_far(self) -> None:
+        """Before a micro-batch's backward: a group begins with no gradient (the guard drops them
+        after every step), and inside a group they are there. Else something outside the guard
+        wrote or cleared them, and the update would silently differ: a gradient at a group's
+        start came from a ``loss.backward()`` of the user's or another Guard's backward
+        reaching these parameters (a GAN's generator loss into the discriminator: it was added
+        to the discriminator's next update); none inside a group, from an
+        ``optimizer.zero_grad()`` left in a loop ported to accumulation (each micro-batch erased
+        the ones before). Attribute reads on the host: no tensor touched. Inside a group under
+        DDP/FSDP2 no check (FSDP2 holds a group's gradients unsharded, off the parameters)."""
+        owned = self._owned
+        if self._micro == 0:
+            held = next((p for p, _ in owned if p.grad is not None), None)
+            if held is not None:
+                name = next(n for n, p in self._root.named_parameters() if p is held)
+                raise RuntimeError(
+                    f"Guard.backward(): parameter {name!r} already holds a gradient at the start of a step, from a "
+                    "backward outside this guard (a loss.backward() of yours, or another Guard's backward reaching "
+                    "these parameters: one Guard for models whose losses reach each other, or zero them first); the "
+                    "guard drops gradients after every step (optimizer.zero_grad(set_to_none=False) leaves zeros: "
+                    "call it with the default)")
+        elif owned and all(p.grad is None for p, _ in owned) and not any(map(distributed.defers_sync, self._modules)):
+            raise RuntimeError(
+                f"Guard.backward(): the gradients of micro-batch {self._micro} of {self.accumulation_steps} were cleared "
+                "inside the accumulation group (an optimizer.zero_grad() in the loop?): the guard drops them after "
+                "each step itself; remove zero_grad() from the loop")
 
     def step(self, *which: str | torch.optim.Optimizer, close: bool = False
              ) -> StepLog | SkipLog | PendingStep | None:
@@ -470,7 +590,9 @@ class Guard:
         so code between the group's last backward and the step sees true gradients (a
         framework's ``on_before_optimizer_step`` hooks, a look of your own); ``step()`` then
         does not unscale them again. ``GradScaler.unscale_``'s use, without its error on a
-        second call."""
+        second call. A non-finite gradient it finds skips the step (reason ``non_finite_grad``,
+        the record's pre-clip norm ``inf``) even if code in between made the gradients finite,
+        as ``GradScaler.step`` skips on what ``unscale_`` found."""
         self._unscale(self._names(which))
 
     def _unscale(self, names: Sequence[str]) -> None:
@@ -524,16 +646,42 @@ class Guard:
         overflowed); ``each`` with several optimizers each one's own norm; ``grads`` the named
         optimizers' gradients, for the clip. :func:`distributed.agree` makes a value that is
         non-finite on one rank so on every rank: the mark and the norms are the step's detectors."""
+        # (a sum over the groups, and a look at the parameters no optimizer holds: no tensor touched)
+        if _parameter_count(self.optimizers) != self._held or any(p.requires_grad for p in self._unowned):
+            self._own_again()
         micro, self._micro = self._micro, 0
         self.steps += 1
         loss = self._loss_sum / micro if micro > 1 else self._loss_sum
+        early = [n for n in names if self.scaler.unscaled(self.optimizers[n])]  # by guard.unscale_(), before
         self._unscale(names)
         grads = GradSet(self._union(names))
         norms = [distributed.full_norm(grads.norm())]
         if len(names) > 1:  # each optimizer's own norm, from the per-parameter norms just taken
             norms += [distributed.full_norm(grads.norm_of(self._params_of[n])) for n in names]
+        if early:
+            norms = self._found_at_unscale(names, early, norms)
         loss, mark, pre, *each = distributed.agree(loss, [self._loss_mark, *norms])
         return grads, loss, mark, pre, each
+
+    def _found_at_unscale(self, names: tuple[str, ...], early: list[str], norms: list[torch.Tensor]
+                          ) -> list[torch.Tensor]:
+        """The norms, ``inf`` where ``guard.unscale_()`` found a non-finite gradient: code that ran
+        between it and the step (``clip_grad_value_``, ``nan_to_num_``, a framework's hook) may
+        have made the gradients finite since, but the step skips, as ``GradScaler.step`` skips
+        on what ``unscale_`` found (it was applied, with the clamped values). ``norms`` is the
+        group's norm, then each optimizer's with several. A few kernels, only on this path."""
+        device = norms[0].device
+        found = {}
+        for name in early:
+            flags = list(self.scaler._found_inf_per_device(self.optimizers[name]).values())
+            if flags:
+                found[name] = torch.stack([f.to(device) for f in flags]).sum() > 0
+        if not found:
+            return norms
+        inf = torch.full((), math.inf, device=device, dtype=norms[0].dtype)
+        any_found = torch.stack(list(found.values())).any()
+        each = [torch.where(found[n], inf, norm) if n in found else norm for n, norm in zip(names, norms[1:])]
+        return [torch.where(any_found, inf, norms[0]), *each]
 
     def _finish_group(self, names: tuple[str, ...]) -> StepLog | SkipLog:
         lr = self.optimizers[names[0]].param_groups[0]["lr"]

@@ -179,6 +179,29 @@ def _loss(model: nn.Module) -> torch.Tensor:
     return model(torch.ones(2, 3)).pow(2).mean()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_loss_non_finite_by_overflow_never_seeds_the_backward(precision):
+    """DESIGN §1: a non-finite loss is replaced by zero before the backward. A loss whose terms are
+    finite but whose sum overflows is inf; seeded with 1, its backward leaves -inf/NaN gradients,
+    which the skipped step's diagnostics (``skip_hooks``) would read. Seeded with 0: zeros."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision, max_norm=None,
+                  scaler={"init_scale": 4.0})
+    seen = []
+    guard.skip_hooks.append(lambda grads: seen.append([g.clone() for g in grads.grads]))
+    with guard.autocast():
+        out = model(torch.ones(4, 3)).float()
+    terms = out.abs() * 1e38 + 1e38  # each finite (|out| < 1 here), their sum past float32's largest
+    loss = terms.sum()
+    assert torch.isinf(loss) and torch.isfinite(terms).all()
+    guard.backward(loss)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    record = guard.step()
+    assert (record.skipped, record.reason) == (True, "non_finite_loss")
+    assert len(seen) == 1 and all(torch.equal(g, torch.zeros_like(g)) for g in seen[0])
+
+
 def test_step_before_backward_raises():
     _, guard = _guard()
     with pytest.raises(RuntimeError, match=r"step\(\) before guard.backward"):
@@ -313,6 +336,49 @@ def test_unscale_before_step_shows_true_gradients_and_is_not_done_twice():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
 
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_code_that_cleans_gradients_after_unscale_does_not_unskip_the_step(sync_free):
+    """``clip_grad_value_`` between ``guard.unscale_()`` and ``step()`` (the documented place for
+    such code) turned an fp16 overflow into finite gradients: the guard applied them, where the
+    PyTorch recipe skips on what ``unscale_`` found. Bit for bit the recipe now, overflow included."""
+    data = batches(4)
+
+    model, ref = WithLoss(), WithLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1) if sync_free else 0.1,
+                          fused=True if sync_free else None)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    guard = Guard(model, opt, precision="fp16", max_norm=None, scaler={"init_scale": 1024.0}, sync_free=sync_free,
+                  lr_schedule=(lambda n: torch.ones(())) if sync_free else None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    skipped, ref_skipped = [], []
+    for i, (x, y) in enumerate(data):
+        with guard.autocast():
+            loss = output_loss(model, x, y)
+        guard.backward(loss)
+        if i == 1:  # an overflow to inf (a NaN would stay one through the clamp)
+            model.net[0].weight.grad[0, 0] = INF
+        guard.unscale_()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)  # the inf becomes 1.0
+        record = guard.step()
+        skipped.append(bool(record.skipped))
+
+        with Precision("fp16", "cpu").autocast():
+            ref_loss = output_loss(ref, x, y).float()
+        scaler.scale(ref_loss).backward()
+        if i == 1:
+            ref.net[0].weight.grad[0, 0] = INF
+        scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 1.0)
+        before = scaler.get_scale()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_skipped.append(scaler.get_scale() < before)
+        ref_opt.zero_grad(set_to_none=True)
+    assert skipped == ref_skipped == [False, True, False, False]
+    assert guard.scaler.get_scale() == scaler.get_scale()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
 def test_unscale_before_the_groups_last_backward_is_refused():
     # the next backward would add scaled gradients to unscaled ones: refused, not a wrong norm
     model = nn.Linear(3, 1)
@@ -392,6 +458,161 @@ def test_frozen_ignore_measures_only_the_optimizers_parameters_and_drops_the_res
     assert torch.equal(model.body.weight, body_before)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_param_group_added_mid_run_is_clipped_and_checked_as_the_canonical_loop_does(precision):
+    """Progressive unfreezing: the body joins the optimizer by ``add_param_group`` after step 2.
+    The guard read its parameters once, at ``Guard()``: the body's gradients were left out of
+    the clip and the check, and an inf in them was applied (the weights NaN from there on)."""
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 4, generator=g) * 30, torch.randn(8, 1, generator=g)) for _ in range(5)]  # (clipped)
+    data[4][0][0, 0] = INF  # step 5: an inf input reaches only the body's weight gradient (and the loss)
+
+    def loop(use_guard: bool):
+        model = TwoPart()
+        model.body.requires_grad_(False)
+        opt = torch.optim.SGD(model.head.parameters(), lr=0.05)
+        guard = Guard(model, opt, precision=precision, max_norm=1.0, scaler={"init_scale": 256.0}) if use_guard else None
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=precision == "fp16")
+        out = []
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                model.body.requires_grad_(True)
+                opt.add_param_group({"params": list(model.body.parameters()), "lr": 0.05})
+            if use_guard:
+                with guard.autocast():
+                    loss = F.mse_loss(model(x).float(), y)
+                guard.backward(loss)
+                record = guard.step()
+                out.append((record.skipped, float(record.values()["grad_l2_pre_clip"] or INF)))
+            else:  # the PyTorch recipe: clip_grad_norm_ over the optimizer's parameters as they are now
+                with torch.autocast("cpu", dtype=torch.float16 if precision == "fp16" else torch.bfloat16):
+                    loss = F.mse_loss(model(x).float(), y)
+                if not torch.isfinite(loss):
+                    out.append((True, INF))
+                    continue
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                params = [p for group in opt.param_groups for p in group["params"]]
+                pre = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                skipped = not torch.isfinite(pre)
+                if not skipped:
+                    scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                out.append((skipped, float(pre)))
+        return model, out
+
+    (model, got), (reference, want) = loop(True), loop(False)
+    assert got[:4] == want[:4]  # the body's gradients in the norm (and clipped with the head's)
+    assert got[4][0] is True  # the inf in the added group: a skip
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_param_group_added_mid_run_is_checked_as_guard_checks_its_parameters():
+    model = TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, opt, precision="bf16")
+    stranger = nn.Parameter(torch.zeros(2))
+    opt.add_param_group({"params": [stranger]})
+    with guard.autocast():
+        loss = model(torch.randn(2, 4)).sum()
+    guard.backward(loss)
+    with pytest.raises(ValueError, match="the optimizer holds a parameter that is not the model's"):
+        guard.step()
+
+
+@pytest.mark.parametrize("frozen", ["refuse", "ignore"])
+def test_a_parameter_unfrozen_mid_run_that_no_optimizer_holds_is_refused_or_dropped(frozen):
+    # unfrozen but never given to the optimizer: its gradient (scaled, never unscaled) grew every step
+    model = TwoPart()
+    model.body.requires_grad_(False)
+    guard = Guard(model, torch.optim.SGD(model.head.parameters(), lr=0.1), precision="bf16", frozen=frozen)
+    body = model.body.weight.detach().clone()
+
+    def step():
+        with guard.autocast():
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+        guard.backward(loss)
+        return guard.step()
+
+    step()
+    model.body.requires_grad_(True)
+    if frozen == "refuse":
+        with pytest.raises(ValueError, match=r"^parameter 'body.weight' requires grad but no optimizer updates it "
+                                             r"\(2 such\)"):
+            step()
+    else:
+        for _ in range(2):
+            assert not step().skipped
+            assert model.body.weight.grad is None  # dropped every step, as for one unfrozen at Guard()
+        assert torch.equal(model.body.weight, body)
+
+
+def test_a_gradient_from_outside_the_guard_at_a_steps_start_is_refused_naming_the_parameter():
+    # a GAN with one Guard per network: the generator's loss reaches the discriminator's parameters,
+    # and those gradients were added into the discriminator's next update (no zero_grad: the guard
+    # "drops gradients after every step", but only its own optimizers')
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(2, 2), nn.Linear(2, 1)
+    g_guard = Guard(gen, torch.optim.SGD(gen.parameters(), lr=0.1), precision="bf16")
+    d_guard = Guard(disc, torch.optim.SGD(disc.parameters(), lr=0.1), precision="bf16")
+    real, z = torch.randn(4, 2), torch.randn(4, 2)
+    with d_guard.autocast():
+        d_loss = disc(real).mean() - disc(gen(z).detach()).mean()
+    d_guard.backward(d_loss)
+    assert not d_guard.step().skipped  # the first step: nothing from outside yet
+    with g_guard.autocast():
+        g_loss = disc(gen(z)).mean()
+    g_guard.backward(g_loss)
+    g_guard.step()
+    assert disc.weight.grad is not None  # left there by the generator's backward
+    with d_guard.autocast():
+        d_loss = disc(real).mean() - disc(gen(z).detach()).mean()
+    with pytest.raises(RuntimeError, match=r"^Guard.backward\(\): parameter 'weight' already holds a gradient at the "
+                                           r"start of a step, from a backward outside this guard"):
+        d_guard.backward(d_loss)
+    assert d_guard.steps == 1 and not d_guard.pending  # nothing counted: zero the gradients and go on
+    disc.zero_grad()
+    d_guard.backward(d_loss)
+    assert not d_guard.step().skipped
+
+
+@pytest.mark.parametrize("before", ["loss.backward()", "zero_grad(set_to_none=False)"])
+def test_gradients_left_before_the_first_step_are_refused(before):
+    # loss.backward(retain_graph=True) then guard.backward(loss) summed an unscaled and a scaled
+    # gradient; zeros left by zero_grad(set_to_none=False) cannot be told from them without a read
+    model = nn.Linear(3, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", max_norm=None)
+    with guard.autocast():
+        loss = _loss(model)
+    if before == "loss.backward()":
+        loss.backward(retain_graph=True)
+    else:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match="already holds a gradient at the start of a step"):
+        guard.backward(loss)
+
+
+def test_zero_grad_inside_an_accumulation_group_is_refused():
+    # a loop ported to accumulation with its optimizer.zero_grad() left at the top: each micro-batch
+    # erased the ones before, the update was the last one's gradient / N, the records looked normal
+    model = TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, opt, precision="bf16", accumulation_steps=3)
+    for micro in range(2):
+        opt.zero_grad()
+        with guard.autocast():
+            loss = model(torch.randn(4, 4)).pow(2).mean()
+        if micro == 0:
+            guard.backward(loss)
+            assert guard.step() is None
+    with pytest.raises(RuntimeError, match=r"^Guard.backward\(\): the gradients of micro-batch 1 of 3 were cleared "
+                                           r"inside the accumulation group \(an optimizer.zero_grad\(\) in the loop\?\)"):
+        guard.backward(loss)
+
+
 # ---------------------------------------------------------------------------- sparse gradients
 
 
@@ -461,6 +682,50 @@ def test_weights_already_cast_to_half_are_refused_saying_why(precision, cast, dt
     assert "small updates are not lost to rounding" in line
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_float64_parameter_trains_as_the_canonical_loop_trains_it(precision):
+    # it was refused as if it were a half weight ("small updates are not lost to rounding": float64
+    # holds more than a float32 master weight); the PyTorch recipe trains it
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        model.gain = nn.Parameter(torch.full((1,), 1.5, dtype=torch.float64))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_of(model, x):
+        return (model(x).float().pow(2).mean() * model.gain).sum()
+
+    data = [torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model, opt = make()
+    guard = Guard(model, opt, precision=precision, max_norm=0.5, scaler={"init_scale": 256.0})
+    ref, ref_opt = make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=precision == "fp16")
+    for x in data:
+        with guard.autocast():
+            loss = loss_of(model, x)
+        guard.backward(loss)
+        assert not guard.step().skipped
+        with Precision(precision, "cpu").autocast():
+            ref_loss = loss_of(ref, x)
+        scaler.scale(ref_loss.float()).backward()
+        scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+    assert model.gain.dtype == torch.float64
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_complex_weights_under_fp16_are_refused_up_front():
+    # GradScaler's unscale kernel has no complex version: a NotImplementedError mid-step
+    model = nn.Linear(2, 1)
+    model.phase = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"^parameter 'phase' is complex, which fp16's loss scaler cannot unscale"):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
+    Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")  # no scaler: trains
+
+
 def test_half_weights_with_fp32_precision_are_the_users_choice():
     torch.manual_seed(0)
     model = nn.Linear(2, 2).to(torch.bfloat16)
@@ -489,6 +754,33 @@ def test_a_plain_grad_scaler_is_taken_over_with_its_settings_and_state():
     assert isinstance(guard.scaler, GuardedGradScaler)
     s = guard.scaler
     assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (64.0, 4.0, 0.25, 7)
+
+
+@pytest.mark.parametrize("ran_before", [False, True])
+def test_the_plain_scaler_handed_over_follows_the_guards_scale(ran_before):
+    # a loop ported with its own `scaler = GradScaler(...)` logs scaler.get_scale() and saves
+    # scaler.state_dict(): they stayed at the scale handed over while the guard's backed off
+    model = nn.Linear(2, 1)
+    plain = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=1000)
+    if ran_before:  # its own tensors exist (a resumed loop): they are replaced by the guard's
+        plain.scale(torch.ones(()))
+    with pytest.warns(SlowPrecisionWarning):
+        guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", scaler=plain)
+    for inf_grad in (True, False, True):
+        with guard.autocast():
+            loss = model(torch.ones(1, 2)).sum()
+        guard.backward(loss)
+        if inf_grad:
+            model.weight.grad[0, 0] = INF
+        record = guard.step()
+        assert plain.get_scale() == guard.scaler.get_scale() == record.values()["scaler_scale"]
+    assert plain.get_scale() == 128.0
+    mine, guards = plain.state_dict(), guard.scaler.state_dict()
+    assert (mine["scale"], mine["_growth_tracker"]) == (guards["scale"], guards["_growth_tracker"]) == (128.0, 0)
+    # the user's checkpoint of their scaler resumes where the guard was
+    again = GuardedGradScaler.from_scaler(torch.amp.GradScaler("cpu"))
+    again.load_state_dict(plain.state_dict())
+    assert again.get_scale() == 128.0
 
 
 def test_fp16_on_a_cpu_warns_that_it_is_emulated():
@@ -530,6 +822,14 @@ def test_a_parameter_reached_through_views_only_gets_its_own_gradient(accumulati
             assert torch.equal(mine.p.grad, ref.p.grad) and torch.equal(mine.lin.weight.grad, ref.lin.weight.grad)
     grads = [p.grad.clone() for p in mine.parameters()]
     assert all(torch.equal(a, b.grad) for a, b in zip(grads, ref.parameters()))
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_up_front():
+    # LBFGS raised a TypeError from inside the first applied step, after the step was counted (an
+    # fp16 run whose first step was a skip went past it)
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"^optimizer 'optimizer' \(LBFGS\) needs a closure in step\(\)"):
+        Guard(model, torch.optim.LBFGS(model.parameters()), precision="bf16")
 
 
 def test_library_settings_the_config_refuses_are_refused_here_too():

@@ -348,6 +348,23 @@ def test_the_csv_names_the_optimizers_stepped_and_skipped(tmp_path):
     assert [(r["optimizers"], r["skipped"], r["skipped_optimizers"]) for r in rows] == [("d", "0", ""), ("g", "1", "g")]
 
 
+def test_a_csv_without_the_optimizer_columns_refuses_a_record_of_several(tmp_path):
+    # without extra_columns=guard.record_columns a partial skip was a row "skipped=1" with a post-clip
+    # norm (the applied optimizer's), which optimizer skipped unsaid
+    gen, disc, opt_g, opt_d = _gan()
+    guard = Guard([gen, disc], {"d": opt_d, "g": opt_g}, precision="bf16", max_norm=None)
+    sink = CsvSink(tmp_path / "steps.csv")
+    real, z, _ = _gan_data(1)[0]
+    with guard.autocast():
+        loss = _d_loss(disc, real, gen(z).detach())
+    guard.backward(loss)
+    with pytest.raises(ValueError, match=r"a record of a guard over several optimizers \(this step's: d\) needs the "
+                                         r"columns saying which skipped: CsvSink\(path, extra_columns=guard.record_columns\)"):
+        sink.write(guard.step("d"))
+    sink.close()
+    assert (tmp_path / "steps.csv").read_text().count("\n") == 1  # the header alone
+
+
 def test_one_optimizer_keeps_the_eight_columns_and_no_labels():
     model = nn.Linear(2, 1)
     guard = Guard(model, [torch.optim.SGD(model.parameters(), lr=0.1)], precision="fp32")
@@ -463,8 +480,10 @@ def test_each_optimizers_norm_comes_from_the_one_pass_over_the_gradients():
 def test_the_records_scale_follows_a_found_inf_that_unscale_recorded_for_an_unstepped_or_cleaned_optimizer():
     """update() backs off for every found-inf flag unscale_ recorded, not only for the step's
     skips: an optimizer unscaled (guard.unscale_()) but not stepped, whose gradient overflowed;
-    an applied optimizer whose gradients a hook cleaned after unscale_. The record's scale
-    (told on the host from the step's one read) is the scaler's all the same."""
+    and the step skips an optimizer whose gradients a hook cleaned after unscale_ found them
+    non-finite (GradScaler.step skips on what unscale_ found; the guard applied the clamped
+    gradients, a record "applied" beside a backed-off scale). The record's scale (told on the
+    host from the step's one read) is the scaler's all the same."""
     torch.manual_seed(0)
     gen, disc = nn.Linear(2, 2), nn.Linear(2, 1)
     guard = Guard([gen, disc], {"gen": torch.optim.SGD(gen.parameters(), lr=0.1),
@@ -488,6 +507,8 @@ def test_the_records_scale_follows_a_found_inf_that_unscale_recorded_for_an_unst
     guard.unscale_()
     for p in model.parameters():  # (a framework hook's clean-up after unscale_)
         p.grad.nan_to_num_(0.0, 0.0, 0.0)
+    before = [p.detach().clone() for p in model.parameters()]
     record = guard.step()
-    assert not record.skipped and guard.scaler.get_scale() == 256.0
-    assert record.values()["scaler_scale"] == 256.0
+    assert (record.skipped, record.reason, guard.scaler.get_scale()) == (True, "non_finite_grad", 256.0)
+    assert record.values()["scaler_scale"] == 256.0 and record.values()["grad_l2_pre_clip"] == float("inf")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

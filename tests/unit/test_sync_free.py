@@ -191,3 +191,24 @@ def test_the_post_clip_norm_is_the_devices_whether_the_host_or_the_device_comput
     assert fast[0].values()["grad_l2_post_clip"] == exact[0].values()["grad_l2_post_clip"]
     if max_norm == 0.05:
         assert all(r.values()["grad_l2_post_clip"] < r.values()["grad_l2_pre_clip"] for r in fast)  # it clipped
+
+
+def test_a_param_group_added_mid_run_gets_the_schedule():
+    # progressive unfreezing on the sync-free path: the added group's LR is its own base times the
+    # schedule's factor (the zip with the base LRs read at Guard() left it at its base); the added
+    # parameters' checks are the default path's (tests/unit/test_guard.py)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW(model[2].parameters(), lr=torch.tensor(1e-2), fused=True)
+    state = AmpTrainState(model, opt, F.mse_loss, precision="bf16", sync_free=True, lr_schedule=factor_t)
+    data = _data(1)
+    for x, y in data[:2]:
+        state.step(x, y)
+    model[0].requires_grad_(True)
+    opt.add_param_group({"params": list(model[0].parameters()), "lr": torch.tensor(4e-2)})
+    for x, y in data[2:4]:  # two updates before the third step, three before the fourth
+        record = state.step(x, y)
+    assert not record.skipped
+    assert float(opt.param_groups[1]["lr"]) == pytest.approx(4e-2 * factor_py(3), rel=1e-6)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 * factor_py(3), rel=1e-6)
