@@ -546,6 +546,19 @@ def test_spike_detector_flags_a_value_above_mean_plus_z_std():
     d = LossSpikeDetector(window=6, z=2.5)
     _fill(d, values)
     assert d.check(below) is False  # not a spike: it joins the window
+    d = LossSpikeDetector(window=6, z=2.5)
+    _fill(d, values)
+    assert threshold == 2.75 and d.check(threshold) is False  # (mean 1.5, std 0.5: exact) at it, not above it
+
+
+def test_a_flat_loss_is_never_a_spike():
+    # a loss that settles exactly (0.0 once a model fits its data): the window's std is 0, its
+    # threshold the loss itself; ">=" would call every later step a spike and roll back until the
+    # rollbacks ran out (exit 3)
+    for level in (0.0, 1.25):
+        d = LossSpikeDetector(window=4, z=3.0)
+        _fill(d, [level] * 4)
+        assert [d.check(level) for _ in range(10)] == [False] * 10
 
 
 def test_a_spike_does_not_enter_the_window_and_non_finite_losses_are_ignored():

@@ -9,7 +9,6 @@ logits' gradient during backward).
 from __future__ import annotations
 
 import csv
-import math
 import warnings
 
 import pytest
@@ -156,7 +155,7 @@ def test_an_inf_gradient_under_fp16_is_a_non_finite_grad_skip_that_halves_the_sc
     fit(module, plugin, steps=4)
     table = rows(tmp_path / "steps.csv")
     assert (table[2]["skipped"], table[2]["skip_reason"]) == ("1", "non_finite_grad")
-    assert math.isinf(float(table[2]["grad_l2_pre_clip"])) or table[2]["grad_l2_pre_clip"] == "nan"
+    assert table[2]["grad_l2_pre_clip"] == "inf"  # (one element set to inf: the global norm is inf, not NaN)
     assert float(table[2]["scaler_scale"]) == float(table[1]["scaler_scale"]) / 2 == 2.0**15
     assert same(module.after[3], module.after[2])
     assert table[3]["skipped"] == "0" and plugin.guard.updates == 3
@@ -172,6 +171,21 @@ def test_the_skip_rate_alarm_stops_the_trainer_and_says_why():
     # the third consecutive step at step 7, which stops the trainer
     assert trainer.global_step == 7 and plugin.monitor.failed.cause == "skip_rate"
     assert plugin.stop_reason.startswith("ampguard stopped the trainer at step 7: rolling skip rate above")
+
+
+def test_a_loss_scale_collapsed_to_its_floor_stops_the_trainer_and_says_why(tmp_path):
+    # fp16 with an inf gradient every step: 4 -> 2 -> 1 (the floor, after step 2), then skipped there;
+    # with fail_on_scale_collapse the trainer stops at the fail_after-th skipped step at the floor
+    plugin = AmpGuardPlugin("16-mixed", csv=tmp_path / "steps.csv", scaler={"init_scale": 4.0, "min_scale": 1.0},
+                            fail_on_scale_collapse=True, fail_after=2, min_steps=0)
+    with pytest.warns(UserWarning, match="ampguard stopped the trainer"):
+        trainer = fit(Digits(faults=["inf_grad@every:1"], hidden=8), plugin, steps=20)
+    table = rows(tmp_path / "steps.csv")
+    assert [float(r["scaler_scale"]) for r in table] == [2.0, 1.0, 1.0]
+    assert all(r["skipped"] == "1" for r in table)
+    assert plugin.monitor.failed.cause == "scale_collapse" and plugin.monitor.failed.step == 3
+    assert trainer.should_stop and trainer.global_step == 3
+    assert plugin.stop_reason.startswith("ampguard stopped the trainer at step 3: loss scale at its floor")
 
 
 def test_every_lightning_logger_sees_the_records(tmp_path):

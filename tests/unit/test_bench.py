@@ -24,14 +24,18 @@ def _record(step: int) -> StepLog | SkipLog:
 
 
 class SlowSink:
-    """A sink that takes its time, so the queue really holds rows when the writer is closed."""
+    """A sink that takes its time, so the queue really holds rows when the writer is closed; with a
+    ``gate``, its first write waits until the gate is set (the rows after it certainly queued)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: threading.Event | None = None) -> None:
         self.steps: list[int] = []
         self.closed = False
         self.threads: set[str] = set()
+        self.gate = gate
 
     def write(self, record, extra=None) -> None:
+        if self.gate is not None:
+            assert self.gate.wait(timeout=60)
         time.sleep(0.001)
         self.threads.add(threading.current_thread().name)
         self.steps.append(record.step)
@@ -53,11 +57,13 @@ def test_background_writer_keeps_every_row_in_order(tmp_path):
 
 
 def test_background_writer_drains_the_queue_when_closed_early():
-    inner = SlowSink()
+    gate = threading.Event()
+    inner = SlowSink(gate)
     sink = BackgroundSink(inner)
     for step in range(1, 201):
         sink.write(_record(step))
-    assert len(inner.steps) < 200  # rows still queued when the loop stops
+    assert inner.steps == []  # every row still queued when the loop stops
+    gate.set()
     sink.close()  # what the training loop's `finally` does after Ctrl-C
     assert inner.steps == list(range(1, 201)) and inner.closed
     assert inner.threads == {"ampguard-writer"}  # written off the training thread
@@ -89,6 +95,28 @@ def test_background_writer_reports_the_inner_sinks_error():
             time.sleep(0.001)
             sink.write(_record(step))
         sink.close()
+
+
+def test_background_writer_writes_nothing_after_the_inner_sinks_error():
+    # a row that failed (the disk full at step 5) ends the file there: the rows queued after it are
+    # not written, which would leave a CSV with a hole at step 5 that a resume refuses
+    gate = threading.Event()
+
+    class FailsAtFive(SlowSink):
+        def write(self, record, extra=None) -> None:
+            if record.step == 5:
+                assert gate.wait(timeout=60)  # (until steps 6..10 are certainly queued behind it)
+                raise OSError("disk full at step 5")
+            super().write(record, extra)
+
+    inner = FailsAtFive()
+    sink = BackgroundSink(inner)
+    for step in range(1, 11):
+        sink.write(_record(step))
+    gate.set()
+    with pytest.raises(OSError, match="disk full at step 5"):
+        sink.close()
+    assert inner.steps == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------------- measure with no contender left (issue 16)

@@ -504,6 +504,26 @@ def test_a_held_out_regression_rolls_back_to_before_the_previous_evaluation():
     assert "val_loss 1.21 > best 1 + 0.2 x 1" in decision.why
 
 
+def test_a_non_finite_first_evaluation_rolls_back_to_before_step_1_and_without_a_checkpoint_stops(tmp_path):
+    # the first evaluation has no best to regress from, but a NaN there is judged all the same: its
+    # rollback target is before step 1 (train saves step 0 for it); with no checkpoint that old the
+    # run stops (exit 3) rather than train on from a state no evaluation vouched for
+    config = validate({"rollback": {"triggers": ["val_regression"]}, "checkpoint": {"every": 5}, "eval": {"every": 5}})
+    monitor = RunMonitor(scaler_enabled=False)
+    guards = Guards(config, monitor, metrics=("val_loss",))
+    for step in range(1, 6):
+        monitor.observe(clean(step))
+    monitor.observe_eval({"val_loss": float("nan")})
+    decision = guards.check(clean(5), None, {"val_loss": float("nan")})
+    assert isinstance(decision, Rollback) and decision.kind == g.VAL_REGRESSION
+    assert decision.first_bad_step == 1 and decision.why == "held-out regression at step 5 (val_loss nan is not finite)"
+
+    w = World(tmp_path)  # checkpoints at step 5 and later only: none before step 1
+    w.save_at(5)
+    stop = w.rollbacks.apply(decision)
+    assert isinstance(stop, Stop) and stop.kind == g.NO_CHECKPOINT and stop.exit_code == 3
+
+
 def test_an_accuracy_regresses_downwards():
     config = validate({"rollback": {"triggers": ["val_regression"], "val_metric": "val_accuracy"},
                        "checkpoint": {"every": 5}, "eval": {"every": 5}})
