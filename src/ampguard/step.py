@@ -139,7 +139,8 @@ def _holders(root: nn.Module, optimizers: dict[str, torch.optim.Optimizer], devi
                 if id(p) not in names:
                     raise ValueError(
                         "the optimizer holds a parameter that is not the model's; the step clips and checks "
-                        "the model's parameters, so every optimized tensor must belong to the model"
+                        "the model's parameters, so every optimized tensor must belong to the model (a loss "
+                        "module's own parameters: Guard([model, loss_module], optimizer))"
                     )
                 if holder.setdefault(id(p), opt_name) != opt_name:
                     raise ValueError(
@@ -454,7 +455,9 @@ class Guard:
         """The forward-pass context: autocast to the precision's dtype (nothing for fp32) and, on a
         micro-batch that does not close its group, no gradient all-reduce (DDP's ``no_sync``)."""
         if self._backward_pending:
-            raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)")
+            raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)"
+                               + (f" (inside a group of accumulation_steps={self.accumulation_steps} it returns None:"
+                                  " no counter of your own)" if self.accumulation_steps > 1 else ""))
         return self.precision.autocast() if self._closes_group() else self._autocast_no_sync()
 
     @contextlib.contextmanager
@@ -481,7 +484,8 @@ class Guard:
         bit for bit what that loop would do, and the record counts each as ``loss x N``.
         """
         if self._backward_pending:
-            raise RuntimeError("Guard.backward() called twice: call guard.step() after each guard.backward(loss)")
+            raise RuntimeError("Guard.backward() called twice: call guard.step() after each guard.backward(loss) "
+                               "(a step's several losses: guard.backward(loss0, loss1))")
         if not losses:
             raise ValueError("Guard.backward() takes a loss tensor")
         if torch.is_autocast_enabled(self.precision.device_type):
@@ -490,7 +494,8 @@ class Guard:
         for loss in losses:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}")
+                several = " (several losses: guard.backward(*losses))" if isinstance(loss, (tuple, list)) else ""
+                raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}{several}")
         if self.scaler.is_enabled() and any(map(self.scaler.unscaled, self.optimizers.values())):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")

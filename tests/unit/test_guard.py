@@ -241,9 +241,11 @@ def test_backward_inside_autocast_is_refused_and_nothing_is_counted(precision):
 def test_a_forward_before_the_pending_step_raises():
     model, guard = _guard(accumulation_steps=2)
     guard.backward(_loss(model))
-    with pytest.raises(RuntimeError, match=r"autocast\(\) before step\(\)"):
+    with pytest.raises(RuntimeError, match=r"autocast\(\) before step\(\)") as err:
         with guard.autocast():
             pass
+    # a loop keeping its own accumulation counter (step() every Nth batch) is told why
+    assert str(err.value).endswith("(inside a group of accumulation_steps=2 it returns None: no counter of your own)")
 
 
 def test_state_dict_mid_group_or_before_step_raises():
@@ -416,8 +418,10 @@ def test_close_is_refused_for_a_short_group_of_a_model_that_defers_its_all_reduc
 
 def test_a_non_scalar_loss_is_refused_with_its_shape():
     model, guard = _guard()
-    with pytest.raises(ValueError, match=r"scalar loss tensor, got \(2, 1\)"):
+    with pytest.raises(ValueError, match=r"scalar loss tensor, got \(2, 1\)$"):
         guard.backward(model(torch.ones(2, 3)))
+    with pytest.raises(ValueError, match=r"got tuple \(several losses: guard.backward\(\*losses\)\)$"):
+        guard.backward((_loss(model), _loss(model)))
 
 
 # ---------------------------------------------------------------------------- the optimizer's parameters
