@@ -888,6 +888,11 @@ class RunMonitor:
           (an episode);
         - with ``fail_rate``, a run shorter than ``fail_after`` whose rolling rate was above it at
           every step fails (cause :data:`FAIL_SKIP_RATE`): the whole run is the evidence.
+        - a run whose opening search never ended (every step an fp16 gradient overflow, the floor
+          not reached yet: a short run, or a high ``init_scale``) applied no update: the search
+          found no scale, so nothing is set aside and the whole run is judged, whatever its
+          length: one ALERT, and with ``fail_rate`` (below 1) a failure. It ended "finished",
+          exit 0, with no alert.
 
         Example (a 30-step run that skipped every step, with the defaults' min_steps and fail_after 100)::
 
@@ -903,22 +908,25 @@ class RunMonitor:
             >>> print(m.failed.message)
             skip rate above fail_rate 0.5 at every one of the run's 30 steps (it ended before fail_after 100 consecutive steps)
         """
-        aside = self.opening  # the scaler's opening search (0 once it reached the floor: then it counts)
+        unsettled = self.in_opening and self.steps > 0  # every step a search that found no scale
+        aside = 0 if unsettled else self.opening  # (0 once it reached the floor too: then it counts)
         judged, skipped = self.steps - aside, sum(self.skips.values()) - aside
         events: list[Event] = []
         if judged <= 0:
             return events
         rate = skipped / judged
         data = {"skip_rate": rate, "window": self.window}
-        if self.steps < self.min_steps and not self.alerting and rate > self.alert_rate:
+        never = (f"no step applied in the run's {self.steps} steps: the fp16 loss scale's search down from init_scale "
+                 f"never found a scale (now {self.health.scale:g})") if unsettled else ""
+        if (self.steps < self.min_steps or unsettled) and not self.alerting and rate > self.alert_rate:
             self.alerting = True
             self.alert_episodes += 1
-            events.append(Event(step, "skip_rate_alert", (
+            events.append(Event(step, "skip_rate_alert", never or (
                 f"skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over the run's {judged} steps, which "
                 f"ended before the rolling ALERT armed (monitor.min_steps {self.min_steps})"), data))
-        if (self.failed is None and self.fail_rate is not None and self.steps < self.fail_after
-                and self.above_fail >= self.steps):
-            self.failed = Event(step, "fail", (
+        if self.failed is None and self.fail_rate is not None and (
+                unsettled and rate > self.fail_rate or self.steps < self.fail_after and self.above_fail >= self.steps):
+            self.failed = Event(step, "fail", f"{never}, a skip rate of 1 above fail_rate {self.fail_rate:g}" if never else (
                 f"skip rate above fail_rate {self.fail_rate:g} at every one of the run's {self.steps} steps "
                 f"(it ended before fail_after {self.fail_after} consecutive steps)"), data, cause=FAIL_SKIP_RATE)
             events.append(self.failed)

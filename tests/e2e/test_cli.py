@@ -334,6 +334,16 @@ def test_demo_csv_dash_is_refused_not_written_as_a_file_named_dash(cli, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_fp16_demo_that_never_applies_a_step_fails_fast_at_its_end(cli):
+    # six overflows from init_scale 2^10: the scaler's opening search, set aside by the rolling
+    # rules, never found a scale; it ended "finished", exit 0, no alert, with fail-fast set
+    code, out, _ = cli("demo", "--steps", "6", "--inject", "nan_grad@every:1", "--fail-skip-rate", "0.5",
+                       "--fail-after", "2")
+    assert code == 3
+    assert "ALERT 6 no step applied in the run's 6 steps" in out
+    assert "ended: stopped by the guard at the end of the run (step 6): no step applied" in out
+
+
 def test_train_refuses_existing_run_folder(cli, tmp_path, snapshot):
     run_dir = tmp_path / "runs" / "X"
     run_dir.mkdir(parents=True)

@@ -1291,3 +1291,29 @@ def test_at_end_sets_the_fp16_opening_search_aside_as_the_rolling_rate_does():
     assert sum(m.skips.values()) == 3 and m.at_end(10) == []  # 3 opening halvings: the search, not failures
     m.observe(skip_record(11, scale=2.0**12))  # a later overflow counts: 1 of 8 judged steps
     assert [e.message.split(" > ")[0] for e in m.at_end(11)] == ["skip rate 0.125"]
+
+
+@pytest.mark.parametrize(("steps", "fail_rate"), [(6, 0.5), (6, None), (150, 0.5)])
+def test_an_opening_search_that_never_ended_is_judged_whole_at_the_end(steps, fail_rate):
+    # fp16, every step an overflow, the floor not reached (a short run, or a high init_scale): the
+    # whole run was "the scaler's opening search" and nothing was judged: 0 updates ended "finished",
+    # exit 0, no alert, with fail-fast set. A search that finds no scale is no warm-up.
+    m = RunMonitor(init_scale=2.0**127, min_scale=2.0**-126, fail_rate=fail_rate, fail_after=100)
+    for s in range(1, steps + 1):
+        m.observe(skip_record(s, scale=2.0**(127 - s)))
+    assert m.failed is None and m.alert_episodes == 0  # (the rolling rules set the search aside)
+    events = m.at_end(steps)
+    assert events[0].kind == "skip_rate_alert" and events[0].message == (
+        f"no step applied in the run's {steps} steps: the fp16 loss scale's search down from init_scale never found a "
+        f"scale (now {2.0 ** (127 - steps):g})")
+    if fail_rate is None:
+        assert len(events) == 1 and m.failed is None
+    else:
+        assert events[1] is m.failed and m.failed.cause == FAIL_SKIP_RATE and m.failed.step == steps
+        assert m.failed.message.endswith("a skip rate of 1 above fail_rate 0.5")
+    # one step applied ends the search: its halvings before were the warm-up, as before
+    m = RunMonitor(init_scale=2.0**127, min_scale=2.0**-126, fail_rate=fail_rate, fail_after=100)
+    for s in range(1, steps):
+        m.observe(skip_record(s, scale=2.0**(127 - s)))
+    m.observe(step_record(steps, scale=2.0**(128 - steps)))
+    assert m.at_end(steps) == [] and m.failed is None
