@@ -104,7 +104,7 @@ class RunPaths:
     @classmethod
     def new_run_dir(cls, config: Config, on_made: Callable[[RunPaths], None] | None = None) -> RunPaths:
         """Create the run folder ``log.dir/log.name`` (a timestamp by default), never reusing one,
-        and write the effective config into it. When that fails it is one :class:`InputError`
+        and write the effective config and the run id into it. When that fails it is one :class:`InputError`
         line, and every folder it created (``log.dir`` and its parents included) is removed again.
         ``on_made`` is told the paths as soon as the folder exists (a caller that takes an unused
         folder back after a Ctrl-C knows it even if the signal lands before this returns).
@@ -148,6 +148,7 @@ class RunPaths:
             if on_made is not None:
                 on_made(paths)
             paths.write_config(config)
+            paths.ensure_run_id()  # (here: a disk full by then was a traceback from the run's open)
         except (OSError, ValueError) as err:
             _remove_created(created)
             if isinstance(err, FileExistsError) and run_dir not in created and run_dir.exists():  # a race

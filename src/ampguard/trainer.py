@@ -461,7 +461,12 @@ class Trainer:
         if refused is not None:
             raise InputError(refused)
         self.checkpointer.folder = distributed.broadcast_from_main(self.paths.checkpoints)
-        self.run_id = distributed.broadcast_from_main(self.paths.ensure_run_id())  # made now for a new run folder
+        try:  # (made with a new run folder; a folder from before run ids gets one now)
+            with writing(self.paths.dir or "the run folder"):
+                run_id = self.paths.ensure_run_id()
+        except DiskFull as full:
+            run_id, self._failed = None, self._failed or full
+        self.run_id = distributed.broadcast_from_main(run_id)
         self.bar = progress_bar(self.config.steps, initial=self.state.steps) if self.progress and main else None
         self.throughput = Throughput(flops_per_token=self.task.flops_per_token, peak_flops=self._peak_flops(),
                                      ranks=self.dist.world_size)

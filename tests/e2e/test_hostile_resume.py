@@ -336,14 +336,17 @@ def test_a_run_folder_that_cannot_be_made_leaves_no_empty_folder_behind(cli, tmp
     # a full disk is not bad input: it has its own exit code
     ((28, "No space left on device"), ExitCode.DISK_FULL, "disk full while writing the run folder"),
 ], ids=["EACCES", "ENOSPC"])
+@pytest.mark.parametrize("what", ["write_config", "ensure_run_id"])
 def test_a_run_folder_whose_config_cannot_be_written_is_taken_back(cli, tmp_path, monkeypatch, error,
-                                                                   expected_code, line):
+                                                                   expected_code, line, what):
+    # the run id (written just after config.yaml) on a disk that filled up in between was a
+    # traceback, exit 1, and a folder left holding config.yaml and .run-id.tmp
     from ampguard import run_folder
 
-    def cannot_write(self, config):
+    def cannot_write(self, *config):
         raise OSError(*error)
 
-    monkeypatch.setattr(run_folder.RunPaths, "write_config", cannot_write)
+    monkeypatch.setattr(run_folder.RunPaths, what, cannot_write)
     code, out, err = cli("train", *LINEAR, "--set", "steps=2", "--set", "log.dir=runs/deeper", "--set", "log.name=a")
     assert code == expected_code, (code, out, err)
     assert len(err.strip().splitlines()) == 1 and err.startswith("ampguard: error: "), err
