@@ -43,24 +43,52 @@ MAX_NAME = 100
 """The longest run-folder name (``log.name``); file systems stop at 255 bytes for the whole name."""
 
 
+_INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)\Z")
+"""YAML 1.2's integers (core schema): decimal (``010`` is ten), ``0o17`` octal and ``0x1f`` hex."""
+_FLOAT_12 = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")
+"""YAML 1.2's floats (core schema): ``1e-3``, ``.5``, ``5.``, ``-1.5e+3``, ``.inf``, ``-.inf``, ``.nan``."""
+_NUMBER_RESOLVERS = (("tag:yaml.org,2002:int", _INT_12, list("-+0123456789")),  # (ints first: "10" fits both)
+                     ("tag:yaml.org,2002:float", _FLOAT_12, list("-+.0123456789")))
+
+
+def _yaml12_number(text: str, tag: str) -> int | float:
+    """The number YAML 1.2 reads ``text`` as, for an int or float ``tag``; ValueError if it is none."""
+    if tag.endswith(":int") and _INT_12.match(text):
+        base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+        return int(text if base == 10 else text[2:], base)
+    if tag.endswith(":float") and _FLOAT_12.match(text):
+        bare = text.lstrip("+-").lower()
+        if bare in (".inf", ".nan"):
+            return math.copysign(math.inf, -1.0 if text.startswith("-") else 1.0) if bare == ".inf" else math.nan
+        return float(text)
+    raise ValueError(f"{text!r} is not a YAML 1.2 {tag.rpartition(':')[2]}")
+
+
 class _PlainLoader(yaml.SafeLoader):
     """YAML as plain data: no aliases (a few hundred bytes of nested aliases expand to gigabytes),
     only the JSON types (a date, ``!!binary`` or ``!!set`` is refused by :func:`_plain`), and
-    YAML 1.2's booleans: ``true`` and ``false`` only, so ``log.name=off`` is the name "off", not
-    False (a boolean setting still takes yes/no/on/off: the config's validation reads them).
+    YAML 1.2's scalars (the README's promise), not PyYAML's 1.1 ones: ``true`` and ``false`` are
+    the only booleans, so ``log.name=off`` is the name "off", not False (a boolean setting still
+    takes yes/no/on/off: the config's validation reads them); ``010`` is ten, not octal 8, and
+    ``0o17`` is octal; ``1e-3`` is a float; ``1:30``, ``1_000`` and ``0b11`` are text, not 90,
+    1000 and 3.
 
     Example::
 
         >>> yaml.load("[off, yes, true, False]", Loader=_PlainLoader)
         ['off', 'yes', True, False]
+        >>> yaml.load("[010, 0o17, 0x1f, 1e-3, 5., .inf, 1:30, 1_000, 0b11]", Loader=_PlainLoader)
+        [10, 15, 31, 0.001, 5.0, inf, '1:30', '1_000', '0b11']
         >>> yaml.load("optimizer:\\n  lr: 0.1\\nsteps: 3\\noptimizer:\\n  weight_decay: 0.0\\n", Loader=_PlainLoader)
         Traceback (most recent call last):
         ...
         yaml.error.YAMLError: key 'optimizer' appears twice (lines 1 and 4)
     """
 
-    yaml_implicit_resolvers = {
-        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    yaml_implicit_resolvers = {  # (YAML 1.2's booleans and numbers are added below the class)
+        first: [(tag, regexp) for tag, regexp in resolvers
+                if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
 
@@ -69,6 +97,13 @@ class _PlainLoader(yaml.SafeLoader):
             mark = self.peek_event().start_mark
             raise yaml.YAMLError(f"aliases (*name) are not allowed in a config (line {mark.line + 1})")
         return super().compose_node(parent, index)
+
+    def construct_number(self, node: Any) -> Any:
+        # (PyYAML's own constructors read 010 as octal, 1:30 as 90, and refuse 0o17; !!int 1_000 too)
+        try:
+            return _yaml12_number(self.construct_scalar(node), node.tag)
+        except ValueError as err:
+            raise yaml.constructor.ConstructorError(None, None, str(err), node.start_mark) from None
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         # a key given twice: YAML 1.2 says keys are unique, and PyYAML's last-wins dropped the first
@@ -105,6 +140,39 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 _PlainLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                                    list("tTfF"))
+for _tag, _regexp, _first in _NUMBER_RESOLVERS:
+    _PlainLoader.add_implicit_resolver(_tag, _regexp, _first)
+    _PlainLoader.add_constructor(_tag, _PlainLoader.construct_number)
+
+
+class _Written:
+    """A number read from YAML that remembers how it was written (``text``), so that a setting
+    that is text (``log.name``) takes ``010`` as "010", not as ten ("10"): see :func:`_as_written`."""
+
+    text: str
+
+
+class _WrittenInt(_Written, int):
+    pass
+
+
+class _WrittenFloat(_Written, float):
+    pass
+
+
+class _TextKeepingLoader(_PlainLoader):
+    """:class:`_PlainLoader` whose numbers are :class:`_Written`: what :func:`read_file` and
+    ``--set`` use; :func:`_as_written` then turns each into a number or its text."""
+
+    def construct_number(self, node: Any) -> Any:
+        value = super().construct_number(node)
+        written = (_WrittenInt if isinstance(value, int) else _WrittenFloat)(value)
+        written.text = node.value
+        return written
+
+
+for _tag, _, _ in _NUMBER_RESOLVERS:
+    _TextKeepingLoader.add_constructor(_tag, _TextKeepingLoader.construct_number)
 
 
 def _plain(value: Any, where: str = "", depth: int = 0) -> None:

@@ -268,7 +268,7 @@ class RunPaths:
             >>> paths = RunPaths.new_run_dir(validate({"log": {"dir": str(root / "runs"), "name": "b"}}))
             >>> _ = paths.csv.write_text("step\\n")
             >>> paths.remove_unused(), sorted(p.name for p in paths.dir.iterdir())  # it has records: kept
-            (False, ['config.yaml', 'steps.csv'])
+            (False, ['config.yaml', 'run-id', 'steps.csv'])
             >>> shutil.rmtree(root)
         """
         if not self.created or self.dir is None:

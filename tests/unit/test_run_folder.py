@@ -25,7 +25,7 @@ def test_a_named_run_folder_is_created_with_its_config(tmp_path):
     config = config_in(tmp_path / "runs", "first")
     paths = RunPaths.new_run_dir(config)
     assert paths.dir == tmp_path / "runs" / "first" and paths.csv == paths.dir / "steps.csv"
-    assert sorted(p.name for p in paths.dir.iterdir()) == ["config.yaml"]  # nothing else until the run writes
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["config.yaml", "run-id"]  # nothing else until the run writes
     assert validate(read_file(paths.config)) == config
 
 
@@ -83,7 +83,7 @@ def test_write_config_replaces_the_file_atomically(tmp_path, monkeypatch):
     paths.write_config(resumed)
     assert replaced == [(".config.yaml.tmp", paths.config)]  # written beside it, then renamed over it
     assert validate(read_file(paths.config)).steps == 25
-    assert sorted(p.name for p in paths.dir.iterdir()) == ["config.yaml"]  # no temporary file left
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["config.yaml", "run-id"]  # no temporary file left
 
 
 def test_write_config_without_a_folder_writes_nothing(tmp_path, monkeypatch):
