@@ -9,9 +9,9 @@ the runs over each other: loss, pre-clip gradient norm (with each ``max_norm``),
 loss scale and the rolling skip rate.
 
 Diagnostics only: nothing here is imported by the training step. Everything is read and checked
-before anything is written; ``--out`` is a ``.png`` in an existing folder (an earlier plot is
-drawn again, as ``report`` does; any other existing file, or a run folder's own ``report.png``,
-is never overwritten).
+before anything is written; ``--out`` is a ``.png`` in an existing folder (a plot ampguard drew
+there, which carries its mark, is drawn again, as ``report`` does; any other existing file, a PNG
+included, or a run folder's own ``report.png``, is never overwritten).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from .errors import ExitCode, InputError, first_line
 from .monitor import RunMonitor
 from .precision import Precision
 from .records import LABEL_COLUMNS
-from .report import (Row, _linear_y, _number, card_ended, check_plot_path, finite_points, is_png,
-                     policy_changes_of, read_steps_and_columns, replay, rolling_skip_rate, shown)
+from .report import (Row, _linear_y, _number, card_ended, check_plot_path, drawn_by_ampguard, finite_points,
+                     plot_metadata, policy_changes_of, read_steps_and_columns, replay, rolling_skip_rate, shown)
 from .run_folder import RunPaths
 
 if TYPE_CHECKING:
@@ -252,9 +252,11 @@ def run_colours(n: int) -> list[tuple[float, ...]]:
 def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     """Draw the runs over each other (1200 x 1100 px, four panels on a shared step axis): loss,
     pre-clip global norm with each run's ``max_norm``, log2 of the loss scale, rolling skip rate.
-    Skipped steps are marked with an ``x`` on the loss panel. Written beside the target and
-    renamed over it, so a failed write leaves no half a PNG and an earlier plot stays as it was
-    (an existing file that is no PNG is refused before: ``report.check_plot_path``). Losses of
+    Skipped steps are marked with an ``x`` on the loss panel. The PNG carries ampguard's mark
+    (:func:`~ampguard.report.plot_metadata`). Written beside the target and renamed over it, so a
+    failed write leaves no half a PNG and an earlier plot stays as it was (an existing file that is
+    no plot ampguard drew is refused before, :func:`~ampguard.report.check_plot_path`, and again
+    here should one appear at ``png`` while the runs were drawn). Losses of
     both signs beyond :data:`~ampguard.report.LINEAR_LIMIT` (-1e308 and 1e308 in an edited CSV)
     put the loss panel on a symmetric log axis; values matplotlib still cannot lay an axis out
     for are an :class:`InputError`, with nothing written.
@@ -322,18 +324,20 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         ax.grid(True, alpha=0.3)
         if few:
             ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
-    if few:
-        fig.suptitle(f"ampguard compare: {', '.join(r.name for r in runs)}", fontsize=13)
-    else:  # one legend of the runs beside the panels: four in the panels would cover the curves
+    title = (f"ampguard compare: {', '.join(r.name for r in runs)}" if few
+             else f"ampguard compare: {len(runs)} runs")
+    fig.suptitle(title, fontsize=13)
+    if not few:  # one legend of the runs beside the panels: four in the panels would cover the curves
         fig.legend(handles, [r.name for r in runs], loc="outside right upper", fontsize=8,
                    ncols=math.ceil(len(runs) / 40))
-        fig.suptitle(f"ampguard compare: {len(runs)} runs", fontsize=13)
     partial = png.with_name(f".{png.name}.{os.getpid()}.partial")
     try:
-        fig.savefig(partial, dpi=DPI, format="png")
+        # marked as ampguard's (report.PLOT_MARK): only a plot with the mark is ever drawn again
+        fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(title))
         if png.exists() or png.is_symlink():  # an earlier plot: drawn again, if it still is one
-            if not is_png(png):
-                raise InputError(f"compare: --out {png} exists and is not a PNG; refusing to overwrite it")
+            if png.is_symlink() or not drawn_by_ampguard(png):
+                raise InputError(f"compare: --out {png} exists and is not a plot ampguard drew; refusing to "
+                                 "overwrite it")
             os.replace(partial, png)
         else:
             os.link(partial, png)  # fails if something appeared there meanwhile: never replaced
@@ -384,9 +388,7 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
         >>> shutil.rmtree(root)
     """
     png = Path(out) if out is not None else None
-    if png is not None:
-        if png.name == "report.png" and (png.parent / "steps.csv").is_file():  # a PNG, but the run's own plot
-            raise InputError(f"compare: --out {png} is the plot of the run in {png.parent}; name another file")
+    if png is not None:  # (a run folder's own report.png included: that run's to draw, never compare's)
         check_plot_path(png, None, verb="compare")
     runs = load_runs(paths)
     if png is not None:

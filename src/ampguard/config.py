@@ -21,6 +21,7 @@ from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator,
 )
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticKnownError
 
 from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, first_line
 from .faults import parse_fault
@@ -58,9 +59,11 @@ def _yaml12_number(text: str, tag: str) -> int | float:
         base = {"0o": 8, "0x": 16}.get(text[:2], 10)
         return int(text if base == 10 else text[2:], base)
     if tag.endswith(":float") and _FLOAT_12.match(text):
-        bare = text.lstrip("+-").lower()
-        if bare in (".inf", ".nan"):
-            return math.copysign(math.inf, -1.0 if text.startswith("-") else 1.0) if bare == ".inf" else math.nan
+        bare = text.lstrip("+-").lower()  # (Python's float() reads inf and nan, not YAML's .inf and .nan)
+        if bare == ".nan":
+            return math.nan
+        if bare == ".inf":
+            return -math.inf if text.startswith("-") else math.inf
         return float(text)
     raise ValueError(f"{text!r} is not a YAML 1.2 {tag.rpartition(':')[2]}")
 
@@ -227,6 +230,19 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
+def _number_check(kind: str) -> Any:
+    """The check before an int or float setting (``kind``: "int_parsing", "float_parsing"):
+    no boolean, and no text with ``_`` in it. YAML 1.2 reads ``1_000`` as text, and pydantic would
+    read that text as 1000 the way Python does; the refusal is pydantic's own, in its words."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and "_" in value:
+            raise PydanticKnownError(kind)
+        return _not_bool(value)
+
+    return BeforeValidator(check)
+
+
 def _at_least(low: float, *, strict: bool = False, finite: bool = False) -> Any:
     """A bound as a reusable validator: ``>= low`` (``> low`` when strict), finite if asked."""
     relation = ">" if strict else ">="
@@ -259,8 +275,8 @@ def _rate(value: float) -> float:
     return value
 
 
-Int = Annotated[int, BeforeValidator(_not_bool)]
-Float = Annotated[float, BeforeValidator(_not_bool)]
+Int = Annotated[int, _number_check("int_parsing")]
+Float = Annotated[float, _number_check("float_parsing")]
 _COUNT_CAP = AfterValidator(lambda v: _at_most(v, MAX_COUNT))
 Count = Annotated[Int, _at_least(1), _COUNT_CAP]  # a positive whole number
 Count0 = Annotated[Int, _at_least(0), _COUNT_CAP]  # zero allowed
@@ -1033,6 +1049,53 @@ def _field_at(path: Sequence[str | int]) -> FieldInfo | None:
     return section.model_fields.get(str(path[-1])) if section is not None else None
 
 
+def _takes_text(path: Sequence[str | int]) -> bool:
+    """Whether the setting at ``path`` is text (``log.name``, an item of ``inject`` or of
+    ``log.wandb.tags``), where a number is taken as it was written.
+
+    Example::
+
+        >>> [_takes_text(p) for p in (("log", "name"), ("inject", 0), ("log", "mlflow", "tags", "t"), ("seed",),
+        ...                           ("task", "options", "lr"), ("optimizer", "betas", 0), ("nope",))]
+        [True, True, True, False, False, False, False]
+    """
+    field = _field_at(path)
+    if field is not None:
+        annotation = field.annotation
+    else:  # an item of a list or a value of a mapping
+        parent = _field_at(path[:-1]) if len(path) > 1 else None
+        origin, args = (get_origin(parent.annotation), get_args(parent.annotation)) if parent is not None else (None, ())
+        if origin is list and len(args) == 1:
+            annotation = args[0]
+        elif origin is dict and len(args) == 2:
+            annotation = args[1]
+        else:
+            return False
+    return annotation is str or str in get_args(annotation)
+
+
+def _as_written(value: Any, path: tuple[str | int, ...] = ()) -> Any:
+    """``value`` (read by :class:`_TextKeepingLoader` at ``path`` in the tree) with each number
+    plain again: as the text it was written as where the setting is text, so that
+    ``log.name=010`` is the name "010", ``1e3`` is "1e3" and ``0x10`` is "0x10" (YAML reads them as
+    10, 1000.0 and 16, which a name would have taken as "10", "1000.0" and "16").
+
+    Example::
+
+        >>> _as_written(yaml.load("{log: {name: 010}, seed: 010, task: {options: {lr: 1e-3}}}", Loader=_TextKeepingLoader))
+        {'log': {'name': '010'}, 'seed': 10, 'task': {'options': {'lr': 0.001}}}
+    """
+    if isinstance(value, dict):
+        return {key: _as_written(item, (*path, key)) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_written(item, (*path, i)) for i, item in enumerate(value)]
+    if isinstance(value, _Written):
+        if _takes_text(path):
+            return value.text
+        return int(value) if isinstance(value, int) else float(value)
+    return value
+
+
 def _did_you_mean(path: Sequence[str | int]) -> str:
     """`` (did you mean KEY?)`` for an unknown key close to a known one of its section, else ``""``.
 
@@ -1121,7 +1184,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"config file {path}: larger than {MAX_FILE_BYTES // 1024} KiB; is it a config?")
         text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as Windows editors write: gone)
         if suffix in (".yaml", ".yml"):
-            data = yaml.load(text, Loader=_PlainLoader)  # noqa: S506 - a SafeLoader without aliases
+            data = yaml.load(text, Loader=_TextKeepingLoader)  # noqa: S506 - a SafeLoader without aliases
         elif suffix == ".json":
             data = json.loads(text, object_pairs_hook=_unique_keys)
         elif suffix == ".toml":
@@ -1142,7 +1205,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: the top level must be a mapping, got {type(data).__name__}")
     _plain(data)
-    return data
+    return _as_written(data)
 
 
 def read_run_config(path: str | Path) -> Config:
@@ -1189,13 +1252,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"--set {item!r}: expected key.sub=value")
         try:
-            value = yaml.load(raw, Loader=_PlainLoader) if raw.strip() else None  # noqa: S506
+            value = yaml.load(raw, Loader=_TextKeepingLoader) if raw.strip() else None  # noqa: S506
         except (yaml.YAMLError, ValueError, RecursionError) as err:
             why = f" ({err})" if type(err) is yaml.YAMLError else ""  # (ours: a key given twice, an alias)
             raise ConfigError(f"--set {key}: cannot parse value {raw!r}{why}") from None
         _plain(value, key)
-        node = data
         parts = key.split(".")
+        value = _as_written(value, tuple(parts))
+        node = data
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
@@ -1242,6 +1306,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate(data)
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, which quotes a string that YAML 1.1 reads as something else (``"010"``,
+    ``"1:30"``, ``"off"``), and also one that YAML 1.2 reads as a number (``"1e3"``, ``"0o7"``):
+    what it writes reads back the same in both, here and with ``yaml.safe_load``."""
+
+
+for _tag, _regexp, _first in _NUMBER_RESOLVERS:
+    _PlainDumper.add_implicit_resolver(_tag, _regexp, _first)
+
+
 def dump_config(config: Config) -> str:
     """The config as YAML, every field shown (what ``--print-config`` prints).
 
@@ -1250,5 +1324,8 @@ def dump_config(config: Config) -> str:
         >>> text = dump_config(Config())
         >>> "min_steps: 100" in text, validate(yaml.safe_load(text)) == Config()
         (True, True)
+        >>> text = dump_config(load_config(None, ["log.name=1e3"]))  # (YAML 1.1 reads 1e3 as text, 1.2 as 1000.0)
+        >>> "name: '1e3'" in text, yaml.load(text, Loader=_PlainLoader)["log"]["name"]
+        (True, '1e3')
     """
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    return yaml.dump(config.model_dump(mode="json"), Dumper=_PlainDumper, sort_keys=False)

@@ -435,7 +435,8 @@ def plot_run(
     norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
     rate with its thresholds. Skipped steps are marked on every panel, coloured by reason.
     With ``headroom`` (a ``headroom.csv`` with rows), a sixth panel below (the PNG 500 px
-    taller): the layer x step heatmap of :func:`headroom_panel`.
+    taller): the layer x step heatmap of :func:`headroom_panel`. The PNG carries ampguard's mark
+    (:func:`plot_metadata`), so that ``report`` may draw it again (:func:`check_plot_path`).
 
     Example (the PNG's width and height are in its header)::
 
@@ -446,8 +447,8 @@ def plot_run(
         ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
         >>> png = plot_run(csv_path, folder / "report.png", window=10)
         >>> import struct
-        >>> png.name, struct.unpack(">II", png.read_bytes()[16:24])
-        ('report.png', (1200, 1400))
+        >>> png.name, struct.unpack(">II", png.read_bytes()[16:24]), drawn_by_ampguard(png)
+        ('report.png', (1200, 1400), True)
         >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n")
         >>> try:
         ...     plot_run(csv_path, folder / "empty.png")
@@ -476,9 +477,11 @@ def plot_run(
     try:
         with warnings.catch_warnings():  # (numpy's overflow notes on values near the float64 limit)
             warnings.simplefilter("ignore", RuntimeWarning)
+            shown_title = shown(title or Path(csv_path).name)
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
-                  fail_rate=fail_rate, alert_bits=alert_bits, title=shown(title or Path(csv_path).name))
-            fig.savefig(partial, dpi=DPI, format="png")
+                  fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title)
+            # marked as ampguard's (PLOT_MARK): only a plot with the mark is ever drawn again
+            fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(f"ampguard report: {shown_title}"))
         os.replace(partial, png_path)
     except OSError as err:
         partial.unlink(missing_ok=True)
@@ -848,7 +851,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         alert_rate: float | None = None, fail_rate: float | None = None, min_steps: int | None = None) -> ExitCode:
     """``ampguard report RUN_DIR|CSV``: draw the plot again and print a summary. Thresholds come
     from the run's ``config.yaml`` (beside the CSV) when there is one, else the config defaults;
-    each keyword given overrides its setting.
+    each keyword given overrides its setting. ``max_norm`` and ``fail_rate`` only draw their
+    lines; ``window``, ``alert_rate`` and ``min_steps`` judge the skip-rate alerts again, and the
+    summary says so. The clip rate is the run's, whatever ``max_norm`` says (:func:`run_clip_rate`).
 
     Example (a run folder without ``config.yaml``: the default thresholds, ``window`` given)::
 
@@ -858,9 +863,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
         ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
         >>> code = run(folder, window=2)  # doctest: +ELLIPSIS
-        note: ... has no config.yaml: judged with the default thresholds (--max-norm, --window, ...)
+        note: ... has no config.yaml: alerts judged with the default thresholds (--window, ...)
         summary: steps=3 updates=2 skips=1 (non_finite_grad=1) final_scale=32768 final_loss=0.3
-        max rolling skip rate 0.5000 (window 2), alert episodes 0, clip rate 0.333, scale stable
+        max rolling skip rate 0.5000 (window 2), alert episodes 0 (re-judged at --window 2), clip rate 0.333, scale stable
         plot: .../report.png
         >>> code, (folder / "report.png").is_file()
         (<ExitCode.OK: 0>, True)
@@ -888,8 +893,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         print(f"note: {csv_path.parent} is being written by another process (pid {pid}): the figures are as of "
               "its last row; the run has not ended")
     if target.is_dir() and not config_path.is_file():  # (a bare CSV, a demo's, has none by design)
-        print(f"note: {target} has no config.yaml: judged with the default thresholds (--max-norm, --window, "
-              "--alert-rate, --fail-rate and --min-steps set them)")
+        print(f"note: {target} has no config.yaml: alerts judged with the default thresholds (--window, "
+              "--alert-rate and --min-steps set them)")
     settings: dict[str, Any] = {"max_norm": config.max_norm, "window": config.monitor.window,
                                 "alert_rate": config.monitor.alert_rate, "fail_rate": config.monitor.fail_rate}
     given = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "fail_rate": fail_rate}
@@ -901,10 +906,13 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         raise InputError(f"{csv_path}: no steps recorded, nothing to report")
     scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
     init_scale = config.scaler.init_scale if config_path.is_file() else _start_scale(rows, config.scaler.backoff_factor)
-    overridden = {key for key, name in REPLAYED_POLICY.items() if {**given, "min_steps": min_steps}.get(name) is not None}
+    # a threshold given holds for the whole run; max_norm is never overridden here: the clip rate
+    # is the run's (--max-norm draws a line), under the max_norm each step ran with
+    overridden = {key for key, name in REPLAYED_POLICY.items()
+                  if name != "max_norm" and {**given, "min_steps": min_steps}.get(name) is not None}
     policy = [c for c in policy_changes_of(csv_path.parent) if c["key"] not in overridden] if config_path.is_file() else []
     monitor = replay(rows, window=settings["window"], alert_rate=settings["alert_rate"],
-                     fail_rate=settings["fail_rate"], max_norm=clip_threshold(settings["max_norm"]),
+                     fail_rate=settings["fail_rate"], max_norm=clip_threshold(config.max_norm),
                      scaler_enabled=scaler_on, init_scale=init_scale, min_scale=min(config.scaler.min_scale, init_scale),
                      min_steps=config.monitor.min_steps if min_steps is None else min_steps,
                      fail_after=config.monitor.fail_after, policy=policy,
@@ -916,41 +924,174 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if torn:
         print(f"note: the last line of {csv_path} is torn (no newline: a write cut short), left out: "
               f"{torn[0][:40]!r}")
+    # the alerts judged under thresholds given here are not the run's: said so
+    rejudged = [f"--{flag} {value:g}" for flag, value in (("alert-rate", alert_rate), ("window", window),
+                                                          ("min-steps", min_steps)) if value is not None]
+    episodes = f"{monitor.alert_episodes}" + (f" (re-judged at {', '.join(rejudged)})" if rejudged else "")
     print(f"summary: {monitor.summary()}")
     print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {settings['window']}), "
-          f"alert episodes {monitor.alert_episodes}, clip rate {monitor.clip_rate:.3f}, scale {monitor.scale_verdict}")
+          f"alert episodes {episodes}, clip rate {run_clip_rate(rows, monitor if config_path.is_file() else None)}, "
+          f"scale {monitor.scale_verdict}")
     print(f"plot: {png}")
     return ExitCode.OK
 
 
+def run_clip_rate(rows: list[Row], monitor: RunMonitor | None = None) -> str:
+    """The run's clip rate, as ``report`` prints it, whatever ``--max-norm`` says: with
+    ``monitor`` (replayed under the run's own ``max_norm`` from its ``config.yaml``, and the
+    policy changes of a resume), the run card's: the steps whose pre-clip norm was above it.
+    Without (a CSV with no config beside it: its ``max_norm`` is not known), what the CSV shows:
+    the applied steps whose post-clip norm is below the pre-clip one, both finite (with
+    clipping off a step writes the two equal); ``n/a`` when no applied step has both. Either
+    way a share of all the steps, as the run card's.
+
+    Example (max_norm 1: step 1 clipped, step 2 not, step 3 skipped)::
+
+        >>> rows = [Row(1, 0.1, 2.0, 1.0, 0.5, False, "", 1.0), Row(2, 0.1, 0.5, 0.5, 0.4, False, "", 1.0),
+        ...         Row(3, 0.1, float("inf"), None, 0.4, True, "non_finite_grad", 1.0)]
+        >>> run_clip_rate(rows), run_clip_rate(rows, replay(rows, max_norm=1e9, scaler_enabled=False))
+        ('0.333', '0.000')
+        >>> run_clip_rate([Row(1, 0.1, None, 0.5, None, False, "", 1.0)])  # no pre-clip norm (a stock Trainer's)
+        'n/a (no pre- and post-clip norms in the CSV)'
+    """
+    if monitor is not None:
+        return f"{monitor.clip_rate:.3f}"
+    measured = [r for r in rows if not r.skipped and r.grad_l2_pre_clip is not None and r.grad_l2_post_clip is not None
+                and math.isfinite(r.grad_l2_pre_clip) and math.isfinite(r.grad_l2_post_clip)]
+    if not measured:
+        return "n/a (no pre- and post-clip norms in the CSV)"
+    clipped = sum(r.grad_l2_post_clip < r.grad_l2_pre_clip for r in measured)  # type: ignore[operator]
+    return f"{clipped / len(rows):.3f}"
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOT_MARK = "ampguard"
+"""The first word of the ``Software`` text chunk of every PNG ampguard draws (``report``'s plot,
+``compare``'s overlay; :func:`plot_metadata`): what tells a plot it may draw again from someone's
+picture it must never overwrite (:func:`drawn_by_ampguard`)."""
 
 
-def is_png(path: Path) -> bool:
-    """Whether ``path`` is a file that begins as a PNG does (unreadable: no).
+def plot_metadata(title: str | None = None) -> dict[str, str]:
+    """The text chunks of a PNG ampguard draws (``savefig(metadata=...)``): ``Software`` (the
+    mark, :data:`PLOT_MARK` and the version) and, with ``title``, ``Title``.
+
+    Example::
+
+        >>> from ampguard import __version__
+        >>> plot_metadata("run a") == {"Software": f"ampguard {__version__}", "Title": "run a"}
+        True
+    """
+    from . import __version__
+
+    return {"Software": f"{PLOT_MARK} {__version__}", **({"Title": title} if title else {})}
+
+
+def png_text(path: Path) -> dict[str, str] | None:
+    """The ``tEXt`` chunks (keyword: text, Latin-1) of the PNG at ``path`` that come before its
+    image data, where a PNG writer puts them (the first of a keyword wins); ``None`` when the file
+    does not begin as a PNG does. Read chunk by chunk: the length and type of each, and only a text
+    chunk's data (a large picture is not read); a chunk cut short, or a text chunk whose CRC does
+    not match, ends the reading. ``OSError`` when it cannot be read (or is no regular file).
+
+    Example (a PNG is its signature, then chunks: length, type, data, CRC)::
+
+        >>> import struct, tempfile, zlib
+        >>> def chunk(kind, data):
+        ...     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     png = Path(d) / "a.png"
+        ...     _ = png.write_bytes(PNG_MAGIC + chunk(b"IHDR", bytes(13)) + chunk(b"tEXt", b"Software\\0ampguard 1")
+        ...                         + chunk(b"tEXt", b"Title\\0run a") + chunk(b"IDAT", b"...") + chunk(b"IEND", b""))
+        ...     first = png_text(png)
+        ...     _ = png.write_bytes(PNG_MAGIC + chunk(b"tEXt", b"Software\\0ampguard")[:-1] + b"?")  # a bad CRC
+        ...     bad_crc = png_text(png)
+        ...     _ = png.write_text("not a picture")
+        ...     first, bad_crc, png_text(png)
+        ({'Software': 'ampguard 1', 'Title': 'run a'}, {}, None)
+    """
+    import struct
+    import zlib
+
+    _regular(path)
+    texts: dict[str, str] = {}
+    with path.open("rb") as f:
+        if f.read(len(PNG_MAGIC)) != PNG_MAGIC:
+            return None
+        while len(head := f.read(8)) == 8:
+            length, kind = struct.unpack(">I4s", head)
+            if kind in (b"IDAT", b"IEND"):
+                break
+            if kind != b"tEXt":
+                f.seek(length + 4, os.SEEK_CUR)  # (past the end: the next read is short, and ends it)
+                continue
+            data, crc = f.read(length), f.read(4)
+            if len(data) < length or len(crc) < 4 or zlib.crc32(kind + data) != int.from_bytes(crc, "big"):
+                break
+            keyword, nul, text = data.partition(b"\0")
+            if nul:
+                texts.setdefault(keyword.decode("latin-1"), text.decode("latin-1"))
+    return texts
+
+
+def drawn_by_ampguard(path: Path) -> bool:
+    """Whether ``path`` is a PNG that carries ampguard's mark (:data:`PLOT_MARK`, in its
+    ``Software`` text): a plot ``report`` or ``compare`` drew, which either may draw again.
+    Not a PNG, another program's, or unreadable: no.
 
     Example::
 
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
-        ...     _ = (Path(d) / "a.png").write_bytes(PNG_MAGIC + b"..."); _ = (Path(d) / "b.png").write_text("no")
-        ...     is_png(Path(d) / "a.png"), is_png(Path(d) / "b.png"), is_png(Path(d) / "c.png")
-        (True, False, False)
+        ...     _ = (Path(d) / "b.png").write_bytes(PNG_MAGIC + b"...")  # a PNG, without the mark
+        ...     drawn_by_ampguard(Path(d) / "b.png"), drawn_by_ampguard(Path(d) / "c.png")
+        (False, False)
     """
     try:
-        _regular(path)
-        with path.open("rb") as f:
-            return f.read(len(PNG_MAGIC)) == PNG_MAGIC
+        return _marked(png_text(path))
     except OSError:
+        return False
+
+
+def _marked(texts: dict[str, str] | None) -> bool:
+    """Whether a PNG's text chunks (:func:`png_text`) carry ampguard's mark."""
+    software = (texts or {}).get("Software", "")
+    return software == PLOT_MARK or software.startswith(PLOT_MARK + " ")
+
+
+def plotted_run(png: Path) -> Path | None:
+    """The run folder whose own plot ``png`` is: a ``report.png`` in a folder that holds a run's
+    ``steps.csv``, ``RUN.md`` or ``config.yaml`` (:class:`~ampguard.run_folder.RunPaths`); else ``None``.
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = (Path(d) / "config.yaml").write_text("steps: 1\\n")
+        ...     plotted_run(Path(d) / "report.png") == Path(d), plotted_run(Path(d) / "cmp.png")
+        (True, None)
+    """
+    paths = RunPaths.existing(png.parent)
+    if png.name != paths.plot.name:  # type: ignore[union-attr]
+        return None
+    return png.parent if any(p is not None and p.is_file() for p in (paths.csv, paths.card, paths.config)) else None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # (either missing, or unreadable)
         return False
 
 
 def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, verb: str = "report") -> None:
     """Refuse a plot path that cannot or must not be written, before anything is read or drawn:
-    not ``.png``, its folder missing or not writable, a folder, the CSV itself, or an existing
-    file that is not a PNG (an earlier plot is drawn again; anything else is never overwritten).
-    ``given``: the path came from ``--out`` (the message says so), else it is the default;
-    ``verb`` the command whose path it is (``report``, ``compare``).
+    not ``.png``, its folder missing or not writable, a folder, the CSV itself, a run folder's own
+    ``report.png`` (:func:`plotted_run`) other than that of the run ``csv_path`` is the
+    ``steps.csv`` of, or an existing file that is not a plot ampguard drew
+    (:func:`drawn_by_ampguard`: that one is drawn again; anything else is never overwritten). A
+    run's own ``report.png`` is drawn again unmarked too: an ampguard that did not mark its plots
+    yet drew it. ``given``: the path came from ``--out`` (the message says so), else it is the
+    default; ``verb`` the command whose path it is (``report``, ``compare``: no run of its own).
 
     Example::
 
@@ -968,13 +1109,19 @@ def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, ver
         report: --out DIR/nowhere/x.png: folder DIR/nowhere does not exist
         report: --out DIR: the plot is a PNG; name a .png file
         >>> _ = (folder / "notes.png").write_text("not a picture")
-        >>> for data in (csv_path, folder / "notes.png"):  # the second: a CSV named notes.png
+        >>> _ = (folder / "figure.png").write_bytes(PNG_MAGIC + b"...")  # someone's picture
+        >>> _ = (folder / "report.png").write_bytes(PNG_MAGIC + b"...")  # the run's plot, by an older ampguard
+        >>> for png, data, verb in ((folder / "notes.png", csv_path, "report"), (folder / "notes.png", folder / "notes.png", "report"),
+        ...                         (folder / "figure.png", csv_path, "report"), (folder / "report.png", csv_path, "report"),
+        ...                         (folder / "report.png", None, "compare")):
         ...     try:
-        ...         check_plot_path(folder / "notes.png", data)
+        ...         check_plot_path(png, data, verb=verb)
         ...     except InputError as err:
         ...         print(str(err).replace(str(folder), "DIR"))
         report: --out DIR/notes.png exists and is not a PNG; refusing to overwrite it
         report: --out DIR/notes.png is the CSV itself; refusing to overwrite it
+        report: --out DIR/figure.png exists and is not a plot ampguard drew; refusing to overwrite it
+        compare: --out DIR/report.png is the plot of the run in DIR; name another file
         >>> shutil.rmtree(folder)
     """
     where = f"{verb}: --out {png}" if given else f"{verb}: the plot {png}"
@@ -986,17 +1133,23 @@ def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, ver
         raise InputError(f"{where} is a folder")
     if png.is_symlink():  # (dangling or not: what it points at is not the plot's to replace)
         raise InputError(f"{where} is a symbolic link; refusing to overwrite it")
-    if png.exists():
-        if csv_path is not None and png.resolve() == csv_path.resolve():
-            raise InputError(f"{where} is the CSV itself; refusing to overwrite it")
-        if not png.is_file():
-            raise InputError(f"{where} exists and is not a regular file (a pipe, a device); refusing to write it")
+    exists = png.exists()
+    if exists and csv_path is not None and png.resolve() == csv_path.resolve():
+        raise InputError(f"{where} is the CSV itself; refusing to overwrite it")
+    if exists and not png.is_file():
+        raise InputError(f"{where} exists and is not a regular file (a pipe, a device); refusing to write it")
+    run_dir = plotted_run(png)
+    own = run_dir is not None and csv_path is not None and _same_file(run_dir / "steps.csv", csv_path)
+    if run_dir is not None and not own:  # (another run's plot, existing or to come, is that run's to draw)
+        raise InputError(f"{where} is the plot of the run in {run_dir}; name another file")
+    if exists:
         try:
-            with png.open("rb") as f:
-                head = f.read(len(PNG_MAGIC))
+            texts = png_text(png)
         except OSError as err:
             raise InputError(f"{where}: cannot read the existing file ({err.strerror or err})") from None
-        if head != PNG_MAGIC:
+        if texts is None:
             raise InputError(f"{where} exists and is not a PNG; refusing to overwrite it")
+        if not own and not _marked(texts):
+            raise InputError(f"{where} exists and is not a plot ampguard drew; refusing to overwrite it")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"{where}: folder {parent} is not writable")

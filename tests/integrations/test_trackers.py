@@ -144,6 +144,20 @@ def test_the_console_says_where_each_tracker_run_is(tracked):
                      f"tracking: MLflow run {runs[-1].info.run_id} at {tracked.store}"]
 
 
+@pytest.mark.parametrize("folder", ["afile", "afile/sub/deeper"])
+def test_a_wandb_dir_through_a_file_is_refused_before_the_run_folder_is_made(cli, tmp_path, monkeypatch, folder):
+    # "afile/sub" was a NotADirectoryError traceback from the sink's mkdir, exit 1, a run folder
+    # left holding config.yaml and run-id
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / "afile").write_text("", encoding="utf-8")
+    code, out, err = cli("train", "--set", "steps=1", "--set", "task.name=linear", "--set", "precision=bf16",
+                         "--set", f"log.wandb={{dir: {folder}}}")
+    assert (code, out) == (2, "")
+    assert err == (f"ampguard: error: log.wandb.dir: {folder} cannot be a folder: afile is a file (W&B keeps its "
+                   "files in <dir>/wandb/)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 def test_mlflows_default_database_store_without_sqlalchemy_says_how_to_go_on(cli, tmp_path, monkeypatch):
     find_spec = importlib.util.find_spec  # (SQLAlchemy absent, wherever it is installed: mlflow[db] brings it)
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -617,8 +617,10 @@ def check_trackers(config: Config) -> None:
         if config.log.wandb is not None:
             require("wandb", "log.wandb")
             folder = config.log.wandb.dir
-            if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
-                raise InputError(f"log.wandb.dir: {folder} is not a folder (W&B keeps its files in <dir>/wandb/)")
+            blocked = None if folder is None else _not_a_folder(folder)
+            if blocked is not None:  # (a path through a file was a traceback at the mkdir, a folder left behind)
+                raise InputError(f"log.wandb.dir: {folder} cannot be a folder: {blocked} (W&B keeps its files in "
+                                 "<dir>/wandb/)")
         if config.log.mlflow is not None:
             require("mlflow", "log.mlflow")
             if distributed.current().is_main:
@@ -628,6 +630,29 @@ def check_trackers(config: Config) -> None:
     problem = distributed.first_error(problem)
     if problem is not None:
         raise InputError(problem)
+
+
+def _not_a_folder(folder: str | os.PathLike) -> str | None:
+    """Why ``folder`` cannot be a folder (made with its parents if missing), or None: the path
+    itself or its nearest existing parent is a file, or it holds a NUL character.
+
+    Example::
+
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp()); _ = (root / "afile").write_text("")
+        >>> _not_a_folder(root / "new" / "deeper"), _not_a_folder(root)
+        (None, None)
+        >>> [_not_a_folder(p).replace(str(root), "ROOT") for p in (root / "afile", root / "afile" / "sub")]
+        ['ROOT/afile is a file', 'ROOT/afile is a file']
+        >>> _not_a_folder("a\\0b")
+        'the path holds a NUL character'
+    """
+    if "\0" in os.fspath(folder):
+        return "the path holds a NUL character"
+    for path in (Path(folder), *Path(folder).parents):
+        if path.exists():
+            return None if path.is_dir() else f"{path} is a file"
+    return None
 
 
 def build_trackers(config: Config, paths: RunPaths, *, resuming: bool) -> list[TrackerSink]:
