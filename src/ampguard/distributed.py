@@ -69,9 +69,38 @@ def current() -> DistInfo:
     return DistInfo()
 
 
+_LAUNCH_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what the env:// rendezvous reads beside WORLD_SIZE
+
+
 def launched_by_torchrun() -> bool:
-    """Whether the environment describes a world of more than one process (``WORLD_SIZE > 1``)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether the environment describes a world of more than one process (``WORLD_SIZE > 1``).
+    A ``WORLD_SIZE`` that is no whole number, or one > 1 without the variables torchrun sets
+    beside it (a leftover export, a plain run inside a scheduler's allocation), is one
+    :class:`InputError` line (they were tracebacks from PyTorch's rendezvous).
+
+    Example::
+
+        >>> import unittest.mock
+        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "2"}):
+        ...     for name in _LAUNCH_VARIABLES:
+        ...         _ = os.environ.pop(name, None)
+        ...     launched_by_torchrun()
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: WORLD_SIZE=2 but RANK is not set: launch with torchrun (it sets RANK, MASTER_ADDR, MASTER_PORT), or unset WORLD_SIZE to train in one process
+    """
+    given = os.environ.get("WORLD_SIZE", "1")
+    try:
+        size = int(given)
+    except ValueError:
+        raise InputError(f"WORLD_SIZE={given} is not a whole number (torchrun sets it; unset it to train in one "
+                         "process)") from None
+    if size > 1:
+        missing = next((name for name in _LAUNCH_VARIABLES if name not in os.environ), None)
+        if missing is not None:
+            raise InputError(f"WORLD_SIZE={given} but {missing} is not set: launch with torchrun (it sets "
+                             f"{', '.join(_LAUNCH_VARIABLES)}), or unset WORLD_SIZE to train in one process")
+    return size > 1
 
 
 def init_from_env(device_name: str) -> tuple[DistInfo, torch.device]:

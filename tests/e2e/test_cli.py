@@ -344,6 +344,21 @@ def test_an_fp16_demo_that_never_applies_a_step_fails_fast_at_its_end(cli):
     assert "ended: stopped by the guard at the end of the run (step 6): no step applied" in out
 
 
+@pytest.mark.parametrize("size, line", [
+    ("2", "WORLD_SIZE=2 but RANK is not set: launch with torchrun (it sets RANK, MASTER_ADDR, MASTER_PORT), or unset "
+          "WORLD_SIZE to train in one process"),
+    ("abc", "WORLD_SIZE=abc is not a whole number (torchrun sets it; unset it to train in one process)"),
+])
+def test_a_world_size_left_in_the_environment_is_one_line(cli, tmp_path, monkeypatch, size, line):
+    # a leftover export, or a plain `ampguard train` inside a scheduler's allocation: tracebacks
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", size)
+    code, out, err = cli("train", "--set", "task.name=linear", "--set", "steps=2")
+    assert (code, out, err) == (2, "", f"ampguard: error: {line}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_train_refuses_existing_run_folder(cli, tmp_path, snapshot):
     run_dir = tmp_path / "runs" / "X"
     run_dir.mkdir(parents=True)

@@ -568,6 +568,31 @@ PROBE_RETRIES, PROBE_TIMEOUT_S = 2, 10
 four minutes before an address nobody answers is refused)."""
 
 
+def _env_count(name: str, default: int) -> int:
+    """The whole number >= 0 the environment variable ``name`` holds (MLflow reads it as one too),
+    ``default`` when unset; else one :class:`InputError` line (it was a traceback).
+
+    Example::
+
+        >>> import unittest.mock
+        >>> with unittest.mock.patch.dict(os.environ, {"MLFLOW_HTTP_REQUEST_TIMEOUT": "1.5"}):
+        ...     _env_count("MLFLOW_HTTP_REQUEST_TIMEOUT", 10)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: MLFLOW_HTTP_REQUEST_TIMEOUT=1.5 is not a whole number >= 0 (MLflow reads it as one)
+    """
+    given = os.environ.get(name)
+    if given is None:
+        return default
+    try:
+        value = int(given)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InputError(f"{name}={given} is not a whole number >= 0 (MLflow reads it as one)")
+    return value
+
+
 def reach_server(client: Any) -> None:
     """A tracking server (an ``http``/``https`` store) answers one request, before the run writes
     anything; else one :class:`InputError` line. The store objects of a URI are made without a
@@ -588,8 +613,8 @@ def reach_server(client: Any) -> None:
         return
     from mlflow.utils.rest_utils import http_request
 
-    retries = int(os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", PROBE_RETRIES))
-    timeout = int(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", PROBE_TIMEOUT_S))
+    retries = _env_count("MLFLOW_HTTP_REQUEST_MAX_RETRIES", PROBE_RETRIES)
+    timeout = _env_count("MLFLOW_HTTP_REQUEST_TIMEOUT", PROBE_TIMEOUT_S)
     try:
         response = http_request(client._tracking_client.store.get_host_creds(), "/api/2.0/mlflow/experiments/search",
                                 "POST", max_retries=retries, timeout=timeout, json={"max_results": 1})
