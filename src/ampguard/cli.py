@@ -169,6 +169,12 @@ def _train(args: argparse.Namespace) -> int:
         raise InputError(f"train --resume trains in its own run folder {resume.run_dir}: log.dir and log.name "
                          "cannot name another (a new folder is a new run: leave out --resume)")
     _check_fail_after(args, config)
+    if resume is not None:  # a fault given now for a step the run has already trained never fires
+        from .faults import parse_faults
+
+        saved = base.get("inject") if isinstance(base.get("inject"), list) else []
+        parse_faults([spec for spec in config.inject if spec not in saved], seed=config.seed, steps=config.steps,
+                     start=resume.loaded.step + 1)
     if args.print_config:
         print(dump_config(config), end="")
         return ExitCode.OK

@@ -151,9 +151,10 @@ def check_ranks(faults: Iterable[Fault], world_size: int) -> None:
                              f"({ranks}{more})")
 
 
-def check_steps(faults: Iterable[Fault], steps: int) -> None:
-    """Refuse (``ValueError``, one line) a fault that fires only after the run's last step (all
-    its steps, or its ``every``, beyond ``steps``): as one aimed at a missing rank, it would never
+def check_steps(faults: Iterable[Fault], steps: int, start: int = 1) -> None:
+    """Refuse (``ValueError``, one line) a fault that fires at none of the steps the run trains,
+    ``start`` to ``steps`` (all its steps, or its ``every``, beyond ``steps``; or, on a resume
+    from step ``start - 1``, all before ``start``): as one aimed at a missing rank, it would never
     fire, and the run would look clean for the wrong reason.
 
     Example::
@@ -163,18 +164,32 @@ def check_steps(faults: Iterable[Fault], steps: int) -> None:
         Traceback (most recent call last):
         ...
         ValueError: fault 'inf_grad@500' never fires: the run has 20 steps (config steps; a step counts optimizer steps, not micro-batches); drop it: --inject none, or --set inject=[...]
+        >>> check_steps([parse_fault("nan_loss@2,3")], steps=8, start=5)
+        Traceback (most recent call last):
+        ...
+        ValueError: fault 'nan_loss@2,3' never fires: the run resumes after step 4 (its steps 5 to 8 are left to train)
     """
+    def fires(fault: Fault, first: int) -> bool:  # at some step from `first` to `steps`
+        if fault.rate is not None:
+            return first <= steps
+        if fault.every is not None:
+            return steps // fault.every * fault.every >= first
+        return any(first <= step <= steps for step in fault.steps)
+
     for fault in faults:
-        first = fault.every if fault.every is not None else min(fault.steps, default=None)
-        if fault.rate is None and first is not None and first > steps:
-            raise ValueError(f"fault {fault.spec()!r} never fires: the run has {steps} steps (config steps; a step "
-                             "counts optimizer steps, not micro-batches); drop it: --inject none, or --set inject=[...]")
+        if fires(fault, start):
+            continue
+        if fires(fault, 1):  # (it would have, had the run not resumed past it)
+            raise ValueError(f"fault {fault.spec()!r} never fires: the run resumes after step {start - 1} (its steps "
+                             f"{start} to {steps} are left to train)")
+        raise ValueError(f"fault {fault.spec()!r} never fires: the run has {steps} steps (config steps; a step "
+                         "counts optimizer steps, not micro-batches); drop it: --inject none, or --set inject=[...]")
 
 
-def parse_faults(specs: Iterable[str], *, seed: int, steps: int, world_size: int = 1) -> list[Fault]:
-    """A run's ``inject`` list, parsed and checked against its ``steps`` and ranks
-    (:func:`check_steps`, :func:`check_ranks`); a fault that cannot fire is one
-    :class:`~ampguard.errors.InputError` line.
+def parse_faults(specs: Iterable[str], *, seed: int, steps: int, world_size: int = 1, start: int = 1) -> list[Fault]:
+    """A run's ``inject`` list, parsed and checked against the steps it trains (``start`` to
+    ``steps``) and its ranks (:func:`check_steps`, :func:`check_ranks`); a fault that cannot fire
+    is one :class:`~ampguard.errors.InputError` line.
 
     Example::
 
@@ -188,7 +203,7 @@ def parse_faults(specs: Iterable[str], *, seed: int, steps: int, world_size: int
     faults = [parse_fault(spec, seed=seed) for spec in specs]
     try:
         check_ranks(faults, world_size)
-        check_steps(faults, steps)
+        check_steps(faults, steps, start)
     except ValueError as err:
         raise InputError(f"inject: {err}") from None
     return faults

@@ -180,6 +180,22 @@ def test_resume_of_a_complete_run_rewrites_its_card_and_a_lower_steps_is_refused
     assert final_checkpoint(run)["step"] == 16
 
 
+def test_a_fault_given_to_a_resume_for_a_step_already_trained_is_refused(tmp_path, snapshot):
+    # it was taken and never fired: "skips=0", a clean run for the wrong reason; the run's own
+    # faults (in its config.yaml, fired before the checkpoint) are not judged again
+    ok(train(tmp_path, "A", *LINEAR, "--set", "precision=bf16", "--set", "steps=4", "--set", "checkpoint.every=2",
+             "--inject", "nan_loss@1"))
+    run = tmp_path / "A"
+    before = snapshot(run)
+    for fault in ("nan_loss@2", "nan_loss@1,4"):
+        line = one_error_line(ag("train", "--resume", run, "--set", "steps=8", "--inject", fault))
+        assert line == (f"ampguard: error: inject: fault {fault!r} never fires: the run resumes after step 4 (its steps "
+                        "5 to 8 are left to train)")
+    assert snapshot(run) == before
+    out = ok(ag("train", "--resume", run, "--set", "steps=8", "--inject", "nan_loss@4,6", "--inject", "inf_grad@every:7"))
+    assert "SKIP 6" in out and "SKIP 7" in out
+
+
 @pytest.mark.parametrize("spoiled", ["events.jsonl", "RUN.md", "config.yaml", "checkpoints/step-00000004.pt"])
 def test_a_resume_refuses_a_folder_where_a_run_file_should_be_and_changes_nothing(tmp_path, snapshot, spoiled):
     # events.jsonl as a folder was refused only after config.yaml was rewritten; RUN.md as one ended

@@ -11,7 +11,9 @@ import yaml
 
 from helpers import deadline
 
-from ampguard.config import MAX_DEPTH, MAX_FILE_BYTES, MAX_NAME, MAX_SEED, _PlainLoader, load_config, read_file
+from ampguard.config import (
+    MAX_DEPTH, MAX_FILE_BYTES, MAX_NAME, MAX_SEED, _PlainLoader, dump_config, load_config, read_file, validate,
+)
 from ampguard.errors import ConfigError
 from ampguard.tasks import build_task
 
@@ -148,3 +150,76 @@ def test_a_byte_order_mark_is_read_past_and_tilde_in_log_dir_is_home(tmp_path, m
         assert read_file(tmp_path / name) == {"steps": 3}, name
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert load_config(None, ["log.dir=~/runs"]).log.dir == str(tmp_path / "home" / "runs")
+
+
+# ---------------------------------------------------------------------------- YAML 1.2 numbers
+# The README says configs are YAML 1.2; PyYAML's 1.1 number forms were read: --set log.name=010
+# wrote runs/8 (octal), seed: 010 seeded 8, steps=1:30 trained 90 steps (base 60), 1_000 was 1000,
+# task.options.lr=1e-3 reached the factory as the text "1e-3", and 1.2's octal 0o17 was refused.
+
+
+def _both_ways(tmp_path, key: str, raw: str):
+    """The config with ``key`` set to ``raw``, by --set and by a YAML file (nested as written)."""
+    *sections, last = key.split(".")
+    text = "".join(f"{'  ' * i}{part}:\n" for i, part in enumerate(sections)) + f"{'  ' * len(sections)}{last}: {raw}\n"
+    path = tmp_path / "c.yaml"
+    path.write_text(text, encoding="utf-8")
+    return load_config(None, [f"{key}={raw}"]), load_config(path)
+
+
+@pytest.mark.parametrize("key, raw, value", [
+    ("log.name", "010", "010"),  # a setting that is text takes a number as written: not "8", not "10"
+    ("log.name", "007", "007"),
+    ("log.name", "0x10", "0x10"),
+    ("log.name", "1e3", "1e3"),
+    ("log.name", ".inf", ".inf"),
+    ("log.name", "1:30", "1:30"),
+    ("seed", "010", 10),  # decimal with a leading zero, not octal 8
+    ("seed", "0100", 100),
+    ("steps", "0o17", 15),  # YAML 1.2's octal
+    ("steps", "0x10", 16),
+    ("task.options.lr", "1e-3", 0.001),  # a float, not the text "1e-3"
+    ("task.options.x", "1E5", 100000.0),
+    ("task.options.x", ".5", 0.5),
+    ("task.options.x", "5.", 5.0),
+    ("task.options.x", "-1.5e+3", -1500.0),
+    ("task.options.x", "010", 10),
+    ("task.options.x", "1:30", "1:30"),  # no longer numbers: text, as YAML 1.2 reads them
+    ("task.options.x", "1_000", "1_000"),
+    ("task.options.x", "0b11", "0b11"),
+])
+def test_numbers_are_read_as_yaml_1_2_reads_them(tmp_path, key, raw, value):
+    for config in _both_ways(tmp_path, key, raw):
+        got = config.model_dump()
+        for part in key.split("."):
+            got = got[part]
+        assert got == value and type(got) is type(value), (raw, got)
+
+
+@pytest.mark.parametrize("key, raw, kind", [
+    ("steps", "1:30", "a valid integer, unable to parse string as an integer"),
+    ("steps", "1_000", "a valid integer, unable to parse string as an integer"),
+    ("seed", "0b11", "a valid integer, unable to parse string as an integer"),
+    ("optimizer.lr", "1_0.5", "a valid number, unable to parse string as a number"),
+])
+def test_a_1_1_only_number_where_a_number_belongs_is_refused_in_one_line(tmp_path, key, raw, kind):
+    # text where a number belongs, refused as any other text there (steps=abc) is
+    for how in ("--set", "file"):
+        with pytest.raises(ConfigError) as info:
+            _both_ways(tmp_path, key, raw) if how == "file" else load_config(None, [f"{key}={raw}"])
+        assert str(info.value) == f"config: {key}: Input should be {kind} (got {raw!r})", how
+    with pytest.raises(ConfigError, match=r"--set steps: cannot parse value"):
+        load_config(None, ["steps=!!int 1:30"])  # an explicit tag takes only YAML 1.2's forms too
+
+
+@pytest.mark.parametrize("name", ["010", "1:30", "1e3", "0o7", "0x10", ".inf", "-.inf", ".NaN", "1E5", "5.", "-0",
+                                  "0b11", "1_000", "off"])
+def test_print_config_round_trips_a_name_that_reads_as_a_number(tmp_path, name):
+    config = load_config(None, [f"log.name={name}", "task.options={s: '1e3', lr: 1e-3}"])
+    assert config.log.name == name
+    text = dump_config(config)  # what --print-config prints and a run's config.yaml holds
+    path = tmp_path / "config.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert load_config(path) == config  # read back as YAML 1.2
+    assert validate(yaml.safe_load(text)) == config  # and by a YAML 1.1 reader
+    assert load_config(path).task.options == {"s": "1e3", "lr": 0.001}
