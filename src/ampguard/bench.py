@@ -1038,7 +1038,10 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
         ...      Result("mlp", "fp32", "ampguard + csv", 1, 1, 1.1, ratio_low=1.078, ratio_high=1.122,
         ...             stop="budget", rounds=[1] * 40)]
         >>> resolution(r, 0.01)
-        ['mlp fp32: not resolved to ±1.0% (the time budget ran out after 40 rounds; widest ±2.0%, ampguard + csv)']
+        ['mlp fp32: not resolved to ±1% (the time budget ran out after 40 rounds; widest ±2.0%, ampguard + csv)']
+        >>> resolution(r, 0.00001)[0][:34]  # (what was asked, as given: ±0.0% read as nothing asked)
+        'mlp fp32: not resolved to ±0.001% '
+
         >>> resolution([Result("mlp", "fp32", "bare loop", 1, 1, 1.0, stop="fixed", rounds=[1] * 7)], None)
         []
     """
@@ -1051,12 +1054,12 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
         widest = max(rows, key=lambda r: r.half_width)
         where = f"{key[0]} {key[1]}: "
         if rows[0].stop == "resolved":
-            out.append(where + f"resolved to ±{resolve:.1%} in {len(rows[0].rounds)} rounds "
+            out.append(where + f"resolved to ±{resolve * 100:g}% in {len(rows[0].rounds)} rounds "
                                f"(widest ±{widest.half_width:.1%}, {widest.contender})")
         else:
             why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran",
                    INTERRUPTED: "interrupted"}.get(rows[0].stop, rows[0].stop)
-            out.append(where + f"not resolved to ±{resolve:.1%} ({why} after {len(rows[0].rounds)} rounds; widest "
+            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {len(rows[0].rounds)} rounds; widest "
                                f"±{widest.half_width:.1%}, {widest.contender})")
     return out
 

@@ -384,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fused", action="store_true", help="fused AdamW for every contender")
     bench.add_argument("--no-peers", action="store_true", help="leave Accelerate and Fabric out")
     bench.add_argument("--peak-tflops", type=_number, help="the accelerator's peak, for model FLOP utilisation")
-    bench.add_argument("--quick", action="store_true", help="a few steps only (a smoke test, not a measurement)")
+    bench.add_argument("--quick", action="store_true", help="a smoke test, not a measurement: 2 rounds of 3 steps, 1 "
+                       "warm-up step, no A/A and no --resolve (it overrides --rounds, --steps, --warmup, --resolve)")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.add_argument("--resolve", type=_number, default=1.0, metavar="PCT",
                        help="add rounds until every ratio's 95%% interval is within ±PCT%% (0: just --rounds)")

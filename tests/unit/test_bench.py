@@ -482,7 +482,7 @@ def test_bench_pins_the_cpu_threads_and_says_when_a_case_was_not_resolved(capsys
     out = capsys.readouterr().out
     assert ", 1 threads): at least 3 rounds x 1 steps, paired, until ±1e-09% or 0 s a case" in out
     assert "| tiny-mlp | fp32 | bare loop (A/A) |" in out
-    assert "tiny-mlp fp32: not resolved to ±0.0% (the time budget ran out after 3 rounds; widest ±" in out
+    assert "tiny-mlp fp32: not resolved to ±1e-09% (the time budget ran out after 3 rounds; widest ±" in out
 
 
 def _ops(cls, precision="bf16", fused=True):
@@ -600,7 +600,7 @@ def test_a_step_that_fails_in_a_round_ends_the_case_with_its_whole_rounds(monkey
     assert {r.stop for r in results} == {
         f"error: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB ({failed}, round 3)"}
     assert f"nano-mlp fp32: {failed} failed in round 3 (RuntimeError: CUDA out of memory." in capsys.readouterr().out
-    assert bench.resolution(results, 0.01)[0].startswith("nano-mlp fp32: not resolved to ±1.0% (error: ")
+    assert bench.resolution(results, 0.01)[0].startswith("nano-mlp fp32: not resolved to ±1% (error: ")
 
 
 def test_a_failing_step_ends_its_case_and_the_bench_goes_on(monkeypatch, capsys):
