@@ -102,7 +102,8 @@ class _PlainLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
     def construct_number(self, node: Any) -> Any:
-        # (PyYAML's own constructors read 010 as octal, 1:30 as 90, and refuse 0o17; !!int 1_000 too)
+        # (PyYAML's own constructors read 010 as octal and 1:30 as 90, and fail on 0o17; an explicit
+        # !!int or !!float takes YAML 1.2's forms only: !!int 1:30 is refused, not 90)
         try:
             return _yaml12_number(self.construct_scalar(node), node.tag)
         except ValueError as err:

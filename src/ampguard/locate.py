@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .errors import InputError, brief, first_line
-from .precision import Precision
+from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -667,7 +667,7 @@ def _check_arguments(config: Any, precision: Precision, *, step: int, batch: str
 
         >>> from ampguard.config import validate
         >>> fp16 = validate({"precision": "fp16", "steps": 10})
-        >>> for step, scale in ((11, None), (1, -1.0), (1, math.nan), (1, math.inf)):
+        >>> for step, scale in ((11, None), (1, -1.0), (1, math.nan), (1, math.inf), (1, 1e39), (1, 1e-46)):
         ...     try:
         ...         _check_arguments(fp16, Precision("fp16", "cpu"), step=step, batch=None, scale=scale)
         ...     except InputError as err:
@@ -676,6 +676,8 @@ def _check_arguments(config: Any, precision: Precision, *, step: int, batch: str
         locate: --scale must be a finite number > 0, got -1
         locate: --scale must be a finite number > 0, got nan
         locate: --scale must be a finite number > 0, got inf
+        locate: --scale 1e+39 is not a float32 scale: it must be in [1.17549e-38, 3.40282e+38] (the loss scale is a float32)
+        locate: --scale 1e-46 is not a float32 scale: it must be in [1.17549e-38, 3.40282e+38] (the loss scale is a float32)
         >>> no_scaler = validate({"precision": "fp16", "scaler": {"enabled": False}})
         >>> _check_arguments(no_scaler, Precision("fp16", "cpu"), step=1, batch=None, scale=8.0)
         Traceback (most recent call last):
@@ -685,6 +687,9 @@ def _check_arguments(config: Any, precision: Precision, *, step: int, batch: str
     if scale is not None:
         if not (math.isfinite(scale) and scale > 0):
             raise InputError(f"locate: --scale must be a finite number > 0, got {scale:g}")
+        if not DEFAULT_MIN_SCALE <= scale <= MAX_SCALE:  # (1e39 replayed as inf, 1e-46 as 0: every gradient 0)
+            raise InputError(f"locate: --scale {scale:g} is not a float32 scale: it must be in [{DEFAULT_MIN_SCALE:g}, "
+                             f"{MAX_SCALE:g}] (the loss scale is a float32)")
         if not precision.uses_scaler:
             raise InputError(f"locate: --scale: {precision.name} uses no loss scaler")
         if config.scaler.enabled is False:
