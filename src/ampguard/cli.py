@@ -138,6 +138,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.bf16 and args.precision not in (None, "bf16"):
         raise InputError(f"demo: --bf16 contradicts --precision {args.precision}")
+    if args.spike and args.steps < 5:  # (the fault's own line said "drop it: --inject none", which keeps it)
+        raise InputError(f"demo: --spike is a loss spike at step 5, past the demo's {args.steps} steps: drop --spike, "
+                         "or give --steps 5 or more")
     given = args.inject or (["spike@5"] if args.spike else None)  # None: the demo's default fault
     inject = None if given is None else _without_none(given)
     if args.spike and args.inject:
@@ -320,20 +323,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None, help="default fp16")
     demo.add_argument("--bf16", action="store_true", help="same as --precision bf16")
-    demo.add_argument("--steps", type=_positive_int, default=20)
+    demo.add_argument("--steps", type=_positive_int, default=20, help="optimizer steps to train (default 20)")
     demo.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
     demo.add_argument("--spike", action="store_true", help="a real loss spike at step 5 (spike@5) instead of the Inf")
     demo.add_argument("--csv", type=_path, metavar="PATH", help="also write the per-step CSV here (must not exist)")
     demo.add_argument("--max-norm", type=_number, default=1.0, help="global L2 clip threshold (0: off)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    demo.add_argument("--seed", type=int, default=0, help="seeds the data and the weights (default 0)")
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                      help="where it trains (default auto: CUDA when there is one)")
     demo.set_defaults(func=_demo)
 
     train = verbs.add_parser(
         "train",
         help="guarded training from a config (YAML, JSON, TOML) or the embedded default",
         description="Guarded training. Without CONFIG it trains the embedded default: a small character-level "
-        "transformer on Python's standard-library sources. Writes runs/<name>/ with steps.csv and config.yaml.",
+        "transformer on Python's standard-library sources. Writes the run folder runs/<name>/: config.yaml, "
+        "steps.csv (a row per step), events.jsonl, checkpoints/, RUN.md (the run card) and report.png.",
     )
     _config_arguments(train, example="optimizer.lr=1e-3")
     train.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
@@ -563,7 +568,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     held = _HeldWarnings()
     with tolerant_console() as console:  # a reader that left, a full /dev/full, an ASCII terminal: never a traceback
         try:
-            args = build_parser().parse_args(argv)
+            args, extra = build_parser().parse_known_args(argv)
+            if extra:  # (argparse's own line did not name the verb, as every other usage error does)
+                raise InputError(f"{args.verb}: unrecognized arguments: {' '.join(extra)}")
             with held_signals():  # a signal inside torch's import could be swallowed or break numpy
                 importlib.import_module("torch")  # every verb needs it; after this block a signal stops us
             with warnings.catch_warnings():  # restores the caller's filters (main() runs in-process in tests)

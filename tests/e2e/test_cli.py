@@ -514,3 +514,20 @@ def test_help_exits_0(help_runs, how):
     assert code == 0, err
     assert "demo" in out and "train" in out
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("verb", ["demo", "train", "report", "bench"])
+def test_an_unknown_flag_is_one_line_naming_the_verb(cli, tmp_path, verb):
+    # argparse's own "unrecognized arguments" line named no verb, where every other usage error does
+    code, out, err = cli(verb, *(["x.csv"] if verb == "report" else []), "--bogus=1")
+    assert (code, out) == (2, "")
+    assert err == f"ampguard: error: {verb}: unrecognized arguments: --bogus=1\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("more", [[], ["--inject", "none"]])
+def test_a_spike_past_a_short_demo_says_to_drop_the_spike(cli, more):
+    code, out, err = cli("demo", "--steps", "3", "--spike", *more)
+    assert (code, out) == (2, "")
+    assert err == ("ampguard: error: demo: --spike is a loss spike at step 5, past the demo's 3 steps: drop --spike, "
+                   "or give --steps 5 or more\n")
