@@ -1065,7 +1065,9 @@ def _takes_text(path: Sequence[str | int]) -> bool:
         annotation = field.annotation
     else:  # an item of a list or a value of a mapping
         parent = _field_at(path[:-1]) if len(path) > 1 else None
-        origin, args = (get_origin(parent.annotation), get_args(parent.annotation)) if parent is not None else (None, ())
+        if parent is None:
+            return False
+        origin, args = get_origin(parent.annotation), get_args(parent.annotation)
         if origin is list and len(args) == 1:
             annotation = args[0]
         elif origin is dict and len(args) == 2:
@@ -1083,7 +1085,8 @@ def _as_written(value: Any, path: tuple[str | int, ...] = ()) -> Any:
 
     Example::
 
-        >>> _as_written(yaml.load("{log: {name: 010}, seed: 010, task: {options: {lr: 1e-3}}}", Loader=_TextKeepingLoader))
+        >>> data = yaml.load("{log: {name: 010}, seed: 010, task: {options: {lr: 1e-3}}}", Loader=_TextKeepingLoader)
+        >>> _as_written(data)
         {'log': {'name': '010'}, 'seed': 10, 'task': {'options': {'lr': 0.001}}}
     """
     if isinstance(value, dict):
