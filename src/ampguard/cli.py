@@ -428,13 +428,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("path", type=_path, metavar="RUN_DIR|CSV")
     report.add_argument("--out", type=_path, metavar="PNG",
-                        help="where to write the plot, a .png in an existing folder (default: RUN_DIR/report.png or CSV's .png)")
-    report.add_argument("--max-norm", dest="max_norm", type=_clip, help="clip threshold line (default: the run's config)")
-    report.add_argument("--window", type=_window, help="rolling skip-rate window (default: the run's config)")
-    report.add_argument("--alert-rate", dest="alert_rate", type=_rate, help="alert threshold line")
+                        help="where to write the plot, a .png in an existing folder (default: RUN_DIR/report.png or "
+                        "CSV's .png); only a plot ampguard drew there is drawn again, never another file, another PNG, "
+                        "or another run's report.png")
+    report.add_argument("--max-norm", dest="max_norm", type=_clip,
+                        help="clip threshold line on the plot (default: the run's config); the summary's clip rate "
+                        "stays the run's")
+    report.add_argument("--window", type=_window, help="rolling skip-rate window (default: the run's config); given, "
+                        "the alerts are judged again and the summary says so")
+    report.add_argument("--alert-rate", dest="alert_rate", type=_rate,
+                        help="alert threshold line; given, the alert episodes are judged again at it and the summary "
+                        "says so")
     report.add_argument("--min-steps", dest="min_steps", type=_count, metavar="N",
-                        help="steps seen before an alert may start (default: the run's config)")
-    report.add_argument("--fail-rate", dest="fail_rate", type=_rate, help="fail threshold line")
+                        help="steps seen before an alert may start (default: the run's config); given, the alerts are "
+                        "judged again and the summary says so")
+    report.add_argument("--fail-rate", dest="fail_rate", type=_rate,
+                        help="fail threshold line on the plot (the summary does not change)")
     report.set_defaults(func=_report)
 
     compare = verbs.add_parser(
@@ -446,8 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
         "scale and the rolling skip rate of every run over each other.",
     )
     compare.add_argument("runs", nargs="+", type=_path, metavar="RUN_DIR", help="two or more run folders (runs/<name>)")
-    compare.add_argument("--out", type=_path, metavar="PNG", help="draw the overlay plot here: a .png in an existing folder (an earlier plot is drawn "
-                         "again; nothing else is overwritten)")
+    compare.add_argument("--out", type=_path, metavar="PNG",
+                         help="draw the overlay plot here: a .png in an existing folder (a plot ampguard drew there is "
+                         "drawn again; any other file, a PNG included, or a run folder's report.png is refused)")
     compare.set_defaults(func=_compare)
     return parser
 

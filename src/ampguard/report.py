@@ -865,7 +865,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         >>> code = run(folder, window=2)  # doctest: +ELLIPSIS
         note: ... has no config.yaml: alerts judged with the default thresholds (--window, ...)
         summary: steps=3 updates=2 skips=1 (non_finite_grad=1) final_scale=32768 final_loss=0.3
-        max rolling skip rate 0.5000 (window 2), alert episodes 0 (re-judged at --window 2), clip rate 0.333, scale stable
+        max rolling skip rate 0.5000 (window 2), alert episodes 0 (re-judged at --window 2), clip rate 0.333, ...
         plot: .../report.png
         >>> code, (folder / "report.png").is_file()
         (<ExitCode.OK: 0>, True)
@@ -925,8 +925,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         print(f"note: the last line of {csv_path} is torn (no newline: a write cut short), left out: "
               f"{torn[0][:40]!r}")
     # the alerts judged under thresholds given here are not the run's: said so
-    rejudged = [f"--{flag} {value:g}" for flag, value in (("alert-rate", alert_rate), ("window", window),
-                                                          ("min-steps", min_steps)) if value is not None]
+    rejudged = [f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value}"
+                for flag, value in (("alert-rate", alert_rate), ("window", window), ("min-steps", min_steps))
+                if value is not None]
     episodes = f"{monitor.alert_episodes}" + (f" (re-judged at {', '.join(rejudged)})" if rejudged else "")
     print(f"summary: {monitor.summary()}")
     print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {settings['window']}), "
@@ -1111,11 +1112,11 @@ def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, ver
         >>> _ = (folder / "notes.png").write_text("not a picture")
         >>> _ = (folder / "figure.png").write_bytes(PNG_MAGIC + b"...")  # someone's picture
         >>> _ = (folder / "report.png").write_bytes(PNG_MAGIC + b"...")  # the run's plot, by an older ampguard
-        >>> for png, data, verb in ((folder / "notes.png", csv_path, "report"), (folder / "notes.png", folder / "notes.png", "report"),
-        ...                         (folder / "figure.png", csv_path, "report"), (folder / "report.png", csv_path, "report"),
-        ...                         (folder / "report.png", None, "compare")):
+        >>> cases = [("notes.png", csv_path, "report"), ("notes.png", folder / "notes.png", "report"),
+        ...          ("figure.png", csv_path, "report"), ("report.png", csv_path, "report"), ("report.png", None, "compare")]
+        >>> for name, data, verb in cases:  # the fourth: the run's own plot, reporting that run (fine)
         ...     try:
-        ...         check_plot_path(png, data, verb=verb)
+        ...         check_plot_path(folder / name, data, verb=verb)
         ...     except InputError as err:
         ...         print(str(err).replace(str(folder), "DIR"))
         report: --out DIR/notes.png exists and is not a PNG; refusing to overwrite it
@@ -1139,7 +1140,7 @@ def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, ver
     if exists and not png.is_file():
         raise InputError(f"{where} exists and is not a regular file (a pipe, a device); refusing to write it")
     run_dir = plotted_run(png)
-    own = run_dir is not None and csv_path is not None and _same_file(run_dir / "steps.csv", csv_path)
+    own = run_dir is not None and csv_path is not None and _same_file(RunPaths.existing(run_dir).csv, csv_path)
     if run_dir is not None and not own:  # (another run's plot, existing or to come, is that run's to draw)
         raise InputError(f"{where} is the plot of the run in {run_dir}; name another file")
     if exists:

@@ -167,7 +167,7 @@ def test_run_folders_whose_names_are_not_utf8_are_compared_and_reported(sweep, t
 
 def test_compare_draws_an_earlier_plot_again_as_report_does(cli, sweep, tmp_path):
     # walkthrough: re-running the lesson's sweep failed at compare ("--out ... already exists"),
-    # while report draws its plot again; both now redraw a PNG and refuse any other file
+    # while report draws its plot again; both now redraw a plot ampguard drew and refuse any other file
     runs = [sweep / "clip-0.5", sweep / "clip-5"]
     assert cli("compare", *runs, "--out", "cmp.png")[0] == 0
     first = (tmp_path / "cmp.png").read_bytes()
@@ -196,3 +196,46 @@ def test_an_empty_config_yaml_is_refused_not_read_as_the_defaults(cli, tmp_path)
         assert code == 2 and err.splitlines() == [
             f"ampguard: error: {'compare: ' if argv[0] == 'compare' else ''}config file runs/a/config.yaml: empty; "
             "a run's config.yaml holds every setting"], err
+
+
+def marked(path: Path) -> bool:
+    """Whether the PNG at ``path`` carries ampguard's mark: a tEXt chunk ``Software: ampguard <version>``."""
+    return b"tEXtSoftware\0ampguard " in path.read_bytes()
+
+
+def someones_png(path: Path) -> bytes:
+    """A user's own figure: a real PNG, drawn by matplotlib (its Software text is matplotlib's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1, 1))
+    ax.plot([1, 2])
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path.read_bytes()
+
+
+def test_compare_overwrites_only_a_plot_ampguard_drew(cli, sweep, tmp_path):
+    # review 9 #2: the help says "nothing else is overwritten", yet --out replaced any PNG (a user's
+    # figure); a PNG without ampguard's mark is refused now, as is any run folder's report.png
+    runs = [sweep / "clip-0.5", sweep / "clip-5"]
+    own = tmp_path / "run"
+    shutil.copytree(sweep / "clip-1", own)
+    assert cli("report", own)[0] == 0  # its report.png: marked as ampguard's, and still the run's
+    someones_png(tmp_path / "fig2.png")
+    before_here, before_runs = snapshot_of(tmp_path), snapshot_of(sweep)
+    for out, said in (("fig2.png", "--out fig2.png exists and is not a plot ampguard drew; refusing to overwrite it"),
+                      (own / "report.png", f"--out {own / 'report.png'} is the plot of the run in {own}; name "
+                                           "another file")):
+        code, stdout, err = cli("compare", *runs, "--out", out)
+        assert (code, stdout) == (2, "") and err.splitlines() == [f"ampguard: error: compare: {said}"], err
+    assert snapshot_of(tmp_path) == before_here and snapshot_of(sweep) == before_runs
+
+    assert cli("report", own, "--out", "cmp.png")[0] == 0  # a plot ampguard drew: compare draws it again
+    code, out, err = cli("compare", *runs, "--out", "cmp.png")
+    assert (code, err) == (0, "") and out.splitlines()[-1] == "plot: cmp.png"
+    assert png_size(tmp_path / "cmp.png") == (1200, 1100)
+    assert marked(own / "report.png") and marked(tmp_path / "cmp.png")
+    assert b"tEXtTitle\0ampguard compare: clip-0.5, clip-5" in (tmp_path / "cmp.png").read_bytes()

@@ -213,6 +213,23 @@ def test_report_run_dir_uses_the_run_config(finished_run, tmp_path):
     assert f"clip rate {table['clip rate (whole run)'].split()[0]}, scale {table['scale health'].split()[0]}" in out
 
 
+def test_the_clip_rate_report_prints_is_the_runs_whatever_max_norm_is_given(cli, tmp_path):
+    # review 9 #7: --max-norm (help: "clip threshold line") also recomputed the summary's clip
+    # rate: this run (5 of 6 steps clipped) read 0.833, or 0.000 with --max-norm 0 or 100
+    code, out, err = cli("train", "--set", "task.name=linear", "--set", "steps=6", "--set", "precision=fp16",
+                         "--inject", "nan_loss@3", "--set", "log.name=r")
+    assert code == 0, err
+    run = tmp_path / "runs" / "r"
+    card = card_table((run / "RUN.md").read_text(encoding="utf-8"))["clip rate (whole run)"]
+    assert card.startswith("0.833 (5 of 6 steps")
+    (tmp_path / "bare.csv").write_bytes((run / "steps.csv").read_bytes())  # no config.yaml: the CSV's own account
+    for target in (run, "bare.csv"):
+        for max_norm in ([], ["--max-norm", "0"], ["--max-norm", "1"], ["--max-norm", "100"]):
+            code, out, err = cli("report", target, "--out", "x.png", *max_norm)
+            assert code == 0, err
+            assert ", clip rate 0.833, " in out, (target, max_norm, out)
+
+
 # ---------------------------------------------------------------------------- report: bad input
 
 GOOD_ROWS = [

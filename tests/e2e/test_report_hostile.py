@@ -285,3 +285,60 @@ def test_report_reads_past_a_spreadsheets_byte_order_mark_and_names_a_step_0(cli
     assert "summary: steps=1 updates=1" in ok(cli("report", "bom.csv"))
     (tmp_path / "zero.csv").write_text(csv_text(HEADER, "0,0.1,2.0,1.0,0.5,0,,1.0"), encoding="utf-8")
     assert one_error_line(cli("report", "zero.csv")).endswith("zero.csv line 2: step 0, but steps count from 1")
+
+
+# ---------------------------------------------------------------------------- a PNG report did not draw
+
+
+def marked(path: Path) -> bool:
+    """Whether the PNG at ``path`` carries ampguard's mark: a tEXt chunk ``Software: ampguard <version>``."""
+    return b"tEXtSoftware\0ampguard " in path.read_bytes()
+
+
+def someones_png(path: Path) -> bytes:
+    """A user's own figure: a real PNG, drawn by matplotlib (its Software text is matplotlib's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1, 1))
+    ax.plot([1, 2])
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path.read_bytes()
+
+
+def test_report_overwrites_only_a_plot_ampguard_drew(cli, tmp_path, snapshot):
+    """Review 9 #2: `report --out` took any PNG for an earlier plot and replaced it: a user's
+    figure, or another run's report.png. Refused now in one line, the file untouched; a plot
+    ampguard drew (it carries its mark) is drawn again, and so is the reported run's own
+    report.png, even one an older ampguard drew without the mark."""
+    for name in ("a", "b"):
+        ok(cli("train", *LINEAR, "--set", "steps=3", "--set", f"log.name={name}"))
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    someones_png(tmp_path / "figure1.png")
+    (tmp_path / "data.csv").write_bytes((a / "steps.csv").read_bytes())
+    someones_png(tmp_path / "data.png")  # at a CSV's default plot path
+    before = snapshot(tmp_path)
+    for argv, said in (
+            (("runs/a", "--out", "figure1.png"), "--out figure1.png exists and is not a plot ampguard drew"),
+            (("data.csv",), "the plot data.png exists and is not a plot ampguard drew"),
+            (("runs/a", "--out", "runs/b/report.png"), "--out runs/b/report.png is the plot of the run in runs/b; "
+                                                       "name another file"),
+            (("runs/a/steps.csv", "--out", b / "report.png"), f"--out {b / 'report.png'} is the plot of the run in")):
+        code, out, err = cli("report", *argv)
+        assert out == "" and one_error_line((code, out, err)).startswith(f"ampguard: error: report: {said}"), argv
+    assert snapshot(tmp_path) == before  # every file as it was, nothing half-written
+    assert marked(b / "report.png")  # the plot train draws carries the mark too
+
+    ok(cli("report", "runs/b", "--out", "mine.png"))
+    first = (tmp_path / "mine.png").read_bytes()
+    assert ok(cli("report", "runs/a", "--out", "mine.png")).splitlines()[-1] == "plot: mine.png"  # drawn again
+    assert (tmp_path / "mine.png").read_bytes() != first and marked(tmp_path / "mine.png")
+    old = someones_png(a / "report.png")  # the run's own plot, as an ampguard that did not mark it left it
+    for argv in (("runs/a",), ("runs/a/steps.csv", "--out", "runs/a/report.png")):
+        ok(cli("report", *argv))
+        assert (a / "report.png").read_bytes() != old and marked(a / "report.png")
+        old = someones_png(a / "report.png")
+    assert not [p for p in tmp_path.rglob("*.partial")]

@@ -1,0 +1,208 @@
+"""Where ``report`` and ``compare`` may write a plot (review 9, finding 2): only over a PNG
+ampguard drew, which carries its mark (a ``Software`` text chunk), or a run folder's own
+``report.png`` when reporting that run; never over someone's picture or another run's plot.
+And the clip rate ``report`` prints (finding 7): the run's, whatever ``--max-norm`` says.
+Hand-made files here; whole runs through the CLI in ``tests/e2e/test_report_hostile.py`` and
+``tests/e2e/test_compare_cli.py``."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from ampguard import __version__, compare, report
+from ampguard.config import dump_config, validate
+from ampguard.errors import InputError
+from ampguard.sinks import CSV_COLUMNS
+
+HEADER = ",".join(CSV_COLUMNS)
+# max_norm 1: steps 1, 2, 4 clipped (post < pre), 3 skipped, 5 not clipped, 6 with clipping off (post == pre)
+ROWS = ["1,0.1,2.0,1.0,0.5,0,,1.0", "2,0.1,3.0,1.0,0.4,0,,1.0", "3,0.1,,,nan,1,non_finite_loss,1.0",
+        "4,0.1,1.5,1.0,0.3,0,,1.0", "5,0.1,0.5,0.5,0.3,0,,1.0", "6,0.1,0.7,0.7,0.2,0,,1.0"]
+
+
+def someones_png(path: Path) -> bytes:
+    """A user's own figure: a real PNG matplotlib drew (its ``Software`` is matplotlib's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1, 1))
+    ax.plot([1, 2])
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path.read_bytes()
+
+
+def make_run(root: Path, name: str, rows: list[str] = ROWS, config: dict | None = None) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(dump_config(validate(config or {"precision": "bf16"})), encoding="utf-8")
+    (folder / "steps.csv").write_text("\n".join([HEADER, *rows]) + "\n", encoding="utf-8")
+    (folder / "RUN.md").write_text(f"# Run {name}\n\n**finished: {len(rows)} steps**\n", encoding="utf-8")
+    return folder
+
+
+def chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+# ---------------------------------------------------------------------------- the mark
+
+
+def test_every_plot_ampguard_draws_carries_its_mark_and_someone_elses_png_does_not(tmp_path):
+    a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
+    drawn = report.plot_run(a / "steps.csv", tmp_path / "report.png")
+    overlay = compare.plot_overlay(compare.load_runs([a, b]), tmp_path / "cmp.png")
+    for png in (drawn, overlay):
+        assert report.png_text(png)["Software"] == f"ampguard {__version__}"
+        assert report.drawn_by_ampguard(png)
+    assert report.png_text(overlay)["Title"] == "ampguard compare: a, b"
+    someones_png(tmp_path / "figure.png")
+    assert report.png_text(tmp_path / "figure.png")["Software"].startswith("Matplotlib")
+    assert not report.drawn_by_ampguard(tmp_path / "figure.png")
+
+
+def test_png_text_reads_chunk_by_chunk_and_trusts_no_broken_chunk(tmp_path):
+    png = tmp_path / "x.png"
+    sig = b"\x89PNG\r\n\x1a\n"
+    mark = chunk(b"tEXt", b"Software\0ampguard 9")
+    png.write_bytes(sig + chunk(b"IHDR", bytes(13)) + chunk(b"zTXt", b"Comment\0\0x") + mark + chunk(b"IEND", b""))
+    assert report.png_text(png) == {"Software": "ampguard 9"} and report.drawn_by_ampguard(png)
+    png.write_bytes(sig + chunk(b"IHDR", bytes(13)) + chunk(b"IDAT", b"...") + mark)  # after the image data
+    assert report.png_text(png) == {} and not report.drawn_by_ampguard(png)
+    png.write_bytes(sig + mark[:-4] + b"\0\0\0\0")  # its CRC does not match
+    assert not report.drawn_by_ampguard(png)
+    png.write_bytes(sig + mark[:-6])  # cut short
+    assert not report.drawn_by_ampguard(png)
+    png.write_bytes(sig + chunk(b"tEXt", b"Software\0ampguardian"))  # not the mark's word
+    assert not report.drawn_by_ampguard(png)
+    png.write_bytes(sig + struct.pack(">I", 2**31) + b"IHDR")  # a length past the end
+    assert report.png_text(png) == {}
+
+
+# ---------------------------------------------------------------------------- what may be overwritten
+
+
+@pytest.mark.parametrize("verb", ["report", "compare"])
+def test_a_png_ampguard_did_not_draw_is_refused_and_one_it_drew_is_not(tmp_path, verb):
+    a = make_run(tmp_path, "a")
+    csv_path = a / "steps.csv" if verb == "report" else None
+    figure = tmp_path / "figure1.png"
+    before = someones_png(figure)
+    with pytest.raises(InputError) as err:
+        report.check_plot_path(figure, csv_path, verb=verb)
+    assert str(err.value) == f"{verb}: --out {figure} exists and is not a plot ampguard drew; refusing to overwrite it"
+    assert figure.read_bytes() == before
+    report.plot_run(a / "steps.csv", tmp_path / "earlier.png")
+    report.check_plot_path(tmp_path / "earlier.png", csv_path, verb=verb)  # drawn again
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_another_runs_report_png_is_refused_the_runs_own_is_drawn_again(tmp_path, marked):
+    a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
+    for run in (a, b):  # by an older ampguard (no mark), or by this one
+        report.plot_run(run / "steps.csv", run / "report.png") if marked else someones_png(run / "report.png")
+    theirs = (b / "report.png").read_bytes()
+    for png, csv_path, verb in ((b / "report.png", a / "steps.csv", "report"), (b / "report.png", None, "compare"),
+                                (a / "report.png", None, "compare")):
+        with pytest.raises(InputError) as err:
+            report.check_plot_path(png, csv_path, verb=verb)
+        assert str(err.value) == f"{verb}: --out {png} is the plot of the run in {png.parent}; name another file"
+    assert (b / "report.png").read_bytes() == theirs
+    report.check_plot_path(a / "report.png", a / "steps.csv", given=False)  # report of run a: its own plot
+    report.check_plot_path(a / "report.png", a / ".." / "a" / "steps.csv")  # (however the path is written)
+
+
+def test_a_run_folders_report_png_is_refused_before_it_exists_and_a_bare_folders_is_not(tmp_path):
+    a = make_run(tmp_path, "a")
+    (b := tmp_path / "b").mkdir()
+    (b / "config.yaml").write_text("steps: 1\n")  # a run killed before its first step: config.yaml only
+    with pytest.raises(InputError, match="is the plot of the run in"):
+        report.check_plot_path(b / "report.png", a / "steps.csv")
+    (c := tmp_path / "c").mkdir()  # no run's file: its report.png is any file name
+    report.check_plot_path(c / "report.png", a / "steps.csv")
+    someones_png(c / "report.png")
+    with pytest.raises(InputError, match="is not a plot ampguard drew"):
+        report.check_plot_path(c / "report.png", a / "steps.csv")
+
+
+def test_report_refuses_someones_png_at_the_default_path_too(tmp_path, capsys):
+    csv_path = tmp_path / "data.csv"
+    csv_path.write_text("\n".join([HEADER, *ROWS]) + "\n", encoding="utf-8")
+    before = someones_png(tmp_path / "data.png")
+    with pytest.raises(InputError) as err:
+        report.run(csv_path)
+    assert str(err.value) == (f"report: the plot {tmp_path / 'data.png'} exists and is not a plot ampguard drew; "
+                              "refusing to overwrite it")
+    assert (tmp_path / "data.png").read_bytes() == before and capsys.readouterr().out == ""
+
+
+def test_an_unmarked_png_that_appears_while_compare_draws_is_not_replaced(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    runs = compare.load_runs([make_run(tmp_path, "a"), make_run(tmp_path, "b")])
+    out = tmp_path / "cmp.png"
+    savefig = matplotlib.figure.Figure.savefig
+    theirs = []
+
+    def savefig_then_someone_writes(self, *args, **kwargs):
+        savefig(self, *args, **kwargs)
+        if not theirs:
+            monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+            theirs.append(someones_png(out))  # a real PNG, not ampguard's
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig_then_someone_writes)
+    with pytest.raises(InputError) as err:
+        compare.plot_overlay(runs, out)
+    assert str(err.value) == f"compare: --out {out} exists and is not a plot ampguard drew; refusing to overwrite it"
+    assert out.read_bytes() == theirs[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "cmp.png"]
+
+
+# ---------------------------------------------------------------------------- the clip rate
+
+
+def summary_line(capsys) -> str:
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("max rolling"))
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_the_clip_rate_is_the_runs_whatever_max_norm_is_given(tmp_path, capsys, bare):
+    # review 9 #7: --max-norm (help: "clip threshold line") recomputed the summary's clip rate:
+    # 0.500 for this run, 0.000 with --max-norm 0 or 100
+    a = make_run(tmp_path, "a", config={"precision": "bf16", "max_norm": 1.0})
+    if bare:  # a CSV alone (a user's loop's): what it shows, post-clip below pre-clip
+        (a / "config.yaml").unlink()
+    target = a / "steps.csv" if bare else a
+    lines = []
+    for max_norm in (None, 0.0, 1.0, 100.0, 1e-3):
+        assert report.run(target, out=tmp_path / "x.png", max_norm=max_norm) == 0
+        lines.append(summary_line(capsys))
+    assert "clip rate 0.500," in lines[0]  # 3 of 6 steps
+    assert lines == [lines[0]] * 5
+
+
+def test_thresholds_given_that_judge_the_alerts_again_are_said_and_fail_rate_changes_nothing(tmp_path, capsys):
+    a = make_run(tmp_path, "a", config={"precision": "bf16", "monitor": {"min_steps": 0, "window": 2}})
+    report.run(a, out=tmp_path / "x.png")
+    own = summary_line(capsys)
+    assert "alert episodes 1, clip rate" in own
+    for fail_rate in (0.0, 0.5, 1.0):
+        report.run(a, out=tmp_path / "x.png", fail_rate=fail_rate)  # a line on the plot, nothing else
+        assert summary_line(capsys) == own
+    report.run(a, out=tmp_path / "x.png", alert_rate=0.6)
+    assert "alert episodes 0 (re-judged at --alert-rate 0.6), clip rate 0.500," in summary_line(capsys)
+    report.run(a, out=tmp_path / "x.png", window=1000, min_steps=0)
+    assert "(window 1000), alert episodes 1 (re-judged at --window 1000, --min-steps 0)," in summary_line(capsys)
+
+
+def test_a_csv_without_pre_clip_norms_has_no_clip_rate(tmp_path, capsys):
+    csv_path = tmp_path / "trainer.csv"  # a stock Trainer's: post-clip norm only
+    csv_path.write_text("\n".join([HEADER, "1,0.1,,0.5,,0,,1.0", "2,0.1,,0.7,,0,,1.0"]) + "\n", encoding="utf-8")
+    report.run(csv_path)
+    assert "clip rate n/a (no pre- and post-clip norms in the CSV), scale" in summary_line(capsys)
