@@ -161,27 +161,35 @@ def _train(args: argparse.Namespace) -> int:
         raise InputError("train: --resume takes the run's config from its config.yaml; change it with --set, not CONFIG")
     resume = find_resume(args.resume) if args.resume else None  # the run folder's config, never the checkpoint's
     sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
-    base, here = None, None
+    base = None
     if resume is not None:  # it trains in its own folder, wherever that is now (a moved one too)
         base, here = resume.run_config(), resume.run_dir.resolve()
         log = base.get("log") if isinstance(base.get("log"), dict) else {}
         if _folder_of(log.get("dir"), log.get("name")) != here:  # (as saved, unless it names another place now)
             base["log"] = {**log, "dir": str(here.parent), "name": here.name}
     config = _config_from(args, base=base, sections=sections)
-    if here is not None and _folder_of(config.log.dir, config.log.name) != here:
-        raise InputError(f"train --resume trains in its own run folder {resume.run_dir}: log.dir and log.name "
-                         "cannot name another (a new folder is a new run: leave out --resume)")
+    if resume is not None:
+        _check_resumed(config, resume, base)
     _check_fail_after(args, config)
-    if resume is not None:  # a fault given now for a step the run has already trained never fires
-        from .faults import parse_faults
-
-        saved = base.get("inject") if isinstance(base.get("inject"), list) else []
-        parse_faults([spec for spec in config.inject if spec not in saved], seed=config.seed, steps=config.steps,
-                     start=resume.loaded.step + 1)
     if args.print_config:
         print(dump_config(config), end="")
         return ExitCode.OK
     return train.train(config, resume)
+
+
+def _check_resumed(config: Any, resume: Any, saved: dict[str, Any]) -> None:
+    """What a resume's config may not say: another run folder than its own (a new folder is a new
+    run), or a fault (one not in the run's saved ``inject``) for steps the run already trained,
+    which never fires (a clean run for the wrong reason; the run's own faults fired before the
+    checkpoint, as they were meant to)."""
+    from .faults import parse_faults
+
+    if _folder_of(config.log.dir, config.log.name) != resume.run_dir.resolve():
+        raise InputError(f"train --resume trains in its own run folder {resume.run_dir}: log.dir and log.name "
+                         "cannot name another (a new folder is a new run: leave out --resume)")
+    old = saved.get("inject") if isinstance(saved.get("inject"), list) else []
+    parse_faults([spec for spec in config.inject if spec not in old], seed=config.seed, steps=config.steps,
+                 start=resume.loaded.step + 1)
 
 
 def _validate(args: argparse.Namespace) -> int:

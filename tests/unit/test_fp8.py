@@ -180,7 +180,8 @@ def test_build_without_torchao_is_one_input_error_line(monkeypatch):
 
 
 def test_fp8_under_torchrun_is_refused_before_anything_is_converted(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets for a world of two processes
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)  # what torchrun sets for a world of two processes
     model = mlp()
     with pytest.raises(InputError, match=r"^precision: fp8 under torchrun is not supported yet"):
         prepare_model(load_config(None, ["precision=fp8"]), model)

@@ -77,6 +77,7 @@ UPWARD_IN_FUNCTIONS = {  # design.md section 1, "Imports inside functions that p
     ("ampguard.trainer", "ampguard.report"),
     ("ampguard.guards", "ampguard.locate"),
     ("ampguard.validate", "ampguard"),
+    ("ampguard.report", "ampguard"),
     ("ampguard.cli", "ampguard"),
 }
 
