@@ -440,3 +440,69 @@ def test_a_guarded_trainer_does_not_warn_that_it_only_watches(tmp_path):
         trainer.train()
     assert not [w for w in seen if issubclass(w.category, WatchOnlyWarning)]
     assert json.loads((tmp_path / "out" / "ampguard" / "summary.json").read_text())["guarded"] is True
+
+
+DDP_TRAIN = '''
+import sys
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+g = torch.Generator().manual_seed(0)
+starts = torch.randint(0, 64, (32, 1), generator=g)
+data = [{"input_ids": ids, "labels": ids} for ids in ((starts + torch.arange(16)) % 64)]
+args = TrainingArguments(sys.argv[1], per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=5,
+                         use_cpu=True, report_to=[], save_strategy="no", learning_rate=3e-3,
+                         lr_scheduler_type="linear", max_grad_norm=1.0, bf16=True, disable_tqdm=True,
+                         ddp_backend="gloo")
+callback = AmpGuardCallback(print_fn=lambda line: None)
+trainer = GuardedTrainer(model=model, args=args, train_dataset=data, ampguard=callback)
+records, take = [], callback.take
+callback.take = lambda record: (records.append((record.step, record.skipped, record.reason)), take(record))[1]
+
+
+def nan_on_rank_1_at_step_3(module, inputs, output):  # the second micro-batch of step 3, rank 1 alone
+    if args.process_index == 1 and trainer.state.global_step + 1 == 3 and len(records) == 2:
+        nan_on_rank_1_at_step_3.micro = getattr(nan_on_rank_1_at_step_3, "micro", 0) + 1
+        if nan_on_rank_1_at_step_3.micro == 2:
+            output["loss"] = output["loss"] * float("nan")
+    return output
+
+
+model.register_forward_hook(nan_on_rank_1_at_step_3)
+trainer.train()
+checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+print(f"rank {args.process_index}: {records} lr {trainer.optimizer.param_groups[0]['lr']!r} "
+      f"checksum {checksum!r}", flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(tmp_path):
+    """GuardedTrainer under torchrun, two CPU processes (gloo DDP), accumulation 2: a NaN loss in
+    rank 1's second micro-batch of step 3 alone is the same skip on both ranks (the guard's one
+    all-reduce), the replicas stay identical, HF's schedule holds on both, and rank 0 alone
+    writes the CSV (the README said this was checked; no test held it)."""
+    import re
+    import subprocess
+
+    from helpers import torchrun, torchrun_env
+
+    script = tmp_path / "train.py"
+    script.write_text(DDP_TRAIN, encoding="utf-8")
+    done = subprocess.run([*torchrun(), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "out")],
+                          cwd=tmp_path, env=torchrun_env(), capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(re.findall(r"rank (\d): (.*)", done.stdout))
+    assert sorted(lines) == ["0", "1"], done.stdout
+    assert lines["0"] == lines["1"]  # the same records, the same held LR, the same weights
+    assert lines["0"].startswith("[(1, False, None), (2, False, None), (3, True, 'non_finite_loss'), (4, False, None), "
+                                 "(5, False, None)] ")
+    rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
+    assert [(r["step"], r["skipped"], r["skip_reason"]) for r in rows] == [
+        ("1", "0", ""), ("2", "0", ""), ("3", "1", "non_finite_loss"), ("4", "0", ""), ("5", "0", "")]
+    lrs = [float(r["lr"]) for r in rows]
+    assert lrs[1] > lrs[2] == lrs[3] > lrs[4]  # HF's linear decay held on the skipped step
