@@ -902,8 +902,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
 
     torn: list[str] = []
     rows = read_steps_and_columns(csv_path, torn)[0]
-    if not rows:
-        raise InputError(f"{csv_path}: no steps recorded, nothing to report")
+    if not rows:  # (a kill in the first row's write leaves it torn: say so, not only "no steps")
+        cut = f" (its one row is torn, a write cut short: {torn[0][:40]!r})" if torn else ""
+        raise InputError(f"{csv_path}: no steps recorded{cut}, nothing to report")
     scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
     init_scale = config.scaler.init_scale if config_path.is_file() else _start_scale(rows, config.scaler.backoff_factor)
     # a threshold given holds for the whole run; max_norm is never overridden here: the clip rate

@@ -120,6 +120,16 @@ def test_report_leaves_out_a_torn_last_line_and_says_so(cli, tmp_path, tail):
     assert png_size(tmp_path / "t.png") == (1200, 1400)
 
 
+def test_report_of_a_csv_killed_in_its_first_row_says_the_row_is_torn(cli, tmp_path, snapshot):
+    # the kill edge at the first row: "no steps recorded" alone did not say a row was there, cut short
+    (tmp_path / "t.csv").write_text(f"{HEADER}\n1,0.1,2.0,1.", encoding="utf-8")
+    before = snapshot(tmp_path)
+    line = refused(cli, "t.csv")
+    assert line == "ampguard: error: t.csv: no steps recorded (its one row is torn, a write cut short: '1,0.1,2.0,1.'), " \
+                   "nothing to report"
+    assert snapshot(tmp_path) == before
+
+
 def test_report_reads_a_last_line_that_ends_in_a_newline_as_a_row(cli, tmp_path):
     (tmp_path / "t.csv").write_text(csv_text(HEADER, "1,0.1,2.0,1.0,0.5,0,,65536.0", "2,0.1,2.0,1.0,0.5,0,,655"))
     code, out, err = cli("report", "t.csv")
