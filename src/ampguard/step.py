@@ -159,6 +159,28 @@ def _check_left_out(root: nn.Module, holder: dict[int, str], frozen: str) -> Non
             "or pass frozen='ignore'")
 
 
+UNFROZEN_EVERY = 64
+"""Every this many groups a guard looks for a parameter no optimizer holds that requires grad
+again (unfrozen without ``add_param_group``); a frozen backbone's tensors are not looked at
+every step."""
+
+_REGISTERED = [0]
+"""A count of parameter and module registrations anywhere (torch's global registration hooks,
+installed with the first :class:`Guard`): one that changed since a guard read its parameters
+means a module may have been added to its model."""
+
+
+def _count_registration(*args: Any) -> None:
+    _REGISTERED[0] += 1
+
+
+@functools.cache
+def _watch_registrations() -> None:
+    """Install the global hooks that count registrations (once per process)."""
+    torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+    torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
 def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
     """How many parameters the optimizers hold: a change means ``add_param_group`` (or a group
     taken out) since the guard read them."""
@@ -404,12 +426,14 @@ class Guard:
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
                 scheduler.applied = self._updates_t
         self._modules, self._root, self._frozen_mode = modules, root, frozen
+        _watch_registrations()
         self._own(holder)
         self._micro = 0  # micro-batches so far in the open group
         self._group: tuple[str, ...] | None = None  # the optimizers the open group steps
         self._backward_pending = False  # backward() ran, step() not yet
         self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed
         self._loss_mark: torch.Tensor | None = None  # the sum of each loss's x - x: NaN iff one was non-finite
+        self._grads_made = False  # the open group's backwards made a gradient (its later ones must find it)
 
     def _own(self, holder: dict[int, str]) -> None:
         """What is checked, measured and clipped: each optimizer's parameters, in the model's order
@@ -421,6 +445,27 @@ class Guard:
         # what no optimizer holds and needs no gradient now: unfrozen later, it is refused (or dropped)
         self._unowned = [p for p in root.parameters() if not p.requires_grad and id(p) not in holder]
         self._held = _parameter_count(self.optimizers)
+        self._registered = _REGISTERED[0]
+
+    def _abandon_group(self) -> None:
+        """Drop the open group: its gradients, and what it unscaled forgotten (a restore; a
+        refusal at its close, which leaves nothing to fold into the next step)."""
+        self._micro = 0
+        self._group = None
+        self._backward_pending = False
+        self.scaler.forget_unscaled()
+        self._zero_grad()
+
+    def _parameters_changed(self) -> bool:
+        """Whether what :meth:`_own` read may be out of date: the optimizers hold another number of
+        parameters (``add_param_group``), a module or parameter was registered anywhere since
+        (:data:`_REGISTERED`: an adapter added to the model without its optimizer), or, every
+        :data:`UNFROZEN_EVERY` groups, a parameter no optimizer holds requires grad again. O(1) but
+        that last look, O(parameters no optimizer holds) spread over those groups: a frozen
+        backbone's thousands of tensors cost ~45 ns each to look at."""
+        if _parameter_count(self.optimizers) != self._held or _REGISTERED[0] != self._registered:
+            return True
+        return self.steps % UNFROZEN_EVERY == 0 and any(p.requires_grad for p in self._unowned)
 
     def _own_again(self) -> None:
         """The optimizers' parameters changed since they were read (``add_param_group`` mid-run:
@@ -429,13 +474,21 @@ class Guard:
         checked too (they were neither: an inf gradient in a group added later was applied),
         and an unfrozen parameter no optimizer updates is refused (or, ``frozen="ignore"``,
         has its gradient dropped) instead of accumulating its gradient, never cleared."""
-        holder = _holders(self._root, self.optimizers, self.device)
-        with warnings.catch_warnings():  # (its "fp16 on a CPU is slow" was said at Guard())
-            warnings.simplefilter("ignore", SlowPrecisionWarning)
-            self.precision.check(self._root, self.device)
-        _check_left_out(self._root, holder, self._frozen_mode)
-        if self.sync_free:  # a group added: its LR is its base (the schedule's factor applies from this step)
-            self._check_sync_free(self.optimizer, self.scheduler)
+        try:
+            holder = _holders(self._root, self.optimizers, self.device)
+            with warnings.catch_warnings():  # (its "fp16 on a CPU is slow" was said at Guard())
+                warnings.simplefilter("ignore", SlowPrecisionWarning)
+                self.precision.check(self._root, self.device)
+            _check_left_out(self._root, holder, self._frozen_mode)
+            if self.sync_free:
+                self._check_sync_free(self.optimizer, self.scheduler)
+        except ValueError:  # refused: no gradient outlives it (a refused parameter's would stay forever)
+            self._abandon_group()
+            for p in self._root.parameters():
+                p.grad = None
+            raise
+        if self.sync_free:  # a group added: with lr_schedule=, its base is its LR now (a DeviceLambdaLR,
+            # as torch's LambdaLR, has no base for it: the group keeps its own LR)
             groups = self.optimizer.param_groups
             self._base_lrs += [group["lr"].detach().clone() for group in groups[len(self._base_lrs):]]
         self._own(holder)
@@ -499,6 +552,8 @@ class Guard:
         if self.scaler.is_enabled() and any(map(self.scaler.unscaled, self.optimizers.values())):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
+        if self._micro == 0 and self._parameters_changed():  # (before a gradient is made: a refusal undoes nothing)
+            self._own_again()
         self._check_gradients_so_far()
         n, last = self.accumulation_steps, len(losses) - 1
         total: Any = None  # the losses' sum and their marks' (a NaN mark: a non-finite loss among them)
@@ -524,6 +579,8 @@ class Guard:
         first = self._micro == 0
         self._loss_sum = total if first else self._loss_sum + total
         self._loss_mark = bad if first else self._loss_mark + bad
+        if self._micro + 1 < self.accumulation_steps:  # more to come: did the group make a gradient yet?
+            self._grads_made = (self._grads_made and not first) or any(p.grad is not None for p, _ in self._owned)
         self._micro += 1
         self._backward_pending = True
 
@@ -535,7 +592,9 @@ class Guard:
         reaching these parameters (a GAN's generator loss into the discriminator: it was added
         to the discriminator's next update); none inside a group, from an
         ``optimizer.zero_grad()`` left in a loop ported to accumulation (each micro-batch erased
-        the ones before). Attribute reads on the host: no tensor touched. Inside a group under
+        the ones before; a micro-batch whose loss reached no parameter, an empty batch's, made
+        none to lose). Attribute reads on the host, no tensor touched: at a group's start one per
+        parameter the optimizers hold (~45 ns each), inside it one or two. Inside a group under
         DDP/FSDP2 no check (FSDP2 holds a group's gradients unsharded, off the parameters)."""
         owned = self._owned
         if self._micro == 0:
@@ -548,7 +607,8 @@ class Guard:
                     "these parameters: one Guard for models whose losses reach each other, or zero them first); the "
                     "guard drops gradients after every step (optimizer.zero_grad(set_to_none=False) leaves zeros: "
                     "call it with the default)")
-        elif owned and all(p.grad is None for p, _ in owned) and not any(map(distributed.defers_sync, self._modules)):
+        elif (self._grads_made and all(p.grad is None for p, _ in owned)  # (made, then gone: not an empty micro-batch's)
+              and not any(map(distributed.defers_sync, self._modules))):
             raise RuntimeError(
                 f"Guard.backward(): the gradients of micro-batch {self._micro} of {self.accumulation_steps} were cleared "
                 "inside the accumulation group (an optimizer.zero_grad() in the loop?): the guard drops them after "
@@ -651,8 +711,7 @@ class Guard:
         overflowed); ``each`` with several optimizers each one's own norm; ``grads`` the named
         optimizers' gradients, for the clip. :func:`distributed.agree` makes a value that is
         non-finite on one rank so on every rank: the mark and the norms are the step's detectors."""
-        # (a sum over the groups, and a look at the parameters no optimizer holds: no tensor touched)
-        if _parameter_count(self.optimizers) != self._held or any(p.requires_grad for p in self._unowned):
+        if _parameter_count(self.optimizers) != self._held:  # a group added inside this group (read at its start)
             self._own_again()
         micro, self._micro = self._micro, 0
         self.steps += 1
@@ -978,12 +1037,7 @@ class Guard:
         for name, monitor_state in state.get("monitors", {}).items():
             if name in self.monitors:
                 self.monitors[name].load_state_dict(monitor_state)
-        # an open group is abandoned: its gradients dropped, and what it unscaled forgotten
-        self._micro = 0
-        self._group = None
-        self._backward_pending = False
-        self.scaler.forget_unscaled()
-        self._zero_grad()
+        self._abandon_group()
 
 
 class AmpTrainState(Guard):

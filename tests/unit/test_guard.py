@@ -20,6 +20,7 @@ from torch import nn
 
 from ampguard import AmpTrainState, Guard, GuardedGradScaler, Precision, SkipLog, StepLog
 from ampguard.precision import SlowPrecisionWarning
+from ampguard.step import UNFROZEN_EVERY
 
 INF = float("inf")
 
@@ -521,9 +522,54 @@ def test_a_param_group_added_mid_run_is_checked_as_guard_checks_its_parameters()
     opt.add_param_group({"params": [stranger]})
     with guard.autocast():
         loss = model(torch.randn(2, 4)).sum()
-    guard.backward(loss)
     with pytest.raises(ValueError, match="the optimizer holds a parameter that is not the model's"):
+        guard.backward(loss)  # read at the group's start: refused before any gradient is made
+    assert guard.micro_batches == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_a_refusal_at_a_groups_close_abandons_the_group():
+    # a param group added inside an accumulation group is read at its close: refused there, the
+    # group is dropped (it was left open: caught and fixed, the next update applied its gradient twice)
+    model = TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, opt, precision="fp32", accumulation_steps=2, max_norm=None)
+    for micro in range(2):
+        with guard.autocast():
+            loss = model(torch.ones(2, 4)).sum()
+        guard.backward(loss)
+        if micro == 0:
+            assert guard.step() is None
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="not the model's"):
         guard.step()
+    assert (guard.micro_batches, guard.steps, guard.pending) == (0, 0, False)
+    assert all(p.grad is None for p in model.parameters())
+    opt.param_groups.pop()  # fixed: the next group starts clean and is one micro-batch pair's update
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):
+        with guard.autocast():
+            loss = model(torch.ones(2, 4)).sum()
+        guard.backward(loss)
+        record = guard.step()
+    assert not record.skipped and guard.steps == 1
+    grads = torch.autograd.grad(model(torch.ones(2, 4)).sum(), [model.head.bias])  # (d/d bias: 2, per group of 2 / 2)
+    assert torch.allclose(before[-1] - model.head.bias, 0.1 * grads[0])
+
+
+def test_a_module_added_to_the_model_without_its_optimizer_is_refused():
+    # an adapter or a head added after Guard() (no add_param_group): its gradient grew every step,
+    # never unscaled nor cleared; torch's registration hooks tell the guard to read the model again
+    model = TwoPart()
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    with guard.autocast():
+        loss = model(torch.randn(2, 4)).sum()
+    guard.backward(loss)
+    guard.step()
+    model.adapter = nn.Linear(1, 1)
+    with guard.autocast():
+        loss = model.adapter(model(torch.randn(2, 4))).sum()
+    with pytest.raises(ValueError, match=r"^parameter 'adapter.weight' requires grad but no optimizer updates it"):
+        guard.backward(loss)
 
 
 @pytest.mark.parametrize("frozen", ["refuse", "ignore"])
@@ -541,16 +587,20 @@ def test_a_parameter_unfrozen_mid_run_that_no_optimizer_holds_is_refused_or_drop
         return guard.step()
 
     step()
-    model.body.requires_grad_(True)
+    model.body.requires_grad_(True)  # looked for every UNFROZEN_EVERY groups: a frozen backbone costs little
+    for _ in range(1, UNFROZEN_EVERY):
+        assert not step().skipped
+    assert guard.steps == UNFROZEN_EVERY
     if frozen == "refuse":
         with pytest.raises(ValueError, match=r"^parameter 'body.weight' requires grad but no optimizer updates it "
                                              r"\(2 such\)"):
             step()
+        assert model.body.weight.grad is None  # no gradient outlives the refusal
     else:
         for _ in range(2):
             assert not step().skipped
             assert model.body.weight.grad is None  # dropped every step, as for one unfrozen at Guard()
-        assert torch.equal(model.body.weight, body)
+    assert torch.equal(model.body.weight, body)
 
 
 def test_a_gradient_from_outside_the_guard_at_a_steps_start_is_refused_naming_the_parameter():
@@ -597,6 +647,21 @@ def test_gradients_left_before_the_first_step_are_refused(before):
             p.grad = torch.zeros_like(p)
     with pytest.raises(RuntimeError, match="already holds a gradient at the start of a step"):
         guard.backward(loss)
+
+
+def test_a_micro_batch_whose_loss_reaches_no_parameter_is_not_taken_for_a_zero_grad():
+    # an empty batch's loss (a zero leaf) first in its group made no gradient: the next micro-batch
+    # found none and was refused as "an optimizer.zero_grad() in the loop" (Lightning runs this shape)
+    model = TwoPart()
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", accumulation_steps=3)
+    losses = [torch.zeros((), requires_grad=True)]
+    for _ in range(2):
+        with guard.autocast():
+            losses.append(model(torch.randn(4, 4)).pow(2).mean())
+    for loss in losses:
+        guard.backward(loss)
+        record = guard.step()
+    assert record is not None and not record.skipped and guard.updates == 1
 
 
 def test_zero_grad_inside_an_accumulation_group_is_refused():
