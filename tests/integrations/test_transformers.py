@@ -506,3 +506,24 @@ def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(tmp_pat
         ("1", "0", ""), ("2", "0", ""), ("3", "1", "non_finite_loss"), ("4", "0", ""), ("5", "0", "")]
     lrs = [float(r["lr"]) for r in rows]
     assert lrs[1] > lrs[2] == lrs[3] > lrs[4]  # HF's linear decay held on the skipped step
+
+
+def test_a_training_step_overridden_without_super_is_refused_not_trained_unguarded(tmp_path):
+    # HF's own recipe in a subclass (compute_loss, accelerator.backward): the guard was never built,
+    # max_grad_norm was ignored (the guard's clip returned None), RUN.md said "guarded: yes", 0 rows
+    class Mine(GuardedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            model.train()
+            loss = self.compute_loss(model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
+            self.accelerator.backward(loss)
+            return loss.detach()
+
+    model = tiny_gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Mine(model=model, args=arguments(tmp_path, "bf16", steps=2), train_dataset=token_ids(8),
+                   ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    with pytest.raises(RuntimeError, match=r"^GuardedTrainer: HF is about to step the optimizer, but no guarded step "
+                                           r"closed this group: training_step is overridden without calling super"):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing applied
+    assert "crashed after step 0" in (tmp_path / "out" / "ampguard" / "RUN.md").read_text()

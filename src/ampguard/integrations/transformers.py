@@ -252,7 +252,9 @@ class AmpGuardCallback(TrainerCallback):
                        "RESUME")
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """On a stock ``Trainer`` (no guard): read the skip where it is decided.
+        """Under :class:`GuardedTrainer`: refuse an optimizer step no guarded step closed (a
+        ``training_step`` overridden without ``super()``: it trained unguarded and unclipped,
+        silently). On a stock ``Trainer`` (no guard): read the skip where it is decided.
 
         HF has already unscaled and clipped (with ``max_grad_norm > 0``); the optimizer has not
         stepped. The skip is the Accelerate scaler's found-inf (:func:`found_inf`), not
@@ -262,6 +264,12 @@ class AmpGuardCallback(TrainerCallback):
         the step: that takes :class:`GuardedTrainer`.
         """
         if self._guarded:
+            if self._pending is None:  # (HF steps the optimizer on gradients no guard saw: refused, not trained)
+                raise RuntimeError(
+                    "GuardedTrainer: HF is about to step the optimizer, but no guarded step closed this group: "
+                    "training_step is overridden without calling super().training_step(model, inputs, "
+                    "num_items_in_batch), so nothing checks, clips or skips (and fp16 would not even autocast); "
+                    "call it, or train with a stock Trainer")
             return
         optimizer = kwargs["optimizer"]
         params = [p for group in optimizer.param_groups for p in group["params"]]
