@@ -593,7 +593,7 @@ class Precision:
                         f"updates are not lost to rounding; keep the model in float32 (no .half() / "
                         f".to(torch.{'bfloat16' if self.name == 'bf16' else 'float16'}))")
         if self.uses_scaler:  # (PyTorch's unscale kernel has no complex version: a NotImplementedError mid-step)
-            name = next((n for n, p in model.named_parameters() if p.is_complex()), None)
+            name = next((n for n, p in model.named_parameters() if p.is_complex() and p.requires_grad), None)
             if name is not None:
                 raise ValueError(f"parameter {name!r} is complex, which fp16's loss scaler cannot unscale "
                                  "(GradScaler has no complex kernel): train it in bf16 or fp32")

@@ -611,8 +611,9 @@ class Guard:
               and not any(map(distributed.defers_sync, self._modules))):
             raise RuntimeError(
                 f"Guard.backward(): the gradients of micro-batch {self._micro} of {self.accumulation_steps} were cleared "
-                "inside the accumulation group (an optimizer.zero_grad() in the loop?): the guard drops them after "
-                "each step itself; remove zero_grad() from the loop")
+                "inside the accumulation group (an optimizer.zero_grad() in the loop, or accelerator.accumulate(), "
+                "whose group ends at each epoch's end?): the guard drops them after each step itself; remove "
+                "zero_grad() from the loop")
 
     def step(self, *which: str | torch.optim.Optimizer, close: bool = False
              ) -> StepLog | SkipLog | PendingStep | None:
@@ -988,7 +989,9 @@ class Guard:
             (1, 1, 'bf16', 1)
         """
         if (self._micro or self._backward_pending) and not mid_group:
-            raise RuntimeError("state_dict() called inside an accumulation group; call it after a step closes")
+            raise RuntimeError("state_dict() called inside an accumulation group; call it after a step closes, or "
+                               "state_dict(mid_group=True) for the last closed step's state (a framework's "
+                               "checkpoint mid-group: accelerator.save_state)")
         return {
             "scaler": self.scaler.state_dict(),
             "step": self.steps,

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from test_trackers import NUMBERS, cell, read_csv, same  # noqa: E402 - the CSV/tracker comparison helpers
 
 from ampguard.cli import main  # noqa: E402
-from ampguard.integrations.trackers import MLflowSink  # noqa: E402
+from ampguard.integrations.trackers import ForkedRunWarning, MLflowSink  # noqa: E402
 from ampguard.records import StepLog  # noqa: E402
 
 # the tags, as the README names them
@@ -77,7 +77,9 @@ def test_a_sink_continuing_a_run_by_its_id_forks_only_when_the_steps_are_there(t
         first.write(step(n))
     first.close()
     again = MLflowSink(tracking_uri=uri, run_id=first.run_id)
-    again.write(step(3))
+    with pytest.warns(ForkedRunWarning, match=rf"^MLflow run {first.run_id} already holds step 3: continuing in a "
+                                              r"new run \w+ \(its history through step 2;"):
+        again.write(step(3))  # (a loop that named run_id= is told it writes elsewhere now)
     again.close()
     client = first.client
     assert again.run_id != first.run_id

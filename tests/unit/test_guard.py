@@ -255,8 +255,9 @@ def test_state_dict_mid_group_or_before_step_raises():
     with pytest.raises(RuntimeError, match="inside an accumulation group"):
         guard.state_dict()
     assert guard.step() is None
-    with pytest.raises(RuntimeError, match="inside an accumulation group"):
-        guard.state_dict()
+    with pytest.raises(RuntimeError, match=r"inside an accumulation group; call it after a step closes, or "
+                                           r"state_dict\(mid_group=True\) for the last closed step's state"):
+        guard.state_dict()  # (accelerator.save_state mid-group: the message names the way out)
     guard.backward(_loss(model))
     guard.step()
     assert guard.state_dict()["step"] == 1
@@ -678,7 +679,8 @@ def test_zero_grad_inside_an_accumulation_group_is_refused():
             guard.backward(loss)
             assert guard.step() is None
     with pytest.raises(RuntimeError, match=r"^Guard.backward\(\): the gradients of micro-batch 1 of 3 were cleared "
-                                           r"inside the accumulation group \(an optimizer.zero_grad\(\) in the loop\?\)"):
+                                           r"inside the accumulation group \(an optimizer.zero_grad\(\) in the loop, or "
+                                           r"accelerator.accumulate\(\), whose group ends at each epoch's end\?\)"):
         guard.backward(loss)
 
 
@@ -793,6 +795,9 @@ def test_complex_weights_under_fp16_are_refused_up_front():
     with pytest.raises(ValueError, match=r"^parameter 'phase' is complex, which fp16's loss scaler cannot unscale"):
         Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
     Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")  # no scaler: trains
+    model.phase.requires_grad_(False)  # frozen (a fixed filter bank): the scaler never unscales it
+    with pytest.warns(SlowPrecisionWarning):
+        Guard(model, torch.optim.SGD([model.weight, model.bias], lr=0.1), precision="fp16")
 
 
 def test_half_weights_with_fp32_precision_are_the_users_choice():

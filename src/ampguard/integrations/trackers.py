@@ -43,6 +43,7 @@ import importlib.util
 import math
 import os
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -242,6 +243,11 @@ class TrackerSink:
 
     def _stop(self, exit_code: int) -> None:
         raise NotImplementedError
+
+
+class ForkedRunWarning(UserWarning):
+    """An :class:`MLflowSink` continued in a new run (:meth:`MLflowSink._fork`): a resume replays
+    steps the run it was given already holds."""
 
 
 class WandbSink(TrackerSink):
@@ -453,6 +459,10 @@ class MLflowSink(TrackerSink):
         self.client.set_tag(old.info.run_id, SUPERSEDED_BY_TAG, new)
         self.client.set_terminated(old.info.run_id, "KILLED" if status == "RUNNING" else status)
         self.run_id = new
+        # said: a loop that passed run_id= otherwise writes to another run than it named, unaware
+        warnings.warn(f"MLflow run {old.info.run_id} already holds step {through + 1}: continuing in a new run {new} "
+                      f"(its history through step {through}; MLflow cannot delete logged values); sink.run_id is "
+                      "the new one", ForkedRunWarning, stacklevel=3)
 
     def _log(self, step: int, row: dict[str, float]) -> None:
         import time
