@@ -571,7 +571,8 @@ def test_manual_optimization_refusals_say_what_to_do_there():
     with pytest.raises(RuntimeError, match=(
             r"^AmpGuardPlugin: opt.step\(\) without a manual_backward\(loss\) since the last optimizer step; the "
             r"guard steps once per manual_backward: call self.manual_backward\(loss\) once before each "
-            r"opt.step\(\)$")):
+            r"opt.step\(\) \(one loss for two optimizers, .* is not covered: the first step drops every gradient; "
+            r"put both parameter sets in one optimizer, as param groups\)$")):
         fit(StepsTwice(), plugin, steps=4)
     assert plugin.guard.steps == 1  # the first step went through
 
@@ -712,3 +713,34 @@ def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(tmp_pat
     assert [(r["step"], r["skipped"], r["skip_reason"]) for r in rows] == [
         ("1", "0", ""), ("2", "0", ""), ("3", "1", "non_finite_loss")]
     assert not [p for p in tmp_path.iterdir() if p.name not in ("fit.py", "steps.csv")]
+
+
+def test_a_second_fit_of_the_same_trainer_goes_on_from_its_global_step():
+    # the records of a second fit (max_steps raised) restarted at step 1 while Lightning's went on
+    module, plugin = Digits(), AmpGuardPlugin("bf16-mixed")
+    trainer = L.Trainer(plugins=[plugin], max_steps=3, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(module, loader())
+    assert [r.step for r in plugin.records] == [1, 2, 3]
+    trainer.fit_loop.epoch_loop.max_steps = 5
+    trainer.fit(module, loader())
+    assert trainer.global_step == 5 and [r.step for r in plugin.records] == [4, 5] and plugin.guard.steps == 5
+
+
+def test_a_tuner_fit_with_the_csv_plugin_says_so_when_the_real_fit_is_refused(tmp_path):
+    # Tuner.lr_find fits through the plugin: its sweep's steps filled steps.csv, and the user's one
+    # trainer.fit() was refused as "the previous fit's" (one they never called)
+    from lightning.pytorch.tuner import Tuner
+
+    class Tunable(Digits):
+        def train_dataloader(self):
+            return loader()
+
+    module, plugin = Tunable(), AmpGuardPlugin("bf16-mixed", csv=tmp_path / "steps.csv")
+    trainer = L.Trainer(plugins=[plugin], max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    Tuner(trainer).lr_find(module, num_training=5)
+    assert len(rows(tmp_path / "steps.csv")) == 5  # the sweep's steps, guarded and recorded
+    with pytest.raises(ValueError, match=r"\(that fit was the Tuner's: lr_find and scale_batch_size fit through the "
+                                         r"plugin, .*tune with a Trainer whose plugin has no csv or sinks\)"):
+        trainer.fit(module)

@@ -212,6 +212,7 @@ class AmpGuardPlugin(_LightningPrecision):
         self._fitting: pl.Trainer | None = None  # the fit under way (past connect's checks): teardown ends it
         self._closed: list[Sink] = []  # the user's sinks a fit's teardown closed: a later fit refuses them
         self._csv_fits: set[str] = set()  # the CSVs of the fits begun: a later fit refuses them unless it resumes
+        self._tuned = False  # the last fit begun ran a Tuner's callback (its sweep is a fit of its own)
         self._minimums: tuple[Any, Any] | None = None  # the Trainer's (min_epochs, min_steps), set aside by a stop
 
     # ------------------------------------------------------------------ setup
@@ -237,9 +238,13 @@ class AmpGuardPlugin(_LightningPrecision):
                                  f"this fit new sinks (plugin.extra_sinks = [...]) or a new AmpGuardPlugin")
             if self.csv is not None and os.path.abspath(self.csv) in self._csv_fits and trainer.ckpt_path is None:
                 # on every rank alike, as the sinks' refusal (not the InputError of a file found on rank 0)
+                tuned = (" (that fit was the Tuner's: lr_find and scale_batch_size fit through the plugin, and their "
+                         "sweep's steps are recorded like any fit's; tune with a Trainer whose plugin has no csv or "
+                         "sinks)" if self._tuned else "")
                 raise ValueError(f"AmpGuardPlugin: csv={str(self.csv)!r} was the previous fit's with this plugin "
-                                 f"(one fit per plugin); give this fit a new AmpGuardPlugin with a new csv path, or "
-                                 f"resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
+                                 f"(one fit per plugin){tuned}; give this fit a new AmpGuardPlugin with a new csv path, "
+                                 f"or resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
+            self._tuned = any(type(cb).__name__ in _TUNERS for cb in trainer.callbacks)
             # a new fit has new optimizers (configure_optimizers ran again): a new guard at its first
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
             self.guard, self.monitor, self.stop_reason = None, None, None
@@ -335,6 +340,8 @@ class AmpGuardPlugin(_LightningPrecision):
                 rank_zero_warn(f"AmpGuardPlugin: {Path(trainer.ckpt_path).name} holds no ampguard state (saved "
                                f"without the plugin): steps go on from its global_step {trainer.global_step}; "
                                f"{scale}the skip-rate monitor starts afresh")
+        elif trainer.global_step:  # a second fit of the same Trainer: its records' steps go on as Lightning's do
+            guard.steps = trainer.global_step
         self.guard, self.monitor = guard, monitor
         self._hook_schedulers(module)
         return guard
@@ -505,7 +512,10 @@ class AmpGuardPlugin(_LightningPrecision):
             if not model.automatic_optimization:
                 raise RuntimeError("AmpGuardPlugin: opt.step() without a manual_backward(loss) since the last "
                                    "optimizer step; the guard steps once per manual_backward: call "
-                                   "self.manual_backward(loss) once before each opt.step()")
+                                   "self.manual_backward(loss) once before each opt.step() (one loss for two "
+                                   "optimizers, manual_backward(loss) then o1.step() and o2.step(), is not covered: "
+                                   "the first step drops every gradient; put both parameter sets in one optimizer, "
+                                   "as param groups)")
             raise RuntimeError("AmpGuardPlugin: no backward ran before this optimizer step (training_step "
                                "returned None?); the guard needs a loss on every step")
         names = () if len(guard.optimizers) == 1 else (optimizer,)
@@ -622,6 +632,11 @@ def _loggers_write_now(trainer: pl.Trainer) -> bool:
     stopping). ``LightningModule.log`` costs milliseconds per key; on the other steps what it
     logs reaches no logger, so the plugin logs only on these."""
     return bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True))
+
+
+_TUNERS = frozenset({"LearningRateFinder", "BatchSizeFinder"})
+"""Lightning's tuner callbacks (``Tuner.lr_find``, ``Tuner.scale_batch_size``, or given as
+callbacks): each runs its sweep as a fit, or inside one, through the plugin."""
 
 
 def _group_size(module: pl.LightningModule, trainer: pl.Trainer) -> int:
