@@ -23,7 +23,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticKnownError
 
-from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, first_line
+from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, first_line
 from .faults import parse_fault
 from .monitor import DEFAULT_MIN_STEPS
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE
@@ -186,7 +186,7 @@ def _plain(value: Any, where: str = "", depth: int = 0) -> None:
         raise ConfigError(f"config: {where or 'the top level'}: nested more than {MAX_DEPTH} levels deep")
     if isinstance(value, dict):
         for key, item in value.items():
-            if not isinstance(key, str):
+            if not isinstance(key, (str, _Written)):  # (a number YAML read as a key is its text: a name)
                 raise ConfigError(f"config: {where or 'the top level'}: key {key!r} is not a string")
             _plain(item, f"{where}.{key}" if where else key, depth + 1)
     elif isinstance(value, list):
@@ -1089,8 +1089,9 @@ def _as_written(value: Any, path: tuple[str | int, ...] = ()) -> Any:
         >>> _as_written(data)
         {'log': {'name': '010'}, 'seed': 10, 'task': {'options': {'lr': 0.001}}}
     """
-    if isinstance(value, dict):
-        return {key: _as_written(item, (*path, key)) for key, item in value.items()}
+    if isinstance(value, dict):  # (a key read as a number is its text: keys are names; `{010: x}` names "010")
+        return {key.text if isinstance(key, _Written) else key: _as_written(item, (*path, key))
+                for key, item in value.items()}
     if isinstance(value, list):
         return [_as_written(item, (*path, i)) for i, item in enumerate(value)]
     if isinstance(value, _Written):
@@ -1258,8 +1259,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         try:
             value = yaml.load(raw, Loader=_TextKeepingLoader) if raw.strip() else None  # noqa: S506
         except (yaml.YAMLError, ValueError, RecursionError) as err:
-            why = f" ({err})" if type(err) is yaml.YAMLError else ""  # (ours: a key given twice, an alias)
-            raise ConfigError(f"--set {key}: cannot parse value {raw!r}{why}") from None
+            # ours (a key given twice, an alias), or a number past int()'s digits, say why; the value is cut short
+            why = f" ({first_line(err)})" if type(err) is yaml.YAMLError or "digits" in str(err) else ""
+            raise ConfigError(f"--set {key}: cannot parse value {brief(raw)}{why}") from None
         _plain(value, key)
         parts = key.split(".")
         value = _as_written(value, tuple(parts))

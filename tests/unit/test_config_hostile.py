@@ -75,7 +75,7 @@ def test_an_anchor_without_an_alias_is_fine(tmp_path):
     ("set.yaml", "inject: !!set {a: null}\n", "inject: a set"),
     ("date.toml", "[task]\nname = 1979-05-27\n", "task.name: a date"),
     ("time.toml", "steps = 07:32:00\n", "steps: a time"),
-    ("intkey.yaml", "monitor:\n  1: 2\n", "monitor: key 1 is not a string"),
+    ("boolkey.yaml", "monitor:\n  true: 2\n", "monitor: key True is not a string"),  # (a number key is its text)
 ])
 def test_values_that_are_not_plain_data_name_their_key(tmp_path, name, text, what):
     path = tmp_path / name
@@ -194,6 +194,21 @@ def test_numbers_are_read_as_yaml_1_2_reads_them(tmp_path, key, raw, value):
         for part in key.split("."):
             got = got[part]
         assert got == value and type(got) is type(value), (raw, got)
+
+
+def test_a_number_read_as_a_mapping_key_is_its_text():
+    # keys are names: `{010: x}` was refused as "key 10 is not a string", a key never written
+    for config in (load_config(None, ["log.mlflow.tags={010: x, 1e3: y}"]),
+                   load_config(None, ["task.options={1: a}"])):
+        assert config.log.mlflow is None or config.log.mlflow.tags == {"010": "x", "1e3": "y"}
+    assert load_config(None, ["task.options={1: a}"]).task.options == {"1": "a"}
+
+
+def test_a_number_past_int_digits_is_one_short_line_that_says_why():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"seed={'9' * 5000}"])
+    line = str(info.value)
+    assert line.startswith("--set seed: cannot parse value '9999") and len(line) < 300 and "4300 digits" in line
 
 
 @pytest.mark.parametrize("key, raw, kind", [
