@@ -441,3 +441,26 @@ def build(config):
     return {"model": model, "data": train, "loss_fn": nn.functional.mse_loss,
             "evaluate": evaluate, "metrics": ("val_mse",)}
 """
+
+
+# ---------------------------------------------------------------------------- plots: ampguard's mark, a user's PNG
+
+
+def marked(path: Path) -> bool:
+    """Whether the PNG at ``path`` carries ampguard's mark: a tEXt chunk ``Software: ampguard <version>``."""
+    return b"tEXtSoftware\0ampguard " in path.read_bytes()
+
+
+def someones_png(path: Path) -> bytes:
+    """A user's own figure at ``path``: a real PNG, drawn by matplotlib (its Software text is
+    matplotlib's); returns its bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1, 1))
+    ax.plot([1, 2])
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path.read_bytes()

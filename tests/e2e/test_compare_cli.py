@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import snapshot_of
+from helpers import marked, snapshot_of, someones_png
 
 import ampguard.report
 from ampguard.cli import main
@@ -198,23 +198,8 @@ def test_an_empty_config_yaml_is_refused_not_read_as_the_defaults(cli, tmp_path)
             "a run's config.yaml holds every setting"], err
 
 
-def marked(path: Path) -> bool:
-    """Whether the PNG at ``path`` carries ampguard's mark: a tEXt chunk ``Software: ampguard <version>``."""
-    return b"tEXtSoftware\0ampguard " in path.read_bytes()
 
 
-def someones_png(path: Path) -> bytes:
-    """A user's own figure: a real PNG, drawn by matplotlib (its Software text is matplotlib's)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(1, 1))
-    ax.plot([1, 2])
-    fig.savefig(path, format="png")
-    plt.close(fig)
-    return path.read_bytes()
 
 
 def test_compare_overwrites_only_a_plot_ampguard_drew(cli, sweep, tmp_path):

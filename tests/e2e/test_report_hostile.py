@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import helpers
-from helpers import file_size_limit, ok, one_error_line, read_rows
+from helpers import file_size_limit, marked, ok, one_error_line, read_rows, someones_png
 
 from ampguard.errors import ExitCode
 from ampguard.sinks import CSV_COLUMNS
@@ -300,23 +300,8 @@ def test_report_reads_past_a_spreadsheets_byte_order_mark_and_names_a_step_0(cli
 # ---------------------------------------------------------------------------- a PNG report did not draw
 
 
-def marked(path: Path) -> bool:
-    """Whether the PNG at ``path`` carries ampguard's mark: a tEXt chunk ``Software: ampguard <version>``."""
-    return b"tEXtSoftware\0ampguard " in path.read_bytes()
 
 
-def someones_png(path: Path) -> bytes:
-    """A user's own figure: a real PNG, drawn by matplotlib (its Software text is matplotlib's)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(1, 1))
-    ax.plot([1, 2])
-    fig.savefig(path, format="png")
-    plt.close(fig)
-    return path.read_bytes()
 
 
 def test_report_overwrites_only_a_plot_ampguard_drew(cli, tmp_path, snapshot):

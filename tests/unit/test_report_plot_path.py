@@ -12,6 +12,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from helpers import someones_png
 
 from ampguard import __version__, compare, report
 from ampguard.config import dump_config, validate
@@ -24,18 +25,6 @@ ROWS = ["1,0.1,2.0,1.0,0.5,0,,1.0", "2,0.1,3.0,1.0,0.4,0,,1.0", "3,0.1,,,nan,1,n
         "4,0.1,1.5,1.0,0.3,0,,1.0", "5,0.1,0.5,0.5,0.3,0,,1.0", "6,0.1,0.7,0.7,0.2,0,,1.0"]
 
 
-def someones_png(path: Path) -> bytes:
-    """A user's own figure: a real PNG matplotlib drew (its ``Software`` is matplotlib's)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(1, 1))
-    ax.plot([1, 2])
-    fig.savefig(path, format="png")
-    plt.close(fig)
-    return path.read_bytes()
 
 
 def make_run(root: Path, name: str, rows: list[str] = ROWS, config: dict | None = None) -> Path:
