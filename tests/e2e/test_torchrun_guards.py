@@ -24,6 +24,9 @@
   have finished reduction" traceback).
 - ``Z``: a 6-step run whose every step skips for a NaN born on rank 1 alone, with ``fail_rate``:
   too short for the rolling rules, it is judged at its end, and every rank fails there together.
+- ``W``: rank 1's process SIGKILLed in its third step's forward (an OOM killer, a lost node):
+  torchrun ends rank 0 too, no rank waits in a collective, the CSV holds whole rows reaching a
+  checkpoint, and ``--resume`` under torchrun trains the run to its end from there.
 
 Each rank runs ``ampguard.cli.main`` through a small wrapper that writes the exit code ``main``
 returned to ``rank<R>.rc`` before leaving: torchrun reports only the first failure it sees.
@@ -116,6 +119,35 @@ sys.exit(code)
 '''
 
 
+KILLED = '''
+import os
+import signal
+import torch
+from torch import nn
+
+
+class Dies(nn.Linear):
+    calls = 0
+
+    def forward(self, x):
+        if self.training:
+            Dies.calls += 1
+            if os.environ.get("KILL_RANK_1") and os.environ["RANK"] == "1" and Dies.calls == 3:
+                os.kill(os.getpid(), signal.SIGKILL)  # rank 1, in step 3's forward
+        return super().forward(x)
+
+
+def build(config):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(8)]
+    return Dies(4, 1), data, nn.functional.mse_loss
+'''
+KILLED_RUN = ["train", "--set", "task.factory=../killed.py:build", "--set", "precision=fp32", "--set", "device=cpu",
+              "--set", "steps=6", "--set", "checkpoint.every=1", "--set", "eval.enabled=false", "--set", "log.dir=runs",
+              "--set", "log.name=W"]
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     """{name: (torchrun's exit code, stdout, stderr, working folder)} for S and D, run side by side."""
@@ -127,6 +159,7 @@ def launches(tmp_path_factory):
     (work / "sampler.py").write_text(SAMPLER)
     (work / "unused.py").write_text(UNUSED)
     (work / "uneven.py").write_text(UNEVEN)
+    (work / "killed.py").write_text(KILLED)
     specs = {
         "S": ([*RUN, "--set", "steps=6", "--set", "log.name=S", "--strict", "--inject", "nan_loss@3@rank1"], None),
         "D": ([*RUN, "--set", "steps=300", "--set", "log.every=1000", "--set", "checkpoint.enabled=false",
@@ -147,17 +180,25 @@ def launches(tmp_path_factory):
                "--set", "device=cpu", "--set", "steps=3", "--set", "log.dir=runs", "--set", "log.name=U"], None),
         "Z": ([*RUN, "--set", "steps=6", "--set", "log.name=Z", "--set", "monitor.fail_rate=0.5",
                "--inject", "nan_loss@every:1@rank1"], None),
+        "W": (KILLED_RUN, None),
     }
     env = torchrun_env(PYTHONDONTWRITEBYTECODE="1")
     started: dict[str, Launch] = {}
     try:
         for name, (args, limit) in specs.items():
             started[name] = Launch(name, [str(wrapper), str(work / name), *args], work / name, timeout_s=TIMEOUT_S,
-                                   env=env, preexec_fn=limit)
-        results = {}
+                                   env={**env, "KILL_RANK_1": "1"} if name == "W" else env, preexec_fn=limit)
+        # W's resume, beside the launches still running: what W left first (its CSV, its checkpoints)
+        killed = started["W"].wait()
+        run = work / "W" / "runs" / "W"
+        left = ((run / "steps.csv").read_text(encoding="utf-8"), sorted(p.name for p in (run / "checkpoints").glob("*.pt")))
+        started["W-resume"] = Launch("W-resume", ["-m", "ampguard", "train", "--resume", "runs/W"], work / "W",
+                                     timeout_s=TIMEOUT_S, env=env)
+        results = {"W-left": left}
         for name, launch in started.items():
             launch.wait()
             results[name] = (launch.rc, launch.stdout, launch.stderr, launch.cwd)
+        assert killed.rc is not None
         yield results
     finally:
         for launch in started.values():
@@ -274,3 +315,20 @@ def test_a_run_too_short_for_fail_after_fails_at_its_end_on_every_rank_together(
     rows = (run / "steps.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4", "5", "6"]
     assert all(r.split(",")[5] == "1" for r in rows[1:])  # every rank skipped every step (rank 1's NaN, agreed)
+
+
+def test_a_rank_killed_mid_run_ends_the_job_with_whole_rows_and_a_resume_finishes_it(launches):
+    code, out, err, cwd = launches["W"]  # (launches waited at most TIMEOUT_S: no rank hung in a collective)
+    assert code != 0 and not (cwd / "rank1.rc").exists(), err[-3000:]  # rank 1 never returned
+    text, saved = launches["W-left"]  # what the killed job left, before the resume
+    assert text.endswith("\n")  # whole rows: no line cut short
+    steps = [int(line.split(",")[0]) for line in text.splitlines()[1:]]
+    assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) <= 2, steps  # rank 1 died in step 3
+    assert saved and saved[-1] <= f"step-{len(steps):08d}.pt"  # the rows reach the newest checkpoint
+
+    code, out, err, _ = launches["W-resume"]  # torchrun again, --resume, without the kill
+    assert code == 0, err[-3000:]
+    run = cwd / "runs" / "W"
+    rows = (run / "steps.csv").read_text(encoding="utf-8").splitlines()[1:]
+    assert [int(line.split(",")[0]) for line in rows] == [1, 2, 3, 4, 5, 6]
+    assert "| ended | finished: 6 steps |" in (run / "RUN.md").read_text(encoding="utf-8")
