@@ -24,6 +24,9 @@
   have finished reduction" traceback).
 - ``Z``: a 6-step run whose every step skips for a NaN born on rank 1 alone, with ``fail_rate``:
   too short for the rolling rules, it is judged at its end, and every rank fails there together.
+- ``T``: a long run; once it has written rows, SIGTERM to torchrun itself (a scheduler's stop):
+  torchrun passes it to every rank, and each stops at the same step boundary with exit 143, a
+  checkpoint of that step and the run card, every row written.
 - ``W``: rank 1's process SIGKILLed in its third step's forward (an OOM killer, a lost node):
   torchrun ends rank 0 too, no rank waits in a collective, the CSV holds whole rows reaching a
   checkpoint, and ``--resume`` under torchrun trains the run to its end from there.
@@ -34,6 +37,9 @@ returned to ``rank<R>.rc`` before leaving: torchrun reports only the first failu
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +187,8 @@ def launches(tmp_path_factory):
         "Z": ([*RUN, "--set", "steps=6", "--set", "log.name=Z", "--set", "monitor.fail_rate=0.5",
                "--inject", "nan_loss@every:1@rank1"], None),
         "W": (KILLED_RUN, None),
+        "T": ([*RUN, "--set", "steps=1000000", "--set", "log.every=100000", "--set", "checkpoint.every=100000",
+               "--set", "log.name=T"], None),
     }
     env = torchrun_env(PYTHONDONTWRITEBYTECODE="1")
     started: dict[str, Launch] = {}
@@ -194,6 +202,11 @@ def launches(tmp_path_factory):
         left = ((run / "steps.csv").read_text(encoding="utf-8"), sorted(p.name for p in (run / "checkpoints").glob("*.pt")))
         started["W-resume"] = Launch("W-resume", ["-m", "ampguard", "train", "--resume", "runs/W"], work / "W",
                                      timeout_s=TIMEOUT_S, env=env)
+        # T: a scheduler's SIGTERM to torchrun once the run trains (its CSV has rows), not before
+        rows, deadline = work / "T" / "runs" / "T" / "steps.csv", time.monotonic() + TIMEOUT_S / 2
+        while time.monotonic() < deadline and not (rows.exists() and rows.read_text().count("\n") > 3):
+            time.sleep(0.2)
+        os.kill(started["T"].proc.pid, signal.SIGTERM)
         results = {"W-left": left}
         for name, launch in started.items():
             launch.wait()
@@ -332,3 +345,14 @@ def test_a_rank_killed_mid_run_ends_the_job_with_whole_rows_and_a_resume_finishe
     rows = (run / "steps.csv").read_text(encoding="utf-8").splitlines()[1:]
     assert [int(line.split(",")[0]) for line in rows] == [1, 2, 3, 4, 5, 6]
     assert "| ended | finished: 6 steps |" in (run / "RUN.md").read_text(encoding="utf-8")
+
+
+def test_a_sigterm_to_torchrun_stops_every_rank_at_one_boundary_with_card_and_checkpoint(launches):
+    code, out, err, cwd = launches["T"]
+    assert _rank_codes(cwd) == {0: ExitCode.TERMINATED, 1: ExitCode.TERMINATED}, f"torchrun exited {code}\n{err[-3000:]}"
+    run = cwd / "runs" / "T"
+    text = (run / "steps.csv").read_text(encoding="utf-8")
+    steps = [int(line.split(",")[0]) for line in text.splitlines()[1:]]
+    assert text.endswith("\n") and steps == list(range(1, len(steps) + 1)) and len(steps) > 3
+    assert f"| ended | interrupted (SIGTERM) after step {steps[-1]} |" in (run / "RUN.md").read_text(encoding="utf-8")
+    assert (run / "checkpoints" / f"step-{steps[-1]:08d}.pt").exists()  # the stop's own checkpoint, of that step
