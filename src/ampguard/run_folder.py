@@ -450,6 +450,8 @@ def disk_full_line(full: DiskFull, saved: list[Path], step: int, recorded: int, 
         >>> full = DiskFull("runs/a/steps.csv", OSError(errno.ENOSPC, "No space left on device"))
         >>> disk_full_line(full, [Path("runs/a/checkpoints/step-00000004.pt")], 6, 6, Path("runs/a"))
         'disk full while writing runs/a/steps.csv; the run is intact up to step 4 (checkpoints/step-00000004.pt: --resume runs/a continues from there; No space left on device)'
+        >>> disk_full_line(DiskFull("demo.csv", OSError(errno.ENOSPC, "No space left on device")), [], 3, 3, None)
+        'disk full while writing demo.csv; the run is intact up to step 3 (its records; No space left on device)'
     """
     from .checkpoint import checkpoint_name, checkpoint_step
 
@@ -459,6 +461,6 @@ def disk_full_line(full: DiskFull, saved: list[Path], step: int, recorded: int, 
         how = f"checkpoints/{checkpoint_name(intact)}: --resume {run_dir} continues from there"
     else:
         intact = recorded if full.through is None else full.through
-        how = "its records; no checkpoint to resume from"
+        how = "its records" + ("; no checkpoint to resume from" if run_dir is not None else "")  # (a demo has none)
     return (f"disk full while writing {full.path}; the run is intact up to step {intact} "
             f"({how}; {full.error.strerror or full.error})")

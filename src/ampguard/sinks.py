@@ -359,10 +359,18 @@ class CsvSink(_LineFile):
             self.check_header(self.path, self.columns, expected)
             if keep_through is not None:
                 self._truncate_after(keep_through)
+        made = not (self.path.exists() or self.path.is_symlink())
         self._file: IO[bytes] | None = _open_for_append(self.path)
         self._writer = csv.writer(_Line, lineterminator="\n")
         if not existing:
-            self._append_row(self.columns)
+            try:
+                self._append_row(self.columns)
+            except DiskFull:  # a file it made and could not write is not left behind (empty: refused next time)
+                self._file.close()
+                self._file = None
+                if made:
+                    self.path.unlink(missing_ok=True)
+                raise
         self.rows = 0
 
     @staticmethod

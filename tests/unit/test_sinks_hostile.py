@@ -140,6 +140,32 @@ def test_a_row_a_full_disk_cuts_short_is_taken_back_out_of_the_file(tmp_path, ki
     assert path.read_bytes() == b"".join(lines[:whole])  # every row whole, nothing of the cut one
 
 
+HEADER_CHILD = """
+import sys
+from pathlib import Path
+from ampguard.sinks import CsvSink, DiskFull
+try:
+    CsvSink(Path(sys.argv[1]))
+except DiskFull as full:
+    print("refused:", full.error.strerror)
+"""
+
+
+@pytest.mark.parametrize("before", [None, b""])
+def test_a_csv_whose_header_finds_no_room_is_not_left_behind_empty(tmp_path, before):
+    # a demo --csv on a full disk left a 0-byte file, which the next run refused as "already exists";
+    # an empty file that was there before (the user's) stays
+    path = tmp_path / "steps.csv"
+    if before is not None:
+        path.write_bytes(before)
+    done = subprocess.run([sys.executable, "-c", HEADER_CHILD, str(path)], capture_output=True, text=True,
+                          timeout=120, preexec_fn=file_size_limit(10))  # (the header is ~90 bytes)
+    assert done.returncode == 0 and done.stdout.startswith("refused:"), (done.stdout, done.stderr)
+    assert path.exists() == (before is not None)
+    if before is not None:
+        assert path.read_bytes() == before
+
+
 # ---------------------------------------------------------------------------- a resume's cut of steps.csv
 
 
