@@ -276,6 +276,7 @@ def _rate(value: float) -> float:
     return value
 
 
+HomePath = Annotated[str | None, AfterValidator(_home)]  # a path setting: its leading ~ is the home folder
 Int = Annotated[int, _number_check("int_parsing")]
 Float = Annotated[float, _number_check("float_parsing")]
 _COUNT_CAP = AfterValidator(lambda v: _at_most(v, MAX_COUNT))
@@ -518,13 +519,8 @@ class WandbConfig(_Section):
     """W&B run group (e.g. one sweep's runs)."""
     tags: list[str] = []
     """W&B run tags."""
-    dir: str | None = None
+    dir: HomePath = None
     """Where W&B keeps its local files (``<dir>/wandb/``); None: the run folder."""
-
-    @field_validator("dir")
-    @classmethod
-    def _dir(cls, v: str | None) -> str | None:
-        return _home(v)
 
 
 class MLflowConfig(_Section):
@@ -695,13 +691,8 @@ class ValidateConfig(_Section):
     precisions: list[Literal[VALIDATION_PRECISIONS]] = ["fp16", "bf16"]  # type: ignore[valid-type]
     """AMP precisions to compare with the FP32 reference (at least one, each once); ``fp8``
     compares a copy of the model converted as the ``fp8`` section says (needs torchao)."""
-    checkpoint: str | None = None
+    checkpoint: HomePath = None
     """Model weights from an ampguard checkpoint (default: the task's freshly initialised model)."""
-
-    @field_validator("checkpoint")
-    @classmethod
-    def _checkpoint(cls, v: str | None) -> str | None:
-        return _home(v)
     typical: Count0 = 32
     """Probe set: the first this many held-out examples."""
     boundary: Count0 = 16

@@ -150,6 +150,9 @@ def test_a_byte_order_mark_is_read_past_and_tilde_in_log_dir_is_home(tmp_path, m
         assert read_file(tmp_path / name) == {"steps": 3}, name
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert load_config(None, ["log.dir=~/runs"]).log.dir == str(tmp_path / "home" / "runs")
+    config = load_config(None, ["log.wandb={dir: ~/wb}", "validation.checkpoint=~/c.pt", "task.factory=~/f.py:build"])
+    assert (config.log.wandb.dir, config.validation.checkpoint, config.task.factory) == (
+        str(tmp_path / "home" / "wb"), str(tmp_path / "home" / "c.pt"), str(tmp_path / "home" / "f.py:build"))
 
 
 # ---------------------------------------------------------------------------- YAML 1.2 numbers
