@@ -888,7 +888,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     png = Path(out) if out else (target / "report.png" if target.is_dir() else target.with_suffix(".png"))
     check_plot_path(png, csv_path, given=out is not None)
     config = read_run_config(config_path) if config_path.is_file() else Config()
-    pid = RunPaths.existing(csv_path.parent).writer()
+    folder = RunPaths.existing(csv_path.parent)
+    pid = folder.writer()
     if pid is not None:  # (a live run, looked at: fine, said)
         print(f"note: {csv_path.parent} is being written by another process (pid {pid}): the figures are as of "
               "its last row; the run has not ended")
@@ -917,7 +918,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                      scaler_enabled=scaler_on, init_scale=init_scale, min_scale=min(config.scaler.min_scale, init_scale),
                      min_steps=config.monitor.min_steps if min_steps is None else min_steps,
                      fail_after=config.monitor.fail_after, policy=policy,
-                     steps=config.steps if finished(RunPaths.existing(csv_path.parent).card) else None)
+                     steps=config.steps if finished(folder.card) else None)
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
     plot_run(csv_path, png, **settings, title=title, headroom=headroom_beside(csv_path),
