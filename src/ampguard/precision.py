@@ -220,8 +220,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
             return cls(scaler._device, enabled=False, min_scale=min_scale)
         guarded = cls(scaler._device, init_scale=scaler._init_scale, growth_factor=scaler.get_growth_factor(),
                       backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
-                      enabled=scaler.is_enabled(), min_scale=min_scale)
-        if scaler.is_enabled() and scaler._scale is not None:
+                      min_scale=min_scale)
+        if scaler._scale is not None:
             guarded.load_state_dict(scaler.state_dict())
         guarded._twin = scaler
         return guarded
