@@ -57,6 +57,7 @@ from typing import Any, Literal
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
     from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
     from lightning.pytorch.trainer.states import TrainerStatus
     from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -244,7 +245,7 @@ class AmpGuardPlugin(_LightningPrecision):
                 raise ValueError(f"AmpGuardPlugin: csv={str(self.csv)!r} was the previous fit's with this plugin "
                                  f"(one fit per plugin){tuned}; give this fit a new AmpGuardPlugin with a new csv path, "
                                  f"or resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
-            self._tuned = any(type(cb).__name__ in _TUNERS for cb in trainer.callbacks)
+            self._tuned = any(isinstance(cb, _TUNERS) for cb in trainer.callbacks)
             # a new fit has new optimizers (configure_optimizers ran again): a new guard at its first
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
             self.guard, self.monitor, self.stop_reason = None, None, None
@@ -634,7 +635,7 @@ def _loggers_write_now(trainer: pl.Trainer) -> bool:
     return bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True))
 
 
-_TUNERS = frozenset({"LearningRateFinder", "BatchSizeFinder"})
+_TUNERS = (LearningRateFinder, BatchSizeFinder)
 """Lightning's tuner callbacks (``Tuner.lr_find``, ``Tuner.scale_batch_size``, or given as
 callbacks): each runs its sweep as a fit, or inside one, through the plugin."""
 
