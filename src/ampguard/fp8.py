@@ -241,13 +241,14 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
     return chosen
 
 
-def check_model(model: nn.Module, device: torch.device) -> None:
-    """Refuse (``ValueError``, one line) what fp8 cannot train: a model without ``Float8Linear``
-    layers (not converted), or a CUDA device older than compute capability 8.9 (no float8 matmul).
+def check_model(model: nn.Module) -> None:
+    """Refuse (``ValueError``, one line) a model fp8 cannot train: one without ``Float8Linear``
+    layers (not converted). The device's half (a GPU of compute capability 8.9 or newer) is
+    :meth:`ampguard.precision.Precision.support`'s.
 
     Example::
 
-        >>> check_model(nn.Linear(16, 16), torch.device("cpu"))
+        >>> check_model(nn.Linear(16, 16))
         Traceback (most recent call last):
         ...
         ValueError: precision fp8 trains torchao Float8Linear layers and the model has none: convert it first with ampguard.fp8.convert_to_fp8(model)
@@ -256,9 +257,6 @@ def check_model(model: nn.Module, device: torch.device) -> None:
     if not fp8_layers(model):
         raise ValueError("precision fp8 trains torchao Float8Linear layers and the model has none: convert it first "
                          "with ampguard.fp8.convert_to_fp8(model)")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"fp8 needs a GPU of compute capability 8.9 or newer (H100, L4, RTX 4090...); "
-                         f"{torch.cuda.get_device_name(device)} has none: use bf16")
 
 
 # ---------------------------------------------------------------------------- naming a bad scale

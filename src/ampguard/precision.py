@@ -554,6 +554,52 @@ class Precision:
         """
         return uses_loss_scaler(self.name)
 
+    def describe(self) -> str:
+        """What this precision computes in, for a run card: the autocast it runs under, or none.
+
+        Example::
+
+            >>> [Precision(n, "cpu").describe() for n in PRECISIONS]
+            ['fp16 (autocast on cpu)', 'bf16 (autocast on cpu)', 'fp32 (no autocast)', 'fp8 (float8 Linear layers, the rest autocast to bf16 on cpu)']
+        """
+        if self.name == "fp32":
+            return "fp32 (no autocast)"
+        if self.name == "fp8":
+            return f"fp8 (float8 Linear layers, the rest autocast to bf16 on {self.device_type})"
+        return f"{self.name} (autocast on {self.device_type})"
+
+    def support(self, device: torch.device) -> tuple[bool, str | None]:
+        """Whether ``device`` can run this precision at all, and a note when it is refused or
+        only emulated (slow): the device's half of :meth:`check`, which ``validate``'s
+        environment record reports too.
+
+        Example::
+
+            >>> Precision("bf16", "cpu").support(torch.device("cpu"))
+            (True, None)
+            >>> Precision("fp16", "cpu").support(torch.device("cpu"))
+            (True, 'fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 on CPUs')
+        """
+        if self.name != "fp32" and not torch.amp.is_autocast_available(device.type):
+            return False, f"{self.name}: autocast is not available on {device.type}"
+        if self.name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return False, f"bf16 is not supported on {torch.cuda.get_device_name(device)}: use fp16"
+        if self.name == "fp16" and device.type == "cpu":
+            return True, "fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 on CPUs"
+        if self.name == "fp8":
+            from .fp8 import require_torchao
+
+            try:
+                require_torchao()
+            except ImportError as err:
+                return False, f"precision {err}"
+            if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+                return False, (f"fp8 needs a GPU of compute capability 8.9 or newer (H100, L4, RTX 4090...); "
+                               f"{torch.cuda.get_device_name(device)} has none: use bf16")
+            if device.type == "cpu":
+                return True, "fp8 on a CPU is emulated by torchao: right for correctness checks, no speed-up"
+        return True, None
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward-pass context: autocast to ``dtype``, or nothing at all for fp32.
 
@@ -597,21 +643,18 @@ class Precision:
             if name is not None:
                 raise ValueError(f"parameter {name!r} is complex, which fp16's loss scaler cannot unscale "
                                  "(GradScaler has no complex kernel): train it in bf16 or fp32")
-        if self.name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ValueError(f"bf16 is not supported on {torch.cuda.get_device_name(device)}: use fp16")
-        if self.name == "fp16" and device.type == "cpu":
-            warnings.warn("fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 "
-                          "on CPUs", SlowPrecisionWarning, stacklevel=3)
-        if self.name == "fp8":
+        if self.name == "fp8":  # (the model's half: converted, first; then the device's, below)
             from .fp8 import check_model
 
             try:
-                check_model(model, device)
+                check_model(model)
             except ImportError as err:
                 raise ValueError(f"precision {err}") from None
-            if device.type == "cpu":
-                warnings.warn("fp8 on a CPU is emulated by torchao: right for correctness checks, no speed-up",
-                              SlowPrecisionWarning, stacklevel=3)
+        supported, note = self.support(device)
+        if not supported:
+            raise ValueError(note)
+        if note is not None:  # emulated: it runs, slowly
+            warnings.warn(note, SlowPrecisionWarning, stacklevel=3)
 
     def make_scaler(
         self,
