@@ -49,7 +49,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import MAX_DEPTH, Config, is_plain, read_file
 from .errors import InputError, first_line
-from .sinks import DiskFull, writing
+from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
 from .run_folder import RunPaths
 

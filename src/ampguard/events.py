@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .sinks import DiskFull, JsonlSink
+from .files import DiskFull
+from .sinks import JsonlSink
 
 
 def event_word(kind: str) -> str:

@@ -448,7 +448,7 @@ class HeadroomCsv(CsvSink):
         self._open(append, keep_through, ", ".join(self.columns))
 
     def write(self, record: StepRecord, extra: Any = None) -> None:
-        """Append the step's rows, each flushed (:class:`~ampguard.sinks.DiskFull` when there is no room)."""
+        """Append the step's rows, each flushed (:class:`~ampguard.files.DiskFull` when there is no room)."""
         for row in self.headroom.read(record.step):
             self._append_row(row.cells())
             self.rows += 1

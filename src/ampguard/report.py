@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from .clipping import clip_threshold
 from .errors import ExitCode, InputError, check_folder_of, first_line
+from .files import replace_atomically
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor
-from .precision import backend_text
+from .precision import Precision, backend_text
 from .records import SKIP_REASONS, StepRecord, record_from
 from .sinks import CSV_COLUMNS
 
@@ -719,7 +720,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         return f"`{p.name}`" if p is not None and p.exists() else "not written"
 
     setup = [
-        ("precision", f"{config.precision} (autocast on {result.device.type})"
+        ("precision", Precision(config.precision, result.device.type).describe()
                       + (", model compiled (torch.compile)" if config.compile else "")),
         # PyTorch on ROCm names an AMD GPU "cuda" too: the backend says which it was, with its version
         ("backend", backend_text(result.device)),
@@ -780,13 +781,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         "## Outcome\n\n" + _table(outcome),
         "## Files\n\n" + _table(files),
     ])
-    # a new file renamed over the old one: a failed write never leaves the card half-written or empty
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text + "\n", encoding="utf-8", errors="surrogateescape")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    replace_atomically(path, text + "\n")  # a failed write never leaves the card half-written or empty
 
 
 def _start_scale(rows: list[Row], backoff: float) -> float:

@@ -28,7 +28,7 @@ import torch
 
 from .config import Config, dump_config
 from .errors import ExitCode, InputError
-from .sinks import DiskFull
+from .files import DiskFull, replace_atomically
 
 if TYPE_CHECKING:
     from .monitor import RunMonitor
@@ -286,9 +286,7 @@ class RunPaths:
     def write_config(self, config: Config) -> None:
         """``config.yaml``, replaced atomically (a resumed run may have changed ``steps``)."""
         if self.config is not None:
-            tmp = self.config.with_name(".config.yaml.tmp")
-            tmp.write_text(dump_config(config), encoding="utf-8")
-            os.replace(tmp, self.config)
+            replace_atomically(self.config, dump_config(config))
 
     def run_id(self) -> str | None:
         """The run folder's id (its ``run-id`` file), None when it has none (a folder made before
@@ -332,9 +330,7 @@ class RunPaths:
         if found is not None:
             return found
         made = uuid.uuid4().hex
-        tmp = self.id_file.with_name(f".{RUN_ID_FILE}.tmp")
-        tmp.write_text(made + "\n", encoding="ascii")
-        os.replace(tmp, self.id_file)
+        replace_atomically(self.id_file, made + "\n")
         return made
 
     def check_writable(self) -> None:

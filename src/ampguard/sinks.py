@@ -1,4 +1,5 @@
-"""Where step records go: a small ``Sink`` protocol and the CSV and console sinks.
+"""Where step records go: a small ``Sink`` protocol and the sinks (CSV, console, JSONL,
+TensorBoard), a background writer (:class:`BackgroundSink`) and :class:`Sinks`, all of a run's.
 
 A sink receives the step's record with device tensors in it and reads them itself
 (``record.values()``, one transfer); the step never waits for a sink's numbers.
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from .errors import InputError, first_line, whole_number
+from .files import DiskFull, replace_atomically, writing
 from .records import LABEL_COLUMNS, StepRecord, format_number, strict_json
 
 CSV_COLUMNS: tuple[str, ...] = (
@@ -73,84 +75,6 @@ class Sink(Protocol):
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None: ...
 
     def close(self) -> None: ...
-
-
-DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
-"""No space left on the device, a file over the size limit (``ulimit -f``), the quota reached."""
-
-
-def disk_full_error(err: BaseException | None) -> OSError | None:
-    """The ``OSError`` behind ``err`` that says the disk is full (:data:`DISK_FULL_ERRNOS`):
-    ``err`` itself, or its cause or context (``torch.save`` reports a failed write as a
-    ``RuntimeError`` whose context is the ``OSError``); None for any other error.
-
-    Example::
-
-        >>> disk_full_error(OSError(errno.EFBIG, "File too large")).strerror
-        'File too large'
-        >>> try:
-        ...     try:
-        ...         raise OSError(errno.ENOSPC, "No space left on device")
-        ...     except OSError:
-        ...         raise RuntimeError("unexpected pos 64 vs 0")
-        ... except RuntimeError as err:
-        ...     found = disk_full_error(err)
-        >>> found.errno == errno.ENOSPC, disk_full_error(OSError(errno.EACCES, "Permission denied"))
-        (True, None)
-    """
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS:
-            return err
-        err = err.__cause__ or err.__context__
-    return None
-
-
-class DiskFull(Exception):
-    """A run's file could not be written for want of space (:func:`disk_full_error`); ``path``
-    names it (or what was being written). ``through`` is set by whoever catches it: the last
-    step whose records are complete.
-
-    Example::
-
-        >>> str(DiskFull("runs/a/steps.csv", OSError(errno.EFBIG, "File too large")))
-        'disk full while writing runs/a/steps.csv (File too large)'
-    """
-
-    def __init__(self, path: str | os.PathLike, error: OSError) -> None:
-        super().__init__(f"disk full while writing {path} ({error.strerror or error})")
-        self.path = path
-        self.error = error
-        self.through: int | None = None
-
-
-class writing:  # noqa: N801 - used as `with writing(path):`, like a function
-    """Around a write to ``path``: a disk-full ``OSError`` becomes :class:`DiskFull`; any other
-    error passes unchanged. (A class, not a generator context manager: it wraps every CSV row.)
-
-    Example::
-
-        >>> try:
-        ...     with writing("steps.csv"):
-        ...         raise OSError(errno.ENOSPC, "No space left on device")
-        ... except DiskFull as full:
-        ...     print(full.path, full.error.errno == errno.ENOSPC)
-        steps.csv True
-    """
-
-    __slots__ = ("path",)
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
-        full = disk_full_error(err) if isinstance(err, Exception) else None
-        if full is not None:
-            raise DiskFull(self.path, full) from None
 
 
 def _open_for_append(path: Path) -> IO[bytes]:
@@ -290,18 +214,6 @@ class _LineFile:
             with writing(self.path):
                 file.close()
 
-    def _replace_with(self, data: bytes) -> None:
-        """Make ``data`` the whole of ``self.path`` atomically (a temporary file renamed over it),
-        so a kill or a full disk leaves the old file or the new one, never half of one."""
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        try:
-            with writing(self.path):
-                tmp.write_bytes(data)
-        except DiskFull:
-            tmp.unlink(missing_ok=True)  # the file itself is untouched
-            raise
-        os.replace(tmp, self.path)
-
 
 class CsvSink(_LineFile):
     """The per-step CSV of docs/design.md §3: one row per step, flushed when written.
@@ -432,7 +344,7 @@ class CsvSink(_LineFile):
             >>> path.read_bytes()  # as it was
             b'step,lr\\n1,0.1\\n\\xb2,0.\\xff\\n3,0.1\\n'
         """
-        self._replace_with(self.kept_rows(self.path, len(self.columns), step))
+        replace_atomically(self.path, self.kept_rows(self.path, len(self.columns), step))
 
     @staticmethod
     def kept_rows(path: Path, width: int, step: int, first: int | None = None) -> bytes:
@@ -627,7 +539,7 @@ class JsonlSink(_LineFile):
             if not line.endswith(b"\n") or at is None or at > step:
                 break
             keep += 1
-        self._replace_with(b"".join(lines[:keep]))
+        replace_atomically(self.path, b"".join(lines[:keep]))
 
     @staticmethod
     def check_step_log(path: Path) -> None:

@@ -37,8 +37,8 @@ from .monitor import LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
 from .signals import StopFlag, stop_on_signals
-from .sinks import (CSV_COLUMNS, ConsoleSink, CsvSink, DiskFull, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink,
-                    disk_full_error, writing)
+from .files import DiskFull, disk_full_error, writing
+from .sinks import CSV_COLUMNS, ConsoleSink, CsvSink, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink
 from .step import AmpTrainState
 from .tasks import Task, build_task
 

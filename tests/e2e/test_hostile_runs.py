@@ -272,12 +272,13 @@ def _no_space(after: int):
 
 def test_after_a_full_disk_the_line_names_the_last_checkpoint_and_resume_continues_from_it(cli, monkeypatch, tmp_path):
     from ampguard import sinks
+    from ampguard.files import writing
 
     real_write = sinks.CsvSink.write
     fail = _no_space(after=4)
 
     def write(self, record, extra=None):
-        with sinks.writing(self.path):
+        with writing(self.path):
             fail()
         real_write(self, record, extra)
 

@@ -442,3 +442,21 @@ def test_report_of_a_bare_demo_csv_judges_the_scale_from_where_the_demo_started(
     code, out, err = cli("report", "d.csv")
     assert code == 0, err
     assert "scale stable" in out and "collapsing" not in out
+
+
+def test_an_fp32_run_card_says_no_autocast(tmp_path):
+    # review_clarity10 #2: the card said "fp32 (autocast on cpu)", but fp32 runs under no autocast
+    import torch
+
+    from ampguard.config import validate
+    from ampguard.errors import ExitCode
+    from ampguard.monitor import RunMonitor
+    from ampguard.report import write_run_card
+    from ampguard.run_folder import RunPaths, RunResult
+
+    (tmp_path / "steps.csv").write_text(HEADER + "\n", encoding="utf-8")
+    for precision, said in [("fp32", "fp32 (no autocast)"), ("bf16", "bf16 (autocast on cpu)")]:
+        result = RunResult(ExitCode.OK, RunMonitor(), RunPaths.existing(tmp_path), "finished", torch.device("cpu"))
+        write_run_card(tmp_path / "RUN.md", validate({"precision": precision}), result)
+        assert card_table((tmp_path / "RUN.md").read_text(encoding="utf-8"))["precision"] == said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["RUN.md", "steps.csv"]  # no temporary file left

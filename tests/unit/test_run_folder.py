@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ampguard import run_folder
+from ampguard import files, run_folder
 from ampguard.config import read_file, validate
 from ampguard.errors import InputError
 from ampguard.run_folder import RunPaths
@@ -78,10 +78,10 @@ def test_write_config_replaces_the_file_atomically(tmp_path, monkeypatch):
         replaced.append((Path(src).name, Path(dst)))
         return real_replace(src, dst)
 
-    monkeypatch.setattr(run_folder.os, "replace", spy)
+    monkeypatch.setattr(files.os, "replace", spy)
     resumed = config_in(tmp_path, "run", steps=25)  # a resumed run may raise steps
     paths.write_config(resumed)
-    assert replaced == [(".config.yaml.tmp", paths.config)]  # written beside it, then renamed over it
+    assert [(src.startswith(".config.yaml.tmp"), dst) for src, dst in replaced] == [(True, paths.config)]  # written beside it, then renamed over it
     assert validate(read_file(paths.config)).steps == 25
     assert sorted(p.name for p in paths.dir.iterdir()) == ["config.yaml", "run-id"]  # no temporary file left
 

@@ -18,7 +18,8 @@ from helpers import HAS_TENSORBOARD, read_rows
 from ampguard import ConsoleSink, CsvSink, Sink, SkipLog, StepLog
 from ampguard.errors import InputError
 from ampguard.records import format_number
-from ampguard.sinks import CSV_COLUMNS, DiskFull, JsonlSink, Sinks, TensorBoardSink, csv_row, disk_full_error
+from ampguard.files import DiskFull, disk_full_error
+from ampguard.sinks import CSV_COLUMNS, JsonlSink, Sinks, TensorBoardSink, csv_row
 
 HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale"
 INF, NAN = float("inf"), float("nan")

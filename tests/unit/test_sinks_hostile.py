@@ -102,7 +102,8 @@ CHILD = """
 import sys
 from pathlib import Path
 from ampguard.records import StepLog
-from ampguard.sinks import CsvSink, DiskFull, JsonlSink
+from ampguard.files import DiskFull
+from ampguard.sinks import CsvSink, JsonlSink
 kind, path = sys.argv[1], Path(sys.argv[2])
 sink = CsvSink(path) if kind == "csv" else JsonlSink(path)
 written = 0
@@ -143,7 +144,8 @@ def test_a_row_a_full_disk_cuts_short_is_taken_back_out_of_the_file(tmp_path, ki
 HEADER_CHILD = """
 import sys
 from pathlib import Path
-from ampguard.sinks import CsvSink, DiskFull
+from ampguard.files import DiskFull
+from ampguard.sinks import CsvSink
 try:
     CsvSink(Path(sys.argv[1]))
 except DiskFull as full:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from transformers import Trainer, TrainerCallback
 from ..clipping import global_l2_norm
 from ..errors import ExitCode, InputError, first_line
 from ..events import EventLog, event_word
+from ..files import replace_atomically
 from ..monitor import DEFAULT_MIN_STEPS, RunMonitor
 from ..precision import Precision
 from ..records import SkipLog, StepLog, StepRecord
@@ -465,9 +465,7 @@ class GuardedTrainer(Trainer):
         state = {"guard": self.guard.state_dict(mid_group=True),  # (HF saves between steps: the group is closed)
                  "monitor": monitor.state_dict() if monitor is not None else None}
         path = Path(output_dir) / STATE_NAME
-        tmp = path.with_name(f".{STATE_NAME}.tmp")
-        tmp.write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)  # a reader never sees half a file
+        replace_atomically(path, json.dumps(state, indent=1) + "\n")  # a reader never sees half a file
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         super()._load_scaler(checkpoint)

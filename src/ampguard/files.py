@@ -1,0 +1,116 @@
+"""File safety for a run's files: a full disk named as such (:class:`DiskFull`, raised by
+:class:`writing` around a write), and a file replaced whole or not at all
+(:func:`replace_atomically`). Checkpoints have their own, fsync'ed, save
+(:func:`ampguard.checkpoint.save_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+"""No space left on the device, a file over the size limit (``ulimit -f``), the quota reached."""
+
+
+def disk_full_error(err: BaseException | None) -> OSError | None:
+    """The ``OSError`` behind ``err`` that says the disk is full (:data:`DISK_FULL_ERRNOS`):
+    ``err`` itself, or its cause or context (``torch.save`` reports a failed write as a
+    ``RuntimeError`` whose context is the ``OSError``); None for any other error.
+
+    Example::
+
+        >>> disk_full_error(OSError(errno.EFBIG, "File too large")).strerror
+        'File too large'
+        >>> try:
+        ...     try:
+        ...         raise OSError(errno.ENOSPC, "No space left on device")
+        ...     except OSError:
+        ...         raise RuntimeError("unexpected pos 64 vs 0")
+        ... except RuntimeError as err:
+        ...     found = disk_full_error(err)
+        >>> found.errno == errno.ENOSPC, disk_full_error(OSError(errno.EACCES, "Permission denied"))
+        (True, None)
+    """
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+class DiskFull(Exception):
+    """A run's file could not be written for want of space (:func:`disk_full_error`); ``path``
+    names it (or what was being written). ``through`` is set by whoever catches it: the last
+    step whose records are complete.
+
+    Example::
+
+        >>> str(DiskFull("runs/a/steps.csv", OSError(errno.EFBIG, "File too large")))
+        'disk full while writing runs/a/steps.csv (File too large)'
+    """
+
+    def __init__(self, path: str | os.PathLike, error: OSError) -> None:
+        super().__init__(f"disk full while writing {path} ({error.strerror or error})")
+        self.path = path
+        self.error = error
+        self.through: int | None = None
+
+
+class writing:  # noqa: N801 - used as `with writing(path):`, like a function
+    """Around a write to ``path``: a disk-full ``OSError`` becomes :class:`DiskFull`; any other
+    error passes unchanged. (A class, not a generator context manager: it wraps every CSV row.)
+
+    Example::
+
+        >>> try:
+        ...     with writing("steps.csv"):
+        ...         raise OSError(errno.ENOSPC, "No space left on device")
+        ... except DiskFull as full:
+        ...     print(full.path, full.error.errno == errno.ENOSPC)
+        steps.csv True
+    """
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
+        full = disk_full_error(err) if isinstance(err, Exception) else None
+        if full is not None:
+            raise DiskFull(self.path, full) from None
+
+
+def replace_atomically(path: str | os.PathLike, data: bytes | str) -> None:
+    """Make ``data`` (text is written as UTF-8, undecodable bytes kept) the whole of ``path``: a
+    temporary file beside it, renamed over it, so a kill or a full disk leaves the old file or
+    the new one, never half of one. A write that fails (:class:`DiskFull` when there is no room)
+    takes the temporary file with it and leaves ``path`` as it was.
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> replace_atomically(folder / "card.md", "new\\n")
+        >>> (folder / "card.md").read_text(), sorted(p.name for p in folder.iterdir())
+        ('new\\n', ['card.md'])
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if isinstance(data, str):
+        data = data.encode("utf-8", errors="surrogateescape")
+    try:
+        with writing(path):
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
