@@ -139,7 +139,7 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
         mfu = "" if r["mfu"] is None else f" MFU {r['mfu']:.1%}"
         mfu += "" if r.get("ops") is None else f" {r['ops']} ops/step"
         print(f"  {r['workload']:<24} {r['precision']:<5} {r['contender']:<38} {r['median_ms']:8.3f} ms"
-              f"  {ratio:>6}{ci}  {len(r['rounds'])} rounds ({r['stop']}){mfu}")
+              f"  {ratio:>6}{ci}  {len(r['rounds'])} rounds ({r['stop']}{': ' + r['stop_detail'] if r.get('stop_detail') else ''}){mfu}")
 PY
 exec 1>&3 2>&4 3>&- 4>&-  # the log's tee gets its end of file; wait for its last lines
 wait "$tee_pid" 2>/dev/null || true

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .errors import first_line
 from .precision import Precision, backend_text
 from .records import LAG, InFlight
 from .sinks import CsvSink, Sink
@@ -100,12 +101,24 @@ def _nano(device: torch.device) -> Workload:
 
 
 def _transformer(device: torch.device, size: str) -> Workload:
+    """``ampguard train``'s charlm transformer (byte vocabulary) on one fixed batch of random
+    bytes: ``"gpt2-small"`` in the shape of ``task.preset: gpt2-small`` (12 layers x 768 wide, 12
+    heads, a context of 1024), batch 8; ``"small"`` in the ``task`` section's default shape (2
+    layers x 64 wide, 4 heads, a context of 64), batch 16. The shapes are read from
+    :class:`~ampguard.config.TaskConfig`, so the bench measures the model ``train`` builds.
+
+    Example::
+
+        >>> w = _transformer(torch.device("cpu"), "small")
+        >>> w.name, [tuple(t.shape) for t in w.batch], w.tokens_per_step
+        ('small-transformer', [(16, 64), (16, 64)], 1024)
+    """
+    from .config import TaskConfig
     from .tasks.charlm import CharLM, flops_per_token, lm_loss
 
-    if size == "gpt2-small":  # GPT-2 small's shape (12 x 768, 12 heads, context 1024), byte vocabulary
-        layers, width, heads, block, batch = 12, 768, 12, 1024, 8
-    else:
-        layers, width, heads, block, batch = 2, 64, 4, 64, 16
+    shape = TaskConfig(preset="gpt2-small") if size == "gpt2-small" else TaskConfig()
+    layers, width, heads, block = shape.n_layer, shape.n_embd, shape.n_head, shape.block_size
+    batch = 8 if size == "gpt2-small" else 16  # the bench's own, not task.batch_size
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 256, (batch, block + 1), generator=g)
 
@@ -156,9 +169,9 @@ class Contender:
 
         Example::
 
-        >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
-        >>> Bare(_mlp(cpu), fp32, cpu, fused=False).persistent_bytes()
-        0
+            >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+            >>> Bare(_mlp(cpu), fp32, cpu, fused=False).persistent_bytes()
+            0
         """
         tensors = list(self.model.parameters())
         for state in self.opt.state.values():
@@ -522,23 +535,31 @@ def available_peers() -> list[type[Contender]]:
 # ---------------------------------------------------------------------------- measuring
 
 
+INTERRUPTED = "interrupted"
+"""``Result.stop`` of a case whose rounds Ctrl-C or a SIGTERM cut short (its whole rounds are kept)."""
+ERROR = "error"
+"""``Result.stop`` of a case a failed timed step ended (its whole rounds before it are kept;
+``Result.stop_detail`` says which contender failed, in which round, and why)."""
+
+
 @dataclass
 class Result:
     """One contender's figures on one workload and precision (times in ms per step).
 
     ``ratio_to_bare`` is the median over rounds of this contender's ms/step divided by the bare
     loop's in the same round; ``ratio_low``/``ratio_high`` its 95% bootstrap interval (the one
-    :func:`median_interval` gives, which also decided the stop); ``stop`` why the rounds ended:
-    ``"resolved"`` (every interval within ``± resolve``), ``"budget"`` (time ran out first),
-    ``"max rounds"``, ``"fixed"`` (no ``resolve`` asked), ``"interrupted"``, or
-    ``"error: ..."`` (a timed step failed: the line says which and why; the whole rounds before
-    it are kept).
+    :func:`median_interval` gives, which also decided the stop); ``stop`` why the rounds ended,
+    one of: ``"resolved"`` (every interval within ``± resolve``), ``"budget"`` (time ran out
+    first), ``"max rounds"``, ``"fixed"`` (no ``resolve`` asked), :data:`INTERRUPTED` or
+    :data:`ERROR`. Code decides on ``stop`` alone; ``stop_detail`` is the words for a person
+    (for an error, ``"RuntimeError: CUDA out of memory. ... (bare loop, round 3)"``; ``None``
+    for the other stops).
 
     Example::
 
         >>> r = Result("tiny-mlp", "fp32", "bare loop", median_ms=0.5, min_ms=0.4)
-        >>> math.isnan(r.ratio_to_bare), r.peak_mem_mib, r.rounds, r.stop
-        (True, None, [], 'fixed')
+        >>> math.isnan(r.ratio_to_bare), r.peak_mem_mib, r.rounds, r.stop, r.stop_detail
+        (True, None, [], 'fixed', None)
     """
 
     workload: str
@@ -555,6 +576,7 @@ class Result:
     ratio_low: float = math.nan
     ratio_high: float = math.nan
     stop: str = "fixed"
+    stop_detail: str | None = None
     ops: int | None = None  # ops_per_step: the device operations one step dispatches
 
     @property
@@ -776,11 +798,6 @@ def balanced_orders(n: int) -> list[list[int]]:
     return orders + [order[::-1] for order in orders] if n % 2 else orders
 
 
-def rotated_orders(n: int) -> list[list[int]]:
-    """A plain rotation (each contender always after the same neighbour): for comparison."""
-    return [[(x + shift) % n for x in range(n)] for shift in range(n)]
-
-
 def _ratios(times: dict[str, list[float]], name: str) -> list[float]:
     """Each round's ms/step of ``name`` over the bare loop's in the same round (over its own
     median when there is no bare loop: the spread of the contender alone)."""
@@ -824,19 +841,18 @@ def _usable_cpus() -> int:
 
 
 def _one_line(err: BaseException, limit: int = 200) -> str:
-    """``Type: message`` on one line, at most ``limit`` characters (a CUDA OOM's is long).
+    """How the bench says a contender's failure: :func:`~ampguard.errors.first_line` with the
+    type in front, cut to ``limit`` characters (a CUDA OOM's first line alone runs long).
 
     Example::
 
         >>> _one_line(RuntimeError("CUDA out of memory." + chr(10) + "Tried to allocate 2 GiB"))
         'RuntimeError: CUDA out of memory.'
+        >>> len(_one_line(RuntimeError("x" * 500))), _one_line(KeyError())
+        (200, 'KeyError')
     """
-    text = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}".rstrip(": ")
+    text = first_line(err, with_type=True)
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-INTERRUPTED = "interrupted"
-"""``Result.stop`` of a case whose rounds Ctrl-C or a SIGTERM cut short (its whole rounds are kept)."""
 
 
 def measure(
@@ -858,11 +874,15 @@ def measure(
     case is called resolved only at the end of a whole cycle of the orders (``n`` rounds for
     ``n`` contenders, ``2n`` for an odd ``n``), when every contender has followed every other
     alike, and after at least :data:`MIN_ROUNDS_TO_RESOLVE` rounds; the budget and
-    ``max_rounds`` cut where they run out. The intervals the stop rule decides on are the ones
-    reported (:func:`median_interval`, one setting), so a resolved case's every row is within
-    ``± resolve``. A timed step that fails (a CUDA out-of-memory, say) ends the case: its whole
-    rounds are kept and ``stop`` reads ``"error: ..."``.
+    ``max_rounds`` cut where they run out (:func:`_stop_reason`). The intervals the stop rule
+    decides on are the ones reported (:func:`median_interval`, one setting), so a resolved
+    case's every row is within ``± resolve``. A timed step that fails (a CUDA out-of-memory,
+    say) ends the case: its whole rounds are kept, ``stop`` is :data:`ERROR` and
+    ``stop_detail`` says which contender failed, in which round, and why.
     Each timing starts from an idle device (``torch.cuda.synchronize``, then CUDA events).
+
+    In order: :func:`_build` the contenders, :func:`_warm_up` each (leaving out the ones that
+    fail or run other work), :func:`_run_rounds`, close them, and :func:`_results`.
 
     Example::
 
@@ -896,109 +916,243 @@ def measure(
           tiny-mlp fp32: no contender could run, nothing measured
         []
     """
+    case = f"{w.name} {precision.name}"
+    ready = _warm_up(_build(contenders, w, precision, device, fused), precision, device, warmup)
+    if not ready:  # nothing to time: say so, rather than divide by no contenders
+        print(f"  {case}: no contender could run, nothing measured")
+        return []
+    timed = [r.contender for r in ready]
+    ran = _run_rounds(timed, device, case, steps=steps, orders=orders(len(timed)), rounds=rounds, resolve=resolve,
+                      budget_s=budget_s, max_rounds=max_rounds)
+    for c in timed:
+        # after a failed step a contender may be in any state: its files and threads go, whatever
+        # its close() says; after rounds that ran, a close that fails is a bug, and raises
+        with contextlib.suppress(Exception) if ran.stop == ERROR else contextlib.nullcontext():
+            c.close()
+    if not ran.done:
+        if ran.stop == ERROR:  # nothing of this case; the bench goes on with the next
+            return []
+        # nothing of this case: the interrupt goes on (run_bench hands back the cases before it)
+        print(f"  {case}: interrupted before a whole round, nothing measured")
+        raise KeyboardInterrupt
+    return _results(w, precision, ready, ran, peak_flops)
+
+
+def _build(contenders: list[type[Contender]], w: Workload, precision: Precision, device: torch.device,
+           fused: bool) -> list[Contender]:
+    """Each contender set up for this case; one that cannot be (a peer not installed, or without
+    this precision) is left out with a line saying why.
+
+    Example::
+
+        >>> class CannotBuild(Bare):
+        ...     name = "cannot build"
+        ...     def __init__(self, *args):
+        ...         raise ModuleNotFoundError("No module named 'peer'")
+        >>> cpu = torch.device("cpu")
+        >>> [c.name for c in _build([Bare, CannotBuild], _mlp(cpu), Precision("fp32", "cpu"), cpu, fused=False)]
+          cannot build: not run (ModuleNotFoundError: No module named 'peer')
+        ['bare loop']
+    """
     built: list[Contender] = []
     for cls in contenders:
         try:
             built.append(cls(w, precision, device, fused))
         except Exception as err:  # noqa: BLE001 - a peer that cannot run this case is left out, said so
-            print(f"  {cls.name}: not run ({type(err).__name__}: {err})")
-    times: dict[str, list[float]] = {c.name: [] for c in built}
-    peaks: dict[str, float | None] = {c.name: None for c in built}
-    ops: dict[str, int | None] = {}
-    for c in list(built):  # warm-up, and the peak memory of a steady-state step
+            print(f"  {cls.name}: not run ({_one_line(err)})")
+    return built
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """A contender warmed up and seen doing its row's work (:func:`_warm_up`), with what its
+    untimed steps measured: the peak memory of a steady-state step (CUDA only, else ``None``)
+    and its device operations per step (``None`` for compiled code)."""
+
+    contender: Contender
+    peak_mem_mib: float | None
+    ops: int | None
+
+
+def _warm_up(built: list[Contender], precision: Precision, device: torch.device, warmup: int) -> list[_Ready]:
+    """Each contender warmed up (``warmup`` steps), then one untimed step for its peak memory
+    (:func:`_peak_mib`, CUDA only) and one for its :func:`census`. One that fails there (an OOM,
+    say) or runs other work than ``precision``'s (:func:`other_work`) is closed and left out,
+    with a line saying why.
+
+    Example::
+
+        >>> class Broken(Bare):
+        ...     name = "broken"
+        ...     def step(self):
+        ...         raise RuntimeError("no kernel for this")
+        >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+        >>> ready = _warm_up([Bare(_mlp(cpu), fp32, cpu, False), Broken(_mlp(cpu), fp32, cpu, False)], fp32, cpu, 1)
+          broken: not run (RuntimeError: no kernel for this)
+        >>> [(r.contender.name, r.peak_mem_mib, r.ops > 20) for r in ready]
+        [('bare loop', None, True)]
+    """
+    ready: list[_Ready] = []
+    for c in built:
         try:
             for _ in range(warmup):
                 c.step()
             _sync(device)
-            if device.type == "cuda":
-                # all contenders live in this process: count this one's own tensors (parameters,
-                # optimizer state) plus the most one of its steps allocates on top of what was there
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
-                c.step()
-                _sync(device)
-                transient = torch.cuda.max_memory_allocated(device) - before
-                peaks[c.name] = (c.persistent_bytes() + transient) / 2**20
+            peak = _peak_mib(c, device)
             seen = census(c)  # one more untimed step: what it dispatched
             why = other_work(seen, precision)
         except Exception as err:  # noqa: BLE001 - a peer that fails on this case (an OOM, say) is left out, said so
             why = _one_line(err)
-        if why is not None:  # left out, said so
-            print(f"  {c.name}: not run ({why})")
-            built.remove(c)
-            del times[c.name], peaks[c.name]
-            with contextlib.suppress(Exception):  # its files and threads go, whatever state it is in
-                c.close()
+        if why is None:
+            ready.append(_Ready(c, peak, None if seen is None else seen.ops))
             continue
-        ops[c.name] = None if seen is None else seen.ops
-    if not built:  # nothing to time: say so, rather than divide by no contenders
-        print(f"  {w.name} {precision.name}: no contender could run, nothing measured")
-        return []
-    started, done, stop = time.perf_counter(), 0, "fixed"
-    cycle = orders(len(built))
-    least_to_resolve = max(rounds, MIN_ROUNDS_TO_RESOLVE, len(cycle))
-    intervals: dict[str, tuple[float, float, float]] = {}
-    intervals_at = -1  # the number of rounds `intervals` was computed over
-    running = built[0]
+        print(f"  {c.name}: not run ({why})")
+        with contextlib.suppress(Exception):  # its files and threads go, whatever state it is in
+            c.close()
+    return ready
+
+
+def _peak_mib(c: Contender, device: torch.device) -> float | None:
+    """The memory a steady-state step of ``c`` needs on CUDA, in MiB, over one untimed step;
+    ``None`` elsewhere. All contenders live in this process, so the device's total would count
+    the others' too: this is ``c``'s own tensors (:meth:`Contender.persistent_bytes`) plus the
+    most its step allocates on top of what was there.
+
+    Example::
+
+        >>> cpu = torch.device("cpu")
+        >>> _peak_mib(Bare(_mlp(cpu), Precision("fp32", "cpu"), cpu, fused=False), cpu) is None
+        True
+    """
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    c.step()
+    _sync(device)
+    transient = torch.cuda.max_memory_allocated(device) - before
+    return (c.persistent_bytes() + transient) / 2**20
+
+
+@dataclass
+class _Rounds:
+    """What one case's rounds measured (:func:`_run_rounds`): each contender's ms/step in each
+    whole round, how many rounds were whole, and why they stopped (:attr:`Result.stop`, with
+    :attr:`Result.stop_detail`)."""
+
+    times: dict[str, list[float]]
+    done: int
+    stop: str
+    detail: str | None = None
+
+
+def _run_rounds(built: list[Contender], device: torch.device, case: str, *, steps: int, orders: list[list[int]],
+                rounds: int, resolve: float | None, budget_s: float | None, max_rounds: int) -> _Rounds:
+    """Paired rounds until :func:`_stop_reason` ends them: round ``k`` runs the contenders in
+    the order ``orders[k % len(orders)]``, ``steps`` timed steps each, the first of them after
+    one untimed step of its own. Ctrl-C (or the SIGTERM :func:`run` turns into one) or a failed
+    step (a CUDA OOM, say; a line naming ``case`` says which contender, in which round) ends
+    them early: only the whole rounds before are kept.
+
+    Example::
+
+        >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+        >>> built = [Bare(_mlp(cpu), fp32, cpu, False), BareAgain(_mlp(cpu), fp32, cpu, False)]
+        >>> ran = _run_rounds(built, cpu, "tiny-mlp fp32", steps=1, orders=balanced_orders(2), rounds=3,
+        ...                   resolve=None, budget_s=None, max_rounds=1000)
+        >>> ran.done, ran.stop, [len(t) for t in ran.times.values()]
+        (3, 'fixed', [3, 3])
+    """
+    times: dict[str, list[float]] = {c.name: [] for c in built}
+    started, done, running = time.perf_counter(), 0, built[0]
     try:
         while True:
-            order = cycle[done % len(cycle)]
+            order = orders[done % len(orders)]
             running = built[order[0]]
             running.step()  # untimed: the first contender's timed steps, too, follow a step of its own
             for i in order:
                 running = built[i]
                 times[running.name].append(_time_steps(running, steps, device))
             done += 1
-            if done < rounds:
-                continue
-            if resolve is None:
-                break
-            if done % len(cycle) == 0 and done >= least_to_resolve:  # (resolved: over whole cycles)
-                intervals, intervals_at = _intervals(times), done
-                if _widest(intervals) <= resolve:
-                    stop = "resolved"
-                    break
-            if budget_s is not None and time.perf_counter() - started >= budget_s:  # (limits cut anywhere)
-                stop = "budget"
-            elif done >= max_rounds:
-                stop = "max rounds"
-            else:
-                continue
-            break
+            why = _stop_reason(times, done, rounds=rounds, cycle=len(orders), resolve=resolve, budget_s=budget_s,
+                               max_rounds=max_rounds, started=started)
+            if why is not None:
+                return _Rounds(times, done, why)
     except KeyboardInterrupt:  # Ctrl-C, or the SIGTERM of a time limit (run()): the whole rounds so far
-        stop = INTERRUPTED
-        for name in times:
-            del times[name][done:]
+        stop, detail = INTERRUPTED, None
     except Exception as err:  # noqa: BLE001 - a failed step (a CUDA OOM, say) ends this case, not the bench
-        stop = f"error: {_one_line(err)} ({running.name}, round {done + 1})"
-        print(f"  {w.name} {precision.name}: {running.name} failed in round {done + 1} ({_one_line(err)}); "
+        stop, detail = ERROR, f"{_one_line(err)} ({running.name}, round {done + 1})"
+        print(f"  {case}: {running.name} failed in round {done + 1} ({_one_line(err)}); "
               f"the case ends with its {done} whole rounds", flush=True)
-        for name in times:
-            del times[name][done:]
-    for c in built:
-        with contextlib.suppress(Exception) if stop.startswith("error") else contextlib.nullcontext():
-            c.close()
-    if not done:
-        if stop.startswith("error"):  # nothing of this case; the bench goes on with the next
-            return []
-        # nothing of this case: the interrupt goes on (run_bench hands back the cases before it)
-        print(f"  {w.name} {precision.name}: interrupted before a whole round, nothing measured")
-        raise KeyboardInterrupt
-    if Bare.name in times and intervals_at != done:  # (when the stop rule has not just computed them)
-        intervals = _intervals(times)
+    return _Rounds({name: t[:done] for name, t in times.items()}, done, stop, detail)
+
+
+def _stop_reason(times: dict[str, list[float]], done: int, *, rounds: int, cycle: int, resolve: float | None,
+                 budget_s: float | None, max_rounds: int, started: float) -> str | None:
+    """Why the rounds end after ``done`` whole rounds (a :attr:`Result.stop`), or ``None`` to run
+    another. Never before ``rounds``; then ``"fixed"`` when no ``resolve`` is asked. Else
+    ``"resolved"`` once every ratio interval (:func:`_intervals`) is within ``± resolve``, asked
+    only at the end of a whole cycle of the orders (``cycle`` rounds) and after at least
+    :data:`MIN_ROUNDS_TO_RESOLVE` rounds; else ``"budget"`` once ``budget_s`` seconds have passed
+    since ``started``, or ``"max rounds"`` at ``max_rounds``: those two cut at any round.
+
+    Example (two identical loops: every ratio 1, every interval of zero width)::
+
+        >>> times = {Bare.name: [1.0] * 6, BareAgain.name: [1.0] * 6}
+        >>> rule = dict(rounds=2, cycle=2, budget_s=None, max_rounds=1000, started=time.perf_counter())
+        >>> _stop_reason(times, 1, resolve=None, **rule), _stop_reason(times, 2, resolve=None, **rule)
+        (None, 'fixed')
+        >>> _stop_reason(times, 5, resolve=0.01, **rule), _stop_reason(times, 6, resolve=0.01, **rule)
+        (None, 'resolved')
+        >>> _stop_reason(times, 3, resolve=0.01, **{**rule, "budget_s": 0.0})
+        'budget'
+    """
+    if done < rounds:
+        return None
+    if resolve is None:
+        return "fixed"
+    if done % cycle == 0 and done >= max(MIN_ROUNDS_TO_RESOLVE, cycle) and _widest(_intervals(times)) <= resolve:
+        return "resolved"
+    if budget_s is not None and time.perf_counter() - started >= budget_s:
+        return "budget"
+    if done >= max_rounds:
+        return "max rounds"
+    return None
+
+
+def _results(w: Workload, precision: Precision, ready: list[_Ready], ran: _Rounds,
+             peak_flops: float | None) -> list[Result]:
+    """One :class:`Result` per contender from its whole rounds: median and least ms/step, tokens/s
+    and MFU (for a workload that counts its work), and, with a bare loop among them, the ratios
+    to it round by round and their interval (:func:`_intervals`: seeded, so the very one the
+    stop rule read).
+
+    Example::
+
+        >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+        >>> ready = [_Ready(cls(_mlp(cpu), fp32, cpu, False), None, None) for cls in (Bare, BareAgain)]
+        >>> ran = _Rounds({Bare.name: [1.0, 3.0], BareAgain.name: [1.1, 3.3]}, done=2, stop="fixed")
+        >>> [(r.contender, round(r.median_ms, 6), round(r.ratio_to_bare, 6)) for r in _results(_mlp(cpu), fp32, ready,
+        ...                                                                                         ran, None)]
+        [('bare loop', 2.0, 1.0), ('bare loop (A/A)', 2.2, 1.1)]
+    """
+    times = ran.times
+    intervals = _intervals(times) if Bare.name in times else {}
     results = []
-    for c in built:
-        med = statistics.median(times[c.name])
-        res = Result(w.name, precision.name, c.name, med, min(times[c.name]), peak_mem_mib=peaks[c.name],
-                     rounds=times[c.name], stop=stop, ops=ops[c.name])
+    for r in ready:
+        name = r.contender.name
+        med = statistics.median(times[name])
+        res = Result(w.name, precision.name, name, med, min(times[name]), peak_mem_mib=r.peak_mem_mib,
+                     rounds=times[name], stop=ran.stop, stop_detail=ran.detail, ops=r.ops)
         if w.tokens_per_step:
             res.tokens_per_s = w.tokens_per_step / (med / 1000)
             if peak_flops:
                 res.mfu = w.flops_per_step / (med / 1000) / peak_flops
         if Bare.name in times:
-            res.ratios = _ratios(times, c.name)
+            res.ratios = _ratios(times, name)
+            # (the bare loop's own, left out of the intervals beside others: its ratio to itself, 1)
             res.ratio_to_bare, res.ratio_low, res.ratio_high = (
-                intervals[c.name] if c.name in intervals else median_interval(res.ratios))
+                intervals[name] if name in intervals else median_interval(res.ratios))
         results.append(res)
     return results
 
@@ -1057,8 +1211,9 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
             out.append(where + f"resolved to ±{resolve * 100:g}% in {len(rows[0].rounds)} rounds "
                                f"(widest ±{widest.half_width:.1%}, {widest.contender})")
         else:
-            why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran",
-                   INTERRUPTED: "interrupted"}.get(rows[0].stop, rows[0].stop)
+            stop, detail = rows[0].stop, rows[0].stop_detail
+            why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran"}.get(stop, stop)
+            why += "" if detail is None else f": {detail}"  # (an error's: which contender, which round, why)
             out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {len(rows[0].rounds)} rounds; widest "
                                f"±{widest.half_width:.1%}, {widest.contender})")
     return out
@@ -1102,9 +1257,9 @@ def run_bench(
 ) -> list[Result]:
     """Every workload x precision, measured with the bare loop (and its A/A twin with ``aa``),
     the guarded step (and its sync-free path with ``fused``) and the installed peers. fp16 on a
-    CPU runs only the MLP. fp8 converts the model (:func:`fp8_workload`; the peers are left out);
-    ``compiled`` runs every model through ``torch.compile`` (:func:`compiled_workload`), as
-    torchao's float8 needs to be fast.
+    CPU runs only the :data:`SMALL` models (the mlp and nano MLPs). fp8 converts the model
+    (:func:`fp8_workload`; the peers are left out); ``compiled`` runs every model through
+    ``torch.compile`` (:func:`compiled_workload`), as torchao's float8 needs to be fast.
 
     Example::
 
@@ -1211,7 +1366,8 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
             device: torch.device | None = None) -> str:
     """The machine, the run's settings, the resolution asked and every result as JSON
     (``ampguard bench --json``): per contender its per-round times and ratios, the median ratio,
-    its interval and half-width and why the rounds stopped. Not-a-number (no bare loop to
+    its interval and half-width, and why the rounds stopped (``stop``, with ``stop_detail``: an
+    error's contender, round and message; ``null`` for the other stops). Not-a-number (no bare loop to
     compare with) is written ``null``. ``threads`` is the pinned CPU thread count (``null`` on
     CUDA, where nothing is pinned).
 
@@ -1221,8 +1377,8 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
         ...                           settings={"steps": 3}))
         >>> sorted(data), data["results"][0]["median_ms"], data["results"][0]["rounds"]
         (['machine', 'resolve', 'results', 'run', 'threads'], 0.5, [0.5])
-        >>> data["results"][0]["ratio_low"], data["results"][0]["half_width"], data["results"][0]["stop"]
-        (None, None, 'fixed')
+        >>> [data["results"][0][k] for k in ("ratio_low", "half_width", "stop", "stop_detail")]
+        [None, None, 'fixed', None]
         >>> data["run"]["steps"], data["run"]["confidence"], data["run"]["resamples"]
         (3, 0.95, 2000)
     """
@@ -1250,7 +1406,11 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         quick: bool = False, as_json: bool = False, resolve_pct: float = 1.0, budget_s: float = 120.0,
         threads: int | None = None, aa: bool = True, compiled: bool = False) -> int:
     """``ampguard bench``: measure, then print a table (or JSON), the resolution and the
-    speed-ups. Returns 0; no contender able to run at all is an InputError (exit 2).
+    speed-ups. Returns the exit status: 0, or, when Ctrl-C or a SIGTERM cut the bench short
+    after something was measured, 130 or 143 (what was measured is printed first). Bad
+    arguments (:func:`_check_args`), or no contender able to run at all, are an InputError
+    (exit 2); an interrupt before anything was measured raises
+    :class:`~ampguard.signals.Interrupted` (130 or 143).
 
     At least ``rounds`` paired rounds per case, then more until every ratio is resolved to
     ``± resolve_pct`` percent (0: exactly ``rounds``) or ``budget_s`` seconds of rounds have
@@ -1288,21 +1448,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
 
     where = resolve_device(device)
     workloads, names = models.split(","), precisions.split(",")
-    for kind, given, known in (("model", workloads, WORKLOADS), ("precision", names, PRECISIONS)):
-        for name in given:
-            if name not in known:
-                raise InputError(f"bench: unknown {kind} {name!r} ({', '.join(known)})")
-            if given.count(name) > 1:  # (it ran the case twice, two tables of the same thing)
-                raise InputError(f"bench: {kind} {name!r} given twice")
-    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
-        raise InputError(f"bench: --peak-tflops must be a finite number > 0, got {peak_tflops:g}")
-    if where.type == "cpu" and set(names) == {"fp16"} and not set(SMALL) & set(workloads):
-        raise InputError(f"bench: on a CPU fp16 runs only the mlp and nano models; nothing to measure for {models}")
-    for flag, value in (("--resolve", resolve_pct), ("--budget", budget_s)):
-        if not (math.isfinite(value) and value >= 0):
-            raise InputError(f"bench: {flag} must be a finite number >= 0, got {value:g}")
-    if threads is not None and threads < 1:
-        raise InputError(f"bench: --threads must be >= 1, got {threads}")
+    _check_args(where, workloads, names, peak_tflops=peak_tflops, resolve_pct=resolve_pct, budget_s=budget_s,
+                threads=threads)
     if quick:
         steps, rounds, warmup, resolve_pct, aa = 3, 2, 1, 0.0, False
     resolve = resolve_pct / 100 if resolve_pct > 0 else None
@@ -1343,6 +1490,43 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     if interrupted:
         return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
     return 0
+
+
+def _check_args(where: torch.device, workloads: list[str], names: list[str], *, peak_tflops: float | None,
+                resolve_pct: float, budget_s: float, threads: int | None) -> None:
+    """Refuse, as one :class:`~ampguard.errors.InputError` line, what :func:`run` cannot measure:
+    an unknown or repeated model or precision (a repeat would run the case twice), a
+    ``--peak-tflops`` that is not a finite number > 0, ``--resolve`` or ``--budget`` not a
+    finite number >= 0, ``--threads`` below 1, or fp16 alone on a CPU with none of the
+    :data:`SMALL` models.
+
+    Example::
+
+        >>> cpu = torch.device("cpu")
+        >>> _check_args(cpu, ["mlp"], ["fp32", "fp16"], peak_tflops=None, resolve_pct=1.0, budget_s=120.0, threads=None)
+        >>> _check_args(cpu, ["mlp"], ["fp32"], peak_tflops=0.0, resolve_pct=1.0, budget_s=120.0, threads=None)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: bench: --peak-tflops must be a finite number > 0, got 0
+    """
+    from .errors import InputError
+
+    for kind, given, known in (("model", workloads, WORKLOADS), ("precision", names, PRECISIONS)):
+        for name in given:
+            if name not in known:
+                raise InputError(f"bench: unknown {kind} {name!r} ({', '.join(known)})")
+            if given.count(name) > 1:  # (it ran the case twice, two tables of the same thing)
+                raise InputError(f"bench: {kind} {name!r} given twice")
+    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
+        raise InputError(f"bench: --peak-tflops must be a finite number > 0, got {peak_tflops:g}")
+    if where.type == "cpu" and set(names) == {"fp16"} and not set(SMALL) & set(workloads):
+        models = ",".join(workloads)
+        raise InputError(f"bench: on a CPU fp16 runs only the mlp and nano models; nothing to measure for {models}")
+    for flag, value in (("--resolve", resolve_pct), ("--budget", budget_s)):
+        if not (math.isfinite(value) and value >= 0):
+            raise InputError(f"bench: {flag} must be a finite number >= 0, got {value:g}")
+    if threads is not None and threads < 1:
+        raise InputError(f"bench: --threads must be >= 1, got {threads}")
 
 
 @contextlib.contextmanager

@@ -597,8 +597,8 @@ def test_a_step_that_fails_in_a_round_ends_the_case_with_its_whole_rounds(monkey
                             steps=1, rounds=5, warmup=1, fused=False, resolve=0.01, budget_s=1e9)
     assert [len(r.rounds) for r in results] == [2, 2] and len(results[1].ratios) == 2
     failed = [c for c in calls[4:6] if c != calls[4]][0]
-    assert {r.stop for r in results} == {
-        f"error: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB ({failed}, round 3)"}
+    assert {(r.stop, r.stop_detail) for r in results} == {
+        (bench.ERROR, f"RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB ({failed}, round 3)")}
     assert f"nano-mlp fp32: {failed} failed in round 3 (RuntimeError: CUDA out of memory." in capsys.readouterr().out
     assert bench.resolution(results, 0.01)[0].startswith("nano-mlp fp32: not resolved to ±1% (error: ")
 
@@ -625,9 +625,8 @@ def test_a_failing_step_ends_its_case_and_the_bench_goes_on(monkeypatch, capsys)
     monkeypatch.setattr(bench, "Guarded", FailsLater)
     results = bench.run_bench(device=torch.device("cpu"), workloads=["mlp", "nano", "mlp"], precisions=["fp32"],
                               steps=1, rounds=4, warmup=1, peers=False)
-    assert [(r.workload, len(r.rounds), r.stop.split(" (")[0]) for r in results] == [
-        ("tiny-mlp", 2, "error: RuntimeError: out of memory")] * 2 + [
-        ("tiny-mlp", 2, "error: RuntimeError: out of memory")] * 2
+    assert [(r.workload, len(r.rounds), r.stop, r.stop_detail) for r in results] == [
+        ("tiny-mlp", 2, bench.ERROR, "RuntimeError: out of memory (ampguard + csv, round 3)")] * 4
     out = capsys.readouterr().out
     assert "nano-mlp fp32: ampguard + csv failed in round 1 (RuntimeError: out of memory); the case ends" in out
 
