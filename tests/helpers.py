@@ -62,16 +62,18 @@ def reference_rates(skipped: list[bool], window: int) -> list[float]:
 
 
 def reference_episodes(
-    rates: list[float], threshold: float, labels: tuple[str, str] = ("ALERT", "CLEAR"), min_steps: int = 0
+    rates: list[float], threshold: float, labels: tuple[str, str] = ("ALERT", "CLEAR"), min_steps: int = 0,
+    clear: float | None = None,
 ) -> list[tuple[int, str]]:
-    """(step, label) each time the rate crosses ``threshold`` (above = alerting); an alert starts
-    only from step ``min_steps`` on."""
+    """(step, label) each time the rate rises above ``threshold`` (alerting) or, alerting, falls to
+    ``clear`` (default 0.8 x ``threshold``) or below; an alert starts only from step ``min_steps`` on."""
+    clear = 0.8 * threshold if clear is None else clear
     out, alerting = [], False
     for step, rate in enumerate(rates, start=1):
         if rate > threshold and not alerting and step >= min_steps:
             out.append((step, labels[0]))
             alerting = True
-        elif rate <= threshold and alerting:
+        elif rate <= clear and alerting:
             out.append((step, labels[1]))
             alerting = False
     return out

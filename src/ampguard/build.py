@@ -352,6 +352,7 @@ def build_monitor(config: Config, scaler_enabled: bool) -> RunMonitor:
     return RunMonitor(
         window=m.window,
         alert_rate=m.alert_rate,
+        clear_rate=m.clear_rate,
         fail_rate=m.fail_rate,
         fail_after=m.fail_after,
         max_norm=clip_threshold(config.max_norm),

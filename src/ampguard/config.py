@@ -471,6 +471,9 @@ class MonitorConfig(_Section):
     """Steps in the rolling skip-rate window (at most ``MAX_WINDOW``, 10**7)."""
     alert_rate: Rate = 0.05
     """Rolling skip rate above which an ALERT is raised, in [0, 1]."""
+    clear_rate: Rate | None = None
+    """Rolling skip rate at or below which the ALERT clears, in [0, ``alert_rate``] (None:
+    ``CLEAR_FRACTION`` 0.8 of ``alert_rate``, so a rate that hovers at the threshold pages once)."""
     fail_rate: Rate | None = None
     """Rolling skip rate that fails the run after ``fail_after`` steps above it (None: never)."""
     fail_after: Count = 100
@@ -1004,6 +1007,10 @@ class Config(_Section):
         if self.scaler.min_scale > self.scaler.init_scale:
             raise ValueError(f"scaler.min_scale: the floor ({self.scaler.min_scale:g}) must be <= "
                              f"scaler.init_scale ({self.scaler.init_scale:g})")
+        m = self.monitor
+        if m.clear_rate is not None and m.clear_rate > m.alert_rate:
+            raise ValueError(f"monitor.clear_rate: the ALERT's clear level ({m.clear_rate:g}) must be <= "
+                             f"monitor.alert_rate ({m.alert_rate:g})")
         return self
 
 

@@ -48,6 +48,12 @@ first n steps k such skips read as a rate of k/n. At the default ``alert_rate`` 
 dilute up to 5 of them to 5%, which is not above the threshold (20 would let 2 of them alert).
 """
 
+CLEAR_FRACTION = 0.8
+"""A skip-rate ALERT clears when the judged rate falls to ``clear_rate`` or below, by default
+this fraction of ``alert_rate`` (``monitor.clear_rate``): a rate that hovers at the threshold
+(k/n of a young window rises with each skip and falls between them) pages once, not once per
+skip. ``clear_rate == alert_rate`` clears as soon as the rate is back at the threshold."""
+
 
 # Every double is a whole multiple of 2**-1074, so sums kept as integers in those units are
 # exact, and converting back divides once, correctly rounded: a window's total is always what
@@ -690,7 +696,9 @@ class RunMonitor:
       is full the judged rate is the rolling rate, opening and all: 51 skips in the last 1000
       steps page at 5%.
     - ALERT episodes: an ``ALERT`` starts when the judged rate rises above ``alert_rate`` and
-      clears when it falls back to it or below, one event each, not one per step. It is armed
+      clears when it falls to ``clear_rate`` or below (by default :data:`CLEAR_FRACTION` of
+      ``alert_rate``: a rate hovering at the threshold is one episode), one event each, not one
+      per step. It is armed
       only once ``min_steps`` steps were seen, so a few skips early in the run (k of the first
       n steps read k/n) do not raise it.
     - Fail-fast (cause :data:`FAIL_SKIP_RATE`): the judged rate has been above ``fail_rate`` for
@@ -732,7 +740,11 @@ class RunMonitor:
         min_scale: float = 1.0,
         fail_on_scale_collapse: bool = False,
         min_steps: int = DEFAULT_MIN_STEPS,
+        clear_rate: float | None = None,
     ) -> None:
+        clear_rate = alert_rate * CLEAR_FRACTION if clear_rate is None else clear_rate
+        if not 0 <= clear_rate <= alert_rate:
+            raise ValueError(f"clear_rate must be in [0, alert_rate {alert_rate:g}], got {clear_rate}")
         if min_steps < 0:
             raise ValueError(f"min_steps must be >= 0, got {min_steps}")
         if not (math.isfinite(min_scale) and min_scale > 0):  # (the scale's headroom is log2(scale / min_scale))
@@ -741,6 +753,7 @@ class RunMonitor:
             raise ValueError(f"fail_after must be >= 1, got {fail_after}")
         self.window = window
         self.alert_rate = alert_rate
+        self.clear_rate = clear_rate
         self.fail_rate = fail_rate
         self.fail_after = fail_after
         self.max_norm = max_norm if max_norm and max_norm > 0 else None
@@ -846,10 +859,10 @@ class RunMonitor:
             self.alert_episodes += 1
             events.append(Event(step, "skip_rate_alert", (
                 f"rolling skip rate {rate:.3f} > alert_rate {self.alert_rate:g} {over}"), data))
-        elif rate <= self.alert_rate and self.alerting:
+        elif rate <= self.clear_rate and self.alerting:
             self.alerting = False
             events.append(Event(step, "skip_rate_clear", (
-                f"rolling skip rate back to {rate:.3f} <= alert_rate {self.alert_rate:g}"), data))
+                f"rolling skip rate back to {rate:.3f} <= clear_rate {self.clear_rate:g}"), data))
 
         at_floor = self.scaler_enabled and self.health.at_floor
         if at_floor and not self.scale_alerting:

@@ -204,6 +204,18 @@ def test_min_scale_above_init_scale_message_names_both_keys():
     assert str(info.value) == "config: scaler.min_scale: the floor (8) must be <= scaler.init_scale (4)"
 
 
+def test_clear_rate_reaches_the_monitor_and_above_alert_rate_is_refused():
+    from ampguard.build import build_monitor
+
+    assert build_monitor(validate({"monitor": {"clear_rate": 0.01}}), scaler_enabled=False).clear_rate == 0.01
+    assert build_monitor(validate({"monitor": {"alert_rate": 0.1}}), scaler_enabled=False).clear_rate == pytest.approx(0.08)
+    assert validate({"monitor": {"clear_rate": 0.05}}).monitor.clear_rate == 0.05  # = alert_rate: no band
+    with pytest.raises(ConfigError) as info:
+        validate({"monitor": {"alert_rate": 0.05, "clear_rate": 0.2}})
+    assert str(info.value) == ("config: monitor.clear_rate: the ALERT's clear level (0.2) must be <= "
+                               "monitor.alert_rate (0.05)")
+
+
 def test_scaler_enabled_allowed_for_fp16_and_false_for_bf16():
     assert validate({"precision": "fp16", "scaler": {"enabled": True}}).scaler.enabled is True
     assert validate({"precision": "bf16", "scaler": {"enabled": False}}).scaler.enabled is False

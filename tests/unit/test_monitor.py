@@ -1317,3 +1317,33 @@ def test_an_opening_search_that_never_ended_is_judged_whole_at_the_end(steps, fa
         m.observe(skip_record(s, scale=2.0**(127 - s)))
     m.observe(step_record(steps, scale=2.0**(128 - steps)))
     assert m.at_end(steps) == [] and m.failed is None
+
+
+@pytest.mark.parametrize("clear_rate,episodes", [(None, 1), (0.05, 14)])
+def test_a_rate_hovering_at_the_threshold_pages_once_not_once_per_skip(clear_rate, episodes):
+    # review_seeds10 #1: one skip every 19 steps is 5.26%, just above alert_rate 0.05. In a young
+    # window k/n rises with each skip and falls between them: clearing at the threshold itself paged
+    # 14 times in 361 steps; clearing at 0.8 x alert_rate (0.04) pages once, and stays up.
+    skipped = [s % 19 == 0 for s in range(1, 362)]
+    rates = reference_rates(skipped, 1000)
+    expected = reference_episodes(rates, 0.05, min_steps=100, clear=clear_rate)
+    m = RunMonitor(window=1000, alert_rate=0.05, clear_rate=clear_rate, scaler_enabled=False)
+    got = [(e.step, {"skip_rate_alert": "ALERT", "skip_rate_clear": "CLEAR"}[e.kind])
+           for r in records_for(skipped) for e in m.observe(r) if e.kind.startswith("skip_rate")]
+    assert got == expected
+    assert m.alert_episodes == episodes and m.alerting
+    assert m.clear_rate == pytest.approx(0.04 if clear_rate is None else clear_rate)
+
+
+def test_the_alert_clears_only_at_or_below_clear_rate():
+    m = RunMonitor(window=4, alert_rate=0.5, clear_rate=0.25, scaler_enabled=False, min_steps=0)
+    events = [m.observe(r) for r in records_for([True, True, True, False, False, False, False])]
+    # rates 1, 1, 1, 0.75, 0.5 (at alert_rate: still up), 0.25 (at clear_rate: clears), 0
+    assert [[e.kind for e in got] for got in events] == [["skip_rate_alert"], [], [], [], [], ["skip_rate_clear"], []]
+    assert events[5][0].message == "rolling skip rate back to 0.250 <= clear_rate 0.25"
+
+
+@pytest.mark.parametrize("clear_rate", [-0.01, 0.06])
+def test_a_clear_rate_outside_zero_to_alert_rate_is_refused(clear_rate):
+    with pytest.raises(ValueError, match=r"clear_rate must be in \[0, alert_rate 0.05\]"):
+        RunMonitor(alert_rate=0.05, clear_rate=clear_rate)

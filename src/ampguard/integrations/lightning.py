@@ -140,7 +140,7 @@ class AmpGuardPlugin(_LightningPrecision):
             sinks get every step).
         scaler: a ``torch.amp.GradScaler``'s keyword arguments (``init_scale``, ``growth_interval``,
             ``min_scale``, ...) for fp16.
-        window, alert_rate, fail_rate, fail_after, fail_on_scale_collapse, min_steps: the
+        window, alert_rate, clear_rate, fail_rate, fail_after, fail_on_scale_collapse, min_steps: the
             :class:`~ampguard.monitor.RunMonitor`'s settings; with ``fail_rate`` set, a skip rate
             above it for ``fail_after`` consecutive steps stops the trainer at that step (its
             ``min_steps`` / ``min_epochs`` set aside: a diverged fit trains no further).
@@ -170,6 +170,7 @@ class AmpGuardPlugin(_LightningPrecision):
         scaler: dict[str, Any] | None = None,
         window: int = 1000,
         alert_rate: float = 0.05,
+        clear_rate: float | None = None,
         fail_rate: float | None = None,
         fail_after: int = 100,
         fail_on_scale_collapse: bool = False,
@@ -191,8 +192,9 @@ class AmpGuardPlugin(_LightningPrecision):
         self.extra_sinks = list(sinks)
         self.log = log
         self.scaler_settings = dict(scaler or {})
-        self.monitor_settings = dict(window=window, alert_rate=alert_rate, fail_rate=fail_rate, fail_after=fail_after,
-                                     fail_on_scale_collapse=fail_on_scale_collapse, min_steps=min_steps)
+        self.monitor_settings = dict(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,
+                                     fail_after=fail_after, fail_on_scale_collapse=fail_on_scale_collapse,
+                                     min_steps=min_steps)
         RunMonitor(**self.monitor_settings)  # bad settings fail here, not after the first step
         self.scheduler_on_skip = scheduler_on_skip
         self.frozen = frozen

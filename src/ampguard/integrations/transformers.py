@@ -135,7 +135,7 @@ class AmpGuardCallback(TrainerCallback):
 
     Args:
         out_dir: where the files go.
-        window, alert_rate, fail_rate, fail_after, min_steps: :class:`RunMonitor`'s settings;
+        window, alert_rate, clear_rate, fail_rate, fail_after, min_steps: :class:`RunMonitor`'s settings;
             ``fail_rate=None`` (default) turns fail-fast off.
         print_fn: where ``ALERT``/``FAIL`` lines go (``print`` by default).
 
@@ -147,12 +147,12 @@ class AmpGuardCallback(TrainerCallback):
     """
 
     def __init__(self, out_dir: str | Path | None = None, *, window: int = 1000, alert_rate: float = 0.05,
-                 fail_rate: float | None = None, fail_after: int = 100, min_steps: int = DEFAULT_MIN_STEPS,
-                 print_fn: Any = print) -> None:
-        if fail_after < 1:
-            raise ValueError(f"fail_after must be >= 1, got {fail_after}")
+                 clear_rate: float | None = None, fail_rate: float | None = None, fail_after: int = 100,
+                 min_steps: int = DEFAULT_MIN_STEPS, print_fn: Any = print) -> None:
+        RunMonitor(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,
+                   fail_after=fail_after, min_steps=min_steps)  # bad settings fail here, not at the first step
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.window, self.alert_rate, self.fail_rate = window, alert_rate, fail_rate
+        self.window, self.alert_rate, self.clear_rate, self.fail_rate = window, alert_rate, clear_rate, fail_rate
         self.fail_after, self.min_steps, self.print_fn = fail_after, min_steps, print_fn
         self.monitor: RunMonitor | None = None
         self.failed = None  # the monitor's failure Event, once a guard stopped the run
@@ -223,7 +223,8 @@ class AmpGuardCallback(TrainerCallback):
                 # at or below it is a collapse: scale_alert), which also ends the opening search it sets aside
                 self._scaler = {"init_scale": float(scaler.get_scale()), "min_scale": STOCK_FLOOR}
         monitor = RunMonitor(
-            window=self.window, alert_rate=self.alert_rate, fail_rate=self.fail_rate, fail_after=self.fail_after,
+            window=self.window, alert_rate=self.alert_rate, clear_rate=self.clear_rate, fail_rate=self.fail_rate,
+            fail_after=self.fail_after,
             max_norm=args.max_grad_norm, scaler_enabled=self._scaler is not None,
             init_scale=(self._scaler or {}).get("init_scale"), min_scale=(self._scaler or {}).get("min_scale", 1.0),
             min_steps=self.min_steps)
