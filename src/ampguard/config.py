@@ -26,7 +26,7 @@ from pydantic_core import PydanticKnownError
 from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, first_line
 from .faults import parse_fault
 from .monitor import DEFAULT_MIN_STEPS
-from .precision import DEFAULT_MIN_SCALE, MAX_SCALE
+from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, uses_loss_scaler
 
 try:
     import tomllib
@@ -929,7 +929,7 @@ class Config(_Section):
         ampguard.errors.ConfigError: config: scaler.min_scale: the floor (1) must be <= scaler.init_scale (0.5)
     """
 
-    precision: Literal["fp16", "bf16", "fp32", "fp8"] = "bf16"
+    precision: PrecisionName = "bf16"
     """Compute precision under autocast; fp16 adds a dynamic loss scaler; fp8 is bf16 autocast
     with torchao float8 training for the Linear layers the ``fp8`` section selects."""
     max_norm: Amount | None = 1.0
@@ -996,7 +996,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Config:
-        if self.scaler.enabled and self.precision != "fp16":
+        if self.scaler.enabled and not uses_loss_scaler(self.precision):
             raise ValueError(f"scaler.enabled: {self.precision} does not use a loss scaler (set it false or null)")
         if self.rollback.triggers and not (self.checkpoint.enabled and self.checkpoint.every > 0):
             raise ValueError("rollback.triggers: rolling back needs checkpoints to return to (set checkpoint.every > 0)")
@@ -1124,8 +1124,6 @@ def _format_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         return f"{loc}: unknown key{_did_you_mean(path)}"
     msg = first["msg"].removeprefix("Value error, ")
-    if msg.startswith(("scaler.enabled:", "scaler.min_scale:", "rollback.triggers:")):  # cross-field rules name their own key
-        return msg
     field, given = _field_at(path), first.get("input")
     if first["type"] == "model_type" and field is not None and any(
             getattr(check, "func", None) is _section_switch for check in field.metadata):  # log.wandb, log.mlflow
@@ -1135,7 +1133,7 @@ def _format_error(err: ValidationError) -> str:
     if (isinstance(given, str) and given.strip().lower() in _NULL_WORDS and field is not None
             and type(None) in get_args(field.annotation)):
         msg += " (null is written null)"
-    return f"{loc}: {msg}" if loc else msg
+    return f"{loc}: {msg}" if loc else msg  # (Config's cross-field rules: no loc, each names its own key)
 
 
 def validate(data: dict[str, Any]) -> Config:

@@ -89,7 +89,14 @@ class InputError(Exception):
         ... except InputError as err:
         ...     print(f"error: {err}")
         error: data.csv: no such file
+
+    ``key``, when given, is the config key the input was read from, for a caller that adds to
+    what the error says about it (never its text: ``err.key == "task.batch_size"``).
     """
+
+    def __init__(self, *args: object, key: str | None = None) -> None:
+        super().__init__(*args)
+        self.key = key
 
 
 class ConfigError(InputError):

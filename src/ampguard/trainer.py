@@ -13,7 +13,6 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +56,7 @@ class Trainer:
     Example (a run folder under a temporary ``log.dir``)::
 
         >>> import shutil, tempfile
+        >>> from pathlib import Path
         >>> from ampguard.config import validate
         >>> folder = Path(tempfile.mkdtemp())
         >>> config = validate({"task": {"name": "linear"}, "steps": 2, "precision": "bf16", "device": "cpu",
@@ -167,7 +167,7 @@ class Trainer:
         if config.diagnose.first_skip or config.diagnose.strict:
             self.diagnosis = self.state.monitors["first_skip"] = FirstSkipDiagnosis(self.state, self.task.model)
         self.run_id = resume.run_id if resume is not None else None  # a new run's: made by run()
-        self.checkpointer = self._checkpointer(None)  # the folder is known once run() opens the outputs
+        self.checkpointer = self._checkpointer()  # its folder is set once run() opens the outputs
         self.rollbacks = Rollbacks(config, self.checkpointer, self.state, self.data, self.monitor, self.spikes)
         if config.rollback.triggers:  # the batches a rollback keeps as evidence
             self.rollbacks.evidence = TriggerBatches(self.state)
@@ -226,7 +226,7 @@ class Trainer:
         everyone = set().union(*map(set, distributed.all_gather(unused)))  # unused on any rank's slice
         return [name for name, _ in model.named_parameters() if name in everyone]
 
-    def _checkpointer(self, folder: Path | None) -> ck.CheckpointManager:
+    def _checkpointer(self) -> ck.CheckpointManager:
         fsdp = self.dist.active and self.config.distributed.strategy == "fsdp2"
         state = self.state
         parts: dict[str, ck.Stateful] = {
@@ -237,7 +237,7 @@ class Trainer:
                         ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
                         **({ck.POLICY: list(self.policy)} if self.policy else {})}
         check = lambda loaded: ck.check_checkpoint(loaded, self.run_id)  # noqa: E731 - a rollback's too
-        return ck.CheckpointManager(folder, parts, keep=self.config.checkpoint.keep, meta=meta, dist=self.dist,
+        return ck.CheckpointManager(None, parts, keep=self.config.checkpoint.keep, meta=meta, dist=self.dist,
                                     check=check)
 
     # ------------------------------------------------------------------ the loop
@@ -593,7 +593,7 @@ def _build_task(config: Config, world: int) -> Task:
     try:
         return build_task(config.model_copy(update={"task": task}))
     except InputError as err:  # its numbers are the global batch's: say how it was made
-        if not str(err).startswith("task.batch_size"):
+        if err.key != "task.batch_size":
             raise
         raise InputError(f"{err} (under torchrun task.batch_size is per process: the global batch is "
                          f"{config.task.batch_size} x {world} processes; divide by {world})") from None

@@ -94,7 +94,7 @@ def build(config: Any) -> Task:
     batch_size = config.task.batch_size
     if batch_size > len(x_train):
         raise InputError(f"task.batch_size: a batch of {batch_size} images is larger than the digits training set "
-                         f"({len(x_train):,} images); use at most {len(x_train)}")
+                         f"({len(x_train):,} images); use at most {len(x_train)}", key="task.batch_size")
     hidden = config.task.n_embd * 2
     torch.manual_seed(config.seed)
     model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
