@@ -47,15 +47,34 @@ from .records import strict_json
 from .tasks import Task
 
 CHUNK = 256
+"""Examples per forward pass in :func:`_scores`."""
 SINGLE_OUTPUT = "output"
 """The name of a model's output when it returns one tensor."""
 TIE_POLICIES = {"count_as_flip": "count as flips", "accept": "accepted", "reject": "reject the run"}
 """``validation.ties``, as the report words it."""
+VERDICT_DOUBTS = {"not trusted": "FP32 reference not trusted",
+                  "quality not checked": "reference quality not checked: declare {key}"}
+"""Why the reference is not relied on (:attr:`Validation.reference_doubt`), as the verdict line
+on stdout words it (``{key}``: the floor to declare)."""
+REPORT_DOUBTS = {"not trusted": "the FP32 reference itself is not trusted",
+                 "quality not checked": "the FP32 reference's quality was not checked: declare {key}"}
+"""The same, as ``validation.md`` words it under its title."""
 
 
 class ModelRaised(InputError):
     """The model (or the task's ``predict``) raised under a precision: bad input under the FP32
-    reference, a failed precision under AMP once the reference ran."""
+    reference, a failed precision under AMP once the reference ran. ``why`` is the cause in one
+    line, with its type: what the report's rule "runs under <precision>" quotes.
+
+    Example::
+
+        >>> ModelRaised("validate: task toy: ... raised under bf16: KeyError: 'x'", "KeyError: 'x'").why
+        "KeyError: 'x'"
+    """
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
 
 
 @dataclass
@@ -216,6 +235,40 @@ class Validation:
         return "validation.min_accuracy" if self.mode == "classifier" else "validation.max_mse"
 
     @property
+    def reference_doubt(self) -> str | None:
+        """Why the FP32 reference is not to be relied on, when it is not: ``"not trusted"`` (a
+        check of it failed) or ``"quality not checked"`` (no floor declared); ``None`` when it
+        is :attr:`reference_trusted`. The verdict line and ``validation.md`` word it each their
+        own way (:data:`VERDICT_DOUBTS`, :data:`REPORT_DOUBTS`).
+
+        Example::
+
+            >>> unchecked = [Rule("reference quality", "mse 1.444 (no maximum declared)", "", True, checked=False)]
+            >>> Validation("t", "regression", [], unchecked, []).reference_doubt
+            'quality not checked'
+        """
+        if not self.reference_ok:
+            return "not trusted"
+        if not self.reference_quality_checked:
+            return "quality not checked"
+        return None
+
+    def verdict_in(self, doubts: Mapping[str, str], mark: str = "") -> str:
+        """``ACCEPTED`` or ``REJECTED`` (between two ``mark``: ``**`` bolds it in Markdown), and
+        why the reference is not to be relied on when it is not (:attr:`reference_doubt`), in
+        the words of ``doubts``.
+
+        Example::
+
+            >>> v = Validation("t", "classifier", [], [Rule("reference outputs finite", "0/1", "", False)], [])
+            >>> v.verdict_in(REPORT_DOUBTS, "**")
+            '**REJECTED** (the FP32 reference itself is not trusted)'
+        """
+        words = f"{mark}{'ACCEPTED' if self.ok else 'REJECTED'}{mark}"
+        doubt = self.reference_doubt
+        return words if doubt is None else f"{words} ({doubts[doubt].format(key=self.floor_key)})"
+
+    @property
     def verdict(self) -> str:
         """The verdict line's words: ``ACCEPTED`` or ``REJECTED``, and why the reference is not
         to be relied on when it is not (a check failed; or its quality was not checked).
@@ -228,12 +281,7 @@ class Validation:
             >>> Validation("t", "classifier", [], [Rule("reference outputs finite", "0/1", "", False)], []).verdict
             'REJECTED (FP32 reference not trusted)'
         """
-        words = "ACCEPTED" if self.ok else "REJECTED"
-        if not self.reference_ok:
-            return f"{words} (FP32 reference not trusted)"
-        if not self.reference_quality_checked:
-            return f"{words} (reference quality not checked: declare {self.floor_key})"
-        return words
+        return self.verdict_in(VERDICT_DOUBTS)
 
 
 # ---------------------------------------------------------------------------- scores
@@ -256,6 +304,7 @@ class Scores:
 
     @property
     def names(self) -> list[str]:
+        """The outputs' names, in the model's order."""
         return list(self.outputs)
 
     @property
@@ -344,8 +393,9 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
             raise
         except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's code: one line, not a traceback
             # (a sys.exit() in it passed through as validate's own exit: 0, no report, a model never judged)
+            why = first_line(err, with_type=True)
             raise ModelRaised(f"validate: task {task.name}: the model (or the task's predict) raised under "
-                              f"{precision.name}: {first_line(err, with_type=True)}") from None
+                              f"{precision.name}: {why}", why) from None
         named = named_outputs(raw)
         if parts and [name for name, _ in named] != list(parts):
             raise InputError(f"validate: the model's outputs changed names between batches "
@@ -384,10 +434,9 @@ def _cuda_index(device: torch.device) -> int | None:
 
 
 def _top2(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decision, margin): the argmax (the first of equal best scores, as ``torch.argmax``) and
-    the gap between the two best scores."""
-    if scores.shape[1] < 2:
-        return scores.argmax(1), torch.full((len(scores),), math.inf)
+    """(decision, margin) of a classifier's scores: the argmax (the first of equal best scores,
+    as ``torch.argmax``) and the gap between the two best scores. :func:`_scores` has refused a
+    classifier with fewer than two scores per example."""
     top = scores.topk(2, dim=1)
     return scores.argmax(1), top.values[:, 0] - top.values[:, 1]
 
@@ -402,6 +451,7 @@ def _top_k(row: torch.Tensor, k: int) -> list[list[float]]:
 
 
 def _quality(mode: str, scores: torch.Tensor, targets: torch.Tensor) -> float:
+    """Accuracy of a classifier's argmax; mean squared error otherwise."""
     if mode == "classifier":
         return int((scores.argmax(1) == targets.to(scores.device).reshape(len(scores))).sum()) / len(scores)
     return float(((scores - targets.to(scores.device).reshape(len(scores), -1).float()) ** 2).mean())
@@ -549,7 +599,8 @@ def _within(ref: torch.Tensor, amp: torch.Tensor, err: torch.Tensor, abs_tol: fl
 def _score_rule(name: str, label: str, ref: torch.Tensor, amp: torch.Tensor, cfg: Any, ids: list[str],
                 stats: dict[str, Any]) -> tuple[Rule, torch.Tensor, torch.Tensor]:
     """The tolerance rule of one output, its ``|amp - fp32|`` per element (computed once: the
-    probe records read it too), and per probe whether any of its elements deviates."""
+    probe records read it too), and per probe whether any of its elements deviates. The
+    output's error stats go into ``stats[name]``."""
     abs_tol, rel_tol = tolerance(cfg, name)
     err = (amp - ref).abs()
     inside, used = _within(ref, amp, err, abs_tol, rel_tol)
@@ -787,108 +838,170 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
     cfg, seed = config.validation, config.seed
     model.eval()
     probes = build_probes(task, model, device, cfg, seed)
-    ids, x_eval, y_eval = probes.ids, probes.x_eval, probes.y_eval
+    reference, checks = _reference(task, model, cfg, device, probes, seed)
+    # fp8 compares a converted copy of the model; every other precision the model itself
+    results = [_compare_precision(name, task, prepare_model(config, model, name, copy_model=True), cfg, device,
+                                  probes, reference, seed)
+               for name in cfg.precisions]
+    environment = describe_environment(config, device, reference.scores.dtypes, results)
+    environment["probe_set_sha256"] = probes.sha256()
+    return Validation(task.name, task.mode, probes.ids, checks, results, tags=probes.tags, environment=environment)
+
+
+class Reference(NamedTuple):
+    """The FP32 reference, as every AMP precision is compared with it."""
+
+    scores: Scores
+    """Its outputs on the probes."""
+    eval_scores: torch.Tensor
+    """Its first output on the evaluation set: what quality is read from."""
+    quality: float
+    quality_text: str
+    """Its absolute quality rule as the report writes it: ``mse 1.444 (no maximum declared)``."""
+    finite: str
+    """How many probes and evaluation examples have every output finite: ``7/7 probes, 512/512 eval``."""
+
+
+def _reference(task: Task, model: nn.Module, cfg: Any, device: torch.device, probes: ProbeSet,
+               seed: int | None) -> tuple[Reference, list[Rule]]:
+    """The FP32 reference on the probes and the evaluation set, and its own checks: every output
+    finite, and its quality (against a declared floor; ``NOT CHECKED`` with none). A
+    ``validation.outputs`` name the model does not produce is an :class:`InputError`."""
     fp32 = Precision("fp32", device.type)
     ref = _scores(task, model, probes.inputs, fp32, seed)
     unknown = [name for name in cfg.outputs if name not in ref.outputs]
     if unknown:
         raise InputError(f"validate: validation.outputs.{unknown[0]}: the model has no output named {unknown[0]!r} "
                          f"(its outputs: {', '.join(ref.names)})")
-    ref_eval_all = probes.fp32_eval if probes.fp32_eval is not None else _scores(task, model, x_eval, fp32, seed)
-    ref_eval = ref_eval_all.primary  # (every output must be finite; quality reads the first)
-    _check_targets(task, ref_eval, y_eval)
-    ref_quality = _quality(task.mode, ref_eval, y_eval)
-    n = len(ids)
-    ref_finite, eval_finite = int(ref.finite_rows().sum()), int(ref_eval_all.finite_rows().sum())
-    text, ok, checked = _quality_rule(task.mode, cfg, ref_quality)
-    reference = [
-        Rule("reference outputs finite", f"{ref_finite}/{n} probes, {eval_finite}/{len(x_eval)} eval", "",
-             ref_finite == n and eval_finite == len(x_eval)),
-        Rule("reference quality", text, "", ok, checked),
-    ]
-    # fp8 compares a converted copy of the model; every other precision the model itself
-    results = [_compare_precision(name, task, prepare_model(config, model, name, copy_model=True), cfg, device,
-                                  probes, ref, ref_eval, ref_quality, text, seed, ref_eval_finite=eval_finite)
-               for name in cfg.precisions]
-    environment = describe_environment(config, device, ref.dtypes, results)
-    environment["probe_set_sha256"] = probes.sha256()
-    return Validation(task.name, task.mode, ids, reference, results, tags=probes.tags, environment=environment)
+    ref_eval = probes.fp32_eval if probes.fp32_eval is not None else _scores(task, model, probes.x_eval, fp32, seed)
+    _check_targets(task, ref_eval.primary, probes.y_eval)
+    quality = _quality(task.mode, ref_eval.primary, probes.y_eval)
+    finite, all_finite = _finite(ref, ref_eval)  # every output, where quality reads only the first
+    text, ok, checked = _quality_rule(task.mode, cfg, quality)
+    checks = [Rule("reference outputs finite", finite, "", all_finite), Rule("reference quality", text, "", ok, checked)]
+    return Reference(ref, ref_eval.primary, quality, text, finite), checks
+
+
+def _finite(on_probes: Scores, on_eval: Scores) -> tuple[str, bool]:
+    """``(text, ok)``: how many probes and evaluation examples have every output finite, and
+    whether all of them do.
+
+    Example::
+
+        >>> _finite(Scores({"output": torch.tensor([[1.0], [math.inf]])}), Scores({"output": torch.ones(3, 1)}))
+        ('1/2 probes, 3/3 eval', False)
+    """
+    n, n_eval = len(on_probes.primary), len(on_eval.primary)
+    finite, eval_finite = int(on_probes.finite_rows().sum()), int(on_eval.finite_rows().sum())
+    return f"{finite}/{n} probes, {eval_finite}/{n_eval} eval", finite == n and eval_finite == n_eval
 
 
 def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device: torch.device, probes: ProbeSet,
-                       ref: Scores, ref_eval: torch.Tensor, ref_quality: float, ref_text: str,
-                       seed: int | None = None, *, ref_eval_finite: int) -> PrecisionResult:
+                       reference: Reference, seed: int | None) -> PrecisionResult:
     """One AMP precision against the reference, rule by rule, with one record per probe. Its
     passes are seeded with ``seed`` as the reference's were. A model that raised under this
     precision, where the FP32 reference ran, fails it (the rule "runs under <precision>")."""
-    ids, n = probes.ids, len(probes.ids)
     amp_p = Precision(name, device.type)
     try:
         amp = _scores(task, model, probes.inputs, amp_p, seed)
-        amp_eval_all = _scores(task, model, probes.x_eval, amp_p, seed)
-        amp_eval = amp_eval_all.primary
+        amp_eval = _scores(task, model, probes.x_eval, amp_p, seed)
     except ModelRaised as err:  # FP32 ran: the precision is what fails, not the input
-        why = str(err).split(f"raised under {name}: ", 1)[-1]
-        return PrecisionResult(name, rules=[Rule(f"runs under {name}", "ran", f"raised {why}", False)],
+        return PrecisionResult(name, rules=[Rule(f"runs under {name}", "ran", f"raised {err.why}", False)],
                                stats={"output_dtypes": {}})
+    _check_outputs_match(name, reference.scores, amp)
+    result = PrecisionResult(name, stats={"output_dtypes": amp.dtypes})
+    # the evaluation set too, every output of it: an inf there must not pass as a wrong answer (or
+    # pass at all, in an output the quality rule does not read)
+    finite, all_finite = _finite(amp, amp_eval)
+    result.rules.append(Rule("complete and finite", reference.finite, finite, all_finite))
+    errors, deviated = _tolerance_rules(result, cfg, probes.ids, reference.scores, amp)
+    result.records = _probe_records(probes, amp, errors, deviated)
+    if task.mode == "classifier":
+        _decisions(result, cfg, reference.scores.primary, amp.primary)
+    else:
+        _extremes(result, reference, amp, amp_eval.primary, probes.y_eval)
+    _quality_rules(result, task.mode, cfg, reference, amp_eval.primary, probes.y_eval)
+    return result
+
+
+def _check_outputs_match(name: str, ref: Scores, amp: Scores) -> None:
+    """Refuse AMP outputs that cannot be compared with FP32's element by element: other names,
+    or another shape."""
     if amp.names != ref.names:
         raise InputError(f"validate: the model's outputs under {name} ({', '.join(amp.names)}) are not those "
                          f"of FP32 ({', '.join(ref.names)})")
-    for out in ref.names:  # (compared element by element below)
+    for out in ref.names:
         if amp.outputs[out].shape != ref.outputs[out].shape:
             what = "the model's output" if out == SINGLE_OUTPUT else f"output {out}"
             raise InputError(f"validate: {what} has shape {tuple(amp.outputs[out].shape)} under {name}, "
                              f"{tuple(ref.outputs[out].shape)} in FP32")
-    result = PrecisionResult(name, stats={"output_dtypes": amp.dtypes})
-    finite_rows = amp.finite_rows()
-    finite, n_eval = int(finite_rows.sum()), len(probes.x_eval)
-    # the evaluation set too, every output of it: an inf there must not pass as a wrong answer (or
-    # pass at all, in an output the quality rule does not read)
-    eval_finite = int(amp_eval_all.finite_rows().sum())
-    result.rules.append(Rule("complete and finite",
-                             f"{int(ref.finite_rows().sum())}/{n} probes, {ref_eval_finite}/{n_eval} eval",
-                             f"{finite}/{n} probes, {eval_finite}/{n_eval} eval", finite == n and eval_finite == n_eval))
+
+
+def _tolerance_rules(result: PrecisionResult, cfg: Any, ids: list[str], ref: Scores, amp: Scores
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One tolerance rule per output (a non-finite element is never within: it fails its
+    output's rule) and the error stats, added to ``result``. Returns, by output, its
+    ``|amp - fp32|`` per element and, per probe, whether any of its elements deviates."""
     per_output: dict[str, Any] = {}
     errors, deviated = {}, {}
     for out in ref.names:
         label = "scores" if ref.names == [SINGLE_OUTPUT] else f"output {out}"
-        rule, err, rows = _score_rule(out, label, ref.outputs[out], amp.outputs[out], cfg, ids, per_output)
-        result.rules.append(rule)  # a non-finite element is never within: it fails its output's rule
-        errors[out], deviated[out] = err, rows
+        rule, errors[out], deviated[out] = _score_rule(out, label, ref.outputs[out], amp.outputs[out], cfg, ids,
+                                                       per_output)
+        result.rules.append(rule)
     result.stats.update(max_abs_error=max(s["max_abs_error"] for s in per_output.values()),
                         max_rel_error=max(s["max_rel_error"] for s in per_output.values()),
                         outputs=per_output)
-    first, first_amp = ref.primary, amp.primary
-    for i, probe in enumerate(ids):
-        row_errors = [errors[o][i] for o in ref.names]
-        result.records.append({
-            "probe": probe, "tags": probes.tags[probe], "finite": bool(finite_rows[i]),
-            "deviated": any(bool(rows[i]) for rows in deviated.values()),
-            "deviated_outputs": [o for o, rows in deviated.items() if bool(rows[i])],
-            "max_abs_error": max(float(e.max()) if e.numel() else 0.0 for e in row_errors),
+    return errors, deviated
+
+
+def _probe_records(probes: ProbeSet, amp: Scores, errors: dict[str, torch.Tensor],
+                   deviated: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """One record per probe: its tags, whether every AMP output is finite, the outputs in which
+    it deviates beyond the tolerance, its largest ``|amp - fp32|`` (:func:`_decisions` adds a
+    classifier's decisions)."""
+    finite = amp.finite_rows()
+    records = []
+    for i, probe in enumerate(probes.ids):
+        outside = [out for out, rows in deviated.items() if bool(rows[i])]
+        records.append({
+            "probe": probe, "tags": probes.tags[probe], "finite": bool(finite[i]),
+            "deviated": bool(outside), "deviated_outputs": outside,
+            "max_abs_error": max(float(err[i].max()) if err[i].numel() else 0.0 for err in errors.values()),
         })
-    if task.mode == "classifier":
-        _decisions(result, cfg, first, first_amp)
-    else:
-        targets = probes.y_eval.to(amp_eval.device).reshape(len(amp_eval), -1).float()
-        result.stats.update(
-            max_abs_error_vs_target_fp32=float((ref_eval - targets).abs().max()),
-            max_abs_error_vs_target_amp=float((amp_eval - targets).abs().max()),
-            extremes_fp32=[float(first.min()), float(first.max())],
-            extremes_amp=[float(first_amp.min()), float(first_amp.max())],
-        )
-        within = all(rule.ok for rule in result.rules[1:])
-        result.rules.append(Rule("extremes (min, max over probes)",
-                                 f"{float(first.min()):.4g}, {float(first.max()):.4g}",
-                                 f"{float(first_amp.min()):.4g}, {float(first_amp.max()):.4g}", within))
-    amp_quality = _quality(task.mode, amp_eval, probes.y_eval)
-    text_amp, ok_amp, checked_amp = _quality_rule(task.mode, cfg, amp_quality)
-    result.stats.update(quality_fp32=ref_quality, quality_amp=amp_quality)
-    result.rules.append(Rule("quality on the fixed evaluation set", ref_text, text_amp, ok_amp, checked_amp))
-    relative = relative_quality_rule(task.mode, cfg.max_quality_drop, ref_quality, amp_quality)
+    return records
+
+
+def _extremes(result: PrecisionResult, reference: Reference, amp: Scores, amp_eval: torch.Tensor,
+              targets: torch.Tensor) -> None:
+    """A regression task's extremes: the first output's min and max over the probes in FP32 and
+    AMP, as a rule that shows them and holds where the tolerance rules do (no probe deviates), and
+    each one's largest error against the evaluation set's targets (stats)."""
+    first, first_amp = reference.scores.primary, amp.primary
+    targets = targets.to(amp_eval.device).reshape(len(amp_eval), -1).float()
+    result.stats.update(
+        max_abs_error_vs_target_fp32=float((reference.eval_scores - targets).abs().max()),
+        max_abs_error_vs_target_amp=float((amp_eval - targets).abs().max()),
+        extremes_fp32=[float(first.min()), float(first.max())],
+        extremes_amp=[float(first_amp.min()), float(first_amp.max())],
+    )
+    within = not any(record["deviated"] for record in result.records)
+    result.rules.append(Rule("extremes (min, max over probes)", f"{float(first.min()):.4g}, {float(first.max()):.4g}",
+                             f"{float(first_amp.min()):.4g}, {float(first_amp.max()):.4g}", within))
+
+
+def _quality_rules(result: PrecisionResult, mode: str, cfg: Any, reference: Reference, amp_eval: torch.Tensor,
+                   targets: torch.Tensor) -> None:
+    """The quality rules on the evaluation set: the absolute one (:func:`_quality_rule`, the
+    reference's beside AMP's) and the one relative to the reference (:func:`relative_quality_rule`,
+    where ``validation.max_quality_drop`` is declared)."""
+    amp_quality = _quality(mode, amp_eval, targets)
+    text, ok, checked = _quality_rule(mode, cfg, amp_quality)
+    result.stats.update(quality_fp32=reference.quality, quality_amp=amp_quality)
+    result.rules.append(Rule("quality on the fixed evaluation set", reference.quality_text, text, ok, checked))
+    relative = relative_quality_rule(mode, cfg.max_quality_drop, reference.quality, amp_quality)
     if relative is not None:
         result.rules.append(relative)
-    return result
 
 
 def classify_probe(fp32_decision: int, amp_decision: int, fp32_margin: float, amp_margin: float,
@@ -953,15 +1066,16 @@ def describe_environment(config: Config, device: torch.device, fp32_dtypes: dict
                          results: list[PrecisionResult]) -> dict[str, Any]:
     """What the report was made with: ampguard, torch and Python versions, the device and its
     backend (:func:`backend_of`: ``rocm`` with its HIP version, ``cuda`` with its CUDA version, or
-    ``cpu``), the dtype support of each precision compared there, and the effective config with
-    its SHA-256.
+    ``cpu``), the dtype support of each precision compared there (as training decides it,
+    :meth:`Precision.support`: a ``note`` where the device refuses the precision or only emulates
+    it), and the effective config with its SHA-256.
 
     Example::
 
         >>> from ampguard.config import validate
         >>> env = describe_environment(validate({"validation": {"precisions": ["bf16"]}}), torch.device("cpu"), {}, [])
-        >>> env["device"]["type"], env["device"]["backend"], env["dtype_support"]["bf16"]["dtype"], len(env["config_sha256"])
-        ('cpu', 'cpu', 'torch.bfloat16', 64)
+        >>> env["device"]["type"], env["device"]["backend"], env["dtype_support"]["bf16"], len(env["config_sha256"])
+        ('cpu', 'cpu', {'autocast_available': True, 'dtype': 'torch.bfloat16', 'supported': True}, 64)
     """
     from . import __version__
 
@@ -971,23 +1085,19 @@ def describe_environment(config: Config, device: torch.device, fp32_dtypes: dict
     info: dict[str, Any] = {"type": device.type, "backend": backend["backend"],
                             "name": platform.processor() or platform.machine(),
                             "float32_matmul_precision": torch.get_float32_matmul_precision()}
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
+    if index is not None:
         info.update(name=torch.cuda.get_device_name(index),
                     capability=".".join(map(str, torch.cuda.get_device_capability(index))),
                     cuda=backend["cuda"], hip=backend["hip"], cudnn_allow_tf32=torch.backends.cudnn.allow_tf32)
     support = {}
     for name in config.validation.precisions:
-        entry: dict[str, Any] = {"autocast_available": torch.amp.is_autocast_available(device.type)}
-        with contextlib.suppress(KeyError, ValueError):
-            entry["dtype"] = str(Precision(name, device.type).dtype)
-        if device.type == "cuda" and name == "bf16":
-            entry["supported"] = bool(torch.cuda.is_bf16_supported())
-        elif device.type == "cpu" and name == "fp16":
-            entry["supported"], entry["note"] = True, "emulated on a CPU (slow)"
-        else:
-            entry["supported"] = entry["autocast_available"]
-        support[name] = entry
+        precision = Precision(name, device.type)
+        supported, note = precision.support(device)
+        support[name] = {"autocast_available": torch.amp.is_autocast_available(device.type),
+                         "dtype": str(precision.dtype), "supported": supported}
+        if note is not None:
+            support[name]["note"] = note
     outputs = {r.precision: r.stats.get("output_dtypes", {}) for r in results}
     return {"ampguard": __version__, "torch": torch.__version__, "python": platform.python_version(),
             "device": info, "dtype_support": support, "output_dtypes": {"fp32": fp32_dtypes, **outputs},
@@ -1104,23 +1214,9 @@ def markdown(v: Validation, config: Config) -> str:
     lines = [
         f"# AMP validation: {v.task} ({v.mode})",
         "",
-        f"**{'ACCEPTED' if v.ok else 'REJECTED'}**" + (
-            " (the FP32 reference itself is not trusted)" if not v.reference_ok
-            else f" (the FP32 reference's quality was not checked: declare {v.floor_key})"
-            if not v.reference_quality_checked else ""),
+        v.verdict_in(REPORT_DOUBTS, "**"),
         "",
-        f"Weights: {v.weights}. Model in eval mode. Probe set ({len(v.probes)} examples, each probed once with "
-        f"all its tags): {_probe_counts(v, cfg)}. Rules declared before the run: scores "
-        f"{tolerance_text(cfg.abs_tol, cfg.rel_tol)}{' (outputs not named below)' if cfg.outputs else ''}"
-        + "".join(f"; output {name}: {tolerance_text(*tolerance(cfg, name))}" for name in cfg.outputs)
-        + f"; at most {cfg.max_flips} decision changes (a tie: FP32 or AMP top-2 gap <= {cfg.tie_margin:g}, "
-        f"whichever class AMP picks; ties {TIE_POLICIES[cfg.ties]}); no non-finite output; "
-        + (f"accuracy >= {cfg.min_accuracy:g}" if v.mode == "classifier" and cfg.min_accuracy is not None
-           else f"mse <= {cfg.max_mse:g}" if v.mode == "regression" and cfg.max_mse is not None
-           else "no absolute quality floor (the reference's quality is not checked)")
-        + ("" if cfg.max_quality_drop is None else
-           f"; accuracy at most {cfg.max_quality_drop:g} below FP32's" if v.mode == "classifier" else
-           f"; mse at most (1 + {cfg.max_quality_drop:g}) x FP32's") + ".",
+        _rules_paragraph(v, cfg),
         "",
         "## FP32 reference",
         "",
@@ -1152,6 +1248,40 @@ def markdown(v: Validation, config: Config) -> str:
                          f"{t['max_loss_diff_vs_fp32']:.3g} | {'n/a' if ratio is None else format(ratio, '.4f')} |")
     lines += _reproducibility(v)
     return "\n".join(lines) + "\n"
+
+
+def _rules_paragraph(v: Validation, cfg: Any) -> str:
+    """The report's paragraph under the verdict: the weights, the probe set, and every rule as
+    it was declared before the run.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> cfg = validate({"validation": {"max_mse": 0.5, "outputs": {"box": {"abs_tol": 0.5}}}}).validation
+        >>> print(_rules_paragraph(Validation("t", "regression", ["held_out:0"], [], []), cfg))  # doctest: +NORMALIZE_WHITESPACE
+        Weights: freshly initialised. Model in eval mode. Probe set (1 examples, each probed once with all its
+        tags): 32 typical, 0 nearest a decision boundary in FP32, the task edge cases. Rules declared before the
+        run: scores |amp - fp32| <= 0.05 + 0.05 * |fp32| per element (outputs not named below); output box:
+        |amp - fp32| <= 0.5 + 0.05 * |fp32| per element; at most 0 decision changes (a tie: FP32 or AMP top-2
+        gap <= 0, whichever class AMP picks; ties count as flips); no non-finite output; mse <= 0.5; mse at
+        most (1 + 0.01) x FP32's.
+    """
+    rules = [f"scores {tolerance_text(cfg.abs_tol, cfg.rel_tol)}{' (outputs not named below)' if cfg.outputs else ''}",
+             *(f"output {name}: {tolerance_text(*tolerance(cfg, name))}" for name in cfg.outputs),
+             f"at most {cfg.max_flips} decision changes (a tie: FP32 or AMP top-2 gap <= {cfg.tie_margin:g}, "
+             f"whichever class AMP picks; ties {TIE_POLICIES[cfg.ties]})",
+             "no non-finite output"]
+    if v.mode == "classifier" and cfg.min_accuracy is not None:
+        rules.append(f"accuracy >= {cfg.min_accuracy:g}")
+    elif v.mode == "regression" and cfg.max_mse is not None:
+        rules.append(f"mse <= {cfg.max_mse:g}")
+    else:
+        rules.append("no absolute quality floor (the reference's quality is not checked)")
+    if cfg.max_quality_drop is not None:
+        rules.append(f"accuracy at most {cfg.max_quality_drop:g} below FP32's" if v.mode == "classifier"
+                     else f"mse at most (1 + {cfg.max_quality_drop:g}) x FP32's")
+    return (f"Weights: {v.weights}. Model in eval mode. Probe set ({len(v.probes)} examples, each probed once with "
+            f"all its tags): {_probe_counts(v, cfg)}. Rules declared before the run: {'; '.join(rules)}.")
 
 
 def _probe_counts(v: Validation, cfg: Any) -> str:

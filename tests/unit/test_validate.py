@@ -557,3 +557,40 @@ def test_the_backend_is_rocm_when_torch_is_a_hip_build(monkeypatch):
     assert (device["backend"], device["cuda"], device["hip"]) == ("cuda", "12.4", None)
     assert backend_text(cuda) == "cuda (CUDA 12.4)"
     assert describe_environment(config, CPU, {}, [])["device"]["backend"] == "cpu"
+
+
+def test_dtype_support_is_what_training_decides():
+    # review_clarity10 #2: describe_environment kept its own support table, which had drifted from
+    # Precision.check: fp8 on a CPU read "supported" with no word that torchao only emulates it there
+    pytest.importorskip("torchao")
+    from ampguard.config import Config
+    from ampguard.validate import Validation, describe_environment, markdown
+
+    config = make_config({"validation": {"precisions": ["fp8", "fp16", "bf16"]}})
+    support = describe_environment(config, CPU, {}, [])["dtype_support"]
+    fp8, fp16, bf16 = support["fp8"], support["fp16"], support["bf16"]
+    assert (fp8["supported"], fp8["dtype"]) == (True, "torch.bfloat16")
+    assert fp8["note"] == "fp8 on a CPU is emulated by torchao: right for correctness checks, no speed-up"
+    assert fp16["supported"] and "emulated" in fp16["note"] and "slower than bf16" in fp16["note"]
+    assert bf16 == {"autocast_available": True, "dtype": "torch.bfloat16", "supported": True}  # no note: none given
+    v = Validation("linear", "regression", [], [], [], environment={"dtype_support": support})
+    [row] = [line for line in markdown(v, Config()).splitlines() if line.startswith("| fp8 support |")]
+    assert row == ("| fp8 support | autocast_available True, dtype torch.bfloat16, supported True, note fp8 on a CPU "
+                   "is emulated by torchao: right for correctness checks, no speed-up |")
+
+
+def test_a_model_that_raises_under_amp_is_quoted_by_its_cause_not_by_parsing_the_message():
+    # review_clarity10 #1: the cause was cut back out of ModelRaised's text at "raised under <precision>: ",
+    # which a task's own name can hold too
+    x = torch.tensor([[3.0, 0.0], [0.0, 3.0]])
+
+    def predict(model, inputs):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("no bf16 kernel\nsecond line")
+        return model(inputs)
+
+    task = identity_task(x, torch.tensor([0, 1]), predict=predict)
+    task.name = "raised under bf16: toy"
+    config = make_config({"validation": {"precisions": ["bf16"], "boundary": 0, "edge_cases": False}})
+    [rule] = compare(task, task.model, config, CPU).results[0].rules
+    assert (rule.criterion, rule.amp, rule.ok) == ("runs under bf16", "raised RuntimeError: no bf16 kernel", False)
