@@ -316,28 +316,8 @@ class Event:
             head["cause"] = self.cause
         return {**head, **self.data}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Event:
-        """The inverse of :meth:`as_dict`. A fail event saved before causes existed gets its cause
-        from its data (a skip-rate failure carried ``skip_rate``, a scale one ``scale``).
 
-        Example::
-
-            >>> old = {"step": 4, "event": "fail", "message": "loss scale below ...", "scale": 0.5}
-            >>> Event.from_dict(old).cause
-            'scale_collapse'
-            >>> e = Event(2, "fail", "m", {"skip_rate": 1.0, "window": 8}, cause=FAIL_SKIP_RATE)
-            >>> Event.from_dict(e.as_dict()) == e
-            True
-        """
-        data = {k: v for k, v in d.items() if k not in ("step", "event", "message", "cause")}
-        cause = d.get("cause")
-        if cause is None and d["event"] == "fail":
-            cause = FAIL_SKIP_RATE if "skip_rate" in data else FAIL_SCALE_COLLAPSE
-        return cls(d["step"], d["event"], d["message"], data, cause)
-
-
-WARMUP_SKIPS = 8
+COLLAPSE_STREAK = 8
 """The longest streak of skipped steps that is not yet ``collapsing`` while it goes on.
 
 More than 8 skipped steps in a row (a scale 256x lower) is a run that skips every step:
@@ -390,7 +370,7 @@ class ScaleHealth:
 
     - ``collapsing``: the scale is at (or below) its floor ``min_scale``; or it ended the window
       :data:`COLLAPSE_OCTAVES` (3) or more octaves below where the window began; or more than
-      :data:`WARMUP_SKIPS` (8) steps in a row were skipped (outside a warm-up);
+      :data:`COLLAPSE_STREAK` (8) steps in a row were skipped, the opening streak too while it lasts;
     - ``warming``: every move in the window belongs to the warm-up: the run's opening streak of
       skips (the search down from ``init_scale``), unless that streak reached the floor (a
       streak of more than 8 is ``collapsing`` while it lasts: warm-up only once a step applies);
@@ -419,11 +399,9 @@ class ScaleHealth:
         ['stable', 'stable', 'stable', 'collapsing', 'collapsing']
     """
 
-    def __init__(self, window: int, min_scale: float = 1.0, init_scale: float | None = None,
-                 warmup_skips: int = WARMUP_SKIPS) -> None:
+    def __init__(self, window: int, min_scale: float = 1.0, init_scale: float | None = None) -> None:
         self.window = window
         self.min_scale = min_scale
-        self.warmup_skips = warmup_skips
         self._floor = round_float32(min_scale)
         # the scale before the window's first step, then the scale after each of its steps
         self._scales: deque[float] = deque([] if init_scale is None else [float(init_scale)], maxlen=window + 1)
@@ -536,7 +514,7 @@ class ScaleHealth:
             return "collapsing"
         s = self.stats()
         eps = 1e-9  # octaves of non-power-of-two growth factors are not exact
-        if s.trend <= -COLLAPSE_OCTAVES + eps or self.streak > self.warmup_skips:
+        if s.trend <= -COLLAPSE_OCTAVES + eps or self.streak > COLLAPSE_STREAK:
             return "collapsing"
         if s.warmup and s.swing == 0:
             return "warming"
@@ -904,8 +882,7 @@ class RunMonitor:
         - a run whose opening search never ended (every step an fp16 gradient overflow, the floor
           not reached yet: a short run, or a high ``init_scale``) applied no update: the search
           found no scale, so nothing is set aside and the whole run is judged, whatever its
-          length: one ALERT, and with ``fail_rate`` (below 1) a failure. It ended "finished",
-          exit 0, with no alert.
+          length: one ALERT, and with ``fail_rate`` (below 1) a failure.
 
         Example (a 30-step run that skipped every step, with the defaults' min_steps and fail_after 100)::
 
@@ -1002,7 +979,8 @@ class RunMonitor:
     @property
     def skip_rate(self) -> float:
         """Skips in the last ``window`` steps over the steps the window holds (all steps so far
-        while fewer than ``window``); 0.0 before the first step.
+        while fewer than ``window``); 0.0 before the first step. (The rolling rate; the whole
+        run's skips are :attr:`skips`, and :attr:`clip_rate` is the whole run's.)
 
         Example::
 
@@ -1056,7 +1034,10 @@ class RunMonitor:
 
     @property
     def clip_rate(self) -> float:
-        """Share of the steps so far whose pre-clip norm exceeded ``max_norm`` ("we clip every step" is a finding).
+        """Share of the whole run's steps whose pre-clip norm exceeded ``max_norm`` ("we clip every
+        step" is a finding): the run card's. Unlike :attr:`skip_rate`, not the rolling window's:
+        the STATS line and the trackers' ``clip_rate`` are ``clip_window.seen_mean``, the last
+        ``window`` steps'.
 
         Example::
 
@@ -1290,7 +1271,7 @@ class LossSpikeDetector:
             return False
         w = self._sum
         if w.count >= w.size:
-            mean = w.total / w.size
+            mean = w.mean
             std = math.sqrt(max(0.0, self._sq.total / w.size - mean * mean))
             if loss > mean + self.z * std:
                 return True
