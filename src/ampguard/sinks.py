@@ -158,9 +158,13 @@ def csv_row(record: StepRecord, extra: Mapping[str, float | str | None] | None =
         ('nan', '', '1', 'non_finite_loss', '')
     """
     row = dict(zip(CSV_COLUMNS, _cells(record)))
-    for key, value in (extra or {}).items():
-        row[key] = value if isinstance(value, str) else format_number(value)
+    row.update((key, _cell(value)) for key, value in (extra or {}).items())
     return row
+
+
+def _cell(value: float | str | None) -> str:
+    """An extra column's cell: text as it is, a number via :func:`format_number` (None: empty)."""
+    return value if isinstance(value, str) else format_number(value)
 
 
 def _cells(record: StepRecord) -> list[str]:
@@ -186,6 +190,15 @@ class _LineFile:
 
     path: Path
     _file: IO[bytes] | None
+
+    def _existing(self, append: bool, keep_through: int | None) -> bool:
+        """Whether ``self.path`` already holds something: refused unless ``append`` (a resume's
+        ``keep_through`` is checked first, :func:`_check_keep_through`)."""
+        _check_keep_through(keep_through)
+        existing = self.path.exists() and self.path.stat().st_size > 0
+        if existing and not append:
+            raise InputError(f"{self.path} already exists; refusing to overwrite it")
+        return existing
 
     def _write_line(self, line: str) -> None:
         """Append ``line`` (:class:`DiskFull` when there is no room)."""
@@ -263,10 +276,7 @@ class CsvSink(_LineFile):
         """Open ``self.path`` for rows of ``self.columns``: a new file gets the header; an existing
         one is refused unless ``append``, and then its header must match (``expected`` names what
         it should be, for the error) and its rows after ``keep_through`` are dropped."""
-        _check_keep_through(keep_through)
-        existing = self.path.exists() and self.path.stat().st_size > 0
-        if existing and not append:
-            raise InputError(f"{self.path} already exists; refusing to overwrite it")
+        existing = self._existing(append, keep_through)
         if existing:
             self.check_header(self.path, self.columns, expected)
             if keep_through is not None:
@@ -402,7 +412,8 @@ class CsvSink(_LineFile):
         return b"".join(keep)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
-        """Append one row (:func:`csv_row`) and flush it (:class:`DiskFull` when there is no room)."""
+        """Append one row, :func:`csv_row`'s cells in the header's order, in one unbuffered write:
+        in the file when this returns (:class:`DiskFull` when there is no room)."""
         if record is None:
             raise TypeError(NONE_WRITTEN)
         if record.optimizers and not self._labels:  # (a partial skip read as a whole one, which skipped unsaid)
@@ -412,7 +423,7 @@ class CsvSink(_LineFile):
         row = _cells(record)
         if self._extra:
             cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns
-            row += [v if isinstance(v := cells.get(k), str) else format_number(v) for k in self._extra]
+            row += [_cell(cells.get(k)) for k in self._extra]
             self._append_row(row)
         else:  # numbers, empty cells and the reasons' identifiers: nothing the csv module would quote
             self._write_line(",".join(row) + "\n")
@@ -517,11 +528,7 @@ class JsonlSink(_LineFile):
 
     def __init__(self, path: str | os.PathLike, *, append: bool = False, keep_through: int | None = None) -> None:
         self.path = Path(path)
-        _check_keep_through(keep_through)
-        existing = self.path.exists() and self.path.stat().st_size > 0
-        if existing and not append:
-            raise InputError(f"{self.path} already exists; refusing to overwrite it")
-        if existing and keep_through is not None:
+        if self._existing(append, keep_through) and keep_through is not None:
             self._truncate_after(keep_through)
         self._file: IO[bytes] | None = _open_for_append(self.path)
 
