@@ -979,7 +979,7 @@ class Config(_Section):
     fast: bool | None = None
     """The fast path (``docs/design.md`` §5): fused AdamW/SGD, the sync-free step with the LR
     schedule on the device (no host read decides a step), and records read back as their copies
-    land, at most :data:`~ampguard.trainer.LAG` steps behind the step being trained; the monitors
+    land, at most :data:`~ampguard.records.LAG` steps behind the step being trained; the monitors
     still name each record's own step. ``None``: on for CUDA in one process unless a setting
     needs the exact step at the host (``diagnose.first_skip``/``strict``, ``monitor.headroom``,
     ``rollback.triggers``, ``scheduler_on_skip: step``); ``true``: on (any device; such a
