@@ -36,7 +36,6 @@ Example (fakes stand in for a model; any object with ``state_dict`` / ``load_sta
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +47,10 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import distributed
 from .config import MAX_DEPTH, Config, is_plain, read_file
-from .errors import InputError, first_line
+from .errors import InputError, first_line, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
-from .run_folder import RunPaths
+from .run_folder import RUN_ID_PATTERN, RunPaths
 
 # The payload's keys (checkpoint format ckpt.FORMAT). Parts are restored; the rest identify.
 STEP = "step"
@@ -749,11 +748,6 @@ def check_belongs(loaded: Loaded, run_id: str | None, run_dir: Path | None = Non
 
 # ---------------------------------------------------------------------------- the payload's schema
 
-_HEX32 = re.compile(r"[0-9a-f]{32}")
-def _is_int(value: Any, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def _show(value: Any) -> str:
     """A value for an error line: short, one line."""
     if isinstance(value, torch.Tensor):
@@ -782,19 +776,19 @@ def _rng(value: Any) -> bool:
 
 def _policy_entry(value: Any) -> bool:
     return (isinstance(value, dict) and set(value) == {"key", "old", "new", "step"} and isinstance(value["key"], str)
-            and _is_int(value["step"]) and is_plain(value))
+            and whole_number(value["step"]) and is_plain(value))
 
 
 _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
     # key, required, test, what it must be
-    (STEP, True, _is_int, "an int >= 0"),
-    (UPDATES, False, _is_int, "an int >= 0"),
-    (DATA, True, _is_int, "an int >= 0"),
-    (WORLD_SIZE, False, lambda v: _is_int(v, 1), "an int >= 1"),
+    (STEP, True, whole_number, "an int >= 0"),
+    (UPDATES, False, whole_number, "an int >= 0"),
+    (DATA, True, whole_number, "an int >= 0"),
+    (WORLD_SIZE, False, lambda v: whole_number(v, 1), "an int >= 1"),
     (CONFIG, True, lambda v: isinstance(v, dict) and is_plain(v), "a mapping of plain data"),
     (PRECISION, False, lambda v: isinstance(v, str), "a str"),
     (TORCH_VERSION, False, lambda v: isinstance(v, str), "a str"),
-    (RUN_ID, False, lambda v: isinstance(v, str) and _HEX32.fullmatch(v) is not None, "32 hex digits"),
+    (RUN_ID, False, lambda v: isinstance(v, str) and RUN_ID_PATTERN.fullmatch(v) is not None, "32 hex digits"),
     (MODEL, True, _tensor_map, "a mapping of parameter names to tensors"),
     (OPTIMIZER, True, _optimizer_state, "an optimizer state (a mapping with state and param_groups)"),
     (SCHEDULER, True, lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v), "a mapping"),
@@ -808,9 +802,9 @@ _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
 """What each payload entry must be before anything uses it."""
 
 _STATE_SCHEMA: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("step", _is_int, "an int >= 0"),
-    ("updates", _is_int, "an int >= 0"),
-    ("accumulation_steps", lambda v: _is_int(v, 1), "an int >= 1"),
+    ("step", whole_number, "an int >= 0"),
+    ("updates", whole_number, "an int >= 0"),
+    ("accumulation_steps", lambda v: whole_number(v, 1), "an int >= 1"),
     ("precision", lambda v: isinstance(v, str), "a str"),
     ("scaler", lambda v: isinstance(v, Mapping), "a mapping"),
     ("monitors", lambda v: isinstance(v, Mapping), "a mapping"),
@@ -919,7 +913,7 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
             if key in ("params", "param_names"):  # (the load keeps this run's)
                 continue
             if key not in group:
-                if not _flag(value):  # a flag an older PyTorch did not save is set by the optimizer
+                if not _optional_flag(value):  # a flag an older PyTorch did not save is set by the optimizer
                     raise refuse(f"param_groups[{i}] has no {_names([key])}")
             elif not _same_setting(group[key], value):
                 raise refuse(_difference(f"param_groups[{i}].{key}", group[key], value, "this optimizer's"))
@@ -937,7 +931,7 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
                                  f"{list(param.shape)}")
 
 
-def _flag(value: Any) -> bool:
+def _optional_flag(value: Any) -> bool:
     """A parameter group's flag: True, False or None (``fused``, ``foreach``, ``amsgrad``, ...)."""
     return value is None or isinstance(value, bool)
 
@@ -963,8 +957,8 @@ def _same_setting(saved: Any, live: Any) -> bool:
         >>> _same_setting([0.9], (0.9, 0.999)), _same_setting("x", 0.1), _same_setting(float("nan"), 0.1)
         (False, False, False)
     """
-    if _flag(live):
-        return _flag(saved)
+    if _optional_flag(live):
+        return _optional_flag(saved)
     if _scalar(live):
         if isinstance(saved, torch.Tensor):
             return _scalar(saved) and bool(torch.isfinite(saved).all())
@@ -987,7 +981,7 @@ def _same_kind(saved: Any, live: Any, depth: int = 0) -> bool:
     if live is None or isinstance(live, (bool, str)):
         return type(saved) is type(live)
     if isinstance(live, int):
-        return _is_int(saved, -(2**63)) and saved < 2**63
+        return whole_number(saved, -(2**63)) and saved < 2**63
     if isinstance(live, float):
         return finite_number(saved)
     if isinstance(live, (list, tuple)):
@@ -1177,7 +1171,7 @@ def _skip_batches_used(resume: Resume, config: Config) -> int:
     for change in resume.loaded.payload.get(POLICY) or []:
         if change["key"] == "rollback.skip_batches":
             used += [change["old"], change["new"]]
-    return max(value for value in used if _is_int(value))
+    return max(value for value in used if whole_number(value))
 
 
 # ---------------------------------------------------------------------------- policy changes on resume

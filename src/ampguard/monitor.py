@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import brief
+from .errors import brief, whole_number
 from .precision import finite_number, round_float32
 from .records import StepRecord
 
@@ -71,10 +71,6 @@ def _exact(value: float) -> int:
 # (check_state, which a resume also calls up front, naming the whole field) before it changes
 # anything, and raises ValueError naming the field, so a corrupt or hostile file is one line at
 # resume (the checkpoint manager's InputError) rather than a traceback mid-run.
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _flag(value: Any) -> bool:
@@ -246,8 +242,8 @@ class RollingWindow:
         _need(isinstance(ring, list) and len(ring) == self.size and all(finite_number(v) for v in ring),
               f"{where}ring", ring, f"a list of {self.size} finite numbers")
         pos = _get(state, "pos", where)
-        _need(_count(pos) and pos < self.size, f"{where}pos", pos, f"an int in [0, {self.size})")
-        _need(_count(_get(state, "count", where)), f"{where}count", state["count"], "an int >= 0")
+        _need(whole_number(pos) and pos < self.size, f"{where}pos", pos, f"an int in [0, {self.size})")
+        _need(whole_number(_get(state, "count", where)), f"{where}count", state["count"], "an int >= 0")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; a window of another size, or a field that is not what
@@ -549,9 +545,9 @@ class ScaleHealth:
         }
 
     _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-        ("opening", _count, "an int >= 0"),
+        ("opening", whole_number, "an int >= 0"),
         ("opening_open", _flag, "True or False"),
-        ("streak", _count, "an int >= 0"),
+        ("streak", whole_number, "an int >= 0"),
         ("peak", _number_or_none, "a finite number or None"),
         ("fell", _flag, "True or False"),
     )
@@ -575,7 +571,7 @@ class ScaleHealth:
             windows = _get(state, "windows", where)
             ups = windows.get("ups") if isinstance(windows, dict) else None
             count = ups.get("count") if isinstance(ups, dict) else None
-            _need(_count(count), f"{where}windows.ups.count", count, "an int >= 0")
+            _need(whole_number(count), f"{where}windows.ups.count", count, "an int >= 0")
             _need(_flag(_get(state, "opening", where)), f"{where}opening", state["opening"], "True or False")
             return
         scales = state["scales"]
@@ -1220,7 +1216,7 @@ class RunMonitor:
                 win.check_state(state[name], f"{where}{name}.")
         scalars = self._saved_scalars(state)
         for name in self._COUNTS:
-            _need(_count(scalars[name]), f"{where}{name}", scalars[name], "an int >= 0")
+            _need(whole_number(scalars[name]), f"{where}{name}", scalars[name], "an int >= 0")
         for name in self._FLAGS:
             _need(_flag(scalars[name]), f"{where}{name}", scalars[name], "True or False")
         for name in ("max_skip_rate", "max_rolling_skip_rate"):
@@ -1229,7 +1225,7 @@ class RunMonitor:
         for name in ("first_loss", "best_loss", "final_loss"):
             _need(_number_or_none(scalars[name]), f"{where}{name}", scalars[name], "a finite number or None")
         step = scalars["final_loss_step"]
-        _need(step is None or _count(step), f"{where}final_loss_step", step, "an int >= 0 or None")
+        _need(step is None or whole_number(step), f"{where}final_loss_step", step, "an int >= 0 or None")
         # held-out metrics may be non-finite (a diverged evaluation), the best ones never; so may
         # the last record's values (a NaN loss)
         _need(_names_to(scalars["eval_last"], _number), f"{where}eval_last", scalars["eval_last"],
@@ -1237,7 +1233,7 @@ class RunMonitor:
         _need(_names_to(scalars["eval_best"], finite_number), f"{where}eval_best", scalars["eval_best"],
               "a mapping of names to finite numbers")
         skips, last = state.get("skips", {}), state.get("last", {})
-        _need(_names_to(skips, _count), f"{where}skips", skips, "a mapping of names to ints >= 0")
+        _need(_names_to(skips, whole_number), f"{where}skips", skips, "a mapping of names to ints >= 0")
         _need(_names_to(last, lambda v: v is None or _number(v)), f"{where}last", last,
               "a mapping of names to numbers or None")
         if "health" in state:

@@ -317,7 +317,7 @@ class RunPaths:
                 text = f.read(100).decode("ascii").strip()
         except (OSError, UnicodeDecodeError):
             text = ""
-        if not _RUN_ID.fullmatch(text):
+        if not RUN_ID_PATTERN.fullmatch(text):
             raise InputError(f"{path}: not a run id (expected 32 hex digits)")
         return text
 
@@ -371,7 +371,8 @@ class RunPaths:
 
 RUN_ID_FILE = "run-id"
 """The file in a run folder that holds its id."""
-_RUN_ID = re.compile(r"[0-9a-f]{32}")
+RUN_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
+"""A run id as ``run-id`` holds it and checkpoints carry it: a uuid4's 32 hex digits."""
 
 
 def _pid_in(fd: int) -> str | None:
