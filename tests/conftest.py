@@ -4,6 +4,7 @@ classifier factory of the validate tests; one intra-op thread and no bytecode fo
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import pytest
@@ -12,6 +13,14 @@ import torch
 from helpers import snapshot_of
 
 from ampguard.cli import main
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A suite started as a background job of a script (`bash .ci/run &`) inherits SIGINT ignored,
+    # and so would every process it starts; ampguard leaves an ignored signal ignored, so the tests
+    # that stop a run with Ctrl-C would find it running on. They are about Ctrl-C, not about that.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

@@ -90,6 +90,10 @@ def stop_on_signals() -> Iterator[StopFlag]:
     the checkpoint and the run card are written first; and while a step's record is written
     (``flag.holding``): then it interrupts when the record is whole (:meth:`StopFlag.release`).
 
+    A signal the process was started with ignored stays ignored, as Python leaves it (a script's
+    background job, ``cmd &``, ignores SIGINT so that Ctrl-C in its terminal stops only the
+    foreground command): the run is not stopped by it, at start-up or in its loop.
+
     Example::
 
         >>> with stop_on_signals() as stop:
@@ -112,7 +116,8 @@ def stop_on_signals() -> Iterator[StopFlag]:
     _FLAGS.append(flag)
     try:
         try:
-            previous = [(sig, signal.signal(sig, handler)) for sig in STOP_SIGNALS]
+            previous = [(sig, signal.signal(sig, handler)) for sig in STOP_SIGNALS
+                        if signal.getsignal(sig) is not signal.SIG_IGN]
         except ValueError:  # not the main thread: leave signals alone
             yield flag
             return

@@ -146,6 +146,23 @@ def test_each_use_starts_with_a_fresh_flag(previous_handler):
     assert signal.getsignal(signal.SIGINT) is previous_handler
 
 
+def test_a_sigint_the_process_was_started_ignoring_stays_ignored_and_sigterm_still_stops():
+    # review_seeds10: a script's background job (`ampguard train &`) starts with SIGINT ignored, so
+    # that Ctrl-C in the terminal stops only the foreground command; the loop took it over and stopped
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stop_on_sigint() as stop:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            sigint()
+            assert not stop.requested
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+            assert stop.requested and int(stop.exit_code) == 143
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, saved)
+
+
 # ---------------------------------------------------------------------------- a full disk (issue 16)
 
 
