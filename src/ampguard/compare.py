@@ -24,13 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .build import build_monitor
 from .clipping import clip_threshold
 from .errors import ExitCode, InputError, first_line
 from .monitor import RunMonitor
-from .precision import Precision
+from .precision import uses_loss_scaler
 from .records import LABEL_COLUMNS
-from .report import (Row, _linear_y, _number, card_ended, check_plot_path, drawn_by_ampguard, finite_points,
-                     plot_metadata, policy_changes_of, read_steps_and_columns, replay, rolling_skip_rate, shown)
+from .report import (Row, _linear_y, _number, card_ended, check_plot_path, drawn_by_ampguard, finished,
+                     finite_points, plot_metadata, policy_changes_of, read_steps_and_columns, replay,
+                     rolling_skip_rate, shown)
 from .run_folder import RunPaths
 
 if TYPE_CHECKING:
@@ -87,7 +89,6 @@ def load_run(path: str | Path) -> RunSummary:
         ...     print(err)
         compare: no such folder no/such/run
     """
-    from .build import build_monitor
     from .config import read_run_config
 
     folder = Path(path)
@@ -110,11 +111,11 @@ def load_run(path: str | Path) -> RunSummary:
     rows, extra = read_steps_and_columns(folder / "steps.csv")
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
-    scaler_on = Precision(config.precision, "cpu").uses_scaler if config.scaler.enabled is None else config.scaler.enabled
-    # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
     ended = _ended(folder / "RUN.md")
+    scaler_on = uses_loss_scaler(config.precision) if config.scaler.enabled is None else config.scaler.enabled
+    # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy_changes_of(folder),
-                     steps=config.steps if ended.startswith("finished: ") else None)
+                     steps=config.steps if finished(folder / "RUN.md") else None)
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended)
@@ -253,13 +254,14 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     """Draw the runs over each other (1200 x 1100 px, four panels on a shared step axis): loss,
     pre-clip global norm with each run's ``max_norm``, log2 of the loss scale, rolling skip rate.
     Skipped steps are marked with an ``x`` on the loss panel. The PNG carries ampguard's mark
-    (:func:`~ampguard.report.plot_metadata`). Written beside the target and renamed over it, so a
-    failed write leaves no half a PNG and an earlier plot stays as it was (an existing file that is
-    no plot ampguard drew is refused before, :func:`~ampguard.report.check_plot_path`, and again
-    here should one appear at ``png`` while the runs were drawn). Losses of
-    both signs beyond :data:`~ampguard.report.LINEAR_LIMIT` (-1e308 and 1e308 in an edited CSV)
-    put the loss panel on a symmetric log axis; values matplotlib still cannot lay an axis out
-    for are an :class:`InputError`, with nothing written.
+    (:func:`~ampguard.report.plot_metadata`). Written beside the target, then renamed over an
+    earlier plot or, where there is none, linked into place (a link fails where a file appeared
+    meanwhile: that one is never replaced), so a failed write leaves no half a PNG and an earlier
+    plot stays as it was (an existing file that is no plot ampguard drew is refused before,
+    :func:`~ampguard.report.check_plot_path`, and again here should one appear at ``png`` while the
+    runs were drawn). Losses of both signs beyond :data:`~ampguard.report.LINEAR_LIMIT` (-1e308
+    and 1e308 in an edited CSV) put the loss panel on a symmetric log axis; values matplotlib still
+    cannot lay an axis out for are an :class:`InputError`, with nothing written.
     """
     with warnings.catch_warnings():  # (numpy's overflow notes on values near the float maximum)
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -279,11 +281,7 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     log_loss, top_rate, losses, handles = True, 0.0, [], []
     for colour, run in zip(colours, runs):
         rows = run.rows
-
-        def finite(values: list[float | None], positive: bool = False) -> tuple[list[int], list[float]]:
-            return finite_points(rows, values, positive)
-
-        xs, ys = finite([r.loss for r in rows])
+        xs, ys = finite_points(rows, [r.loss for r in rows])
         log_loss = log_loss and bool(ys) and min(ys) > 0
         losses += ys
         handles += ax_loss.plot(xs, ys, lw=1, color=colour, label=run.name)
@@ -294,12 +292,12 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
                 marks.append((r.step, last))
         if marks:
             ax_loss.plot([s for s, _ in marks], [y for _, y in marks], "x", color=colour, ms=5)
-        xs, ys = finite([r.grad_l2_pre_clip for r in rows], positive=True)
+        xs, ys = finite_points(rows, [r.grad_l2_pre_clip for r in rows], positive=True)
         ax_norm.plot(xs, ys, lw=1, color=colour, label=run.name)
         clip = clip_threshold(run.config.max_norm)
         if clip:
             ax_norm.axhline(clip, color=colour, ls="--", lw=1, label=f"{run.name}: max_norm {clip:g}")
-        xs, ys = finite([r.scaler_scale for r in rows], positive=True)
+        xs, ys = finite_points(rows, [r.scaler_scale for r in rows], positive=True)
         ax_scale.step(xs, [math.log2(v) for v in ys], where="post", lw=1.2, color=colour, label=run.name)
         rates = rolling_skip_rate(rows, run.config.monitor.window)
         top_rate = max(top_rate, *rates)

@@ -11,11 +11,12 @@ import math
 import os
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .build import build_monitor
 from .clipping import clip_threshold
 from .errors import ExitCode, InputError, check_folder_of, first_line
 from .files import replace_atomically
@@ -23,9 +24,8 @@ from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor
 from .precision import Precision, backend_text
 from .records import SKIP_REASONS, StepRecord, record_from
-from .sinks import CSV_COLUMNS
-
 from .run_folder import RunPaths
+from .sinks import CSV_COLUMNS
 
 if TYPE_CHECKING:
     from .config import Config
@@ -230,7 +230,8 @@ def rolling_skip_rate(rows: list[Row], window: int) -> list[float]:
     return rates
 
 
-REPLAYED_POLICY = {"max_norm": "max_norm", "monitor.alert_rate": "alert_rate", "monitor.fail_rate": "fail_rate",
+REPLAYED_POLICY = {"max_norm": "max_norm", "monitor.alert_rate": "alert_rate", "monitor.clear_rate": "clear_rate",
+                   "monitor.fail_rate": "fail_rate",
                    "monitor.fail_after": "fail_after", "monitor.min_steps": "min_steps",
                    "monitor.fail_on_scale_collapse": "fail_on_scale_collapse"}
 """The settings a resume may change (a policy change) that decide what the monitor counts: the
@@ -241,8 +242,8 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
     """The run's policy changes on resume that a replay follows (:data:`REPLAYED_POLICY`), from its
     ``events.jsonl`` in the order they were made: each ``{key, old, new, step}``, applied from
     ``step + 1``. A ``resume`` at step s abandons what came after s, so the changes made before it
-    at s or later go (that future was trained again without them). None without the file; a line
-    that is no JSON object (a torn last line) is passed over.
+    at s or later go (that future was trained again without them). ``[]`` without the file; a
+    line that is no JSON object (a torn last line) is passed over.
 
     Example::
 
@@ -304,7 +305,7 @@ def _policy_value(key: str, value: Any) -> bool:
         return False
     if key in ("monitor.fail_after", "monitor.min_steps"):
         return isinstance(value, int)
-    return isinstance(value, (int, float)) or (key == "max_norm" and value is None)
+    return isinstance(value, (int, float)) or (key in ("max_norm", "monitor.clear_rate") and value is None)
 
 
 def _regular(path: Path) -> None:
@@ -314,7 +315,7 @@ def _regular(path: Path) -> None:
         raise OSError(errno.EINVAL, "not a regular file (a pipe, a device)", str(path))
 
 
-def _policy_at(changes: list[dict[str, Any]], step: int) -> dict[str, Any]:
+def _policy_at(changes: Sequence[dict[str, Any]], step: int) -> dict[str, Any]:
     """Each changed key's value at ``step``: the last change made before it, else the first one's
     old value (``changes`` as :func:`policy_changes_of` gives them: those of abandoned futures gone).
 
@@ -376,7 +377,7 @@ def finished(card: Path) -> bool:
         return False
 
 
-def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: list[dict[str, Any]] = (),
+def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequence[dict[str, Any]] = (),
            steps: int | None = None, **monitor_args: Any) -> RunMonitor:
     """Feed CSV rows through a :class:`RunMonitor` (``monitor``, or one made of ``monitor_args``):
     the same statistics the live run kept. ``policy`` (:func:`policy_changes_of`) sets the
@@ -397,7 +398,7 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: list[d
     """
     monitor = RunMonitor(**monitor_args) if monitor is None else monitor
     for row in rows:
-        for key, value in _policy_at(list(policy), row.step).items() if policy else ():
+        for key, value in _policy_at(policy, row.step).items():
             setattr(monitor, REPLAYED_POLICY[key], clip_threshold(value) if key == "max_norm" else value)
         monitor.observe(row.record())
     if rows and steps is not None and rows[-1].step >= steps:
@@ -701,25 +702,31 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
                                    '| per-step CSV | `steps.csv` |', '| plot | not written |'])
         >>> shutil.rmtree(folder)
     """
-    m, paths = result.monitor, result.paths
+    folder = result.paths.dir
+    name = folder.name if folder is not None else "run"
+    text = "\n\n".join([
+        f"# Run {name}",
+        f"**{result.ended}**",
+        "## Set-up\n\n" + _table(_setup_rows(config, result)),
+        "## Outcome\n\n" + _table(_outcome_rows(config, result)),
+        "## Files\n\n" + _table(_file_rows(config, result)),
+    ])
+    replace_atomically(path, text + "\n")  # a failed write never leaves the card half-written or empty
+
+
+def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
+    """The run card's set-up: how the run was configured (the loss scaler as the run had it on or off)."""
     s, mon = config.scaler, config.monitor
-    scaler_on = m.scaler_enabled
     scaler = (
         f"dynamic: init {s.init_scale:g}, x{s.growth_factor:g} after {s.growth_interval} clean steps, "
-        f"x{s.backoff_factor:g} on a skip, floor (min_scale) {s.min_scale:g}" if scaler_on else "off (scale reported as 1.0)"
+        f"x{s.backoff_factor:g} on a skip, floor (min_scale) {s.min_scale:g}" if result.monitor.scaler_enabled
+        else "off (scale reported as 1.0)"
     )
     fail = (f"skip rate > {mon.fail_rate:g} for {mon.fail_after} consecutive steps -> exit 3"
             if mon.fail_rate is not None else "off (monitor.fail_rate not set)")
     if mon.fail_on_scale_collapse:
         fail += f"; skipping at the scale floor {s.min_scale:g} for {mon.fail_after} steps -> exit 3"
-    clip = f"global L2, max_norm {config.max_norm:g}" if clip_threshold(config.max_norm) else "off"
-    skips = sum(m.skips.values())
-    last = m.last
-
-    def rel(p: Path | None) -> str:
-        return f"`{p.name}`" if p is not None and p.exists() else "not written"
-
-    setup = [
+    return [
         ("precision", Precision(config.precision, result.device.type).describe()
                       + (", model compiled (torch.compile)" if config.compile else "")),
         # PyTorch on ROCm names an AMD GPU "cuda" too: the backend says which it was, with its version
@@ -728,7 +735,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         *((("fp8", f"recipe {config.fp8.recipe}; {len(result.fp8_layers)} Linear layer(s) in float8: "
                    f"{', '.join(result.fp8_layers) or 'none'}"),) if config.precision == "fp8" else ()),
         ("loss scaler", scaler),
-        ("clipping", clip),
+        ("clipping", f"global L2, max_norm {config.max_norm:g}" if clip_threshold(config.max_norm) else "off"),
         ("accumulation", f"{config.accumulation_steps} micro-batch(es) per step"),
         ("optimizer", f"{config.optimizer.name}, lr {config.optimizer.lr:g}, schedule {config.schedule.decay} "
                       f"(warmup {config.schedule.warmup})"),
@@ -743,16 +750,22 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
          else "off (monitor.headroom.every)"),
         ("seed", str(config.seed)),
     ]
-    outcome = [
+
+
+def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
+    """The run card's outcome: what the run's monitor counted, and what happened to the run."""
+    m = result.monitor
+    return [
         ("ended", result.ended),
         ("steps attempted", str(m.steps)),
         ("updates applied", str(m.updates)),
-        ("skipped steps", f"{skips} ({m.skips_text()})"),
+        ("skipped steps", f"{sum(m.skips.values())} ({m.skips_text()})"),
         ("max rolling skip rate", m.max_skip_rate_text),
         ("skip-rate alert episodes", str(m.alert_episodes)),
-        ("clip rate (whole run)", f"{m.clip_rate:.3f} ({m.clipped} of {m.steps} steps had pre-clip norm > max_norm)"
-                      if clip_threshold(config.max_norm) else "n/a (clipping off)"),
-        ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(last.get('scaler_scale'), 'g')})" if scaler_on else "")),
+        ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {m.steps} steps had pre-clip norm > max_norm)"
+                                   if clip_threshold(config.max_norm) else "n/a (clipping off)")),
+        ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(m.last.get('scaler_scale'), 'g')})"
+                                                 if m.scaler_enabled else "")),
         ("loss", f"first {_fmt(m.first_loss)}, final {_final_loss(m)}, best {_fmt(m.best_loss)}"),
         *((f"held-out {name}", f"final {_fmt(value)}, best {_fmt(m.eval_best.get(name))}")
           for name, value in m.eval_last.items()),
@@ -764,24 +777,25 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
             else "off (diagnose.first_skip)")),
         ("resumed from", f"`{result.resumed_from.name}`" if result.resumed_from else "no (a fresh run)"),
     ]
-    files = [
-        ("per-step CSV", rel(paths.csv)),
-        ("event log (JSON lines)", rel(paths.events)),
-        *((("headroom CSV", rel(paths.dir / HEADROOM_CSV)),) if mon.headroom.every and paths.dir is not None else ()),
-        ("plot", rel(paths.plot)),
-        ("effective config", rel(paths.config)),
+
+
+def _file_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
+    """The run card's files: each by its name in the run folder, or ``not written``."""
+    paths = result.paths
+
+    def written(p: Path | None) -> str:
+        return f"`{p.name}`" if p is not None and p.exists() else "not written"
+
+    headroom = paths.dir / HEADROOM_CSV if config.monitor.headroom.every and paths.dir is not None else None
+    return [
+        ("per-step CSV", written(paths.csv)),
+        ("event log (JSON lines)", written(paths.events)),
+        *((("headroom CSV", written(headroom)),) if headroom is not None else ()),
+        ("plot", written(paths.plot)),
+        ("effective config", written(paths.config)),
         ("checkpoints", (f"`checkpoints/` ({len(result.checkpoints)} kept, latest `{result.checkpoints[-1].name}`)"
                          if result.checkpoints else "none written")),
     ]
-    name = paths.dir.name if paths.dir is not None else "run"
-    text = "\n\n".join([
-        f"# Run {name}",
-        f"**{result.ended}**",
-        "## Set-up\n\n" + _table(setup),
-        "## Outcome\n\n" + _table(outcome),
-        "## Files\n\n" + _table(files),
-    ])
-    replace_atomically(path, text + "\n")  # a failed write never leaves the card half-written or empty
 
 
 def _start_scale(rows: list[Row], backoff: float) -> float:
@@ -891,33 +905,30 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if target.is_dir() and not config_path.is_file():  # (a bare CSV, a demo's, has none by design)
         print(f"note: {target} has no config.yaml: alerts judged with the default thresholds (--window, "
               "--alert-rate and --min-steps set them)")
-    settings: dict[str, Any] = {"max_norm": config.max_norm, "window": config.monitor.window,
-                                "alert_rate": config.monitor.alert_rate, "fail_rate": config.monitor.fail_rate}
-    given = {"max_norm": max_norm, "window": window, "alert_rate": alert_rate, "fail_rate": fail_rate}
-    settings.update({key: value for key, value in given.items() if value is not None})
-
+    # a threshold given holds for the whole run (the run's policy changes of it set aside); max_norm
+    # is never overridden here: the clip rate is the run's, under the max_norm each step ran with
+    # (--max-norm draws a line)
+    given = {key: value for key, value in (("window", window), ("alert_rate", alert_rate), ("fail_rate", fail_rate),
+                                           ("min_steps", min_steps)) if value is not None}
     torn: list[str] = []
     rows = read_steps_and_columns(csv_path, torn)[0]
     if not rows:  # (a kill in the first row's write leaves it torn: say so, not only "no steps")
         cut = f" (its one row is torn, a write cut short: {torn[0][:40]!r})" if torn else ""
         raise InputError(f"{csv_path}: no steps recorded{cut}, nothing to report")
+    # what the CSV says, not the config: whether a loss scale moved, and (with no config) where it started
     scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
     init_scale = config.scaler.init_scale if config_path.is_file() else _start_scale(rows, config.scaler.backoff_factor)
-    # a threshold given holds for the whole run; max_norm is never overridden here: the clip rate
-    # is the run's (--max-norm draws a line), under the max_norm each step ran with
-    overridden = {key for key, name in REPLAYED_POLICY.items()
-                  if name != "max_norm" and {**given, "min_steps": min_steps}.get(name) is not None}
-    policy = [c for c in policy_changes_of(csv_path.parent) if c["key"] not in overridden] if config_path.is_file() else []
-    monitor = replay(rows, window=settings["window"], alert_rate=settings["alert_rate"],
-                     fail_rate=settings["fail_rate"], max_norm=clip_threshold(config.max_norm),
-                     scaler_enabled=scaler_on, init_scale=init_scale, min_scale=min(config.scaler.min_scale, init_scale),
-                     min_steps=config.monitor.min_steps if min_steps is None else min_steps,
-                     fail_after=config.monitor.fail_after, policy=policy,
+    judged = _replay_config(config, given, init_scale)
+    policy = ([c for c in policy_changes_of(csv_path.parent) if REPLAYED_POLICY[c["key"]] not in given]
+              if config_path.is_file() else [])
+    monitor = replay(rows, build_monitor(judged, scaler_enabled=scaler_on), policy=policy,
                      steps=config.steps if finished(folder.card) else None)
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
-    plot_run(csv_path, png, **settings, title=title, headroom=headroom_beside(csv_path),
-             alert_bits=config.monitor.headroom.alert_bits)
+    mon = judged.monitor
+    plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
+             alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
+             alert_bits=mon.headroom.alert_bits)
     if torn:
         print(f"note: the last line of {csv_path} is torn (no newline: a write cut short), left out: "
               f"{torn[0][:40]!r}")
@@ -927,11 +938,37 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                 if value is not None]
     episodes = f"{monitor.alert_episodes}" + (f" (re-judged at {', '.join(rejudged)})" if rejudged else "")
     print(f"summary: {monitor.summary()}")
-    print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {settings['window']}), "
+    print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {mon.window}), "
           f"alert episodes {episodes}, clip rate {run_clip_rate(rows, monitor if config_path.is_file() else None)}, "
           f"scale {monitor.scale_verdict}")
     print(f"plot: {png}")
     return ExitCode.OK
+
+
+def _replay_config(config: Config, given: dict[str, Any], init_scale: float) -> Config:
+    """The config ``report`` replays a CSV under (through :func:`~ampguard.build.build_monitor`,
+    as the run built its monitor): the run's ``config`` with the thresholds ``given``
+    (``monitor.*`` keys) in place of its own, and the loss scale starting at ``init_scale`` (the
+    floor ``min_scale`` no higher). A given ``alert_rate`` below the run's ``monitor.clear_rate``
+    clears the ALERT at the rate given.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> run_config = validate({"monitor": {"window": 50, "alert_rate": 0.2, "clear_rate": 0.1}})
+        >>> judged = _replay_config(run_config, {"alert_rate": 0.05}, init_scale=0.5)
+        >>> m = judged.monitor
+        >>> m.window, m.alert_rate, m.clear_rate, judged.scaler.init_scale, judged.scaler.min_scale
+        (50, 0.05, 0.05, 0.5, 0.5)
+    """
+    monitor = dict(given)
+    clear_rate = config.monitor.clear_rate
+    if "alert_rate" in given and clear_rate is not None:  # (a clear level above the alert's is no level)
+        monitor["clear_rate"] = min(clear_rate, given["alert_rate"])
+    scaler = {"init_scale": init_scale, "min_scale": min(config.scaler.min_scale, init_scale)}
+    # (model_copy, not validate: a start scale read off a CSV may be one no config allows, > 2**128)
+    return config.model_copy(update={"monitor": config.monitor.model_copy(update=monitor),
+                                     "scaler": config.scaler.model_copy(update=scaler)})
 
 
 def run_clip_rate(rows: list[Row], monitor: RunMonitor | None = None) -> str:
@@ -985,50 +1022,72 @@ def plot_metadata(title: str | None = None) -> dict[str, str]:
 
 
 def png_text(path: Path) -> dict[str, str] | None:
-    """The ``tEXt`` chunks (keyword: text, Latin-1) of the PNG at ``path`` that come before its
-    image data, where a PNG writer puts them (the first of a keyword wins); ``None`` when the file
-    does not begin as a PNG does. Read chunk by chunk: the length and type of each, and only a text
-    chunk's data (a large picture is not read); a chunk cut short, or a text chunk whose CRC does
-    not match, ends the reading. ``OSError`` when it cannot be read (or is no regular file).
+    """The text chunks (keyword: text) of the PNG at ``path`` that come before its image data,
+    where a PNG writer puts them, as Pillow (matplotlib's PNG library) reads them: the chunks up
+    to the image data, each one's CRC checked, the picture itself neither read nor decoded.
+    ``None`` when the file does not begin as a PNG does; ``{}`` when it does but is broken (a
+    chunk cut short, a CRC that does not match, a header no picture has). A keyword written more
+    than once is left out. ``OSError`` when it cannot be read (or is no regular file).
 
     Example (a PNG is its signature, then chunks: length, type, data, CRC)::
 
         >>> import struct, tempfile, zlib
         >>> def chunk(kind, data):
         ...     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        >>> header = chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0))  # 1 x 1 pixel, 8-bit grey
+        >>> mark, end = chunk(b"tEXt", b"Software\\0ampguard 1"), chunk(b"IDAT", b"...") + chunk(b"IEND", b"")
         >>> with tempfile.TemporaryDirectory() as d:
         ...     png = Path(d) / "a.png"
-        ...     _ = png.write_bytes(PNG_MAGIC + chunk(b"IHDR", bytes(13)) + chunk(b"tEXt", b"Software\\0ampguard 1")
-        ...                         + chunk(b"tEXt", b"Title\\0run a") + chunk(b"IDAT", b"...") + chunk(b"IEND", b""))
-        ...     first = png_text(png)
-        ...     _ = png.write_bytes(PNG_MAGIC + chunk(b"tEXt", b"Software\\0ampguard")[:-1] + b"?")  # a bad CRC
+        ...     _ = png.write_bytes(PNG_MAGIC + header + mark + chunk(b"tEXt", b"Title\\0run a") + end)
+        ...     texts = png_text(png)
+        ...     _ = png.write_bytes(PNG_MAGIC + header + mark[:-1] + b"?" + end)  # a bad CRC
         ...     bad_crc = png_text(png)
+        ...     _ = png.write_bytes(PNG_MAGIC + header + chunk(b"tEXt", b"Software\\0GIMP") + mark + end)
+        ...     twice = png_text(png)
         ...     _ = png.write_text("not a picture")
-        ...     first, bad_crc, png_text(png)
-        ({'Software': 'ampguard 1', 'Title': 'run a'}, {}, None)
+        ...     texts, bad_crc, twice, png_text(png)
+        ({'Software': 'ampguard 1', 'Title': 'run a'}, {}, {}, None)
     """
-    import struct
-    import zlib
+    from PIL import PngImagePlugin
 
     _regular(path)
-    texts: dict[str, str] = {}
     with path.open("rb") as f:
         if f.read(len(PNG_MAGIC)) != PNG_MAGIC:
             return None
-        while len(head := f.read(8)) == 8:
-            length, kind = struct.unpack(">I4s", head)
-            if kind in (b"IDAT", b"IEND"):
-                break
-            if kind != b"tEXt":
-                f.seek(length + 4, os.SEEK_CUR)  # (past the end: the next read is short, and ends it)
-                continue
-            data, crc = f.read(length), f.read(4)
-            if len(data) < length or len(crc) < 4 or zlib.crc32(kind + data) != int.from_bytes(crc, "big"):
-                break
-            keyword, nul, text = data.partition(b"\0")
-            if nul:
-                texts.setdefault(keyword.decode("latin-1"), text.decode("latin-1"))
-    return texts
+        f.seek(0)
+        try:
+            # (not Image.open: it refuses a picture of more pixels than Image.MAX_IMAGE_PIXELS, a
+            # "decompression bomb" it would never decode here, and warns on half as many. A process
+            # that sets ImageFile.LOAD_TRUNCATED_IMAGES has Pillow skip the text chunks' CRCs.)
+            info = PngImagePlugin.PngImageFile(f).info
+        except (SyntaxError, ValueError):  # a CRC, a chunk or a header that is wrong; a text too large
+            return {}
+        except OSError as err:
+            if err.errno is not None:  # the system's: the file cannot be read
+                raise
+            return {}  # Pillow's own, which has no errno: a chunk cut short
+        head_size = f.tell()  # (Pillow stops after the image data's chunk header)
+        f.seek(0)
+        head = f.read(head_size)
+    # a keyword written twice: Pillow keeps its last text, the hand-written reader before it kept
+    # the first. Under either rule a program that adds its own Software chunk to ampguard's plot
+    # (after the mark under one, before it under the other) would leave it read as ampguard's,
+    # to be overwritten; left out, the mark is nobody's
+    return {key: str(text) for key, text in info.items() if isinstance(text, str) and _written_once(head, key)}
+
+
+def _written_once(head: bytes, keyword: str) -> bool:
+    """Whether the start of a PNG, ``head``, holds one text chunk (``tEXt``, ``zTXt``, ``iTXt``)
+    of ``keyword``: its chunk type, then the keyword and a NUL. (The same bytes inside another
+    chunk's data count too: a keyword is then left out that need not be, never kept wrongly.)
+
+    Example::
+
+        >>> _written_once(b"...tEXtTitle\\0a...tEXtSubTitle\\0b", "Title"), _written_once(b"tEXtA\\0x iTXtA\\0", "A")
+        (True, False)
+    """
+    name = keyword.encode("latin-1") + b"\0"
+    return sum(head.count(kind + name) for kind in (b"tEXt", b"zTXt", b"iTXt")) == 1
 
 
 def drawn_by_ampguard(path: Path) -> bool:

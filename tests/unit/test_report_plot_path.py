@@ -56,22 +56,53 @@ def test_every_plot_ampguard_draws_carries_its_mark_and_someone_elses_png_does_n
     assert not report.drawn_by_ampguard(tmp_path / "figure.png")
 
 
-def test_png_text_reads_chunk_by_chunk_and_trusts_no_broken_chunk(tmp_path):
+def test_png_text_reads_the_chunks_before_the_image_and_trusts_no_broken_one(tmp_path):
     png = tmp_path / "x.png"
     sig = b"\x89PNG\r\n\x1a\n"
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0))  # 1 x 1 pixel, 8-bit grey
     mark = chunk(b"tEXt", b"Software\0ampguard 9")
-    png.write_bytes(sig + chunk(b"IHDR", bytes(13)) + chunk(b"zTXt", b"Comment\0\0x") + mark + chunk(b"IEND", b""))
+    png.write_bytes(sig + header + chunk(b"prVt", b"\0" * 40) + mark + chunk(b"IEND", b""))  # another chunk first
     assert report.png_text(png) == {"Software": "ampguard 9"} and report.drawn_by_ampguard(png)
-    png.write_bytes(sig + chunk(b"IHDR", bytes(13)) + chunk(b"IDAT", b"...") + mark)  # after the image data
+    png.write_bytes(sig + header + chunk(b"IDAT", b"...") + mark)  # after the image data
     assert report.png_text(png) == {} and not report.drawn_by_ampguard(png)
-    png.write_bytes(sig + mark[:-4] + b"\0\0\0\0")  # its CRC does not match
-    assert not report.drawn_by_ampguard(png)
-    png.write_bytes(sig + mark[:-6])  # cut short
-    assert not report.drawn_by_ampguard(png)
-    png.write_bytes(sig + chunk(b"tEXt", b"Software\0ampguardian"))  # not the mark's word
+    png.write_bytes(sig + header + mark[:-4] + b"\0\0\0\0")  # its CRC does not match
+    assert report.png_text(png) == {} and not report.drawn_by_ampguard(png)
+    png.write_bytes(sig + header + mark[:-6])  # cut short
+    assert report.png_text(png) == {} and not report.drawn_by_ampguard(png)
+    png.write_bytes(sig + header + chunk(b"tEXt", b"Software\0ampguardian"))  # not the mark's word
     assert not report.drawn_by_ampguard(png)
     png.write_bytes(sig + struct.pack(">I", 2**31) + b"IHDR")  # a length past the end
     assert report.png_text(png) == {}
+    png.write_bytes(sig + chunk(b"IHDR", bytes(13)) + mark)  # a header no picture has (0 x 0)
+    assert report.png_text(png) == {} and not report.drawn_by_ampguard(png)
+    png.write_bytes(b"GIF89a" + mark)
+    assert report.png_text(png) is None and not report.drawn_by_ampguard(png)
+
+
+@pytest.mark.parametrize("kind", [b"tEXt", b"zTXt", b"iTXt"])
+def test_a_png_that_names_its_software_twice_is_nobodys(tmp_path, kind):
+    # review_clarity10 #8: Pillow keeps a repeated keyword's last text, the reader before it the
+    # first; either way a program adding its own Software chunk beside the mark would make someone's
+    # picture read as ampguard's plot, to be overwritten
+    png = tmp_path / "x.png"
+    sig, end = b"\x89PNG\r\n\x1a\n", chunk(b"IDAT", b"...") + chunk(b"IEND", b"")
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0))
+    mark = chunk(b"tEXt", b"Software\0ampguard 9")
+    data = {b"tEXt": b"Software\0GIMP", b"zTXt": b"Software\0\0" + zlib.compress(b"GIMP"),
+            b"iTXt": b"Software\0\0\0\0\0GIMP"}[kind]
+    for chunks in ([chunk(kind, data), mark], [mark, chunk(kind, data)], [mark, mark]):
+        png.write_bytes(sig + header + b"".join(chunks) + end)
+        assert "Software" not in report.png_text(png) and not report.drawn_by_ampguard(png)
+    png.write_bytes(sig + header + chunk(kind, data.replace(b"Software", b"Title")) + mark + end)
+    assert report.png_text(png) == {"Title": "GIMP", "Software": "ampguard 9"} and report.drawn_by_ampguard(png)
+
+
+def test_the_mark_of_a_picture_too_large_to_decode_is_read_without_decoding_it(tmp_path):
+    # 20000 x 20000 pixels: Pillow's Image.open refuses it (a "decompression bomb"); png_text reads its chunks
+    png = tmp_path / "x.png"
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0))
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + header + chunk(b"tEXt", b"Software\0ampguard 9") + chunk(b"IDAT", b"..."))
+    assert report.png_text(png) == {"Software": "ampguard 9"} and report.drawn_by_ampguard(png)
 
 
 # ---------------------------------------------------------------------------- what may be overwritten
@@ -195,3 +226,23 @@ def test_a_csv_without_pre_clip_norms_has_no_clip_rate(tmp_path, capsys):
     csv_path.write_text("\n".join([HEADER, "1,0.1,,0.5,,0,,1.0", "2,0.1,,0.7,,0,,1.0"]) + "\n", encoding="utf-8")
     report.run(csv_path)
     assert "clip rate n/a (no pre- and post-clip norms in the CSV), scale" in summary_line(capsys)
+
+
+def test_report_judges_the_alerts_with_the_runs_clear_rate(tmp_path, capsys):
+    # review_clarity10 #9: report built its RunMonitor's arguments by hand, apart from build_monitor,
+    # and left monitor.clear_rate out. The rolling rate falls to 0.2 between the two bursts: that
+    # clears the ALERT at the default level (0.8 x 0.3), so the second burst pages again, but not at
+    # the run's 0.01, under which the run itself counted one episode
+    skipped = [1] * 4 + [0] * 8 + [1] * 4 + [0] * 14
+    rows = [f"{step},0.1,,,nan,1,non_finite_loss,1.0" if skip else f"{step},0.1,0.5,0.5,0.3,0,,1.0"
+            for step, skip in enumerate(skipped, start=1)]
+    monitor = {"window": 10, "alert_rate": 0.3, "min_steps": 0}
+    for clear_rate, episodes in ((None, 2), (0.01, 1)):
+        a = make_run(tmp_path / str(clear_rate), "a", rows, {"precision": "bf16",
+                                                            "monitor": {**monitor, "clear_rate": clear_rate}})
+        report.run(a, out=tmp_path / "x.png")
+        assert f"alert episodes {episodes}, clip rate" in summary_line(capsys)
+    # an --alert-rate given below the run's clear_rate: the ALERT clears at the rate given
+    report.run(a, out=tmp_path / "x.png", alert_rate=0.005)
+    assert "alert episodes 1 (re-judged at --alert-rate 0.005), clip rate" in summary_line(capsys)
+
