@@ -716,8 +716,7 @@ class RunMonitor:
         min_steps: int = DEFAULT_MIN_STEPS,
         clear_rate: float | None = None,
     ) -> None:
-        clear_rate = alert_rate * CLEAR_FRACTION if clear_rate is None else clear_rate
-        if not 0 <= clear_rate <= alert_rate:
+        if clear_rate is not None and not 0 <= clear_rate <= alert_rate:
             raise ValueError(f"clear_rate must be in [0, alert_rate {alert_rate:g}], got {clear_rate}")
         if min_steps < 0:
             raise ValueError(f"min_steps must be >= 0, got {min_steps}")
@@ -727,7 +726,7 @@ class RunMonitor:
             raise ValueError(f"fail_after must be >= 1, got {fail_after}")
         self.window = window
         self.alert_rate = alert_rate
-        self.clear_rate = clear_rate
+        self.clear_rate = clear_rate  # type: ignore[assignment] - None: CLEAR_FRACTION of alert_rate
         self.fail_rate = fail_rate
         self.fail_after = fail_after
         self.max_norm = max_norm if max_norm and max_norm > 0 else None
@@ -747,6 +746,24 @@ class RunMonitor:
         self.higher_better: dict[str, bool] = {}
         """Held-out metrics whose direction was declared (``rollback.val_mode`` for the watched
         one); the others go by their name (:func:`higher_is_better`). Set up, not saved."""
+
+    @property
+    def clear_rate(self) -> float:
+        """The rate at or below which the skip-rate ALERT clears: the one given, or
+        :data:`CLEAR_FRACTION` of ``alert_rate`` (following it when ``alert_rate`` changes, as a
+        replayed policy change does; set ``None`` to follow it again).
+
+        Example::
+
+            >>> m = RunMonitor(alert_rate=0.05)
+            >>> round(m.clear_rate, 6), setattr(m, "alert_rate", 0.1), round(m.clear_rate, 6)
+            (0.04, None, 0.08)
+        """
+        return self.alert_rate * CLEAR_FRACTION if self._clear_rate is None else self._clear_rate
+
+    @clear_rate.setter
+    def clear_rate(self, value: float | None) -> None:
+        self._clear_rate = value
 
     @staticmethod
     def _scalar_defaults() -> dict[str, Any]:

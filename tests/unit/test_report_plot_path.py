@@ -246,3 +246,26 @@ def test_report_judges_the_alerts_with_the_runs_clear_rate(tmp_path, capsys):
     report.run(a, out=tmp_path / "x.png", alert_rate=0.005)
     assert "alert episodes 1 (re-judged at --alert-rate 0.005), clip rate" in summary_line(capsys)
 
+
+def test_a_replay_follows_a_resumes_clear_rate_and_a_default_clear_level_follows_alert_rate():
+    # a resume that changed monitor.clear_rate (or alert_rate, with clear_rate null) changed when the
+    # live run's ALERT cleared; the replay must clear it where the run did
+    from ampguard.report import Row, replay
+
+    skipped = [False] * 3 + [True] * 3 + [False] * 6  # window 4: rates 0 ... 1, 0.75, 0.5, 0.25, 0
+    rows = [Row(s, 0.1, None if k else 1.0, None if k else 1.0, float("nan") if k else 0.5, k,
+                "non_finite_loss" if k else "", 1.0) for s, k in enumerate(skipped, start=1)]
+
+    def clears(**kwargs):
+        m = replay(rows, window=4, alert_rate=0.5, scaler_enabled=False, min_steps=0, **kwargs)
+        return m.alert_episodes, m.alerting, m.clear_rate
+
+    assert clears() == (1, False, 0.4)  # cleared at 0.25 (step 8)
+    # clear_rate 0.5 -> 0.1 from step 7: the rate 0.25 at step 8 no longer clears; 0 at step 10 does
+    change = {"key": "monitor.clear_rate", "old": 0.5, "new": 0.1, "step": 6}
+    m = replay(rows[:8], window=4, alert_rate=0.5, scaler_enabled=False, min_steps=0, policy=[change])
+    assert (m.alerting, m.clear_rate) == (True, 0.1)
+    # alert_rate 0.5 -> 0.2 with clear_rate null: the clear level goes with it, 0.4 -> 0.16
+    change = {"key": "monitor.alert_rate", "old": 0.5, "new": 0.2, "step": 6}
+    m = replay(rows[:8], window=4, alert_rate=0.5, scaler_enabled=False, min_steps=0, policy=[change])
+    assert m.alerting and m.clear_rate == pytest.approx(0.16)
