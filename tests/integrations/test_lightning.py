@@ -683,8 +683,10 @@ trainer = L.Trainer(max_epochs=1, accumulate_grad_batches=2, plugins=[plugin], s
                     enable_checkpointing=False)
 trainer.fit(module)
 checksum = sum(float(p.detach().double().sum()) for p in module.parameters())
-print(f"rank {trainer.global_rank}: {[(r.step, r.skipped, r.reason) for r in plugin.records]} "
-      f"lr {trainer.optimizers[0].param_groups[0]['lr']} checksum {checksum!r}", flush=True)
+# one write a line: both ranks share this stdout, and print's line and its newline are two writes
+sys.stdout.write(f"rank {trainer.global_rank}: {[(r.step, r.skipped, r.reason) for r in plugin.records]} "
+                 f"lr {trainer.optimizers[0].param_groups[0]['lr']} checksum {checksum!r}\\n")
+sys.stdout.flush()
 # Lightning leaves its process group (and the DDP reducer the trainer holds) to the interpreter's
 # teardown, where gloo's threads can abort the process ("terminate called without an active
 # exception", exit -6) about one run in ten: freed here, in order, as `ampguard train` does
