@@ -212,7 +212,8 @@ def _report(args: argparse.Namespace) -> int:
     from . import report
 
     return report.run(args.path, out=args.out, max_norm=args.max_norm, window=args.window,
-                      alert_rate=args.alert_rate, fail_rate=args.fail_rate, min_steps=args.min_steps)
+                      alert_rate=args.alert_rate, fail_rate=args.fail_rate, min_steps=args.min_steps,
+                      plot=not args.no_plot)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -452,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "judged again and the summary says so")
     report.add_argument("--fail-rate", dest="fail_rate", type=_rate,
                         help="fail threshold line on the plot (the summary does not change)")
+    report.add_argument("--no-plot", dest="no_plot", action="store_true",
+                        help="print the summary only: no plot drawn, no file written")
     report.set_defaults(func=_report)
 
     compare = verbs.add_parser(

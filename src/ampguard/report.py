@@ -857,8 +857,10 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
 
 
 def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | None = None, window: int | None = None,
-        alert_rate: float | None = None, fail_rate: float | None = None, min_steps: int | None = None) -> ExitCode:
-    """``ampguard report RUN_DIR|CSV``: draw the plot again and print a summary. Thresholds come
+        alert_rate: float | None = None, fail_rate: float | None = None, min_steps: int | None = None,
+        plot: bool = True) -> ExitCode:
+    """``ampguard report RUN_DIR|CSV``: draw the plot again and print a summary (``plot=False``,
+    ``--no-plot``: the summary alone, no file written, the way a CI log re-judges a run). Thresholds come
     from the run's ``config.yaml`` (beside the CSV) when there is one, else the config defaults;
     each keyword given overrides its setting. ``max_norm`` and ``fail_rate`` only draw their
     lines; ``window``, ``alert_rate`` and ``min_steps`` judge the skip-rate alerts again, and the
@@ -878,6 +880,11 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         plot: .../report.png
         >>> code, (folder / "report.png").is_file()
         (<ExitCode.OK: 0>, True)
+        >>> code = run(folder, plot=False)  # doctest: +ELLIPSIS
+        note: ...
+        summary: ...
+        max rolling skip rate ...
+        plot: not drawn (--no-plot)
         >>> for bad in (folder / "missing.csv", folder):
         ...     try:
         ...         run(bad, out=folder / "plot.svg")
@@ -894,8 +901,11 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     config_path = csv_path.parent / "config.yaml"
     if not csv_path.is_file():
         raise InputError(f"no per-step CSV at {csv_path}")
+    if out is not None and not plot:
+        raise InputError("report: --out says where to draw the plot and --no-plot draws none; give one of them")
     png = Path(out) if out else (target / "report.png" if target.is_dir() else target.with_suffix(".png"))
-    check_plot_path(png, csv_path, given=out is not None)
+    if plot:
+        check_plot_path(png, csv_path, given=out is not None)
     config = read_run_config(config_path) if config_path.is_file() else Config()
     folder = RunPaths.existing(csv_path.parent)
     pid = folder.writer()
@@ -926,9 +936,10 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
     mon = judged.monitor
-    plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
-             alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
-             alert_bits=mon.headroom.alert_bits)
+    if plot:
+        plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
+                 alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
+                 alert_bits=mon.headroom.alert_bits)
     if torn:
         print(f"note: the last line of {csv_path} is torn (no newline: a write cut short), left out: "
               f"{torn[0][:40]!r}")
@@ -941,7 +952,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {mon.window}), "
           f"alert episodes {episodes}, clip rate {run_clip_rate(rows, monitor if config_path.is_file() else None)}, "
           f"scale {monitor.scale_verdict}")
-    print(f"plot: {png}")
+    print(f"plot: {png}" if plot else "plot: not drawn (--no-plot)")
     return ExitCode.OK
 
 

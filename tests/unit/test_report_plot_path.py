@@ -201,7 +201,7 @@ def test_the_clip_rate_is_the_runs_whatever_max_norm_is_given(tmp_path, capsys, 
     target = a / "steps.csv" if bare else a
     lines = []
     for max_norm in (None, 0.0, 1.0, 100.0, 1e-3):
-        assert report.run(target, out=tmp_path / "x.png", max_norm=max_norm) == 0
+        assert report.run(target, max_norm=max_norm, plot=False) == 0  # (the summary is the point)
         lines.append(summary_line(capsys))
     assert "clip rate 0.500," in lines[0]  # 3 of 6 steps
     assert lines == [lines[0]] * 5
@@ -213,11 +213,11 @@ def test_thresholds_given_that_judge_the_alerts_again_are_said_and_fail_rate_cha
     own = summary_line(capsys)
     assert "alert episodes 1, clip rate" in own
     for fail_rate in (0.0, 0.5, 1.0):
-        report.run(a, out=tmp_path / "x.png", fail_rate=fail_rate)  # a line on the plot, nothing else
+        report.run(a, fail_rate=fail_rate, plot=False)  # a line on the plot, nothing else
         assert summary_line(capsys) == own
-    report.run(a, out=tmp_path / "x.png", alert_rate=0.6)
+    report.run(a, alert_rate=0.6, plot=False)
     assert "alert episodes 0 (re-judged at --alert-rate 0.6), clip rate 0.500," in summary_line(capsys)
-    report.run(a, out=tmp_path / "x.png", window=1000, min_steps=0)
+    report.run(a, window=1000, min_steps=0, plot=False)
     assert "(window 1000), alert episodes 1 (re-judged at --window 1000, --min-steps 0)," in summary_line(capsys)
 
 
@@ -240,10 +240,10 @@ def test_report_judges_the_alerts_with_the_runs_clear_rate(tmp_path, capsys):
     for clear_rate, episodes in ((None, 2), (0.01, 1)):
         a = make_run(tmp_path / str(clear_rate), "a", rows, {"precision": "bf16",
                                                             "monitor": {**monitor, "clear_rate": clear_rate}})
-        report.run(a, out=tmp_path / "x.png")
+        report.run(a, plot=False)
         assert f"alert episodes {episodes}, clip rate" in summary_line(capsys)
     # an --alert-rate given below the run's clear_rate: the ALERT clears at the rate given
-    report.run(a, out=tmp_path / "x.png", alert_rate=0.005)
+    report.run(a, alert_rate=0.005, plot=False)
     assert "alert episodes 1 (re-judged at --alert-rate 0.005), clip rate" in summary_line(capsys)
 
 
@@ -269,3 +269,16 @@ def test_a_replay_follows_a_resumes_clear_rate_and_a_default_clear_level_follows
     change = {"key": "monitor.alert_rate", "old": 0.5, "new": 0.2, "step": 6}
     m = replay(rows[:8], window=4, alert_rate=0.5, scaler_enabled=False, min_steps=0, policy=[change])
     assert m.alerting and m.clear_rate == pytest.approx(0.16)
+
+
+def test_no_plot_prints_the_summary_and_writes_nothing(tmp_path, capsys):
+    a = make_run(tmp_path, "a", config={"precision": "bf16"})
+    before = sorted(p.name for p in a.iterdir())
+    assert report.run(a, plot=False) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "plot: not drawn (--no-plot)" and "summary: steps=6" in out
+    assert sorted(p.name for p in a.iterdir()) == before  # no report.png, nothing else
+    with pytest.raises(InputError) as err:  # --out names a plot that --no-plot would not draw
+        report.run(a, out=tmp_path / "x.png", plot=False)
+    assert str(err.value) == "report: --out says where to draw the plot and --no-plot draws none; give one of them"
+    assert not (tmp_path / "x.png").exists()
