@@ -593,6 +593,10 @@ class LogConfig(_Section):
     """Run folder name under ``dir`` (None: a timestamp). An existing run folder is never reused."""
     every: Count = 50
     """Console line every this many steps (skips are always printed; the CSV has every step)."""
+    plot: bool = True
+    """Draw ``report.png`` at the run's end. false: no plot (a headless cluster's job, or a
+    run of millions of steps whose plot would take its own minutes); ``ampguard report RUN_DIR``
+    draws it whenever wanted."""
     jsonl: bool = False
     """Also write every step record as JSON lines (``steps.jsonl``)."""
     tensorboard: bool = False

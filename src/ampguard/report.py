@@ -791,7 +791,7 @@ def _file_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         ("per-step CSV", written(paths.csv)),
         ("event log (JSON lines)", written(paths.events)),
         *((("headroom CSV", written(headroom)),) if headroom is not None else ()),
-        ("plot", written(paths.plot)),
+        ("plot", written(paths.plot) if config.log.plot else "not drawn (log.plot false: `ampguard report` draws it)"),
         ("effective config", written(paths.config)),
         ("checkpoints", (f"`checkpoints/` ({len(result.checkpoints)} kept, latest `{result.checkpoints[-1].name}`)"
                          if result.checkpoints else "none written")),
@@ -821,7 +821,7 @@ def _start_scale(rows: list[Row], backoff: float) -> float:
 
 
 def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
-    """Run card and plot; a plotting failure is reported, never allowed to lose the run card.
+    """Run card and plot (``log.plot``); a plotting failure is reported, never allowed to lose the run card.
 
     Example (a CSV with no rows yet cannot be plotted; the card is written all the same)::
 
@@ -844,10 +844,11 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
     paths = result.paths
     assert paths.card is not None and paths.plot is not None and paths.csv is not None
     try:
-        plot_run(paths.csv, paths.plot, max_norm=config.max_norm, window=config.monitor.window,
-                 alert_rate=config.monitor.alert_rate, fail_rate=config.monitor.fail_rate,
-                 title=f"run {paths.dir.name}" if paths.dir is not None else None,
-                 headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits)
+        if config.log.plot:
+            plot_run(paths.csv, paths.plot, max_norm=config.max_norm, window=config.monitor.window,
+                     alert_rate=config.monitor.alert_rate, fail_rate=config.monitor.fail_rate,
+                     title=f"run {paths.dir.name}" if paths.dir is not None else None,
+                     headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
         say(f"warning: could not draw {paths.plot}: {err}")
     write_run_card(paths.card, config, result)

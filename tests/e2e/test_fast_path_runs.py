@@ -23,7 +23,8 @@ from ampguard.records import LAG
 from ampguard.run_folder import RunPaths
 from ampguard.trainer import Trainer
 
-LINEAR = ("--set", "task.name=linear", "--set", "log.every=1000", "--set", "device=cpu")
+LINEAR = ("--set", "task.name=linear", "--set", "log.every=1000", "--set", "device=cpu",
+          "--set", "log.plot=false")  # (no plot read here)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from ampguard import checkpoint as ckpt
 from ampguard import checkpointer as ck
 from ampguard.errors import ExitCode
 
-LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32"]
+LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "log.plot=false"]  # (no plot read here)
 SHORT = ["--set", "steps=8", "--set", "checkpoint.every=4", "--set", "checkpoint.keep=10", "--set", "log.every=1000"]
 CKPT4, CKPT8 = "step-00000004.pt", "step-00000008.pt"
 

@@ -460,3 +460,15 @@ def test_an_fp32_run_card_says_no_autocast(tmp_path):
         write_run_card(tmp_path / "RUN.md", validate({"precision": precision}), result)
         assert card_table((tmp_path / "RUN.md").read_text(encoding="utf-8"))["precision"] == said
     assert sorted(p.name for p in tmp_path.iterdir()) == ["RUN.md", "steps.csv"]  # no temporary file left
+
+
+def test_a_run_with_log_plot_false_draws_no_plot_and_its_card_says_how_to_get_one(cli, tmp_path):
+    code, out, err = cli("train", "--set", "task.name=linear", "--set", "steps=3", "--set", "log.plot=false",
+                         "--set", "log.name=p")
+    assert code == 0, err
+    run = tmp_path / "runs" / "p"
+    assert not (run / "report.png").exists() and "report.png" not in out
+    table = card_table((run / "RUN.md").read_text(encoding="utf-8"))
+    assert table["plot"] == "not drawn (log.plot false: `ampguard report` draws it)"
+    code, out, err = cli("report", run)  # drawn when wanted
+    assert code == 0 and (run / "report.png").is_file(), err
