@@ -15,7 +15,8 @@ import pytest
 from helpers import read_rows
 
 HERE = Path(__file__).resolve().parent
-LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "eval.enabled=false"]
+# (log.plot false: a plot costs each run a second of matplotlib; the one test about the closing draws it)
+LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "eval.enabled=false", "--set", "log.plot=false"]
 
 
 def _spawn(cwd: Path, *argv: str) -> subprocess.Popen:
@@ -80,7 +81,7 @@ def test_signals_while_the_run_card_is_written_wait_for_it(tmp_path, signals):
     marker = tmp_path / "closing"
     run = tmp_path / "runs" / "c"
     proc = _spawn(tmp_path, str(HERE / "pause_in_report.py"), str(marker), "train", *LINEAR, "--set", "steps=5",
-                  "--set", "log.name=c")
+                  "--set", "log.name=c", "--set", "log.plot=true")
     _wait_for(marker.exists, proc)
     for sig in signals:
         proc.send_signal(sig)
