@@ -30,7 +30,7 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -404,7 +404,12 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
             if value.dim() == 0 or value.shape[0] != len(chunk):
                 raise InputError(f"validate: the model's output {name} has shape {tuple(value.shape)} for "
                                  f"{len(chunk)} examples; validate compares one row per example")
-            parts.setdefault(name, []).append(value.float().reshape(len(chunk), -1))
+            rows = value.float().reshape(len(chunk), -1)
+            if name in parts and rows.shape[1] != parts[name][0].shape[1]:  # (torch.cat would raise mid-report)
+                raise InputError(f"validate: the model's output {name} has {rows.shape[1]} scores per example in "
+                                 f"one batch and {parts[name][0].shape[1]} in another; validate compares the same "
+                                 "scores for every example")
+            parts.setdefault(name, []).append(rows)
             dtypes[name] = str(value.dtype)
         if task.mode == "classifier":
             first, rows = next(iter(parts.items()))
@@ -949,10 +954,23 @@ def _tolerance_rules(result: PrecisionResult, cfg: Any, ids: list[str], ref: Sco
         rule, errors[out], deviated[out] = _score_rule(out, label, ref.outputs[out], amp.outputs[out], cfg, ids,
                                                        per_output)
         result.rules.append(rule)
-    result.stats.update(max_abs_error=max(s["max_abs_error"] for s in per_output.values()),
-                        max_rel_error=max(s["max_rel_error"] for s in per_output.values()),
+    result.stats.update(max_abs_error=_worst(s["max_abs_error"] for s in per_output.values()),
+                        max_rel_error=_worst(s["max_rel_error"] for s in per_output.values()),
                         outputs=per_output)
     return errors, deviated
+
+
+def _worst(errors: Iterable[float]) -> float:
+    """The largest error, NaN if any is NaN (Python's ``max`` keeps whichever comes first:
+    ``max(1.0, nan)`` is 1.0, so an output's NaN error hid behind an earlier output's finite one).
+
+    Example::
+
+        >>> _worst([1.0, math.nan]), _worst([math.nan, 1.0]), _worst([0.5, 2.0])
+        (nan, nan, 2.0)
+    """
+    values = list(errors)
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 def _probe_records(probes: ProbeSet, amp: Scores, errors: dict[str, torch.Tensor],
@@ -967,7 +985,7 @@ def _probe_records(probes: ProbeSet, amp: Scores, errors: dict[str, torch.Tensor
         records.append({
             "probe": probe, "tags": probes.tags[probe], "finite": bool(finite[i]),
             "deviated": bool(outside), "deviated_outputs": outside,
-            "max_abs_error": max(float(err[i].max()) if err[i].numel() else 0.0 for err in errors.values()),
+            "max_abs_error": _worst(float(err[i].max()) if err[i].numel() else 0.0 for err in errors.values()),
         })
     return records
 

@@ -594,3 +594,40 @@ def test_a_model_that_raises_under_amp_is_quoted_by_its_cause_not_by_parsing_the
     config = make_config({"validation": {"precisions": ["bf16"], "boundary": 0, "edge_cases": False}})
     [rule] = compare(task, task.model, config, CPU).results[0].rules
     assert (rule.criterion, rule.amp, rule.ok) == ("runs under bf16", "raised RuntimeError: no bf16 kernel", False)
+
+
+def test_a_model_whose_scores_change_width_between_batches_is_one_line_not_a_traceback():
+    # review_clarity10 (validate): only the first batch's width was checked; a later one of another
+    # width ended in torch.cat's RuntimeError traceback
+    from ampguard.errors import InputError
+    from ampguard.precision import Precision
+    from ampguard.validate import CHUNK, _scores
+
+    x = torch.randn(CHUNK + 4, 2)
+
+    def predict(model, inputs):
+        out = model(inputs)
+        return out if len(inputs) == CHUNK else torch.cat([out, out[:, :1]], 1)  # 2 scores, then 3
+
+    task = identity_task(x, torch.zeros(len(x), dtype=torch.long), predict=predict)
+    with pytest.raises(InputError) as err:
+        _scores(task, task.model, x, Precision("fp32", "cpu"))
+    assert str(err.value) == ("validate: the model's output output has 3 scores per example in one batch and 2 in "
+                              "another; validate compares the same scores for every example")
+
+
+def test_a_nan_error_in_a_later_output_is_not_hidden_by_an_earlier_finite_one():
+    # review_clarity10 (validate): max(1.0, nan) is 1.0 in Python, so a probe whose second output's AMP
+    # scores were NaN recorded the first output's finite error as its largest
+    x = torch.tensor([[3.0, 0.0], [0.0, 3.0]])
+
+    def predict(model, inputs):
+        out = model(inputs)
+        nan = torch.is_autocast_enabled("cpu")
+        return {"a": out.float(), "b": out.float() * (math.nan if nan else 1.0)}
+
+    task = identity_task(x, torch.tensor([0, 1]), predict=predict)
+    config = make_config({"validation": {"precisions": ["bf16"], "boundary": 0, "edge_cases": False}})
+    result = compare(task, task.model, config, CPU).results[0]
+    assert all(math.isnan(record["max_abs_error"]) for record in result.records)
+    assert math.isnan(result.stats["max_abs_error"]) and not result.ok
