@@ -917,7 +917,14 @@ def measure(
         []
     """
     case = f"{w.name} {precision.name}"
-    ready = _warm_up(_build(contenders, w, precision, device, fused), precision, device, warmup)
+    built: list[Contender] = []
+    try:
+        ready = _warm_up(_build(contenders, w, precision, device, fused, built), precision, device, warmup)
+    except BaseException:  # Ctrl-C or SIGTERM before the rounds: what was built goes too (Guarded's folder)
+        for c in built:
+            with contextlib.suppress(Exception):
+                c.close()
+        raise
     if not ready:  # nothing to time: say so, rather than divide by no contenders
         print(f"  {case}: no contender could run, nothing measured")
         return []
@@ -939,8 +946,9 @@ def measure(
 
 
 def _build(contenders: list[type[Contender]], w: Workload, precision: Precision, device: torch.device,
-           fused: bool) -> list[Contender]:
-    """Each contender set up for this case; one that cannot be (a peer not installed, or without
+           fused: bool, built: list[Contender] | None = None) -> list[Contender]:
+    """Each contender set up for this case, appended to ``built`` as it is (so a caller cut short
+    by a signal can close those already made); one that cannot be (a peer not installed, or without
     this precision) is left out with a line saying why.
 
     Example::
@@ -954,7 +962,7 @@ def _build(contenders: list[type[Contender]], w: Workload, precision: Precision,
           cannot build: not run (ModuleNotFoundError: No module named 'peer')
         ['bare loop']
     """
-    built: list[Contender] = []
+    built = [] if built is None else built
     for cls in contenders:
         try:
             built.append(cls(w, precision, device, fused))

@@ -155,6 +155,31 @@ def test_measure_with_no_contender_left_is_an_empty_result(capsys):
     assert closed == ["fails warm-up"]  # its CSV folder was deleted
 
 
+def test_a_ctrl_c_in_the_warm_up_closes_every_contender_already_built():
+    # review (bench): an interrupt before the rounds left the contenders built so far open (Guarded's
+    # CSV folder and writer) until the interpreter's exit
+    from ampguard.bench import Bare, Guarded, _mlp, measure
+
+    closed = []
+
+    class Closes(Guarded):
+        def close(self):
+            closed.append(self.name)
+            super().close()
+
+    class Interrupted(Bare):
+        name = "interrupted"
+
+        def step(self):
+            raise KeyboardInterrupt
+
+    cpu = torch.device("cpu")
+    with pytest.raises(KeyboardInterrupt):
+        measure(_mlp(cpu), Precision("fp32", "cpu"), cpu, [Closes, Interrupted], steps=1, rounds=3, warmup=1,
+                fused=False)
+    assert closed == ["ampguard + csv"]
+
+
 def test_a_contender_that_runs_other_work_than_its_row_is_left_out_and_said_so(capsys):
     """Measure only what was seen doing the same work: a loop that drops autocast under an fp16
     row (as Accelerate does on a CPU) or runs fp16 without a loss scaler is not timed beside the
