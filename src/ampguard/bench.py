@@ -535,6 +535,17 @@ def available_peers() -> list[type[Contender]]:
 # ---------------------------------------------------------------------------- measuring
 
 
+@dataclass(frozen=True)
+class NotRun:
+    """A contender (or, with ``contender`` None, a whole case) left out of a bench, and why: the
+    "not run" line, kept for ``--json``."""
+
+    workload: str
+    precision: str
+    contender: str | None
+    why: str
+
+
 INTERRUPTED = "interrupted"
 """``Result.stop`` of a case whose rounds Ctrl-C or a SIGTERM cut short (its whole rounds are kept)."""
 ERROR = "error"
@@ -859,7 +870,7 @@ def measure(
     w: Workload, precision: Precision, device: torch.device, contenders: list[type[Contender]],
     *, steps: int, rounds: int, warmup: int, fused: bool, peak_flops: float | None = None,
     resolve: float | None = None, budget_s: float | None = None, max_rounds: int = 1000,
-    orders: Callable[[int], list[list[int]]] = balanced_orders,
+    orders: Callable[[int], list[list[int]]] = balanced_orders, left_out: list[NotRun] | None = None,
 ) -> list[Result]:
     """Paired rounds: in each round every contender runs ``steps`` steps, back to back, in
     the orders of :func:`balanced_orders` (``orders``); the ratio to the bare loop is taken
@@ -905,7 +916,8 @@ def measure(
 
     A contender that cannot be built, fails its warm-up, or does not run the precision asked
     for (:func:`other_work`: measured only after it is seen doing the same work) is left out
-    with a line saying why; when none is left the result is empty::
+    with a line saying why (and a :class:`NotRun` in ``left_out``); when none is left the
+    result is empty::
 
         >>> class Broken(Bare):
         ...     name = "broken"
@@ -919,7 +931,11 @@ def measure(
     case = f"{w.name} {precision.name}"
     built: list[Contender] = []
     try:
-        ready = _warm_up(_build(contenders, w, precision, device, fused, built), precision, device, warmup)
+        said: list[tuple[str, str]] = []  # (contender, why) of each one left out
+        ready = _warm_up(_build(contenders, w, precision, device, fused, built, said), precision, device, warmup,
+                         said)
+        if left_out is not None:
+            left_out += [NotRun(w.name, precision.name, name, why) for name, why in said]
     except BaseException:  # Ctrl-C or SIGTERM before the rounds: what was built goes too (Guarded's folder)
         for c in built:
             with contextlib.suppress(Exception):
@@ -946,7 +962,8 @@ def measure(
 
 
 def _build(contenders: list[type[Contender]], w: Workload, precision: Precision, device: torch.device,
-           fused: bool, built: list[Contender] | None = None) -> list[Contender]:
+           fused: bool, built: list[Contender] | None = None,
+           said: list[tuple[str, str]] | None = None) -> list[Contender]:
     """Each contender set up for this case, appended to ``built`` as it is (so a caller cut short
     by a signal can close those already made); one that cannot be (a peer not installed, or without
     this precision) is left out with a line saying why.
@@ -967,8 +984,15 @@ def _build(contenders: list[type[Contender]], w: Workload, precision: Precision,
         try:
             built.append(cls(w, precision, device, fused))
         except Exception as err:  # noqa: BLE001 - a peer that cannot run this case is left out, said so
-            print(f"  {cls.name}: not run ({_one_line(err)})")
+            _say_not_run(cls.name, _one_line(err), said)
     return built
+
+
+def _say_not_run(name: str, why: str, said: list[tuple[str, str]] | None) -> None:
+    """The "not run" line of a contender left out, kept in ``said`` too (for ``--json``)."""
+    print(f"  {name}: not run ({why})")
+    if said is not None:
+        said.append((name, why))
 
 
 @dataclass(frozen=True)
@@ -982,7 +1006,8 @@ class _Ready:
     ops: int | None
 
 
-def _warm_up(built: list[Contender], precision: Precision, device: torch.device, warmup: int) -> list[_Ready]:
+def _warm_up(built: list[Contender], precision: Precision, device: torch.device, warmup: int,
+             said: list[tuple[str, str]] | None = None) -> list[_Ready]:
     """Each contender warmed up (``warmup`` steps), then one untimed step for its peak memory
     (:func:`_peak_mib`, CUDA only) and one for its :func:`census`. One that fails there (an OOM,
     say) or runs other work than ``precision``'s (:func:`other_work`) is closed and left out,
@@ -1014,7 +1039,7 @@ def _warm_up(built: list[Contender], precision: Precision, device: torch.device,
         if why is None:
             ready.append(_Ready(c, peak, None if seen is None else seen.ops))
             continue
-        print(f"  {c.name}: not run ({why})")
+        _say_not_run(c.name, why, said)
         with contextlib.suppress(Exception):  # its files and threads go, whatever state it is in
             c.close()
     return ready
@@ -1262,6 +1287,7 @@ def run_bench(
     *, device: torch.device, workloads: list[str], precisions: list[str], steps: int, rounds: int,
     warmup: int, peers: bool = True, fused: bool = False, peak_tflops: float | None = None,
     resolve: float | None = None, budget_s: float | None = None, aa: bool = False, compiled: bool = False,
+    left_out: list[NotRun] | None = None,
 ) -> list[Result]:
     """Every workload x precision, measured with the bare loop (and its A/A twin with ``aa``),
     the guarded step (and its sync-free path with ``fused``) and the installed peers. fp16 on a
@@ -1288,14 +1314,17 @@ def run_bench(
             for p in precisions:
                 if p == "fp16" and device.type == "cpu" and name not in SMALL:
                     # fp16 autocast on a CPU is far too slow for anything but the tiny MLPs
-                    print(f"{w.name} fp16: not run (on a CPU fp16 runs only the mlp and nano models)", flush=True)
+                    why = "on a CPU fp16 runs only the mlp and nano models"
+                    print(f"{w.name} fp16: not run ({why})", flush=True)
+                    if left_out is not None:
+                        left_out.append(NotRun(w.name, p, None, why))
                     continue
                 run_w, run_c = (fp8_workload(w), ours) if p == "fp8" else (w, contenders)
                 run_w = compiled_workload(run_w) if compiled else run_w
                 print(f"{w.name} {p}: {', '.join(c.name for c in run_c)}", flush=True)
                 results += measure(run_w, Precision(p, device.type), device, run_c, steps=steps, rounds=rounds,
                                    warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None,
-                                   resolve=resolve, budget_s=budget_s)
+                                   resolve=resolve, budget_s=budget_s, left_out=left_out)
                 if results and results[-1].stop == INTERRUPTED:  # (measure() kept its whole rounds)
                     return results
     except KeyboardInterrupt:  # outside a case's rounds (building, warming up): the cases measured before
@@ -1371,20 +1400,21 @@ def machine(device: torch.device | None = None) -> str:
 
 
 def to_json(results: list[Result], resolve: float | None = None, settings: dict[str, Any] | None = None,
-            device: torch.device | None = None) -> str:
+            device: torch.device | None = None, not_run: list[NotRun] = ()) -> str:
     """The machine, the run's settings, the resolution asked and every result as JSON
     (``ampguard bench --json``): per contender its per-round times and ratios, the median ratio,
     its interval and half-width, and why the rounds stopped (``stop``, with ``stop_detail``: an
     error's contender, round and message; ``null`` for the other stops). Not-a-number (no bare loop to
     compare with) is written ``null``. ``threads`` is the pinned CPU thread count (``null`` on
-    CUDA, where nothing is pinned).
+    CUDA, where nothing is pinned). ``not_run``: each case or contender left out, and why
+    (:class:`NotRun`; ``contender`` null for a whole case).
 
     Example::
 
         >>> data = json.loads(to_json([Result("tiny-mlp", "fp32", "bare loop", 0.5, 0.4, rounds=[0.5])],
         ...                           settings={"steps": 3}))
         >>> sorted(data), data["results"][0]["median_ms"], data["results"][0]["rounds"]
-        (['machine', 'resolve', 'results', 'run', 'threads'], 0.5, [0.5])
+        (['machine', 'not_run', 'resolve', 'results', 'run', 'threads'], 0.5, [0.5])
         >>> [data["results"][0][k] for k in ("ratio_low", "half_width", "stop", "stop_detail")]
         [None, None, 'fixed', None]
         >>> data["run"]["steps"], data["run"]["confidence"], data["run"]["resamples"]
@@ -1398,7 +1428,7 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
            "min_rounds_to_resolve": MIN_ROUNDS_TO_RESOLVE}
     threads = None if device is not None and device.type == "cuda" else torch.get_num_threads()
     return json.dumps({"machine": machine(device), "threads": threads, "resolve": resolve, "run": run,
-                       "results": rows}, indent=2)
+                       "results": rows, "not_run": [asdict(n) for n in not_run]}, indent=2)
 
 
 _WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
@@ -1476,10 +1506,11 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
         print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {least}{rounds} rounds x {steps} steps, "
               f"paired, {until}", flush=True)
+        left_out: list[NotRun] = []  # the "not run" lines, for --json too
         try:
             results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
                                 warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
-                                budget_s=budget_s, aa=aa, compiled=compiled)
+                                budget_s=budget_s, aa=aa, compiled=compiled, left_out=left_out)
         except BenchInterrupted as stopped:
             results = stopped.results
             if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
@@ -1493,7 +1524,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                 "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
                 "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa, "compiled": compiled,
                 "quick": quick}
-    print(to_json(results, resolve, settings, where) if as_json else
+    print(to_json(results, resolve, settings, where, left_out) if as_json else
           "\n".join([table(results), *resolution(results, resolve), *speedups(results)]), flush=True)
     if interrupted:
         return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)

@@ -33,6 +33,18 @@ def test_bench_json_and_bad_arguments(capsys):
     assert err.count("\n") == 2 and "resnet" in err and "fp4" in err
 
 
+def test_bench_json_lists_the_cases_it_did_not_run_and_why(capsys):
+    # review (bench): the "not run" lines went to stderr alone; the JSON did not say what was left out
+    import json
+
+    assert main(["bench", "--quick", "--models", "mlp,transformer", "--precisions", "fp16", "--no-peers",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {r["workload"] for r in data["results"]} == {"tiny-mlp"}
+    assert data["not_run"] == [{"workload": "small-transformer", "precision": "fp16", "contender": None,
+                                "why": "on a CPU fp16 runs only the mlp and nano models"}]
+
+
 def test_bench_refuses_a_negative_resolution_or_budget(capsys):
     assert main(["bench", "--resolve", "-1"]) == 2
     assert main(["bench", "--budget", "nan"]) == 2

@@ -145,9 +145,13 @@ def test_measure_with_no_contender_left_is_an_empty_result(capsys):
             super().close()
 
     cpu = torch.device("cpu")
+    left_out = []
     results = measure(_mlp(cpu), Precision("fp32", "cpu"), cpu, [CannotBuild, FailsWarmUp], steps=1, rounds=3,
-                      warmup=1, fused=False)
+                      warmup=1, fused=False, left_out=left_out)
     assert results == []
+    assert [(n.workload, n.precision, n.contender, n.why) for n in left_out] == [  # for --json
+        ("tiny-mlp", "fp32", "cannot build", "ModuleNotFoundError: no module named 'peer'"),
+        ("tiny-mlp", "fp32", "fails warm-up", "RuntimeError: no kernel")]
     out = capsys.readouterr().out
     assert "cannot build: not run (ModuleNotFoundError" in out
     assert "fails warm-up: not run (RuntimeError: no kernel)" in out
