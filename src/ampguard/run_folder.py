@@ -149,10 +149,11 @@ class RunPaths:
                 on_made(paths)
             paths.write_config(config)
             paths.ensure_run_id()  # (here: a disk full by then was a traceback from the run's open)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, DiskFull) as err:  # (replace_atomically names a full disk DiskFull)
             _remove_created(created)
             if isinstance(err, FileExistsError) and run_dir not in created and run_dir.exists():  # a race
                 raise InputError(f"run folder {run_dir} already exists; choose another log.name") from None
+            err = err.error if isinstance(err, DiskFull) else err
             why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
             raise InputError(f"cannot create run folder {run_dir}: {why}") from None
         return paths
@@ -275,8 +276,8 @@ class RunPaths:
             return False
         try:
             names = {p.name for p in self.dir.iterdir()}
-            if {n for n in names if not (n.startswith(".") and n.endswith(".tmp"))} - {"config.yaml", RUN_ID_FILE}:
-                return False  # (a write cut short leaves its .NAME.tmp: nothing of a run either)
+            if {n for n in names if not _temporary(n)} - {"config.yaml", RUN_ID_FILE}:
+                return False  # (a write cut short leaves its .NAME.tmp-PID: nothing of a run either)
         except OSError:
             return False
         _remove_created(self.created)
@@ -373,6 +374,18 @@ RUN_ID_FILE = "run-id"
 """The file in a run folder that holds its id."""
 RUN_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 """A run id as ``run-id`` holds it and checkpoints carry it: a uuid4's 32 hex digits."""
+
+
+def _temporary(name: str) -> bool:
+    """Whether ``name`` is a temporary file :func:`~ampguard.files.replace_atomically` writes
+    (``.NAME.tmp-PID``) or an older ampguard's (``.NAME.tmp``).
+
+    Example::
+
+        >>> _temporary(".config.yaml.tmp-4242"), _temporary(".run-id.tmp"), _temporary("steps.csv")
+        (True, True, False)
+    """
+    return re.fullmatch(r"\..+\.tmp(-\d+)?", name) is not None
 
 
 def _pid_in(fd: int) -> str | None:

@@ -336,7 +336,7 @@ def test_a_run_folder_that_cannot_be_made_leaves_no_empty_folder_behind(cli, tmp
     # a full disk is not bad input: it has its own exit code
     ((28, "No space left on device"), ExitCode.DISK_FULL, "disk full while writing the run folder"),
 ], ids=["EACCES", "ENOSPC"])
-@pytest.mark.parametrize("what", ["write_config", "ensure_run_id"])
+@pytest.mark.parametrize("what", ["write_config", "ensure_run_id", "the write itself"])
 def test_a_run_folder_whose_config_cannot_be_written_is_taken_back(cli, tmp_path, monkeypatch, error,
                                                                    expected_code, line, what):
     # the run id (written just after config.yaml) on a disk that filled up in between was a
@@ -346,7 +346,17 @@ def test_a_run_folder_whose_config_cannot_be_written_is_taken_back(cli, tmp_path
     def cannot_write(self, *config):
         raise OSError(*error)
 
-    monkeypatch.setattr(run_folder.RunPaths, what, cannot_write)
+    if what == "the write itself":  # through files.replace_atomically, which names a full disk DiskFull
+        write_bytes = Path.write_bytes
+
+        def cannot_write(self, data):  # noqa: F811 - the write of config.yaml's temporary file fails
+            if self.name.startswith(".config.yaml.tmp"):
+                raise OSError(*error)
+            return write_bytes(self, data)
+
+        monkeypatch.setattr(Path, "write_bytes", cannot_write)
+    else:
+        monkeypatch.setattr(run_folder.RunPaths, what, cannot_write)
     code, out, err = cli("train", *LINEAR, "--set", "steps=2", "--set", "log.dir=runs/deeper", "--set", "log.name=a")
     assert code == expected_code, (code, out, err)
     assert len(err.strip().splitlines()) == 1 and err.startswith("ampguard: error: "), err
