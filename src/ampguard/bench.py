@@ -954,6 +954,8 @@ def measure(
             c.close()
     if not ran.done:
         if ran.stop == ERROR:  # nothing of this case; the bench goes on with the next
+            if left_out is not None:
+                left_out.append(NotRun(w.name, precision.name, None, ran.detail or ERROR))
             return []
         # nothing of this case: the interrupt goes on (run_bench hands back the cases before it)
         print(f"  {case}: interrupted before a whole round, nothing measured")

@@ -1216,7 +1216,9 @@ def read_file(path: str | Path) -> dict[str, Any]:
 def read_run_config(path: str | Path) -> Config:
     """A run folder's ``config.yaml``, validated. A run writes every setting there
     (:func:`dump_config`): an empty file is refused, not read as the defaults (an fp16 run's
-    would read as bf16 without a scaler).
+    would read as bf16 without a scaler). One written before ``monitor.clear_rate`` existed
+    (no such key) ran with its ALERT clearing at ``alert_rate``: it reads so, and ``report``
+    judges the run as it ran.
 
     Example::
 
@@ -1236,6 +1238,9 @@ def read_run_config(path: str | Path) -> Config:
     data = read_file(path)
     if not data:
         raise ConfigError(f"config file {path}: empty; a run's config.yaml holds every setting")
+    monitor = data.get("monitor")
+    if isinstance(monitor, dict) and "clear_rate" not in monitor:  # (written before the ALERT had a clear level)
+        data["monitor"] = {**monitor, "clear_rate": monitor.get("alert_rate", MonitorConfig().alert_rate)}
     try:
         return validate(data)
     except ConfigError as err:  # (which file's settings they are)

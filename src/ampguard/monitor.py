@@ -759,7 +759,9 @@ class RunMonitor:
             >>> round(m.clear_rate, 6), setattr(m, "alert_rate", 0.1), round(m.clear_rate, 6)
             (0.04, None, 0.08)
         """
-        return self.alert_rate * CLEAR_FRACTION if self._clear_rate is None else self._clear_rate
+        if self._clear_rate is not None:
+            return self._clear_rate
+        return round(self.alert_rate * CLEAR_FRACTION, 12)  # (0.35 x 0.8 is 0.27999999999999997: 7/25 must clear)
 
     @clear_rate.setter
     def clear_rate(self, value: float | None) -> None:

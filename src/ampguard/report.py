@@ -5,6 +5,7 @@ Diagnostics only: nothing here is imported by the training step.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import errno
 import math
@@ -843,6 +844,11 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
     """
     paths = result.paths
     assert paths.card is not None and paths.plot is not None and paths.csv is not None
+    if not config.log.plot and paths.plot.is_file() and drawn_by_ampguard(paths.plot):
+        # an earlier part's plot (a resume with log.plot false) no longer shows the run: it goes, so
+        # the folder's file list and the trackers' upload do not offer it as this run's
+        with contextlib.suppress(OSError):
+            paths.plot.unlink()
     try:
         if config.log.plot:
             plot_run(paths.csv, paths.plot, max_norm=config.max_norm, window=config.monitor.window,
@@ -930,7 +936,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
     init_scale = config.scaler.init_scale if config_path.is_file() else _start_scale(rows, config.scaler.backoff_factor)
     judged = _replay_config(config, given, init_scale)
-    policy = ([c for c in policy_changes_of(csv_path.parent) if REPLAYED_POLICY[c["key"]] not in given]
+    # (an alert rate given sets the run's clear-level changes aside too: the level given holds, clamped to it)
+    set_aside = set(given) | ({"clear_rate"} if "alert_rate" in given else set())
+    policy = ([c for c in policy_changes_of(csv_path.parent) if REPLAYED_POLICY[c["key"]] not in set_aside]
               if config_path.is_file() else [])
     monitor = replay(rows, build_monitor(judged, scaler_enabled=scaler_on), policy=policy,
                      steps=config.steps if finished(folder.card) else None)

@@ -401,12 +401,13 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
             raise InputError(f"validate: the model's outputs changed names between batches "
                              f"({', '.join(parts)} -> {', '.join(name for name, _ in named)})")
         for name, value in named:
+            what = "the model's output" if name == SINGLE_OUTPUT else f"the model's output {name}"
             if value.dim() == 0 or value.shape[0] != len(chunk):
-                raise InputError(f"validate: the model's output {name} has shape {tuple(value.shape)} for "
+                raise InputError(f"validate: {what} has shape {tuple(value.shape)} for "
                                  f"{len(chunk)} examples; validate compares one row per example")
             rows = value.float().reshape(len(chunk), -1)
             if name in parts and rows.shape[1] != parts[name][0].shape[1]:  # (torch.cat would raise mid-report)
-                raise InputError(f"validate: the model's output {name} has {rows.shape[1]} scores per example in "
+                raise InputError(f"validate: {what} has {rows.shape[1]} scores per example in "
                                  f"one batch and {parts[name][0].shape[1]} in another; validate compares the same "
                                  "scores for every example")
             parts.setdefault(name, []).append(rows)

@@ -472,3 +472,8 @@ def test_a_run_with_log_plot_false_draws_no_plot_and_its_card_says_how_to_get_on
     assert table["plot"] == "not drawn (log.plot false: `ampguard report` draws it)"
     code, out, err = cli("report", run)  # drawn when wanted
     assert code == 0 and (run / "report.png").is_file(), err
+    # a resume with log.plot false: the earlier part's plot would show a run that is no longer the run
+    # (review_session10 #5: the closing line listed it, the trackers uploaded it)
+    code, out, err = cli("train", "--resume", run, "--set", "steps=5")
+    assert code == 0, err
+    assert not (run / "report.png").exists() and "report.png" not in out

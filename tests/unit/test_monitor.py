@@ -1337,3 +1337,13 @@ def test_the_alert_clears_only_at_or_below_clear_rate():
 def test_a_clear_rate_outside_zero_to_alert_rate_is_refused(clear_rate):
     with pytest.raises(ValueError, match=r"clear_rate must be in \[0, alert_rate 0.05\]"):
         RunMonitor(alert_rate=0.05, clear_rate=clear_rate)
+
+
+def test_the_default_clear_level_is_the_decimal_one():
+    # review_session10 #6: 0.35 x 0.8 is 0.27999999999999997 in floats: a rate of exactly 7/25 did not
+    # clear, while the message said "clear_rate 0.28"
+    m = RunMonitor(window=25, alert_rate=0.35, scaler_enabled=False, min_steps=0)
+    assert m.clear_rate == 0.28
+    events = [(e.step, e.kind) for r in records_for([True] * 9 + [False] * 20) for e in m.observe(r)]
+    # step 27: the window holds steps 3..27, skips 3..9: 7/25 = 0.28, the clear level (0.27999... cleared at 28)
+    assert events == [(1, "skip_rate_alert"), (27, "skip_rate_clear")]

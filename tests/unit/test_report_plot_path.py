@@ -282,3 +282,37 @@ def test_no_plot_prints_the_summary_and_writes_nothing(tmp_path, capsys):
         report.run(a, out=tmp_path / "x.png", plot=False)
     assert str(err.value) == "report: --out says where to draw the plot and --no-plot draws none; give one of them"
     assert not (tmp_path / "x.png").exists()
+
+
+def test_an_alert_rate_given_sets_a_resumes_clear_rate_change_aside(tmp_path, capsys):
+    # review_session10 #1: a resume's clear_rate change (0.2, above the --alert-rate 0.05 given) was
+    # still replayed on every row: the ALERT went up and down every other step
+    import json
+
+    skipped = [1] * 6 + [0] * 4 + [1] * 10 + [0] * 20
+    rows = [f"{step},0.1,,,nan,1,non_finite_loss,1.0" if skip else f"{step},0.1,0.5,0.5,0.3,0,,1.0"
+            for step, skip in enumerate(skipped, start=1)]
+    a = make_run(tmp_path, "a", rows, {"precision": "bf16", "monitor": {"window": 10, "alert_rate": 0.3,
+                                                                         "clear_rate": 0.2, "min_steps": 0}})
+    change = {"step": 3, "event": "policy_change", "key": "monitor.clear_rate", "old": 0.1, "new": 0.2}
+    (a / "events.jsonl").write_text(json.dumps(change) + "\n", encoding="utf-8")
+    report.run(a, alert_rate=0.05, plot=False)
+    # at 0.05 (clearing at 0.05 too, the given rate being below the run's level) the rate is above it from
+    # step 1 to 29: one episode
+    assert "alert episodes 1 (re-judged at --alert-rate 0.05), clip rate" in summary_line(capsys)
+
+
+def test_a_config_written_before_clear_rate_existed_reads_as_clearing_at_alert_rate(tmp_path):
+    # review_session10 #3: report judged a run made before the ALERT had a clear level with the new
+    # default (0.8 x alert_rate) and counted fewer episodes than the run's own card
+    import yaml
+
+    from ampguard.config import read_run_config
+
+    data = yaml.safe_load(dump_config(validate({"monitor": {"alert_rate": 0.1}})))
+    del data["monitor"]["clear_rate"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
+    assert read_run_config(tmp_path / "config.yaml").monitor.clear_rate == 0.1
+    data["monitor"]["clear_rate"] = None  # written since: the default, 0.8 x alert_rate
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
+    assert read_run_config(tmp_path / "config.yaml").monitor.clear_rate is None

@@ -612,7 +612,7 @@ def test_a_model_whose_scores_change_width_between_batches_is_one_line_not_a_tra
     task = identity_task(x, torch.zeros(len(x), dtype=torch.long), predict=predict)
     with pytest.raises(InputError) as err:
         _scores(task, task.model, x, Precision("fp32", "cpu"))
-    assert str(err.value) == ("validate: the model's output output has 3 scores per example in one batch and 2 in "
+    assert str(err.value) == ("validate: the model's output has 3 scores per example in one batch and 2 in "
                               "another; validate compares the same scores for every example")
 
 
