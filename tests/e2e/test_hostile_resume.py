@@ -349,12 +349,12 @@ def test_a_run_folder_whose_config_cannot_be_written_is_taken_back(cli, tmp_path
     if what == "the write itself":  # through files.replace_atomically, which names a full disk DiskFull
         write_bytes = Path.write_bytes
 
-        def cannot_write(self, data):  # noqa: F811 - the write of config.yaml's temporary file fails
+        def write_fails(self, data):  # the write of config.yaml's temporary file
             if self.name.startswith(".config.yaml.tmp"):
                 raise OSError(*error)
             return write_bytes(self, data)
 
-        monkeypatch.setattr(Path, "write_bytes", cannot_write)
+        monkeypatch.setattr(Path, "write_bytes", write_fails)
     else:
         monkeypatch.setattr(run_folder.RunPaths, what, cannot_write)
     code, out, err = cli("train", *LINEAR, "--set", "steps=2", "--set", "log.dir=runs/deeper", "--set", "log.name=a")
