@@ -996,6 +996,9 @@ class Config(_Section):
     def _inject(cls, v: list[str]) -> list[str]:
         for spec in v:
             parse_fault(spec)
+        twice = sorted({spec for spec in v if v.count(spec) > 1})
+        if twice:  # (each listing fires: spike@5 twice is x 1e16, not the fault asked for)
+            raise ValueError(f"{', '.join(twice)} listed more than once (each listing fires: list it once)")
         return v
 
     @model_validator(mode="after")
@@ -1297,6 +1300,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         (['nan_loss@3', 'spike@5'], 0.5)
         >>> load_config(base={"inject": ["nan_loss@3"]}, no_inject=True).inject
         []
+        >>> load_config(base={"inject": ["nan_loss@3"]}, inject=["nan_loss@3"]).inject  # a resume's own: once
+        ['nan_loss@3']
         >>> load_config(base={"diagnose": False}, sections={"diagnose": {"strict": True}})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -1309,8 +1314,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data["inject"] = []
     # the flags add to what the file holds where it holds the right shape; anything else is left as
     # it is for validate() to refuse in its words (a flag never hides a file's bad value)
-    if inject and isinstance(data.get("inject", []), list):
-        data["inject"] = list(data.get("inject", [])) + list(inject)
+    if inject and isinstance(data.get("inject", []), list):  # (a fault the file holds already is its own: once)
+        held = list(data.get("inject", []))
+        data["inject"] = held + [spec for i, spec in enumerate(inject) if spec not in held and spec not in inject[:i]]
     for section, values in (sections or {}).items():
         if values and isinstance(data.get(section, {}), dict):
             data[section] = {**data.get(section, {}), **values}
