@@ -397,7 +397,7 @@ def test_train_tensorboard_missing_leaves_nothing(cli, tmp_path, snapshot, monke
 # ---------------------------------------------------------------------------- real processes
 
 TRAIN_FOREVER = ["train", "--set", "task.name=linear", "--set", "steps=100000", "--set", "log.every=1000000",
-                 "--set", "log.dir=runs", "--set", "log.name=int"]
+                 "--set", "log.dir=runs", "--set", "log.name=int", "--set", "log.plot=false"]  # (no plot read)
 DEMO_FOREVER = ["demo", "--steps", "100000", "--csv", "long.csv"]
 
 

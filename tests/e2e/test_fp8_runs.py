@@ -23,7 +23,7 @@ from ampguard.train import run
 pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
 
 FIXED = ["step", "lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "skipped", "skip_reason", "scaler_scale"]
-DIGITS = ["device=cpu", "task.name=digits", "checkpoint.enabled=false", "eval.every=0"]
+DIGITS = ["device=cpu", "task.name=digits", "checkpoint.enabled=false", "eval.every=0", "log.plot=false"]  # (no plot read)
 
 
 def rows_of(path: Path) -> tuple[list[str], list[dict[str, str]]]:

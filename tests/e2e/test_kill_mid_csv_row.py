@@ -26,7 +26,7 @@ from ampguard import checkpoint as ckpt
 PAUSE_IN_CSV = Path(__file__).with_name("pause_in_csv.py")
 KILLED_AT = 5  # the row the kill cuts; checkpoints every 3 steps: the resume starts from step 3
 ARGS = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "steps=8", "--set", "eval.every=2",
-        "--set", "checkpoint.every=3", "--set", "log.every=1000"]
+        "--set", "checkpoint.every=3", "--set", "log.every=1000", "--set", "log.plot=false"]  # (no plot read)
 
 
 def _kill(proc: subprocess.Popen) -> None:
