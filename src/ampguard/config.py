@@ -146,7 +146,8 @@ _PlainLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:tr
                                    list("tTfF"))
 for _tag, _regexp, _first in _NUMBER_RESOLVERS:
     _PlainLoader.add_implicit_resolver(_tag, _regexp, _first)
-    _PlainLoader.add_constructor(_tag, _PlainLoader.construct_number)
+    # (through the loader's own method, so a subclass's construct_number is the one called)
+    _PlainLoader.add_constructor(_tag, lambda loader, node: loader.construct_number(node))
 
 
 class _Written:
@@ -173,10 +174,6 @@ class _TextKeepingLoader(_PlainLoader):
         written = (_WrittenInt if isinstance(value, int) else _WrittenFloat)(value)
         written.text = node.value
         return written
-
-
-for _tag, _, _ in _NUMBER_RESOLVERS:
-    _TextKeepingLoader.add_constructor(_tag, _TextKeepingLoader.construct_number)
 
 
 def _plain(value: Any, where: str = "", depth: int = 0) -> None:
@@ -222,6 +219,24 @@ def _home(path: str | None) -> str | None:
         (True, 'runs', None)
     """
     return None if path is None else os.path.expanduser(path)
+
+
+def _listed_once(values: list[str], why: str = "") -> list[str]:
+    """``values``, or a ``ValueError`` naming those listed more than once (``why`` added).
+
+    Example::
+
+        >>> _listed_once(["fp16", "bf16"])
+        ['fp16', 'bf16']
+        >>> _listed_once(["b", "a", "b", "a"])
+        Traceback (most recent call last):
+        ...
+        ValueError: a, b listed more than once
+    """
+    twice = sorted({value for value in values if values.count(value) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} listed more than once{why}")
+    return values
 
 
 def _not_bool(value: Any) -> Any:
@@ -741,10 +756,7 @@ class ValidateConfig(_Section):
         # nothing compared would read ACCEPTED; a precision named twice would be compared twice
         if not value:
             raise ValueError(f"name at least one AMP precision to compare ({', '.join(VALIDATION_PRECISIONS)})")
-        twice = sorted({name for name in value if value.count(name) > 1})
-        if twice:
-            raise ValueError(f"{', '.join(twice)} listed more than once")
-        return value
+        return _listed_once(value)
 
 
 class Fp8Config(_Section):
@@ -996,10 +1008,8 @@ class Config(_Section):
     def _inject(cls, v: list[str]) -> list[str]:
         for spec in v:
             parse_fault(spec)
-        twice = sorted({spec for spec in v if v.count(spec) > 1})
-        if twice:  # (each listing fires: spike@5 twice is x 1e16, not the fault asked for)
-            raise ValueError(f"{', '.join(twice)} listed more than once (each listing fires: list it once)")
-        return v
+        # (each listing fires: spike@5 twice is x 1e16, not the fault asked for)
+        return _listed_once(v, " (each listing fires: list it once)")
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Config:
@@ -1316,7 +1326,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     # it is for validate() to refuse in its words (a flag never hides a file's bad value)
     if inject and isinstance(data.get("inject", []), list):  # (a fault the file holds already is its own: once)
         held = list(data.get("inject", []))
-        data["inject"] = held + [spec for i, spec in enumerate(inject) if spec not in held and spec not in inject[:i]]
+        data["inject"] = held + [spec for spec in dict.fromkeys(inject) if spec not in held]
     for section, values in (sections or {}).items():
         if values and isinstance(data.get(section, {}), dict):
             data[section] = {**data.get(section, {}), **values}
