@@ -852,7 +852,7 @@ class RunMonitor:
             self.alert_episodes += 1
             events.append(Event(step, "skip_rate_alert", (
                 f"rolling skip rate {rate:.3f} > alert_rate {self.alert_rate:g} {over}"), data))
-        elif rate <= self.clear_rate and self.alerting:
+        elif self.alerting and rate <= self.clear_rate:  # (the clear level worked out only while alerting)
             self.alerting = False
             events.append(Event(step, "skip_rate_clear", (
                 f"rolling skip rate back to {rate:.3f} <= clear_rate {self.clear_rate:g}"), data))
