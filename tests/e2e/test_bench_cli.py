@@ -3,7 +3,14 @@ themselves are not asserted)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from ampguard.cli import main
 
@@ -58,43 +65,50 @@ BENCH_ARGS = ["bench", "--models", "mlp", "--precisions", "fp32", "--no-peers", 
               "--warmup", "1", "--rounds", "7", "--resolve", "0", "--json"]
 
 
-def _bench_sigterm_at(tmp_path, where):
-    """``ampguard bench BENCH_ARGS`` held by ``pause_in_bench.py`` at ``where``, then SIGTERM (what
-    ``timeout`` sends): (exit code, stdout, stderr)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+PAUSES = ("round:2", "round:0", "warmup")
 
-    import pytest
 
-    marker, err_path = tmp_path / "paused", tmp_path / "err.txt"
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, str(PAUSE_IN_BENCH), str(marker), where, *BENCH_ARGS],
-                                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            deadline = time.monotonic() + 120  # only a hang runs into it
-            while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if not marker.exists():
-                proc.kill()
-                pytest.fail(f"bench never paused at {where} (exit {proc.poll()}):\n{err_path.read_text()}")
-            proc.send_signal(signal.SIGTERM)
-            out, _ = proc.communicate(timeout=60)
-        finally:
+@pytest.fixture(scope="module")
+def paused_benches(tmp_path_factory):
+    """{where: (process, its marker, its stderr file)}: ``ampguard bench BENCH_ARGS`` held by
+    ``pause_in_bench.py`` at each ``where``, all started at once so that their torch imports
+    overlap; each test signals its own."""
+    started = {}
+    try:
+        for where in PAUSES:
+            folder = tmp_path_factory.mktemp(where.replace(":", "-"))
+            with open(folder / "err.txt", "w") as err:
+                started[where] = (subprocess.Popen([sys.executable, str(PAUSE_IN_BENCH), str(folder / "paused"), where,
+                                                    *BENCH_ARGS], stdout=subprocess.PIPE, stderr=err,
+                                                   stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}),
+                                  folder / "paused", folder / "err.txt")
+        yield started
+    finally:
+        for proc, _, _ in started.values():
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+            proc.communicate()
+
+
+def _bench_sigterm_at(paused_benches, where):
+    """The bench held at ``where``, sent SIGTERM (what ``timeout`` sends): (exit code, stdout, stderr)."""
+    proc, marker, err_path = paused_benches[where]
+    deadline = time.monotonic() + 120  # only a hang runs into it
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not marker.exists():
+        proc.kill()
+        pytest.fail(f"bench never paused at {where} (exit {proc.poll()}):\n{err_path.read_text()}")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
     return proc.returncode, out.decode(), err_path.read_text()
 
 
-def test_a_bench_cut_by_a_time_limit_after_two_rounds_prints_them_as_json(tmp_path):
+def test_a_bench_cut_by_a_time_limit_after_two_rounds_prints_them_as_json(paused_benches):
     # `timeout` sends SIGTERM: the whole rounds so far come out as JSON, exit 143 (gpu.sh relies on it)
     import json
 
-    code, out, err = _bench_sigterm_at(tmp_path, "round:2")  # 2 of 7 rounds measured, the third started
+    code, out, err = _bench_sigterm_at(paused_benches, "round:2")  # 2 of 7 rounds measured, the third started
     assert code == 143, err
     assert "Traceback" not in err
     results = json.loads(out)["results"]
@@ -105,16 +119,16 @@ def test_a_bench_cut_by_a_time_limit_after_two_rounds_prints_them_as_json(tmp_pa
     assert err.rstrip().endswith("bench: interrupted; the rounds measured so far follow"), err
 
 
-def test_a_bench_cut_by_a_time_limit_inside_its_first_round_says_nothing_was_measured(tmp_path):
-    code, out, err = _bench_sigterm_at(tmp_path, "round:0")
+def test_a_bench_cut_by_a_time_limit_inside_its_first_round_says_nothing_was_measured(paused_benches):
+    code, out, err = _bench_sigterm_at(paused_benches, "round:0")
     assert code == 143, err
     assert out == "" and "Traceback" not in err
     assert err.splitlines()[-2:] == ["  tiny-mlp fp32: interrupted before a whole round, nothing measured",
                                      "ampguard: interrupted"], err
 
 
-def test_a_bench_cut_by_a_time_limit_in_its_warm_up_exits_143_with_no_json(tmp_path):
-    code, out, err = _bench_sigterm_at(tmp_path, "warmup")
+def test_a_bench_cut_by_a_time_limit_in_its_warm_up_exits_143_with_no_json(paused_benches):
+    code, out, err = _bench_sigterm_at(paused_benches, "warmup")
     assert code == 143, err
     assert out == "" and "Traceback" not in err
     assert err.splitlines()[-2:] == ["tiny-mlp fp32: bare loop, ampguard + csv", "ampguard: interrupted"], err
@@ -139,9 +153,6 @@ def test_bench_json_carries_the_runs_settings(capsys):
 
 
 def _gpu_sh(env, tmp_path):
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
@@ -181,8 +192,6 @@ def test_train_vs_bare_stops_when_a_run_is_cut_short(tmp_path, monkeypatch, caps
     # a time limit's SIGTERM inside `ampguard train` (in-process) is a graceful stop: the script
     # must not report the cut-short run as that contender's figure, but stop with its exit code
     import importlib.util
-    import signal
-    import sys
     from pathlib import Path
 
     import ampguard.train
@@ -213,7 +222,6 @@ def test_train_vs_bare_stops_when_a_run_is_cut_short(tmp_path, monkeypatch, caps
 
 
 def test_bench_help_says_what_rounds_does(capsys):
-    import pytest
 
     with pytest.raises(SystemExit) as done:
         main(["bench", "--help"])
@@ -229,7 +237,6 @@ def test_lightnings_precision_banner_stays_out_of_the_bench_output(capfd, caplog
     import importlib.util
     import logging
 
-    import pytest
 
     if importlib.util.find_spec("lightning") is None:
         pytest.skip("lightning is not installed")

@@ -76,14 +76,42 @@ def _stopped_whole_and_resumed(tmp_path: Path, run: Path, err: str, why: str) ->
     assert [int(r["step"]) for r in _rows(run / "steps.csv")] == list(range(1, n + 3))
 
 
-@pytest.mark.parametrize("signals", [[signal.SIGINT], [signal.SIGINT, signal.SIGINT], [signal.SIGTERM, signal.SIGINT]])
-def test_signals_while_the_run_card_is_written_wait_for_it(tmp_path, signals):
-    marker = tmp_path / "closing"
-    run = tmp_path / "runs" / "c"
-    proc = _spawn(tmp_path, str(HERE / "pause_in_report.py"), str(marker), "train", *LINEAR, "--set", "steps=5",
-                  "--set", "log.name=c", "--set", "log.plot=true")
+CARD_SIGNALS = {"int": [signal.SIGINT], "int-int": [signal.SIGINT, signal.SIGINT],
+                "term-int": [signal.SIGTERM, signal.SIGINT]}
+PAUSE_IN_STARTUP = HERE / "pause_in_startup.py"
+PHASES = ["torch_import", "building", "run_folder", "before_step_1"]
+
+
+@pytest.fixture(scope="module")
+def paused(tmp_path_factory):
+    """{case: (process, its folder, its marker)}: the runs that hold themselves at a point for a
+    test to signal them there, all started at once so that their torch imports overlap (one after
+    another they cost this module 25 s); each test drives its own."""
+    started = {}
+    try:
+        for case in CARD_SIGNALS:
+            cwd = tmp_path_factory.mktemp(f"card-{case}")
+            started[case] = (_spawn(cwd, str(HERE / "pause_in_report.py"), str(cwd / "closing"), "train", *LINEAR,
+                                    "--set", "steps=5", "--set", "log.name=c", "--set", "log.plot=true"),
+                             cwd, cwd / "closing")
+        for phase in PHASES:
+            cwd = tmp_path_factory.mktemp(f"startup-{phase}")
+            started[phase] = (_spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, "train", *LINEAR,
+                                     "--set", "steps=100000", "--set", "log.name=s"), cwd, cwd / "paused")
+        yield started
+    finally:
+        for proc, _, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("case", CARD_SIGNALS)
+def test_signals_while_the_run_card_is_written_wait_for_it(paused, case):
+    proc, cwd, marker = paused[case]
+    run = cwd / "runs" / "c"
     _wait_for(marker.exists, proc)
-    for sig in signals:
+    for sig in CARD_SIGNALS[case]:
         proc.send_signal(sig)
         time.sleep(0.05)
     marker.with_name("closing.go").write_text("go", encoding="utf-8")
@@ -94,16 +122,12 @@ def test_signals_while_the_run_card_is_written_wait_for_it(tmp_path, signals):
     assert (run / "report.png").is_file()
 
 
-PAUSE_IN_STARTUP = HERE / "pause_in_startup.py"
-
-
-@pytest.mark.parametrize("phase", ["torch_import", "building", "run_folder", "before_step_1"])
-def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, phase):
+@pytest.mark.parametrize("phase", PHASES)
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback(paused, phase):
     # each Ctrl-C lands in its phase every time: pause_in_startup.py holds the run there until the
     # test has sent it (see its docstring for where each phase is)
-    marker, runs = tmp_path / "paused", tmp_path / "runs"
-    proc = _spawn(tmp_path, str(PAUSE_IN_STARTUP), str(marker), phase, "train", *LINEAR, "--set", "steps=100000",
-                  "--set", "log.name=s")
+    proc, cwd, marker = paused[phase]
+    runs = cwd / "runs"
     _wait_for(marker.exists, proc)
     assert marker.read_text(encoding="utf-8") == f"{phase} {proc.pid}"
     proc.send_signal(signal.SIGINT)
@@ -177,21 +201,20 @@ def test_a_console_that_cannot_take_the_lines_leaves_the_run_whole(tmp_path):
     ended the run with a traceback after its folder was made: a folder holding config.yaml alone
     (a rerun refused as existing), and a false "disk full while writing the run folder". The
     name is printed escaped; a full console is said once on stderr and the run goes on."""
-    ascii_env = {**os.environ, "PYTHONIOENCODING": "ascii"}
-    done = subprocess.run([sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=2",
-                           "--set", "log.name=ünï"], cwd=tmp_path, capture_output=True, env=ascii_env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert b"run folder: runs/\\xfcn\\xef (RUN.md" in done.stdout
-    assert (tmp_path / "runs" / "ünï" / "RUN.md").is_file()
-
     if not Path("/dev/full").exists():
-        return
-    with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=2",
-                               "--set", "log.name=full"], cwd=tmp_path, stdout=full, stderr=subprocess.PIPE,
-                              text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stderr.splitlines() == [
+        pytest.skip("no /dev/full here")
+    run = [sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=2"]
+    with open("/dev/full", "w") as full:  # the two runs side by side: their torch imports overlap
+        ascii_run = subprocess.Popen([*run, "--set", "log.name=ünï"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+        full_run = subprocess.Popen([*run, "--set", "log.name=full"], cwd=tmp_path, stdout=full,
+                                    stderr=subprocess.PIPE, text=True)
+        (out, ascii_err), (_, err) = ascii_run.communicate(timeout=120), full_run.communicate(timeout=120)
+    assert ascii_run.returncode == 0, ascii_err
+    assert b"run folder: runs/\\xfcn\\xef (RUN.md" in out
+    assert (tmp_path / "runs" / "ünï" / "RUN.md").is_file()
+    assert full_run.returncode == 0, err
+    assert err.splitlines() == [
         "ampguard: warning: stdout: No space left on device; its lines are dropped, the run goes on"]
     card = _card(tmp_path / "runs" / "full")
     assert card["ended"] == "finished: 2 steps"

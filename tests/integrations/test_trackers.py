@@ -301,14 +301,17 @@ def test_a_loop_that_crashes_without_close_still_sends_its_last_step(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASHING_LOOP, encoding="utf-8")
     env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
-    for how, code, status in (("crash", 1, "FAILED"), ("end", 0, "FINISHED")):  # a script that just ends: not failed
+    cases = (("crash", 1, "FAILED"), ("end", 0, "FINISHED"))  # a script that just ends: not failed
+    started = {how: subprocess.Popen([sys.executable, str(script), (tmp_path / how / "mlruns").as_uri(),
+                                      str(tmp_path / how), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env) for how, _, _ in cases}  # side by side: imports overlap
+    for how, code, status in cases:
         folder = tmp_path / how
-        done = subprocess.run([sys.executable, str(script), (folder / "mlruns").as_uri(), str(folder), how],
-                              capture_output=True, text=True, env=env, timeout=240)
-        assert done.returncode == code, done.stderr
-        assert ("the loop crashed after step 3" in done.stderr) == (how == "crash")
-        assert "Exception ignored" not in done.stderr
-        run_id = done.stdout.split()[0]
+        out, err = started[how].communicate(timeout=240)
+        assert started[how].returncode == code, err
+        assert ("the loop crashed after step 3" in err) == (how == "crash")
+        assert "Exception ignored" not in err
+        run_id = out.split()[0]
         client = mlflow_client((folder / "mlruns").as_uri())  # (MLflow 3 opens a file store only when asked to)
         assert mlflow_history(client, run_id, "train/skipped") == {1: 0.0, 2: 0.0, 3: 1.0}
         assert client.get_run(run_id).info.status == status
