@@ -394,6 +394,8 @@ class Guard:
         self.scheduler = scheduler
         self._schedulers = _schedulers_of(scheduler, optimizers)
         self.scheduler_on_skip = scheduler_on_skip
+        # each scheduler's ``last_epoch`` as the guard left it at a group's end (see _check_schedulers)
+        self._scheduler_epochs: dict[int, int] = {}
         self.device = device
         if isinstance(scaler, torch.amp.GradScaler):
             if scaler.is_enabled() and not precision.uses_scaler:
@@ -552,8 +554,11 @@ class Guard:
         if self.scaler.is_enabled() and any(map(self.scaler.unscaled, self.optimizers.values())):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
-        if self._micro == 0 and self._parameters_changed():  # (before a gradient is made: a refusal undoes nothing)
-            self._own_again()
+        if self._micro == 0:  # (before a gradient is made: a refusal undoes nothing)
+            if self._parameters_changed():
+                self._own_again()
+            if self._scheduler_epochs:
+                self._check_schedulers()
         self._check_gradients_so_far()
         n, last = self.accumulation_steps, len(losses) - 1
         total: Any = None  # the losses' sum and their marks' (a NaN mark: a non-finite loss among them)
@@ -583,6 +588,21 @@ class Guard:
             self._grads_made = (self._grads_made and not first) or any(p.grad is not None for p, _ in self._owned)
         self._micro += 1
         self._backward_pending = True
+
+    def _check_schedulers(self) -> None:
+        """Before a group's first backward: each scheduler the guard steps is where the guard left
+        it. A loop that kept its own ``scheduler.step()`` after handing the scheduler to the guard
+        ran the schedule twice as fast, and stepped it on the skipped steps the guard held it
+        on, unsaid. One attribute read per scheduler."""
+        for name, schedulers in self._schedulers.items():
+            for scheduler in schedulers:
+                left = self._scheduler_epochs.get(id(scheduler))
+                if left is not None and scheduler.last_epoch != left:
+                    raise RuntimeError(
+                        f"the {type(scheduler).__name__} of optimizer {name!r} was stepped outside the guard "
+                        f"(last_epoch {scheduler.last_epoch}, the guard left it at {left}): the guard steps it once "
+                        "per applied update and holds it on a skipped step; remove your own scheduler.step() call, "
+                        "or pass no scheduler= to the guard")
 
     def _check_gradients_so_far(self) -> None:
         """Before a micro-batch's backward: a group begins with no gradient (the guard drops them
@@ -785,9 +805,11 @@ class Guard:
             hook(grads)
         self.scaler.update()
         for name in names:
-            if name in applied or self.scheduler_on_skip == "step":
-                for scheduler in self._schedulers[name]:
+            for scheduler in self._schedulers[name]:
+                if name in applied or self.scheduler_on_skip == "step":
                     scheduler.step()
+                if isinstance(epoch := getattr(scheduler, "last_epoch", None), int):
+                    self._scheduler_epochs[id(scheduler)] = epoch
         self._zero_grad()
         for name in applied:
             self._applied[name] += 1
@@ -1040,6 +1062,7 @@ class Guard:
         for name, monitor_state in state.get("monitors", {}).items():
             if name in self.monitors:
                 self.monitors[name].load_state_dict(monitor_state)
+        self._scheduler_epochs.clear()  # (a restore loads the schedulers' states with it)
         self._abandon_group()
 
 

@@ -948,3 +948,49 @@ def test_a_plain_gradscaler_handed_over_is_taken_whatever_its_state_or_refused_f
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (torch warns that CUDA is not available: the scaler it makes is off)
             Guard(model, opt, precision="fp16", scaler=torch.amp.GradScaler("cuda", enabled=True))
+
+
+def test_a_scheduler_the_loop_also_steps_is_refused_before_the_next_backward():
+    """A loop ported to the guard that kept its own ``scheduler.step()`` ran the schedule twice as
+    fast, and stepped it on the very skips the guard held it on, unsaid. The next group's first
+    backward refuses, before a gradient is made; a restore (its scheduler's state loaded with the
+    guard's) is not taken for one."""
+    def loop():
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return model, opt, sched, Guard(model, opt, precision="fp32", scheduler=sched)
+
+    def step(model, guard, x=torch.ones(4, 3)):
+        with guard.autocast():
+            loss = model(x).pow(2).mean()
+        guard.backward(loss)
+        return guard.step()
+
+    model, opt, sched, guard = loop()
+    sched.step()  # before the guard's first step: nothing to compare with yet, taken as the start
+    step(model, guard)
+    assert sched.last_epoch == 2
+    sched.step()  # the stock recipe's own call, after the guard's
+    with pytest.raises(RuntimeError, match=r"^the StepLR of optimizer 'optimizer' was stepped outside the guard "
+                                           r"\(last_epoch 3, the guard left it at 2\)"):
+        step(model, guard)
+    assert model.weight.grad is None and guard.steps == 1  # refused before the backward
+
+    # a skipped step the guard held the scheduler on, stepped by the loop: the same refusal
+    model, opt, sched, guard = loop()
+    assert isinstance(step(model, guard, torch.full((4, 3), math.nan)), SkipLog) and sched.last_epoch == 0
+    sched.step()
+    with pytest.raises(RuntimeError, match=r"last_epoch 1, the guard left it at 0"):
+        step(model, guard)
+
+    # a restore: the scheduler's state loaded with the guard's, elsewhere in the run
+    model, opt, sched, guard = loop()
+    for _ in range(3):
+        step(model, guard)
+    saved = sched.state_dict(), guard.state_dict()
+    step(model, guard)
+    sched.load_state_dict(saved[0])
+    guard.load_state_dict(saved[1])
+    assert isinstance(step(model, guard), StepLog) and sched.last_epoch == 4
