@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from .build import build_monitor
 from .clipping import clip_threshold
 from .errors import ExitCode, InputError, first_line
+from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
 from .records import LABEL_COLUMNS
@@ -328,17 +329,17 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     if not few:  # one legend of the runs beside the panels: four in the panels would cover the curves
         fig.legend(handles, [r.name for r in runs], loc="outside right upper", fontsize=8,
                    ncols=math.ceil(len(runs) / 40))
-    partial = png.with_name(f".{png.name}.{os.getpid()}.partial")
     try:
-        # marked as ampguard's (report.PLOT_MARK): only a plot with the mark is ever drawn again
-        fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(title))
-        if png.exists() or png.is_symlink():  # an earlier plot: drawn again, if it still is one
-            if png.is_symlink() or not drawn_by_ampguard(png):
-                raise InputError(f"compare: --out {png} exists and is not a plot ampguard drew; refusing to "
-                                 "overwrite it")
-            os.replace(partial, png)
-        else:
-            os.link(partial, png)  # fails if something appeared there meanwhile: never replaced
+        with temporary_beside(png) as partial:
+            # marked as ampguard's (report.PLOT_MARK): only a plot with the mark is ever drawn again
+            fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(title))
+            if png.exists() or png.is_symlink():  # an earlier plot: drawn again, if it still is one
+                if png.is_symlink() or not drawn_by_ampguard(png):
+                    raise InputError(f"compare: --out {png} exists and is not a plot ampguard drew; refusing to "
+                                     "overwrite it")
+                os.replace(partial, png)
+            else:
+                os.link(partial, png)  # fails if something appeared there meanwhile: never replaced
     except FileExistsError:
         raise InputError(f"compare: --out {png} already exists; refusing to overwrite it") from None
     except OSError as err:
@@ -347,7 +348,6 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         raise InputError(f"compare: --out {png}: cannot draw these runs' values (a steps.csv value too large "
                          f"to plot, such as losses of -1e308 and 1e308?): {first_line(err, with_type=True)}") from None
     finally:
-        partial.unlink(missing_ok=True)
         plt.close(fig)
     return png
 

@@ -1,13 +1,15 @@
 """File safety for a run's files: a full disk named as such (:class:`DiskFull`, raised by
 :class:`writing` around a write), and a file replaced whole or not at all
-(:func:`replace_atomically`). Checkpoints have their own, fsync'ed, save
-(:func:`ampguard.checkpoint.save_checkpoint`).
+(:func:`replace_atomically`, or :func:`temporary_beside` for a writer of its own: a plot).
+Checkpoints have their own, fsync'ed, save (:func:`ampguard.checkpoint.save_checkpoint`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,31 @@ class writing:  # noqa: N801 - used as `with writing(path):`, like a function
             raise DiskFull(self.path, full) from None
 
 
+@contextlib.contextmanager
+def temporary_beside(path: str | os.PathLike) -> Iterator[Path]:
+    """The path of a temporary file beside ``path`` (``.NAME.tmp-PID``: the same folder, so a
+    rename over ``path`` is atomic), removed when the block ends however it ends, unless it was
+    renamed: write it, then ``os.replace`` it over ``path`` (or link it, never to replace).
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> with temporary_beside(folder / "plot.png") as tmp:
+        ...     _ = tmp.write_bytes(b"png")
+        ...     tmp.name.startswith(".plot.png.tmp-")
+        True
+        >>> sorted(folder.iterdir())  # not renamed: taken back
+        []
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def replace_atomically(path: str | os.PathLike, data: bytes | str) -> None:
     """Make ``data`` (text is written as UTF-8, undecodable bytes kept) the whole of ``path``: a
     temporary file beside it, renamed over it, so a kill or a full disk leaves the old file or
@@ -103,14 +130,9 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str) -> None:
         >>> (folder / "card.md").read_text(), sorted(p.name for p in folder.iterdir())
         ('new\\n', ['card.md'])
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if isinstance(data, str):
         data = data.encode("utf-8", errors="surrogateescape")
-    try:
+    with temporary_beside(path) as tmp:
         with writing(path):
             tmp.write_bytes(data)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .build import build_monitor
 from .clipping import clip_threshold
 from .errors import ExitCode, InputError, check_folder_of, first_line
-from .files import replace_atomically
+from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor
 from .precision import Precision, backend_text
@@ -476,21 +476,18 @@ def plot_run(
     png_path = Path(png_path)
     # drawn beside the target, then renamed over it: a failed write leaves no half a PNG, and an
     # earlier plot stays as it was
-    partial = png_path.with_name(f".{png_path.name}.{os.getpid()}.partial")
     try:
-        with warnings.catch_warnings():  # (numpy's overflow notes on values near the float64 limit)
-            warnings.simplefilter("ignore", RuntimeWarning)
+        with temporary_beside(png_path) as partial, warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (numpy's overflow notes near the float64 limit)
             shown_title = shown(title or Path(csv_path).name)
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
                   fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title)
             # marked as ampguard's (PLOT_MARK): only a plot with the mark is ever drawn again
             fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(f"ampguard report: {shown_title}"))
-        os.replace(partial, png_path)
+            os.replace(partial, png_path)
     except OSError as err:
-        partial.unlink(missing_ok=True)
         raise InputError(f"{png_path}: cannot write the plot ({err.strerror or err})") from None
     except (ValueError, ArithmeticError) as err:  # numbers matplotlib cannot lay out: one line, no PNG
-        partial.unlink(missing_ok=True)
         raise InputError(f"{csv_path}: cannot be plotted ({first_line(err, with_type=True)})") from None
     finally:
         plt.close(fig)
