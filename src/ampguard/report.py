@@ -789,7 +789,8 @@ def _file_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         ("per-step CSV", written(paths.csv)),
         ("event log (JSON lines)", written(paths.events)),
         *((("headroom CSV", written(headroom)),) if headroom is not None else ()),
-        ("plot", written(paths.plot) if config.log.plot else "not drawn (log.plot false: `ampguard report` draws it)"),
+        ("plot", written(paths.plot) if config.log.plot
+         else "not drawn when the run ended (log.plot false: `ampguard report` draws it)"),
         ("effective config", written(paths.config)),
         ("checkpoints", (f"`checkpoints/` ({len(result.checkpoints)} kept, latest `{result.checkpoints[-1].name}`)"
                          if result.checkpoints else "none written")),

@@ -469,7 +469,7 @@ def test_a_run_with_log_plot_false_draws_no_plot_and_its_card_says_how_to_get_on
     run = tmp_path / "runs" / "p"
     assert not (run / "report.png").exists() and "report.png" not in out
     table = card_table((run / "RUN.md").read_text(encoding="utf-8"))
-    assert table["plot"] == "not drawn (log.plot false: `ampguard report` draws it)"
+    assert table["plot"] == "not drawn when the run ended (log.plot false: `ampguard report` draws it)"
     code, out, err = cli("report", run)  # drawn when wanted
     assert code == 0 and (run / "report.png").is_file(), err
     # a resume with log.plot false: the earlier part's plot would show a run that is no longer the run
