@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -385,6 +386,9 @@ class Guard:
                              "clip: pass max_norm=None (the norm and the non-finite check still cover them)")
 
         self.model = model
+        # read-only: the step read them once (their parameters, schedulers, counters); one added or
+        # swapped in the dict later would be half known to it
+        optimizers = types.MappingProxyType(optimizers)
         # the optimizer itself when there is one (a one-entry list or dict too), else {name: optimizer}
         self.optimizer = next(iter(optimizers.values())) if len(optimizers) == 1 else optimizers
         self.optimizers = optimizers

@@ -435,6 +435,20 @@ def test_refused_up_front_one_line_each():
         AmpTrainState([model], opts, F.cross_entropy, precision="fp32")
 
 
+def test_the_optimizers_the_guard_read_cannot_be_swapped_or_added_to():
+    # the dict was the guard's own and writable: an optimizer put in it later was half known to the
+    # step (no counter, no parameters read), one swapped in was stepped with the old one's checks
+    model = Tagger()
+    opts = _tagger_optimizers(model)
+    guard = Guard(model, opts, precision="fp32")
+    for optimizers in (guard.optimizers, guard.optimizer):
+        with pytest.raises(TypeError):
+            optimizers["tail"] = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    assert dict(guard.optimizers) == opts
+    opts.pop("head")  # the dict passed in stays the caller's: the guard holds a copy of it
+    assert list(guard.optimizers) == ["emb", "head"]
+
+
 def test_state_dict_keeps_each_optimizers_count_and_refuses_other_optimizers():
     model, guard = _two()
     for _ in range(2):
