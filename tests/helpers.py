@@ -225,6 +225,15 @@ TORCHRUN = [pytest.mark.slow, pytest.mark.skipif(not GLOO, reason="torch.distrib
 """The marks of a module of torchrun launches (``pytestmark = TORCHRUN``): slow, and skipped without gloo."""
 
 
+def end_all(procs: Any) -> None:
+    """Kill whichever of the ``subprocess.Popen`` objects ``procs`` still runs, and reap them all
+    (the teardown of a fixture that started them together)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL the process ``pid`` (a torchrun started with ``start_new_session``), its process
     group and every descendant: torchrun's workers may sit in sessions of their own, out of

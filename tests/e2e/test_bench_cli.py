@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import end_all
+
 from ampguard.cli import main
 
 
@@ -84,10 +86,7 @@ def paused_benches(tmp_path_factory):
                                   folder / "paused", folder / "err.txt")
         yield started
     finally:
-        for proc, _, _ in started.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+        end_all(proc for proc, _, _ in started.values())
 
 
 def _bench_sigterm_at(paused_benches, where):

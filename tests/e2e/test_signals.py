@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import read_rows
+from helpers import end_all, read_rows
 
 HERE = Path(__file__).resolve().parent
 # (log.plot false: a plot costs each run a second of matplotlib; the one test about the closing draws it)
@@ -100,10 +100,7 @@ def paused(tmp_path_factory):
                                      "--set", "steps=100000", "--set", "log.name=s"), cwd, cwd / "paused")
         yield started
     finally:
-        for proc, _, _ in started.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+        end_all(proc for proc, _, _ in started.values())
 
 
 @pytest.mark.parametrize("case", CARD_SIGNALS)
