@@ -10,10 +10,10 @@ runs under a wall-clock alarm.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import ag, deadline, ok, one_error_line, snapshot_of, train
+from helpers import ag, deadline, in_fork, ok, one_error_line, snapshot_of, train
 
 from ampguard import checkpoint as ckpt
 from ampguard import checkpointer as ck
@@ -373,25 +373,20 @@ def _as_another_user(argv: list[str]) -> tuple[int, str]:
     import ampguard.train  # noqa: F401 - the child cannot read root's Python install to import it
     from ampguard.cli import main
 
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 99
-        try:
-            os.close(read)
-            os.setgid(65534)
-            os.setuid(65534)
-            os.dup2(write, 2)
-            sys.stderr = os.fdopen(2, "w", closefd=False)
+    def give_up_root() -> None:
+        os.setgid(65534)
+        os.setuid(65534)
+
+    def refused() -> str:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
             code = main(argv)
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        err = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), err
+        return f"{int(code)} {err.getvalue()}"
+
+    forked, said = in_fork(refused, preexec=give_up_root)
+    assert forked == 0, said
+    code, err = said.split(" ", 1)
+    return int(code), err
 
 
 @pytest.mark.parametrize("what", ["run folder", "checkpoints"])

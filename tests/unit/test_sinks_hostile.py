@@ -6,19 +6,18 @@ cut of steps.csv refuses a line it cannot read (past the first 8 KB too) before 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import file_size_limit
+from helpers import file_size_limit, in_fork
 
 from ampguard import CsvSink, StepLog
 from ampguard.config import load_config
 from ampguard.errors import InputError
+from ampguard.files import DiskFull
 from ampguard.records import LABEL_COLUMNS
 from ampguard.sinks import CSV_COLUMNS, JsonlSink, check_column_names
 from ampguard.tasks.factory import build_from_factory
@@ -98,23 +97,18 @@ def test_a_factory_with_good_metric_names_builds(tmp_path):
 # ---------------------------------------------------------------------------- a row cut short by a full disk
 
 
-CHILD = """
-import sys
-from pathlib import Path
-from ampguard.records import StepLog
-from ampguard.files import DiskFull
-from ampguard.sinks import CsvSink, JsonlSink
-kind, path = sys.argv[1], Path(sys.argv[2])
-sink = CsvSink(path) if kind == "csv" else JsonlSink(path)
-written = 0
-try:
-    for step in range(1, 10):
-        sink.write(StepLog(step=step, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0,
-                           scaler_scale=1.0))
-        written += 1
-except DiskFull as full:
-    print(written, full.error.strerror)
-"""
+def _write_until_full(kind: str, path: Path) -> str:
+    """Steps 1-9 written to a new sink at ``path`` until the disk is full: the rows written and why."""
+    sink = CsvSink(path) if kind == "csv" else JsonlSink(path)
+    written = 0
+    try:
+        for step in range(1, 10):
+            sink.write(StepLog(step=step, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0,
+                               scaler_scale=1.0))
+            written += 1
+    except DiskFull as full:
+        return f"{written} {full.error.strerror}"
+    return f"{written} (no full disk)"
 
 
 def expected_lines(kind: str, tmp_path: Path) -> list[bytes]:
@@ -134,23 +128,10 @@ def test_a_row_a_full_disk_cuts_short_is_taken_back_out_of_the_file(tmp_path, ki
     whole = 3 if kind == "csv" else 2  # the header (csv) and the complete rows that fit
     limit = sum(map(len, lines[:whole])) + len(lines[whole]) // 2  # the limit falls inside the next row
     path = tmp_path / f"full.{kind}"
-    done = subprocess.run([sys.executable, "-c", CHILD, kind, str(path)], capture_output=True, text=True,
-                          timeout=120, preexec_fn=file_size_limit(limit))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[0] == str(whole - (kind == "csv")), done.stdout  # rows written before the full disk
+    code, said = in_fork(lambda: _write_until_full(kind, path), preexec=file_size_limit(limit))
+    assert code == 0, said
+    assert said.split()[0] == str(whole - (kind == "csv")), said  # rows written before the full disk
     assert path.read_bytes() == b"".join(lines[:whole])  # every row whole, nothing of the cut one
-
-
-HEADER_CHILD = """
-import sys
-from pathlib import Path
-from ampguard.files import DiskFull
-from ampguard.sinks import CsvSink
-try:
-    CsvSink(Path(sys.argv[1]))
-except DiskFull as full:
-    print("refused:", full.error.strerror)
-"""
 
 
 @pytest.mark.parametrize("before", [None, b""])
@@ -160,9 +141,16 @@ def test_a_csv_whose_header_finds_no_room_is_not_left_behind_empty(tmp_path, bef
     path = tmp_path / "steps.csv"
     if before is not None:
         path.write_bytes(before)
-    done = subprocess.run([sys.executable, "-c", HEADER_CHILD, str(path)], capture_output=True, text=True,
-                          timeout=120, preexec_fn=file_size_limit(10))  # (the header is ~90 bytes)
-    assert done.returncode == 0 and done.stdout.startswith("refused:"), (done.stdout, done.stderr)
+
+    def open_sink() -> str:
+        try:
+            CsvSink(path)
+        except DiskFull as full:
+            return f"refused: {full.error.strerror}"
+        return "opened"
+
+    code, said = in_fork(open_sink, preexec=file_size_limit(10))  # (the header is ~90 bytes)
+    assert code == 0 and said.startswith("refused:"), said
     assert path.exists() == (before is not None)
     if before is not None:
         assert path.read_bytes() == before
