@@ -221,8 +221,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
         guarded = cls(scaler._device, init_scale=scaler._init_scale, growth_factor=scaler.get_growth_factor(),
                       backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
                       min_scale=min_scale)
-        if scaler._scale is not None:
-            guarded.load_state_dict(scaler.state_dict())
+        # its state whether it ran or was only loaded (a loaded, unused one keeps its growth tracker
+        # in _init_growth_tracker: taking only its scale restarted the growth count at 0)
+        guarded.load_state_dict(scaler.state_dict())
         guarded._twin = scaler
         return guarded
 
@@ -354,6 +355,26 @@ class GuardedGradScaler(torch.amp.GradScaler):
             (False, True)
         """
         return self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+    def twin_used(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the plain ``GradScaler`` this one took over (:meth:`from_scaler`) was itself
+        used on ``optimizer`` since its last ``update()``: a loop's own ``scaler.unscale_(opt)``
+        kept beside the guard, which unscaled the gradients a first time (the guard's unscale
+        then divided them again). False when none was taken over.
+
+        Example::
+
+            >>> plain = torch.amp.GradScaler("cpu", init_scale=4.0)
+            >>> guarded = GuardedGradScaler.from_scaler(plain)
+            >>> p = torch.nn.Parameter(torch.ones(1)); opt = torch.optim.SGD([p], lr=0.1)
+            >>> guarded.scale(p.sum()).backward()
+            >>> before = guarded.twin_used(opt); plain.unscale_(opt)
+            >>> before, guarded.twin_used(opt)
+            (False, True)
+        """
+        twin = self._twin
+        return twin is not None and id(optimizer) in twin._per_optimizer_states and (
+            twin._per_optimizer_states[id(optimizer)]["stage"] is not OptState.READY)
 
     def forget_unscaled(self) -> None:
         """Forget what ``unscale_`` did since the last ``update()`` (as ``update()`` does): for a

@@ -19,6 +19,7 @@ import functools
 import math
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -99,13 +100,17 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
     out: dict[str, list[Any]] = {name: [] for name in optimizers}
     if scheduler is None:
         return out
-    if isinstance(scheduler, Mapping):
+    if isinstance(scheduler, Mapping):  # (checked as the other forms are, below: it skipped every check)
         for name, sched in scheduler.items():
             if str(name) not in out:
                 raise ValueError(f"scheduler {name!r} names no optimizer; the optimizers are {sorted(out)}")
+            driven = getattr(sched, "optimizer", None)
+            if driven is not None and driven is not optimizers[str(name)]:  # (a GAN's two swapped)
+                raise ValueError(f"scheduler {name!r}: the {type(sched).__name__} given drives another optimizer "
+                                 f"than {name!r} (it would follow {name!r}'s updates and skips, not its own's)")
             out[str(name)].append(sched)
-        return out
-    for sched in scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]:
+    for sched in () if isinstance(scheduler, Mapping) else (
+            scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]):
         owner = [n for n, o in optimizers.items() if getattr(sched, "optimizer", None) is o]
         if not owner and len(optimizers) == 1 and getattr(sched, "optimizer", None) is None:
             owner = list(optimizers)  # (a scheduler of its own making, with no .optimizer: the one there is)
@@ -180,6 +185,41 @@ def _watch_registrations() -> None:
     """Install the global hooks that count registrations (once per process)."""
     torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
     torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
+_GUARD_STEPPING = [0]
+"""How many guards are inside their own ``optimizer.step()`` now (:func:`_refuse_stray_step`)."""
+
+_GUARDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+"""Each optimizer a Guard holds -> the live guards holding it (its step pre-hook is installed once)."""
+
+
+def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """An optimizer step pre-hook: ``optimizer.step()`` while a Guard holding the optimizer has a
+    step open (after ``guard.backward()``, before ``guard.step()``), from outside the guard, is a
+    loop's own ``optimizer.step()`` (or ``scaler.step(optimizer)``) kept beside it. It applied the
+    group's gradients unchecked and unclipped (still scaled, under fp16; a NaN too, while the guard
+    then recorded a skip), and the guard applied them again. Refused before it changes anything.
+    Between the guard's steps the optimizer is the caller's (no gradient is left to apply there:
+    the guard drops them). On the guard's own steps one read of a counter."""
+    if _GUARD_STEPPING[0]:
+        return
+    for guard in _GUARDED.get(optimizer, ()):
+        if guard.micro_batches or guard.pending:
+            raise RuntimeError(f"{type(optimizer).__name__}.step() called outside the guard after guard.backward(): "
+                               "it would apply gradients the guard has not checked or clipped, and guard.step() "
+                               "steps the optimizer itself; remove your own optimizer.step() / "
+                               "scaler.step(optimizer) from the loop")
+
+
+def _hook_stray_steps(guard: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+    """Have :func:`_refuse_stray_step` watch ``optimizers`` while ``guard`` lives."""
+    for optimizer in optimizers.values():
+        guards = _GUARDED.get(optimizer)
+        if guards is None:
+            optimizer.register_step_pre_hook(_refuse_stray_step)
+            guards = _GUARDED[optimizer] = weakref.WeakSet()
+        guards.add(guard)
 
 
 def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
@@ -348,8 +388,6 @@ class Guard:
         frozen: Literal["refuse", "ignore"] = "refuse",
         fuse_tail: bool = False,
     ) -> None:
-        if not whole_number(accumulation_steps, 1):
-            raise ValueError(f"accumulation_steps must be a whole number >= 1, got {accumulation_steps!r}")
         if max_norm is not None and not max_norm == max_norm:
             raise ValueError("max_norm must be a number or None, got nan")
         if scheduler_on_skip not in ("hold", "step"):
@@ -440,6 +478,7 @@ class Guard:
         self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed
         self._loss_mark: torch.Tensor | None = None  # the sum of each loss's x - x: NaN iff one was non-finite
         self._grads_made = False  # the open group's backwards made a gradient (its later ones must find it)
+        _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
 
     def _own(self, holder: dict[int, str]) -> None:
         """What is checked, measured and clipped: each optimizer's parameters, in the model's order
@@ -452,6 +491,9 @@ class Guard:
         self._unowned = [p for p in root.parameters() if not p.requires_grad and id(p) not in holder]
         self._held = _parameter_count(self.optimizers)
         self._registered = _REGISTERED[0]
+        # the first parameter's dtype: a model cast after Guard() (model.to(torch.bfloat16)) keeps
+        # its Parameter objects, so only their dtype tells
+        self._dtype = (self._owned[0][0], self._owned[0][0].dtype) if self._owned else None
 
     def _abandon_group(self) -> None:
         """Drop the open group: its gradients, and what it unscaled forgotten (a restore; a
@@ -465,11 +507,14 @@ class Guard:
     def _parameters_changed(self) -> bool:
         """Whether what :meth:`_own` read may be out of date: the optimizers hold another number of
         parameters (``add_param_group``), a module or parameter was registered anywhere since
-        (:data:`_REGISTERED`: an adapter added to the model without its optimizer), or, every
+        (:data:`_REGISTERED`: an adapter added to the model without its optimizer), the first
+        parameter's dtype changed (the model cast after ``Guard()``), or, every
         :data:`UNFROZEN_EVERY` groups, a parameter no optimizer holds requires grad again. O(1) but
         that last look, O(parameters no optimizer holds) spread over those groups: a frozen
         backbone's thousands of tensors cost ~45 ns each to look at."""
         if _parameter_count(self.optimizers) != self._held or _REGISTERED[0] != self._registered:
+            return True
+        if self._dtype is not None and self._dtype[0].dtype != self._dtype[1]:  # (checked again as at Guard())
             return True
         return self.steps % UNFROZEN_EVERY == 0 and any(p.requires_grad for p in self._unowned)
 
@@ -550,11 +595,15 @@ class Guard:
         if torch.is_autocast_enabled(self.precision.device_type):
             raise RuntimeError("Guard.backward() inside autocast: close the `with guard.autocast():` block first "
                                "(autocast wraps the forward and the loss; the backward runs after it)")
-        for loss in losses:
+        for i, loss in enumerate(losses):
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 several = " (several losses: guard.backward(*losses))" if isinstance(loss, (tuple, list)) else ""
                 raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}{several}")
+            if not loss.requires_grad:  # (before any backward: the losses before it left no gradient)
+                which = f"loss {i} of {len(losses)}" if len(losses) > 1 else "the loss"
+                raise ValueError(f"Guard.backward(): {which} does not require grad (made under torch.no_grad(), "
+                                 "or detached): nothing to backward")
         if self.scaler.is_enabled() and any(map(self.scaler.unscaled, self.optimizers.values())):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
@@ -569,20 +618,23 @@ class Guard:
         bad: Any = None
         with self._no_sync():  # FSDP2 reduces in backward
             for i, loss in enumerate(losses):
-                loss = loss.float() if loss.dim() == 0 else loss.float().reshape(())
+                loss = loss if loss.dim() == 0 else loss.reshape(())
                 value = loss.detach()
-                mark = value - value  # 0 for a finite loss, NaN otherwise (IEEE 754)
+                mark = value - value  # 0 for a finite loss, NaN otherwise (IEEE 754), in the loss's dtype
+                if value.dtype != torch.float32:  # the record's dtype (a float64 loss past 3.4e38 is finite)
+                    value, mark = value.float(), mark.float()
                 total, bad = (value, mark) if total is None else (total + value, bad + mark)
-                if n > 1 and not divided:  # (x / 1 is x, bit for bit: one op and one node saved)
+                if n > 1 and not divided:  # in the loss's dtype, as the recipe's loss / N (x / 1 is x: skipped)
                     loss = loss / n
+                scaled = self.scaler.scale(loss)
                 # the backward's seed: 1.0 (what backward() seeds with) for a finite loss, 0.0 for
                 # a non-finite one (the loss's own NaN never flows back; a NaN activation still may:
                 # the step drops a skipped step's gradients whatever they hold); one kernel, written
-                # as float32 into a fresh tensor on the loss's device (a masked_fill and its backward
-                # took four). Fresh each time: autograd may keep the seed itself as a gradient (a
-                # parameter reached through views only), so a shared buffer would be overwritten
-                seed = torch.eq(mark, 0, out=torch.empty_like(mark))
-                self.scaler.scale(loss).backward(seed, retain_graph=i < last)
+                # in the scaled loss's dtype into a fresh tensor on its device (a masked_fill and its
+                # backward took four). Fresh each time: autograd may keep the seed itself as a
+                # gradient (a parameter reached through views only), so a shared buffer would be overwritten
+                seed = torch.eq(mark, 0, out=torch.empty((), dtype=scaled.dtype, device=scaled.device))
+                scaled.backward(seed, retain_graph=i < last)
         if divided and n > 1:  # the record's loss is the mean of the undivided ones
             total = total * n
         first = self._micro == 0
@@ -736,6 +788,11 @@ class Guard:
         overflowed); ``each`` with several optimizers each one's own norm; ``grads`` the named
         optimizers' gradients, for the clip. :func:`distributed.agree` makes a value that is
         non-finite on one rank so on every rank: the mark and the norms are the step's detectors."""
+        for name in names:
+            if self.scaler.twin_used(self.optimizers[name]):
+                raise RuntimeError("the GradScaler given as scaler= was used on the optimizer outside the guard "
+                                   "(scaler.unscale_(optimizer): the guard would divide the gradients a second "
+                                   "time): the guard unscales, clips and steps; remove those lines from the loop")
         if _parameter_count(self.optimizers) != self._held:  # a group added inside this group (read at its start)
             self._own_again()
         micro, self._micro = self._micro, 0
@@ -773,6 +830,8 @@ class Guard:
         return [torch.where(any_found, inf, norms[0]), *each]
 
     def _finish_group(self, names: tuple[str, ...]) -> StepLog | SkipLog:
+        if self._scheduler_epochs:  # (a loop's scheduler.step() since the group's first backward)
+            self._check_schedulers()
         lr = self.optimizers[names[0]].param_groups[0]["lr"]
         if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
             lr = lr.detach().clone()
@@ -801,8 +860,12 @@ class Guard:
                                  distributed.full_norm(grads.norm_of(self._union(applied)))) if applied else None
         elif factor is not None:
             grads.scale_(factor)
-        for name in applied:
-            self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
+        _GUARD_STEPPING[0] += 1
+        try:
+            for name in applied:
+                self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
+        finally:
+            _GUARD_STEPPING[0] -= 1
         for name in skipped:
             self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
@@ -878,9 +941,11 @@ class Guard:
         if factor is not None:
             grads.scale_(factor)
         self.optimizer.found_inf = found  # type: ignore[attr-defined]
+        _GUARD_STEPPING[0] += 1
         try:
             self.optimizer.step()
         finally:
+            _GUARD_STEPPING[0] -= 1
             del self.optimizer.found_inf  # type: ignore[attr-defined]
         self.scaler.add_found_inf_(self.optimizer, found, covers=True)
         self.scaler.update()
@@ -973,6 +1038,36 @@ class Guard:
             (True, False, 1)
         """
         return self._backward_pending
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer update. It may change between groups (a batch-size ramp; the
+        adapters set each group's own count at its first micro-batch), not inside one: the
+        group's losses would be divided by two counts.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1)
+            >>> guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32")
+            >>> guard.accumulation_steps = 4
+            >>> guard.backward(model(torch.ones(1, 2)).sum()); guard.step()
+            >>> guard.accumulation_steps = 2
+            Traceback (most recent call last):
+            ...
+            RuntimeError: Guard.accumulation_steps changed inside a group (1 of 4 micro-batches taken): change it between groups (guard.mid_group False)
+        """
+        return self._accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, steps: int) -> None:
+        if not whole_number(steps, 1):
+            raise ValueError(f"accumulation_steps must be a whole number >= 1, got {steps!r}")
+        taken = getattr(self, "_micro", 0)
+        if taken and steps != self._accumulation_steps:
+            raise RuntimeError(f"Guard.accumulation_steps changed inside a group ({taken} of "
+                               f"{self._accumulation_steps} micro-batches taken): change it between groups "
+                               "(guard.mid_group False)")
+        self._accumulation_steps = int(steps)
 
     @property
     def micro_batches(self) -> int:
