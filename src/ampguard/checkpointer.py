@@ -558,7 +558,10 @@ class Resume:
         if not path.is_file():
             raise InputError(f"--resume: {self.run_dir} has no config.yaml; a resumed run takes its config (and task) "
                              "from it")
-        return read_file(path)
+        data = read_file(path)
+        if not data:  # (read as the defaults, an fp16 run resumed as bf16: refused as report refuses it)
+            raise InputError(f"--resume: config file {path}: empty; a run's config.yaml holds every setting")
+        return data
 
 
 def _example_payload(step: int, config: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
+import functools
 import math
 import os
 import warnings
@@ -276,7 +277,7 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
     for line in lines:
         try:
             event = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # (a line nested past the parser's depth: not the run's)
             continue
         if not isinstance(event, dict) or not isinstance(event.get("step"), int):
             continue
@@ -290,23 +291,55 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _policy_value(key: str, value: Any) -> bool:
-    """Whether ``value`` is of the kind the setting ``key`` takes (what a run writes: a number,
-    a whole number for counts, a bool for the switch, ``null`` for clipping off).
+    """Whether ``value`` is one the setting ``key`` takes: of its kind (what a run writes: a
+    number, a whole number for counts, a bool for the switch, ``null`` for a setting off) and in
+    its range, by the config's own rule for that field (a hand-edited ``fail_after: 0`` failed the
+    replay with a traceback; ``alert_rate: 7`` judged it by nonsense).
 
     Example::
 
-        >>> [_policy_value("max_norm", v) for v in (2.0, None, "2.0", True)]
-        [True, True, False, False]
-        >>> _policy_value("monitor.fail_after", 3), _policy_value("monitor.fail_after", 3.5)
-        (True, False)
+        >>> [_policy_value("max_norm", v) for v in (2.0, None, "2.0", True, -1.0)]
+        [True, True, False, False, False]
+        >>> [_policy_value("monitor.fail_after", v) for v in (3, 3.5, 0)]
+        [True, False, False]
+        >>> [_policy_value("monitor.alert_rate", v) for v in (0.2, 7, None)], _policy_value("monitor.fail_rate", None)
+        ([True, False, False], True)
     """
     if key == "monitor.fail_on_scale_collapse":
-        return isinstance(value, bool)
-    if isinstance(value, bool):
+        kind = isinstance(value, bool)
+    elif isinstance(value, bool):
+        kind = False
+    elif key in ("monitor.fail_after", "monitor.min_steps"):
+        kind = isinstance(value, int)
+    else:  # (None where the field takes it: the range check says)
+        kind = value is None or isinstance(value, (int, float))
+    return kind and _in_range(key, value)
+
+
+def _in_range(key: str, value: Any) -> bool:
+    """Whether the config field ``key`` (``max_norm``, ``monitor.*``) takes ``value`` on its own
+    (its type's bounds; a rule between fields is the replay's)."""
+    import pydantic
+
+    try:
+        _field_adapter(key).validate_python(value)
+    except pydantic.ValidationError:
         return False
-    if key in ("monitor.fail_after", "monitor.min_steps"):
-        return isinstance(value, int)
-    return isinstance(value, (int, float)) or (key in ("max_norm", "monitor.clear_rate") and value is None)
+    return True
+
+
+@functools.cache
+def _field_adapter(key: str) -> Any:
+    """A pydantic ``TypeAdapter`` of the config field ``key``, its bounds included."""
+    from typing import Annotated
+
+    import pydantic
+
+    from .config import Config, MonitorConfig
+
+    model, name = (MonitorConfig, key.split(".", 1)[1]) if key.startswith("monitor.") else (Config, key)
+    field = model.model_fields[name]
+    return pydantic.TypeAdapter(Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation)
 
 
 def _regular(path: Path) -> None:

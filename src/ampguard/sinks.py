@@ -37,7 +37,7 @@ def check_column_names(names: Iterable[object], what: str, reserved: Iterable[st
 
         >>> check_column_names(["val_loss", "val_accuracy"], "CsvSink: extra column")
         ('val_loss', 'val_accuracy')
-        >>> for names in (["loss"], ["val_loss", "val_loss"], [""]):
+        >>> for names in (["loss"], ["val_loss", "val_loss"], [""], ["val\\nloss"]):
         ...     try:
         ...         check_column_names(names, "task metric")
         ...     except InputError as err:
@@ -45,6 +45,7 @@ def check_column_names(names: Iterable[object], what: str, reserved: Iterable[st
         task metric 'loss' is one of the CSV's fixed columns (step, lr, grad_l2_pre_clip, grad_l2_post_clip, loss, skipped, skip_reason, scaler_scale); name it otherwise
         task metric 'val_loss' is named twice
         task metric '' is empty; name it
+        task metric 'val\\nloss' holds a control character or a line break; name it otherwise
     """
     reserved = tuple(reserved)
     seen: list[str] = []
@@ -53,6 +54,8 @@ def check_column_names(names: Iterable[object], what: str, reserved: Iterable[st
             raise InputError(f"{what} {name!r} is a {type(name).__name__}, not a name (a string)")
         if not name:
             raise InputError(f"{what} {name!r} is empty; name it")
+        if not name.isprintable():  # (a line break splits the CSV's header: the run could not be resumed)
+            raise InputError(f"{what} {name!r} holds a control character or a line break; name it otherwise")
         if name in reserved:
             raise InputError(f"{what} {name!r} is one of the CSV's fixed columns ({', '.join(reserved)}); "
                              "name it otherwise")
@@ -393,7 +396,10 @@ class CsvSink(_LineFile):
             except UnicodeDecodeError as err:
                 raise InputError(f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}), "
                                  "cannot resume from it") from None
-            cells = next(csv.reader([line]), [])
+            try:
+                cells = next(csv.reader([line]), [])
+            except csv.Error as err:  # (a cell past the csv module's field limit, 128 KiB)
+                raise InputError(f"{where}: not a row of this CSV ({err}); cannot resume from it") from None
             if len(cells) != width:
                 raise InputError(f"{where}: {len(cells)} cells, the header has {width}; cannot resume from it")
             if not (cells[0].isascii() and cells[0].isdigit()):

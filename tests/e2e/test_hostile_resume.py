@@ -192,6 +192,26 @@ def test_a_run_folder_without_config_yaml_and_a_config_file_with_resume_are_refu
     assert "--resume" in line and "--set" in line
 
 
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n", "null\n"])
+def test_an_empty_config_yaml_is_refused_not_resumed_as_the_defaults(lin, snapshot, text):
+    # read as the defaults, the linear fp32 run was refused as "precision was 'fp32' ..., now
+    # 'bf16'"; a run whose settings were the defaults would have resumed on them, unsaid
+    (lin / "config.yaml").write_text(text, encoding="utf-8")
+    line = refused(snapshot, lin, "--resume", lin)
+    assert line.endswith(f"--resume: config file {lin / 'config.yaml'}: empty; a run's config.yaml holds every "
+                         "setting"), line
+
+
+def test_a_steps_csv_cell_past_the_csv_modules_limit_is_one_line(lin, snapshot):
+    # csv's field limit (128 KiB) raised _csv.Error out of the resume: a traceback
+    rows = (lin / "steps.csv").read_bytes().splitlines(keepends=True)
+    rows[2] = rows[2].replace(b",", b',"' + b"x" * 200_000 + b'",', 1)
+    (lin / "steps.csv").write_bytes(b"".join(rows))
+    line = refused(snapshot, lin, "--resume", lin)
+    assert line.endswith(f"{lin / 'steps.csv'} line 3: not a row of this CSV (field larger than field limit "
+                         "(131072)); cannot resume from it"), line
+
+
 def test_a_resume_whose_csv_columns_would_change_is_refused_before_config_yaml_is_rewritten(lin, snapshot):
     line = refused(snapshot, lin, "--resume", lin, "--set", "steps=12", "--set", "eval.enabled=false")
     assert f"{lin / 'steps.csv'}: its header does not match this run's columns (no metrics), cannot append" in line

@@ -283,6 +283,12 @@ def test_a_policy_change_whose_value_is_not_the_settings_kind_is_passed_over(cli
     with (run / "events.jsonl").open("a", encoding="utf-8") as f:
         f.write('{"step": 1, "event": "policy_change", "key": "max_norm", "old": 1.0, "new": "2.0"}\n')
         f.write('{"step": 1, "event": "policy_change", "key": "monitor.fail_after", "old": 100, "new": [1]}\n')
+        # of the setting's kind but out of its range (fail_after 0 was a TypeError in the monitor's
+        # message; alert_rate 7 judged the run by nonsense), and a line nested past the JSON
+        # parser's depth (a RecursionError traceback)
+        f.write('{"step": 1, "event": "policy_change", "key": "monitor.fail_after", "old": 100, "new": 0}\n')
+        f.write('{"step": 1, "event": "policy_change", "key": "monitor.alert_rate", "old": 0.05, "new": 7}\n')
+        f.write('{"step": 1, "x": ' + "[" * 5000 + "]" * 5000 + "}\n")
     assert ok(cli("report", run, "--no-plot")) == before
     ok(cli("train", *LINEAR, "--set", "steps=3", "--set", "log.name=S"))
     ok(cli("compare", run, tmp_path / "runs" / "S", "--out", tmp_path / "both.png"))

@@ -79,6 +79,8 @@ def write_factory(folder: Path, metrics: str) -> Path:
     ('("optimizers",)', "metric 'optimizers'"),  # a label column (records.LABEL_COLUMNS)
     ('("val", "val")', "metric 'val' is named twice"),
     ('("",)', "metric '' is empty"),
+    # a line break split the CSV's header: the run itself could not be resumed ("line 2: 1 cells")
+    ('("val\\nloss",)', "metric 'val\\nloss' holds a control character or a line break"),
 ])
 def test_a_factory_metric_named_like_a_csv_column_is_refused_in_one_line(tmp_path, metrics, named):
     path = write_factory(tmp_path, metrics)
