@@ -110,6 +110,10 @@ class _PlainLoader(yaml.SafeLoader):
             raise yaml.constructor.ConstructorError(None, None, str(err), node.start_mark) from None
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        # (PyYAML checks the node's kind in its own construct_mapping, after the loop below has
+        # unpacked node.value: `!!map [1, 2]` or `!!set [1]` was a TypeError traceback)
+        if not isinstance(node, yaml.MappingNode):
+            raise _wrong(node, "a mapping", f"a {node.id}")
         # a key given twice: YAML 1.2 says keys are unique, and PyYAML's last-wins dropped the first
         # silently (a second `optimizer:` section reset the first one's lr to its default)
         lines: dict[Any, int] = {}
@@ -122,6 +126,44 @@ class _PlainLoader(yaml.SafeLoader):
                     raise yaml.YAMLError(f"key {key!r} appears twice ({where})")
                 lines[key] = line
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_bool(self, node: Any) -> Any:
+        # (PyYAML looks the word up in its dict of YAML 1.1's words: `!!bool maybe` was a KeyError;
+        # those words, yes/no/on/off, still read as a boolean setting reads them)
+        word = self.construct_scalar(node)
+        if word.lower() not in self.bool_values:
+            raise _wrong(node, "true or false", repr(word))
+        return self.bool_values[word.lower()]
+
+    def construct_yaml_timestamp(self, node: Any) -> Any:
+        # (PyYAML uses its date pattern's match unchecked: `!!timestamp x` was an AttributeError;
+        # a date is refused as a config value anyway, by _plain, naming its key)
+        text = self.construct_scalar(node)
+        if not self.timestamp_regexp.match(text):
+            raise _wrong(node, "a date", repr(text))
+        return super().construct_yaml_timestamp(node)
+
+
+def _wrong(node: Any, expected: str, got: str) -> yaml.constructor.ConstructorError:
+    """The refusal of an explicitly tagged YAML value that its tag cannot take (``!!map [1, 2]``),
+    its first line (what the error line shows) naming the tag and the line.
+
+    Example::
+
+        >>> yaml.load("a: 1\\nb: !!bool maybe\\n", Loader=_PlainLoader)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        yaml.constructor.ConstructorError: !!bool takes true or false, not 'maybe' (line 2)
+        ...
+        >>> yaml.load("!!set [1]", Loader=_PlainLoader)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        yaml.constructor.ConstructorError: !!set takes a mapping, not a sequence (line 1)
+        ...
+    """
+    tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+    return yaml.constructor.ConstructorError(
+        None, None, f"{tag} takes {expected}, not {got} (line {node.start_mark.line + 1})", node.start_mark)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -148,6 +190,9 @@ for _tag, _regexp, _first in _NUMBER_RESOLVERS:
     _PlainLoader.add_implicit_resolver(_tag, _regexp, _first)
     # (through the loader's own method, so a subclass's construct_number is the one called)
     _PlainLoader.add_constructor(_tag, lambda loader, node: loader.construct_number(node))
+# (PyYAML registered its own functions for these tags: the methods above are not called unless registered)
+_PlainLoader.add_constructor("tag:yaml.org,2002:bool", _PlainLoader.construct_yaml_bool)
+_PlainLoader.add_constructor("tag:yaml.org,2002:timestamp", _PlainLoader.construct_yaml_timestamp)
 
 
 class _Written:
@@ -221,6 +266,25 @@ def _home(path: str | None) -> str | None:
     return None if path is None else os.path.expanduser(path)
 
 
+def _path(path: str | None) -> str | None:
+    """A path setting (``log.dir``, ``task.factory``...) as :func:`_home` gives it, refused if it
+    holds a control character, as ``log.name`` is: a NUL reached the OS ("embedded null byte")
+    and stderr as a raw byte, and a newline would break the one-line messages naming the path.
+
+    Example::
+
+        >>> _path("runs"), _path(None)
+        ('runs', None)
+        >>> _path("a\\0b")
+        Traceback (most recent call last):
+        ...
+        ValueError: holds a control character (got 'a\\x00b')
+    """
+    if path is not None and any(ord(c) < 32 or ord(c) == 127 for c in path):
+        raise ValueError(f"holds a control character (got {path!r})")
+    return _home(path)
+
+
 def _listed_once(values: list[str], why: str = "") -> list[str]:
     """``values``, or a ``ValueError`` naming those listed more than once (``why`` added).
 
@@ -291,7 +355,7 @@ def _rate(value: float) -> float:
     return value
 
 
-HomePath = Annotated[str | None, AfterValidator(_home)]  # a path setting: its leading ~ is the home folder
+HomePath = Annotated[str | None, AfterValidator(_path)]  # a path setting: ~ is the home folder, no control character
 Int = Annotated[int, _number_check("int_parsing")]
 Float = Annotated[float, _number_check("float_parsing")]
 _COUNT_CAP = AfterValidator(lambda v: _at_most(v, MAX_COUNT))
@@ -630,7 +694,7 @@ class LogConfig(_Section):
     def _dir(cls, v: str) -> str:
         if not v.strip():  # (it would put the run folder in the working folder)
             raise ValueError("must be a folder, not an empty string")
-        return _home(v)
+        return _path(v)
 
     @field_validator("name")
     @classmethod
@@ -901,7 +965,7 @@ class TaskConfig(_Section):
     def _factory(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():  # (it would read as "no factory": the built-in task)
             raise ValueError("must be module:function or path/to/file.py:function, not an empty string")
-        return _home(v)
+        return _path(v)
     batch_size: Count = 32
     """Examples per micro-batch."""
     block_size: Count = 64
@@ -1194,8 +1258,9 @@ def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config file {path} is a folder; name the config file")
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+    if not path.is_file():  # (a FIFO or a device exists: "not found" would send one looking for a missing file)
+        raise ConfigError(f"config file {path} is not a regular file; name the config file" if path.exists()
+                          else f"config file not found: {path}")
     suffix = path.suffix.lower()
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
@@ -1221,7 +1286,9 @@ def read_file(path: str | Path) -> dict[str, Any]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: the top level must be a mapping, got {type(data).__name__}")
+        kind = type(data) if not isinstance(data, _Written) else int if isinstance(data, int) else float
+        # (a number's kind as YAML read it, not the loader's _WrittenInt, an internal name)
+        raise ConfigError(f"config file {path}: the top level must be a mapping, got {kind.__name__}")
     _plain(data)
     return _as_written(data)
 

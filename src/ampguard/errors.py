@@ -130,6 +130,32 @@ def first_line(err: BaseException, with_type: bool = False) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0]}" if with_type else text.splitlines()[0]
 
 
+MAX_RAISED = 200
+"""The most characters of what the user's code raised that a one-line refusal shows."""
+
+
+def raised(err: BaseException) -> str:
+    """What the user's code (a factory, its data, its ``evaluate``) raised, for a one-line
+    refusal: its type and its message's first line (a ``load_state_dict`` error lists the keys on
+    the lines below), cut to :data:`MAX_RAISED` characters. A ``SystemExit`` whose code is
+    neither a message nor a number is named by the code's kind (``task.factory=sys:exit`` exits
+    with the whole Config, whose repr is 1.5 KB).
+
+    Example::
+
+        >>> raised(RuntimeError("Error(s) in loading state_dict for Linear:\\n\\tMissing key(s)"))
+        'RuntimeError: Error(s) in loading state_dict for Linear:'
+        >>> raised(SystemExit(object())), raised(SystemExit(3)), raised(GeneratorExit())
+        ('SystemExit: a object', 'SystemExit: 3', 'GeneratorExit')
+        >>> len(raised(ValueError("x" * 999)))
+        200
+    """
+    if isinstance(err, SystemExit) and not isinstance(err.code, (str, int, type(None))):
+        return f"SystemExit: {brief(err.code)}"
+    text = first_line(err, with_type=True)
+    return text if len(text) <= MAX_RAISED else text[:MAX_RAISED - 3] + "..."
+
+
 def check_folder_of(path: Path, where: str) -> None:
     """Refuse (one :class:`InputError` line, ``where`` first) an output ``path`` whose folder does
     not exist or is not a folder: a typo in a folder name makes no stray folders.

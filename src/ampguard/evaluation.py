@@ -22,7 +22,7 @@ import torch
 
 from . import distributed
 from .config import Config
-from .errors import InputError
+from .errors import InputError, raised
 from .precision import Precision
 from .tasks import Task
 
@@ -69,7 +69,7 @@ class Evaluator:
                 problem = (f"task.factory: evaluate() returned {sorted(names)}, but metrics declares "
                            f"{list(self.task.metrics)}")
         except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's code: any failure is bad input
-            problem = f"task.factory: evaluate() raised {type(err).__name__}: {err}"
+            problem = f"task.factory: evaluate() raised {raised(err)}"
         problem = distributed.first_error(problem)
         if problem is not None:
             raise InputError(problem)

@@ -130,6 +130,18 @@ def test_check_turns_a_raising_evaluate_into_one_input_error_line():
     assert one_line(err) == "task.factory: evaluate() raised ZeroDivisionError: division by zero"
 
 
+def test_check_says_the_first_line_of_a_multi_line_error():
+    # a load_state_dict error in evaluate() lists the keys on the lines below: the refusal was
+    # three lines long
+    def evaluate(model, device):
+        nn.Linear(2, 1).load_state_dict({"bogus": torch.zeros(1)})
+
+    with pytest.raises(InputError) as err:
+        evaluator(make_task(evaluate)).check()
+    assert one_line(err) == ("task.factory: evaluate() raised RuntimeError: Error(s) in loading state_dict for "
+                             "Linear:")
+
+
 def test_check_catches_a_system_exit_too():
     def evaluate(model, device):
         sys.exit("no GPU here")

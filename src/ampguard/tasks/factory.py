@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InputError
+from ..errors import InputError, raised
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
 from .base import Task, cycle
@@ -61,6 +61,9 @@ def load_factory(spec: str) -> Callable[..., Any]:
     try:
         if target.endswith(".py") or "/" in target:
             path = Path(target)
+            if not path.is_file() and path.exists():  # (a folder, a FIFO, /dev/null: not a missing file)
+                raise InputError(f"task.factory: {path} is {'a folder' if path.is_dir() else 'not a regular file'}; "
+                                 f"give a Python file's path: --set task.factory=PATH:{attr}")
             if not path.is_file():
                 where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
                 raise InputError(f"task.factory: no such file {path}{where}; run from the folder the path "
@@ -73,10 +76,10 @@ def load_factory(spec: str) -> Callable[..., Any]:
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(target)
-    except InputError:
+    except (InputError, KeyboardInterrupt):  # (ours; a Ctrl-C is "interrupted", exit 130)
         raise
-    except (Exception, SystemExit) as err:  # noqa: BLE001 - whatever the user's module raised, in one line
-        raise InputError(f"task.factory: importing {target} failed: {type(err).__name__}: {err}") from None
+    except BaseException as err:  # noqa: BLE001 - whatever the user's module raised, in one line
+        raise InputError(f"task.factory: importing {target} failed: {raised(err)}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise InputError(f"task.factory: {target} has no function {attr!r}")
@@ -127,8 +130,10 @@ def build_from_factory(config: Any) -> Task:
     fn = load_factory(spec)
     try:
         made = fn(config)
-    except (Exception, SystemExit) as err:  # noqa: BLE001
-        raise InputError(f"task.factory {spec} raised {type(err).__name__}: {err}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 - SystemExit and GeneratorExit too: the user's code, one line
+        raise InputError(f"task.factory {spec} raised {raised(err)}") from None
     if isinstance(made, Task):
         check_metrics(made.metrics, spec)
         return made
@@ -169,8 +174,10 @@ def build_from_factory(config: Any) -> Task:
 
     try:
         first_batches = list(itertools.islice(iter(restart()), 4))
-    except (Exception, SystemExit) as err:  # noqa: BLE001
-        raise InputError(f"task.factory {spec}: reading the data failed: {type(err).__name__}: {err}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 - as for fn(config)
+        raise InputError(f"task.factory {spec}: reading the data failed: {raised(err)}") from None
     if not first_batches:
         raise InputError(f"task.factory {spec}: data yielded no batches")
     if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in first_batches):

@@ -1,0 +1,177 @@
+"""review_fuzz11's bad inputs: explicit YAML tags a value cannot take, a factory's long or
+multi-line exception, a number as the whole config, a NUL in a path setting, and a config or
+factory path that exists but is no regular file. Each is one ``ampguard: error:`` line, exit 2,
+nothing written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers import one_error_line
+
+from ampguard.config import load_config
+from ampguard.errors import ConfigError
+
+RUN = ("--set", "task.name=linear", "--set", "steps=2", "--set", "precision=fp32", "--set", "log.plot=false")
+"""A run of a few seconds, were it let through."""
+
+
+def _refused(cli, *argv: object) -> str:
+    """The one error line of ``ampguard ARGV`` in a working folder left as it was (no run folder)."""
+    before = sorted(p.name for p in Path.cwd().iterdir())
+    line = one_error_line(cli(*argv))
+    assert "\0" not in line
+    assert sorted(p.name for p in Path.cwd().iterdir()) == before  # (names only: a FIFO is not read)
+    return line
+
+
+# ---------------------------------------------------------------------------- 1. explicit tags
+
+
+@pytest.mark.parametrize("text, said", [
+    ("optimizer: !!map [1, 2]\n", "!!map takes a mapping, not a sequence (line 1)"),
+    ("task:\n  options:\n    x: !!set [1]\n", "!!set takes a mapping, not a sequence (line 3)"),
+    ("optimizer: !!map 3\n", "!!map takes a mapping, not a scalar (line 1)"),
+    ("log:\n  plot: !!bool maybe\n", "!!bool takes true or false, not 'maybe' (line 2)"),
+    ("steps: !!timestamp soon\n", "!!timestamp takes a date, not 'soon' (line 1)"),
+])
+def test_a_tag_the_value_cannot_take_in_a_config_file_is_one_line(cli, tmp_path, text, said):
+    # (was a TypeError, KeyError or AttributeError traceback, exit 1: PyYAML checked the node's
+    # kind after our construct_mapping had walked it, and looked the bool word up in a dict)
+    (tmp_path / "c.yaml").write_text(text, encoding="utf-8")
+    assert _refused(cli, "train", "c.yaml", *RUN) == f"ampguard: error: config file c.yaml: cannot parse: {said}"
+    with pytest.raises(ConfigError, match="^config file .*c.yaml: cannot parse: "):
+        load_config(tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize("item, key", [
+    ("optimizer=!!map [1, 2]", "optimizer"),
+    ("task.options.x=!!set [1]", "task.options.x"),
+    ("log.plot=!!bool maybe", "log.plot"),
+])
+def test_a_tag_the_value_cannot_take_in_a_set_value_is_one_line(cli, item, key):
+    raw = item.partition("=")[2]
+    assert _refused(cli, "train", *RUN, "--set", item) == f"ampguard: error: --set {key}: cannot parse value {raw!r}"
+
+
+def test_an_explicit_bool_still_takes_the_words_a_boolean_setting_takes(tmp_path):
+    (tmp_path / "c.yaml").write_text("log: {plot: !!bool off, jsonl: !!bool True}\noptimizer: !!map {lr: 0.5}\n",
+                                     encoding="utf-8")
+    config = load_config(tmp_path / "c.yaml", ["log.tensorboard=!!bool yes"])
+    assert (config.log.plot, config.log.jsonl, config.log.tensorboard, config.optimizer.lr) == (False, True, True, 0.5)
+
+
+def test_a_runs_own_config_yaml_with_a_tag_it_cannot_take_is_one_line(cli, tmp_path, snapshot):
+    code, _, err = cli("train", *RUN, "--set", "log.name=run")
+    assert code == 0, err
+    config = tmp_path / "runs" / "run" / "config.yaml"
+    lines = config.read_text(encoding="utf-8").splitlines(keepends=True)
+    at = lines.index("optimizer:\n")
+    lines[at: at + 1] = ["optimizer: !!map [1, 2]\n", "x:\n"]  # (x: holds what optimizer held)
+    config.write_text("".join(lines), encoding="utf-8")
+    said = (f"ampguard: error: config file {Path('runs', 'run', 'config.yaml')}: cannot parse: "
+            f"!!map takes a mapping, not a sequence (line {at + 1})")
+    before = snapshot(tmp_path)
+    assert _refused(cli, "report", "runs/run", "--no-plot") == said
+    assert _refused(cli, "train", "--resume", "runs/run", "--set", "steps=4") == said
+    assert snapshot(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------- 5. a factory's exception
+
+FACTORY = """\
+import sys
+import torch
+
+def state_dict(config):
+    torch.nn.Linear(4, 2).load_state_dict({"bogus": torch.zeros(1)})
+
+def long(config):
+    raise ValueError("x" * 5000)
+
+def generator_exit(config):
+    raise GeneratorExit("closed\\nearly")
+
+def data(config):
+    def batches():
+        raise ValueError("no data\\ntoday")
+        yield
+    return torch.nn.Linear(2, 1), batches, torch.nn.functional.mse_loss
+"""
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("fac.py:state_dict", "task.factory fac.py:state_dict raised RuntimeError: "
+                          "Error(s) in loading state_dict for Linear:"),
+    ("fac.py:long", "task.factory fac.py:long raised ValueError: " + "x" * 185 + "..."),
+    ("fac.py:generator_exit", "task.factory fac.py:generator_exit raised GeneratorExit: closed"),
+    ("fac.py:data", "task.factory fac.py:data: reading the data failed: ValueError: no data"),
+    ("bad_import.py:build", "task.factory: importing bad_import.py failed: RuntimeError: import"),
+    ("sys:exit", "task.factory sys:exit raised SystemExit: a Config"),  # (exit(config): 1.5 KB of repr)
+])
+def test_what_a_factory_raises_is_one_short_line(cli, tmp_path, spec, said):
+    (tmp_path / "fac.py").write_text(FACTORY, encoding="utf-8")
+    (tmp_path / "bad_import.py").write_text('raise RuntimeError("import\\nfailed\\nbadly")\n', encoding="utf-8")
+    line = _refused(cli, "train", *RUN, "--set", f"task.factory={spec}")
+    assert line == f"ampguard: error: {said}"
+
+
+# ---------------------------------------------------------------------------- 8. a number as the config
+
+
+@pytest.mark.parametrize("text, kind", [("3\n", "int"), ("1.5\n", "float"), ("[1]\n", "list"), ("x\n", "str")])
+def test_a_config_that_is_one_value_names_its_kind_not_the_loaders_class(cli, tmp_path, text, kind):
+    (tmp_path / "s.yaml").write_text(text, encoding="utf-8")
+    said = f"config file s.yaml: the top level must be a mapping, got {kind}"
+    assert _refused(cli, "train", "s.yaml") == f"ampguard: error: {said}"
+
+
+# ---------------------------------------------------------------------------- 9. NUL in a path; no regular file
+
+
+@pytest.mark.parametrize("text, key, value", [
+    ('log: {dir: "a\\0b"}\n', "log.dir", "'a\\x00b'"),
+    ('task: {factory: "a\\0b.py:build"}\n', "task.factory", "'a\\x00b.py:build'"),
+    ('validation: {checkpoint: "a\\tb.pt"}\n', "validation.checkpoint", "'a\\tb.pt'"),
+    ('log: {wandb: {dir: "a\\x7fb"}}\n', "log.wandb.dir", "'a\\x7fb'"),
+])
+def test_a_control_character_in_a_path_setting_is_refused_naming_the_key(cli, tmp_path, text, key, value):
+    # (a NUL reached the OS, "embedded null byte", and stderr as a raw byte)
+    (tmp_path / "c.yaml").write_text(text, encoding="utf-8")
+    said = f"config: {key}: holds a control character (got {value})"
+    assert _refused(cli, "train", "c.yaml", "--set", "steps=2", "--set", "precision=fp32") == f"ampguard: error: {said}"
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "c.yaml")
+    assert str(info.value) == said
+
+
+def _not_regular(tmp_path: Path, kind: str, name: str) -> str:
+    """A path (``name`` in ``tmp_path``, relative to it) to something that exists but is no regular file."""
+    if kind == "fifo":
+        os.mkfifo(tmp_path / name)
+    elif kind == "folder":
+        (tmp_path / name).mkdir()
+    else:
+        return os.devnull
+    return name
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+@pytest.mark.parametrize("kind", ["fifo", "devnull"])
+def test_a_config_file_that_is_no_regular_file_says_so_not_not_found(cli, tmp_path, kind):
+    path = _not_regular(tmp_path, kind, "p.yaml")
+    said = f"ampguard: error: config file {path} is not a regular file; name the config file"
+    assert _refused(cli, "train", path) == said
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+@pytest.mark.parametrize("kind, what", [("fifo", "not a regular file"), ("folder", "a folder"),
+                                        ("devnull", "not a regular file")])
+def test_a_factory_file_that_is_no_regular_file_says_so_not_no_such_file(cli, tmp_path, kind, what):
+    path = _not_regular(tmp_path, kind, "fac.py")
+    said = (f"ampguard: error: task.factory: {path} is {what}; give a Python file's path: "
+            "--set task.factory=PATH:build")
+    assert _refused(cli, "train", *RUN, "--set", f"task.factory={path}:build") == said
