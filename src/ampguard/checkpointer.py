@@ -46,7 +46,7 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import MAX_DEPTH, Config, is_plain, read_file
+from .config import MAX_DEPTH, Config, as_it_ran, is_plain, read_file
 from .errors import InputError, first_line, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
@@ -561,7 +561,7 @@ class Resume:
         data = read_file(path)
         if not data:  # (read as the defaults, an fp16 run resumed as bf16: refused as report refuses it)
             raise InputError(f"--resume: config file {path}: empty; a run's config.yaml holds every setting")
-        return data
+        return as_it_ran(data)  # (a run of an older ampguard goes on as it ran)
 
 
 def _example_payload(step: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -1244,7 +1244,7 @@ def policy_changes(resume: Resume, config: Config) -> list[dict[str, Any]]:
         {'key': 'optimizer.lr', 'old': 0.003, 'new': 0.001, 'step': 4}
     """
     default = _flat(_effective(Config().model_dump(mode="json")))
-    saved = _flat(_effective(resume.saved_config))
+    saved = _flat(_effective(as_it_ran(resume.saved_config)))
     now = _flat(_effective(config.model_dump(mode="json")))
     changes = []
     for key, new in now.items():

@@ -1293,6 +1293,25 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return _as_written(data)
 
 
+def as_it_ran(data: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved config (its ``config.yaml``, a checkpoint's) as this version reads it: a
+    setting added since an older ampguard wrote it takes the value that run ran with, not the new
+    default. ``monitor.clear_rate``: an ALERT cleared at ``alert_rate`` before it had a level of
+    its own (the default now is 0.8 x ``alert_rate``).
+
+    Example::
+
+        >>> as_it_ran({"monitor": {"alert_rate": 0.1}})
+        {'monitor': {'alert_rate': 0.1, 'clear_rate': 0.1}}
+        >>> as_it_ran({"monitor": {"alert_rate": 0.1, "clear_rate": None}})  # written by this version
+        {'monitor': {'alert_rate': 0.1, 'clear_rate': None}}
+    """
+    monitor = data.get("monitor")
+    if isinstance(monitor, dict) and "clear_rate" not in monitor:  # (written before the ALERT had a clear level)
+        data = {**data, "monitor": {**monitor, "clear_rate": monitor.get("alert_rate", MonitorConfig().alert_rate)}}
+    return data
+
+
 def read_run_config(path: str | Path) -> Config:
     """A run folder's ``config.yaml``, validated. A run writes every setting there
     (:func:`dump_config`): an empty file is refused, not read as the defaults (an fp16 run's
@@ -1318,11 +1337,8 @@ def read_run_config(path: str | Path) -> Config:
     data = read_file(path)
     if not data:
         raise ConfigError(f"config file {path}: empty; a run's config.yaml holds every setting")
-    monitor = data.get("monitor")
-    if isinstance(monitor, dict) and "clear_rate" not in monitor:  # (written before the ALERT had a clear level)
-        data["monitor"] = {**monitor, "clear_rate": monitor.get("alert_rate", MonitorConfig().alert_rate)}
     try:
-        return validate(data)
+        return validate(as_it_ran(data))
     except ConfigError as err:  # (which file's settings they are)
         raise ConfigError(f"config file {path}: {err}") from None
 

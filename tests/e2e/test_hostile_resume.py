@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import ag, deadline, in_fork, ok, one_error_line, snapshot_of, train
+from helpers import ag, deadline, in_fork, ok, one_error_line, run_events, snapshot_of, train
 
 from ampguard import checkpoint as ckpt
 from ampguard import checkpointer as ck
@@ -171,6 +171,24 @@ def test_a_checkpoint_from_before_run_ids_resumes_when_its_config_matches(runs, 
     assert (old / "steps.csv").read_bytes() == (runs / "lin" / "steps.csv").read_bytes()
     new_id = (old / "run-id").read_text(encoding="ascii").strip()
     assert len(new_id) == 32 and ckpt.load_checkpoint(old / "checkpoints" / CKPT8)[ck.RUN_ID] == new_id
+
+
+def test_a_run_of_an_older_ampguard_goes_on_clearing_its_alert_as_it_ran(lin):
+    """A run written before monitor.clear_rate existed cleared its ALERT at alert_rate. Resumed,
+    it took the new default (0.8 x alert_rate) from then on, and the resume recorded a policy change
+    "clear_rate None -> ..." that no one made. It goes on as it ran, and nothing is recorded."""
+    config = yaml.safe_load((lin / "config.yaml").read_text(encoding="utf-8"))
+    del config["monitor"]["clear_rate"]
+    (lin / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    (lin / "checkpoints" / CKPT8).unlink()
+    payload = payload_of(lin / "checkpoints" / CKPT4)
+    del payload[ck.CONFIG]["monitor"]["clear_rate"]
+    rewrite(lin / "checkpoints" / CKPT4, payload)
+    ok(ag("train", "--resume", lin))
+    resumed = yaml.safe_load((lin / "config.yaml").read_text(encoding="utf-8"))["monitor"]
+    assert resumed["clear_rate"] == resumed["alert_rate"] == config["monitor"]["alert_rate"]
+    changes = [e["key"] for e in run_events(lin) if e["event"] == "policy_change"]
+    assert "monitor.clear_rate" not in changes, changes
 
 
 def test_the_resumed_config_is_the_run_folders_config_yaml_plus_set(lin):
