@@ -116,15 +116,20 @@ class _PlainLoader(yaml.SafeLoader):
             raise _wrong(node, "a mapping", f"a {node.id}")
         # a key given twice: YAML 1.2 says keys are unique, and PyYAML's last-wins dropped the first
         # silently (a second `optimizer:` section reset the first one's lr to its default)
+        # A number key is the same key as an equal number (`010:` and `10:`: one dict entry) and as
+        # the text it becomes (`1:` and `'1':` were both "1", the first dropped; two `.nan:` keys
+        # never equal as numbers)
         lines: dict[Any, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             if isinstance(key, (str, int, float, bool)):
-                if key in lines:
-                    where = f"lines {lines[key]} and {line}" if lines[key] != line else f"line {line}"
-                    raise yaml.YAMLError(f"key {key!r} appears twice ({where})")
-                lines[key] = line
+                names = (key, key.text) if isinstance(key, _Written) else (key,)
+                seen = next((name for name in names if name in lines), None)
+                if seen is not None:
+                    where = f"lines {lines[seen]} and {line}" if lines[seen] != line else f"line {line}"
+                    raise yaml.YAMLError(f"key {getattr(key, 'text', key)!r} appears twice ({where})")
+                lines.update(dict.fromkeys(names, line))
         return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_bool(self, node: Any) -> Any:
