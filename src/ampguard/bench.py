@@ -25,7 +25,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -1508,6 +1508,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
         print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {least}{rounds} rounds x {steps} steps, "
               f"paired, {until}", flush=True)
+        for note in _long_on(where, workloads):
+            print(note, flush=True)
         left_out: list[NotRun] = []  # the "not run" lines, for --json too
         try:
             results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
@@ -1531,6 +1533,24 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     if interrupted:
         return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
     return 0
+
+
+def _long_on(where: torch.device, workloads: Sequence[str]) -> list[str]:
+    """A note for a workload sized for a GPU and asked for on a CPU: GPT-2 small's rounds take
+    minutes there, and ``--budget`` stops adding rounds, it does not cut one short (a run given
+    ``--budget 1`` ran past a quarter of an hour at 10 GB).
+
+    Example::
+
+        >>> print(*_long_on(torch.device("cpu"), ["mlp", "gpt2"]))  # doctest: +ELLIPSIS
+        note: gpt2 is GPT-2 small in shape (12 layers x 768, context 1024), sized for a GPU: on a CPU a step ...
+        >>> _long_on(torch.device("cpu"), ["mlp"]), _long_on(torch.device("cuda"), ["gpt2"])
+        ([], [])
+    """
+    if where.type != "cpu" or "gpt2" not in workloads:
+        return []
+    return ["note: gpt2 is GPT-2 small in shape (12 layers x 768, context 1024), sized for a GPU: on a CPU a "
+            "step takes seconds and a round minutes, and --budget stops adding rounds, it does not cut one short"]
 
 
 def _check_args(where: torch.device, workloads: list[str], names: list[str], *, peak_tflops: float | None,
