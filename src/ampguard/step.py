@@ -209,7 +209,17 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
             raise RuntimeError(f"{type(optimizer).__name__}.step() called outside the guard after guard.backward(): "
                                "it would apply gradients the guard has not checked or clipped, and guard.step() "
                                "steps the optimizer itself; remove your own optimizer.step() / "
-                               "scaler.step(optimizer) from the loop")
+                               "scaler.step(optimizer) from the loop (under Lightning's manual optimization, "
+                               "step self.optimizers(), not the raw torch optimizer)")
+
+
+def _epoch_of(scheduler: Any) -> int | None:
+    """A scheduler's ``last_epoch``, through a wrapper that has none (Accelerate's
+    ``AcceleratedScheduler`` holds the scheduler as ``.scheduler``); None when there is none."""
+    epoch = getattr(scheduler, "last_epoch", None)
+    if epoch is None and (inner := getattr(scheduler, "scheduler", None)) is not None:
+        epoch = getattr(inner, "last_epoch", None)
+    return epoch if isinstance(epoch, int) else None
 
 
 def _hook_stray_steps(guard: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
@@ -653,10 +663,10 @@ class Guard:
         for name, schedulers in self._schedulers.items():
             for scheduler in schedulers:
                 left = self._scheduler_epochs.get(id(scheduler))
-                if left is not None and scheduler.last_epoch != left:
+                if left is not None and (now := _epoch_of(scheduler)) != left:
                     raise RuntimeError(
                         f"the {type(scheduler).__name__} of optimizer {name!r} was stepped outside the guard "
-                        f"(last_epoch {scheduler.last_epoch}, the guard left it at {left}): the guard steps it once "
+                        f"(last_epoch {now}, the guard left it at {left}): the guard steps it once "
                         "per applied update and holds it on a skipped step; remove your own scheduler.step() call, "
                         "or pass no scheduler= to the guard")
 
@@ -875,7 +885,7 @@ class Guard:
             for scheduler in self._schedulers[name]:
                 if name in applied or self.scheduler_on_skip == "step":
                     scheduler.step()
-                if isinstance(epoch := getattr(scheduler, "last_epoch", None), int):
+                if (epoch := _epoch_of(scheduler)) is not None:
                     self._scheduler_epochs[id(scheduler)] = epoch
         self._zero_grad()
         for name in applied:

@@ -129,6 +129,29 @@ def test_the_accelerators_own_clipping_is_refused_once_the_guard_clips(accelerat
     assert float(fresh.clip_grad_norm_(other.parameters(), 1.0)) > 0  # it clips, refusing nothing
 
 
+def test_a_prepared_scheduler_the_loop_also_steps_is_refused(accelerator):
+    # AcceleratedScheduler has no last_epoch of its own: the guard read nothing, and the stock
+    # lr_scheduler.step() kept in the loop ran the schedule twice as fast, on the skips too
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt, sched = accelerator.prepare(model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    assert type(sched).__name__ == "AcceleratedScheduler"
+    guard = make_guard(accelerator, model, opt, precision="bf16", scheduler=sched)
+
+    def step() -> None:
+        with guard.autocast():
+            loss = model(torch.ones(8, 4)).square().mean()
+        guard.backward(loss)
+        guard.step()
+
+    step()
+    sched.step()  # the stock line kept
+    with pytest.raises(RuntimeError, match=r"^the AcceleratedScheduler of optimizer 'optimizer' was stepped outside "
+                                           r"the guard \(last_epoch 2, the guard left it at 1\)"):
+        step()
+    assert guard.updates == 1
+
+
 @pytest.mark.slow
 def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(tmp_path):
     csv_path = tmp_path / "steps.csv"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 
 import pytest
 import torch
@@ -527,3 +529,47 @@ def test_a_training_step_overridden_without_super_is_refused_not_trained_unguard
         trainer.train()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing applied
     assert "crashed after step 0" in (tmp_path / "out" / "ampguard" / "RUN.md").read_text()
+
+
+@pytest.mark.parametrize("how", ["accelerator.backward", "loss.backward"])
+def test_a_backward_of_ones_own_after_the_guarded_step_is_refused_before_hf_applies_it(tmp_path, how):
+    # an auxiliary loss after super().training_step: the guard had stepped and dropped the gradients,
+    # and HF's optimizer.step() applied the aux ones as a second update, unchecked and unclipped
+    # (a NaN in them reached the weights while the CSV said the step was clean)
+    class Aux(GuardedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            aux = sum(p.float().square().sum() for p in model.parameters())
+            self.accelerator.backward(aux) if how == "accelerator.backward" else aux.backward()
+            return loss
+
+    model = tiny_gpt2()
+    trainer = Aux(model=model, args=arguments(tmp_path, "fp32", steps=2, optim="adamw_torch"),
+                  train_dataset=token_ids(8), ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    said = ("accelerator.backward() beside the guard" if how == "accelerator.backward"
+            else "gradients made after the guarded step")
+    with pytest.raises(RuntimeError, match=f"^GuardedTrainer: {re.escape(said)}"):
+        trainer.train()
+    assert trainer.guard.updates == 1
+    assert {int(s["step"]) for s in trainer.guard.optimizer.state.values()} == {1}  # the guard's update alone
+
+
+def test_a_custom_optimizer_over_part_of_the_model_trains_with_frozen_ignore(tmp_path):
+    # GuardedTrainer's refusal said "pass frozen='ignore'", which it did not take (a TypeError)
+    def trainer(**extra):
+        model = tiny_gpt2()
+        blocks = [p for name, p in model.named_parameters() if name.startswith("transformer.h.")]
+        return model, GuardedTrainer(model=model, args=arguments(tmp_path, "bf16", steps=2), train_dataset=token_ids(8),
+                                     optimizers=(torch.optim.AdamW(blocks, lr=1e-2), None),
+                                     ampguard=AmpGuardCallback(print_fn=lambda line: None), **extra)
+
+    with pytest.raises(ValueError, match=r"requires grad but no optimizer updates it .* or pass frozen='ignore'"):
+        trainer()[1].train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    shutil.rmtree(tmp_path / "out")
+    model, guarded = trainer(frozen="ignore")
+    embedding = model.transformer.wte.weight.detach().clone()
+    guarded.train()
+    assert guarded.guard.updates == 2 and torch.equal(model.transformer.wte.weight, embedding)
+    with pytest.raises(ValueError, match=r"^frozen must be 'refuse' or 'ignore', got 'skip'"):
+        GuardedTrainer(model=model, args=arguments(tmp_path, "bf16"), train_dataset=token_ids(8), frozen="skip")

@@ -271,6 +271,15 @@ class AmpGuardCallback(TrainerCallback):
                     "training_step is overridden without calling super().training_step(model, inputs, "
                     "num_items_in_batch), so nothing checks, clips or skips (and fp16 would not even autocast); "
                     "call it, or train with a stock Trainer")
+            optimizer = kwargs["optimizer"]
+            if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+                # the guard dropped the group's gradients when it stepped: these came after it (an
+                # auxiliary loss's backward after super().training_step), and HF would apply them,
+                # unchecked and unclipped, as a second update the records never show
+                raise RuntimeError(
+                    "GuardedTrainer: gradients made after the guarded step (a backward of your own after "
+                    "super().training_step(...)) would be applied by HF's optimizer step, unchecked and unclipped; "
+                    "add that loss to the one compute_loss returns")
             return
         optimizer = kwargs["optimizer"]
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -364,6 +373,12 @@ def _scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
     return getattr(optimizer, "scaler", None)
 
 
+def _refused_backward(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("GuardedTrainer: accelerator.backward() beside the guard: the guard backs the loss "
+                       "training_step computes, and these gradients would be applied unchecked and unclipped; add "
+                       "this loss to the one compute_loss returns")
+
+
 class GuardedTrainer(Trainer):
     """A ``transformers.Trainer`` whose AMP step is ampguard's :class:`Guard`.
 
@@ -385,6 +400,9 @@ class GuardedTrainer(Trainer):
         scaler: keyword arguments for the loss scaler (``init_scale``, ``growth_interval``, ...,
             ``min_scale``), fp16 only.
         scheduler_on_skip: ``"hold"`` (default) or ``"step"`` HF's LR scheduler on a skipped step.
+        frozen: :class:`Guard`'s: ``"refuse"`` (default) a parameter that requires grad and no
+            optimizer holds (a custom ``optimizers=(opt, None)`` over part of the model), or
+            ``"ignore"`` it (its gradients are dropped).
 
     Accumulation follows HF's groups exactly, the epoch's shorter last group included (HF steps
     after its ``steps_in_epoch % gradient_accumulation_steps`` batches): each group's loss is
@@ -411,9 +429,12 @@ class GuardedTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, ampguard: AmpGuardCallback | None = None, scaler: dict[str, Any] | None = None,
-                 scheduler_on_skip: str = "hold", **kwargs: Any) -> None:
+                 scheduler_on_skip: str = "hold", frozen: str = "refuse", **kwargs: Any) -> None:
         if scheduler_on_skip not in ("hold", "step"):
             raise ValueError(f"scheduler_on_skip must be 'hold' or 'step', got {scheduler_on_skip!r}")
+        if frozen not in ("refuse", "ignore"):
+            raise ValueError(f"frozen must be 'refuse' or 'ignore', got {frozen!r}")
+        self.frozen = frozen  # Guard's: a parameter that requires grad and no optimizer holds (optimizers=(opt, None))
         callbacks = list(kwargs.pop("callbacks", None) or [])
         given = [cb for cb in callbacks if isinstance(cb, AmpGuardCallback)]
         if ampguard is None:
@@ -448,9 +469,13 @@ class GuardedTrainer(Trainer):
         return args
 
     def _make_guard(self, model: torch.nn.Module) -> Guard:
-        return Guard(model, _inner(self.optimizer), precision=precision_of(self.args),  # (inside Accelerate's wrapper)
-                     max_norm=self.args.max_grad_norm, accumulation_steps=self.args.gradient_accumulation_steps,
-                     scaler=self.scaler_settings or None)
+        guard = Guard(model, _inner(self.optimizer), precision=precision_of(self.args),  # (inside Accelerate's wrapper)
+                      max_norm=self.args.max_grad_norm, accumulation_steps=self.args.gradient_accumulation_steps,
+                      scaler=self.scaler_settings or None, frozen=self.frozen)
+        # the guard backs the loss training_step computes; an accelerator.backward of the user's (an
+        # auxiliary loss after super().training_step) made gradients HF then applied, unguarded
+        self.accelerator.backward = _refused_backward  # (this accelerator's own attribute, not the class's)
+        return guard
 
     # ---------------------------------------------------------------- checkpoints
     # HF saves and loads its AMP scaler through _save_scaler / _load_scaler (Accelerate's, which
