@@ -314,6 +314,11 @@ class CsvSink(_LineFile):
             Traceback (most recent call last):
             ...
             ampguard.errors.InputError: ...steps.csv: its header does not match step, loss, cannot append
+            >>> _ = path.write_text("\\ufeffstep,lr\\n1,0.1\\n", encoding="utf-8")
+            >>> CsvSink.check_header(path, ("step", "lr"), "step, lr")  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ampguard.errors.InputError: ...: its header does not match step, lr (it starts with a byte-order mark: saved again by a spreadsheet?), cannot append
         """
         if not _has_lines(path):
             return
@@ -323,7 +328,9 @@ class CsvSink(_LineFile):
         except (UnicodeDecodeError, csv.Error) as err:
             raise InputError(f"{path}: not a CSV this run wrote ({first_line(err)}), cannot append") from None
         if header != columns:
-            raise InputError(f"{path}: its header does not match {expected}, cannot append")
+            bom = header[:1] and header[0].startswith("\ufeff")  # (report reads past one; an append cannot)
+            said = " (it starts with a byte-order mark: saved again by a spreadsheet?)" if bom else ""
+            raise InputError(f"{path}: its header does not match {expected}{said}, cannot append")
 
     def _append_row(self, cells: Iterable[str]) -> None:
         """One CSV line, in the file when this returns (:class:`DiskFull` when there is no room)."""
