@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError
+from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError, an_interrupt
 
 
 class _Parser(argparse.ArgumentParser):
@@ -546,21 +546,6 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
     return held
 
 
-def _an_interrupt(err: BaseException) -> bool:
-    """A Ctrl-C, or one that Python wrapped on its way out: a KeyboardInterrupt raised while a
-    class body runs (an import torch makes lazily, e.g. ``torch._dynamo`` from the optimizer's
-    constructor) comes out as ``RuntimeError: Error calling __set_name__`` caused by it.
-
-    Example::
-
-        >>> wrapped = RuntimeError("Error calling __set_name__ on 'Field' instance")
-        >>> wrapped.__cause__ = KeyboardInterrupt()
-        >>> _an_interrupt(KeyboardInterrupt()), _an_interrupt(wrapped), _an_interrupt(RuntimeError("shape"))
-        (True, True, False)
-    """
-    return isinstance(err, KeyboardInterrupt) or isinstance(err.__cause__, KeyboardInterrupt)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ampguard ARGV`` and return its exit code (:class:`ExitCode`): bad input is one line
     ``ampguard: error: ...`` on stderr and 2, Ctrl-C is 130; anything else is a bug and raises.
@@ -608,7 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("ampguard: interrupted", file=sys.stderr)
             return err.exit_code
         except (KeyboardInterrupt, RuntimeError) as err:
-            if not _an_interrupt(err):
+            if not an_interrupt(err):
                 raise
             held.release()
             print("ampguard: interrupted", file=sys.stderr)

@@ -156,6 +156,21 @@ def raised(err: BaseException) -> str:
     return text if len(text) <= MAX_RAISED else text[:MAX_RAISED - 3] + "..."
 
 
+def an_interrupt(err: BaseException) -> bool:
+    """A Ctrl-C, or one that Python wrapped on its way out: a KeyboardInterrupt raised while a
+    class body runs (an import torch makes lazily, e.g. ``torch._dynamo`` from the optimizer's
+    constructor) comes out as ``RuntimeError: Error calling __set_name__`` caused by it.
+
+    Example::
+
+        >>> wrapped = RuntimeError("Error calling __set_name__ on 'Field' instance")
+        >>> wrapped.__cause__ = KeyboardInterrupt()
+        >>> an_interrupt(KeyboardInterrupt()), an_interrupt(wrapped), an_interrupt(RuntimeError("shape"))
+        (True, True, False)
+    """
+    return isinstance(err, KeyboardInterrupt) or isinstance(err.__cause__, KeyboardInterrupt)
+
+
 def check_folder_of(path: Path, where: str) -> None:
     """Refuse (one :class:`InputError` line, ``where`` first) an output ``path`` whose folder does
     not exist or is not a folder: a typo in a folder name makes no stray folders.

@@ -100,6 +100,12 @@ def data(config):
         raise ValueError("no data\\ntoday")
         yield
     return torch.nn.Linear(2, 1), batches, torch.nn.functional.mse_loss
+
+def ctrl_c(config):  # a Ctrl-C inside a class body Python runs: it comes out as a RuntimeError caused by it
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as err:
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance") from err
 """
 
 
@@ -185,3 +191,10 @@ def test_a_factory_file_that_is_no_regular_file_says_so_not_no_such_file(cli, tm
 def test_option_keys_that_become_the_same_key_are_refused_as_a_key_given_twice(cli, options, said):
     line = _refused(cli, "train", *RUN, "--set", f"task.options={options}")
     assert line.startswith("ampguard: error: --set task.options: cannot parse value ") and said in line
+
+
+def test_a_ctrl_c_python_wrapped_in_the_factory_is_an_interrupt_not_bad_input(cli, tmp_path):
+    # (it was "task.factory ... raised RuntimeError: Error calling __set_name__", exit 2)
+    (tmp_path / "fac.py").write_text(FACTORY, encoding="utf-8")
+    code, out, err = cli("train", *RUN, "--set", "task.factory=fac.py:ctrl_c")
+    assert (code, err) == (130, "ampguard: interrupted\n"), err
