@@ -22,7 +22,7 @@ import torch
 
 from . import distributed
 from .config import Config
-from .errors import InputError, raised
+from .errors import InputError, an_interrupt, raised
 from .precision import Precision
 from .tasks import Task
 
@@ -68,7 +68,9 @@ class Evaluator:
             if not names <= set(self.task.metrics):
                 problem = (f"task.factory: evaluate() returned {sorted(names)}, but metrics declares "
                            f"{list(self.task.metrics)}")
-        except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's code: any failure is bad input
+        except BaseException as err:  # noqa: BLE001 - the user's code: any failure is bad input, a Ctrl-C not
+            if an_interrupt(err):
+                raise
             problem = f"task.factory: evaluate() raised {raised(err)}"
         problem = distributed.first_error(problem)
         if problem is not None:

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import sys
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
@@ -54,7 +55,7 @@ def check_column_names(names: Iterable[object], what: str, reserved: Iterable[st
             raise InputError(f"{what} {name!r} is a {type(name).__name__}, not a name (a string)")
         if not name:
             raise InputError(f"{what} {name!r} is empty; name it")
-        if not name.isprintable():  # (a line break splits the CSV's header: the run could not be resumed)
+        if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in name):  # (a line break split the header)
             raise InputError(f"{what} {name!r} holds a control character or a line break; name it otherwise")
         if name in reserved:
             raise InputError(f"{what} {name!r} is one of the CSV's fixed columns ({', '.join(reserved)}); "

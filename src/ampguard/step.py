@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -94,6 +93,38 @@ def _needs_closure(optimizer: Any) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
+class _ReadOnly(dict):  # type: ignore[type-arg]
+    """``guard.optimizers``: a dict that refuses changes (``TypeError``), and pickles and copies as
+    itself (a ``MappingProxyType`` did not: a Guard could no longer be ``torch.save``'d or deep-copied).
+
+    Example::
+
+        >>> fixed = _ReadOnly({"a": 1})
+        >>> fixed["b"] = 2
+        Traceback (most recent call last):
+        ...
+        TypeError: guard.optimizers is read-only: the step read these optimizers when the Guard was built
+        >>> import copy, pickle
+        >>> copy.deepcopy(fixed), type(pickle.loads(pickle.dumps(fixed))).__name__
+        ({'a': 1}, '_ReadOnly')
+    """
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("guard.optimizers is read-only: the step read these optimizers when the Guard was built")
+
+    __setitem__ = __delitem__ = __ior__ = pop = popitem = clear = update = setdefault = _refuse
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (dict(self),)
+
+
+def _drives(scheduler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scheduler`` was made over ``optimizer``: its ``.optimizer``, or a wrapper of it
+    (a scheduler made over Accelerate's prepared optimizer, whose torch optimizer the guard holds)."""
+    driven = getattr(scheduler, "optimizer", None)
+    return driven is optimizer or (driven is not None and getattr(driven, "optimizer", None) is optimizer)
+
+
 def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, list[Any]]:
     """Which optimizer each scheduler drives: a dict by name, else by the scheduler's own
     ``.optimizer`` (any scheduler object, when there is one optimizer)."""
@@ -105,13 +136,13 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
             if str(name) not in out:
                 raise ValueError(f"scheduler {name!r} names no optimizer; the optimizers are {sorted(out)}")
             driven = getattr(sched, "optimizer", None)
-            if driven is not None and driven is not optimizers[str(name)]:  # (a GAN's two swapped)
+            if driven is not None and not _drives(sched, optimizers[str(name)]):  # (a GAN's two swapped)
                 raise ValueError(f"scheduler {name!r}: the {type(sched).__name__} given drives another optimizer "
                                  f"than {name!r} (it would follow {name!r}'s updates and skips, not its own's)")
             out[str(name)].append(sched)
     for sched in () if isinstance(scheduler, Mapping) else (
             scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]):
-        owner = [n for n, o in optimizers.items() if getattr(sched, "optimizer", None) is o]
+        owner = [n for n, o in optimizers.items() if _drives(sched, o)]
         if not owner and len(optimizers) == 1 and getattr(sched, "optimizer", None) is None:
             owner = list(optimizers)  # (a scheduler of its own making, with no .optimizer: the one there is)
         if not owner:  # (another optimizer's: it was stepped, the guard's schedule never)
@@ -190,8 +221,9 @@ def _watch_registrations() -> None:
 _GUARD_STEPPING = [0]
 """How many guards are inside their own ``optimizer.step()`` now (:func:`_refuse_stray_step`)."""
 
-_GUARDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
-"""Each optimizer a Guard holds -> the live guards holding it (its step pre-hook is installed once)."""
+_GUARDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+"""Each optimizer a Guard holds -> the last Guard built over it (its step pre-hook is installed once;
+a new guard takes the optimizer over from one abandoned with a step open: a retried fit)."""
 
 
 def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -199,13 +231,15 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     step open (after ``guard.backward()``, before ``guard.step()``), from outside the guard, is a
     loop's own ``optimizer.step()`` (or ``scaler.step(optimizer)``) kept beside it. It applied the
     group's gradients unchecked and unclipped (still scaled, under fp16; a NaN too, while the guard
-    then recorded a skip), and the guard applied them again. Refused before it changes anything.
-    Between the guard's steps the optimizer is the caller's (no gradient is left to apply there:
-    the guard drops them). On the guard's own steps one read of a counter."""
+    then recorded a skip), and the guard applied them again. Refused before it changes anything,
+    and only with gradients there to apply. Between the guard's steps the optimizer is the
+    caller's (no gradient is left to apply there: the guard drops them). On the guard's own steps
+    one read of a counter."""
     if _GUARD_STEPPING[0]:
         return
-    for guard in _GUARDED.get(optimizer, ()):
-        if guard.micro_batches or guard.pending:
+    guard = _GUARDED[optimizer]() if optimizer in _GUARDED else None
+    if guard is not None and (guard.micro_batches or guard.pending):
+        if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
             raise RuntimeError(f"{type(optimizer).__name__}.step() called outside the guard after guard.backward(): "
                                "it would apply gradients the guard has not checked or clipped, and guard.step() "
                                "steps the optimizer itself; remove your own optimizer.step() / "
@@ -223,13 +257,14 @@ def _epoch_of(scheduler: Any) -> int | None:
 
 
 def _hook_stray_steps(guard: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
-    """Have :func:`_refuse_stray_step` watch ``optimizers`` while ``guard`` lives."""
+    """Have :func:`_refuse_stray_step` watch ``optimizers`` for ``guard`` while it lives (an
+    optimizer without torch's step hooks, one that only has ``param_groups``, is not watched)."""
     for optimizer in optimizers.values():
-        guards = _GUARDED.get(optimizer)
-        if guards is None:
+        if not hasattr(optimizer, "register_step_pre_hook"):
+            continue
+        if optimizer not in _GUARDED:
             optimizer.register_step_pre_hook(_refuse_stray_step)
-            guards = _GUARDED[optimizer] = weakref.WeakSet()
-        guards.add(guard)
+        _GUARDED[optimizer] = weakref.ref(guard)
 
 
 def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
@@ -436,7 +471,7 @@ class Guard:
         self.model = model
         # read-only: the step read them once (their parameters, schedulers, counters); one added or
         # swapped in the dict later would be half known to it
-        optimizers = types.MappingProxyType(optimizers)
+        optimizers = _ReadOnly(optimizers)
         # the optimizer itself when there is one (a one-entry list or dict too), else {name: optimizer}
         self.optimizer = next(iter(optimizers.values())) if len(optimizers) == 1 else optimizers
         self.optimizers = optimizers
@@ -656,14 +691,19 @@ class Guard:
         self._backward_pending = True
 
     def _check_schedulers(self) -> None:
-        """Before a group's first backward: each scheduler the guard steps is where the guard left
-        it. A loop that kept its own ``scheduler.step()`` after handing the scheduler to the guard
-        ran the schedule twice as fast, and stepped it on the skipped steps the guard held it
-        on, unsaid. One attribute read per scheduler."""
+        """Before a group's first backward and at its close: each scheduler the guard steps is
+        where the guard left it. A loop that kept its own ``scheduler.step()`` after handing the
+        scheduler to the guard ran the schedule twice as fast, and stepped it on the skipped steps
+        the guard held it on, unsaid. A ``last_epoch`` that went back is a restore of the user's
+        own (the scheduler loaded without the guard's state): the new start. One attribute read
+        per scheduler."""
         for name, schedulers in self._schedulers.items():
             for scheduler in schedulers:
                 left = self._scheduler_epochs.get(id(scheduler))
-                if left is not None and (now := _epoch_of(scheduler)) != left:
+                now = _epoch_of(scheduler)
+                if left is not None and now is not None and now < left:  # (a restore of the user's own, back)
+                    self._scheduler_epochs[id(scheduler)] = now
+                elif left is not None and now != left:
                     raise RuntimeError(
                         f"the {type(scheduler).__name__} of optimizer {name!r} was stepped outside the guard "
                         f"(last_epoch {now}, the guard left it at {left}): the guard steps it once "

@@ -152,6 +152,22 @@ def test_a_prepared_scheduler_the_loop_also_steps_is_refused(accelerator):
     assert guard.updates == 1
 
 
+@pytest.mark.parametrize("form", ["single", "dict"])
+def test_a_scheduler_built_over_the_prepared_optimizer_is_taken(accelerator, form):
+    # the guard holds the torch optimizer inside Accelerate's wrapper: a scheduler made over the
+    # wrapper was refused as "drives none of the guard's optimizers" (the dict form: "another")
+    model = torch.nn.Linear(4, 1)
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.9 ** n)
+    guard = make_guard(accelerator, model, opt, precision="bf16", scheduler=sched if form == "single" else
+                       {"optimizer": sched})
+    with guard.autocast():
+        loss = model(torch.ones(8, 4)).square().mean()
+    guard.backward(loss)
+    guard.step()
+    assert sched.last_epoch == 1
+
+
 @pytest.mark.slow
 def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(tmp_path):
     csv_path = tmp_path / "steps.csv"

@@ -142,6 +142,24 @@ def test_check_says_the_first_line_of_a_multi_line_error():
                              "Linear:")
 
 
+def test_check_catches_a_generator_exit_and_lets_a_wrapped_ctrl_c_through():
+    def closed(model, device):
+        raise GeneratorExit("closed")
+
+    with pytest.raises(InputError) as err:
+        evaluator(make_task(closed)).check()
+    assert one_line(err) == "task.factory: evaluate() raised GeneratorExit: closed"
+
+    def interrupted(model, device):  # a Ctrl-C Python wrapped on its way out of a class body
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as cause:
+            raise RuntimeError("Error calling __set_name__") from cause
+
+    with pytest.raises(RuntimeError, match="__set_name__"):
+        evaluator(make_task(interrupted)).check()
+
+
 def test_check_catches_a_system_exit_too():
     def evaluate(model, device):
         sys.exit("no GPU here")

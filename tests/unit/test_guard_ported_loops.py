@@ -237,3 +237,83 @@ def test_a_finite_float64_loss_beyond_the_float32_range_is_applied_not_skipped()
         loss = model(torch.ones(4, 3, dtype=torch.float64)).pow(2).mean() * 1e39
     guard.backward(loss)
     assert isinstance(guard.step(), StepLog) and guard.updates == 1
+
+
+# ---------------------------------------------------------------------------- what stays allowed (review_session11)
+
+
+def test_a_new_guard_takes_the_optimizer_over_from_one_abandoned_with_a_step_open():
+    # a fit that failed mid-group and was retried while the old trainer lived on (a notebook holds
+    # the exception): the framework's own optimizer.step() was refused "after guard.backward()"
+    model, opt = _linear()
+    old = Guard(model, opt, precision="fp32", accumulation_steps=2)
+    old.backward(_loss(model, old))
+    assert old.step() is None and old.mid_group  # abandoned here, still alive
+    for p in model.parameters():
+        p.grad = None  # (what the retry's zero_grad leaves)
+    opt.step()  # no gradient to apply: the optimizer is the caller's
+    new = Guard(model, opt, precision="fp32")
+    new.backward(_loss(model, new))
+    assert isinstance(new.step(), StepLog)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # between the new guard's steps, with gradients of the caller's own: not refused
+
+
+def test_an_optimizer_with_param_groups_alone_is_still_taken():
+    # register_step_pre_hook is torch's: a duck-typed optimizer got an AttributeError traceback
+    class PlainSGD:
+        def __init__(self, params, lr):
+            self.param_groups, self.state = [{"params": list(params), "lr": lr}], {}
+
+        @torch.no_grad()
+        def step(self):
+            for p in self.param_groups[0]["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+        def zero_grad(self, set_to_none=True):
+            for p in self.param_groups[0]["params"]:
+                p.grad = None
+
+    model, _ = _linear()
+    guard = Guard(model, PlainSGD(model.parameters(), 0.1), precision="bf16")
+    before = _weights(model)
+    guard.backward(_loss(model, guard))
+    assert isinstance(guard.step(), StepLog) and not torch.equal(before[0], model.weight)
+
+
+def test_a_restore_of_the_callers_own_rewinds_the_scheduler_without_a_refusal():
+    # model, optimizer and scheduler reloaded from the loop's own save, the guard's state kept (as
+    # accelerator.load_state() does with the guard not registered): refused as "stepped outside"
+    model, opt = _linear()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.9 ** n)
+    guard = Guard(model, opt, precision="bf16", scheduler=sched)
+    for _ in range(2):
+        guard.backward(_loss(model, guard))
+        guard.step()
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
+    for _ in range(2):
+        guard.backward(_loss(model, guard))
+        guard.step()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    sched.load_state_dict(saved[2])
+    guard.backward(_loss(model, guard))
+    assert isinstance(guard.step(), StepLog) and sched.last_epoch == 3
+    sched.step()  # and a step of the loop's own after it is still refused
+    with pytest.raises(RuntimeError, match=r"stepped outside the guard \(last_epoch 4, the guard left it at 3\)"):
+        guard.backward(_loss(model, guard))
+
+
+def test_a_guard_still_pickles_and_copies():
+    # guard.optimizers as a MappingProxyType could not be pickled: torch.save(guard) and
+    # copy.deepcopy(guard) failed
+    import io
+    import pickle
+
+    model, opt = _linear()
+    guard = Guard(model, opt, precision="fp32")
+    twin = copy.deepcopy(guard)
+    assert list(twin.optimizers) == ["optimizer"] and twin.optimizer is not opt
+    torch.save(guard, io.BytesIO())
+    assert type(pickle.loads(pickle.dumps(guard)).optimizers) is type(guard.optimizers)

@@ -90,6 +90,11 @@ def test_a_factory_metric_named_like_a_csv_column_is_refused_in_one_line(tmp_pat
     assert "\n" not in message and message.startswith(f"task.factory {path}:build: ") and named in message
 
 
+def test_a_metric_name_with_a_non_breaking_space_or_a_joiner_is_a_name():
+    # only control characters and line breaks are refused: a printable-looking name is not
+    assert check_column_names(["val\xa0loss", "a\u200db"], "task metric") == ("val\xa0loss", "a\u200db")
+
+
 def test_a_factory_with_good_metric_names_builds(tmp_path):
     path = write_factory(tmp_path, '("val_loss", "val_accuracy")')
     task = build_from_factory(load_config(None, [f"task.factory={path}:build"]))
