@@ -100,11 +100,10 @@ def test_own_loop_run_again_as_a_script_exits_2_without_a_traceback(tmp_path):
     import subprocess
     import sys
 
-    def run():
-        return subprocess.run([sys.executable, str(EXAMPLES / "own_loop.py"), "--model", "multitask", "--steps", "2"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-
-    assert run().returncode == 0
-    again = run()
+    earlier = tmp_path / "steps.csv"  # (an earlier run's: the in-process test above makes it by running)
+    earlier.write_text("step,lr\n1,0.1\n", encoding="utf-8")
+    again = subprocess.run([sys.executable, str(EXAMPLES / "own_loop.py"), "--model", "multitask", "--steps", "2"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert (again.returncode, again.stdout) == (2, "")
     assert again.stderr == "own_loop.py: error: steps.csv already exists; refusing to overwrite it\n"
+    assert earlier.read_text(encoding="utf-8") == "step,lr\n1,0.1\n"
