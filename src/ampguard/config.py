@@ -119,17 +119,19 @@ class _PlainLoader(yaml.SafeLoader):
         # A number key is the same key as an equal number (`010:` and `10:`: one dict entry) and as
         # the text it becomes (`1:` and `'1':` were both "1", the first dropped; two `.nan:` keys
         # never equal as numbers)
-        lines: dict[Any, int] = {}
+        lines: dict[Any, tuple[int, str]] = {}  # each key -> the line and spelling it was first given with
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            line = key_node.start_mark.line + 1
+            line, spelled = key_node.start_mark.line + 1, str(getattr(key, "text", key))
             if isinstance(key, (str, int, float, bool)):
                 names = (key, key.text) if isinstance(key, _Written) else (key,)
                 seen = next((name for name in names if name in lines), None)
                 if seen is not None:
-                    where = f"lines {lines[seen]} and {line}" if lines[seen] != line else f"line {line}"
-                    raise yaml.YAMLError(f"key {getattr(key, 'text', key)!r} appears twice ({where})")
-                lines.update(dict.fromkeys(names, line))
+                    first, as_first = lines[seen]
+                    where = f"lines {first} and {line}" if first != line else f"line {line}"
+                    also = f", first as {as_first!r}" if as_first != spelled else ""
+                    raise yaml.YAMLError(f"key {spelled!r} appears twice{also} ({where})")
+                lines.update(dict.fromkeys(names, (line, spelled)))
         return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_bool(self, node: Any) -> Any:

@@ -186,7 +186,8 @@ def test_a_factory_file_that_is_no_regular_file_says_so_not_no_such_file(cli, tm
 @pytest.mark.parametrize("options, said", [
     ("{1: a, '1': b}", "key '1' appears twice"),  # both became the key "1": the first was dropped, unsaid
     ("{.nan: 1, .nan: 2}", "key '.nan' appears twice"),  # NaN is never equal to NaN
-    ("{010: a, 10: b}", "key '10' appears twice"),  # one number: one dict entry
+    ("{010: a, 10: b}", "key '10' appears twice, first as '010'"),  # one number: one dict entry
+    ("{1.5: x, 1.50: y}", "key '1.50' appears twice, first as '1.5'"),  # (it named the second spelling only)
 ])
 def test_option_keys_that_become_the_same_key_are_refused_as_a_key_given_twice(cli, options, said):
     line = _refused(cli, "train", *RUN, "--set", f"task.options={options}")
