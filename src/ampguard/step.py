@@ -140,15 +140,15 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
                 raise ValueError(f"scheduler {name!r}: the {type(sched).__name__} given drives another optimizer "
                                  f"than {name!r} (it would follow {name!r}'s updates and skips, not its own's)")
             out[str(name)].append(sched)
-    for sched in () if isinstance(scheduler, Mapping) else (
-            scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]):
-        owner = [n for n, o in optimizers.items() if _drives(sched, o)]
-        if not owner and len(optimizers) == 1 and getattr(sched, "optimizer", None) is None:
-            owner = list(optimizers)  # (a scheduler of its own making, with no .optimizer: the one there is)
-        if not owner:  # (another optimizer's: it was stepped, the guard's schedule never)
-            raise ValueError(f"scheduler {type(sched).__name__} drives none of the guard's optimizers; pass "
-                             "the scheduler of the optimizer it steps (several: scheduler={optimizer name: scheduler})")
-        out[owner[0]].append(sched)
+    else:
+        for sched in scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]:
+            owner = [n for n, o in optimizers.items() if _drives(sched, o)]
+            if not owner and len(optimizers) == 1 and getattr(sched, "optimizer", None) is None:
+                owner = list(optimizers)  # (a scheduler of its own making, with no .optimizer: the one there is)
+            if not owner:  # (another optimizer's: it was stepped, the guard's schedule never)
+                raise ValueError(f"scheduler {type(sched).__name__} drives none of the guard's optimizers; pass the "
+                                 "scheduler of the optimizer it steps (several: scheduler={optimizer name: scheduler})")
+            out[owner[0]].append(sched)
     for sched in [sched for scheds in out.values() for sched in scheds]:
         if not callable(getattr(sched, "step", None)):
             raise TypeError(f"scheduler must have a step() method, got a {type(sched).__name__}")
@@ -238,13 +238,18 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     if _GUARD_STEPPING[0]:
         return
     guard = _GUARDED[optimizer]() if optimizer in _GUARDED else None
-    if guard is not None and (guard.micro_batches or guard.pending):
-        if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
-            raise RuntimeError(f"{type(optimizer).__name__}.step() called outside the guard after guard.backward(): "
-                               "it would apply gradients the guard has not checked or clipped, and guard.step() "
-                               "steps the optimizer itself; remove your own optimizer.step() / "
-                               "scaler.step(optimizer) from the loop (under Lightning's manual optimization, "
-                               "step self.optimizers(), not the raw torch optimizer)")
+    if guard is not None and (guard.micro_batches or guard.pending) and holds_gradients(optimizer):
+        raise RuntimeError(f"{type(optimizer).__name__}.step() called outside the guard after guard.backward(): "
+                           "it would apply gradients the guard has not checked or clipped, and guard.step() "
+                           "steps the optimizer itself; remove your own optimizer.step() / "
+                           "scaler.step(optimizer) from the loop (under Lightning's manual optimization, "
+                           "step self.optimizers(), not the raw torch optimizer)")
+
+
+def holds_gradients(optimizer: Any) -> bool:
+    """Whether any parameter ``optimizer`` holds has a gradient: for the refusals outside the step
+    (the guard drops its own after each step, so none should be left there). O(parameters)."""
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def _epoch_of(scheduler: Any) -> int | None:

@@ -47,7 +47,7 @@ from ..monitor import DEFAULT_MIN_STEPS, RunMonitor
 from ..precision import Precision
 from ..records import SkipLog, StepLog, StepRecord
 from ..sinks import CsvSink
-from ..step import Guard
+from ..step import Guard, holds_gradients
 from .accelerate import _inner, found_inf
 
 CSV_NAME, EVENTS_NAME, SUMMARY_NAME, CARD_NAME = "steps.csv", "events.jsonl", "summary.json", "RUN.md"
@@ -271,8 +271,7 @@ class AmpGuardCallback(TrainerCallback):
                     "training_step is overridden without calling super().training_step(model, inputs, "
                     "num_items_in_batch), so nothing checks, clips or skips (and fp16 would not even autocast); "
                     "call it, or train with a stock Trainer")
-            optimizer = kwargs["optimizer"]
-            if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+            if holds_gradients(kwargs["optimizer"]):
                 # the guard dropped the group's gradients when it stepped: these came after it (an
                 # auxiliary loss's backward after super().training_step), and HF would apply them,
                 # unchecked and unclipped, as a second update the records never show
