@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,18 @@ def temporary_beside(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def is_temporary(name: str) -> bool:
+    """Whether the file ``name`` is one :func:`temporary_beside` names (``.NAME.tmp-PID``), or an
+    older ampguard's (``.NAME.tmp``): a write cut short, nothing of a run.
+
+    Example::
+
+        >>> is_temporary(".config.yaml.tmp-4242"), is_temporary(".run-id.tmp"), is_temporary("steps.csv")
+        (True, True, False)
+    """
+    return re.fullmatch(r"\..+\.tmp(-\d+)?", name) is not None
 
 
 def replace_atomically(path: str | os.PathLike, data: bytes | str) -> None:

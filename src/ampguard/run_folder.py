@@ -28,7 +28,7 @@ import torch
 
 from .config import Config, dump_config
 from .errors import ExitCode, InputError
-from .files import DiskFull, replace_atomically
+from .files import DiskFull, is_temporary, replace_atomically
 
 if TYPE_CHECKING:
     from .monitor import RunMonitor
@@ -276,7 +276,7 @@ class RunPaths:
             return False
         try:
             names = {p.name for p in self.dir.iterdir()}
-            if {n for n in names if not _temporary(n)} - {"config.yaml", RUN_ID_FILE}:
+            if {n for n in names if not is_temporary(n)} - {"config.yaml", RUN_ID_FILE}:
                 return False  # (a write cut short leaves its .NAME.tmp-PID: nothing of a run either)
         except OSError:
             return False
@@ -374,18 +374,6 @@ RUN_ID_FILE = "run-id"
 """The file in a run folder that holds its id."""
 RUN_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 """A run id as ``run-id`` holds it and checkpoints carry it: a uuid4's 32 hex digits."""
-
-
-def _temporary(name: str) -> bool:
-    """Whether ``name`` is a temporary file :func:`~ampguard.files.replace_atomically` writes
-    (``.NAME.tmp-PID``) or an older ampguard's (``.NAME.tmp``).
-
-    Example::
-
-        >>> _temporary(".config.yaml.tmp-4242"), _temporary(".run-id.tmp"), _temporary("steps.csv")
-        (True, True, False)
-    """
-    return re.fullmatch(r"\..+\.tmp(-\d+)?", name) is not None
 
 
 def _pid_in(fd: int) -> str | None:
