@@ -30,11 +30,10 @@ from .errors import ExitCode, InputError, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .records import LABEL_COLUMNS
-from .report import (Row, _linear_y, _number, card_ended, check_plot_path, drawn_by_ampguard, finished,
-                     finite_points, plot_metadata, policy_changes_of, read_steps_and_columns, replay,
-                     rolling_skip_rate, shown)
+from .report import (_linear_y, card_ended, check_plot_path, drawn_by_ampguard, finished, finite_points,
+                     plot_metadata, policy_changes_of, replay, rolling_skip_rate, shown)
 from .run_folder import RunPaths
+from .sinks import Row, metric_values, read_steps_and_columns
 
 if TYPE_CHECKING:
     from .config import Config
@@ -67,12 +66,10 @@ def _ended(card: Path) -> str:
 
 def _metrics(csv_path: Path, extra: list[dict[str, str]]) -> list[dict[str, float]]:
     """The held-out metrics of each evaluated step: the CSV's extra numeric columns (``extra``,
-    as :func:`~ampguard.report.read_steps_and_columns` read them; the optimizer labels left
-    out), empty cells skipped."""
+    as :func:`~ampguard.sinks.read_steps_and_columns` read them), as :func:`~ampguard.sinks.metric_values` reads them."""
     out = []
     for cells in extra:
-        values = {name: value for name, cell in cells.items()
-                  if name not in LABEL_COLUMNS and (value := _number(cell, name, str(csv_path))) is not None}
+        values = metric_values(cells, str(csv_path))
         if values:
             out.append(values)
     return out

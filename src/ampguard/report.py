@@ -6,15 +6,12 @@ Diagnostics only: nothing here is imported by the training step.
 from __future__ import annotations
 
 import contextlib
-import csv
 import errno
 import functools
 import math
 import os
 import warnings
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +22,9 @@ from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor
 from .precision import Precision, backend_text
-from .records import SKIP_REASONS, StepRecord, record_from
+from .records import SKIP_REASONS
 from .run_folder import RunPaths
-from .sinks import CSV_COLUMNS
+from .sinks import Row, read_steps_and_columns, read_steps_csv
 
 if TYPE_CHECKING:
     from .config import Config
@@ -38,168 +35,6 @@ FIGSIZE = (12.0, 14.0)  # inches
 DPI = 100  # -> a 1200 x 1400 pixel PNG
 HEATMAP_HEIGHT = 5.0  # inches added for the headroom heatmap, when the run recorded headroom
 
-
-@dataclass
-class Row:
-    """One line of a per-step CSV, as host values (``None`` for an empty cell).
-
-    Example::
-
-        >>> row = Row(step=2, lr=0.1, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None, loss=0.4,
-        ...           skipped=True, skip_reason="non_finite_grad", scaler_scale=32768.0)
-        >>> row.skipped, row.grad_l2_post_clip is None, row.record().reason
-        (True, True, 'non_finite_grad')
-    """
-
-    step: int
-    lr: float | None
-    grad_l2_pre_clip: float | None
-    grad_l2_post_clip: float | None
-    loss: float | None
-    skipped: bool
-    skip_reason: str
-    scaler_scale: float | None
-
-    def record(self) -> StepRecord:
-        """The row as a record the monitor can observe: a ``SkipLog`` with the reason when the
-        row was skipped, else a ``StepLog``.
-
-        Example::
-
-            >>> applied = Row(step=1, lr=0.1, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, loss=0.5,
-            ...               skipped=False, skip_reason="", scaler_scale=1.0)
-            >>> record = applied.record()
-            >>> type(record).__name__, record.skipped, record.values()["grad_l2_post_clip"]
-            ('StepLog', False, 1.0)
-        """
-        return record_from(self.step, vars(self), self.skip_reason if self.skipped else None)
-
-
-def _number(text: str, column: str, where: str) -> float | None:
-    if text == "":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise InputError(f"{where}: column {column} holds {text!r}, not a number") from None
-
-
-def read_steps_csv(path: str | Path) -> list[Row]:
-    """Parse a per-step CSV (docs/design.md §3); a malformed file raises :class:`InputError`.
-
-    Example::
-
-        >>> import shutil, tempfile
-        >>> folder = Path(tempfile.mkdtemp())
-        >>> csv_path = folder / "steps.csv"
-        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
-        ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
-        >>> rows = read_steps_csv(csv_path)
-        >>> [(r.step, r.skipped, r.skip_reason, r.grad_l2_pre_clip, r.grad_l2_post_clip) for r in rows]
-        [(1, False, '', 2.0, 1.0), (2, True, 'non_finite_grad', inf, None), (3, False, '', 0.5, 0.5)]
-        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n2,0.1,1.0,1.0,0.5,0,,1.0\\n1,0.1,1.0,1.0,0.5,0,,1.0\\n")
-        >>> try:
-        ...     read_steps_csv(csv_path)
-        ... except InputError as err:
-        ...     print(str(err).replace(str(folder), "DIR"))
-        DIR/steps.csv line 3: step 1 does not follow step 2
-        >>> shutil.rmtree(folder)
-    """
-    return read_steps_and_columns(path)[0]
-
-
-def read_steps_and_columns(path: str | Path, torn: list[str] | None = None
-                           ) -> tuple[list[Row], list[dict[str, str]]]:
-    """:func:`read_steps_csv`'s rows and, from the same one read, each row's cells of the columns
-    after the fixed eight (a run's ``val_loss``, the optimizer labels), by column name.
-
-    A last line that does not end in a newline is a row whose write was cut short (a kill, a
-    full disk): it is left out, as a resume drops it, and appended to ``torn`` when given (a
-    torn row of eight cells would otherwise be read with a truncated number).
-
-    Example::
-
-        >>> import shutil, tempfile
-        >>> folder = Path(tempfile.mkdtemp())
-        >>> csv_path = folder / "steps.csv"
-        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + ",val_loss\\n1,0.1,2.0,1.0,0.5,0,,1.0,0.7\\n")
-        >>> rows, extra = read_steps_and_columns(csv_path)
-        >>> [r.step for r in rows], extra
-        ([1], [{'val_loss': '0.7'}])
-        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n2,0.1,2.0,1.0,0.5,0,,655")
-        >>> torn = []
-        >>> [(r.step, r.scaler_scale) for r in read_steps_and_columns(csv_path, torn)[0]], torn
-        ([(1, 65536.0)], ['2,0.1,2.0,1.0,0.5,0,,655'])
-        >>> shutil.rmtree(folder)
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"no such CSV file: {path}")
-    extra: list[dict[str, str]] = []
-    try:
-        with path.open(newline="", encoding="utf-8-sig") as f:  # (a spreadsheet's byte-order mark: read past)
-            return list(_rows(path, csv.reader(_whole_lines(f, torn)), extra)), extra
-    except (UnicodeDecodeError, csv.Error) as err:
-        raise InputError(f"{path}: not a readable CSV ({err})") from None
-    except OSError as err:  # (a file that cannot be read: permissions, an I/O error)
-        raise InputError(f"{path}: cannot read it ({err.strerror or err})") from None
-
-
-def _whole_lines(lines: Iterable[str], torn: list[str] | None = None) -> Iterator[str]:
-    """``lines`` (a text file's, newlines kept) but a last one that does not end in a newline,
-    after the first: a write cut short. It goes into ``torn`` when given.
-
-    Example::
-
-        >>> torn = []
-        >>> list(_whole_lines(["step\\n", "1\\r\\n", "2\\n", "3"], torn)), torn, list(_whole_lines(["step"]))
-        (['step\\n', '1\\r\\n', '2\\n'], ['3'], ['step'])
-    """
-    for n, line in enumerate(lines):
-        if n and not line.endswith(("\n", "\r")):
-            if torn is not None:
-                torn.append(line)
-            return
-        yield line
-
-
-def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) -> Iterator[Row]:
-    header = next(reader, None)
-    if header is None or tuple(header[: len(CSV_COLUMNS)]) != CSV_COLUMNS:
-        raise InputError(f"{path}: the header is not ampguard's ({','.join(CSV_COLUMNS)})")
-    twice = [name for name, n in Counter(header).items() if n > 1]
-    if twice:  # (a metric named like a fixed column: which of the two is the loss?)
-        raise InputError(f"{path}: the header names {', '.join(map(repr, twice))} more than once")
-    fixed = len(CSV_COLUMNS)
-    previous = 0
-    for line_no, cells in enumerate(reader, start=2):
-        where = f"{path} line {line_no}"
-        if len(cells) != len(header):
-            raise InputError(f"{where}: {len(cells)} cells, the header has {len(header)}")
-        extra.append(dict(zip(header[fixed:], cells[fixed:])))
-        cell = dict(zip(CSV_COLUMNS, cells))  # the fixed eight, by position
-        try:
-            if not (cell["step"].isascii() and cell["step"].isdigit()):  # (int() takes "1_000", " 7", "+7")
-                raise ValueError(cell["step"])
-            step = int(cell["step"])
-        except ValueError:
-            raise InputError(f"{where}: step {cell['step']!r} is not a whole number") from None
-        if step <= previous:
-            raise InputError(f"{where}: step {step} does not follow step {previous}" if previous else
-                             f"{where}: step {step}, but steps count from 1")
-        previous = step
-        if cell["skipped"] not in ("0", "1"):
-            raise InputError(f"{where}: skipped must be 0 or 1, got {cell['skipped']!r}")
-        skipped = cell["skipped"] == "1"
-        reason = cell["skip_reason"]
-        if (reason not in SKIP_REASONS) if skipped else reason:
-            raise InputError(f"{where}: skip_reason {reason!r} does not fit skipped={cell['skipped']}")
-        yield Row(
-            step=step,
-            skipped=skipped,
-            skip_reason=reason,
-            **{c: _number(cell[c], c, where) for c in ("lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "scaler_scale")},
-        )
 
 
 def finite_points(rows: list[Row], values: list[float | None], positive: bool = False
@@ -479,6 +314,7 @@ def plot_run(
         >>> import shutil, tempfile
         >>> folder = Path(tempfile.mkdtemp())
         >>> csv_path = folder / "steps.csv"
+        >>> from ampguard.sinks import CSV_COLUMNS
         >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
         ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
         >>> png = plot_run(csv_path, folder / "report.png", window=10)
@@ -719,6 +555,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         >>> import shutil, tempfile
         >>> folder = Path(tempfile.mkdtemp())
         >>> csv_path = folder / "steps.csv"
+        >>> from ampguard.sinks import CSV_COLUMNS
         >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
         ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
         >>> monitor = replay(read_steps_csv(csv_path), init_scale=65536.0)
@@ -862,6 +699,7 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
         >>> from ampguard.monitor import RunMonitor
         >>> from ampguard.run_folder import RunPaths, RunResult
         >>> folder = Path(tempfile.mkdtemp())
+        >>> from ampguard.sinks import CSV_COLUMNS
         >>> _ = (folder / "steps.csv").write_text(",".join(CSV_COLUMNS) + "\\n")
         >>> result = RunResult(ExitCode.INTERRUPTED, RunMonitor(), RunPaths.existing(folder), "interrupted",
         ...                    torch.device("cpu"))
@@ -909,6 +747,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         >>> import shutil, tempfile
         >>> folder = Path(tempfile.mkdtemp())
         >>> csv_path = folder / "steps.csv"
+        >>> from ampguard.sinks import CSV_COLUMNS
         >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
         ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
         >>> code = run(folder, window=2)  # doctest: +ELLIPSIS

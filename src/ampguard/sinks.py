@@ -15,13 +15,15 @@ import json
 import os
 import sys
 import unicodedata
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from .errors import InputError, first_line, whole_number
 from .files import DiskFull, replace_atomically, writing
-from .records import LABEL_COLUMNS, StepRecord, format_number, strict_json
+from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
 CSV_COLUMNS: tuple[str, ...] = (
     "step", "lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "skipped", "skip_reason", "scaler_scale",
@@ -124,6 +126,207 @@ def _take_back(file: IO[bytes], written: int) -> None:
         with contextlib.suppress(OSError, ValueError):
             os.ftruncate(file.fileno(), file.tell() - written)
 
+
+# ---------------------------------------------------------------------------- reading steps.csv back
+
+@dataclass
+class Row:
+    """One line of a per-step CSV, as host values (``None`` for an empty cell).
+
+    Example::
+
+        >>> row = Row(step=2, lr=0.1, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None, loss=0.4,
+        ...           skipped=True, skip_reason="non_finite_grad", scaler_scale=32768.0)
+        >>> row.skipped, row.grad_l2_post_clip is None, row.record().reason
+        (True, True, 'non_finite_grad')
+    """
+
+    step: int
+    lr: float | None
+    grad_l2_pre_clip: float | None
+    grad_l2_post_clip: float | None
+    loss: float | None
+    skipped: bool
+    skip_reason: str
+    scaler_scale: float | None
+
+    def record(self) -> StepRecord:
+        """The row as a record the monitor can observe: a ``SkipLog`` with the reason when the
+        row was skipped, else a ``StepLog``.
+
+        Example::
+
+            >>> applied = Row(step=1, lr=0.1, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, loss=0.5,
+            ...               skipped=False, skip_reason="", scaler_scale=1.0)
+            >>> record = applied.record()
+            >>> type(record).__name__, record.skipped, record.values()["grad_l2_post_clip"]
+            ('StepLog', False, 1.0)
+        """
+        return record_from(self.step, vars(self), self.skip_reason if self.skipped else None)
+
+
+def csv_number(text: str, column: str, where: str) -> float | None:
+    """A number cell of steps.csv (``None`` when empty), or one :class:`InputError` line naming
+    ``where`` and the ``column``.
+
+    Example::
+
+        >>> csv_number("0.25", "lr", "steps.csv line 2"), csv_number("", "loss", "steps.csv line 2")
+        (0.25, None)
+        >>> csv_number("0.0\\x0003", "lr", "steps.csv line 2")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: steps.csv line 2: column lr holds '0.0\\x0003', not a number
+    """
+    if text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise InputError(f"{where}: column {column} holds {text!r}, not a number") from None
+
+
+def metric_values(cells: Mapping[str, str], where: str) -> dict[str, float]:
+    """A row's cells after the fixed eight (:func:`read_steps_and_columns`' ``extra``) as numbers,
+    by column: the held-out metrics, the optimizer labels and empty cells left out.
+
+    Example::
+
+        >>> metric_values({"val_loss": "0.5", "val_accuracy": "", "skipped_optimizers": "D"}, "line 2")
+        {'val_loss': 0.5}
+    """
+    return {name: value for name, cell in cells.items()
+            if name not in LABEL_COLUMNS and (value := csv_number(cell, name, where)) is not None}
+
+
+def read_steps_csv(path: str | Path) -> list[Row]:
+    """Parse a per-step CSV (docs/design.md §3); a malformed file raises :class:`InputError`.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> csv_path = folder / "steps.csv"
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
+        ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
+        >>> rows = read_steps_csv(csv_path)
+        >>> [(r.step, r.skipped, r.skip_reason, r.grad_l2_pre_clip, r.grad_l2_post_clip) for r in rows]
+        [(1, False, '', 2.0, 1.0), (2, True, 'non_finite_grad', inf, None), (3, False, '', 0.5, 0.5)]
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n2,0.1,1.0,1.0,0.5,0,,1.0\\n1,0.1,1.0,1.0,0.5,0,,1.0\\n")
+        >>> try:
+        ...     read_steps_csv(csv_path)
+        ... except InputError as err:
+        ...     print(str(err).replace(str(folder), "DIR"))
+        DIR/steps.csv line 3: step 1 does not follow step 2
+        >>> shutil.rmtree(folder)
+    """
+    return read_steps_and_columns(path)[0]
+
+
+def read_steps_and_columns(path: str | Path, torn: list[str] | None = None
+                           ) -> tuple[list[Row], list[dict[str, str]]]:
+    """:func:`read_steps_csv`'s rows and, from the same one read, each row's cells of the columns
+    after the fixed eight (a run's ``val_loss``, the optimizer labels), by column name.
+
+    A last line that does not end in a newline is a row whose write was cut short (a kill, a
+    full disk): it is left out, as a resume drops it, and appended to ``torn`` when given (a
+    torn row of eight cells would otherwise be read with a truncated number).
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> csv_path = folder / "steps.csv"
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + ",val_loss\\n1,0.1,2.0,1.0,0.5,0,,1.0,0.7\\n")
+        >>> rows, extra = read_steps_and_columns(csv_path)
+        >>> [r.step for r in rows], extra
+        ([1], [{'val_loss': '0.7'}])
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n2,0.1,2.0,1.0,0.5,0,,655")
+        >>> torn = []
+        >>> [(r.step, r.scaler_scale) for r in read_steps_and_columns(csv_path, torn)[0]], torn
+        ([(1, 65536.0)], ['2,0.1,2.0,1.0,0.5,0,,655'])
+        >>> shutil.rmtree(folder)
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no such CSV file: {path}")
+    extra: list[dict[str, str]] = []
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:  # (a spreadsheet's byte-order mark: read past)
+            return list(_rows(path, csv.reader(_whole_lines(f, torn)), extra)), extra
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise InputError(f"{path}: not a readable CSV ({err})") from None
+    except OSError as err:  # (a file that cannot be read: permissions, an I/O error)
+        raise InputError(f"{path}: cannot read it ({err.strerror or err})") from None
+
+
+def _whole_lines(lines: Iterable[str], torn: list[str] | None = None) -> Iterator[str]:
+    """``lines`` (a text file's, newlines kept) but a last one that does not end in a newline,
+    after the first: a write cut short. It goes into ``torn`` when given.
+
+    Example::
+
+        >>> torn = []
+        >>> list(_whole_lines(["step\\n", "1\\r\\n", "2\\n", "3"], torn)), torn, list(_whole_lines(["step"]))
+        (['step\\n', '1\\r\\n', '2\\n'], ['3'], ['step'])
+    """
+    for n, line in enumerate(lines):
+        if n and not line.endswith(("\n", "\r")):
+            if torn is not None:
+                torn.append(line)
+            return
+        yield line
+
+
+def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) -> Iterator[Row]:
+    header = next(reader, None)
+    if header is None or tuple(header[: len(CSV_COLUMNS)]) != CSV_COLUMNS:
+        raise InputError(f"{path}: the header is not ampguard's ({','.join(CSV_COLUMNS)})")
+    twice = [name for name, n in Counter(header).items() if n > 1]
+    if twice:  # (a metric named like a fixed column: which of the two is the loss?)
+        raise InputError(f"{path}: the header names {', '.join(map(repr, twice))} more than once")
+    fixed = len(CSV_COLUMNS)
+    previous = 0
+    for line_no, cells in enumerate(reader, start=2):
+        where = f"{path} line {line_no}"
+        if len(cells) != len(header):
+            raise InputError(f"{where}: {len(cells)} cells, the header has {len(header)}")
+        extra.append(dict(zip(header[fixed:], cells[fixed:])))
+        cell = dict(zip(CSV_COLUMNS, cells))  # the fixed eight, by position
+        try:
+            if not (cell["step"].isascii() and cell["step"].isdigit()):  # (int() takes "1_000", " 7", "+7")
+                raise ValueError(cell["step"])
+            step = int(cell["step"])
+        except ValueError:
+            raise InputError(f"{where}: step {cell['step']!r} is not a whole number") from None
+        if step <= previous:
+            raise InputError(f"{where}: step {step} does not follow step {previous}" if previous else
+                             f"{where}: step {step}, but steps count from 1")
+        previous = step
+        if cell["skipped"] not in ("0", "1"):
+            raise InputError(f"{where}: skipped must be 0 or 1, got {cell['skipped']!r}")
+        skipped = cell["skipped"] == "1"
+        reason = cell["skip_reason"]
+        if (reason not in SKIP_REASONS) if skipped else reason:
+            raise InputError(f"{where}: skip_reason {reason!r} does not fit skipped={cell['skipped']}")
+        yield Row(
+            step=step,
+            skipped=skipped,
+            skip_reason=reason,
+            **{c: csv_number(cell[c], c, where) for c in ("lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "scaler_scale")},
+        )
+
+
+def _read_back(path: Path, kept: bytes) -> None:
+    """One :class:`InputError` line unless ``kept`` (the lines of ``path`` a resume keeps) reads as
+    :func:`read_steps_and_columns` reads a run's steps.csv: an append to a row ``report`` refuses
+    would leave a run no one can read back (a number cell edited by hand, a NUL in it)."""
+    extra: list[dict[str, str]] = []
+    try:
+        for _ in _rows(path, csv.reader(kept.decode("utf-8").splitlines(keepends=True)), extra):
+            metric_values(extra[-1], f"{path} line {len(extra) + 1}")
+    except InputError as err:
+        raise InputError(f"{err}; cannot resume from it") from None
 
 class RowsEndEarly(InputError):
     """A CSV a resume would append to stops before the checkpoint's step (:meth:`CsvSink.kept_rows`):
@@ -374,23 +577,27 @@ class CsvSink(_LineFile):
         one :class:`InputError` line); a torn last line and the rows after ``step`` left out.
         ``first``: the rows kept must be every step from ``first`` to ``step``, one each (a run's
         own steps.csv from 1): a row missing, or a step going back, is one line too (appending
-        to it would make a CSV that disagrees with the run card, or one ``report`` refuses).
+        to it would make a CSV that disagrees with the run card, or one ``report`` refuses), and
+        each row kept must read as :func:`read_steps_and_columns` reads it (its numbers numbers).
         Reads only: a resume checks every log with it before it cuts any (``Trainer``).
 
         Example::
 
             >>> import tempfile
             >>> path = Path(tempfile.mkdtemp()) / "steps.csv"
-            >>> for text in ("step\\n1\\n2\\n3\\n", "step\\n1\\n2\\n", "step\\n1\\n3\\n", "step\\n1\\n2\\n3\\n2\\n"):
+            >>> def rows(*steps, lr="0.1"):
+            ...     return ",".join(CSV_COLUMNS) + "".join(f"\\n{n},{lr},1,1,0.5,0,,1" for n in steps) + "\\n"
+            >>> for text in (rows(1, 2, 3, 4), rows(1, 2), rows(1, 3), rows(1, 2, 3, 2), rows(1, 2, 3, lr="0.\\x001")):
             ...     _ = path.write_text(text)
             ...     try:
-            ...         print(CsvSink.kept_rows(path, 1, 3, first=1))
+            ...         print(CsvSink.kept_rows(path, 8, 3, first=1).count(b"\\n"), "lines kept")
             ...     except InputError as err:
             ...         print(str(err).replace(str(path), "steps.csv"))
-            b'step\\n1\\n2\\n3\\n'
+            4 lines kept
             steps.csv: its rows end at step 2, the checkpoint is at step 3 (rows missing); cannot resume into it
             steps.csv line 3: step 3 where step 2 should be (a row is missing); cannot resume into it
             steps.csv line 5: step 2 where step 4 should be (a step goes back); cannot resume into it
+            steps.csv line 2: column lr holds '0.\\x001', not a number; cannot resume from it
         """
         lines = path.read_bytes().splitlines(keepends=True)
         keep = lines[:1]
@@ -420,6 +627,8 @@ class CsvSink(_LineFile):
                 break
             keep.append(raw)
             expected = None if expected is None else expected + 1
+        if first is not None:  # (a run's own steps.csv): each row kept is one report can read, cell by cell
+            _read_back(path, b"".join(keep))
         if expected is not None and expected <= step:
             raise RowsEndEarly(f"{path}: its rows end at step {expected - 1}, the checkpoint is at step {step} (rows "
                                "missing); cannot resume into it", expected - 1)

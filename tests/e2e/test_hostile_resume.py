@@ -13,6 +13,7 @@ import contextlib
 import io
 import os
 import pickle
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,7 +26,8 @@ from helpers import ag, deadline, in_fork, ok, one_error_line, run_events, snaps
 
 from ampguard import checkpoint as ckpt
 from ampguard import checkpointer as ck
-from ampguard.errors import ExitCode
+from ampguard.compare import load_run
+from ampguard.errors import ExitCode, InputError
 
 LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "log.plot=false"]  # (no plot read here)
 SHORT = ["--set", "steps=8", "--set", "checkpoint.every=4", "--set", "checkpoint.keep=10", "--set", "log.every=1000"]
@@ -229,6 +231,26 @@ def test_a_steps_csv_cell_past_the_csv_modules_limit_is_one_line(lin, snapshot):
     assert line.endswith(f"{lin / 'steps.csv'} line 3: not a row of this CSV (field larger than field limit "
                          "(131072)); cannot resume from it"), line
 
+
+
+@pytest.mark.parametrize("column, cell, said", [
+    ("lr", "0.0\x0003", "column lr holds '0.0\\x0003', not a number"),
+    ("loss", "1e", "column loss holds '1e', not a number"),
+    ("val_loss", "n/a", "column val_loss holds 'n/a', not a number"),
+    ("skipped", "2", "skipped must be 0 or 1, got '2'"),
+])
+def test_a_kept_row_report_cannot_read_is_refused_not_appended_to(lin, snapshot, column, cell, said):
+    # resume checked only each kept row's step cell: it appended to the row edited by hand, and
+    # the run could no longer be read back (report and compare refused it, at the same cell)
+    rows = (lin / "steps.csv").read_text(encoding="utf-8").splitlines(keepends=True)
+    header = rows[0].rstrip("\n").split(",")
+    cells = rows[3].rstrip("\n").split(",")
+    cells[header.index(column)] = cell
+    rows[3] = ",".join(cells) + "\n"
+    (lin / "steps.csv").write_text("".join(rows), encoding="utf-8")
+    with pytest.raises(InputError, match=re.escape(said)):
+        load_run(lin)  # as compare reads a run (report: its fixed eight columns)
+    assert refused(snapshot, lin, "--resume", lin).endswith(f"{lin / 'steps.csv'} line 4: {said}; cannot resume from it")
 
 def test_a_resume_whose_csv_columns_would_change_is_refused_before_config_yaml_is_rewritten(lin, snapshot):
     line = refused(snapshot, lin, "--resume", lin, "--set", "steps=12", "--set", "eval.enabled=false")
