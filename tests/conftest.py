@@ -1,16 +1,24 @@
 """Shared fixtures: run the CLI in-process, snapshot a folder (and check it is unchanged); the tiny
 classifier factory of the validate tests; one intra-op thread and no bytecode for the task tests
-(unit and whole runs)."""
+(unit and whole runs); early jobs (a module's slow launches, started at collection)."""
 
 from __future__ import annotations
 
+import functools
+import os
+import pickle
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import snapshot_of
+from early_runner import NICE, RESULT
+from helpers import GLOO, kill_tree, own_process_group, snapshot_of
 
 from ampguard.cli import main
 
@@ -21,6 +29,62 @@ def pytest_configure(config: pytest.Config) -> None:
     # that stop a run with Ctrl-C would find it running on. They are about Ctrl-C, not about that.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# ---------------------------------------------------------------------------- early jobs
+# A module whose launches are slow (torchrun: three processes a launch, each importing torch)
+# defines ``early(work) -> result`` (picklable: builtins, paths, helpers.Ended). Its job starts at
+# collection in a process of its own at nice 19 (tests/early_runner.py), and the module's tests run
+# last, reading ``early_result``: the launches run on the core the in-process tests leave idle,
+# instead of a minute of the suite's own.
+
+EARLY_TIMEOUT_S = 900
+_EARLY: dict[str, tuple[subprocess.Popen, Path]] = {}
+
+
+def _start_early(module_file: str) -> None:
+    work = Path(tempfile.mkdtemp(prefix=f"early-{Path(module_file).stem}-"))
+    with (work / "early.stdout").open("w") as out, (work / "early.stderr").open("w") as err:
+        _EARLY[module_file] = (subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("early_runner.py")), module_file, str(work)], cwd=work,
+            stdout=out, stderr=err, stdin=subprocess.DEVNULL, **own_process_group(functools.partial(os.nice, NICE))), work)
+
+
+@pytest.hookimpl(trylast=True)  # (after -k and -m have deselected: no job for a module none of whose tests run)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    early = {m.__file__ for m in (getattr(item, "module", None) for item in items) if callable(getattr(m, "early", None))}
+    if early:
+        items.sort(key=lambda item: getattr(getattr(item, "module", None), "__file__", None) in early)  # (stable)
+        if GLOO and not config.option.collectonly:
+            for module_file in sorted(early):
+                _start_early(module_file)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for proc, work in _EARLY.values():
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def early_result(request: pytest.FixtureRequest) -> tuple[Path, object]:
+    """(the early job's working folder, what the module's ``early(work)`` returned), once it ended."""
+    module_file = request.module.__file__
+    if module_file not in _EARLY:  # (not started at collection: started now)
+        _start_early(module_file)
+    proc, work = _EARLY[module_file]
+    try:
+        how = f"exited {proc.wait(timeout=EARLY_TIMEOUT_S)}"
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+        how = f"did not end within {EARLY_TIMEOUT_S} s"
+    if proc.returncode != 0 or not (work / RESULT).is_file():
+        said = (work / "early.stderr").read_text(errors="replace")
+        pytest.fail(f"early() of {Path(module_file).name} {how}:\n{said[-6000:]}")
+    return work, pickle.loads((work / RESULT).read_bytes())
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import resource
 import signal
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -264,8 +265,24 @@ def end_all(procs: Any) -> None:
         proc.communicate()
 
 
+def own_process_group(preexec_fn: Any = None) -> dict[str, Any]:
+    """``subprocess.Popen`` arguments that start the child in a process group of its own (which
+    :func:`kill_tree` ends), after ``preexec_fn``. Not a session of its own: on Linux each session
+    is a scheduler autogroup, which shares the cores with the others whatever its processes' nice,
+    so an early job (conftest.py) at nice 19 would take a core from the tests in the foreground."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0, "preexec_fn": preexec_fn}
+
+    def set_up() -> None:  # pragma: no cover - Python 3.10
+        os.setpgrp()
+        if preexec_fn is not None:
+            preexec_fn()
+
+    return {"preexec_fn": set_up}
+
+
 def kill_tree(pid: int) -> None:
-    """SIGKILL the process ``pid`` (a torchrun started with ``start_new_session``), its process
+    """SIGKILL the process ``pid`` (a torchrun started in :func:`own_process_group`), its process
     group and every descendant: torchrun's workers may sit in sessions of their own, out of
     reach of ``killpg``, and a worker hung in a collective would outlive the test holding its
     pipes open (psutil, where installed, finds them)."""
@@ -300,8 +317,7 @@ class Launch:
         self._err = (cwd.parent / f"{name}.stderr").open("w+")
         self.started = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=env or torchrun_env(), stdout=self._out,
-                                     stderr=self._err, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=preexec_fn)
+                                     stderr=self._err, stdin=subprocess.DEVNULL, **own_process_group(preexec_fn))
         self.rc: int | None = None
         self.stdout = self.stderr = ""
 
@@ -336,15 +352,42 @@ class Launch:
 
     def ok(self) -> Launch:
         self.wait()
-        assert self.rc == 0, (f"torchrun {self.name} exited {self.rc}\nstdout tail:\n{self.stdout[-2000:]}\n"
-                              f"stderr tail:\n{self.stderr[-4000:]}")
+        _ended_ok(self)
         return self
+
+    def ended(self) -> Ended:
+        """What it left once it ended (:meth:`wait`), as a picklable :class:`Ended`."""
+        self.wait()
+        return Ended(self.name, self.rc, self.stdout, self.stderr, self.cwd)
 
     def close(self) -> None:
         self.kill()
         self._out.close()
         self._err.close()
 
+
+@dataclass(frozen=True)
+class Ended:
+    """A :class:`Launch` that ended: its exit code and output, with the same ``wait`` and ``ok``
+    (an early job, run in a process of its own, hands these back: see conftest.py)."""
+
+    name: str
+    rc: int
+    stdout: str
+    stderr: str
+    cwd: Path
+
+    def wait(self) -> Ended:
+        return self
+
+    def ok(self) -> Ended:
+        _ended_ok(self)
+        return self
+
+
+def _ended_ok(launch: Launch | Ended) -> None:
+    assert launch.rc == 0, (f"torchrun {launch.name} exited {launch.rc}\nstdout tail:\n{launch.stdout[-2000:]}\n"
+                            f"stderr tail:\n{launch.stderr[-4000:]}")
 
 def torchrun_env(**extra: str) -> dict[str, str]:
     """This process's environment without the variables of an enclosing torchrun, one thread a

@@ -1,17 +1,18 @@
 """Data-parallel training under torchrun (issue 6): CPU, gloo, 2 processes.
 
 Each torchrun launch costs seconds (torch is imported by three processes), so the launches are
-few, started early, run side by side and shared by the tests of this module:
+few, run side by side in an early job (conftest.py: started at collection) and shared by the
+tests of this module:
 
-- first, together: ``A``, ``ampguard train`` with DDP, fp32, accumulation 2, per-rank batch 8,
-  8 steps, a checkpoint at step 4, and faults on rank 1 only (``nan_loss@3@rank1``,
-  ``inf_grad@6@rank1``); ``F``, the same with FSDP2 (6 steps, ``nan_loss@2@rank1``); ``S``,
-  ``dist_scripts/lib_api.py``, the library API (``AmpTrainState``) on a DDP-wrapped and an
-  FSDP2-sharded model, each rank writing its own state to a file. Meanwhile the single-process
-  references (batch 16) run in this process.
-- then, once A is done: ``B``, a copy of run A resumed from its step-4 checkpoint; ``W``, a copy of
-  the single-process run resumed under torchrun (refused: world size); ``N``, 3 steps with
-  ``nan_input@2@rank1``.
+- together: ``A``, ``ampguard train`` with DDP, fp32, accumulation 2, per-rank batch 8, 8 steps,
+  a checkpoint at step 4, and faults on rank 1 only (``nan_loss@3@rank1``, ``inf_grad@6@rank1``);
+  ``F``, the same with FSDP2 (6 steps, ``nan_loss@2@rank1``); ``S``, ``dist_scripts/lib_api.py``,
+  the library API (``AmpTrainState``) on a DDP-wrapped and an FSDP2-sharded model, each rank
+  writing its own state to a file; ``N``, 3 steps with ``nan_input@2@rank1``;
+- once A is done: ``B``, a copy of run A resumed from its step-4 checkpoint.
+
+The single-process references (batch 16) run in this process, and then ``W``: a copy of the
+single-process run resumed under torchrun (refused: world size).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TORCHRUN, read_rows, run_events, snapshot_of
+from helpers import TORCHRUN, Ended, read_rows, run_events, snapshot_of
 from helpers import Launch as _Launch
 
 from ampguard.checkpoint import load_checkpoint
@@ -34,7 +35,7 @@ from ampguard.cli import main as ampguard_main
 
 pytestmark = TORCHRUN
 
-TIMEOUT_S = 180
+TIMEOUT_S = 600  # (an early job: at nice 19, it may wait for the core while other tests run)
 SCRIPTS = Path(__file__).parent.parent / "dist_scripts"
 CKPT4, CKPT8 = "step-00000004.pt", "step-00000008.pt"
 
@@ -56,15 +57,10 @@ def Launch(name: str, args: list[str], cwd: Path) -> _Launch:  # noqa: N802 - th
     return _Launch(name, args, cwd, timeout_s=TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("dist")
-
-
-@pytest.fixture(scope="module")
-def launches(work):
-    """A, F and S, started together (each waits on its own when a test asks for it)."""
-    started: dict[str, Launch] = {}
+def early(work: Path) -> dict[str, Ended]:
+    """A, F, S and N started together in ``work``, and B (a copy of run A resumed from its step-4
+    checkpoint) once A is done; each once it ended (an early job: see conftest.py)."""
+    started: dict[str, _Launch] = {}
     try:
         started["A"] = Launch("A", ["-m", "ampguard", "train", *RUN_A, *FAULTS_A,
                                     "--set", f"log.dir={work / 'A_runs'}"], work / "A_cwd")
@@ -72,10 +68,29 @@ def launches(work):
                                     "--set", f"log.dir={work / 'F_runs'}", "--set", "log.name=F"], work / "F_cwd")
         (work / "S_out").mkdir()
         started["S"] = Launch("S", [str(SCRIPTS / "lib_api.py"), str(work / "S_out" / "state")], work / "S_cwd")
-        yield started
+        started["N"] = Launch("N", ["-m", "ampguard", "train", *COMMON, "--set", "steps=3",
+                                    "--set", "eval.enabled=false", "--set", "checkpoint.enabled=false",
+                                    "--inject", "nan_input@2@rank1", "--set", f"log.dir={work / 'N_runs'}",
+                                    "--set", "log.name=N"], work / "N_cwd")
+        if started["A"].ended().rc == 0:
+            b = work / "B_runs" / "B"
+            shutil.copytree(_single_run_dir(work / "A_runs"), b)
+            started["B"] = Launch("B", ["-m", "ampguard", "train", "--resume", str(b / "checkpoints" / CKPT4)],
+                                  work / "B_cwd")
+        return {name: launch.ended() for name, launch in started.items()}
     finally:
         for launch in started.values():
             launch.close()
+
+
+@pytest.fixture(scope="module")
+def work(early_result) -> Path:
+    return early_result[0]
+
+
+@pytest.fixture(scope="module")
+def launches(early_result) -> dict[str, Ended]:
+    return early_result[1]
 
 
 def _single_run_dir(runs: Path) -> Path:
@@ -92,31 +107,18 @@ def run_a(launches, work) -> Path:
 
 
 @pytest.fixture(scope="module")
-def resume_launches(run_a, single_a, work):
-    """Started together once run A is done (not waited on here):
-
-    - ``B``: a copy of run A resumed under torchrun from its step-4 checkpoint;
-    - ``W``: a copy of the single-process run resumed under torchrun (a different world size);
-    - ``N``: a short DDP run with ``nan_input@2@rank1``."""
-    b = work / "B_runs" / "B"
-    shutil.copytree(run_a, b)
+def resume_launches(launches, run_a, single_a, work):
+    """``B`` and ``N`` (the early job's) and ``W``, started here (not waited on): a copy of the
+    single-process run resumed under torchrun (a different world size)."""
     w = work / "W_runs" / "W"
     shutil.copytree(single_a, w)
     w_before = snapshot_of(w)
-    started: dict[str, Launch] = {}
+    started = Launch("W", ["-m", "ampguard", "train", "--resume", str(w / "checkpoints" / CKPT4)], work / "W_cwd")
     try:
-        started["B"] = Launch("B", ["-m", "ampguard", "train", "--resume", str(b / "checkpoints" / CKPT4)],
-                              work / "B_cwd")
-        started["W"] = Launch("W", ["-m", "ampguard", "train", "--resume", str(w / "checkpoints" / CKPT4)],
-                              work / "W_cwd")
-        started["N"] = Launch("N", ["-m", "ampguard", "train", *COMMON, "--set", "steps=3",
-                                    "--set", "eval.enabled=false", "--set", "checkpoint.enabled=false",
-                                    "--inject", "nan_input@2@rank1", "--set", f"log.dir={work / 'N_runs'}",
-                                    "--set", "log.name=N"], work / "N_cwd")
-        yield {"B": (started["B"], b), "W": (started["W"], w, w_before), "N": (started["N"], work / "N_runs" / "N")}
+        yield {"B": (launches["B"], work / "B_runs" / "B"), "W": (started, w, w_before),
+               "N": (launches["N"], work / "N_runs" / "N")}
     finally:
-        for launch in started.values():
-            launch.close()
+        started.close()
 
 
 def _single_process(work: Path, name: str, args: list[str]) -> Path:

@@ -4,7 +4,7 @@
 ``forward`` for ``fully_shard``), leaves a unit whose parameters are shared with another (tied
 weights) to the root's group, and turns what ``fully_shard`` still refuses into one line.
 
-Five torchrun launches, started together and shared by the tests:
+Five torchrun launches, started together in an early job (conftest.py) and shared by the tests:
 
 - ``CF`` / ``CD``: the built-in ``charlm`` (a ModuleList of blocks, the head tied to the
   embedding), tiny, fp32, under FSDP2 and under DDP: the same steps.csv;
@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TORCHRUN
+from helpers import TORCHRUN, Ended
 
-TIMEOUT_S = 120
+TIMEOUT_S = 600  # (an early job: at nice 19, it may wait for the core while other tests run)
 TESTS = Path(__file__).resolve().parent.parent
 CHARLM = ["--set", "task.name=charlm", "--set", "task.n_layer=1", "--set", "task.n_embd=16", "--set", "task.n_head=2",
           "--set", "task.block_size=16", "--set", "task.batch_size=2", "--set", "eval.batches=1",
@@ -93,13 +93,8 @@ def Launch(name: str, args: list[str], cwd: Path):  # noqa: N802 - helpers.Launc
     return Launch(name, args, cwd, timeout_s=TIMEOUT_S, env=env)
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("fsdp2_wrap")
-
-
-@pytest.fixture(scope="module")
-def launches(work):
+def early(work: Path) -> dict[str, Ended]:
+    """Every launch, started together in ``work``, once it ended (an early job: see conftest.py)."""
     (work / "tied.py").write_text(TIED_FACTORY)
     (work / "scalar.py").write_text(SCALAR_FACTORY)
     specs = {
@@ -118,10 +113,20 @@ def launches(work):
             if name != "H":
                 args = [*args, "--set", f"log.dir={work / 'runs'}", "--set", f"log.name={name}"]
             started[name] = Launch(name, args, work / f"{name}_cwd")
-        yield started
+        return {name: launch.ended() for name, launch in started.items()}
     finally:
         for launch in started.values():
             launch.close()
+
+
+@pytest.fixture(scope="module")
+def work(early_result) -> Path:
+    return early_result[0]
+
+
+@pytest.fixture(scope="module")
+def launches(early_result) -> dict[str, Ended]:
+    return early_result[1]
 
 
 def _steps(work: Path, name: str) -> str:

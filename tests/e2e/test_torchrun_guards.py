@@ -1,4 +1,4 @@
-"""Guard stops under torchrun (issue 16): CPU, gloo, 2 processes, two launches side by side.
+"""Guard stops under torchrun (issue 16): CPU, gloo, 2 processes; every launch side by side, early (conftest.py).
 
 - ``S``: ``--strict --inject nan_loss@3@rank1``. The NaN is born on rank 1 only; every rank must
   stop at step 3 with exit 3 (none cut short by torchrun's SIGTERM when another exits first),
@@ -50,7 +50,7 @@ from ampguard.errors import ExitCode
 
 pytestmark = TORCHRUN
 
-TIMEOUT_S = 180
+TIMEOUT_S = 600  # (an early job: at nice 19, it may wait for the core while other tests run)
 RUN = ["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",
        "--set", "task.batch_size=8", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
 SHARDED_EVAL = '''
@@ -154,10 +154,10 @@ KILLED_RUN = ["train", "--set", "task.factory=../killed.py:build", "--set", "pre
               "--set", "log.name=W"]
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    """{name: (torchrun's exit code, stdout, stderr, working folder)} for S and D, run side by side."""
-    work = tmp_path_factory.mktemp("torchrun_guards")
+def early(work: Path) -> dict[str, tuple]:
+    """{name: (torchrun's exit code, stdout, stderr, working folder)} of every launch, run side
+    by side in ``work``; and ``W-left``, what W's kill left before its resume (an early job: see
+    conftest.py)."""
     wrapper = work / "rank_exit.py"
     wrapper.write_text(WRAPPER)
     (work / "sharded_eval.py").write_text(SHARDED_EVAL)
@@ -214,10 +214,15 @@ def launches(tmp_path_factory):
             launch.wait()
             results[name] = (launch.rc, launch.stdout, launch.stderr, launch.cwd)
         assert killed.rc is not None
-        yield results
+        return results
     finally:
         for launch in started.values():
             launch.close()
+
+
+@pytest.fixture(scope="module")
+def launches(early_result) -> dict[str, tuple]:
+    return early_result[1]
 
 
 def _rank_codes(cwd: Path) -> dict[int, int]:

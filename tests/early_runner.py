@@ -1,0 +1,48 @@
+"""Run one test module's ``early(work)`` and write what it returns, pickled, to
+``WORK/early.pickle``: ``python early_runner.py MODULE_FILE WORK``. conftest.py starts it at
+collection, in a process of its own at nice 19 (see there); the module's tests read the result.
+
+Every process the job starts inherits the nice. torchrun starts each worker in a session of its
+own, though, and on Linux a session is a scheduler autogroup that shares the cores with the
+others whatever its processes' nice: each worker sets its autogroup's nice too (a
+``sitecustomize`` on the job's ``PYTHONPATH``), or the job would take a core from the tests
+running in the foreground.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import sys
+from pathlib import Path
+
+RESULT = "early.pickle"
+NICE = 19
+SITE = f"""import os
+if os.getsid(0) == os.getpid():  # (a session of its own: a torchrun worker) -- tests/early_runner.py
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("{NICE}")
+    except OSError:  # (not Linux, or no autogroups)
+        pass
+"""
+
+
+def main(module_file: str, work: str) -> None:
+    site = Path(work) / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # `helpers`, as pytest puts tests/ on the path
+    spec = importlib.util.spec_from_file_location(f"early_{Path(module_file).stem}", module_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.early(Path(work))
+    out = Path(work) / RESULT
+    (partial := out.with_suffix(".partial")).write_bytes(pickle.dumps(result))
+    partial.replace(out)  # whole or absent
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
