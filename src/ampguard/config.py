@@ -23,7 +23,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticKnownError
 
-from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, first_line
+from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, first_line, has_control
 from .faults import parse_fault
 from .monitor import DEFAULT_MIN_STEPS
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, uses_loss_scaler
@@ -287,14 +287,9 @@ def _path(path: str | None) -> str | None:
         ...
         ValueError: holds a control character (got 'a\\x00b')
     """
-    if path is not None and _has_control(path):
+    if path is not None and has_control(path):
         raise ValueError(f"holds a control character (got {path!r})")
     return _home(path)
-
-
-def _has_control(text: str) -> bool:
-    """Whether ``text`` holds an ASCII control character (C0 or DEL: a NUL, a tab, a newline)."""
-    return any(ord(c) < 32 or ord(c) == 127 for c in text)
 
 
 def _listed_once(values: list[str], why: str = "") -> list[str]:
@@ -711,7 +706,7 @@ class LogConfig(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str | None) -> str | None:
-        if v is not None and (not v or "/" in v or v in (".", "..") or _has_control(v)):
+        if v is not None and (not v or "/" in v or v in (".", "..") or has_control(v)):
             raise ValueError(f"must be a plain folder name (got {v!r})")  # (a newline broke every line naming it)
         if v is not None and len(v.encode("utf-8", "surrogateescape")) > MAX_NAME:  # (a file name's limit is bytes)
             raise ValueError(f"at most {MAX_NAME} bytes in UTF-8 (got {len(v.encode('utf-8', 'surrogateescape'))})")

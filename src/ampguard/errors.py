@@ -9,6 +9,7 @@ Example::
     (3, 'BAD_INPUT')
 """
 
+import unicodedata
 from enum import IntEnum
 from pathlib import Path
 
@@ -129,6 +130,21 @@ def first_line(err: BaseException, with_type: bool = False) -> str:
         return type(err).__name__
     return f"{type(err).__name__}: {text.splitlines()[0]}" if with_type else text.splitlines()[0]
 
+
+
+def has_control(text: str) -> bool:
+    """Whether ``text`` holds a control character (Unicode's Cc: C0, DEL and C1, a NUL, a tab, a
+    newline, NEL) or a line or paragraph separator: what would split a one-line message, a CSV
+    header or a console line, or reach the OS as a raw byte.
+
+    Example::
+
+        >>> has_control("val_loss"), has_control("a\\0b"), has_control("a\\x85b"), has_control("a\\u2028b")
+        (False, True, True, True)
+        >>> has_control("a\\u00a0b")  # a no-break space is a space
+        False
+    """
+    return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text)
 
 MAX_RAISED = 200
 """The most characters of what the user's code raised that a one-line refusal shows."""

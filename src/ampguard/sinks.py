@@ -14,14 +14,13 @@ import importlib.util
 import json
 import os
 import sys
-import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from .errors import InputError, first_line, whole_number
+from .errors import InputError, first_line, has_control, whole_number
 from .files import DiskFull, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
@@ -57,7 +56,7 @@ def check_column_names(names: Iterable[object], what: str, reserved: Iterable[st
             raise InputError(f"{what} {name!r} is a {type(name).__name__}, not a name (a string)")
         if not name:
             raise InputError(f"{what} {name!r} is empty; name it")
-        if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in name):  # (a line break split the header)
+        if has_control(name):  # (a line break split the header)
             raise InputError(f"{what} {name!r} holds a control character or a line break; name it otherwise")
         if name in reserved:
             raise InputError(f"{what} {name!r} is one of the CSV's fixed columns ({', '.join(reserved)}); "

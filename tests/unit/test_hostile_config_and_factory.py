@@ -6,6 +6,7 @@ nothing written."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,8 @@ def test_a_config_that_is_one_value_names_its_kind_not_the_loaders_class(cli, tm
     ('task: {factory: "a\\0b.py:build"}\n', "task.factory", "'a\\x00b.py:build'"),
     ('validation: {checkpoint: "a\\tb.pt"}\n', "validation.checkpoint", "'a\\tb.pt'"),
     ('log: {wandb: {dir: "a\\x7fb"}}\n', "log.wandb.dir", "'a\\x7fb'"),
+    ('log: {dir: "a\\u2028b"}\n', "log.dir", "'a\\u2028b'"),  # (a line separator: Python's splitlines cuts there)
+    ('log: {dir: "a\\x85b"}\n', "log.dir", "'a\\x85b'"),  # (NEL, a C1 control)
 ])
 def test_a_control_character_in_a_path_setting_is_refused_naming_the_key(cli, tmp_path, text, key, value):
     # (a NUL reached the OS, "embedded null byte", and stderr as a raw byte)
@@ -153,6 +156,20 @@ def test_a_control_character_in_a_path_setting_is_refused_naming_the_key(cli, tm
         load_config(tmp_path / "c.yaml")
     assert str(info.value) == said
 
+
+
+@pytest.mark.parametrize("escaped, name", [("a\\u2028b", "a\u2028b"), ("a\\x85b", "a\x85b"), ("a\\x1bb", "a\x1bb")])
+def test_a_run_name_with_a_line_break_or_control_character_is_refused_as_metric_names_are(tmp_path, escaped, name):
+    # log.name took NEL and U+2028, which split the console's and the run card's lines naming the
+    # run folder; a metric name with them was refused already
+    (tmp_path / "c.yaml").write_text(f'log: {{name: "{escaped}"}}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match=re.escape(f"log.name: must be a plain folder name (got {name!r})")):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_a_run_name_with_a_no_break_space_is_a_name(tmp_path):
+    (tmp_path / "c.yaml").write_text('log: {name: "a\\u00a0b"}\n', encoding="utf-8")
+    assert load_config(tmp_path / "c.yaml").log.name == "a\u00a0b"
 
 def _not_regular(tmp_path: Path, kind: str, name: str) -> str:
     """A path (``name`` in ``tmp_path``, relative to it) to something that exists but is no regular file."""
