@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map_only
 from .checkpoint import untouched
 from .clipping import clip_threshold
 from .config import Config
-from .errors import InputError, first_line
+from .errors import InputError, first_line, raised
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
@@ -311,17 +311,17 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         except InputError:
             raise
         except (Exception, SystemExit) as err:  # noqa: BLE001 - whatever the user's data raised, in one line
-            raise InputError(f"{who}: reading the first batch failed: {first_line(err, with_type=True)}") from None
+            raise InputError(f"{who}: reading the first batch failed: {raised(err)}") from None
         with precision.autocast():
             try:
                 outputs = model(inputs)
             except (Exception, SystemExit) as err:  # noqa: BLE001
-                raise InputError(f"{who}: the model's forward pass on the first batch failed: {first_line(err, with_type=True)}") from None
+                raise InputError(f"{who}: the model's forward pass on the first batch failed: {raised(err)}") from None
             try:
                 loss = loss_fn(outputs, targets)
             except (Exception, SystemExit) as err:  # noqa: BLE001
                 raise InputError(f"{who}: loss_fn failed on the model's output for the first batch: "
-                                 f"{first_line(err, with_type=True)}") from None
+                                 f"{raised(err)}") from None
         if not isinstance(loss, torch.Tensor):
             raise InputError(f"{who}: loss_fn must return a scalar tensor; it returned a {type(loss).__name__}")
         if loss.numel() != 1:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .errors import InputError, brief, first_line
+from .errors import InputError, brief, raised
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision
 
 
@@ -635,9 +635,9 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
             if not batch:  # the task's own data (train refuses it at its first batch): one line, not the
                 # traceback whose exit 1 read as "a non-finite value found"
                 raise InputError(f"locate: task {task.name}: the model or the loss failed on step {step}'s "
-                                 f"batch: {first_line(err, with_type=True)}") from None
+                                 f"batch: {raised(err)}") from None
             raise InputError(f"locate: batch {batch} does not fit the model of task {task.name}: "
-                             f"{first_line(err, with_type=True)}") from None
+                             f"{raised(err)}") from None
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     return result, where, device, loss_scale

@@ -24,7 +24,7 @@ from .build import (build_headroom, build_monitor, build_sinks, build_spike_dete
 from .checkpoint import checkpoint_step, list_checkpoints
 from .config import Config
 from .data import DataStream, check_same_data
-from .errors import ExitCode, InputError, first_line
+from .errors import ExitCode, InputError, first_line, raised
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, parse_faults
@@ -369,7 +369,7 @@ class Trainer:
             except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's data raising (or exiting), in one process
                 if self.dist.active:  # one rank's own failure: a stop on it alone would leave the others
                     raise  # waiting in the step's collectives; the traceback ends the job (torchrun)
-                raise BadBatch(first_line(err, with_type=True)) from None
+                raise BadBatch(raised(err)) from None
             self.throughput.add(batch[0])
             if self.diagnosis is not None:
                 self.diagnosis.capture(batch)

@@ -255,6 +255,27 @@ def test_check_forward_refusals_are_one_line_naming_who(loss_fn, read, expected)
     assert str(caught.value) == expected
 
 
+def _raise(err: BaseException):
+    def raising(*args: object) -> None:
+        raise err
+
+    return raising
+
+
+@pytest.mark.parametrize(("loss_fn", "read", "expected"), [
+    (_raise(ValueError("x" * 1000)), None,
+     "task t: loss_fn failed on the model's output for the first batch: " + ("ValueError: " + "x" * 1000)[:197] + "..."),
+    (nn.functional.mse_loss, _raise(SystemExit(object())), "task t: reading the first batch failed: SystemExit: a object"),
+])
+def test_what_the_users_code_raised_is_said_as_errors_raised_says_it(loss_fn, read, expected):
+    # the first line uncut (a tensor's repr in a shape error runs to kilobytes), and a SystemExit
+    # of an object as its repr: as a factory's or evaluate()'s error is said
+    read = read or (lambda: (torch.ones(2, 4), torch.ones(2, 1)))
+    with pytest.raises(InputError) as caught:
+        check_forward(nn.Linear(4, 1), loss_fn, read, precision_of(validate({}), CPU), "task t")
+    assert str(caught.value) == expected
+
+
 def test_check_forward_passes_a_scalar_of_one_element():
     check_forward(nn.Linear(4, 1), lambda out, y: ((out - y) ** 2).mean().reshape(1),
                   lambda: (torch.ones(2, 4), torch.ones(2, 1)), precision_of(validate({}), CPU), "task t")
