@@ -476,8 +476,11 @@ def nan_on_rank_1_at_step_3(module, inputs, output):  # the second micro-batch o
 model.register_forward_hook(nan_on_rank_1_at_step_3)
 trainer.train()
 checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-print(f"rank {args.process_index}: {records} lr {trainer.optimizer.param_groups[0]['lr']!r} "
-      f"checksum {checksum!r}", flush=True)
+# one write a line: both ranks share this stdout, and print's line and its newline are two writes
+# (rank 1's line landed between rank 0's and its newline: one line, one rank found)
+sys.stdout.write(f"rank {args.process_index}: {records} lr {trainer.optimizer.param_groups[0]['lr']!r} "
+                 f"checksum {checksum!r}\\n")
+sys.stdout.flush()
 '''
 
 
