@@ -589,7 +589,9 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     from .faults import FaultInjector, parse_fault
     from .tasks import build_task
 
-    faults = [parse_fault(spec, seed=config.seed) for spec in config.inject]
+    # a saved batch is replayed as it is: it holds the faults of its step already (a rollback's
+    # evidence), and an every:K or rate fault of the run's config would fire on it at "step 0"
+    faults = [] if batch else [parse_fault(spec, seed=config.seed) for spec in config.inject]
     device = resolve_device(config.device)
     precision = precision_of(config, device)
     _check_arguments(config, precision, step=step, batch=batch, scale=scale)
@@ -622,7 +624,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     scaler_on = precision.uses_scaler and config.scaler.enabled is not False  # else no saved scale applies
     loss_scale = _replay_scale(given=scale, batch_file=batch_scale if scaler_on else None,
                                checkpoint=checkpoint_scale if scaler_on else None, init=initial_scale(config, device))
-    injector.current_step = step if not batch else 0  # the faults of the replayed step
+    injector.current_step = step  # the faults of the replayed step (none for a saved batch)
     # the replay's warnings (a loss broadcasting a target of another shape) are shown once it
     # worked; when a saved batch does not fit, the one line says why and they are dropped
     with warnings.catch_warnings(record=True) as caught:

@@ -84,6 +84,20 @@ def test_cli_locate_a_saved_batch(cli, tmp_path):
     assert "no non-finite value" in out
 
 
+
+@pytest.mark.parametrize("fault", ["inf_grad@every:3", "nan_loss@every:2", "inf_grad@rate:1"])
+def test_a_saved_batch_replays_as_it_is_whatever_faults_the_config_injects(cli, tmp_path, fault):
+    # the run's config.yaml holds its inject list: an every:K or rate fault fired on the saved
+    # batch (replayed as "step 0", and 0 % K == 0), and a clean batch was "not finite, a data
+    # problem", exit 1: the rollback evidence README says to replay this way, misjudged
+    clean = tmp_path / "clean.pt"
+    gen = torch.Generator().manual_seed(1)
+    torch.save({"inputs": torch.randn(8, 16, generator=gen), "targets": torch.randn(8, 4, generator=gen)}, clean)
+    code, out, err = cli("locate", "--set", "task.name=linear", "--set", "precision=bf16", "--set", f"inject=[{fault}]",
+                         "--batch", clean)
+    assert code == 0, out + err
+    assert "no non-finite value" in out
+
 def test_cli_locate_backward_uses_the_loss_scale(cli):
     # a clean step: dL/dout = 2 (out - y) / 128 per element; times 2**24 that is ~262144 (out - y),
     # beyond fp16's 65504 for any |out - y| > 0.25; times 1 it is tiny
