@@ -30,8 +30,8 @@ from .errors import ExitCode, InputError, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (_linear_y, card_ended, check_plot_path, drawn_by_ampguard, finished, finite_points,
-                     plot_metadata, policy_changes_of, replay, rolling_skip_rate, shown)
+from .report import (_linear_y, card_ended, check_plot_path, dots, drawn_by_ampguard, finished, finite_points,
+                     plot_metadata, policy_changes_of, replay, rolling_skip_rate, shown, whole_steps)
 from .run_folder import RunPaths
 from .sinks import Row, metric_values, read_steps_and_columns
 
@@ -280,9 +280,9 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     for colour, run in zip(colours, runs):
         rows = run.rows
         xs, ys = finite_points(rows, [r.loss for r in rows])
-        log_loss = log_loss and bool(ys) and min(ys) > 0
+        log_loss = log_loss and (not ys or min(ys) > 0)  # (a run with no finite loss has no say)
         losses += ys
-        handles += ax_loss.plot(xs, ys, lw=1, color=colour, label=run.name)
+        handles += ax_loss.plot(xs, ys, lw=1, color=colour, label=run.name, **dots(xs))
         marks, last = [], None  # a skipped step at its loss (or the last finite one, for a non-finite loss)
         for r in rows:
             last = r.loss if r.loss is not None and math.isfinite(r.loss) else last
@@ -291,17 +291,17 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         if marks:
             ax_loss.plot([s for s, _ in marks], [y for _, y in marks], "x", color=colour, ms=5)
         xs, ys = finite_points(rows, [r.grad_l2_pre_clip for r in rows], positive=True)
-        ax_norm.plot(xs, ys, lw=1, color=colour, label=run.name)
+        ax_norm.plot(xs, ys, lw=1, color=colour, label=run.name, **dots(xs))
         clip = clip_threshold(run.config.max_norm)
         if clip:
             ax_norm.axhline(clip, color=colour, ls="--", lw=1, label=f"{run.name}: max_norm {clip:g}")
         xs, ys = finite_points(rows, [r.scaler_scale for r in rows], positive=True)
-        ax_scale.step(xs, [math.log2(v) for v in ys], where="post", lw=1.2, color=colour, label=run.name)
+        ax_scale.step(xs, [math.log2(v) for v in ys], where="post", lw=1.2, color=colour, label=run.name, **dots(xs))
         rates = rolling_skip_rate(rows, run.config.monitor.window)
         top_rate = max(top_rate, *rates)
         ax_skip.plot([r.step for r in rows], rates, lw=1.2, color=colour,
-                     label=f"{run.name} (window {run.config.monitor.window})")
-    if log_loss:
+                     label=f"{run.name} (window {run.config.monitor.window})", **dots(rows))
+    if log_loss and losses:
         ax_loss.set_yscale("log")
         ax_loss.set_ylabel("loss (log)")
     else:  # linear, or symmetric log for losses of both signs near the float maximum
@@ -316,6 +316,7 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     ax_skip.set_ylabel("skip rate")
     ax_skip.set_title("Rolling skip rate (over the steps each run's window holds)")
     ax_skip.set_xlabel("step (optimizer steps, not micro-batches)")
+    whole_steps(ax_skip)
     for ax in axes:
         ax.grid(True, alpha=0.3)
         if few:

@@ -37,6 +37,25 @@ HEATMAP_HEIGHT = 5.0  # inches added for the headroom heatmap, when the run reco
 
 
 
+def dots(xs: Sequence[Any]) -> dict[str, Any]:
+    """The keyword arguments that make a series of one point visible: a line through a single
+    point draws nothing (a run of one step, a run killed after its first).
+
+    Example::
+
+        >>> dots([1]), dots([1, 2])
+        ({'marker': 'o', 'ms': 4}, {})
+    """
+    return {"marker": "o", "ms": 4} if len(xs) == 1 else {}
+
+
+def whole_steps(ax: Any) -> None:
+    """The x axis of steps ticks whole numbers only (a short run's axis read 2.5, 7.5)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+
+
 def finite_points(rows: list[Row], values: list[float | None], positive: bool = False
                   ) -> tuple[list[int], list[float]]:
     """The (steps, values) a plot draws: the finite values (and > 0 with ``positive``).
@@ -405,7 +424,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     losses = [r.loss for r in rows]
     xs, ys = finite(losses)
     log_loss = bool(ys) and min(ys) > 0
-    ax_loss.plot(xs, ys, lw=1, color="tab:blue", label="loss (mean of the step's micro-batches)")
+    ax_loss.plot(xs, ys, lw=1, color="tab:blue", label="loss (mean of the step's micro-batches)", **dots(xs))
     if log_loss:
         ax_loss.set_yscale("log")
         ax_loss.set_ylabel("loss (log)")
@@ -418,7 +437,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
         ([r.grad_l2_post_clip for r in rows], "post-clip", "tab:green"),
     ):
         xs, ys = finite(values, positive=True)
-        ax_norm.plot(xs, ys, lw=1, color=colour, label=f"{label} global L2 norm")
+        ax_norm.plot(xs, ys, lw=1, color=colour, label=f"{label} global L2 norm", **dots(xs))
     if max_norm:
         ax_norm.axhline(max_norm, color="black", ls="--", lw=1, label=f"max_norm = {max_norm:g}")
     ax_norm.set_yscale("log")
@@ -426,17 +445,18 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     ax_norm.set_title("Global gradient L2 norm, before and after clipping")
 
     xs, ys = finite([r.scaler_scale for r in rows], positive=True)
-    ax_scale.step(xs, [math.log2(v) for v in ys], where="post", color="tab:brown", lw=1.2, label="log2(scale)")
+    ax_scale.step(xs, [math.log2(v) for v in ys], where="post", color="tab:brown", lw=1.2, label="log2(scale)",
+                  **dots(xs))
     ax_scale.set_ylabel("log2(loss scale)")
     ax_scale.set_title("Loss scale (after each step's update; 1.0 = no scaler)")
 
     xs, ys = finite([r.lr for r in rows])
-    ax_lr.plot(xs, ys, color="tab:cyan", lw=1.2, label="learning rate (param group 0)")
+    ax_lr.plot(xs, ys, color="tab:cyan", lw=1.2, label="learning rate (param group 0)", **dots(xs))
     _linear_y(ax_lr, ys, "learning rate")
     ax_lr.set_title("Learning rate")
 
     rates = rolling_skip_rate(rows, window)
-    ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})")
+    ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})", **dots(steps))
     ax_skip.axhline(alert_rate, color="tab:orange", ls="--", lw=1, label=f"alert_rate = {alert_rate:g}")
     if fail_rate is not None:
         ax_skip.axhline(fail_rate, color="tab:red", ls=":", lw=1, label=f"fail_rate = {fail_rate:g}")
@@ -444,6 +464,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     ax_skip.set_ylabel("skip rate")
     ax_skip.set_title("Rolling skip rate")
     axes[-1].set_xlabel("step")
+    whole_steps(axes[-1])
     if heat:
         headroom_panel(fig, axes[5], heat, alert_bits)
 

@@ -262,3 +262,50 @@ def test_many_runs_get_distinct_colours_and_one_legend_beside_the_panels(tmp_pat
         assert panel_legends == [] and len(fig.legends) == 1
         assert [t.get_text() for t in fig.legends[0].get_texts()] == [f"run{i:02d}" for i in range(n)]
         assert fig._suptitle.get_text() == f"ampguard compare: {n} runs"
+
+
+def _drawn(monkeypatch) -> list:
+    """The figures saved from now on (savefig still writes each)."""
+    import matplotlib.figure
+
+    drawn, savefig = [], matplotlib.figure.Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        drawn.append(self)
+        return savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    return drawn
+
+
+def _data_lines(ax) -> list:
+    """A panel's curves (the x marks and the dashed limits left out)."""
+    return [line for line in ax.get_lines() if line.get_marker() != "x" and line.get_linestyle() not in ("--", ":")]
+
+
+def test_a_run_of_one_step_is_drawn_with_a_dot_on_every_panel(tmp_path, monkeypatch):
+    # a line through one point draws nothing: report.png of a 1-step run (a run killed after its
+    # first step) had axes and legends and no data, and compare drew it nowhere
+    from ampguard.report import plot_run
+
+    one = make_run(tmp_path, "one", [clean(1)])
+    drawn = _drawn(monkeypatch)
+    plot_run(one / "steps.csv", tmp_path / "report.png")
+    compare.plot_overlay(compare.load_runs([one, make_run(tmp_path, "two", [clean(1), clean(2)])]), tmp_path / "c.png")
+    report, overlay = drawn
+    for ax in report.axes[:5] + overlay.axes:
+        lines = _data_lines(ax)
+        assert lines and all(len(line.get_xdata()) > 1 or line.get_marker() == "o" for line in lines), ax.get_title()
+    assert all(tick == int(tick) for tick in report.axes[-1].get_xticks())  # (whole steps: 0.96, 1.04 were ticks)
+
+
+def test_a_run_with_no_finite_loss_leaves_the_others_loss_axis_logarithmic(tmp_path, monkeypatch):
+    # a run whose every step skipped (no finite loss) switched the shared loss panel to linear:
+    # beside a run spiking to 1e16, every other run's loss lay flat on 0
+    runs = [make_run(tmp_path, "clean", [clean(1, loss=0.5), clean(2, loss=0.4)]),
+            make_run(tmp_path, "spike", [clean(1, loss=0.5), clean(2, loss=1e16)]),
+            make_run(tmp_path, "allnan", [skip(1, 65536.0, "non_finite_loss"), skip(2, 32768.0, "non_finite_loss")])]
+    drawn = _drawn(monkeypatch)
+    compare.plot_overlay(compare.load_runs(runs), tmp_path / "c.png")
+    (overlay,) = drawn
+    assert overlay.axes[0].get_yscale() == "log"
