@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import resource
 import signal
 import sys
@@ -176,6 +177,15 @@ def snapshot_of(folder: Path) -> dict[str, object]:
 
 # ---------------------------------------------------------------------------- what a run writes
 
+
+def card_table(card: str) -> dict[str, str]:
+    """The ``| key | value |`` rows of a run card (RUN.md's text) as a mapping."""
+    rows = {}
+    for line in card.splitlines():
+        m = re.fullmatch(r"\| (.+?) \| (.*) \|", line)
+        if m and m.group(1) not in ("", "---|---"):
+            rows[m.group(1)] = m.group(2)
+    return rows
 
 def read_rows(path: Path) -> list[dict[str, str]]:
     """The rows of a CSV file (steps.csv) as dicts."""
@@ -366,6 +376,12 @@ class Launch:
         self._err.close()
 
 
+EARLY_TIMEOUT_S = 900
+"""The most a launch of an early job (conftest.py) may take, from its start: at nice 19 it waits for
+the cores while the tests in the foreground run, so it is long; a rank hung in a collective still
+ends the launch."""
+
+
 @dataclass(frozen=True)
 class Ended:
     """A :class:`Launch` that ended: its exit code and output, with the same ``wait`` and ``ok``
@@ -383,6 +399,17 @@ class Ended:
     def ok(self) -> Ended:
         _ended_ok(self)
         return self
+
+
+def run_to_end(name: str, cmd: list[str], cwd: Path, *, timeout_s: float, env: dict[str, str] | None = None,
+               ) -> Ended:
+    """``cmd`` run in ``cwd`` (made if missing) to its end, its output captured: an :class:`Ended`."""
+    import subprocess
+
+    cwd.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s,
+                          stdin=subprocess.DEVNULL)
+    return Ended(name, done.returncode, done.stdout, done.stderr, cwd)
 
 
 def _ended_ok(launch: Launch | Ended) -> None:

@@ -31,7 +31,7 @@ from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
 from .report import (_linear_y, card_ended, check_plot_path, dots, drawn_by_ampguard, finished, finite_points,
-                     plot_metadata, policy_changes_of, replay, rolling_skip_rate, shown, whole_steps)
+                     plot_metadata, policy_changes_of, replay, rollbacks_of, rolling_skip_rate, shown, whole_steps)
 from .run_folder import RunPaths
 from .sinks import Row, metric_values, read_steps_and_columns
 
@@ -113,6 +113,7 @@ def load_run(path: str | Path) -> RunSummary:
     scaler_on = uses_loss_scaler(config.precision) if config.scaler.enabled is None else config.scaler.enabled
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy_changes_of(folder),
+                     rollbacks=rollbacks_of(folder),
                      steps=config.steps if finished(folder / "RUN.md") else None)
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)

@@ -97,9 +97,7 @@ config key, and the :class:`RunMonitor` attribute it sets."""
 def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
     """The run's policy changes on resume that a replay follows (:data:`REPLAYED_POLICY`), from its
     ``events.jsonl`` in the order they were made: each ``{key, old, new, step}``, applied from
-    ``step + 1``. A ``resume`` at step s abandons what came after s, so the changes made before it
-    at s or later go (that future was trained again without them). ``[]`` without the file; a
-    line that is no JSON object (a torn last line) is passed over.
+    ``step + 1`` (as :func:`_events_kept` keeps them).
 
     Example::
 
@@ -117,9 +115,43 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
         []
         >>> shutil.rmtree(folder)
     """
+    return _events_kept(run_dir, lambda event: (
+        event.get("event") == "policy_change" and event.get("key") in REPLAYED_POLICY and "old" in event
+        and "new" in event and _policy_value(event["key"], event["old"]) and _policy_value(event["key"], event["new"])))
+
+
+def rollbacks_of(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's rollbacks that a replay follows, from its ``events.jsonl`` (as :func:`_events_kept`
+    keeps them): each ``{step, updates_undone, ...}``. After its step the run forgot its rolling
+    skip window and the updates the checkpoint did not hold (:func:`replay` does the same).
+
+    Example::
+
+        >>> import json, shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> events = [{"step": 7, "event": "rollback", "updates_undone": 3}, {"step": 9, "event": "rollback"}]
+        >>> _ = (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\\n" for e in events))
+        >>> [(e["step"], e["updates_undone"]) for e in rollbacks_of(folder)]  # (the one saying no count: passed over)
+        [(7, 3)]
+        >>> shutil.rmtree(folder)
+    """
+    return _events_kept(run_dir, lambda event: event.get("event") == "rollback" and whole(event.get("updates_undone")))
+
+
+def whole(value: Any) -> bool:
+    """Whether ``value`` is a count (a whole number >= 0, not a bool), as a run writes one."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _events_kept(run_dir: Path, wanted: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+    """The events of the run's ``events.jsonl`` that ``wanted`` takes, in the order they were made.
+    A ``resume`` at step s abandons what came after s, so those made before it at s or later go
+    (that future was trained again without them). ``[]`` without the file; a line that is no
+    JSON object with a whole-number step (a torn last line) is passed over, as is one ``wanted``
+    refuses (values that are not of their kind: a hand edit)."""
     import json
 
-    changes = []
+    kept: list[dict[str, Any]] = []
     path = run_dir / "events.jsonl"
     if not path.exists():
         return []
@@ -136,12 +168,10 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
         if not isinstance(event, dict) or not isinstance(event.get("step"), int):
             continue
         if event.get("event") == "resume":
-            changes = [change for change in changes if change["step"] < event["step"]]
-        elif (event.get("event") == "policy_change" and event.get("key") in REPLAYED_POLICY
-              and "old" in event and "new" in event
-              and _policy_value(event["key"], event["old"]) and _policy_value(event["key"], event["new"])):
-            changes.append(event)  # (one whose values are not the key's kind is passed over, as a torn line)
-    return changes
+            kept = [e for e in kept if e["step"] < event["step"]]
+        elif wanted(event):
+            kept.append(event)
+    return kept
 
 
 def _policy_value(key: str, value: Any) -> bool:
@@ -266,10 +296,12 @@ def finished(card: Path) -> bool:
 
 
 def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequence[dict[str, Any]] = (),
-           steps: int | None = None, **monitor_args: Any) -> RunMonitor:
+           rollbacks: Sequence[dict[str, Any]] = (), steps: int | None = None, **monitor_args: Any) -> RunMonitor:
     """Feed CSV rows through a :class:`RunMonitor` (``monitor``, or one made of ``monitor_args``):
     the same statistics the live run kept. ``policy`` (:func:`policy_changes_of`) sets the
-    thresholds each step ran under, where a resume changed them. With ``steps`` (a run that
+    thresholds each step ran under, where a resume changed them; after the step of each of
+    ``rollbacks`` (:func:`rollbacks_of`) the monitor forgets its window and the updates undone,
+    as the run's did (its rows go on: the step counter does). With ``steps`` (a run that
     trained to the end: :func:`finished`), rows that reach it are judged whole, as the run was
     (:meth:`~ampguard.monitor.RunMonitor.at_end`).
 
@@ -289,6 +321,9 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
         for key, value in _policy_at(policy, row.step).items():
             setattr(monitor, REPLAYED_POLICY[key], clip_threshold(value) if key == "max_norm" else value)
         monitor.observe(row.record())
+        for rollback in (r for r in rollbacks if r["step"] == row.step):  # (as guards.Rollbacks.apply did)
+            monitor.updates = max(0, monitor.updates - rollback["updates_undone"])
+            monitor.restart_windows()
     if rows and steps is not None and rows[-1].step >= steps:
         monitor.at_end(rows[-1].step)
     return monitor
@@ -832,6 +867,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     policy = ([c for c in policy_changes_of(csv_path.parent) if REPLAYED_POLICY[c["key"]] not in set_aside]
               if config_path.is_file() else [])
     monitor = replay(rows, build_monitor(judged, scaler_enabled=scaler_on), policy=policy,
+                     rollbacks=rollbacks_of(csv_path.parent) if config_path.is_file() else (),
                      steps=config.steps if finished(folder.card) else None)
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None

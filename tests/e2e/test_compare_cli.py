@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import marked, snapshot_of, someones_png
+from helpers import card_table, marked, snapshot_of, someones_png
 
 import ampguard.report
 from ampguard.cli import main
@@ -35,11 +35,6 @@ def sweep(tmp_path_factory):
                          "--set", f"log.dir={root / 'runs'}", "--set", f"log.name=clip-{max_norm}"])
             assert code == 0
     return root / "runs"
-
-
-def card_table(card: str) -> dict[str, str]:
-    return {m.group(1): m.group(2) for line in card.splitlines()
-            if (m := re.fullmatch(r"\| (.+?) \| (.*) \|", line)) and m.group(1) != ""}
 
 
 def compare_table(out: str) -> dict[str, list[str]]:

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import read_events, read_rows, reference_episodes_events, reference_fail_step, reference_rates
+from helpers import (card_table, read_events, read_rows, reference_episodes_events, reference_fail_step,
+                     reference_rates)
 
 from ampguard.cli import main
 from ampguard.faults import parse_fault
@@ -53,16 +54,6 @@ def in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:
     finally:
         os.chdir(old)
     return code, out.getvalue(), err.getvalue()
-
-
-def card_table(card: str) -> dict[str, str]:
-    """The ``| key | value |`` rows of RUN.md as a mapping."""
-    rows = {}
-    for line in card.splitlines():
-        m = re.fullmatch(r"\| (.+?) \| (.*) \|", line)
-        if m and m.group(1) not in ("", "---|---"):
-            rows[m.group(1)] = m.group(2)
-    return rows
 
 
 CARD_KEYS = {
@@ -477,3 +468,32 @@ def test_a_run_with_log_plot_false_draws_no_plot_and_its_card_says_how_to_get_on
     code, out, err = cli("train", "--resume", run, "--set", "steps=5")
     assert code == 0, err
     assert not (run / "report.png").exists() and "report.png" not in out
+
+
+def test_report_and_compare_of_a_rolled_back_run_say_what_its_card_says(tmp_path, capsys):
+    # a run's rollbacks undo updates and restart the skip window; report and compare replayed the
+    # CSV without them: "updates=100" for the card's 80 after a spike, and after skip-guard
+    # rollbacks a max rolling rate of 0.62 with an ALERT where the run saw 1.0 and none
+    linear = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "log.plot=false",
+              "--set", f"log.dir={tmp_path}"]
+    runs = {"spike": ["--set", "steps=100", "--set", "checkpoint.every=20", "--set", "rollback.triggers=[loss_spike]",
+                      "--inject", "spike@60"],
+            "skips": ["--set", "steps=120", "--set", "checkpoint.every=10", "--set", "rollback.triggers=[skip_guard]",
+                      "--set", "rollback.skip_batches=2", "--fail-skip-rate", "0.5", "--fail-after", "5",
+                      "--inject", "nan_grad@" + ",".join(map(str, range(20, 51)))]}
+    for name, args in runs.items():
+        assert main(["train", *linear, "--set", f"log.name={name}", *args]) == 0
+        kinds = [e["kind"] for e in read_events(tmp_path / name / "events.jsonl", strict=False) if e["event"] == "rollback"]
+        assert kinds and set(kinds) == {"loss_spike" if name == "spike" else "skip_guard"}  # (what is tested)
+    capsys.readouterr()
+    for name in runs:
+        card = card_table((tmp_path / name / "RUN.md").read_text(encoding="utf-8"))
+        assert main(["report", str(tmp_path / name), "--no-plot"]) == 0
+        out = capsys.readouterr().out
+        assert f" updates={card['updates applied']} " in out, out
+        assert (f"max rolling skip rate {card['max rolling skip rate']} (window 1000), "
+                f"alert episodes {card['skip-rate alert episodes']},") in out, out
+    assert main(["compare", str(tmp_path / "spike"), str(tmp_path / "skips")]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"steps / updates\s*\|\s*100 / 80\s*\|\s*120 / 89\s*\|", table), table
+    assert re.search(r"max rolling skip rate\s*\|\s*0\.0000\s*\|\s*1\.0000\s*\|", table), table
