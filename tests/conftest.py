@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from early_runner import NICE, RESULT
-from helpers import GLOO, kill_tree, own_process_group, snapshot_of
+from helpers import EARLY_TIMEOUT_S, GLOO, kill_tree, own_process_group, snapshot_of
 
 from ampguard.cli import main
 
@@ -35,10 +35,10 @@ def pytest_configure(config: pytest.Config) -> None:
 # A module whose launches are slow (torchrun: three processes a launch, each importing torch)
 # defines ``early(work) -> result`` (picklable: builtins, paths, helpers.Ended). Its job starts at
 # collection in a process of its own at nice 19 (tests/early_runner.py), and the module's tests run
-# last, reading ``early_result``: the launches run on the core the in-process tests leave idle,
-# instead of a minute of the suite's own.
+# last, reading the fixture ``launches`` (what it returned) and ``work`` (its folder): the launches
+# run on the core the in-process tests leave idle, instead of a minute of the suite's own.
 
-EARLY_TIMEOUT_S = 900
+EARLY_JOB_TIMEOUT_S = 2 * EARLY_TIMEOUT_S  # (its launches may come in two waves: a resume after its run)
 _EARLY: dict[str, tuple[subprocess.Popen, Path]] = {}
 
 
@@ -76,15 +76,27 @@ def early_result(request: pytest.FixtureRequest) -> tuple[Path, object]:
         _start_early(module_file)
     proc, work = _EARLY[module_file]
     try:
-        how = f"exited {proc.wait(timeout=EARLY_TIMEOUT_S)}"
+        how = f"exited {proc.wait(timeout=EARLY_JOB_TIMEOUT_S)}"
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         proc.wait()
-        how = f"did not end within {EARLY_TIMEOUT_S} s"
+        how = f"did not end within {EARLY_JOB_TIMEOUT_S} s"
     if proc.returncode != 0 or not (work / RESULT).is_file():
         said = (work / "early.stderr").read_text(errors="replace")
         pytest.fail(f"early() of {Path(module_file).name} {how}:\n{said[-6000:]}")
     return work, pickle.loads((work / RESULT).read_bytes())
+
+
+@pytest.fixture(scope="module")
+def work(early_result: tuple[Path, object]) -> Path:
+    """The module's early job's working folder."""
+    return early_result[0]
+
+
+@pytest.fixture(scope="module")
+def launches(early_result: tuple[Path, object]) -> object:
+    """What the module's ``early(work)`` returned: its launches, ended."""
+    return early_result[1]
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TORCHRUN, Ended, read_rows, run_events, snapshot_of
+from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended, read_rows, run_events, snapshot_of
 from helpers import Launch as _Launch
 
 from ampguard.checkpoint import load_checkpoint
@@ -35,7 +35,7 @@ from ampguard.cli import main as ampguard_main
 
 pytestmark = TORCHRUN
 
-TIMEOUT_S = 600  # (an early job: at nice 19, it may wait for the core while other tests run)
+TIMEOUT_S = EARLY_TIMEOUT_S
 SCRIPTS = Path(__file__).parent.parent / "dist_scripts"
 CKPT4, CKPT8 = "step-00000004.pt", "step-00000008.pt"
 
@@ -81,16 +81,6 @@ def early(work: Path) -> dict[str, Ended]:
     finally:
         for launch in started.values():
             launch.close()
-
-
-@pytest.fixture(scope="module")
-def work(early_result) -> Path:
-    return early_result[0]
-
-
-@pytest.fixture(scope="module")
-def launches(early_result) -> dict[str, Ended]:
-    return early_result[1]
 
 
 def _single_run_dir(runs: Path) -> Path:

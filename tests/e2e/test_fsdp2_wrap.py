@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TORCHRUN, Ended
+from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended
 
-TIMEOUT_S = 600  # (an early job: at nice 19, it may wait for the core while other tests run)
+TIMEOUT_S = EARLY_TIMEOUT_S
 TESTS = Path(__file__).resolve().parent.parent
 CHARLM = ["--set", "task.name=charlm", "--set", "task.n_layer=1", "--set", "task.n_embd=16", "--set", "task.n_head=2",
           "--set", "task.block_size=16", "--set", "task.batch_size=2", "--set", "eval.batches=1",
@@ -117,16 +117,6 @@ def early(work: Path) -> dict[str, Ended]:
     finally:
         for launch in started.values():
             launch.close()
-
-
-@pytest.fixture(scope="module")
-def work(early_result) -> Path:
-    return early_result[0]
-
-
-@pytest.fixture(scope="module")
-def launches(early_result) -> dict[str, Ended]:
-    return early_result[1]
 
 
 def _steps(work: Path, name: str) -> str:

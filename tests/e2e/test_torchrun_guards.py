@@ -42,15 +42,13 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
-from helpers import TORCHRUN, Launch, file_size_limit, run_events, torchrun_env
+from helpers import EARLY_TIMEOUT_S, TORCHRUN, Launch, file_size_limit, run_events, torchrun_env
 
 from ampguard.errors import ExitCode
 
 pytestmark = TORCHRUN
 
-TIMEOUT_S = 600  # (an early job: at nice 19, it may wait for the core while other tests run)
+TIMEOUT_S = EARLY_TIMEOUT_S
 RUN = ["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",
        "--set", "task.batch_size=8", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
 SHARDED_EVAL = '''
@@ -218,11 +216,6 @@ def early(work: Path) -> dict[str, tuple]:
     finally:
         for launch in started.values():
             launch.close()
-
-
-@pytest.fixture(scope="module")
-def launches(early_result) -> dict[str, tuple]:
-    return early_result[1]
 
 
 def _rank_codes(cwd: Path) -> dict[int, int]:

@@ -4,14 +4,13 @@ processes, gloo), and the skip read from the scaler when Accelerate owns it (acc
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import read_rows, torchrun_env
+from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun_env
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
@@ -20,7 +19,7 @@ from accelerate.state import AcceleratorState  # noqa: E402
 from ampguard.integrations.accelerate import found_inf, make_guard  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_guard.py"
-TIMEOUT_S = 180
+TIMEOUT_S = EARLY_TIMEOUT_S
 
 
 @pytest.fixture
@@ -169,24 +168,29 @@ def test_a_scheduler_built_over_the_prepared_optimizer_is_taken(accelerator, for
 
 
 @pytest.mark.slow
-def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(tmp_path):
-    csv_path = tmp_path / "steps.csv"
+def early(work: Path) -> dict[str, Ended]:
+    """The ``accelerate launch`` of the test below (three processes, each importing accelerate), run
+    to its end in an early job (conftest.py) while the other tests run."""
+    folder = work / "launch"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           str(EXAMPLE), "--precision", "bf16", "--steps", "8", "--csv", str(csv_path),
+           str(EXAMPLE), "--precision", "bf16", "--steps", "8", "--csv", str(folder / "steps.csv"),
            "--inf-at", "3", "--inf-rank", "1"]
-    done = subprocess.run(cmd, cwd=tmp_path, env=torchrun_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-3000:]
+    return {"launch": run_to_end("launch", cmd, folder, timeout_s=TIMEOUT_S, env=torchrun_env())}
+
+
+def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(early_result):
+    done = early_result[1]["launch"]
+    assert done.rc == 0, done.stderr[-3000:]
     lines = dict(re.findall(r"rank (\d): (\d+ steps, .*? checksum -?[\d.]+)", done.stdout))
     assert sorted(lines) == ["0", "1"]
     # the inf was on process 1 alone; both skipped step 3 and stayed identical
     assert all("8 steps, 7 updates, skipped [3]" in line for line in lines.values())
     assert lines["0"].split("checksum")[1] == lines["1"].split("checksum")[1]
-    rows = read_rows(csv_path)  # one CSV, written by process 0
+    rows = read_rows(done.cwd / "steps.csv")  # one CSV, written by process 0
     assert [r["step"] for r in rows] == [str(s) for s in range(1, 9)]
     assert [(r["step"], r["skip_reason"], r["grad_l2_pre_clip"]) for r in rows if r["skipped"] == "1"] == [
         ("3", "non_finite_grad", "inf")]
     lrs = [float(r["lr"]) for r in rows]
     assert lrs[1] < lrs[2] == lrs[3] < lrs[4]  # the warm-up held on the skipped step
-    assert not list(tmp_path.glob("*.csv.*"))
+    assert not list(done.cwd.glob("*.csv.*"))

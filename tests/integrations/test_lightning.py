@@ -9,12 +9,16 @@ logits' gradient during backward).
 from __future__ import annotations
 
 import csv
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from helpers import EARLY_TIMEOUT_S, Ended, run_to_end, torchrun_env
 
 L = pytest.importorskip("lightning")
 
@@ -697,31 +701,36 @@ torch.distributed.destroy_process_group()
 '''
 
 
+def early(work: Path) -> dict[str, Ended]:
+    """The DDP fit of the test below (two processes, each importing Lightning), run to its end in
+    an early job (conftest.py) while the other tests run."""
+    folder = work / "ddp"
+    folder.mkdir()
+    (folder / "fit.py").write_text(DDP_FIT, encoding="utf-8")
+    return {"ddp": run_to_end("ddp", [sys.executable, str(folder / "fit.py"), str(folder / "steps.csv")], folder,
+                              timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())}
+
+
 @pytest.mark.slow
-def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(tmp_path):
+def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(early_result):
     """Lightning's DDP strategy, two CPU processes (gloo): a NaN loss on rank 1 alone at step 3 is
     the same skip on both ranks (the guard's one all-reduce), the replicas stay identical, the
     step scheduler holds on both, and one CSV is written, by rank 0. Each rank has 5 batches of
     4: groups of 2, 2 and Lightning's short last one."""
     import re
-    import subprocess
-    import sys
 
-    from helpers import read_rows, torchrun_env
+    from helpers import read_rows
 
-    script, csv_path = tmp_path / "fit.py", tmp_path / "steps.csv"
-    script.write_text(DDP_FIT, encoding="utf-8")
-    done = subprocess.run([sys.executable, str(script), str(csv_path)], cwd=tmp_path, env=torchrun_env(),
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = early_result[1]["ddp"]
+    assert done.rc == 0, done.stderr[-3000:]
     lines = dict(re.findall(r"rank (\d): (.*)", done.stdout))
     assert sorted(lines) == ["0", "1"], done.stdout
     assert lines["0"] == lines["1"]  # the same records, the same held LR, the same weights
     assert lines["0"].startswith("[(1, False, None), (2, False, None), (3, True, 'non_finite_loss')] lr 0.025 ")
-    rows = read_rows(csv_path)
+    rows = read_rows(done.cwd / "steps.csv")
     assert [(r["step"], r["skipped"], r["skip_reason"]) for r in rows] == [
         ("1", "0", ""), ("2", "0", ""), ("3", "1", "non_finite_loss")]
-    assert not [p for p in tmp_path.iterdir() if p.name not in ("fit.py", "steps.csv")]
+    assert not [p for p in done.cwd.iterdir() if p.name not in ("fit.py", "steps.csv")]
 
 
 def test_a_second_fit_of_the_same_trainer_goes_on_from_its_global_step():

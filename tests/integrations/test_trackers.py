@@ -22,6 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers import EARLY_TIMEOUT_S, Ended
+
 from ampguard.records import SkipLog, StepLog
 
 wandb = pytest.importorskip("wandb")
@@ -292,30 +294,41 @@ if sys.argv[3] == "crash":
 """
 
 
-def test_a_loop_that_crashes_without_close_still_sends_its_last_step(tmp_path):
+CRASH_CASES = (("crash", 1, "FAILED"), ("end", 0, "FINISHED"))  # a script that just ends: not failed
+
+
+def early(work: Path) -> dict[str, Ended]:
+    """The two scripts of the crash test below (each importing torch, W&B and MLflow), side by
+    side, to their end, in an early job (conftest.py) while the other tests run."""
+    import subprocess
+
+    script = work / "crash.py"
+    script.write_text(CRASHING_LOOP, encoding="utf-8")
+    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    started = {how: subprocess.Popen([sys.executable, str(script), (work / how / "mlruns").as_uri(), str(work / how),
+                                      how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     stdin=subprocess.DEVNULL) for how, _, _ in CRASH_CASES}
+    ended = {}
+    for how, proc in started.items():
+        out, err = proc.communicate(timeout=EARLY_TIMEOUT_S)
+        ended[how] = Ended(how, proc.returncode, out, err, work / how)
+    return ended
+
+
+def test_a_loop_that_crashes_without_close_still_sends_its_last_step(early_result):
     """A sink holds each row back until the next write (so a run's monitor view joins it): a
     loop that crashes without ``close()`` sent steps 1-2 only, and the lost step 3 was the NaN
     the crash followed. At exit both sinks send it and end their runs failed."""
-    import subprocess
-
-    script = tmp_path / "crash.py"
-    script.write_text(CRASHING_LOOP, encoding="utf-8")
-    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
-    cases = (("crash", 1, "FAILED"), ("end", 0, "FINISHED"))  # a script that just ends: not failed
-    started = {how: subprocess.Popen([sys.executable, str(script), (tmp_path / how / "mlruns").as_uri(),
-                                      str(tmp_path / how), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env) for how, _, _ in cases}  # side by side: imports overlap
-    for how, code, status in cases:
-        folder = tmp_path / how
-        out, err = started[how].communicate(timeout=240)
-        assert started[how].returncode == code, err
-        assert ("the loop crashed after step 3" in err) == (how == "crash")
-        assert "Exception ignored" not in err
-        run_id = out.split()[0]
-        client = mlflow_client((folder / "mlruns").as_uri())  # (MLflow 3 opens a file store only when asked to)
+    for how, code, status in CRASH_CASES:
+        done = early_result[1][how]
+        assert done.rc == code, done.stderr
+        assert ("the loop crashed after step 3" in done.stderr) == (how == "crash")
+        assert "Exception ignored" not in done.stderr
+        run_id = done.stdout.split()[0]
+        client = mlflow_client((done.cwd / "mlruns").as_uri())  # (MLflow 3 opens a file store only when asked to)
         assert mlflow_history(client, run_id, "train/skipped") == {1: 0.0, 2: 0.0, 3: 1.0}
         assert client.get_run(run_id).info.status == status
-        (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(folder / "wandb" / "offline-run-*" / "*.wandb"))]
+        (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(done.cwd / "wandb" / "offline-run-*" / "*.wandb"))]
         assert sorted(logged.history) == [1, 2, 3] and logged.history[3]["train/skip.non_finite_loss"] == 1
         assert logged.exit_code == code
 

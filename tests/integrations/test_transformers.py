@@ -7,11 +7,12 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import read_rows
+from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun, torchrun_env
 
 transformers = pytest.importorskip("transformers")
 from accelerate.state import AcceleratorState  # noqa: E402
@@ -485,28 +486,29 @@ sys.stdout.flush()
 
 
 @pytest.mark.slow
-def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(tmp_path):
+def early(work: Path) -> dict[str, Ended]:
+    """The torchrun of the test below (three processes, each importing transformers), run to its
+    end in an early job (conftest.py) while the other tests run."""
+    folder = work / "ddp"
+    folder.mkdir()
+    (folder / "train.py").write_text(DDP_TRAIN, encoding="utf-8")
+    cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", str(folder / "train.py"), str(folder / "out")]
+    return {"ddp": run_to_end("ddp", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())}
+
+
+def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(early_result):
     """GuardedTrainer under torchrun, two CPU processes (gloo DDP), accumulation 2: a NaN loss in
     rank 1's second micro-batch of step 3 alone is the same skip on both ranks (the guard's one
     all-reduce), the replicas stay identical, HF's schedule holds on both, and rank 0 alone
     writes the CSV (the README said this was checked; no test held it)."""
-    import re
-    import subprocess
-
-    from helpers import torchrun, torchrun_env
-
-    script = tmp_path / "train.py"
-    script.write_text(DDP_TRAIN, encoding="utf-8")
-    done = subprocess.run([*torchrun(), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "out")],
-                          cwd=tmp_path, env=torchrun_env(), capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = early_result[1]["ddp"]
+    assert done.rc == 0, done.stderr[-3000:]
     lines = dict(re.findall(r"rank (\d): (.*)", done.stdout))
     assert sorted(lines) == ["0", "1"], done.stdout
     assert lines["0"] == lines["1"]  # the same records, the same held LR, the same weights
     assert lines["0"].startswith("[(1, False, None), (2, False, None), (3, True, 'non_finite_loss'), (4, False, None), "
                                  "(5, False, None)] ")
-    rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
+    rows = read_rows(done.cwd / "out" / "ampguard" / "steps.csv")
     assert [(r["step"], r["skipped"], r["skip_reason"]) for r in rows] == [
         ("1", "0", ""), ("2", "0", ""), ("3", "1", "non_finite_loss"), ("4", "0", ""), ("5", "0", "")]
     lrs = [float(r["lr"]) for r in rows]
