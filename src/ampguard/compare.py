@@ -20,7 +20,7 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,8 @@ from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
 from .report import (_linear_y, card_ended, check_plot_path, dots, drawn_by_ampguard, finished, finite_points,
-                     plot_metadata, policy_changes_of, replay, rollbacks_of, rolling_skip_rate, shown, whole_steps)
+                     plot_metadata, policy_changes_of, reading_notes, replay, rollbacks_of, rolling_skip_rate, shown,
+                     whole_steps)
 from .run_folder import RunPaths
 from .sinks import Row, metric_values, read_steps_and_columns
 
@@ -54,6 +55,7 @@ class RunSummary:
     rows: list[Row]
     monitor: RunMonitor
     ended: str
+    notes: list[str] = field(default_factory=list)  # what reading its steps.csv left out or found missing
 
 
 def _ended(card: Path) -> str:
@@ -106,7 +108,8 @@ def load_run(path: str | Path) -> RunSummary:
         config = read_run_config(folder / "config.yaml")
     except InputError as err:  # ConfigError included (it names the file)
         raise InputError(f"compare: {err}") from None
-    rows, extra = read_steps_and_columns(folder / "steps.csv")
+    torn: list[str] = []
+    rows, extra = read_steps_and_columns(folder / "steps.csv", torn)
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
     ended = _ended(folder / "RUN.md")
@@ -117,7 +120,8 @@ def load_run(path: str | Path) -> RunSummary:
                      steps=config.steps if finished(folder / "RUN.md") else None)
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
-    return RunSummary(shown(folder.name), folder, config, rows, monitor, ended)
+    notes = reading_notes(folder / "steps.csv", rows, torn)
+    return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes)
 
 
 def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
@@ -390,6 +394,9 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
     runs = load_runs(paths)
     if png is not None:
         plot_overlay(runs, png)
+    for run in runs:
+        for note in run.notes:
+            print(f"note: {note}")
     print(format_table(runs))
     if png is not None:
         print(f"plot: {png}")

@@ -37,6 +37,34 @@ HEATMAP_HEIGHT = 5.0  # inches added for the headroom heatmap, when the run reco
 
 
 
+def reading_notes(csv_path: Path, rows: list[Row], torn: list[str]) -> list[str]:
+    """What reading ``csv_path`` left out or found missing, a note each: its last line ``torn`` (a
+    write cut short), and the steps with no row before its last (a line deleted by hand, a CSV a
+    loop began at a later step): the figures count the rows there are.
+
+    Example::
+
+        >>> rows = [Row(s, 0.1, 2.0, 1.0, 0.5, False, "", 1.0) for s in (1, 2, 4, 5, 9)]
+        >>> for note in reading_notes(Path("steps.csv"), rows, ["10,0.1,2.0"]):
+        ...     print(note)
+        the last line of steps.csv is torn (no newline: a write cut short), left out: '10,0.1,2.0'
+        steps.csv has no row for 4 of its steps (3, 6-8): its figures count the 5 rows it has
+    """
+    notes = [f"the last line of {csv_path} is torn (no newline: a write cut short), left out: {torn[0][:40]!r}"
+             ] if torn else []
+    gaps, before = [], 0
+    for row in rows:
+        if row.step > before + 1:
+            gaps.append((before + 1, row.step - 1))
+        before = row.step
+    if gaps:
+        missing = sum(last - first + 1 for first, last in gaps)
+        said = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:5]) + (", ..." if len(gaps) > 5 else "")
+        notes.append(f"{csv_path} has no row for {missing} of its steps ({said}): its figures count the "
+                     f"{len(rows)} rows it has")
+    return notes
+
+
 def dots(xs: Sequence[Any]) -> dict[str, Any]:
     """The keyword arguments that make a series of one point visible: a line through a single
     point draws nothing (a run of one step, a run killed after its first).
@@ -876,9 +904,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
                  alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
                  alert_bits=mon.headroom.alert_bits)
-    if torn:
-        print(f"note: the last line of {csv_path} is torn (no newline: a write cut short), left out: "
-              f"{torn[0][:40]!r}")
+    for note in reading_notes(csv_path, rows, torn):
+        print(f"note: {note}")
     # the alerts judged under thresholds given here are not the run's: said so
     rejudged = [f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value}"
                 for flag, value in (("alert-rate", alert_rate), ("window", window), ("min-steps", min_steps))

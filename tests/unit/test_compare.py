@@ -309,3 +309,23 @@ def test_a_run_with_no_finite_loss_leaves_the_others_loss_axis_logarithmic(tmp_p
     compare.plot_overlay(compare.load_runs(runs), tmp_path / "c.png")
     (overlay,) = drawn
     assert overlay.axes[0].get_yscale() == "log"
+
+
+def test_compare_and_report_say_what_reading_a_runs_csv_left_out(tmp_path, capsys):
+    # compare dropped a torn last line without the note report gives (its card said 30 steps beside
+    # 29 rows), and neither said a row was missing (report: "steps=30 updates=20 skips=9")
+    from ampguard import report
+
+    torn = make_run(tmp_path, "torn", [clean(1), clean(2)])
+    with (torn / "steps.csv").open("a") as f:
+        f.write("3,0.1,2.0")
+    gap = make_run(tmp_path, "gap", [clean(1), clean(2), clean(4), skip(5, 32768.0), clean(9)])
+    assert compare.run([torn, gap]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert notes == [f"note: the last line of {torn / 'steps.csv'} is torn (no newline: a write cut short), left out: "
+                     "'3,0.1,2.0'",
+                     f"note: {gap / 'steps.csv'} has no row for 4 of its steps (3, 6-8): its figures count the 5 rows "
+                     "it has"]
+    assert report.run(gap, plot=False) == 0
+    assert notes[1] in capsys.readouterr().out.splitlines()
