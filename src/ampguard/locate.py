@@ -576,7 +576,25 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     else:
         print(f"locate: {where}, {config.precision} on {device.type}, loss scale {loss_scale:g}")
         print(result.message())
+    if not checkpoint:  # (a loss that is not the run's, said nowhere: the weights were not the run's)
+        print(f"ampguard: warning: locate: {untrained_replay(config)}", file=sys.stderr)
     return 0 if result.verdict == "none" else 1
+
+
+def untrained_replay(config: Any) -> str:
+    """The warning for a replay with no checkpoint: the model is the one the task builds, untrained
+    for a built-in task, not the weights the run had at the step.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> print(untrained_replay(validate({"task": {"name": "linear"}})))
+        no --checkpoint: the replay ran task linear freshly initialised (untrained weights), not the run's weights at that step; pass --checkpoint (the run's newest before the step) to replay those
+    """
+    model = (f"the model task factory {config.task.factory} returns (untrained unless it loads weights)"
+             if config.task.factory else f"task {config.task.name} freshly initialised (untrained weights)")
+    return (f"no --checkpoint: the replay ran {model}, not the run's weights at that step; pass --checkpoint "
+            "(the run's newest before the step) to replay those")
 
 
 def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None,

@@ -207,6 +207,13 @@ def test_train_diagnoses_the_first_skipped_step(cli, tmp_path):
     code, out, err = cli("locate", *LINEAR_FP16, "--checkpoint", checkpoint, "--step", "1")
     assert code == 0, err  # step 1 is clean at that scale
     assert "loss scale 32768" in out and "no non-finite value" in out
+    untrained = ("ampguard: warning: locate: no --checkpoint: the replay ran task linear freshly initialised "
+                 "(untrained weights), not the run's weights at that step; pass --checkpoint (the run's newest before "
+                 "the step) to replay those")
+    assert untrained not in err  # (the run's own weights: nothing to say)
+    # without it the replay ran on an untrained model, unsaid: its loss was not the run's
+    code, out, err = cli("locate", *LINEAR_FP16, "--step", "1")
+    assert code == 0 and err.splitlines()[-1] == untrained, err
 
 
 def test_the_first_skip_diagnosis_replays_at_the_scale_of_the_skipped_step(cli, tmp_path):
