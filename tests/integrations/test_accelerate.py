@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun_env
+from helpers import Ended, read_rows, run_to_end, torchrun_env
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
@@ -19,7 +19,7 @@ from accelerate.state import AcceleratorState  # noqa: E402
 from ampguard.integrations.accelerate import found_inf, make_guard  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_guard.py"
-TIMEOUT_S = EARLY_TIMEOUT_S
+TIMEOUT_S = 180
 
 
 @pytest.fixture
@@ -168,9 +168,9 @@ def test_a_scheduler_built_over_the_prepared_optimizer_is_taken(accelerator, for
 
 
 @pytest.mark.slow
-def early(work: Path) -> dict[str, Ended]:
+def _ran(work: Path) -> dict[str, Ended]:
     """The ``accelerate launch`` of the test below (three processes, each importing accelerate), run
-    to its end in an early job (conftest.py) while the other tests run."""
+    to its end."""
     folder = work / "launch"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
@@ -179,8 +179,8 @@ def early(work: Path) -> dict[str, Ended]:
     return {"launch": run_to_end("launch", cmd, folder, timeout_s=TIMEOUT_S, env=torchrun_env())}
 
 
-def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(early_result):
-    done = early_result[1]["launch"]
+def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(tmp_path):
+    done = _ran(tmp_path)["launch"]
     assert done.rc == 0, done.stderr[-3000:]
     lines = dict(re.findall(r"rank (\d): (\d+ steps, .*? checksum -?[\d.]+)", done.stdout))
     assert sorted(lines) == ["0", "1"]

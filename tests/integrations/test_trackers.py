@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import EARLY_TIMEOUT_S, Ended
+from helpers import Ended
 
 from ampguard.records import SkipLog, StepLog
 
@@ -297,9 +297,9 @@ if sys.argv[3] == "crash":
 CRASH_CASES = (("crash", 1, "FAILED"), ("end", 0, "FINISHED"))  # a script that just ends: not failed
 
 
-def early(work: Path) -> dict[str, Ended]:
+def _ran(work: Path) -> dict[str, Ended]:
     """The two scripts of the crash test below (each importing torch, W&B and MLflow), side by
-    side, to their end, in an early job (conftest.py) while the other tests run."""
+    side, to their end."""
     import subprocess
 
     script = work / "crash.py"
@@ -310,17 +310,18 @@ def early(work: Path) -> dict[str, Ended]:
                                      stdin=subprocess.DEVNULL) for how, _, _ in CRASH_CASES}
     ended = {}
     for how, proc in started.items():
-        out, err = proc.communicate(timeout=EARLY_TIMEOUT_S)
+        out, err = proc.communicate(timeout=240)
         ended[how] = Ended(how, proc.returncode, out, err, work / how)
     return ended
 
 
-def test_a_loop_that_crashes_without_close_still_sends_its_last_step(early_result):
+def test_a_loop_that_crashes_without_close_still_sends_its_last_step(tmp_path):
     """A sink holds each row back until the next write (so a run's monitor view joins it): a
     loop that crashes without ``close()`` sent steps 1-2 only, and the lost step 3 was the NaN
     the crash followed. At exit both sinks send it and end their runs failed."""
+    ran = _ran(tmp_path)
     for how, code, status in CRASH_CASES:
-        done = early_result[1][how]
+        done = ran[how]
         assert done.rc == code, done.stderr
         assert ("the loop crashed after step 3" in done.stderr) == (how == "crash")
         assert "Exception ignored" not in done.stderr
