@@ -287,8 +287,10 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         xs, ys = finite_points(rows, [r.loss for r in rows])
         log_loss = log_loss and (not ys or min(ys) > 0)  # (a run with no finite loss has no say)
         losses += ys
-        handles += ax_loss.plot(xs, ys, lw=1, color=colour, label=run.name, **dots(xs))
-        marks, last = [], None  # a skipped step at its loss (or the last finite one, for a non-finite loss)
+        label = run.name if ys else f"{run.name} (no finite loss)"  # (nothing of it on this panel: said why)
+        handles += ax_loss.plot(xs, ys, lw=1, color=colour, label=label, **dots(xs))
+        # a skipped step at its loss; a non-finite loss at the last finite one (before the first: at the first)
+        marks, last = [], ys[0] if ys else None
         for r in rows:
             last = r.loss if r.loss is not None and math.isfinite(r.loss) else last
             if r.skipped and last is not None:

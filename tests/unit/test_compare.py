@@ -329,3 +329,16 @@ def test_compare_and_report_say_what_reading_a_runs_csv_left_out(tmp_path, capsy
                      "it has"]
     assert report.run(gap, plot=False) == 0
     assert notes[1] in capsys.readouterr().out.splitlines()
+
+
+def test_skipped_steps_before_the_first_finite_loss_are_marked_and_a_run_without_one_says_so(tmp_path, monkeypatch):
+    # the x of a skip sat at the last finite loss: a NaN at step 1 had none, so no x; a run whose
+    # every loss was NaN showed nothing at all on the loss panel, as if it had no data
+    nan_first = make_run(tmp_path, "nan1", [skip(1, 65536.0, "non_finite_loss"), clean(2, loss=0.4), clean(3, loss=0.3)])
+    all_nan = make_run(tmp_path, "allnan", [skip(1, 65536.0, "non_finite_loss"), skip(2, 32768.0, "non_finite_loss")])
+    drawn = _drawn(monkeypatch)
+    compare.plot_overlay(compare.load_runs([nan_first, all_nan]), tmp_path / "c.png")
+    (overlay,) = drawn
+    marks = [line for line in overlay.axes[0].get_lines() if line.get_marker() == "x"]
+    assert [(list(m.get_xdata()), list(m.get_ydata())) for m in marks] == [([1], [0.4])]
+    assert [t.get_text() for t in overlay.axes[0].get_legend().get_texts()] == ["nan1", "allnan (no finite loss)"]
