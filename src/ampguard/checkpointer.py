@@ -627,6 +627,7 @@ def find_resume(target: str | Path) -> Resume:
         raise InputError(f"--resume: {target} is neither a run folder nor a checkpoint file")
     paths = RunPaths.existing(run_dir)
     paths.check_writable()
+    paths.check_not_written()
     run_id = paths.run_id()
     if target.is_dir():
         loaded = _newest_readable(paths)

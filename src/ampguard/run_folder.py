@@ -197,9 +197,7 @@ class RunPaths:
         except BlockingIOError:
             pid = _pid_in(fd)
             os.close(fd)
-            held = f" (pid {pid})" if pid else ""
-            raise InputError(f"run folder {self.dir} is being written by another process{held}: wait for it to "
-                             "end, or stop it, before you resume it") from None
+            raise self._busy(pid) from None
         except OSError:  # no locks on this file system: unlocked, as before
             os.close(fd)
             return
@@ -207,6 +205,19 @@ class RunPaths:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode("ascii"))
         self._lock = fd
+
+    def _busy(self, pid: str | None) -> InputError:
+        held = f" (pid {pid})" if pid else ""
+        return InputError(f"run folder {self.dir} is being written by another process{held}: wait for it to end, "
+                          "or stop it, before you resume it")
+
+    def check_not_written(self) -> None:
+        """One :class:`InputError` line while another process trains in this folder (:meth:`writer`),
+        the one :meth:`lock` gives: a resume says so before it looks for a checkpoint (a run
+        still in its first steps has none yet, and "no checkpoint" sent the user looking for one)."""
+        pid = self.writer()
+        if pid is not None:
+            raise self._busy(pid)
 
     def writer(self) -> str | None:
         """The pid of the process that trains in this folder now (it holds :meth:`lock`), or None:

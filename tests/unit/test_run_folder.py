@@ -134,3 +134,30 @@ def test_the_lock_is_never_taken_through_a_link(tmp_path):
     assert (run / LOCK_FILE).read_text().strip().isdigit()
     paths.unlock()
     assert not (run / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("with_checkpoint", [False, True])
+def test_a_resume_of_a_folder_another_process_trains_in_says_so_before_looking_for_a_checkpoint(tmp_path, with_checkpoint):
+    # a run in its first steps has no checkpoint yet: --resume said "no checkpoint in .../checkpoints"
+    # and sent the user looking for one; the run was alive (with a checkpoint it named the writer)
+    from ampguard import checkpoint as ckpt
+    from ampguard.checkpointer import _example_payload, find_resume
+
+    run = tmp_path / "live"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "steps.csv").write_text("")
+    config = validate({"task": {"name": "linear"}, "steps": 10})
+    (run / "config.yaml").write_text("steps: 10\n")
+    if with_checkpoint:
+        ckpt.save_checkpoint(run / "checkpoints" / "step-00000004.pt", _example_payload(4, config.model_dump(mode="json")))
+    live = RunPaths.existing(run)
+    live.lock()  # (as a training process holds it: a second open of the lock file is another holder)
+    try:
+        with pytest.raises(InputError) as err:
+            find_resume(run)
+        assert str(err.value) == (f"run folder {run} is being written by another process (pid {os.getpid()}): wait "
+                                  "for it to end, or stop it, before you resume it")
+    finally:
+        live.unlock()
+    if with_checkpoint:  # once the writer is gone, the resume goes on
+        assert find_resume(run).loaded.step == 4
