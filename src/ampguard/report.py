@@ -915,6 +915,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {mon.window}), "
           f"alert episodes {episodes}, clip rate {run_clip_rate(rows, monitor if config_path.is_file() else None)}, "
           f"scale {monitor.scale_verdict}")
+    if folder.card.is_file():  # why it ended, as train said it (a guard's stop read like a finished run)
+        with contextlib.suppress(OSError):
+            print(f"ended: {card_ended(folder.card, errors='replace')}")
     print(f"plot: {png}" if plot else "plot: not drawn (--no-plot)")
     return ExitCode.OK
 

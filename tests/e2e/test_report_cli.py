@@ -493,6 +493,7 @@ def test_report_and_compare_of_a_rolled_back_run_say_what_its_card_says(tmp_path
         assert f" updates={card['updates applied']} " in out, out
         assert (f"max rolling skip rate {card['max rolling skip rate']} (window 1000), "
                 f"alert episodes {card['skip-rate alert episodes']},") in out, out
+        assert f"\nended: {card['ended']}\n" in out  # (why it ended, as the card says: report did not say)
     assert main(["compare", str(tmp_path / "spike"), str(tmp_path / "skips")]) == 0
     table = capsys.readouterr().out
     assert re.search(r"steps / updates\s*\|\s*100 / 80\s*\|\s*120 / 89\s*\|", table), table
