@@ -161,9 +161,14 @@ def rollbacks_of(run_dir: Path) -> list[dict[str, Any]]:
         >>> _ = (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\\n" for e in events))
         >>> [(e["step"], e["updates_undone"]) for e in rollbacks_of(folder)]  # (the one saying no count: passed over)
         [(7, 3)]
+        >>> with (folder / "events.jsonl").open("a") as f:  # a resume from step 7's checkpoint: saved after it
+        ...     _ = f.write(json.dumps({"step": 7, "event": "resume"}) + "\\n")
+        >>> [e["step"] for e in rollbacks_of(folder)]
+        [7]
         >>> shutil.rmtree(folder)
     """
-    return _events_kept(run_dir, lambda event: event.get("event") == "rollback" and whole(event.get("updates_undone")))
+    return _events_kept(run_dir, lambda event: event.get("event") == "rollback" and whole(event.get("updates_undone")),
+                        at_resume=True)
 
 
 def whole(value: Any) -> bool:
@@ -171,10 +176,13 @@ def whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _events_kept(run_dir: Path, wanted: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+def _events_kept(run_dir: Path, wanted: Callable[[dict[str, Any]], bool], *, at_resume: bool = False
+                 ) -> list[dict[str, Any]]:
     """The events of the run's ``events.jsonl`` that ``wanted`` takes, in the order they were made.
-    A ``resume`` at step s abandons what came after s, so those made before it at s or later go
-    (that future was trained again without them). ``[]`` without the file; a line that is no
+    A ``resume`` at step s abandons what came after s, so those made before it later than s go
+    (that future was trained again without them), and those at s too unless ``at_resume``: a
+    policy change at s was made by an earlier resume from s, for steps after it; a rollback at s
+    happened in step s, before that step's checkpoint was saved. ``[]`` without the file; a line that is no
     JSON object with a whole-number step (a torn last line) is passed over, as is one ``wanted``
     refuses (values that are not of their kind: a hand edit)."""
     import json
@@ -196,7 +204,7 @@ def _events_kept(run_dir: Path, wanted: Callable[[dict[str, Any]], bool]) -> lis
         if not isinstance(event, dict) or not isinstance(event.get("step"), int):
             continue
         if event.get("event") == "resume":
-            kept = [e for e in kept if e["step"] < event["step"]]
+            kept = [e for e in kept if e["step"] < event["step"] or (at_resume and e["step"] == event["step"])]
         elif wanted(event):
             kept.append(event)
     return kept

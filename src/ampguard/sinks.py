@@ -11,6 +11,7 @@ import contextlib
 import csv
 import errno
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -322,7 +323,7 @@ def _read_back(path: Path, kept: bytes) -> None:
     would leave a run no one can read back (a number cell edited by hand, a NUL in it)."""
     extra: list[dict[str, str]] = []
     try:
-        for _ in _rows(path, csv.reader(kept.decode("utf-8").splitlines(keepends=True)), extra):
+        for _ in _rows(path, csv.reader(io.StringIO(kept.decode("utf-8"), newline="")), extra):  # (as the file reads)
             metric_values(extra[-1], f"{path} line {len(extra) + 1}")
     except InputError as err:
         raise InputError(f"{err}; cannot resume from it") from None

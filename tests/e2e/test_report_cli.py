@@ -498,3 +498,10 @@ def test_report_and_compare_of_a_rolled_back_run_say_what_its_card_says(tmp_path
     table = capsys.readouterr().out
     assert re.search(r"steps / updates\s*\|\s*100 / 80\s*\|\s*120 / 89\s*\|", table), table
     assert re.search(r"max rolling skip rate\s*\|\s*0\.0000\s*\|\s*1\.0000\s*\|", table), table
+    # resumed from the checkpoint of the rollback's own step (saved after the rollback, which it
+    # holds): the rollback is the run's still, not a future the resume abandoned
+    assert main(["train", "--resume", str(tmp_path / "spike" / "checkpoints" / "step-00000060.pt")]) == 0
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "spike"), "--no-plot"]) == 0
+    card = card_table((tmp_path / "spike" / "RUN.md").read_text(encoding="utf-8"))
+    assert card["updates applied"] == "80" and " updates=80 " in capsys.readouterr().out
