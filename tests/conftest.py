@@ -46,7 +46,8 @@ def _start_early(module_file: str) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"early-{Path(module_file).stem}-"))
     with (work / "early.stdout").open("w") as out, (work / "early.stderr").open("w") as err:
         _EARLY[module_file] = (subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("early_runner.py")), module_file, str(work)], cwd=work,
+            [sys.executable, str(Path(__file__).with_name("early_runner.py")), module_file, str(work), str(os.getpid())],
+            cwd=work,
             stdout=out, stderr=err, stdin=subprocess.DEVNULL, **own_process_group(functools.partial(os.nice, NICE))), work)
 
 
@@ -60,11 +61,21 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                 _start_early(module_file)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    for proc, work in _EARLY.values():
-        if proc.poll() is None:
+def _end(proc: subprocess.Popen) -> None:
+    """End an early job that still runs: SIGTERM first (it ends its launches, whose workers sit in
+    sessions of their own), then SIGKILL to its process group."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
             proc.wait()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for proc, work in _EARLY.values():
+        _end(proc)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -78,8 +89,7 @@ def early_result(request: pytest.FixtureRequest) -> tuple[Path, object]:
     try:
         how = f"exited {proc.wait(timeout=EARLY_JOB_TIMEOUT_S)}"
     except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        proc.wait()
+        _end(proc)
         how = f"did not end within {EARLY_JOB_TIMEOUT_S} s"
     if proc.returncode != 0 or not (work / RESULT).is_file():
         said = (work / "early.stderr").read_text(errors="replace")

@@ -1,5 +1,5 @@
 """Run one test module's ``early(work)`` and write what it returns, pickled, to
-``WORK/early.pickle``: ``python early_runner.py MODULE_FILE WORK``. conftest.py starts it at
+``WORK/early.pickle``: ``python early_runner.py MODULE_FILE WORK SUITE_PID``. conftest.py starts it at
 collection, in a process of its own at nice 19 (see there); the module's tests read the result.
 
 Every process the job starts inherits the nice. torchrun starts each worker in a session of its
@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
+import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -29,8 +31,36 @@ if os.getsid(0) == os.getpid():  # (a session of its own: a torchrun worker) -- 
 """
 
 
-def main(module_file: str, work: str) -> None:
-    site = Path(work) / "site"
+def _end_with_the_suite(suite_pid: int) -> None:
+    """A SIGTERM ends the job through its ``finally`` blocks (each launch ended with its workers,
+    which sit in process groups and sessions of their own) and :func:`main` takes its folder away; the job gets
+    one when the suite's process dies, however it dies (Linux's parent-death signal), so a suite
+    killed by a CI's time limit leaves no launch training on."""
+    def ended(*_: object) -> None:
+        sys.exit(128 + signal.SIGTERM)  # (main takes the folder away once the launches are ended)
+
+    signal.signal(signal.SIGTERM, ended)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # (not Linux: conftest's session end still ends the job)
+        pass
+    if os.getppid() != suite_pid:  # (the suite died before the signal was asked for)
+        ended()
+
+
+def main(module_file: str, work: str, suite_pid: str) -> None:
+    try:
+        _run(module_file, Path(work), int(suite_pid))
+    except SystemExit:  # (a SIGTERM: the suite ended, or died)
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _run(module_file: str, work: Path, suite_pid: int) -> None:
+    _end_with_the_suite(suite_pid)
+    site = work / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITE)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
@@ -38,8 +68,8 @@ def main(module_file: str, work: str) -> None:
     spec = importlib.util.spec_from_file_location(f"early_{Path(module_file).stem}", module_file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    result = module.early(Path(work))
-    out = Path(work) / RESULT
+    result = module.early(work)
+    out = work / RESULT
     (partial := out.with_suffix(".partial")).write_bytes(pickle.dumps(result))
     partial.replace(out)  # whole or absent
 

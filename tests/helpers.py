@@ -310,7 +310,7 @@ def kill_tree(pid: int) -> None:
 
 
 class Launch:
-    """One ``torchrun --standalone --nproc_per_node 2 ARGS`` in ``cwd``, in a session of its own,
+    """One ``torchrun --standalone --nproc_per_node 2 ARGS`` in ``cwd``, in a process group of its own,
     its output in ``NAME.stdout`` / ``NAME.stderr`` beside ``cwd`` (files, not pipes: a hung
     worker cannot block the test on a pipe); killed with its workers (:func:`kill_tree`) when it
     runs past ``timeout_s`` (counted from its start) or at :meth:`close`."""
@@ -332,7 +332,17 @@ class Launch:
         self.stdout = self.stderr = ""
 
     def kill(self) -> None:
+        """End it, its workers too: a SIGTERM first, which torchrun passes on to each worker (in a
+        session of its own, out of reach of the process group), then SIGKILL to what is left."""
+        import subprocess
+
         if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
             kill_tree(self.proc.pid)
             self.proc.wait()
 

@@ -167,7 +167,6 @@ def test_a_scheduler_built_over_the_prepared_optimizer_is_taken(accelerator, for
     assert sched.last_epoch == 1
 
 
-@pytest.mark.slow
 def _ran(work: Path) -> dict[str, Ended]:
     """The ``accelerate launch`` of the test below (three processes, each importing accelerate), run
     to its end."""
@@ -179,6 +178,7 @@ def _ran(work: Path) -> dict[str, Ended]:
     return {"launch": run_to_end("launch", cmd, folder, timeout_s=TIMEOUT_S, env=torchrun_env())}
 
 
+@pytest.mark.slow
 def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(tmp_path):
     done = _ran(tmp_path)["launch"]
     assert done.rc == 0, done.stderr[-3000:]

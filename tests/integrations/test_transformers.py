@@ -485,7 +485,6 @@ sys.stdout.flush()
 '''
 
 
-@pytest.mark.slow
 def _ran(work: Path) -> dict[str, Ended]:
     """The torchrun of the test below (three processes, each importing transformers), run to its end."""
     folder = work / "ddp"
@@ -495,6 +494,7 @@ def _ran(work: Path) -> dict[str, Ended]:
     return {"ddp": run_to_end("ddp", cmd, folder, timeout_s=300, env=torchrun_env())}
 
 
+@pytest.mark.slow
 def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(tmp_path):
     """GuardedTrainer under torchrun, two CPU processes (gloo DDP), accumulation 2: a NaN loss in
     rank 1's second micro-batch of step 3 alone is the same skip on both ranks (the guard's one
