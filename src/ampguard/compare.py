@@ -120,7 +120,7 @@ def load_run(path: str | Path) -> RunSummary:
                      steps=config.steps if finished(folder / "RUN.md") else None)
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
-    notes = reading_notes(folder / "steps.csv", rows, torn)
+    notes = reading_notes(folder / "steps.csv", rows, torn, folder)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes)
 
 
@@ -375,6 +375,7 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
         ...     _ = (root / name / "config.yaml").write_text(config)
         ...     _ = (root / name / "RUN.md").write_text(f"# Run {name}\\n\\n**finished: 1 steps**\\n")
         ...     _ = (root / name / "steps.csv").write_text(",".join(CSV_COLUMNS) + f"\\n1,0.1,{cells}\\n")
+        ...     _ = (root / name / "events.jsonl").write_text("")
         >>> run([root / "a", root / "b"])
         |                       | a                   | b                      |
         |-----------------------|---------------------|------------------------|

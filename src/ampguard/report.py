@@ -37,10 +37,12 @@ HEATMAP_HEIGHT = 5.0  # inches added for the headroom heatmap, when the run reco
 
 
 
-def reading_notes(csv_path: Path, rows: list[Row], torn: list[str]) -> list[str]:
+def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None) -> list[str]:
     """What reading ``csv_path`` left out or found missing, a note each: its last line ``torn`` (a
-    write cut short), and the steps with no row before its last (a line deleted by hand, a CSV a
-    loop began at a later step): the figures count the rows there are.
+    write cut short), the steps with no row before its last (a line deleted by hand, a CSV a
+    loop began at a later step): the figures count the rows there are; and, for the ``run_dir``
+    it belongs to, a missing ``events.jsonl`` (the replay then knows of no policy change and no
+    rollback).
 
     Example::
 
@@ -62,6 +64,9 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str]) -> list[str]
         said = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:5]) + (", ..." if len(gaps) > 5 else "")
         notes.append(f"{csv_path} has no row for {missing} of its steps ({said}): its figures count the "
                      f"{len(rows)} rows it has")
+    if run_dir is not None and not (run_dir / "events.jsonl").exists():
+        notes.append(f"{run_dir} has no events.jsonl: replayed as if no setting changed on resume and no rollback "
+                     "happened")
     return notes
 
 
@@ -912,7 +917,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
                  alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
                  alert_bits=mon.headroom.alert_bits)
-    for note in reading_notes(csv_path, rows, torn):
+    for note in reading_notes(csv_path, rows, torn, csv_path.parent if config_path.is_file() else None):
         print(f"note: {note}")
     # the alerts judged under thresholds given here are not the run's: said so
     rejudged = [f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value}"

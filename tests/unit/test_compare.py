@@ -26,6 +26,7 @@ def make_run(root: Path, name: str, rows: list[str], *, config: dict | None = No
     (folder / "config.yaml").write_text(dump_config(validate(config or {"precision": "fp16"})), encoding="utf-8")
     (folder / "steps.csv").write_text("\n".join([",".join([HEADER, *extra]), *rows]) + "\n", encoding="utf-8")
     (folder / "RUN.md").write_text(f"# Run {name}\n\n**{ended}**\n\n## Set-up\n\n| | |\n|---|---|\n", encoding="utf-8")
+    (folder / "events.jsonl").write_text("", encoding="utf-8")
     return folder
 
 
@@ -329,6 +330,10 @@ def test_compare_and_report_say_what_reading_a_runs_csv_left_out(tmp_path, capsy
                      "it has"]
     assert report.run(gap, plot=False) == 0
     assert notes[1] in capsys.readouterr().out.splitlines()
+    (gap / "events.jsonl").unlink()  # (a folder copied without it: no policy change, no rollback known)
+    assert report.run(gap, plot=False) == 0
+    assert (f"note: {gap} has no events.jsonl: replayed as if no setting changed on resume and no rollback "
+            "happened") in capsys.readouterr().out.splitlines()
 
 
 def test_skipped_steps_before_the_first_finite_loss_are_marked_and_a_run_without_one_says_so(tmp_path, monkeypatch):
