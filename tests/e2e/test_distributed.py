@@ -36,6 +36,7 @@ from ampguard.cli import main as ampguard_main
 pytestmark = TORCHRUN
 
 TIMEOUT_S = EARLY_TIMEOUT_S
+FOREGROUND_TIMEOUT_S = 180  # (W, started by a test: the cores are the foreground's)
 SCRIPTS = Path(__file__).parent.parent / "dist_scripts"
 CKPT4, CKPT8 = "step-00000004.pt", "step-00000008.pt"
 
@@ -103,7 +104,8 @@ def resume_launches(launches, run_a, single_a, work):
     w = work / "W_runs" / "W"
     shutil.copytree(single_a, w)
     w_before = snapshot_of(w)
-    started = Launch("W", ["-m", "ampguard", "train", "--resume", str(w / "checkpoints" / CKPT4)], work / "W_cwd")
+    started = _Launch("W", ["-m", "ampguard", "train", "--resume", str(w / "checkpoints" / CKPT4)], work / "W_cwd",
+                      timeout_s=FOREGROUND_TIMEOUT_S)
     try:
         yield {"B": (launches["B"], work / "B_runs" / "B"), "W": (started, w, w_before),
                "N": (launches["N"], work / "N_runs" / "N")}
