@@ -67,8 +67,9 @@ def _ended(card: Path) -> str:
 
 
 def _metrics(csv_path: Path, extra: list[dict[str, str]]) -> list[dict[str, float]]:
-    """The held-out metrics of each evaluated step: the CSV's extra numeric columns (``extra``,
-    as :func:`~ampguard.sinks.read_steps_and_columns` read them), as :func:`~ampguard.sinks.metric_values` reads them."""
+    """The held-out metrics of each evaluated step: the CSV's extra columns (``extra``, as
+    :func:`~ampguard.sinks.read_steps_and_columns` read them) as :func:`~ampguard.sinks.metric_values`
+    reads them (numbers; the optimizer labels and empty cells left out)."""
     out = []
     for cells in extra:
         values = metric_values(cells, str(csv_path))

@@ -131,7 +131,6 @@ def first_line(err: BaseException, with_type: bool = False) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0]}" if with_type else text.splitlines()[0]
 
 
-
 def has_control(text: str) -> bool:
     """Whether ``text`` holds a control character (Unicode's Cc: C0, DEL and C1, a NUL, a tab, a
     newline, NEL) or a line or paragraph separator: what would split a one-line message, a CSV
@@ -145,6 +144,7 @@ def has_control(text: str) -> bool:
         False
     """
     return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text)
+
 
 MAX_RAISED = 200
 """The most characters of what the user's code raised that a one-line refusal shows."""

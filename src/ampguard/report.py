@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .build import build_monitor
 from .clipping import clip_threshold
-from .errors import ExitCode, InputError, check_folder_of, first_line
+from .errors import ExitCode, InputError, check_folder_of, first_line, whole_number
 from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor
@@ -172,13 +172,8 @@ def rollbacks_of(run_dir: Path) -> list[dict[str, Any]]:
         [7]
         >>> shutil.rmtree(folder)
     """
-    return _events_kept(run_dir, lambda event: event.get("event") == "rollback" and whole(event.get("updates_undone")),
-                        at_resume=True)
-
-
-def whole(value: Any) -> bool:
-    """Whether ``value`` is a count (a whole number >= 0, not a bool), as a run writes one."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _events_kept(run_dir, lambda event: (event.get("event") == "rollback"
+                                                and whole_number(event.get("updates_undone"))), at_resume=True)
 
 
 def _events_kept(run_dir: Path, wanted: Callable[[dict[str, Any]], bool], *, at_resume: bool = False
