@@ -591,10 +591,10 @@ def untrained_replay(config: Any) -> str:
         >>> print(untrained_replay(validate({"task": {"name": "linear"}})))
         no --checkpoint: the replay ran task linear freshly initialised (untrained weights), not the run's weights at that step; pass --checkpoint (the run's newest before the step) to replay those
     """
-    model = (f"the model task factory {config.task.factory} returns (untrained unless it loads weights)"
-             if config.task.factory else f"task {config.task.name} freshly initialised (untrained weights)")
-    return (f"no --checkpoint: the replay ran {model}, not the run's weights at that step; pass --checkpoint "
-            "(the run's newest before the step) to replay those")
+    from .tasks import untrained_model
+
+    return (f"no --checkpoint: the replay ran {untrained_model(config)}, not the run's weights at that step; "
+            "pass --checkpoint (the run's newest before the step) to replay those")
 
 
 def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None,

@@ -44,7 +44,7 @@ from .config import Config
 from .errors import ExitCode, InputError, raised
 from .precision import Precision, backend_of
 from .records import strict_json
-from .tasks import Task
+from .tasks import Task, untrained_model
 
 CHUNK = 256
 """Examples per forward pass in :func:`_scores`."""
@@ -1498,13 +1498,9 @@ def untrained_reference(config: Config) -> str:
         >>> print(untrained_reference(validate({"task": {"name": "linear"}})))
         no --checkpoint: the FP32 reference is task linear freshly initialised (untrained weights); pass --checkpoint (or set validation.checkpoint) to validate trained ones
     """
-    if config.task.factory:
-        what = (f"the model task factory {config.task.factory} returns (untrained unless the factory loads "
-                "weights); pass --checkpoint (or set validation.checkpoint) to validate the weights of a run")
-    else:
-        what = (f"task {config.task.name} freshly initialised (untrained weights); pass --checkpoint (or set "
-                "validation.checkpoint) to validate trained ones")
-    return f"no --checkpoint: the FP32 reference is {what}"
+    which = "the weights of a run" if config.task.factory else "trained ones"
+    return (f"no --checkpoint: the FP32 reference is {untrained_model(config)}; pass --checkpoint (or set "
+            f"validation.checkpoint) to validate {which}")
 
 
 def check_output_folder(folder: Path) -> None:

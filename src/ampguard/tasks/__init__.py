@@ -13,7 +13,23 @@ import torch
 
 from .base import Batch, Task, batch_generator, cycle, mean_loss
 
-__all__ = ["Batch", "Task", "batch_generator", "build_task", "cycle", "mean_loss", "seed_everything"]
+__all__ = ["Batch", "Task", "batch_generator", "build_task", "cycle", "mean_loss", "seed_everything",
+           "untrained_model"]
+
+
+def untrained_model(config: Any) -> str:
+    """The model :func:`build_task` builds for ``config``, in words: what a diagnosis given no
+    checkpoint ran (``validate``'s reference, ``locate``'s replay), for its warning.
+
+    Example::
+
+        >>> from ampguard.config import load_config
+        >>> untrained_model(load_config(None, ["task.name=linear"]))
+        'task linear freshly initialised (untrained weights)'
+    """
+    if config.task.factory:
+        return f"the model task factory {config.task.factory} returns (untrained unless the factory loads weights)"
+    return f"task {config.task.name} freshly initialised (untrained weights)"
 
 
 def build_task(config: Any) -> Task:
