@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .errors import first_line
+from .errors import counted, first_line
 from .precision import Precision, backend_text
 from .records import LAG, InFlight
 from .sinks import CsvSink, Sink
@@ -1497,16 +1497,16 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         torch.set_num_threads(threads or _usable_cpus())  # (the CPUs this process may use, not the host's)
     torch.manual_seed(0)
     until = f"until ±{resolve_pct:g}% or {budget_s:g} s a case" if resolve else "fixed rounds"
-    threads_said = f", {torch.get_num_threads()} threads" if where.type == "cpu" else ""
+    threads_said = f", {counted(torch.get_num_threads(), 'thread')}" if where.type == "cpu" else ""
     if where.type == "cpu" and torch.get_num_threads() > _usable_cpus():  # allowed: but the timings say so
-        threads_said += f" on {_usable_cpus()} usable CPUs (oversubscribed: the threads share cores)"
+        threads_said += f" on {counted(_usable_cpus(), 'usable CPU')} (oversubscribed: the threads share cores)"
     import sys
 
     # with --json, stdout is the JSON alone: the progress lines go to stderr
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext(), \
             _interrupted_by_sigterm() as signalled:
         least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
-        print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {least}{rounds} rounds x {steps} steps, "
+        print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {least}{counted(rounds, 'round')} x {counted(steps, 'step')}, "
               f"paired, {until}", flush=True)
         for note in _long_on(where, workloads):
             print(note, flush=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import InputError, first_line
+from .errors import InputError, counted, first_line
 
 MAGIC = "ampguard-checkpoint"
 FORMAT = 1
@@ -398,8 +398,7 @@ def misfit(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
     for names, where in (([n for n in model if n not in saved], "of the model not in the checkpoint"),
                          ([n for n in saved if n not in model], "of the checkpoint not in the model")):
         if names:
-            plural = "s" if len(names) > 1 else ""
-            parts.append(f"{len(names)} weight{plural} {where} ({names[0]}{', ...' if len(names) > 1 else ''})")
+            parts.append(f"{counted(len(names), 'weight')} {where} ({names[0]}{', ...' if len(names) > 1 else ''})")
     return "; ".join(parts)
 
 

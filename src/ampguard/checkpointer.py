@@ -47,7 +47,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import distributed
 from .config import MAX_DEPTH, Config, as_it_ran, is_plain, read_file
-from .errors import InputError, first_line, whole_number
+from .errors import InputError, counted, first_line, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
 from .run_folder import RUN_ID_PATTERN, RunPaths
@@ -1117,7 +1117,7 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         ...         check_resume(Resume(Loaded(path, {**payload, **bad}), run_dir), config, world_size=1)
         ...     except InputError as err:
         ...         print(str(err).replace(str(run_dir), "RUN"))
-        RUN/checkpoints/step-00000004.pt: saved by 2 process(es), this run has 1; resume with the same world size
+        RUN/checkpoints/step-00000004.pt: saved by 2 processes, this run has 1; resume with the same world size
         RUN/checkpoints/step-00000004.pt: data position 1000000000000 is beyond what 4 steps could have taken (4 = step x accumulation_steps + rollbacks x the largest rollback.skip_batches the run used)
         >>> shutil.rmtree(run_dir)
     """
@@ -1139,16 +1139,16 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
             raise InputError(f"--resume: {key} was {_short(a)} in {where}, now {_short(b)}; a resumed run must keep it")
     step = resume.loaded.step
     if step > config.steps:  # (at config.steps the run was complete: resuming rewrites its card)
-        raise InputError(f"--resume: {resume.path} is at step {step}, the run asks for {config.steps} steps; "
+        raise InputError(f"--resume: {resume.path} is at step {step}, the run asks for {counted(config.steps, 'step')}; "
                          "raise steps (--set steps=N) to continue")
     saved_world = int(resume.loaded.payload.get(WORLD_SIZE, 1))
     if world_size is not None and saved_world != world_size:
-        raise InputError(f"{resume.path}: saved by {saved_world} process(es), this run has {world_size}; "
+        raise InputError(f"{resume.path}: saved by {counted(saved_world, 'process', 'processes')}, this run has {world_size}; "
                          "resume with the same world size")
     position, rollbacks = resume.loaded.payload[DATA], resume.loaded.payload.get(ROLLBACKS) or []
     bound = step * config.accumulation_steps + len(rollbacks) * _skip_batches_used(resume, config)
     if position > bound:
-        raise InputError(f"{resume.path}: data position {position} is beyond what {step} steps could have taken "
+        raise InputError(f"{resume.path}: data position {position} is beyond what {counted(step, 'step')} could have taken "
                          f"({bound} = step x accumulation_steps + rollbacks x the largest rollback.skip_batches "
                          "the run used)")
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError, an_interrupt
+from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError, an_interrupt, counted
 
 
 class _Parser(argparse.ArgumentParser):
@@ -139,7 +139,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.bf16 and args.precision not in (None, "bf16"):
         raise InputError(f"demo: --bf16 contradicts --precision {args.precision}")
     if args.spike and args.steps < 5:  # (the fault's own line said "drop it: --inject none", which keeps it)
-        raise InputError(f"demo: --spike is a loss spike at step 5, past the demo's {args.steps} steps: drop --spike, "
+        raise InputError(f"demo: --spike is a loss spike at step 5, past the demo's {counted(args.steps, 'step')}: drop --spike, "
                          "or give --steps 5 or more")
     given = args.inject or (["spike@5"] if args.spike else None)  # None: the demo's default fault
     inject = None if given is None else _without_none(given)

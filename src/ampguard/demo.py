@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, validate
-from .errors import ExitCode, InputError, check_folder_of
+from .errors import ExitCode, InputError, check_folder_of, counted
 
 INIT_SCALE = 2.0**10
 """Small enough that clean fp16 gradients never overflow in the demo."""
@@ -77,6 +77,6 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     parse_faults(config.inject, seed=config.seed, steps=config.steps)  # refused before the set-up line
     uses_scaler = precision_of(config, resolve_device(config.device)).uses_scaler
     scaler = f"GradScaler(init_scale={config.scaler.init_scale:g})" if uses_scaler else "no loss scaler"
-    print(f"ampguard demo: nn.Linear, {config.steps} steps, {config.precision} with {scaler}, "
+    print(f"ampguard demo: nn.Linear, {counted(config.steps, 'step')}, {config.precision} with {scaler}, "
           f"max_norm={config.max_norm}, inject: {', '.join(config.inject) or 'none'}")
     return finish(train_run(config, outputs=lambda: RunPaths(csv=csv_path), console_every=1))

@@ -36,6 +36,18 @@ def whole_number(value: object, least: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``n`` and its noun, in the plural unless there is one: what every "N steps" a person reads
+    is written with.
+
+    Example::
+
+        >>> counted(1, "step"), counted(0, "step"), counted(2, "micro-batch", "micro-batches")
+        ('1 step', '0 steps', '2 micro-batches')
+    """
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
+
+
 def brief(value: object) -> str:
     """A value from a file (a checkpoint's, a saved state's) for an error line: a short repr of
     a plain value, else its kind.

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InputError
+from .errors import InputError, counted
 
 KINDS: tuple[str, ...] = ("inf_grad", "nan_grad", "nan_loss", "spike", "nan_input")
 SPIKE_FACTOR = 1e8
@@ -182,7 +182,7 @@ def check_steps(faults: Iterable[Fault], steps: int, start: int = 1) -> None:
         if fires(fault, 1):  # (it would have, had the run not resumed past it)
             raise ValueError(f"fault {fault.spec()!r} never fires: the run resumes after step {start - 1} (its steps "
                              f"{start} to {steps} are left to train)")
-        raise ValueError(f"fault {fault.spec()!r} never fires: the run has {steps} steps (config steps; a step "
+        raise ValueError(f"fault {fault.spec()!r} never fires: the run has {counted(steps, 'step')} (config steps; a step "
                          "counts optimizer steps, not micro-batches); drop it: --inject none, or --set inject=[...]")
 
 

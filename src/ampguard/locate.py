@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .errors import InputError, brief, raised
+from .errors import InputError, brief, counted, raised
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision
 
 
@@ -717,7 +717,7 @@ def _check_arguments(config: Any, precision: Precision, *, step: int, batch: str
     # the stream is read from its start up to the step: a step the run never reaches would be a
     # (near) endless read, and no run of this config ever took it
     if batch is None and step > config.steps:
-        raise InputError(f"locate: --step {step} is beyond the run's {config.steps} steps (config steps)")
+        raise InputError(f"locate: --step {step} is beyond the run's {counted(config.steps, 'step')} (config steps)")
 
 
 def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import brief, whole_number
+from .errors import brief, counted, whole_number
 from .precision import finite_number, round_float32
 from .records import StepRecord
 
@@ -846,7 +846,7 @@ class RunMonitor:
         aside = self._opening_in_window()
         held = self.skip_window.held - aside
         data = {"skip_rate": rate, "window": self.window}
-        over = f"over the last {held} steps" + (f" (the scaler's {aside} opening skips set aside)" if aside else "")
+        over = f"over the last {counted(held, 'step')}" + (f" (the scaler's {aside} opening skips set aside)" if aside else "")
         if rate > self.alert_rate and not self.alerting and self.alert_armed:
             self.alerting = True
             self.alert_episodes += 1
@@ -921,18 +921,18 @@ class RunMonitor:
             return events
         rate = skipped / judged
         data = {"skip_rate": rate, "window": self.window}
-        never = (f"no step applied in the run's {self.steps} steps: the fp16 loss scale's search down from init_scale "
+        never = (f"no step applied in the run's {counted(self.steps, 'step')}: the fp16 loss scale's search down from init_scale "
                  f"never found a scale (now {self.health.scale:g})") if unsettled else ""
         if (self.steps < self.min_steps or unsettled) and not self.alerting and rate > self.alert_rate:
             self.alerting = True
             self.alert_episodes += 1
             events.append(Event(step, "skip_rate_alert", never or (
-                f"skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over the run's {judged} steps, which "
+                f"skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over the run's {counted(judged, 'step')}, which "
                 f"ended before the rolling ALERT armed (monitor.min_steps {self.min_steps})"), data))
         if self.failed is None and self.fail_rate is not None and (
                 unsettled and rate > self.fail_rate or self.steps < self.fail_after and self.above_fail >= self.steps):
             self.failed = Event(step, "fail", f"{never}, a skip rate of 1 above fail_rate {self.fail_rate:g}" if never else (
-                f"skip rate above fail_rate {self.fail_rate:g} at every one of the run's {self.steps} steps "
+                f"skip rate above fail_rate {self.fail_rate:g} at every one of the run's {counted(self.steps, 'step')} "
                 f"(it ended before fail_after {self.fail_after} consecutive steps)"), data, cause=FAIL_SKIP_RATE)
             events.append(self.failed)
         return events

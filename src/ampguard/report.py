@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .build import build_monitor
 from .clipping import clip_threshold
-from .errors import ExitCode, InputError, check_folder_of, first_line, whole_number
+from .errors import ExitCode, InputError, check_folder_of, counted, first_line, whole_number
 from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor
@@ -63,7 +63,7 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
         missing = sum(last - first + 1 for first, last in gaps)
         said = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:5]) + (", ..." if len(gaps) > 5 else "")
         notes.append(f"{csv_path} has no row for {missing} of its steps ({said}): its figures count the "
-                     f"{len(rows)} rows it has")
+                     f"{counted(len(rows), 'row')} it has")
     if run_dir is not None and not (run_dir / "events.jsonl").exists():
         notes.append(f"{run_dir} has no events.jsonl: replayed as if no setting changed on resume and no rollback "
                      "happened")
@@ -550,7 +550,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
     skipped = sum(r.skipped for r in rows)
-    fig.suptitle(f"{title}: {len(rows)} steps, {skipped} skipped", fontsize=13)
+    fig.suptitle(f"{title}: {counted(len(rows), 'step')}, {skipped} skipped", fontsize=13)
 
 
 def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float | None = None) -> None:
@@ -682,29 +682,29 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         f"x{s.backoff_factor:g} on a skip, floor (min_scale) {s.min_scale:g}" if result.monitor.scaler_enabled
         else "off (scale reported as 1.0)"
     )
-    fail = (f"skip rate > {mon.fail_rate:g} for {mon.fail_after} consecutive steps -> exit 3"
+    fail = (f"skip rate > {mon.fail_rate:g} for {counted(mon.fail_after, 'consecutive step')} -> exit 3"
             if mon.fail_rate is not None else "off (monitor.fail_rate not set)")
     if mon.fail_on_scale_collapse:
-        fail += f"; skipping at the scale floor {s.min_scale:g} for {mon.fail_after} steps -> exit 3"
+        fail += f"; skipping at the scale floor {s.min_scale:g} for {counted(mon.fail_after, 'step')} -> exit 3"
     return [
         ("precision", Precision(config.precision, result.device.type).describe()
                       + (", model compiled (torch.compile)" if config.compile else "")),
         # PyTorch on ROCm names an AMD GPU "cuda" too: the backend says which it was, with its version
         ("backend", backend_text(result.device)),
         *((("step path", result.path),) if result.path else ()),
-        *((("fp8", f"recipe {config.fp8.recipe}; {len(result.fp8_layers)} Linear layer(s) in float8: "
+        *((("fp8", f"recipe {config.fp8.recipe}; {counted(len(result.fp8_layers), 'Linear layer')} in float8: "
                    f"{', '.join(result.fp8_layers) or 'none'}"),) if config.precision == "fp8" else ()),
         ("loss scaler", scaler),
         ("clipping", f"global L2, max_norm {config.max_norm:g}" if clip_threshold(config.max_norm) else "off"),
-        ("accumulation", f"{config.accumulation_steps} micro-batch(es) per step"),
+        ("accumulation", f"{counted(config.accumulation_steps, 'micro-batch', 'micro-batches')} per step"),
         ("optimizer", f"{config.optimizer.name}, lr {config.optimizer.lr:g}, schedule {config.schedule.decay} "
                       f"(warmup {config.schedule.warmup})"),
         ("scheduler on skipped steps", config.scheduler_on_skip),
         ("task", result.task or config.task.name),
         ("faults injected", ", ".join(config.inject) or "none"),
-        ("skip-rate alert", f"rolling rate > {mon.alert_rate:g} over {mon.window} steps"),
+        ("skip-rate alert", f"rolling rate > {mon.alert_rate:g} over {counted(mon.window, 'step')}"),
         ("fail-fast", fail),
-        ("headroom telemetry", (f"every {mon.headroom.every} steps against "
+        ("headroom telemetry", (f"every {counted(mon.headroom.every, 'step')} against "
                                 f"{mon.headroom.format_for(config.precision)}, "
                                 f"ALERT below {mon.headroom.alert_bits:g} bits") if mon.headroom.every
          else "off (monitor.headroom.every)"),
@@ -722,7 +722,7 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         ("skipped steps", f"{sum(m.skips.values())} ({m.skips_text()})"),
         ("max rolling skip rate", m.max_skip_rate_text),
         ("skip-rate alert episodes", str(m.alert_episodes)),
-        ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {m.steps} steps had pre-clip norm > max_norm)"
+        ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {counted(m.steps, 'step')} had pre-clip norm > max_norm)"
                                    if clip_threshold(config.max_norm) else "n/a (clipping off)")),
         ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(m.last.get('scaler_scale'), 'g')})"
                                                  if m.scaler_enabled else "")),

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from . import checkpointer as ck
 from . import distributed
 from .config import Config
-from .errors import ExitCode, InputError
+from .errors import ExitCode, InputError, counted
 from .run_folder import RunPaths, RunResult
 from .signals import Interrupted
 from .trainer import Trainer
@@ -72,7 +72,7 @@ def finish(result: RunResult) -> ExitCode:
                    if (run_dir / name.rstrip("/")).exists()]
         print(f"run folder: {run_dir} ({', '.join(written)})")
     elif csv_path is not None:
-        print(f"csv: {csv_path} ({result.monitor.steps} rows)")
+        print(f"csv: {csv_path} ({counted(result.monitor.steps, 'row')})")
     if result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED, ExitCode.BROKEN_PIPE):
         import sys
 

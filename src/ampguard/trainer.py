@@ -24,7 +24,7 @@ from .build import (build_headroom, build_monitor, build_sinks, build_spike_dete
 from .checkpoint import checkpoint_step, list_checkpoints
 from .config import Config
 from .data import DataStream, check_same_data
-from .errors import ExitCode, InputError, first_line, raised
+from .errors import ExitCode, InputError, counted, first_line, raised
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, parse_faults
@@ -527,11 +527,10 @@ class Trainer:
         if self.config.precision != "fp8":
             return ""
         layers = self.fp8_layers
-        plural = "s" if len(layers) != 1 else ""
-        return f" ({len(layers)} Linear layer{plural} in float8: {', '.join(layers)})"
+        return f" ({counted(len(layers), 'Linear layer')} in float8: {', '.join(layers)})"
 
     def _close(self, stopped: Stop | None) -> RunResult:
-        ended = stopped.why if stopped else f"finished: {self.config.steps} steps"
+        ended = stopped.why if stopped else f"finished: {counted(self.config.steps, 'step')}"
         if self.disk_full() is None:  # once a write found no room, nothing more is written
             self.events.emit({"step": self.monitor.steps, "event": "run_end", "message": ended})
         self.events.close()

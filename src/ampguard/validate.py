@@ -41,7 +41,7 @@ from torch import nn
 from .build import prepare_model, resolve_device, to_device
 from .checkpoint import rng_kept
 from .config import Config
-from .errors import ExitCode, InputError, raised
+from .errors import ExitCode, InputError, counted, raised
 from .precision import Precision, backend_of
 from .records import strict_json
 from .tasks import Task, untrained_model
@@ -1481,7 +1481,7 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         for r in precision.rules:
             print(f"{precision.precision}: {r.criterion}: {r.amp} -> {r.decision}")
     for t in training:
-        print(f"train {t['precision']}: {t['updates_applied']} updates applied, final loss {t['final_loss']:.4g}")
+        print(f"train {t['precision']}: {counted(t['updates_applied'], 'update')} applied, final loss {t['final_loss']:.4g}")
     if not checkpoint:  # stderr: after the report, so a refusal above stays the one line there
         print(f"ampguard: warning: validate: {untrained_reference(config)}", file=sys.stderr)
     print(f"validate: {result.verdict}; report {md}, {js}")

@@ -183,9 +183,9 @@ def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_p
     shown = warnings.showwarning
     with warnings.catch_warnings():
         warnings.simplefilter("always", SlowPrecisionWarning)  # the suite's config ignores it
-        code, _, err = cli("train", *sum((["--set", s] for s in [
+        code, out, err = cli("train", *sum((["--set", s] for s in [
             "steps=1", "precision=fp16", *TINY_CHARLM, f"log.dir={tmp_path / 'runs'}"]), []))
-        assert code == 0, err
+        assert code == 0 and "\nended: finished: 1 step\n" in out, err  # (one step, not "1 steps")
         warned = [line for line in err.splitlines() if "emulated" in line]
         assert warned == [line for line in err.splitlines() if "Warning" in line or "warning" in line]
         assert warned == ["ampguard: warning: fp16 autocast on a CPU is emulated, about 10x slower than bf16 "

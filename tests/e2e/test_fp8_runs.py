@@ -63,7 +63,7 @@ def test_train_fp8_end_to_end_writes_the_run_folder(cli, tmp_path):
     assert all(r["skipped"] == "0" and r["skip_reason"] == "" for r in rows)
     card = (folder / "RUN.md").read_text(encoding="utf-8")
     assert re.search(r"\| precision \| fp8\b", card), card
-    assert "| fp8 | recipe tensorwise; 1 Linear layer(s) in float8: 2 |" in card  # the card says which
+    assert "| fp8 | recipe tensorwise; 1 Linear layer in float8: 2 |" in card  # the card says which
     assert (folder / "config.yaml").read_text(encoding="utf-8").count("recipe: tensorwise") == 1
     assert "Traceback" not in err and "Failed to load" not in err  # torchao's CPU import noise held back
     start = next(json.loads(line) for line in (folder / "events.jsonl").read_text(encoding="utf-8").splitlines()
@@ -81,7 +81,7 @@ def test_fp8_with_headroom_measures_against_bf16_the_format_it_computes_in(cli, 
     _, rows = rows_of(folder / "headroom.csv")
     assert {r["tensor"] for r in rows} == {"output", "grad", "param_grad"} and {r["step"] for r in rows} == {"1", "2"}
     assert all(float(r["headroom_bits"]) > 100 for r in rows)  # bf16's range: nowhere near
-    assert "every 1 steps against bf16" in (folder / "RUN.md").read_text(encoding="utf-8")
+    assert "every 1 step against bf16" in (folder / "RUN.md").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("argv,expected", [

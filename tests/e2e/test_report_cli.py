@@ -314,7 +314,7 @@ def test_finished_run_card_and_plot(finished_run):
     assert table["ended"] == f"finished: {n} steps"
     assert table["precision"] == "fp16 (autocast on cpu)"
     assert table["backend"] == "cpu"
-    assert table["accumulation"] == "2 micro-batch(es) per step"
+    assert table["accumulation"] == "2 micro-batches per step"
     assert table["loss scaler"] == (f"dynamic: init {FINISHED['init_scale']}, x2 after 2000 clean steps, "
                                     f"x0.5 on a skip, floor (min_scale) 1")
     assert table["fail-fast"] == (f"skip rate > {FINISHED['fail_rate']:g} for {FINISHED['fail_after']} "

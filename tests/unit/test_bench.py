@@ -509,7 +509,7 @@ def test_bench_pins_the_cpu_threads_and_says_when_a_case_was_not_resolved(capsys
     finally:
         torch.set_num_threads(before)
     out = capsys.readouterr().out
-    assert ", 1 threads): at least 3 rounds x 1 steps, paired, until ±1e-09% or 0 s a case" in out
+    assert ", 1 thread): at least 3 rounds x 1 step, paired, until ±1e-09% or 0 s a case" in out
     assert "| tiny-mlp | fp32 | bare loop (A/A) |" in out
     assert "tiny-mlp fp32: not resolved to ±1e-09% (the time budget ran out after 3 rounds; widest ±" in out
 
@@ -674,7 +674,7 @@ def test_the_header_says_at_least_only_when_rounds_are_added(capsys):
     finally:
         torch.set_num_threads(before)
     header = capsys.readouterr().out.splitlines()[0]
-    assert header.endswith("): 2 rounds x 1 steps, paired, fixed rounds") and "at least" not in header
+    assert header.endswith("): 2 rounds x 1 step, paired, fixed rounds") and "at least" not in header
 
 
 def test_more_threads_than_usable_cpus_are_pinned_and_the_header_says_oversubscribed(monkeypatch, capsys):
@@ -692,8 +692,8 @@ def test_more_threads_than_usable_cpus_are_pinned_and_the_header_says_oversubscr
     finally:
         torch.set_num_threads(before)
     first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ampguard bench on")]
-    assert ", 3 threads on 1 usable CPUs (oversubscribed: the threads share cores))" in first
-    assert "oversubscribed" not in second and ", 1 threads)" in second
+    assert ", 3 threads on 1 usable CPU (oversubscribed: the threads share cores))" in first
+    assert "oversubscribed" not in second and ", 1 thread)" in second
 
 
 @pytest.mark.parametrize("given", [{"models": "nano,mlp,nano"}, {"precisions": "fp32,fp32"}])

@@ -530,7 +530,7 @@ def test_check_resume_refuses_a_checkpoint_beyond_the_runs_steps(steps):
     with pytest.raises(InputError) as err:
         ck.check_resume(_resume(step=8), _with(steps=steps), world_size=1)
     line = one_line(err)
-    assert "at step 8" in line and f"{steps} steps" in line and "steps=N" in line
+    assert "at step 8" in line and ("1 step;" if steps == 1 else f"{steps} steps;") in line and "steps=N" in line
 
 
 def test_check_resume_accepts_one_step_left():
@@ -540,7 +540,7 @@ def test_check_resume_accepts_one_step_left():
 def test_check_resume_refuses_another_world_size():
     with pytest.raises(InputError) as err:
         ck.check_resume(_resume(world_size=2), _with(), world_size=1)
-    assert "saved by 2 process(es), this run has 1" in one_line(err)
+    assert "saved by 2 processes, this run has 1" in one_line(err)
     with pytest.raises(InputError):  # a checkpoint without the entry was saved by one process
         ck.check_resume(_resume(world_size=None), _with(), world_size=4)
     ck.check_resume(_resume(world_size=None), _with(), world_size=1)

@@ -1223,7 +1223,7 @@ def test_a_run_shorter_than_min_steps_that_skipped_above_alert_rate_alerts_at_it
     assert m.alert_episodes == 0 and not m.alerting  # never armed
     events = m.at_end(steps)
     assert [e.kind for e in events] == ["skip_rate_alert"] and events[0].step == steps
-    assert f"over the run's {steps} steps" in events[0].message and m.alert_episodes == 1 and m.failed is None
+    assert ("over the run's 1 step," if steps == 1 else f"over the run's {steps} steps,") in events[0].message and m.alert_episodes == 1 and m.failed is None
     assert m.at_end(steps) == []  # once
 
 

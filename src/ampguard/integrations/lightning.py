@@ -71,7 +71,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed in the t
 import torch
 from torch import Tensor
 
-from ..errors import ExitCode, InputError, check_folder_of
+from ..errors import ExitCode, InputError, check_folder_of, counted
 from ..monitor import RunMonitor
 from ..precision import GuardedGradScaler, Precision
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
@@ -458,7 +458,7 @@ class AmpGuardPlugin(_LightningPrecision):
         if self.stop_reason is not None:
             return ExitCode.GUARD, self.stop_reason
         steps = self.guard.steps if self.guard is not None else 0
-        return ExitCode.OK, f"finished: {steps} steps"
+        return ExitCode.OK, f"finished: {counted(steps, 'step')}"
 
     # ------------------------------------------------------------------ the step
 

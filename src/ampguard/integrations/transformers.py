@@ -40,7 +40,7 @@ from accelerate.utils import convert_to_fp32
 from transformers import Trainer, TrainerCallback
 
 from ..clipping import global_l2_norm
-from ..errors import ExitCode, InputError, first_line
+from ..errors import ExitCode, InputError, counted, first_line
 from ..events import EventLog, event_word
 from ..files import replace_atomically
 from ..monitor import DEFAULT_MIN_STEPS, RunMonitor
@@ -309,7 +309,7 @@ class AmpGuardCallback(TrainerCallback):
             if self.monitor.failed is not None:
                 self.failed = self.monitor.failed
                 self.ended = f"stopped by a guard at the end of the run (step {self.failed.step}): {self.failed.message}"
-        self.ended = self.ended or f"finished: {self.monitor.steps} steps"
+        self.ended = self.ended or f"finished: {counted(self.monitor.steps, 'step')}"
         self._finish()
 
     # ---------------------------------------------------------------- helpers

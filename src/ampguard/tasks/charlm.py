@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import InputError
+from ..errors import InputError, counted
 from .base import Task, batch_generator, mean_loss
 
 SOURCES: tuple[str, ...] = (
@@ -216,7 +216,7 @@ def build(config: Any) -> Task:
             torch.arange(t.block_size) % VOCAB])),
         predict=lambda m, x: m(x)[:, -1, :],  # the decision: the next character after the context
         description=(
-            f"character-level transformer ({t.n_layer} layer{'s' if t.n_layer != 1 else ''}, {t.n_embd} wide, "
+            f"character-level transformer ({counted(t.n_layer, 'layer')}, {t.n_embd} wide, "
             f"context {t.block_size}) "
             f"on {len(train_text):,} bytes of Python's standard library ({len(val_text):,} held out)"
         ),
