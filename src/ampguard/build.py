@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map_only
 from .checkpoint import untouched
 from .clipping import clip_threshold
 from .config import Config
-from .errors import InputError, first_line, raised
+from .errors import InputError, first_line, user_code
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
@@ -304,24 +304,16 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         ampguard.errors.InputError: task.factory toy.py:build: loss_fn must return a scalar (a 0-dim tensor, e.g. .mean()); it returned shape (4,)
     """
     with untouched(model):
-        try:
-            inputs, targets = read_batch()
-        except StopIteration:
-            raise InputError(f"{who}: the data yielded no batches") from None
-        except InputError:
-            raise
-        except (Exception, SystemExit) as err:  # noqa: BLE001 - whatever the user's data raised, in one line
-            raise InputError(f"{who}: reading the first batch failed: {raised(err)}") from None
+        with user_code(f"{who}: reading the first batch failed: "):
+            try:
+                inputs, targets = read_batch()
+            except StopIteration:
+                raise InputError(f"{who}: the data yielded no batches") from None
         with precision.autocast():
-            try:
+            with user_code(f"{who}: the model's forward pass on the first batch failed: "):
                 outputs = model(inputs)
-            except (Exception, SystemExit) as err:  # noqa: BLE001
-                raise InputError(f"{who}: the model's forward pass on the first batch failed: {raised(err)}") from None
-            try:
+            with user_code(f"{who}: loss_fn failed on the model's output for the first batch: "):
                 loss = loss_fn(outputs, targets)
-            except (Exception, SystemExit) as err:  # noqa: BLE001
-                raise InputError(f"{who}: loss_fn failed on the model's output for the first batch: "
-                                 f"{raised(err)}") from None
         if not isinstance(loss, torch.Tensor):
             raise InputError(f"{who}: loss_fn must return a scalar tensor; it returned a {type(loss).__name__}")
         if loss.numel() != 1:

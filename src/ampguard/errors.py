@@ -9,7 +9,9 @@ Example::
     (3, 'BAD_INPUT')
 """
 
+import contextlib
 import unicodedata
+from collections.abc import Iterator
 from enum import IntEnum
 from pathlib import Path
 
@@ -197,6 +199,32 @@ def an_interrupt(err: BaseException) -> bool:
         (True, True, False)
     """
     return isinstance(err, KeyboardInterrupt) or isinstance(err.__cause__, KeyboardInterrupt)
+
+
+@contextlib.contextmanager
+def user_code(said: str) -> Iterator[None]:
+    """Around the user's code (a factory's import and ``build``, its data, its model's first
+    forward and loss): whatever it raises, ``SystemExit`` and ``GeneratorExit`` too, is one
+    :class:`InputError` line, ``said`` and then :func:`raised`. Ours (an ``InputError``) passes,
+    and so does a Ctrl-C, also one Python wrapped on its way out (:func:`an_interrupt`: exit 130,
+    not bad input).
+
+    Example::
+
+        >>> with user_code("task.factory toy.py:build raised "):
+        ...     raise SystemExit(3)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task.factory toy.py:build raised SystemExit: 3
+    """
+    try:
+        yield
+    except InputError:
+        raise
+    except BaseException as err:  # noqa: BLE001 - the user's code: any failure is bad input
+        if an_interrupt(err):
+            raise
+        raise InputError(f"{said}{raised(err)}") from None
 
 
 def check_folder_of(path: Path, where: str) -> None:

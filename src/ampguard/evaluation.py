@@ -22,7 +22,7 @@ import torch
 
 from . import distributed
 from .config import Config
-from .errors import InputError, an_interrupt, raised
+from .errors import InputError, user_code
 from .precision import Precision
 from .tasks import Task
 
@@ -64,14 +64,13 @@ class Evaluator:
             return
         problem = None
         try:
-            names = set(self._evaluate())
+            with user_code("task.factory: evaluate() raised "):
+                names = set(self._evaluate())
             if not names <= set(self.task.metrics):
                 problem = (f"task.factory: evaluate() returned {sorted(names)}, but metrics declares "
                            f"{list(self.task.metrics)}")
-        except BaseException as err:  # noqa: BLE001 - the user's code: any failure is bad input, a Ctrl-C not
-            if an_interrupt(err):
-                raise
-            problem = f"task.factory: evaluate() raised {raised(err)}"
+        except InputError as err:  # (held until the ranks agree on the first rank's line)
+            problem = str(err)
         problem = distributed.first_error(problem)
         if problem is not None:
             raise InputError(problem)

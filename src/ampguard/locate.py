@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .errors import InputError, brief, counted, raised
+from .errors import InputError, brief, counted, user_code
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision
 
 
@@ -646,18 +646,12 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     # the replay's warnings (a loss broadcasting a target of another shape) are shown once it
     # worked; when a saved batch does not fit, the one line says why and they are dropped
     with warnings.catch_warnings(record=True) as caught:
-        try:
+        # a batch the model or loss cannot take is bad input; the task's own data (train refuses it at
+        # its first batch) too: one line, not the traceback whose exit 1 read as "a non-finite value found"
+        with user_code(f"locate: batch {batch} does not fit the model of task {task.name}: " if batch else
+                       f"locate: task {task.name}: the model or the loss failed on step {step}'s batch: "):
             batches = [(to_device(x, device), to_device(y, device)) for x, y in batches]
             result = diagnose_group(model, loss_fn, batches, precision, loss_scale, config.accumulation_steps)
-        except Exception as err:  # noqa: BLE001 - a batch the model or loss cannot take is bad input
-            if isinstance(err, InputError):
-                raise
-            if not batch:  # the task's own data (train refuses it at its first batch): one line, not the
-                # traceback whose exit 1 read as "a non-finite value found"
-                raise InputError(f"locate: task {task.name}: the model or the loss failed on step {step}'s "
-                                 f"batch: {raised(err)}") from None
-            raise InputError(f"locate: batch {batch} does not fit the model of task {task.name}: "
-                             f"{raised(err)}") from None
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     return result, where, device, loss_scale

@@ -24,7 +24,7 @@ from .build import (build_headroom, build_monitor, build_sinks, build_spike_dete
 from .checkpoint import checkpoint_step, list_checkpoints
 from .config import Config
 from .data import DataStream, check_same_data
-from .errors import ExitCode, InputError, counted, first_line, raised
+from .errors import ExitCode, InputError, an_interrupt, counted, first_line, raised
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, parse_faults
@@ -367,8 +367,8 @@ class Trainer:
             except (torch.cuda.OutOfMemoryError, StopIteration):
                 raise
             except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's data raising (or exiting), in one process
-                if self.dist.active:  # one rank's own failure: a stop on it alone would leave the others
-                    raise  # waiting in the step's collectives; the traceback ends the job (torchrun)
+                if self.dist.active or an_interrupt(err):  # one rank's own failure: a stop on it alone would
+                    raise  # leave the others waiting in the step's collectives; the traceback ends the job (torchrun)
                 raise BadBatch(raised(err)) from None
             self.throughput.add(batch[0])
             if self.diagnosis is not None:

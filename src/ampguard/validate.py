@@ -41,7 +41,7 @@ from torch import nn
 from .build import prepare_model, resolve_device, to_device
 from .checkpoint import rng_kept
 from .config import Config
-from .errors import ExitCode, InputError, counted, raised
+from .errors import ExitCode, InputError, an_interrupt, counted, raised
 from .precision import Precision, backend_of
 from .records import strict_json
 from .tasks import Task, untrained_model
@@ -393,6 +393,8 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
             raise
         except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's code: one line, not a traceback
             # (a sys.exit() in it passed through as validate's own exit: 0, no report, a model never judged)
+            if an_interrupt(err):
+                raise
             why = raised(err)
             raise ModelRaised(f"validate: task {task.name}: the model (or the task's predict) raised under "
                               f"{precision.name}: {why}", why) from None

@@ -113,6 +113,26 @@ def test_locate_a_batch_the_model_cannot_take_is_one_line(cli, tmp_path, unchang
     check()
 
 
+def test_locate_a_model_that_exits_is_one_line_not_a_silent_exit(cli, tmp_path, unchanged):
+    # (locate caught Exception only: the model's sys.exit(0) passed through as locate's own exit 0,
+    # which says "every value finite", and printed nothing)
+    (tmp_path / "fac.py").write_text(
+        "import sys, torch\n"
+        "class Exits(torch.nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        sys.exit(0)\n"
+        "def build(config):\n"
+        "    def batches():\n"
+        "        while True:\n"
+        "            yield torch.randn(4, 2), torch.randn(4, 1)\n"
+        "    return Exits(2, 1), batches, torch.nn.functional.mse_loss\n", encoding="utf-8")
+    check = unchanged()
+    line = refused(cli("locate", "--set", "task.factory=fac.py:build", "--set", "precision=fp32", "--step", "1"))
+    assert line == ("ampguard: error: locate: task factory: the model or the loss failed on step 1's batch: "
+                    "SystemExit: 0")
+    check()
+
+
 def test_locate_a_batch_that_fits_still_shows_the_losss_warning(cli, tmp_path):
     # a target that broadcasts is not an error: the replay runs and the loss's warning is shown
     torch.save({"inputs": torch.ones(8, 16), "targets": torch.zeros(8, 1)}, tmp_path / "broadcast.pt")

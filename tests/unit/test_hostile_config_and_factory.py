@@ -107,6 +107,28 @@ def ctrl_c(config):  # a Ctrl-C inside a class body Python runs: it comes out as
         raise KeyboardInterrupt
     except KeyboardInterrupt as err:
         raise RuntimeError("Error calling __set_name__ on 'Field' instance") from err
+
+class Fails(torch.nn.Linear):  # the first-batch check's three calls into the user's code
+    def __init__(self, where):
+        super().__init__(2, 1)
+        self.where = where
+    def forward(self, x):
+        if self.where == "forward":
+            ctrl_c(None)
+        return super().forward(x)
+    def loss(self, out, y):
+        if self.where == "loss":
+            ctrl_c(None)
+        return torch.nn.functional.mse_loss(out, y)
+    def batches(self):
+        if self.where == "data":
+            ctrl_c(None)
+        while True:
+            yield torch.randn(4, 2), torch.randn(4, 1)
+
+def ctrl_c_in(config):
+    model = Fails(config.task.options["where"])
+    return model, model.batches, model.loss
 """
 
 
@@ -216,3 +238,12 @@ def test_a_ctrl_c_python_wrapped_in_the_factory_is_an_interrupt_not_bad_input(cl
     (tmp_path / "fac.py").write_text(FACTORY, encoding="utf-8")
     code, out, err = cli("train", *RUN, "--set", "task.factory=fac.py:ctrl_c")
     assert (code, err) == (130, "ampguard: interrupted\n"), err
+
+
+@pytest.mark.parametrize("where", ["data", "forward", "loss"])
+def test_a_ctrl_c_python_wrapped_in_the_first_batch_check_is_an_interrupt_not_bad_input(cli, tmp_path, where):
+    # (build.check_forward caught (Exception, SystemExit): "reading the first batch failed: RuntimeError", exit 2)
+    (tmp_path / "fac.py").write_text(FACTORY, encoding="utf-8")
+    code, out, err = cli("train", *RUN, "--set", "task.factory=fac.py:ctrl_c_in", "--set", f"task.options.where={where}")
+    assert (code, err) == (130, "ampguard: interrupted\n"), err
+    assert not (tmp_path / "runs").exists()

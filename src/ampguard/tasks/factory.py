@@ -25,38 +25,21 @@ rank's share: the run logs and judges the mean over ranks.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import itertools
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import InputError, an_interrupt, raised
+from ..errors import InputError, user_code
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
 from .base import Task, cycle
-
-
-@contextlib.contextmanager
-def _user_code(said: str) -> Iterator[None]:
-    """Around the user's code (the factory's import, ``build``, its data): whatever it raises,
-    ``SystemExit`` and ``GeneratorExit`` too, is one :class:`InputError` line, ``said`` and then
-    :func:`errors.raised`; ours (an ``InputError``) passes, and so does a Ctrl-C, also one Python
-    wrapped on its way out (:func:`errors.an_interrupt`: exit 130, not bad input)."""
-    try:
-        yield
-    except InputError:
-        raise
-    except BaseException as err:  # noqa: BLE001 - the user's code: any failure is bad input
-        if an_interrupt(err):
-            raise
-        raise InputError(f"{said}{raised(err)}") from None
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -75,7 +58,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr.isidentifier():
         raise InputError(f"task.factory: expected 'package.module:function' or 'path/file.py:function', got {spec!r}")
-    with _user_code(f"task.factory: importing {target} failed: "):
+    with user_code(f"task.factory: importing {target} failed: "):
         if target.endswith(".py") or "/" in target:
             path = Path(target)
             if not path.is_file() and path.exists():  # (a folder, a FIFO, /dev/null: not a missing file)
@@ -141,7 +124,7 @@ def build_from_factory(config: Any) -> Task:
     """
     spec = config.task.factory
     fn = load_factory(spec)
-    with _user_code(f"task.factory {spec} raised "):
+    with user_code(f"task.factory {spec} raised "):
         made = fn(config)
     if isinstance(made, Task):
         check_metrics(made.metrics, spec)
@@ -181,7 +164,7 @@ def build_from_factory(config: Any) -> Task:
             generator.set_state(start_state)
         return make_iterable()
 
-    with _user_code(f"task.factory {spec}: reading the data failed: "):
+    with user_code(f"task.factory {spec}: reading the data failed: "):
         first_batches = list(itertools.islice(iter(restart()), 4))
     if not first_batches:
         raise InputError(f"task.factory {spec}: data yielded no batches")
