@@ -554,7 +554,7 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         no non-finite value in forward, loss or backward under bf16 (loss 1.582)
         0
         >>> run(config, step=2)
-        locate: step 2 of task linear (seed 0), bf16 on cpu, loss scale 1
+        locate: step 2 of task linear (seed 0) with nan_input@2 injected, bf16 on cpu, loss scale 1
         first nan under bf16: in the input batch. FP32 replay is not finite either: a data or model problem, not a
         precision one
         1
@@ -638,7 +638,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         n = config.accumulation_steps
         stream = injector.wrap_data(task.stream((step - 1) * n), first_step=step)  # seeks: no reading up to it
         batches = list(itertools.islice(stream, n))
-        where = f"step {step} of task {task.name} (seed {config.seed})"
+        where = f"step {step} of task {task.name} (seed {config.seed}){_injected_at(faults, step)}"
     scaler_on = precision.uses_scaler and config.scaler.enabled is not False  # else no saved scale applies
     loss_scale = _replay_scale(given=scale, batch_file=batch_scale if scaler_on else None,
                                checkpoint=checkpoint_scale if scaler_on else None, init=initial_scale(config, device))
@@ -655,6 +655,26 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     return result, where, device, loss_scale
+
+
+def _injected_at(faults: list[Any], step: int) -> str:
+    """What the header adds for the config's faults that fire at ``step``: the replay injects them
+    as the run did (a finding there is the fault's), except another rank's (one process replays).
+
+    Example::
+
+        >>> from ampguard.faults import parse_fault
+        >>> faults = [parse_fault(s) for s in ("nan_input@2", "spike@every:2@rank1", "nan_loss@3")]
+        >>> for step in (1, 2, 3):
+        ...     print(f"step {step}{_injected_at(faults, step)}")
+        step 1
+        step 2 with nan_input@2 injected (spike@every:2@rank1 not: another rank's)
+        step 3 with nan_loss@3 injected
+    """
+    here = [f.spec() for f in faults if f.hits(step) and f.rank in (None, 0)]
+    other = [f.spec() for f in faults if f.hits(step) and f.rank not in (None, 0)]
+    said = f" with {', '.join(here)} injected" if here else ""
+    return said + (f" ({', '.join(other)} not: another rank's)" if other else "")
 
 
 def _replay_scale(*, given: float | None, batch_file: float | None, checkpoint: float | None, init: float) -> float:

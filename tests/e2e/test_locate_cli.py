@@ -48,9 +48,13 @@ def test_cli_locate_only_replays_the_step_asked_for(cli):
 
 
 def test_cli_locate_reports_a_nan_input(cli):
-    code, out, err = cli("locate", *LINEAR_FP16, "--inject", "nan_input@2", "--step", "2")
+    code, out, err = cli("locate", *LINEAR_FP16, "--inject", "nan_input@2", "--inject", "nan_grad@2@rank1",
+                         "--step", "2")
     assert code == 1, err  # found a non-finite value
     assert "input" in out and "data or model" in out
+    # the header says the finding is the config's own fault, and which one the replay left out
+    assert out.startswith("locate: step 2 of task linear (seed 0) with nan_input@2 injected (nan_grad@2@rank1 not: "
+                          "another rank's), fp16 on cpu"), out
 
     code, out, err = cli("locate", *LINEAR_FP16, "--inject", "nan_input@2", "--step", "2", "--json")
     found = json.loads(out)
