@@ -1144,7 +1144,8 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def compare_training(task: Task, config: Config, device: torch.device, steps: int) -> list[dict[str, Any]]:
-    """Train ``steps`` steps from the same state in FP32 and each AMP precision; compare curves.
+    """Train ``steps`` steps from the same state in FP32 and each AMP precision on the task's
+    clean data (the config's ``inject`` faults are not applied); compare curves.
 
     Reads each step's record on the host (one host sync a step, as in a run). The model's
     weights are put back as they were afterwards. Each precision trains from the same RNG state
