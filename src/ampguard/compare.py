@@ -374,7 +374,7 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
         >>> for name, cells in (("a", "2.0,1.0,0.5,0,,1024.0"), ("b", "inf,,0.5,1,non_finite_grad,512.0")):
         ...     (root / name).mkdir()
         ...     _ = (root / name / "config.yaml").write_text(config)
-        ...     _ = (root / name / "RUN.md").write_text(f"# Run {name}\\n\\n**finished: 1 steps**\\n")
+        ...     _ = (root / name / "RUN.md").write_text(f"# Run {name}\\n\\n**finished: 1 step**\\n")
         ...     _ = (root / name / "steps.csv").write_text(",".join(CSV_COLUMNS) + f"\\n1,0.1,{cells}\\n")
         ...     _ = (root / name / "events.jsonl").write_text("")
         >>> run([root / "a", root / "b"])

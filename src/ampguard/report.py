@@ -726,7 +726,8 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
                                    if clip_threshold(config.max_norm) else "n/a (clipping off)")),
         ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(m.last.get('scaler_scale'), 'g')})"
                                                  if m.scaler_enabled else "")),
-        ("loss", f"first {_fmt(m.first_loss)}, final {_final_loss(m)}, best {_fmt(m.best_loss)}"),
+        # (a skipped step's loss is not the model's: an all-skipped run's is "n/a" though step 1's was finite)
+        ("loss of applied steps", f"first {_fmt(m.first_loss)}, final {_final_loss(m)}, best {_fmt(m.best_loss)}"),
         *((f"held-out {name}", f"final {_fmt(value)}, best {_fmt(m.eval_best.get(name))}")
           for name, value in m.eval_last.items()),
         ("rollbacks", "; ".join(result.rollbacks) if result.rollbacks else "none"),

@@ -73,7 +73,7 @@ def test_compare_says_what_each_run_card_says_and_draws_the_overlay(cli, sweep, 
         verdict, final = re.fullmatch(r"(\w+) \(final scale (\S+)\)", card["scale health"]).groups()
         assert col["scale health"] == f"{verdict} (final {final})"
         assert verdict == "stable"  # one halving at step 10
-        first, final_loss, best = re.fullmatch(r"first (\S+), final (\S+), best (\S+)", card["loss"]).groups()
+        first, final_loss, best = re.fullmatch(r"first (\S+), final (\S+), best (\S+)", card["loss of applied steps"]).groups()
         assert col["loss final / best"] == f"{final_loss} / {best}"
         final_val, best_val = re.fullmatch(r"final (\S+), best (\S+)", card["held-out val_loss"]).groups()
         assert col["val_loss final / best"] == f"{final_val} / {best_val}"

@@ -61,7 +61,7 @@ CARD_KEYS = {
     "precision", "backend", "loss scaler", "clipping", "accumulation", "skip-rate alert", "fail-fast",
     # outcome
     "ended", "steps attempted", "updates applied", "skipped steps", "max rolling skip rate",
-    "skip-rate alert episodes", "clip rate (whole run)", "scale health", "loss",
+    "skip-rate alert episodes", "clip rate (whole run)", "scale health", "loss of applied steps",
     # files
     "per-step CSV", "event log (JSON lines)", "plot", "checkpoints",
 }
@@ -93,7 +93,7 @@ def check_card_against_csv(run_dir: Path, *, window: int, alert_rate: float, max
     applied = [float(r["loss"]) for r in rows if r["skipped"] == "0"]
     last_applied = next(r for r in reversed(rows) if r["skipped"] == "0")  # a skipped step left the model as it was
     note = "" if last_applied is rows[-1] else f" (step {last_applied['step']}, the last applied)"
-    assert table["loss"] == (f"first {applied[0]:.4g}, final {float(last_applied['loss']):.4g}{note}, "
+    assert table["loss of applied steps"] == (f"first {applied[0]:.4g}, final {float(last_applied['loss']):.4g}{note}, "
                              f"best {min(applied):.4g}")
     assert table["clipping"] == f"global L2, max_norm {max_norm:g}"
     assert table["skip-rate alert"] == f"rolling rate > {alert_rate:g} over {window} steps"
