@@ -1416,7 +1416,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     # it is for validate() to refuse in its words (a flag never hides a file's bad value)
     if inject and isinstance(data.get("inject", []), list):  # (a fault the file holds already is its own: once)
         held = list(data.get("inject", []))
-        data["inject"] = held + [spec for spec in dict.fromkeys(inject) if spec not in held]
+        data["inject"] = held + [spec for spec in inject if spec not in held]  # (one given twice: refused, as demo)
     for section, values in (sections or {}).items():
         if values and isinstance(data.get(section, {}), dict):
             data[section] = {**data.get(section, {}), **values}

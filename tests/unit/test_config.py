@@ -354,8 +354,10 @@ def test_a_tracker_switch_that_is_neither_a_switch_nor_a_mapping_says_what_it_ta
 def test_a_fault_is_listed_once_and_a_flag_repeating_the_files_own_adds_nothing():
     # review_session10: `--inject X` given again on `--resume` (the run's own command line) appended X to
     # the run's config.yaml, which held it already: the fault fired twice (spike@5 twice is x 1e16)
-    assert load_config(base={"inject": ["spike@5"]}, inject=["spike@5", "nan_loss@3", "nan_loss@3"]).inject == [
-        "spike@5", "nan_loss@3"]
+    assert load_config(base={"inject": ["spike@5"]}, inject=["spike@5", "nan_loss@3"]).inject == ["spike@5", "nan_loss@3"]
     with pytest.raises(ConfigError) as info:
         validate({"inject": ["spike@5", "nan_loss@3", "spike@5"]})
     assert str(info.value) == "config: inject: spike@5 listed more than once (each listing fires: list it once)"
+    # the same flag given twice is refused as the demo refuses it (train folded it into one, unsaid)
+    with pytest.raises(ConfigError, match="^config: inject: nan_loss@3 listed more than once"):
+        load_config(base={"inject": ["spike@5"]}, inject=["nan_loss@3", "spike@5", "nan_loss@3"])
