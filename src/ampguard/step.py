@@ -401,9 +401,10 @@ class Guard:
             ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``min_scale``).
         scheduler_on_skip: ``"hold"`` (default) or ``"step"`` the scheduler on a skipped step.
         sync_free: the fast path with **no** host read at all (see ``_finish_group_sync_free``):
-            needs an optimizer that takes ``found_inf`` (fused AdamW / Adam / SGD), tensor
-            learning rates, and ``lr_schedule`` or a schedule on the device as ``scheduler``
-            (:class:`~ampguard.schedule.DeviceLambdaLR`, which the step drives, never steps).
+            needs an optimizer that takes ``found_inf`` (fused AdamW / Adam / SGD) and tensor
+            learning rates; a schedule is ``lr_schedule`` or one on the device as ``scheduler``
+            (:class:`~ampguard.schedule.DeviceLambdaLR`, which the step drives, never steps), a
+            host scheduler is refused, and with neither the learning rate stays as it is.
             ``step()`` then returns a :class:`PendingStep` whose skip decision is read by
             whoever reads its values.
         lr_schedule: with ``sync_free``, ``lr_schedule(applied_updates) -> factor`` on tensors,
