@@ -36,7 +36,7 @@ Example (fakes stand in for a model; any object with ``state_dict`` / ``load_sta
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -313,6 +313,8 @@ class RngState:
             >>> torch.equal(torch.rand(1), first)
             True
         """
+        if isinstance(state, list) and len(state) != self.dist.world_size:  # (world_size was checked: a hand edit)
+            raise ValueError(f"a list of {counted(len(state), 'state')} for {counted(self.dist.world_size, 'process', 'processes')}")
         ckpt.set_rng_state(state[self.dist.rank] if isinstance(state, list) else state)
 
 
@@ -1207,6 +1209,54 @@ def _effective(config: dict[str, Any]) -> dict[str, Any]:
         if sep and (target.endswith(".py") or "/" in target):
             task["factory"] = f"{Path(target).name}:{attr}"
     return {**{k: v for k, v in config.items() if k not in ("fp8", "task")}, "task": task, "scaler": scaler, **fp8}
+
+
+def check_same_configs(configs: Sequence[dict[str, Any]]) -> None:
+    """Under torchrun, every rank's config (in rank order) trains as rank 0's does, else one
+    :class:`InputError` line naming the first setting that differs, the same on every rank. A
+    node's own ``my.yaml`` that differs would hang the job at the first step where the ranks part
+    (``steps``, ``checkpoint.every``: one rank waits in a collective the other never joins) or let
+    the replicas drift apart unsaid (``optimizer.lr``: DDP averages the gradients, each rank steps
+    with its own rate). Where each rank writes and what validate checks may differ
+    (:func:`config_difference`).
+
+    Example::
+
+        >>> ranks = [{"steps": 12, "log": {"dir": "runs"}}, {"steps": 12, "log": {"dir": "/node1/runs"}},
+        ...          {"steps": 8, "log": {"dir": "runs"}}]
+        >>> check_same_configs(ranks[:2])
+        >>> check_same_configs(ranks)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: the ranks were given different configs: steps is 12 on rank 0, 8 on rank 2; give every rank the same config and --set values
+    """
+    for rank, theirs in enumerate(configs[1:], start=1):
+        differs = config_difference(configs[0], theirs)
+        if differs is not None:
+            key, ours, other = differs
+            raise InputError(f"the ranks were given different configs: {key} is {_short(ours)} on rank 0, "
+                             f"{_short(other)} on rank {rank}; give every rank the same config and --set values")
+
+
+def config_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first setting (a dotted key, in sorted order) two configs train differently with, and
+    its two values; None when they train the same. The sections in :data:`POLICY_UNRECORDED`
+    (where the run writes, what validate checks) are not compared; nor is a factory file's folder
+    (:func:`_effective`).
+
+    Example::
+
+        >>> one = {"optimizer": {"lr": 0.1}, "log": {"dir": "runs"}, "task": {"factory": "/a/m.py:build"}}
+        >>> config_difference(one, {"optimizer": {"lr": 0.1}, "log": {"dir": "/scratch/runs"},
+        ...                         "task": {"factory": "/b/m.py:build"}}) is None
+        True
+        >>> config_difference(one, {**one, "optimizer": {"lr": 0.5}})
+        ('optimizer.lr', 0.1, 0.5)
+    """
+    flat = [{k: v for k, v in _flat(_effective(side)).items() if k.split(".")[0] not in POLICY_UNRECORDED}
+            for side in (a, b)]
+    key = next((k for k in sorted(set(flat[0]) | set(flat[1])) if flat[0].get(k) != flat[1].get(k)), None)
+    return None if key is None else (key, flat[0].get(key), flat[1].get(key))
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:

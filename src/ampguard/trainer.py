@@ -125,6 +125,8 @@ class Trainer:
         self.console_every, self.stats_every, self.print_fn, self.progress = console_every, stats_every, print_fn, progress
         if distributed.launched_by_torchrun():
             self.dist, self.device = distributed.init_from_env(config.device)
+            # every rank trains with rank 0's config, checked before anything else (one line on every rank)
+            ck.check_same_configs(distributed.all_gather(config.model_dump(mode="json")))
         else:
             self.dist, self.device = distributed.DistInfo(), resolve_device(config.device)
         if resume is not None:
@@ -173,9 +175,16 @@ class Trainer:
             self.rollbacks.evidence = TriggerBatches(self.state)
         self.checkpointer.parts[ck.ROLLBACKS] = self.rollbacks
         if resume is not None:  # still nothing written: a checkpoint that does not fit is one line
-            self.checkpointer.check_fits(resume.loaded)
-            self._check_logs(RunPaths.existing(resume.run_dir), resume.loaded.step)
-            self.checkpointer.restore(resume.loaded)
+            problem = None
+            try:
+                self.checkpointer.check_fits(resume.loaded)
+                self._check_logs(RunPaths.existing(resume.run_dir), resume.loaded.step)
+                self.checkpointer.restore(resume.loaded)  # (each rank its own RNG state: one may not load)
+            except InputError as err:
+                problem = str(err)
+            problem = distributed.first_error(problem)  # every rank refuses, with the first rank's line
+            if problem is not None:
+                raise InputError(problem)
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
         self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
@@ -508,6 +517,8 @@ class Trainer:
         else:
             self.events.emit({"step": 0, "event": "run_start",
                               "message": f"{self.task.description}; {self.config.precision} on {self.device}"
+                                         + (f" x {counted(self.dist.world_size, 'process', 'processes')} "
+                                            f"({self.config.distributed.strategy})" if self.dist.active else "")
                                          + self._fp8_note() + self._unused_note
                                          + ("; compiled (torch.compile)" if self.config.compile else "")
                                          + f"; {self.path}"})
@@ -539,6 +550,7 @@ class Trainer:
                            self.task.description, self.diagnosis.found if self.diagnosis else None)
         result.policy_changes = [ck.policy_line(change) for change in self.policy]
         result.throughput, result.path, result.fp8_layers = self.throughput.summary(), self.path, self.fp8_layers
+        result.world_size = self.dist.world_size
         if self.paths.dir is not None and self.disk_full() is None:
             from .report import write_report
 

@@ -27,6 +27,11 @@
 - ``T``: a long run; once it has written rows, SIGTERM to torchrun itself (a scheduler's stop):
   torchrun passes it to every rank, and each stops at the same step boundary with exit 143, a
   checkpoint of that step and the run card, every row written.
+- ``C``: rank 1 given another ``optimizer.lr`` (a node's own config): every rank refuses with exit 2
+  and one line naming the setting (the replicas drifted apart unsaid; another ``steps`` hung).
+- ``P``: a 2-rank run whose checkpoint holds an RNG state rank 1 cannot load, resumed: every rank
+  refuses with that line, exit 2 (rank 0 went on to a collective and died of gloo's "Connection
+  closed by peer" traceback, exit 1), and the run folder is left as it was.
 - ``W``: rank 1's process SIGKILLed in its third step's forward (an OOM killer, a lost node):
   torchrun ends rank 0 too, no rank waits in a collective, the CSV holds whole rows reaching a
   checkpoint, and ``--resume`` under torchrun trains the run to its end from there.
@@ -117,7 +122,8 @@ import os, sys
 from pathlib import Path
 from ampguard.cli import main
 
-code = int(main(sys.argv[2:]))
+rank_1 = os.environ.get("RANK1_ARGS", "").split() if os.environ["RANK"] == "1" else []  # rank 1's own --set
+code = int(main(sys.argv[2:] + rank_1))
 Path(sys.argv[1], f"rank{os.environ['RANK']}.rc").write_text(str(code))
 sys.exit(code)
 '''
@@ -185,6 +191,8 @@ def early(work: Path) -> dict[str, tuple]:
         "Z": ([*RUN, "--set", "steps=6", "--set", "log.name=Z", "--set", "monitor.fail_rate=0.5",
                "--inject", "nan_loss@every:1@rank1"], None),
         "W": (KILLED_RUN, None),
+        "C": ([*RUN, "--set", "steps=4", "--set", "log.name=C"], None),
+        "P": ([*RUN, "--set", "steps=2", "--set", "checkpoint.every=2", "--set", "log.name=P"], None),
         "T": ([*RUN, "--set", "steps=1000000", "--set", "log.every=100000", "--set", "checkpoint.every=100000",
                "--set", "log.name=T"], None),
     }
@@ -194,20 +202,26 @@ def early(work: Path) -> dict[str, tuple]:
         for name, (args, limit) in specs.items():
             # (no test here reads a plot: rank 0 drawing twelve of them cost the module seconds of its CPU)
             args = [*args, "--set", "log.plot=false"]
+            own = {"W": {"KILL_RANK_1": "1"}, "C": {"RANK1_ARGS": "--set optimizer.lr=0.5"}}.get(name, {})
             started[name] = Launch(name, [str(wrapper), str(work / name), *args], work / name, timeout_s=TIMEOUT_S,
-                                   env={**env, "KILL_RANK_1": "1"} if name == "W" else env, preexec_fn=limit)
+                                   env={**env, **own}, preexec_fn=limit)
         # W's resume, beside the launches still running: what W left first (its CSV, its checkpoints)
         killed = started["W"].wait()
         run = work / "W" / "runs" / "W"
         left = ((run / "steps.csv").read_text(encoding="utf-8"), sorted(p.name for p in (run / "checkpoints").glob("*.pt")))
         started["W-resume"] = Launch("W-resume", ["-m", "ampguard", "train", "--resume", "runs/W"], work / "W",
                                      timeout_s=TIMEOUT_S, env=env)
+        # P's resume once rank 1's RNG state in its checkpoint is spoilt (a hand edit, a bad copy)
+        results = {"P-left": _spoil_rank_1s_rng(started["P"].wait(), work / "P" / "runs" / "P")}
+        (work / "P" / "resume").mkdir()
+        started["P-resume"] = Launch("P-resume", [str(wrapper), str(work / "P" / "resume"), "train", "--resume",
+                                                  "runs/P", "--set", "steps=4"], work / "P", timeout_s=TIMEOUT_S, env=env)
         # T: a scheduler's SIGTERM to torchrun once the run trains (its CSV has rows), not before
         rows, deadline = work / "T" / "runs" / "T" / "steps.csv", time.monotonic() + TIMEOUT_S / 2
         while time.monotonic() < deadline and not (rows.exists() and rows.read_text().count("\n") > 3):
             time.sleep(0.2)
         os.kill(started["T"].proc.pid, signal.SIGTERM)
-        results = {"W-left": left}
+        results["W-left"] = left
         for name, launch in started.items():
             launch.wait()
             results[name] = (launch.rc, launch.stdout, launch.stderr, launch.cwd)
@@ -216,6 +230,19 @@ def early(work: Path) -> dict[str, tuple]:
     finally:
         for launch in started.values():
             launch.close()
+
+
+def _spoil_rank_1s_rng(launch: Launch, run: Path) -> dict[str, bytes]:
+    """Make rank 1's RNG state in ``run``'s checkpoint one no generator loads; every file of the
+    run folder's bytes, after."""
+    import torch
+
+    assert launch.rc == 0, launch.stderr[-3000:]
+    path = run / "checkpoints" / "step-00000002.pt"
+    payload = torch.load(path, weights_only=False)
+    payload["rng"][1]["torch"] = torch.zeros(7, dtype=torch.uint8)
+    torch.save(payload, path)
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
 def _rank_codes(cwd: Path) -> dict[int, int]:
@@ -264,6 +291,29 @@ def test_held_out_metrics_are_the_mean_over_ranks_and_every_rank_rolls_back_toge
     assert "val_loss=5.167" in out  # (1/3 + 10) / 2: rank 1's share got worse
     assert "EVAL 6 val_loss=5.125" in out  # (1/4 + 10) / 2: the third evaluation on each rank
     assert "ended: finished: 6 steps" in out
+
+
+def test_a_config_that_differs_on_one_rank_is_refused_on_every_rank_naming_the_setting(launches):
+    code, out, err, cwd = launches["C"]
+    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    lines = {line for line in err.splitlines() if line.startswith("ampguard: error: ")}
+    assert lines == {"ampguard: error: the ranks were given different configs: optimizer.lr is 0.003 on rank 0, 0.5 on "
+                     "rank 1; give every rank the same config and --set values"}, err[-3000:]
+    assert not (cwd / "runs").exists()  # refused before anything is written
+
+
+def test_a_checkpoint_one_rank_cannot_restore_is_refused_on_every_rank_and_changes_nothing(launches):
+    code, out, err, cwd = launches["P-resume"]
+    assert _rank_codes(cwd / "resume") == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, \
+        f"torchrun exited {code}\n{err[-3000:]}"
+    lines = {line for line in err.splitlines() if line.startswith("ampguard: error: ")}
+    assert len(lines) == 1 and lines.pop().startswith(
+        "ampguard: error: runs/P/checkpoints/step-00000002.pt: does not fit this run (rng: "), err[-3000:]
+    # no rank's traceback (torchrun prints its own ChildFailedError for any non-zero exit)
+    assert not [line for line in err.splitlines() if line.strip().startswith("File ") and "ampguard" in line], err
+    assert "Connection closed by peer" not in err
+    run = cwd / "runs" / "P"
+    assert {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == launches["P-left"]
 
 
 def test_a_run_folder_that_exists_is_refused_on_every_rank_with_one_line(launches):

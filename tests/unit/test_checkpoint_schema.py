@@ -360,6 +360,17 @@ def test_an_rng_state_past_cs_integers_is_one_line_naming_the_rng(spoil):
         "long)" if spoil == "numpy" else "unsigned long)")
 
 
+@pytest.mark.parametrize("states", [1, 3])
+def test_an_rng_list_of_another_length_than_the_world_is_refused_naming_the_rng(states):
+    """A list by rank with more states than processes was taken as it came (its first entry),
+    one with fewer was 'list index out of range' on the ranks past its end."""
+    parts_two = {**parts(), RNG: RngState(DistInfo(rank=1, world_size=2, local_rank=1))}
+    line = refusal(Loaded(PATH, payload(**{WORLD_SIZE: 2, RNG: [ckpt.rng_state()] * states})),
+                   CheckpointManager(None, parts_two, keep=1).restore)
+    said = "1 state" if states == 1 else "3 states"
+    assert line == f"{PATH}: does not fit this run (rng: a list of {said} for 2 processes)"
+
+
 def test_parts_that_are_not_model_optimizer_or_scheduler_are_not_looked_at():
     CheckpointManager(None, {MODEL: object(), SCHEDULER: object()}, keep=1).check_fits(Loaded(PATH, {}))
 
