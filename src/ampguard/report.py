@@ -697,6 +697,10 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         ("loss scaler", scaler),
         ("clipping", f"global L2, max_norm {config.max_norm:g}" if clip_threshold(config.max_norm) else "off"),
         ("accumulation", f"{counted(config.accumulation_steps, 'micro-batch', 'micro-batches')} per step"),
+        # (task.batch_size is per process: the same settings train another global batch on N)
+        ("processes", "1" if result.world_size == 1 else
+         f"{result.world_size} (torchrun, {config.distributed.strategy}; a step's batch is {result.world_size} x a "
+         "process's)"),
         ("optimizer", f"{config.optimizer.name}, lr {config.optimizer.lr:g}, schedule {config.schedule.decay} "
                       f"(warmup {config.schedule.warmup})"),
         ("scheduler on skipped steps", config.scheduler_on_skip),

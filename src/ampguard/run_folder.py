@@ -446,6 +446,8 @@ class RunResult:
     """The step's path and why (``build.fast_path``)."""
     fp8_layers: list[str] = field(default_factory=list)
     """Under fp8: the Linear layers that trained in float8."""
+    world_size: int = 1
+    """How many processes trained the run (torchrun's world size)."""
 
 
 def disk_full_line(full: DiskFull, saved: list[Path], step: int, recorded: int, run_dir: Path | None) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended, read_rows, run_events, snapshot_of
+from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended, card_table, read_rows, run_events, snapshot_of
 from helpers import Launch as _Launch
 
 from ampguard.checkpoint import load_checkpoint
@@ -245,8 +245,10 @@ def test_only_rank_0_writes_the_run_folder_and_prints(launches, run_a, work):
     kinds = [e["event"] for e in events]
     assert kinds.count("run_start") == 1 and kinds.count("run_end") == 1
     assert [e["message"] for e in events if e["event"] == "checkpoint"] == [f"saved {CKPT4}", f"saved {CKPT8}"]
-    card = (run_a / "RUN.md").read_text(encoding="utf-8")
-    assert card.strip()
+    card = card_table((run_a / "RUN.md").read_text(encoding="utf-8"))
+    # the card and the run's start say how many processes trained it (task.batch_size is per process)
+    assert card["processes"] == "2 (torchrun, ddp; a step's batch is 2 x a process's)"
+    assert " x 2 processes (ddp)" in next(e["message"] for e in events if e["event"] == "run_start")
     assert (run_a / "report.png").stat().st_size > 0
     # rank 0 speaks for the run, once
     assert launch.stdout.count("summary:") == 1

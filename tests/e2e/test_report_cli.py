@@ -58,7 +58,7 @@ def in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:
 
 CARD_KEYS = {
     # set-up
-    "precision", "backend", "loss scaler", "clipping", "accumulation", "skip-rate alert", "fail-fast",
+    "precision", "backend", "loss scaler", "clipping", "accumulation", "processes", "skip-rate alert", "fail-fast",
     # outcome
     "ended", "steps attempted", "updates applied", "skipped steps", "max rolling skip rate",
     "skip-rate alert episodes", "clip rate (whole run)", "scale health", "loss of applied steps",
@@ -72,6 +72,7 @@ def check_card_against_csv(run_dir: Path, *, window: int, alert_rate: float, max
     card = (run_dir / "RUN.md").read_text(encoding="utf-8")
     table = card_table(card)
     assert CARD_KEYS <= set(table), sorted(CARD_KEYS - set(table))
+    assert table["processes"] == "1"
     rows = read_rows(run_dir / "steps.csv")
     skipped = [r["skipped"] == "1" for r in rows]
     reasons = {}
