@@ -558,8 +558,9 @@ class Result:
     """One contender's figures on one workload and precision (times in ms per step).
 
     ``ratio_to_bare`` is the median over rounds of this contender's ms/step divided by the bare
-    loop's in the same round; ``ratio_low``/``ratio_high`` its 95% bootstrap interval (the one
-    :func:`median_interval` gives, which also decided the stop); ``stop`` why the rounds ended,
+    loop's in the same round (above 1: slower; the bare loop's own is 1, with no interval, beside
+    others); ``ratio_low``/``ratio_high`` its 95% interval (the one :func:`median_interval` gives,
+    which also decided the stop; none below 6 rounds); ``stop`` why the rounds ended,
     one of: ``"resolved"`` (every interval within ``± resolve``), ``"budget"`` (time ran out
     first), ``"max rounds"``, ``"fixed"`` (no ``resolve`` asked), :data:`INTERRUPTED` or
     :data:`ERROR`. Code decides on ``stop`` alone; ``stop_detail`` is the words for a person
@@ -592,49 +593,68 @@ class Result:
 
     @property
     def half_width(self) -> float:
-        """Half the interval's width, relative to the ratio (0.01 is ``± 1%``); nan without one.
+        """How far the interval reaches from the ratio, on its farther side, relative to the
+        ratio (0.01 is ``± 1%``: both ends within 1%); nan without one.
 
         Example::
 
             >>> round(Result("m", "fp32", "x", 1.0, 1.0, ratio_to_bare=1.0, ratio_low=0.99, ratio_high=1.03).half_width, 6)
-            0.02
+            0.03
         """
-        return (self.ratio_high - self.ratio_low) / 2 / self.ratio_to_bare
+        return _reach(self.ratio_to_bare, self.ratio_low, self.ratio_high)
 
 
 CONFIDENCE = 0.95
 """The confidence level of every ratio interval (the stop rule's and the reported one: the same)."""
-RESAMPLES = 2000
-"""Bootstrap resamples of every ratio interval (the stop rule's and the reported one: the same)."""
-MIN_ROUNDS_TO_RESOLVE = 6
-"""No case is called resolved before this many rounds (nor before a whole cycle of the orders):
-a percentile bootstrap of the median of 2-5 values covers far less than its 95%."""
+DECIDE_CONFIDENCE = 0.99
+"""The confidence level of the interval the stop rule decides on (:func:`_stop_reason`): wider
+than the reported one, which it contains."""
+MIN_ROUNDS_TO_RESOLVE = 8
+"""The fewest rounds with a 99% interval of their median (:func:`median_interval`: below 8 there
+is none; below 6, no 95% one), so the fewest a case can be called resolved at."""
+MAX_ROUNDS = 1000
+"""The most rounds a case runs, resolved or not (``Result.stop``: ``"max rounds"``)."""
+INTERVAL = "order statistics (binomial), distribution-free"
+"""What every ratio interval is, for the JSON."""
 
 
-def median_interval(values: list[float], *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
-                    seed: int = 0) -> tuple[float, float, float]:
-    """``(median, low, high)``: the median and its bootstrap interval (percentiles of the medians
-    of ``resamples`` resamples with replacement, drawn at once with torch; seeded, so the same
-    values give the same interval). The one interval of the bench: the stop rule decides with it
-    and the table reports it.
+def median_interval(values: list[float], *, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """``(median, low, high)``: the median and the distribution-free interval of it from the order
+    statistics: with ``x(1) <= ... <= x(n)``, ``[x(k), x(n+1-k)]`` for the largest ``k`` such that
+    a Binomial(n, 1/2) falls below ``k`` with probability at most ``(1 - confidence) / 2``. It covers
+    the true median with at least ``confidence`` whatever the rounds' distribution (a bootstrap of
+    the median covers less: 92-93% at 95%, and less again after a stop rule picked its moment).
+    Fewer than 6 values have no 95% interval: ``low`` and ``high`` are then nan. The one interval
+    of the bench: the stop rule decides with it and the table reports it.
 
     Example::
 
-        >>> median_interval([1.0, 1.0, 1.0])
+        >>> median_interval([1.0] * 6)
         (1.0, 1.0, 1.0)
-        >>> med, low, high = median_interval([0.9, 1.0, 1.1, 1.0, 0.95, 1.05, 1.0])
-        >>> med, low <= med <= high, high - low > 0
-        (1.0, True, True)
-        >>> median_interval([0.9, 1.1, 1.0, 1.2]) == median_interval([0.9, 1.1, 1.0, 1.2])
-        True
+        >>> median_interval([0.9, 1.0, 1.1, 1.0, 0.95, 1.05, 1.0])  # n = 7: the least and the most
+        (1.0, 0.9, 1.1)
+        >>> median_interval([float(v) for v in range(1, 21)])  # n = 20: the 6th and the 15th
+        (10.5, 6.0, 15.0)
+        >>> median_interval([0.9, 1.1, 1.0, 1.2])
+        (1.05, nan, nan)
     """
-    n = len(values)
-    picks = torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))
-    drawn = torch.tensor(values, dtype=torch.float64)[picks].sort(dim=1).values
-    meds = ((drawn[:, (n - 1) // 2] + drawn[:, n // 2]) / 2).sort().values  # (the middle two for an even n)
-    tail = (1 - confidence) / 2
-    return (statistics.median(values), float(meds[int(tail * resamples)]),
-            float(meds[math.ceil((1 - tail) * resamples) - 1]))
+    xs, n, tail = sorted(values), len(values), (1 - confidence) / 2
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k)
+    while k < n and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return (statistics.median(xs),) + ((xs[k - 1], xs[n - k]) if k else (math.nan, math.nan))
+
+
+def _reach(med: float, low: float, high: float) -> float:
+    """How far ``[low, high]`` reaches from ``med`` on its farther side, relative to ``med``.
+
+    Example::
+
+        >>> round(_reach(1.0, 0.99, 1.03), 6), round(_reach(2.0, 1.9, 2.05), 6)
+        (0.03, 0.05)
+    """
+    return max(high - med, med - low) / med
 
 
 def _sync(device: torch.device) -> None:
@@ -811,29 +831,38 @@ def balanced_orders(n: int) -> list[list[int]]:
 
 def _ratios(times: dict[str, list[float]], name: str) -> list[float]:
     """Each round's ms/step of ``name`` over the bare loop's in the same round (over its own
-    median when there is no bare loop: the spread of the contender alone)."""
-    base = times.get(Bare.name) or [statistics.median(times[name])] * len(times[name])
+    median for the bare loop itself, or when there is none: the spread of the contender alone).
+
+    Example::
+
+        >>> _ratios({Bare.name: [2.0, 4.0], "x": [3.0, 4.0]}, "x"), _ratios({Bare.name: [2.0, 4.0]}, Bare.name)
+        ([1.5, 1.0], [0.6666666666666666, 1.3333333333333333])
+    """
+    own = [statistics.median(times[name])] * len(times[name])
+    base = own if name == Bare.name else times.get(Bare.name) or own
     return [t / b for t, b in zip(times[name], base)]
 
 
-def _intervals(times: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
-    """Each contender's ``(median, low, high)`` ratio interval (:func:`median_interval`, the
-    bench's one setting): what the stop rule decides on and, unchanged, what the table reports.
-    The bare loop's own (its ratio to itself: 1) is left out unless it runs alone, when it is
-    its spread over its own median."""
-    return {name: median_interval(_ratios(times, name)) for name in times
+def _intervals(times: dict[str, list[float]], confidence: float = CONFIDENCE) -> dict[str, tuple[float, float, float]]:
+    """Each contender's ``(median, low, high)`` ratio interval (:func:`median_interval`): what the
+    stop rule decides on and, unchanged, what the table reports. The bare loop's own (its ratio
+    to itself: 1) is left out unless it runs alone, when it is its spread over its own median
+    (a lone bare loop is resolved only when its rounds agree)."""
+    return {name: median_interval(_ratios(times, name), confidence=confidence) for name in times
             if name != Bare.name or len(times) == 1}
 
 
 def _widest(intervals: dict[str, tuple[float, float, float]]) -> float:
-    """The widest relative half-width among the intervals (as :attr:`Result.half_width` reads it).
+    """The farthest reach among the intervals (as :attr:`Result.half_width` reads it); nan when
+    one has no interval (too few rounds).
 
     Example::
 
-        >>> round(_widest({"a": (1.0, 0.99, 1.01), "b": (2.0, 1.9, 2.1)}), 9)
+        >>> round(_widest({"a": (1.0, 0.99, 1.01), "b": (2.0, 1.9, 2.05)}), 9)
         0.05
     """
-    return max((high - low) / 2 / med for med, low, high in intervals.values())
+    reach = [_reach(*interval) for interval in intervals.values()]
+    return math.nan if any(math.isnan(r) for r in reach) else max(reach)
 
 
 def _usable_cpus() -> int:
@@ -869,7 +898,7 @@ def _one_line(err: BaseException, limit: int = 200) -> str:
 def measure(
     w: Workload, precision: Precision, device: torch.device, contenders: list[type[Contender]],
     *, steps: int, rounds: int, warmup: int, fused: bool, peak_flops: float | None = None,
-    resolve: float | None = None, budget_s: float | None = None, max_rounds: int = 1000,
+    resolve: float | None = None, budget_s: float | None = None, max_rounds: int = MAX_ROUNDS,
     orders: Callable[[int], list[list[int]]] = balanced_orders, left_out: list[NotRun] | None = None,
 ) -> list[Result]:
     """Paired rounds: in each round every contender runs ``steps`` steps, back to back, in
@@ -885,9 +914,9 @@ def measure(
     case is called resolved only at the end of a whole cycle of the orders (``n`` rounds for
     ``n`` contenders, ``2n`` for an odd ``n``), when every contender has followed every other
     alike, and after at least :data:`MIN_ROUNDS_TO_RESOLVE` rounds; the budget and
-    ``max_rounds`` cut where they run out (:func:`_stop_reason`). The intervals the stop rule
-    decides on are the ones reported (:func:`median_interval`, one setting), so a resolved
-    case's every row is within ``± resolve``. A timed step that fails (a CUDA out-of-memory,
+    ``max_rounds`` cut where they run out (:func:`_stop_reason`). The stop rule decides on the
+    99% intervals of the rounds, which hold the 95% ones reported (:func:`median_interval`), so
+    a resolved case's every row is within ``± resolve``. A timed step that fails (a CUDA out-of-memory,
     say) ends the case: its whole rounds are kept, ``stop`` is :data:`ERROR` and
     ``stop_detail`` says which contender failed, in which round, and why.
     Each timing starts from an idle device (``torch.cuda.synchronize``, then CUDA events).
@@ -898,9 +927,9 @@ def measure(
     Example::
 
         >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
-        >>> results = measure(_mlp(cpu), fp32, cpu, [Bare, Guarded], steps=1, rounds=3, warmup=1, fused=False)
+        >>> results = measure(_mlp(cpu), fp32, cpu, [Bare, Guarded], steps=1, rounds=6, warmup=1, fused=False)
         >>> [(r.contender, len(r.rounds), r.median_ms > 0, r.stop) for r in results]
-        [('bare loop', 3, True, 'fixed'), ('ampguard + csv', 3, True, 'fixed')]
+        [('bare loop', 6, True, 'fixed'), ('ampguard + csv', 6, True, 'fixed')]
         >>> ratios = [g / b for g, b in zip(results[1].rounds, results[0].rounds)]  # within each round
         >>> results[0].ratio_to_bare, results[1].ratio_to_bare == statistics.median(ratios)
         (1.0, True)
@@ -1126,19 +1155,22 @@ def _stop_reason(times: dict[str, list[float]], done: int, *, rounds: int, cycle
                  budget_s: float | None, max_rounds: int, started: float) -> str | None:
     """Why the rounds end after ``done`` whole rounds (a :attr:`Result.stop`), or ``None`` to run
     another. Never before ``rounds``; then ``"fixed"`` when no ``resolve`` is asked. Else
-    ``"resolved"`` once every ratio interval (:func:`_intervals`) is within ``± resolve``, asked
-    only at the end of a whole cycle of the orders (``cycle`` rounds) and after at least
-    :data:`MIN_ROUNDS_TO_RESOLVE` rounds; else ``"budget"`` once ``budget_s`` seconds have passed
-    since ``started``, or ``"max rounds"`` at ``max_rounds``: those two cut at any round.
+    ``"resolved"`` once every ratio's :data:`DECIDE_CONFIDENCE` interval (:func:`_intervals`) is
+    within ``± resolve``, asked only at the end of a whole cycle of the orders (``cycle``
+    rounds); the reported 95% interval of the same rounds lies inside it. (A rule that stops the
+    first time a 95% interval happens to be narrow picks rounds that happened to agree: its
+    interval missed the true ratio in 6-12% of simulated runs, not 5%; deciding on the 99% one,
+    3-4%.) Else ``"budget"`` once ``budget_s`` seconds have passed since ``started``, or ``"max
+    rounds"`` at ``max_rounds``: those two cut at any round.
 
     Example (two identical loops: every ratio 1, every interval of zero width)::
 
-        >>> times = {Bare.name: [1.0] * 6, BareAgain.name: [1.0] * 6}
+        >>> times = {Bare.name: [1.0] * 8, BareAgain.name: [1.0] * 8}
         >>> rule = dict(rounds=2, cycle=2, budget_s=None, max_rounds=1000, started=time.perf_counter())
         >>> _stop_reason(times, 1, resolve=None, **rule), _stop_reason(times, 2, resolve=None, **rule)
         (None, 'fixed')
-        >>> _stop_reason(times, 5, resolve=0.01, **rule), _stop_reason(times, 6, resolve=0.01, **rule)
-        (None, 'resolved')
+        >>> [_stop_reason(times, n, resolve=0.01, **rule) for n in (6, 8)]  # (6 rounds have no 99% interval)
+        [None, 'resolved']
         >>> _stop_reason(times, 3, resolve=0.01, **{**rule, "budget_s": 0.0})
         'budget'
     """
@@ -1146,7 +1178,8 @@ def _stop_reason(times: dict[str, list[float]], done: int, *, rounds: int, cycle
         return None
     if resolve is None:
         return "fixed"
-    if done % cycle == 0 and done >= max(MIN_ROUNDS_TO_RESOLVE, cycle) and _widest(_intervals(times)) <= resolve:
+    if done % cycle == 0 and done >= max(MIN_ROUNDS_TO_RESOLVE, cycle) and \
+            _widest(_intervals(times, DECIDE_CONFIDENCE)) <= resolve:
         return "resolved"
     if budget_s is not None and time.perf_counter() - started >= budget_s:
         return "budget"
@@ -1185,9 +1218,10 @@ def _results(w: Workload, precision: Precision, ready: list[_Ready], ran: _Round
                 res.mfu = w.flops_per_step / (med / 1000) / peak_flops
         if Bare.name in times:
             res.ratios = _ratios(times, name)
-            # (the bare loop's own, left out of the intervals beside others: its ratio to itself, 1)
-            res.ratio_to_bare, res.ratio_low, res.ratio_high = (
-                intervals[name] if name in intervals else median_interval(res.ratios))
+            if name in intervals:
+                res.ratio_to_bare, res.ratio_low, res.ratio_high = intervals[name]
+            else:  # the bare loop beside others: the baseline, 1 by definition (no interval)
+                res.ratio_to_bare = 1.0
         results.append(res)
     return results
 
@@ -1195,23 +1229,28 @@ def _results(w: Workload, precision: Precision, ready: list[_Ready], ran: _Round
 def table(results: list[Result]) -> str:
     """The results as a markdown table, one row per contender (``n/a`` memory off CUDA).
 
-    The ratio column is the median per-round ratio and its 95% interval.
+    The ratio column is the contender's time over the bare loop's (above 1: slower), the median
+    of the per-round ratios (not the ratio of the two median ms/step columns), with its 95%
+    interval; none below 6 rounds, and none for the bare loop beside others: the baseline.
 
     Example::
 
-        >>> rows = table([Result("tiny-mlp", "fp32", "ampguard + csv", 0.5, 0.4, ratio_to_bare=1.012,
+        >>> rows = table([Result("tiny-mlp", "fp32", "bare loop", 0.49, 0.4, ratio_to_bare=1.0, rounds=[0.5] * 9),
+        ...               Result("tiny-mlp", "fp32", "ampguard + csv", 0.5, 0.4, ratio_to_bare=1.012,
         ...                      ratio_low=1.004, ratio_high=1.019, rounds=[0.5] * 9, ops=82)]).splitlines()
-        >>> len(rows), rows[2]
-        (3, '| tiny-mlp | fp32 | ampguard + csv | 0.500 | 0.400 | 1.012 [1.004, 1.019] | 9 | 82 | n/a |  |  |')
+        >>> len(rows), rows[2], rows[3]
+        (4, '| tiny-mlp | fp32 | bare loop | 0.490 | 0.400 | 1 (baseline) | 9 |  | n/a |  |  |', '| tiny-mlp | fp32 | ampguard + csv | 0.500 | 0.400 | 1.012 [1.004, 1.019] | 9 | 82 | n/a |  |  |')
     """
-    lines = ["| workload | precision | contender | median ms/step | min ms/step | ratio to bare [95% CI] | rounds "
+    lines = ["| workload | precision | contender | median ms/step | min ms/step | time / bare's [95% CI] | rounds "
              "| ops/step | peak MiB | tokens/s | MFU |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         mem = "n/a" if r.peak_mem_mib is None else f"{r.peak_mem_mib:.1f}"
         tps = "" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"
         mfu = "" if r.mfu is None else f"{r.mfu:.1%}"
-        ratio = f"{r.ratio_to_bare:.3f}" + ("" if math.isnan(r.ratio_low) else f" [{r.ratio_low:.3f}, {r.ratio_high:.3f}]")
+        baseline = r.contender == Bare.name and r.ratio_to_bare == 1.0 and math.isnan(r.ratio_low)
+        ratio = "1 (baseline)" if baseline else f"{r.ratio_to_bare:.3f}" + (
+            "" if math.isnan(r.ratio_low) else f" [{r.ratio_low:.3f}, {r.ratio_high:.3f}]")
         lines.append(f"| {r.workload} | {r.precision} | {r.contender} | {r.median_ms:.3f} | {r.min_ms:.3f} | "
                      f"{ratio} | {len(r.rounds)} | {'' if r.ops is None else r.ops} | {mem} | {tps} | {mfu} |")
     return "\n".join(lines)
@@ -1233,40 +1272,102 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
 
         >>> resolution([Result("mlp", "fp32", "bare loop", 1, 1, 1.0, stop="fixed", rounds=[1] * 7)], None)
         []
+
+    Within ``± resolve`` but not called resolved (the budget cut it), and the A/A noise floor::
+
+        >>> r = [Result("mlp", "fp32", "bare loop (A/A)", 1, 1, 1.001, ratio_low=0.998, ratio_high=1.002,
+        ...             stop="budget", rounds=[1] * 7)]
+        >>> for line in resolution(r, 0.01):
+        ...     print(line)
+        mlp fp32: not resolved to ±1% (the time budget ran out after 7 rounds; widest ±0.3%, bare loop (A/A): within, at 95%, but the rule calls a case resolved on its 99% intervals at the end of a whole cycle of the round orders)
+        mlp fp32: noise floor (bare loop against itself) 1.001 [0.998, 1.002]: a ratio within it is not told apart from the bare loop
     """
     out = []
     for key in dict.fromkeys((r.workload, r.precision) for r in results):
-        rows = [r for r in results if (r.workload, r.precision) == key and not math.isnan(r.ratio_low)
-                and r.contender != Bare.name]
+        rows = [r for r in results if (r.workload, r.precision) == key and r.contender != Bare.name
+                and not math.isnan(r.ratio_to_bare)]
         if not rows or resolve is None:
             continue
+        where, done = f"{key[0]} {key[1]}: ", len(rows[0].rounds)
+        stop, detail = rows[0].stop, rows[0].stop_detail
+        why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran"}.get(stop, stop)
+        why += "" if detail is None else f": {detail}"  # (an error's: which contender, which round, why)
+        if any(math.isnan(r.ratio_low) for r in rows):
+            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {done} rounds, too few for a "
+                               "95% interval: it needs 6)")
+            continue
         widest = max(rows, key=lambda r: r.half_width)
-        where = f"{key[0]} {key[1]}: "
-        if rows[0].stop == "resolved":
-            out.append(where + f"resolved to ±{resolve * 100:g}% in {len(rows[0].rounds)} rounds "
+        if stop == "resolved":
+            out.append(where + f"resolved to ±{resolve * 100:g}% in {done} rounds "
                                f"(widest ±{widest.half_width:.1%}, {widest.contender})")
         else:
-            stop, detail = rows[0].stop, rows[0].stop_detail
-            why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran"}.get(stop, stop)
-            why += "" if detail is None else f": {detail}"  # (an error's: which contender, which round, why)
-            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {len(rows[0].rounds)} rounds; widest "
-                               f"±{widest.half_width:.1%}, {widest.contender})")
+            within = (": within, at 95%, but the rule calls a case resolved on its 99% intervals at the end of a "
+                      "whole cycle of the round orders") if widest.half_width <= resolve else ""
+            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {done} rounds; widest "
+                               f"±{widest.half_width:.1%}, {widest.contender}{within})")
+        floor = next((r for r in rows if r.contender == BareAgain.name), None)
+        if floor is not None:
+            out.append(where + f"noise floor (bare loop against itself) {floor.ratio_to_bare:.3f} [{floor.ratio_low:.3f}, "
+                               f"{floor.ratio_high:.3f}]: a ratio within it is not told apart from the bare loop")
     return out
 
 
+GUARDED = ("ampguard + csv", "ampguard sync-free + csv", "ampguard sync-free, fused tail + csv")
+PEERS = ("accelerate", "lightning fabric")
+
+
+def versus(results: list[Result]) -> list[dict[str, Any]]:
+    """Each ampguard contender against each peer (Accelerate, Fabric) of its case, paired by
+    round: the median of ampguard's ms/step over the peer's in the same round, and its 95%
+    interval (what "never slower than Accelerate beyond the interval" is judged by: two
+    intervals against the bare loop, read side by side, are not a paired comparison).
+
+    Example::
+
+        >>> rows = [Result("mlp", "bf16", "ampguard + csv", 1.1, 1, rounds=[1.1, 2.2, 1.1, 1.1, 2.2, 1.1]),
+        ...         Result("mlp", "bf16", "accelerate", 1.0, 1, rounds=[1.0, 2.0, 1.0, 1.0, 2.0, 1.0])]
+        >>> [(v["contender"], v["peer"], round(v["ratio"], 3), round(v["low"], 3), v["rounds"]) for v in versus(rows)]
+        [('ampguard + csv', 'accelerate', 1.1, 1.1, 6)]
+    """
+    out = []
+    for key in dict.fromkeys((r.workload, r.precision) for r in results):
+        case = {r.contender: r for r in results if (r.workload, r.precision) == key}
+        for ours, peer in ((case[g], case[p]) for g in GUARDED for p in PEERS if g in case and p in case):
+            med, low, high = median_interval([a / b for a, b in zip(ours.rounds, peer.rounds)])
+            out.append({"workload": key[0], "precision": key[1], "contender": ours.contender, "peer": peer.contender,
+                        "ratio": med, "low": low, "high": high, "rounds": len(ours.rounds)})
+    return out
+
+
+def versus_lines(results: list[Result]) -> list[str]:
+    """:func:`versus` in words, one line a pair.
+
+    Example::
+
+        >>> rows = [Result("mlp", "bf16", "ampguard + csv", 1.1, 1, rounds=[1.1] * 6),
+        ...         Result("mlp", "bf16", "lightning fabric", 1.0, 1, rounds=[1.0] * 3 + [1.2] * 3)]
+        >>> versus_lines(rows)
+        ["mlp bf16: ampguard + csv / lightning fabric's time, paired by round: 1.008 [0.917, 1.100] (6 rounds)"]
+    """
+    return [f"{v['workload']} {v['precision']}: {v['contender']} / {v['peer']}'s time, paired by round: {v['ratio']:.3f}"
+            + ("" if math.isnan(v["low"]) else f" [{v['low']:.3f}, {v['high']:.3f}]") + f" ({v['rounds']} rounds)"
+            for v in versus(results)]
+
+
 def speedups(results: list[Result]) -> list[str]:
-    """AMP against FP32, per workload, for the bare loop and for ampguard.
+    """AMP against FP32, per workload, for the bare loop and for ampguard: medians of two cases
+    that ran apart (unpaired, no interval; the lines say so).
 
     Example::
 
         >>> results = [Result("tiny-mlp", "fp32", Bare.name, 2.0, 2.0), Result("tiny-mlp", "bf16", Bare.name, 1.0, 1.0),
         ...            Result("tiny-mlp", "bf16", Guarded.name, 1.2, 1.2)]  # ampguard has no fp32 row
         >>> speedups(results)
-        ['tiny-mlp, bare loop: bf16 is 2.00x faster than fp32']
+        ['tiny-mlp, bare loop: bf16 is 2.00x faster than fp32 (unpaired)']
         >>> speedups([Result("mlp", "fp32", Bare.name, 1.0, 1.0), Result("mlp", "bf16", Bare.name, 1.4, 1.4)])
-        ['mlp, bare loop: bf16 is 1.40x slower than fp32']
+        ['mlp, bare loop: bf16 is 1.40x slower than fp32 (unpaired)']
         >>> speedups([Result("gpt2", "bf16", Bare.name, 3.0, 3.0), Result("gpt2", "fp8", Bare.name, 2.0, 2.0)])
-        ['gpt2, bare loop: fp8 is 1.50x faster than bf16']
+        ['gpt2, bare loop: fp8 is 1.50x faster than bf16 (unpaired)']
     """
     out = []
     for workload in dict.fromkeys(r.workload for r in results):
@@ -1277,11 +1378,11 @@ def speedups(results: list[Result]) -> list[str]:
                     if p in rows:
                         ratio = rows["fp32"] / rows[p]  # > 1: faster; a slower one says so, never "0.7x faster"
                         how = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
-                        out.append(f"{workload}, {contender}: {p} is {how} than fp32")
+                        out.append(f"{workload}, {contender}: {p} is {how} than fp32 (unpaired)")
             if "bf16" in rows and "fp8" in rows:  # what fp8 is for: its gain over bf16
                 ratio = rows["bf16"] / rows["fp8"]
                 how = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
-                out.append(f"{workload}, {contender}: fp8 is {how} than bf16")
+                out.append(f"{workload}, {contender}: fp8 is {how} than bf16 (unpaired)")
     return out
 
 
@@ -1390,12 +1491,12 @@ def machine(device: torch.device | None = None) -> str:
 
     Example::
 
-        >>> f"torch {torch.__version__}" in machine(), f"{_usable_cpus()} CPUs" in machine()
+        >>> f"torch {torch.__version__}" in machine(), f"{_usable_cpus()} CPU" in machine()
         (True, True)
     """
     import platform
 
-    text = f"{platform.processor() or platform.machine()}, {_usable_cpus()} CPUs, torch {torch.__version__}"
+    text = f"{platform.processor() or platform.machine()}, {counted(_usable_cpus(), 'CPU')}, torch {torch.__version__}"
     if (device.type == "cuda") if device is not None else torch.cuda.is_available():
         text += f", {torch.cuda.get_device_name(device)}, {backend_text(torch.device('cuda'))}"
     return text
@@ -1416,21 +1517,22 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
         >>> data = json.loads(to_json([Result("tiny-mlp", "fp32", "bare loop", 0.5, 0.4, rounds=[0.5])],
         ...                           settings={"steps": 3}))
         >>> sorted(data), data["results"][0]["median_ms"], data["results"][0]["rounds"]
-        (['machine', 'not_run', 'resolve', 'results', 'run', 'threads'], 0.5, [0.5])
+        (['machine', 'not_run', 'resolve', 'results', 'run', 'threads', 'versus'], 0.5, [0.5])
         >>> [data["results"][0][k] for k in ("ratio_low", "half_width", "stop", "stop_detail")]
         [None, None, 'fixed', None]
-        >>> data["run"]["steps"], data["run"]["confidence"], data["run"]["resamples"]
-        (3, 0.95, 2000)
+        >>> data["run"]["steps"], data["run"]["confidence"], data["run"]["decide_confidence"], data["versus"]
+        (3, 0.95, 0.99, [])
     """
     def plain(v: Any) -> Any:
         return None if isinstance(v, float) and math.isnan(v) else v
 
     rows = [{**{k: plain(v) for k, v in asdict(r).items()}, "half_width": plain(r.half_width)} for r in results]
-    run = {**(settings or {}), "confidence": CONFIDENCE, "resamples": RESAMPLES,
-           "min_rounds_to_resolve": MIN_ROUNDS_TO_RESOLVE}
+    run = {**(settings or {}), "confidence": CONFIDENCE, "decide_confidence": DECIDE_CONFIDENCE, "interval": INTERVAL,
+           "min_rounds_to_resolve": MIN_ROUNDS_TO_RESOLVE, "max_rounds": MAX_ROUNDS}
     threads = None if device is not None and device.type == "cuda" else torch.get_num_threads()
     return json.dumps({"machine": machine(device), "threads": threads, "resolve": resolve, "run": run,
-                       "results": rows, "not_run": [asdict(n) for n in not_run]}, indent=2)
+                       "results": rows, "versus": [{k: plain(v) for k, v in pair.items()} for pair in versus(results)],
+                       "not_run": [asdict(n) for n in not_run]}, indent=2)
 
 
 _WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
@@ -1466,7 +1568,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         tiny-mlp fp32: bare loop, ampguard + csv
         | workload | precision | contender | median ms/step | ...
         |---|---|---|---|---|---|---|---|---|---|---|
-        | tiny-mlp | fp32 | bare loop | ... | 1.000 [1.000, 1.000] | 2 | ... | n/a |  |  |
+        | tiny-mlp | fp32 | bare loop | ... | 1 (baseline) | 2 | ... | n/a |  |  |
         | tiny-mlp | fp32 | ampguard + csv | ...
         0
         >>> run(models="mlp,resnet")
@@ -1529,7 +1631,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                 "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa, "compiled": compiled,
                 "quick": quick}
     print(to_json(results, resolve, settings, where, left_out) if as_json else
-          "\n".join([table(results), *resolution(results, resolve), *speedups(results)]), flush=True)
+          "\n".join([table(results), *resolution(results, resolve), *versus_lines(results), *speedups(results)]),
+          flush=True)
     if interrupted:
         return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
     return 0
@@ -1558,8 +1661,9 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
     """Refuse, as one :class:`~ampguard.errors.InputError` line, what :func:`run` cannot measure:
     an unknown or repeated model or precision (a repeat would run the case twice), a
     ``--peak-tflops`` that is not a finite number > 0, ``--resolve`` or ``--budget`` not a
-    finite number >= 0, ``--threads`` below 1, or fp16 alone on a CPU with none of the
-    :data:`SMALL` models.
+    finite number >= 0, a ``--resolve`` of 100% or more or one with ``--budget 0`` (no time to
+    resolve in), ``--threads`` below 1, or fp16 alone on a CPU with none of the :data:`SMALL`
+    models.
 
     Example::
 
@@ -1586,6 +1690,11 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
     for flag, value in (("--resolve", resolve_pct), ("--budget", budget_s)):
         if not (math.isfinite(value) and value >= 0):
             raise InputError(f"bench: {flag} must be a finite number >= 0, got {value:g}")
+    if resolve_pct >= 100:  # (a ratio known to ±100% is not known)
+        raise InputError(f"bench: --resolve is a percentage below 100 (1 is ±1%), got {resolve_pct:g}")
+    if resolve_pct > 0 and budget_s == 0:
+        raise InputError("bench: --budget 0 leaves no time to add rounds until resolved: give --resolve 0 to run "
+                         "exactly --rounds")
     if threads is not None and threads < 1:
         raise InputError(f"bench: --threads must be >= 1, got {threads}")
 

@@ -25,7 +25,9 @@ def test_bench_runs_end_to_end_in_quick_mode(capsys):
     assert len(rows) == 4  # two contenders x two precisions
     assert {row.split("|")[3].strip() for row in rows} == {"bare loop", "ampguard + csv"}
     bare = [row for row in rows if "bare loop" in row]
-    assert all(row.split("|")[6].strip() == "1.000 [1.000, 1.000]" for row in bare)  # the ratio is to the bare loop
+    assert all(row.split("|")[6].strip() == "1 (baseline)" for row in bare)  # the ratio is to the bare loop
+    guarded = [row.split("|")[6].strip() for row in rows if "ampguard" in row]
+    assert all("[" not in ratio and float(ratio) > 0 for ratio in guarded)  # two rounds: no 95% interval
 
 
 def test_bench_json_and_bad_arguments(capsys):
@@ -60,6 +62,17 @@ def test_bench_refuses_a_negative_resolution_or_budget(capsys):
     assert main(["bench", "--threads", "0"]) == 2
     err = capsys.readouterr().err
     assert "--resolve must be a finite number >= 0, got -1" in err
+    # a resolution that means nothing, or one with no time to reach it (it ran --rounds, then said
+    # "not resolved: the time budget ran out" of a case that had every interval within it)
+    assert main(["bench", "--resolve", "200"]) == 2
+    assert main(["bench", "--budget", "0"]) == 2  # (the default --resolve 1)
+    assert main(["bench", "--budget", "0", "--resolve", "0", "--quick", "--models", "mlp", "--precisions", "fp32",
+                 "--no-peers", "--no-aa"]) == 0  # exactly --rounds: fine
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("ampguard: error:")] == [
+        "ampguard: error: bench: --resolve is a percentage below 100 (1 is ±1%), got 200",
+        "ampguard: error: bench: --budget 0 leaves no time to add rounds until resolved: give --resolve 0 to run "
+        "exactly --rounds"]
 
 
 PAUSE_IN_BENCH = Path(__file__).with_name("pause_in_bench.py")
@@ -143,12 +156,16 @@ def test_bench_json_carries_the_runs_settings(capsys):
     run = data["run"]
     assert {k: run[k] for k in ("device", "steps", "warmup", "min_rounds", "budget_s", "peak_tflops")} == {
         "device": "cpu", "steps": 1, "warmup": 1, "min_rounds": 2, "budget_s": 5.0, "peak_tflops": 100.0}
-    assert (run["confidence"], run["resamples"], run["min_rounds_to_resolve"]) == (0.95, 2000, 6)
+    assert (run["confidence"], run["decide_confidence"], run["min_rounds_to_resolve"], run["max_rounds"]) == (
+        0.95, 0.99, 8, 1000)
+    assert run["interval"].startswith("order statistics") and data["versus"] == []  # (no peers ran)
     assert data["resolve"] == 0.5 and isinstance(data["threads"], int)
     guarded = [r for r in data["results"] if r["contender"] == "ampguard + csv"][0]
-    assert guarded["half_width"] == (guarded["ratio_high"] - guarded["ratio_low"]) / 2 / guarded["ratio_to_bare"]
-    if guarded["stop"] == "resolved":  # (within ±50% after 6 rounds, or the 5 s ran out)
-        assert guarded["half_width"] <= 0.5 and len(guarded["rounds"]) >= 6
+    ratio, low, high = guarded["ratio_to_bare"], guarded["ratio_low"], guarded["ratio_high"]
+    if low is not None:  # (6 rounds or more: the interval's farther side, relative)
+        assert guarded["half_width"] == max(high - ratio, ratio - low) / ratio
+    if guarded["stop"] == "resolved":  # (within ±50% after 8 rounds, or the 5 s ran out)
+        assert guarded["half_width"] <= 0.5 and len(guarded["rounds"]) >= 8
 
 
 def _gpu_sh(env, tmp_path):
@@ -185,6 +202,18 @@ def test_gpu_sh_summary_takes_a_case_with_no_bare_loop(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "lightning fabric" in done.stdout and "2 rounds (fixed)" in done.stdout, done.stdout
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_gpu_sh_says_how_each_stage_ended_keeps_the_last_json_and_exits_1_on_a_failure(tmp_path):
+    # a bench that is refused (here: cuda asked for on a machine with none) was summed up as "ran
+    # out of time", its empty output had replaced the last good JSON, and the script exited 0
+    (tmp_path / "bench-mlp.json").write_text('{"machine": "an earlier run", "run": {}, "results": []}')
+    done = _gpu_sh({"STAGES": "3", "DEVICE": "cuda"}, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "stage 3 ended with exit 2 (refused (bad input))" in out and "stages: 3=2" in out, out
+    assert "stage 3 wrote no JSON" in out and "bench-mlp.json an earlier run" in out, out
+    assert not (tmp_path / "bench-mlp.json.tmp").exists()
 
 
 def test_train_vs_bare_stops_when_a_run_is_cut_short(tmp_path, monkeypatch, capsys):
