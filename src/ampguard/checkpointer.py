@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -513,6 +513,8 @@ class Resume:
     """The run folder's id (its ``run-id`` file); None for a folder made before run ids."""
     picked: bool = False
     """True when ``--resume RUN_DIR`` picked the checkpoint (the newest one that reads)."""
+    unreadable: dict[str, str] = field(default_factory=dict)
+    """The newer checkpoints ``--resume RUN_DIR`` passed over, by file name: why each did not read."""
 
     @property
     def path(self) -> Path:
@@ -631,15 +633,16 @@ def find_resume(target: str | Path) -> Resume:
     paths.check_writable()
     paths.check_not_written()
     run_id = paths.run_id()
+    unreadable: dict[str, str] = {}
     if target.is_dir():
-        loaded = _newest_readable(paths)
+        loaded = _newest_readable(paths, unreadable)
     else:
         loaded = Loaded(target, ckpt.load_checkpoint(target))
     check_payload(loaded)
     if not paths.csv.is_file():
         raise InputError(f"{loaded.path}: its run folder {run_dir} has no steps.csv to continue")
     check_belongs(loaded, run_id, run_dir)
-    return Resume(loaded, run_dir, run_id=run_id, picked=target.is_dir())
+    return Resume(loaded, run_dir, run_id=run_id, picked=target.is_dir(), unreadable=unreadable)
 
 
 def _what_to_pass(folder: Path) -> str:
@@ -699,7 +702,9 @@ def _why_no_checkpoint(config_file: Path | None) -> str:
     return ""
 
 
-def _newest_readable(paths: RunPaths) -> Loaded:
+def _newest_readable(paths: RunPaths, passed_over: dict[str, str]) -> Loaded:
+    """The run folder's newest checkpoint that reads; the newer ones that do not go into
+    ``passed_over`` (file name: why, the error line without its path)."""
     folder = paths.checkpoints
     errors = []
     for path in reversed(ckpt.list_checkpoints(folder)):
@@ -707,6 +712,7 @@ def _newest_readable(paths: RunPaths) -> Loaded:
             return Loaded(path, ckpt.load_checkpoint(path))
         except InputError as err:
             errors.append(str(err))
+            passed_over[path.name] = str(err).removeprefix(f"{path}: ")
     if errors:
         raise InputError(f"no loadable checkpoint in {folder} ({errors[0]})")
     raise InputError(f"no checkpoint in {folder}{_why_no_checkpoint(paths.config)}")

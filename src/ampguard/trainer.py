@@ -508,7 +508,9 @@ class Trainer:
         if self.resume is not None:
             self.checkpointer.remove_partial()  # saves that a kill cut short: none of them is this run's
             set_aside = self.checkpointer.set_aside_after(self.state.steps)
-            note = f"; newer checkpoints set aside: {', '.join(p.name for p in set_aside)}" if set_aside else ""
+            unreadable = self.resume.unreadable  # (passed over by --resume RUN_DIR: say why, not only that)
+            note = "; newer checkpoints set aside: " + ", ".join(
+                p.name + (f" ({unreadable[p.name]})" if p.name in unreadable else "") for p in set_aside) if set_aside else ""
             self.events.emit({"step": self.state.steps, "event": "resume",
                               "message": f"resumed from {self.resume.path.name} at step {self.state.steps}{note}"}, "RESUME")
             for change in self.policy_new:  # each is a line on the console, in events.jsonl and the run card

@@ -132,6 +132,9 @@ def test_resume_of_a_run_folder_takes_the_newest_loadable_checkpoint(tmp_path):
 
     out = ok(ag("train", "--resume", b))
     assert "resuming from step-00000016.pt" in out
+    # why the newer one was passed over, not only that (it read as a resume chosen from an older one)
+    assert ("newer checkpoints set aside: step-00000024.pt (unreadable checkpoint (truncated, or not a PyTorch "
+            "file))") in out
     assert (b / "steps.csv").read_bytes() == (a / "steps.csv").read_bytes()
     assert_same_training(final_checkpoint(a), final_checkpoint(b))
 
