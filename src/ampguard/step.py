@@ -439,6 +439,8 @@ class Guard:
         frozen: Literal["refuse", "ignore"] = "refuse",
         fuse_tail: bool = False,
     ) -> None:
+        if max_norm is not None and (isinstance(max_norm, (bool, str)) or not isinstance(max_norm, (int, float, torch.Tensor))):
+            raise TypeError(f"max_norm must be a number or None, got {max_norm!r} (a {type(max_norm).__name__})")
         if max_norm is not None and not max_norm == max_norm:
             raise ValueError("max_norm must be a number or None, got nan")
         if scheduler_on_skip not in ("hold", "step"):
@@ -529,6 +531,7 @@ class Guard:
         self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed
         self._loss_mark: torch.Tensor | None = None  # the sum of each loss's x - x: NaN iff one was non-finite
         self._grads_made = False  # the open group's backwards made a gradient (its later ones must find it)
+        self._stepped: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # inside a close: what it stepped
         _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
 
     def _own(self, holder: dict[int, str]) -> None:
@@ -667,7 +670,7 @@ class Guard:
         n, last = self.accumulation_steps, len(losses) - 1
         total: Any = None  # the losses' sum and their marks' (a NaN mark: a non-finite loss among them)
         bad: Any = None
-        with self._no_sync():  # FSDP2 reduces in backward
+        with self._no_sync(), self._dropped_if_raised("backward"):  # FSDP2 reduces in backward
             for i, loss in enumerate(losses):
                 loss = loss if loss.dim() == 0 else loss.reshape(())
                 value = loss.detach()
@@ -781,7 +784,41 @@ class Guard:
             self._group = names
             return None
         self._group = None
-        return self._finish_group_sync_free() if self.sync_free else self._finish_group(names)
+        with self._dropped_if_raised("step"):
+            return self._finish_group_sync_free() if self.sync_free else self._finish_group(names)
+
+    @contextlib.contextmanager
+    def _dropped_if_raised(self, where: str) -> Iterator[None]:
+        """Around the backward and the group's close: when they raise (an out-of-memory, a
+        scheduler stepped past its end, a dtype PyTorch will not unscale), the open group is
+        dropped (its gradients, half of them made or half unscaled, and its count) and each
+        scheduler's position taken as it is, so the next call starts a clean group: it had
+        blamed the loop for what the failed call left ("a gradient from a backward outside this
+        guard", "after guard.unscale_()"). A step whose update was applied before it raised
+        counts as applied; one that raised before it is not counted. The error says which, in a
+        note."""
+        steps, self._stepped = self.steps, None
+        try:
+            yield
+        except BaseException as err:
+            stepped, self._stepped = self._stepped, None
+            if stepped is None:
+                self.steps = steps  # (nothing was applied: the step number is the next one's)
+                said = "nothing was applied"
+            else:  # (the optimizers stepped: the update stands, and is counted; no record was made)
+                applied, names = stepped  # (the sync-free step counts its own, on the device: ((), ()))
+                for name in applied:
+                    self._applied[name] += 1
+                self._updates += bool(applied) and applied == names
+                said = f"step {self.steps}'s update was applied, its record was not made"
+            self._abandon_group()
+            for schedulers in self._schedulers.values():
+                for scheduler in schedulers:
+                    if (epoch := _epoch_of(scheduler)) is not None:
+                        self._scheduler_epochs[id(scheduler)] = epoch
+            err.add_note(f"ampguard: Guard.{where}() raised: the open group was dropped ({said}); "
+                         "the next guard.backward() begins a new step")
+            raise
 
     def unscale_(self, *which: str | torch.optim.Optimizer) -> None:
         """Unscale the gradients of these optimizers (all by default) now, before :meth:`step`,
@@ -857,6 +894,12 @@ class Guard:
         early = [n for n in names if self.scaler.unscaled(self.optimizers[n])]  # by guard.unscale_(), before
         self._unscale(names)
         grads = GradSet(self._union(names))
+        if not grads.grads:  # (under fp16 PyTorch's bare "No inf checks were recorded"; else an "update" of nothing)
+            which = ", ".join(map(repr, names))
+            raise RuntimeError(f"Guard.step(): no gradient reached the parameters of {which} in this step: a loss "
+                               "that reaches no parameter (torch.zeros((), requires_grad=True) for an empty batch: "
+                               "use one made from the model's output, output.sum() * 0), or a zero_grad() between "
+                               "guard.backward() and guard.step()")
         norms = [distributed.full_norm(grads.norm())]
         if len(names) > 1:  # each optimizer's own norm, from the per-parameter norms just taken
             norms += [distributed.full_norm(grads.norm_of(self._params_of[n])) for n in names]
@@ -922,6 +965,7 @@ class Guard:
                 self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
         finally:
             _GUARD_STEPPING[0] -= 1
+        self._stepped = (applied, names)  # (from here a failure leaves an update that stands)
         for name in skipped:
             self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
@@ -1003,6 +1047,7 @@ class Guard:
         finally:
             _GUARD_STEPPING[0] -= 1
             del self.optimizer.found_inf  # type: ignore[attr-defined]
+        self._stepped = ((), ())  # (stepped: what it applied is on the device, counted there)
         self.scaler.add_found_inf_(self.optimizer, found, covers=True)
         self.scaler.update()
         self._zero_grad()

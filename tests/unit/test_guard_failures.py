@@ -1,0 +1,137 @@
+"""``Guard`` after something raised inside it (review_guard13): the group is dropped, the next
+``backward()`` begins a clean step, and the error says what happened to the step. Before, every
+later call blamed the loop for what the failed one left ("after guard.unscale_()", "a gradient
+from a backward outside this guard", "your scheduler.step()"), for ever.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ampguard import Guard, StepLog
+from ampguard.precision import SlowPrecisionWarning
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowPrecisionWarning)
+        yield
+
+
+def _guard(precision: str, **kw) -> tuple[nn.Module, Guard]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return model, Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision, **kw)
+
+
+def _train(model: nn.Module, guard: Guard, batches: int = 1) -> list[StepLog]:
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    records = []
+    for _ in range(batches * guard.accumulation_steps):
+        with guard.autocast():
+            loss = model(x).float().pow(2).mean()
+        guard.backward(loss)
+        if (record := guard.step()) is not None:
+            records.append(record)
+    return records
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("how", ["no loss to reach", "zero_grad"])
+def test_a_step_with_no_gradient_is_refused_in_one_line_and_the_guard_goes_on(precision, how):
+    # fp16 ended in PyTorch's bare "No inf checks were recorded prior to update" and every later
+    # backward said "after guard.unscale_()"; bf16 and fp32 recorded an applied update of nothing
+    # (the scheduler stepped on it)
+    model, guard = _guard(precision)
+    x = torch.randn(8, 4)
+    with guard.autocast():
+        loss = torch.zeros((), requires_grad=True) if how == "no loss to reach" else model(x).float().sum()
+    guard.backward(loss)
+    if how == "zero_grad":
+        guard.optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match=r"^Guard.step\(\): no gradient reached the parameters of 'optimizer' "
+                                           r"in this step") as refused:
+        guard.step()
+    assert refused.value.__notes__ == ["ampguard: Guard.step() raised: the open group was dropped (nothing was "
+                                       "applied); the next guard.backward() begins a new step"]
+    assert (guard.steps, guard.updates) == (0, 0)
+    records = _train(model, guard, batches=2)
+    assert [(r.step, type(r).__name__) for r in records] == [(1, "StepLog"), (2, "StepLog")]  # no gap, no blame
+
+
+def test_an_error_in_the_backward_drops_the_whole_group_and_the_next_one_starts_clean():
+    # an out-of-memory in the second micro-batch's backward, caught by a loop that skips the batch:
+    # its half-made gradients and the first micro-batch's were left, and every later backward was
+    # refused as "a gradient from a backward outside this guard"; the group's count stayed at 1
+    class Fails(torch.autograd.Function):
+        fail = False
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if Fails.fail:
+                raise RuntimeError("CUDA out of memory (a stand-in)")
+            return grad
+
+    model, guard = _guard("bf16", accumulation_steps=2)
+    x = torch.randn(8, 4)
+    with guard.autocast():
+        guard_loss = model(x).float().pow(2).mean()
+    guard.backward(guard_loss)
+    assert guard.step() is None and guard.micro_batches == 1
+    Fails.fail = True
+    with guard.autocast():
+        loss = Fails.apply(model(x)).float().pow(2).mean()
+    with pytest.raises(RuntimeError, match="out of memory") as raised:
+        guard.backward(loss)
+    assert "the open group was dropped (nothing was applied)" in raised.value.__notes__[0]
+    assert guard.micro_batches == 0 and all(p.grad is None for p in model.parameters())
+    Fails.fail = False
+    records = _train(model, guard)
+    assert [(r.step, type(r).__name__) for r in records] == [(1, "StepLog")]
+
+
+def test_a_scheduler_that_raises_after_the_update_counts_the_update_and_the_next_step_goes_on():
+    # OneCycleLR stepped past its total_steps raises in scheduler.step(), after the update: the
+    # update stands; it was not counted, no record, and the next step blamed "your scheduler.step()"
+    model, guard = _guard("fp32")
+    guard = Guard(model, guard.optimizer, precision="fp32",
+                  scheduler=torch.optim.lr_scheduler.OneCycleLR(guard.optimizer, max_lr=0.1, total_steps=2))
+    assert len(_train(model, guard, batches=2)) == 2
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="Tried to step 3 times") as raised:
+        _train(model, guard)
+    assert raised.value.__notes__ == ["ampguard: Guard.step() raised: the open group was dropped (step 3's update "
+                                      "was applied, its record was not made); the next guard.backward() begins a "
+                                      "new step"]
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it was applied
+    assert (guard.steps, guard.updates, guard.applied) == (3, 3, {"optimizer": 3})
+    with pytest.raises(ValueError, match="Tried to step 4 times") as again:  # PyTorch's own, not a blame of ours
+        _train(model, guard)
+    assert "step 4's update was applied" in again.value.__notes__[0]
+
+
+def test_a_layer_cast_to_half_after_guard_is_pytorchs_refusal_then_the_step_is_not_counted():
+    model, guard = _guard("fp16")
+    model[2].half()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients") as raised:
+        _train(model, guard)
+    assert "nothing was applied" in raised.value.__notes__[0] and guard.steps == 0
+    model[2].float()
+    assert [r.step for r in _train(model, guard)] == [1]  # (it said "a backward outside this guard", for ever)
+
+
+@pytest.mark.parametrize("max_norm", ["1.0", True, [1.0]])
+def test_a_max_norm_that_is_no_number_is_refused_by_guard_itself(max_norm):
+    # "1.0" from argv went through Guard() and failed at the first step, inside it
+    model = nn.Linear(4, 2)
+    with pytest.raises(TypeError, match=r"^max_norm must be a number or None, got "):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", max_norm=max_norm)
