@@ -135,6 +135,48 @@ def headroom_bits(amax: float, fmt: Format) -> float:
     return math.log2(fmt.max / amax)
 
 
+def _shown(bits: float, bound: float) -> str:
+    """``bits`` to one decimal, or as many more as it takes to stay on its side of ``bound``
+    (3.9993 below an alert_bits of 4 is "3.999", not "4.0").
+
+    Example::
+
+        >>> _shown(3.25, 4.0), _shown(3.9993, 4.0), _shown(4.5, 4.5), _shown(-math.inf, 4.0)
+        ('3.2', '3.999', '4.5', '-inf')
+    """
+    for digits in range(1, 7):
+        text = f"{bits:.{digits}f}"
+        if (float(text) < bound) == (bits < bound):
+            return text
+    return repr(bits)
+
+
+def judged_bits(row: HeadroomRow, scale: float | None, alert_bits: float) -> float | None:
+    """The headroom ``row`` is judged by (the alert, and the report's heatmap): an output's own;
+    a gradient's without the loss ``scale`` its step ran with (``bits + log2(scale)``), what fp16
+    holds of it with no help from the scaler: a scaled gradient overflowing is the scaler's
+    search (one skip, then a halved scale), not a warning. None when the row says nothing: a
+    nan, or a scaled gradient that overflowed at a scale above ``2**alert_bits`` (its unscaled
+    size is unknown beyond ``> max / scale``).
+
+    Example::
+
+        >>> [judged_bits(HeadroomRow(1, "fc", t, 1.0, b, 0.0), 1024.0, 4.0)
+        ...  for t, b in [("output", 3.0), ("grad", 3.0), ("grad", -math.inf), ("grad", math.nan)]]
+        [3.0, 13.0, None, None]
+        >>> judged_bits(HeadroomRow(1, "fc", "grad", math.inf, -math.inf, 0.0), 8.0, 4.0)  # overflowed at 2**3
+        -inf
+    """
+    bits = row.headroom_bits
+    if math.isnan(bits):
+        return None
+    if row.tensor == "output" or scale is None or not scale > 0 or scale == 1.0:
+        return bits
+    if math.isinf(bits) and bits < 0:  # overflowed scaled: unscaled headroom < log2(scale)
+        return bits if math.log2(scale) <= alert_bits else None
+    return bits + math.log2(scale)
+
+
 @dataclass(frozen=True)
 class HeadroomRow:
     """One ``headroom.csv`` row.
@@ -259,9 +301,11 @@ class Headroom:
         self._scale = self.loss_scale() if self.loss_scale is not None else None
         handles: list[RemovableHandle] = []
         handles += [m.register_forward_hook(self._forward_hook(name, handles)) for name, m in self.modules]
+        hooked: set[int] = set()  # a tied parameter (charlm's head.weight is tok.weight): its first module's
         for name, m in self.modules:
             for p in m.parameters(recurse=False):
-                if p.requires_grad:  # each backward's gradient of the parameter, before it is accumulated
+                if p.requires_grad and id(p) not in hooked:  # each backward's gradient of it, before accumulation
+                    hooked.add(id(p))
                     handles.append(p.register_hook(self._param_hook(name)))
         with _installed(handles):  # the output tensors' hooks too (an output that outlives the step keeps none)
             yield
@@ -309,11 +353,8 @@ class Headroom:
         return rows
 
     def judged_bits(self, row: HeadroomRow) -> float | None:
-        """The headroom the alert judges ``row`` by: an output's own; a gradient's without the
-        loss scale (``bits + log2(scale)``), what fp16 holds of it with no help from the scaler:
-        a scaled gradient overflowing is the scaler's search (one skip, then a halved scale), not
-        a warning. None when the row says nothing: a nan, or a scaled gradient that overflowed at
-        a scale above ``2**alert_bits`` (its unscaled size is unknown beyond ``> max / scale``).
+        """The headroom the alert judges ``row`` by (:func:`judged_bits`, at the loss scale the
+        row's step ran with).
 
         Example::
 
@@ -326,14 +367,7 @@ class Headroom:
             >>> h.judged_bits(HeadroomRow(1, "fc", "grad", math.inf, -math.inf, 0.0))
             -inf
         """
-        bits, scale = row.headroom_bits, self._row_scale
-        if math.isnan(bits):
-            return None
-        if row.tensor == "output" or scale is None or not scale > 0 or scale == 1.0:
-            return bits
-        if math.isinf(bits) and bits < 0:  # overflowed scaled: unscaled headroom < log2(scale)
-            return bits if math.log2(scale) <= self.alert_bits else None
-        return bits + math.log2(scale)
+        return judged_bits(row, self._row_scale, self.alert_bits)
 
     def observe(self, record: StepRecord) -> list[Event]:
         """The alerts and clears a step's record brings (none on an unmeasured step)."""
@@ -361,12 +395,12 @@ class Headroom:
             elif bits >= self.alert_bits + CLEAR_MARGIN and module in self.alerting:
                 self.alerting.remove(module)
                 events.append(Event(step, "headroom_clear", (
-                    f"headroom_clear: {module} back to {bits:.1f} bits >= alert_bits {self.alert_bits:g} + "
-                    f"{CLEAR_MARGIN:g}"), self._data(row, bits)))
+                    f"headroom_clear: {module} back to {_shown(bits, self.alert_bits + CLEAR_MARGIN)} bits >= "
+                    f"alert_bits {self.alert_bits:g} + {CLEAR_MARGIN:g}"), self._data(row, bits)))
         return events
 
     def _message(self, row: HeadroomRow, bits: float) -> str:
-        scale, what = self._row_scale, f"{row.module} {row.tensor} headroom {bits:.1f} bits"
+        scale, what = self._row_scale, f"{row.module} {row.tensor} headroom {_shown(bits, self.alert_bits)} bits"
         if row.tensor == "output" or not self.scaled_grads:
             amax = f"amax {row.amax:.4g}"
         elif scale is None or not scale > 0:

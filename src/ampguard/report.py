@@ -391,12 +391,17 @@ def plot_run(
     title: str | None = None,
     headroom: str | Path | None = None,
     alert_bits: float | None = None,
+    init_scale: float = 1.0,
+    note: Callable[[str], None] | None = None,
 ) -> Path:
     """Draw one PNG (1200 x 1400 px) with five panels on a shared step axis: loss, pre/post-clip
     norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
     rate with its thresholds. Skipped steps are marked on every panel, coloured by reason.
     With ``headroom`` (a ``headroom.csv`` with rows), a sixth panel below (the PNG 500 px
-    taller): the layer x step heatmap of :func:`headroom_panel`. The PNG carries ampguard's mark
+    taller): the layer x step heatmap of :func:`headroom_panel`, each gradient judged at the loss
+    scale its step ran with (the row before's ``scaler_scale``; ``init_scale`` at the run's first
+    step); a ``headroom`` that does not read leaves the heatmap out, said through ``note`` (without
+    one, its error is raised). The PNG carries ampguard's mark
     (:func:`plot_metadata`), so that ``report`` may draw it again (:func:`check_plot_path`).
 
     Example (the PNG's width and height are in its header)::
@@ -422,7 +427,13 @@ def plot_run(
     rows = read_steps_csv(csv_path)
     if not rows:
         raise InputError(f"{csv_path}: no steps recorded yet, nothing to plot")
-    heat = read_headroom_csv(headroom) if headroom is not None else []
+    try:
+        heat = read_headroom_csv(headroom) if headroom is not None else []
+    except InputError as err:  # (the per-step panels need only steps.csv)
+        if note is None:
+            raise
+        note(f"{err}: the plot leaves the headroom heatmap out")
+        heat = []
 
     import matplotlib
 
@@ -440,7 +451,7 @@ def plot_run(
             warnings.simplefilter("ignore", RuntimeWarning)  # (numpy's overflow notes near the float64 limit)
             shown_title = shown(title or Path(csv_path).name)
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
-                  fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title)
+                  fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title, init_scale=init_scale)
             # marked as ampguard's (PLOT_MARK): only a plot with the mark is ever drawn again
             fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(f"ampguard report: {shown_title}"))
             os.replace(partial, png_path)
@@ -484,7 +495,8 @@ def _linear_y(ax: Any, values: list[float], label: str) -> None:
 
 
 def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_norm: float | None, window: int,
-          alert_rate: float, fail_rate: float | None, alert_bits: float | None, title: str) -> None:
+          alert_rate: float, fail_rate: float | None, alert_bits: float | None, title: str,
+          init_scale: float = 1.0) -> None:
     """:func:`plot_run`'s panels on ``axes`` (five, and the headroom heatmap with ``heat``)."""
     ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes[:5]
     steps = [r.step for r in rows]
@@ -537,7 +549,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     axes[-1].set_xlabel("step")
     whole_steps(axes[-1])
     if heat:
-        headroom_panel(fig, axes[5], heat, alert_bits)
+        headroom_panel(fig, axes[5], heat, alert_bits, scale_at=_scale_used(rows, init_scale))
 
     for reason in SKIP_REASONS:
         marks = [r.step for r in rows if r.skipped and r.skip_reason == reason]
@@ -553,14 +565,19 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     fig.suptitle(f"{title}: {counted(len(rows), 'step')}, {skipped} skipped", fontsize=13)
 
 
-def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float | None = None) -> None:
-    """The headroom heatmap on ``ax``: one row per module and tensor (output, then the gradient
-    into it; in the model's order, top down), one column per measured step, the colour the bits
-    of headroom left below the format's max: red is close to overflowing, green is far from it,
-    dark red below 0 (beyond the format: it overflowed, or would when cast), grey a nan. The
-    colour bar marks ``alert_bits``.
+def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float | None = None,
+                   scale_at: Callable[[int], float | None] | None = None) -> Any:
+    """The headroom heatmap on ``ax`` (its mesh returned): one row per module and tensor (output,
+    then the gradient into it; in the model's order, top down), one column per measured step,
+    the colour the bits of headroom left below the format's max: red is close to overflowing,
+    green is far from it, dark red below 0 (beyond the format: it overflowed, or would when
+    cast), grey nothing to tell (a nan). Gradients are drawn as the alert judges them
+    (:func:`~ampguard.headroom.judged_bits`): without the loss scale their step ran with
+    (``scale_at(step)``), so a healthy fp16 run's growing scale does not paint them red; one
+    that overflowed only at a large scale (the scaler's search) is grey. The colour bar marks
+    ``alert_bits``.
 
-    Example::
+    Example (a gradient that overflowed at loss scale 8, below 2**alert_bits: dark red)::
 
         >>> import matplotlib
         >>> matplotlib.use("Agg")
@@ -568,13 +585,18 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
         >>> fig, ax = plt.subplots()
         >>> rows = [HeadroomRow(s, "fc", t, 1.0, b, 0.0) for s, t, b in [(10, "output", 9.0), (10, "grad", 3.0),
         ...                                                              (20, "output", 8.0), (20, "grad", -math.inf)]]
-        >>> headroom_panel(fig, ax, rows, alert_bits=4.0)
-        >>> ax.get_title()[:8], [t.get_text() for t in ax.get_yticklabels()]
-        ('Headroom', ['fc output', 'fc grad'])
+        >>> mesh = headroom_panel(fig, ax, rows, alert_bits=4.0, scale_at=lambda step: 8.0)
+        >>> ax.get_title(), [t.get_text() for t in ax.get_yticklabels()]
+        ("Headroom: bits below the format's max, per layer (every 10 steps; red: close to overflow, dark red: beyond it)", ['fc output', 'fc grad'])
+        >>> from matplotlib.colors import to_rgba
+        >>> tuple(mesh.to_rgba(mesh.get_array())[1, 1]) == to_rgba("darkred")  # (fc grad, step 20)
+        True
         >>> plt.close(fig)
     """
     import numpy as np
     from matplotlib import colormaps
+
+    from .headroom import judged_bits
 
     labels: list[tuple[str, str]] = []
     for r in rows:
@@ -585,19 +607,24 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
     where_step = {step: j for j, step in enumerate(steps)}
     grid = np.full((len(labels), len(steps)), np.nan)
     for r in rows:
-        grid[where_label[(r.module, r.tensor)], where_step[r.step]] = r.headroom_bits
+        bits = judged_bits(r, scale_at(r.step) if scale_at is not None else None, alert_bits or 0.0)
+        grid[where_label[(r.module, r.tensor)], where_step[r.step]] = math.nan if bits is None else bits
     finite = grid[np.isfinite(grid)]
     top = max(1.0, float(finite.max()) if finite.size else 1.0, 2 * (alert_bits or 0.0))
     shown = np.where(np.isposinf(grid), top, grid)  # all zeros: as far from overflow as anything
+    shown = np.where(np.isneginf(shown), -1.0, shown)  # overflowed: below the scale, the "under" colour
     cmap = colormaps["RdYlGn"].with_extremes(under="darkred", bad="lightgrey")
-    gap = (steps[-1] - steps[0]) / max(1, len(steps) - 1) if len(steps) > 1 else 1.0
+    gaps = list(dict.fromkeys(b - a for a, b in zip(steps, steps[1:])))
+    gap = gaps[0] if len(gaps) == 1 else (steps[-1] - steps[0]) / max(1, len(steps) - 1) if gaps else 1.0
     edges = [steps[0] - gap / 2] + [(a + b) / 2 for a, b in zip(steps, steps[1:])] + [steps[-1] + gap / 2]
-    mesh = ax.pcolormesh(edges, np.arange(len(labels) + 1), np.ma.masked_invalid(shown), cmap=cmap, vmin=0.0,
-                         vmax=top, shading="flat")
+    mesh = ax.pcolormesh(edges, np.arange(len(labels) + 1), np.ma.masked_where(np.isnan(shown), shown), cmap=cmap,
+                         vmin=0.0, vmax=top, shading="flat")
     ax.set_yticks(np.arange(len(labels)) + 0.5, [f"{m} {t}" for m, t in labels], fontsize=7 if len(labels) > 24 else 8)
     ax.set_ylim(len(labels), 0)
     ax.set_ylabel("module, tensor")
-    ax.set_title(f"Headroom: bits below the format's max, per layer (every {gap:g} steps; red: close to overflow, "
+    every = ("one measured step" if not gaps else f"every {counted(gaps[0], 'step')}" if len(gaps) == 1 else
+             "every " + ", then ".join(map(str, gaps[:3])) + (", ..." if len(gaps) > 3 else "") + " steps")
+    ax.set_title(f"Headroom: bits below the format's max, per layer ({every}; red: close to overflow, "
                  "dark red: beyond it)")
     # below the panel, so the heatmap keeps the width (and the step axis) of the panels above
     bar = fig.colorbar(mesh, ax=ax, location="bottom", extend="min", fraction=0.06, pad=0.01, aspect=80)
@@ -605,6 +632,24 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
                                                                if alert_bits is not None else ""))
     if alert_bits is not None:
         bar.ax.axvline(alert_bits, color="black", lw=2)
+    return mesh
+
+
+def _scale_used(rows: list[Row], init_scale: float) -> Callable[[int], float | None]:
+    """The loss scale a step ran with: the scale after the step before it (the row before's
+    ``scaler_scale``), ``init_scale`` for the run's first.
+
+    Example::
+
+        >>> rows = [Row(1, 0.1, 1.0, 1.0, 0.5, False, "", 1024.0), Row(2, 0.1, None, None, 0.5, True, "x", 512.0)]
+        >>> scale = _scale_used(rows, 2048.0)
+        >>> scale(1), scale(2), scale(3), scale(9)
+        (2048.0, 1024.0, 512.0, 512.0)
+    """
+    import bisect
+
+    steps = [r.step for r in rows]
+    return lambda step: rows[i - 1].scaler_scale if (i := bisect.bisect_left(steps, step)) else init_scale
 
 
 def headroom_beside(csv_path: Path) -> Path | None:
@@ -820,7 +865,9 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
             plot_run(paths.csv, paths.plot, max_norm=config.max_norm, window=config.monitor.window,
                      alert_rate=config.monitor.alert_rate, fail_rate=config.monitor.fail_rate,
                      title=f"run {paths.dir.name}" if paths.dir is not None else None,
-                     headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits)
+                     headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
+                     init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
+                     note=lambda line: say(f"warning: {line}"))
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
         say(f"warning: could not draw {paths.plot}: {err}")
     write_run_card(paths.card, config, result)
@@ -916,7 +963,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if plot:
         plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
                  alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
-                 alert_bits=mon.headroom.alert_bits)
+                 alert_bits=mon.headroom.alert_bits, init_scale=init_scale if scaler_on else 1.0,
+                 note=lambda line: print(f"note: {line}"))
     for note in reading_notes(csv_path, rows, torn, csv_path.parent if config_path.is_file() else None):
         print(f"note: {note}")
     # the alerts judged under thresholds given here are not the run's: said so

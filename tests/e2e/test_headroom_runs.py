@@ -46,9 +46,10 @@ def test_an_overflow_is_announced_before_the_first_skip_and_drawn_in_the_report(
     titles: list[str] = []
     real_panel = ampguard.report.headroom_panel
 
-    def spy(fig, ax, rows, alert_bits=None):  # the real panel, its title kept
-        real_panel(fig, ax, rows, alert_bits)
+    def spy(fig, ax, rows, alert_bits=None, scale_at=None):  # the real panel, its title kept
+        mesh = real_panel(fig, ax, rows, alert_bits, scale_at)
         titles.append(ax.get_title())
+        return mesh
 
     monkeypatch.setattr(ampguard.report, "headroom_panel", spy)
     code = main(["train", *RAMP_RUN, "--set", f"task.factory={factory}:build", "--set", f"log.dir={tmp_path}",
@@ -147,3 +148,17 @@ def test_a_checkpoint_with_a_forged_headroom_state_is_one_line_naming_the_field(
     line = one_error_line(ag("train", "--resume", path, "--set", "steps=3"))
     assert line.endswith("bad checkpoint: state.monitors.headroom.alerting is 'fc', expected a list of distinct "
                          "module names")
+
+
+def test_a_headroom_csv_that_does_not_read_leaves_only_the_heatmap_out_of_the_report(tmp_path, capsys):
+    # one bad line of headroom.csv (secondary to the run) made `ampguard report` refuse the whole run
+    ok(train(tmp_path, "h", "--set", "task.name=linear", "--set", "precision=bf16", "--set", "steps=4",
+             "--set", "checkpoint.enabled=false", "--set", "monitor.headroom.every=2"))
+    run = tmp_path / "h"
+    lines = (run / "headroom.csv").read_text().splitlines(keepends=True)
+    (run / "headroom.csv").write_text("".join(lines[:2] + ["garbage,row\n"] + lines[2:]))  # (a torn last line reads)
+    capsys.readouterr()
+    assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {run / 'headroom.csv'}: line " in out and "the plot leaves the headroom heatmap out" in out, out
+    assert png_size(tmp_path / "r.png") == (1200, 1400)  # the five panels, no sixth

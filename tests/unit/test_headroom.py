@@ -357,3 +357,53 @@ def test_a_torn_first_row_is_dropped_like_a_torn_last_one(tmp_path):
     path.write_text(",".join(HEADROOM_COLUMNS) + "\n1,(root),out\n2,(root),output,1.0,16.0,0.0\n", encoding="utf-8")
     with pytest.raises(InputError, match="line 2 is not a headroom row"):
         read_headroom_csv(path)
+
+
+def test_the_heatmap_draws_a_gradient_as_the_alert_judges_it_and_an_overflow_dark_red():
+    # review_frontier13: a healthy fp16 run (no skip, no ALERT) had its gradient rows painted
+    # orange to dark red (their headroom with the loss scale in it), and an overflowed cell (-inf)
+    # was drawn grey, the colour of "no data"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    from ampguard.headroom import HeadroomRow
+    from ampguard.report import headroom_panel
+
+    rows = [HeadroomRow(s, "fc", t, 1.0, b, 0.0) for s, t, b in [
+        (1, "output", 10.0), (1, "grad", 1.0), (2, "output", -math.inf), (2, "grad", 1.0)]]
+    fig, ax = plt.subplots()
+    try:
+        scales = {1: 2.0**16, 2: 1.0}
+        mesh = headroom_panel(fig, ax, rows, alert_bits=4.0, scale_at=scales.get)
+        colour = mesh.to_rgba(mesh.get_array())
+        value = mesh.get_array()
+        assert value[1, 0] == 17.0 and value[1, 1] == 1.0  # 1 bit at scale 2**16 is 17 without it
+        assert tuple(colour[0, 1]) == to_rgba("darkred")  # the forward overflow at step 2
+        assert colour[1, 0][1] > colour[1, 0][0] and colour[1, 1][0] > colour[1, 1][1]  # green, then red
+    finally:
+        plt.close(fig)
+
+
+def test_a_tied_parameter_is_measured_once_under_its_first_module():
+    # charlm ties head.weight to tok.weight: both modules hooked it, and both rows showed the
+    # same total gradient (twice the device work)
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.dec = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+            self.dec.weight = self.enc.weight
+
+        def forward(self, x):
+            return self.dec(torch.relu(self.enc(x)))
+
+    model = Tied()
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.randn(2, 4)).sum().backward()
+    param_rows = [r.module for r in headroom.read(1) if r.tensor == "param_grad"]
+    assert param_rows == ["enc"]
+    expected = headroom_bits(model.enc.weight.grad.abs().max().item(), FORMATS["fp16"])
+    assert next(r.headroom_bits for r in headroom.read(1) if r.tensor == "param_grad") == pytest.approx(expected)
