@@ -222,6 +222,10 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
         ValueError: no Linear layer can train in fp8 (the model: a bare Linear, not a model that holds one); use bf16
     """
     config = float8_config(recipe)
+    other = next((m for m in float8_modules(model) if getattr(m, "config", config) != config), None)
+    if other is not None:  # (a second recipe was dropped unsaid: the layers kept the first one's scaling)
+        raise ValueError(f"the model's Float8Linear layers were converted with another recipe than {recipe!r}: "
+                         "convert a fresh model to change it")
     layers = plan(model, keep_first_last=keep_first_last, exclude=exclude)
     idle = [p for p in exclude if not any(fnmatch.fnmatchcase(name, p) for name in layers)]
     if idle:  # a typo would leave the layer it meant in fp8

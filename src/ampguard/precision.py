@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import struct
+import sys
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -671,6 +672,13 @@ class Precision:
                 check_model(model)
             except ImportError as err:
                 raise ValueError(f"precision {err}") from None
+        elif "torchao" in sys.modules:  # (a model converted to float8 needs torchao imported)
+            from .fp8 import fp8_layers
+
+            if layers := fp8_layers(model):
+                raise ValueError(f"the model has torchao Float8Linear layers ({', '.join(layers[:3])}"
+                                 f"{', ...' if len(layers) > 3 else ''}), which train float8 matmuls under the "
+                                 f"name {self.name}: use precision fp8, or a model not converted by convert_to_fp8")
         supported, note = self.support(device)
         if not supported:
             raise ValueError(note)

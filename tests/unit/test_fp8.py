@@ -75,6 +75,24 @@ def test_guard_refuses_a_model_with_no_float8_layer():
         guarded(model)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_guard_refuses_a_float8_model_under_another_precision(precision):
+    # (the converse of the refusal above: it trained float8 matmuls under the name bf16, unsaid)
+    model = mlp()
+    convert_to_fp8(model)
+    with pytest.raises(ValueError, match=rf"^the model has torchao Float8Linear layers \(2\), which train float8 "
+                                         rf"matmuls under the name {precision}: use precision fp8"):
+        Guard(model, torch.optim.AdamW(model.parameters()), precision=precision)
+
+
+def test_a_second_conversion_with_another_recipe_is_refused_not_dropped():
+    model = mlp()
+    assert convert_to_fp8(model, recipe="rowwise") == ["2"]
+    with pytest.raises(ValueError, match="converted with another recipe than 'tensorwise'"):
+        convert_to_fp8(model)
+    assert convert_to_fp8(model, recipe="rowwise") == []  # the same recipe again: nothing more to convert
+
+
 def test_guard_warns_that_fp8_on_a_cpu_is_emulated():
     model = mlp()
     convert_to_fp8(model)
