@@ -34,12 +34,21 @@ def pytest_configure(config: pytest.Config) -> None:
 # ---------------------------------------------------------------------------- early jobs
 # A module whose launches are slow (torchrun: three processes a launch, each importing torch)
 # defines ``early(work) -> result`` (picklable: builtins, paths, helpers.Ended). Its job starts at
-# collection in a process of its own at nice 19 (tests/early_runner.py), and the module's tests run
-# last, reading the fixture ``launches`` (what it returned) and ``work`` (its folder): the launches
-# run on the core the in-process tests leave idle, instead of a minute of the suite's own.
+# collection in a process of its own at nice 19 (tests/early_runner.py: how to add one), and the
+# module's tests run last, reading the fixture ``launches`` (what it returned) and ``work`` (its
+# folder): the launches run on the core the in-process tests leave idle, instead of a minute of
+# the suite's own. A job that fails keeps its folder (the failure names it, with its launches' logs).
 
 EARLY_JOB_TIMEOUT_S = 2 * EARLY_TIMEOUT_S  # (its launches may come in two waves: a resume after its run)
 _EARLY: dict[str, tuple[subprocess.Popen, Path]] = {}
+_KEPT: set[Path] = set()  # the folders of jobs that failed: left for a person to read
+
+
+def _has_early(module: object) -> bool:
+    """Whether a test module defines an early job: a function ``early`` of its own (one imported
+    under that name starts nothing)."""
+    early = getattr(module, "early", None)
+    return callable(early) and getattr(early, "__module__", None) == getattr(module, "__name__", None)
 
 
 def _start_early(module_file: str) -> None:
@@ -53,7 +62,7 @@ def _start_early(module_file: str) -> None:
 
 @pytest.hookimpl(trylast=True)  # (after -k and -m have deselected: no job for a module none of whose tests run)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    early = {m.__file__ for m in (getattr(item, "module", None) for item in items) if callable(getattr(m, "early", None))}
+    early = {m.__file__ for m in (getattr(item, "module", None) for item in items) if _has_early(m)}
     if early:
         items.sort(key=lambda item: getattr(getattr(item, "module", None), "__file__", None) in early)  # (stable)
         if GLOO and not config.option.collectonly:
@@ -61,22 +70,40 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                 _start_early(module_file)
 
 
-def _end(proc: subprocess.Popen) -> None:
-    """End an early job that still runs: SIGTERM first (it ends its launches, whose workers sit in
-    sessions of their own), then SIGKILL to its process group."""
-    if proc.poll() is None:
+def _end(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """End the early jobs that still run, all at once: SIGTERM first (each ends its launches,
+    whose workers sit in sessions of their own), one ``grace_s`` for them all, then SIGKILL to
+    each one's process tree."""
+    import time
+
+    running = [proc for proc in procs if proc.poll() is None]
+    if running:
+        print(f"\nending {len(running)} early job(s) (their torchrun launches)...", file=sys.stderr, flush=True)
+    for proc in running:
         proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in running:
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
             proc.wait()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    for proc, work in _EARLY.values():
-        _end(proc)
-        shutil.rmtree(work, ignore_errors=True)
+    try:
+        _end([proc for proc, _ in _EARLY.values()])
+    finally:  # (a second Ctrl-C while the jobs end: their processes die with the suite, their folders go here)
+        for _, work in _EARLY.values():
+            if work not in _KEPT:
+                shutil.rmtree(work, ignore_errors=True)
+
+
+def _logs(work: Path, limit: int = 1500) -> str:
+    """The tail of each log in an early job's folder: the runner's own, then its launches' (the
+    newest first), for a failure message."""
+    logs = sorted(work.glob("*.stderr"), key=lambda p: (p.name != "early.stderr", -p.stat().st_mtime))
+    return "\n".join(f"--- {p.name} (tail) ---\n{p.read_text(errors='replace')[-limit:]}" for p in logs[:8])
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +116,11 @@ def early_result(request: pytest.FixtureRequest) -> tuple[Path, object]:
     try:
         how = f"exited {proc.wait(timeout=EARLY_JOB_TIMEOUT_S)}"
     except subprocess.TimeoutExpired:
-        _end(proc)
+        _end([proc])
         how = f"did not end within {EARLY_JOB_TIMEOUT_S} s"
     if proc.returncode != 0 or not (work / RESULT).is_file():
-        said = (work / "early.stderr").read_text(errors="replace")
-        pytest.fail(f"early() of {Path(module_file).name} {how}:\n{said[-6000:]}")
+        _KEPT.add(work)
+        pytest.fail(f"early() of {Path(module_file).name} {how}; its folder is kept: {work}\n{_logs(work)}")
     return work, pickle.loads((work / RESULT).read_bytes())
 
 

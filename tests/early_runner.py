@@ -6,7 +6,18 @@ Every process the job starts inherits the nice. torchrun starts each worker in a
 own, though, and on Linux a session is a scheduler autogroup that shares the cores with the
 others whatever its processes' nice: each worker sets its autogroup's nice too (a
 ``sitecustomize`` on the job's ``PYTHONPATH``), or the job would take a core from the tests
-running in the foreground.
+running in the foreground. The same file has each worker die with its torchrun, and each
+launch dies with this runner (``helpers.dies_with_its_parent``), which dies with the suite: no
+launch trains on after the suite died, however each of them died. The launches' temporary files
+(torchrun's ``torchelastic_*`` folders) go under the job's folder, and with it.
+
+Adding an early job to a test module: define ``early(work) -> result`` in the module itself (an
+imported function of that name starts nothing), which starts its launches (``helpers.Launch``,
+``timeout_s=helpers.EARLY_TIMEOUT_S``) in ``work`` and ends them in a ``finally``
+(``helpers.end_launches``), returning something picklable (``helpers.Ended``, builtins, paths).
+It runs in this process, without pytest: no fixtures, ``tests/`` on the path (``helpers``), the
+module imported a second time; an exception fails every test of the module. The tests read it
+through the fixtures ``launches`` (the result) and ``work`` (the folder), and run last.
 """
 
 from __future__ import annotations
@@ -28,6 +39,11 @@ if os.getsid(0) == os.getpid():  # (a session of its own: a torchrun worker) -- 
             f.write("{NICE}")
     except OSError:  # (not Linux, or no autogroups)
         pass
+    try:  # it dies with its torchrun (SIGKILL: one whose torchrun is gone has no one to report to)
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
 """
 
 
@@ -37,7 +53,10 @@ def _end_with_the_suite(suite_pid: int) -> None:
     one when the suite's process dies, however it dies (Linux's parent-death signal), so a suite
     killed by a CI's time limit leaves no launch training on."""
     def ended(*_: object) -> None:
-        sys.exit(128 + signal.SIGTERM)  # (main takes the folder away once the launches are ended)
+        # once: a second SIGTERM (a second Ctrl-C, a CI's SIGINT then SIGTERM) while the launches
+        # are ended in the `finally` blocks would cut that short and leave the rest training
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(128 + signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, ended)
     try:
@@ -53,8 +72,9 @@ def _end_with_the_suite(suite_pid: int) -> None:
 def main(module_file: str, work: str, suite_pid: str) -> None:
     try:
         _run(module_file, Path(work), int(suite_pid))
-    except SystemExit:  # (a SIGTERM: the suite ended, or died)
-        shutil.rmtree(work, ignore_errors=True)
+    except SystemExit:  # (a SIGTERM: the suite ended it, and reads its logs before it takes the folder; or died)
+        if os.getppid() != int(suite_pid):
+            shutil.rmtree(work, ignore_errors=True)
         raise
 
 
@@ -64,6 +84,8 @@ def _run(module_file: str, work: Path, suite_pid: int) -> None:
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITE)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    (tmp := work / "tmp").mkdir()
+    os.environ["TMPDIR"] = str(tmp)  # (torchrun's torchelastic_* folders: gone with the job's folder)
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # `helpers`, as pytest puts tests/ on the path
     spec = importlib.util.spec_from_file_location(f"early_{Path(module_file).stem}", module_file)
     module = importlib.util.module_from_spec(spec)

@@ -13,6 +13,7 @@ import resource
 import signal
 import sys
 import textwrap
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,22 @@ def own_process_group(preexec_fn: Any = None) -> dict[str, Any]:
     return {"preexec_fn": set_up}
 
 
+def dies_with_its_parent(sig: int = signal.SIGTERM, then: Any = None) -> Any:
+    """A ``preexec_fn``: the child gets ``sig`` when the process that started it dies, however it
+    dies (Linux's parent-death signal, kept across ``exec``; elsewhere nothing), then runs
+    ``then``. A torchrun given SIGTERM passes it on to its workers, which sit in sessions of
+    their own (early_runner.py gives those theirs)."""
+    def set_up() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+        if then is not None:
+            then()
+
+    return set_up
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL the process ``pid`` (a torchrun started in :func:`own_process_group`), its process
     group and every descendant: torchrun's workers may sit in sessions of their own, out of
@@ -327,24 +344,15 @@ class Launch:
         self._err = (cwd.parent / f"{name}.stderr").open("w+")
         self.started = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=env or torchrun_env(), stdout=self._out,
-                                     stderr=self._err, stdin=subprocess.DEVNULL, **own_process_group(preexec_fn))
+                                     stderr=self._err, stdin=subprocess.DEVNULL,
+                                     **own_process_group(dies_with_its_parent(then=preexec_fn)))
         self.rc: int | None = None
         self.stdout = self.stderr = ""
 
     def kill(self) -> None:
         """End it, its workers too: a SIGTERM first, which torchrun passes on to each worker (in a
         session of its own, out of reach of the process group), then SIGKILL to what is left."""
-        import subprocess
-
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            kill_tree(self.proc.pid)
-            self.proc.wait()
+        end_launches([self], close=False)
 
     def wait(self) -> Launch:
         """Its exit code and output, once it ended (a test failure if it ran past ``timeout_s``)."""
@@ -381,9 +389,31 @@ class Launch:
         return Ended(self.name, self.rc, self.stdout, self.stderr, self.cwd)
 
     def close(self) -> None:
-        self.kill()
-        self._out.close()
-        self._err.close()
+        end_launches([self])
+
+
+def end_launches(launches: Iterable[Launch], grace_s: float = 10.0, close: bool = True) -> None:
+    """End every launch still running, its workers too, all at once: a SIGTERM to each (torchrun
+    passes it on to its workers), one ``grace_s`` for them all, then SIGKILL to what is left
+    (:func:`kill_tree`); with ``close``, their output files closed. (One at a time, 10 s each, a
+    dozen launches at nice 19 kept a Ctrl-C'd suite silent for a minute.)"""
+    import time
+
+    launches = list(launches)
+    running = [launch for launch in launches if launch.proc.poll() is None]
+    for launch in running:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(launch.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for launch in running:
+        while launch.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if launch.proc.poll() is None:
+            kill_tree(launch.proc.pid)
+        launch.proc.wait()
+    for launch in launches if close else ():
+        launch._out.close()
+        launch._err.close()
 
 
 EARLY_TIMEOUT_S = 900
@@ -413,13 +443,27 @@ class Ended:
 
 def run_to_end(name: str, cmd: list[str], cwd: Path, *, timeout_s: float, env: dict[str, str] | None = None,
                ) -> Ended:
-    """``cmd`` run in ``cwd`` (made if missing) to its end, its output captured: an :class:`Ended`."""
+    """``cmd`` run in ``cwd`` (made if missing) to its end, its output captured: an :class:`Ended`.
+    In a process group of its own that dies with this process; past ``timeout_s`` it is ended
+    with everything it started (a torchrun's workers too: killing torchrun alone left them
+    running) and the test fails with its output's tail."""
     import subprocess
 
     cwd.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s,
-                          stdin=subprocess.DEVNULL)
-    return Ended(name, done.returncode, done.stdout, done.stderr, cwd)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, **own_process_group(dies_with_its_parent()))
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            out, err = proc.communicate()
+        pytest.fail(f"{name} did not finish within {timeout_s:g} s\nstderr tail:\n{err[-3000:]}")
+    return Ended(name, proc.returncode, out, err, cwd)
 
 
 def _ended_ok(launch: Launch | Ended) -> None:

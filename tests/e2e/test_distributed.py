@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended, card_table, read_rows, run_events, snapshot_of
+from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended, card_table, end_launches, read_rows, run_events, snapshot_of
 from helpers import Launch as _Launch
 
 from ampguard.checkpoint import load_checkpoint
@@ -80,8 +80,7 @@ def early(work: Path) -> dict[str, Ended]:
                                   work / "B_cwd")
         return {name: launch.ended() for name, launch in started.items()}
     finally:
-        for launch in started.values():
-            launch.close()
+        end_launches(started.values())  # (all at once: one grace for them all)
 
 
 def _single_run_dir(runs: Path) -> Path:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended
+from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended, end_launches
 
 TIMEOUT_S = EARLY_TIMEOUT_S
 TESTS = Path(__file__).resolve().parent.parent
@@ -115,8 +115,7 @@ def early(work: Path) -> dict[str, Ended]:
             started[name] = Launch(name, args, work / f"{name}_cwd")
         return {name: launch.ended() for name, launch in started.items()}
     finally:
-        for launch in started.values():
-            launch.close()
+        end_launches(started.values())  # (all at once: one grace for them all)
 
 
 def _steps(work: Path, name: str) -> str:

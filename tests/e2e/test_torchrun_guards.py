@@ -47,7 +47,7 @@ import signal
 import time
 from pathlib import Path
 
-from helpers import EARLY_TIMEOUT_S, TORCHRUN, Launch, file_size_limit, run_events, torchrun_env
+from helpers import EARLY_TIMEOUT_S, TORCHRUN, Launch, end_launches, file_size_limit, run_events, torchrun_env
 
 from ampguard.errors import ExitCode
 
@@ -218,7 +218,8 @@ def early(work: Path) -> dict[str, tuple]:
                                                   "runs/P", "--set", "steps=4"], work / "P", timeout_s=TIMEOUT_S, env=env)
         # T: a scheduler's SIGTERM to torchrun once the run trains (its CSV has rows), not before
         rows, deadline = work / "T" / "runs" / "T" / "steps.csv", time.monotonic() + TIMEOUT_S / 2
-        while time.monotonic() < deadline and not (rows.exists() and rows.read_text().count("\n") > 3):
+        while time.monotonic() < deadline and started["T"].proc.poll() is None and not (
+                rows.exists() and rows.read_text().count("\n") > 3):
             time.sleep(0.2)
         os.kill(started["T"].proc.pid, signal.SIGTERM)
         results["W-left"] = left
@@ -228,8 +229,7 @@ def early(work: Path) -> dict[str, tuple]:
         assert killed.rc is not None
         return results
     finally:
-        for launch in started.values():
-            launch.close()
+        end_launches(started.values())  # (all at once: one grace for them all)
 
 
 def _spoil_rank_1s_rng(launch: Launch, run: Path) -> dict[str, bytes]:
