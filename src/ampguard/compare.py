@@ -380,7 +380,7 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
         >>> run([root / "a", root / "b"])
         |                       | a                   | b                      |
         |-----------------------|---------------------|------------------------|
-        | ended                 | finished: 1 steps   | finished: 1 steps      |
+        | ended                 | finished: 1 step    | finished: 1 step       |
         | precision             | fp16                | fp16                   |
         | max_norm              | 1                   | 1                      |
         | steps / updates       | 1 / 1               | 1 / 0                  |
