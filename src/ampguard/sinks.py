@@ -478,6 +478,8 @@ class CsvSink(_LineFile):
         self._open(append, keep_through, "this run's columns")
         self._extra = self.columns[len(CSV_COLUMNS):]
         self._labels = any(c in LABEL_COLUMNS for c in self._extra)
+        self._last = _last_step(self.path) if append else None  # each row's step after the one before
+
 
     def _open(self, append: bool, keep_through: int | None, expected: str) -> None:
         """Open ``self.path`` for rows of ``self.columns``: a new file gets the header; an existing
@@ -639,6 +641,10 @@ class CsvSink(_LineFile):
         in the file when this returns (:class:`DiskFull` when there is no room)."""
         if record is None:
             raise TypeError(NONE_WRITTEN)
+        if self._last is not None and record.step <= self._last:  # (docs/design.md §3: no duplicate steps)
+            raise ValueError(f"CsvSink {self.path}: step {record.step} after step {self._last}: each row's step must "
+                             "follow the one before (a resume appends after its checkpoint's step: CsvSink(path, "
+                             "append=True, keep_through=<that step>) drops the rows after it)")
         if record.optimizers and not self._labels:  # (a partial skip read as a whole one, which skipped unsaid)
             raise ValueError(f"CsvSink {self.path}: a record of a guard over several optimizers (this step's: "
                              f"{', '.join(record.optimizers)}) needs the columns saying which skipped: "
@@ -651,6 +657,31 @@ class CsvSink(_LineFile):
         else:  # numbers, empty cells and the reasons' identifiers: nothing the csv module would quote
             self._write_line(",".join(row) + "\n")
         self.rows += 1
+        self._last = record.step
+
+
+def _last_step(path: Path, tail: int = 1 << 16) -> int | None:
+    """The step of the last whole row of a per-step CSV (read from its last ``tail`` bytes), None
+    when it holds none (or its last line's step does not read: the file's own checks say why).
+
+    Example::
+
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "steps.csv"
+        >>> _ = path.write_text("step,lr\\n1,0.1\\n12,0.1\\n13,0.")  # (a torn last line: not a row)
+        >>> _last_step(path), _last_step(path.with_name("none.csv"))
+        (12, None)
+    """
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = f.read().split(b"\n")[:-1]  # (whole lines: the part after the last newline is torn)
+    except OSError:
+        return None
+    for line in reversed(lines):
+        first = line.split(b",", 1)[0]
+        return int(first) if first.isdigit() else None
+    return None
 
 
 def console_line(record: StepRecord) -> str:

@@ -436,3 +436,29 @@ def test_a_resume_keeps_a_row_report_reads_whatever_line_breaks_python_knows_it_
                     encoding="utf-8", newline="")
     assert [r.step for r in read_steps_csv(path)] == [1, 2]  # what report reads
     assert CsvSink.kept_rows(path, len(CSV_COLUMNS), 2, first=1) == path.read_bytes()
+
+
+def test_a_csv_refuses_a_step_that_does_not_follow_the_last_one(tmp_path):
+    # docs/design.md §3: a resumed run appends "without duplicate steps"; through the API a resume
+    # that forgot keep_through, or a record written twice, wrote steps 3, 4, 3, 4 unsaid
+    from ampguard.records import StepLog
+
+    def log(step):
+        return StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+
+    path = tmp_path / "steps.csv"
+    sink = CsvSink(path)
+    sink.write(log(1))
+    with pytest.raises(ValueError, match=r"steps.csv: step 1 after step 1: each row's step must follow the one before"):
+        sink.write(log(1))
+    sink.write(log(2))
+    sink.close()
+    resumed = CsvSink(path, append=True)  # (no keep_through: the file's last row is step 2)
+    with pytest.raises(ValueError, match="step 2 after step 2"):
+        resumed.write(log(2))
+    resumed.write(log(3))
+    resumed.close()
+    again = CsvSink(path, append=True, keep_through=1)  # a resume from step 1's checkpoint: 2 and 3 dropped
+    again.write(log(2))
+    again.close()
+    assert [line.split(",")[0] for line in path.read_text().splitlines()] == ["step", "1", "2"]
