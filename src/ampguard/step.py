@@ -421,6 +421,12 @@ class Guard:
     optimizer = _SetOnce()
     optimizers = _SetOnce()
     scheduler = _SetOnce()
+    # (a model assigned later was ignored, every step "applied" with norm 0; a precision or scaler
+    # assigned later failed deep inside the step with an AttributeError)
+    model = _SetOnce()
+    precision = _SetOnce()
+    scaler = _SetOnce()
+    device = _SetOnce()
 
     def __init__(
         self,

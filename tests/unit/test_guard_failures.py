@@ -135,3 +135,13 @@ def test_a_max_norm_that_is_no_number_is_refused_by_guard_itself(max_norm):
     model = nn.Linear(4, 2)
     with pytest.raises(TypeError, match=r"^max_norm must be a number or None, got "):
         Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", max_norm=max_norm)
+
+
+@pytest.mark.parametrize("name", ["model", "precision", "scaler", "device", "optimizer", "scheduler"])
+def test_what_the_step_read_in_guard_cannot_be_assigned_later(name):
+    # a model assigned later was ignored (every step "applied" with norm 0, the new model's
+    # gradients piling up); a precision or scaler failed inside the step with an AttributeError
+    model, guard = _guard("bf16")
+    with pytest.raises(AttributeError, match=rf"^Guard.{name} is set once, in Guard\(\)"):
+        setattr(guard, name, None)
+    assert [r.step for r in _train(model, guard)] == [1]  # and the guard is as it was
