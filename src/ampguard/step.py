@@ -267,8 +267,8 @@ def _hook_stray_steps(guard: Any, optimizers: Mapping[str, torch.optim.Optimizer
     for optimizer in optimizers.values():
         if not hasattr(optimizer, "register_step_pre_hook"):
             continue
-        if optimizer not in _GUARDED:
-            optimizer.register_step_pre_hook(_refuse_stray_step)
+        if _refuse_stray_step not in getattr(optimizer, "_optimizer_step_pre_hooks", {}).values():
+            optimizer.register_step_pre_hook(_refuse_stray_step)  # (a copied optimizer holds the hook already)
         _GUARDED[optimizer] = weakref.ref(guard)
 
 
@@ -539,6 +539,23 @@ class Guard:
         self._grads_made = False  # the open group's backwards made a gradient (its later ones must find it)
         self._stepped: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # inside a close: what it stepped
         _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickle, ``torch.save``) keeps what the guard knows of its
+        schedulers by their order, not by ``id()`` (the copy's schedulers are other objects)."""
+        state = self.__dict__.copy()
+        state["_scheduler_epochs"] = [self._scheduler_epochs.get(id(s)) for s in self._every_scheduler()]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy watches its own optimizers for a stray ``optimizer.step()`` as the original does."""
+        epochs = state.pop("_scheduler_epochs")
+        self.__dict__.update(state)
+        self._scheduler_epochs = {id(s): e for s, e in zip(self._every_scheduler(), epochs) if e is not None}
+        _hook_stray_steps(self, self.optimizers)
+
+    def _every_scheduler(self) -> list[Any]:
+        return [scheduler for schedulers in self._schedulers.values() for scheduler in schedulers]
 
     def _own(self, holder: dict[int, str]) -> None:
         """What is checked, measured and clipped: each optimizer's parameters, in the model's order
@@ -833,7 +850,11 @@ class Guard:
         does not unscale them again. ``GradScaler.unscale_``'s use, without its error on a
         second call. A non-finite gradient it finds skips the step (reason ``non_finite_grad``,
         the record's pre-clip norm ``inf``) even if code in between made the gradients finite,
-        as ``GradScaler.step`` skips on what ``unscale_`` found."""
+        as ``GradScaler.step`` skips on what ``unscale_`` found. Between steps there is nothing to
+        unscale: refused (it left every later ``backward()`` refused as "after unscale_()")."""
+        if not self._backward_pending:
+            raise RuntimeError("Guard.unscale_(): nothing to unscale; call it after the group's last "
+                               "guard.backward(loss), before guard.step()")
         self._unscale(self._names(which))
 
     def _unscale(self, names: Sequence[str]) -> None:

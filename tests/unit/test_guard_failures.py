@@ -145,3 +145,41 @@ def test_what_the_step_read_in_guard_cannot_be_assigned_later(name):
     with pytest.raises(AttributeError, match=rf"^Guard.{name} is set once, in Guard\(\)"):
         setattr(guard, name, None)
     assert [r.step for r in _train(model, guard)] == [1]  # and the guard is as it was
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_unscale_between_steps_is_refused_and_leaves_the_guard_as_it_was(precision):
+    # one line too late, after guard.step(): every later backward was refused as "after
+    # guard.unscale_()", for ever; before any backward, PyTorch's bare AssertionError
+    model, guard = _guard(precision)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"^Guard.unscale_\(\): nothing to unscale; call it after the group's"):
+            guard.unscale_()
+        _train(model, guard)
+    assert guard.steps == 2
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_guard_still_refuses_a_stray_optimizer_step_and_watches_its_scheduler(how):
+    # the copy trained bit for bit but let `backward(); optimizer.step()` through (the registry of
+    # guarded optimizers knew the original's only), and had lost its schedulers' positions
+    import copy
+    import pickle
+
+    model, guard = _guard("bf16")
+    guard = Guard(model, guard.optimizer, precision="bf16",
+                  scheduler=torch.optim.lr_scheduler.StepLR(guard.optimizer, step_size=100))
+    _train(model, guard)
+    twin = copy.deepcopy(guard) if how == "deepcopy" else pickle.loads(pickle.dumps(guard))
+    twin_model = twin.model
+    with twin.autocast():
+        loss = twin_model(torch.randn(8, 4)).float().pow(2).mean()
+    twin.backward(loss)
+    with pytest.raises(RuntimeError, match=r"^SGD.step\(\) called outside the guard after guard.backward\(\)"):
+        twin.optimizer.step()
+    twin.step()
+    twin.scheduler.step()  # (the loop's own, beside the guard's)
+    with twin.autocast():
+        loss = twin_model(torch.randn(8, 4)).float().pow(2).mean()
+    with pytest.raises(RuntimeError, match="was stepped outside the guard"):
+        twin.backward(loss)
