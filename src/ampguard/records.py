@@ -280,6 +280,11 @@ class SkipLog(StepRecord):
     reason: SkipReason = "non_finite_grad"  # type: ignore[assignment]
     skipped: ClassVar[bool] = True
 
+    def __post_init__(self) -> None:  # (a skipped step only: the CSV's skip_reason is a closed set)
+        if self.reason not in SKIP_REASONS:
+            raise ValueError(f"SkipLog reason must be one of {', '.join(SKIP_REASONS)} (docs/design.md §3), "
+                             f"got {self.reason!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class PendingStep(StepRecord):

@@ -402,6 +402,8 @@ class _LineFile:
         """Whether ``self.path`` already holds something: refused unless ``append`` (a resume's
         ``keep_through`` is checked first, :func:`_check_keep_through`)."""
         _check_keep_through(keep_through)
+        if self.path.is_dir():
+            raise InputError(f"{self.path} is a folder: give the file to write (e.g. {self.path / 'steps.csv'})")
         existing = self.path.exists() and self.path.stat().st_size > 0
         if existing and not append:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")
@@ -409,7 +411,8 @@ class _LineFile:
 
     def _write_line(self, line: str) -> None:
         """Append ``line`` (:class:`DiskFull` when there is no room)."""
-        assert self._file is not None, f"{type(self).__name__} is closed"
+        if self._file is None:  # (an assert: gone under python -O, then an AttributeError on None)
+            raise ValueError(f"{type(self).__name__} {self.path} is closed: nothing more can be written to it")
         with writing(self.path):
             _append(self._file, line)
 
@@ -433,6 +436,13 @@ class _LineFile:
             file, self._file = self._file, None
             with writing(self.path):
                 file.close()
+
+    def __enter__(self) -> _LineFile:
+        """``with CsvSink(path) as log:`` closes it on the way out."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class CsvSink(_LineFile):
@@ -641,6 +651,9 @@ class CsvSink(_LineFile):
         in the file when this returns (:class:`DiskFull` when there is no room)."""
         if record is None:
             raise TypeError(NONE_WRITTEN)
+        if not isinstance(record, StepRecord):
+            raise TypeError(f"CsvSink.write() takes a step's record (guard.step()'s StepLog or SkipLog), "
+                            f"got a {type(record).__name__}")
         if self._last is not None and record.step <= self._last:  # (docs/design.md §3: no duplicate steps)
             raise ValueError(f"CsvSink {self.path}: step {record.step} after step {self._last}: each row's step must "
                              "follow the one before (a resume appends after its checkpoint's step: CsvSink(path, "

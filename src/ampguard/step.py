@@ -39,6 +39,8 @@ Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | Mapping[s
 
 def _model_device(model: nn.Module) -> torch.device:
     devices = {p.device for p in model.parameters()}
+    if not devices:
+        raise ValueError(f"the model has no parameters to train ({type(model).__name__})")
     if len(devices) != 1:
         raise ValueError(f"the model's parameters must live on one device, found {sorted(map(str, devices))}")
     return devices.pop()
@@ -479,7 +481,8 @@ class Guard:
         _check_left_out(root, holder, frozen)
         sparse = [name for name, m in root.named_modules() if getattr(m, "sparse", False) is True]
         if sparse and max_norm is not None and max_norm > 0:
-            raise ValueError(f"module {sparse[0]!r} makes sparse gradients, which PyTorch's clip_grad_norm_ cannot "
+            which = f"module {sparse[0]!r}" if sparse[0] else "the model"
+            raise ValueError(f"{which} makes sparse gradients, which PyTorch's clip_grad_norm_ cannot "
                              "clip: pass max_norm=None (the norm and the non-finite check still cover them)")
 
         self.model = model

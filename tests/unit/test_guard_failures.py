@@ -183,3 +183,24 @@ def test_a_copied_guard_still_refuses_a_stray_optimizer_step_and_watches_its_sch
         loss = twin_model(torch.randn(8, 4)).float().pow(2).mean()
     with pytest.raises(RuntimeError, match="was stepped outside the guard"):
         twin.backward(loss)
+
+
+def test_the_small_misuses_of_the_api_are_one_clear_line(tmp_path):
+    # review_guard13 F9: an assert (gone under python -O), "found []", a module named '', a folder
+    # taken for an existing file, a dict handed to write(), a skip reason outside the CSV's set
+    from ampguard import CsvSink, SkipLog
+
+    with pytest.raises(ValueError, match=r"^the model has no parameters to train \(ReLU\)$"):
+        Guard(nn.ReLU(), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), precision="bf16")
+    embedding = nn.Embedding(10, 4, sparse=True)
+    with pytest.raises(ValueError, match="^the model makes sparse gradients"):
+        Guard(embedding, torch.optim.SGD(embedding.parameters(), lr=0.1), precision="bf16")
+    with pytest.raises(Exception, match=r"is a folder: give the file to write"):
+        CsvSink(tmp_path)
+    with CsvSink(tmp_path / "steps.csv") as log:  # a context manager: closed on the way out
+        with pytest.raises(TypeError, match=r"takes a step's record .* got a dict"):
+            log.write({"step": 1})
+    with pytest.raises(ValueError, match=r"steps.csv is closed: nothing more can be written to it"):
+        log.write(SkipLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=None, grad_l2_post_clip=None, scaler_scale=1.0))
+    with pytest.raises(ValueError, match=r"^SkipLog reason must be one of non_finite_loss, non_finite_grad"):
+        SkipLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=None, grad_l2_post_clip=None, scaler_scale=1.0, reason="oops")
