@@ -529,18 +529,23 @@ class HeadroomConfig(_Section):
     format: Literal["auto", "fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2"] = "auto"
     """The format headroom and underflow are measured against: ``auto`` is the run's precision
     (bf16 under fp8: its autocast computes in bf16, and the float8 casts are scaled to their
-    range); name another to ask whether this run's values would fit it (fp8 e4m3: max 448, e5m2:
-    57344)."""
+    range; fp16 under fp32: an FP32 run has no overflow near to warn of, and what a reference run
+    asks is whether its values would fit the half format with the least range); name another to
+    ask whether this run's values would fit it (fp8 e4m3: max 448, e5m2: 57344)."""
 
     def format_for(self, precision: str) -> str:
         """The format measured against in a run of ``precision``.
 
         Example::
 
-            >>> HeadroomConfig().format_for("fp16"), HeadroomConfig().format_for("fp8")
-            ('fp16', 'bf16')
+            >>> [HeadroomConfig().format_for(p) for p in ("fp16", "bf16", "fp8", "fp32")]
+            ['fp16', 'bf16', 'bf16', 'fp16']
+            >>> HeadroomConfig(format="fp32").format_for("fp32")
+            'fp32'
         """
-        return self.format if self.format != "auto" else "bf16" if precision == "fp8" else precision
+        if self.format != "auto":
+            return self.format
+        return {"fp8": "bf16", "fp32": "fp16"}.get(precision, precision)
 
 
 class MonitorConfig(_Section):

@@ -407,3 +407,16 @@ def test_a_tied_parameter_is_measured_once_under_its_first_module():
     assert param_rows == ["enc"]
     expected = headroom_bits(model.enc.weight.grad.abs().max().item(), FORMATS["fp16"])
     assert next(r.headroom_bits for r in headroom.read(1) if r.tensor == "param_grad") == pytest.approx(expected)
+
+
+def test_an_fp32_run_measures_its_headroom_against_fp16_unless_told_otherwise():
+    # review_frontier13: against fp32 itself (126+ bits everywhere) a reference run could never warn
+    from ampguard.build import build_headroom
+    from ampguard.config import validate
+    from ampguard.precision import GuardedGradScaler
+
+    off = GuardedGradScaler("cpu", enabled=False)
+    auto = build_headroom(validate({"precision": "fp32", "monitor": {"headroom": {"every": 1}}}), nn.Linear(2, 1), off)
+    named = build_headroom(validate({"precision": "fp32", "monitor": {"headroom": {"every": 1, "format": "fp32"}}}),
+                           nn.Linear(2, 1), off)
+    assert (auto.format.name, named.format.name) == ("fp16", "fp32")
