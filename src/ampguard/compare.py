@@ -30,9 +30,9 @@ from .errors import ExitCode, InputError, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (_linear_y, card_ended, check_plot_path, dots, drawn_by_ampguard, finished, finite_points,
-                     plot_metadata, policy_changes_of, reading_notes, replay, rollbacks_of, rolling_skip_rate, shown,
-                     whole_steps)
+from .report import (_linear_y, card_ended, card_rows, check_plot_path, dots, drawn_by_ampguard, finished,
+                     finite_points, plot_metadata, policy_changes_of, reading_notes, replay, rollbacks_of,
+                     rolling_skip_rate, shown, whole_steps)
 from .run_folder import RunPaths
 from .sinks import Row, metric_values, read_steps_and_columns
 
@@ -56,12 +56,14 @@ class RunSummary:
     monitor: RunMonitor
     ended: str
     notes: list[str] = field(default_factory=list)  # what reading its steps.csv left out or found missing
+    card: dict[str, str] = field(default_factory=dict)  # the run card's rows (report.card_rows)
 
 
-def _ended(card: Path) -> str:
-    """Why the run ended (:func:`~ampguard.report.card_ended`); a card that cannot be read is one line."""
+def _card(card: Path) -> tuple[str, dict[str, str]]:
+    """Why the run ended (:func:`~ampguard.report.card_ended`) and the card's rows
+    (:func:`~ampguard.report.card_rows`); a card that cannot be read is one line."""
     try:
-        return card_ended(card)
+        return card_ended(card), card_rows(card)
     except (OSError, UnicodeDecodeError) as err:
         raise InputError(f"{card}: cannot read the run card ({err})") from None
 
@@ -113,7 +115,7 @@ def load_run(path: str | Path) -> RunSummary:
     rows, extra = read_steps_and_columns(folder / "steps.csv", torn)
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
-    ended = _ended(folder / "RUN.md")
+    ended, card = _card(folder / "RUN.md")
     scaler_on = uses_loss_scaler(config.precision) if config.scaler.enabled is None else config.scaler.enabled
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy_changes_of(folder),
@@ -122,7 +124,7 @@ def load_run(path: str | Path) -> RunSummary:
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
     notes = reading_notes(folder / "steps.csv", rows, torn, folder)
-    return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes)
+    return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card)
 
 
 def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
@@ -173,10 +175,12 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
         >>> rows = [Row(1, 0.1, 2.0, 1.0, 0.5, False, "", 1024.0), Row(2, 0.1, 0.5, 0.5, 0.3, False, "", 1024.0),
         ...         Row(3, 0.1, float("inf"), None, 0.4, True, "non_finite_grad", 512.0)]
         >>> monitor = replay(rows, window=10, init_scale=1024.0)
-        >>> for key, cell in table_rows(RunSummary("a", Path("a"), Config(), rows, monitor, "finished: 3 steps")):
+        >>> run = RunSummary("a", Path("a"), Config(), rows, monitor, "finished: 3 steps", card={"processes": "1"})
+        >>> for key, cell in table_rows(run):
         ...     print(f"{key}: {cell}")
         ended: finished: 3 steps
         precision: bf16
+        processes: 1
         max_norm: 1
         steps / updates: 3 / 2
         skips: 1 (non_finite_grad=1)
@@ -190,7 +194,10 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
     scale = m.last.get("scaler_scale")
     cells = [
         ("ended", run.ended),
-        ("precision", c.precision),
+        # which layers trained in float8 (two fp8 runs may differ there alone), and on how many
+        # processes (task.batch_size is per process): from the run card, "-" for an older card
+        ("precision", c.precision + (f" ({run.card['fp8']})" if "fp8" in run.card else "")),
+        ("processes", run.card.get("processes", "-")),
         ("max_norm", _g(clip, "g") if clip else "off"),
         ("steps / updates", f"{m.steps} / {m.updates}"),
         ("skips", f"{sum(m.skips.values())} ({m.skips_text()})"),
@@ -382,6 +389,7 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
         |-----------------------|---------------------|------------------------|
         | ended                 | finished: 1 step    | finished: 1 step       |
         | precision             | fp16                | fp16                   |
+        | processes             | -                   | -                      |
         | max_norm              | 1                   | 1                      |
         | steps / updates       | 1 / 1               | 1 / 0                  |
         | skips                 | 0 (none)            | 1 (non_finite_grad=1)  |

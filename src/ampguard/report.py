@@ -309,6 +309,28 @@ def card_ended(card: Path, *, errors: str = "strict") -> str:
     return bold[0] if bold else "unknown"
 
 
+def card_rows(card: Path) -> dict[str, str]:
+    """The run card's table rows (``| key | value |``), set-up and outcome, by key; a card that
+    cannot be read raises as :func:`card_ended` does.
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     card = Path(d) / "RUN.md"
+        ...     _ = card.write_text("# Run a\n\n| | |\n|---|---|\n| processes | 2 (torchrun, ddp) |\n")
+        ...     card_rows(card)
+        {'processes': '2 (torchrun, ddp)'}
+    """
+    _regular(card)
+    rows = {}
+    for line in card.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")] if line.startswith("| ") else []
+        if len(cells) == 2 and cells[0] and not set(cells[0]) <= set("-"):
+            rows.setdefault(cells[0], cells[1])
+    return rows
+
+
 def finished(card: Path) -> bool:
     """Whether a run card says its run trained to the end (``**finished: N steps**``): only then
     does a replay judge the run whole, as the run did (a stop, even at the last step, did not).

@@ -848,10 +848,17 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
     probes = build_probes(task, model, device, cfg, seed)
     reference, checks = _reference(task, model, cfg, device, probes, seed)
     # fp8 compares a converted copy of the model; every other precision the model itself
-    results = [_compare_precision(name, task, prepare_model(config, model, name, copy_model=True), cfg, device,
-                                  probes, reference, seed)
-               for name in cfg.precisions]
+    results, float8 = [], {}
+    for name in cfg.precisions:
+        amp_model = prepare_model(config, model, name, copy_model=True)
+        if name == "fp8":  # which layers ran in float8, and how (the seeds: record what stays in higher precision)
+            from .fp8 import fp8_layers
+
+            float8 = {"recipe": config.fp8.recipe, "float8_layers": fp8_layers(amp_model)}
+        results.append(_compare_precision(name, task, amp_model, cfg, device, probes, reference, seed))
     environment = describe_environment(config, device, reference.scores.dtypes, results)
+    if float8:
+        environment["dtype_support"]["fp8"].update(float8)
     environment["probe_set_sha256"] = probes.sha256()
     return Validation(task.name, task.mode, probes.ids, checks, results, tags=probes.tags, environment=environment)
 
@@ -1326,7 +1333,8 @@ def _reproducibility(v: Validation) -> list[str]:
     if device:
         rows.append(("device", ", ".join(f"{k} {val}" for k, val in device.items())))
     for name, support in env.get("dtype_support", {}).items():
-        rows.append((f"{name} support", ", ".join(f"{k} {val}" for k, val in support.items())))
+        rows.append((f"{name} support", ", ".join(f"{k} {', '.join(val) if isinstance(val, list) else val}"
+                                                  for k, val in support.items())))
     for name, dtypes in env.get("output_dtypes", {}).items():
         rows.append((f"{name} output dtypes", ", ".join(f"{k} {val}" for k, val in dtypes.items()) or "n/a"))
     checkpoint = env.get("checkpoint")

@@ -66,6 +66,7 @@ def test_compare_says_what_each_run_card_says_and_draws_the_overlay(cli, sweep, 
         col = {key: cells[i] for key, cells in table.items()}
         assert col["ended"] == "finished: 20 steps"
         assert col["precision"] == card["precision"].split()[0] == "fp16"
+        assert col["processes"] == card["processes"] == "1"  # (a 2-rank run's global batch is twice as large)
         assert col["steps / updates"] == f"{card['steps attempted']} / {card['updates applied']}" == "20 / 19"
         assert col["skips"] == card["skipped steps"] == "1 (non_finite_grad=1)"
         assert col["max rolling skip rate"] == card["max rolling skip rate"]

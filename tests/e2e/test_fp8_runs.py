@@ -179,6 +179,10 @@ def test_validate_judges_fp8_with_the_rules_and_report_of_bf16(cli, tmp_path):
     # float8 rounds harder than bf16: its scores stray further from the FP32 reference
     assert by_name["fp8"]["stats"]["max_abs_error"] > by_name["bf16"]["stats"]["max_abs_error"]
     assert re.search(r"^train fp8: 3 updates applied", out, flags=re.M), out
+    # which layers ran in float8, and the recipe (the report said only "fp8 ... dtype torch.bfloat16")
+    support = data["environment"]["dtype_support"]["fp8"]
+    assert (support["recipe"], support["float8_layers"]) == ("tensorwise", ["2"])
+    assert "| fp8 support | " in md and "recipe tensorwise, float8_layers 2 |" in md
 
 
 def test_bench_measures_fp8_next_to_bf16(cli):
@@ -200,3 +204,17 @@ def test_an_fp8_run_resumes_bit_for_bit(cli, tmp_path):
     _, resumed = rows_of(tmp_path / "runs" / "cut" / "steps.csv")
     assert [r["step"] for r in resumed] == [str(i) for i in range(1, 7)]
     assert [(r["loss"], r["grad_l2_pre_clip"]) for r in resumed] == [(r["loss"], r["grad_l2_pre_clip"]) for r in straight]
+
+
+def test_compare_says_which_layers_trained_in_float8(cli, tmp_path):
+    # two fp8 runs whose float8 layers differ read "fp8" and "fp8" side by side (review_frontier13)
+    common = ["--set", "precision=fp8", "--set", "task.name=digits", "--set", "device=cpu", "--set", "eval.every=0",
+              "--set", "steps=2", "--set", "checkpoint.enabled=false", "--set", "log.plot=false"]
+    assert cli("train", *common, "--set", "log.name=first_last_kept")[0] == 0
+    assert cli("train", *common, "--set", "fp8.keep_first_last=false", "--set", "log.name=all")[0] == 0
+    code, out, err = cli("compare", "runs/first_last_kept", "runs/all")
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if line.startswith("| precision "))
+    kept, every = [cell.strip() for cell in row.strip("|").split("|")[1:]]
+    assert kept.startswith("fp8 (recipe tensorwise; 1 Linear layer in float8: ") and kept != every
+    assert every.startswith("fp8 (recipe tensorwise; ") and "Linear layers in float8" in every
