@@ -928,8 +928,9 @@ class Guard:
             which = ", ".join(map(repr, names))
             raise RuntimeError(f"Guard.step(): no gradient reached the parameters of {which} in this step: a loss "
                                "that reaches no parameter (torch.zeros((), requires_grad=True) for an empty batch: "
-                               "use one made from the model's output, output.sum() * 0), or a zero_grad() between "
-                               "guard.backward() and guard.step()")
+                               "use one made from the model's output, output.sum() * 0), a zero_grad() between "
+                               "guard.backward() and guard.step(), or an optimizer stepped inside the backward "
+                               "(register_post_accumulate_grad_hook: not supported)")
         norms = [distributed.full_norm(grads.norm())]
         if len(names) > 1:  # each optimizer's own norm, from the per-parameter norms just taken
             norms += [distributed.full_norm(grads.norm_of(self._params_of[n])) for n in names]

@@ -204,3 +204,24 @@ def test_the_small_misuses_of_the_api_are_one_clear_line(tmp_path):
         log.write(SkipLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=None, grad_l2_post_clip=None, scaler_scale=1.0))
     with pytest.raises(ValueError, match=r"^SkipLog reason must be one of non_finite_loss, non_finite_grad"):
         SkipLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=None, grad_l2_post_clip=None, scaler_scale=1.0, reason="oops")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_an_optimizer_stepped_inside_the_backward_is_refused_at_the_step(precision):
+    # ("optimizer in backward"): under bf16 it trained unchecked while the records showed a norm of
+    # 0; under fp16 it ended in GradScaler's bare "No inf checks were recorded"
+    model = nn.Linear(4, 2)
+    inner = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step_in_backward(p):
+        inner[p].step()
+        inner[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    guard.backward(loss)
+    with pytest.raises(RuntimeError, match=r"or an optimizer stepped inside the backward \(register_post_accumulate"):
+        guard.step()
