@@ -318,7 +318,7 @@ def card_rows(card: Path) -> dict[str, str]:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
         ...     card = Path(d) / "RUN.md"
-        ...     _ = card.write_text("# Run a\n\n| | |\n|---|---|\n| processes | 2 (torchrun, ddp) |\n")
+        ...     _ = card.write_text("# Run a\\n\\n| | |\\n|---|---|\\n| processes | 2 (torchrun, ddp) |\\n")
         ...     card_rows(card)
         {'processes': '2 (torchrun, ddp)'}
     """
