@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -263,15 +264,17 @@ def _epoch_of(scheduler: Any) -> int | None:
     return epoch if isinstance(epoch, int) else None
 
 
-def _hook_stray_steps(guard: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+def _hook_stray_steps(guard: Any, optimizers: Mapping[str, torch.optim.Optimizer], taken: bool = True) -> None:
     """Have :func:`_refuse_stray_step` watch ``optimizers`` for ``guard`` while it lives (an
-    optimizer without torch's step hooks, one that only has ``param_groups``, is not watched)."""
+    optimizer without torch's step hooks, one that only has ``param_groups``, is not watched);
+    ``taken=False``: not an optimizer another living guard watches already."""
     for optimizer in optimizers.values():
         if not hasattr(optimizer, "register_step_pre_hook"):
             continue
         if _refuse_stray_step not in getattr(optimizer, "_optimizer_step_pre_hooks", {}).values():
             optimizer.register_step_pre_hook(_refuse_stray_step)  # (a copied optimizer holds the hook already)
-        _GUARDED[optimizer] = weakref.ref(guard)
+        if taken or optimizer not in _GUARDED or _GUARDED[optimizer]() is None:
+            _GUARDED[optimizer] = weakref.ref(guard)
 
 
 def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
@@ -334,16 +337,15 @@ class _SetOnce:
     """
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.public, self.private = name, f"_{name}_"
+        self.public = name
 
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        return self if obj is None else getattr(obj, self.private)
-
+    # No __get__: the value lives in the instance's __dict__ under its own name, so reading it is a
+    # plain attribute read (the step reads the scaler a dozen times); only assignment comes here.
     def __set__(self, obj: Any, value: Any) -> None:
-        if hasattr(obj, self.private):
+        if self.public in obj.__dict__:
             raise AttributeError(f"Guard.{self.public} is set once, in Guard(): the step would go on with the one it "
                                  "read; build a new Guard (scaler=old.scaler, then load_state_dict(old.state_dict()))")
-        setattr(obj, self.private, value)
+        obj.__dict__[self.public] = value
 
 
 class Guard:
@@ -447,7 +449,8 @@ class Guard:
         frozen: Literal["refuse", "ignore"] = "refuse",
         fuse_tail: bool = False,
     ) -> None:
-        if max_norm is not None and (isinstance(max_norm, (bool, str)) or not isinstance(max_norm, (int, float, torch.Tensor))):
+        if max_norm is not None and (isinstance(max_norm, bool)
+                                     or not isinstance(max_norm, (numbers.Real, torch.Tensor))):
             raise TypeError(f"max_norm must be a number or None, got {max_norm!r} (a {type(max_norm).__name__})")
         if max_norm is not None and not max_norm == max_norm:
             raise ValueError("max_norm must be a number or None, got nan")
@@ -540,7 +543,8 @@ class Guard:
         self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed
         self._loss_mark: torch.Tensor | None = None  # the sum of each loss's x - x: NaN iff one was non-finite
         self._grads_made = False  # the open group's backwards made a gradient (its later ones must find it)
-        self._stepped: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # inside a close: what it stepped
+        self._stepped: tuple[str, ...] | None = None  # inside a close: the optimizers that stepped
+        self._tail_found: torch.Tensor | None = None  # inside a sync-free close: the tail's skip flag
         _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -555,7 +559,8 @@ class Guard:
         epochs = state.pop("_scheduler_epochs")
         self.__dict__.update(state)
         self._scheduler_epochs = {id(s): e for s, e in zip(self._every_scheduler(), epochs) if e is not None}
-        _hook_stray_steps(self, self.optimizers)
+        # (a deep copy's optimizers are new; a shallow copy shares the original's, which stay its)
+        _hook_stray_steps(self, self.optimizers, taken=False)
 
     def _every_scheduler(self) -> list[Any]:
         return [scheduler for schedulers in self._schedulers.values() for scheduler in schedulers]
@@ -696,25 +701,29 @@ class Guard:
         n, last = self.accumulation_steps, len(losses) - 1
         total: Any = None  # the losses' sum and their marks' (a NaN mark: a non-finite loss among them)
         bad: Any = None
-        with self._no_sync(), self._dropped_if_raised("backward"):  # FSDP2 reduces in backward
-            for i, loss in enumerate(losses):
-                loss = loss if loss.dim() == 0 else loss.reshape(())
-                value = loss.detach()
-                mark = value - value  # 0 for a finite loss, NaN otherwise (IEEE 754), in the loss's dtype
-                if value.dtype != torch.float32:  # the record's dtype (a float64 loss past 3.4e38 is finite)
-                    value, mark = value.float(), mark.float()
-                total, bad = (value, mark) if total is None else (total + value, bad + mark)
-                if n > 1 and not divided:  # in the loss's dtype, as the recipe's loss / N (x / 1 is x: skipped)
-                    loss = loss / n
-                scaled = self.scaler.scale(loss)
-                # the backward's seed: 1.0 (what backward() seeds with) for a finite loss, 0.0 for
-                # a non-finite one (the loss's own NaN never flows back; a NaN activation still may:
-                # the step drops a skipped step's gradients whatever they hold); one kernel, written
-                # in the scaled loss's dtype into a fresh tensor on its device (a masked_fill and its
-                # backward took four). Fresh each time: autograd may keep the seed itself as a
-                # gradient (a parameter reached through views only), so a shared buffer would be overwritten
-                seed = torch.eq(mark, 0, out=torch.empty((), dtype=scaled.dtype, device=scaled.device))
-                scaled.backward(seed, retain_graph=i < last)
+        try:
+            with self._no_sync():  # FSDP2 reduces in backward
+                for i, loss in enumerate(losses):
+                    loss = loss if loss.dim() == 0 else loss.reshape(())
+                    value = loss.detach()
+                    mark = value - value  # 0 for a finite loss, NaN otherwise (IEEE 754), in the loss's dtype
+                    if value.dtype != torch.float32:  # the record's dtype (a float64 loss past 3.4e38 is finite)
+                        value, mark = value.float(), mark.float()
+                    total, bad = (value, mark) if total is None else (total + value, bad + mark)
+                    if n > 1 and not divided:  # in the loss's dtype, as the recipe's loss / N (x / 1 is x: skipped)
+                        loss = loss / n
+                    scaled = self.scaler.scale(loss)
+                    # the backward's seed: 1.0 (what backward() seeds with) for a finite loss, 0.0 for
+                    # a non-finite one (the loss's own NaN never flows back; a NaN activation still may:
+                    # the step drops a skipped step's gradients whatever they hold); one kernel, written
+                    # in the scaled loss's dtype into a fresh tensor on its device (a masked_fill and its
+                    # backward took four). Fresh each time: autograd may keep the seed itself as a
+                    # gradient (a parameter reached through views only), so a shared buffer would be overwritten
+                    seed = torch.eq(mark, 0, out=torch.empty((), dtype=scaled.dtype, device=scaled.device))
+                    scaled.backward(seed, retain_graph=i < last)
+        except BaseException as err:  # (free until something raises: no context manager on the hot path)
+            self._dropped(err, "backward", self.steps)
+            raise
         if divided and n > 1:  # the record's loss is the mean of the undivided ones
             total = total * n
         first = self._micro == 0
@@ -810,41 +819,40 @@ class Guard:
             self._group = names
             return None
         self._group = None
-        with self._dropped_if_raised("step"):
-            return self._finish_group_sync_free() if self.sync_free else self._finish_group(names)
-
-    @contextlib.contextmanager
-    def _dropped_if_raised(self, where: str) -> Iterator[None]:
-        """Around the backward and the group's close: when they raise (an out-of-memory, a
-        scheduler stepped past its end, a dtype PyTorch will not unscale), the open group is
-        dropped (its gradients, half of them made or half unscaled, and its count) and each
-        scheduler's position taken as it is, so the next call starts a clean group: it had
-        blamed the loop for what the failed call left ("a gradient from a backward outside this
-        guard", "after guard.unscale_()"). A step whose update was applied before it raised
-        counts as applied; one that raised before it is not counted. The error says which, in a
-        note."""
-        steps, self._stepped = self.steps, None
+        steps, self._stepped, self._tail_found = self.steps, None, None
         try:
-            yield
-        except BaseException as err:
-            stepped, self._stepped = self._stepped, None
-            if stepped is None:
-                self.steps = steps  # (nothing was applied: the step number is the next one's)
-                said = "nothing was applied"
-            else:  # (the optimizers stepped: the update stands, and is counted; no record was made)
-                applied, names = stepped  # (the sync-free step counts its own, on the device: ((), ()))
-                for name in applied:
-                    self._applied[name] += 1
-                self._updates += bool(applied) and applied == names
-                said = f"step {self.steps}'s update was applied, its record was not made"
-            self._abandon_group()
-            for schedulers in self._schedulers.values():
-                for scheduler in schedulers:
-                    if (epoch := _epoch_of(scheduler)) is not None:
-                        self._scheduler_epochs[id(scheduler)] = epoch
-            err.add_note(f"ampguard: Guard.{where}() raised: the open group was dropped ({said}); "
-                         "the next guard.backward() begins a new step")
+            return self._finish_group_sync_free() if self.sync_free else self._finish_group(names)
+        except BaseException as err:  # (free until something raises: no context manager on the hot path)
+            self._dropped(err, "step", steps)
             raise
+
+    def _dropped(self, err: BaseException, where: str, steps: int) -> None:
+        """After the backward or the group's close raised (an out-of-memory, a scheduler stepped
+        past its end, a dtype PyTorch will not unscale): the open group is dropped (its
+        gradients, half of them made or half unscaled, and its count) and each scheduler's
+        position taken as it is, so the next call starts a clean group; it had blamed the loop
+        for what the failed call left ("a gradient from a backward outside this guard", "after
+        guard.unscale_()"). A step none of whose optimizers had stepped is not counted (the
+        sync-free step's device count of updates is put back); one where some had stepped
+        stands, counted where they stepped. A note on ``err`` says which."""
+        stepped, self._stepped = self._stepped, None
+        if stepped is None:
+            self.steps = steps  # (nothing was applied: the step number is the next one's)
+            if self._tail_found is not None:  # (the sync-free tail had advanced the count: undo it)
+                self._updates_t.add_(self._tail_found).sub_(1.0)
+            said = "nothing was applied"
+        elif not stepped:  # (the sync-free step: its optimizer ran, what it did was decided on the device)
+            said = f"step {self.steps} ran on the device, applied or skipped there; its record was not made"
+        else:  # (an update stands, counted already; no record was made)
+            which = f" of {', '.join(map(repr, stepped))}" if len(self.optimizers) > 1 else ""
+            said = f"step {self.steps}'s update{which} was applied, its record was not made"
+        self._tail_found = None
+        self._abandon_group()
+        for scheduler in self._every_scheduler():
+            if (epoch := _epoch_of(scheduler)) is not None:
+                self._scheduler_epochs[id(scheduler)] = epoch
+        err.add_note(f"ampguard: Guard.{where}() raised: the open group was dropped ({said}); "
+                     "the next guard.backward() begins a new step")
 
     def unscale_(self, *which: str | torch.optim.Optimizer) -> None:
         """Unscale the gradients of these optimizers (all by default) now, before :meth:`step`,
@@ -992,11 +1000,14 @@ class Guard:
             grads.scale_(factor)
         _GUARD_STEPPING[0] += 1
         try:
-            for name in applied:
+            for name in applied:  # each counted as it steps: a failure after it leaves an update that stands
                 self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
+                self._applied[name] += 1
+                self._stepped = (*(self._stepped or ()), name)
         finally:
             _GUARD_STEPPING[0] -= 1
-        self._stepped = (applied, names)  # (from here a failure leaves an update that stands)
+        if not skipped:
+            self._updates += 1
         for name in skipped:
             self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
@@ -1009,8 +1020,6 @@ class Guard:
                 if (epoch := _epoch_of(scheduler)) is not None:
                     self._scheduler_epochs[id(scheduler)] = epoch
         self._zero_grad()
-        for name in applied:
-            self._applied[name] += 1
         labels = {"optimizers": names, "skipped_optimizers": skipped} if len(self.optimizers) > 1 else {}
         # what the read brought, the scale after update() told on the host: a sink reads nothing more
         read = {"loss": loss_v} if bad_loss else {"loss": loss_v, "grad_l2_pre_clip": pre_v}
@@ -1020,7 +1029,6 @@ class Guard:
         else:
             read["scaler_scale"] = scale
         if not skipped:
-            self._updates += 1
             if post is None:  # from the factor read; a host tensor (the record's values stay tensors, no kernel)
                 read["grad_l2_post_clip"] = post_clip_value(pre_v, carried_v, self.max_norm, pre.dtype)  # type: ignore[arg-type]
                 post = torch.scalar_tensor(read["grad_l2_post_clip"], dtype=pre.dtype)
@@ -1066,6 +1074,7 @@ class Guard:
         lr = self.optimizer.param_groups[0]["lr"]
         tail = _compiled_tail() if self.fuse_tail else sync_free_tail
         found, factor = tail(mark, pre, self._updates_t, self.max_norm, self._zero)
+        self._tail_found = found  # (the count advanced: put back if the step fails before the optimizer's)
         post, carried = self._post_clip(pre, factor)
         for hook in self.group_hooks:
             hook(grads)
@@ -1078,7 +1087,7 @@ class Guard:
         finally:
             _GUARD_STEPPING[0] -= 1
             del self.optimizer.found_inf  # type: ignore[attr-defined]
-        self._stepped = ((), ())  # (stepped: what it applied is on the device, counted there)
+        self._stepped = ()  # (stepped: what it applied, or skipped, is on the device, counted there)
         self.scaler.add_found_inf_(self.optimizer, found, covers=True)
         self.scaler.update()
         self._zero_grad()

@@ -172,17 +172,28 @@ def test_a_copied_guard_still_refuses_a_stray_optimizer_step_and_watches_its_sch
     _train(model, guard)
     twin = copy.deepcopy(guard) if how == "deepcopy" else pickle.loads(pickle.dumps(guard))
     twin_model = twin.model
-    with twin.autocast():
-        loss = twin_model(torch.randn(8, 4)).float().pow(2).mean()
-    twin.backward(loss)
-    with pytest.raises(RuntimeError, match=r"^SGD.step\(\) called outside the guard after guard.backward\(\)"):
-        twin.optimizer.step()
-    twin.step()
-    twin.scheduler.step()  # (the loop's own, beside the guard's)
+    twin.scheduler.step()  # (the loop's own, beside the guard's: the copy must know where it left it)
     with twin.autocast():
         loss = twin_model(torch.randn(8, 4)).float().pow(2).mean()
     with pytest.raises(RuntimeError, match="was stepped outside the guard"):
         twin.backward(loss)
+    twin.scheduler.last_epoch -= 1  # (put back where the guard left it)
+    twin.backward(loss)
+    with pytest.raises(RuntimeError, match=r"^SGD.step\(\) called outside the guard after guard.backward\(\)"):
+        twin.optimizer.step()
+
+
+def test_a_shallow_copy_leaves_the_stray_step_refusal_with_the_original():
+    import copy
+
+    model, guard = _guard("bf16")
+    twin = copy.copy(guard)  # (it shares the optimizer)
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    guard.backward(loss)
+    with pytest.raises(RuntimeError, match="called outside the guard after guard.backward"):
+        guard.optimizer.step()
+    del twin
 
 
 def test_the_small_misuses_of_the_api_are_one_clear_line(tmp_path):
@@ -225,3 +236,72 @@ def test_an_optimizer_stepped_inside_the_backward_is_refused_at_the_step(precisi
     guard.backward(loss)
     with pytest.raises(RuntimeError, match=r"or an optimizer stepped inside the backward \(register_post_accumulate"):
         guard.step()
+
+
+def test_with_several_optimizers_the_ones_that_stepped_before_an_error_are_counted_and_named():
+    # the second optimizer's step raised (an out-of-memory as Adam makes its state): the first had
+    # applied its update, and the guard said "nothing was applied", counted none, reused the step
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    a, b = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1)
+    guard = Guard(model, {"a": a, "b": b}, precision="bf16")
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory (a stand-in)")
+
+    handle = b.register_step_pre_hook(out_of_memory)
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    guard.backward(loss)
+    with pytest.raises(RuntimeError, match="out of memory") as raised:
+        guard.step()
+    assert "step 1's update of 'a' was applied, its record was not made" in raised.value.__notes__[0]
+    assert (guard.steps, guard.updates, guard.applied) == (1, 0, {"a": 1, "b": 0})
+    handle.remove()
+    assert [r.step for r in _train(model, guard)] == [2]
+    assert (guard.updates, guard.applied) == (1, {"a": 2, "b": 1})
+
+
+def test_a_sync_free_step_whose_optimizer_raises_puts_its_device_count_back():
+    # the tail had advanced the device count of applied updates: updates 1 after no update, and
+    # the LR schedule one step ahead
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), fused=True)
+    guard = Guard(model, opt, precision="bf16", sync_free=True, lr_schedule=lambda n: 1.0 / (1.0 + n))
+    handle = opt.register_step_pre_hook(lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    guard.backward(loss)
+    with pytest.raises(RuntimeError, match="out of memory") as raised:
+        guard.step()
+    assert "nothing was applied" in raised.value.__notes__[0]
+    assert (guard.steps, guard.updates) == (0, 0)
+    handle.remove()
+    record = _train(model, guard)[0]
+    assert record.step == 1 and record.values()["lr"] == pytest.approx(1e-3) and guard.updates == 1
+
+
+def test_a_skip_hook_that_raises_on_a_skipped_step_drops_the_step_and_says_nothing_was_applied():
+    model, guard = _guard("fp16")
+
+    def broken(grads):
+        raise ValueError("a diagnostic's bug")
+
+    guard.skip_hooks.append(broken)
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean() * float("nan")
+    guard.backward(loss)
+    with pytest.raises(ValueError, match="diagnostic's bug") as raised:
+        guard.step()
+    assert "nothing was applied" in raised.value.__notes__[0] and guard.steps == 0  # (it said "was applied")
+    guard.skip_hooks.clear()
+    assert [r.step for r in _train(model, guard)] == [1]
+
+
+def test_a_numpy_max_norm_is_a_number():
+    np = pytest.importorskip("numpy")
+    for value in (np.float32(1.0), np.int64(1)):
+        model, _ = _guard("bf16")
+        guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", max_norm=value)
+        assert [r.step for r in _train(model, guard)] == [1]
