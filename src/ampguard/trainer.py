@@ -265,7 +265,8 @@ class Trainer:
             except KeyboardInterrupt:  # a second signal mid-step: no checkpoint of a half-done step
                 clean = False
             except Exception as err:  # a crash mid-run (the task's model or loss, or a bug): card, then traceback
-                crashed, clean = err, False
+                # (a Ctrl-C Python wrapped on its way out of the user's code is an interrupt, as above)
+                crashed, clean = (None if an_interrupt(err) else err), False
             finally:
                 stop.closing = True  # from here a signal waits: the checkpoint and the run card come first
                 with contextlib.suppress(Exception):  # after an error too: the steps already taken reach the CSV

@@ -129,6 +129,14 @@ class Fails(torch.nn.Linear):  # the first-batch check's three calls into the us
 def ctrl_c_in(config):
     model = Fails(config.task.options["where"])
     return model, model.batches, model.loss
+
+def ctrl_c_at_batch_5(config):  # past the first-batch check (it reads four): in the run itself
+    def batches():
+        for i in range(100):
+            if i == 5:
+                ctrl_c(None)
+            yield torch.randn(4, 2), torch.randn(4, 1)
+    return torch.nn.Linear(2, 1), batches, torch.nn.functional.mse_loss
 """
 
 
@@ -238,6 +246,16 @@ def test_a_ctrl_c_python_wrapped_in_the_factory_is_an_interrupt_not_bad_input(cl
     (tmp_path / "fac.py").write_text(FACTORY, encoding="utf-8")
     code, out, err = cli("train", *RUN, "--set", "task.factory=fac.py:ctrl_c")
     assert (code, err) == (130, "ampguard: interrupted\n"), err
+
+
+def test_a_ctrl_c_python_wrapped_in_the_data_mid_run_is_an_interrupt_on_the_card_too(cli, tmp_path):
+    # exit 130 already, but the run card said "crashed after step 5: RuntimeError"
+    (tmp_path / "fac.py").write_text(FACTORY, encoding="utf-8")
+    code, out, err = cli("train", "--set", "task.factory=fac.py:ctrl_c_at_batch_5", "--set", "steps=10",
+                         "--set", "precision=fp32", "--set", "log.name=w", "--set", "log.plot=false")
+    assert code == 130, err
+    card = (tmp_path / "runs" / "w" / "RUN.md").read_text(encoding="utf-8")
+    assert "**interrupted (Ctrl-C) after step 5**" in card and "crashed" not in card
 
 
 @pytest.mark.parametrize("where", ["data", "forward", "loss"])
