@@ -1223,8 +1223,8 @@ def check_same_configs(configs: Sequence[dict[str, Any]]) -> None:
     node's own ``my.yaml`` that differs would hang the job at the first step where the ranks part
     (``steps``, ``checkpoint.every``: one rank waits in a collective the other never joins) or let
     the replicas drift apart unsaid (``optimizer.lr``: DDP averages the gradients, each rank steps
-    with its own rate). Where each rank writes and what validate checks may differ
-    (:func:`config_difference`).
+    with its own rate). Where each rank writes, what validate checks and a factory's
+    ``task.options`` may differ (:func:`config_difference`).
 
     Example::
 
@@ -1248,7 +1248,9 @@ def config_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, A
     """The first setting (a dotted key, in sorted order) two configs train differently with, and
     its two values; None when they train the same. The sections in :data:`POLICY_UNRECORDED`
     (where the run writes, what validate checks) are not compared; nor is a factory file's folder
-    (:func:`_effective`).
+    (:func:`_effective`), nor ``task.options``, the factory's own settings, where a node-local
+    data path lives (ranks that read different data are refused by the data check, a model of
+    another shape by DDP).
 
     Example::
 
@@ -1258,9 +1260,10 @@ def config_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, A
         True
         >>> config_difference(one, {**one, "optimizer": {"lr": 0.5}})
         ('optimizer.lr', 0.1, 0.5)
+        >>> config_difference({"task": {"options": {"data": "/node0/d"}}}, {"task": {"options": {"data": "/node1/d"}}})
     """
-    flat = [{k: v for k, v in _flat(_effective(side)).items() if k.split(".")[0] not in POLICY_UNRECORDED}
-            for side in (a, b)]
+    flat = [{k: v for k, v in _flat(_effective(side)).items()
+             if k.split(".")[0] not in POLICY_UNRECORDED and not k.startswith("task.options.")} for side in (a, b)]
     key = next((k for k in sorted(set(flat[0]) | set(flat[1])) if flat[0].get(k) != flat[1].get(k)), None)
     return None if key is None else (key, flat[0].get(key), flat[1].get(key))
 
