@@ -145,7 +145,7 @@ def check_ranks(faults: Iterable[Fault], world_size: int) -> None:
     for fault in faults:
         if fault.rank is not None and fault.rank >= world_size:
             ranks = "rank 0 only" if world_size == 1 else f"ranks 0 to {world_size - 1}"
-            processes = "1 process" if world_size == 1 else f"{world_size} processes"
+            processes = counted(world_size, "process", "processes")
             more = "; torchrun --nproc_per_node sets more" if world_size == 1 else ""
             raise ValueError(f"fault {fault.spec()!r} targets rank {fault.rank}, but this run has {processes} "
                              f"({ranks}{more})")

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Union
 from . import distributed
 from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes
 from .config import Config
-from .errors import ConfigError, ExitCode, InputError
+from .errors import ConfigError, ExitCode, InputError, counted
 from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor, metric_direction
 from .records import StepRecord
 
@@ -269,6 +269,20 @@ class TriggerBatches:
                 "precision": self.state.precision.name}
 
 
+def _used_up(allowed: int) -> str:
+    """Why a rollback trigger stops the run instead: ``rollback.max`` said, as words.
+
+    Example::
+
+        >>> [_used_up(n) for n in (0, 1, 3)]
+        ['no rollback allowed (rollback.max 0)', 'the one rollback (rollback.max) is used up', 'all 3 rollbacks (rollback.max) are used up']
+    """
+    if allowed == 0:
+        return "no rollback allowed (rollback.max 0)"
+    return "the one rollback (rollback.max) is used up" if allowed == 1 else \
+        f"all {allowed} rollbacks (rollback.max) are used up"
+
+
 class Rollbacks:
     """Carries out :class:`Rollback` decisions and keeps their log (a checkpointed part).
 
@@ -349,7 +363,7 @@ class Rollbacks:
             >>> trainer.state.steps, trainer.data.position, torch.equal(trainer.task.model.weight, weights)
             (3, 3, True)
             >>> lines  # doctest: +NORMALIZE_WHITESPACE
-            ['ROLLBACK 3 loss spike: rolled back to step-00000002.pt (step 2) and skipped 1 batches
+            ['ROLLBACK 3 loss spike: rolled back to step-00000002.pt (step 2) and skipped 1 batch
               (data position 3 -> 3); batches saved to rollback/step-3.pt']
             >>> trainer.monitor.updates, trainer.state.updates  # step 3's update was undone
             (2, 2)
@@ -362,8 +376,8 @@ class Rollbacks:
         """
         step = self.state.steps
         if len(self.log) >= self.cfg.max:
-            return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; all {self.cfg.max} rollbacks "
-                        "(rollback.max) are used up", ROLLBACKS_USED_UP)
+            return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; "
+                        + _used_up(self.cfg.max), ROLLBACKS_USED_UP)
         loaded, problem = None, None
         try:
             loaded = self.checkpointer.load(before_step=decision.first_bad_step)
@@ -392,7 +406,8 @@ class Rollbacks:
         # never back onto the triggering step's own micro-batches (they end at the current position)
         self.data.seek(max(saved + self.cfg.skip_batches, old))
         message = (f"{decision.why}: rolled back to {loaded.path.name} (step {loaded.step}) and skipped "
-                   f"{self.data.position - saved} batches (data position {old} -> {self.data.position})")
+                   f"{counted(self.data.position - saved, 'batch', 'batches')} (data position {old} -> "
+                   f"{self.data.position})")
         if self.cfg.lr_factor != 1.0 and lr is not None:
             message += f"; lr {lr:.4g} (rollback.lr_factor {self.cfg.lr_factor:g})"
         if evidence is not None:

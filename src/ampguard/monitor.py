@@ -846,7 +846,7 @@ class RunMonitor:
         aside = self._opening_in_window()
         held = self.skip_window.held - aside
         data = {"skip_rate": rate, "window": self.window}
-        over = f"over the last {counted(held, 'step')}" + (f" (the scaler's {aside} opening skips set aside)" if aside else "")
+        over = f"over the last {counted(held, 'step')}" + (f" (the scaler's opening {counted(aside, 'skip')} set aside)" if aside else "")
         if rate > self.alert_rate and not self.alerting and self.alert_armed:
             self.alerting = True
             self.alert_episodes += 1

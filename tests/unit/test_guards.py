@@ -360,7 +360,9 @@ def test_after_rollback_max_rollbacks_the_next_one_stops(tmp_path, allowed):
     w.advance(20)
     decision = w.rollbacks.apply(Rollback(12, "loss spike", g.LOSS_SPIKE))
     assert isinstance(decision, Stop) and decision.kind == g.ROLLBACKS_USED_UP and decision.exit_code == ExitCode.GUARD
-    assert decision.why == (f"stopped at step 20: loss spike; all {allowed} rollbacks (rollback.max) are used up")
+    from ampguard.guards import _used_up
+
+    assert decision.why == f"stopped at step 20: loss spike; {_used_up(allowed)}"
     assert w.parts[MODEL].value == "model@20" and len(w.rollbacks.log) == allowed and len(w.lines) == allowed
 
 

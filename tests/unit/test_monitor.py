@@ -1034,7 +1034,7 @@ def test_monitor_alert_after_the_opening_names_what_it_set_aside():
     events = [e for r in fp16_opening(6, 105, later_skips=tuple(range(101, 106))) for e in m.observe(r)]
     alerts = [e for e in events if e.kind == "skip_rate_alert"]
     assert [e.step for e in alerts] == [105]
-    assert "over the last 99 steps (the scaler's 6 opening skips set aside)" in alerts[0].message
+    assert "over the last 99 steps (the scaler's opening 6 skips set aside)" in alerts[0].message
     assert alerts[0].data["skip_rate"] == 5 / 99 == m.judged_skip_rate
     assert m.skip_rate == 11 / 105
 
