@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a session lent a device (about 5 minutes on an H200; each
 # stage under its own time limit, so a slow one cannot starve the others, and the limits, kill
-# grace and setup included, add up to at most 570 s: under one device command's 600 s):
+# grace and setup included, add up to at most 575 s: under one device command's 600 s):
 #   1. the CUDA tests (tests/e2e/test_cuda.py: bit for bit, one sync per step, the sync-free
 #      step, `ampguard train`'s fast path with no sync in its step, the fused tail);
 #   2. `ampguard train` on GPT-2 small (task.preset gpt2-small, bf16, compile) against the bare

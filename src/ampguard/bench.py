@@ -11,9 +11,10 @@ other load) falls on all of them alike, and each contender's ratio to the bare l
 right after every other one equally often, since what ran before a contender warms or
 evicts the caches it runs from; each round's first contender runs one untimed step right before
 its timed ones, so across rounds too every contender runs right after itself equally often. The
-figure is the median of those per-round ratios with a 95% bootstrap interval; with ``resolve``
-rounds are added until every interval is within ``± resolve`` (or the time budget runs out, and
-the table says so). On CUDA each contender's steps are timed with CUDA events.
+figure is the median of those per-round ratios with its 95% interval from the order statistics
+(distribution-free); with ``resolve`` rounds are added until every 99% interval, which holds the
+reported one, reaches no farther than ``± resolve`` (or the time budget runs out, and the lines
+under the table say so). On CUDA each contender's steps are timed with CUDA events.
 """
 
 from __future__ import annotations
@@ -559,8 +560,8 @@ class Result:
 
     ``ratio_to_bare`` is the median over rounds of this contender's ms/step divided by the bare
     loop's in the same round (above 1: slower; the bare loop's own is 1, with no interval, beside
-    others); ``ratio_low``/``ratio_high`` its 95% interval (the one :func:`median_interval` gives,
-    which also decided the stop; none below 6 rounds); ``stop`` why the rounds ended,
+    others); ``ratio_low``/``ratio_high`` its 95% interval (:func:`median_interval`; none below 6
+    rounds; inside the 99% one the stop rule decided on); ``stop`` why the rounds ended,
     one of: ``"resolved"`` (every interval within ``± resolve``), ``"budget"`` (time ran out
     first), ``"max rounds"``, ``"fixed"`` (no ``resolve`` asked), :data:`INTERRUPTED` or
     :data:`ERROR`. Code decides on ``stop`` alone; ``stop_detail`` is the words for a person
@@ -624,8 +625,9 @@ def median_interval(values: list[float], *, confidence: float = CONFIDENCE) -> t
     a Binomial(n, 1/2) falls below ``k`` with probability at most ``(1 - confidence) / 2``. It covers
     the true median with at least ``confidence`` whatever the rounds' distribution (a bootstrap of
     the median covers less: 92-93% at 95%, and less again after a stop rule picked its moment).
-    Fewer than 6 values have no 95% interval: ``low`` and ``high`` are then nan. The one interval
-    of the bench: the stop rule decides with it and the table reports it.
+    Fewer than 6 values have no 95% interval: ``low`` and ``high`` are then nan (fewer than 8, no
+    99% one). The bench's intervals: the table reports the 95% one, the stop rule decides on the
+    99% one of the same rounds, which holds it.
 
     Example::
 
@@ -844,8 +846,8 @@ def _ratios(times: dict[str, list[float]], name: str) -> list[float]:
 
 
 def _intervals(times: dict[str, list[float]], confidence: float = CONFIDENCE) -> dict[str, tuple[float, float, float]]:
-    """Each contender's ``(median, low, high)`` ratio interval (:func:`median_interval`): what the
-    stop rule decides on and, unchanged, what the table reports. The bare loop's own (its ratio
+    """Each contender's ``(median, low, high)`` ratio interval (:func:`median_interval`) at
+    ``confidence``: 99% for the stop rule, 95% for the table. The bare loop's own (its ratio
     to itself: 1) is left out unless it runs alone, when it is its spread over its own median
     (a lone bare loop is resolved only when its rounds agree)."""
     return {name: median_interval(_ratios(times, name), confidence=confidence) for name in times
@@ -1192,8 +1194,8 @@ def _results(w: Workload, precision: Precision, ready: list[_Ready], ran: _Round
              peak_flops: float | None) -> list[Result]:
     """One :class:`Result` per contender from its whole rounds: median and least ms/step, tokens/s
     and MFU (for a workload that counts its work), and, with a bare loop among them, the ratios
-    to it round by round and their interval (:func:`_intervals`: seeded, so the very one the
-    stop rule read).
+    to it round by round and their 95% interval (:func:`_intervals`; the stop rule read the 99%
+    one of the same rounds, which holds it).
 
     Example::
 
@@ -1293,17 +1295,17 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
         why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran"}.get(stop, stop)
         why += "" if detail is None else f": {detail}"  # (an error's: which contender, which round, why)
         if any(math.isnan(r.ratio_low) for r in rows):
-            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {done} rounds, too few for a "
+            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {counted(done, 'round')}, too few for a "
                                "95% interval: it needs 6)")
             continue
         widest = max(rows, key=lambda r: r.half_width)
         if stop == "resolved":
-            out.append(where + f"resolved to ±{resolve * 100:g}% in {done} rounds "
+            out.append(where + f"resolved to ±{resolve * 100:g}% in {counted(done, 'round')} "
                                f"(widest ±{widest.half_width:.1%}, {widest.contender})")
         else:
             within = (": within, at 95%, but the rule calls a case resolved on its 99% intervals at the end of a "
                       "whole cycle of the round orders") if widest.half_width <= resolve else ""
-            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {done} rounds; widest "
+            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {counted(done, 'round')}; widest "
                                f"±{widest.half_width:.1%}, {widest.contender}{within})")
         floor = next((r for r in rows if r.contender == BareAgain.name), None)
         if floor is not None:
@@ -1312,8 +1314,8 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
     return out
 
 
-GUARDED = ("ampguard + csv", "ampguard sync-free + csv", "ampguard sync-free, fused tail + csv")
-PEERS = ("accelerate", "lightning fabric")
+GUARDED = (Guarded.name, GuardedSyncFree.name, GuardedFusedTail.name)
+PEERS = (AccelerateLoop.name, FabricLoop.name)
 
 
 def versus(results: list[Result]) -> list[dict[str, Any]]:
