@@ -238,6 +238,24 @@ def test_an_optimizer_stepped_inside_the_backward_is_refused_at_the_step(precisi
         guard.step()
 
 
+def _out_of_memory_in(optimizer: torch.optim.Optimizer, model: nn.Module, guard: Guard) -> str:
+    """One step whose ``optimizer.step()`` raises (an out-of-memory as Adam makes its state): the
+    note the guard put on the error."""
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory (a stand-in)")
+
+    handle = optimizer.register_step_pre_hook(out_of_memory)
+    try:
+        with guard.autocast():
+            loss = model(torch.randn(8, 4)).float().pow(2).mean()
+        guard.backward(loss)
+        with pytest.raises(RuntimeError, match="out of memory") as raised:
+            guard.step()
+    finally:
+        handle.remove()
+    return raised.value.__notes__[0]
+
+
 def test_with_several_optimizers_the_ones_that_stepped_before_an_error_are_counted_and_named():
     # the second optimizer's step raised (an out-of-memory as Adam makes its state): the first had
     # applied its update, and the guard said "nothing was applied", counted none, reused the step
@@ -245,19 +263,8 @@ def test_with_several_optimizers_the_ones_that_stepped_before_an_error_are_count
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     a, b = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1)
     guard = Guard(model, {"a": a, "b": b}, precision="bf16")
-
-    def out_of_memory(*args, **kwargs):
-        raise RuntimeError("out of memory (a stand-in)")
-
-    handle = b.register_step_pre_hook(out_of_memory)
-    with guard.autocast():
-        loss = model(torch.randn(8, 4)).float().pow(2).mean()
-    guard.backward(loss)
-    with pytest.raises(RuntimeError, match="out of memory") as raised:
-        guard.step()
-    assert "step 1's update of 'a' was applied, its record was not made" in raised.value.__notes__[0]
+    assert "step 1's update of 'a' was applied, its record was not made" in _out_of_memory_in(b, model, guard)
     assert (guard.steps, guard.updates, guard.applied) == (1, 0, {"a": 1, "b": 0})
-    handle.remove()
     assert [r.step for r in _train(model, guard)] == [2]
     assert (guard.updates, guard.applied) == (1, {"a": 2, "b": 1})
 
@@ -269,15 +276,8 @@ def test_a_sync_free_step_whose_optimizer_raises_puts_its_device_count_back():
     model = nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), fused=True)
     guard = Guard(model, opt, precision="bf16", sync_free=True, lr_schedule=lambda n: 1.0 / (1.0 + n))
-    handle = opt.register_step_pre_hook(lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory")))
-    with guard.autocast():
-        loss = model(torch.randn(8, 4)).float().pow(2).mean()
-    guard.backward(loss)
-    with pytest.raises(RuntimeError, match="out of memory") as raised:
-        guard.step()
-    assert "nothing was applied" in raised.value.__notes__[0]
+    assert "nothing was applied" in _out_of_memory_in(opt, model, guard)
     assert (guard.steps, guard.updates) == (0, 0)
-    handle.remove()
     record = _train(model, guard)[0]
     assert record.step == 1 and record.values()["lr"] == pytest.approx(1e-3) and guard.updates == 1
 
