@@ -526,6 +526,7 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
         >>> before, err.getvalue()
         ('', 'ampguard: warning: fp16 on a CPU is slow\\n')
     """
+    from .errors import AmpguardWarning
     from .precision import SlowPrecisionWarning
 
     held = _HeldWarnings()
@@ -537,7 +538,7 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, SlowPrecisionWarning):
+        if issubclass(category, AmpguardWarning):  # (SlowPrecisionWarning among them)
             held.say(f"ampguard: warning: {message}")
         else:
             shown(message, category, filename, lineno, file, line)

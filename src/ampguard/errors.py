@@ -114,6 +114,11 @@ class InputError(Exception):
         self.key = key
 
 
+class AmpguardWarning(UserWarning):
+    """Something worth one line before a run goes on, ``ampguard: warning: ...`` on stderr
+    (``ampguard.cli`` shows it so; in a program of yours, a Python warning)."""
+
+
 class ConfigError(InputError):
     """A config that cannot be used; the message names the key.
 

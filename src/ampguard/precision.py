@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from .errors import brief, whole_number
+from .errors import AmpguardWarning, brief, whole_number
 
 PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
@@ -47,7 +47,7 @@ def uses_loss_scaler(name: object) -> bool:
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
 
-class SlowPrecisionWarning(UserWarning):
+class SlowPrecisionWarning(AmpguardWarning):
     """A precision this device only emulates (fp16 or fp8 on a CPU): correct, but slow."""
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ from .build import (build_headroom, build_monitor, build_sinks, build_spike_dete
 from .checkpoint import checkpoint_step, list_checkpoints
 from .config import Config
 from .data import DataStream, check_same_data
-from .errors import ExitCode, InputError, an_interrupt, counted, first_line, raised
+from .errors import AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, raised
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, parse_faults
@@ -191,6 +192,10 @@ class Trainer:
         ck.apply_policy_changes(self.policy_new, config, self.state, len(self.rollbacks.log))
         self.policy += self.policy_new
         self.rollbacks.policy = self.policy
+        every = self.headroom.every if self.headroom is not None else None
+        if every is not None and config.steps // every * every <= self.state.steps:  # (none from here to steps)
+            warnings.warn(f"monitor.headroom.every {every}: no step from {self.state.steps + 1} to {config.steps} "
+                          "is measured (headroom.csv keeps its header only)", AmpguardWarning, stacklevel=2)
 
     def _check_logs(self, paths: RunPaths, step: int) -> None:
         """Every log a resume appends to (and cuts back to its ``step``) is of this run, checked

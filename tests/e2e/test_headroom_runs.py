@@ -162,3 +162,20 @@ def test_a_headroom_csv_that_does_not_read_leaves_only_the_heatmap_out_of_the_re
     out = capsys.readouterr().out
     assert f"note: {run / 'headroom.csv'}: line " in out and "the plot leaves the headroom heatmap out" in out, out
     assert png_size(tmp_path / "r.png") == (1200, 1400)  # the five panels, no sixth
+
+
+def test_a_headroom_interval_no_step_reaches_is_said_at_the_start(cli):
+    # `--set steps=3` for a smoke test, monitor.headroom.every 100 left: headroom.csv held its header only, unsaid
+    import warnings
+
+    from ampguard.errors import AmpguardWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", AmpguardWarning)
+        code, out, err = cli("train", "--set", "task.name=linear", "--set", "steps=3", "--set", "log.plot=false",
+                             "--set", "checkpoint.enabled=false", "--set", "monitor.headroom.every=10")
+        assert code == 0, err
+        assert "ampguard: warning: monitor.headroom.every 10: no step from 1 to 3 is measured" in err
+        code, out, err = cli("train", "--set", "task.name=linear", "--set", "steps=10", "--set", "log.plot=false",
+                             "--set", "checkpoint.enabled=false", "--set", "monitor.headroom.every=10")
+        assert code == 0 and "headroom.every" not in err, err  # (step 10 is measured)
