@@ -11,7 +11,7 @@ Example::
 
 import contextlib
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import IntEnum
 from pathlib import Path
 
@@ -207,12 +207,13 @@ def an_interrupt(err: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def user_code(said: str) -> Iterator[None]:
+def user_code(said: str = "", *, error: Callable[[str], InputError] | None = None) -> Iterator[None]:
     """Around the user's code (a factory's import and ``build``, its data, its model's first
-    forward and loss): whatever it raises, ``SystemExit`` and ``GeneratorExit`` too, is one
-    :class:`InputError` line, ``said`` and then :func:`raised`. Ours (an ``InputError``) passes,
-    and so does a Ctrl-C, also one Python wrapped on its way out (:func:`an_interrupt`: exit 130,
-    not bad input).
+    forward and loss, validate's predict): whatever it raises, ``SystemExit`` and
+    ``GeneratorExit`` too, is one :class:`InputError` line, ``said`` and then :func:`raised`
+    (or ``error(raised(...))``, an ``InputError`` of the caller's kind). Ours (an ``InputError``)
+    passes, and so does a Ctrl-C, also one Python wrapped on its way out (:func:`an_interrupt`:
+    exit 130, not bad input).
 
     Example::
 
@@ -229,7 +230,7 @@ def user_code(said: str) -> Iterator[None]:
     except BaseException as err:  # noqa: BLE001 - the user's code: any failure is bad input
         if an_interrupt(err):
             raise
-        raise InputError(f"{said}{raised(err)}") from None
+        raise (error(raised(err)) if error is not None else InputError(f"{said}{raised(err)}")) from None
 
 
 def check_folder_of(path: Path, where: str) -> None:

@@ -41,7 +41,7 @@ from torch import nn
 from .build import prepare_model, resolve_device, to_device
 from .checkpoint import rng_kept
 from .config import Config
-from .errors import ExitCode, InputError, an_interrupt, counted, raised
+from .errors import ExitCode, InputError, counted, user_code
 from .precision import Precision, backend_of
 from .records import strict_json
 from .tasks import Task, untrained_model
@@ -386,18 +386,12 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
     dtypes: dict[str, str] = {}
     for start in range(0, len(inputs), CHUNK):
         chunk = inputs[start : start + CHUNK]
-        try:
+        # the user's code: one line, not a traceback (a sys.exit() in it passed through as validate's
+        # own exit: 0, no report, a model never judged)
+        with user_code(error=lambda why: ModelRaised(f"validate: task {task.name}: the model (or the task's "
+                                                     f"predict) raised under {precision.name}: {why}", why)):
             with precision.autocast():
                 raw = task.scores(model, chunk.to(device))
-        except InputError:
-            raise
-        except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's code: one line, not a traceback
-            # (a sys.exit() in it passed through as validate's own exit: 0, no report, a model never judged)
-            if an_interrupt(err):
-                raise
-            why = raised(err)
-            raise ModelRaised(f"validate: task {task.name}: the model (or the task's predict) raised under "
-                              f"{precision.name}: {why}", why) from None
         named = named_outputs(raw)
         if parts and [name for name, _ in named] != list(parts):
             raise InputError(f"validate: the model's outputs changed names between batches "
