@@ -722,6 +722,7 @@ class Guard:
                     seed = torch.eq(mark, 0, out=torch.empty((), dtype=scaled.dtype, device=scaled.device))
                     scaled.backward(seed, retain_graph=i < last)
         except BaseException as err:  # (free until something raises: no context manager on the hot path)
+            self._stepped = self._tail_found = None  # (what the last step left: nothing of this one stepped)
             self._dropped(err, "backward", self.steps)
             raise
         if divided and n > 1:  # the record's loss is the mean of the undivided ones

@@ -305,3 +305,35 @@ def test_a_numpy_max_norm_is_a_number():
         model, _ = _guard("bf16")
         guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", max_norm=value)
         assert [r.step for r in _train(model, guard)] == [1]
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_a_backward_that_raises_after_a_finished_step_says_nothing_was_applied(sync_free):
+    # what the last step had left (the optimizers it stepped) was read as this step's: "step 1's
+    # update was applied, its record was not made" for an out-of-memory in step 2's backward
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("out of memory (a stand-in)")
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    if sync_free:
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), fused=True)
+        guard = Guard(model, opt, precision="bf16", sync_free=True)
+    else:
+        guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    x = torch.randn(8, 4)
+    with guard.autocast():
+        loss = model(x).float().pow(2).mean()
+    guard.backward(loss)
+    guard.step()
+    with guard.autocast():
+        loss = Fails.apply(model(x)).float().pow(2).mean()
+    with pytest.raises(RuntimeError, match="out of memory") as raised:
+        guard.backward(loss)
+    assert "(nothing was applied)" in raised.value.__notes__[0] and (guard.steps, guard.updates) == (1, 1)
