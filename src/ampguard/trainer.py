@@ -192,10 +192,11 @@ class Trainer:
         ck.apply_policy_changes(self.policy_new, config, self.state, len(self.rollbacks.log))
         self.policy += self.policy_new
         self.rollbacks.policy = self.policy
-        every = self.headroom.every if self.headroom is not None else None
-        if every is not None and config.steps // every * every <= self.state.steps:  # (none from here to steps)
-            warnings.warn(f"monitor.headroom.every {every}: no step from {self.state.steps + 1} to {config.steps} "
-                          "is measured (headroom.csv keeps its header only)", AmpguardWarning, stacklevel=2)
+        every, first = (self.headroom.every if self.headroom is not None else None), self.state.steps + 1
+        if every is not None and first <= config.steps and config.steps // every * every < first:
+            left = "" if first > 1 else " (headroom.csv keeps its header only)"
+            warnings.warn(f"monitor.headroom.every {every}: none of the steps this run trains ({first} to "
+                          f"{config.steps}) is measured{left}", AmpguardWarning, stacklevel=2)
 
     def _check_logs(self, paths: RunPaths, step: int) -> None:
         """Every log a resume appends to (and cuts back to its ``step``) is of this run, checked
