@@ -36,6 +36,7 @@ Example (fakes stand in for a model; any object with ``state_dict`` / ``load_sta
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import distributed
 from .config import MAX_DEPTH, Config, as_it_ran, is_plain, read_file
-from .errors import InputError, counted, first_line, whole_number
+from .errors import AmpguardWarning, InputError, counted, first_line, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
 from .run_folder import RUN_ID_PATTERN, RunPaths
@@ -1242,6 +1243,14 @@ def check_same_configs(configs: Sequence[dict[str, Any]]) -> None:
             key, ours, other = differs
             raise InputError(f"the ranks were given different configs: {key} is {_short(ours)} on rank 0, "
                              f"{_short(other)} on rank {rank}; give every rank the same config and --set values")
+    options = [_flat((c.get("task") or {}).get("options") or {}) for c in configs]
+    for rank, theirs in enumerate(options[1:], start=1):  # (a node's own data path: allowed, but said)
+        key = next((k for k in sorted(set(options[0]) | set(theirs)) if options[0].get(k) != theirs.get(k)), None)
+        if key is not None:
+            warnings.warn(f"task.options.{key} is {_short(options[0].get(key))} on rank 0, {_short(theirs.get(key))} "
+                          f"on rank {rank}: the run goes on (a node's own data path); a setting there that changes "
+                          "the training would let the replicas drift apart", AmpguardWarning, stacklevel=2)
+            break
 
 
 def config_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, Any] | None:

@@ -753,3 +753,23 @@ def test_find_resume_of_a_run_with_no_checkpoint_says_when_its_config_saves_them
     with pytest.raises(InputError) as err:
         ck.find_resume(run)
     assert one_line(err) == f"no checkpoint in {run / 'checkpoints'}{why}"
+
+
+def test_ranks_configs_that_differ_are_refused_and_task_options_only_said():
+    # (the torchrun launches C of test_torchrun_guards run the refusal for real; here its edges)
+    import warnings
+
+    from ampguard.checkpointer import check_same_configs
+    from ampguard.errors import AmpguardWarning
+
+    base = {"steps": 12, "optimizer": {"lr": 0.1}, "log": {"dir": "runs"}, "task": {"options": {"data": "/n0/d"}}}
+    with pytest.raises(InputError, match=r"^the ranks were given different configs: optimizer.lr is 0.1 on rank 0, "
+                                         r"0.5 on rank 2;"):
+        check_same_configs([base, base, {**base, "optimizer": {"lr": 0.5}}])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        check_same_configs([base, {**base, "log": {"dir": "/n1/runs"}}])  # where rank 1 would write: nothing said
+        assert said == []
+        check_same_configs([base, {**base, "task": {"options": {"data": "/n1/d"}}}])
+    assert [w.category for w in said] == [AmpguardWarning]
+    assert str(said[0].message).startswith("task.options.data is '/n0/d' on rank 0, '/n1/d' on rank 1: the run goes on")
