@@ -64,37 +64,47 @@ def test_a_step_with_no_gradient_is_refused_in_one_line_and_the_guard_goes_on(pr
     assert [(r.step, type(r).__name__) for r in records] == [(1, "StepLog"), (2, "StepLog")]  # no gap, no blame
 
 
+class _BackwardFails(torch.autograd.Function):
+    """An identity whose backward raises while ``on``: an out-of-memory in a backward."""
+
+    on = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _BackwardFails.on:
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return grad
+
+
+def _out_of_memory_in_backward(model: nn.Module, guard: Guard, x: torch.Tensor) -> str:
+    """One micro-batch whose backward raises: the note the guard put on the error."""
+    _BackwardFails.on = True
+    try:
+        with guard.autocast():
+            loss = _BackwardFails.apply(model(x)).float().pow(2).mean()
+        with pytest.raises(RuntimeError, match="out of memory") as raised:
+            guard.backward(loss)
+    finally:
+        _BackwardFails.on = False
+    return raised.value.__notes__[0]
+
+
 def test_an_error_in_the_backward_drops_the_whole_group_and_the_next_one_starts_clean():
     # an out-of-memory in the second micro-batch's backward, caught by a loop that skips the batch:
     # its half-made gradients and the first micro-batch's were left, and every later backward was
     # refused as "a gradient from a backward outside this guard"; the group's count stayed at 1
-    class Fails(torch.autograd.Function):
-        fail = False
-
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            if Fails.fail:
-                raise RuntimeError("CUDA out of memory (a stand-in)")
-            return grad
-
     model, guard = _guard("bf16", accumulation_steps=2)
     x = torch.randn(8, 4)
     with guard.autocast():
         guard_loss = model(x).float().pow(2).mean()
     guard.backward(guard_loss)
     assert guard.step() is None and guard.micro_batches == 1
-    Fails.fail = True
-    with guard.autocast():
-        loss = Fails.apply(model(x)).float().pow(2).mean()
-    with pytest.raises(RuntimeError, match="out of memory") as raised:
-        guard.backward(loss)
-    assert "the open group was dropped (nothing was applied)" in raised.value.__notes__[0]
+    assert "the open group was dropped (nothing was applied)" in _out_of_memory_in_backward(model, guard, x)
     assert guard.micro_batches == 0 and all(p.grad is None for p in model.parameters())
-    Fails.fail = False
     records = _train(model, guard)
     assert [(r.step, type(r).__name__) for r in records] == [(1, "StepLog")]
 
@@ -311,15 +321,6 @@ def test_a_numpy_max_norm_is_a_number():
 def test_a_backward_that_raises_after_a_finished_step_says_nothing_was_applied(sync_free):
     # what the last step had left (the optimizers it stepped) was read as this step's: "step 1's
     # update was applied, its record was not made" for an out-of-memory in step 2's backward
-    class Fails(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            raise RuntimeError("out of memory (a stand-in)")
-
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     if sync_free:
@@ -332,8 +333,5 @@ def test_a_backward_that_raises_after_a_finished_step_says_nothing_was_applied(s
         loss = model(x).float().pow(2).mean()
     guard.backward(loss)
     guard.step()
-    with guard.autocast():
-        loss = Fails.apply(model(x)).float().pow(2).mean()
-    with pytest.raises(RuntimeError, match="out of memory") as raised:
-        guard.backward(loss)
-    assert "(nothing was applied)" in raised.value.__notes__[0] and (guard.steps, guard.updates) == (1, 1)
+    assert "(nothing was applied)" in _out_of_memory_in_backward(model, guard, x)
+    assert (guard.steps, guard.updates) == (1, 1)
