@@ -30,9 +30,9 @@ from .errors import ExitCode, InputError, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (_linear_y, card_ended, card_rows, check_plot_path, dots, drawn_by_ampguard, finished,
-                     finite_points, plot_metadata, policy_changes_of, reading_notes, replay, rollbacks_of,
-                     rolling_skip_rate, shown, whole_steps)
+from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, plot_metadata,
+                     policy_changes_of, read_card, reading_notes, replay, rollbacks_of, rolling_skip_rate, shown,
+                     whole_steps)
 from .run_folder import RunPaths
 from .sinks import Row, metric_values, read_steps_and_columns
 
@@ -56,14 +56,14 @@ class RunSummary:
     monitor: RunMonitor
     ended: str
     notes: list[str] = field(default_factory=list)  # what reading its steps.csv left out or found missing
-    card: dict[str, str] = field(default_factory=dict)  # the run card's rows (report.card_rows)
+    card: dict[str, str] = field(default_factory=dict)  # the run card's rows (report.read_card)
 
 
 def _card(card: Path) -> tuple[str, dict[str, str]]:
-    """Why the run ended (:func:`~ampguard.report.card_ended`) and the card's rows
-    (:func:`~ampguard.report.card_rows`); a card that cannot be read is one line."""
+    """Why the run ended and the card's rows (:func:`~ampguard.report.read_card`, one read); a
+    card that cannot be read is one line."""
     try:
-        return card_ended(card), card_rows(card)
+        return read_card(card)
     except (OSError, UnicodeDecodeError) as err:
         raise InputError(f"{card}: cannot read the run card ({err})") from None
 
@@ -120,7 +120,7 @@ def load_run(path: str | Path) -> RunSummary:
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy_changes_of(folder),
                      rollbacks=rollbacks_of(folder),
-                     steps=config.steps if finished(folder / "RUN.md") else None)
+                     steps=config.steps if ended.startswith("finished: ") else None)
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
     notes = reading_notes(folder / "steps.csv", rows, torn, folder)

@@ -289,9 +289,10 @@ def _policy_at(changes: Sequence[dict[str, Any]], step: int) -> dict[str, Any]:
     return values
 
 
-def card_ended(card: Path, *, errors: str = "strict") -> str:
-    """Why the run ended: the run card's bold line (``**finished: 20 steps**``), ``"unknown"``
-    without one. A card that cannot be read raises (``OSError``; ``UnicodeDecodeError`` with
+def read_card(card: Path, *, errors: str = "strict") -> tuple[str, dict[str, str]]:
+    """A run card in one read: why the run ended (its bold line, ``**finished: 20 steps**``;
+    ``"unknown"`` without one) and its table rows (``| key | value |``, set-up and outcome) by
+    key. A card that cannot be read raises (``OSError``; ``UnicodeDecodeError`` with
     ``errors="strict"``).
 
     Example::
@@ -299,36 +300,24 @@ def card_ended(card: Path, *, errors: str = "strict") -> str:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
         ...     card = Path(d) / "RUN.md"
-        ...     _ = card.write_text("# Run a\\n\\n**finished: 20 steps**\\n\\n## Set-up\\n")
-        ...     card_ended(card)
-        'finished: 20 steps'
+        ...     _ = card.write_text("# Run a\\n\\n**finished: 20 steps**\\n\\n| | |\\n|---|---|\\n| processes | 1 |\\n")
+        ...     read_card(card)
+        ('finished: 20 steps', {'processes': '1'})
     """
     _regular(card)
-    lines = card.read_text(encoding="utf-8", errors=errors).splitlines()
-    bold = [line.strip()[2:-2] for line in lines if line.strip().startswith("**") and line.strip().endswith("**")]
-    return bold[0] if bold else "unknown"
-
-
-def card_rows(card: Path) -> dict[str, str]:
-    """The run card's table rows (``| key | value |``), set-up and outcome, by key; a card that
-    cannot be read raises as :func:`card_ended` does.
-
-    Example::
-
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     card = Path(d) / "RUN.md"
-        ...     _ = card.write_text("# Run a\\n\\n| | |\\n|---|---|\\n| processes | 2 (torchrun, ddp) |\\n")
-        ...     card_rows(card)
-        {'processes': '2 (torchrun, ddp)'}
-    """
-    _regular(card)
-    rows = {}
-    for line in card.read_text(encoding="utf-8").splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")] if line.startswith("| ") else []
+    lines = [line.strip() for line in card.read_text(encoding="utf-8", errors=errors).splitlines()]
+    bold = [line[2:-2] for line in lines if line.startswith("**") and line.endswith("**")]
+    rows: dict[str, str] = {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split(" | ")] if line.startswith("| ") else []
         if len(cells) == 2 and cells[0] and not set(cells[0]) <= set("-"):
             rows.setdefault(cells[0], cells[1])
-    return rows
+    return (bold[0] if bold else "unknown"), rows
+
+
+def card_ended(card: Path, *, errors: str = "strict") -> str:
+    """Why the run ended (:func:`read_card`'s first half)."""
+    return read_card(card, errors=errors)[0]
 
 
 def finished(card: Path) -> bool:
