@@ -1139,7 +1139,7 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
             a = a.get(part) if isinstance(a, dict) else None  # a checkpoint may lack a whole section
             b = b.get(part)
         if isinstance(a, dict) and isinstance(b, dict):  # name the exact field, e.g. task.n_embd
-            diff = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
+            diff = _first_difference(a, b)
             if diff is not None:
                 key, a, b = f"{key}.{diff}", a.get(diff), b.get(diff)
         if a != b:
@@ -1245,7 +1245,7 @@ def check_same_configs(configs: Sequence[dict[str, Any]]) -> None:
                              f"{_short(other)} on rank {rank}; give every rank the same config and --set values")
     options = [_flat((c.get("task") or {}).get("options") or {}) for c in configs]
     for rank, theirs in enumerate(options[1:], start=1):  # (a node's own data path: allowed, but said)
-        key = next((k for k in sorted(set(options[0]) | set(theirs)) if options[0].get(k) != theirs.get(k)), None)
+        key = _first_difference(options[0], theirs)
         if key is not None:
             warnings.warn(f"task.options.{key} is {_short(options[0].get(key))} on rank 0, {_short(theirs.get(key))} "
                           f"on rank {rank}: the run goes on (a node's own data path); a setting there that changes "
@@ -1273,8 +1273,20 @@ def config_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, A
     """
     flat = [{k: v for k, v in _flat(_effective(side)).items()
              if k.split(".")[0] not in POLICY_UNRECORDED and not k.startswith("task.options.")} for side in (a, b)]
-    key = next((k for k in sorted(set(flat[0]) | set(flat[1])) if flat[0].get(k) != flat[1].get(k)), None)
+    key = _first_difference(*flat)
     return None if key is None else (key, flat[0].get(key), flat[1].get(key))
+
+
+def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """The first key (in sorted order) whose value differs between ``a`` and ``b`` (one missing
+    from a side reads None there); None when none does.
+
+    Example::
+
+        >>> _first_difference({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": None}), _first_difference({"a": 1}, {"a": 1})
+        ('b', None)
+    """
+    return next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
