@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from early_runner import NICE, RESULT
-from helpers import EARLY_TIMEOUT_S, GLOO, kill_tree, own_process_group, snapshot_of
+from helpers import EARLY_TIMEOUT_S, GLOO, end_processes, own_process_group, snapshot_of
 
 from ampguard.cli import main
 
@@ -74,20 +74,10 @@ def _end(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
     """End the early jobs that still run, all at once: SIGTERM first (each ends its launches,
     whose workers sit in sessions of their own), one ``grace_s`` for them all, then SIGKILL to
     each one's process tree."""
-    import time
-
     running = [proc for proc in procs if proc.poll() is None]
     if running:
         print(f"\nending {len(running)} early job(s) (their torchrun launches)...", file=sys.stderr, flush=True)
-    for proc in running:
-        proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for proc in running:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            proc.wait()
+    end_processes(running, grace_s, group=False)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -397,23 +397,31 @@ def end_launches(launches: Iterable[Launch], grace_s: float = 10.0, close: bool 
     passes it on to its workers), one ``grace_s`` for them all, then SIGKILL to what is left
     (:func:`kill_tree`); with ``close``, their output files closed. (One at a time, 10 s each, a
     dozen launches at nice 19 kept a Ctrl-C'd suite silent for a minute.)"""
-    import time
-
     launches = list(launches)
-    running = [launch for launch in launches if launch.proc.poll() is None]
-    for launch in running:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(launch.proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for launch in running:
-        while launch.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if launch.proc.poll() is None:
-            kill_tree(launch.proc.pid)
-        launch.proc.wait()
+    end_processes([launch.proc for launch in launches], grace_s)
     for launch in launches if close else ():
         launch._out.close()
         launch._err.close()
+
+
+def end_processes(procs: Iterable[Any], grace_s: float, *, group: bool = True) -> None:
+    """End every process still running, all at once: SIGTERM to each one's process group (to the
+    process alone with ``group=False``: an early job, which ends its launches itself), one
+    ``grace_s`` for them all, then SIGKILL to each one's tree (:func:`kill_tree`) that is left."""
+    import subprocess
+    import time
+
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM) if group else proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait()
 
 
 EARLY_TIMEOUT_S = 900
@@ -455,13 +463,8 @@ def run_to_end(name: str, cmd: list[str], cwd: Path, *, timeout_s: float, env: d
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            out, err = proc.communicate()
+        end_processes([proc], 10.0)
+        out, err = proc.communicate()
         pytest.fail(f"{name} did not finish within {timeout_s:g} s\nstderr tail:\n{err[-3000:]}")
     return Ended(name, proc.returncode, out, err, cwd)
 
