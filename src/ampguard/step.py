@@ -545,6 +545,7 @@ class Guard:
         self._grads_made = False  # the open group's backwards made a gradient (its later ones must find it)
         self._stepped: tuple[str, ...] | None = None  # inside a close: the optimizers that stepped
         self._tail_found: torch.Tensor | None = None  # inside a sync-free close: the tail's skip flag
+        self._owed: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # inside a close: (names, skipped)
         _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -820,7 +821,7 @@ class Guard:
             self._group = names
             return None
         self._group = None
-        steps, self._stepped, self._tail_found = self.steps, None, None
+        steps, self._stepped, self._tail_found, self._owed = self.steps, None, None, None
         try:
             return self._finish_group_sync_free() if self.sync_free else self._finish_group(names)
         except BaseException as err:  # (free until something raises: no context manager on the hot path)
@@ -835,8 +836,20 @@ class Guard:
         for what the failed call left ("a gradient from a backward outside this guard", "after
         guard.unscale_()"). A step none of whose optimizers had stepped is not counted (the
         sync-free step's device count of updates is put back); one where some had stepped
-        stands, counted where they stepped. A note on ``err`` says which."""
+        stands, counted where they stepped, and when the user's code raised after it (another
+        optimizer's ``step()``, a skip hook) the step is settled as one that ran: the scale
+        updated (a partial skip's backoff is not lost) and the stepped optimizers' schedulers
+        stepped (theirs would lag their updates by one for the rest of the run). A note on
+        ``err`` says which."""
         stepped, self._stepped = self._stepped, None
+        owed, self._owed = self._owed, None
+        if stepped and owed is not None:
+            names, skipped = owed
+            try:
+                self.scaler.update()
+                self._step_schedulers([n for n in names if n in stepped or n in skipped], stepped)
+            except Exception as later:  # (the error the loop sees stays the first one)
+                err.add_note(f"ampguard: settling the step raised too: {later!r}")
         if stepped is None:
             self.steps = steps  # (nothing was applied: the step number is the next one's)
             if self._tail_found is not None:  # (the sync-free tail had advanced the count: undo it)
@@ -999,6 +1012,9 @@ class Guard:
                                  distributed.full_norm(grads.norm_of(self._union(applied)))) if applied else None
         elif factor is not None:
             grads.scale_(factor)
+        for name in skipped:
+            self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
+        self._owed = (names, skipped)  # (the user's code raising from here on: _dropped settles the step)
         _GUARD_STEPPING[0] += 1
         try:
             for name in applied:  # each counted as it steps: a failure after it leaves an update that stands
@@ -1009,17 +1025,11 @@ class Guard:
             _GUARD_STEPPING[0] -= 1
         if not skipped:
             self._updates += 1
-        for name in skipped:
-            self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
             hook(grads)
+        self._owed = None
         self.scaler.update()
-        for name in names:
-            for scheduler in self._schedulers[name]:
-                if name in applied or self.scheduler_on_skip == "step":
-                    scheduler.step()
-                if (epoch := _epoch_of(scheduler)) is not None:
-                    self._scheduler_epochs[id(scheduler)] = epoch
+        self._step_schedulers(names, applied)
         self._zero_grad()
         labels = {"optimizers": names, "skipped_optimizers": skipped} if len(self.optimizers) > 1 else {}
         # what the read brought, the scale after update() told on the host: a sink reads nothing more
@@ -1048,6 +1058,15 @@ class Guard:
             **labels,
             read=read,
         )
+
+    def _step_schedulers(self, names: Sequence[str], applied: Sequence[str]) -> None:
+        """Each named optimizer's schedulers, held where it skipped (``scheduler_on_skip="hold"``)."""
+        for name in names:
+            for scheduler in self._schedulers[name]:
+                if name in applied or self.scheduler_on_skip == "step":
+                    scheduler.step()
+                if (epoch := _epoch_of(scheduler)) is not None:
+                    self._scheduler_epochs[id(scheduler)] = epoch
 
     def _post_clip(self, pre: torch.Tensor, factor: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(post-clip norm, what the record's read carries for it)``: the norm itself when

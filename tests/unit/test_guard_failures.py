@@ -335,3 +335,53 @@ def test_a_backward_that_raises_after_a_finished_step_says_nothing_was_applied(s
     guard.step()
     assert "(nothing was applied)" in _out_of_memory_in_backward(model, guard, x)
     assert (guard.steps, guard.updates) == (1, 1)
+
+
+def _two_optimizers(precision: str, **kw) -> tuple[nn.Module, Guard, dict]:
+    """``a`` on the first layer, ``b`` on the second, each with a scheduler that halves its LR a step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    a, b = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1)
+    schedulers = {n: torch.optim.lr_scheduler.LambdaLR(o, lambda k: 0.5 ** k) for n, o in (("a", a), ("b", b))}
+    guard = Guard(model, {"a": a, "b": b}, precision=precision, scheduler=list(schedulers.values()),
+                  scaler=dict(init_scale=128.0, growth_factor=2.0, growth_interval=1), **kw)
+    return model, guard, schedulers
+
+
+def test_an_update_that_stands_after_another_optimizer_raised_steps_its_scheduler_and_the_scale():
+    # a stepped, then b's step raised: a's update stands (counted), but its scheduler was not
+    # stepped (its LR lagged its updates by one for the rest of the run) nor the scale updated
+    model, guard, schedulers = _two_optimizers("fp16")
+    assert "step 1's update of 'a' was applied" in _out_of_memory_in(guard.optimizers["b"], model, guard)
+    assert guard.applied == {"a": 1, "b": 0}
+    assert (schedulers["a"].last_epoch, schedulers["b"].last_epoch) == (1, 0)
+    assert guard.scaler.get_scale() == 256.0  # (a step that ran: the scale grows, growth_interval=1)
+    assert [r.step for r in _train(model, guard)] == [2]  # (no "your scheduler.step()" blamed)
+    assert guard.applied == {"a": 2, "b": 1}
+    assert (schedulers["a"].last_epoch, schedulers["b"].last_epoch) == (2, 1)
+    assert guard.optimizers["a"].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+
+
+@pytest.mark.parametrize("on_skip", ["hold", "step"])
+def test_a_skip_hook_that_raises_after_a_partial_skip_keeps_the_backoff_and_the_schedules(on_skip):
+    # b's gradients were inf, a's finite: a applied, b skipped; then a skip hook raised, and the
+    # scale was never backed off (the next step overflowed again) nor a's scheduler stepped
+    model, guard, schedulers = _two_optimizers("fp16", scheduler_on_skip=on_skip)
+
+    def broken(grads):
+        raise ValueError("a diagnostic's bug")
+
+    guard.skip_hooks.append(broken)
+    handle = model[1].weight.register_hook(lambda g: g * float("inf"))
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    guard.backward(loss)
+    with pytest.raises(ValueError, match="diagnostic's bug") as raised:
+        guard.step()
+    handle.remove()
+    assert "step 1's update of 'a' was applied, its record was not made" in raised.value.__notes__[0]
+    assert guard.applied == {"a": 1, "b": 0}
+    assert guard.scaler.get_scale() == 64.0  # backed off for b's overflow
+    assert (schedulers["a"].last_epoch, schedulers["b"].last_epoch) == (1, 1 if on_skip == "step" else 0)
+    guard.skip_hooks.clear()
+    assert [r.step for r in _train(model, guard)] == [2]
