@@ -224,9 +224,10 @@ def _watch_registrations() -> None:
 _GUARD_STEPPING = [0]
 """How many guards are inside their own ``optimizer.step()`` now (:func:`_refuse_stray_step`)."""
 
-_GUARDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Any]] = weakref.WeakKeyDictionary()
-"""Each optimizer a Guard holds -> the last Guard built over it (its step pre-hook is installed once;
-a new guard takes the optimizer over from one abandoned with a step open: a retried fit)."""
+_GUARDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+"""Each optimizer a Guard holds -> the last Guard built over it and that guard's copies (its step
+pre-hook is installed once; a new guard takes the optimizer over from one abandoned with a step
+open: a retried fit)."""
 
 
 def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -240,8 +241,8 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     one read of a counter."""
     if _GUARD_STEPPING[0]:
         return
-    guard = _GUARDED[optimizer]() if optimizer in _GUARDED else None
-    if guard is not None and (guard.micro_batches or guard.pending) and holds_gradients(optimizer):
+    guards = _GUARDED.get(optimizer, ())
+    if any(guard.micro_batches or guard.pending for guard in guards) and holds_gradients(optimizer):
         raise RuntimeError(f"{type(optimizer).__name__}.step() called outside the guard after guard.backward(): "
                            "it would apply gradients the guard has not checked or clipped, and guard.step() "
                            "steps the optimizer itself; remove your own optimizer.step() / "
@@ -267,14 +268,17 @@ def _epoch_of(scheduler: Any) -> int | None:
 def _hook_stray_steps(guard: Any, optimizers: Mapping[str, torch.optim.Optimizer], taken: bool = True) -> None:
     """Have :func:`_refuse_stray_step` watch ``optimizers`` for ``guard`` while it lives (an
     optimizer without torch's step hooks, one that only has ``param_groups``, is not watched);
-    ``taken=False``: not an optimizer another living guard watches already."""
+    ``taken=False`` (a copy): beside the guards that watch it already (a shallow copy shares the
+    original's optimizers: each of the two, while it lives, refuses for its own open step)."""
     for optimizer in optimizers.values():
         if not hasattr(optimizer, "register_step_pre_hook"):
             continue
         if _refuse_stray_step not in getattr(optimizer, "_optimizer_step_pre_hooks", {}).values():
             optimizer.register_step_pre_hook(_refuse_stray_step)  # (a copied optimizer holds the hook already)
-        if taken or optimizer not in _GUARDED or _GUARDED[optimizer]() is None:
-            _GUARDED[optimizer] = weakref.ref(guard)
+        if taken or optimizer not in _GUARDED:
+            _GUARDED[optimizer] = weakref.WeakSet([guard])
+        else:
+            _GUARDED[optimizer].add(guard)
 
 
 def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:

@@ -206,6 +206,23 @@ def test_a_shallow_copy_leaves_the_stray_step_refusal_with_the_original():
     del twin
 
 
+def test_a_shallow_copy_whose_original_was_collected_still_refuses_a_stray_step():
+    # the registry kept one guard per optimizer (the original's): once it was collected, the copy
+    # that lived on let `backward(); optimizer.step()` apply the unchecked gradients
+    import copy
+    import gc
+
+    model, guard = _guard("bf16")
+    twin = copy.copy(guard)
+    del guard
+    gc.collect()
+    with twin.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    twin.backward(loss)
+    with pytest.raises(RuntimeError, match="called outside the guard after guard.backward"):
+        twin.optimizer.step()
+
+
 def test_the_small_misuses_of_the_api_are_one_clear_line(tmp_path):
     # review_guard13 F9: an assert (gone under python -O), "found []", a module named '', a folder
     # taken for an existing file, a dict handed to write(), a skip reason outside the CSV's set
