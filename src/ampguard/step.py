@@ -250,6 +250,16 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                            "step self.optimizers(), not the raw torch optimizer)")
 
 
+_FINISHED: list[Any] = [None]
+"""The optimizer whose ``step()`` last finished its update (:func:`_mark_finished`, its first step
+post-hook): an error from the ``step()`` call after it is a later post-hook's, the update stands."""
+
+
+def _mark_finished(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _GUARD_STEPPING[0]:  # (the guard's own steps only; it lets go of the optimizer after each)
+        _FINISHED[0] = optimizer
+
+
 def holds_gradients(optimizer: Any) -> bool:
     """Whether any parameter ``optimizer`` holds has a gradient: for the refusals outside the step
     (the guard drops its own after each step, so none should be left there). O(parameters)."""
@@ -275,6 +285,13 @@ def _hook_stray_steps(guard: Any, optimizers: Mapping[str, torch.optim.Optimizer
             continue
         if _refuse_stray_step not in getattr(optimizer, "_optimizer_step_pre_hooks", {}).values():
             optimizer.register_step_pre_hook(_refuse_stray_step)  # (a copied optimizer holds the hook already)
+        posts = getattr(optimizer, "_optimizer_step_post_hooks", None)
+        if isinstance(posts, dict) and _mark_finished not in posts.values():  # (first: before any that may raise)
+            handle = optimizer.register_step_post_hook(_mark_finished)
+            others = [(k, h) for k, h in posts.items() if k != handle.id]
+            posts.clear()
+            posts[handle.id] = _mark_finished
+            posts.update(others)
         if taken or optimizer not in _GUARDED:
             _GUARDED[optimizer] = weakref.WeakSet([guard])
         else:
@@ -840,8 +857,10 @@ class Guard:
         for what the failed call left ("a gradient from a backward outside this guard", "after
         guard.unscale_()"). A step none of whose optimizers had stepped is not counted (the
         sync-free step's device count of updates is put back); one where some had stepped
-        stands, counted where they stepped, and when the user's code raised after it (another
-        optimizer's ``step()``, a skip hook) the step is settled as one that ran: the scale
+        stands, counted where they stepped (an optimizer whose update ran before one of its step
+        post-hooks raised among them: :func:`_mark_finished` tells), and when the user's code
+        raised after it (a post-hook, another optimizer's ``step()``, a skip hook) the step is
+        settled as one that ran: the scale
         updated (a partial skip's backoff is not lost) and the stepped optimizers' schedulers
         stepped (theirs would lag their updates by one for the rest of the run). A note on
         ``err`` says which."""
@@ -849,6 +868,8 @@ class Guard:
         owed, self._owed = self._owed, None
         if stepped and owed is not None:
             names, skipped = owed
+            if not skipped and len(stepped) == len(names):  # (every one stepped: a post-hook raised after)
+                self._updates += 1
             try:
                 self.scaler.update()
                 self._step_schedulers([n for n in names if n in stepped or n in skipped], stepped)
@@ -1023,10 +1044,14 @@ class Guard:
         try:
             for name in applied:  # each counted as it steps: a failure after it leaves an update that stands
                 self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
-                self._applied[name] += 1
-                self._stepped = (*(self._stepped or ()), name)
+                self._count_stepped(name)
+        except BaseException:
+            if _FINISHED[0] is self.optimizers[name]:  # (its update ran, a later step post-hook raised)
+                self._count_stepped(name)
+            raise
         finally:
             _GUARD_STEPPING[0] -= 1
+            _FINISHED[0] = None
         if not skipped:
             self._updates += 1
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
@@ -1062,6 +1087,10 @@ class Guard:
             **labels,
             read=read,
         )
+
+    def _count_stepped(self, name: str) -> None:
+        self._applied[name] += 1
+        self._stepped = (*(self._stepped or ()), name)
 
     def _step_schedulers(self, names: Sequence[str], applied: Sequence[str]) -> None:
         """Each named optimizer's schedulers, held where it skipped (``scheduler_on_skip="hold"``)."""
@@ -1108,8 +1137,15 @@ class Guard:
         _GUARD_STEPPING[0] += 1
         try:
             self.optimizer.step()
+        except BaseException:
+            if _FINISHED[0] is self.optimizer:  # its update ran, a step post-hook raised: the step stands
+                self._stepped = ()
+                self.scaler.add_found_inf_(self.optimizer, found, covers=True)
+                self.scaler.update()
+            raise
         finally:
             _GUARD_STEPPING[0] -= 1
+            _FINISHED[0] = None
             del self.optimizer.found_inf  # type: ignore[attr-defined]
         self._stepped = ()  # (stepped: what it applied, or skipped, is on the device, counted there)
         self.scaler.add_found_inf_(self.optimizer, found, covers=True)

@@ -402,3 +402,52 @@ def test_a_skip_hook_that_raises_after_a_partial_skip_keeps_the_backoff_and_the_
     assert (schedulers["a"].last_epoch, schedulers["b"].last_epoch) == (1, 1 if on_skip == "step" else 0)
     guard.skip_hooks.clear()
     assert [r.step for r in _train(model, guard)] == [2]
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_a_step_post_hook_that_raises_after_the_update_counts_it_as_applied(sync_free):
+    # the optimizer's update ran, then a post-hook of the user's raised (an EMA copy out of memory):
+    # the guard said "nothing was applied", reused the step number and held the schedule (sync-free:
+    # put the device count back, while fused Adam's own step count had moved)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    if sync_free:
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), fused=True)
+        guard = Guard(model, opt, precision="bf16", sync_free=True, lr_schedule=lambda n: 1.0 / (1.0 + n))
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
+        guard = Guard(model, opt, precision="bf16", scheduler=scheduler)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory (a stand-in)")
+
+    handle = opt.register_step_post_hook(out_of_memory)
+    before = [p.detach().clone() for p in model.parameters()]
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    guard.backward(loss)
+    with pytest.raises(RuntimeError, match="out of memory") as raised:
+        guard.step()
+    handle.remove()
+    assert "nothing was applied" not in raised.value.__notes__[0]
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # (applied)
+    assert (guard.steps, guard.updates) == (1, 1)
+    if not sync_free:
+        assert scheduler.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    record = _train(model, guard)[0]
+    assert record.step == 2 and guard.updates == 2
+    if sync_free:
+        assert record.values()["lr"] == pytest.approx(1e-3 / 2)  # (the schedule at one update)
+
+
+def test_the_guard_does_not_keep_an_optimizer_alive_after_its_step():
+    import gc
+    import weakref
+
+    model, guard = _guard("bf16")
+    _train(model, guard)
+    gone = weakref.ref(guard.optimizer)
+    del guard
+    gc.collect()
+    assert gone() is None
