@@ -591,6 +591,8 @@ class Result:
     stop: str = "fixed"
     stop_detail: str | None = None
     ops: int | None = None  # ops_per_step: the device operations one step dispatches
+    positions: list[int] = field(default_factory=list)  # its place in each round's order (0: ran first)
+    case_s: float | None = None  # the wall seconds the case's rounds took (all contenders)
 
     @property
     def half_width(self) -> float:
@@ -1110,6 +1112,8 @@ class _Rounds:
     done: int
     stop: str
     detail: str | None = None
+    positions: dict[str, list[int]] = field(default_factory=dict)  # each one's place in each round (0: first)
+    seconds: float | None = None  # the wall time the rounds took
 
 
 def _run_rounds(built: list[Contender], device: torch.device, case: str, *, steps: int, orders: list[list[int]],
@@ -1126,31 +1130,34 @@ def _run_rounds(built: list[Contender], device: torch.device, case: str, *, step
         >>> built = [Bare(_mlp(cpu), fp32, cpu, False), BareAgain(_mlp(cpu), fp32, cpu, False)]
         >>> ran = _run_rounds(built, cpu, "tiny-mlp fp32", steps=1, orders=balanced_orders(2), rounds=3,
         ...                   resolve=None, budget_s=None, max_rounds=1000)
-        >>> ran.done, ran.stop, [len(t) for t in ran.times.values()]
-        (3, 'fixed', [3, 3])
+        >>> ran.done, ran.stop, [len(t) for t in ran.times.values()], ran.positions
+        (3, 'fixed', [3, 3], {'bare loop': [0, 1, 0], 'bare loop (A/A)': [1, 0, 1]})
     """
     times: dict[str, list[float]] = {c.name: [] for c in built}
+    positions: dict[str, list[int]] = {c.name: [] for c in built}
     started, done, running = time.perf_counter(), 0, built[0]
     try:
         while True:
             order = orders[done % len(orders)]
             running = built[order[0]]
             running.step()  # untimed: the first contender's timed steps, too, follow a step of its own
-            for i in order:
+            for place, i in enumerate(order):
                 running = built[i]
                 times[running.name].append(_time_steps(running, steps, device))
+                positions[running.name].append(place)
             done += 1
             why = _stop_reason(times, done, rounds=rounds, cycle=len(orders), resolve=resolve, budget_s=budget_s,
                                max_rounds=max_rounds, started=started)
             if why is not None:
-                return _Rounds(times, done, why)
+                return _Rounds(times, done, why, positions=positions, seconds=time.perf_counter() - started)
     except KeyboardInterrupt:  # Ctrl-C, or the SIGTERM of a time limit (run()): the whole rounds so far
         stop, detail = INTERRUPTED, None
     except Exception as err:  # noqa: BLE001 - a failed step (a CUDA OOM, say) ends this case, not the bench
         stop, detail = ERROR, f"{_one_line(err)} ({running.name}, round {done + 1})"
         print(f"  {case}: {running.name} failed in round {done + 1} ({_one_line(err)}); "
               f"the case ends with its {done} whole rounds", flush=True)
-    return _Rounds({name: t[:done] for name, t in times.items()}, done, stop, detail)
+    return _Rounds({name: t[:done] for name, t in times.items()}, done, stop, detail,
+                   positions={name: p[:done] for name, p in positions.items()}, seconds=time.perf_counter() - started)
 
 
 def _stop_reason(times: dict[str, list[float]], done: int, *, rounds: int, cycle: int, resolve: float | None,
@@ -1213,7 +1220,8 @@ def _results(w: Workload, precision: Precision, ready: list[_Ready], ran: _Round
         name = r.contender.name
         med = statistics.median(times[name])
         res = Result(w.name, precision.name, name, med, min(times[name]), peak_mem_mib=r.peak_mem_mib,
-                     rounds=times[name], stop=ran.stop, stop_detail=ran.detail, ops=r.ops)
+                     rounds=times[name], stop=ran.stop, stop_detail=ran.detail, ops=r.ops,
+                     positions=ran.positions.get(name, []), case_s=ran.seconds)
         if w.tokens_per_step:
             res.tokens_per_s = w.tokens_per_step / (med / 1000)
             if peak_flops:
@@ -1507,8 +1515,10 @@ def machine(device: torch.device | None = None) -> str:
 def to_json(results: list[Result], resolve: float | None = None, settings: dict[str, Any] | None = None,
             device: torch.device | None = None, not_run: list[NotRun] = ()) -> str:
     """The machine, the run's settings, the resolution asked and every result as JSON
-    (``ampguard bench --json``): per contender its per-round times and ratios, the median ratio,
-    its interval and half-width, and why the rounds stopped (``stop``, with ``stop_detail``: an
+    (``ampguard bench --json``): per contender its per-round times and ratios, its place in each
+    round's order (``positions``, 0: it ran first; an order effect shows there), the seconds its
+    case's rounds took (``case_s``), the median ratio, its interval and half-width, and why the
+    rounds stopped (``stop``, with ``stop_detail``: an
     error's contender, round and message; ``null`` for the other stops). Not-a-number (no bare loop to
     compare with) is written ``null``. ``threads`` is the pinned CPU thread count (``null`` on
     CUDA, where nothing is pinned). ``not_run``: each case or contender left out, and why

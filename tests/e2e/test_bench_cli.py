@@ -38,6 +38,9 @@ def test_bench_json_and_bad_arguments(capsys):
     data = json.loads(out)  # stdout is the JSON alone; the progress lines went to stderr
     assert {r["contender"] for r in data["results"]} == {"bare loop", "ampguard + csv"}
     assert all(r["median_ms"] > 0 and len(r["rounds"]) == 2 for r in data["results"])
+    # each round's order (the balanced design: two contenders swap places) and the case's seconds
+    assert sorted(r["positions"] for r in data["results"]) == [[0, 1], [1, 0]]
+    assert len({r["case_s"] for r in data["results"]}) == 1 and data["results"][0]["case_s"] > 0
     assert main(["bench", "--models", "resnet"]) == 2
     assert main(["bench", "--precisions", "fp4"]) == 2
     err = capsys.readouterr().err
