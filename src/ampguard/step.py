@@ -599,8 +599,9 @@ class Guard:
         self._held = _parameter_count(self.optimizers)
         self._registered = _REGISTERED[0]
         # the first parameter's dtype: a model cast after Guard() (model.to(torch.bfloat16)) keeps
-        # its Parameter objects, so only their dtype tells
+        # its Parameter objects, so only their dtype tells (every one's, looked at less often)
         self._dtype = (self._owned[0][0], self._owned[0][0].dtype) if self._owned else None
+        self._dtypes = [p.dtype for p, _ in self._owned]
 
     def _abandon_group(self) -> None:
         """Drop the open group: its gradients, and what it unscaled forgotten (a restore; a
@@ -615,15 +616,18 @@ class Guard:
         """Whether what :meth:`_own` read may be out of date: the optimizers hold another number of
         parameters (``add_param_group``), a module or parameter was registered anywhere since
         (:data:`_REGISTERED`: an adapter added to the model without its optimizer), the first
-        parameter's dtype changed (the model cast after ``Guard()``), or, every
-        :data:`UNFROZEN_EVERY` groups, a parameter no optimizer holds requires grad again. O(1) but
-        that last look, O(parameters no optimizer holds) spread over those groups: a frozen
-        backbone's thousands of tensors cost ~45 ns each to look at."""
+        parameter's dtype changed (the model cast after ``Guard()``), or, at the first group and
+        every :data:`UNFROZEN_EVERY` groups, a parameter no optimizer holds requires grad again or
+        any parameter's dtype changed (one layer cast alone: ``model[2].to(torch.bfloat16)``). O(1)
+        but those looks, O(parameters) spread over the groups: a frozen backbone's thousands of
+        tensors cost ~45 ns each to look at."""
         if _parameter_count(self.optimizers) != self._held or _REGISTERED[0] != self._registered:
             return True
         if self._dtype is not None and self._dtype[0].dtype != self._dtype[1]:  # (checked again as at Guard())
             return True
-        return self.steps % UNFROZEN_EVERY == 0 and any(p.requires_grad for p in self._unowned)
+        return self.steps % UNFROZEN_EVERY == 0 and (
+            any(p.requires_grad for p in self._unowned)
+            or any(p.dtype != dtype for (p, _), dtype in zip(self._owned, self._dtypes)))
 
     def _own_again(self) -> None:
         """The optimizers' parameters changed since they were read (``add_param_group`` mid-run:
