@@ -1,8 +1,11 @@
 """ampguard's guarded step inside an Accelerate script: Accelerate places and wraps (DDP), ampguard
 does the AMP (``mixed_precision="no"`` for Accelerate), every process skips the same steps.
 
-    accelerate launch --cpu --num_processes 2 --mixed_precision no examples/accelerate_guard.py \\
-        --precision bf16 --steps 12 --csv steps.csv --inf-at 5 --inf-rank 1
+    accelerate launch --multi_gpu --num_processes 2 --mixed_precision no --main_process_port 0 \\
+        examples/accelerate_guard.py --precision bf16 --steps 12 --csv steps.csv --inf-at 5 --inf-rank 1
+
+(``--cpu`` with several processes wants MPI and starts one process: ``--multi_gpu`` starts them,
+and the script asks for the CPU when there is no GPU.)
 
 ``--inf-at N --inf-rank R`` writes inf into one gradient on process R alone at step N: the guard's
 one all-reduce per step (``ampguard.distributed.agree``) makes it a skip on every process, so the

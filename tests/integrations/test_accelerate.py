@@ -194,3 +194,62 @@ def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(tm
     lrs = [float(r["lr"]) for r in rows]
     assert lrs[1] < lrs[2] == lrs[3] < lrs[4]  # the warm-up held on the skipped step
     assert not list(done.cwd.glob("*.csv.*"))
+
+
+def _guarded_run(folder: Path, micro_batches: int, *, load: Path | None = None, **accelerator_kw):
+    """A fresh accelerator, model and guard (fp16, accumulation 2, a low first scale so it moves),
+    ``load_state(load)`` if given, then ``micro_batches`` micro-batches: ``(accelerator, model, guard)``."""
+    torch.manual_seed(0)
+    accelerator = accelerate.Accelerator(cpu=True, project_dir=str(folder), **accelerator_kw)
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    guard = make_guard(accelerator, model, optimizer, precision="fp16", accumulation_steps=2,
+                       scaler={"init_scale": 8.0, "growth_interval": 1})
+    if load is not None:
+        accelerator.load_state(str(load))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(micro_batches):
+        with guard.autocast():
+            loss = model(x).square().mean()
+        guard.backward(loss)
+        guard.step()
+    return accelerator, model, guard
+
+
+def test_save_state_inside_a_group_keeps_the_last_closed_step_and_deletes_no_checkpoint(tmp_path):
+    # make_guard left the guard for the user to register; its state_dict() refused inside a group,
+    # but Accelerate asks for it only after deleting old checkpoints (total_limit) and writing the
+    # model's files: the one good checkpoint was gone and the new one could not be loaded
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
+    try:
+        accelerator, model, guard = _guarded_run(tmp_path, 3, project_config=config)  # steps 1, then 1 of 2
+        assert (guard.steps, guard.mid_group, guard.scaler.get_scale()) == (1, True, 16.0)
+        weights = model.weight.detach().clone()
+        with pytest.raises(ValueError, match="make_guard registered the guard's state already"):
+            accelerator.register_for_checkpointing(guard)
+        accelerator.save_state()  # mid-group: no refusal
+        saved = sorted((tmp_path / "checkpoints").iterdir())
+        assert [p.name for p in saved] == ["checkpoint_0"]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        _, model, guard = _guarded_run(tmp_path / "again", 0, load=saved[0])
+        assert (guard.steps, guard.updates, guard.mid_group, guard.scaler.get_scale()) == (1, 1, False, 16.0)
+        assert torch.equal(model.weight.detach(), weights)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_make_guard_twice_on_one_accelerator_keeps_one_checkpointed_guard_state(accelerator, tmp_path):
+    # a rerun notebook cell: a second GuardState beside the first made a checkpoint another
+    # script (one make_guard) could not load ("number of custom checkpoints ... does not match")
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    make_guard(accelerator, model, optimizer, precision="bf16")
+    second = make_guard(accelerator, model, optimizer, precision="bf16")
+    assert [type(o).__name__ for o in accelerator._custom_objects] == ["GuardState"]
+    assert accelerator._custom_objects[0].guard is second
+    accelerator.register_for_checkpointing(torch.optim.lr_scheduler.StepLR(optimizer, 1))  # others still go in
+    assert len(accelerator._custom_objects) == 2

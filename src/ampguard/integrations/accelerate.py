@@ -83,6 +83,13 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, **settings: Any) ->
     with no scaler of its own, would clip the guard's still-scaled fp16 gradients (the updates
     shrink by the scale, silently) or clip twice, hiding the pre-clip norm.
 
+    The guard's state (loss scale, counters) is registered for ``accelerator.save_state()`` /
+    ``load_state()`` (make the guard before ``load_state()``): inside an accumulation group the
+    last closed step's, which is what the model and optimizer files hold then (the open group's
+    micro-batches are not kept: a resume begins a new group). Registering the guard itself as
+    well is refused: its ``state_dict()`` refuses inside a group, and Accelerate asks for it
+    only after it has deleted old checkpoints (``total_limit``) and written the model's files.
+
     Example::
 
         >>> from types import SimpleNamespace
@@ -116,7 +123,61 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, **settings: Any) ->
     for name in ("clip_grad_norm_", "clip_grad_value_"):
         if hasattr(accelerator, name):
             setattr(accelerator, name, _refused(name))  # (this accelerator's own attribute, not the class's)
+    if hasattr(accelerator, "register_for_checkpointing"):
+        _register(accelerator, GuardState(guard))
     return guard
+
+
+class GuardState:
+    """What ``accelerator.save_state()`` keeps of a guard (:func:`make_guard` registers it): its
+    ``state_dict(mid_group=True)``, the last closed step's, so a save between micro-batches keeps
+    the state the model and optimizer files are in; ``load_state()`` restores it (and drops an
+    open group).
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32",
+        ...               accumulation_steps=2)
+        >>> guard.backward(model(torch.ones(1, 2)).sum()); guard.step()  # one micro-batch of two
+        >>> saved = GuardState(guard).state_dict()
+        >>> saved["step"], guard.mid_group
+        (0, True)
+    """
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.guard.state_dict(mid_group=True)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.guard.load_state_dict(state)
+
+
+def _register(accelerator: Any, state: GuardState) -> None:
+    """Register ``state`` for the accelerator's checkpoints, in the place of one an earlier
+    :func:`make_guard` on this accelerator registered (the same index: a rerun cell in a notebook
+    must not add a custom checkpoint the saved folder lacks); and refuse the guard itself there."""
+    objects = getattr(accelerator, "_custom_objects", None)
+    earlier = [i for i, o in enumerate(objects or ()) if isinstance(o, GuardState)]
+    if earlier:
+        objects[earlier[0]] = state
+    else:
+        accelerator.register_for_checkpointing(state)
+    if getattr(accelerator.register_for_checkpointing, "_ampguard", False):
+        return
+    register = accelerator.register_for_checkpointing
+
+    def refusing(*objects: Any) -> Any:
+        if any(isinstance(o, Guard) for o in objects):
+            raise ValueError("accelerator.register_for_checkpointing(guard): make_guard registered the guard's "
+                             "state already (inside an accumulation group the guard itself refuses to be saved, "
+                             "after Accelerate has deleted old checkpoints); remove the call")
+        return register(*objects)
+
+    refusing._ampguard = True  # type: ignore[attr-defined]
+    accelerator.register_for_checkpointing = refusing  # (this accelerator's own attribute, not the class's)
 
 
 def _refused(name: str) -> Any:
