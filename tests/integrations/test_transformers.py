@@ -577,3 +577,33 @@ def test_a_custom_optimizer_over_part_of_the_model_trains_with_frozen_ignore(tmp
     assert guarded.guard.updates == 2 and torch.equal(model.transformer.wte.weight, embedding)
     with pytest.raises(ValueError, match=r"^frozen must be 'refuse' or 'ignore', got 'skip'"):
         GuardedTrainer(model=model, args=arguments(tmp_path, "bf16"), train_dataset=token_ids(8), frozen="skip")
+
+
+@pytest.mark.parametrize("trainer_class", ["GuardedTrainer", "Trainer + callback"])
+def test_auto_find_batch_size_retries_after_an_out_of_memory_and_the_run_goes_on(tmp_path, trainer_class):
+    # HF begins the training loop again with half the batch after an out-of-memory; each attempt
+    # calls on_train_begin, which refused the CSV its first attempt had made ("already exists")
+    model = tiny_gpt2()
+
+    def out_of_memory(module, args, kwargs):
+        if module.training and kwargs["input_ids"].shape[0] > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB (a stand-in)")
+
+    model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+    settings = dict(model=model, args=arguments(tmp_path, "bf16", steps=4, auto_find_batch_size=True),
+                    train_dataset=token_ids())
+    if trainer_class == "GuardedTrainer":
+        trainer = GuardedTrainer(**settings)
+    else:
+        trainer = Trainer(**settings, callbacks=[AmpGuardCallback()])
+    trainer.train()
+    assert (trainer.state.global_step, trainer.state.train_batch_size) == (4, 2)
+    folder = tmp_path / "out" / "ampguard"
+    assert [int(r["step"]) for r in read_rows(folder / "steps.csv")] == [1, 2, 3, 4]
+    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    retry = [e for e in events if e["event"] == "retry"]
+    assert retry and all(e["step"] == 0 for e in retry)  # (HF tries 3, then 2)
+    assert "train batch size of 2" in retry[-1]["message"]
+    assert json.loads((folder / "summary.json").read_text())["steps"] == 4
+    if trainer_class == "GuardedTrainer":
+        assert trainer.guard.steps == 4

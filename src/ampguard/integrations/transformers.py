@@ -167,6 +167,7 @@ class AmpGuardCallback(TrainerCallback):
         self._resume: tuple[int, dict[str, Any] | None, str] | None = None
         self.crash: BaseException | None = None  # the error that ended train(), if one did (GuardedTrainer)
         self._ended = False  # run_end and summary.json written
+        self._batch: int | None = None  # the train batch size of this train()'s last attempt (auto_find_batch_size)
 
     @property
     def exit_code(self) -> int:
@@ -229,6 +230,13 @@ class AmpGuardCallback(TrainerCallback):
             init_scale=(self._scaler or {}).get("init_scale"), min_scale=(self._scaler or {}).get("min_scale", 1.0),
             min_steps=self.min_steps)
         resume, self._resume = self._resume, None
+        # HF's auto_find_batch_size begins the loop again, with half the batch, after an out-of-memory:
+        # the files this train() opened are still open (no run_end); they go on, cut back to the new
+        # attempt's first step (a fresh run refused its own CSV as "already exists")
+        still_open = self._csv is not None or self._events is not None  # (no run_end: the last attempt's)
+        retry = still_open and bool(getattr(args, "auto_find_batch_size", False)) and (
+            (state.train_batch_size or 0) < (self._batch or 0) or resume is not None)
+        self._batch = state.train_batch_size
         if resume is not None and resume[1] is not None:  # before any file changes: a state that does not fit is refused
             try:
                 monitor.load_state_dict(resume[1])
@@ -236,14 +244,25 @@ class AmpGuardCallback(TrainerCallback):
                 raise InputError(f"{resume[2]}/{STATE_NAME}: the monitor's state does not fit this callback: "
                                  f"{first_line(err)}") from None
         self.monitor, self.failed, self.crash, self.ended, self._ended = monitor, None, None, "", False
+        if still_open:  # (a train() a stock Trainer ended with an error, unseen, left them open too)
+            for sink in (self._csv, self._events):
+                if sink is not None:
+                    sink.close()
+            self._csv = self._events = None
         if state.is_world_process_zero:
             folder = self.out_dir or Path(args.output_dir) / "ampguard"
             folder.mkdir(parents=True, exist_ok=True)
             # a resume appends (the CSV cut after the checkpoint's step); a fresh run refuses an existing file
-            self._csv = CsvSink(folder / CSV_NAME, append=resume is not None,
-                                keep_through=resume[0] if resume is not None else None)
-            self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=resume is not None)
+            goes_on = resume is not None or retry
+            self._csv = CsvSink(folder / CSV_NAME, append=goes_on,
+                                keep_through=resume[0] if resume is not None else state.global_step if retry else None)
+            self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=goes_on)
             self.out_dir = folder
+        if retry:
+            self._emit({"step": state.global_step, "event": "retry", "message": (
+                f"the training loop began again at step {state.global_step} with a train batch size of "
+                f"{state.train_batch_size} (auto_find_batch_size, after an out-of-memory): the CSV's later rows "
+                "were cut and the monitor starts afresh")}, "RETRY")
         if resume is not None:
             step, saved, source = resume
             note = "" if saved is not None else (
@@ -451,6 +470,12 @@ class GuardedTrainer(Trainer):
         self.record: StepRecord | None = None  # the last closed step's record
         # evaluation's autocast: the training precision on the Trainer's device (see autocast_smart_context_manager)
         self.precision = Precision(precision_of(self.args), self.args.device.type)
+
+    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """Each attempt builds its guard (``auto_find_batch_size`` begins the loop again after an
+        out-of-memory, over a new optimizer, from step 0 or the checkpoint again)."""
+        self.guard, self.record = None, None
+        return super()._inner_training_loop(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; an error that ends it (a Ctrl-C included) is first written to the
