@@ -761,3 +761,67 @@ def test_a_tuner_fit_with_the_csv_plugin_says_so_when_the_real_fit_is_refused(tm
     with pytest.raises(ValueError, match=r"\(that fit was the Tuner's: lr_find and scale_batch_size fit through the "
                                          r"plugin, .*tune with a Trainer whose plugin has no csv or sinks\)"):
         trainer.fit(module)
+
+
+class SometimesNone(Digits):
+    """``training_step`` returns None (Lightning's "skip this batch") for the optimizer steps in ``none``."""
+
+    def __init__(self, none, **kw):
+        super().__init__(**kw)
+        self.none = set(none)
+
+    def training_step(self, batch, batch_idx):
+        return None if self.trainer.global_step + 1 in self.none else super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("none", [{1}, {3}])
+def test_a_training_step_returning_none_is_skipped_as_lightning_skips_it(tmp_path, none):
+    # the plugin stopped the fit with a RuntimeError where Lightning itself skips the optimizer step
+    path = tmp_path / "steps.csv"
+    module = SometimesNone(none)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Lightning's "training_step returned None" warning)
+        trainer = fit(module, plugin := AmpGuardPlugin("bf16-mixed", csv=path), steps=5)
+    (k,) = none
+    assert trainer.global_step == 5
+    assert [int(r["step"]) for r in rows(path)] == [s for s in range(1, 6) if s != k]
+    assert same(module.after[k], module.after[k - 1])  # nothing applied
+    assert (plugin.guard.steps, plugin.guard.updates) == (5, 4)
+    assert module.lr_schedulers().last_epoch == 5  # stepped as Lightning steps it, once per counted step
+    plain = SometimesNone(none)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(plain, MixedPrecision("bf16-mixed", "cpu"), steps=5)
+    assert same(module.after[5], plain.after[5])  # bit for bit Lightning's own run
+
+
+def test_validate_with_a_checkpoint_after_a_fit_leaves_the_fits_guard_alone(tmp_path):
+    # Lightning restores the precision plugin's state for validate/test too: plugin.guard and
+    # plugin.monitor went back to the checkpoint's step while plugin.records described the fit
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Validated(Digits):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+    plugin = AmpGuardPlugin("bf16-mixed")
+    module = Validated()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = fit(module, plugin, steps=6, enable_checkpointing=True, callbacks=[checkpoints])
+    assert (plugin.guard.steps, plugin.monitor.steps) == (6, 6)
+    trainer.validate(module, loader(n=64), ckpt_path=str(tmp_path / "step=2.ckpt"), verbose=False)
+    assert (plugin.guard.steps, plugin.monitor.steps, len(plugin.records)) == (6, 6, 6)
+
+
+def test_the_fp16_scale_has_ampguard_trains_floor_so_its_collapse_is_seen(tmp_path):
+    # the plugin's floor was PyTorch's 2**-126: ~140 skips in a row before scale_alert could rise
+    plugin = AmpGuardPlugin("16-mixed", scaler={"init_scale": 4.0}, min_steps=0, fail_on_scale_collapse=True,
+                            fail_after=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the ALERTs are warnings)
+        fit(Digits(faults=["inf_grad@every:1"]), plugin, steps=20)
+    assert plugin.guard.scaler.get_min_scale() == 1.0
+    assert [r.scaler_scale for r in list(plugin.records)[:3]] == [2.0, 1.0, 1.0]
+    assert plugin.stop_reason is not None and "scale" in plugin.stop_reason
+    assert len(plugin.records) < 20

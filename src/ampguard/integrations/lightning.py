@@ -139,7 +139,9 @@ class AmpGuardPlugin(_LightningPrecision):
             (``Trainer(log_every_n_steps=...)``: logging costs milliseconds per key; the CSV and
             sinks get every step).
         scaler: a ``torch.amp.GradScaler``'s keyword arguments (``init_scale``, ``growth_interval``,
-            ``min_scale``, ...) for fp16.
+            ...) for fp16, and ``min_scale``, the scale's floor: 1.0 unless given, as in
+            ``ampguard train`` (at the floor the ``scale_alert`` rises, and with
+            ``fail_on_scale_collapse`` a run still skipping there stops).
         window, alert_rate, clear_rate, fail_rate, fail_after, fail_on_scale_collapse, min_steps: the
             :class:`~ampguard.monitor.RunMonitor`'s settings; with ``fail_rate`` set, a skip rate
             above it for ``fail_after`` consecutive steps stops the trainer at that step (its
@@ -191,7 +193,9 @@ class AmpGuardPlugin(_LightningPrecision):
         self.csv = Path(csv) if csv is not None else None
         self.extra_sinks = list(sinks)
         self.log = log
-        self.scaler_settings = dict(scaler or {})
+        # ampguard train's and GuardedTrainer's floor: the scale never falls below 1.0 (a floor of
+        # 2**-126 took ~140 skips in a row to reach, so scale_alert and fail_on_scale_collapse never came)
+        self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if self.name == "fp16" else dict(scaler or {})
         self.monitor_settings = dict(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,
                                      fail_after=fail_after, fail_on_scale_collapse=fail_on_scale_collapse,
                                      min_steps=min_steps)
@@ -511,6 +515,16 @@ class AmpGuardPlugin(_LightningPrecision):
         """The closure (training_step, backward), the hooks, then the guarded step and its record."""
         closure_result = closure()
         guard = self.guard
+        if (guard is None or not guard.pending) and model.automatic_optimization and closure_result is None:
+            # training_step returned None: no backward ran, and Lightning skips the optimizer step
+            # (MixedPrecision: no scaler.step) but counts it; so does the plugin: no record, no
+            # update, the step-interval schedulers step as Lightning steps them, and the guard's
+            # numbering moves on with Lightning's global_step (the next record is its step)
+            self._after_closure(model, optimizer)
+            self._hold = False
+            if guard is not None:
+                guard.steps += 1
+            return closure_result
         if guard is None or not guard.pending:
             if not model.automatic_optimization:
                 raise RuntimeError("AmpGuardPlugin: opt.step() without a manual_backward(loss) since the last "
@@ -519,8 +533,8 @@ class AmpGuardPlugin(_LightningPrecision):
                                    "optimizers, manual_backward(loss) then o1.step() and o2.step(), is not covered: "
                                    "the first step drops every gradient; put both parameter sets in one optimizer, "
                                    "as param groups)")
-            raise RuntimeError("AmpGuardPlugin: no backward ran before this optimizer step (training_step "
-                               "returned None?); the guard needs a loss on every step")
+            raise RuntimeError("AmpGuardPlugin: no backward ran before this optimizer step, though training_step "
+                               "returned a loss (a backward of Lightning's skipped, or the closure ran elsewhere?)")
         names = () if len(guard.optimizers) == 1 else (optimizer,)
         guard.unscale_(*names)  # so on_before_optimizer_step sees true gradients
         self._after_closure(model, optimizer)
@@ -613,8 +627,11 @@ class AmpGuardPlugin(_LightningPrecision):
         return {**guard.state_dict(mid_group=True), "accumulation_steps": self._accumulation}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restored when Lightning resumes (``ckpt_path``); the CSV then appends after its step."""
-        if not state_dict:
+        """Restored when Lightning resumes (``ckpt_path``); the CSV then appends after its step.
+        Outside a fit (``trainer.validate/test/predict(ckpt_path=...)``, for which Lightning
+        restores it too) it is left alone: :attr:`guard`, :attr:`monitor` and :attr:`records`
+        stay the last fit's."""
+        if not state_dict or self._fitting is None:
             return
         self._loaded = dict(state_dict)
         if self.guard is not None:
