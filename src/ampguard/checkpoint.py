@@ -557,19 +557,31 @@ def remove_partial(folder: str | os.PathLike, keep_pid: int | None = None) -> li
     return removed
 
 
-def prune(folder: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints.
+def prune(folder: str | os.PathLike, keep: int, hold: int | None = None) -> None:
+    """Delete all but the newest ``keep`` checkpoints; with ``hold``, none from the newest one at
+    or before step ``hold`` on, and none at all while none is that old (a rollback that looks back
+    past ``hold`` may return to any of them).
 
     Example::
 
         >>> import shutil, tempfile
         >>> folder = Path(tempfile.mkdtemp())
-        >>> for step in (1, 2, 3, 4):
+        >>> for step in (1, 2, 3, 4, 5, 6):
         ...     _ = (folder / checkpoint_name(step)).write_bytes(b"")
+        >>> prune(folder, keep=2, hold=3)
+        >>> [p.name for p in list_checkpoints(folder)]
+        ['step-00000003.pt', 'step-00000004.pt', 'step-00000005.pt', 'step-00000006.pt']
+        >>> prune(folder, keep=1, hold=0)
+        >>> len(list_checkpoints(folder))
+        4
         >>> prune(folder, keep=2)
         >>> [p.name for p in list_checkpoints(folder)]
-        ['step-00000003.pt', 'step-00000004.pt']
+        ['step-00000005.pt', 'step-00000006.pt']
         >>> shutil.rmtree(folder)
     """
-    for path in list_checkpoints(folder)[:-keep]:
+    paths = list_checkpoints(folder)
+    cut = max(len(paths) - keep, 0)
+    if hold is not None:  # (from the newest one at or before hold on; every one while none is that old)
+        cut = min(cut, max((i for i, p in enumerate(paths) if checkpoint_step(p) <= hold), default=0))
+    for path in paths[:cut]:
         path.unlink(missing_ok=True)

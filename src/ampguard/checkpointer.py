@@ -330,6 +330,9 @@ class CheckpointManager:
         parts: payload key -> stateful part, restored in this order (model before optimizer;
             the step's monitors must be registered before it loads).
         keep: how many of the newest checkpoints to keep.
+        hold: the step a save is made at -> the newest step whose checkpoint must stay too (a
+            rollback that looks back returns before it: :func:`~ampguard.guards.rollback_reach`),
+            or None.
         meta: extra payload entries that identify a checkpoint (config, precision, world size,
             run id, ...), read at each save; they are checked on resume, never restored. The step
             is ``save``'s argument, the same number as in the file's name.
@@ -341,11 +344,13 @@ class CheckpointManager:
 
     def __init__(self, folder: Path | None, parts: Mapping[str, Stateful], *, keep: int,
                  meta: Callable[[], dict[str, Any]] = dict, dist: distributed.DistInfo | None = None,
-                 check: Callable[[Loaded], None] | None = None) -> None:
+                 check: Callable[[Loaded], None] | None = None,
+                 hold: Callable[[int], int | None] | None = None) -> None:
         self.dist = dist or distributed.DistInfo()
         self.folder = folder
         self.parts = dict(parts)
         self.keep = keep
+        self.hold = hold
         self.meta = meta
         self.check = check
         self.failed: DiskFull | None = None
@@ -357,7 +362,7 @@ class CheckpointManager:
         return self.folder is not None
 
     def save(self, step: int) -> Path | None:
-        """Write ``step-<step>.pt`` (atomic), prune to ``keep``, delete partial saves other
+        """Write ``step-<step>.pt`` (atomic), prune to ``keep`` (and ``hold``), delete partial saves other
         processes left (:func:`ckpt.remove_partial`); the path on rank 0, else None. Every rank
         must call it: FSDP2 state dicts and the RNGs are gathered."""
         if self.folder is None:
@@ -372,7 +377,7 @@ class CheckpointManager:
             except DiskFull as full:  # the file never took its name: earlier checkpoints are whole
                 self.failed = self.failed or full
             else:
-                ckpt.prune(self.folder, self.keep)
+                ckpt.prune(self.folder, self.keep, self.hold(step) if self.hold is not None else None)
                 ckpt.remove_partial(self.folder, keep_pid=os.getpid())
                 self.saved = ckpt.list_checkpoints(self.folder)
         distributed.barrier()  # no rank reads checkpoints (a rollback) before rank 0 has written them

@@ -749,7 +749,9 @@ class CheckpointConfig(_Section):
     every: Count0 = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     keep: Count = 3
-    """How many recent checkpoints to keep (>= 1)."""
+    """How many recent checkpoints to keep (>= 1). With ``rollback.triggers`` that look back
+    (``skip_guard``: ``monitor.fail_after`` steps; ``val_regression``: to the evaluation before)
+    every checkpoint such a rollback may return to is kept too (up to look-back / ``every`` + 1)."""
 
 
 VALIDATION_PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp8")

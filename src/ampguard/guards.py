@@ -24,6 +24,8 @@ its finding.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
@@ -173,6 +175,31 @@ class Guards:
             if value > best + margin else None
 
 
+def rollback_reach(config: Config, step: int) -> int | None:
+    """The newest step whose checkpoint a rollback decided after ``step`` may return to, when a
+    trigger looks back (``None`` for none: a loss spike returns to the newest checkpoint before
+    it): ``skip_guard`` returns before the first of the ``monitor.fail_after`` steps its guard
+    failed on, ``val_regression`` to the evaluation before the one that regressed. The pruning
+    keeps that checkpoint and the ones after it beside the newest ``checkpoint.keep`` (with
+    ``checkpoint.every`` 5, keep 3 and ``fail_after`` 20 the skip guard found none left to roll
+    back to): up to ``fail_after / checkpoint.every + 1`` of them.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> both = validate({"rollback": {"triggers": ["skip_guard", "val_regression"]}, "checkpoint": {"every": 5},
+        ...                  "eval": {"every": 20}, "monitor": {"fail_after": 30, "fail_rate": 0.5}})
+        >>> rollback_reach(both, 45), rollback_reach(both, 60), rollback_reach(validate({}), 60)
+        (15, 30, None)
+    """
+    reach = []
+    if SKIP_GUARD in config.rollback.triggers:  # a failure at the next step: bad from step - fail_after + 1 on
+        reach.append(step - config.monitor.fail_after)
+    if VAL_REGRESSION in config.rollback.triggers and config.eval.every > 0:  # (an evaluation at this step too)
+        reach.append((step - 1) // config.eval.every * config.eval.every)
+    return min(reach) if reach else None
+
+
 def check_val_metric(config: Config, metrics: tuple[str, ...]) -> str | None:
     """The metric the ``val_regression`` trigger watches (None when the trigger is off); a task
     without held-out metrics, or a ``rollback.val_metric`` it does not report, is one
@@ -204,6 +231,35 @@ def check_val_metric(config: Config, metrics: tuple[str, ...]) -> str | None:
         raise ConfigError(f"config: rollback.val_mode: is {name} better higher or lower? its name does not say: set "
                           "rollback.val_mode to max or min")
     return name
+
+
+def _keep_base(evidence: Path, checkpoint: Path) -> Path | None:
+    """The checkpoint a rollback returned to, kept beside its evidence as
+    ``rollback/step-N.checkpoint.pt`` (a hard link: no space; a copy where the file system has
+    none): ``ampguard locate --batch rollback/step-N.pt --checkpoint rollback/step-N.checkpoint.pt``
+    replays the batches on those weights after the pruning has deleted the checkpoint itself.
+    None (said nowhere else) when neither can be made: the evidence stands without it.
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = (folder / "step-00000010.pt").write_bytes(b"weights")
+        >>> (folder / "rollback").mkdir()
+        >>> kept = _keep_base(folder / "rollback" / "step-15.pt", folder / "step-00000010.pt")
+        >>> kept.name, kept.read_bytes()
+        ('step-15.checkpoint.pt', b'weights')
+    """
+    base = evidence.with_name(f"{evidence.stem}.checkpoint.pt")
+    try:
+        os.link(checkpoint, base)
+    except OSError:
+        try:
+            shutil.copyfile(checkpoint, base)
+        except OSError:
+            base.unlink(missing_ok=True)
+            return None
+    return base
 
 
 class TriggerBatches:
@@ -315,7 +371,7 @@ class Rollbacks:
         >>> [" ".join(line.split()[:2]) for line in lines]
         ['STEP 1', 'STEP 2', 'STEP 3', 'STEP 4', 'STEP 5', 'ROLLBACK 5', 'STEP 6', 'EVAL 6']
         >>> result.ended, result.rollbacks  # doctest: +ELLIPSIS
-        ('finished: 6 steps', ['step 5: loss spike (... > mean + 6 std): rolled back to step-00000004.pt (step 4) ...'])
+        ('finished: 6 steps', ['step 5: loss spike (... > mean + 6 std): rolled back to step-00000004.pt (step 4); ...'])
         >>> shutil.rmtree(folder)
     """
 
@@ -363,12 +419,13 @@ class Rollbacks:
             >>> trainer.state.steps, trainer.data.position, torch.equal(trainer.task.model.weight, weights)
             (3, 3, True)
             >>> lines  # doctest: +NORMALIZE_WHITESPACE
-            ['ROLLBACK 3 loss spike: rolled back to step-00000002.pt (step 2) and skipped 1 batch
-              (data position 3 -> 3); batches saved to rollback/step-3.pt']
+            ['ROLLBACK 3 loss spike: rolled back to step-00000002.pt (step 2); the data goes on at position 3,
+              1 batch past the checkpoint (at 2); batches saved to rollback/step-3.pt (their weights:
+              rollback/step-3.checkpoint.pt)']
             >>> trainer.monitor.updates, trainer.state.updates  # step 3's update was undone
             (2, 2)
             >>> sorted(p.name for p in (folder / "a" / "rollback").iterdir())
-            ['step-3.pt']
+            ['step-3.checkpoint.pt', 'step-3.pt']
             >>> stop = trainer.rollbacks.apply(Rollback(2, "loss spike", LOSS_SPIKE))  # nothing saved before step 2
             >>> type(stop).__name__, stop.kind, int(stop.exit_code)
             ('Stop', 'no_checkpoint', 3)
@@ -405,13 +462,16 @@ class Rollbacks:
         old, saved = self.data.position, int(loaded.payload[DATA])
         # never back onto the triggering step's own micro-batches (they end at the current position)
         self.data.seek(max(saved + self.cfg.skip_batches, old))
-        message = (f"{decision.why}: rolled back to {loaded.path.name} (step {loaded.step}) and skipped "
-                   f"{counted(self.data.position - saved, 'batch', 'batches')} (data position {old} -> "
-                   f"{self.data.position})")
+        message = (f"{decision.why}: rolled back to {loaded.path.name} (step {loaded.step}); the data goes on at "
+                   f"position {self.data.position}, {counted(self.data.position - saved, 'batch', 'batches')} past "
+                   f"the checkpoint (at {saved})")
         if self.cfg.lr_factor != 1.0 and lr is not None:
             message += f"; lr {lr:.4g} (rollback.lr_factor {self.cfg.lr_factor:g})"
+        base = _keep_base(evidence, loaded.path) if evidence is not None else None
         if evidence is not None:
             message += f"; batches saved to rollback/{evidence.name}"
+            if base is not None:
+                message += f" (their weights: rollback/{base.name})"
         self.log.append(f"step {step}: {message}")
         self.monitor.restart_windows()
         if self.spikes is not None:
@@ -419,7 +479,8 @@ class Rollbacks:
         if self.events is not None:
             self.events.emit({"step": step, "event": "rollback", "message": message, "checkpoint": loaded.path.name,
                               "kind": decision.kind, "updates_undone": undone,
-                              "evidence": f"rollback/{evidence.name}" if evidence is not None else None},
+                              "evidence": f"rollback/{evidence.name}" if evidence is not None else None,
+                              "evidence_checkpoint": f"rollback/{base.name}" if base is not None else None},
                              "ROLLBACK")
         return CONTINUE
 

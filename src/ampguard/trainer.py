@@ -30,7 +30,7 @@ from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, parse_faults
 from .guards import (BAD_DATA, CRASHED, DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks,
-                     Stop, TriggerBatches)
+                     Stop, TriggerBatches, rollback_reach)
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms
 from .integrations.trackers import TrackerSink, check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
@@ -252,8 +252,9 @@ class Trainer:
                         ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
                         **({ck.POLICY: list(self.policy)} if self.policy else {})}
         check = lambda loaded: ck.check_checkpoint(loaded, self.run_id)  # noqa: E731 - a rollback's too
+        reach = lambda step: rollback_reach(self.config, step)  # noqa: E731
         return ck.CheckpointManager(None, parts, keep=self.config.checkpoint.keep, meta=meta, dist=self.dist,
-                                    check=check)
+                                    check=check, hold=reach)
 
     # ------------------------------------------------------------------ the loop
 

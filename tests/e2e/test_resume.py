@@ -440,7 +440,7 @@ def test_a_loss_spike_rolls_back_skips_the_bad_batches_and_finishes(tmp_path):
     rollbacks = [e for e in run_events(run) if e["event"] == "rollback"]
     assert len(rollbacks) == 1
     assert rollbacks[0]["step"] == 31 and rollbacks[0]["checkpoint"] == "step-00000030.pt"
-    assert "data position 31 -> 35" in rollbacks[0]["message"]
+    assert "goes on at position 35, 5 batches past the checkpoint (at 30)" in rollbacks[0]["message"]
     card = (run / "RUN.md").read_text(encoding="utf-8")
     row = next(line for line in card.splitlines() if line.startswith("| rollbacks |"))
     assert "step 31" in row and "step-00000030.pt" in row

@@ -137,7 +137,7 @@ def test_a_skip_smaller_than_the_checkpoint_gap_still_skips_the_spiking_batch(tm
     run = tmp_path / "R"
     rollbacks = [e for e in run_events(run) if e["event"] == "rollback"]
     assert len(rollbacks) == 1, out
-    assert rollbacks[0]["step"] == 35 and "data position 35 -> 35" in rollbacks[0]["message"]
+    assert rollbacks[0]["step"] == 35 and "goes on at position 35, 5 batches past the checkpoint (at 30)" in rollbacks[0]["message"]
     assert _final(run)["data_position"] == 35 + 10  # steps 36-45 on batches 35-44
     # the spike window restarts after a rollback, so a replayed batch 34 would not even be judged:
     # it would be trained on (its loss ~2e8 at step 38); it never comes back
@@ -231,3 +231,36 @@ def test_a_val_regression_watch_goes_the_way_its_metric_improves(tmp_path):
         run = tmp_path / f"{name}-{len(extra)}"
         assert not [e for e in run_events(run) if e["event"] == "rollback"]
         assert f"best {0.5 + 0.1 * 5:g}" in (run / "RUN.md").read_text(encoding="utf-8")  # the highest is the best
+
+
+def test_a_skip_guard_finds_its_checkpoint_though_keep_is_smaller_than_its_look_back(tmp_path):
+    # review_walk14 B1/B2: checkpoint.every 5 x keep 3 kept 15 steps, the guard looks back 20: "cannot
+    # roll back: no checkpoint from before step 59", exit 3; and the checkpoint a rollback returned
+    # to was pruned later, so its evidence could not be replayed on the weights it ran on
+    window = ",".join(str(s) for s in range(30, 71))
+    ok(train(tmp_path, "R", *LINEAR, "--set", "precision=bf16", "--set", "steps=80", "--set", "checkpoint.every=5",
+             "--set", "rollback.triggers=[skip_guard]", "--set", "monitor.fail_rate=0.5",
+             "--set", "monitor.fail_after=20", "--inject", f"nan_loss@{window}"))
+    run = tmp_path / "R"
+    rollbacks = [e for e in run_events(run) if e["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["kind"] == "skip_guard"
+    first = rollbacks[0]
+    assert ckpt.checkpoint_step(Path(first["checkpoint"])) < first["step"] - 20 + 1
+    kept = run / first["evidence_checkpoint"]
+    assert kept.name == f"step-{first['step']}.checkpoint.pt" and not (run / "checkpoints" / first["checkpoint"]).exists()
+    assert ckpt.load_checkpoint(kept)["step"] == ckpt.checkpoint_step(Path(first["checkpoint"]))
+    code, out, err = ag("locate", run / "config.yaml", "--batch", run / first["evidence"], "--checkpoint", kept)
+    assert code in (0, 1) and not err.strip(), err
+    # no more than keep + the one a rollback may need are left
+    assert len(ckpt.list_checkpoints(run / "checkpoints")) <= 20 // 5 + 2
+
+
+def test_a_val_regression_finds_the_evaluation_before_though_keep_is_smaller_than_its_look_back(tmp_path):
+    # the regression at the evaluation of step 40 returns to the one of step 20; with checkpoints
+    # every 5 and keep 3 only 30-40 were left: "cannot roll back: no checkpoint from before step 21"
+    ok(train(tmp_path, "R", "--set", "task.name=digits", "--set", "device=cpu", "--set", "precision=bf16",
+             "--set", "steps=45", "--set", "optimizer.name=sgd", "--set", "optimizer.lr=0.1", "--set", "max_norm=0",
+             "--set", "eval.every=20", "--set", "checkpoint.every=5", "--set", "rollback.triggers=[val_regression]",
+             "--inject", "spike@25"))
+    [event] = [e for e in run_events(tmp_path / "R") if e["event"] == "rollback"]
+    assert event["step"] == 40 and event["kind"] == "val_regression" and event["checkpoint"] == "step-00000020.pt"

@@ -297,8 +297,8 @@ def test_a_rollback_restores_the_training_state_keeps_the_step_and_seeks_past_th
     assert w.rollbacks.log[0] == "step 3: an earlier rollback" and len(w.rollbacks.log) == 2
     assert w.rollbacks.log[1].startswith("step 14: loss spike (100 > mean + 3 std): rolled back to step-00000010.pt")
     assert len(w.lines) == 1
-    assert w.lines[0] == ("ROLLBACK 14 loss spike (100 > mean + 3 std): rolled back to step-00000010.pt (step 10) "
-                          "and skipped 8 batches (data position 28 -> 28)")
+    assert w.lines[0] == ("ROLLBACK 14 loss spike (100 > mean + 3 std): rolled back to step-00000010.pt (step 10); "
+                          "the data goes on at position 28, 8 batches past the checkpoint (at 20)")
     assert w.monitor.failed is None  # the windows restart ...
     assert w.spikes.check(100.0) is False  # ... the spike detector's too
 
@@ -403,7 +403,7 @@ def test_after_a_rollback_the_stream_goes_on_past_the_checkpoint_plus_skip_and_t
     assert torch.equal(x, expected[resumes_at][0]) and torch.equal(y, expected[resumes_at][1])
     assert data.position == resumes_at + 1
     if skip_batches == 2:
-        assert "skipped 6 batches (data position 14 -> 14)" in w.rollbacks.log[-1]
+        assert "the data goes on at position 14, 6 batches past the checkpoint (at 8)" in w.rollbacks.log[-1]
 
 
 # ---------------------------------------------------------------------------- under torchrun: ranks agree (issue 16)
