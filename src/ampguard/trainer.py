@@ -319,9 +319,9 @@ class Trainer:
             interrupted, full = self._agree(stop.requested, self.disk_full() is not None)
             if full:  # a file found no room (on rank 0): every rank stops here, nothing more is written
                 return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
-            if interrupted:  # the first Ctrl-C or SIGTERM, honoured at a step boundary (run() saves)
-                self.settle()
-                return self._interrupted(stop)
+            if interrupted and self.state.steps < self.config.steps:  # the first Ctrl-C or SIGTERM, honoured at
+                self.settle()                                           # a step boundary (run() saves); after the
+                return self._interrupted(stop)                          # last step the run has finished: it ends so
             if self.save_due(self.state.steps):  # a checkpoint holds the monitors: every record handled first
                 decision = self.handle(self.inflight.drain())
                 if decision is not None:

@@ -213,3 +213,40 @@ def test_a_console_that_cannot_take_the_lines_leaves_the_run_whole(tmp_path):
         "ampguard: warning: stdout: No space left on device; its lines are dropped, the run goes on"]
     card = _card(tmp_path / "runs" / "full")
     assert card["ended"] == "finished: 2 steps"
+
+
+SIGNAL_AT_LAST_STEP = '''
+import os
+import signal
+
+import torch
+from torch import nn
+
+calls = [0]
+
+
+def loss_fn(output, target):  # the last step's loss (after the first batch's check at start-up)
+    calls[0] += 1
+    if calls[0] == {steps} + 1:
+        os.kill(os.getpid(), signal.{name})
+    return nn.functional.mse_loss(output, target)
+
+
+def build(config):
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(20)]
+    return {{"model": nn.Linear(3, 1), "data": data, "loss_fn": loss_fn}}
+'''
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_during_the_last_step_leaves_a_finished_run(tmp_path, name):
+    # review_walk14 B3: honoured at the boundary after the last step, it made a run that had trained
+    # every step "interrupted" (exit 143/130/141), and skipped the end-of-run judgement
+    factory = tmp_path / "last.py"
+    factory.write_text(SIGNAL_AT_LAST_STEP.format(steps=6, name=name), encoding="utf-8")
+    proc = _spawn(tmp_path, "-m", "ampguard", "train", *LINEAR[2:], "--set", f"task.factory={factory}:build",
+                  "--set", "steps=6", "--set", "log.name=t", "--set", "log.dir=runs")
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out + err
+    assert _card(tmp_path / "runs" / "t")["ended"] == "finished: 6 steps"
