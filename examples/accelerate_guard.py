@@ -30,7 +30,7 @@ from ampguard.integrations.accelerate import make_guard
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="accelerate_guard.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="accelerate_guard.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--csv", default="steps.csv")

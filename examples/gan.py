@@ -51,7 +51,7 @@ def bce(logits: torch.Tensor, target: float) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gan.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gan.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--batch", type=int, default=64)

@@ -81,7 +81,7 @@ def batches(kind: str, steps: int, seed: int = 0):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="own_loop.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="own_loop.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", choices=["hf", "gpt2", "multitask"], default="hf")
     parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
     parser.add_argument("--steps", type=int, default=40)

@@ -1072,13 +1072,13 @@ def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.
     ok = changes <= cfg.max_flips and not (cfg.ties == "reject" and result.ties)
 
     def listed(rows: list[dict[str, Any]]) -> str:
-        return "".join(f"{', ' if i else ': '}{r['probe']} ({r['fp32']}->{r['amp']}, fp32 margin {r['fp32_margin']:.3g})"
-                       for i, r in enumerate(rows))
+        return "".join(f"{', ' if i else ': '}{r['probe']} ({r['fp32']}->{r['amp']}, margin fp32 "
+                       f"{r['fp32_margin']:.3g} amp {r['amp_margin']:.3g})" for i, r in enumerate(rows))
 
     result.rules.append(Rule(f"decision changes <= {cfg.max_flips} (tie: FP32 or AMP top-2 gap <= {cfg.tie_margin:g}; "
                              f"ties {TIE_POLICIES[cfg.ties]})",
-                             "0", f"{len(result.flips)} flips{listed(result.flips)}; "
-                             f"{len(result.ties)} ties{listed(result.ties)}", ok))
+                             "0", f"{counted(len(result.flips), 'flip')}{listed(result.flips)}; "
+                             f"{counted(len(result.ties), 'tie')}{listed(result.ties)}", ok))
 
 
 # ---------------------------------------------------------------------------- reproducibility

@@ -236,6 +236,9 @@ def test_the_lessons_near_tie_is_a_tie_whichever_way_amp_decides(factory):
     assert tie["fp32_margin"] == pytest.approx(LESSON_HIGH - LESSON_LOW, abs=1e-6)
     assert tie["amp_margin"] == 0.0
     assert rule_named(bf16, "decision changes").ok and accepted.ok
+    # the words: "1 tie", not "1 ties"; the AMP gap that made it one beside FP32's
+    assert rule_named(bf16, "decision changes").amp.startswith("0 flips; 1 tie: held_out:6 (1->0, margin fp32 ")
+    assert rule_named(bf16, "decision changes").amp.endswith(" amp 0)")
 
     counted = run_compare(api_config(factory, {"tie": True}, **lesson))  # ties: count_as_flip, the default
     assert not rule_named(counted.results[0], "decision changes").ok
