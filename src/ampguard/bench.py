@@ -1577,6 +1577,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
 
         >>> run(models="mlp", precisions="fp32", quick=True, peers=False)  # doctest: +ELLIPSIS
         ampguard bench on cpu (...): 2 rounds x 3 steps, paired, fixed rounds
+        --quick: a smoke test that every contender runs, not a measurement (...)
         tiny-mlp fp32: bare loop, ampguard + csv
         | workload | precision | contender | median ms/step | ...
         |---|---|---|---|---|---|---|---|---|---|---|
@@ -1622,6 +1623,9 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
         print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {least}{counted(rounds, 'round')} x {counted(steps, 'step')}, "
               f"paired, {until}", flush=True)
+        if quick:
+            print("--quick: a smoke test that every contender runs, not a measurement (its ratios are noise; no "
+                  "interval below 6 rounds)", flush=True)
         for note in _long_on(where, workloads):
             print(note, flush=True)
         left_out: list[NotRun] = []  # the "not run" lines, for --json too
