@@ -1292,6 +1292,9 @@ def read_file(path: str | Path) -> dict[str, Any]:
         raise
     except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as err:
         first = first_line(err)
+        mark = getattr(err, "problem_mark", None)  # (PyYAML's first line names neither the problem nor the line)
+        if isinstance(err, yaml.MarkedYAMLError) and mark is not None and "(line " not in first:  # (ours say it)
+            first = f"{err.problem or first} (line {mark.line + 1}, column {mark.column + 1})"
         raise ConfigError(f"config file {path}: cannot parse: {first}") from None
     except RecursionError:
         raise ConfigError(f"config file {path}: nested more than {MAX_DEPTH} levels deep") from None

@@ -465,3 +465,19 @@ def test_the_servers_answer_decides_and_the_environment_is_left_alone(monkeypatc
         server.shutdown()
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7"
     assert ("MLFLOW_HTTP_REQUEST_MAX_RETRIES" in os.environ) == (not reached)
+
+
+def test_wandb_online_without_an_api_key_says_how_to_log_offline(cli, tmp_path, monkeypatch):
+    # review_walk14 P7: "No API key configured. Use `wandb login`" named no way on without an account
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # (no login of the machine's own)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    code, out, err = cli("train", "--set", "steps=1", "--set", "task.name=linear", "--set", "log.name=w",
+                         "--set", "log.wandb=true")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("ampguard: error: log.wandb: cannot start a W&B run: ")
+    assert err.rstrip().endswith("(or log the run offline: log.wandb.mode=offline, or WANDB_MODE=offline)")
+    assert not (tmp_path / "runs").exists()

@@ -265,3 +265,13 @@ def test_a_ctrl_c_python_wrapped_in_the_first_batch_check_is_an_interrupt_not_ba
     code, out, err = cli("train", *RUN, "--set", "task.factory=fac.py:ctrl_c_in", "--set", f"task.options.where={where}")
     assert (code, err) == (130, "ampguard: interrupted\n"), err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("text, said", [
+    ("steps: [1\n", "expected ',' or ']', but got '<stream end>' (line 2, column 1)"),
+    ("steps: 3\n  precision: bf16\n", "mapping values are not allowed here (line 2, column 12)"),
+])
+def test_a_yaml_syntax_error_names_the_line_as_json_and_toml_errors_do(cli, tmp_path, text, said):
+    # review_walk14 P8: PyYAML's first line ("while parsing a flow sequence") named neither
+    (tmp_path / "c.yaml").write_text(text, encoding="utf-8")
+    assert _refused(cli, "train", "c.yaml", *RUN) == f"ampguard: error: config file c.yaml: cannot parse: {said}"

@@ -294,6 +294,8 @@ class WandbSink(TrackerSink):
                     settings=wandb.Settings(console="off", save_code=False))
             except Exception as err:  # noqa: BLE001 - any failure to start is one line
                 first = first_line(err)
+                if "api key" in first.lower() and mode != "offline":
+                    first += " (or log the run offline: log.wandb.mode=offline, or WANDB_MODE=offline)"
                 raise InputError(f"log.wandb: cannot start a W&B run: {first}") from None
         self.run = run
         self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
