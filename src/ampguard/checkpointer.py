@@ -1395,8 +1395,7 @@ def apply_policy_changes(changes: list[dict[str, Any]], config: Config, state: A
     """
     keys = {change["key"] for change in changes}
     lr = None
-    changed = (bool(keys & {"optimizer.lr", "steps", "rollback.lr_factor"})
-               or any(key.startswith("schedule.") for key in keys))
+    changed = any(map(moves_lr, keys))
     # a rollback brings back the checkpoint's LR: under lr_factor it must come down with or without a change
     if (changed or (rolled_back and config.rollback.lr_factor != 1.0)) and state.scheduler is not None:
         lr = config.optimizer.lr * config.rollback.lr_factor ** rollbacks
@@ -1419,6 +1418,18 @@ def apply_policy_changes(changes: list[dict[str, Any]], config: Config, state: A
         saved["_growth_tracker"] = min(int(saved["_growth_tracker"]), saved["growth_interval"] - 1)
         state.scaler.load_state_dict(saved)
     return lr
+
+
+def moves_lr(key: str) -> bool:
+    """Whether a change of config ``key`` on resume sets the LR schedule anew (its base LR, its
+    length or its shape): :func:`apply_policy_changes` re-bases the schedule for it.
+
+    Example::
+
+        >>> moves_lr("steps"), moves_lr("schedule.warmup"), moves_lr("max_norm")
+        (True, True, False)
+    """
+    return key in ("optimizer.lr", "steps", "rollback.lr_factor") or key.startswith("schedule.")
 
 
 def policy_line(change: dict[str, Any]) -> str:

@@ -189,7 +189,11 @@ class Trainer:
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
         self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
+        lr_before = float(self.state.optimizer.param_groups[0]["lr"])  # the next step's, under the saved schedule
         ck.apply_policy_changes(self.policy_new, config, self.state, len(self.rollbacks.log))
+        lr_after = float(self.state.optimizer.param_groups[0]["lr"])
+        # a change of the schedule (steps, schedule.*, optimizer.lr) moves the next step's LR: said on its line
+        self._lr_moved = (lr_before, lr_after) if lr_after != lr_before else None
         self.policy += self.policy_new
         self.rollbacks.policy = self.policy
         every, first = (self.headroom.every if self.headroom is not None else None), self.state.steps + 1
@@ -521,9 +525,15 @@ class Trainer:
                 p.name + (f" ({unreadable[p.name]})" if p.name in unreadable else "") for p in set_aside) if set_aside else ""
             self.events.emit({"step": self.state.steps, "event": "resume",
                               "message": f"resumed from {self.resume.path.name} at step {self.state.steps}{note}"}, "RESUME")
+            moved = self._lr_moved
             for change in self.policy_new:  # each is a line on the console, in events.jsonl and the run card
-                self.events.emit({"step": self.state.steps, "event": "policy_change", **change,
-                                  "message": ck.policy_line(change)}, "POLICY")
+                line = ck.policy_line(change)
+                said = change["key"] == "optimizer.lr" and moved == (change["old"], change["new"])  # (its own line)
+                if moved is not None and ck.moves_lr(change["key"]) and not said:  # (once, on the first such change)
+                    line += f" (the next step's LR {moved[0]:.4g} -> {moved[1]:.4g})"
+                    moved = None
+                self.events.emit({"step": self.state.steps, "event": "policy_change", **change, "message": line},
+                                 "POLICY")
         else:
             self.events.emit({"step": 0, "event": "run_start",
                               "message": f"{self.task.description}; {self.config.precision} on {self.device}"

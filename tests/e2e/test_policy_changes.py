@@ -162,3 +162,18 @@ def test_the_replay_drops_the_policy_changes_of_a_future_a_resume_abandoned(tmp_
     card = _card_row(run, "clip rate (whole run)")
     assert "(0 of 16 steps had pre-clip norm > max_norm)" in card  # max_norm 100 throughout the surviving run
     assert "clip rate 0.000," in ok(ag("report", run))
+
+
+def test_a_longer_run_on_resume_says_where_the_stretched_schedule_puts_the_lr(tmp_path):
+    # review_walk C3: steps 10 -> 20 stretches the decay, and the next step's LR jumped back up
+    # (0.0007 -> 0.0016 in the walk's run) with only "steps 10 -> 20" said
+    ok(train(tmp_path, "R", *BASE[:4], "--set", "schedule.decay=cosine", *BASE[6:], "--set", "precision=bf16"))
+    run = tmp_path / "R"
+    out = ok(ag("train", "--resume", run, "--set", "steps=20"))
+    [line] = [line for line in out.splitlines() if line.startswith("POLICY")]
+    rows = read_rows(run / "steps.csv")
+    before, after = float(rows[9]["lr"]), float(rows[10]["lr"])
+    assert after > before  # (the stretched cosine is earlier in its decay at step 11)
+    assert line.startswith("POLICY 10 steps 10 -> 20 from step 11 (the next step's LR ")
+    said = line.rsplit("(the next step's LR ", 1)[1].rstrip(")").split(" -> ")
+    assert float(said[1]) == pytest.approx(after, rel=1e-3)
