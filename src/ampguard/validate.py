@@ -7,8 +7,9 @@ score tolerance per output, a tie rule, a quality rule relative to the reference
 absolute floors) on a fixed evaluation set, and no non-finite output. The model is fixed
 (weights, eval mode). The FP32 reference runs first and is checked itself: a non-finite or
 low-quality reference is reported as such, never trusted; with no floor declared
-(``validation.min_accuracy`` / ``max_mse``) its quality is ``NOT CHECKED`` and the verdict says
-so (an untrained model is finite too). Then each AMP precision is compared with it, rule by
+(``validation.min_accuracy`` / ``max_mse``) its quality is ``NOT CHECKED`` and the verdict
+rejects, saying what to declare (an untrained model is finite too: no baseline to accept a
+precision against). Then each AMP precision is compared with it, rule by
 rule, and every probe keeps its record (scores, decisions, margins, tags). The environment
 names the backend: ``rocm`` (with its HIP version) where PyTorch still calls the device ``cuda``.
 
@@ -194,7 +195,7 @@ class Validation:
             >>> unchecked = [Rule("reference quality", "mse 1.444 (no maximum declared)", "", True, checked=False)]
             >>> v = Validation("t", "regression", [], unchecked, [PrecisionResult("bf16")])
             >>> v.reference_quality_checked, v.reference_ok, v.reference_trusted, v.ok
-            (False, True, False, True)
+            (False, True, False, False)
         """
         return all(rule.checked for rule in self.reference)
 
@@ -211,17 +212,22 @@ class Validation:
 
     @property
     def ok(self) -> bool:
-        """Accepted: no check of the reference failed and every precision passes every rule. A
-        reference whose quality was not checked (no floor declared) does not reject: the verdict
-        says so instead (:attr:`reference_quality_checked`).
+        """Accepted: the FP32 reference is trusted (finite, and of the quality declared before the
+        trial) and every precision passes every rule. A reference whose quality was not checked
+        (no ``validation.min_accuracy`` / ``max_mse`` declared) rejects: a wrong FP32 run (an
+        untrained model, say) is no baseline to accept a precision against, and a gate reading
+        the exit code alone would take "not checked" for a pass; the verdict says what to declare.
 
-        Example (a reference failing its checks rejects, even with no precision failing)::
+        Example (a reference failing its checks, or never checked, rejects with no precision failing)::
 
             >>> bad_reference = [Rule("reference quality", "mse 9", "", False)]
             >>> Validation("t", "regression", [], bad_reference, [PrecisionResult("bf16")]).ok
             False
+            >>> unchecked = [Rule("reference quality", "mse 1.444 (no maximum declared)", "", True, checked=False)]
+            >>> Validation("t", "regression", [], unchecked, [PrecisionResult("bf16")]).ok
+            False
         """
-        return self.reference_ok and all(result.ok for result in self.results)
+        return self.reference_trusted and all(result.ok for result in self.results)
 
     @property
     def floor_key(self) -> str:
@@ -277,7 +283,7 @@ class Validation:
 
             >>> unchecked = [Rule("reference quality", "mse 1.444 (no maximum declared)", "", True, checked=False)]
             >>> Validation("t", "regression", [], unchecked, [PrecisionResult("bf16")]).verdict
-            'ACCEPTED (reference quality not checked: declare validation.max_mse)'
+            'REJECTED (reference quality not checked: declare validation.max_mse)'
             >>> Validation("t", "classifier", [], [Rule("reference outputs finite", "0/1", "", False)], []).verdict
             'REJECTED (FP32 reference not trusted)'
         """
@@ -821,13 +827,14 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
         >>> task = build_task(config)
         >>> v = compare(task, task.model, config, torch.device("cpu"))
         >>> v.ok, len(v.probes), [r.precision for r in v.results]
-        (True, 7, ['bf16'])
+        (False, 7, ['bf16'])
         >>> [(rule.criterion, rule.decision) for rule in v.results[0].rules]  # doctest: +NORMALIZE_WHITESPACE
         [('complete and finite', 'pass'), ('scores: |amp - fp32| <= 0.05 + 0.05 * |fp32| per element', 'pass'),
          ('extremes (min, max over probes)', 'pass'), ('quality on the fixed evaluation set', 'NOT CHECKED'),
          ('quality vs FP32: mse <= FP32 mse x (1 + 0.01)', 'pass')]
 
-    No ``max_mse`` is declared: the untrained reference is finite, but its quality is not checked::
+    No ``max_mse`` is declared: the untrained reference is finite, but its quality is not checked,
+    so the verdict rejects (bf16 itself passes every rule)::
 
         >>> [(rule.criterion, rule.decision) for rule in v.reference], v.reference_trusted
         ([('reference outputs finite', 'pass'), ('reference quality', 'NOT CHECKED')], False)
@@ -1299,7 +1306,8 @@ def _rules_paragraph(v: Validation, cfg: Any) -> str:
     elif v.mode == "regression" and cfg.max_mse is not None:
         rules.append(f"mse <= {cfg.max_mse:g}")
     else:
-        rules.append("no absolute quality floor (the reference's quality is not checked)")
+        rules.append("no absolute quality floor declared (the reference's quality is not checked: the verdict "
+                     "rejects)")
     if cfg.max_quality_drop is not None:
         rules.append(f"accuracy at most {cfg.max_quality_drop:g} below FP32's" if v.mode == "classifier"
                      else f"mse at most (1 + {cfg.max_quality_drop:g}) x FP32's")
@@ -1355,7 +1363,7 @@ def as_json(v: Validation) -> dict[str, Any]:
     ``accepted`` is the exit code's verdict; ``reference_trusted`` is true only when every check of
     the FP32 reference was made and held, and ``reference_quality_checked`` says whether its
     quality was checked at all (false when no ``validation.min_accuracy`` / ``max_mse`` is
-    declared: ``accepted`` may then be true while ``reference_trusted`` is false). Each rule
+    declared: ``accepted`` is then false too). Each rule
     carries ``ok`` (not violated) and ``checked`` (there was a declared rule to check).
 
     Example::

@@ -35,6 +35,9 @@ SEPARATED = [f"held_out:{i}" for i in range(6)]
 
 
 def write_config(folder: Path, factory: str, options: dict | None = None, **validation) -> Path:
+    """The tiny classifier's config, its reference's quality floor declared (0 unless given)."""
+    if "max_mse" not in validation:
+        validation.setdefault("min_accuracy", 0.0)
     path = folder / "validate.yaml"
     data = {"task": {"factory": factory, "options": options or {}}, "validation": validation}
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
@@ -132,11 +135,9 @@ def test_a_near_tie_that_fp16_cannot_resolve_is_rejected(cli, tmp_path, factory)
     assert "REJECTED" in out
     md, data = load_report(tmp_path / "report")
     assert data["accepted"] is False
-    # FP32 itself resolves it: no check of the reference fails; with no min_accuracy declared its
-    # quality is not checked, so it is not shown trusted either
-    assert all(rule["ok"] for rule in data["reference"])
-    assert data["reference_quality_checked"] is False and data["reference_trusted"] is False
-    assert "REJECTED (reference quality not checked: declare validation.min_accuracy)" in out
+    # FP32 itself resolves it: no check of the reference fails (its floor declared, 0): fp16 rejects
+    assert all(rule["ok"] for rule in data["reference"]) and data["reference_trusted"] is True
+    assert out.splitlines()[-1].startswith("validate: REJECTED; report ")
     assert [p["precision"] for p in data["precisions"]] == ["fp16"]  # only what was asked
     fp16 = data["precisions"][0]
     assert fp16["ok"] is False
@@ -355,25 +356,27 @@ def test_train_steps_counts_only_the_updates_applied(cli, tmp_path):
 
 def test_an_untrained_reference_with_no_declared_floor_says_so(cli, tmp_path, linear_checkpoint):
     # review_seeds8 #2: the review's command. A freshly initialised linear model, no max_mse: it used to
-    # read "reference quality: mse 1.444 (no maximum declared) -> pass" and a plain ACCEPTED
+    # read "reference quality: mse 1.444 (no maximum declared) -> pass" and a plain ACCEPTED; then
+    # (review_seeds14 #3) "NOT CHECKED" and ACCEPTED with exit 0, which a gate reading the exit code
+    # took for a pass: a reference whose quality was never checked is no baseline, the verdict rejects
     code, out, err = cli("validate", "--set", "task.name=linear", "--set", "device=cpu",
                          "--set", "validation.precisions=[bf16]", "--out", "val1")
-    assert code == 0, (out, err)  # the exit code is unchanged: nothing failed
+    assert code == 1, (out, err)
     assert re.search(r"^reference: reference quality: mse [\d.]+ \(no maximum declared\) -> NOT CHECKED$", out,
                      flags=re.M), out
     verdict = out.splitlines()[-1]
-    assert verdict.startswith("validate: ACCEPTED (reference quality not checked: declare validation.max_mse); "
+    assert verdict.startswith("validate: REJECTED (reference quality not checked: declare validation.max_mse); "
                               "report "), verdict
     warnings = [line for line in err.splitlines() if line.startswith("ampguard: warning: validate:")]
     assert warnings == ["ampguard: warning: validate: no --checkpoint: the FP32 reference is task linear freshly "
                         "initialised (untrained weights); pass --checkpoint (or set validation.checkpoint) to "
                         "validate trained ones"], err
     md, data = load_report(tmp_path / "val1")
-    assert data["accepted"] is True
+    assert data["accepted"] is False and all(p["ok"] for p in data["precisions"])  # (bf16 itself passed)
     assert data["reference_quality_checked"] is False and data["reference_trusted"] is False
     quality = next(rule for rule in data["reference"] if rule["criterion"] == "reference quality")
     assert (quality["ok"], quality["checked"]) == (True, False)
-    assert "**ACCEPTED** (the FP32 reference's quality was not checked: declare validation.max_mse)" in md
+    assert "**REJECTED** (the FP32 reference's quality was not checked: declare validation.max_mse)" in md
     assert any(cells(line)[0] == "reference quality" and cells(line)[-1] == "NOT CHECKED"
                for line in md.splitlines() if line.startswith("| reference quality |"))
     check_rule_tables(md, data)
@@ -446,7 +449,7 @@ def test_the_report_records_what_reproduces_it(cli, tmp_path, linear_checkpoint)
     import ampguard
 
     code, out, err = cli("validate", "--set", "task.name=linear", "--set", "validation.precisions=[bf16]",
-                         "--checkpoint", linear_checkpoint, "--out", "first")
+                         "--set", "validation.max_mse=10", "--checkpoint", linear_checkpoint, "--out", "first")
     assert code == 0, (out, err)
     md, data = load_report(tmp_path / "first")
     env = data["environment"]
@@ -501,8 +504,8 @@ def test_an_output_name_the_model_lacks_is_one_line_and_nothing_written(cli, tmp
     assert line == ("ampguard: error: validate: validation.outputs.logits: the model has no output named 'logits' "
                     "(its outputs: output)")
     check()
-    code, out, err = cli("validate", "--set", f"task.factory={factory}", "--set",
-                         "validation.outputs.output.abs_tol=0.1", "--out", "r")  # a lone tensor is 'output'
+    code, out, err = cli("validate", "--set", f"task.factory={factory}", "--set", "validation.min_accuracy=0",
+                         "--set", "validation.outputs.output.abs_tol=0.1", "--out", "r")  # a lone tensor is 'output'
     assert code == 0, (out, err)
     _, data = load_report(tmp_path / "r")
     assert data["precisions"][0]["stats"]["outputs"]["output"]["abs_tol"] == 0.1
