@@ -604,8 +604,16 @@ class Precision:
         """
         if self.name != "fp32" and not torch.amp.is_autocast_available(device.type):
             return False, f"{self.name}: autocast is not available on {device.type}"
-        if self.name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            return False, f"bf16 is not supported on {torch.cuda.get_device_name(device)}: use fp16"
+        if self.name == "bf16" and device.type == "cuda":
+            # torch's answer counts an emulation as support (a bf16 tensor that can be made): a GPU
+            # before compute capability 8.0 (V100, T4) runs bf16 matmuls without bf16 kernels, slowly
+            if not torch.cuda.is_bf16_supported():
+                return False, f"bf16 is not supported on {torch.cuda.get_device_name(device)}: use fp16"
+            capability = torch.cuda.get_device_capability(device)
+            if not torch.version.hip and capability < (8, 0):
+                return True, (f"bf16 on {torch.cuda.get_device_name(device)} (compute capability "
+                              f"{capability[0]}.{capability[1]}) is emulated, without bf16 kernels: much slower "
+                              "than fp16 there; prefer fp16 on this GPU")
         if self.name == "fp16" and device.type == "cpu":
             return True, "fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 on CPUs"
         if self.name == "fp8":

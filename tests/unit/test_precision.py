@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 
 import pytest
 import torch
 
 from helpers import HostReads
 
-from ampguard.precision import DEFAULT_MIN_SCALE, PRECISIONS, GuardedGradScaler, Precision
+from ampguard.precision import DEFAULT_MIN_SCALE, PRECISIONS, GuardedGradScaler, Precision, SlowPrecisionWarning
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -352,7 +353,26 @@ def test_bf16_on_a_cuda_device_without_bf16_is_refused(monkeypatch):
     assert asked == ["bf16"]
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
-    Precision("bf16", "cuda").check(model, cuda)  # a GPU that has it: fine
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Precision("bf16", "cuda").check(model, cuda)  # a GPU that has it: fine, nothing said
+
+
+def test_bf16_emulated_on_a_gpu_before_ampere_is_said_slow_not_taken_for_support(monkeypatch):
+    # review_seeds14 #1: torch's is_bf16_supported() counts an emulation as support (a bf16 tensor
+    # can be made on a V100 or a T4), so bf16 ran there without bf16 kernels, unsaid
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.version, "hip", None)
+    cuda = torch.device("cuda")
+    assert Precision("bf16", "cuda").support(cuda) == (True, (
+        "bf16 on Tesla T4 (compute capability 7.5) is emulated, without bf16 kernels: much slower than fp16 "
+        "there; prefer fp16 on this GPU"))
+    with pytest.warns(SlowPrecisionWarning, match="^bf16 on Tesla T4 .* is emulated"):
+        Precision("bf16", "cuda").check(torch.nn.Linear(2, 2), cuda)
+    assert Precision("fp16", "cuda").support(cuda) == (True, None)
 
 
 def test_precision_refuses_an_unknown_name():
