@@ -3,7 +3,8 @@
 A fault is ``KIND@WHEN``:
 
 - KIND: ``inf_grad`` / ``nan_grad`` (one gradient element set by a gradient hook),
-  ``nan_loss`` (the loss multiplied by NaN), ``spike`` (targets x 1e8: a real loss spike),
+  ``nan_loss`` (the loss multiplied by NaN), ``spike`` (targets x 1e8: a real loss spike; with integer targets, tokens or
+  class labels, the loss x 1e8),
   ``nan_input`` (one input element set to NaN).
 - WHEN (1-based step numbers): ``5``, ``5,9,12``, ``every:10`` (10, 20, ...),
   ``rate:0.05`` (each step independently with that probability, seeded, and the same on resume).

@@ -29,6 +29,7 @@ def test_defaults_from_design():
     # The guard rails' own defaults: the scale's floor, and when the skip-rate ALERT arms.
     assert (c.scaler.min_scale, c.monitor.min_steps) == (1.0, 100)
     assert c.monitor.fail_rate is None and c.monitor.fail_on_scale_collapse is False
+    assert c.max_norm == 1.0  # seed 000: "max_norm = 1.0" in the config
 
 
 def test_required_sections_and_fields_exist():

@@ -144,3 +144,12 @@ def test_cli_verbs_are_thin():
              {"_demo", "_train", "_validate", "_locate", "_report", "_compare", "_bench"}}
     assert len(verbs) == 7
     assert max(verbs.values()) <= 25, verbs
+
+
+def test_no_deprecated_amp_namespace_is_used():
+    # seed 001: torch.amp, not torch.cuda.amp (deprecated; torch.cpu.amp too): one device-generic API
+    root = SRC.parents[1]
+    pattern = re.compile(r"\btorch\.(cuda|cpu)\.amp\b")
+    hits = [f"{p.relative_to(root)}:{n}" for folder in ("src", "examples", "benchmarks") for p in (root / folder).rglob("*.py")
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert not hits, hits

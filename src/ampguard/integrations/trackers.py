@@ -294,7 +294,7 @@ class WandbSink(TrackerSink):
                     settings=wandb.Settings(console="off", save_code=False))
             except Exception as err:  # noqa: BLE001 - any failure to start is one line
                 first = first_line(err)
-                if "api key" in first.lower() and mode != "offline":
+                if (mode or os.environ.get("WANDB_MODE") or "online") == "online":  # (no key, no network)
                     first += " (or log the run offline: log.wandb.mode=offline, or WANDB_MODE=offline)"
                 raise InputError(f"log.wandb: cannot start a W&B run: {first}") from None
         self.run = run
