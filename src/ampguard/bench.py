@@ -1045,8 +1045,9 @@ def _warm_up(built: list[Contender], precision: Precision, device: torch.device,
              said: list[tuple[str, str]] | None = None) -> list[_Ready]:
     """Each contender warmed up (``warmup`` steps), then one untimed step for its peak memory
     (:func:`_peak_mib`, CUDA only) and one for its :func:`census`. One that fails there (an OOM,
-    say) or runs other work than ``precision``'s (:func:`other_work`) is closed and left out,
-    with a line saying why.
+    say), runs other work than ``precision``'s (:func:`other_work`) or applied no update in all
+    those steps (:func:`_no_update`: measured only once its arithmetic did the work) is closed
+    and left out, with a line saying why.
 
     Example::
 
@@ -1063,12 +1064,13 @@ def _warm_up(built: list[Contender], precision: Precision, device: torch.device,
     ready: list[_Ready] = []
     for c in built:
         try:
+            before = _weights(c)
             for _ in range(warmup):
                 c.step()
             _sync(device)
             peak = _peak_mib(c, device)
             seen = census(c)  # one more untimed step: what it dispatched
-            why = other_work(seen, precision)
+            why = other_work(seen, precision) or _no_update(c, before)
         except Exception as err:  # noqa: BLE001 - a peer that fails on this case (an OOM, say) is left out, said so
             why = _one_line(err)
         if why is None:
@@ -1078,6 +1080,31 @@ def _warm_up(built: list[Contender], precision: Precision, device: torch.device,
         with contextlib.suppress(Exception):  # its files and threads go, whatever state it is in
             c.close()
     return ready
+
+
+def _weights(c: Contender) -> torch.Tensor:
+    """A fingerprint of ``c``'s weights: each parameter's norm, on its device (no host read, no copy)."""
+    return torch.stack(torch._foreach_norm([p.detach().float() for p in c.model.parameters()]))
+
+
+def _no_update(c: Contender, before: torch.Tensor) -> str | None:
+    """Why ``c`` would time other work when no step of its warm-up and census moved a weight (a
+    skip every step: an fp16 overflow the loss scale never gets below; a loop that never steps):
+    a skipped step runs no optimizer and reads as fast. ``None`` when its weights moved.
+
+    Example::
+
+        >>> cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+        >>> bare = Bare(_mlp(cpu), fp32, cpu, fused=False)
+        >>> before = _weights(bare)
+        >>> _no_update(bare, before)
+        'no step applied an update (every one skipped?): it would time other work'
+        >>> bare.step(); _no_update(bare, before) is None
+        True
+    """
+    if torch.equal(_weights(c), before):
+        return "no step applied an update (every one skipped?): it would time other work"
+    return None
 
 
 def _peak_mib(c: Contender, device: torch.device) -> float | None:

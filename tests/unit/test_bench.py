@@ -224,6 +224,32 @@ def test_a_contender_that_runs_other_work_than_its_row_is_left_out_and_said_so(c
     assert [r.contender for r in results] == ["bare loop", "no autocast"]
 
 
+def test_a_contender_whose_every_step_skips_is_left_out_and_said_so(capsys):
+    """review_seeds14 #4 (seed 001: measure only once the arithmetic is verified): a loop whose
+    fp16 steps all overflow runs no optimizer and reads fast; it is not timed beside the loops
+    that update, and one that skips some steps but updates is kept."""
+    from ampguard.bench import Bare, _nano, measure
+
+    class AlwaysOverflows(Bare):
+        name = "always overflows"
+
+        def step(self):
+            x, y = self.w.batch
+            with self.precision.autocast():
+                loss = self.w.loss_fn(self.model(x), y) * float("inf")
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)  # (skipped: found inf)
+            self.scaler.update()
+            self.opt.zero_grad(set_to_none=True)
+
+    cpu = torch.device("cpu")
+    results = measure(_nano(cpu), Precision("fp16", "cpu"), cpu, [Bare, AlwaysOverflows], steps=1, rounds=1,
+                      warmup=2, fused=False)
+    out = capsys.readouterr().out
+    assert [r.contender for r in results] == ["bare loop"]
+    assert "always overflows: not run (no step applied an update (every one skipped?): it would time other work)" in out
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_peers_that_fall_back_on_a_cpu_are_not_timed_as_fp16(precision, capsys):
     """Accelerate runs fp16 on a CPU as FP32 and Lightning Fabric as bf16: left out of the fp16
