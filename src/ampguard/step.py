@@ -29,7 +29,7 @@ from torch import nn
 from . import distributed
 from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_to_norm_, post_clip_norm,
                        post_clip_value)
-from .errors import whole_number
+from .errors import AmpguardWarning, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
 
@@ -296,6 +296,37 @@ def _hook_stray_steps(guard: Any, optimizers: Mapping[str, torch.optim.Optimizer
             _GUARDED[optimizer] = weakref.WeakSet([guard])
         else:
             _GUARDED[optimizer].add(guard)
+
+
+_PROBING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+"""Each module a guard probes for autocast (:func:`_probe_autocast`) -> the guards probing it."""
+
+
+def _note_autocast(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook: each probing guard notes, at the first training forward (one that
+    records gradients: an evaluation under ``torch.no_grad()`` before training is not it), whether
+    autocast was on for its device. A module-level function (a model with the hook still pickles)."""
+    if not torch.is_grad_enabled():
+        return
+    for guard in _PROBING.get(module, ()):
+        if guard._forward_autocast is None:
+            guard._forward_autocast = torch.is_autocast_enabled(guard.precision.device_type)
+
+
+def _probe_autocast(guard: Any, modules: Sequence[nn.Module]) -> list[Any]:
+    """:func:`_note_autocast` on ``modules`` for ``guard``: the hooks' handles, which the guard
+    removes at its first backward (or, a guard never used, when it is collected: the model does
+    not keep it alive). A compiled module is not probed: a hook removed after its first call
+    would make ``torch.compile`` compile it again."""
+    handles = []
+    for module in modules:
+        if type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None:
+            continue
+        _PROBING.setdefault(module, weakref.WeakSet()).add(guard)
+        handle = module.register_forward_pre_hook(_note_autocast)
+        weakref.finalize(guard, handle.remove)
+        handles.append(handle)
+    return handles
 
 
 def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
@@ -567,6 +598,9 @@ class Guard:
         self._stepped: tuple[str, ...] | None = None  # inside a close: the optimizers that stepped
         self._tail_found: torch.Tensor | None = None  # inside a sync-free close: the tail's skip flag
         self._owed: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # inside a close: (names, skipped)
+        # the first step's forward: did it run under autocast? (_probe_autocast; gone after the first backward)
+        self._forward_autocast: bool | None = None
+        self._autocast_probes = _probe_autocast(self, modules) if precision.name != "fp32" else []
         _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -574,6 +608,7 @@ class Guard:
         schedulers by their order, not by ``id()`` (the copy's schedulers are other objects)."""
         state = self.__dict__.copy()
         state["_scheduler_epochs"] = [self._scheduler_epochs.get(id(s)) for s in self._every_scheduler()]
+        state["_autocast_probes"] = []  # (the original's hooks on its modules; a copy does not probe)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -583,6 +618,21 @@ class Guard:
         self._scheduler_epochs = {id(s): e for s, e in zip(self._every_scheduler(), epochs) if e is not None}
         # (a deep copy's optimizers are new; a shallow copy shares the original's, which stay its)
         _hook_stray_steps(self, self.optimizers, taken=False)
+
+    def _end_autocast_probe(self) -> None:
+        """After the first forward: the probes go, and a forward that ran without autocast is said
+        once (:class:`~ampguard.errors.AmpguardWarning`): a loop that forgot ``with
+        guard.autocast():`` trains in float32 under an fp16 or bf16 guard, unsaid, its loss scaled
+        for nothing."""
+        for handle in self._autocast_probes:
+            handle.remove()
+        self._autocast_probes = []
+        for module in self._modules:
+            _PROBING.get(module, weakref.WeakSet()).discard(self)
+        if self._forward_autocast is False:
+            warnings.warn(f"Guard(precision={self.precision.name!r}): the model's forward ran without autocast (outside "
+                          "`with guard.autocast():`): it computes in float32, no mixed precision; put the forward "
+                          "and the loss inside that block", AmpguardWarning, stacklevel=3)
 
     def _every_scheduler(self) -> list[Any]:
         return [scheduler for schedulers in self._schedulers.values() for scheduler in schedulers]
@@ -706,6 +756,8 @@ class Guard:
         if torch.is_autocast_enabled(self.precision.device_type):
             raise RuntimeError("Guard.backward() inside autocast: close the `with guard.autocast():` block first "
                                "(autocast wraps the forward and the loss; the backward runs after it)")
+        if self._autocast_probes:  # (the first backward only)
+            self._end_autocast_probe()
         for i, loss in enumerate(losses):
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__

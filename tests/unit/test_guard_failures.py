@@ -467,3 +467,49 @@ def test_the_guard_does_not_keep_an_optimizer_alive_after_its_step():
     del guard
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_forward_outside_guard_autocast_is_said_once_at_the_first_backward(precision):
+    # a loop that forgot `with guard.autocast():` trained in float32 under an fp16/bf16 guard, unsaid
+    from ampguard.errors import AmpguardWarning
+
+    model, guard = _guard(precision)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        model(x)  # (an evaluation before training, outside autocast: not the training forward)
+    with pytest.warns(AmpguardWarning, match=rf"^Guard\(precision='{precision}'\): the model's forward ran without "
+                                             r"autocast \(outside `with guard.autocast\(\):`\)"):
+        guard.backward(model(x).float().pow(2).mean())
+    guard.step()
+    assert not model._forward_pre_hooks  # (probed at the first step only: nothing left on the hot path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guard.backward(model(x).float().pow(2).mean())  # said once
+        guard.step()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_a_forward_inside_autocast_or_under_fp32_says_nothing(precision):
+    model, guard = _guard(precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(torch.randn(8, 4))  # (an evaluation before training: said nothing of either)
+        if precision == "fp32":
+            guard.backward(model(torch.randn(8, 4)).pow(2).mean())
+        else:
+            _train(model, guard)
+    assert not model._forward_pre_hooks
+
+
+def test_a_guard_never_used_leaves_no_probe_and_its_model_still_pickles():
+    import gc
+    import pickle
+
+    model, guard = _guard("bf16")
+    assert model._forward_pre_hooks  # (the first forward's probe)
+    pickle.loads(pickle.dumps(model))  # (a module-level hook: a model is saved whole before training, too)
+    del guard
+    gc.collect()
+    assert not model._forward_pre_hooks
