@@ -29,6 +29,16 @@ def _guard(precision: str, **kw) -> tuple[nn.Module, Guard]:
     return model, Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision, **kw)
 
 
+def _one_layer(sync_free: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A ``Linear(4, 2)`` and its optimizer: fused AdamW with a tensor LR (what ``sync_free``
+    takes), else SGD."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    if sync_free:
+        return model, torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), fused=True)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def _train(model: nn.Module, guard: Guard, batches: int = 1) -> list[StepLog]:
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     records = []
@@ -315,9 +325,7 @@ def test_with_several_optimizers_the_ones_that_stepped_before_an_error_are_count
 def test_a_sync_free_step_whose_optimizer_raises_puts_its_device_count_back():
     # the tail had advanced the device count of applied updates: updates 1 after no update, and
     # the LR schedule one step ahead
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), fused=True)
+    model, opt = _one_layer(sync_free=True)
     guard = Guard(model, opt, precision="bf16", sync_free=True, lr_schedule=lambda n: 1.0 / (1.0 + n))
     assert "nothing was applied" in _out_of_memory_in(opt, model, guard)
     assert (guard.steps, guard.updates) == (0, 0)
@@ -354,13 +362,8 @@ def test_a_numpy_max_norm_is_a_number():
 def test_a_backward_that_raises_after_a_finished_step_says_nothing_was_applied(sync_free):
     # what the last step had left (the optimizers it stepped) was read as this step's: "step 1's
     # update was applied, its record was not made" for an out-of-memory in step 2's backward
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    if sync_free:
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), fused=True)
-        guard = Guard(model, opt, precision="bf16", sync_free=True)
-    else:
-        guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    model, opt = _one_layer(sync_free)
+    guard = Guard(model, opt, precision="bf16", sync_free=sync_free)
     x = torch.randn(8, 4)
     with guard.autocast():
         loss = model(x).float().pow(2).mean()
@@ -425,13 +428,10 @@ def test_a_step_post_hook_that_raises_after_the_update_counts_it_as_applied(sync
     # the optimizer's update ran, then a post-hook of the user's raised (an EMA copy out of memory):
     # the guard said "nothing was applied", reused the step number and held the schedule (sync-free:
     # put the device count back, while fused Adam's own step count had moved)
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
+    model, opt = _one_layer(sync_free)
     if sync_free:
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), fused=True)
         guard = Guard(model, opt, precision="bf16", sync_free=True, lr_schedule=lambda n: 1.0 / (1.0 + n))
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
         guard = Guard(model, opt, precision="bf16", scheduler=scheduler)
 
