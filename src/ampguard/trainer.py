@@ -189,11 +189,13 @@ class Trainer:
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
         self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
-        lr_before = float(self.state.optimizer.param_groups[0]["lr"])  # the next step's, under the saved schedule
+        # the next step's LR, as the checkpoint's schedule left it (its get_last_lr: on the fast path,
+        # where the group's LR is the last step's, brought up to date at the save) and as now set
+        lr_before = self._next_lr()
         ck.apply_policy_changes(self.policy_new, config, self.state, len(self.rollbacks.log))
-        lr_after = float(self.state.optimizer.param_groups[0]["lr"])
+        lr_after = self._next_lr()
         # a change of the schedule (steps, schedule.*, optimizer.lr) moves the next step's LR: said on its line
-        self._lr_moved = (lr_before, lr_after) if lr_after != lr_before else None
+        self._lr_moved = (lr_before, lr_after) if lr_before is not None and lr_after != lr_before else None
         self.policy += self.policy_new
         self.rollbacks.policy = self.policy
         every, first = (self.headroom.every if self.headroom is not None else None), self.state.steps + 1
@@ -201,6 +203,11 @@ class Trainer:
             left = "" if first > 1 else " (headroom.csv keeps its header only)"
             warnings.warn(f"monitor.headroom.every {every}: none of the steps this run trains ({first} to "
                           f"{config.steps}) is measured{left}", AmpguardWarning, stacklevel=2)
+
+    def _next_lr(self) -> float | None:
+        """The LR the next step takes from the schedule (``None`` without a scheduler)."""
+        scheduler = self.state.scheduler
+        return float(scheduler.get_last_lr()[0]) if hasattr(scheduler, "get_last_lr") else None
 
     def _check_logs(self, paths: RunPaths, step: int) -> None:
         """Every log a resume appends to (and cuts back to its ``step``) is of this run, checked

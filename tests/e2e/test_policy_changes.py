@@ -166,14 +166,29 @@ def test_the_replay_drops_the_policy_changes_of_a_future_a_resume_abandoned(tmp_
 
 def test_a_longer_run_on_resume_says_where_the_stretched_schedule_puts_the_lr(tmp_path):
     # review_walk C3: steps 10 -> 20 stretches the decay, and the next step's LR jumped back up
-    # (0.0007 -> 0.0016 in the walk's run) with only "steps 10 -> 20" said
-    ok(train(tmp_path, "R", *BASE[:4], "--set", "schedule.decay=cosine", *BASE[6:], "--set", "precision=bf16"))
-    run = tmp_path / "R"
-    out = ok(ag("train", "--resume", run, "--set", "steps=20"))
-    [line] = [line for line in out.splitlines() if line.startswith("POLICY")]
-    rows = read_rows(run / "steps.csv")
-    before, after = float(rows[9]["lr"]), float(rows[10]["lr"])
-    assert after > before  # (the stretched cosine is earlier in its decay at step 11)
-    assert line.startswith("POLICY 10 steps 10 -> 20 from step 11 (the next step's LR ")
-    said = line.rsplit("(the next step's LR ", 1)[1].rstrip(")").split(" -> ")
-    assert float(said[1]) == pytest.approx(after, rel=1e-3)
+    # (0.0007 -> 0.0016 in the walk's run) with only "steps 10 -> 20" said; on the fast path the
+    # "before" was the last step's LR, not the next one's (review_session14 B6): both paths say the same
+    lines = {}
+    for fast in ("false", "true"):
+        path = ["--set", f"fast={fast}"]
+        ok(train(tmp_path, f"fast-{fast}", *BASE[:4], "--set", "schedule.decay=cosine", *BASE[6:],
+                 "--set", "precision=bf16", *path))
+        run = tmp_path / f"fast-{fast}"
+        out = ok(ag("train", "--resume", run, "--set", "steps=20", *path))
+        [lines[fast]] = [line for line in out.splitlines() if line.startswith("POLICY")]
+        rows = read_rows(run / "steps.csv")
+        last, after = float(rows[9]["lr"]), float(rows[10]["lr"])
+        assert after > last  # (the stretched cosine is earlier in its decay at step 11)
+        assert lines[fast].startswith("POLICY 10 steps 10 -> 20 from step 11 (the next step's LR ")
+        said = [float(v) for v in lines[fast].rsplit("(the next step's LR ", 1)[1].rstrip(")").split(" -> ")]
+        assert said[1] == pytest.approx(after, rel=1e-3)
+    assert lines["true"] == lines["false"]
+
+
+def test_a_schedule_change_that_leaves_the_lr_where_it_was_adds_no_note(tmp_path):
+    # a warm-up then constant: steps 10 -> 20 moves nothing (the fast path said "0.0015 -> 0.00165")
+    for fast in ("false", "true"):
+        run = tmp_path / f"fast-{fast}"
+        ok(train(tmp_path, f"fast-{fast}", *BASE, "--set", "precision=bf16", "--set", "fast=" + fast))
+        out = ok(ag("train", "--resume", run, "--set", "steps=20", "--set", "fast=" + fast))
+        assert "POLICY 10 steps 10 -> 20 from step 11\n" in out + "\n", out
