@@ -652,6 +652,7 @@ class Guard:
         # its Parameter objects, so only their dtype tells (every one's, looked at less often)
         self._dtype = (self._owned[0][0], self._owned[0][0].dtype) if self._owned else None
         self._dtypes = [p.dtype for p, _ in self._owned]
+        self._look_all = False  # every parameter looked at by the next group's first backward (after a restore)
 
     def _abandon_group(self) -> None:
         """Drop the open group: its gradients, and what it unscaled forgotten (a restore; a
@@ -666,8 +667,9 @@ class Guard:
         """Whether what :meth:`_own` read may be out of date: the optimizers hold another number of
         parameters (``add_param_group``), a module or parameter was registered anywhere since
         (:data:`_REGISTERED`: an adapter added to the model without its optimizer), the first
-        parameter's dtype changed (the model cast after ``Guard()``), or, at the first group and
-        every :data:`UNFROZEN_EVERY` groups, a parameter no optimizer holds requires grad again or
+        parameter's dtype changed (the model cast after ``Guard()``), or, at the first group (a
+        restored guard's too) and every :data:`UNFROZEN_EVERY` groups, a parameter no optimizer
+        holds requires grad again or
         any parameter's dtype changed (one layer cast alone: ``model[2].to(torch.bfloat16)``). O(1)
         but those looks, O(parameters) spread over the groups: a frozen backbone's thousands of
         tensors cost ~45 ns each to look at."""
@@ -675,9 +677,11 @@ class Guard:
             return True
         if self._dtype is not None and self._dtype[0].dtype != self._dtype[1]:  # (checked again as at Guard())
             return True
-        return self.steps % UNFROZEN_EVERY == 0 and (
-            any(p.requires_grad for p in self._unowned)
-            or any(p.dtype != dtype for (p, _), dtype in zip(self._owned, self._dtypes)))
+        if self.steps % UNFROZEN_EVERY and not self._look_all:
+            return False
+        self._look_all = False  # (set by a restore: its first group looks, wherever its count is)
+        return (any(p.requires_grad for p in self._unowned)
+                or any(p.dtype != dtype for (p, _), dtype in zip(self._owned, self._dtypes)))
 
     def _own_again(self) -> None:
         """The optimizers' parameters changed since they were read (``add_param_group`` mid-run:
@@ -918,20 +922,26 @@ class Guard:
         raised after it (a post-hook, another optimizer's ``step()``, a skip hook) the step is
         settled as one that ran: the scale
         updated (a partial skip's backoff is not lost) and the stepped optimizers' schedulers
-        stepped (theirs would lag their updates by one for the rest of the run). A note on
-        ``err`` says which."""
+        stepped (theirs would lag their updates by one for the rest of the run). So is a skip
+        already decided when a skip hook raised: counted, the scale backed off (a loop that
+        caught the error and went on overflowed at the same scale every time), the schedulers
+        as ``scheduler_on_skip`` says. A note on ``err`` says which."""
         stepped, self._stepped = self._stepped, None
         owed, self._owed = self._owed, None
-        if stepped and owed is not None:
+        skip_decided = owed is not None and bool(owed[1])
+        if owed is not None and (stepped or skip_decided):
             names, skipped = owed
-            if not skipped and len(stepped) == len(names):  # (every one stepped: a post-hook raised after)
+            if not skipped and len(stepped or ()) == len(names):  # (every one stepped: a post-hook raised after)
                 self._updates += 1
             try:
                 self.scaler.update()
-                self._step_schedulers([n for n in names if n in stepped or n in skipped], stepped)
+                self._step_schedulers([n for n in names if n in (stepped or ()) or n in skipped], stepped or ())
             except Exception as later:  # (the error the loop sees stays the first one)
                 err.add_note(f"ampguard: settling the step raised too: {later!r}")
-        if stepped is None:
+        if stepped is None and skip_decided:  # (a skip that ran: counted, its scale backed off)
+            which = f" of {', '.join(map(repr, owed[1]))}" if len(self.optimizers) > 1 else ""
+            said = f"step {self.steps} was skipped{which}, nothing was applied, its record was not made"
+        elif stepped is None:
             self.steps = steps  # (nothing was applied: the step number is the next one's)
             if self._tail_found is not None:  # (the sync-free tail had advanced the count: undo it)
                 self._updates_t.add_(self._tail_found).sub_(1.0)
@@ -1097,6 +1107,7 @@ class Guard:
             self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         self._owed = (names, skipped)  # (the user's code raising from here on: _dropped settles the step)
         _GUARD_STEPPING[0] += 1
+        finished = _FINISHED[0]  # (another guard's, when this step runs inside its optimizer's post-hook)
         try:
             for name in applied:  # each counted as it steps: a failure after it leaves an update that stands
                 self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
@@ -1107,7 +1118,7 @@ class Guard:
             raise
         finally:
             _GUARD_STEPPING[0] -= 1
-            _FINISHED[0] = None
+            _FINISHED[0] = finished
         if not skipped:
             self._updates += 1
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
@@ -1149,13 +1160,21 @@ class Guard:
         self._stepped = (*(self._stepped or ()), name)
 
     def _step_schedulers(self, names: Sequence[str], applied: Sequence[str]) -> None:
-        """Each named optimizer's schedulers, held where it skipped (``scheduler_on_skip="hold"``)."""
+        """Each named optimizer's schedulers, held where it skipped (``scheduler_on_skip="hold"``).
+        One that raises (a ``OneCycleLR`` stepped past its end) is raised after the others have
+        stepped: theirs would lag their updates by one for the rest of the run."""
+        error = None
         for name in names:
             for scheduler in self._schedulers[name]:
                 if name in applied or self.scheduler_on_skip == "step":
-                    scheduler.step()
+                    try:
+                        scheduler.step()
+                    except Exception as err:  # noqa: BLE001 - the first is raised once all have stepped
+                        error = error or err
                 if (epoch := _epoch_of(scheduler)) is not None:
                     self._scheduler_epochs[id(scheduler)] = epoch
+        if error is not None:
+            raise error
 
     def _post_clip(self, pre: torch.Tensor, factor: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(post-clip norm, what the record's read carries for it)``: the norm itself when
@@ -1191,6 +1210,7 @@ class Guard:
             grads.scale_(factor)
         self.optimizer.found_inf = found  # type: ignore[attr-defined]
         _GUARD_STEPPING[0] += 1
+        finished = _FINISHED[0]
         try:
             self.optimizer.step()
         except BaseException:
@@ -1201,7 +1221,7 @@ class Guard:
             raise
         finally:
             _GUARD_STEPPING[0] -= 1
-            _FINISHED[0] = None
+            _FINISHED[0] = finished
             del self.optimizer.found_inf  # type: ignore[attr-defined]
         self._stepped = ()  # (stepped: what it applied, or skipped, is on the device, counted there)
         self.scaler.add_found_inf_(self.optimizer, found, covers=True)
@@ -1420,6 +1440,7 @@ class Guard:
                 self.monitors[name].load_state_dict(monitor_state)
         self._scheduler_epochs.clear()  # (a restore loads the schedulers' states with it)
         self._abandon_group()
+        self._look_all = True  # (a resumed run's first step looks at every parameter, as a fresh one's does)
 
 
 class AmpTrainState(Guard):

@@ -333,21 +333,42 @@ def test_a_sync_free_step_whose_optimizer_raises_puts_its_device_count_back():
     assert record.step == 1 and record.values()["lr"] == pytest.approx(1e-3) and guard.updates == 1
 
 
-def test_a_skip_hook_that_raises_on_a_skipped_step_drops_the_step_and_says_nothing_was_applied():
-    model, guard = _guard("fp16")
+def test_a_skip_hook_that_raises_on_a_skipped_step_still_counts_the_skip_and_backs_the_scale_off():
+    # first the note said "was applied" (review_session13); then the skip went uncounted and the
+    # scale never backed off, so a loop that caught the error and went on overflowed at the same
+    # scale every time (review_session14 B4)
+    model, guard = _guard("fp16", scaler={"init_scale": 128.0})
 
     def broken(grads):
         raise ValueError("a diagnostic's bug")
 
     guard.skip_hooks.append(broken)
-    with guard.autocast():
-        loss = model(torch.randn(8, 4)).float().pow(2).mean() * float("nan")
-    guard.backward(loss)
-    with pytest.raises(ValueError, match="diagnostic's bug") as raised:
-        guard.step()
-    assert "nothing was applied" in raised.value.__notes__[0] and guard.steps == 0  # (it said "was applied")
+    for attempt, scale in ((1, 64.0), (2, 32.0)):
+        with guard.autocast():
+            loss = model(torch.randn(8, 4)).float().pow(2).mean() * float("nan")
+        guard.backward(loss)
+        with pytest.raises(ValueError, match="diagnostic's bug") as raised:
+            guard.step()
+        assert (f"step {attempt} was skipped, nothing was applied, its record was not made"
+                in raised.value.__notes__[0])
+        assert (guard.steps, guard.updates, guard.scaler.get_scale()) == (attempt, 0, scale)
     guard.skip_hooks.clear()
-    assert [r.step for r in _train(model, guard)] == [1]
+    assert [r.step for r in _train(model, guard)] == [3]
+
+
+def test_a_scheduler_that_raises_leaves_the_others_stepped():
+    # a's OneCycleLR stepped past its end raised, and b's scheduler, next in line, was never
+    # stepped: b's LR lagged its updates by one for the rest of the run (review_session14 B5)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    a, b = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1)
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(a, max_lr=0.1, total_steps=1)
+    halving = torch.optim.lr_scheduler.LambdaLR(b, lambda k: 0.5 ** k)
+    guard = Guard(model, {"a": a, "b": b}, precision="bf16", scheduler=[one_cycle, halving])
+    assert len(_train(model, guard)) == 1
+    with pytest.raises(ValueError, match="Tried to step 2 times"):  # (its constructor took one)
+        _train(model, guard)
+    assert guard.applied == {"a": 2, "b": 2} and halving.last_epoch == 2
 
 
 def test_a_numpy_max_norm_is_a_number():
@@ -513,3 +534,41 @@ def test_a_guard_never_used_leaves_no_probe_and_its_model_still_pickles():
     del guard
     gc.collect()
     assert not model._forward_pre_hooks
+
+
+def test_a_guard_stepped_inside_another_optimizers_post_hook_leaves_the_outer_count_right():
+    # the inner guard's step cleared the one slot that said the outer optimizer's update had run,
+    # so a later post-hook raising made the outer update "nothing was applied" (review_session14 B8)
+    outer_model, outer = _guard("bf16")
+    inner_model, inner = _guard("bf16")
+
+    def train_the_inner(*args):  # (an EMA or a teacher's step hung on the outer optimizer)
+        _train(inner_model, inner)
+
+    def out_of_memory(*args):
+        raise RuntimeError("out of memory (a stand-in)")
+
+    outer.optimizer.register_step_post_hook(train_the_inner)
+    outer.optimizer.register_step_post_hook(out_of_memory)
+    with outer.autocast():
+        loss = outer_model(torch.randn(8, 4)).float().pow(2).mean()
+    outer.backward(loss)
+    with pytest.raises(RuntimeError, match="out of memory") as raised:
+        outer.step()
+    assert "step 1's update was applied" in raised.value.__notes__[0]
+    assert (outer.steps, outer.updates, inner.steps) == (1, 1, 1)
+
+
+def test_a_restored_guard_looks_at_every_parameters_dtype_at_its_first_step():
+    # the every-64th look went by the step count: a guard restored at step 1000 trained a layer
+    # cast to bf16 until step 1024 (review_session14 B9)
+    model, guard = _guard("bf16")
+    state = guard.state_dict()
+    state["step"], state["updates"] = 1000, 1000
+    restored = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    restored.load_state_dict(state)
+    model[2].to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^parameter '2.weight' is bfloat16"):
+        _train(model, restored)
+    model[2].float()
+    assert [r.step for r in _train(model, restored)] == [1001]
