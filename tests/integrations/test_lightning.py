@@ -825,3 +825,38 @@ def test_the_fp16_scale_has_ampguard_trains_floor_so_its_collapse_is_seen(tmp_pa
     assert [r.scaler_scale for r in list(plugin.records)[:3]] == [2.0, 1.0, 1.0]
     assert plugin.stop_reason is not None and "scale" in plugin.stop_reason
     assert len(plugin.records) < 20
+
+
+def test_a_resumed_fits_first_step_returning_none_keeps_the_records_on_lightnings_steps(tmp_path):
+    # the None step came before the guard existed: the guard then took the checkpoint's step, and
+    # every later record was numbered one behind Lightning's (review_session14 B2)
+    path = tmp_path / "steps.csv"
+    trainer = fit(Digits(hidden=8), AmpGuardPlugin("bf16-mixed", csv=path), steps=2)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    resumed = AmpGuardPlugin("bf16-mixed", csv=path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Lightning's "training_step returned None")
+        trainer = fit(SometimesNone({3}, hidden=8), resumed, steps=5, ckpt_path=tmp_path / "last.ckpt")
+    assert trainer.global_step == resumed.guard.steps == 5
+    assert [r["step"] for r in rows(path)] == ["1", "2", "4", "5"]
+
+
+class NoneAtBatch(Digits):
+    def __init__(self, batches, **kw):
+        super().__init__(**kw)
+        self.batches = set(batches)
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx in self.batches else super().training_step(batch, batch_idx)
+
+
+def test_a_group_whose_last_micro_batch_returns_none_closes_with_the_others_as_lightnings_bf16(tmp_path):
+    # accumulate_grad_batches=2, batch 3 (the second group's last) returns None: the group closes
+    # with batch 2's gradients, bit for bit Lightning's own bf16-mixed (review_session14 B3: said)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module, plain = NoneAtBatch({3}), NoneAtBatch({3})
+        fit(module, plugin := AmpGuardPlugin("bf16-mixed", max_norm=None), steps=3, accumulate_grad_batches=2)
+        fit(plain, MixedPrecision("bf16-mixed", "cpu"), steps=3, accumulate_grad_batches=2)
+    assert [r.step for r in plugin.records] == [1, 2, 3]
+    assert same(module.after[3], plain.after[3])

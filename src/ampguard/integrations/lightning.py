@@ -516,14 +516,16 @@ class AmpGuardPlugin(_LightningPrecision):
         closure_result = closure()
         guard = self.guard
         if (guard is None or not guard.pending) and model.automatic_optimization and closure_result is None:
-            # training_step returned None: no backward ran, and Lightning skips the optimizer step
-            # (MixedPrecision: no scaler.step) but counts it; so does the plugin: no record, no
-            # update, the step-interval schedulers step as Lightning steps them, and the guard's
-            # numbering moves on with Lightning's global_step (the next record is its step)
+            # training_step returned None and no backward ran in this optimizer step: Lightning
+            # skips the update (MixedPrecision: no scaler.step) but counts the step; so does the
+            # plugin: no record, no update, the step-interval schedulers step as Lightning steps
+            # them, and the guard's numbering moves on with Lightning's global_step (built now if
+            # it is not yet: a resumed fit's guard takes the checkpoint's step first). A group whose
+            # last micro-batches return None after others made gradients closes with those (the
+            # pending branch below), as Lightning's bf16 does; its 16-mixed skips that step
             self._after_closure(model, optimizer)
             self._hold = False
-            if guard is not None:
-                guard.steps += 1
+            (guard or self._setup(model)).steps += 1
             return closure_result
         if guard is None or not guard.pending:
             if not model.automatic_optimization:
