@@ -581,12 +581,16 @@ def test_a_custom_optimizer_over_part_of_the_model_trains_with_frozen_ignore(tmp
 
 @pytest.mark.parametrize("trainer_class", ["GuardedTrainer", "Trainer + callback"])
 def test_auto_find_batch_size_retries_after_an_out_of_memory_and_the_run_goes_on(tmp_path, trainer_class):
-    # HF begins the training loop again with half the batch after an out-of-memory; each attempt
-    # calls on_train_begin, which refused the CSV its first attempt had made ("already exists")
+    # HF begins the training loop again with a smaller batch after an out-of-memory; each attempt
+    # calls on_train_begin, which refused the CSV its first attempt had made ("already exists").
+    # Here the first attempt trains two steps first: HF keeps the weights and optimizer state they
+    # left, so their rows are kept aside, not cut (review_session14 B1)
     model = tiny_gpt2()
+    forwards = [0]
 
     def out_of_memory(module, args, kwargs):
-        if module.training and kwargs["input_ids"].shape[0] > 2:
+        forwards[0] += module.training
+        if module.training and kwargs["input_ids"].shape[0] > 2 and forwards[0] > 2:
             raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB (a stand-in)")
 
     model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
@@ -604,6 +608,8 @@ def test_auto_find_batch_size_retries_after_an_out_of_memory_and_the_run_goes_on
     retry = [e for e in events if e["event"] == "retry"]
     assert retry and all(e["step"] == 0 for e in retry)  # (HF tries 3, then 2)
     assert "train batch size of 2" in retry[-1]["message"]
+    assert "its 2 rows moved to steps.attempt-1.csv" in retry[0]["message"]
+    assert [int(r["step"]) for r in read_rows(folder / "steps.attempt-1.csv")] == [1, 2]
     assert json.loads((folder / "summary.json").read_text())["steps"] == 4
     if trainer_class == "GuardedTrainer":
         assert trainer.guard.steps == 4

@@ -168,6 +168,7 @@ class AmpGuardCallback(TrainerCallback):
         self.crash: BaseException | None = None  # the error that ended train(), if one did (GuardedTrainer)
         self._ended = False  # run_end and summary.json written
         self._batch: int | None = None  # the train batch size of this train()'s last attempt (auto_find_batch_size)
+        self._attempts = 0  # the attempts auto_find_batch_size began again (their rows: steps.attempt-N.csv)
 
     @property
     def exit_code(self) -> int:
@@ -230,9 +231,10 @@ class AmpGuardCallback(TrainerCallback):
             init_scale=(self._scaler or {}).get("init_scale"), min_scale=(self._scaler or {}).get("min_scale", 1.0),
             min_steps=self.min_steps)
         resume, self._resume = self._resume, None
-        # HF's auto_find_batch_size begins the loop again, with half the batch, after an out-of-memory:
-        # the files this train() opened are still open (no run_end); they go on, cut back to the new
-        # attempt's first step (a fresh run refused its own CSV as "already exists")
+        # HF's auto_find_batch_size begins the loop again, with a smaller batch, after an out-of-memory:
+        # the files this train() opened are still open (no run_end); they go on from the new attempt's
+        # first step (a fresh run refused its own CSV as "already exists"), the attempt before's rows
+        # after it kept aside (HF keeps its weights and optimizer state: those updates are in them)
         still_open = self._csv is not None or self._events is not None  # (no run_end: the last attempt's)
         retry = still_open and bool(getattr(args, "auto_find_batch_size", False)) and (
             (state.train_batch_size or 0) < (self._batch or 0) or resume is not None)
@@ -249,9 +251,13 @@ class AmpGuardCallback(TrainerCallback):
                 if sink is not None:
                     sink.close()
             self._csv = self._events = None
+        kept = None
         if state.is_world_process_zero:
             folder = self.out_dir or Path(args.output_dir) / "ampguard"
             folder.mkdir(parents=True, exist_ok=True)
+            if retry:
+                self._attempts += 1
+                kept = _keep_attempt(folder / CSV_NAME, state.global_step, self._attempts)
             # a resume appends (the CSV cut after the checkpoint's step); a fresh run refuses an existing file
             goes_on = resume is not None or retry
             self._csv = CsvSink(folder / CSV_NAME, append=goes_on,
@@ -259,10 +265,11 @@ class AmpGuardCallback(TrainerCallback):
             self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=goes_on)
             self.out_dir = folder
         if retry:
+            aside = f"; its {counted(kept[1], 'row')} moved to {kept[0].name}" if kept is not None else ""
             self._emit({"step": state.global_step, "event": "retry", "message": (
                 f"the training loop began again at step {state.global_step} with a train batch size of "
-                f"{state.train_batch_size} (auto_find_batch_size, after an out-of-memory): the CSV's later rows "
-                "were cut and the monitor starts afresh")}, "RETRY")
+                f"{state.train_batch_size} (auto_find_batch_size, after an out-of-memory); HF keeps the weights "
+                f"and optimizer state the attempt before left{aside}; the monitor starts afresh")}, "RETRY")
         if resume is not None:
             step, saved, source = resume
             note = "" if saved is not None else (
@@ -386,6 +393,33 @@ class AmpGuardCallback(TrainerCallback):
         return StepLog(**common, grad_l2_post_clip=post)
 
 
+def _keep_attempt(csv: Path, step: int, attempt: int) -> tuple[Path, int] | None:
+    """The rows of ``csv`` after ``step`` (an attempt ``auto_find_batch_size`` began again from
+    there), copied with the header to ``steps.attempt-<attempt>.csv`` beside it before they are cut:
+    their updates are in the weights HF goes on with. ``(path, rows)``, or ``None`` when there are none.
+
+    Example::
+
+        >>> import tempfile
+        >>> csv = Path(tempfile.mkdtemp()) / "steps.csv"
+        >>> _ = csv.write_text("step,lr\\n1,0.1\\n2,0.1\\n", encoding="utf-8")
+        >>> path, rows = _keep_attempt(csv, 0, 1)
+        >>> path.name, rows, path.read_text(encoding="utf-8")
+        ('steps.attempt-1.csv', 2, 'step,lr\\n1,0.1\\n2,0.1\\n')
+        >>> _keep_attempt(csv, 2, 2) is None
+        True
+    """
+    if not csv.is_file():
+        return None
+    header, *rows = csv.read_text(encoding="utf-8").splitlines(keepends=True)
+    after = [row for row in rows if row.partition(",")[0].isdigit() and int(row.partition(",")[0]) > step]
+    if not after:
+        return None
+    target = csv.with_name(f"{csv.stem}.attempt-{attempt}{csv.suffix}")
+    replace_atomically(target, header + "".join(after))
+    return target, len(after)
+
+
 def _scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
     """The loss scaler Accelerate gave the Trainer's optimizer (``AcceleratedOptimizer.scaler``), if any."""
     return getattr(optimizer, "scaler", None)
@@ -473,7 +507,8 @@ class GuardedTrainer(Trainer):
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         """Each attempt builds its guard (``auto_find_batch_size`` begins the loop again after an
-        out-of-memory, over a new optimizer, from step 0 or the checkpoint again)."""
+        out-of-memory, from step 0 or the checkpoint again, with the weights and the optimizer,
+        state and all, that the attempt before left: HF keeps them)."""
         self.guard, self.record = None, None
         return super()._inner_training_loop(*args, **kwargs)
 
