@@ -224,14 +224,21 @@ def test_save_state_inside_a_group_keeps_the_last_closed_step_and_deletes_no_che
 
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
     try:
-        accelerator, model, guard = _guarded_run(tmp_path, 3, project_config=config)  # steps 1, then 1 of 2
+        accelerator, model, guard = _guarded_run(tmp_path, 2, project_config=config)  # step 1
+        accelerator.save_state()  # checkpoint_0, at the group's boundary
+        with guard.autocast():
+            loss = model(torch.randn(8, 4, generator=torch.Generator().manual_seed(1))).square().mean()
+        guard.backward(loss)
+        guard.step()  # micro-batch 1 of 2
         assert (guard.steps, guard.mid_group, guard.scaler.get_scale()) == (1, True, 16.0)
         weights = model.weight.detach().clone()
         with pytest.raises(ValueError, match="make_guard registered the guard's state already"):
             accelerator.register_for_checkpointing(guard)
-        accelerator.save_state()  # mid-group: no refusal
+        accelerator.save_state()  # mid-group: no refusal; total_limit 1 deletes checkpoint_0 for it
         saved = sorted((tmp_path / "checkpoints").iterdir())
-        assert [p.name for p in saved] == ["checkpoint_0"]
+        assert [p.name for p in saved] == ["checkpoint_1"]
+        assert sorted(p.name for p in saved[0].iterdir() if p.name.startswith("custom_checkpoint")) == [
+            "custom_checkpoint_0.pkl"]  # (whole: the guard's state is in it)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     try:
@@ -253,3 +260,30 @@ def test_make_guard_twice_on_one_accelerator_keeps_one_checkpointed_guard_state(
     assert accelerator._custom_objects[0].guard is second
     accelerator.register_for_checkpointing(torch.optim.lr_scheduler.StepLR(optimizer, 1))  # others still go in
     assert len(accelerator._custom_objects) == 2
+
+
+def test_a_folder_saved_without_the_guards_state_loads_with_register_state_false(tmp_path):
+    # review_session14 B7: a checkpoint of an older ampguard (the guard not registered) holds no custom
+    # state; with make_guard's registration Accelerate refused it ("Number of custom checkpoints ...")
+    try:
+        torch.manual_seed(0)
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = torch.nn.Linear(4, 1)
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        accelerator.save_state(str(tmp_path / "old"))  # (no guard registered: as before make_guard did it)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with pytest.raises(RuntimeError, match="Number of custom checkpoints"):
+            _guarded_run(tmp_path / "a", 0, load=tmp_path / "old")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = torch.nn.Linear(4, 1)
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        guard = make_guard(accelerator, model, optimizer, precision="bf16", register_state=False)
+        accelerator.load_state(str(tmp_path / "old"))
+        assert guard.steps == 0 and accelerator._custom_objects == []
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

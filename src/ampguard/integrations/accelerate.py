@@ -60,7 +60,8 @@ def found_inf(scaler: torch.amp.GradScaler | None, optimizer: Any) -> torch.Tens
     return torch.stack([v.to(device) for v in per_device.values()]).sum().clamp(max=1.0)
 
 
-def make_guard(accelerator: Any, model: Any, optimizer: Any, **settings: Any) -> Guard:
+def make_guard(accelerator: Any, model: Any, optimizer: Any, *, register_state: bool = True,
+               **settings: Any) -> Guard:
     """A :class:`Guard` over a model and optimizer that ``accelerator.prepare`` returned.
 
     Accelerate must not do the AMP too (``Accelerator(mixed_precision="no")``, the default):
@@ -89,6 +90,9 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, **settings: Any) ->
     micro-batches are not kept: a resume begins a new group). Registering the guard itself as
     well is refused: its ``state_dict()`` refuses inside a group, and Accelerate asks for it
     only after it has deleted old checkpoints (``total_limit``) and written the model's files.
+    ``register_state=False`` leaves the guard out of the checkpoints: to load a folder saved
+    without its state (an older ampguard's, where the guard was not registered), which Accelerate
+    refuses with one custom state registered more than the folder holds.
 
     Example::
 
@@ -123,7 +127,7 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, **settings: Any) ->
     for name in ("clip_grad_norm_", "clip_grad_value_"):
         if hasattr(accelerator, name):
             setattr(accelerator, name, _refused(name))  # (this accelerator's own attribute, not the class's)
-    if hasattr(accelerator, "register_for_checkpointing"):
+    if register_state and hasattr(accelerator, "register_for_checkpointing"):
         _register(accelerator, GuardState(guard))
     return guard
 
