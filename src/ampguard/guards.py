@@ -34,6 +34,7 @@ from . import distributed
 from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes
 from .config import Config
 from .errors import ConfigError, ExitCode, InputError, counted
+from .files import temporary_beside
 from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor, metric_direction
 from .records import StepRecord
 
@@ -251,13 +252,15 @@ def _keep_base(evidence: Path, checkpoint: Path) -> Path | None:
         ('step-15.checkpoint.pt', b'weights')
     """
     base = evidence.with_name(f"{evidence.stem}.checkpoint.pt")
-    try:
-        os.link(checkpoint, base)
-    except OSError:
+    with temporary_beside(base) as tmp:  # (linked or copied whole, then renamed: never half a file by its name)
+        tmp.unlink(missing_ok=True)  # (a kill's leftover of this process id)
         try:
-            shutil.copyfile(checkpoint, base)
+            try:
+                os.link(checkpoint, tmp)
+            except OSError:
+                shutil.copyfile(checkpoint, tmp)
+            os.replace(tmp, base)
         except OSError:
-            base.unlink(missing_ok=True)
             return None
     return base
 
