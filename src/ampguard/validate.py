@@ -1422,7 +1422,7 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
     cannot be written is refused), print the verdict. ``ExitCode.OK`` when every rule holds,
     ``ExitCode.REJECTED`` when any is violated. Every refusal (:class:`InputError`) comes before
     anything is written. With no floor declared (``validation.min_accuracy`` / ``max_mse``) the
-    reference's quality reads ``NOT CHECKED`` and the verdict says so; with no checkpoint, a
+    reference's quality reads ``NOT CHECKED`` and the verdict rejects, saying what to declare; with no checkpoint, a
     warning on stderr says the reference is the untrained model (:func:`untrained_reference`).
 
     Example (an untrained model misses a declared ``max_mse``: the reference is not trusted)::
