@@ -304,13 +304,17 @@ _PROBING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Any]] = weakref.W
 
 def _note_autocast(module: nn.Module, args: Any) -> None:
     """A forward pre-hook: each probing guard notes, at the first training forward (one that
-    records gradients: an evaluation under ``torch.no_grad()`` before training is not it), whether
-    autocast was on for its device. A module-level function (a model with the hook still pickles)."""
-    if not torch.is_grad_enabled():
+    records gradients: an evaluation under ``torch.no_grad()`` before training is not it), the
+    autocast dtype it ran under for its device (``False`` without autocast). A module-level
+    function (a model with the hook still pickles). Nothing while ``torch.compile`` traces it: a
+    graph that read the registry would be guarded on its entries' positions (a collected model
+    made a later compile fail with an ``IndexError``)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
     for guard in _PROBING.get(module, ()):
         if guard._forward_autocast is None:
-            guard._forward_autocast = torch.is_autocast_enabled(guard.precision.device_type)
+            device_type = guard.precision.device_type
+            guard._forward_autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
 
 
 def _probe_autocast(guard: Any, modules: Sequence[nn.Module]) -> list[Any]:
@@ -599,7 +603,7 @@ class Guard:
         self._tail_found: torch.Tensor | None = None  # inside a sync-free close: the tail's skip flag
         self._owed: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # inside a close: (names, skipped)
         # the first step's forward: did it run under autocast? (_probe_autocast; gone after the first backward)
-        self._forward_autocast: bool | None = None
+        self._forward_autocast: torch.dtype | bool | None = None  # (its autocast dtype, False: none)
         self._autocast_probes = _probe_autocast(self, modules) if precision.name != "fp32" else []
         _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
 
@@ -620,19 +624,32 @@ class Guard:
         _hook_stray_steps(self, self.optimizers, taken=False)
 
     def _end_autocast_probe(self) -> None:
-        """After the first forward: the probes go, and a forward that ran without autocast is said
-        once (:class:`~ampguard.errors.AmpguardWarning`): a loop that forgot ``with
-        guard.autocast():`` trains in float32 under an fp16 or bf16 guard, unsaid, its loss scaled
-        for nothing."""
-        for handle in self._autocast_probes:
+        """After the first forward: the probes go, and a forward that ran without autocast, or
+        under another autocast dtype than the guard's, is said once
+        (:class:`~ampguard.errors.AmpguardWarning`): a loop that forgot ``with guard.autocast():``
+        trains in float32, its loss scaled for nothing; one that kept its own
+        ``torch.autocast(dtype=torch.float16)`` under a bf16 guard runs fp16 with no loss scaler
+        (small gradients flush to zero), unsaid. A forward the probe did not see (compiled, or not
+        through the model's ``__call__``) leaves the hooks in place (removing them would make
+        ``torch.compile`` compile the model again) and says nothing."""
+        seen, handles, self._autocast_probes = self._forward_autocast, self._autocast_probes, []
+        if seen is None:  # (left to go with the guard: _probe_autocast's finalizer)
+            return
+        for handle in handles:
             handle.remove()
-        self._autocast_probes = []
         for module in self._modules:
             _PROBING.get(module, weakref.WeakSet()).discard(self)
-        if self._forward_autocast is False:
-            warnings.warn(f"Guard(precision={self.precision.name!r}): the model's forward ran without autocast (outside "
-                          "`with guard.autocast():`): it computes in float32, no mixed precision; put the forward "
-                          "and the loss inside that block", AmpguardWarning, stacklevel=3)
+        where = f"Guard(precision={self.precision.name!r}): the model's forward ran"
+        if seen is False:
+            warnings.warn(f"{where} without autocast (outside `with guard.autocast():`): it computes in float32, no "
+                          "mixed precision; put the forward and the loss inside that block", AmpguardWarning,
+                          stacklevel=3)
+        elif seen != self.precision.dtype:
+            said = str(seen).removeprefix("torch.")
+            scaler = "" if self.scaler.is_enabled() else ", with no loss scaler"
+            warnings.warn(f"{where} under autocast({said}), not the guard's {str(self.precision.dtype)[6:]}{scaler}: "
+                          f"a torch.autocast of the loop's own? use `with guard.autocast():`", AmpguardWarning,
+                          stacklevel=3)
 
     def _every_scheduler(self) -> list[Any]:
         return [scheduler for schedulers in self._schedulers.values() for scheduler in schedulers]
@@ -768,9 +785,9 @@ class Guard:
                 several = " (several losses: guard.backward(*losses))" if isinstance(loss, (tuple, list)) else ""
                 raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}{several}")
             if not loss.requires_grad:  # (before any backward: the losses before it left no gradient)
-                which = f"loss {i} of {len(losses)}" if len(losses) > 1 else "the loss"
+                which = f"loss {i + 1} of {len(losses)}" if len(losses) > 1 else "the loss"
                 raise ValueError(f"Guard.backward(): {which} does not require grad (made under torch.no_grad(), "
-                                 "or detached): nothing to backward")
+                                 "detached, or a constant placeholder: leave it out): nothing to backward")
         if self.scaler.is_enabled() and any(map(self.scaler.unscaled, self.optimizers.values())):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
@@ -887,6 +904,10 @@ class Guard:
         (as a GAN's ``zero_grad`` before each backward drops what the other loss left there).
         """
         if not self._backward_pending:
+            if any(map(holds_gradients, self.optimizers.values())):  # (the error's path only)
+                raise RuntimeError("Guard.step() without guard.backward(loss): the gradients there come from a "
+                                   "backward outside the guard (a loss.backward() of yours?): call "
+                                   "guard.backward(loss) instead, which checks, scales and counts it")
             raise RuntimeError("Guard.step() called twice: the order is `with guard.autocast(): loss = ...`, "
                                "guard.backward(loss), guard.step()" if self._micro or self.steps else
                                "Guard.step() before guard.backward(loss): nothing to step")

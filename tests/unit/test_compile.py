@@ -36,3 +36,42 @@ def test_a_compiled_model_trains_and_skips_like_the_eager_one():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     losses = [r.values()["loss"] for r in records if not r.skipped]
     assert losses[-1] < losses[0]
+
+
+def test_the_guards_autocast_probe_is_not_traced_into_a_compiled_forward():
+    # review_anyloop14: the plain module handed to Guard, a compiled wrapper doing the forward: the
+    # probe (a forward pre-hook) read its registry inside the traced graph, so dynamo guarded on the
+    # registry's entries by position (a model collected meanwhile: IndexError from the forward) and
+    # the probe's removal at the first backward compiled the model a second time. The eager backend:
+    # dynamo's tracing and guards, no inductor (fast)
+    import gc
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from ampguard import Guard
+
+    kept = []
+
+    def gc_while_compiling(gm, example_inputs):  # (the cyclic GC inductor's allocations may trigger)
+        kept.clear()
+        gc.collect()
+        return gm.forward
+
+    for run, keep in ((0, True), (1, False)):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(run)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        compiled = torch.compile(model, backend=gc_while_compiling)
+        guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (a compiled forward is not probed: nothing said)
+            for _ in range(3):
+                with guard.autocast():
+                    loss = F.cross_entropy(compiled(torch.randn(6, 8)), torch.randint(0, 3, (6,)))
+                guard.backward(loss)
+                guard.step()
+        assert counters["stats"]["unique_graphs"] == 1  # (compiled once: the probe left in place)
+        if keep:
+            kept.append(model)  # (garbage the next run's compile collects)

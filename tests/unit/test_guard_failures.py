@@ -572,3 +572,34 @@ def test_a_restored_guard_looks_at_every_parameters_dtype_at_its_first_step():
         _train(model, restored)
     model[2].float()
     assert [r.step for r in _train(model, restored)] == [1001]
+
+
+def test_a_forward_under_the_loops_own_autocast_of_another_dtype_is_said():
+    # review_anyloop14: a port kept `with torch.autocast("cpu", dtype=torch.float16):` under a bf16
+    # guard: fp16 with no loss scaler (small gradients flush to zero), unsaid
+    from ampguard.errors import AmpguardWarning
+
+    model, guard = _guard("bf16")
+    with pytest.warns(AmpguardWarning, match=r"^Guard\(precision='bf16'\): the model's forward ran under "
+                                             r"autocast\(float16\), not the guard's bfloat16, with no loss scaler"):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(8, 4)).float().pow(2).mean()
+        guard.backward(loss)
+    guard.step()
+
+
+def test_the_port_slips_name_their_cause():
+    # review_anyloop14: loss.backward() then guard.step() said "nothing to step"; the second of two
+    # losses was called "loss 1 of 2"
+    model, guard = _guard("bf16")
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"the gradients there come from a backward outside the guard "
+                                           r"\(a loss.backward\(\) of yours\?\): call guard.backward\(loss\)"):
+        guard.step()
+    guard.optimizer.zero_grad()
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    with pytest.raises(ValueError, match=r"^Guard.backward\(\): loss 2 of 2 does not require grad"):
+        guard.backward(loss, torch.tensor(0.0))

@@ -175,7 +175,7 @@ def test_a_loss_that_needs_no_gradient_among_several_is_refused_before_any_backw
     with guard.autocast():
         a = model(torch.ones(4, 3)).mean()
         b = a.detach() * 2
-    with pytest.raises(ValueError, match=r"^Guard.backward\(\): loss 1 of 2 does not require grad"):
+    with pytest.raises(ValueError, match=r"^Guard.backward\(\): loss 2 of 2 does not require grad"):
         guard.backward(a, b)
     assert model.weight.grad is None
     guard.backward(_loss(model, guard))
