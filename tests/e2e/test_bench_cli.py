@@ -166,10 +166,15 @@ def test_bench_json_carries_the_runs_settings(capsys):
     assert data["resolve"] == 0.5 and isinstance(data["threads"], int)
     guarded = [r for r in data["results"] if r["contender"] == "ampguard + csv"][0]
     ratio, low, high = guarded["ratio_to_bare"], guarded["ratio_low"], guarded["ratio_high"]
-    if low is not None:  # (6 rounds or more: the interval's farther side, relative)
+    # which of the two ways it ended is the machine's (a loaded one may run out of its 5 s first);
+    # each is checked, and one of them ran (review_tests14 #7: both were ifs, a slow box checked none)
+    assert guarded["stop"] in ("resolved", "budget"), guarded["stop"]
+    rounds = len(guarded["rounds"])
+    assert (low is None) == (rounds < 6)  # (no interval below 6 rounds)
+    if low is not None:  # (its farther side, relative)
         assert guarded["half_width"] == max(high - ratio, ratio - low) / ratio
-    if guarded["stop"] == "resolved":  # (within ±50% after 8 rounds, or the 5 s ran out)
-        assert guarded["half_width"] <= 0.5 and len(guarded["rounds"]) >= 8
+    if guarded["stop"] == "resolved":  # (within ±50%, decided on 8 rounds at least)
+        assert guarded["half_width"] <= 0.5 and rounds >= 8
 
 
 def _gpu_sh(env, tmp_path):

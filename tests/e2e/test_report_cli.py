@@ -487,8 +487,9 @@ def test_report_and_compare_of_a_rolled_back_run_say_what_its_card_says(tmp_path
         kinds = [e["kind"] for e in read_events(tmp_path / name / "events.jsonl", strict=False) if e["event"] == "rollback"]
         assert kinds and set(kinds) == {"loss_spike" if name == "spike" else "skip_guard"}  # (what is tested)
     capsys.readouterr()
+    cards = {}
     for name in runs:
-        card = card_table((tmp_path / name / "RUN.md").read_text(encoding="utf-8"))
+        card = cards[name] = card_table((tmp_path / name / "RUN.md").read_text(encoding="utf-8"))
         assert main(["report", str(tmp_path / name), "--no-plot"]) == 0
         out = capsys.readouterr().out
         assert f" updates={card['updates applied']} " in out, out
@@ -497,8 +498,13 @@ def test_report_and_compare_of_a_rolled_back_run_say_what_its_card_says(tmp_path
         assert f"\nended: {card['ended']}\n" in out  # (why it ended, as the card says: report did not say)
     assert main(["compare", str(tmp_path / "spike"), str(tmp_path / "skips")]) == 0
     table = capsys.readouterr().out
-    assert re.search(r"steps / updates\s*\|\s*100 / 80\s*\|\s*120 / 89\s*\|", table), table
-    assert re.search(r"max rolling skip rate\s*\|\s*0\.0000\s*\|\s*1\.0000\s*\|", table), table
+    # compare's cells are each card's (the spike's 80: 20 updates after step 40's checkpoint undone)
+    assert cards["spike"]["updates applied"] == "80"
+    cells = [f"{cards[n]['steps attempted']} / {cards[n]['updates applied']}" for n in runs]
+    assert re.search(rf"steps / updates\s*\|\s*{cells[0]}\s*\|\s*{cells[1]}\s*\|", table), table
+    rates = [f"{float(cards[n]['max rolling skip rate']):.4f}" for n in runs]
+    assert rates == ["0.0000", "1.0000"]
+    assert re.search(rf"max rolling skip rate\s*\|\s*{rates[0]}\s*\|\s*{rates[1]}\s*\|", table), table
     # resumed from the checkpoint of the rollback's own step (saved after the rollback, which it
     # holds): the rollback is the run's still, not a future the resume abandoned
     assert main(["train", "--resume", str(tmp_path / "spike" / "checkpoints" / "step-00000060.pt")]) == 0

@@ -6,8 +6,6 @@ run and is not under test here). Only the SIGKILL tests start a real process.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
 import shutil
@@ -26,7 +24,6 @@ from helpers import ag, ok, one_error_line, read_rows, run_events
 
 from ampguard import checkpoint as ckpt
 from ampguard.errors import InputError
-from ampguard.monitor import LossSpikeDetector
 
 LINEAR = ["--set", "task.name=linear", "--set", "log.plot=false"]  # (the plot is report's tests' business)
 TINY_CHARLM = [
@@ -534,77 +531,6 @@ def test_after_rollback_max_rollbacks_the_next_skip_guard_trigger_exits_3(tmp_pa
     assert ["no rollback allowed (rollback.max 0)", "the one rollback (rollback.max) is used up",
             "all 2 rollbacks (rollback.max) are used up"][allowed] in out
     assert "rollback.max" in (run / "RUN.md").read_text(encoding="utf-8")
-
-
-# ---------------------------------------------------------------------------- LossSpikeDetector
-
-
-def _fill(detector: LossSpikeDetector, values) -> None:
-    for v in values:
-        assert detector.check(v) is False
-
-
-def test_spike_detector_judges_nothing_until_its_window_is_full():
-    d = LossSpikeDetector(window=5, z=3.0)
-    _fill(d, [1.0, 1.0, 1.0, 1.0])
-    assert d.check(1e9) is False  # fifth value: the window was not full, so it joins it
-    d2 = LossSpikeDetector(window=5, z=3.0)
-    _fill(d2, [1.0, 1.1, 0.9, 1.0, 1.05])
-    assert d2.check(1e9) is True  # now it is judged
-
-
-def test_spike_detector_flags_a_value_above_mean_plus_z_std():
-    values = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
-    mean = sum(values) / len(values)
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-    threshold = mean + 2.5 * std
-    below, above = threshold - 1e-9, threshold + 1e-9
-    d = LossSpikeDetector(window=6, z=2.5)
-    _fill(d, values)
-    assert d.check(above) is True
-    assert d.check(above) is True  # the spike did not enter the window
-    d = LossSpikeDetector(window=6, z=2.5)
-    _fill(d, values)
-    assert d.check(below) is False  # not a spike: it joins the window
-    d = LossSpikeDetector(window=6, z=2.5)
-    _fill(d, values)
-    assert threshold == 2.75 and d.check(threshold) is False  # (mean 1.5, std 0.5: exact) at it, not above it
-
-
-def test_a_flat_loss_is_never_a_spike():
-    # a loss that settles exactly (0.0 once a model fits its data): the window's std is 0, its
-    # threshold the loss itself; ">=" would call every later step a spike and roll back until the
-    # rollbacks ran out (exit 3)
-    for level in (0.0, 1.25):
-        d = LossSpikeDetector(window=4, z=3.0)
-        _fill(d, [level] * 4)
-        assert [d.check(level) for _ in range(10)] == [False] * 10
-
-
-def test_a_spike_does_not_enter_the_window_and_non_finite_losses_are_ignored():
-    d = LossSpikeDetector(window=4, z=3.0)
-    _fill(d, [1.0, 1.2, 0.8, 1.0])
-    before = d.state_dict()
-    assert d.check(50.0) is True
-    for value in (None, float("nan"), float("inf")):
-        assert d.check(value) is False
-    assert d.state_dict() == before
-
-
-def test_spike_detector_state_dict_round_trip():
-    values = [0.5, 0.7, 0.6, 0.65, 0.55, 0.6, 0.62]
-    a = LossSpikeDetector(window=5, z=4.0)
-    _fill(a, values)
-    b = LossSpikeDetector(window=5, z=4.0)
-    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    assert b.state_dict() == a.state_dict()
-    for probe in (0.6, 0.9, 0.61, 5.0, 0.58):
-        assert a.check(probe) == b.check(probe)
-    assert a.state_dict() == b.state_dict()
-    b.reset()
-    assert b.check(100.0) is False  # after a reset it judges nothing until the window is full again
-    with pytest.raises(ValueError):
-        LossSpikeDetector(window=6, z=4.0).load_state_dict(a.state_dict())
 
 
 # ---------------------------------------------------------------------------- what --resume was given

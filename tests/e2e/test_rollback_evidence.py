@@ -143,6 +143,14 @@ def test_a_skip_smaller_than_the_checkpoint_gap_still_skips_the_spiking_batch(tm
     # it would be trained on (its loss ~2e8 at step 38); it never comes back
     losses = {int(r["step"]): float(r["loss"]) for r in read_rows(run / "steps.csv")}
     assert losses[35] > 1e6 and all(losses[s] < 10 for s in range(36, 46))
+    # a second pass over step 35 (a resume from step 30's checkpoint, rollback.max raised) keeps the
+    # first pass's evidence: it goes to step-35-2.pt (review_tests14 #2)
+    first = (run / "rollback" / "step-35.pt").read_bytes()
+    ok(ag("train", "--resume", run / "checkpoints" / "step-00000030.pt", "--set", "rollback.max=3"))
+    again = [e for e in run_events(run) if e["event"] == "rollback"][-1]
+    assert again["step"] == 35 and again["evidence"] == "rollback/step-35-2.pt"
+    assert (run / "rollback" / "step-35.pt").read_bytes() == first
+    assert again["evidence_checkpoint"] == "rollback/step-35-2.checkpoint.pt" and (run / again["evidence_checkpoint"]).is_file()
 
     # the evidence is batch 34 itself
     saved = torch.load(run / "rollback" / "step-35.pt", weights_only=True)
@@ -264,3 +272,18 @@ def test_a_val_regression_finds_the_evaluation_before_though_keep_is_smaller_tha
              "--inject", "spike@25"))
     [event] = [e for e in run_events(tmp_path / "R") if e["event"] == "rollback"]
     assert event["step"] == 40 and event["kind"] == "val_regression" and event["checkpoint"] == "step-00000020.pt"
+
+
+def test_the_evidence_of_an_accumulated_step_holds_its_whole_group(tmp_path):
+    # accumulation 2: step 18 trains on batches 34 (spiked) and 35; the evidence must hold both, the
+    # spiked one first, or `locate --batch` replays half a group and may miss the spike (review_tests14 #3)
+    args, factory = _factory(tmp_path, {34})
+    out = ok(train(tmp_path, "R", *args, "--set", "accumulation_steps=2", "--set", "checkpoint.every=5",
+                   "--set", "rollback.triggers=[loss_spike]", "--set", "rollback.window=5", "--set", "steps=22"))
+    [event] = [e for e in run_events(tmp_path / "R") if e["event"] == "rollback"]
+    assert event["step"] == 18, out
+    saved = torch.load(tmp_path / "R" / event["evidence"], weights_only=True)
+    assert len(saved["micro_batches"]) == 2
+    spiked, clean = _poisoned_batch(factory, 34), _poisoned_batch(factory, 35)
+    assert torch.equal(saved["micro_batches"][0]["targets"], spiked[1])
+    assert torch.equal(saved["micro_batches"][1]["targets"], clean[1])

@@ -287,3 +287,21 @@ def test_a_folder_saved_without_the_guards_state_loads_with_register_state_false
         assert guard.steps == 0 and accelerator._custom_objects == []
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_found_inf_after_unscale_is_what_unscale_found_though_the_gradients_were_cleaned_since():
+    # review_tests14 #6: after unscale_ (accelerator.clip_grad_norm_ does it) a hook cleaned the
+    # gradients (nan_to_num_): the step is still skipped, as GradScaler.step skips on what unscale_
+    # found; a fresh check of the clean gradients said "applied" and overwrote the scaler's own flag
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(2, 4)).sum() * float("inf")).backward()
+    scaler.unscale_(opt)
+    for p in model.parameters():
+        p.grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert found_inf(scaler, opt).item() == 1.0
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

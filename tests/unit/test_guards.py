@@ -586,3 +586,45 @@ def test_a_rollback_sets_the_lr_in_one_call(tmp_path, monkeypatch, lr_factor, st
     mentioned = f"; lr {expected:.4g} (rollback.lr_factor {lr_factor:g})"
     assert (mentioned in w.lines[0]) == (lr_factor != 1.0)
     assert ("lr_factor" in w.rollbacks.log[0]) == (lr_factor != 1.0)
+
+
+def test_the_checkpoint_kept_beside_rollback_evidence_never_writes_through_another_file(tmp_path):
+    # review_tests14 #1 (B10): a name already taken by a hard link to an older checkpoint was copied
+    # into, so the older checkpoint itself took the new weights
+    import os
+
+    (tmp_path / "rollback").mkdir()
+    older, newer = tmp_path / "step-00000005.pt", tmp_path / "step-00000010.pt"
+    older.write_bytes(b"OLD WEIGHTS")
+    newer.write_bytes(b"NEW WEIGHTS")
+    os.link(older, tmp_path / "rollback" / "step-15.checkpoint.pt")  # (an earlier pass over step 15)
+    kept = g._keep_base(tmp_path / "rollback" / "step-15.pt", newer)
+    assert kept is not None and kept.read_bytes() == b"NEW WEIGHTS"
+    assert older.read_bytes() == b"OLD WEIGHTS"
+
+
+def test_a_kill_while_the_evidence_checkpoint_is_copied_leaves_no_file_by_its_name(tmp_path, monkeypatch):
+    # the copy (where the file system takes no hard link) went to the final name: a kill mid-copy
+    # left a truncated step-N.checkpoint.pt for `locate --checkpoint` to choke on
+    import os
+    import shutil
+
+    (tmp_path / "rollback").mkdir()
+    checkpoint = tmp_path / "step-00000010.pt"
+    checkpoint.write_bytes(b"W" * 1000)
+
+    def no_link(*args):
+        raise OSError(1, "Operation not permitted")
+
+    def killed_halfway(source, target):
+        Path(target).write_bytes(Path(source).read_bytes()[:500])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(shutil, "copyfile", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        g._keep_base(tmp_path / "rollback" / "step-15.pt", checkpoint)
+    assert sorted(p.name for p in (tmp_path / "rollback").iterdir()) == []
+    monkeypatch.undo()
+    kept = g._keep_base(tmp_path / "rollback" / "step-15.pt", checkpoint)  # (then: linked, whole)
+    assert kept is not None and kept.read_bytes() == b"W" * 1000

@@ -1347,3 +1347,101 @@ def test_the_default_clear_level_is_the_decimal_one():
     events = [(e.step, e.kind) for r in records_for([True] * 9 + [False] * 20) for e in m.observe(r)]
     # step 27: the window holds steps 3..27, skips 3..9: 7/25 = 0.28, the clear level (0.27999... cleared at 28)
     assert events == [(1, "skip_rate_alert"), (27, "skip_rate_clear")]
+
+
+def test_a_rollback_restarts_the_count_of_skips_at_the_scale_floor():
+    # review_tests14 #4: the floor and a rollback together. restart_windows() (a rollback) must drop the
+    # steps skipped at the floor before it: kept, the collapse fail-fast fired one step after the
+    # rollback, counting steps the rollback had undone
+    def skip(step):
+        return SkipLog(step=step, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
+                       scaler_scale=1.0, reason="non_finite_grad")
+
+    m = RunMonitor(window=50, init_scale=1.0, min_scale=1.0, fail_on_scale_collapse=True, fail_after=3, min_steps=0)
+    for step in (1, 2):
+        m.observe(skip(step))
+    m.restart_windows()
+    m.observe(skip(3))
+    assert m.failed is None and m.at_floor_skipped == 1
+    for step in (4, 5):
+        m.observe(skip(step))
+    assert m.failed is not None and m.failed.step == 5
+
+
+def test_a_run_of_exactly_min_steps_is_judged_by_the_rolling_rule_not_again_at_its_end():
+    # review_tests14 #5: the window-not-yet-full edge at its boundary. 20 steps = min_steps, window 10:
+    # five skips early, the rolling rate 0 at the end (the whole run's 0.25): armed and judged, so
+    # at_end says nothing; one step fewer is a run too short to arm, judged whole at its end
+    assert _fed([True] * 5 + [False] * 15, window=10, min_steps=20).at_end(20) == []
+    assert [e.kind for e in _fed([True] * 5 + [False] * 14, window=10, min_steps=20).at_end(19)] == ["skip_rate_alert"]
+
+
+# ---------------------------------------------------------------------------- LossSpikeDetector
+
+
+def _fill(detector: LossSpikeDetector, values) -> None:
+    for v in values:
+        assert detector.check(v) is False
+
+
+def test_spike_detector_judges_nothing_until_its_window_is_full():
+    d = LossSpikeDetector(window=5, z=3.0)
+    _fill(d, [1.0, 1.0, 1.0, 1.0])
+    assert d.check(1e9) is False  # fifth value: the window was not full, so it joins it
+    d2 = LossSpikeDetector(window=5, z=3.0)
+    _fill(d2, [1.0, 1.1, 0.9, 1.0, 1.05])
+    assert d2.check(1e9) is True  # now it is judged
+
+
+def test_spike_detector_flags_a_value_above_mean_plus_z_std():
+    values = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    threshold = mean + 2.5 * std
+    below, above = threshold - 1e-9, threshold + 1e-9
+    d = LossSpikeDetector(window=6, z=2.5)
+    _fill(d, values)
+    assert d.check(above) is True
+    assert d.check(above) is True  # the spike did not enter the window
+    d = LossSpikeDetector(window=6, z=2.5)
+    _fill(d, values)
+    assert d.check(below) is False  # not a spike: it joins the window
+    d = LossSpikeDetector(window=6, z=2.5)
+    _fill(d, values)
+    assert threshold == 2.75 and d.check(threshold) is False  # (mean 1.5, std 0.5: exact) at it, not above it
+
+
+def test_a_flat_loss_is_never_a_spike():
+    # a loss that settles exactly (0.0 once a model fits its data): the window's std is 0, its
+    # threshold the loss itself; ">=" would call every later step a spike and roll back until the
+    # rollbacks ran out (exit 3)
+    for level in (0.0, 1.25):
+        d = LossSpikeDetector(window=4, z=3.0)
+        _fill(d, [level] * 4)
+        assert [d.check(level) for _ in range(10)] == [False] * 10
+
+
+def test_a_spike_does_not_enter_the_window_and_non_finite_losses_are_ignored():
+    d = LossSpikeDetector(window=4, z=3.0)
+    _fill(d, [1.0, 1.2, 0.8, 1.0])
+    before = d.state_dict()
+    assert d.check(50.0) is True
+    for value in (None, float("nan"), float("inf")):
+        assert d.check(value) is False
+    assert d.state_dict() == before
+
+
+def test_spike_detector_state_dict_round_trip():
+    values = [0.5, 0.7, 0.6, 0.65, 0.55, 0.6, 0.62]
+    a = LossSpikeDetector(window=5, z=4.0)
+    _fill(a, values)
+    b = LossSpikeDetector(window=5, z=4.0)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict()
+    for probe in (0.6, 0.9, 0.61, 5.0, 0.58):
+        assert a.check(probe) == b.check(probe)
+    assert a.state_dict() == b.state_dict()
+    b.reset()
+    assert b.check(100.0) is False  # after a reset it judges nothing until the window is full again
+    with pytest.raises(ValueError):
+        LossSpikeDetector(window=6, z=4.0).load_state_dict(a.state_dict())
