@@ -101,6 +101,58 @@ def paused(tmp_path_factory):
         end_all(proc for proc, _, _ in started.values())
 
 
+SIGNAL_AT_LAST_STEP = '''
+import os
+import signal
+
+import torch
+from torch import nn
+
+calls = [0]
+
+
+def loss_fn(output, target):  # the last step's loss (after the first batch's check at start-up)
+    calls[0] += 1
+    if calls[0] == {steps} + 1:
+        os.kill(os.getpid(), signal.{name})
+    return nn.functional.mse_loss(output, target)
+
+
+def build(config):
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(20)]
+    return {{"model": nn.Linear(3, 1), "data": data, "loss_fn": loss_fn}}
+'''
+
+
+@pytest.fixture(scope="module")
+def fired(tmp_path_factory):
+    """{case: (process, its folder)}: the runs a test only waits on and checks, started at once (their
+    torch imports overlap, as :func:`paused`'s do): a reader gone before the first line, a verb
+    whose reader left, a stop signal during the last step (sent by the run's own loss)."""
+    started = {}
+    try:
+        cwd = tmp_path_factory.mktemp("reader-gone")
+        proc = _spawn(cwd, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000", "--set", "log.name=t",
+                      "--set", "checkpoint.every=0")
+        proc.stdout.close()
+        started["reader-gone"] = (proc, cwd)
+        cwd = tmp_path_factory.mktemp("verb-reader-left")
+        proc = _spawn(cwd, "-m", "ampguard", "locate", "--set", "task.name=linear", "--inject", "nan_input@1")
+        proc.stdout.close()  # gone before the first line
+        started["verb-reader-left"] = (proc, cwd)
+        for name in ("SIGTERM", "SIGINT"):
+            cwd = tmp_path_factory.mktemp(f"last-{name}")
+            factory = cwd / "last.py"
+            factory.write_text(SIGNAL_AT_LAST_STEP.format(steps=6, name=name), encoding="utf-8")
+            started[f"last-{name}"] = (_spawn(cwd, "-m", "ampguard", "train", *LINEAR[2:], "--set",
+                                              f"task.factory={factory}:build", "--set", "steps=6", "--set",
+                                              "log.name=t", "--set", "log.dir=runs"), cwd)
+        yield started
+    finally:
+        end_all(proc for proc, _ in started.values())
+
+
 @pytest.mark.parametrize("case", CARD_SIGNALS)
 def test_signals_while_the_run_card_is_written_wait_for_it(paused, case):
     proc, cwd, marker = paused[case]
@@ -164,28 +216,23 @@ def test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_exit_141(tmp_pa
     _stopped_whole_and_resumed(run, err, "stdout's reader left")
 
 
-def test_a_reader_gone_before_the_run_began_stops_it_at_its_first_step(tmp_path):
+def test_a_reader_gone_before_the_run_began_stops_it_at_its_first_step(fired):
     """`ampguard train | true`: the reader is gone before the run's first line (its folder), so
     before the loop armed its stop flag: the run trained to its end and exited 0. It stops
     after its first step, whole, with exit 141."""
-    run = tmp_path / "runs" / "t"
-    proc = _spawn(tmp_path, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000", "--set", "log.name=t",
-                  "--set", "checkpoint.every=0")
-    proc.stdout.close()
+    proc, cwd = fired["reader-gone"]
+    run = cwd / "runs" / "t"
     err = proc.stderr.read()
     assert proc.wait(timeout=180) == 141, err
     assert _card(run)["ended"] == "interrupted (stdout's reader left) after step 1"
     assert (run / "checkpoints" / "step-00000001.pt").is_file()
 
 
-def test_a_verb_whose_reader_left_keeps_its_own_exit_code(tmp_path):
+def test_a_verb_whose_reader_left_keeps_its_own_exit_code(fired):
     """`ampguard locate ... | head -1` (or `validate`): the reader leaving mapped every verb to
     exit 0, so a CI step piped into head passed a NaN found (or a model rejected). The verb
     finishes, its output dropped, with its own code: 1 here, a non-finite value found."""
-    proc = subprocess.Popen([sys.executable, "-m", "ampguard", "locate", "--set", "task.name=linear",
-                             "--inject", "nan_input@1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    proc.stdout.close()  # gone before the first line
+    proc, _ = fired["verb-reader-left"]
     err = proc.stderr.read()
     assert proc.wait(timeout=180) == 1, err
     assert "Traceback" not in err and "BrokenPipe" not in err
@@ -215,38 +262,13 @@ def test_a_console_that_cannot_take_the_lines_leaves_the_run_whole(tmp_path):
     assert card["ended"] == "finished: 2 steps"
 
 
-SIGNAL_AT_LAST_STEP = '''
-import os
-import signal
-
-import torch
-from torch import nn
-
-calls = [0]
-
-
-def loss_fn(output, target):  # the last step's loss (after the first batch's check at start-up)
-    calls[0] += 1
-    if calls[0] == {steps} + 1:
-        os.kill(os.getpid(), signal.{name})
-    return nn.functional.mse_loss(output, target)
-
-
-def build(config):
-    torch.manual_seed(0)
-    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(20)]
-    return {{"model": nn.Linear(3, 1), "data": data, "loss_fn": loss_fn}}
-'''
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
-def test_a_stop_signal_during_the_last_step_leaves_a_finished_run(tmp_path, name):
+def test_a_stop_signal_during_the_last_step_leaves_a_finished_run(fired, name):
     # review_walk14 B3: honoured at the boundary after the last step, it made a run that had trained
     # every step "interrupted" (exit 143/130/141), and skipped the end-of-run judgement
-    factory = tmp_path / "last.py"
-    factory.write_text(SIGNAL_AT_LAST_STEP.format(steps=6, name=name), encoding="utf-8")
-    proc = _spawn(tmp_path, "-m", "ampguard", "train", *LINEAR[2:], "--set", f"task.factory={factory}:build",
-                  "--set", "steps=6", "--set", "log.name=t", "--set", "log.dir=runs")
+    proc, cwd = fired[f"last-{name}"]
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, out + err
-    assert _card(tmp_path / "runs" / "t")["ended"] == "finished: 6 steps"
+    assert _card(cwd / "runs" / "t")["ended"] == "finished: 6 steps"
