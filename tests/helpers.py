@@ -11,6 +11,7 @@ import os
 import re
 import resource
 import signal
+import struct
 import sys
 import textwrap
 from collections.abc import Iterable
@@ -177,6 +178,14 @@ def snapshot_of(folder: Path) -> dict[str, object]:
 
 
 # ---------------------------------------------------------------------------- what a run writes
+
+
+def png_size(path: str | Path) -> tuple[int, int]:
+    """A PNG's width and height, read from its header (signature and IHDR checked first)."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR", f"{path}: no IHDR chunk first"
+    return struct.unpack(">II", data[16:24])
 
 
 def card_table(card: str) -> dict[str, str]:

@@ -9,12 +9,11 @@ import io
 import os
 import re
 import shutil
-import struct
 from pathlib import Path
 
 import pytest
 
-from helpers import card_table, marked, snapshot_of, someones_png
+from helpers import card_table, marked, png_size, snapshot_of, someones_png
 
 import ampguard.report
 from ampguard.cli import main
@@ -41,12 +40,6 @@ def compare_table(out: str) -> dict[str, list[str]]:
     lines = [line for line in out.splitlines() if line.startswith("|") and not set(line) <= {"|", "-"}]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
     return {row[0]: row[1:] for row in cells}
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    return struct.unpack(">II", data[16:24])
 
 
 def test_compare_says_what_each_run_card_says_and_draws_the_overlay(cli, sweep, tmp_path):

@@ -6,12 +6,10 @@ an injected skip; bad settings as one line, exit 2."""
 from __future__ import annotations
 
 import shutil
-import struct
-from pathlib import Path
 
 import pytest
 
-from helpers import ag, ok, one_error_line, read_events, read_rows, train
+from helpers import ag, ok, one_error_line, png_size, read_events, read_rows, train
 
 import ampguard.report
 from ampguard.cli import main
@@ -34,10 +32,6 @@ def build(config):
 RAMP_RUN = ["--set", "precision=fp16", "--set", "scaler.init_scale=1", "--set", "optimizer.lr=0",
             "--set", "steps=11", "--set", "monitor.headroom.every=1", "--set", "monitor.headroom.alert_bits=4",
             "--set", "checkpoint.enabled=false", "--set", "log.every=1000"]
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    return struct.unpack(">II", path.read_bytes()[16:24])
 
 
 def test_an_overflow_is_announced_before_the_first_skip_and_drawn_in_the_report(tmp_path, monkeypatch, capsys):

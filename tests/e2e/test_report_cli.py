@@ -13,7 +13,6 @@ import io
 import os
 import re
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import (card_table, read_events, read_rows, reference_episodes_events, reference_fail_step,
+from helpers import (card_table, png_size, read_events, read_rows, reference_episodes_events, reference_fail_step,
                      reference_rates)
 
 from ampguard.cli import main
@@ -34,13 +33,6 @@ PNG_SIZE = (1200, 1400)
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    data = Path(path).read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    assert data[12:16] == b"IHDR"
-    return struct.unpack(">II", data[16:24])
 
 
 def in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:

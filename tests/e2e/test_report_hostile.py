@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import helpers
-from helpers import file_size_limit, marked, ok, one_error_line, read_rows, someones_png
+from helpers import file_size_limit, marked, ok, one_error_line, png_size, read_rows, someones_png
 
 from ampguard.errors import ExitCode
 from ampguard.sinks import CSV_COLUMNS
@@ -30,12 +28,6 @@ LINEAR = ["--set", "task.name=linear", "--set", "device=cpu", "--set", "precisio
 
 def csv_text(*lines: str) -> str:
     return "\n".join(lines) + "\n"
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    return struct.unpack(">II", data[16:24])
 
 
 def refused(cli, target: str) -> str:

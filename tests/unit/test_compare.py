@@ -4,10 +4,11 @@ and the overlay plot. Whole runs through the CLI are in ``tests/e2e/test_compare
 from __future__ import annotations
 
 import os
-import struct
 from pathlib import Path
 
 import pytest
+
+from helpers import png_size
 
 from ampguard import compare
 from ampguard.config import dump_config, validate
@@ -38,12 +39,6 @@ def clean(step: int, pre: float = 2.0, loss: float = 0.5, scale: float = 65536.0
 def skip(step: int, scale: float, reason: str = "non_finite_grad", extra: str = "") -> str:
     pre, loss = ("inf", "0.5") if reason == "non_finite_grad" else ("", "nan")
     return f"{step},0.1,{pre},,{loss},1,{reason},{scale!r}" + extra
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    return struct.unpack(">II", data[16:24])
 
 
 # ---------------------------------------------------------------------------- reading a run
