@@ -312,7 +312,7 @@ def _note_autocast(module: nn.Module, args: Any) -> None:
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
     for guard in _PROBING.get(module, ()):
-        if guard._forward_autocast is None:
+        if guard._forward_autocast is None and guard._autocast_probes:  # (its probe still open)
             device_type = guard.precision.device_type
             guard._forward_autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
 
@@ -601,7 +601,7 @@ class Guard:
         self._grads_made = False  # the open group's backwards made a gradient (its later ones must find it)
         self._stepped: tuple[str, ...] | None = None  # inside a close: the optimizers that stepped
         self._tail_found: torch.Tensor | None = None  # inside a sync-free close: the tail's skip flag
-        self._owed: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # inside a close: (names, skipped)
+        self._owed: tuple[Any, ...] | None = None  # inside a close: (names, skipped), (names, (), True) once settled
         # the first step's forward: did it run under autocast? (_probe_autocast; gone after the first backward)
         self._forward_autocast: torch.dtype | bool | None = None  # (its autocast dtype, False: none)
         self._autocast_probes = _probe_autocast(self, modules) if precision.name != "fp32" else []
@@ -904,7 +904,7 @@ class Guard:
         (as a GAN's ``zero_grad`` before each backward drops what the other loss left there).
         """
         if not self._backward_pending:
-            if any(map(holds_gradients, self.optimizers.values())):  # (the error's path only)
+            if not self._micro and any(map(holds_gradients, self.optimizers.values())):  # (the error's path only)
                 raise RuntimeError("Guard.step() without guard.backward(loss): the gradients there come from a "
                                    "backward outside the guard (a loss.backward() of yours?): call "
                                    "guard.backward(loss) instead, which checks, scales and counts it")
@@ -949,6 +949,9 @@ class Guard:
         as ``scheduler_on_skip`` says. A note on ``err`` says which."""
         stepped, self._stepped = self._stepped, None
         owed, self._owed = self._owed, None
+        settled = owed is not None and len(owed) == 3  # (a scheduler raised: the step ran, settled already)
+        if settled:
+            owed = None
         skip_decided = owed is not None and bool(owed[1])
         if owed is not None and (stepped or skip_decided):
             names, skipped = owed
@@ -959,7 +962,9 @@ class Guard:
                 self._step_schedulers([n for n in names if n in (stepped or ()) or n in skipped], stepped or ())
             except Exception as later:  # (the error the loop sees stays the first one)
                 err.add_note(f"ampguard: settling the step raised too: {later!r}")
-        if stepped is None and skip_decided:  # (a skip that ran: counted, its scale backed off)
+        if settled and not stepped:  # (a skip whose scheduler raised: counted, its scale backed off)
+            said = f"step {self.steps} was skipped, nothing was applied, its record was not made"
+        elif stepped is None and skip_decided:  # (a skip that ran: counted, its scale backed off)
             which = f" of {', '.join(map(repr, owed[1]))}" if len(self.optimizers) > 1 else ""
             said = f"step {self.steps} was skipped{which}, nothing was applied, its record was not made"
         elif stepped is None:
@@ -1146,7 +1151,9 @@ class Guard:
             hook(grads)
         self._owed = None
         self.scaler.update()
+        self._owed = (names, (), True)  # (settled: a scheduler raising leaves a step that ran)
         self._step_schedulers(names, applied)
+        self._owed = None
         self._zero_grad()
         labels = {"optimizers": names, "skipped_optimizers": skipped} if len(self.optimizers) > 1 else {}
         # what the read brought, the scale after update() told on the host: a sink reads nothing more

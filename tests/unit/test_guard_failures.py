@@ -603,3 +603,35 @@ def test_the_port_slips_name_their_cause():
         loss = model(torch.randn(8, 4)).float().pow(2).mean()
     with pytest.raises(ValueError, match=r"^Guard.backward\(\): loss 2 of 2 does not require grad"):
         guard.backward(loss, torch.tensor(0.0))
+
+
+def test_a_skipped_step_whose_scheduler_raises_stays_counted_with_its_backoff():
+    # scheduler_on_skip="step" and a OneCycleLR stepped past its end at a skip: the scale had
+    # halved and the scheduler moved, yet the step was rewound as "nothing was applied"
+    # (review_session14b #5)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=1)
+    guard = Guard(model, opt, precision="fp16", scheduler=one_cycle, scheduler_on_skip="step",
+                  scaler={"init_scale": 128.0})
+    assert [r.step for r in _train(model, guard)] == [1]  # (the schedule's one step)
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean() * float("nan")
+    guard.backward(loss)
+    with pytest.raises(ValueError, match="Tried to step") as raised:
+        guard.step()
+    assert "step 2 was skipped, nothing was applied, its record was not made" in raised.value.__notes__[0]
+    assert (guard.steps, guard.updates, guard.scaler.get_scale()) == (2, 1, 64.0)
+
+
+def test_a_second_step_call_inside_a_group_says_called_twice():
+    # the new "a backward outside the guard" message took the group's own gradients for a stray
+    # loss.backward() (review_session14b #1)
+    model, guard = _guard("bf16", accumulation_steps=2)
+    with guard.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    guard.backward(loss)
+    assert guard.step() is None
+    with pytest.raises(RuntimeError, match=r"^Guard.step\(\) called twice"):
+        guard.step()
