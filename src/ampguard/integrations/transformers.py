@@ -269,7 +269,8 @@ class AmpGuardCallback(TrainerCallback):
             self._emit({"step": state.global_step, "event": "retry", "message": (
                 f"the training loop began again at step {state.global_step} with a train batch size of "
                 f"{state.train_batch_size} (auto_find_batch_size, after an out-of-memory); HF keeps the weights "
-                f"and optimizer state the attempt before left{aside}; the monitor starts afresh")}, "RETRY")
+                f"the attempt before left (and its optimizer state, unless it reloads a checkpoint's){aside}; "
+                "the LR schedule and the monitor start afresh")}, "RETRY")
         if resume is not None:
             step, saved, source = resume
             note = "" if saved is not None else (
@@ -408,15 +409,21 @@ def _keep_attempt(csv: Path, step: int, attempt: int) -> tuple[Path, int] | None
         ('steps.attempt-1.csv', 2, 'step,lr\\n1,0.1\\n2,0.1\\n')
         >>> _keep_attempt(csv, 2, 2) is None
         True
+        >>> _keep_attempt(csv, 0, 1)[0].name  # (attempt 1's file is there: another process's)
+        'steps.attempt-2.csv'
+        >>> _ = csv.write_text("", encoding="utf-8"); _keep_attempt(csv, 0, 3) is None
+        True
     """
-    if not csv.is_file():
-        return None
-    header, *rows = csv.read_text(encoding="utf-8").splitlines(keepends=True)
-    after = [row for row in rows if row.partition(",")[0].isdigit() and int(row.partition(",")[0]) > step]
+    lines = csv.read_text(encoding="utf-8").split("\n") if csv.is_file() else []
+    rows = [line for line in lines[1:-1] if line.partition(",")[0].isdigit()]  # (whole rows: a torn last one left)
+    after = [row for row in rows if int(row.partition(",")[0]) > step]
     if not after:
         return None
     target = csv.with_name(f"{csv.stem}.attempt-{attempt}{csv.suffix}")
-    replace_atomically(target, header + "".join(after))
+    while target.exists():  # (an earlier process's retries: never overwritten)
+        attempt += 1
+        target = csv.with_name(f"{csv.stem}.attempt-{attempt}{csv.suffix}")
+    replace_atomically(target, "".join(f"{line}\n" for line in [lines[0], *after]))
     return target, len(after)
 
 
