@@ -946,7 +946,8 @@ class Guard:
         stepped (theirs would lag their updates by one for the rest of the run). So is a skip
         already decided when a skip hook raised: counted, the scale backed off (a loop that
         caught the error and went on overflowed at the same scale every time), the schedulers
-        as ``scheduler_on_skip`` says. A note on ``err`` says which."""
+        as ``scheduler_on_skip`` says; with several optimizers, one that skipped while another
+        raised before its update makes the step that skip. A note on ``err`` says which."""
         stepped, self._stepped = self._stepped, None
         owed, self._owed = self._owed, None
         settled = owed is not None and len(owed) == 3  # (a scheduler raised: the step ran, settled already)

@@ -287,3 +287,17 @@ def test_the_evidence_of_an_accumulated_step_holds_its_whole_group(tmp_path):
     spiked, clean = _poisoned_batch(factory, 34), _poisoned_batch(factory, 35)
     assert torch.equal(saved["micro_batches"][0]["targets"], spiked[1])
     assert torch.equal(saved["micro_batches"][1]["targets"], clean[1])
+
+
+def test_a_resume_removes_an_evidence_checkpoint_copy_a_kill_cut_short(tmp_path):
+    # review_session14b #8: a `.step-N.checkpoint.pt.tmp-PID` a killed run left in rollback/ (as a hard
+    # link it keeps a pruned checkpoint's disk) was never removed
+    ok(train(tmp_path, "R", *LINEAR, "--set", "steps=4", "--set", "checkpoint.every=2"))
+    run = tmp_path / "R"
+    (run / "rollback").mkdir()
+    leftover = run / "rollback" / ".step-3.checkpoint.pt.tmp-999999"
+    leftover.write_bytes(b"half")
+    kept = run / "rollback" / "step-3.pt"
+    kept.write_bytes(b"evidence")
+    ok(ag("train", "--resume", run, "--set", "steps=5"))
+    assert not leftover.exists() and kept.read_bytes() == b"evidence"
