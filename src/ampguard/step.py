@@ -321,11 +321,12 @@ def _probe_autocast(guard: Any, modules: Sequence[nn.Module]) -> list[Any]:
     """:func:`_note_autocast` on ``modules`` for ``guard``: the hooks' handles, which the guard
     removes at its first backward (or, a guard never used, when it is collected: the model does
     not keep it alive). A compiled module is not probed: a hook removed after its first call
-    would make ``torch.compile`` compile it again."""
+    would make ``torch.compile`` compile it again. Nor is a model under DDP or FSDP2."""
     handles = []
     for module in modules:
-        if type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None:
-            continue
+        if (type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+                or distributed.defers_sync(module)):  # (DDP's and FSDP2's own hooks: a torchrun job's rank 0
+            continue                                  # sometimes aborted at exit with one added and removed)
         _PROBING.setdefault(module, weakref.WeakSet()).add(guard)
         handle = module.register_forward_pre_hook(_note_autocast)
         weakref.finalize(guard, handle.remove)
