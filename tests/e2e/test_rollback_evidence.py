@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from helpers import ag, ok, one_error_line, read_rows, run_events, train
+from helpers import ag, card_table, ok, one_error_line, read_rows, run_events, train
 
 from ampguard import checkpoint as ckpt
 
@@ -48,9 +48,7 @@ def _factory(tmp_path: Path, bad: set[int]) -> tuple[list[str], Path]:
 
 
 def _card_value(run: Path, label: str) -> str:
-    row = next(line for line in (run / "RUN.md").read_text(encoding="utf-8").splitlines()
-               if line.startswith(f"| {label} |"))
-    return row.split("|")[2].strip()
+    return card_table((run / "RUN.md").read_text(encoding="utf-8"))[label]
 
 
 def _final(run: Path) -> dict:

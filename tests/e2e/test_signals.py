@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ag, end_all, ok, read_rows
+from helpers import ag, card_table, end_all, ok, read_rows
 
 HERE = Path(__file__).resolve().parent
 # (log.plot false: a plot costs each run a second of matplotlib; the one test about the closing draws it)
@@ -42,12 +42,7 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 60.0) -> None:
 
 
 def _card(run: Path) -> dict[str, str]:
-    rows = {}
-    for line in (run / "RUN.md").read_text(encoding="utf-8").splitlines():
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 2:
-            rows[cells[0]] = cells[1]
-    return rows
+    return card_table((run / "RUN.md").read_text(encoding="utf-8"))
 
 
 def test_sigterm_stops_at_a_step_boundary_with_checkpoint_card_and_exit_143(tmp_path):
