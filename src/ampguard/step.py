@@ -639,7 +639,8 @@ class Guard:
         for handle in handles:
             handle.remove()
         for module in self._modules:
-            _PROBING.get(module, weakref.WeakSet()).discard(self)
+            if (probing := _PROBING.get(module)) is not None:
+                probing.discard(self)
         where = f"Guard(precision={self.precision.name!r}): the model's forward ran"
         if seen is False:
             warnings.warn(f"{where} without autocast (outside `with guard.autocast():`): it computes in float32, no "
@@ -666,9 +667,8 @@ class Guard:
         self._unowned = [p for p in root.parameters() if not p.requires_grad and id(p) not in holder]
         self._held = _parameter_count(self.optimizers)
         self._registered = _REGISTERED[0]
-        # the first parameter's dtype: a model cast after Guard() (model.to(torch.bfloat16)) keeps
-        # its Parameter objects, so only their dtype tells (every one's, looked at less often)
-        self._dtype = (self._owned[0][0], self._owned[0][0].dtype) if self._owned else None
+        # each parameter's dtype: a model cast after Guard() (model.to(torch.bfloat16)) keeps its
+        # Parameter objects, so only their dtype tells (the first one's every group, every one's less often)
         self._dtypes = [p.dtype for p, _ in self._owned]
         self._look_all = False  # every parameter looked at by the next group's first backward (after a restore)
 
@@ -693,7 +693,7 @@ class Guard:
         tensors cost ~45 ns each to look at."""
         if _parameter_count(self.optimizers) != self._held or _REGISTERED[0] != self._registered:
             return True
-        if self._dtype is not None and self._dtype[0].dtype != self._dtype[1]:  # (checked again as at Guard())
+        if self._owned and self._owned[0][0].dtype != self._dtypes[0]:  # (checked again as at Guard())
             return True
         if self.steps % UNFROZEN_EVERY and not self._look_all:
             return False
