@@ -602,7 +602,7 @@ class Guard:
         self._grads_made = False  # the open group's backwards made a gradient (its later ones must find it)
         self._stepped: tuple[str, ...] | None = None  # inside a close: the optimizers that stepped
         self._tail_found: torch.Tensor | None = None  # inside a sync-free close: the tail's skip flag
-        self._owed: tuple[Any, ...] | None = None  # inside a close: (names, skipped), (names, (), True) once settled
+        self._owed: tuple[Any, ...] | None = None  # inside a close: (names, skipped, settled: the scale updated)
         # the first step's forward: did it run under autocast? (_probe_autocast; gone after the first backward)
         self._forward_autocast: torch.dtype | bool | None = None  # (its autocast dtype, False: none)
         self._autocast_probes = _probe_autocast(self, modules) if precision.name != "fp32" else []
@@ -951,23 +951,17 @@ class Guard:
         raised before its update makes the step that skip. A note on ``err`` says which."""
         stepped, self._stepped = self._stepped, None
         owed, self._owed = self._owed, None
-        settled = owed is not None and len(owed) == 3  # (a scheduler raised: the step ran, settled already)
-        if settled:
-            owed = None
-        skip_decided = owed is not None and bool(owed[1])
-        if owed is not None and (stepped or skip_decided):
-            names, skipped = owed
-            if not skipped and len(stepped or ()) == len(names):  # (every one stepped: a post-hook raised after)
+        names, skipped, settled = owed if owed is not None else ((), (), False)
+        if owed is not None and not settled and (stepped or skipped):  # (settled: a scheduler raised after)
+            if not skipped and len(stepped) == len(names):  # (every one stepped: a post-hook raised after)
                 self._updates += 1
             try:
                 self.scaler.update()
                 self._step_schedulers([n for n in names if n in (stepped or ()) or n in skipped], stepped or ())
             except Exception as later:  # (the error the loop sees stays the first one)
                 err.add_note(f"ampguard: settling the step raised too: {later!r}")
-        if settled and not stepped:  # (a skip whose scheduler raised: counted, its scale backed off)
-            said = f"step {self.steps} was skipped, nothing was applied, its record was not made"
-        elif stepped is None and skip_decided:  # (a skip that ran: counted, its scale backed off)
-            which = f" of {', '.join(map(repr, owed[1]))}" if len(self.optimizers) > 1 else ""
+        if stepped is None and skipped:  # (a skip that ran: counted, its scale backed off)
+            which = f" of {', '.join(map(repr, skipped))}" if len(self.optimizers) > 1 else ""
             said = f"step {self.steps} was skipped{which}, nothing was applied, its record was not made"
         elif stepped is None:
             self.steps = steps  # (nothing was applied: the step number is the next one's)
@@ -1133,7 +1127,7 @@ class Guard:
             grads.scale_(factor)
         for name in skipped:
             self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
-        self._owed = (names, skipped)  # (the user's code raising from here on: _dropped settles the step)
+        self._owed = (names, skipped, False)  # (the user's code raising from here on: _dropped settles the step)
         _GUARD_STEPPING[0] += 1
         finished = _FINISHED[0]  # (another guard's, when this step runs inside its optimizer's post-hook)
         try:
@@ -1151,9 +1145,9 @@ class Guard:
             self._updates += 1
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
             hook(grads)
-        self._owed = None
+        self._owed = None  # (update() itself raising: nothing settles it again)
         self.scaler.update()
-        self._owed = (names, (), True)  # (settled: a scheduler raising leaves a step that ran)
+        self._owed = (names, skipped, True)  # (settled: a scheduler raising leaves a step that ran)
         self._step_schedulers(names, applied)
         self._owed = None
         self._zero_grad()
