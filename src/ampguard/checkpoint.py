@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .errors import InputError, counted, first_line
+from .files import remove_temporaries
 
 MAGIC = "ampguard-checkpoint"
 FORMAT = 1
@@ -542,19 +543,7 @@ def remove_partial(folder: str | os.PathLike, keep_pid: int | None = None) -> li
         []
         >>> shutil.rmtree(folder)
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    removed = []
-    for path in sorted(folder.iterdir()):
-        match = _PARTIAL.match(path.name)
-        if match and int(match.group(1)) != keep_pid and path.is_file():
-            try:
-                path.unlink(missing_ok=True)
-            except OSError:  # not worth stopping a run for: it is only space
-                continue
-            removed.append(path)
-    return removed
+    return remove_temporaries(folder, keep_pid, only=_PARTIAL.match)
 
 
 def prune(folder: str | os.PathLike, keep: int, hold: int | None = None) -> None:

@@ -10,7 +10,7 @@ import contextlib
 import errno
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,41 @@ def is_temporary(name: str) -> bool:
         (True, True, False)
     """
     return re.fullmatch(r"\..+\.tmp(-\d+)?", name) is not None
+
+
+def remove_temporaries(folder: str | os.PathLike, keep_pid: int | None = None,
+                       only: Callable[[str], object] = is_temporary) -> list[Path]:
+    """Delete the temporary files (:func:`is_temporary`, or what ``only`` accepts of their names)
+    that writes cut short by a kill left in ``folder``, except those of process ``keep_pid`` (a
+    write of its own in progress); return what was deleted. A missing folder holds none.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> for name in (".a.pt.tmp-4242", f".b.pt.tmp-{os.getpid()}", ".c.tmp", "d.pt"):
+        ...     _ = (folder / name).write_bytes(b"")
+        >>> [p.name for p in remove_temporaries(folder, keep_pid=os.getpid())]
+        ['.a.pt.tmp-4242', '.c.tmp']
+        >>> len(remove_temporaries(folder)), sorted(p.name for p in folder.iterdir())
+        (1, ['d.pt'])
+        >>> remove_temporaries(folder / "missing")
+        []
+        >>> shutil.rmtree(folder)
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for path in sorted(folder.iterdir()):
+        pid = re.search(r"\.tmp-(\d+)$", path.name)
+        if is_temporary(path.name) and only(path.name) and not (pid and int(pid.group(1)) == keep_pid) and path.is_file():
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:  # not worth stopping a run for: it is only space
+                continue
+            removed.append(path)
+    return removed
 
 
 def replace_atomically(path: str | os.PathLike, data: bytes | str) -> None:

@@ -37,7 +37,7 @@ from .monitor import LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
 from .signals import StopFlag, stop_on_signals
-from .files import DiskFull, disk_full_error, is_temporary, writing
+from .files import DiskFull, disk_full_error, remove_temporaries, writing
 from .sinks import CSV_COLUMNS, ConsoleSink, CsvSink, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink
 from .step import AmpTrainState
 from .tasks import Task, build_task
@@ -526,10 +526,8 @@ class Trainer:
             self.diagnosis.events = self.events
         if self.resume is not None:
             self.checkpointer.remove_partial()  # saves that a kill cut short: none of them is this run's
-            evidence = self.paths.dir / "rollback" if self.paths.dir is not None else None  # (rank 0's folder)
-            for leftover in (evidence.iterdir() if evidence is not None and evidence.is_dir() else ()):
-                if is_temporary(leftover.name):  # (an evidence checkpoint's copy a kill cut short: a hard
-                    leftover.unlink(missing_ok=True)  # link to a pruned checkpoint holds its disk)
+            if self.paths.dir is not None:  # (rank 0's folder) an evidence checkpoint's copy a kill cut
+                remove_temporaries(self.paths.dir / "rollback")  # short: a hard link to a pruned one holds its disk
             set_aside = self.checkpointer.set_aside_after(self.state.steps)
             unreadable = self.resume.unreadable  # (passed over by --resume RUN_DIR: say why, not only that)
             note = "; newer checkpoints set aside: " + ", ".join(
