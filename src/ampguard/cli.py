@@ -369,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Runs the FP32 reference (checked first), then each AMP precision in validation.precisions, on "
         "a fixed probe set (typical, nearest-a-boundary and edge-case inputs) and a fixed evaluation set. Rules come "
         "from the config's validation section. Writes validation.md and validation.json; exit 0 when every rule "
-        "holds, 1 when any is violated.",
+        "holds, 1 when any is violated or the reference's quality was not checked (declare validation.min_accuracy "
+        "or max_mse).",
     )
     _config_arguments(validate, example="validation.max_flips=2")
     validate.add_argument("--checkpoint", type=_path, metavar="CKPT", help="model weights from an ampguard checkpoint")
