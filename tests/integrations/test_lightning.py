@@ -9,6 +9,7 @@ logits' gradient during backward).
 from __future__ import annotations
 
 import csv
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -120,6 +121,63 @@ def test_scheduler_on_skip_step_steps_as_lightning_does():
     fit(Digits(faults=["nan_loss@2"]), plugin, steps=3)
     lrs = [r.lr for r in plugin.records]
     assert lrs[1] < lrs[0] and lrs[2] < lrs[1] and plugin.records[1].reason == "non_finite_loss"
+
+
+class EveryF(Digits):
+    """Digits whose StepLR (gamma 0.9) steps every ``frequency`` batches."""
+
+    def __init__(self, frequency, **kwargs):
+        super().__init__(**kwargs)
+        self.frequency = frequency
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        config["lr_scheduler"]["frequency"] = self.frequency
+        return config
+
+
+def _scheduler_steps(records, lr=0.5, gamma=0.9):
+    """How many times the schedule had stepped before each record's step (its LR is lr x gamma^n)."""
+    return [round(math.log(r.lr / lr) / math.log(gamma)) for r in records]
+
+
+@pytest.mark.parametrize("frequency, nan_at, per_epoch", [(2, 3, 57), (2, 4, 57), (3, 4, 57), (3, 6, 57),
+                                                        (2, None, 57), (2, 2, 3), (2, None, 3)])
+def test_a_held_scheduler_with_a_frequency_steps_after_every_f_applied_steps(frequency, nan_at, per_epoch):
+    """``frequency: f`` under hold: the schedule steps right after each f-th applied step of the
+    epoch (Lightning's count starts again with each), a skipped one not counted wherever it
+    falls (Lightning asks only on its own multiples of f: a skip between them held nothing, one
+    on them a whole f steps' worth); without a skip, as Lightning steps it. The config's
+    frequency is the user's again after the fit."""
+    data = loader(n=32 * per_epoch)
+    plugin = AmpGuardPlugin("bf16-mixed", scheduler_on_skip="hold")
+    trainer = fit(EveryF(frequency, faults=[f"nan_loss@{nan_at}"] if nan_at else []), plugin, steps=9, data=data)
+    expected, stepped, applied = [], 0, 0
+    for k in range(1, 10):
+        expected.append(stepped)
+        applied = (0 if (k - 1) % per_epoch == 0 else applied) + (k != nan_at)  # (this epoch's)
+        stepped += k != nan_at and applied % frequency == 0
+    assert _scheduler_steps(plugin.records) == expected
+    assert [r.skipped for r in plugin.records] == [k == nan_at for k in range(1, 10)]
+    assert trainer.lr_scheduler_configs[0].frequency == frequency
+    if nan_at is None:  # the plugin's "step" mode steps as Lightning does: the same LRs
+        lightning = AmpGuardPlugin("bf16-mixed", scheduler_on_skip="step")
+        fit(EveryF(frequency), lightning, steps=9, data=data)
+        assert [r.lr for r in lightning.records] == [r.lr for r in plugin.records]
+
+
+def test_a_resumed_fit_keeps_counting_the_skipped_batches_for_the_frequency(tmp_path):
+    """The batches of the epoch's skipped steps are in the plugin's state: a fit stopped after a
+    skip and resumed steps its schedule as the fit that ran through."""
+    through = AmpGuardPlugin("bf16-mixed")
+    fit(EveryF(2, faults=["nan_loss@3"]), through, steps=8)
+    first = AmpGuardPlugin("bf16-mixed")
+    trainer = fit(EveryF(2, faults=["nan_loss@3"]), first, steps=4)
+    trainer.save_checkpoint(tmp_path / "at4.ckpt")
+    resumed = AmpGuardPlugin("bf16-mixed")
+    fit(EveryF(2), resumed, steps=8, ckpt_path=tmp_path / "at4.ckpt")
+    assert _scheduler_steps([*first.records, *resumed.records]) == _scheduler_steps(through.records) == [
+        0, 0, 1, 1, 1, 2, 2, 3]
 
 
 @pytest.mark.parametrize("accumulate", [1, 2, 3])

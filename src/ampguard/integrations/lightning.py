@@ -215,6 +215,10 @@ class AmpGuardPlugin(_LightningPrecision):
         self._accumulation = 1
         self._resumed_at: int | None = None  # the step a resumed fit goes on from (the CSV keeps rows to it)
         self._hold = False  # the last optimizer step was skipped: hold the step-interval schedulers
+        # (batches seen, batches of skipped steps) in this epoch: a scheduler stepped every
+        # `frequency` batches counts the applied ones (the state saved with the guard's)
+        self._held_batches = (0, 0)
+        self._frequencies: list[tuple[Any, int]] = []  # (config, its frequency) set to 1 for the fit
         self._hooked: pl.LightningModule | None = None
         self._fitting: pl.Trainer | None = None  # the fit under way (past connect's checks): teardown ends it
         self._closed: list[Sink] = []  # the user's sinks a fit's teardown closed: a later fit refuses them
@@ -256,7 +260,7 @@ class AmpGuardPlugin(_LightningPrecision):
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
             self.guard, self.monitor, self.stop_reason = None, None, None
             self.records.clear()
-            self._loaded, self._hold, self._resumed_at = None, False, None
+            self._loaded, self._hold, self._resumed_at, self._held_batches = None, False, None, (0, 0)
             if trainer.gradient_clip_val:
                 raise ValueError(f"AmpGuardPlugin clips to max_norm after its non-finite check: drop the Trainer's "
                                  f"gradient_clip_val={trainer.gradient_clip_val} (use max_norm="
@@ -368,20 +372,48 @@ class AmpGuardPlugin(_LightningPrecision):
     def _hook_schedulers(self, module: pl.LightningModule) -> None:
         """Hold the step-interval LR schedulers on a skipped step: Lightning steps them after
         every optimizer step through ``LightningModule.lr_scheduler_step``, which is wrapped on
-        this module instance (the user's own override included) for the fit."""
+        this module instance (the user's own override included) for the fit.
+
+        A scheduler with ``frequency: f`` steps every ``f`` batches of the epoch (Lightning's
+        count: ``batch_idx + 1``); held, it counts only the batches of applied steps, so it
+        steps right after the ``f``-th applied one. Lightning asks only on its own multiples of
+        ``f``, so for the fit the plugin sets such a config's ``frequency`` to 1 (Lightning asks
+        every optimizer step) and keeps the count itself (``teardown`` puts ``f`` back). A
+        ``ReduceLROnPlateau`` keeps Lightning's timing (it reads its metric only then) and is
+        held on a skipped step that falls on it."""
         if self.scheduler_on_skip != "hold" or self._hooked is module:
             return
         configs = module.trainer.lr_scheduler_configs
         step_interval = {id(c.scheduler) for c in configs if c.interval == "step"}
-        user_hook = module.lr_scheduler_step
+        self._frequencies = [(c, c.frequency) for c in configs
+                             if c.interval == "step" and not c.reduce_on_plateau and c.frequency != 1]
+        every = {id(c.scheduler): f for c, f in self._frequencies}
+        for c, _ in self._frequencies:
+            c.frequency = 1
+        user_hook, loop = module.lr_scheduler_step, module.trainer.fit_loop.epoch_loop
 
         def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
-            if self._hold and id(scheduler) in step_interval:
-                return  # the optimizer step was skipped: the schedule holds
+            if id(scheduler) in step_interval:
+                if self._hold:
+                    return  # the optimizer step was skipped: the schedule holds
+                if (loop.batch_idx + 1 - self._held_batches[1]) % every.get(id(scheduler), 1):
+                    return  # not yet the f-th applied batch
             return user_hook(scheduler, metric)
 
         module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
         self._hooked = module
+
+    def _count_held(self, trainer: pl.Trainer, skipped: bool) -> None:
+        """The batches of this epoch's skipped steps (for the schedulers' ``frequency``): the
+        batches since the last optimizer step are this step's. Lightning's count starts again
+        with each epoch (``batch_idx``; a fit resumed after ``max_steps`` goes on with the
+        epoch's count though its ``current_epoch`` moved on): a count that did not grow is a
+        new epoch's."""
+        seen, held = self._held_batches
+        now = trainer.fit_loop.epoch_loop.batch_idx + 1
+        if now <= seen:
+            seen, held = 0, 0
+        self._held_batches = (now, held + (now - seen if skipped else 0))
 
     def teardown(self) -> None:
         """The fit's end, finished or not (Lightning calls it from inside its ``except`` on a
@@ -392,6 +424,9 @@ class AmpGuardPlugin(_LightningPrecision):
         if self._hooked is not None:
             self._hooked.__dict__.pop("lr_scheduler_step", None)
             self._hooked = None
+        for config, frequency in self._frequencies:
+            config.frequency = frequency
+        self._frequencies = []
         trainer, self._fitting = self._fitting, None
         if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED:  # (FINISHED comes after)
             self._judge_end()
@@ -525,6 +560,7 @@ class AmpGuardPlugin(_LightningPrecision):
             # pending branch below), as Lightning's bf16 does; its 16-mixed skips that step
             self._after_closure(model, optimizer)
             self._hold = False
+            self._count_held(model.trainer, skipped=False)
             (guard or self._setup(model)).steps += 1
             return closure_result
         if guard is None or not guard.pending:
@@ -556,6 +592,7 @@ class AmpGuardPlugin(_LightningPrecision):
         """One record per optimizer step: sinks (rank 0), monitor, ``self.log``, the scheduler hold."""
         self._hold = bool(record.skipped)
         trainer = module.trainer
+        self._count_held(trainer, self._hold)
         if self._sinks is None:
             self._sinks = self._open_sinks(trainer)
         for sink in self._sinks:
@@ -626,7 +663,8 @@ class AmpGuardPlugin(_LightningPrecision):
         # Lightning may save inside an accumulation group (validation or a callback between micro-
         # batches): the state at the last boundary is the one to save, with the Trainer's
         # accumulation setting, not the open group's (a GradientAccumulationScheduler's)
-        return {**guard.state_dict(mid_group=True), "accumulation_steps": self._accumulation}
+        return {**guard.state_dict(mid_group=True), "accumulation_steps": self._accumulation,
+                "held_batches": list(self._held_batches)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restored when Lightning resumes (``ckpt_path``); the CSV then appends after its step.
@@ -636,6 +674,8 @@ class AmpGuardPlugin(_LightningPrecision):
         if not state_dict or self._fitting is None:
             return
         self._loaded = dict(state_dict)
+        held = self._loaded.pop("held_batches", None)  # (a checkpoint of an older plugin has none)
+        self._held_batches = tuple(held) if held is not None else (0, 0)
         if self.guard is not None:
             self.guard.load_state_dict(self._loaded)
 
