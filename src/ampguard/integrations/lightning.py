@@ -75,9 +75,9 @@ from ..errors import ExitCode, InputError, check_folder_of, counted
 from ..monitor import RunMonitor
 from ..precision import GuardedGradScaler, Precision
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
-from ..run_folder import RunPaths
 from ..sinks import CSV_COLUMNS, CsvSink, Sink
 from ..step import Guard
+from .trackers import Outcome, end_sinks
 
 LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
 _NAMES = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
@@ -467,17 +467,7 @@ class AmpGuardPlugin(_LightningPrecision):
         raised after); a tracker sink first finished with the fit's result."""
         code, ended = self._exit_code(trainer)
         monitor = self.monitor or RunMonitor(**self.monitor_settings)  # (a fit that crashed before its first step)
-        result = _FitResult(monitor, code, ended, RunPaths())
-        errors: list[Exception] = []
-        for sink in sinks:
-            try:
-                if hasattr(sink, "finish"):  # a tracker sink: totals to its run, which ends with the code
-                    sink.finish(result)
-                sink.close()
-            except Exception as err:  # noqa: BLE001 - raised below, once the others are closed
-                errors.append(err)
-        if errors:
-            raise errors[0]
+        end_sinks(sinks, Outcome(monitor, code, ended))  # (a fit has no run folder: no artifacts)
 
     def _exit_code(self, trainer: pl.Trainer | None) -> tuple[int, str]:
         """The fit's outcome as ``ampguard train``'s exit code (docs/design.md §4) and a line.
@@ -678,15 +668,6 @@ class AmpGuardPlugin(_LightningPrecision):
         self._held_batches = tuple(held) if held is not None else (0, 0)
         if self.guard is not None:
             self.guard.load_state_dict(self._loaded)
-
-
-class _FitResult:
-    """What :meth:`TrackerSink.finish <ampguard.integrations.trackers.TrackerSink.finish>` reads of
-    a run's result (``monitor``, ``exit_code``, ``ended``, ``paths``): a fit has no run folder, so
-    no artifacts are uploaded."""
-
-    def __init__(self, monitor: RunMonitor, exit_code: int, ended: str, paths: RunPaths) -> None:
-        self.monitor, self.exit_code, self.ended, self.paths = monitor, exit_code, ended, paths
 
 
 def _loggers_write_now(trainer: pl.Trainer) -> bool:

@@ -734,3 +734,59 @@ def end_trackers(trackers: Sequence[TrackerSink], err: BaseException) -> None:
         ExitCode.DISK_FULL if isinstance(err, DiskFull) else ExitCode.BAD_INPUT
     for tracker in trackers:
         tracker._end(int(code))
+
+
+class Outcome:
+    """What :meth:`TrackerSink.finish` reads of a run's result (``monitor``, ``exit_code``,
+    ``ended``, ``paths``) for a loop that is not ``ampguard train``'s (a Lightning fit, a Hugging
+    Face ``train()``): ``folder`` is where its files are (their :data:`ARTIFACTS` are uploaded),
+    or None (none)."""
+
+    def __init__(self, monitor: RunMonitor, exit_code: int, ended: str, folder: Path | None = None) -> None:
+        from ..run_folder import RunPaths
+
+        self.monitor, self.exit_code, self.ended, self.paths = monitor, exit_code, ended, RunPaths(dir=folder)
+
+
+def end_sinks(sinks: Sequence[Any], outcome: Outcome) -> None:
+    """Close every sink a framework's loop was given, a tracker sink first finished with the
+    loop's ``outcome`` (totals, artifacts, its run ended with the exit code). One that fails does
+    not keep the others open: the first error is raised after they are all closed.
+
+    Example::
+
+        >>> from ampguard.monitor import RunMonitor
+        >>> class Shown:
+        ...     def __init__(self, name, fails=False):
+        ...         self.name, self.fails = name, fails
+        ...     def finish(self, outcome):
+        ...         print(self.name, "finished:", outcome.exit_code, outcome.ended)
+        ...     def close(self):
+        ...         print(self.name, "closed")
+        ...         if self.fails:
+        ...             raise OSError(f"{self.name} cannot close")
+        >>> end_sinks([Shown("a"), Shown("b")], Outcome(RunMonitor(), 3, "stopped by a guard"))
+        a finished: 3 stopped by a guard
+        a closed
+        b finished: 3 stopped by a guard
+        b closed
+        >>> try:
+        ...     end_sinks([Shown("a", fails=True), Shown("b")], Outcome(RunMonitor(), 1, "crashed"))
+        ... except OSError as err:
+        ...     print("raised:", err)
+        a finished: 1 crashed
+        a closed
+        b finished: 1 crashed
+        b closed
+        raised: a cannot close
+    """
+    errors: list[Exception] = []
+    for sink in sinks:
+        try:
+            if hasattr(sink, "finish"):  # a tracker sink: totals to its run, which ends with the code
+                sink.finish(outcome)
+            sink.close()
+        except Exception as err:  # noqa: BLE001 - raised below, once the others are closed
+            errors.append(err)
+    if errors:
+        raise errors[0]

@@ -32,6 +32,7 @@ import contextlib
 import json
 import math
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from ..files import replace_atomically
 from ..monitor import DEFAULT_MIN_STEPS, RunMonitor
 from ..precision import Precision
 from ..records import SkipLog, StepLog, StepRecord
-from ..sinks import CsvSink
+from ..sinks import CsvSink, Sink
 from ..step import Guard, holds_gradients
 from .accelerate import _inner, found_inf
 
@@ -138,6 +139,10 @@ class AmpGuardCallback(TrainerCallback):
         window, alert_rate, clear_rate, fail_rate, fail_after, min_steps: :class:`RunMonitor`'s settings;
             ``fail_rate=None`` (default) turns fail-fast off.
         print_fn: where ``ALERT``/``FAIL`` lines go (``print`` by default).
+        sinks: more sinks for each step's record (process 0 writes them): a ``WandbSink`` or
+            ``MLflowSink`` also gets the monitor's view of each step, and at the end of ``train()``
+            the totals, the files above as artifacts, and its run ended with :attr:`exit_code`.
+            They serve one ``train()`` (their runs end with it): a later one is refused them.
 
     Example (the callback's monitor without a Trainer)::
 
@@ -148,12 +153,14 @@ class AmpGuardCallback(TrainerCallback):
 
     def __init__(self, out_dir: str | Path | None = None, *, window: int = 1000, alert_rate: float = 0.05,
                  clear_rate: float | None = None, fail_rate: float | None = None, fail_after: int = 100,
-                 min_steps: int = DEFAULT_MIN_STEPS, print_fn: Any = print) -> None:
+                 min_steps: int = DEFAULT_MIN_STEPS, print_fn: Any = print, sinks: Sequence[Sink] = ()) -> None:
         RunMonitor(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,
                    fail_after=fail_after, min_steps=min_steps)  # bad settings fail here, not at the first step
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.window, self.alert_rate, self.clear_rate, self.fail_rate = window, alert_rate, clear_rate, fail_rate
         self.fail_after, self.min_steps, self.print_fn = fail_after, min_steps, print_fn
+        self.sinks = list(sinks)
+        self._closed: list[Sink] = []  # the sinks a train()'s end closed: a later train() refuses them
         self.monitor: RunMonitor | None = None
         self.failed = None  # the monitor's failure Event, once a guard stopped the run
         self.ended = ""
@@ -216,6 +223,11 @@ class AmpGuardCallback(TrainerCallback):
     # ---------------------------------------------------------------- Trainer events
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        closed = [s for s in self.sinks if any(s is c for c in self._closed)]
+        if closed:  # before anything is trained: the first step would fail on them
+            raise ValueError(f"AmpGuardCallback: sinks={[type(s).__name__ for s in closed]} were closed when the "
+                             f"previous train() with this callback ended (their tracker runs ended with it); give "
+                             f"this train() new sinks (callback.sinks = [...]) or a new AmpGuardCallback")
         if not self._guarded and state.is_world_process_zero:  # said where a HF user looks, not only in RUN.md
             warnings.warn(WATCH_ONLY, WatchOnlyWarning)
         if self._scaler is None and not self._guarded:  # a stock Trainer: Accelerate's scaler, if any
@@ -318,9 +330,14 @@ class AmpGuardCallback(TrainerCallback):
         self._pending = None
         if record is None or self.monitor is None:
             return
-        if self._csv is not None:
-            self._csv.write(record)
-        for event in self.monitor.observe(record):
+        sinks = self.sinks if state.is_world_process_zero else []
+        for sink in [self._csv, *sinks] if self._csv is not None else sinks:
+            sink.write(record)
+        events = self.monitor.observe(record)
+        for sink in sinks:  # the tracker sinks: the monitor's view and its events, with the step's row
+            if hasattr(sink, "observe"):
+                sink.observe(self.monitor, events)
+        for event in events:
             self._emit(event.as_dict(), event_word(event.kind))
         if self.monitor.failed is not None and self.failed is None:
             self.failed = self.monitor.failed
@@ -342,8 +359,10 @@ class AmpGuardCallback(TrainerCallback):
     # ---------------------------------------------------------------- helpers
 
     def _finish(self) -> None:
-        """``run_end``, then close the files and write ``summary.json`` and ``RUN.md`` (process 0)."""
+        """``run_end``, then close the files and write ``summary.json`` and ``RUN.md`` (process 0);
+        the sinks then end with the outcome (:func:`~ampguard.integrations.trackers.end_sinks`)."""
         self._ended = True
+        wrote = self._events is not None  # (process 0: the files, and so the artifacts)
         self._emit({"step": self.monitor.steps, "event": "run_end", "message": self.ended,
                     "exit_code": self.exit_code}, None)
         if self._csv is not None:
@@ -362,6 +381,11 @@ class AmpGuardCallback(TrainerCallback):
             }
             (self.out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
             (self.out_dir / CARD_NAME).write_text(run_card(summary), encoding="utf-8")
+        if self.sinks:
+            from .trackers import Outcome, end_sinks
+
+            self._closed += self.sinks
+            end_sinks(self.sinks, Outcome(self.monitor, self.exit_code, self.ended, self.out_dir if wrote else None))
 
     def _emit(self, event: dict[str, Any], word: str | None) -> None:
         if self._events is not None:

@@ -1,0 +1,119 @@
+"""AmpGuardCallback's ``sinks=``, in real Hugging Face Trainers on the CPU with MLflow's file
+store: each step's record with the monitor's view of it, at its step; at the end of ``train()``
+the totals, the callback's files as artifacts and the tracker run ended with the exit code; the
+sinks serve one ``train()``. The model is a one-layer GPT-2 (from a GPT2Config, no download)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import read_rows
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("mlflow")
+from accelerate.state import AcceleratorState  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from ampguard.integrations.trackers import MLflowSink  # noqa: E402
+from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+class NanLossAt(GuardedTrainer):
+    """The loss of the optimizer steps in ``nan_at`` (from 1) is NaN."""
+
+    nan_at: set[int] = set()
+
+    def compute_loss(self, model, inputs, **kwargs):
+        loss = super().compute_loss(model, inputs, **kwargs)
+        return loss * float("nan") if self.state.global_step + 1 in self.nan_at else loss
+
+
+def _trainer(tmp_path, callback, steps, nan_at=(), trainer_class=NanLossAt):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
+    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=steps, use_cpu=True,
+                             report_to=[], save_strategy="no", bf16=True, disable_tqdm=True)
+    trainer = trainer_class(model=model, args=args, train_dataset=ids, callbacks=[callback])
+    trainer.nan_at = set(nan_at)
+    return trainer
+
+
+def _sink(tmp_path):
+    return MLflowSink(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="hf")
+
+
+def _history(sink, key):
+    return {m.step: m.value for m in sink.client.get_metric_history(sink.run_id, key)}
+
+
+def test_each_step_reaches_the_tracker_with_the_monitors_view_and_the_run_ends_with_the_files(tmp_path):
+    sink = _sink(tmp_path)
+    callback = AmpGuardCallback(sinks=[sink], min_steps=0, print_fn=lambda line: None)
+    _trainer(tmp_path, callback, steps=4, nan_at={2}).train()
+    rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
+    assert _history(sink, "train/skipped") == {1: 0.0, 2: 1.0, 3: 0.0, 4: 0.0}
+    assert _history(sink, "train/skip.non_finite_loss") == {1: 0.0, 2: 1.0, 3: 0.0, 4: 0.0}
+    losses = _history(sink, "train/loss")
+    assert math.isnan(losses[2]) and [losses[s] for s in (1, 3, 4)] == pytest.approx(
+        [float(rows[s - 1]["loss"]) for s in (1, 3, 4)])  # the CSV's values, at the CSV's steps
+    assert _history(sink, "monitor/skip_rate") == {1: 0.0, 2: 0.5, 3: pytest.approx(1 / 3), 4: 0.25}
+    run = sink.client.get_run(sink.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["ampguard.exit_code"] == "0"
+    assert run.data.tags["ampguard.ended"] == "finished: 4 steps" and run.data.metrics["summary/skips"] == 1.0
+    assert run.data.tags["ampguard.events.skip_rate_alert"] == "2"
+    uploaded = {a.path for a in sink.client.list_artifacts(sink.run_id, "ampguard")} or {
+        a.path for a in sink.client.list_artifacts(sink.run_id)}
+    assert {p.rsplit("/", 1)[-1] for p in uploaded} >= {"RUN.md", "events.jsonl", "steps.csv"}, uploaded
+
+
+def test_a_guard_stop_ends_the_tracker_run_failed_with_exit_code_3_and_a_later_train_is_refused_the_sinks(tmp_path):
+    sink = _sink(tmp_path)
+    callback = AmpGuardCallback(sinks=[sink], fail_rate=0.5, fail_after=2, min_steps=0, print_fn=lambda line: None)
+    trainer = _trainer(tmp_path, callback, steps=10, nan_at=range(2, 11))
+    trainer.train()
+    assert trainer.state.global_step == 4 and callback.exit_code == 3  # 1/2, 2/3, 3/4: above 0.5 twice at step 4
+    run = sink.client.get_run(sink.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["ampguard.exit_code"] == "3"
+    assert run.data.tags["ampguard.ended"] == callback.ended and run.data.tags["ampguard.events.fail"] == "4"
+    assert sorted(_history(sink, "train/skipped")) == [1, 2, 3, 4]
+    rows = len(read_rows(tmp_path / "out" / "ampguard" / "steps.csv"))
+    with pytest.raises(ValueError, match=r"sinks=\['MLflowSink'\] were closed when the previous train\(\)"):
+        _trainer(tmp_path / "again", callback, steps=2).train()
+    assert len(read_rows(tmp_path / "out" / "ampguard" / "steps.csv")) == rows  # nothing trained or written
+
+
+def test_a_crash_in_train_ends_the_tracker_run_failed_with_its_steps(tmp_path):
+    class CrashAt3(GuardedTrainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            if self.state.global_step + 1 == 3:
+                raise RuntimeError("boom")
+            return super().compute_loss(model, inputs, **kwargs)
+
+    sink = _sink(tmp_path)
+    with pytest.raises(RuntimeError, match="boom"):
+        _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=5,
+                 trainer_class=CrashAt3).train()
+    run = sink.client.get_run(sink.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["ampguard.exit_code"] == "1"
+    assert run.data.tags["ampguard.ended"] == "crashed after step 2: RuntimeError: boom"
+    assert sorted(_history(sink, "train/skipped")) == [1, 2]
+
+
+def test_a_stock_trainer_sends_what_the_callback_watches(tmp_path):
+    sink = _sink(tmp_path)
+    with pytest.warns(UserWarning, match="watch"):
+        _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=3,
+                 trainer_class=Trainer).train()
+    assert _history(sink, "train/skipped") == {1: 0.0, 2: 0.0, 3: 0.0}
+    assert sorted(_history(sink, "train/grad_l2_post_clip")) == [1, 2, 3]
+    assert sink.client.get_run(sink.run_id).info.status == "FINISHED"
