@@ -377,6 +377,26 @@ class GuardedGradScaler(torch.amp.GradScaler):
         return twin is not None and id(optimizer) in twin._per_optimizer_states and (
             twin._per_optimizer_states[id(optimizer)]["stage"] is not OptState.READY)
 
+    def found_at_unscale(self, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
+        """Whether ``unscale_(optimizer)`` found a non-finite gradient in this step, as a bool
+        tensor on ``device`` (its per-device flags together; no host read); None when it
+        recorded none (the optimizer not unscaled, or a disabled scaler).
+
+        Example::
+
+            >>> scaler, p = GuardedGradScaler("cpu"), torch.nn.Parameter(torch.ones(1))
+            >>> opt = torch.optim.SGD([p], lr=0.1)
+            >>> scaler.found_at_unscale(opt, torch.device("cpu")) is None
+            True
+            >>> scaler.scale(p.sum()).backward()
+            >>> p.grad[0] = float("inf")
+            >>> scaler.unscale_(opt)
+            >>> scaler.found_at_unscale(opt, torch.device("cpu"))
+            tensor(True)
+        """
+        flags = list(self._found_inf_per_device(optimizer).values())
+        return torch.stack([f.to(device) for f in flags]).sum() > 0 if flags else None
+
     def forget_unscaled(self) -> None:
         """Forget what ``unscale_`` did since the last ``update()`` (as ``update()`` does): for a
         restore that abandons an open group, whose unscaled mark would otherwise outlive it."""
@@ -463,8 +483,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
         marks): PyTorch's ``_amp_update_scale_`` (x ``backoff_factor`` when any flag is set; x
         ``growth_factor``, if that stays finite, on the ``growth_interval``-th clean step in a
         row) and the floor, on the host and bit for bit (the products in double, rounded to
-        float32 once, as the kernels compute them). ``None`` where the host cannot tell: no
-        inputs, a non-finite scale, a tracker past float32's exact integers, or a subclass
+        float32 once, as the kernels compute them); 1.0 for a disabled scaler (bf16, fp32: no
+        scale). ``None`` where the host cannot tell: no inputs, a non-finite scale, a tracker past float32's exact integers, or a subclass
         with an ``update`` of its own; the caller then reads the scale from the device.
 
         Example::
@@ -474,7 +494,11 @@ class GuardedGradScaler(torch.amp.GradScaler):
             (4.0, 8.0, 2.0)
             >>> scaler.scale_after([4.0, 1, 1.0], False)  # a flag unscale_ recorded backs off too
             2.0
+            >>> GuardedGradScaler("cpu", enabled=False).scale_after([], True)
+            1.0
         """
+        if not self.is_enabled():
+            return 1.0
         if len(inputs) < 2 or type(self).update is not GuardedGradScaler.update:
             return None
         scale, tracker, *flags = inputs
@@ -576,6 +600,17 @@ class Precision:
         """
         return uses_loss_scaler(self.name)
 
+    @property
+    def autocasts(self) -> bool:
+        """Whether the forward runs under autocast (all but fp32).
+
+        Example::
+
+            >>> [Precision(n, "cpu").autocasts for n in PRECISIONS]
+            [True, True, False, True]
+        """
+        return self.name != "fp32"
+
     def describe(self) -> str:
         """What this precision computes in, for a run card: the autocast it runs under, or none.
 
@@ -584,7 +619,7 @@ class Precision:
             >>> [Precision(n, "cpu").describe() for n in PRECISIONS]
             ['fp16 (autocast on cpu)', 'bf16 (autocast on cpu)', 'fp32 (no autocast)', 'fp8 (float8 Linear layers, the rest autocast to bf16 on cpu)']
         """
-        if self.name == "fp32":
+        if not self.autocasts:
             return "fp32 (no autocast)"
         if self.name == "fp8":
             return f"fp8 (float8 Linear layers, the rest autocast to bf16 on {self.device_type})"
@@ -602,7 +637,7 @@ class Precision:
             >>> Precision("fp16", "cpu").support(torch.device("cpu"))
             (True, 'fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 on CPUs')
         """
-        if self.name != "fp32" and not torch.amp.is_autocast_available(device.type):
+        if self.autocasts and not torch.amp.is_autocast_available(device.type):
             return False, f"{self.name}: autocast is not available on {device.type}"
         if self.name == "bf16" and device.type == "cuda":
             # torch's answer counts an emulation as support (a bf16 tensor that can be made): a GPU
@@ -639,7 +674,7 @@ class Precision:
             ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
             torch.float32
         """
-        if self.name == "fp32":
+        if not self.autocasts:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
@@ -659,7 +694,7 @@ class Precision:
             ...
             ValueError: parameter 'weight' is float16, but bf16 mixed precision keeps FP32 master weights: autocast computes in bf16 while the optimizer updates float32 weights, so small updates are not lost to rounding; keep the model in float32 (no .half() / .to(torch.bfloat16))
         """
-        if self.name != "fp32":  # (float64 weights hold more than the master weights need: theirs to choose)
+        if self.autocasts:  # (float64 weights hold more than the master weights need: theirs to choose)
             for name, param in model.named_parameters():
                 if param.is_floating_point() and param.dtype.itemsize < 4:
                     kind = str(param.dtype).removeprefix("torch.")

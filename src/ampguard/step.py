@@ -21,7 +21,7 @@ import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -260,6 +260,56 @@ def _mark_finished(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
         _FINISHED[0] = optimizer
 
 
+@contextlib.contextmanager
+def _guard_stepping() -> Iterator[None]:
+    """Around a guard's own ``optimizer.step()`` calls: :func:`_refuse_stray_step` lets them
+    through, and :data:`_FINISHED` (which one finished its update) is put back as it was after
+    (another guard's, when this step runs inside its optimizer's post-hook)."""
+    _GUARD_STEPPING[0] += 1
+    finished = _FINISHED[0]
+    try:
+        yield
+    finally:
+        _GUARD_STEPPING[0] -= 1
+        _FINISHED[0] = finished
+
+
+class _Read(NamedTuple):
+    """What the step's one host read brought (:meth:`Guard._read_back`): the group's loss and
+    pre-clip norm, what carries the post-clip norm (:meth:`Guard._post_clip`), whether the loss
+    was non-finite, whether each optimizer's own norm was (several optimizers), and the scaler's
+    inputs to its update (:meth:`~ampguard.precision.GuardedGradScaler.update_inputs`)."""
+
+    loss: float
+    pre: float
+    carried: float
+    bad_loss: bool
+    bad_each: list[bool]
+    scaling: list[float]
+
+
+def _partition(names: tuple[str, ...], read: _Read) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(skipped, applied)``: all applied when the loss and every gradient were finite; all
+    skipped for a non-finite loss, or a non-finite joint norm with no single optimizer's own
+    norm to blame (one optimizer, or only their sum overflowed); else the optimizers whose own
+    norm was non-finite skip and the others apply (``GradScaler.step``'s semantics).
+
+    Example::
+
+        >>> read = _Read(1.0, math.inf, math.inf, False, [True, False], [])
+        >>> _partition(("d", "g"), read), _partition(("d", "g"), read._replace(bad_loss=True))
+        ((('d',), ('g',)), (('d', 'g'), ()))
+        >>> _partition(("d", "g"), read._replace(pre=2.0))
+        ((), ('d', 'g'))
+    """
+    if not (read.bad_loss or not math.isfinite(read.pre)):  # (a non-finite gradient anywhere makes the joint norm so)
+        return (), names
+    if read.bad_loss or not any(read.bad_each):  # a loss skip, or one optimizer, or no single culprit
+        return names, ()
+    skipped = tuple(n for n, bad in zip(names, read.bad_each) if bad)
+    return skipped, tuple(n for n in names if n not in skipped)
+
+
 def holds_gradients(optimizer: Any) -> bool:
     """Whether any parameter ``optimizer`` holds has a gradient: for the refusals outside the step
     (the guard drops its own after each step, so none should be left there). O(parameters)."""
@@ -319,8 +369,10 @@ def _note_autocast(module: nn.Module, args: Any) -> None:
 
 def _probe_autocast(guard: Any, modules: Sequence[nn.Module]) -> list[Any]:
     """:func:`_note_autocast` on ``modules`` for ``guard``: the hooks' handles, which the guard
-    removes at its first backward (or, a guard never used, when it is collected: the model does
-    not keep it alive). A compiled module is not probed: a hook removed after its first call
+    removes at its first backward when that saw a forward through the module's ``__call__``;
+    otherwise (``model.forward(x)`` called directly, a model compiled after ``Guard()``, a guard
+    never used) they stay until the guard is collected (the model does not keep it alive), a
+    Python call on each forward. A compiled module is not probed: a hook removed after its first call
     would make ``torch.compile`` compile it again. Nor is a model under DDP or FSDP2."""
     handles = []
     for module in modules:
@@ -347,7 +399,7 @@ def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor,
     ``found`` is 1.0 when the step must be skipped (the mark or the norm non-finite) and 0.0
     otherwise, and the factor is ``None`` when clipping is off; and ``applied``, the device
     count of applied updates, advanced in place unless found. ``zero`` is a 0.0 of the norm's
-    device. (The post-clip norm is the host's, from the factor: :meth:`AmpTrainState._post_clip`.)
+    device. (The host computes the post-clip norm from the factor for a float32 norm: :meth:`Guard._post_clip`.)
 
     ``found`` takes two kernels: ``mark + pre * 0`` is 0 for a finite norm and mark, NaN
     otherwise (``inf * 0`` is NaN, IEEE 754), and ``nan_to_num(1.0)`` makes that 0 or 1. Only
@@ -449,8 +501,9 @@ class Guard:
         optimizer: any optimizer over the model's parameters (fused AdamW included), or several
             as a dict ``{name: optimizer}`` (or a list, named ``"0"``, ``"1"``, ...): each
             parameter in at most one. ``step()`` steps them all, ``step(name)`` those named; each
-            is skipped only when its own gradients are non-finite (``GradScaler``'s semantics),
-            the clip covers what is applied, and the records name them (:attr:`record_columns`).
+            is skipped when its own gradients are non-finite (``GradScaler``'s semantics), all
+            of them for a non-finite loss or a joint norm no single one's explains; the clip
+            covers what is applied, and the records name them (:attr:`record_columns`).
         precision: ``"fp16"`` (with a loss scaler), ``"bf16"`` or ``"fp32"``.
         max_norm: global L2 clip threshold; ``None`` or ``<= 0`` disables clipping.
         accumulation_steps: micro-batches per optimizer update; each loss is divided by it.
@@ -582,7 +635,7 @@ class Guard:
         self.fuse_tail = fuse_tail
         self.lr_schedule = lr_schedule
         self._updates = 0  # steps applied in full (a device count in the sync-free path)
-        self._applied = dict.fromkeys(optimizers, 0)  # updates each optimizer applied
+        self._applied = dict.fromkeys(optimizers, 0)  # updates each optimizer applied (read with several)
         if sync_free:
             self._check_sync_free(self.optimizer, scheduler)
             # on the parameters' device (``device`` may name only the type: "cuda" for a model on cuda:1)
@@ -605,7 +658,7 @@ class Guard:
         self._owed: tuple[Any, ...] | None = None  # inside a close: (names, skipped, settled: the scale updated)
         # the first step's forward: did it run under autocast? (_probe_autocast; gone after the first backward)
         self._forward_autocast: torch.dtype | bool | None = None  # (its autocast dtype, False: none)
-        self._autocast_probes = _probe_autocast(self, modules) if precision.name != "fp32" else []
+        self._autocast_probes = _probe_autocast(self, modules) if precision.autocasts else []
         _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -649,7 +702,7 @@ class Guard:
         elif seen != self.precision.dtype:
             said = str(seen).removeprefix("torch.")
             scaler = "" if self.scaler.is_enabled() else ", with no loss scaler"
-            warnings.warn(f"{where} under autocast({said}), not the guard's {str(self.precision.dtype)[6:]}{scaler}: "
+            warnings.warn(f"{where} under autocast({said}), not the guard's {str(self.precision.dtype).removeprefix('torch.')}{scaler}: "
                           f"a torch.autocast of the loop's own? use `with guard.autocast():`", AmpguardWarning,
                           stacklevel=3)
 
@@ -662,10 +715,11 @@ class Guard:
         root = self._root
         self._owned = [(p, holder[id(p)]) for p in root.parameters() if id(p) in holder]  # (param, optimizer)
         self._params_of = {n: [p for p, owner in self._owned if owner == n] for n in self.optimizers}
-        self._frozen = [p for p in root.parameters() if p.requires_grad and id(p) not in holder]
-        # what no optimizer holds and needs no gradient now: unfrozen later, it is refused (or dropped)
-        self._unowned = [p for p in root.parameters() if not p.requires_grad and id(p) not in holder]
-        self._held = _parameter_count(self.optimizers)
+        # what no optimizer holds: trained (its gradient dropped each step, frozen="ignore"), or
+        # frozen now (unfrozen later, it is refused, or dropped)
+        self._unheld_trainable = [p for p in root.parameters() if p.requires_grad and id(p) not in holder]
+        self._unheld_frozen = [p for p in root.parameters() if not p.requires_grad and id(p) not in holder]
+        self._held_count = _parameter_count(self.optimizers)
         self._registered = _REGISTERED[0]
         # each parameter's dtype: a model cast after Guard() (model.to(torch.bfloat16)) keeps its
         # Parameter objects, so only their dtype tells (the first one's every group, every one's less often)
@@ -687,18 +741,19 @@ class Guard:
         (:data:`_REGISTERED`: an adapter added to the model without its optimizer), the first
         parameter's dtype changed (the model cast after ``Guard()``), or, at the first group (a
         restored guard's too) and every :data:`UNFROZEN_EVERY` groups, a parameter no optimizer
-        holds requires grad again or
-        any parameter's dtype changed (one layer cast alone: ``model[2].to(torch.bfloat16)``). O(1)
-        but those looks, O(parameters) spread over the groups: a frozen backbone's thousands of
-        tensors cost ~45 ns each to look at."""
-        if _parameter_count(self.optimizers) != self._held or _REGISTERED[0] != self._registered:
+        holds requires grad again or any parameter's dtype changed (one layer cast alone:
+        ``model[2].to(torch.bfloat16)``). O(1) but those looks, O(parameters) spread over the
+        groups (a frozen backbone's thousands of tensors, ~45-105 ns each). The registration
+        count is the process's: a module built anywhere (an evaluator's, a metric's) is a false
+        alarm here, which the next group pays with a whole :meth:`_own_again`."""
+        if _parameter_count(self.optimizers) != self._held_count or _REGISTERED[0] != self._registered:
             return True
         if self._owned and self._owned[0][0].dtype != self._dtypes[0]:  # (checked again as at Guard())
             return True
         if self.steps % UNFROZEN_EVERY and not self._look_all:
             return False
         self._look_all = False  # (set by a restore: its first group looks, wherever its count is)
-        return (any(p.requires_grad for p in self._unowned)
+        return (any(p.requires_grad for p in self._unheld_frozen)
                 or any(p.dtype != dtype for (p, _), dtype in zip(self._owned, self._dtypes)))
 
     def _own_again(self) -> None:
@@ -745,7 +800,7 @@ class Guard:
             raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)"
                                + (f" (inside a group of accumulation_steps={self.accumulation_steps} it returns None:"
                                   " no counter of your own)" if self.accumulation_steps > 1 else ""))
-        return self.precision.autocast() if self._closes_group() else self._autocast_no_sync()
+        return self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
 
     @contextlib.contextmanager
     def _autocast_no_sync(self) -> Iterator[None]:
@@ -899,8 +954,9 @@ class Guard:
         be last, so a short group's never were.
 
         With several optimizers, ``step()`` steps them all and ``step("generator")`` (names or
-        optimizer objects) only those named, as ``scaler.step(opt)`` does: each is skipped only
-        when its own gradients are non-finite, and the one loss scale backs off when any was.
+        optimizer objects) only those named, as ``scaler.step(opt)`` does: each is skipped when
+        its own gradients are non-finite (all of them for a non-finite loss, or a joint norm no
+        single one's explains), and the one loss scale backs off when any was.
         After every step all the guard's gradients are dropped, the unstepped optimizers' too
         (as a GAN's ``zero_grad`` before each backward drops what the other loss left there).
         """
@@ -924,7 +980,8 @@ class Guard:
             self._group = names
             return None
         self._group = None
-        steps, self._stepped, self._tail_found, self._owed = self.steps, None, None, None
+        steps = self.steps  # (_dropped puts the count back for a step that did not run)
+        self._stepped = self._tail_found = self._owed = None
         try:
             return self._finish_group_sync_free() if self.sync_free else self._finish_group(names)
         except BaseException as err:  # (free until something raises: no context manager on the hot path)
@@ -1014,12 +1071,13 @@ class Guard:
             chosen.add(name)
         return tuple(n for n in self.optimizers if n in chosen)
 
-    def _closes_group(self) -> bool:
+    def _last_micro_batch(self) -> bool:
+        """Whether the next backward is its group's last."""
         return self._micro + 1 == self.accumulation_steps
 
     def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """No gradient all-reduce (DDP's ``no_sync``) on a micro-batch that does not close its group."""
-        if self._closes_group():  # the group's last micro-batch (every one without accumulation): sync
+        if self._last_micro_batch():  # the group's last micro-batch (every one without accumulation): sync
             return contextlib.nullcontext()
         if len(self._modules) == 1:
             return distributed.accumulation_context(self._modules[0], False)
@@ -1035,10 +1093,10 @@ class Guard:
             return self._params_of[names[0]]
         return [p for p, owner in self._owned if owner in names]
 
-    def _close_group(self, names: tuple[str, ...]
+    def _measure_group(self, names: tuple[str, ...]
                      ) -> tuple[GradSet, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Unscale, take the global norm, agree across ranks: ``(grads, loss, mark, pre, each)``.
-        No host read.
+        """Count the step (``steps + 1``; the group's micro-batch count back to 0), then unscale,
+        take the global norm, agree across ranks: ``(grads, loss, mark, pre, each)``. No host read.
 
         ``loss`` is the group's mean loss (the mean over ranks); ``mark`` is 0, or NaN when a
         micro-batch loss was non-finite (on any rank); ``pre`` the global norm of the named
@@ -1051,7 +1109,7 @@ class Guard:
                 raise RuntimeError("the GradScaler given as scaler= was used on the optimizer outside the guard "
                                    "(scaler.unscale_(optimizer): the guard would divide the gradients a second "
                                    "time): the guard unscales, clips and steps; remove those lines from the loop")
-        if _parameter_count(self.optimizers) != self._held:  # a group added inside this group (read at its start)
+        if _parameter_count(self.optimizers) != self._held_count:  # a group added inside this group (read at its start)
             self._own_again()
         micro, self._micro = self._micro, 0
         self.steps += 1
@@ -1082,11 +1140,8 @@ class Guard:
         on what ``unscale_`` found (it was applied, with the clamped values). ``norms`` is the
         group's norm, then each optimizer's with several. A few kernels, only on this path."""
         device = norms[0].device
-        found = {}
-        for name in early:
-            flags = list(self.scaler._found_inf_per_device(self.optimizers[name]).values())
-            if flags:
-                found[name] = torch.stack([f.to(device) for f in flags]).sum() > 0
+        found = {name: flag for name in early
+                 if (flag := self.scaler.found_at_unscale(self.optimizers[name], device)) is not None}
         if not found:
             return norms
         inf = torch.full((), math.inf, device=device, dtype=norms[0].dtype)
@@ -1095,88 +1150,94 @@ class Guard:
         return [torch.where(any_found, inf, norms[0]), *each]
 
     def _finish_group(self, names: tuple[str, ...]) -> StepLog | SkipLog:
+        """The group's end, in the recipe's order: unscale and measure (no host read), the one
+        host read, skip or clip, the optimizers' steps, ``scaler.update()`` every step, the
+        schedulers (held on a skip), the gradients dropped, the record."""
         if self._scheduler_epochs:  # (a loop's scheduler.step() since the group's first backward)
             self._check_schedulers()
         lr = self.optimizers[names[0]].param_groups[0]["lr"]
         if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
             lr = lr.detach().clone()
-        grads, loss, mark, pre, each = self._close_group(names)
+        grads, loss, mark, pre, each = self._measure_group(names)
         factor = clip_coefficient(pre, self.max_norm)  # the clip of them all (unused if any is skipped)
         post, carried = self._post_clip(pre, factor)
-
-        # The one host read of the step: was the loss or a gradient non-finite (on any rank)?
-        # The values themselves come over, so it also brings the record's loss and norms, and
-        # the scale and growth tracker the update will find (the host tells the new scale).
-        scaling = self.scaler.update_inputs(pre.device)
-        loss_v, pre_v, carried_v, mark_v, *rest = torch.stack([loss, pre, carried, mark, *scaling, *each]).tolist()
-        scaling_v, each_v = rest[:len(scaling)], rest[len(scaling):]
-        bad_loss, bad_grad = not math.isfinite(mark_v), not math.isfinite(pre_v)
-        bad_each = [not math.isfinite(v) for v in each_v]
-        if not (bad_loss or bad_grad):  # (a non-finite gradient anywhere makes the joint norm so)
-            skipped, applied = (), names
-        elif bad_loss or not any(bad_each):  # a loss skip, or one optimizer, or no single culprit
-            skipped, applied = names, ()
-        else:
-            skipped = tuple(n for n, bad in zip(names, bad_each) if bad)
-            applied = tuple(n for n in names if n not in skipped)
-
+        read = self._read_back(loss, pre, carried, mark, each)
+        skipped, applied = _partition(names, read)
         if skipped:  # what is applied (some optimizers' parameters, or none) is clipped by its own norm
             post = clip_to_norm_(self._union(applied), self.max_norm,
                                  distributed.full_norm(grads.norm_of(self._union(applied)))) if applied else None
+            for name in skipped:
+                self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         elif factor is not None:
             grads.scale_(factor)
-        for name in skipped:
-            self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         self._owed = (names, skipped, False)  # (the user's code raising from here on: _dropped settles the step)
-        _GUARD_STEPPING[0] += 1
-        finished = _FINISHED[0]  # (another guard's, when this step runs inside its optimizer's post-hook)
-        try:
-            for name in applied:  # each counted as it steps: a failure after it leaves an update that stands
-                self.optimizers[name].step()  # what scaler.step() does once found_inf reads 0
-                self._count_stepped(name)
-        except BaseException:
-            if _FINISHED[0] is self.optimizers[name]:  # (its update ran, a later step post-hook raised)
-                self._count_stepped(name)
-            raise
-        finally:
-            _GUARD_STEPPING[0] -= 1
-            _FINISHED[0] = finished
+        self._step_optimizers(applied)
         if not skipped:
             self._updates += 1
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
             hook(grads)
-        self._owed = None  # (update() itself raising: nothing settles it again)
+        # (update() itself raising, a device error: nothing settles the step again, and _dropped
+        # finds it unsettled: the step, a decided skip too, is taken back as not run)
+        self._owed = None
         self.scaler.update()
         self._owed = (names, skipped, True)  # (settled: a scheduler raising leaves a step that ran)
         self._step_schedulers(names, applied)
         self._owed = None
         self._zero_grad()
+        return self._record(names, skipped, read, lr, loss, pre, post)
+
+    def _read_back(self, loss: torch.Tensor, pre: torch.Tensor, carried: torch.Tensor, mark: torch.Tensor,
+                   each: list[torch.Tensor]) -> _Read:
+        """The one host read of the step: was the loss or a gradient non-finite (on any rank)?
+        The values themselves come over, so it also brings the record's loss and norms, and the
+        scale and growth tracker the update will find (the host tells the new scale)."""
+        scaling = self.scaler.update_inputs(pre.device)
+        loss_v, pre_v, carried_v, mark_v, *rest = torch.stack([loss, pre, carried, mark, *scaling, *each]).tolist()
+        return _Read(loss_v, pre_v, carried_v, not math.isfinite(mark_v),
+                     [not math.isfinite(v) for v in rest[len(scaling):]], rest[:len(scaling)])
+
+    def _step_optimizers(self, applied: tuple[str, ...]) -> None:
+        """``optimizer.step()`` of each applied one (what ``scaler.step()`` does once found_inf
+        reads 0), each counted as it steps: a failure after it leaves an update that stands."""
+        with _guard_stepping():
+            try:
+                for name in applied:
+                    self.optimizers[name].step()
+                    self._count_stepped(name)
+            except BaseException:
+                if _FINISHED[0] is self.optimizers[name]:  # (its update ran, a later step post-hook raised)
+                    self._count_stepped(name)
+                raise
+
+    def _record(self, names: tuple[str, ...], skipped: tuple[str, ...], read: _Read, lr: Any,
+                loss: torch.Tensor, pre: torch.Tensor, post: torch.Tensor | None) -> StepLog | SkipLog:
+        """The step's record: its tensors, with what the read brought (and the scale after
+        ``update()``, told on the host) as ``read``, so a sink reads nothing more."""
         labels = {"optimizers": names, "skipped_optimizers": skipped} if len(self.optimizers) > 1 else {}
-        # what the read brought, the scale after update() told on the host: a sink reads nothing more
-        read = {"loss": loss_v} if bad_loss else {"loss": loss_v, "grad_l2_pre_clip": pre_v}
-        scale = 1.0 if not self.scaler.is_enabled() else self.scaler.scale_after(scaling_v, bool(skipped))
+        values = {"loss": read.loss} if read.bad_loss else {"loss": read.loss, "grad_l2_pre_clip": read.pre}
+        scale = self.scaler.scale_after(read.scaling, bool(skipped))
         if scale is None:  # (the host cannot tell: the record reads it from the device)
             scale = self.scaler.scale_value()
         else:
-            read["scaler_scale"] = scale
+            values["scaler_scale"] = scale
         if not skipped:
             if post is None:  # from the factor read; a host tensor (the record's values stay tensors, no kernel)
-                read["grad_l2_post_clip"] = post_clip_value(pre_v, carried_v, self.max_norm, pre.dtype)  # type: ignore[arg-type]
-                post = torch.scalar_tensor(read["grad_l2_post_clip"], dtype=pre.dtype)
+                values["grad_l2_post_clip"] = post_clip_value(read.pre, read.carried, self.max_norm, pre.dtype)  # type: ignore[arg-type]
+                post = torch.scalar_tensor(values["grad_l2_post_clip"], dtype=pre.dtype)
             else:
-                read["grad_l2_post_clip"] = carried_v
+                values["grad_l2_post_clip"] = read.carried
             return StepLog(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=post,
-                           scaler_scale=scale, **labels, read=read)
+                           scaler_scale=scale, **labels, read=values)
         return SkipLog(
             step=self.steps,
             lr=lr,
             loss=loss,
-            grad_l2_pre_clip=None if bad_loss else pre,
+            grad_l2_pre_clip=None if read.bad_loss else pre,
             grad_l2_post_clip=post,
             scaler_scale=scale,
-            reason="non_finite_loss" if bad_loss else "non_finite_grad",
+            reason="non_finite_loss" if read.bad_loss else "non_finite_grad",
             **labels,
-            read=read,
+            read=values,
         )
 
     def _count_stepped(self, name: str) -> None:
@@ -1212,6 +1273,13 @@ class Guard:
         post = post_clip_norm(pre, factor, self.max_norm)  # type: ignore[arg-type]
         return post, post
 
+    def _settle_sync_free(self, found: torch.Tensor) -> None:
+        """After the sync-free step's ``optimizer.step()`` (what it applied, or skipped, is on the
+        device, counted there): the skip flag to the scaler's found-inf record, ``update()``."""
+        self._stepped = ()
+        self.scaler.add_found_inf_(self.optimizer, found, covers=True)
+        self.scaler.update()
+
     def _finish_group_sync_free(self) -> PendingStep:
         """The group boundary without any host read: every decision stays on the device.
 
@@ -1221,7 +1289,7 @@ class Guard:
         ``GradScaler.step``) and to the scaler's found-inf record (so ``update()`` backs off).
         Clipping runs unconditionally: on a skipped step it scales gradients nobody will use.
         """
-        grads, loss, mark, pre, _ = self._close_group(tuple(self.optimizers))
+        grads, loss, mark, pre, _ = self._measure_group(tuple(self.optimizers))
         self._set_lrs()  # this step's LR, from the count before it
         lr = self.optimizer.param_groups[0]["lr"]
         tail = _compiled_tail() if self.fuse_tail else sync_free_tail
@@ -1233,23 +1301,16 @@ class Guard:
         if factor is not None:
             grads.scale_(factor)
         self.optimizer.found_inf = found  # type: ignore[attr-defined]
-        _GUARD_STEPPING[0] += 1
-        finished = _FINISHED[0]
-        try:
-            self.optimizer.step()
-        except BaseException:
-            if _FINISHED[0] is self.optimizer:  # its update ran, a step post-hook raised: the step stands
-                self._stepped = ()
-                self.scaler.add_found_inf_(self.optimizer, found, covers=True)
-                self.scaler.update()
-            raise
-        finally:
-            _GUARD_STEPPING[0] -= 1
-            _FINISHED[0] = finished
-            del self.optimizer.found_inf  # type: ignore[attr-defined]
-        self._stepped = ()  # (stepped: what it applied, or skipped, is on the device, counted there)
-        self.scaler.add_found_inf_(self.optimizer, found, covers=True)
-        self.scaler.update()
+        with _guard_stepping():
+            try:
+                self.optimizer.step()
+            except BaseException:
+                if _FINISHED[0] is self.optimizer:  # its update ran, a step post-hook raised: the step stands
+                    self._settle_sync_free(found)
+                raise
+            finally:
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
+        self._settle_sync_free(found)
         self._zero_grad()
         # the record's values in one tensor (read back with one copy), the fields views of it;
         # the LR as this step used it (the next step's _set_lrs writes that tensor in place), the
@@ -1286,7 +1347,7 @@ class Guard:
     def _zero_grad(self) -> None:
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
-        for p in self._frozen:  # frozen="ignore": what no optimizer updates is dropped, not accumulated
+        for p in self._unheld_trainable:  # frozen="ignore": what no optimizer updates is dropped, not accumulated
             p.grad = None
 
     def _check_sync_free(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
@@ -1410,7 +1471,7 @@ class Guard:
             >>> saved["step"], saved["updates"], saved["precision"], saved["accumulation_steps"]
             (1, 1, 'bf16', 1)
         """
-        if (self._micro or self._backward_pending) and not mid_group:
+        if self._micro and not mid_group:  # (a pending backward has counted its micro-batch)
             raise RuntimeError("state_dict() called inside an accumulation group; call it after a step closes, or "
                                "state_dict(mid_group=True) for the last closed step's state (a framework's "
                                "checkpoint mid-group: accelerator.save_state)")
