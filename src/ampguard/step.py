@@ -19,7 +19,6 @@ import functools
 import math
 import numbers
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -32,6 +31,20 @@ from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_to_norm_, p
 from .errors import AmpguardWarning, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
+from .watch import (_FINISHED, _PROBING, _REGISTERED, UNFROZEN_EVERY, _GuardStepping, _hook_stray_steps,
+                    _parameter_count, _probe_autocast, _watch_registrations, holds_gradients)
+
+
+
+def __getattr__(name: str) -> Any:
+    """``ampguard.step._note_autocast``: a model pickled whole with the autocast probe's hook on it
+    by an ampguard before ``watch.py`` names the hook here."""
+    if name == "_note_autocast":
+        from .watch import _note_autocast
+
+        return _note_autocast
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 SchedulerOnSkip = Literal["hold", "step"]
 Models = nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module]
@@ -199,84 +212,6 @@ def _check_left_out(root: nn.Module, holder: dict[int, str], frozen: str) -> Non
             "or pass frozen='ignore'")
 
 
-UNFROZEN_EVERY = 64
-"""Every this many groups a guard looks for a parameter no optimizer holds that requires grad
-again (unfrozen without ``add_param_group``); a frozen backbone's tensors are not looked at
-every step."""
-
-_REGISTERED = [0]
-"""A count of parameter and module registrations anywhere (torch's global registration hooks,
-installed with the first :class:`Guard`): one that changed since a guard read its parameters
-means a module may have been added to its model."""
-
-
-def _count_registration(*args: Any) -> None:
-    _REGISTERED[0] += 1
-
-
-@functools.cache
-def _watch_registrations() -> None:
-    """Install the global hooks that count registrations (once per process)."""
-    torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
-    torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
-
-
-_GUARD_STEPPING = [0]
-"""How many guards are inside their own ``optimizer.step()`` now (:func:`_refuse_stray_step`)."""
-
-_GUARDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
-"""Each optimizer a Guard holds -> the last Guard built over it and that guard's copies (its step
-pre-hook is installed once; a new guard takes the optimizer over from one abandoned with a step
-open: a retried fit)."""
-
-
-def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """An optimizer step pre-hook: ``optimizer.step()`` while a Guard holding the optimizer has a
-    step open (after ``guard.backward()``, before ``guard.step()``), from outside the guard, is a
-    loop's own ``optimizer.step()`` (or ``scaler.step(optimizer)``) kept beside it. It applied the
-    group's gradients unchecked and unclipped (still scaled, under fp16; a NaN too, while the guard
-    then recorded a skip), and the guard applied them again. Refused before it changes anything,
-    and only with gradients there to apply. Between the guard's steps the optimizer is the
-    caller's (no gradient is left to apply there: the guard drops them). On the guard's own steps
-    one read of a counter."""
-    if _GUARD_STEPPING[0]:
-        return
-    guards = _GUARDED.get(optimizer, ())
-    if any(guard.micro_batches or guard.pending for guard in guards) and holds_gradients(optimizer):
-        raise RuntimeError(f"{type(optimizer).__name__}.step() called outside the guard after guard.backward(): "
-                           "it would apply gradients the guard has not checked or clipped, and guard.step() "
-                           "steps the optimizer itself; remove your own optimizer.step() / "
-                           "scaler.step(optimizer) from the loop (under Lightning's manual optimization, "
-                           "step self.optimizers(), not the raw torch optimizer)")
-
-
-_FINISHED: list[Any] = [None]
-"""The optimizer whose ``step()`` last finished its update (:func:`_mark_finished`, its first step
-post-hook): an error from the ``step()`` call after it is a later post-hook's, the update stands."""
-
-
-def _mark_finished(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if _GUARD_STEPPING[0]:  # (the guard's own steps only; it lets go of the optimizer after each)
-        _FINISHED[0] = optimizer
-
-
-class _GuardStepping:
-    """``with _GuardStepping():`` around a guard's own ``optimizer.step()`` calls:
-    :func:`_refuse_stray_step` lets them through, and :data:`_FINISHED` (which one finished its
-    update) is put back as it was after (another guard's, when this step runs inside its
-    optimizer's post-hook). A class, not a generator: a quarter of the cost on the hot path."""
-
-    __slots__ = ("finished",)
-
-    def __enter__(self) -> None:
-        _GUARD_STEPPING[0] += 1
-        self.finished = _FINISHED[0]
-
-    def __exit__(self, *exc: object) -> None:
-        _GUARD_STEPPING[0] -= 1
-        _FINISHED[0] = self.finished
-
-
 class _Read(NamedTuple):
     """What the step's one host read brought (:meth:`Guard._read_back`): the group's loss and
     pre-clip norm, what carries the post-clip norm (:meth:`Guard._post_clip`), whether the loss
@@ -313,12 +248,6 @@ def _partition(names: tuple[str, ...], read: _Read) -> tuple[tuple[str, ...], tu
     return skipped, tuple(n for n in names if n not in skipped)
 
 
-def holds_gradients(optimizer: Any) -> bool:
-    """Whether any parameter ``optimizer`` holds has a gradient: for the refusals outside the step
-    (the guard drops its own after each step, so none should be left there). O(parameters)."""
-    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
-
-
 def _epoch_of(scheduler: Any) -> int | None:
     """A scheduler's ``last_epoch``, through a wrapper that has none (Accelerate's
     ``AcceleratedScheduler`` holds the scheduler as ``.scheduler``); None when there is none."""
@@ -326,73 +255,6 @@ def _epoch_of(scheduler: Any) -> int | None:
     if epoch is None and (inner := getattr(scheduler, "scheduler", None)) is not None:
         epoch = getattr(inner, "last_epoch", None)
     return epoch if isinstance(epoch, int) else None
-
-
-def _hook_stray_steps(guard: Any, optimizers: Mapping[str, torch.optim.Optimizer], taken: bool = True) -> None:
-    """Have :func:`_refuse_stray_step` watch ``optimizers`` for ``guard`` while it lives (an
-    optimizer without torch's step hooks, one that only has ``param_groups``, is not watched);
-    ``taken=False`` (a copy): beside the guards that watch it already (a shallow copy shares the
-    original's optimizers: each of the two, while it lives, refuses for its own open step)."""
-    for optimizer in optimizers.values():
-        if not hasattr(optimizer, "register_step_pre_hook"):
-            continue
-        if _refuse_stray_step not in getattr(optimizer, "_optimizer_step_pre_hooks", {}).values():
-            optimizer.register_step_pre_hook(_refuse_stray_step)  # (a copied optimizer holds the hook already)
-        posts = getattr(optimizer, "_optimizer_step_post_hooks", None)
-        if isinstance(posts, dict) and _mark_finished not in posts.values():  # (first: before any that may raise)
-            handle = optimizer.register_step_post_hook(_mark_finished)
-            others = [(k, h) for k, h in posts.items() if k != handle.id]
-            posts.clear()
-            posts[handle.id] = _mark_finished
-            posts.update(others)
-        if taken or optimizer not in _GUARDED:
-            _GUARDED[optimizer] = weakref.WeakSet([guard])
-        else:
-            _GUARDED[optimizer].add(guard)
-
-
-_PROBING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
-"""Each module a guard probes for autocast (:func:`_probe_autocast`) -> the guards probing it."""
-
-
-def _note_autocast(module: nn.Module, args: Any) -> None:
-    """A forward pre-hook: each probing guard notes, at the first training forward (one that
-    records gradients: an evaluation under ``torch.no_grad()`` before training is not it), the
-    autocast dtype it ran under for its device (``False`` without autocast). A module-level
-    function (a model with the hook still pickles). Nothing while ``torch.compile`` traces it: a
-    graph that read the registry would be guarded on its entries' positions (a collected model
-    made a later compile fail with an ``IndexError``)."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return
-    for guard in _PROBING.get(module, ()):
-        if guard._forward_autocast is None and guard._autocast_probes:  # (its probe still open)
-            device_type = guard.precision.device_type
-            guard._forward_autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
-
-
-def _probe_autocast(guard: Any, modules: Sequence[nn.Module]) -> list[Any]:
-    """:func:`_note_autocast` on ``modules`` for ``guard``: the hooks' handles, which the guard
-    removes at its first backward when that saw a forward through the module's ``__call__``;
-    otherwise (``model.forward(x)`` called directly, a model compiled after ``Guard()``, a guard
-    never used) they stay until the guard is collected (the model does not keep it alive), a
-    Python call on each forward. A compiled module is not probed: a hook removed after its first call
-    would make ``torch.compile`` compile it again. Nor is a model under DDP or FSDP2."""
-    handles = []
-    for module in modules:
-        if (type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
-                or distributed.defers_sync(module)):  # (DDP's and FSDP2's own hooks: a torchrun job's rank 0
-            continue                                  # sometimes aborted at exit with one added and removed)
-        _PROBING.setdefault(module, weakref.WeakSet()).add(guard)
-        handle = module.register_forward_pre_hook(_note_autocast)
-        weakref.finalize(guard, handle.remove)
-        handles.append(handle)
-    return handles
-
-
-def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
-    """How many parameters the optimizers hold: a change means ``add_param_group`` (or a group
-    taken out) since the guard read them."""
-    return sum(len(group["params"]) for opt in optimizers.values() for group in opt.param_groups)
 
 
 def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None,

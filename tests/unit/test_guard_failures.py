@@ -536,6 +536,18 @@ def test_a_guard_never_used_leaves_no_probe_and_its_model_still_pickles():
     assert not model._forward_pre_hooks
 
 
+def test_a_model_pickled_with_the_probe_where_it_lived_before_still_loads():
+    import pickle
+
+    from ampguard import watch
+
+    # a whole-model pickle made while the probe was on names its hook; before watch.py it was
+    # ampguard.step's (protocol 0: "c" module, name)
+    assert pickle.loads(b"campguard.step\n_note_autocast\n.") is watch._note_autocast
+    with pytest.raises(AttributeError, match="nothing_here"):
+        pickle.loads(b"campguard.step\nnothing_here\n.")
+
+
 def test_a_guard_stepped_inside_another_optimizers_post_hook_leaves_the_outer_count_right():
     # the inner guard's step cleared the one slot that said the outer optimizer's update had run,
     # so a later post-hook raising made the outer update "nothing was applied" (review_session14 B8)
