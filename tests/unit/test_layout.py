@@ -5,6 +5,7 @@ diagnostics, no control flow by message text, thin CLI verbs."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -18,7 +19,8 @@ def _modules() -> dict[str, Path]:
             for f in SRC.rglob("*.py")}
 
 
-def import_graph(lazy: bool = True) -> dict[str, set[str]]:
+@functools.cache  # (every source file parsed: once a kind for the whole module's tests, not once a test)
+def import_graph(lazy: bool = True) -> dict[str, frozenset[str]]:
     """module -> the package modules it imports (with ``lazy``, imports inside functions too)."""
     mods = _modules()
     graph: dict[str, set[str]] = {}
@@ -33,7 +35,7 @@ def import_graph(lazy: bool = True) -> dict[str, set[str]]:
                 target = ".".join(parent + ([node.module] if node.module else []))
                 subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods}
                 deps |= subs or {target}
-        graph[mod] = deps - {mod}
+        graph[mod] = frozenset(deps - {mod})
     return graph
 
 
