@@ -389,7 +389,7 @@ def test_a_resolved_case_reports_intervals_within_the_goal(monkeypatch):
 
         _fake_timings(monkeypatch, timing)
         cpu = torch.device("cpu")
-        results = bench.measure(bench._nano(cpu), Precision("fp32", "cpu"), cpu, [bench.Bare, bench.Guarded],
+        results = bench.measure(bench._mlp(cpu), Precision("fp32", "cpu"), cpu, [bench.Bare, bench.Guarded],
                                 steps=1, rounds=6, warmup=1, fused=False, resolve=0.01, budget_s=1e9, max_rounds=200)
         if results[0].stop == "resolved":
             resolved += 1
