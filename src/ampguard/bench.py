@@ -1598,7 +1598,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     passed. On a CPU the intra-op threads are pinned (``threads``, default the CPUs this process may
     run on: its affinity mask, not the host's count).
     ``compiled`` runs every model through ``torch.compile`` (from Python, e.g.
-    ``benchmarks/gpu/fp8_vs_bf16.sh``; fp8 is fast only compiled).
+    ``benchmarks/gpu/fp8_vs_bf16.sh``; fp8 is fast only compiled). (``--processes``: the whole
+    bench in fresh processes, :func:`ampguard.bench_processes.run`.)
 
     Example (``quick``: 2 rounds of 3 steps, a smoke test rather than a measurement)::
 

@@ -225,10 +225,15 @@ def _compare(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    return bench.run(device=args.device, models=args.models, precisions=args.precisions, steps=args.steps,
-                     rounds=args.rounds, warmup=args.warmup, fused=args.fused, peers=not args.no_peers,
-                     peak_tflops=args.peak_tflops, quick=args.quick, as_json=args.json, resolve_pct=args.resolve,
-                     budget_s=args.budget, threads=args.threads, aa=not args.no_aa)
+    settings = dict(device=args.device, models=args.models, precisions=args.precisions, steps=args.steps,
+                    rounds=args.rounds, warmup=args.warmup, fused=args.fused, peers=not args.no_peers,
+                    peak_tflops=args.peak_tflops, quick=args.quick, as_json=args.json, resolve_pct=args.resolve,
+                    budget_s=args.budget, threads=args.threads, aa=not args.no_aa)
+    if args.processes > 1:  # the same bench in fresh processes, each ratio across them
+        from . import bench_processes
+
+        return bench_processes.run(processes=args.processes, **settings)
+    return bench.run(**settings)
 
 
 def _monitor_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -408,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop adding rounds to a case after this long (the table says it was not resolved)")
     bench.add_argument("--threads", type=_threads, help="CPU intra-op threads, pinned (default: the CPUs this process may run on)")
     bench.add_argument("--no-aa", action="store_true", help="leave out the A/A contender (a second bare loop)")
+    bench.add_argument("--processes", type=_positive_int, default=1, metavar="N",
+                       help="run the bench N times in fresh processes, one after another (--budget / N a case each), "
+                       "and give each ratio across them: what one process's interval cannot show (6 or more for a 95%% "
+                       "interval)")
     bench.set_defaults(func=_bench)
 
     locate = verbs.add_parser(

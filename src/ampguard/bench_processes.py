@@ -1,0 +1,270 @@
+"""``ampguard bench --processes N``: the same bench in N fresh processes, one after another, and
+each contender's ratio to the bare loop across them.
+
+One process's interval says how well its rounds pin down *that process's* ratio. A second
+process of the same code lands elsewhere: its memory layout, its allocations, what the machine
+was doing (on a shared 2-core CPU the tiny MLP's ``ampguard + csv`` read 1.087-1.118 in six
+processes whose own intervals were ±0.5%). A claim about the code, not about one process, needs
+the spread between processes, so here each process's median ratio is one value, the figure is
+their median and its 95% interval comes from their order statistics
+(:func:`~ampguard.bench.median_interval`: distribution-free, and none below 6 processes). The
+processes run one after another, never side by side (they would time each other), each with
+``--budget / N`` seconds a case, so the whole takes about as long as one process given
+``--budget`` (plus N process starts); each is ``ampguard bench --json`` with the same settings,
+in a session of its own, so Ctrl-C or a SIGTERM reaches only this process, which ends the
+running one with SIGTERM and reports the processes that finished.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .bench import CONFIDENCE, INTERVAL, Bare, _reach, median_interval
+from .errors import counted
+
+MIN_PROCESSES_FOR_INTERVAL = 6
+"""The fewest processes with a 95% interval of their median (:func:`~ampguard.bench.median_interval`)."""
+
+
+@dataclass
+class Across:
+    """One contender's ratio to the bare loop across processes: each process's own median ratio
+    and half-width (``ratios``, ``half_widths``: in the order the processes ran; ``None`` where
+    a process had no bare loop or no interval), their median, and its interval (nan below
+    :data:`MIN_PROCESSES_FOR_INTERVAL`)."""
+
+    workload: str
+    precision: str
+    contender: str
+    ratios: list[float] = field(default_factory=list)
+    half_widths: list[float | None] = field(default_factory=list)
+    ratio: float = math.nan
+    low: float = math.nan
+    high: float = math.nan
+
+    @property
+    def half_width(self) -> float:
+        """How far the interval reaches from the ratio, relative to it (0.01: ± 1%); nan without one."""
+        return _reach(self.ratio, self.low, self.high) if not math.isnan(self.low) else math.nan
+
+    @property
+    def within(self) -> float | None:
+        """The median of the processes' own half-widths: how narrow one process claimed to be."""
+        known = [h for h in self.half_widths if h is not None]
+        return statistics.median(known) if known else None
+
+
+def across(children: Sequence[dict[str, Any]]) -> list[Across]:
+    """Each contender's :class:`Across` from the processes' ``--json`` outputs, in the first
+    process's order (a contender some process left out has fewer values; the bare loop, whose
+    ratio is 1 by definition, is left out unless it ran alone).
+
+    Example (six processes, the guard 1.09-1.11 in them)::
+
+        >>> child = lambda r: {"results": [
+        ...     {"workload": "m", "precision": "bf16", "contender": "bare loop", "ratio_to_bare": 1.0, "half_width": None},
+        ...     {"workload": "m", "precision": "bf16", "contender": "g", "ratio_to_bare": r, "half_width": 0.005}]}
+        >>> (row,) = across([child(r) for r in (1.10, 1.09, 1.11, 1.10, 1.095, 1.105)])
+        >>> row.contender, round(row.ratio, 4), (row.low, row.high), row.within
+        ('g', 1.1, (1.09, 1.11), 0.005)
+        >>> round(row.half_width, 4)
+        0.0091
+        >>> math.isnan(across([child(1.1)] * 5)[0].low)  # five processes: no 95% interval
+        True
+    """
+    rows: dict[tuple[str, str, str], Across] = {}
+    for child in children:
+        results = child.get("results", [])
+        alone = {(r["workload"], r["precision"]) for r in results if r["contender"] == Bare.name} - {
+            (r["workload"], r["precision"]) for r in results if r["contender"] != Bare.name}
+        for r in results:
+            key = (r["workload"], r["precision"], r["contender"])
+            if r["contender"] == Bare.name and key[:2] not in alone:
+                continue
+            if r.get("ratio_to_bare") is None:
+                continue
+            row = rows.setdefault(key, Across(*key))
+            row.ratios.append(float(r["ratio_to_bare"]))
+            row.half_widths.append(r.get("half_width"))
+    for row in rows.values():
+        row.ratio, row.low, row.high = median_interval(row.ratios, confidence=CONFIDENCE)
+    return list(rows.values())
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"±{100 * x:.3g}%"
+
+
+def table(rows: Sequence[Across]) -> str:
+    """The rows as a Markdown table: the median ratio, its interval across processes, each
+    process's ratio, and how narrow one process's own interval claimed to be.
+
+    Example::
+
+        >>> print(table([Across("m", "bf16", "g", [1.1, 1.09], [0.005, None], 1.095)]))  # doctest: +NORMALIZE_WHITESPACE
+        | workload | precision | contender | ratio to bare (median of processes) | 95% interval across processes | each process | one process's own interval (median) |
+        |---|---|---|---|---|---|---|
+        | m | bf16 | g | 1.095 | n/a (2 processes; 6 needed) | 1.1 1.09 | ±0.5% |
+    """
+    lines = ["| workload | precision | contender | ratio to bare (median of processes) | 95% interval across processes "
+             "| each process | one process's own interval (median) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        interval = (f"[{r.low:.3f}, {r.high:.3f}] ({_pct(r.half_width)})" if not math.isnan(r.low) else
+                    f"n/a ({counted(len(r.ratios), 'process', 'processes')}; {MIN_PROCESSES_FOR_INTERVAL} needed)")
+        each = " ".join(f"{x:.4g}" for x in r.ratios)
+        lines.append(f"| {r.workload} | {r.precision} | {r.contender} | {r.ratio:.3f} | {interval} | {each} | "
+                     f"{_pct(r.within)} |")
+    return "\n".join(lines)
+
+
+def resolution(rows: Sequence[Across], resolve: float | None) -> list[str]:
+    """A line on what the processes resolved: the widest interval against ``resolve``.
+
+    Example::
+
+        >>> resolution([Across("m", "bf16", "g", [1.1] * 6, [0.005] * 6, 1.1, 1.09, 1.12)], 0.01)
+        ['across processes: the widest interval reaches ±1.82% (g, m bf16), not within ±1% asked: more processes narrow it']
+        >>> resolution([Across("m", "bf16", "g", [1.1] * 2, [None] * 2, 1.1)], 0.01)
+        ['across processes: no interval below 6 processes (2 ran): --processes 6 or more for one']
+    """
+    if not rows:
+        return []
+    if any(math.isnan(r.low) for r in rows):
+        fewest = min(len(r.ratios) for r in rows)
+        return [f"across processes: no interval below {MIN_PROCESSES_FOR_INTERVAL} processes ({fewest} ran): "
+                f"--processes {MIN_PROCESSES_FOR_INTERVAL} or more for one"]
+    widest = max(rows, key=lambda r: r.half_width)
+    said = f"across processes: the widest interval reaches {_pct(widest.half_width)} ({widest.contender}, " \
+           f"{widest.workload} {widest.precision})"
+    if resolve is None:
+        return [said]
+    if widest.half_width <= resolve:
+        return [f"{said}: resolved to ±{100 * resolve:g}%"]
+    return [f"{said}, not within ±{100 * resolve:g}% asked: more processes narrow it"]
+
+
+def to_json(children: Sequence[dict[str, Any]], rows: Sequence[Across], resolve: float | None, n: int,
+            stopped: str | None) -> str:
+    """Every process's own ``--json`` output (``children``, in order) and the rows across them.
+
+    Example::
+
+        >>> data = json.loads(to_json([], [Across("m", "bf16", "g", [1.1], [None], 1.1)], 0.01, 6, "interrupted"))
+        >>> data["processes"], data["ran"], data["stopped"], data["across"][0]["ratio"], data["across"][0]["low"]
+        (6, 0, 'interrupted', 1.1, None)
+    """
+    def plain(v: Any) -> Any:
+        return None if isinstance(v, float) and math.isnan(v) else v
+
+    return json.dumps({
+        "processes": n, "ran": len(children), "stopped": stopped, "resolve": resolve, "confidence": CONFIDENCE,
+        "interval": f"{INTERVAL}, of the processes' medians",
+        "across": [{"workload": r.workload, "precision": r.precision, "contender": r.contender,
+                    "ratio": plain(r.ratio), "low": plain(r.low), "high": plain(r.high),
+                    "half_width": plain(r.half_width), "ratios": r.ratios, "half_widths": r.half_widths,
+                    "within": r.within} for r in rows],
+        "children": list(children)}, indent=2)
+
+
+def child_args(*, device: str, models: str, precisions: str, steps: int, rounds: int, warmup: int, fused: bool,
+               peers: bool, peak_tflops: float | None, quick: bool, resolve_pct: float, budget_s: float,
+               threads: int | None, aa: bool) -> list[str]:
+    """The ``ampguard bench`` arguments of one process: :func:`ampguard.bench.run`'s settings
+    (``budget_s`` already its share) as flags, numbers written in full (``repr``).
+
+    Example::
+
+        >>> child_args(device="cpu", models="mlp", precisions="bf16", steps=30, rounds=7, warmup=5, fused=False,
+        ...            peers=False, peak_tflops=None, quick=False, resolve_pct=1.0, budget_s=20.0, threads=None,
+        ...            aa=True)  # doctest: +NORMALIZE_WHITESPACE
+        ['--device', 'cpu', '--models', 'mlp', '--precisions', 'bf16', '--steps', '30', '--rounds', '7',
+         '--warmup', '5', '--resolve', '1.0', '--budget', '20.0', '--no-peers']
+    """
+    return ["--device", device, "--models", models, "--precisions", precisions, "--steps", str(steps),
+            "--rounds", str(rounds), "--warmup", str(warmup), "--resolve", repr(resolve_pct),
+            "--budget", repr(budget_s), *(["--fused"] if fused else []), *(["--no-peers"] if not peers else []),
+            *(["--quick"] if quick else []), *(["--peak-tflops", repr(peak_tflops)] if peak_tflops is not None else []),
+            *(["--threads", str(threads)] if threads is not None else []), *(["--no-aa"] if not aa else [])]
+
+
+def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json: bool,
+               launch: Callable[[list[str]], subprocess.Popen] | None = None) -> int:
+    """Run ``ampguard bench *child_args --json`` ``n`` times, one after another, then print the
+    rows across them (a table, or JSON with ``as_json``). Returns 0; 130 or 143 when Ctrl-C or
+    a SIGTERM stopped it (the processes that finished are reported; the running one is ended
+    with SIGTERM and left out); a process that fails ends it with its exit code, after the
+    rows of those before it. Progress goes to stderr (each process's own lines, as they come)."""
+    from .bench import _interrupted_by_sigterm
+    from .errors import ExitCode
+
+    start = launch or (lambda argv: subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                                     start_new_session=True))
+    argv = [sys.executable, "-m", "ampguard", "bench", *child_args, "--json"]
+    children: list[dict[str, Any]] = []
+    code, stopped = 0, None
+    say = sys.stderr
+    print(f"ampguard bench across {counted(n, 'process', 'processes')}, one after another (each: "
+          f"{' '.join(child_args)}): each ratio is the median of the processes' own, its "
+          f"{round(100 * CONFIDENCE)}% interval from their order statistics", file=say, flush=True)
+    with _interrupted_by_sigterm() as signalled:
+        for i in range(1, n + 1):
+            print(f"process {i} of {n}:", file=say, flush=True)
+            proc = start(argv)
+            try:
+                out, _ = proc.communicate()
+            except KeyboardInterrupt:
+                if proc.poll() is None:
+                    proc.terminate()  # (its own session: the terminal's Ctrl-C reached only this process)
+                proc.communicate()
+                code = int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
+                stopped = "interrupted"
+                print(f"bench: interrupted in process {i} of {n}; the {counted(len(children), 'process', 'processes')} "
+                      "before it follow", file=say, flush=True)
+                break
+            if proc.returncode != 0:
+                code, stopped = proc.returncode, f"process {i} exited {proc.returncode}"
+                print(f"bench: process {i} of {n} exited {proc.returncode} (its lines above); the "
+                      f"{counted(len(children), 'process', 'processes')} before it follow", file=say, flush=True)
+                break
+            children.append(json.loads(out))
+    rows = across(children)
+    if as_json:
+        print(to_json(children, rows, resolve, n, stopped), flush=True)
+    elif rows:
+        print("\n".join([table(rows), *resolution(rows, resolve)]), flush=True)
+    return code
+
+
+def run(*, processes: int, device: str, models: str, precisions: str, steps: int, rounds: int, warmup: int,
+        fused: bool, peers: bool, peak_tflops: float | None, quick: bool, as_json: bool, resolve_pct: float,
+        budget_s: float, threads: int | None, aa: bool) -> int:
+    """``ampguard bench --processes N`` (N > 1): the arguments checked as one process's would be
+    (:func:`ampguard.bench.run`: an :class:`~ampguard.errors.InputError` before any process
+    starts), then :func:`run_across` with each process's share of ``budget_s``.
+
+    Example::
+
+        >>> run(processes=2, device="cpu", models="resnet", precisions="fp32", steps=1, rounds=1, warmup=1,
+        ...     fused=False, peers=False, peak_tflops=None, quick=False, as_json=False, resolve_pct=1.0,
+        ...     budget_s=10.0, threads=None, aa=True)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: bench: unknown model 'resnet' (mlp, nano, transformer, gpt2)
+    """
+    from .bench import _check_args
+    from .build import resolve_device
+
+    _check_args(resolve_device(device), models.split(","), precisions.split(","), peak_tflops=peak_tflops,
+                resolve_pct=resolve_pct, budget_s=budget_s, threads=threads)
+    child = child_args(device=device, models=models, precisions=precisions, steps=steps, rounds=rounds,
+                       warmup=warmup, fused=fused, peers=peers, peak_tflops=peak_tflops, quick=quick,
+                       resolve_pct=resolve_pct, budget_s=budget_s / processes, threads=threads, aa=aa)
+    return run_across(processes, child, resolve=resolve_pct / 100 if resolve_pct > 0 and not quick else None,
+                      as_json=as_json)
