@@ -226,6 +226,24 @@ class _Read(NamedTuple):
     scaling: list[float]
 
 
+def _finite_seed(mark: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+    """The loss checked before backward: the backward's seed, 1.0 (what ``backward()`` seeds
+    with) for a finite loss (``mark`` 0), 0.0 for a non-finite one (``mark`` NaN), so the loss's
+    own NaN never flows back (a NaN activation still may: the step drops a skipped step's
+    gradients whatever they hold). One kernel, written in the scaled loss's dtype into a fresh
+    tensor on its device (a ``masked_fill`` and its backward took four); fresh each time, since
+    autograd may keep the seed itself as a gradient (a parameter reached through views only).
+
+    Example::
+
+        >>> _finite_seed(torch.tensor(0.0), torch.tensor(2.0, dtype=torch.float16))
+        tensor(1., dtype=torch.float16)
+        >>> _finite_seed(torch.tensor(float("nan")), torch.tensor(2.0))
+        tensor(0.)
+    """
+    return torch.eq(mark, 0, out=torch.empty((), dtype=scaled.dtype, device=scaled.device))
+
+
 def _partition(names: tuple[str, ...], read: _Read) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(skipped, applied)``: all applied when the loss and every gradient were finite; all
     skipped for a non-finite loss, or a non-finite joint norm with no single optimizer's own
@@ -690,28 +708,10 @@ class Guard:
         and the Hugging Face Trainer's loops hand them over). They seed the backward as they are,
         bit for bit what that loop would do, and the record counts each as ``loss x N``.
         """
-        if self._backward_pending:
-            raise RuntimeError("Guard.backward() called twice: call guard.step() after each guard.backward(loss) "
-                               "(a step's several losses: guard.backward(loss0, loss1))")
-        if not losses:
-            raise ValueError("Guard.backward() takes a loss tensor")
-        if torch.is_autocast_enabled(self.precision.device_type):
-            raise RuntimeError("Guard.backward() inside autocast: close the `with guard.autocast():` block first "
-                               "(autocast wraps the forward and the loss; the backward runs after it)")
+        self._refuse_out_of_order(losses)
         if self._autocast_probes:  # (the first backward only)
             self._end_autocast_probe()
-        for i, loss in enumerate(losses):
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                several = " (several losses: guard.backward(*losses))" if isinstance(loss, (tuple, list)) else ""
-                raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}{several}")
-            if not loss.requires_grad:  # (before any backward: the losses before it left no gradient)
-                which = f"loss {i + 1} of {len(losses)}" if len(losses) > 1 else "the loss"
-                raise ValueError(f"Guard.backward(): {which} does not require grad (made under torch.no_grad(), "
-                                 "detached, or a constant placeholder: leave it out): nothing to backward")
-        if self.scaler.is_enabled() and any(map(self.scaler.unscaled, self.optimizers.values())):
-            raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
-                               "has run (the gradients this backward adds would stay scaled)")
+        self._check_losses(losses)
         if self._micro == 0:  # (before a gradient is made: a refusal undoes nothing)
             if self._parameters_changed():
                 self._own_again()
@@ -733,14 +733,7 @@ class Guard:
                     if n > 1 and not divided:  # in the loss's dtype, as the recipe's loss / N (x / 1 is x: skipped)
                         loss = loss / n
                     scaled = self.scaler.scale(loss)
-                    # the backward's seed: 1.0 (what backward() seeds with) for a finite loss, 0.0 for
-                    # a non-finite one (the loss's own NaN never flows back; a NaN activation still may:
-                    # the step drops a skipped step's gradients whatever they hold); one kernel, written
-                    # in the scaled loss's dtype into a fresh tensor on its device (a masked_fill and its
-                    # backward took four). Fresh each time: autograd may keep the seed itself as a
-                    # gradient (a parameter reached through views only), so a shared buffer would be overwritten
-                    seed = torch.eq(mark, 0, out=torch.empty((), dtype=scaled.dtype, device=scaled.device))
-                    scaled.backward(seed, retain_graph=i < last)
+                    scaled.backward(_finite_seed(mark, scaled), retain_graph=i < last)  # the loss checked
         except BaseException as err:  # (free until something raises: no context manager on the hot path)
             self._stepped = self._tail_found = None  # (what the last step left: nothing of this one stepped)
             self._dropped(err, "backward", self.steps)
@@ -754,6 +747,33 @@ class Guard:
             self._grads_made = (self._grads_made and not first) or any(p.grad is not None for p, _ in self._owned)
         self._micro += 1
         self._backward_pending = True
+
+    def _refuse_out_of_order(self, losses: tuple[torch.Tensor, ...]) -> None:
+        """A backward twice without a step, with no loss, or inside autocast: refused."""
+        if self._backward_pending:
+            raise RuntimeError("Guard.backward() called twice: call guard.step() after each guard.backward(loss) "
+                               "(a step's several losses: guard.backward(loss0, loss1))")
+        if not losses:
+            raise ValueError("Guard.backward() takes a loss tensor")
+        if torch.is_autocast_enabled(self.precision.device_type):
+            raise RuntimeError("Guard.backward() inside autocast: close the `with guard.autocast():` block first "
+                               "(autocast wraps the forward and the loss; the backward runs after it)")
+
+    def _check_losses(self, losses: tuple[torch.Tensor, ...]) -> None:
+        """Each loss a scalar tensor that requires grad, and no ``guard.unscale_()`` before this
+        backward in the group (its gradients would stay scaled): refused before any backward."""
+        for i, loss in enumerate(losses):
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                several = " (several losses: guard.backward(*losses))" if isinstance(loss, (tuple, list)) else ""
+                raise ValueError(f"Guard.backward() takes a scalar loss tensor, got {shape}{several}")
+            if not loss.requires_grad:  # (before any backward: the losses before it left no gradient)
+                which = f"loss {i + 1} of {len(losses)}" if len(losses) > 1 else "the loss"
+                raise ValueError(f"Guard.backward(): {which} does not require grad (made under torch.no_grad(), "
+                                 "detached, or a constant placeholder: leave it out): nothing to backward")
+        if self.scaler.is_enabled() and any(map(self.scaler.unscaled, self.optimizers.values())):
+            raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
+                               "has run (the gradients this backward adds would stay scaled)")
 
     def _check_schedulers(self) -> None:
         """Before a group's first backward and at its close: each scheduler the guard steps is
