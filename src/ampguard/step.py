@@ -202,6 +202,40 @@ def _holders(root: nn.Module, optimizers: dict[str, torch.optim.Optimizer], devi
     return holder
 
 
+def _check_settings(max_norm: Any, scheduler_on_skip: Any, frozen: Any) -> None:
+    """``Guard()``'s plain settings, before anything is read of the model."""
+    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (numbers.Real, torch.Tensor))):
+        raise TypeError(f"max_norm must be a number or None, got {max_norm!r} (a {type(max_norm).__name__})")
+    if max_norm is not None and not max_norm == max_norm:
+        raise ValueError("max_norm must be a number or None, got nan")
+    if scheduler_on_skip not in ("hold", "step"):
+        raise ValueError(f"scheduler_on_skip must be 'hold' or 'step', got {scheduler_on_skip!r}")
+    if frozen not in ("refuse", "ignore"):
+        raise ValueError(f"frozen must be 'refuse' or 'ignore', got {frozen!r}")
+
+
+def _refuse_sparse_clip(root: nn.Module, max_norm: float | None) -> None:
+    """A model that makes sparse gradients cannot be clipped (as ``clip_grad_norm_`` cannot)."""
+    sparse = [name for name, m in root.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse and max_norm is not None and max_norm > 0:
+        which = f"module {sparse[0]!r}" if sparse[0] else "the model"
+        raise ValueError(f"{which} makes sparse gradients, which PyTorch's clip_grad_norm_ cannot "
+                         "clip: pass max_norm=None (the norm and the non-finite check still cover them)")
+
+
+def _adopt_scaler(scaler: Any, precision: Precision) -> GuardedGradScaler:
+    """The guard's loss scaler: a given ``GradScaler`` (made a :class:`GuardedGradScaler`, its
+    state kept), else the precision's own, from ``scaler``'s settings (a dict) or its defaults."""
+    if not isinstance(scaler, torch.amp.GradScaler):
+        return precision.make_scaler(**(scaler or {}))
+    if scaler.is_enabled() and not precision.uses_scaler:
+        raise ValueError(f"{precision.name} does not use a loss scaler; pass a disabled one or none")
+    if scaler._device != precision.device_type:  # (on a machine without CUDA, torch turns it off silently)
+        raise ValueError(f"the scaler is for {scaler._device}, the model on {precision.device_type}: make it "
+                         f"GradScaler({precision.device_type!r}, ...)")
+    return scaler if isinstance(scaler, GuardedGradScaler) else GuardedGradScaler.from_scaler(scaler)
+
+
 def _check_left_out(root: nn.Module, holder: dict[int, str], frozen: str) -> None:
     """Refuse (unless ``frozen="ignore"``) a parameter that requires grad but no optimizer updates."""
     left_out = [name for name, p in root.named_parameters() if p.requires_grad and id(p) not in holder]
@@ -442,16 +476,7 @@ class Guard:
         frozen: Literal["refuse", "ignore"] = "refuse",
         fuse_tail: bool = False,
     ) -> None:
-        if max_norm is not None and (isinstance(max_norm, bool)
-                                     or not isinstance(max_norm, (numbers.Real, torch.Tensor))):
-            raise TypeError(f"max_norm must be a number or None, got {max_norm!r} (a {type(max_norm).__name__})")
-        if max_norm is not None and not max_norm == max_norm:
-            raise ValueError("max_norm must be a number or None, got nan")
-        if scheduler_on_skip not in ("hold", "step"):
-            raise ValueError(f"scheduler_on_skip must be 'hold' or 'step', got {scheduler_on_skip!r}")
-        if frozen not in ("refuse", "ignore"):
-            raise ValueError(f"frozen must be 'refuse' or 'ignore', got {frozen!r}")
-
+        _check_settings(max_norm, scheduler_on_skip, frozen)
         modules = _modules(model)
         root = _root(model)
         model_device = _model_device(root)
@@ -475,11 +500,7 @@ class Guard:
             )
         precision.check(root, device)
         _check_left_out(root, holder, frozen)
-        sparse = [name for name, m in root.named_modules() if getattr(m, "sparse", False) is True]
-        if sparse and max_norm is not None and max_norm > 0:
-            which = f"module {sparse[0]!r}" if sparse[0] else "the model"
-            raise ValueError(f"{which} makes sparse gradients, which PyTorch's clip_grad_norm_ cannot "
-                             "clip: pass max_norm=None (the norm and the non-finite check still cover them)")
+        _refuse_sparse_clip(root, max_norm)
 
         self.model = model
         # read-only: the step read them once (their parameters, schedulers, counters); one added or
@@ -497,15 +518,7 @@ class Guard:
         # each scheduler's ``last_epoch`` as the guard left it at a group's end (see _check_schedulers)
         self._scheduler_epochs: dict[int, int] = {}
         self.device = device
-        if isinstance(scaler, torch.amp.GradScaler):
-            if scaler.is_enabled() and not precision.uses_scaler:
-                raise ValueError(f"{precision.name} does not use a loss scaler; pass a disabled one or none")
-            if scaler._device != precision.device_type:  # (on a machine without CUDA, torch turns it off silently)
-                raise ValueError(f"the scaler is for {scaler._device}, the model on {precision.device_type}: make it "
-                                 f"GradScaler({precision.device_type!r}, ...)")
-            self.scaler = scaler if isinstance(scaler, GuardedGradScaler) else GuardedGradScaler.from_scaler(scaler)
-        else:
-            self.scaler = precision.make_scaler(**(scaler or {}))
+        self.scaler = _adopt_scaler(scaler, precision)
 
         self.monitors: dict[str, Any] = {}  # fed by the loop, saved here: name -> obj with state_dict()
         # called at a skipped step, before its gradients are dropped (diagnostics: nothing on applied
