@@ -889,21 +889,20 @@ class Guard:
     def _dropped(self, err: BaseException, where: str, steps: int) -> None:
         """After the backward or the group's close raised (an out-of-memory, a scheduler stepped
         past its end, a dtype PyTorch will not unscale): the open group is dropped (its
-        gradients, half of them made or half unscaled, and its count) and each scheduler's
-        position taken as it is, so the next call starts a clean group; it had blamed the loop
-        for what the failed call left ("a gradient from a backward outside this guard", "after
-        guard.unscale_()"). A step none of whose optimizers had stepped is not counted (the
-        sync-free step's device count of updates is put back); one where some had stepped
-        stands, counted where they stepped (an optimizer whose update ran before one of its step
-        post-hooks raised among them: :func:`_mark_finished` tells), and when the user's code
-        raised after it (a post-hook, another optimizer's ``step()``, a skip hook) the step is
-        settled as one that ran: the scale
-        updated (a partial skip's backoff is not lost) and the stepped optimizers' schedulers
-        stepped (theirs would lag their updates by one for the rest of the run). So is a skip
-        already decided when a skip hook raised: counted, the scale backed off (a loop that
-        caught the error and went on overflowed at the same scale every time), the schedulers
-        as ``scheduler_on_skip`` says; with several optimizers, one that skipped while another
-        raised before its update makes the step that skip. A note on ``err`` says which."""
+        gradients, half made or half unscaled, and its count) and each scheduler's position
+        taken as it is, so the next call starts a clean group. Then, by what the close had got
+        to (a note on ``err`` says which; docs/design.md section 2, "After a raise", says why):
+
+        - nothing stepped and nothing decided: the step is not counted (the sync-free step's
+          device count of updates put back);
+        - an update stands (some optimizer stepped; one whose update ran before its own step
+          post-hook raised counts, :func:`_mark_finished`): counted where it stepped;
+        - a skip was decided (a skip hook raised, or one optimizer skipped while another
+          raised before its update): counted as a skip;
+        - and when the user's code raised after the update or the skip stood (``_owed``, not
+          yet settled): settled as a step that ran, ``scaler.update()`` (a partial skip's
+          backoff kept) and the stepped optimizers' schedulers (as ``scheduler_on_skip`` says).
+        """
         stepped, self._stepped = self._stepped, None
         owed, self._owed = self._owed, None
         names, skipped, settled = owed if owed is not None else ((), (), False)
