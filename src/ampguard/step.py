@@ -246,6 +246,10 @@ def _check_left_out(root: nn.Module, holder: dict[int, str], frozen: str) -> Non
             "or pass frozen='ignore'")
 
 
+_RENAMED = {"_frozen": "_unheld_trainable", "_unowned": "_unheld_frozen", "_held": "_held_count"}
+"""A Guard's attributes an earlier ampguard named otherwise (:meth:`Guard.__setstate__`)."""
+
+
 class _Read(NamedTuple):
     """What the step's one host read brought (:meth:`Guard._read_back`): the group's loss and
     pre-clip norm, what carries the post-clip norm (:meth:`Guard._post_clip`), whether the loss
@@ -568,6 +572,9 @@ class Guard:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy watches its own optimizers for a stray ``optimizer.step()`` as the original does."""
         epochs = state.pop("_scheduler_epochs")
+        for old, new in _RENAMED.items():  # (a guard pickled by an ampguard before the names changed)
+            if old in state:
+                state[new] = state.pop(old)
         self.__dict__.update(state)
         self._scheduler_epochs = {id(s): e for s, e in zip(self._every_scheduler(), epochs) if e is not None}
         # (a deep copy's optimizers are new; a shallow copy shares the original's, which stay its)
@@ -1073,8 +1080,8 @@ class Guard:
             self._updates += 1
         for hook in self.skip_hooks if skipped else ():  # they see the skipped step's gradients
             hook(grads)
-        # (update() itself raising, a device error: nothing settles the step again, and _dropped
-        # finds it unsettled: the step, a decided skip too, is taken back as not run)
+        # (update() itself raising, a device error: nothing settles the step again; an update
+        # that stood stays counted, its schedulers not stepped, and a decided skip is taken back)
         self._owed = None
         self.scaler.update()
         self._owed = (names, skipped, True)  # (settled: a scheduler raising leaves a step that ran)

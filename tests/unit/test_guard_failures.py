@@ -536,6 +536,21 @@ def test_a_guard_never_used_leaves_no_probe_and_its_model_still_pickles():
     assert not model._forward_pre_hooks
 
 
+def test_a_guard_pickled_before_its_attributes_were_renamed_still_steps():
+    import pickle
+
+    model, guard = _guard("bf16", frozen="ignore")
+    model[2].weight.requires_grad_(False)  # (frozen after the guard read it: watched as unheld-frozen)
+    _train(model, guard)
+    state = guard.__getstate__()
+    for new, old in (("_unheld_trainable", "_frozen"), ("_unheld_frozen", "_unowned"), ("_held_count", "_held")):
+        state[old] = state.pop(new)  # (as an earlier ampguard pickled it)
+    old = Guard.__new__(Guard)
+    old.__setstate__(pickle.loads(pickle.dumps(state)))
+    records = _train(old.model, old, batches=2)
+    assert [r.step for r in records] == [2, 3] and old.steps == 3 and not hasattr(old, "_held")
+
+
 def test_a_model_pickled_with_the_probe_where_it_lived_before_still_loads():
     import pickle
 
