@@ -141,28 +141,31 @@ def _scheduler_steps(records, lr=0.5, gamma=0.9):
     return [round(math.log(r.lr / lr) / math.log(gamma)) for r in records]
 
 
-@pytest.mark.parametrize("frequency, nan_at, per_epoch", [(2, 3, 57), (2, 4, 57), (3, 4, 57), (3, 6, 57),
-                                                        (2, None, 57), (2, 2, 3), (2, None, 3)])
-def test_a_held_scheduler_with_a_frequency_steps_after_every_f_applied_steps(frequency, nan_at, per_epoch):
-    """``frequency: f`` under hold: the schedule steps right after each f-th applied step of the
-    epoch (Lightning's count starts again with each), a skipped one not counted wherever it
-    falls (Lightning asks only on its own multiples of f: a skip between them held nothing, one
-    on them a whole f steps' worth); without a skip, as Lightning steps it. The config's
-    frequency is the user's again after the fit."""
-    data = loader(n=32 * per_epoch)
+@pytest.mark.parametrize("frequency, nan_at, per_epoch, accumulate", [
+    (2, 3, 57, 1), (2, 4, 57, 1), (3, 4, 57, 1), (3, 6, 57, 1), (2, None, 57, 1), (2, 2, 3, 1), (2, None, 3, 1),
+    (3, 2, 28, 2), (3, None, 28, 2)])
+def test_a_held_scheduler_with_a_frequency_steps_after_every_f_applied_batches(frequency, nan_at, per_epoch,
+                                                                                 accumulate):
+    """``frequency: f`` under hold: the schedule steps right after each f-th applied batch of the
+    epoch (Lightning counts batches, ``accumulate`` a step, and starts again with each epoch),
+    a skipped step's batches not counted wherever it falls (Lightning asks only on its own
+    multiples of f: a skip between them held nothing, one on them a whole f batches' worth);
+    without a skip, as Lightning steps it. The config's frequency is the user's again after."""
+    data = loader(n=32 * per_epoch * accumulate)
     plugin = AmpGuardPlugin("bf16-mixed", scheduler_on_skip="hold")
-    trainer = fit(EveryF(frequency, faults=[f"nan_loss@{nan_at}"] if nan_at else []), plugin, steps=9, data=data)
+    trainer = fit(EveryF(frequency, faults=[f"nan_loss@{nan_at}"] if nan_at else []), plugin, steps=9, data=data,
+                  accumulate_grad_batches=accumulate)
     expected, stepped, applied = [], 0, 0
     for k in range(1, 10):
         expected.append(stepped)
-        applied = (0 if (k - 1) % per_epoch == 0 else applied) + (k != nan_at)  # (this epoch's)
+        applied = (0 if (k - 1) % per_epoch == 0 else applied) + accumulate * (k != nan_at)  # (this epoch's)
         stepped += k != nan_at and applied % frequency == 0
     assert _scheduler_steps(plugin.records) == expected
     assert [r.skipped for r in plugin.records] == [k == nan_at for k in range(1, 10)]
     assert trainer.lr_scheduler_configs[0].frequency == frequency
     if nan_at is None:  # the plugin's "step" mode steps as Lightning does: the same LRs
         lightning = AmpGuardPlugin("bf16-mixed", scheduler_on_skip="step")
-        fit(EveryF(frequency), lightning, steps=9, data=data)
+        fit(EveryF(frequency), lightning, steps=9, data=data, accumulate_grad_batches=accumulate)
         assert [r.lr for r in lightning.records] == [r.lr for r in plugin.records]
 
 
@@ -178,6 +181,37 @@ def test_a_resumed_fit_keeps_counting_the_skipped_batches_for_the_frequency(tmp_
     fit(EveryF(2), resumed, steps=8, ckpt_path=tmp_path / "at4.ckpt")
     assert _scheduler_steps([*first.records, *resumed.records]) == _scheduler_steps(through.records) == [
         0, 0, 1, 1, 1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("saved_by", ["an older plugin", "no plugin"])
+def test_a_resume_from_a_checkpoint_without_the_count_counts_the_epochs_earlier_batches_as_applied(tmp_path,
+                                                                                                    saved_by):
+    """A checkpoint with no ``held_batches`` (an older plugin's, or one saved without the plugin,
+    whose scale starts again: a skip in the first resumed step is likely): the batches the epoch
+    ran before it count as applied, not as the first resumed step's own (that step skipped made
+    the schedule late for the rest of the epoch); a save before the resumed fit's first backward
+    keeps the count it loaded."""
+    through = AmpGuardPlugin("bf16-mixed")
+    fit(EveryF(3, faults=["nan_loss@5"]), through, steps=10)
+    before = (AmpGuardPlugin("bf16-mixed") if saved_by == "an older plugin" else
+              MixedPrecision("bf16-mixed", "cpu"))
+    fit(EveryF(3), before, steps=4).save_checkpoint(tmp_path / "at4.ckpt")
+    if saved_by == "an older plugin":
+        saved = torch.load(tmp_path / "at4.ckpt", weights_only=False)
+        del saved["AmpGuardPlugin"]["held_batches"]
+        torch.save(saved, tmp_path / "at4.ckpt")
+    resumed = AmpGuardPlugin("bf16-mixed")
+    trainer = fit(EveryF(3, faults=["nan_loss@5"]), resumed, steps=10, ckpt_path=tmp_path / "at4.ckpt")
+    assert _scheduler_steps(resumed.records) == _scheduler_steps(through.records)[4:] == [1, 1, 1, 2, 2, 2]
+    assert resumed.records[0].skipped
+    trainer.save_checkpoint(tmp_path / "at10.ckpt")
+
+    class SaveAtStart(L.Callback):  # (before the resumed fit's first backward: the plugin has no guard yet)
+        def on_train_start(self, trainer, module):
+            trainer.save_checkpoint(tmp_path / "at-start.ckpt")
+
+    fit(EveryF(3), AmpGuardPlugin("bf16-mixed"), steps=11, ckpt_path=tmp_path / "at10.ckpt", callbacks=[SaveAtStart()])
+    assert torch.load(tmp_path / "at-start.ckpt", weights_only=False)["AmpGuardPlugin"]["held_batches"] == [10, 1]
 
 
 @pytest.mark.parametrize("accumulate", [1, 2, 3])

@@ -184,3 +184,17 @@ def test_the_sinks_serve_one_fit_and_a_second_fit_is_refused_before_it_trains(tm
     plugin.extra_sinks = [JsonlSink(second)]
     fit(plugin, 2, module)
     assert len(second.read_text().splitlines()) == 2
+
+
+def test_a_crashed_fit_raises_its_own_error_when_a_sink_fails_to_close(tmp_path):
+    class CloseFails(MLflowSink):
+        def close(self):
+            super().close()
+            raise OSError("the sink cannot close")
+
+    sink = CloseFails(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="pl")
+    with pytest.raises(RuntimeError, match="boom") as raised:
+        fit(AmpGuardPlugin("bf16-mixed", sinks=[sink], log=False), 10, Tiny(raise_at=(3, RuntimeError("boom"))))
+    assert raised.value.__notes__ == ["ampguard: closing the plugin's sinks raised too: OSError('the sink cannot close')"]
+    run = sink.client.get_run(sink.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["ampguard.exit_code"] == "1"

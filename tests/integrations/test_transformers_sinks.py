@@ -37,12 +37,13 @@ class NanLossAt(GuardedTrainer):
         return loss * float("nan") if self.state.global_step + 1 in self.nan_at else loss
 
 
-def _trainer(tmp_path, callback, steps, nan_at=(), trainer_class=NanLossAt):
+def _trainer(tmp_path, callback, steps, nan_at=(), trainer_class=NanLossAt, **settings):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
     ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
-    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=steps, use_cpu=True,
-                             report_to=[], save_strategy="no", bf16=True, disable_tqdm=True)
+    args = TrainingArguments(str(tmp_path / "out"), **{**dict(
+        per_device_train_batch_size=4, max_steps=steps, use_cpu=True, report_to=[], save_strategy="no", bf16=True,
+        disable_tqdm=True), **settings})
     trainer = trainer_class(model=model, args=args, train_dataset=ids, callbacks=[callback])
     trainer.nan_at = set(nan_at)
     return trainer
@@ -117,3 +118,96 @@ def test_a_stock_trainer_sends_what_the_callback_watches(tmp_path):
     assert _history(sink, "train/skipped") == {1: 0.0, 2: 0.0, 3: 0.0}
     assert sorted(_history(sink, "train/grad_l2_post_clip")) == [1, 2, 3]
     assert sink.client.get_run(sink.run_id).info.status == "FINISHED"
+
+
+class CrashAt3(GuardedTrainer):
+    def compute_loss(self, model, inputs, **kwargs):
+        if self.state.global_step + 1 == 3:
+            raise self.error
+        return super().compute_loss(model, inputs, **kwargs)
+
+
+class StockCrashAt3(Trainer):
+    def compute_loss(self, model, inputs, **kwargs):
+        if self.state.global_step + 1 == 3 and self.crash:
+            raise RuntimeError("boom")
+        return super().compute_loss(model, inputs, **kwargs)
+
+
+class UploadFails(MLflowSink):
+    def _upload(self, files):
+        raise OSError("the artifact store is unreachable")
+
+
+class CloseFails(MLflowSink):
+    def close(self):
+        super().close()
+        raise OSError("the sink cannot close")
+
+
+@pytest.mark.parametrize("error, code", [(RuntimeError("boom"), "1"), (KeyboardInterrupt(), "130")])
+def test_a_crash_stays_trains_own_error_when_a_sink_fails_to_close(tmp_path, error, code):
+    sink = CloseFails(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="hf")
+    trainer = _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=5,
+                       trainer_class=CrashAt3)
+    trainer.error = error
+    with pytest.raises(type(error)) as raised:
+        trainer.train()
+    assert raised.value is error  # (not the sink's OSError: a Ctrl-C still exits 130)
+    assert raised.value.__notes__ == ["ampguard: ending the callback's files or sinks raised too: "
+                                      "OSError('the sink cannot close')"]
+    assert sink.client.get_run(sink.run_id).data.tags["ampguard.exit_code"] == code
+
+
+def test_a_failed_upload_still_ends_the_tracker_run_with_the_outcome(tmp_path):
+    sink = UploadFails(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="hf")
+    with pytest.raises(OSError, match="the artifact store is unreachable"):
+        _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=2).train()
+    run = sink.client.get_run(sink.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["ampguard.exit_code"] == "0"  # (ended, not RUNNING)
+    assert sorted(_history(sink, "train/skipped")) == [1, 2]
+
+
+def test_a_resume_refused_its_closed_sinks_leaves_no_resume_behind_for_the_next_train(tmp_path):
+    callback = AmpGuardCallback(sinks=[_sink(tmp_path)], print_fn=lambda line: None)
+    _trainer(tmp_path, callback, steps=4, save_strategy="steps", save_steps=2).train()
+    csv = tmp_path / "out" / "ampguard" / "steps.csv"
+    with pytest.raises(ValueError, match="were closed when the previous train"):
+        _trainer(tmp_path, callback, steps=4).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    callback.sinks = [_sink(tmp_path)]
+    with pytest.raises(Exception, match="already exists"):  # a fresh run: refused, as any fresh run on that CSV
+        _trainer(tmp_path, callback, steps=4).train()
+    assert [r["step"] for r in read_rows(csv)] == ["1", "2", "3", "4"]  # (the refused resume cut nothing)
+
+
+def test_a_stock_trainers_crash_ends_its_sinks_failed_at_the_next_train(tmp_path):
+    old = _sink(tmp_path)
+    callback = AmpGuardCallback(tmp_path / "guard", sinks=[old], print_fn=lambda line: None)
+    trainer = _trainer(tmp_path, callback, steps=4, trainer_class=StockCrashAt3)
+    trainer.crash = True
+    with pytest.warns(UserWarning, match="watch"), pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    assert old.client.get_run(old.run_id).info.status == "RUNNING"  # (a callback is not told of the error)
+    new = _sink(tmp_path)
+    callback.sinks = [new]
+    (tmp_path / "guard" / "steps.csv").unlink()  # (a fresh run refuses the old CSV)
+    trainer.crash = False
+    with pytest.warns(UserWarning, match="watch"):
+        trainer.train()
+    run = old.client.get_run(old.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["ampguard.exit_code"] == "1"
+    assert run.data.tags["ampguard.ended"] == "ended after step 2 by an error the callback was not told of (train() raised)"
+    assert sorted(_history(old, "train/skipped")) == [1, 2]  # (nothing of the next train() in the old run)
+    assert sorted(_history(new, "train/skipped")) == [1, 2, 3, 4]
+
+
+def test_a_process_other_than_0_writes_no_row_and_ends_no_sink(tmp_path):
+    class NotZero(NanLossAt):
+        def is_world_process_zero(self):
+            return False
+
+    sink = _sink(tmp_path)
+    _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=2, trainer_class=NotZero).train()
+    assert _history(sink, "train/skipped") == {}
+    assert sink.client.get_run(sink.run_id).info.status == "RUNNING"  # (its own process's to end: build it on 0)
+    sink.close()

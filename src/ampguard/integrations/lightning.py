@@ -216,8 +216,9 @@ class AmpGuardPlugin(_LightningPrecision):
         self._resumed_at: int | None = None  # the step a resumed fit goes on from (the CSV keeps rows to it)
         self._hold = False  # the last optimizer step was skipped: hold the step-interval schedulers
         # (batches seen, batches of skipped steps) in this epoch: a scheduler stepped every
-        # `frequency` batches counts the applied ones (the state saved with the guard's)
-        self._held_batches = (0, 0)
+        # `frequency` batches counts the applied ones (the state saved with the guard's); None
+        # until the fit's first step if a resumed checkpoint did not carry it (see _setup)
+        self._held_batches: tuple[int, int] | None = (0, 0)
         self._frequencies: list[tuple[Any, int]] = []  # (config, its frequency) set to 1 for the fit
         self._hooked: pl.LightningModule | None = None
         self._fitting: pl.Trainer | None = None  # the fit under way (past connect's checks): teardown ends it
@@ -260,7 +261,7 @@ class AmpGuardPlugin(_LightningPrecision):
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
             self.guard, self.monitor, self.stop_reason = None, None, None
             self.records.clear()
-            self._loaded, self._hold, self._resumed_at, self._held_batches = None, False, None, (0, 0)
+            self._loaded, self._hold, self._resumed_at, self._held_batches = None, False, None, None
             if trainer.gradient_clip_val:
                 raise ValueError(f"AmpGuardPlugin clips to max_norm after its non-finite check: drop the Trainer's "
                                  f"gradient_clip_val={trainer.gradient_clip_val} (use max_norm="
@@ -354,6 +355,9 @@ class AmpGuardPlugin(_LightningPrecision):
         elif trainer.global_step:  # a second fit of the same Trainer: its records' steps go on as Lightning's do
             guard.steps = trainer.global_step
         self.guard, self.monitor = guard, monitor
+        if self._held_batches is None:  # (a fresh fit, or a checkpoint without it: an older plugin's, or
+            # none): the epoch's batches before this first backward's were all applied, as far as is known
+            self._held_batches = (trainer.fit_loop.epoch_loop.batch_idx, 0)
         self._hook_schedulers(module)
         return guard
 
@@ -396,7 +400,7 @@ class AmpGuardPlugin(_LightningPrecision):
             if id(scheduler) in step_interval:
                 if self._hold:
                     return  # the optimizer step was skipped: the schedule holds
-                if (loop.batch_idx + 1 - self._held_batches[1]) % every.get(id(scheduler), 1):
+                if (loop.batch_idx + 1 - (self._held_batches or (0, 0))[1]) % every.get(id(scheduler), 1):
                     return  # not yet the f-th applied batch
             return user_hook(scheduler, metric)
 
@@ -409,7 +413,7 @@ class AmpGuardPlugin(_LightningPrecision):
         with each epoch (``batch_idx``; a fit resumed after ``max_steps`` goes on with the
         epoch's count though its ``current_epoch`` moved on): a count that did not grow is a
         new epoch's."""
-        seen, held = self._held_batches
+        seen, held = self._held_batches or (0, 0)  # (set by _setup before any step closes)
         now = trainer.fit_loop.epoch_loop.batch_idx + 1
         if now <= seen:
             seen, held = 0, 0
@@ -439,9 +443,16 @@ class AmpGuardPlugin(_LightningPrecision):
         self._sinks = None
         if trainer is not None:
             self._closed += self.extra_sinks  # on every rank: a later fit is refused on every rank alike
+        # a fit that raised: Lightning calls this inside its except, its error in flight (the one it raises)
+        failed = sys.exc_info()[1] if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED \
+            else None
         try:
             if sinks:
                 self._close_sinks(sinks, trainer)
+        except Exception as later:
+            if failed is None:
+                raise
+            failed.add_note(f"ampguard: closing the plugin's sinks raised too: {later!r}")  # (the fit's error stays)
         finally:
             super().teardown()
 
@@ -550,8 +561,8 @@ class AmpGuardPlugin(_LightningPrecision):
             # pending branch below), as Lightning's bf16 does; its 16-mixed skips that step
             self._after_closure(model, optimizer)
             self._hold = False
-            self._count_held(model.trainer, skipped=False)
             (guard or self._setup(model)).steps += 1
+            self._count_held(model.trainer, skipped=False)
             return closure_result
         if guard is None or not guard.pending:
             if not model.automatic_optimization:
@@ -647,14 +658,14 @@ class AmpGuardPlugin(_LightningPrecision):
 
     def state_dict(self) -> dict[str, Any]:
         """The guard's state (scaler, step and update counters, the monitor), once it exists."""
-        if self.guard is None:
-            return self._loaded or {}
+        held = {"held_batches": list(self._held_batches)} if self._held_batches is not None else {}
+        if self.guard is None:  # (a resumed fit saving before its first backward: what it loaded)
+            return {**self._loaded, **held} if self._loaded else {}
         guard = self.guard
         # Lightning may save inside an accumulation group (validation or a callback between micro-
         # batches): the state at the last boundary is the one to save, with the Trainer's
         # accumulation setting, not the open group's (a GradientAccumulationScheduler's)
-        return {**guard.state_dict(mid_group=True), "accumulation_steps": self._accumulation,
-                "held_batches": list(self._held_batches)}
+        return {**guard.state_dict(mid_group=True), "accumulation_steps": self._accumulation, **held}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restored when Lightning resumes (``ckpt_path``); the CSV then appends after its step.
@@ -664,8 +675,8 @@ class AmpGuardPlugin(_LightningPrecision):
         if not state_dict or self._fitting is None:
             return
         self._loaded = dict(state_dict)
-        held = self._loaded.pop("held_batches", None)  # (a checkpoint of an older plugin has none)
-        self._held_batches = tuple(held) if held is not None else (0, 0)
+        held = self._loaded.pop("held_batches", None)  # (a checkpoint of an older plugin has none: _setup)
+        self._held_batches = (int(held[0]), int(held[1])) if held is not None else None
         if self.guard is not None:
             self.guard.load_state_dict(self._loaded)
 

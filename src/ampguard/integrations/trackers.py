@@ -65,7 +65,7 @@ RESUMED_FROM_TAG, RESUMED_AT_TAG = "ampguard.resumed_from", "ampguard.resumed_at
 SUPERSEDED_BY_TAG = "ampguard.superseded_by"
 """The MLflow tags of a fork (:meth:`MLflowSink._fork`): on the new run, the old run's id and the
 step its history was copied through; on the old run, the new run's id."""
-ARTIFACTS: tuple[str, ...] = ("RUN.md", "report.png", "events.jsonl", "steps.csv", "config.yaml")
+ARTIFACTS: tuple[str, ...] = ("RUN.md", "report.png", "events.jsonl", "steps.csv", "config.yaml", "summary.json")
 """What :meth:`TrackerSink.finish` uploads from the run folder, those that exist."""
 
 
@@ -193,16 +193,20 @@ class TrackerSink:
             self._end(0)
 
     def finish(self, result: RunResult) -> None:
-        """Totals to the summary, the run folder's :data:`ARTIFACTS` uploaded, the tracker run ended."""
-        self._flush()
-        if self._ended:
-            return
-        self._summary(run_totals(result))
-        folder = result.paths.dir
-        files = [folder / name for name in ARTIFACTS if folder is not None and (folder / name).is_file()]
-        if files:
-            self._upload(files)
-        self._end(int(result.exit_code))
+        """Totals to the summary, the run folder's :data:`ARTIFACTS` uploaded (and a Hugging
+        Face retry's ``steps.attempt-N.csv``), the tracker run ended with the exit code: ended
+        even when the totals or the upload fail (a tracker's store down), the error raised after."""
+        try:
+            self._flush()
+            if not self._ended:
+                self._summary(run_totals(result))
+                folder = result.paths.dir
+                files = [] if folder is None else [folder / name for name in ARTIFACTS if (folder / name).is_file()]
+                files += sorted(folder.glob("steps.attempt-*.csv")) if folder is not None else []
+                if files:
+                    self._upload(files)
+        finally:
+            self._end(int(result.exit_code))
 
     def _flush(self) -> None:
         if self._pending is not None and not self._ended:
@@ -213,10 +217,12 @@ class TrackerSink:
     def _end(self, exit_code: int) -> None:
         """Send the row still held, then end the tracker run (once)."""
         if not self._ended:
-            self._flush()
-            self._ended = True
-            atexit.unregister(self._at_exit)
-            self._stop(exit_code)
+            try:
+                self._flush()
+            finally:  # (a row that cannot go out does not keep the run open)
+                self._ended = True
+                atexit.unregister(self._at_exit)
+                self._stop(exit_code)
 
     def _at_exit(self) -> None:
         """Registered with ``atexit`` once the run is open, for a loop that never called ``close()``:
@@ -783,9 +789,11 @@ def end_sinks(sinks: Sequence[Any], outcome: Outcome) -> None:
     errors: list[Exception] = []
     for sink in sinks:
         try:
-            if hasattr(sink, "finish"):  # a tracker sink: totals to its run, which ends with the code
-                sink.finish(outcome)
-            sink.close()
+            try:
+                if hasattr(sink, "finish"):  # a tracker sink: totals to its run, which ends with the code
+                    sink.finish(outcome)
+            finally:
+                sink.close()  # (closed even when its finish failed)
         except Exception as err:  # noqa: BLE001 - raised below, once the others are closed
             errors.append(err)
     if errors:

@@ -176,6 +176,7 @@ class AmpGuardCallback(TrainerCallback):
         self._ended = False  # run_end and summary.json written
         self._batch: int | None = None  # the train batch size of this train()'s last attempt (auto_find_batch_size)
         self._attempts = 0  # the attempts auto_find_batch_size began again (their rows: steps.attempt-N.csv)
+        self._serving: list[Sink] = []  # the sinks this train() writes (process 0), which its end ends
 
     @property
     def exit_code(self) -> int:
@@ -218,11 +219,24 @@ class AmpGuardCallback(TrainerCallback):
             self.ended = self.ended or f"interrupted after step {self.monitor.steps}"
         else:
             self.ended = self.ended or f"crashed after step {self.monitor.steps}: {first_line(error, with_type=True)}"
-        self._finish()
+        try:
+            self._finish()
+        except Exception as later:  # noqa: BLE001 - train() raises its own error; this is a note on it
+            error.add_note(f"ampguard: ending the callback's files or sinks raised too: {later!r}")
 
     # ---------------------------------------------------------------- Trainer events
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        resume, self._resume = self._resume, None  # (taken first: a refusal below leaves none to a later train())
+        # HF's auto_find_batch_size begins the loop again, with a smaller batch, after an out-of-memory:
+        # the files this train() opened are still open (no run_end); they go on from the new attempt's
+        # first step (a fresh run refused its own CSV as "already exists"), the attempt before's rows
+        # after it kept aside (HF keeps its weights and optimizer state: those updates are in them)
+        still_open = self._csv is not None or self._events is not None  # (no run_end: the last attempt's)
+        retry = still_open and bool(getattr(args, "auto_find_batch_size", False)) and (
+            (state.train_batch_size or 0) < (self._batch or 0) or resume is not None)
+        if self.monitor is not None and not self._ended and not retry:
+            self._end_unseen()
         closed = [s for s in self.sinks if any(s is c for c in self._closed)]
         if closed:  # before anything is trained: the first step would fail on them
             raise ValueError(f"AmpGuardCallback: sinks={[type(s).__name__ for s in closed]} were closed when the "
@@ -242,15 +256,8 @@ class AmpGuardCallback(TrainerCallback):
             max_norm=args.max_grad_norm, scaler_enabled=self._scaler is not None,
             init_scale=(self._scaler or {}).get("init_scale"), min_scale=(self._scaler or {}).get("min_scale", 1.0),
             min_steps=self.min_steps)
-        resume, self._resume = self._resume, None
-        # HF's auto_find_batch_size begins the loop again, with a smaller batch, after an out-of-memory:
-        # the files this train() opened are still open (no run_end); they go on from the new attempt's
-        # first step (a fresh run refused its own CSV as "already exists"), the attempt before's rows
-        # after it kept aside (HF keeps its weights and optimizer state: those updates are in them)
-        still_open = self._csv is not None or self._events is not None  # (no run_end: the last attempt's)
-        retry = still_open and bool(getattr(args, "auto_find_batch_size", False)) and (
-            (state.train_batch_size or 0) < (self._batch or 0) or resume is not None)
         self._batch = state.train_batch_size
+        self._serving = list(self.sinks) if state.is_world_process_zero else []
         if resume is not None and resume[1] is not None:  # before any file changes: a state that does not fit is refused
             try:
                 monitor.load_state_dict(resume[1])
@@ -330,7 +337,7 @@ class AmpGuardCallback(TrainerCallback):
         self._pending = None
         if record is None or self.monitor is None:
             return
-        sinks = self.sinks if state.is_world_process_zero else []
+        sinks = self._serving
         for sink in [self._csv, *sinks] if self._csv is not None else sinks:
             sink.write(record)
         events = self.monitor.observe(record)
@@ -381,11 +388,31 @@ class AmpGuardCallback(TrainerCallback):
             }
             (self.out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
             (self.out_dir / CARD_NAME).write_text(run_card(summary), encoding="utf-8")
-        if self.sinks:
+        sinks, self._serving = self._serving, []
+        if sinks:
             from .trackers import Outcome, end_sinks
 
-            self._closed += self.sinks
-            end_sinks(self.sinks, Outcome(self.monitor, self.exit_code, self.ended, self.out_dir if wrote else None))
+            self._closed += sinks
+            end_sinks(sinks, Outcome(self.monitor, self.exit_code, self.ended, self.out_dir if wrote else None))
+
+    def _end_unseen(self) -> None:
+        """The previous ``train()`` ended with neither ``on_train_end`` nor :meth:`crashed` (a
+        stock Trainer's ``train()`` raised: a callback is not told): its sinks end now, FAILED with
+        exit code 1 (they had stayed open, and this ``train()`` would have logged on into their
+        runs); its files are closed below, without ``run_end`` or a summary (what ended it is not
+        known here). A failure to end them is a warning: this ``train()`` goes on."""
+        self._ended = True
+        sinks, self._serving = self._serving, []
+        if sinks:
+            from .trackers import Outcome, end_sinks
+
+            self._closed += sinks
+            assert self.monitor is not None
+            try:
+                end_sinks(sinks, Outcome(self.monitor, 1, f"ended after step {self.monitor.steps} by an error "
+                                              "the callback was not told of (train() raised)"))
+            except Exception as err:  # noqa: BLE001 - the new train() is not stopped by the old one's sinks
+                warnings.warn(f"AmpGuardCallback: ending the previous train()'s sinks raised: {err!r}", stacklevel=2)
 
     def _emit(self, event: dict[str, Any], word: str | None) -> None:
         if self._events is not None:
