@@ -17,12 +17,14 @@ running one with SIGTERM and reports the processes that finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,10 +101,10 @@ def across(children: Sequence[dict[str, Any]]) -> list[Across]:
 
 
 def _pct(x: float | None) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"±{100 * x:.3g}%"
+    return "n/a" if x is None or math.isnan(x) else f"±{100 * x:.2f}%"
 
 
-def table(rows: Sequence[Across]) -> str:
+def table(rows: Sequence[Across], quick: bool = False) -> str:
     """The rows as a Markdown table: the median ratio, its interval across processes, each
     process's ratio, and how narrow one process's own interval claimed to be.
 
@@ -111,12 +113,13 @@ def table(rows: Sequence[Across]) -> str:
         >>> print(table([Across("m", "bf16", "g", [1.1, 1.09], [0.005, None], 1.095)]))  # doctest: +NORMALIZE_WHITESPACE
         | workload | precision | contender | ratio to bare (median of processes) | 95% interval across processes | each process | one process's own interval (median) |
         |---|---|---|---|---|---|---|
-        | m | bf16 | g | 1.095 | n/a (2 processes; 6 needed) | 1.1 1.09 | ±0.5% |
+        | m | bf16 | g | 1.095 | n/a (2 processes; 6 needed) | 1.1 1.09 | ±0.50% |
     """
     lines = ["| workload | precision | contender | ratio to bare (median of processes) | 95% interval across processes "
              "| each process | one process's own interval (median) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         interval = (f"[{r.low:.3f}, {r.high:.3f}] ({_pct(r.half_width)})" if not math.isnan(r.low) else
+                    "n/a (--quick: a smoke test)" if quick else
                     f"n/a ({counted(len(r.ratios), 'process', 'processes')}; {MIN_PROCESSES_FOR_INTERVAL} needed)")
         each = " ".join(f"{x:.4g}" for x in r.ratios)
         lines.append(f"| {r.workload} | {r.precision} | {r.contender} | {r.ratio:.3f} | {interval} | {each} | "
@@ -130,7 +133,7 @@ def resolution(rows: Sequence[Across], resolve: float | None) -> list[str]:
     Example::
 
         >>> resolution([Across("m", "bf16", "g", [1.1] * 6, [0.005] * 6, 1.1, 1.09, 1.12)], 0.01)
-        ['across processes: the widest interval reaches ±1.82% (g, m bf16), not within ±1% asked: more processes narrow it']
+        ['across processes: the widest interval reaches ±1.82% (g, m bf16), not within ±1% asked (up to 8 processes the interval is their least and most; from 9 on, more processes narrow it)']
         >>> resolution([Across("m", "bf16", "g", [1.1] * 2, [None] * 2, 1.1)], 0.01)
         ['across processes: no interval below 6 processes (2 ran): --processes 6 or more for one']
     """
@@ -147,7 +150,8 @@ def resolution(rows: Sequence[Across], resolve: float | None) -> list[str]:
         return [said]
     if widest.half_width <= resolve:
         return [f"{said}: resolved to ±{100 * resolve:g}%"]
-    return [f"{said}, not within ±{100 * resolve:g}% asked: more processes narrow it"]
+    return [f"{said}, not within ±{100 * resolve:g}% asked (up to 8 processes the interval is their least and "
+            "most; from 9 on, more processes narrow it)"]
 
 
 def to_json(children: Sequence[dict[str, Any]], rows: Sequence[Across], resolve: float | None, n: int,
@@ -194,18 +198,74 @@ def child_args(*, device: str, models: str, precisions: str, steps: int, rounds:
             *(["--threads", str(threads)] if threads is not None else []), *(["--no-aa"] if not aa else [])]
 
 
-def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json: bool,
-               launch: Callable[[list[str]], subprocess.Popen] | None = None) -> int:
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """In a child process before it runs: SIGTERM when this process dies (Linux's
+    ``PR_SET_PDEATHSIG``), so a parent killed outright (SIGKILL, the OOM killer, a closed
+    terminal's SIGHUP) leaves no bench running on in its own session."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # (1: PR_SET_PDEATHSIG)
+
+
+def _launch(argv: list[str]) -> subprocess.Popen:
+    """One process of the bench: its stdout (the JSON) read here, its stderr (the progress
+    lines) the terminal's, in a session of its own (the terminal's Ctrl-C reaches this process
+    only, which ends it), ended when this process dies."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM stop the run: the first raises ``KeyboardInterrupt`` (the list it
+    yields holds it), later ones are ignored while the running process is ended and the rows
+    of those that finished are printed (a second Ctrl-C had lost them all). Outside the main
+    thread, signals are left alone."""
+    came: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not came:
+            came.append(signum)
+            raise KeyboardInterrupt
+
+    try:
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:
+        yield came
+        return
+    try:
+        yield came
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _exit_of(returncode: int) -> tuple[int, str]:
+    """A child's exit status as this process's, and in words: a signal's death (``-9``) is
+    ``128 + 9``, killed by SIGKILL (the OOM killer, say).
+
+    Example::
+
+        >>> _exit_of(-9), _exit_of(1)
+        ((137, 'was killed by SIGKILL'), (1, 'exited 1'))
+    """
+    if returncode < 0:
+        return 128 - returncode, f"was killed by {signal.Signals(-returncode).name}"
+    return returncode, f"exited {returncode}"
+
+
+def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json: bool, quick: bool = False,
+               launch: Callable[[list[str]], subprocess.Popen] = _launch) -> int:
     """Run ``ampguard bench *child_args --json`` ``n`` times, one after another, then print the
     rows across them (a table, or JSON with ``as_json``). Returns 0; 130 or 143 when Ctrl-C or
     a SIGTERM stopped it (the processes that finished are reported; the running one is ended
-    with SIGTERM and left out); a process that fails ends it with its exit code, after the
-    rows of those before it. Progress goes to stderr (each process's own lines, as they come)."""
-    from .bench import _interrupted_by_sigterm
+    with SIGTERM, then SIGKILL after a minute, and left out); a process that fails (or prints
+    no JSON) ends it with its exit code (1 for no JSON; 128 + the signal for one killed by a
+    signal), after the rows of those before it. Progress goes to stderr (each process's own
+    lines, as they come). ``quick``: said to be a smoke test, and no interval is given."""
     from .errors import ExitCode
 
-    start = launch or (lambda argv: subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                                     start_new_session=True))
     argv = [sys.executable, "-m", "ampguard", "bench", *child_args, "--json"]
     children: list[dict[str, Any]] = []
     code, stopped = 0, None
@@ -213,32 +273,49 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
     print(f"ampguard bench across {counted(n, 'process', 'processes')}, one after another (each: "
           f"{' '.join(child_args)}): each ratio is the median of the processes' own, its "
           f"{round(100 * CONFIDENCE)}% interval from their order statistics", file=say, flush=True)
-    with _interrupted_by_sigterm() as signalled:
-        for i in range(1, n + 1):
-            print(f"process {i} of {n}:", file=say, flush=True)
-            proc = start(argv)
-            try:
+    if quick:
+        print("--quick: a smoke test that the processes run, not a measurement (no interval)", file=say, flush=True)
+    proc: subprocess.Popen | None = None
+    with _stopped_by_signals() as came:
+        try:
+            for i in range(1, n + 1):
+                print(f"process {i} of {n}:", file=say, flush=True)
+                proc = launch(argv)
                 out, _ = proc.communicate()
-            except KeyboardInterrupt:
-                if proc.poll() is None:
-                    proc.terminate()  # (its own session: the terminal's Ctrl-C reached only this process)
-                proc.communicate()
-                code = int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
-                stopped = "interrupted"
-                print(f"bench: interrupted in process {i} of {n}; the {counted(len(children), 'process', 'processes')} "
-                      "before it follow", file=say, flush=True)
-                break
-            if proc.returncode != 0:
-                code, stopped = proc.returncode, f"process {i} exited {proc.returncode}"
-                print(f"bench: process {i} of {n} exited {proc.returncode} (its lines above); the "
-                      f"{counted(len(children), 'process', 'processes')} before it follow", file=say, flush=True)
-                break
-            children.append(json.loads(out))
-    rows = across(children)
-    if as_json:
-        print(to_json(children, rows, resolve, n, stopped), flush=True)
-    elif rows:
-        print("\n".join([table(rows), *resolution(rows, resolve)]), flush=True)
+                failed = None
+                if proc.returncode != 0:
+                    code, failed = _exit_of(proc.returncode)
+                else:
+                    try:
+                        children.append(json.loads(out))
+                    except ValueError:
+                        code, failed = 1, "printed no JSON"
+                proc = None
+                if failed is not None:
+                    stopped = f"process {i} {failed}"
+                    print(f"bench: process {i} of {n} {failed} (its lines above); the "
+                          f"{counted(len(children), 'process', 'processes')} before it follow", file=say, flush=True)
+                    break
+        except KeyboardInterrupt:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            code = int(ExitCode.TERMINATED if came == [signal.SIGTERM] else ExitCode.INTERRUPTED)
+            stopped = "interrupted"
+            print(f"bench: interrupted in process {len(children) + 1} of {n}; the "
+                  f"{counted(len(children), 'process', 'processes')} before it follow", file=say, flush=True)
+        rows = across(children)
+        if quick:
+            for row in rows:
+                row.low = row.high = math.nan
+        if as_json:
+            print(to_json(children, rows, resolve, n, stopped), flush=True)
+        elif rows:
+            print("\n".join([table(rows, quick), *([] if quick else resolution(rows, resolve))]), flush=True)
     return code
 
 
@@ -260,11 +337,14 @@ def run(*, processes: int, device: str, models: str, precisions: str, steps: int
     """
     from .bench import _check_args
     from .build import resolve_device
+    from .errors import InputError
 
     _check_args(resolve_device(device), models.split(","), precisions.split(","), peak_tflops=peak_tflops,
                 resolve_pct=resolve_pct, budget_s=budget_s, threads=threads)
+    if resolve_pct > 0 and not budget_s / processes > 0:  # (a share a float rounds to 0: each would refuse it)
+        raise InputError(f"bench: --budget {budget_s:g} shared by {processes} processes leaves none a second")
     child = child_args(device=device, models=models, precisions=precisions, steps=steps, rounds=rounds,
                        warmup=warmup, fused=fused, peers=peers, peak_tflops=peak_tflops, quick=quick,
                        resolve_pct=resolve_pct, budget_s=budget_s / processes, threads=threads, aa=aa)
     return run_across(processes, child, resolve=resolve_pct / 100 if resolve_pct > 0 and not quick else None,
-                      as_json=as_json)
+                      as_json=as_json, quick=quick)

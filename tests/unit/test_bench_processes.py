@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from ampguard import bench_processes as bp
 from ampguard.bench import Bare, BareAgain, median_interval
 from ampguard.cli import build_parser
@@ -82,7 +84,8 @@ def test_the_processes_run_one_after_another_and_the_table_pools_them(tmp_path, 
     assert err.count("process ") == 6 and "process 6 of 6:" in err
     row = out.splitlines()[2]
     assert row.startswith("| tiny-mlp | bf16 | ampguard + csv | 1.100 | [1.080, 1.120] (±1.82%) | 1.1 1.08 1.12 1.09 "), out
-    assert out.splitlines()[-1].endswith("not within ±1% asked: more processes narrow it")
+    assert out.splitlines()[-1].endswith("not within ±1% asked (up to 8 processes the interval is their least and "
+                                         "most; from 9 on, more processes narrow it)")
 
 
 def test_a_failing_process_ends_the_run_with_its_code_after_the_ones_before_it(tmp_path, capsys):
@@ -98,10 +101,16 @@ def test_a_failing_process_ends_the_run_with_its_code_after_the_ones_before_it(t
     assert "bench: process 2 of 4 exited 2 (its lines above); the 1 process before it follow" in err
 
 
-def test_a_sigterm_ends_the_running_process_and_reports_those_that_finished(tmp_path, capsys):
+@pytest.mark.parametrize("signals, code", [([signal.SIGTERM], 143), ([signal.SIGINT], 130),
+                                           ([signal.SIGTERM, signal.SIGINT], 143)])
+def test_a_signal_ends_the_running_process_and_reports_those_that_finished(tmp_path, capsys, signals, code):
+    """SIGTERM (``timeout``) or Ctrl-C: the running process is ended, the rows of those before it
+    printed; a second signal while it ends is ignored (it had lost every row)."""
     ok = _script(tmp_path, "ok.py", f"import json; print(json.dumps({_child({'ampguard + csv': 1.1})!r}))")
     marker = tmp_path / "started"
-    slow = _script(tmp_path, "slow.py", f"import pathlib, time; pathlib.Path({str(marker)!r}).touch(); time.sleep(60)")
+    slow = _script(tmp_path, "slow.py", "import pathlib, signal, time\n"  # (slow to end: 0.5 s after SIGTERM)
+                   "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), exit(143)))\n"
+                   f"pathlib.Path({str(marker)!r}).touch(); time.sleep(60)")
     seen: list[list[str]] = []
     launch = _launcher([ok, slow, ok], seen)
     procs = []
@@ -115,17 +124,19 @@ def test_a_sigterm_ends_the_running_process_and_reports_those_that_finished(tmp_
             if marker.exists():
                 break
             threading.Event().wait(0.01)
-        os.kill(os.getpid(), signal.SIGTERM)  # (as `timeout` sends it: to this process alone)
+        for sig in signals:  # (as `timeout` sends it, or `kill -INT`: to this process alone)
+            os.kill(os.getpid(), sig)
+            threading.Event().wait(0.1)
 
     killer = threading.Thread(target=term_once_started)
     killer.start()
     try:
-        code = bp.run_across(3, [], resolve=None, as_json=False, launch=launch_and_keep)
+        returned = bp.run_across(3, [], resolve=None, as_json=False, launch=launch_and_keep)
     finally:
         killer.join()
     out, err = capsys.readouterr()
-    assert code == 143 and len(seen) == 2
-    assert procs[1].returncode == -signal.SIGTERM  # ended, not left running its minute
+    assert (returned, len(seen)) == (code, 2)
+    assert procs[1].returncode == 143  # ended, not left running its minute
     assert "bench: interrupted in process 2 of 3; the 1 process before it follow" in err
     assert "| tiny-mlp | bf16 | ampguard + csv | 1.100 | n/a (1 process; 6 needed) |" in out
 
@@ -146,3 +157,45 @@ def test_bad_arguments_are_one_line_exit_2_before_any_process_starts(cli):
     code, out, err = cli("bench", "--processes", "3", "--models", "mlp", "--resolve", "150")
     assert code == 2 and out == "" and "process 1" not in err
     assert err.strip() == "ampguard: error: bench: --resolve is a percentage below 100 (1 is ±1%), got 150"
+
+
+@pytest.mark.parametrize("body, code, said", [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137, "was killed by SIGKILL"),
+    ("print('half a JSON {')", 1, "printed no JSON")])
+def test_a_process_killed_or_printing_no_json_ends_the_run_with_the_rows_before_it(tmp_path, capsys, body, code, said):
+    ok = _script(tmp_path, "ok.py", f"import json; print(json.dumps({_child({'ampguard + csv': 1.1})!r}))")
+    bad = _script(tmp_path, "bad.py", body)
+    assert bp.run_across(3, [], resolve=None, as_json=False, launch=_launcher([ok, bad, ok], [])) == code
+    out, err = capsys.readouterr()
+    assert f"bench: process 2 of 3 {said} (its lines above); the 1 process before it follow" in err
+    assert "| tiny-mlp | bf16 | ampguard + csv | 1.100 |" in out
+
+
+def test_quick_says_it_is_a_smoke_test_and_gives_no_interval(tmp_path, capsys):
+    scripts = [_script(tmp_path, f"p{i}.py", f"import json; print(json.dumps({_child({'ampguard + csv': r})!r}))")
+               for i, r in enumerate([1.10, 1.08, 1.12, 1.09, 1.11, 1.10])]
+    assert bp.run_across(6, [], resolve=None, as_json=False, quick=True, launch=_launcher(scripts, [])) == 0
+    out, err = capsys.readouterr()
+    assert "--quick: a smoke test that the processes run, not a measurement (no interval)" in err
+    assert "| 1.100 | n/a (--quick: a smoke test) |" in out and "the widest interval" not in out
+
+
+def test_each_process_gets_its_share_of_the_budget_and_the_quick_flag(monkeypatch):
+    ran = {}
+
+    def fake_run_across(n, child, **kwargs):
+        ran.update(n=n, child=build_parser().parse_args(["bench", *child]), **kwargs)
+        return 0
+
+    monkeypatch.setattr(bp, "run_across", fake_run_across)
+    assert bp.run(processes=4, device="cpu", models="mlp", precisions="bf16", steps=30, rounds=7, warmup=5,
+                  fused=False, peers=False, peak_tflops=None, quick=True, as_json=True, resolve_pct=1.0,
+                  budget_s=100.0, threads=None, aa=True) == 0
+    assert (ran["n"], ran["child"].budget, ran["child"].quick, ran["quick"], ran["resolve"], ran["as_json"]) == (
+        4, 25.0, True, True, None, True)
+    from ampguard.errors import InputError
+
+    with pytest.raises(InputError, match="shared by 4 processes leaves none a second"):
+        bp.run(processes=4, device="cpu", models="mlp", precisions="bf16", steps=30, rounds=7, warmup=5,
+               fused=False, peers=False, peak_tflops=None, quick=False, as_json=False, resolve_pct=1.0,
+               budget_s=1e-323, threads=None, aa=True)
