@@ -211,3 +211,70 @@ def test_a_process_other_than_0_writes_no_row_and_ends_no_sink(tmp_path):
     assert _history(sink, "train/skipped") == {}
     assert sink.client.get_run(sink.run_id).info.status == "RUNNING"  # (its own process's to end: build it on 0)
     sink.close()
+
+
+def test_the_callbacks_files_are_the_artifacts_a_retrys_rows_among_them(tmp_path):
+    from ampguard.integrations.trackers import Outcome
+    from ampguard.monitor import RunMonitor
+
+    folder = tmp_path / "ampguard"
+    folder.mkdir()
+    for name in ("steps.csv", "steps.attempt-1.csv", "events.jsonl", "summary.json", "RUN.md", "notes.txt"):
+        (folder / name).write_text("x\n", encoding="utf-8")
+    sink = _sink(tmp_path)
+    sink.finish(Outcome(RunMonitor(), 0, "finished: 2 steps", folder))
+    uploaded = {a.path.rsplit("/", 1)[-1] for top in sink.client.list_artifacts(sink.run_id)
+                for a in ([top] if not top.is_dir else sink.client.list_artifacts(sink.run_id, top.path))}
+    assert uploaded == {"steps.csv", "steps.attempt-1.csv", "events.jsonl", "summary.json", "RUN.md"}
+
+
+def test_a_full_disk_at_the_end_still_ends_the_sinks(tmp_path, monkeypatch):
+    import errno
+
+    from ampguard.sinks import CsvSink
+
+    closing = CsvSink.close
+
+    def full(self):
+        closing(self)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CsvSink, "close", full)
+    sink = _sink(tmp_path)
+    trainer = _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=5,
+                       trainer_class=CrashAt3)
+    trainer.error = RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom") as raised:
+        trainer.train()
+    assert "No space left on device" in raised.value.__notes__[0]
+    run = sink.client.get_run(sink.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["ampguard.exit_code"] == "1"  # (ended, not RUNNING)
+
+
+def test_a_stock_train_refused_for_its_csv_does_not_use_up_the_next_ones_sinks(tmp_path):
+    callback = AmpGuardCallback(tmp_path / "guard", sinks=[_sink(tmp_path)], print_fn=lambda line: None)
+    trainer = _trainer(tmp_path, callback, steps=2, trainer_class=StockCrashAt3)
+    trainer.crash = False
+    with pytest.warns(UserWarning, match="watch"):
+        trainer.train()
+    callback.sinks = [sink := _sink(tmp_path)]
+    with pytest.warns(UserWarning, match="watch"), pytest.raises(Exception, match="already exists"):
+        trainer.train()  # (refused before a step: steps.csv is the first train()'s)
+    (tmp_path / "guard" / "steps.csv").unlink()
+    (tmp_path / "guard" / "events.jsonl").unlink()
+    with pytest.warns(UserWarning, match="watch"):
+        trainer.train()  # (the refused train() served nothing: these sinks are this one's)
+    assert sink.client.get_run(sink.run_id).info.status == "FINISHED" and sorted(_history(sink, "train/skipped")) == [1, 2]
+
+
+def test_sinks_given_on_a_process_other_than_0_are_refused_to_a_later_train_there_too(tmp_path):
+    class NotZero(NanLossAt):
+        def is_world_process_zero(self):
+            return False
+
+    sink = _sink(tmp_path)
+    callback = AmpGuardCallback(sinks=[sink], print_fn=lambda line: None)
+    _trainer(tmp_path, callback, steps=1, trainer_class=NotZero).train()
+    with pytest.raises(ValueError, match="were closed when the previous train"):  # (as on process 0: every rank alike)
+        _trainer(tmp_path / "again", callback, steps=1, trainer_class=NotZero).train()
+    sink.close()

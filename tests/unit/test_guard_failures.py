@@ -539,16 +539,21 @@ def test_a_guard_never_used_leaves_no_probe_and_its_model_still_pickles():
 def test_a_guard_pickled_before_its_attributes_were_renamed_still_steps():
     import pickle
 
-    model, guard = _guard("bf16", frozen="ignore")
-    model[2].weight.requires_grad_(False)  # (frozen after the guard read it: watched as unheld-frozen)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[2].bias.requires_grad_(False)  # no optimizer holds layer 2: its weight trains unheld, its bias is frozen
+    guard = Guard(model, torch.optim.SGD(model[0].parameters(), lr=0.1), precision="bf16", frozen="ignore")
     _train(model, guard)
     state = guard.__getstate__()
     for new, old in (("_unheld_trainable", "_frozen"), ("_unheld_frozen", "_unowned"), ("_held_count", "_held")):
         state[old] = state.pop(new)  # (as an earlier ampguard pickled it)
     old = Guard.__new__(Guard)
     old.__setstate__(pickle.loads(pickle.dumps(state)))
+    assert [tuple(p.shape) for p in old._unheld_trainable] == [(2, 8)]  # (each list under its own new name)
+    assert [tuple(p.shape) for p in old._unheld_frozen] == [(2,)] and old._held_count == 2
     records = _train(old.model, old, batches=2)
     assert [r.step for r in records] == [2, 3] and old.steps == 3 and not hasattr(old, "_held")
+    assert old.model[2].weight.grad is None  # (the unheld weight's gradient dropped each step)
 
 
 def test_a_model_pickled_with_the_probe_where_it_lived_before_still_loads():

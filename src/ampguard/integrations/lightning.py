@@ -453,6 +453,8 @@ class AmpGuardPlugin(_LightningPrecision):
             if failed is None:
                 raise
             failed.add_note(f"ampguard: closing the plugin's sinks raised too: {later!r}")  # (the fit's error stays)
+            # (Lightning swallows a KeyboardInterrupt, and its notes with it: said here too)
+            rank_zero_warn(f"AmpGuardPlugin: closing the sinks raised: {later!r}")
         finally:
             super().teardown()
 

@@ -763,10 +763,12 @@ def end_sinks(sinks: Sequence[Any], outcome: Outcome) -> None:
 
         >>> from ampguard.monitor import RunMonitor
         >>> class Shown:
-        ...     def __init__(self, name, fails=False):
-        ...         self.name, self.fails = name, fails
+        ...     def __init__(self, name, fails=False, upload_fails=False):
+        ...         self.name, self.fails, self.upload_fails = name, fails, upload_fails
         ...     def finish(self, outcome):
         ...         print(self.name, "finished:", outcome.exit_code, outcome.ended)
+        ...         if self.upload_fails:
+        ...             raise OSError(f"{self.name}'s upload failed")
         ...     def close(self):
         ...         print(self.name, "closed")
         ...         if self.fails:
@@ -785,6 +787,13 @@ def end_sinks(sinks: Sequence[Any], outcome: Outcome) -> None:
         b finished: 1 crashed
         b closed
         raised: a cannot close
+        >>> try:  # a finish that fails: the sink is closed all the same
+        ...     end_sinks([Shown("a", upload_fails=True)], Outcome(RunMonitor(), 0, "finished"))
+        ... except OSError as err:
+        ...     print("raised:", err)
+        a finished: 0 finished
+        a closed
+        raised: a's upload failed
     """
     errors: list[Exception] = []
     for sink in sinks:

@@ -176,7 +176,8 @@ class AmpGuardCallback(TrainerCallback):
         self._ended = False  # run_end and summary.json written
         self._batch: int | None = None  # the train batch size of this train()'s last attempt (auto_find_batch_size)
         self._attempts = 0  # the attempts auto_find_batch_size began again (their rows: steps.attempt-N.csv)
-        self._serving: list[Sink] = []  # the sinks this train() writes (process 0), which its end ends
+        self._given: list[Sink] = []  # the sinks this train() was given (every process: refused to a later one)
+        self._serving: list[Sink] = []  # those it writes and its end ends (process 0's)
 
     @property
     def exit_code(self) -> int:
@@ -257,7 +258,6 @@ class AmpGuardCallback(TrainerCallback):
             init_scale=(self._scaler or {}).get("init_scale"), min_scale=(self._scaler or {}).get("min_scale", 1.0),
             min_steps=self.min_steps)
         self._batch = state.train_batch_size
-        self._serving = list(self.sinks) if state.is_world_process_zero else []
         if resume is not None and resume[1] is not None:  # before any file changes: a state that does not fit is refused
             try:
                 monitor.load_state_dict(resume[1])
@@ -290,6 +290,10 @@ class AmpGuardCallback(TrainerCallback):
                 f"{state.train_batch_size} (auto_find_batch_size, after an out-of-memory); HF keeps the weights "
                 f"the attempt before left (and its optimizer state, unless it reloads a checkpoint's){aside}; "
                 "the LR schedule and the monitor start afresh")}, "RETRY")
+        # the sinks this train() serves, once its files are open (a train() refused before, "steps.csv
+        # already exists", took none: the next one's are not ended for it)
+        self._given = list(self.sinks)
+        self._serving = self._given if state.is_world_process_zero else []
         if resume is not None:
             step, saved, source = resume
             note = "" if saved is not None else (
@@ -370,30 +374,39 @@ class AmpGuardCallback(TrainerCallback):
         the sinks then end with the outcome (:func:`~ampguard.integrations.trackers.end_sinks`)."""
         self._ended = True
         wrote = self._events is not None  # (process 0: the files, and so the artifacts)
-        self._emit({"step": self.monitor.steps, "event": "run_end", "message": self.ended,
-                    "exit_code": self.exit_code}, None)
-        if self._csv is not None:
-            self._csv.close()
-            self._csv = None
-        if self._events is not None:
-            self._events.close()
-            self._events = None
-            m = self.monitor
-            summary = {
-                "ended": self.ended, "exit_code": self.exit_code, "cause": self.failed.cause if self.failed else None,
-                "steps": m.steps, "updates": m.updates, "skips": dict(m.skips), "max_skip_rate": m.max_skip_rate,
-                "alert_episodes": m.alert_episodes, "clip_rate": m.clip_rate, "scale": m.scale_verdict,
-                "final_scale": m.last.get("scaler_scale"), "summary": m.summary(),
-                "guarded": self._guarded,
-            }
-            (self.out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-            (self.out_dir / CARD_NAME).write_text(run_card(summary), encoding="utf-8")
+        try:
+            self._emit({"step": self.monitor.steps, "event": "run_end", "message": self.ended,
+                        "exit_code": self.exit_code}, None)
+            if self._csv is not None:
+                csv, self._csv = self._csv, None
+                csv.close()
+            if self._events is not None:
+                events, self._events = self._events, None
+                events.close()
+                m = self.monitor
+                summary = {
+                    "ended": self.ended, "exit_code": self.exit_code,
+                    "cause": self.failed.cause if self.failed else None, "steps": m.steps, "updates": m.updates,
+                    "skips": dict(m.skips), "max_skip_rate": m.max_skip_rate, "alert_episodes": m.alert_episodes,
+                    "clip_rate": m.clip_rate, "scale": m.scale_verdict, "final_scale": m.last.get("scaler_scale"),
+                    "summary": m.summary(), "guarded": self._guarded,
+                }
+                (self.out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+                (self.out_dir / CARD_NAME).write_text(run_card(summary), encoding="utf-8")
+        finally:  # (a file that fails, a full disk, does not leave the sinks' runs open)
+            self._end_sinks(self.exit_code, self.ended, self.out_dir if wrote else None)
+
+    def _end_sinks(self, exit_code: int, ended: str, folder: Path | None) -> None:
+        """The sinks this ``train()`` was given are closed to a later one (on every process);
+        those it served (process 0's) end with the outcome, ``folder``'s files their artifacts."""
+        given, self._given = self._given, []
         sinks, self._serving = self._serving, []
+        self._closed += given
         if sinks:
             from .trackers import Outcome, end_sinks
 
-            self._closed += sinks
-            end_sinks(sinks, Outcome(self.monitor, self.exit_code, self.ended, self.out_dir if wrote else None))
+            assert self.monitor is not None
+            end_sinks(sinks, Outcome(self.monitor, exit_code, ended, folder))
 
     def _end_unseen(self) -> None:
         """The previous ``train()`` ended with neither ``on_train_end`` nor :meth:`crashed` (a
@@ -402,17 +415,12 @@ class AmpGuardCallback(TrainerCallback):
         runs); its files are closed below, without ``run_end`` or a summary (what ended it is not
         known here). A failure to end them is a warning: this ``train()`` goes on."""
         self._ended = True
-        sinks, self._serving = self._serving, []
-        if sinks:
-            from .trackers import Outcome, end_sinks
-
-            self._closed += sinks
-            assert self.monitor is not None
-            try:
-                end_sinks(sinks, Outcome(self.monitor, 1, f"ended after step {self.monitor.steps} by an error "
-                                              "the callback was not told of (train() raised)"))
-            except Exception as err:  # noqa: BLE001 - the new train() is not stopped by the old one's sinks
-                warnings.warn(f"AmpGuardCallback: ending the previous train()'s sinks raised: {err!r}", stacklevel=2)
+        assert self.monitor is not None
+        try:
+            self._end_sinks(1, f"ended after step {self.monitor.steps} by an error the callback was not told of "
+                               "(train() raised)", None)
+        except Exception as err:  # noqa: BLE001 - the new train() is not stopped by the old one's sinks
+            warnings.warn(f"AmpGuardCallback: ending the previous train()'s sinks raised: {err!r}", stacklevel=2)
 
     def _emit(self, event: dict[str, Any], word: str | None) -> None:
         if self._events is not None:
