@@ -29,6 +29,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # that stop a run with Ctrl-C would find it running on. They are about Ctrl-C, not about that.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # every process a test starts (`python -m ampguard ...`, torchrun's workers) computes with one
+    # intra-op thread, as the in-process task tests do (_one_thread): its models are tiny, and two
+    # threads a process on two shared cores only spin against the suite's other processes
+    # (this process read its own count when it imported torch, above)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
 
 
 # ---------------------------------------------------------------------------- early jobs

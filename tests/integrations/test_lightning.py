@@ -142,8 +142,7 @@ def _scheduler_steps(records, lr=0.5, gamma=0.9):
 
 
 @pytest.mark.parametrize("frequency, nan_at, per_epoch, accumulate", [
-    (2, 3, 57, 1), (2, 4, 57, 1), (3, 4, 57, 1), (3, 6, 57, 1), (2, None, 57, 1), (2, 2, 3, 1), (2, None, 3, 1),
-    (3, 2, 28, 2), (3, None, 28, 2)])
+    (2, 3, 57, 1), (3, 6, 57, 1), (2, None, 57, 1), (2, 2, 3, 1), (3, 2, 28, 2), (3, None, 28, 2)])
 def test_a_held_scheduler_with_a_frequency_steps_after_every_f_applied_batches(frequency, nan_at, per_epoch,
                                                                                  accumulate):
     """``frequency: f`` under hold: the schedule steps right after each f-th applied batch of the
@@ -204,6 +203,8 @@ def test_a_resume_from_a_checkpoint_without_the_count_counts_the_epochs_earlier_
     trainer = fit(EveryF(3, faults=["nan_loss@5"]), resumed, steps=10, ckpt_path=tmp_path / "at4.ckpt")
     assert _scheduler_steps(resumed.records) == _scheduler_steps(through.records)[4:] == [1, 1, 1, 2, 2, 2]
     assert resumed.records[0].skipped
+    if saved_by == "no plugin":
+        return  # (the save before the first backward: once is enough)
     trainer.save_checkpoint(tmp_path / "at10.ckpt")
 
     class SaveAtStart(L.Callback):  # (before the resumed fit's first backward: the plugin has no guard yet)

@@ -482,6 +482,9 @@ checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 sys.stdout.write(f"rank {args.process_index}: {records} lr {trainer.optimizer.param_groups[0]['lr']!r} "
                  f"checksum {checksum!r}\\n")
 sys.stdout.flush()
+# HF leaves the process group up: destroyed here, its gloo threads end before the interpreter's
+# teardown (left to it, a loaded machine saw "terminate called without an active exception", exit -6)
+torch.distributed.destroy_process_group()
 '''
 
 
