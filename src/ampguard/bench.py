@@ -1744,24 +1744,36 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
 
 
 @contextlib.contextmanager
-def _interrupted_by_sigterm() -> Iterator[list[int]]:
-    """SIGTERM (what ``timeout`` and schedulers send) interrupts as Ctrl-C does, so a bench cut
-    short by a time limit still prints the whole rounds it measured; the list it yields holds
-    the signal once one came. (Not the main thread: signals are left alone.)"""
+def interrupted_by(*signals: int, once: bool = False) -> Iterator[list[int]]:
+    """Each of ``signals`` interrupts as Ctrl-C does (``KeyboardInterrupt``); the list it yields
+    holds the signals that came. ``once``: only the first raises, later ones are ignored while
+    what it interrupted is wound up. (Not the main thread: signals are left alone.)"""
     import signal
 
     came: list[int] = []
 
     def handler(signum: int, frame: Any) -> None:
+        if once and came:
+            return
         came.append(signum)
         raise KeyboardInterrupt
 
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = {sig: signal.signal(sig, handler) for sig in signals}
     except ValueError:
         yield came
         return
     try:
         yield came
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _interrupted_by_sigterm() -> contextlib.AbstractContextManager[list[int]]:
+    """SIGTERM (what ``timeout`` and schedulers send) interrupts as Ctrl-C does, so a bench cut
+    short by a time limit still prints the whole rounds it measured; the list it yields holds
+    the signal once one came."""
+    import signal
+
+    return interrupted_by(signal.SIGTERM)

@@ -24,11 +24,11 @@ import signal
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bench import CONFIDENCE, INTERVAL, Bare, _reach, median_interval
+from .bench import CONFIDENCE, INTERVAL, Bare, _reach, interrupted_by, median_interval
 from .errors import counted
 
 MIN_PROCESSES_FOR_INTERVAL = 6
@@ -216,31 +216,6 @@ def _launch(argv: list[str]) -> subprocess.Popen:
                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
 
-@contextlib.contextmanager
-def _stopped_by_signals() -> Iterator[list[int]]:
-    """SIGINT and SIGTERM stop the run: the first raises ``KeyboardInterrupt`` (the list it
-    yields holds it), later ones are ignored while the running process is ended and the rows
-    of those that finished are printed (a second Ctrl-C had lost them all). Outside the main
-    thread, signals are left alone."""
-    came: list[int] = []
-
-    def handler(signum: int, frame: Any) -> None:
-        if not came:
-            came.append(signum)
-            raise KeyboardInterrupt
-
-    try:
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:
-        yield came
-        return
-    try:
-        yield came
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def _exit_of(returncode: int) -> tuple[int, str]:
     """A child's exit status as this process's, and in words: a signal's death (``-9``) is
     ``128 + 9``, killed by SIGKILL (the OOM killer, say).
@@ -276,7 +251,7 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
     if quick:
         print("--quick: a smoke test that the processes run, not a measurement (no interval)", file=say, flush=True)
     proc: subprocess.Popen | None = None
-    with _stopped_by_signals() as came:
+    with interrupted_by(signal.SIGINT, signal.SIGTERM, once=True) as came:  # (a second one: ignored)
         try:
             for i in range(1, n + 1):
                 print(f"process {i} of {n}:", file=say, flush=True)
