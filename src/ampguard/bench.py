@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -1539,6 +1540,18 @@ def machine(device: torch.device | None = None) -> str:
     return text
 
 
+def json_number(v: Any) -> Any:
+    """``v`` as JSON takes it: not-a-number (a ratio with no bare loop, an interval below 6
+    values) is ``null``.
+
+    Example::
+
+        >>> json_number(math.nan), json_number(1.5), json_number("x")
+        (None, 1.5, 'x')
+    """
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
 def to_json(results: list[Result], resolve: float | None = None, settings: dict[str, Any] | None = None,
             device: torch.device | None = None, not_run: list[NotRun] = ()) -> str:
     """The machine, the run's settings, the resolution asked and every result as JSON
@@ -1562,15 +1575,13 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
         >>> data["run"]["steps"], data["run"]["confidence"], data["run"]["decide_confidence"], data["versus"]
         (3, 0.95, 0.99, [])
     """
-    def plain(v: Any) -> Any:
-        return None if isinstance(v, float) and math.isnan(v) else v
-
-    rows = [{**{k: plain(v) for k, v in asdict(r).items()}, "half_width": plain(r.half_width)} for r in results]
+    rows = [{**{k: json_number(v) for k, v in asdict(r).items()}, "half_width": json_number(r.half_width)}
+            for r in results]
     run = {**(settings or {}), "confidence": CONFIDENCE, "decide_confidence": DECIDE_CONFIDENCE, "interval": INTERVAL,
            "min_rounds_to_resolve": MIN_ROUNDS_TO_RESOLVE, "max_rounds": MAX_ROUNDS}
     threads = None if device is not None and device.type == "cuda" else torch.get_num_threads()
     return json.dumps({"machine": machine(device), "threads": threads, "resolve": resolve, "run": run,
-                       "results": rows, "versus": [{k: plain(v) for k, v in pair.items()} for pair in versus(results)],
+                       "results": rows, "versus": [{k: json_number(v) for k, v in pair.items()} for pair in versus(results)],
                        "not_run": [asdict(n) for n in not_run]}, indent=2)
 
 
@@ -1645,9 +1656,10 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         threads_said += f" on {counted(_usable_cpus(), 'usable CPU')} (oversubscribed: the threads share cores)"
     import sys
 
-    # with --json, stdout is the JSON alone: the progress lines go to stderr
+    # with --json, stdout is the JSON alone: the progress lines go to stderr; SIGTERM (what `timeout`
+    # and schedulers send) interrupts as Ctrl-C does: a bench cut by a time limit prints its whole rounds
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext(), \
-            _interrupted_by_sigterm() as signalled:
+            interrupted_by(signal.SIGTERM) as signalled:
         least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
         print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {least}{counted(rounds, 'round')} x {counted(steps, 'step')}, "
               f"paired, {until}", flush=True)
@@ -1748,8 +1760,6 @@ def interrupted_by(*signals: int, once: bool = False) -> Iterator[list[int]]:
     """Each of ``signals`` interrupts as Ctrl-C does (``KeyboardInterrupt``); the list it yields
     holds the signals that came. ``once``: only the first raises, later ones are ignored while
     what it interrupted is wound up. (Not the main thread: signals are left alone.)"""
-    import signal
-
     came: list[int] = []
 
     def handler(signum: int, frame: Any) -> None:
@@ -1769,11 +1779,3 @@ def interrupted_by(*signals: int, once: bool = False) -> Iterator[list[int]]:
         for sig, old in previous.items():
             signal.signal(sig, old)
 
-
-def _interrupted_by_sigterm() -> contextlib.AbstractContextManager[list[int]]:
-    """SIGTERM (what ``timeout`` and schedulers send) interrupts as Ctrl-C does, so a bench cut
-    short by a time limit still prints the whole rounds it measured; the list it yields holds
-    the signal once one came."""
-    import signal
-
-    return interrupted_by(signal.SIGTERM)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bench import CONFIDENCE, INTERVAL, Bare, _reach, interrupted_by, median_interval
+from .bench import CONFIDENCE, INTERVAL, Bare, _reach, interrupted_by, json_number, median_interval
 from .errors import counted
 
 MIN_PROCESSES_FOR_INTERVAL = 6
@@ -164,15 +164,12 @@ def to_json(children: Sequence[dict[str, Any]], rows: Sequence[Across], resolve:
         >>> data["processes"], data["ran"], data["stopped"], data["across"][0]["ratio"], data["across"][0]["low"]
         (6, 0, 'interrupted', 1.1, None)
     """
-    def plain(v: Any) -> Any:
-        return None if isinstance(v, float) and math.isnan(v) else v
-
     return json.dumps({
         "processes": n, "ran": len(children), "stopped": stopped, "resolve": resolve, "confidence": CONFIDENCE,
         "interval": f"{INTERVAL}, of the processes' medians",
         "across": [{"workload": r.workload, "precision": r.precision, "contender": r.contender,
-                    "ratio": plain(r.ratio), "low": plain(r.low), "high": plain(r.high),
-                    "half_width": plain(r.half_width), "ratios": r.ratios, "half_widths": r.half_widths,
+                    "ratio": json_number(r.ratio), "low": json_number(r.low), "high": json_number(r.high),
+                    "half_width": json_number(r.half_width), "ratios": r.ratios, "half_widths": r.half_widths,
                     "within": r.within} for r in rows],
         "children": list(children)}, indent=2)
 

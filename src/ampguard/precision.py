@@ -484,8 +484,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
         ``growth_factor``, if that stays finite, on the ``growth_interval``-th clean step in a
         row) and the floor, on the host and bit for bit (the products in double, rounded to
         float32 once, as the kernels compute them); 1.0 for a disabled scaler (bf16, fp32: no
-        scale). ``None`` where the host cannot tell: no inputs, a non-finite scale, a tracker past float32's exact integers, or a subclass
-        with an ``update`` of its own; the caller then reads the scale from the device.
+        scale). ``None`` where the host cannot tell: no inputs, a non-finite scale, a tracker
+        past float32's exact integers, or a subclass with an ``update`` of its own; the caller
+        then reads the scale from the device.
 
         Example::
 

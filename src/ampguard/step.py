@@ -35,7 +35,6 @@ from .watch import (_FINISHED, _PROBING, _REGISTERED, UNFROZEN_EVERY, _GuardStep
                     _parameter_count, _probe_autocast, _watch_registrations, holds_gradients)
 
 
-
 def __getattr__(name: str) -> Any:
     """``ampguard.step._note_autocast``: a model pickled whole with the autocast probe's hook on it
     by an ampguard before ``watch.py`` names the hook here."""

@@ -65,8 +65,10 @@ RESUMED_FROM_TAG, RESUMED_AT_TAG = "ampguard.resumed_from", "ampguard.resumed_at
 SUPERSEDED_BY_TAG = "ampguard.superseded_by"
 """The MLflow tags of a fork (:meth:`MLflowSink._fork`): on the new run, the old run's id and the
 step its history was copied through; on the old run, the new run's id."""
-ARTIFACTS: tuple[str, ...] = ("RUN.md", "report.png", "events.jsonl", "steps.csv", "config.yaml", "summary.json")
-"""What :meth:`TrackerSink.finish` uploads from the run folder, those that exist."""
+ARTIFACTS: tuple[str, ...] = ("RUN.md", "report.png", "events.jsonl", "steps.csv", "config.yaml", "summary.json",
+                              "steps.attempt-*.csv")
+"""What :meth:`TrackerSink.finish` uploads from the run folder, those that exist (glob patterns:
+a Hugging Face retry's ``steps.attempt-N.csv``)."""
 
 
 def _import(package: str, flag: str) -> Any:
@@ -193,16 +195,16 @@ class TrackerSink:
             self._end(0)
 
     def finish(self, result: RunResult) -> None:
-        """Totals to the summary, the run folder's :data:`ARTIFACTS` uploaded (and a Hugging
-        Face retry's ``steps.attempt-N.csv``), the tracker run ended with the exit code: ended
-        even when the totals or the upload fail (a tracker's store down), the error raised after."""
+        """Totals to the summary, the run folder's :data:`ARTIFACTS` uploaded, the tracker run
+        ended with the exit code: ended even when the totals or the upload fail (a tracker's
+        store down), the error raised after."""
         try:
             self._flush()
             if not self._ended:
                 self._summary(run_totals(result))
                 folder = result.paths.dir
-                files = [] if folder is None else [folder / name for name in ARTIFACTS if (folder / name).is_file()]
-                files += sorted(folder.glob("steps.attempt-*.csv")) if folder is not None else []
+                files = [] if folder is None else [
+                    path for pattern in ARTIFACTS for path in sorted(folder.glob(pattern)) if path.is_file()]
                 if files:
                     self._upload(files)
         finally:
