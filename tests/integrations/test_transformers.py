@@ -482,8 +482,14 @@ checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 sys.stdout.write(f"rank {args.process_index}: {records} lr {trainer.optimizer.param_groups[0]['lr']!r} "
                  f"checksum {checksum!r}\\n")
 sys.stdout.flush()
-# HF leaves the process group up: destroyed here, its gloo threads end before the interpreter's
-# teardown (left to it, a loaded machine saw "terminate called without an active exception", exit -6)
+# The trainer freed, then the process group destroyed: its gloo threads end before the interpreter's
+# teardown. While the trainer holds the DDP model, destroy_process_group leaves them running, and one
+# still dropping HF's last all_gather's tensors needs the GIL: asked for during the teardown, that
+# thread is ended mid-destructor and the rank aborts ("terminate called without an active exception",
+# exit -6; 1 run in 12 on a loaded machine, traced with gdb). What ampguard.distributed.shutdown does.
+import gc
+del trainer, model, callback
+gc.collect()
 torch.distributed.destroy_process_group()
 '''
 
