@@ -65,13 +65,14 @@ def early(work: Path) -> dict[str, Ended]:
     try:
         started["A"] = Launch("A", ["-m", "ampguard", "train", *RUN_A, *FAULTS_A,
                                     "--set", f"log.dir={work / 'A_runs'}"], work / "A_cwd")
-        started["F"] = Launch("F", ["-m", "ampguard", "train", *RUN_F, *FAULTS_F,
+        # (F and N: no test reads their plots; rank 0 drawing one costs a fresh process ~2 s of CPU)
+        started["F"] = Launch("F", ["-m", "ampguard", "train", *RUN_F, *FAULTS_F, "--set", "log.plot=false",
                                     "--set", f"log.dir={work / 'F_runs'}", "--set", "log.name=F"], work / "F_cwd")
         (work / "S_out").mkdir()
         started["S"] = Launch("S", [str(SCRIPTS / "lib_api.py"), str(work / "S_out" / "state")], work / "S_cwd")
         started["N"] = Launch("N", ["-m", "ampguard", "train", *COMMON, "--set", "steps=3",
                                     "--set", "eval.enabled=false", "--set", "checkpoint.enabled=false",
-                                    "--inject", "nan_input@2@rank1", "--set", f"log.dir={work / 'N_runs'}",
+                                    "--set", "log.plot=false", "--inject", "nan_input@2@rank1", "--set", f"log.dir={work / 'N_runs'}",
                                     "--set", "log.name=N"], work / "N_cwd")
         if started["A"].ended().rc == 0:
             b = work / "B_runs" / "B"
