@@ -15,8 +15,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# One thread for numpy's BLAS in this process and every process a test starts, set before the first
+# numpy import (torch's, below): OpenBLAS starts a worker a core at import, and after each call it
+# spins waiting for more work: 22 s of the suite's CPU (matplotlib's transforms call it), a core
+# taken from the tests' own processes and the early jobs.
+for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+
+import pytest  # noqa: E402 - after the thread counts
+import torch  # noqa: E402
 
 from early_runner import NICE, RESULT
 from helpers import EARLY_TIMEOUT_S, GLOO, end_processes, own_process_group, snapshot_of
@@ -31,11 +38,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # every process a test starts (`python -m ampguard ...`, torchrun's workers) computes with one
-    # intra-op thread, and so does this one (it read its count when it imported torch, above): the
-    # models are tiny, and a second thread a process on two shared cores only spins against the
-    # suite's other processes (the in-process bench tests: 8 s of CPU in 4.5 s with two)
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(name, "1")
+    # intra-op thread (the environment, above), and so does this one: the models are tiny, and a
+    # second thread a process on two shared cores only spins against the suite's other processes
+    # (the in-process bench tests: 8 s of CPU in 4.5 s with two)
     torch.set_num_threads(1)
 
 
@@ -76,6 +81,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if GLOO and not config.option.collectonly:
             for module_file in sorted(early):
                 _start_early(module_file)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    # back to one thread after a test that pinned more: the bench pins the usable CPUs (two here) and,
+    # a command, leaves them pinned; run in-process, the rest of the suite computed with two threads,
+    # and OpenMP's second spun after every op (34 s of this process's CPU, measured per thread)
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
