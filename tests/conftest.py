@@ -37,11 +37,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # that stop a run with Ctrl-C would find it running on. They are about Ctrl-C, not about that.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    # every process a test starts (`python -m ampguard ...`, torchrun's workers) computes with one
-    # intra-op thread (the environment, above), and so does this one: the models are tiny, and a
-    # second thread a process on two shared cores only spins against the suite's other processes
-    # (the in-process bench tests: 8 s of CPU in 4.5 s with two)
-    torch.set_num_threads(1)
 
 
 # ---------------------------------------------------------------------------- early jobs
@@ -83,10 +78,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                 _start_early(module_file)
 
 
-def pytest_runtest_teardown(item: pytest.Item) -> None:
-    # back to one thread after a test that pinned more: the bench pins the usable CPUs (two here) and,
-    # a command, leaves them pinned; run in-process, the rest of the suite computed with two threads,
-    # and OpenMP's second spun after every op (34 s of this process's CPU, measured per thread)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # every test computes with one intra-op thread, as every process it starts does (the environment,
+    # above): the models are tiny, and a second thread on two shared cores only spins against the
+    # suite's other processes. Set again before each test: torch may have been imported before this
+    # file (a plugin), and the bench pins the usable CPUs (two here) and, a command, leaves them
+    # pinned: run in-process, the rest of the suite had computed with two threads, OpenMP's second
+    # spinning after every op (34 s of this process's CPU, measured per thread)
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
 

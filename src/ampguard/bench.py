@@ -1778,4 +1778,3 @@ def interrupted_by(*signals: int, once: bool = False) -> Iterator[list[int]]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-

@@ -72,8 +72,8 @@ def early(work: Path) -> dict[str, Ended]:
         started["S"] = Launch("S", [str(SCRIPTS / "lib_api.py"), str(work / "S_out" / "state")], work / "S_cwd")
         started["N"] = Launch("N", ["-m", "ampguard", "train", *COMMON, "--set", "steps=3",
                                     "--set", "eval.enabled=false", "--set", "checkpoint.enabled=false",
-                                    "--set", "log.plot=false", "--inject", "nan_input@2@rank1", "--set", f"log.dir={work / 'N_runs'}",
-                                    "--set", "log.name=N"], work / "N_cwd")
+                                    "--set", "log.plot=false", "--inject", "nan_input@2@rank1",
+                                    "--set", f"log.dir={work / 'N_runs'}", "--set", "log.name=N"], work / "N_cwd")
         if started["A"].ended().rc == 0:
             b = work / "B_runs" / "B"
             shutil.copytree(_single_run_dir(work / "A_runs"), b)

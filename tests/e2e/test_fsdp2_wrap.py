@@ -111,7 +111,8 @@ def early(work: Path) -> dict[str, Ended]:
     try:
         for name, args in specs.items():
             if name != "H":  # (no test reads a plot: rank 0 drawing one costs a fresh process ~2 s of CPU)
-                args = [*args, "--set", f"log.dir={work / 'runs'}", "--set", f"log.name={name}", "--set", "log.plot=false"]
+                args = [*args, "--set", f"log.dir={work / 'runs'}", "--set", f"log.name={name}",
+                        "--set", "log.plot=false"]
             started[name] = Launch(name, args, work / f"{name}_cwd")
         return {name: launch.ended() for name, launch in started.items()}
     finally:
