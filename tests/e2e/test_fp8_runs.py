@@ -196,7 +196,8 @@ def test_bench_measures_fp8_next_to_bf16(cli):
 
 def test_an_fp8_run_resumes_bit_for_bit(cli, tmp_path):
     common = ["--set", "precision=fp8", "--set", "task.name=digits", "--set", "device=cpu", "--set", "eval.every=0",
-              "--set", "checkpoint.every=3", "--set", "schedule.decay=constant"]  # the same lr whatever steps says
+              "--set", "checkpoint.every=3", "--set", "schedule.decay=constant",  # the same lr whatever steps says
+              "--set", "log.plot=false"]
     assert cli("train", *common, "--set", "steps=6", "--set", "log.name=straight")[0] == 0
     assert cli("train", *common, "--set", "steps=3", "--set", "log.name=cut")[0] == 0
     code, out, err = cli("train", "--resume", "runs/cut", "--set", "steps=6")

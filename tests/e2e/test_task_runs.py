@@ -317,7 +317,7 @@ def test_a_run_with_a_relative_factory_path_resumes_from_its_folder_and_from_els
     monkeypatch.chdir(here)
     code, _, err = cli("train", "--set", "task.factory=my_model.py:build", "--set", "steps=4", "--set", "eval.every=0",
                        "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5", "--set", "log.dir=runs",
-                       "--set", "log.name=f")
+                       "--set", "log.name=f", "--set", "log.plot=false")  # (no plot read, here or on resume)
     assert code == 0, err
     run = here / "runs" / "f"
     assert yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))["task"]["factory"] == "my_model.py:build"
