@@ -68,13 +68,31 @@ def _start_early(module_file: str) -> None:
             stdout=out, stderr=err, stdin=subprocess.DEVNULL, **own_process_group(functools.partial(os.nice, NICE))), work)
 
 
+def _nothing_deselected(config: pytest.Config) -> bool:
+    """Whether every test collected will run: no ``-k``, ``-m``, ``--deselect``, ``--lf`` or
+    test id (``file::name``) that could leave a module's tests out."""
+    return not (config.option.keyword or config.option.markexpr or config.getoption("deselect", None)
+                or config.getoption("lf", False) or any("::" in str(arg) for arg in config.args))
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # A module's job starts as soon as the module is collected, when nothing can deselect its tests:
+    # collection (~17 s: the adapters import their frameworks) runs on one core and leaves the
+    # other idle, and a job started then has less of the foreground's time to share later
+    module = getattr(item, "module", None)
+    config = item.config
+    if (_has_early(module) and module.__file__ not in _EARLY and GLOO and not config.option.collectonly
+            and _nothing_deselected(config)):
+        _start_early(module.__file__)
+
+
 @pytest.hookimpl(trylast=True)  # (after -k and -m have deselected: no job for a module none of whose tests run)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     early = {m.__file__ for m in (getattr(item, "module", None) for item in items) if _has_early(m)}
     if early:
         items.sort(key=lambda item: getattr(getattr(item, "module", None), "__file__", None) in early)  # (stable)
         if GLOO and not config.option.collectonly:
-            for module_file in sorted(early):
+            for module_file in sorted(early - _EARLY.keys()):  # (those not started at their collection)
                 _start_early(module_file)
 
 
