@@ -100,9 +100,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # every test computes with one intra-op thread, as every process it starts does (the environment,
     # above): the models are tiny, and a second thread on two shared cores only spins against the
     # suite's other processes. Set again before each test: torch may have been imported before this
-    # file (a plugin), and the bench pins the usable CPUs (two here) and, a command, leaves them
-    # pinned: run in-process, the rest of the suite had computed with two threads, OpenMP's second
-    # spinning after every op (34 s of this process's CPU, measured per thread)
+    # file (a plugin), and a test may set more and not give them back: the bench once left the
+    # usable CPUs (two here) pinned, and the rest of the suite computed with two threads, OpenMP's
+    # second spinning after every op (34 s of this process's CPU, measured per thread)
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
 

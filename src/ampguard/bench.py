@@ -1593,6 +1593,30 @@ SMALL = ("mlp", "nano")  # the MLPs: fp16 runs them on a CPU too
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
+@contextlib.contextmanager
+def pinned_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` for the block (left as they are with None), and the
+    count they had before restored after it, however it ends.
+
+    Example::
+
+        >>> before = torch.get_num_threads()
+        >>> with pinned_threads(before + 1):
+        ...     torch.get_num_threads() == before + 1
+        True
+        >>> torch.get_num_threads() == before
+        True
+    """
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if count is not None:
+            torch.set_num_threads(before)
+
+
 def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str = "fp32,bf16,fp16", steps: int = 30,
         rounds: int = 7, warmup: int = 5, fused: bool = False, peers: bool = True, peak_tflops: float | None = None,
         quick: bool = False, as_json: bool = False, resolve_pct: float = 1.0, budget_s: float = 120.0,
@@ -1647,51 +1671,53 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     if quick:
         steps, rounds, warmup, resolve_pct, aa = 3, 2, 1, 0.0, False
     resolve = resolve_pct / 100 if resolve_pct > 0 else None
-    if where.type == "cpu":  # pinned, so no round runs with another thread count than the next
-        torch.set_num_threads(threads or _usable_cpus())  # (the CPUs this process may use, not the host's)
-    torch.manual_seed(0)
-    until = f"until ±{resolve_pct:g}% or {budget_s:g} s a case" if resolve else "fixed rounds"
-    threads_said = f", {counted(torch.get_num_threads(), 'thread')}" if where.type == "cpu" else ""
-    if where.type == "cpu" and torch.get_num_threads() > _usable_cpus():  # allowed: but the timings say so
-        threads_said += f" on {counted(_usable_cpus(), 'usable CPU')} (oversubscribed: the threads share cores)"
-    import sys
+    # pinned, so no round runs with another thread count than the next (the CPUs this process may
+    # use, not the host's); the caller's count back after (a notebook's, a test's)
+    with pinned_threads((threads or _usable_cpus()) if where.type == "cpu" else None):
+        torch.manual_seed(0)
+        until = f"until ±{resolve_pct:g}% or {budget_s:g} s a case" if resolve else "fixed rounds"
+        threads_said = f", {counted(torch.get_num_threads(), 'thread')}" if where.type == "cpu" else ""
+        if where.type == "cpu" and torch.get_num_threads() > _usable_cpus():  # allowed: but the timings say so
+            threads_said += f" on {counted(_usable_cpus(), 'usable CPU')} (oversubscribed: the threads share cores)"
+        import sys
 
-    # with --json, stdout is the JSON alone: the progress lines go to stderr; SIGTERM (what `timeout`
-    # and schedulers send) interrupts as Ctrl-C does: a bench cut by a time limit prints its whole rounds
-    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext(), \
-            interrupted_by(signal.SIGTERM) as signalled:
-        least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
-        print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {least}{counted(rounds, 'round')} x {counted(steps, 'step')}, "
-              f"paired, {until}", flush=True)
-        if quick:
-            print("--quick: a smoke test that every contender runs, not a measurement (its ratios are noise; no "
-                  "interval below 6 rounds)", flush=True)
-        for note in _long_on(where, workloads):
-            print(note, flush=True)
-        left_out: list[NotRun] = []  # the "not run" lines, for --json too
-        try:
-            results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
-                                warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
-                                budget_s=budget_s, aa=aa, compiled=compiled, left_out=left_out)
-        except BenchInterrupted as stopped:
-            results = stopped.results
-            if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
-                raise Interrupted(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED) from None
-    interrupted = bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
-    if interrupted:
-        print("bench: interrupted; the rounds measured so far follow", file=sys.stderr, flush=True)
-    if not results:
-        raise InputError(f"bench: no contender could run {models} in {precisions} on {where} (why: the lines above)")
-    settings = {"device": str(where), "models": workloads, "precisions": names, "steps": steps,
-                "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
-                "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa, "compiled": compiled,
-                "quick": quick}
-    print(to_json(results, resolve, settings, where, left_out) if as_json else
-          "\n".join([table(results), *resolution(results, resolve), *versus_lines(results), *speedups(results)]),
-          flush=True)
-    if interrupted:
-        return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
-    return 0
+        # with --json, stdout is the JSON alone: the progress lines go to stderr; SIGTERM (what `timeout`
+        # and schedulers send) interrupts as Ctrl-C does: a bench cut by a time limit prints its whole rounds
+        with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext(), \
+                interrupted_by(signal.SIGTERM) as signalled:
+            least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
+            print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {least}{counted(rounds, 'round')} x "
+                  f"{counted(steps, 'step')}, paired, {until}", flush=True)
+            if quick:
+                print("--quick: a smoke test that every contender runs, not a measurement (its ratios are noise; no "
+                      "interval below 6 rounds)", flush=True)
+            for note in _long_on(where, workloads):
+                print(note, flush=True)
+            left_out: list[NotRun] = []  # the "not run" lines, for --json too
+            try:
+                results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
+                                    warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
+                                    budget_s=budget_s, aa=aa, compiled=compiled, left_out=left_out)
+            except BenchInterrupted as stopped:
+                results = stopped.results
+                if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
+                    raise Interrupted(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED) from None
+        interrupted = bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
+        if interrupted:
+            print("bench: interrupted; the rounds measured so far follow", file=sys.stderr, flush=True)
+        if not results:
+            raise InputError(f"bench: no contender could run {models} in {precisions} on {where} "
+                             "(why: the lines above)")
+        settings = {"device": str(where), "models": workloads, "precisions": names, "steps": steps,
+                    "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
+                    "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa, "compiled": compiled,
+                    "quick": quick}
+        print(to_json(results, resolve, settings, where, left_out) if as_json else
+              "\n".join([table(results), *resolution(results, resolve), *versus_lines(results), *speedups(results)]),
+              flush=True)
+        if interrupted:
+            return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
+        return 0
 
 
 def _long_on(where: torch.device, workloads: Sequence[str]) -> list[str]:
