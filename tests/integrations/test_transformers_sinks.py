@@ -201,6 +201,26 @@ def test_a_stock_trainers_crash_ends_its_sinks_failed_at_the_next_train(tmp_path
     assert sorted(_history(new, "train/skipped")) == [1, 2, 3, 4]
 
 
+def test_a_crashed_trains_sink_that_fails_to_end_at_the_next_train_is_a_warning_and_the_train_goes_on(tmp_path):
+    old = CloseFails(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="hf")
+    callback = AmpGuardCallback(tmp_path / "guard", sinks=[old], print_fn=lambda line: None)
+    trainer = _trainer(tmp_path, callback, steps=4, trainer_class=StockCrashAt3)
+    trainer.crash = True
+    with pytest.warns(UserWarning, match="watch"), pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    new = _sink(tmp_path)
+    callback.sinks = [new]
+    (tmp_path / "guard" / "steps.csv").unlink()  # (a fresh run refuses the old CSV)
+    trainer.crash = False
+    with pytest.warns(UserWarning) as said:
+        trainer.train()
+    assert [str(w.message) for w in said if "previous train()" in str(w.message)] == [
+        "AmpGuardCallback: ending the previous train()'s sinks raised: OSError('the sink cannot close')"]
+    assert old.client.get_run(old.run_id).info.status == "FAILED"  # (ended before its close raised)
+    assert sorted(_history(new, "train/skipped")) == [1, 2, 3, 4]  # this train() went on, its sink served
+    assert new.client.get_run(new.run_id).info.status == "FINISHED"
+
+
 def test_a_process_other_than_0_writes_no_row_and_ends_no_sink(tmp_path):
     class NotZero(NanLossAt):
         def is_world_process_zero(self):
