@@ -180,20 +180,32 @@ def test_a_resume_refused_its_closed_sinks_leaves_no_resume_behind_for_the_next_
     assert [r["step"] for r in read_rows(csv)] == ["1", "2", "3", "4"]  # (the refused resume cut nothing)
 
 
-def test_a_stock_trainers_crash_ends_its_sinks_failed_at_the_next_train(tmp_path):
-    old = _sink(tmp_path)
+def _crashed(tmp_path, old):
+    """A stock Trainer whose ``train()`` raised at step 3 with ``old`` among its callback's sinks."""
     callback = AmpGuardCallback(tmp_path / "guard", sinks=[old], print_fn=lambda line: None)
     trainer = _trainer(tmp_path, callback, steps=4, trainer_class=StockCrashAt3)
     trainer.crash = True
     with pytest.warns(UserWarning, match="watch"), pytest.raises(RuntimeError, match="boom"):
         trainer.train()
-    assert old.client.get_run(old.run_id).info.status == "RUNNING"  # (a callback is not told of the error)
+    return trainer, callback
+
+
+def _train_again(tmp_path, trainer, callback):
+    """The crashed ``trainer``'s next ``train()``, with a new sink: (the sink, the warnings said)."""
     new = _sink(tmp_path)
     callback.sinks = [new]
     (tmp_path / "guard" / "steps.csv").unlink()  # (a fresh run refuses the old CSV)
     trainer.crash = False
-    with pytest.warns(UserWarning, match="watch"):
+    with pytest.warns(UserWarning, match="watch") as said:
         trainer.train()
+    return new, [str(w.message) for w in said]
+
+
+def test_a_stock_trainers_crash_ends_its_sinks_failed_at_the_next_train(tmp_path):
+    old = _sink(tmp_path)
+    trainer, callback = _crashed(tmp_path, old)
+    assert old.client.get_run(old.run_id).info.status == "RUNNING"  # (a callback is not told of the error)
+    new, _ = _train_again(tmp_path, trainer, callback)
     run = old.client.get_run(old.run_id)
     assert run.info.status == "FAILED" and run.data.tags["ampguard.exit_code"] == "1"
     assert run.data.tags["ampguard.ended"] == "ended after step 2 by an error the callback was not told of (train() raised)"
@@ -203,18 +215,8 @@ def test_a_stock_trainers_crash_ends_its_sinks_failed_at_the_next_train(tmp_path
 
 def test_a_crashed_trains_sink_that_fails_to_end_at_the_next_train_is_a_warning_and_the_train_goes_on(tmp_path):
     old = CloseFails(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="hf")
-    callback = AmpGuardCallback(tmp_path / "guard", sinks=[old], print_fn=lambda line: None)
-    trainer = _trainer(tmp_path, callback, steps=4, trainer_class=StockCrashAt3)
-    trainer.crash = True
-    with pytest.warns(UserWarning, match="watch"), pytest.raises(RuntimeError, match="boom"):
-        trainer.train()
-    new = _sink(tmp_path)
-    callback.sinks = [new]
-    (tmp_path / "guard" / "steps.csv").unlink()  # (a fresh run refuses the old CSV)
-    trainer.crash = False
-    with pytest.warns(UserWarning) as said:
-        trainer.train()
-    assert [str(w.message) for w in said if "previous train()" in str(w.message)] == [
+    new, said = _train_again(tmp_path, *_crashed(tmp_path, old))
+    assert [message for message in said if "previous train()" in message] == [
         "AmpGuardCallback: ending the previous train()'s sinks raised: OSError('the sink cannot close')"]
     assert old.client.get_run(old.run_id).info.status == "FAILED"  # (ended before its close raised)
     assert sorted(_history(new, "train/skipped")) == [1, 2, 3, 4]  # this train() went on, its sink served
