@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from .errors import InputError, first_line, has_control, whole_number
+from .errors import InputError, counted, first_line, has_control, whole_number
 from .files import DiskFull, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
@@ -71,6 +71,12 @@ def check_column_names(names: Iterable[object], what: str, reserved: Iterable[st
 @runtime_checkable
 class Sink(Protocol):
     """Anything with ``write(record, extra=None)`` and ``close()``.
+
+    A sink may also have ``begin_again(step) -> str | None``: a training loop began again from
+    ``step`` (a Hugging Face ``auto_find_batch_size`` retry), so the rows after it that the sink
+    holds are an abandoned attempt's. It sets them aside as it can and returns a line that says
+    where they went (``None`` when it held none): :class:`JsonlSink` and :class:`TensorBoardSink`
+    here, the tracker sinks (``ampguard.integrations.trackers``).
 
     Example::
 
@@ -397,6 +403,7 @@ class _LineFile:
 
     path: Path
     _file: IO[bytes] | None
+    _header = False  # (a CSV's first line is its header)
 
     def _existing(self, append: bool, keep_through: int | None) -> bool:
         """Whether ``self.path`` already holds something: refused unless ``append`` (a resume's
@@ -415,6 +422,19 @@ class _LineFile:
             raise ValueError(f"{type(self).__name__} {self.path} is closed: nothing more can be written to it")
         with writing(self.path):
             _append(self._file, line)
+
+    def begin_again(self, step: int) -> str | None:
+        """The loop began again from ``step`` (a Hugging Face ``auto_find_batch_size`` retry): the
+        rows after it, the abandoned attempt's, move to ``<stem>.attempt-N<suffix>``
+        (:func:`set_aside`) and the file goes on after ``step``, one row a step. A line that says
+        so, or ``None`` when there were none."""
+        kept = set_aside(self.path, step, header=self._header)
+        if kept is None:
+            return None
+        self.close()
+        self._truncate_after(step)
+        self._file = _open_for_append(self.path)
+        return f"{self.path.name}'s {counted(kept[1], 'row')} after it moved to {kept[0].name}"
 
     def sync(self) -> None:
         """Make every line written so far durable (``fsync``): before a checkpoint is saved (it is
@@ -473,6 +493,8 @@ class CsvSink(_LineFile):
         ampguard.errors.InputError: ...steps.csv already exists; refusing to overwrite it
         >>> tmp.cleanup()
     """
+
+    _header = True
 
     def __init__(
         self,
@@ -547,6 +569,12 @@ class CsvSink(_LineFile):
             bom = header[:1] and header[0].startswith("\ufeff")  # (report reads past one; an append cannot)
             said = " (it starts with a byte-order mark: saved again by a spreadsheet?)" if bom else ""
             raise InputError(f"{path}: its header does not match {expected}{said}, cannot append")
+
+    def begin_again(self, step: int) -> str | None:
+        said = super().begin_again(step)
+        if said is not None:
+            self._last = _last_step(self.path)  # (the next row follows the last one kept)
+        return said
 
     def _append_row(self, cells: Iterable[str]) -> None:
         """One CSV line, in the file when this returns (:class:`DiskFull` when there is no room)."""
@@ -876,6 +904,61 @@ def _record_step(line: bytes) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def steps_from(first: int, last: int) -> str:
+    """Steps ``first`` to ``last`` in words.
+
+    Example::
+
+        >>> steps_from(3, 3), steps_from(1, 2)
+        ('step 3', 'steps 1-2')
+    """
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def _csv_step(line: bytes) -> int | None:
+    """The step of a CSV row (its first cell), None for a line that is not one (the header)."""
+    first = line.partition(b",")[0]
+    return int(first) if first.isdigit() else None
+
+
+def set_aside(path: Path, step: int, *, header: bool) -> tuple[Path, int] | None:
+    """The step rows of ``path`` (a CSV with its ``header``, or JSON lines) after ``step``,
+    copied to ``<stem>.attempt-<N><suffix>`` beside it, the first N free (an earlier one is
+    never overwritten), header first: an attempt a Hugging Face ``auto_find_batch_size`` retry
+    abandoned, whose updates are in the weights HF goes on with. Whole rows only (a torn last
+    one is left out). ``path`` itself is not changed: its writer cuts it (``keep_through``).
+    ``(copy, rows)``, or ``None`` when there are none.
+
+    Example::
+
+        >>> import tempfile
+        >>> csv = Path(tempfile.mkdtemp()) / "steps.csv"
+        >>> _ = csv.write_text("step,lr\\n1,0.1\\n2,0.1\\n3,0.1", encoding="utf-8")  # (a torn row 3)
+        >>> copy, rows = set_aside(csv, 0, header=True)
+        >>> copy.name, rows, copy.read_text(encoding="utf-8")
+        ('steps.attempt-1.csv', 2, 'step,lr\\n1,0.1\\n2,0.1\\n')
+        >>> set_aside(csv, 2, header=True) is None
+        True
+        >>> set_aside(csv, 1, header=True)[0].name  # (attempt 1's is there: kept)
+        'steps.attempt-2.csv'
+        >>> log = csv.with_name("steps.jsonl")
+        >>> _ = log.write_text('{"step": 1}\\n{"step": 2}\\n', encoding="utf-8")
+        >>> set_aside(log, 1, header=False)[0].read_text(encoding="utf-8")
+        '{"step": 2}\\n'
+    """
+    lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
+    head, rows = (lines[:1], lines[1:]) if header else ([], lines)
+    step_of = _csv_step if header else _record_step
+    after = [row for row in rows if row.endswith(b"\n") and (step_of(row) or 0) > step]
+    if not after:
+        return None
+    attempt = 1
+    while (copy := path.with_name(f"{path.stem}.attempt-{attempt}{path.suffix}")).exists():
+        attempt += 1
+    replace_atomically(copy, b"".join([*head, *after]))
+    return copy, len(after)
+
+
 def require(package: str, flag: str) -> None:
     """Raise :class:`InputError` (one line, naming the extra) unless ``package`` can be imported.
 
@@ -927,6 +1010,7 @@ class TensorBoardSink:
 
         purge_step = None if keep_through is None else keep_through + 1
         self._writer = SummaryWriter(str(log_dir), purge_step=purge_step)
+        self._last = 0  # the highest step written
 
     @staticmethod
     def require() -> None:
@@ -952,6 +1036,20 @@ class TensorBoardSink:
             if value is not None:
                 self._writer.add_scalar(f"train/{name}", value, record.step)
         self._writer.add_scalar("train/skipped", float(record.skipped), record.step)
+        self._last = max(self._last, record.step)
+
+    def begin_again(self, step: int) -> str | None:
+        """The loop began again from ``step`` (a Hugging Face ``auto_find_batch_size`` retry): a
+        restart marker at ``step + 1``, as a resume's (``purge_step``), so TensorBoard drops the
+        abandoned attempt's steps after ``step``. A line that says so, or ``None`` when none was written."""
+        if self._last <= step:
+            return None
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        self._writer._get_file_writer().add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
+        dropped, self._last = steps_from(step + 1, self._last), step
+        return f"TensorBoard drops the abandoned attempt's {dropped} (a restart marker at step {step + 1})"
 
     def close(self) -> None:
         self._writer.close()

@@ -92,6 +92,31 @@ def test_a_sink_continuing_a_run_by_its_id_forks_only_when_the_steps_are_there(t
     assert on.run_id == again.run_id and steps_of(client, again.run_id) == [1, 2, 3, 4]
 
 
+def test_a_loop_that_begins_again_forks_the_run_at_its_step_and_ends_the_old_one_failed(tmp_path):
+    """``begin_again(step)`` (what ``AmpGuardCallback`` calls at a Hugging Face retry): the steps
+    sent after ``step``, the one still held back included, stay in the old run, ended FAILED; the
+    new run holds the history through ``step`` and the steps written next. Nothing sent after the
+    step: no fork."""
+    sink = MLflowSink(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="own")
+    for n in (1, 2, 3):
+        sink.write(step(n))  # (3 is held back until the next write or a flush)
+    assert sink.begin_again(3) is None
+    first = sink.run_id
+    with pytest.warns(ForkedRunWarning, match=rf"^MLflow run {first} already holds step 2"):
+        said = sink.begin_again(1)
+    assert said == (f"MLflow run {first} keeps the abandoned attempt's steps 2-3 and ends FAILED: this attempt goes "
+                    f"on in a new run {sink.run_id} (the history through step 1)")
+    for n in (2, 3):
+        sink.write(StepLog(n, lr=0.1, loss=10.0 * n, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0))
+    sink.close()
+    client = sink.client
+    assert {m.step: m.value for m in client.get_metric_history(sink.run_id, "train/loss")} == {1: 1.0, 2: 20.0, 3: 30.0}
+    assert {m.step: m.value for m in client.get_metric_history(first, "train/loss")} == {1: 1.0, 2: 2.0, 3: 3.0}
+    old, new = client.get_run(first), client.get_run(sink.run_id)
+    assert old.info.status == "FAILED" and old.data.tags[SUPERSEDED_BY_TAG] == sink.run_id
+    assert new.info.status == "FINISHED" and new.data.tags[RESUMED_AT_TAG] == "1"
+
+
 def test_a_run_refused_after_its_tracker_opened_ends_the_mlflow_run_failed(tmp_path, monkeypatch):
     # the tracker sinks open first (a store that refuses does so before a resume cuts a log); a
     # file sink refused after them left the MLflow run RUNNING until the process exited

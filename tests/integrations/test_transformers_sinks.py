@@ -250,6 +250,80 @@ def test_the_callbacks_files_are_the_artifacts_a_retrys_rows_among_them(tmp_path
     assert uploaded == {"steps.csv", "steps.attempt-1.csv", "events.jsonl", "summary.json", "RUN.md"}
 
 
+def _in_order(pairs, expected):
+    """Whether ``(step, value)`` pairs are ``expected``'s items, in order, one a step."""
+    return [step for step, _ in pairs] == list(expected) and [v for _, v in pairs] == pytest.approx(list(expected.values()))
+
+
+def test_after_an_auto_find_batch_size_retry_each_sink_holds_the_new_attempts_steps_once(tmp_path, monkeypatch):
+    # HF begins the loop again with a smaller batch after an out-of-memory at step 3: the sinks
+    # had the abandoned attempt's steps 1-2. The CSV moves them aside; so does each sink, as it can
+    import glob
+    import json
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ampguard.integrations.trackers import ForkedRunWarning, WandbSink
+    from ampguard.sinks import JsonlSink, TensorBoardSink
+
+    wandb = pytest.importorskip("wandb")
+    from test_trackers import wandb_run
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb.teardown()  # (a W&B set up earlier in this process keeps its settings)
+    mlflow, jsonl = _sink(tmp_path), JsonlSink(tmp_path / "steps.jsonl")
+    sinks = [mlflow, WandbSink(project="hf", mode="offline", dir=tmp_path), TensorBoardSink(tmp_path / "tb"), jsonl]
+    first = mlflow.run_id
+    trainer = _trainer(tmp_path, AmpGuardCallback(sinks=sinks, print_fn=lambda line: None), steps=4,
+                       auto_find_batch_size=True)
+    forwards = [0]
+
+    def out_of_memory(module, args, kwargs):
+        forwards[0] += 1
+        if kwargs["input_ids"].shape[0] > 2 and forwards[0] > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB (a stand-in)")
+
+    trainer.model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+    with pytest.warns(ForkedRunWarning, match=f"MLflow run {first} already holds step 1: continuing in a new run"):
+        trainer.train()
+    wandb.teardown()  # (W&B's service completes the run file)
+    assert (trainer.state.global_step, trainer.state.train_batch_size) == (4, 2)
+    folder = tmp_path / "out" / "ampguard"
+    loss = lambda path: {int(row["step"]): float(row["loss"]) for row in read_rows(path)}  # noqa: E731
+    kept, aside = loss(folder / "steps.csv"), loss(folder / "steps.attempt-1.csv")
+    assert sorted(kept) == [1, 2, 3, 4] and sorted(aside) == [1, 2] and kept[1] != aside[1]
+    retry, again = [e for e in map(json.loads, (folder / "events.jsonl").read_text().splitlines())
+                    if e["event"] == "retry"]  # (HF tries a batch of 3, then 2)
+    assert retry["message"].endswith(
+        f"; its 2 rows moved to steps.attempt-1.csv; the LR schedule and the monitor start afresh; MLflow run {first} "
+        f"keeps the abandoned attempt's steps 1-2 and ends FAILED: this attempt goes on in a new run {mlflow.run_id} "
+        f"(the history through step 0); W&B run {sinks[1].run.id} keeps the abandoned attempt's steps 1-2 (W&B cannot "
+        "rewrite a logged step): this attempt's go there from step 3; TensorBoard drops the abandoned attempt's steps "
+        "1-2 (a restart marker at step 1); steps.jsonl's 2 rows after it moved to steps.attempt-1.jsonl")
+    assert again["message"].endswith("start afresh; W&B run {} keeps the abandoned attempt's steps 1-2 (W&B cannot "
+                                     "rewrite a logged step): this attempt's go there from step 3".format(sinks[1].run.id))
+    # MLflow: the new run holds the CSV's steps once; the old one the abandoned attempt's, ended FAILED
+    assert _in_order([(m.step, m.value) for m in mlflow.client.get_metric_history(mlflow.run_id, "train/loss")],
+                     kept)  # (one value a step: a second, the abandoned attempt's, would be there too)
+    new = mlflow.client.get_run(mlflow.run_id)
+    assert new.info.status == "FINISHED" and new.data.tags["ampguard.resumed_from"] == first
+    old = mlflow.client.get_run(first)
+    assert old.info.status == "FAILED" and old.data.tags["ampguard.superseded_by"] == mlflow.run_id
+    assert {m.step: m.value for m in mlflow.client.get_metric_history(first, "train/loss")} == pytest.approx(aside)
+    # JSON lines: as the CSV
+    steps = lambda path: [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())]  # noqa: E731
+    assert _in_order(steps(tmp_path / "steps.jsonl"), kept) and _in_order(steps(tmp_path / "steps.attempt-1.jsonl"), aside)
+    # TensorBoard: the abandoned steps dropped by the marker
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert _in_order([(e.step, e.value) for e in events.Scalars("train/loss")], kept)
+    # W&B keeps what it holds: the abandoned attempt's steps 1-2, then this attempt's
+    (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))]
+    assert {step: row["train/loss"] for step, row in logged.history.items()} == pytest.approx({**kept, **aside})
+    assert logged.exit_code == 0
+
+
 def test_a_full_disk_at_the_end_still_ends_the_sinks(tmp_path, monkeypatch):
     import errno
 

@@ -414,6 +414,37 @@ def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path):
     assert [e.step for e in events.Scalars("train/skipped")] == [1, 2, 3, 4, 5]
 
 
+def test_a_loop_that_begins_again_sets_the_steps_after_it_aside_in_each_file(tmp_path):
+    # a Hugging Face auto_find_batch_size retry, in one process: the steps after the one the loop
+    # began again from are the abandoned attempt's; each file then holds the new attempt's once
+    sinks = [CsvSink(tmp_path / "steps.csv"), JsonlSink(tmp_path / "steps.jsonl"),
+             *([TensorBoardSink(tmp_path / "tb")] if HAS_TENSORBOARD else [])]
+    for sink in sinks:
+        for step in (1, 2, 3):
+            sink.write(applied(step, loss=1.0))
+    assert [sink.begin_again(3) for sink in sinks] == [None] * len(sinks)  # (nothing after step 3)
+    said = [sink.begin_again(1) for sink in sinks]
+    assert said[:2] == ["steps.csv's 2 rows after it moved to steps.attempt-1.csv",
+                        "steps.jsonl's 2 rows after it moved to steps.attempt-1.jsonl"]
+    assert said[2:] == ["TensorBoard drops the abandoned attempt's steps 2-3 (a restart marker at step 2)"][:len(said) - 2]
+    for sink in sinks:
+        for step in (2, 3, 4):  # (CsvSink refused step 2 after step 3 before: each row's step follows the last)
+            sink.write(applied(step, loss=2.0))
+        assert sink.begin_again(4) is None
+        sink.close()
+    lines = lambda name: [(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / name).read_text().splitlines())]  # noqa: E731
+    assert lines("steps.jsonl") == [(1, 1.0), (2, 2.0), (3, 2.0), (4, 2.0)]
+    assert lines("steps.attempt-1.jsonl") == [(2, 1.0), (3, 1.0)]
+    rows = lambda name: [(int(r["step"]), float(r["loss"])) for r in read_rows(tmp_path / name)]  # noqa: E731
+    assert rows("steps.csv") == lines("steps.jsonl") and rows("steps.attempt-1.csv") == lines("steps.attempt-1.jsonl")
+    if HAS_TENSORBOARD:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 2.0), (4, 2.0)]
+
+
 def test_keep_through_must_be_a_step(tmp_path):
     # keep_through=-5 kept no row: every row of the CSV was cut
     path = tmp_path / "s.csv"

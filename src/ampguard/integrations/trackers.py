@@ -32,7 +32,9 @@ sink that finds the steps it is about to log already there forks (:meth:`MLflowS
 new MLflow run with the old one's history up to the checkpoint's step, the old run tagged as
 superseded and left as it was. W&B's rewind (``wandb.init(resume_from=...)``) is a private
 preview, online only: not used; the W&B run keeps the set-aside values for those steps (README,
-"W&B and MLflow").
+"W&B and MLflow"). A loop that begins again in the same process (a Hugging Face
+``auto_find_batch_size`` retry) says so with :meth:`TrackerSink.begin_again`: MLflow forks the
+same way, W&B keeps the abandoned attempt's steps.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from urllib.parse import urlparse
 from ..errors import ExitCode, InputError, first_line
 from ..monitor import HEALTH_VERDICTS
 from ..records import SKIP_REASONS, StepRecord
-from ..sinks import NONE_WRITTEN, DiskFull, require
+from ..sinks import NONE_WRITTEN, DiskFull, require, steps_from
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -168,6 +170,7 @@ class TrackerSink:
         self._pending: tuple[int, dict[str, float]] | None = None
         self._finish_later = finish_later
         self._ended = False
+        self._sent = 0  # the highest step this sink sent
 
     @property
     def where(self) -> str:
@@ -188,6 +191,14 @@ class TrackerSink:
         for event in events:
             self._event(event.as_dict())
         self._flush()
+
+    def begin_again(self, step: int) -> str | None:
+        """The loop began again from ``step`` (a Hugging Face ``auto_find_batch_size`` retry):
+        the steps after it this sink sent are an abandoned attempt's, and the new attempt's come
+        next. MLflow forks (:meth:`MLflowSink._fork`), W&B keeps them (it cannot rewrite a step).
+        A line that says which, or ``None`` when this sink sent no step after ``step``."""
+        self._flush()
+        return self._begin_again(step) if self._sent > step else None
 
     def close(self) -> None:
         self._flush()
@@ -214,6 +225,7 @@ class TrackerSink:
         if self._pending is not None and not self._ended:
             step, row = self._pending
             self._log(step, row)
+            self._sent = max(self._sent, step)
         self._pending = None
 
     def _end(self, exit_code: int) -> None:
@@ -238,6 +250,9 @@ class TrackerSink:
 
     # -- what each tracker does
     def _log(self, step: int, row: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def _begin_again(self, step: int) -> str:
         raise NotImplementedError
 
     def _event(self, event: dict[str, Any]) -> None:
@@ -319,6 +334,13 @@ class WandbSink(TrackerSink):
     def _log(self, step: int, row: dict[str, float]) -> None:
         if step >= self._first:  # W&B refuses (with a warning) a step it already holds
             self.run.log(row, step=step)
+
+    def _begin_again(self, step: int) -> str:
+        """W&B cannot rewrite a step it holds: the abandoned attempt's stay, the new attempt's
+        are sent from the step after them (not one refusal warning per step before)."""
+        self._first = self._sent + 1
+        return (f"W&B run {getattr(self.run, 'id', '?')} keeps the abandoned attempt's {steps_from(step + 1, self._sent)} "
+                f"(W&B cannot rewrite a logged step): this attempt's go there from step {self._first}")
 
     def _event(self, event: dict[str, Any]) -> None:
         kind = str(event.get("event"))
@@ -473,6 +495,16 @@ class MLflowSink(TrackerSink):
         warnings.warn(f"MLflow run {old.info.run_id} already holds step {through + 1}: continuing in a new run {new} "
                       f"(its history through step {through}; MLflow cannot delete logged values); sink.run_id is "
                       "the new one", ForkedRunWarning, stacklevel=3)
+
+    def _begin_again(self, step: int) -> str:
+        """Fork (:meth:`_fork`): a new run with the history through ``step``; the old one, the
+        abandoned attempt's, ends FAILED (it ran out of memory) with ``ampguard.superseded_by``."""
+        self._wait()  # (the history read below holds every step sent)
+        old, sent = self.run_id, self._sent
+        self._fork(step, "FAILED")
+        self._sent = step
+        return (f"MLflow run {old} keeps the abandoned attempt's {steps_from(step + 1, sent)} and ends FAILED: "
+                f"this attempt goes on in a new run {self.run_id} (the history through step {step})")
 
     def _log(self, step: int, row: dict[str, float]) -> None:
         import time

@@ -47,7 +47,7 @@ from ..files import replace_atomically
 from ..monitor import DEFAULT_MIN_STEPS, RunMonitor
 from ..precision import Precision
 from ..records import SkipLog, StepLog, StepRecord
-from ..sinks import CsvSink, Sink
+from ..sinks import CsvSink, Sink, set_aside
 from ..step import Guard, holds_gradients
 from .accelerate import _inner, found_inf
 
@@ -175,7 +175,6 @@ class AmpGuardCallback(TrainerCallback):
         self.crash: BaseException | None = None  # the error that ended train(), if one did (GuardedTrainer)
         self._ended = False  # run_end and summary.json written
         self._batch: int | None = None  # the train batch size of this train()'s last attempt (auto_find_batch_size)
-        self._attempts = 0  # the attempts auto_find_batch_size began again (their rows: steps.attempt-N.csv)
         self._given: list[Sink] = []  # the sinks this train() was given (every process: refused to a later one)
         self._serving: list[Sink] = []  # those it writes and its end ends (process 0's)
 
@@ -275,8 +274,7 @@ class AmpGuardCallback(TrainerCallback):
             folder = self.out_dir or Path(args.output_dir) / "ampguard"
             folder.mkdir(parents=True, exist_ok=True)
             if retry:
-                self._attempts += 1
-                kept = _keep_attempt(folder / CSV_NAME, state.global_step, self._attempts)
+                kept = set_aside(folder / CSV_NAME, state.global_step, header=True)
             # a resume appends (the CSV cut after the checkpoint's step); a fresh run refuses an existing file
             goes_on = resume is not None or retry
             self._csv = CsvSink(folder / CSV_NAME, append=goes_on,
@@ -285,11 +283,14 @@ class AmpGuardCallback(TrainerCallback):
             self.out_dir = folder
         if retry:
             aside = f"; its {counted(kept[1], 'row')} moved to {kept[0].name}" if kept is not None else ""
+            # the sinks this train() serves hold the abandoned attempt's steps too: each sets them aside as it can
+            sinks = [note for sink in self._serving if hasattr(sink, "begin_again")
+                     and (note := sink.begin_again(state.global_step)) is not None]
             self._emit({"step": state.global_step, "event": "retry", "message": (
                 f"the training loop began again at step {state.global_step} with a train batch size of "
                 f"{state.train_batch_size} (auto_find_batch_size, after an out-of-memory); HF keeps the weights "
                 f"the attempt before left (and its optimizer state, unless it reloads a checkpoint's){aside}; "
-                "the LR schedule and the monitor start afresh")}, "RETRY")
+                "the LR schedule and the monitor start afresh" + "".join(f"; {note}" for note in sinks))}, "RETRY")
         # the sinks this train() serves, once its files are open (a train() refused before, "steps.csv
         # already exists", took none: the next one's are not ended for it)
         self._given = list(self.sinks)
@@ -451,39 +452,6 @@ class AmpGuardCallback(TrainerCallback):
                 f"the Trainer applied a non-finite gradient (norm {post}): no loss scaler skips it; the "
                 "weights are now non-finite (GuardedTrainer would have skipped the step)")}, "ALERT")
         return StepLog(**common, grad_l2_post_clip=post)
-
-
-def _keep_attempt(csv: Path, step: int, attempt: int) -> tuple[Path, int] | None:
-    """The rows of ``csv`` after ``step`` (an attempt ``auto_find_batch_size`` began again from
-    there), copied with the header to ``steps.attempt-<attempt>.csv`` beside it before they are cut:
-    their updates are in the weights HF goes on with. ``(path, rows)``, or ``None`` when there are none.
-
-    Example::
-
-        >>> import tempfile
-        >>> csv = Path(tempfile.mkdtemp()) / "steps.csv"
-        >>> _ = csv.write_text("step,lr\\n1,0.1\\n2,0.1\\n", encoding="utf-8")
-        >>> path, rows = _keep_attempt(csv, 0, 1)
-        >>> path.name, rows, path.read_text(encoding="utf-8")
-        ('steps.attempt-1.csv', 2, 'step,lr\\n1,0.1\\n2,0.1\\n')
-        >>> _keep_attempt(csv, 2, 2) is None
-        True
-        >>> _keep_attempt(csv, 0, 1)[0].name  # (attempt 1's file is there: another process's)
-        'steps.attempt-2.csv'
-        >>> _ = csv.write_text("", encoding="utf-8"); _keep_attempt(csv, 0, 3) is None
-        True
-    """
-    lines = csv.read_text(encoding="utf-8").split("\n") if csv.is_file() else []
-    rows = [line for line in lines[1:-1] if line.partition(",")[0].isdigit()]  # (whole rows: a torn last one left)
-    after = [row for row in rows if int(row.partition(",")[0]) > step]
-    if not after:
-        return None
-    target = csv.with_name(f"{csv.stem}.attempt-{attempt}{csv.suffix}")
-    while target.exists():  # (an earlier process's retries: never overwritten)
-        attempt += 1
-        target = csv.with_name(f"{csv.stem}.attempt-{attempt}{csv.suffix}")
-    replace_atomically(target, "".join(f"{line}\n" for line in [lines[0], *after]))
-    return target, len(after)
 
 
 def _scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
