@@ -265,7 +265,7 @@ def test_after_an_auto_find_batch_size_retry_each_sink_holds_the_new_attempts_st
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from ampguard.integrations.trackers import ForkedRunWarning, WandbSink
-    from ampguard.sinks import JsonlSink, TensorBoardSink
+    from ampguard.sinks import CsvSink, JsonlSink, TensorBoardSink
 
     wandb = pytest.importorskip("wandb")
     from test_trackers import wandb_run
@@ -273,7 +273,8 @@ def test_after_an_auto_find_batch_size_retry_each_sink_holds_the_new_attempts_st
     monkeypatch.setenv("WANDB_SILENT", "true")
     wandb.teardown()  # (a W&B set up earlier in this process keeps its settings)
     mlflow, jsonl = _sink(tmp_path), JsonlSink(tmp_path / "steps.jsonl")
-    sinks = [mlflow, WandbSink(project="hf", mode="offline", dir=tmp_path), TensorBoardSink(tmp_path / "tb"), jsonl]
+    sinks = [mlflow, WandbSink(project="hf", mode="offline", dir=tmp_path), TensorBoardSink(tmp_path / "tb"), jsonl,
+             CsvSink(tmp_path / "mine.csv")]  # (its steps must increase: it refused the retry's step 1, ending train())
     first = mlflow.run_id
     trainer = _trainer(tmp_path, AmpGuardCallback(sinks=sinks, print_fn=lambda line: None), steps=4,
                        auto_find_batch_size=True)
@@ -300,7 +301,8 @@ def test_after_an_auto_find_batch_size_retry_each_sink_holds_the_new_attempts_st
         f"keeps the abandoned attempt's steps 1-2 and ends FAILED: this attempt goes on in a new run {mlflow.run_id} "
         f"(the history through step 0); W&B run {sinks[1].run.id} keeps the abandoned attempt's steps 1-2 (W&B cannot "
         "rewrite a logged step): this attempt's go there from step 3; TensorBoard drops the abandoned attempt's steps "
-        "1-2 (a restart marker at step 1); steps.jsonl's 2 rows after it moved to steps.attempt-1.jsonl")
+        "1-2 (a restart marker at step 1); steps.jsonl's 2 rows after it moved to steps.attempt-1.jsonl; mine.csv's 2 rows "
+        "after it moved to mine.attempt-1.csv")
     assert again["message"].endswith("start afresh; W&B run {} keeps the abandoned attempt's steps 1-2 (W&B cannot "
                                      "rewrite a logged step): this attempt's go there from step 3".format(sinks[1].run.id))
     # MLflow: the new run holds the CSV's steps once; the old one the abandoned attempt's, ended FAILED
@@ -311,7 +313,8 @@ def test_after_an_auto_find_batch_size_retry_each_sink_holds_the_new_attempts_st
     old = mlflow.client.get_run(first)
     assert old.info.status == "FAILED" and old.data.tags["ampguard.superseded_by"] == mlflow.run_id
     assert {m.step: m.value for m in mlflow.client.get_metric_history(first, "train/loss")} == pytest.approx(aside)
-    # JSON lines: as the CSV
+    # the line files: as the callback's CSV
+    assert loss(tmp_path / "mine.csv") == kept and loss(tmp_path / "mine.attempt-1.csv") == aside
     steps = lambda path: [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())]  # noqa: E731
     assert _in_order(steps(tmp_path / "steps.jsonl"), kept) and _in_order(steps(tmp_path / "steps.attempt-1.jsonl"), aside)
     # TensorBoard: the abandoned steps dropped by the marker
