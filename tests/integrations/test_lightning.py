@@ -9,6 +9,7 @@ logits' gradient during backward).
 from __future__ import annotations
 
 import csv
+import json
 import math
 import sys
 import warnings
@@ -837,23 +838,66 @@ def test_a_second_fit_of_the_same_trainer_goes_on_from_its_global_step():
     assert trainer.global_step == 5 and [r.step for r in plugin.records] == [4, 5] and plugin.guard.steps == 5
 
 
-def test_a_tuner_fit_with_the_csv_plugin_says_so_when_the_real_fit_is_refused(tmp_path):
-    # Tuner.lr_find fits through the plugin: its sweep's steps filled steps.csv, and the user's one
-    # trainer.fit() was refused as "the previous fit's" (one they never called)
+class Tunable(Digits):
+    """Digits with its own loader (a tuner fits without one given) of ``batch_size`` rows."""
+
+    def __init__(self, batch_size=32, **kwargs):
+        super().__init__(**kwargs)
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return loader(batch_size=self.batch_size)
+
+
+def _trail(plugin):
+    """The records' step, skip, lr, loss and scale, exactly (``repr``: a NaN loss equals a NaN loss)."""
+    return [(r.step, r.skipped, repr(float(r.lr)), repr(float(r.loss)), repr(float(r.scaler_scale)))
+            for r in plugin.records]
+
+
+@pytest.mark.parametrize("tune", ["lr_find", "scale_batch_size"])
+def test_a_tuners_sweep_is_guarded_but_recorded_nowhere_and_the_fit_after_it_is_the_plugins_own(tmp_path, tune):
+    # the Tuner fits through the plugin: its sweep's steps (on a model it restores after) filled
+    # steps.csv, moved the guard's step count and loss scale on, and the fit the user then called
+    # was refused as "the previous fit's". Now the sweep writes nothing and the fit after it is the
+    # plugin's first: the same records, scale included (fp16), as a plugin that never saw a tuner
     from lightning.pytorch.tuner import Tuner
 
-    class Tunable(Digits):
-        def train_dataloader(self):
-            return loader()
+    from ampguard.sinks import JsonlSink
 
-    module, plugin = Tunable(), AmpGuardPlugin("bf16-mixed", csv=tmp_path / "steps.csv")
-    trainer = L.Trainer(plugins=[plugin], max_epochs=1, accelerator="cpu", devices=1, logger=False,
+    module = Tunable(faults=["inf_grad@2"])  # (the sweep's step 2 too: a skip that halves the scale)
+    plugin = AmpGuardPlugin("16-mixed", csv=tmp_path / "steps.csv", sinks=[JsonlSink(tmp_path / "steps.jsonl")])
+    trainer = L.Trainer(plugins=[plugin], max_steps=3, accelerator="cpu", devices=1, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
-    Tuner(trainer).lr_find(module, num_training=5)
-    assert len(rows(tmp_path / "steps.csv")) == 5  # the sweep's steps, guarded and recorded
-    with pytest.raises(ValueError, match=r"\(that fit was the Tuner's: lr_find and scale_batch_size fit through the "
-                                         r"plugin, .*tune with a Trainer whose plugin has no csv or sinks\)"):
-        trainer.fit(module)
+    if tune == "lr_find":
+        Tuner(trainer).lr_find(module, num_training=16)
+    else:
+        Tuner(trainer).scale_batch_size(module, steps_per_trial=2, max_trials=2)
+    assert not (tmp_path / "steps.csv").exists() and plugin.guard is None and trainer.global_step == 0
+    trainer.fit(module)
+    reference = AmpGuardPlugin("16-mixed")
+    fit(Tunable(batch_size=module.batch_size, lr=module.lr, faults=["inf_grad@2"]), reference, steps=3,
+        data=loader(batch_size=module.batch_size))
+    assert (module.lr, module.batch_size) != (0.5, 32)  # (what the tuner found: the fit trains with it)
+    assert _trail(plugin) == _trail(reference) and plugin.records[1].reason == "non_finite_grad"
+    assert [int(r["step"]) for r in rows(tmp_path / "steps.csv")] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_tuner_callback_in_the_fit_leaves_the_fit_its_own_steps_and_scheduler_hold():
+    # LearningRateFinder in the fit: its sweep trains first, on the fit's plugin; the fit's records
+    # then began at the sweep's step count, and the guard held the sweep's schedule on a skip,
+    # not the fit's own (its hook was made for the configs of the sweep)
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    module, plugin, finder = Tunable(faults=["nan_loss@2"]), AmpGuardPlugin("bf16-mixed"), \
+        LearningRateFinder(num_training_steps=16)
+    trainer = fit(module, plugin, steps=3, data=loader(), callbacks=[finder])
+    assert trainer.global_step == 3 and len(finder.optimal_lr.results["lr"]) == 16  # (the sweep's steps)
+    reference = AmpGuardPlugin("bf16-mixed")
+    fit(Tunable(lr=plugin.records[0].lr, faults=["nan_loss@2"]), reference, steps=3)
+    assert _trail(plugin) == _trail(reference)
+    assert plugin.records[1].skipped and plugin.records[1].lr == plugin.records[2].lr  # (held on the skip)
 
 
 class SometimesNone(Digits):

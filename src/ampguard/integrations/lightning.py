@@ -61,7 +61,7 @@ try:
     from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
     from lightning.pytorch.trainer.states import TrainerStatus
     from lightning.pytorch.utilities import GradClipAlgorithmType
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
+    from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
     from lightning.pytorch.utilities.model_helpers import is_overridden
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 except ImportError as err:  # pragma: no cover - the extra is installed in the test environment
@@ -153,7 +153,9 @@ class AmpGuardPlugin(_LightningPrecision):
 
     A resume (``fit(ckpt_path=...)``) restores the guard's state from the checkpoint; a checkpoint
     without it (saved by a fit without the plugin) goes on numbering steps from its
-    ``global_step``, with a warning that the loss scale and the monitor start afresh.
+    ``global_step``, with a warning that the loss scale and the monitor start afresh. A tuner's
+    sweep (``lr_find``, ``scale_batch_size``: a ``Tuner``'s, or its callback in the fit) is
+    guarded but recorded nowhere, and the guard goes back with the model the tuner restores.
 
     After a fit: :attr:`guard` (the :class:`~ampguard.Guard`: ``steps``, ``updates``, ``scaler``),
     :attr:`monitor`, :attr:`records` (the last ``keep_records`` records), :attr:`stop_reason`.
@@ -224,7 +226,7 @@ class AmpGuardPlugin(_LightningPrecision):
         self._fitting: pl.Trainer | None = None  # the fit under way (past connect's checks): teardown ends it
         self._closed: list[Sink] = []  # the user's sinks a fit's teardown closed: a later fit refuses them
         self._csv_fits: set[str] = set()  # the CSVs of the fits begun: a later fit refuses them unless it resumes
-        self._tuned = False  # the last fit begun ran a Tuner's callback (its sweep is a fit of its own)
+        self._tuned = False  # the fit under way has a tuner's callback (lr_find, scale_batch_size): see _sweeping
         self._minimums: tuple[Any, Any] | None = None  # the Trainer's (min_epochs, min_steps), set aside by a stop
 
     # ------------------------------------------------------------------ setup
@@ -250,11 +252,8 @@ class AmpGuardPlugin(_LightningPrecision):
                                  f"this fit new sinks (plugin.extra_sinks = [...]) or a new AmpGuardPlugin")
             if self.csv is not None and os.path.abspath(self.csv) in self._csv_fits and trainer.ckpt_path is None:
                 # on every rank alike, as the sinks' refusal (not the InputError of a file found on rank 0)
-                tuned = (" (that fit was the Tuner's: lr_find and scale_batch_size fit through the plugin, and their "
-                         "sweep's steps are recorded like any fit's; tune with a Trainer whose plugin has no csv or "
-                         "sinks)" if self._tuned else "")
                 raise ValueError(f"AmpGuardPlugin: csv={str(self.csv)!r} was the previous fit's with this plugin "
-                                 f"(one fit per plugin){tuned}; give this fit a new AmpGuardPlugin with a new csv path, "
+                                 f"(one fit per plugin); give this fit a new AmpGuardPlugin with a new csv path, "
                                  f"or resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
             self._tuned = any(isinstance(cb, _TUNERS) for cb in trainer.callbacks)
             # a new fit has new optimizers (configure_optimizers ran again): a new guard at its first
@@ -425,13 +424,15 @@ class AmpGuardPlugin(_LightningPrecision):
         ``min_epochs`` a guard's stop set aside, and close the sinks (the run's rows are all
         flushed); a tracker sink's run gets the fit's totals and ends with its exit code
         (:meth:`_exit_code`), as ``ampguard train`` ends it."""
-        if self._hooked is not None:
-            self._hooked.__dict__.pop("lr_scheduler_step", None)
-            self._hooked = None
-        for config, frequency in self._frequencies:
-            config.frequency = frequency
-        self._frequencies = []
+        self._unhook()
         trainer, self._fitting = self._fitting, None
+        if trainer is not None and self._sinks is None and isinstance(sys.exc_info()[1], _TunerExitException):
+            # the Tuner's own fit (Tuner.lr_find / scale_batch_size: its sweep, then an early exit) recorded
+            # nothing: the csv and the sinks are left to the fit that trains
+            if self.csv is not None:
+                self._csv_fits.discard(os.path.abspath(self.csv))
+            super().teardown()
+            return
         if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED:  # (FINISHED comes after)
             self._judge_end()
         if trainer is not None and self._minimums is not None:
@@ -457,6 +458,16 @@ class AmpGuardPlugin(_LightningPrecision):
             rank_zero_warn(f"AmpGuardPlugin: closing the sinks raised: {later!r}")
         finally:
             super().teardown()
+
+    def _unhook(self) -> None:
+        """Give the module its own ``lr_scheduler_step`` and the configs their ``frequency`` back
+        (:meth:`_hook_schedulers`)."""
+        if self._hooked is not None:
+            self._hooked.__dict__.pop("lr_scheduler_step", None)
+            self._hooked = None
+        for config, frequency in self._frequencies:
+            config.frequency = frequency
+        self._frequencies = []
 
     def _judge_end(self) -> None:
         """A fit that ended by itself: the monitor judges it whole once (a fit too short to arm
@@ -592,9 +603,13 @@ class AmpGuardPlugin(_LightningPrecision):
             raise ValueError("AmpGuardPlugin clips to max_norm itself; gradient_clip_val / clip_gradients must be unset")
 
     def _record(self, record: StepLog | SkipLog, module: pl.LightningModule) -> None:
-        """One record per optimizer step: sinks (rank 0), monitor, ``self.log``, the scheduler hold."""
-        self._hold = bool(record.skipped)
+        """One record per optimizer step: sinks (rank 0), monitor, ``self.log``, the scheduler hold.
+        A tuner's trial step (:meth:`_sweeping`) is guarded but recorded nowhere."""
         trainer = module.trainer
+        if self._sweeping(trainer):
+            self._hold = False  # (the sweep's schedule, lr_find's, steps every step)
+            return
+        self._hold = bool(record.skipped)
         self._count_held(trainer, self._hold)
         if self._sinks is None:
             self._sinks = self._open_sinks(trainer)
@@ -626,6 +641,14 @@ class AmpGuardPlugin(_LightningPrecision):
             metrics[f"{prefix}skipped"] = float(record.skipped)
             metrics["ampguard/skip_rate"] = self.monitor.skip_rate
             module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def _sweeping(self, trainer: pl.Trainer) -> bool:
+        """Whether a tuner's sweep is running: ``lr_find`` and ``scale_batch_size`` (a Tuner's, or
+        their callbacks in a fit) train trial steps, then restore the checkpoint they saved before
+        (:meth:`load_state_dict` rewinds the guard). For the sweep Lightning swaps the Trainer's
+        callbacks for its own (none, or lr_find's ``_LRCallback``): the tuner's callback, there
+        when the fit began, is gone from them until the sweep ends."""
+        return self._tuned and not any(isinstance(cb, _TUNERS) for cb in trainer.callbacks)
 
     def _stop(self, trainer: pl.Trainer) -> str:
         """Stop the fit after this step, as ``ampguard train`` stops at a guard's failure.
@@ -661,8 +684,10 @@ class AmpGuardPlugin(_LightningPrecision):
     def state_dict(self) -> dict[str, Any]:
         """The guard's state (scaler, step and update counters, the monitor), once it exists."""
         held = {"held_batches": list(self._held_batches)} if self._held_batches is not None else {}
-        if self.guard is None:  # (a resumed fit saving before its first backward: what it loaded)
-            return {**self._loaded, **held} if self._loaded else {}
+        if self.guard is None:  # before the fit's first backward: what a resume loaded, or that there was
+            # nothing yet (never {}: Lightning neither saves nor restores an empty state, and a tuner restoring
+            # the checkpoint it saved here must rewind the guard its sweep built: load_state_dict)
+            return {**self._loaded, **held} if self._loaded else {_BEFORE_FIRST_STEP: True, **held}
         guard = self.guard
         # Lightning may save inside an accumulation group (validation or a callback between micro-
         # batches): the state at the last boundary is the one to save, with the Trainer's
@@ -673,14 +698,24 @@ class AmpGuardPlugin(_LightningPrecision):
         """Restored when Lightning resumes (``ckpt_path``); the CSV then appends after its step.
         Outside a fit (``trainer.validate/test/predict(ckpt_path=...)``, for which Lightning
         restores it too) it is left alone: :attr:`guard`, :attr:`monitor` and :attr:`records`
-        stay the last fit's."""
-        if not state_dict or self._fitting is None:
+        stay the last fit's.
+
+        Mid-fit (a guard built: a tuner restoring the checkpoint it saved before its sweep, which
+        :meth:`_record` recorded nowhere) the sweep's guard goes, its steps, scale, monitor and
+        scheduler hook with it, and the next backward builds the fit's own from this state (or
+        afresh when it holds none: saved before the fit's first step), as a resume does."""
+        if self._fitting is None:
+            return
+        if self.guard is not None:
+            self._unhook()
+            self.guard, self.monitor, self._loaded, self._held_batches, self._hold = None, None, None, None, False
+        if not state_dict:
             return
         self._loaded = dict(state_dict)
         held = self._loaded.pop("held_batches", None)  # (a checkpoint of an older plugin has none: _setup)
         self._held_batches = (int(held[0]), int(held[1])) if held is not None else None
-        if self.guard is not None:
-            self.guard.load_state_dict(self._loaded)
+        if self._loaded.pop(_BEFORE_FIRST_STEP, False):
+            self._loaded = None  # (the guard starts afresh)
 
 
 def _loggers_write_now(trainer: pl.Trainer) -> bool:
@@ -689,6 +724,9 @@ def _loggers_write_now(trainer: pl.Trainer) -> bool:
     logs reaches no logger, so the plugin logs only on these."""
     return bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True))
 
+
+_BEFORE_FIRST_STEP = "before_first_step"
+"""The state a checkpoint saved before the fit's first step holds (:meth:`AmpGuardPlugin.state_dict`)."""
 
 _TUNERS = (LearningRateFinder, BatchSizeFinder)
 """Lightning's tuner callbacks (``Tuner.lr_find``, ``Tuner.scale_batch_size``, or given as
