@@ -263,6 +263,16 @@ class _Read(NamedTuple):
     scaling: list[float]
 
 
+class _Owed(NamedTuple):
+    """A close past its decision, until the step is settled (:meth:`Guard._finish_group`): what
+    :meth:`Guard._dropped` still owes the step if the user's code raises now (an optimizer's
+    step or hook, a scheduler). ``settled``: ``scaler.update()`` ran, only the schedulers are left."""
+
+    names: tuple[str, ...]
+    skipped: tuple[str, ...]
+    settled: bool
+
+
 def _finite_seed(mark: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
     """The loss checked before backward: the backward's seed, 1.0 (what ``backward()`` seeds
     with) for a finite loss (``mark`` 0), 0.0 for a non-finite one (``mark`` NaN), so the loss's
@@ -554,7 +564,7 @@ class Guard:
         self._grads_made = False  # the open group's backwards made a gradient (its later ones must find it)
         self._stepped: tuple[str, ...] | None = None  # inside a close: the optimizers that stepped
         self._tail_found: torch.Tensor | None = None  # inside a sync-free close: the tail's skip flag
-        self._owed: tuple[Any, ...] | None = None  # inside a close: (names, skipped, settled: the scale updated)
+        self._owed: _Owed | None = None  # inside a close, past its decision: what a raise leaves owed
         # the first step's forward: did it run under autocast? (_probe_autocast; gone after the first backward)
         self._forward_autocast: torch.dtype | bool | None = None  # (its autocast dtype, False: none)
         self._autocast_probes = _probe_autocast(self, modules) if precision.autocasts else []
@@ -911,7 +921,7 @@ class Guard:
         """
         stepped, self._stepped = self._stepped, None
         owed, self._owed = self._owed, None
-        names, skipped, settled = owed if owed is not None else ((), (), False)
+        names, skipped, settled = owed if owed is not None else _Owed((), (), False)
         if owed is not None and not settled and (stepped or skipped):  # (settled: a scheduler raised after)
             if not skipped and len(stepped) == len(names):  # (every one stepped: a post-hook raised after)
                 self._updates += 1
@@ -1073,7 +1083,7 @@ class Guard:
                 self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         elif factor is not None:
             grads.scale_(factor)
-        self._owed = (names, skipped, False)  # (the user's code raising from here on: _dropped settles the step)
+        self._owed = _Owed(names, skipped, False)  # (the user's code raising from here on: _dropped settles the step)
         self._step_optimizers(applied)
         if not skipped:
             self._updates += 1
@@ -1083,7 +1093,7 @@ class Guard:
         # that stood stays counted, its schedulers not stepped, and a decided skip is taken back)
         self._owed = None
         self.scaler.update()
-        self._owed = (names, skipped, True)  # (settled: a scheduler raising leaves a step that ran)
+        self._owed = _Owed(names, skipped, True)  # (settled: a scheduler raising leaves a step that ran)
         self._step_schedulers(names, applied)
         self._owed = None
         self._zero_grad()
