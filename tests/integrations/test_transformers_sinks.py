@@ -377,3 +377,48 @@ def test_sinks_given_on_a_process_other_than_0_are_refused_to_a_later_train_ther
     with pytest.raises(ValueError, match="were closed when the previous train"):  # (as on process 0: every rank alike)
         _trainer(tmp_path / "again", callback, steps=1, trainer_class=NotZero).train()
     sink.close()
+
+
+@pytest.mark.parametrize("trainer_class", ["GuardedTrainer", "Trainer + callback"])
+def test_each_trial_of_a_hyperparameter_search_has_its_own_files_and_tracker_run(tmp_path, trainer_class):
+    # every trial is a train() with the same callback: the second refused the first's steps.csv
+    # ("already exists") and its closed sinks, so a search with the callback failed at trial 2
+    import contextlib
+    import json
+
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    def model_init(trial=None):
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+
+    made = []
+
+    def sinks(state):  # each trial its own tracker run, named and with its parameters
+        made.append(MLflowSink(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="hpo",
+                               run_name=f"trial {len(made)}", params=state.trial_params))
+        return made[-1:]
+
+    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8), generator=torch.Generator().manual_seed(0))]
+    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, use_cpu=True,
+                             report_to=[], save_strategy="no", bf16=True, disable_tqdm=True)
+    callback = AmpGuardCallback(sinks=sinks, min_steps=0, print_fn=lambda line: None)
+    settings = dict(model_init=model_init, args=args, train_dataset=ids, eval_dataset=ids[:8], callbacks=[callback])
+    guarded = trainer_class == "GuardedTrainer"
+    trainer = NanLossAt(**settings) if guarded else Trainer(**settings)
+    trainer.nan_at = {2}  # (GuardedTrainer's step 2 is a skip; the stock one only watches)
+    space = lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-4, 1e-2, log=True)}  # noqa: E731
+    with contextlib.nullcontext() if guarded else pytest.warns(UserWarning, match="watch"):
+        trainer.hyperparameter_search(hp_space=space, backend="optuna", n_trials=2, direction="minimize")
+    folders = sorted((tmp_path / "out" / "ampguard").iterdir())
+    assert [f.name for f in folders] == ["run-0", "run-1"]  # (HF's names for the trials' run folders)
+    for folder, sink in zip(folders, made, strict=True):
+        rows = read_rows(folder / "steps.csv")
+        run = sink.client.get_run(sink.run_id)
+        assert [r["step"] for r in rows] == ["1", "2", "3"] and float(rows[0]["lr"]) == pytest.approx(
+            float(run.data.params["learning_rate"]))  # (this trial's learning rate, in its own files)
+        if guarded:
+            assert [r["skip_reason"] for r in rows] == ["", "non_finite_loss", ""]
+        assert json.loads((folder / "summary.json").read_text())["steps"] == 3
+        assert run.info.status == "FINISHED" and sorted(_history(sink, "train/skipped")) == [1, 2, 3]

@@ -31,8 +31,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,14 +136,21 @@ class AmpGuardCallback(TrainerCallback):
     when training begins: one :class:`WatchOnlyWarning`.
 
     Args:
-        out_dir: where the files go.
+        out_dir: where the files go; a hyperparameter search's trial (``trainer.hyperparameter_search``,
+            ``train(trial=...)``) writes its own in ``<out_dir>/<run name>``, HF's name for the
+            trial's run folder (``run-<trial number>``, or your ``hp_name``; a stock ``Trainer``
+            does not tell a callback the trial's number: ``hp_name`` there, else the first free
+            ``run-<N>``).
         window, alert_rate, clear_rate, fail_rate, fail_after, min_steps: :class:`RunMonitor`'s settings;
             ``fail_rate=None`` (default) turns fail-fast off.
         print_fn: where ``ALERT``/``FAIL`` lines go (``print`` by default).
         sinks: more sinks for each step's record (process 0 writes them): a ``WandbSink`` or
             ``MLflowSink`` also gets the monitor's view of each step, and at the end of ``train()``
             the totals, the files above as artifacts, and its run ended with :attr:`exit_code`.
-            They serve one ``train()`` (their runs end with it): a later one is refused them.
+            They serve one ``train()`` (their runs end with it): a later one is refused them. Or a
+            function of HF's ``TrainerState`` that gives each ``train()`` its own, each trial of a
+            hyperparameter search among them (``state.trial_name``, ``state.trial_params``,
+            ``state.is_world_process_zero``), called once the callback's files are open.
 
     Example (the callback's monitor without a Trainer)::
 
@@ -153,13 +161,16 @@ class AmpGuardCallback(TrainerCallback):
 
     def __init__(self, out_dir: str | Path | None = None, *, window: int = 1000, alert_rate: float = 0.05,
                  clear_rate: float | None = None, fail_rate: float | None = None, fail_after: int = 100,
-                 min_steps: int = DEFAULT_MIN_STEPS, print_fn: Any = print, sinks: Sequence[Sink] = ()) -> None:
+                 min_steps: int = DEFAULT_MIN_STEPS, print_fn: Any = print,
+                 sinks: Sequence[Sink] | Callable[[Any], Sequence[Sink]] = ()) -> None:
         RunMonitor(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,
                    fail_after=fail_after, min_steps=min_steps)  # bad settings fail here, not at the first step
         self.out_dir = Path(out_dir) if out_dir is not None else None
+        self._home = self.out_dir  # the folder given: a trial's files go in a folder of their own in it
+        self._trial: str | None = None  # GuardedTrainer: HF's run folder name for the trial train() runs (run-N)
         self.window, self.alert_rate, self.clear_rate, self.fail_rate = window, alert_rate, clear_rate, fail_rate
         self.fail_after, self.min_steps, self.print_fn = fail_after, min_steps, print_fn
-        self.sinks = list(sinks)
+        self.sinks = sinks if callable(sinks) else list(sinks)
         self._closed: list[Sink] = []  # the sinks a train()'s end closed: a later train() refuses them
         self.monitor: RunMonitor | None = None
         self.failed = None  # the monitor's failure Event, once a guard stopped the run
@@ -208,6 +219,12 @@ class AmpGuardCallback(TrainerCallback):
         state and the files append: rows after ``step`` (an abandoned future) are cut first."""
         self._resume = (step, monitor_state, source)
 
+    def for_trial(self, name: str | None) -> None:
+        """Called by :class:`GuardedTrainer` before ``train()``: HF's name for the run folder of
+        the hyperparameter-search trial it runs (``run-3``), the name of the callback's folder
+        for it; ``None`` outside a search."""
+        self._trial = name
+
     def crashed(self, error: BaseException) -> None:
         """``train()`` ended with ``error`` (called by :class:`GuardedTrainer`): ``run_end``,
         ``summary.json`` and ``RUN.md`` still say how far the run got and why it ended. Nothing
@@ -237,11 +254,8 @@ class AmpGuardCallback(TrainerCallback):
             (state.train_batch_size or 0) < (self._batch or 0) or resume is not None)
         if self.monitor is not None and not self._ended and not retry:
             self._end_unseen()
-        closed = [s for s in self.sinks if any(s is c for c in self._closed)]
-        if closed:  # before anything is trained: the first step would fail on them
-            raise ValueError(f"AmpGuardCallback: sinks={[type(s).__name__ for s in closed]} were closed when the "
-                             f"previous train() with this callback ended (their tracker runs ended with it); give "
-                             f"this train() new sinks (callback.sinks = [...]) or a new AmpGuardCallback")
+        if not callable(self.sinks):  # (before anything is trained: the first step would fail on them)
+            self._refuse_closed(self.sinks)
         if not self._guarded and state.is_world_process_zero:  # said where a HF user looks, not only in RUN.md
             warnings.warn(WATCH_ONLY, WatchOnlyWarning)
         if self._scaler is None and not self._guarded:  # a stock Trainer: Accelerate's scaler, if any
@@ -272,6 +286,8 @@ class AmpGuardCallback(TrainerCallback):
         kept = None
         if state.is_world_process_zero:
             folder = self.out_dir or Path(args.output_dir) / "ampguard"
+            if state.trial_params is not None and not retry:  # a hyperparameter search's trial: a folder of its own
+                folder = _trial_folder(self._home or Path(args.output_dir) / "ampguard", self._trial or state.trial_name)
             folder.mkdir(parents=True, exist_ok=True)
             if retry:
                 kept = set_aside(folder / CSV_NAME, state.global_step, header=True)
@@ -292,8 +308,10 @@ class AmpGuardCallback(TrainerCallback):
                 f"the attempt before left (and its optimizer state, unless it reloads a checkpoint's){aside}; "
                 "the LR schedule and the monitor start afresh" + "".join(f"; {note}" for note in sinks))}, "RETRY")
         # the sinks this train() serves, once its files are open (a train() refused before, "steps.csv
-        # already exists", took none: the next one's are not ended for it)
-        self._given = list(self.sinks)
+        # already exists", took none: the next one's are not ended for it, nor made)
+        if not retry:
+            self._given = list(self.sinks(state)) if callable(self.sinks) else list(self.sinks)
+            self._refuse_closed(self._given)
         self._serving = self._given if state.is_world_process_zero else []
         if resume is not None:
             step, saved, source = resume
@@ -397,6 +415,14 @@ class AmpGuardCallback(TrainerCallback):
         finally:  # (a file that fails, a full disk, does not leave the sinks' runs open)
             self._end_sinks(self.exit_code, self.ended, self.out_dir if wrote else None)
 
+    def _refuse_closed(self, sinks: Sequence[Sink]) -> None:
+        closed = [s for s in sinks if any(s is c for c in self._closed)]
+        if closed:
+            raise ValueError(f"AmpGuardCallback: sinks={[type(s).__name__ for s in closed]} were closed when the "
+                             f"previous train() with this callback ended (their tracker runs ended with it); give "
+                             f"this train() new sinks (callback.sinks = [...]) or a new AmpGuardCallback (for a "
+                             f"hyperparameter search, sinks=lambda state: [...] makes each trial its own)")
+
     def _end_sinks(self, exit_code: int, ended: str, folder: Path | None) -> None:
         """The sinks this ``train()`` was given are closed to a later one (on every process);
         those it served (process 0's) end with the outcome, ``folder``'s files their artifacts."""
@@ -452,6 +478,27 @@ class AmpGuardCallback(TrainerCallback):
                 f"the Trainer applied a non-finite gradient (norm {post}): no loss scaler skips it; the "
                 "weights are now non-finite (GuardedTrainer would have skipped the step)")}, "ALERT")
         return StepLog(**common, grad_l2_post_clip=post)
+
+
+def _trial_folder(home: Path, name: str | None) -> Path:
+    """The folder of a hyperparameter-search trial's files in ``home``: ``name`` (HF's run folder
+    name for the trial, or ``hp_name``'s; one path part), else the first ``run-<N>`` not there yet.
+
+    Example::
+
+        >>> import tempfile
+        >>> home = Path(tempfile.mkdtemp())
+        >>> _trial_folder(home, "run-3").name, _trial_folder(home, "lr=0.1/b").name
+        ('run-3', 'lr=0.1_b')
+        >>> (home / "run-0").mkdir(); _trial_folder(home, None).name
+        'run-1'
+    """
+    if name:
+        return home / name.replace("/", "_").replace(os.sep, "_")
+    n = 0
+    while (home / f"run-{n}").exists():
+        n += 1
+    return home / f"run-{n}"
 
 
 def _scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
@@ -550,6 +597,10 @@ class GuardedTrainer(Trainer):
         """``Trainer.train``; an error that ends it (a Ctrl-C included) is first written to the
         callback's files (:meth:`AmpGuardCallback.crashed`), then raised as it is."""
         self.guard = None  # each train() builds its guard: at its first step, or from the checkpoint it resumes
+        trial = kwargs.get("trial", args[1] if len(args) > 1 else None)
+        run_dir = getattr(self, "_get_output_dir", None)  # (HF's name for a search trial's run folder: run-N)
+        searching = trial is not None and getattr(self, "hp_search_backend", None) is not None and run_dir is not None
+        self.ampguard.for_trial(Path(run_dir(trial)).name if searching else None)
         try:
             return super().train(*args, **kwargs)
         except BaseException as error:
