@@ -422,3 +422,48 @@ def test_each_trial_of_a_hyperparameter_search_has_its_own_files_and_tracker_run
             assert [r["skip_reason"] for r in rows] == ["", "non_finite_loss", ""]
         assert json.loads((folder / "summary.json").read_text())["steps"] == 3
         assert run.info.status == "FINISHED" and sorted(_history(sink, "train/skipped")) == [1, 2, 3]
+
+
+def test_a_pruned_trial_and_a_train_a_callback_stopped_say_so_and_end_their_runs_finished(tmp_path):
+    # HF calls on_train_end before it raises optuna.TrialPruned: the summary said "finished: 2
+    # steps" of a train() of 3 that the search had pruned, as of one a callback had stopped
+    import json
+
+    from transformers import TrainerCallback
+
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    class AlwaysPrune(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return True
+
+    class StopAt2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    def model_init(trial=None):
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+
+    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
+    for case, sink in (("pruned", _sink(tmp_path)), ("stopped", _sink(tmp_path))):
+        callback = AmpGuardCallback(tmp_path / case, sinks=lambda state, sink=sink: [sink], print_fn=lambda line: None)
+        args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, use_cpu=True,
+                                 report_to=[], save_strategy="no", bf16=True, disable_tqdm=True,
+                                 eval_strategy="steps", eval_steps=2)
+        trainer = GuardedTrainer(model_init=model_init, args=args, train_dataset=ids, eval_dataset=ids[:8],
+                                 callbacks=[callback] + ([StopAt2()] if case == "stopped" else []))
+        if case == "pruned":
+            space = lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-2)}  # noqa: E731
+            with pytest.raises(ValueError, match="No trials are completed"):  # (optuna: no best trial to give)
+                trainer.hyperparameter_search(hp_space=space, backend="optuna", n_trials=1, pruner=AlwaysPrune())
+            summary = json.loads((tmp_path / case / "run-0" / "summary.json").read_text())
+            ended = "pruned by the hyperparameter search after step 2 of 3"
+        else:
+            trainer.train()
+            summary = json.loads((tmp_path / case / "summary.json").read_text())
+            ended = "stopped after step 2 of 3: a callback asked (control.should_training_stop)"
+        run = sink.client.get_run(sink.run_id)
+        assert (summary["ended"], summary["exit_code"], summary["steps"]) == (ended, 0, 2)
+        assert run.info.status == "FINISHED" and run.data.tags["ampguard.ended"] == ended

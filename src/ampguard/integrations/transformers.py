@@ -383,7 +383,7 @@ class AmpGuardCallback(TrainerCallback):
             if self.monitor.failed is not None:
                 self.failed = self.monitor.failed
                 self.ended = f"stopped by a guard at the end of the run (step {self.failed.step}): {self.failed.message}"
-        self.ended = self.ended or f"finished: {counted(self.monitor.steps, 'step')}"
+        self.ended = self.ended or _ended_by_itself(state, control, self.monitor.steps)
         self._finish()
 
     # ---------------------------------------------------------------- helpers
@@ -478,6 +478,32 @@ class AmpGuardCallback(TrainerCallback):
                 f"the Trainer applied a non-finite gradient (norm {post}): no loss scaler skips it; the "
                 "weights are now non-finite (GuardedTrainer would have skipped the step)")}, "ALERT")
         return StepLog(**common, grad_l2_post_clip=post)
+
+
+def _ended_by_itself(state: Any, control: Any, steps: int) -> str:
+    """How a ``train()`` no guard stopped ended, for ``on_train_end``: all its steps, or fewer.
+    HF ends it early when a callback asks (``control.should_training_stop``: an
+    ``EarlyStoppingCallback``, the data running out) and when a hyperparameter search prunes
+    the trial (it calls ``on_train_end``, then raises ``optuna.TrialPruned``).
+
+    Example::
+
+        >>> from types import SimpleNamespace as S
+        >>> _ended_by_itself(S(global_step=4, max_steps=4, trial_params=None), S(should_training_stop=False), 4)
+        'finished: 4 steps'
+        >>> _ended_by_itself(S(global_step=2, max_steps=4, trial_params=None), S(should_training_stop=True), 2)
+        'stopped after step 2 of 4: a callback asked (control.should_training_stop)'
+        >>> _ended_by_itself(S(global_step=2, max_steps=4, trial_params={"lr": 0.1}), S(should_training_stop=False), 2)
+        'pruned by the hyperparameter search after step 2 of 4'
+    """
+    if not state.max_steps or state.global_step >= state.max_steps:
+        return f"finished: {counted(steps, 'step')}"
+    of = f"after step {state.global_step} of {state.max_steps}"
+    if control.should_training_stop:
+        return f"stopped {of}: a callback asked (control.should_training_stop)"
+    if state.trial_params is not None:
+        return f"pruned by the hyperparameter search {of}"
+    return f"ended {of}"
 
 
 def _trial_folder(home: Path, name: str | None) -> Path:
