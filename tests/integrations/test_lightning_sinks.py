@@ -133,6 +133,19 @@ def test_the_tracker_run_ends_with_the_fits_outcome(tmp_path, outcome, status, c
         assert ended == "interrupted (Ctrl-C)"
 
 
+def test_a_fit_a_callback_stopped_early_says_so_and_ends_finished(tmp_path):
+    # EarlyStopping's trainer.should_stop ended the fit at step 2 of 10: its run said "finished: 2 steps"
+    class StopAt2(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = trainer.global_step == 2
+
+    sink = mlflow_sink(tmp_path)
+    trainer = fit(AmpGuardPlugin("bf16-mixed", sinks=[sink], log=False), 10, Tiny(), callbacks=[StopAt2()])
+    run = sink.client.get_run(sink.run_id)
+    assert trainer.global_step == 2 and run.info.status == "FINISHED"
+    assert run.data.tags["ampguard.ended"] == "stopped after step 2: a callback asked (trainer.should_stop, e.g. EarlyStopping)"
+
+
 def test_a_wandb_offline_run_stopped_by_the_guard_holds_the_monitor_and_exits_3(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     wandb.teardown()  # a W&B set up earlier in this process keeps its settings

@@ -499,7 +499,8 @@ class AmpGuardPlugin(_LightningPrecision):
         Lightning marks a fit that raised ``INTERRUPTED`` before its teardown, and calls the
         teardown inside its ``except`` (lightning/pytorch/trainer/call.py), so the exception is
         ``sys.exc_info()``'s there: Ctrl-C (130), SIGTERM (143, Lightning's ``SIGTERMException``),
-        anything else a crash (1). A fit that returned: 3 if the guard stopped it, else 0."""
+        anything else a crash (1). A fit that returned: 3 if the guard stopped it, else 0, its line
+        saying whether a callback stopped it first (``trainer.should_stop``: ``EarlyStopping``)."""
         if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
             error = sys.exc_info()[1]
             if isinstance(error, KeyboardInterrupt):
@@ -511,6 +512,8 @@ class AmpGuardPlugin(_LightningPrecision):
         if self.stop_reason is not None:
             return ExitCode.GUARD, self.stop_reason
         steps = self.guard.steps if self.guard is not None else 0
+        if trainer is not None and trainer.should_stop:
+            return ExitCode.OK, f"stopped after step {steps}: a callback asked (trainer.should_stop, e.g. EarlyStopping)"
         return ExitCode.OK, f"finished: {counted(steps, 'step')}"
 
     # ------------------------------------------------------------------ the step
