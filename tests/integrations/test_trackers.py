@@ -272,6 +272,34 @@ def test_wandb_sink_logs_into_a_run_you_made_and_leaves_it_open(tmp_path):
     assert logged.history[9]["mine"] == 1.0
 
 
+def test_a_wandb_sink_that_begins_again_sends_past_what_the_run_holds_and_names_each_attempts_steps(tmp_path):
+    # two retries: the second attempt's steps below the first's last were never sent (W&B holds
+    # them), so the note after it named the first attempt's steps again
+    def step(n, loss):
+        return StepLog(n, lr=0.1, loss=loss, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+
+    sink = WandbSink(project="own", mode="offline", dir=tmp_path)
+    for n in (1, 2, 3):
+        sink.write(step(n, 1.0))
+    assert sink.begin_again(3) is None
+    said = [sink.begin_again(0)]
+    for n in (1, 2, 3, 4, 5):
+        sink.write(step(n, 2.0))
+    said += [sink.begin_again(0), sink.begin_again(0)]
+    for n in (1, 6):
+        sink.write(step(n, 3.0))
+    sink.close()
+    wandb.teardown()
+    run = sink.run.id
+    assert said == [f"W&B run {run} keeps the abandoned attempt's steps 1-3 (W&B cannot rewrite a logged step): this "
+                    "attempt's go there from step 4",
+                    f"W&B run {run} keeps the abandoned attempt's steps 4-5 (W&B cannot rewrite a logged step): this "
+                    "attempt's go there from step 6", None]
+    (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))]
+    assert {s: row["train/loss"] for s, row in logged.history.items()} == {1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0, 5: 2.0,
+                                                                          6: 3.0}
+
+
 CRASHING_LOOP = """
 import sys
 import torch

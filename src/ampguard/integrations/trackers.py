@@ -171,6 +171,7 @@ class TrackerSink:
         self._finish_later = finish_later
         self._ended = False
         self._sent = 0  # the highest step this sink sent
+        self._low: int | None = None  # the lowest it sent since it began (again)
 
     @property
     def where(self) -> str:
@@ -196,9 +197,14 @@ class TrackerSink:
         """The loop began again from ``step`` (a Hugging Face ``auto_find_batch_size`` retry):
         the steps after it this sink sent are an abandoned attempt's, and the new attempt's come
         next. MLflow forks (:meth:`MLflowSink._fork`), W&B keeps them (it cannot rewrite a step).
-        A line that says which, or ``None`` when this sink sent no step after ``step``."""
+        A line that says which, or ``None`` when this sink sent no step after ``step`` since it
+        began (or began again)."""
         self._flush()
-        return self._begin_again(step) if self._sent > step else None
+        if self._sent <= step:
+            return None
+        said = self._begin_again(step, steps_from(max(step + 1, self._low or 0), self._sent))
+        self._sent, self._low = step, None
+        return said
 
     def close(self) -> None:
         self._flush()
@@ -224,8 +230,9 @@ class TrackerSink:
     def _flush(self) -> None:
         if self._pending is not None and not self._ended:
             step, row = self._pending
-            self._log(step, row)
-            self._sent = max(self._sent, step)
+            if self._log(step, row) is not False:  # (False: the tracker held that step already, nothing sent)
+                self._sent = max(self._sent, step)
+                self._low = step if self._low is None else min(self._low, step)
         self._pending = None
 
     def _end(self, exit_code: int) -> None:
@@ -249,10 +256,11 @@ class TrackerSink:
             self._end(130 if isinstance(crashed, KeyboardInterrupt) else 1 if crashed is not None else 0)
 
     # -- what each tracker does
-    def _log(self, step: int, row: dict[str, float]) -> None:
+    def _log(self, step: int, row: dict[str, float]) -> bool | None:
         raise NotImplementedError
 
-    def _begin_again(self, step: int) -> str:
+    def _begin_again(self, step: int, sent: str) -> str:
+        """``sent``: the abandoned attempt's steps this sink sent, in words."""
         raise NotImplementedError
 
     def _event(self, event: dict[str, Any]) -> None:
@@ -331,16 +339,18 @@ class WandbSink(TrackerSink):
         mode = getattr(getattr(self.run, "settings", None), "mode", None) or "online"
         return f"W&B run {getattr(self.run, 'id', '?')} ({mode})" + (f", files in {Path(files).parent}" if files else "")
 
-    def _log(self, step: int, row: dict[str, float]) -> None:
-        if step >= self._first:  # W&B refuses (with a warning) a step it already holds
-            self.run.log(row, step=step)
+    def _log(self, step: int, row: dict[str, float]) -> bool:
+        if step < self._first:  # W&B refuses (with a warning) a step it already holds
+            return False
+        self.run.log(row, step=step)
+        return True
 
-    def _begin_again(self, step: int) -> str:
+    def _begin_again(self, step: int, sent: str) -> str:
         """W&B cannot rewrite a step it holds: the abandoned attempt's stay, the new attempt's
         are sent from the step after them (not one refusal warning per step before)."""
-        self._first = self._sent + 1
-        return (f"W&B run {getattr(self.run, 'id', '?')} keeps the abandoned attempt's {steps_from(step + 1, self._sent)} "
-                f"(W&B cannot rewrite a logged step): this attempt's go there from step {self._first}")
+        self._first = max(self._first, self._sent + 1)
+        return (f"W&B run {getattr(self.run, 'id', '?')} keeps the abandoned attempt's {sent} (W&B cannot rewrite a "
+                f"logged step): this attempt's go there from step {self._first}")
 
     def _event(self, event: dict[str, Any]) -> None:
         kind = str(event.get("event"))
@@ -496,14 +506,13 @@ class MLflowSink(TrackerSink):
                       f"(its history through step {through}; MLflow cannot delete logged values); sink.run_id is "
                       "the new one", ForkedRunWarning, stacklevel=3)
 
-    def _begin_again(self, step: int) -> str:
+    def _begin_again(self, step: int, sent: str) -> str:
         """Fork (:meth:`_fork`): a new run with the history through ``step``; the old one, the
         abandoned attempt's, ends FAILED (it ran out of memory) with ``ampguard.superseded_by``."""
         self._wait()  # (the history read below holds every step sent)
-        old, sent = self.run_id, self._sent
+        old = self.run_id
         self._fork(step, "FAILED")
-        self._sent = step
-        return (f"MLflow run {old} keeps the abandoned attempt's {steps_from(step + 1, sent)} and ends FAILED: "
+        return (f"MLflow run {old} keeps the abandoned attempt's {sent} and ends FAILED: "
                 f"this attempt goes on in a new run {self.run_id} (the history through step {step})")
 
     def _log(self, step: int, row: dict[str, float]) -> None:
