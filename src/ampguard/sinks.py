@@ -75,8 +75,8 @@ class Sink(Protocol):
     A sink may also have ``begin_again(step) -> str | None``: a training loop began again from
     ``step`` (a Hugging Face ``auto_find_batch_size`` retry), so the rows after it that the sink
     holds are an abandoned attempt's. It sets them aside as it can and returns a line that says
-    where they went (``None`` when it held none): :class:`JsonlSink` and :class:`TensorBoardSink`
-    here, the tracker sinks (``ampguard.integrations.trackers``).
+    where they went (``None`` when it held none): :class:`CsvSink`, :class:`JsonlSink` and
+    :class:`TensorBoardSink` here, the tracker sinks (``ampguard.integrations.trackers``).
 
     Example::
 

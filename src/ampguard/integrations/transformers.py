@@ -168,6 +168,7 @@ class AmpGuardCallback(TrainerCallback):
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self._home = self.out_dir  # the folder given: a trial's files go in a folder of their own in it
         self._trial: str | None = None  # GuardedTrainer: HF's run folder name for the trial train() runs (run-N)
+        self._reporting = False  # GuardedTrainer: HF is reporting to the search (an on_train_end now: pruned)
         self.window, self.alert_rate, self.clear_rate, self.fail_rate = window, alert_rate, clear_rate, fail_rate
         self.fail_after, self.min_steps, self.print_fn = fail_after, min_steps, print_fn
         self.sinks = sinks if callable(sinks) else list(sinks)
@@ -285,9 +286,10 @@ class AmpGuardCallback(TrainerCallback):
             self._csv = self._events = None
         kept = None
         if state.is_world_process_zero:
-            folder = self.out_dir or Path(args.output_dir) / "ampguard"
-            if state.trial_params is not None and not retry:  # a hyperparameter search's trial: a folder of its own
-                folder = _trial_folder(self._home or Path(args.output_dir) / "ampguard", self._trial or state.trial_name)
+            # a retry goes on in its train()'s folder; a hyperparameter search's trial has one of its own
+            home = self._home or Path(args.output_dir) / "ampguard"
+            folder = self.out_dir if retry and self.out_dir is not None else home if state.trial_params is None \
+                else _trial_folder(home, self._trial or state.trial_name)
             folder.mkdir(parents=True, exist_ok=True)
             if retry:
                 kept = set_aside(folder / CSV_NAME, state.global_step, header=True)
@@ -383,7 +385,9 @@ class AmpGuardCallback(TrainerCallback):
             if self.monitor.failed is not None:
                 self.failed = self.monitor.failed
                 self.ended = f"stopped by a guard at the end of the run (step {self.failed.step}): {self.failed.message}"
-        self.ended = self.ended or _ended_by_itself(state, control, self.monitor.steps)
+        self.ended = self.ended or (f"pruned by the hyperparameter search after step {state.global_step} of "
+                                    f"{state.max_steps}" if self._reporting else
+                                    _ended_by_itself(state, control, self.monitor.steps))
         self._finish()
 
     # ---------------------------------------------------------------- helpers
@@ -626,12 +630,22 @@ class GuardedTrainer(Trainer):
         trial = kwargs.get("trial", args[1] if len(args) > 1 else None)
         run_dir = getattr(self, "_get_output_dir", None)  # (HF's name for a search trial's run folder: run-N)
         searching = trial is not None and getattr(self, "hp_search_backend", None) is not None and run_dir is not None
-        self.ampguard.for_trial(Path(run_dir(trial)).name if searching else None)
+        self.ampguard.for_trial(os.path.relpath(run_dir(trial), self.args.output_dir) if searching else None)
         try:
             return super().train(*args, **kwargs)
         except BaseException as error:
             self.ampguard.crashed(error)
             raise
+
+    def _report_to_hp_search(self, *args: Any, **kwargs: Any) -> Any:
+        """HF's report to a hyperparameter search; when it prunes the trial it calls
+        ``on_train_end`` and raises ``optuna.TrialPruned``: the callback, told it is inside,
+        writes that the search pruned the trial (at the last step too, where nothing else tells)."""
+        self.ampguard._reporting = True
+        try:
+            return super()._report_to_hp_search(*args, **kwargs)
+        finally:
+            self.ampguard._reporting = False
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
