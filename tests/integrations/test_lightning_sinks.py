@@ -139,11 +139,12 @@ def test_a_fit_a_callback_stopped_early_says_so_and_ends_finished(tmp_path):
         def on_train_batch_end(self, trainer, *args):
             trainer.should_stop = trainer.global_step == 2
 
-    sink = mlflow_sink(tmp_path)
-    trainer = fit(AmpGuardPlugin("bf16-mixed", sinks=[sink], log=False), 10, Tiny(), callbacks=[StopAt2()])
-    run = sink.client.get_run(sink.run_id)
-    assert trainer.global_step == 2 and run.info.status == "FINISHED"
-    assert run.data.tags["ampguard.ended"] == "stopped after step 2: a callback asked (trainer.should_stop, e.g. EarlyStopping)"
+    for max_steps, ended in ((10, "stopped after step 2: a callback asked (trainer.should_stop, e.g. EarlyStopping)"),
+                             (2, "finished: 2 steps")):  # (asked at the fit's last step: it stopped nothing)
+        sink = mlflow_sink(tmp_path)
+        trainer = fit(AmpGuardPlugin("bf16-mixed", sinks=[sink], log=False), max_steps, Tiny(), callbacks=[StopAt2()])
+        run = sink.client.get_run(sink.run_id)
+        assert trainer.global_step == 2 and run.info.status == "FINISHED" and run.data.tags["ampguard.ended"] == ended
 
 
 def test_a_wandb_offline_run_stopped_by_the_guard_holds_the_monitor_and_exits_3(tmp_path, monkeypatch):

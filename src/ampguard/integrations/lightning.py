@@ -512,7 +512,7 @@ class AmpGuardPlugin(_LightningPrecision):
         if self.stop_reason is not None:
             return ExitCode.GUARD, self.stop_reason
         steps = self.guard.steps if self.guard is not None else 0
-        if trainer is not None and trainer.should_stop:
+        if trainer is not None and trainer.should_stop and not _at_its_limit(trainer):
             return ExitCode.OK, f"stopped after step {steps}: a callback asked (trainer.should_stop, e.g. EarlyStopping)"
         return ExitCode.OK, f"finished: {counted(steps, 'step')}"
 
@@ -719,6 +719,14 @@ class AmpGuardPlugin(_LightningPrecision):
         self._held_batches = (int(held[0]), int(held[1])) if held is not None else None
         if self._loaded.pop(_BEFORE_FIRST_STEP, False):
             self._loaded = None  # (the guard starts afresh)
+
+
+def _at_its_limit(trainer: pl.Trainer) -> bool:
+    """Whether the fit trained to the Trainer's ``max_steps`` or ``max_epochs`` (a callback's
+    ``should_stop`` there, or one Lightning held until ``min_steps``, stopped nothing)."""
+    steps, epochs = trainer.max_steps, trainer.max_epochs
+    return (steps is not None and steps >= 0 and trainer.global_step >= steps) or (
+        epochs is not None and epochs >= 0 and trainer.current_epoch >= epochs)
 
 
 def _loggers_write_now(trainer: pl.Trainer) -> bool:
