@@ -385,9 +385,7 @@ class AmpGuardCallback(TrainerCallback):
             if self.monitor.failed is not None:
                 self.failed = self.monitor.failed
                 self.ended = f"stopped by a guard at the end of the run (step {self.failed.step}): {self.failed.message}"
-        self.ended = self.ended or (f"pruned by the hyperparameter search after step {state.global_step} of "
-                                    f"{state.max_steps}" if self._reporting else
-                                    _ended_by_itself(state, control, self.monitor.steps))
+        self.ended = self.ended or _ended_by_itself(state, control, self.monitor.steps, pruned=self._reporting)
         self._finish()
 
     # ---------------------------------------------------------------- helpers
@@ -484,11 +482,13 @@ class AmpGuardCallback(TrainerCallback):
         return StepLog(**common, grad_l2_post_clip=post)
 
 
-def _ended_by_itself(state: Any, control: Any, steps: int) -> str:
+def _ended_by_itself(state: Any, control: Any, steps: int, pruned: bool = False) -> str:
     """How a ``train()`` no guard stopped ended, for ``on_train_end``: all its steps, or fewer.
     HF ends it early when a callback asks (``control.should_training_stop``: an
     ``EarlyStoppingCallback``, the data running out) and when a hyperparameter search prunes
-    the trial (it calls ``on_train_end``, then raises ``optuna.TrialPruned``).
+    the trial (it calls ``on_train_end``, then raises ``optuna.TrialPruned``): ``pruned`` when
+    :class:`GuardedTrainer` saw it, else judged by the step count (a prune at the last step
+    reads "finished").
 
     Example::
 
@@ -499,14 +499,17 @@ def _ended_by_itself(state: Any, control: Any, steps: int) -> str:
         'stopped after step 2 of 4: a callback asked (control.should_training_stop)'
         >>> _ended_by_itself(S(global_step=2, max_steps=4, trial_params={"lr": 0.1}), S(should_training_stop=False), 2)
         'pruned by the hyperparameter search after step 2 of 4'
+        >>> _ended_by_itself(S(global_step=4, max_steps=4, trial_params={"lr": 0.1}), None, 4, pruned=True)
+        'pruned by the hyperparameter search after step 4 of 4'
     """
-    if not state.max_steps or state.global_step >= state.max_steps:
-        return f"finished: {counted(steps, 'step')}"
     of = f"after step {state.global_step} of {state.max_steps}"
+    early = bool(state.max_steps) and state.global_step < state.max_steps
+    if pruned or (early and not control.should_training_stop and state.trial_params is not None):
+        return f"pruned by the hyperparameter search {of}"
+    if not early:
+        return f"finished: {counted(steps, 'step')}"
     if control.should_training_stop:
         return f"stopped {of}: a callback asked (control.should_training_stop)"
-    if state.trial_params is not None:
-        return f"pruned by the hyperparameter search {of}"
     return f"ended {of}"
 
 
