@@ -37,10 +37,26 @@ class NanLossAt(GuardedTrainer):
         return loss * float("nan") if self.state.global_step + 1 in self.nan_at else loss
 
 
-def _trainer(tmp_path, callback, steps, nan_at=(), trainer_class=NanLossAt, **settings):
+def _model(trial=None):
+    """The one-layer GPT-2, seeded (a search's ``model_init`` too: ``trial`` unused)."""
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
-    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+
+
+def _token_ids():
+    return [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
+
+
+def _optuna():
+    """optuna (the hyperparameter search's backend), quiet, or the test skipped."""
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+def _trainer(tmp_path, callback, steps, nan_at=(), trainer_class=NanLossAt, **settings):
+    model = _model()
+    ids = _token_ids()
     args = TrainingArguments(str(tmp_path / "out"), **{**dict(
         per_device_train_batch_size=4, max_steps=steps, use_cpu=True, report_to=[], save_strategy="no", bf16=True,
         disable_tqdm=True), **settings})
@@ -388,13 +404,7 @@ def test_each_trial_of_a_hyperparameter_search_has_its_own_files_and_tracker_run
     import contextlib
     import json
 
-    optuna = pytest.importorskip("optuna")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-
-    def model_init(trial=None):
-        torch.manual_seed(0)
-        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
-
+    _optuna()
     made = []
 
     def sinks(state):  # each trial its own tracker run, named and with its parameters
@@ -402,11 +412,11 @@ def test_each_trial_of_a_hyperparameter_search_has_its_own_files_and_tracker_run
                                run_name=f"trial {len(made)}", params=state.trial_params))
         return made[-1:]
 
-    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8), generator=torch.Generator().manual_seed(0))]
+    ids = _token_ids()
     args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, use_cpu=True,
                              report_to=[], save_strategy="no", bf16=True, disable_tqdm=True)
     callback = AmpGuardCallback(sinks=sinks, min_steps=0, print_fn=lambda line: None)
-    settings = dict(model_init=model_init, args=args, train_dataset=ids, eval_dataset=ids[:8], callbacks=[callback])
+    settings = dict(model_init=_model, args=args, train_dataset=ids, eval_dataset=ids[:8], callbacks=[callback])
     guarded = trainer_class == "GuardedTrainer"
     trainer = NanLossAt(**settings) if guarded else Trainer(**settings)
     trainer.nan_at = {2}  # (GuardedTrainer's step 2 is a skip; the stock one only watches)
@@ -438,8 +448,7 @@ def test_a_pruned_trial_and_a_train_a_callback_stopped_say_so_and_end_their_runs
 
     from transformers import TrainerCallback
 
-    optuna = pytest.importorskip("optuna")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna = _optuna()
 
     class AlwaysPrune(optuna.pruners.BasePruner):
         def prune(self, study, trial):
@@ -449,17 +458,13 @@ def test_a_pruned_trial_and_a_train_a_callback_stopped_say_so_and_end_their_runs
         def on_step_end(self, args, state, control, **kwargs):
             control.should_training_stop = state.global_step == 2
 
-    def model_init(trial=None):
-        torch.manual_seed(0)
-        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
-
-    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
+    ids = _token_ids()
     for case, sink in (("pruned", _sink(tmp_path)), ("stopped", _sink(tmp_path))):
         callback = AmpGuardCallback(tmp_path / case, sinks=lambda state, sink=sink: [sink], print_fn=lambda line: None)
         args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, use_cpu=True,
                                  report_to=[], save_strategy="no", bf16=True, disable_tqdm=True,
                                  eval_strategy="steps", eval_steps=3 if case == "pruned" else 2)
-        trainer = GuardedTrainer(model_init=model_init, args=args, train_dataset=ids, eval_dataset=ids[:8],
+        trainer = GuardedTrainer(model_init=_model, args=args, train_dataset=ids, eval_dataset=ids[:8],
                                  callbacks=[callback] + ([StopAt2()] if case == "stopped" else []))
         if case == "pruned":
             space = lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-2)}  # noqa: E731
