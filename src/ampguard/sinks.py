@@ -76,7 +76,8 @@ class Sink(Protocol):
     ``step`` (a Hugging Face ``auto_find_batch_size`` retry), so the rows after it that the sink
     holds are an abandoned attempt's. It sets them aside as it can and returns a line that says
     where they went (``None`` when it held none): :class:`CsvSink`, :class:`JsonlSink` and
-    :class:`TensorBoardSink` here, the tracker sinks (``ampguard.integrations.trackers``).
+    :class:`TensorBoardSink` here (and :class:`BackgroundSink`, its inner sink's, after the queued
+    records), the tracker sinks (``ampguard.integrations.trackers``).
 
     Example::
 
@@ -1097,6 +1098,9 @@ class BackgroundSink:
             item = self._queue.get()
             if item is self._DONE:
                 return
+            if callable(item):  # a barrier (begin_again): every record queued before it is written
+                item()
+                continue
             record, extra, wait = item
             try:
                 if self._error is None:
@@ -1116,6 +1120,21 @@ class BackgroundSink:
             raise TypeError(NONE_WRITTEN)
         self._raise()
         self._queue.put((record, extra, record.prefetch()))
+
+    def begin_again(self, step: int) -> str | None:
+        """The loop began again from ``step`` (a Hugging Face ``auto_find_batch_size`` retry): the
+        records queued so far reach ``inner`` first, then ``inner.begin_again(step)`` sets the
+        abandoned attempt's aside (``None`` when ``inner`` has no ``begin_again``). Raises an
+        error of the thread, as ``write`` does."""
+        if self._thread.is_alive():
+            import threading
+
+            written = threading.Event()
+            self._queue.put(written.set)
+            written.wait()
+        self._raise()
+        again = getattr(self.inner, "begin_again", None)
+        return again(step) if again is not None else None
 
     def close(self) -> None:
         """Drain the queue, stop the thread, close ``inner``; raises an error of the thread."""

@@ -120,6 +120,54 @@ def test_background_writer_writes_nothing_after_the_inner_sinks_error():
     assert inner.steps == [1, 2, 3, 4]
 
 
+def test_background_writer_begins_again_after_the_records_queued_before(tmp_path):
+    # a Hugging Face auto_find_batch_size retry with a CSV written through the background writer:
+    # the abandoned attempt's rows still queued reach the file first, then are set aside with the
+    # rest; without begin_again they stayed and the retry's step 2 followed step 5 (refused)
+    gate = threading.Event()
+
+    class Slow(CsvSink):
+        def write(self, record, extra=None) -> None:
+            assert gate.wait(timeout=60)  # (until every row below is certainly queued)
+            super().write(record, extra)
+
+    path = tmp_path / "steps.csv"
+    sink = BackgroundSink(Slow(path))
+    for step in range(1, 6):
+        sink.write(_record(step))
+    threading.Timer(0.05, gate.set).start()
+    assert sink.begin_again(1) == "steps.csv's 4 rows after it moved to steps.attempt-1.csv"
+    for step in (2, 3):
+        sink.write(_record(step))
+    assert sink.begin_again(3) is None  # (nothing after step 3)
+    sink.close()
+    steps = lambda name: [int(r["step"]) for r in csv.DictReader((tmp_path / name).open())]  # noqa: E731
+    assert steps("steps.csv") == [1, 2, 3] and steps("steps.attempt-1.csv") == [2, 3, 4, 5]
+
+
+def test_background_writer_begins_again_only_where_its_sink_can():
+    inner = SlowSink()
+    sink = BackgroundSink(inner)
+    for step in range(1, 4):
+        sink.write(_record(step))
+    assert sink.begin_again(1) is None  # (a sink with no begin_again keeps what it has)
+    assert inner.steps == [1, 2, 3]  # (written before begin_again returned)
+    sink.close()
+    assert sink.begin_again(1) is None  # (closed: nothing queued to wait for)
+
+
+def test_background_writer_begin_again_reports_the_inner_sinks_error(tmp_path):
+    class Broken(CsvSink):
+        def write(self, record, extra=None) -> None:
+            raise OSError("disk full")
+
+    sink = BackgroundSink(Broken(tmp_path / "steps.csv"))
+    sink.write(_record(1))
+    with pytest.raises(OSError, match="disk full"):
+        sink.begin_again(0)
+    sink.close()
+
+
 # ---------------------------------------------------------------------------- measure with no contender left (issue 16)
 
 
