@@ -433,9 +433,13 @@ class _LineFile:
         if kept is None:
             return None
         self.close()
-        self._truncate_after(step)
+        self._cut_again(step)
         self._file = _open_for_append(self.path)
         return f"{self.path.name}'s {counted(kept[1], 'row')} after it moved to {kept[0].name}"
+
+    def _cut_again(self, step: int) -> None:
+        """Cut the file where :func:`set_aside` began (a resume's cut, unless the file says otherwise)."""
+        self._truncate_after(step)
 
     def sync(self) -> None:
         """Make every line written so far durable (``fsync``): before a checkpoint is saved (it is
@@ -844,6 +848,13 @@ class JsonlSink(_LineFile):
             keep += 1
         replace_atomically(self.path, b"".join(lines[:keep]))
 
+    def _cut_again(self, step: int) -> None:
+        # lines without a step (events of your own, write_event) stay up to the first record after
+        # step and move with the records after it (set_aside); a resume's cut stops at the first
+        lines = self.path.read_bytes().splitlines(keepends=True)
+        kept = lines[:_first_after(lines, step, _record_step)]
+        replace_atomically(self.path, b"".join(line for line in kept if line.endswith(b"\n")))
+
     @staticmethod
     def check_step_log(path: Path) -> None:
         """One :class:`InputError` line unless the file at ``path`` (if any) starts with a step
@@ -927,7 +938,8 @@ def set_aside(path: Path, step: int, *, header: bool) -> tuple[Path, int] | None
     copied to ``<stem>.attempt-<N><suffix>`` beside it, the first N free (an earlier one is
     never overwritten), header first: an attempt a Hugging Face ``auto_find_batch_size`` retry
     abandoned, whose updates are in the weights HF goes on with. Whole rows only (a torn last
-    one is left out). ``path`` itself is not changed: its writer cuts it (``keep_through``).
+    one is left out); in JSON lines, the lines without a step (events) after the first record past
+    ``step`` go with the records. ``path`` itself is not changed: its writer cuts it.
     ``(copy, rows)``, or ``None`` when there are none.
 
     Example::
@@ -950,14 +962,21 @@ def set_aside(path: Path, step: int, *, header: bool) -> tuple[Path, int] | None
     lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
     head, rows = (lines[:1], lines[1:]) if header else ([], lines)
     step_of = _csv_step if header else _record_step
-    after = [row for row in rows if row.endswith(b"\n") and (step_of(row) or 0) > step]
-    if not after:
+    after = [row for row in rows[_first_after(rows, step, step_of):] if row.endswith(b"\n")]
+    records = sum(step_of(row) is not None for row in after)  # (JSON lines: events move with them)
+    if not records:
         return None
     attempt = 1
     while (copy := path.with_name(f"{path.stem}.attempt-{attempt}{path.suffix}")).exists():
         attempt += 1
     replace_atomically(copy, b"".join([*head, *after]))
-    return copy, len(after)
+    return copy, records
+
+
+def _first_after(lines: Sequence[bytes], step: int, step_of: Callable[[bytes], int | None]) -> int:
+    """The index of the first whole line in ``lines`` whose step is after ``step``; ``len(lines)``
+    when there is none."""
+    return next((i for i, line in enumerate(lines) if line.endswith(b"\n") and (step_of(line) or 0) > step), len(lines))
 
 
 def require(package: str, flag: str) -> None:

@@ -414,6 +414,25 @@ def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path):
     assert [e.step for e in events.Scalars("train/skipped")] == [1, 2, 3, 4, 5]
 
 
+def test_a_json_log_that_begins_again_keeps_its_events_with_their_records(tmp_path):
+    # events of your own between the records (lines without a step): before, the cut stopped at
+    # the first such line, so step 2's record after it was lost from both files
+    path = tmp_path / "steps.jsonl"
+    sink = JsonlSink(path)
+    sink.write(applied(1, loss=1.0))
+    sink.write_event({"event": "note", "at": "before 2"})
+    sink.write(applied(2, loss=1.0))
+    sink.write(applied(3, loss=1.0))
+    sink.write_event({"event": "note", "at": "before 4"})
+    sink.write(applied(4, loss=1.0))
+    assert sink.begin_again(2) == "steps.jsonl's 2 rows after it moved to steps.attempt-1.jsonl"
+    sink.write(applied(3, loss=2.0))
+    sink.close()
+    lines = lambda name: [(r.get("step"), r.get("loss", r.get("at"))) for r in map(json.loads, (tmp_path / name).read_text().splitlines())]  # noqa: E731
+    assert lines("steps.jsonl") == [(1, 1.0), (None, "before 2"), (2, 1.0), (3, 2.0)]
+    assert lines("steps.attempt-1.jsonl") == [(3, 1.0), (None, "before 4"), (4, 1.0)]
+
+
 def test_a_loop_that_begins_again_sets_the_steps_after_it_aside_in_each_file(tmp_path):
     # a Hugging Face auto_find_batch_size retry, in one process: the steps after the one the loop
     # began again from are the abandoned attempt's; each file then holds the new attempt's once
