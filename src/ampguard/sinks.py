@@ -433,13 +433,13 @@ class _LineFile:
         if kept is None:
             return None
         self.close()
-        self._cut_again(step)
+        # cut where set_aside began: at the first row after step (JSON lines: events of your own,
+        # lines without a step, stay before it and moved with the records after it)
+        lines = self.path.read_bytes().splitlines(keepends=True)
+        before = lines[:_first_after(lines, step, header=self._header)]
+        replace_atomically(self.path, b"".join(line for line in before if line.endswith(b"\n")))
         self._file = _open_for_append(self.path)
         return f"{self.path.name}'s {counted(kept[1], 'row')} after it moved to {kept[0].name}"
-
-    def _cut_again(self, step: int) -> None:
-        """Cut the file where :func:`set_aside` began (a resume's cut, unless the file says otherwise)."""
-        self._truncate_after(step)
 
     def sync(self) -> None:
         """Make every line written so far durable (``fsync``): before a checkpoint is saved (it is
@@ -848,13 +848,6 @@ class JsonlSink(_LineFile):
             keep += 1
         replace_atomically(self.path, b"".join(lines[:keep]))
 
-    def _cut_again(self, step: int) -> None:
-        # lines without a step (events of your own, write_event) stay up to the first record after
-        # step and move with the records after it (set_aside); a resume's cut stops at the first
-        lines = self.path.read_bytes().splitlines(keepends=True)
-        kept = lines[:_first_after(lines, step, _record_step)]
-        replace_atomically(self.path, b"".join(line for line in kept if line.endswith(b"\n")))
-
     @staticmethod
     def check_step_log(path: Path) -> None:
         """One :class:`InputError` line unless the file at ``path`` (if any) starts with a step
@@ -961,9 +954,8 @@ def set_aside(path: Path, step: int, *, header: bool) -> tuple[Path, int] | None
     """
     lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
     head, rows = (lines[:1], lines[1:]) if header else ([], lines)
-    step_of = _csv_step if header else _record_step
-    after = [row for row in rows[_first_after(rows, step, step_of):] if row.endswith(b"\n")]
-    records = sum(step_of(row) is not None for row in after)  # (JSON lines: events move with them)
+    after = [row for row in rows[_first_after(rows, step, header=header):] if row.endswith(b"\n")]
+    records = sum(_step_of(row, header) is not None for row in after)  # (JSON lines: events move with them)
     if not records:
         return None
     attempt = 1
@@ -973,10 +965,16 @@ def set_aside(path: Path, step: int, *, header: bool) -> tuple[Path, int] | None
     return copy, records
 
 
-def _first_after(lines: Sequence[bytes], step: int, step_of: Callable[[bytes], int | None]) -> int:
+def _step_of(line: bytes, header: bool) -> int | None:
+    """The step of a line of a CSV (``header``) or of JSON lines; None for one that has none."""
+    return _csv_step(line) if header else _record_step(line)
+
+
+def _first_after(lines: Sequence[bytes], step: int, *, header: bool) -> int:
     """The index of the first whole line in ``lines`` whose step is after ``step``; ``len(lines)``
     when there is none."""
-    return next((i for i, line in enumerate(lines) if line.endswith(b"\n") and (step_of(line) or 0) > step), len(lines))
+    return next((i for i, line in enumerate(lines) if line.endswith(b"\n") and (_step_of(line, header) or 0) > step),
+                len(lines))
 
 
 def require(package: str, flag: str) -> None:
