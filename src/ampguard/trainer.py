@@ -294,11 +294,12 @@ class Trainer:
                 if self.bar is not None:
                     self.bar.close()
             if crashed is not None:  # the steps before it stand: their rows, the last checkpoint, a card that says so
-                if not self.dist.active:  # (under torchrun the other ranks wait in a collective: the traceback ends it)
-                    with contextlib.suppress(Exception):
-                        self._close(Stop(ExitCode.CRASHED,
-                                         f"crashed after step {self.monitor.steps}: {first_line(crashed, with_type=True)}",
-                                         CRASHED))
+                # (under torchrun each rank closes alone: a peer may be dead, the crash a collective's
+                # "Connection reset by peer", or waiting in a collective this rank never joins)
+                with contextlib.suppress(Exception):
+                    self._close(Stop(ExitCode.CRASHED,
+                                     f"crashed after step {self.monitor.steps}: {first_line(crashed, with_type=True)}",
+                                     CRASHED), alone=True)
                 raise crashed
             if not clean:  # after settle(): "after step N" names the last step the CSV holds
                 stopped = self._interrupted(stop)
@@ -569,7 +570,9 @@ class Trainer:
         layers = self.fp8_layers
         return f" ({counted(len(layers), 'Linear layer')} in float8: {', '.join(layers)})"
 
-    def _close(self, stopped: Stop | None) -> RunResult:
+    def _close(self, stopped: Stop | None, alone: bool = False) -> RunResult:
+        """The run's end: ``run_end``, the run card and plot, the tracker runs ended; ``alone``
+        (a crash): no collective, the ranks end with their own codes."""
         ended = stopped.why if stopped else f"finished: {counted(self.config.steps, 'step')}"
         if self.disk_full() is None:  # once a write found no room, nothing more is written
             self.events.emit({"step": self.monitor.steps, "event": "run_end", "message": ended})
@@ -589,7 +592,9 @@ class Trainer:
                 if disk_full_error(err) is None:
                     raise
                 self._failed = DiskFull(disk_full_error(err).filename or self.paths.card, disk_full_error(err))
-        full = distributed.broadcast_from_main(self._disk_full_line())  # every rank ends with the same code
+        full = self._disk_full_line()
+        if not alone:  # every rank ends with the same code: rank 0's
+            full = distributed.broadcast_from_main(full)
         if full is not None:
             if self.dist.is_main:
                 print(f"ampguard: error: {full}", file=sys.stderr, flush=True)

@@ -33,7 +33,8 @@
   gloo's "Connection closed by peer" traceback, exit 1), and the run folder is left as it was.
 - ``W``: rank 1's process SIGKILLed in its third step's forward (an OOM killer, a lost node):
   torchrun ends rank 0 too, no rank waits in a collective, the CSV holds whole rows reaching a
-  checkpoint, and ``--resume`` under torchrun trains the run to its end from there.
+  checkpoint, rank 0's card and ``run_end`` say it crashed (its collective failed: it closes alone),
+  and ``--resume`` under torchrun trains the run to its end from there.
 
 A launch costs ~10 s of CPU (three processes importing torch), so a claim that can share a run
 does (the unused head rides on E, P's checkpoint is K's): this module's launches were a quarter
@@ -197,7 +198,9 @@ def early(work: Path) -> dict[str, tuple]:
         # W's resume, beside the launches still running: what W left first (its CSV, its checkpoints)
         killed = started["W"].wait()
         run = work / "W" / "runs" / "W"
-        left = ((run / "steps.csv").read_text(encoding="utf-8"), sorted(p.name for p in (run / "checkpoints").glob("*.pt")))
+        card = run / "RUN.md"
+        left = ((run / "steps.csv").read_text(encoding="utf-8"), sorted(p.name for p in (run / "checkpoints").glob("*.pt")),
+                card.read_text(encoding="utf-8") if card.exists() else None, (run / "events.jsonl").read_text(encoding="utf-8"))
         started["W-resume"] = Launch("W-resume", ["-m", "ampguard", "train", "--resume", "runs/W"], work / "W",
                                      timeout_s=TIMEOUT_S, env=env)
         # T: a scheduler's SIGTERM to torchrun once the run trains (its CSV has rows), not before
@@ -376,11 +379,17 @@ def test_a_run_too_short_for_fail_after_fails_at_its_end_on_every_rank_together(
 def test_a_rank_killed_mid_run_ends_the_job_with_whole_rows_and_a_resume_finishes_it(launches):
     code, out, err, cwd = launches["W"]  # (launches waited at most TIMEOUT_S: no rank hung in a collective)
     assert code != 0 and not (cwd / "rank1.rc").exists(), err[-3000:]  # rank 1 never returned
-    text, saved = launches["W-left"]  # what the killed job left, before the resume
+    text, saved, card, events = launches["W-left"]  # what the killed job left, before the resume
     assert text.endswith("\n")  # whole rows: no line cut short
     steps = [int(line.split(",")[0]) for line in text.splitlines()[1:]]
     assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) <= 2, steps  # rank 1 died in step 3
     assert saved and saved[-1] <= f"step-{len(steps):08d}.pt"  # the rows reach the newest checkpoint
+    # rank 0's collective failed when its peer's socket closed: it wrote the run card and run_end
+    # alone (no collective) before torchrun's SIGTERM, which waited for them (it died of that
+    # SIGTERM with nothing written: the card was left to the resume)
+    assert card is not None and f"| ended | crashed after step {len(steps)}: RuntimeError: " in card, card
+    assert '"event": "run_end", "message": "crashed after step' in events.splitlines()[-1]
+    assert "Traceback" in err and _rank_codes(cwd) == {}  # rank 0 raised (a crash): no code returned
 
     code, out, err, _ = launches["W-resume"]  # torchrun again, --resume, without the kill
     assert code == 0, err[-3000:]
