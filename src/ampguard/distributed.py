@@ -17,6 +17,7 @@ in DDP or FSDP2 (``fully_shard``). The step then
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -218,28 +219,42 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
 
 
-def agree(loss: torch.Tensor, norms: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def agree(loss: torch.Tensor, norms: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """One all-reduce: ``[loss, *norms]`` with the loss the global mean and a norm that is
     non-finite on any rank non-finite on every rank (NaN where the rank's own was finite), so
     every rank reads the same skip decision off them. A norm finite everywhere is unchanged.
 
-    No host sync. Without a process group (a world of one) they come back as they are.
+    And ``origin``, ``[ranks, rank sum]`` (float32): how many ranks found the first of ``norms``
+    (the step's loss mark) non-finite on their own, and the sum of their ranks: which rank's loss
+    it was, when one rank's was (:func:`~ampguard.records.loss_origin`). Two elements more in the
+    same all-reduce; the gradients' norms cannot tell (DDP reduced them in the backward).
+
+    No host sync. Without a process group (a world of one) the values come back as they are,
+    and ``origin`` is None.
 
     Example (no process group)::
 
-        >>> loss, pre = agree(torch.tensor(0.5), [torch.tensor(float("inf"))])
-        >>> loss.item(), pre.item()
-        (0.5, inf)
+        >>> (loss, pre), origin = agree(torch.tensor(0.5), [torch.tensor(float("inf"))])
+        >>> loss.item(), pre.item(), origin
+        (0.5, inf, None)
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [loss, *norms]
+        return [loss, *norms], None
     # x - x is 0 for a finite x, NaN otherwise (in x's own dtype, then as float32): summed over
     # ranks, NaN if any rank's was not finite
     marks = torch.stack([(n.detach() - n.detach()).reshape(()).to(torch.float32) for n in norms])
-    packed = torch.cat([loss.detach().reshape(1).to(torch.float32), marks])
+    mine = torch.where(marks[0] == 0, 0.0, _this_rank(marks.device, dist.get_rank()))  # [1, rank] where this rank's was not
+    packed = torch.cat([loss.detach().reshape(1).to(torch.float32), marks, mine])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-    keep = (packed[1:] == 0) | (marks != 0)  # finite everywhere, or not finite here already
-    return [packed[0] / dist.get_world_size(), *(torch.where(k, n, torch.nan) for k, n in zip(keep.unbind(), norms))]
+    keep = (packed[1:-2] == 0) | (marks != 0)  # finite everywhere, or not finite here already
+    agreed = [packed[0] / dist.get_world_size(), *(torch.where(k, n, torch.nan) for k, n in zip(keep.unbind(), norms))]
+    return agreed, packed[-2:]
+
+
+@functools.cache
+def _this_rank(device: torch.device, rank: int) -> torch.Tensor:
+    """``[1, rank]`` (float32) on ``device``: one rank's share of :func:`agree`'s origin."""
+    return torch.tensor([1.0, float(rank)], device=device)
 
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:

@@ -278,6 +278,9 @@ class SkipLog(StepRecord):
     """
 
     reason: SkipReason = "non_finite_grad"  # type: ignore[assignment]
+    loss_on: str | None = field(default=None, repr=False)
+    """Under torchrun, for a ``non_finite_loss`` skip: whose own loss was not finite, ``"rank 1"``,
+    ``"2 of 4 ranks"`` or ``"every rank"`` (:func:`loss_origin`); None otherwise."""
     skipped: ClassVar[bool] = True
 
     def __post_init__(self) -> None:  # (a skipped step only: the CSV's skip_reason is a closed set)
@@ -313,17 +316,25 @@ class PendingStep(StepRecord):
     """
 
     loss_mark: Value = None
+    loss_ranks: Value = None
+    loss_rank_sum: Value = None
+    world: int = field(default=1, repr=False, compare=False)
     clip: tuple[float, torch.dtype] | None = field(default=None, repr=False, compare=False)
     _reason: str | None = field(default=None, init=False, repr=False, compare=False)
+    _loss_on: str | None = field(default=None, init=False, repr=False, compare=False)
 
-    _NUMERIC: ClassVar[tuple[str, ...]] = StepRecord._NUMERIC + ("loss_mark",)
+    # (the packed tensor holds them in this order; a world of one packs no origin: read as None)
+    _NUMERIC: ClassVar[tuple[str, ...]] = StepRecord._NUMERIC + ("loss_mark", "loss_ranks", "loss_rank_sum")
 
     def _keep(self, read: dict[str, float]) -> dict[str, float | None]:
         out = StepRecord._keep(self, read)
         mark, pre = out.pop("loss_mark"), out["grad_l2_pre_clip"]
+        ranks, rank_sum = out.pop("loss_ranks"), out.pop("loss_rank_sum")
         reason = ("non_finite_loss" if mark is not None and not math.isfinite(mark) else
                   "non_finite_grad" if pre is not None and not math.isfinite(pre) else None)
         object.__setattr__(self, "_reason", reason)
+        if reason == "non_finite_loss" and ranks is not None:
+            object.__setattr__(self, "_loss_on", loss_origin(ranks, rank_sum, self.world))
         if reason == "non_finite_loss":
             out["grad_l2_pre_clip"] = out["grad_l2_post_clip"] = None
         elif reason:
@@ -343,6 +354,12 @@ class PendingStep(StepRecord):
         self.values()
         return self._reason
 
+    @property
+    def loss_on(self) -> str | None:
+        """:attr:`SkipLog.loss_on`: reads :meth:`values` (a host sync, once)."""
+        self.values()
+        return self._loss_on
+
     def resolve(self) -> StepLog | SkipLog:
         """The :class:`StepLog` or :class:`SkipLog` this step turned out to be (reads the values,
         which costs a host sync).
@@ -355,10 +372,11 @@ class PendingStep(StepRecord):
             >>> p.resolve()
             StepLog(step=4, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1024.0)
         """
-        return record_from(self.step, self.values(), self.reason)
+        return record_from(self.step, self.values(), self.reason, self.loss_on)
 
 
-def record_from(step: int, values: dict[str, float | None], reason: str | None) -> StepLog | SkipLog:
+def record_from(step: int, values: dict[str, float | None], reason: str | None,
+                loss_on: str | None = None) -> StepLog | SkipLog:
     """A :class:`SkipLog` with ``reason`` (or a :class:`StepLog` without) from host values.
 
     Example::
@@ -372,7 +390,23 @@ def record_from(step: int, values: dict[str, float | None], reason: str | None) 
         False
     """
     fields = {name: values[name] for name in StepRecord._NUMERIC}
-    return SkipLog(step, **fields, reason=reason) if reason else StepLog(step, **fields)  # type: ignore[arg-type]
+    return SkipLog(step, **fields, reason=reason, loss_on=loss_on) if reason else StepLog(step, **fields)  # type: ignore[arg-type]
+
+
+def loss_origin(ranks: float, rank_sum: float, world: int) -> str | None:
+    """Whose own loss was not finite, from :func:`~ampguard.distributed.agree`'s origin (how
+    many ranks, the sum of their ranks): the rank when one rank's was.
+
+    Example::
+
+        >>> loss_origin(1, 3, 4), loss_origin(2, 4, 4), loss_origin(4, 6, 4), loss_origin(0, 0, 4)
+        ('rank 3', '2 of 4 ranks', 'every rank', None)
+    """
+    if not ranks:
+        return None
+    if ranks == 1:
+        return f"rank {int(rank_sum)}"
+    return "every rank" if ranks >= world else f"{int(ranks)} of {world} ranks"
 
 
 def format_number(x: float | None) -> str:

@@ -731,7 +731,8 @@ def _last_step(path: Path, tail: int = 1 << 16) -> int | None:
 
 
 def console_line(record: StepRecord) -> str:
-    """``STEP 5 loss=... pre=... post=... scale=... lr=...`` (``SKIP`` lines add ``reason=``).
+    """``STEP 5 loss=... pre=... post=... scale=... lr=...`` (``SKIP`` lines add ``reason=``, and
+    under torchrun, for a non-finite loss, whose it was: ``reason=non_finite_loss (rank 1)``).
 
     Reads ``record.values()`` (which costs a host sync if the record holds device tensors).
 
@@ -756,6 +757,8 @@ def console_line(record: StepRecord) -> str:
         line += f" optimizers={','.join(record.optimizers)}"
     if record.skipped:
         line += f" reason={record.reason}"
+        if loss_on := getattr(record, "loss_on", None):  # (torchrun: whose own loss it was)
+            line += f" ({loss_on})"
         if record.skipped_optimizers:
             line += f" skipped={','.join(record.skipped_optimizers)}"
     return line
@@ -869,6 +872,7 @@ class JsonlSink(_LineFile):
             **record.values(),
             "skipped": record.skipped,
             "skip_reason": record.reason,
+            **({"loss_on": loss_on} if (loss_on := getattr(record, "loss_on", None)) else {}),
             **({"optimizers": list(record.optimizers), "skipped_optimizers": list(record.skipped_optimizers)}
                if record.optimizers else {}),
             **(extra or {}),

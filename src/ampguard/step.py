@@ -30,7 +30,7 @@ from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_to_norm_, p
                        post_clip_value)
 from .errors import AmpguardWarning, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning
-from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog
+from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
 from .watch import (_FINISHED, _PROBING, _REGISTERED, UNFROZEN_EVERY, _GuardStepping, _hook_stray_steps,
                     _parameter_count, _probe_autocast, _watch_registrations, holds_gradients)
 
@@ -261,6 +261,8 @@ class _Read(NamedTuple):
     bad_loss: bool
     bad_each: list[bool]
     scaling: list[float]
+    loss_on: str | None = None
+    """Under torchrun, whose own loss was not finite (:func:`~ampguard.records.loss_origin`)."""
 
 
 class _Owed(NamedTuple):
@@ -1007,16 +1009,17 @@ class Guard:
         return [p for p, owner in self._owned if owner in names]
 
     def _measure_group(self, names: tuple[str, ...]
-                     ) -> tuple[GradSet, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                     ) -> tuple[GradSet, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
         """Count the step (``steps + 1``; the group's micro-batch count back to 0), then unscale,
-        take the global norm, agree across ranks: ``(grads, loss, mark, pre, each)``. No host read.
+        take the global norm, agree across ranks: ``(grads, loss, mark, pre, each, origin)``. No host read.
 
         ``loss`` is the group's mean loss (the mean over ranks); ``mark`` is 0, or NaN when a
         micro-batch loss was non-finite (on any rank); ``pre`` the global norm of the named
         optimizers' gradients (all shards), non-finite iff a gradient element was (or the norm
         overflowed); ``each`` with several optimizers each one's own norm; ``grads`` the named
         optimizers' gradients, for the clip. :func:`distributed.agree` makes a value that is
-        non-finite on one rank so on every rank: the mark and the norms are the step's detectors."""
+        non-finite on one rank so on every rank: the mark and the norms are the step's detectors;
+        ``origin`` (under torchrun) counts the ranks whose own loss was not finite, and which."""
         for name in names:
             if self.scaler.twin_used(self.optimizers[name]):
                 raise RuntimeError("the GradScaler given as scaler= was used on the optimizer outside the guard "
@@ -1042,8 +1045,8 @@ class Guard:
             norms += [distributed.full_norm(grads.norm_of(self._params_of[n])) for n in names]
         if early:
             norms = self._found_at_unscale(names, early, norms)
-        loss, mark, pre, *each = distributed.agree(loss, [self._loss_mark, *norms])
-        return grads, loss, mark, pre, each
+        (loss, mark, pre, *each), origin = distributed.agree(loss, [self._loss_mark, *norms])
+        return grads, loss, mark, pre, each, origin
 
     def _found_at_unscale(self, names: tuple[str, ...], early: list[str], norms: list[torch.Tensor]
                           ) -> list[torch.Tensor]:
@@ -1071,10 +1074,10 @@ class Guard:
         lr = self.optimizers[names[0]].param_groups[0]["lr"]
         if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
             lr = lr.detach().clone()
-        grads, loss, mark, pre, each = self._measure_group(names)
+        grads, loss, mark, pre, each, origin = self._measure_group(names)
         factor = clip_coefficient(pre, self.max_norm)  # the clip of them all (unused if any is skipped)
         post, carried = self._post_clip(pre, factor)
-        read = self._read_back(loss, pre, carried, mark, each)
+        read = self._read_back(loss, pre, carried, mark, each, origin)
         skipped, applied = _partition(names, read)
         if skipped:  # what is applied (some optimizers' parameters, or none) is clipped by its own norm
             post = clip_to_norm_(self._union(applied), self.max_norm,
@@ -1100,14 +1103,20 @@ class Guard:
         return self._record(names, skipped, read, lr, loss, pre, post)
 
     def _read_back(self, loss: torch.Tensor, pre: torch.Tensor, carried: torch.Tensor, mark: torch.Tensor,
-                   each: list[torch.Tensor]) -> _Read:
+                   each: list[torch.Tensor], origin: torch.Tensor | None) -> _Read:
         """The one host read of the step: was the loss or a gradient non-finite (on any rank)?
-        The values themselves come over, so it also brings the record's loss and norms, and the
-        scale and growth tracker the update will find (the host tells the new scale)."""
+        The values themselves come over, so it also brings the record's loss and norms, the
+        scale and growth tracker the update will find (the host tells the new scale), and under
+        torchrun whose own loss it was."""
         scaling = self.scaler.update_inputs(pre.device)
-        loss_v, pre_v, carried_v, mark_v, *rest = torch.stack([loss, pre, carried, mark, *scaling, *each]).tolist()
-        return _Read(loss_v, pre_v, carried_v, not math.isfinite(mark_v),
-                     [not math.isfinite(v) for v in rest[len(scaling):]], rest[:len(scaling)])
+        values = [loss, pre, carried, mark, *scaling, *each, *(origin.unbind() if origin is not None else ())]
+        loss_v, pre_v, carried_v, mark_v, *rest = torch.stack(values).tolist()
+        bad_loss, loss_on = not math.isfinite(mark_v), None
+        if origin is not None:
+            *rest, ranks, rank_sum = rest
+            loss_on = loss_origin(ranks, rank_sum, distributed.current().world_size) if bad_loss else None
+        return _Read(loss_v, pre_v, carried_v, bad_loss, [not math.isfinite(v) for v in rest[len(scaling):]],
+                     rest[:len(scaling)], loss_on)
 
     def _step_optimizers(self, applied: tuple[str, ...]) -> None:
         """``optimizer.step()`` of each applied one (what ``scaler.step()`` does once found_inf
@@ -1149,6 +1158,7 @@ class Guard:
             grad_l2_post_clip=post,
             scaler_scale=scale,
             reason="non_finite_loss" if read.bad_loss else "non_finite_grad",
+            loss_on=read.loss_on,
             **labels,
             read=values,
         )
@@ -1202,7 +1212,7 @@ class Guard:
         ``GradScaler.step``) and to the scaler's found-inf record (so ``update()`` backs off).
         Clipping runs unconditionally: on a skipped step it scales gradients nobody will use.
         """
-        grads, loss, mark, pre, _ = self._measure_group(tuple(self.optimizers))
+        grads, loss, mark, pre, _, origin = self._measure_group(tuple(self.optimizers))
         self._set_lrs()  # this step's LR, from the count before it
         lr = self.optimizer.param_groups[0]["lr"]
         tail = _compiled_tail() if self.fuse_tail else sync_free_tail
@@ -1228,13 +1238,16 @@ class Guard:
         # the record's values in one tensor (read back with one copy), the fields views of it;
         # the LR as this step used it (the next step's _set_lrs writes that tensor in place), the
         # post-clip norm or the factor the host computes it from, the scale after update(), and
-        # the loss mark, from which the reader tells a skip and its reason
+        # the loss mark, from which the reader tells a skip and its reason (and under torchrun
+        # the origin: whose own loss was not finite), in PendingStep._NUMERIC's order
         clip = None if post is not None else (self.max_norm, pre.dtype)
-        packed = torch.stack([lr, loss, pre, carried, self.scaler.scale_tensor(pre.device), mark])
-        lr, loss, pre, carried, scale, mark = packed.unbind()
+        packed = torch.stack([lr, loss, pre, carried, self.scaler.scale_tensor(pre.device), mark,
+                              *(origin.unbind() if origin is not None else ())])
+        lr, loss, pre, carried, scale, mark, *origin_read = packed.unbind()
+        ranks, rank_sum, world = (*origin_read, distributed.current().world_size) if origin_read else (None, None, 1)
         return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre,
                            grad_l2_post_clip=None if clip else carried, scaler_scale=scale, loss_mark=mark,
-                           packed=packed, clip=clip)
+                           loss_ranks=ranks, loss_rank_sum=rank_sum, world=world, packed=packed, clip=clip)
 
     def _set_lrs(self) -> None:
         """Sync-free: each group's LR for this step, ``base x factor(applied updates)`` on the

@@ -22,7 +22,8 @@
   evidence file holds the global batch, every rank's slice in rank order (it held rank 0's, which
   had no spike).
 - ``Z``: a 6-step run whose every step skips for a NaN born on rank 1 alone, with ``fail_rate``:
-  too short for the rolling rules, it is judged at its end, and every rank fails there together.
+  too short for the rolling rules, it is judged at its end, and every rank fails there together;
+  each SKIP line names rank 1.
 - ``T``: a long run; once it has written rows, SIGTERM to torchrun itself (a scheduler's stop):
   torchrun passes it to every rank, and each stops at the same step boundary with exit 143, a
   checkpoint of that step and the run card, every row written.
@@ -374,6 +375,9 @@ def test_a_run_too_short_for_fail_after_fails_at_its_end_on_every_rank_together(
     rows = (run / "steps.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4", "5", "6"]
     assert all(r.split(",")[5] == "1" for r in rows[1:])  # every rank skipped every step (rank 1's NaN, agreed)
+    # each SKIP line names the rank whose own loss was not finite (no diagnosis asked for)
+    skips = [line for line in out.splitlines() if line.startswith("SKIP ")]
+    assert len(skips) == 6 and all(line.endswith("reason=non_finite_loss (rank 1)") for line in skips), skips
 
 
 def test_a_rank_killed_mid_run_ends_the_job_with_whole_rows_and_a_resume_finishes_it(launches):

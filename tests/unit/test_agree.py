@@ -23,6 +23,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _steps(rank: int, sync_free: bool) -> list[tuple]:
+    """Four guarded steps on this rank: finite; rank 1's loss NaN; both losses NaN; rank 0's
+    gradient inf with finite losses. Each record's (reason, loss_on, console line, JSON line)."""
+    import json
+
+    import torch.nn.functional as F
+
+    from ampguard import AmpTrainState, JsonlSink
+    from ampguard.sinks import console_line
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    if sync_free:
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
+        state = AmpTrainState(model, opt, F.mse_loss, precision="fp32", sync_free=True, lr_schedule=lambda n: n * 0 + 1)
+    else:
+        state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="fp32")
+    inf_grad = []
+    model.weight.register_hook(lambda g: g * float("inf") if inf_grad else g)
+    x, y = torch.ones(2, 4), torch.zeros(2, 1)
+    nan = torch.full((2, 1), float("nan"))
+    batches = [(x, y), (x, nan if rank == 1 else y), (x, nan), (x, y)]
+    out = []
+    for step, (xb, yb) in enumerate(batches, 1):
+        if step == 4 and rank == 0:
+            inf_grad.append(True)
+        record = state.step(xb, yb)
+        sink, lines = JsonlSink.__new__(JsonlSink), []
+        sink._write_line = lines.append  # (the line as JsonlSink writes it, without a file)
+        sink.write(record)
+        out.append((record.reason, record.loss_on if record.skipped else None, console_line(record),
+                    json.loads(lines[0]).get("loss_on")))
+    return out
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -33,19 +68,45 @@ def _rank(rank: int, port: int, out: str) -> None:
             torch.tensor([2.0, float("inf")][rank]),  # inf on rank 1 only
             torch.tensor(0.1, dtype=torch.float64),  # finite everywhere
         ]
-        agreed = distributed.agree(loss, norms)
-        torch.save([t.item() for t in agreed], f"{out}/rank{rank}.pt")
+        agreed, origin = distributed.agree(loss, norms)
+        results = {"agreed": [t.item() for t in agreed], "origin": origin.tolist(),
+                   "exact": _steps(rank, sync_free=False), "sync_free": _steps(rank, sync_free=True)}
+        torch.save(results, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_one_ranks_non_finite_value_is_every_ranks(tmp_path):
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    loss0, big0, inf0, same0 = torch.load(tmp_path / "rank0.pt")
-    loss1, big1, inf1, same1 = torch.load(tmp_path / "rank1.pt")
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("agree")
+    mp.spawn(_rank, args=(_free_port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+
+
+def test_one_ranks_non_finite_value_is_every_ranks(ranks):
+    loss0, big0, inf0, same0 = ranks[0]["agreed"]
+    loss1, big1, inf1, same1 = ranks[1]["agreed"]
     assert loss0 == loss1 == 1.0  # the mean over ranks
     # a float64 norm beyond float32's range is finite: both ranks keep it finite (no rank skips alone)
     assert big0 == 1e39 and big1 == 1.0
     # rank 1's inf: inf where it was, NaN on rank 0 (finite there): both read non-finite
     assert inf1 == float("inf") and inf0 != inf0
     assert same0 == same1 == 0.1  # finite everywhere: unchanged, bit for bit
+    # the origin counts the ranks whose first value (the loss mark) was not finite: rank 0's 1e39
+    # is finite in float64 (its mark 0), so none
+    assert ranks[0]["origin"] == ranks[1]["origin"] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("path", ["exact", "sync_free"])
+def test_a_skip_for_a_non_finite_loss_names_the_rank_whose_loss_it_was(ranks, path):
+    # (without it, a NaN born on one rank read the same on all: the first-skip diagnosis alone named it)
+    for rank in (0, 1):
+        steps = ranks[rank][path]
+        assert [(reason, on, j) for reason, on, _, j in steps] == [
+            (None, None, None),
+            ("non_finite_loss", "rank 1", "rank 1"),  # the same words on both ranks
+            ("non_finite_loss", "every rank", "every rank"),
+            ("non_finite_grad", None, None),  # a gradient's: DDP or the norm's agreement reduced it, no rank to name
+        ], (rank, steps)
+        assert steps[1][2].startswith("SKIP 2 ") and steps[1][2].endswith(" reason=non_finite_loss (rank 1)")
+        assert steps[3][2].endswith(" reason=non_finite_grad")
