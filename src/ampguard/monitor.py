@@ -741,6 +741,9 @@ class RunMonitor:
         for name, value in self._scalar_defaults().items():
             setattr(self, name, value)
         self.skips: Counter[str] = Counter()
+        self.loss_origins: Counter[str] = Counter()
+        """Under torchrun, the ``non_finite_loss`` skips by whose own loss it was (``rank 1``,
+        ``every rank``: :attr:`~ampguard.records.SkipLog.loss_on`)."""
         self.last: dict[str, float | None] = {}
         self.failed: Event | None = None
         self.higher_better: dict[str, bool] = {}
@@ -801,6 +804,8 @@ class RunMonitor:
         self.last = v
         if record.skipped:
             self.skips[str(record.reason)] += 1
+            if on := getattr(record, "loss_on", None):
+                self.loss_origins[on] += 1
         else:
             self.updates += 1
             loss = v["loss"]
@@ -1082,6 +1087,19 @@ class RunMonitor:
         """
         return ", ".join(f"{reason}={n}" for reason, n in sorted(self.skips.items())) or "none"
 
+    def loss_origins_text(self) -> str | None:
+        """Whose non-finite losses the skips were (torchrun), most first, or None when no skip
+        named one.
+
+        Example::
+
+            >>> m = RunMonitor()
+            >>> m.loss_origins.update({"rank 1": 5, "every rank": 1, "rank 0": 1})
+            >>> m.loss_origins_text()
+            'rank 1 (5), every rank (1), rank 0 (1)'
+        """
+        return ", ".join(f"{on} ({n})" for on, n in self.loss_origins.most_common()) or None
+
     def stats_line(self) -> str:
         """The log-interval line: ``STATS <step> skip_rate=... clip_rate=... scale=<verdict> skips=...``.
 
@@ -1164,6 +1182,7 @@ class RunMonitor:
             **{name: getattr(self, name) for name in self._SCALARS},
             "failed": None if self.failed is None else self.failed.as_dict(),
             "skips": dict(self.skips),
+            "loss_origins": dict(self.loss_origins),
             "last": dict(self.last),
             "skip_window": self.skip_window.state_dict(),
             "clip_window": self.clip_window.state_dict(),
@@ -1198,6 +1217,7 @@ class RunMonitor:
         if "in_opening" not in state:  # saved before the opening was kept: over unless nothing ran
             self.in_opening = self.steps == 0
         self.skips = Counter(state.get("skips", {}))
+        self.loss_origins = Counter(state.get("loss_origins", {}))
         self.last = dict(state.get("last", {}))
         if "health" in state:
             self.health.load_state_dict(state["health"])
@@ -1253,6 +1273,8 @@ class RunMonitor:
               "a mapping of names to finite numbers")
         skips, last = state.get("skips", {}), state.get("last", {})
         _need(_names_to(skips, whole_number), f"{where}skips", skips, "a mapping of names to ints >= 0")
+        origins = state.get("loss_origins", {})
+        _need(_names_to(origins, whole_number), f"{where}loss_origins", origins, "a mapping of names to ints >= 0")
         _need(_names_to(last, lambda v: v is None or _number(v)), f"{where}last", last,
               "a mapping of names to numbers or None")
         if "health" in state:

@@ -780,6 +780,7 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         ("steps attempted", str(m.steps)),
         ("updates applied", str(m.updates)),
         ("skipped steps", f"{sum(m.skips.values())} ({m.skips_text()})"),
+        *((("non-finite losses by rank", origins),) if (origins := m.loss_origins_text()) else ()),
         ("max rolling skip rate", m.max_skip_rate_text),
         ("skip-rate alert episodes", str(m.alert_episodes)),
         ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {counted(m.steps, 'step')} had pre-clip norm > max_norm)"

@@ -378,6 +378,7 @@ def test_a_run_too_short_for_fail_after_fails_at_its_end_on_every_rank_together(
     # each SKIP line names the rank whose own loss was not finite (no diagnosis asked for)
     skips = [line for line in out.splitlines() if line.startswith("SKIP ")]
     assert len(skips) == 6 and all(line.endswith("reason=non_finite_loss (rank 1)") for line in skips), skips
+    assert "| non-finite losses by rank | rank 1 (6) |" in (run / "RUN.md").read_text(encoding="utf-8")
 
 
 def test_a_rank_killed_mid_run_ends_the_job_with_whole_rows_and_a_resume_finishes_it(launches):

@@ -37,11 +37,12 @@ def step_record(step: int, *, loss: float = 1.0, pre: float = 0.5, post: float |
                    grad_l2_post_clip=pre if post is None else post, scaler_scale=scale)
 
 
-def skip_record(step: int, reason: str = "non_finite_grad", *, loss: float = 1.0, scale: float = 1.0) -> SkipLog:
+def skip_record(step: int, reason: str = "non_finite_grad", *, loss: float = 1.0, scale: float = 1.0,
+                loss_on: str | None = None) -> SkipLog:
     pre = float("inf") if reason == "non_finite_grad" else None
     loss = float("nan") if reason == "non_finite_loss" else loss
     return SkipLog(step=step, lr=0.1, loss=loss, grad_l2_pre_clip=pre, grad_l2_post_clip=None,
-                   scaler_scale=scale, reason=reason)
+                   scaler_scale=scale, reason=reason, loss_on=loss_on)
 
 
 def records_for(skipped: list[bool]) -> list:
@@ -747,7 +748,9 @@ def _mixed_records() -> list:
         if ch == "S":
             scale /= 2
             reason = "non_finite_loss" if i % 3 == 0 else "non_finite_grad"
-            out.append(skip_record(i, reason, scale=scale))
+            # (as under torchrun: whose loss it was; the round trips keep the count)
+            on = ("rank 1" if i % 2 else "every rank") if reason == "non_finite_loss" else None
+            out.append(skip_record(i, reason, scale=scale, loss_on=on))
         else:
             if i % 7 == 0:
                 scale *= 2
@@ -880,6 +883,25 @@ def test_run_monitor_round_trip_at_the_scale_floor(split):
     assert restored.failed.cause == FAIL_SCALE_COLLAPSE
 
 
+def test_the_skips_for_a_non_finite_loss_are_counted_by_whose_loss_it_was_and_kept_across_a_resume():
+    live, restored, rest = _round_trip(20)
+    assert live.loss_origins and restored.loss_origins == live.loss_origins  # the checkpoint kept them
+    for r in rest:
+        live.observe(r)
+        restored.observe(r)
+    expected = {}
+    for r in _mixed_records():
+        if r.skipped and r.loss_on:
+            expected[r.loss_on] = expected.get(r.loss_on, 0) + 1
+    assert dict(restored.loss_origins) == expected and set(expected) == {"rank 1", "every rank"}
+    top = max(expected, key=expected.get)
+    assert restored.loss_origins_text().startswith(f"{top} ({expected[top]})")  # most first
+    state = json.loads(json.dumps(live.state_dict()))
+    with pytest.raises(ValueError, match="loss_origins is .*expected a mapping of names to ints >= 0"):
+        RunMonitor(**MIXED_ARGS).load_state_dict({**state, "loss_origins": {"rank 1": -2}})
+    assert RunMonitor(**MIXED_ARGS).loss_origins_text() is None  # one process: no line on the card
+
+
 def test_run_monitor_loads_an_older_state_without_the_new_keys():
     m = RunMonitor(**MIXED_ARGS)
     records = _mixed_records()
@@ -888,7 +910,7 @@ def test_run_monitor_loads_an_older_state_without_the_new_keys():
     old = json.loads(json.dumps(m.state_dict()))
     old["below_min_scale"] = old.pop("at_floor_skipped")  # the name before the floor
     del old["failed"]["cause"]  # saved before failures were typed
-    for key in ("eval_last", "eval_best", "max_skip_rate"):
+    for key in ("eval_last", "eval_best", "max_skip_rate", "loss_origins"):
         del old[key]
     restored = RunMonitor(**MIXED_ARGS)
     restored.load_state_dict(old)
