@@ -15,13 +15,14 @@ import io
 import json
 import os
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from .errors import InputError, counted, first_line, has_control, whole_number
+from .errors import AmpguardWarning, InputError, counted, first_line, has_control, whole_number
 from .files import DiskFull, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
@@ -417,6 +418,26 @@ class _LineFile:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")
         return existing
 
+    def _drop_torn_tail(self) -> None:
+        """An existing file appended to without ``keep_through``: a last line with no newline (a
+        kill mid-write) is cut off, with a warning, so the next line starts a line of its own; it
+        finished the torn one (a CSV row of 12 cells, a JSON line that is no JSON). The file is
+        read from its end only."""
+        with self.path.open("rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            at, tail = end, b""
+            while at > 0 and b"\n" not in tail:
+                at = max(0, at - (1 << 16))
+                f.seek(at)
+                tail = f.read(end - at)
+        if not tail or tail.endswith(b"\n"):
+            return
+        keep = at + tail.rfind(b"\n") + 1
+        with writing(self.path):
+            os.truncate(self.path, keep)
+        warnings.warn(f"{self.path}: its last line was torn ({counted(end - keep, 'byte')} without a newline: a "
+                      "kill mid-write?): cut off before appending", AmpguardWarning, stacklevel=2)
+
     def _write_line(self, line: str) -> None:
         """Append ``line`` (:class:`DiskFull` when there is no room)."""
         if self._file is None:  # (an assert: gone under python -O, then an AttributeError on None)
@@ -527,6 +548,8 @@ class CsvSink(_LineFile):
             self.check_header(self.path, self.columns, expected)
             if keep_through is not None:
                 self._truncate_after(keep_through)
+            else:
+                self._drop_torn_tail()
         made = not (self.path.exists() or self.path.is_symlink())
         self._file: IO[bytes] | None = _open_for_append(self.path)
         self._writer = csv.writer(_Line, lineterminator="\n")
@@ -831,8 +854,11 @@ class JsonlSink(_LineFile):
 
     def __init__(self, path: str | os.PathLike, *, append: bool = False, keep_through: int | None = None) -> None:
         self.path = Path(path)
-        if self._existing(append, keep_through) and keep_through is not None:
-            self._truncate_after(keep_through)
+        if self._existing(append, keep_through):
+            if keep_through is not None:
+                self._truncate_after(keep_through)
+            else:
+                self._drop_torn_tail()
         self._file: IO[bytes] | None = _open_for_append(self.path)
 
     def _truncate_after(self, step: int) -> None:

@@ -158,6 +158,39 @@ def test_csv_append_continues_without_a_second_header(tmp_path):
     assert [r["step"] for r in read_rows(path)] == ["1", "2", "3"]
 
 
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+def test_append_alone_cuts_a_torn_last_line_instead_of_finishing_it(tmp_path, kind):
+    # A kill mid-write leaves a last line without its newline; append=True (no keep_through) wrote
+    # the next record onto it: a CSV row of 12 cells that report refused, a JSON line no parser reads
+    from ampguard.errors import AmpguardWarning
+
+    path = tmp_path / f"steps.{kind}"
+    sink_type = CsvSink if kind == "csv" else JsonlSink
+    with sink_type(path) as sink:
+        for step in (1, 2, 3):
+            sink.write(applied(step))
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-20])  # step 3's line torn
+    with pytest.warns(AmpguardWarning, match=r"its last line was torn \(\d+ bytes without a newline"):
+        sink = sink_type(path, append=True)
+    sink.write(applied(3))  # the loop writes step 3 again (its line was lost)
+    sink.write(applied(4))
+    sink.close()
+    text = path.read_text(encoding="utf-8")
+    assert text.endswith("\n") and path.read_bytes().startswith(whole[:whole.rindex(b"\n", 0, len(whole) - 1)])
+    if kind == "csv":
+        assert [r["step"] for r in read_rows(path)] == ["1", "2", "3", "4"]
+        assert all(len(line.split(",")) == len(CSV_COLUMNS) for line in text.splitlines())
+    else:
+        assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2, 3, 4]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a file that ends with its newline: nothing said, nothing cut
+        sink_type(path, append=True).close()
+    assert path.read_text(encoding="utf-8") == text
+
+
 def test_csv_append_to_a_new_file_writes_the_header(tmp_path):
     path = tmp_path / "new.csv"
     sink = CsvSink(path, append=True)
