@@ -77,6 +77,22 @@ def test_make_guard_refuses_an_accelerator_that_does_the_amp_too(accelerator):
         make_guard(amp, model, optimizer, precision="bf16")
 
 
+def test_make_guard_refuses_an_accelerator_that_counts_other_processes_than_torch_distributed(accelerator,
+                                                                                             monkeypatch):
+    # accelerate launch --multi_gpu on a machine without a GPU, Accelerator() not told cpu=True:
+    # torch.distributed held 2 processes, each accelerator counted 1 (each process "the main one",
+    # the model not wrapped): both wrote the CSV, and one died in the guard's all-reduce. Here the
+    # other way round (one process, an accelerator whose num_processes says 2)
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert accelerator.num_processes == 1
+    make_guard(accelerator, model, optimizer, precision="bf16")  # the same count: taken
+    monkeypatch.setattr(type(accelerator), "num_processes", property(lambda self: 2))
+    assert accelerator.num_processes == 2
+    with pytest.raises(ValueError, match=r"the accelerator counts 2 processes but torch.distributed has 1: "):
+        make_guard(accelerator, model, optimizer, precision="bf16")
+
+
 def test_make_guard_takes_the_accelerators_gradient_accumulation_steps():
     model = torch.nn.Linear(4, 1)
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=4)

@@ -116,6 +116,7 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, *, register_state: 
         raise ValueError(f"the accelerator does mixed precision {accelerator.mixed_precision!r} already; with "
                          "ampguard doing the AMP, make it Accelerator(mixed_precision='no') (or launch with "
                          "--mixed_precision no) and pass precision= to the guard")
+    _check_world(accelerator)
     accumulation = accelerator.gradient_accumulation_steps
     given = settings.setdefault("accumulation_steps", accumulation)
     if accumulation != 1 and given != accumulation:
@@ -130,6 +131,34 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, *, register_state: 
     if register_state and hasattr(accelerator, "register_for_checkpointing"):
         _register(accelerator, GuardState(guard))
     return guard
+
+
+def _check_world(accelerator: Any) -> None:
+    """Refuse an accelerator that counts other processes than the process group holds: the
+    guard agrees its skips over the group's. ``accelerate launch --multi_gpu`` on a machine
+    without a GPU starts the group, and an ``Accelerator()`` not told ``cpu=True`` then runs each
+    process as a world of one (every one the main process, the model not wrapped in DDP, the
+    data not split): unsynchronised replicas whose skips the guard would tie together.
+
+    Example (no process group: a world of one, as the accelerator's)::
+
+        >>> from types import SimpleNamespace
+        >>> _check_world(SimpleNamespace(num_processes=1))
+        >>> _check_world(SimpleNamespace(num_processes=2))
+        Traceback (most recent call last):
+        ...
+        ValueError: the accelerator counts 2 processes but torch.distributed has 1: ...
+    """
+    from .. import distributed
+
+    world, counted_ = distributed.current().world_size, getattr(accelerator, "num_processes", None)
+    if counted_ is None or counted_ == world:
+        return
+    hint = (" (accelerate launch on a machine without a GPU: make it Accelerator(cpu=True), as "
+            "examples/accelerate_guard.py does when CUDA is not available)" if counted_ == 1 else "")
+    raise ValueError(f"the accelerator counts {counted_} process{'es' if counted_ != 1 else ''} but torch.distributed "
+                     f"has {world}{hint}: the guard agrees every skip over torch.distributed's processes, and "
+                     "the accelerator would train them as separate runs")
 
 
 class GuardState:
