@@ -253,6 +253,11 @@ def read_steps_and_columns(path: str | Path, torn: list[str] | None = None
         >>> torn = []
         >>> [(r.step, r.scaler_scale) for r in read_steps_and_columns(csv_path, torn)[0]], torn
         ([(1, 65536.0)], ['2,0.1,2.0,1.0,0.5,0,,655'])
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,-1\\n")
+        >>> read_steps_and_columns(csv_path)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: .../steps.csv line 2: scaler_scale -1 is no loss scale (one is >= 0)
         >>> shutil.rmtree(folder)
     """
     path = Path(path)
@@ -297,6 +302,8 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
     previous = 0
     for line_no, cells in enumerate(reader, start=2):
         where = f"{path} line {line_no}"
+        if not cells:  # a blank line (an editor's at the end): no row
+            continue
         if len(cells) != len(header):
             raise InputError(f"{where}: {len(cells)} cells, the header has {len(header)}")
         extra.append(dict(zip(header[fixed:], cells[fixed:])))
@@ -317,12 +324,12 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
         reason = cell["skip_reason"]
         if (reason not in SKIP_REASONS) if skipped else reason:
             raise InputError(f"{where}: skip_reason {reason!r} does not fit skipped={cell['skipped']}")
-        yield Row(
-            step=step,
-            skipped=skipped,
-            skip_reason=reason,
-            **{c: csv_number(cell[c], c, where) for c in ("lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "scaler_scale")},
-        )
+        numbers = {c: csv_number(cell[c], c, where) for c in ("lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss",
+                                                              "scaler_scale")}
+        scale = numbers["scaler_scale"]
+        if scale is not None and not scale >= 0:  # (0 is a real record: a plain GradScaler's that underflowed)
+            raise InputError(f"{where}: scaler_scale {cell['scaler_scale']} is no loss scale (one is >= 0)")
+        yield Row(step=step, skipped=skipped, skip_reason=reason, **numbers)
 
 
 def _read_back(path: Path, kept: bytes) -> None:
@@ -748,6 +755,8 @@ def _last_step(path: Path, tail: int = 1 << 16) -> int | None:
     except OSError:
         return None
     for line in reversed(lines):
+        if not line.strip():  # (a blank line at the end: no row, as the reader takes it)
+            continue
         first = line.split(b",", 1)[0]
         return int(first) if first.isdigit() else None
     return None

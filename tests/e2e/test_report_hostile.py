@@ -128,6 +128,26 @@ def test_report_reads_a_last_line_that_ends_in_a_newline_as_a_row(cli, tmp_path)
     assert code == 0 and "torn" not in out and "summary: steps=2 " in out and "final_scale=655 " in out, out
 
 
+def test_report_reads_a_csv_that_ends_in_a_blank_line(cli, tmp_path):
+    # an editor's last newline: "line 3: 0 cells, the header has 8", exit 2
+    (tmp_path / "t.csv").write_text(csv_text(HEADER, "1,0.1,2.0,1.0,0.5,0,,65536.0", "2,0.1,2.0,1.0,0.5,0,,655") + "\n")
+    code, out, err = cli("report", "t.csv", "--no-plot")
+    assert code == 0 and "summary: steps=2 " in out and "final_scale=655 " in out, (out, err)
+
+
+@pytest.mark.parametrize(("first", "scale"), [(False, "-1"), (False, "nan"), (False, "-inf"), (True, "-1.0")])
+def test_report_refuses_a_scale_no_scaler_has(cli, tmp_path, snapshot, first, scale):
+    # it read -1 as a scale at its floor ("final_scale=-1 ... scale collapsing"); a negative first
+    # scale was taken as the run's init_scale (a ValueError, exit 1, before it was passed over).
+    # 0 stays a record: a plain GradScaler's scale that underflowed
+    scales = [scale, "1024.0"] if first else ["1024.0", scale]
+    (tmp_path / "s.csv").write_text(csv_text(HEADER, *(f"{n},0.1,2.0,1.0,0.5,0,,{x}" for n, x in enumerate(scales, 1))))
+    before = snapshot(tmp_path)
+    line = refused(cli, "s.csv")
+    assert f"line {2 if first else 3}: scaler_scale {scale} is no loss scale (one is >= 0)" in line, line
+    assert snapshot(tmp_path) == before  # no plot drawn
+
+
 def test_a_full_disk_leaves_no_half_row_and_report_reads_the_run(tmp_path, cli):
     # the first write took what fitted, the second raised EFBIG: steps.csv ended in half a row, and
     # report refused the run ("line 34: 3 cells, the header has 9")
@@ -161,15 +181,6 @@ def test_report_plots_values_out_to_the_float64_limit(cli, tmp_path, rows):
     code, out, err = cli("report", "h.csv")
     assert code == 0 and err == "", (code, err)
     assert png_size(tmp_path / "h.png") == (1200, 1400)
-
-
-def test_report_of_a_csv_whose_first_scale_is_negative_starts_from_the_first_real_scale(cli, tmp_path):
-    # the negative first scale became the monitor's init_scale and min_scale: ValueError (exit 1)
-    (tmp_path / "n.csv").write_text(csv_text(HEADER, "1,0.1,2.0,1.0,0.5,0,,-1.0", "2,0.1,2.0,1.0,0.5,0,,1024.0",
-                                             "3,0.1,2.0,1.0,0.5,0,,1024.0"))
-    code, out, err = cli("report", "n.csv")
-    assert code == 0 and err == "", (code, err)
-    assert "summary: steps=3 " in out and png_size(tmp_path / "n.png") == (1200, 1400)
 
 
 def test_a_drawing_error_is_one_line_and_no_png(cli, tmp_path, monkeypatch, snapshot):
