@@ -445,6 +445,62 @@ def test_a_guarded_trainer_does_not_warn_that_it_only_watches(tmp_path):
     assert json.loads((tmp_path / "out" / "ampguard" / "summary.json").read_text())["guarded"] is True
 
 
+class _Logged:
+    """A callback that keeps each training log it is given, as a ``report_to`` tracker's on_log
+    sees it (HF calls the callbacks in their order, all with the one dict)."""
+
+    def __init__(self):
+        self.logs = []
+
+    def __getattr__(self, name):  # the TrainerCallback events it does not keep
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.logs.append((state.global_step, {k: v for k, v in logs.items() if k.startswith("ampguard/")}))
+
+
+def test_a_guarded_trainers_logs_tell_every_tracker_what_the_guard_did(tmp_path):
+    # nothing in HF's report_to trackers said a step was skipped: only the callback's files and sinks
+    logged = _Logged()  # before the callback in HF's list, as report_to's trackers are
+    model = tiny_gpt2()
+    trainer = GuardedTrainer(model=model, args=arguments(tmp_path, "fp16", steps=9, logging_steps=3),
+                             train_dataset=token_ids(), callbacks=[logged],
+                             scaler={"init_scale": 1024.0, "growth_interval": 1000})
+    assert trainer.callback_handler.callbacks.index(logged) < trainer.callback_handler.callbacks.index(trainer.ampguard)
+    inf_gradient_at(trainer, model, {5})
+    trainer.train()
+    rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
+    expected = [(3, {"ampguard/skipped": 0, "ampguard/skip_rate": 0.0, "ampguard/scale": 1024.0}),
+                (6, {"ampguard/skipped": 1, "ampguard/skip_rate": 1 / 6, "ampguard/scale": 512.0}),
+                (9, {"ampguard/skipped": 0, "ampguard/skip_rate": 1 / 9, "ampguard/scale": 512.0})]
+    assert logged.logs == expected
+    assert [float(rows[step - 1]["scaler_scale"]) for step, _ in expected] == [1024.0, 512.0, 512.0]
+    history = [{k: v for k, v in h.items() if k.startswith("ampguard/")} for h in trainer.state.log_history if "loss" in h]
+    assert history == [values for _, values in expected]  # and HF's own log history
+
+
+def test_a_stock_trainer_whose_callback_comes_first_gives_the_trackers_its_keys(tmp_path):
+    # a stock Trainer calls report_to's callbacks first: moved before them, the callback's on_log
+    # adds its keys in time (README's one line); where it is, they come after the trackers logged
+    logged, callback = _Logged(), AmpGuardCallback(print_fn=lambda line: None)
+    args = arguments(tmp_path, "bf16", steps=4, logging_steps=2)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=token_ids(16), callbacks=[logged, callback])
+    trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(AmpGuardCallback))
+    with pytest.warns(UserWarning, match="only watches"):
+        trainer.train()
+    assert logged.logs == [(2, {"ampguard/skipped": 0, "ampguard/skip_rate": 0.0, "ampguard/scale": 1.0}),
+                           (4, {"ampguard/skipped": 0, "ampguard/skip_rate": 0.0, "ampguard/scale": 1.0})]
+    late = _Logged()  # left where HF puts it (after the trackers): they logged without the keys
+    trainer = Trainer(model=tiny_gpt2(), args=arguments(tmp_path / "b", "bf16", steps=2, logging_steps=2),
+                      train_dataset=token_ids(16), callbacks=[late, AmpGuardCallback(print_fn=lambda line: None)])
+    with pytest.warns(UserWarning, match="only watches"):
+        trainer.train()
+    assert late.logs == [(2, {})]
+
+
 DDP_TRAIN = '''
 import sys
 import torch

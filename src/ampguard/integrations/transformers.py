@@ -189,6 +189,7 @@ class AmpGuardCallback(TrainerCallback):
         self._batch: int | None = None  # the train batch size of this train()'s last attempt (auto_find_batch_size)
         self._given: list[Sink] = []  # the sinks this train() was given (every process: refused to a later one)
         self._serving: list[Sink] = []  # those it writes and its end ends (process 0's)
+        self._logged_skips = 0  # the monitor's skips at HF's last training log (add_to_log)
 
     @property
     def exit_code(self) -> int:
@@ -279,6 +280,7 @@ class AmpGuardCallback(TrainerCallback):
                 raise InputError(f"{resume[2]}/{STATE_NAME}: the monitor's state does not fit this callback: "
                                  f"{first_line(err)}") from None
         self.monitor, self.failed, self.crash, self.ended, self._ended = monitor, None, None, "", False
+        self._logged_skips = sum(monitor.skips.values())  # (a resume's earlier skips were logged by its run)
         if still_open:  # (a train() a stock Trainer ended with an error, unseen, left them open too)
             for sink in (self._csv, self._events):
                 if sink is not None:
@@ -375,6 +377,27 @@ class AmpGuardCallback(TrainerCallback):
             self.failed = self.monitor.failed
             self.ended = f"stopped by a guard at step {record.step}: {self.failed.message}"
             control.should_training_stop = True
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        """:meth:`add_to_log`: in time for the loggers only where this callback comes before them
+        (HF puts ``report_to``'s first; :class:`GuardedTrainer` adds the keys itself first)."""
+        if logs is not None:
+            self.add_to_log(logs)
+
+    def add_to_log(self, logs: dict[str, Any]) -> None:
+        """A training log of HF's (one with ``loss``) gets the guard's view of the steps since the
+        last one, for every ``report_to`` tracker: ``ampguard/skipped`` (how many were skipped),
+        ``ampguard/skip_rate`` (the rolling rate over the monitor's window, as the Lightning
+        plugin logs it) and ``ampguard/scale`` (the loss scale after the last step; 1.0 without a scaler).
+        Once per log: keys already there are left as they are."""
+        if self.monitor is None or "loss" not in logs or "ampguard/skipped" in logs:
+            return
+        skips = sum(self.monitor.skips.values())
+        logs["ampguard/skipped"], self._logged_skips = skips - self._logged_skips, skips
+        logs["ampguard/skip_rate"] = self.monitor.skip_rate
+        scale = self.monitor.last.get("scaler_scale")
+        logs["ampguard/scale"] = 1.0 if scale is None else scale
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None or self._ended:
@@ -639,6 +662,13 @@ class GuardedTrainer(Trainer):
         except BaseException as error:
             self.ampguard.crashed(error)
             raise
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """``Trainer.log``, a training log first given the guard's keys
+        (:meth:`AmpGuardCallback.add_to_log`): ``trainer.state.log_history`` and every
+        ``report_to`` tracker get ``ampguard/skipped``, ``ampguard/skip_rate``, ``ampguard/scale``."""
+        self.ampguard.add_to_log(logs)
+        super().log(logs, *args, **kwargs)
 
     def _report_to_hp_search(self, *args: Any, **kwargs: Any) -> Any:
         """HF's report to a hyperparameter search; when it prunes the trial it calls
