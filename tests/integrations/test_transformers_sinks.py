@@ -342,6 +342,37 @@ def test_after_an_auto_find_batch_size_retry_each_sink_holds_the_new_attempts_st
     assert logged.exit_code == 0
 
 
+def test_a_wandb_sink_beside_hfs_own_wandb_reporting_keeps_a_run_of_its_own(tmp_path, monkeypatch):
+    # the sink made first (as sinks=[...] is, before the Trainer): HF's WandbCallback's wandb.init()
+    # got the sink's run back (W&B returns the most recent active run) and train() died at its
+    # start in wandb.config.update ("You must call wandb.init() before")
+    import glob
+    from pathlib import Path
+
+    from ampguard.integrations.trackers import WandbSink
+
+    wandb = pytest.importorskip("wandb")
+    from test_trackers import wandb_run
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    wandb.teardown()  # (a W&B set up earlier in this process keeps its settings)
+    sink = WandbSink(project="sink", mode="offline", dir=tmp_path)
+    callback = AmpGuardCallback(sinks=[sink], print_fn=lambda line: None)
+    trainer = _trainer(tmp_path, callback, steps=3, nan_at={2}, report_to=["wandb"], logging_steps=1)
+    trainer.train()
+    wandb.finish()  # (HF leaves its run open)
+    wandb.teardown()
+    runs = {r.id: r for r in (wandb_run(Path(p)) for p in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb")))}
+    assert len(runs) == 2 and sink.run.id in runs
+    ours, hf = runs.pop(sink.run.id), runs.popitem()[1]
+    assert {step: row["train/skipped"] for step, row in ours.history.items()} == {1: 0, 2: 1, 3: 0}
+    # HF's run holds HF's log, the guard's keys among them (GuardedTrainer.log), none of the sink's rows
+    assert [row.get("train/ampguard/skipped") for row in hf.history.values() if "train/loss" in row] == [0, 1, 0]
+    assert not any("train/skip.non_finite_loss" in row for row in hf.history.values())
+
+
 def test_a_full_disk_at_the_end_still_ends_the_sinks(tmp_path, monkeypatch):
     import errno
 

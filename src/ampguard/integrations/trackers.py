@@ -281,6 +281,23 @@ class ForkedRunWarning(UserWarning):
     steps the run it was given already holds."""
 
 
+def _keep_to_itself(run: Any) -> None:
+    """Take a sink's own W&B run out of the runs a later ``wandb.init()`` may return: W&B's
+    default (``reinit="return_previous"``) hands back the most recent active run, so a
+    framework's own W&B logging started after the sink (Hugging Face's ``report_to="wandb"``,
+    Lightning's ``WandbLogger``) got the sink's run: HF's ``wandb.config.update`` raised at the
+    start of ``train()`` (the sink's run, made with ``reinit="create_new"``, is not
+    ``wandb.run``), Lightning logged into it and the plugin finished it under the logger. The
+    sink finishes its run itself (``close``, or at exit). W&B's setup object is internal: a
+    version without it leaves the run where it was."""
+    try:
+        from wandb.sdk import wandb_setup
+
+        wandb_setup.singleton().remove_active_run(run)
+    except Exception:  # noqa: BLE001 - an internal of W&B's: without it, the old behaviour
+        pass
+
+
 class WandbSink(TrackerSink):
     """Every step to a Weights & Biases run (``pip install 'ampguard[wandb]'``), at the run's
     own step (``run.log(row, step=record.step)``).
@@ -328,6 +345,7 @@ class WandbSink(TrackerSink):
                 if (mode or os.environ.get("WANDB_MODE") or "online") == "online":  # (no key, no network)
                     first += " (or log the run offline: log.wandb.mode=offline, or WANDB_MODE=offline)"
                 raise InputError(f"log.wandb: cannot start a W&B run: {first}") from None
+            _keep_to_itself(run)
         self.run = run
         self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
         self._events: dict[str, int] = {}
