@@ -256,9 +256,12 @@ class StepLog(StepRecord):
 
         >>> log = StepLog(7, lr=0.01, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0,
         ...               scaler_scale=65536.0)
-        >>> log.step, log.skipped, log.reason
-        (7, False, None)
+        >>> log.step, log.skipped, log.reason, log.loss_on
+        (7, False, None, None)
     """
+
+    loss_on: ClassVar[None] = None
+    """(:attr:`SkipLog.loss_on`: an applied step's loss was finite on every rank.)"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -440,6 +440,10 @@ class _LineFile:
         if not tail or tail.endswith(b"\n"):
             return
         keep = at + tail.rfind(b"\n") + 1
+        if keep == 0 and self._header:  # the header alone, its newline never written (checked whole): finish it
+            with writing(self.path), self.path.open("ab") as f:
+                f.write(b"\n")
+            return
         with writing(self.path):
             os.truncate(self.path, keep)
         warnings.warn(f"{self.path}: its last line was torn ({counted(end - keep, 'byte')} without a newline: a "
@@ -675,11 +679,13 @@ class CsvSink(_LineFile):
             steps.csv line 2: column lr holds '0.\\x001', not a number; cannot resume from it
         """
         lines = path.read_bytes().splitlines(keepends=True)
-        keep = lines[:1]
+        keep = [_whole(lines[0])] if lines else []  # (a header its writer's newline never reached: whole)
         expected = first
         for line_no, raw in enumerate(lines[1:], start=2):
             if not raw.endswith(b"\n"):  # a torn last line (a write cut short): it goes
                 break
+            if not raw.strip():  # a blank line (an editor's at the end): no row, as the reader takes it
+                continue
             where = f"{path} line {line_no}"
             try:
                 line = raw.decode("utf-8")
@@ -734,6 +740,17 @@ class CsvSink(_LineFile):
             self._write_line(",".join(row) + "\n")
         self.rows += 1
         self._last = record.step
+
+
+def _whole(line: bytes) -> bytes:
+    """``line`` ending in its newline.
+
+    Example::
+
+        >>> _whole(b"step,lr"), _whole(b"step,lr\\n")
+        (b'step,lr\\n', b'step,lr\\n')
+    """
+    return line if line.endswith(b"\n") else line + b"\n"
 
 
 def _last_step(path: Path, tail: int = 1 << 16) -> int | None:

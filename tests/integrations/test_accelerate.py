@@ -91,6 +91,13 @@ def test_make_guard_refuses_an_accelerator_that_counts_other_processes_than_torc
     assert accelerator.num_processes == 2
     with pytest.raises(ValueError, match=r"the accelerator counts 2 processes but torch.distributed has 1: "):
         make_guard(accelerator, model, optimizer, precision="bf16")
+    monkeypatch.undo()  # the launch's case: a group of 2 (as the group reads), an accelerator of 1
+    from ampguard import distributed
+
+    monkeypatch.setattr(distributed, "current", lambda: distributed.DistInfo(rank=0, world_size=2))
+    with pytest.raises(ValueError, match=r"the accelerator counts 1 process but torch.distributed has 2 \(accelerate "
+                                         r"launch on a machine without a GPU: make it Accelerator\(cpu=True\)"):
+        make_guard(accelerator, model, optimizer, precision="bf16")
 
 
 def test_make_guard_takes_the_accelerators_gradient_accumulation_steps():

@@ -466,20 +466,22 @@ def test_a_guarded_trainers_logs_tell_every_tracker_what_the_guard_did(tmp_path)
     # nothing in HF's report_to trackers said a step was skipped: only the callback's files and sinks
     logged = _Logged()  # before the callback in HF's list, as report_to's trackers are
     model = tiny_gpt2()
-    trainer = GuardedTrainer(model=model, args=arguments(tmp_path, "fp16", steps=9, logging_steps=3),
+    trainer = GuardedTrainer(model=model, args=arguments(tmp_path, "fp16", steps=8, logging_steps=3),
                              train_dataset=token_ids(), callbacks=[logged],
                              scaler={"init_scale": 1024.0, "growth_interval": 1000})
     assert trainer.callback_handler.callbacks.index(logged) < trainer.callback_handler.callbacks.index(trainer.ampguard)
-    inf_gradient_at(trainer, model, {5})
+    inf_gradient_at(trainer, model, {5, 8})
     trainer.train()
     rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
     expected = [(3, {"ampguard/skipped": 0, "ampguard/skip_rate": 0.0, "ampguard/scale": 1024.0}),
-                (6, {"ampguard/skipped": 1, "ampguard/skip_rate": 1 / 6, "ampguard/scale": 512.0}),
-                (9, {"ampguard/skipped": 0, "ampguard/skip_rate": 1 / 9, "ampguard/scale": 512.0})]
+                (6, {"ampguard/skipped": 1, "ampguard/skip_rate": 1 / 6, "ampguard/scale": 512.0})]
     assert logged.logs == expected
-    assert [float(rows[step - 1]["scaler_scale"]) for step, _ in expected] == [1024.0, 512.0, 512.0]
-    history = [{k: v for k, v in h.items() if k.startswith("ampguard/")} for h in trainer.state.log_history if "loss" in h]
-    assert history == [values for _, values in expected]  # and HF's own log history
+    assert [float(rows[step - 1]["scaler_scale"]) for step, _ in expected] == [1024.0, 512.0]
+    history = [{k: v for k, v in h.items() if k.startswith("ampguard/")} for h in trainer.state.log_history]
+    assert history[:2] == [values for _, values in expected]  # and HF's own log history
+    # the final log (train_runtime's) carries steps 7-8, after the last training log: step 8's skip
+    assert "train_runtime" in trainer.state.log_history[-1]
+    assert history[-1] == {"ampguard/skipped": 1, "ampguard/skip_rate": 2 / 8, "ampguard/scale": 256.0}
 
 
 def test_a_stock_trainer_whose_callback_comes_first_gives_the_trackers_its_keys(tmp_path):

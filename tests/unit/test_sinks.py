@@ -191,6 +191,34 @@ def test_append_alone_cuts_a_torn_last_line_instead_of_finishing_it(tmp_path, ki
     assert path.read_text(encoding="utf-8") == text
 
 
+def test_append_alone_finishes_a_header_whose_newline_was_never_written(tmp_path):
+    # (review: the cut of a torn last line emptied a file that held the header alone, and no header
+    # was written again: the next row stood where the header should be)
+    path = tmp_path / "steps.csv"
+    path.write_text(HEADER, encoding="utf-8")
+    with CsvSink(path, append=True) as sink:
+        sink.write(applied(1))
+    assert [r["step"] for r in read_rows(path)] == ["1"] and path.read_text(encoding="utf-8").startswith(HEADER + "\n")
+    path.write_text(HEADER, encoding="utf-8")  # a resume from step 0 keeps the header, whole
+    with CsvSink(path, append=True, keep_through=0) as sink:
+        sink.write(applied(1))
+    assert [r["step"] for r in read_rows(path)] == ["1"]
+
+
+def test_a_resume_reads_a_blank_line_as_report_does(tmp_path):
+    # report and append took a CSV ending in a blank line (an editor's); a resume refused it ("0 cells")
+    path = tmp_path / "steps.csv"
+    with CsvSink(path) as sink:
+        for step in (1, 2, 3):
+            sink.write(applied(step))
+    path.write_text(path.read_text(encoding="utf-8") + "\n", encoding="utf-8")
+    kept = CsvSink.kept_rows(path, len(CSV_COLUMNS), 2, first=1)
+    assert kept.decode().splitlines()[1:] == path.read_text(encoding="utf-8").splitlines()[1:3]
+    with CsvSink(path, append=True, keep_through=3) as sink:
+        sink.write(applied(4))
+    assert [r["step"] for r in read_rows(path)] == ["1", "2", "3", "4"]
+
+
 def test_csv_append_to_a_new_file_writes_the_header(tmp_path):
     path = tmp_path / "new.csv"
     sink = CsvSink(path, append=True)

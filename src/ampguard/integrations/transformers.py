@@ -386,13 +386,13 @@ class AmpGuardCallback(TrainerCallback):
             self.add_to_log(logs)
 
     def add_to_log(self, logs: dict[str, Any]) -> None:
-        """A training log of HF's (one with ``loss``) gets the guard's view of the steps since the
-        last one, for every ``report_to`` tracker: ``ampguard/skipped`` (how many were skipped),
+        """A training log of HF's (one with ``loss``, and the final one, ``train_runtime``'s) gets
+        the guard's view of the steps since the last one, for every ``report_to`` tracker: ``ampguard/skipped`` (how many were skipped),
         ``ampguard/skip_rate`` (the rolling rate over the monitor's window, as the Lightning
         plugin logs it) and ``ampguard/scale`` (the loss scale after the last step; 1.0 without a scaler).
         Once per log: keys already there are left as they are."""
-        if self.monitor is None or "loss" not in logs or "ampguard/skipped" in logs:
-            return
+        if self.monitor is None or "ampguard/skipped" in logs or not ("loss" in logs or "train_runtime" in logs):
+            return  # (the final log, train_runtime's: the steps after the last training log)
         skips = sum(self.monitor.skips.values())
         logs["ampguard/skipped"], self._logged_skips = skips - self._logged_skips, skips
         logs["ampguard/skip_rate"] = self.monitor.skip_rate
