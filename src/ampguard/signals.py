@@ -15,8 +15,10 @@ import codecs
 import contextlib
 import errno
 import os
+import select
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
@@ -128,6 +130,85 @@ def stop_on_signals() -> Iterator[StopFlag]:
                 signal.signal(sig, old)
     finally:
         _FLAGS.remove(flag)
+
+
+STUCK_AFTER_S = 10.0
+"""The least time a main thread that has not moved since a stop signal is given before
+:func:`watch_stuck` takes it as stuck in C (a run gives it more: three times its slowest step)."""
+
+
+@contextmanager
+def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[int], None]) -> Iterator[None]:
+    """While the block runs, a watcher thread waits for a stop signal (SIGINT, SIGTERM), woken by
+    the byte Python's C-level handler writes to its wakeup fd. A main thread stuck in C (a
+    collective whose peer hung or died: under NCCL it never returns, under gloo not for its 30
+    minutes) runs no Python, so the signal's Python handler never runs and the run cannot stop
+    at a step boundary. Once a signal came, if the run has not begun closing (``flag.closing``:
+    a run that takes the signal up closes within a step) and the main thread's stack has not
+    changed for ``grace()`` seconds, the watcher calls ``on_stuck(signum)`` (the run writes what
+    it can, alone, and leaves). Nothing happens without a signal; outside the main thread
+    nothing is watched.
+
+    Example (no signal: the watcher only waits)::
+
+        >>> with stop_on_signals() as stop, watch_stuck(stop, lambda: 1.0, print):
+        ...     pass
+    """
+    import threading
+
+    main = threading.main_thread()
+    if threading.current_thread() is not main:
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:  # (a thread of the interpreter's own, or no signals at all)
+        os.close(read)
+        os.close(write)
+        yield
+        return
+    done = threading.Event()
+
+    def where() -> tuple[tuple[Any, int], ...]:
+        """The main thread's stack, as (code, line) pairs: it changes while Python runs calls (a
+        compile, a step's modules), not while it waits in one C call."""
+        frame, stack = sys._current_frames().get(main.ident or 0), []
+        while frame is not None:
+            stack.append((frame.f_code, frame.f_lineno))
+            frame = frame.f_back
+        return tuple(stack)
+
+    def watch() -> None:
+        signum = None
+        while signum is None and not done.is_set():
+            ready, _, _ = select.select([read], [], [], 0.5)
+            if ready:
+                signum = next((b for b in os.read(read, 512) if b in STOP_SIGNALS), None)
+        if signum is None:
+            return
+        at, since = where(), time.monotonic()
+        while not done.wait(0.25) and not flag.closing:
+            now, here = time.monotonic(), where()
+            if here != at:
+                at, since = here, now
+            elif now - since >= grace():
+                on_stuck(signum)
+                return
+
+    watcher = threading.Thread(target=watch, name="ampguard-stuck-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(previous)
+        with contextlib.suppress(OSError):
+            os.write(write, b"\0")  # (wakes the watcher from its select: it sees done)
+        watcher.join()
+        os.close(read)
+        os.close(write)
 
 
 class Interrupted(Exception):

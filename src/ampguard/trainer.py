@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import signal
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,7 +40,7 @@ from .integrations.trackers import TrackerSink, check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
-from .signals import StopFlag, stop_on_signals
+from .signals import STUCK_AFTER_S, StopFlag, stop_on_signals, watch_stuck
 from .files import DiskFull, disk_full_error, remove_temporaries, writing
 from .sinks import CSV_COLUMNS, ConsoleSink, CsvSink, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink
 from .step import AmpTrainState
@@ -123,6 +127,9 @@ class Trainer:
                  resume: ck.Resume | None, announce: Callable[[RunPaths], str] | None = None) -> None:
         self.config, self.outputs, self.resume, self.announce = config, outputs, resume, announce
         self.stop_flag = StopFlag()  # run()'s, once it installs the signal handlers
+        self._slowest = 0.0  # the slowest loop iteration so far (s): how long a stuck main thread is given
+        self._closing = threading.Lock()  # _close runs once: on the main thread, or on the stuck-watcher's
+        self._closed = False
         self.console_every, self.stats_every, self.print_fn, self.progress = console_every, stats_every, print_fn, progress
         if distributed.launched_by_torchrun():
             self.dist, self.device = distributed.init_from_env(config.device)
@@ -276,7 +283,8 @@ class Trainer:
         self._open()
         first_step = self._first_step = self.state.steps
         crashed: Exception | None = None
-        with stop_on_signals() as stop:
+        with stop_on_signals() as stop, (watch_stuck(stop, self._stuck_grace, functools.partial(self._stuck, stop))
+                                         if self.dist.active else contextlib.nullcontext()):
             self.stop_flag, clean, stopped = stop, True, None
             try:
                 stopped = self._loop(stop)
@@ -314,6 +322,7 @@ class Trainer:
         if self.config.rollback.triggers and self.state.steps == 0 and self.resume is None:
             self.save()  # step-00000000.pt: a trigger before the first checkpoint.every returns to the start
         while self.state.steps < self.config.steps:
+            began = time.monotonic()
             with self.watching():
                 try:
                     record = self.train_step()
@@ -339,6 +348,7 @@ class Trainer:
                 if decision is not None:
                     return decision
                 self.save()
+            self._slowest = max(self._slowest, time.monotonic() - began)
         return self.handle(self.inflight.drain()) or self._judge_end()
 
     def _judge_end(self) -> Stop | None:
@@ -570,9 +580,45 @@ class Trainer:
         layers = self.fp8_layers
         return f" ({counted(len(layers), 'Linear layer')} in float8: {', '.join(layers)})"
 
+    def _stuck_grace(self) -> float:
+        """How long the main thread may stay where it is after a stop signal before it is taken
+        as stuck in a collective (:func:`~ampguard.signals.watch_stuck`): three of the run's
+        slowest steps (a checkpoint's save and an evaluation counted in), at least
+        :data:`~ampguard.signals.STUCK_AFTER_S`."""
+        return max(STUCK_AFTER_S, 3 * self._slowest)
+
+    def _stuck(self, stop: StopFlag, signum: int) -> None:
+        """On the stuck-watcher's thread, under torchrun: a stop signal came and the main thread
+        has not moved since (waiting in C, in a collective a hung or dead peer never joins: under
+        NCCL it never returns). This rank closes alone with what it has (the rows and checkpoints
+        up to the last step recorded; rank 0 writes ``run_end``, the card and ends its tracker
+        runs) and leaves at once with the signal's code: the job's scheduler would kill it next."""
+        code = ExitCode.TERMINATED if signum == signal.SIGTERM else ExitCode.INTERRUPTED
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        why = (f"interrupted ({name}) after step {self.monitor.steps}: the process then waited over "
+               f"{self._stuck_grace():.0f} s in a collective (another process hung or died?)")
+        try:
+            stop.closing = True
+            with contextlib.suppress(Exception):  # (the main thread's finally would have closed them)
+                self.sinks.close()
+            self._close(Stop(code, why, INTERRUPTED), alone=True)
+            if self.dist.is_main:
+                print(f"ampguard: {why}; the rows and checkpoints up to step {self.monitor.steps} stand",
+                      file=sys.stderr, flush=True)
+        finally:
+            os._exit(int(code))
+
     def _close(self, stopped: Stop | None, alone: bool = False) -> RunResult:
-        """The run's end: ``run_end``, the run card and plot, the tracker runs ended; ``alone``
-        (a crash): no collective, the ranks end with their own codes."""
+        """The run's end, once (the main thread's, or the stuck-watcher's: :meth:`_stuck`):
+        ``run_end``, the run card and plot, the tracker runs ended; ``alone`` (a crash, a rank
+        stuck in a collective): no collective, the ranks end with their own codes."""
+        with self._closing:
+            if self._closed:
+                raise RuntimeError("the run was closed already")
+            self._closed = True
+            return self._close_once(stopped, alone)
+
+    def _close_once(self, stopped: Stop | None, alone: bool) -> RunResult:
         ended = stopped.why if stopped else f"finished: {counted(self.config.steps, 'step')}"
         if self.disk_full() is None:  # once a write found no room, nothing more is written
             self.events.emit({"step": self.monitor.steps, "event": "run_end", "message": ended})

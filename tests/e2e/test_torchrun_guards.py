@@ -32,6 +32,9 @@
 - ``P``: a copy of K's finished run whose last checkpoint holds an RNG state rank 1 cannot load,
   resumed: every rank refuses with that line, exit 2 (rank 0 went on to a collective and died of
   gloo's "Connection closed by peer" traceback, exit 1), and the run folder is left as it was.
+- ``H``: rank 1's process stopped (SIGSTOP: hung) in its third step's forward, then SIGTERM to
+  torchrun: rank 0, waiting in the step's collective, runs no Python; its stuck-watcher gives it
+  10 s, then it writes the card and ``run_end`` alone and exits 143.
 - ``W``: rank 1's process SIGKILLed in its third step's forward (an OOM killer, a lost node):
   torchrun ends rank 0 too, no rank waits in a collective, the CSV holds whole rows reaching a
   checkpoint, rank 0's card and ``run_end`` say it crashed (its collective failed: it closes alone),
@@ -47,6 +50,7 @@ returned to ``rank<R>.rc`` before leaving: torchrun reports only the first failu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -139,6 +143,10 @@ class Dies(nn.Linear):
             Dies.calls += 1
             if os.environ.get("KILL_RANK_1") and os.environ["RANK"] == "1" and Dies.calls == 3:
                 os.kill(os.getpid(), signal.SIGKILL)  # rank 1, in step 3's forward
+            if os.environ.get("HANG_RANK_1") and os.environ["RANK"] == "1" and Dies.calls == 3:
+                with open("rank1.pid", "w") as f:
+                    f.write(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)  # rank 1 hangs in step 3's forward
         return super().forward(x)
 
 
@@ -183,6 +191,7 @@ def early(work: Path) -> dict[str, tuple]:
         "Z": ([*RUN, "--set", "steps=6", "--set", "log.name=Z", "--set", "monitor.fail_rate=0.5",
                "--inject", "nan_loss@every:1@rank1"], None),
         "W": (KILLED_RUN, None),
+        "H": ([*KILLED_RUN[:-1], "log.name=H"], None),
         "C": ([*RUN, "--set", "steps=4", "--set", "log.name=C"], None),
         "T": ([*RUN, "--set", "steps=1000000", "--set", "log.every=100000", "--set", "checkpoint.every=100000",
                "--set", "log.name=T"], None),
@@ -193,7 +202,8 @@ def early(work: Path) -> dict[str, tuple]:
         for name, (args, limit) in specs.items():
             # (no test here reads a plot: rank 0 drawing twelve of them cost the module seconds of its CPU)
             args = [*args, "--set", "log.plot=false"]
-            own = {"W": {"KILL_RANK_1": "1"}, "C": {"RANK1_ARGS": "--set optimizer.lr=0.5"}}.get(name, {})
+            own = {"W": {"KILL_RANK_1": "1"}, "H": {"HANG_RANK_1": "1"},
+                   "C": {"RANK1_ARGS": "--set optimizer.lr=0.5"}}.get(name, {})
             started[name] = Launch(name, [str(wrapper), str(work / name), *args], work / name, timeout_s=TIMEOUT_S,
                                    env={**env, **own}, preexec_fn=limit)
         # W's resume, beside the launches still running: what W left first (its CSV, its checkpoints)
@@ -210,9 +220,12 @@ def early(work: Path) -> dict[str, tuple]:
                 rows.exists() and rows.read_text().count("\n") > 3):
             time.sleep(0.2)
         os.kill(started["T"].proc.pid, signal.SIGTERM)
+        # H: once rank 1 hangs (stopped) in step 3, a scheduler's SIGTERM to torchrun; rank 0 waits in
+        # the step's collective, where no Python runs; then rank 1 is killed (torchrun would, 30 s on)
+        results: dict[str, tuple] = {"H-waited": _stop_a_hung_job(started["H"], work / "H")}
         # P: a copy of K's finished run, rank 1's RNG state in its last checkpoint spoilt (a hand
         # edit, a bad copy), resumed for more steps
-        results = {"P-left": _spoilt_copy(started["K"].wait(), work / "K" / "runs" / "K", work / "P" / "runs" / "P")}
+        results["P-left"] = _spoilt_copy(started["K"].wait(), work / "K" / "runs" / "K", work / "P" / "runs" / "P")
         (work / "P" / "resume").mkdir()
         started["P-resume"] = Launch("P-resume", [str(wrapper), str(work / "P" / "resume"), "train", "--resume",
                                                   "runs/P", "--set", "steps=10"], work / "P", timeout_s=TIMEOUT_S, env=env)
@@ -224,6 +237,34 @@ def early(work: Path) -> dict[str, tuple]:
         return results
     finally:
         end_launches(started.values())  # (all at once: one grace for them all)
+
+
+def _stop_a_hung_job(launch: Launch, cwd: Path) -> tuple[float | None]:
+    """SIGTERM to torchrun once rank 1 is stopped (its pid in ``rank1.pid``); then, once rank 0
+    wrote ``run_end`` (or gave up), SIGKILL to rank 1. The seconds from the SIGTERM to
+    ``run_end`` (None if it never came)."""
+    pid_file, events = cwd / "rank1.pid", cwd / "runs" / "H" / "events.jsonl"
+
+    def stopped() -> bool:
+        try:
+            return Path(f"/proc/{int(pid_file.read_text())}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        except (OSError, ValueError, IndexError):
+            return False
+
+    def ended() -> bool:
+        return events.exists() and '"event": "run_end"' in events.read_text(encoding="utf-8")
+
+    deadline = time.monotonic() + TIMEOUT_S / 2
+    while time.monotonic() < deadline and launch.proc.poll() is None and not stopped():
+        time.sleep(0.2)
+    os.kill(launch.proc.pid, signal.SIGTERM)
+    sent = time.monotonic()
+    while time.monotonic() < sent + TIMEOUT_S / 2 and not ended():
+        time.sleep(0.2)
+    waited = time.monotonic() - sent if ended() else None
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    return (waited,)
 
 
 def _spoilt_copy(launch: Launch, run: Path, copy: Path) -> dict[str, bytes]:
@@ -402,6 +443,27 @@ def test_a_rank_killed_mid_run_ends_the_job_with_whole_rows_and_a_resume_finishe
     rows = (run / "steps.csv").read_text(encoding="utf-8").splitlines()[1:]
     assert [int(line.split(",")[0]) for line in rows] == [1, 2, 3, 4, 5, 6]
     assert "| ended | finished: 6 steps |" in (run / "RUN.md").read_text(encoding="utf-8")
+
+
+def test_a_rank_stuck_in_a_collective_when_sigterm_comes_writes_the_card_alone_and_leaves(launches):
+    # rank 1 hung (stopped) in step 3; the SIGTERM's Python handler never ran on rank 0, which waits
+    # in the step's collective (as under NCCL, whose wait never returns): torchrun's SIGKILL came 30 s
+    # on, with no card, no run_end. Now its stuck-watcher gives it its grace (10 s: its steps are
+    # fast), then rank 0 closes alone and exits 143
+    (waited,) = launches["H-waited"]
+    code, out, err, cwd = launches["H"]
+    run = cwd / "runs" / "H"
+    assert waited is not None and 10 <= waited < TIMEOUT_S / 2, (waited, err[-3000:])
+    assert code != 0 and _rank_codes(cwd) == {}  # rank 0 left at once (os._exit), rank 1 was killed
+    text = (run / "steps.csv").read_text(encoding="utf-8")
+    steps = [int(line.split(",")[0]) for line in text.splitlines()[1:]]
+    assert text.endswith("\n") and steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) <= 2, steps
+    why = (f"interrupted (SIGTERM) after step {len(steps)}: the process then waited over 10 s in a collective "
+           "(another process hung or died?)")
+    assert f"| ended | {why} |" in (run / "RUN.md").read_text(encoding="utf-8")
+    assert [e["message"] for e in run_events(run) if e["event"] == "run_end"] == [why]
+    assert f"ampguard: {why}; the rows and checkpoints up to step {len(steps)} stand" in err
+    assert sorted(p.name for p in (run / "checkpoints").glob("*.pt"))[-1] == f"step-{len(steps):08d}.pt"
 
 
 def test_a_sigterm_to_torchrun_stops_every_rank_at_one_boundary_with_card_and_checkpoint(launches):

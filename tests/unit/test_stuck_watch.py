@@ -1,0 +1,77 @@
+"""``signals.watch_stuck``: a stop signal the main thread cannot take up, because it waits in C
+(here a lock, as a collective whose peer hung waits), is handed to ``on_stuck`` once the main
+thread's frame has not moved for the grace; a main thread that goes on (Python running), or no
+signal at all, hands nothing. The run's own use (rank 0 closing alone under torchrun) is
+``tests/e2e/test_torchrun_guards.py``'s H."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from ampguard.signals import stop_on_signals, watch_stuck
+
+
+def _sigterm_in(seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    return timer
+
+
+def test_a_main_thread_waiting_in_c_after_a_sigterm_is_handed_to_on_stuck_after_the_grace():
+    waiting, fired = threading.Lock(), []
+    waiting.acquire()
+
+    def on_stuck(signum):
+        fired.append((signum, time.monotonic()))
+        waiting.release()  # (the run would close and leave; here the main thread is let go)
+
+    with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.6, on_stuck):
+        _sigterm_in(0.1)
+        sent = time.monotonic() + 0.1
+        assert waiting.acquire(timeout=10)  # the main thread waits where it is, as in a collective
+    assert [signum for signum, _ in fired] == [signal.SIGTERM]
+    assert stop.signal == signal.SIGTERM  # (the lock's wait let the Python handler run: the frame still did not move)
+    assert 0.6 <= fired[0][1] - sent < 3
+
+
+def test_a_run_that_takes_the_signal_up_and_closes_is_not_stuck():
+    # what a run does with the signal: the step goes on (Python calls, the stack moving), the run
+    # reaches its boundary and closes, which may take longer than the grace (a final checkpoint)
+    fired = []
+
+    def deep(n):
+        return deep(n - 1) if n else time.sleep(0.002)
+
+    with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.6, fired.append):
+        _sigterm_in(0.05).join()
+        end = time.monotonic() + 0.4
+        for i in range(10**6):  # the rest of the step: calls, the stack changing
+            deep(i % 23)
+            if time.monotonic() > end:
+                break
+        stop.closing = True  # the boundary: the run closes, signals held
+        time.sleep(0.8)  # (its last checkpoint and card take their time)
+    assert fired == [] and stop.requested
+
+
+def test_a_run_that_is_closing_is_not_stuck():
+    fired = []
+    with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.3, fired.append):
+        stop.closing = True  # (writing its last checkpoint and card: it may wait, signals held)
+        _sigterm_in(0.05).join()
+        time.sleep(0.6)
+    assert fired == []
+
+
+def test_without_a_signal_nothing_is_watched_and_the_wakeup_fd_is_put_back():
+    fired = []
+    before = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before)
+    with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.2, fired.append):
+        time.sleep(0.5)  # (a sleep: the stack does not move, but no signal came)
+    assert fired == [] and not stop.requested
+    assert signal.set_wakeup_fd(before) == before
+    assert not [t for t in threading.enumerate() if t.name == "ampguard-stuck-watch"]
