@@ -15,7 +15,6 @@ import codecs
 import contextlib
 import errno
 import os
-import select
 import signal
 import sys
 import time
@@ -39,6 +38,10 @@ class StopFlag:
         """Set while the run writes a step's record: a second signal waits for :meth:`release`."""
         self.held = False
         """A second signal arrived while :attr:`holding`."""
+        self.watched = 0
+        """Set (a count) while the main thread is where :func:`watch_stuck` watches for a stuck
+        collective (a run's step and its agreement); elsewhere (a checkpoint's save, an
+        evaluation, where a rank waits for the slowest) it is never taken as stuck."""
 
     def release(self) -> None:
         """End :attr:`holding`; a second signal that waited interrupts now (``KeyboardInterrupt``).
@@ -144,9 +147,10 @@ def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[
     collective whose peer hung or died: under NCCL it never returns, under gloo not for its 30
     minutes) runs no Python, so the signal's Python handler never runs and the run cannot stop
     at a step boundary. Once a signal came, if the run has not begun closing (``flag.closing``:
-    a run that takes the signal up closes within a step) and the main thread's stack has not
-    changed for ``grace()`` seconds, the watcher calls ``on_stuck(signum)`` (the run writes what
-    it can, alone, and leaves). Nothing happens without a signal; outside the main thread
+    a run that takes the signal up closes within a step) and the main thread has stayed
+    :attr:`StopFlag.watched` with its stack unchanged for ``grace()`` seconds, the watcher calls
+    ``on_stuck(signum)`` (the run writes what it can, alone, and leaves; it takes the run over
+    only if the run is still not closing). Nothing happens without a signal; outside the main thread
     nothing is watched.
 
     Example (no signal: the watcher only waits)::
@@ -182,31 +186,30 @@ def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[
 
     def watch() -> None:
         signum = None
-        while signum is None and not done.is_set():
-            ready, _, _ = select.select([read], [], [], 0.5)
-            if ready:
-                signum = next((b for b in os.read(read, 512) if b in STOP_SIGNALS), None)
+        while signum is None and not done.is_set():  # (the block's end writes a byte to wake it)
+            signum = next((b for b in os.read(read, 512) if b in STOP_SIGNALS), None)
         if signum is None:
             return
         at, since = where(), time.monotonic()
         while not done.wait(0.25) and not flag.closing:
             now, here = time.monotonic(), where()
-            if here != at:
+            if here != at or not flag.watched:
                 at, since = here, now
             elif now - since >= grace():
                 on_stuck(signum)
                 return
 
     watcher = threading.Thread(target=watch, name="ampguard-stuck-watch", daemon=True)
-    watcher.start()
     try:
+        watcher.start()
         yield
     finally:
         done.set()
         signal.set_wakeup_fd(previous)
         with contextlib.suppress(OSError):
-            os.write(write, b"\0")  # (wakes the watcher from its select: it sees done)
-        watcher.join()
+            os.write(write, b"\0")  # (wakes the watcher from its read: it sees done)
+        if watcher.is_alive():
+            watcher.join()
         os.close(read)
         os.close(write)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import signal
 import sys
@@ -127,9 +128,9 @@ class Trainer:
                  resume: ck.Resume | None, announce: Callable[[RunPaths], str] | None = None) -> None:
         self.config, self.outputs, self.resume, self.announce = config, outputs, resume, announce
         self.stop_flag = StopFlag()  # run()'s, once it installs the signal handlers
-        self._slowest = 0.0  # the slowest loop iteration so far (s): how long a stuck main thread is given
-        self._closing = threading.Lock()  # _close runs once: on the main thread, or on the stuck-watcher's
-        self._closed = False
+        self._slowest = 0.0  # the slowest step so far (s, its agreement in): how long a stuck main thread is given
+        self._handoff = threading.Lock()  # who closes the run: the main thread, or the stuck-watcher (_stuck)
+        self._taken_over = False  # the stuck-watcher closes this rank and ends the process
         self.console_every, self.stats_every, self.print_fn, self.progress = console_every, stats_every, print_fn, progress
         if distributed.launched_by_torchrun():
             self.dist, self.device = distributed.init_from_env(config.device)
@@ -294,7 +295,10 @@ class Trainer:
                 # (a Ctrl-C Python wrapped on its way out of the user's code is an interrupt, as above)
                 crashed, clean = (None if an_interrupt(err) else err), False
             finally:
-                stop.closing = True  # from here a signal waits: the checkpoint and the run card come first
+                with self._handoff:  # from here a signal waits: the checkpoint and the run card come first
+                    stop.closing, taken = True, self._taken_over
+                if taken:  # (it unblocked while the stuck-watcher closes this rank: that ends the process)
+                    threading.Event().wait()
                 with contextlib.suppress(Exception):  # after an error too: the steps already taken reach the CSV
                     self.settle()
                 self.sinks.close()
@@ -323,11 +327,12 @@ class Trainer:
             self.save()  # step-00000000.pt: a trigger before the first checkpoint.every returns to the start
         while self.state.steps < self.config.steps:
             began = time.monotonic()
-            with self.watching():
+            with self.watching(), self._watched(stop):
                 try:
                     record = self.train_step()
                 except BadBatch as bad:  # the steps before it stand: their records, the run card
                     return Stop(ExitCode.BAD_INPUT, f"bad data at step {self.state.steps + 1}: {bad}", BAD_DATA)
+            self._slowest = max(self._slowest, time.monotonic() - began)
             self.throughput.steady()  # the run card's throughput counts from the end of the first step
             if self.state.steps >= self.config.steps:
                 self.throughput.ended()  # ... to the end of the last (not its evaluation, the final save)
@@ -337,7 +342,8 @@ class Trainer:
             decision = self.handle(self.inflight.ready())
             if decision is not None:
                 return decision
-            interrupted, full = self._agree(stop.requested, self.disk_full() is not None)
+            with self._watched(stop):
+                interrupted, full = self._agree(stop.requested, self.disk_full() is not None)
             if full:  # a file found no room (on rank 0): every rank stops here, nothing more is written
                 return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
             if interrupted and self.state.steps < self.config.steps:  # the first Ctrl-C or SIGTERM, honoured at
@@ -348,7 +354,6 @@ class Trainer:
                 if decision is not None:
                     return decision
                 self.save()
-            self._slowest = max(self._slowest, time.monotonic() - began)
         return self.handle(self.inflight.drain()) or self._judge_end()
 
     def _judge_end(self) -> Stop | None:
@@ -580,12 +585,24 @@ class Trainer:
         layers = self.fp8_layers
         return f" ({counted(len(layers), 'Linear layer')} in float8: {', '.join(layers)})"
 
+    @contextlib.contextmanager
+    def _watched(self, stop: StopFlag) -> Iterator[None]:
+        """Where a stuck collective is watched for (:func:`~ampguard.signals.watch_stuck`): a
+        step's micro-batches (DDP's all-reduce in the backward, the guard's agreement) and the
+        boundary's agreement. Not a checkpoint's save nor an evaluation, where a rank waits for
+        the slowest as long as that takes."""
+        stop.watched += 1
+        try:
+            yield
+        finally:
+            stop.watched -= 1
+
     def _stuck_grace(self) -> float:
-        """How long the main thread may stay where it is after a stop signal before it is taken
-        as stuck in a collective (:func:`~ampguard.signals.watch_stuck`): three of the run's
-        slowest steps (a checkpoint's save and an evaluation counted in), at least
-        :data:`~ampguard.signals.STUCK_AFTER_S`."""
-        return max(STUCK_AFTER_S, 3 * self._slowest)
+        """How long the main thread may stay where it is in a step after a stop signal before it
+        is taken as stuck in a collective (:func:`~ampguard.signals.watch_stuck`): three of the
+        run's slowest steps, at least :data:`~ampguard.signals.STUCK_AFTER_S`; never before the
+        first step is timed (a compile, a warm-up)."""
+        return max(STUCK_AFTER_S, 3 * self._slowest) if self._slowest else math.inf
 
     def _stuck(self, stop: StopFlag, signum: int) -> None:
         """On the stuck-watcher's thread, under torchrun: a stop signal came and the main thread
@@ -597,8 +614,11 @@ class Trainer:
         name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
         why = (f"interrupted ({name}) after step {self.monitor.steps}: the process then waited over "
                f"{self._stuck_grace():.0f} s in a collective (another process hung or died?)")
+        with self._handoff:
+            if stop.closing:  # the main thread got there first: it closes
+                return
+            stop.closing, self._taken_over = True, True
         try:
-            stop.closing = True
             with contextlib.suppress(Exception):  # (the main thread's finally would have closed them)
                 self.sinks.close()
             self._close(Stop(code, why, INTERRUPTED), alone=True)
@@ -606,19 +626,15 @@ class Trainer:
                 print(f"ampguard: {why}; the rows and checkpoints up to step {self.monitor.steps} stand",
                       file=sys.stderr, flush=True)
         finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
             os._exit(int(code))
 
     def _close(self, stopped: Stop | None, alone: bool = False) -> RunResult:
-        """The run's end, once (the main thread's, or the stuck-watcher's: :meth:`_stuck`):
-        ``run_end``, the run card and plot, the tracker runs ended; ``alone`` (a crash, a rank
-        stuck in a collective): no collective, the ranks end with their own codes."""
-        with self._closing:
-            if self._closed:
-                raise RuntimeError("the run was closed already")
-            self._closed = True
-            return self._close_once(stopped, alone)
-
-    def _close_once(self, stopped: Stop | None, alone: bool) -> RunResult:
+        """The run's end (the main thread's, or the stuck-watcher's: :meth:`_stuck`; which one,
+        ``_handoff`` decides): ``run_end``, the run card and plot, the tracker runs ended;
+        ``alone`` (a crash, a rank stuck in a collective): no collective, the ranks end with their
+        own codes."""
         ended = stopped.why if stopped else f"finished: {counted(self.config.steps, 'step')}"
         if self.disk_full() is None:  # once a write found no room, nothing more is written
             self.events.emit({"step": self.monitor.steps, "event": "run_end", "message": ended})

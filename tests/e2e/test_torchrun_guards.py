@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -458,10 +459,11 @@ def test_a_rank_stuck_in_a_collective_when_sigterm_comes_writes_the_card_alone_a
     text = (run / "steps.csv").read_text(encoding="utf-8")
     steps = [int(line.split(",")[0]) for line in text.splitlines()[1:]]
     assert text.endswith("\n") and steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) <= 2, steps
-    why = (f"interrupted (SIGTERM) after step {len(steps)}: the process then waited over 10 s in a collective "
-           "(another process hung or died?)")
+    (why,) = [e["message"] for e in run_events(run) if e["event"] == "run_end"]
+    grace = re.fullmatch(rf"interrupted \(SIGTERM\) after step {len(steps)}: the process then waited over (\d+) s "
+                         r"in a collective \(another process hung or died\?\)", why)
+    assert grace and 10 <= int(grace[1]) <= waited + 1, why  # (10 s, or three of its slowest steps)
     assert f"| ended | {why} |" in (run / "RUN.md").read_text(encoding="utf-8")
-    assert [e["message"] for e in run_events(run) if e["event"] == "run_end"] == [why]
     assert f"ampguard: {why}; the rows and checkpoints up to step {len(steps)} stand" in err
     assert sorted(p.name for p in (run / "checkpoints").glob("*.pt"))[-1] == f"step-{len(steps):08d}.pt"
 

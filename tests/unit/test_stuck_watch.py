@@ -1,8 +1,8 @@
 """``signals.watch_stuck``: a stop signal the main thread cannot take up, because it waits in C
-(here a lock, as a collective whose peer hung waits), is handed to ``on_stuck`` once the main
-thread's frame has not moved for the grace; a main thread that goes on (Python running), or no
-signal at all, hands nothing. The run's own use (rank 0 closing alone under torchrun) is
-``tests/e2e/test_torchrun_guards.py``'s H."""
+in a step (here a lock, as a collective whose peer hung waits), is handed to ``on_stuck`` once
+its stack has not moved for the grace; a run that takes the signal up and closes, a wait outside
+a step (a checkpoint's save: the others wait for rank 0), or no signal at all, hands nothing.
+The run's own use (rank 0 closing alone under torchrun) is ``tests/e2e/test_torchrun_guards.py``'s H."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def test_a_main_thread_waiting_in_c_after_a_sigterm_is_handed_to_on_stuck_after_
         waiting.release()  # (the run would close and leave; here the main thread is let go)
 
     with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.6, on_stuck):
+        stop.watched += 1  # (in a step)
         _sigterm_in(0.1)
         sent = time.monotonic() + 0.1
         assert waiting.acquire(timeout=10)  # the main thread waits where it is, as in a collective
@@ -46,6 +47,7 @@ def test_a_run_that_takes_the_signal_up_and_closes_is_not_stuck():
         return deep(n - 1) if n else time.sleep(0.002)
 
     with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.6, fired.append):
+        stop.watched += 1
         _sigterm_in(0.05).join()
         end = time.monotonic() + 0.4
         for i in range(10**6):  # the rest of the step: calls, the stack changing
@@ -54,6 +56,18 @@ def test_a_run_that_takes_the_signal_up_and_closes_is_not_stuck():
                 break
         stop.closing = True  # the boundary: the run closes, signals held
         time.sleep(0.8)  # (its last checkpoint and card take their time)
+    assert fired == [] and stop.requested
+
+
+def test_a_wait_outside_a_step_is_not_stuck():
+    # a checkpoint rank 0 writes while the others wait for it, longer than the grace; a loop whose
+    # stack repeats (torch.save writing storage after storage, an evaluation's .item() per batch)
+    fired = []
+    with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.3, fired.append):
+        _sigterm_in(0.05).join()
+        for _ in range(8):
+            time.sleep(0.1)  # (the stack is the same at every sample)
+        stop.closing = True
     assert fired == [] and stop.requested
 
 
