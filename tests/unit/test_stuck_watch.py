@@ -28,14 +28,14 @@ def test_a_main_thread_waiting_in_c_after_a_sigterm_is_handed_to_on_stuck_after_
         fired.append((signum, time.monotonic()))
         waiting.release()  # (the run would close and leave; here the main thread is let go)
 
-    with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.6, on_stuck):
+    with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.4, on_stuck):
         stop.watched += 1  # (in a step)
         _sigterm_in(0.1)
         sent = time.monotonic() + 0.1
         assert waiting.acquire(timeout=10)  # the main thread waits where it is, as in a collective
     assert [signum for signum, _ in fired] == [signal.SIGTERM]
     assert stop.signal == signal.SIGTERM  # (the lock's wait let the Python handler run: the frame still did not move)
-    assert 0.6 <= fired[0][1] - sent < 3
+    assert 0.4 <= fired[0][1] - sent < 3
 
 
 def test_a_run_that_takes_the_signal_up_and_closes_is_not_stuck():
@@ -46,16 +46,16 @@ def test_a_run_that_takes_the_signal_up_and_closes_is_not_stuck():
     def deep(n):
         return deep(n - 1) if n else time.sleep(0.002)
 
-    with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.6, fired.append):
+    with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.4, fired.append):
         stop.watched += 1
         _sigterm_in(0.05).join()
-        end = time.monotonic() + 0.4
+        end = time.monotonic() + 0.3
         for i in range(10**6):  # the rest of the step: calls, the stack changing
             deep(i % 23)
             if time.monotonic() > end:
                 break
         stop.closing = True  # the boundary: the run closes, signals held
-        time.sleep(0.8)  # (its last checkpoint and card take their time)
+        time.sleep(0.6)  # (its last checkpoint and card take their time)
     assert fired == [] and stop.requested
 
 
@@ -65,7 +65,7 @@ def test_a_wait_outside_a_step_is_not_stuck():
     fired = []
     with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.3, fired.append):
         _sigterm_in(0.05).join()
-        for _ in range(8):
+        for _ in range(6):
             time.sleep(0.1)  # (the stack is the same at every sample)
         stop.closing = True
     assert fired == [] and stop.requested
@@ -76,7 +76,7 @@ def test_a_run_that_is_closing_is_not_stuck():
     with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.3, fired.append):
         stop.closing = True  # (writing its last checkpoint and card: it may wait, signals held)
         _sigterm_in(0.05).join()
-        time.sleep(0.6)
+        time.sleep(0.5)
     assert fired == []
 
 
@@ -85,7 +85,7 @@ def test_without_a_signal_nothing_is_watched_and_the_wakeup_fd_is_put_back():
     before = signal.set_wakeup_fd(-1)
     signal.set_wakeup_fd(before)
     with stop_on_signals() as stop, watch_stuck(stop, lambda: 0.2, fired.append):
-        time.sleep(0.5)  # (a sleep: the stack does not move, but no signal came)
+        time.sleep(0.4)  # (a sleep: the stack does not move, but no signal came)
     assert fired == [] and not stop.requested
     assert signal.set_wakeup_fd(before) == before
     assert not [t for t in threading.enumerate() if t.name == "ampguard-stuck-watch"]
