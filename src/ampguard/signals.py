@@ -135,6 +135,32 @@ def stop_on_signals() -> Iterator[StopFlag]:
         _FLAGS.remove(flag)
 
 
+class Watched:
+    """``with Watched(flag):`` around where :func:`watch_stuck` watches for a stuck collective
+    (:attr:`StopFlag.watched`). A class, not a generator: it is entered twice a step.
+
+    Example::
+
+        >>> flag = StopFlag()
+        >>> with Watched(flag):
+        ...     flag.watched
+        1
+        >>> flag.watched
+        0
+    """
+
+    __slots__ = ("flag",)
+
+    def __init__(self, flag: StopFlag) -> None:
+        self.flag = flag
+
+    def __enter__(self) -> None:
+        self.flag.watched += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.flag.watched -= 1
+
+
 STUCK_AFTER_S = 10.0
 """The least time a main thread that has not moved since a stop signal is given before
 :func:`watch_stuck` takes it as stuck in C (a run gives it more: three times its slowest step)."""

@@ -425,6 +425,17 @@ class _LineFile:
             raise InputError(f"{self.path} already exists; refusing to overwrite it")
         return existing
 
+    def _cut_for_append(self, keep_through: int | None) -> None:
+        """An existing file appended to: its lines after ``keep_through`` cut (a resume), else
+        only a torn last line (:meth:`_drop_torn_tail`)."""
+        if keep_through is not None:
+            self._truncate_after(keep_through)
+        else:
+            self._drop_torn_tail()
+
+    def _truncate_after(self, step: int) -> None:
+        raise NotImplementedError
+
     def _drop_torn_tail(self) -> None:
         """An existing file appended to without ``keep_through``: a last line with no newline (a
         kill mid-write) is cut off, with a warning, so the next line starts a line of its own; it
@@ -557,10 +568,7 @@ class CsvSink(_LineFile):
         existing = self._existing(append, keep_through)
         if existing:
             self.check_header(self.path, self.columns, expected)
-            if keep_through is not None:
-                self._truncate_after(keep_through)
-            else:
-                self._drop_torn_tail()
+            self._cut_for_append(keep_through)
         made = not (self.path.exists() or self.path.is_symlink())
         self._file: IO[bytes] | None = _open_for_append(self.path)
         self._writer = csv.writer(_Line, lineterminator="\n")
@@ -881,10 +889,7 @@ class JsonlSink(_LineFile):
     def __init__(self, path: str | os.PathLike, *, append: bool = False, keep_through: int | None = None) -> None:
         self.path = Path(path)
         if self._existing(append, keep_through):
-            if keep_through is not None:
-                self._truncate_after(keep_through)
-            else:
-                self._drop_torn_tail()
+            self._cut_for_append(keep_through)
         self._file: IO[bytes] | None = _open_for_append(self.path)
 
     def _truncate_after(self, step: int) -> None:

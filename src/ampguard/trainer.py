@@ -13,7 +13,6 @@ import contextlib
 import functools
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -41,7 +40,7 @@ from .integrations.trackers import TrackerSink, check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
-from .signals import STUCK_AFTER_S, StopFlag, stop_on_signals, watch_stuck
+from .signals import STUCK_AFTER_S, StopFlag, Watched, stop_on_signals, watch_stuck
 from .files import DiskFull, disk_full_error, remove_temporaries, writing
 from .sinks import CSV_COLUMNS, ConsoleSink, CsvSink, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink
 from .step import AmpTrainState
@@ -325,9 +324,13 @@ class Trainer:
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
         if self.config.rollback.triggers and self.state.steps == 0 and self.resume is None:
             self.save()  # step-00000000.pt: a trigger before the first checkpoint.every returns to the start
+        # where a stuck collective is watched for (torchrun): a step's micro-batches (DDP's all-reduce
+        # in the backward, the guard's agreement) and the boundary's agreement; not a checkpoint's
+        # save nor an evaluation, where a rank waits for the slowest as long as that takes
+        watched = Watched(stop) if self.dist.active else contextlib.nullcontext()
         while self.state.steps < self.config.steps:
             began = time.monotonic()
-            with self.watching(), self._watched(stop):
+            with self.watching(), watched:
                 try:
                     record = self.train_step()
                 except BadBatch as bad:  # the steps before it stand: their records, the run card
@@ -342,7 +345,7 @@ class Trainer:
             decision = self.handle(self.inflight.ready())
             if decision is not None:
                 return decision
-            with self._watched(stop):
+            with watched:
                 interrupted, full = self._agree(stop.requested, self.disk_full() is not None)
             if full:  # a file found no room (on rank 0): every rank stops here, nothing more is written
                 return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
@@ -585,18 +588,6 @@ class Trainer:
         layers = self.fp8_layers
         return f" ({counted(len(layers), 'Linear layer')} in float8: {', '.join(layers)})"
 
-    @contextlib.contextmanager
-    def _watched(self, stop: StopFlag) -> Iterator[None]:
-        """Where a stuck collective is watched for (:func:`~ampguard.signals.watch_stuck`): a
-        step's micro-batches (DDP's all-reduce in the backward, the guard's agreement) and the
-        boundary's agreement. Not a checkpoint's save nor an evaluation, where a rank waits for
-        the slowest as long as that takes."""
-        stop.watched += 1
-        try:
-            yield
-        finally:
-            stop.watched -= 1
-
     def _stuck_grace(self) -> float:
         """How long the main thread may stay where it is in a step after a stop signal before it
         is taken as stuck in a collective (:func:`~ampguard.signals.watch_stuck`): three of the
@@ -610,14 +601,14 @@ class Trainer:
         NCCL it never returns). This rank closes alone with what it has (the rows and checkpoints
         up to the last step recorded; rank 0 writes ``run_end``, the card and ends its tracker
         runs) and leaves at once with the signal's code: the job's scheduler would kill it next."""
-        code = ExitCode.TERMINATED if signum == signal.SIGTERM else ExitCode.INTERRUPTED
-        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        why = (f"interrupted ({name}) after step {self.monitor.steps}: the process then waited over "
-               f"{self._stuck_grace():.0f} s in a collective (another process hung or died?)")
         with self._handoff:
             if stop.closing:  # the main thread got there first: it closes
                 return
             stop.closing, self._taken_over = True, True
+        if stop.signal is None:  # (its Python handler never ran: what it would have noted)
+            stop.signal = signum
+        code, why = stop.exit_code, (f"{self._interrupted(stop).why}: the process then waited over "
+                                     f"{self._stuck_grace():.0f} s in a collective (another process hung or died?)")
         try:
             with contextlib.suppress(Exception):  # (the main thread's finally would have closed them)
                 self.sinks.close()
