@@ -3,8 +3,6 @@ FSDP2-sharded model through ``OptimizerState(fsdp=True)`` (a resume that switche
 ``distributed.strategy`` from ddp to fsdp2). One process, gloo; prints ``ok`` when every moment
 and step count arrived, or what did not."""
 
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -14,11 +12,7 @@ from torch import nn
 
 
 def main() -> int:
-    with socket.socket() as s:  # a free port for the one-process group
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # (no port to race for)
     from torch.distributed.fsdp import fully_shard
 
     from ampguard.checkpointer import MODEL, OPTIMIZER, CheckpointManager, Loaded, ModelState, OptimizerState

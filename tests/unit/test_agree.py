@@ -4,9 +4,6 @@ for bit."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,12 +12,6 @@ import torch.multiprocessing as mp
 from ampguard import distributed
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _steps(rank: int, sync_free: bool) -> list[tuple]:
@@ -58,9 +49,10 @@ def _steps(rank: int, sync_free: bool) -> list[tuple]:
     return out
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _rank(rank: int, out: str) -> None:
+    # a file rendezvous, no port: a port found free and then taken by another test's torchrun
+    # store (the early jobs run beside) aborted rank 1 ("terminate called without an active exception")
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
     try:
         loss = torch.tensor([0.5, 1.5][rank])
         norms = [
@@ -79,7 +71,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("agree")
-    mp.spawn(_rank, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(str(out),), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
 
 
