@@ -22,17 +22,16 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .build import build_monitor
-from .clipping import clip_threshold
 from .errors import ExitCode, InputError, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
 from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, plot_metadata,
                      policy_changes_of, read_card, reading_notes, replay, rollbacks_of, rolling_skip_rate, shown,
-                     whole_steps)
+                     threshold_by_step, threshold_line, threshold_text, whole_steps)
 from .run_folder import RunPaths
 from .sinks import Row, metric_values, read_steps_and_columns
 
@@ -57,6 +56,7 @@ class RunSummary:
     ended: str
     notes: list[str] = field(default_factory=list)  # what reading its steps.csv left out or found missing
     card: dict[str, str] = field(default_factory=dict)  # the run card's rows (report.read_card)
+    policy: list[dict[str, Any]] = field(default_factory=list)  # its policy changes on resume (policy_changes_of)
 
 
 def _card(card: Path) -> tuple[str, dict[str, str]]:
@@ -118,13 +118,14 @@ def load_run(path: str | Path) -> RunSummary:
     ended, card = _card(folder / "RUN.md")
     scaler_on = uses_loss_scaler(config.precision) if config.scaler.enabled is None else config.scaler.enabled
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
-    monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy_changes_of(folder),
+    policy = policy_changes_of(folder)
+    monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
                      rollbacks=rollbacks_of(folder),
                      steps=config.steps if ended.startswith("finished: ") else None)
     for metrics in _metrics(folder / "steps.csv", extra):
         monitor.observe_eval(metrics)
     notes = reading_notes(folder / "steps.csv", rows, torn, folder)
-    return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card)
+    return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy)
 
 
 def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
@@ -190,7 +191,8 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
         loss final / best: 0.3 / 0.3
     """
     m, c = run.monitor, run.config
-    clip = clip_threshold(c.max_norm)
+    steps = [r.step for r in run.rows]
+    clips = threshold_by_step(steps, "max_norm", c.max_norm, run.policy)  # (a resume may have changed it)
     scale = m.last.get("scaler_scale")
     cells = [
         ("ended", run.ended),
@@ -198,13 +200,14 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
         # processes (task.batch_size is per process): from the run card, "-" for an older card
         ("precision", c.precision + (f" ({run.card['fp8']})" if "fp8" in run.card else "")),
         ("processes", run.card.get("processes", "-")),
-        ("max_norm", _g(clip, "g") if clip else "off"),
+        ("max_norm", threshold_text(steps, clips)),
         ("steps / updates", f"{m.steps} / {m.updates}"),
         ("skips", f"{sum(m.skips.values())} ({m.skips_text()})"),
         ("max rolling skip rate", f"{m.max_rolling_skip_rate:.4f}" + (
             f" (judged {m.max_skip_rate:.4f})" if f"{m.max_skip_rate:.4f}" != f"{m.max_rolling_skip_rate:.4f}" else "")),
-        ("clip rate", f"{m.clip_rate:.3f}" if clip else "n/a"),
+        ("clip rate", f"{m.clip_rate:.3f}" if any(clips) else "n/a"),
         ("scale health", m.scale_verdict + (f" (final {_g(scale, 'g')})" if m.scaler_enabled else "")),
+        *((("headroom alerts", run.card["headroom alerts"]),) if "headroom alerts" in run.card else ()),
         ("loss final / best", f"{_g(m.final_loss_and_step[0])} / {_g(m.best_loss)}"),
     ]
     cells += [(f"{name} final / best", f"{_g(value)} / {_g(m.eval_best.get(name))}")
@@ -307,9 +310,9 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
             ax_loss.plot([s for s, _ in marks], [y for _, y in marks], "x", color=colour, ms=5)
         xs, ys = finite_points(rows, [r.grad_l2_pre_clip for r in rows], positive=True)
         ax_norm.plot(xs, ys, lw=1, color=colour, label=run.name, **dots(xs))
-        clip = clip_threshold(run.config.max_norm)
-        if clip:
-            ax_norm.axhline(clip, color=colour, ls="--", lw=1, label=f"{run.name}: max_norm {clip:g}")
+        steps = [r.step for r in rows]
+        threshold_line(ax_norm, steps, threshold_by_step(steps, "max_norm", run.config.max_norm, run.policy),
+                       f"{run.name}: max_norm", color=colour, ls="--", lw=1)
         xs, ys = finite_points(rows, [r.scaler_scale for r in rows], positive=True)
         ax_scale.step(xs, [math.log2(v) for v in ys], where="post", lw=1.2, color=colour, label=run.name, **dots(xs))
         rates = rolling_skip_rate(rows, run.config.monitor.window)

@@ -20,7 +20,7 @@ from .clipping import clip_threshold
 from .errors import ExitCode, InputError, check_folder_of, counted, first_line, whole_number
 from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
-from .monitor import RollingWindow, RunMonitor
+from .monitor import RollingWindow, RunMonitor, ScaleHealth
 from .precision import Precision, backend_text
 from .records import SKIP_REASONS
 from .run_folder import RunPaths
@@ -176,6 +176,41 @@ def rollbacks_of(run_dir: Path) -> list[dict[str, Any]]:
                                                 and whole_number(event.get("updates_undone"))), at_resume=True)
 
 
+HEADROOM_ALERTS_SHOWN = 3
+"""How many headroom alerts the run card and ``report`` name (the rest counted)."""
+
+
+def headroom_alerts_text(run_dir: Path | None) -> str:
+    """The run's ``headroom_alert`` events (as :func:`_events_kept` keeps them), in a few words: how
+    many, and the first few (step, module, tensor, judged bits): the early warning, for the run
+    card and ``report`` (the console's ALERT lines are gone with the scrollback).
+
+    Example::
+
+        >>> import json, shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> headroom_alerts_text(folder)
+        'none'
+        >>> events = [{"step": 25, "event": "headroom_alert", "module": "4", "tensor": "output", "judged_bits": 15.43},
+        ...           {"step": 26, "event": "headroom_clear"}, {"step": 30, "event": "headroom_alert", "module": "2"}]
+        >>> _ = (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\\n" for e in events))
+        >>> headroom_alerts_text(folder)
+        '2 (step 25: 4 output 15.4 bits; step 30: 2)'
+        >>> shutil.rmtree(folder)
+    """
+    alerts = _events_kept(run_dir, lambda event: event.get("event") == "headroom_alert") if run_dir else []
+    if not alerts:
+        return "none"
+
+    def said(alert: dict[str, Any]) -> str:
+        bits = alert.get("judged_bits")
+        where = " ".join(str(alert[k]) for k in ("module", "tensor") if isinstance(alert.get(k), str))
+        return f"step {alert['step']}: {where}" + (f" {bits:.1f} bits" if isinstance(bits, (int, float)) else "")
+
+    shown_ = "; ".join(said(a) for a in alerts[:HEADROOM_ALERTS_SHOWN])
+    return f"{len(alerts)} ({shown_}{'; ...' if len(alerts) > HEADROOM_ALERTS_SHOWN else ''})"
+
+
 def _events_kept(run_dir: Path, wanted: Callable[[dict[str, Any]], bool], *, at_resume: bool = False
                  ) -> list[dict[str, Any]]:
     """The events of the run's ``events.jsonl`` that ``wanted`` takes, in the order they were made.
@@ -287,6 +322,51 @@ def _policy_at(changes: Sequence[dict[str, Any]], step: int) -> dict[str, Any]:
         if change["step"] < step:
             values[change["key"]] = change["new"]
     return values
+
+
+def threshold_by_step(steps: Sequence[int], key: str, value: Any, changes: Sequence[dict[str, Any]]) -> list[Any]:
+    """The threshold ``key`` each of ``steps`` ran under: ``value`` (the run's config, its last)
+    throughout, unless a resume changed it (``changes`` as :func:`policy_changes_of` gives them);
+    ``max_norm`` as the clip reads it (None: clipping off).
+
+    Example (max_norm 1 -> 0.5 on a resume at step 2)::
+
+        >>> threshold_by_step([1, 2, 3, 4], "max_norm", 0.5, [{"key": "max_norm", "old": 1.0, "new": 0.5, "step": 2}])
+        [1.0, 1.0, 0.5, 0.5]
+    """
+    mine = [c for c in changes if c["key"] == key]
+    values = [_policy_at(mine, step).get(key, value) for step in steps] if mine else [value] * len(steps)
+    return [clip_threshold(v) for v in values] if key == "max_norm" else values
+
+
+def threshold_text(steps: Sequence[int], values: Sequence[Any]) -> str:
+    """Per-step thresholds (:func:`threshold_by_step`) in a few words: the one value, or each with
+    the step it began at; ``off`` for none.
+
+    Example::
+
+        >>> threshold_text([1, 2, 3], [1.0, 1.0, 1.0]), threshold_text([1, 2, 3, 4], [1.0, 1.0, 0.5, None])
+        ('1', '1, 0.5 from step 3, off from step 4')
+    """
+    parts: list[str] = []
+    for i, (step, v) in enumerate(zip(steps, values)):
+        if i == 0 or v != values[i - 1]:
+            shown_v = "off" if v is None else f"{v:g}"
+            parts.append(shown_v if i == 0 else f"{shown_v} from step {step}")
+    return ", ".join(parts) or "off"
+
+
+def threshold_line(ax: Any, steps: Sequence[int], values: Sequence[Any], label: str, **style: Any) -> None:
+    """A threshold's line on ``ax``: flat while it held (a horizontal line across the panel when
+    it never changed), a step where a resume changed it, nothing where it was off; ``label`` and
+    :func:`threshold_text` name it."""
+    if not any(v is not None for v in values):
+        return
+    if len(set(values)) == 1:
+        ax.axhline(values[0], label=f"{label} = {values[0]:g}", **style)
+        return
+    ax.plot(steps, [math.nan if v is None else v for v in values], drawstyle="steps-post",
+            label=f"{label} = {threshold_text(steps, values)}", **style)
 
 
 def read_card(card: Path, *, errors: str = "strict") -> tuple[str, dict[str, str]]:
@@ -404,10 +484,13 @@ def plot_run(
     alert_bits: float | None = None,
     init_scale: float = 1.0,
     note: Callable[[str], None] | None = None,
+    policy: Sequence[dict[str, Any]] = (),
 ) -> Path:
     """Draw one PNG (1200 x 1400 px) with five panels on a shared step axis: loss, pre/post-clip
     norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
-    rate with its thresholds. Skipped steps are marked on every panel, coloured by reason.
+    rate with its thresholds (each line the value each step ran under: ``policy``, the run's
+    changes on resume as :func:`policy_changes_of` gives them, make a step where one changed).
+    Skipped steps are marked on every panel, coloured by reason.
     With ``headroom`` (a ``headroom.csv`` with rows), a sixth panel below (the PNG 500 px
     taller): the layer x step heatmap of :func:`headroom_panel`, each gradient judged at the loss
     scale its step ran with (the row before's ``scaler_scale``; ``init_scale`` at the run's first
@@ -462,7 +545,8 @@ def plot_run(
             warnings.simplefilter("ignore", RuntimeWarning)  # (numpy's overflow notes near the float64 limit)
             shown_title = shown(title or Path(csv_path).name)
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
-                  fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title, init_scale=init_scale)
+                  fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title, init_scale=init_scale,
+                  policy=policy)
             # marked as ampguard's (PLOT_MARK): only a plot with the mark is ever drawn again
             fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(f"ampguard report: {shown_title}"))
             os.replace(partial, png_path)
@@ -507,7 +591,7 @@ def _linear_y(ax: Any, values: list[float], label: str) -> None:
 
 def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_norm: float | None, window: int,
           alert_rate: float, fail_rate: float | None, alert_bits: float | None, title: str,
-          init_scale: float = 1.0) -> None:
+          init_scale: float = 1.0, policy: Sequence[dict[str, Any]] = ()) -> None:
     """:func:`plot_run`'s panels on ``axes`` (five, and the headroom heatmap with ``heat``)."""
     ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes[:5]
     steps = [r.step for r in rows]
@@ -532,8 +616,8 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     ):
         xs, ys = finite(values, positive=True)
         ax_norm.plot(xs, ys, lw=1, color=colour, label=f"{label} global L2 norm", **dots(xs))
-    if max_norm:
-        ax_norm.axhline(max_norm, color="black", ls="--", lw=1, label=f"max_norm = {max_norm:g}")
+    threshold_line(ax_norm, steps, threshold_by_step(steps, "max_norm", max_norm, policy), "max_norm",
+                   color="black", ls="--", lw=1)
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("gradient norm (log)")
     ax_norm.set_title("Global gradient L2 norm, before and after clipping")
@@ -551,10 +635,11 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
 
     rates = rolling_skip_rate(rows, window)
     ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})", **dots(steps))
-    ax_skip.axhline(alert_rate, color="tab:orange", ls="--", lw=1, label=f"alert_rate = {alert_rate:g}")
-    if fail_rate is not None:
-        ax_skip.axhline(fail_rate, color="tab:red", ls=":", lw=1, label=f"fail_rate = {fail_rate:g}")
-    ax_skip.set_ylim(0, max(0.1, alert_rate * 1.5, (fail_rate or 0) * 1.5, max(rates) * 1.2))
+    alert_rates = threshold_by_step(steps, "monitor.alert_rate", alert_rate, policy)
+    fail_rates = threshold_by_step(steps, "monitor.fail_rate", fail_rate, policy)
+    threshold_line(ax_skip, steps, alert_rates, "alert_rate", color="tab:orange", ls="--", lw=1)
+    threshold_line(ax_skip, steps, fail_rates, "fail_rate", color="tab:red", ls=":", lw=1)
+    ax_skip.set_ylim(0, max(0.1, *(v * 1.5 for v in alert_rates + fail_rates if v is not None), max(rates) * 1.2))
     ax_skip.set_ylabel("skip rate")
     ax_skip.set_title("Rolling skip rate")
     axes[-1].set_xlabel("step")
@@ -783,6 +868,7 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         *((("non-finite losses by rank", origins),) if (origins := m.loss_origins_text()) else ()),
         ("max rolling skip rate", m.max_skip_rate_text),
         ("skip-rate alert episodes", str(m.alert_episodes)),
+        *((("headroom alerts", _headroom_alerts(result.paths.dir)),) if config.monitor.headroom.every else ()),
         ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {counted(m.steps, 'step')} had pre-clip norm > max_norm)"
                                    if clip_threshold(config.max_norm) else "n/a (clipping off)")),
         ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(m.last.get('scaler_scale'), 'g')})"
@@ -799,6 +885,15 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
             else "off (diagnose.first_skip)")),
         ("resumed from", f"`{result.resumed_from.name}`" if result.resumed_from else "no (a fresh run)"),
     ]
+
+
+def _headroom_alerts(run_dir: Path | None) -> str:
+    """The card's headroom alerts (:func:`headroom_alerts_text`); an event log that does not read
+    leaves the row saying so, not the card unwritten."""
+    try:
+        return headroom_alerts_text(run_dir) if run_dir is not None else "n/a (no run folder)"
+    except InputError:
+        return "n/a (events.jsonl does not read)"
 
 
 def _file_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
@@ -879,7 +974,8 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
                      title=f"run {paths.dir.name}" if paths.dir is not None else None,
                      headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
                      init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
-                     note=lambda line: say(f"warning: {line}"))
+                     note=lambda line: say(f"warning: {line}"),
+                     policy=policy_changes_of(paths.dir) if paths.dir is not None else ())
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
         say(f"warning: could not draw {paths.plot}: {err}")
     write_run_card(paths.card, config, result)
@@ -934,6 +1030,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     config_path = csv_path.parent / "config.yaml"
     if not csv_path.is_file():
         raise InputError(f"no per-step CSV at {csv_path}")
+    if csv_path.suffix.lower() == ".png":  # (it was "the plot X is the CSV itself; refusing to overwrite it")
+        raise InputError(f"{csv_path} is a plot, not a per-step CSV: give the run folder or its steps.csv")
     if out is not None and not plot:
         raise InputError("report: --out says where to draw the plot and --no-plot draws none; give one of them")
     png = Path(out) if out else (target / "report.png" if target.is_dir() else target.with_suffix(".png"))
@@ -945,6 +1043,11 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if pid is not None:  # (a live run, looked at: fine, said)
         print(f"note: {csv_path.parent} is being written by another process (pid {pid}): the figures are as of "
               "its last row; the run has not ended")
+    elif config_path.is_file() and not folder.card.is_file():  # (a run's card is written at its end, however it ended)
+        saved = folder.checkpoints is not None and any(folder.checkpoints.glob("step-*.pt"))
+        print(f"note: {csv_path.parent} has no run card RUN.md and no process is writing it: the run did not end "
+              "(killed, or its machine went down)" + ("; `ampguard train --resume` goes on from its last checkpoint"
+                                                       if saved else ""))
     if target.is_dir() and not config_path.is_file():  # (a bare CSV, a demo's, has none by design)
         print(f"note: {target} has no config.yaml: alerts judged with the default thresholds (--window, "
               "--alert-rate and --min-steps set them)")
@@ -966,7 +1069,10 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     set_aside = set(given) | ({"clear_rate"} if "alert_rate" in given else set())
     policy = ([c for c in policy_changes_of(csv_path.parent) if REPLAYED_POLICY[c["key"]] not in set_aside]
               if config_path.is_file() else [])
-    monitor = replay(rows, build_monitor(judged, scaler_enabled=scaler_on), policy=policy,
+    monitor = build_monitor(judged, scaler_enabled=scaler_on)
+    if "window" in given:  # --window re-judges the skip-rate alerts; the scale's health stays the run's verdict
+        monitor.health = ScaleHealth(config.monitor.window, monitor.min_scale, init_scale if scaler_on else None)
+    monitor = replay(rows, monitor, policy=policy,
                      rollbacks=rollbacks_of(csv_path.parent) if config_path.is_file() else (),
                      steps=config.steps if finished(folder.card) else None)
     # a run folder's plot keeps the title the run gave it (write_report)
@@ -976,7 +1082,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
                  alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
                  alert_bits=mon.headroom.alert_bits, init_scale=init_scale if scaler_on else 1.0,
-                 note=lambda line: print(f"note: {line}"))
+                 note=lambda line: print(f"note: {line}"),
+                 policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"])  # (--max-norm: one line)
     for note in reading_notes(csv_path, rows, torn, csv_path.parent if config_path.is_file() else None):
         print(f"note: {note}")
     # the alerts judged under thresholds given here are not the run's: said so
@@ -988,6 +1095,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {mon.window}), "
           f"alert episodes {episodes}, clip rate {run_clip_rate(rows, monitor if config_path.is_file() else None)}, "
           f"scale {monitor.scale_verdict}")
+    if config_path.is_file() and (config.monitor.headroom.every or headroom_beside(csv_path) is not None):
+        print(f"headroom alerts {headroom_alerts_text(csv_path.parent)}")
     if folder.card.is_file():  # why it ended, as train said it (a guard's stop read like a finished run)
         with contextlib.suppress(OSError):
             print(f"ended: {card_ended(folder.card, errors='replace')}")

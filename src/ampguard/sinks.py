@@ -313,7 +313,7 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
                 raise ValueError(cell["step"])
             step = int(cell["step"])
         except ValueError:
-            raise InputError(f"{where}: step {cell['step']!r} is not a whole number") from None
+            raise InputError(f"{where}: step {cell['step']!r} is not a step number (a whole number from 1)") from None
         if step <= previous:
             raise InputError(f"{where}: step {step} does not follow step {previous}" if previous else
                              f"{where}: step {step}, but steps count from 1")
@@ -707,7 +707,8 @@ class CsvSink(_LineFile):
             if len(cells) != width:
                 raise InputError(f"{where}: {len(cells)} cells, the header has {width}; cannot resume from it")
             if not (cells[0].isascii() and cells[0].isdigit()):
-                raise InputError(f"{where}: step {cells[0]!r} is not a whole number, cannot resume from it")
+                raise InputError(f"{where}: step {cells[0]!r} is not a step number (a whole number from 1), "
+                                 "cannot resume from it")
             n = int(cells[0])
             if expected is not None and n != expected and (n <= step or n < expected):
                 why = "a row is missing" if n > expected else "a step goes back"

@@ -538,6 +538,10 @@ class Trainer:
                     self.paths.write_config(self.config)
             except DiskFull as full:
                 self._failed = full
+            if self.paths.card is not None:  # the run goes on: the card of its earlier end is no longer true
+                # (a resume killed before its end left "finished: 30 steps" beside rows to step 59,
+                # which report and compare then printed as the run's end); its end writes a new one
+                self.paths.card.unlink(missing_ok=True)
         self.events = EventLog(self.paths.events, say, append=resuming)
         self.rollbacks.events = self.events
         self.rollbacks.folder = self.paths.dir

@@ -61,6 +61,11 @@ def test_an_overflow_is_announced_before_the_first_skip_and_drawn_in_the_report(
     assert f"ALERT {alerts[0]['step']} headroom_alert: fc1 output headroom" in out
     closing = out.splitlines()[-1]  # what the folder holds, headroom.csv included (it was left out)
     assert closing.startswith("run folder: ") and closing.endswith(", headroom.csv)"), closing
+    # the early warning outlives the scrollback: the run card and report name it (they said nothing)
+    said = f"{len(alerts)} (step {alerts[0]['step']}: fc1 output {alerts[0]['judged_bits']:.1f} bits"
+    assert f"| headroom alerts | {said}" in (run / "RUN.md").read_text(encoding="utf-8")
+    assert main(["report", str(run), "--no-plot"]) == 0
+    assert f"headroom alerts {said}" in capsys.readouterr().out
 
     rows = read_rows(run / "headroom.csv")
     assert tuple(rows[0]) == HEADROOM_COLUMNS
@@ -128,6 +133,7 @@ def test_a_healthy_fp16_run_raises_no_headroom_alert_while_its_scaler_works(tmp_
     assert min(float(r["headroom_bits"]) for r in rows if r["tensor"] != "output") < 4  # scaled: close, by design
     kinds = [e["event"] for e in read_events(tmp_path / "h" / "events.jsonl")]
     assert "headroom_alert" not in kinds and "headroom_clear" not in kinds
+    assert "| headroom alerts | none |" in (tmp_path / "h" / "RUN.md").read_text(encoding="utf-8")
 
 
 def test_a_checkpoint_with_a_forged_headroom_state_is_one_line_naming_the_field(tmp_path):

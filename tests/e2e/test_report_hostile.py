@@ -92,11 +92,11 @@ def test_report_refuses_a_header_that_names_a_column_twice(cli, tmp_path, snapsh
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("step", ["1_000", " 7", "+7", "\u0662"])  # the last: ARABIC-INDIC DIGIT TWO
+@pytest.mark.parametrize("step", ["1_000", " 7", "+7", "-3", "\u0662"])  # the last: ARABIC-INDIC DIGIT TWO
 def test_report_refuses_a_step_that_int_would_take_but_is_no_whole_number_in_ascii(cli, tmp_path, step):
     (tmp_path / "s.csv").write_text(csv_text(HEADER, f"{step},0.1,2.0,1.0,0.5,0,,1.0"), encoding="utf-8")
     line = refused(cli, "s.csv")
-    assert f"line 2: step {step!r} is not a whole number" in line, line
+    assert f"line 2: step {step!r} is not a step number (a whole number from 1)" in line, line
 
 
 # ---------------------------------------------------------------------------- torn last lines, a full disk
@@ -231,7 +231,7 @@ def test_a_resume_that_meets_a_bad_line_past_8_kb_is_one_line_and_cuts_nothing(t
     lines = good.splitlines(keepends=True)
     assert sum(map(len, lines[:99])) > 8192  # line 100 (step 99) starts past the first 8 KB
     for spoiled, said in ((lines[99].replace(b".", b"\xff.", 1), "not UTF-8 text"),
-                          (b"\xc2\xb2" + lines[99][2:], "step '\u00b2' is not a whole number")):
+                          (b"\xc2\xb2" + lines[99][2:], "step '\u00b2' is not a step number")):
         (run / "steps.csv").write_bytes(b"".join(lines[:99] + [spoiled] + lines[100:]))
         before = snapshot(run)
         line = one_error_line(helpers.ag("train", "--resume", run))
@@ -346,3 +346,12 @@ def test_report_overwrites_only_a_plot_ampguard_drew(cli, tmp_path, snapshot):
         assert (a / "report.png").read_bytes() != old and marked(a / "report.png")
         old = someones_png(a / "report.png")
     assert not [p for p in tmp_path.rglob("*.partial")]
+
+
+def test_report_given_a_plot_for_its_csv_says_so(cli, tmp_path, snapshot):
+    # `ampguard report runs/a/report.png` read the PNG as the CSV: "the plot ... is the CSV itself"
+    (tmp_path / "report.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    before = snapshot(tmp_path)
+    assert refused(cli, "report.png") == ("ampguard: error: report.png is a plot, not a per-step CSV: give the run "
+                                          "folder or its steps.csv")
+    assert snapshot(tmp_path) == before

@@ -180,6 +180,56 @@ def test_resume_of_a_complete_run_rewrites_its_card_and_a_lower_steps_is_refused
     assert final_checkpoint(run)["step"] == 16
 
 
+CARD_PROBE = """
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def loss_fn(output, target):  # at each call, whether the run card is there (into PROBE, when set)
+    if "PROBE" in os.environ:
+        with open(os.environ["PROBE"], "a", encoding="utf-8") as f:
+            f.write(f"{Path(os.environ['CARD']).exists()}\\n")
+    return nn.functional.mse_loss(output, target)
+
+
+def build(config):
+    torch.manual_seed(0)
+    return nn.Linear(3, 1), [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(20)], loss_fn
+"""
+
+
+def test_a_resume_takes_the_card_of_the_earlier_end_away_while_it_trains(tmp_path, monkeypatch):
+    # a resume killed before its end left the card "finished: 6 steps" beside rows to step 9, which
+    # report and compare then gave as the run's end
+    factory = tmp_path / "probe.py"
+    factory.write_text(CARD_PROBE, encoding="utf-8")
+    ok(train(tmp_path, "A", "--set", f"task.factory={factory}:build", "--set", "precision=fp32", "--set", "steps=6",
+             "--set", "checkpoint.every=3", "--set", "log.plot=false"))
+    run = tmp_path / "A"
+    card = (run / "RUN.md").read_bytes()
+    assert b"**finished: 6 steps**" in card
+    one_error_line(ag("train", "--resume", run, "--set", "precision=bf16"))  # refused: the card stays
+    assert (run / "RUN.md").read_bytes() == card
+
+    monkeypatch.setenv("PROBE", str(tmp_path / "probe.txt"))
+    monkeypatch.setenv("CARD", str(run / "RUN.md"))
+    ok(ag("train", "--resume", run, "--set", "steps=9"))
+    seen = (tmp_path / "probe.txt").read_text(encoding="utf-8").split()
+    assert seen[-3:] == ["False"] * 3, seen  # steps 7 to 9 trained with no card of an end in the folder
+    assert b"**finished: 9 steps**" in (run / "RUN.md").read_bytes()
+
+    # what a kill of that resume leaves (no card): report says the run did not end, compare refuses it
+    (run / "RUN.md").unlink()
+    out = ok(ag("report", run, "--no-plot"))
+    assert (f"note: {run} has no run card RUN.md and no process is writing it: the run did not end (killed, or "
+            "its machine went down); `ampguard train --resume` goes on from its last checkpoint") in out
+    assert "ended:" not in out
+    assert "has no run card RUN.md" in one_error_line(ag("compare", run, run.with_name("B")))
+
+
 def test_a_fault_given_to_a_resume_for_a_step_already_trained_is_refused(tmp_path, snapshot):
     # it was taken and never fired: "skips=0", a clean run for the wrong reason; the run's own
     # faults (in its config.yaml, fired before the checkpoint) are not judged again

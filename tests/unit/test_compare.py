@@ -342,3 +342,67 @@ def test_skipped_steps_before_the_first_finite_loss_are_marked_and_a_run_without
     marks = [line for line in overlay.axes[0].get_lines() if line.get_marker() == "x"]
     assert [(list(m.get_xdata()), list(m.get_ydata())) for m in marks] == [([1], [0.4])]
     assert [t.get_text() for t in overlay.axes[0].get_legend().get_texts()] == ["nan1", "allnan (no finite loss)"]
+
+
+def test_thresholds_a_resume_changed_are_drawn_and_tabled_as_each_step_ran_under_them(tmp_path, monkeypatch, capsys):
+    # report and compare drew the last value across the whole run (max_norm 0.5 over steps that
+    # ran under 1: norms above the line looked unclipped) and the table gave it alone
+    import json
+
+    from ampguard import report
+
+    run = make_run(tmp_path, "pol", [clean(step) for step in range(1, 9)],
+                   config={"precision": "fp16", "max_norm": 0.5, "monitor": {"alert_rate": 0.1}})
+    changes = [{"step": 4, "event": "policy_change", "key": "max_norm", "old": 1.0, "new": 0.5},
+               {"step": 4, "event": "policy_change", "key": "monitor.alert_rate", "old": 0.05, "new": 0.1}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in changes), encoding="utf-8")
+    drawn = _drawn(monkeypatch)
+    assert report.run(run) == 0
+    other = make_run(tmp_path, "flat", [clean(step) for step in range(1, 9)])
+    runs = compare.load_runs([run, other])
+    compare.plot_overlay(runs, tmp_path / "c.png")
+    assert dict(compare.table_rows(runs[0]))["max_norm"] == "1, 0.5 from step 5"
+    assert dict(compare.table_rows(runs[1]))["max_norm"] == "1"
+
+    def limit(ax, label):
+        (line,) = [line for line in ax.get_lines() if line.get_label().startswith(label)]
+        return line.get_label(), [float(y) for y in line.get_ydata()]
+
+    drawn_report, overlay = drawn
+    assert limit(drawn_report.axes[1], "max_norm") == ("max_norm = 1, 0.5 from step 5", [1.0] * 4 + [0.5] * 4)
+    assert limit(drawn_report.axes[4], "alert_rate") == ("alert_rate = 0.05, 0.1 from step 5", [0.05] * 4 + [0.1] * 4)
+    assert limit(overlay.axes[1], "pol: max_norm") == ("pol: max_norm = 1, 0.5 from step 5", [1.0] * 4 + [0.5] * 4)
+    # --max-norm draws the one line given; --alert-rate judges (and draws) the whole run at its value
+    assert report.run(run, max_norm=2.0, alert_rate=0.2) == 0
+    assert limit(drawn[2].axes[1], "max_norm")[0] == "max_norm = 2"
+    assert limit(drawn[2].axes[4], "alert_rate")[0] == "alert_rate = 0.2"
+
+
+def test_report_window_re_judges_the_skip_rate_alerts_not_the_scale_health(tmp_path, capsys):
+    # --window judged the scale's health over its window too: a run whose scale fell 3 octaves
+    # read "collapsing" on its card and "stable" at --window 5, with only the alerts said re-judged
+    from ampguard import report
+
+    rows = [clean(1), skip(2, 32768.0), skip(3, 16384.0), skip(4, 8192.0)]
+    run = make_run(tmp_path, "fell", rows + [clean(step, scale=8192.0) for step in range(5, 15)],
+                   config={"precision": "fp16", "monitor": {"window": 50}})
+    verdicts = []
+    for window in (None, 5):
+        assert report.run(run, plot=False, window=window) == 0
+        verdicts += [line.rsplit("scale ", 1)[1] for line in capsys.readouterr().out.splitlines()
+                     if line.startswith("max rolling skip rate")]
+    assert verdicts == ["collapsing", "collapsing"]
+
+
+def test_report_of_a_run_folder_without_its_card_says_the_run_did_not_end(tmp_path, capsys):
+    from ampguard import report
+
+    run = make_run(tmp_path, "killed", [clean(1), clean(2)])
+    assert report.run(run, plot=False) == 0
+    assert "no run card" not in capsys.readouterr().out
+    (run / "RUN.md").unlink()  # (a kill leaves no card; the card is written at the run's end, whatever it was)
+    assert report.run(run, plot=False) == 0
+    out = capsys.readouterr().out
+    assert (f"note: {run} has no run card RUN.md and no process is writing it: the run did not end (killed, or its "
+            "machine went down)\n") in out  # (no checkpoint: no word of a resume)
+    assert "ended:" not in out

@@ -176,7 +176,7 @@ def big_csv(path: Path, rows: int = 200) -> bytes:
 
 @pytest.mark.parametrize("spoil, said", [
     (lambda line: line.replace(b".", b"\xff.", 1), "not UTF-8 text"),  # a bad byte in a number
-    (lambda line: b"\xc2\xb2" + line[line.index(b","):], "step '\u00b2' is not a whole number"),  # '²'.isdigit()
+    (lambda line: b"\xc2\xb2" + line[line.index(b","):], "step '\u00b2' is not a step number"),  # '²'.isdigit()
     (lambda line: line.replace(b",", b";", 2), "cells, the header has 9"),
 ])
 def test_a_resume_refuses_a_line_it_cannot_read_past_the_first_8_kb_and_cuts_nothing(tmp_path, spoil, said):
