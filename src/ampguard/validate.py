@@ -12,6 +12,8 @@ rejects, saying what to declare (an untrained model is finite too: no baseline t
 precision against). Then each AMP precision is compared with it, rule by
 rule, and every probe keeps its record (scores, decisions, margins, tags). The environment
 names the backend: ``rocm`` (with its HIP version) where PyTorch still calls the device ``cuda``.
+The evaluation set is the task's held-out set; a factory that returns none is judged on its first
+training batches, and the report says so (``evaluation_set``; those probes are ``train:<i>``).
 
 A model's outputs are named: a tensor is ``output``; a dict's are its keys; a tuple's or list's
 are their indices as strings (``"0"``, ``"1"``...). ``validation.outputs.<name>`` gives one its
@@ -31,6 +33,7 @@ import math
 import os
 import platform
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +46,11 @@ from .build import prepare_model, resolve_device, to_device
 from .checkpoint import rng_kept
 from .config import Config
 from .errors import ExitCode, InputError, counted, user_code
+from .files import DiskFull, replace_atomically
 from .precision import Precision, backend_of
 from .records import strict_json
 from .tasks import Task, untrained_model
+from .tasks.factory import TrainingBatches
 
 CHUNK = 256
 """Examples per forward pass in :func:`_scores`."""
@@ -172,6 +177,8 @@ class Validation:
     """Each probe's tags: ``typical``, ``boundary`` (both for one example when it is both), ``edge``."""
     environment: dict[str, Any] = field(default_factory=dict)
     """What it takes to reproduce the report: versions, device, dtype support, hashes."""
+    evaluation_set: dict[str, Any] = field(default_factory=dict)
+    """Where the evaluation set came from (:func:`evaluation_set`); empty for one made by hand."""
 
     @property
     def reference_ok(self) -> bool:
@@ -642,7 +649,8 @@ def _score_rule(name: str, label: str, ref: torch.Tensor, amp: torch.Tensor, cfg
 
 class ProbeSet(NamedTuple):
     """The fixed probe set and evaluation set. Each example is probed once: ``ids`` name it
-    (``held_out:<index>`` or ``edge:<name>``), ``tags`` say why it is in the set."""
+    (``held_out:<index>``, ``train:<index>`` when the evaluation set is training data, or
+    ``edge:<name>``), ``tags`` say why it is in the set."""
 
     ids: list[str]
     tags: dict[str, list[str]]
@@ -652,6 +660,8 @@ class ProbeSet(NamedTuple):
     fp32_eval: Scores | None = None
     """The FP32 scores of ``x_eval`` when choosing the boundary examples took them (the
     reference then reuses them instead of running the evaluation set again)."""
+    evaluation: dict[str, Any] | None = None
+    """Where ``x_eval`` came from (:func:`evaluation_set`)."""
 
     def sha256(self) -> str:
         """A hash of the probes: ids, tags, and the inputs' dtype, shape and bytes.
@@ -673,6 +683,8 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any, s
     """The fixed probe set and evaluation set. The typical examples (the first ``typical``
     held-out ones) and the boundary ones (the ``boundary`` with the smallest FP32 top-2 margin)
     are both drawn from the held-out set: an example that is both is probed once, with both tags.
+    A factory's default evaluation set (its first training batches, :class:`TrainingBatches`) is
+    no held-out set: its examples are ``train:<i>``, never ``held_out:<i>``.
 
     Example (a regression task: typical examples and edge cases, no decision boundary)::
 
@@ -713,8 +725,10 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any, s
         margin = torch.where(torch.isfinite(margin), margin, torch.full_like(margin, math.inf))
         for i in margin.cpu().argsort(stable=True)[: min(cfg.boundary, len(x_eval))].tolist():
             tags.setdefault(i, []).append("boundary")
-    ids = [f"held_out:{i}" for i in tags]
-    by_id = {f"held_out:{i}": t for i, t in tags.items()}
+    evaluation = evaluation_set(task, len(x_eval))
+    prefix = "held_out" if evaluation["source"] == "held_out" else "train"
+    ids = [f"{prefix}:{i}" for i in tags]
+    by_id = {f"{prefix}:{i}": t for i, t in tags.items()}
     parts = [x_eval[list(tags)]] if tags else []
     if cfg.edge_cases and task.edge_cases is not None:
         names, edge = _edge_cases(task, x_eval)
@@ -727,7 +741,37 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any, s
         parts.append(edge.to(x_eval.dtype))
     if not ids:
         raise InputError(_empty_probe_set(task, cfg))
-    return ProbeSet(ids, by_id, torch.cat(parts), x_eval, y_eval, fp32_eval)
+    return ProbeSet(ids, by_id, torch.cat(parts), x_eval, y_eval, fp32_eval, evaluation)
+
+
+def evaluation_set(task: Task, examples: int) -> dict[str, Any]:
+    """Where the evaluation set (quality, the typical and boundary probes) comes from, as the
+    report says it: ``source`` ``held_out`` (the task's own), or ``training_batches`` for a
+    factory that returns no ``held_out`` (its first batches, :class:`TrainingBatches`): data the
+    model trains on, which a report calling it held-out would pass off as generalisation.
+
+    Example::
+
+        >>> from ampguard.tasks.base import Task
+        >>> first = TrainingBatches(torch.ones(8, 2), torch.zeros(8, 1), batches=4)
+        >>> task = Task("factory", nn.Linear(2, 1), nn.functional.mse_loss, batches=lambda: iter(()), held_out=first)
+        >>> info = evaluation_set(task, 8)
+        >>> info["source"], info["batches"], info["examples"]
+        ('training_batches', 4, 8)
+        >>> print(info["description"])  # doctest: +NORMALIZE_WHITESPACE
+        the first 4 training batches (8 examples), not held-out data: the task's factory returns no held_out, so
+        quality and the typical and boundary probes are measured on data the model trains on (return 'held_out'
+        from the factory to judge unseen data)
+    """
+    first = task.held_out if isinstance(task.held_out, TrainingBatches) else None
+    if first is None:
+        return {"source": "held_out", "examples": examples,
+                "description": f"task {task.name}'s held-out set ({counted(examples, 'example')})"}
+    return {"source": "training_batches", "batches": first.batches, "examples": examples,
+            "description": f"the first {counted(first.batches, 'training batch', 'training batches')} "
+                           f"({counted(examples, 'example')}), not held-out data: the task's factory returns no "
+                           "held_out, so quality and the typical and boundary probes are measured on data the "
+                           "model trains on (return 'held_out' from the factory to judge unseen data)"}
 
 
 def _edge_cases(task: Task, x_eval: torch.Tensor) -> tuple[list[str], torch.Tensor]:
@@ -861,7 +905,8 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
     if float8:
         environment["dtype_support"]["fp8"].update(float8)
     environment["probe_set_sha256"] = probes.sha256()
-    return Validation(task.name, task.mode, probes.ids, checks, results, tags=probes.tags, environment=environment)
+    return Validation(task.name, task.mode, probes.ids, checks, results, tags=probes.tags, environment=environment,
+                      evaluation_set=probes.evaluation or {})
 
 
 class Reference(NamedTuple):
@@ -1097,7 +1142,8 @@ def describe_environment(config: Config, device: torch.device, fp32_dtypes: dict
     backend (:func:`backend_of`: ``rocm`` with its HIP version, ``cuda`` with its CUDA version, or
     ``cpu``), the dtype support of each precision compared there (as training decides it,
     :meth:`Precision.support`: a ``note`` where the device refuses the precision or only emulates
-    it), and the effective config with its SHA-256.
+    it), and the effective config (its paths made absolute: :func:`reproducible_config`) with its
+    SHA-256.
 
     Example::
 
@@ -1108,7 +1154,7 @@ def describe_environment(config: Config, device: torch.device, fp32_dtypes: dict
     """
     from . import __version__
 
-    effective = config.model_dump(mode="json")
+    effective = reproducible_config(config)
     backend = backend_of(device)
     # the FP32 reference is only FP32 where matmuls are: "high" or "medium" lets them use TF32 / bf16
     info: dict[str, Any] = {"type": device.type, "backend": backend["backend"],
@@ -1132,6 +1178,35 @@ def describe_environment(config: Config, device: torch.device, fp32_dtypes: dict
             "device": info, "dtype_support": support, "output_dtypes": {"fp32": fp32_dtypes, **outputs},
             "config_sha256": hashlib.sha256(json.dumps(effective, sort_keys=True).encode()).hexdigest(),
             "config": effective}
+
+
+def reproducible_config(config: Config) -> dict[str, Any]:
+    """The effective config as JSON, with what the run read from a path relative to the folder it
+    ran in made absolute: ``validation.checkpoint`` and a ``task.factory`` file (a module name
+    stays as it is). ``environment.config`` then reproduces the report run from any folder.
+    ``log.dir`` is where a run writes, not what it reads: it stays as given (and free-form
+    ``task.options`` are the factory's own).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> config = validate({"task": {"factory": "my_model.py:build"}, "validation": {"checkpoint": "runs/a/x.pt"}})
+        >>> data = reproducible_config(config)
+        >>> data["task"]["factory"] == f"{Path.cwd() / 'my_model.py'}:build"
+        True
+        >>> data["validation"]["checkpoint"] == str(Path.cwd() / "runs" / "a" / "x.pt")
+        True
+        >>> reproducible_config(validate({"task": {"factory": "ampguard.tasks.linear:build"}}))["task"]["factory"]
+        'ampguard.tasks.linear:build'
+    """
+    effective = config.model_dump(mode="json")
+    validation, task = effective["validation"], effective["task"]
+    if validation.get("checkpoint"):
+        validation["checkpoint"] = str(Path(validation["checkpoint"]).resolve())
+    target, sep, attr = (task.get("factory") or "").rpartition(":")
+    if sep and (target.endswith(".py") or "/" in target):  # a file, as load_factory tells them apart
+        task["factory"] = f"{Path(target).resolve()}:{attr}"
+    return effective
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -1247,6 +1322,7 @@ def markdown(v: Validation, config: Config) -> str:
         v.verdict_in(REPORT_DOUBTS, "**"),
         "",
         _rules_paragraph(v, cfg),
+        *(["", f"Evaluation set: {v.evaluation_set['description']}."] if v.evaluation_set else []),
         "",
         "## FP32 reference",
         "",
@@ -1365,6 +1441,8 @@ def as_json(v: Validation) -> dict[str, Any]:
     quality was checked at all (false when no ``validation.min_accuracy`` / ``max_mse`` is
     declared: ``accepted`` is then false too). Each rule
     carries ``ok`` (not violated) and ``checked`` (there was a declared rule to check).
+    ``evaluation_set`` says where the evaluation set came from (:func:`evaluation_set`: the
+    task's held-out set, or a factory's first training batches).
 
     Example::
 
@@ -1384,7 +1462,8 @@ def as_json(v: Validation) -> dict[str, Any]:
     return {
         "accepted": v.ok, "reference_trusted": v.reference_trusted,
         "reference_quality_checked": v.reference_quality_checked, "task": v.task, "mode": v.mode,
-        "weights": v.weights, "probes": v.probes, "probe_tags": v.tags, "reference": rules(v.reference),
+        "weights": v.weights, "evaluation_set": v.evaluation_set, "probes": v.probes, "probe_tags": v.tags,
+        "reference": rules(v.reference),
         "precisions": [{"precision": r.precision, "ok": r.ok, "rules": rules(r.rules), "flips": r.flips,
                         "ties": r.ties, "stats": r.stats, "probes": r.records} for r in v.results],
         "training": v.training, "environment": v.environment,
@@ -1392,7 +1471,8 @@ def as_json(v: Validation) -> dict[str, Any]:
 
 
 def write_outputs(v: Validation, config: Config, folder: Path) -> tuple[Path, Path]:
-    """Write ``validation.md`` and ``validation.json`` into ``folder`` (which must exist).
+    """Write ``validation.md`` and ``validation.json`` into ``folder`` (which must exist), each
+    whole or not at all (a temporary file renamed over it: a reader never sees half a report).
 
     Example (non-finite stats are written as strict JSON)::
 
@@ -1407,8 +1487,8 @@ def write_outputs(v: Validation, config: Config, folder: Path) -> tuple[Path, Pa
         >>> shutil.rmtree(folder)
     """
     md, js = folder / "validation.md", folder / "validation.json"
-    md.write_text(markdown(v, config), encoding="utf-8")
-    js.write_text(json.dumps(strict_json(as_json(v)), indent=2) + "\n", encoding="utf-8")
+    replace_atomically(md, markdown(v, config))
+    replace_atomically(js, json.dumps(strict_json(as_json(v)), indent=2) + "\n")
     return md, js
 
 
@@ -1418,12 +1498,15 @@ def write_outputs(v: Validation, config: Config, folder: Path) -> tuple[Path, Pa
 def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None = None,
         train_steps: int | None = None) -> ExitCode:
     """``ampguard validate``: compare, write ``validation.md`` and ``validation.json`` into ``out``
-    (default ``log.dir/validate-<time>``; an existing non-empty folder, a file, or a place that
-    cannot be written is refused), print the verdict. ``ExitCode.OK`` when every rule holds,
-    ``ExitCode.REJECTED`` when any is violated. Every refusal (:class:`InputError`) comes before
-    anything is written. With no floor declared (``validation.min_accuracy`` / ``max_mse``) the
-    reference's quality reads ``NOT CHECKED`` and the verdict rejects, saying what to declare; with no checkpoint, a
-    warning on stderr says the reference is the untrained model (:func:`untrained_reference`).
+    (default ``log.dir/validate-<time>``, ``-2``, ``-3``... when taken; an existing non-empty
+    folder, one another validate is writing, a file, or a place that cannot be written is
+    refused), print the verdict. ``ExitCode.OK`` when every rule holds, ``ExitCode.REJECTED``
+    when any is violated. The folder is reserved first (:func:`reserve_report_folder`), so two
+    runs never write one report; every refusal (:class:`InputError`) or interruption after that
+    takes back what it made: nothing is written but the whole report. With no floor declared
+    (``validation.min_accuracy`` / ``max_mse``) the reference's quality reads ``NOT CHECKED`` and
+    the verdict rejects, saying what to declare; with no checkpoint, a warning on stderr says the
+    reference is the untrained model (:func:`untrained_reference`).
 
     Example (an untrained model misses a declared ``max_mse``: the reference is not trusted)::
 
@@ -1433,6 +1516,7 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         >>> config = validate({"task": {"name": "linear"}, "device": "cpu",
         ...                    "validation": {"precisions": ["bf16"], "typical": 4, "max_mse": 0.5}})
         >>> code = run(config, out=folder / "v")  # doctest: +ELLIPSIS
+        evaluation set: task linear's held-out set (512 examples)
         reference: reference outputs finite: 7/7 probes, 512/512 eval -> pass
         reference: reference quality: mse ... (<= 0.5) -> FAIL
         ...
@@ -1448,18 +1532,38 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         --out DIR/v/validation.md is a file, not a folder
         >>> shutil.rmtree(folder)
     """
-    import time
-
-    from .checkpoint import load_weights
-    from .tasks import build_task
-
     cfg = config.validation
     if train_steps is not None or checkpoint:  # the report's config is the one that reproduces it
         update = {"train_steps": train_steps} if train_steps is not None else {}
         cfg = cfg.model_copy(update={**update, **({"checkpoint": str(checkpoint)} if checkpoint else {})})
         config = config.model_copy(update={"validation": cfg})
-    folder = Path(out) if out else Path(config.log.dir) / time.strftime("validate-%Y%m%d-%H%M%S")
-    check_output_folder(folder)
+    folder = reserve_report_folder(out, config.log.dir)
+    try:
+        result, (md, js) = _judge(config, folder)
+    except BaseException:  # a refusal, a failed write, Ctrl-C: the folder goes back as it was
+        folder.release(written=False)
+        raise
+    folder.release(written=True)
+    print(f"evaluation set: {result.evaluation_set['description']}")
+    for r in result.reference:
+        print(f"reference: {r.criterion}: {r.reference} -> {r.decision}")
+    for precision in result.results:
+        for r in precision.rules:
+            print(f"{precision.precision}: {r.criterion}: {r.amp} -> {r.decision}")
+    for t in result.training:
+        print(f"train {t['precision']}: {counted(t['updates_applied'], 'update')} applied, final loss {t['final_loss']:.4g}")
+    if not cfg.checkpoint:  # stderr: after the report, so a refusal above stays the one line there
+        print(f"ampguard: warning: validate: {untrained_reference(config)}", file=sys.stderr)
+    print(f"validate: {result.verdict}; report {md}, {js}")
+    return ExitCode.OK if result.ok else ExitCode.REJECTED
+
+
+def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, tuple[Path, Path]]:
+    """What :func:`run` does in its reserved ``folder``: check, load, compare, write the report."""
+    from .checkpoint import load_weights
+    from .tasks import build_task
+
+    cfg = config.validation
     device = resolve_device(config.device)
     task = build_task(config)
     check_rules(task, cfg)
@@ -1487,18 +1591,7 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
     result.weights, result.training = weights, training
     if checkpoint:
         result.environment["checkpoint"] = provenance
-    md, js = write_report_folder(result, config, folder)
-    for r in result.reference:
-        print(f"reference: {r.criterion}: {r.reference} -> {r.decision}")
-    for precision in result.results:
-        for r in precision.rules:
-            print(f"{precision.precision}: {r.criterion}: {r.amp} -> {r.decision}")
-    for t in training:
-        print(f"train {t['precision']}: {counted(t['updates_applied'], 'update')} applied, final loss {t['final_loss']:.4g}")
-    if not checkpoint:  # stderr: after the report, so a refusal above stays the one line there
-        print(f"ampguard: warning: validate: {untrained_reference(config)}", file=sys.stderr)
-    print(f"validate: {result.verdict}; report {md}, {js}")
-    return ExitCode.OK if result.ok else ExitCode.REJECTED
+    return result, write_report_folder(result, config, folder.path, folder.what)
 
 
 def untrained_reference(config: Config) -> str:
@@ -1516,9 +1609,133 @@ def untrained_reference(config: Config) -> str:
             f"validation.checkpoint) to validate {which}")
 
 
+RESERVED = ".ampguard-validate"
+"""The file a validate run holds in its report folder while it runs (made with ``O_EXCL``, its pid
+in it): a second run given the same ``--out`` is refused at its start, instead of both passing
+the up-front check and one overwriting the other's report. Removed once the report is written."""
+
+
+@dataclass
+class ReportFolder:
+    """The folder a validate run reserved for its report (:func:`reserve_report_folder`)."""
+
+    path: Path
+    what: str
+    """How a refusal names it: ``--out PATH``, or ``report folder PATH`` for the default one."""
+    made: list[Path] = field(default_factory=list)
+    """The folders this run created (the report folder and its missing parents), deepest first."""
+    held: bool = False
+    """This run created :data:`RESERVED` in it (and so removes it)."""
+
+    def release(self, *, written: bool) -> None:
+        """Let go of the folder: remove this run's :data:`RESERVED`, and, when no report was
+        ``written``, the folders this run made, while they are empty (never a folder it found)."""
+        if self.held:
+            with contextlib.suppress(OSError):
+                (self.path / RESERVED).unlink()
+            self.held = False
+        for p in [] if written else self.made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
+def reserve_report_folder(out: str | Path | None, log_dir: str | Path) -> ReportFolder:
+    """Check (:func:`check_output_folder`) and take the report's folder, atomically: ``out``, or
+    ``log_dir/validate-<time>`` with ``-2``, ``-3``... added until a name is free (two runs in
+    one second never share one, nor name an ``--out`` nobody gave). The folder (made with its
+    missing parents) is this run's once it holds :data:`RESERVED`, created exclusively: an
+    ``--out`` that another run reserved, or that filled up since the check, is refused in one
+    :class:`InputError` line, and what this call made is taken back.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> first = reserve_report_folder(root / "a" / "out", root)
+        >>> sorted(p.name for p in first.path.iterdir()), [p.name for p in first.made]
+        (['.ampguard-validate'], ['out', 'a'])
+        >>> try:
+        ...     reserve_report_folder(root / "a" / "out", root)
+        ... except InputError as err:
+        ...     print(str(err).replace(str(root), "DIR"))  # doctest: +ELLIPSIS
+        --out DIR/a/out is being written by another ampguard validate (pid ...): choose another --out (or remove DIR/a/out/.ampguard-validate if none runs)
+        >>> first.release(written=False); sorted(p.name for p in root.iterdir())
+        []
+        >>> one, two = reserve_report_folder(None, root / "runs"), reserve_report_folder(None, root / "runs")
+        >>> one.path != two.path, one.what.startswith("report folder ")
+        (True, True)
+        >>> shutil.rmtree(root)
+    """
+    if out:
+        folder = Path(out)
+        what = f"--out {folder}"
+        check_output_folder(folder)
+    else:
+        folder, what = Path(log_dir) / time.strftime("validate-%Y%m%d-%H%M%S"), f"log.dir {log_dir}"
+        _check_parent(folder, what)
+    made: list[Path] = []
+    try:
+        for parent in reversed(folder.parents):  # one by one, to know which are this run's
+            if not (parent.exists() or parent.is_symlink()):
+                with contextlib.suppress(FileExistsError):  # (another run made it first: not ours)
+                    parent.mkdir()
+                    made.insert(0, parent)
+        for n in itertools.count(1):
+            name = folder if out or n == 1 else folder.with_name(f"{folder.name}-{n}")
+            try:
+                name.mkdir()
+            except FileExistsError:
+                if out:
+                    break  # (found empty by the check: the marker below decides whose it is)
+                continue
+            made.insert(0, name)
+            folder = name
+            break
+        fd = os.open(folder / RESERVED, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except FileExistsError:  # (only the marker's open lets one through: another run's, left as it is)
+        refusal = _being_written(folder, what)
+        ReportFolder(folder, what, made).release(written=False)
+        raise refusal from None
+    except OSError as err:
+        ReportFolder(folder, what, made).release(written=False)
+        raise InputError(f"{what}: cannot create {folder} ({err.strerror or err})") from None
+    with contextlib.suppress(OSError), os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    reserved = ReportFolder(folder, what if out else f"report folder {folder}", made, held=True)
+    if any(p.name != RESERVED for p in folder.iterdir()):  # a run that finished between the check and the marker
+        reserved.release(written=False)
+        raise InputError(f"{reserved.what} exists and is not empty; refusing to overwrite it")
+    return reserved
+
+
+def _left_by_the_dead(folder: Path) -> bool:
+    """Whether ``folder``'s :data:`RESERVED` names a process that no longer runs (a validate killed
+    with SIGKILL or SIGTERM, which never let go of it): the folder is free again."""
+    try:
+        pid = int((folder / RESERVED).read_text(encoding="ascii", errors="replace").strip())
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):  # (another user's process: alive; a marker being written: not yet a pid)
+        return False
+    return False
+
+
+def _being_written(folder: Path, what: str) -> InputError:
+    """The refusal of a folder another validate run holds (:data:`RESERVED`), naming its pid."""
+    try:
+        pid = (folder / RESERVED).read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        pid = ""
+    held = f" (pid {pid})" if pid.isdigit() else ""
+    return InputError(f"{what} is being written by another ampguard validate{held}: choose another --out "
+                      f"(or remove {folder / RESERVED} if none runs)")
+
+
 def check_output_folder(folder: Path) -> None:
     """Refuse an ``--out`` the report cannot go to, before anything runs: a file, a non-empty
-    folder, a path under a file, or a place this process may not write.
+    folder (one another validate run holds: said so), a path under a file, or a place this
+    process may not write.
 
     Example::
 
@@ -1536,23 +1753,36 @@ def check_output_folder(folder: Path) -> None:
         --out DIR/notes.txt/sub: DIR/notes.txt is a file, not a folder
         >>> shutil.rmtree(root)
     """
+    what = f"--out {folder}"
     if folder.is_dir():
+        if (folder / RESERVED).exists():
+            if not _left_by_the_dead(folder):
+                raise _being_written(folder, what)
+            (folder / RESERVED).unlink(missing_ok=True)  # (a run killed before it let go: nothing of it holds it)
         if any(folder.iterdir()):
-            raise InputError(f"--out {folder} exists and is not empty; refusing to overwrite it")
-        existing = folder
+            raise InputError(f"{what} exists and is not empty; refusing to overwrite it")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise InputError(f"{what}: {folder} is not writable")
     elif folder.exists() or folder.is_symlink():
-        raise InputError(f"--out {folder} is a file, not a folder")
+        raise InputError(f"{what} is a file, not a folder")
     else:
-        existing = next(p for p in folder.absolute().parents if p.exists() or p.is_symlink())
-        if not existing.is_dir():
-            raise InputError(f"--out {folder}: {existing} is a file, not a folder")
+        _check_parent(folder, what)
+
+
+def _check_parent(folder: Path, what: str) -> None:
+    """Refuse a ``folder`` (which does not exist) whose nearest existing folder above is a file or
+    cannot be written, in one line (``what`` names the setting: ``--out`` or ``log.dir``)."""
+    existing = next(p for p in folder.absolute().parents if p.exists() or p.is_symlink())
+    if not existing.is_dir():
+        raise InputError(f"{what}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"--out {folder}: {existing} is not writable")
+        raise InputError(f"{what}: {existing} is not writable")
 
 
-def write_report_folder(v: Validation, config: Config, folder: Path) -> tuple[Path, Path]:
-    """Create ``folder`` (and its missing parents) and write the report into it; a write that
-    fails (permissions, a full disk) takes back what it made and is one :class:`InputError`.
+def write_report_folder(v: Validation, config: Config, folder: Path, what: str = "") -> tuple[Path, Path]:
+    """Create ``folder`` (and its missing parents) if need be and write the report into it; a
+    write that fails (permissions, a full disk) takes back what it made and is one
+    :class:`InputError` (``what`` names the folder in it; default ``--out FOLDER``).
 
     Example::
 
@@ -1567,10 +1797,11 @@ def write_report_folder(v: Validation, config: Config, folder: Path) -> tuple[Pa
     try:
         folder.mkdir(parents=True, exist_ok=True)
         return write_outputs(v, config, folder)
-    except OSError as err:
+    except (OSError, DiskFull) as err:  # (replace_atomically names a full disk DiskFull)
         for name in ("validation.md", "validation.json"):
             (folder / name).unlink(missing_ok=True)
         for p in made:  # deepest first
             with contextlib.suppress(OSError):
                 p.rmdir()
-        raise InputError(f"--out {folder}: cannot write the report ({err.strerror or err})") from None
+        err = err.error if isinstance(err, DiskFull) else err
+        raise InputError(f"{what or f'--out {folder}'}: cannot write the report ({err.strerror or err})") from None

@@ -460,7 +460,7 @@ def test_the_report_records_what_reproduces_it(cli, tmp_path, linear_checkpoint)
     assert env["output_dtypes"] == {"fp32": {"output": "torch.float32"}, "bf16": {"output": "torch.bfloat16"}}
     assert env["checkpoint"] == {"path": str(linear_checkpoint.resolve()),
                                  "sha256": hashlib.sha256(linear_checkpoint.read_bytes()).hexdigest()}
-    assert env["config"]["validation"]["checkpoint"] == str(linear_checkpoint)
+    assert env["config"]["validation"]["checkpoint"] == str(linear_checkpoint.resolve())  # (test_validate_hostile.py)
     assert env["config_sha256"] == hashlib.sha256(json.dumps(env["config"], sort_keys=True).encode()).hexdigest()
     assert re.fullmatch(r"[0-9a-f]{64}", env["probe_set_sha256"])
     for key in ("config_sha256", "probe_set_sha256"):

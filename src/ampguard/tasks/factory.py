@@ -10,7 +10,8 @@ holds free-form settings for it) and returns a mapping::
      "evaluate": callable(model, device) -> {name: float},   # optional held-out metrics
      "metrics": ("val_loss", ...),               # the names evaluate returns
      # for `ampguard validate` (all optional):
-     "held_out": (inputs, targets),              # fixed evaluation set (default: the first batches)
+     "held_out": (inputs, targets),              # fixed evaluation set (default: the first batches,
+                                                 #   which validate reports as training data)
      "edge_cases": (["name", ...], inputs),      # unusual inputs for the probe set
      "mode": "classifier" | "regression",        # default: from the targets' dtype
      "predict": callable(model, inputs) -> scores}  # default: model(inputs)
@@ -102,6 +103,26 @@ def check_metrics(metrics: Any, spec: str) -> tuple[str, ...]:
     return check_column_names(metrics, f"task.factory {spec}: metric", CSV_COLUMNS + LABEL_COLUMNS)
 
 
+class TrainingBatches:
+    """The evaluation set of a factory that returns no ``held_out``: its first ``batches`` training
+    batches, concatenated, as the task's ``held_out()``. Marked as such so that ``ampguard
+    validate`` says so (its quality and typical probes are then measured on data the model trains
+    on) instead of reporting them as held-out examples.
+
+    Example::
+
+        >>> first = TrainingBatches(torch.ones(6, 2), torch.zeros(6), batches=3)
+        >>> tuple(first()[0].shape), first.batches
+        ((6, 2), 3)
+    """
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: int) -> None:
+        self.inputs, self.targets, self.batches = inputs, targets, batches
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs, self.targets
+
+
 def build_from_factory(config: Any) -> Task:
     r"""The :class:`Task` that ``config.task.factory`` builds, its result checked (bad ones raise
     :class:`~ampguard.errors.InputError` in one line).
@@ -174,8 +195,9 @@ def build_from_factory(config: Any) -> Task:
     held_out = made.get("held_out")
     if held_out is None and all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) for x, y in first_batches):
         xs, ys = [x for x, _ in first_batches], [y for _, y in first_batches]
-        if len({x.shape[1:] for x in xs}) == 1 and len({y.shape[1:] for y in ys}) == 1:  # (batches of one shape)
-            held_out = torch.cat(xs), torch.cat(ys)  # else none: validate asks for held_out (sequences of any length)
+        if len({x.shape[1:] for x in xs}) == 1 and len({y.shape[1:] for y in ys}) == 1:  # (batches of one shape;
+            # else none: validate asks for held_out, sequences of any length)
+            held_out = TrainingBatches(torch.cat(xs), torch.cat(ys), len(xs))
     mode = made.get("mode") or ("classifier" if isinstance(targets, torch.Tensor)
                                 and not targets.is_floating_point() else "regression")
     if mode not in ("classifier", "regression"):
@@ -191,7 +213,7 @@ def build_from_factory(config: Any) -> Task:
         float_inputs=bool(getattr(inputs, "is_floating_point", lambda: False)()),
         description=f"user model from {spec} ({type(model).__name__})",
         mode=mode,
-        held_out=lambda: held_out,
+        held_out=held_out if isinstance(held_out, TrainingBatches) else lambda: held_out,
         edge_cases=(lambda: edge) if edge is not None else None,
         predict=made.get("predict"),
     )
