@@ -1030,7 +1030,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     config_path = csv_path.parent / "config.yaml"
     if not csv_path.is_file():
         raise InputError(f"no per-step CSV at {csv_path}")
-    if csv_path.suffix.lower() == ".png":  # (it was "the plot X is the CSV itself; refusing to overwrite it")
+    if _is_png(csv_path):  # (it was "the plot X is the CSV itself; refusing to overwrite it")
         raise InputError(f"{csv_path} is a plot, not a per-step CSV: give the run folder or its steps.csv")
     if out is not None and not plot:
         raise InputError("report: --out says where to draw the plot and --no-plot draws none; give one of them")
@@ -1102,6 +1102,15 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
             print(f"ended: {card_ended(folder.card, errors='replace')}")
     print(f"plot: {png}" if plot else "plot: not drawn (--no-plot)")
     return ExitCode.OK
+
+
+def _is_png(path: Path) -> bool:
+    """Whether ``path`` starts as a PNG does (a CSV named ``data.png`` is still a CSV)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(len(PNG_MAGIC)) == PNG_MAGIC
+    except OSError:
+        return False
 
 
 def _replay_config(config: Config, given: dict[str, Any], init_scale: float) -> Config:
