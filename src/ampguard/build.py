@@ -9,8 +9,9 @@ whether clipping is on (:func:`~ampguard.clipping.clip_threshold`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -270,14 +271,16 @@ def check_trainable(model: nn.Module, who: str = "") -> None:
 
 
 def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], read_batch: Callable[[], Any],
-                  precision: Precision, who: str, *, find_unused: bool = False) -> list[str]:
+                  precision: Precision, who: str, *, find_unused: bool = False,
+                  dtypes: dict[str, str] | None = None) -> list[str]:
     """Read the first batch and run it forward through ``model`` and ``loss_fn`` once, under the
     run's autocast, as the step will (no backward): a batch that cannot be read, data that does
     not fit the model, a loss that fails, is not a scalar or does not depend on the parameters is
     one :class:`InputError` line that starts with ``who`` (the first line of the error's text).
     With ``find_unused``, also a backward (``torch.autograd.grad``: nothing accumulated) that
     returns the trainable parameters this batch gives no gradient (DDP must be told of them);
-    else ``[]``.
+    else ``[]``. With ``dtypes``, also fills it with the dtype each leaf module's output had in
+    that forward (:func:`recording_dtypes`): which layers autocast left in float32.
 
     It leaves no trace: the RNG states (torch, CUDA, NumPy, ``random``), the module buffers
     (BatchNorm statistics) and the gradients are as they were, so the run
@@ -309,7 +312,8 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
                 inputs, targets = read_batch()
             except StopIteration:
                 raise InputError(f"{who}: the data yielded no batches") from None
-        with precision.autocast():
+        recording = recording_dtypes(model, dtypes) if dtypes is not None else contextlib.nullcontext()
+        with precision.autocast(), recording:
             with user_code(f"{who}: the model's forward pass on the first batch failed: "):
                 outputs = model(inputs)
             with user_code(f"{who}: loss_fn failed on the model's output for the first batch: "):
@@ -329,6 +333,40 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
         return [name for (name, _), g in zip(named, grads) if g is None]
+
+
+@contextlib.contextmanager
+def recording_dtypes(model: nn.Module, dtypes: dict[str, str]) -> Iterator[None]:
+    """While open, each leaf module of ``model`` (one with no children) that runs notes in
+    ``dtypes`` (name -> ``"bfloat16"``...) the dtype of its output's first floating-point tensor,
+    at its first call: under autocast, the layers it computed in float32 (the seed's "regions
+    that may stay in FP32", for the run card and the checkpoint). Hooks gone at the exit.
+
+    Example (bf16 autocast on the CPU: an embedding is a lookup autocast leaves in float32; on
+    CUDA LayerNorm, softmax and the losses are float32 too)::
+
+        >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 1))
+        >>> seen = {}
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), recording_dtypes(model, seen):
+        ...     _ = model(torch.tensor([1, 2]))
+        >>> seen, model[0]._forward_hooks
+        ({'0': 'float32', '1': 'bfloat16'}, OrderedDict())
+    """
+    def note(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            floats = [t for t in torch.utils._pytree.tree_leaves(output)
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if floats and name not in dtypes:
+                dtypes[name] = str(floats[0].dtype).removeprefix("torch.")
+        return hook
+
+    handles = [module.register_forward_hook(note(name or type(module).__name__))  # (a model of one layer: its class)
+               for name, module in model.named_modules() if next(module.children(), None) is None]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def build_monitor(config: Config, scaler_enabled: bool) -> RunMonitor:

@@ -89,6 +89,10 @@ contents are in the checkpoint, so their sizes cannot change (docs/resume.md has
 POLICY = "policy_changes"
 """Payload key (meta, never restored as a part): the policy changes made on resume so far, each
 ``{"key", "old", "new", "step"}``; a resumed run carries them on to its run card."""
+AUTOCAST_DTYPES = "autocast_dtypes"
+"""Payload key (meta, never restored as a part): under autocast, the dtype each leaf module's
+output had in the start-up's forward (``build.recording_dtypes``): the layers kept in float32. A
+resume whose model computes one in another dtype says so (:func:`dtype_changes`)."""
 POLICY_UNRECORDED = ("log", "validation")
 """Config sections whose change on resume is no policy change: where the run writes and what
 ``ampguard validate`` checks change nothing the run trains or decides."""
@@ -816,6 +820,8 @@ _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
     (ROLLBACKS, False, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of str"),
     (POLICY, False, lambda v: isinstance(v, list) and all(_policy_entry(x) for x in v),
      "a list of {key, old, new, step}"),
+    (AUTOCAST_DTYPES, False, lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())),
+     "a mapping of module names to dtype names"),
 )
 """What each payload entry must be before anything uses it."""
 
@@ -1430,6 +1436,25 @@ def moves_lr(key: str) -> bool:
         (True, True, False)
     """
     return key in ("optimizer.lr", "steps", "rollback.lr_factor") or key.startswith("schedule.")
+
+
+def dtype_changes(saved: dict[str, str] | None, now: dict[str, str]) -> list[str]:
+    """The layers that compute in another dtype under autocast than in the checkpoint's run
+    (``saved``, its :data:`AUTOCAST_DTYPES`; none from a checkpoint without it): the model's
+    code, or torch's autocast lists, changed. Not a setting, but no equivalent continuation
+    either: each is said on resume and kept on the run card.
+
+    Example::
+
+        >>> dtype_changes({"fc": "bfloat16", "norm": "float32"}, {"fc": "bfloat16", "norm": "bfloat16", "head": "float32"})
+        ['norm float32 -> bfloat16', 'head (new) float32']
+        >>> dtype_changes(None, {"fc": "bfloat16"})
+        []
+    """
+    if not saved:
+        return []
+    changed = [f"{name} {saved[name]} -> {dtype}" for name, dtype in now.items() if saved.get(name, dtype) != dtype]
+    return changed + [f"{name} (new) {dtype}" for name, dtype in now.items() if name not in saved]
 
 
 def policy_line(change: dict[str, Any]) -> str:

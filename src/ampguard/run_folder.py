@@ -448,6 +448,8 @@ class RunResult:
     """Under fp8: the Linear layers that trained in float8."""
     world_size: int = 1
     """How many processes trained the run (torchrun's world size)."""
+    autocast_dtypes: dict[str, str] = field(default_factory=dict)
+    """Under autocast, each leaf module's output dtype at start-up (``build.recording_dtypes``)."""
 
 
 def disk_full_line(full: DiskFull, saved: list[Path], step: int, recorded: int, run_dir: Path | None) -> str:

@@ -205,6 +205,9 @@ class Trainer:
         self._lr_moved = (lr_before, lr_after) if lr_before is not None and lr_after != lr_before else None
         self.policy += self.policy_new
         self.rollbacks.policy = self.policy
+        # layers autocast computes in another dtype than the checkpoint's run did: said, not refused
+        self.dtype_changes = ck.dtype_changes(resume.loaded.payload.get(ck.AUTOCAST_DTYPES), self.autocast_dtypes) \
+            if resume is not None else []
         every, first = (self.headroom.every if self.headroom is not None else None), self.state.steps + 1
         if every is not None and first <= config.steps and config.steps // every * every < first:
             left = "" if first > 1 else " (headroom.csv keeps its header only)"
@@ -245,10 +248,12 @@ class Trainer:
         who = f"task.factory {factory}" if factory else f"task {self.task.name}"
         problem, unused = None, []
         ddp = self.dist.active and self.config.distributed.strategy == "ddp"
+        precision = precision_of(self.config, self.device)
+        self.autocast_dtypes: dict[str, str] = {}  # (the layers autocast left in float32: card, checkpoint)
         try:
             check_trainable(model, who)
-            unused = check_forward(model, self.task.loss_fn, self.data.peek, precision_of(self.config, self.device),
-                                   who, find_unused=ddp)
+            unused = check_forward(model, self.task.loss_fn, self.data.peek, precision, who, find_unused=ddp,
+                                   dtypes=self.autocast_dtypes if precision.autocasts else None)
         except InputError as err:
             problem = str(err)
         problem = distributed.first_error(problem) or check_same_data(self.data, who)
@@ -268,7 +273,8 @@ class Trainer:
         meta = lambda: {ck.UPDATES: state.updates, ck.CONFIG: self.config.model_dump(mode="json"),  # noqa: E731
                         ck.PRECISION: self.config.precision, ck.WORLD_SIZE: self.dist.world_size,
                         ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
-                        **({ck.POLICY: list(self.policy)} if self.policy else {})}
+                        **({ck.POLICY: list(self.policy)} if self.policy else {}),
+                        **({ck.AUTOCAST_DTYPES: dict(self.autocast_dtypes)} if self.autocast_dtypes else {})}
         check = lambda loaded: ck.check_checkpoint(loaded, self.run_id)  # noqa: E731 - a rollback's too
         reach = lambda step: rollback_reach(self.config, step)  # noqa: E731
         return ck.CheckpointManager(None, parts, keep=self.config.checkpoint.keep, meta=meta, dist=self.dist,
@@ -566,6 +572,13 @@ class Trainer:
                     moved = None
                 self.events.emit({"step": self.state.steps, "event": "policy_change", **change, "message": line},
                                  "POLICY")
+            if self.dtype_changes:  # (the model's code or torch's autocast changed: no setting says so)
+                self.events.emit({"step": self.state.steps, "event": "autocast_dtype_change",
+                                  "changes": self.dtype_changes,
+                                  "message": "layers autocast computes in another dtype than the checkpoint's run did: "
+                                             + ", ".join(self.dtype_changes)
+                                             + " (the model's code or torch changed: not the same run continued)"},
+                                 "POLICY")
         else:
             self.events.emit({"step": 0, "event": "run_start",
                               "message": f"{self.task.description}; {self.config.precision} on {self.device}"
@@ -637,7 +650,9 @@ class Trainer:
         result = RunResult(stopped.exit_code if stopped else ExitCode.OK, self.monitor, self.paths, ended, self.device,
                            self.checkpointer.saved, self.rollbacks.log, self.resume.path if self.resume else None,
                            self.task.description, self.diagnosis.found if self.diagnosis else None)
-        result.policy_changes = [ck.policy_line(change) for change in self.policy]
+        result.policy_changes = [ck.policy_line(change) for change in self.policy] + [
+            f"autocast dtype of {change} from step {self._first_step + 1}" for change in self.dtype_changes]
+        result.autocast_dtypes = self.autocast_dtypes
         result.throughput, result.path, result.fp8_layers = self.throughput.summary(), self.path, self.fp8_layers
         result.world_size = self.dist.world_size
         if self.paths.dir is not None and self.disk_full() is None:

@@ -23,6 +23,7 @@ import helpers
 from helpers import ag, ok, one_error_line, read_rows, run_events
 
 from ampguard import checkpoint as ckpt
+from ampguard import checkpointer as ckpt_keys
 from ampguard.errors import InputError
 
 LINEAR = ["--set", "task.name=linear", "--set", "log.plot=false"]  # (the plot is report's tests' business)
@@ -228,6 +229,54 @@ def test_a_resume_takes_the_card_of_the_earlier_end_away_while_it_trains(tmp_pat
             "its machine went down); `ampguard train --resume` goes on from its last checkpoint") in out
     assert "ended:" not in out
     assert "has no run card RUN.md" in one_error_line(ag("compare", run, run.with_name("B")))
+
+
+FP32_LAYER = """
+import os
+
+import torch
+from torch import nn
+
+
+class Float32Linear(nn.Linear):  # the same parameters, computed with autocast off (a model's own fp32 region)
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return super().forward(x.float())
+
+
+def build(config):
+    torch.manual_seed(0)
+    first = Float32Linear if os.environ.get("FP32") else nn.Linear
+    model = nn.Sequential(first(3, 4), nn.Linear(4, 1))
+    return model, [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(8)], nn.functional.mse_loss
+"""
+
+
+def test_the_layers_autocast_left_in_float32_are_recorded_and_a_resume_that_changes_them_says_so(tmp_path,
+                                                                                               monkeypatch):
+    # the seed: "record the dtype and the regions that may stay in FP32"; a resume under another
+    # policy is a change to be named, not an equivalent continuation
+    factory = tmp_path / "fp32_layer.py"
+    factory.write_text(FP32_LAYER, encoding="utf-8")
+    ok(train(tmp_path, "A", "--set", f"task.factory={factory}:build", "--set", "precision=bf16", "--set", "steps=4",
+             "--set", "checkpoint.every=2", "--set", "log.plot=false"))
+    run = tmp_path / "A"
+    assert "| float32 under autocast | none (2 layers, in bfloat16) |" in (run / "RUN.md").read_text(encoding="utf-8")
+    assert final_checkpoint(run)[ckpt_keys.AUTOCAST_DTYPES] == {"0": "bfloat16", "1": "bfloat16"}
+
+    monkeypatch.setenv("FP32", "1")
+    out = ok(ag("train", "--resume", run, "--set", "steps=6"))
+    assert ("POLICY 4 layers autocast computes in another dtype than the checkpoint's run did: 0 bfloat16 -> float32 "
+            "(the model's code or torch changed: not the same run continued)") in out
+    card = (run / "RUN.md").read_text(encoding="utf-8")
+    assert "| float32 under autocast | 0 (1 of 2 layers; the others bfloat16) |" in card
+    assert ("| policy changes on resume | steps 4 -> 6 from step 5; autocast dtype of 0 bfloat16 -> float32 from "
+            "step 5 |") in card
+    assert final_checkpoint(run)[ckpt_keys.AUTOCAST_DTYPES] == {"0": "float32", "1": "bfloat16"}
+    change = [e for e in run_events(run) if e["event"] == "autocast_dtype_change"]
+    assert [(e["step"], e["changes"]) for e in change] == [(4, ["0 bfloat16 -> float32"])]
+    # the same model again: nothing to say
+    assert "autocast computes" not in ok(ag("train", "--resume", run, "--set", "steps=8"))
 
 
 def test_a_fault_given_to_a_resume_for_a_step_already_trained_is_refused(tmp_path, snapshot):
