@@ -826,7 +826,12 @@ class ValidateConfig(_Section):
     """Classifiers: how many of the best scores (FP32 and AMP) each probe's record keeps."""
     train_steps: Count0 = 0
     """Also train this many steps from the same state in FP32 and in each AMP precision and
-    compare loss curves, gradient norms and applied updates (informational)."""
+    compare loss curves, gradient norms and applied updates (the updates judged by
+    ``min_applied``; the curves informational)."""
+    min_applied: Rate = 0.9
+    """With ``train_steps``: each AMP precision applies at least this fraction of the updates FP32
+    applied, its loss scaler's opening search (the skips before its first applied update) set
+    aside; none applied at all fails (the seed's check for a scaler: updates actually made)."""
 
     @field_validator("precisions")
     @classmethod

@@ -1262,6 +1262,7 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
         out.append({
             "precision": name,
             "updates_applied": r["updates"],
+            "opening_skips": r["opening"],
             "final_loss": r["losses"][-1] if r["losses"] else None,
             "max_loss_diff_vs_fp32": max((abs(a - b) for a, b in pairs), default=0.0),
             "mean_grad_norm_ratio_vs_fp32": (sum(a / b for a, b in norm_pairs) / len(norm_pairs)) if norm_pairs else None,
@@ -1284,7 +1285,7 @@ def _train_from(task: Task, config: Config, device: torch.device, steps: int, na
     run_config = config.model_copy(update={"precision": name, "steps": steps, "scaler": scaler})
     model = prepare_model(run_config, task.model, copy_model=True)  # fp8: a converted copy; else task.model
     state: AmpTrainState = build_state(run_config, model, task.loss_fn, device)
-    losses, norms, updates = [], [], 0
+    losses, norms, updates, opening = [], [], 0, 0
     seed_pass(config.seed, device)  # the same dropout masks (and shuffle, for a DataLoader) in every precision
     stream = itertools.islice(task.batches(), steps * config.accumulation_steps)
     for inputs, targets in stream:
@@ -1295,7 +1296,34 @@ def _train_from(task: Task, config: Config, device: torch.device, steps: int, na
         losses.append(v["loss"])
         norms.append(v["grad_l2_pre_clip"])
         updates += not record.skipped
-    return {"losses": losses, "norms": norms, "updates": updates}
+        # (a loss scaler's search down from init_scale: skips before its first update, by design)
+        opening += bool(record.skipped and not updates and state.scaler.is_enabled())
+    return {"losses": losses, "norms": norms, "updates": updates, "opening": opening}
+
+
+def training_rule(t: dict[str, Any], fp32: dict[str, Any], min_applied: float) -> Rule:
+    """The judged part of ``--train-steps`` for one AMP precision (``t``, of
+    :func:`compare_training`): it applied at least ``min_applied`` of the updates FP32 applied,
+    its loss scaler's opening search set aside (FP32 has none); an AMP run that applied none
+    fails whatever the search (a scale that never found the gradients' range).
+
+    Example (fp16 skipped its first 3 steps finding its scale, then 1 more of the 17 after)::
+
+        >>> fp32 = {"updates_applied": 20, "opening_skips": 0}
+        >>> rule = training_rule({"updates_applied": 16, "opening_skips": 3}, fp32, 0.9)
+        >>> rule.reference, rule.amp, rule.decision
+        ('20 of 20 steps', "16 of 20 steps (3 skipped in the loss scaler's opening search); 16/17 = 0.94 (>= 0.9)", 'pass')
+        >>> training_rule({"updates_applied": 0, "opening_skips": 20}, fp32, 0.9).decision
+        'FAIL'
+    """
+    steps = len(fp32["losses"]) if "losses" in fp32 else fp32["updates_applied"]
+    expected = max(0, fp32["updates_applied"] - t["opening_skips"])
+    search = f" ({t['opening_skips']} skipped in the loss scaler's opening search)" if t["opening_skips"] else ""
+    ok = t["updates_applied"] >= min_applied * expected and (t["updates_applied"] > 0 or fp32["updates_applied"] == 0)
+    share = f"; {t['updates_applied']}/{expected} = {t['updates_applied'] / expected:.2f} (>= {min_applied:g})" \
+        if expected else ""
+    return Rule("updates applied in training", f"{fp32['updates_applied']} of {steps} steps",
+                f"{t['updates_applied']} of {steps} steps{search}{share}", ok)
 
 
 # ---------------------------------------------------------------------------- output
@@ -1345,7 +1373,8 @@ def markdown(v: Validation, config: Config) -> str:
             lines += ["", f"Probes outside the tolerance ({len(deviated)}): " + ", ".join(
                 f"{r['probe']} ({', '.join(r['tags'])}; max |amp - fp32| {r['max_abs_error']:.3g})" for r in deviated)]
     if v.training:
-        lines += ["", "## Training from the same state (informational)", "",
+        lines += ["", "## Training from the same state (the updates applied are judged above; the rest informational)",
+                  "",
                   "| precision | updates applied | final loss | max loss diff vs FP32 | mean grad-norm ratio vs FP32 |",
                   "|---|---|---|---|---|"]
         for t in v.training:
@@ -1368,14 +1397,13 @@ def _rules_paragraph(v: Validation, cfg: Any) -> str:
         Weights: freshly initialised. Model in eval mode. Probe set (1 examples, each probed once with all its
         tags): 32 typical, 0 nearest a decision boundary in FP32, the task edge cases. Rules declared before the
         run: scores |amp - fp32| <= 0.05 + 0.05 * |fp32| per element (outputs not named below); output box:
-        |amp - fp32| <= 0.5 + 0.05 * |fp32| per element; at most 0 decision changes (a tie: FP32 or AMP top-2
-        gap <= 0, whichever class AMP picks; ties count as flips); no non-finite output; mse <= 0.5; mse at
-        most (1 + 0.01) x FP32's.
+        |amp - fp32| <= 0.5 + 0.05 * |fp32| per element; no non-finite output; mse <= 0.5; mse at most (1 +
+        0.01) x FP32's.
     """
     rules = [f"scores {tolerance_text(cfg.abs_tol, cfg.rel_tol)}{' (outputs not named below)' if cfg.outputs else ''}",
              *(f"output {name}: {tolerance_text(*tolerance(cfg, name))}" for name in cfg.outputs),
-             f"at most {cfg.max_flips} decision changes (a tie: FP32 or AMP top-2 gap <= {cfg.tie_margin:g}, "
-             f"whichever class AMP picks; ties {TIE_POLICIES[cfg.ties]})",
+             *([f"at most {cfg.max_flips} decision changes (a tie: FP32 or AMP top-2 gap <= {cfg.tie_margin:g}, "
+                f"whichever class AMP picks; ties {TIE_POLICIES[cfg.ties]})"] if v.mode == "classifier" else []),
              "no non-finite output"]
     if v.mode == "classifier" and cfg.min_accuracy is not None:
         rules.append(f"accuracy >= {cfg.min_accuracy:g}")
@@ -1387,6 +1415,9 @@ def _rules_paragraph(v: Validation, cfg: Any) -> str:
     if cfg.max_quality_drop is not None:
         rules.append(f"accuracy at most {cfg.max_quality_drop:g} below FP32's" if v.mode == "classifier"
                      else f"mse at most (1 + {cfg.max_quality_drop:g}) x FP32's")
+    if cfg.train_steps:
+        rules.append(f"training {counted(cfg.train_steps, 'step')} from the same state applies at least "
+                     f"{cfg.min_applied:g} of FP32's updates (a loss scaler's opening search set aside)")
     return (f"Weights: {v.weights}. Model in eval mode. Probe set ({len(v.probes)} examples, each probed once with "
             f"all its tags): {_probe_counts(v, cfg)}. Rules declared before the run: {'; '.join(rules)}.")
 
@@ -1589,6 +1620,8 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, tuple[Path
     training = compare_training(task, config, device, cfg.train_steps) if cfg.train_steps else []
     result = compare(task, model, config, device)
     result.weights, result.training = weights, training
+    for precision, t in zip(result.results, training[1:]):  # (training[0] is FP32's)
+        precision.rules.append(training_rule(t, training[0], cfg.min_applied))
     if checkpoint:
         result.environment["checkpoint"] = provenance
     return result, write_report_folder(result, config, folder.path, folder.what)

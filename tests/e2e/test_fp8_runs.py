@@ -175,7 +175,8 @@ def test_validate_judges_fp8_with_the_rules_and_report_of_bf16(cli, tmp_path):
     by_name = {p["precision"]: p for p in data["precisions"]}
     assert list(by_name) == ["bf16", "fp8"]
     criteria = {name: [r["criterion"] for r in p["rules"]] for name, p in by_name.items()}
-    assert criteria["fp8"] == criteria["bf16"] and len(criteria["fp8"]) == 5  # same probes, tolerances, flips, quality
+    assert criteria["fp8"] == criteria["bf16"] and len(criteria["fp8"]) == 6  # same probes, tolerances, flips,
+    # quality, updates applied
     assert set(by_name["fp8"]) == set(by_name["bf16"])
     # float8 rounds harder than bf16: its scores stray further from the FP32 reference
     assert by_name["fp8"]["stats"]["max_abs_error"] > by_name["bf16"]["stats"]["max_abs_error"]

@@ -332,7 +332,8 @@ def test_train_steps_compares_training_from_the_same_state(cli, tmp_path):
     assert "## Training" not in md_plain
     for a, b in zip(data["precisions"], plain["precisions"]):
         assert a["stats"] == b["stats"]
-        assert a["rules"] == b["rules"]
+        assert a["rules"][:-1] == b["rules"]  # (and one rule more: the updates applied in training)
+        assert a["rules"][-1]["criterion"] == "updates applied in training" and a["rules"][-1]["ok"]
 
 
 def test_train_steps_counts_only_the_updates_applied(cli, tmp_path):
@@ -342,7 +343,10 @@ def test_train_steps_counts_only_the_updates_applied(cli, tmp_path):
     code, out, err = cli("validate", "--set", "task.name=linear", "--set", "validation.max_mse=10",
                          "--set", "validation.precisions=[fp16]", "--set", f"scaler.init_scale={2.0**40}",
                          "--train-steps", "3", "--out", "r")
-    assert code == 0, (out, err)  # training is informational: the verdict is the comparison's
+    # (it was informational, exit 0: now the seed's check, a rule: no update applied rejects)
+    assert code == 1, (out, err)
+    assert ("fp16: updates applied in training: 0 of 3 steps (3 skipped in the loss scaler's opening search) "
+            "-> FAIL") in out
     md, data = load_report(tmp_path / "r")
     fp32, fp16 = data["training"]
     assert (fp32["precision"], fp16["precision"]) == ("fp32", "fp16")

@@ -8,6 +8,7 @@ folder the first run ran in). The verb's main behaviour is in ``tests/e2e/test_v
 from __future__ import annotations
 
 import errno
+import re
 import json
 import os
 import time
@@ -200,3 +201,44 @@ def test_the_recorded_config_reproduces_the_report_from_another_folder(cli, tmp_
     _, again = report(elsewhere / "again")
     assert again["environment"] == env  # the same config, hash, checkpoint and probe set
     assert again["precisions"] == data["precisions"] and again["probes"] == data["probes"]
+
+
+# ---------------------------------------------------------------------------- seed 001: updates actually made
+
+# inputs x1000: fp16's weight gradients overflow above a loss scale of ~64 (the scaler searches
+# down from 2**16), while the forward stays finite and right
+BIG = '''
+import torch
+from torch.nn import functional as F
+from torch import nn
+
+
+def build(config):
+    lin = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(2))
+    x = torch.tensor([[3.0, 0.0], [0.0, 3.0], [2.0, -1.0], [-1.0, 2.0], [4.0, 1.0], [1.0, 4.0]]) * 1000
+    y = x.argmax(1)
+    y[0] = 1  # one wrong label: a real gradient
+    return {"model": lin, "data": [(x, y)], "loss_fn": F.cross_entropy, "held_out": (x, x.argmax(1))}
+'''
+
+
+def test_training_that_applies_no_update_rejects_and_a_scalers_search_is_set_aside(cli, tmp_path):
+    # the seed's check for a GradScaler, "the updates actually made": --train-steps reported
+    # "train fp16: 0 updates applied" under ACCEPTED (informational only)
+    (tmp_path / "big.py").write_text(BIG, encoding="utf-8")
+    args = ["validate", "--set", "task.factory=big.py:build", "--set", "validation.precisions=[fp16]",
+            "--set", "validation.min_accuracy=0.5", "--train-steps", "14"]
+    code, out, err = cli(*args, "--set", "scaler.min_scale=1024", "--out", "floor")  # (the scale cannot get there)
+    assert code == 1, (out, err)
+    assert ("fp16: updates applied in training: 0 of 14 steps (14 skipped in the loss scaler's opening search) "
+            "-> FAIL") in out
+    assert out.splitlines()[-1].startswith("validate: REJECTED")
+    code, out, err = cli(*args, "--out", "searched")
+    assert code == 0, (out, err)
+    [line] = [line for line in out.splitlines() if "updates applied in training" in line]
+    assert re.fullmatch(r"fp16: updates applied in training: (\d+) of 14 steps \((\d+) skipped in the loss scaler's "
+                        r"opening search\); \1/\d+ = 1\.00 \(>= 0\.9\) -> pass", line), line
+    _, data = report(tmp_path / "searched")
+    assert data["training"][1]["opening_skips"] > 0 and data["precisions"][0]["rules"][-1]["ok"] is True
