@@ -406,3 +406,13 @@ def test_report_of_a_run_folder_without_its_card_says_the_run_did_not_end(tmp_pa
     assert (f"note: {run} has no run card RUN.md and no process is writing it: the run did not end (killed, or its "
             "machine went down)\n") in out  # (no checkpoint: no word of a resume)
     assert "ended:" not in out
+
+
+def test_the_table_gives_a_runs_headroom_alerts_from_its_card_and_a_dash_where_a_card_has_none(tmp_path):
+    warned = make_run(tmp_path, "warned", [clean(1)])
+    with (warned / "RUN.md").open("a", encoding="utf-8") as card:
+        card.write("| headroom alerts | 1 (step 1: fc output 3.0 bits) |\n")
+    table = compare.format_table(compare.load_runs([warned, make_run(tmp_path, "quiet", [clean(1)])]))
+    [row] = [line for line in table.splitlines() if line.startswith("| headroom alerts")]
+    assert [cell.strip() for cell in row.strip("|").split("|")] == ["headroom alerts", "1 (step 1: fc output 3.0 bits)",
+                                                                   "-"]
