@@ -343,7 +343,7 @@ def recording_dtypes(model: nn.Module, dtypes: dict[str, str]) -> Iterator[None]
     that may stay in FP32", for the run card and the checkpoint). Hooks gone at the exit.
 
     Example (bf16 autocast on the CPU: an embedding is a lookup autocast leaves in float32; on
-    CUDA LayerNorm, softmax and the losses are float32 too)::
+    CUDA LayerNorm and softmax are float32 too; a ``loss_fn`` outside the model is not seen)::
 
         >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 1))
         >>> seen = {}

@@ -93,6 +93,9 @@ AUTOCAST_DTYPES = "autocast_dtypes"
 """Payload key (meta, never restored as a part): under autocast, the dtype each leaf module's
 output had in the start-up's forward (``build.recording_dtypes``): the layers kept in float32. A
 resume whose model computes one in another dtype says so (:func:`dtype_changes`)."""
+AUTOCAST_DTYPE_CHANGES = "autocast_dtype_changes"
+"""Payload key (meta): the autocast dtype changes said on resume so far (run card lines); a later
+resume carries them on to its card, as :data:`POLICY` does the settings'."""
 POLICY_UNRECORDED = ("log", "validation")
 """Config sections whose change on resume is no policy change: where the run writes and what
 ``ampguard validate`` checks change nothing the run trains or decides."""
@@ -822,6 +825,8 @@ _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
      "a list of {key, old, new, step}"),
     (AUTOCAST_DTYPES, False, lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())),
      "a mapping of module names to dtype names"),
+    (AUTOCAST_DTYPE_CHANGES, False, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+     "a list of str"),
 )
 """What each payload entry must be before anything uses it."""
 
@@ -1446,15 +1451,17 @@ def dtype_changes(saved: dict[str, str] | None, now: dict[str, str]) -> list[str
 
     Example::
 
-        >>> dtype_changes({"fc": "bfloat16", "norm": "float32"}, {"fc": "bfloat16", "norm": "bfloat16", "head": "float32"})
-        ['norm float32 -> bfloat16', 'head (new) float32']
+        >>> dtype_changes({"fc": "bfloat16", "norm": "float32", "drop": "bfloat16"},
+        ...               {"fc": "bfloat16", "norm": "bfloat16", "head": "float32"})
+        ['norm float32 -> bfloat16', 'head (new) float32', 'drop bfloat16 -> (not run)']
         >>> dtype_changes(None, {"fc": "bfloat16"})
         []
     """
     if not saved:
         return []
     changed = [f"{name} {saved[name]} -> {dtype}" for name, dtype in now.items() if saved.get(name, dtype) != dtype]
-    return changed + [f"{name} (new) {dtype}" for name, dtype in now.items() if name not in saved]
+    return (changed + [f"{name} (new) {dtype}" for name, dtype in now.items() if name not in saved]
+            + [f"{name} {dtype} -> (not run)" for name, dtype in saved.items() if name not in now])
 
 
 def policy_line(change: dict[str, Any]) -> str:

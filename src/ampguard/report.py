@@ -192,20 +192,24 @@ def headroom_alerts_text(run_dir: Path | None) -> str:
         >>> headroom_alerts_text(folder)
         'none'
         >>> events = [{"step": 25, "event": "headroom_alert", "module": "4", "tensor": "output", "judged_bits": 15.43},
-        ...           {"step": 26, "event": "headroom_clear"}, {"step": 30, "event": "headroom_alert", "module": "2"}]
+        ...           {"step": 26, "event": "headroom_clear"}, {"step": 30, "event": "headroom_alert", "module": "2"},
+        ...           {"step": 31, "event": "headroom_alert", "module": "1"}, {"step": 30, "event": "resume"}]
         >>> _ = (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\\n" for e in events))
-        >>> headroom_alerts_text(folder)
+        >>> headroom_alerts_text(folder)  # (step 31's future was trained again; step 30's alert came before its save)
         '2 (step 25: 4 output 15.4 bits; step 30: 2)'
         >>> shutil.rmtree(folder)
     """
-    alerts = _events_kept(run_dir, lambda event: event.get("event") == "headroom_alert") if run_dir else []
+    # (at_resume: an alert at step s is raised in step s, before its checkpoint: a resume from s keeps it)
+    alerts = _events_kept(run_dir, lambda event: event.get("event") == "headroom_alert", at_resume=True) \
+        if run_dir else []
     if not alerts:
         return "none"
 
     def said(alert: dict[str, Any]) -> str:
         bits = alert.get("judged_bits")
         where = " ".join(str(alert[k]) for k in ("module", "tensor") if isinstance(alert.get(k), str))
-        return f"step {alert['step']}: {where}" + (f" {bits:.1f} bits" if isinstance(bits, (int, float)) else "")
+        shown_bits = isinstance(bits, (int, float)) and not isinstance(bits, bool)
+        return f"step {alert['step']}: {where}" + (f" {bits:.1f} bits" if shown_bits else "")
 
     shown_ = "; ".join(said(a) for a in alerts[:HEADROOM_ALERTS_SHOWN])
     return f"{len(alerts)} ({shown_}{'; ...' if len(alerts) > HEADROOM_ALERTS_SHOWN else ''})"
@@ -1069,10 +1073,15 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         print(f"note: {csv_path.parent} is being written by another process (pid {pid}): the figures are as of "
               "its last row; the run has not ended")
     elif config_path.is_file() and not folder.card.is_file():  # (a run's card is written at its end, however it ended)
+        ends = _events_kept(csv_path.parent, lambda event: event.get("event") == "run_end")
         saved = folder.checkpoints is not None and any(folder.checkpoints.glob("step-*.pt"))
-        print(f"note: {csv_path.parent} has no run card RUN.md and no process is writing it: the run did not end "
-              "(killed, or its machine went down)" + ("; `ampguard train --resume` goes on from its last checkpoint"
-                                                       if saved else ""))
+        if ends:  # (it ended, and its card could not be written: a full disk stops every write)
+            print(f"note: {csv_path.parent} has no run card RUN.md: the run ended ({ends[-1].get('message', '?')}), "
+                  "its card not written")
+        else:
+            print(f"note: {csv_path.parent} has no run card RUN.md and no process is writing it: the run did not end "
+                  "(killed, its machine went down, or its disk filled up)" + (
+                      "; `ampguard train --resume` goes on from its last checkpoint" if saved else ""))
     if target.is_dir() and not config_path.is_file():  # (a bare CSV, a demo's, has none by design)
         print(f"note: {target} has no config.yaml: alerts judged with the default thresholds (--window, "
               "--alert-rate and --min-steps set them)")

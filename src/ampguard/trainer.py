@@ -208,6 +208,10 @@ class Trainer:
         # layers autocast computes in another dtype than the checkpoint's run did: said, not refused
         self.dtype_changes = ck.dtype_changes(resume.loaded.payload.get(ck.AUTOCAST_DTYPES), self.autocast_dtypes) \
             if resume is not None else []
+        # the card's lines of them, earlier resumes' first (carried by the checkpoints, as the policy is)
+        self.dtype_lines = list(resume.loaded.payload.get(ck.AUTOCAST_DTYPE_CHANGES) or []) if resume else []
+        self.dtype_lines += [f"autocast dtype of {change} from step {self.state.steps + 1}"
+                             for change in self.dtype_changes]
         every, first = (self.headroom.every if self.headroom is not None else None), self.state.steps + 1
         if every is not None and first <= config.steps and config.steps // every * every < first:
             left = "" if first > 1 else " (headroom.csv keeps its header only)"
@@ -274,7 +278,8 @@ class Trainer:
                         ck.PRECISION: self.config.precision, ck.WORLD_SIZE: self.dist.world_size,
                         ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
                         **({ck.POLICY: list(self.policy)} if self.policy else {}),
-                        **({ck.AUTOCAST_DTYPES: dict(self.autocast_dtypes)} if self.autocast_dtypes else {})}
+                        **({ck.AUTOCAST_DTYPES: dict(self.autocast_dtypes)} if self.autocast_dtypes else {}),
+                        **({ck.AUTOCAST_DTYPE_CHANGES: list(self.dtype_lines)} if self.dtype_lines else {})}
         check = lambda loaded: ck.check_checkpoint(loaded, self.run_id)  # noqa: E731 - a rollback's too
         reach = lambda step: rollback_reach(self.config, step)  # noqa: E731
         return ck.CheckpointManager(None, parts, keep=self.config.checkpoint.keep, meta=meta, dist=self.dist,
@@ -650,8 +655,7 @@ class Trainer:
         result = RunResult(stopped.exit_code if stopped else ExitCode.OK, self.monitor, self.paths, ended, self.device,
                            self.checkpointer.saved, self.rollbacks.log, self.resume.path if self.resume else None,
                            self.task.description, self.diagnosis.found if self.diagnosis else None)
-        result.policy_changes = [ck.policy_line(change) for change in self.policy] + [
-            f"autocast dtype of {change} from step {self._first_step + 1}" for change in self.dtype_changes]
+        result.policy_changes = [ck.policy_line(change) for change in self.policy] + self.dtype_lines
         result.autocast_dtypes = self.autocast_dtypes
         result.throughput, result.path, result.fp8_layers = self.throughput.summary(), self.path, self.fp8_layers
         result.world_size = self.dist.world_size

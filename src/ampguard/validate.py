@@ -50,7 +50,7 @@ from .files import DiskFull, replace_atomically
 from .precision import Precision, backend_of
 from .records import strict_json
 from .tasks import Task, untrained_model
-from .tasks.factory import TrainingBatches
+from .tasks.factory import TrainingBatches, factory_file
 
 CHUNK = 256
 """Examples per forward pass in :func:`_scores`."""
@@ -1204,7 +1204,7 @@ def reproducible_config(config: Config) -> dict[str, Any]:
     if validation.get("checkpoint"):
         validation["checkpoint"] = str(Path(validation["checkpoint"]).resolve())
     target, sep, attr = (task.get("factory") or "").rpartition(":")
-    if sep and (target.endswith(".py") or "/" in target):  # a file, as load_factory tells them apart
+    if sep and factory_file(target):
         task["factory"] = f"{Path(target).resolve()}:{attr}"
     return effective
 
@@ -1286,6 +1286,7 @@ def _train_from(task: Task, config: Config, device: torch.device, steps: int, na
     model = prepare_model(run_config, task.model, copy_model=True)  # fp8: a converted copy; else task.model
     state: AmpTrainState = build_state(run_config, model, task.loss_fn, device)
     losses, norms, updates, opening = [], [], 0, 0
+    searching = state.scaler.is_enabled()  # (a loss scaler's search down from init_scale, until its first update)
     seed_pass(config.seed, device)  # the same dropout masks (and shuffle, for a DataLoader) in every precision
     stream = itertools.islice(task.batches(), steps * config.accumulation_steps)
     for inputs, targets in stream:
@@ -1296,8 +1297,11 @@ def _train_from(task: Task, config: Config, device: torch.device, steps: int, na
         losses.append(v["loss"])
         norms.append(v["grad_l2_pre_clip"])
         updates += not record.skipped
-        # (a loss scaler's search down from init_scale: skips before its first update, by design)
-        opening += bool(record.skipped and not updates and state.scaler.is_enabled())
+        # the search is its opening streak of gradient overflows, by design (as the monitor's scale
+        # health has it): it ends at the first update, or at a skip of another reason (a forward
+        # that overflowed is no search: it counts against the precision)
+        searching = searching and record.skipped and record.reason == "non_finite_grad"
+        opening += searching
     return {"losses": losses, "norms": norms, "updates": updates, "opening": opening}
 
 
@@ -1621,6 +1625,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, tuple[Path
     result = compare(task, model, config, device)
     result.weights, result.training = weights, training
     for precision, t in zip(result.results, training[1:]):  # (training[0] is FP32's)
+        assert precision.precision == t["precision"], (precision.precision, t["precision"])
         precision.rules.append(training_rule(t, training[0], cfg.min_applied))
     if checkpoint:
         result.environment["checkpoint"] = provenance
@@ -1664,8 +1669,9 @@ class ReportFolder:
         """Let go of the folder: remove this run's :data:`RESERVED`, and, when no report was
         ``written``, the folders this run made, while they are empty (never a folder it found)."""
         if self.held:
-            with contextlib.suppress(OSError):
-                (self.path / RESERVED).unlink()
+            if _marker_pid(self.path / RESERVED) == os.getpid():  # (its own: never another run's)
+                with contextlib.suppress(OSError):
+                    (self.path / RESERVED).unlink()
             self.held = False
         for p in [] if written else self.made:
             with contextlib.suppress(OSError):
@@ -1741,26 +1747,56 @@ def reserve_report_folder(out: str | Path | None, log_dir: str | Path) -> Report
     return reserved
 
 
-def _left_by_the_dead(folder: Path) -> bool:
-    """Whether ``folder``'s :data:`RESERVED` names a process that no longer runs (a validate killed
-    with SIGKILL or SIGTERM, which never let go of it): the folder is free again."""
+def _marker_pid(marker: Path) -> int | None:
+    """The pid a :data:`RESERVED` file names; None when it names none (unreadable, still being
+    written, a hand edit)."""
     try:
-        pid = int((folder / RESERVED).read_text(encoding="ascii", errors="replace").strip())
+        text = marker.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and len(text) < 10 else None
+
+
+def _take_over(folder: Path, what: str) -> None:
+    """Take ``folder``'s :data:`RESERVED` away when the process it names no longer runs (a
+    validate killed with SIGKILL or SIGTERM never let go of it), atomically: it is renamed to a
+    name of this process's first, so of two runs that both found it stale one takes it and the
+    other finds it gone (a marker renamed that turns out live is put back). A live one, or one
+    that names no pid, is refused (:func:`_being_written`)."""
+    marker = folder / RESERVED
+    pid = _marker_pid(marker)
+    if pid is None or _alive(pid):
+        raise _being_written(folder, what)
+    taken = marker.with_name(f"{RESERVED}.stale-{os.getpid()}")
+    try:
+        os.rename(marker, taken)
+    except FileNotFoundError:  # (another run took it over first: that one holds the folder now)
+        raise _being_written(folder, what) from None
+    except OSError as err:
+        raise InputError(f"{what}: cannot take over {marker} ({err.strerror or err})") from None
+    if _marker_pid(taken) != pid:  # (a run that took it over between the read and the rename: its own)
+        with contextlib.suppress(OSError):
+            os.link(taken, marker)
+        taken.unlink(missing_ok=True)
+        raise _being_written(folder, what)
+    taken.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (another user's counts: it runs)."""
+    try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    except (OSError, ValueError):  # (another user's process: alive; a marker being written: not yet a pid)
         return False
-    return False
+    except (OSError, OverflowError):
+        return True
+    return True
 
 
 def _being_written(folder: Path, what: str) -> InputError:
     """The refusal of a folder another validate run holds (:data:`RESERVED`), naming its pid."""
-    try:
-        pid = (folder / RESERVED).read_text(encoding="ascii", errors="replace").strip()
-    except OSError:
-        pid = ""
-    held = f" (pid {pid})" if pid.isdigit() else ""
+    pid = _marker_pid(folder / RESERVED)
+    held = f" (pid {pid})" if pid is not None else ""
     return InputError(f"{what} is being written by another ampguard validate{held}: choose another --out "
                       f"(or remove {folder / RESERVED} if none runs)")
 
@@ -1789,9 +1825,7 @@ def check_output_folder(folder: Path) -> None:
     what = f"--out {folder}"
     if folder.is_dir():
         if (folder / RESERVED).exists():
-            if not _left_by_the_dead(folder):
-                raise _being_written(folder, what)
-            (folder / RESERVED).unlink(missing_ok=True)  # (a run killed before it let go: nothing of it holds it)
+            _take_over(folder, what)  # (a run killed before it let go: nothing of it holds the folder)
         if any(folder.iterdir()):
             raise InputError(f"{what} exists and is not empty; refusing to overwrite it")
         if not os.access(folder, os.W_OK | os.X_OK):
@@ -1830,11 +1864,13 @@ def write_report_folder(v: Validation, config: Config, folder: Path, what: str =
     try:
         folder.mkdir(parents=True, exist_ok=True)
         return write_outputs(v, config, folder)
-    except (OSError, DiskFull) as err:  # (replace_atomically names a full disk DiskFull)
+    except BaseException as err:  # a failed write, or Ctrl-C between the two files: neither stays
         for name in ("validation.md", "validation.json"):
             (folder / name).unlink(missing_ok=True)
         for p in made:  # deepest first
             with contextlib.suppress(OSError):
                 p.rmdir()
-        err = err.error if isinstance(err, DiskFull) else err
+        if not isinstance(err, (OSError, DiskFull)):
+            raise
+        err = err.error if isinstance(err, DiskFull) else err  # (replace_atomically names a full disk DiskFull)
         raise InputError(f"{what or f'--out {folder}'}: cannot write the report ({err.strerror or err})") from None

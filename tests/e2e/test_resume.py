@@ -222,11 +222,15 @@ def test_a_resume_takes_the_card_of_the_earlier_end_away_while_it_trains(tmp_pat
     assert seen[-3:] == ["False"] * 3, seen  # steps 7 to 9 trained with no card of an end in the folder
     assert b"**finished: 9 steps**" in (run / "RUN.md").read_bytes()
 
-    # what a kill of that resume leaves (no card): report says the run did not end, compare refuses it
+    # what a kill of a next resume leaves (its resume logged, no card): report says the run did not end,
+    # compare refuses it
     (run / "RUN.md").unlink()
+    with (run / "events.jsonl").open("a", encoding="utf-8") as events:
+        events.write('{"step": 9, "event": "resume", "message": "resumed from step-00000009.pt at step 9"}\n')
     out = ok(ag("report", run, "--no-plot"))
-    assert (f"note: {run} has no run card RUN.md and no process is writing it: the run did not end (killed, or "
-            "its machine went down); `ampguard train --resume` goes on from its last checkpoint") in out
+    assert (f"note: {run} has no run card RUN.md and no process is writing it: the run did not end (killed, its "
+            "machine went down, or its disk filled up); `ampguard train --resume` goes on from its last "
+            "checkpoint") in out
     assert "ended:" not in out
     assert "has no run card RUN.md" in one_error_line(ag("compare", run, run.with_name("B")))
 
@@ -275,8 +279,10 @@ def test_the_layers_autocast_left_in_float32_are_recorded_and_a_resume_that_chan
     assert final_checkpoint(run)[ckpt_keys.AUTOCAST_DTYPES] == {"0": "float32", "1": "bfloat16"}
     change = [e for e in run_events(run) if e["event"] == "autocast_dtype_change"]
     assert [(e["step"], e["changes"]) for e in change] == [(4, ["0 bfloat16 -> float32"])]
-    # the same model again: nothing to say
+    # the same model again: nothing new to say, and the card keeps the change (the checkpoint carries it)
     assert "autocast computes" not in ok(ag("train", "--resume", run, "--set", "steps=8"))
+    assert ("| policy changes on resume | steps 4 -> 6 from step 5; steps 6 -> 8 from step 7; autocast dtype of 0 "
+            "bfloat16 -> float32 from step 5 |") in (run / "RUN.md").read_text(encoding="utf-8")
 
 
 def test_a_fault_given_to_a_resume_for_a_step_already_trained_is_refused(tmp_path, snapshot):

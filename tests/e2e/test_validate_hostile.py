@@ -242,3 +242,40 @@ def test_training_that_applies_no_update_rejects_and_a_scalers_search_is_set_asi
                         r"opening search\); \1/\d+ = 1\.00 \(>= 0\.9\) -> pass", line), line
     _, data = report(tmp_path / "searched")
     assert data["training"][1]["opening_skips"] > 0 and data["precisions"][0]["rules"][-1]["ok"] is True
+
+
+# fp16's forward overflows on the first 8 batches (inputs x1e5: a non-finite loss, no search of a
+# loss scale), then trains on normal ones
+FORWARD_OVERFLOW = '''
+import torch
+from torch.nn import functional as F
+from torch import nn
+
+
+def build(config):
+    lin = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(2))
+    x = torch.tensor([[3.0, 0.0], [0.0, 3.0], [2.0, -1.0], [-1.0, 2.0]])
+    y = x.argmax(1)
+    data = [(x * 1e5, y)] * 8 + [(x, y)] * 2
+    return {"model": lin, "data": data, "loss_fn": F.cross_entropy, "held_out": (x, y)}
+'''
+
+
+def test_skips_of_a_forward_that_overflowed_are_no_loss_scale_search(cli, tmp_path):
+    # review: every skip before the first update was set aside as "the loss scaler's opening
+    # search", a non-finite loss too: 2 updates of 10 read "2/2 = 1.00 -> pass", ACCEPTED
+    (tmp_path / "ovf.py").write_text(FORWARD_OVERFLOW, encoding="utf-8")
+    code, out, err = cli("validate", "--set", "task.factory=ovf.py:build", "--set", "validation.precisions=[fp16]",
+                         "--set", "validation.min_accuracy=0.5", "--train-steps", "10", "--out", "r")
+    assert code == 1, (out, err)
+    assert "fp16: updates applied in training: 2 of 10 steps; 2/10 = 0.20 (>= 0.9) -> FAIL" in out, out
+
+
+def test_a_marker_that_names_no_pid_holds_the_folder_in_one_line(cli, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / ".ampguard-validate").write_text("99999999999999999999\n")  # (os.kill: OverflowError)
+    line = one_line_error(*cli("validate", *LINEAR, "--out", "out"))
+    assert line == ("ampguard: error: --out out is being written by another ampguard validate: choose another --out "
+                    "(or remove out/.ampguard-validate if none runs)")

@@ -403,9 +403,14 @@ def test_report_of_a_run_folder_without_its_card_says_the_run_did_not_end(tmp_pa
     (run / "RUN.md").unlink()  # (a kill leaves no card; the card is written at the run's end, whatever it was)
     assert report.run(run, plot=False) == 0
     out = capsys.readouterr().out
-    assert (f"note: {run} has no run card RUN.md and no process is writing it: the run did not end (killed, or its "
-            "machine went down)\n") in out  # (no checkpoint: no word of a resume)
+    assert (f"note: {run} has no run card RUN.md and no process is writing it: the run did not end (killed, its "
+            "machine went down, or its disk filled up)\n") in out  # (no checkpoint: no word of a resume)
     assert "ended:" not in out
+    # a run that ended (its run_end logged) whose card could not be written: said as that
+    (run / "events.jsonl").write_text('{"step": 2, "event": "run_end", "message": "finished: 2 steps"}\n')
+    assert report.run(run, plot=False) == 0
+    assert (f"note: {run} has no run card RUN.md: the run ended (finished: 2 steps), its card not written\n"
+            in capsys.readouterr().out)
 
 
 def test_the_table_gives_a_runs_headroom_alerts_from_its_card_and_a_dash_where_a_card_has_none(tmp_path):

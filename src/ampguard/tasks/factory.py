@@ -43,6 +43,17 @@ from ..sinks import CSV_COLUMNS, check_column_names
 from .base import Task, cycle
 
 
+def factory_file(target: str) -> bool:
+    """Whether a factory's ``target`` (before ``:function``) names a file, not a module.
+
+    Example::
+
+        >>> factory_file("my_model.py"), factory_file("models/net"), factory_file("ampguard.tasks.linear")
+        (True, True, False)
+    """
+    return target.endswith(".py") or "/" in target
+
+
 def load_factory(spec: str) -> Callable[..., Any]:
     """The callable named by ``module:function`` or ``file.py:function``.
 
@@ -60,7 +71,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
     if not sep or not target or not attr.isidentifier():
         raise InputError(f"task.factory: expected 'package.module:function' or 'path/file.py:function', got {spec!r}")
     with user_code(f"task.factory: importing {target} failed: "):
-        if target.endswith(".py") or "/" in target:
+        if factory_file(target):
             path = Path(target)
             if not path.is_file() and path.exists():  # (a folder, a FIFO, /dev/null: not a missing file)
                 raise InputError(f"task.factory: {path} is {'a folder' if path.is_dir() else 'not a regular file'}; "
