@@ -80,7 +80,8 @@ class Finding:
     submodules): the submodule it was passed to, whose output it made non-finite."""
     loss: float | None = None
     """With ``where == "none"``: the (finite) loss of the pass (of a group, the micro-batches'
-    mean, the step's loss): a loss spike's evidence replays finite, and this says how large."""
+    mean, the step's loss): a loss spike's evidence replays finite, and this says how large. With
+    ``where == "backward"``: the finite loss whose backward overflowed (this micro-batch's)."""
 
 
 @dataclass
@@ -134,7 +135,8 @@ class Diagnosis:
         elif f.where == "loss":
             place = f"in the loss ({f.op})"
         else:
-            place = f"in backward, the gradient of parameter {f.name} ({f.op})"
+            place = f"in backward, the gradient of parameter {f.name} ({f.op})" + (
+                f", from a finite loss {f.loss:.4g}" if f.loss is not None else "")
         first = f"first {f.kind} under {f.precision}: {place}"
         if self.verdict == "precision-range":
             if f.where != "backward":
@@ -297,7 +299,10 @@ def trace_first_non_finite(
             if accumulation_steps > 1:  # (x / 1 is x: the step skips it too)
                 loss = loss / accumulation_steps
             (loss * loss_scale).backward()
-        return found[0] if found else Finding("none", precision=label, loss=value)
+        if found:  # (the backward's: the loss was finite, and its size is the evidence)
+            found[0].loss = value
+            return found[0]
+        return Finding("none", precision=label, loss=value)
     finally:
         for handle in handles:
             handle.remove()

@@ -433,6 +433,9 @@ def test_a_backward_overflow_without_a_loss_scale_does_not_blame_the_scale():
     scaled = diagnose(lin, F.mse_loss, x, small, FP16, loss_scale=2.0**20)
     assert scaled.amp.where == "backward"
     assert "the gradient scaled by 1.04858e+06 overflows fp16" in scaled.message()
+    # the finite loss whose backward overflowed is the evidence: its size in the finding (it was null)
+    assert scaled.amp.loss == pytest.approx(96.0**2, rel=1e-2) and scaled.as_dict()["amp"]["loss"] == scaled.amp.loss
+    assert f"from a finite loss {scaled.amp.loss:.4g}." in scaled.message()
 
 
 # ---------------------------------------------------------------------------- as the step runs it (review of locate)
