@@ -25,7 +25,7 @@ from .errors import InputError, first_line, user_code
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
-from .precision import Precision, scale_in_use
+from .precision import Precision, keep_in_fp32, scale_in_use
 from .run_folder import RunPaths
 from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
 from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
@@ -204,6 +204,28 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
         raise InputError(f"cannot build the training step: {first_line(err)}") from None
 
 
+def keep_fp32_modules(config: Config, model: nn.Module, precision: str | None = None) -> None:
+    """Keep the submodules ``fp32_modules`` names in FP32 under autocast
+    (:func:`~ampguard.precision.keep_in_fp32`) when ``precision`` (default: the config's) is fp16
+    or bf16; a name the model does not have is one :class:`InputError` line naming it and the
+    model's children.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> keep_fp32_modules(validate({"fp32_modules": ["head"], "precision": "bf16"}), nn.Sequential(nn.Linear(2, 1)))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: fp32_modules: the model has no submodule 'head' (its children: 0)
+    """
+    if not config.fp32_modules or (precision or config.precision) not in ("fp16", "bf16"):
+        return
+    try:
+        keep_in_fp32(model, config.fp32_modules)
+    except KeyError as err:
+        raise InputError(f"fp32_modules: {err.args[0]}", key="fp32_modules") from None
+
+
 def prepare_model(config: Config, model: nn.Module, precision: str | None = None, *, copy_model: bool = False
                   ) -> nn.Module:
     """The model as ``precision`` (default: the config's) trains it. For every precision but fp8
@@ -227,6 +249,7 @@ def prepare_model(config: Config, model: nn.Module, precision: str | None = None
         ...
         ampguard.errors.InputError: precision: fp8: no Linear layer can train in fp8 (0: first layer); use bf16
     """
+    keep_fp32_modules(config, model, precision)
     if (precision or config.precision) != "fp8":
         return model
     from . import distributed, fp8

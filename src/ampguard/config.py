@@ -1085,6 +1085,19 @@ class Config(_Section):
     setting is then an error); ``false``: the exact path, bit for bit the canonical loop."""
     inject: list[str] = []
     """Faults to inject, ``KIND@WHEN`` (see ``ampguard demo --help``); for testing the guard rails."""
+    fp32_modules: list[str] = []
+    """Submodules kept in FP32 under autocast (fp16, bf16), by qualified name (``blocks.3.mlp``):
+    each runs with autocast off and its floating inputs cast to float32, the fix ``ampguard locate``
+    names when a layer's range does not fit ("keeping blocks.3.mlp in FP32 ... fixes this batch").
+    Parameters and checkpoints are unchanged; the run card's "float32 under autocast" shows them.
+    Under fp8, keep layers out of float8 with ``fp8.exclude`` instead."""
+
+    @field_validator("fp32_modules")
+    @classmethod
+    def _fp32_modules(cls, v: list[str]) -> list[str]:
+        if any(not name.strip() for name in v):
+            raise ValueError("name each submodule (an empty name is the whole model: that is precision: fp32)")
+        return _listed_once(v)
 
     @field_validator("inject")
     @classmethod
@@ -1096,6 +1109,9 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Config:
+        if self.fp32_modules and self.precision == "fp8":
+            raise ValueError("fp32_modules: under fp8 keep layers out of float8 with fp8.exclude (fp32_modules is for "
+                             "fp16 and bf16)")
         if self.scaler.enabled and not uses_loss_scaler(self.precision):
             raise ValueError(f"scaler.enabled: {self.precision} does not use a loss scaler (set it false or null)")
         if self.rollback.triggers and not (self.checkpoint.enabled and self.checkpoint.every > 0):

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .errors import InputError, brief, counted, user_code
-from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision
+from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, fp32_forward
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -282,7 +282,7 @@ def trace_first_non_finite(
                         found.append(Finding("backward", owner[0], owner[1], kind, [], [str(grad.dtype).removeprefix("torch.")], label))
 
                 handles.append(p.register_hook(grad_hook))
-        with precision.autocast(), fp32_around(model, fp32_module, precision.device_type):
+        with precision.autocast(), fp32_around(model, fp32_module):
             outputs = model(inputs)
             loss = loss_fn(outputs, targets)
         if found:
@@ -310,15 +310,8 @@ def trace_first_non_finite(
             p.grad = saved_grads[id(p)]
 
 
-def _to_fp32(value: Any) -> Any:
-    """``value`` with its floating tensors (nested in lists, tuples, dicts) cast to float32."""
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
-
-
 @contextmanager
-def fp32_around(model: nn.Module, name: str | None, device_type: str) -> Iterator[None]:
+def fp32_around(model: nn.Module, name: str | None) -> Iterator[None]:
     """While inside, the submodule ``name`` of ``model`` (``""``: the model itself; None: none) runs
     with autocast disabled and its floating inputs cast to FP32: the usual fix, "keep this module
     in FP32", tried on one batch. Under fp8 its float8 layers (torchao's ``Float8Linear``) compute
@@ -328,7 +321,7 @@ def fp32_around(model: nn.Module, name: str | None, device_type: str) -> Iterato
     Example (under bf16 autocast the first Linear computes in bf16, unless it is kept in FP32)::
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
-        >>> with torch.autocast("cpu", dtype=torch.bfloat16), fp32_around(model, "0", "cpu"):
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), fp32_around(model, "0"):
         ...     model[0](torch.ones(1, 2)).dtype, model[1](torch.ones(1, 2)).dtype
         (torch.float32, torch.bfloat16)
         >>> "forward" in vars(model[0])  # put back
@@ -341,19 +334,13 @@ def fp32_around(model: nn.Module, name: str | None, device_type: str) -> Iterato
 
     module = model.get_submodule(name)
 
-    def in_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device_type, enabled=False):
-                return original(*_to_fp32(args), **_to_fp32(kwargs))
-        return forward
-
     def plain_linear(layer: nn.Module) -> Callable[..., Any]:
-        return in_fp32(lambda x: nn.functional.linear(x, layer.weight, layer.bias))
+        return fp32_forward(lambda x: nn.functional.linear(x, layer.weight, layer.bias))
 
     with ExitStack() as stack:
         for layer in float8_modules(module):
             stack.enter_context(_forward_replaced(layer, plain_linear(layer)))
-        stack.enter_context(_forward_replaced(module, in_fp32(module.forward)))
+        stack.enter_context(_forward_replaced(module, fp32_forward(module.forward)))
         yield
 
 

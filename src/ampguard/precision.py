@@ -815,3 +815,80 @@ def backend_text(device: torch.device) -> str:
     if info["backend"] == "cuda":
         return f"cuda (CUDA {info['cuda']})"
     return info["backend"]
+
+
+# ---------------------------------------------------------------------------- modules kept in FP32
+
+
+def to_fp32(value: Any) -> Any:
+    """``value`` with its floating tensors (nested in lists, tuples, dicts) cast to float32.
+
+    Example::
+
+        >>> to_fp32((torch.ones(1, dtype=torch.bfloat16), {"n": 3}))
+        (tensor([1.]), {'n': 3})
+    """
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+def fp32_forward(forward: Any) -> Any:
+    """``forward`` run with autocast off (on the device its inputs are on) and its floating inputs
+    cast to float32: "keep this module in FP32", the usual fix for a layer whose range a lower
+    precision cannot hold (``ampguard locate`` tries it on one batch; ``fp32_modules`` keeps it).
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     lin(torch.ones(1, 2)).dtype, fp32_forward(lin.forward)(torch.ones(1, 2)).dtype
+        (torch.bfloat16, torch.float32)
+    """
+    def forward_in_fp32(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(_device_type_of(args, kwargs), enabled=False):
+            return forward(*to_fp32(args), **to_fp32(kwargs))
+    return forward_in_fp32
+
+
+def _device_type_of(args: Any, kwargs: Any) -> str:
+    """The device type of the first tensor among a call's arguments (``cpu`` with none)."""
+    from torch.utils._pytree import tree_leaves
+
+    return next((t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), "cpu")
+
+
+def _fp32_method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A module's forward kept in FP32 (:func:`keep_in_fp32`): its class's, through
+    :func:`fp32_forward`. A method of the module (bound with ``types.MethodType``), so a copy of
+    the model (``copy.deepcopy``) calls its own forward, not the original's."""
+    return fp32_forward(type(self).forward.__get__(self))(*args, **kwargs)
+
+
+def keep_in_fp32(model: torch.nn.Module, names: list[str]) -> None:
+    """Run each submodule of ``model`` named in ``names`` in FP32 under autocast (``fp32_modules``):
+    its ``forward`` becomes :func:`_fp32_method` (an instance attribute; the parameters, their
+    names and the checkpoints are unchanged). Calling it again changes nothing. A name the model
+    does not have is a ``KeyError`` naming it.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> keep_in_fp32(model, ["0"])
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     model[0](torch.ones(1, 2)).dtype, model[1](torch.ones(1, 2)).dtype
+        (torch.float32, torch.bfloat16)
+        >>> keep_in_fp32(model, ["2"])
+        Traceback (most recent call last):
+        ...
+        KeyError: "the model has no submodule '2' (its children: 0, 1)"
+    """
+    import types
+
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            children = ", ".join(n for n, _ in model.named_children()) or "none"
+            raise KeyError(f"the model has no submodule {name!r} (its children: {children})") from None
+        module.forward = types.MethodType(_fp32_method, module)

@@ -25,7 +25,7 @@ import torch
 from . import checkpointer as ck
 from . import distributed
 from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
-                    check_trainable, fast_path, precision_of, resolve_device)
+                    check_trainable, fast_path, keep_fp32_modules, precision_of, resolve_device)
 from .checkpoint import checkpoint_step, list_checkpoints
 from .config import Config
 from .data import DataStream, check_same_data
@@ -147,6 +147,7 @@ class Trainer:
             TensorBoardSink.require()
         check_trackers(config)  # log.wandb / log.mlflow: the package is there, the MLflow store opens
         model = self.task.model.to(self.device)
+        keep_fp32_modules(config, model)  # (before the start-up's check: its forward records them)
         self.injector = FaultInjector(faults, config.accumulation_steps, rank=self.dist.rank)
         self.data = DataStream(self.task, self.injector, self.device, self.dist)
         unused = self._check_model(model)

@@ -285,6 +285,32 @@ def test_the_layers_autocast_left_in_float32_are_recorded_and_a_resume_that_chan
             "bfloat16 -> float32 from step 5 |") in (run / "RUN.md").read_text(encoding="utf-8")
 
 
+def test_fp32_modules_keeps_a_layer_in_fp32_as_the_models_own_code_would_and_a_bad_name_is_one_line(tmp_path,
+                                                                                                   monkeypatch):
+    # what locate names ("keeping 0 in FP32 fixes this batch") is now a setting: the same training,
+    # bit for bit, as the model written with autocast off around that layer
+    factory = tmp_path / "fp32_layer.py"
+    factory.write_text(FP32_LAYER, encoding="utf-8")
+    common = ["--set", f"task.factory={factory}:build", "--set", "precision=bf16", "--set", "steps=4",
+              "--set", "log.plot=false"]
+    ok(train(tmp_path, "setting", *common, "--set", "fp32_modules=[0]"))
+    monkeypatch.setenv("FP32", "1")
+    ok(train(tmp_path, "code", *common))
+    monkeypatch.delenv("FP32")
+    ok(train(tmp_path, "plain", *common))
+    setting, code, plain = (final_checkpoint(tmp_path / name)["model"] for name in ("setting", "code", "plain"))
+    assert all(torch.equal(setting[k], code[k]) for k in setting)
+    assert not all(torch.equal(setting[k], plain[k]) for k in setting)  # (bf16 there: it does differ)
+    card = (tmp_path / "setting" / "RUN.md").read_text(encoding="utf-8")
+    assert "| float32 under autocast | 0 (1 of 2 layers; the others bfloat16) |" in card
+
+    line = one_error_line(train(tmp_path, "bad", *common, "--set", "fp32_modules=[head]"))
+    assert line == "ampguard: error: fp32_modules: the model has no submodule 'head' (its children: 0, 1)"
+    assert not (tmp_path / "bad").exists()
+    line = one_error_line(train(tmp_path, "fp8", *common, "--set", "precision=fp8", "--set", "fp32_modules=[0]"))
+    assert "fp32_modules: under fp8 keep layers out of float8 with fp8.exclude" in line
+
+
 def test_a_fault_given_to_a_resume_for_a_step_already_trained_is_refused(tmp_path, snapshot):
     # it was taken and never fired: "skips=0", a clean run for the wrong reason; the run's own
     # faults (in its config.yaml, fired before the checkpoint) are not judged again

@@ -685,7 +685,7 @@ def test_under_fp8_the_fp32_replays_compute_the_float8_layers_in_fp32():
     assert not fp32_on and fp32_out.dtype == torch.float32 and torch.equal(fp32_out, plain(fp32_in))
 
     h = torch.randn(8, 32)
-    with torch.autocast("cpu", dtype=torch.bfloat16), fp32_around(model, "", "cpu"):  # a scope holding it
+    with torch.autocast("cpu", dtype=torch.bfloat16), fp32_around(model, ""):  # a scope holding it
         out = model[1](h)
     assert out.dtype == torch.float32 and torch.equal(out, plain(h))
     assert "forward" not in vars(model[1]) and "forward" not in vars(model)  # put back
