@@ -339,7 +339,7 @@ def threshold_by_step(steps: Sequence[int], key: str, value: Any, changes: Seque
         [1.0, 1.0, 0.5, 0.5]
     """
     mine = [c for c in changes if c["key"] == key]
-    values = [_policy_at(mine, step).get(key, value) for step in steps] if mine else [value] * len(steps)
+    values = [_policy_at(mine, step).get(key, value) for step in steps]
     return [clip_threshold(v) for v in values] if key == "max_norm" else values
 
 

@@ -1629,7 +1629,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, tuple[Path
         precision.rules.append(training_rule(t, training[0], cfg.min_applied))
     if checkpoint:
         result.environment["checkpoint"] = provenance
-    return result, write_report_folder(result, config, folder.path, folder.what)
+    return result, write_report_folder(result, config, folder)
 
 
 def untrained_reference(config: Config) -> str:
@@ -1846,31 +1846,28 @@ def _check_parent(folder: Path, what: str) -> None:
         raise InputError(f"{what}: {existing} is not writable")
 
 
-def write_report_folder(v: Validation, config: Config, folder: Path, what: str = "") -> tuple[Path, Path]:
-    """Create ``folder`` (and its missing parents) if need be and write the report into it; a
-    write that fails (permissions, a full disk) takes back what it made and is one
-    :class:`InputError` (``what`` names the folder in it; default ``--out FOLDER``).
+def write_report_folder(v: Validation, config: Config, folder: ReportFolder) -> tuple[Path, Path]:
+    """Write the report into the ``folder`` this run reserved (:func:`reserve_report_folder`,
+    which makes and takes back the folders); a write that fails (permissions, a full disk), or
+    Ctrl-C between the two files, leaves neither file, and a failed write is one
+    :class:`InputError` naming the folder.
 
     Example::
 
         >>> import shutil, tempfile
         >>> root = Path(tempfile.mkdtemp())
         >>> v = Validation("linear", "regression", [], [], [])
-        >>> [p.name for p in write_report_folder(v, Config(), root / "a" / "b")]
+        >>> folder = reserve_report_folder(root / "a" / "b", root)
+        >>> [p.name for p in write_report_folder(v, Config(), folder)]
         ['validation.md', 'validation.json']
-        >>> shutil.rmtree(root)
+        >>> folder.release(written=True); shutil.rmtree(root)
     """
-    made = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        return write_outputs(v, config, folder)
-    except BaseException as err:  # a failed write, or Ctrl-C between the two files: neither stays
+        return write_outputs(v, config, folder.path)
+    except BaseException as err:
         for name in ("validation.md", "validation.json"):
-            (folder / name).unlink(missing_ok=True)
-        for p in made:  # deepest first
-            with contextlib.suppress(OSError):
-                p.rmdir()
+            (folder.path / name).unlink(missing_ok=True)
         if not isinstance(err, (OSError, DiskFull)):
             raise
         err = err.error if isinstance(err, DiskFull) else err  # (replace_atomically names a full disk DiskFull)
-        raise InputError(f"{what or f'--out {folder}'}: cannot write the report ({err.strerror or err})") from None
+        raise InputError(f"{folder.what}: cannot write the report ({err.strerror or err})") from None

@@ -140,7 +140,7 @@ def test_the_output_folder_is_checked_before_the_run(tmp_path):
 
 def test_a_failed_write_takes_back_what_it_made(tmp_path, monkeypatch):
     from ampguard import validate
-    from ampguard.config import Config
+    from ampguard.config import validate as validate_config
     from ampguard.errors import InputError
 
     def half_then_fail(v, config, folder):
@@ -149,9 +149,11 @@ def test_a_failed_write_takes_back_what_it_made(tmp_path, monkeypatch):
 
     monkeypatch.setattr(validate, "write_outputs", half_then_fail)
     (tmp_path / "empty").mkdir()
-    for out in (tmp_path / "a" / "b", tmp_path / "empty"):
+    config = validate_config({"task": {"name": "linear"}, "device": "cpu",
+                              "validation": {"precisions": ["bf16"], "typical": 2, "max_mse": 100}})
+    for out in (tmp_path / "a" / "b", tmp_path / "empty"):  # (the run's own path: its reservation takes them back)
         with pytest.raises(InputError, match=r"cannot write the report \(Permission denied\)"):
-            validate.write_report_folder(validate.Validation("t", "regression", [], [], []), Config(), out)
+            validate.run(config, out=out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
     assert not list((tmp_path / "empty").iterdir())
 
