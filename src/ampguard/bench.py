@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .errors import counted, first_line
+from .errors import counted, first_line, shortened
 from .precision import Precision, backend_text
 from .records import LAG, InFlight
 from .sinks import CsvSink, Sink
@@ -896,8 +896,7 @@ def _one_line(err: BaseException, limit: int = 200) -> str:
         >>> len(_one_line(RuntimeError("x" * 500))), _one_line(KeyError())
         (200, 'KeyError')
     """
-    text = first_line(err, with_type=True)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return shortened(first_line(err, with_type=True), limit)
 
 
 def measure(

@@ -48,7 +48,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import distributed
 from .config import MAX_DEPTH, Config, as_it_ran, is_plain, read_file
-from .errors import AmpguardWarning, InputError, counted, first_line, whole_number
+from .errors import AmpguardWarning, InputError, counted, first_line, shortened, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
 from .run_folder import RUN_ID_PATTERN, RunPaths
@@ -779,8 +779,7 @@ def _show(value: Any) -> str:
         return f"a tensor of shape {list(value.shape)}"
     if isinstance(value, (Mapping, list, tuple, set)):
         return f"a {type(value).__name__}"
-    text = repr(value)
-    text = text if len(text) <= 40 else text[:37] + "..."
+    text = shortened(repr(value), 40)
     return text if isinstance(value, (str, int, float, bool, type(None))) else f"{text} ({type(value).__name__})"
 
 
@@ -902,7 +901,7 @@ def check_checkpoint(loaded: Loaded, run_id: str | None) -> None:
 
 
 def _names(keys: list[Any]) -> str:
-    shown = [repr(k) if len(repr(k)) <= 60 else repr(k)[:57] + "..." for k in keys[:3]]
+    shown = [shortened(repr(k), 60) for k in keys[:3]]
     more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
     return ", ".join(shown) + more
 
@@ -1103,8 +1102,7 @@ def _difference(name: str, saved: Any, live: Any, whose: str, depth: int = 0) ->
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return shortened(repr(value), 80)
 
 
 def check_resume(resume: Resume, config: Config, world_size: int | None = None) -> None:

@@ -50,6 +50,23 @@ def counted(n: int, noun: str, plural: str = "") -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
+def shortened(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` characters for an error line: its head and its tail around
+    ``...`` when it is longer (a long path keeps its file name, a long message its end).
+
+    Example::
+
+        >>> shortened("'/tmp/a-very-long-folder-name/and-another/run.py'", 40)
+        "'/tmp/a-very-long-folder-...ther/run.py'"
+        >>> shortened("short", 40), len(shortened("x" * 999, 200))
+        ('short', 200)
+    """
+    if len(text) <= limit:
+        return text
+    tail = (limit - 3) // 3
+    return text[:limit - 3 - tail] + "..." + text[len(text) - tail:]
+
+
 def brief(value: object) -> str:
     """A value from a file (a checkpoint's, a saved state's) for an error line: a short repr of
     a plain value, else its kind.
@@ -63,8 +80,7 @@ def brief(value: object) -> str:
         return f"a {type(value).__name__} of {len(value)}"
     if not isinstance(value, (str, int, float, type(None))):
         return f"a {type(value).__name__}"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return shortened(repr(value), 40)
 
 
 class ExitCode(IntEnum):
@@ -187,8 +203,7 @@ def raised(err: BaseException) -> str:
     """
     if isinstance(err, SystemExit) and not isinstance(err.code, (str, int, type(None))):
         return f"SystemExit: {brief(err.code)}"
-    text = first_line(err, with_type=True)
-    return text if len(text) <= MAX_RAISED else text[:MAX_RAISED - 3] + "..."
+    return shortened(first_line(err, with_type=True), MAX_RAISED)
 
 
 def an_interrupt(err: BaseException) -> bool:
