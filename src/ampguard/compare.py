@@ -33,6 +33,7 @@ from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite
                      policy_changes_of, read_card, reading_notes, replay, rollbacks_of, rolling_skip_rate, shown,
                      threshold_by_step, threshold_line, threshold_text, whole_steps)
 from .run_folder import RunPaths
+from .signals import console_width
 from .sinks import Row, metric_values, read_steps_and_columns
 
 if TYPE_CHECKING:
@@ -215,9 +216,10 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
     return cells
 
 
-def format_table(runs: Sequence[RunSummary]) -> str:
+def format_table(runs: Sequence[RunSummary], encoding: str | None = None) -> str:
     """One Markdown table, a row per quantity and a column per run (padded to line up in a
-    terminal). A held-out metric one run lacks is ``-`` there.
+    terminal of ``encoding``, the console's when None: a run's name an ASCII console escapes
+    is padded as escaped). A held-out metric one run lacks is ``-`` there.
 
     Example::
 
@@ -233,10 +235,10 @@ def format_table(runs: Sequence[RunSummary]) -> str:
     for col in columns:
         keys += [k for k in col if k not in keys]
     lines = [["", *(r.name for r in runs)], *([k, *(col.get(k, "-") for col in columns)] for k in keys)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    widths = [max(console_width(line[i], encoding) for line in lines) for i in range(len(lines[0]))]
 
     def fmt(cells: list[str]) -> str:
-        return "| " + " | ".join(cell.ljust(w) for cell, w in zip(cells, widths)) + " |"
+        return "| " + " | ".join(cell + " " * (w - console_width(cell, encoding)) for cell, w in zip(cells, widths)) + " |"
 
     return "\n".join([fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines[1:])])
 

@@ -376,6 +376,24 @@ def _console_errors(err: UnicodeError) -> tuple[str | bytes, int]:
 codecs.register_error("ampguard.console", _console_errors)
 
 
+def console_width(text: str, encoding: str | None = None) -> int:
+    """How many characters ``text`` takes on a console of ``encoding`` (the console's own when
+    None), as :func:`tolerant_console` writes it: a character an ASCII console lacks is its
+    backslash escape (4 to 10 wide), so a table padded by ``len`` would not line up there.
+
+    Example::
+
+        >>> console_width("lauf-\u00e4", "utf-8"), console_width("lauf-\u00e4", "ascii"), console_width("b", "ascii")
+        (6, 9, 1)
+    """
+    encoding = encoding or getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        name = codecs.lookup(encoding).name
+    except LookupError:
+        return len(text)
+    return len(text) if name.startswith("utf") else len(text.encode(name, "ampguard.console"))
+
+
 @contextmanager
 def tolerant_console() -> Iterator[TolerantStream]:
     """``sys.stdout`` and ``sys.stderr`` as :class:`TolerantStream` for the block (stdout's

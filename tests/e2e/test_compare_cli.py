@@ -154,6 +154,21 @@ def test_run_folders_whose_names_are_not_utf8_are_compared_and_reported(sweep, t
     assert png_size(odd / "report.png")[0] > 0
 
 
+def test_a_table_with_a_name_an_ascii_console_escapes_still_lines_up(sweep, tmp_path, monkeypatch):
+    # an ASCII console prints "clip-\u00e4" as "clip-\\xe4": the column was padded to the name's
+    # len (6), printed 9 wide, and every later column of the header row was pushed right
+    named = tmp_path / "clip-\u00e4"
+    shutil.copytree(sweep / "clip-1", named)
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii", errors="strict")  # LANG=C's stdout
+    with contextlib.redirect_stdout(out):
+        assert main(["compare", os.fspath(named), os.fspath(sweep / "clip-5")]) == 0
+    out.flush()
+    lines = [line for line in out.buffer.getvalue().decode("ascii").splitlines() if line.startswith("|")]
+    assert lines[0].split("|")[2].strip() == "clip-\\xe4"
+    assert len({len(line) for line in lines}) == 1, lines
+    assert len({tuple(i for i, c in enumerate(line) if c == "|") for line in lines}) == 1, lines
+
+
 def test_compare_draws_an_earlier_plot_again_as_report_does(cli, sweep, tmp_path):
     # walkthrough: re-running the lesson's sweep failed at compare ("--out ... already exists"),
     # while report draws its plot again; both now redraw a plot ampguard drew and refuse any other file
