@@ -649,7 +649,8 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     axes[-1].set_xlabel("step")
     whole_steps(axes[-1])
     if heat:
-        headroom_panel(fig, axes[5], heat, alert_bits, scale_at=_scale_used(rows, init_scale))
+        headroom_panel(fig, axes[5], heat, alert_bits, scale_at=_scale_used(rows, init_scale),
+                       run_steps=(steps[0], steps[-1]))
 
     for reason in SKIP_REASONS:
         marks = [r.step for r in rows if r.skipped and r.skip_reason == reason]
@@ -666,7 +667,8 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
 
 
 def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float | None = None,
-                   scale_at: Callable[[int], float | None] | None = None) -> Any:
+                   scale_at: Callable[[int], float | None] | None = None,
+                   run_steps: tuple[int, int] | None = None) -> Any:
     """The headroom heatmap on ``ax`` (its mesh returned): one row per module and tensor (output,
     then the gradient into it; in the model's order, top down), one column per measured step,
     the colour the bits of headroom left below the format's max: red is close to overflowing,
@@ -675,7 +677,9 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
     (:func:`~ampguard.headroom.judged_bits`): without the loss scale their step ran with
     (``scale_at(step)``), so a healthy fp16 run's growing scale does not paint them red; one
     that overflowed only at a large scale (the scaler's search) is grey. The colour bar marks
-    ``alert_bits``.
+    ``alert_bits``. A column spans the steps around its own, up to the next's; the first and the
+    last stop at the run's first and last steps (``run_steps``), so the panel's step axis, shared
+    with the panels above, ends where the run did.
 
     Example (a gradient that overflowed at loss scale 8, below 2**alert_bits: dark red)::
 
@@ -717,6 +721,9 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
     gaps = list(dict.fromkeys(b - a for a, b in zip(steps, steps[1:])))
     gap = gaps[0] if len(gaps) == 1 else (steps[-1] - steps[0]) / max(1, len(steps) - 1) if gaps else 1.0
     edges = [steps[0] - gap / 2] + [(a + b) / 2 for a, b in zip(steps, steps[1:])] + [steps[-1] + gap / 2]
+    if run_steps is not None:  # (half a step either side of the run's own: the line panels' last dot)
+        edges[0] = max(edges[0], min(run_steps[0], steps[0]) - 0.5)
+        edges[-1] = min(edges[-1], max(run_steps[1], steps[-1]) + 0.5)
     mesh = ax.pcolormesh(edges, np.arange(len(labels) + 1), np.ma.masked_where(np.isnan(shown), shown), cmap=cmap,
                          vmin=0.0, vmax=top, shading="flat")
     ax.set_yticks(np.arange(len(labels)) + 0.5, [f"{m} {t}" for m, t in labels], fontsize=7 if len(labels) > 24 else 8)

@@ -40,8 +40,8 @@ def test_an_overflow_is_announced_before_the_first_skip_and_drawn_in_the_report(
     titles: list[str] = []
     real_panel = ampguard.report.headroom_panel
 
-    def spy(fig, ax, rows, alert_bits=None, scale_at=None):  # the real panel, its title kept
-        mesh = real_panel(fig, ax, rows, alert_bits, scale_at)
+    def spy(fig, ax, rows, alert_bits=None, scale_at=None, **kwargs):  # the real panel, its title kept
+        mesh = real_panel(fig, ax, rows, alert_bits, scale_at, **kwargs)
         titles.append(ax.get_title())
         return mesh
 

@@ -387,6 +387,28 @@ def test_the_heatmap_draws_a_gradient_as_the_alert_judges_it_and_an_overflow_dar
         plt.close(fig)
 
 
+def test_the_heatmap_ends_where_the_run_did():
+    # measured every 10 steps on a 20-step run, the last column ran to step 25 and took the step
+    # axis (shared by every panel of report.png) five steps past the run's end
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ampguard.headroom import HeadroomRow
+    from ampguard.report import headroom_panel
+
+    rows = [HeadroomRow(s, "fc", "output", 1.0, 8.0, 0.0) for s in (1, 11)]  # (measured at 1, 11, ...)
+    fig, ax = plt.subplots()
+    try:
+        edges = headroom_panel(fig, ax, rows, run_steps=(1, 14)).get_coordinates()[0, :, 0]
+        assert list(edges) == [0.5, 6.0, 14.5]  # (not -4 and 16: half a step past the run's first and last)
+        edges = headroom_panel(fig, ax, rows, run_steps=(1, 40)).get_coordinates()[0, :, 0]
+        assert list(edges) == [0.5, 6.0, 16.0]  # a run longer than its last measure: the column's own width
+    finally:
+        plt.close(fig)
+
+
 def test_a_tied_parameter_is_measured_once_under_its_first_module():
     # charlm ties head.weight to tok.weight: both modules hooked it, and both rows showed the
     # same total gradient (twice the device work)
