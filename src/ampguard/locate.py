@@ -106,6 +106,9 @@ class Diagnosis:
     ``""`` is the whole model; None when no scope was tried or none fixed it."""
     scopes_tried: list[str] = field(default_factory=list)
     """The modules replayed alone in FP32, innermost first, up to the first that fixed the batch."""
+    injected: list[str] = field(default_factory=list)
+    """The faults ``--inject`` put into the replayed step (their specs): what a finding FP32
+    shares is then the fault's, not the data's or the model's."""
 
     def message(self) -> str:
         """The finding in one sentence: where the first non-finite value was, and whose problem it is.
@@ -120,6 +123,9 @@ class Diagnosis:
             'no non-finite value in forward, loss or backward under bf16'
             >>> Diagnosis(Finding("none", precision="bf16", loss=1.872e8), None, "none").message()  # a spike's evidence
             'no non-finite value in forward, loss or backward under bf16 (loss 1.872e+08)'
+            >>> Diagnosis(Finding("backward", "weight", "Linear", "inf", precision="bf16"), Finding("backward"),
+            ...           "data/model", injected=["inf_grad@1"]).message()  # (locate --inject: the fault's, said so)
+            'first inf under bf16: in backward, the gradient of parameter weight (Linear). FP32 replay is not finite either: the injected inf_grad@1, not a precision problem'
         """
         f = self.amp
         if f.where == "none":
@@ -147,6 +153,8 @@ class Diagnosis:
             else:
                 hint = f"FP32 replay is finite: a precision-range problem (the gradient overflows {f.precision} with no loss scale)"
             hint += self._scope_hint()
+        elif self.verdict == "data/model" and self.injected:
+            hint = f"FP32 replay is not finite either: the injected {', '.join(self.injected)}, not a precision problem"
         elif self.verdict == "data/model":
             hint = "FP32 replay is not finite either: a data or model problem, not a precision one"
         else:
@@ -192,7 +200,8 @@ class Diagnosis:
         """
         return {"verdict": self.verdict, "amp": asdict(self.amp),
                 "fp32": asdict(self.fp32) if self.fp32 else None, "loss_scale": self.loss_scale,
-                "fp32_scope": self.fp32_scope, "scopes_tried": list(self.scopes_tried), "message": self.message()}
+                "fp32_scope": self.fp32_scope, "scopes_tried": list(self.scopes_tried), "injected": list(self.injected),
+                "message": self.message()}
 
 
 def trace_first_non_finite(
@@ -547,8 +556,8 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         0
         >>> run(config, step=2)
         locate: step 2 of task linear (seed 0) with nan_input@2 injected, bf16 on cpu, loss scale 1
-        first nan under bf16: in the input batch. FP32 replay is not finite either: a data or model problem, not a
-        precision one
+        first nan under bf16: in the input batch. FP32 replay is not finite either: the injected nan_input@2, not a
+        precision problem
         1
         >>> for bad in ({"step": 6}, {"scale": 1024.0}):
         ...     try:
@@ -644,6 +653,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
                        f"locate: task {task.name}: the model or the loss failed on step {step}'s batch: "):
             batches = [(to_device(x, device), to_device(y, device)) for x, y in batches]
             result = diagnose_group(model, loss_fn, batches, precision, loss_scale, config.accumulation_steps)
+    result.injected = _faults_at(faults, step)[0]
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     return result, where, device, loss_scale
@@ -663,10 +673,16 @@ def _injected_at(faults: list[Any], step: int) -> str:
         step 2 with nan_input@2 injected (spike@every:2@rank1 not: another rank's)
         step 3 with nan_loss@3 injected
     """
-    here = [f.spec() for f in faults if f.hits(step) and f.rank in (None, 0)]
-    other = [f.spec() for f in faults if f.hits(step) and f.rank not in (None, 0)]
+    here, other = _faults_at(faults, step)
     said = f" with {', '.join(here)} injected" if here else ""
     return said + (f" ({', '.join(other)} not: another rank's)" if other else "")
+
+
+def _faults_at(faults: list[Any], step: int) -> tuple[list[str], list[str]]:
+    """The specs of the faults that fire at ``step``: (the replay's, rank 0's or any rank's;
+    another rank's, which one process does not replay)."""
+    return ([f.spec() for f in faults if f.hits(step) and f.rank in (None, 0)],
+            [f.spec() for f in faults if f.hits(step) and f.rank not in (None, 0)])
 
 
 def _replay_scale(*, given: float | None, batch_file: float | None, checkpoint: float | None, init: float) -> float:

@@ -51,7 +51,10 @@ def test_cli_locate_reports_a_nan_input(cli):
     code, out, err = cli("locate", *LINEAR_FP16, "--inject", "nan_input@2", "--inject", "nan_grad@2@rank1",
                          "--step", "2")
     assert code == 1, err  # found a non-finite value
-    assert "input" in out and "data or model" in out
+    # the fault FP32 shares is said as the injected one, not as "a data or model problem"
+    assert "in the input batch. FP32 replay is not finite either: the injected nan_input@2, not a precision problem" in out
+    assert json.loads(cli("locate", *LINEAR_FP16, "--inject", "nan_input@2", "--step", "2", "--json")[1])[
+        "injected"] == ["nan_input@2"]
     # the header says the finding is the config's own fault, and which one the replay left out
     assert out.startswith("locate: step 2 of task linear (seed 0) with nan_input@2 injected (nan_grad@2@rank1 not: "
                           "another rank's), fp16 on cpu"), out
