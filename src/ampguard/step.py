@@ -31,7 +31,7 @@ from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_to_norm_, p
 from .errors import AmpguardWarning, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
-from .watch import (_FINISHED, _PROBING, _REGISTERED, UNFROZEN_EVERY, _GuardStepping, _hook_stray_steps,
+from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, _GuardStepping, _hook_stray_steps,
                     _parameter_count, _probe_autocast, _watch_registrations, holds_gradients)
 
 
@@ -634,7 +634,7 @@ class Guard:
         self._unheld_trainable = [p for p in root.parameters() if p.requires_grad and id(p) not in holder]
         self._unheld_frozen = [p for p in root.parameters() if not p.requires_grad and id(p) not in holder]
         self._held_count = _parameter_count(self.optimizers)
-        self._registered = _REGISTERED[0]
+        self._registered = WATCHED.registered
         # each parameter's dtype: a model cast after Guard() (model.to(torch.bfloat16)) keeps its
         # Parameter objects, so only their dtype tells (the first one's every group, every one's less often)
         self._dtypes = [p.dtype for p, _ in self._owned]
@@ -652,7 +652,7 @@ class Guard:
     def _parameters_changed(self) -> bool:
         """Whether what :meth:`_own` read may be out of date: the optimizers hold another number of
         parameters (``add_param_group``), a module or parameter was registered anywhere since
-        (:data:`_REGISTERED`: an adapter added to the model without its optimizer), the first
+        (``watch.WATCHED.registered``: an adapter added to the model without its optimizer), the first
         parameter's dtype changed (the model cast after ``Guard()``), or, at the first group (a
         restored guard's too) and every :data:`UNFROZEN_EVERY` groups, a parameter no optimizer
         holds requires grad again or any parameter's dtype changed (one layer cast alone:
@@ -660,7 +660,7 @@ class Guard:
         groups (a frozen backbone's thousands of tensors, ~45-105 ns each). The registration
         count is the process's: a module built anywhere (an evaluator's, a metric's) is a false
         alarm here, which the next group pays with a whole :meth:`_own_again`."""
-        if _parameter_count(self.optimizers) != self._held_count or _REGISTERED[0] != self._registered:
+        if _parameter_count(self.optimizers) != self._held_count or WATCHED.registered != self._registered:
             return True
         if self._owned and self._owned[0][0].dtype != self._dtypes[0]:  # (checked again as at Guard())
             return True
@@ -1127,7 +1127,7 @@ class Guard:
                     self.optimizers[name].step()
                     self._count_stepped(name)
             except BaseException:
-                if _FINISHED[0] is self.optimizers[name]:  # (its update ran, a later step post-hook raised)
+                if WATCHED.finished is self.optimizers[name]:  # (its update ran, a later step post-hook raised)
                     self._count_stepped(name)
                 raise
 
@@ -1228,7 +1228,7 @@ class Guard:
             try:
                 self.optimizer.step()
             except BaseException:
-                if _FINISHED[0] is self.optimizer:  # its update ran, a step post-hook raised: the step stands
+                if WATCHED.finished is self.optimizer:  # its update ran, a step post-hook raised: the step stands
                     self._settle_sync_free(found)
                 raise
             finally:

@@ -25,14 +25,30 @@ UNFROZEN_EVERY = 64
 again (unfrozen without ``add_param_group``); a frozen backbone's tensors are not looked at
 every step."""
 
-_REGISTERED = [0]
-"""A count of parameter and module registrations anywhere (torch's global registration hooks,
-installed with the first :class:`Guard`): one that changed since a guard read its parameters
-means a module may have been added to its model."""
+class _Watched:
+    """What the hooks below count and note, process-wide (one object: ``step.py`` reads its
+    attributes as they are now, which an imported global would not be)."""
+
+    __slots__ = ("registered", "stepping", "finished")
+
+    def __init__(self) -> None:
+        self.registered = 0
+        """A count of parameter and module registrations anywhere (torch's global registration
+        hooks, installed with the first :class:`Guard`): one that changed since a guard read its
+        parameters means a module may have been added to its model."""
+        self.stepping = 0
+        """How many guards are inside their own ``optimizer.step()`` now (:func:`_refuse_stray_step`)."""
+        self.finished: Any = None
+        """The optimizer whose ``step()`` last finished its update (:func:`_mark_finished`, its first
+        step post-hook): an error from the ``step()`` call after it is a later post-hook's, the
+        update stands."""
+
+
+WATCHED = _Watched()
 
 
 def _count_registration(*args: Any) -> None:
-    _REGISTERED[0] += 1
+    WATCHED.registered += 1
 
 
 @functools.cache
@@ -41,9 +57,6 @@ def _watch_registrations() -> None:
     torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
     torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
 
-
-_GUARD_STEPPING = [0]
-"""How many guards are inside their own ``optimizer.step()`` now (:func:`_refuse_stray_step`)."""
 
 _GUARDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
 """Each optimizer a Guard holds -> the last Guard built over it and that guard's copies (its step
@@ -60,7 +73,7 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     and only with gradients there to apply. Between the guard's steps the optimizer is the
     caller's (no gradient is left to apply there: the guard drops them). On the guard's own steps
     one read of a counter."""
-    if _GUARD_STEPPING[0]:
+    if WATCHED.stepping:
         return
     guards = _GUARDED.get(optimizer, ())
     if any(guard.micro_batches or guard.pending for guard in guards) and holds_gradients(optimizer):
@@ -71,31 +84,26 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                            "step self.optimizers(), not the raw torch optimizer)")
 
 
-_FINISHED: list[Any] = [None]
-"""The optimizer whose ``step()`` last finished its update (:func:`_mark_finished`, its first step
-post-hook): an error from the ``step()`` call after it is a later post-hook's, the update stands."""
-
-
 def _mark_finished(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if _GUARD_STEPPING[0]:  # (the guard's own steps only; it lets go of the optimizer after each)
-        _FINISHED[0] = optimizer
+    if WATCHED.stepping:  # (the guard's own steps only; it lets go of the optimizer after each)
+        WATCHED.finished = optimizer
 
 
 class _GuardStepping:
     """``with _GuardStepping():`` around a guard's own ``optimizer.step()`` calls:
-    :func:`_refuse_stray_step` lets them through, and :data:`_FINISHED` (which one finished its
+    :func:`_refuse_stray_step` lets them through, and ``WATCHED.finished`` (which one finished its
     update) is put back as it was after (another guard's, when this step runs inside its
     optimizer's post-hook). A class, not a generator: a quarter of the cost on the hot path."""
 
     __slots__ = ("finished",)
 
     def __enter__(self) -> None:
-        _GUARD_STEPPING[0] += 1
-        self.finished = _FINISHED[0]
+        WATCHED.stepping += 1
+        self.finished = WATCHED.finished
 
     def __exit__(self, *exc: object) -> None:
-        _GUARD_STEPPING[0] -= 1
-        _FINISHED[0] = self.finished
+        WATCHED.stepping -= 1
+        WATCHED.finished = self.finished
 
 
 def holds_gradients(optimizer: Any) -> bool:
