@@ -484,6 +484,17 @@ def test_a_guarded_trainers_logs_tell_every_tracker_what_the_guard_did(tmp_path)
     assert history[-1] == {"ampguard/skipped": 1, "ampguard/skip_rate": 2 / 8, "ampguard/scale": 256.0}
 
 
+def test_the_final_log_gets_no_keys_when_no_step_came_after_the_last_training_log(tmp_path):
+    # steps 2 and 4 logged: the final log (train_runtime's) had the keys again, and a tracker such
+    # as MLflow held two values for ampguard/scale, skip_rate and skipped at step 4
+    trainer = GuardedTrainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=4, logging_steps=2),
+                             train_dataset=token_ids(16))
+    trainer.train()
+    keys = [[k for k in h if k.startswith("ampguard/")] for h in trainer.state.log_history]
+    assert "train_runtime" in trainer.state.log_history[-1] and keys[-1] == []
+    assert [len(k) for k in keys[:-1]] == [3, 3]  # (the training logs at steps 2 and 4 have them)
+
+
 def test_a_stock_trainer_whose_callback_comes_first_gives_the_trackers_its_keys(tmp_path):
     # a stock Trainer calls report_to's callbacks first: moved before them, the callback's on_log
     # adds its keys in time (README's one line); where it is, they come after the trackers logged

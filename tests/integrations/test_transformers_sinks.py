@@ -109,6 +109,19 @@ def test_a_guard_stop_ends_the_tracker_run_failed_with_exit_code_3_and_a_later_t
     assert len(read_rows(tmp_path / "out" / "ampguard" / "steps.csv")) == rows  # nothing trained or written
 
 
+def test_a_run_judged_at_its_end_sends_its_alert_and_failure_to_the_tracker(tmp_path):
+    # a run shorter than min_steps and fail_after is judged whole at its end: its ALERT and FAIL
+    # reached events.jsonl and the exit code (MLflow FAILED), but not the tracker's tags: a FAILED
+    # run with no reason on the dashboard (the Lightning plugin and `ampguard train` sent them)
+    sink = _sink(tmp_path)
+    callback = AmpGuardCallback(sinks=[sink], fail_rate=0.2, fail_after=50, print_fn=lambda line: None)
+    _trainer(tmp_path, callback, steps=4, nan_at={1, 3}).train()
+    assert callback.exit_code == 3
+    tags = sink.client.get_run(sink.run_id).data.tags
+    assert tags["ampguard.events.skip_rate_alert"] == "4" and tags["ampguard.events.fail"] == "4"
+    assert tags["ampguard.last_alert"].startswith("step 4: skip rate above fail_rate 0.2 at every one of the run's 4 steps")
+
+
 def test_a_crash_in_train_ends_the_tracker_run_failed_with_its_steps(tmp_path):
     class CrashAt3(GuardedTrainer):
         def compute_loss(self, model, inputs, **kwargs):

@@ -190,6 +190,7 @@ class AmpGuardCallback(TrainerCallback):
         self._given: list[Sink] = []  # the sinks this train() was given (every process: refused to a later one)
         self._serving: list[Sink] = []  # those it writes and its end ends (process 0's)
         self._logged_skips = 0  # the monitor's skips at HF's last training log (add_to_log)
+        self._logged_steps = 0  # and its steps there: the final log adds keys only for steps after it
 
     @property
     def exit_code(self) -> int:
@@ -280,7 +281,8 @@ class AmpGuardCallback(TrainerCallback):
                 raise InputError(f"{resume[2]}/{STATE_NAME}: the monitor's state does not fit this callback: "
                                  f"{first_line(err)}") from None
         self.monitor, self.failed, self.crash, self.ended, self._ended = monitor, None, None, "", False
-        self._logged_skips = sum(monitor.skips.values())  # (a resume's earlier skips were logged by its run)
+        # (a resume's earlier skips and steps were logged by its run)
+        self._logged_skips, self._logged_steps = sum(monitor.skips.values()), monitor.steps
         if still_open:  # (a train() a stock Trainer ended with an error, unseen, left them open too)
             for sink in (self._csv, self._events):
                 if sink is not None:
@@ -367,12 +369,7 @@ class AmpGuardCallback(TrainerCallback):
         sinks = self._serving
         for sink in [self._csv, *sinks] if self._csv is not None else sinks:
             sink.write(record)
-        events = self.monitor.observe(record)
-        for sink in sinks:  # the tracker sinks: the monitor's view and its events, with the step's row
-            if hasattr(sink, "observe"):
-                sink.observe(self.monitor, events)
-        for event in events:
-            self._emit(event.as_dict(), event_word(event.kind))
+        self._tell(self.monitor.observe(record), every_step=True)
         if self.monitor.failed is not None and self.failed is None:
             self.failed = self.monitor.failed
             self.ended = f"stopped by a guard at step {record.step}: {self.failed.message}"
@@ -390,9 +387,13 @@ class AmpGuardCallback(TrainerCallback):
         the guard's view of the steps since the last one, for every ``report_to`` tracker: ``ampguard/skipped`` (how many were skipped),
         ``ampguard/skip_rate`` (the rolling rate over the monitor's window, as the Lightning
         plugin logs it) and ``ampguard/scale`` (the loss scale after the last step; 1.0 without a scaler).
-        Once per log: keys already there are left as they are."""
+        Once per log: keys already there are left as they are; the final log gets none when no step
+        came after the last training log (a tracker would hold a second value at that step)."""
         if self.monitor is None or "ampguard/skipped" in logs or not ("loss" in logs or "train_runtime" in logs):
             return  # (the final log, train_runtime's: the steps after the last training log)
+        if "loss" not in logs and self.monitor.steps == self._logged_steps:
+            return
+        self._logged_steps = self.monitor.steps
         skips = sum(self.monitor.skips.values())
         logs["ampguard/skipped"], self._logged_skips = skips - self._logged_skips, skips
         logs["ampguard/skip_rate"] = self.monitor.skip_rate
@@ -403,8 +404,7 @@ class AmpGuardCallback(TrainerCallback):
         if self.monitor is None or self._ended:
             return
         if self.failed is None:  # a run too short to arm the ALERT or to fail fast is judged whole
-            for event in self.monitor.at_end(self.monitor.steps):
-                self._emit(event.as_dict(), event_word(event.kind))
+            self._tell(self.monitor.at_end(self.monitor.steps))
             if self.monitor.failed is not None:
                 self.failed = self.monitor.failed
                 self.ended = f"stopped by a guard at the end of the run (step {self.failed.step}): {self.failed.message}"
@@ -412,6 +412,16 @@ class AmpGuardCallback(TrainerCallback):
         self._finish()
 
     # ---------------------------------------------------------------- helpers
+
+    def _tell(self, events: list[Any], every_step: bool = False) -> None:
+        """The monitor's events to the tracker sinks (their view of the monitor with them: each
+        step's, ``every_step``, else only with events: ``last_alert``, ``events.<kind>``; a run
+        judged at its end had its ALERT or FAIL there alone), then to ``events.jsonl`` and the console."""
+        for sink in self._serving if events or every_step else ():
+            if hasattr(sink, "observe"):
+                sink.observe(self.monitor, events)
+        for event in events:
+            self._emit(event.as_dict(), event_word(event.kind))
 
     def _finish(self) -> None:
         """``run_end``, then close the files and write ``summary.json`` and ``RUN.md`` (process 0);
