@@ -286,6 +286,17 @@ def test_a_loss_scale_collapsed_to_its_floor_stops_the_trainer_and_says_why(tmp_
     assert plugin.stop_reason.startswith("ampguard stopped the trainer at step 3: loss scale at its floor")
 
 
+def test_the_logged_skip_count_is_the_skips_since_the_loggers_were_last_written(tmp_path):
+    # log_every_n_steps=3: ampguard/skipped was the logged step's own 0 or 1, and the skips of the
+    # steps between reached no logger (HF's logs count them since the last log, the same key)
+    plugin = AmpGuardPlugin("bf16-mixed")
+    fit(Digits(faults=["nan_loss@2", "nan_loss@3", "nan_loss@5"]), plugin, steps=6,
+        logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=3)
+    (metrics,) = tmp_path.glob("run/*/metrics.csv")
+    table = [r for r in rows(metrics) if r.get("ampguard/skip_rate")]
+    assert [(r["step"], float(r["ampguard/skipped"])) for r in table] == [("2", 2.0), ("5", 1.0)]
+
+
 def test_every_lightning_logger_sees_the_records(tmp_path):
     plugin = AmpGuardPlugin("bf16-mixed")
     fit(Digits(faults=["nan_loss@2"]), plugin, steps=3, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1)
@@ -316,6 +327,25 @@ def test_resume_from_a_lightning_checkpoint_continues_the_guard_and_appends_the_
     assert [r["step"] for r in rows(path)] == ["1", "2", "3", "4", "5"]
     assert resumed.guard.steps == 5 and resumed.guard.updates == 4  # step 2 was skipped before the resume
     assert resumed.guard.scaler.get_scale() == first.guard.scaler.get_scale()  # no growth in 5 steps
+
+
+def test_a_resume_under_another_accumulation_or_precision_is_refused_before_any_step(tmp_path):
+    # it failed at the first backward, a training_step later, with the guard's bare "state was
+    # saved with accumulation_steps=1, this step uses 2" (no checkpoint named), and the fit's
+    # CSV and sinks were used up by the crash
+    path = tmp_path / "steps.csv"
+    trainer = fit(Digits(hidden=8), AmpGuardPlugin("bf16-mixed", csv=path), steps=2)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    written = path.read_text()
+    plugin, module = AmpGuardPlugin("bf16-mixed", csv=path), Digits(hidden=8)
+    with pytest.raises(ValueError, match=r"^AmpGuardPlugin: last\.ckpt was saved with accumulate_grad_batches=1, this "
+                                         r"fit has 2: a resumed fit must keep it"):
+        fit(module, plugin, steps=4, ckpt_path=tmp_path / "last.ckpt", accumulate_grad_batches=2)
+    assert path.read_text() == written and list(module.after) == [0]  # no step ran, nothing written
+    with pytest.raises(ValueError, match=r"last\.ckpt was saved with precision='bf16-mixed', this fit has '32-true'"):
+        fit(Digits(hidden=8), AmpGuardPlugin("32-true", csv=path), steps=4, ckpt_path=tmp_path / "last.ckpt")
+    fit(module, plugin, steps=4, ckpt_path=tmp_path / "last.ckpt")  # the refused plugin resumes with the setting kept
+    assert [r["step"] for r in rows(path)] == ["1", "2", "3", "4"] and plugin.guard.steps == 4
 
 
 def test_what_the_plugin_refuses_up_front(tmp_path):

@@ -40,8 +40,9 @@ crash, 130 for Ctrl-C, 143 for SIGTERM, as ``ampguard train``).
 
 Not covered: Fabric (``L.Fabric`` is your own loop: put :class:`~ampguard.Guard`'s verbs in it),
 strategies that own the backward or the step (DeepSpeed, FSDP's mixed precision), LBFGS, fused
-optimizers that unscale themselves, ``training_step`` returning ``None``, accumulation in manual
-optimization (the guard steps once per ``manual_backward``).
+optimizers that unscale themselves, accumulation in manual optimization (the guard steps once
+per ``manual_backward``). (A ``training_step`` returning ``None`` is Lightning's no-update step:
+counted, no record; README.md.)
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ class AmpGuardPlugin(_LightningPrecision):
         self._accumulation = 1
         self._resumed_at: int | None = None  # the step a resumed fit goes on from (the CSV keeps rows to it)
         self._hold = False  # the last optimizer step was skipped: hold the step-interval schedulers
+        self._unlogged_skips: dict[str, int] = {}  # per log prefix: the skips since the loggers were last written
         # (batches seen, batches of skipped steps) in this epoch: a scheduler stepped every
         # `frequency` batches counts the applied ones (the state saved with the guard's); None
         # until the fit's first step if a resumed checkpoint did not carry it (see _setup)
@@ -632,16 +634,19 @@ class AmpGuardPlugin(_LightningPrecision):
                 rank_zero_warn(self.stop_reason)
             elif event.kind in ("skip_rate_alert", "scale_alert"):
                 rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}")
+        # several optimizers (a GAN's D and G steps in one training_step): keys of their own,
+        # ampguard/<optimizer>/..., or the second record's values would replace the first's
+        prefix = f"ampguard/{'+'.join(record.optimizers)}/" if record.optimizers else "ampguard/"
+        self._unlogged_skips[prefix] = self._unlogged_skips.get(prefix, 0) + int(record.skipped)
         if self.log and _loggers_write_now(trainer):
             values = record.values()
             # every key every time (nan where the value does not exist, e.g. the norm of a loss
             # skip): Lightning would otherwise repeat the last value logged under a key
-            # several optimizers (a GAN's D and G steps in one training_step): keys of their own,
-            # ampguard/<optimizer>/..., or the second record's values would replace the first's
-            prefix = f"ampguard/{'+'.join(record.optimizers)}/" if record.optimizers else "ampguard/"
             metrics = {key.replace("ampguard/", prefix, 1): math.nan if values[field] is None else values[field]
                        for field, key in LOG_KEYS.items()}
-            metrics[f"{prefix}skipped"] = float(record.skipped)
+            # the skips since the last write, as HF's logs count them (the logged step's own 0 or 1
+            # hid the skips of the steps between: log_every_n_steps=5 showed none of 4)
+            metrics[f"{prefix}skipped"] = float(self._unlogged_skips.pop(prefix))
             metrics["ampguard/skip_rate"] = self.monitor.skip_rate
             module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
@@ -714,11 +719,35 @@ class AmpGuardPlugin(_LightningPrecision):
             self.guard, self.monitor, self._loaded, self._held_batches, self._hold = None, None, None, None, False
         if not state_dict:
             return
+        self._refuse_a_change(state_dict)
         self._loaded = dict(state_dict)
         held = self._loaded.pop("held_batches", None)  # (a checkpoint of an older plugin has none: _setup)
         self._held_batches = (int(held[0]), int(held[1])) if held is not None else None
         if self._loaded.pop(_BEFORE_FIRST_STEP, False):
             self._loaded = None  # (the guard starts afresh)
+
+
+    def _refuse_a_change(self, state: dict[str, Any]) -> None:
+        """A resume whose checkpoint was saved under another precision or ``accumulate_grad_batches``
+        is refused as Lightning restores it, before any step (it failed at the first backward, a
+        ``training_step`` later, with the guard's bare ``ValueError``): the loss scale and the
+        skip-rate window were that run's. A refused fit is not this plugin's fit: its CSV and
+        sinks are left to the next (as for the plugin's other refusals)."""
+        saved = {"precision": state.get("precision"), "accumulate_grad_batches": state.get("accumulation_steps")}
+        mine = {"precision": self.name, "accumulate_grad_batches": self._accumulation}
+        changed = [key for key in saved if saved[key] is not None and saved[key] != mine[key]]
+        if not changed:
+            return
+        trainer, self._fitting = self._fitting, None
+        if self.csv is not None:
+            self._csv_fits.discard(os.path.abspath(self.csv))
+        key = changed[0]
+        shown = {v: k for k, v in _NAMES.items() if "-" in k} if key == "precision" else {}
+        where = Path(trainer.ckpt_path).name if trainer is not None and trainer.ckpt_path else "the checkpoint"
+        raise ValueError(f"AmpGuardPlugin: {where} was saved with {key}={shown.get(saved[key], saved[key])!r}, this "
+                         f"fit has {shown.get(mine[key], mine[key])!r}: a resumed fit must keep it (its loss scale "
+                         f"and skip-rate window were that run's); fit with the same setting, or start a new fit "
+                         f"without ckpt_path")
 
 
 def _at_its_limit(trainer: pl.Trainer) -> bool:
