@@ -133,6 +133,45 @@ _INT64_MAX = 2**63 - 1
 """``growth_interval`` goes to PyTorch's update kernel as an int64."""
 
 
+class _HandedOver:
+    """What a plain ``GradScaler`` handed to the guard (:meth:`GuardedGradScaler.from_scaler`) does
+    for the methods a ported loop may keep: ``load_state_dict`` loads the guard's scaler too (a
+    loop's resume made after ``Guard()`` was dropped at the first step, whose shared tensors were
+    the guard's), ``scale`` and ``update`` raise, naming the fix (``scaler.scale(loss)`` given to
+    ``guard.backward`` scaled the loss twice: gradients ``scale`` times too large, steps skipped;
+    a kept ``scaler.update()`` ended in PyTorch's bare "No inf checks were recorded"). A module-level
+    class on the instance: a guard holding the scaler still pickles and copies.
+
+    Example::
+
+        >>> plain = torch.amp.GradScaler("cpu", init_scale=4.0)
+        >>> guarded = GuardedGradScaler.from_scaler(plain)
+        >>> plain.scale(torch.ones(()))
+        Traceback (most recent call last):
+        ...
+        RuntimeError: scaler.scale(loss) on the GradScaler handed to the Guard: guard.backward(loss) scales the loss itself (kept, the loss is scaled twice and the gradients come out scale times too large); give guard.backward the loss as it is
+    """
+
+    METHODS = ("load_state_dict", "scale", "update")
+    _FIXES = {
+        "scale": ("scaler.scale(loss) on the GradScaler handed to the Guard: guard.backward(loss) scales the loss "
+                  "itself (kept, the loss is scaled twice and the gradients come out scale times too large); give "
+                  "guard.backward the loss as it is"),
+        "update": ("scaler.update() on the GradScaler handed to the Guard: guard.step() updates the scale itself, "
+                   "every step; remove it from the loop"),
+    }
+
+    def __init__(self, guarded: GuardedGradScaler, twin: torch.amp.GradScaler, name: str) -> None:
+        self.guarded, self.twin, self.name = guarded, twin, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.name != "load_state_dict":
+            raise RuntimeError(self._FIXES[self.name])
+        type(self.twin).load_state_dict(self.twin, *args, **kwargs)
+        self.guarded.load_state_dict(*args, **kwargs)
+        return None
+
+
 class GuardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` with a floor under the scale, that can also be told "this step
     is bad" from outside.
@@ -205,7 +244,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
         first ``scale()`` on, the two hold the same scale and growth tracker tensors: the plain
         scaler's ``get_scale()`` and ``state_dict()`` (a loop's logging, its checkpoints) follow
         the guard's backoffs and growth instead of staying where they were (its settings are
-        its own).
+        its own). Its ``load_state_dict()`` (a loop's resume, before or after the first step)
+        loads the guard's too; its ``scale()`` and ``update()``, the recipe's lines the guard
+        does itself, raise (:class:`_HandedOver`).
 
         Example::
 
@@ -216,6 +257,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
             >>> _ = g.scale(torch.ones(())); g.update(64.0)
             >>> plain.get_scale(), plain.state_dict()["scale"]
             (64.0, 64.0)
+            >>> plain.load_state_dict({**plain.state_dict(), "scale": 8.0}); g.get_scale()  # a loop's resume
+            8.0
         """
         if not scaler.is_enabled():  # (a disabled GradScaler keeps no settings: an AttributeError otherwise)
             return cls(scaler._device, enabled=False, min_scale=min_scale)
@@ -226,6 +269,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
         # in _init_growth_tracker: taking only its scale restarted the growth count at 0)
         guarded.load_state_dict(scaler.state_dict())
         guarded._twin = scaler
+        for name in _HandedOver.METHODS:  # (its own methods, on this instance only: the class is torch's)
+            setattr(scaler, name, _HandedOver(guarded, scaler, name))
         return guarded
 
     def get_min_scale(self) -> float:

@@ -94,6 +94,45 @@ def test_a_plain_gradscalers_unscale_kept_beside_the_guard_is_refused_before_the
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(model)))
 
 
+def test_a_plain_gradscalers_scale_and_update_kept_beside_the_guard_are_refused_at_the_call():
+    # guard.backward(scaler.scale(loss)) scaled the loss twice (gradients scale times too large:
+    # 4 of 6 fp16 steps skipped, the CSV's loss thousands); a kept scaler.update() after
+    # guard.step() ended in PyTorch's bare AssertionError "No inf checks were recorded"
+    model, opt = _linear()
+    plain = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    guard = Guard(model, opt, precision="fp16", scaler=plain)
+    loss = _loss(model, guard)
+    with pytest.raises(RuntimeError, match=r"^scaler\.scale\(loss\) on the GradScaler handed to the Guard: "
+                                           r"guard\.backward\(loss\) scales the loss itself"):
+        plain.scale(loss)
+    guard.backward(loss)
+    assert isinstance(guard.step(), StepLog)
+    with pytest.raises(RuntimeError, match=r"^scaler\.update\(\) on the GradScaler handed to the Guard: "
+                                           r"guard\.step\(\) updates the scale itself"):
+        plain.update()
+    assert plain.get_scale() == guard.scaler.get_scale() == 2.0**10  # nothing changed by either
+
+
+@pytest.mark.parametrize("first_step", [False, True])
+def test_a_plain_gradscaler_loaded_after_guard_is_the_guards_scale(first_step):
+    # the usual resume order (build, then load each object's state) loaded the plain scaler after
+    # Guard() took it over: before the first step the guard kept its fresh 65536 and, at that
+    # step, made the plain scaler share it: the checkpoint's scale and growth count were lost
+    saved = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 4, "_growth_tracker": 3}
+    model, opt = _linear()
+    plain = torch.amp.GradScaler("cpu")
+    guard = Guard(model, opt, precision="fp16", scaler=plain)
+    if first_step:  # (from then on the two share their tensors: a load filled them already)
+        guard.backward(_loss(model, guard))
+        guard.step()
+    plain.load_state_dict(saved)
+    guard.backward(_loss(model, guard))
+    record = guard.step()
+    # the loaded growth count 3 of interval 4: this clean step grows 8 to 16
+    assert record.scaler_scale == 16.0 and plain.get_scale() == 16.0
+    assert guard.scaler.state_dict()["_growth_tracker"] == plain.state_dict()["_growth_tracker"] == 0
+
+
 # ---------------------------------------------------------------------------- the schedule
 
 
