@@ -557,6 +557,7 @@ class CsvSink(_LineFile):
         self.columns = CSV_COLUMNS + check_column_names(extra, "CsvSink: extra column")
         self._open(append, keep_through, "this run's columns")
         self._extra = self.columns[len(CSV_COLUMNS):]
+        self._extra_names = frozenset(self._extra)  # (what write() may be given besides the record)
         self._labels = any(c in LABEL_COLUMNS for c in self._extra)
         self._last = _last_step(self.path) if append else None  # each row's step after the one before
 
@@ -740,6 +741,11 @@ class CsvSink(_LineFile):
             raise ValueError(f"CsvSink {self.path}: a record of a guard over several optimizers (this step's: "
                              f"{', '.join(record.optimizers)}) needs the columns saying which skipped: "
                              "CsvSink(path, extra_columns=guard.record_columns)")
+        if extra and not self._extra_names.issuperset(extra):  # (a value no column holds was dropped, unsaid)
+            unknown = [k for k in extra if k not in self._extra_names]
+            raise ValueError(f"CsvSink {self.path}: {', '.join(map(repr, unknown))} not among its columns "
+                             f"({', '.join(self._extra) or 'no extra column declared'}): declare each up front, "
+                             "CsvSink(path, extra_columns=[...]) (the header is written once)")
         row = _cells(record)
         if self._extra:
             cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns

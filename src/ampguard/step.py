@@ -823,8 +823,9 @@ class Guard:
                     raise RuntimeError(
                         f"the {type(scheduler).__name__} of optimizer {name!r} was stepped outside the guard "
                         f"(last_epoch {now}, the guard left it at {left}): the guard steps it once "
-                        "per applied update and holds it on a skipped step; remove your own scheduler.step() call, "
-                        "or pass no scheduler= to the guard")
+                        "per applied update and holds it on a skipped step; a per-epoch schedule stays yours: pass "
+                        "no scheduler= to the guard and step it at the epoch's end; a per-update one, remove your "
+                        "own scheduler.step() call")
 
     def _check_gradients_so_far(self) -> None:
         """Before a micro-batch's backward: a group begins with no gradient (the guard drops them
@@ -1479,9 +1480,21 @@ class AmpTrainState(Guard):
         super().__init__(model, optimizer, **settings)
         self.loss_fn = loss_fn
 
-    def step(self, inputs: Any, targets: Any) -> StepLog | SkipLog | PendingStep | None:  # type: ignore[override]
-        """Forward and backward one micro-batch; at the end of a group, update (or skip)."""
+    def step(self, inputs: Any, targets: Any, *, close: bool = False  # type: ignore[override]
+             ) -> StepLog | SkipLog | PendingStep | None:
+        """Forward and backward one micro-batch; at the end of a group, update (or skip).
+        ``close=True`` on a loader's last batch ends a short group, as :meth:`Guard.step`'s.
+
+        Example (three batches, groups of two: the last group closed short)::
+
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+            ...                       torch.nn.functional.mse_loss, precision="fp32", accumulation_steps=2)
+            >>> [type(state.step(torch.ones(1, 2), torch.zeros(1, 1), close=last)).__name__
+            ...  for last in (False, False, True)]
+            ['NoneType', 'StepLog', 'StepLog']
+        """
         with self.autocast():
             loss = self.loss_fn(self.model(inputs), targets)
         self.backward(loss)
-        return super().step()
+        return super().step(close=close)

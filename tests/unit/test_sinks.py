@@ -256,6 +256,23 @@ def test_extra_columns_come_after_the_fixed_eight(tmp_path):
     assert (rows[1]["tokens_per_s"], rows[1]["mem_gb"]) == ("inf", "1.25")
 
 
+@pytest.mark.parametrize("declared", [(), ("val_loss",)])
+def test_a_value_no_column_holds_is_refused_not_dropped(tmp_path, declared):
+    # write(record, {"val_acc": 0.93}) wrote the value nowhere (and a misspelled key left the
+    # declared column empty), while the same sink refused a duplicate step in one line
+    path = tmp_path / "steps.csv"
+    sink = CsvSink(path, extra_columns=declared)
+    sink.write(applied(1), {"val_loss": 0.5} if declared else None)
+    written = path.read_bytes()
+    with pytest.raises(ValueError, match=r"'val_acc' not among its columns \((val_loss|no extra column declared)\): "
+                                         r"declare each up front"):
+        sink.write(applied(2), {"val_acc": 0.93})
+    assert path.read_bytes() == written and sink.rows == 1  # nothing half-written
+    sink.write(applied(2))  # the sink goes on
+    sink.close()
+    assert [r["step"] for r in read_rows(path)] == ["1", "2"]
+
+
 def test_csv_creates_missing_folders(tmp_path):
     path = tmp_path / "a" / "b" / "steps.csv"
     CsvSink(path).close()
