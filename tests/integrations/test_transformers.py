@@ -390,6 +390,32 @@ def test_a_resume_goes_on_at_the_checkpoints_step_with_its_scale_and_monitor(tmp
     assert (folder / "steps.csv").read_text() == whole
 
 
+def test_the_first_log_after_a_resume_counts_the_skips_since_the_runs_last_log(tmp_path):
+    # logs at steps 2 and 4, the checkpoint at 3, an overflow at 3: the resumed run's log at step 4
+    # said 0 skipped (it counted from the checkpoint), and step 3's skip reached no log at all
+    args = arguments(tmp_path, "fp16", steps=4, logging_steps=2, save_strategy="steps", save_steps=3)
+    model = tiny_gpt2()
+    first = GuardedTrainer(model=model, args=args, train_dataset=token_ids(), scaler={"init_scale": 1024.0})
+    inf_gradient_at(first, model, {3})
+    first.train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed = GuardedTrainer(model=tiny_gpt2(), args=args, train_dataset=token_ids(), scaler={"init_scale": 1024.0})
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    logs = {h["step"]: h["ampguard/skipped"] for h in resumed.state.log_history if "loss" in h}
+    assert logs == {2: 0, 4: 1}  # (step 2's from the first run's trainer_state, step 4's the resumed run's)
+    state = tmp_path / "out" / "checkpoint-3" / "ampguard_state.json"
+    saved = json.loads(state.read_text())
+    assert saved["logged"] == {"skips": 0, "steps": 2}
+    state.write_text(json.dumps({**saved, "logged": {"skips": 5, "steps": 2}}))  # (a hand edit: more than its monitor's)
+    csv = (tmp_path / "out" / "ampguard" / "steps.csv").read_text()
+    with pytest.raises(InputError, match=r"checkpoint-3/ampguard_state\.json: its logged counts .* do not fit"):
+        GuardedTrainer(model=tiny_gpt2(), args=args, train_dataset=token_ids(), scaler={"init_scale": 1024.0}).train(
+            resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert (tmp_path / "out" / "ampguard" / "steps.csv").read_text() == csv  # refused before any file changed
+
+
 def test_evaluate_and_predict_autocast_as_the_stock_trainer_does(tmp_path):
     # Accelerate autocasts the stock Trainer's forward (bf16 on a CPU too) and hands its outputs
     # back in float32; GuardedTrainer told Accelerate "no", so it brings both back itself

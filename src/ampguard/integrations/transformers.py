@@ -183,7 +183,7 @@ class AmpGuardCallback(TrainerCallback):
         self._scaler: dict[str, float] | None = None  # the loss scaler's init_scale and floor, if there is one
         self._watch: dict[str, Any] = {}  # stock Trainer: what on_pre_optimizer_step saw
         # GuardedTrainer resuming: (the checkpoint's step, its monitor state or None, the checkpoint's name)
-        self._resume: tuple[int, dict[str, Any] | None, str] | None = None
+        self._resume: tuple[int, dict[str, Any] | None, str, dict[str, Any] | None] | None = None
         self.crash: BaseException | None = None  # the error that ended train(), if one did (GuardedTrainer)
         self._ended = False  # run_end and summary.json written
         self._batch: int | None = None  # the train batch size of this train()'s last attempt (auto_find_batch_size)
@@ -215,12 +215,20 @@ class AmpGuardCallback(TrainerCallback):
         self._guarded = True
         self._pending = record
 
-    def resume(self, step: int, monitor_state: dict[str, Any] | None, source: str) -> None:
+    def resume(self, step: int, monitor_state: dict[str, Any] | None, source: str,
+               logged: dict[str, Any] | None = None) -> None:
         """Called by :class:`GuardedTrainer` before ``on_train_begin`` of a resumed run: the
         checkpoint's ``step``, the monitor's state saved with it (``None`` in a checkpoint
-        without ampguard's state) and the checkpoint's name. The monitor goes on from that
-        state and the files append: rows after ``step`` (an abandoned future) are cut first."""
-        self._resume = (step, monitor_state, source)
+        without ampguard's state), the checkpoint's name and :meth:`logged_state` as saved. The
+        monitor goes on from that state and the files append: rows after ``step`` (an abandoned
+        future) are cut first."""
+        self._resume = (step, monitor_state, source, logged)
+
+    def logged_state(self) -> dict[str, int]:
+        """The monitor's skips and steps at HF's last training log (:meth:`add_to_log`), saved with
+        a checkpoint: the first log after a resume counts its skips from there, so the skips
+        between that log and the checkpoint reach a log (they were in the CSV only)."""
+        return {"skips": self._logged_skips, "steps": self._logged_steps}
 
     def for_trial(self, name: str | None) -> None:
         """Called by :class:`GuardedTrainer` before ``train()``: HF's name for the run folder of
@@ -281,8 +289,20 @@ class AmpGuardCallback(TrainerCallback):
                 raise InputError(f"{resume[2]}/{STATE_NAME}: the monitor's state does not fit this callback: "
                                  f"{first_line(err)}") from None
         self.monitor, self.failed, self.crash, self.ended, self._ended = monitor, None, None, "", False
-        # (a resume's earlier skips and steps were logged by its run)
+        # a resume's counts at its run's last log before the checkpoint (an older state has none: all logged)
         self._logged_skips, self._logged_steps = sum(monitor.skips.values()), monitor.steps
+        logged = resume[3] if resume is not None else None
+        if logged is not None:
+            try:
+                skips, steps = logged["skips"], logged["steps"]
+                fits = all(type(n) is int for n in (skips, steps)) and 0 <= skips <= self._logged_skips \
+                    and 0 <= steps <= self._logged_steps
+            except (KeyError, TypeError):
+                fits = False
+            if not fits:
+                raise InputError(f"{resume[2]}/{STATE_NAME}: its logged counts {logged!r} do not fit its monitor's "
+                                 f"({self._logged_skips} skips in {self._logged_steps} steps)")
+            self._logged_skips, self._logged_steps = skips, steps
         if still_open:  # (a train() a stock Trainer ended with an error, unseen, left them open too)
             for sink in (self._csv, self._events):
                 if sink is not None:
@@ -320,7 +340,7 @@ class AmpGuardCallback(TrainerCallback):
             self._refuse_closed(self._given)
         self._serving = self._given if state.is_world_process_zero else []
         if resume is not None:
-            step, saved, source = resume
+            step, saved, source, _ = resume
             note = "" if saved is not None else (
                 f"; {source} holds no ampguard state ({STATE_NAME}): the loss scale starts again at init_scale "
                 "and the monitor counts from here")
@@ -716,7 +736,8 @@ class GuardedTrainer(Trainer):
             return
         monitor = self.ampguard.monitor
         state = {"guard": self.guard.state_dict(mid_group=True),  # (HF saves between steps: the group is closed)
-                 "monitor": monitor.state_dict() if monitor is not None else None}
+                 "monitor": monitor.state_dict() if monitor is not None else None,
+                 "logged": self.ampguard.logged_state() if monitor is not None else None}
         path = Path(output_dir) / STATE_NAME
         replace_atomically(path, json.dumps(state, indent=1) + "\n")  # a reader never sees half a file
 
@@ -746,7 +767,8 @@ class GuardedTrainer(Trainer):
                 self.guard.load_state_dict(saved["guard"])
             except (ValueError, KeyError, TypeError) as err:
                 raise InputError(f"{path}: {first_line(err)}") from None
-        self.ampguard.resume(step, saved.get("monitor") if saved is not None else None, source)
+        self.ampguard.resume(step, saved.get("monitor") if saved is not None else None, source,
+                             saved.get("logged") if saved is not None else None)
 
     # ---------------------------------------------------------------- the step
 
