@@ -20,6 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from ampguard.errors import InputError  # noqa: E402
 from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
+from ampguard.report import float32_layers_text  # noqa: E402
 from ampguard.sinks import CSV_COLUMNS  # noqa: E402
 
 
@@ -94,6 +95,11 @@ def test_guarded_trainer_fp16_skips_the_overflow_backs_off_and_holds_the_schedul
     card = (folder / "RUN.md").read_text()  # the run card shows the overflow too
     assert "| steps / updates applied | 20 / 19 |" in card
     assert "| skipped steps | 1 (non_finite_grad 1) |" in card and "| loss scale | 512 at the end" in card
+    # the layers autocast left in float32 in the first forward, as ampguard train's card names them
+    dtypes = trainer.autocast_dtypes
+    assert dtypes["transformer.wte"] == "float32" and dtypes["transformer.h.0.attn.c_attn"] == "float16"
+    assert f"| float32 under autocast | {float32_layers_text(dtypes)} |" in card
+    assert summary["float32_under_autocast"].startswith("transformer.wte, transformer.wpe, ")
 
 
 def test_guarded_trainer_bf16_nan_loss_never_reaches_the_weights(tmp_path):

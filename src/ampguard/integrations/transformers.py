@@ -100,6 +100,8 @@ def run_card(summary: dict[str, Any]) -> str:
         ("skip-rate alert episodes", str(summary.get("alert_episodes"))),
         ("clip rate", "n/a" if summary.get("clip_rate") is None else f"{summary['clip_rate']:.3g}"),
         ("loss scale", "n/a" if scale is None else f"{scale:g} at the end ({summary.get('scale') or 'no scaler'})"),
+        *((("float32 under autocast", summary["float32_under_autocast"]),) if "float32_under_autocast" in summary
+          else ()),
         ("files", f"`{CSV_NAME}` (one row per optimizer step), `{EVENTS_NAME}`, `{SUMMARY_NAME}`"),
     ]
     lines = ["# ampguard run card (Hugging Face Trainer)", "", "| | |", "|---|---|"]
@@ -209,6 +211,11 @@ class AmpGuardCallback(TrainerCallback):
         or ``None`` without one (bf16, fp32)."""
         self._guarded = True
         self._scaler = scaler
+        self.autocast_dtypes = None  # (this trainer's first forward fills it)
+
+    autocast_dtypes: dict[str, str] | None = None
+    """Set by :class:`GuardedTrainer`: each leaf module's output dtype in the first training
+    forward under autocast (the run card's "float32 under autocast")."""
 
     def take(self, record: StepRecord) -> None:
         """The guard's record of the step that just closed (called by :class:`GuardedTrainer`)."""
@@ -465,6 +472,10 @@ class AmpGuardCallback(TrainerCallback):
                     "clip_rate": m.clip_rate, "scale": m.scale_verdict, "final_scale": m.last.get("scaler_scale"),
                     "summary": m.summary(), "guarded": self._guarded,
                 }
+                if self.autocast_dtypes:
+                    from ..report import float32_layers_text
+
+                    summary["float32_under_autocast"] = float32_layers_text(self.autocast_dtypes)
                 (self.out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
                 (self.out_dir / CARD_NAME).write_text(run_card(summary), encoding="utf-8")
         finally:  # (a file that fails, a full disk, does not leave the sinks' runs open)
@@ -669,6 +680,9 @@ class GuardedTrainer(Trainer):
         self.scheduler_on_skip = scheduler_on_skip
         self.guard: Guard | None = None
         self.record: StepRecord | None = None  # the last closed step's record
+        # each leaf module's output dtype in the first training forward under autocast (build.recording_dtypes):
+        # the layers autocast left in float32, on the run card (ampguard train's row); None until then
+        self.autocast_dtypes: dict[str, str] | None = None
         # evaluation's autocast: the training precision on the Trainer's device (see autocast_smart_context_manager)
         self.precision = Precision(precision_of(self.args), self.args.device.type)
 
@@ -797,7 +811,7 @@ class GuardedTrainer(Trainer):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
         # (the Trainer's own context holds the same autocast, autocast_smart_context_manager: nested, a no-op)
-        with guard.autocast(), self.compute_loss_context_manager():
+        with guard.autocast(), self.compute_loss_context_manager(), self._recording_dtypes(model):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if self.args.n_gpu > 1:
             loss = loss.mean()
@@ -812,6 +826,18 @@ class GuardedTrainer(Trainer):
             self.ampguard.take(record)
             _report_skip(self.optimizer, record.skipped and self.scheduler_on_skip == "hold")
         return (loss if scaled_for_ga else loss / n).detach()
+
+    def _recording_dtypes(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Around the first training forward under autocast: each leaf module's output dtype
+        (:func:`ampguard.build.recording_dtypes`, hooks for that forward only), given to the
+        callback for the run card; a no-op after it, and without autocast (fp32)."""
+        if self.autocast_dtypes is not None or not self.precision.autocasts:
+            return contextlib.nullcontext()
+        from ..build import recording_dtypes
+
+        self.autocast_dtypes = {}
+        self.ampguard.autocast_dtypes = self.autocast_dtypes  # (filled as the forward runs)
+        return recording_dtypes(self.accelerator.unwrap_model(model), self.autocast_dtypes)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
         """The guard clipped already; HF's logged ``grad_norm`` is its pre-clip norm."""
