@@ -17,12 +17,13 @@ Example::
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 from . import distributed
 from .config import Config
-from .errors import InputError, user_code
+from .errors import AmpguardWarning, InputError, user_code
 from .precision import Precision
 from .tasks import Task
 
@@ -43,8 +44,19 @@ class Evaluator:
 
     def __call__(self) -> dict[str, float]:
         """The metrics, the same on every rank under torchrun (:func:`agreed`): every rank
-        evaluates, and each decides its guards (a ``val_regression`` rollback) on them."""
-        return agreed(self._evaluate())
+        evaluates, and each decides its guards (a ``val_regression`` rollback) on them. A name
+        the task did not declare (checked at start-up; a later call may differ) is left out, with
+        a warning the first time: the CSV has no column for it, and the run goes on."""
+        metrics = self._evaluate()
+        extra = [name for name in metrics if name not in self.metrics]
+        if extra:
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                warnings.warn(f"task.factory: evaluate() returned {extra}, not among its declared metrics "
+                              f"{list(self.metrics)}: left out (the CSV has no column for them)", AmpguardWarning,
+                              stacklevel=2)
+            metrics = {name: value for name, value in metrics.items() if name in self.metrics}
+        return agreed(metrics)
 
     def _evaluate(self) -> dict[str, float]:
         model, evaluate = self.task.model, self.task.evaluate

@@ -167,8 +167,8 @@ class _HandedOver:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.name != "load_state_dict":
             raise RuntimeError(self._FIXES[self.name])
+        self.guarded.load_state_dict(*args, **kwargs)  # first: a state it refuses changes neither (they share tensors)
         type(self.twin).load_state_dict(self.twin, *args, **kwargs)
-        self.guarded.load_state_dict(*args, **kwargs)
         return None
 
 

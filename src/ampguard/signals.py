@@ -383,15 +383,17 @@ def console_width(text: str, encoding: str | None = None) -> int:
 
     Example::
 
-        >>> console_width("lauf-\u00e4", "utf-8"), console_width("lauf-\u00e4", "ascii"), console_width("b", "ascii")
-        (6, 9, 1)
+        >>> console_width("lauf-\u00e4", "utf-8"), console_width("lauf-\u00e4", "ascii"), console_width("lauf-\u00e4", "gb18030")
+        (6, 9, 6)
     """
     encoding = encoding or getattr(sys.stdout, "encoding", None) or "utf-8"
     try:
         name = codecs.lookup(encoding).name
     except LookupError:
         return len(text)
-    return len(text) if name.startswith("utf") else len(text.encode(name, "ampguard.console"))
+    if name.startswith("utf"):
+        return len(text)
+    return len(text.encode(name, "ampguard.console").decode(name, "surrogateescape"))  # (as written, read back)
 
 
 @contextmanager

@@ -743,6 +743,10 @@ class CsvSink(_LineFile):
                              "CsvSink(path, extra_columns=guard.record_columns)")
         if extra and not self._extra_names.issuperset(extra):  # (a value no column holds was dropped, unsaid)
             unknown = [k for k in extra if k not in self._extra_names]
+            fixed = [k for k in unknown if k in CSV_COLUMNS]
+            if fixed:
+                raise ValueError(f"CsvSink {self.path}: {', '.join(map(repr, fixed))} is a fixed column: its value is "
+                                 "the record's (guard.step()'s), not one given beside it")
             raise ValueError(f"CsvSink {self.path}: {', '.join(map(repr, unknown))} not among its columns "
                              f"({', '.join(self._extra) or 'no extra column declared'}): declare each up front, "
                              "CsvSink(path, extra_columns=[...]) (the header is written once)")

@@ -295,6 +295,12 @@ def test_the_logged_skip_count_is_the_skips_since_the_loggers_were_last_written(
     (metrics,) = tmp_path.glob("run/*/metrics.csv")
     table = [r for r in rows(metrics) if r.get("ampguard/skip_rate")]
     assert [(r["step"], float(r["ampguard/skipped"])) for r in table] == [("2", 2.0), ("5", 1.0)]
+    # a second fit with the same plugin counts its own: fit 1's step 6 skip, unlogged, is not its
+    fit(Digits(faults=["nan_loss@6"]), plugin2 := AmpGuardPlugin("bf16-mixed"), steps=7,
+        logger=CSVLogger(tmp_path, name="a"), log_every_n_steps=10)
+    fit(Digits(), plugin2, steps=3, logger=CSVLogger(tmp_path, name="b"), log_every_n_steps=3)
+    (metrics,) = tmp_path.glob("b/*/metrics.csv")
+    assert [float(r["ampguard/skipped"]) for r in rows(metrics) if r.get("ampguard/skip_rate")] == [0.0]
 
 
 def test_every_lightning_logger_sees_the_records(tmp_path):

@@ -97,6 +97,25 @@ def test_it_returns_floats_in_eval_mode_without_grad_then_trains_on():
     assert task.model.training
 
 
+def test_a_metric_evaluate_did_not_declare_later_is_left_out_with_one_warning():
+    # checked at start-up only: a later call's extra name went to the CSV, which (refusing a value
+    # no column holds) would stop the run mid-way; before that it was dropped there unsaid
+    calls = []
+
+    def evaluate(model, device):
+        calls.append(1)
+        return {"val_loss": 0.5, **({"val_acc": 0.9} if len(calls) > 1 else {})}
+
+    ev = evaluator(make_task(evaluate))
+    assert ev() == {"val_loss": 0.5}
+    with pytest.warns(UserWarning, match=r"evaluate\(\) returned \['val_acc'\], not among its declared metrics"):
+        assert ev() == {"val_loss": 0.5}
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ev() == {"val_loss": 0.5}  # (said once)
+
+
 def test_the_model_trains_on_even_when_evaluate_raises():
     def evaluate(model, device):
         raise RuntimeError("held-out file missing")

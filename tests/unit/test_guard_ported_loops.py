@@ -131,6 +131,9 @@ def test_a_plain_gradscaler_loaded_after_guard_is_the_guards_scale(first_step):
     # the loaded growth count 3 of interval 4: this clean step grows 8 to 16
     assert record.scaler_scale == 16.0 and plain.get_scale() == 16.0
     assert guard.scaler.state_dict()["_growth_tracker"] == plain.state_dict()["_growth_tracker"] == 0
+    with pytest.raises(ValueError):  # a state the guard refuses changes neither (they share the scale tensor)
+        plain.load_state_dict({**saved, "scale": math.nan})
+    assert plain.get_scale() == guard.scaler.get_scale() == 16.0
 
 
 # ---------------------------------------------------------------------------- the schedule

@@ -283,6 +283,7 @@ class AmpGuardPlugin(_LightningPrecision):
             # Lightning allows only with accumulate_grad_batches=1, sets its own at each epoch's start)
             self._accumulation = _group_size(module, trainer)
             self._fitting = trainer  # past the refusals: the sinks are this fit's, closed at its end
+            self._unlogged_skips = {}  # (a fit's own: the last fit's unlogged skips are not this one's)
             if self.csv is not None:
                 self._csv_fits.add(os.path.abspath(self.csv))
         return model, optimizers, lr_schedulers

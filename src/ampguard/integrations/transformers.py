@@ -691,6 +691,8 @@ class GuardedTrainer(Trainer):
         out-of-memory, from step 0 or the checkpoint again, with the weights and the optimizer,
         state and all, that the attempt before left: HF keeps them)."""
         self.guard, self.record = None, None
+        # (each attempt's first forward, each train()'s: its model, recorded whole)
+        self.autocast_dtypes = self.ampguard.autocast_dtypes = None
         return super()._inner_training_loop(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
