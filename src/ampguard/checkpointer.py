@@ -1232,6 +1232,38 @@ def _effective(config: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in config.items() if k not in ("fp8", "task")}, "task": task, "scaler": scaler, **fp8}
 
 
+def resume_point(resume: Resume | None) -> tuple[int, str | None] | None:
+    """What a rank resumes from, for :func:`check_same_resumes`: the checkpoint's step and its run's id."""
+    return None if resume is None else (resume.loaded.step, resume.run_id)
+
+
+def check_same_resumes(points: Sequence[tuple[int, str | None] | None]) -> None:
+    """Under torchrun, every rank resumes from the same step of the same run (:func:`resume_point`,
+    in rank order), else one :class:`InputError` line, the same on every rank, before anything is
+    cut. Ranks given different ``--resume`` checkpoints trained different steps from different
+    weights, rank 0 cut the CSV back to its own, and the job hung (review_dist22).
+
+    Example::
+
+        >>> check_same_resumes([(5, "a"), (5, "a")])
+        >>> check_same_resumes([(5, "a"), (10, "a")])
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: the ranks were given different --resume checkpoints: step 5 of run a on rank 0, step 10 of run a on rank 1; give every rank the same --resume
+        >>> check_same_resumes([(5, "a"), None])
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: the ranks were given different --resume checkpoints: step 5 of run a on rank 0, no --resume on rank 1; give every rank the same --resume
+    """
+    def said(point: tuple[int, str | None] | None) -> str:
+        return "no --resume" if point is None else f"step {point[0]} of run {point[1] or '(no id)'}"
+
+    for rank, theirs in enumerate(points[1:], start=1):
+        if theirs != points[0]:
+            raise InputError(f"the ranks were given different --resume checkpoints: {said(points[0])} on rank 0, "
+                             f"{said(theirs)} on rank {rank}; give every rank the same --resume")
+
+
 def check_same_configs(configs: Sequence[dict[str, Any]]) -> None:
     """Under torchrun, every rank's config (in rank order) trains as rank 0's does, else one
     :class:`InputError` line naming the first setting that differs, the same on every rank. A

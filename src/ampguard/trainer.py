@@ -135,6 +135,7 @@ class Trainer:
             self.dist, self.device = distributed.init_from_env(config.device)
             # every rank trains with rank 0's config, checked before anything else (one line on every rank)
             ck.check_same_configs(distributed.all_gather(config.model_dump(mode="json")))
+            ck.check_same_resumes(distributed.all_gather(ck.resume_point(resume)))  # (before anything is cut)
         else:
             self.dist, self.device = distributed.DistInfo(), resolve_device(config.device)
         if resume is not None:
