@@ -727,7 +727,6 @@ class AmpGuardPlugin(_LightningPrecision):
         if self._loaded.pop(_BEFORE_FIRST_STEP, False):
             self._loaded = None  # (the guard starts afresh)
 
-
     def _refuse_a_change(self, state: dict[str, Any]) -> None:
         """A resume whose checkpoint was saved under another precision or ``accumulate_grad_batches``
         is refused as Lightning restores it, before any step (it failed at the first backward, a

@@ -211,7 +211,6 @@ class AmpGuardCallback(TrainerCallback):
         or ``None`` without one (bf16, fp32)."""
         self._guarded = True
         self._scaler = scaler
-        self.autocast_dtypes = None  # (this trainer's first forward fills it)
 
     autocast_dtypes: dict[str, str] | None = None
     """Set by :class:`GuardedTrainer`: each leaf module's output dtype in the first training
@@ -680,9 +679,6 @@ class GuardedTrainer(Trainer):
         self.scheduler_on_skip = scheduler_on_skip
         self.guard: Guard | None = None
         self.record: StepRecord | None = None  # the last closed step's record
-        # each leaf module's output dtype in the first training forward under autocast (build.recording_dtypes):
-        # the layers autocast left in float32, on the run card (ampguard train's row); None until then
-        self.autocast_dtypes: dict[str, str] | None = None
         # evaluation's autocast: the training precision on the Trainer's device (see autocast_smart_context_manager)
         self.precision = Precision(precision_of(self.args), self.args.device.type)
 
@@ -691,8 +687,7 @@ class GuardedTrainer(Trainer):
         out-of-memory, from step 0 or the checkpoint again, with the weights and the optimizer,
         state and all, that the attempt before left: HF keeps them)."""
         self.guard, self.record = None, None
-        # (each attempt's first forward, each train()'s: its model, recorded whole)
-        self.autocast_dtypes = self.ampguard.autocast_dtypes = None
+        self.ampguard.autocast_dtypes = None  # (each attempt's first forward, each train()'s: its model, whole)
         return super()._inner_training_loop(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -833,13 +828,18 @@ class GuardedTrainer(Trainer):
         """Around the first training forward under autocast: each leaf module's output dtype
         (:func:`ampguard.build.recording_dtypes`, hooks for that forward only), given to the
         callback for the run card; a no-op after it, and without autocast (fp32)."""
-        if self.autocast_dtypes is not None or not self.precision.autocasts:
+        if self.ampguard.autocast_dtypes is not None or not self.precision.autocasts:
             return contextlib.nullcontext()
         from ..build import recording_dtypes
 
-        self.autocast_dtypes = {}
-        self.ampguard.autocast_dtypes = self.autocast_dtypes  # (filled as the forward runs)
-        return recording_dtypes(self.accelerator.unwrap_model(model), self.autocast_dtypes)
+        self.ampguard.autocast_dtypes = {}  # (filled as the forward runs)
+        return recording_dtypes(self.accelerator.unwrap_model(model), self.ampguard.autocast_dtypes)
+
+    @property
+    def autocast_dtypes(self) -> dict[str, str] | None:
+        """Each leaf module's output dtype in this attempt's first training forward under autocast
+        (the run card's "float32 under autocast"; kept by the callback, which writes the card)."""
+        return self.ampguard.autocast_dtypes
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
         """The guard clipped already; HF's logged ``grad_norm`` is its pre-clip norm."""
