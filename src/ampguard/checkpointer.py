@@ -1299,13 +1299,53 @@ def check_same_configs(configs: Sequence[dict[str, Any]]) -> None:
             break
 
 
+def model_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each entry of ``model``'s state dict, in its order: what
+    :func:`check_same_models` compares between ranks.
+
+    Example::
+
+        >>> model_shapes(nn.Linear(4, 2))
+        [('weight', (2, 4)), ('bias', (2,))]
+    """
+    return [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
+
+
+def check_same_models(models: Sequence[list[tuple[str, tuple[int, ...]]]]) -> None:
+    """Under torchrun, every rank's model (its :func:`model_shapes`, in rank order) has rank 0's
+    parameters and buffers, of rank 0's shapes, else one :class:`InputError` line naming the
+    first that differs, the same on every rank, before the model is wrapped: a ``task.options``
+    value that differs between ranks (allowed: a node's own data path) but sizes a layer had
+    DDP raise its parameter-size traceback on every rank, and FSDP2 abort rank 0 with a
+    half-made run folder.
+
+    Example::
+
+        >>> check_same_models([[("fc.weight", (8, 4))], [("fc.weight", (16, 4))]])
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: the ranks built different models: fc.weight is [8, 4] on rank 0, [16, 4] on rank 1 (a task.options value that differs between the ranks?); every rank must build the same model
+    """
+    def shape(s: tuple[int, ...] | None) -> str:
+        return "missing" if s is None else str(list(s))
+
+    ours = dict(models[0])
+    for rank, theirs in enumerate(models[1:], start=1):
+        other = dict(theirs)
+        name = next((n for n in [*ours, *other] if ours.get(n) != other.get(n)), None)
+        if name is not None:
+            raise InputError(f"the ranks built different models: {name} is {shape(ours.get(name))} on rank 0, "
+                             f"{shape(other.get(name))} on rank {rank} (a task.options value that differs between "
+                             "the ranks?); every rank must build the same model")
+
+
 def config_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, Any] | None:
     """The first setting (a dotted key, in sorted order) two configs train differently with, and
     its two values; None when they train the same. The sections in :data:`POLICY_UNRECORDED`
     (where the run writes, what validate checks) are not compared; nor is a factory file's folder
     (:func:`_effective`), nor ``task.options``, the factory's own settings, where a node-local
     data path lives (ranks that read different data are refused by the data check, a model of
-    another shape by DDP).
+    another shape by :func:`check_same_models`).
 
     Example::
 

@@ -10,6 +10,7 @@ step printed and no run folder: at most a CSV.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ def demo_config(*, precision: str = "fp16", steps: int = 20, inject: list[str] |
 
 def run(config: Config, *, csv: str | None = None) -> ExitCode:
     """Print the set-up, train with a line per step, print the closing lines; ``csv`` must not exist."""
+    from . import distributed
     from .build import precision_of, resolve_device
     from .faults import parse_faults
     from .run_folder import RunPaths
@@ -77,6 +79,8 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     parse_faults(config.inject, seed=config.seed, steps=config.steps)  # refused before the set-up line
     uses_scaler = precision_of(config, resolve_device(config.device)).uses_scaler
     scaler = f"GradScaler(init_scale={config.scaler.init_scale:g})" if uses_scaler else "no loss scaler"
-    print(f"ampguard demo: nn.Linear, {counted(config.steps, 'step')}, {config.precision} with {scaler}, "
-          f"max_norm={config.max_norm}, inject: {', '.join(config.inject) or 'none'}")
+    launched = distributed.launched_by_torchrun()  # (a stray WORLD_SIZE: refused before the set-up line too)
+    if not launched or os.environ.get("RANK") == "0":  # (under torchrun rank 0 prints, as the run's lines)
+        print(f"ampguard demo: nn.Linear, {counted(config.steps, 'step')}, {config.precision} with {scaler}, "
+              f"max_norm={config.max_norm}, inject: {', '.join(config.inject) or 'none'}")
     return finish(train_run(config, outputs=lambda: RunPaths(csv=csv_path), console_every=1))

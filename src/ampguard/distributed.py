@@ -17,7 +17,9 @@ in DDP or FSDP2 (``fully_shard``). The step then
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,6 +98,9 @@ def launched_by_torchrun() -> bool:
     except ValueError:
         raise InputError(f"WORLD_SIZE={given} is not a whole number (torchrun sets it; unset it to train in one "
                          "process)") from None
+    if size < 1:
+        raise InputError(f"WORLD_SIZE={given} is below 1 (torchrun sets it to the number of processes; unset it to "
+                         "train in one process)")
     if size > 1:
         missing = next((name for name in _LAUNCH_VARIABLES if name not in os.environ), None)
         if missing is not None:
@@ -421,6 +426,27 @@ def first_error(message: str | None) -> str | None:
     return next((m for m in all_gather(message) if m is not None), None)
 
 
+_DATA_RAISED = itertools.count()  # (the nth time this process asks: keys of their own)
+
+
+def every_rank_raised(message: str, timeout_s: float) -> str | None:
+    """This rank's data raised ``message`` mid-run: whether every rank's did, waited for through
+    the process group's key-value store (torchrun's rendezvous store), not a collective, which a
+    rank whose data did not raise, waiting in the step's own collectives, would never join.
+    Every rank reads the same global stream, so the same bad record raises on each, at the same
+    step: then rank 0's message on every rank, which stop together. None when some rank's did not
+    within ``timeout_s`` (this rank's own failure: a file only its node reads): the caller raises.
+    """
+    key = f"ampguard/data-raised/{next(_DATA_RAISED)}/"
+    store = dist.distributed_c10d._get_default_store()
+    store.set(key + str(dist.get_rank()), message)
+    try:
+        store.wait([key + str(r) for r in range(dist.get_world_size())], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:  # (DistStoreError: its timeout)
+        return None
+    return store.get(key + "0").decode("utf-8", errors="replace")
+
+
 def barrier() -> None:
     """Wait for every rank (nothing to wait for without a process group)."""
     if current().active:
@@ -436,20 +462,31 @@ def broadcast_from_main(value: Any) -> Any:
     return box[0]
 
 
+def highest(values: list[int], device: torch.device) -> list[int]:
+    """Each value the highest any rank holds (small non-negative integers: flags, signal
+    numbers): one all-reduce for all of them and one host read (nothing without a process group).
+
+    Example (no process group)::
+
+        >>> highest([0, 15], torch.device("cpu"))
+        [0, 15]
+    """
+    if not current().active:
+        return list(values)
+    t = torch.tensor([float(v) for v in values], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
 def any_ranks(flags: list[bool], device: torch.device) -> list[bool]:
-    """Each flag true on every rank when it is true on any: one all-reduce for all of them and
-    one host read (nothing without a process group).
+    """Each flag true on every rank when it is true on any (:func:`highest` of 0s and 1s).
 
     Example (no process group)::
 
         >>> any_ranks([False, True], torch.device("cpu"))
         [False, True]
     """
-    if not current().active:
-        return list(flags)
-    t = torch.tensor([float(f) for f in flags], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [v > 0 for v in t.tolist()]
+    return [v > 0 for v in highest([int(f) for f in flags], device)]
 
 
 def shutdown() -> None:

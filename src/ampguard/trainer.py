@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -154,7 +155,8 @@ class Trainer:
         unused = self._check_model(model)
         self._unused_note = f"; DDP find_unused_parameters ({', '.join(unused[:4])}{'...' if len(unused) > 4 else ''} " \
             "unused at the first batch)" if unused else ""
-        if self.dist.active:
+        if self.dist.active:  # (a task.options value that differs between ranks may size a layer)
+            ck.check_same_models(distributed.all_gather(ck.model_shapes(model)))
             model = distributed.wrap(model, config.distributed.strategy, self.device, find_unused_parameters=bool(unused))
         self.fast, self.path = fast_path(config, self.device, self.dist.world_size)
         self.inflight = InFlight(lag=LAG if self.fast else 0)
@@ -333,7 +335,7 @@ class Trainer:
             return self._close(stopped)
 
     def _loop(self, stop: StopFlag) -> Stop | None:
-        if self._agree(False, self.disk_full() is not None)[1]:  # opening the outputs found the disk full
+        if self._agree(None, self.disk_full() is not None)[1]:  # opening the outputs found the disk full
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
         if self.config.rollback.triggers and self.state.steps == 0 and self.resume is None:
             self.save()  # step-00000000.pt: a trigger before the first checkpoint.every returns to the start
@@ -359,7 +361,7 @@ class Trainer:
             if decision is not None:
                 return decision
             with watched:
-                interrupted, full = self._agree(stop.requested, self.disk_full() is not None)
+                interrupted, full = self._agree(stop, self.disk_full() is not None)
             if full:  # a file found no room (on rank 0): every rank stops here, nothing more is written
                 return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
             if interrupted and self.state.steps < self.config.steps:  # the first Ctrl-C or SIGTERM, honoured at
@@ -426,10 +428,15 @@ class Trainer:
                 raise BadBatch(str(err)) from None
             except (torch.cuda.OutOfMemoryError, StopIteration):
                 raise
-            except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's data raising (or exiting), in one process
-                if self.dist.active or an_interrupt(err):  # one rank's own failure: a stop on it alone would
-                    raise  # leave the others waiting in the step's collectives; the traceback ends the job (torchrun)
-                raise BadBatch(raised(err)) from None
+            except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's data raising (or exiting)
+                if an_interrupt(err):
+                    raise
+                why = raised(err)
+                if self.dist.active:  # the same global stream on every rank: the same record raises on each
+                    why = distributed.every_rank_raised(why, max(STUCK_AFTER_S, 3 * self._slowest))
+                    if why is None:  # this rank's own failure: a stop on it alone would leave the others
+                        raise        # waiting in the step's collectives; the traceback ends the job (torchrun)
+                raise BadBatch(why) from None
             self.throughput.add(batch[0])
             if self.diagnosis is not None:
                 self.diagnosis.capture(batch)
@@ -622,9 +629,10 @@ class Trainer:
     def _stuck(self, stop: StopFlag, signum: int) -> None:
         """On the stuck-watcher's thread, under torchrun: a stop signal came and the main thread
         has not moved since (waiting in C, in a collective a hung or dead peer never joins: under
-        NCCL it never returns). This rank closes alone with what it has (the rows and checkpoints
-        up to the last step recorded; rank 0 writes ``run_end``, the card and ends its tracker
-        runs) and leaves at once with the signal's code: the job's scheduler would kill it next."""
+        NCCL it never returns). This rank closes alone with what it has (the rows up to the last
+        step recorded and the checkpoints already written: it writes none, a stuck step's state is
+        half-made; rank 0 writes ``run_end``, the card and ends its tracker runs) and leaves at
+        once with the signal's code: the job's scheduler would kill it next."""
         with self._handoff:
             if stop.closing:  # the main thread got there first: it closes
                 return
@@ -637,8 +645,10 @@ class Trainer:
             with contextlib.suppress(Exception):  # (the main thread's finally would have closed them)
                 self.sinks.close()
             self._close(Stop(code, why, INTERRUPTED), alone=True)
-            if self.dist.is_main:
-                print(f"ampguard: {why}; the rows and checkpoints up to step {self.monitor.steps} stand",
+            if self.dist.is_main:  # (no checkpoint is written here: the others' share of the state is out of reach)
+                saved = self.checkpointer.saved
+                resume = f"--resume goes on from {saved[-1].name}" if saved else "no checkpoint to --resume from"
+                print(f"ampguard: {why}; the rows up to step {self.monitor.steps} stand ({resume})",
                       file=sys.stderr, flush=True)
         finally:
             with contextlib.suppress(Exception):
@@ -689,11 +699,16 @@ class Trainer:
         peak = known_peak_tflops(torch.cuda.get_device_name(self.device))
         return peak * 1e12 if peak else None
 
-    def _agree(self, requested: bool, full: bool) -> tuple[bool, bool]:
-        """Ranks stop together: a Ctrl-C seen by any rank, or a write that found the disk full
-        (rank 0's), stops all at the same step boundary. One all-reduce and host read (torchrun)."""
-        interrupted, full = distributed.any_ranks([requested, full], self.device)
-        return interrupted, full
+    def _agree(self, stop: StopFlag | None, full: bool) -> tuple[bool, bool]:
+        """Ranks stop together: a stop signal seen by any rank, or a write that found the disk full
+        (rank 0's), stops all at the same step boundary; and for one signal, the highest-numbered
+        any rank saw (SIGTERM 15 over stdout's reader leaving 13 over Ctrl-C 2), whose exit code and
+        name every rank then ends with (a SIGTERM sent to one rank's process had the others end
+        with 130, "Ctrl-C"). One all-reduce and host read (torchrun)."""
+        signum, full = distributed.highest([int(stop.signal or 0) if stop else 0, int(full)], self.device)
+        if signum and stop is not None:
+            stop.signal = signal.Signals(signum)
+        return bool(signum), bool(full)
 
     def disk_full(self) -> DiskFull | None:
         """This rank's first write that found the disk full (the run folder, a sink, the event

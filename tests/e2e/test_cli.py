@@ -348,13 +348,17 @@ def test_an_fp16_demo_that_never_applies_a_step_fails_fast_at_its_end(cli):
     ("2", "WORLD_SIZE=2 but RANK is not set: launch with torchrun (it sets RANK, MASTER_ADDR, MASTER_PORT), or unset "
           "WORLD_SIZE to train in one process"),
     ("abc", "WORLD_SIZE=abc is not a whole number (torchrun sets it; unset it to train in one process)"),
+    ("0", "WORLD_SIZE=0 is below 1 (torchrun sets it to the number of processes; unset it to train in one process)"),
+    ("-3", "WORLD_SIZE=-3 is below 1 (torchrun sets it to the number of processes; unset it to train in one process)"),
 ])
-def test_a_world_size_left_in_the_environment_is_one_line(cli, tmp_path, monkeypatch, size, line):
-    # a leftover export, or a plain `ampguard train` inside a scheduler's allocation: tracebacks
+@pytest.mark.parametrize("verb", [["train", "--set", "task.name=linear", "--set", "steps=2"], ["demo", "--steps", "2"]])
+def test_a_world_size_left_in_the_environment_is_one_line(cli, tmp_path, monkeypatch, size, line, verb):
+    # a leftover export, or a plain `ampguard train` inside a scheduler's allocation: tracebacks;
+    # 0 and -3 trained as one process unsaid; the demo printed its set-up line before the refusal
     for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", size)
-    code, out, err = cli("train", "--set", "task.name=linear", "--set", "steps=2")
+    code, out, err = cli(*verb)
     assert (code, out, err) == (2, "", f"ampguard: error: {line}\n")
     assert list(tmp_path.iterdir()) == []
 

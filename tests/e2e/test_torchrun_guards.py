@@ -148,14 +148,32 @@ class Dies(nn.Linear):
                 with open("rank1.pid", "w") as f:
                     f.write(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)  # rank 1 hangs in step 3's forward
+            if os.environ.get("TERM_RANK_1") and os.environ["RANK"] == "1" and Dies.calls == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # a SIGTERM to rank 1's process alone, in step 3
         return super().forward(x)
+
+
+class Batches:
+    """The data; its fifth batch raises (a corrupt record) where DATA_RAISES says: on every rank
+    (every rank reads the same stream), or on rank 1 alone (a file only its node reads)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            if i == 4 and os.environ.get("DATA_RAISES") in ("every", os.environ["RANK"]):
+                raise ValueError("corrupt record 33")
+            yield batch
 
 
 def build(config):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(8)]
-    return Dies(4, 1), data, nn.functional.mse_loss
+    model = Dies(4, 1)
+    model.register_buffer("table", torch.zeros(int(config.task.options.get("table", 3))))  # (sized by an option)
+    return model, Batches(data), nn.functional.mse_loss
 '''
 KILLED_RUN = ["train", "--set", "task.factory=../killed.py:build", "--set", "precision=fp32", "--set", "device=cpu",
               "--set", "steps=6", "--set", "checkpoint.every=1", "--set", "eval.enabled=false", "--set", "log.dir=runs",
@@ -194,6 +212,10 @@ def early(work: Path) -> dict[str, tuple]:
         "W": (KILLED_RUN, None),
         "H": ([*KILLED_RUN[:-1], "log.name=H"], None),
         "C": ([*RUN, "--set", "steps=4", "--set", "log.name=C"], None),
+        "O": ([*KILLED_RUN[:-1], "log.name=O"], None),
+        "B": ([*KILLED_RUN[:-1], "log.name=B"], None),
+        "B1": ([*KILLED_RUN[:-1], "log.name=B1"], None),
+        "M": ([*KILLED_RUN[:-1], "log.name=M", "--set", "task.options.table=3"], None),
         "T": ([*RUN, "--set", "steps=1000000", "--set", "log.every=100000", "--set", "checkpoint.every=100000",
                "--set", "log.name=T"], None),
     }
@@ -204,7 +226,9 @@ def early(work: Path) -> dict[str, tuple]:
             # (no test here reads a plot: rank 0 drawing twelve of them cost the module seconds of its CPU)
             args = [*args, "--set", "log.plot=false"]
             own = {"W": {"KILL_RANK_1": "1"}, "H": {"HANG_RANK_1": "1"},
-                   "C": {"RANK1_ARGS": "--set optimizer.lr=0.5"}}.get(name, {})
+                   "C": {"RANK1_ARGS": "--set optimizer.lr=0.5"}, "O": {"TERM_RANK_1": "1"},
+                   "B": {"DATA_RAISES": "every"}, "B1": {"DATA_RAISES": "1"},
+                   "M": {"RANK1_ARGS": "--set task.options.table=5"}}.get(name, {})
             started[name] = Launch(name, [str(wrapper), str(work / name), *args], work / name, timeout_s=TIMEOUT_S,
                                    env={**env, **own}, preexec_fn=limit)
         # W's resume, beside the launches still running: what W left first (its CSV, its checkpoints)
@@ -464,8 +488,9 @@ def test_a_rank_stuck_in_a_collective_when_sigterm_comes_writes_the_card_alone_a
                          r"in a collective \(another process hung or died\?\)", why)
     assert grace and 10 <= int(grace[1]) <= waited + 1, why  # (10 s, or three of its slowest steps)
     assert f"| ended | {why} |" in (run / "RUN.md").read_text(encoding="utf-8")
-    assert f"ampguard: {why}; the rows and checkpoints up to step {len(steps)} stand" in err
-    assert sorted(p.name for p in (run / "checkpoints").glob("*.pt"))[-1] == f"step-{len(steps):08d}.pt"
+    newest = sorted(p.name for p in (run / "checkpoints").glob("*.pt"))[-1]
+    assert newest == f"step-{len(steps):08d}.pt"  # (checkpoint.every=1: the last step's, none of the stuck one)
+    assert f"ampguard: {why}; the rows up to step {len(steps)} stand (--resume goes on from {newest})" in err
 
 
 def test_a_sigterm_to_torchrun_stops_every_rank_at_one_boundary_with_card_and_checkpoint(launches):
@@ -477,3 +502,52 @@ def test_a_sigterm_to_torchrun_stops_every_rank_at_one_boundary_with_card_and_ch
     assert text.endswith("\n") and steps == list(range(1, len(steps) + 1)) and len(steps) > 3
     assert f"| ended | interrupted (SIGTERM) after step {steps[-1]} |" in (run / "RUN.md").read_text(encoding="utf-8")
     assert (run / "checkpoints" / f"step-{steps[-1]:08d}.pt").exists()  # the stop's own checkpoint, of that step
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_at_one_boundary_and_every_rank_says_sigterm(launches):
+    # a per-process kill, a supervisor's: the ranks agreed to stop but not on why, and rank 0 (no
+    # signal of its own) ended with 130 and a card saying "Ctrl-C"
+    code, out, err, cwd = launches["O"]
+    assert _rank_codes(cwd) == {0: ExitCode.TERMINATED, 1: ExitCode.TERMINATED}, f"torchrun exited {code}\n{err[-3000:]}"
+    run = cwd / "runs" / "O"
+    steps = [int(line.split(",")[0]) for line in (run / "steps.csv").read_text(encoding="utf-8").splitlines()[1:]]
+    assert steps == list(range(1, len(steps) + 1)) and 2 <= len(steps) < 6, steps  # (the signal came in its forward)
+    assert f"| ended | interrupted (SIGTERM) after step {steps[-1]} |" in (run / "RUN.md").read_text(encoding="utf-8")
+    assert (run / "checkpoints" / f"step-{steps[-1]:08d}.pt").exists() and "Ctrl-C" not in out + err
+
+
+def test_data_raising_on_every_rank_stops_every_rank_with_one_line_and_keeps_the_steps_before(launches):
+    # every rank reads the same stream: the same record raises on each. It was a traceback per
+    # rank, exit 1, a "crashed" card and no checkpoint; one process gave this line and exit 2
+    code, out, err, cwd = launches["B"]
+    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    lines = [line for line in err.splitlines() if "ampguard: error: " in line]
+    assert lines == ["ampguard: error: bad data at step 5: ValueError: corrupt record 33; the run is intact up to "
+                     "step 4 (checkpoints/step-00000004.pt: --resume continues from there once the data is fixed)"]
+    assert "[rank" not in err  # (no rank's traceback)
+    run = cwd / "runs" / "B"
+    assert "| ended | bad data at step 5: ValueError: corrupt record 33 |" in (run / "RUN.md").read_text(encoding="utf-8")
+    assert sorted(p.name for p in (run / "checkpoints").glob("*.pt"))[-1] == "step-00000004.pt"
+
+
+def test_data_raising_on_one_rank_alone_is_that_ranks_crash_after_waiting_for_the_others(launches):
+    # a file only rank 1's node reads: rank 0 never raises, and a stop on rank 1 alone would
+    # leave rank 0 waiting in the step's collective; rank 1 waits its grace for the others, then
+    # raises (its traceback ends the job)
+    code, out, err, cwd = launches["B1"]
+    assert code != 0 and _rank_codes(cwd) == {}, err[-3000:]  # (neither rank returned a code)
+    assert "[rank1]: ValueError: corrupt record 33" in err and "bad data at step" not in err
+    card = (cwd / "runs" / "B1" / "RUN.md").read_text(encoding="utf-8")
+    assert "| ended | crashed after step 4: " in card  # rank 0's: its collective failed
+
+
+def test_ranks_whose_options_build_models_of_other_shapes_are_refused_before_anything_is_written(launches):
+    # task.options may differ between ranks (a node's own data path): one that sizes a buffer or
+    # a layer had DDP raise its parameter-size traceback on every rank (FSDP2: SIGABRT on rank 0,
+    # a header-only CSV left behind)
+    code, out, err, cwd = launches["M"]
+    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    line = ("ampguard: error: the ranks built different models: table is [3] on rank 0, [5] on rank 1 (a task.options "
+            "value that differs between the ranks?); every rank must build the same model")
+    assert [x for x in err.splitlines() if "ampguard: error: " in x] == [line, line]  # (once per process)
+    assert not (cwd / "runs").exists() and "[rank" not in err  # (no rank's traceback)
