@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import importlib.util
 import io
 import json
@@ -399,6 +400,103 @@ class Launch:
 
     def close(self) -> None:
         end_launches([self])
+
+
+BATCH_RANK = '''
+"""One torchrun worker of a helpers.Batch: its runs, one after another (tests/helpers.py)."""
+import json, os, resource, sys, traceback
+from pathlib import Path
+
+from ampguard import distributed
+from ampguard.cli import main
+
+rank = os.environ["RANK"]
+shutdown, distributed.shutdown = distributed.shutdown, lambda: None  # one process group for every run
+console = os.dup(1), os.dup(2)
+for run in json.loads(Path(sys.argv[1]).read_text()):
+    cwd = Path(run["cwd"])
+    cwd.mkdir(parents=True, exist_ok=True)
+    os.chdir(cwd)
+    for module in list(sys.modules.values()):  # (a warning an earlier run showed is shown again)
+        registry = getattr(module, "__warningregistry__", None)
+        if isinstance(registry, dict):
+            registry.clear()
+    os.environ.update(run["env"])
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if run["file_size"] is not None:  # (`ulimit -f` for this run: a write past it fails, EFBIG; main ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (run["file_size"], hard))
+    with open(cwd.parent / f"{run['name']}.rank{rank}.stdout", "w") as out, \\
+            open(cwd.parent / f"{run['name']}.rank{rank}.stderr", "w") as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        try:
+            code = int(main(run["args"] + (run["rank1"] if rank == "1" else [])))
+        except BaseException:  # a bug: the runs after it would wait in collectives this rank never joins
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        sys.stdout.flush(), sys.stderr.flush()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    Path(run["rc"] + f".rank{rank}.rc").write_text(str(code))  # (beside its folder, which holds what the run wrote)
+    for name in run["env"]:
+        del os.environ[name]
+os.dup2(console[0], 1), os.dup2(console[1], 2)
+shutdown()
+'''
+
+
+@dataclass
+class Run:
+    """One run of a :class:`Batch`: ``ampguard ARGS`` (rank 1 adds ``rank1``: its own ``--set``),
+    with ``env`` set around it, under ``ulimit -f`` ``file_size`` bytes if given."""
+
+    args: list[str]
+    rank1: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    file_size: int | None = None
+    cwd: str | None = None
+    """Its working folder's name in the batch's folder (the run's name if None)."""
+
+
+class Batch:
+    """Several ``ampguard`` runs, one after another, in one torchrun launch of 2 workers (a
+    launch costs ~12 s of CPU, two thirds of it its three processes importing torch; a run in a
+    batch, ~2 s): for runs whose every rank ends at the same point (a refusal, a guard's stop, the
+    end), so that the next run's collectives meet. Not for a signal, a kill or a crash on one
+    rank. ``runs``: ``{name: Run}``; each runs in ``work/NAME``, with its ranks' output and the
+    codes their ``main`` returned in files beside it (``NAME.rank<R>.rc``: :func:`rank_codes`;
+    :meth:`results`)."""
+
+    def __init__(self, name: str, runs: dict[str, Run], work: Path, *, timeout_s: float, env: dict[str, str]) -> None:
+        self.names, self.work = list(runs), work
+        self.folders = {n: work / (run.cwd or n) for n, run in runs.items()}
+        spec = [{**dataclasses.asdict(run), "name": n, "cwd": str(self.folders[n]), "rc": str(work / n)}
+                for n, run in runs.items()]
+        (work / f"{name}.json").write_text(json.dumps(spec))
+        (work / "batch_rank.py").write_text(BATCH_RANK)
+        self.launch = Launch(name, [str(work / "batch_rank.py"), str(work / f"{name}.json")], work / name,
+                             timeout_s=timeout_s, env=env)
+
+    def results(self) -> dict[str, Ended]:
+        """Each run once the launch ended, as an :class:`Ended` whose ``rc`` is the highest code
+        its ranks' ``main`` returned (-1 when a rank returned none; the launch's stderr then
+        follows the run's)."""
+        launch = self.launch.wait()
+        ended = {}
+        for run in self.names:
+            files = {stream: [self.work / f"{run}.rank{r}.{stream}" for r in (0, 1)] for stream in ("stdout", "stderr")}
+            out, err = ("".join(f.read_text(encoding="utf-8", errors="replace") for f in files[stream] if f.exists())
+                        for stream in ("stdout", "stderr"))
+            codes = rank_codes(self.work / run)
+            rc = max(codes.values()) if len(codes) == 2 else -1
+            ended[run] = Ended(run, rc, out, err + (launch.stderr if rc == -1 else ""), self.folders[run])
+        return ended
+
+
+def rank_codes(run: Path) -> dict[int, int]:
+    """``{rank: the code its main returned}`` of the ranks that wrote ``RUN.rank<R>.rc`` (a
+    :class:`Batch` run, or a wrapper that does the same): a rank that died or raised wrote none."""
+    return {r: int(f.read_text()) for r in (0, 1) if (f := run.parent / f"{run.name}.rank{r}.rc").exists()}
 
 
 def end_launches(launches: Iterable[Launch], grace_s: float = 10.0, close: bool = True) -> None:

@@ -6,7 +6,8 @@ tests of this module:
 
 - together: ``A``, ``ampguard train`` with DDP, fp32, accumulation 2, per-rank batch 8, 8 steps,
   a checkpoint at step 4, and faults on rank 1 only (``nan_input@2@rank1``, ``nan_loss@3@rank1``,
-  ``inf_grad@6@rank1``); ``F``, the same with FSDP2 (6 steps, ``nan_loss@2@rank1``); ``S``,
+  ``inf_grad@6@rank1``); then ``F``, the same with FSDP2 (6 steps, ``nan_loss@2@rank1``), in
+  the same launch (``helpers.Batch``: their ranks end together); and beside them ``S``,
   ``dist_scripts/lib_api.py``, the library API (``AmpTrainState``) on a DDP-wrapped and an
   FSDP2-sharded model, each rank writing its own state to a file;
 - once A is done: ``B``, a copy of run A resumed from its step-4 checkpoint.
@@ -26,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended, card_table, end_launches, read_rows, run_events, snapshot_of
+from helpers import (EARLY_TIMEOUT_S, TORCHRUN, Batch, Ended, Run, card_table, end_launches, read_rows, run_events,
+                     snapshot_of, torchrun_env)
 from helpers import Launch as _Launch
 
 from ampguard.checkpoint import load_checkpoint
@@ -59,23 +61,26 @@ def Launch(name: str, args: list[str], cwd: Path) -> _Launch:  # noqa: N802 - th
 
 
 def early(work: Path) -> dict[str, Ended]:
-    """A, F and S started together in ``work``, and B (a copy of run A resumed from its step-4
+    """A and F one after another in one launch (``helpers.Batch``: a launch is ~12 s of CPU, a
+    run in it ~2 s), S beside them, in ``work``; and B (a copy of run A resumed from its step-4
     checkpoint) once A is done; each once it ended (an early job: see conftest.py)."""
     started: dict[str, _Launch] = {}
     try:
-        started["A"] = Launch("A", ["-m", "ampguard", "train", *RUN_A, *FAULTS_A,
-                                    "--set", f"log.dir={work / 'A_runs'}"], work / "A_cwd")
-        # (F and N: no test reads their plots; rank 0 drawing one costs a fresh process ~2 s of CPU)
-        started["F"] = Launch("F", ["-m", "ampguard", "train", *RUN_F, *FAULTS_F, "--set", "log.plot=false",
-                                    "--set", f"log.dir={work / 'F_runs'}", "--set", "log.name=F"], work / "F_cwd")
+        # (F: no test reads its plot; rank 0 drawing one costs a fresh process ~2 s of CPU)
+        batch = Batch("AF", {"A": Run(["train", *RUN_A, *FAULTS_A, "--set", f"log.dir={work / 'A_runs'}"], cwd="A_cwd"),
+                             "F": Run(["train", *RUN_F, *FAULTS_F, "--set", "log.plot=false",
+                                       "--set", f"log.dir={work / 'F_runs'}", "--set", "log.name=F"], cwd="F_cwd")},
+                      work, timeout_s=TIMEOUT_S, env=torchrun_env())
+        started["AF"] = batch.launch
         (work / "S_out").mkdir()
         started["S"] = Launch("S", [str(SCRIPTS / "lib_api.py"), str(work / "S_out" / "state")], work / "S_cwd")
-        if started["A"].ended().rc == 0:
+        ended = batch.results()
+        if ended["A"].rc == 0:
             b = work / "B_runs" / "B"
             shutil.copytree(_single_run_dir(work / "A_runs"), b)
             started["B"] = Launch("B", ["-m", "ampguard", "train", "--resume", str(b / "checkpoints" / CKPT4)],
                                   work / "B_cwd")
-        return {name: launch.ended() for name, launch in started.items()}
+        return {**ended, **{name: launch.ended() for name, launch in started.items() if name != "AF"}}
     finally:
         end_launches(started.values())  # (all at once: one grace for them all)
 

@@ -40,9 +40,21 @@
   checkpoint, rank 0's card and ``run_end`` say it crashed (its collective failed: it closes alone),
   and ``--resume`` under torchrun trains the run to its end from there.
 
-A launch costs ~10 s of CPU (three processes importing torch), so a claim that can share a run
-does (the unused head rides on E, P's checkpoint is K's): this module's launches were a quarter
-of the suite's CPU.
+- ``O``: a SIGTERM to rank 1's process alone, in its third step: every rank stops at the same
+  boundary and ends with 143, the card saying SIGTERM (rank 0 said 130, "Ctrl-C").
+- ``B``: the data's fifth batch raises on every rank (the same global stream): every rank stops
+  with exit 2 and one line, the checkpoint of step 4 kept (a traceback per rank, no checkpoint);
+  ``B1``: it raises on rank 1 alone: rank 1's crash (its traceback), after waiting for the others.
+- ``M``: rank 1's ``task.options`` gives a buffer another shape: refused on every rank, naming it,
+  before anything is written (DDP's parameter-size traceback).
+- ``Q``: K's run resumed from step 4 on rank 0 and step 6 on rank 1: refused on every rank, K's
+  folder left as it was (rank 0 cut it back while rank 1 trained on, then the job hung).
+
+A launch costs ~12 s of CPU, two thirds of it its three processes importing torch, so a claim
+that can share a run does (the unused head rides on E, P's checkpoint is K's), and the runs whose
+ranks all end at the same point (S, D, E, X, R, V, K, Z, C, M, B; then P, Q and W's resume) run one after
+another in one launch each (``helpers.Batch``): this module's launches were a quarter of the
+suite's CPU.
 
 Each rank runs ``ampguard.cli.main`` through a small wrapper that writes the exit code ``main``
 returned to ``rank<R>.rc`` before leaving: torchrun reports only the first failure it sees.
@@ -57,13 +69,15 @@ import signal
 import time
 from pathlib import Path
 
-from helpers import EARLY_TIMEOUT_S, TORCHRUN, Launch, end_launches, file_size_limit, run_events, torchrun_env
+from helpers import (EARLY_TIMEOUT_S, TORCHRUN, Batch, Ended, Launch, Run, end_launches, rank_codes, run_events,
+                     snapshot_of, torchrun_env)
 
 from ampguard.errors import ExitCode
 
 pytestmark = TORCHRUN
 
 TIMEOUT_S = EARLY_TIMEOUT_S
+BATCHED = {"S", "D", "E", "X", "R", "V", "K", "Z", "C", "M", "B"}  # (their ranks end together: one launch, helpers.Batch)
 RUN = ["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",
        "--set", "task.batch_size=8", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
 SHARDED_EVAL = '''
@@ -122,9 +136,8 @@ import os, sys
 from pathlib import Path
 from ampguard.cli import main
 
-rank_1 = os.environ.get("RANK1_ARGS", "").split() if os.environ["RANK"] == "1" else []  # rank 1's own --set
-code = int(main(sys.argv[2:] + rank_1))
-Path(sys.argv[1], f"rank{os.environ['RANK']}.rc").write_text(str(code))
+code = int(main(sys.argv[2:]))
+Path(f"{sys.argv[1]}.rank{os.environ['RANK']}.rc").write_text(str(code))  # (helpers.rank_codes)
 sys.exit(code)
 '''
 
@@ -192,53 +205,55 @@ def early(work: Path) -> dict[str, tuple]:
     (work / "uneven.py").write_text(UNEVEN)
     (work / "killed.py").write_text(KILLED)
     specs = {
-        "S": ([*RUN, "--set", "steps=6", "--set", "log.name=S", "--strict", "--inject", "nan_loss@3@rank1"], None),
-        "D": ([*RUN, "--set", "steps=300", "--set", "log.every=1000", "--set", "checkpoint.enabled=false",
-               "--set", "log.name=D"], file_size_limit(2000)),
-        "E": (["train", "--set", f"task.factory={work / 'sharded_eval.py'}:build", "--set", "precision=fp32",
-               "--set", "device=cpu", "--set", "steps=6", "--set", "eval.every=2", "--set", "checkpoint.every=2",
-               "--set", "rollback.triggers=[val_regression]", "--set", "log.dir=runs", "--set", "log.name=E"], None),
-        "X": ([*RUN, "--set", "steps=2", "--set", "log.name=X"], None),
-        "R": (["train", "--set", f"task.factory={work / 'sampler.py'}:build", "--set", "precision=fp32",
-               "--set", "device=cpu", "--set", "steps=2", "--set", "log.dir=runs", "--set", "log.name=R"], None),
-        "V": (["train", "--set", f"task.factory={work / 'uneven.py'}:build", "--set", "precision=fp32",
-               "--set", "device=cpu", "--set", "steps=6", "--set", "checkpoint.every=2", "--set", "log.dir=runs",
-               "--set", "log.name=V"], None),
-        "K": ([*RUN, "--set", "steps=8", "--set", "task.batch_size=4", "--set", "checkpoint.every=2",
-               "--set", "rollback.triggers=[loss_spike]", "--set", "rollback.window=3", "--set", "rollback.skip_batches=1",
-               "--set", "log.name=K", "--inject", "spike@5@rank1"], None),
-        "Z": ([*RUN, "--set", "steps=6", "--set", "log.name=Z", "--set", "monitor.fail_rate=0.5",
-               "--inject", "nan_loss@every:1@rank1"], None),
-        "W": (KILLED_RUN, None),
-        "H": ([*KILLED_RUN[:-1], "log.name=H"], None),
-        "C": ([*RUN, "--set", "steps=4", "--set", "log.name=C"], None),
-        "O": ([*KILLED_RUN[:-1], "log.name=O"], None),
-        "B": ([*KILLED_RUN[:-1], "log.name=B"], None),
-        "B1": ([*KILLED_RUN[:-1], "log.name=B1"], None),
-        "M": ([*KILLED_RUN[:-1], "log.name=M", "--set", "task.options.table=3"], None),
-        "T": ([*RUN, "--set", "steps=1000000", "--set", "log.every=100000", "--set", "checkpoint.every=100000",
-               "--set", "log.name=T"], None),
+        "S": [*RUN, "--set", "steps=6", "--set", "log.name=S", "--strict", "--inject", "nan_loss@3@rank1"],
+        "D": [*RUN, "--set", "steps=300", "--set", "log.every=1000", "--set", "checkpoint.enabled=false",
+              "--set", "log.name=D"],
+        "E": ["train", "--set", f"task.factory={work / 'sharded_eval.py'}:build", "--set", "precision=fp32",
+              "--set", "device=cpu", "--set", "steps=6", "--set", "eval.every=2", "--set", "checkpoint.every=2",
+              "--set", "rollback.triggers=[val_regression]", "--set", "log.dir=runs", "--set", "log.name=E"],
+        "X": [*RUN, "--set", "steps=2", "--set", "log.name=X"],
+        "R": ["train", "--set", f"task.factory={work / 'sampler.py'}:build", "--set", "precision=fp32",
+              "--set", "device=cpu", "--set", "steps=2", "--set", "log.dir=runs", "--set", "log.name=R"],
+        "V": ["train", "--set", f"task.factory={work / 'uneven.py'}:build", "--set", "precision=fp32",
+              "--set", "device=cpu", "--set", "steps=6", "--set", "checkpoint.every=2", "--set", "log.dir=runs",
+              "--set", "log.name=V"],
+        "K": [*RUN, "--set", "steps=8", "--set", "task.batch_size=4", "--set", "checkpoint.every=2",
+              "--set", "rollback.triggers=[loss_spike]", "--set", "rollback.window=3", "--set", "rollback.skip_batches=1",
+              "--set", "log.name=K", "--inject", "spike@5@rank1"],
+        "Z": [*RUN, "--set", "steps=6", "--set", "log.name=Z", "--set", "monitor.fail_rate=0.5",
+              "--inject", "nan_loss@every:1@rank1"],
+        "W": KILLED_RUN,
+        "H": [*KILLED_RUN[:-1], "log.name=H"],
+        "C": [*RUN, "--set", "steps=4", "--set", "log.name=C"],
+        "O": [*KILLED_RUN[:-1], "log.name=O"],
+        "B": [*KILLED_RUN[:-1], "log.name=B"],
+        "B1": [*KILLED_RUN[:-1], "log.name=B1"],
+        "M": [*KILLED_RUN[:-1], "log.name=M", "--set", "task.options.table=3"],
+        "T": [*RUN, "--set", "steps=1000000", "--set", "log.every=100000", "--set", "checkpoint.every=100000",
+              "--set", "log.name=T"],
     }
     env = torchrun_env(PYTHONDONTWRITEBYTECODE="1")
+    # (no test here reads a plot: rank 0 drawing one costs seconds of CPU)
+    specs = {name: [*args, "--set", "log.plot=false"] for name, args in specs.items()}
+    sizes = {"D": 2000}  # (ulimit -f: rank 0's CSV finds no room)
+    rank_1 = {"C": ["--set", "optimizer.lr=0.5"], "M": ["--set", "task.options.table=5"]}  # rank 1's own --set
+    own_env = {"W": {"KILL_RANK_1": "1"}, "H": {"HANG_RANK_1": "1"}, "O": {"TERM_RANK_1": "1"},
+               "B": {"DATA_RAISES": "every"}, "B1": {"DATA_RAISES": "1"}}
     started: dict[str, Launch] = {}
     try:
-        for name, (args, limit) in specs.items():
-            # (no test here reads a plot: rank 0 drawing twelve of them cost the module seconds of its CPU)
-            args = [*args, "--set", "log.plot=false"]
-            own = {"W": {"KILL_RANK_1": "1"}, "H": {"HANG_RANK_1": "1"},
-                   "C": {"RANK1_ARGS": "--set optimizer.lr=0.5"}, "O": {"TERM_RANK_1": "1"},
-                   "B": {"DATA_RAISES": "every"}, "B1": {"DATA_RAISES": "1"},
-                   "M": {"RANK1_ARGS": "--set task.options.table=5"}}.get(name, {})
-            started[name] = Launch(name, [str(wrapper), str(work / name), *args], work / name, timeout_s=TIMEOUT_S,
-                                   env={**env, **own}, preexec_fn=limit)
-        # W's resume, beside the launches still running: what W left first (its CSV, its checkpoints)
+        # the runs whose ranks all end at one point, one after another in one launch
+        batch = Batch("batch", {name: Run(specs[name], rank_1.get(name, []), own_env.get(name, {}), sizes.get(name))
+                                for name in BATCHED}, work, timeout_s=TIMEOUT_S, env=env)
+        started["batch"] = batch.launch
+        for name in specs.keys() - BATCHED:  # a signal, a kill, one rank's crash, a file size limit: each its own
+            started[name] = Launch(name, [str(wrapper), str(work / name), *specs[name]], work / name, timeout_s=TIMEOUT_S,
+                                   env={**env, **own_env.get(name, {})})
+        # what W's kill left (its CSV, its checkpoints), before its resume (with P and Q, below)
         killed = started["W"].wait()
-        run = work / "W" / "runs" / "W"
-        card = run / "RUN.md"
-        left = ((run / "steps.csv").read_text(encoding="utf-8"), sorted(p.name for p in (run / "checkpoints").glob("*.pt")),
-                card.read_text(encoding="utf-8") if card.exists() else None, (run / "events.jsonl").read_text(encoding="utf-8"))
-        started["W-resume"] = Launch("W-resume", ["-m", "ampguard", "train", "--resume", "runs/W"], work / "W",
-                                     timeout_s=TIMEOUT_S, env=env)
+        w_run = work / "W" / "runs" / "W"
+        card = w_run / "RUN.md"
+        left = ((w_run / "steps.csv").read_text(encoding="utf-8"), sorted(p.name for p in (w_run / "checkpoints").glob("*.pt")),
+                card.read_text(encoding="utf-8") if card.exists() else None, (w_run / "events.jsonl").read_text(encoding="utf-8"))
         # T: a scheduler's SIGTERM to torchrun once the run trains (its CSV has rows), not before
         rows, deadline = work / "T" / "runs" / "T" / "steps.csv", time.monotonic() + TIMEOUT_S / 2
         while time.monotonic() < deadline and started["T"].proc.poll() is None and not (
@@ -248,20 +263,35 @@ def early(work: Path) -> dict[str, tuple]:
         # H: once rank 1 hangs (stopped) in step 3, a scheduler's SIGTERM to torchrun; rank 0 waits in
         # the step's collective, where no Python runs; then rank 1 is killed (torchrun would, 30 s on)
         results: dict[str, tuple] = {"H-waited": _stop_a_hung_job(started["H"], work / "H")}
+        results.update(_as_launches(batch.results()))
         # P: a copy of K's finished run, rank 1's RNG state in its last checkpoint spoilt (a hand
-        # edit, a bad copy), resumed for more steps
-        results["P-left"] = _spoilt_copy(started["K"].wait(), work / "K" / "runs" / "K", work / "P" / "runs" / "P")
-        (work / "P" / "resume").mkdir()
-        started["P-resume"] = Launch("P-resume", [str(wrapper), str(work / "P" / "resume"), "train", "--resume",
-                                                  "runs/P", "--set", "steps=10"], work / "P", timeout_s=TIMEOUT_S, env=env)
+        # edit, a bad copy), resumed for more steps; Q: K's run resumed from step 4 on rank 0 and
+        # from step 6 on rank 1
+        k_run = work / "K" / "runs" / "K"
+        assert rank_codes(work / "K") == {0: 0, 1: 0}, results["K"][2][-3000:]
+        results["P-left"] = _spoilt_copy(k_run, work / "P" / "runs" / "P")
+        results["Q-left"] = snapshot_of(k_run)
+        resumes = Batch("resumes", {
+            "P": Run(["train", "--resume", "runs/P", "--set", "steps=10"]),
+            "Q": Run(["train", "--resume", str(k_run / "checkpoints" / "step-00000004.pt")],
+                     ["--resume", str(k_run / "checkpoints" / "step-00000006.pt")]),
+            "W-resume": Run(["train", "--resume", str(w_run)])}, work, timeout_s=TIMEOUT_S, env=env)
+        started["resumes"] = resumes.launch
+        results.update(_as_launches(resumes.results()))
         results["W-left"] = left
         for name, launch in started.items():
             launch.wait()
-            results[name] = (launch.rc, launch.stdout, launch.stderr, launch.cwd)
+            if name not in ("batch", "resumes"):
+                results[name] = (launch.rc, launch.stdout, launch.stderr, launch.cwd)
         assert killed.rc is not None
         return results
     finally:
         end_launches(started.values())  # (all at once: one grace for them all)
+
+
+def _as_launches(runs: dict[str, Ended]) -> dict[str, tuple]:
+    """A batch's runs as this module's launches: ``(code, stdout, stderr, folder)``."""
+    return {name: (run.rc, run.stdout, run.stderr, run.cwd) for name, run in runs.items()}
 
 
 def _stop_a_hung_job(launch: Launch, cwd: Path) -> tuple[float | None]:
@@ -292,14 +322,13 @@ def _stop_a_hung_job(launch: Launch, cwd: Path) -> tuple[float | None]:
     return (waited,)
 
 
-def _spoilt_copy(launch: Launch, run: Path, copy: Path) -> dict[str, bytes]:
-    """Copy ``run`` (the folder of ``launch``, which finished) to ``copy`` and make rank 1's RNG
-    state in the copy's last checkpoint one no generator loads; every file of the copy's bytes, after."""
+def _spoilt_copy(run: Path, copy: Path) -> dict[str, bytes]:
+    """Copy ``run`` (a finished run's folder) to ``copy`` and make rank 1's RNG state in the
+    copy's last checkpoint one no generator loads; every file of the copy's bytes, after."""
     import shutil
 
     import torch
 
-    assert launch.rc == 0, launch.stderr[-3000:]
     shutil.copytree(run, copy)
     path = copy / "checkpoints" / "step-00000008.pt"
     payload = torch.load(path, weights_only=False)
@@ -308,13 +337,9 @@ def _spoilt_copy(launch: Launch, run: Path, copy: Path) -> dict[str, bytes]:
     return {str(p.relative_to(copy)): p.read_bytes() for p in sorted(copy.rglob("*")) if p.is_file()}
 
 
-def _rank_codes(cwd: Path) -> dict[int, int]:
-    return {r: int((cwd / f"rank{r}.rc").read_text()) for r in (0, 1) if (cwd / f"rank{r}.rc").exists()}
-
-
 def test_strict_mode_every_rank_stops_with_3_and_the_card_names_the_rank_of_the_nan(launches):
     code, out, err, cwd = launches["S"]
-    assert _rank_codes(cwd) == {0: ExitCode.GUARD, 1: ExitCode.GUARD}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.GUARD, 1: ExitCode.GUARD}, f"torchrun exited {code}\n{err[-3000:]}"
     run = cwd / "runs" / "S"
     card = (run / "RUN.md").read_text()
     finding = "step 3 (non_finite_loss) on rank 1: first nan under fp32: in the loss"
@@ -333,7 +358,7 @@ def test_strict_mode_every_rank_stops_with_3_and_the_card_names_the_rank_of_the_
 
 def test_a_full_disk_on_rank_0_stops_every_rank_at_the_same_step(launches):
     code, out, err, cwd = launches["D"]
-    assert _rank_codes(cwd) == {0: ExitCode.DISK_FULL, 1: ExitCode.DISK_FULL}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.DISK_FULL, 1: ExitCode.DISK_FULL}, f"torchrun exited {code}\n{err[-3000:]}"
     lines = [line for line in err.splitlines() if line.startswith("ampguard: error: ")]
     assert len(lines) == 1, err[-3000:]  # rank 0 says it, once
     # no rank's traceback (torchrun prints its own ChildFailedError for any non-zero exit)
@@ -344,7 +369,7 @@ def test_a_full_disk_on_rank_0_stops_every_rank_at_the_same_step(launches):
 
 def test_held_out_metrics_are_the_mean_over_ranks_and_every_rank_rolls_back_together(launches):
     code, out, err, cwd = launches["E"]
-    assert _rank_codes(cwd) == {0: ExitCode.OK, 1: ExitCode.OK}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.OK, 1: ExitCode.OK}, f"torchrun exited {code}\n{err[-3000:]}"
     assert code == 0
     rows = {int(r.split(",")[0]): r.split(",")[-1] for r in (cwd / "runs" / "E" / "steps.csv").read_text().splitlines()[1:]}
     assert sorted(rows) == [1, 2, 3, 4, 5, 6]  # each step once: the rolled-back rows were replaced
@@ -358,7 +383,7 @@ def test_held_out_metrics_are_the_mean_over_ranks_and_every_rank_rolls_back_toge
 
 def test_a_config_that_differs_on_one_rank_is_refused_on_every_rank_naming_the_setting(launches):
     code, out, err, cwd = launches["C"]
-    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
     lines = {line for line in err.splitlines() if line.startswith("ampguard: error: ")}
     assert lines == {"ampguard: error: the ranks were given different configs: optimizer.lr is 0.003 on rank 0, 0.5 on "
                      "rank 1; give every rank the same config and --set values"}, err[-3000:]
@@ -366,9 +391,8 @@ def test_a_config_that_differs_on_one_rank_is_refused_on_every_rank_naming_the_s
 
 
 def test_a_checkpoint_one_rank_cannot_restore_is_refused_on_every_rank_and_changes_nothing(launches):
-    code, out, err, cwd = launches["P-resume"]
-    assert _rank_codes(cwd / "resume") == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, \
-        f"torchrun exited {code}\n{err[-3000:]}"
+    code, out, err, cwd = launches["P"]
+    assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
     lines = {line for line in err.splitlines() if line.startswith("ampguard: error: ")}
     assert len(lines) == 1 and lines.pop().startswith(
         "ampguard: error: runs/P/checkpoints/step-00000008.pt: does not fit this run (rng: "), err[-3000:]
@@ -381,7 +405,7 @@ def test_a_checkpoint_one_rank_cannot_restore_is_refused_on_every_rank_and_chang
 
 def test_a_run_folder_that_exists_is_refused_on_every_rank_with_one_line(launches):
     code, out, err, cwd = launches["X"]
-    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
     lines = [line for line in err.splitlines() if line.startswith("ampguard: error: ")]
     assert lines and set(lines) == {"ampguard: error: run folder runs/X already exists; choose another log.name"}
     # no rank's traceback (torchrun prints its own ChildFailedError for any non-zero exit)
@@ -391,7 +415,7 @@ def test_a_run_folder_that_exists_is_refused_on_every_rank_with_one_line(launche
 
 def test_data_a_sampler_already_split_per_rank_is_refused_on_every_rank(launches):
     code, out, err, cwd = launches["R"]
-    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
     lines = {line for line in err.splitlines() if line.startswith("ampguard: error: ")}
     assert len(lines) == 1 and "the ranks read different data (the first batch of rank 1 differs" in lines.pop()
     assert not (cwd / "runs").exists()  # refused before anything is written
@@ -399,7 +423,7 @@ def test_data_a_sampler_already_split_per_rank_is_refused_on_every_rank(launches
 
 def test_a_parameter_the_forward_never_uses_trains_under_ddp(launches):
     code, out, err, cwd = launches["E"]  # (its model's head ``aux`` is never used)
-    assert _rank_codes(cwd) == {0: ExitCode.OK, 1: ExitCode.OK}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.OK, 1: ExitCode.OK}, f"torchrun exited {code}\n{err[-3000:]}"
     assert len((cwd / "runs" / "E" / "steps.csv").read_text().splitlines()) == 7  # header and 6 steps
     start = next(e for e in run_events(cwd / "runs" / "E") if e["event"] == "run_start")
     assert "DDP find_unused_parameters (aux.weight, aux.bias unused at the first batch)" in start["message"]
@@ -407,7 +431,7 @@ def test_a_parameter_the_forward_never_uses_trains_under_ddp(launches):
 
 def test_a_batch_that_does_not_split_over_the_ranks_stops_every_rank_and_keeps_the_steps_before(launches):
     code, out, err, cwd = launches["V"]
-    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
     lines = [line for line in err.splitlines() if line.startswith("ampguard: error: ")]
     assert lines == ["ampguard: error: bad data at step 4: a batch of 3 examples does not split evenly over 2 ranks; "
                      "the run is intact up to step 3 (checkpoints/step-00000003.pt: --resume continues from there "
@@ -421,7 +445,7 @@ def test_rollback_evidence_under_torchrun_is_the_global_batch(launches):
     import torch
 
     code, out, err, cwd = launches["K"]
-    assert _rank_codes(cwd) == {0: ExitCode.OK, 1: ExitCode.OK}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.OK, 1: ExitCode.OK}, f"torchrun exited {code}\n{err[-3000:]}"
     evidence = torch.load(cwd / "runs" / "K" / "rollback" / "step-5.pt", weights_only=False)
     (batch,) = evidence["micro_batches"]
     assert batch["inputs"].shape[0] == 8  # 4 a rank, both ranks
@@ -431,7 +455,7 @@ def test_rollback_evidence_under_torchrun_is_the_global_batch(launches):
 
 def test_a_run_too_short_for_fail_after_fails_at_its_end_on_every_rank_together(launches):
     code, out, err, cwd = launches["Z"]
-    assert _rank_codes(cwd) == {0: ExitCode.GUARD, 1: ExitCode.GUARD}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.GUARD, 1: ExitCode.GUARD}, f"torchrun exited {code}\n{err[-3000:]}"
     run = cwd / "runs" / "Z"
     assert ("ended: stopped by the guard at the end of the run (step 6): skip rate above fail_rate 0.5 at every one "
             "of the run's 6 steps") in out
@@ -460,10 +484,10 @@ def test_a_rank_killed_mid_run_ends_the_job_with_whole_rows_and_a_resume_finishe
     # SIGTERM with nothing written: the card was left to the resume)
     assert card is not None and f"| ended | crashed after step {len(steps)}: RuntimeError: " in card, card
     assert '"event": "run_end", "message": "crashed after step' in events.splitlines()[-1]
-    assert "Traceback" in err and _rank_codes(cwd) == {}  # rank 0 raised (a crash): no code returned
+    assert "Traceback" in err and rank_codes(cwd) == {}  # rank 0 raised (a crash): no code returned
 
-    code, out, err, _ = launches["W-resume"]  # torchrun again, --resume, without the kill
-    assert code == 0, err[-3000:]
+    code, out, err, again = launches["W-resume"]  # torchrun again, --resume, without the kill
+    assert rank_codes(again) == {0: ExitCode.OK, 1: ExitCode.OK}, err[-3000:]
     run = cwd / "runs" / "W"
     rows = (run / "steps.csv").read_text(encoding="utf-8").splitlines()[1:]
     assert [int(line.split(",")[0]) for line in rows] == [1, 2, 3, 4, 5, 6]
@@ -479,7 +503,7 @@ def test_a_rank_stuck_in_a_collective_when_sigterm_comes_writes_the_card_alone_a
     code, out, err, cwd = launches["H"]
     run = cwd / "runs" / "H"
     assert waited is not None and 10 <= waited < TIMEOUT_S / 2, (waited, err[-3000:])
-    assert code != 0 and _rank_codes(cwd) == {}  # rank 0 left at once (os._exit), rank 1 was killed
+    assert code != 0 and rank_codes(cwd) == {}  # rank 0 left at once (os._exit), rank 1 was killed
     text = (run / "steps.csv").read_text(encoding="utf-8")
     steps = [int(line.split(",")[0]) for line in text.splitlines()[1:]]
     assert text.endswith("\n") and steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) <= 2, steps
@@ -495,7 +519,7 @@ def test_a_rank_stuck_in_a_collective_when_sigterm_comes_writes_the_card_alone_a
 
 def test_a_sigterm_to_torchrun_stops_every_rank_at_one_boundary_with_card_and_checkpoint(launches):
     code, out, err, cwd = launches["T"]
-    assert _rank_codes(cwd) == {0: ExitCode.TERMINATED, 1: ExitCode.TERMINATED}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.TERMINATED, 1: ExitCode.TERMINATED}, f"torchrun exited {code}\n{err[-3000:]}"
     run = cwd / "runs" / "T"
     text = (run / "steps.csv").read_text(encoding="utf-8")
     steps = [int(line.split(",")[0]) for line in text.splitlines()[1:]]
@@ -508,7 +532,7 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_one_boundary_and_every_rank_s
     # a per-process kill, a supervisor's: the ranks agreed to stop but not on why, and rank 0 (no
     # signal of its own) ended with 130 and a card saying "Ctrl-C"
     code, out, err, cwd = launches["O"]
-    assert _rank_codes(cwd) == {0: ExitCode.TERMINATED, 1: ExitCode.TERMINATED}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.TERMINATED, 1: ExitCode.TERMINATED}, f"torchrun exited {code}\n{err[-3000:]}"
     run = cwd / "runs" / "O"
     steps = [int(line.split(",")[0]) for line in (run / "steps.csv").read_text(encoding="utf-8").splitlines()[1:]]
     assert steps == list(range(1, len(steps) + 1)) and 2 <= len(steps) < 6, steps  # (the signal came in its forward)
@@ -520,7 +544,7 @@ def test_data_raising_on_every_rank_stops_every_rank_with_one_line_and_keeps_the
     # every rank reads the same stream: the same record raises on each. It was a traceback per
     # rank, exit 1, a "crashed" card and no checkpoint; one process gave this line and exit 2
     code, out, err, cwd = launches["B"]
-    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
     lines = [line for line in err.splitlines() if "ampguard: error: " in line]
     assert lines == ["ampguard: error: bad data at step 5: ValueError: corrupt record 33; the run is intact up to "
                      "step 4 (checkpoints/step-00000004.pt: --resume continues from there once the data is fixed)"]
@@ -535,7 +559,7 @@ def test_data_raising_on_one_rank_alone_is_that_ranks_crash_after_waiting_for_th
     # leave rank 0 waiting in the step's collective; rank 1 waits its grace for the others, then
     # raises (its traceback ends the job)
     code, out, err, cwd = launches["B1"]
-    assert code != 0 and _rank_codes(cwd) == {}, err[-3000:]  # (neither rank returned a code)
+    assert code != 0 and rank_codes(cwd) == {}, err[-3000:]  # (neither rank returned a code)
     assert "[rank1]: ValueError: corrupt record 33" in err and "bad data at step" not in err
     card = (cwd / "runs" / "B1" / "RUN.md").read_text(encoding="utf-8")
     assert "| ended | crashed after step 4: " in card  # rank 0's: its collective failed
@@ -546,8 +570,20 @@ def test_ranks_whose_options_build_models_of_other_shapes_are_refused_before_any
     # a layer had DDP raise its parameter-size traceback on every rank (FSDP2: SIGABRT on rank 0,
     # a header-only CSV left behind)
     code, out, err, cwd = launches["M"]
-    assert _rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
     line = ("ampguard: error: the ranks built different models: table is [3] on rank 0, [5] on rank 1 (a task.options "
             "value that differs between the ranks?); every rank must build the same model")
     assert [x for x in err.splitlines() if "ampguard: error: " in x] == [line, line]  # (once per process)
     assert not (cwd / "runs").exists() and "[rank" not in err  # (no rank's traceback)
+
+
+def test_ranks_given_different_resume_checkpoints_are_refused_before_anything_is_cut(launches):
+    # rank 0 cut the CSV back to its step 4 and set the later checkpoints aside while rank 1
+    # trained on from step 6; then the job hung
+    code, out, err, cwd = launches["Q"]
+    assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    lines = {line for line in err.splitlines() if "ampguard: error: " in line}
+    assert len(lines) == 1 and re.fullmatch(
+        r"ampguard: error: the ranks were given different --resume checkpoints: step 4 of run (\S+) on rank 0, "
+        r"step 6 of run \1 on rank 1; give every rank the same --resume", lines.pop()), err[-3000:]
+    assert snapshot_of(cwd.parent / "K" / "runs" / "K") == launches["Q-left"]  # K's run, as it was
