@@ -58,11 +58,13 @@ def shortened(text: str, limit: int) -> str:
 
         >>> shortened("'/tmp/a-very-long-folder-name/and-another/run.py'", 40)
         "'/tmp/a-very-long-folder-...ther/run.py'"
-        >>> shortened("short", 40), len(shortened("x" * 999, 200))
-        ('short', 200)
+        >>> shortened("short", 40), len(shortened("x" * 999, 200)), shortened("abcdef", 3)
+        ('short', 200, 'abc')
     """
     if len(text) <= limit:
         return text
+    if limit <= 3:  # (no room for a head, a tail and the dots)
+        return text[:max(limit, 0)]
     tail = (limit - 3) // 3
     return text[:limit - 3 - tail] + "..." + text[len(text) - tail:]
 

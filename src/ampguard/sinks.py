@@ -728,15 +728,31 @@ class CsvSink(_LineFile):
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Append one row, :func:`csv_row`'s cells in the header's order, in one unbuffered write:
         in the file when this returns (:class:`DiskFull` when there is no room)."""
+        self.check(record, extra)
+        if self._last is not None and record.step <= self._last:  # (docs/design.md §3: no duplicate steps)
+            raise ValueError(f"CsvSink {self.path}: step {record.step} after step {self._last}: each row's step must "
+                             "follow the one before (a resume appends after its checkpoint's step: CsvSink(path, "
+                             "append=True, keep_through=<that step>) drops the rows after it)")
+        row = _cells(record)
+        if self._extra:
+            cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns
+            row += [_cell(cells.get(k)) for k in self._extra]
+            self._append_row(row)
+        else:  # numbers, empty cells and the reasons' identifiers: nothing the csv module would quote
+            self._write_line(",".join(row) + "\n")
+        self.rows += 1
+        self._last = record.step
+
+    def check(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        """Refuse what :meth:`write` would refuse whatever the rows before it: a record that is
+        not one, one with no column for its optimizers' skips, an ``extra`` value no column
+        holds. (:class:`BackgroundSink` asks on the caller's thread, before it queues the
+        record: the refusal reaches the write that made it.)"""
         if record is None:
             raise TypeError(NONE_WRITTEN)
         if not isinstance(record, StepRecord):
             raise TypeError(f"CsvSink.write() takes a step's record (guard.step()'s StepLog or SkipLog), "
                             f"got a {type(record).__name__}")
-        if self._last is not None and record.step <= self._last:  # (docs/design.md §3: no duplicate steps)
-            raise ValueError(f"CsvSink {self.path}: step {record.step} after step {self._last}: each row's step must "
-                             "follow the one before (a resume appends after its checkpoint's step: CsvSink(path, "
-                             "append=True, keep_through=<that step>) drops the rows after it)")
         if record.optimizers and not self._labels:  # (a partial skip read as a whole one, which skipped unsaid)
             raise ValueError(f"CsvSink {self.path}: a record of a guard over several optimizers (this step's: "
                              f"{', '.join(record.optimizers)}) needs the columns saying which skipped: "
@@ -750,15 +766,6 @@ class CsvSink(_LineFile):
             raise ValueError(f"CsvSink {self.path}: {', '.join(map(repr, unknown))} not among its columns "
                              f"({', '.join(self._extra) or 'no extra column declared'}): declare each up front, "
                              "CsvSink(path, extra_columns=[...]) (the header is written once)")
-        row = _cells(record)
-        if self._extra:
-            cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns
-            row += [_cell(cells.get(k)) for k in self._extra]
-            self._append_row(row)
-        else:  # numbers, empty cells and the reasons' identifiers: nothing the csv module would quote
-            self._write_line(",".join(row) + "\n")
-        self.rows += 1
-        self._last = record.step
 
 
 def _whole(line: bytes) -> bytes:
@@ -1204,10 +1211,15 @@ class BackgroundSink:
             raise err
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
-        """Start the record's host copy and queue it; raises an earlier error of the thread."""
+        """Start the record's host copy and queue it; raises an earlier error of the thread, and
+        what ``inner`` refuses whatever the rows before (its ``check``, if it has one: an
+        undeclared CSV column) before queuing."""
         if record is None:
             raise TypeError(NONE_WRITTEN)
         self._raise()
+        check = getattr(self.inner, "check", None)
+        if check is not None:
+            check(record, extra)
         self._queue.put((record, extra, record.prefetch()))
 
     def begin_again(self, step: int) -> str | None:

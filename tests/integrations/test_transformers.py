@@ -420,6 +420,12 @@ def test_the_first_log_after_a_resume_counts_the_skips_since_the_runs_last_log(t
             resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
     AcceleratorState._reset_state(reset_partial_state=True)
     assert (tmp_path / "out" / "ampguard" / "steps.csv").read_text() == csv  # refused before any file changed
+    # a state saved before the counts were kept: every step up to the checkpoint taken as logged
+    state.write_text(json.dumps({k: v for k, v in saved.items() if k != "logged"}))
+    older = GuardedTrainer(model=tiny_gpt2(), args=args, train_dataset=token_ids(), scaler={"init_scale": 1024.0})
+    older.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert {h["step"]: h["ampguard/skipped"] for h in older.state.log_history if "loss" in h} == {2: 0, 4: 0}
 
 
 def test_evaluate_and_predict_autocast_as_the_stock_trainer_does(tmp_path):
@@ -723,3 +729,18 @@ def test_auto_find_batch_size_retries_after_an_out_of_memory_and_the_run_goes_on
     assert json.loads((folder / "summary.json").read_text())["steps"] == 4
     if trainer_class == "GuardedTrainer":
         assert trainer.guard.steps == 4
+
+
+def test_a_second_train_names_the_layers_its_own_first_forward_left_in_float32(tmp_path):
+    # the map is each train()'s: a second one kept the first one's (its model may have changed since)
+    trainer = GuardedTrainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=2), train_dataset=token_ids())
+    trainer.train()
+    first = dict(trainer.autocast_dtypes)
+    assert first["transformer.wte"] == "float32" and first["transformer.h.0.mlp.c_fc"] == "bfloat16"
+    trainer.autocast_dtypes["transformer.wte"] = "float64"  # (left by the first train(): none the second computes)
+    (tmp_path / "out" / "ampguard").rename(tmp_path / "first")  # (its records: the second train() writes its own)
+    trainer.train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert trainer.autocast_dtypes == first
+    card = (tmp_path / "out" / "ampguard" / "RUN.md").read_text()
+    assert f"| float32 under autocast | {float32_layers_text(first)} |" in card

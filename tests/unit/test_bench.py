@@ -57,6 +57,18 @@ def test_background_writer_keeps_every_row_in_order(tmp_path):
     assert rows[1]["loss"] == "2.0" and rows[4]["loss"] == "nan"
 
 
+def test_background_writer_refuses_an_undeclared_column_at_the_write_that_gave_it_and_writes_on(tmp_path):
+    # the refusal came from the thread, at the next write, and no row after it was written
+    path = tmp_path / "steps.csv"
+    sink = BackgroundSink(CsvSink(path, extra_columns=["val_acc"]))
+    sink.write(_record(1), {"val_acc": 0.5})
+    with pytest.raises(ValueError, match="'val_loss' not among its columns"):
+        sink.write(_record(2), {"val_loss": 0.1})
+    sink.write(_record(3), {"val_acc": 0.75})
+    sink.close()
+    assert [(r["step"], r["val_acc"]) for r in csv.DictReader(path.open())] == [("1", "0.5"), ("3", "0.75")]
+
+
 def test_background_writer_drains_the_queue_when_closed_early():
     gate = threading.Event()
     inner = SlowSink(gate)
