@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Ended, read_rows, run_to_end, torchrun_env
+from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun_env
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
@@ -19,7 +19,6 @@ from accelerate.state import AcceleratorState  # noqa: E402
 from ampguard.integrations.accelerate import found_inf, make_guard  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_guard.py"
-TIMEOUT_S = 180
 
 
 @pytest.fixture
@@ -190,20 +189,21 @@ def test_a_scheduler_built_over_the_prepared_optimizer_is_taken(accelerator, for
     assert sched.last_epoch == 1
 
 
-def _ran(work: Path) -> dict[str, Ended]:
+def early(work: Path) -> dict[str, Ended]:
     """The ``accelerate launch`` of the test below (three processes, each importing accelerate), run
-    to its end."""
+    to its end: an early job (conftest.py: started at collection, off the suite's own process; this
+    module's tests run last)."""
     folder = work / "launch"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
            str(EXAMPLE), "--precision", "bf16", "--steps", "8", "--csv", str(folder / "steps.csv"),
            "--inf-at", "3", "--inf-rank", "1"]
-    return {"launch": run_to_end("launch", cmd, folder, timeout_s=TIMEOUT_S, env=torchrun_env())}
+    return {"launch": run_to_end("launch", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())}
 
 
 @pytest.mark.slow
-def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(tmp_path):
-    done = _ran(tmp_path)["launch"]
+def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(launches):
+    done = launches["launch"]
     assert done.rc == 0, done.stderr[-3000:]
     lines = dict(re.findall(r"rank (\d): (\d+ steps, .*? checksum -?[\d.]+)", done.stdout))
     assert sorted(lines) == ["0", "1"]

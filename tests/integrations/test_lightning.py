@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from helpers import Ended, run_to_end, torchrun_env
+from helpers import EARLY_TIMEOUT_S, Ended, run_to_end, torchrun_env
 
 L = pytest.importorskip("lightning")
 
@@ -831,17 +831,19 @@ torch.distributed.destroy_process_group()
 '''
 
 
-def _ran(work: Path) -> dict[str, Ended]:
-    """The DDP fit of the test below (two processes, each importing Lightning), run to its end."""
+def early(work: Path) -> dict[str, Ended]:
+    """The DDP fit of the test below (two processes, each importing Lightning), run to its end: an
+    early job (conftest.py: started at collection, off the suite's own process; this module's
+    tests run last)."""
     folder = work / "ddp"
     folder.mkdir()
     (folder / "fit.py").write_text(DDP_FIT, encoding="utf-8")
     return {"ddp": run_to_end("ddp", [sys.executable, str(folder / "fit.py"), str(folder / "steps.csv")], folder,
-                              timeout_s=300, env=torchrun_env())}
+                              timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())}
 
 
 @pytest.mark.slow
-def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(tmp_path):
+def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(launches):
     """Lightning's DDP strategy, two CPU processes (gloo): a NaN loss on rank 1 alone at step 3 is
     the same skip on both ranks (the guard's one all-reduce), the replicas stay identical, the
     step scheduler holds on both, and one CSV is written, by rank 0. Each rank has 5 batches of
@@ -850,7 +852,7 @@ def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(tmp_pat
 
     from helpers import read_rows
 
-    done = _ran(tmp_path)["ddp"]
+    done = launches["ddp"]
     assert done.rc == 0, done.stderr[-3000:]
     lines = dict(re.findall(r"rank (\d): (.*)", done.stdout))
     assert sorted(lines) == ["0", "1"], done.stdout

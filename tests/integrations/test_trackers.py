@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import Ended
+from helpers import EARLY_TIMEOUT_S, Ended
 
 from ampguard.records import SkipLog, StepLog
 
@@ -325,9 +325,10 @@ if sys.argv[3] == "crash":
 CRASH_CASES = (("crash", 1, "FAILED"), ("end", 0, "FINISHED"))  # a script that just ends: not failed
 
 
-def _ran(work: Path) -> dict[str, Ended]:
+def early(work: Path) -> dict[str, Ended]:
     """The two scripts of the crash test below (each importing torch, W&B and MLflow), side by
-    side, to their end."""
+    side, to their end: an early job (conftest.py: started at collection, off the suite's own
+    process; this module's tests run last)."""
     import subprocess
 
     script = work / "crash.py"
@@ -338,16 +339,16 @@ def _ran(work: Path) -> dict[str, Ended]:
                                      stdin=subprocess.DEVNULL) for how, _, _ in CRASH_CASES}
     ended = {}
     for how, proc in started.items():
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=EARLY_TIMEOUT_S)  # (at nice 19 it waits for the cores)
         ended[how] = Ended(how, proc.returncode, out, err, work / how)
     return ended
 
 
-def test_a_loop_that_crashes_without_close_still_sends_its_last_step(tmp_path):
+def test_a_loop_that_crashes_without_close_still_sends_its_last_step(launches):
     """A sink holds each row back until the next write (so a run's monitor view joins it): a
     loop that crashes without ``close()`` sent steps 1-2 only, and the lost step 3 was the NaN
     the crash followed. At exit both sinks send it and end their runs failed."""
-    ran = _ran(tmp_path)
+    ran = launches
     for how, code, status in CRASH_CASES:
         done = ran[how]
         assert done.rc == code, done.stderr

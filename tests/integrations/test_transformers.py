@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Ended, read_rows, run_to_end, torchrun, torchrun_env
+from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun, torchrun_env
 
 transformers = pytest.importorskip("transformers")
 from accelerate.state import AcceleratorState  # noqa: E402
@@ -601,22 +601,24 @@ torch.distributed.destroy_process_group()
 '''
 
 
-def _ran(work: Path) -> dict[str, Ended]:
-    """The torchrun of the test below (three processes, each importing transformers), run to its end."""
+def early(work: Path) -> dict[str, Ended]:
+    """The torchrun of the test below (three processes, each importing transformers), run to its
+    end: an early job (conftest.py: started at collection, off the suite's own process; this
+    module's tests run last)."""
     folder = work / "ddp"
     folder.mkdir()
     (folder / "train.py").write_text(DDP_TRAIN, encoding="utf-8")
     cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", str(folder / "train.py"), str(folder / "out")]
-    return {"ddp": run_to_end("ddp", cmd, folder, timeout_s=300, env=torchrun_env())}
+    return {"ddp": run_to_end("ddp", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())}
 
 
 @pytest.mark.slow
-def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(tmp_path):
+def test_under_ddp_a_nan_on_one_rank_is_a_skip_on_both_and_rank_0_writes(launches):
     """GuardedTrainer under torchrun, two CPU processes (gloo DDP), accumulation 2: a NaN loss in
     rank 1's second micro-batch of step 3 alone is the same skip on both ranks (the guard's one
     all-reduce), the replicas stay identical, HF's schedule holds on both, and rank 0 alone
     writes the CSV (the README said this was checked; no test held it)."""
-    done = _ran(tmp_path)["ddp"]
+    done = launches["ddp"]
     assert done.rc == 0, done.stderr[-3000:]
     lines = dict(re.findall(r"rank (\d): (.*)", done.stdout))
     assert sorted(lines) == ["0", "1"], done.stdout
