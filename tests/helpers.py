@@ -413,7 +413,10 @@ from ampguard.cli import main
 rank = os.environ["RANK"]
 shutdown, distributed.shutdown = distributed.shutdown, lambda: None  # one process group for every run
 console = os.dup(1), os.dup(2)
-for run in json.loads(Path(sys.argv[1]).read_text()):
+runs = json.loads(Path(sys.argv[1]).read_text())
+for run in runs:
+    if run is runs[-1]:  # the last ends as a launch of its own would: leaves the group, exits with its code
+        distributed.shutdown = shutdown
     cwd = Path(run["cwd"])
     cwd.mkdir(parents=True, exist_ok=True)
     os.chdir(cwd)
@@ -421,6 +424,7 @@ for run in json.loads(Path(sys.argv[1]).read_text()):
         registry = getattr(module, "__warningregistry__", None)
         if isinstance(registry, dict):
             registry.clear()
+    before = {name: os.environ.get(name) for name in run["env"]}
     os.environ.update(run["env"])
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     if run["file_size"] is not None:  # (`ulimit -f` for this run: a write past it fails, EFBIG; main ignores SIGXFSZ)
@@ -438,10 +442,13 @@ for run in json.loads(Path(sys.argv[1]).read_text()):
         sys.stdout.flush(), sys.stderr.flush()
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     Path(run["rc"] + f".rank{rank}.rc").write_text(str(code))  # (beside its folder, which holds what the run wrote)
-    for name in run["env"]:
-        del os.environ[name]
+    for name, value in before.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
 os.dup2(console[0], 1), os.dup2(console[1], 2)
-shutdown()
+sys.exit(code)  # (torchrun's report names each rank's: none cut short by the SIGTERM after another's exit)
 '''
 
 
@@ -462,8 +469,10 @@ class Batch:
     """Several ``ampguard`` runs, one after another, in one torchrun launch of 2 workers (a
     launch costs ~12 s of CPU, two thirds of it its three processes importing torch; a run in a
     batch, ~2 s): for runs whose every rank ends at the same point (a refusal, a guard's stop, the
-    end), so that the next run's collectives meet. Not for a signal, a kill or a crash on one
-    rank. ``runs``: ``{name: Run}``; each runs in ``work/NAME``, with its ranks' output and the
+    end), so that the next run's collectives meet (a run whose ranks part would fail the runs
+    after it, not itself). Not for a signal, a kill or a crash on one rank. The last run ends as
+    a launch of its own: the process group left, each worker exiting with its code (torchrun's
+    report, the launch's stderr, follows that run's). ``runs``: ``{name: Run}``; each runs in ``work/NAME``, with its ranks' output and the
     codes their ``main`` returned in files beside it (``NAME.rank<R>.rc``: :func:`rank_codes`;
     :meth:`results`)."""
 
@@ -480,7 +489,7 @@ class Batch:
     def results(self) -> dict[str, Ended]:
         """Each run once the launch ended, as an :class:`Ended` whose ``rc`` is the highest code
         its ranks' ``main`` returned (-1 when a rank returned none; the launch's stderr then
-        follows the run's)."""
+        follows the run's, as it does the last run's)."""
         launch = self.launch.wait()
         ended = {}
         for run in self.names:
@@ -489,7 +498,8 @@ class Batch:
                         for stream in ("stdout", "stderr"))
             codes = rank_codes(self.work / run)
             rc = max(codes.values()) if len(codes) == 2 else -1
-            ended[run] = Ended(run, rc, out, err + (launch.stderr if rc == -1 else ""), self.folders[run])
+            tail = launch.stderr if rc == -1 or run == self.names[-1] else ""
+            ended[run] = Ended(run, rc, out, err + tail, self.folders[run])
         return ended
 
 

@@ -1308,7 +1308,8 @@ def model_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
         >>> model_shapes(nn.Linear(4, 2))
         [('weight', (2, 4)), ('bias', (2,))]
     """
-    return [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
+    return [(name, tuple(t.shape)) for name, t in model.state_dict().items()
+            if isinstance(t, torch.Tensor)]  # (not a module's get_extra_state(): any object)
 
 
 def check_same_models(models: Sequence[list[tuple[str, tuple[int, ...]]]]) -> None:

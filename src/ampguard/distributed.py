@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -426,25 +425,36 @@ def first_error(message: str | None) -> str | None:
     return next((m for m in all_gather(message) if m is not None), None)
 
 
-_DATA_RAISED = itertools.count()  # (the nth time this process asks: keys of their own)
-
-
-def every_rank_raised(message: str, timeout_s: float) -> str | None:
+def every_rank_raised(tag: str, message: str, timeout_s: float) -> str | None:
     """This rank's data raised ``message`` mid-run: whether every rank's did, waited for through
     the process group's key-value store (torchrun's rendezvous store), not a collective, which a
     rank whose data did not raise, waiting in the step's own collectives, would never join.
     Every rank reads the same global stream, so the same bad record raises on each, at the same
     step: then rank 0's message on every rank, which stop together. None when some rank's did not
-    within ``timeout_s`` (this rank's own failure: a file only its node reads): the caller raises.
+    (this rank's own failure: a file only its node reads): the caller raises.
+
+    Rank 0 decides for all (every rank's key within ``timeout_s``, or not) and says so in a key
+    of its own, which the others wait for (twice as long: rank 0 may come later and wait its
+    own), so that no rank stops cleanly while another crashes. ``tag`` names this run and this
+    micro-batch (the same on every rank): a key left by an earlier run is never read.
     """
-    key = f"ampguard/data-raised/{next(_DATA_RAISED)}/"
+    key = f"ampguard/data-raised/{tag}/"
     store = dist.distributed_c10d._get_default_store()
     store.set(key + str(dist.get_rank()), message)
-    try:
-        store.wait([key + str(r) for r in range(dist.get_world_size())], datetime.timedelta(seconds=timeout_s))
-    except RuntimeError:  # (DistStoreError: its timeout)
-        return None
-    return store.get(key + "0").decode("utf-8", errors="replace")
+    if dist.get_rank() == 0:
+        try:
+            store.wait([key + str(r) for r in range(dist.get_world_size())], datetime.timedelta(seconds=timeout_s))
+            verdict = "every rank"
+        except RuntimeError:  # (DistStoreError: its timeout)
+            verdict = "not every rank"
+        store.set(key + "verdict", verdict)
+    else:
+        try:
+            store.wait([key + "verdict"], datetime.timedelta(seconds=2 * timeout_s))
+        except RuntimeError:  # (rank 0's data did not raise: it waits in the step's collectives)
+            return None
+        verdict = store.get(key + "verdict").decode()
+    return store.get(key + "0").decode("utf-8", errors="replace") if verdict == "every rank" else None
 
 
 def barrier() -> None:

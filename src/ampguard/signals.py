@@ -32,6 +32,10 @@ class StopFlag:
     def __init__(self) -> None:
         self.signal: int | None = None
         """The first stop signal received (``signal.SIGINT`` or ``signal.SIGTERM``), or None."""
+        self.agreed: int | None = None
+        """Under torchrun, the signal the ranks stop for (the highest any rank received, agreed
+        at a step boundary), which names the exit code; :attr:`signal` stays this process's own,
+        so that its first signal after the agreement is not taken for a second one."""
         self.closing = False
         """Set while the run writes its last checkpoint and run card: further signals wait."""
         self.holding = False
@@ -69,7 +73,7 @@ class StopFlag:
     def exit_code(self) -> ExitCode:
         """130 for Ctrl-C, 143 for SIGTERM, 141 for stdout's reader leaving (128 + the signal's
         number, as shells report it)."""
-        return _EXIT_CODES.get(self.signal, ExitCode.INTERRUPTED)
+        return _EXIT_CODES.get(self.agreed or self.signal, ExitCode.INTERRUPTED)
 
     @property
     def name(self) -> str:

@@ -1212,14 +1212,13 @@ class BackgroundSink:
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Start the record's host copy and queue it; raises an earlier error of the thread, and
-        what ``inner`` refuses whatever the rows before (its ``check``, if it has one: an
-        undeclared CSV column) before queuing."""
+        what an inner :class:`CsvSink` refuses whatever the rows before (:meth:`CsvSink.check`:
+        an undeclared column) before queuing."""
         if record is None:
             raise TypeError(NONE_WRITTEN)
         self._raise()
-        check = getattr(self.inner, "check", None)
-        if check is not None:
-            check(record, extra)
+        if isinstance(self.inner, CsvSink):
+            self.inner.check(record, extra)
         self._queue.put((record, extra, record.prefetch()))
 
     def begin_again(self, step: int) -> str | None:

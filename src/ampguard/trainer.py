@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -112,6 +113,8 @@ class Trainer:
     """This resume's policy changes."""
     run_id: str | None
     """The run folder's id, carried by every checkpoint (known once run() opens the outputs)."""
+    _attempt: str
+    """A token of this attempt (rank 0's, the same on every rank): its keys in the rendezvous store."""
     # what it writes: opened by run(), so bad input leaves nothing behind
     paths: RunPaths
     sinks: Sinks
@@ -433,7 +436,8 @@ class Trainer:
                     raise
                 why = raised(err)
                 if self.dist.active:  # the same global stream on every rank: the same record raises on each
-                    why = distributed.every_rank_raised(why, max(STUCK_AFTER_S, 3 * self._slowest))
+                    why = distributed.every_rank_raised(f"{self._attempt}/{self.data.position}", why,
+                                                        max(STUCK_AFTER_S, 3 * self._slowest))
                     if why is None:  # this rank's own failure: a stop on it alone would leave the others
                         raise        # waiting in the step's collectives; the traceback ends the job (torchrun)
                 raise BadBatch(why) from None
@@ -533,7 +537,8 @@ class Trainer:
                 run_id = self.paths.ensure_run_id()
         except DiskFull as full:
             run_id, self._failed = None, self._failed or full
-        self.run_id = distributed.broadcast_from_main(run_id)
+        # (and a token of this attempt, rank 0's: keys of its own in the rendezvous store)
+        self.run_id, self._attempt = distributed.broadcast_from_main((run_id, secrets.token_hex(8)))
         self.bar = progress_bar(self.config.steps, initial=self.state.steps) if self.progress and main else None
         self.throughput = Throughput(flops_per_token=self.task.flops_per_token, peak_flops=self._peak_flops(),
                                      ranks=self.dist.world_size)
@@ -706,8 +711,8 @@ class Trainer:
         name every rank then ends with (a SIGTERM sent to one rank's process had the others end
         with 130, "Ctrl-C"). One all-reduce and host read (torchrun)."""
         signum, full = distributed.highest([int(stop.signal or 0) if stop else 0, int(full)], self.device)
-        if signum and stop is not None:
-            stop.signal = signal.Signals(signum)
+        if signum and stop is not None:  # (not its own signal: one arriving now is this rank's first, not a second)
+            stop.agreed = signal.Signals(signum)
         return bool(signum), bool(full)
 
     def disk_full(self) -> DiskFull | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -364,11 +365,15 @@ def test_resume_under_ddp_is_bit_for_bit_the_uninterrupted_run(run_a, resume_lau
 def test_resuming_a_single_process_checkpoint_under_torchrun_is_refused(resume_launches, work):
     launch, w, before = resume_launches["W"]
     assert rank_codes(work / "W") == {0: 2, 1: 2}, launch.stderr[-3000:]  # bad input, on every rank
+    # (the batch's last run: torchrun's report) the workers exited 2; torchrun may stop the second with
+    # SIGTERM (-15) once the first has failed, depending on which gets there first: no other code
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", launch.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, launch.stderr[-3000:]
     # ... with one line each naming the world sizes, and no traceback of ampguard's
     errors = [line for line in launch.stderr.splitlines() if line.startswith("ampguard: error:")]
     assert len(errors) == 2 and len(set(errors)) == 1, launch.stderr[-3000:]
     assert "saved by 1 process" in errors[0] and "2" in errors[0] and "world size" in errors[0]
-    assert "Traceback" not in launch.stderr
+    assert not [line for line in launch.stderr.splitlines() if line.strip().startswith("File ") and "ampguard" in line]
     assert snapshot_of(w) == before  # nothing written or overwritten
     assert list((work / "W_cwd").iterdir()) == []
 

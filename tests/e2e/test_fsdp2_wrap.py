@@ -160,6 +160,7 @@ def test_a_tied_weight_factory_model_trains_under_fsdp2(launches, work):
 def test_a_model_fully_shard_refuses_is_one_line_and_exit_2_on_every_rank(launches, work):
     launch = launches["E"].wait()
     assert rank_codes(work / "E") == {0: 2, 1: 2}, launch.stderr  # every rank
+    assert launch.stderr.count("exitcode  : 2 ") == 2, launch.stderr  # (the batch's last run) torchrun's report
     lines = [line for line in launch.stderr.splitlines() if line.startswith("ampguard: error:")]
     assert lines == ["ampguard: error: distributed.strategy=fsdp2: fully_shard cannot shard this model: "
                      "fully_shard doesn't support scalar parameters. Change gain to a 1D tensor with numel "

@@ -42,6 +42,10 @@
 
 - ``O``: a SIGTERM to rank 1's process alone, in its third step: every rank stops at the same
   boundary and ends with 143, the card saying SIGTERM (rank 0 said 130, "Ctrl-C").
+- ``L``: rank 0's SIGTERM before step 3's boundary and rank 1's own just after the boundary's
+  agreement (a scheduler's signal reaching the nodes milliseconds apart): every rank stops there
+  with 143 and the checkpoint (rank 1 took its own signal for a second one, skipped the save and
+  left rank 0 waiting in it: a hang).
 - ``B``: the data's fifth batch raises on every rank (the same global stream): every rank stops
   with exit 2 and one line, the checkpoint of step 4 kept (a traceback per rank, no checkpoint);
   ``B1``: it raises on rank 1 alone: rank 1's crash (its traceback), after waiting for the others.
@@ -77,7 +81,8 @@ from ampguard.errors import ExitCode
 pytestmark = TORCHRUN
 
 TIMEOUT_S = EARLY_TIMEOUT_S
-BATCHED = {"S", "D", "E", "X", "R", "V", "K", "Z", "C", "M", "B"}  # (their ranks end together: one launch, helpers.Batch)
+# their ranks end together: one launch (helpers.Batch), in this order; S last, the launch's own end
+BATCHED = ("D", "E", "X", "R", "V", "K", "Z", "C", "M", "B", "S")
 RUN = ["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",
        "--set", "task.batch_size=8", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
 SHARDED_EVAL = '''
@@ -132,10 +137,23 @@ def build(config):
     return nn.Linear(4, 1), [(x[i:i + 4], y[i:i + 4]) for i in range(0, 15, 4)], nn.functional.mse_loss
 '''
 WRAPPER = '''
-import os, sys
+import os, signal, sys
 from pathlib import Path
+from ampguard import trainer
 from ampguard.cli import main
 
+if os.environ.get("LATE_TERM"):  # L: rank 0's SIGTERM before step 3's boundary, rank 1's own just after it
+    agree = trainer.Trainer._agree
+
+    def late(self, stop, full):
+        if os.environ["RANK"] == "0" and self.state.steps == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        interrupted, full = agree(self, stop, full)
+        if os.environ["RANK"] == "1" and interrupted:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return interrupted, full
+
+    trainer.Trainer._agree = late
 code = int(main(sys.argv[2:]))
 Path(f"{sys.argv[1]}.rank{os.environ['RANK']}.rc").write_text(str(code))  # (helpers.rank_codes)
 sys.exit(code)
@@ -226,6 +244,7 @@ def early(work: Path) -> dict[str, tuple]:
         "H": [*KILLED_RUN[:-1], "log.name=H"],
         "C": [*RUN, "--set", "steps=4", "--set", "log.name=C"],
         "O": [*KILLED_RUN[:-1], "log.name=O"],
+        "L": [*RUN, "--set", "steps=20", "--set", "log.name=L"],
         "B": [*KILLED_RUN[:-1], "log.name=B"],
         "B1": [*KILLED_RUN[:-1], "log.name=B1"],
         "M": [*KILLED_RUN[:-1], "log.name=M", "--set", "task.options.table=3"],
@@ -237,7 +256,7 @@ def early(work: Path) -> dict[str, tuple]:
     specs = {name: [*args, "--set", "log.plot=false"] for name, args in specs.items()}
     sizes = {"D": 2000}  # (ulimit -f: rank 0's CSV finds no room)
     rank_1 = {"C": ["--set", "optimizer.lr=0.5"], "M": ["--set", "task.options.table=5"]}  # rank 1's own --set
-    own_env = {"W": {"KILL_RANK_1": "1"}, "H": {"HANG_RANK_1": "1"}, "O": {"TERM_RANK_1": "1"},
+    own_env = {"W": {"KILL_RANK_1": "1"}, "H": {"HANG_RANK_1": "1"}, "O": {"TERM_RANK_1": "1"}, "L": {"LATE_TERM": "1"},
                "B": {"DATA_RAISES": "every"}, "B1": {"DATA_RAISES": "1"}}
     started: dict[str, Launch] = {}
     try:
@@ -245,7 +264,7 @@ def early(work: Path) -> dict[str, tuple]:
         batch = Batch("batch", {name: Run(specs[name], rank_1.get(name, []), own_env.get(name, {}), sizes.get(name))
                                 for name in BATCHED}, work, timeout_s=TIMEOUT_S, env=env)
         started["batch"] = batch.launch
-        for name in specs.keys() - BATCHED:  # a signal, a kill, one rank's crash, a file size limit: each its own
+        for name in specs.keys() - set(BATCHED):  # a signal, a kill, one rank's crash, a file size limit: each its own
             started[name] = Launch(name, [str(wrapper), str(work / name), *specs[name]], work / name, timeout_s=TIMEOUT_S,
                                    env={**env, **own_env.get(name, {})})
         # what W's kill left (its CSV, its checkpoints), before its resume (with P and Q, below)
@@ -340,6 +359,8 @@ def _spoilt_copy(run: Path, copy: Path) -> dict[str, bytes]:
 def test_strict_mode_every_rank_stops_with_3_and_the_card_names_the_rank_of_the_nan(launches):
     code, out, err, cwd = launches["S"]
     assert rank_codes(cwd) == {0: ExitCode.GUARD, 1: ExitCode.GUARD}, f"torchrun exited {code}\n{err[-3000:]}"
+    # (the batch's last run: torchrun's report) no rank cut short by the SIGTERM after the other's exit
+    assert sorted(re.findall(r"exitcode\s+:\s*(-?\d+)", err)) == ["3", "3"], err[-3000:]
     run = cwd / "runs" / "S"
     card = (run / "RUN.md").read_text()
     finding = "step 3 (non_finite_loss) on rank 1: first nan under fp32: in the loss"
@@ -473,7 +494,7 @@ def test_a_run_too_short_for_fail_after_fails_at_its_end_on_every_rank_together(
 
 def test_a_rank_killed_mid_run_ends_the_job_with_whole_rows_and_a_resume_finishes_it(launches):
     code, out, err, cwd = launches["W"]  # (launches waited at most TIMEOUT_S: no rank hung in a collective)
-    assert code != 0 and not (cwd / "rank1.rc").exists(), err[-3000:]  # rank 1 never returned
+    assert code != 0 and 1 not in rank_codes(cwd), err[-3000:]  # rank 1 never returned
     text, saved, card, events = launches["W-left"]  # what the killed job left, before the resume
     assert text.endswith("\n")  # whole rows: no line cut short
     steps = [int(line.split(",")[0]) for line in text.splitlines()[1:]]
@@ -587,3 +608,11 @@ def test_ranks_given_different_resume_checkpoints_are_refused_before_anything_is
         r"ampguard: error: the ranks were given different --resume checkpoints: step 4 of run (\S+) on rank 0, "
         r"step 6 of run \1 on rank 1; give every rank the same --resume", lines.pop()), err[-3000:]
     assert snapshot_of(cwd.parent / "K" / "runs" / "K") == launches["Q-left"]  # K's run, as it was
+
+
+def test_a_ranks_own_signal_just_after_the_agreed_stop_is_not_a_second_one(launches):
+    code, out, err, cwd = launches["L"]
+    assert rank_codes(cwd) == {0: ExitCode.TERMINATED, 1: ExitCode.TERMINATED}, f"torchrun exited {code}\n{err[-3000:]}"
+    run = cwd / "runs" / "L"
+    assert "| ended | interrupted (SIGTERM) after step 3 |" in (run / "RUN.md").read_text(encoding="utf-8")
+    assert (run / "checkpoints" / "step-00000003.pt").exists()
