@@ -472,9 +472,9 @@ class Batch:
     end), so that the next run's collectives meet (a run whose ranks part would fail the runs
     after it, not itself). Not for a signal, a kill or a crash on one rank. The last run ends as
     a launch of its own: the process group left, each worker exiting with its code (torchrun's
-    report, the launch's stderr, follows that run's). ``runs``: ``{name: Run}``; each runs in ``work/NAME``, with its ranks' output and the
-    codes their ``main`` returned in files beside it (``NAME.rank<R>.rc``: :func:`rank_codes`;
-    :meth:`results`)."""
+    report, the launch's stderr, follows that run's). ``runs``: ``{name: Run}``; each runs in
+    ``work/NAME``, with its ranks' output and the codes their ``main`` returned in files beside
+    it (``NAME.rank<R>.rc``: :func:`rank_codes`; :meth:`results`)."""
 
     def __init__(self, name: str, runs: dict[str, Run], work: Path, *, timeout_s: float, env: dict[str, str]) -> None:
         self.names, self.work = list(runs), work
@@ -491,11 +491,14 @@ class Batch:
         its ranks' ``main`` returned (-1 when a rank returned none; the launch's stderr then
         follows the run's, as it does the last run's)."""
         launch = self.launch.wait()
+
+        def read(run: str, stream: str) -> str:
+            files = (self.work / f"{run}.rank{r}.{stream}" for r in (0, 1))
+            return "".join(f.read_text(encoding="utf-8", errors="replace") for f in files if f.exists())
+
         ended = {}
         for run in self.names:
-            files = {stream: [self.work / f"{run}.rank{r}.{stream}" for r in (0, 1)] for stream in ("stdout", "stderr")}
-            out, err = ("".join(f.read_text(encoding="utf-8", errors="replace") for f in files[stream] if f.exists())
-                        for stream in ("stdout", "stderr"))
+            out, err = read(run, "stdout"), read(run, "stderr")
             codes = rank_codes(self.work / run)
             rc = max(codes.values()) if len(codes) == 2 else -1
             tail = launch.stderr if rc == -1 or run == self.names[-1] else ""

@@ -38,6 +38,7 @@ class Evaluator:
         self.enabled = config.eval.enabled and task.evaluate is not None
         self.metrics: tuple[str, ...] = task.metrics if self.enabled else ()
         """The metric names: extra CSV columns after the fixed eight."""
+        self._warned = False  # (an undeclared name left out: said once)
 
     def due(self, step: int) -> bool:
         return self.enabled and (step >= self.last_step or (self.every > 0 and step % self.every == 0))
@@ -50,7 +51,7 @@ class Evaluator:
         metrics = self._evaluate()
         extra = [name for name in metrics if name not in self.metrics]
         if extra:
-            if not getattr(self, "_warned", False):
+            if not self._warned:
                 self._warned = True
                 warnings.warn(f"task.factory: evaluate() returned {extra}, not among its declared metrics "
                               f"{list(self.metrics)}: left out (the CSV has no column for them)", AmpguardWarning,

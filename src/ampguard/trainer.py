@@ -137,9 +137,11 @@ class Trainer:
         self.console_every, self.stats_every, self.print_fn, self.progress = console_every, stats_every, print_fn, progress
         if distributed.launched_by_torchrun():
             self.dist, self.device = distributed.init_from_env(config.device)
-            # every rank trains with rank 0's config, checked before anything else (one line on every rank)
-            ck.check_same_configs(distributed.all_gather(config.model_dump(mode="json")))
-            ck.check_same_resumes(distributed.all_gather(ck.resume_point(resume)))  # (before anything is cut)
+            # every rank trains with rank 0's config and resumes from its checkpoint, checked before
+            # anything else (one line on every rank; one all-gather for both)
+            configs, points = zip(*distributed.all_gather((config.model_dump(mode="json"), ck.resume_point(resume))))
+            ck.check_same_configs(configs)
+            ck.check_same_resumes(points)  # (before anything is cut)
         else:
             self.dist, self.device = distributed.DistInfo(), resolve_device(config.device)
         if resume is not None:
