@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import re
 import shutil
@@ -127,30 +128,36 @@ class RunPaths:
             >>> shutil.rmtree(root)
         """
         if config.log.name:
-            run_dir = Path(config.log.dir) / config.log.name
-            if run_dir.exists():
-                raise InputError(f"run folder {run_dir} already exists; choose another log.name")
-        else:  # a timestamp, made unique if another run started in the same second
+            names = iter([config.log.name])
+        else:  # a timestamp, made unique when another run started in the same second
             stamp = time.strftime("%Y%m%d-%H%M%S")
-            run_dir = Path(config.log.dir) / stamp
-            n = 1
-            while run_dir.exists():
-                n += 1
-                run_dir = Path(config.log.dir) / f"{stamp}-{n}"
+            names = itertools.chain([stamp], (f"{stamp}-{n}" for n in itertools.count(2)))
+        run_dir = Path(config.log.dir) / next(names)
+        if config.log.name and run_dir.exists():
+            raise InputError(f"run folder {run_dir} already exists; choose another log.name")
         created: list[Path] = []
         try:
-            for folder in [*reversed(run_dir.parents), run_dir]:  # one by one, to know which are new
-                if folder != run_dir and folder.exists():  # (a file there: the next mkdir says so)
-                    continue
-                folder.mkdir()
-                created.append(folder)
+            for folder in reversed(run_dir.parents):  # one by one, to know which are new
+                if not folder.exists():  # (a file there: the run folder's mkdir says so)
+                    with contextlib.suppress(FileExistsError):  # (made by a run started beside this one)
+                        folder.mkdir()
+                        created.append(folder)
+            while True:  # the run folder itself: never one another run made, even a moment ago
+                try:
+                    run_dir.mkdir()
+                    break
+                except FileExistsError:
+                    if config.log.name:
+                        raise
+                    run_dir = run_dir.parent / next(names)
+            created.append(run_dir)
             paths = cls(csv=run_dir / "steps.csv", dir=run_dir, created=created)
             if on_made is not None:
                 on_made(paths)
             paths.write_config(config)
             paths.ensure_run_id()  # (here: a disk full by then was a traceback from the run's open)
         except (OSError, ValueError, DiskFull) as err:  # (replace_atomically names a full disk DiskFull)
-            _remove_created(created)
+            _remove_created(created, run_dir)
             if isinstance(err, FileExistsError) and run_dir not in created and run_dir.exists():  # a race
                 raise InputError(f"run folder {run_dir} already exists; choose another log.name") from None
             err = err.error if isinstance(err, DiskFull) else err
@@ -291,7 +298,7 @@ class RunPaths:
                 return False  # (a write cut short leaves its .NAME.tmp-PID: nothing of a run either)
         except OSError:
             return False
-        _remove_created(self.created)
+        _remove_created(self.created, self.dir)
         self.created = []
         return True
 
@@ -393,12 +400,13 @@ def _pid_in(fd: int) -> str | None:
     return pid if pid.isdigit() else None
 
 
-def _remove_created(created: list[Path]) -> None:
-    """Undo a failed :meth:`RunPaths.new_run_dir`: the run folder it made (with what it wrote in
-    it) and the parents it made, newest first, while they are empty."""
+def _remove_created(created: list[Path], run_dir: Path) -> None:
+    """Undo a failed :meth:`RunPaths.new_run_dir`: the run folder ``run_dir`` if it made it (with
+    what it wrote in it) and the parents it made, newest first, while they are empty (a run started
+    beside this one may have put its folder in one)."""
     for folder in reversed(created):
         try:
-            if folder == created[-1]:
+            if folder == run_dir:
                 shutil.rmtree(folder)
             else:
                 folder.rmdir()

@@ -58,6 +58,50 @@ def test_the_log_dir_is_created_with_its_parents(tmp_path):
     assert paths.dir.is_dir() and paths.dir.parent == tmp_path / "a" / "b"
 
 
+def _another_run_makes(monkeypatch, folder: Path, *, then_fill: bool = False) -> None:
+    """Another run, started beside this one, makes ``folder`` between this run's look and its
+    ``mkdir`` (the race of two jobs launched at once into one ``log.dir``)."""
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self == folder and not folder.exists():
+            real_mkdir(folder)
+            if then_fill:
+                (folder / "its-run").mkdir()
+        return real_mkdir(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+
+
+def test_a_log_dir_another_run_makes_at_the_same_moment_is_shared_not_refused(tmp_path, monkeypatch):
+    """Two runs started together into a ``log.dir`` not yet there: each looked, found none, and
+    made it; the second's ``mkdir`` failed and its run was refused, "cannot create run folder
+    runs/b: File exists" (seen in the suite: two runs started side by side)."""
+    _another_run_makes(monkeypatch, tmp_path / "runs", then_fill=True)
+    paths = RunPaths.new_run_dir(config_in(tmp_path / "runs", "b"))
+    assert paths.dir == tmp_path / "runs" / "b" and (paths.dir / "config.yaml").is_file()
+    assert paths.created == [paths.dir]  # runs/ is the other run's: never this one's to take back
+    assert paths.remove_unused()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["its-run"]
+
+
+def test_a_timestamp_another_run_takes_at_the_same_moment_is_passed_over(tmp_path, monkeypatch):
+    """Two unnamed runs started in the same second: both found the timestamp free; the second's
+    ``mkdir`` failed with "already exists; choose another log.name", a name it was never given."""
+    monkeypatch.setattr(run_folder.time, "strftime", lambda fmt: "20240102-030405")
+    _another_run_makes(monkeypatch, tmp_path / "20240102-030405")
+    paths = RunPaths.new_run_dir(config_in(tmp_path))
+    assert paths.dir.name == "20240102-030405-2" and paths.created == [paths.dir]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["20240102-030405", "20240102-030405-2"]
+
+
+def test_a_name_another_run_takes_at_the_same_moment_is_refused_and_its_folder_left_alone(tmp_path, monkeypatch):
+    _another_run_makes(monkeypatch, tmp_path / "runs" / "b", then_fill=True)
+    with pytest.raises(InputError) as err:
+        RunPaths.new_run_dir(config_in(tmp_path / "runs", "b"))
+    assert str(err.value) == f"run folder {tmp_path / 'runs' / 'b'} already exists; choose another log.name"
+    assert sorted(p.name for p in (tmp_path / "runs" / "b").iterdir()) == ["its-run"]  # not removed as ours
+
+
 def test_a_run_folder_that_cannot_be_created_is_one_input_error_line(tmp_path):
     (tmp_path / "not-a-folder").write_text("")
     with pytest.raises(InputError) as err:
