@@ -41,6 +41,7 @@ from .precision import Precision, backend_text
 from .records import LAG, InFlight
 from .sinks import CsvSink, Sink
 from .step import AmpTrainState
+from .watch import compiled_inside
 
 # ---------------------------------------------------------------------------- workloads
 
@@ -744,8 +745,7 @@ def census(c: Contender) -> Census | None:
             return out
 
     model = getattr(c, "model", None)
-    if c.compiled or (isinstance(model, nn.Module) and any(
-            isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())):
+    if c.compiled or (isinstance(model, nn.Module) and compiled_inside(model)):
         return None  # (a compiled model anywhere inside: Fabric wraps it in a module of its own)
     try:
         with Count() as count:

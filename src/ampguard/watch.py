@@ -154,6 +154,28 @@ def _note_autocast(module: nn.Module, args: Any) -> None:
             guard._forward_autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs through ``torch.compile``: its wrapper (``OptimizedModule``), or
+    compiled in place (``module.compile()``). A hook added to one, then removed, makes dynamo
+    compile it again."""
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_inside(model: nn.Module) -> bool:
+    """Whether ``model`` or a module inside it is compiled (``torch.compile(m)`` kept as a child,
+    or ``m.compile()``: :func:`is_compiled`).
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> compiled_inside(model)
+        False
+        >>> model[0].compile(); compiled_inside(model)
+        True
+    """
+    return any(map(is_compiled, model.modules()))
+
+
 def _probe_autocast(guard: Any, modules: Sequence[nn.Module]) -> list[Any]:
     """:func:`_note_autocast` on ``modules`` for ``guard``: the hooks' handles, which the guard
     removes at its first backward when that saw a forward through the module's ``__call__``;
@@ -163,8 +185,7 @@ def _probe_autocast(guard: Any, modules: Sequence[nn.Module]) -> list[Any]:
     would make ``torch.compile`` compile it again. Nor is a model under DDP or FSDP2."""
     handles = []
     for module in modules:
-        if (type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
-                or distributed.defers_sync(module)):  # (DDP's and FSDP2's own hooks: a torchrun job's rank 0
+        if is_compiled(module) or distributed.defers_sync(module):  # (DDP's and FSDP2's own hooks: a torchrun job's rank 0
             continue                                  # sometimes aborted at exit with one added and removed)
         _PROBING.setdefault(module, weakref.WeakSet()).add(guard)
         handle = module.register_forward_pre_hook(_note_autocast)

@@ -161,6 +161,54 @@ def test_a_wandb_offline_run_stopped_by_the_guard_holds_the_monitor_and_exits_3(
     assert logged.summary["last_alert"].startswith("step 4: rolling skip rate above fail_rate 0.5")
 
 
+class Normed(Tiny):
+    """Tiny with a BatchNorm on its raw input: under bf16 autocast on the CPU its output stays
+    float32 (its input's dtype), the Linear layers after it compute in bfloat16."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_the_layers_autocast_left_in_float32_are_named_on_the_plugin_and_in_the_tracker_run(tmp_path):
+    """``ampguard train``'s card and GuardedTrainer name them; a Lightning fit did not. The fit's
+    first training step notes each leaf module's output dtype (hooks for that step only), and
+    the tracker run's summary gets the card's line; an fp32 fit notes nothing."""
+    sink, module = mlflow_sink(tmp_path), Normed(nan_at={1})  # (a skipped first step is still a forward)
+    plugin = AmpGuardPlugin("bf16-mixed", sinks=[sink], log=False)
+    fit(plugin, 3, module)
+    assert plugin.autocast_dtypes == {"net.0": "float32", "net.1": "bfloat16", "net.2": "bfloat16", "net.3": "bfloat16"}
+    assert not any(m._forward_hooks for m in module.modules())  # gone after the first step
+    tags = sink.client.get_run(sink.run_id).data.tags
+    assert tags["ampguard.float32_under_autocast"] == "net.0 (1 of 4 layers; the others bfloat16)"
+    plugin = AmpGuardPlugin("32-true", sinks=[mlflow_sink(tmp_path)], log=False)
+    fit(plugin, 1, module)
+    assert plugin.autocast_dtypes is None
+    assert "ampguard.float32_under_autocast" not in plugin.extra_sinks[0].client.get_run(
+        plugin.extra_sinks[0].run_id).data.tags
+
+
+def test_a_compiled_model_is_not_hooked_for_the_float32_map():
+    """Hooks traced into a compiled forward, then removed after the first step, made dynamo
+    compile it a second time: a model compiled inside the LightningModule (or the module itself,
+    ``trainer.fit(torch.compile(module))``) is left alone, its map empty, compiled once."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    module = Normed()
+    module.net = torch.compile(module.net, backend=counting)
+    plugin = AmpGuardPlugin("bf16-mixed", log=False)
+    fit(plugin, 3, module)
+    assert plugin.autocast_dtypes == {} and len(graphs) == 1
+    plugin = AmpGuardPlugin("bf16-mixed", log=False)
+    fit(plugin, 1, torch.compile(Normed(), backend="eager"))
+    assert plugin.autocast_dtypes == {}
+
+
 @pytest.mark.parametrize("minimum, set_aside", [
     ({"min_steps": 20}, "min_steps=20"), ({"min_epochs": 2}, "min_epochs=2"),
     ({"min_steps": 3}, "min_epochs=1, which Lightning sets for min_steps=3")])

@@ -733,6 +733,23 @@ def test_auto_find_batch_size_retries_after_an_out_of_memory_and_the_run_goes_on
         assert trainer.guard.steps == 4
 
 
+def test_a_compiled_model_is_not_hooked_for_the_float32_map(tmp_path):
+    """``torch_compile=True``: the dtype hooks were traced into the compiled forward and removed
+    after it, so dynamo compiled the model a second time (3 graphs, 2 without the hooks; with
+    Inductor a second build). A compiled model's map stays empty."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = GuardedTrainer(model=tiny_gpt2(), train_dataset=token_ids(), args=arguments(
+        tmp_path, "bf16", steps=2, torch_compile=True, torch_compile_backend="eager"))
+    trainer.train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert trainer.autocast_dtypes == {}
+    assert counters["stats"]["unique_graphs"] == 2  # (the forward, and the loss after a graph break)
+    assert "float32 under autocast" not in (tmp_path / "out" / "ampguard" / "RUN.md").read_text()
+
+
 def test_a_second_train_names_the_layers_its_own_first_forward_left_in_float32(tmp_path):
     # the map is each train()'s: a second one kept the first one's (its model may have changed since)
     trainer = GuardedTrainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=2), train_dataset=token_ids())

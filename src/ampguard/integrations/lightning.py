@@ -78,6 +78,7 @@ from ..precision import GuardedGradScaler, Precision
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
 from ..sinks import CSV_COLUMNS, CsvSink, Sink
 from ..step import Guard
+from ..watch import compiled_inside
 from .trackers import Outcome, end_sinks
 
 LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
@@ -208,6 +209,9 @@ class AmpGuardPlugin(_LightningPrecision):
 
         self.guard: Guard | None = None
         self.monitor: RunMonitor | None = None
+        # each leaf module's output dtype in the fit's first training step under autocast (None
+        # until it ran; {} for a compiled model): the layers autocast left in float32
+        self.autocast_dtypes: dict[str, str] | None = None
         self.records: deque[StepLog | SkipLog] = deque(maxlen=keep_records)
         self.stop_reason: str | None = None
         self._autocast: Precision | None = None
@@ -260,7 +264,7 @@ class AmpGuardPlugin(_LightningPrecision):
             self._tuned = any(isinstance(cb, _TUNERS) for cb in trainer.callbacks)
             # a new fit has new optimizers (configure_optimizers ran again): a new guard at its first
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
-            self.guard, self.monitor, self.stop_reason = None, None, None
+            self.guard, self.monitor, self.stop_reason, self.autocast_dtypes = None, None, None, None
             self.records.clear()
             self._loaded, self._hold, self._resumed_at, self._held_batches = None, False, None, None
             if trainer.gradient_clip_val:
@@ -494,7 +498,7 @@ class AmpGuardPlugin(_LightningPrecision):
         raised after); a tracker sink first finished with the fit's result."""
         code, ended = self._exit_code(trainer)
         monitor = self.monitor or RunMonitor(**self.monitor_settings)  # (a fit that crashed before its first step)
-        end_sinks(sinks, Outcome(monitor, code, ended))  # (a fit has no run folder: no artifacts)
+        end_sinks(sinks, Outcome(monitor, code, ended, autocast_dtypes=self.autocast_dtypes))  # (no run folder: no artifacts)
 
     def _exit_code(self, trainer: pl.Trainer | None) -> tuple[int, str]:
         """The fit's outcome as ``ampguard train``'s exit code (docs/design.md §4) and a line.
@@ -527,6 +531,30 @@ class AmpGuardPlugin(_LightningPrecision):
         precision = self._autocast or Precision(self.name, "cuda" if torch.cuda.is_available() else "cpu")
         with precision.autocast():
             yield
+
+    @contextlib.contextmanager
+    def train_step_context(self) -> Iterator[None]:
+        """``training_step``'s autocast (:meth:`forward_context`); in the fit's first one, each
+        leaf module of the LightningModule notes its output's dtype in :attr:`autocast_dtypes`
+        (``ampguard.build.recording_dtypes``: hooks for that step only), as ``ampguard train``'s
+        run card and ``GuardedTrainer`` do; the tracker sinks' summary gets it at the fit's end."""
+        with super().train_step_context(), self._recording_dtypes():
+            yield
+
+    def _recording_dtypes(self) -> contextlib.AbstractContextManager:
+        """The dtype hooks for the fit's first training step under autocast; a no-op after it, in
+        fp32, and for a compiled model (hooks traced into its graph, then removed, would make
+        ``torch.compile`` compile it again: :attr:`autocast_dtypes` stays empty)."""
+        trainer = self._fitting
+        if self.autocast_dtypes is not None or trainer is None or not (self._autocast and self._autocast.autocasts):
+            return contextlib.nullcontext()
+        from ..build import recording_dtypes
+
+        self.autocast_dtypes = {}  # (filled as the forward runs)
+        module = trainer.lightning_module
+        if module._compiler_ctx is not None or compiled_inside(module):
+            return contextlib.nullcontext()
+        return recording_dtypes(module, self.autocast_dtypes)
 
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         return super().pre_backward(tensor, module)  # the on_before_backward hooks; the guard scales

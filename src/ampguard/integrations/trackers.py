@@ -134,7 +134,9 @@ def monitor_metrics(monitor: RunMonitor) -> dict[str, float]:
 
 
 def run_totals(result: RunResult) -> dict[str, Any]:
-    """The run's totals for the tracker's summary: numbers, and words (``scale_health``, ``ended``).
+    """The run's totals for the tracker's summary: numbers, and words (``scale_health``,
+    ``ended``, and under autocast ``float32_under_autocast``: the run card's row, which layers
+    autocast left in float32 in the first training forward).
 
     Example::
 
@@ -142,16 +144,22 @@ def run_totals(result: RunResult) -> dict[str, Any]:
         >>> from ampguard.monitor import RunMonitor
         >>> m = RunMonitor(scaler_enabled=False)
         >>> m.skips["non_finite_loss"] += 1
-        >>> totals = run_totals(SimpleNamespace(monitor=m, exit_code=0, ended="finished: 5 steps"))
+        >>> totals = run_totals(SimpleNamespace(monitor=m, exit_code=0, ended="finished: 5 steps",
+        ...                                     autocast_dtypes={"emb": "float32", "fc": "bfloat16"}))
         >>> totals["skips.non_finite_loss"], totals["skips.non_finite_grad"], totals["scale_health"]
         (1, 0, 'none (no loss scaler)')
+        >>> totals["float32_under_autocast"]
+        'emb (1 of 2 layers; the others bfloat16)'
     """
-    m = result.monitor
+    from ..report import float32_layers_text
+
+    m, dtypes = result.monitor, getattr(result, "autocast_dtypes", None)
     return {
         "steps": m.steps, "updates": m.updates, "skips": sum(m.skips.values()),
         **{f"skips.{reason}": m.skips.get(reason, 0) for reason in SKIP_REASONS},
         "max_skip_rate": m.max_skip_rate, "alert_episodes": m.alert_episodes,
         "scale_health": m.scale_verdict, "exit_code": int(result.exit_code), "ended": result.ended,
+        **({"float32_under_autocast": float32_layers_text(dtypes)} if dtypes else {}),
     }
 
 
@@ -805,14 +813,17 @@ def end_trackers(trackers: Sequence[TrackerSink], err: BaseException) -> None:
 
 class Outcome:
     """What :meth:`TrackerSink.finish` reads of a run's result (``monitor``, ``exit_code``,
-    ``ended``, ``paths``) for a loop that is not ``ampguard train``'s (a Lightning fit, a Hugging
-    Face ``train()``): ``folder`` is where its files are (their :data:`ARTIFACTS` are uploaded),
-    or None (none)."""
+    ``ended``, ``paths``, ``autocast_dtypes``) for a loop that is not ``ampguard train``'s (a
+    Lightning fit, a Hugging Face ``train()``): ``folder`` is where its files are (their
+    :data:`ARTIFACTS` are uploaded), or None (none); ``autocast_dtypes`` each leaf module's output
+    dtype in the first training forward under autocast (``build.recording_dtypes``), if noted."""
 
-    def __init__(self, monitor: RunMonitor, exit_code: int, ended: str, folder: Path | None = None) -> None:
+    def __init__(self, monitor: RunMonitor, exit_code: int, ended: str, folder: Path | None = None,
+                 autocast_dtypes: dict[str, str] | None = None) -> None:
         from ..run_folder import RunPaths
 
         self.monitor, self.exit_code, self.ended, self.paths = monitor, exit_code, ended, RunPaths(dir=folder)
+        self.autocast_dtypes = dict(autocast_dtypes or {})
 
 
 def end_sinks(sinks: Sequence[Any], outcome: Outcome) -> None:

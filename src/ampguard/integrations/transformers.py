@@ -498,7 +498,7 @@ class AmpGuardCallback(TrainerCallback):
             from .trackers import Outcome, end_sinks
 
             assert self.monitor is not None
-            end_sinks(sinks, Outcome(self.monitor, exit_code, ended, folder))
+            end_sinks(sinks, Outcome(self.monitor, exit_code, ended, folder, self.autocast_dtypes))
 
     def _end_unseen(self) -> None:
         """The previous ``train()`` ended with neither ``on_train_end`` nor :meth:`crashed` (a
@@ -827,12 +827,17 @@ class GuardedTrainer(Trainer):
     def _recording_dtypes(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """Around the first training forward under autocast: each leaf module's output dtype
         (:func:`ampguard.build.recording_dtypes`, hooks for that forward only), given to the
-        callback for the run card; a no-op after it, and without autocast (fp32)."""
+        callback for the run card; a no-op after it, without autocast (fp32), and for a compiled
+        model (``torch_compile=True``: hooks traced into its graph, then removed, would make
+        dynamo compile it again; the map stays empty)."""
         if self.ampguard.autocast_dtypes is not None or not self.precision.autocasts:
             return contextlib.nullcontext()
         from ..build import recording_dtypes
+        from ..watch import compiled_inside
 
         self.ampguard.autocast_dtypes = {}  # (filled as the forward runs)
+        if compiled_inside(model):
+            return contextlib.nullcontext()
         return recording_dtypes(self.accelerator.unwrap_model(model), self.ampguard.autocast_dtypes)
 
     @property
