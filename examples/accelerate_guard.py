@@ -107,8 +107,10 @@ def train(accelerator: Accelerator, args: argparse.Namespace, sink: CsvSink | No
         if sink is not None:
             sink.close()
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    # each layer's output dtype in the first forward: which ones autocast left in float32 (none here)
+    dtypes = ", ".join(f"{name} {dtype}" for name, dtype in (guard.autocast_dtypes or {}).items())
     return (f"rank {accelerator.process_index}: {guard.steps} steps, {guard.updates} updates, skipped {skipped} "
-            f"checksum {checksum:.10f}\n")
+            f"checksum {checksum:.10f}; under autocast: {dtypes or 'nothing noted'}\n")
 
 
 if __name__ == "__main__":

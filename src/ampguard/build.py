@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from .run_folder import RunPaths
 from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
 from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
 from .step import AmpTrainState
+from .watch import recording_dtypes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -356,40 +357,6 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
         return [name for (name, _), g in zip(named, grads) if g is None]
-
-
-@contextlib.contextmanager
-def recording_dtypes(model: nn.Module, dtypes: dict[str, str]) -> Iterator[None]:
-    """While open, each leaf module of ``model`` (one with no children) that runs notes in
-    ``dtypes`` (name -> ``"bfloat16"``...) the dtype of its output's first floating-point tensor,
-    at its first call: under autocast, the layers it computed in float32 (the seed's "regions
-    that may stay in FP32", for the run card and the checkpoint). Hooks gone at the exit.
-
-    Example (bf16 autocast on the CPU: an embedding is a lookup autocast leaves in float32; on
-    CUDA LayerNorm and softmax are float32 too; a ``loss_fn`` outside the model is not seen)::
-
-        >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 1))
-        >>> seen = {}
-        >>> with torch.autocast("cpu", dtype=torch.bfloat16), recording_dtypes(model, seen):
-        ...     _ = model(torch.tensor([1, 2]))
-        >>> seen, model[0]._forward_hooks
-        ({'0': 'float32', '1': 'bfloat16'}, OrderedDict())
-    """
-    def note(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            floats = [t for t in torch.utils._pytree.tree_leaves(output)
-                      if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            if floats and name not in dtypes:
-                dtypes[name] = str(floats[0].dtype).removeprefix("torch.")
-        return hook
-
-    handles = [module.register_forward_hook(note(name or type(module).__name__))  # (a model of one layer: its class)
-               for name, module in model.named_modules() if next(module.children(), None) is None]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def build_monitor(config: Config, scaler_enabled: bool) -> RunMonitor:

@@ -91,7 +91,7 @@ POLICY = "policy_changes"
 ``{"key", "old", "new", "step"}``; a resumed run carries them on to its run card."""
 AUTOCAST_DTYPES = "autocast_dtypes"
 """Payload key (meta, never restored as a part): under autocast, the dtype each leaf module's
-output had in the start-up's forward (``build.recording_dtypes``): the layers kept in float32. A
+output had in the start-up's forward (``watch.recording_dtypes``): the layers kept in float32. A
 resume whose model computes one in another dtype says so (:func:`dtype_changes`)."""
 AUTOCAST_DTYPE_CHANGES = "autocast_dtype_changes"
 """Payload key (meta): the autocast dtype changes said on resume so far (run card lines); a later

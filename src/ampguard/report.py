@@ -25,6 +25,7 @@ from .precision import Precision, backend_text
 from .records import SKIP_REASONS
 from .run_folder import RunPaths
 from .sinks import Row, read_steps_and_columns, read_steps_csv
+from .watch import float32_layers_text
 
 if TYPE_CHECKING:
     from .config import Config
@@ -867,30 +868,6 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
          else "off (monitor.headroom.every)"),
         ("seed", str(config.seed)),
     ]
-
-
-FLOAT32_LAYERS_SHOWN = 6
-"""How many of the layers autocast left in float32 the run card names (the rest counted)."""
-
-
-def float32_layers_text(dtypes: dict[str, str]) -> str:
-    """The run card's "float32 under autocast": the leaf modules whose output autocast left in
-    float32 at start-up (``build.recording_dtypes``), of how many.
-
-    Example::
-
-        >>> float32_layers_text({"wte": "float32", "h.0.attn": "bfloat16", "ln_f": "float32", "head": "bfloat16"})
-        'wte, ln_f (2 of 4 layers; the others bfloat16)'
-        >>> float32_layers_text({"fc": "float16"})
-        'none (1 layer, in float16)'
-    """
-    kept = [name for name, dtype in dtypes.items() if dtype == "float32"]
-    others = sorted({dtype for dtype in dtypes.values() if dtype != "float32"})
-    if not kept:
-        return f"none ({counted(len(dtypes), 'layer')}, in {', '.join(others)})"
-    named = ", ".join(kept[:FLOAT32_LAYERS_SHOWN]) + (", ..." if len(kept) > FLOAT32_LAYERS_SHOWN else "")
-    rest = f"; the others {', '.join(others)}" if others else ""
-    return f"{named} ({len(kept)} of {counted(len(dtypes), 'layer')}{rest})"
 
 
 def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:

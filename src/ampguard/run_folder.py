@@ -457,7 +457,7 @@ class RunResult:
     world_size: int = 1
     """How many processes trained the run (torchrun's world size)."""
     autocast_dtypes: dict[str, str] = field(default_factory=dict)
-    """Under autocast, each leaf module's output dtype at start-up (``build.recording_dtypes``)."""
+    """Under autocast, each leaf module's output dtype at start-up (``watch.recording_dtypes``)."""
 
 
 def disk_full_line(full: DiskFull, saved: list[Path], step: int, recorded: int, run_dir: Path | None) -> str:

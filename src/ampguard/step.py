@@ -19,6 +19,7 @@ import functools
 import math
 import numbers
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -31,8 +32,8 @@ from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_to_norm_, p
 from .errors import AmpguardWarning, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
-from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, _GuardStepping, _hook_stray_steps,
-                    _parameter_count, _probe_autocast, _watch_registrations, holds_gradients)
+from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, _GuardStepping, _hook_stray_steps, _parameter_count,
+                    _probe_autocast, _watch_registrations, compiled_inside, holds_gradients, note_dtypes)
 
 
 def __getattr__(name: str) -> Any:
@@ -570,6 +571,9 @@ class Guard:
         # the first step's forward: did it run under autocast? (_probe_autocast; gone after the first backward)
         self._forward_autocast: torch.dtype | bool | None = None  # (its autocast dtype, False: none)
         self._autocast_probes = _probe_autocast(self, modules) if precision.autocasts else []
+        # each leaf module's output dtype in the first forward under autocast() (None until then,
+        # and in fp32): the layers autocast left in float32 (_recording_dtypes)
+        self.autocast_dtypes: dict[str, str] | None = None
         _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -714,12 +718,45 @@ class Guard:
             raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)"
                                + (f" (inside a group of accumulation_steps={self.accumulation_steps} it returns None:"
                                   " no counter of your own)" if self.accumulation_steps > 1 else ""))
-        return self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
+        context = self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
+        if self.autocast_dtypes is None and self.precision.autocasts:  # (the first forward only)
+            return self._recording_dtypes(context)
+        return context
 
     @contextlib.contextmanager
     def _autocast_no_sync(self) -> Iterator[None]:
         with self._no_sync(), self.precision.autocast():
             yield
+
+    @contextlib.contextmanager
+    def _recording_dtypes(self, context: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+        """``context`` (the first autocast), and each leaf module of the model notes its output's
+        dtype in :attr:`autocast_dtypes` (:func:`~ampguard.watch.note_dtypes`; DDP's module
+        inside): the layers autocast left in float32, as ``ampguard train``'s run card names
+        them. The hooks go at the exit once they noted something. Not for a model compiled
+        inside, nor one FSDP2 shards (hooks added and removed on its modules; the map stays
+        empty); a forward through a compiled wrapper of the model (``torch.compile(model)``
+        beside it) notes nothing, and its hooks stay, no-ops, until the guard goes (removed,
+        they would make dynamo compile the model again). A forward that raises (an
+        out-of-memory a loop retries) leaves nothing: the next one notes them."""
+        dtypes: dict[str, str] = {}
+        self.autocast_dtypes = dtypes
+        root = distributed.unwrap(self._root)
+        handles = [] if compiled_inside(root) or any(map(distributed.defers_sync, root.modules())) else \
+            note_dtypes(root, dtypes)
+        try:
+            with context:
+                yield
+        except BaseException:
+            self.autocast_dtypes = None
+            for handle in handles:
+                handle.remove()
+            raise
+        for handle in handles:
+            if dtypes:
+                handle.remove()
+            else:
+                weakref.finalize(self, handle.remove)
 
     def backward(self, *losses: torch.Tensor, divided: bool = False) -> None:
         """Check the loss on the device, divide it by the accumulation steps, scale it, backward.

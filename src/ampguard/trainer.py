@@ -166,6 +166,7 @@ class Trainer:
         self.fast, self.path = fast_path(config, self.device, self.dist.world_size)
         self.inflight = InFlight(lag=LAG if self.fast else 0)
         self.state = build_state(config, model, self.task.loss_fn, self.device, fast=self.fast)
+        self.state.autocast_dtypes = self.autocast_dtypes  # (noted at start-up: the first step notes none again)
         if config.compile:  # after fp8's conversion and the DDP/FSDP2 wrap; in place: the same parameters
             model.compile()
         self.evaluator = Evaluator(self.task, self.state.precision, self.device, config)

@@ -10,15 +10,17 @@ there. Each hook costs a counter read on the guard's own steps.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import distributed
+from .errors import counted
 
 UNFROZEN_EVERY = 64
 """Every this many groups a guard looks for a parameter no optimizer holds that requires grad
@@ -174,6 +176,74 @@ def compiled_inside(model: nn.Module) -> bool:
         True
     """
     return any(map(is_compiled, model.modules()))
+
+
+def _note_dtype(dtypes: dict[str, str], name: str, module: nn.Module, args: Any, output: Any) -> None:
+    """A forward hook (:func:`note_dtypes`): the dtype of the module's output's first
+    floating-point tensor, at its first call. Nothing while ``torch.compile`` traces it (a graph
+    that read ``dtypes`` would be guarded on it). A module-level function: a model with the hook
+    on it still pickles."""
+    if torch.compiler.is_compiling():
+        return
+    if name not in dtypes:
+        floats = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if floats:
+            dtypes[name] = str(floats[0].dtype).removeprefix("torch.")
+
+
+def note_dtypes(model: nn.Module, dtypes: dict[str, str]) -> list[Any]:
+    """Hook each leaf module of ``model`` (one with no children) to note in ``dtypes`` (name ->
+    ``"bfloat16"``...) its output's dtype at its first call (:func:`_note_dtype`); the handles."""
+    return [module.register_forward_hook(functools.partial(_note_dtype, dtypes, name or type(module).__name__))
+            for name, module in model.named_modules() if next(module.children(), None) is None]  # (one layer: its class)
+
+
+@contextlib.contextmanager
+def recording_dtypes(model: nn.Module, dtypes: dict[str, str]) -> Iterator[None]:
+    """While open, each leaf module of ``model`` that runs notes its output's dtype in ``dtypes``
+    (:func:`note_dtypes`): under autocast, the layers it computed in float32 (the seed's
+    "regions that may stay in FP32", for the run card and the checkpoint). Hooks gone at the exit.
+
+    Example (bf16 autocast on the CPU: an embedding is a lookup autocast leaves in float32; on
+    CUDA LayerNorm and softmax are float32 too; a ``loss_fn`` outside the model is not seen)::
+
+        >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 1))
+        >>> seen = {}
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), recording_dtypes(model, seen):
+        ...     _ = model(torch.tensor([1, 2]))
+        >>> seen, model[0]._forward_hooks
+        ({'0': 'float32', '1': 'bfloat16'}, OrderedDict())
+    """
+    handles = note_dtypes(model, dtypes)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+FLOAT32_LAYERS_SHOWN = 6
+"""How many of the layers autocast left in float32 the run card names (the rest counted)."""
+
+
+def float32_layers_text(dtypes: dict[str, str]) -> str:
+    """The run card's "float32 under autocast": the leaf modules whose output autocast left in
+    float32 (:func:`recording_dtypes`), of how many.
+
+    Example::
+
+        >>> float32_layers_text({"wte": "float32", "h.0.attn": "bfloat16", "ln_f": "float32", "head": "bfloat16"})
+        'wte, ln_f (2 of 4 layers; the others bfloat16)'
+        >>> float32_layers_text({"fc": "float16"})
+        'none (1 layer, in float16)'
+    """
+    kept = [name for name, dtype in dtypes.items() if dtype == "float32"]
+    others = sorted({dtype for dtype in dtypes.values() if dtype != "float32"})
+    if not kept:
+        return f"none ({counted(len(dtypes), 'layer')}, in {', '.join(others)})"
+    named = ", ".join(kept[:FLOAT32_LAYERS_SHOWN]) + (", ..." if len(kept) > FLOAT32_LAYERS_SHOWN else "")
+    rest = f"; the others {', '.join(others)}" if others else ""
+    return f"{named} ({len(kept)} of {counted(len(dtypes), 'layer')}{rest})"
 
 
 def _probe_autocast(guard: Any, modules: Sequence[nn.Module]) -> list[Any]:

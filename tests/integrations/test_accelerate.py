@@ -210,6 +210,9 @@ def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(la
     # the inf was on process 1 alone; both skipped step 3 and stayed identical
     assert all("8 steps, 7 updates, skipped [3]" in line for line in lines.values())
     assert lines["0"].split("checksum")[1] == lines["1"].split("checksum")[1]
+    # the float32 map, noted in the first forward under guard.autocast(): DDP's module inside, by its own names
+    assert all(line.endswith("; under autocast: 0 bfloat16, 1 bfloat16, 2 bfloat16") for line in done.stdout.splitlines()
+               if line.startswith("rank ")), done.stdout
     rows = read_rows(done.cwd / "steps.csv")  # one CSV, written by process 0
     assert [r["step"] for r in rows] == [str(s) for s in range(1, 9)]
     assert [(r["step"], r["skip_reason"], r["grad_l2_pre_clip"]) for r in rows if r["skipped"] == "1"] == [

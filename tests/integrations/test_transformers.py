@@ -20,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from ampguard.errors import InputError  # noqa: E402
 from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
-from ampguard.report import float32_layers_text  # noqa: E402
+from ampguard.watch import float32_layers_text  # noqa: E402
 from ampguard.sinks import CSV_COLUMNS  # noqa: E402
 
 

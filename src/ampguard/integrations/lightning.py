@@ -78,7 +78,7 @@ from ..precision import GuardedGradScaler, Precision
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
 from ..sinks import CSV_COLUMNS, CsvSink, Sink
 from ..step import Guard
-from ..watch import compiled_inside
+from ..watch import compiled_inside, recording_dtypes
 from .trackers import Outcome, end_sinks
 
 LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
@@ -536,7 +536,7 @@ class AmpGuardPlugin(_LightningPrecision):
     def train_step_context(self) -> Iterator[None]:
         """``training_step``'s autocast (:meth:`forward_context`); in the fit's first one, each
         leaf module of the LightningModule notes its output's dtype in :attr:`autocast_dtypes`
-        (``ampguard.build.recording_dtypes``: hooks for that step only), as ``ampguard train``'s
+        (``ampguard.watch.recording_dtypes``: hooks for that step only), as ``ampguard train``'s
         run card and ``GuardedTrainer`` do; the tracker sinks' summary gets it at the fit's end."""
         with super().train_step_context(), self._recording_dtypes():
             yield
@@ -548,8 +548,6 @@ class AmpGuardPlugin(_LightningPrecision):
         trainer = self._fitting
         if self.autocast_dtypes is not None or trainer is None or not (self._autocast and self._autocast.autocasts):
             return contextlib.nullcontext()
-        from ..build import recording_dtypes
-
         self.autocast_dtypes = {}  # (filled as the forward runs)
         module = trainer.lightning_module
         if module._compiler_ctx is not None or compiled_inside(module):

@@ -55,6 +55,7 @@ from ..errors import ExitCode, InputError, first_line
 from ..monitor import HEALTH_VERDICTS
 from ..records import SKIP_REASONS, StepRecord
 from ..sinks import NONE_WRITTEN, DiskFull, require, steps_from
+from ..watch import float32_layers_text
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -151,8 +152,6 @@ def run_totals(result: RunResult) -> dict[str, Any]:
         >>> totals["float32_under_autocast"]
         'emb (1 of 2 layers; the others bfloat16)'
     """
-    from ..report import float32_layers_text
-
     m, dtypes = result.monitor, getattr(result, "autocast_dtypes", None)
     return {
         "steps": m.steps, "updates": m.updates, "skips": sum(m.skips.values()),
@@ -816,7 +815,7 @@ class Outcome:
     ``ended``, ``paths``, ``autocast_dtypes``) for a loop that is not ``ampguard train``'s (a
     Lightning fit, a Hugging Face ``train()``): ``folder`` is where its files are (their
     :data:`ARTIFACTS` are uploaded), or None (none); ``autocast_dtypes`` each leaf module's output
-    dtype in the first training forward under autocast (``build.recording_dtypes``), if noted."""
+    dtype in the first training forward under autocast (``watch.recording_dtypes``), if noted."""
 
     def __init__(self, monitor: RunMonitor, exit_code: int, ended: str, folder: Path | None = None,
                  autocast_dtypes: dict[str, str] | None = None) -> None:

@@ -50,6 +50,7 @@ from ..precision import Precision
 from ..records import SkipLog, StepLog, StepRecord
 from ..sinks import CsvSink, Sink, set_aside
 from ..step import Guard, holds_gradients
+from ..watch import float32_layers_text
 from .accelerate import _inner, found_inf
 
 CSV_NAME, EVENTS_NAME, SUMMARY_NAME, CARD_NAME = "steps.csv", "events.jsonl", "summary.json", "RUN.md"
@@ -472,8 +473,6 @@ class AmpGuardCallback(TrainerCallback):
                     "summary": m.summary(), "guarded": self._guarded,
                 }
                 if self.autocast_dtypes:
-                    from ..report import float32_layers_text
-
                     summary["float32_under_autocast"] = float32_layers_text(self.autocast_dtypes)
                 (self.out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
                 (self.out_dir / CARD_NAME).write_text(run_card(summary), encoding="utf-8")
@@ -808,8 +807,10 @@ class GuardedTrainer(Trainer):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
         # (the Trainer's own context holds the same autocast, autocast_smart_context_manager: nested, a no-op)
-        with guard.autocast(), self.compute_loss_context_manager(), self._recording_dtypes(model):
+        with guard.autocast(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if self.ampguard.autocast_dtypes is None:  # (the attempt's first forward: for the callback's card)
+            self.ampguard.autocast_dtypes = guard.autocast_dtypes
         if self.args.n_gpu > 1:
             loss = loss.mean()
         scaled_for_ga = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else (
@@ -824,26 +825,12 @@ class GuardedTrainer(Trainer):
             _report_skip(self.optimizer, record.skipped and self.scheduler_on_skip == "hold")
         return (loss if scaled_for_ga else loss / n).detach()
 
-    def _recording_dtypes(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        """Around the first training forward under autocast: each leaf module's output dtype
-        (:func:`ampguard.build.recording_dtypes`, hooks for that forward only), given to the
-        callback for the run card; a no-op after it, without autocast (fp32), and for a compiled
-        model (``torch_compile=True``: hooks traced into its graph, then removed, would make
-        dynamo compile it again; the map stays empty)."""
-        if self.ampguard.autocast_dtypes is not None or not self.precision.autocasts:
-            return contextlib.nullcontext()
-        from ..build import recording_dtypes
-        from ..watch import compiled_inside
-
-        self.ampguard.autocast_dtypes = {}  # (filled as the forward runs)
-        if compiled_inside(model):
-            return contextlib.nullcontext()
-        return recording_dtypes(self.accelerator.unwrap_model(model), self.ampguard.autocast_dtypes)
-
     @property
     def autocast_dtypes(self) -> dict[str, str] | None:
         """Each leaf module's output dtype in this attempt's first training forward under autocast
-        (the run card's "float32 under autocast"; kept by the callback, which writes the card)."""
+        (its guard's :attr:`~ampguard.Guard.autocast_dtypes`: empty for a compiled model,
+        ``torch_compile=True``; the run card's "float32 under autocast", kept by the callback,
+        which writes the card)."""
         return self.ampguard.autocast_dtypes
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
