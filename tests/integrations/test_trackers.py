@@ -33,7 +33,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 from ampguard.cli import main  # noqa: E402
-from ampguard.integrations.trackers import RUN_ID_TAG, MLflowSink, WandbSink, mlflow_client  # noqa: E402
+from ampguard.integrations.trackers import NOTHING_SENT, RUN_ID_TAG, MLflowSink, WandbSink, mlflow_client  # noqa: E402
 
 TINY_CHARLM = ["task.name=charlm", "task.n_layer=1", "task.n_embd=16", "task.n_head=2", "task.block_size=16",
                "task.batch_size=4"]
@@ -250,6 +250,25 @@ def test_mlflow_takes_non_finite_values_and_ends_a_stopped_run_failed(tmp_path):
     assert math.isnan(mlflow_history(client, sink.run_id, "train/loss")[2])
     assert mlflow_history(client, sink.run_id, "train/skip.non_finite_grad") == {1: 1.0, 2: 0.0}
     assert client.get_run(sink.run_id).info.status == "FAILED"
+
+
+def test_a_tracker_run_its_sink_ended_with_no_step_says_why_it_is_empty(tmp_path):
+    """A sink given to a train() refused at its start (its steps.csv existed) stays open for the
+    next one; when the script then ended, the MLflow run was FINISHED with nothing in it, and
+    nothing on the dashboard said why. Closed, or ended at exit, with no step sent, it says so;
+    a run with steps, or with a run's totals, keeps its own ``ended``."""
+    uri = (tmp_path / "mlruns").as_uri()
+    closed, at_exit, used, totals = (MLflowSink(tracking_uri=uri, experiment="own") for _ in range(4))
+    closed.close()
+    at_exit._at_exit()  # (what atexit runs as the script ends)
+    used.write(StepLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0))
+    used.close()
+    monitor = SimpleNamespace(skips={}, steps=0, updates=0, max_skip_rate=0.0, alert_episodes=0, scale_verdict="none")
+    totals.finish(SimpleNamespace(monitor=monitor, exit_code=2, ended="refused: bad input", paths=SimpleNamespace(dir=None)))
+    for sink, status, ended in ((closed, "FINISHED", NOTHING_SENT), (at_exit, "FINISHED", NOTHING_SENT),
+                                (used, "FINISHED", None), (totals, "FAILED", "refused: bad input")):
+        run = sink.client.get_run(sink.run_id)
+        assert (run.info.status, run.data.tags.get("ampguard.ended")) == (status, ended)
 
 
 def test_wandb_sink_logs_into_a_run_you_made_and_leaves_it_open(tmp_path):

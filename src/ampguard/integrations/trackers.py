@@ -162,6 +162,10 @@ def run_totals(result: RunResult) -> dict[str, Any]:
     }
 
 
+NOTHING_SENT = "this sink logged no step: it ended before the first (a start that was refused, or a sink never written)"
+"""A tracker run's ``ended`` when its sink ends it with no step and no run's totals sent."""
+
+
 class TrackerSink:
     """What the two tracker sinks share: a :class:`~ampguard.sinks.Sink` whose step row waits
     until the run's monitor has seen the record too (:meth:`observe`), so each step is one
@@ -179,6 +183,7 @@ class TrackerSink:
         self._ended = False
         self._sent = 0  # the highest step this sink sent
         self._low: int | None = None  # the lowest it sent since it began (again)
+        self._said = False  # it sent a step or a run's totals: an ended run with neither says why it is empty
 
     @property
     def where(self) -> str:
@@ -225,6 +230,7 @@ class TrackerSink:
         try:
             self._flush()
             if not self._ended:
+                self._said = True
                 self._summary(run_totals(result))
                 folder = result.paths.dir
                 files = [] if folder is None else [
@@ -238,15 +244,21 @@ class TrackerSink:
         if self._pending is not None and not self._ended:
             step, row = self._pending
             if self._log(step, row) is not False:  # (False: the tracker held that step already, nothing sent)
+                self._said = True
                 self._sent = max(self._sent, step)
                 self._low = step if self._low is None else min(self._low, step)
         self._pending = None
 
     def _end(self, exit_code: int) -> None:
-        """Send the row still held, then end the tracker run (once)."""
+        """Send the row still held, then end the tracker run (once). A run that got no step and
+        no totals (a sink given to a ``train()`` or fit refused at its start, then left open: the
+        script ended) is told so in its summary, ``ended``: on a dashboard an empty run FINISHED
+        said nothing of why. Not in a run you gave the sink (W&B's ``run=``): yours to say."""
         if not self._ended:
             try:
                 self._flush()
+                if not self._said and getattr(self, "_own", True):
+                    self._summary({"ended": NOTHING_SENT})
             finally:  # (a row that cannot go out does not keep the run open)
                 self._ended = True
                 atexit.unregister(self._at_exit)
