@@ -106,7 +106,8 @@ class RunPaths:
     def new_run_dir(cls, config: Config, on_made: Callable[[RunPaths], None] | None = None) -> RunPaths:
         """Create the run folder ``log.dir/log.name`` (a timestamp by default), never reusing one,
         and write the effective config and the run id into it. When that fails it is one :class:`InputError`
-        line, and every folder it created (``log.dir`` and its parents included) is removed again.
+        line, and the folders it created are removed again (the run folder; ``log.dir`` and its
+        parents while empty: a run started beside this one may have put its folder there).
         ``on_made`` is told the paths as soon as the folder exists (a caller that takes an unused
         folder back after a Ctrl-C knows it even if the signal lands before this returns).
 

@@ -19,7 +19,6 @@ import functools
 import math
 import numbers
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -33,7 +32,7 @@ from .errors import AmpguardWarning, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
 from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, _GuardStepping, _hook_stray_steps, _parameter_count,
-                    _probe_autocast, _watch_registrations, compiled_inside, holds_gradients, note_dtypes)
+                    _probe_autocast, _watch_registrations, first_forward_dtypes, holds_gradients)
 
 
 def __getattr__(name: str) -> Any:
@@ -527,6 +526,7 @@ class Guard:
         self.optimizers = optimizers
         self.precision = precision
         self.max_norm = max_norm
+        self._micro = 0  # micro-batches so far in the open group (before the setter below reads it)
         self.accumulation_steps = accumulation_steps
         self.scheduler = scheduler
         self._schedulers = _schedulers_of(scheduler, optimizers)
@@ -559,7 +559,6 @@ class Guard:
         self._modules, self._root, self._frozen_mode = modules, root, frozen
         _watch_registrations()
         self._own(holder)
-        self._micro = 0  # micro-batches so far in the open group
         self._group: tuple[str, ...] | None = None  # the optimizers the open group steps
         self._backward_pending = False  # backward() ran, step() not yet
         self._loss_sum: torch.Tensor | None = None  # the open group's losses, summed
@@ -572,7 +571,7 @@ class Guard:
         self._forward_autocast: torch.dtype | bool | None = None  # (its autocast dtype, False: none)
         self._autocast_probes = _probe_autocast(self, modules) if precision.autocasts else []
         # each leaf module's output dtype in the first forward under autocast() (None until then,
-        # and in fp32): the layers autocast left in float32 (_recording_dtypes)
+        # and in fp32): the layers autocast left in float32 (_noting_dtypes)
         self.autocast_dtypes: dict[str, str] | None = None
         _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
 
@@ -720,7 +719,7 @@ class Guard:
                                   " no counter of your own)" if self.accumulation_steps > 1 else ""))
         context = self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
         if self.autocast_dtypes is None and self.precision.autocasts:  # (the first forward only)
-            return self._recording_dtypes(context)
+            return self._noting_dtypes(context)
         return context
 
     @contextlib.contextmanager
@@ -729,34 +728,12 @@ class Guard:
             yield
 
     @contextlib.contextmanager
-    def _recording_dtypes(self, context: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
-        """``context`` (the first autocast), and each leaf module of the model notes its output's
-        dtype in :attr:`autocast_dtypes` (:func:`~ampguard.watch.note_dtypes`; DDP's module
-        inside): the layers autocast left in float32, as ``ampguard train``'s run card names
-        them. The hooks go at the exit once they noted something. Not for a model compiled
-        inside, nor one FSDP2 shards (hooks added and removed on its modules; the map stays
-        empty); a forward through a compiled wrapper of the model (``torch.compile(model)``
-        beside it) notes nothing, and its hooks stay, no-ops, until the guard goes (removed,
-        they would make dynamo compile the model again). A forward that raises (an
-        out-of-memory a loop retries) leaves nothing: the next one notes them."""
-        dtypes: dict[str, str] = {}
-        self.autocast_dtypes = dtypes
-        root = distributed.unwrap(self._root)
-        handles = [] if compiled_inside(root) or any(map(distributed.defers_sync, root.modules())) else \
-            note_dtypes(root, dtypes)
-        try:
-            with context:
-                yield
-        except BaseException:
-            self.autocast_dtypes = None
-            for handle in handles:
-                handle.remove()
-            raise
-        for handle in handles:
-            if dtypes:
-                handle.remove()
-            else:
-                weakref.finalize(self, handle.remove)
+    def _noting_dtypes(self, context: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+        """``context`` (the first autocast), and each leaf of the model (DDP's module inside)
+        notes its output's dtype in :attr:`autocast_dtypes` (:func:`~ampguard.watch.first_forward_dtypes`):
+        the layers autocast left in float32, as ``ampguard train``'s run card names them."""
+        with first_forward_dtypes(distributed.unwrap(self._root), self), context:
+            yield
 
     def backward(self, *losses: torch.Tensor, divided: bool = False) -> None:
         """Check the loss on the device, divide it by the accumulation steps, scale it, backward.
@@ -1039,6 +1016,14 @@ class Guard:
             stack.enter_context(distributed.accumulation_context(module, False))
         return stack
 
+    def _clip_applied(self, grads: GradSet, applied: Sequence[str]) -> torch.Tensor | None:
+        """In a step some optimizers skip, what the others apply is clipped by its own norm (the
+        joint one counted the skipped gradients): its post-clip norm, or None when none applies."""
+        if not applied:
+            return None
+        params = self._union(applied)
+        return clip_to_norm_(params, self.max_norm, distributed.full_norm(grads.norm_of(params)))
+
     def _union(self, names: Sequence[str]) -> list[torch.Tensor]:
         """The parameters of these optimizers in the model's order (whatever order the optimizers
         are named in), so their norm is bit for bit ``clip_grad_norm_`` over the model's parameters."""
@@ -1114,12 +1099,11 @@ class Guard:
             lr = lr.detach().clone()
         grads, loss, mark, pre, each, origin = self._measure_group(names)
         factor = clip_coefficient(pre, self.max_norm)  # the clip of them all (unused if any is skipped)
-        post, carried = self._post_clip(pre, factor)
+        post, carried = self._post_clip(pre, factor)  # (post None: the host computes it from the factor read)
         read = self._read_back(loss, pre, carried, mark, each, origin)
         skipped, applied = _partition(names, read)
-        if skipped:  # what is applied (some optimizers' parameters, or none) is clipped by its own norm
-            post = clip_to_norm_(self._union(applied), self.max_norm,
-                                 distributed.full_norm(grads.norm_of(self._union(applied)))) if applied else None
+        if skipped:  # the record's post-clip norm is then what is applied
+            post = self._clip_applied(grads, applied)
             for name in skipped:
                 self.scaler.mark_found_inf_(self.optimizers[name])  # a loss skip backs the scale off too
         elif factor is not None:
@@ -1388,9 +1372,8 @@ class Guard:
     def accumulation_steps(self, steps: int) -> None:
         if not whole_number(steps, 1):
             raise ValueError(f"accumulation_steps must be a whole number >= 1, got {steps!r}")
-        taken = getattr(self, "_micro", 0)
-        if taken and steps != self._accumulation_steps:
-            raise RuntimeError(f"Guard.accumulation_steps changed inside a group ({taken} of "
+        if self._micro and steps != self._accumulation_steps:
+            raise RuntimeError(f"Guard.accumulation_steps changed inside a group ({self._micro} of "
                                f"{self._accumulation_steps} micro-batches taken): change it between groups "
                                "(guard.mid_group False)")
         self._accumulation_steps = int(steps)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -178,24 +179,75 @@ def compiled_inside(model: nn.Module) -> bool:
     return any(map(is_compiled, model.modules()))
 
 
-def _note_dtype(dtypes: dict[str, str], name: str, module: nn.Module, args: Any, output: Any) -> None:
+class _Notes:
+    """Where the leaves' hooks note their dtypes (:func:`_note_dtype`) while ``open``; hooks left
+    on a model after its first forward (traced into a compiled graph) find it closed."""
+
+    __slots__ = ("dtypes", "open")
+
+    def __init__(self, dtypes: dict[str, str]) -> None:
+        self.dtypes, self.open = dtypes, True
+
+
+def _note_dtype(notes: _Notes, name: str, module: nn.Module, args: Any, output: Any) -> None:
     """A forward hook (:func:`note_dtypes`): the dtype of the module's output's first
-    floating-point tensor, at its first call. Nothing while ``torch.compile`` traces it (a graph
-    that read ``dtypes`` would be guarded on it). A module-level function: a model with the hook
-    on it still pickles."""
-    if torch.compiler.is_compiling():
+    floating-point tensor, at its first call. Nothing while ``torch.compile`` traces it (the
+    test short-circuits there: a graph never reads ``notes``, nor is guarded on it), nor once
+    ``notes`` is closed. A module-level function: a model with the hook on it still pickles."""
+    if torch.compiler.is_compiling() or not notes.open:
         return
-    if name not in dtypes:
+    if name not in notes.dtypes:
         floats = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if floats:
-            dtypes[name] = str(floats[0].dtype).removeprefix("torch.")
+            notes.dtypes[name] = str(floats[0].dtype).removeprefix("torch.")
 
 
-def note_dtypes(model: nn.Module, dtypes: dict[str, str]) -> list[Any]:
-    """Hook each leaf module of ``model`` (one with no children) to note in ``dtypes`` (name ->
+def note_dtypes(model: nn.Module, notes: _Notes) -> list[Any]:
+    """Hook each leaf module of ``model`` (one with no children) to note in ``notes`` (name ->
     ``"bfloat16"``...) its output's dtype at its first call (:func:`_note_dtype`); the handles."""
-    return [module.register_forward_hook(functools.partial(_note_dtype, dtypes, name or type(module).__name__))
+    return [module.register_forward_hook(functools.partial(_note_dtype, notes, name or type(module).__name__))
             for name, module in model.named_modules() if next(module.children(), None) is None]  # (one layer: its class)
+
+
+def compiled_graphs() -> int:
+    """The graphs dynamo compiled in this process so far (0 when it was never imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
+@contextlib.contextmanager
+def first_forward_dtypes(model: nn.Module, owner: Any) -> Iterator[None]:
+    """Around a loop's first forward under autocast: each leaf of ``model`` notes its output's
+    dtype, and ``owner.autocast_dtypes`` is what they noted (the float32 map; ``{}`` while the
+    block runs). No hooks for a model with something compiled inside or one FSDP2 shards
+    (hooks added and removed on those): ``{}``. The hooks go at the exit, unless dynamo compiled
+    a graph meanwhile (a part of the model compiled on its own, or a ``torch.compile`` wrapper
+    beside it, traced them: removed, they would make it compile again): those stay, closed (they
+    note nothing more), until ``owner`` goes. A block that raises leaves no hooks and sets
+    ``owner.autocast_dtypes`` back to ``None``: the next forward notes them (a retried
+    out-of-memory)."""
+    owner.autocast_dtypes = {}
+    if compiled_inside(model) or any(hasattr(m, "set_requires_gradient_sync") for m in model.modules()):  # (FSDP2)
+        yield
+        return
+    notes = _Notes({})
+    handles, graphs = note_dtypes(model, notes), compiled_graphs()
+    try:
+        yield
+    except BaseException:
+        owner.autocast_dtypes = None
+        for handle in handles:
+            handle.remove()
+        raise
+    finally:
+        notes.open = False
+    traced = compiled_graphs() != graphs
+    for handle in handles:
+        if traced:
+            weakref.finalize(owner, handle.remove)
+        else:
+            handle.remove()
+    owner.autocast_dtypes = notes.dtypes
 
 
 @contextlib.contextmanager
@@ -214,7 +266,7 @@ def recording_dtypes(model: nn.Module, dtypes: dict[str, str]) -> Iterator[None]
         >>> seen, model[0]._forward_hooks
         ({'0': 'float32', '1': 'bfloat16'}, OrderedDict())
     """
-    handles = note_dtypes(model, dtypes)
+    handles = note_dtypes(model, _Notes(dtypes))
     try:
         yield
     finally:
@@ -236,7 +288,11 @@ def float32_layers_text(dtypes: dict[str, str]) -> str:
         'wte, ln_f (2 of 4 layers; the others bfloat16)'
         >>> float32_layers_text({"fc": "float16"})
         'none (1 layer, in float16)'
+        >>> float32_layers_text({})  # (a compiled model: no layer noted)
+        'none noted'
     """
+    if not dtypes:
+        return "none noted"
     kept = [name for name, dtype in dtypes.items() if dtype == "float32"]
     others = sorted({dtype for dtype in dtypes.values() if dtype != "float32"})
     if not kept:

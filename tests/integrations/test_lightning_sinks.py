@@ -188,6 +188,34 @@ def test_the_layers_autocast_left_in_float32_are_named_on_the_plugin_and_in_the_
         plugin.extra_sinks[0].run_id).data.tags
 
 
+def test_a_first_step_that_runs_out_of_memory_leaves_the_map_to_the_retry():
+    """BatchSizeFinder retries a smaller batch after an out-of-memory in the fit: the failed first
+    step had noted one layer, and the map stayed that (a four-layer model's card line "net.0 (1
+    of 1 layer)"). A step that raises notes nothing; the retry notes the map."""
+    class Finding(Normed):
+        batch_size = 8
+
+        def train_dataloader(self):
+            return loader().__class__(loader().dataset, batch_size=self.batch_size)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            hidden = self.net[0](x)
+            if x.shape[0] > 4:
+                raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+            return F.cross_entropy(self.net[3](self.net[2](self.net[1](hidden))), y)
+
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    plugin, module = AmpGuardPlugin("bf16-mixed", log=False), Finding()
+    settings = dict(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                    enable_checkpointing=False, enable_model_summary=False)
+    L.Trainer(plugins=[plugin], callbacks=[BatchSizeFinder(mode="power", init_val=8, steps_per_trial=1)],
+              **settings).fit(module)
+    assert module.batch_size == 4
+    assert plugin.autocast_dtypes == {"net.0": "float32", "net.1": "bfloat16", "net.2": "bfloat16", "net.3": "bfloat16"}
+
+
 def test_a_compiled_model_is_not_hooked_for_the_float32_map():
     """Hooks traced into a compiled forward, then removed after the first step, made dynamo
     compile it a second time: a model compiled inside the LightningModule (or the module itself,

@@ -265,8 +265,17 @@ def test_a_tracker_run_its_sink_ended_with_no_step_says_why_it_is_empty(tmp_path
     used.close()
     monitor = SimpleNamespace(skips={}, steps=0, updates=0, max_skip_rate=0.0, alert_episodes=0, scale_verdict="none")
     totals.finish(SimpleNamespace(monitor=monitor, exit_code=2, ended="refused: bad input", paths=SimpleNamespace(dir=None)))
+    # a run continued (a resume finds it by its ampguard run id) and refused before its first step: its own
+    # `ended` and steps stand (the review's repro tagged it "no step")
+    first = MLflowSink(tracking_uri=uri, experiment="own", ampguard_run_id="r1")
+    first.write(StepLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0))
+    first.finish(SimpleNamespace(monitor=monitor, exit_code=3, ended="stopped by the guard", paths=SimpleNamespace(dir=None)))
+    continued = MLflowSink(tracking_uri=uri, experiment="own", ampguard_run_id="r1")
+    assert continued.run_id == first.run_id
+    continued._end(2)
     for sink, status, ended in ((closed, "FINISHED", NOTHING_SENT), (at_exit, "FINISHED", NOTHING_SENT),
-                                (used, "FINISHED", None), (totals, "FAILED", "refused: bad input")):
+                                (used, "FINISHED", None), (totals, "FAILED", "refused: bad input"),
+                                (continued, "FAILED", "stopped by the guard")):
         run = sink.client.get_run(sink.run_id)
         assert (run.info.status, run.data.tags.get("ampguard.ended")) == (status, ended)
 

@@ -101,6 +101,9 @@ def test_a_compiled_model_is_compiled_once_and_its_map_stays_empty():
     assert guard.autocast_dtypes == {} and len(graphs) == 1
     torch.save(model, io.BytesIO())  # (the hooks left on it pickle)
     assert hooks(copy.deepcopy(model)) == hooks(model) == 4
+    model.eval()
+    model(torch.randn(6, 4))  # an evaluation in float32, eager: the hooks left are closed (they wrote it into the map)
+    assert guard.autocast_dtypes == {}
 
     torch._dynamo.reset()
     graphs.clear()
@@ -110,3 +113,18 @@ def test_a_compiled_model_is_compiled_once_and_its_map_stays_empty():
     for _ in range(2):
         step(guard, model)
     assert guard.autocast_dtypes == {} and hooks(model) == 0
+
+
+def test_a_model_compiled_in_part_beside_the_guard_is_compiled_once():
+    """Its body compiled on its own, its head eager: the head noted its dtype, so the hooks were
+    removed at the block's exit, and the body's graph, which had traced them, compiled again.
+    Hooks a graph compiled in the block traced stay, closed; the map has what ran eagerly."""
+    GRAPHS.clear()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Sequential(nn.Linear(4, 8), nn.ReLU()), "head": nn.Linear(8, 2)})
+    body = torch.compile(model["body"], backend=counting)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    for _ in range(3):
+        step(guard, lambda x: model["head"](body(x)))
+    assert len(GRAPHS) == 1 and guard.autocast_dtypes == {"head": "bfloat16"}

@@ -78,7 +78,7 @@ from ..precision import GuardedGradScaler, Precision
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
 from ..sinks import CSV_COLUMNS, CsvSink, Sink
 from ..step import Guard
-from ..watch import compiled_inside, recording_dtypes
+from ..watch import first_forward_dtypes
 from .trackers import Outcome, end_sinks
 
 LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
@@ -536,23 +536,25 @@ class AmpGuardPlugin(_LightningPrecision):
     def train_step_context(self) -> Iterator[None]:
         """``training_step``'s autocast (:meth:`forward_context`); in the fit's first one, each
         leaf module of the LightningModule notes its output's dtype in :attr:`autocast_dtypes`
-        (``ampguard.watch.recording_dtypes``: hooks for that step only), as ``ampguard train``'s
+        (``ampguard.watch.first_forward_dtypes``: hooks for that step only), as ``ampguard train``'s
         run card and ``GuardedTrainer`` do; the tracker sinks' summary gets it at the fit's end."""
         with super().train_step_context(), self._recording_dtypes():
             yield
 
     def _recording_dtypes(self) -> contextlib.AbstractContextManager:
-        """The dtype hooks for the fit's first training step under autocast; a no-op after it, in
-        fp32, and for a compiled model (hooks traced into its graph, then removed, would make
-        ``torch.compile`` compile it again: :attr:`autocast_dtypes` stays empty)."""
+        """The dtype hooks for the fit's first training step under autocast
+        (``watch.first_forward_dtypes``: a step that raises, a ``BatchSizeFinder``'s out-of-memory,
+        leaves :attr:`autocast_dtypes` ``None`` for the next); a no-op after it, in fp32, and for
+        a compiled model (hooks traced into its graph, then removed, would make ``torch.compile``
+        compile it again: the map stays empty)."""
         trainer = self._fitting
         if self.autocast_dtypes is not None or trainer is None or not (self._autocast and self._autocast.autocasts):
             return contextlib.nullcontext()
-        self.autocast_dtypes = {}  # (filled as the forward runs)
         module = trainer.lightning_module
-        if module._compiler_ctx is not None or compiled_inside(module):
+        if module._compiler_ctx is not None:  # (fit(torch.compile(module)): its forward is dynamo's)
+            self.autocast_dtypes = {}
             return contextlib.nullcontext()
-        return recording_dtypes(module, self.autocast_dtypes)
+        return first_forward_dtypes(module, self)
 
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         return super().pre_backward(tensor, module)  # the on_before_backward hooks; the guard scales

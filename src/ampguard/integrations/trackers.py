@@ -183,7 +183,9 @@ class TrackerSink:
         self._ended = False
         self._sent = 0  # the highest step this sink sent
         self._low: int | None = None  # the lowest it sent since it began (again)
-        self._said = False  # it sent a step or a run's totals: an ended run with neither says why it is empty
+        # it sent a step or a run's totals, or the run is not its own to speak for (one it continued, which
+        # holds steps already; a W&B run you gave it): an ended run with none of these says why it is empty
+        self._said = False
 
     @property
     def where(self) -> str:
@@ -253,11 +255,11 @@ class TrackerSink:
         """Send the row still held, then end the tracker run (once). A run that got no step and
         no totals (a sink given to a ``train()`` or fit refused at its start, then left open: the
         script ended) is told so in its summary, ``ended``: on a dashboard an empty run FINISHED
-        said nothing of why. Not in a run you gave the sink (W&B's ``run=``): yours to say."""
+        said nothing of why. Not in a run it continued nor one you gave it (W&B's ``run=``)."""
         if not self._ended:
             try:
                 self._flush()
-                if not self._said and getattr(self, "_own", True):
+                if not self._said:
                     self._summary({"ended": NOTHING_SENT})
             finally:  # (a row that cannot go out does not keep the run open)
                 self._ended = True
@@ -367,6 +369,7 @@ class WandbSink(TrackerSink):
             _keep_to_itself(run)
         self.run = run
         self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
+        self._said = not self._own or self._first > 0
         self._events: dict[str, int] = {}
         atexit.register(self._at_exit)  # the process ends before the sink closed: the last row, the end
 
@@ -461,6 +464,7 @@ class MLflowSink(TrackerSink):
                 params)
             # a run continued: back to RUNNING; the status it had is kept in case the first write forks it
             self._continued: str | None = self.client.get_run(found).info.status if found else None
+            self._said = bool(found)
             if found:
                 self.client.update_run(found, status="RUNNING")
         except InputError:
