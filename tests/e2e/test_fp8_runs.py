@@ -43,11 +43,11 @@ def train_digits(tmp_path: Path, precision: str, steps: int) -> tuple[list[str],
 
 def test_fp8_on_digits_reaches_bf16_accuracy_within_two_points(tmp_path):
     # the MLP is 64-128-128-10: its middle Linear trains in float8, the first and last stay bf16
-    # (150 steps: emulated on the CPU a float8 step takes ~50 ms, 80x bf16's; both are at 0.94 by then)
-    header_bf16, bf16 = train_digits(tmp_path, "bf16", 150)
-    header_fp8, fp8 = train_digits(tmp_path, "fp8", 150)
+    # (100 steps: emulated on the CPU a float8 step takes ~50 ms, 80x bf16's; both are at 0.92 by then)
+    header_bf16, bf16 = train_digits(tmp_path, "bf16", 100)
+    header_fp8, fp8 = train_digits(tmp_path, "fp8", 100)
     assert header_fp8 == header_bf16 == [*FIXED, "val_loss", "val_accuracy"]  # the CSV gains nothing
-    assert [r["skipped"] for r in fp8] == ["0"] * 150 and {r["scaler_scale"] for r in fp8} == {"1.0"}
+    assert [r["skipped"] for r in fp8] == ["0"] * 100 and {r["scaler_scale"] for r in fp8} == {"1.0"}
     acc_bf16, acc_fp8 = float(bf16[-1]["val_accuracy"]), float(fp8[-1]["val_accuracy"])
     assert acc_bf16 > 0.85  # it learned (chance is 0.1)
     assert abs(acc_fp8 - acc_bf16) <= 0.02, (acc_fp8, acc_bf16)
