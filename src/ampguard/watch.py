@@ -202,11 +202,12 @@ def _note_dtype(notes: _Notes, name: str, module: nn.Module, args: Any, output: 
             notes.dtypes[name] = str(floats[0].dtype).removeprefix("torch.")
 
 
-def note_dtypes(model: nn.Module, notes: _Notes) -> list[Any]:
+def note_dtypes(model: nn.Module, notes: _Notes) -> dict[str, Any]:
     """Hook each leaf module of ``model`` (one with no children) to note in ``notes`` (name ->
-    ``"bfloat16"``...) its output's dtype at its first call (:func:`_note_dtype`); the handles."""
-    return [module.register_forward_hook(functools.partial(_note_dtype, notes, name or type(module).__name__))
-            for name, module in model.named_modules() if next(module.children(), None) is None]  # (one layer: its class)
+    ``"bfloat16"``...) its output's dtype at its first call (:func:`_note_dtype`); the handles by name."""
+    return {name: module.register_forward_hook(functools.partial(_note_dtype, notes, name))
+            for name, module in ((name or type(module).__name__, module)  # (a model of one layer: its class)
+                                 for name, module in model.named_modules() if next(module.children(), None) is None)}
 
 
 def compiled_graphs() -> int:
@@ -220,30 +221,30 @@ def first_forward_dtypes(model: nn.Module, owner: Any) -> Iterator[None]:
     """Around a loop's first forward under autocast: each leaf of ``model`` notes its output's
     dtype, and ``owner.autocast_dtypes`` is what they noted (the float32 map; ``{}`` while the
     block runs). No hooks for a model with something compiled inside or one FSDP2 shards
-    (hooks added and removed on those): ``{}``. The hooks go at the exit, unless dynamo compiled
-    a graph meanwhile (a part of the model compiled on its own, or a ``torch.compile`` wrapper
-    beside it, traced them: removed, they would make it compile again): those stay, closed (they
-    note nothing more), until ``owner`` goes. A block that raises leaves no hooks and sets
-    ``owner.autocast_dtypes`` back to ``None``: the next forward notes them (a retried
-    out-of-memory)."""
+    (hooks added and removed on those): ``{}``. At the exit a leaf that noted its dtype ran
+    eagerly, and its hook goes; one that noted nothing keeps its hook, closed (it notes nothing
+    more), until ``owner`` goes, when dynamo compiled a graph during the block: it may have been
+    traced into it (a part of the model compiled on its own, or a ``torch.compile`` wrapper
+    beside it), and removed, it would make dynamo compile that again. A block that raises
+    leaves no hooks and sets ``owner.autocast_dtypes`` back to ``None``: the next forward notes
+    them (a retried out-of-memory)."""
     owner.autocast_dtypes = {}
-    if compiled_inside(model) or any(hasattr(m, "set_requires_gradient_sync") for m in model.modules()):  # (FSDP2)
-        yield
-        return
-    notes = _Notes({})
-    handles, graphs = note_dtypes(model, notes), compiled_graphs()
+    notes, handles = _Notes({}), {}
+    if not (compiled_inside(model) or any(hasattr(m, "set_requires_gradient_sync") for m in model.modules())):  # (FSDP2)
+        handles = note_dtypes(model, notes)
+    graphs = compiled_graphs()
     try:
         yield
     except BaseException:
         owner.autocast_dtypes = None
-        for handle in handles:
+        for handle in handles.values():
             handle.remove()
         raise
     finally:
         notes.open = False
     traced = compiled_graphs() != graphs
-    for handle in handles:
-        if traced:
+    for name, handle in handles.items():
+        if traced and name not in notes.dtypes:
             weakref.finalize(owner, handle.remove)
         else:
             handle.remove()
@@ -270,7 +271,7 @@ def recording_dtypes(model: nn.Module, dtypes: dict[str, str]) -> Iterator[None]
     try:
         yield
     finally:
-        for handle in handles:
+        for handle in handles.values():
             handle.remove()
 
 

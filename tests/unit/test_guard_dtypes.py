@@ -128,3 +128,20 @@ def test_a_model_compiled_in_part_beside_the_guard_is_compiled_once():
     for _ in range(3):
         step(guard, lambda x: model["head"](body(x)))
     assert len(GRAPHS) == 1 and guard.autocast_dtypes == {"head": "bfloat16"}
+
+
+def test_a_compile_that_is_not_the_models_leaves_no_hooks_on_it():
+    """A compiled loss in the first block moved dynamo's graph count, and every leaf of the eager
+    model kept a hook for the rest of the run (a Python call per layer per forward). A leaf that
+    noted its dtype ran eagerly: its hook goes whatever else compiled."""
+    GRAPHS.clear()
+    torch._dynamo.reset()
+    model = normed()
+    loss_fn = torch.compile(lambda out, y: F.cross_entropy(out, y), backend=counting)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    for _ in range(2):
+        with guard.autocast():
+            loss = loss_fn(model(torch.randn(6, 4)), torch.randint(0, 2, (6,)))
+        guard.backward(loss)
+        guard.step()
+    assert len(GRAPHS) == 1 and hooks(model) == 0 and guard.autocast_dtypes["0"] == "float32"

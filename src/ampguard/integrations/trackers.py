@@ -369,7 +369,7 @@ class WandbSink(TrackerSink):
             _keep_to_itself(run)
         self.run = run
         self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
-        self._said = not self._own or self._first > 0
+        self._said = not self._own or self._first > 0 or bool(getattr(run, "resumed", False))
         self._events: dict[str, int] = {}
         atexit.register(self._at_exit)  # the process ends before the sink closed: the last row, the end
 
