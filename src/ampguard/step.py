@@ -421,6 +421,10 @@ class Guard:
     device tensors in the record), and fp16's scale and growth tracker, from which the host
     tells the scale after ``update()`` bit for bit: a sink reads nothing from the device again.
 
+    Under fp16/bf16 the first forward inside ``guard.autocast()`` notes each leaf module's output
+    dtype in :attr:`autocast_dtypes` (the layers autocast left in float32; hooks for that forward
+    only: :func:`~ampguard.watch.first_forward_dtypes`); ``None`` before it and under fp32.
+
     The parameters checked, measured and clipped are the optimizer's (in the model's order),
     read again when their number changes (``add_param_group`` mid-run). A
     model parameter that requires grad but no optimizer updates is refused, or, with
