@@ -228,6 +228,10 @@ def test_mlflow_file_store_holds_every_csv_row_and_the_resume_continues_the_same
     reason = mlflow_history(client, run.info.run_id, "train/skip.non_finite_loss")
     assert skipped == reason == {1: 0.0, 2: 0.0, 3: 1.0, 4: 0.0, 5: 0.0, 6: 0.0}
     assert run.data.tags["ampguard.skips.non_finite_loss"] == "1" and run.data.metrics["summary/skips"] == 1.0
+    # the card's float32 line, beside the totals (charlm under fp16 on the CPU: embeddings, LayerNorms)
+    line = run.data.tags["ampguard.float32_under_autocast"]
+    assert line.startswith("tok, pos, ") and f"| float32 under autocast | {line} |" in \
+        (tracked.run_dir / "RUN.md").read_text()
     names = sorted(a.path for a in client.list_artifacts(run.info.run_id))
     assert names == ["RUN.md", "config.yaml", "events.jsonl", "report.png", "steps.csv"]
     card = client.download_artifacts(run.info.run_id, "RUN.md", str(tmp_path))  # the resumed run's card
