@@ -265,6 +265,9 @@ def test_save_state_inside_a_group_keeps_the_last_closed_step_and_deletes_no_che
         assert [p.name for p in saved] == ["checkpoint_1"]
         assert sorted(p.name for p in saved[0].iterdir() if p.name.startswith("custom_checkpoint")) == [
             "custom_checkpoint_0.pkl"]  # (whole: the guard's state is in it)
+        # with the layers autocast left in float32 (here none: one Linear, in float16), a record kept with it
+        kept = torch.load(saved[0] / "custom_checkpoint_0.pkl", weights_only=False)
+        assert kept["step"] == 1 and kept["autocast_dtypes"] == guard.autocast_dtypes == {"Linear": "float16"}
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     try:

@@ -179,6 +179,7 @@ def test_the_layers_autocast_left_in_float32_are_named_on_the_plugin_and_in_the_
     fit(plugin, 3, module)
     assert plugin.autocast_dtypes == {"net.0": "float32", "net.1": "bfloat16", "net.2": "bfloat16", "net.3": "bfloat16"}
     assert not any(m._forward_hooks for m in module.modules())  # gone after the first step
+    assert plugin.state_dict()["autocast_dtypes"] == plugin.autocast_dtypes  # a record kept with a checkpoint
     tags = sink.client.get_run(sink.run_id).data.tags
     assert tags["ampguard.float32_under_autocast"] == "net.0 (1 of 4 layers; the others bfloat16)"
     plugin = AmpGuardPlugin("32-true", sinks=[mlflow_sink(tmp_path)], log=False)

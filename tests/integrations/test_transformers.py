@@ -371,7 +371,9 @@ def test_a_resume_goes_on_at_the_checkpoints_step_with_its_scale_and_monitor(tmp
     AcceleratorState._reset_state(reset_partial_state=True)
     folder = tmp_path / "out" / "ampguard"
     whole = (folder / "steps.csv").read_text()
-    assert (tmp_path / "out" / "checkpoint-2" / "ampguard_state.json").is_file()
+    state = json.loads((tmp_path / "out" / "checkpoint-2" / "ampguard_state.json").read_text())
+    # the layers autocast left in float32, a record kept with the checkpoint (seed 001)
+    assert state["autocast_dtypes"] == first.autocast_dtypes and state["autocast_dtypes"]["transformer.wte"] == "float32"
 
     # resume the same folder from step 2: rows 3-4 (the abandoned future) are cut and trained again
     again = tiny_gpt2()

@@ -164,8 +164,9 @@ def _check_world(accelerator: Any) -> None:
 class GuardState:
     """What ``accelerator.save_state()`` keeps of a guard (:func:`make_guard` registers it): its
     ``state_dict(mid_group=True)``, the last closed step's, so a save between micro-batches keeps
-    the state the model and optimizer files are in; ``load_state()`` restores it (and drops an
-    open group).
+    the state the model and optimizer files are in, and its ``autocast_dtypes`` once noted (the
+    layers autocast left in float32: a record kept with the checkpoint, not compared on a load);
+    ``load_state()`` restores it (and drops an open group).
 
     Example::
 
@@ -182,7 +183,8 @@ class GuardState:
         self.guard = guard
 
     def state_dict(self) -> dict[str, Any]:
-        return self.guard.state_dict(mid_group=True)
+        dtypes = self.guard.autocast_dtypes
+        return {**self.guard.state_dict(mid_group=True), **({"autocast_dtypes": dict(dtypes)} if dtypes else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state)

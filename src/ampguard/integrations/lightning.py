@@ -719,8 +719,11 @@ class AmpGuardPlugin(_LightningPrecision):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """The guard's state (scaler, step and update counters, the monitor), once it exists."""
+        """The guard's state (scaler, step and update counters, the monitor), once it exists, and
+        :attr:`autocast_dtypes` once noted (a record kept with the checkpoint, not compared on a resume)."""
         held = {"held_batches": list(self._held_batches)} if self._held_batches is not None else {}
+        if self.autocast_dtypes:
+            held["autocast_dtypes"] = dict(self.autocast_dtypes)
         if self.guard is None:  # before the fit's first backward: what a resume loaded, or that there was
             # nothing yet (never {}: Lightning neither saves nor restores an empty state, and a tuner restoring
             # the checkpoint it saved here must rewind the guard its sweep built: load_state_dict)
@@ -751,6 +754,7 @@ class AmpGuardPlugin(_LightningPrecision):
         self._refuse_a_change(state_dict)
         self._loaded = dict(state_dict)
         held = self._loaded.pop("held_batches", None)  # (a checkpoint of an older plugin has none: _setup)
+        self._loaded.pop("autocast_dtypes", None)  # (a record: this fit notes its own)
         self._held_batches = (int(held[0]), int(held[1])) if held is not None else None
         if self._loaded.pop(_BEFORE_FIRST_STEP, False):
             self._loaded = None  # (the guard starts afresh)

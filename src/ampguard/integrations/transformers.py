@@ -747,7 +747,9 @@ class GuardedTrainer(Trainer):
         monitor = self.ampguard.monitor
         state = {"guard": self.guard.state_dict(mid_group=True),  # (HF saves between steps: the group is closed)
                  "monitor": monitor.state_dict() if monitor is not None else None,
-                 "logged": self.ampguard.logged_state() if monitor is not None else None}
+                 "logged": self.ampguard.logged_state() if monitor is not None else None,
+                 # the layers autocast left in float32: a record kept with the checkpoint (not compared on a resume)
+                 **({"autocast_dtypes": self.autocast_dtypes} if self.autocast_dtypes else {})}
         path = Path(output_dir) / STATE_NAME
         replace_atomically(path, json.dumps(state, indent=1) + "\n")  # a reader never sees half a file
 
