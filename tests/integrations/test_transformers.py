@@ -16,7 +16,7 @@ from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun, tor
 
 transformers = pytest.importorskip("transformers")
 from accelerate.state import AcceleratorState  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from ampguard.errors import InputError  # noqa: E402
 from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
@@ -146,10 +146,17 @@ def test_stock_trainer_with_the_callback_alone_sees_the_poisoned_update_it_canno
     # Nothing skips the inf gradient: HF applies it, the callback says so.
     lines: list[str] = []
     model = tiny_gpt2()
+    callback = AmpGuardCallback(print_fn=lines.append)
     trainer = Trainer(model=model, args=arguments(tmp_path, "bf16", steps=4), train_dataset=token_ids(),
-                      callbacks=[AmpGuardCallback(print_fn=lines.append)])
+                      callbacks=[callback])
     inf_gradient_at(trainer, model, {3})
     trainer.train()
+    # the layers the Trainer's autocast left in float32, noted around its first micro-batch (hooks gone after)
+    dtypes = callback.autocast_dtypes
+    assert dtypes["transformer.wte"] == "float32" and dtypes["transformer.h.0.attn.c_attn"] == "bfloat16"
+    assert not any(m._forward_hooks for m in model.modules())
+    card = (tmp_path / "out" / "ampguard" / "RUN.md").read_text()
+    assert f"| float32 under autocast | {float32_layers_text(dtypes)} |" in card
     rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
     assert [r["skipped"] for r in rows] == ["0"] * 4
     assert rows[0]["loss"] == rows[0]["grad_l2_pre_clip"] == ""  # not shown to a callback
@@ -718,10 +725,15 @@ def test_auto_find_batch_size_retries_after_an_out_of_memory_and_the_run_goes_on
                     train_dataset=token_ids())
     if trainer_class == "GuardedTrainer":
         trainer = GuardedTrainer(**settings)
+        callback = trainer.ampguard
     else:
-        trainer = Trainer(**settings, callbacks=[AmpGuardCallback()])
+        callback = AmpGuardCallback()
+        trainer = Trainer(**settings, callbacks=[callback])
     trainer.train()
     assert (trainer.state.global_step, trainer.state.train_batch_size) == (4, 2)
+    # the last attempt's first forward noted the float32 map, and no dtype hook is left on the model
+    assert callback.autocast_dtypes["transformer.wte"] == "float32"
+    assert not any(m._forward_hooks for m in model.modules())
     folder = tmp_path / "out" / "ampguard"
     assert [int(r["step"]) for r in read_rows(folder / "steps.csv")] == [1, 2, 3, 4]
     events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
@@ -750,6 +762,34 @@ def test_a_compiled_model_is_not_hooked_for_the_float32_map(tmp_path):
     assert trainer.autocast_dtypes == {}
     assert counters["stats"]["unique_graphs"] == 2  # (the forward, and the loss after a graph break)
     assert "float32 under autocast" not in (tmp_path / "out" / "ampguard" / "RUN.md").read_text()
+
+
+def test_a_stock_trainers_first_forward_that_runs_out_of_memory_leaves_the_map_to_the_retry(tmp_path):
+    """A stock Trainer tells no callback that a training step raised: the dtype hooks the callback
+    opened around the first micro-batch stayed open, half the layers noted. The retry's
+    on_train_begin closes them; the retry's first forward notes the whole map."""
+    model = tiny_gpt2()
+
+    def out_of_memory(module, args, output):  # half-way through the model, on the first attempt's batch size
+        if module.training and output.shape[0] > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB (a stand-in)")
+
+    model.transformer.h[1].register_forward_hook(out_of_memory)
+    hooks_at_begin = []
+
+    class Count(TrainerCallback):  # (after the ampguard one: each attempt's on_train_begin as it leaves the model)
+        def on_train_begin(self, args, state, control, **kwargs):
+            hooks_at_begin.append(sum(len(m._forward_hooks) for m in model.modules()))
+
+    callback = AmpGuardCallback()
+    trainer = Trainer(model=model, args=arguments(tmp_path, "bf16", steps=2, auto_find_batch_size=True),
+                      train_dataset=token_ids(), callbacks=[callback, Count()])
+    trainer.train()
+    assert trainer.state.train_batch_size == 2
+    assert len(hooks_at_begin) > 1 and set(hooks_at_begin) == {1}  # each retry begins with the abandoned hooks gone
+    dtypes = callback.autocast_dtypes
+    assert dtypes["transformer.ln_f"] == "float32" and dtypes["lm_head"] == "bfloat16"  # after the raise's layer
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 1  # the test's own
 
 
 def test_a_second_train_names_the_layers_its_own_first_forward_left_in_float32(tmp_path):

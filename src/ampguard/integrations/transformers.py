@@ -50,7 +50,7 @@ from ..precision import Precision
 from ..records import SkipLog, StepLog, StepRecord
 from ..sinks import CsvSink, Sink, set_aside
 from ..step import Guard, holds_gradients
-from ..watch import float32_layers_text
+from ..watch import first_forward_dtypes, float32_layers_text
 from .accelerate import _inner, found_inf
 
 CSV_NAME, EVENTS_NAME, SUMMARY_NAME, CARD_NAME = "steps.csv", "events.jsonl", "summary.json", "RUN.md"
@@ -185,6 +185,7 @@ class AmpGuardCallback(TrainerCallback):
         self._guarded = False
         self._scaler: dict[str, float] | None = None  # the loss scaler's init_scale and floor, if there is one
         self._watch: dict[str, Any] = {}  # stock Trainer: what on_pre_optimizer_step saw
+        self._noting: contextlib.ExitStack | None = None  # stock Trainer: the first forward's dtype hooks, open
         # GuardedTrainer resuming: (the checkpoint's step, its monitor state or None, the checkpoint's name)
         self._resume: tuple[int, dict[str, Any] | None, str, dict[str, Any] | None] | None = None
         self.crash: BaseException | None = None  # the error that ended train(), if one did (GuardedTrainer)
@@ -214,8 +215,9 @@ class AmpGuardCallback(TrainerCallback):
         self._scaler = scaler
 
     autocast_dtypes: dict[str, str] | None = None
-    """Set by :class:`GuardedTrainer`: each leaf module's output dtype in the first training
-    forward under autocast (the run card's "float32 under autocast")."""
+    """Each leaf module's output dtype in the first training forward under autocast (the run
+    card's "float32 under autocast"): set by :class:`GuardedTrainer` from its guard; on a stock
+    ``Trainer`` noted by the callback itself around the first micro-batch (:meth:`on_step_begin`)."""
 
     def take(self, record: StepRecord) -> None:
         """The guard's record of the step that just closed (called by :class:`GuardedTrainer`)."""
@@ -276,6 +278,9 @@ class AmpGuardCallback(TrainerCallback):
             self._refuse_closed(self.sinks)
         if not self._guarded and state.is_world_process_zero:  # said where a HF user looks, not only in RUN.md
             warnings.warn(WATCH_ONLY, WatchOnlyWarning)
+        if not self._guarded:  # (each attempt's first forward, each train()'s; one that raised left its hooks open)
+            self._stop_noting(abandoned=True)
+            self.autocast_dtypes = None
         if self._scaler is None and not self._guarded:  # a stock Trainer: Accelerate's scaler, if any
             scaler = _scaler_of(kwargs.get("optimizer"))
             if scaler is not None and scaler.is_enabled():
@@ -354,6 +359,34 @@ class AmpGuardCallback(TrainerCallback):
             self._emit({"step": step, "event": "resume", "message": f"resumed from {source} at step {step}{note}"},
                        "RESUME")
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """On a stock ``Trainer`` (fp16/bf16): the first group's first micro-batch runs with each
+        leaf of the model HF hands callbacks noting its output's dtype
+        (``watch.first_forward_dtypes``), closed at that micro-batch's end (:meth:`_stop_noting`):
+        the card's "float32 under autocast", as :class:`GuardedTrainer`'s guard notes it."""
+        if self._guarded or self.autocast_dtypes is not None or self._noting is not None or not (args.fp16 or args.bf16):
+            return
+        model = kwargs.get("model")
+        if isinstance(model, torch.nn.Module):
+            self._noting = contextlib.ExitStack()
+            self._noting.enter_context(first_forward_dtypes(model, self))
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._stop_noting()
+
+    def _stop_noting(self, abandoned: bool = False) -> None:
+        """Close the first forward's dtype hooks (:meth:`on_step_begin`). ``abandoned``: the
+        micro-batch never ended (its ``training_step`` raised: a stock ``Trainer`` tells no
+        callback), so its hooks go and the next attempt notes the map afresh."""
+        noting, self._noting = self._noting, None
+        if noting is None:
+            return
+        if not abandoned:
+            noting.close()
+            return
+        error = RuntimeError("the training step raised")
+        noting.__exit__(type(error), error, None)
+
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Under :class:`GuardedTrainer`: refuse an optimizer step no guarded step closed (a
         ``training_step`` overridden without ``super()``: it trained unguarded and unclipped,
@@ -382,6 +415,7 @@ class AmpGuardCallback(TrainerCallback):
                     "super().training_step(...)) would be applied by HF's optimizer step, unchecked and unclipped; "
                     "add that loss to the one compute_loss returns")
             return
+        self._stop_noting()
         optimizer = kwargs["optimizer"]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         scaler = _scaler_of(optimizer)
@@ -428,6 +462,7 @@ class AmpGuardCallback(TrainerCallback):
         logs["ampguard/scale"] = 1.0 if scale is None else scale
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._stop_noting()  # (a train() that ended before a micro-batch did)
         if self.monitor is None or self._ended:
             return
         if self.failed is None:  # a run too short to arm the ALERT or to fail fast is judged whole
