@@ -181,12 +181,14 @@ def compiled_inside(model: nn.Module) -> bool:
 
 class _Notes:
     """Where the leaves' hooks note their dtypes (:func:`_note_dtype`) while ``open``; hooks left
-    on a model after its first forward (traced into a compiled graph) find it closed."""
+    on a model after its first forward (traced into a compiled graph) find it closed.
+    ``autocast``: whether autocast was on for a layer they noted (a loop that asked for fp16 on
+    a CPU, where Hugging Face's Trainer makes no autocast, computed every layer in float32)."""
 
-    __slots__ = ("dtypes", "open")
+    __slots__ = ("dtypes", "open", "autocast")
 
     def __init__(self, dtypes: dict[str, str]) -> None:
-        self.dtypes, self.open = dtypes, True
+        self.dtypes, self.open, self.autocast = dtypes, True, False
 
 
 def _note_dtype(notes: _Notes, name: str, module: nn.Module, args: Any, output: Any) -> None:
@@ -200,6 +202,7 @@ def _note_dtype(notes: _Notes, name: str, module: nn.Module, args: Any, output: 
         floats = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if floats:
             notes.dtypes[name] = str(floats[0].dtype).removeprefix("torch.")
+            notes.autocast = notes.autocast or torch.is_autocast_enabled(floats[0].device.type)
 
 
 def note_dtypes(model: nn.Module, notes: _Notes) -> dict[str, Any]:
@@ -227,7 +230,8 @@ def first_forward_dtypes(model: nn.Module, owner: Any) -> Iterator[None]:
     traced into it (a part of the model compiled on its own, or a ``torch.compile`` wrapper
     beside it), and removed, it would make dynamo compile that again. A block that raises
     leaves no hooks and sets ``owner.autocast_dtypes`` back to ``None``: the next forward notes
-    them (a retried out-of-memory)."""
+    them (a retried out-of-memory). A forward that ran without autocast leaves ``{}``: no layer
+    was computed under it, and "every layer float32" would read as autocast's choice."""
     owner.autocast_dtypes = {}
     notes, handles = _Notes({}), {}
     if not (compiled_inside(model) or any(hasattr(m, "set_requires_gradient_sync") for m in model.modules())):  # (FSDP2)
@@ -248,7 +252,7 @@ def first_forward_dtypes(model: nn.Module, owner: Any) -> Iterator[None]:
             weakref.finalize(owner, handle.remove)
         else:
             handle.remove()
-    owner.autocast_dtypes = notes.dtypes
+    owner.autocast_dtypes = notes.dtypes if notes.autocast else {}
 
 
 @contextlib.contextmanager

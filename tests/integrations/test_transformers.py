@@ -764,6 +764,16 @@ def test_a_compiled_model_is_not_hooked_for_the_float32_map(tmp_path):
     assert "float32 under autocast" not in (tmp_path / "out" / "ampguard" / "RUN.md").read_text()
 
 
+def test_a_stock_trainer_asked_for_fp16_on_a_cpu_runs_no_autocast_and_names_no_float32_layer(tmp_path):
+    # Accelerate makes no autocast for fp16 on a CPU: every layer computed in float32, and the card said
+    # all of them were left in float32 "under autocast"
+    callback = AmpGuardCallback(print_fn=lambda line: None)
+    Trainer(model=tiny_gpt2(), args=arguments(tmp_path, "fp16", steps=1), train_dataset=token_ids(),
+            callbacks=[callback]).train()
+    assert callback.autocast_dtypes == {}
+    assert "float32 under autocast" not in (tmp_path / "out" / "ampguard" / "RUN.md").read_text()
+
+
 def test_a_stock_trainers_first_forward_that_runs_out_of_memory_leaves_the_map_to_the_retry(tmp_path):
     """A stock Trainer tells no callback that a training step raised: the dtype hooks the callback
     opened around the first micro-batch stayed open, half the layers noted. The retry's
