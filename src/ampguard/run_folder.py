@@ -138,11 +138,8 @@ class RunPaths:
             raise InputError(f"run folder {run_dir} already exists; choose another log.name")
         created: list[Path] = []
         try:
-            for folder in reversed(run_dir.parents):  # one by one, to know which are new
-                if not folder.exists():  # (a file there: the run folder's mkdir says so)
-                    with contextlib.suppress(FileExistsError):  # (made by a run started beside this one)
-                        folder.mkdir()
-                        created.append(folder)
+            _make_parents(run_dir, created)
+            remade = False
             while True:  # the run folder itself: never one another run made, even a moment ago
                 try:
                     run_dir.mkdir()
@@ -151,6 +148,11 @@ class RunPaths:
                     if config.log.name:
                         raise
                     run_dir = run_dir.parent / next(names)
+                except FileNotFoundError:  # a parent another run made, then took back unused, meanwhile
+                    if remade:
+                        raise
+                    remade = True
+                    _make_parents(run_dir, created)
             created.append(run_dir)
             paths = cls(csv=run_dir / "steps.csv", dir=run_dir, created=created)
             if on_made is not None:
@@ -399,6 +401,16 @@ def _pid_in(fd: int) -> str | None:
     """The pid a lock file's holder wrote in it (:meth:`RunPaths.lock`), or None when it holds none."""
     pid = os.read(fd, 32).decode("ascii", "replace").strip()
     return pid if pid.isdigit() else None
+
+
+def _make_parents(run_dir: Path, created: list[Path]) -> None:
+    """Make the folders above ``run_dir`` that are missing, one by one, adding to ``created``
+    those this run made (a folder a run started beside this one made first is not)."""
+    for folder in reversed(run_dir.parents):
+        if not folder.exists():  # (a file there: the run folder's mkdir says so)
+            with contextlib.suppress(FileExistsError):
+                folder.mkdir()
+                created.append(folder)
 
 
 def _remove_created(created: list[Path], run_dir: Path) -> None:

@@ -102,6 +102,22 @@ def test_a_name_another_run_takes_at_the_same_moment_is_refused_and_its_folder_l
     assert sorted(p.name for p in (tmp_path / "runs" / "b").iterdir()) == ["its-run"]  # not removed as ours
 
 
+def test_a_log_dir_another_run_takes_back_at_the_same_moment_is_made_again(tmp_path, monkeypatch):
+    """A run refused after making ``runs/`` takes it back while empty (``remove_unused``): between
+    this run's look and its ``mkdir`` of ``runs/b`` it was gone ("No such file or directory")."""
+    (tmp_path / "runs").mkdir()  # the other run's, empty
+    real_mkdir, taken = Path.mkdir, []
+
+    def mkdir(self, *args, **kwargs):
+        if self == tmp_path / "runs" / "b" and not taken:
+            taken.append((tmp_path / "runs").rmdir())  # the other run takes its folder back
+        return real_mkdir(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    paths = RunPaths.new_run_dir(config_in(tmp_path / "runs", "b"))
+    assert taken and (paths.dir / "config.yaml").is_file()
+    assert paths.created == [tmp_path / "runs", paths.dir]  # made again by this run: its own to take back
+
+
 def test_a_run_folder_that_cannot_be_created_is_one_input_error_line(tmp_path):
     (tmp_path / "not-a-folder").write_text("")
     with pytest.raises(InputError) as err:
