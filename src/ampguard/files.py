@@ -184,3 +184,26 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str) -> None:
         with writing(path):
             tmp.write_bytes(data)
         os.replace(tmp, path)
+
+
+def make_parents(path: str | os.PathLike, made: list[Path]) -> None:
+    """Make the missing folders above ``path``, outermost first, appending to ``made`` each one
+    this process made (so a caller that fails part-way knows what to take back). A folder a
+    process started beside this one makes first is not added (its ``mkdir`` loses the race: that
+    folder is the other's); a file on the way is left for the caller's own ``mkdir`` to say so.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> made = []
+        >>> make_parents(root / "a" / "b" / "run", made)
+        >>> [p.relative_to(root).as_posix() for p in made]
+        ['a', 'a/b']
+        >>> shutil.rmtree(root)
+    """
+    for folder in reversed(Path(path).parents):
+        if not folder.exists():
+            with contextlib.suppress(FileExistsError):
+                folder.mkdir()
+                made.append(folder)

@@ -29,7 +29,7 @@ import torch
 
 from .config import Config, dump_config
 from .errors import ExitCode, InputError
-from .files import DiskFull, is_temporary, replace_atomically
+from .files import DiskFull, is_temporary, make_parents, replace_atomically
 
 if TYPE_CHECKING:
     from .monitor import RunMonitor
@@ -138,7 +138,7 @@ class RunPaths:
             raise InputError(f"run folder {run_dir} already exists; choose another log.name")
         created: list[Path] = []
         try:
-            _make_parents(run_dir, created)
+            make_parents(run_dir, created)
             remade = False
             while True:  # the run folder itself: never one another run made, even a moment ago
                 try:
@@ -152,7 +152,7 @@ class RunPaths:
                     if remade:
                         raise
                     remade = True
-                    _make_parents(run_dir, created)
+                    make_parents(run_dir, created)
             created.append(run_dir)
             paths = cls(csv=run_dir / "steps.csv", dir=run_dir, created=created)
             if on_made is not None:
@@ -401,16 +401,6 @@ def _pid_in(fd: int) -> str | None:
     """The pid a lock file's holder wrote in it (:meth:`RunPaths.lock`), or None when it holds none."""
     pid = os.read(fd, 32).decode("ascii", "replace").strip()
     return pid if pid.isdigit() else None
-
-
-def _make_parents(run_dir: Path, created: list[Path]) -> None:
-    """Make the folders above ``run_dir`` that are missing, one by one, adding to ``created``
-    those this run made (a folder a run started beside this one made first is not)."""
-    for folder in reversed(run_dir.parents):
-        if not folder.exists():  # (a file there: the run folder's mkdir says so)
-            with contextlib.suppress(FileExistsError):
-                folder.mkdir()
-                created.append(folder)
 
 
 def _remove_created(created: list[Path], run_dir: Path) -> None:

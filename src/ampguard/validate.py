@@ -46,7 +46,7 @@ from .build import prepare_model, resolve_device, to_device
 from .checkpoint import rng_kept
 from .config import Config
 from .errors import ExitCode, InputError, counted, user_code
-from .files import DiskFull, replace_atomically
+from .files import DiskFull, make_parents, replace_atomically
 from .precision import Precision, backend_of
 from .records import strict_json
 from .tasks import Task, untrained_model
@@ -1712,13 +1712,9 @@ def reserve_report_folder(out: str | Path | None, log_dir: str | Path) -> Report
     else:
         folder, what = Path(log_dir) / time.strftime("validate-%Y%m%d-%H%M%S"), f"log.dir {log_dir}"
         _check_parent(folder, what)
-    made: list[Path] = []
+    made: list[Path] = []  # (outermost first; ReportFolder takes them back newest first)
     try:
-        for parent in reversed(folder.parents):  # one by one, to know which are this run's
-            if not (parent.exists() or parent.is_symlink()):
-                with contextlib.suppress(FileExistsError):  # (another run made it first: not ours)
-                    parent.mkdir()
-                    made.insert(0, parent)
+        make_parents(folder, made)
         for n in itertools.count(1):
             name = folder if out or n == 1 else folder.with_name(f"{folder.name}-{n}")
             try:
@@ -1727,20 +1723,20 @@ def reserve_report_folder(out: str | Path | None, log_dir: str | Path) -> Report
                 if out:
                     break  # (found empty by the check: the marker below decides whose it is)
                 continue
-            made.insert(0, name)
+            made.append(name)
             folder = name
             break
         fd = os.open(folder / RESERVED, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except FileExistsError:  # (only the marker's open lets one through: another run's, left as it is)
         refusal = _being_written(folder, what)
-        ReportFolder(folder, what, made).release(written=False)
+        ReportFolder(folder, what, made[::-1]).release(written=False)
         raise refusal from None
     except OSError as err:
-        ReportFolder(folder, what, made).release(written=False)
+        ReportFolder(folder, what, made[::-1]).release(written=False)
         raise InputError(f"{what}: cannot create {folder} ({err.strerror or err})") from None
     with contextlib.suppress(OSError), os.fdopen(fd, "w") as f:
         f.write(f"{os.getpid()}\n")
-    reserved = ReportFolder(folder, what if out else f"report folder {folder}", made, held=True)
+    reserved = ReportFolder(folder, what if out else f"report folder {folder}", made[::-1], held=True)
     if any(p.name != RESERVED for p in folder.iterdir()):  # a run that finished between the check and the marker
         reserved.release(written=False)
         raise InputError(f"{reserved.what} exists and is not empty; refusing to overwrite it")
