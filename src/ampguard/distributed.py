@@ -278,6 +278,18 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else norm
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is one FSDP2 shards (``fully_shard``: it has
+    ``set_requires_gradient_sync``).
+
+    Example::
+
+        >>> is_sharded(nn.Linear(2, 1))
+        False
+    """
+    return hasattr(module, "set_requires_gradient_sync")
+
+
 def defers_sync(model: nn.Module) -> bool:
     """Whether ``model`` all-reduces its gradients only when told to (DDP, FSDP2): what
     :func:`accumulation_context` switches off mid-group.
@@ -287,7 +299,7 @@ def defers_sync(model: nn.Module) -> bool:
         >>> defers_sync(nn.Linear(2, 1))
         False
     """
-    return hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")
+    return hasattr(model, "no_sync") or is_sharded(model)
 
 
 def accumulation_context(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -315,7 +327,7 @@ def accumulation_context(model: nn.Module, last: bool) -> contextlib.AbstractCon
         return contextlib.nullcontext()
     if hasattr(model, "no_sync"):  # DDP
         return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+    if is_sharded(model):  # FSDP2
         return _fsdp_no_sync(model)
     return contextlib.nullcontext()
 

@@ -234,7 +234,7 @@ def first_forward_dtypes(model: nn.Module, owner: Any) -> Iterator[None]:
     was computed under it, and "every layer float32" would read as autocast's choice."""
     owner.autocast_dtypes = {}
     notes, handles = _Notes({}), {}
-    if not (compiled_inside(model) or any(hasattr(m, "set_requires_gradient_sync") for m in model.modules())):  # (FSDP2)
+    if not (compiled_inside(model) or any(map(distributed.is_sharded, model.modules()))):
         handles = note_dtypes(model, notes)
     graphs = compiled_graphs()
     try:
@@ -316,8 +316,10 @@ def _probe_autocast(guard: Any, modules: Sequence[nn.Module]) -> list[Any]:
     would make ``torch.compile`` compile it again. Nor is a model under DDP or FSDP2."""
     handles = []
     for module in modules:
-        if is_compiled(module) or distributed.defers_sync(module):  # (DDP's and FSDP2's own hooks: a torchrun job's rank 0
-            continue                                  # sometimes aborted at exit with one added and removed)
+        # (not DDP's nor FSDP2's: with their own hooks, a torchrun job's rank 0 sometimes aborted at exit
+        # when one was added and removed)
+        if is_compiled(module) or distributed.defers_sync(module):
+            continue
         _PROBING.setdefault(module, weakref.WeakSet()).add(guard)
         handle = module.register_forward_pre_hook(_note_autocast)
         weakref.finalize(guard, handle.remove)

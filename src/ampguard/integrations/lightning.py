@@ -538,10 +538,10 @@ class AmpGuardPlugin(_LightningPrecision):
         leaf module of the LightningModule notes its output's dtype in :attr:`autocast_dtypes`
         (``ampguard.watch.first_forward_dtypes``: hooks for that step only), as ``ampguard train``'s
         run card and ``GuardedTrainer`` do; the tracker sinks' summary gets it at the fit's end."""
-        with super().train_step_context(), self._recording_dtypes():
+        with super().train_step_context(), self._noting_dtypes():
             yield
 
-    def _recording_dtypes(self) -> contextlib.AbstractContextManager:
+    def _noting_dtypes(self) -> contextlib.AbstractContextManager:
         """The dtype hooks for the fit's first training step under autocast
         (``watch.first_forward_dtypes``: a step that raises, a ``BatchSizeFinder``'s out-of-memory,
         leaves :attr:`autocast_dtypes` ``None`` for the next); a no-op after it, in fp32, and for
