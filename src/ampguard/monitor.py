@@ -11,8 +11,8 @@ a rate of 1.0, not 25/window). A run failing from its first step is therefore ca
 ``fail_after`` steps, not after the window has filled with evidence. The ALERT and the fail-fast
 judge that rate, while the window is young, with the fp16 scaler's opening search set aside
 (its gradient overflows from step 1 down from ``init_scale`` until a step applies, the warm-up
-scale health labels ``warming``; once the window is full, the rolling rate itself), and the
-ALERT waits for ``min_steps`` steps, so a healthy fp16 start raises neither.
+scale health labels ``warming``; once the window is full, the rolling rate itself unless the
+opening is still the window's only skips), and the ALERT waits for ``min_steps`` steps, so a healthy fp16 start raises neither.
 
 A failure is typed: ``Event.kind == "fail"`` and ``Event.cause`` is one of :data:`FAIL_CAUSES`
 (:data:`FAIL_SKIP_RATE`, :data:`FAIL_SCALE_COLLAPSE`); nothing downstream has to read the
@@ -668,7 +668,8 @@ class RunMonitor:
       scale, not 9% of the first 100 steps failing. A streak that reaches the floor
       ``min_scale`` found no scale: it is counted whole, from its first step. Once the window
       is full the judged rate is the rolling rate, opening and all: 51 skips in the last 1000
-      steps page at 5%.
+      steps page at 5%; an opening that is still the window's only skips stays set aside (a
+      healthy search is not counted the step the window fills, with no new skip).
     - ALERT episodes: an ``ALERT`` starts when the judged rate rises above ``alert_rate`` and
       clears when it falls to ``clear_rate`` or below (by default :data:`CLEAR_FRACTION` of
       ``alert_rate``: a rate hovering at the threshold is one episode), one event each, not one
@@ -1023,7 +1024,8 @@ class RunMonitor:
         non-finite loss is no search: the loss is checked before it is scaled); a streak that
         reaches the floor is no search. Its steps leave the judged rate's numerator and
         denominator alike. Once the window is full (``window`` steps, 1000 by default) the
-        judged rate is the rolling rate the seed lesson pages on, opening and all.
+        judged rate is the rolling rate the seed lesson pages on, opening and all, once a later
+        skip joins the opening there (the opening alone stays set aside until it leaves).
 
         Example (fp16: six opening halvings, then 94 clean steps)::
 
@@ -1043,14 +1045,19 @@ class RunMonitor:
         return (self.skip_window.total - aside) / held if held > 0 else 0.0
 
     def _opening_in_window(self) -> int:
-        """How many of the skip window's steps are the scaler's opening search, set aside while
-        the window is young (0 when none, and once the window is full)."""
+        """How many of the skip window's steps are the scaler's opening search, set aside: all
+        of them while the window is young; once it is full, only while they are its only skips
+        (a healthy search is not counted the step the window fills, with no new skip: 9 opening
+        halvings read 0.45 in a window of 20 there; a later skip joins them and the rolling rate
+        counts every skip, the seed's rule). 0 when there is none in the window."""
         opening = self.opening
-        if opening < 1 or self.skip_window.count >= self.window:
+        if opening < 1:
             return 0
         # the window holds the last `held` steps up to `steps`; the opening is steps 1..opening
         first = self.steps - self.skip_window.held + 1
-        return max(0, min(opening - first + 1, self.skip_window.held, round(self.skip_window.total)))
+        skips = round(self.skip_window.total)
+        aside = max(0, min(opening - first + 1, self.skip_window.held, skips))
+        return 0 if self.skip_window.count >= self.window and aside < skips else aside
 
     @property
     def clip_rate(self) -> float:

@@ -1084,6 +1084,30 @@ def test_monitor_51_skips_in_the_last_1000_steps_page_opening_or_not():
     assert alerts == [1000] and m.judged_skip_rate == m.skip_rate == 51 / 1000
 
 
+@pytest.mark.parametrize("window", [20, 30])
+def test_monitor_an_opening_alone_is_not_counted_the_step_the_window_fills(window):
+    # 9 opening halvings, then clean steps: the window's only skips are the scaler's search. Counted
+    # the step the window filled (no new skip), they read 9/20 = 0.45: an ALERT, and the fail-fast
+    # stopped a healthy run 3 steps later. Judged 0 before, at and after the fill alike
+    m = RunMonitor(window=window, alert_rate=0.05, fail_rate=0.3, fail_after=3, min_steps=5)
+    for r in fp16_opening(9, window + 15):
+        assert m.observe(r) == [], r.step
+        assert m.judged_skip_rate == 0.0, r.step
+        if r.step == window:
+            assert m.skip_rate == 9 / window  # the rate shown counts them
+    assert m.failed is None and not m.alerting and m.max_skip_rate == 0.0
+
+
+def test_monitor_a_later_skip_joins_the_opening_in_a_full_window():
+    # window 20: at step 21 the window holds steps 2-21, opening steps 2-9 and the later skip: the
+    # full window's rate counts every skip, the seed's rule (9 of the last 20 steps); the opening
+    # then leaves it a step at a time: 8/20, 7/20 (above 0.3 for 3 steps: the fail-fast)
+    m = RunMonitor(window=20, alert_rate=0.05, fail_rate=0.3, fail_after=3, min_steps=5)
+    events = [(e.step, e.kind) for r in fp16_opening(9, 23, later_skips=(21,)) for e in m.observe(r)]
+    assert events == [(21, "skip_rate_alert"), (23, "fail")]
+    assert m.judged_skip_rate == m.skip_rate == 7 / 20
+
+
 # ---------------------------------------------------------------------------- a saved state that does not fit
 # A monitor's state comes from a checkpoint file. Each of these used to load as it was and fail
 # mid-run (a str counter in an addition, a short ring indexed by pos) or go quietly wrong; now the
