@@ -74,6 +74,20 @@ def initial_scale(config: Config, device: torch.device) -> float:
     return float(config.scaler.init_scale) if _scaler_on(config, device) else 1.0
 
 
+def scaler_settings(config: Config) -> dict[str, Any]:
+    """The config's ``scaler`` section as :meth:`Precision.make_scaler` takes it.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> scaler_settings(validate({"scaler": {"min_scale": 4}}))["min_scale"]
+        4.0
+    """
+    s = config.scaler
+    return dict(enabled=s.enabled, init_scale=s.init_scale, growth_factor=s.growth_factor,
+                backoff_factor=s.backoff_factor, growth_interval=s.growth_interval, min_scale=s.min_scale)
+
+
 def _scaler_on(config: Config, device: torch.device) -> bool:
     enabled = config.scaler.enabled
     return precision_of(config, device).uses_scaler if enabled is None else enabled
@@ -180,7 +194,6 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
                 group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
         else:
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config))
-        s = config.scaler
         return AmpTrainState(
             model,
             optimizer,
@@ -190,14 +203,7 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
             accumulation_steps=config.accumulation_steps,
             scheduler=scheduler,
             device=device,
-            scaler=dict(
-                enabled=s.enabled,
-                init_scale=s.init_scale,
-                growth_factor=s.growth_factor,
-                backoff_factor=s.backoff_factor,
-                growth_interval=s.growth_interval,
-                min_scale=s.min_scale,
-            ),
+            scaler=scaler_settings(config),
             scheduler_on_skip=config.scheduler_on_skip,
             sync_free=fast,
         )

@@ -336,12 +336,15 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike,
     for key in ("model", "state"):
         if not isinstance(payload[key], Mapping):
             raise InputError(f"{path}: bad checkpoint: {key} is a {type(payload[key]).__name__}, expected a mapping")
-    try:
-        model.load_state_dict(payload["model"])
-    except (RuntimeError, TypeError, ValueError, KeyError) as err:
-        how = misfit(model.state_dict(), payload["model"]) or first_line(err)
+    how = misfit(model.state_dict(), payload["model"])  # (before loading: load_state_dict casts a dtype)
+    if not how:
+        try:
+            model.load_state_dict(payload["model"])
+        except (RuntimeError, TypeError, ValueError, KeyError) as err:
+            how = first_line(err)
+    if how:
         saved = payload["config"].get("task") if isinstance(payload["config"], Mapping) else None
-        raise InputError(f"{path}: does not fit this model ({how}){other_task(saved, task)}") from None
+        raise InputError(f"{path}: does not fit this model ({how}){other_task(saved, task)}")
     return payload
 
 
@@ -382,25 +385,57 @@ def other_task(saved: Any, now: Mapping[str, Any] | None) -> str:
 
 def misfit(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
     """How a checkpoint's weights ``saved`` fail to fit a model's ``model`` (both state dicts), in
-    a few words: the first tensor whose shape differs, else the names missing on either side (a
-    count and the first); "" when neither (the load failed for another reason).
+    a few words: the first tensor whose shape or dtype differs (``load_state_dict`` casts: int64
+    weights were truncated to whole numbers, float16 ones lost their low bits, unsaid), else the
+    names missing on either side (a count and the first); "" when neither (the load failed for
+    another reason).
 
     Example::
 
         >>> a, b = {"w": torch.zeros(2, 3), "b": torch.zeros(2)}, {"w": torch.zeros(2, 4), "b": torch.zeros(2)}
         >>> misfit(a, b), misfit(a, {"w": a["w"]}), misfit({"w": a["w"]}, {**a, "x": 1, "y": 2}), misfit(a, a)
         ('w: checkpoint [2, 4], model [2, 3]', '1 weight of the model not in the checkpoint (b)', '3 weights of the checkpoint not in the model (b, ...)', '')
+        >>> misfit(a, {**a, "b": a["b"].long()})
+        'b: checkpoint int64, model float32'
     """
     for name, value in model.items():
         other = saved.get(name)
-        if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and value.shape != other.shape:
-            return f"{name}: checkpoint {list(other.shape)}, model {list(value.shape)}"
+        if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor):
+            if value.shape != other.shape:
+                return f"{name}: checkpoint {list(other.shape)}, model {list(value.shape)}"
+            if value.dtype != other.dtype:
+                return f"{name}: checkpoint {_dtype(other)}, model {_dtype(value)}"
     parts = []
     for names, where in (([n for n in model if n not in saved], "of the model not in the checkpoint"),
                          ([n for n in saved if n not in model], "of the checkpoint not in the model")):
         if names:
             parts.append(f"{counted(len(names), 'weight')} {where} ({names[0]}{', ...' if len(names) > 1 else ''})")
     return "; ".join(parts)
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def non_finite_weight(saved: Mapping[str, Any]) -> str:
+    """The first floating-point tensor of a checkpoint's weights that holds a NaN or an infinity,
+    in a few words (``"fc.weight holds nan"``); "" when none. Such weights make every loss
+    non-finite: a run resumed from them would skip every step (``validate`` and ``locate`` take
+    them: judging and diagnosing a diverged model is their job).
+
+    Example::
+
+        >>> w = torch.ones(2, 2)
+        >>> non_finite_weight({"w": w, "n": torch.tensor(3)}), non_finite_weight({"w": w, "b": torch.tensor([1.0, float("-inf")])})
+        ('', 'b holds -inf')
+    """
+    for name, value in saved.items():
+        # (float8 tensors have no isfinite: a model's saved weights are its master copies anyway)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.element_size() > 1:
+            finite = torch.isfinite(value)
+            if not bool(finite.all()):
+                return f"{name} holds {value[~finite][0].item():g}"
+    return ""
 
 
 def list_checkpoints(folder: str | os.PathLike) -> list[Path]:

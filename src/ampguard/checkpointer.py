@@ -35,6 +35,7 @@ Example (fakes stand in for a model; any object with ``state_dict`` / ``load_sta
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -922,6 +923,12 @@ def _check_model(path: Path, saved: Any, live: Mapping[str, Any]) -> None:
         if isinstance(value, torch.Tensor) and (not isinstance(other, torch.Tensor) or other.shape != value.shape):
             shape = list(other.shape) if isinstance(other, torch.Tensor) else _show(other)
             raise refuse(f"{key} is {shape} in the checkpoint, {list(value.shape)} here")
+        if isinstance(value, torch.Tensor) and other.dtype != value.dtype:  # (load_state_dict would cast it, unsaid)
+            raise refuse(f"{key} is {str(other.dtype).removeprefix('torch.')} in the checkpoint, "
+                         f"{str(value.dtype).removeprefix('torch.')} here")
+    if bad := ckpt.non_finite_weight(saved):
+        raise InputError(f"{path}: bad checkpoint: its model's {bad}: a run resumed from it would skip every step "
+                         "(saved after its weights diverged? resume from an earlier checkpoint)")
 
 
 def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -957,6 +964,26 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
                     raise refuse(f"{name} of parameter {pid!r} is {list(value.shape)}, the parameter "
                                  f"{list(param.shape)}")
+                # (SGD's and AdamW's moments are in the parameter's dtype: load_state_dict casts another)
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.dtype != param.dtype:
+                    raise refuse(f"{name} of parameter {pid!r} is {str(value.dtype).removeprefix('torch.')}, the "
+                                 f"parameter {str(param.dtype).removeprefix('torch.')}")
+                if not _finite_scalar(value):  # (a step count of NaN: NaN bias corrections, every weight NaN)
+                    number = value.item() if isinstance(value, torch.Tensor) else value
+                    raise refuse(f"{name} of parameter {pid!r} is {number:g}")
+
+
+def _finite_scalar(value: Any) -> bool:
+    """False for a number or a one-value floating tensor that is NaN or infinite; True otherwise.
+
+    Example::
+
+        >>> _finite_scalar(torch.tensor(3.0)), _finite_scalar(torch.tensor(float("nan"))), _finite_scalar(float("inf"))
+        (True, False, False)
+    """
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0 or not value.is_floating_point() or bool(torch.isfinite(value))
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 def _optional_flag(value: Any) -> bool:
@@ -1045,15 +1072,39 @@ def _check_step_state(path: Path, saved: Mapping[str, Any], state: Any) -> None:
         step-00000002.pt: bad checkpoint: state.scaler.scale is -1.0, expected a number in [0, 3.40282e+38] (a float32)
     """
     scaler, monitors = getattr(state, "scaler", None), getattr(state, "monitors", None)
+    check_scaler_state(path, saved.get("scaler"), scaler)
     try:
-        # (the step loads a scaler state only when there is one, into a scaler that is on)
-        if saved.get("scaler") and hasattr(scaler, "check_state") and scaler.is_enabled():
-            scaler.check_state(saved["scaler"], f"{STATE}.scaler.")
         saved_monitors = saved.get("monitors")
         if isinstance(saved_monitors, Mapping) and isinstance(monitors, Mapping):
             for name, monitor in monitors.items():
                 if name in saved_monitors and hasattr(monitor, "check_state"):
                     monitor.check_state(saved_monitors[name], f"{STATE}.monitors.{name}.")
+    except ValueError as err:
+        raise InputError(f"{path}: bad checkpoint: {first_line(err)}") from None
+
+
+def check_scaler_state(path: Path | str, saved: Any, scaler: Any) -> None:
+    """A checkpoint's ``state.scaler``, checked by the loss scaler that will load it (its
+    ``check_state``: one :class:`InputError` line naming the field). A scaler that is on needs
+    one: an fp16 run's checkpoint always holds it, and without it the run would go on at
+    ``init_scale``, the scale it had found lost. Nothing to check for a scaler that is off.
+
+    Example::
+
+        >>> from ampguard.precision import Precision
+        >>> fp16 = Precision("fp16", "cpu").make_scaler()
+        >>> check_scaler_state("c.pt", fp16.state_dict(), fp16)
+        >>> check_scaler_state("c.pt", {}, Precision("bf16", "cpu").make_scaler())
+        >>> try:
+        ...     check_scaler_state("c.pt", {}, fp16)
+        ... except InputError as err:
+        ...     print(err)
+        c.pt: bad checkpoint: state.scaler is empty: a loss scaler that is on needs its saved scale
+    """
+    if not (hasattr(scaler, "check_state") and scaler.is_enabled()):
+        return
+    try:
+        scaler.check_state(saved, f"{STATE}.scaler.")
     except ValueError as err:
         raise InputError(f"{path}: bad checkpoint: {first_line(err)}") from None
 

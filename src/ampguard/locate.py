@@ -624,9 +624,8 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         raise InputError(f"precision: {err}") from None
     checkpoint_scale = None
     if checkpoint:
-        saved = (load_weights(model, checkpoint, map_location=device, task=config.task.model_dump(mode="json"))["state"]
-                 .get("scaler") or {}).get("scale")
-        checkpoint_scale = None if saved is None else float(saved)
+        saved = load_weights(model, checkpoint, map_location=device, task=config.task.model_dump(mode="json"))
+        checkpoint_scale = _checkpoint_scale(checkpoint, saved["state"].get("scaler"), config, precision)
     injector = FaultInjector(faults, config.accumulation_steps)
     # a finding in the loss names the task's loss function, not the injector's wrapper
     loss_fn = functools.update_wrapper(injector.wrap_loss(task.loss_fn), task.loss_fn, updated=())
@@ -700,6 +699,39 @@ def _replay_scale(*, given: float | None, batch_file: float | None, checkpoint: 
         65536.0
     """
     return next((s for s in (given, batch_file, checkpoint) if s is not None), init)
+
+
+def _checkpoint_scale(path: str, saved: Any, config: Any, precision: Precision) -> float | None:
+    """The loss scale a run resumed from the checkpoint would step with (its ``state.scaler``
+    loaded as a resume loads it: a collapsed 0 at the floor); None when the run's precision uses
+    no loss scaler. A saved state the scaler cannot take is one :class:`InputError` line, as a
+    resume refuses it (a scale of ``'x'`` was a traceback, one of -1 or NaN a replay under it).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> fp16 = validate({"precision": "fp16", "scaler": {"min_scale": 2}})
+        >>> saved = Precision("fp16", "cpu").make_scaler(init_scale=512.0, min_scale=2.0).state_dict()
+        >>> _checkpoint_scale("c.pt", saved, fp16, Precision("fp16", "cpu"))
+        512.0
+        >>> _checkpoint_scale("c.pt", {**saved, "scale": 0.0}, fp16, Precision("fp16", "cpu"))  # (collapsed: the floor)
+        2.0
+        >>> _checkpoint_scale("c.pt", {}, validate({"precision": "bf16"}), Precision("bf16", "cpu")) is None
+        True
+        >>> _checkpoint_scale("c.pt", {**saved, "scale": float("nan")}, fp16, Precision("fp16", "cpu"))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: c.pt: bad checkpoint: state.scaler.scale is nan, expected a number in [0, 3.40282e+38] (a float32)
+    """
+    from .build import scaler_settings
+    from .checkpointer import check_scaler_state
+
+    scaler = precision.make_scaler(**scaler_settings(config))
+    if not scaler.is_enabled():
+        return None
+    check_scaler_state(path, saved, scaler)
+    scaler.load_state_dict(saved)
+    return scaler.get_scale()
 
 
 def _check_arguments(config: Any, precision: Precision, *, step: int, batch: str | None, scale: float | None) -> None:

@@ -335,6 +335,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
         def bad(key: str, expected: str) -> ValueError:
             return ValueError(f"{where}{key} is {brief(state[key])}, expected {expected}")
 
+        if state is None or state == {}:  # (a scaler that is on saves its scale: none would start it afresh)
+            raise ValueError(f"{where.rstrip('.') or 'the scaler state'} is {'missing' if state is None else 'empty'}: "
+                             "a loss scaler that is on needs its saved scale")
         if not isinstance(state, dict):
             raise ValueError(f"{where.rstrip('.') or 'the scaler state'} is {brief(state)}, expected a mapping")
         for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pickle
 import re
@@ -351,6 +352,18 @@ NESTED = {
               "this optimizer's 2"),
     "rng": (["rng", "numpy", "pos"], 10**30,
             "does not fit this run (rng: Python int too large to convert to C long)"),
+    # each of these loaded (load_state_dict casts a dtype) and the run went on from what it made of them
+    "model dtype": (["model", "weight"], lambda w: w.long(),  # truncated to whole numbers
+                    "its model does not match the one this run builds: weight is int64 in the checkpoint, float32 here"),
+    "model nan": (["model", "weight"], lambda w: torch.full_like(w, math.nan),  # every later step skipped
+                  "bad checkpoint: its model's weight holds nan: a run resumed from it would skip every step"),
+    "moment dtype": (["optimizer", "state", 0, "exp_avg"], lambda m: m.half(),
+                     "its optimizer state does not match this run's parameters: exp_avg of parameter 0 is float16, "
+                     "the parameter float32"),
+    "step nan": (["optimizer", "state", 0, "step"], lambda s: torch.full_like(s, math.nan),  # NaN bias corrections
+                 "its optimizer state does not match this run's parameters: step of parameter 0 is nan"),
+    "no scaler state": (["state", "scaler"], {},  # resumed at init_scale: the scale the run found, lost
+                        "bad checkpoint: state.scaler is empty: a loss scaler that is on needs its saved scale"),
 }
 
 
@@ -364,7 +377,7 @@ def test_a_bad_field_inside_the_checkpoint_is_one_line_before_the_run_folder_is_
     node = payload
     for key in path[:-1]:
         node = node[key]
-    node[path[-1]] = value
+    node[path[-1]] = value(node[path[-1]]) if callable(value) else value
     rewrite(run / "checkpoints" / CKPT8, payload)
     line = refused(snapshot, run, "--resume", run, "--set", "steps=12")
     assert f"{run / 'checkpoints' / CKPT8}: {expected}" in line

@@ -7,6 +7,7 @@ itself, on planted overflows, is in ``tests/unit/test_locate.py``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -221,6 +222,21 @@ def test_train_diagnoses_the_first_skipped_step(cli, tmp_path):
     # without it the replay ran on an untrained model, unsaid: its loss was not the run's
     code, out, err = cli("locate", *LINEAR_FP16, "--step", "1")
     assert code == 0 and err.splitlines()[-1] == untrained, err
+
+    # a checkpoint whose saved scale the scaler cannot take is refused as a resume refuses it: 'x'
+    # was a traceback (exit 1), -1 and NaN a replay under that scale; int64 weights were cast, unsaid
+    saved = torch.load(checkpoint, weights_only=True)
+    spoiled = {"'x'": {**saved, "state": {**saved["state"], "scaler": {**saved["state"]["scaler"], "scale": "x"}}},
+               "-1.0": {**saved, "state": {**saved["state"], "scaler": {**saved["state"]["scaler"], "scale": -1.0}}},
+               "nan": {**saved, "state": {**saved["state"], "scaler": {**saved["state"]["scaler"], "scale": math.nan}}}}
+    for shown, payload in spoiled.items():
+        torch.save(payload, tmp_path / "spoiled.pt")
+        line = one_line_error(*cli("locate", *LINEAR_FP16, "--checkpoint", tmp_path / "spoiled.pt", "--step", "1"))
+        assert line.endswith(f"spoiled.pt: bad checkpoint: state.scaler.scale is {shown}, expected a number in "
+                             "[0, 3.40282e+38] (a float32)"), line
+    torch.save({**saved, "model": {**saved["model"], "weight": saved["model"]["weight"].long()}}, tmp_path / "int.pt")
+    line = one_line_error(*cli("locate", *LINEAR_FP16, "--checkpoint", tmp_path / "int.pt", "--step", "1"))
+    assert line.endswith("int.pt: does not fit this model (weight: checkpoint int64, model float32)"), line
 
 
 def test_the_first_skip_diagnosis_replays_at_the_scale_of_the_skipped_step(cli, tmp_path):

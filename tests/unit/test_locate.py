@@ -303,7 +303,7 @@ def test_the_loss_scale_of_a_replay_comes_from_the_first_source_that_names_one(
         payload = {key: {} for key in REQUIRED if key not in ("magic", "format")}
         checkpoint = str(save_checkpoint(tmp_path / "step-00000001.pt", {
             **payload, "step": 1, "model": build_task(config).model.state_dict(),
-            "state": {"scaler": {"scale": checkpoint_scale}}}))
+            "state": {"scaler": FP16.make_scaler(init_scale=checkpoint_scale).state_dict()}}))
     assert locate.run(config, batch=str(tmp_path / "b.pt"), checkpoint=checkpoint, scale=scale) == 0
     assert f", loss scale {expected}\n" in capsys.readouterr().out
 
