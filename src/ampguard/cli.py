@@ -19,16 +19,46 @@ from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError, an_interrupt, c
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (exit 2), not a usage block."""
+    """argparse, but a usage error is one line (exit 2), not a usage block, and an option that
+    takes one value is given once (:class:`_Once`)."""
 
     def error(self, message: str) -> NoReturn:
         verb = self.prog.removeprefix("ampguard").strip()  # "demo" for `ampguard demo`, "" at the top
         raise InputError(f"{verb}: {message}" if verb else message)
 
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        if names and str(names[0]).startswith("-") and kwargs.get("action", "store") == "store" \
+                and "nargs" not in kwargs:
+            kwargs["action"] = _Once
+        return super().add_argument(*names, **kwargs)
+
+
+class _Once(argparse.Action):
+    """An option that takes one value, refused when given twice: argparse keeps the last, unsaid
+    (``demo --csv a.csv --csv b.csv`` wrote b.csv alone; two ``--resume`` resumed one of them).
+    ``--set`` and ``--inject`` repeat by design (``append``).
+
+    Example::
+
+        >>> build_parser().parse_args(["report", "r", "--window", "5", "--window", "6"])
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: report: argument --window: given twice (5, then 6): give it once
+    """
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = namespace.__dict__.setdefault("_given_once", set())
+        if self.dest in given:
+            parser.error(f"argument {'/'.join(self.option_strings)}: given twice ({getattr(namespace, self.dest)}, "
+                         f"then {values}): give it once")
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
+
 
 def _positive_int(text: str, at_least: int = 1) -> int:
     try:
-        value = int(text)
+        value = int(_ascii(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if not at_least <= value <= MAX_COUNT:
@@ -59,7 +89,7 @@ def _window(text: str) -> int:
 def _threads(text: str) -> int:
     """``bench --threads``: at most 4096 (torch takes an int32; no machine has more cores)."""
     try:
-        value = int(text)
+        value = int(_ascii(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if not 1 <= value <= 4096:
@@ -75,9 +105,28 @@ def _clip(text: str) -> float:
     return value
 
 
+def _ascii(text: str) -> str:
+    """``text`` when it is ASCII, else ``ValueError``: Python's ``int`` and ``float`` read other
+    scripts' digits (``'٣'``, ``'１'``) and ``_`` (``1_000``); a number on the command line is
+    written as the run's files and its config write it. Raised as the caller's own refusal.
+
+    Example::
+
+        >>> _ascii("12"), _positive_int("3")
+        ('12', 3)
+        >>> _positive_int("٣")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: expected a whole number, got '٣'
+    """
+    if not text.isascii() or "_" in text:
+        raise ValueError(text)
+    return text
+
+
 def _number(text: str) -> float:
     try:
-        return float(text)
+        return float(_ascii(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 

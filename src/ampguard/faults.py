@@ -103,7 +103,7 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
     when, at, rank_text = when.partition("@")
     if at:
         rank_text = rank_text.strip()
-        if not (rank_text.startswith("rank") and rank_text[4:].isdigit()):
+        if not (rank_text.startswith("rank") and rank_text[4:].isdigit() and rank_text.isascii()):
             raise ValueError(f"bad rank in fault {spec!r}: use @rankR after WHEN, e.g. {kind}@5@rank1")
         rank = int(rank_text[4:])
     if kind not in KINDS:
@@ -111,6 +111,8 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
     if not sep or not when:
         raise ValueError(f"fault {spec!r} needs @WHEN, e.g. {kind}@5, {kind}@every:10, {kind}@rate:0.05")
     try:
+        if not when.isascii() or "_" in when:  # (int() reads '１', '٣' and 1_000: a config writes none of them)
+            raise ValueError
         if when.startswith("every:"):
             every = int(when.removeprefix("every:"))
             if every < 1:

@@ -254,6 +254,11 @@ CASES: list[tuple[str, list[str]]] = [
     ("monitor null, --fail-skip-rate", ["train", "monitor_null.yaml", "--fail-skip-rate", "0.5"]),
     ("diagnose false, --strict", ["train", *LINEAR, "--set", "diagnose=false", "--strict"]),
     ("locate: inject a number, --inject", ["locate", *LINEAR, "--set", "inject=5", "--inject", "nan_loss@1"]),
+    # ---- numbers in other scripts' digits or with _ (Python's int() and float() read them)
+    ("demo steps in Arabic-Indic digits", ["demo", "--steps", "\u0663"]),
+    ("demo fault step in fullwidth digits", ["demo", "--inject", "nan_loss@\uff11"]),
+    ("demo fault step 1_0", ["demo", "--inject", "nan_loss@1_0"]),
+    ("demo max-norm 1_0", ["demo", "--max-norm", "1_0"]),
 ]
 if not torch.cuda.is_available():
     CASES += [("train on cuda without one", ["train", "--set", "device=cuda"]),

@@ -306,6 +306,50 @@ def test_bad_input_exits_2_with_one_line(cli, tmp_path, snapshot, config, argv, 
     assert snapshot(tmp_path) == before  # nothing written
 
 
+def _single_value_options() -> list[tuple[str, str, str]]:
+    """(verb, option, a value its type takes) for every option of every verb that takes one value."""
+    from ampguard.cli import build_parser
+
+    found = []
+    verbs = next(a for a in build_parser()._actions if a.dest == "verb")
+    for verb, parser in verbs.choices.items():
+        for action in parser._actions:
+            if not action.option_strings or action.nargs == 0 or type(action).__name__ in ("_AppendAction", "_HelpAction"):
+                continue
+            value = next(v for v in [*(action.choices or []), "1", "0.5", "a.csv"] if _takes(action, v))
+            found.append((verb, action.option_strings[-1], value))
+    return found
+
+
+def _takes(action, value: str) -> bool:
+    try:
+        (action.type or str)(value)
+    except Exception:  # noqa: BLE001 - any refusal: not a value for it
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("verb", "option", "value"), _single_value_options())
+def test_an_option_given_twice_is_refused_naming_it(verb, option, value):
+    # argparse keeps the last, unsaid: `demo --csv a.csv --csv b.csv` wrote b.csv alone, two
+    # --resume resumed one of them. Every verb's every one-value option (--set and --inject repeat)
+    from ampguard.cli import build_parser
+    from ampguard.errors import InputError
+
+    positional = {"report": ["r"], "compare": ["a", "b"]}.get(verb, [])
+    build_parser().parse_args([verb, *positional, option, value])  # once: taken
+    with pytest.raises(InputError, match=rf"^{verb}: argument .*{option}: given twice \(.*, then .*\): give it once$"):
+        build_parser().parse_args([verb, *positional, option, value, option, value])
+
+
+def test_set_and_inject_repeat():
+    from ampguard.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--set", "steps=2", "--set", "seed=1", "--inject", "nan_loss@1",
+                                      "--inject", "inf_grad@2"])
+    assert args.set == ["steps=2", "seed=1"] and args.inject == ["nan_loss@1", "inf_grad@2"]
+
+
 def test_demo_csv_refuses_existing_file(cli, tmp_path, snapshot):
     (tmp_path / "kept.csv").write_text("precious,data\n1,2\n", encoding="utf-8")
     before = snapshot(tmp_path)
