@@ -185,10 +185,16 @@ def csv_number(text: str, column: str, where: str) -> float | None:
         Traceback (most recent call last):
         ...
         ampguard.errors.InputError: steps.csv line 2: column lr holds '0.0\\x0003', not a number
+        >>> csv_number(" 1_0", "loss", "steps.csv line 2")  # (float() reads it: no writer writes it)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: steps.csv line 2: column loss holds ' 1_0', not a number
     """
     if text == "":
         return None
     try:
+        if not text.isascii() or "_" in text or text != text.strip():  # (float() reads '١.٥', '1_0', ' 1')
+            raise ValueError(text)
         return float(text)
     except ValueError:
         raise InputError(f"{where}: column {column} holds {text!r}, not a number") from None
@@ -329,6 +335,10 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
         scale = numbers["scaler_scale"]
         if scale is not None and not scale >= 0:  # (0 is a real record: a plain GradScaler's that underflowed)
             raise InputError(f"{where}: scaler_scale {cell['scaler_scale']} is no loss scale (one is >= 0)")
+        for column in ("grad_l2_pre_clip", "grad_l2_post_clip"):  # (NaN and inf are real: a non-finite gradient's)
+            norm = numbers[column]
+            if norm is not None and norm < 0:
+                raise InputError(f"{where}: {column} {cell[column]} is no norm (one is >= 0, or non-finite)")
         yield Row(step=step, skipped=skipped, skip_reason=reason, **numbers)
 
 

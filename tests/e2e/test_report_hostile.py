@@ -99,6 +99,26 @@ def test_report_refuses_a_step_that_int_would_take_but_is_no_whole_number_in_asc
     assert f"line 2: step {step!r} is not a step number (a whole number from 1)" in line, line
 
 
+@pytest.mark.parametrize("cell", ["1_000", " 1.5", "1.5 ", "\u0661.\u0665"])  # the last: ARABIC-INDIC 1.5
+def test_report_refuses_a_number_cell_float_would_take_but_no_writer_writes(cli, tmp_path, cell):
+    (tmp_path / "s.csv").write_text(csv_text(HEADER, f"1,0.1,2.0,1.0,{cell},0,,1.0"), encoding="utf-8")
+    line = refused(cli, "s.csv")
+    assert f"line 2: column loss holds {cell!r}, not a number" in line, line
+
+
+@pytest.mark.parametrize("column", ["grad_l2_pre_clip", "grad_l2_post_clip"])
+def test_report_refuses_a_negative_norm_and_reads_a_non_finite_one(cli, tmp_path, column):
+    cells = {"grad_l2_pre_clip": "2.0", "grad_l2_post_clip": "1.0"}
+    (tmp_path / "s.csv").write_text(csv_text(HEADER, "1,0.1,{grad_l2_pre_clip},{grad_l2_post_clip},0.5,0,,1.0".format(
+        **{**cells, column: "-2.0"})), encoding="utf-8")
+    line = refused(cli, "s.csv")
+    assert f"line 2: {column} -2.0 is no norm (one is >= 0, or non-finite)" in line, line
+    (tmp_path / "n.csv").write_text(csv_text(HEADER, "1,0.1,nan,,nan,1,non_finite_loss,1.0",
+                                             "2,0.1,inf,,0.5,1,non_finite_grad,1.0"), encoding="utf-8")
+    code, out, err = cli("report", "n.csv", "--no-plot")
+    assert code == 0 and "summary: steps=2 " in out, (out, err)
+
+
 # ---------------------------------------------------------------------------- torn last lines, a full disk
 
 

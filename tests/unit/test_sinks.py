@@ -552,18 +552,18 @@ def test_keep_through_must_be_a_step(tmp_path):
     assert path.read_text().count("\n") == 2
 
 
-@pytest.mark.parametrize("cell", ["1.33\x0c", "1.33\x0b", "1.33\x85", "1.33\u2028"])
+@pytest.mark.parametrize("cell", ["g\x0c", "g\x0b", "g\x85", "g\u2028"])
 def test_a_resume_keeps_a_row_report_reads_whatever_line_breaks_python_knows_it_holds(tmp_path, cell):
     # the kept rows were read back with str.splitlines, which breaks at a form feed, NEL or U+2028
     # where the file's reader (csv, newline="") does not: a row report reads was "5 cells, the
-    # header has 8", and the resume refused it
+    # header has 8", and the resume refused it (a text cell: an optimizer's name)
     from ampguard.sinks import CSV_COLUMNS, read_steps_csv
 
     path = tmp_path / "steps.csv"
-    path.write_text(",".join(CSV_COLUMNS) + f"\n1,0.1,2.0,1.0,{cell},0,,1.0\n2,0.1,2.0,1.0,0.5,0,,1.0\n",
+    path.write_text(",".join(CSV_COLUMNS) + f",optimizers\n1,0.1,2.0,1.0,0.5,0,,1.0,{cell}\n2,0.1,2.0,1.0,0.5,0,,1.0,g\n",
                     encoding="utf-8", newline="")
     assert [r.step for r in read_steps_csv(path)] == [1, 2]  # what report reads
-    assert CsvSink.kept_rows(path, len(CSV_COLUMNS), 2, first=1) == path.read_bytes()
+    assert CsvSink.kept_rows(path, len(CSV_COLUMNS) + 1, 2, first=1) == path.read_bytes()
 
 
 def test_a_csv_refuses_a_step_that_does_not_follow_the_last_one(tmp_path):
