@@ -1388,6 +1388,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
         >>> apply_overrides({"steps": 5}, ["monitor.min_steps=0", "scaler.min_scale=0.5", "steps=7"])
         {'steps': 7, 'monitor': {'min_steps': 0}, 'scaler': {'min_scale': 0.5}}
+        >>> apply_overrides({"task": None}, ["task.name=linear"])  # (the section the file left empty)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: --set task.name: task is null in the config, not a section
     """
     data = json.loads(json.dumps(data))  # a deep copy of plain data
     for item in overrides:
@@ -1408,7 +1412,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a section")
+                shown = "null" if child is None else brief(child)  # (`task:` with nothing under it is null)
+                raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is {shown} in the config, not a section")
             node = child
         node[parts[-1]] = value
     return data
