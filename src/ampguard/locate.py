@@ -109,6 +109,9 @@ class Diagnosis:
     injected: list[str] = field(default_factory=list)
     """The faults ``--inject`` put into the replayed step (their specs): what a finding FP32
     shares is then the fault's, not the data's or the model's."""
+    bad_weight: str = ""
+    """With ``data/model``: the first parameter that was not finite before the step (``"0.weight
+    holds nan"``; a checkpoint of a diverged run): the weights' problem, not the batch's."""
 
     def message(self) -> str:
         """The finding in one sentence: where the first non-finite value was, and whose problem it is.
@@ -155,6 +158,9 @@ class Diagnosis:
             hint += self._scope_hint()
         elif self.verdict == "data/model" and self.injected:
             hint = f"FP32 replay is not finite either: the injected {', '.join(self.injected)}, not a precision problem"
+        elif self.verdict == "data/model" and self.bad_weight:
+            hint = (f"FP32 replay is not finite either: the model's parameter {self.bad_weight} before the step (its "
+                    "weights, not the batch, not a precision problem)")
         elif self.verdict == "data/model":
             hint = "FP32 replay is not finite either: a data or model problem, not a precision one"
         else:
@@ -201,7 +207,7 @@ class Diagnosis:
         return {"verdict": self.verdict, "amp": asdict(self.amp),
                 "fp32": asdict(self.fp32) if self.fp32 else None, "loss_scale": self.loss_scale,
                 "fp32_scope": self.fp32_scope, "scopes_tried": list(self.scopes_tried), "injected": list(self.injected),
-                "message": self.message()}
+                "bad_weight": self.bad_weight, "message": self.message()}
 
 
 def trace_first_non_finite(
@@ -517,7 +523,10 @@ def diagnose(
         fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, Precision("fp32", precision.device_type), 1.0,
                                       fp32_module=whole, accumulation_steps=n)
         if fp32.where != "none":
-            return Diagnosis(amp, fp32, "data/model", loss_scale)
+            from .checkpoint import non_finite_weight
+
+            bad = "" if amp.where == "input" else non_finite_weight(dict(model.named_parameters()))
+            return Diagnosis(amp, fp32, "data/model", loss_scale, bad_weight=bad)
         scope, tried = None, []
         module = _module_of(amp)
         if module is not None and precision.name != "fp32":

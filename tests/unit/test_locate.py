@@ -149,6 +149,23 @@ def test_a_non_finite_input_is_the_input_and_a_data_problem(value, kind):
     assert "input" in result.message()
 
 
+def test_a_parameter_that_is_not_finite_before_the_step_is_named_as_the_weights_problem():
+    # a checkpoint of a diverged run: the first non-finite value is a module's output, in FP32 too;
+    # "a data or model problem" did not say that the weights were NaN before the step, nor which
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[1].bias.fill_(float("nan"))
+    result = diagnose(model, mse_to_zero, torch.ones(2, 4), torch.zeros(2, 1), Precision("bf16", "cpu"))
+    assert result.verdict == "data/model" and result.amp.where == "forward" and result.amp.name == "1"
+    assert result.bad_weight == "1.bias holds nan" and result.as_dict()["bad_weight"] == result.bad_weight
+    assert result.message().endswith("FP32 replay is not finite either: the model's parameter 1.bias holds nan before "
+                                     "the step (its weights, not the batch, not a precision problem)")
+    # a non-finite batch comes first: it is the input's problem, whatever the weights
+    x = torch.ones(2, 4)
+    x[0, 0] = float("nan")
+    assert diagnose(model, mse_to_zero, x, torch.zeros(2, 1), Precision("bf16", "cpu")).bad_weight == ""
+
+
 def test_a_nan_born_in_backward_names_the_parameter():
     model = gate_net()
     x, y = torch.randn(5, 4), torch.randn(5, 4)
