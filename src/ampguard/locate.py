@@ -297,7 +297,7 @@ def trace_first_non_finite(
                         found.append(Finding("backward", owner[0], owner[1], kind, [], [str(grad.dtype).removeprefix("torch.")], label))
 
                 handles.append(p.register_hook(grad_hook))
-        with precision.autocast(), fp32_around(model, fp32_module):
+        with precision.reference(), fp32_around(model, fp32_module):  # (the FP32 replay: strictly, no TF32)
             outputs = model(inputs)
             loss = loss_fn(outputs, targets)
         if found:

@@ -715,17 +715,55 @@ class Precision:
         return True, None
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward-pass context: autocast to ``dtype``, or nothing at all for fp32.
+        """The forward-pass context: autocast to ``dtype``; for fp32 nothing at all, or autocast
+        turned off where one is on already (a caller's: fp32 is FP32 inside it too).
 
         Example::
 
             >>> with Precision("fp32", "cpu").autocast():
             ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
             torch.float32
+            >>> with torch.autocast("cpu", dtype=torch.bfloat16), Precision("fp32", "cpu").autocast():
+            ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
+            torch.float32
         """
         if not self.autocasts:
+            if torch.is_autocast_enabled(self.device_type):
+                return torch.autocast(device_type=self.device_type, enabled=False)
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    @contextlib.contextmanager
+    def reference(self) -> Any:
+        """The forward context of a reference pass (``validate``'s FP32 reference, ``locate``'s
+        FP32 replay): :meth:`autocast`, and for fp32 no TF32 either: cuDNN's convolutions may use
+        it by default (``torch.backends.cudnn.allow_tf32``) and matmuls under
+        ``torch.set_float32_matmul_precision("high")``; a reference in TF32 would measure AMP's
+        error against another reduced precision. The settings are put back after.
+
+        Example::
+
+            >>> torch.backends.cudnn.allow_tf32
+            True
+            >>> with Precision("fp32", "cpu").reference():
+            ...     torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+            (False, 'highest')
+            >>> torch.backends.cudnn.allow_tf32
+            True
+        """
+        if self.name != "fp32":
+            with self.autocast():
+                yield
+            return
+        matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+        try:
+            torch.set_float32_matmul_precision("highest")
+            torch.backends.cudnn.allow_tf32 = False
+            with self.autocast():
+                yield
+        finally:
+            torch.set_float32_matmul_precision(matmul)
+            torch.backends.cudnn.allow_tf32 = cudnn
 
     def check(self, model: torch.nn.Module, device: torch.device) -> None:
         """Refuse what this precision cannot train, up front (``ValueError``, one line each): weights

@@ -403,7 +403,7 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
         # own exit: 0, no report, a model never judged)
         with user_code(error=lambda why: ModelRaised(f"validate: task {task.name}: the model (or the task's "
                                                      f"predict) raised under {precision.name}: {why}", why)):
-            with precision.autocast():
+            with precision.reference():  # (fp32: strictly, no TF32)
                 raw = task.scores(model, chunk.to(device))
         named = named_outputs(raw)
         if parts and [name for name, _ in named] != list(parts):
@@ -1156,10 +1156,12 @@ def describe_environment(config: Config, device: torch.device, fp32_dtypes: dict
 
     effective = reproducible_config(config)
     backend = backend_of(device)
-    # the FP32 reference is only FP32 where matmuls are: "high" or "medium" lets them use TF32 / bf16
+    # the process's settings ("high" or "medium" lets FP32 matmuls use TF32 / bf16): the FP32
+    # reference runs without them (Precision.reference: "highest", cuDNN's TF32 off), said too
     info: dict[str, Any] = {"type": device.type, "backend": backend["backend"],
                             "name": platform.processor() or platform.machine(),
-                            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+                            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                            "reference_tf32": False}
     index = _cuda_index(device)
     if index is not None:
         info.update(name=torch.cuda.get_device_name(index),

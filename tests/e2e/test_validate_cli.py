@@ -460,6 +460,7 @@ def test_the_report_records_what_reproduces_it(cli, tmp_path, linear_checkpoint)
     assert (env["ampguard"], env["torch"]) == (ampguard.__version__, torch.__version__)
     assert env["device"]["type"] == "cpu"
     assert env["device"]["float32_matmul_precision"] == torch.get_float32_matmul_precision()  # TF32 or not
+    assert env["device"]["reference_tf32"] is False  # (the reference runs without it: Precision.reference)
     assert env["dtype_support"]["bf16"]["dtype"] == "torch.bfloat16" and env["dtype_support"]["bf16"]["supported"]
     assert env["output_dtypes"] == {"fp32": {"output": "torch.float32"}, "bf16": {"output": "torch.bfloat16"}}
     assert env["checkpoint"] == {"path": str(linear_checkpoint.resolve()),

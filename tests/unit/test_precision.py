@@ -468,3 +468,62 @@ def test_a_found_flag_that_covers_unscales_replaces_it_for_a_lone_optimizer_and_
     scaler.add_found_inf_(opt, clean, covers=True)  # merged into its own record, not put in its place
     scaler.update()
     assert scaler.get_scale() == 16.0 and clean.item() == 0.0  # (in its place, update()'s sum wrote into it)
+
+
+# ---------------------------------------------------------------------------- the FP32 reference
+
+
+class _Seen(torch.nn.Module):
+    """A Linear that records, at each forward, the FP32 settings it ran under."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.seen = torch.nn.Linear(2, 2), []
+
+    def forward(self, x):
+        self.seen.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+                          torch.is_autocast_enabled("cpu")))
+        return self.lin(x)
+
+
+def test_the_fp32_reference_is_fp32_inside_a_callers_autocast_and_without_tf32():
+    # validate's reference and locate's replay ran in bf16 under an autocast their caller had open
+    # (a reference of dtype bfloat16), and in TF32 where the process allowed it; settings put back
+    model, x = _Seen(), torch.ones(1, 2)
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high")
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with Precision("fp32", "cpu").reference():
+                out = model(x)
+            assert torch.is_autocast_enabled("cpu")  # the caller's, back
+            with Precision("bf16", "cpu").reference():  # an AMP pass runs as training does
+                amp = model(x)
+        assert out.dtype == torch.float32 and amp.dtype == torch.bfloat16
+        assert model.seen == [("highest", False, False), ("high", before[1], True)]
+        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("high", before[1])
+        with pytest.raises(RuntimeError, match="boom"), Precision("fp32", "cpu").reference():
+            raise RuntimeError("boom")
+        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("high", before[1])
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+
+
+def test_validate_and_locate_take_their_fp32_pass_out_of_a_callers_autocast():
+    from ampguard.locate import diagnose
+    from ampguard.tasks.base import Task
+    from ampguard.validate import _scores
+
+    lin = torch.nn.Linear(4, 3)
+    task = Task("toy", lin, torch.nn.functional.cross_entropy, batches=lambda: iter(()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _scores(task, lin, torch.randn(5, 4), Precision("fp32", "cpu")).dtypes == {"output": "torch.float32"}
+    # an activation of 5e4 overflows fp16 but not FP32: under the caller's fp16 autocast the "FP32"
+    # replay overflowed too, and the verdict read data/model
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2), torch.nn.Linear(2, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(1e3), model[0].bias.zero_()
+    x, y = torch.full((1, 2), 50.0), torch.zeros(1, 1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        d = diagnose(model, torch.nn.functional.mse_loss, x, y, Precision("fp16", "cpu"))
+    assert d.verdict == "precision-range" and d.fp32.where == "none"
