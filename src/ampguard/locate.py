@@ -227,10 +227,13 @@ def trace_first_non_finite(
     module (``""``: the model) that runs with autocast disabled around it alone, its floating
     inputs cast to FP32 (:func:`fp32_around`); the rest keeps ``precision``.
 
-    A module whose output is non-finite while its first input already was did not make the value:
-    the code of the module that called it did, between its submodules (a ``torch.exp`` or an
-    in-place op in its ``forward``); the finding names that caller, ``before`` the module. (Only
-    the first input counts: a mask of -inf in a later argument is no finding.) Non-finite targets
+    A module whose output is non-finite while its first input already was as it came in did not
+    make the value: the code of the module that called it did, between its submodules (a
+    ``torch.exp`` or an in-place op in its ``forward``); the finding names that caller, ``before``
+    the module. The first input is the first tensor argument, a keyword one when none is
+    positional (``self.b(input=t)``), judged as the module is entered (an in-place op of the
+    module's own writes over it). (Only the first input counts: a mask of -inf in a later
+    argument is no finding.) Non-finite targets
     are the finding when the loss is not finite (a loss may mask them out, as ``nanmean`` does).
 
     Every module output and every gradient is checked on the host (a host sync each): a
@@ -264,26 +267,29 @@ def trace_first_non_finite(
     names = {id(m): name for name, m in model.named_modules()}
     param_owner = {id(p): (name, type(model.get_submodule(name.rpartition(".")[0])).__name__)
                    for name, p in model.named_parameters()}
-    calls: list[tuple[nn.Module, list[str]]] = []  # the modules in forward, outermost first, and their input dtypes
+    # the modules in forward, outermost first: each with its input dtypes, and its first input as it
+    # came in (its non-finite kind, its dtypes): judged at the entry, as an in-place op inside the
+    # module (a Dropout(inplace=True)) writes its output over that input
+    calls: list[tuple[nn.Module, list[str], str | None, list[str]]] = []
 
-    def pre_hook(module: nn.Module, args: Any) -> None:
-        calls.append((module, _dtypes(args)))
+    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        first = next(iter(_tensors(args) or _tensors(kwargs)), None)  # (self.b(input=t): a keyword's)
+        calls.append((module, _dtypes(args) or _dtypes(kwargs), None if first is None else _bad(first), _dtypes(first)))
 
-    def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
-        calls.pop()
+    def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        _, dtypes, born, first_dtypes = calls.pop()
         if found or (kind := _bad(output)) is None:
             return
-        first = next(iter(_tensors(args)), None)
-        if calls and first is not None and (born := _bad(first)) is not None:  # the caller's own code made it
-            caller, caller_dtypes = calls[-1]
+        if calls and born is not None:  # it came in non-finite: the caller's own code made it
+            caller, caller_dtypes = calls[-1][:2]
             found.append(Finding("forward", names.get(id(caller), "?"), type(caller).__name__, born,
-                                 caller_dtypes, _dtypes(first), label, before=names.get(id(module), "?")))
+                                 caller_dtypes, first_dtypes, label, before=names.get(id(module), "?")))
         else:
             found.append(Finding("forward", names.get(id(module), "?"), type(module).__name__, kind,
-                                 _dtypes(args), _dtypes(output), label))
+                                 dtypes, _dtypes(output), label))
 
-    handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
-    handles += [m.register_forward_hook(forward_hook) for m in model.modules()]
+    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
+    handles += [m.register_forward_hook(forward_hook, with_kwargs=True) for m in model.modules()]
     saved_grads = {id(p): p.grad for p in model.parameters()}
     try:
         for p in model.parameters():

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ampguard.locate import diagnose
+from ampguard.locate import diagnose, trace_first_non_finite
 from ampguard.precision import Precision
 
 FP16 = Precision("fp16", "cpu")
@@ -147,6 +147,46 @@ def test_a_non_finite_input_is_the_input_and_a_data_problem(value, kind):
     assert result.fp32 is not None and result.fp32.where == "input"
     assert result.verdict == "data/model"
     assert "input" in result.message()
+
+
+class _KeywordCall(nn.Module):
+    """Its own code makes the inf (an exp), then hands it to ``b`` as a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(input=torch.exp(self.a(x) * 1000))
+
+
+class _InPlaceScale(nn.Module):
+    """A leaf that overflows its input in place (as Dropout(inplace=True) or a mul_ does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(1e38).mul_(10.0)  # (3e39: past float32)
+
+
+def test_the_module_whose_in_place_op_overflows_is_named_not_its_caller():
+    # the first input was judged after the module ran: written over in place, it read as non-finite
+    # on the way in, and the finding blamed the caller ("the forward code of <model> itself, before
+    # it calls 1"), so the FP32 search could only offer the whole model
+    model = nn.Sequential(nn.Linear(2, 2), _InPlaceScale(), nn.Linear(2, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0), model[0].bias.fill_(1.0)
+    f = trace_first_non_finite(model, nn.functional.mse_loss, torch.ones(3, 2), torch.zeros(3, 1),
+                               Precision("fp32", "cpu"))
+    assert (f.where, f.name, f.op, f.before) == ("forward", "1", "_InPlaceScale", "")
+
+
+def test_a_value_the_caller_made_and_passed_as_a_keyword_names_the_caller():
+    # the hooks saw no positional input: the Linear given the caller's inf as input= was blamed
+    model = _KeywordCall()
+    f = trace_first_non_finite(model, nn.functional.mse_loss, torch.full((3, 2), 1.0), torch.zeros(3, 1),
+                               Precision("fp32", "cpu"))
+    with torch.no_grad():
+        assert not torch.isfinite(torch.exp(model.a(torch.ones(3, 2)) * 1000)).all()  # (the planted overflow)
+    assert (f.where, f.name, f.op, f.before) == ("forward", "", "_KeywordCall", "b")
 
 
 def test_a_parameter_that_is_not_finite_before_the_step_is_named_as_the_weights_problem():
