@@ -714,9 +714,13 @@ class Precision:
                 return True, "fp8 on a CPU is emulated by torchao: right for correctness checks, no speed-up"
         return True, None
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
         """The forward-pass context: autocast to ``dtype``; for fp32 nothing at all, or autocast
         turned off where one is on already (a caller's: fp32 is FP32 inside it too).
+
+        ``cache=False``: no weight cache (autocast keeps each weight's low-precision copy until
+        the block ends: an optimizer step inside the block, Lightning's manual optimization,
+        would leave later forwards on the weights before it; Lightning's own plugin turns it off).
 
         Example::
 
@@ -731,7 +735,7 @@ class Precision:
             if torch.is_autocast_enabled(self.device_type):
                 return torch.autocast(device_type=self.device_type, enabled=False)
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype, cache_enabled=cache)
 
     @contextlib.contextmanager
     def reference(self) -> Any:

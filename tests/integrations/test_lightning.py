@@ -605,6 +605,23 @@ def points():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 2, generator=g)), batch_size=4)
 
 
+def test_a_manual_optimization_gan_trains_as_under_lightnings_own_bf16_plugin():
+    """The whole training_step is one autocast block in manual optimization: with autocast's weight
+    cache on, the generator's pass through D after opt_d.step() ran on D's weights from before the
+    step (Lightning's own plugin turns the cache off). Bit for bit Lightning's weights now."""
+
+    def trained(**trainer_args):
+        module = GAN()
+        settings = dict(max_steps=8, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)
+        L.Trainer(**{**settings, **trainer_args}).fit(module, points())
+        return [p.detach().clone() for p in module.parameters()]
+
+    lightning = trained(precision="bf16-mixed")
+    assert same(trained(plugins=[AmpGuardPlugin("bf16-mixed", max_norm=None)]), lightning)
+    assert not same(trained(precision="32-true"), lightning)  # (the comparison can tell bf16 from FP32)
+
+
 def test_with_two_optimizers_the_csv_names_each_rows_optimizer_and_a_resume_appends_to_it(tmp_path):
     """A manual-optimization GAN: the CSV has the guard's record_columns, so the alternating D
     and G rows say which optimizer stepped and which skipped (the README's Guard GAN recipe,

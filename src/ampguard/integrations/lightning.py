@@ -527,9 +527,12 @@ class AmpGuardPlugin(_LightningPrecision):
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        """Autocast to the plugin's precision (nothing for ``32-true``)."""
+        """Autocast to the plugin's precision (nothing for ``32-true``), without the weight cache,
+        as Lightning's own plugin: in manual optimization the whole ``training_step`` is one
+        block, and a forward after ``opt.step()`` inside it (a GAN's discriminator on the new
+        generator's output) ran on the weights from before the step."""
         precision = self._autocast or Precision(self.name, "cuda" if torch.cuda.is_available() else "cpu")
-        with precision.autocast():
+        with precision.autocast(cache=False):
             yield
 
     @contextlib.contextmanager

@@ -891,7 +891,7 @@ class GuardedTrainer(Trainer):
         told ``"no"``, so the autocast comes back through this seam. In ``training_step`` it
         nests inside the guard's own autocast, the same one: a no-op there.
         """
-        return self.precision.autocast()
+        return self.precision.autocast(cache=cache_enabled is not False)
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
