@@ -9,10 +9,10 @@ The rolling skip rate is the share of skipped steps among the steps the window h
 the window has not filled yet, that is the steps seen so far (25 skips in the first 25 steps is
 a rate of 1.0, not 25/window). A run failing from its first step is therefore caught after
 ``fail_after`` steps, not after the window has filled with evidence. The ALERT and the fail-fast
-judge that rate, while the window is young, with the fp16 scaler's opening search set aside
-(its gradient overflows from step 1 down from ``init_scale`` until a step applies, the warm-up
-scale health labels ``warming``; once the window is full, the rolling rate itself unless the
-opening is still the window's only skips), and the ALERT waits for ``min_steps`` steps, so a healthy fp16 start raises neither.
+judge that rate with the fp16 scaler's opening search set aside (its gradient overflows from
+step 1 down from ``init_scale`` until a step applies, the warm-up scale health labels
+``warming``; with other skips beside it, at least the window's skips over its full size: the
+rate the full window will read, the seed's), and the ALERT waits for ``min_steps`` steps, so a healthy fp16 start raises neither.
 
 A failure is typed: ``Event.kind == "fail"`` and ``Event.cause`` is one of :data:`FAIL_CAUSES`
 (:data:`FAIL_SKIP_RATE`, :data:`FAIL_SCALE_COLLAPSE`); nothing downstream has to read the
@@ -661,15 +661,14 @@ class RunMonitor:
     The rolling skip rate (:attr:`skip_rate`) is the skipped share of the last ``window``
     steps, or of all the steps so far while fewer than ``window`` were seen.
 
-    - The judged rate (:attr:`judged_skip_rate`): while the window is not yet full, the rate
-      with the scaler's opening search set aside: the run's opening streak of gradient
-      overflows (with the scaler on; a non-finite loss is no search), each a halving down from
-      ``init_scale``, until a step applies. Nine opening halvings are the scaler finding its
-      scale, not 9% of the first 100 steps failing. A streak that reaches the floor
-      ``min_scale`` found no scale: it is counted whole, from its first step. Once the window
-      is full the judged rate is the rolling rate, opening and all: 51 skips in the last 1000
-      steps page at 5%; an opening that is still the window's only skips stays set aside (a
-      healthy search is not counted the step the window fills, with no new skip).
+    - The judged rate (:attr:`judged_skip_rate`): the rate with the scaler's opening search set
+      aside: the run's opening streak of gradient overflows (with the scaler on; a non-finite
+      loss is no search), each a halving down from ``init_scale``, until a step applies. Nine
+      opening halvings are the scaler finding its scale, not 9% of the first 100 steps
+      failing. A streak that reaches the floor ``min_scale`` found no scale: it is counted
+      whole, from its first step. With other skips beside the opening, the rate is at least
+      the window's skips over its full size (what the full window will read: 51 skips in the
+      first 1000 steps page at 5%, opening and all); it never jumps with no new skip.
     - ALERT episodes: an ``ALERT`` starts when the judged rate rises above ``alert_rate`` and
       clears when it falls to ``clear_rate`` or below (by default :data:`CLEAR_FRACTION` of
       ``alert_rate``: a rate hovering at the threshold is one episode), one event each, not one
@@ -828,10 +827,10 @@ class RunMonitor:
             self.health.push(scale, record.skipped, search=record.reason == "non_finite_grad")
         if self.in_opening:
             self._follow_opening(record)
-        rate = self.judged_skip_rate
+        rate, over = self._judged()
         self.max_skip_rate = max(self.max_skip_rate, rate)
         self.max_rolling_skip_rate = max(self.max_rolling_skip_rate, self.skip_rate)
-        return self._events(record.step, rate, scale, bool(record.skipped))
+        return self._events(record.step, rate, over, scale, bool(record.skipped))
 
     def _follow_opening(self, record: StepRecord) -> None:
         """The scaler's opening search: gradient overflows in a row from step 1, until a step
@@ -847,12 +846,9 @@ class RunMonitor:
         else:
             self.opening += 1
 
-    def _events(self, step: int, rate: float, scale: float, skipped: bool) -> list[Event]:
+    def _events(self, step: int, rate: float, over: str, scale: float, skipped: bool) -> list[Event]:
         events: list[Event] = []
-        aside = self._opening_in_window()
-        held = self.skip_window.held - aside
         data = {"skip_rate": rate, "window": self.window}
-        over = f"over the last {counted(held, 'step')}" + (f" (the scaler's opening {counted(aside, 'skip')} set aside)" if aside else "")
         if rate > self.alert_rate and not self.alerting and self.alert_armed:
             self.alerting = True
             self.alert_episodes += 1
@@ -1017,15 +1013,20 @@ class RunMonitor:
 
     @property
     def judged_skip_rate(self) -> float:
-        """What the ALERT and the fail-fast judge: :attr:`skip_rate`, with the scaler's opening
-        search set aside while the window is not yet full. The opening search is the run's
-        opening streak of steps skipped for a non-finite gradient, with the scaler on, until a
-        step applies (its halvings down from ``init_scale``, scale health's ``warming``; a
-        non-finite loss is no search: the loss is checked before it is scaled); a streak that
-        reaches the floor is no search. Its steps leave the judged rate's numerator and
-        denominator alike. Once the window is full (``window`` steps, 1000 by default) the
-        judged rate is the rolling rate the seed lesson pages on, opening and all, once a later
-        skip joins the opening there (the opening alone stays set aside until it leaves).
+        """What the ALERT and the fail-fast judge: :attr:`skip_rate` with the scaler's opening
+        search set aside. The opening search is the run's opening streak of steps skipped for a
+        non-finite gradient, with the scaler on, until a step applies (its halvings down from
+        ``init_scale``, scale health's ``warming``; a non-finite loss is no search: the loss is
+        checked before it is scaled); a streak that reaches the floor is no search.
+
+        - The opening alone in the window: 0 (a healthy search pages nothing, young window or full).
+        - Other skips beside it: the larger of their rate over the window's other steps (the
+          opening's leave numerator and denominator alike) and all the window's skips over its
+          full size ``window`` (what the full window will read, the seed's 1000-step rate: 8
+          opening and 43 later skips in the first 1000 steps page at the 51st). Once the window
+          is full that is the rolling rate itself, opening and all; the rate never jumps with no
+          new skip (a window filling, its opening counted there all at once, stopped a healthy run).
+        - No opening in the window: the rolling rate.
 
         Example (fp16: six opening halvings, then 94 clean steps)::
 
@@ -1040,24 +1041,34 @@ class RunMonitor:
             >>> m.skip_rate, m.judged_skip_rate, m.alerting
             (0.06, 0.0, False)
         """
-        aside = self._opening_in_window()
-        held = self.skip_window.held - aside
-        return (self.skip_window.total - aside) / held if held > 0 else 0.0
+        return self._judged()[0]
+
+    def _judged(self) -> tuple[float, str]:
+        """:attr:`judged_skip_rate` and the words for what it counted (an event's "over the last ...")."""
+        held, skips = self.skip_window.held, round(self.skip_window.total)
+        opening = self._opening_in_window()
+        if not opening:
+            return (skips / held if held else 0.0), f"over the last {counted(held, 'step')}"
+        aside = f"(the scaler's opening {counted(opening, 'skip')} set aside)"
+        if skips == opening:
+            return 0.0, f"over the last {counted(held - opening, 'step')} {aside}"
+        others = (skips - opening) / (held - opening)
+        whole = skips / self.window
+        if others >= whole:
+            return others, f"over the last {counted(held - opening, 'step')} {aside}"
+        if held >= self.window:
+            return whole, f"over the last {counted(held, 'step')}"
+        return whole, (f"counting the window's {counted(skips, 'skip')} over its {self.window} steps (the scaler's "
+                       f"opening {counted(opening, 'skip')} among them: the full window will hold them)")
 
     def _opening_in_window(self) -> int:
-        """How many of the skip window's steps are the scaler's opening search, set aside: all
-        of them while the window is young; once it is full, only while they are its only skips
-        (a healthy search is not counted the step the window fills, with no new skip: 9 opening
-        halvings read 0.45 in a window of 20 there; a later skip joins them and the rolling rate
-        counts every skip, the seed's rule). 0 when there is none in the window."""
+        """How many of the skip window's steps are the scaler's opening search (0 when none is)."""
         opening = self.opening
         if opening < 1:
             return 0
         # the window holds the last `held` steps up to `steps`; the opening is steps 1..opening
         first = self.steps - self.skip_window.held + 1
-        skips = round(self.skip_window.total)
-        aside = max(0, min(opening - first + 1, self.skip_window.held, skips))
-        return 0 if self.skip_window.count >= self.window and aside < skips else aside
+        return max(0, min(opening - first + 1, self.skip_window.held, round(self.skip_window.total)))
 
     @property
     def clip_rate(self) -> float:

@@ -1061,13 +1061,17 @@ def test_monitor_alert_after_the_opening_names_what_it_set_aside():
     assert m.skip_rate == 11 / 105
 
 
-def test_monitor_the_opening_is_set_aside_only_while_the_window_is_young():
-    # window 20: once it is full the judged rate is the rolling rate, the opening's skips included
+def test_monitor_with_a_later_skip_the_opening_counts_as_the_full_window_will_count_it():
+    # window 20: the opening alone is set aside; a later skip beside it makes the rate at least the
+    # window's 5 skips over its 20 steps (what it reads once full), or the later skip's own rate
+    # over the steps after the opening where that is higher; full, it is the rolling rate itself
     m = RunMonitor(window=20, min_steps=0)
     for r in fp16_opening(4, 40, later_skips=(12,)):
         m.observe(r)
-        if r.step < 20:
-            assert m.judged_skip_rate == (1 / (r.step - 4) if r.step >= 12 else 0.0), r.step
+        if r.step < 12:
+            assert m.judged_skip_rate == 0.0, r.step
+        elif r.step < 20:
+            assert m.judged_skip_rate == max(1 / (r.step - 4), 5 / 20), r.step
         else:
             assert m.judged_skip_rate == m.skip_rate, r.step
     assert m.skip_rate == 0.0  # steps 21-40: the opening and step 12 have left the window
@@ -1075,13 +1079,16 @@ def test_monitor_the_opening_is_set_aside_only_while_the_window_is_young():
 
 def test_monitor_51_skips_in_the_last_1000_steps_page_opening_or_not():
     # seed 000: the 1000-step rolling rate pages above 5%. 8 opening halvings + 43 later skips are
-    # 51 of the first 1000 steps: the ALERT comes once the window is full, at step 1000
+    # 51 of the first 1000 steps: the full window will read 5.1%, so the ALERT comes with the 51st
+    # skip (step 930), though the later skips are never 5% of the steps after the opening
     m = RunMonitor()
     later = tuple(range(510, 940, 10))  # 43, spread: never 5% of the steps after the opening
     assert len(later) == 43
     records = fp16_opening(8, 1000, later_skips=later)
-    alerts = [r.step for r in records for e in m.observe(r) if e.kind == "skip_rate_alert"]
-    assert alerts == [1000] and m.judged_skip_rate == m.skip_rate == 51 / 1000
+    events = [(r.step, e) for r in records for e in m.observe(r) if e.kind == "skip_rate_alert"]
+    assert [step for step, _ in events] == [930] and m.judged_skip_rate == m.skip_rate == 51 / 1000
+    assert events[0][1].message == ("rolling skip rate 0.051 > alert_rate 0.05 counting the window's 51 skips over its "
+                                    "1000 steps (the scaler's opening 8 skips among them: the full window will hold them)")
 
 
 @pytest.mark.parametrize("window", [20, 30])
@@ -1106,6 +1113,21 @@ def test_monitor_a_later_skip_joins_the_opening_in_a_full_window():
     events = [(e.step, e.kind) for r in fp16_opening(9, 23, later_skips=(21,)) for e in m.observe(r)]
     assert events == [(21, "skip_rate_alert"), (23, "fail")]
     assert m.judged_skip_rate == m.skip_rate == 7 / 20
+
+
+def test_monitor_the_judged_rate_never_jumps_with_no_new_skip():
+    # window 20: 9 opening halvings, a later skip at step 15, then clean steps. The opening was set
+    # aside while the window was young (1/6, ..., 1/10 at step 19) and counted whole the step it
+    # filled (0.5 at step 20: a fail-fast, no new skip). Now the later skip counts the window's
+    # 10 skips over its 20 steps at once, and from then on the rate only falls or holds
+    m = RunMonitor(window=20, alert_rate=0.05, fail_rate=0.3, fail_after=3, min_steps=5)
+    judged = []
+    for r in fp16_opening(9, 40, later_skips=(15,)):
+        m.observe(r)
+        judged.append(m.judged_skip_rate)
+    assert judged[:14] == [0.0] * 14 and judged[14] == 10 / 20  # (steps 1-14, then 15)
+    assert all(b <= a for a, b in zip(judged[14:], judged[15:]))  # no skip after step 15: never up
+    assert m.failed is not None and m.failed.step == 17 and judged[-1] == 0.0
 
 
 # ---------------------------------------------------------------------------- a saved state that does not fit
