@@ -745,29 +745,31 @@ class Precision:
         ``torch.set_float32_matmul_precision("high")``; a reference in TF32 would measure AMP's
         error against another reduced precision. The settings are put back after.
 
+        PyTorch 2.9 and later set these per backend (``torch.backends.cuda.matmul.fp32_precision``,
+        cuDNN's convolutions and RNNs, oneDNN's on a CPU, which may compute FP32 in bf16): each is
+        set to ``"ieee"`` there, and the older settings are not touched (reading them after the
+        newer ones were set raises).
+
         Example::
 
-            >>> torch.backends.cudnn.allow_tf32
-            True
+            >>> conv = _fp32_backends()["cudnn.conv"] if _fp32_backends() else None
             >>> with Precision("fp32", "cpu").reference():
-            ...     torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
-            (False, 'highest')
-            >>> torch.backends.cudnn.allow_tf32
+            ...     sorted(set(fp32_settings().values()))
+            ['ieee']
+            >>> (_fp32_backends()["cudnn.conv"] if _fp32_backends() else None) == conv  # (put back)
             True
         """
         if self.name != "fp32":
             with self.autocast():
                 yield
             return
-        matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+        saved = fp32_settings()
         try:
-            torch.set_float32_matmul_precision("highest")
-            torch.backends.cudnn.allow_tf32 = False
+            set_fp32_settings(dict.fromkeys(saved, "ieee"))
             with self.autocast():
                 yield
         finally:
-            torch.set_float32_matmul_precision(matmul)
-            torch.backends.cudnn.allow_tf32 = cudnn
+            set_fp32_settings(saved)
 
     def check(self, model: torch.nn.Module, device: torch.device) -> None:
         """Refuse what this precision cannot train, up front (``ValueError``, one line each): weights
@@ -921,6 +923,39 @@ def to_fp32(value: Any) -> Any:
     from torch.utils._pytree import tree_map
 
     return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+def _fp32_backends() -> dict[str, Any]:
+    """The backends PyTorch's per-backend FP32 setting (``fp32_precision``, PyTorch 2.9 and
+    later) holds, by name; empty on an older PyTorch."""
+    b = torch.backends
+    found = {f"{name}.{op}": getattr(getattr(b, name, None), op, None)
+             for name, ops in (("cuda", ("matmul",)), ("cudnn", ("conv", "rnn")), ("mkldnn", ("matmul", "conv", "rnn")))
+             for op in ops}
+    return {name: backend for name, backend in found.items() if hasattr(backend, "fp32_precision")}
+
+
+def fp32_settings() -> dict[str, Any]:
+    """The process's FP32 settings, to put back after a reference pass: each backend's
+    ``fp32_precision`` (PyTorch 2.9 and later), else the older two (``float32_matmul_precision``,
+    cuDNN's ``allow_tf32``)."""
+    backends = _fp32_backends()
+    if backends:
+        return {name: backend.fp32_precision for name, backend in backends.items()}
+    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32}
+
+
+def set_fp32_settings(settings: dict[str, Any]) -> None:
+    """Set what :func:`fp32_settings` read (``"ieee"`` for each: strict FP32)."""
+    backends = _fp32_backends()
+    for name, value in settings.items():
+        if name in backends:
+            backends[name].fp32_precision = value
+        elif name == "float32_matmul_precision":
+            torch.set_float32_matmul_precision("highest" if value == "ieee" else value)
+        elif name == "cudnn.allow_tf32":
+            torch.backends.cudnn.allow_tf32 = False if value == "ieee" else value
 
 
 def fp32_forward(forward: Any) -> Any:

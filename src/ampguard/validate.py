@@ -47,7 +47,7 @@ from .checkpoint import rng_kept
 from .config import Config
 from .errors import ExitCode, InputError, counted, user_code
 from .files import DiskFull, make_parents, replace_atomically
-from .precision import Precision, backend_of
+from .precision import Precision, backend_of, fp32_settings
 from .records import strict_json
 from .tasks import Task, untrained_model
 from .tasks.factory import TrainingBatches, factory_file
@@ -440,6 +440,16 @@ def seed_pass(seed: int, device: torch.device) -> None:
     cuda = _cuda_index(device)
     if cuda is not None:
         torch.cuda.default_generators[cuda].manual_seed(seed)
+
+
+def _matmul_precision() -> str | None:
+    """``torch.get_float32_matmul_precision()``, or None where it cannot tell: it raises once the
+    per-backend settings (PyTorch 2.9's ``fp32_precision``) were set apart from it (the
+    environment's ``fp32_precision`` says them)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
 
 
 def _cuda_index(device: torch.device) -> int | None:
@@ -1156,17 +1166,18 @@ def describe_environment(config: Config, device: torch.device, fp32_dtypes: dict
 
     effective = reproducible_config(config)
     backend = backend_of(device)
-    # the process's settings ("high" or "medium" lets FP32 matmuls use TF32 / bf16): the FP32
-    # reference runs without them (Precision.reference: "highest", cuDNN's TF32 off), said too
+    # the process's settings ("high" or "medium" lets FP32 matmuls use TF32 / bf16; PyTorch 2.9's
+    # per-backend fp32_precision, "tf32" or "bf16"): the FP32 reference runs without them
+    # (Precision.reference: every backend "ieee"), said too
     info: dict[str, Any] = {"type": device.type, "backend": backend["backend"],
                             "name": platform.processor() or platform.machine(),
-                            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-                            "reference_tf32": False}
+                            "float32_matmul_precision": _matmul_precision(),
+                            "fp32_precision": fp32_settings(), "reference_tf32": False}
     index = _cuda_index(device)
     if index is not None:
         info.update(name=torch.cuda.get_device_name(index),
                     capability=".".join(map(str, torch.cuda.get_device_capability(index))),
-                    cuda=backend["cuda"], hip=backend["hip"], cudnn_allow_tf32=torch.backends.cudnn.allow_tf32)
+                    cuda=backend["cuda"], hip=backend["hip"])
     support = {}
     for name in config.validation.precisions:
         precision = Precision(name, device.type)

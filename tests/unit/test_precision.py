@@ -481,18 +481,30 @@ class _Seen(torch.nn.Module):
         self.lin, self.seen = torch.nn.Linear(2, 2), []
 
     def forward(self, x):
-        self.seen.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
-                          torch.is_autocast_enabled("cpu")))
+        from ampguard.precision import fp32_settings
+
+        self.seen.append((sorted(set(fp32_settings().values())), torch.is_autocast_enabled("cpu")))
         return self.lin(x)
 
 
-def test_the_fp32_reference_is_fp32_inside_a_callers_autocast_and_without_tf32():
+@pytest.mark.parametrize("how", ["legacy", "per backend"])
+def test_the_fp32_reference_is_fp32_inside_a_callers_autocast_and_without_tf32(how):
     # validate's reference and locate's replay ran in bf16 under an autocast their caller had open
-    # (a reference of dtype bfloat16), and in TF32 where the process allowed it; settings put back
+    # (a reference of dtype bfloat16), and in TF32 where the process allowed it; settings put back.
+    # A process that set TF32 with PyTorch's per-backend API made the legacy read raise: the first
+    # skip's diagnosis raised in the training step
+    from ampguard.precision import _fp32_backends, fp32_settings
+
+    if how == "per backend" and not _fp32_backends():
+        pytest.skip("this PyTorch has no per-backend fp32_precision")
     model, x = _Seen(), torch.ones(1, 2)
-    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high")
+    original = fp32_settings()
     try:
+        if how == "legacy":
+            torch.set_float32_matmul_precision("high")
+        else:
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+        chosen = fp32_settings()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             with Precision("fp32", "cpu").reference():
                 out = model(x)
@@ -500,13 +512,15 @@ def test_the_fp32_reference_is_fp32_inside_a_callers_autocast_and_without_tf32()
             with Precision("bf16", "cpu").reference():  # an AMP pass runs as training does
                 amp = model(x)
         assert out.dtype == torch.float32 and amp.dtype == torch.bfloat16
-        assert model.seen == [("highest", False, False), ("high", before[1], True)]
-        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("high", before[1])
+        assert model.seen[0] == (["ieee"] if _fp32_backends() else [False, "highest"], False)
+        assert model.seen[1][1] is True and fp32_settings() == chosen
         with pytest.raises(RuntimeError, match="boom"), Precision("fp32", "cpu").reference():
             raise RuntimeError("boom")
-        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("high", before[1])
+        assert fp32_settings() == chosen
     finally:
-        torch.set_float32_matmul_precision(before[0])
+        from ampguard.precision import set_fp32_settings
+
+        set_fp32_settings(original)
 
 
 def test_validate_and_locate_take_their_fp32_pass_out_of_a_callers_autocast():
