@@ -428,7 +428,8 @@ class CheckpointManager:
         payload = loaded.payload
         model = self.parts.get(MODEL)
         if isinstance(model, ModelState):
-            _check_model(loaded.path, payload.get(MODEL), distributed.unwrap(model.model).state_dict())
+            module = distributed.unwrap(model.model)
+            _check_model(loaded.path, payload.get(MODEL), module.state_dict(), {n for n, _ in module.named_parameters()})
         optimizer = self.parts.get(OPTIMIZER)
         if isinstance(optimizer, OptimizerState) and not optimizer.fsdp:
             _check_optimizer(loaded.path, payload.get(OPTIMIZER), optimizer.optimizer)
@@ -907,7 +908,11 @@ def _names(keys: list[Any]) -> str:
     return ", ".join(shown) + more
 
 
-def _check_model(path: Path, saved: Any, live: Mapping[str, Any]) -> None:
+def _check_model(path: Path, saved: Any, live: Mapping[str, Any], parameters: set[str] | frozenset[str] = frozenset()
+                 ) -> None:
+    """The checkpoint's weights ``saved`` fit the model's state dict ``live``: the same names,
+    shapes and dtypes, and its ``parameters`` (by name) finite; a buffer may hold an infinity
+    (an attention mask of -inf)."""
     def refuse(why: str) -> InputError:
         return InputError(f"{path}: its model does not match the one this run builds: {why}")
 
@@ -926,7 +931,7 @@ def _check_model(path: Path, saved: Any, live: Mapping[str, Any]) -> None:
         if isinstance(value, torch.Tensor) and other.dtype != value.dtype:  # (load_state_dict would cast it, unsaid)
             raise refuse(f"{key} is {str(other.dtype).removeprefix('torch.')} in the checkpoint, "
                          f"{str(value.dtype).removeprefix('torch.')} here")
-    if bad := ckpt.non_finite_weight(saved):
+    if bad := ckpt.non_finite_weight({name: saved[name] for name in parameters if name in saved}):
         raise InputError(f"{path}: bad checkpoint: its model's {bad}: a run resumed from it would skip every step "
                          "(saved after its weights diverged? resume from an earlier checkpoint)")
 

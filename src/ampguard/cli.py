@@ -66,6 +66,14 @@ def _positive_int(text: str, at_least: int = 1) -> int:
     return value
 
 
+def _whole(text: str) -> int:
+    """A whole number in ASCII digits, its range the config's to judge (``demo --seed``)."""
+    try:
+        return int(_ascii(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
 def _count(text: str) -> int:
     """A whole number >= 0 (``report --min-steps``)."""
     return _positive_int(text, at_least=0)
@@ -391,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--spike", action="store_true", help="a real loss spike at step 5 (spike@5) instead of the Inf")
     demo.add_argument("--csv", type=_path, metavar="PATH", help="also write the per-step CSV here (must not exist)")
     demo.add_argument("--max-norm", type=_number, default=1.0, help="global L2 clip threshold (0: off)")
-    demo.add_argument("--seed", type=int, default=0, help="seeds the data and the weights (default 0)")
+    demo.add_argument("--seed", type=_whole, default=0, help="seeds the data and the weights (default 0)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                       help="where it trains (default auto: CUDA when there is one)")
     demo.set_defaults(func=_demo)

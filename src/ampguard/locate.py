@@ -718,9 +718,11 @@ def _replay_scale(*, given: float | None, batch_file: float | None, checkpoint: 
 
 def _checkpoint_scale(path: str, saved: Any, config: Any, precision: Precision) -> float | None:
     """The loss scale a run resumed from the checkpoint would step with (its ``state.scaler``
-    loaded as a resume loads it: a collapsed 0 at the floor); None when the run's precision uses
-    no loss scaler. A saved state the scaler cannot take is one :class:`InputError` line, as a
-    resume refuses it (a scale of ``'x'`` was a traceback, one of -1 or NaN a replay under it).
+    loaded as a resume loads it: a collapsed 0 at the floor); None when the replay's precision
+    uses no loss scaler, or the checkpoint holds no scaler state (a bf16 or fp32 run's, replayed
+    under fp16 to ask whether it would overflow: ``scaler.init_scale``). A saved state the scaler
+    cannot take is one :class:`InputError` line, as a resume refuses it (a scale of ``'x'`` was
+    a traceback, one of -1 or NaN a replay under it).
 
     Example::
 
@@ -733,6 +735,8 @@ def _checkpoint_scale(path: str, saved: Any, config: Any, precision: Precision) 
         2.0
         >>> _checkpoint_scale("c.pt", {}, validate({"precision": "bf16"}), Precision("bf16", "cpu")) is None
         True
+        >>> _checkpoint_scale("c.pt", {}, fp16, Precision("fp16", "cpu")) is None  # (a bf16 run's checkpoint)
+        True
         >>> _checkpoint_scale("c.pt", {**saved, "scale": float("nan")}, fp16, Precision("fp16", "cpu"))
         Traceback (most recent call last):
         ...
@@ -742,7 +746,7 @@ def _checkpoint_scale(path: str, saved: Any, config: Any, precision: Precision) 
     from .checkpointer import check_scaler_state
 
     scaler = precision.make_scaler(**scaler_settings(config))
-    if not scaler.is_enabled():
+    if not scaler.is_enabled() or saved in (None, {}):
         return None
     check_scaler_state(path, saved, scaler)
     scaler.load_state_dict(saved)

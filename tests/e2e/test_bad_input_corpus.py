@@ -259,6 +259,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("demo fault step in fullwidth digits", ["demo", "--inject", "nan_loss@\uff11"]),
     ("demo fault step 1_0", ["demo", "--inject", "nan_loss@1_0"]),
     ("demo max-norm 1_0", ["demo", "--max-norm", "1_0"]),
+    ("demo seed in Arabic-Indic digits", ["demo", "--seed", "\u0663"]),
 ]
 if not torch.cuda.is_available():
     CASES += [("train on cuda without one", ["train", "--set", "device=cuda"]),

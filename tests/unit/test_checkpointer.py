@@ -773,3 +773,28 @@ def test_ranks_configs_that_differ_are_refused_and_task_options_only_said():
         check_same_configs([base, {**base, "task": {"options": {"data": "/n1/d"}}}])
     assert [w.category for w in said] == [AmpguardWarning]
     assert str(said[0].message).startswith("task.options.data is '/n0/d' on rank 0, '/n1/d' on rank 1: the run goes on")
+
+
+class _Masked(nn.Module):
+    """A Linear and a causal attention mask of -inf above the diagonal: a buffer, not a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+
+
+def test_a_weight_that_is_not_finite_is_refused_and_a_buffer_that_is_not_is_taken(tmp_path):
+    # NaN weights would skip every resumed step; a mask of -inf is what the model is (the check
+    # looked at the buffers too: a model with an attention mask could never resume)
+    model = _Masked()
+    manager = ck.CheckpointManager(None, {ck.MODEL: ck.ModelState(model)}, keep=1)
+    manager.check_fits(ck.Loaded(tmp_path / "step-00000002.pt", {ck.MODEL: model.state_dict()}))
+    spoiled = {**model.state_dict(), "fc.bias": torch.tensor([0.0, float("inf"), 0.0, 0.0])}
+    with pytest.raises(InputError, match=r"step-00000002\.pt: bad checkpoint: its model's fc\.bias holds inf: a run "
+                                         r"resumed from it would skip every step"):
+        manager.check_fits(ck.Loaded(tmp_path / "step-00000002.pt", {ck.MODEL: spoiled}))
+    with pytest.raises(InputError, match=r"its model does not match the one this run builds: fc\.weight is float16 in "
+                                         r"the checkpoint, float32 here"):
+        manager.check_fits(ck.Loaded(tmp_path / "step-00000002.pt",
+                                     {ck.MODEL: {**model.state_dict(), "fc.weight": model.fc.weight.detach().half()}}))
