@@ -70,15 +70,11 @@ def _card(card: Path) -> tuple[str, dict[str, str]]:
 
 
 def _metrics(csv_path: Path, extra: list[dict[str, str]]) -> list[dict[str, float]]:
-    """The held-out metrics of each evaluated step: the CSV's extra columns (``extra``, as
-    :func:`~ampguard.sinks.read_steps_and_columns` read them) as :func:`~ampguard.sinks.metric_values`
-    reads them (numbers; the optimizer labels and empty cells left out)."""
-    out = []
-    for cells in extra:
-        values = metric_values(cells, str(csv_path))
-        if values:
-            out.append(values)
-    return out
+    """Each row's held-out metrics (empty where none was evaluated): the CSV's extra columns
+    (``extra``, as :func:`~ampguard.sinks.read_steps_and_columns` read them) as
+    :func:`~ampguard.sinks.metric_values` reads them (numbers; the optimizer labels and empty
+    cells left out)."""
+    return [metric_values(cells, str(csv_path)) for cells in extra]
 
 
 def load_run(path: str | Path) -> RunSummary:
@@ -121,10 +117,8 @@ def load_run(path: str | Path) -> RunSummary:
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
     policy = policy_changes_of(folder)
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
-                     rollbacks=rollbacks_of(folder),
+                     rollbacks=rollbacks_of(folder), metrics=_metrics(folder / "steps.csv", extra),
                      steps=config.steps if ended.startswith("finished: ") else None)
-    for metrics in _metrics(folder / "steps.csv", extra):
-        monitor.observe_eval(metrics)
     notes = reading_notes(folder / "steps.csv", rows, torn, folder)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy)
 
@@ -211,8 +205,8 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
         *((("headroom alerts", run.card["headroom alerts"]),) if "headroom alerts" in run.card else ()),
         ("loss final / best", f"{_g(m.final_loss_and_step[0])} / {_g(m.best_loss)}"),
     ]
-    cells += [(f"{name} final / best", f"{_g(value)} / {_g(m.eval_best.get(name))}")
-              for name, value in m.eval_last.items()]
+    cells += [(f"{name} final / best", f"{_g(m.eval_last.get(name))} / {_g(m.eval_best.get(name))}")
+              for name in {**m.eval_last, **m.eval_best}]
     return cells
 
 

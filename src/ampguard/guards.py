@@ -456,12 +456,16 @@ class Rollbacks:
         # the step counter and the monitors' history go on; everything that trains goes back
         state = {**loaded.payload[STATE], "step": step, "monitors": {}}
         self.checkpointer.restore(Loaded(loaded.path, {**loaded.payload, STATE: state}), parts=ROLLBACK_PARTS)
+        # the checkpoints after it hold the steps undone (a spike's model): a later rollback, or a
+        # --resume RUN_DIR, took the newest before its step and went back into them. Rank 0 moves
+        # them to checkpoints/abandoned-*/ once every rank has loaded (the gather above)
+        undone_saves = self.checkpointer.set_aside_after(loaded.step)
         # the checkpoint brings its own settings back: the resume's policy changes newer than it are
         # applied again and the LR comes down by rollback.lr_factor, in one pass (one set_base_lr)
         stale = [c for c in self.policy if c["step"] >= loaded.step and c["key"] != "scaler.init_scale"]
         lr = apply_policy_changes(stale, self.config, self.state, len(self.log) + 1, rolled_back=True)
-        undone = self.monitor.updates - self.state.updates
-        self.monitor.updates = self.state.updates  # the run card's "updates applied" is what the model holds
+        # the run card's "updates applied", final loss and held-out metrics are the model's it holds
+        undone = self.monitor.rolled_back(self.state.updates, (loaded.payload[STATE].get("monitors") or {}).get("run"))
         old, saved = self.data.position, int(loaded.payload[DATA])
         # never back onto the triggering step's own micro-batches (they end at the current position)
         self.data.seek(max(saved + self.cfg.skip_batches, old))
@@ -470,13 +474,15 @@ class Rollbacks:
                    f"the checkpoint (at {saved})")
         if self.cfg.lr_factor != 1.0 and lr is not None:
             message += f"; lr {lr:.4g} (rollback.lr_factor {self.cfg.lr_factor:g})"
+        if undone_saves:
+            message += (f"; the undone steps' {', '.join(p.name for p in undone_saves)} set aside "
+                        "(checkpoints/abandoned-*)")
         base = _keep_base(evidence, loaded.path) if evidence is not None else None
         if evidence is not None:
             message += f"; batches saved to rollback/{evidence.name}"
             if base is not None:
                 message += f" (their weights: rollback/{base.name})"
         self.log.append(f"step {step}: {message}")
-        self.monitor.restart_windows()
         if self.spikes is not None:
             self.spikes.reset()
         if self.events is not None:

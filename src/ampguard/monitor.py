@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -958,6 +958,33 @@ class RunMonitor:
             higher = self.higher_better.get(name, higher_is_better(name))  # (the watched metric's: declared)
             if best is None or (value > best if higher else value < best):
                 self.eval_best[name] = value
+
+    def rolled_back(self, updates: int, saved: Mapping[str, Any] | None) -> int:
+        """After a rollback to a checkpoint: the updates the model holds (``updates``), its last
+        loss and held-out metrics as the checkpoint's monitor state ``saved`` had them (a run
+        that ends before its next applied step reports the model it kept, not the step undone:
+        a spike at the last step was the run's "final loss"), the rolling windows afresh
+        (:meth:`restart_windows`). Returns how many updates were undone.
+
+        Example::
+
+            >>> from ampguard.records import StepLog
+            >>> m = RunMonitor(window=10, scaler_enabled=False)
+            >>> for s, loss in ((1, 2.0), (2, 1.5), (3, 9e15)):
+            ...     _ = m.observe(StepLog(step=s, lr=0.1, loss=loss, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0,
+            ...                           scaler_scale=1.0))
+            >>> saved = {"final_loss": 1.5, "final_loss_step": 2, "eval_last": {"val_loss": 0.7}}
+            >>> m.rolled_back(2, saved), m.updates, m.final_loss_and_step, m.eval_last
+            (1, 2, (1.5, 2), {'val_loss': 0.7})
+        """
+        undone, self.updates = self.updates - updates, updates
+        if isinstance(saved, Mapping):  # (a checkpoint of an older ampguard may lack them: they stay)
+            if "final_loss" in saved:
+                self.final_loss, self.final_loss_step = saved["final_loss"], saved.get("final_loss_step")
+            if "eval_last" in saved:
+                self.eval_last = dict(saved["eval_last"])
+        self.restart_windows()
+        return undone
 
     def restart_windows(self) -> None:
         """Forget the rolling skip window (after a rollback): the run starts its judging afresh

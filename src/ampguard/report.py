@@ -428,14 +428,17 @@ def finished(card: Path) -> bool:
 
 
 def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequence[dict[str, Any]] = (),
-           rollbacks: Sequence[dict[str, Any]] = (), steps: int | None = None, **monitor_args: Any) -> RunMonitor:
+           rollbacks: Sequence[dict[str, Any]] = (), steps: int | None = None,
+           metrics: Sequence[dict[str, float]] | None = None, **monitor_args: Any) -> RunMonitor:
     """Feed CSV rows through a :class:`RunMonitor` (``monitor``, or one made of ``monitor_args``):
-    the same statistics the live run kept. ``policy`` (:func:`policy_changes_of`) sets the
-    thresholds each step ran under, where a resume changed them; after the step of each of
-    ``rollbacks`` (:func:`rollbacks_of`) the monitor forgets its window and the updates undone,
-    as the run's did (its rows go on: the step counter does). With ``steps`` (a run that
-    trained to the end: :func:`finished`), rows that reach it are judged whole, as the run was
-    (:meth:`~ampguard.monitor.RunMonitor.at_end`).
+    the same statistics the live run kept. ``metrics``: each row's held-out metrics (empty where
+    none), observed with it. ``policy`` (:func:`policy_changes_of`) sets the thresholds each step
+    ran under, where a resume changed them; after the step of each of ``rollbacks``
+    (:func:`rollbacks_of`) the monitor forgets its window and the updates undone, and its final
+    loss and last held-out metrics go back to the checkpoint's step, as the run's did (its rows
+    go on: the step counter does; a spike at the last step is not the run's final loss). With
+    ``steps`` (a run that trained to the end: :func:`finished`), rows that reach it are judged
+    whole, as the run was (:meth:`~ampguard.monitor.RunMonitor.at_end`).
 
     Example (``monitor_args`` are :class:`RunMonitor`'s; max_norm 1, then 4 from step 3)::
 
@@ -449,16 +452,36 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
         2
     """
     monitor = RunMonitor(**monitor_args) if monitor is None else monitor
-    for row in rows:
+    targets = {_checkpoint_step(r) for r in rollbacks} - {None}
+    kept = {0: _kept(monitor)}  # what the rollbacks' checkpoints held (the run's start: step-00000000.pt)
+    for i, row in enumerate(rows):
         for key, value in _policy_at(policy, row.step).items():
             setattr(monitor, REPLAYED_POLICY[key], clip_threshold(value) if key == "max_norm" else value)
         monitor.observe(row.record())
+        if metrics is not None and metrics[i]:  # (evaluated on this step's model, before any rollback)
+            monitor.observe_eval(metrics[i])
         for rollback in (r for r in rollbacks if r["step"] == row.step):  # (as guards.Rollbacks.apply did)
-            monitor.updates = max(0, monitor.updates - rollback["updates_undone"])
-            monitor.restart_windows()
+            monitor.rolled_back(max(0, monitor.updates - rollback["updates_undone"]), kept.get(_checkpoint_step(rollback)))
+        if row.step in targets:  # (a checkpoint is saved after its step's records and rollbacks)
+            kept[row.step] = _kept(monitor)
     if rows and steps is not None and rows[-1].step >= steps:
         monitor.at_end(rows[-1].step)
     return monitor
+
+
+def _checkpoint_step(rollback: dict[str, Any]) -> int | None:
+    """The step of the checkpoint a rollback event went back to (None when it names none)."""
+    from .checkpoint import checkpoint_step
+
+    name = rollback.get("checkpoint")
+    step = checkpoint_step(Path(name)) if isinstance(name, str) else -1
+    return step if step >= 0 else None
+
+
+def _kept(monitor: RunMonitor) -> dict[str, Any]:
+    """What a checkpoint saved at this point holds of the monitor's last loss and metrics."""
+    return {"final_loss": monitor.final_loss, "final_loss_step": monitor.final_loss_step,
+            "eval_last": dict(monitor.eval_last)}
 
 
 # ---------------------------------------------------------------------------- the plot
@@ -888,8 +911,9 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
                                                  if m.scaler_enabled else "")),
         # (a skipped step's loss is not the model's: an all-skipped run's is "n/a" though step 1's was finite)
         ("loss of applied steps", f"first {_fmt(m.first_loss)}, final {_final_loss(m)}, best {_fmt(m.best_loss)}"),
-        *((f"held-out {name}", f"final {_fmt(value)}, best {_fmt(m.eval_best.get(name))}")
-          for name, value in m.eval_last.items()),
+        # (a rollback past every evaluation of the model kept leaves no final: "n/a", its best kept)
+        *((f"held-out {name}", f"final {_fmt(m.eval_last.get(name))}, best {_fmt(m.eval_best.get(name))}")
+          for name in {**m.eval_last, **m.eval_best}),
         ("rollbacks", "; ".join(result.rollbacks) if result.rollbacks else "none"),
         ("policy changes on resume", "; ".join(result.policy_changes) if result.policy_changes else "none"),
         ("throughput", result.throughput or "not measured (this process trained fewer than two steps)"),

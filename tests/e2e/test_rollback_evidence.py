@@ -179,6 +179,56 @@ def test_a_held_out_regression_rolls_back_to_the_checkpoint_of_the_last_good_eva
     assert float(rows[12]["val_loss"]) < 2 * float(rows[6]["val_loss"]), out  # trained on, back to normal
 
 
+def test_a_second_rollback_never_goes_back_into_the_steps_the_first_undid(tmp_path):
+    # the spike at 12 wrecks the model, saved at 15; ROLLBACK 16 goes to 10. The second rollback
+    # (first bad step 18) took the newest checkpoint before 18: step-15, the wrecked model the
+    # first had undone, and the run ended "finished" with a val_loss of 2e12. The undone steps'
+    # checkpoints are set aside at a rollback: the second goes to step 10 too
+    ok(train(tmp_path, "R", *LINEAR, "--set", "precision=fp32", "--set", "max_norm=0", "--set", "optimizer.name=sgd",
+             "--set", "optimizer.lr=0.01", "--set", "steps=26", "--set", "checkpoint.every=5",
+             "--set", "checkpoint.keep=50", "--set", "rollback.triggers=[skip_guard]", "--set", "monitor.window=4",
+             "--set", "monitor.fail_rate=0.3", "--set", "monitor.fail_after=3", "--set", "rollback.skip_batches=1",
+             "--set", "eval.every=1", "--inject", "spike@12", "--inject", "nan_loss@13,14,18,19"))
+    run = tmp_path / "R"
+    rollbacks = [e for e in run_events(run) if e["event"] == "rollback"]
+    assert [(e["step"], e["checkpoint"]) for e in rollbacks] == [(16, "step-00000010.pt"), (20, "step-00000010.pt")]
+    assert "the undone steps' step-00000015.pt set aside (checkpoints/abandoned-*)" in rollbacks[0]["message"]
+    [abandoned] = (run / "checkpoints").glob("abandoned-*")
+    assert [p.name for p in abandoned.iterdir()] == ["step-00000015.pt"]
+    rows = {int(r["step"]): r for r in read_rows(run / "steps.csv")}
+    assert float(rows[26]["val_loss"]) < 2 * float(rows[10]["val_loss"])  # trained on from the good model
+    assert 15 not in [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run / "checkpoints")]  # (--resume RUN_DIR)
+
+
+def test_a_rollback_at_the_last_step_leaves_the_kept_models_loss_and_metrics_as_the_runs_final(tmp_path):
+    # the run card, report and compare said final_loss=9.3e15 (the spike undone at step 9) and a
+    # held-out val_loss of 2e10 (the evaluation that triggered the rollback), with the model of step 8 kept
+    ok(train(tmp_path, "S", *LINEAR, "--set", "precision=bf16", "--set", "steps=9", "--set", "checkpoint.every=2",
+             "--set", "rollback.triggers=[loss_spike]", "--set", "rollback.window=3", "--set", "rollback.skip_batches=1",
+             "--inject", "spike@9"))
+    ok(train(tmp_path, "V", *LINEAR, "--set", "precision=fp32", "--set", "max_norm=0", "--set", "optimizer.name=sgd",
+             "--set", "optimizer.lr=0.01", "--set", "steps=11", "--set", "eval.every=4", "--set", "checkpoint.every=2",
+             "--set", "rollback.triggers=[val_regression]", "--set", "rollback.skip_batches=1", "--inject", "spike@10"))
+    for name, step in (("S", 9), ("V", 11)):
+        assert [e["step"] for e in run_events(tmp_path / name) if e["event"] == "rollback"] == [step]
+    rows = {name: {int(r["step"]): r for r in read_rows(tmp_path / name / "steps.csv")} for name in ("S", "V")}
+    loss8 = {name: float(rows[name][8]["loss"]) for name in rows}
+    assert float(rows["S"][9]["loss"]) > 1e12 and float(rows["V"][11]["val_loss"]) > 1e6  # (the undone step's)
+    for name in ("S", "V"):
+        card = card_table((tmp_path / name / "RUN.md").read_text(encoding="utf-8"))
+        assert card["loss of applied steps"].split("final ")[1].startswith(f"{loss8[name]:.4g} (step 8"), card
+        code, out, err = ag("report", tmp_path / name, "--no-plot")
+        assert code == 0 and f"final_loss={loss8[name]:.6g} (step 8)" in out.splitlines()[0], (out, err)
+    val8 = float(rows["V"][8]["val_loss"])
+    assert _card_value(tmp_path / "V", "held-out val_loss") == f"final {val8:.4g}, best {val8:.4g}"
+    code, out, err = ag("compare", tmp_path / "S", tmp_path / "V")
+    assert code == 0, err
+    [losses] = [line for line in out.splitlines() if line.startswith("| loss final / best")]
+    assert [cell.split(" / ")[0].strip() for cell in losses.split("|")[2:4]] == [f"{loss8['S']:.4g}", f"{loss8['V']:.4g}"]
+    [held] = [line for line in out.splitlines() if line.startswith("| val_loss final / best")]
+    assert held.split("|")[3].split(" / ")[0].strip() == f"{val8:.4g}"
+
+
 def test_bad_rollback_settings_are_one_line_and_write_nothing(tmp_path):
     args, _ = _factory(tmp_path, set())
     cases = [
@@ -244,7 +294,9 @@ def test_a_skip_guard_finds_its_checkpoint_though_keep_is_smaller_than_its_look_
     # roll back: no checkpoint from before step 59", exit 3; and the checkpoint a rollback returned
     # to was pruned later, so its evidence could not be replayed on the weights it ran on
     window = ",".join(str(s) for s in range(30, 71))
-    ok(train(tmp_path, "R", *LINEAR, "--set", "precision=bf16", "--set", "steps=80", "--set", "checkpoint.every=5",
+    # (100 steps: the saves after the rollback prune the checkpoint it returned to; the undone steps'
+    # ones were set aside at the rollback)
+    ok(train(tmp_path, "R", *LINEAR, "--set", "precision=bf16", "--set", "steps=100", "--set", "checkpoint.every=5",
              "--set", "rollback.triggers=[skip_guard]", "--set", "monitor.fail_rate=0.5",
              "--set", "monitor.fail_after=20", "--inject", f"nan_loss@{window}"))
     run = tmp_path / "R"
