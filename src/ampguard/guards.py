@@ -312,13 +312,15 @@ class TriggerBatches:
     def payload(self, step: int, kind: str, why: str) -> dict[str, Any] | None:
         """What ``rollback/step-N.pt`` holds, on the CPU: the triggering step's micro-batches (a
         skip-rate guard's: the last skipped step's), its loss scale, step, kind and why; None
-        when nothing was kept, and for a held-out regression (no training batch triggered it; the
-        event names the data positions passed over)."""
+        when nothing was kept (a skip-rate guard's skipped steps all ran before a resume: the
+        triggering step's own batch was saved, an applied one with nothing wrong in it), and for a
+        held-out regression (no training batch triggered it; the event names the data positions
+        passed over)."""
         from torch.utils._pytree import tree_map
 
         if kind == VAL_REGRESSION:  # judged on held-out data: no training batch is the trigger
             return None
-        kept = self.last_skipped if kind == SKIP_GUARD and self.last_skipped is not None else self.last
+        kept = self.last_skipped if kind == SKIP_GUARD else self.last
         if kept is None:
             return None
         batch_step, group, scale = kept
@@ -482,6 +484,8 @@ class Rollbacks:
             message += f"; batches saved to rollback/{evidence.name}"
             if base is not None:
                 message += f" (their weights: rollback/{base.name})"
+        elif decision.kind == SKIP_GUARD and self.evidence is not None and self.evidence.last_skipped is None:
+            message += "; no batch saved (the skipped steps ran before this process resumed the run)"
         self.log.append(f"step {step}: {message}")
         if self.spikes is not None:
             self.spikes.reset()

@@ -229,6 +229,23 @@ def test_a_rollback_at_the_last_step_leaves_the_kept_models_loss_and_metrics_as_
     assert held.split("|")[3].split(" / ")[0].strip() == f"{val8:.4g}"
 
 
+def test_a_skip_guard_rollback_after_a_resume_saves_no_clean_batch_as_its_evidence(tmp_path):
+    # the skipped steps (22, 23) ran before the resume: the process had no skipped batch, and the
+    # evidence saved was the triggering step's own, an applied batch with nothing wrong in it
+    args = [*LINEAR, "--set", "precision=bf16", "--set", "checkpoint.every=3", "--set", "rollback.triggers=[skip_guard]",
+            "--set", "monitor.window=4", "--set", "monitor.fail_rate=0.3", "--set", "monitor.fail_after=2",
+            "--set", "rollback.skip_batches=1", "--set", "steps=30", "--set", "rollback.max=2",
+            "--inject", "nan_loss@6,7,14,15,22,23"]
+    code, out, err = train(tmp_path, "R", *args)
+    assert code == 3 and "rollback.max" in out + err, (out, err)  # (used up at 24)
+    ok(ag("train", "--resume", tmp_path / "R", "--set", "rollback.max=3"))
+    resumed = [e for e in run_events(tmp_path / "R") if e["event"] == "rollback"][-1]
+    rows = {int(r["step"]): r for r in read_rows(tmp_path / "R" / "steps.csv")}
+    assert rows[resumed["step"]]["skipped"] == "0"  # (the trigger: an applied step)
+    assert resumed["evidence"] is None and not (tmp_path / "R" / "rollback" / f"step-{resumed['step']}.pt").exists()
+    assert resumed["message"].endswith("; no batch saved (the skipped steps ran before this process resumed the run)")
+
+
 def test_bad_rollback_settings_are_one_line_and_write_nothing(tmp_path):
     args, _ = _factory(tmp_path, set())
     cases = [
