@@ -135,3 +135,74 @@ def test_a_run_refused_after_its_tracker_opened_ends_the_mlflow_run_failed(tmp_p
     client = MlflowClient(tracking_uri=store)
     (run,) = client.search_runs([client.get_experiment_by_name("x").experiment_id])
     assert run.info.status == "FAILED"
+
+
+class Killed(BaseException):
+    """A kill, where the fork was: nothing after it runs (BaseException: no handler takes it)."""
+
+
+def test_a_fork_a_kill_cuts_short_is_never_continued_and_the_next_fork_holds_the_whole_history(tmp_path, monkeypatch):
+    # the fork was tagged ampguard.run_id before its history was copied: a kill in the copy left a
+    # run the next resume continued (steps 301-600 of 600, the rest never copied) and the old run
+    # RUNNING for ever
+    uri = (tmp_path / "mlruns").as_uri()
+    first = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    for n in (1, 2, 3, 4):
+        first.write(step(n))
+    first.close()
+    client = first.client
+
+    cut = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")  # a resume from step 2's checkpoint
+    real = cut.client.log_batch
+
+    def killed_in_the_copy(run_id, metrics=(), **kwargs):
+        if metrics:
+            raise Killed
+        return real(run_id, metrics=metrics, **kwargs)
+
+    monkeypatch.setattr(cut.client, "log_batch", killed_in_the_copy)
+    with pytest.raises(Killed):
+        cut.write(step(3))
+    monkeypatch.undo()
+    [incomplete] = [r for r in client.search_runs([client.get_experiment_by_name("k").experiment_id])
+                    if r.info.run_id != first.run_id]
+    assert RUN_ID_TAG not in incomplete.data.tags  # (not found by a resume)
+
+    again = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    assert again.run_id == first.run_id  # the old run, its history whole, is the one continued
+    with pytest.warns(ForkedRunWarning):
+        again.write(step(3))
+    again.close()
+    assert steps_of(client, again.run_id) == [1, 2, 3] and client.get_run(again.run_id).data.tags[RUN_ID_TAG] == "R1"
+    left = client.get_run(incomplete.info.run_id)
+    assert left.info.status == "FAILED" and "ampguard.incomplete_fork" in left.data.tags
+    old = client.get_run(first.run_id)
+    assert old.info.status == "KILLED" and old.data.tags[SUPERSEDED_BY_TAG] == again.run_id
+
+
+def test_a_kill_between_the_fork_and_the_old_runs_end_is_mended_when_the_fork_is_continued(tmp_path, monkeypatch):
+    uri = (tmp_path / "mlruns").as_uri()
+    first = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    for n in (1, 2, 3):
+        first.write(step(n))
+    first.close()
+    cut = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    real = cut.client.set_tag
+
+    def killed_before_the_old_run_ends(run_id, key, value, **kwargs):
+        if key == SUPERSEDED_BY_TAG:
+            raise Killed
+        return real(run_id, key, value, **kwargs)
+
+    monkeypatch.setattr(cut.client, "set_tag", killed_before_the_old_run_ends)
+    with pytest.raises(Killed):
+        cut.write(step(2))
+    monkeypatch.undo()
+    client = first.client
+    assert client.get_run(first.run_id).info.status == "RUNNING"  # (the kill left it so)
+    on = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    assert on.run_id != first.run_id and steps_of(client, on.run_id) == [1]  # the fork, its history whole
+    on.write(step(2))
+    on.close()
+    old = client.get_run(first.run_id)
+    assert old.info.status == "KILLED" and old.data.tags[SUPERSEDED_BY_TAG] == on.run_id

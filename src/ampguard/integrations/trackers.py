@@ -280,6 +280,30 @@ class TrackerSink:
     def _log(self, step: int, row: dict[str, float]) -> bool | None:
         raise NotImplementedError
 
+    def _end_incomplete_forks(self, old: Any) -> None:
+        """Forks of ``old`` whose history copy a kill cut short (``ampguard.resumed_from`` it, but
+        no ``ampguard.run_id`` while ``old`` has one): ended FAILED, tagged, never continued."""
+        if RUN_ID_TAG not in old.data.tags:
+            return
+        for run in self.client.search_runs([old.info.experiment_id],
+                                           filter_string=f"tags.`{RESUMED_FROM_TAG}` = '{old.info.run_id}'"):
+            if RUN_ID_TAG not in run.data.tags and "ampguard.incomplete_fork" not in run.data.tags:
+                self.client.set_tag(run.info.run_id, "ampguard.incomplete_fork",
+                                    "its history copy was cut short (a kill): a later fork holds this run's history")
+                self.client.set_terminated(run.info.run_id, "FAILED")
+
+    def _end_superseded(self, found: Any) -> None:
+        """A run continued that forked from another (``ampguard.resumed_from``): that one is ended
+        and points here, as the fork would have left it had it not been killed in between."""
+        before = found.data.tags.get(RESUMED_FROM_TAG)
+        if before is None:
+            return
+        old = self.client.get_run(before)
+        if SUPERSEDED_BY_TAG not in old.data.tags:
+            self.client.set_tag(before, SUPERSEDED_BY_TAG, found.info.run_id)
+        if old.info.status == "RUNNING":
+            self.client.set_terminated(before, "KILLED")
+
     def _begin_again(self, step: int, sent: str) -> str:
         """``sent``: the abandoned attempt's steps this sink sent, in words."""
         raise NotImplementedError
@@ -463,9 +487,11 @@ class MLflowSink(TrackerSink):
                 experiment, run_name, {**(tags or {}), **({RUN_ID_TAG: ampguard_run_id} if ampguard_run_id else {})},
                 params)
             # a run continued: back to RUNNING; the status it had is kept in case the first write forks it
-            self._continued: str | None = self.client.get_run(found).info.status if found else None
+            continued = self.client.get_run(found) if found else None
+            self._continued: str | None = continued.info.status if continued else None
             self._said = bool(found)
-            if found:
+            if continued is not None:
+                self._end_superseded(continued)
                 self.client.update_run(found, status="RUNNING")
         except InputError:
             raise
@@ -522,12 +548,20 @@ class MLflowSink(TrackerSink):
         history (the set-aside steps, as the checkpoints after the resumed one are set aside),
         gets ``ampguard.superseded_by`` and the status it had (``KILLED`` if it was still
         ``RUNNING``: its process was killed). Cost: one read and a ``log_batch`` per 1000 values
-        of the history, once."""
+        of the history, once.
+
+        A kill while the history is copied leaves a fork a later resume must not continue (it
+        held steps 301-600 of a 600-step run, the old run RUNNING for ever): the new run gets
+        ``ampguard.run_id`` only once its history is whole, so until then the old run is the
+        one found, and the next fork of it ends such a leftover FAILED
+        (``ampguard.incomplete_fork``). A kill after that, before the old run was ended, is
+        mended when the new run is continued (:meth:`_end_superseded`)."""
         from mlflow.entities import Metric, Param
 
         old = self.client.get_run(self.run_id)
-        tags = {k: v for k, v in old.data.tags.items() if not k.startswith("ampguard.") or k == RUN_ID_TAG}
+        tags = {k: v for k, v in old.data.tags.items() if not k.startswith("ampguard.")}
         tags.update({RESUMED_FROM_TAG: old.info.run_id, RESUMED_AT_TAG: str(through)})
+        self._end_incomplete_forks(old)
         new = self.client.create_run(old.info.experiment_id, run_name=old.info.run_name, tags=tags).info.run_id
         params = [Param(k, v) for k, v in old.data.params.items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
@@ -539,6 +573,8 @@ class MLflowSink(TrackerSink):
                     for m in self.client.get_metric_history(old.info.run_id, key) if m.step <= through]
             for i in range(0, len(kept), 1000):  # and at most 1000 metric values
                 self.client.log_batch(new, metrics=kept[i:i + 1000])
+        if RUN_ID_TAG in old.data.tags:  # (whole now: a resume finds it from here on)
+            self.client.set_tag(new, RUN_ID_TAG, old.data.tags[RUN_ID_TAG])
         self.client.set_tag(old.info.run_id, SUPERSEDED_BY_TAG, new)
         self.client.set_terminated(old.info.run_id, "KILLED" if status == "RUNNING" else status)
         self.run_id = new
