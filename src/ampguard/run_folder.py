@@ -275,8 +275,11 @@ class RunPaths:
 
     def remove_unused(self) -> bool:
         """Take back a new run folder that a refusal stopped before it held anything of a run
-        (a tracker that refused at its open): the folders :meth:`new_run_dir` made, when the run
-        folder holds nothing but ``config.yaml`` and ``run-id``. True when it did.
+        (a tracker that refused at its open, a Ctrl-C or SIGTERM in the start-up): the folders
+        :meth:`new_run_dir` made, when the run folder holds nothing but ``config.yaml``,
+        ``run-id`` and W&B's own ``wandb/`` (its run opened before the stop; no step was
+        logged: kept, it left a folder no resume could use and no new run could take). True
+        when it did.
 
         Example::
 
@@ -287,6 +290,10 @@ class RunPaths:
             >>> _ = paths.ensure_run_id()
             >>> paths.remove_unused(), sorted(p.name for p in root.iterdir())  # runs/ was made for it too
             (True, [])
+            >>> paths = RunPaths.new_run_dir(validate({"log": {"dir": str(root / "runs"), "name": "w"}}))
+            >>> (paths.dir / "wandb" / "offline-run-1").mkdir(parents=True)  # (W&B opened, then the stop)
+            >>> paths.remove_unused(), (root / "runs").exists()
+            (True, False)
             >>> paths = RunPaths.new_run_dir(validate({"log": {"dir": str(root / "runs"), "name": "b"}}))
             >>> _ = paths.csv.write_text("step\\n")
             >>> paths.remove_unused(), sorted(p.name for p in paths.dir.iterdir())  # it has records: kept
@@ -297,7 +304,7 @@ class RunPaths:
             return False
         try:
             names = {p.name for p in self.dir.iterdir()}
-            if {n for n in names if not is_temporary(n)} - {"config.yaml", RUN_ID_FILE}:
+            if {n for n in names if not is_temporary(n)} - {"config.yaml", RUN_ID_FILE, "wandb"}:
                 return False  # (a write cut short leaves its .NAME.tmp-PID: nothing of a run either)
         except OSError:
             return False

@@ -17,6 +17,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -188,8 +189,6 @@ def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[
         >>> with stop_on_signals() as stop, watch_stuck(stop, lambda: 1.0, print):
         ...     pass
     """
-    import threading
-
     main = threading.main_thread()
     if threading.current_thread() is not main:
         yield
@@ -250,6 +249,45 @@ class Interrupted(Exception):
     def __init__(self, exit_code: ExitCode) -> None:
         super().__init__(f"interrupted ({_NAMES.get(exit_code, 'Ctrl-C')})")
         self.exit_code = exit_code
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM where no run handles it (:func:`sigterm_unwinds`): the command unwinds as for a
+    Ctrl-C, its clean-ups run, and it exits 143."""
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While inside, SIGTERM raises :class:`Terminated` where :func:`stop_on_signals` does not
+    hold it (a run's start-up, before its loop; a verb that is no run; after the run's close).
+    Python's default ends the process at once (status -15) with nothing cleaned: a new run
+    folder half made (``config.yaml``, ``wandb/``) that no resume could use and no new run
+    could take, a tracker run left RUNNING. A SIGTERM ignored at start stays ignored; outside
+    the main thread nothing changes.
+
+    Example::
+
+        >>> import os
+        >>> try:
+        ...     with sigterm_unwinds():
+        ...         os.kill(os.getpid(), signal.SIGTERM)
+        ... except Terminated:
+        ...     print("unwound")
+        unwound
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager
