@@ -199,13 +199,15 @@ def test_fast_true_refuses_what_needs_the_exact_path(tmp_path, setting):
 
 
 def test_resume_switches_paths_and_records_it(tmp_path):
-    code, _, err, run = _run(tmp_path, "r", "--set", "steps=10", "--set", "fast=true", "--set", "schedule.warmup=4",
+    # warm-up over all 10 steps: the LR moves every step. A fast-path checkpoint's groups hold the
+    # last step's LR; the exact path's first resumed step took it as it was (step 6 at step 5's LR)
+    code, _, err, run = _run(tmp_path, "r", "--set", "steps=10", "--set", "fast=true", "--set", "schedule.warmup=10",
                              "--inject", "inf_grad@3", "--set", "checkpoint.every=5")
     assert code == 0, err
     straight = read_rows(run / "steps.csv")
     (run / "checkpoints" / "step-00000010.pt").unlink()  # resume from step 5 on the exact path
     code, out, err = train(tmp_path, "r", *LINEAR, "--resume", str(run), "--set", "steps=10", "--set", "fast=false",
-                           "--set", "schedule.warmup=4", "--inject", "inf_grad@3", "--set", "checkpoint.every=5")
+                           "--set", "schedule.warmup=10", "--inject", "inf_grad@3", "--set", "checkpoint.every=5")
     assert code == 0, err
     resumed = read_rows(run / "steps.csv")
     assert [r["step"] for r in resumed] == [str(s) for s in range(1, 11)]
