@@ -434,7 +434,11 @@ for run in runs:
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
         try:
-            code = int(main(run["args"] + (run["rank1"] if rank == "1" else [])))
+            args, own = run["args"], run["rank1"] if rank == "1" else []
+            if own[:1] and own[0] in args and own[0] not in ("--set", "--inject"):  # (--resume: the CLI takes it once)
+                at = args.index(own[0])
+                args, own = args[:at] + own[:2] + args[at + 2:], own[2:]
+            code = int(main(args + own))
         except BaseException:  # a bug: the runs after it would wait in collectives this rank never joins
             traceback.print_exc()
             sys.stderr.flush()
@@ -454,7 +458,8 @@ sys.exit(code)  # (torchrun's report names each rank's: none cut short by the SI
 
 @dataclass
 class Run:
-    """One run of a :class:`Batch`: ``ampguard ARGS`` (rank 1 adds ``rank1``: its own ``--set``),
+    """One run of a :class:`Batch`: ``ampguard ARGS`` (rank 1 adds ``rank1``: its own ``--set``; an
+    option there that takes one value, ``--resume``, replaces the one in ARGS),
     with ``env`` set around it, under ``ulimit -f`` ``file_size`` bytes if given."""
 
     args: list[str]

@@ -128,6 +128,7 @@ def stop_on_signals() -> Iterator[StopFlag]:
         try:
             previous = [(sig, signal.signal(sig, handler)) for sig in STOP_SIGNALS
                         if signal.getsignal(sig) is not signal.SIG_IGN]
+            previous = [(sig, signal.SIG_DFL if old is _unwind else old) for sig, old in previous]
         except ValueError:  # not the main thread: leave signals alone
             yield flag
             return
@@ -258,8 +259,9 @@ class Terminated(KeyboardInterrupt):
 
 @contextmanager
 def sigterm_unwinds() -> Iterator[None]:
-    """While inside, SIGTERM raises :class:`Terminated` where :func:`stop_on_signals` does not
-    hold it (a run's start-up, before its loop; a verb that is no run; after the run's close).
+    """While inside, SIGTERM raises :class:`Terminated` until a run's :func:`stop_on_signals`
+    takes it over (a run's start-up, before its loop; a verb that is no run; after the run's
+    close Python's default is back, :func:`_unwind`).
     Python's default ends the process at once (status -15) with nothing cleaned: a new run
     folder half made (``config.yaml``, ``wandb/``) that no resume could use and no new run
     could take, a tracker run left RUNNING. A SIGTERM ignored at start stays ignored; outside
@@ -279,15 +281,19 @@ def sigterm_unwinds() -> Iterator[None]:
             or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):
         yield
         return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signal.SIGTERM, _unwind)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if signal.getsignal(signal.SIGTERM) is _unwind:  # (a run's handlers took over: they left the default)
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _unwind(signum: int, frame: Any) -> None:
+    """:func:`sigterm_unwinds`' handler. A run's :func:`stop_on_signals` takes over from it for
+    good: once its loop has closed, SIGTERM has Python's default again (torchrun's SIGTERM to a
+    worker whose peer exited first ends it there, as it always did)."""
+    raise Terminated
 
 
 @contextmanager
