@@ -635,7 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ended: finished: 2 steps
         0
     """
-    from .signals import Interrupted, Terminated, held_signals, sigterm_unwinds, tolerant_console
+    from .signals import Interrupted, held_signals, tolerant_console
 
     if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # `ulimit -f` reached: a write error (disk full), not a kill
@@ -647,8 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise InputError(f"{args.verb}: unrecognized arguments: {' '.join(extra)}")
             with held_signals():  # a signal inside torch's import could be swallowed or break numpy
                 importlib.import_module("torch")  # every verb needs it; after this block a signal stops us
-            # (from here a SIGTERM no run holds unwinds as Ctrl-C does: the clean-ups run, exit 143)
-            with sigterm_unwinds(), warnings.catch_warnings():  # restores the caller's filters (in-process tests)
+            with warnings.catch_warnings():  # restores the caller's filters (main() runs in-process in tests)
                 # (the CPU demo is fp16 on purpose: quiet)
                 held = _slow_precision_in_one_line(quiet=args.func is _demo, console=console)
                 code = int(args.func(args))
@@ -667,8 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             held.release()
             print("ampguard: interrupted", file=sys.stderr)
             _handled_keyboard_interrupt()
-            terminated = isinstance(err, Terminated) or isinstance(err.__cause__, Terminated)
-            return ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED
+            return ExitCode.INTERRUPTED
         except BrokenPipeError:  # a write past the console's guard: the reader left, as SIGPIPE says
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return ExitCode.BROKEN_PIPE

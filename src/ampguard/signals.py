@@ -17,7 +17,6 @@ import errno
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -128,7 +127,6 @@ def stop_on_signals() -> Iterator[StopFlag]:
         try:
             previous = [(sig, signal.signal(sig, handler)) for sig in STOP_SIGNALS
                         if signal.getsignal(sig) is not signal.SIG_IGN]
-            previous = [(sig, signal.SIG_DFL if old is _unwind else old) for sig, old in previous]
         except ValueError:  # not the main thread: leave signals alone
             yield flag
             return
@@ -190,6 +188,8 @@ def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[
         >>> with stop_on_signals() as stop, watch_stuck(stop, lambda: 1.0, print):
         ...     pass
     """
+    import threading
+
     main = threading.main_thread()
     if threading.current_thread() is not main:
         yield
@@ -250,50 +250,6 @@ class Interrupted(Exception):
     def __init__(self, exit_code: ExitCode) -> None:
         super().__init__(f"interrupted ({_NAMES.get(exit_code, 'Ctrl-C')})")
         self.exit_code = exit_code
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM where no run handles it (:func:`sigterm_unwinds`): the command unwinds as for a
-    Ctrl-C, its clean-ups run, and it exits 143."""
-
-
-@contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """While inside, SIGTERM raises :class:`Terminated` until a run's :func:`stop_on_signals`
-    takes it over (a run's start-up, before its loop; a verb that is no run; after the run's
-    close Python's default is back, :func:`_unwind`).
-    Python's default ends the process at once (status -15) with nothing cleaned: a new run
-    folder half made (``config.yaml``, ``wandb/``) that no resume could use and no new run
-    could take, a tracker run left RUNNING. A SIGTERM ignored at start stays ignored; outside
-    the main thread nothing changes.
-
-    Example::
-
-        >>> import os
-        >>> try:
-        ...     with sigterm_unwinds():
-        ...         os.kill(os.getpid(), signal.SIGTERM)
-        ... except Terminated:
-        ...     print("unwound")
-        unwound
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _unwind)
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGTERM) is _unwind:  # (a run's handlers took over: they left the default)
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _unwind(signum: int, frame: Any) -> None:
-    """:func:`sigterm_unwinds`' handler. A run's :func:`stop_on_signals` takes over from it for
-    good: once its loop has closed, SIGTERM has Python's default again (torchrun's SIGTERM to a
-    worker whose peer exited first ends it there, as it always did)."""
-    raise Terminated
 
 
 @contextmanager
