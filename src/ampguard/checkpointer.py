@@ -639,7 +639,9 @@ def find_resume(target: str | Path) -> Resume:
             raise InputError(f"--resume: {target} is not a run folder (no config.yaml, no checkpoints/); "
                              f"{_what_to_pass(target)}")
     elif target.is_file():
-        run_dir = target.parent.parent if target.parent.name == "checkpoints" else target.parent
+        # (a checkpoint a resume or a rollback set aside: checkpoints/abandoned-<time>/, a level deeper)
+        folder = target.parent.parent if target.parent.name.startswith("abandoned-") else target.parent
+        run_dir = folder.parent if folder.name == "checkpoints" else target.parent
     elif not target.exists():
         raise InputError(f"--resume: no such run folder or checkpoint file: {target}")
     else:  # (not a FIFO or a device either: torch.load would wait on it)

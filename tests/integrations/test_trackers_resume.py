@@ -206,3 +206,29 @@ def test_a_kill_between_the_fork_and_the_old_runs_end_is_mended_when_the_fork_is
     on.close()
     old = client.get_run(first.run_id)
     assert old.info.status == "KILLED" and old.data.tags[SUPERSEDED_BY_TAG] == on.run_id
+
+
+def test_a_fork_whose_old_run_is_gone_is_continued_all_the_same(tmp_path, monkeypatch):
+    # the mend of the old run (superseded_by, ended) read it first: purged (mlflow gc), the resume
+    # was refused ("log.mlflow: Run ... not found")
+    uri = (tmp_path / "mlruns").as_uri()
+    first = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    for n in (1, 2, 3):
+        first.write(step(n))
+    first.close()
+    fork = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    with pytest.warns(ForkedRunWarning):
+        fork.write(step(3))
+    fork.close()
+    real = MlflowClient.get_run
+
+    def purged(self, run_id):
+        if run_id == first.run_id:
+            raise RuntimeError(f"Run '{run_id}' not found")
+        return real(self, run_id)
+
+    monkeypatch.setattr(MlflowClient, "get_run", purged)
+    on = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    on.write(step(4))
+    on.close()
+    assert on.run_id == fork.run_id and steps_of(first.client, fork.run_id) == [1, 2, 3, 4]

@@ -298,11 +298,14 @@ class TrackerSink:
         before = found.data.tags.get(RESUMED_FROM_TAG)
         if before is None:
             return
-        old = self.client.get_run(before)
-        if SUPERSEDED_BY_TAG not in old.data.tags:
-            self.client.set_tag(before, SUPERSEDED_BY_TAG, found.info.run_id)
-        if old.info.status == "RUNNING":
-            self.client.set_terminated(before, "KILLED")
+        try:  # (a mend, best effort: the old run may be deleted, purged or read-only; the resume goes on)
+            old = self.client.get_run(before)
+            if SUPERSEDED_BY_TAG not in old.data.tags:
+                self.client.set_tag(before, SUPERSEDED_BY_TAG, found.info.run_id)
+            if old.info.status == "RUNNING":
+                self.client.set_terminated(before, "KILLED")
+        except Exception:  # noqa: BLE001 - MLflow's own errors vary by store
+            return
 
     def _begin_again(self, step: int, sent: str) -> str:
         """``sent``: the abandoned attempt's steps this sink sent, in words."""
