@@ -483,6 +483,32 @@ class CheckpointManager:
 # ---------------------------------------------------------------------------- resume
 
 
+def lrs_from_schedule(optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """Each parameter group's LR set to the next step's, as a restored schedule left it
+    (``get_last_lr``): after a resume's or a rollback's restore. A fast-path checkpoint's groups
+    hold its last step's LR (the sync-free step writes each step's LR before its update), and
+    the exact path's step takes ``group["lr"]`` as it is: the first step after it ran at the
+    checkpoint's step's LR (25% low in a warm-up). No scheduler: nothing to do.
+
+    Example::
+
+        >>> model = nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        >>> schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.5 ** n)
+        >>> opt.step(); schedule.step()
+        >>> opt.param_groups[0]["lr"] = 1.0  # (the last step's, as a fast-path checkpoint holds it)
+        >>> lrs_from_schedule(opt, schedule); opt.param_groups[0]["lr"]
+        0.5
+    """
+    if not hasattr(scheduler, "get_last_lr"):
+        return
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(float(lr))
+        else:
+            group["lr"] = float(lr)
+
+
 def set_base_lr(scheduler: Any, lr: float) -> None:
     """Make ``lr`` the base learning rate of a ``LambdaLR`` schedule from now on: its
     ``base_lrs``, each group's ``initial_lr``, and each group's current ``lr`` (``lr x`` the
@@ -639,9 +665,11 @@ def find_resume(target: str | Path) -> Resume:
             raise InputError(f"--resume: {target} is not a run folder (no config.yaml, no checkpoints/); "
                              f"{_what_to_pass(target)}")
     elif target.is_file():
-        # (a checkpoint a resume or a rollback set aside: checkpoints/abandoned-<time>/, a level deeper)
-        folder = target.parent.parent if target.parent.name.startswith("abandoned-") else target.parent
-        run_dir = folder.parent if folder.name == "checkpoints" else target.parent
+        if target.parent.name.startswith("abandoned-") and target.parent.parent.name == "checkpoints":
+            raise InputError(f"--resume: {target} was set aside (checkpoints/{target.parent.name}/): a resume or a "
+                             "rollback went on from an older checkpoint, and the run's steps.csv and checkpoints hold "
+                             "that timeline from there; it cannot be resumed in this run folder")
+        run_dir = target.parent.parent if target.parent.name == "checkpoints" else target.parent
     elif not target.exists():
         raise InputError(f"--resume: no such run folder or checkpoint file: {target}")
     else:  # (not a FIFO or a device either: torch.load would wait on it)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from . import distributed
-from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes
+from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes, lrs_from_schedule
 from .config import Config
 from .errors import ConfigError, ExitCode, InputError, counted
 from .files import temporary_beside
@@ -458,6 +458,7 @@ class Rollbacks:
         # the step counter and the monitors' history go on; everything that trains goes back
         state = {**loaded.payload[STATE], "step": step, "monitors": {}}
         self.checkpointer.restore(Loaded(loaded.path, {**loaded.payload, STATE: state}), parts=ROLLBACK_PARTS)
+        lrs_from_schedule(self.state.optimizer, self.state.scheduler)  # (a fast-path checkpoint's: the last step's)
         # the checkpoints after it hold the steps undone (a spike's model): a later rollback, or a
         # --resume RUN_DIR, took the newest before its step and went back into them. Rank 0 moves
         # them to checkpoints/abandoned-*/ once every rank has loaded (the gather above)

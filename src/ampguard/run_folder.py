@@ -275,7 +275,7 @@ class RunPaths:
 
     def remove_unused(self) -> bool:
         """Take back a new run folder that a refusal stopped before it held anything of a run
-        (a tracker that refused at its open, a Ctrl-C or SIGTERM in the start-up): the folders
+        (a tracker that refused at its open, a Ctrl-C in the start-up): the folders
         :meth:`new_run_dir` made, when the run folder holds nothing but ``config.yaml``,
         ``run-id`` and W&B's own ``wandb/`` (its run opened before the stop; no step was
         logged: kept, it left a folder no resume could use and no new run could take). True

@@ -203,7 +203,7 @@ class Trainer:
             problem = distributed.first_error(problem)  # every rank refuses, with the first rank's line
             if problem is not None:
                 raise InputError(problem)
-            self._lrs_from_schedule()
+            ck.lrs_from_schedule(self.state.optimizer, self.state.scheduler)
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
         self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
@@ -228,21 +228,6 @@ class Trainer:
             left = "" if first > 1 else " (headroom.csv keeps its header only)"
             warnings.warn(f"monitor.headroom.every {every}: none of the steps this run trains ({first} to "
                           f"{config.steps}) is measured{left}", AmpguardWarning, stacklevel=2)
-
-    def _lrs_from_schedule(self) -> None:
-        """Each parameter group's LR set to the next step's, as the checkpoint's schedule left it
-        (``get_last_lr``). A fast-path checkpoint's groups hold its last step's LR (the sync-free
-        step writes each step's LR before its update), and the exact path's step takes
-        ``group["lr"]`` as it is: resumed on the exact path, the first step ran at the
-        checkpoint's step's LR (25% low in a warm-up) and the weights went their own way."""
-        scheduler = self.state.scheduler
-        if not hasattr(scheduler, "get_last_lr"):
-            return
-        for group, lr in zip(self.state.optimizer.param_groups, scheduler.get_last_lr()):
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(float(lr))
-            else:
-                group["lr"] = float(lr)
 
     def _next_lr(self) -> float | None:
         """The LR the next step takes from the schedule (``None`` without a scheduler)."""

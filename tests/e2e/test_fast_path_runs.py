@@ -217,6 +217,26 @@ def test_resume_switches_paths_and_records_it(tmp_path):
     assert [(e["old"], e["new"]) for e in policy if e["key"] == "fast"] == [(True, False)]
 
 
+def test_a_rollback_to_a_fast_path_checkpoint_runs_its_next_step_at_the_schedules_lr(tmp_path):
+    # resumed on the exact path with a rollback trigger, the run rolls back at step 8 to step-4,
+    # written on the fast path: its groups held step 4's LR, and step 9 ran at it (0.0012, not 0.0015)
+    common = ("--set", "steps=10", "--set", "schedule.warmup=10", "--set", "checkpoint.every=4",
+              "--set", "precision=fp32", "--set", "max_norm=0", "--set", "optimizer.name=sgd",
+              "--set", "monitor.window=4")
+    code, _, err, run = _run(tmp_path, "f", *common, "--set", "fast=true")
+    assert code == 0, err
+    for step in (8, 10):
+        (run / "checkpoints" / f"step-{step:08d}.pt").unlink()
+    code, out, err = train(tmp_path, "f", *LINEAR, "--resume", str(run), *common, "--set", "fast=false",
+                           "--set", "rollback.triggers=[skip_guard]", "--set", "rollback.skip_batches=1",
+                           "--set", "monitor.fail_rate=0.3", "--set", "monitor.fail_after=2", "--inject", "nan_loss@6,7")
+    assert code == 0, err
+    [rollback] = [e for e in read_events(run / "events.jsonl") if e["event"] == "rollback"]
+    assert (rollback["step"], rollback["checkpoint"]) == (8, "step-00000004.pt"), rollback
+    rows = {int(r["step"]): r for r in read_rows(run / "steps.csv")}
+    assert _close(rows[9]["lr"], rows[5]["lr"], 1e-6), (rows[5]["lr"], rows[9]["lr"])  # both the 5th update's
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_an_exact_run_resumes_on_the_fast_path(tmp_path, precision):
     # the exact run's checkpoint saves fused=None; loaded as it was, the fast step handed its
