@@ -137,8 +137,34 @@ def test_a_run_refused_after_its_tracker_opened_ends_the_mlflow_run_failed(tmp_p
     assert run.info.status == "FAILED"
 
 
+def _r1(uri: str) -> MLflowSink:
+    """A sink of ampguard run ``R1`` (experiment ``k``): the run found by its tag, as a resume finds it."""
+    return MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+
+
+def _logged(uri: str, steps: int) -> MLflowSink:
+    """A closed sink of run ``R1`` (experiment ``k``) that logged steps 1..``steps``."""
+    sink = _r1(uri)
+    for n in range(1, steps + 1):
+        sink.write(step(n))
+    sink.close()
+    return sink
+
+
 class Killed(BaseException):
     """A kill, where the fork was: nothing after it runs (BaseException: no handler takes it)."""
+
+
+def fails_when(monkeypatch, owner, name: str, when, error: BaseException) -> None:
+    """``owner.name`` raises ``error`` for a call ``when(*args, **kwargs)`` is true of."""
+    real = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        if when(*args, **kwargs):
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
 
 
 def test_a_fork_a_kill_cuts_short_is_never_continued_and_the_next_fork_holds_the_whole_history(tmp_path, monkeypatch):
@@ -146,21 +172,11 @@ def test_a_fork_a_kill_cuts_short_is_never_continued_and_the_next_fork_holds_the
     # run the next resume continued (steps 301-600 of 600, the rest never copied) and the old run
     # RUNNING for ever
     uri = (tmp_path / "mlruns").as_uri()
-    first = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
-    for n in (1, 2, 3, 4):
-        first.write(step(n))
-    first.close()
+    first = _logged(uri, 4)
     client = first.client
 
-    cut = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")  # a resume from step 2's checkpoint
-    real = cut.client.log_batch
-
-    def killed_in_the_copy(run_id, metrics=(), **kwargs):
-        if metrics:
-            raise Killed
-        return real(run_id, metrics=metrics, **kwargs)
-
-    monkeypatch.setattr(cut.client, "log_batch", killed_in_the_copy)
+    cut = _r1(uri)  # a resume from step 2's checkpoint
+    fails_when(monkeypatch, cut.client, "log_batch", lambda run_id, metrics=(), **_: bool(metrics), Killed())  # (the copy)
     with pytest.raises(Killed):
         cut.write(step(3))
     monkeypatch.undo()
@@ -168,7 +184,7 @@ def test_a_fork_a_kill_cuts_short_is_never_continued_and_the_next_fork_holds_the
                     if r.info.run_id != first.run_id]
     assert RUN_ID_TAG not in incomplete.data.tags  # (not found by a resume)
 
-    again = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    again = _r1(uri)
     assert again.run_id == first.run_id  # the old run, its history whole, is the one continued
     with pytest.warns(ForkedRunWarning):
         again.write(step(3))
@@ -182,25 +198,15 @@ def test_a_fork_a_kill_cuts_short_is_never_continued_and_the_next_fork_holds_the
 
 def test_a_kill_between_the_fork_and_the_old_runs_end_is_mended_when_the_fork_is_continued(tmp_path, monkeypatch):
     uri = (tmp_path / "mlruns").as_uri()
-    first = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
-    for n in (1, 2, 3):
-        first.write(step(n))
-    first.close()
-    cut = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
-    real = cut.client.set_tag
-
-    def killed_before_the_old_run_ends(run_id, key, value, **kwargs):
-        if key == SUPERSEDED_BY_TAG:
-            raise Killed
-        return real(run_id, key, value, **kwargs)
-
-    monkeypatch.setattr(cut.client, "set_tag", killed_before_the_old_run_ends)
+    first = _logged(uri, 3)
+    cut = _r1(uri)
+    fails_when(monkeypatch, cut.client, "set_tag", lambda run_id, key, value, **_: key == SUPERSEDED_BY_TAG, Killed())
     with pytest.raises(Killed):
         cut.write(step(2))
     monkeypatch.undo()
     client = first.client
     assert client.get_run(first.run_id).info.status == "RUNNING"  # (the kill left it so)
-    on = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    on = _r1(uri)
     assert on.run_id != first.run_id and steps_of(client, on.run_id) == [1]  # the fork, its history whole
     on.write(step(2))
     on.close()
@@ -212,23 +218,14 @@ def test_a_fork_whose_old_run_is_gone_is_continued_all_the_same(tmp_path, monkey
     # the mend of the old run (superseded_by, ended) read it first: purged (mlflow gc), the resume
     # was refused ("log.mlflow: Run ... not found")
     uri = (tmp_path / "mlruns").as_uri()
-    first = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
-    for n in (1, 2, 3):
-        first.write(step(n))
-    first.close()
-    fork = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    first = _logged(uri, 3)
+    fork = _r1(uri)
     with pytest.warns(ForkedRunWarning):
         fork.write(step(3))
     fork.close()
-    real = MlflowClient.get_run
-
-    def purged(self, run_id):
-        if run_id == first.run_id:
-            raise RuntimeError(f"Run '{run_id}' not found")
-        return real(self, run_id)
-
-    monkeypatch.setattr(MlflowClient, "get_run", purged)
-    on = MLflowSink(tracking_uri=uri, experiment="k", ampguard_run_id="R1")
+    fails_when(monkeypatch, MlflowClient, "get_run", lambda client, run_id: run_id == first.run_id,
+               RuntimeError(f"Run '{first.run_id}' not found"))  # (purged: mlflow gc)
+    on = _r1(uri)
     on.write(step(4))
     on.close()
     assert on.run_id == fork.run_id and steps_of(first.client, fork.run_id) == [1, 2, 3, 4]
