@@ -211,10 +211,12 @@ class Part:
 
 
 class FakeStep:
-    """Stands in for AmpTrainState: step and update counters, a scaler value, monitors' state."""
+    """Stands in for AmpTrainState: step and update counters, a scaler value, monitors' state, an
+    optimizer and (a test may set one) a scheduler."""
 
     def __init__(self) -> None:
         self.steps, self.updates, self.scale, self.loaded = 0, 0, 1024.0, None
+        self.optimizer, self.scheduler = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), None
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.steps, "updates": self.updates, "scaler": self.scale,
@@ -565,7 +567,7 @@ def test_a_rollback_sets_the_lr_in_one_call(tmp_path, monkeypatch, lr_factor, st
 
     w = World(tmp_path, lr_factor=lr_factor)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # the checkpoint's LR
-    w.step.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 1.0)
+    w.step.optimizer, w.step.scheduler = optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 1.0)
     w.save_at(10)
     w.advance(14)
     if stale:  # resumed at step 12 with the config's LR (0.003): after the checkpoint, so re-applied
