@@ -145,12 +145,18 @@ def fast_path(config: Config, device: torch.device, world_size: int = 1) -> tupl
         Traceback (most recent call last):
         ...
         ampguard.errors.InputError: fast: true cannot serve monitor.headroom, which needs each step decided at the host (set fast: false)
+        >>> fast_path(validate({"optimizer": {"fused": False}}), torch.device("cuda"))  # (asked for: not overruled)
+        (False, 'exact path: optimizer.fused: false (the fast path hands the skip flag to the fused optimizer)')
     """
     blocking = next((name for name, on in EXACT_ONLY if on(config)), None)
+    unfused = config.optimizer.fused is False  # (the fast path's sync-free step needs the fused kernel)
     if config.fast:
         if blocking is not None:
             raise InputError(f"fast: true cannot serve {blocking}, which needs each step decided at the host "
                              "(set fast: false)")
+        if unfused:
+            raise InputError("fast: true runs the fused optimizer (the sync-free step hands it the skip flag), and "
+                             "optimizer.fused is false: set one of them otherwise")
         if world_size > 1:
             raise InputError("fast: true runs in one process; under torchrun the step agrees with the other "
                              "ranks at the host every step (set fast: false)")
@@ -160,6 +166,8 @@ def fast_path(config: Config, device: torch.device, world_size: int = 1) -> tupl
         return False, "exact path"
     elif blocking is not None:
         return False, f"exact path: {blocking} needs each step decided at the host"
+    elif unfused:
+        return False, "exact path: optimizer.fused: false (the fast path hands the skip flag to the fused optimizer)"
     return True, "fast path: fused optimizer, sync-free step, records read back as they land"
 
 

@@ -260,6 +260,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("demo fault step 1_0", ["demo", "--inject", "nan_loss@1_0"]),
     ("demo max-norm 1_0", ["demo", "--max-norm", "1_0"]),
     ("demo seed in Arabic-Indic digits", ["demo", "--seed", "\u0663"]),
+    ("fast true with optimizer.fused false", ["train", *LINEAR, "--set", "fast=true", "--set", "optimizer.fused=false"]),
 ]
 if not torch.cuda.is_available():
     CASES += [("train on cuda without one", ["train", "--set", "device=cuda"]),
