@@ -453,7 +453,7 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
     """
     monitor = RunMonitor(**monitor_args) if monitor is None else monitor
     targets = {_checkpoint_step(r) for r in rollbacks} - {None}
-    kept = {0: _kept(monitor)}  # what the rollbacks' checkpoints held (the run's start: step-00000000.pt)
+    kept = {0: monitor.state_dict()}  # what the rollbacks' checkpoints held (the run's start: step-00000000.pt)
     for i, row in enumerate(rows):
         for key, value in _policy_at(policy, row.step).items():
             setattr(monitor, REPLAYED_POLICY[key], clip_threshold(value) if key == "max_norm" else value)
@@ -463,7 +463,7 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
         for rollback in (r for r in rollbacks if r["step"] == row.step):  # (as guards.Rollbacks.apply did)
             monitor.rolled_back(max(0, monitor.updates - rollback["updates_undone"]), kept.get(_checkpoint_step(rollback)))
         if row.step in targets:  # (a checkpoint is saved after its step's records and rollbacks)
-            kept[row.step] = _kept(monitor)
+            kept[row.step] = monitor.state_dict()
     if rows and steps is not None and rows[-1].step >= steps:
         monitor.at_end(rows[-1].step)
     return monitor
@@ -476,12 +476,6 @@ def _checkpoint_step(rollback: dict[str, Any]) -> int | None:
     name = rollback.get("checkpoint")
     step = checkpoint_step(Path(name)) if isinstance(name, str) else -1
     return step if step >= 0 else None
-
-
-def _kept(monitor: RunMonitor) -> dict[str, Any]:
-    """What a checkpoint saved at this point holds of the monitor's last loss and metrics."""
-    return {"final_loss": monitor.final_loss, "final_loss_step": monitor.final_loss_step,
-            "eval_last": dict(monitor.eval_last)}
 
 
 # ---------------------------------------------------------------------------- the plot
