@@ -404,7 +404,7 @@ def misfit(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
             if value.shape != other.shape:
                 return f"{name}: checkpoint {list(other.shape)}, model {list(value.shape)}"
             if value.dtype != other.dtype:
-                return f"{name}: checkpoint {_dtype(other)}, model {_dtype(value)}"
+                return f"{name}: checkpoint {dtype_name(other)}, model {dtype_name(value)}"
     parts = []
     for names, where in (([n for n in model if n not in saved], "of the model not in the checkpoint"),
                          ([n for n in saved if n not in model], "of the checkpoint not in the model")):
@@ -413,7 +413,8 @@ def misfit(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _dtype(tensor: torch.Tensor) -> str:
+def dtype_name(tensor: torch.Tensor) -> str:
+    """A tensor's dtype as a line says it: ``"float32"``, not ``"torch.float32"``."""
     return str(tensor.dtype).removeprefix("torch.")
 
 

@@ -959,8 +959,7 @@ def _check_model(path: Path, saved: Any, live: Mapping[str, Any], parameters: se
             shape = list(other.shape) if isinstance(other, torch.Tensor) else _show(other)
             raise refuse(f"{key} is {shape} in the checkpoint, {list(value.shape)} here")
         if isinstance(value, torch.Tensor) and other.dtype != value.dtype:  # (load_state_dict would cast it, unsaid)
-            raise refuse(f"{key} is {str(other.dtype).removeprefix('torch.')} in the checkpoint, "
-                         f"{str(value.dtype).removeprefix('torch.')} here")
+            raise refuse(f"{key} is {ckpt.dtype_name(other)} in the checkpoint, {ckpt.dtype_name(value)} here")
     if bad := ckpt.non_finite_weight({name: saved[name] for name in parameters if name in saved}):
         raise InputError(f"{path}: bad checkpoint: its model's {bad}: a run resumed from it would skip every step "
                          "(saved after its weights diverged? resume from an earlier checkpoint)")
@@ -1001,8 +1000,8 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
                                  f"{list(param.shape)}")
                 # (SGD's and AdamW's moments are in the parameter's dtype: load_state_dict casts another)
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.dtype != param.dtype:
-                    raise refuse(f"{name} of parameter {pid!r} is {str(value.dtype).removeprefix('torch.')}, the "
-                                 f"parameter {str(param.dtype).removeprefix('torch.')}")
+                    raise refuse(f"{name} of parameter {pid!r} is {ckpt.dtype_name(value)}, the parameter "
+                                 f"{ckpt.dtype_name(param)}")
                 if not _finite_scalar(value):  # (a step count of NaN: NaN bias corrections, every weight NaN)
                     number = value.item() if isinstance(value, torch.Tensor) else value
                     raise refuse(f"{name} of parameter {pid!r} is {number:g}")
