@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError, an_interrupt, counted
+from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError, an_interrupt, counted, plain_digits
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,9 +114,8 @@ def _clip(text: str) -> float:
 
 
 def _ascii(text: str) -> str:
-    """``text`` when it is ASCII, else ``ValueError``: Python's ``int`` and ``float`` read other
-    scripts' digits (``'٣'``, ``'１'``) and ``_`` (``1_000``); a number on the command line is
-    written as the run's files and its config write it. Raised as the caller's own refusal.
+    """``text`` when its number is written as the run's files and config write one
+    (:func:`~ampguard.errors.plain_digits`), else ``ValueError``, raised as the caller's own refusal.
 
     Example::
 
@@ -127,7 +126,7 @@ def _ascii(text: str) -> str:
         ...
         argparse.ArgumentTypeError: expected a whole number, got '٣'
     """
-    if not text.isascii() or "_" in text:
+    if not plain_digits(text):
         raise ValueError(text)
     return text
 

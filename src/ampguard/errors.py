@@ -168,6 +168,19 @@ def first_line(err: BaseException, with_type: bool = False) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0]}" if with_type else text.splitlines()[0]
 
 
+def plain_digits(text: str) -> bool:
+    """Whether ``text`` writes its number as the run's files and configs do: ASCII, no ``_``.
+    Python's ``int`` and ``float`` also read other scripts' digits (``'٣'``, ``'１'``) and
+    ``1_000``, which the config refuses.
+
+    Example::
+
+        >>> plain_digits("12.5"), plain_digits("1e-3"), plain_digits("\u0663"), plain_digits("1_000")
+        (True, True, False, False)
+    """
+    return text.isascii() and "_" not in text
+
+
 def has_control(text: str) -> bool:
     """Whether ``text`` holds a control character (Unicode's Cc: C0, DEL and C1, a NUL, a tab, a
     newline, NEL) or a line or paragraph separator: what would split a one-line message, a CSV

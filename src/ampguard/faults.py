@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InputError, counted
+from .errors import InputError, counted, plain_digits
 
 KINDS: tuple[str, ...] = ("inf_grad", "nan_grad", "nan_loss", "spike", "nan_input")
 SPIKE_FACTOR = 1e8
@@ -111,7 +111,7 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
     if not sep or not when:
         raise ValueError(f"fault {spec!r} needs @WHEN, e.g. {kind}@5, {kind}@every:10, {kind}@rate:0.05")
     try:
-        if not when.isascii() or "_" in when:  # (int() reads '１', '٣' and 1_000: a config writes none of them)
+        if not plain_digits(when):  # (int() reads '１', '٣' and 1_000: a config writes none of them)
             raise ValueError
         if when.startswith("every:"):
             every = int(when.removeprefix("every:"))

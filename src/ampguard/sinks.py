@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from .errors import AmpguardWarning, InputError, counted, first_line, has_control, whole_number
+from .errors import AmpguardWarning, InputError, counted, first_line, has_control, plain_digits, whole_number
 from .files import DiskFull, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
@@ -193,7 +193,7 @@ def csv_number(text: str, column: str, where: str) -> float | None:
     if text == "":
         return None
     try:
-        if not text.isascii() or "_" in text or text != text.strip():  # (float() reads '١.٥', '1_0', ' 1')
+        if not plain_digits(text) or text != text.strip():  # (float() reads '١.٥', '1_0', ' 1')
             raise ValueError(text)
         return float(text)
     except ValueError:
