@@ -21,7 +21,6 @@ from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator,
 )
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticKnownError
 
 from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, first_line, has_control
 from .faults import parse_fault
@@ -310,24 +309,29 @@ def _listed_once(values: list[str], why: str = "") -> list[str]:
     return values
 
 
-def _not_bool(value: Any) -> Any:
-    # pydantic would read true/false as 1/0; a boolean where a number belongs is a mistake
+def _number_check(value: Any) -> Any:
+    """The check before an int or float setting: a number, not a boolean and not text.
+
+    Text where a number belongs is a wrong type (DESIGN: an error that names the key): pydantic's
+    lax mode read ``steps: "2"`` as 2, ``lr: "1e-3"`` as 0.001 and ``1_000`` (text in YAML 1.2) as
+    1000 the way Python does; it read true/false as 1/0. A whole float where an int belongs
+    (``steps: 1e4``, a float in YAML 1.2) stays a number: pydantic takes it when it is whole and
+    refuses ``2.5``.
+
+    Example::
+
+        >>> validate({"steps": "2"})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: steps: expected a number, got the text '2'
+        >>> validate({"steps": 1e4}).steps
+        10000
+    """
     if isinstance(value, bool):
         raise ValueError(f"expected a number, got {str(value).lower()}")
+    if isinstance(value, str):
+        raise ValueError(f"expected a number, got the text {brief(value)}")
     return value
-
-
-def _number_check(kind: str) -> Any:
-    """The check before an int or float setting (``kind``: "int_parsing", "float_parsing"):
-    no boolean, and no text with ``_`` in it. YAML 1.2 reads ``1_000`` as text, and pydantic would
-    read that text as 1000 the way Python does; the refusal is pydantic's own, in its words."""
-
-    def check(value: Any) -> Any:
-        if isinstance(value, str) and "_" in value:
-            raise PydanticKnownError(kind)
-        return _not_bool(value)
-
-    return BeforeValidator(check)
 
 
 def _at_least(low: float, *, strict: bool = False, finite: bool = False) -> Any:
@@ -363,8 +367,8 @@ def _rate(value: float) -> float:
 
 
 HomePath = Annotated[str | None, AfterValidator(_path)]  # a path setting: ~ is the home folder, no control character
-Int = Annotated[int, _number_check("int_parsing")]
-Float = Annotated[float, _number_check("float_parsing")]
+Int = Annotated[int, BeforeValidator(_number_check)]
+Float = Annotated[float, BeforeValidator(_number_check)]
 _COUNT_CAP = AfterValidator(lambda v: _at_most(v, MAX_COUNT))
 Count = Annotated[Int, _at_least(1), _COUNT_CAP]  # a positive whole number
 Count0 = Annotated[Int, _at_least(0), _COUNT_CAP]  # zero allowed
@@ -1270,7 +1274,7 @@ def validate(data: dict[str, Any]) -> Config:
         >>> validate({"monitor": {"fail_rate": "None"}})
         Traceback (most recent call last):
         ...
-        ampguard.errors.ConfigError: config: monitor.fail_rate: Input should be a valid number, unable to parse string as a number (got 'None') (null is written null)
+        ampguard.errors.ConfigError: config: monitor.fail_rate: expected a number, got the text 'None' (null is written null)
     """
     try:
         return Config.model_validate(data)

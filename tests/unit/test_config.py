@@ -328,7 +328,8 @@ def test_a_null_written_as_none_or_nil_says_how_null_is_written(setting):
         load_config(None, [setting])
     key, _, word = setting.partition("=")
     line = str(err.value)
-    assert line.startswith(f"config: {key}: ") and f"(got {word!r}) (null is written null)" in line, line
+    assert line.startswith(f"config: {key}: ") and line.endswith(
+        (f"(got {word!r}) (null is written null)", f"got the text {word!r} (null is written null)")), line
     assert "\n" not in line
 
 
