@@ -276,6 +276,65 @@ def held_signals() -> Iterator[StopFlag]:
         raise Interrupted(flag.exit_code)
 
 
+START_STUCK_AFTER_S = 5.0
+"""How long a run's start-up has to take a stop signal up before :func:`opening` takes its main
+thread as waiting in C (far below torchrun's 30 s from its SIGTERM to its SIGKILL)."""
+
+
+@contextmanager
+def opening(on_stuck: Callable[[int], None]) -> Iterator[None]:
+    """While a run opens (its folder made, its sinks opened, its ranks agreeing on both), SIGTERM
+    unwinds it as Ctrl-C does: :class:`Interrupted` (143) is raised where the main thread is, so
+    the caller takes back what the start-up made. (SIGTERM's default ended the process at once:
+    a new run folder holding only ``config.yaml`` and ``run-id`` was left, which no resume could
+    use and no rerun could take the name of.) A main thread that waits in one C call (a start-up
+    collective whose peer died runs no Python handler) and has not moved for
+    :data:`START_STUCK_AFTER_S` after a SIGTERM or SIGINT is handed to ``on_stuck(signum)`` from a
+    watcher thread (:func:`watch_stuck`): the caller takes back what it can and ends the process.
+    A SIGTERM the process was started with ignored stays ignored.
+
+    Example::
+
+        >>> try:
+        ...     with opening(print):
+        ...         os.kill(os.getpid(), signal.SIGTERM)
+        ...         time.sleep(1)  # (the handler raises here)
+        ... except Interrupted as err:
+        ...     print(int(err.exit_code))
+        143
+    """
+    import threading
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(ExitCode.TERMINATED)
+
+    flag, previous = StopFlag(), None
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+        previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with watch_stuck(flag, lambda: START_STUCK_AFTER_S, on_stuck), Watched(flag):
+            yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def leave_now(signum: int, take_back: Callable[[], None] | None = None) -> None:
+    """End the process at once for the stop signal ``signum``, from :func:`opening`'s watcher (a
+    main thread stuck in C cannot unwind): ``take_back()`` first (what the start-up made),
+    "ampguard: interrupted", the consoles flushed, exit 130 or 143 (128 + the signal)."""
+    if take_back is not None:
+        with contextlib.suppress(Exception):
+            take_back()
+    with contextlib.suppress(Exception):
+        print("ampguard: interrupted", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(128 + int(signum))
+
+
 def reader_left() -> None:
     """stdout's reader has left (a broken pipe: ``ampguard train | head``). To a Unix tool that is
     SIGPIPE, which ends it; here it is a stop signal like the first SIGTERM: a run stops at the

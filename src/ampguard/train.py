@@ -7,6 +7,8 @@ those lines, for ``ampguard demo`` too.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 
 from . import checkpointer as ck
@@ -14,20 +16,23 @@ from . import distributed
 from .config import Config
 from .errors import ExitCode, InputError, counted
 from .run_folder import RunPaths, RunResult
-from .signals import Interrupted
+from .signals import Interrupted, leave_now, opening
 from .trainer import Trainer
 
 
 def run(config: Config, *, outputs: Callable[[], RunPaths] = RunPaths, console_every: int,
         stats_every: int | None = None, print_fn: Callable[[str], None] = print, progress: bool = False,
-        resume: ck.Resume | None = None, announce: Callable[[RunPaths], str] | None = None) -> RunResult:
+        resume: ck.Resume | None = None, announce: Callable[[RunPaths], str] | None = None,
+        take_back: Callable[[], None] | None = None) -> RunResult:
     """Train until ``config.steps`` guarded steps, writing records, events, checkpoints and (with
     a run folder) the run card and plot. The console gets a step line every ``console_every``
     steps (and every skip), a ``STATS`` line every ``stats_every`` steps, and every alert.
 
     ``outputs()`` is called once everything that can reject the input has been built; it
     creates whatever the run writes. So bad input leaves nothing behind. ``announce(paths)``,
-    when given, is the line printed once the outputs are open (the run folder's).
+    when given, is the line printed once the outputs are open (the run folder's). ``take_back()``,
+    when given, undoes what ``outputs()`` made when a stop signal ends the process while the main
+    thread waits in C in the start-up (:func:`~ampguard.signals.opening`).
 
     Example::
 
@@ -37,8 +42,10 @@ def run(config: Config, *, outputs: Callable[[], RunPaths] = RunPaths, console_e
         >>> int(result.exit_code), result.monitor.steps, result.ended
         (0, 3, 'finished: 3 steps')
     """
-    trainer = Trainer(config, outputs=outputs, console_every=console_every, stats_every=stats_every,
-                      print_fn=print_fn, progress=progress, resume=resume, announce=announce)
+    # (SIGTERM unwinds the build as Ctrl-C does; Trainer.run opens the outputs under its own)
+    with opening(functools.partial(leave_now, take_back=take_back)):
+        trainer = Trainer(config, outputs=outputs, console_every=console_every, stats_every=stats_every,
+                          print_fn=print_fn, progress=progress, resume=resume, announce=announce, take_back=take_back)
     return trainer.run()
 
 
@@ -132,17 +139,24 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
             return f"run folder: {paths.dir} (resuming from {resume.path.name}, step {resume.loaded.step})"
         return f"run folder: {paths.dir}"
 
-    every = config.log.every
-    try:
-        result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume,
-                     announce=announce)
-        distributed.barrier()  # ranks leave together, once rank 0 has written the run card
-        return finish(result)
-    except (InputError, KeyboardInterrupt, Interrupted):  # refused or stopped while opening: leave nothing
+    once = threading.Lock()  # (the start-up's stuck-watcher may take back while the main thread comes out of C)
+
+    def take_back() -> None:  # refused or stopped while opening: leave nothing
+        if not once.acquire(blocking=False):
+            return
         for paths in held:
             paths.unlock()
         if made and made[0].remove_unused():  # (only a folder that holds nothing of a run)
             print(f"run folder: {made[0].dir} removed (nothing was run)")
+
+    every = config.log.every
+    try:
+        result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume,
+                     announce=announce, take_back=take_back)
+        distributed.barrier()  # ranks leave together, once rank 0 has written the run card
+        return finish(result)
+    except (InputError, KeyboardInterrupt, Interrupted):
+        take_back()
         raise
     finally:
         for paths in held:  # the card and the last checkpoint are written: the folder is free

@@ -42,7 +42,7 @@ from .integrations.trackers import TrackerSink, check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
-from .signals import STUCK_AFTER_S, StopFlag, Watched, stop_on_signals, watch_stuck
+from .signals import STUCK_AFTER_S, StopFlag, Watched, leave_now, opening, stop_on_signals, watch_stuck
 from .files import DiskFull, disk_full_error, remove_temporaries, writing
 from .sinks import CSV_COLUMNS, ConsoleSink, CsvSink, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink
 from .step import AmpTrainState
@@ -128,8 +128,10 @@ class Trainer:
 
     def __init__(self, config: Config, *, outputs: Callable[[], RunPaths], console_every: int,
                  stats_every: int | None, print_fn: Callable[[str], None], progress: bool,
-                 resume: ck.Resume | None, announce: Callable[[RunPaths], str] | None = None) -> None:
+                 resume: ck.Resume | None, announce: Callable[[RunPaths], str] | None = None,
+                 take_back: Callable[[], None] | None = None) -> None:
         self.config, self.outputs, self.resume, self.announce = config, outputs, resume, announce
+        self.take_back = take_back  # undoes what outputs() made: a stop while opening ended the process
         self.stop_flag = StopFlag()  # run()'s, once it installs the signal handlers
         self._slowest = 0.0  # the slowest step so far (s, its agreement in): how long a stuck main thread is given
         self._handoff = threading.Lock()  # who closes the run: the main thread, or the stuck-watcher (_stuck)
@@ -302,7 +304,8 @@ class Trainer:
         """Open the outputs, train until ``config.steps`` (or a guard's stop, or Ctrl-C), save the
         last checkpoint, close: the :class:`RunResult` (and, with a run folder, its card and plot).
         """
-        self._open()
+        with opening(functools.partial(leave_now, take_back=self.take_back)):  # SIGTERM unwinds it as Ctrl-C does
+            self._open()
         first_step = self._first_step = self.state.steps
         crashed: Exception | None = None
         with stop_on_signals() as stop, (watch_stuck(stop, self._stuck_grace, functools.partial(self._stuck, stop))

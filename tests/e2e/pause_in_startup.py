@@ -8,6 +8,9 @@ Usage: ``python pause_in_startup.py MARKER PHASE ARGS...`` with PHASE one of
   before anything is written;
 - ``run_folder``: right after the new run folder was made (``RunPaths.new_run_dir`` returned),
   before the run's signal handlers are installed and its logs opened;
+- ``run_folder_in_c``: there too, but waiting in one C call that a signal does not end (a read
+  restarted after a signal, what a start-up collective whose peer died is to a SIGTERM: no Python
+  handler runs), never let go: the run's start-up watcher must end it (its grace set to 1 s here);
 - ``before_step_1``: the run is open, its signal handlers installed, its first step not begun
   (the first call of ``Trainer.train_step``).
 
@@ -30,10 +33,14 @@ PAUSE_S = 120.0
 """How long the pause waits for MARKER.go (the test writes it long before)."""
 
 
-def _pause(marker: Path, phase: str) -> None:
+def _pause_marker(marker: Path, phase: str) -> None:
     part = marker.with_name(marker.name + ".part")
     part.write_text(f"{phase} {os.getpid()}", encoding="utf-8")
     os.replace(part, marker)
+
+
+def _pause(marker: Path, phase: str) -> None:
+    _pause_marker(marker, phase)
     go, deadline = marker.with_name(marker.name + ".go"), time.monotonic() + PAUSE_S
     while not go.exists():
         if time.monotonic() > deadline:
@@ -76,6 +83,25 @@ def main(argv: list[str]) -> int:
             return paths
 
         RunPaths.new_run_dir = classmethod(made)
+    elif phase == "run_folder_in_c":
+        import ctypes
+        import signal
+
+        from ampguard import signals
+        from ampguard.run_folder import RunPaths
+
+        signals.START_STUCK_AFTER_S = 1.0
+        new_run_dir = RunPaths.new_run_dir.__func__
+        read, _ = os.pipe()  # (never written)
+
+        def made_then_stuck(cls: type, config: Any, **kwargs: Any) -> Any:
+            paths = new_run_dir(cls, config, **kwargs)
+            signal.siginterrupt(signal.SIGTERM, False)  # (SA_RESTART: the read goes on after the signal)
+            _pause_marker(marker, phase)
+            ctypes.CDLL(None).read(read, ctypes.create_string_buffer(1), 1)
+            return paths
+
+        RunPaths.new_run_dir = classmethod(made_then_stuck)
     elif phase == "before_step_1":
         from ampguard.trainer import Trainer
 

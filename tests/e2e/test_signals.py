@@ -73,6 +73,7 @@ CARD_SIGNALS = {"int": [signal.SIGINT], "int-int": [signal.SIGINT, signal.SIGINT
                 "term-int": [signal.SIGTERM, signal.SIGINT]}
 PAUSE_IN_STARTUP = HERE / "pause_in_startup.py"
 PHASES = ["torch_import", "building", "run_folder", "before_step_1"]
+TERM_PHASES = ["building", "run_folder", "run_folder_in_c"]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,11 @@ def paused(tmp_path_factory):
             cwd = tmp_path_factory.mktemp(f"startup-{phase}")
             started[phase] = (_spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, "train", *LINEAR,
                                      "--set", "steps=100000", "--set", "log.name=s"), cwd, cwd / "paused")
+        for phase in TERM_PHASES:
+            cwd = tmp_path_factory.mktemp(f"startup-term-{phase}")
+            started[f"SIGTERM-{phase}"] = (_spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, "train",
+                                                  *LINEAR, "--set", "steps=100000", "--set", "log.name=s"),
+                                           cwd, cwd / "paused")
         yield started
     finally:
         end_all(proc for proc, _, _ in started.values())
@@ -192,6 +198,30 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(paused, phase):
         assert [r["step"] for r in _rows(run / "steps.csv")] == ["1"]
         assert _card(run)["ended"] == "interrupted (Ctrl-C) after step 1"
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001.pt"]
+
+
+@pytest.mark.parametrize("phase", TERM_PHASES)
+def test_sigterm_during_start_up_exits_143_and_takes_the_new_run_folder_back(paused, phase):
+    # review_session25: SIGTERM's default ended a start-up at once (-15, no line) and left the new run
+    # folder holding config.yaml and run-id, which no resume could use and no rerun could take the name
+    # of; now it unwinds as Ctrl-C does, and a start-up waiting in C (a collective whose peer died) is
+    # ended by its watcher after the grace (1 s here), the folder taken back too
+    proc, cwd, marker = paused[f"SIGTERM-{phase}"]
+    _wait_for(marker.exists, proc)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    if phase != "run_folder_in_c":  # (that one is never let go)
+        marker.with_name("paused.go").write_text("go", encoding="utf-8")
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, out + err
+    assert err == "ampguard: interrupted\n", err
+    if phase == "building":
+        assert out == ""
+    else:
+        assert out.splitlines()[-1] == "run folder: runs/s removed (nothing was run)", out
+        if phase == "run_folder_in_c":
+            assert 1.0 <= time.monotonic() - sent < 60
+    assert not (cwd / "runs").exists()
 
 
 # ---------------------------------------------------------------------------- the console itself failing

@@ -11,7 +11,10 @@ import signal
 import threading
 import time
 
-from ampguard.signals import stop_on_signals, watch_stuck
+import pytest
+
+from ampguard import signals
+from ampguard.signals import Interrupted, opening, stop_on_signals, watch_stuck
 
 
 def _sigterm_in(seconds: float) -> threading.Timer:
@@ -89,3 +92,66 @@ def test_without_a_signal_nothing_is_watched_and_the_wakeup_fd_is_put_back():
     assert fired == [] and not stop.requested
     assert signal.set_wakeup_fd(before) == before
     assert not [t for t in threading.enumerate() if t.name == "ampguard-stuck-watch"]
+
+
+# ---------------------------------------------------------------------------- the start-up: opening()
+# review_session25: SIGTERM in a run's start-up (its folder made, its sinks opening, its ranks
+# agreeing on both) ended the process at once: the new run folder was left, holding only config.yaml
+# and run-id, which no resume could use and no rerun could take the name of. A Python handler alone
+# cannot run while the main thread waits in C (a start-up collective whose peer died).
+
+
+def _blocked_in_c(read_fd: int) -> None:
+    """Wait in one C call that a signal does not end: read() with SA_RESTART (what a collective's
+    wait is to a signal: the C-level handler runs, no Python one until the call returns)."""
+    import ctypes
+
+    signal.siginterrupt(signal.SIGTERM, False)
+    ctypes.CDLL(None).read(read_fd, ctypes.create_string_buffer(1), 1)
+
+
+def test_opening_unwinds_a_sigterm_where_python_runs_and_puts_the_handler_back(monkeypatch):
+    monkeypatch.setattr(signals, "START_STUCK_AFTER_S", 0.3)
+    before, fired = signal.getsignal(signal.SIGTERM), []
+    with pytest.raises(Interrupted) as info:
+        with opening(fired.append):
+            _sigterm_in(0.05)
+            time.sleep(5)  # (the handler raises here)
+    assert int(info.value.exit_code) == 143 and signal.getsignal(signal.SIGTERM) is before
+    time.sleep(0.5)
+    assert fired == []  # unwound: the watcher handed nothing on
+    assert not [t for t in threading.enumerate() if t.name == "ampguard-stuck-watch"]
+
+
+def test_opening_hands_a_main_thread_waiting_in_c_to_on_stuck_after_the_grace(monkeypatch):
+    monkeypatch.setattr(signals, "START_STUCK_AFTER_S", 0.4)
+    read, write = os.pipe()
+    fired = []
+
+    def on_stuck(signum):  # (a run takes back its folder and ends the process; here the wait is let go)
+        fired.append((signum, time.monotonic()))
+        os.write(write, b"x")
+
+    try:
+        with pytest.raises(Interrupted):  # (let go, the main thread runs the handler it owed)
+            with opening(on_stuck):
+                _sigterm_in(0.1)
+                sent = time.monotonic() + 0.1
+                _blocked_in_c(read)
+    finally:
+        os.close(read)
+        os.close(write)
+    assert [signum for signum, _ in fired] == [signal.SIGTERM]
+    assert 0.4 <= fired[0][1] - sent < 3
+
+
+def test_opening_leaves_an_ignored_sigterm_ignored():
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with opening(lambda signum: None):
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # (ignored: nothing raised)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
