@@ -3,12 +3,20 @@ every skipped step.
 
 **Headroom** (``monitor.headroom.every: N``; off by default). Every N-th step (``step % N == 0``)
 :class:`Headroom` puts a forward hook on every module that holds parameters of its own
-(``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, a custom module's own ``nn.Parameter``...;
-what such a module computes between its parameters, an attention's softmax for instance, shows
-in the output of that module or of the next one), a tensor hook on each output, which sees
-the gradient flowing back into it, and one on each of its own parameters, which sees their
-gradient (a weight's sums over the batch: often the largest, the one that overflows). For each
-(module, tensor: :data:`TENSORS`) it keeps, on the device:
+(``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, a custom module's own ``nn.Parameter``...),
+a tensor hook on each output, which sees the gradient flowing back into it, and one on each of
+its own parameters, which sees their gradient (a weight's sums over the batch: often the
+largest, the one that overflows). What a module computes between modules is not an output of
+any: an attention's logits ``q @ k.transpose(-2, -1)`` overflow fp16 first in a transformer, and
+the softmax after them squashes them, so nothing downstream grows with them. So the measured
+step also watches the products of the matmuls the model's own code calls (``torch.matmul``,
+``@``, ``bmm``, ``baddbmm``, ``mm``, ``einsum``: :data:`MATMULS`, seen by a
+``TorchFunctionMode``), as the ``matmul`` tensor of the innermost module whose forward computed
+them (an attention module with no parameters of its own too). A fused attention
+(``F.scaled_dot_product_attention``) keeps its logits inside its kernel (in float32 on CUDA's
+flash and memory-efficient ones): not seen. A compiled model is not watched so (the mode
+would make dynamo compile it again). For each (module, tensor: :data:`TENSORS`) it keeps, on the
+device:
 
 - ``amax``: the largest ``|value|`` (of the output, of the gradient of the output, or of the
   module's parameters' gradients), over every micro-batch of the step;
@@ -66,6 +74,7 @@ from . import distributed
 from .clipping import GradSet, grad_values
 from .errors import InputError, brief
 from .monitor import Event
+from .watch import compiled_inside
 from .records import StepRecord, format_number
 from .sinks import CsvSink
 
@@ -73,10 +82,18 @@ HEADROOM_CSV = "headroom.csv"
 """The file name of the headroom telemetry in a run folder (beside ``steps.csv``)."""
 HEADROOM_COLUMNS: tuple[str, ...] = ("step", "module", "tensor", "amax", "headroom_bits", "underflow_share")
 """``headroom.csv``'s header: one row per measured step, module and tensor (long format)."""
-TENSORS: tuple[str, ...] = ("output", "grad", "param_grad")
-"""What is measured of each module: its forward ``output``, the ``grad`` flowing back into it, and
-the gradient of its own parameters (``param_grad``: a weight's gradient sums over the batch, so it
-is often the largest, and the one that overflows)."""
+TENSORS: tuple[str, ...] = ("output", "grad", "param_grad", "matmul")
+"""What is measured of each module: its forward ``output``, the ``grad`` flowing back into it, the
+gradient of its own parameters (``param_grad``: a weight's gradient sums over the batch, so it
+is often the largest, and the one that overflows), and the products of the matmuls its forward
+calls itself (``matmul``: an attention's logits)."""
+UNSCALED: frozenset[str] = frozenset({"output", "matmul"})
+"""The tensors of the forward: no loss scale in them (the gradients carry it under fp16)."""
+MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+                     torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.mm, torch.Tensor.mm,
+                     torch.einsum})
+"""The functions whose products are the ``matmul`` tensor (``F.linear``, an ``nn.Linear``'s, is its
+``output`` already)."""
 CLEAR_MARGIN = 1.0
 """A module's alert clears once its headroom is this many bits above ``alert_bits``, so a value
 hovering at the threshold raises one alert, not one per measured step."""
@@ -170,7 +187,7 @@ def judged_bits(row: HeadroomRow, scale: float | None, alert_bits: float) -> flo
     bits = row.headroom_bits
     if math.isnan(bits):
         return None
-    if row.tensor == "output" or scale is None or not scale > 0 or scale == 1.0:
+    if row.tensor in UNSCALED or scale is None or not scale > 0 or scale == 1.0:
         return bits
     if math.isinf(bits) and bits < 0:  # overflowed scaled: unscaled headroom < log2(scale)
         return bits if math.log2(scale) <= alert_bits else None
@@ -235,6 +252,30 @@ def _installed(handles: list[RemovableHandle]) -> Iterator[None]:
             handle.remove()
 
 
+class _MatmulProbe(torch.overrides.TorchFunctionMode):
+    """Hands ``seen`` the product of each :data:`MATMULS` call made in the block (a floating one
+    with values). The mode is off inside its own handler, so ``seen``'s reductions are not seen.
+
+    Example::
+
+        >>> seen = []
+        >>> with _MatmulProbe(lambda t: seen.append(t.shape)):
+        ...     _ = torch.ones(2, 3) @ torch.ones(3, 4), torch.ones(2) + 1, torch.einsum("ij->i", torch.ones(2, 2))
+        >>> seen
+        [torch.Size([2, 4]), torch.Size([2])]
+    """
+
+    def __init__(self, seen: Callable[[torch.Tensor], None]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in MATMULS and isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+            self.seen(out)
+        return out
+
+
 class Headroom:
     """Headroom telemetry every ``every`` steps, for the modules of ``model`` (see the module
     docstring): :meth:`measuring` around a step's micro-batches, then :meth:`read` (one host read)
@@ -269,7 +310,10 @@ class Headroom:
         self.scaled_grads = scaled_grads or loss_scale is not None
         self.loss_scale = loss_scale
         self.modules = measured_modules(model)
-        self._order = {name: i for i, (name, _) in enumerate(self.modules)}
+        every_module = [(name or ROOT, m) for name, m in model.named_modules()]
+        self._order = {name: i for i, (name, _) in enumerate(every_module)}
+        self._names = {id(m): name for name, m in every_module}  # (the matmul probe's: whose forward is running)
+        self._probe = not compiled_inside(model)
         self._step: int | None = None  # the step being (or last) measured
         self._stats: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self._scale: torch.Tensor | float | None = None  # the loss scale of the step being measured
@@ -307,7 +351,29 @@ class Headroom:
                 if p.requires_grad and id(p) not in hooked:  # each backward's gradient of it, before accumulation
                     hooked.add(id(p))
                     handles.append(p.register_hook(self._param_hook(name)))
-        with _installed(handles):  # the output tensors' hooks too (an output that outlives the step keeps none)
+        with _installed(handles), (self._products(handles) if self._probe else contextlib.nullcontext()):
+            yield  # (on the way out the output tensors' hooks go too: an output that outlives the step keeps none)
+
+    @contextlib.contextmanager
+    def _products(self, handles: list[RemovableHandle]) -> Iterator[None]:
+        """The ``matmul`` tensor: every module's forward (the process's hooks, for the block)
+        noted on a stack, and a :class:`_MatmulProbe` adding the products to the innermost one."""
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        inside: list[str] = []
+
+        def enter(module: nn.Module, args: Any) -> None:
+            name = self._names.get(id(module))
+            if name is not None:
+                inside.append(name)
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            name = self._names.get(id(module))
+            if name is not None and inside and inside[-1] == name:
+                inside.pop()
+
+        handles += [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        with _MatmulProbe(lambda value: self._add(inside[-1], "matmul", value) if inside else None):
             yield
 
     def _forward_hook(self, name: str, handles: list[RemovableHandle]) -> Callable[[nn.Module, Any, Any], None]:
@@ -401,7 +467,7 @@ class Headroom:
 
     def _message(self, row: HeadroomRow, bits: float) -> str:
         scale, what = self._row_scale, f"{row.module} {row.tensor} headroom {_shown(bits, self.alert_bits)} bits"
-        if row.tensor == "output" or not self.scaled_grads:
+        if row.tensor in UNSCALED or not self.scaled_grads:
             amax = f"amax {row.amax:.4g}"
         elif scale is None or not scale > 0:
             amax = f"amax {row.amax:.4g} (the loss-scaled gradient)"

@@ -198,6 +198,10 @@ def headroom_alerts_text(run_dir: Path | None) -> str:
         >>> _ = (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\\n" for e in events))
         >>> headroom_alerts_text(folder)  # (step 31's future was trained again; step 30's alert came before its save)
         '2 (step 25: 4 output 15.4 bits; step 30: 2)'
+        >>> _ = (folder / "events.jsonl").write_text(json.dumps(
+        ...     {"step": 8, "event": "headroom_alert", "module": "2", "tensor": "output", "judged_bits": "-inf"}) + "\\n")
+        >>> headroom_alerts_text(folder)  # (an overflow: events.jsonl writes a non-finite number as its text)
+        '1 (step 8: 2 output -inf bits)'
         >>> shutil.rmtree(folder)
     """
     # (at_resume: an alert at step s is raised in step s, before its checkpoint: a resume from s keeps it)
@@ -208,6 +212,8 @@ def headroom_alerts_text(run_dir: Path | None) -> str:
 
     def said(alert: dict[str, Any]) -> str:
         bits = alert.get("judged_bits")
+        if bits in ("-inf", "inf"):  # (an overflow's, written as its text)
+            bits = float(bits)
         where = " ".join(str(alert[k]) for k in ("module", "tensor") if isinstance(alert.get(k), str))
         shown_bits = isinstance(bits, (int, float)) and not isinstance(bits, bool)
         return f"step {alert['step']}: {where}" + (f" {bits:.1f} bits" if shown_bits else "")

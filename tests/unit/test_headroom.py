@@ -442,3 +442,88 @@ def test_an_fp32_run_measures_its_headroom_against_fp16_unless_told_otherwise():
     named = build_headroom(validate({"precision": "fp32", "monitor": {"headroom": {"every": 1, "format": "fp32"}}}),
                            nn.Linear(2, 1), off)
     assert (auto.format.name, named.format.name) == ("fp16", "fp32")
+
+
+# ---------------------------------------------------------------------------- the matmul probe
+# review_session26: an attention's logits q @ k.T overflow fp16 first in a transformer, and the
+# softmax after them squashes them: every module's output kept 9-13 bits of headroom while the
+# logits were 0.17 bits from 65504, and no ALERT came before the overflow (nor at it)
+
+
+class _Attention(nn.Module):
+    """Single-head attention with no parameters of its own: its logits are no module's output."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(width, width, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.q(x) @ self.k(x).transpose(-2, -1)
+        return torch.softmax(logits, dim=-1) @ self.v(x)
+
+
+def _attention_model(gain: float) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(attn=_Attention(4), head=nn.Linear(4, 1)))
+    with torch.no_grad():
+        for lin in (model.attn.q, model.attn.k):
+            lin.weight.copy_(torch.eye(4) * gain)
+    return model
+
+
+def test_an_attentions_logits_near_overflow_alert_where_every_module_output_is_far_from_it():
+    model, x = _attention_model(gain=40.0), torch.full((1, 3, 4), 1.0)
+    headroom = Headroom(model, "fp16", every=1, alert_bits=3.0)
+    with headroom.measuring(1):
+        model(x).sum().backward()
+    rows = {(r.module, r.tensor): r for r in headroom.read(1)}
+    logits = (model.attn.q(x) @ model.attn.k(x).transpose(-2, -1)).abs().max().item()  # 4 * 40 * 40
+    assert rows[("attn", "matmul")].amax == logits == 6400.0
+    assert rows[("attn", "matmul")].headroom_bits == pytest.approx(math.log2(65504 / 6400))
+    assert all(r.headroom_bits > 9 for key, r in rows.items() if key != ("attn", "matmul"))
+    assert headroom.observe_step(1) == []  # 3.36 bits: above the line
+    headroom = Headroom(model, "fp16", every=1, alert_bits=3.0)
+    with headroom.measuring(1):
+        model(x * 2).sum().backward()  # (4 x the logits: 1.36 bits)
+    events = headroom.observe_step(1)
+    assert [(e.data["module"], e.data["tensor"]) for e in events] == [("attn", "matmul")]
+    assert "attn matmul headroom 1.4 bits < alert_bits 3 (amax 2.56e+04, fp16 max 65504)" in events[0].message
+
+
+def test_a_linears_own_product_is_its_output_not_a_matmul_row_and_the_probe_leaves_nothing_behind():
+    from torch.nn.modules import module as torch_module
+    from torch.overrides import _get_current_function_mode_stack
+
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    headroom = Headroom(model, "bf16", every=1, alert_bits=4.0)
+    pre, post = len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)
+    with pytest.raises(RuntimeError, match="boom"), headroom.measuring(1):
+        model(torch.ones(2, 2)).sum().backward()
+        assert _get_current_function_mode_stack()  # (the probe, for the measured step)
+        raise RuntimeError("boom")
+    assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == (pre, post)
+    assert not _get_current_function_mode_stack()
+    assert {r.tensor for r in headroom.read(1)} == {"output", "grad", "param_grad"}
+
+
+def test_a_matmul_is_the_innermost_modules_and_a_gradient_scale_does_not_touch_it():
+    # nested: the logits belong to attn (inside block), not to block; the fp16 loss scale is in the
+    # gradients only, so a matmul row is judged as an output is
+    from ampguard.headroom import HeadroomRow, judged_bits
+
+    block = nn.Sequential(OrderedDict(attn=_Attention(4)))
+    model = nn.Sequential(OrderedDict(block=block, head=nn.Linear(4, 1)))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.randn(2, 3, 4)).sum().backward()
+    assert [r.module for r in headroom.read(1) if r.tensor == "matmul"] == ["block.attn"]
+    assert judged_bits(HeadroomRow(1, "block.attn", "matmul", 1.0, 3.0, 0.0), 1024.0, 4.0) == 3.0
+
+
+def test_a_compiled_model_is_not_probed():
+    model = _attention_model(gain=1.0)
+    model.compile(backend="eager")
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.ones(1, 3, 4)).sum().backward()
+    assert {r.tensor for r in headroom.read(1)} == {"output", "grad", "param_grad"}
