@@ -247,6 +247,17 @@ class FaultInjector:
         """
         return any(f.kind == kind and f.hits(self.current_step) for f in self.faults)
 
+    def firing(self, step: int) -> list[str]:
+        """The specs of this rank's faults that fire at ``step``: what a finding there is, said so.
+
+        Example::
+
+            >>> FaultInjector([parse_fault("nan_loss@2"), parse_fault("inf_grad@every:2"),
+            ...                parse_fault("spike@2@rank1")]).firing(2)
+            ['nan_loss@2', 'inf_grad@every:2']
+        """
+        return [f.spec() for f in self.faults if f.hits(step)]
+
     def wrap_data(self, batches: Iterable[tuple[Any, Any]], first_step: int | None = None) -> Iterator[tuple[Any, Any]]:
         """Yield the batches, corrupting those of faulted steps (``spike``, ``nan_input``).
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
@@ -580,8 +581,10 @@ class FirstSkipDiagnosis:
         or model problem, not a precision one
     """
 
-    def __init__(self, state: AmpTrainState, model: Any, events: EventLog | None = None) -> None:
+    def __init__(self, state: AmpTrainState, model: Any, events: EventLog | None = None,
+                 injected: Callable[[int], list[str]] | None = None) -> None:
         self.state, self.model, self.events = state, model, events
+        self.injected = injected  # the faults this rank injects at a step: the replay injects them again
         self.group: list[tuple[Any, Any]] = []
         self.scale: Any = 1.0  # the loss scale the open group runs with
         self.found: str | None = None
@@ -664,6 +667,8 @@ class FirstSkipDiagnosis:
 
         result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision, float(self.scale),
                                 accumulation_steps=self.state.accumulation_steps)
+        if self.injected is not None:  # (an injected fault fires in the FP32 replay too: the finding is the fault's)
+            result.injected = self.injected(record.step)
         # under torchrun the value was born on one rank's share: each rank replays its own, and
         # the first rank that found a non-finite value is the finding of every rank
         findings = distributed.all_gather(result)

@@ -187,7 +187,8 @@ class Trainer:
         self.injector.attach(self.task.model)
         self.diagnosis = None
         if config.diagnose.first_skip or config.diagnose.strict:
-            self.diagnosis = self.state.monitors["first_skip"] = FirstSkipDiagnosis(self.state, self.task.model)
+            self.diagnosis = self.state.monitors["first_skip"] = FirstSkipDiagnosis(
+                self.state, self.task.model, injected=self.injector.firing)
         self.run_id = resume.run_id if resume is not None else None  # a new run's: made by run()
         self.checkpointer = self._checkpointer()  # its folder is set once run() opens the outputs
         self.rollbacks = Rollbacks(config, self.checkpointer, self.state, self.data, self.monitor, self.spikes)

@@ -363,6 +363,12 @@ def test_the_end_of_a_run_is_judged_once_and_only_for_a_run_that_trained_to_it(t
     # review: a run stopped at its last step (strict) has no end judgement, and report must not add one
     code, out, err, run = train("st", "--set", "steps=5", "--inject", "nan_loss@5", "--strict")
     assert code == 3 and "ALERT" not in out, out
+    # review_session26: the first-skip diagnosis replays the step with its injected fault (FP32 too) and
+    # said "a data or model problem" where locate names the fault; the console, the end and the card name it
+    said = "FP32 replay is not finite either: the injected nan_loss@5, not a precision problem"
+    assert "DIAGNOSIS 5 step 5 (non_finite_loss): first nan under " in out and said in out, out
+    assert said in [e for e in read_events(run / "events.jsonl") if e["event"] == "diagnosis"][0]["message"]
+    assert said in (run / "RUN.md").read_text(encoding="utf-8")
     assert "| skip-rate alert episodes | 0 |" in (run / "RUN.md").read_text(encoding="utf-8")
     assert "alert episodes 0," in ag("report", run, "--out", run / "again.png")[1]
     # a resume of a run that had finished trains nothing and logs its end judgement no second time
