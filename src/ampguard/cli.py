@@ -106,10 +106,10 @@ def _threads(text: str) -> int:
 
 
 def _clip(text: str) -> float:
-    """A clip threshold: a finite number >= 0 (0: off), as ``max_norm`` in a config."""
+    """A clip threshold: a finite number (0 or below: off), as ``max_norm`` in a config."""
     value = _number(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: off), got {text}")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number (0 or below: off), got {text}")
     return value
 
 
@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
     demo.add_argument("--spike", action="store_true", help="a real loss spike at step 5 (spike@5) instead of the Inf")
     demo.add_argument("--csv", type=_path, metavar="PATH", help="also write the per-step CSV here (must not exist)")
-    demo.add_argument("--max-norm", type=_number, default=1.0, help="global L2 clip threshold (0: off)")
+    demo.add_argument("--max-norm", type=_clip, default=1.0, help="global L2 clip threshold (0 or below: off)")
     demo.add_argument("--seed", type=_whole, default=0, help="seeds the data and the weights (default 0)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                       help="where it trains (default auto: CUDA when there is one)")
@@ -454,8 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive_int, default=30, help="steps per contender per round")
     bench.add_argument("--rounds", type=_positive_int, default=7,
                        help="the least number of paired rounds a case runs (default 7); more are added until every "
-                       "ratio's 95%% interval is as narrow as --resolve asks or --budget runs out (--resolve 0: "
-                       "exactly this many)")
+                       "ratio is resolved as --resolve says or --budget runs out (--resolve 0: this many, rounded up "
+                       "to whole cycles of the round orders)")
     bench.add_argument("--warmup", type=_positive_int, default=5)
     bench.add_argument("--fused", action="store_true", help="fused AdamW for every contender")
     bench.add_argument("--no-peers", action="store_true", help="leave Accelerate and Fabric out")
@@ -464,7 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "warm-up step, no A/A and no --resolve (it overrides --rounds, --steps, --warmup, --resolve)")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.add_argument("--resolve", type=_number, default=1.0, metavar="PCT",
-                       help="add rounds until every ratio's 95%% interval is within ±PCT%% (0: just --rounds)")
+                       help="add rounds until every ratio's 99%% interval (which holds the 95%% one reported) is "
+                       "within ±PCT%%, judged at the end of each whole cycle of the round orders from 8 rounds on "
+                       "(0: just --rounds, in whole cycles)")
     bench.add_argument("--budget", type=_number, default=120.0, metavar="SECONDS",
                        help="stop adding rounds to a case after this long (the table says it was not resolved)")
     bench.add_argument("--threads", type=_threads, help="CPU intra-op threads, pinned (default: the CPUs this process may run on)")

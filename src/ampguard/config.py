@@ -360,6 +360,12 @@ def _at_most_one(value: float) -> float:
     return value
 
 
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"must be a finite number (got {value!r})")
+    return value
+
+
 def _rate(value: float) -> float:
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise ValueError(f"must be in [0, 1] (got {value!r})")
@@ -1035,8 +1041,8 @@ class Config(_Section):
     precision: PrecisionName = "bf16"
     """Compute precision under autocast; fp16 adds a dynamic loss scaler; fp8 is bf16 autocast
     with torchao float8 training for the Linear layers the ``fp8`` section selects."""
-    max_norm: Amount | None = 1.0
-    """Global L2 gradient clip threshold; 0 or null disables clipping."""
+    max_norm: Annotated[Float, AfterValidator(_finite)] | None = 1.0
+    """Global L2 gradient clip threshold; 0, a negative number or null disables clipping (post = pre)."""
     accumulation_steps: Count = 1
     """Micro-batches per optimizer update."""
     steps: Count = 1000

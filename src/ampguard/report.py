@@ -264,8 +264,8 @@ def _policy_value(key: str, value: Any) -> bool:
 
     Example::
 
-        >>> [_policy_value("max_norm", v) for v in (2.0, None, "2.0", True, -1.0)]
-        [True, True, False, False, False]
+        >>> [_policy_value("max_norm", v) for v in (2.0, None, "2.0", True, -1.0, math.inf)]  # (-1: clipping off)
+        [True, True, False, False, True, False]
         >>> [_policy_value("monitor.fail_after", v) for v in (3, 3.5, 0)]
         [True, False, False]
         >>> [_policy_value("monitor.alert_rate", v) for v in (0.2, 7, None)], _policy_value("monitor.fail_rate", None)

@@ -136,6 +136,17 @@ def test_demo_spike_bf16_is_clipped_not_skipped(cli, tmp_path):
     assert {number(r["scaler_scale"]) for r in rows} == {1.0}  # bf16: no scaler
 
 
+@pytest.mark.parametrize("given", ["-1", "0"])
+def test_a_max_norm_of_zero_or_below_is_clipping_off_as_the_contract_says(cli, tmp_path, given):
+    # review_session26: DESIGN says "max_norm <= 0 or null disables clipping (post = pre)"; the config and
+    # the command line refused a negative one (exit 2) while Guard took it
+    code, out, err = cli("demo", "--spike", "--bf16", "--max-norm", given, "--csv", "off.csv")
+    assert code == 0, err
+    _, rows = read_csv(tmp_path / "off.csv")
+    assert number(rows[4]["grad_l2_pre_clip"]) > 1e3  # the spike, not clipped
+    assert all(r["grad_l2_post_clip"] == r["grad_l2_pre_clip"] for r in rows)
+
+
 def test_demo_inject_none(cli):
     code, out, err = cli("demo", "--inject", "none")
     assert code == 0, err
@@ -247,7 +258,7 @@ BAD_INPUTS = [
     ("unknown top key", ("c.yaml", "stepz: 3\n"), ["train", "c.yaml"], "stepz"),
     ("wrong type", ("c.yaml", "steps: many\n"), ["train", "c.yaml"], "steps"),
     ("section not a mapping", ("c.yaml", "optimizer: 3\n"), ["train", "c.yaml"], "optimizer"),
-    ("negative max_norm", ("c.yaml", "max_norm: -1\n"), ["train", "c.yaml"], "max_norm"),
+    ("max_norm inf", ("c.yaml", "max_norm: .inf\n"), ["train", "c.yaml"], "max_norm"),
     ("accumulation 0", ("c.yaml", "accumulation_steps: 0\n"), ["train", "c.yaml"], "accumulation_steps"),
     ("lr nan", ("c.yaml", "optimizer:\n  lr: .nan\n"), ["train", "c.yaml"], "optimizer.lr"),
     ("lr negative", ("c.yaml", "optimizer:\n  lr: -0.001\n"), ["train", "c.yaml"], "optimizer.lr"),
@@ -280,7 +291,7 @@ BAD_INPUTS = [
     ("bad --inject rate", None, ["demo", "--inject", "nan_grad@rate:1.5"], "rate:1.5"),
     ("--inject without WHEN", None, ["demo", "--inject", "spike"], "spike"),
     ("demo --steps 0", None, ["demo", "--steps", "0"], "--steps"),
-    ("demo --max-norm -1", None, ["demo", "--max-norm", "-1"], "max_norm"),
+    ("demo --max-norm nan", None, ["demo", "--max-norm", "nan"], "--max-norm"),
     ("demo --bf16 vs --precision", None, ["demo", "--bf16", "--precision", "fp32"], "--bf16"),
     ("demo --csv in a missing folder", None, ["demo", "--csv", "nowhere/d.csv"],
      "--csv nowhere/d.csv: folder nowhere does not exist"),

@@ -125,7 +125,7 @@ def test_missing_file_is_a_config_error(tmp_path):
         ({"optimizer": {"bogus": 1}}, "optimizer.bogus"),
         ({"steps": "many"}, "steps"),
         ({"steps": 2.5}, "steps"),
-        ({"max_norm": -0.1}, "max_norm"),
+        ({"max_norm": math.nan}, "max_norm"),
         ({"max_norm": math.inf}, "max_norm"),
         ({"accumulation_steps": 0}, "accumulation_steps"),
         ({"optimizer": {"lr": math.nan}}, "optimizer.lr"),
@@ -175,8 +175,9 @@ def test_booleans_are_not_numbers(data, key):
         validate(data)
 
 
-@pytest.mark.parametrize("value", [0, 0.0, None])
-def test_max_norm_zero_or_null_is_allowed(value, tmp_path):
+@pytest.mark.parametrize("value", [0, 0.0, None, -1.0, -0.1])
+def test_max_norm_zero_or_below_or_null_is_allowed(value, tmp_path):
+    # DESIGN: "max_norm <= 0 or null disables clipping (post = pre)"
     assert validate({"max_norm": value}).max_norm == value
     path = tmp_path / "c.yaml"
     path.write_text(f"max_norm: {'null' if value is None else value}\n", encoding="utf-8")
