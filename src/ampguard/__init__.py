@@ -9,6 +9,8 @@ Example::
     >>> import ampguard
     >>> ampguard.AmpTrainState.__name__, "AmpTrainState" in ampguard.__all__
     ('AmpTrainState', True)
+    >>> ampguard.AmpguardWarning.__module__, ampguard.RunMonitor.__module__  # (names the README tells users to use)
+    ('ampguard.errors', 'ampguard.monitor')
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 _WHERE = {
     "AmpTrainState": "step",
+    "AmpguardWarning": "errors",
     "BackgroundSink": "sinks",
     "ConsoleSink": "sinks",
     "CsvSink": "sinks",
@@ -28,6 +31,7 @@ _WHERE = {
     "MLflowSink": "integrations.trackers",
     "PendingStep": "records",
     "Precision": "precision",
+    "RunMonitor": "monitor",
     "Sink": "sinks",
     "SlowPrecisionWarning": "precision",
     "SkipLog": "records",

@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--train-steps", dest="train_steps", type=_positive_int, metavar="N",
                           help="also train N steps from the same state in FP32 and AMP and compare")
     validate.add_argument("--out", type=_path, metavar="DIR",
-                          help="where to write the report, a new or empty folder (default: runs/validate-<time>)")
+                          help="where to write the report, a new or empty folder (default: <log.dir>/validate-<time>, log.dir runs/ unless set)")
     validate.set_defaults(func=_validate)
 
     bench = verbs.add_parser(
