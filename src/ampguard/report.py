@@ -11,7 +11,7 @@ import functools
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -513,6 +513,7 @@ def plot_run(
     init_scale: float = 1.0,
     note: Callable[[str], None] | None = None,
     policy: Sequence[dict[str, Any]] = (),
+    events_dir: Path | None = None,
 ) -> Path:
     """Draw one PNG (1200 x 1400 px) with five panels on a shared step axis: loss, pre/post-clip
     norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
@@ -522,7 +523,8 @@ def plot_run(
     With ``headroom`` (a ``headroom.csv`` with rows), a sixth panel below (the PNG 500 px
     taller): the layer x step heatmap of :func:`headroom_panel`, each gradient judged at the loss
     scale its step ran with (the row before's ``scaler_scale``; ``init_scale`` at the run's first
-    step); a ``headroom`` that does not read leaves the heatmap out, said through ``note`` (without
+    step; after a rollback or a resume that set the scale anew, the one it set, read from the
+    ``events.jsonl`` in ``events_dir``: :func:`scale_restarts`); a ``headroom`` that does not read leaves the heatmap out, said through ``note`` (without
     one, its error is raised). The PNG carries ampguard's mark
     (:func:`plot_metadata`), so that ``report`` may draw it again (:func:`check_plot_path`).
 
@@ -574,7 +576,7 @@ def plot_run(
             shown_title = shown(title or Path(csv_path).name)
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
                   fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title, init_scale=init_scale,
-                  policy=policy)
+                  policy=policy, restarts=scale_restarts(events_dir, rows, init_scale) if heat and events_dir else None)
             # marked as ampguard's (PLOT_MARK): only a plot with the mark is ever drawn again
             fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(f"ampguard report: {shown_title}"))
             os.replace(partial, png_path)
@@ -619,7 +621,8 @@ def _linear_y(ax: Any, values: list[float], label: str) -> None:
 
 def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_norm: float | None, window: int,
           alert_rate: float, fail_rate: float | None, alert_bits: float | None, title: str,
-          init_scale: float = 1.0, policy: Sequence[dict[str, Any]] = ()) -> None:
+          init_scale: float = 1.0, policy: Sequence[dict[str, Any]] = (),
+          restarts: Mapping[int, float] | None = None) -> None:
     """:func:`plot_run`'s panels on ``axes`` (five, and the headroom heatmap with ``heat``)."""
     ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes[:5]
     steps = [r.step for r in rows]
@@ -673,7 +676,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     axes[-1].set_xlabel("step")
     whole_steps(axes[-1])
     if heat:
-        headroom_panel(fig, axes[5], heat, alert_bits, scale_at=_scale_used(rows, init_scale),
+        headroom_panel(fig, axes[5], heat, alert_bits, scale_at=_scale_used(rows, init_scale, restarts),
                        run_steps=(steps[0], steps[-1]))
 
     for reason in SKIP_REASONS:
@@ -766,8 +769,10 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
     return mesh
 
 
-def _scale_used(rows: list[Row], init_scale: float) -> Callable[[int], float | None]:
-    """The loss scale a step ran with: the scale after the step before it (the row before's
+def _scale_used(rows: list[Row], init_scale: float, restarts: Mapping[int, float] | None = None
+                ) -> Callable[[int], float | None]:
+    """The loss scale a step ran with: the one ``restarts`` names for it (:func:`scale_restarts`:
+    a rollback's or a resume's), else the scale after the step before it (the row before's
     ``scaler_scale``), ``init_scale`` for the run's first.
 
     Example::
@@ -776,11 +781,53 @@ def _scale_used(rows: list[Row], init_scale: float) -> Callable[[int], float | N
         >>> scale = _scale_used(rows, 2048.0)
         >>> scale(1), scale(2), scale(3), scale(9)
         (2048.0, 1024.0, 512.0, 512.0)
+        >>> _scale_used(rows, 2048.0, {3: 64.0})(3)  # (a resume at step 2 set scaler.init_scale 64)
+        64.0
     """
     import bisect
 
-    steps = [r.step for r in rows]
-    return lambda step: rows[i - 1].scaler_scale if (i := bisect.bisect_left(steps, step)) else init_scale
+    steps, restarts = [r.step for r in rows], dict(restarts or {})
+    return lambda step: restarts[step] if step in restarts else (
+        rows[i - 1].scaler_scale if (i := bisect.bisect_left(steps, step)) else init_scale)
+
+
+def scale_restarts(run_dir: Path, rows: list[Row], init_scale: float) -> dict[int, float]:
+    """The steps of a run whose loss scale was not the one the step before left: after a rollback
+    to the checkpoint of step c, the scale after step c (``init_scale`` for the run's start); after
+    a resume that changed ``scaler.init_scale``, the new one (:func:`_events_kept`'s events, the
+    later one deciding for a step).
+
+    Example::
+
+        >>> import json, shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> rows = [Row(s, 0.1, 1.0, 1.0, 0.5, False, "", 2.0 ** (10 + s)) for s in range(1, 7)]
+        >>> events = [{"step": 2, "event": "policy_change", "key": "scaler.init_scale", "old": 65536.0, "new": 64.0},
+        ...           {"step": 5, "event": "rollback", "checkpoint": "step-00000003.pt", "updates_undone": 2}]
+        >>> _ = (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\\n" for e in events))
+        >>> scale_restarts(folder, rows, 65536.0)
+        {3: 64.0, 6: 8192.0}
+        >>> shutil.rmtree(folder)
+    """
+    after = {r.step: r.scaler_scale for r in rows}
+    restarts: dict[int, float] = {}
+    for event in _events_kept(run_dir, lambda e: e.get("event") in ("rollback", "policy_change")):
+        step = event.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            continue
+        if event["event"] == "rollback" and (to := _checkpoint_step(event)) is not None:
+            scale = init_scale if to == 0 else after.get(to)
+        elif event.get("key") == "scaler.init_scale" and _policy_number(event.get("new")):
+            scale = float(event["new"])
+        else:
+            continue
+        if scale is not None:
+            restarts[step + 1] = scale
+    return restarts
+
+
+def _policy_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def headroom_beside(csv_path: Path) -> Path | None:
@@ -1012,7 +1059,7 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
                      headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
                      init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
                      note=lambda line: say(f"warning: {line}"),
-                     policy=policy_changes_of(paths.dir) if paths.dir is not None else ())
+                     policy=policy_changes_of(paths.dir) if paths.dir is not None else (), events_dir=paths.dir)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
         say(f"warning: could not draw {paths.plot}: {err}")
     write_run_card(paths.card, config, result)
@@ -1125,7 +1172,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
                  alert_bits=mon.headroom.alert_bits, init_scale=init_scale if scaler_on else 1.0,
                  note=lambda line: print(f"note: {line}"),
-                 policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"])  # (--max-norm: one line)
+                 policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
+                 events_dir=csv_path.parent if config_path.is_file() else None)
     for note in reading_notes(csv_path, rows, torn, csv_path.parent if config_path.is_file() else None):
         print(f"note: {note}")
     # the alerts judged under thresholds given here are not the run's: said so
