@@ -134,8 +134,11 @@ def _not_called(model: nn.Module) -> set[int]:
 
 def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[str] = ()) -> dict[str, str]:
     """Every ``nn.Linear`` of the model (by name, in module order) and what happens to it:
-    :data:`CONVERT` or why it stays in high precision. The first and last layer are those the
-    forward calls (an attention's ``out_proj`` is not called: :func:`_not_called`).
+    :data:`CONVERT` or why it stays in high precision. The first and last layer are the first and
+    last the model registers (``named_modules()``' order: the order its forward calls them in
+    most models; a model that registers its head first names that one "first") of those its
+    forward calls (an attention's ``out_proj`` is not called: :func:`_not_called`); name others
+    in ``exclude``.
 
     Example (digits' MLP: 64-64-64-10)::
 
@@ -229,8 +232,9 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
     layers = plan(model, keep_first_last=keep_first_last, exclude=exclude)
     idle = [p for p in exclude if not any(fnmatch.fnmatchcase(name, p) for name in layers)]
     if idle:  # a typo would leave the layer it meant in fp8
-        raise ValueError(f"fp8.exclude {', '.join(map(repr, idle))} matches no Linear layer of the model "
-                         f"(it has {', '.join(repr(n) for n in layers if n) or 'none'})")
+        has = ", ".join(repr(n) for n in layers if n) or ("none: it is a bare Linear, not a model that holds one"
+                                                          if "" in layers else "none")
+        raise ValueError(f"fp8.exclude {', '.join(map(repr, idle))} matches no Linear layer of the model (it has {has})")
     chosen = [name for name, what in layers.items() if what == CONVERT]
     if not chosen and not fp8_layers(model):
         why = "; ".join(f"{name or 'the model'}: {what}" for name, what in layers.items()) or "it has none"

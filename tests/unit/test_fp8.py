@@ -127,6 +127,12 @@ def test_exclude_patterns_and_keep_first_last_off():
     assert chosen == ["b0.mlp", "b1.mlp"] and fp8_layers(blocks) == chosen
 
 
+def test_an_exclude_on_a_bare_linear_says_it_is_one():
+    # review_session26: "matches no Linear layer of the model (it has none)" of a model that is one Linear
+    with pytest.raises(ValueError, match=r"it has none: it is a bare Linear, not a model that holds one\)$"):
+        convert_to_fp8(nn.Linear(64, 16), exclude=["2"])
+
+
 def test_conversion_keeps_the_parameters_so_an_earlier_optimizer_still_trains_them():
     model = mlp()
     params = list(model.parameters())
