@@ -5,7 +5,9 @@
 #   1. the CUDA tests (tests/e2e/test_cuda.py: bit for bit, one sync per step, the sync-free
 #      step, `ampguard train`'s fast path with no sync in its step, the fused tail);
 #   2. `ampguard train` on GPT-2 small (task.preset gpt2-small, bf16, compile) against the bare
-#      compiled loop: tokens/s and MFU (benchmarks/train_vs_bare.py); 2b. then on the default model;
+#      compiled loop: tokens/s and MFU (benchmarks/train_vs_bare.py: 6 paired blocks of 80 steps a
+#      run, the bare loop and `ampguard train` alternating; about 105 s on an H200, 30 of them
+#      compiling); 2b. then on the default model (6 blocks of 150 steps);
 #   3. `ampguard bench` resolved to ±1% on the tiny MLP (launch-bound), with the sync-free path,
 #      the fused tail and the installed peers; and on the nano MLP, whose CPU figures are the
 #      proxy for this one (MLP_MODELS, MLP_PRECISIONS=bf16,fp16 to add fp16);
@@ -30,11 +32,12 @@
 # the header's call gives it 180 s. Each stage's exit code is printed and summed up at the end
 # (0; a time limit: 124/137/143; bad input: 2; else a failure), and the script exits 1 when any
 # stage did not exit 0. A bench writes its JSON beside the old one and replaces it only with
-# something (a refused rerun leaves the last good JSON in place). A bench
+# whole JSON (json.load reads it: a refused rerun, or one a signal cut mid-write, leaves the last
+# good JSON in place). A bench
 # that reaches its limit still prints the whole rounds it measured (it takes timeout's SIGTERM
 # as Ctrl-C), so its JSON is complete up to there; train_vs_bare.py stops with a non-zero exit
-# when a run is cut short, rather than report it. Stage 1 runs every CUDA test (no -x) and
-# keeps the whole log.
+# when a run is cut short, rather than report it (its JSON is written whole or not at all).
+# Stage 1 runs every CUDA test (no -x) and keeps the whole log.
 #
 # The GPU image's python3 has torch but not pydantic: carry wheels in .whl (see the device
 # notes: `pip download --no-deps --only-binary=:all: ... -d .whl pydantic pydantic-core
@@ -103,8 +106,12 @@ ended() {  # ended STAGE RC: say how the stage ended, and keep it for the summar
     echo "stage $1 ended with exit $2 ($how)"
     codes+=("$1=$2")
 }
-bench_json() {  # bench_json STAGE FILE: a bench's JSON replaces FILE only when it wrote something
-    if [ -s "$2.tmp" ]; then mv -f "$2.tmp" "$2"; else rm -f "$2.tmp"; echo "stage $1 wrote no JSON; $2 left as it was"; fi
+bench_json() {  # bench_json STAGE FILE: a bench's JSON replaces FILE only when it is whole JSON
+    if "$PY" -c 'import json, sys; json.load(open(sys.argv[1]))' "$2.tmp" 2>/dev/null; then
+        mv -f "$2.tmp" "$2"
+    else
+        rm -f "$2.tmp"; echo "stage $1 wrote no JSON, or JSON cut short; $2 left as it was"
+    fi
 }
 
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv
@@ -124,7 +131,7 @@ fi
 if want 2b; then
     stage "2b. the same on the embedded default model (small, launch-bound on a GPU), eager"
     timeout -k 20 "$TRAIN2B_S" "$PY" benchmarks/train_vs_bare.py --device "$DEVICE" --model default --eager \
-        --steps 300 --every 60 --skip 60 "${quick[@]}" --out "$OUT"
+        --steps 150 --every 30 --skip 60 "${quick[@]}" --out "$OUT"
     ended 2b $?
 fi
 if want 3; then
@@ -153,7 +160,9 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
     except ValueError:
         print(path.name, "is not whole JSON (its stage's exit code is above)")
         continue
-    print(path.name, data["machine"])
+    load = data.get("load_avg")  # (1, 5, 15 minutes before the bench; above the CPUs: timings not to be trusted)
+    print(path.name, data["machine"] + (", load " + " ".join(f"{x:.2f}" for x in load) if load else "")
+          + (" (busier than its CPUs: timings not to be trusted)" if data.get("load_above_cpus") else ""))
     print("  run:", " ".join(f"{k}={v}" for k, v in (data.get("run") or {}).items()))
     for r in data["results"]:
         ratio = "" if r["ratio_to_bare"] is None else f"x{r['ratio_to_bare']:.3f}"  # (null: no bare loop ran)

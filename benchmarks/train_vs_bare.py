@@ -2,36 +2,60 @@
 
 The issue's goal: on GPT-2 small (``task.preset: gpt2-small``) in bf16 with ``compile: true`` on an
 H100/H200, ``ampguard train`` reaches >= 40% MFU and stays within 2% of the bare compiled loop's
-tokens/s. Measured in one process, one contender after another, each over the same steps of the
-same data (the charlm stream): the bare loop (``torch.compile`` of the model, fused AdamW, bf16
-autocast, ``clip_grad_norm_``, nothing logged), ``ampguard train`` on its default path (on CUDA
-the fast path), ``ampguard train`` on the exact path (``fast: false``), and the bare loop again
-(so drift over the run shows: the ratios are taken against the mean of the two bare runs).
+tokens/s. Measured in one process, over the same steps of the same data (the charlm stream): the
+bare loop (``torch.compile`` of the model, fused AdamW, bf16 autocast, ``clip_grad_norm_``, nothing
+logged) against ``ampguard train`` on its default path (on CUDA the fast path), and with
+``--exact`` ``ampguard train`` on the exact path (``fast: false``) too.
 
-Each contender's throughput is read over its steady intervals (after ``--skip`` steps, which
-pay for compiling): the bare loop synchronises at each interval's end; ``ampguard train``'s
-comes from its own STATS lines (every ``--every`` steps, wall clock, the whole loop included:
-records, the CSV, the monitors).
+Paired blocks: each of ``--blocks`` blocks runs every contender once, one after another, in the
+balanced orders of ``ampguard bench`` (:func:`ampguard.bench.balanced_orders`: bare first in one
+block, second in the next, ...; blocks are rounded up to whole cycles of those orders), and each
+contender's ratio to the bare loop is taken within its block, so drift of the machine falls on both
+alike. The figure is the median of the per-block ratios with its 95% interval from their order
+statistics (:func:`ampguard.bench.median_interval`: distribution-free; none below 6 blocks). The
+goal's verdict (met: the interval's low end >= 0.98; missed: its high end below) is given only when
+the figure resolves it: when the bare loop's own runs differ by more than the goal's 2% (most over
+least: the machine drifted or was busy), the figure is flagged as not resolved, in a line and in
+the JSON (``resolved``: false, ``unresolved_why``), and so it is without an interval or with one
+that straddles 0.98.
+
+Each run's throughput is the median of its steady intervals (after ``--skip`` steps, which pay for
+compiling): the bare loop synchronises at each interval's end; ``ampguard train``'s come from its
+own STATS lines (every ``--every`` steps, wall clock, the whole loop included: records, the CSV,
+the monitors). ``ampguard train``'s last STATS interval is reported apart (``last_interval``), not
+in its median: on the fast path the STATS line of step N is written when step N's record is read
+back, up to ``LAG`` (2) steps after it was trained, and its tokens are counted as steps start; so
+the last interval ends at the run's final drain (the GPU's end of the last step) but counts the
+tokens of up to ``LAG`` steps fewer, and reads up to ``LAG / --every`` low (on an H200 at 40 steps
+an interval: 2.5-3% below the others). The middle intervals are shifted alike at both ends.
 
     python benchmarks/train_vs_bare.py --out benchmarks/out             # GPU: GPT-2 small
     python benchmarks/train_vs_bare.py --quick --device cpu              # a dry run on a CPU
 
-Prints a table and writes ``train-vs-bare-<model>.json`` to ``--out``. A run that does not
-finish (a time limit's SIGTERM, Ctrl-C, a guard's stop) is not reported: the script stops there
-with the run's exit code.
+Prints a line per run, then the ratios, and writes ``train-vs-bare-<model>.json`` to ``--out``
+(``train-vs-bare-quick.json`` for ``--quick``, a 2 x 32 model: never over a measured result). A
+run that does not finish (a time limit's SIGTERM, Ctrl-C, a guard's stop) is not reported: the
+script stops there with the run's exit code.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+
+TOLERANCE = 0.02
+"""The goal: ``ampguard train`` within 2% of the bare compiled loop's tokens/s."""
+BARE, OURS, EXACT = "bare loop", "ampguard train", "ampguard train (fast: false)"
 
 
 def _config(args: argparse.Namespace, **extra):
@@ -48,7 +72,7 @@ def _config(args: argparse.Namespace, **extra):
                      **extra})
 
 
-def bare(args: argparse.Namespace) -> list[float]:
+def bare(args: argparse.Namespace) -> dict[str, Any]:
     """The bare compiled loop: tokens/s over each interval of ``--every`` steps after ``--skip``."""
     from ampguard.build import resolve_device
     from ampguard.precision import Precision
@@ -82,7 +106,7 @@ def bare(args: argparse.Namespace) -> list[float]:
             if since is not None:
                 rates.append(tokens / (now - since))
             since, tokens = now, 0
-    return rates
+    return {"tokens_per_s": rates, "last_interval": None, "mfu": [], "summary": None, "path": ""}
 
 
 class RunCutShort(Exception):
@@ -93,9 +117,10 @@ class RunCutShort(Exception):
         self.exit_code = exit_code
 
 
-def ampguard(args: argparse.Namespace, **extra) -> tuple[list[float], list[str], str | None, str]:
-    """``ampguard train`` in-process: tokens/s from its STATS lines after ``--skip``, and the MFU
-    and throughput it reports itself. A run that did not finish raises :class:`RunCutShort`."""
+def ampguard(args: argparse.Namespace, **extra) -> dict[str, Any]:
+    """``ampguard train`` in-process: tokens/s from its STATS lines after ``--skip`` (the last one
+    apart: the module's docstring says why), the MFU of each, and the throughput its run card
+    reports. A run that did not finish raises :class:`RunCutShort`."""
     from ampguard.errors import ExitCode
     from ampguard.run_folder import RunPaths
     from ampguard.train import run
@@ -108,71 +133,151 @@ def ampguard(args: argparse.Namespace, **extra) -> tuple[list[float], list[str],
                      stats_every=args.every, print_fn=lines.append)
     if result.exit_code != ExitCode.OK:  # (a SIGTERM inside the run is a graceful stop, not the end of us)
         raise RunCutShort(int(result.exit_code), result.ended)
-    stats = [line for line in lines if line.startswith("STATS ")]
     rates, mfus = [], []
-    for line in stats:
+    for line in (line for line in lines if line.startswith("STATS ")):
         step = int(line.split()[1])
         fields = dict(word.split("=", 1) for word in line.split() if "=" in word)
         if step > args.skip and "tokens/s" in fields:
             rates.append(float(fields["tokens/s"].replace(",", "")))
             mfus.append(fields.get("mfu", ""))
-    return rates, mfus, result.throughput, result.path
+    return {"tokens_per_s": rates[:-1], "last_interval": rates[-1] if rates else None, "mfu": mfus[:-1],
+            "summary": result.throughput, "path": result.path}
+
+
+def verdict(ratios: list[float], bare_medians: list[float], tolerance: float = TOLERANCE) -> dict[str, Any]:
+    """The figure from the per-block ratios (a contender's tokens/s over the bare loop's in the same
+    block) and the bare loop's own runs (their medians, in the order they ran): the median ratio and
+    its 95% interval, the bare runs' ``drift`` (last over first, - 1) and ``spread`` (most over
+    least, - 1), whether the figure resolves the goal (``resolved``; ``unresolved_why`` says why
+    not) and, when it does, the goal's verdict (``goal``: ``"met"`` or ``"missed"``).
+
+    Example::
+
+        >>> v = verdict([0.99, 0.995, 0.993, 0.996, 0.994, 0.992], [670e3, 671e3, 669e3, 672e3, 670e3, 671e3])
+        >>> v["ratio"], v["low"], v["high"], v["resolved"], v["goal"]
+        (0.9935, 0.99, 0.996, True, 'met')
+        >>> v = verdict([1.15, 1.2, 1.1, 1.3, 1.2, 1.25], [547.0, 10e3, 9e3, 11e3, 10e3, 10e3])
+        >>> v["resolved"], v["goal"], v["unresolved_why"][:56]
+        (False, None, "the bare loop's own runs differ by 1911.0% (most over le")
+    """
+    from ampguard.bench import median_interval
+
+    med, low, high = median_interval(ratios) if ratios else (math.nan, math.nan, math.nan)
+    known = [m for m in bare_medians if m]
+    drift = known[-1] / known[0] - 1 if len(known) > 1 else math.nan
+    spread = max(known) / min(known) - 1 if len(known) > 1 else math.nan
+    floor = 1 - tolerance
+    why = None
+    if not spread <= tolerance:  # (nan too: one bare run says nothing about the machine)
+        why = (f"the bare loop's own runs differ by {spread:.1%} (most over least), more than the goal's "
+               f"{tolerance:.0%}: the machine drifted or was busy" if not math.isnan(spread) else
+               "one bare run: nothing says whether the machine drifted")
+    elif math.isnan(low):
+        why = f"{len(ratios)} blocks give no 95% interval (6 needed)"
+    elif low < floor <= high:
+        why = f"its interval [{low:.3f}, {high:.3f}] straddles {floor:g}"
+    goal = None if why else ("met" if low >= floor else "missed")
+    return {"ratio": med, "low": low, "high": high, "ratios": ratios, "drift": drift, "spread": spread,
+            "tolerance": tolerance, "resolved": why is None, "unresolved_why": why, "goal": goal}
+
+
+def _number(v: Any) -> Any:
+    """``v`` as JSON takes it: nan as null."""
+    return None if isinstance(v, float) and math.isnan(v) else v
 
 
 def main() -> int:
+    from ampguard.bench import INTERVAL, balanced_orders
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--precision", default="bf16")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--every", type=int, default=40, help="steps per measured interval")
-    parser.add_argument("--skip", type=int, default=40, help="steps before the first measured interval")
+    parser.add_argument("--steps", type=int, default=80, help="steps a run")
+    parser.add_argument("--every", type=int, default=20, help="steps per measured interval")
+    parser.add_argument("--skip", type=int, default=20, help="steps before the first measured interval")
+    parser.add_argument("--blocks", type=int, default=6,
+                        help="paired blocks, each running every contender once (6 or more for a 95%% interval; "
+                        "rounded up to whole cycles of the orders)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--model", choices=["gpt2-small", "default"], default="gpt2-small",
                         help="GPT-2 small, or the embedded default charlm (small: launch-bound on a GPU)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
+    parser.add_argument("--exact", action="store_true", help="also ampguard train on the exact path (fast: false)")
     parser.add_argument("--quick", action="store_true", help="a tiny model (a dry run of the script)")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.quick:
         args.steps, args.every, args.skip, args.batch = 12, 4, 4, 4
-    if (args.steps - args.skip) % args.every:
-        parser.error("--steps minus --skip must be a multiple of --every")
-    print(f"train vs bare, {args.model}: {args.device} "
+    if args.steps <= args.skip or (args.steps - args.skip) % args.every or (args.steps - args.skip) // args.every < 2:
+        parser.error("--steps minus --skip must be a multiple of --every, and at least two of them (the last "
+                     "interval of ampguard train is reported apart)")
+    if args.blocks < 1:
+        parser.error("--blocks must be at least 1")
+    contenders = {BARE: lambda: bare(args), OURS: lambda: ampguard(args)}
+    if args.exact:
+        contenders[EXACT] = lambda: ampguard(args, fast=False)
+    names = list(contenders)
+    orders = balanced_orders(len(names))
+    blocks = -(-args.blocks // len(orders)) * len(orders)
+    label = "quick (2x32)" if args.quick else "gpt2-small (12x768)" if args.model == "gpt2-small" else "default (2x64)"
+    print(f"train vs bare, {label}: {args.device} "
           f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, {args.precision}, {'eager' if args.eager else 'compiled'}, batch "
-          f"{args.batch}, {args.steps} steps, intervals of {args.every} after {args.skip}", flush=True)
-    results: dict[str, dict] = {}
-    for name, fn in (("bare loop", lambda: (bare(args), [], None, "")),
-                     ("ampguard train", lambda: ampguard(args)),
-                     ("ampguard train (fast: false)", lambda: ampguard(args, fast=False)),
-                     ("bare loop (again)", lambda: (bare(args), [], None, ""))):
-        start = time.perf_counter()
-        try:
-            rates, mfus, summary, path = fn()
-        except RunCutShort as stopped:
-            print(f"train_vs_bare: {name}: the run did not finish ({stopped}); not reported, stopping here",
-                  file=sys.stderr, flush=True)
-            return stopped.exit_code or 1
-        results[name] = {"tokens_per_s": rates, "median": statistics.median(rates) if rates else None,
-                         "mfu": mfus, "summary": summary, "path": path, "wall_s": time.perf_counter() - start}
-        print(f"  {name:<30} {results[name]['median'] or float('nan'):>12,.0f} tokens/s  "
-              f"intervals {[round(r) for r in rates]}  {mfus[-1] if mfus else ''}  "
-              f"({results[name]['wall_s']:.0f} s{', ' + path if path else ''})", flush=True)
-    bare_rates = [r["median"] for k, r in results.items() if k.startswith("bare") and r["median"]]
-    bare_rate = statistics.mean(bare_rates) if bare_rates else None
-    for name, r in results.items():
-        r["ratio_to_bare"] = r["median"] / bare_rate if r["median"] and bare_rate else None
-        ratio = "no ratio" if r["ratio_to_bare"] is None else f"x{r['ratio_to_bare']:.3f}"  # (no interval measured)
-        print(f"  {name:<30} {ratio} of the bare loop's tokens/s"
-              + (f"; run card: {r['summary']}" if r["summary"] else ""), flush=True)
-    first, again = results["bare loop"]["median"], results["bare loop (again)"]["median"]
-    drift = again / first - 1 if first and again else None
-    print(f"  drift between the two bare runs: {'n/a' if drift is None else f'{drift:+.1%}'}", flush=True)
+          f"{args.batch}, {args.steps} steps a run, intervals of {args.every} after {args.skip}; "
+          f"{blocks} paired blocks of {', '.join(names)}", flush=True)
+    if blocks != args.blocks:
+        print(f"  {blocks} blocks, not {args.blocks}: whole cycles of the {len(orders)} orders (each contender "
+              "in each place alike)", flush=True)
+    runs: list[dict[str, dict[str, Any]]] = []  # per block: each contender's run
+    for block in range(blocks):
+        order = [names[i] for i in orders[block % len(orders)]]
+        runs.append({})
+        for name in order:
+            start = time.perf_counter()
+            try:
+                run = contenders[name]()
+            except RunCutShort as stopped:
+                print(f"train_vs_bare: {name}: the run did not finish ({stopped}); not reported, stopping here",
+                      file=sys.stderr, flush=True)
+                return stopped.exit_code or 1
+            rates = run["tokens_per_s"]
+            run.update(median=statistics.median(rates) if rates else None, wall_s=time.perf_counter() - start,
+                       position=order.index(name))
+            runs[-1][name] = run
+            last = "" if run["last_interval"] is None else f" last interval {run['last_interval']:,.0f} kept apart"
+            print(f"  block {block + 1}/{blocks}  {name:<30} {run['median'] or math.nan:>12,.0f} tokens/s  "
+                  f"intervals {[round(r) for r in rates]}{last}  {run['mfu'][-1] if run['mfu'] else ''}  "
+                  f"({run['wall_s']:.0f} s{', ' + run['path'] if run['path'] else ''})", flush=True)
+    bare_medians = [b[BARE]["median"] for b in runs]
+    results = {}
+    for name in names[1:]:
+        ratios = [b[name]["median"] / b[BARE]["median"] for b in runs if b[name]["median"] and b[BARE]["median"]]
+        results[name] = verdict(ratios, bare_medians)
+        r = results[name]
+        interval = "no interval" if math.isnan(r["low"]) else f"[{r['low']:.3f}, {r['high']:.3f}]"
+        cards = [b[name]["summary"] for b in runs if b[name]["summary"]]
+        print(f"  {name:<30} x{r['ratio']:.3f} {interval} of the bare loop's tokens/s (median of {len(ratios)} "
+              f"paired blocks, 95%)" + (f"; last run card: {cards[-1]}" if cards else ""), flush=True)
+    ours = results[OURS]
+    print(f"  the bare loop's own runs: drift {ours['drift']:+.1%} (last over first), spread {ours['spread']:.1%} "
+          "(most over least)", flush=True)
+    if ours["resolved"]:
+        print(f"  goal (within {TOLERANCE:.0%} of the bare loop's tokens/s): {ours['goal']}", flush=True)
+    else:
+        print(f"  NOT RESOLVED: the figure cannot tell the goal (within {TOLERANCE:.0%}): {ours['unresolved_why']}",
+              flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"train-vs-bare-{args.model}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                                 "results": results, "drift": drift}, indent=1))
+        path = args.out / f"train-vs-bare-{'quick' if args.quick else args.model}.json"
+        data = {"args": {k: str(v) for k, v in vars(args).items()}, "label": label, "blocks": runs,
+                "results": {k: {f: _number(v) for f, v in r.items()} for k, r in results.items()},
+                "interval": INTERVAL, "confidence": 0.95, "tolerance": TOLERANCE, "resolved": ours["resolved"],
+                "unresolved_why": ours["unresolved_why"], "goal": ours["goal"],
+                "drift": _number(ours["drift"]), "spread": _number(ours["spread"])}
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps(data, indent=1))
+        os.replace(part, path)  # (whole or not at all: a time limit's SIGTERM mid-write leaves the last one)
     return 0
 
 

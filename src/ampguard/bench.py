@@ -10,8 +10,9 @@ other load) falls on all of them alike, and each contender's ratio to the bare l
 *within* the round. The rounds' orders are a balanced (Williams) design: every contender runs
 right after every other one equally often, since what ran before a contender warms or
 evicts the caches it runs from; each round's first contender runs one untimed step right before
-its timed ones, so across rounds too every contender runs right after itself equally often. The
-figure is the median of those per-round ratios with its 95% interval from the order statistics
+its timed ones, so across rounds too every contender runs right after itself equally often;
+fixed rounds (no ``resolve``) run whole cycles of those orders, every contender in every place
+alike. The figure is the median of those per-round ratios with its 95% interval from the order statistics
 (distribution-free); with ``resolve`` rounds are added until every 99% interval, which holds the
 reported one, reaches no farther than ``± resolve`` (or the time budget runs out, and the lines
 under the table say so). On CUDA each contender's steps are timed with CUDA events.
@@ -562,10 +563,12 @@ class Result:
 
     ``ratio_to_bare`` is the median over rounds of this contender's ms/step divided by the bare
     loop's in the same round (above 1: slower; the bare loop's own is 1, with no interval, beside
-    others); ``ratio_low``/``ratio_high`` its 95% interval (:func:`median_interval`; none below 6
+    others; its ``ratios`` are its times over its own median, the spread of its rounds);
+    ``ratio_low``/``ratio_high`` its 95% interval (:func:`median_interval`; none below 6
     rounds; inside the 99% one the stop rule decided on); ``stop`` why the rounds ended,
     one of: ``"resolved"`` (every interval within ``± resolve``), ``"budget"`` (time ran out
-    first), ``"max rounds"``, ``"fixed"`` (no ``resolve`` asked), :data:`INTERRUPTED` or
+    first), ``"max rounds"``, ``"fixed"`` (no ``resolve`` asked: whole cycles of the round orders,
+    :func:`measure`), :data:`INTERRUPTED` or
     :data:`ERROR`. Code decides on ``stop`` alone; ``stop_detail`` is the words for a person
     (for an error, ``"RuntimeError: CUDA out of memory. ... (bare loop, round 3)"``; ``None``
     for the other stops).
@@ -810,7 +813,7 @@ _NO_KERNEL = frozenset({"_record_function_enter_new", "_record_function_exit", "
 
 def balanced_orders(n: int) -> list[list[int]]:
     """The orders rounds run ``n`` contenders in: a Williams design, ``n`` orders (``2n`` for
-    an odd ``n``) in which every contender runs right after every other one equally often.
+    an odd ``n`` above 1) in which every contender runs right after every other one equally often.
     A contender's time depends on what ran before it (the caches it finds warm): in a plain
     rotation each one always follows the same neighbour, and an A/A copy of the bare loop,
     always right after the bare loop, read 1-2% faster than it in every run.
@@ -831,7 +834,7 @@ def balanced_orders(n: int) -> list[list[int]]:
             first.append(high)
             high -= 1
     orders = [[(x + shift) % n for x in first] for shift in range(n)]
-    return orders + [order[::-1] for order in orders] if n % 2 else orders
+    return orders + [order[::-1] for order in orders] if n % 2 and n > 1 else orders
 
 
 def _ratios(times: dict[str, list[float]], name: str) -> list[float]:
@@ -904,6 +907,7 @@ def measure(
     *, steps: int, rounds: int, warmup: int, fused: bool, peak_flops: float | None = None,
     resolve: float | None = None, budget_s: float | None = None, max_rounds: int = MAX_ROUNDS,
     orders: Callable[[int], list[list[int]]] = balanced_orders, left_out: list[NotRun] | None = None,
+    whole_cycles: bool = True,
 ) -> list[Result]:
     """Paired rounds: in each round every contender runs ``steps`` steps, back to back, in
     the orders of :func:`balanced_orders` (``orders``); the ratio to the bare loop is taken
@@ -912,7 +916,10 @@ def measure(
     contender of one round would otherwise precede the first of the next (for three
     contenders, sometimes itself).
 
-    ``rounds`` is the least number of rounds. With ``resolve`` (0.01 is ``± 1%``) rounds are
+    ``rounds`` is the least number of rounds. Without ``resolve`` it is rounded up to whole
+    cycles of the orders (``whole_cycles``, with a line saying so; ``--quick`` leaves it as
+    given): a run cut inside a cycle has some contenders in the first place more often than
+    others, and a contender's time depends on its place. With ``resolve`` (0.01 is ``± 1%``) rounds are
     added until every contender's ratio interval is within ``± resolve``, ``budget_s`` seconds
     of rounds have passed, or ``max_rounds`` were run; each result's ``stop`` says which. A
     case is called resolved only at the end of a whole cycle of the orders (``n`` rounds for
@@ -978,7 +985,12 @@ def measure(
         print(f"  {case}: no contender could run, nothing measured")
         return []
     timed = [r.contender for r in ready]
-    ran = _run_rounds(timed, device, case, steps=steps, orders=orders(len(timed)), rounds=rounds, resolve=resolve,
+    cycle = orders(len(timed))
+    if resolve is None and whole_cycles and rounds % len(cycle):
+        asked, rounds = rounds, -(-rounds // len(cycle)) * len(cycle)
+        print(f"  {case}: {rounds} rounds, not {asked}: fixed rounds run whole cycles of the {len(cycle)} round "
+              "orders (every contender in every place alike)", flush=True)
+    ran = _run_rounds(timed, device, case, steps=steps, orders=cycle, rounds=rounds, resolve=resolve,
                       budget_s=budget_s, max_rounds=max_rounds)
     for c in timed:
         # after a failed step a contender may be in any state: its files and threads go, whatever
@@ -1427,18 +1439,19 @@ def run_bench(
     *, device: torch.device, workloads: list[str], precisions: list[str], steps: int, rounds: int,
     warmup: int, peers: bool = True, fused: bool = False, peak_tflops: float | None = None,
     resolve: float | None = None, budget_s: float | None = None, aa: bool = False, compiled: bool = False,
-    left_out: list[NotRun] | None = None,
+    left_out: list[NotRun] | None = None, whole_cycles: bool = True,
 ) -> list[Result]:
     """Every workload x precision, measured with the bare loop (and its A/A twin with ``aa``),
     the guarded step (and its sync-free path with ``fused``) and the installed peers. fp16 on a
     CPU runs only the :data:`SMALL` models (the mlp and nano MLPs). fp8 converts the model
     (:func:`fp8_workload`; the peers are left out); ``compiled`` runs every model through
     ``torch.compile`` (:func:`compiled_workload`), as torchao's float8 needs to be fast.
+    ``whole_cycles``: fixed rounds rounded up to whole cycles of the orders (:func:`measure`).
 
     Example::
 
         >>> results = run_bench(device=torch.device("cpu"), workloads=["mlp"], precisions=["fp32"], steps=1,
-        ...                     rounds=1, warmup=1, peers=False)
+        ...                     rounds=2, warmup=1, peers=False)
         tiny-mlp fp32: bare loop, ampguard + csv
         >>> [(r.workload, r.precision, r.contender) for r in results]
         [('tiny-mlp', 'fp32', 'bare loop'), ('tiny-mlp', 'fp32', 'ampguard + csv')]
@@ -1464,7 +1477,8 @@ def run_bench(
                 print(f"{w.name} {p}: {', '.join(c.name for c in run_c)}", flush=True)
                 results += measure(run_w, Precision(p, device.type), device, run_c, steps=steps, rounds=rounds,
                                    warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None,
-                                   resolve=resolve, budget_s=budget_s, left_out=left_out)
+                                   resolve=resolve, budget_s=budget_s, left_out=left_out,
+                                   whole_cycles=whole_cycles)
                 if results and results[-1].stop == INTERRUPTED:  # (measure() kept its whole rounds)
                     return results
     except KeyboardInterrupt:  # outside a case's rounds (building, warming up): the cases measured before
@@ -1552,23 +1566,31 @@ def json_number(v: Any) -> Any:
 
 
 def to_json(results: list[Result], resolve: float | None = None, settings: dict[str, Any] | None = None,
-            device: torch.device | None = None, not_run: list[NotRun] = ()) -> str:
+            device: torch.device | None = None, not_run: list[NotRun] = (),
+            load: Sequence[float] | None = None) -> str:
     """The machine, the run's settings, the resolution asked and every result as JSON
-    (``ampguard bench --json``): per contender its per-round times and ratios, its place in each
+    (``ampguard bench --json``): per contender its per-round times and ratios (``ratios``: its
+    time over the bare loop's in each round; on the bare loop's own row, which has no other bare
+    loop to divide by, its time over its own median: the spread of its rounds), its place in each
     round's order (``positions``, 0: it ran first; an order effect shows there), the seconds its
     case's rounds took (``case_s``), the median ratio, its interval and half-width, and why the
     rounds stopped (``stop``, with ``stop_detail``: an
     error's contender, round and message; ``null`` for the other stops). Not-a-number (no bare loop to
     compare with) is written ``null``. ``threads`` is the pinned CPU thread count (``null`` on
     CUDA, where nothing is pinned). ``not_run``: each case or contender left out, and why
-    (:class:`NotRun`; ``contender`` null for a whole case).
+    (:class:`NotRun`; ``contender`` null for a whole case). ``load_avg``: the system's load over
+    1, 5 and 15 minutes before the bench (``load``; null where unknown), and ``load_above_cpus``
+    whether the first was above the CPUs this process may use (other work shared the cores: the
+    timings are not to be trusted).
 
     Example::
 
         >>> data = json.loads(to_json([Result("tiny-mlp", "fp32", "bare loop", 0.5, 0.4, rounds=[0.5])],
         ...                           settings={"steps": 3}))
-        >>> sorted(data), data["results"][0]["median_ms"], data["results"][0]["rounds"]
-        (['machine', 'not_run', 'resolve', 'results', 'run', 'threads', 'versus'], 0.5, [0.5])
+        >>> sorted(data)  # doctest: +NORMALIZE_WHITESPACE
+        ['load_above_cpus', 'load_avg', 'machine', 'not_run', 'resolve', 'results', 'run', 'threads', 'versus']
+        >>> data["results"][0]["median_ms"], data["results"][0]["rounds"], data["load_avg"]
+        (0.5, [0.5], None)
         >>> [data["results"][0][k] for k in ("ratio_low", "half_width", "stop", "stop_detail")]
         [None, None, 'fixed', None]
         >>> data["run"]["steps"], data["run"]["confidence"], data["run"]["decide_confidence"], data["versus"]
@@ -1579,7 +1601,8 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
     run = {**(settings or {}), "confidence": CONFIDENCE, "decide_confidence": DECIDE_CONFIDENCE, "interval": INTERVAL,
            "min_rounds_to_resolve": MIN_ROUNDS_TO_RESOLVE, "max_rounds": MAX_ROUNDS}
     threads = None if device is not None and device.type == "cuda" else torch.get_num_threads()
-    return json.dumps({"machine": machine(device), "threads": threads, "resolve": resolve, "run": run,
+    return json.dumps({"machine": machine(device), "load_avg": None if load is None else list(load),
+                       "load_above_cpus": _busy(load), "threads": threads, "resolve": resolve, "run": run,
                        "results": rows, "versus": [{k: json_number(v) for k, v in pair.items()} for pair in versus(results)],
                        "not_run": [asdict(n) for n in not_run]}, indent=2)
 
@@ -1628,8 +1651,11 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     :class:`~ampguard.signals.Interrupted` (130 or 143).
 
     At least ``rounds`` paired rounds per case, then more until every ratio is resolved to
-    ``± resolve_pct`` percent (0: exactly ``rounds``) or ``budget_s`` seconds of rounds have
-    passed. On a CPU the intra-op threads are pinned (``threads``, default the CPUs this process may
+    ``± resolve_pct`` percent (0: ``rounds``, rounded up to whole cycles of the round orders
+    unless ``quick``) or ``budget_s`` seconds of rounds have passed. The header gives the
+    machine's load before the bench (and a warning on stderr when it is above the usable CPUs:
+    other work shares the cores); from the end of the rounds to the end of the output a SIGINT or
+    SIGTERM waits (:func:`~ampguard.signals.held_signals`), so the JSON is never cut short. On a CPU the intra-op threads are pinned (``threads``, default the CPUs this process may
     run on: its affinity mask, not the host's count).
     ``compiled`` runs every model through ``torch.compile`` (from Python, e.g.
     ``benchmarks/gpu/fp8_vs_bf16.sh``; fp8 is fast only compiled). (``--processes``: the whole
@@ -1661,15 +1687,16 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     """
     from .build import resolve_device
     from .errors import ExitCode, InputError
-    from .signals import Interrupted
+    from .signals import Interrupted, held_signals
 
     where = resolve_device(device)
     workloads, names = models.split(","), precisions.split(",")
     _check_args(where, workloads, names, peak_tflops=peak_tflops, resolve_pct=resolve_pct, budget_s=budget_s,
-                threads=threads)
+                threads=threads, quick=quick)
     if quick:
         steps, rounds, warmup, resolve_pct, aa = 3, 2, 1, 0.0, False
     resolve = resolve_pct / 100 if resolve_pct > 0 else None
+    load = _load()  # before the bench adds its own threads to it
     # pinned, so no round runs with another thread count than the next (the CPUs this process may
     # use, not the host's); the caller's count back after (a notebook's, a test's)
     with pinned_threads((threads or _usable_cpus()) if where.type == "cpu" else None):
@@ -1680,43 +1707,90 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
             threads_said += f" on {counted(_usable_cpus(), 'usable CPU')} (oversubscribed: the threads share cores)"
         import sys
 
-        # with --json, stdout is the JSON alone: the progress lines go to stderr; SIGTERM (what `timeout`
-        # and schedulers send) interrupts as Ctrl-C does: a bench cut by a time limit prints its whole rounds
-        with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext(), \
-                interrupted_by(signal.SIGTERM) as signalled:
-            least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
-            print(f"ampguard bench on {where} ({machine(where)}{threads_said}): {least}{counted(rounds, 'round')} x "
-                  f"{counted(steps, 'step')}, paired, {until}", flush=True)
-            if quick:
-                print("--quick: a smoke test that every contender runs, not a measurement (its ratios are noise; no "
-                      "interval below 6 rounds)", flush=True)
-            for note in _long_on(where, workloads):
-                print(note, flush=True)
-            left_out: list[NotRun] = []  # the "not run" lines, for --json too
-            try:
-                results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps, rounds=rounds,
-                                    warmup=warmup, peers=peers, fused=fused, peak_tflops=peak_tflops, resolve=resolve,
-                                    budget_s=budget_s, aa=aa, compiled=compiled, left_out=left_out)
-            except BenchInterrupted as stopped:
-                results = stopped.results
-                if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
-                    raise Interrupted(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED) from None
-        interrupted = bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
-        if interrupted:
-            print("bench: interrupted; the rounds measured so far follow", file=sys.stderr, flush=True)
-        if not results:
-            raise InputError(f"bench: no contender could run {models} in {precisions} on {where} "
-                             "(why: the lines above)")
-        settings = {"device": str(where), "models": workloads, "precisions": names, "steps": steps,
-                    "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
-                    "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa, "compiled": compiled,
-                    "quick": quick}
-        print(to_json(results, resolve, settings, where, left_out) if as_json else
-              "\n".join([table(results), *resolution(results, resolve), *versus_lines(results), *speedups(results)]),
-              flush=True)
+        # SIGTERM (what `timeout` and schedulers send) interrupts as Ctrl-C does: a bench cut by a time
+        # limit prints its whole rounds; with --json, stdout is the JSON alone: the progress lines go to stderr
+        with interrupted_by(signal.SIGTERM) as signalled:
+            with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+                least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
+                print(f"ampguard bench on {where} ({machine(where)}{_load_text(load)}{threads_said}): {least}"
+                      f"{counted(rounds, 'round')} x {counted(steps, 'step')}, paired, {until}", flush=True)
+                if _busy(load):
+                    cpus = counted(_usable_cpus(), "usable CPU")
+                    print(f"warning: the 1-minute load ({load[0]:.2f}) is above the {cpus}: other work shares the "
+                          "cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
+                if quick:
+                    print("--quick: a smoke test that every contender runs, not a measurement (its ratios are noise; "
+                          "no interval below 6 rounds)", flush=True)
+                for note in _long_on(where, workloads):
+                    print(note, flush=True)
+                left_out: list[NotRun] = []  # the "not run" lines, for --json too
+                try:
+                    results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps,
+                                        rounds=rounds, warmup=warmup, peers=peers, fused=fused,
+                                        peak_tflops=peak_tflops, resolve=resolve, budget_s=budget_s, aa=aa,
+                                        compiled=compiled, left_out=left_out, whole_cycles=not quick)
+                except BenchInterrupted as stopped:
+                    results = stopped.results
+                    if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
+                        raise Interrupted(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED) from None
+            # from here a signal waits until the output is whole, then exits 143 or 130 (SIGTERM's default
+            # cut the JSON short: a time limit left half a file where the last good one had been)
+            with held_signals():
+                interrupted = bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
+                if interrupted:
+                    print("bench: interrupted; the rounds measured so far follow", file=sys.stderr, flush=True)
+                if not results:
+                    raise InputError(f"bench: no contender could run {models} in {precisions} on {where} "
+                                     "(why: the lines above)")
+                settings = {"device": str(where), "models": workloads, "precisions": names, "steps": steps,
+                            "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
+                            "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa,
+                            "compiled": compiled, "quick": quick}
+                print(to_json(results, resolve, settings, where, left_out, load) if as_json else
+                      "\n".join([table(results), *resolution(results, resolve), *versus_lines(results),
+                                 *speedups(results)]), flush=True)
         if interrupted:
             return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
         return 0
+
+
+def _load() -> tuple[float, float, float] | None:
+    """The system's load average over 1, 5 and 15 minutes (``os.getloadavg``); ``None`` where
+    there is none (Windows).
+
+    Example::
+
+        >>> load = _load()
+        >>> load is None or (len(load) == 3 and all(x >= 0 for x in load))
+        True
+    """
+    try:
+        return os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+
+
+def _load_text(load: Sequence[float] | None) -> str:
+    """The load for the header: ``", load 1.93 1.20 0.85"`` (1, 5, 15 minutes), or nothing.
+
+    Example::
+
+        >>> _load_text((1.934, 1.2, 0.85)), _load_text(None)
+        (', load 1.93 1.20 0.85', '')
+    """
+    return "" if load is None else ", load " + " ".join(f"{x:.2f}" for x in load)
+
+
+def _busy(load: Sequence[float] | None) -> bool:
+    """Whether the 1-minute load is above the CPUs this process may use: other work then takes
+    turns on the cores with the bench's threads, and its timings measure that too.
+
+    Example::
+
+        >>> _busy((_usable_cpus() + 0.5, 0.0, 0.0)), _busy((0.0, 0.0, 0.0)), _busy(None)
+        (True, False, False)
+    """
+    return load is not None and load[0] > _usable_cpus()
 
 
 def _long_on(where: torch.device, workloads: Sequence[str]) -> list[str]:
@@ -1738,13 +1812,13 @@ def _long_on(where: torch.device, workloads: Sequence[str]) -> list[str]:
 
 
 def _check_args(where: torch.device, workloads: list[str], names: list[str], *, peak_tflops: float | None,
-                resolve_pct: float, budget_s: float, threads: int | None) -> None:
+                resolve_pct: float, budget_s: float, threads: int | None, quick: bool = False) -> None:
     """Refuse, as one :class:`~ampguard.errors.InputError` line, what :func:`run` cannot measure:
     an unknown or repeated model or precision (a repeat would run the case twice), a
     ``--peak-tflops`` that is not a finite number > 0, ``--resolve`` or ``--budget`` not a
     finite number >= 0, a ``--resolve`` of 100% or more or one with ``--budget 0`` (no time to
-    resolve in), ``--threads`` below 1, or fp16 alone on a CPU with none of the :data:`SMALL`
-    models.
+    resolve in; not with ``quick``, which resolves nothing and ignores the budget), ``--threads``
+    below 1, or fp16 alone on a CPU with none of the :data:`SMALL` models.
 
     Example::
 
@@ -1754,6 +1828,8 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
         Traceback (most recent call last):
         ...
         ampguard.errors.InputError: bench: --peak-tflops must be a finite number > 0, got 0
+        >>> _check_args(cpu, ["mlp"], ["fp32"], peak_tflops=None, resolve_pct=1.0, budget_s=0.0, threads=None,
+        ...             quick=True)  # (--quick resolves nothing: no budget needed)
     """
     from .errors import InputError
 
@@ -1773,7 +1849,7 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
             raise InputError(f"bench: {flag} must be a finite number >= 0, got {value:g}")
     if resolve_pct >= 100:  # (a ratio known to ±100% is not known)
         raise InputError(f"bench: --resolve is a percentage below 100 (1 is ±1%), got {resolve_pct:g}")
-    if resolve_pct > 0 and budget_s == 0:
+    if resolve_pct > 0 and budget_s == 0 and not quick:
         raise InputError("bench: --budget 0 leaves no time to add rounds until resolved: give --resolve 0 to run "
                          "exactly --rounds")
     if threads is not None and threads < 1:

@@ -264,9 +264,15 @@ def test_bench_help_says_what_rounds_does(capsys):
         main(["bench", "--help"])
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
+    # (review 26 #3: both said the 95% interval decides; the rule decides on the 99% one, from 8
+    # rounds, at the end of a whole cycle of the orders; and fixed rounds run whole cycles)
     assert ("--rounds ROUNDS the least number of paired rounds a case runs (default 7); more are added until every "
-            "ratio's 95% interval is as narrow as --resolve asks or --budget runs out (--resolve 0: exactly this "
-            "many)") in text
+            "ratio is resolved as --resolve says or --budget runs out (--resolve 0: this many, rounded up to whole "
+            "cycles of the round orders)") in text
+    assert ("--resolve PCT add rounds until every ratio's 99% interval (which holds the 95% one reported) is within "
+            "±PCT%, judged at the end of each whole cycle of the round orders from 8 rounds on (0: just --rounds, in "
+            "whole cycles)") in text
+    assert "95% interval is within" not in text and "95% interval is as narrow" not in text
 
 
 def test_lightnings_precision_banner_stays_out_of_the_bench_output(capfd, caplog):
