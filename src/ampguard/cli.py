@@ -667,7 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             held.release()
             print("ampguard: interrupted", file=sys.stderr)
             _handled_keyboard_interrupt()
-            return ExitCode.INTERRUPTED
+            # (a start-up SIGTERM that Python wrapped on its way out: its own code)
+            return err.__cause__.exit_code if isinstance(err.__cause__, Interrupted) else ExitCode.INTERRUPTED
         except BrokenPipeError:  # a write past the console's guard: the reader left, as SIGPIPE says
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return ExitCode.BROKEN_PIPE

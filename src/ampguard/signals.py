@@ -244,8 +244,11 @@ def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[
         os.close(write)
 
 
-class Interrupted(Exception):
-    """A stop signal arrived while nothing could be stopped cleanly (start-up): exit with ``exit_code``."""
+class Interrupted(KeyboardInterrupt):
+    """A stop signal arrived while nothing could be stopped cleanly (start-up): exit with ``exit_code``.
+    A ``KeyboardInterrupt``, as Ctrl-C's is, so that no ``except Exception`` takes it (a factory's
+    fallback, a tracker's start-up went on training after a SIGTERM) and the user-code wrappers
+    pass it on (:func:`~ampguard.errors.an_interrupt`) instead of calling it bad input."""
 
     def __init__(self, exit_code: ExitCode) -> None:
         super().__init__(f"interrupted ({_NAMES.get(exit_code, 'Ctrl-C')})")
@@ -308,16 +311,16 @@ def opening(on_stuck: Callable[[int], None]) -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         raise Interrupted(ExitCode.TERMINATED)
 
-    flag, previous = StopFlag(), None
+    flag, installed, previous = StopFlag(), False, None
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous, installed = signal.signal(signal.SIGTERM, handler), True
     try:
         with watch_stuck(flag, lambda: START_STUCK_AFTER_S, on_stuck), Watched(flag):
             yield
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if installed:  # (a handler set outside Python reads as None: the default is what can be put back)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def leave_now(signum: int, take_back: Callable[[], None] | None = None) -> None:

@@ -224,6 +224,38 @@ def test_sigterm_during_start_up_exits_143_and_takes_the_new_run_folder_back(pau
     assert not (cwd / "runs").exists()
 
 
+SWALLOWING_FACTORY = '''
+import pathlib
+import time
+
+import torch
+from torch import nn
+
+
+def build(config):
+    pathlib.Path("building").write_text("x")
+    try:  # (a factory's fallback: "if the download fails, use the cached copy")
+        time.sleep(120)
+    except Exception:
+        pass
+    return nn.Linear(3, 1), [(torch.randn(4, 3), torch.randn(4, 1))] * 4, nn.functional.mse_loss
+'''
+
+
+def test_a_sigterm_in_the_users_factory_is_neither_bad_input_nor_swallowed(tmp_path):
+    # review_session26: the start-up's SIGTERM was an Exception: the factory's wrapper called it bad input
+    # (exit 2, "task.factory ... raised Interrupted"), and a factory's `except Exception` swallowed it and
+    # the run trained to its end (exit 0)
+    (tmp_path / "factory.py").write_text(SWALLOWING_FACTORY, encoding="utf-8")
+    proc = _spawn(tmp_path, "-m", "ampguard", "train", *LINEAR[2:], "--set", "task.factory=factory.py:build",
+                  "--set", "steps=3", "--set", "log.name=f")
+    _wait_for((tmp_path / "building").exists, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert (proc.returncode, err, out) == (143, "ampguard: interrupted\n", ""), (out, err)
+    assert not (tmp_path / "runs").exists()
+
+
 # ---------------------------------------------------------------------------- the console itself failing
 
 
