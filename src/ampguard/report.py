@@ -514,6 +514,7 @@ def plot_run(
     note: Callable[[str], None] | None = None,
     policy: Sequence[dict[str, Any]] = (),
     events_dir: Path | None = None,
+    scaler_on: bool = True,
 ) -> Path:
     """Draw one PNG (1200 x 1400 px) with five panels on a shared step axis: loss, pre/post-clip
     norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
@@ -524,7 +525,7 @@ def plot_run(
     taller): the layer x step heatmap of :func:`headroom_panel`, each gradient judged at the loss
     scale its step ran with (the row before's ``scaler_scale``; ``init_scale`` at the run's first
     step; after a rollback or a resume that set the scale anew, the one it set, read from the
-    ``events.jsonl`` in ``events_dir``: :func:`scale_restarts`); a ``headroom`` that does not read leaves the heatmap out, said through ``note`` (without
+    ``events.jsonl`` in ``events_dir``, for a run with a loss scaler, ``scaler_on``: :func:`scale_restarts`); a ``headroom`` that does not read leaves the heatmap out, said through ``note`` (without
     one, its error is raised). The PNG carries ampguard's mark
     (:func:`plot_metadata`), so that ``report`` may draw it again (:func:`check_plot_path`).
 
@@ -576,7 +577,8 @@ def plot_run(
             shown_title = shown(title or Path(csv_path).name)
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
                   fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title, init_scale=init_scale,
-                  policy=policy, restarts=scale_restarts(events_dir, rows, init_scale) if heat and events_dir else None)
+                  policy=policy,
+                  restarts=scale_restarts(events_dir, rows, init_scale) if heat and events_dir and scaler_on else None)
             # marked as ampguard's (PLOT_MARK): only a plot with the mark is ever drawn again
             fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(f"ampguard report: {shown_title}"))
             os.replace(partial, png_path)
@@ -792,10 +794,12 @@ def _scale_used(rows: list[Row], init_scale: float, restarts: Mapping[int, float
 
 
 def scale_restarts(run_dir: Path, rows: list[Row], init_scale: float) -> dict[int, float]:
-    """The steps of a run whose loss scale was not the one the step before left: after a rollback
-    to the checkpoint of step c, the scale after step c (``init_scale`` for the run's start); after
-    a resume that changed ``scaler.init_scale``, the new one (:func:`_events_kept`'s events, the
-    later one deciding for a step).
+    """The steps of a fp16 run whose loss scale was not the one the step before left: after a
+    rollback to the checkpoint of step c, the scale after step c (the run's first scale for its
+    start); after a resume that changed ``scaler.init_scale``, the new one (:func:`_events_kept`'s
+    events, the later one deciding for a step). ``init_scale`` is the config's, which such a resume
+    rewrote: the first change's ``old`` is the scale step 1 ran with. Call it for a run with a
+    loss scaler only (a bf16 run's resume may set ``scaler.init_scale``: it scales nothing).
 
     Example::
 
@@ -805,24 +809,26 @@ def scale_restarts(run_dir: Path, rows: list[Row], init_scale: float) -> dict[in
         >>> events = [{"step": 2, "event": "policy_change", "key": "scaler.init_scale", "old": 65536.0, "new": 64.0},
         ...           {"step": 5, "event": "rollback", "checkpoint": "step-00000003.pt", "updates_undone": 2}]
         >>> _ = (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\\n" for e in events))
-        >>> scale_restarts(folder, rows, 65536.0)
-        {3: 64.0, 6: 8192.0}
+        >>> scale_restarts(folder, rows, 64.0)  # (config.yaml holds the resume's 64)
+        {1: 65536.0, 3: 64.0, 6: 8192.0}
         >>> shutil.rmtree(folder)
     """
     after = {r.step: r.scaler_scale for r in rows}
-    restarts: dict[int, float] = {}
-    for event in _events_kept(run_dir, lambda e: e.get("event") in ("rollback", "policy_change")):
-        step = event.get("step")
-        if not isinstance(step, int) or isinstance(step, bool):
-            continue
+    events = _events_kept(run_dir, lambda e: e.get("event") in ("rollback", "policy_change")
+                          and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool))
+    changes = [e for e in events if e["event"] == "policy_change" and e.get("key") == "scaler.init_scale"
+               and _policy_number(e.get("new"))]
+    first = float(changes[0]["old"]) if changes and _policy_number(changes[0].get("old")) else init_scale
+    restarts: dict[int, float] = {1: first} if first != init_scale else {}
+    for event in events:
         if event["event"] == "rollback" and (to := _checkpoint_step(event)) is not None:
-            scale = init_scale if to == 0 else after.get(to)
-        elif event.get("key") == "scaler.init_scale" and _policy_number(event.get("new")):
+            scale = first if to == 0 else after.get(to)
+        elif event in changes:
             scale = float(event["new"])
         else:
             continue
         if scale is not None:
-            restarts[step + 1] = scale
+            restarts[event["step"] + 1] = scale
     return restarts
 
 
@@ -1059,7 +1065,8 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
                      headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
                      init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
                      note=lambda line: say(f"warning: {line}"),
-                     policy=policy_changes_of(paths.dir) if paths.dir is not None else (), events_dir=paths.dir)
+                     policy=policy_changes_of(paths.dir) if paths.dir is not None else (), events_dir=paths.dir,
+                     scaler_on=result.monitor.scaler_enabled)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
         say(f"warning: could not draw {paths.plot}: {err}")
     write_run_card(paths.card, config, result)
@@ -1173,7 +1180,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  alert_bits=mon.headroom.alert_bits, init_scale=init_scale if scaler_on else 1.0,
                  note=lambda line: print(f"note: {line}"),
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
-                 events_dir=csv_path.parent if config_path.is_file() else None)
+                 events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on)
     for note in reading_notes(csv_path, rows, torn, csv_path.parent if config_path.is_file() else None):
         print(f"note: {note}")
     # the alerts judged under thresholds given here are not the run's: said so

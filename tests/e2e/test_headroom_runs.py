@@ -111,19 +111,30 @@ def test_a_resume_appends_headroom_csv_exactly_as_the_uninterrupted_run_wrote_it
     assert steps == sorted(steps) and len(steps) == 6 * 3  # output, grad and param_grad rows a step, none twice
 
 
-def test_the_heatmap_judges_a_gradient_at_the_scale_a_resume_set_anew(tmp_path):
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_heatmap_judges_a_gradient_at_the_scale_a_resume_set_anew(tmp_path, monkeypatch, precision):
     # review_session26: the heatmap took every step's scale from the row before; a resume that set
-    # scaler.init_scale 1024 ran step 6 at 1024 but was drawn at 65536: a 6-bit jump in no data
-    args = ["--set", "task.name=linear", "--set", "precision=fp16", "--set", "steps=8", "--set", "checkpoint.every=5",
-            "--set", "monitor.headroom.every=1", "--set", "log.plot=false"]
+    # scaler.init_scale 1024 ran step 6 at 1024 but was drawn at 65536: a 6-bit jump in no data; and
+    # step 1 then read the rewritten config's 1024. A bf16 run's scaler.init_scale scales nothing.
+    args = ["--set", "task.name=linear", "--set", f"precision={precision}", "--set", "steps=8",
+            "--set", "checkpoint.every=5", "--set", "monitor.headroom.every=1", "--set", "log.plot=false"]
     ok(train(tmp_path, "r", *args))
     run = tmp_path / "r"
     (run / "checkpoints" / "step-00000008.pt").unlink()
     ok(ag("train", "--resume", run, "--set", "scaler.init_scale=1024"))
-    rows = ampguard.report.read_steps_csv(run / "steps.csv")
-    assert [r.scaler_scale for r in rows] == [65536.0] * 5 + [1024.0] * 3  # (no skip, no growth: each step's own)
-    used = ampguard.report._scale_used(rows, 65536.0, ampguard.report.scale_restarts(run, rows, 65536.0))
-    assert [used(r.step) for r in rows] == [r.scaler_scale for r in rows]
+    seen = {}
+    real_panel = ampguard.report.headroom_panel
+
+    def spy(fig, ax, rows, alert_bits=None, scale_at=None, **kwargs):
+        seen.update({step: scale_at(step) for step in range(1, 9)})
+        return real_panel(fig, ax, rows, alert_bits, scale_at, **kwargs)
+
+    monkeypatch.setattr(ampguard.report, "headroom_panel", spy)
+    assert main(["report", str(run), "--out", str(tmp_path / "again.png")]) == 0  # (in this process: the spy)
+    rows = read_rows(run / "steps.csv")  # (no skip, no growth: each step ran at its own row's scale)
+    ran = [float(r["scaler_scale"]) for r in rows]
+    assert ran == ([65536.0] * 5 + [1024.0] * 3 if precision == "fp16" else [1.0] * 8)
+    assert [seen[step] for step in range(1, 9)] == ran
 
 
 @pytest.mark.parametrize("setting, key", [
