@@ -12,9 +12,9 @@ the softmax after them squashes them, so nothing downstream grows with them. So 
 step also watches the products of the matmuls the model's own code calls (``torch.matmul``,
 ``@``, ``bmm``, ``baddbmm``, ``mm``, ``einsum``: :data:`MATMULS`, seen by a
 ``TorchFunctionMode``), as the ``matmul`` tensor of the innermost module whose forward computed
-them (an attention module with no parameters of its own too). A fused attention
-(``F.scaled_dot_product_attention``) keeps its logits inside its kernel (in float32 on CUDA's
-flash and memory-efficient ones): not seen. A compiled model is not watched so (the mode
+them (an attention module with no parameters of its own too). An attention computed inside
+one function keeps its logits there, unseen: ``F.scaled_dot_product_attention`` (its fused kernels
+on CUDA keep them in float32) and ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``). A compiled model is not watched so (the mode
 would make dynamo compile it again). For each (module, tensor: :data:`TENSORS`) it keeps, on the
 device:
 
@@ -91,9 +91,12 @@ UNSCALED: frozenset[str] = frozenset({"output", "matmul"})
 """The tensors of the forward: no loss scale in them (the gradients carry it under fp16)."""
 MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
                      torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.mm, torch.Tensor.mm,
-                     torch.einsum})
-"""The functions whose products are the ``matmul`` tensor (``F.linear``, an ``nn.Linear``'s, is its
-``output`` already)."""
+                     torch.addmm, torch.Tensor.addmm, torch.addbmm, torch.Tensor.addbmm, torch.einsum,
+                     torch.tensordot})
+"""The functions whose products are the ``matmul`` tensor, called by the model's own code
+(``F.linear``, an ``nn.Linear``'s, is its ``output`` already; what a function such as
+``F.multi_head_attention_forward`` or ``F.scaled_dot_product_attention`` computes inside itself is
+not seen: the mode sees the call, not its insides)."""
 CLEAR_MARGIN = 1.0
 """A module's alert clears once its headroom is this many bits above ``alert_bits``, so a value
 hovering at the threshold raises one alert, not one per measured step."""
@@ -271,7 +274,8 @@ class _MatmulProbe(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in MATMULS and isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+        if func in MATMULS and isinstance(out, torch.Tensor) and out.layout == torch.strided \
+                and out.is_floating_point() and out.numel():  # (a sparse product has no reductions to take)
             self.seen(out)
         return out
 
@@ -368,11 +372,13 @@ class Headroom:
                 inside.append(name)
 
         def leave(module: nn.Module, args: Any, output: Any) -> None:
+            # called also when the forward raised (always_call: a checkpoint's recompute stops early
+            # so): the stack goes back to where this module entered, nothing left above it
             name = self._names.get(id(module))
-            if name is not None and inside and inside[-1] == name:
-                inside.pop()
+            if name is not None and name in inside:
+                del inside[len(inside) - 1 - inside[::-1].index(name):]
 
-        handles += [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        handles += [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
         with _MatmulProbe(lambda value: self._add(inside[-1], "matmul", value) if inside else None):
             yield
 

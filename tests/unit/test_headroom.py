@@ -527,3 +527,45 @@ def test_a_compiled_model_is_not_probed():
     with headroom.measuring(1):
         model(torch.ones(1, 3, 4)).sum().backward()
     assert {r.tensor for r in headroom.read(1)} == {"output", "grad", "param_grad"}
+
+
+def test_a_product_outside_every_module_is_nobodys_even_after_a_checkpoints_recompute_stopped_early():
+    # review_session26: a non-reentrant checkpoint's recompute stops early by raising, which left names
+    # on the probe's stack; the loss's `out @ out.T` (outside any module) then went to the last one left,
+    # an nn.Linear that never makes a matmul row
+    from torch.utils.checkpoint import checkpoint
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(OrderedDict(attn=_Attention(4), mlp=nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))))
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    model = Model()
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        for _ in range(2):
+            out = model(torch.randn(2, 3, 4))
+            (out @ out.transpose(-2, -1)).mean().backward()  # (a matmul in the loss: no module's)
+    assert [r.module for r in headroom.read(1) if r.tensor == "matmul"] == ["block.attn"]
+
+
+def test_a_sparse_product_in_a_forward_is_left_alone_not_a_crash_of_the_measured_step():
+    class Graph(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.adj = torch.eye(5).to_sparse()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.mm(self.adj, x)).sum() + torch.mm(self.adj, self.adj).to_dense().sum()
+
+    model = Graph()
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.randn(5, 4)).backward()  # (sparse @ sparse: its product is sparse, not measured)
+    assert [r.module for r in headroom.read(1) if r.tensor == "matmul"] == ["(root)"]  # (sparse @ dense is strided)
