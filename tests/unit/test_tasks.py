@@ -212,6 +212,34 @@ def test_example_dataloader_stream_is_reproducible():
     assert same_batches(take(task, 3), take(task, 3))
 
 
+def test_a_shuffling_dataloader_reshuffles_every_epoch_as_a_plain_loop_does_and_each_stream_is_the_same(tmp_path):
+    # review_session26: every epoch reset the loader's generator, so each epoch had the first one's
+    # order (silently worse SGD); and the check that the data is re-iterable drew from the generator
+    # before its state was kept, so not even the first epoch was the loader's own
+    write(tmp_path / "dl.py", """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def build(config):
+    data = DataLoader(TensorDataset(torch.arange(8.0)[:, None], torch.zeros(8, 1)), batch_size=2, shuffle=True,
+                      generator=torch.Generator().manual_seed(1))
+    return nn.Linear(1, 1), data, nn.functional.mse_loss
+""")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dl_plain", tmp_path / "dl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loader = module.build(None)[1]
+    plain = [int(v) for _ in range(3) for x, _ in loader for v in x.flatten()]  # three epochs of a plain loop
+    task = build_task(load_config(None, [f"task.factory={tmp_path / 'dl.py'}:build"]))
+    order = lambda: [int(v) for x, _ in itertools.islice(task.batches(), 12) for v in x.flatten()]  # noqa: E731
+    assert order() == plain and order() == plain  # the loader's own epochs, again from the start
+    assert plain[:8] != plain[8:16]
+
+
 # ---------------------------------------------------------------------------- a stream from any position (issue 16)
 
 

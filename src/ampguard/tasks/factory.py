@@ -30,7 +30,7 @@ import importlib
 import importlib.util
 import itertools
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +174,12 @@ def build_from_factory(config: Any) -> Task:
                          "materialise it (to_empty(), then load or initialise the weights) before returning it")
     if not callable(loss_fn):
         raise InputError(f"task.factory {spec}: loss_fn is not callable")
+    # A shuffling DataLoader's own generator advances as it is read (an iterator's seed, then the
+    # sampler's order): its state as the factory left it, before anything here reads it, is where
+    # every stream starts (resume, rollback: the same sequence); within a stream it advances, so
+    # each epoch is shuffled anew, as in a plain loop.
+    generator = getattr(data, "generator", None)
+    start_state = generator.get_state() if isinstance(generator, torch.Generator) else None
     if callable(data) and not isinstance(data, Iterable):
         make_iterable = data
     elif isinstance(data, Iterable) and iter(data) is not data:
@@ -186,15 +192,14 @@ def build_from_factory(config: Any) -> Task:
     evaluate = made.get("evaluate")
     if evaluate is not None and not metrics:
         raise InputError(f"task.factory {spec}: evaluate is given, so metrics must name what it returns")
-    # A shuffling DataLoader's own generator advances as it is read: every stream starts it from
-    # the state it had here, so each call of batches() gives the same sequence (resume, rollback).
-    generator = getattr(data, "generator", None)
-    start_state = generator.get_state() if isinstance(generator, torch.Generator) else None
-
     def restart() -> Any:
         if start_state is not None:
             generator.set_state(start_state)
         return make_iterable()
+
+    def stream() -> Iterator[Any]:  # (the generator set once, at the stream's start, not at each epoch's)
+        first = restart()
+        return itertools.chain(first, cycle(make_iterable))
 
     with user_code(f"task.factory {spec}: reading the data failed: "):
         first_batches = list(itertools.islice(iter(restart()), 4))
@@ -218,7 +223,7 @@ def build_from_factory(config: Any) -> Task:
         name="factory",
         model=model,
         loss_fn=loss_fn,
-        batches=lambda: cycle(restart),
+        batches=stream,
         evaluate=evaluate,
         metrics=metrics,
         float_inputs=bool(getattr(inputs, "is_floating_point", lambda: False)()),
