@@ -121,6 +121,28 @@ def rng_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def modes_kept(model: torch.nn.Module) -> Iterator[None]:
+    """On leaving, each module's train/eval flag as it was: ``model.train(flag)`` would set every
+    submodule's, and a layer the user froze in eval mode (a BatchNorm whose statistics stay put)
+    would train again.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.BatchNorm1d(2).eval(), torch.nn.Dropout())
+        >>> with modes_kept(model):
+        ...     _ = model.eval()
+        >>> [m.training for m in model]
+        [False, True]
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@contextlib.contextmanager
 def untouched(model: torch.nn.Module) -> Iterator[None]:
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
     (BatchNorm statistics), its parameters' gradients and every RNG (torch, CUDA, NumPy,
@@ -135,14 +157,12 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
         >>> torch.equal(model.running_mean, before), torch.equal(torch.get_rng_state(), draw)
         (True, True)
     """
-    was_training = model.training
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     grads = {id(p): p.grad for p in model.parameters()}
     try:
-        with rng_kept():
+        with rng_kept(), modes_kept(model):
             yield
     finally:
-        model.train(was_training)
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if name in buffers:

@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from . import distributed
+from .checkpoint import modes_kept
 from .config import Config
 from .errors import AmpguardWarning, InputError, user_code
 from .precision import Precision
@@ -63,12 +64,10 @@ class Evaluator:
         model, evaluate = self.task.model, self.task.evaluate
         if not self.enabled or evaluate is None:
             return {}
-        model.eval()
-        try:
+        with modes_kept(model):  # (each module's mode back: a layer frozen in eval mode stays so)
+            model.eval()
             with torch.no_grad(), self.precision.autocast():
                 return {name: float(value) for name, value in evaluate(model, self.device).items()}
-        finally:
-            model.train()
 
     def check(self) -> None:
         """A user's evaluate() must return the metrics it declared: try it once, before any file

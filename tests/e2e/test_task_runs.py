@@ -274,6 +274,47 @@ def build(config):
     assert len(losses) == 60 and mean(losses[-5:]) < mean(losses[:5]) / 10
 
 
+@pytest.mark.parametrize("with_eval", [True, False])
+def test_a_layer_the_factory_froze_in_eval_mode_stays_frozen_with_or_without_an_evaluation(cli, tmp_path, with_eval):
+    # review_session26: the start-up's check and each evaluation put every module back in the root's
+    # mode (model.train()): a BatchNorm frozen in eval mode updated its running statistics all run
+    factory = write(tmp_path / "user" / "bn.py", """
+import torch
+from torch import nn
+
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 8, generator=g) * 3 + 5, torch.randn(16, 1, generator=g)) for _ in range(5)]
+    model = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 1))
+    model[0].eval()  # frozen: its running statistics stay put
+    out = {"model": model, "data": data, "loss_fn": nn.functional.mse_loss}
+    if config.task.options["with_eval"]:
+        out.update(evaluate=lambda m, d: {"val_loss": float(m(data[0][0]).square().mean())}, metrics=["val_loss"])
+    return out
+""")
+    code, out, err = train_cli(cli, "--set", f"task.factory={factory}:build", "--set", "steps=5",
+                               "--set", "precision=fp32", "--set", "eval.every=2", "--set", "checkpoint.enabled=true",
+                               "--set", "checkpoint.every=5",
+                               "--set", f"task.options={{with_eval: {str(with_eval).lower()}}}")
+    assert code == 0, err
+    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "step-00000005.pt", weights_only=True)["model"]
+    assert int(state["0.num_batches_tracked"]) == 0 and not state["0.running_mean"].any()
+    assert "eval mode" not in err  # (the model itself trains in train mode)
+
+
+def test_a_model_returned_in_eval_mode_is_said_to_train_so(cli, tmp_path):
+    factory = write(tmp_path / "user" / "ev.py", REGRESSION + """
+def build(config):
+    train, _, _ = make()
+    return nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1)).eval(), train, nn.functional.mse_loss
+""")
+    code, out, err = train_cli(cli, "--set", f"task.factory={factory}:build", "--set", "steps=2")
+    assert code == 0, err
+    assert "the model is in eval mode (dropout off, BatchNorm statistics frozen) and trains so: call model.train()" \
+        in err, err
+
+
 def test_data_function_factory_trains(cli, tmp_path):
     factory = write(tmp_path / "user" / "fn.py", REGRESSION + """
 def build(config):

@@ -30,6 +30,7 @@ import importlib
 import importlib.util
 import itertools
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InputError, user_code
+from ..errors import AmpguardWarning, InputError, user_code
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
 from .base import Task, cycle
@@ -174,6 +175,10 @@ def build_from_factory(config: Any) -> Task:
                          "materialise it (to_empty(), then load or initialise the weights) before returning it")
     if not callable(loss_fn):
         raise InputError(f"task.factory {spec}: loss_fn is not callable")
+    if not model.training:  # (the run trains each module in the mode the factory left it: a frozen layer stays so)
+        warnings.warn(f"task.factory {spec}: the model is in eval mode (dropout off, BatchNorm statistics frozen) "
+                      "and trains so: call model.train() in the factory to train it in train mode", AmpguardWarning,
+                      stacklevel=2)
     # A shuffling DataLoader's own generator advances as it is read (an iterator's seed, then the
     # sampler's order): its state as the factory left it, before anything here reads it, is where
     # every stream starts (resume, rollback: the same sequence); within a stream it advances, so
