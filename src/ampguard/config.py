@@ -1019,9 +1019,29 @@ class TaskConfig(_Section):
                                  f"drop {', '.join(clash)} or the preset")
             for k, v in shape.items():
                 object.__setattr__(self, k, v)
-        if self.n_embd % self.n_head:
+        if self.name == "charlm" and not self.factory and self.n_embd % self.n_head:  # (digits has no heads)
             raise ValueError(f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
         return self
+
+    def unread(self) -> list[str]:
+        """The settings given (not at their defaults) that the task does not read: a built-in
+        task reads no ``options`` (a factory's), digits no ``block_size``, ``n_layer``, ``n_head``,
+        linear none of the model's shape.
+
+        Example::
+
+            >>> TaskConfig(name="digits", n_layer=3, options={"w": 1}).unread()
+            ['options', 'n_layer']
+            >>> TaskConfig(name="charlm", n_layer=3).unread(), TaskConfig(factory="f.py:build", n_layer=3).unread()
+            ([], [])
+        """
+        if self.factory:
+            return []
+        read = {"charlm": ("block_size", "n_layer", "n_head", "n_embd"), "digits": ("n_embd",), "linear": ()}
+        default = TaskConfig()
+        return (["options"] if self.options else []) + [
+            key for key in ("block_size", "n_layer", "n_head", "n_embd")
+            if key not in read[self.name] and getattr(self, key) != getattr(default, key)]
 
 
 class Config(_Section):

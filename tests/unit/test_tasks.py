@@ -291,3 +291,22 @@ def test_under_torchrun_a_batch_size_refusal_says_its_numbers_are_the_global_bat
     with pytest.raises(InputError, match=r"use at most 1497 \(under torchrun task.batch_size is per process: the global "
                                          r"batch is 1000 x 2 processes; divide by 2\)"):
         _build_task(config, 2)
+
+
+def test_a_setting_the_task_does_not_read_is_said_and_a_charlm_rule_binds_charlm_only():
+    # review_session26: `n_head must divide n_embd` refused a digits run of width 10 (digits has no
+    # heads), while task.options and charlm's shape given to digits or linear were ignored unsaid
+    from ampguard.errors import AmpguardWarning
+
+    config = load_config(None, ["task.name=digits", "task.n_embd=10", "task.n_layer=3", "task.options={w: 1}"])
+    with pytest.warns(AmpguardWarning, match=r"^task digits does not read task\.options, task\.n_layer: ignored "
+                                             r"\(task\.options are a task\.factory's\)$"):
+        task = build_task(config)
+    assert task.name == "digits"
+    with pytest.raises(Exception, match=r"n_head \(4\) must divide n_embd \(10\)"):
+        load_config(None, ["task.name=charlm", "task.n_embd=10"])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_task(load_config(None, ["task.name=linear"]))  # (defaults: nothing said)
