@@ -276,3 +276,32 @@ def test_a_yaml_syntax_error_names_the_line_as_json_and_toml_errors_do(cli, tmp_
     # review_walk14 P8: PyYAML's first line ("while parsing a flow sequence") named neither
     (tmp_path / "c.yaml").write_text(text, encoding="utf-8")
     assert _refused(cli, "train", "c.yaml", *RUN) == f"ampguard: error: config file c.yaml: cannot parse: {said}"
+
+
+def test_a_factory_key_misspelt_or_a_task_it_returns_with_a_bad_model_is_one_line(tmp_path):
+    # review_session26: {"evalute": ...} trained with no evaluation, unsaid; a Task returned as it is
+    # skipped every check (a model "notamodel" was a traceback at its first move)
+    from ampguard.config import load_config
+    from ampguard.errors import InputError
+    from ampguard.tasks import build_task
+
+    (tmp_path / "f.py").write_text("""
+import torch
+from torch import nn
+from ampguard.tasks import Task, cycle
+
+
+def misspelt(config):
+    data = [(torch.ones(4, 2), torch.zeros(4, 1))]
+    return {"model": nn.Linear(2, 1), "data": data, "loss_fn": nn.functional.mse_loss,
+            "evalute": lambda m, d: {"v": 1.0}, "metrics": ["v"]}
+
+
+def task(config):
+    return Task("mine", "notamodel", nn.functional.mse_loss, batches=lambda: cycle(lambda: []))
+""", encoding="utf-8")
+    for fn, said in (("misspelt", "returned the unknown key 'evalute' (did you mean evaluate?); it takes model, "),
+                     ("task", "model is a str, not an nn.Module")):
+        with pytest.raises(InputError) as info:
+            build_task(load_config(None, [f"task.factory={tmp_path / 'f.py'}:{fn}"]))
+        assert said in str(info.value) and "\n" not in str(info.value)

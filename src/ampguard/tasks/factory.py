@@ -26,6 +26,7 @@ rank's share: the run logs and judges the mean over ranks.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import itertools
@@ -135,6 +136,23 @@ class TrainingBatches:
         return self.inputs, self.targets
 
 
+FACTORY_KEYS = ("model", "data", "loss_fn", "metrics", "evaluate", "held_out", "mode", "edge_cases", "predict")
+"""The keys a factory's mapping may hold (README, "Your own model")."""
+
+
+def _check_model_and_loss(model: Any, loss_fn: Any, spec: str) -> None:
+    """One :class:`InputError` line for a factory's model that is no ``nn.Module``, or holds a
+    parameter not made yet, and a loss that cannot be called."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"task.factory {spec}: model is a {type(model).__name__}, not an nn.Module")
+    meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:  # (a traceback "Cannot copy out of meta tensor" at the first move otherwise)
+        raise InputError(f"task.factory {spec}: the model's parameter {meta} is on the meta device (not made yet): "
+                         "materialise it (to_empty(), then load or initialise the weights) before returning it")
+    if not callable(loss_fn):
+        raise InputError(f"task.factory {spec}: loss_fn is not callable")
+
+
 def build_from_factory(config: Any) -> Task:
     r"""The :class:`Task` that ``config.task.factory`` builds, its result checked (bad ones raise
     :class:`~ampguard.errors.InputError` in one line).
@@ -160,21 +178,20 @@ def build_from_factory(config: Any) -> Task:
     with user_code(f"task.factory {spec} raised "):
         made = fn(config)
     if isinstance(made, Task):
+        _check_model_and_loss(made.model, made.loss_fn, spec)
         check_metrics(made.metrics, spec)
         return made
     if isinstance(made, tuple) and len(made) == 3:
         made = dict(zip(("model", "data", "loss_fn"), made))
     if not isinstance(made, Mapping) or not {"model", "data", "loss_fn"} <= set(made):
         raise InputError(f"task.factory {spec} must return a mapping with model, data and loss_fn (or that tuple)")
+    unknown = [key for key in made if key not in FACTORY_KEYS]
+    if unknown:  # (a misspelt "evalute" trained with no evaluation, unsaid)
+        close = difflib.get_close_matches(str(unknown[0]), FACTORY_KEYS, n=1)
+        raise InputError(f"task.factory {spec} returned the unknown key {unknown[0]!r}"
+                         + (f" (did you mean {close[0]}?)" if close else "") + f"; it takes {', '.join(FACTORY_KEYS)}")
     model, data, loss_fn = made["model"], made["data"], made["loss_fn"]
-    if not isinstance(model, nn.Module):
-        raise InputError(f"task.factory {spec}: model is a {type(model).__name__}, not an nn.Module")
-    meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
-    if meta is not None:  # (a traceback "Cannot copy out of meta tensor" at the first move otherwise)
-        raise InputError(f"task.factory {spec}: the model's parameter {meta} is on the meta device (not made yet): "
-                         "materialise it (to_empty(), then load or initialise the weights) before returning it")
-    if not callable(loss_fn):
-        raise InputError(f"task.factory {spec}: loss_fn is not callable")
+    _check_model_and_loss(model, loss_fn, spec)
     if not model.training:  # (the run trains each module in the mode the factory left it: a frozen layer stays so)
         warnings.warn(f"task.factory {spec}: the model is in eval mode (dropout off, BatchNorm statistics frozen) "
                       "and trains so: call model.train() in the factory to train it in train mode", AmpguardWarning,
