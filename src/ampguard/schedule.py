@@ -31,6 +31,9 @@ def lr_multiplier(config: Config) -> Callable[[int], float]:
         >>> f = lr_multiplier(validate({"steps": 11, "schedule": {"warmup": 2, "decay": "linear"}}))
         >>> [round(f(u), 3) for u in (0, 1, 2, 10)]
         [0.5, 1.0, 1.0, 0.1]
+        >>> f = lr_multiplier(validate({"steps": 5, "schedule": {"warmup": 4, "decay": "cosine"}}))
+        >>> [round(f(u), 3) for u in range(5)]  # (one step after the warm-up: it is the last, at the floor)
+        [0.25, 0.5, 0.75, 1.0, 0.1]
     """
     warmup, total, floor = config.schedule.warmup, config.steps, config.schedule.min_lr_ratio
     decay = config.schedule.decay
@@ -40,8 +43,10 @@ def lr_multiplier(config: Config) -> Callable[[int], float]:
             return (update + 1) / warmup
         if decay == "constant":
             return 1.0
-        # the last step (update total - 1, when none was skipped) runs at the floor
-        progress = min(1.0, (update - warmup) / max(1, total - warmup - 1))
+        # the last step (update total - 1, when none was skipped) runs at the floor, also when it
+        # is the only one after the warm-up
+        span = total - warmup - 1
+        progress = 1.0 if span <= 0 else min(1.0, (update - warmup) / span)
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
         return floor + (1 - floor) * shape
 

@@ -226,6 +226,10 @@ class Trainer:
         self.dtype_lines = list(resume.loaded.payload.get(ck.AUTOCAST_DTYPE_CHANGES) or []) if resume else []
         self.dtype_lines += [f"autocast dtype of {change} from step {self.state.steps + 1}"
                              for change in self.dtype_changes]
+        if config.schedule.warmup >= config.steps:
+            warnings.warn(f"schedule.warmup {config.schedule.warmup} >= steps {config.steps}: the learning rate "
+                          f"never reaches optimizer.lr (at most {config.steps / config.schedule.warmup:.3g} of it)",
+                          AmpguardWarning, stacklevel=2)
         every, first = (self.headroom.every if self.headroom is not None else None), self.state.steps + 1
         if every is not None and first <= config.steps and config.steps // every * every < first:
             left = "" if first > 1 else " (headroom.csv keeps its header only)"

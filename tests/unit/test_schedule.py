@@ -64,3 +64,25 @@ def test_each_loads_the_others_state():
     host2 = torch.optim.lr_scheduler.LambdaLR(_optimizer(), lr_multiplier(config))
     host2.load_state_dict(device.state_dict())
     assert host2.last_epoch == 7
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+@pytest.mark.parametrize("steps, warmup", [(5, 4), (6, 5), (2, 1)])
+def test_the_last_step_runs_at_the_floor_also_when_it_is_the_only_one_after_the_warm_up(decay, steps, warmup):
+    # review_session26: steps=5, warmup=4 ran its last step at the peak, not at min_lr_ratio
+    config = validate({"steps": steps, "schedule": {"warmup": warmup, "decay": decay, "min_lr_ratio": 0.1}})
+    factors = [lr_multiplier(config)(u) for u in range(steps)]
+    assert factors[warmup - 1] == 1.0 and factors[-1] == pytest.approx(0.1)
+    assert device_multiplier(config)(torch.tensor(steps - 1)).item() == pytest.approx(0.1)
+
+
+def test_a_warm_up_longer_than_the_run_is_said(tmp_path):
+    from ampguard.config import validate as load
+    from ampguard.errors import AmpguardWarning
+    from ampguard.train import run
+
+    config = load({"task": {"name": "linear"}, "steps": 3, "precision": "fp32", "device": "cpu",
+                   "schedule": {"warmup": 4}})
+    with pytest.warns(AmpguardWarning, match=r"^schedule\.warmup 4 >= steps 3: the learning rate never reaches "
+                                             r"optimizer\.lr \(at most 0\.75 of it\)$"):
+        run(config, console_every=1, print_fn=lambda line: None)
