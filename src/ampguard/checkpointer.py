@@ -94,6 +94,10 @@ AUTOCAST_DTYPES = "autocast_dtypes"
 """Payload key (meta, never restored as a part): under autocast, the dtype each leaf module's
 output had in the start-up's forward (``watch.recording_dtypes``): the layers kept in float32. A
 resume whose model computes one in another dtype says so (:func:`dtype_changes`)."""
+DATA_ID = "data_id"
+"""Payload key (meta): what identifies the task's data when the machine provides it
+(:attr:`ampguard.tasks.Task.data_id`: charlm's corpus is the running Python's standard library); a
+resume on other data is refused (:func:`check_data`)."""
 AUTOCAST_DTYPE_CHANGES = "autocast_dtype_changes"
 """Payload key (meta): the autocast dtype changes said on resume so far (run card lines); a later
 resume carries them on to its card, as :data:`POLICY` does the settings'."""
@@ -858,6 +862,7 @@ _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
      "a mapping of module names to dtype names"),
     (AUTOCAST_DTYPE_CHANGES, False, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
      "a list of str"),
+    (DATA_ID, False, lambda v: isinstance(v, str), "a str"),
 )
 """What each payload entry must be before anything uses it."""
 
@@ -1188,6 +1193,24 @@ def _difference(name: str, saved: Any, live: Any, whose: str, depth: int = 0) ->
 
 def _short(value: Any) -> str:
     return shortened(repr(value), 80)
+
+
+def check_data(loaded: Loaded, data_id: str | None) -> None:
+    """Refuse (one :class:`InputError` line naming both) a checkpoint whose task's data is not
+    ``data_id``, this run's (:data:`DATA_ID`; either missing: nothing to compare).
+
+    Example::
+
+        >>> check_data(Loaded(Path("step-00000002.pt"), {DATA_ID: "corpus a"}), "corpus a")
+        >>> check_data(Loaded(Path("step-00000002.pt"), {DATA_ID: "corpus a"}), "corpus b")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: step-00000002.pt: it was trained on other data: corpus a; this run's is corpus b (the same data is what a resumed run must train on)
+    """
+    saved = loaded.payload.get(DATA_ID)
+    if isinstance(saved, str) and data_id is not None and saved != data_id:
+        raise InputError(f"{loaded.path.name}: it was trained on other data: {saved}; this run's is {data_id} "
+                         "(the same data is what a resumed run must train on)")
 
 
 def check_resume(resume: Resume, config: Config, world_size: int | None = None) -> None:

@@ -198,6 +198,7 @@ class Trainer:
         if resume is not None:  # still nothing written: a checkpoint that does not fit is one line
             problem = None
             try:
+                ck.check_data(resume.loaded, self.task.data_id)
                 self.checkpointer.check_fits(resume.loaded)
                 self._check_logs(RunPaths.existing(resume.run_dir), resume.loaded.step)
                 self.checkpointer.restore(resume.loaded)  # (each rank its own RNG state: one may not load)
@@ -296,6 +297,7 @@ class Trainer:
                         ck.PRECISION: self.config.precision, ck.WORLD_SIZE: self.dist.world_size,
                         ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
                         **({ck.POLICY: list(self.policy)} if self.policy else {}),
+                        **({ck.DATA_ID: self.task.data_id} if self.task.data_id else {}),
                         **({ck.AUTOCAST_DTYPES: dict(self.autocast_dtypes)} if self.autocast_dtypes else {}),
                         **({ck.AUTOCAST_DTYPE_CHANGES: list(self.dtype_lines)} if self.dtype_lines else {})}
         check = lambda loaded: ck.check_checkpoint(loaded, self.run_id)  # noqa: E731 - a rollback's too

@@ -78,6 +78,25 @@ def lin(runs, tmp_path) -> Path:
 # ---------------------------------------------------------------------------- A. whose checkpoint
 
 
+def test_a_charlm_checkpoint_from_another_pythons_corpus_is_refused_naming_both(tmp_path, snapshot):
+    # review_session26: charlm reads the running Python's standard library; a resume under another
+    # Python trained on other text, unsaid (the same seed, the same config, other data)
+    tiny = [a for kv in ("task.name=charlm", "task.n_layer=1", "task.n_embd=16", "task.n_head=2",
+                         "task.block_size=16", "task.batch_size=4", "eval.batches=1") for a in ("--set", kv)]
+    ok(train(tmp_path, "lm", *tiny, "--set", "precision=fp32", "--set", "steps=4", "--set", "checkpoint.every=2",
+             "--set", "eval.enabled=false", "--set", "log.plot=false"))
+    run = tmp_path / "lm"
+    (run / "checkpoints" / "step-00000004.pt").unlink()
+    path = run / "checkpoints" / "step-00000002.pt"
+    payload = payload_of(path)
+    assert payload[ck.DATA_ID].startswith("Python 3.") and " standard library, " in payload[ck.DATA_ID]
+    rewrite(path, {**payload, ck.DATA_ID: "Python 3.9 standard library, 351234 bytes, sha256 0123456789ab"})
+    line = refused(snapshot, run, "--resume", run)
+    assert line == (f"ampguard: error: step-00000002.pt: it was trained on other data: Python 3.9 standard library, "
+                    f"351234 bytes, sha256 0123456789ab; this run's is {payload[ck.DATA_ID]} (the same data is what a "
+                    "resumed run must train on)"), line
+
+
 def test_every_checkpoint_carries_its_run_folders_id(runs):
     run_id = (runs / "lin" / "run-id").read_text(encoding="ascii").strip()
     assert len(run_id) == 32 and int(run_id, 16) >= 0

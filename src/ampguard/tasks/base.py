@@ -52,6 +52,10 @@ class Task:
     flops_per_token: float | None = None
     """Model FLOPs to train on one token (forward and backward), for the MFU a run reports; None
     for a model not fed tokens, or when unknown."""
+    data_id: str | None = None
+    """What identifies the data when it comes from the machine rather than the package (charlm:
+    the Python version whose standard library it reads, the corpus's size and hash): saved in each
+    checkpoint, so that a resume on other data is refused rather than trained on unsaid."""
     batches_from: Callable[[int], Iterator[Batch]] | None = None
     """``batches_from(i)`` -> the stream of ``batches()`` from micro-batch ``i`` on, made without
     reading the ``i`` batches before it (the built-in tasks draw batch ``i`` from its index, see

@@ -7,7 +7,9 @@ out.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +45,20 @@ def read_corpus() -> torch.Tensor:
         raise InputError(f"charlm: none of the standard-library sources were found under {stdlib}")
     data = b"\n".join(chunks)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def corpus_id(corpus: torch.Tensor) -> str:
+    """The corpus's identity: the Python whose standard library it is read from (another version's
+    sources are other text), its size and the start of its SHA-256.
+
+    Example::
+
+        >>> corpus_id(torch.tensor([104, 105], dtype=torch.uint8))  # doctest: +ELLIPSIS
+        'Python 3... standard library, 2 bytes, sha256 8f434346648f'
+    """
+    digest = hashlib.sha256(corpus.numpy().tobytes()).hexdigest()[:12]
+    return f"Python {sys.version_info.major}.{sys.version_info.minor} standard library, {len(corpus)} bytes, " \
+           f"sha256 {digest}"
 
 
 def split(corpus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +207,8 @@ def build(config: Any) -> Task:
         >>> tuple(x.shape), task.float_inputs, task.metrics, tuple(task.scores(task.model, x).shape)
         ((4, 16), False, ('val_loss',), (4, 256))
     """
-    train_text, val_text = split(read_corpus())
+    corpus = read_corpus()
+    train_text, val_text = split(corpus)
     t = config.task
     if t.block_size + 2 > len(val_text):
         raise InputError(f"task.block_size: a context of {t.block_size} is longer than the held-out text allows "
@@ -215,6 +232,7 @@ def build(config: Any) -> Task:
             torch.full((t.block_size,), ord(" ")), torch.full((t.block_size,), ord("x")),
             torch.arange(t.block_size) % VOCAB])),
         predict=lambda m, x: m(x)[:, -1, :],  # the decision: the next character after the context
+        data_id=corpus_id(corpus),
         description=(
             f"character-level transformer ({counted(t.n_layer, 'layer')}, {t.n_embd} wide, "
             f"context {t.block_size}) "
