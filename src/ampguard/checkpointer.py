@@ -48,7 +48,7 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import MAX_DEPTH, Config, as_it_ran, is_plain, read_file
+from .config import MAX_DEPTH, Config, as_it_ran, flat_keys, is_plain, read_file
 from .errors import AmpguardWarning, InputError, counted, first_line, shortened, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
@@ -1266,7 +1266,7 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
                 key, a, b = f"{key}.{diff}", a.get(diff), b.get(diff)
         if a != b:
             if key == "task.factory":  # compared by the file's name; named as written
-                a, b = (_flat(side).get(key) for side in raw)
+                a, b = (flat_keys(side).get(key) for side in raw)
             raise InputError(f"--resume: {key} was {_short(a)} in {where}, now {_short(b)}; a resumed run must keep it")
     step = resume.loaded.step
     if step > config.steps:  # (at config.steps the run was complete: resuming rewrites its card)
@@ -1397,7 +1397,7 @@ def check_same_configs(configs: Sequence[dict[str, Any]]) -> None:
             key, ours, other = differs
             raise InputError(f"the ranks were given different configs: {key} is {_short(ours)} on rank 0, "
                              f"{_short(other)} on rank {rank}; give every rank the same config and --set values")
-    options = [_flat((c.get("task") or {}).get("options") or {}) for c in configs]
+    options = [flat_keys((c.get("task") or {}).get("options") or {}) for c in configs]
     for rank, theirs in enumerate(options[1:], start=1):  # (a node's own data path: allowed, but said)
         key = _first_difference(options[0], theirs)
         if key is not None:
@@ -1466,7 +1466,7 @@ def config_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, A
         ('optimizer.lr', 0.1, 0.5)
         >>> config_difference({"task": {"options": {"data": "/node0/d"}}}, {"task": {"options": {"data": "/node1/d"}}})
     """
-    flat = [{k: v for k, v in _flat(_effective(side)).items()
+    flat = [{k: v for k, v in flat_keys(_effective(side)).items()
              if k.split(".")[0] not in POLICY_UNRECORDED and not k.startswith("task.options.")} for side in (a, b)]
     key = _first_difference(*flat)
     return None if key is None else (key, flat[0].get(key), flat[1].get(key))
@@ -1482,22 +1482,6 @@ def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
         ('b', None)
     """
     return next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
-
-
-def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted keys to leaves (lists are leaves).
-
-    Example::
-
-        >>> _flat({"a": 1, "b": {"c": [1, 2], "d": {}}})
-        {'a': 1, 'b.c': [1, 2]}
-    """
-    if not isinstance(data, dict):
-        return {prefix: data}
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else key))
-    return out
 
 
 def policy_changes(resume: Resume, config: Config) -> list[dict[str, Any]]:
@@ -1519,9 +1503,9 @@ def policy_changes(resume: Resume, config: Config) -> list[dict[str, Any]]:
         {'key': 'steps', 'old': 10, 'new': 20, 'step': 4}
         {'key': 'optimizer.lr', 'old': 0.003, 'new': 0.001, 'step': 4}
     """
-    default = _flat(_effective(Config().model_dump(mode="json")))
-    saved = _flat(_effective(as_it_ran(resume.saved_config)))
-    now = _flat(_effective(config.model_dump(mode="json")))
+    default = flat_keys(_effective(Config().model_dump(mode="json")))
+    saved = flat_keys(_effective(as_it_ran(resume.saved_config)))
+    now = flat_keys(_effective(config.model_dump(mode="json")))
     changes = []
     for key, new in now.items():
         if key.split(".")[0] in POLICY_UNRECORDED:

@@ -1411,6 +1411,22 @@ def read_run_config(path: str | Path) -> Config:
         raise ConfigError(f"config file {path}: {err}") from None
 
 
+def flat_keys(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys to leaves (lists are leaves): a config's settings one by one.
+
+    Example::
+
+        >>> flat_keys({"a": 1, "b": {"c": [1, 2], "d": {}}})
+        {'a': 1, 'b.c': [1, 2]}
+    """
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flat_keys(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key.sub=value`` overrides (values parsed as YAML scalars) to a copy of ``data``.
 

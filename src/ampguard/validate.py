@@ -44,7 +44,7 @@ from torch import nn
 
 from .build import prepare_model, resolve_device, to_device
 from .checkpoint import rng_kept
-from .config import Config
+from .config import Config, flat_keys
 from .errors import ExitCode, InputError, counted, user_code
 from .files import DiskFull, make_parents, replace_atomically
 from .precision import Precision, backend_of, fp32_settings
@@ -179,6 +179,9 @@ class Validation:
     """What it takes to reproduce the report: versions, device, dtype support, hashes."""
     evaluation_set: dict[str, Any] = field(default_factory=dict)
     """Where the evaluation set came from (:func:`evaluation_set`); empty for one made by hand."""
+    earlier: list[dict[str, Any]] = field(default_factory=list)
+    """Earlier verdicts that rejected these weights on these probes under other rules
+    (:func:`earlier_rejections`): a rule loosened after a rejection is said, never hidden."""
 
     @property
     def reference_ok(self) -> bool:
@@ -1366,6 +1369,7 @@ def markdown(v: Validation, config: Config) -> str:
         "",
         v.verdict_in(REPORT_DOUBTS, "**"),
         "",
+        *([rejections_text(v.earlier), ""] if v.earlier else []),
         _rules_paragraph(v, cfg),
         *(["", f"Evaluation set: {v.evaluation_set['description']}."] if v.evaluation_set else []),
         "",
@@ -1514,7 +1518,7 @@ def as_json(v: Validation) -> dict[str, Any]:
         "reference": rules(v.reference),
         "precisions": [{"precision": r.precision, "ok": r.ok, "rules": rules(r.rules), "flips": r.flips,
                         "ties": r.ties, "stats": r.stats, "probes": r.records} for r in v.results],
-        "training": v.training, "environment": v.environment,
+        "training": v.training, "environment": v.environment, "earlier_rejections": v.earlier,
     }
 
 
@@ -1538,6 +1542,100 @@ def write_outputs(v: Validation, config: Config, folder: Path) -> tuple[Path, Pa
     replace_atomically(md, markdown(v, config))
     replace_atomically(js, json.dumps(strict_json(as_json(v)), indent=2) + "\n")
     return md, js
+
+
+# ---------------------------------------------------------------------------- verdicts over time
+
+HISTORY = "validate-history.jsonl"
+"""Beside the report folders (``log.dir``, or ``--out``'s parent): one line per report written,
+``{time, report, weights, probe_set, rules, accepted, verdict}``, so that a later validate of the
+same weights on the same probes under other rules says what an earlier one rejected (seed 001:
+declare the rules before reading the results; do not widen a tolerance to make a case vanish)."""
+
+
+def verdict_key(config: Config, v: Validation) -> dict[str, Any]:
+    """What a verdict is about and under which rules: the weights (the checkpoint's SHA-256; with
+    none, the task and seed that build them), the probe set's SHA-256, and every
+    ``validation`` setting but the checkpoint's path (dotted keys).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> key = verdict_key(validate({"task": {"name": "linear"}}), Validation("linear", "regression", [], [], []))
+        >>> sorted(key), key["rules"]["validation.ties"], key["weights"][:9]
+        (['probe_set', 'rules', 'weights'], 'count_as_flip', 'untrained')
+    """
+    checkpoint = v.environment.get("checkpoint") or {}
+    if checkpoint.get("sha256"):
+        weights = f"sha256 {checkpoint['sha256']}"
+    else:
+        built = json.dumps([config.task.model_dump(mode="json"), config.seed], sort_keys=True)
+        weights = f"untrained {hashlib.sha256(built.encode()).hexdigest()[:16]}"
+    rules = flat_keys(config.validation.model_dump(mode="json"), "validation")
+    rules.pop("validation.checkpoint", None)
+    return {"weights": weights, "probe_set": v.environment.get("probe_set_sha256"), "rules": rules}
+
+
+def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The entries of ``history`` (:data:`HISTORY`) that rejected the same weights on the same
+    probes under other rules, each with what changed since (``changed``: ``"key: old -> new"``).
+    Lines that do not read are passed over (the history informs, it never refuses a run).
+
+    Example::
+
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / HISTORY
+        >>> old = {"weights": "w", "probe_set": "p", "rules": {"validation.ties": "count_as_flip"}}
+        >>> _ = path.write_text(json.dumps({**old, "accepted": False, "verdict": "REJECTED", "time": "t",
+        ...                                 "report": "r"}) + "\\n" + "{torn")
+        >>> [e["changed"] for e in earlier_rejections(path, {**old, "rules": {"validation.ties": "accept"}})]
+        [['validation.ties: count_as_flip -> accept']]
+        >>> earlier_rejections(path, old)  # (the same rules: nothing loosened)
+        []
+    """
+    found = []
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        for line in history.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if not (isinstance(entry, dict) and entry.get("accepted") is False and isinstance(entry.get("rules"), dict)
+                    and entry.get("weights") == key["weights"] and entry.get("probe_set") == key["probe_set"]
+                    and entry["rules"] != key["rules"]):
+                continue
+            then, now = entry["rules"], key["rules"]
+            changed = [f"{k}: {json.dumps(then.get(k))} -> {json.dumps(now.get(k))}".replace('"', "")
+                       for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
+            found.append({k: entry.get(k) for k in ("time", "report", "verdict")} | {"changed": changed})
+    return found
+
+
+def rejections_text(earlier: list[dict[str, Any]]) -> str:
+    """The report's and the console's words for :func:`earlier_rejections`.
+
+    Example::
+
+        >>> print(rejections_text([{"time": "2026-12-03 19:20", "report": "runs/validate-1", "verdict": "REJECTED",
+        ...                         "changed": ["validation.ties: count_as_flip -> accept"]}]))
+        Earlier verdicts on these weights and probes under other rules: REJECTED at 2026-12-03 19:20 (runs/validate-1); since then validation.ties: count_as_flip -> accept
+    """
+    said = "; ".join(f"{e['verdict']} at {e['time']} ({e['report']}); since then {', '.join(e['changed'])}"
+                     for e in earlier)
+    return f"Earlier verdicts on these weights and probes under other rules: {said}"
+
+
+def note_verdict(history: Path, key: Mapping[str, Any], v: Validation, report: Path) -> str | None:
+    """Append this report's line to ``history``; a line saying why it could not (the report
+    stands without it), else None."""
+    entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "report": str(report), **key, "accepted": v.ok,
+             "verdict": v.verdict}
+    try:
+        with history.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(strict_json(entry)) + "\n")
+    except OSError as err:
+        return f"validate: could not note the verdict in {history} ({err.strerror or err})"
+    return None
 
 
 # ---------------------------------------------------------------------------- the verb
@@ -1592,6 +1690,7 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         folder.release(written=False)
         raise
     folder.release(written=True)
+    unnoted = note_verdict(folder.path.parent / HISTORY, verdict_key(config, result), result, folder.path)
     print(f"evaluation set: {result.evaluation_set['description']}")
     for r in result.reference:
         print(f"reference: {r.criterion}: {r.reference} -> {r.decision}")
@@ -1602,6 +1701,10 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         print(f"train {t['precision']}: {counted(t['updates_applied'], 'update')} applied, final loss {t['final_loss']:.4g}")
     if not cfg.checkpoint:  # stderr: after the report, so a refusal above stays the one line there
         print(f"ampguard: warning: validate: {untrained_reference(config)}", file=sys.stderr)
+    if unnoted:
+        print(f"ampguard: warning: {unnoted}", file=sys.stderr)
+    if result.earlier:  # (a rule loosened after a rejection: said beside the verdict, not only in the report)
+        print(f"validate: note: {rejections_text(result.earlier)}")
     print(f"validate: {result.verdict}; report {md}, {js}")
     return ExitCode.OK if result.ok else ExitCode.REJECTED
 
@@ -1642,6 +1745,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, tuple[Path
         precision.rules.append(training_rule(t, training[0], cfg.min_applied))
     if checkpoint:
         result.environment["checkpoint"] = provenance
+    result.earlier = earlier_rejections(folder.path.parent / HISTORY, verdict_key(config, result))
     return result, write_report_folder(result, config, folder)
 
 

@@ -660,3 +660,58 @@ def test_every_output_must_be_finite_on_the_evaluation_set_and_keep_its_shape(cl
                          "validation.precisions=[bf16]", "--out", "r2")
     assert one_line_error(code, out, err) == (
         "ampguard: error: validate: output aux has shape (32, 2) under bf16, (32, 3) in FP32"), err
+
+
+# ---------------------------------------------------------------------------- rules loosened after a rejection
+
+TIE_FACTORY = '''
+import torch
+from torch import nn
+
+
+class Fixed(nn.Module):
+    """Two scores 1.0003 and 1.0000 for every input: seed 001's boundary case, a tie in bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 2, bias=False)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.tensor([[1.0003], [1.0000]]))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def build(config):
+    x, y = torch.ones(16, 1), torch.zeros(16, dtype=torch.long)
+    return {"model": Fixed(), "data": [(x, y)], "loss_fn": nn.functional.cross_entropy, "held_out": (x, y)}
+'''
+
+
+def test_a_rule_loosened_after_a_rejection_is_said_beside_the_verdict_and_in_the_report(tmp_path, capsys):
+    # review_session26 (seeds audit): seed 001 says "declare the acceptance rule before reading the
+    # results; do not widen a tolerance to make an awkward case disappear". A REJECTED verdict turned
+    # ACCEPTED by --set validation.ties=accept on the same checkpoint and probes said nothing of it
+    (tmp_path / "tie.py").write_text(TIE_FACTORY, encoding="utf-8")
+    base = ["validate", "--set", f"task.factory={tmp_path / 'tie.py'}:build", "--set", "device=cpu",
+            "--set", "validation.precisions=[bf16]", "--set", "validation.min_accuracy=0.5",
+            "--set", "validation.typical=4", "--set", f"log.dir={tmp_path / 'runs'}"]
+
+    def validate(out: str, *extra: str) -> tuple[int, str]:
+        code = main([*base, *extra, "--out", str(tmp_path / "runs" / out)])
+        return code, capsys.readouterr().out
+
+    code, out = validate("strict")
+    assert code == 1 and "validate: REJECTED" in out and "Earlier verdicts" not in out, out
+    code, out = validate("strict-again")  # the same rules: nothing loosened, nothing said
+    assert code == 1 and "Earlier verdicts" not in out, out
+    code, out = validate("loose", "--set", "validation.ties=accept")
+    said = "since then validation.ties: count_as_flip -> accept"
+    assert code == 0 and "validate: ACCEPTED" in out, out
+    note = next(line for line in out.splitlines() if line.startswith("validate: note: "))
+    assert note.count("REJECTED at ") == 2 and note.count(said) == 2, note
+    md, data = load_report(tmp_path / "runs" / "loose")
+    assert said in md and [e["changed"] for e in data["earlier_rejections"]] == [[said.split("then ")[1]]] * 2
+    assert {e["report"] for e in data["earlier_rejections"]} == {str(tmp_path / "runs" / n) for n in ("strict", "strict-again")}
+    history = (tmp_path / "runs" / "validate-history.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["accepted"] for line in history] == [False, False, True]
