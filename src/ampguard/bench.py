@@ -1714,10 +1714,6 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                 least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
                 print(f"ampguard bench on {where} ({machine(where)}{_load_text(load)}{threads_said}): {least}"
                       f"{counted(rounds, 'round')} x {counted(steps, 'step')}, paired, {until}", flush=True)
-                if _busy(load):
-                    cpus = counted(_usable_cpus(), "usable CPU")
-                    print(f"warning: the 1-minute load ({load[0]:.2f}) is above the {cpus}: other work shares the "
-                          "cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
                 if quick:
                     print("--quick: a smoke test that every contender runs, not a measurement (its ratios are noise; "
                           "no interval below 6 rounds)", flush=True)
@@ -1749,6 +1745,10 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                 print(to_json(results, resolve, settings, where, left_out, load) if as_json else
                       "\n".join([table(results), *resolution(results, resolve), *versus_lines(results),
                                  *speedups(results)]), flush=True)
+                if _busy(load):  # (after the figures it is about: a refusal above stays one line)
+                    cpus = counted(_usable_cpus(), "usable CPU")
+                    print(f"warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "
+                          "work shared the cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
         if interrupted:
             return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
         return 0

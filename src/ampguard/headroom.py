@@ -316,7 +316,9 @@ class Headroom:
         self.modules = measured_modules(model)
         every_module = [(name or ROOT, m) for name, m in model.named_modules()]
         self._order = {name: i for i, (name, _) in enumerate(every_module)}
-        self._names = {id(m): name for name, m in every_module}  # (the matmul probe's: whose forward is running)
+        # (the matmul probe's: whose forward is running; an nn.Linear's own product, torchao's
+        # Float8Linear's too, is its output already: None, not noted)
+        self._names = {id(m): None if isinstance(m, nn.Linear) else name for name, m in every_module}
         self._probe = not compiled_inside(model)
         self._step: int | None = None  # the step being (or last) measured
         self._stats: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
@@ -367,19 +369,17 @@ class Headroom:
         inside: list[str] = []
 
         def enter(module: nn.Module, args: Any) -> None:
-            name = self._names.get(id(module))
-            if name is not None:
-                inside.append(name)
+            if id(module) in self._names:
+                inside.append(self._names[id(module)])
 
         def leave(module: nn.Module, args: Any, output: Any) -> None:
             # called also when the forward raised (always_call: a checkpoint's recompute stops early
             # so): the stack goes back to where this module entered, nothing left above it
-            name = self._names.get(id(module))
-            if name is not None and name in inside:
+            if id(module) in self._names and (name := self._names[id(module)]) in inside:
                 del inside[len(inside) - 1 - inside[::-1].index(name):]
 
         handles += [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
-        with _MatmulProbe(lambda value: self._add(inside[-1], "matmul", value) if inside else None):
+        with _MatmulProbe(lambda value: self._add(inside[-1], "matmul", value) if inside and inside[-1] else None):
             yield
 
     def _forward_hook(self, name: str, handles: list[RemovableHandle]) -> Callable[[nn.Module, Any, Any], None]:

@@ -47,7 +47,7 @@ def test_a_misspelt_key_on_the_command_line_is_one_line_with_a_guess(cli, tmp_pa
     assert code == 2 and out == ""
     assert err == "ampguard: error: config: optimzer: unknown key (did you mean optimizer?)\n"
     code, out, err = cli("train", "--set", "max_norm=None", "--set", "log.name=x")
-    assert code == 2 and err.count("\n") == 1 and err.rstrip().endswith("(got 'None') (null is written null)")
+    assert code == 2 and err.count("\n") == 1 and err.rstrip().endswith("got the text 'None' (null is written null)")
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 

@@ -310,6 +310,7 @@ def test_bench_with_no_contender_left_is_one_line(cli, monkeypatch):
 
     monkeypatch.setattr(bench.Bare, "step", broken)
     monkeypatch.setattr(bench.Guarded, "step", broken)
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (99.0, 1.0, 0.5))  # (a busy machine: still one line)
     code, out, err = cli("bench", "--quick", "--models", "mlp", "--precisions", "fp32", "--no-peers")
     line = refused((code, "", err))
     assert line == "ampguard: error: bench: no contender could run mlp in fp32 on cpu (why: the lines above)"
