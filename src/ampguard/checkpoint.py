@@ -122,9 +122,11 @@ def rng_kept() -> Iterator[None]:
 
 @contextlib.contextmanager
 def modes_kept(model: torch.nn.Module) -> Iterator[None]:
-    """On leaving, each module's train/eval flag as it was: ``model.train(flag)`` would set every
-    submodule's, and a layer the user froze in eval mode (a BatchNorm whose statistics stay put)
-    would train again.
+    """On leaving, each module's train/eval flag as it was: ``model.train(flag)`` alone would set
+    every submodule's, and a layer the user froze in eval mode (a BatchNorm whose statistics stay
+    put) would train again. The model's own ``train(flag)`` runs first, so that an override of it
+    undoes what its ``eval()`` did (an EMA model swaps its trained weights back); then the flags
+    that still differ are set as they were.
 
     Example::
 
@@ -138,8 +140,10 @@ def modes_kept(model: torch.nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
+        model.train(modes[0][1])
         for m, training in modes:
-            m.training = training
+            if m.training != training:
+                m.training = training
 
 
 @contextlib.contextmanager
@@ -329,11 +333,13 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
 
 def load_weights(model: torch.nn.Module, path: str | os.PathLike,
-                 map_location: str | torch.device = "cpu", *, task: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 map_location: str | torch.device = "cpu", *, task: Mapping[str, Any] | None = None,
+                 data_id: str | None = None) -> dict[str, Any]:
     """Load a checkpoint's model weights into ``model`` (one line of :class:`InputError` when the
     file is unusable or the weights do not fit, saying how: :func:`misfit`; with ``task``, the
     config's ``task`` section the model is built from, also which task the checkpoint was of when
-    another: :func:`other_task`); return the whole payload.
+    another: :func:`other_task`; with ``data_id``, the task's data as the machine provides it, a
+    checkpoint trained on other data, :func:`other_data`); return the whole payload.
 
     Example::
 
@@ -365,7 +371,33 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike,
     if how:
         saved = payload["config"].get("task") if isinstance(payload["config"], Mapping) else None
         raise InputError(f"{path}: does not fit this model ({how}){other_task(saved, task)}")
+    other_data(payload, path, data_id)
     return payload
+
+
+DATA_ID = "data_id"
+"""The payload key of what identifies the task's data where the machine provides it."""
+
+
+def other_data(payload: Mapping[str, Any], path: str | os.PathLike, data_id: str | None) -> None:
+    """Refuse (one :class:`InputError` line naming both) a checkpoint whose ``data_id`` (its task's
+    data where the machine provides it: charlm's corpus is the running Python's standard library)
+    is not ``data_id``, this process's; either missing: nothing to compare. A ``data_id`` that is
+    not text is a bad checkpoint.
+
+    Example::
+
+        >>> other_data({"data_id": "corpus a"}, "step-00000002.pt", "corpus a")
+        >>> other_data({"data_id": "corpus a"}, "step-00000002.pt", "corpus b")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: step-00000002.pt: it was trained on other data: corpus a; this process's is corpus b
+    """
+    saved = payload.get(DATA_ID)
+    if saved is not None and not isinstance(saved, str):
+        raise InputError(f"{path}: bad checkpoint: data_id is {saved!r}, expected a str")
+    if saved is not None and data_id is not None and saved != data_id:
+        raise InputError(f"{path}: it was trained on other data: {saved}; this process's is {data_id}")
 
 
 def other_task(saved: Any, now: Mapping[str, Any] | None) -> str:

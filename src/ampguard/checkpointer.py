@@ -94,7 +94,7 @@ AUTOCAST_DTYPES = "autocast_dtypes"
 """Payload key (meta, never restored as a part): under autocast, the dtype each leaf module's
 output had in the start-up's forward (``watch.recording_dtypes``): the layers kept in float32. A
 resume whose model computes one in another dtype says so (:func:`dtype_changes`)."""
-DATA_ID = "data_id"
+DATA_ID = ckpt.DATA_ID
 """Payload key (meta): what identifies the task's data when the machine provides it
 (:attr:`ampguard.tasks.Task.data_id`: charlm's corpus is the running Python's standard library); a
 resume on other data is refused (:func:`check_data`)."""
@@ -1197,7 +1197,7 @@ def _short(value: Any) -> str:
 
 def check_data(loaded: Loaded, data_id: str | None) -> None:
     """Refuse (one :class:`InputError` line naming both) a checkpoint whose task's data is not
-    ``data_id``, this run's (:data:`DATA_ID`; either missing: nothing to compare).
+    ``data_id``, this run's (:data:`DATA_ID`, :func:`ampguard.checkpoint.other_data`).
 
     Example::
 
@@ -1205,12 +1205,9 @@ def check_data(loaded: Loaded, data_id: str | None) -> None:
         >>> check_data(Loaded(Path("step-00000002.pt"), {DATA_ID: "corpus a"}), "corpus b")
         Traceback (most recent call last):
         ...
-        ampguard.errors.InputError: step-00000002.pt: it was trained on other data: corpus a; this run's is corpus b (the same data is what a resumed run must train on)
+        ampguard.errors.InputError: step-00000002.pt: it was trained on other data: corpus a; this process's is corpus b
     """
-    saved = loaded.payload.get(DATA_ID)
-    if isinstance(saved, str) and data_id is not None and saved != data_id:
-        raise InputError(f"{loaded.path.name}: it was trained on other data: {saved}; this run's is {data_id} "
-                         "(the same data is what a resumed run must train on)")
+    ckpt.other_data(loaded.payload, loaded.path.name, data_id)
 
 
 def check_resume(resume: Resume, config: Config, world_size: int | None = None) -> None:

@@ -639,7 +639,8 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         raise InputError(f"precision: {err}") from None
     checkpoint_scale = None
     if checkpoint:
-        saved = load_weights(model, checkpoint, map_location=device, task=config.task.model_dump(mode="json"))
+        saved = load_weights(model, checkpoint, map_location=device, task=config.task.model_dump(mode="json"),
+                             data_id=task.data_id)
         checkpoint_scale = _checkpoint_scale(checkpoint, saved["state"].get("scaler"), config, precision)
     injector = FaultInjector(faults, config.accumulation_steps)
     # a finding in the loss names the task's loss function, not the injector's wrapper

@@ -150,6 +150,10 @@ class Trainer:
             ck.check_resume(resume, config, self.dist.world_size)
         faults = parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=self.dist.world_size)
         self.task = _build_task(config, self.dist.world_size)
+        if config.task.factory and not self.task.model.training:  # (each module trains in the mode it was left in)
+            warnings.warn(f"task.factory {config.task.factory}: the model is in eval mode (dropout off, BatchNorm "
+                          "statistics frozen) and trains so: call model.train() in the factory to train it in train "
+                          "mode", AmpguardWarning, stacklevel=2)
         if not self.task.float_inputs and any(f.kind == "nan_input" for f in faults):
             raise InputError(f"inject: nan_input needs floating-point inputs; task {self.task.name} feeds integer tokens")
         if config.log.tensorboard:
@@ -227,8 +231,8 @@ class Trainer:
         self.dtype_lines = list(resume.loaded.payload.get(ck.AUTOCAST_DTYPE_CHANGES) or []) if resume else []
         self.dtype_lines += [f"autocast dtype of {change} from step {self.state.steps + 1}"
                              for change in self.dtype_changes]
-        if config.schedule.warmup >= config.steps:
-            warnings.warn(f"schedule.warmup {config.schedule.warmup} >= steps {config.steps}: the learning rate "
+        if config.schedule.warmup > config.steps and resume is None:  # (a resume's own start said it)
+            warnings.warn(f"schedule.warmup {config.schedule.warmup} > steps {config.steps}: the learning rate "
                           f"never reaches optimizer.lr (at most {config.steps / config.schedule.warmup:.3g} of it)",
                           AmpguardWarning, stacklevel=2)
         every, first = (self.headroom.every if self.headroom is not None else None), self.state.steps + 1

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from .build import prepare_model, resolve_device, to_device
-from .checkpoint import rng_kept
+from .checkpoint import modes_kept, rng_kept
 from .config import Config, flat_keys
 from .errors import ExitCode, InputError, counted, user_code
 from .files import DiskFull, make_parents, replace_atomically
@@ -1265,7 +1265,7 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
         (0.0, True)
     """
     start = copy.deepcopy(task.model.state_dict())
-    with rng_kept():
+    with rng_kept(), modes_kept(task.model):  # (each module trains in the mode the task left it in, as in a run)
         runs = {name: _train_from(task, config, device, steps, name, start)
                 for name in ["fp32", *config.validation.precisions]}
     task.model.load_state_dict(start)
@@ -1295,7 +1295,6 @@ def _train_from(task: Task, config: Config, device: torch.device, steps: int, na
     from .step import AmpTrainState
 
     task.model.load_state_dict(start)
-    task.model.train()
     scales = Precision(name, device.type).uses_scaler  # a scaler setting applies where one is used
     scaler = config.scaler.model_copy(update={"enabled": config.scaler.enabled if scales else None})
     run_config = config.model_copy(update={"precision": name, "steps": steps, "scaler": scaler})
@@ -1722,7 +1721,8 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, tuple[Path
     weights = "freshly initialised (no checkpoint given)"
     checkpoint = cfg.checkpoint
     if checkpoint:
-        payload = load_weights(model, checkpoint, map_location=device, task=config.task.model_dump(mode="json"))
+        payload = load_weights(model, checkpoint, map_location=device, task=config.task.model_dump(mode="json"),
+                             data_id=task.data_id)
         weights = f"from {checkpoint} (step {payload['step']})"
         try:
             provenance = {"path": str(Path(checkpoint).resolve()), "sha256": file_sha256(checkpoint)}

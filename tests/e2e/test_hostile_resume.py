@@ -93,8 +93,10 @@ def test_a_charlm_checkpoint_from_another_pythons_corpus_is_refused_naming_both(
     rewrite(path, {**payload, ck.DATA_ID: "Python 3.9 standard library, 351234 bytes, sha256 0123456789ab"})
     line = refused(snapshot, run, "--resume", run)
     assert line == (f"ampguard: error: step-00000002.pt: it was trained on other data: Python 3.9 standard library, "
-                    f"351234 bytes, sha256 0123456789ab; this run's is {payload[ck.DATA_ID]} (the same data is what a "
-                    "resumed run must train on)"), line
+                    f"351234 bytes, sha256 0123456789ab; this process's is {payload[ck.DATA_ID]}"), line
+    # locate replays a step of that data, validate judges on it: both refuse the same way
+    line = one_error_line(ag("locate", run / "config.yaml", "--step", "2", "--checkpoint", path))
+    assert line.startswith(f"ampguard: error: {path}: it was trained on other data: Python 3.9"), line
 
 
 def test_every_checkpoint_carries_its_run_folders_id(runs):

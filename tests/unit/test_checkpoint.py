@@ -154,3 +154,29 @@ def test_prune_keeps_the_newest_keep(tmp_path, keep):
     ckpt.prune(tmp_path, keep)
     assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path)] == steps[-keep:]
     assert (tmp_path / ".step-00000018.pt.tmp-1").exists()  # not a checkpoint: prune leaves it alone
+
+
+def test_modes_kept_lets_a_models_own_train_undo_its_eval_and_keeps_a_frozen_layer_frozen():
+    # review_session26: setting each flag back by hand skipped a model's train() override: an EMA model
+    # whose eval() swaps in its averaged weights trained on them after the first evaluation
+    from ampguard.checkpoint import modes_kept
+
+    class Ema(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(2).eval()  # frozen by the user
+            self.swapped = False
+
+        def train(self, mode: bool = True):
+            if self.training and not mode:
+                self.swapped = True  # (the averaged weights in)
+            elif not self.training and mode:
+                self.swapped = False  # (the trained weights back)
+            return super().train(mode)
+
+    model = Ema()
+    model.norm.eval()
+    with modes_kept(model):
+        model.eval()
+        assert model.swapped
+    assert (model.training, model.swapped, model.norm.training) == (True, False, False)

@@ -274,7 +274,7 @@ class TrackerSink:
         is left as it is: nothing here may raise at exit."""
         crashed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # (set for an uncaught one)
         with contextlib.suppress(Exception):
-            self._end(130 if isinstance(crashed, KeyboardInterrupt) else 1 if crashed is not None else 0)
+            self._end(interrupt_code(crashed) or (1 if crashed is not None else 0))
 
     # -- what each tracker does
     def _log(self, step: int, row: dict[str, float]) -> bool | None:
@@ -856,11 +856,31 @@ def build_trackers(config: Config, paths: RunPaths, *, resuming: bool) -> list[T
     return trackers
 
 
+def interrupt_code(err: BaseException | None) -> int | None:
+    """The exit code of a stop signal that ended a run (:class:`~ampguard.signals.Interrupted`
+    carries its own: 143 for a start-up SIGTERM; any other ``KeyboardInterrupt`` is Ctrl-C's 130),
+    also one Python wrapped on its way out; None for anything else.
+
+    Example::
+
+        >>> from ampguard.signals import Interrupted
+        >>> interrupt_code(Interrupted(ExitCode.TERMINATED)), interrupt_code(KeyboardInterrupt()), interrupt_code(None)
+        (143, 130, None)
+    """
+    from ..signals import Interrupted
+
+    for e in (err, getattr(err, "__cause__", None)):
+        if isinstance(e, Interrupted):
+            return int(e.exit_code)
+        if isinstance(e, KeyboardInterrupt):
+            return int(ExitCode.INTERRUPTED)
+    return None
+
+
 def end_trackers(trackers: Sequence[TrackerSink], err: BaseException) -> None:
     """End the tracker runs of a run that ends with ``err`` before its first step: FAILED (or
     KILLED after a Ctrl-C), each with what it has, rather than left running until the process exits."""
-    code = ExitCode.INTERRUPTED if isinstance(err, KeyboardInterrupt) else \
-        ExitCode.DISK_FULL if isinstance(err, DiskFull) else ExitCode.BAD_INPUT
+    code = interrupt_code(err) or (ExitCode.DISK_FULL if isinstance(err, DiskFull) else ExitCode.BAD_INPUT)
     for tracker in trackers:
         tracker._end(int(code))
 

@@ -31,7 +31,6 @@ import importlib
 import importlib.util
 import itertools
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import AmpguardWarning, InputError, user_code
+from ..errors import InputError, user_code
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
 from .base import Task, cycle
@@ -192,10 +191,6 @@ def build_from_factory(config: Any) -> Task:
                          + (f" (did you mean {close[0]}?)" if close else "") + f"; it takes {', '.join(FACTORY_KEYS)}")
     model, data, loss_fn = made["model"], made["data"], made["loss_fn"]
     _check_model_and_loss(model, loss_fn, spec)
-    if not model.training:  # (the run trains each module in the mode the factory left it: a frozen layer stays so)
-        warnings.warn(f"task.factory {spec}: the model is in eval mode (dropout off, BatchNorm statistics frozen) "
-                      "and trains so: call model.train() in the factory to train it in train mode", AmpguardWarning,
-                      stacklevel=2)
     # A shuffling DataLoader's own generator advances as it is read (an iterator's seed, then the
     # sampler's order): its state as the factory left it, before anything here reads it, is where
     # every stream starts (resume, rollback: the same sequence); within a stream it advances, so
