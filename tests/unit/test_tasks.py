@@ -310,3 +310,28 @@ def test_a_setting_the_task_does_not_read_is_said_and_a_charlm_rule_binds_charlm
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_task(load_config(None, ["task.name=linear"]))  # (defaults: nothing said)
+
+
+def test_a_dataloader_shuffling_with_the_global_rng_is_said(tmp_path):
+    # review_session26: the README says resume is exact only with a seeded generator; nothing said so
+    from ampguard.errors import AmpguardWarning
+
+    source = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def build(config):
+    data = DataLoader(TensorDataset(torch.ones(8, 1), torch.zeros(8, 1)), batch_size=2, shuffle=True{gen})
+    return nn.Linear(1, 1), data, nn.functional.mse_loss
+"""
+    write(tmp_path / "a.py", source.format(gen=""))
+    write(tmp_path / "b.py", source.format(gen=", generator=torch.Generator().manual_seed(0)"))
+    with pytest.warns(AmpguardWarning, match=r"the DataLoader shuffles with the global RNG: a resume"):
+        build_task(load_config(None, [f"task.factory={tmp_path / 'a.py'}:build"]))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AmpguardWarning)
+        build_task(load_config(None, [f"task.factory={tmp_path / 'b.py'}:build"]))

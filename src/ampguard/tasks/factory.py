@@ -31,6 +31,7 @@ import importlib
 import importlib.util
 import itertools
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InputError, user_code
+from ..errors import AmpguardWarning, InputError, user_code
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
 from .base import Task, cycle
@@ -197,6 +198,12 @@ def build_from_factory(config: Any) -> Task:
     # each epoch is shuffled anew, as in a plain loop.
     generator = getattr(data, "generator", None)
     start_state = generator.get_state() if isinstance(generator, torch.Generator) else None
+    sampler = getattr(data, "sampler", None)
+    if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None and generator is None:
+        warnings.warn(f"task.factory {spec}: the DataLoader shuffles with the global RNG: a resume, a rollback or "
+                      "locate's replay of a step reads another order than the run did; give it its own seeded "
+                      "generator (DataLoader(..., generator=torch.Generator().manual_seed(config.seed)))",
+                      AmpguardWarning, stacklevel=2)
     if callable(data) and not isinstance(data, Iterable):
         make_iterable = data
     elif isinstance(data, Iterable) and iter(data) is not data:
