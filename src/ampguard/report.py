@@ -958,8 +958,9 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         ("max rolling skip rate", m.max_skip_rate_text),
         ("skip-rate alert episodes", str(m.alert_episodes)),
         *((("headroom alerts", _headroom_alerts(result.paths.dir)),) if config.monitor.headroom.every else ()),
+        # (clipping turned off on a resume: the steps clipped before it still count)
         ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {counted(m.steps, 'step')} had pre-clip norm > max_norm)"
-                                   if clip_threshold(config.max_norm) else "n/a (clipping off)")),
+                                   if clip_threshold(config.max_norm) or m.clipped else "n/a (clipping off)")),
         ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(m.last.get('scaler_scale'), 'g')})"
                                                  if m.scaler_enabled else "")),
         # (a skipped step's loss is not the model's: an all-skipped run's is "n/a" though step 1's was finite)

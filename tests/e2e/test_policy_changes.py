@@ -151,6 +151,19 @@ def test_report_and_compare_replay_each_step_under_the_max_norm_it_ran_with(fp16
     assert row.split("|")[2].strip().startswith(rate), row
 
 
+def test_a_card_whose_resume_turned_clipping_off_keeps_the_steps_clipped_before(fp16_run, tmp_path):
+    # review_session26: `--set max_norm=-1` (off) on resume made the card say "n/a (clipping off)" though
+    # steps 1-5 were clipped; report said 0.5 and compare "1, off from step 6"
+    run = _copy(fp16_run, tmp_path)
+    clipped_before = sum(float(r["grad_l2_pre_clip"]) > 1.0 for r in read_rows(run / "steps.csv")[:5]
+                         if r["skipped"] == "0")
+    ok(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt", "--set", "max_norm=-1"))
+    card = _card_row(run, "clip rate (whole run)")
+    assert f"({clipped_before} of 10 steps had pre-clip norm > max_norm)" in card, card
+    rate = re.search(r"\| ([\d.]+) \(", card).group(1)
+    assert f"clip rate {rate}," in ok(ag("report", run))
+
+
 def test_the_replay_drops_the_policy_changes_of_a_future_a_resume_abandoned(tmp_path):
     # review: max_norm 100 -> 0.01 at step 8, then a resume from step 4 at max_norm 100 trained 5..16 again
     # without the change; report and compare still applied it and read a clip rate the run card did not have
