@@ -867,13 +867,9 @@ def interrupt_code(err: BaseException | None) -> int | None:
         >>> interrupt_code(Interrupted(ExitCode.TERMINATED)), interrupt_code(KeyboardInterrupt()), interrupt_code(None)
         (143, 130, None)
     """
-    from ..signals import Interrupted
-
     for e in (err, getattr(err, "__cause__", None)):
-        if isinstance(e, Interrupted):
-            return int(e.exit_code)
-        if isinstance(e, KeyboardInterrupt):
-            return int(ExitCode.INTERRUPTED)
+        if isinstance(e, KeyboardInterrupt):  # (an Interrupted carries its exit_code)
+            return int(getattr(e, "exit_code", ExitCode.INTERRUPTED))
     return None
 
 
