@@ -124,9 +124,11 @@ def rng_kept() -> Iterator[None]:
 def modes_kept(model: torch.nn.Module) -> Iterator[None]:
     """On leaving, each module's train/eval flag as it was: ``model.train(flag)`` alone would set
     every submodule's, and a layer the user froze in eval mode (a BatchNorm whose statistics stay
-    put) would train again. The model's own ``train(flag)`` runs first, so that an override of it
-    undoes what its ``eval()`` did (an EMA model swaps its trained weights back); then the flags
-    that still differ are set as they were.
+    put) would train again. Each module whose flag differs is given it back through its own
+    ``train(flag)``, top down (the model first, when it changed), so that an override undoes what
+    its ``eval()`` did (an EMA model swaps its trained weights back) and a frozen layer's own
+    ``eval()`` runs again after its parent's ``train()`` reached it; a module whose flag is as it
+    was is left alone.
 
     Example::
 
@@ -140,10 +142,9 @@ def modes_kept(model: torch.nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        model.train(modes[0][1])
-        for m, training in modes:
+        for m, training in modes:  # (parents before children: a parent's train() reaches them first)
             if m.training != training:
-                m.training = training
+                m.train(training)
 
 
 @contextlib.contextmanager

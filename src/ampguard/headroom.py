@@ -255,6 +255,21 @@ def _installed(handles: list[RemovableHandle]) -> Iterator[None]:
             handle.remove()
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose only product is its output: its own forward, or torchao's ``Float8Linear``.
+
+    Example::
+
+        >>> class Lora(nn.Linear):
+        ...     def forward(self, x):
+        ...         return super().forward(x) + x @ self.weight.T
+        >>> _plain_linear(nn.Linear(1, 1)), _plain_linear(Lora(1, 1)), _plain_linear(nn.ReLU())
+        (True, False, False)
+    """
+    return isinstance(module, nn.Linear) and (type(module).forward is nn.Linear.forward
+                                              or type(module).__name__ == "Float8Linear")
+
+
 class _MatmulProbe(torch.overrides.TorchFunctionMode):
     """Hands ``seen`` the product of each :data:`MATMULS` call made in the block (a floating one
     with values). The mode is off inside its own handler, so ``seen``'s reductions are not seen.
@@ -317,8 +332,9 @@ class Headroom:
         every_module = [(name or ROOT, m) for name, m in model.named_modules()]
         self._order = {name: i for i, (name, _) in enumerate(every_module)}
         # (the matmul probe's: whose forward is running; an nn.Linear's own product, torchao's
-        # Float8Linear's too, is its output already: None, not noted)
-        self._names = {id(m): None if isinstance(m, nn.Linear) else name for name, m in every_module}
+        # Float8Linear's too, is its output already: None, not noted; a subclass with a forward of
+        # its own, a LoRA layer's low-rank product, is noted)
+        self._names = {id(m): None if _plain_linear(m) else name for name, m in every_module}
         self._probe = not compiled_inside(model)
         self._step: int | None = None  # the step being (or last) measured
         self._stats: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}

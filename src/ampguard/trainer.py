@@ -231,7 +231,10 @@ class Trainer:
         self.dtype_lines = list(resume.loaded.payload.get(ck.AUTOCAST_DTYPE_CHANGES) or []) if resume else []
         self.dtype_lines += [f"autocast dtype of {change} from step {self.state.steps + 1}"
                              for change in self.dtype_changes]
-        if config.schedule.warmup > config.steps and resume is None:  # (a resume's own start said it)
+        saved = (resume.saved_config.get("schedule") or {}, resume.saved_config.get("steps")) if resume else None
+        said = saved is not None and isinstance(saved[0].get("warmup"), int) and isinstance(saved[1], int) \
+            and saved[0]["warmup"] > saved[1]  # (the run's own start said it already)
+        if config.schedule.warmup > config.steps and not said:
             warnings.warn(f"schedule.warmup {config.schedule.warmup} > steps {config.steps}: the learning rate "
                           f"never reaches optimizer.lr (at most {config.steps / config.schedule.warmup:.3g} of it)",
                           AmpguardWarning, stacklevel=2)

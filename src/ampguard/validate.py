@@ -1554,25 +1554,45 @@ declare the rules before reading the results; do not widen a tolerance to make a
 
 def verdict_key(config: Config, v: Validation) -> dict[str, Any]:
     """What a verdict is about and under which rules: the weights (the checkpoint's SHA-256; with
-    none, the task and seed that build them), the probe set's SHA-256, and every
-    ``validation`` setting but the checkpoint's path (dotted keys).
+    none, the built model's weights', :func:`weights_sha256`), the probe set's SHA-256, and every
+    ``validation`` setting but the checkpoint's path (dotted keys; the precisions in any order),
+    with the ``fp8`` section's when fp8 is judged.
 
     Example::
 
         >>> from ampguard.config import validate
         >>> key = verdict_key(validate({"task": {"name": "linear"}}), Validation("linear", "regression", [], [], []))
-        >>> sorted(key), key["rules"]["validation.ties"], key["weights"][:9]
-        (['probe_set', 'rules', 'weights'], 'count_as_flip', 'untrained')
+        >>> sorted(key), key["rules"]["validation.ties"], key["weights"][:14]
+        (['probe_set', 'rules', 'weights'], 'count_as_flip', 'weights sha256')
     """
     checkpoint = v.environment.get("checkpoint") or {}
-    if checkpoint.get("sha256"):
-        weights = f"sha256 {checkpoint['sha256']}"
-    else:
-        built = json.dumps([config.task.model_dump(mode="json"), config.seed], sort_keys=True)
-        weights = f"untrained {hashlib.sha256(built.encode()).hexdigest()[:16]}"
+    weights = f"sha256 {checkpoint['sha256']}" if checkpoint.get("sha256") else \
+        f"weights sha256 {v.environment.get('weights_sha256')}"  # (the model as built: a factory may load its own)
     rules = flat_keys(config.validation.model_dump(mode="json"), "validation")
     rules.pop("validation.checkpoint", None)
+    rules["validation.precisions"] = sorted(rules["validation.precisions"])  # (the order judges nothing)
+    if "fp8" in config.validation.precisions:  # (which layers run in float8 decides the fp8 verdict)
+        rules.update(flat_keys(config.fp8.model_dump(mode="json"), "fp8"))
     return {"weights": weights, "probe_set": v.environment.get("probe_set_sha256"), "rules": rules}
+
+
+def weights_sha256(model: nn.Module) -> str:
+    """The SHA-256 of a model's weights: each ``state_dict`` entry's name, dtype, shape and bytes,
+    in order (what the verdict is about when no checkpoint file names them).
+
+    Example::
+
+        >>> a, b = nn.Linear(2, 1), nn.Linear(2, 1)
+        >>> _ = b.load_state_dict(a.state_dict())
+        >>> weights_sha256(a) == weights_sha256(b), weights_sha256(a) == weights_sha256(nn.Linear(2, 1))
+        (True, False)
+    """
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
 
 
 def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -1593,10 +1613,10 @@ def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, 
         []
     """
     found = []
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        for line in history.read_text(encoding="utf-8").splitlines():
+    with contextlib.suppress(OSError):
+        for raw in history.read_bytes().splitlines():  # (a bad byte or a torn line costs that line alone)
             try:
-                entry = json.loads(line)
+                entry = json.loads(raw.decode("utf-8", errors="replace"))
             except ValueError:
                 continue
             if not (isinstance(entry, dict) and entry.get("accepted") is False and isinstance(entry.get("rules"), dict)
@@ -1627,11 +1647,12 @@ def rejections_text(earlier: list[dict[str, Any]]) -> str:
 def note_verdict(history: Path, key: Mapping[str, Any], v: Validation, report: Path) -> str | None:
     """Append this report's line to ``history``; a line saying why it could not (the report
     stands without it), else None."""
-    entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "report": str(report), **key, "accepted": v.ok,
-             "verdict": v.verdict}
+    entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S %z"), "report": str(report.resolve()), **key,
+             "accepted": v.ok, "verdict": v.verdict}
     try:
-        with history.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(strict_json(entry)) + "\n")
+        with history.open("ab") as f:  # (one write; after a torn last line, on a line of its own)
+            torn = f.tell() > 0 and history.read_bytes()[-1:] != b"\n"
+            f.write((b"\n" if torn else b"") + json.dumps(strict_json(entry)).encode() + b"\n")
     except OSError as err:
         return f"validate: could not note the verdict in {history} ({err.strerror or err})"
     return None
@@ -1729,6 +1750,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, tuple[Path
         except OSError as err:
             raise InputError(f"{checkpoint}: cannot read it ({err.strerror or err})") from None
 
+    judged = weights_sha256(model)  # (the weights judged, as loaded: before any training moves and restores them)
     if cfg.train_steps:  # what train refuses at its first batch, refused here in its words (not a traceback
         # whose exit 1 read as REJECTED)
         from .build import check_forward, check_trainable
@@ -1740,6 +1762,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, tuple[Path
     training = compare_training(task, config, device, cfg.train_steps) if cfg.train_steps else []
     result = compare(task, model, config, device)
     result.weights, result.training = weights, training
+    result.environment["weights_sha256"] = judged
     for precision, t in zip(result.results, training[1:]):  # (training[0] is FP32's)
         assert precision.precision == t["precision"], (precision.precision, t["precision"])
         precision.rules.append(training_rule(t, training[0], cfg.min_applied))

@@ -205,3 +205,16 @@ def test_a_schedule_change_that_leaves_the_lr_where_it_was_adds_no_note(tmp_path
         ok(train(tmp_path, f"fast-{fast}", *BASE, "--set", "precision=bf16", "--set", "fast=" + fast))
         out = ok(ag("train", "--resume", run, "--set", "steps=20", "--set", "fast=" + fast))
         assert "POLICY 10 steps 10 -> 20 from step 11\n" in out + "\n", out
+
+
+def test_a_resume_that_makes_the_warm_up_longer_than_the_run_says_so_once(tmp_path):
+    # review_session26: the warning was said only at a run's first start, not for a resume that set it
+    base = [*BASE, "--set", "precision=fp32", "--set", "checkpoint.every=3"]
+    code, out, err = ag("train", "--set", f"log.dir={tmp_path}", "--set", "log.name=w", *base, "--set", "steps=6",
+                        "--set", "schedule.warmup=2")
+    assert code == 0 and "never reaches optimizer.lr" not in err, err
+    code, out, err = ag("train", "--resume", tmp_path / "w" / "checkpoints" / "step-00000003.pt",
+                        "--set", "schedule.warmup=30")
+    assert code == 0 and err.count("schedule.warmup 30 > steps 6: the learning rate never reaches optimizer.lr") == 1, err
+    code, out, err = ag("train", "--resume", tmp_path / "w" / "checkpoints" / "step-00000006.pt", "--set", "steps=9")
+    assert code == 0 and "never reaches" not in err, err  # (said by the resume that made it so, whose checkpoint this is)

@@ -180,3 +180,30 @@ def test_modes_kept_lets_a_models_own_train_undo_its_eval_and_keeps_a_frozen_lay
         model.eval()
         assert model.swapped
     assert (model.training, model.swapped, model.norm.training) == (True, False, False)
+
+
+def test_modes_kept_gives_a_frozen_layers_override_its_own_eval_again_and_calls_nothing_when_nothing_changed():
+    # review_session26: calling model.train() at the exit reached a frozen EMA-like layer's train(),
+    # which swapped its trained weights back, and only its flag was set back (eval, wrong weights)
+    from ampguard.checkpoint import modes_kept
+
+    class Swapping(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.averaged, self.calls = True, []
+
+        def train(self, mode: bool = True):
+            self.calls.append(mode)
+            if mode != self.training:
+                self.averaged = not mode
+            return super().train(mode)
+
+    model = torch.nn.Sequential(Swapping(), torch.nn.Linear(1, 1))
+    model[0].eval()
+    model[0].calls.clear()
+    with modes_kept(model):
+        model.eval()
+    assert (model.training, model[0].training, model[0].averaged) == (True, False, True)
+    with modes_kept(model):
+        pass
+    assert model[0].calls == [False, True, False]  # (eval, then the parent's train, then its own eval again)

@@ -569,3 +569,21 @@ def test_a_sparse_product_in_a_forward_is_left_alone_not_a_crash_of_the_measured
     with headroom.measuring(1):
         model(torch.randn(5, 4)).backward()  # (sparse @ sparse: its product is sparse, not measured)
     assert [r.module for r in headroom.read(1) if r.tensor == "matmul"] == ["(root)"]  # (sparse @ dense is strided)
+
+
+def test_a_linear_subclass_with_a_forward_of_its_own_keeps_its_inner_products_measured():
+    # review_session26: products inside every nn.Linear were set aside (torchao's Float8Linear's mm is its
+    # output), which hid a LoRA-style subclass's low-rank product near fp16's maximum
+    class Lora(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(2, 2)
+            self.a = nn.Parameter(torch.full((2, 2), 100.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + (x @ self.a.T) * 0.0
+
+    model = nn.Sequential(Lora(), nn.Linear(2, 1))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.full((1, 2), 100.0)).sum().backward()
+    assert [(r.module, r.amax) for r in headroom.read(1) if r.tensor == "matmul"] == [("0", 20000.0)]

@@ -328,8 +328,15 @@ def build(config):
 """
     write(tmp_path / "a.py", source.format(gen=""))
     write(tmp_path / "b.py", source.format(gen=", generator=torch.Generator().manual_seed(0)"))
-    with pytest.warns(AmpguardWarning, match=r"the DataLoader shuffles with the global RNG: a resume"):
-        build_task(load_config(None, [f"task.factory={tmp_path / 'a.py'}:build"]))
+    ds = "TensorDataset(torch.ones(8, 1), torch.zeros(8, 1))"
+    write(tmp_path / "c.py", source.replace("shuffle=True{gen}", "").replace(  # (a sampler of the user's: the
+        "batch_size=2, )", f"sampler=torch.utils.data.RandomSampler({ds}), generator=torch.Generator(), batch_size=2)"))
+    write(tmp_path / "d.py", source.replace(  # loader's generator never reaches it), or inside a batch sampler
+        f"DataLoader({ds}, batch_size=2, shuffle=True{{gen}})",
+        f"DataLoader({ds}, batch_sampler=torch.utils.data.BatchSampler(torch.utils.data.RandomSampler({ds}), 2, False))"))
+    for name in ("a", "c", "d"):
+        with pytest.warns(AmpguardWarning, match=r"the DataLoader's sampler draws from the global RNG: a resume"):
+            build_task(load_config(None, [f"task.factory={tmp_path / name}.py:build"]))
     import warnings
 
     with warnings.catch_warnings():

@@ -198,11 +198,12 @@ def build_from_factory(config: Any) -> Task:
     # each epoch is shuffled anew, as in a plain loop.
     generator = getattr(data, "generator", None)
     start_state = generator.get_state() if isinstance(generator, torch.Generator) else None
-    sampler = getattr(data, "sampler", None)
-    if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None and generator is None:
-        warnings.warn(f"task.factory {spec}: the DataLoader shuffles with the global RNG: a resume, a rollback or "
-                      "locate's replay of a step reads another order than the run did; give it its own seeded "
-                      "generator (DataLoader(..., generator=torch.Generator().manual_seed(config.seed)))",
+    samplers = (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None))
+    if any(hasattr(s, "generator") and s.generator is None for s in samplers):  # (random samplers have one)
+        warnings.warn(f"task.factory {spec}: the DataLoader's sampler draws from the global RNG: a resume, a rollback "
+                      "or locate's replay of a step reads another order than the run did; give it its own seeded "
+                      "generator (DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(config.seed)), "
+                      "or the sampler's generator=)",
                       AmpguardWarning, stacklevel=2)
     if callable(data) and not isinstance(data, Iterable):
         make_iterable = data
