@@ -859,15 +859,24 @@ def build_trackers(config: Config, paths: RunPaths, *, resuming: bool) -> list[T
 def interrupt_code(err: BaseException | None) -> int | None:
     """The exit code of a stop signal that ended a run (:class:`~ampguard.signals.Interrupted`
     carries its own: 143 for a start-up SIGTERM; any other ``KeyboardInterrupt`` is Ctrl-C's 130),
-    also one Python wrapped on its way out; None for anything else.
+    also one Python wrapped on its way out or one an error was raised while handling; None for
+    anything else.
 
     Example::
 
         >>> from ampguard.signals import Interrupted
         >>> interrupt_code(Interrupted(ExitCode.TERMINATED)), interrupt_code(KeyboardInterrupt()), interrupt_code(None)
         (143, 130, None)
+        >>> try:  # (a sink that failed while the run closed after a start-up SIGTERM)
+        ...     try:
+        ...         raise Interrupted(ExitCode.TERMINATED)
+        ...     except KeyboardInterrupt:
+        ...         raise OSError("the disk went away")
+        ... except OSError as err:
+        ...     interrupt_code(err)
+        143
     """
-    for e in (err, getattr(err, "__cause__", None)):
+    for e in (err, getattr(err, "__cause__", None), getattr(err, "__context__", None)):
         if isinstance(e, KeyboardInterrupt):  # (an Interrupted carries its exit_code)
             return int(getattr(e, "exit_code", ExitCode.INTERRUPTED))
     return None
