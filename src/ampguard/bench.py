@@ -1321,6 +1321,9 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
 
         >>> resolution([Result("mlp", "fp32", "bare loop", 1, 1, 1.0, stop="fixed", rounds=[1] * 7)], None)
         []
+        >>> resolution([Result("mlp", "fp32", "bare loop (A/A)", 1, 1, 0.997, ratio_low=0.981, ratio_high=1.12,
+        ...                    stop="fixed", rounds=[1] * 6)], None)  # (fixed rounds: the noise floor alone)
+        ['mlp fp32: noise floor (bare loop against itself) 0.997 [0.981, 1.120]: a ratio within it is not told apart from the bare loop']
 
     Within ``± resolve`` but not called resolved (the budget cut it), and the A/A noise floor::
 
@@ -1335,9 +1338,16 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
     for key in dict.fromkeys((r.workload, r.precision) for r in results):
         rows = [r for r in results if (r.workload, r.precision) == key and r.contender != Bare.name
                 and not math.isnan(r.ratio_to_bare)]
-        if not rows or resolve is None:
+        if not rows:
             continue
         where, done = f"{key[0]} {key[1]}: ", len(rows[0].rounds)
+        floor = next((r for r in rows if r.contender == BareAgain.name and not math.isnan(r.ratio_low)), None)
+        floor_line = [] if floor is None else [
+            where + f"noise floor (bare loop against itself) {floor.ratio_to_bare:.3f} [{floor.ratio_low:.3f}, "
+                    f"{floor.ratio_high:.3f}]: a ratio within it is not told apart from the bare loop"]
+        if resolve is None:  # (fixed rounds: nothing asked to resolve; the noise floor still reads the table)
+            out += floor_line
+            continue
         stop, detail = rows[0].stop, rows[0].stop_detail
         why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran"}.get(stop, stop)
         why += "" if detail is None else f": {detail}"  # (an error's: which contender, which round, why)
@@ -1354,10 +1364,7 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
                       "whole cycle of the round orders") if widest.half_width <= resolve else ""
             out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {counted(done, 'round')}; widest "
                                f"±{widest.half_width:.1%}, {widest.contender}{within})")
-        floor = next((r for r in rows if r.contender == BareAgain.name), None)
-        if floor is not None:
-            out.append(where + f"noise floor (bare loop against itself) {floor.ratio_to_bare:.3f} [{floor.ratio_low:.3f}, "
-                               f"{floor.ratio_high:.3f}]: a ratio within it is not told apart from the bare loop")
+        out += floor_line
     return out
 
 

@@ -577,7 +577,8 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
     at all), held back (:class:`_HeldWarnings`) until ``console`` (stdout) is first written to.
 
     fp16 or fp8 on a CPU is emulated: worth one line on stderr, not Python's two-line warning
-    with a source line. Other warnings are shown as Python shows them.
+    with a source line (``quiet``: none, the other ampguard warnings still one line each). Other
+    warnings are shown as Python shows them.
 
     Example::
 
@@ -598,9 +599,8 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
     from .precision import SlowPrecisionWarning
 
     held = _HeldWarnings()
-    if quiet:
+    if quiet:  # (the demo's other warnings still one line each)
         warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
-        return held
     if console is not None:
         console.before_write = held.release
     shown = warnings.showwarning

@@ -11,6 +11,7 @@ step printed and no run folder: at most a CSV.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     from .build import precision_of, resolve_device
     from .faults import parse_faults
     from .run_folder import RunPaths
+    from .schedule import WarmupPastTheRun
     from .train import finish
     from .train import run as train_run
 
@@ -83,4 +85,7 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     if not launched or os.environ.get("RANK") == "0":  # (under torchrun rank 0 prints, as the run's lines)
         print(f"ampguard demo: nn.Linear, {counted(config.steps, 'step')}, {config.precision} with {scaler}, "
               f"max_norm={config.max_norm}, inject: {', '.join(config.inject) or 'none'}")
-    return finish(train_run(config, outputs=lambda: RunPaths(csv=csv_path), console_every=1))
+    with warnings.catch_warnings():  # (its fixed warm-up of 10 updates is the demo's own, whatever --steps)
+        warnings.simplefilter("ignore", WarmupPastTheRun)
+        result = train_run(config, outputs=lambda: RunPaths(csv=csv_path), console_every=1)
+    return finish(result)

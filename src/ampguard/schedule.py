@@ -18,6 +18,12 @@ from typing import Any
 import torch
 
 from .config import Config
+from .errors import AmpguardWarning
+
+
+class WarmupPastTheRun(AmpguardWarning):
+    """``schedule.warmup`` is longer than the run: the LR never reaches ``optimizer.lr`` (said at
+    a run's start; the demo's fixed warm-up of a short demo is its own choice, not said)."""
 
 
 def lr_multiplier(config: Config) -> Callable[[int], float]:

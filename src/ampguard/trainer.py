@@ -42,6 +42,7 @@ from .integrations.trackers import TrackerSink, check_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
+from .schedule import WarmupPastTheRun
 from .signals import STUCK_AFTER_S, StopFlag, Watched, leave_now, opening, stop_on_signals, watch_stuck
 from .files import DiskFull, disk_full_error, remove_temporaries, writing
 from .sinks import CSV_COLUMNS, ConsoleSink, CsvSink, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink
@@ -237,7 +238,7 @@ class Trainer:
         if config.schedule.warmup > config.steps and not said:
             warnings.warn(f"schedule.warmup {config.schedule.warmup} > steps {config.steps}: the learning rate "
                           f"never reaches optimizer.lr (at most {config.steps / config.schedule.warmup:.3g} of it)",
-                          AmpguardWarning, stacklevel=2)
+                          WarmupPastTheRun, stacklevel=2)
         every, first = (self.headroom.every if self.headroom is not None else None), self.state.steps + 1
         if every is not None and first <= config.steps and config.steps // every * every < first:
             left = "" if first > 1 else " (headroom.csv keeps its header only)"

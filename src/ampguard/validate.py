@@ -1611,6 +1611,9 @@ def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, 
         [['validation.ties: count_as_flip -> accept']]
         >>> earlier_rejections(path, old)  # (the same rules: nothing loosened)
         []
+        >>> [e["changed"] for e in earlier_rejections(path, {**old, "rules": {  # (fp8 now judged: its settings new)
+        ...     "validation.ties": "accept", "fp8.recipe": "tensorwise"}})]
+        [['validation.ties: count_as_flip -> accept']]
     """
     found = []
     with contextlib.suppress(OSError):
@@ -1620,13 +1623,14 @@ def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, 
             except ValueError:
                 continue
             if not (isinstance(entry, dict) and entry.get("accepted") is False and isinstance(entry.get("rules"), dict)
-                    and entry.get("weights") == key["weights"] and entry.get("probe_set") == key["probe_set"]
-                    and entry["rules"] != key["rules"]):
+                    and entry.get("weights") == key["weights"] and entry.get("probe_set") == key["probe_set"]):
                 continue
+            # (a setting one side does not record, fp8's when fp8 was not judged, is no change of it)
             then, now = entry["rules"], key["rules"]
-            changed = [f"{k}: {json.dumps(then.get(k))} -> {json.dumps(now.get(k))}".replace('"', "")
-                       for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
-            found.append({k: entry.get(k) for k in ("time", "report", "verdict")} | {"changed": changed})
+            changed = [f"{k}: {json.dumps(then[k])} -> {json.dumps(now[k])}".replace('"', "")
+                       for k in sorted(set(then) & set(now)) if then[k] != now[k]]
+            if changed:
+                found.append({k: entry.get(k) for k in ("time", "report", "verdict")} | {"changed": changed})
     return found
 
 
