@@ -63,6 +63,7 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     """Print the set-up, train with a line per step, print the closing lines; ``csv`` must not exist."""
     from . import distributed
     from .build import precision_of, resolve_device
+    from .clipping import clip_threshold
     from .faults import parse_faults
     from .run_folder import RunPaths
     from .schedule import WarmupPastTheRun
@@ -84,7 +85,8 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     launched = distributed.launched_by_torchrun()  # (a stray WORLD_SIZE: refused before the set-up line too)
     if not launched or os.environ.get("RANK") == "0":  # (under torchrun rank 0 prints, as the run's lines)
         print(f"ampguard demo: nn.Linear, {counted(config.steps, 'step')}, {config.precision} with {scaler}, "
-              f"max_norm={config.max_norm}, inject: {', '.join(config.inject) or 'none'}")
+              f"{f'max_norm={config.max_norm}' if clip_threshold(config.max_norm) else 'clipping off'}, "
+              f"inject: {', '.join(config.inject) or 'none'}")
     with warnings.catch_warnings():  # (its fixed warm-up of 10 updates is the demo's own, whatever --steps)
         warnings.simplefilter("ignore", WarmupPastTheRun)
         result = train_run(config, outputs=lambda: RunPaths(csv=csv_path), console_every=1)

@@ -142,6 +142,7 @@ def test_a_max_norm_of_zero_or_below_is_clipping_off_as_the_contract_says(cli, t
     # the command line refused a negative one (exit 2) while Guard took it
     code, out, err = cli("demo", "--spike", "--bf16", "--max-norm", given, "--csv", "off.csv")
     assert code == 0, err
+    assert out.splitlines()[0].endswith("no loss scaler, clipping off, inject: spike@5"), out
     _, rows = read_csv(tmp_path / "off.csv")
     assert number(rows[4]["grad_l2_pre_clip"]) > 1e3  # the spike, not clipped
     assert all(r["grad_l2_post_clip"] == r["grad_l2_pre_clip"] for r in rows)
