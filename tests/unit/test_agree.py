@@ -64,6 +64,8 @@ def _rank(rank: int, out: str) -> None:
         results = {"agreed": [t.item() for t in agreed], "origin": origin.tolist(),
                    "exact": _steps(rank, sync_free=False), "sync_free": _steps(rank, sync_free=True)}
         torch.save(results, f"{out}/rank{rank}.pt")
+        dist.barrier()  # (both done before either tears its pairs down: a rank destroying the group while its
+        # peer still used a pair aborted a CI run once in a while, "process 0 terminated with signal SIGABRT")
     finally:
         dist.destroy_process_group()
 
