@@ -51,7 +51,9 @@ def tiny_gpt2(vocab: int = 32, context: int = 16) -> nn.Module:
     """A two-layer GPT-2 from ``transformers``, built from its config: nothing is downloaded."""
     from transformers import GPT2Config, GPT2LMHeadModel  # the optional extra, only for --model gpt2
 
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=vocab, n_positions=context))
+    # (bos/eos within the tiny vocabulary: transformers says so otherwise)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=vocab, n_positions=context,
+                                      bos_token_id=0, eos_token_id=0))
 
 
 class MultiTask(nn.Module):
