@@ -342,3 +342,24 @@ def build(config):
     with warnings.catch_warnings():
         warnings.simplefilter("error", AmpguardWarning)
         build_task(load_config(None, [f"task.factory={tmp_path / 'b.py'}:build"]))
+
+
+def test_a_samplers_own_generator_starts_every_stream_where_the_factory_left_it(tmp_path):
+    # re-read of the session: only the loader's generator was set back at a stream's start, so a
+    # sampler with a generator of its own (what the sampler warning suggests) read another order on a
+    # resume's stream than on the run's
+    write(tmp_path / "s.py", """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+
+def build(config):
+    ds = TensorDataset(torch.arange(8.0)[:, None], torch.zeros(8, 1))
+    data = DataLoader(ds, batch_size=2, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(3)))
+    return nn.Linear(1, 1), data, nn.functional.mse_loss
+""")
+    task = build_task(load_config(None, [f"task.factory={tmp_path / 's.py'}:build"]))
+    order = lambda: [int(v) for x, _ in itertools.islice(task.batches(), 8) for v in x.flatten()]  # noqa: E731
+    first = order()
+    assert order() == first and first[:8] != first[8:]  # (the same stream again; each epoch its own order)

@@ -192,13 +192,14 @@ def build_from_factory(config: Any) -> Task:
                          + (f" (did you mean {close[0]}?)" if close else "") + f"; it takes {', '.join(FACTORY_KEYS)}")
     model, data, loss_fn = made["model"], made["data"], made["loss_fn"]
     _check_model_and_loss(model, loss_fn, spec)
-    # A shuffling DataLoader's own generator advances as it is read (an iterator's seed, then the
-    # sampler's order): its state as the factory left it, before anything here reads it, is where
-    # every stream starts (resume, rollback: the same sequence); within a stream it advances, so
-    # each epoch is shuffled anew, as in a plain loop.
-    generator = getattr(data, "generator", None)
-    start_state = generator.get_state() if isinstance(generator, torch.Generator) else None
+    # A shuffling DataLoader's generators (its own, and a sampler's of the user's) advance as it is
+    # read (an iterator's seed, then the sampler's order): their states as the factory left them,
+    # before anything here reads them, are where every stream starts (resume, rollback: the same
+    # sequence); within a stream they advance, so each epoch is shuffled anew, as in a plain loop.
     samplers = (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None))
+    generators = list({id(g): g for g in (getattr(x, "generator", None) for x in (data, *samplers))
+                       if isinstance(g, torch.Generator)}.values())
+    start_states = [g.get_state() for g in generators]
     if any(hasattr(s, "generator") and s.generator is None for s in samplers):  # (random samplers have one)
         warnings.warn(f"task.factory {spec}: the DataLoader's sampler draws from the global RNG: a resume, a rollback "
                       "or locate's replay of a step reads another order than the run did; give it its own seeded "
@@ -218,8 +219,8 @@ def build_from_factory(config: Any) -> Task:
     if evaluate is not None and not metrics:
         raise InputError(f"task.factory {spec}: evaluate is given, so metrics must name what it returns")
     def restart() -> Any:
-        if start_state is not None:
-            generator.set_state(start_state)
+        for generator, state in zip(generators, start_states):
+            generator.set_state(state)
         return make_iterable()
 
     def stream() -> Iterator[Any]:  # (the generator set once, at the stream's start, not at each epoch's)
