@@ -97,7 +97,7 @@ resume whose model computes one in another dtype says so (:func:`dtype_changes`)
 DATA_ID = ckpt.DATA_ID
 """Payload key (meta): what identifies the task's data when the machine provides it
 (:attr:`ampguard.tasks.Task.data_id`: charlm's corpus is the running Python's standard library); a
-resume on other data is refused (:func:`check_data`)."""
+resume on other data is refused (:func:`ampguard.checkpoint.other_data`)."""
 AUTOCAST_DTYPE_CHANGES = "autocast_dtype_changes"
 """Payload key (meta): the autocast dtype changes said on resume so far (run card lines); a later
 resume carries them on to its card, as :data:`POLICY` does the settings'."""
@@ -1193,21 +1193,6 @@ def _difference(name: str, saved: Any, live: Any, whose: str, depth: int = 0) ->
 
 def _short(value: Any) -> str:
     return shortened(repr(value), 80)
-
-
-def check_data(loaded: Loaded, data_id: str | None) -> None:
-    """Refuse (one :class:`InputError` line naming both) a checkpoint whose task's data is not
-    ``data_id``, this run's (:data:`DATA_ID`, :func:`ampguard.checkpoint.other_data`).
-
-    Example::
-
-        >>> check_data(Loaded(Path("step-00000002.pt"), {DATA_ID: "corpus a"}), "corpus a")
-        >>> check_data(Loaded(Path("step-00000002.pt"), {DATA_ID: "corpus a"}), "corpus b")
-        Traceback (most recent call last):
-        ...
-        ampguard.errors.InputError: step-00000002.pt: it was trained on other data: corpus a; this process's is corpus b
-    """
-    ckpt.other_data(loaded.payload, loaded.path.name, data_id)
 
 
 def check_resume(resume: Resume, config: Config, world_size: int | None = None) -> None:

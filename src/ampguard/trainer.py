@@ -28,7 +28,7 @@ from . import checkpointer as ck
 from . import distributed
 from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
                     check_trainable, fast_path, keep_fp32_modules, precision_of, resolve_device)
-from .checkpoint import checkpoint_step, list_checkpoints
+from .checkpoint import checkpoint_step, list_checkpoints, other_data
 from .config import Config
 from .data import DataStream, check_same_data
 from .errors import AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, raised
@@ -203,7 +203,7 @@ class Trainer:
         if resume is not None:  # still nothing written: a checkpoint that does not fit is one line
             problem = None
             try:
-                ck.check_data(resume.loaded, self.task.data_id)
+                other_data(resume.loaded.payload, resume.loaded.path.name, self.task.data_id)
                 self.checkpointer.check_fits(resume.loaded)
                 self._check_logs(RunPaths.existing(resume.run_dir), resume.loaded.step)
                 self.checkpointer.restore(resume.loaded)  # (each rank its own RNG state: one may not load)
