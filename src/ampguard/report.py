@@ -21,7 +21,7 @@ from .errors import ExitCode, InputError, check_folder_of, counted, first_line, 
 from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor, ScaleHealth
-from .precision import Precision, backend_text
+from .precision import Precision, backend_text, finite_number
 from .records import SKIP_REASONS
 from .run_folder import RunPaths
 from .sinks import Row, read_steps_and_columns, read_steps_csv
@@ -793,6 +793,11 @@ def _scale_used(rows: list[Row], init_scale: float, restarts: Mapping[int, float
         rows[i - 1].scaler_scale if (i := bisect.bisect_left(steps, step)) else init_scale)
 
 
+def _a_scale(value: Any) -> bool:
+    """A loss scale a hand-edited events.jsonl may hold: a finite number > 0 (:func:`finite_number`)."""
+    return finite_number(value) and value > 0
+
+
 def scale_restarts(run_dir: Path, rows: list[Row], init_scale: float) -> dict[int, float]:
     """The steps of a fp16 run whose loss scale was not the one the step before left: after a
     rollback to the checkpoint of step c, the scale after step c (the run's first scale for its
@@ -817,8 +822,8 @@ def scale_restarts(run_dir: Path, rows: list[Row], init_scale: float) -> dict[in
     events = _events_kept(run_dir, lambda e: e.get("event") in ("rollback", "policy_change")
                           and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool))
     changes = [e for e in events if e["event"] == "policy_change" and e.get("key") == "scaler.init_scale"
-               and _policy_number(e.get("new"))]
-    first = float(changes[0]["old"]) if changes and _policy_number(changes[0].get("old")) else init_scale
+               and _a_scale(e.get("new"))]
+    first = float(changes[0]["old"]) if changes and _a_scale(changes[0].get("old")) else init_scale
     restarts: dict[int, float] = {1: first} if first != init_scale else {}
     for event in events:
         if event["event"] == "rollback" and (to := _checkpoint_step(event)) is not None:
@@ -830,10 +835,6 @@ def scale_restarts(run_dir: Path, rows: list[Row], init_scale: float) -> dict[in
         if scale is not None:
             restarts[event["step"] + 1] = scale
     return restarts
-
-
-def _policy_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def headroom_beside(csv_path: Path) -> Path | None:
