@@ -1586,12 +1586,15 @@ def weights_sha256(model: nn.Module) -> str:
         >>> _ = b.load_state_dict(a.state_dict())
         >>> weights_sha256(a) == weights_sha256(b), weights_sha256(a) == weights_sha256(nn.Linear(2, 1))
         (True, False)
+        >>> len(weights_sha256(nn.BatchNorm1d(2).to(torch.bfloat16)))  # (a 0-dim count; a dtype numpy lacks)
+        64
     """
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         t = tensor.detach().cpu().contiguous()
         digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # (flat first: a 0-dim buffer, a BatchNorm's count, cannot be viewed as bytes as it is)
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 

@@ -718,3 +718,17 @@ def test_a_rule_loosened_after_a_rejection_is_said_beside_the_verdict_and_in_the
     assert {e["report"] for e in data["earlier_rejections"]} == {str(tmp_path / "runs" / n) for n in ("strict", "strict-again")}
     lines = history.read_bytes().splitlines()
     assert [json.loads(line)["accepted"] for line in lines if line.startswith(b'{"time": "2')] == [False, False, True]
+
+
+def test_a_model_with_a_zero_dim_buffer_is_validated_and_its_weights_keyed(tmp_path, capsys):
+    # re-read of the session: the history's key hashed each state_dict entry's bytes through a view
+    # that a 0-dim buffer (a BatchNorm's num_batches_tracked) cannot take: validate ended in a traceback
+    (tmp_path / "bn.py").write_text(TIE_FACTORY.replace(
+        "return {\"model\": Fixed()", "return {\"model\": nn.Sequential(nn.BatchNorm1d(1).eval(), Fixed())"),
+        encoding="utf-8")
+    code = main(["validate", "--set", f"task.factory={tmp_path / 'bn.py'}:build", "--set", "device=cpu",
+                 "--set", "validation.precisions=[bf16]", "--set", "validation.min_accuracy=0.5",
+                 "--set", "validation.typical=4", "--out", str(tmp_path / "v")])
+    assert code in (0, 1), capsys.readouterr()
+    _, data = load_report(tmp_path / "v")
+    assert len(data["environment"]["weights_sha256"]) == 64
