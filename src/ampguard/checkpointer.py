@@ -49,7 +49,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import distributed
 from .config import MAX_DEPTH, Config, as_it_ran, flat_keys, is_plain, read_file
-from .errors import AmpguardWarning, InputError, counted, first_line, shortened, whole_number
+from .errors import AmpguardWarning, InputError, counted, first_line, real_number, shortened, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
 from .run_folder import RUN_ID_PATTERN, RunPaths
@@ -1034,7 +1034,7 @@ def _scalar(value: Any) -> bool:
     """A number, or a tensor of one floating-point value (the LR on the fast path)."""
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and value.is_floating_point()
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return real_number(value)
 
 
 def _same_setting(saved: Any, live: Any) -> bool:

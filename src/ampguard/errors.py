@@ -26,6 +26,18 @@ MAX_WINDOW = 10**7
 keeps a ring of that many numbers in memory."""
 
 
+def real_number(value: object) -> bool:
+    """Whether ``value`` is an int or a float, not a bool (Python's ``True`` is an int): what a
+    number read from a file or handed to the library is checked with before its value is.
+
+    Example::
+
+        >>> [real_number(v) for v in (1, 2.5, float("nan"), True, "1", None)]
+        [True, True, True, False, False, False]
+    """
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def whole_number(value: object, least: int = 0) -> bool:
     """Whether ``value`` is an int (not a bool) of at least ``least``: what a count handed to the
     library is checked with (a config's counts are pydantic's).

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .errors import InputError, brief, counted, user_code
-from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, fp32_forward
+from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, finite_number, fp32_forward
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -837,9 +837,8 @@ def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
             or not all(isinstance(b, dict) and {"inputs", "targets"} <= set(b) for b in items)):
         raise problem
     scale = data.get("loss_scale")
-    # (an int is fine; NaN, inf and an int past the largest float fail the comparison)
-    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                                  and 0 < scale <= sys.float_info.max):
+    # (an int is fine; NaN, inf and an int past the largest float are not finite numbers)
+    if scale is not None and not (finite_number(scale) and scale > 0):
         raise InputError(f"{path}: loss_scale must be a finite number > 0, got {brief(scale)}")
     for i, b in enumerate(items):  # a loss over no examples is a NaN mean, not a finding
         first = next(iter(_tensors(b["inputs"])), None)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import brief, counted, whole_number
+from .errors import brief, counted, real_number, whole_number
 from .precision import finite_number, round_float32
 from .records import StepRecord
 
@@ -75,11 +75,6 @@ def _exact(value: float) -> int:
 
 def _flag(value: Any) -> bool:
     return isinstance(value, bool)
-
-
-def _number(value: Any) -> bool:
-    """A real number, finite or not (not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _number_or_none(value: Any) -> bool:
@@ -1312,7 +1307,7 @@ class RunMonitor:
         _need(step is None or whole_number(step), f"{where}final_loss_step", step, "an int >= 0 or None")
         # held-out metrics may be non-finite (a diverged evaluation), the best ones never; so may
         # the last record's values (a NaN loss)
-        _need(_names_to(scalars["eval_last"], _number), f"{where}eval_last", scalars["eval_last"],
+        _need(_names_to(scalars["eval_last"], real_number), f"{where}eval_last", scalars["eval_last"],
               "a mapping of names to numbers")
         _need(_names_to(scalars["eval_best"], finite_number), f"{where}eval_best", scalars["eval_best"],
               "a mapping of names to finite numbers")
@@ -1320,7 +1315,7 @@ class RunMonitor:
         _need(_names_to(skips, whole_number), f"{where}skips", skips, "a mapping of names to ints >= 0")
         origins = state.get("loss_origins", {})
         _need(_names_to(origins, whole_number), f"{where}loss_origins", origins, "a mapping of names to ints >= 0")
-        _need(_names_to(last, lambda v: v is None or _number(v)), f"{where}last", last,
+        _need(_names_to(last, lambda v: v is None or real_number(v)), f"{where}last", last,
               "a mapping of names to numbers or None")
         if "health" in state:
             self.health.check_state(state["health"], f"{where}health.")

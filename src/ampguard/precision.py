@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from .errors import AmpguardWarning, brief, whole_number
+from .errors import AmpguardWarning, brief, real_number, whole_number
 
 PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
@@ -119,7 +119,7 @@ def finite_number(value: object) -> bool:
         >>> [finite_number(v) for v in (1, 2.5, -3, float("inf"), float("nan"), True, "1", None, 10**400)]
         [True, True, True, False, False, False, False, False, False]
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not real_number(value):
         return False
     try:
         return math.isfinite(value)

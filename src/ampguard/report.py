@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .build import build_monitor
 from .clipping import clip_threshold
-from .errors import ExitCode, InputError, check_folder_of, counted, first_line, whole_number
+from .errors import ExitCode, InputError, check_folder_of, counted, first_line, real_number, whole_number
 from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor, ScaleHealth
@@ -215,7 +215,7 @@ def headroom_alerts_text(run_dir: Path | None) -> str:
         if bits in ("-inf", "inf"):  # (an overflow's, written as its text)
             bits = float(bits)
         where = " ".join(str(alert[k]) for k in ("module", "tensor") if isinstance(alert.get(k), str))
-        shown_bits = isinstance(bits, (int, float)) and not isinstance(bits, bool)
+        shown_bits = real_number(bits)
         return f"step {alert['step']}: {where}" + (f" {bits:.1f} bits" if shown_bits else "")
 
     shown_ = "; ".join(said(a) for a in alerts[:HEADROOM_ALERTS_SHOWN])

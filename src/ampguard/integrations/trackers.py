@@ -42,7 +42,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
-import math
 import os
 import sys
 import warnings
@@ -51,8 +50,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import ExitCode, InputError, first_line
+from ..errors import ExitCode, InputError, first_line, real_number
 from ..monitor import HEALTH_VERDICTS
+from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
 from ..sinks import NONE_WRITTEN, DiskFull, require, steps_from
 from ..watch import float32_layers_text
@@ -102,7 +102,7 @@ def step_metrics(record: StepRecord, extra: Mapping[str, float | None] | None = 
     for name in record.optimizers:  # a guard over several optimizers: which of them skipped
         row[f"train/skipped.{name}"] = float(name in record.skipped_optimizers)
     for name, value in (extra or {}).items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if real_number(value):
             row[f"eval/{name}"] = float(value)
     return row
 
@@ -626,7 +626,7 @@ class MLflowSink(TrackerSink):
         self._wait()
         now = int(time.time() * 1000)
         numbers = [Metric(f"summary/{k}", float(v), now, 0) for k, v in totals.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+                   if finite_number(v)]
         tags = [RunTag(f"ampguard.{k}", str(v)[:5000]) for k, v in totals.items()]
         self.client.log_batch(self.run_id, metrics=numbers, tags=tags)
 
