@@ -1712,12 +1712,12 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         config = config.model_copy(update={"validation": cfg})
     folder = reserve_report_folder(out, config.log.dir)
     try:
-        result, (md, js) = _judge(config, folder)
+        result, key, (md, js) = _judge(config, folder)
     except BaseException:  # a refusal, a failed write, Ctrl-C: the folder goes back as it was
         folder.release(written=False)
         raise
     folder.release(written=True)
-    unnoted = note_verdict(folder.path.parent / HISTORY, verdict_key(config, result), result, folder.path)
+    unnoted = note_verdict(folder.path.parent / HISTORY, key, result, folder.path)
     print(f"evaluation set: {result.evaluation_set['description']}")
     for r in result.reference:
         print(f"reference: {r.criterion}: {r.reference} -> {r.decision}")
@@ -1736,8 +1736,10 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
     return ExitCode.OK if result.ok else ExitCode.REJECTED
 
 
-def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, tuple[Path, Path]]:
-    """What :func:`run` does in its reserved ``folder``: check, load, compare, write the report."""
+def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, dict[str, Any], tuple[Path, Path]]:
+    """What :func:`run` does in its reserved ``folder``: check, load, compare, write the report.
+    Returns the verdict, what it is about (:func:`verdict_key`, for the history) and the report's
+    two files."""
     from .checkpoint import load_weights
     from .tasks import build_task
 
@@ -1775,8 +1777,9 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, tuple[Path
         precision.rules.append(training_rule(t, training[0], cfg.min_applied))
     if checkpoint:
         result.environment["checkpoint"] = provenance
-    result.earlier = earlier_rejections(folder.path.parent / HISTORY, verdict_key(config, result))
-    return result, write_report_folder(result, config, folder)
+    key = verdict_key(config, result)
+    result.earlier = earlier_rejections(folder.path.parent / HISTORY, key)
+    return result, key, write_report_folder(result, config, folder)
 
 
 def untrained_reference(config: Config) -> str:
