@@ -12,10 +12,14 @@ the softmax after them squashes them, so nothing downstream grows with them. So 
 step also watches the products of the matmuls the model's own code calls (``torch.matmul``,
 ``@``, ``bmm``, ``baddbmm``, ``mm``, ``einsum``: :data:`MATMULS`, seen by a
 ``TorchFunctionMode``), as the ``matmul`` tensor of the innermost module whose forward computed
-them (an attention module with no parameters of its own too). An attention computed inside
-one function keeps its logits there, unseen: ``F.scaled_dot_product_attention`` (its fused kernels
-on CUDA keep them in float32) and ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``). A compiled model is not watched so (the mode
-would make dynamo compile it again). For each (module, tensor: :data:`TENSORS`) it keeps, on the
+them (an attention module with no parameters of its own too). ``F.scaled_dot_product_attention``
+keeps its logits inside itself, so for a call to it the probe computes them again beside it
+(:func:`attention_logits`: ``q @ k.transpose(-2, -1)`` times the scale, in the dtype the call ran
+in, the causal or boolean mask's entries left out): the ``matmul`` of the module that called it. A
+math kernel computes them so and overflows with them; the fused ones keep them in float32, where
+the row still says how large they grew. ``nn.MultiheadAttention`` computes its attention inside
+``F.multi_head_attention_forward``, unseen. A compiled model is not watched so (the mode would
+make dynamo compile it again). For each (module, tensor: :data:`TENSORS`) it keeps, on the
 device:
 
 - ``amax``: the largest ``|value|`` (of the output, of the gradient of the output, or of the
@@ -95,8 +99,11 @@ MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
                      torch.tensordot})
 """The functions whose products are the ``matmul`` tensor, called by the model's own code
 (``F.linear``, an ``nn.Linear``'s, is its ``output`` already; what a function such as
-``F.multi_head_attention_forward`` or ``F.scaled_dot_product_attention`` computes inside itself is
-not seen: the mode sees the call, not its insides)."""
+``F.multi_head_attention_forward`` computes inside itself is not seen: the mode sees the call, not
+its insides; ``F.scaled_dot_product_attention``'s logits are computed again, :func:`attention_logits`)."""
+LOGITS_CHUNK = 2**24
+"""The most logits :func:`attention_logits` holds at once (32 MiB in a half format): a long
+context's are taken a few (batch, head) slices at a time."""
 CLEAR_MARGIN = 1.0
 """A module's alert clears once its headroom is this many bits above ``alert_bits``, so a value
 hovering at the threshold raises one alert, not one per measured step."""
@@ -270,9 +277,58 @@ def _plain_linear(module: nn.Module) -> bool:
                                               or type(module).__name__ == "Float8Linear")
 
 
+def attention_logits(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: int = LOGITS_CHUNK) -> Iterator[torch.Tensor]:
+    """The logits a ``F.scaled_dot_product_attention(*args, **kwargs)`` call computed inside
+    itself: ``q @ k.transpose(-2, -1)``, each factor times the square root of the scale (1/sqrt of
+    the head size unless ``scale`` is given), as its math kernel does, in the dtype the call's
+    matmul runs in (autocast's, or the inputs'), without autograd; the entries a causal or
+    boolean mask leaves out are 0 (an additive float mask is not added: the product is what
+    overflows). Yielded a few (batch, head) slices at a time, at most about ``chunk`` values each;
+    nothing for inputs the probe cannot read as plain tensors (nested, sparse, not floating).
+
+    Example (two rows of ones, head size 16: each logit 16 / sqrt(16); causal: the first row sees
+    one key; one (batch, head) slice per chunk of 4)::
+
+        >>> q = k = torch.ones(1, 2, 2, 16)
+        >>> [t.tolist() for t in attention_logits((q, k, k), {"is_causal": True}, chunk=4)]
+        [[[[4.0, 0.0], [4.0, 4.0]]], [[[4.0, 0.0], [4.0, 4.0]]]]
+        >>> [t.amax().item() for t in attention_logits((q * 100, k, k), {"scale": 1.0})]
+        [1600.0]
+    """
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    given = {**dict(zip(names, args)), **kwargs}
+    q, k, mask = given.get("query"), given.get("key"), given.get("attn_mask")
+    if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested
+               and t.is_floating_point() and t.dim() >= 2 and t.numel() for t in (q, k)):
+        return
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    scale = given.get("scale")
+    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    if given.get("enable_gqa") and q.dim() >= 3 and k.size(-3) != q.size(-3):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+    length, source = q.size(-2), k.size(-2)
+    keep = None
+    if given.get("is_causal"):  # (top-left aligned, as the call's own mask)
+        keep = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
+    elif isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        keep = mask
+    with torch.no_grad():
+        if q.shape[:-2] != k.shape[:-2] or (keep is not None and keep.dim() > 2):  # (broadcast: all at once)
+            slices = [(q, k, keep)]
+        else:
+            qs, ks = q.reshape(-1, length, q.size(-1)), k.reshape(-1, source, k.size(-1))
+            step = max(1, chunk // (length * source))
+            slices = [(qs[i:i + step], ks[i:i + step], keep) for i in range(0, qs.size(0), step)]
+        for qi, ki, kept in slices:
+            logits = (qi * root) @ (ki * root).transpose(-2, -1)
+            yield logits if kept is None else logits.masked_fill(~kept, 0)
+
+
 class _MatmulProbe(torch.overrides.TorchFunctionMode):
     """Hands ``seen`` the product of each :data:`MATMULS` call made in the block (a floating one
-    with values). The mode is off inside its own handler, so ``seen``'s reductions are not seen.
+    with values), and the logits of each ``F.scaled_dot_product_attention`` call
+    (:func:`attention_logits`). The mode is off inside its own handler, so ``seen``'s reductions
+    are not seen.
 
     Example::
 
@@ -281,6 +337,11 @@ class _MatmulProbe(torch.overrides.TorchFunctionMode):
         ...     _ = torch.ones(2, 3) @ torch.ones(3, 4), torch.ones(2) + 1, torch.einsum("ij->i", torch.ones(2, 2))
         >>> seen
         [torch.Size([2, 4]), torch.Size([2])]
+        >>> q = torch.ones(1, 2, 3, 4)
+        >>> with _MatmulProbe(lambda t: seen.append(t.shape)):
+        ...     _ = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        >>> seen[-1]
+        torch.Size([2, 3, 3])
     """
 
     def __init__(self, seen: Callable[[torch.Tensor], None]) -> None:
@@ -292,6 +353,9 @@ class _MatmulProbe(torch.overrides.TorchFunctionMode):
         if func in MATMULS and isinstance(out, torch.Tensor) and out.layout == torch.strided \
                 and out.is_floating_point() and out.numel():  # (a sparse product has no reductions to take)
             self.seen(out)
+        elif func is torch.nn.functional.scaled_dot_product_attention:
+            for logits in attention_logits(args, kwargs or {}):
+                self.seen(logits)
         return out
 
 

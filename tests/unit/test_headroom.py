@@ -490,6 +490,103 @@ def test_an_attentions_logits_near_overflow_alert_where_every_module_output_is_f
     assert "attn matmul headroom 1.4 bits < alert_bits 3 (amax 2.56e+04, fp16 max 65504)" in events[0].message
 
 
+class _SdpaAttention(nn.Module):
+    """Multi-head attention through ``F.scaled_dot_product_attention``: its logits never leave the call."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int | None = None, causal: bool = True) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.causal = heads, kv_heads or heads, causal
+        self.q = nn.Linear(width, width, bias=False)
+        self.kv = nn.Linear(width, 2 * width * self.kv_heads // heads, bias=False)
+
+    def split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, t, c = x.shape
+        return x.view(b, t, heads, c // heads).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, v = self.kv(x).chunk(2, dim=-1)
+        q, k, v = self.split(self.q(x), self.heads), self.split(k, self.kv_heads), self.split(v, self.kv_heads)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                                             enable_gqa=self.kv_heads != self.heads)
+        return y.transpose(1, 2).flatten(2)
+
+
+def _sdpa_logits_by_hand(model: _SdpaAttention, x: torch.Tensor) -> torch.Tensor:
+    k, _ = model.kv(x).chunk(2, dim=-1)
+    q, k = model.split(model.q(x), model.heads), model.split(k, model.kv_heads)
+    k = k.repeat_interleave(model.heads // model.kv_heads, dim=1)
+    logits = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if model.causal:
+        logits = logits.masked_fill(~torch.ones(x.size(1), x.size(1), dtype=torch.bool).tril(), 0)
+    return logits
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_the_logits_inside_a_scaled_dot_product_attention_are_its_modules_matmul_row(kv_heads):
+    # (the main job's model computes its attention so: before, no logits of it were ever measured)
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(attn=_SdpaAttention(8, heads=2, kv_heads=kv_heads), head=nn.Linear(8, 1)))
+    x = torch.randn(2, 5, 8) * 30
+    plain = model(x)
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        probed = model(x)
+        probed.sum().backward()
+    assert torch.equal(probed, plain)  # (the call's own result, untouched)
+    rows = {(r.module, r.tensor): r for r in headroom.read(1)}
+    by_hand = _sdpa_logits_by_hand(model.attn, x).abs().max().item()
+    assert rows[("attn", "matmul")].amax == pytest.approx(by_hand, rel=1e-5)
+    assert not any(p.grad is None for p in model.parameters())
+
+
+def test_a_causal_attentions_masked_logits_are_not_measured_and_its_overflow_is_an_alert():
+    # queries shrink and keys grow along the sequence (q_i = 5 - i, k_j = j, times c in each of 4
+    # dims): the largest product, q_1 . k_4, is one a causal mask hides; the largest used, q_2 . k_2
+    # or q_3 . k_3, is 6/16 of it
+    model = nn.Sequential(OrderedDict(attn=_SdpaAttention(4, heads=1), head=nn.Linear(4, 1)))
+    with torch.no_grad():
+        model.attn.q.weight.copy_(torch.tensor([[1.0, 0, 0, 0]]).expand(4, 4))
+        model.attn.kv.weight.copy_(torch.cat([torch.tensor([[0, 1.0, 0, 0]]).expand(4, 4), torch.eye(4)]))
+    i = torch.arange(1.0, 5.0)
+    x = torch.stack([5 - i, i, torch.zeros(4), torch.zeros(4)], dim=-1).unsqueeze(0) * 50
+    headroom = Headroom(model, "fp16", every=1, alert_bits=0.5)
+    with headroom.measuring(1):
+        model(x).sum().backward()
+    row = next(r for r in headroom.read(1) if r.tensor == "matmul")
+    assert row.amax == pytest.approx(4 * 6 * 50 * 50 / 2)  # (30000: the masked q_1 . k_4 is 80000)
+    assert headroom.observe_step(1) == []  # (1.1 bits)
+    headroom = Headroom(model, "fp16", every=1, alert_bits=0.5)
+    with headroom.measuring(1):
+        model(x * 2).sum().backward()  # (4x: 120000, past fp16's 65504)
+    events = headroom.observe_step(1)
+    assert [(e.data["module"], e.data["tensor"]) for e in events] == [("attn", "matmul")]
+    assert next(r for r in headroom.read(1) if r.tensor == "matmul").headroom_bits < 0
+
+
+def test_logits_under_autocast_are_computed_in_autocasts_dtype_as_the_call_ran():
+    # fp16 autocast: a logit past 65504 is inf in the half product (what a math kernel computes)
+    model = nn.Sequential(OrderedDict(attn=_SdpaAttention(4, heads=1, causal=False), head=nn.Linear(4, 1)))
+    with torch.no_grad():
+        model.attn.q.weight.copy_(torch.eye(4))
+        model.attn.kv.weight.copy_(torch.cat([torch.eye(4), torch.eye(4)]))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=2.0)
+    with headroom.measuring(1), torch.autocast("cpu", dtype=torch.float16):
+        model(torch.full((1, 2, 4), 200.0))  # (each logit 4 * 200 * 200 / 2 = 80000)
+    row = next(r for r in headroom.read(1) if r.tensor == "matmul")
+    assert row.amax == math.inf and row.headroom_bits == -math.inf
+
+
+def test_the_main_jobs_blocks_have_their_attention_logits_measured():
+    from ampguard.tasks.charlm import Block
+
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(block=Block(n_embd=8, n_head=2)))
+    headroom = Headroom(model, "bf16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.randn(1, 6, 8)).sum().backward()
+    assert [r.module for r in headroom.read(1) if r.tensor == "matmul"] == ["block"]
+
+
 def test_a_linears_own_product_is_its_output_not_a_matmul_row_and_the_probe_leaves_nothing_behind():
     from torch.nn.modules import module as torch_module
     from torch.overrides import _get_current_function_mode_stack
