@@ -456,7 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the least number of paired rounds a case runs (default 7); more are added until every "
                        "ratio is resolved as --resolve says or --budget runs out (--resolve 0: this many, rounded up "
                        "to whole cycles of the round orders)")
-    bench.add_argument("--warmup", type=_positive_int, default=5)
+    bench.add_argument("--warmup", type=_positive_int, default=5,
+                       help="untimed steps of each contender before its rounds (default 5)")
     bench.add_argument("--fused", action="store_true", help="fused AdamW for every contender")
     bench.add_argument("--no-peers", action="store_true", help="leave Accelerate and Fabric out")
     bench.add_argument("--peak-tflops", type=_number, help="the accelerator's peak, for model FLOP utilisation")
