@@ -711,6 +711,10 @@ class RunMonitor:
         min_steps: int = DEFAULT_MIN_STEPS,
         clear_rate: float | None = None,
     ) -> None:
+        for name, rate in (("alert_rate", alert_rate), ("fail_rate", fail_rate)):  # (a rate past 1 never trips,
+            # one below 0 always does: the config refuses both, and so does the library a plugin builds on)
+            if not (rate is None and name == "fail_rate") and not (finite_number(rate) and 0 <= rate <= 1):
+                raise ValueError(f"{name} must be a number in [0, 1], got {rate!r}")
         if clear_rate is not None and not 0 <= clear_rate <= alert_rate:
             raise ValueError(f"clear_rate must be in [0, alert_rate {alert_rate:g}], got {clear_rate}")
         if min_steps < 0:

@@ -1401,6 +1401,20 @@ def test_the_alert_clears_only_at_or_below_clear_rate():
     assert events[5][0].message == "rolling skip rate back to 0.250 <= clear_rate 0.25"
 
 
+@pytest.mark.parametrize("key, rate", [("alert_rate", 5.0), ("alert_rate", -1.0), ("alert_rate", float("nan")),
+                                       ("alert_rate", None), ("fail_rate", 2.0), ("fail_rate", -0.1), ("fail_rate", True)])
+def test_a_rate_outside_zero_to_one_is_refused_where_the_config_would_refuse_it(key, rate):
+    # review_27a #2: an integration builds its monitor from keyword arguments, not the config: a
+    # fail_rate of 2 could never trip and an alert_rate of -1 paged every step, unsaid
+    with pytest.raises(ValueError, match=rf"{key} must be a number in \[0, 1\], got {rate!r}"):
+        RunMonitor(**{key: rate})
+
+
+def test_the_rates_edges_are_taken():
+    m = RunMonitor(alert_rate=1.0, fail_rate=0.0, clear_rate=0.0)
+    assert (m.alert_rate, m.fail_rate) == (1.0, 0.0) and RunMonitor(alert_rate=0, fail_rate=1).fail_rate == 1
+
+
 @pytest.mark.parametrize("clear_rate", [-0.01, 0.06])
 def test_a_clear_rate_outside_zero_to_alert_rate_is_refused(clear_rate):
     with pytest.raises(ValueError, match=r"clear_rate must be in \[0, alert_rate 0.05\]"):
