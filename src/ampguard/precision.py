@@ -16,6 +16,7 @@ import struct
 import sys
 import warnings
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -872,6 +873,43 @@ class Precision:
             enabled=on,
             min_scale=min_scale,
         )
+
+
+SCALER_KEYS = ("enabled", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale")
+"""The settings :meth:`Precision.make_scaler` takes (the config's ``scaler`` section)."""
+
+
+def check_scaler_settings(precision: str, settings: Mapping[str, Any]) -> None:
+    """Loss-scaler settings as a :class:`~ampguard.step.Guard` or an integration is given them (a
+    dict), checked where they are given, before any step: each key one of :data:`SCALER_KEYS`,
+    each value in its range (:meth:`Precision.make_scaler`'s checks), ``enabled: true`` only for a
+    precision that runs a loss scaler. For one that runs none the other settings are taken and do
+    nothing, as the config's ``scaler`` section under bf16 (a loop that switches precision keeps
+    one set of them).
+
+    Example::
+
+        >>> check_scaler_settings("fp16", {"init_scale": 1024.0, "min_scale": 1.0})
+        >>> check_scaler_settings("bf16", {"init_scale": 4.0, "enabled": False})
+        >>> check_scaler_settings("fp16", {"init_scal": 4.0})
+        Traceback (most recent call last):
+        ...
+        ValueError: scaler settings: unknown key 'init_scal' (the keys: enabled, init_scale, growth_factor, backoff_factor, growth_interval, min_scale)
+        >>> check_scaler_settings("bf16", {"enabled": True})
+        Traceback (most recent call last):
+        ...
+        ValueError: bf16 does not use a loss scaler (scaler.enabled must be false)
+        >>> check_scaler_settings("fp16", {"backoff_factor": 0})
+        Traceback (most recent call last):
+        ...
+        ValueError: scaler backoff_factor must be in (0, 1), got 0
+    """
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"scaler settings must be a dict, got {type(settings).__name__}")
+    unknown = [key for key in settings if key not in SCALER_KEYS]
+    if unknown:
+        raise ValueError(f"scaler settings: unknown key {brief(unknown[0])} (the keys: {', '.join(SCALER_KEYS)})")
+    Precision(precision, "cpu").make_scaler(**settings)  # (the values' ranges; enabled=True without a scaler)
 
 
 def backend_of(device: torch.device) -> dict[str, Any]:

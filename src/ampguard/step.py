@@ -29,7 +29,7 @@ from . import distributed
 from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_to_norm_, post_clip_norm,
                        post_clip_value)
 from .errors import AmpguardWarning, whole_number
-from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning
+from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
 from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, _GuardStepping, _hook_stray_steps, _parameter_count,
                     _probe_autocast, _watch_registrations, first_forward_dtypes, holds_gradients)
@@ -201,8 +201,18 @@ def _holders(root: nn.Module, optimizers: dict[str, torch.optim.Optimizer], devi
     return holder
 
 
-def _check_settings(max_norm: Any, scheduler_on_skip: Any, frozen: Any) -> None:
-    """``Guard()``'s plain settings, before anything is read of the model."""
+def check_settings(max_norm: Any, scheduler_on_skip: Any, frozen: Any) -> None:
+    """``Guard()``'s plain settings, before anything is read of the model (and where an
+    integration is given them, long before its first step builds the guard).
+
+    Example::
+
+        >>> check_settings(1.0, "hold", "refuse")
+        >>> check_settings("abc", "hold", "refuse")
+        Traceback (most recent call last):
+        ...
+        TypeError: max_norm must be a number or None, got 'abc' (a str)
+    """
     if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (numbers.Real, torch.Tensor))):
         raise TypeError(f"max_norm must be a number or None, got {max_norm!r} (a {type(max_norm).__name__})")
     if max_norm is not None and not max_norm == max_norm:
@@ -226,6 +236,7 @@ def _adopt_scaler(scaler: Any, precision: Precision) -> GuardedGradScaler:
     """The guard's loss scaler: a given ``GradScaler`` (made a :class:`GuardedGradScaler`, its
     state kept), else the precision's own, from ``scaler``'s settings (a dict) or its defaults."""
     if not isinstance(scaler, torch.amp.GradScaler):
+        check_scaler_settings(precision.name, scaler or {})
         return precision.make_scaler(**(scaler or {}))
     if scaler.is_enabled() and not precision.uses_scaler:
         raise ValueError(f"{precision.name} does not use a loss scaler; pass a disabled one or none")
@@ -495,7 +506,7 @@ class Guard:
         frozen: Literal["refuse", "ignore"] = "refuse",
         fuse_tail: bool = False,
     ) -> None:
-        _check_settings(max_norm, scheduler_on_skip, frozen)
+        check_settings(max_norm, scheduler_on_skip, frozen)
         modules = _modules(model)
         root = _root(model)
         model_device = _model_device(root)

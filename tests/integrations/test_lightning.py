@@ -359,6 +359,15 @@ def test_what_the_plugin_refuses_up_front(tmp_path):
         AmpGuardPlugin("16-true")
     with pytest.raises(ValueError, match="fail_after must be >= 1"):
         AmpGuardPlugin(fail_after=0)
+    # review_27a #2, #5, #6: each was taken here and failed (or did nothing) at the first step
+    with pytest.raises(ValueError, match=r"fail_rate must be a number in \[0, 1\], got 2\.0"):
+        AmpGuardPlugin(fail_rate=2.0)
+    with pytest.raises(TypeError, match="max_norm must be a number or None, got 'abc'"):
+        AmpGuardPlugin(max_norm="abc")
+    with pytest.raises(ValueError, match="unknown key 'init_scal'"):
+        AmpGuardPlugin("16-mixed", scaler={"init_scal": 4.0})
+    with pytest.raises(ValueError, match="unknown key 'init_scal'"):
+        AmpGuardPlugin("bf16-mixed", scaler={"init_scal": 4.0})
     with pytest.raises(ValueError, match="drop the Trainer's gradient_clip_val=1.0"):
         fit(Digits(), AmpGuardPlugin("bf16-mixed"), steps=1, gradient_clip_val=1.0)
     existing = tmp_path / "steps.csv"

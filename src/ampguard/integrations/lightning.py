@@ -74,10 +74,10 @@ from torch import Tensor
 
 from ..errors import ExitCode, InputError, check_folder_of, counted
 from ..monitor import RunMonitor
-from ..precision import GuardedGradScaler, Precision
+from ..precision import GuardedGradScaler, Precision, check_scaler_settings
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
 from ..sinks import CSV_COLUMNS, CsvSink, Sink
-from ..step import Guard
+from ..step import Guard, check_settings
 from ..watch import first_forward_dtypes
 from .trackers import Outcome, end_sinks
 
@@ -187,10 +187,8 @@ class AmpGuardPlugin(_LightningPrecision):
     ) -> None:
         if precision not in _NAMES:
             raise ValueError(f"AmpGuardPlugin(precision={precision!r}): use '16-mixed', 'bf16-mixed' or '32-true'")
-        if scheduler_on_skip not in ("hold", "step"):
-            raise ValueError(f"scheduler_on_skip must be 'hold' or 'step', got {scheduler_on_skip!r}")
-        if max_norm is not None and not max_norm == max_norm:
-            raise ValueError("max_norm must be a number or None, got nan")
+        check_settings(max_norm, scheduler_on_skip, frozen)  # (the guard is built at the first step: its
+        # settings are checked here, as the scaler's and the monitor's below)
         self.precision = {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[_NAMES[precision]]
         self.name = _NAMES[precision]
         self.max_norm = max_norm
@@ -200,6 +198,7 @@ class AmpGuardPlugin(_LightningPrecision):
         # ampguard train's and GuardedTrainer's floor: the scale never falls below 1.0 (a floor of
         # 2**-126 took ~140 skips in a row to reach, so scale_alert and fail_on_scale_collapse never came)
         self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if self.name == "fp16" else dict(scaler or {})
+        check_scaler_settings(self.name, self.scaler_settings)
         self.monitor_settings = dict(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,
                                      fail_after=fail_after, fail_on_scale_collapse=fail_on_scale_collapse,
                                      min_steps=min_steps)
