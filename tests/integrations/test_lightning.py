@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler  # noqa: E
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
-from ampguard.errors import InputError  # noqa: E402
+from ampguard.errors import AmpguardWarning, InputError  # noqa: E402
 from ampguard.faults import parse_fault  # noqa: E402
 from ampguard.integrations.lightning import AmpGuardPlugin  # noqa: E402
 from ampguard.records import LABEL_COLUMNS  # noqa: E402
@@ -262,7 +262,7 @@ def test_an_inf_gradient_under_fp16_is_a_non_finite_grad_skip_that_halves_the_sc
 def test_the_skip_rate_alarm_stops_the_trainer_and_says_why():
     bad = ",".join(str(s) for s in range(3, 40))
     plugin = AmpGuardPlugin("bf16-mixed", fail_rate=0.5, fail_after=3, min_steps=0)
-    with pytest.warns(UserWarning, match="ampguard stopped the trainer"):
+    with pytest.warns(AmpguardWarning, match="ampguard stopped the trainer"):
         trainer = fit(Digits(faults=[f"nan_loss@{bad}"]), plugin, steps=30)
     assert trainer.should_stop and trainer.global_step < 30
     # steps 1-2 applied, skips from 3: the rate is above 0.5 from step 5 (3/5; 2/4 is not above), for
@@ -484,7 +484,7 @@ def test_a_fit_too_short_to_arm_the_alarm_is_judged_at_its_end():
     # ended in silence; the end of the fit judges it whole
     every = ",".join(str(s) for s in range(1, 7))
     plugin = AmpGuardPlugin("bf16-mixed")
-    with pytest.warns(UserWarning, match=r"ampguard ALERT at step 6: skip rate 1\.000 > alert_rate 0\.05 over the "
+    with pytest.warns(AmpguardWarning, match=r"ampguard ALERT at step 6: skip rate 1\.000 > alert_rate 0\.05 over the "
                                          r"run's 6 steps"):
         fit(Digits(faults=[f"nan_loss@{every}"]), plugin, steps=6)
     assert plugin.monitor.alert_episodes == 1 and plugin.stop_reason is None

@@ -72,7 +72,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed in the t
 import torch
 from torch import Tensor
 
-from ..errors import ExitCode, InputError, check_folder_of, counted
+from ..errors import AmpguardWarning, ExitCode, InputError, check_folder_of, counted
 from ..monitor import RunMonitor
 from ..precision import GuardedGradScaler, Precision, check_scaler_settings
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
@@ -281,7 +281,8 @@ class AmpGuardPlugin(_LightningPrecision):
                 rank_zero_warn(f"AmpGuardPlugin: {type(module).__name__}.configure_gradient_clipping is overridden; "
                                f"Lightning runs it before the guard's step, so a clip there (clip_grad_norm_) "
                                f"clips first and the CSV's grad_l2_pre_clip is the norm after it: clip with the "
-                               f"plugin's max_norm and look at gradients in on_before_optimizer_step instead")
+                               f"plugin's max_norm and look at gradients in on_before_optimizer_step instead",
+                               category=AmpguardWarning)
             # the Trainer's setting, read before its first epoch (a GradientAccumulationScheduler, which
             # Lightning allows only with accumulate_grad_batches=1, sets its own at each epoch's start)
             self._accumulation = _group_size(module, trainer)
@@ -356,7 +357,7 @@ class AmpGuardPlugin(_LightningPrecision):
                 scale = "the loss scale starts again at init_scale and " if scaler.is_enabled() else ""
                 rank_zero_warn(f"AmpGuardPlugin: {Path(trainer.ckpt_path).name} holds no ampguard state (saved "
                                f"without the plugin): steps go on from its global_step {trainer.global_step}; "
-                               f"{scale}the skip-rate monitor starts afresh")
+                               f"{scale}the skip-rate monitor starts afresh", category=AmpguardWarning)
         elif trainer.global_step:  # a second fit of the same Trainer: its records' steps go on as Lightning's do
             guard.steps = trainer.global_step
         self.guard, self.monitor = guard, monitor
@@ -461,7 +462,7 @@ class AmpGuardPlugin(_LightningPrecision):
                 raise
             failed.add_note(f"ampguard: closing the plugin's sinks raised too: {later!r}")  # (the fit's error stays)
             # (Lightning swallows a KeyboardInterrupt, and its notes with it: said here too)
-            rank_zero_warn(f"AmpGuardPlugin: closing the sinks raised: {later!r}")
+            rank_zero_warn(f"AmpGuardPlugin: closing the sinks raised: {later!r}", category=AmpguardWarning)
         finally:
             super().teardown()
 
@@ -488,9 +489,9 @@ class AmpGuardPlugin(_LightningPrecision):
         for event in events:
             if event.kind == "fail":
                 self.stop_reason = f"ampguard failed the fit at its end (step {event.step}): {event.message}"
-                rank_zero_warn(self.stop_reason)
+                rank_zero_warn(self.stop_reason, category=AmpguardWarning)
             else:
-                rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}")
+                rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}", category=AmpguardWarning)
 
     def _close_sinks(self, sinks: list[Sink], trainer: pl.Trainer | None) -> None:
         """Every sink closed (one that fails does not keep the others open: the first error is
@@ -662,9 +663,9 @@ class AmpGuardPlugin(_LightningPrecision):
                 set_aside = self._stop(trainer)
                 self.stop_reason = (f"ampguard stopped the trainer at step {event.step}: {event.message}"
                                     + (f" (set aside: the Trainer's {set_aside})" if set_aside else ""))
-                rank_zero_warn(self.stop_reason)
+                rank_zero_warn(self.stop_reason, category=AmpguardWarning)
             elif event.kind in ("skip_rate_alert", "scale_alert"):
-                rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}")
+                rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}", category=AmpguardWarning)
         # several optimizers (a GAN's D and G steps in one training_step): keys of their own,
         # ampguard/<optimizer>/..., or the second record's values would replace the first's
         prefix = f"ampguard/{'+'.join(record.optimizers)}/" if record.optimizers else "ampguard/"

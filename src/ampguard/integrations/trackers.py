@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import ExitCode, InputError, first_line, real_number
+from ..errors import AmpguardWarning, ExitCode, InputError, first_line, real_number
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
@@ -324,7 +324,7 @@ class TrackerSink:
         raise NotImplementedError
 
 
-class ForkedRunWarning(UserWarning):
+class ForkedRunWarning(AmpguardWarning):
     """An :class:`MLflowSink` continued in a new run (:meth:`MLflowSink._fork`): a resume replays
     steps the run it was given already holds."""
 
