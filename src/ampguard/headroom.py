@@ -17,9 +17,9 @@ keeps its logits inside itself, so for a call to it the probe computes them agai
 (:func:`attention_logits`: ``q @ k.transpose(-2, -1)`` times the scale, in the dtype the call ran
 in, the causal or boolean mask's entries left out): the ``matmul`` of the module that called it. A
 math kernel computes them so and overflows with them; the fused ones keep them in float32, where
-the row still says how large they grew. ``nn.MultiheadAttention`` computes its attention inside
-``F.multi_head_attention_forward``, unseen. A compiled model is not watched so (the mode would
-make dynamo compile it again). For each (module, tensor: :data:`TENSORS`) it keeps, on the
+the row still says how large they grew. So are ``nn.MultiheadAttention``'s, inside
+``F.multi_head_attention_forward`` (:func:`mha_logits`: projected again from the call's weights).
+A compiled model is not watched so (the mode would make dynamo compile it again). For each (module, tensor: :data:`TENSORS`) it keeps, on the
 device:
 
 - ``amax``: the largest ``|value|`` (of the output, of the gradient of the output, or of the
@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -98,9 +99,9 @@ MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
                      torch.addmm, torch.Tensor.addmm, torch.addbmm, torch.Tensor.addbmm, torch.einsum,
                      torch.tensordot})
 """The functions whose products are the ``matmul`` tensor, called by the model's own code
-(``F.linear``, an ``nn.Linear``'s, is its ``output`` already; what a function such as
-``F.multi_head_attention_forward`` computes inside itself is not seen: the mode sees the call, not
-its insides; ``F.scaled_dot_product_attention``'s logits are computed again, :func:`attention_logits`)."""
+(``F.linear``, an ``nn.Linear``'s, is its ``output`` already; what a function computes inside
+itself is not seen: the mode sees the call, not its insides; the logits of the two attention
+functions are computed again beside the call, :data:`_ATTENTIONS`)."""
 LOGITS_CHUNK = 2**24
 """The most logits :func:`attention_logits` holds at once (32 MiB in a half format): a long
 context's are taken a few (batch, head) slices at a time."""
@@ -282,46 +283,154 @@ def attention_logits(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: int =
     itself: ``q @ k.transpose(-2, -1)``, each factor times the square root of the scale (1/sqrt of
     the head size unless ``scale`` is given), as its math kernel does, in the dtype the call's
     matmul runs in (autocast's, or the inputs'), without autograd; the entries a causal or
-    boolean mask leaves out are 0 (an additive float mask is not added: the product is what
-    overflows). Yielded a few (batch, head) slices at a time, at most about ``chunk`` values each;
-    nothing for inputs the probe cannot read as plain tensors (nested, sparse, not floating).
+    boolean mask leaves out are 0, and so are a float mask's ``-inf`` ones (its other values are
+    not added: the product is what overflows). Yielded in parts of at most about ``chunk`` values
+    (:func:`_parts`: a batch, a head at a time); nothing for inputs the probe cannot read as plain
+    tensors (nested, sparse, not floating).
 
     Example (two rows of ones, head size 16: each logit 16 / sqrt(16); causal: the first row sees
-    one key; one (batch, head) slice per chunk of 4)::
+    one key; one head's logits per chunk of 4, :func:`_parts`)::
 
         >>> q = k = torch.ones(1, 2, 2, 16)
         >>> [t.tolist() for t in attention_logits((q, k, k), {"is_causal": True}, chunk=4)]
         [[[[4.0, 0.0], [4.0, 4.0]]], [[[4.0, 0.0], [4.0, 4.0]]]]
         >>> [t.amax().item() for t in attention_logits((q * 100, k, k), {"scale": 1.0})]
         [1600.0]
+        >>> additive = torch.tensor([[0.0, -math.inf], [0.0, 0.0]])  # (a float mask: -inf is not attended)
+        >>> [t[0, 0].tolist() for t in attention_logits((q, k, k, additive), {})]
+        [[[4.0, 0.0], [4.0, 4.0]]]
     """
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     given = {**dict(zip(names, args)), **kwargs}
     q, k, mask = given.get("query"), given.get("key"), given.get("attn_mask")
-    if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested
-               and t.is_floating_point() and t.dim() >= 2 and t.numel() for t in (q, k)):
+    if not (_plain(q) and _plain(k) and q.dim() >= 2 and k.dim() >= 2):
         return
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
     scale = given.get("scale")
     root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
     if given.get("enable_gqa") and q.dim() >= 3 and k.size(-3) != q.size(-3):
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
-    length, source = q.size(-2), k.size(-2)
     keep = None
     if given.get("is_causal"):  # (top-left aligned, as the call's own mask)
-        keep = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
-    elif isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-        keep = mask
+        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    elif isinstance(mask, torch.Tensor):  # (True: attended; in a float mask, added, -inf: not)
+        keep = mask if mask.dtype == torch.bool else mask != -math.inf
+    yield from _logits(q, k, root, keep, chunk)
+
+
+_MHA_PARAMETERS = tuple(inspect.signature(torch.nn.functional.multi_head_attention_forward).parameters)
+
+
+def mha_logits(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: int = LOGITS_CHUNK) -> Iterator[torch.Tensor]:
+    """The logits an ``nn.MultiheadAttention`` computes inside ``F.multi_head_attention_forward(*args,
+    **kwargs)`` (sequence first, as the module calls it): each head's ``q @ k.transpose(-2, -1) /
+    sqrt(head size)``, ``q`` and ``k`` projected again from the call's own weights (packed or
+    separate, with ``bias_k``), the entries ``attn_mask`` or ``key_padding_mask`` hides left out
+    (True in a boolean one; ``-inf`` in a float one, as the module hands them on); as
+    :func:`attention_logits` otherwise. Nothing for a call with
+    ``static_k`` or inputs the probe cannot read.
+
+    Example (one head of 16, every logit 8 * 8 * 16 / sqrt(16) = 256; the last key padded away)::
+
+        >>> mha = nn.MultiheadAttention(16, 1, bias=False)
+        >>> _ = mha.in_proj_weight.data.copy_(torch.eye(16).repeat(3, 1))
+        >>> x = torch.full((2, 1, 16), 8.0)  # (length 2, batch 1)
+        >>> seen = []
+        >>> with _MatmulProbe(lambda t: seen.append(t)):
+        ...     _ = mha(x, x, x, key_padding_mask=torch.tensor([[False, True]]))
+        >>> seen[0].tolist()
+        [[[[256.0, 0.0], [256.0, 0.0]]]]
+    """
+    given = {**dict(zip(_MHA_PARAMETERS, args)), **kwargs}
+    query, key, heads = given.get("query"), given.get("key"), given.get("num_heads")
+    if not (_plain(query) and _plain(key) and isinstance(heads, int) and heads > 0) or given.get("static_k") is not None:
+        return
+    assert isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+    masks = [given.get("attn_mask"), given.get("key_padding_mask")]
+    if query.dim() == 2:  # (unbatched: a batch of one, as the call makes it)
+        query, key = query.unsqueeze(1), key.unsqueeze(1)
+        if isinstance(masks[1], torch.Tensor):
+            masks[1] = masks[1].unsqueeze(0)
+    length, batch, width = query.shape
+    size = width // heads
+    bias = given.get("in_proj_bias")
+    if given.get("use_separate_proj_weight"):
+        w_q, w_k = given.get("q_proj_weight"), given.get("k_proj_weight")
+    else:
+        w_q, w_k = given["in_proj_weight"][:width], given["in_proj_weight"][width:2 * width]
     with torch.no_grad():
-        if q.shape[:-2] != k.shape[:-2] or (keep is not None and keep.dim() > 2):  # (broadcast: all at once)
-            slices = [(q, k, keep)]
-        else:
-            qs, ks = q.reshape(-1, length, q.size(-1)), k.reshape(-1, source, k.size(-1))
-            step = max(1, chunk // (length * source))
-            slices = [(qs[i:i + step], ks[i:i + step], keep) for i in range(0, qs.size(0), step)]
-        for qi, ki, kept in slices:
+        q = torch.nn.functional.linear(query, w_q, None if bias is None else bias[:width])
+        k = torch.nn.functional.linear(key, w_k, None if bias is None else bias[width:2 * width])
+        if given.get("bias_k") is not None:  # (one more key, which every mask lets through)
+            k = torch.cat([k, given["bias_k"].repeat(1, batch, 1)])
+        source = k.size(0)
+        q = q.reshape(length, batch, heads, size).permute(1, 2, 0, 3)
+        k = k.reshape(source, batch, heads, size).permute(1, 2, 0, 3)
+    keep = None
+    for i, mask in enumerate(masks):
+        if isinstance(mask, torch.Tensor) and mask.numel():
+            hidden = mask if mask.dtype == torch.bool else mask == -math.inf
+            kept = ~torch.nn.functional.pad(hidden, (0, source - mask.size(-1)), value=False)
+            if i == 1:  # key_padding_mask: (batch, source)
+                kept = kept.view(batch, 1, 1, source)
+            elif kept.dim() == 3:  # attn_mask by batch and head: (batch * heads, length, source)
+                kept = kept.view(batch, heads, length, source)
+            keep = kept if keep is None else keep & kept
+    yield from _logits(q, k, size ** -0.25, keep, chunk)
+
+
+def _plain(t: Any) -> bool:
+    """A tensor the attention probes read: floating, dense, with values."""
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested and t.is_floating_point()
+            and t.numel() > 0)
+
+
+def _logits(q: torch.Tensor, k: torch.Tensor, root: float, keep: torch.Tensor | None,
+            chunk: int) -> Iterator[torch.Tensor]:
+    """``(q * root) @ (k * root).transpose(-2, -1)``, the entries ``keep`` (a boolean mask that
+    broadcasts to the logits) leaves out 0, without autograd, in parts of at most about ``chunk``
+    values when ``q`` and ``k`` have the same leading dimensions (:func:`_parts`), else whole."""
+    with torch.no_grad():
+        parts = _parts(q, k, keep, chunk) if q.shape[:-2] == k.shape[:-2] else iter([(q, k, keep)])
+        for qi, ki, kept in parts:
             logits = (qi * root) @ (ki * root).transpose(-2, -1)
             yield logits if kept is None else logits.masked_fill(~kept, 0)
+
+
+def _parts(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor | None,
+           budget: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """``q``, ``k`` and ``keep`` cut along their leading dimensions, outermost first, into parts
+    whose logits are at most ``budget`` values (one row of the innermost leading dimension when
+    even that is more).
+
+    Example (batch 2 x heads 3, 4 x 4 logits each: 96 values)::
+
+        >>> q = torch.ones(2, 3, 4, 8)
+        >>> [tuple(p[0].shape) for p in _parts(q, q, None, budget=40)]
+        [(2, 4, 8), (1, 4, 8), (2, 4, 8), (1, 4, 8)]
+        >>> [tuple(p[0].shape) for p in _parts(q, q, None, budget=50)]
+        [(1, 3, 4, 8), (1, 3, 4, 8)]
+    """
+    total = q.numel() // q.size(-1) * k.size(-2)
+    if q.dim() <= 2 or total <= budget:
+        yield q, k, keep
+        return
+    per = total // q.size(0)  # (the logits of one slice of the first dimension)
+    step = max(1, budget // per)
+    own = keep is not None and keep.dim() == q.dim() and keep.size(0) > 1  # (else it broadcasts over it)
+    for i in range(0, q.size(0), step):
+        kept = keep[i:i + step] if own and keep is not None else keep
+        if per <= budget:
+            yield q[i:i + step], k[i:i + step], kept
+        else:  # (one slice is still too many: its own leading dimensions, the next in)
+            inner = kept[0] if kept is not None and kept.dim() == q.dim() else kept
+            yield from _parts(q[i], k[i], inner, budget)
+
+
+_ATTENTIONS: dict[Callable[..., Any], Callable[..., Iterator[torch.Tensor]]] = {
+    torch.nn.functional.scaled_dot_product_attention: attention_logits,
+    torch.nn.functional.multi_head_attention_forward: mha_logits,
+}
+"""The attention functions whose logits the probe computes again beside the call."""
 
 
 class _MatmulProbe(torch.overrides.TorchFunctionMode):
@@ -341,7 +450,7 @@ class _MatmulProbe(torch.overrides.TorchFunctionMode):
         >>> with _MatmulProbe(lambda t: seen.append(t.shape)):
         ...     _ = torch.nn.functional.scaled_dot_product_attention(q, q, q)
         >>> seen[-1]
-        torch.Size([2, 3, 3])
+        torch.Size([1, 2, 3, 3])
     """
 
     def __init__(self, seen: Callable[[torch.Tensor], None]) -> None:
@@ -353,8 +462,8 @@ class _MatmulProbe(torch.overrides.TorchFunctionMode):
         if func in MATMULS and isinstance(out, torch.Tensor) and out.layout == torch.strided \
                 and out.is_floating_point() and out.numel():  # (a sparse product has no reductions to take)
             self.seen(out)
-        elif func is torch.nn.functional.scaled_dot_product_attention:
-            for logits in attention_logits(args, kwargs or {}):
+        elif func in _ATTENTIONS:
+            for logits in _ATTENTIONS[func](args, kwargs or {}):
                 self.seen(logits)
         return out
 

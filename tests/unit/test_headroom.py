@@ -576,6 +576,68 @@ def test_logits_under_autocast_are_computed_in_autocasts_dtype_as_the_call_ran()
     assert row.amax == math.inf and row.headroom_bits == -math.inf
 
 
+def _mha_logits_by_hand(mha: nn.MultiheadAttention, x: torch.Tensor, kv: torch.Tensor,
+                        hidden: torch.Tensor | None = None) -> torch.Tensor:
+    # (batch first; the packed or separate projections; hidden: (length, source) True = not attended)
+    e, h = mha.embed_dim, mha.num_heads
+    if mha._qkv_same_embed_dim:
+        w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e:2 * e]
+    else:
+        w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
+    b = mha.in_proj_bias
+    q = torch.nn.functional.linear(x, w_q, None if b is None else b[:e])
+    k = torch.nn.functional.linear(kv, w_k, None if b is None else b[e:2 * e])
+    if mha.bias_k is not None:
+        k = torch.cat([k, mha.bias_k.transpose(0, 1).expand(k.size(0), 1, e)], dim=1)
+    split = lambda t: t.view(t.size(0), t.size(1), h, e // h).transpose(1, 2)  # noqa: E731
+    logits = split(q) @ split(k).transpose(-2, -1) / math.sqrt(e // h)
+    if hidden is not None:
+        logits = logits.masked_fill(torch.nn.functional.pad(hidden, (0, logits.size(-1) - hidden.size(-1))), 0)
+    return logits
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_the_logits_inside_a_multihead_attention_are_its_matmul_row_its_causal_mask_left_out(need_weights):
+    # nn.TransformerEncoderLayer's way: a float causal mask (-inf above the diagonal), batch first;
+    # with need_weights=False the call runs SDPA inside, with it a bmm: unseen either way before
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    model = nn.Sequential(OrderedDict(attn=mha))
+    x = torch.randn(2, 5, 8) * 20
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    hidden = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        out, _ = mha(x, x, x, attn_mask=causal, need_weights=need_weights)
+        out.sum().backward()
+    row = next(r for r in headroom.read(1) if r.tensor == "matmul")
+    with torch.no_grad():
+        by_hand = _mha_logits_by_hand(mha, x, x, hidden).abs().max().item()
+        unmasked = _mha_logits_by_hand(mha, x, x).abs().max().item()
+    assert by_hand != unmasked  # (the mask hides this batch's largest logit: the test can tell)
+    assert row.module == "attn" and row.amax == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_a_multihead_attentions_separate_projections_bias_k_and_padding_are_read_as_the_call_reads_them():
+    torch.manual_seed(1)
+    mha = nn.MultiheadAttention(8, 2, kdim=4, vdim=4, add_bias_kv=True, batch_first=True)
+    model = nn.Sequential(OrderedDict(attn=mha))
+    x, kv = torch.randn(2, 3, 8) * 10, torch.randn(2, 4, 4) * 10
+    kv[0, 3] *= 10  # (a padded key far larger than the rest: its logits must not count)
+    padding = torch.tensor([[False, False, True, True], [False, False, False, False]])
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        out, _ = mha(x, kv, kv, key_padding_mask=padding)
+        out.sum().backward()
+    with torch.no_grad():
+        logits = _mha_logits_by_hand(mha, x, kv)
+        padded = torch.nn.functional.pad(padding, (0, 1)).view(2, 1, 1, 5)  # (bias_k's key: never padded)
+        by_hand = logits.masked_fill(padded, 0).abs().max().item()
+    assert by_hand < logits.abs().max().item() / 2
+    row = next(r for r in headroom.read(1) if r.tensor == "matmul")
+    assert row.amax == pytest.approx(by_hand, rel=1e-5)
+
+
 def test_the_main_jobs_blocks_have_their_attention_logits_measured():
     from ampguard.tasks.charlm import Block
 
