@@ -579,7 +579,9 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
 
     fp16 or fp8 on a CPU is emulated: worth one line on stderr, not Python's two-line warning
     with a source line (``quiet``: none, the other ampguard warnings still one line each). Other
-    warnings are shown as Python shows them.
+    warnings are shown as Python shows them. Under torchrun only rank 0 shows ampguard's (every
+    rank runs the same config on the same global stream, so each said it once per rank), as
+    Lightning's ``rank_zero_warn``; errors are every rank's own.
 
     Example::
 
@@ -606,9 +608,14 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
         console.before_write = held.release
     shown = warnings.showwarning
 
+    # (torchrun's; as text: a bad one is refused later, in one line)
+    another_rank = os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1") and \
+        os.environ.get("RANK", "0").strip() not in ("", "0")
+
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, AmpguardWarning):  # (SlowPrecisionWarning among them)
-            held.say(f"ampguard: warning: {message}")
+            if not another_rank:
+                held.say(f"ampguard: warning: {message}")
         else:
             shown(message, category, filename, lineno, file, line)
 

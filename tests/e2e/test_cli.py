@@ -213,6 +213,32 @@ def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_p
             Precision("fp16", "cpu").check(torch.nn.Linear(2, 2), torch.device("cpu"))
 
 
+@pytest.mark.parametrize("rank, world, shown", [("1", "2", False), ("0", "2", True), ("1", "1", True), ("", "", True)])
+def test_under_torchrun_only_rank_0_says_ampguards_warnings(monkeypatch, rank, world, shown):
+    # every rank runs the same config on the same global stream: each warning came once per rank
+    import contextlib
+    import io
+
+    from ampguard.cli import _slow_precision_in_one_line
+    from ampguard.errors import AmpguardWarning
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    err = io.StringIO()
+    kept = warnings.showwarning
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(err):
+            warnings.simplefilter("always")
+            _slow_precision_in_one_line(quiet=False).release()
+            warnings.warn("the schedule's warmup is longer than the run", AmpguardWarning)
+            warnings.warn("a plain warning", UserWarning)  # (not ampguard's: Python's, on every rank)
+    finally:
+        warnings.showwarning = kept
+    lines = err.getvalue().splitlines()
+    assert ("ampguard: warning: the schedule's warmup is longer than the run" in lines) is shown
+    assert any("UserWarning: a plain warning" in line for line in lines)
+
+
 # ---------------------------------------------------------------------------- train
 
 
