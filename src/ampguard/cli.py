@@ -623,9 +623,18 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
     return held
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def entry() -> int:
+    """The ``ampguard`` command (the console script; ``python -m ampguard``): :func:`main` on this
+    process's own command line. The process ends next, so once the exit code is decided a SIGTERM
+    is ignored (``settle``): under torchrun a rank stopped with the others must not be reported
+    as killed by the SIGTERM torchrun sends the ranks still running."""
+    return main(settle=True)
+
+
+def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
     """Run ``ampguard ARGV`` and return its exit code (:class:`ExitCode`): bad input is one line
-    ``ampguard: error: ...`` on stderr and 2, Ctrl-C is 130; anything else is a bug and raises.
+    ``ampguard: error: ...`` on stderr and 2, Ctrl-C is 130, SIGTERM 143; anything else is a bug
+    and raises. ``settle``: this process ends when it returns (:func:`entry`).
 
     Example::
 
@@ -644,7 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ended: finished: 2 steps
         0
     """
-    from .signals import Interrupted, held_signals, tolerant_console
+    from .signals import Interrupted, held_signals, terminated_as_interrupted, tolerant_console
 
     if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # `ulimit -f` reached: a write error (disk full), not a kill
@@ -659,7 +668,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             with warnings.catch_warnings():  # restores the caller's filters (main() runs in-process in tests)
                 # (the CPU demo is fp16 on purpose: quiet)
                 held = _slow_precision_in_one_line(quiet=args.func is _demo, console=console)
-                code = int(args.func(args))
+                with terminated_as_interrupted(settle=settle):
+                    code = int(args.func(args))
             held.release()
             return code
         except InputError as err:  # (a warning held back stays so: the refusal is the one line)

@@ -511,22 +511,61 @@ def any_ranks(flags: list[bool], device: torch.device) -> list[bool]:
     return [v > 0 for v in highest([int(f) for f in flags], device)]
 
 
+def peer_gone(err: BaseException) -> bool:
+    """Whether ``err`` is a collective failing because another process of the group ended: a
+    ``torch.distributed`` error (NCCL's, the store's), or gloo's ``RuntimeError`` "Connection
+    closed by peer" / "reset by peer"; never in a group of one (:func:`~ampguard.signals.opening`
+    then waits for the launcher's stop signal).
+
+    Example (no process group)::
+
+        >>> peer_gone(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2178"))
+        False
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(err, RuntimeError) and any(words in str(err) for words in ("closed by peer", "reset by peer"))
+
+
+def ending() -> None:
+    """This rank's run is ending, its exit code decided: under torchrun (its agent's
+    ``TORCHELASTIC_RUN_ID``, ``WORLD_SIZE`` > 1) or in a process group a SIGTERM is ignored from here. torchrun sends one to every rank still running as soon as one
+    rank exits with a non-zero code (a guard's stop, exit 3; a start-up stopped by a signal, 143),
+    and this rank's own code (the same stop) must stand rather than become -15, nor may the
+    signal cut short what the ending takes back. One process is left as it is.
+
+    Example (one process: nothing changes)::
+
+        >>> import signal
+        >>> before = signal.getsignal(signal.SIGTERM)
+        >>> ending()
+        >>> signal.getsignal(signal.SIGTERM) is before
+        True
+    """
+    import signal
+
+    try:  # (torchrun's agent names its run: a WORLD_SIZE alone, a test's, is not torchrun's)
+        launched = "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    except ValueError:  # (refused at the start in one line; nothing to settle here)
+        launched = False
+    if launched or (dist.is_available() and dist.is_initialized()):
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # pragma: no cover - not the main thread: signals are not ours to set
+            pass
+
+
 def shutdown() -> None:
     """Leave the process group, if this process joined one, after freeing what still uses it.
-
-    From here the process only exits, so a SIGTERM is ignored: torchrun sends one to every rank
-    still running as soon as one rank exits with a non-zero code (a guard's stop, exit 3, is
-    one), and this rank's own exit code (the same stop) must stand rather than become -15."""
+    From here the process only exits: :func:`ending` first."""
+    ending()
     if dist.is_available() and dist.is_initialized():
         import gc
-        import signal
 
         # a DDP model still held in a reference cycle (the finished run's trainer) is freed now,
         # with its process group: freed in the interpreter's teardown instead, its reducer
         # aborted the process ("terminate called without an active exception", exit -6)
         gc.collect()
-        try:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        except ValueError:  # pragma: no cover - not the main thread: signals are not ours to set
-            pass
         dist.destroy_process_group()

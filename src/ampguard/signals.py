@@ -284,8 +284,17 @@ START_STUCK_AFTER_S = 5.0
 thread as waiting in C (far below torchrun's 30 s from its SIGTERM to its SIGKILL)."""
 
 
+PEER_STOP_WAIT_S = 20.0
+"""How long a start-up whose collective failed because a peer process ended waits for the stop
+signal the launcher sends the ranks left (:func:`opening`'s ``peer_gone``). torchrun sends it
+within its 0.1 s monitor interval of the peer's exit, but the peer's socket closes when it leaves
+the process group, and its exit (the interpreter's teardown) can take seconds more on a loaded
+machine: 5 s was once too short in the test suite. An error no signal follows is raised then."""
+
+
 @contextmanager
-def opening(on_stuck: Callable[[int], None]) -> Iterator[None]:
+def opening(on_stuck: Callable[[int], None],
+            peer_gone: Callable[[BaseException], bool] | None = None) -> Iterator[None]:
     """While a run opens (its folder made, its sinks opened, its ranks agreeing on both), SIGTERM
     unwinds it as Ctrl-C does: :class:`Interrupted` (143) is raised where the main thread is, so
     the caller takes back what the start-up made. (SIGTERM's default ended the process at once:
@@ -295,6 +304,12 @@ def opening(on_stuck: Callable[[int], None]) -> Iterator[None]:
     :data:`START_STUCK_AFTER_S` after a SIGTERM or SIGINT is handed to ``on_stuck(signum)`` from a
     watcher thread (:func:`watch_stuck`): the caller takes back what it can and ends the process.
     A SIGTERM the process was started with ignored stays ignored.
+
+    Under torchrun a stop signal may reach one rank alone: it unwinds and ends, and the others'
+    next start-up collective fails at once ("Connection closed by peer"), before the SIGTERM
+    torchrun then sends them. An error ``peer_gone(err)`` takes for that waits up to
+    :data:`PEER_STOP_WAIT_S` for that signal, which then ends this rank as its own would (143,
+    one line, not a traceback); with none it is raised as it came.
 
     Example::
 
@@ -317,10 +332,57 @@ def opening(on_stuck: Callable[[int], None]) -> Iterator[None]:
         previous, installed = signal.signal(signal.SIGTERM, handler), True
     try:
         with watch_stuck(flag, lambda: START_STUCK_AFTER_S, on_stuck), Watched(flag):
-            yield
+            try:
+                yield
+            except Exception as err:
+                if installed and peer_gone is not None and peer_gone(err):
+                    deadline = time.monotonic() + PEER_STOP_WAIT_S
+                    while time.monotonic() < deadline:  # (the signal's handler raises here)
+                        time.sleep(0.02)
+                raise
     finally:
         if installed:  # (a handler set outside Python reads as None: the default is what can be put back)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@contextmanager
+def terminated_as_interrupted(*, settle: bool = False) -> Iterator[None]:
+    """For a verb's time (the command line's :func:`~ampguard.cli.main`), SIGTERM raises
+    :class:`Interrupted` (143) where the main thread is, as Ctrl-C raises ``KeyboardInterrupt``:
+    what a verb does before a run's own handlers are set (``--resume`` finding and loading its
+    checkpoint, a config read) or without a run (``validate``, ``locate``) unwinds as a Ctrl-C does
+    (SIGTERM's default ended it at once: exit -15, no line). A run's start-up and loop put handlers
+    of their own over this one and back. On the way out the handler before is put back; with
+    ``settle`` (the process ends next: its exit code is decided) SIGTERM is ignored instead:
+    torchrun sends one to every rank still running as soon as one ends with a non-zero code, and
+    this rank's own code, the same stop, must stand rather than become -15. A SIGTERM the process
+    was started with ignored stays ignored; off the main thread nothing is set.
+
+    Example::
+
+        >>> try:
+        ...     with terminated_as_interrupted():
+        ...         os.kill(os.getpid(), signal.SIGTERM)
+        ...         time.sleep(1)  # (the handler raises here)
+        ... except Interrupted as err:
+        ...     print(int(err.exit_code))
+        143
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(ExitCode.TERMINATED)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:  # (a handler set outside Python reads as None: the default is what can be put back)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if settle else signal.SIG_DFL if previous is None else previous)
 
 
 def leave_now(signum: int, take_back: Callable[[], None] | None = None) -> None:

@@ -319,7 +319,8 @@ class Trainer:
         """Open the outputs, train until ``config.steps`` (or a guard's stop, or Ctrl-C), save the
         last checkpoint, close: the :class:`RunResult` (and, with a run folder, its card and plot).
         """
-        with opening(functools.partial(leave_now, take_back=self.take_back)):  # SIGTERM unwinds it as Ctrl-C does
+        # (SIGTERM unwinds it as Ctrl-C does; a peer that ended makes a collective fail: its stop, awaited)
+        with opening(functools.partial(leave_now, take_back=self.take_back), distributed.peer_gone):
             self._open()
         first_step = self._first_step = self.state.steps
         crashed: Exception | None = None

@@ -4,6 +4,8 @@ Usage: ``python pause_in_startup.py MARKER PHASE ARGS...`` with PHASE one of
 
 - ``torch_import``: inside the command line's import of torch (``importlib.import_module("torch")``
   in ``ampguard.cli.main``, where signals are held); torch is not imported before it;
+- ``loading_resume``: while ``train --resume`` finds and loads its checkpoint
+  (``checkpointer.find_resume``), before the config is read and before any run handler is set;
 - ``building``: while the trainer builds the run (its ``build_state``: model, optimizer, scaler),
   before anything is written;
 - ``run_folder``: right after the new run folder was made (``RunPaths.new_run_dir`` returned),
@@ -62,6 +64,16 @@ def main(argv: list[str]) -> int:
             return import_module(name, package)
 
         importlib.import_module = importing  # ampguard.cli calls it through the module
+    elif phase == "loading_resume":
+        from ampguard import checkpointer
+
+        find_resume = checkpointer.find_resume
+
+        def loading(*a: Any, **k: Any) -> Any:
+            _pause(marker, phase)
+            return find_resume(*a, **k)
+
+        checkpointer.find_resume = loading  # ampguard.cli imports it from its module when it runs
     elif phase == "building":
         from ampguard import trainer
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ag, card_table, end_all, ok, read_rows
+from helpers import ag, card_table, end_all, ok, read_rows, snapshot_of
 
 HERE = Path(__file__).resolve().parent
 # (log.plot false: a plot costs each run a second of matplotlib; the one test about the closing draws it)
@@ -73,7 +73,7 @@ CARD_SIGNALS = {"int": [signal.SIGINT], "int-int": [signal.SIGINT, signal.SIGINT
                 "term-int": [signal.SIGTERM, signal.SIGINT]}
 PAUSE_IN_STARTUP = HERE / "pause_in_startup.py"
 PHASES = ["torch_import", "building", "run_folder", "before_step_1"]
-TERM_PHASES = ["building", "run_folder", "run_folder_in_c"]
+TERM_PHASES = ["loading_resume", "building", "run_folder", "run_folder_in_c"]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,12 @@ def paused(tmp_path_factory):
                                      "--set", "steps=100000", "--set", "log.name=s"), cwd, cwd / "paused")
         for phase in TERM_PHASES:
             cwd = tmp_path_factory.mktemp(f"startup-term-{phase}")
-            started[f"SIGTERM-{phase}"] = (_spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, "train",
-                                                  *LINEAR, "--set", "steps=100000", "--set", "log.name=s"),
+            if phase == "loading_resume":  # (a finished run of 2 steps, resumed for more)
+                ok(ag("train", *LINEAR, "--set", "steps=2", "--set", f"log.dir={cwd / 'runs'}", "--set", "log.name=s"))
+                argv = ["train", "--resume", "runs/s", "--set", "steps=100000"]
+            else:
+                argv = ["train", *LINEAR, "--set", "steps=100000", "--set", "log.name=s"]
+            started[f"SIGTERM-{phase}"] = (_spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, *argv),
                                            cwd, cwd / "paused")
         yield started
     finally:
@@ -208,6 +212,7 @@ def test_sigterm_during_start_up_exits_143_and_takes_the_new_run_folder_back(pau
     # ended by its watcher after the grace (1 s here), the folder taken back too
     proc, cwd, marker = paused[f"SIGTERM-{phase}"]
     _wait_for(marker.exists, proc)
+    before = snapshot_of(cwd / "runs") if phase == "loading_resume" else None
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     if phase != "run_folder_in_c":  # (that one is never let go)
@@ -215,6 +220,9 @@ def test_sigterm_during_start_up_exits_143_and_takes_the_new_run_folder_back(pau
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 143, out + err
     assert err == "ampguard: interrupted\n", err
+    if phase == "loading_resume":  # review_27b #2: before any run handler, SIGTERM's default: -15, no line
+        assert out == "" and snapshot_of(cwd / "runs") == before
+        return
     if phase == "building":
         assert out == ""
     else:

@@ -42,6 +42,10 @@
 
 - ``O``: a SIGTERM to rank 1's process alone, in its third step: every rank stops at the same
   boundary and ends with 143, the card saying SIGTERM (rank 0 said 130, "Ctrl-C").
+- ``G``: a SIGTERM to rank 0's process alone while it builds the run (start-up): rank 0 unwinds
+  and ends with 143; rank 1's next start-up collective fails at once ("Connection closed by
+  peer", a traceback and exit 1, before torchrun's SIGTERM reached it): it now waits for that
+  signal and ends with 143 too, one line each, no run folder left.
 - ``L``: rank 0's SIGTERM before step 3's boundary and rank 1's own just after the boundary's
   agreement (a scheduler's signal reaching the nodes milliseconds apart): every rank stops there
   with 143 and the checkpoint (rank 1 took its own signal for a second one, skipped the save and
@@ -154,6 +158,15 @@ if os.environ.get("LATE_TERM"):  # L: rank 0's SIGTERM before step 3's boundary,
         return interrupted, full
 
     trainer.Trainer._agree = late
+if os.environ.get("TERM_RANK_0_OPENING"):  # G: a SIGTERM to rank 0 alone while it builds the run's task
+    build_task = trainer._build_task
+
+    def building(*args, **kwargs):
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return build_task(*args, **kwargs)
+
+    trainer._build_task = building
 code = int(main(sys.argv[2:]))
 Path(f"{sys.argv[1]}.rank{os.environ['RANK']}.rc").write_text(str(code))  # (helpers.rank_codes)
 sys.exit(code)
@@ -248,6 +261,7 @@ def early(work: Path) -> dict[str, tuple]:
         "B": [*KILLED_RUN[:-1], "log.name=B"],
         "B1": [*KILLED_RUN[:-1], "log.name=B1"],
         "M": [*KILLED_RUN[:-1], "log.name=M", "--set", "task.options.table=3"],
+        "G": [*RUN, "--set", "steps=4", "--set", "log.name=G"],
         "T": [*RUN, "--set", "steps=1000000", "--set", "log.every=100000", "--set", "checkpoint.every=100000",
               "--set", "log.name=T"],
     }
@@ -256,7 +270,7 @@ def early(work: Path) -> dict[str, tuple]:
     specs = {name: [*args, "--set", "log.plot=false"] for name, args in specs.items()}
     sizes = {"D": 2000}  # (ulimit -f: rank 0's CSV finds no room)
     rank_1 = {"C": ["--set", "optimizer.lr=0.5"], "M": ["--set", "task.options.table=5"]}  # rank 1's own --set
-    own_env = {"W": {"KILL_RANK_1": "1"}, "H": {"HANG_RANK_1": "1"}, "O": {"TERM_RANK_1": "1"}, "L": {"LATE_TERM": "1"},
+    own_env = {"W": {"KILL_RANK_1": "1"}, "H": {"HANG_RANK_1": "1"}, "O": {"TERM_RANK_1": "1"}, "L": {"LATE_TERM": "1"}, "G": {"TERM_RANK_0_OPENING": "1"},
                "B": {"DATA_RAISES": "every"}, "B1": {"DATA_RAISES": "1"}}
     started: dict[str, Launch] = {}
     try:
@@ -616,3 +630,12 @@ def test_a_ranks_own_signal_just_after_the_agreed_stop_is_not_a_second_one(launc
     run = cwd / "runs" / "L"
     assert "| ended | interrupted (SIGTERM) after step 3 |" in (run / "RUN.md").read_text(encoding="utf-8")
     assert (run / "checkpoints" / "step-00000003.pt").exists()
+
+
+def test_a_sigterm_to_rank_0_alone_in_its_start_up_ends_every_rank_with_143_and_one_line(launches):
+    # review_27b #1: rank 1 died of its collective's "Connection closed by peer" traceback, exit 1
+    code, out, err, cwd = launches["G"]
+    assert rank_codes(cwd) == {0: ExitCode.TERMINATED, 1: ExitCode.TERMINATED}, f"torchrun exited {code}\n{err[-3000:]}"
+    # (torchrun's own traceback, its ChildFailedError for rank 0's 143, is not a rank's)
+    assert not re.search(r"\[rank\d\]: Traceback", err) and err.count("ampguard: interrupted") == 2, err[-3000:]
+    assert not (cwd / "runs" / "G").exists()

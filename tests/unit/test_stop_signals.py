@@ -1,0 +1,99 @@
+"""Stop signals at the edges of a process's life: a verb before a run's own handlers, a start-up
+whose peer ended, a rank whose exit code is decided (review_27b)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from ampguard import distributed, signals
+from ampguard.errors import ExitCode
+from ampguard.signals import Interrupted, opening, terminated_as_interrupted
+
+
+@pytest.fixture
+def sigterm_put_back():
+    """Whatever a test does to SIGTERM's handler, the suite gets its own back."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _term_soon(after_s: float = 0.2) -> threading.Timer:
+    timer = threading.Timer(after_s, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    return timer
+
+
+def test_a_verbs_sigterm_unwinds_as_an_interrupt_and_the_handler_before_is_put_back(sigterm_put_back):
+    def mine(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, mine)
+    with pytest.raises(Interrupted) as raised, terminated_as_interrupted():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert raised.value.exit_code == ExitCode.TERMINATED
+    assert signal.getsignal(signal.SIGTERM) is mine
+
+
+def test_a_settled_process_ignores_sigterm_once_its_verb_is_done(sigterm_put_back):
+    # (the process ends next: torchrun's SIGTERM to the ranks left must not turn a decided 143 into -15)
+    with terminated_as_interrupted(settle=True):
+        pass
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with pytest.raises(Interrupted), terminated_as_interrupted(settle=True):  # (an interrupt settles it too)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_a_sigterm_ignored_at_the_start_stays_ignored(sigterm_put_back):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with terminated_as_interrupted():
+        os.kill(os.getpid(), signal.SIGTERM)  # (a background job's: not ours to honour)
+        time.sleep(0.05)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_a_start_up_whose_peer_ended_waits_for_the_launchers_stop_and_ends_as_it_would(sigterm_put_back):
+    # a peer stopped alone unwinds and exits; this rank's collective fails at once, before torchrun's
+    # SIGTERM: that signal is awaited and ends this rank with 143 instead of the collective's traceback
+    gone = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2178")
+    timer = _term_soon()
+    started = time.monotonic()
+    with pytest.raises(Interrupted) as raised, opening(lambda signum: None, lambda err: err is gone):
+        raise gone
+    timer.join()
+    assert raised.value.exit_code == ExitCode.TERMINATED and raised.value.__context__ is gone
+    assert time.monotonic() - started < signals.PEER_STOP_WAIT_S
+
+
+def test_a_start_up_error_no_stop_follows_is_raised_as_it_came(sigterm_put_back, monkeypatch):
+    monkeypatch.setattr(signals, "PEER_STOP_WAIT_S", 0.2)
+    gone, other = RuntimeError("Connection closed by peer"), ValueError("not a peer's")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as raised, opening(lambda signum: None, lambda err: err is gone):
+        raise gone
+    assert raised.value is gone and time.monotonic() - started >= 0.2
+    started = time.monotonic()
+    with pytest.raises(ValueError), opening(lambda signum: None, lambda err: err is gone):  # (not awaited)
+        raise other
+    assert time.monotonic() - started < 0.2
+
+
+def test_under_torchrun_a_rank_whose_run_is_ending_ignores_sigterm(sigterm_put_back, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    distributed.ending()  # (a WORLD_SIZE alone is not torchrun's)
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    distributed.ending()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
