@@ -37,8 +37,11 @@ FAIL_SKIP_RATE = "skip_rate"
 """``Event.cause`` of a fail-fast on the rolling skip rate (above ``fail_rate`` for ``fail_after`` steps)."""
 FAIL_SCALE_COLLAPSE = "scale_collapse"
 """``Event.cause`` of a fail-fast on the loss scale (at its floor and skipping for ``fail_after`` steps)."""
-FAIL_CAUSES: tuple[str, ...] = (FAIL_SKIP_RATE, FAIL_SCALE_COLLAPSE)
-"""Every cause a :class:`RunMonitor` failure can carry."""
+FAIL_NON_FINITE_UPDATE = "non_finite_update"
+"""``Event.cause`` of a stock HF ``Trainer``'s failure (the integration's callback, not a monitor
+rule: the step was not skipped): an update it applied made the weights non-finite."""
+FAIL_CAUSES: tuple[str, ...] = (FAIL_SKIP_RATE, FAIL_SCALE_COLLAPSE, FAIL_NON_FINITE_UPDATE)
+"""Every cause a failure event can carry."""
 
 DEFAULT_MIN_STEPS = 100
 """Steps a :class:`RunMonitor` sees before its skip-rate ALERT is armed (``monitor.min_steps``).
@@ -281,7 +284,7 @@ class Event:
         >>> Event(3, "fail", "no cause")
         Traceback (most recent call last):
         ...
-        ValueError: a fail event needs a cause (one of skip_rate, scale_collapse), got None
+        ValueError: a fail event needs a cause (one of skip_rate, scale_collapse, non_finite_update), got None
     """
 
     step: int

@@ -143,7 +143,8 @@ def test_guarded_trainer_fail_fast_stops_the_trainer_and_says_why(tmp_path):
 
 def test_stock_trainer_with_the_callback_alone_sees_the_poisoned_update_it_cannot_stop(tmp_path):
     # fp16=True on a CPU: Accelerate makes no scaler and no autocast; bf16 here has no scaler either.
-    # Nothing skips the inf gradient: HF applies it, the callback says so.
+    # Nothing skips the inf gradient: HF applies it, the callback says so and stops the run there
+    # (a guard failure, exit code 3: every later step would be NaN).
     lines: list[str] = []
     model = tiny_gpt2()
     callback = AmpGuardCallback(print_fn=lines.append)
@@ -158,11 +159,12 @@ def test_stock_trainer_with_the_callback_alone_sees_the_poisoned_update_it_canno
     card = (tmp_path / "out" / "ampguard" / "RUN.md").read_text()
     assert f"| float32 under autocast | {float32_layers_text(dtypes)} |" in card
     rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
-    assert [r["skipped"] for r in rows] == ["0"] * 4
+    assert [r["skipped"] for r in rows] == ["0"] * 3  # stopped at step 3 of 4
     assert rows[0]["loss"] == rows[0]["grad_l2_pre_clip"] == ""  # not shown to a callback
     assert 0 < float(rows[0]["grad_l2_post_clip"]) <= 1.0 + 1e-5 and float(rows[0]["lr"]) == 3e-3
     assert rows[2]["grad_l2_post_clip"] in ("nan", "inf")
-    assert any(line.startswith("ALERT 3 the Trainer applied a non-finite gradient") for line in lines)
+    assert any(line.startswith("FAIL 3 the Trainer applied a non-finite gradient") for line in lines)
+    assert trainer.state.global_step == 3 and callback.exit_code == 3
     assert not finite(model)  # what the guard exists to prevent
 
 

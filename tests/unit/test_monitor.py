@@ -733,7 +733,7 @@ def test_fail_event_must_carry_a_known_cause():
     for bad in (None, "", "skip rate"):
         with pytest.raises(ValueError, match="cause"):
             Event(1, "fail", "m", cause=bad)
-    assert FAIL_CAUSES == ("skip_rate", "scale_collapse")  # the strings events.jsonl carries
+    assert FAIL_CAUSES == ("skip_rate", "scale_collapse", "non_finite_update")  # the strings events.jsonl carries
 
 
 MIXED = "cSccccccccSScccccccSccccSSSSccccccccccSSSSScc"  # S: skipped step, c: clean step

@@ -42,14 +42,15 @@ from accelerate.utils import convert_to_fp32
 from transformers import Trainer, TrainerCallback
 
 from ..clipping import global_l2_norm
-from ..errors import ExitCode, InputError, counted, first_line
+from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line
 from ..events import EventLog, event_word
 from ..files import replace_atomically
-from ..monitor import DEFAULT_MIN_STEPS, RunMonitor
-from ..precision import Precision
+from ..monitor import DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
+from ..precision import Precision, check_scaler_settings
 from ..records import SkipLog, StepLog, StepRecord
+from ..signals import Interrupted, StopFlag, stop_on_signals
 from ..sinks import CsvSink, Sink, set_aside
-from ..step import Guard, holds_gradients
+from ..step import Guard, check_settings, holds_gradients
 from ..watch import first_forward_dtypes, float32_layers_text
 from .accelerate import _inner, found_inf
 
@@ -61,17 +62,21 @@ STATE_NAME = "ampguard_state.json"  # in each HF checkpoint-N folder: the guard'
 WATCH_ONLY = ("AmpGuardCallback on a stock Trainer only watches (no loss check before backward, no pre-clip norm: "
               "the CSV's loss and grad_l2_pre_clip stay empty): use ampguard.integrations.transformers."
               "GuardedTrainer(..., ampguard=...) to guard the step")
+TWO_CALLBACKS = ("two AmpGuardCallbacks in one Trainer: each would write its own rows into the same steps.csv; "
+                 "give one (GuardedTrainer: as ampguard= or in callbacks=, not both)")
 
 
-class WatchOnlyWarning(UserWarning):
+class WatchOnlyWarning(AmpguardWarning):
     """:class:`AmpGuardCallback` was added to a stock ``Trainer``: it watches the steps, it does
     not guard them (warned when training begins, on process 0). Where watching is all you want:
-    ``warnings.filterwarnings("ignore", category=WatchOnlyWarning)``.
+    ``warnings.filterwarnings("ignore", category=WatchOnlyWarning)`` (or ``category=AmpguardWarning``
+    for all of ampguard's warnings).
 
     Example::
 
-        >>> issubclass(WatchOnlyWarning, UserWarning)  # shown by default, as Python shows a UserWarning
-        True
+        >>> from ampguard.errors import AmpguardWarning
+        >>> issubclass(WatchOnlyWarning, AmpguardWarning), issubclass(WatchOnlyWarning, UserWarning)  # shown by default
+        (True, True)
     """
 
 
@@ -195,15 +200,21 @@ class AmpGuardCallback(TrainerCallback):
         self._serving: list[Sink] = []  # those it writes and its end ends (process 0's)
         self._logged_skips = 0  # the monitor's skips at HF's last training log (add_to_log)
         self._logged_steps = 0  # and its steps there: the final log adds keys only for steps after it
+        self._stop: StopFlag | None = None  # GuardedTrainer: its train()'s stop signals (SIGINT, SIGTERM)
+        self._stop_told = False  # control.should_training_stop set for self.failed
+        self._fresh: list[Path] = []  # the files this train()'s on_train_begin created (withdrawn on a refusal)
+        self._poisoned: str | None = None  # stock Trainer: the step being written made the weights non-finite
 
     @property
     def exit_code(self) -> int:
-        """0; 3 (``ExitCode.GUARD``) once a guard stopped the run; 130 after a Ctrl-C and 1
-        after an error that ended ``train()`` (seen by :class:`GuardedTrainer`)."""
+        """0; 3 (``ExitCode.GUARD``) once a guard stopped the run (on a stock ``Trainer`` also
+        when an update it applied made the weights non-finite); 130 after a Ctrl-C, 143 after a
+        SIGTERM and 1 after an error that ended ``train()`` (seen by :class:`GuardedTrainer`)."""
         if self.failed is not None:
             return GUARD_EXIT_CODE
-        if self.crash is not None:
-            return int(ExitCode.INTERRUPTED) if isinstance(self.crash, KeyboardInterrupt) else 1
+        if self.crash is not None:  # (an Interrupted carries its signal's code: 143 for SIGTERM)
+            return int(getattr(self.crash, "exit_code", ExitCode.INTERRUPTED)) \
+                if isinstance(self.crash, KeyboardInterrupt) else 1
         return 0
 
     # ---------------------------------------------------------------- fed by GuardedTrainer
@@ -220,9 +231,20 @@ class AmpGuardCallback(TrainerCallback):
     ``Trainer`` noted by the callback itself around the first micro-batch (:meth:`on_step_begin`)."""
 
     def take(self, record: StepRecord) -> None:
-        """The guard's record of the step that just closed (called by :class:`GuardedTrainer`)."""
+        """The guard's record of the step that just closed (called by :class:`GuardedTrainer`),
+        written at once: the step is applied (or skipped) already, so its row is kept whatever
+        ends ``train()`` before HF's ``on_step_end`` (another callback's Ctrl-C there, a signal).
+        A second stop signal waits until the row and the monitor's events are written."""
         self._guarded = True
-        self._pending = record
+        self._pending = record  # (on_pre_optimizer_step: a guarded step closed this group)
+        stop = self._stop
+        if stop is not None:
+            stop.holding = True
+        try:
+            self._write(record)
+        finally:
+            if stop is not None:
+                stop.release()  # (a second signal that waited interrupts now)
 
     def resume(self, step: int, monitor_state: dict[str, Any] | None, source: str,
                logged: dict[str, Any] | None = None) -> None:
@@ -252,7 +274,9 @@ class AmpGuardCallback(TrainerCallback):
         if self.monitor is None or self._ended:
             return
         self.crash = error
-        if isinstance(error, KeyboardInterrupt):
+        if isinstance(error, Interrupted):  # a stop signal taken up at a boundary: "interrupted (SIGTERM)"
+            self.ended = self.ended or f"{error} after step {self.monitor.steps}"
+        elif isinstance(error, KeyboardInterrupt):
             self.ended = self.ended or f"interrupted after step {self.monitor.steps}"
         else:
             self.ended = self.ended or f"crashed after step {self.monitor.steps}: {first_line(error, with_type=True)}"
@@ -263,7 +287,17 @@ class AmpGuardCallback(TrainerCallback):
 
     # ---------------------------------------------------------------- Trainer events
 
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Refuse a second ``AmpGuardCallback`` in the Trainer (``Trainer(callbacks=[a, b])``, or
+        one instance twice) while the Trainer is built, before anything is written: HF calls each
+        callback's ``on_init_end`` with the Trainer's one ``TrainerControl``, which notes them."""
+        _one_per_trainer(control, self)
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # a second AmpGuardCallback added after the Trainer was built (trainer.add_callback): the
+        # first one opened this train()'s files already; it takes them back, then this one refuses
+        _one_per_trainer(state, self, withdraw=True)
+        self._stop_told, self._fresh = False, []
         resume, self._resume = self._resume, None  # (taken first: a refusal below leaves none to a later train())
         # HF's auto_find_batch_size begins the loop again, with a smaller batch, after an out-of-memory:
         # the files this train() opened are still open (no run_end); they go on from the new attempt's
@@ -331,6 +365,7 @@ class AmpGuardCallback(TrainerCallback):
                 kept = set_aside(folder / CSV_NAME, state.global_step, header=True)
             # a resume appends (the CSV cut after the checkpoint's step); a fresh run refuses an existing file
             goes_on = resume is not None or retry
+            self._fresh = [] if goes_on else [folder / CSV_NAME, folder / EVENTS_NAME]
             self._csv = CsvSink(folder / CSV_NAME, append=goes_on,
                                 keep_through=resume[0] if resume is not None else state.global_step if retry else None)
             self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=goes_on)
@@ -364,6 +399,7 @@ class AmpGuardCallback(TrainerCallback):
         leaf of the model HF hands callbacks noting its output's dtype
         (``watch.first_forward_dtypes``), closed at that micro-batch's end (:meth:`_stop_noting`):
         the card's "float32 under autocast", as :class:`GuardedTrainer`'s guard notes it."""
+        self._stop_here()
         if self._guarded or self.autocast_dtypes is not None or self._noting is not None or not (args.fp16 or args.bf16):
             return
         model = kwargs.get("model")
@@ -373,6 +409,18 @@ class AmpGuardCallback(TrainerCallback):
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stop_noting()
+        self._stop_here()
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._stop_here()  # (an evaluation inside train(): a stop signal waits no longer than a batch)
+
+    def _stop_here(self) -> None:
+        """A boundary where :class:`GuardedTrainer` takes up a stop signal (its ``train()``'s
+        :func:`~ampguard.signals.stop_on_signals`): raise :class:`~ampguard.signals.Interrupted`
+        with its exit code (130 Ctrl-C, 143 SIGTERM), which ``train()`` writes down, as a Ctrl-C."""
+        stop = self._stop
+        if stop is not None and stop.requested and not stop.closing:
+            raise Interrupted(stop.exit_code)
 
     def _stop_noting(self, abandoned: bool = False) -> None:
         """Close the first forward's dtype hooks (:meth:`on_step_begin`). ``abandoned``: the
@@ -422,18 +470,46 @@ class AmpGuardCallback(TrainerCallback):
         bad = found_inf(scaler, optimizer) if scaler is not None and scaler.is_enabled() else None
         self._watch = {"lr": optimizer.param_groups[0]["lr"], "post": global_l2_norm(params), "bad": bad}
 
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """On a stock ``Trainer``: the step just applied (or skipped by Accelerate's scaler) is
+        written here, before ``on_step_end``, so that another callback's error or Ctrl-C there
+        does not lose its row (HF's ``global_step`` counts it only after this)."""
+        if not self._guarded and self._watch:
+            self._write(self._watched(kwargs.get("optimizer"), state.global_step + 1))
+            self._stop_training(control)
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        record = self._pending if self._guarded else self._watched(kwargs.get("optimizer"), state.global_step)
+        """The step's end: its row is written already (:meth:`take`, :meth:`on_optimizer_step`;
+        here only for a stock step no ``on_optimizer_step`` took); a failure stops the Trainer."""
+        if not self._guarded and self._watch:
+            self._write(self._watched(kwargs.get("optimizer"), state.global_step))
         self._pending = None
+        self._stop_training(control)
+        self._stop_here()
+
+    def _write(self, record: StepRecord | None) -> None:
+        """One step's record to the CSV and the sinks (process 0), then to the monitor: its
+        events, its failure (and a stock Trainer's non-finite weights, :meth:`_watched`)."""
         if record is None or self.monitor is None:
             return
         sinks = self._serving
         for sink in [self._csv, *sinks] if self._csv is not None else sinks:
             sink.write(record)
-        self._tell(self.monitor.observe(record), every_step=True)
-        if self.monitor.failed is not None and self.failed is None:
-            self.failed = self.monitor.failed
-            self.ended = f"stopped by a guard at step {record.step}: {self.failed.message}"
+        events: list[Any] = self.monitor.observe(record)
+        poisoned, self._poisoned = self._poisoned, None
+        failed = self.monitor.failed
+        if poisoned is not None and failed is None and self.failed is None:
+            failed = Event(record.step, "fail", poisoned, cause=FAIL_NON_FINITE_UPDATE)
+            events.append(failed)
+        self._tell(events, every_step=True)
+        if failed is not None and self.failed is None:
+            self.failed = failed
+            self.ended = f"stopped by a guard at step {record.step}: {failed.message}"
+
+    def _stop_training(self, control: Any) -> None:
+        """A failure stops the Trainer at this step (``control.should_training_stop``), once."""
+        if self.failed is not None and not self._stop_told and self.monitor is not None:
+            self._stop_told = True
             control.should_training_stop = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
@@ -465,6 +541,7 @@ class AmpGuardCallback(TrainerCallback):
         self._stop_noting()  # (a train() that ended before a micro-batch did)
         if self.monitor is None or self._ended:
             return
+        self._stop_here()  # (a stop signal after the last step, in HF's last save or evaluation: interrupted)
         if self.failed is None:  # a run too short to arm the ALERT or to fail fast is judged whole
             self._tell(self.monitor.at_end(self.monitor.steps))
             if self.monitor.failed is not None:
@@ -548,6 +625,20 @@ class AmpGuardCallback(TrainerCallback):
         except Exception as err:  # noqa: BLE001 - the new train() is not stopped by the old one's sinks
             warnings.warn(f"AmpGuardCallback: ending the previous train()'s sinks raised: {err!r}", stacklevel=2)
 
+    def _withdraw(self) -> None:
+        """This ``train()``'s ``on_train_begin`` ran, then a second ``AmpGuardCallback`` in the
+        same Trainer was refused (:func:`_one_per_trainer`) before any step: the files it
+        created are removed (a CSV header, no row: a corrected run would be refused them as
+        "already exists"), those it appends to closed as they are, its sinks left unused."""
+        for sink in (self._csv, self._events):
+            if sink is not None:
+                sink.close()
+        self._csv = self._events = None
+        for path in self._fresh:
+            path.unlink(missing_ok=True)
+        self._fresh, self._given, self._serving = [], [], []
+        self.monitor, self._ended = None, True
+
     def _emit(self, event: dict[str, Any], word: str | None) -> None:
         if self._events is not None:
             self._events.emit(event, word)
@@ -573,10 +664,44 @@ class AmpGuardCallback(TrainerCallback):
         if bad:
             return SkipLog(**common, grad_l2_post_clip=None, reason="non_finite_grad")
         if not math.isfinite(post):
-            self._emit({"step": step, "event": "non_finite_update", "message": (
-                f"the Trainer applied a non-finite gradient (norm {post}): no loss scaler skips it; the "
-                "weights are now non-finite (GuardedTrainer would have skipped the step)")}, "ALERT")
+            # (a rare step: one more host read, whether the optimizer really wrote non-finite weights)
+            if _non_finite(params := [p for group in optimizer.param_groups for p in group["params"]]):
+                # every later step's gradients are non-finite too: nothing more to train; a guard
+                # failure (exit 3), as ampguard train never lets a non-finite update reach the weights
+                self._poisoned = (f"the Trainer applied a non-finite gradient (norm {post}) and the weights are now "
+                                  "non-finite: no loss scaler skips it on a stock Trainer (GuardedTrainer would "
+                                  "have skipped the step)")
+            else:
+                self._emit({"step": step, "event": FAIL_NON_FINITE_UPDATE, "message": (
+                    f"the Trainer stepped the optimizer on a non-finite gradient (norm {post}); the weights "
+                    f"stayed finite ({len(params)} tensors checked): the optimizer did not apply it")}, "ALERT")
         return StepLog(**common, grad_l2_post_clip=post)
+
+
+def _non_finite(params: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``params`` holds inf or nan (one host read).
+
+    Example::
+
+        >>> _non_finite([torch.ones(2), torch.tensor([1.0, float("nan")])]), _non_finite([torch.ones(2)])
+        (True, False)
+    """
+    flags = [torch.isfinite(p.detach()).all() for p in params]
+    return bool(flags) and not bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+
+
+def _one_per_trainer(holder: Any, callback: AmpGuardCallback, withdraw: bool = False) -> None:
+    """``holder`` (a Trainer's ``TrainerControl`` at ``on_init_end``, its ``TrainerState`` at
+    ``on_train_begin``, each one object passed to every callback in turn) notes the
+    ``AmpGuardCallback`` s it meets; a second one (or the same one twice) is refused with
+    :data:`TWO_CALLBACKS`, ``withdraw``: the first's files of this ``train()`` taken back first."""
+    seen = holder.__dict__.setdefault("_ampguard_callbacks", [])
+    if seen:
+        if withdraw:
+            for first in seen:
+                first._withdraw()
+        raise ValueError(f"AmpGuardCallback: {TWO_CALLBACKS}")
+    seen.append(callback)
 
 
 def _ended_by_itself(state: Any, control: Any, steps: int, pruned: bool = False) -> str:
@@ -636,6 +761,27 @@ def _scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
     return getattr(optimizer, "scaler", None)
 
 
+def _is_guard_callback(callback: Any) -> bool:
+    """An :class:`AmpGuardCallback`, or its class (HF's ``callbacks=`` makes an instance of a class)."""
+    return isinstance(callback, AmpGuardCallback) or (
+        isinstance(callback, type) and issubclass(callback, AmpGuardCallback))
+
+
+def _shown(value: Any) -> str:
+    """A value in an error's one line: its type and a short repr.
+
+    Example::
+
+        >>> print(_shown("somedir")); print(_shown(AmpGuardCallback))
+        str 'somedir'
+        the class AmpGuardCallback (not an instance: AmpGuardCallback(...))
+    """
+    if isinstance(value, type):
+        return f"the class {value.__name__} (not an instance: {value.__name__}(...))"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
 def _refused_backward(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError("GuardedTrainer: accelerator.backward() beside the guard: the guard backs the loss "
                        "training_step computes, and these gradients would be applied unchecked and unclipped; add "
@@ -693,20 +839,27 @@ class GuardedTrainer(Trainer):
 
     def __init__(self, *args: Any, ampguard: AmpGuardCallback | None = None, scaler: dict[str, Any] | None = None,
                  scheduler_on_skip: str = "hold", frozen: str = "refuse", **kwargs: Any) -> None:
-        if scheduler_on_skip not in ("hold", "step"):
-            raise ValueError(f"scheduler_on_skip must be 'hold' or 'step', got {scheduler_on_skip!r}")
-        if frozen not in ("refuse", "ignore"):
-            raise ValueError(f"frozen must be 'refuse' or 'ignore', got {frozen!r}")
+        check_settings(None, scheduler_on_skip, frozen)  # (Guard's own check; max_norm is args.max_grad_norm)
         self.frozen = frozen  # Guard's: a parameter that requires grad and no optimizer holds (optimizers=(opt, None))
+        if ampguard is not None and not isinstance(ampguard, AmpGuardCallback):
+            example = f"AmpGuardCallback({str(ampguard)!r})" if isinstance(ampguard, (str, os.PathLike)) \
+                else "AmpGuardCallback(out_dir, fail_rate=...)"
+            raise TypeError(f"GuardedTrainer: ampguard= takes an AmpGuardCallback (e.g. ampguard={example}), "
+                            f"got {_shown(ampguard)}")
         callbacks = list(kwargs.pop("callbacks", None) or [])
-        given = [cb for cb in callbacks if isinstance(cb, AmpGuardCallback)]
+        given = [cb for cb in callbacks if _is_guard_callback(cb)]  # (HF takes a callback's class too)
+        if len(given) + (ampguard is not None and not any(cb is ampguard for cb in given)) > 1:
+            raise ValueError(f"GuardedTrainer: {TWO_CALLBACKS}")  # (before anything is built or written)
         if ampguard is None:
             ampguard = given[0] if given else AmpGuardCallback()
-        if ampguard not in callbacks:
+            if isinstance(ampguard, type):  # callbacks=[AmpGuardCallback]: the instance HF would have made
+                callbacks[callbacks.index(ampguard)] = ampguard = ampguard()
+        if not any(cb is ampguard for cb in callbacks):
             callbacks.append(ampguard)
         super().__init__(*args, callbacks=callbacks, **kwargs)
         self.ampguard = ampguard
         # ampguard train's defaults: the scale never falls below 1.0 (scaler.min_scale)
+        check_scaler_settings(precision_of(self.args), scaler or {})  # (an unknown key: here, not at the first step)
         self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if precision_of(self.args) == "fp16" else {}
         ampguard.attach({"init_scale": self.scaler_settings.get("init_scale", 2.0**16),
                          "min_scale": self.scaler_settings["min_scale"]} if self.scaler_settings else None)
@@ -715,6 +868,13 @@ class GuardedTrainer(Trainer):
         self.record: StepRecord | None = None  # the last closed step's record
         # evaluation's autocast: the training precision on the Trainer's device (see autocast_smart_context_manager)
         self.precision = Precision(precision_of(self.args), self.args.device.type)
+
+    def add_callback(self, callback: Any) -> None:
+        """``Trainer.add_callback``; a second :class:`AmpGuardCallback` is refused (the Trainer
+        feeds ``self.ampguard``; a second one would write its own rows into the same files)."""
+        if _is_guard_callback(callback) and callback is not getattr(self, "ampguard", None):
+            raise ValueError(f"GuardedTrainer: {TWO_CALLBACKS} (this one has trainer.ampguard)")
+        super().add_callback(callback)
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         """Each attempt builds its guard (``auto_find_batch_size`` begins the loop again after an
@@ -726,17 +886,45 @@ class GuardedTrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; an error that ends it (a Ctrl-C included) is first written to the
-        callback's files (:meth:`AmpGuardCallback.crashed`), then raised as it is."""
+        callback's files (:meth:`AmpGuardCallback.crashed`), then raised as it is.
+
+        Stop signals, as ``ampguard train`` takes them (:func:`~ampguard.signals.stop_on_signals`,
+        installed for this call only, in the main thread, the handlers before it put back when it
+        returns or raises): the first SIGINT (Ctrl-C) or SIGTERM (a scheduler's: SLURM,
+        Kubernetes, torchrun) lets the step in flight finish and write its row, then
+        :class:`~ampguard.signals.Interrupted` is raised at the next boundary (a step's or a
+        micro-batch's end, an evaluation batch): ``run_end``, ``summary.json`` and ``RUN.md`` say
+        ``interrupted (SIGTERM) after step N``, the tracker sinks end KILLED, :attr:`exit_code` is
+        130 or 143. A second signal interrupts at once (once the row being written is whole). A
+        signal the process ignores stays ignored. An ``Interrupted`` left uncaught ends Python as a
+        Ctrl-C does (130): exit with ``trainer.ampguard.exit_code`` to report 143.
+
+        (A Trainer owns its loop's signals, as Lightning's does; :class:`AmpGuardCallback` on a
+        stock ``Trainer`` installs no handler behind the Trainer's back, as the Lightning plugin
+        installs none: there a SIGTERM ends the process as Python's default does.)"""
         self.guard = None  # each train() builds its guard: at its first step, or from the checkpoint it resumes
         trial = kwargs.get("trial", args[1] if len(args) > 1 else None)
         run_dir = getattr(self, "_get_output_dir", None)  # (HF's name for a search trial's run folder: run-N)
         searching = trial is not None and getattr(self, "hp_search_backend", None) is not None and run_dir is not None
         self.ampguard.for_trial(os.path.relpath(run_dir(trial), self.args.output_dir) if searching else None)
-        try:
-            return super().train(*args, **kwargs)
-        except BaseException as error:
-            self.ampguard.crashed(error)
-            raise
+        with stop_on_signals() as stop:
+            self.ampguard._stop = stop
+            try:
+                output = super().train(*args, **kwargs)
+            except BaseException as error:
+                stop.closing = True  # (a signal now waits: the files and the sinks' runs end first)
+                if stop.requested and isinstance(error, KeyboardInterrupt) and not isinstance(error, Interrupted):
+                    # a second signal interrupted the step in flight: the first one's code (143 for SIGTERM)
+                    interrupted = Interrupted(stop.exit_code)
+                    self.ampguard.crashed(interrupted)
+                    raise interrupted from error
+                self.ampguard.crashed(error)
+                raise
+            finally:
+                self.ampguard._stop = None
+            if stop.requested:  # (after the run's end was written: the signal is not swallowed)
+                raise Interrupted(stop.exit_code)
+            return output
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """``Trainer.log``, a training log first given the guard's keys

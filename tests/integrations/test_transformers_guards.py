@@ -1,0 +1,209 @@
+"""The Hugging Face adapter's refusals and endings, in real Trainers on the CPU (a one-layer GPT-2
+from a GPT2Config, no download): a second AmpGuardCallback, a wrong ``ampguard=``, a SIGTERM in
+``GuardedTrainer.train()``, a stock Trainer whose weights a non-finite update poisoned, another
+callback's Ctrl-C at a step's end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from helpers import read_rows
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("mlflow")
+from accelerate.state import AcceleratorState  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from ampguard.errors import AmpguardWarning  # noqa: E402
+from ampguard.integrations.trackers import MLflowSink  # noqa: E402
+from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer, WatchOnlyWarning  # noqa: E402
+from ampguard.signals import Interrupted  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+
+
+def _ids():
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (32, 8), generator=g)]
+
+
+def _args(tmp_path, steps: int, **extra) -> TrainingArguments:
+    return TrainingArguments(str(tmp_path / "out"), **{**dict(
+        per_device_train_batch_size=4, max_steps=steps, use_cpu=True, report_to=[], save_strategy="no",
+        disable_tqdm=True, logging_steps=1, learning_rate=1e-3), **extra})
+
+
+def _quiet(**settings) -> AmpGuardCallback:
+    return AmpGuardCallback(print_fn=lambda line: None, **settings)
+
+
+def _summary(tmp_path) -> dict:
+    return json.loads((tmp_path / "out" / "ampguard" / "summary.json").read_text(encoding="utf-8"))
+
+
+class AtStepEnd(TrainerCallback):
+    """Calls ``act()`` in ``on_step_end`` of optimizer step ``step``."""
+
+    def __init__(self, step: int, act) -> None:
+        self.step, self.act = step, act
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.act()
+
+
+def _ctrl_c():
+    raise KeyboardInterrupt
+
+
+# ------------------------------------------------------------------ one AmpGuardCallback per Trainer
+
+def test_a_second_ampguard_callback_is_refused_up_front_and_nothing_is_written(tmp_path):
+    folder = tmp_path / "out" / "ampguard"
+    with pytest.raises(ValueError, match=r"^GuardedTrainer: two AmpGuardCallbacks in one Trainer") as refused:
+        GuardedTrainer(model=_model(), args=_args(tmp_path, 2), train_dataset=_ids(), callbacks=[_quiet()],
+                       ampguard=_quiet())
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="two AmpGuardCallbacks"):  # a class HF would make an instance of, too
+        GuardedTrainer(model=_model(), args=_args(tmp_path, 2), train_dataset=_ids(),
+                       callbacks=[_quiet(), AmpGuardCallback])
+    with pytest.raises(ValueError, match="two AmpGuardCallbacks"):  # a stock Trainer: while it is built
+        Trainer(model=_model(), args=_args(tmp_path, 2), train_dataset=_ids(), callbacks=[_quiet(), _quiet()])
+    trainer = GuardedTrainer(model=_model(), args=_args(tmp_path, 2), train_dataset=_ids(), ampguard=_quiet())
+    with pytest.raises(ValueError, match="two AmpGuardCallbacks"):
+        trainer.add_callback(_quiet())
+    assert not folder.exists()
+    trainer.train()  # the corrected run is not refused anything
+    assert [r["step"] for r in read_rows(folder / "steps.csv")] == ["1", "2"]
+
+
+def test_a_scaler_setting_or_a_guard_setting_guardedtrainer_cannot_take_is_refused_at_construction(tmp_path):
+    # review_27a #5: an unknown scaler key was make_scaler's TypeError at the first step, deep in train()
+    with pytest.raises(ValueError, match=r"^scaler settings: unknown key 'init_scal'"):
+        GuardedTrainer(model=_model(), args=_args(tmp_path, 2, fp16=True), train_dataset=_ids(), ampguard=_quiet(),
+                       scaler={"init_scal": 4.0})
+    with pytest.raises(ValueError, match="scheduler_on_skip must be 'hold' or 'step'"):
+        GuardedTrainer(model=_model(), args=_args(tmp_path, 2), train_dataset=_ids(), scheduler_on_skip="skip")
+    assert not (tmp_path / "out" / "ampguard").exists()
+
+
+def test_a_second_callback_added_to_a_built_stock_trainer_is_refused_and_leaves_no_file(tmp_path):
+    folder = tmp_path / "out" / "ampguard"
+    first = _quiet()
+    trainer = Trainer(model=_model(), args=_args(tmp_path, 2), train_dataset=_ids(), callbacks=[first])
+    trainer.add_callback(_quiet())
+    with pytest.warns(WatchOnlyWarning), pytest.raises(ValueError, match="two AmpGuardCallbacks"):
+        trainer.train()
+    assert not (folder / "steps.csv").exists() and not (folder / "events.jsonl").exists()
+    with pytest.warns(WatchOnlyWarning):
+        Trainer(model=_model(), args=_args(tmp_path, 2), train_dataset=_ids(), callbacks=[_quiet()]).train()
+    assert [r["step"] for r in read_rows(folder / "steps.csv")] == ["1", "2"]
+
+
+@pytest.mark.parametrize("given", ["somedir", AmpGuardCallback])
+def test_ampguard_that_is_not_a_callback_is_a_one_line_type_error(tmp_path, given):
+    with pytest.raises(TypeError, match=r"^GuardedTrainer: ampguard= takes an AmpGuardCallback") as refused:
+        GuardedTrainer(model=_model(), args=_args(tmp_path, 2), train_dataset=_ids(), ampguard=given)
+    assert "\n" not in str(refused.value)
+    assert ("got str 'somedir'" if given == "somedir" else "the class AmpGuardCallback") in str(refused.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "somedir").exists()
+
+
+def test_watch_only_warning_is_an_ampguard_warning():
+    assert issubclass(WatchOnlyWarning, AmpguardWarning)
+
+
+# ------------------------------------------------------------------ SIGTERM
+
+def test_a_sigterm_in_guarded_train_ends_it_as_a_ctrl_c_with_143_and_puts_the_handler_back(tmp_path):
+    received = []
+
+    def before(signum, frame):  # the process's own SIGTERM handler: also what keeps pytest alive before the fix
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        sink = MLflowSink(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="hf")
+        callback = _quiet(sinks=[sink])
+        trainer = GuardedTrainer(model=_model(), args=_args(tmp_path, 6, bf16=True), train_dataset=_ids(),
+                                 callbacks=[AtStepEnd(3, lambda: os.kill(os.getpid(), signal.SIGTERM))],
+                                 ampguard=callback)
+        with pytest.raises(Interrupted) as interrupted:
+            trainer.train()
+        assert int(interrupted.value.exit_code) == 143 and received == []
+        assert signal.getsignal(signal.SIGTERM) is before  # put back after train() raised
+        assert trainer.state.global_step == 3 and callback.exit_code == 143
+        folder = tmp_path / "out" / "ampguard"
+        assert [r["step"] for r in read_rows(folder / "steps.csv")] == ["1", "2", "3"]
+        summary = _summary(tmp_path)
+        assert (summary["ended"], summary["exit_code"], summary["steps"]) == ("interrupted (SIGTERM) after step 3", 143, 3)
+        events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+        assert (events[-1]["event"], events[-1]["exit_code"]) == ("run_end", 143)
+        run = sink.client.get_run(sink.run_id)
+        assert run.info.status == "KILLED" and run.data.tags["ampguard.exit_code"] == "143"
+        assert run.data.tags["ampguard.ended"] == "interrupted (SIGTERM) after step 3"
+        # a train() that returns puts it back too
+        GuardedTrainer(model=_model(), args=_args(tmp_path / "again", 1), train_dataset=_ids(),
+                       ampguard=_quiet()).train()
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ------------------------------------------------------------------ a stock Trainer's non-finite weights
+
+def test_a_stock_trainers_update_that_makes_the_weights_non_finite_stops_it_as_a_guard_failure(tmp_path):
+    lines: list[str] = []
+    model = _model()
+    callback = AmpGuardCallback(print_fn=lines.append, window=4, min_steps=2)
+    trainer = Trainer(model=model, args=_args(tmp_path, 8), train_dataset=_ids(), callbacks=[callback])
+    model.transformer.wte.weight.register_hook(  # inf into the gradient of optimizer step 3: fp32, nothing skips it
+        lambda g: torch.full_like(g, float("inf")) if trainer.state.global_step + 1 == 3 else g)
+    with pytest.warns(WatchOnlyWarning):
+        trainer.train()
+    assert trainer.state.global_step == 3  # stopped there: every later step would be NaN
+    assert callback.exit_code == 3 and callback.failed.cause == "non_finite_update"
+    assert [r["step"] for r in read_rows(tmp_path / "out" / "ampguard" / "steps.csv")] == ["1", "2", "3"]
+    summary = _summary(tmp_path)
+    assert (summary["exit_code"], summary["cause"], summary["steps"]) == (3, "non_finite_update", 3)
+    assert summary["ended"].startswith("stopped by a guard at step 3: the Trainer applied a non-finite gradient")
+    assert "weights are now non-finite" in summary["ended"]
+    assert any(line.startswith("FAIL 3 the Trainer applied a non-finite gradient") for line in lines)
+    events = [json.loads(line) for line in (tmp_path / "out" / "ampguard" / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("cause")) for e in events][-2:] == [("fail", "non_finite_update"), ("run_end", None)]
+
+
+# ------------------------------------------------------------------ another callback's Ctrl-C
+
+def test_another_callbacks_ctrl_c_at_a_steps_end_keeps_that_steps_row(tmp_path):
+    trainer = GuardedTrainer(model=_model(), args=_args(tmp_path, 6), train_dataset=_ids(),
+                             callbacks=[AtStepEnd(3, _ctrl_c)], ampguard=_quiet())
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert trainer.guard.steps == trainer.state.global_step == 3
+    assert [r["step"] for r in read_rows(tmp_path / "out" / "ampguard" / "steps.csv")] == ["1", "2", "3"]
+    summary = _summary(tmp_path)
+    assert (summary["ended"], summary["exit_code"], summary["steps"]) == ("interrupted after step 3", 130, 3)
+
+
+def test_another_callbacks_ctrl_c_before_the_callbacks_own_step_end_keeps_a_stock_steps_row(tmp_path):
+    stock = tmp_path / "stock"
+    trainer = Trainer(model=_model(), args=_args(stock, 6), train_dataset=_ids(),
+                      callbacks=[AtStepEnd(3, _ctrl_c), _quiet()])
+    with pytest.warns(WatchOnlyWarning), pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert [r["step"] for r in read_rows(stock / "out" / "ampguard" / "steps.csv")] == ["1", "2", "3"]
