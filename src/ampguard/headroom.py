@@ -102,9 +102,11 @@ MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
 (``F.linear``, an ``nn.Linear``'s, is its ``output`` already; what a function computes inside
 itself is not seen: the mode sees the call, not its insides; the logits of the two attention
 functions are computed again beside the call, :data:`_ATTENTIONS`)."""
-LOGITS_CHUNK = 2**24
-"""The most logits :func:`attention_logits` holds at once (32 MiB in a half format): a long
-context's are taken a few (batch, head) slices at a time."""
+LOGITS_CHUNK = 2**22
+"""The most logits :func:`attention_logits` and :func:`mha_logits` compute at once (16 MiB in
+float32; with the reductions' temporaries a measured step holds about 6 times that more, whatever
+the context's length): a long context's are taken a few (batch, head) slices, or query rows, at a
+time (:func:`_parts`)."""
 CLEAR_MARGIN = 1.0
 """A module's alert clears once its headroom is this many bits above ``alert_bits``, so a value
 hovering at the threshold raises one alert, not one per measured step."""
@@ -305,16 +307,14 @@ def attention_logits(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: int =
     q, k, mask = given.get("query"), given.get("key"), given.get("attn_mask")
     if not (_plain(q) and _plain(k) and q.dim() >= 2 and k.dim() >= 2):
         return
-    scale = given.get("scale")
-    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    scale = given.get("scale")  # (a negative one flips the logits' sign, not their size)
+    root = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.size(-1)))
     if given.get("enable_gqa") and q.dim() >= 3 and k.size(-3) != q.size(-3):
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
-    keep = None
-    if given.get("is_causal"):  # (top-left aligned, as the call's own mask)
-        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    elif isinstance(mask, torch.Tensor):  # (True: attended; in a float mask, added, -inf: not)
-        keep = mask if mask.dtype == torch.bool else mask != -math.inf
-    yield from _logits(q, k, root, keep, chunk)
+    keeps = []
+    if isinstance(mask, torch.Tensor) and not given.get("is_causal"):  # (True: attended; float: -inf is not)
+        keeps.append(mask if mask.dtype == torch.bool else mask != -math.inf)
+    yield from _logits(q, k, root, keeps, chunk, causal=bool(given.get("is_causal")))
 
 
 _MHA_PARAMETERS = tuple(inspect.signature(torch.nn.functional.multi_head_attention_forward).parameters)
@@ -365,7 +365,7 @@ def mha_logits(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: int = LOGIT
         source = k.size(0)
         q = q.reshape(length, batch, heads, size).permute(1, 2, 0, 3)
         k = k.reshape(source, batch, heads, size).permute(1, 2, 0, 3)
-    keep = None
+    keeps = []  # (each applied to each part on its own: never one mask of the logits' whole size)
     for i, mask in enumerate(masks):
         if isinstance(mask, torch.Tensor) and mask.numel():
             hidden = mask if mask.dtype == torch.bool else mask == -math.inf
@@ -374,8 +374,8 @@ def mha_logits(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: int = LOGIT
                 kept = kept.view(batch, 1, 1, source)
             elif kept.dim() == 3:  # attn_mask by batch and head: (batch * heads, length, source)
                 kept = kept.view(batch, heads, length, source)
-            keep = kept if keep is None else keep & kept
-    yield from _logits(q, k, size ** -0.25, keep, chunk)
+            keeps.append(kept)
+    yield from _logits(q, k, size ** -0.25, keeps, chunk)
 
 
 def _plain(t: Any) -> bool:
@@ -384,46 +384,60 @@ def _plain(t: Any) -> bool:
             and t.numel() > 0)
 
 
-def _logits(q: torch.Tensor, k: torch.Tensor, root: float, keep: torch.Tensor | None,
-            chunk: int) -> Iterator[torch.Tensor]:
-    """``(q * root) @ (k * root).transpose(-2, -1)``, the entries ``keep`` (a boolean mask that
-    broadcasts to the logits) leaves out 0, without autograd, in parts of at most about ``chunk``
-    values when ``q`` and ``k`` have the same leading dimensions (:func:`_parts`), else whole."""
+def _logits(q: torch.Tensor, k: torch.Tensor, root: float, keeps: list[torch.Tensor], chunk: int,
+            causal: bool = False) -> Iterator[torch.Tensor]:
+    """``(q * root) @ (k * root).transpose(-2, -1)``, the entries each of ``keeps`` (boolean masks
+    that broadcast to the logits) leaves out 0, and with ``causal`` those above the diagonal
+    (top-left aligned), without autograd; in parts of at most about ``chunk`` values
+    (:func:`_parts`) when ``q`` and ``k`` have the same leading dimensions, else whole."""
     with torch.no_grad():
-        parts = _parts(q, k, keep, chunk) if q.shape[:-2] == k.shape[:-2] else iter([(q, k, keep)])
-        for qi, ki, kept in parts:
+        whole = iter([(q, k, keeps, 0)])
+        for qi, ki, kept, row in _parts(q, k, keeps, chunk) if q.shape[:-2] == k.shape[:-2] else whole:
             logits = (qi * root) @ (ki * root).transpose(-2, -1)
-            yield logits if kept is None else logits.masked_fill(~kept, 0)
+            for mask in kept:
+                logits.masked_fill_(~mask, 0)
+            if causal:  # (this part's rows start at ``row`` of the whole)
+                rows, keys = logits.size(-2), logits.size(-1)
+                logits.masked_fill_(~torch.ones(rows, keys, dtype=torch.bool, device=logits.device).tril(row), 0)
+            yield logits
 
 
-def _parts(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor | None,
-           budget: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """``q``, ``k`` and ``keep`` cut along their leading dimensions, outermost first, into parts
-    whose logits are at most ``budget`` values (one row of the innermost leading dimension when
-    even that is more).
+def _parts(q: torch.Tensor, k: torch.Tensor, keeps: list[torch.Tensor],
+           budget: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], int]]:
+    """``q``, ``k`` and the masks ``keeps`` cut into parts whose logits are at most ``budget``
+    values, with the first query row of each: along the leading dimensions, outermost first,
+    then, where one (query, key) matrix alone is more, in blocks of query rows (a long context's
+    logits are never held whole). A mask is cut where it has that dimension, else broadcast.
 
     Example (batch 2 x heads 3, 4 x 4 logits each: 96 values)::
 
         >>> q = torch.ones(2, 3, 4, 8)
-        >>> [tuple(p[0].shape) for p in _parts(q, q, None, budget=40)]
+        >>> [tuple(p[0].shape) for p in _parts(q, q, [], budget=40)]
         [(2, 4, 8), (1, 4, 8), (2, 4, 8), (1, 4, 8)]
-        >>> [tuple(p[0].shape) for p in _parts(q, q, None, budget=50)]
+        >>> [tuple(p[0].shape) for p in _parts(q, q, [], budget=50)]
         [(1, 3, 4, 8), (1, 3, 4, 8)]
+        >>> [(tuple(p[0].shape), p[3]) for p in _parts(torch.ones(5, 8), torch.ones(4, 8), [], budget=8)]
+        [((2, 8), 0), ((2, 8), 2), ((1, 8), 4)]
     """
-    total = q.numel() // q.size(-1) * k.size(-2)
-    if q.dim() <= 2 or total <= budget:
-        yield q, k, keep
+    keys = k.size(-2)
+    total = q.numel() // q.size(-1) * keys
+    if total <= budget:
+        yield q, k, keeps, 0
+        return
+    if q.dim() <= 2:  # one (query, key) matrix: blocks of its rows
+        step = max(1, budget // keys)
+        for i in range(0, q.size(-2), step):
+            cut = [m[..., i:i + step, :] if m.dim() >= 2 and m.size(-2) == q.size(-2) > 1 else m for m in keeps]
+            yield q[i:i + step], k, cut, i
         return
     per = total // q.size(0)  # (the logits of one slice of the first dimension)
     step = max(1, budget // per)
-    own = keep is not None and keep.dim() == q.dim() and keep.size(0) > 1  # (else it broadcasts over it)
     for i in range(0, q.size(0), step):
-        kept = keep[i:i + step] if own and keep is not None else keep
+        cut = [m[i:i + step] if m.dim() == q.dim() and m.size(0) > 1 else m for m in keeps]
         if per <= budget:
-            yield q[i:i + step], k[i:i + step], kept
-        else:  # (one slice is still too many: its own leading dimensions, the next in)
-            inner = kept[0] if kept is not None and kept.dim() == q.dim() else kept
-            yield from _parts(q[i], k[i], inner, budget)
+            yield q[i:i + step], k[i:i + step], cut, 0
+        else:  # (one slice is still too many: its own dimensions, the next in)
+            yield from _parts(q[i], k[i], [m[0] if m.dim() == q.dim() else m for m in cut], budget)
 
 
 _ATTENTIONS: dict[Callable[..., Any], Callable[..., Iterator[torch.Tensor]]] = {

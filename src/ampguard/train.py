@@ -153,6 +153,7 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
     try:
         result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume,
                      announce=announce, take_back=take_back)
+        distributed.ending()  # (the code is decided: torchrun's SIGTERM, once a peer left with it, must not change it)
         distributed.barrier()  # ranks leave together, once rank 0 has written the run card
         return finish(result)
     except (InputError, KeyboardInterrupt, Interrupted):

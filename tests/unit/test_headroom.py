@@ -638,6 +638,46 @@ def test_a_multihead_attentions_separate_projections_bias_k_and_padding_are_read
     assert row.amax == pytest.approx(by_hand, rel=1e-5)
 
 
+def test_a_long_contexts_logits_come_in_blocks_of_query_rows_each_within_the_budget_and_equal_to_the_whole():
+    # review_27d #1: one head's (L, S) matrix was built whole however long the context (801 MiB more
+    # on a measured step at 6144 tokens); the causal mask too
+    from ampguard.headroom import attention_logits
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8)
+    padding = torch.rand(1, 1, 37, 37) > 0.3  # (a boolean mask: True attended)
+    for kwargs in ({"is_causal": True}, {}):
+        args = (q, k, k) if kwargs else (q, k, k, padding)
+        whole = list(attention_logits(args, kwargs))
+        parts = list(attention_logits(args, kwargs, chunk=100))
+        assert len(whole) == 1 and len(parts) > 2 and all(p.numel() <= 100 for p in parts)
+        assert torch.allclose(torch.cat([p.reshape(-1, 37) for p in parts]), whole[0].reshape(-1, 37), atol=1e-6)
+    expected = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(~torch.ones(37, 37, dtype=torch.bool).tril(), 0)
+    assert torch.allclose(list(attention_logits((q, k, k), {"is_causal": True}))[0], expected, atol=1e-5)
+
+
+def test_a_negative_sdpa_scale_is_measured_not_a_crash_of_the_measured_step():
+    # review_27d #2: SDPA takes scale=-0.5; the probe's sqrt of it raised "math domain error" mid-forward
+    class Negative(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.q(x)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=-0.5)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(attn=Negative()))
+    x = torch.randn(1, 3, 4)
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(x).sum().backward()
+    row = next(r for r in headroom.read(1) if r.tensor == "matmul")
+    q = model.attn.q(x).detach()
+    assert row.amax == pytest.approx((q @ q.transpose(-2, -1) * 0.5).abs().max().item(), rel=1e-5)
+
+
 def test_the_main_jobs_blocks_have_their_attention_logits_measured():
     from ampguard.tasks.charlm import Block
 
