@@ -355,8 +355,9 @@ def terminated_as_interrupted(*, settle: bool = False) -> Iterator[None]:
     of their own over this one and back. On the way out the handler before is put back; with
     ``settle`` (the process ends next: its exit code is decided) SIGTERM is ignored instead:
     torchrun sends one to every rank still running as soon as one ends with a non-zero code, and
-    this rank's own code, the same stop, must stand rather than become -15. A SIGTERM the process
-    was started with ignored stays ignored; off the main thread nothing is set.
+    this rank's own code, the same stop, must stand rather than become -15. A handler the verb set
+    in this one's place and kept (a torchrun rank's end ignores SIGTERM) stays. A SIGTERM the
+    process was started with ignored stays ignored; off the main thread nothing is set.
 
     Example::
 
@@ -382,7 +383,11 @@ def terminated_as_interrupted(*, settle: bool = False) -> Iterator[None]:
     try:
         yield
     finally:  # (a handler set outside Python reads as None: the default is what can be put back)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN if settle else signal.SIG_DFL if previous is None else previous)
+        if settle:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        elif signal.getsignal(signal.SIGTERM) is handler:  # (not one the verb set and kept: a torchrun rank's
+            # end ignores SIGTERM from there on, distributed.ending, and must go on doing so)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def leave_now(signum: int, take_back: Callable[[], None] | None = None) -> None:

@@ -164,6 +164,30 @@ def test_a_sigterm_in_guarded_train_ends_it_as_a_ctrl_c_with_143_and_puts_the_ha
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_sigterm_stops_guarded_train_after_the_step_with_its_checkpoint_and_the_run_resumes_from_it(tmp_path):
+    # review_27d #3: raised at on_step_end, the stop skipped the save HF makes after it: a save due
+    # at that step (or any checkpoint of the stop) was lost, everything since the last one with it
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        args = _args(tmp_path, 6, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=3)
+        trainer = GuardedTrainer(model=_model(), args=args, train_dataset=_ids(), eval_dataset=_ids()[:4],
+                                 callbacks=[AtStepEnd(3, lambda: os.kill(os.getpid(), signal.SIGTERM))],
+                                 ampguard=_quiet())
+        with pytest.raises(Interrupted) as interrupted:
+            trainer.train()
+        assert int(interrupted.value.exit_code) == 143 and trainer.state.global_step == 3
+        out = tmp_path / "out"
+        assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+        assert (out / "checkpoint-3" / "ampguard_state.json").is_file()
+        assert not [h for h in trainer.state.log_history if "eval_loss" in h]  # (no evaluation begun at the stop)
+        assert _summary(tmp_path)["ended"] == "interrupted (SIGTERM) after step 3"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    resumed = GuardedTrainer(model=_model(), args=_args(tmp_path, 6), train_dataset=_ids(), ampguard=_quiet())
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    assert [r["step"] for r in read_rows(out / "ampguard" / "steps.csv")] == ["1", "2", "3", "4", "5", "6"]
+
+
 # ------------------------------------------------------------------ a stock Trainer's non-finite weights
 
 def test_a_stock_trainers_update_that_makes_the_weights_non_finite_stops_it_as_a_guard_failure(tmp_path):

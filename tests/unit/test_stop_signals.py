@@ -97,3 +97,11 @@ def test_under_torchrun_a_rank_whose_run_is_ending_ignores_sigterm(sigterm_put_b
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     distributed.ending()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_a_sigterm_ignored_inside_the_verb_stays_ignored_after_it(sigterm_put_back):
+    # the CI's batched torchrun runs: a rank's end ignores SIGTERM (distributed.ending); the verb's
+    # way out put the default back, and torchrun's SIGTERM then reported the rank's decided 2 or 3 as -15
+    with terminated_as_interrupted():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN

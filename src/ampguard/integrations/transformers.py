@@ -202,6 +202,7 @@ class AmpGuardCallback(TrainerCallback):
         self._logged_steps = 0  # and its steps there: the final log adds keys only for steps after it
         self._stop: StopFlag | None = None  # GuardedTrainer: its train()'s stop signals (SIGINT, SIGTERM)
         self._stop_told = False  # control.should_training_stop set for self.failed
+        self._stopping = False  # GuardedTrainer: a stop signal taken at a step's end (_stop_at_step_end)
         self._fresh: list[Path] = []  # the files this train()'s on_train_begin created (withdrawn on a refusal)
         self._poisoned: str | None = None  # stock Trainer: the step being written made the weights non-finite
 
@@ -297,7 +298,7 @@ class AmpGuardCallback(TrainerCallback):
         # a second AmpGuardCallback added after the Trainer was built (trainer.add_callback): the
         # first one opened this train()'s files already; it takes them back, then this one refuses
         _one_per_trainer(state, self, withdraw=True)
-        self._stop_told, self._fresh = False, []
+        self._stop_told, self._fresh, self._stopping = False, [], False
         resume, self._resume = self._resume, None  # (taken first: a refusal below leaves none to a later train())
         # HF's auto_find_batch_size begins the loop again, with a smaller batch, after an out-of-memory:
         # the files this train() opened are still open (no run_end); they go on from the new attempt's
@@ -399,7 +400,6 @@ class AmpGuardCallback(TrainerCallback):
         leaf of the model HF hands callbacks noting its output's dtype
         (``watch.first_forward_dtypes``), closed at that micro-batch's end (:meth:`_stop_noting`):
         the card's "float32 under autocast", as :class:`GuardedTrainer`'s guard notes it."""
-        self._stop_here()
         if self._guarded or self.autocast_dtypes is not None or self._noting is not None or not (args.fp16 or args.bf16):
             return
         model = kwargs.get("model")
@@ -409,18 +409,28 @@ class AmpGuardCallback(TrainerCallback):
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stop_noting()
-        self._stop_here()
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._stop_here()  # (an evaluation inside train(): a stop signal waits no longer than a batch)
-
-    def _stop_here(self) -> None:
-        """A boundary where :class:`GuardedTrainer` takes up a stop signal (its ``train()``'s
-        :func:`~ampguard.signals.stop_on_signals`): raise :class:`~ampguard.signals.Interrupted`
-        with its exit code (130 Ctrl-C, 143 SIGTERM), which ``train()`` writes down, as a Ctrl-C."""
+        # (an evaluation inside train(): a stop signal waits no longer than a batch there)
         stop = self._stop
-        if stop is not None and stop.requested and not stop.closing:
+        if stop is not None and stop.requested and not stop.closing and not self._stopping:
             raise Interrupted(stop.exit_code)
+
+    def _stop_at_step_end(self, args: Any, control: Any) -> None:
+        """:class:`GuardedTrainer`'s stop signal (its ``train()``'s
+        :func:`~ampguard.signals.stop_on_signals`), taken at a step's end as ``ampguard train``
+        takes one: the Trainer stops after this step, with its checkpoint (``should_save``, unless
+        ``save_strategy`` is ``"no"``) and no evaluation begun; :meth:`on_train_end` writes
+        ``interrupted (SIGTERM) after step N`` and ``train()`` raises
+        :class:`~ampguard.signals.Interrupted` (130 Ctrl-C, 143 SIGTERM). (Raised here, it skipped
+        the step's save: HF saves after ``on_step_end``.)"""
+        stop = self._stop
+        if stop is None or not stop.requested or stop.closing or self._stopping:
+            return
+        self._stopping = True
+        control.should_training_stop, control.should_evaluate = True, False
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+            control.should_save = True
 
     def _stop_noting(self, abandoned: bool = False) -> None:
         """Close the first forward's dtype hooks (:meth:`on_step_begin`). ``abandoned``: the
@@ -485,7 +495,7 @@ class AmpGuardCallback(TrainerCallback):
             self._write(self._watched(kwargs.get("optimizer"), state.global_step))
         self._pending = None
         self._stop_training(control)
-        self._stop_here()
+        self._stop_at_step_end(args, control)
 
     def _write(self, record: StepRecord | None) -> None:
         """One step's record to the CSV and the sinks (process 0), then to the monitor: its
@@ -541,7 +551,12 @@ class AmpGuardCallback(TrainerCallback):
         self._stop_noting()  # (a train() that ended before a micro-batch did)
         if self.monitor is None or self._ended:
             return
-        self._stop_here()  # (a stop signal after the last step, in HF's last save or evaluation: interrupted)
+        stop = self._stop  # (GuardedTrainer: a stop signal, at a step's end or after the last step)
+        if stop is not None and stop.requested and self.failed is None:
+            self.crash = Interrupted(stop.exit_code)
+            self.ended = f"{self.crash} after step {self.monitor.steps}"
+            self._finish()
+            return
         if self.failed is None:  # a run too short to arm the ALERT or to fail fast is judged whole
             self._tell(self.monitor.at_end(self.monitor.steps))
             if self.monitor.failed is not None:
@@ -891,9 +906,10 @@ class GuardedTrainer(Trainer):
         Stop signals, as ``ampguard train`` takes them (:func:`~ampguard.signals.stop_on_signals`,
         installed for this call only, in the main thread, the handlers before it put back when it
         returns or raises): the first SIGINT (Ctrl-C) or SIGTERM (a scheduler's: SLURM,
-        Kubernetes, torchrun) lets the step in flight finish and write its row, then
-        :class:`~ampguard.signals.Interrupted` is raised at the next boundary (a step's or a
-        micro-batch's end, an evaluation batch): ``run_end``, ``summary.json`` and ``RUN.md`` say
+        Kubernetes, torchrun) lets the step in flight finish and write its row; the Trainer stops
+        after that step, with its checkpoint (unless ``save_strategy`` is ``"no"``) and no
+        evaluation begun (one already running stops at its next batch), and
+        :class:`~ampguard.signals.Interrupted` is raised when ``train()`` returns: ``run_end``, ``summary.json`` and ``RUN.md`` say
         ``interrupted (SIGTERM) after step N``, the tracker sinks end KILLED, :attr:`exit_code` is
         130 or 143. A second signal interrupts at once (once the row being written is whole). A
         signal the process ignores stays ignored. An ``Interrupted`` left uncaught ends Python as a
