@@ -467,16 +467,16 @@ class _MatmulProbe(torch.overrides.TorchFunctionMode):
         torch.Size([1, 2, 3, 3])
     """
 
-    def __init__(self, seen: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self, seen: Callable[[torch.Tensor], None], wanted: Callable[[], bool] = lambda: True) -> None:
         super().__init__()
-        self.seen = seen
+        self.seen, self.wanted = seen, wanted  # (wanted: whether a product made now is anyone's)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in MATMULS and isinstance(out, torch.Tensor) and out.layout == torch.strided \
                 and out.is_floating_point() and out.numel():  # (a sparse product has no reductions to take)
             self.seen(out)
-        elif func in _ATTENTIONS:
+        elif func in _ATTENTIONS and self.wanted():  # (logits computed again only for a module that keeps them)
             for logits in _ATTENTIONS[func](args, kwargs or {}):
                 self.seen(logits)
         return out
@@ -582,7 +582,8 @@ class Headroom:
                 del inside[len(inside) - 1 - inside[::-1].index(name):]
 
         handles += [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
-        with _MatmulProbe(lambda value: self._add(inside[-1], "matmul", value) if inside and inside[-1] else None):
+        wanted = lambda: bool(inside and inside[-1])  # noqa: E731 - (the innermost module notes products)
+        with _MatmulProbe(lambda value: self._add(inside[-1], "matmul", value) if wanted() else None, wanted):
             yield
 
     def _forward_hook(self, name: str, handles: list[RemovableHandle]) -> Callable[[nn.Module, Any, Any], None]:

@@ -786,3 +786,21 @@ def test_a_linear_subclass_with_a_forward_of_its_own_keeps_its_inner_products_me
     with headroom.measuring(1):
         model(torch.full((1, 2), 100.0)).sum().backward()
     assert [(r.module, r.amax) for r in headroom.read(1) if r.tensor == "matmul"] == [("0", 20000.0)]
+
+
+def test_attention_outside_every_module_is_not_computed_again(monkeypatch):
+    # review_27d nit: an SDPA in the loss (no module's forward) had its logits computed, then dropped
+    from ampguard import headroom as headroom_module
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setitem(headroom_module._ATTENTIONS, sdpa,
+                        lambda args, kwargs: calls.append(1) or headroom_module.attention_logits(args, kwargs))
+    model = nn.Sequential(OrderedDict(attn=_SdpaAttention(8, heads=2), head=nn.Linear(8, 1)))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        out = model(torch.randn(2, 5, 8))
+        q = out.unsqueeze(1)
+        sdpa(q, q, q).sum().backward()  # (in the loss: outside every module)
+    assert calls == [1]  # (the module's own call only)
+    assert [r.module for r in headroom.read(1) if r.tensor == "matmul"] == ["attn"]
