@@ -41,6 +41,7 @@ import torch
 from accelerate.utils import convert_to_fp32
 from transformers import Trainer, TrainerCallback
 
+from .. import distributed
 from ..clipping import global_l2_norm
 from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line
 from ..events import EventLog, event_word
@@ -423,9 +424,18 @@ class AmpGuardCallback(TrainerCallback):
         ``save_strategy`` is ``"no"``) and no evaluation begun; :meth:`on_train_end` writes
         ``interrupted (SIGTERM) after step N`` and ``train()`` raises
         :class:`~ampguard.signals.Interrupted` (130 Ctrl-C, 143 SIGTERM). (Raised here, it skipped
-        the step's save: HF saves after ``on_step_end``.)"""
+        the step's save: HF saves after ``on_step_end``.) Under DDP the ranks agree on it at every
+        step's end, so a signal that reached one rank stops them all after the same step."""
         stop = self._stop
-        if stop is None or not stop.requested or stop.closing or self._stopping:
+        if stop is None or stop.closing or self._stopping:
+            return
+        if distributed.current().active:  # (one tiny all-reduce a step: the ranks stop after the same step, or
+            # one would wait in the next step's gradient all-reduce for a peer that left; the highest signal names
+            # the exit code, as ampguard train's ranks agree)
+            stop.agreed = distributed.highest([int(stop.signal or 0)], args.device)[0] or None
+            if stop.agreed is None:
+                return
+        elif not stop.requested:
             return
         self._stopping = True
         control.should_training_stop, control.should_evaluate = True, False
@@ -551,8 +561,8 @@ class AmpGuardCallback(TrainerCallback):
         self._stop_noting()  # (a train() that ended before a micro-batch did)
         if self.monitor is None or self._ended:
             return
-        stop = self._stop  # (GuardedTrainer: a stop signal, at a step's end or after the last step)
-        if stop is not None and stop.requested and self.failed is None:
+        stop = self._stop  # (GuardedTrainer: a stop signal, at a step's end (the ranks' agreed one) or after the last step)
+        if stop is not None and (stop.requested or self._stopping) and self.failed is None:
             self.crash = Interrupted(stop.exit_code)
             self.ended = f"{self.crash} after step {self.monitor.steps}"
             self._finish()
@@ -938,7 +948,7 @@ class GuardedTrainer(Trainer):
                 raise
             finally:
                 self.ampguard._stop = None
-            if stop.requested:  # (after the run's end was written: the signal is not swallowed)
+            if stop.requested or self.ampguard._stopping:  # (after the run's end was written: not swallowed)
                 raise Interrupted(stop.exit_code)
             return output
 
