@@ -36,7 +36,7 @@ from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded
 from .config import Config
 from .errors import ConfigError, ExitCode, InputError, counted
 from .files import temporary_beside
-from .monitor import FAIL_SKIP_RATE, LossSpikeDetector, RunMonitor, metric_direction
+from .monitor import FAIL_SKIP_RATE, Event, LossSpikeDetector, RunMonitor, metric_direction
 from .records import StepRecord
 
 if TYPE_CHECKING:
@@ -117,6 +117,13 @@ class Guards:
             mode = config.rollback.val_mode
             self.val_higher = mode == "max" if mode != "auto" else metric_direction(self.val_metric) is True
             monitor.higher_better[self.val_metric] = self.val_higher
+
+    def rolls_back(self, event: Event) -> bool:
+        """Whether the monitor's ``event`` is a failure this run's guards turn into a rollback
+        (the skip-rate fail-fast under the ``skip_guard`` trigger): said as the rollback, or as
+        the failure only when the run stops for it (``rollback.max`` used up, no checkpoint),
+        never as a ``FAIL`` of a run that then goes on."""
+        return event.kind == "fail" and event.cause == FAIL_SKIP_RATE and SKIP_GUARD in self.triggers
 
     def check(self, record: StepRecord, diagnosis: str | None = None,
               metrics: dict[str, float] | None = None) -> Decision:

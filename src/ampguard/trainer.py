@@ -39,7 +39,7 @@ from .guards import (BAD_DATA, CRASHED, DISK_FULL, INTERRUPTED, FirstSkipDiagnos
                      Stop, TriggerBatches, rollback_reach)
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms
 from .integrations.trackers import TrackerSink, check_trackers
-from .monitor import LossSpikeDetector, RunMonitor
+from .monitor import Event, LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
 from .schedule import WarmupPastTheRun
@@ -421,10 +421,12 @@ class Trainer:
         own step). A rollback is carried out here (the exact path only: it has no records in
         flight); a stop first writes the records still in flight, then ends the loop."""
         for record, metrics in records:
-            self.record(record, metrics)
+            held = self.record(record, metrics)
             decision = self.guards.check(record, self.diagnosis.after(record) if self.diagnosis else None, metrics)
             if isinstance(decision, Rollback):
                 decision = self.rollbacks.apply(decision)
+            if held and isinstance(decision, Stop):  # (the failure a rollback would have taken: the run stops for it)
+                self._tell(held)
             if isinstance(decision, Stop):
                 self.settle()
                 return decision
@@ -490,8 +492,10 @@ class Trainer:
         with self.grad_norms.capturing(), headroom:
             yield
 
-    def record(self, record: StepRecord, metrics: dict[str, float] | None) -> None:
-        """The record to every sink; the monitors' events to the log; the console lines.
+    def record(self, record: StepRecord, metrics: dict[str, float] | None) -> list[Event]:
+        """The record to every sink; the monitors' events to the log; the console lines. Returns
+        the failure held back for a rollback to take (:meth:`Guards.rolls_back`; said only if
+        the run stops for it).
 
         The first sink to read the record copies its values to the host (the step's one
         transfer; later readers pay nothing).
@@ -500,9 +504,8 @@ class Trainer:
         try:
             self.sinks.write(record, metrics)
             events = self.monitor.observe(record) + (self.headroom.observe(record) if self.headroom else [])
-            for event in events:
-                self.events.emit(event.as_dict(), event_word(event.kind))
-            self.sinks.observe(self.monitor, events)  # the tracker sinks log the monitor's view with the step
+            held = [event for event in events if self.guards.rolls_back(event)]
+            self._tell([event for event in events if event not in held])
             norms = self.grad_norms.after(record)  # a skipped step's per-parameter norms (read on skips only)
             if norms is not None:
                 self.events.emit(norms)
@@ -516,6 +519,14 @@ class Trainer:
         finally:
             self.stop_flag.holding = False
         self.stop_flag.release()
+        return held
+
+    def _tell(self, events: list[Event]) -> None:
+        """The monitors' events to the event log and the console, and to the tracker sinks with
+        the monitor's view of the step."""
+        for event in events:
+            self.events.emit(event.as_dict(), event_word(event.kind))
+        self.sinks.observe(self.monitor, events)  # the tracker sinks log the monitor's view with the step
 
     def save_due(self, step: int) -> bool:
         """A checkpoint every ``checkpoint.every`` steps, but not at the last step (``run()``

@@ -649,6 +649,8 @@ def test_the_skip_guard_trigger_on_injected_faults_rolls_back_and_finishes(tmp_p
     # young window reads 1/1 at 26 and 1/2 at 27 (the rate over the steps it holds): a second trip at 27
     assert [(e["step"], e["checkpoint"]) for e in rollbacks] == [(25, "step-00000020.pt"), (27, "step-00000020.pt")]
     assert csv_steps(tmp_path / "R" / "steps.csv") == list(range(1, 41))
+    # review_27e #2: each trip printed FAIL and logged a fail event, for a run that finished with 0
+    assert not [e for e in run_events(tmp_path / "R") if e["event"] == "fail"] and "FAIL" not in out
 
 
 @pytest.mark.parametrize("allowed", [0, 1, 2])
@@ -659,6 +661,8 @@ def test_after_rollback_max_rollbacks_the_next_skip_guard_trigger_exits_3(tmp_pa
     assert code == 3, out + err
     run = tmp_path / "R"
     assert len([e for e in run_events(run) if e["event"] == "rollback"]) == allowed
+    # the failure is said once, at the stop it is (not at each trip a rollback took)
+    assert len([e for e in run_events(run) if e["event"] == "fail"]) == 1 and out.count("\nFAIL ") == 1
     assert ["no rollback allowed (rollback.max 0)", "the one rollback (rollback.max) is used up",
             "all 2 rollbacks (rollback.max) are used up"][allowed] in out
     assert "rollback.max" in (run / "RUN.md").read_text(encoding="utf-8")
