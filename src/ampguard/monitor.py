@@ -862,13 +862,15 @@ class RunMonitor:
                 f"rolling skip rate back to {rate:.3f} <= clear_rate {self.clear_rate:g}"), data))
 
         at_floor = self.scaler_enabled and self.health.at_floor
-        if at_floor and not self.scale_alerting:
+        # (a step skipped at the floor is what says fp16 cannot hold the gradients: a run started at
+        # the floor, scaler.init_scale = min_scale, whose steps apply, is not alerted)
+        if at_floor and skipped and not self.scale_alerting:
             events.append(Event(step, "scale_alert", (
-                f"loss scale {scale:g} is at its floor scaler.min_scale {self.min_scale:g}: "
-                "fp16 cannot hold these gradients"), {"scale": scale}))
+                f"loss scale {scale:g} is at its floor scaler.min_scale {self.min_scale:g} and the step still "
+                "overflowed: fp16 cannot hold these gradients"), {"scale": scale}))
         elif not at_floor and self.scale_alerting:
             events.append(Event(step, "scale_clear", f"loss scale back to {scale:g}", {"scale": scale}))
-        self.scale_alerting = at_floor
+        self.scale_alerting = at_floor and (self.scale_alerting or skipped)
 
         self.above_fail = self.above_fail + 1 if self.fail_rate is not None and rate > self.fail_rate else 0
         self.at_floor_skipped = self.at_floor_skipped + 1 if at_floor and skipped else 0

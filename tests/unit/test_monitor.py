@@ -557,6 +557,14 @@ def test_monitor_applied_steps_at_the_floor_never_fail():
     assert m.failed is None and m.at_floor_skipped == 1
 
 
+def test_a_run_started_at_the_floor_is_not_alerted_until_a_step_overflows_there():
+    # review_27e #5: scaler.init_scale = min_scale, every step applied: "ALERT 1 ... fp16 cannot hold
+    # these gradients" at step 1, where nothing had overflowed
+    m = RunMonitor(window=10, scaler_enabled=True, init_scale=1.0, min_scale=1.0)
+    assert feed_scales(m, [(1.0, False)] * 3 + [(2.0, False), (1.0, True), (1.0, False), (2.0, False)]) == [
+        (5, "scale_alert"), (7, "scale_clear")]
+
+
 def test_monitor_scale_collapse_without_fail_on_scale_collapse_only_alerts():
     m = RunMonitor(window=10, scaler_enabled=True, init_scale=2.0, min_scale=1.0, fail_after=2)
     assert feed_scales(m, [(1.0, True)] * 30) == [(1, "scale_alert")]
