@@ -569,8 +569,9 @@ class Rollbacks:
 
 class FirstSkipDiagnosis:
     """Keeps the open group's micro-batches and, at the first skipped step, replays them to find
-    the first non-finite value (:func:`ampguard.locate.diagnose_group`). Built only when
-    ``diagnose.first_skip`` or ``diagnose.strict`` is on: otherwise it costs nothing.
+    the first non-finite value (:func:`ampguard.locate.diagnose_group`). Fed (:meth:`capture`,
+    :meth:`after`) only when ``diagnose.first_skip`` or ``diagnose.strict`` is on: otherwise it
+    costs nothing and only keeps what an earlier part of the run found (``state_dict``).
 
     Example (two micro-batches a step; the second carries a NaN)::
 

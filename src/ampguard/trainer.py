@@ -190,10 +190,11 @@ class Trainer:
         self.grad_norms = SkipGradNorms(self.task.model, enabled=config.diagnose.grad_norms).attach(self.state)
         self.state.loss_fn = self.injector.wrap_loss(self.state.loss_fn)
         self.injector.attach(self.task.model)
-        self.diagnosis = None
-        if config.diagnose.first_skip or config.diagnose.strict:
-            self.diagnosis = self.state.monitors["first_skip"] = FirstSkipDiagnosis(
-                self.state, self.task.model, injected=self.injector.firing)
+        # the first skip's diagnosis: made only when asked, kept (and carried by the checkpoints) always, so
+        # a resume that turns diagnose.first_skip off leaves the diagnosis an earlier part found on the card
+        self.first_skip = self.state.monitors["first_skip"] = FirstSkipDiagnosis(
+            self.state, self.task.model, injected=self.injector.firing)
+        self.diagnosis = self.first_skip if config.diagnose.first_skip or config.diagnose.strict else None
         self.run_id = resume.run_id if resume is not None else None  # a new run's: made by run()
         self.checkpointer = self._checkpointer()  # its folder is set once run() opens the outputs
         self.rollbacks = Rollbacks(config, self.checkpointer, self.state, self.data, self.monitor, self.spikes)
@@ -705,7 +706,7 @@ class Trainer:
         self.events.close()
         result = RunResult(stopped.exit_code if stopped else ExitCode.OK, self.monitor, self.paths, ended, self.device,
                            self.checkpointer.saved, self.rollbacks.log, self.resume.path if self.resume else None,
-                           self.task.description, self.diagnosis.found if self.diagnosis else None)
+                           self.task.description, self.first_skip.found)
         result.policy_changes = [ck.policy_line(change) for change in self.policy] + self.dtype_lines
         result.autocast_dtypes = self.autocast_dtypes
         result.throughput, result.path, result.fp8_layers = self.throughput.summary(), self.path, self.fp8_layers

@@ -154,6 +154,15 @@ def test_a_resumed_run_keeps_its_first_skip_diagnosis(tmp_path):
         assert "step 3 (non_finite_grad)" in line, (run.name, line)
     diagnoses = [e["step"] for e in run_events(b) if e["event"] == "diagnosis"]
     assert diagnoses == [3]  # one diagnosis, of the first skip: the resume did not make a second
+    # review_27e #3: a resume that turns the diagnosis off left "off (diagnose.first_skip)" on the card,
+    # and the next resume's checkpoints carried nothing of it
+    c = tmp_path / "C"
+    shutil.copytree(tmp_path / "A", c)
+    (c / "checkpoints" / "step-00000008.pt").unlink()
+    ok(ag("train", "--resume", c, "--set", "diagnose.first_skip=false", "--set", "steps=10"))
+    ok(ag("train", "--resume", c, "--set", "steps=12"))
+    line = next(x for x in (c / "RUN.md").read_text(encoding="utf-8").splitlines() if "first-skip diagnosis" in x)
+    assert "step 3 (non_finite_grad)" in line, line
 
 
 def test_resume_of_a_complete_run_rewrites_its_card_and_a_lower_steps_is_refused(tmp_path, snapshot):
