@@ -88,3 +88,35 @@ def test_the_guards_autocast_probe_is_not_traced_into_a_compiled_forward():
         assert counters["stats"]["unique_graphs"] == 1  # (compiled once: the probe left in place)
         if keep:
             kept.append(model)  # (garbage the next run's compile collects)
+
+
+def test_the_first_skip_diagnosis_replays_a_compiled_model_eagerly_not_compiling_it_again():
+    # review_27e #4: compile + diagnose.first_skip: the replay's hooks were traced by dynamo, which broke
+    # the graph on them and compiled frame after frame (a page of graph-break warnings on stderr)
+    from ampguard.guards import FirstSkipDiagnosis
+
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(len(gm.graph.nodes))
+        return gm.forward
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 4), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Model()
+    model.compile(backend=backend)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="fp16")
+    diagnosis = FirstSkipDiagnosis(state, model)
+    batch = (torch.full((4, 2), 3000.0), torch.zeros(4, 1))  # (its gradient overflows fp16 at the 65536 scale)
+    diagnosis.capture(batch)
+    record = state.step(*batch)
+    assert record.skipped and compiled == compiled[:1]  # (the step's one compile)
+    assert diagnosis.after(record).startswith("step 1 (non_finite_grad): first nan under fp16: in backward")
+    assert len(compiled) == 1  # the replay compiled nothing
