@@ -955,6 +955,11 @@ class RollbackConfig(_Section):
     says (``acc``, ``f1``, ``auc``, ``bleu``, ... higher; ``loss``, ``err``, ``mse``, ``ppl``, ...
     lower), and a name that does not say is refused (a wrong guess rolls back on every gain)."""
 
+    @field_validator("triggers")
+    @classmethod
+    def _triggers_once(cls, v: list[str]) -> list[str]:
+        return _listed_once(v)  # (a trigger named twice is a typo for another, or nothing)
+
 
 PRESETS: dict[str, dict[str, int]] = {"gpt2-small": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}}
 """``task.preset``: named charlm sizes."""

@@ -939,6 +939,9 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         ("faults injected", ", ".join(config.inject) or "none"),
         ("skip-rate alert", f"rolling rate > {mon.alert_rate:g} over {counted(mon.window, 'step')}"),
         ("fail-fast", fail),
+        ("rollback triggers", (f"{', '.join(config.rollback.triggers)}: at most "
+                               f"{counted(config.rollback.max, 'rollback')} (rollback.max)")
+         if config.rollback.triggers else "none (rollback.triggers)"),
         ("headroom telemetry", (f"every {counted(mon.headroom.every, 'step')} against "
                                 f"{mon.headroom.format_for(config.precision)}, "
                                 f"ALERT below {mon.headroom.alert_bits:g} bits") if mon.headroom.every

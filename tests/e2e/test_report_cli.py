@@ -51,6 +51,7 @@ def in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:
 CARD_KEYS = {
     # set-up
     "precision", "backend", "loss scaler", "clipping", "accumulation", "processes", "skip-rate alert", "fail-fast",
+    "rollback triggers",
     # outcome
     "ended", "steps attempted", "updates applied", "skipped steps", "max rolling skip rate",
     "skip-rate alert episodes", "clip rate (whole run)", "scale health", "loss of applied steps",
@@ -412,6 +413,7 @@ def test_interrupted_run_card_and_plot(tmp_path):
     assert table["ended"] == f"interrupted (Ctrl-C) after step {n}"
     assert table["precision"] == "bf16 (autocast on cpu)"  # the config default
     assert table["fail-fast"].startswith("off")
+    assert table["rollback triggers"] == "none (rollback.triggers)"  # (review_27e: the card never said)
     assert png_size(run_dir / "report.png") == PNG_SIZE
     events = read_events(run_dir / "events.jsonl")
     assert events[-1]["event"] == "run_end" and events[-1]["step"] == n

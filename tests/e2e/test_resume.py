@@ -651,7 +651,9 @@ def test_the_skip_guard_trigger_rolls_back_past_bad_data_and_finishes(tmp_path):
     bad = [int(r["step"]) for r in rows if r["skipped"] == "1"]
     assert bad and min(bad) == 41 and max(bad) <= 46  # no skip after the rollback: the NaN batches were passed over
     assert float(rows[-1]["loss"]) < 0.01
-    assert "rolled back to step-00000040.pt" in (run / "RUN.md").read_text(encoding="utf-8")
+    card = (run / "RUN.md").read_text(encoding="utf-8")
+    assert "rolled back to step-00000040.pt" in card
+    assert "| rollback triggers | skip_guard: at most 3 rollbacks (rollback.max) |" in card
 
 
 def test_the_skip_guard_trigger_on_injected_faults_rolls_back_and_finishes(tmp_path):

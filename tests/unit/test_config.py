@@ -354,6 +354,12 @@ def test_a_tracker_switch_that_is_neither_a_switch_nor_a_mapping_says_what_it_ta
     assert load_config(None, [f"log.{key}=null"]).log.model_dump()[key] is None
 
 
+def test_a_rollback_trigger_is_listed_once():
+    # review_27e: [loss_spike, loss_spike] was taken, a typo for another trigger gone unsaid
+    with pytest.raises(ConfigError, match=r"^config: rollback.triggers: loss_spike listed more than once$"):
+        validate({"rollback": {"triggers": ["loss_spike", "loss_spike"]}, "checkpoint": {"every": 5}})
+
+
 def test_a_fault_is_listed_once_and_a_flag_repeating_the_files_own_adds_nothing():
     # review_session10: `--inject X` given again on `--resume` (the run's own command line) appended X to
     # the run's config.yaml, which held it already: the fault fired twice (spike@5 twice is x 1e16)
