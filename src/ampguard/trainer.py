@@ -251,6 +251,13 @@ class Trainer:
             left = "" if first > 1 else " (headroom.csv keeps its header only)"
             warnings.warn(f"monitor.headroom.every {every}: none of the steps this run trains ({first} to "
                           f"{config.steps}) is measured{left}", AmpguardWarning, stacklevel=2)
+        every = config.eval.every
+        if "val_regression" in config.rollback.triggers and first == 1 and -(-config.steps // every) < 2:
+            # (evaluated at every eval.every-th step and at the last: a run of one evaluation has none to
+            # compare it with; a resumed run compares with the evaluations before it)
+            warnings.warn(f"rollback.triggers: val_regression compares each evaluation with the best before it, and "
+                          f"this run evaluates once (eval.every {every}, steps {config.steps}): it can never roll "
+                          "back", AmpguardWarning, stacklevel=2)
 
     def _next_lr(self) -> float | None:
         """The LR the next step takes from the schedule (``None`` without a scheduler)."""

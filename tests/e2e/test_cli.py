@@ -620,3 +620,16 @@ def test_a_spike_past_a_short_demo_says_to_drop_the_spike(cli, more):
     assert (code, out) == (2, "")
     assert err == ("ampguard: error: demo: --spike is a loss spike at step 5, past the demo's 3 steps: drop --spike, "
                    "or give --steps 5 or more\n")
+
+
+@pytest.mark.parametrize("every, warned", [(50, True), (10, False)])
+def test_a_val_regression_trigger_that_can_never_fire_is_said_at_the_start(cli, tmp_path, every, warned):
+    # review_27e: eval.every past the run's steps leaves one evaluation, nothing to compare it with:
+    # the trigger was taken and never fired, unsaid (headroom says so of its own unmeasured runs)
+    code, out, err = cli("train", "--set", "task.name=linear", "--set", "steps=20", "--set", "log.plot=false",
+                         "--set", "rollback.triggers=[val_regression]", "--set", "checkpoint.every=5",
+                         "--set", f"eval.every={every}", "--set", f"log.dir={tmp_path / 'runs'}")
+    assert code == 0, err
+    line = ("ampguard: warning: rollback.triggers: val_regression compares each evaluation with the best before it, "
+            "and this run evaluates once (eval.every 50, steps 20): it can never roll back")
+    assert (line in err.splitlines()) is warned, err
