@@ -25,7 +25,7 @@ from .errors import InputError, first_line, user_code
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
-from .precision import Precision, keep_in_fp32, scale_in_use
+from .precision import Precision, keep_in_fp32, scale_in_use, submodule
 from .run_folder import RunPaths
 from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
 from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
@@ -222,8 +222,8 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
 def keep_fp32_modules(config: Config, model: nn.Module, precision: str | None = None) -> None:
     """Keep the submodules ``fp32_modules`` names in FP32 under autocast
     (:func:`~ampguard.precision.keep_in_fp32`) when ``precision`` (default: the config's) is fp16
-    or bf16; a name the model does not have is one :class:`InputError` line naming it and the
-    model's children.
+    or bf16 (under another precision the names are only checked); a name the model does not have
+    is one :class:`InputError` line naming it and the children where it went wrong.
 
     Example::
 
@@ -233,10 +233,14 @@ def keep_fp32_modules(config: Config, model: nn.Module, precision: str | None = 
         ...
         ampguard.errors.InputError: fp32_modules: the model has no submodule 'head' (its children: 0)
     """
-    if not config.fp32_modules or (precision or config.precision) not in ("fp16", "bf16"):
+    if not config.fp32_modules:
         return
     try:
-        keep_in_fp32(model, config.fp32_modules)
+        if (precision or config.precision) in ("fp16", "bf16"):
+            keep_in_fp32(model, config.fp32_modules)
+        else:  # (nothing to keep in FP32 without autocast: the names still checked, a typo one line)
+            for name in config.fp32_modules:
+                submodule(model, name)
     except KeyError as err:
         raise InputError(f"fp32_modules: {err.args[0]}", key="fp32_modules") from None
 

@@ -1028,6 +1028,33 @@ def _fp32_method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return fp32_forward(type(self).forward.__get__(self))(*args, **kwargs)
 
 
+def submodule(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """``model``'s submodule ``name`` (dotted); one it lacks is a ``KeyError`` naming it and the
+    children of the deepest module on its path that exists (where the name went wrong).
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        >>> type(submodule(model, "0.0")).__name__
+        'Linear'
+    """
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        parts, found = name.split("."), ""
+        for i in range(len(parts), 0, -1):  # (the deepest prefix that is a module)
+            try:
+                model.get_submodule(".".join(parts[:i - 1]))
+                found = ".".join(parts[:i - 1])
+                break
+            except AttributeError:
+                continue
+        parent = model.get_submodule(found)
+        children = ", ".join(n for n, _ in parent.named_children()) or "none"
+        where = f"{found}'s children" if found else "its children"
+        raise KeyError(f"the model has no submodule {name!r} ({where}: {children})") from None
+
+
 def keep_in_fp32(model: torch.nn.Module, names: list[str]) -> None:
     """Run each submodule of ``model`` named in ``names`` in FP32 under autocast (``fp32_modules``):
     its ``forward`` becomes :func:`_fp32_method` (an instance attribute; the parameters, their
@@ -1045,13 +1072,13 @@ def keep_in_fp32(model: torch.nn.Module, names: list[str]) -> None:
         Traceback (most recent call last):
         ...
         KeyError: "the model has no submodule '2' (its children: 0, 1)"
+        >>> keep_in_fp32(torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2))), ["0.1"])
+        Traceback (most recent call last):
+        ...
+        KeyError: "the model has no submodule '0.1' (0's children: 0)"
     """
     import types
 
     for name in names:
-        try:
-            module = model.get_submodule(name)
-        except AttributeError:
-            children = ", ".join(n for n, _ in model.named_children()) or "none"
-            raise KeyError(f"the model has no submodule {name!r} (its children: {children})") from None
+        module = submodule(model, name)
         module.forward = types.MethodType(_fp32_method, module)

@@ -323,6 +323,10 @@ def test_fp32_modules_keeps_a_layer_in_fp32_as_the_models_own_code_would_and_a_b
     line = one_error_line(train(tmp_path, "bad", *common, "--set", "fp32_modules=[head]"))
     assert line == "ampguard: error: fp32_modules: the model has no submodule 'head' (its children: 0, 1)"
     assert not (tmp_path / "bad").exists()
+    # review_27e: under fp32 a name was not checked at all; a dotted one listed the root's children
+    line = one_error_line(train(tmp_path, "bad", *common, "--set", "precision=fp32", "--set", "fp32_modules=[0.x]"))
+    assert line == "ampguard: error: fp32_modules: the model has no submodule '0.x' (0's children: none)"
+    assert not (tmp_path / "bad").exists()
     line = one_error_line(train(tmp_path, "fp8", *common, "--set", "precision=fp8", "--set", "fp32_modules=[0]"))
     assert "fp32_modules: under fp8 keep layers out of float8 with fp8.exclude" in line
 
