@@ -150,12 +150,15 @@ class Diagnosis:
         if self.verdict == "precision-range":
             if f.where != "backward":
                 hint = "FP32 replay is finite: a precision-range problem"
-            elif self.loss_scale != 1.0:
+            elif self.loss_scale != 1.0:  # (what the dynamic scaler is for: no module to move to FP32)
                 hint = (f"FP32 replay is finite: a precision-range problem (the gradient scaled by "
-                        f"{self.loss_scale:g} overflows {f.precision})")
+                        f"{self.loss_scale:g} overflows {f.precision}), which the loss scaler answers by halving the "
+                        "scale and skipping the step: routine while it settles; a skip rate that stays up is what "
+                        "to watch")
             else:
                 hint = f"FP32 replay is finite: a precision-range problem (the gradient overflows {f.precision} with no loss scale)"
-            hint += self._scope_hint()
+            if not (f.where == "backward" and self.loss_scale != 1.0):
+                hint += self._scope_hint()
         elif self.verdict == "data/model" and self.injected:
             hint = f"FP32 replay is not finite either: the injected {', '.join(self.injected)}, not a precision problem"
         elif self.verdict == "data/model" and self.bad_weight:
