@@ -160,6 +160,9 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
         distributed.ending()  # (torchrun's SIGTERM to the ranks left must not cut the taking back short)
         take_back()
         raise
+    except Exception:  # a crash: its traceback is the rank's end, not a SIGTERM torchrun sends after it
+        distributed.ending()
+        raise
     finally:
         for paths in held:  # the card and the last checkpoint are written: the folder is free
             paths.unlock()

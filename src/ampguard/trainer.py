@@ -363,6 +363,7 @@ class Trainer:
                 if self.bar is not None:
                     self.bar.close()
             if crashed is not None:  # the steps before it stand: their rows, the last checkpoint, a card that says so
+                distributed.ending()  # (a crash is this rank's end: torchrun's SIGTERM must not turn it into a stop)
                 # (under torchrun each rank closes alone: a peer may be dead, the crash a collective's
                 # "Connection reset by peer", or waiting in a collective this rank never joins)
                 with contextlib.suppress(Exception):

@@ -606,7 +606,7 @@ trainer.callback_handler.callbacks.sort(key=lambda c: isinstance(c, AmpGuardCall
 try:
     trainer.train()
 except KeyboardInterrupt as stopped:  # (ampguard's Interrupted, raised as train() returns)
-    sys.stdout.write(f"rank {args.process_index} stopped: {int(stopped.exit_code)} {callback.ended}\n")
+    sys.stdout.write(f"rank {args.process_index} stopped: {int(stopped.exit_code)} {callback.ended}\\n")
 checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 # one write a line: both ranks share this stdout, and print's line and its newline are two writes
 # (rank 1's line landed between rank 0's and its newline: one line, one rank found)
