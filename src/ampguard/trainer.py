@@ -149,10 +149,7 @@ class Trainer:
             self.dist, self.device = distributed.DistInfo(), resolve_device(config.device)
         if resume is not None:
             ck.check_resume(resume, config, self.dist.world_size)
-        # (a resume that ends the run sooner keeps the run's own faults past its new end, which never fire:
-        # they are the run's, judged when it started; a new one was judged against the steps left, cli)
-        until = config.steps if resume is None else max(config.steps, int(resume.saved_config.get("steps") or 0))
-        faults = parse_faults(config.inject, seed=config.seed, steps=until, world_size=self.dist.world_size)
+        faults = parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=self.dist.world_size)
         self.task = _build_task(config, self.dist.world_size)
         if config.task.factory and not self.task.model.training:  # (each module trains in the mode it was left in)
             warnings.warn(f"task.factory {config.task.factory}: the model is in eval mode (dropout off, BatchNorm "

@@ -782,17 +782,3 @@ def test_a_resume_trains_in_its_own_folder_wherever_it_is(tmp_path, monkeypatch)
     monkeypatch.chdir(moved)
     ok(ag("train", "--resume", ".", "--set", "steps=4", "--set", "log.dir=..", "--set", "log.name=b"))
     assert [r["step"] for r in read_rows(moved / "steps.csv")] == ["1", "2", "3", "4"]
-
-
-def test_a_resume_that_ends_the_run_sooner_keeps_the_runs_own_fault_past_its_new_end(tmp_path):
-    # review_27e: --resume step-10 --set steps=10 was refused "fault 'spike@14' never fires ... drop it",
-    # though spike@14 is the run's own (its config.yaml), which a resume does not judge again
-    ok(train(tmp_path, "A", *LINEAR, "--set", "precision=fp32", "--set", "steps=20", "--set", "checkpoint.every=10",
-             "--inject", "spike@14"))
-    shutil.rmtree(tmp_path / "B", ignore_errors=True)
-    shutil.copytree(tmp_path / "A", tmp_path / "B")
-    out = ok(ag("train", "--resume", tmp_path / "B" / "checkpoints" / "step-00000010.pt", "--set", "steps=12"))
-    assert "ended: finished: 12 steps" in out
-    assert csv_steps(tmp_path / "B" / "steps.csv") == list(range(1, 13))
-    line = one_error_line(ag("train", "--resume", tmp_path / "B", "--set", "steps=14", "--inject", "spike@11"))
-    assert "spike@11" in line  # (a new fault at a step the run trained already is still refused)
