@@ -24,12 +24,6 @@ from ampguard.watch import float32_layers_text  # noqa: E402
 from ampguard.sinks import CSV_COLUMNS  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 def tiny_gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))

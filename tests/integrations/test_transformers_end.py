@@ -9,16 +9,9 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from accelerate.state import AcceleratorState  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
 
 from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _run(tmp_path, steps: int, bad: set[int], **monitor) -> dict:

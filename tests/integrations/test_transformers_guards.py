@@ -16,19 +16,12 @@ from helpers import read_rows
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("mlflow")
-from accelerate.state import AcceleratorState  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from ampguard.errors import AmpguardWarning  # noqa: E402
 from ampguard.integrations.trackers import MLflowSink  # noqa: E402
 from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer, WatchOnlyWarning  # noqa: E402
 from ampguard.signals import Interrupted  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _model() -> GPT2LMHeadModel:

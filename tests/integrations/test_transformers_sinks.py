@@ -14,17 +14,10 @@ from helpers import read_rows
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("mlflow")
-from accelerate.state import AcceleratorState  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from ampguard.integrations.trackers import MLflowSink  # noqa: E402
 from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 class NanLossAt(GuardedTrainer):
