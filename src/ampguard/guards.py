@@ -648,11 +648,14 @@ class FirstSkipDiagnosis:
             self.group, self.scale = [], self.state.scaler.scale_value()
         self.group.append(batch)
 
-    def after(self, record: StepRecord) -> str | None:
+    def after(self, record: StepRecord, fresh: bool = False) -> str | None:
         """The finding for the run's first skipped step (None before it, and for clean steps).
 
         At the first skipped step it replays the group (:func:`ampguard.locate.diagnose_group`:
-        host syncs, once a run); later skips repeat that finding without a replay.
+        host syncs, once a run); later skips repeat that finding without a replay. ``fresh``
+        (strict mode, whose stop is about this step): a later skip is diagnosed too, its own
+        finding returned and said, the first one's kept (a resumed run's first skip may be an
+        earlier part's).
 
         Example::
 
@@ -669,8 +672,10 @@ class FirstSkipDiagnosis:
             >>> step(torch.ones(4, 2)) is None, step(nan)[:42], step(inf)[:42], step(torch.ones(4, 2))
             (True, 'step 2 (non_finite_loss): first nan under ', 'step 2 (non_finite_loss): first nan under ', None)
         """
-        if not record.skipped or self.found is not None:
-            return self.found if record.skipped else None
+        if not record.skipped:
+            return None
+        if self.found is not None and (not fresh or self.found.startswith(f"step {record.step} (")):
+            return self.found
         import contextlib
 
         import torch
@@ -686,6 +691,8 @@ class FirstSkipDiagnosis:
                                     float(self.scale), accumulation_steps=self.state.accumulation_steps)
         if self.injected is not None:  # (an injected fault fires in the FP32 replay too: the finding is the fault's)
             result.injected = self.injected(record.step)
+        if self.state.scaler.is_enabled():  # (at its floor the scaler cannot halve: not its routine back-off)
+            result.scale_floor = float(self.state.scaler.get_min_scale())
         # under torchrun the value was born on one rank's share: each rank replays its own, and
         # the first rank that found a non-finite value is the finding of every rank
         findings = distributed.all_gather(result)
@@ -696,9 +703,10 @@ class FirstSkipDiagnosis:
         elif len(findings) > 1:
             tail = f" on any of the {len(findings)} ranks"
             result.amp.loss = None  # (this rank's share of the step's loss would read as the step's)
-        self.found = f"step {record.step} ({record.reason}){head}: {result.message()}{tail}"
+        found = f"step {record.step} ({record.reason}){head}: {result.message()}{tail}"
+        self.found = self.found or found
         if self.events is not None:
             extra = {"rank": rank} if len(findings) > 1 else {}
             self.events.emit({"step": record.step, "event": "diagnosis", **result.as_dict(), **extra,
-                              "message": self.found}, "DIAGNOSIS")
-        return self.found
+                              "message": found}, "DIAGNOSIS")
+        return found

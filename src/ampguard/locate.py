@@ -112,6 +112,9 @@ class Diagnosis:
     bad_weight: str = ""
     """With ``data/model``: the first parameter that was not finite before the step (``"0.weight
     holds nan"``; a checkpoint of a diverged run): the weights' problem, not the batch's."""
+    scale_floor: float | None = None
+    """The loss scaler's floor (``scaler.min_scale``), when a scaler ran: a backward overflow at
+    a scale above it is what the scaler answers (it halves and skips); at it, a range problem."""
 
     def message(self) -> str:
         """The finding in one sentence: where the first non-finite value was, and whose problem it is.
@@ -150,14 +153,20 @@ class Diagnosis:
         if self.verdict == "precision-range":
             if f.where != "backward":
                 hint = "FP32 replay is finite: a precision-range problem"
-            elif self.loss_scale != 1.0:  # (what the dynamic scaler is for: no module to move to FP32)
+            elif self._backs_off:  # (what the dynamic scaler is for: no module to move to FP32)
                 hint = (f"FP32 replay is finite: a precision-range problem (the gradient scaled by "
                         f"{self.loss_scale:g} overflows {f.precision}), which the loss scaler answers by halving the "
                         "scale and skipping the step: routine while it settles; a skip rate that stays up is what "
                         "to watch")
+            elif self.scale_floor is not None and self.loss_scale != 1.0 and self.loss_scale <= self.scale_floor:
+                hint = (f"FP32 replay is finite: a precision-range problem (the gradient overflows {f.precision} at "
+                        f"the loss scaler's floor {self.scale_floor:g}, scaler.min_scale: it cannot halve further)")
+            elif self.loss_scale != 1.0:
+                hint = (f"FP32 replay is finite: a precision-range problem (the gradient scaled by "
+                        f"{self.loss_scale:g} overflows {f.precision})")
             else:
                 hint = f"FP32 replay is finite: a precision-range problem (the gradient overflows {f.precision} with no loss scale)"
-            if not (f.where == "backward" and self.loss_scale != 1.0):
+            if not self._backs_off:
                 hint += self._scope_hint()
         elif self.verdict == "data/model" and self.injected:
             hint = f"FP32 replay is not finite either: the injected {', '.join(self.injected)}, not a precision problem"
@@ -169,6 +178,12 @@ class Diagnosis:
         else:
             hint = ""
         return f"{first}. {hint}".strip()
+
+    @property
+    def _backs_off(self) -> bool:
+        """A backward overflow at a loss scale the scaler can still halve (above its floor)."""
+        return self.amp.where == "backward" and self.loss_scale != 1.0 and (
+            self.scale_floor is None or self.loss_scale > self.scale_floor)
 
     def _scope_hint(self) -> str:
         """What the module-alone FP32 replays found, as the end of the message.
@@ -672,6 +687,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
             batches = [(to_device(x, device), to_device(y, device)) for x, y in batches]
             result = diagnose_group(model, loss_fn, batches, precision, loss_scale, config.accumulation_steps)
     result.injected = _faults_at(faults, step)[0]
+    result.scale_floor = config.scaler.min_scale if scaler_on else None
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     return result, where, device, loss_scale

@@ -504,8 +504,8 @@ class ScaleHealth:
         return self._verdict
 
     def _judge(self) -> str:
-        if self.at_floor:
-            return "collapsing"
+        if self.at_floor and self._skipped.seen_mean > 0:  # (at the floor and still skipping: a run started
+            return "collapsing"                             # at it whose steps apply is not collapsing)
         s = self.stats()
         eps = 1e-9  # octaves of non-power-of-two growth factors are not exact
         if s.trend <= -COLLAPSE_OCTAVES + eps or self.streak > COLLAPSE_STREAK:

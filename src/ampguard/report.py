@@ -939,8 +939,9 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         ("faults injected", ", ".join(config.inject) or "none"),
         ("skip-rate alert", f"rolling rate > {mon.alert_rate:g} over {counted(mon.window, 'step')}"),
         ("fail-fast", fail),
-        ("rollback triggers", (f"{', '.join(config.rollback.triggers)}: at most "
-                               f"{counted(config.rollback.max, 'rollback')} (rollback.max)")
+        ("rollback triggers", (f"{', '.join(config.rollback.triggers)}: " + (
+            f"at most {counted(config.rollback.max, 'rollback')} (rollback.max)" if config.rollback.max
+            else "no rollback allowed (rollback.max 0): a trigger stops the run"))
          if config.rollback.triggers else "none (rollback.triggers)"),
         ("headroom telemetry", (f"every {counted(mon.headroom.every, 'step')} against "
                                 f"{mon.headroom.format_for(config.precision)}, "
@@ -1162,8 +1163,10 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if not rows:  # (a kill in the first row's write leaves it torn: say so, not only "no steps")
         cut = f" (its one row is torn, a write cut short: {torn[0][:40]!r})" if torn else ""
         raise InputError(f"{csv_path}: no steps recorded{cut}, nothing to report")
-    # what the CSV says, not the config: whether a loss scale moved, and (with no config) where it started
-    scaler_on = any(r.scaler_scale not in (None, 1.0) for r in rows)
+    # whether a loss scaler ran: the run's config says (a scale held at its floor 1 moves nothing); with
+    # no config, what the CSV shows: a loss scale that moved, and where it started
+    scaler_on = (Precision(config.precision, "cpu").uses_scaler and config.scaler.enabled is not False
+                 if config_path.is_file() else any(r.scaler_scale not in (None, 1.0) for r in rows))
     init_scale = config.scaler.init_scale if config_path.is_file() else _start_scale(rows, config.scaler.backoff_factor)
     judged = _replay_config(config, given, init_scale)
     # (an alert rate given sets the run's clear-level changes aside too: the level given holds, clamped to it)

@@ -217,11 +217,13 @@ class Trainer:
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
         self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
-        unused = [c["key"] for c in self.policy_new if c["key"] != "steps"]
-        if resume is not None and unused and resume.loaded.step >= config.steps:  # (nothing left to train: they would
+        # (steps may end the run here; inject may drop the faults such an end leaves unfired, as the
+        # refusal of a fault that never fires asks)
+        idle = [c["key"] for c in self.policy_new if c["key"] not in ("steps", "inject")]
+        if resume is not None and idle and resume.loaded.step >= config.steps:  # (nothing left to train: they would
             # apply to no step, yet the card would describe the run as trained under them)
             raise InputError(f"train --resume: the run has trained all its steps ({resume.loaded.step} of "
-                             f"steps={config.steps}): {', '.join(unused)} would apply to no step; raise steps to train "
+                             f"steps={config.steps}): {', '.join(idle)} would apply to no step; raise steps to train "
                              "on under the new settings, or leave them out to rewrite the run card")
         # the next step's LR, as the checkpoint's schedule left it (its get_last_lr: on the fast path,
         # where the group's LR is the last step's, brought up to date at the save) and as now set
@@ -256,8 +258,8 @@ class Trainer:
             # (evaluated at every eval.every-th step and at the last: a run of one evaluation has none to
             # compare it with; a resumed run compares with the evaluations before it)
             warnings.warn(f"rollback.triggers: val_regression compares each evaluation with the best before it, and "
-                          f"this run evaluates once (eval.every {every}, steps {config.steps}): it can never roll "
-                          "back", AmpguardWarning, stacklevel=2)
+                          f"this run evaluates once (eval.every {every}, steps {config.steps}): it rolls back only on "
+                          "a non-finite metric", AmpguardWarning, stacklevel=2)
 
     def _next_lr(self) -> float | None:
         """The LR the next step takes from the schedule (``None`` without a scheduler)."""
@@ -437,7 +439,8 @@ class Trainer:
         flight); a stop first writes the records still in flight, then ends the loop."""
         for record, metrics in records:
             held = self.record(record, metrics)
-            decision = self.guards.check(record, self.diagnosis.after(record) if self.diagnosis else None, metrics)
+            diagnosis = self.diagnosis.after(record, fresh=self.config.diagnose.strict) if self.diagnosis else None
+            decision = self.guards.check(record, diagnosis, metrics)
             if isinstance(decision, Rollback):
                 decision = self.rollbacks.apply(decision)
             if held and isinstance(decision, Stop):  # (the failure a rollback would have taken: the run stops for it)

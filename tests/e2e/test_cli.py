@@ -631,5 +631,19 @@ def test_a_val_regression_trigger_that_can_never_fire_is_said_at_the_start(cli, 
                          "--set", f"eval.every={every}", "--set", f"log.dir={tmp_path / 'runs'}")
     assert code == 0, err
     line = ("ampguard: warning: rollback.triggers: val_regression compares each evaluation with the best before it, "
-            "and this run evaluates once (eval.every 50, steps 20): it can never roll back")
+            "and this run evaluates once (eval.every 50, steps 20): it rolls back only on a non-finite metric")
     assert (line in err.splitlines()) is warned, err
+
+
+def test_a_scaler_held_at_its_floor_is_still_a_scaler_in_report_and_a_clean_floor_run_is_not_collapsing(cli, tmp_path):
+    # review_27f: report inferred "no loss scaler" from a CSV whose scale never left 1 (the config says
+    # fp16), and a clean run started at the floor read "collapsing" on its card
+    common = ["train", "--set", "task.name=linear", "--set", "steps=8", "--set", "precision=fp16", "--set",
+              "scaler.init_scale=1", "--set", "log.plot=false", "--set", f"log.dir={tmp_path / 'runs'}"]
+    code, out, err = cli(*common, "--set", "log.name=clean")
+    assert code == 0 and "ALERT" not in out, out
+    assert "| scale health | stable (final scale 1) |" in (tmp_path / "runs" / "clean" / "RUN.md").read_text()
+    code, out, err = cli(*common, "--set", "log.name=skip", "--inject", "inf_grad@5")
+    assert code == 0 and "ALERT 5 loss scale 1 is at its floor" in out, out
+    code, out, err = cli("report", tmp_path / "runs" / "skip")
+    assert code == 0 and "scale collapsing" in out and "no loss scaler" not in out, out

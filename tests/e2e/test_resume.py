@@ -165,6 +165,22 @@ def test_a_resumed_run_keeps_its_first_skip_diagnosis(tmp_path):
     assert "step 3 (non_finite_grad)" in line, line
 
 
+def test_a_strict_stop_after_a_resume_names_its_own_steps_diagnosis_not_the_first_skips(tmp_path):
+    # review_27f: the strict stop at step 12 named step 3's diagnosis (and its fault), kept from the run's
+    # earlier part: its own skip was never diagnosed
+    ok(train(tmp_path, "A", *LINEAR, "--set", "precision=bf16", "--set", "steps=10", "--set", "checkpoint.every=5",
+             "--set", "diagnose.first_skip=true", "--inject", "nan_loss@3"))
+    code, out, err = ag("train", "--resume", tmp_path / "A", "--set", "steps=15", "--set", "diagnose.strict=true",
+                        "--inject", "nan_loss@12")
+    assert code == 3, out + err
+    ended = next(line for line in out.splitlines() if line.startswith("ended: "))
+    assert ended.startswith("ended: strict mode: non-finite loss at step 12: step 12 (non_finite_loss)") and \
+        "the injected nan_loss@12" in ended, ended
+    assert [e["step"] for e in run_events(tmp_path / "A") if e["event"] == "diagnosis"] == [3, 12]
+    card = (tmp_path / "A" / "RUN.md").read_text(encoding="utf-8")
+    assert "| first-skip diagnosis | step 3 (non_finite_loss)" in card  # (the run's first skip stays its first)
+
+
 def test_resume_of_a_complete_run_rewrites_its_card_and_a_lower_steps_is_refused(tmp_path, snapshot):
     ok(train(tmp_path, "A", *LINEAR, "--set", "precision=fp32", "--set", "steps=12", "--set", "checkpoint.every=4"))
     run = tmp_path / "A"
@@ -687,7 +703,10 @@ def test_after_rollback_max_rollbacks_the_next_skip_guard_trigger_exits_3(tmp_pa
     assert len([e for e in run_events(run) if e["event"] == "fail"]) == 1 and out.count("\nFAIL ") == 1
     assert ["no rollback allowed (rollback.max 0)", "the one rollback (rollback.max) is used up",
             "all 2 rollbacks (rollback.max) are used up"][allowed] in out
-    assert "rollback.max" in (run / "RUN.md").read_text(encoding="utf-8")
+    card = (run / "RUN.md").read_text(encoding="utf-8")
+    assert "rollback.max" in card
+    if allowed == 0:  # (review_27f: "at most 0 rollbacks")
+        assert "| rollback triggers | skip_guard: no rollback allowed (rollback.max 0): a trigger stops the run |" in card
 
 
 # ---------------------------------------------------------------------------- what --resume was given
@@ -721,6 +740,12 @@ def test_a_resume_that_ends_before_the_configs_fault_names_the_way_on(tmp_path):
                          "steps, not micro-batches); drop it: --inject none, or --set inject=[...]"), line
     out = ok(ag("train", "--resume", ckpt, "--set", "steps=5", "--inject", "none"))
     assert "ended: finished: 5 steps" in out and "SKIP" not in out
+    # review_27f: ending the run at the checkpoint's own step: the way out named above was refused as
+    # a setting for no step
+    ok(train(tmp_path, "B", *LINEAR, "--set", "steps=8", "--set", "checkpoint.every=3", "--inject", "spike@8"))
+    ckpt = tmp_path / "B" / "checkpoints" / "step-00000006.pt"
+    out = ok(ag("train", "--resume", ckpt, "--set", "steps=6", "--inject", "none"))
+    assert "ended: finished: 6 steps" in out
 
 
 def test_a_resume_of_a_run_still_training_is_refused_and_changes_nothing(tmp_path):

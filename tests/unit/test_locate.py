@@ -495,6 +495,10 @@ def test_a_backward_overflow_without_a_loss_scale_does_not_blame_the_scale():
     # (review_27e: the scaler's own back-off read as "only the whole model in FP32 fixes this batch")
     assert "which the loss scaler answers by halving the scale" in scaled.message()
     assert "fixes this batch" not in scaled.message() and "fixes this batch" in unscaled.message()
+    # (review_27f: at the scaler's floor it cannot halve: a range problem, with where to look)
+    scaled.scale_floor = 2.0**20
+    assert "at the loss scaler's floor 1.04858e+06, scaler.min_scale: it cannot halve further" in scaled.message()
+    assert "halving the scale" not in scaled.message() and "FP32" in scaled.message().split("further)")[1]
     # the finite loss whose backward overflowed is the evidence: its size in the finding (it was null)
     assert scaled.amp.loss == pytest.approx(96.0**2, rel=1e-2) and scaled.as_dict()["amp"]["loss"] == scaled.amp.loss
     assert f"from a finite loss {scaled.amp.loss:.4g}." in scaled.message()

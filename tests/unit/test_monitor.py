@@ -221,12 +221,14 @@ def test_health_a_fall_of_three_octaves_is_collapsing_even_after_a_rise():
     assert h.stats().trend == -3.0 and h.stats().fall == 4.0  # 1024 -> 128 net; 2048 -> 128 from the high
 
 
-def test_health_at_the_floor_is_collapsing_whatever_the_moves():
+def test_health_at_the_floor_is_collapsing_while_it_skips_there():
     h = ScaleHealth(4, min_scale=1.0, init_scale=4.0)
     verdicts = feed(h, [(2.0, True), (1.0, True)] + [(1.0, True)] * 3 + [(1.0, False)] * 6)
     assert verdicts[0] == "warming"  # 2.0 is above the floor
-    # At the floor (the scaler clamps there: 1.0 is as low as it goes): opening or not, moves or none.
-    assert verdicts[1:] == ["collapsing"] * 10
+    # At the floor (the scaler clamps there: 1.0 is as low as it goes) with skips in the window,
+    # opening or not, moves or none; once the window holds only applied steps there, the gradients
+    # fit at the floor (review_27f: a clean run started at init_scale = min_scale read "collapsing")
+    assert verdicts[1:] == ["collapsing"] * 7 + ["stable"] * 3
     assert h.at_floor
     h.push(2.0, False)  # growth off the floor
     assert not h.at_floor and h.verdict == "climbing"
