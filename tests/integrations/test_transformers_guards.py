@@ -181,6 +181,40 @@ def test_a_sigterm_stops_guarded_train_after_the_step_with_its_checkpoint_and_th
     assert [r["step"] for r in read_rows(out / "ampguard" / "steps.csv")] == ["1", "2", "3", "4", "5", "6"]
 
 
+class AtSave(TrainerCallback):
+    """Calls ``act()`` in ``on_save`` (after HF wrote the model, before the trainer state)."""
+
+    def __init__(self, act) -> None:
+        self.act, self.saves = act, []
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saves.append(state.global_step)
+        self.act()
+
+
+def test_a_second_signal_waits_for_the_stops_checkpoint_and_no_epoch_end_evaluates_or_saves_again(tmp_path):
+    # review_27g #1, #2: a second SIGTERM during the stop's save left a checkpoint without its
+    # trainer_state.json (resume_from_checkpoint=True then failed); with epoch strategies HF's epoch
+    # end evaluated after the stop and saved the step again
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        saving = AtSave(lambda: os.kill(os.getpid(), signal.SIGTERM))  # (the second signal, mid-save)
+        args = _args(tmp_path, 16, num_train_epochs=2, max_steps=-1, save_strategy="epoch", eval_strategy="epoch")
+        trainer = GuardedTrainer(model=_model(), args=args, train_dataset=_ids(), eval_dataset=_ids()[:4],
+                                 callbacks=[AtStepEnd(3, lambda: os.kill(os.getpid(), signal.SIGTERM)), saving],
+                                 ampguard=_quiet())
+        with pytest.raises(Interrupted):
+            trainer.train()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out = tmp_path / "out"
+    assert saving.saves == [3] and not [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert (out / "checkpoint-3" / "trainer_state.json").is_file()
+    resumed = GuardedTrainer(model=_model(), args=_args(tmp_path, 5), train_dataset=_ids(), ampguard=_quiet())
+    resumed.train(resume_from_checkpoint=True)
+    assert [r["step"] for r in read_rows(out / "ampguard" / "steps.csv")] == ["1", "2", "3", "4", "5"]
+
+
 # ------------------------------------------------------------------ a stock Trainer's non-finite weights
 
 def test_a_stock_trainers_update_that_makes_the_weights_non_finite_stops_it_as_a_guard_failure(tmp_path):

@@ -411,13 +411,11 @@ class AmpGuardCallback(TrainerCallback):
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stop_noting()
 
-    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # (an evaluation inside train(): a stop signal waits no longer than a batch there)
-        stop = self._stop
-        if stop is not None and stop.requested and not stop.closing and not self._stopping:
-            raise Interrupted(stop.exit_code)
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._stopping:  # (HF's epoch-end flags after a stop: the stop's step was saved, no evaluation begins)
+            control.should_evaluate = control.should_save = False
 
-    def _stop_at_step_end(self, args: Any, control: Any) -> None:
+    def _stop_at_step_end(self, args: Any, state: Any, control: Any) -> None:
         """:class:`GuardedTrainer`'s stop signal (its ``train()``'s
         :func:`~ampguard.signals.stop_on_signals`), taken at a step's end as ``ampguard train``
         takes one: the Trainer stops after this step, with its checkpoint (``should_save``, unless
@@ -425,9 +423,13 @@ class AmpGuardCallback(TrainerCallback):
         ``interrupted (SIGTERM) after step N`` and ``train()`` raises
         :class:`~ampguard.signals.Interrupted` (130 Ctrl-C, 143 SIGTERM). (Raised here, it skipped
         the step's save: HF saves after ``on_step_end``.) Under DDP the ranks agree on it at every
-        step's end, so a signal that reached one rank stops them all after the same step."""
+        step's end, so a signal that reached one rank stops them all after the same step. A
+        signal during an evaluation waits for its end (and the next step's: raised there, it lost
+        the save after it, and under DDP the ranks disagreed); one in the run's last step ends it
+        as finished, as ``ampguard train`` does (``train()`` still raises it as it returns). Once
+        the stop is taken further signals wait: its checkpoint is written whole."""
         stop = self._stop
-        if stop is None or stop.closing or self._stopping:
+        if stop is None or stop.closing or self._stopping or state.global_step >= state.max_steps > 0:
             return
         if distributed.current().active:  # (one tiny all-reduce a step: the ranks stop after the same step, or
             # one would wait in the next step's gradient all-reduce for a peer that left; the highest signal names
@@ -437,7 +439,7 @@ class AmpGuardCallback(TrainerCallback):
                 return
         elif not stop.requested:
             return
-        self._stopping = True
+        self._stopping = stop.closing = True
         control.should_training_stop, control.should_evaluate = True, False
         if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
             control.should_save = True
@@ -505,7 +507,7 @@ class AmpGuardCallback(TrainerCallback):
             self._write(self._watched(kwargs.get("optimizer"), state.global_step))
         self._pending = None
         self._stop_training(control)
-        self._stop_at_step_end(args, control)
+        self._stop_at_step_end(args, state, control)
 
     def _write(self, record: StepRecord | None) -> None:
         """One step's record to the CSV and the sinks (process 0), then to the monitor: its
@@ -562,7 +564,7 @@ class AmpGuardCallback(TrainerCallback):
         if self.monitor is None or self._ended:
             return
         stop = self._stop  # (GuardedTrainer: a stop signal, at a step's end (the ranks' agreed one) or after the last step)
-        if stop is not None and (stop.requested or self._stopping) and self.failed is None:
+        if stop is not None and self._stopping and self.failed is None:
             self.crash = Interrupted(stop.exit_code)
             self.ended = f"{self.crash} after step {self.monitor.steps}"
             self._finish()
@@ -918,7 +920,7 @@ class GuardedTrainer(Trainer):
         returns or raises): the first SIGINT (Ctrl-C) or SIGTERM (a scheduler's: SLURM,
         Kubernetes, torchrun) lets the step in flight finish and write its row; the Trainer stops
         after that step, with its checkpoint (unless ``save_strategy`` is ``"no"``) and no
-        evaluation begun (one already running stops at its next batch), and
+        evaluation begun (one running when the signal came ends first, then one more step), and
         :class:`~ampguard.signals.Interrupted` is raised when ``train()`` returns: ``run_end``, ``summary.json`` and ``RUN.md`` say
         ``interrupted (SIGTERM) after step N``, the tracker sinks end KILLED, :attr:`exit_code` is
         130 or 143. A second signal interrupts at once (once the row being written is whole). A
