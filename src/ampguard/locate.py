@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .errors import InputError, brief, counted, user_code
-from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, finite_number, fp32_forward
+from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, finite_number, fp32_forward, round_float32
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -158,7 +158,7 @@ class Diagnosis:
                         f"{self.loss_scale:g} overflows {f.precision}), which the loss scaler answers by halving the "
                         "scale and skipping the step: routine while it settles; a skip rate that stays up is what "
                         "to watch")
-            elif self.scale_floor is not None and self.loss_scale != 1.0 and self.loss_scale <= self.scale_floor:
+            elif self.scale_floor is not None and self.loss_scale != 1.0 and not self._backs_off:
                 hint = (f"FP32 replay is finite: a precision-range problem (the gradient overflows {f.precision} at "
                         f"the loss scaler's floor {self.scale_floor:g}, scaler.min_scale: it cannot halve further)")
             elif self.loss_scale != 1.0:
@@ -182,8 +182,8 @@ class Diagnosis:
     @property
     def _backs_off(self) -> bool:
         """A backward overflow at a loss scale the scaler can still halve (above its floor)."""
-        return self.amp.where == "backward" and self.loss_scale != 1.0 and (
-            self.scale_floor is None or self.loss_scale > self.scale_floor)
+        return self.amp.where == "backward" and self.loss_scale != 1.0 and (  # (the scale is a float32: 0.1 is
+            self.scale_floor is None or self.loss_scale > round_float32(self.scale_floor))  # 0.10000000149 there)
 
     def _scope_hint(self) -> str:
         """What the module-alone FP32 replays found, as the end of the message.

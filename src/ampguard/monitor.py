@@ -832,7 +832,8 @@ class RunMonitor:
         rate, over = self._judged()
         self.max_skip_rate = max(self.max_skip_rate, rate)
         self.max_rolling_skip_rate = max(self.max_rolling_skip_rate, self.skip_rate)
-        return self._events(record.step, rate, over, scale, bool(record.skipped))
+        return self._events(record.step, rate, over, scale, bool(record.skipped),
+                            overflowed=record.reason == "non_finite_grad")
 
     def _follow_opening(self, record: StepRecord) -> None:
         """The scaler's opening search: gradient overflows in a row from step 1, until a step
@@ -848,7 +849,8 @@ class RunMonitor:
         else:
             self.opening += 1
 
-    def _events(self, step: int, rate: float, over: str, scale: float, skipped: bool) -> list[Event]:
+    def _events(self, step: int, rate: float, over: str, scale: float, skipped: bool,
+                overflowed: bool | None = None) -> list[Event]:
         events: list[Event] = []
         data = {"skip_rate": rate, "window": self.window}
         if rate > self.alert_rate and not self.alerting and self.alert_armed:
@@ -864,13 +866,14 @@ class RunMonitor:
         at_floor = self.scaler_enabled and self.health.at_floor
         # (a step skipped at the floor is what says fp16 cannot hold the gradients: a run started at
         # the floor, scaler.init_scale = min_scale, whose steps apply, is not alerted)
-        if at_floor and skipped and not self.scale_alerting:
+        overflowed = skipped if overflowed is None else overflowed  # (a NaN loss at the floor is no overflow)
+        if at_floor and overflowed and not self.scale_alerting:
             events.append(Event(step, "scale_alert", (
                 f"loss scale {scale:g} is at its floor scaler.min_scale {self.min_scale:g} and the step still "
                 "overflowed: fp16 cannot hold these gradients"), {"scale": scale}))
         elif not at_floor and self.scale_alerting:
             events.append(Event(step, "scale_clear", f"loss scale back to {scale:g}", {"scale": scale}))
-        self.scale_alerting = at_floor and (self.scale_alerting or skipped)
+        self.scale_alerting = at_floor and (self.scale_alerting or overflowed)
 
         self.above_fail = self.above_fail + 1 if self.fail_rate is not None and rate > self.fail_rate else 0
         self.at_floor_skipped = self.at_floor_skipped + 1 if at_floor and skipped else 0

@@ -219,7 +219,8 @@ class Trainer:
         self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
         # (steps may end the run here; inject may drop the faults such an end leaves unfired, as the
         # refusal of a fault that never fires asks)
-        idle = [c["key"] for c in self.policy_new if c["key"] not in ("steps", "inject")]
+        shorter = config.steps < int(resume.saved_config.get("steps") or 0) if resume is not None else False
+        idle = [c["key"] for c in self.policy_new if c["key"] != "steps" and not (c["key"] == "inject" and shorter)]
         if resume is not None and idle and resume.loaded.step >= config.steps:  # (nothing left to train: they would
             # apply to no step, yet the card would describe the run as trained under them)
             raise InputError(f"train --resume: the run has trained all its steps ({resume.loaded.step} of "

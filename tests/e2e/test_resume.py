@@ -193,6 +193,10 @@ def test_resume_of_a_complete_run_rewrites_its_card_and_a_lower_steps_is_refused
     assert snapshot(run) == before
     # review_27e #1: new settings for a run with no step left said "POLICY 12 max_norm 1.0 -> 5.0 from
     # step 13" (there is none) and the card described the 12 steps as run under them
+    ok(train(tmp_path, "F", *LINEAR, "--set", "precision=fp32", "--set", "steps=4", "--inject", "nan_loss@2"))
+    line = one_error_line(ag("train", "--resume", tmp_path / "F", "--inject", "none"))  # (review_27g: a fault that
+    assert line.endswith("inject would apply to no step; raise steps to train on under the new settings, or leave "
+                         "them out to rewrite the run card"), line  # fired stays the run's: its card says so)
     line = one_error_line(ag("train", "--resume", run, "--set", "max_norm=5", "--set", "compile=true"))
     assert line == ("ampguard: error: train --resume: the run has trained all its steps (12 of steps=12): max_norm, "
                     "compile would apply to no step; raise steps to train on under the new settings, or leave them "

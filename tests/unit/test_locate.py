@@ -499,6 +499,9 @@ def test_a_backward_overflow_without_a_loss_scale_does_not_blame_the_scale():
     scaled.scale_floor = 2.0**20
     assert "at the loss scaler's floor 1.04858e+06, scaler.min_scale: it cannot halve further" in scaled.message()
     assert "halving the scale" not in scaled.message() and "FP32" in scaled.message().split("further)")[1]
+    # (review_27g: a floor of 0.1 is 0.10000000149 as the float32 scale: at it, not above it)
+    scaled.loss_scale, scaled.scale_floor = float(torch.tensor(0.1)), 0.1
+    assert "at the loss scaler's floor 0.1" in scaled.message()
     # the finite loss whose backward overflowed is the evidence: its size in the finding (it was null)
     assert scaled.amp.loss == pytest.approx(96.0**2, rel=1e-2) and scaled.as_dict()["amp"]["loss"] == scaled.amp.loss
     assert f"from a finite loss {scaled.amp.loss:.4g}." in scaled.message()

@@ -567,6 +567,16 @@ def test_a_run_started_at_the_floor_is_not_alerted_until_a_step_overflows_there(
         (5, "scale_alert"), (7, "scale_clear")]
 
 
+def test_a_nan_loss_at_the_floor_is_no_overflow_to_alert_on():
+    # review_27g #8: "fp16 cannot hold these gradients" for a loss that was NaN in the forward
+    m = RunMonitor(window=10, scaler_enabled=True, init_scale=1.0, min_scale=1.0)
+    events = []
+    for i, reason in enumerate([None, "non_finite_loss", None, "non_finite_grad"], start=1):
+        rec = skip_record(i, reason, scale=1.0) if reason else step_record(i, scale=1.0)
+        events += [(e.step, e.kind) for e in m.observe(rec)]
+    assert events == [(4, "scale_alert")]
+
+
 def test_monitor_scale_collapse_without_fail_on_scale_collapse_only_alerts():
     m = RunMonitor(window=10, scaler_enabled=True, init_scale=2.0, min_scale=1.0, fail_after=2)
     assert feed_scales(m, [(1.0, True)] * 30) == [(1, "scale_alert")]
