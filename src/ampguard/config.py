@@ -582,8 +582,7 @@ class MonitorConfig(_Section):
     ``fail_on_scale_collapse``) before the run stops with exit code 3. Counted from step 1."""
     fail_on_scale_collapse: bool = False
     """Also stop (exit 3, cause ``scale_collapse``) when ``fail_after`` consecutive steps are
-    skipped for a gradient overflow with the loss scale at its floor ``scaler.min_scale`` (a
-    NaN loss's skip is no overflow: the skip-rate guard is for those)."""
+    skipped with the loss scale at its floor ``scaler.min_scale``."""
     min_steps: Count0 = DEFAULT_MIN_STEPS
     """Steps seen before the skip-rate ALERT is armed (default 100). While the window fills,
     the rolling skip rate is over the steps seen so far, so the fp16 scaler's normal opening

@@ -444,9 +444,7 @@ class ScaleHealth:
         self._opening = self._opening and bool(skipped) and search
         self.opening += self._opening
         self.opening_floored = self.opening_floored or (self._opening and scale <= self._floor)
-        # (a NaN loss's skip halves the scale too, as GradScaler's, but says nothing of fp16's range: a run
-        # of them falls by the trend rule, and at the floor it is the skip-rate guard's, not a collapse)
-        self.streak = self.streak + 1 if skipped and search else 0
+        self.streak = self.streak + 1 if skipped else 0
         if skipped and search:
             self.since_overflow = 0
         elif self.since_overflow is not None:
@@ -893,7 +891,7 @@ class RunMonitor:
         self.scale_alerting = at_floor and (self.scale_alerting or overflowed)
 
         self.above_fail = self.above_fail + 1 if self.fail_rate is not None and rate > self.fail_rate else 0
-        self.at_floor_skipped = self.at_floor_skipped + 1 if at_floor and overflowed else 0
+        self.at_floor_skipped = self.at_floor_skipped + 1 if at_floor and skipped else 0
         if self.failed is None:
             if self.above_fail >= self.fail_after:
                 self.failed = Event(step, "fail", (

@@ -252,19 +252,6 @@ def test_health_at_the_floor_counts_gradient_overflows_not_nan_losses_and_resume
         again.load_state_dict({**h.state_dict(), "since_overflow": -1})
 
 
-def test_nan_loss_skips_are_no_scale_collapse_by_streak_nor_by_fail_on_scale_collapse():
-    # (a NaN loss is the data's or the model's, not fp16's range: the skip-rate guard is for it)
-    h = ScaleHealth(20, min_scale=1.0, init_scale=1024.0)
-    for _ in range(12):
-        h.push(1024.0, True, search=False)
-    assert h.streak == 0 and h.verdict != "collapsing"
-    m = RunMonitor(window=10, scaler_enabled=True, init_scale=1.0, min_scale=1.0, fail_on_scale_collapse=True,
-                   fail_after=3)
-    for i in range(1, 8):
-        m.observe(skip_record(i, "non_finite_loss", scale=1.0))
-    assert m.failed is None and m.at_floor_skipped == 0
-
-
 def test_health_below_the_floor_is_collapsing_too():
     # A scaler with a lower floor than the monitor's (e.g. a hand-built one): below counts as at.
     h = ScaleHealth(4, min_scale=1.0, init_scale=1024.0)
