@@ -405,7 +405,6 @@ class ScaleHealth:
         self._opening = True  # that streak is still going
         self.opening_floored = False  # that streak reached the floor: no warm-up, a collapse
         self.streak = 0  # skipped steps in a row up to the last one
-        self.since_overflow: int | None = None  # steps since the last gradient overflow (None: none yet)
         self.peak: float | None = None  # the highest scale since the opening streak
         self._fell = False  # the scale fell since it first reached `peak`
         self._verdict: str | None = None  # the verdict as of the last push (None: not worked out yet)
@@ -445,10 +444,6 @@ class ScaleHealth:
         self.opening += self._opening
         self.opening_floored = self.opening_floored or (self._opening and scale <= self._floor)
         self.streak = self.streak + 1 if skipped else 0
-        if skipped and search:
-            self.since_overflow = 0
-        elif self.since_overflow is not None:
-            self.since_overflow += 1
         if not self._opening:
             if self.peak is None or scale > self.peak:
                 self.peak, self._fell = scale, False
@@ -509,10 +504,8 @@ class ScaleHealth:
         return self._verdict
 
     def _judge(self) -> str:
-        # (at the floor and still overflowing in the window: a run started at it whose steps apply, or
-        # whose skips are NaN losses, not gradient overflows, is not collapsing)
-        if self.at_floor and self.since_overflow is not None and self.since_overflow < self.window:
-            return "collapsing"
+        if self.at_floor and self._skipped.seen_mean > 0:  # (at the floor and still skipping: a run started
+            return "collapsing"                             # at it whose steps apply is not collapsing)
         s = self.stats()
         eps = 1e-9  # octaves of non-power-of-two growth factors are not exact
         if s.trend <= -COLLAPSE_OCTAVES + eps or self.streak > COLLAPSE_STREAK:
@@ -545,7 +538,6 @@ class ScaleHealth:
             "opening_open": self._opening,
             "opening_floored": self.opening_floored,
             "streak": self.streak,
-            "since_overflow": self.since_overflow,
             "peak": self.peak,
             "fell": self._fell,
         }
@@ -588,9 +580,6 @@ class ScaleHealth:
             _need(test(_get(state, key, where)), f"{where}{key}", state[key], expected)
         if "opening_floored" in state:  # (saved since the warm-up ends at the floor, not after 8 skips)
             _need(_flag(state["opening_floored"]), f"{where}opening_floored", state["opening_floored"], "True or False")
-        if "since_overflow" in state:  # (saved since a NaN loss at the floor is no collapse)
-            since = state["since_overflow"]
-            _need(since is None or whole_number(since), f"{where}since_overflow", since, "an int >= 0 or None")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. A state saved before the window kept its scales (it kept
@@ -616,7 +605,6 @@ class ScaleHealth:
             self.opening = count if self._opening else 0
             self.opening_floored = False
             self.streak = self.opening
-            self.since_overflow = None
             self.peak, self._fell = (None if self._opening else self.scale), False
             return
         self._scales = deque((float(s) for s in state["scales"]), maxlen=self.window + 1)
@@ -625,9 +613,6 @@ class ScaleHealth:
         self._opening = bool(state["opening_open"])
         self.opening_floored = bool(state.get("opening_floored", False))
         self.streak = int(state["streak"])
-        # (a state saved before it: a skip in the window is taken for an overflow, as it was judged then)
-        self.since_overflow = state["since_overflow"] if "since_overflow" in state else (
-            0 if self._skipped.total > 0 else None)
         self.peak = state["peak"]
         self._fell = bool(state["fell"])
 

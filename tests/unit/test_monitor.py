@@ -234,24 +234,6 @@ def test_health_at_the_floor_is_collapsing_while_it_skips_there():
     assert not h.at_floor and h.verdict == "climbing"
 
 
-def test_health_at_the_floor_counts_gradient_overflows_not_nan_losses_and_resumes_so():
-    # review_27g #8: a NaN loss skipped at the floor read "collapsing" though no gradient overflowed
-    h = ScaleHealth(4, min_scale=1.0, init_scale=1.0)
-    for skipped, search in [(False, True), (True, False), (False, True)]:
-        h.push(1.0, skipped, search=search)
-    assert h.verdict != "collapsing"
-    h.push(1.0, True, search=True)  # (a gradient overflow at the floor)
-    assert h.verdict == "collapsing"
-    again = ScaleHealth(4, min_scale=1.0, init_scale=1.0)
-    again.load_state_dict(h.state_dict())
-    assert (again.since_overflow, again.verdict) == (0, "collapsing")
-    older = {k: v for k, v in h.state_dict().items() if k != "since_overflow"}  # (saved before the field)
-    again.load_state_dict(older)
-    assert again.verdict == "collapsing"  # (a skip in its window taken for an overflow, as judged then)
-    with pytest.raises(ValueError, match="since_overflow is -1, expected an int >= 0 or None"):
-        again.load_state_dict({**h.state_dict(), "since_overflow": -1})
-
-
 def test_health_below_the_floor_is_collapsing_too():
     # A scaler with a lower floor than the monitor's (e.g. a hand-built one): below counts as at.
     h = ScaleHealth(4, min_scale=1.0, init_scale=1024.0)
