@@ -864,16 +864,17 @@ class RunMonitor:
                 f"rolling skip rate back to {rate:.3f} <= clear_rate {self.clear_rate:g}"), data))
 
         at_floor = self.scaler_enabled and self.health.at_floor
-        # (a step skipped at the floor is what says fp16 cannot hold the gradients: a run started at
-        # the floor, scaler.init_scale = min_scale, whose steps apply, is not alerted)
-        overflowed = skipped if overflowed is None else overflowed  # (a NaN loss at the floor is no overflow)
-        if at_floor and overflowed and not self.scale_alerting:
+        # (a step skipped at the floor is what raises it: a run started at the floor, scaler.init_scale =
+        # min_scale, whose steps apply, is not alerted; the words follow why the step skipped)
+        overflowed = skipped if overflowed is None else overflowed
+        if at_floor and skipped and not self.scale_alerting:
+            why = ("the step still overflowed: fp16 cannot hold these gradients" if overflowed else
+                   "steps still skip (a non-finite loss here: the data's or the model's, not fp16's range)")
             events.append(Event(step, "scale_alert", (
-                f"loss scale {scale:g} is at its floor scaler.min_scale {self.min_scale:g} and the step still "
-                "overflowed: fp16 cannot hold these gradients"), {"scale": scale}))
+                f"loss scale {scale:g} is at its floor scaler.min_scale {self.min_scale:g} and {why}"), {"scale": scale}))
         elif not at_floor and self.scale_alerting:
             events.append(Event(step, "scale_clear", f"loss scale back to {scale:g}", {"scale": scale}))
-        self.scale_alerting = at_floor and (self.scale_alerting or overflowed)
+        self.scale_alerting = at_floor and (self.scale_alerting or skipped)
 
         self.above_fail = self.above_fail + 1 if self.fail_rate is not None and rate > self.fail_rate else 0
         self.at_floor_skipped = self.at_floor_skipped + 1 if at_floor and skipped else 0

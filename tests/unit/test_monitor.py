@@ -567,14 +567,17 @@ def test_a_run_started_at_the_floor_is_not_alerted_until_a_step_overflows_there(
         (5, "scale_alert"), (7, "scale_clear")]
 
 
-def test_a_nan_loss_at_the_floor_is_no_overflow_to_alert_on():
-    # review_27g #8: "fp16 cannot hold these gradients" for a loss that was NaN in the forward
+def test_a_nan_loss_at_the_floor_is_alerted_as_what_it_is_not_as_an_overflow():
+    # review_27g #8: "the step still overflowed: fp16 cannot hold these gradients" for a loss that was
+    # NaN in the forward; the scale at its floor and still skipping is alerted, in its own words
     m = RunMonitor(window=10, scaler_enabled=True, init_scale=1.0, min_scale=1.0)
     events = []
     for i, reason in enumerate([None, "non_finite_loss", None, "non_finite_grad"], start=1):
         rec = skip_record(i, reason, scale=1.0) if reason else step_record(i, scale=1.0)
-        events += [(e.step, e.kind) for e in m.observe(rec)]
-    assert events == [(4, "scale_alert")]
+        events += [(e.step, e.kind, e.message) for e in m.observe(rec)]
+    assert [(step, kind) for step, kind, _ in events] == [(2, "scale_alert")]  # (once per episode)
+    assert events[0][2].endswith("steps still skip (a non-finite loss here: the data's or the model's, not fp16's "
+                                 "range)")
 
 
 def test_monitor_scale_collapse_without_fail_on_scale_collapse_only_alerts():
