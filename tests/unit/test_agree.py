@@ -64,9 +64,16 @@ def _rank(rank: int, out: str) -> None:
         results = {"agreed": [t.item() for t in agreed], "origin": origin.tolist(),
                    "exact": _steps(rank, sync_free=False), "sync_free": _steps(rank, sync_free=True)}
         torch.save(results, f"{out}/rank{rank}.pt")
+        del loss, norms, agreed, origin, results  # (the tensors the collectives made, freed before the group)
         dist.barrier()  # (both done before either tears its pairs down: a rank destroying the group while its
         # peer still used a pair aborted a CI run once in a while, "process 0 terminated with signal SIGABRT")
     finally:
+        # (and what still held the group's tensors collected first, as distributed.shutdown does: a gloo
+        # thread still dropping one in the interpreter's teardown aborted the process, "terminate called
+        # without an active exception"; seen again after the barrier, 1 run in 7 of the session's CI)
+        import gc
+
+        gc.collect()
         dist.destroy_process_group()
 
 
