@@ -926,7 +926,7 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
                    f"{', '.join(result.fp8_layers) or 'none'}"),) if config.precision == "fp8" else ()),
         *((("float32 under autocast", float32_layers_text(result.autocast_dtypes)),) if result.autocast_dtypes else ()),
         ("loss scaler", scaler),
-        ("clipping", f"global L2, max_norm {config.max_norm:g}" if clip_threshold(config.max_norm) else "off"),
+        ("clipping", _clipping_text(config, result.policy)),
         ("accumulation", f"{counted(config.accumulation_steps, 'micro-batch', 'micro-batches')} per step"),
         # (task.batch_size is per process: the same settings train another global batch on N)
         ("processes", "1" if result.world_size == 1 else
@@ -949,6 +949,24 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
          else "off (monitor.headroom.every)"),
         ("seed", str(config.seed)),
     ]
+
+
+def _clipping_text(config: Config, policy: Sequence[dict[str, Any]]) -> str:
+    """The card's clipping row: each ``max_norm`` with the step it began at, where a resume
+    changed it (the last alone misdescribed the steps before it).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> config = validate({"max_norm": 0.5})
+        >>> _clipping_text(config, []), _clipping_text(config, [{"key": "max_norm", "old": 1.0, "new": 0.5, "step": 20}])
+        ('global L2, max_norm 0.5', 'global L2, max_norm 1, 0.5 from step 21')
+        >>> _clipping_text(validate({"max_norm": 0}), [{"key": "max_norm", "old": 1.0, "new": 0.0, "step": 20}])
+        'global L2, max_norm 1, off from step 21'
+    """
+    at = [1] + [change["step"] + 1 for change in policy if change["key"] == "max_norm"]
+    values = threshold_by_step(at, "max_norm", config.max_norm, policy)
+    return "off" if not any(values) else f"global L2, max_norm {threshold_text(at, values)}"
 
 
 def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:

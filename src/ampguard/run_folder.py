@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -458,6 +458,8 @@ class RunResult:
     diagnosis: str | None = None
     policy_changes: list[str] = field(default_factory=list)
     """Settings changed on resume (``key old -> new from step N``), in order (docs/resume.md)."""
+    policy: list[dict[str, Any]] = field(default_factory=list)
+    """The same changes as data (``{"key", "old", "new", "step"}``): what each step ran under."""
     throughput: str | None = None
     """Tokens (or examples) per second after the first step, and the MFU where known."""
     path: str = ""

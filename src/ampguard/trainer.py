@@ -726,6 +726,7 @@ class Trainer:
                            self.checkpointer.saved, self.rollbacks.log, self.resume.path if self.resume else None,
                            self.task.description, self.first_skip.found)
         result.policy_changes = [ck.policy_line(change) for change in self.policy] + self.dtype_lines
+        result.policy = list(self.policy)
         result.autocast_dtypes = self.autocast_dtypes
         result.throughput, result.path, result.fp8_layers = self.throughput.summary(), self.path, self.fp8_layers
         result.world_size = self.dist.world_size

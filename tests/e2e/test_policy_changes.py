@@ -162,6 +162,8 @@ def test_a_card_whose_resume_turned_clipping_off_keeps_the_steps_clipped_before(
     assert f"({clipped_before} of 10 steps had pre-clip norm > max_norm)" in card, card
     rate = re.search(r"\| ([\d.]+) \(", card).group(1)
     assert f"clip rate {rate}," in ok(ag("report", run))
+    # review_27e: the set-up row said "off" of a run clipped at 1 for its first 5 steps
+    assert _card_row(run, "clipping") == "| clipping | global L2, max_norm 1, off from step 6 |"
 
 
 def test_the_replay_drops_the_policy_changes_of_a_future_a_resume_abandoned(tmp_path):
@@ -174,6 +176,7 @@ def test_the_replay_drops_the_policy_changes_of_a_future_a_resume_abandoned(tmp_
     ok(ag("train", "--resume", run / "checkpoints" / "step-00000004.pt", "--set", "max_norm=100"))
     card = _card_row(run, "clip rate (whole run)")
     assert "(0 of 16 steps had pre-clip norm > max_norm)" in card  # max_norm 100 throughout the surviving run
+    assert _card_row(run, "clipping") == "| clipping | global L2, max_norm 100 |"  # (the abandoned change gone)
     assert "clip rate 0.000," in ok(ag("report", run))
 
 
