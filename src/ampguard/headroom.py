@@ -284,23 +284,23 @@ def attention_logits(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: int =
     """The logits a ``F.scaled_dot_product_attention(*args, **kwargs)`` call computed inside
     itself: ``q @ k.transpose(-2, -1)``, each factor times the square root of the scale (1/sqrt of
     the head size unless ``scale`` is given), as its math kernel does, in the dtype the call's
-    matmul runs in (autocast's, or the inputs'), without autograd; the entries a causal or
-    boolean mask leaves out are 0, and so are a float mask's ``-inf`` ones (its other values are
-    not added: the product is what overflows). Yielded in parts of at most about ``chunk`` values
+    matmul runs in (autocast's, or the inputs'), without autograd; with a causal or boolean mask,
+    or a float one's ``-inf`` entries (its other values are not added: the product is what
+    overflows), only the entries it keeps, flat. Yielded in parts of at most about ``chunk`` values
     (:func:`_parts`: a batch, a head at a time); nothing for inputs the probe cannot read as plain
     tensors (nested, sparse, not floating).
 
     Example (two rows of ones, head size 16: each logit 16 / sqrt(16); causal: the first row sees
-    one key; one head's logits per chunk of 4, :func:`_parts`)::
+    one key, three logits a head, kept flat; one head's per chunk of 4, :func:`_parts`)::
 
         >>> q = k = torch.ones(1, 2, 2, 16)
         >>> [t.tolist() for t in attention_logits((q, k, k), {"is_causal": True}, chunk=4)]
-        [[[[4.0, 0.0], [4.0, 4.0]]], [[[4.0, 0.0], [4.0, 4.0]]]]
+        [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]
         >>> [t.amax().item() for t in attention_logits((q * 100, k, k), {"scale": 1.0})]
         [1600.0]
         >>> additive = torch.tensor([[0.0, -math.inf], [0.0, 0.0]])  # (a float mask: -inf is not attended)
-        >>> [t[0, 0].tolist() for t in attention_logits((q, k, k, additive), {})]
-        [[[4.0, 0.0], [4.0, 4.0]]]
+        >>> [t.tolist() for t in attention_logits((q, k, k, additive), {})]  # (both heads' kept entries)
+        [[4.0, 4.0, 4.0, 4.0, 4.0, 4.0]]
     """
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     given = {**dict(zip(names, args)), **kwargs}
@@ -338,7 +338,7 @@ def mha_logits(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: int = LOGIT
         >>> with _MatmulProbe(lambda t: seen.append(t)):
         ...     _ = mha(x, x, x, key_padding_mask=torch.tensor([[False, True]]))
         >>> seen[0].tolist()
-        [[[[256.0, 0.0], [256.0, 0.0]]]]
+        [256.0, 256.0]
     """
     given = {**dict(zip(_MHA_PARAMETERS, args)), **kwargs}
     query, key, heads = given.get("query"), given.get("key"), given.get("num_heads")
@@ -386,19 +386,24 @@ def _plain(t: Any) -> bool:
 
 def _logits(q: torch.Tensor, k: torch.Tensor, root: float, keeps: list[torch.Tensor], chunk: int,
             causal: bool = False) -> Iterator[torch.Tensor]:
-    """``(q * root) @ (k * root).transpose(-2, -1)``, the entries each of ``keeps`` (boolean masks
-    that broadcast to the logits) leaves out 0, and with ``causal`` those above the diagonal
-    (top-left aligned), without autograd; in parts of at most about ``chunk`` values
-    (:func:`_parts`) when ``q`` and ``k`` have the same leading dimensions, else whole."""
+    """``(q * root) @ (k * root).transpose(-2, -1)`` without autograd, in parts of at most about
+    ``chunk`` values (:func:`_parts`) when ``q`` and ``k`` have the same leading dimensions, else
+    whole. With ``keeps`` (boolean masks that broadcast to the logits) or ``causal`` (top-left
+    aligned), a part is the entries they keep, flat: the entries a mask hides are no logits of
+    the call, neither in the largest nor in the underflow share's count."""
     with torch.no_grad():
         whole = iter([(q, k, keeps, 0)])
         for qi, ki, kept, row in _parts(q, k, keeps, chunk) if q.shape[:-2] == k.shape[:-2] else whole:
             logits = (qi * root) @ (ki * root).transpose(-2, -1)
-            for mask in kept:
-                logits.masked_fill_(~mask, 0)
+            masks = list(kept)
             if causal:  # (this part's rows start at ``row`` of the whole)
                 rows, keys = logits.size(-2), logits.size(-1)
-                logits.masked_fill_(~torch.ones(rows, keys, dtype=torch.bool, device=logits.device).tril(row), 0)
+                masks.append(torch.ones(rows, keys, dtype=torch.bool, device=logits.device).tril(row))
+            if masks:
+                keep = masks[0]
+                for mask in masks[1:]:
+                    keep = keep & mask
+                logits = logits.masked_select(keep)
             yield logits
 
 

@@ -651,9 +651,12 @@ def test_a_long_contexts_logits_come_in_blocks_of_query_rows_each_within_the_bud
         whole = list(attention_logits(args, kwargs))
         parts = list(attention_logits(args, kwargs, chunk=100))
         assert len(whole) == 1 and len(parts) > 2 and all(p.numel() <= 100 for p in parts)
-        assert torch.allclose(torch.cat([p.reshape(-1, 37) for p in parts]), whole[0].reshape(-1, 37), atol=1e-6)
-    expected = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(~torch.ones(37, 37, dtype=torch.bool).tril(), 0)
+        assert torch.allclose(torch.cat([p.reshape(-1) for p in parts]), whole[0].reshape(-1), atol=1e-6)
+    # (only the entries the mask keeps: a hidden one is no logit, in the amax or in the underflow count)
+    causal = torch.ones(37, 37, dtype=torch.bool).tril()
+    expected = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_select(causal)
     assert torch.allclose(list(attention_logits((q, k, k), {"is_causal": True}))[0], expected, atol=1e-5)
+    assert expected.numel() == 2 * 37 * 38 // 2
 
 
 def test_a_negative_sdpa_scale_is_measured_not_a_crash_of_the_measured_step():
@@ -804,3 +807,16 @@ def test_attention_outside_every_module_is_not_computed_again(monkeypatch):
         sdpa(q, q, q).sum().backward()  # (in the loss: outside every module)
     assert calls == [1]  # (the module's own call only)
     assert [r.module for r in headroom.read(1) if r.tensor == "matmul"] == ["attn"]
+
+
+def test_a_masked_attentions_underflow_share_counts_only_the_logits_it_keeps():
+    # review_27d nit: the entries a causal mask hides were zeros in the count, about halving the share
+    model = nn.Sequential(OrderedDict(attn=_SdpaAttention(4, heads=1), head=nn.Linear(4, 1)))
+    with torch.no_grad():
+        model.attn.q.weight.copy_(torch.eye(4) * 1e-3)
+        model.attn.kv.weight.copy_(torch.cat([torch.eye(4) * 1e-3, torch.eye(4)]))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.ones(1, 6, 4)).sum().backward()  # (every kept logit 4e-6 / 2: below fp16's smallest normal)
+    row = next(r for r in headroom.read(1) if r.tensor == "matmul")
+    assert row.underflow_share == 1.0 and row.amax == pytest.approx(2e-6)
