@@ -531,8 +531,8 @@ def peer_gone(err: BaseException) -> bool:
 
 def ending() -> None:
     """This rank's run is ending, its exit code decided: under torchrun (its agent's
-    ``TORCHELASTIC_RUN_ID``, ``WORLD_SIZE`` > 1) or in a process group a SIGTERM is ignored from here. torchrun sends one to every rank still running as soon as one
-    rank exits with a non-zero code (a guard's stop, exit 3; a start-up stopped by a signal, 143),
+    ``TORCHELASTIC_RUN_ID``, ``WORLD_SIZE`` > 1) or in a process group a SIGTERM is ignored from
+    here. torchrun sends one to every rank still running as soon as one rank exits with a non-zero code (a guard's stop, exit 3; a start-up stopped by a signal, 143),
     and this rank's own code (the same stop) must stand rather than become -15, nor may the
     signal cut short what the ending takes back. One process is left as it is.
 

@@ -478,8 +478,7 @@ class _MatmulProbe(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in MATMULS and isinstance(out, torch.Tensor) and out.layout == torch.strided \
-                and out.is_floating_point() and out.numel():  # (a sparse product has no reductions to take)
+        if func in MATMULS and _plain(out):  # (a sparse product has no reductions to take)
             self.seen(out)
         elif func in _ATTENTIONS and self.wanted():  # (logits computed again only for a module that keeps them)
             for logits in _ATTENTIONS[func](args, kwargs or {}):

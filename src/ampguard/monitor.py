@@ -849,8 +849,7 @@ class RunMonitor:
         else:
             self.opening += 1
 
-    def _events(self, step: int, rate: float, over: str, scale: float, skipped: bool,
-                overflowed: bool | None = None) -> list[Event]:
+    def _events(self, step: int, rate: float, over: str, scale: float, skipped: bool, overflowed: bool) -> list[Event]:
         events: list[Event] = []
         data = {"skip_rate": rate, "window": self.window}
         if rate > self.alert_rate and not self.alerting and self.alert_armed:
@@ -866,7 +865,6 @@ class RunMonitor:
         at_floor = self.scaler_enabled and self.health.at_floor
         # (a step skipped at the floor is what raises it: a run started at the floor, scaler.init_scale =
         # min_scale, whose steps apply, is not alerted; the words follow why the step skipped)
-        overflowed = skipped if overflowed is None else overflowed
         if at_floor and skipped and not self.scale_alerting:
             why = ("the step still overflowed: fp16 cannot hold these gradients" if overflowed else
                    "steps still skip (a non-finite loss here: the data's or the model's, not fp16's range)")

@@ -293,6 +293,12 @@ seconds more on a loaded machine (5 s and 20 s were too short in the test suite,
 processes start at once). An error no signal follows (no launcher) is raised then."""
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM's handler while it unwinds as Ctrl-C does (:func:`opening`,
+    :func:`terminated_as_interrupted`): :class:`Interrupted` (143) where the main thread is."""
+    raise Interrupted(ExitCode.TERMINATED)
+
+
 @contextmanager
 def opening(on_stuck: Callable[[int], None],
             peer_gone: Callable[[BaseException], bool] | None = None) -> Iterator[None]:
@@ -324,13 +330,10 @@ def opening(on_stuck: Callable[[int], None],
     """
     import threading
 
-    def handler(signum: int, frame: Any) -> None:
-        raise Interrupted(ExitCode.TERMINATED)
-
     flag, installed, previous = StopFlag(), False, None
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
-        previous, installed = signal.signal(signal.SIGTERM, handler), True
+        previous, installed = signal.signal(signal.SIGTERM, _terminated), True
     try:
         with watch_stuck(flag, lambda: START_STUCK_AFTER_S, on_stuck), Watched(flag):
             try:
@@ -376,17 +379,13 @@ def terminated_as_interrupted(*, settle: bool = False) -> Iterator[None]:
             signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
         yield
         return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Interrupted(ExitCode.TERMINATED)
-
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         yield
     finally:  # (a handler set outside Python reads as None: the default is what can be put back)
         if settle:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        elif signal.getsignal(signal.SIGTERM) is handler:  # (not one the verb set and kept: a torchrun rank's
+        elif signal.getsignal(signal.SIGTERM) is _terminated:  # (not one the verb set and kept: a torchrun rank's
             # end ignores SIGTERM from there on, distributed.ending, and must go on doing so)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 

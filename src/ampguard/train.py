@@ -16,7 +16,7 @@ from . import distributed
 from .config import Config
 from .errors import ExitCode, InputError, counted
 from .run_folder import RunPaths, RunResult
-from .signals import Interrupted, leave_now, opening
+from .signals import leave_now, opening
 from .trainer import Trainer
 
 
@@ -156,12 +156,12 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
         distributed.ending()  # (the code is decided: torchrun's SIGTERM, once a peer left with it, must not change it)
         distributed.barrier()  # ranks leave together, once rank 0 has written the run card
         return finish(result)
-    except (InputError, KeyboardInterrupt, Interrupted):
-        distributed.ending()  # (torchrun's SIGTERM to the ranks left must not cut the taking back short)
-        take_back()
-        raise
-    except Exception:  # a crash: its traceback is the rank's end, not a SIGTERM torchrun sends after it
+    except BaseException as err:
+        # (the rank's end: torchrun's SIGTERM to the ranks left must neither cut the taking back short nor
+        # turn a crash, whose traceback is the end, into a stop)
         distributed.ending()
+        if isinstance(err, (InputError, KeyboardInterrupt)):  # (Interrupted among them)
+            take_back()
         raise
     finally:
         for paths in held:  # the card and the last checkpoint are written: the folder is free

@@ -217,15 +217,15 @@ class Trainer:
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
         self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
-        # (steps may end the run here; inject may drop the faults such an end leaves unfired, as the
-        # refusal of a fault that never fires asks)
-        shorter = config.steps < int(resume.saved_config.get("steps") or 0) if resume is not None else False
-        idle = [c["key"] for c in self.policy_new if c["key"] != "steps" and not (c["key"] == "inject" and shorter)]
-        if resume is not None and idle and resume.loaded.step >= config.steps:  # (nothing left to train: they would
-            # apply to no step, yet the card would describe the run as trained under them)
-            raise InputError(f"train --resume: the run has trained all its steps ({resume.loaded.step} of "
-                             f"steps={config.steps}): {', '.join(idle)} would apply to no step; raise steps to train "
-                             "on under the new settings, or leave them out to rewrite the run card")
+        if resume is not None and resume.loaded.step >= config.steps:  # (nothing left to train: a new setting would
+            # apply to no step, yet the card would describe the run as trained under it; steps may end the run here,
+            # and inject, when it does so sooner, drop the faults the end leaves unfired, as their refusal asks)
+            shorter = config.steps < int(resume.saved_config.get("steps") or 0)
+            idle = [c["key"] for c in self.policy_new if c["key"] != "steps" and not (c["key"] == "inject" and shorter)]
+            if idle:
+                raise InputError(f"train --resume: the run has trained all its steps ({resume.loaded.step} of "
+                                 f"steps={config.steps}): {', '.join(idle)} would apply to no step; raise steps to "
+                                 "train on under the new settings, or leave them out to rewrite the run card")
         # the next step's LR, as the checkpoint's schedule left it (its get_last_lr: on the fast path,
         # where the group's LR is the last step's, brought up to date at the save) and as now set
         lr_before = self._next_lr()
@@ -423,11 +423,9 @@ class Trainer:
         (:meth:`~ampguard.monitor.RunMonitor.at_end`: a run too short to arm the ALERT or to fail
         fast is not waved through)."""
         events = self.monitor.at_end(self.state.steps)
-        if self.state.steps > self._first_step:  # (a resumed run that had finished logged them when it did:
-            for event in events:                 #  its last checkpoint is saved after this judgement)
-                self.events.emit(event.as_dict(), event_word(event.kind))
-            if events:
-                self.sinks.observe(self.monitor, events)  # the tracker sinks: last_alert, events.<kind>
+        # (a resumed run that had finished logged them when it did: its last checkpoint is saved after this)
+        if events and self.state.steps > self._first_step:
+            self._tell(events)  # (the tracker sinks: last_alert, events.<kind>)
         if not events or events[-1].kind != "fail":  # (a failure is the last event at_end gives)
             return None
         failed = events[-1]

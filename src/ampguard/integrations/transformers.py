@@ -43,7 +43,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import distributed
 from ..clipping import global_l2_norm
-from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line
+from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line, shortened
 from ..events import EventLog, event_word
 from ..files import replace_atomically
 from ..monitor import DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
@@ -187,7 +187,7 @@ class AmpGuardCallback(TrainerCallback):
         self.ended = ""
         self._csv: CsvSink | None = None
         self._events: EventLog | None = None
-        self._pending: StepRecord | None = None  # handed over by GuardedTrainer, written at on_step_end
+        self._pending: StepRecord | None = None  # GuardedTrainer's last record (written at take()): a group closed
         self._guarded = False
         self._scaler: dict[str, float] | None = None  # the loss scaler's init_scale and floor, if there is one
         self._watch: dict[str, Any] = {}  # stock Trainer: what on_pre_optimizer_step saw
@@ -805,8 +805,7 @@ def _shown(value: Any) -> str:
     """
     if isinstance(value, type):
         return f"the class {value.__name__} (not an instance: {value.__name__}(...))"
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"{type(value).__name__} {shortened(repr(value), 60)}"
 
 
 def _refused_backward(*args: Any, **kwargs: Any) -> None:
