@@ -14,7 +14,9 @@ sync: the clip coefficient is clamped on the device instead of being tested with
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._foreach_utils import (_device_has_foreach_support, _group_tensors_by_device_and_dtype,
@@ -187,6 +189,31 @@ def _one_foreach_group(tensors: list[torch.Tensor]) -> bool:
                 for t in tensors) and _device_has_foreach_support(device))
 
 
+def check_max_norm(max_norm: Any) -> None:
+    """Raise unless ``max_norm`` is None, a real number or a one-element tensor, and not NaN
+    (NaN is neither a threshold nor "off": ``clip_grad_norm_`` turns every gradient into NaN
+    with it, and ``max_norm > 0`` read it as "clipping off"). ``Guard()`` and
+    :func:`clip_global_l2_norm` both check it.
+
+    Example::
+
+        >>> check_max_norm(1.0); check_max_norm(None); check_max_norm(torch.tensor(2.0))
+        >>> check_max_norm(float("nan"))
+        Traceback (most recent call last):
+        ...
+        ValueError: max_norm must be a number or None, got nan
+    """
+    if max_norm is None:
+        return
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"max_norm must be a number or None, got {max_norm!r} (a {type(max_norm).__name__})")
+    if isinstance(max_norm, torch.Tensor) and (max_norm.numel() != 1 or not max_norm.is_floating_point()):
+        raise TypeError(f"max_norm must be a number or None, got a tensor of {max_norm.numel()} "
+                        f"{str(max_norm.dtype).removeprefix('torch.')} values")
+    if not max_norm == max_norm:
+        raise ValueError("max_norm must be a number or None, got nan")
+
+
 def clip_threshold(max_norm: float | None) -> float | None:
     """The clip threshold, or None when clipping is off (``max_norm`` null, 0 or negative): the
     one place that reads "clipping off".
@@ -325,6 +352,7 @@ def clip_global_l2_norm(
         >>> float(pre), round(float(post), 4)
         (5.0, 1.0)
     """
+    check_max_norm(max_norm)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     pre = global_l2_norm(params)
     return pre, clip_to_norm_(params, max_norm, pre)

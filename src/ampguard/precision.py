@@ -247,7 +247,10 @@ class GuardedGradScaler(torch.amp.GradScaler):
         the guard's backoffs and growth instead of staying where they were (its settings are
         its own). Its ``load_state_dict()`` (a loop's resume, before or after the first step)
         loads the guard's too; its ``scale()`` and ``update()``, the recipe's lines the guard
-        does itself, raise (:class:`_HandedOver`).
+        does itself, raise (:class:`_HandedOver`). A scaler handed over before gives the same
+        ``GuardedGradScaler`` again: two guards given one plain scaler share one scale, as they
+        do given one ``GuardedGradScaler`` (a second one made its own scale, and the plain
+        scaler followed only the last guard's).
 
         Example::
 
@@ -260,7 +263,12 @@ class GuardedGradScaler(torch.amp.GradScaler):
             (64.0, 64.0)
             >>> plain.load_state_dict({**plain.state_dict(), "scale": 8.0}); g.get_scale()  # a loop's resume
             8.0
+            >>> GuardedGradScaler.from_scaler(plain) is g  # (handed to a second guard)
+            True
         """
+        handed = vars(scaler).get("scale")
+        if isinstance(handed, _HandedOver):  # (handed to a guard before: one scale, as the recipe's one scaler)
+            return handed.guarded
         if not scaler.is_enabled():  # (a disabled GradScaler keeps no settings: an AttributeError otherwise)
             return cls(scaler._device, enabled=False, min_scale=min_scale)
         guarded = cls(scaler._device, init_scale=scaler._init_scale, growth_factor=scaler.get_growth_factor(),

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import numbers
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from . import distributed
-from .clipping import (HOST_ROUNDED, GradSet, clip_coefficient, clip_to_norm_, post_clip_norm,
+from .clipping import (HOST_ROUNDED, GradSet, check_max_norm, clip_coefficient, clip_to_norm_, post_clip_norm,
                        post_clip_value)
 from .errors import AmpguardWarning, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
@@ -213,10 +212,7 @@ def check_settings(max_norm: Any, scheduler_on_skip: Any, frozen: Any) -> None:
         ...
         TypeError: max_norm must be a number or None, got 'abc' (a str)
     """
-    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (numbers.Real, torch.Tensor))):
-        raise TypeError(f"max_norm must be a number or None, got {max_norm!r} (a {type(max_norm).__name__})")
-    if max_norm is not None and not max_norm == max_norm:
-        raise ValueError("max_norm must be a number or None, got nan")
+    check_max_norm(max_norm)
     if scheduler_on_skip not in ("hold", "step"):
         raise ValueError(f"scheduler_on_skip must be 'hold' or 'step', got {scheduler_on_skip!r}")
     if frozen not in ("refuse", "ignore"):

@@ -80,6 +80,17 @@ def test_leaves_grads_alone_when_below_max_norm():
         assert torch.equal(p.grad, g)
 
 
+@pytest.mark.parametrize("max_norm, error", [(math.nan, ValueError), (torch.tensor(math.nan), ValueError),
+                                             ("1.0", TypeError), (torch.tensor([1.0, 2.0]), TypeError)])
+def test_a_max_norm_that_is_neither_a_threshold_nor_off_is_refused_with_the_gradients_untouched(max_norm, error):
+    # NaN read as "clipping off" (max_norm > 0 is False): (5, 5) back and the gradients as they
+    # were, where clip_grad_norm_ makes them all NaN and Guard() refuses it
+    params = params_with_grads(torch.tensor([3.0, 4.0]))
+    with pytest.raises(error, match=r"^max_norm must be a number or None, got "):
+        clip_global_l2_norm(params, max_norm)
+    assert params[0].grad.tolist() == [3.0, 4.0]
+
+
 @pytest.mark.parametrize("max_norm", [0.5, 3.0, 1e6])
 @pytest.mark.parametrize("scale", [0.1, 1.0, 100.0])
 def test_bitwise_equal_to_clip_grad_norm_(scale, max_norm):

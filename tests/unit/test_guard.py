@@ -857,6 +857,26 @@ def test_the_plain_scaler_handed_over_follows_the_guards_scale(ran_before):
     assert again.get_scale() == 128.0
 
 
+def test_one_plain_scaler_handed_to_two_guards_is_one_scale():
+    # each Guard made its own GuardedGradScaler of it: the one that skipped backed off alone,
+    # and the plain scaler's get_scale() and state_dict() followed only the last guard built
+    plain = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    models = [nn.Linear(2, 1), nn.Linear(2, 1)]
+    with pytest.warns(SlowPrecisionWarning):
+        guards = [Guard(m, torch.optim.SGD(m.parameters(), lr=0.1), precision="fp16", scaler=plain) for m in models]
+    assert guards[0].scaler is guards[1].scaler
+    scales = []
+    for model, guard, inf_grad in zip(models, guards, (True, False)):
+        with guard.autocast():
+            loss = model(torch.ones(1, 2)).sum()
+        guard.backward(loss)
+        if inf_grad:
+            model.weight.grad[0, 0] = INF
+        scales.append(float(guard.step().values()["scaler_scale"]))
+    assert scales == [512.0, 512.0]
+    assert plain.get_scale() == plain.state_dict()["scale"] == 512.0
+
+
 def test_fp16_on_a_cpu_warns_that_it_is_emulated():
     model = nn.Linear(2, 1)
     with pytest.warns(SlowPrecisionWarning, match="emulated, about 10x slower than bf16"):

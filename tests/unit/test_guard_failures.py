@@ -165,7 +165,7 @@ def test_one_layer_cast_after_guard_is_refused_at_the_first_step_as_guard_refuse
     assert [r.step for r in _train(model, guard)] == [1]
 
 
-@pytest.mark.parametrize("max_norm", ["1.0", True, [1.0]])
+@pytest.mark.parametrize("max_norm", ["1.0", True, [1.0], torch.tensor([1.0, 2.0]), torch.tensor(1)])
 def test_a_max_norm_that_is_no_number_is_refused_by_guard_itself(max_norm):
     # "1.0" from argv went through Guard() and failed at the first step, inside it
     model = nn.Linear(4, 2)
