@@ -377,6 +377,31 @@ def test_what_the_plugin_refuses_up_front(tmp_path):
     assert existing.read_text() == "keep me\n"
 
 
+def test_a_fit_refused_by_the_plugin_leaves_the_last_fits_results_and_a_value_clip_is_not_sent_to_max_norm():
+    # review_28e: connect cleared records, guard and monitor before its refusals; and a value
+    # clip was told to use max_norm, a norm clip, as if it were the same rule
+    plugin, module = AmpGuardPlugin("bf16-mixed"), Digits(faults=["nan_loss@2"])
+    fit(module, plugin, steps=3)
+    records, guard, monitor = list(plugin.records), plugin.guard, plugin.monitor
+    with pytest.raises(ValueError, match=r"drop the Trainer's gradient_clip_val=1.0 \(use max_norm=1.0 on the plugin\)$"):
+        fit(module, plugin, steps=2, gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match=(r"offers no clipping by value: drop the Trainer's gradient_clip_val=0.5 with "
+                                          r"gradient_clip_algorithm='value' .* max_norm on the plugin clips by norm, "
+                                          r"another rule$")):
+        fit(module, plugin, steps=2, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    assert list(plugin.records) == records and [r.reason for r in records] == [None, "non_finite_loss", None]
+    assert plugin.guard is guard and guard.steps == 3 and plugin.monitor is monitor
+
+
+def test_a_spawned_fit_says_its_results_stay_in_the_processes_it_starts(tmp_path, capfd):
+    # review_28e: under ddp_spawn the parent's plugin had no records and no stop_reason after a
+    # fit the guard stopped, unsaid (a script reading stop_reason took the stop for a finish)
+    plugin = AmpGuardPlugin("bf16-mixed", csv=tmp_path / "steps.csv")
+    fit(Digits(hidden=8), plugin, steps=2, strategy="ddp_spawn")
+    assert "AmpGuardPlugin under DDPStrategy, whose processes are started by spawn" in capfd.readouterr().err
+    assert not plugin.records and [r["step"] for r in rows(tmp_path / "steps.csv")] == ["1", "2"]
+
+
 def test_fabric_is_refused_with_the_way_to_guard_a_fabric_loop():
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[AmpGuardPlugin("bf16-mixed")])
     model = nn.Linear(2, 1)

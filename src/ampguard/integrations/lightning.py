@@ -60,6 +60,7 @@ try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
     from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
     from lightning.pytorch.trainer.states import TrainerStatus
     from lightning.pytorch.utilities import GradClipAlgorithmType
     from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
@@ -260,20 +261,26 @@ class AmpGuardPlugin(_LightningPrecision):
                 raise ValueError(f"AmpGuardPlugin: csv={str(self.csv)!r} was the previous fit's with this plugin "
                                  f"(one fit per plugin); give this fit a new AmpGuardPlugin with a new csv path, "
                                  f"or resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
-            self._tuned = any(isinstance(cb, _TUNERS) for cb in trainer.callbacks)
-            # a new fit has new optimizers (configure_optimizers ran again): a new guard at its first
-            # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
-            self.guard, self.monitor, self.stop_reason, self.autocast_dtypes = None, None, None, None
-            self.records.clear()
-            self._loaded, self._hold, self._resumed_at, self._held_batches = None, False, None, None
             if trainer.gradient_clip_val:
-                raise ValueError(f"AmpGuardPlugin clips to max_norm after its non-finite check: drop the Trainer's "
-                                 f"gradient_clip_val={trainer.gradient_clip_val} (use max_norm="
-                                 f"{trainer.gradient_clip_val} on the plugin)")
+                raise ValueError(_clip_refusal(trainer))
             if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
                 raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
             if self.csv is not None:
                 self._check_csv(trainer, len(optimizers))
+            # past the refusals (a refused fit leaves the last fit's results as they were): a new fit
+            # has new optimizers (configure_optimizers ran again), so a new guard at its first
+            # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
+            self._tuned = any(isinstance(cb, _TUNERS) for cb in trainer.callbacks)
+            self.guard, self.monitor, self.stop_reason, self.autocast_dtypes = None, None, None, None
+            self.records.clear()
+            self._loaded, self._hold, self._resumed_at, self._held_batches = None, False, None, None
+            if isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
+                rank_zero_warn(f"AmpGuardPlugin under {type(trainer.strategy).__name__}, whose processes are "
+                               f"started by {trainer.strategy.launcher._start_method}: the guard runs in them, "
+                               f"so after fit() the plugin in the process that called it has no records, guard, "
+                               f"monitor or stop_reason (a stop by the guard looks like a finished fit there); "
+                               f"the CSV and the trackers hold the run. strategy='ddp' (torchrun or Lightning's "
+                               f"own launch) keeps them on rank 0", category=AmpguardWarning)
             if module.automatic_optimization and is_overridden("configure_gradient_clipping", module):
                 # warned, not refused: the override may not clip at all (Lightning's own example
                 # forwards gradient_clip_val, unset here; a logging hook), and a clip through
@@ -806,6 +813,20 @@ _BEFORE_FIRST_STEP = "before_first_step"
 _TUNERS = (LearningRateFinder, BatchSizeFinder)
 """Lightning's tuner callbacks (``Tuner.lr_find``, ``Tuner.scale_batch_size``, or given as
 callbacks): each runs its sweep as a fit, or inside one, through the plugin."""
+
+
+def _clip_refusal(trainer: pl.Trainer) -> str:
+    """Why a Trainer's ``gradient_clip_val`` is refused, and what to do instead: by norm, the
+    plugin's ``max_norm``; by value, nothing the plugin offers (a value clip before the guard's
+    check would turn an inf gradient into a finite one, and the step would be applied)."""
+    val = trainer.gradient_clip_val
+    if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+        return (f"AmpGuardPlugin clips by the global L2 norm (max_norm), after its non-finite check, and offers no "
+                f"clipping by value: drop the Trainer's gradient_clip_val={val} with gradient_clip_algorithm='value' "
+                f"(a value clip in a hook would make an inf gradient finite, and the guard apply its step); "
+                f"max_norm on the plugin clips by norm, another rule")
+    return (f"AmpGuardPlugin clips to max_norm after its non-finite check: drop the Trainer's "
+            f"gradient_clip_val={val} (use max_norm={val} on the plugin)")
 
 
 def _group_size(module: pl.LightningModule, trainer: pl.Trainer) -> int:
