@@ -19,8 +19,15 @@ in, the causal or boolean mask's entries left out): the ``matmul`` of the module
 math kernel computes them so and overflows with them; the fused ones keep them in float32, where
 the row still says how large they grew. So are ``nn.MultiheadAttention``'s, inside
 ``F.multi_head_attention_forward`` (:func:`mha_logits`: projected again from the call's weights).
-A compiled model is not watched so (the mode would make dynamo compile it again). For each (module, tensor: :data:`TENSORS`) it keeps, on the
-device:
+On a compiled model (``compile: true``, ``torch.compile`` inside the model) a measured step runs
+eagerly (``torch.compiler.set_stance("force_eager")``, torch >= 2.6): dynamo compiled the model
+without the hooks, and a graph it compiled keeps running without them (it does not recompile
+for hooks added later), so a step measured under the graph saw no output nor its gradient; the
+eager step sees what the eager model computes, the rounding of each op's own output, which a
+fused graph may keep in float32 (a warning a little early, never late). Measure a compiled run
+rarely: each measured step is an eager one. On an older torch the probe stays off a compiled
+model, and its hooks are seen only when every step is measured (``every: 1``). For each (module, tensor:
+:data:`TENSORS`) it keeps, on the device:
 
 - ``amax``: the largest ``|value|`` (of the output, of the gradient of the output, or of the
   module's parameters' gradients), over every micro-batch of the step;
@@ -486,6 +493,11 @@ class _MatmulProbe(torch.overrides.TorchFunctionMode):
         return out
 
 
+_force_eager: Callable[[], contextlib.AbstractContextManager[Any]] | None = (
+    (lambda: torch.compiler.set_stance("force_eager")) if hasattr(torch.compiler, "set_stance") else None)
+"""A block in which compiled code runs eagerly (torch >= 2.6; ``None`` before)."""
+
+
 class Headroom:
     """Headroom telemetry every ``every`` steps, for the modules of ``model`` (see the module
     docstring): :meth:`measuring` around a step's micro-batches, then :meth:`read` (one host read)
@@ -526,7 +538,10 @@ class Headroom:
         # Float8Linear's too, is its output already: None, not noted; a subclass with a forward of
         # its own, a LoRA layer's low-rank product, is noted)
         self._names = {id(m): None if _plain_linear(m) else name for name, m in every_module}
-        self._probe = not compiled_inside(model)
+        # a compiled model is measured eagerly (:meth:`measuring`); on a torch without the stance, the
+        # probe's mode would make dynamo compile it again
+        self._eager = _force_eager if compiled_inside(model) else contextlib.nullcontext
+        self._probe = self._eager is not None
         self._step: int | None = None  # the step being (or last) measured
         self._stats: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self._scale: torch.Tensor | float | None = None  # the loss scale of the step being measured
@@ -564,7 +579,8 @@ class Headroom:
                 if p.requires_grad and id(p) not in hooked:  # each backward's gradient of it, before accumulation
                     hooked.add(id(p))
                     handles.append(p.register_hook(self._param_hook(name)))
-        with _installed(handles), (self._products(handles) if self._probe else contextlib.nullcontext()):
+        with _installed(handles), (self._products(handles) if self._probe else contextlib.nullcontext()), \
+                (self._eager() if self._eager is not None else contextlib.nullcontext()):
             yield  # (on the way out the output tensors' hooks go too: an output that outlives the step keeps none)
 
     @contextlib.contextmanager

@@ -722,13 +722,25 @@ def test_a_matmul_is_the_innermost_modules_and_a_gradient_scale_does_not_touch_i
     assert judged_bits(HeadroomRow(1, "block.attn", "matmul", 1.0, 3.0, 0.0), 1024.0, 4.0) == 3.0
 
 
-def test_a_compiled_model_is_not_probed():
-    model = _attention_model(gain=1.0)
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_compiled_model_is_measured_eagerly_on_its_measured_steps_whatever_ran_before(every):
+    # review_28c: with every >= 2 the graph compiled at step 1 without the hooks kept running
+    # without them on the measured steps (dynamo does not recompile for a hook added later):
+    # only param_grad rows, and an activation overflowed with no alert before it
+    from torch._dynamo.utils import counters
+
+    model, x = _attention_model(gain=40.0), torch.full((1, 3, 4), 1.0)
     model.compile(backend="eager")
-    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
-    with headroom.measuring(1):
-        model(torch.ones(1, 3, 4)).sum().backward()
-    assert {r.tensor for r in headroom.read(1)} == {"output", "grad", "param_grad"}
+    headroom = Headroom(model, "fp16", every=every, alert_bits=3.0)
+    counters.clear()
+    for step in (1, 2, 3, 4):
+        with headroom.measuring(step):
+            model(x).sum().backward()
+    rows = {(r.module, r.tensor): r for r in headroom.read(4)}
+    assert set(rows) == {(m, t) for m in ("attn.q", "attn.k", "attn.v", "head") for t in ("output", "grad", "param_grad")} | {
+        ("attn", "matmul")}
+    assert rows[("attn", "matmul")].amax == 6400.0 and rows[("attn.q", "output")].amax == 40.0
+    assert counters["stats"]["unique_graphs"] <= 1  # (the measured steps compile nothing)
 
 
 def test_a_product_outside_every_module_is_nobodys_even_after_a_checkpoints_recompute_stopped_early():
