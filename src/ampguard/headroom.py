@@ -4,9 +4,11 @@ every skipped step.
 **Headroom** (``monitor.headroom.every: N``; off by default). Every N-th step (``step % N == 0``)
 :class:`Headroom` puts a forward hook on every module that holds parameters of its own
 (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, a custom module's own ``nn.Parameter``...),
-a tensor hook on each output, which sees the gradient flowing back into it, and one on each of
-its own parameters, which sees their gradient (a weight's sums over the batch: often the
-largest, the one that overflows). What a module computes between modules is not an output of
+with a pre-hook on its inputs (those no measured module output and no earlier one took in: what
+the code between modules computed, a gated MLP's ``silu(w1 x) * w3 x``), a tensor hook on each
+output, which sees the gradient flowing back into it, and one on each of its own parameters,
+which sees their gradient (a weight's sums over the batch: often the largest, the one that
+overflows). What a module computes between modules is not an output of
 any: an attention's logits ``q @ k.transpose(-2, -1)`` overflow fp16 first in a transformer, and
 the softmax after them squashes them, so nothing downstream grows with them. So the measured
 step also watches the products of the matmuls the model's own code calls (``torch.matmul``,
@@ -72,6 +74,7 @@ import contextlib
 import csv
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,12 +97,14 @@ HEADROOM_CSV = "headroom.csv"
 """The file name of the headroom telemetry in a run folder (beside ``steps.csv``)."""
 HEADROOM_COLUMNS: tuple[str, ...] = ("step", "module", "tensor", "amax", "headroom_bits", "underflow_share")
 """``headroom.csv``'s header: one row per measured step, module and tensor (long format)."""
-TENSORS: tuple[str, ...] = ("output", "grad", "param_grad", "matmul")
-"""What is measured of each module: its forward ``output``, the ``grad`` flowing back into it, the
-gradient of its own parameters (``param_grad``: a weight's gradient sums over the batch, so it
-is often the largest, and the one that overflows), and the products of the matmuls its forward
-calls itself (``matmul``: an attention's logits)."""
-UNSCALED: frozenset[str] = frozenset({"output", "matmul"})
+TENSORS: tuple[str, ...] = ("input", "output", "grad", "param_grad", "matmul")
+"""What is measured of each module: its forward's ``input`` where no measured module's output is
+it (what the code between modules computed: a gated MLP's ``silu(w1 x) * w3 x`` going into
+``w2``, a residual stream going into a norm), its ``output``, the ``grad`` flowing back into it,
+the gradient of its own parameters (``param_grad``: a weight's gradient sums over the batch, so
+it is often the largest, and the one that overflows), and the products of the matmuls its
+forward calls itself (``matmul``: an attention's logits)."""
+UNSCALED: frozenset[str] = frozenset({"input", "output", "matmul"})
 """The tensors of the forward: no loss scale in them (the gradients carry it under fp16)."""
 MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
                      torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.mm, torch.Tensor.mm,
@@ -515,8 +520,9 @@ class Headroom:
         >>> for step in (1, 2):
         ...     with h.measuring(step):
         ...         model(torch.ones(3, 1)).sum().backward()
-        >>> h.read(1), [(r.module, r.tensor, r.amax, round(r.headroom_bits, 2)) for r in h.read(2)]
-        ([], [('fc', 'output', 1000.0, 6.03), ('fc', 'grad', 1.0, 16.0), ('fc', 'param_grad', 3.0, 14.41)])
+        >>> h.read(1), [(r.module, r.tensor, r.amax, round(r.headroom_bits, 2)) for r in h.read(2)]  # doctest: +NORMALIZE_WHITESPACE
+        ([], [('fc', 'input', 1.0, 16.0), ('fc', 'output', 1000.0, 6.03), ('fc', 'grad', 1.0, 16.0),
+              ('fc', 'param_grad', 3.0, 14.41)])
         >>> [e.message for e in h.observe_step(2)]
         ['headroom_alert: fc output headroom 6.0 bits < alert_bits 7 (amax 1000, fp16 max 65504)']
         >>> h.observe_step(2), h.alerting  # once per episode
@@ -572,7 +578,11 @@ class Headroom:
         # the scale the step's backward multiplies by (a device copy: no host read; read with the rows)
         self._scale = self.loss_scale() if self.loss_scale is not None else None
         handles: list[RemovableHandle] = []
-        handles += [m.register_forward_hook(self._forward_hook(name, handles)) for name, m in self.modules]
+        # the tensors measured already in the forward: an input that is one is not measured again
+        seen: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        handles += [m.register_forward_pre_hook(self._input_hook(name, seen), with_kwargs=True)
+                    for name, m in self.modules]
+        handles += [m.register_forward_hook(self._forward_hook(name, handles, seen)) for name, m in self.modules]
         hooked: set[int] = set()  # a tied parameter (charlm's head.weight is tok.weight): its first module's
         for name, m in self.modules:
             for p in m.parameters(recurse=False):
@@ -606,11 +616,23 @@ class Headroom:
         with _MatmulProbe(lambda value: self._add(inside[-1], "matmul", value) if wanted() else None, wanted):
             yield
 
-    def _forward_hook(self, name: str, handles: list[RemovableHandle]) -> Callable[[nn.Module, Any, Any], None]:
+    def _input_hook(self, name: str, seen: weakref.WeakValueDictionary[int, torch.Tensor]
+                    ) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            for t in tree_leaves((args, kwargs)):  # (one measured already is its first module's row)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and seen.get(id(t)) is not t:
+                    self._add(name, "input", t)
+                    seen[id(t)] = t
+
+        return hook
+
+    def _forward_hook(self, name: str, handles: list[RemovableHandle],
+                      seen: weakref.WeakValueDictionary[int, torch.Tensor]) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
                     self._add(name, "output", t)
+                    seen[id(t)] = t
                     if t.requires_grad:
                         handles.append(t.register_hook(lambda grad: self._add(name, "grad", grad)))
 
@@ -767,8 +789,8 @@ class HeadroomCsv(CsvSink):
         >>> sink.close()
         >>> print((Path(tmp.name) / "headroom.csv").read_text().splitlines()[0])
         step,module,tensor,amax,headroom_bits,underflow_share
-        >>> [row.module for row in read_headroom_csv(Path(tmp.name) / "headroom.csv")]
-        ['(root)']
+        >>> [(row.module, row.tensor) for row in read_headroom_csv(Path(tmp.name) / "headroom.csv")]
+        [('(root)', 'input'), ('(root)', 'output')]
         >>> tmp.cleanup()
     """
 

@@ -80,7 +80,7 @@ def test_fp8_with_headroom_measures_against_bf16_the_format_it_computes_in(cli, 
     assert code == 0, err
     folder = tmp_path / "runs" / "hr"
     _, rows = rows_of(folder / "headroom.csv")
-    assert {r["tensor"] for r in rows} == {"output", "grad", "param_grad"} and {r["step"] for r in rows} == {"1", "2"}
+    assert {r["tensor"] for r in rows} == {"input", "output", "grad", "param_grad"} and {r["step"] for r in rows} == {"1", "2"}
     assert all(float(r["headroom_bits"]) > 100 for r in rows)  # bf16's range: nowhere near
     assert "every 1 step against bf16" in (folder / "RUN.md").read_text(encoding="utf-8")
 

@@ -108,7 +108,7 @@ def test_a_resume_appends_headroom_csv_exactly_as_the_uninterrupted_run_wrote_it
     ok(ag("train", "--resume", b / "checkpoints" / "step-00000004.pt"))
     assert (b / "headroom.csv").read_bytes() == (a / "headroom.csv").read_bytes()
     steps = [int(r["step"]) for r in read_rows(b / "headroom.csv")]
-    assert steps == sorted(steps) and len(steps) == 6 * 3  # output, grad and param_grad rows a step, none twice
+    assert steps == sorted(steps) and len(steps) == 6 * 4  # input, output, grad and param_grad rows a step, none twice
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

@@ -11,6 +11,7 @@ from collections import OrderedDict
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from helpers import HostReads
 
@@ -191,7 +192,7 @@ def test_headroom_csv_appends_on_resume_without_duplicates_and_never_overwrites(
         _rows_at(headroom, model, step)
         sink.write(log(step))
     sink.close()
-    assert [r.step for r in read_headroom_csv(path)] == [1, 2, 3, 4]
+    assert [r.step for r in read_headroom_csv(path)] == [1, 1, 2, 2, 3, 3, 4, 4]  # (input, output)
     assert path.read_text().count(",".join(HEADROOM_COLUMNS)) == 1
     path.write_text("step,lr\n1,0.1\n")
     with pytest.raises(InputError, match="header does not match"):
@@ -302,9 +303,9 @@ def test_under_a_loss_scale_the_gradients_alert_on_their_unscaled_headroom():
     scale.fill_(2.0**15)
     assert _scaled_step(headroom, model, 4, 1.0, 2.0**15) == ["headroom_clear"]
     scale.fill_(2.0)
-    model.fc.weight.data.fill_(1 / 8000)
-    with headroom.measuring(5):  # output 1; the weight's gradient 8000 unscaled (3 bits), 16000 scaled
-        (model(torch.full((1, 1), 8000.0)).sum() * 2.0).backward()
+    model.fc.weight.data.fill_(1 / 1000)
+    with headroom.measuring(5):  # input 1000, output 1; the weight's gradient 8000 unscaled (3 bits), 16000 scaled
+        (model(torch.full((8, 1), 1000.0)).sum() * 2.0).backward()
     (alert,) = headroom.observe_step(5)
     assert alert.data["tensor"] == "param_grad"
     assert alert.data["judged_bits"] == pytest.approx(math.log2(65504 / 8000), abs=1e-3)
@@ -705,7 +706,43 @@ def test_a_linears_own_product_is_its_output_not_a_matmul_row_and_the_probe_leav
         raise RuntimeError("boom")
     assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == (pre, post)
     assert not _get_current_function_mode_stack()
-    assert {r.tensor for r in headroom.read(1)} == {"output", "grad", "param_grad"}
+    assert {r.tensor for r in headroom.read(1)} == {"input", "output", "grad", "param_grad"}
+
+
+class _GatedMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def test_a_gated_product_between_modules_is_measured_as_the_next_ones_input_and_alerts_before_it_overflows():
+    # review_28c: silu(w1 x) * w3 x is no module's output and no matmul: with every output
+    # 8 bits from fp16's max, the product overflowed at the next step with no warning before it
+    model = nn.Sequential(OrderedDict(mlp=_GatedMLP(2)))
+    with torch.no_grad():
+        for lin in (model.mlp.w1, model.mlp.w3):
+            lin.weight.fill_(100.0), lin.bias.zero_()
+        model.mlp.w2.weight.fill_(1e-6)
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.ones(1, 2)).sum().backward()  # w1, w3: 200 each; the product about 4e4
+    rows = {(r.module, r.tensor): r for r in headroom.read(1)}
+    assert rows[("mlp.w1", "output")].headroom_bits > 8 and rows[("mlp.w2", "output")].headroom_bits > 8
+    assert rows[("mlp.w2", "input")].amax == pytest.approx(200 * F.silu(torch.tensor(200.0)).item())
+    assert ("mlp.w1", "input") in rows and ("mlp.w3", "input") not in rows  # (x once: its first module's)
+    (alert,) = headroom.observe_step(1)
+    assert (alert.data["module"], alert.data["tensor"]) == ("mlp.w2", "input")
+
+
+def test_an_input_that_is_a_measured_modules_output_is_not_measured_again():
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    headroom = Headroom(model, "bf16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.ones(2, 2)).sum().backward()
+    assert [r.module for r in headroom.read(1) if r.tensor == "input"] == ["0", "3"]  # (x; ReLU's output)
 
 
 def test_a_matmul_is_the_innermost_modules_and_a_gradient_scale_does_not_touch_it():
@@ -738,7 +775,7 @@ def test_a_compiled_model_is_measured_eagerly_on_its_measured_steps_whatever_ran
             model(x).sum().backward()
     rows = {(r.module, r.tensor): r for r in headroom.read(4)}
     assert set(rows) == {(m, t) for m in ("attn.q", "attn.k", "attn.v", "head") for t in ("output", "grad", "param_grad")} | {
-        ("attn", "matmul")}
+        ("attn", "matmul"), ("attn.q", "input"), ("head", "input")}  # (x is attn.q's input: not k's, v's again)
     assert rows[("attn", "matmul")].amax == 6400.0 and rows[("attn.q", "output")].amax == 40.0
     assert counters["stats"]["unique_graphs"] <= 1  # (the measured steps compile nothing)
 
