@@ -604,7 +604,8 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
 
     # with --json, stdout is the one JSON line: what a user's factory or model prints goes to stderr
     with redirect_stdout(sys.stderr) if as_json else nullcontext():
-        result, where, device, loss_scale = _replay(config, step=step, batch=batch, checkpoint=checkpoint, scale=scale)
+        result, where, device, loss_scale, saved_step = _replay(config, step=step, batch=batch, checkpoint=checkpoint,
+                                                                scale=scale)
     if as_json:
         print(json.dumps({"where": where, **result.as_dict()}))
     else:
@@ -612,7 +613,27 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         print(result.message())
     if not checkpoint:  # (a loss that is not the run's, said nowhere: the weights were not the run's)
         print(f"ampguard: warning: locate: {untrained_replay(config)}", file=sys.stderr)
+    elif not batch and saved_step is not None and saved_step >= step:  # (a later one: not the step as it ran)
+        print(f"ampguard: warning: locate: {later_checkpoint(checkpoint, saved_step, step, loss_scale)}",
+              file=sys.stderr)
     return 0 if result.verdict == "none" else 1
+
+
+def later_checkpoint(path: str, saved_step: int, step: int, loss_scale: float) -> str:
+    """The warning for a replay of ``step`` from a checkpoint saved at or after it: its weights
+    and loss scale are not the ones the step ran with (a newer scale may be smaller, and an
+    overflow of the step not happen again), though they may be what the user asks about (a
+    diverged run's last weights on a batch).
+
+    Example::
+
+        >>> print(later_checkpoint("step-00000020.pt", 20, 5, 512.0))
+        --checkpoint step-00000020.pt holds the weights after step 20, not those step 5 ran with (after step 4): the replay ran them, at their loss scale 512, on step 5's batch; pass a checkpoint saved before step 5 (the run's newest before it) to replay the step as it ran
+    """
+    return (f"--checkpoint {path} holds the weights after step {saved_step}, not those step {step} ran with "
+            f"({f'after step {step - 1}' if step > 1 else 'the initial ones'}): the replay ran them, at their loss "
+            f"scale {loss_scale:g}, on step {step}'s batch; pass a checkpoint saved before step {step} (the run's "
+            f"newest before it) to replay the step as it ran")
 
 
 def untrained_replay(config: Any) -> str:
@@ -632,8 +653,9 @@ def untrained_replay(config: Any) -> str:
 
 
 def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None,
-            scale: float | None) -> tuple[Any, str, torch.device, float]:
-    """:func:`run`'s replay: the diagnosis, where it was made, the device and the loss scale."""
+            scale: float | None) -> tuple[Any, str, torch.device, float, int | None]:
+    """:func:`run`'s replay: the diagnosis, where it was made, the device, the loss scale and the
+    step the checkpoint was saved after (None without one)."""
     import itertools
 
     from .build import initial_scale, precision_of, prepare_model, resolve_device, to_device
@@ -655,11 +677,12 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         precision.check(model, device)  # what train refuses (and fp16/fp8 on a CPU: a SlowPrecisionWarning)
     except ValueError as err:
         raise InputError(f"precision: {err}") from None
-    checkpoint_scale = None
+    checkpoint_scale = saved_step = None
     if checkpoint:
         saved = load_weights(model, checkpoint, map_location=device, task=config.task.model_dump(mode="json"),
                              data_id=task.data_id)
         checkpoint_scale = _checkpoint_scale(checkpoint, saved["state"].get("scaler"), config, precision)
+        saved_step = saved.get("step") if isinstance(saved.get("step"), int) else None
     injector = FaultInjector(faults, config.accumulation_steps)
     # a finding in the loss names the task's loss function, not the injector's wrapper
     loss_fn = functools.update_wrapper(injector.wrap_loss(task.loss_fn), task.loss_fn, updated=())
@@ -690,7 +713,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     result.scale_floor = config.scaler.min_scale if scaler_on else None
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return result, where, device, loss_scale
+    return result, where, device, loss_scale, saved_step
 
 
 def _injected_at(faults: list[Any], step: int) -> str:

@@ -218,7 +218,15 @@ def test_train_diagnoses_the_first_skipped_step(cli, tmp_path):
     untrained = ("ampguard: warning: locate: no --checkpoint: the replay ran task linear freshly initialised "
                  "(untrained weights), not the run's weights at that step; pass --checkpoint (the run's newest before "
                  "the step) to replay those")
-    assert untrained not in err  # (the run's own weights: nothing to say)
+    assert untrained not in err  # (the run's own weights: no untrained model)
+    # review_28b: but not step 1's weights nor its scale (65536), unsaid: an overflow of the step
+    # at its own scale can vanish at a later checkpoint's smaller one
+    assert err.splitlines()[-1] == (
+        f"ampguard: warning: locate: --checkpoint {checkpoint} holds the weights after step 7, not those step 1 ran "
+        f"with (the initial ones): the replay ran them, at their loss scale 32768, on step 1's batch; pass a "
+        f"checkpoint saved before step 1 (the run's newest before it) to replay the step as it ran"), err
+    code, out, err = cli("locate", *LINEAR_FP16, "--checkpoint", checkpoint, "--step", "8")
+    assert code == 0 and "holds the weights after" not in err, err  # (the weights step 8 of a longer run ran with)
     # without it the replay ran on an untrained model, unsaid: its loss was not the run's
     code, out, err = cli("locate", *LINEAR_FP16, "--step", "1")
     assert code == 0 and err.splitlines()[-1] == untrained, err
