@@ -58,6 +58,7 @@ class RunSummary:
     notes: list[str] = field(default_factory=list)  # what reading its steps.csv left out or found missing
     card: dict[str, str] = field(default_factory=dict)  # the run card's rows (report.read_card)
     policy: list[dict[str, Any]] = field(default_factory=list)  # its policy changes on resume (policy_changes_of)
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)  # its rollbacks (rollbacks_of)
 
 
 def _card(card: Path) -> tuple[str, dict[str, str]]:
@@ -115,12 +116,12 @@ def load_run(path: str | Path) -> RunSummary:
     ended, card = _card(folder / "RUN.md")
     scaler_on = uses_loss_scaler(config.precision) if config.scaler.enabled is None else config.scaler.enabled
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
-    policy = policy_changes_of(folder)
+    policy, rollbacks = policy_changes_of(folder), rollbacks_of(folder)
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
-                     rollbacks=rollbacks_of(folder), metrics=_metrics(folder / "steps.csv", extra),
+                     rollbacks=rollbacks, metrics=_metrics(folder / "steps.csv", extra),
                      steps=config.steps if ended.startswith("finished: ") else None)
     notes = reading_notes(folder / "steps.csv", rows, torn, folder)
-    return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy)
+    return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy, rollbacks)
 
 
 def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
@@ -311,7 +312,7 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
                        f"{run.name}: max_norm", color=colour, ls="--", lw=1)
         xs, ys = finite_points(rows, [r.scaler_scale for r in rows], positive=True)
         ax_scale.step(xs, [math.log2(v) for v in ys], where="post", lw=1.2, color=colour, label=run.name, **dots(xs))
-        rates = rolling_skip_rate(rows, run.config.monitor.window)
+        rates = rolling_skip_rate(rows, run.config.monitor.window, run.rollbacks)
         top_rate = max(top_rate, *rates)
         ax_skip.plot([r.step for r in rows], rates, lw=1.2, color=colour,
                      label=f"{run.name} (window {run.config.monitor.window})", **dots(rows))

@@ -104,19 +104,26 @@ def finite_points(rows: list[Row], values: list[float | None], positive: bool = 
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def rolling_skip_rate(rows: list[Row], window: int) -> list[float]:
-    """The rolling skip rate at each row, as the run judged it: over the steps the window holds.
+def rolling_skip_rate(rows: list[Row], window: int, rollbacks: Sequence[dict[str, Any]] = ()) -> list[float]:
+    """The rolling skip rate at each row, as the run judged it: over the steps the window holds,
+    the window emptied after the step of each of ``rollbacks`` (:func:`rollbacks_of`), as the
+    run's monitor emptied it (the skips that made a skip-guard rollback are not judged again).
 
     Example::
 
         >>> rows = [Row(s, 0.1, 2.0, 1.0, 0.5, s == 2, "", 1.0) for s in (1, 2, 3, 4)]
         >>> rolling_skip_rate(rows, window=2)
         [0.0, 0.5, 0.5, 0.0]
+        >>> rolling_skip_rate(rows, window=3, rollbacks=[{"step": 2, "updates_undone": 1}])
+        [0.0, 0.5, 0.0, 0.0]
     """
+    restarts = {r["step"] for r in rollbacks}
     win, rates = RollingWindow(window), []
     for r in rows:
         win.push(float(r.skipped))
         rates.append(win.seen_mean)
+        if r.step in restarts:
+            win = RollingWindow(window)
     return rates
 
 
@@ -519,8 +526,9 @@ def plot_run(
     """Draw one PNG (1200 x 1400 px) with five panels on a shared step axis: loss, pre/post-clip
     norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
     rate with its thresholds (each line the value each step ran under: ``policy``, the run's
-    changes on resume as :func:`policy_changes_of` gives them, make a step where one changed).
-    Skipped steps are marked on every panel, coloured by reason.
+    changes on resume as :func:`policy_changes_of` gives them, make a step where one changed;
+    the rate's window emptied at each rollback ``events_dir``'s ``events.jsonl`` names, as the
+    run's). Skipped steps are marked on every panel, coloured by reason.
     With ``headroom`` (a ``headroom.csv`` with rows), a sixth panel below (the PNG 500 px
     taller): the layer x step heatmap of :func:`headroom_panel`, each gradient judged at the loss
     scale its step ran with (the row before's ``scaler_scale``; ``init_scale`` at the run's first
@@ -577,7 +585,7 @@ def plot_run(
             shown_title = shown(title or Path(csv_path).name)
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
                   fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title, init_scale=init_scale,
-                  policy=policy,
+                  policy=policy, rollbacks=rollbacks_of(events_dir) if events_dir else (),
                   restarts=scale_restarts(events_dir, rows, init_scale) if heat and events_dir and scaler_on else None)
             # marked as ampguard's (PLOT_MARK): only a plot with the mark is ever drawn again
             fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(f"ampguard report: {shown_title}"))
@@ -623,7 +631,7 @@ def _linear_y(ax: Any, values: list[float], label: str) -> None:
 
 def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_norm: float | None, window: int,
           alert_rate: float, fail_rate: float | None, alert_bits: float | None, title: str,
-          init_scale: float = 1.0, policy: Sequence[dict[str, Any]] = (),
+          init_scale: float = 1.0, policy: Sequence[dict[str, Any]] = (), rollbacks: Sequence[dict[str, Any]] = (),
           restarts: Mapping[int, float] | None = None) -> None:
     """:func:`plot_run`'s panels on ``axes`` (five, and the headroom heatmap with ``heat``)."""
     ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes[:5]
@@ -666,7 +674,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     _linear_y(ax_lr, ys, "learning rate")
     ax_lr.set_title("Learning rate")
 
-    rates = rolling_skip_rate(rows, window)
+    rates = rolling_skip_rate(rows, window, rollbacks)
     ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})", **dots(steps))
     alert_rates = threshold_by_step(steps, "monitor.alert_rate", alert_rate, policy)
     fail_rates = threshold_by_step(steps, "monitor.fail_rate", fail_rate, policy)

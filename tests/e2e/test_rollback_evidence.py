@@ -374,3 +374,33 @@ def test_a_resume_removes_an_evidence_checkpoint_copy_a_kill_cut_short(tmp_path)
     kept.write_bytes(b"evidence")
     ok(ag("train", "--resume", run, "--set", "steps=5"))
     assert not leftover.exists() and kept.read_bytes() == b"evidence"
+
+
+def test_the_plotted_skip_rate_starts_its_window_again_at_a_rollback_as_the_run_did(tmp_path, monkeypatch):
+    # review_28b: report's and compare's curve kept the skips that made the rollback in its window
+    # (1.0, 0.75, 0.5 after it, over the fail_rate line) where the run judged 0 and cleared the ALERT
+    import ampguard.compare
+    import ampguard.report
+    from ampguard.cli import main
+
+    args = [*LINEAR, "--set", "precision=bf16", "--set", "steps=10", "--set", "checkpoint.every=4",
+            "--set", "rollback.triggers=[skip_guard]", "--set", "monitor.window=4", "--set", "monitor.min_steps=2",
+            "--set", "monitor.fail_rate=0.5", "--set", "monitor.fail_after=2", "--inject", "nan_loss@5,6,7"]
+    ok(train(tmp_path, "R", *args))
+    run = tmp_path / "R"
+    [event] = [e for e in run_events(run) if e["event"] == "rollback"]
+    assert event["step"] == 8
+    ok(train(tmp_path, "plain", *LINEAR, "--set", "precision=bf16", "--set", "steps=10"))
+    drawn = []
+    real = ampguard.report.rolling_skip_rate
+
+    def spy(rows, window, rollbacks=()):
+        drawn.append(real(rows, window, rollbacks))
+        return drawn[-1]
+
+    monkeypatch.setattr(ampguard.report, "rolling_skip_rate", spy)
+    monkeypatch.setattr(ampguard.compare, "rolling_skip_rate", spy)
+    assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
+    assert main(["compare", str(run), str(tmp_path / "plain"), "--out", str(tmp_path / "c.png")]) == 0
+    expected = [0.0, 0.0, 0.0, 0.0, 0.25, 0.5, 0.75, 0.75] + [0.0] * 2  # (emptied after step 8, as the monitor's)
+    assert drawn[0] == drawn[1] == expected
