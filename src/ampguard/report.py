@@ -419,25 +419,35 @@ def card_ended(card: Path, *, errors: str = "strict") -> str:
 
 
 def finished(card: Path) -> bool:
-    """Whether a run card says its run trained to the end (``**finished: N steps**``): only then
-    does a replay judge the run whole, as the run did (a stop, even at the last step, did not).
+    """Whether a run card says its run trained to the end (``**finished: N steps**``), or, where
+    the card cannot say (none, a folder, not text), the last ``run_end`` event beside it does:
+    only then does a replay judge the run whole, as the run did (a stop, even at the last step,
+    did not).
 
     Example::
 
-        >>> import tempfile
+        >>> import json, tempfile
         >>> with tempfile.TemporaryDirectory() as d:
         ...     card = Path(d) / "RUN.md"
         ...     missing = finished(card)
         ...     _ = card.write_text("# Run a\\n\\n**finished: 20 steps**\\n")
         ...     done = finished(card)
         ...     _ = card.write_text("# Run a\\n\\n**strict mode: non-finite loss at step 5**\\n")
-        ...     missing, done, finished(card)
-        (False, True, False)
+        ...     stopped = finished(card)
+        ...     card.unlink()  # (its card lost: the event log says how it ended)
+        ...     _ = (Path(d) / "events.jsonl").write_text(json.dumps(
+        ...         {"step": 20, "event": "run_end", "message": "finished: 20 steps"}) + "\\n")
+        ...     missing, done, stopped, finished(card)
+        (False, True, False, True)
     """
     try:
-        return card_ended(card, errors="replace").startswith("finished: ")
+        ended = card_ended(card, errors="replace")
     except OSError:
-        return False
+        ended = "unknown"
+    if ended != "unknown":
+        return ended.startswith("finished: ")
+    ends = _events_kept(card.parent, lambda event: event.get("event") == "run_end")
+    return bool(ends) and str(ends[-1].get("message", "")).startswith("finished: ")
 
 
 def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequence[dict[str, Any]] = (),

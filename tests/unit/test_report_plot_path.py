@@ -221,6 +221,28 @@ def test_thresholds_given_that_judge_the_alerts_again_are_said_and_fail_rate_cha
     assert "(window 1000), alert episodes 1 (re-judged at --window 1000, --min-steps 0)," in summary_line(capsys)
 
 
+@pytest.mark.parametrize("card", ["missing", "a folder", "not text"])
+def test_a_finished_run_without_a_readable_card_is_judged_whole_as_its_run_end_event_says(tmp_path, capsys, card):
+    # review_28b: the end-of-run ALERT of a run too short to arm the alarm (min_steps) was dropped
+    # when RUN.md could not be read, though the run_end event a few lines before said "finished"
+    rows = [f"{step},0.1,,,nan,1,non_finite_loss,1.0" if step == 2 else f"{step},0.1,0.5,0.5,0.3,0,,1.0"
+            for step in range(1, 5)]
+    a = make_run(tmp_path, "a", rows, {"precision": "bf16", "steps": 4, "monitor": {"min_steps": 100}})
+    report.run(a, plot=False)
+    assert "alert episodes 1, clip rate" in summary_line(capsys)
+    (a / "RUN.md").unlink()
+    if card == "a folder":
+        (a / "RUN.md").mkdir()
+    elif card == "not text":
+        (a / "RUN.md").write_bytes(b"\xff\xfe\x00garbage")
+    (a / "events.jsonl").write_text('{"step": 4, "event": "run_end", "message": "finished: 4 steps"}\n')
+    report.run(a, plot=False)
+    assert "alert episodes 1, clip rate" in summary_line(capsys)
+    (a / "events.jsonl").write_text('{"step": 4, "event": "run_end", "message": "stopped at step 4: ..."}\n')
+    report.run(a, plot=False)  # (a stop, even at the last step, is not judged whole: as the run did)
+    assert "alert episodes 0, clip rate" in summary_line(capsys)
+
+
 def test_a_csv_without_pre_clip_norms_has_no_clip_rate(tmp_path, capsys):
     csv_path = tmp_path / "trainer.csv"  # a stock Trainer's: post-clip norm only
     csv_path.write_text("\n".join([HEADER, "1,0.1,,0.5,,0,,1.0", "2,0.1,,0.7,,0,,1.0"]) + "\n", encoding="utf-8")
