@@ -34,7 +34,7 @@ from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite
                      threshold_by_step, threshold_line, threshold_text, whole_steps)
 from .run_folder import RunPaths
 from .signals import console_width
-from .sinks import Row, metric_values, read_steps_and_columns
+from .sinks import Row, csv_number, metric_values, read_steps_and_columns
 
 if TYPE_CHECKING:
     from .config import Config
@@ -74,8 +74,25 @@ def _metrics(csv_path: Path, extra: list[dict[str, str]]) -> list[dict[str, floa
     """Each row's held-out metrics (empty where none was evaluated): the CSV's extra columns
     (``extra``, as :func:`~ampguard.sinks.read_steps_and_columns` read them) as
     :func:`~ampguard.sinks.metric_values` reads them (numbers; the optimizer labels and empty
-    cells left out)."""
-    return [metric_values(cells, str(csv_path)) for cells in extra]
+    cells left out), but a column holding text anywhere (a user's ``CsvSink(extra_columns=
+    ["phase"])``; DESIGN's "more may follow" sets no type), which is no metric: left out too.
+
+    Example::
+
+        >>> _metrics(Path("s.csv"), [{"val_loss": "0.5", "phase": "warmup"}, {"val_loss": "", "phase": "1"}])
+        [{'val_loss': 0.5}, {}]
+    """
+    text = {name for cells in extra for name, cell in cells.items() if not _number(cell)}
+    return [metric_values({k: v for k, v in cells.items() if k not in text}, str(csv_path)) for cells in extra]
+
+
+def _number(cell: str) -> bool:
+    """Whether a CSV cell reads as a number, or is empty (:func:`~ampguard.sinks.csv_number`)."""
+    try:
+        csv_number(cell, "", "")
+    except InputError:
+        return False
+    return True
 
 
 def load_run(path: str | Path) -> RunSummary:
