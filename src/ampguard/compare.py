@@ -74,20 +74,22 @@ def _metrics(csv_path: Path, extra: list[dict[str, str]]) -> list[dict[str, floa
     """Each row's held-out metrics (empty where none was evaluated): the CSV's extra columns
     (``extra``, as :func:`~ampguard.sinks.read_steps_and_columns` read them) as
     :func:`~ampguard.sinks.metric_values` reads them (numbers; the optimizer labels and empty
-    cells left out), but a column holding text anywhere (a user's ``CsvSink(extra_columns=
-    ["phase"])``; DESIGN's "more may follow" sets no type), which is no metric: left out too.
+    cells left out), but a column of text (a user's ``CsvSink(extra_columns=["phase"])``; DESIGN's
+    "more may follow" sets no type): no metric, left out too. A column of numbers with a cell of
+    text in it is a metric that cannot be read: refused, as a resume refuses it.
 
     Example::
 
-        >>> _metrics(Path("s.csv"), [{"val_loss": "0.5", "phase": "warmup"}, {"val_loss": "", "phase": "1"}])
+        >>> _metrics(Path("s.csv"), [{"val_loss": "0.5", "phase": "warmup"}, {"val_loss": "", "phase": "main"}])
         [{'val_loss': 0.5}, {}]
     """
-    text = {name for cells in extra for name, cell in cells.items() if not _number(cell)}
+    text = {name for name in (extra[0] if extra else {})
+            if not any(cells.get(name) and _number(cells[name]) for cells in extra)}
     return [metric_values({k: v for k, v in cells.items() if k not in text}, str(csv_path)) for cells in extra]
 
 
 def _number(cell: str) -> bool:
-    """Whether a CSV cell reads as a number, or is empty (:func:`~ampguard.sinks.csv_number`)."""
+    """Whether a CSV cell reads as a number (:func:`~ampguard.sinks.csv_number`)."""
     try:
         csv_number(cell, "", "")
     except InputError:

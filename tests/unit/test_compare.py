@@ -69,10 +69,14 @@ def test_held_out_metrics_come_from_the_extra_columns_best_by_their_direction(tm
 def test_a_column_of_text_a_user_sink_wrote_is_no_metric_and_not_refused(tmp_path):
     # review_28b: CsvSink(extra_columns=["phase"]) writes text cells, report reads the file, and
     # compare refused it ("column phase holds 'warmup', not a number", no line named)
-    rows = [clean(1, extra=",warmup,0.9"), clean(2, extra=",1,0.7"), clean(3, extra=",main,")]
+    rows = [clean(1, extra=",warmup,0.9"), clean(2, extra=",,0.7"), clean(3, extra=",main,")]
     run = compare.load_run(make_run(tmp_path, "a", rows, extra=["phase", "val_loss"]))
     assert run.monitor.eval_last == {"val_loss": 0.7} and run.monitor.eval_best == {"val_loss": 0.7}
     assert not any("phase" in key for key, _ in compare.table_rows(run))
+    # a column of numbers with text in one cell is a metric spoiled: refused, naming the cell
+    rows = [clean(1, extra=",0.9"), clean(2, extra=",n/a")]
+    with pytest.raises(InputError, match="column val_loss holds 'n/a', not a number"):
+        compare.load_run(make_run(tmp_path, "b", rows, extra=["val_loss"]))
 
 
 def test_the_optimizer_label_columns_are_not_metrics(tmp_path):
