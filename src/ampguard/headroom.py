@@ -544,10 +544,9 @@ class Headroom:
         # Float8Linear's too, is its output already: None, not noted; a subclass with a forward of
         # its own, a LoRA layer's low-rank product, is noted)
         self._names = {id(m): None if _plain_linear(m) else name for name, m in every_module}
-        # a compiled model is measured eagerly (:meth:`measuring`); on a torch without the stance, the
-        # probe's mode would make dynamo compile it again
+        # a compiled model is measured eagerly (:meth:`measuring`); None on a torch without the stance:
+        # then no probe either (its mode would make dynamo compile the model again)
         self._eager = _force_eager if compiled_inside(model) else contextlib.nullcontext
-        self._probe = self._eager is not None
         self._step: int | None = None  # the step being (or last) measured
         self._stats: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self._scale: torch.Tensor | float | None = None  # the loss scale of the step being measured
@@ -589,8 +588,9 @@ class Headroom:
                 if p.requires_grad and id(p) not in hooked:  # each backward's gradient of it, before accumulation
                     hooked.add(id(p))
                     handles.append(p.register_hook(self._param_hook(name)))
-        with _installed(handles), (self._products(handles) if self._probe else contextlib.nullcontext()), \
-                (self._eager() if self._eager is not None else contextlib.nullcontext()):
+        probed = self._eager is not None
+        with _installed(handles), (self._products(handles) if probed else contextlib.nullcontext()), \
+                (self._eager() if probed else contextlib.nullcontext()):
             yield  # (on the way out the output tensors' hooks go too: an output that outlives the step keeps none)
 
     @contextlib.contextmanager
