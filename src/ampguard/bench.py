@@ -91,7 +91,7 @@ def _mlp(device: torch.device, *, name: str = "tiny-mlp", width: int = 64, input
     return Workload(name, make, (x.to(device), y.to(device)), F.cross_entropy)
 
 
-def _nano(device: torch.device) -> Workload:
+def _nano(device: torch.device, batch: int = 4) -> Workload:
     """An MLP too small to compute anything (8 wide, batch 4): its step is all host time (Python,
     the dispatcher, kernel launches), as a tiny model's is on a GPU, so on a CPU it shows what
     the guard costs a launch-bound step.
@@ -101,14 +101,14 @@ def _nano(device: torch.device) -> Workload:
         >>> [tuple(t.shape) for t in _nano(torch.device("cpu")).batch]
         [(4, 8), (4,)]
     """
-    return _mlp(device, name="nano-mlp", width=8, inputs=8, classes=4, batch=4)
+    return _mlp(device, name="nano-mlp", width=8, inputs=8, classes=4, batch=batch)
 
 
-def _transformer(device: torch.device, size: str) -> Workload:
+def _transformer(device: torch.device, size: str, batch: int | None = None) -> Workload:
     """``ampguard train``'s charlm transformer (byte vocabulary) on one fixed batch of random
     bytes: ``"gpt2-small"`` in the shape of ``task.preset: gpt2-small`` (12 layers x 768 wide, 12
     heads, a context of 1024), batch 8; ``"small"`` in the ``task`` section's default shape (2
-    layers x 64 wide, 4 heads, a context of 64), batch 16. The shapes are read from
+    layers x 64 wide, 4 heads, a context of 64), batch 16 (``batch``: another). The shapes are read from
     :class:`~ampguard.config.TaskConfig`, so the bench measures the model ``train`` builds.
 
     Example::
@@ -122,7 +122,8 @@ def _transformer(device: torch.device, size: str) -> Workload:
 
     shape = TaskConfig(preset="gpt2-small") if size == "gpt2-small" else TaskConfig()
     layers, width, heads, block = shape.n_layer, shape.n_embd, shape.n_head, shape.block_size
-    batch = 8 if size == "gpt2-small" else 16  # the bench's own, not task.batch_size
+    if batch is None:  # the bench's own, not task.batch_size
+        batch = 8 if size == "gpt2-small" else 16
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 256, (batch, block + 1), generator=g)
 
@@ -1446,7 +1447,7 @@ def run_bench(
     *, device: torch.device, workloads: list[str], precisions: list[str], steps: int, rounds: int,
     warmup: int, peers: bool = True, fused: bool = False, peak_tflops: float | None = None,
     resolve: float | None = None, budget_s: float | None = None, aa: bool = False, compiled: bool = False,
-    left_out: list[NotRun] | None = None, whole_cycles: bool = True,
+    left_out: list[NotRun] | None = None, whole_cycles: bool = True, batch: int | None = None,
 ) -> list[Result]:
     """Every workload x precision, measured with the bare loop (and its A/A twin with ``aa``),
     the guarded step (and its sync-free path with ``fused``) and the installed peers. fp16 on a
@@ -1454,6 +1455,7 @@ def run_bench(
     (:func:`fp8_workload`; the peers are left out); ``compiled`` runs every model through
     ``torch.compile`` (:func:`compiled_workload`), as torchao's float8 needs to be fast.
     ``whole_cycles``: fixed rounds rounded up to whole cycles of the orders (:func:`measure`).
+    ``batch``: every workload's batch size (None: each its own, :data:`BATCHES`).
 
     Example::
 
@@ -1470,7 +1472,7 @@ def run_bench(
     results: list[Result] = []
     try:
         for name in workloads:
-            w = _WORKLOADS[name](device)
+            w = _WORKLOADS[name](device, batch or BATCHES[name])
             for p in precisions:
                 if p == "fp16" and device.type == "cpu" and name not in SMALL:
                     # fp16 autocast on a CPU is far too slow for anything but the tiny MLPs
@@ -1614,10 +1616,13 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
                        "not_run": [asdict(n) for n in not_run]}, indent=2)
 
 
-_WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
-    "mlp": _mlp, "nano": _nano, "transformer": lambda device: _transformer(device, "small"),
-    "gpt2": lambda device: _transformer(device, "gpt2-small")}
+# each built on a device at a batch size: its own (BATCHES) or --batch
+_WORKLOADS: dict[str, Callable[[torch.device, int], Workload]] = {
+    "mlp": lambda device, batch: _mlp(device, batch=batch), "nano": _nano,
+    "transformer": lambda device, batch: _transformer(device, "small", batch),
+    "gpt2": lambda device, batch: _transformer(device, "gpt2-small", batch)}
 WORKLOADS = tuple(_WORKLOADS)
+BATCHES = {"mlp": 64, "nano": 4, "transformer": 16, "gpt2": 8}  # each workload's own batch size
 SMALL = ("mlp", "nano")  # the MLPs: fp16 runs them on a CPU too
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
@@ -1649,7 +1654,7 @@ def pinned_threads(count: int | None) -> Iterator[None]:
 def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str = "fp32,bf16,fp16", steps: int = 30,
         rounds: int = 7, warmup: int = 5, fused: bool = False, peers: bool = True, peak_tflops: float | None = None,
         quick: bool = False, as_json: bool = False, resolve_pct: float = 1.0, budget_s: float = 120.0,
-        threads: int | None = None, aa: bool = True, compiled: bool = False) -> int:
+        threads: int | None = None, aa: bool = True, compiled: bool = False, batch: int | None = None) -> int:
     """``ampguard bench``: measure, then print a table (or JSON), the resolution and the
     speed-ups. Returns the exit status: 0, or, when Ctrl-C or a SIGTERM cut the bench short
     after something was measured, 130 or 143 (what was measured is printed first). Bad
@@ -1664,6 +1669,9 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     other work shares the cores); from the end of the rounds to the end of the output a SIGINT or
     SIGTERM waits (:func:`~ampguard.signals.held_signals`), so the JSON is never cut short. On a CPU the intra-op threads are pinned (``threads``, default the CPUs this process may
     run on: its affinity mask, not the host's count).
+    ``batch`` gives every model that batch size in place of its own (:data:`BATCHES`): a bigger
+    one makes a GPU step compute-bound, its time the GPU's rather than the host's (an eager GPT-2
+    small at batch 8 is launch-bound on an H200, and its rounds vary by ±5-7%).
     ``compiled`` runs every model through ``torch.compile`` (from Python, e.g.
     ``benchmarks/gpu/fp8_vs_bf16.sh``; fp8 is fast only compiled). (``--processes``: the whole
     bench in fresh processes, :func:`ampguard.bench_processes.run`.)
@@ -1731,7 +1739,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                     results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps,
                                         rounds=rounds, warmup=warmup, peers=peers, fused=fused,
                                         peak_tflops=peak_tflops, resolve=resolve, budget_s=budget_s, aa=aa,
-                                        compiled=compiled, left_out=left_out, whole_cycles=not quick)
+                                        compiled=compiled, left_out=left_out, whole_cycles=not quick, batch=batch)
                 except BenchInterrupted as stopped:
                     results = stopped.results
                     if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
@@ -1748,7 +1756,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                 settings = {"device": str(where), "models": workloads, "precisions": names, "steps": steps,
                             "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
                             "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa,
-                            "compiled": compiled, "quick": quick}
+                            "compiled": compiled, "quick": quick, "batch": batch}
                 print(to_json(results, resolve, settings, where, left_out, load) if as_json else
                       "\n".join([table(results), *resolution(results, resolve), *versus_lines(results),
                                  *speedups(results)]), flush=True)

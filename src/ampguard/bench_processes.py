@@ -176,7 +176,7 @@ def to_json(children: Sequence[dict[str, Any]], rows: Sequence[Across], resolve:
 
 def child_args(*, device: str, models: str, precisions: str, steps: int, rounds: int, warmup: int, fused: bool,
                peers: bool, peak_tflops: float | None, quick: bool, resolve_pct: float, budget_s: float,
-               threads: int | None, aa: bool) -> list[str]:
+               threads: int | None, aa: bool, batch: int | None = None) -> list[str]:
     """The ``ampguard bench`` arguments of one process: :func:`ampguard.bench.run`'s settings
     (``budget_s`` already its share) as flags, numbers written in full (``repr``).
 
@@ -192,7 +192,8 @@ def child_args(*, device: str, models: str, precisions: str, steps: int, rounds:
             "--rounds", str(rounds), "--warmup", str(warmup), "--resolve", repr(resolve_pct),
             "--budget", repr(budget_s), *(["--fused"] if fused else []), *(["--no-peers"] if not peers else []),
             *(["--quick"] if quick else []), *(["--peak-tflops", repr(peak_tflops)] if peak_tflops is not None else []),
-            *(["--threads", str(threads)] if threads is not None else []), *(["--no-aa"] if not aa else [])]
+            *(["--threads", str(threads)] if threads is not None else []), *(["--no-aa"] if not aa else []),
+            *(["--batch", str(batch)] if batch is not None else [])]
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -293,7 +294,7 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
 
 def run(*, processes: int, device: str, models: str, precisions: str, steps: int, rounds: int, warmup: int,
         fused: bool, peers: bool, peak_tflops: float | None, quick: bool, as_json: bool, resolve_pct: float,
-        budget_s: float, threads: int | None, aa: bool) -> int:
+        budget_s: float, threads: int | None, aa: bool, batch: int | None = None) -> int:
     """``ampguard bench --processes N`` (N > 1): the arguments checked as one process's would be
     (:func:`ampguard.bench.run`: an :class:`~ampguard.errors.InputError` before any process
     starts), then :func:`run_across` with each process's share of ``budget_s``.
@@ -317,6 +318,6 @@ def run(*, processes: int, device: str, models: str, precisions: str, steps: int
         raise InputError(f"bench: --budget {budget_s:g} shared by {processes} processes leaves none a second")
     child = child_args(device=device, models=models, precisions=precisions, steps=steps, rounds=rounds,
                        warmup=warmup, fused=fused, peers=peers, peak_tflops=peak_tflops, quick=quick,
-                       resolve_pct=resolve_pct, budget_s=budget_s / processes, threads=threads, aa=aa)
+                       resolve_pct=resolve_pct, budget_s=budget_s / processes, threads=threads, aa=aa, batch=batch)
     return run_across(processes, child, resolve=resolve_pct / 100 if resolve_pct > 0 and not quick else None,
                       as_json=as_json, quick=quick)

@@ -284,7 +284,7 @@ def _bench(args: argparse.Namespace) -> int:
     settings = dict(device=args.device, models=args.models, precisions=args.precisions, steps=args.steps,
                     rounds=args.rounds, warmup=args.warmup, fused=args.fused, peers=not args.no_peers,
                     peak_tflops=args.peak_tflops, quick=args.quick, as_json=args.json, resolve_pct=args.resolve,
-                    budget_s=args.budget, threads=args.threads, aa=not args.no_aa)
+                    budget_s=args.budget, threads=args.threads, aa=not args.no_aa, batch=args.batch)
     if args.processes > 1:  # the same bench in fresh processes, each ratio across them
         from . import bench_processes
 
@@ -456,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the least number of paired rounds a case runs (default 7); more are added until every "
                        "ratio is resolved as --resolve says or --budget runs out (--resolve 0: this many, rounded up "
                        "to whole cycles of the round orders)")
+    bench.add_argument("--batch", type=_positive_int, metavar="N",
+                       help="every model's batch size (default each its own: mlp 64, nano 4, transformer 16, gpt2 8); a "
+                       "bigger one makes a GPU step compute-bound, so host jitter stops showing in its time")
     bench.add_argument("--warmup", type=_positive_int, default=5,
                        help="untimed steps of each contender before its rounds (default 5)")
     bench.add_argument("--fused", action="store_true", help="fused AdamW for every contender")

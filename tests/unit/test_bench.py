@@ -705,6 +705,28 @@ def test_the_table_and_json_carry_ops_per_step(capsys):
     assert rows[1]["ops"] - rows[0]["ops"] in range(1, 4)
 
 
+@pytest.mark.parametrize("batch", [None, 3])
+def test_batch_sets_every_models_batch_size_and_the_json_says_it(batch, capsys):
+    import json
+
+    from ampguard import bench
+
+    assert bench.run(models="nano,transformer", precisions="fp32", quick=True, peers=False, as_json=True,
+                     batch=batch) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["run"]["batch"] == batch
+    # tokens/s x seconds a step = the tokens a step: the transformer's batch x its context of 64
+    tokens = {r["tokens_per_s"] * r["median_ms"] / 1000 for r in data["results"] if r["tokens_per_s"]}
+    assert tokens and all(t == pytest.approx((batch or bench.BATCHES["transformer"]) * 64) for t in tokens)
+    assert bench._WORKLOADS["nano"](torch.device("cpu"), batch or bench.BATCHES["nano"]).batch[0].shape[0] == (
+        batch or 4)
+
+
+def test_a_batch_below_one_is_refused_in_one_line(cli):
+    code, out, err = cli("bench", "--models", "nano", "--batch", "0")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--batch" in err
+
+
 def test_the_transformers_flops_are_the_tasks_own_count():
     # position embeddings left out, as `ampguard train`'s MFU counts them: the same MFU for one model
     from ampguard import bench

@@ -144,13 +144,15 @@ def test_a_signal_ends_the_running_process_and_reports_those_that_finished(tmp_p
 def test_each_process_gets_the_settings_the_command_line_reads_back_with_its_share_of_the_budget():
     settings = dict(device="cpu", models="mlp,nano", precisions="bf16,fp16", steps=12, rounds=9, warmup=3,
                     fused=True, peers=False, peak_tflops=312.5, quick=False, resolve_pct=0.5, budget_s=100 / 3,
-                    threads=2, aa=False)
+                    threads=2, aa=False, batch=48)
     args = build_parser().parse_args(["bench", *bp.child_args(**settings)])
     assert (args.device, args.models, args.precisions, args.steps, args.rounds, args.warmup) == (
         "cpu", "mlp,nano", "bf16,fp16", 12, 9, 3)
     assert (args.fused, args.no_peers, args.peak_tflops, args.quick, args.resolve, args.threads, args.no_aa) == (
         True, True, 312.5, False, 0.5, 2, True)
     assert args.budget == 100 / 3 and args.processes == 1  # (the share, in full; each runs one process)
+    assert args.batch == 48
+    assert build_parser().parse_args(["bench", *bp.child_args(**{**settings, "batch": None})]).batch is None
 
 
 def test_bad_arguments_are_one_line_exit_2_before_any_process_starts(cli):
