@@ -157,6 +157,18 @@ def _note_autocast(module: nn.Module, args: Any) -> None:
             guard._forward_autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
 
 
+def note_autocast_inside(module: nn.Module) -> None:
+    """:func:`_note_autocast` again from inside a forward that enters its autocast itself (the
+    wrapper ``GuardedTrainer`` puts on the model's forward, as Accelerate does the stock Trainer's):
+    the probe's pre-hook ran before the wrapper, outside its autocast. Nothing once the probe ended."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return
+    for guard in _PROBING.get(module, ()):
+        if guard._autocast_probes:  # (still open: what the pre-hook noted outside the wrapper is taken back)
+            guard._forward_autocast = None
+    _note_autocast(module, ())
+
+
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``module`` runs through ``torch.compile``: its wrapper (``OptimizedModule``), or
     compiled in place (``module.compile()``). A hook added to one, then removed, makes dynamo

@@ -320,6 +320,52 @@ def test_an_epochs_short_last_group_is_the_stock_trainers_step_bit_for_bit(tmp_p
     assert (summary["ended"], summary["exit_code"]) == ("finished: 6 steps", 0)
 
 
+def test_a_loss_computed_outside_the_forward_is_the_stock_trainers_in_training_and_evaluation(tmp_path):
+    # label_smoothing_factor: HF computes the loss from the logits after the forward. Accelerate
+    # autocasts only the stock Trainer's forward and hands its outputs back in float32, so the
+    # smoothed loss is computed in float32; under an autocast around the whole of compute_loss it
+    # was computed from bf16 log-probabilities (the loss and the weights then differed)
+    def run(cls, folder, **extra):
+        model = tiny_gpt2()
+        trainer = cls(model=model, args=arguments(folder, "bf16", steps=3, label_smoothing_factor=0.1),
+                      train_dataset=token_ids(16), eval_dataset=token_ids(8), **extra)
+        before = trainer.evaluate()["eval_loss"]
+        trainer.train()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        logged = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+        return model, logged, before
+
+    stock, stock_losses, stock_eval = run(Trainer, tmp_path / "stock")
+    guarded, losses, evaluated = run(GuardedTrainer, tmp_path, ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    assert evaluated == stock_eval and losses == stock_losses and len(losses) == 3
+    assert all(torch.equal(a, b) for a, b in zip(stock.parameters(), guarded.parameters()))
+
+
+def test_hfs_optimizer_step_after_the_guards_does_nothing_a_step_hook_counts_each_update_once(tmp_path):
+    # HF's loop calls optimizer.step() after the guard's: it found no gradients, but a step post-hook
+    # (an EMA's) or an optimizer with state of its own per step (schedule-free's k) counted twice
+    class NanLossAt3(GuardedTrainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            loss = super().compute_loss(model, inputs, **kwargs)
+            return loss * float("nan") if self.state.global_step + 1 == 3 else loss
+
+    def run(cls, folder, **extra):
+        calls = []
+        trainer = cls(model=tiny_gpt2(), args=arguments(folder, "bf16", steps=4), train_dataset=token_ids(16),
+                      **extra)
+        trainer.create_optimizer()
+        trainer.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: calls.append(trainer.state.global_step))
+        trainer.train()
+        trained = list(calls)
+        trainer.optimizer.step()  # one's own call after train(), not after a guard's step, goes through
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return trained, calls[len(trained):], trainer
+
+    assert run(Trainer, tmp_path / "stock")[:2] == ([0, 1, 2, 3], [4])
+    trained, after, trainer = run(NanLossAt3, tmp_path, ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    assert trained == [0, 1, 3] and trainer.guard.updates == 3 and after == [4]  # step 3 skipped: no step, no hook
+
+
 class Batches(torch.utils.data.IterableDataset):
     """A dataset without a length: 10 sequences, then it runs out (HF then iterates it again)."""
 

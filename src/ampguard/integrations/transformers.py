@@ -8,11 +8,14 @@ from seeding it), after HF's clipping (the pre-clip norm is gone) and it cannot 
 step. So the guard is a ``Trainer`` subclass, and the callback is what writes and watches:
 
 - :class:`GuardedTrainer` does the AMP itself (Accelerate is told ``mixed_precision="no"``):
-  ``training_step`` runs the forward under :meth:`Guard.autocast` and ``Guard.backward``; the
-  group's last micro-batch closes with ``Guard.step()`` (unscale, global norm, one host read,
-  skip or clip + step, ``scaler.update()``). The Trainer's own clip returns the guard's pre-clip
-  norm, its ``optimizer.step()`` then finds no gradients (nothing left to apply) and its scheduler
-  is held on a skip through Accelerate's own signal, ``optimizer_step_was_skipped``.
+  ``training_step`` runs the model's forward under :meth:`Guard.autocast` with its outputs handed
+  back in float32 (what Accelerate does to the stock Trainer's forward: a loss computed outside
+  the forward is computed as there), then ``Guard.backward``; the group's last micro-batch closes
+  with ``Guard.step()`` (unscale, global norm, one host read, skip or clip + step,
+  ``scaler.update()``). The Trainer's own clip returns the guard's pre-clip norm, its
+  ``optimizer.step()`` after the guard's does nothing (an optimizer with state of its own per
+  step, schedule-free's, or a step hook, would count a second step) and its scheduler is held on
+  a skip through Accelerate's own signal, ``optimizer_step_was_skipped``.
 - :class:`AmpGuardCallback` writes one CSV row per optimizer step (the 8 contract columns), feeds
   a :class:`RunMonitor` (the skip-rate ALERT, fail-fast), writes ``events.jsonl`` and, at the
   end, ``summary.json``; on a failure it sets ``control.should_training_stop`` with the reason
@@ -29,11 +32,12 @@ N + 1 and the CSV continues after row N.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +56,7 @@ from ..records import SkipLog, StepLog, StepRecord
 from ..signals import Interrupted, StopFlag, stop_on_signals
 from ..sinks import CsvSink, Sink, set_aside
 from ..step import Guard, check_settings, holds_gradients
-from ..watch import first_forward_dtypes, float32_layers_text
+from ..watch import first_forward_dtypes, float32_layers_text, note_autocast_inside
 from .accelerate import _inner, found_inf
 
 CSV_NAME, EVENTS_NAME, SUMMARY_NAME, CARD_NAME = "steps.csv", "events.jsonl", "summary.json", "RUN.md"
@@ -892,7 +896,7 @@ class GuardedTrainer(Trainer):
         self.scheduler_on_skip = scheduler_on_skip
         self.guard: Guard | None = None
         self.record: StepRecord | None = None  # the last closed step's record
-        # evaluation's autocast: the training precision on the Trainer's device (see autocast_smart_context_manager)
+        # evaluation's autocast: the training precision on the Trainer's device (see prediction_step)
         self.precision = Precision(precision_of(self.args), self.args.device.type)
 
     def add_callback(self, callback: Any) -> None:
@@ -906,7 +910,7 @@ class GuardedTrainer(Trainer):
         """Each attempt builds its guard (``auto_find_batch_size`` begins the loop again after an
         out-of-memory, from step 0 or the checkpoint again, with the weights and the optimizer,
         state and all, that the attempt before left: HF keeps them)."""
-        self.guard, self.record = None, None
+        self.guard, self.record, self._guard_stepped = None, None, False
         self.ampguard.autocast_dtypes = None  # (each attempt's first forward, each train()'s: its model, whole)
         return super()._inner_training_loop(*args, **kwargs)
 
@@ -982,6 +986,7 @@ class GuardedTrainer(Trainer):
         # the guard backs the loss training_step computes; an accelerator.backward of the user's (an
         # auxiliary loss after super().training_step) made gradients HF then applied, unguarded
         self.accelerator.backward = _refused_backward  # (this accelerator's own attribute, not the class's)
+        _stepped_by_the_guard(self)
         return guard
 
     # ---------------------------------------------------------------- checkpoints
@@ -1058,8 +1063,7 @@ class GuardedTrainer(Trainer):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
-        # (the Trainer's own context holds the same autocast, autocast_smart_context_manager: nested, a no-op)
-        with guard.autocast(), self.compute_loss_context_manager():
+        with self.compute_loss_context_manager(), autocast_forward(model, guard.autocast):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if self.ampguard.autocast_dtypes is None:  # (the attempt's first forward: for the callback's card)
             self.ampguard.autocast_dtypes = guard.autocast_dtypes
@@ -1071,6 +1075,7 @@ class GuardedTrainer(Trainer):
         guard.backward(loss, divided=scaled_for_ga)
         record = guard.step()
         if record is not None:
+            self._guard_stepped = True  # (HF's optimizer.step() that follows does nothing)
             guard.accumulation_steps = self.args.gradient_accumulation_steps  # (what its state_dict saves)
             self.record = record
             self.ampguard.take(record)
@@ -1097,23 +1102,75 @@ class GuardedTrainer(Trainer):
 
     # ---------------------------------------------------------------- evaluation
 
-    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
-        """The autocast of ``evaluate()`` and ``predict()`` (``prediction_step`` enters it through
-        ``compute_loss_context_manager``): the training precision's.
-
-        The stock Trainer returns nothing here because Accelerate autocasts the model's forward
-        itself (``prepare_model`` wraps it, when its ``mixed_precision`` is on). Here Accelerate is
-        told ``"no"``, so the autocast comes back through this seam. In ``training_step`` it
-        nests inside the guard's own autocast, the same one: a no-op there.
-        """
-        return self.precision.autocast(cache=cache_enabled is not False)
-
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
-        """``Trainer.prediction_step`` with its outputs in float32, as Accelerate's wrapped forward
-        (``convert_outputs_to_fp32``) hands them to the stock Trainer."""
-        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        return loss, convert_to_fp32(logits) if logits is not None else None, labels
+        """``Trainer.prediction_step`` with the model's forward autocast to the training precision
+        and its outputs in float32, as Accelerate's wrapped forward (``convert_outputs_to_fp32``)
+        hands them to the stock Trainer (here Accelerate is told ``"no"``); the loss computed
+        outside the forward (a label smoother's) is then computed as there, in float32."""
+        with autocast_forward(model, self.precision.autocast):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+
+@contextlib.contextmanager
+def autocast_forward(model: torch.nn.Module, autocast: Callable[[], contextlib.AbstractContextManager[Any]]
+                     ) -> Iterator[None]:
+    """For the block, each call of ``model``'s forward runs under a fresh ``autocast()`` and hands
+    its outputs back in float32: what Accelerate's ``prepare_model`` does to the stock Trainer's
+    model (``autocast`` around ``forward``, then ``convert_outputs_to_fp32``). A loss computed
+    outside the forward (``label_smoothing_factor``'s, a ``compute_loss_func``, an overridden
+    ``compute_loss``) is then computed in float32 outside autocast, as the stock Trainer computes it.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> with autocast_forward(model, lambda: torch.autocast("cpu", torch.bfloat16)):
+        ...     inside = model(torch.ones(1, 2)).dtype, torch.is_autocast_enabled("cpu")
+        >>> inside, "forward" in vars(model), model(torch.ones(1, 2)).dtype
+        ((torch.float32, False), False, torch.float32)
+    """
+    own = vars(model).get("forward")  # (an instance's own forward: a compiled module's, Accelerate's)
+    forward = model.forward
+
+    def forward_under_autocast(*args: Any, **kwargs: Any) -> Any:
+        with autocast():
+            note_autocast_inside(model)  # (the guard's probe ran before this wrapper, outside its autocast)
+            outputs = forward(*args, **kwargs)
+        return convert_to_fp32(outputs)
+
+    model.forward = forward_under_autocast
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
+def _stepped_by_the_guard(trainer: GuardedTrainer) -> None:
+    """HF's loop calls ``optimizer.step()`` after each group its ``training_step`` closed, and the
+    guard has stepped the optimizer (or skipped the step) by then: that call does nothing. It found
+    no gradients (the guard drops them), but an optimizer with state of its own per step
+    (schedule-free's ``k``, its averaging weights) or a step post-hook (an EMA) counted a second
+    step per update, and one on a skipped step. A call not after a guard's step (one's own) goes
+    through to Accelerate's."""
+    accelerated = trainer.optimizer
+    previous = accelerated.step  # (Accelerate's, or an LR scheduler's wrapper of it)
+    if accelerated is _inner(accelerated) or getattr(previous, "after_the_guards", False):  # (not Accelerate's; done)
+        return
+    trainer._guard_stepped = False
+
+    def step(closure: Any = None) -> Any:
+        if trainer._guard_stepped:
+            trainer._guard_stepped = False
+            accelerated._opt_called = True  # (what an LR scheduler's wrapper notes: the step was called)
+            return None
+        return previous(closure)
+
+    functools.update_wrapper(step, previous)  # (an LR scheduler's mark on its wrapper, _wrapped_by_lr_sched, kept)
+    step.after_the_guards = True  # type: ignore[attr-defined]
+    accelerated.step = step
 
 
 def _report_skip(optimizer: Any, skipped: bool) -> None:
