@@ -1059,20 +1059,32 @@ class GuardedTrainer(Trainer):
                 f"it fetched for this group, where the guard {'would' if closes else 'would not'}: as when a dataset "
                 "without a length runs out inside a group (HF carries the group on into the next pass, past "
                 "gradient_accumulation_steps); give the dataset a length, or make it endless and set max_steps")
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
-        with self.compute_loss_context_manager(), autocast_forward(model, guard.autocast):
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        if self.ampguard.autocast_dtypes is None:  # (the attempt's first forward: for the callback's card)
-            self.ampguard.autocast_dtypes = guard.autocast_dtypes
-        if self.args.n_gpu > 1:
-            loss = loss.mean()
-        scaled_for_ga = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else (
-            (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
-        # a loss normalised over the whole group's items is divided already: the guard takes it as it is
-        guard.backward(loss, divided=scaled_for_ga)
+        # as the stock training_step: context parallelism's sharded inputs and its context (a no-op
+        # without it; an HF before it has no such seam), the inputs let go before the backward, the
+        # device cache emptied every torch_empty_cache_steps
+        prepare = getattr(self, "_prepare_context_parallel_inputs", None)
+        cp_context, inputs = prepare(model, inputs) if prepare is not None else (contextlib.nullcontext, inputs)
+        with cp_context():
+            model.train()
+            if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+                self.optimizer.train()
+            inputs = self._prepare_inputs(inputs)
+            with self.compute_loss_context_manager(), autocast_forward(model, guard.autocast):
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            del inputs
+            every = getattr(self.args, "torch_empty_cache_steps", None)
+            if every is not None and self.state.global_step % every == 0:
+                from accelerate.utils.memory import clear_device_cache
+
+                clear_device_cache()
+            if self.ampguard.autocast_dtypes is None:  # (the attempt's first forward: for the callback's card)
+                self.ampguard.autocast_dtypes = guard.autocast_dtypes
+            if self.args.n_gpu > 1:
+                loss = loss.mean()
+            scaled_for_ga = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else (
+                (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
+            # a loss normalised over the whole group's items is divided already: the guard takes it as it is
+            guard.backward(loss, divided=scaled_for_ga)
         record = guard.step()
         if record is not None:
             self._guard_stepped = True  # (HF's optimizer.step() that follows does nothing)
