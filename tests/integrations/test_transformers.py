@@ -341,6 +341,26 @@ def test_a_loss_computed_outside_the_forward_is_the_stock_trainers_in_training_a
     assert all(torch.equal(a, b) for a, b in zip(stock.parameters(), guarded.parameters()))
 
 
+def test_in_fp32_a_bf16_models_outputs_are_left_in_bf16_as_the_stock_trainer_leaves_them(tmp_path):
+    # no mixed precision: Accelerate does not wrap the stock Trainer's forward, so a model kept in
+    # bf16 (loaded so) gives its logits in bf16, and the label smoother computes from them; the
+    # guard converts nothing either
+    def run(cls, folder, **extra):
+        model = tiny_gpt2().to(torch.bfloat16)
+        trainer = cls(model=model, args=arguments(folder, "fp32", steps=2, label_smoothing_factor=0.1),
+                      train_dataset=token_ids(8), eval_dataset=token_ids(4), **extra)
+        trainer.train()  # (the smoothed loss is computed from the logits after the forward: bf16 ones)
+        predictions = trainer.predict(token_ids(4)).predictions
+        AcceleratorState._reset_state(reset_partial_state=True)
+        logged = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+        return model, logged, str(predictions.dtype)
+
+    stock, stock_losses, stock_dtype = run(Trainer, tmp_path / "stock")
+    guarded, losses, dtype = run(GuardedTrainer, tmp_path, ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    assert losses == stock_losses and dtype == stock_dtype
+    assert all(torch.equal(a, b) for a, b in zip(stock.parameters(), guarded.parameters()))
+
+
 def test_hfs_optimizer_step_after_the_guards_does_nothing_a_step_hook_counts_each_update_once(tmp_path):
     # HF's loop calls optimizer.step() after the guard's: it found no gradients, but a step post-hook
     # (an EMA's) or an optimizer with state of its own per step (schedule-free's k) counted twice

@@ -1069,7 +1069,9 @@ class GuardedTrainer(Trainer):
             if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
                 self.optimizer.train()
             inputs = self._prepare_inputs(inputs)
-            with self.compute_loss_context_manager(), autocast_forward(model, guard.autocast):
+            # (fp32: no autocast, nothing converted, as Accelerate leaves the stock Trainer's forward alone)
+            forward = autocast_forward(model, guard.autocast) if guard.precision.autocasts else guard.autocast()
+            with self.compute_loss_context_manager(), forward:
                 loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
             del inputs
             every = getattr(self.args, "torch_empty_cache_steps", None)
@@ -1120,7 +1122,8 @@ class GuardedTrainer(Trainer):
         and its outputs in float32, as Accelerate's wrapped forward (``convert_outputs_to_fp32``)
         hands them to the stock Trainer (here Accelerate is told ``"no"``); the loss computed
         outside the forward (a label smoother's) is then computed as there, in float32."""
-        with autocast_forward(model, self.precision.autocast):
+        forward = autocast_forward(model, self.precision.autocast) if self.precision.autocasts else contextlib.nullcontext()
+        with forward:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
 
