@@ -297,7 +297,12 @@ def _finite_seed(mark: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
         >>> _finite_seed(torch.tensor(float("nan")), torch.tensor(2.0))
         tensor(0.)
     """
-    return torch.eq(mark, 0, out=torch.empty((), dtype=scaled.dtype, device=scaled.device))
+    # (``mark`` is +0 or NaN, so ``mark == mark`` is ``mark == 0`` without a wrapped scalar operand; a
+    # plain tensor's ``empty_like`` is ``empty((), dtype, device)`` without the keyword parsing: ~6 us fewer
+    # a step on a CPU. A subclass's (a DTensor loss) goes the keyword way, a plain tensor as before.)
+    out = (torch.empty_like(scaled) if type(scaled) is torch.Tensor and scaled.dim() == 0
+           else torch.empty((), dtype=scaled.dtype, device=scaled.device))
+    return torch.eq(mark, mark, out=out)
 
 
 def _partition(names: tuple[str, ...], read: _Read) -> tuple[tuple[str, ...], tuple[str, ...]]:
