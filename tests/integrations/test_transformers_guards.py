@@ -94,6 +94,14 @@ def test_a_scaler_setting_or_a_guard_setting_guardedtrainer_cannot_take_is_refus
     assert not (tmp_path / "out" / "ampguard").exists()
 
 
+@pytest.mark.parametrize("optim", ["lomo", "adalomo"])
+def test_an_optimizer_that_updates_inside_the_backward_is_refused_at_construction(tmp_path, optim):
+    # LOMO applies each gradient as the backward makes it: no step left for the guard to skip or clip
+    with pytest.raises(ValueError, match=rf"^GuardedTrainer: optim='{optim}' updates the weights inside the backward"):
+        GuardedTrainer(model=_model(), args=_args(tmp_path, 2, optim=optim), train_dataset=_ids(), ampguard=_quiet())
+    assert not (tmp_path / "out" / "ampguard").exists()
+
+
 def test_a_second_callback_added_to_a_built_stock_trainer_is_refused_and_leaves_no_file(tmp_path):
     folder = tmp_path / "out" / "ampguard"
     first = _quiet()

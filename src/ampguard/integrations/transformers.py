@@ -887,6 +887,7 @@ class GuardedTrainer(Trainer):
         if not any(cb is ampguard for cb in callbacks):
             callbacks.append(ampguard)
         super().__init__(*args, callbacks=callbacks, **kwargs)
+        _refuse_unguardable(self)
         self.ampguard = ampguard
         # ampguard train's defaults: the scale never falls below 1.0 (scaler.min_scale)
         check_scaler_settings(precision_of(self.args), scaler or {})  # (an unknown key: here, not at the first step)
@@ -1186,6 +1187,19 @@ def _stepped_by_the_guard(trainer: GuardedTrainer) -> None:
     functools.update_wrapper(step, previous)  # (an LR scheduler's mark on its wrapper, _wrapped_by_lr_sched, kept)
     step.after_the_guards = True  # type: ignore[attr-defined]
     accelerated.step = step
+
+
+def _refuse_unguardable(trainer: Trainer) -> None:
+    """A ``ValueError`` for a set-up whose update no guard can stand before (before a file is
+    written): LOMO and AdaLOMO apply the update inside the backward (no optimizer step to skip or
+    clip); DeepSpeed owns the backward and its own loss scaling."""
+    optim = str(getattr(trainer.args.optim, "value", trainer.args.optim))
+    if optim in ("lomo", "adalomo"):
+        raise ValueError(f"GuardedTrainer: optim={optim!r} updates the weights inside the backward: there is no "
+                         "optimizer step for the guard to skip or clip; use an optimizer that steps")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError("GuardedTrainer: DeepSpeed owns the backward and its loss scaling: the guard cannot check "
+                         "the loss before it nor skip the step; use the stock Trainer with DeepSpeed's own checks")
 
 
 def _report_skip(optimizer: Any, skipped: bool) -> None:
