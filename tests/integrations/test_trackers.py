@@ -256,6 +256,49 @@ def test_mlflow_takes_non_finite_values_and_ends_a_stopped_run_failed(tmp_path):
     assert client.get_run(sink.run_id).info.status == "FAILED"
 
 
+def _row(step: int) -> StepLog:
+    return StepLog(step, lr=0.1, loss=1.0, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+
+
+def test_a_sink_refuses_a_step_that_goes_back_and_a_write_after_close_as_the_csv_does(tmp_path):
+    # review_29b: a second loop's step 1 went into the run beside the first's (MLflow held two values a
+    # step, no fork), and a write after close() went nowhere, unsaid
+    sink = MLflowSink(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="own")
+    sink.write(_row(1))
+    sink.write(_row(2))
+    for step in (2, 1):  # the one still held (not sent yet), and one sent
+        with pytest.raises(ValueError, match=rf"MLflowSink \(.*\): step {step} after step 2: each step must come after"):
+            sink.write(_row(step))
+    sink.write(_row(3))
+    sink.close()
+    with pytest.raises(ValueError, match=r"^MLflowSink \(.*\) is closed: nothing more can be written to it$"):
+        sink.write(_row(4))
+    assert mlflow_history(sink.client, sink.run_id, "train/loss") == {1: 1.0, 2: 1.0, 3: 1.0}
+    assert sink.client.get_run(sink.run_id).info.status == "FINISHED"
+
+
+def test_a_row_the_tracker_refuses_does_not_keep_its_run_open(tmp_path):
+    # review_29b: MLflow refuses a metric named "eval/acc@top1"; the row held back raised at the next
+    # write, again at close(), and the run stayed RUNNING
+    sink = MLflowSink(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="own")
+    sink.write(_row(1), {"acc@top1": 0.5})
+    with pytest.raises(Exception, match="acc@top1"):
+        sink.close()
+    assert sink.client.get_run(sink.run_id).info.status == "FINISHED"
+
+
+def test_tensor_and_numpy_extras_reach_the_tracker_as_the_csv_writes_them(tmp_path):
+    import numpy as np
+    import torch
+
+    sink = MLflowSink(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="own")
+    sink.write(_row(1), {"val_loss": torch.tensor(0.25), "acc": np.float32(0.75), "phase": "warm-up", "flag": True})
+    sink.close()
+    metrics = sink.client.get_run(sink.run_id).data.metrics
+    assert (metrics["eval/val_loss"], metrics["eval/acc"]) == (0.25, 0.75)
+    assert "eval/phase" not in metrics and "eval/flag" not in metrics  # (text and a bool: no tracker number)
+
+
 def test_a_tracker_run_its_sink_ended_with_no_step_says_why_it_is_empty(tmp_path):
     """A sink given to a train() refused at its start (its steps.csv existed) stays open for the
     next one; when the script then ended, the MLflow run was FINISHED with nothing in it, and

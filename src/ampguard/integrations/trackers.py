@@ -42,6 +42,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
+import numbers
 import os
 import sys
 import warnings
@@ -50,7 +51,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import AmpguardWarning, ExitCode, InputError, first_line, real_number
+import torch
+
+from ..errors import AmpguardWarning, ExitCode, InputError, first_line
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
@@ -102,9 +105,27 @@ def step_metrics(record: StepRecord, extra: Mapping[str, float | None] | None = 
     for name in record.optimizers:  # a guard over several optimizers: which of them skipped
         row[f"train/skipped.{name}"] = float(name in record.skipped_optimizers)
     for name, value in (extra or {}).items():
-        if real_number(value):
-            row[f"eval/{name}"] = float(value)
+        if (number := _number(value)) is not None:
+            row[f"eval/{name}"] = number
     return row
+
+
+def _number(value: object) -> float | None:
+    """An extra value as a tracker's number: an int or a float, a numpy number, a one-element
+    tensor (read from the device: a host sync), as the CSV writes them; ``None`` for anything else
+    (text, a bool, a missing value), which the CSV may hold and a tracker's metrics cannot.
+
+    Example::
+
+        >>> import numpy as np
+        >>> [_number(v) for v in (2, np.float32(0.5), torch.tensor([0.25]), True, "warm-up", None)]
+        [2.0, 0.5, 0.25, None, None, None]
+    """
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # (numpy's bool is no Real)
+        return float(value)
+    return None
 
 
 def monitor_metrics(monitor: RunMonitor) -> dict[str, float]:
@@ -196,6 +217,12 @@ class TrackerSink:
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         if record is None:
             raise TypeError(NONE_WRITTEN)
+        if self._ended:  # (as CsvSink: a row written after close() went nowhere, unsaid)
+            raise ValueError(f"{type(self).__name__} ({self.where}) is closed: nothing more can be written to it")
+        last = max(self._sent, self._pending[0] if self._pending is not None else 0)
+        if record.step <= last:  # (as CsvSink: a second loop's step 1 went in beside the first's)
+            raise ValueError(f"{type(self).__name__} ({self.where}): step {record.step} after step {last}: each "
+                             "step must come after the last one written (a second loop? give it a sink of its own)")
         self._flush()
         self._pending = (record.step, step_metrics(record, extra))
 
@@ -221,9 +248,11 @@ class TrackerSink:
         return said
 
     def close(self) -> None:
-        self._flush()
-        if not self._finish_later:
-            self._end(0)
+        try:
+            self._flush()
+        finally:  # (a row the tracker refused does not keep the run open)
+            if not self._finish_later:
+                self._end(0)
 
     def finish(self, result: RunResult) -> None:
         """Totals to the summary, the run folder's :data:`ARTIFACTS` uploaded, the tracker run
@@ -244,7 +273,7 @@ class TrackerSink:
 
     def _flush(self) -> None:
         if self._pending is not None and not self._ended:
-            step, row = self._pending
+            (step, row), self._pending = self._pending, None  # (a row the tracker refuses is said once, not again)
             if self._log(step, row) is not False:  # (False: the tracker held that step already, nothing sent)
                 self._said = True
                 self._sent = max(self._sent, step)
