@@ -70,8 +70,11 @@ class Workload:
     flops_per_step: float = 0.0  # model FLOPs (6 N per token for a transformer), for MFU
 
 
+BATCHES = {"mlp": 64, "nano": 4, "transformer": 16, "gpt2": 8}  # each workload's own batch size (--batch: another)
+
+
 def _mlp(device: torch.device, *, name: str = "tiny-mlp", width: int = 64, inputs: int = 32, classes: int = 10,
-         batch: int = 64) -> Workload:
+         batch: int = BATCHES["mlp"]) -> Workload:
     """An MLP of three linear layers with GELUs between (``width`` wide), one fixed batch.
 
     Example::
@@ -91,7 +94,7 @@ def _mlp(device: torch.device, *, name: str = "tiny-mlp", width: int = 64, input
     return Workload(name, make, (x.to(device), y.to(device)), F.cross_entropy)
 
 
-def _nano(device: torch.device, batch: int = 4) -> Workload:
+def _nano(device: torch.device, batch: int = BATCHES["nano"]) -> Workload:
     """An MLP too small to compute anything (8 wide, batch 4): its step is all host time (Python,
     the dispatcher, kernel launches), as a tiny model's is on a GPU, so on a CPU it shows what
     the guard costs a launch-bound step.
@@ -123,7 +126,7 @@ def _transformer(device: torch.device, size: str, batch: int | None = None) -> W
     shape = TaskConfig(preset="gpt2-small") if size == "gpt2-small" else TaskConfig()
     layers, width, heads, block = shape.n_layer, shape.n_embd, shape.n_head, shape.block_size
     if batch is None:  # the bench's own, not task.batch_size
-        batch = 8 if size == "gpt2-small" else 16
+        batch = BATCHES["gpt2" if size == "gpt2-small" else "transformer"]
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 256, (batch, block + 1), generator=g)
 
@@ -1622,7 +1625,6 @@ _WORKLOADS: dict[str, Callable[[torch.device, int], Workload]] = {
     "transformer": lambda device, batch: _transformer(device, "small", batch),
     "gpt2": lambda device, batch: _transformer(device, "gpt2-small", batch)}
 WORKLOADS = tuple(_WORKLOADS)
-BATCHES = {"mlp": 64, "nano": 4, "transformer": 16, "gpt2": 8}  # each workload's own batch size
 SMALL = ("mlp", "nano")  # the MLPs: fp16 runs them on a CPU too
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 

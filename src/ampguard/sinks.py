@@ -394,6 +394,22 @@ def csv_row(record: StepRecord, extra: Mapping[str, float | str | None] | None =
     return row
 
 
+def check_step_after(who: str, step: int, last: int | None, why: str) -> None:
+    """A ``ValueError`` naming ``who`` unless ``step`` comes after ``last`` (None: nothing written
+    yet): docs/design.md §3, no duplicate steps, for the CSV and the tracker sinks alike.
+
+    Example::
+
+        >>> check_step_after("CsvSink x.csv", 3, 2, "")
+        >>> check_step_after("CsvSink x.csv", 2, 2, "each row's step must follow the one before")
+        Traceback (most recent call last):
+        ...
+        ValueError: CsvSink x.csv: step 2 after step 2: each row's step must follow the one before
+    """
+    if last is not None and step <= last:
+        raise ValueError(f"{who}: step {step} after step {last}: {why}")
+
+
 def _cell(value: float | str | None) -> str:
     """An extra column's cell: text as it is, a number via :func:`format_number` (None: empty)."""
     return value if isinstance(value, str) else format_number(value)
@@ -739,10 +755,9 @@ class CsvSink(_LineFile):
         """Append one row, :func:`csv_row`'s cells in the header's order, in one unbuffered write:
         in the file when this returns (:class:`DiskFull` when there is no room)."""
         self.check(record, extra)
-        if self._last is not None and record.step <= self._last:  # (docs/design.md §3: no duplicate steps)
-            raise ValueError(f"CsvSink {self.path}: step {record.step} after step {self._last}: each row's step must "
-                             "follow the one before (a resume appends after its checkpoint's step: CsvSink(path, "
-                             "append=True, keep_through=<that step>) drops the rows after it)")
+        check_step_after(f"CsvSink {self.path}", record.step, self._last,
+                         "each row's step must follow the one before (a resume appends after its checkpoint's step: "
+                         "CsvSink(path, append=True, keep_through=<that step>) drops the rows after it)")
         row = _cells(record)
         if self._extra:
             cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns

@@ -57,7 +57,7 @@ from ..errors import AmpguardWarning, ExitCode, InputError, first_line
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
-from ..sinks import NONE_WRITTEN, DiskFull, require, steps_from
+from ..sinks import NONE_WRITTEN, DiskFull, check_step_after, require, steps_from
 from ..watch import float32_layers_text
 
 if TYPE_CHECKING:
@@ -219,10 +219,10 @@ class TrackerSink:
             raise TypeError(NONE_WRITTEN)
         if self._ended:  # (as CsvSink: a row written after close() went nowhere, unsaid)
             raise ValueError(f"{type(self).__name__} ({self.where}) is closed: nothing more can be written to it")
-        last = max(self._sent, self._pending[0] if self._pending is not None else 0)
-        if record.step <= last:  # (as CsvSink: a second loop's step 1 went in beside the first's)
-            raise ValueError(f"{type(self).__name__} ({self.where}): step {record.step} after step {last}: each "
-                             "step must come after the last one written (a second loop? give it a sink of its own)")
+        # (as CsvSink: a second loop's step 1 went in beside the first's)
+        check_step_after(f"{type(self).__name__} ({self.where})", record.step,
+                         max(self._sent, self._pending[0] if self._pending is not None else 0),
+                         "each step must come after the last one written (a second loop? give it a sink of its own)")
         self._flush()
         self._pending = (record.step, step_metrics(record, extra))
 
@@ -272,13 +272,13 @@ class TrackerSink:
             self._end(int(result.exit_code))
 
     def _flush(self) -> None:
-        if self._pending is not None and not self._ended:
-            (step, row), self._pending = self._pending, None  # (a row the tracker refuses is said once, not again)
+        pending, self._pending = self._pending, None  # (taken first: a row the tracker refuses is said once)
+        if pending is not None and not self._ended:
+            step, row = pending
             if self._log(step, row) is not False:  # (False: the tracker held that step already, nothing sent)
                 self._said = True
                 self._sent = max(self._sent, step)
                 self._low = step if self._low is None else min(self._low, step)
-        self._pending = None
 
     def _end(self, exit_code: int) -> None:
         """Send the row still held, then end the tracker run (once). A run that got no step and

@@ -1175,7 +1175,6 @@ def _stepped_by_the_guard(trainer: GuardedTrainer) -> None:
     previous = accelerated.step  # (Accelerate's, or an LR scheduler's wrapper of it)
     if accelerated is _inner(accelerated) or getattr(previous, "after_the_guards", False):  # (not Accelerate's; done)
         return
-    trainer._guard_stepped = False
 
     def step(closure: Any = None) -> Any:
         if trainer._guard_stepped:
