@@ -186,6 +186,17 @@ def cli(tmp_path, monkeypatch, capsys):
 
 
 @pytest.fixture
+def cpu_kind(monkeypatch):
+    """``cpu_kind(bf16=..., fp16=...)``: this CPU taken for one that has (or lacks) oneDNN's
+    bf16 / fp16 kernels, for the notes that depend on it (an AVX2-only CPU emulates both)."""
+
+    def pretend(*, bf16: bool, fp16: bool = False) -> None:
+        monkeypatch.setattr("ampguard.precision.cpu_runs_natively", {"bf16": bf16, "fp16": fp16}.__getitem__)
+
+    return pretend
+
+
+@pytest.fixture
 def snapshot():
     """``snapshot(folder) -> {relative path: bytes or '<dir>'}`` of everything under ``folder``."""
     return snapshot_of

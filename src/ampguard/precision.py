@@ -49,7 +49,47 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
 
 
 class SlowPrecisionWarning(AmpguardWarning):
-    """A precision this device only emulates (fp16 or fp8 on a CPU): correct, but slow."""
+    """A precision this device only emulates (fp16 or fp8 on a CPU; bf16 on a CPU without
+    AVX-512 or AMX, or a GPU before Ampere): correct, but slow."""
+
+
+def cpu_runs_natively(name: str) -> bool:
+    """Whether this CPU has oneDNN kernels for ``name``'s 16-bit matmuls ("bf16": AVX-512 or
+    AMX; "fp16": AVX-512-FP16 or AMX-FP16). Without them autocast's matmuls are emulated: on an
+    AVX2-only CPU a bf16 or fp16 512 x 512 matmul took 100x fp32's (2026-12-04).
+
+    Example::
+
+        >>> cpu_runs_natively("bf16") in (True, False)
+        True
+    """
+    check = {"bf16": "_is_mkldnn_bf16_supported", "fp16": "_is_mkldnn_fp16_supported"}[name]
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # (a torch built without oneDNN: no kernels either)
+        return False
+
+
+def _cpu_note(name: str) -> str | None:
+    """The :meth:`Precision.support` note for ``name`` ("bf16" or "fp16") autocast on this CPU:
+    none where it runs natively.
+
+    Example::
+
+        >>> note = _cpu_note("bf16")
+        >>> note is None or note.startswith("bf16 autocast on this CPU is emulated")
+        True
+    """
+    if name == "bf16":
+        return None if cpu_runs_natively("bf16") else (
+            "bf16 autocast on this CPU is emulated (oneDNN has no bf16 kernels without AVX-512 or AMX): "
+            "its matmuls run about 100x slower than fp32's; fp32 trains faster here")
+    if cpu_runs_natively("fp16"):
+        return None
+    if cpu_runs_natively("bf16"):
+        return "fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 on CPUs"
+    return ("fp16 autocast on this CPU is emulated, as bf16 is (no AVX-512 or AMX): its matmuls run about "
+            "100x slower than fp32's; fp32 trains faster here")
 
 
 DEFAULT_MIN_SCALE: float = torch.finfo(torch.float32).tiny
@@ -688,12 +728,17 @@ class Precision:
         only emulated (slow): the device's half of :meth:`check`, which ``validate``'s
         environment record reports too.
 
+        On a CPU, bf16 and fp16 run at speed only where oneDNN has kernels for them (AVX-512 or
+        AMX, :func:`cpu_runs_natively`); elsewhere (an AVX2-only CPU) autocast's matmuls are
+        emulated, two orders of magnitude slower than fp32's, and the note says so.
+
         Example::
 
-            >>> Precision("bf16", "cpu").support(torch.device("cpu"))
+            >>> Precision("fp32", "cpu").support(torch.device("cpu"))
             (True, None)
-            >>> Precision("fp16", "cpu").support(torch.device("cpu"))
-            (True, 'fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 on CPUs')
+            >>> note = Precision("fp16", "cpu").support(torch.device("cpu"))[1]
+            >>> note.startswith("fp16 autocast on ") and "emulated" in note
+            True
         """
         if self.autocasts and not torch.amp.is_autocast_available(device.type):
             return False, f"{self.name}: autocast is not available on {device.type}"
@@ -707,8 +752,8 @@ class Precision:
                 return True, (f"bf16 on {torch.cuda.get_device_name(device)} (compute capability "
                               f"{capability[0]}.{capability[1]}) is emulated, without bf16 kernels: much slower "
                               "than fp16 there; prefer fp16 on this GPU")
-        if self.name == "fp16" and device.type == "cpu":
-            return True, "fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 on CPUs"
+        if self.name in ("fp16", "bf16") and device.type == "cpu":
+            return True, _cpu_note(self.name)
         if self.name == "fp8":
             from .fp8 import require_torchao
 

@@ -192,8 +192,9 @@ def test_demo_other_faults(cli, tmp_path, argv, step, reason, pre):
         assert {number(r["scaler_scale"]) for r in rows} == {1.0}
 
 
-def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_path):
+def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_path, cpu_kind):
     """fp16 on a CPU is emulated: ``train`` says so in one stderr line; the demo (fp16 on purpose) does not."""
+    cpu_kind(bf16=True)  # (a CPU with bf16 kernels: the note compares fp16 with bf16 there)
     shown = warnings.showwarning
     with warnings.catch_warnings():
         warnings.simplefilter("always", SlowPrecisionWarning)  # the suite's config ignores it
@@ -208,6 +209,12 @@ def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_p
         assert code == 0 and [line for line in err.splitlines() if "emulated" in line] == warned, err  # it too
         code, _, err = cli("demo", "--steps", "2")  # fp16 by default
         assert code == 0 and "emulated" not in err, err
+        cpu_kind(bf16=False)  # an AVX2-only CPU: the main job's bf16 is emulated too, and said so once
+        code, out, err = cli("train", *sum((["--set", s] for s in [
+            "steps=1", *TINY_CHARLM, f"log.dir={tmp_path / 'runs-avx2'}"]), []))
+        assert code == 0 and [line for line in err.splitlines() if "warning" in line] == [
+            "ampguard: warning: bf16 autocast on this CPU is emulated (oneDNN has no bf16 kernels without AVX-512 "
+            "or AMX): its matmuls run about 100x slower than fp32's; fp32 trains faster here"], err
         assert warnings.showwarning is shown  # main() put Python's own back
         with pytest.warns(SlowPrecisionWarning):  # and left the caller's filters as they were
             Precision("fp16", "cpu").check(torch.nn.Linear(2, 2), torch.device("cpu"))

@@ -877,10 +877,15 @@ def test_one_plain_scaler_handed_to_two_guards_is_one_scale():
     assert plain.get_scale() == plain.state_dict()["scale"] == 512.0
 
 
-def test_fp16_on_a_cpu_warns_that_it_is_emulated():
+def test_fp16_on_a_cpu_warns_that_it_is_emulated(cpu_kind):
     model = nn.Linear(2, 1)
+    cpu_kind(bf16=True)
     with pytest.warns(SlowPrecisionWarning, match="emulated, about 10x slower than bf16"):
         Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
+    cpu_kind(bf16=False)  # an AVX2-only CPU: bf16 too
+    for precision in ("fp16", "bf16"):
+        with pytest.warns(SlowPrecisionWarning, match=f"^{precision} autocast on this CPU is emulated"):
+            Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
 
 
 @pytest.mark.parametrize("accumulation, losses, divided", [(1, 2, False), (1, 3, False), (2, 1, True), (3, 1, True)])

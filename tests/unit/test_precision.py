@@ -375,6 +375,29 @@ def test_bf16_emulated_on_a_gpu_before_ampere_is_said_slow_not_taken_for_support
     assert Precision("fp16", "cuda").support(cuda) == (True, None)
 
 
+def test_a_cpu_without_bf16_kernels_says_bf16_is_emulated_too(cpu_kind):
+    # 2026-12-04: on an AVX2-only CPU (no AVX-512, no AMX) oneDNN has no bf16 kernels: a bf16
+    # 512 x 512 matmul took 100x fp32's, the main job 6 minutes instead of one, with no word of why
+    cpu, model = torch.device("cpu"), torch.nn.Linear(2, 2)
+    cpu_kind(bf16=True)
+    assert Precision("bf16", "cpu").support(cpu) == (True, None)
+    assert Precision("fp16", "cpu").support(cpu) == (
+        True, "fp16 autocast on a CPU is emulated, about 10x slower than bf16 there; prefer bf16 on CPUs")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Precision("bf16", "cpu").check(model, cpu)  # nothing said
+    cpu_kind(bf16=True, fp16=True)  # AMX-FP16: fp16 has kernels too
+    assert Precision("fp16", "cpu").support(cpu) == (True, None)
+    cpu_kind(bf16=False)
+    assert Precision("bf16", "cpu").support(cpu) == (True, (
+        "bf16 autocast on this CPU is emulated (oneDNN has no bf16 kernels without AVX-512 or AMX): its matmuls "
+        "run about 100x slower than fp32's; fp32 trains faster here"))
+    assert Precision("fp16", "cpu").support(cpu)[1].startswith("fp16 autocast on this CPU is emulated, as bf16 is")
+    with pytest.warns(SlowPrecisionWarning, match="^bf16 autocast on this CPU is emulated"):
+        Precision("bf16", "cpu").check(model, cpu)
+    assert Precision("fp32", "cpu").support(cpu) == (True, None)
+
+
 def test_precision_refuses_an_unknown_name():
     with pytest.raises(ValueError, match="fp4"):
         Precision("fp4", "cpu")  # type: ignore[arg-type]

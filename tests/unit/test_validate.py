@@ -570,7 +570,7 @@ def test_the_backend_is_rocm_when_torch_is_a_hip_build(monkeypatch):
     assert describe_environment(config, CPU, {}, [])["device"]["backend"] == "cpu"
 
 
-def test_dtype_support_is_what_training_decides():
+def test_dtype_support_is_what_training_decides(cpu_kind):
     # review_clarity10 #2: describe_environment kept its own support table, which had drifted from
     # Precision.check: fp8 on a CPU read "supported" with no word that torchao only emulates it there
     pytest.importorskip("torchao")
@@ -578,12 +578,16 @@ def test_dtype_support_is_what_training_decides():
     from ampguard.validate import Validation, describe_environment, markdown
 
     config = make_config({"validation": {"precisions": ["fp8", "fp16", "bf16"]}})
+    cpu_kind(bf16=True)  # (an AVX2-only CPU emulates bf16 too: below)
     support = describe_environment(config, CPU, {}, [])["dtype_support"]
     fp8, fp16, bf16 = support["fp8"], support["fp16"], support["bf16"]
     assert (fp8["supported"], fp8["dtype"]) == (True, "torch.bfloat16")
     assert fp8["note"] == "fp8 on a CPU is emulated by torchao: right for correctness checks, no speed-up"
     assert fp16["supported"] and "emulated" in fp16["note"] and "slower than bf16" in fp16["note"]
     assert bf16 == {"autocast_available": True, "dtype": "torch.bfloat16", "supported": True}  # no note: none given
+    cpu_kind(bf16=False)
+    assert describe_environment(config, CPU, {}, [])["dtype_support"]["bf16"]["note"].startswith(
+        "bf16 autocast on this CPU is emulated")
     v = Validation("linear", "regression", [], [], [], environment={"dtype_support": support})
     [row] = [line for line in markdown(v, Config()).splitlines() if line.startswith("| fp8 support |")]
     assert row == ("| fp8 support | autocast_available True, dtype torch.bfloat16, supported True, note fp8 on a CPU "
