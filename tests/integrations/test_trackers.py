@@ -17,6 +17,7 @@ import os
 import socket
 import struct
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -256,6 +257,43 @@ def test_mlflow_takes_non_finite_values_and_ends_a_stopped_run_failed(tmp_path):
     assert client.get_run(sink.run_id).info.status == "FAILED"
 
 
+def test_an_mlflow_sink_under_your_open_run_nests_its_own_and_leaves_yours_open(tmp_path, monkeypatch):
+    # review_29b: MLflowSink(run_id=<the run of your `with mlflow.start_run()`>) ended it FINISHED at
+    # close() while mlflow.active_run() still held it, and MLflowSink() under it started a run beside it
+    import mlflow
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # (MLflow 3's fluent API refuses a file store without)
+    mlflow.set_tracking_uri(uri)  # (MLflow's own global, for this test only: put back below)
+    try:
+        with mlflow.start_run() as yours:
+            mlflow.log_metric("mine", 1.0, step=1)
+            into = MLflowSink(tracking_uri=uri, run_id=yours.info.run_id)
+            into.write(_row(1))
+            into.close()
+            assert into.client.get_run(yours.info.run_id).info.status == "RUNNING"  # yours: your `with` ends it
+            assert mlflow.active_run().info.run_id == yours.info.run_id
+            beside = MLflowSink(tracking_uri=uri, experiment="own")
+            beside.write(_row(1))
+            beside.close()
+            mlflow.log_metric("mine", 2.0, step=2)  # yours still takes your metrics
+        client = into.client
+        assert client.get_run(yours.info.run_id).info.status == "FINISHED"
+        assert mlflow_history(client, yours.info.run_id, "mine") == {1: 1.0, 2: 2.0}
+        assert mlflow_history(client, yours.info.run_id, "train/loss") == {1: 1.0}
+        nested = client.get_run(beside.run_id)
+        assert nested.data.tags["mlflow.parentRunId"] == yours.info.run_id and nested.info.status == "FINISHED"
+        # no run open: a run of the sink's own, no parent, ended by it
+        alone = MLflowSink(tracking_uri=uri, experiment="own")
+        alone.write(_row(1))
+        alone.close()
+        run = client.get_run(alone.run_id)
+        assert "mlflow.parentRunId" not in run.data.tags and run.info.status == "FINISHED"
+    finally:
+        mlflow.end_run()
+        mlflow.set_tracking_uri("")
+
+
 def _row(step: int) -> StepLog:
     return StepLog(step, lr=0.1, loss=1.0, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
 
@@ -345,6 +383,34 @@ def test_wandb_sink_logs_into_a_run_you_made_and_leaves_it_open(tmp_path):
     assert skip["train/grad_l2_pre_clip"] == math.inf and skip["train/scaler_scale"] == -math.inf
     assert skip["train/skip.non_finite_grad"] == 1 and "train/grad_l2_post_clip" not in skip
     assert logged.history[9]["mine"] == 1.0
+
+
+def test_a_wandb_sink_in_your_run_says_once_that_steps_below_your_runs_step_are_not_sent(tmp_path):
+    # review_29b: W&B drops a row logged below the run's step without a word; your own run.log calls
+    # (no step=) count its steps, so ampguard's steps 1-4 vanished from a run you had logged 5 rows to
+    run = wandb.init(project="own", mode="offline", dir=str(tmp_path), reinit="create_new",
+                     settings=wandb.Settings(console="off", silent=True))
+    for value in range(5):
+        run.log({"mine": float(value)})  # W&B's steps 0-4
+    sink = WandbSink(run=run)
+    with pytest.warns(UserWarning, match=rf"^WandbSink: W&B run {run.id} is at step 5 \(logged outside this sink\), "
+                      r"so ampguard's step 1 is not sent") as said:
+        for n in range(1, 8):
+            sink.write(StepLog(n, lr=0.1, loss=float(n), grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0,
+                               scaler_scale=1.0))
+        sink.close()
+    assert len([w for w in said if "WandbSink" in str(w.message)]) == 1  # once, not once a step
+    run.finish()
+    wandb.teardown()
+    (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))]
+    assert [(s, row.get("train/loss")) for s, row in sorted(logged.history.items()) if "train/loss" in row] == [
+        (5, 5.0), (6, 6.0), (7, 7.0)]
+    # a run of the sink's own never warns: its steps are the sink's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        own = WandbSink(project="own", mode="offline", dir=tmp_path / "own")
+        own.write(StepLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0))
+        own.close()
 
 
 def test_a_wandb_sink_that_begins_again_sends_past_what_the_run_holds_and_names_each_attempts_steps(tmp_path):

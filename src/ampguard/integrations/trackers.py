@@ -380,7 +380,9 @@ class WandbSink(TrackerSink):
     own step (``run.log(row, step=record.step)``).
 
     ``id`` and ``resume="allow"`` continue a W&B run (a run's id is its folder's ``run-id``);
-    ``run`` logs into a W&B run you made yourself (then ``close`` leaves it open). Offline
+    ``run`` logs into a W&B run you made yourself (then ``close`` leaves it open; a step below
+    the step your own ``run.log`` calls took it to is not sent, as W&B refuses it, and a warning
+    says so once). Offline
     (``mode="offline"`` or ``WANDB_MODE=offline``) W&B writes ``<dir>/wandb/offline-run-*``,
     uploaded later by ``wandb sync``. The monitor's events (ALERT, CLEAR, FAIL) go to the summary
     (``last_alert``, ``events.<kind>`` counts); the run's totals to the summary at the end (all
@@ -426,6 +428,7 @@ class WandbSink(TrackerSink):
         self.run = run
         self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
         self._said = not self._own or self._first > 0 or bool(getattr(run, "resumed", False))
+        self._behind = False  # a step already refused as below your run's own step (said once)
         self._events: dict[str, int] = {}
         atexit.register(self._at_exit)  # the process ends before the sink closed: the last row, the end
 
@@ -437,6 +440,17 @@ class WandbSink(TrackerSink):
 
     def _log(self, step: int, row: dict[str, float]) -> bool:
         if step < self._first:  # W&B refuses (with a warning) a step it already holds
+            return False
+        if not self._own and step < (held := int(getattr(self.run, "step", 0) or 0)):
+            # your run is past this step (your own run.log calls count W&B's steps too): W&B drops
+            # a row below its step without a word, so ampguard says it, once
+            if not self._behind:
+                self._behind = True
+                warnings.warn(
+                    f"WandbSink: W&B run {getattr(self.run, 'id', '?')} is at step {held} (logged outside this "
+                    f"sink), so ampguard's step {step} is not sent, nor any later one below the run's step (W&B "
+                    "keeps no step below its current one): log your own metrics at ampguard's step "
+                    "(run.log(..., step=record.step)) or give the sink a run of its own", stacklevel=4)
             return False
         self.run.log(row, step=step)
         return True
@@ -481,7 +495,11 @@ class MLflowSink(TrackerSink):
 
     The run is found by ``run_id`` (the MLflow run's), else by the tag ``ampguard.run_id`` =
     ``ampguard_run_id`` (the newest run with it: how a resumed run continues its MLflow run),
-    else made anew with that tag, ``params`` (flattened, logged once, on a new run) and ``tags``.
+    else made anew with that tag, ``params`` (flattened, logged once, on a new run) and ``tags``
+    (nested under the run of MLflow's fluent API open in this process, ``with
+    mlflow.start_run():``, when there is one in the same store: the tag ``mlflow.parentRunId``).
+    ``run_id`` naming that open run logs into it and leaves it open at the end, as W&B's
+    ``run=`` does: your ``mlflow.end_run()`` ends it.
     A run continued that already holds the first step written (a resume from an older
     checkpoint) is forked at that step (:meth:`_fork`; :attr:`run_id` is then the new run's), so
     the run holds one value per step, as the CSV does. The monitor's events
@@ -515,9 +533,13 @@ class MLflowSink(TrackerSink):
         self._async = urlparse(str(self.client.tracking_uri)).scheme not in ("", "file")
         try:
             found = run_id or self._find(experiment, ampguard_run_id)
+            active = self._active_run_id()
+            # the run of your `with mlflow.start_run():` named as run_id is yours to end, as W&B's run=
+            self._yours = found is not None and found == active
+            nested = {"mlflow.parentRunId": active} if active is not None and found is None else {}
             self.run_id = found or self._create(
-                experiment, run_name, {**(tags or {}), **({RUN_ID_TAG: ampguard_run_id} if ampguard_run_id else {})},
-                params)
+                experiment, run_name,
+                {**nested, **(tags or {}), **({RUN_ID_TAG: ampguard_run_id} if ampguard_run_id else {})}, params)
             # a run continued: back to RUNNING; the status it had is kept in case the first write forks it
             continued = self.client.get_run(found) if found else None
             self._continued: str | None = continued.info.status if continued else None
@@ -534,6 +556,19 @@ class MLflowSink(TrackerSink):
     @property
     def where(self) -> str:
         return f"MLflow run {self.run_id} at {self.client.tracking_uri}"
+
+    def _active_run_id(self) -> str | None:
+        """The run of MLflow's fluent API open in this process (``mlflow.start_run()``) when it is
+        in this sink's store, else ``None``."""
+        fluent = sys.modules.get("mlflow")
+        active = fluent.active_run() if fluent is not None and hasattr(fluent, "active_run") else None
+        if active is None:
+            return None
+        try:
+            self.client.get_run(active.info.run_id)  # (run ids are unique: found here, it is this store's)
+        except Exception:  # noqa: BLE001 - another store's run
+            return None
+        return active.info.run_id
 
     def _find(self, experiment: str, ampguard_run_id: str | None) -> str | None:
         if ampguard_run_id is None:
@@ -609,7 +644,7 @@ class MLflowSink(TrackerSink):
             self.client.set_tag(new, RUN_ID_TAG, old.data.tags[RUN_ID_TAG])
         self.client.set_tag(old.info.run_id, SUPERSEDED_BY_TAG, new)
         self.client.set_terminated(old.info.run_id, "KILLED" if status == "RUNNING" else status)
-        self.run_id = new
+        self.run_id, self._yours = new, False
         # said: a loop that passed run_id= otherwise writes to another run than it named, unaware
         warnings.warn(f"MLflow run {old.info.run_id} already holds step {through + 1}: continuing in a new run {new} "
                       f"(its history through step {through}; MLflow cannot delete logged values); sink.run_id is "
@@ -665,6 +700,8 @@ class MLflowSink(TrackerSink):
 
     def _stop(self, exit_code: int) -> None:
         self._wait()
+        if self._yours:  # (your `with mlflow.start_run()` ends it)
+            return
         status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 141, 143) else "FAILED"
         self.client.set_terminated(self.run_id, status)
 
