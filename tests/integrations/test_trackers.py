@@ -319,8 +319,19 @@ def test_a_row_the_tracker_refuses_does_not_keep_its_run_open(tmp_path):
     # review_29b: MLflow refuses a metric named "eval/acc@top1"; the row held back raised at the next
     # write, again at close(), and the run stayed RUNNING
     sink = MLflowSink(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="own")
-    sink.write(_row(1), {"acc@top1": 0.5})
-    with pytest.raises(Exception, match="acc@top1"):
+    sink.write(_row(1), {"acc": 0.5})
+    # refused at the write that brings the name (it raised at the next write, for the step before)
+    with pytest.raises(ValueError, match=r"^MLflowSink \(MLflow run .*\): Invalid value \"eval/acc@top1\""):
+        sink.write(_row(2), {"acc@top1": 0.5})
+    sink.write(_row(2), {"acc": 0.75})  # nothing of the refused write held: step 2 is still free
+    sink.close()
+    assert sink.client.get_run(sink.run_id).info.status == "FINISHED"
+    assert mlflow_history(sink.client, sink.run_id, "eval/acc") == {1: 0.5, 2: 0.75}
+    # a row the store refuses when it is sent (past the name check) still leaves the run ended
+    sink = MLflowSink(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="own")
+    sink.write(_row(1), {"huge": 0.5})
+    sink._log = lambda step, row: (_ for _ in ()).throw(OSError("the store is full"))
+    with pytest.raises(OSError, match="the store is full"):
         sink.close()
     assert sink.client.get_run(sink.run_id).info.status == "FINISHED"
 

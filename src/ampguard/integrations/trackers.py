@@ -530,6 +530,7 @@ class MLflowSink(TrackerSink):
         super().__init__(finish_later=finish_later)
         self.client = mlflow_client(tracking_uri)
         self._ops: list[Any] = []
+        self._names: set[str] = set()  # the extras' names MLflow was found to take
         self._async = urlparse(str(self.client.tracking_uri)).scheme not in ("", "file")
         try:
             found = run_id or self._find(experiment, ampguard_run_id)
@@ -556,6 +557,17 @@ class MLflowSink(TrackerSink):
     @property
     def where(self) -> str:
         return f"MLflow run {self.run_id} at {self.client.tracking_uri}"
+
+    def _check_name(self, key: str) -> None:
+        """A metric name MLflow takes, or a ``ValueError`` naming it (MLflow's own rule)."""
+        try:
+            from mlflow.utils.validation import _validate_metric_name
+        except ImportError:  # (another MLflow: its error comes when the row is sent)
+            return
+        try:
+            _validate_metric_name(key)
+        except Exception as err:  # noqa: BLE001 - MlflowException
+            raise ValueError(f"{type(self).__name__} ({self.where}): {first_line(err)}") from None
 
     def _active_run_id(self) -> str | None:
         """The run of MLflow's fluent API open in this process (``mlflow.start_run()``) when it is
@@ -594,6 +606,9 @@ class MLflowSink(TrackerSink):
         return run_id
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        for name in (extra or {}).keys() - self._names:  # (refused at the write that brings it, not the next)
+            self._check_name(f"eval/{name}")
+            self._names.add(name)
         if self._continued is not None:  # the first step written to a run continued: is it there already?
             status, self._continued = self._continued, None
             held = self.client.get_metric_history(self.run_id, "train/skipped")  # (logged at every step)
