@@ -115,6 +115,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    # At the end of each module (its fixtures torn down: the last hook to run) what it imported
+    # lazily (transformers' models, Lightning's loops) is frozen too: HF's train() collects at
+    # each call (accelerate's free_memory), and walked them all again each time
+    if nextitem is not None and getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        gc.collect()
+        gc.freeze()
+
+
 def _end(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
     """End the early jobs that still run, all at once: SIGTERM first (each ends its launches,
     whose workers sit in sessions of their own), one ``grace_s`` for them all, then SIGKILL to
