@@ -393,13 +393,52 @@ def test_a_fit_refused_by_the_plugin_leaves_the_last_fits_results_and_a_value_cl
     assert plugin.guard is guard and guard.steps == 3 and plugin.monitor is monitor
 
 
-def test_a_spawned_fit_says_its_results_stay_in_the_processes_it_starts(tmp_path, capfd):
+SPAWN_FIT = '''
+import sys
+import torch
+import lightning as L
+from torch import nn
+from torch.nn import functional as F
+from ampguard.integrations.lightning import AmpGuardPlugin
+
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+if __name__ == "__main__":  # (spawn imports this file again in the process it starts)
+    plugin = AmpGuardPlugin("bf16-mixed", csv=sys.argv[1])
+    L.Trainer(max_steps=2, plugins=[plugin], strategy="ddp_spawn", devices=1, accelerator="cpu", logger=False,
+              enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False).fit(Module())
+    print(f"records in the parent: {len(plugin.records)}", flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_a_spawned_fit_says_its_results_stay_in_the_processes_it_starts(launches):
     # review_28e: under ddp_spawn the parent's plugin had no records and no stop_reason after a
-    # fit the guard stopped, unsaid (a script reading stop_reason took the stop for a finish)
-    plugin = AmpGuardPlugin("bf16-mixed", csv=tmp_path / "steps.csv")
-    fit(Digits(hidden=8), plugin, steps=2, strategy="ddp_spawn")
-    assert "AmpGuardPlugin under DDPStrategy, whose processes are started by spawn" in capfd.readouterr().err
-    assert not plugin.records and [r["step"] for r in rows(tmp_path / "steps.csv")] == ["1", "2"]
+    # fit the guard stopped, unsaid (a script reading stop_reason took the stop for a finish).
+    # (A process it starts imports Lightning again: run as the module's early job, off the suite's path)
+    done = launches["spawn"]
+    assert done.rc == 0, done.stderr[-3000:]
+    assert "AmpGuardPlugin under DDPStrategy, whose processes are started by spawn" in done.stderr
+    assert done.stdout.splitlines()[-1] == "records in the parent: 0", done.stdout
+    assert [r["step"] for r in rows(done.cwd / "steps.csv")] == ["1", "2"]
 
 
 def test_fabric_is_refused_with_the_way_to_guard_a_fabric_loop():
@@ -883,14 +922,18 @@ torch.distributed.destroy_process_group()
 
 
 def early(work: Path) -> dict[str, Ended]:
-    """The DDP fit of the test below (two processes, each importing Lightning), run to its end: an
+    """The DDP fit of the test below (two processes, each importing Lightning) and the
+    ``ddp_spawn`` fit of the test above (one process started by spawn), each run to its end: an
     early job (conftest.py: started at collection, off the suite's own process; this module's
     tests run last)."""
-    folder = work / "ddp"
-    folder.mkdir()
-    (folder / "fit.py").write_text(DDP_FIT, encoding="utf-8")
-    return {"ddp": run_to_end("ddp", [sys.executable, str(folder / "fit.py"), str(folder / "steps.csv")], folder,
-                              timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())}
+    ended = {}
+    for name, script in (("ddp", DDP_FIT), ("spawn", SPAWN_FIT)):
+        folder = work / name
+        folder.mkdir()
+        (folder / "fit.py").write_text(script, encoding="utf-8")
+        ended[name] = run_to_end(name, [sys.executable, str(folder / "fit.py"), str(folder / "steps.csv")], folder,
+                                 timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())
+    return ended
 
 
 @pytest.mark.slow
