@@ -4,84 +4,35 @@ for bit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from ampguard import distributed
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 
 
-def _steps(rank: int, sync_free: bool) -> list[tuple]:
-    """Four guarded steps on this rank: finite; rank 1's loss NaN; both losses NaN; rank 0's
-    gradient inf with finite losses. Each record's (reason, loss_on, console line, JSON line)."""
-    import json
+def early(work: Path) -> dict[str, object]:
+    """The two ranks (tests/dist_scripts/agree_ranks.py: spawned processes, each importing torch
+    and ampguard), run to their end: an early job (conftest.py: started at collection, off the
+    suite's own process; this module's tests run last)."""
+    import sys
 
-    import torch.nn.functional as F
+    from helpers import EARLY_TIMEOUT_S, run_to_end, torchrun_env
 
-    from ampguard import AmpTrainState, JsonlSink
-    from ampguard.sinks import console_line
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    if sync_free:
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
-        state = AmpTrainState(model, opt, F.mse_loss, precision="fp32", sync_free=True, lr_schedule=lambda n: n * 0 + 1)
-    else:
-        state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="fp32")
-    inf_grad = []
-    model.weight.register_hook(lambda g: g * float("inf") if inf_grad else g)
-    x, y = torch.ones(2, 4), torch.zeros(2, 1)
-    nan = torch.full((2, 1), float("nan"))
-    batches = [(x, y), (x, nan if rank == 1 else y), (x, nan), (x, y)]
-    out = []
-    for step, (xb, yb) in enumerate(batches, 1):
-        if step == 4 and rank == 0:
-            inf_grad.append(True)
-        record = state.step(xb, yb)
-        sink, lines = JsonlSink.__new__(JsonlSink), []
-        sink._write_line = lines.append  # (the line as JsonlSink writes it, without a file)
-        sink.write(record)
-        out.append((record.reason, record.loss_on if record.skipped else None, console_line(record),
-                    json.loads(lines[0]).get("loss_on")))
-    return out
-
-
-def _rank(rank: int, out: str) -> None:
-    # a file rendezvous, no port: a port found free and then taken by another test's torchrun
-    # store (the early jobs run beside) aborted rank 1 ("terminate called without an active exception")
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
-    try:
-        loss = torch.tensor([0.5, 1.5][rank])
-        norms = [
-            torch.tensor([1e39, 1.0][rank], dtype=torch.float64),  # finite in float64 on rank 0 only
-            torch.tensor([2.0, float("inf")][rank]),  # inf on rank 1 only
-            torch.tensor(0.1, dtype=torch.float64),  # finite everywhere
-        ]
-        agreed, origin = distributed.agree(loss, norms)
-        results = {"agreed": [t.item() for t in agreed], "origin": origin.tolist(),
-                   "exact": _steps(rank, sync_free=False), "sync_free": _steps(rank, sync_free=True)}
-        torch.save(results, f"{out}/rank{rank}.pt")
-        del loss, norms, agreed, origin, results  # (the tensors the collectives made, freed before the group)
-        dist.barrier()  # (both done before either tears its pairs down: a rank destroying the group while its
-        # peer still used a pair aborted a CI run once in a while, "process 0 terminated with signal SIGABRT")
-    finally:
-        # (and what still held the group's tensors collected first, as distributed.shutdown does: a gloo
-        # thread still dropping one in the interpreter's teardown aborted the process, "terminate called
-        # without an active exception"; seen again after the barrier, 1 run in 7 of the session's CI)
-        import gc
-
-        gc.collect()
-        dist.destroy_process_group()
+    script = Path(__file__).resolve().parent.parent / "dist_scripts" / "agree_ranks.py"
+    out = work / "agree"
+    out.mkdir()
+    return {"agree": run_to_end("agree", [sys.executable, str(script), str(out)], out, timeout_s=EARLY_TIMEOUT_S,
+                                env=torchrun_env())}
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("agree")
-    mp.spawn(_rank, args=(str(out),), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+def ranks(launches) -> list[dict]:
+    done = launches["agree"]
+    assert done.rc == 0, done.stderr[-3000:]
+    return [torch.load(done.cwd / f"rank{r}.pt") for r in (0, 1)]
 
 
 def test_one_ranks_non_finite_value_is_every_ranks(ranks):

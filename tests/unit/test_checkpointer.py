@@ -687,16 +687,24 @@ def test_find_resume_takes_the_run_folders_id_and_refuses_another_runs_checkpoin
 
 @pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                     reason="torch.distributed with the gloo backend is not available")
-def test_a_ddp_runs_optimizer_state_loads_into_an_fsdp2_model():
+def test_a_ddp_runs_optimizer_state_loads_into_an_fsdp2_model(launches):
     # distributed.strategy ddp -> fsdp2 on resume: the state keyed by position was refused
     # ("does not fit this run ('state.0.step')"); now keyed by name, every moment arrives. In a
-    # process of its own: a one-process gloo group
-    import subprocess
+    # process of its own (a one-process gloo group): the module's early job
+    done = launches["by_name"]
+    assert done.rc == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+def early(work: Path) -> dict[str, Any]:
+    """The one-process gloo script of the test above, run to its end: an early job (conftest.py:
+    started at collection, off the suite's own process; this module's tests run last)."""
     import sys
 
-    script = Path(__file__).parent.parent / "dist_scripts" / "optimizer_by_name.py"
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+    from helpers import EARLY_TIMEOUT_S, run_to_end, torchrun_env
+
+    script = Path(__file__).resolve().parent.parent / "dist_scripts" / "optimizer_by_name.py"
+    return {"by_name": run_to_end("by_name", [sys.executable, str(script)], work / "by_name",
+                                  timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())}
 
 
 def test_a_state_keyed_by_position_is_renamed_by_the_optimizers_parameter_order():
