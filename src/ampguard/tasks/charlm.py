@@ -187,7 +187,8 @@ def flops_per_token(model: CharLM, n_layer: int, n_embd: int, block_size: int) -
 
     Example (GPT-2 small's shape with a byte vocabulary)::
 
-        >>> model = CharLM(block_size=1024, n_layer=12, n_head=12, n_embd=768)
+        >>> with torch.device("meta"):  # (shapes only: no 124M weights to initialise)
+        ...     model = CharLM(block_size=1024, n_layer=12, n_head=12, n_embd=768)
         >>> round(flops_per_token(model, 12, 768, 1024) / 1e6)
         625
     """
