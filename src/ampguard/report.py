@@ -28,6 +28,8 @@ from .sinks import Row, read_steps_and_columns, read_steps_csv
 from .watch import float32_layers_text
 
 if TYPE_CHECKING:
+    import torch
+
     from .config import Config
     from .run_folder import RunResult
 
@@ -903,7 +905,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         >>> result = RunResult(ExitCode.OK, monitor, paths, "finished: 3 steps", torch.device("cpu"))
         >>> write_run_card(folder / "RUN.md", validate({"precision": "fp16"}), result)
         >>> card = (folder / "RUN.md").read_text().splitlines()
-        >>> card[2], [line for line in card if line.startswith(("| skipped", "| per-step", "| plot", "| precision",
+        >>> card[2], [line for line in card if line.startswith(("| skipped", "| per-step", "| plot", "| precision |",
         ...                                                     "| backend"))]
         ('**finished: 3 steps**', ['| precision | fp16 (autocast on cpu) |', '| backend | cpu |',
                                    '| skipped steps | 1 (non_finite_grad=1) |',
@@ -922,6 +924,24 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
     replace_atomically(path, text + "\n")  # a failed write never leaves the card half-written or empty
 
 
+def _support_note(config: Config, device: torch.device) -> str | None:
+    """The note :meth:`Precision.support` gives the run's precision on ``device`` (emulated,
+    slow), or ``None``; ``None`` too for a device this process cannot ask (a card written for a
+    GPU on a machine without one).
+
+    Example::
+
+        >>> import torch
+        >>> from ampguard.config import validate
+        >>> _support_note(validate({"precision": "fp32"}), torch.device("cpu")) is None
+        True
+    """
+    try:
+        return Precision(config.precision, device.type).support(device)[1]
+    except (RuntimeError, AssertionError):  # (torch.cuda's answers without CUDA)
+        return None
+
+
 def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
     """The run card's set-up: how the run was configured (the loss scaler as the run had it on or off)."""
     s, mon = config.scaler, config.monitor
@@ -937,6 +957,8 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
     return [
         ("precision", Precision(config.precision, result.device.type).describe()
                       + (", model compiled (torch.compile)" if config.compile else "")),
+        # a precision this device only emulates (the run's one warning line, kept for a teammate reading later)
+        *((("precision support", note),) if (note := _support_note(config, result.device)) else ()),
         # PyTorch on ROCm names an AMD GPU "cuda" too: the backend says which it was, with its version
         ("backend", backend_text(result.device)),
         *((("step path", result.path),) if result.path else ()),

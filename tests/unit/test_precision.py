@@ -398,6 +398,29 @@ def test_a_cpu_without_bf16_kernels_says_bf16_is_emulated_too(cpu_kind):
     assert Precision("fp32", "cpu").support(cpu) == (True, None)
 
 
+def test_the_run_card_keeps_the_note_of_a_precision_the_cpu_only_emulates(cpu_kind, tmp_path):
+    # the one stderr line is gone once the terminal is: the card says it too, beside the precision
+    from ampguard.config import validate
+    from ampguard.errors import ExitCode
+    from ampguard.monitor import RunMonitor
+    from ampguard.report import write_run_card
+    from ampguard.run_folder import RunPaths, RunResult
+
+    (tmp_path / "steps.csv").write_text("step\n", encoding="utf-8")
+
+    def rows(precision: str) -> list[str]:
+        result = RunResult(ExitCode.OK, RunMonitor(), RunPaths.existing(tmp_path), "finished", torch.device("cpu"))
+        write_run_card(tmp_path / "RUN.md", validate({"precision": precision}), result)
+        return [line for line in (tmp_path / "RUN.md").read_text().splitlines() if line.startswith("| precision")]
+
+    cpu_kind(bf16=False)
+    assert rows("bf16") == ["| precision | bf16 (autocast on cpu) |",
+                            "| precision support | " + Precision("bf16", "cpu").support(torch.device("cpu"))[1] + " |"]
+    cpu_kind(bf16=True)
+    assert rows("bf16") == ["| precision | bf16 (autocast on cpu) |"]
+    assert rows("fp32") == ["| precision | fp32 (no autocast) |"]
+
+
 def test_precision_refuses_an_unknown_name():
     with pytest.raises(ValueError, match="fp4"):
         Precision("fp4", "cpu")  # type: ignore[arg-type]
