@@ -155,7 +155,8 @@ def test_what_train_refuses_is_one_line_in_locate_and_validate_too(cli, unchange
 def test_batches_of_varying_lengths_train_and_validate_asks_for_a_held_out_set(cli, tmp_path):
     # the default held-out set concatenated the first batches: a traceback for sequences of any length
     (tmp_path / "factories.py").write_text(FACTORIES)
-    code, out, err = cli("train", *SHORT, "--set", "task.factory=factories.py:variable_lengths")
+    code, out, err = cli("train", *SHORT, "--set", "task.factory=factories.py:variable_lengths",
+                         "--set", "log.plot=false")  # (its report.png is not what is tested: ~1 s of drawing)
     assert code == 0, err
     line = refused(cli("validate", "--set", "task.factory=factories.py:variable_lengths", "--out", "v"))
     assert line == "ampguard: error: validate: task factory has no held-out set (a factory can return 'held_out')"
@@ -284,7 +285,7 @@ def test_after_a_full_disk_the_line_names_the_last_checkpoint_and_resume_continu
 
     monkeypatch.setattr(sinks.CsvSink, "write", write)
     code, out, err = cli("train", *LINEAR, "--set", "steps=8", "--set", "checkpoint.every=2", "--set", "log.dir=runs",
-                         "--set", "log.name=x")
+                         "--set", "log.name=x", "--set", "log.plot=false")  # (no plot looked at; the resume keeps it)
     assert code == ExitCode.DISK_FULL, err
     assert only_line(err) == (
         "ampguard: error: disk full while writing runs/x/steps.csv; the run is intact up to step 4 "
@@ -306,7 +307,8 @@ def test_a_full_disk_while_writing_the_run_card_is_the_same_clean_stop(cli, monk
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(report, "write_run_card", write_run_card)
-    code, out, err = cli("train", *SHORT, "--set", "checkpoint.every=2", "--set", "log.dir=runs", "--set", "log.name=y")
+    code, out, err = cli("train", *SHORT, "--set", "checkpoint.every=2", "--set", "log.dir=runs", "--set", "log.name=y",
+                         "--set", "log.plot=false")  # (the plot, drawn before the card, is not what is tested)
     assert code == ExitCode.DISK_FULL, err
     assert only_line(err) == (
         "ampguard: error: disk full while writing runs/y/RUN.md; the run is intact up to step 3 "
@@ -338,7 +340,7 @@ def test_data_that_fails_mid_run_stops_it_with_exit_2_and_keeps_the_steps_before
     (tmp_path / "failing.py").write_text(FAILING_DATA, encoding="utf-8")
     code, out, err = cli("train", "--set", f"task.factory={tmp_path / 'failing.py'}:build", "--set", "device=cpu",
                          "--set", "precision=fp32", "--set", "steps=10", "--set", "checkpoint.every=2",
-                         "--set", "log.name=f")
+                         "--set", "log.name=f", "--set", "log.plot=false")  # (its report.png is not looked at)
     line = one_error_line((code, out, err))
     run = tmp_path / "runs" / "f"
     assert line == ("ampguard: error: bad data at step 6: OSError: cannot read shard 5; the run is intact up to "
@@ -411,7 +413,8 @@ def test_a_model_that_crashes_mid_run_leaves_a_whole_folder_and_its_traceback(tm
     assert '"event": "run_end"' in (run / "events.jsonl").read_text(encoding="utf-8")
 
     with pytest.raises(RuntimeError, match=r"the task.s model or loss called sys.exit\(0\) at step 3"):
-        main(["train", "--set", "task.factory=crashing.py:exits", "--set", "steps=8", "--set", "log.name=exits", *base])
+        main(["train", "--set", "task.factory=crashing.py:exits", "--set", "steps=8", "--set", "log.name=exits", *base,
+              "--set", "log.plot=false"])  # (the short_batch run above shows the crash's plot; ~1 s saved)
     assert "**crashed after step 2: RuntimeError: the task's model or loss called sys.exit(0) at step 3**" in (
         tmp_path / "runs" / "exits" / "RUN.md").read_text(encoding="utf-8")
     # validate: the model exiting (here under fp16, after FP32 ran) fails that precision in the report;

@@ -36,6 +36,15 @@ def make_run(root: Path, name: str, rows: list[str] = ROWS, config: dict | None 
     return folder
 
 
+@pytest.fixture(scope="module")
+def drawn(tmp_path_factory) -> bytes:
+    """The PNG ``report.plot_run`` draws of a run of :data:`ROWS`, drawn once for the module: the
+    same bytes wherever such a run sits (the plot names neither its folder nor its path), so a test
+    that needs a plot ampguard drew writes these instead of drawing it again (~1 s of CPU each)."""
+    run = make_run(tmp_path_factory.mktemp("drawn"), "a")
+    return report.plot_run(run / "steps.csv", run / "report.png").read_bytes()
+
+
 def chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
@@ -109,7 +118,7 @@ def test_the_mark_of_a_picture_too_large_to_decode_is_read_without_decoding_it(t
 
 
 @pytest.mark.parametrize("verb", ["report", "compare"])
-def test_a_png_ampguard_did_not_draw_is_refused_and_one_it_drew_is_not(tmp_path, verb):
+def test_a_png_ampguard_did_not_draw_is_refused_and_one_it_drew_is_not(tmp_path, verb, drawn):
     a = make_run(tmp_path, "a")
     csv_path = a / "steps.csv" if verb == "report" else None
     figure = tmp_path / "figure1.png"
@@ -118,15 +127,15 @@ def test_a_png_ampguard_did_not_draw_is_refused_and_one_it_drew_is_not(tmp_path,
         report.check_plot_path(figure, csv_path, verb=verb)
     assert str(err.value) == f"{verb}: --out {figure} exists and is not a plot ampguard drew; refusing to overwrite it"
     assert figure.read_bytes() == before
-    report.plot_run(a / "steps.csv", tmp_path / "earlier.png")
+    (tmp_path / "earlier.png").write_bytes(drawn)  # what report.plot_run(a / "steps.csv", ...) draws
     report.check_plot_path(tmp_path / "earlier.png", csv_path, verb=verb)  # drawn again
 
 
 @pytest.mark.parametrize("marked", [False, True])
-def test_another_runs_report_png_is_refused_the_runs_own_is_drawn_again(tmp_path, marked):
+def test_another_runs_report_png_is_refused_the_runs_own_is_drawn_again(tmp_path, marked, drawn):
     a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
     for run in (a, b):  # by an older ampguard (no mark), or by this one
-        report.plot_run(run / "steps.csv", run / "report.png") if marked else someones_png(run / "report.png")
+        (run / "report.png").write_bytes(drawn) if marked else someones_png(run / "report.png")  # (plot_run's bytes)
     theirs = (b / "report.png").read_bytes()
     for png, csv_path, verb in ((b / "report.png", a / "steps.csv", "report"), (b / "report.png", None, "compare"),
                                 (a / "report.png", None, "compare")):
