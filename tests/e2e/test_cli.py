@@ -194,12 +194,13 @@ def test_demo_other_faults(cli, tmp_path, argv, step, reason, pre):
 
 def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_path, cpu_kind):
     """fp16 on a CPU is emulated: ``train`` says so in one stderr line; the demo (fp16 on purpose) does not."""
+    # (log.plot false on the trains: the plot is not what is tested, and costs each a second)
     cpu_kind(bf16=True)  # (a CPU with bf16 kernels: the note compares fp16 with bf16 there)
     shown = warnings.showwarning
     with warnings.catch_warnings():
         warnings.simplefilter("always", SlowPrecisionWarning)  # the suite's config ignores it
         code, out, err = cli("train", *sum((["--set", s] for s in [
-            "steps=1", "precision=fp16", *TINY_CHARLM, f"log.dir={tmp_path / 'runs'}"]), []))
+            "steps=1", "precision=fp16", *TINY_CHARLM, f"log.dir={tmp_path / 'runs'}", "log.plot=false"]), []))
         assert code == 0 and "\nended: finished: 1 step\n" in out, err  # (one step, not "1 steps")
         warned = [line for line in err.splitlines() if "emulated" in line]
         assert warned == [line for line in err.splitlines() if "Warning" in line or "warning" in line]
@@ -211,7 +212,7 @@ def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_p
         assert code == 0 and "emulated" not in err, err
         cpu_kind(bf16=False)  # an AVX2-only CPU: the main job's bf16 is emulated too, and said so once
         code, out, err = cli("train", *sum((["--set", s] for s in [
-            "steps=1", *TINY_CHARLM, f"log.dir={tmp_path / 'runs-avx2'}"]), []))
+            "steps=1", *TINY_CHARLM, f"log.dir={tmp_path / 'runs-avx2'}", "log.plot=false"]), []))
         assert code == 0 and [line for line in err.splitlines() if "warning" in line] == [
             "ampguard: warning: bf16 autocast on this CPU is emulated (oneDNN has no bf16 kernels without AVX-512 "
             "or AMX): its matmuls run about 100x slower than fp32's; fp32 trains faster here"], err
@@ -254,7 +255,8 @@ def test_under_torchrun_only_rank_0_says_ampguards_warnings(monkeypatch, rank, w
 def tiny_run(tmp_path_factory):
     """One tiny charlm ``train`` (3 steps), shared by the tests that read what it wrote."""
     root = tmp_path_factory.mktemp("tiny")
-    sets = ["steps=3", *TINY_CHARLM, f"log.dir={root / 'runs'}", "log.name=t"]
+    # (log.plot false: no test here reads report.png, and the plot costs the run a second of matplotlib)
+    sets = ["steps=3", *TINY_CHARLM, f"log.dir={root / 'runs'}", "log.name=t", "log.plot=false"]
     argv = ["train"]
     for item in sets:
         argv += ["--set", item]
@@ -652,5 +654,5 @@ def test_a_scaler_held_at_its_floor_is_still_a_scaler_in_report_and_a_clean_floo
     assert "| scale health | stable (final scale 1) |" in (tmp_path / "runs" / "clean" / "RUN.md").read_text()
     code, out, err = cli(*common, "--set", "log.name=skip", "--inject", "inf_grad@5")
     assert code == 0 and "ALERT 5 loss scale 1 is at its floor" in out, out
-    code, out, err = cli("report", tmp_path / "runs" / "skip")
+    code, out, err = cli("report", tmp_path / "runs" / "skip", "--no-plot")  # (the summary is what is read)
     assert code == 0 and "scale collapsing" in out and "no loss scaler" not in out, out

@@ -95,15 +95,43 @@ def test_running_an_example_again_in_the_same_folder_is_one_error_line_and_exit_
     assert csv_path.read_text() == written
 
 
-@pytest.mark.slow
-def test_own_loop_run_again_as_a_script_exits_2_without_a_traceback(tmp_path):
+AS_A_SCRIPT = "test_own_loop_run_again_as_a_script_exits_2_without_a_traceback"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def script_run_again(request, tmp_path_factory):
+    """(the process, its folder) of :func:`test_own_loop_run_again_as_a_script_exits_2_without_a_traceback`,
+    started with the module's first test (when that test is to run): the script's torch import
+    overlaps the in-process tests instead of being waited for; the test waits on it and checks."""
     import subprocess
     import sys
 
-    earlier = tmp_path / "steps.csv"  # (an earlier run's: the in-process test above makes it by running)
+    if not any(item.name == AS_A_SCRIPT and getattr(item, "module", None) is request.module
+               for item in request.session.items):
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("script-again")
+    earlier = folder / "steps.csv"  # (an earlier run's: the in-process test above makes it by running)
     earlier.write_text("step,lr\n1,0.1\n", encoding="utf-8")
-    again = subprocess.run([sys.executable, str(EXAMPLES / "own_loop.py"), "--model", "multitask", "--steps", "2"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "own_loop.py"), "--model", "multitask", "--steps", "2"],
+                            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        yield proc, folder
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.slow
+def test_own_loop_run_again_as_a_script_exits_2_without_a_traceback(script_run_again):
+    import subprocess
+
+    proc, folder = script_run_again
+    earlier = folder / "steps.csv"  # (written before the script started: see script_run_again)
+    stdout, stderr = proc.communicate(timeout=120)
+    again = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert (again.returncode, again.stdout) == (2, "")
     # (on a CPU without AVX-512 or AMX, bf16 is emulated: the Guard warns first, in Python's two lines)
     lines = again.stderr.splitlines()

@@ -45,6 +45,9 @@ def test_a_kill_in_the_middle_of_a_csv_row_leaves_whole_rows_and_a_torn_line_rep
                                  "--set", "log.name=K"],
                                 cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
     try:
+        # the same run, never killed, trained in this process while the child imports torch (no wait on it)
+        monkeypatch.chdir(tmp_path)
+        ok(ag("train", *args, "--set", "log.name=REF"))
         deadline = time.monotonic() + 120  # only a hang runs into it
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -58,8 +61,6 @@ def test_a_kill_in_the_middle_of_a_csv_row_leaves_whole_rows_and_a_torn_line_rep
     finally:
         _kill(proc)
 
-    monkeypatch.chdir(tmp_path)
-    ok(ag("train", *args, "--set", "log.name=REF"))  # the same run, never killed
     ref_lines = (ref / "steps.csv").read_bytes().splitlines(keepends=True)
     assert [int(r["step"]) for r in read_rows(ref / "steps.csv")] == list(range(1, 9))
     assert ref_lines[KILLED_AT].decode() == paused["line"]  # the row the kill cut, as the run would have written it

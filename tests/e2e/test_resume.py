@@ -485,7 +485,9 @@ def test_a_run_killed_during_training_resumes_from_its_last_checkpoint(tmp_path,
             done = ckpt.list_checkpoints(folder)
             if done and ckpt.checkpoint_step(done[-1]) >= 4:
                 break
-            time.sleep(0.002)
+            # (polled fast once the run has its checkpoints folder, to kill it soon after step 4; slowly
+            # before, while it imports torch: a 2 ms loop then is CPU taken from the run it waits for)
+            time.sleep(0.002 if folder.is_dir() else 0.05)
         assert proc.poll() is None, "the run ended (or never started) before it could be killed"
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
@@ -508,24 +510,44 @@ def test_a_run_killed_during_training_resumes_from_its_last_checkpoint(tmp_path,
 
 
 PAUSE_IN_SAVE = Path(__file__).with_name("pause_in_save.py")
+KILLED_IN_SAVE = "test_a_run_killed_during_a_checkpoint_save_resumes"
 
 
-def test_a_run_killed_during_a_checkpoint_save_resumes(tmp_path):
+@pytest.fixture(scope="module", autouse=True)
+def held_in_save(request, tmp_path_factory):
+    """(the process, its folder, its args) of :func:`test_a_run_killed_during_a_checkpoint_save_resumes`,
+    started with the module's first test (when that test is to run): its torch import overlaps the
+    in-process tests before it instead of being waited for, and it then sleeps in its held save
+    (pause_in_save.py), taking no CPU, until its test kills it."""
+    if not any(item.name == KILLED_IN_SAVE and getattr(item, "module", None) is request.module
+               for item in request.session.items):
+        yield None
+        return
+    cwd = tmp_path_factory.mktemp("killed-in-save")
+    args = [*LINEAR, "--set", "precision=fp32", "--set", "steps=14", "--set", "accumulation_steps=2",
+            "--set", "checkpoint.keep=2", "--set", f"log.dir={cwd / 'runs'}", "--set", "log.every=1000",
+            "--inject", "inf_grad@4", "--inject", "nan_loss@9"]
+    with (cwd / "stderr.txt").open("wb") as err:  # a file, not a pipe: a full pipe would block the run before its save
+        proc = subprocess.Popen(
+            [sys.executable, str(PAUSE_IN_SAVE), str(cwd / "paused"), "5", "train", *args,
+             "--set", "checkpoint.every=1", "--set", "log.name=K"],
+            cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+        )
+    try:
+        yield proc, cwd, args
+    finally:
+        _kill(proc)
+
+
+def test_a_run_killed_during_a_checkpoint_save_resumes(held_in_save):
     """SIGKILL lands inside a save, every time: ``pause_in_save.py`` runs ``ampguard train`` with
     the save of step 5 held open after its temporary file was written and fsync was called, and
-    before ``os.replace``; it drops a marker there and waits for the kill."""
-    args = [*LINEAR, "--set", "precision=fp32", "--set", "steps=14", "--set", "accumulation_steps=2",
-            "--set", "checkpoint.keep=2", "--set", f"log.dir={tmp_path / 'runs'}", "--set", "log.every=1000",
-            "--inject", "inf_grad@4", "--inject", "nan_loss@9"]
+    before ``os.replace``; it drops a marker there and waits for the kill (started early: see
+    :func:`held_in_save`)."""
+    proc, tmp_path, args = held_in_save
     run = tmp_path / "runs" / "K"
     folder = run / "checkpoints"
     marker, stderr = tmp_path / "paused", tmp_path / "stderr.txt"
-    with stderr.open("wb") as err:  # a file, not a pipe: a full pipe would block the run before its save
-        proc = subprocess.Popen(
-            [sys.executable, str(PAUSE_IN_SAVE), str(marker), "5", "train", *args,
-             "--set", "checkpoint.every=1", "--set", "log.name=K"],
-            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-        )
     try:
         deadline = time.monotonic() + 120
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -101,6 +101,10 @@ def paused(tmp_path_factory):
                 argv = ["train", *LINEAR, "--set", "steps=100000", "--set", "log.name=s"]
             started[f"SIGTERM-{phase}"] = (_spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, *argv),
                                            cwd, cwd / "paused")
+        cwd = tmp_path_factory.mktemp("factory")  # (held in its factory's sleep, its marker the file "building")
+        (cwd / "factory.py").write_text(SWALLOWING_FACTORY, encoding="utf-8")
+        started["factory"] = (_spawn(cwd, "-m", "ampguard", "train", *LINEAR[2:], "--set", "task.factory=factory.py:build",
+                                     "--set", "steps=3", "--set", "log.name=f"), cwd, cwd / "building")
         yield started
     finally:
         end_all(proc for proc, _, _ in started.values())
@@ -130,13 +134,24 @@ def build(config):
 '''
 
 
+READER_LEAVES = "test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_exit_141"
+
+
 @pytest.fixture(scope="module")
-def fired(tmp_path_factory):
+def fired(request, tmp_path_factory):
     """{case: (process, its folder)}: the runs a test only waits on and checks, started at once (their
     torch imports overlap, as :func:`paused`'s do): a reader gone before the first line, a verb
-    whose reader left, a stop signal during the last step (sent by the run's own loss)."""
+    whose reader left, a stop signal during the last step (sent by the run's own loss). With them,
+    when its test is to run, the run whose reader that test makes leave (the first test here to
+    ask for this fixture: it drives its run as soon as it is started, as it would its own)."""
     started = {}
     try:
+        if any(item.name == READER_LEAVES and getattr(item, "module", None) is request.module
+               for item in request.session.items):
+            cwd = tmp_path_factory.mktemp("reader-leaves")
+            started["reader-leaves"] = (_spawn(cwd, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000",
+                                               "--set", "log.name=t", "--set", "log.every=1",
+                                               "--set", "checkpoint.every=0"), cwd)
         cwd = tmp_path_factory.mktemp("reader-gone")
         proc = _spawn(cwd, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000", "--set", "log.name=t",
                       "--set", "checkpoint.every=0")
@@ -153,6 +168,15 @@ def fired(tmp_path_factory):
             started[f"last-{name}"] = (_spawn(cwd, "-m", "ampguard", "train", *LINEAR[2:], "--set",
                                               f"task.factory={factory}:build", "--set", "steps=6", "--set",
                                               "log.name=t", "--set", "log.dir=runs"), cwd)
+        if Path("/dev/full").exists():  # a console that cannot encode the run's name, and one with no room
+            cwd = tmp_path_factory.mktemp("console")
+            run = [sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=2"]
+            started["console-ascii"] = (subprocess.Popen(
+                [*run, "--set", "log.name=ünï"], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env={**os.environ, "PYTHONIOENCODING": "ascii"}), cwd)
+            with open("/dev/full", "w") as full:
+                started["console-full"] = (subprocess.Popen([*run, "--set", "log.name=full"], cwd=cwd, stdout=full,
+                                                            stderr=subprocess.PIPE, text=True), cwd)
         yield started
     finally:
         end_all(proc for proc, _ in started.values())
@@ -242,22 +266,20 @@ from torch import nn
 
 def build(config):
     pathlib.Path("building").write_text("x")
-    try:  # (a factory's fallback: "if the download fails, use the cached copy")
-        time.sleep(120)
+    try:  # (a factory's fallback: "if the download fails, use the cached copy"; long: started with the
+        time.sleep(600)  # module's other held runs, it waits here for its test, which ends it long before)
     except Exception:
         pass
     return nn.Linear(3, 1), [(torch.randn(4, 3), torch.randn(4, 1))] * 4, nn.functional.mse_loss
 '''
 
 
-def test_a_sigterm_in_the_users_factory_is_neither_bad_input_nor_swallowed(tmp_path):
+def test_a_sigterm_in_the_users_factory_is_neither_bad_input_nor_swallowed(paused):
     # review_session26: the start-up's SIGTERM was an Exception: the factory's wrapper called it bad input
     # (exit 2, "task.factory ... raised Interrupted"), and a factory's `except Exception` swallowed it and
-    # the run trained to its end (exit 0)
-    (tmp_path / "factory.py").write_text(SWALLOWING_FACTORY, encoding="utf-8")
-    proc = _spawn(tmp_path, "-m", "ampguard", "train", *LINEAR[2:], "--set", "task.factory=factory.py:build",
-                  "--set", "steps=3", "--set", "log.name=f")
-    _wait_for((tmp_path / "building").exists, proc)
+    # the run trained to its end (exit 0). (The run is one of :func:`paused`'s: its torch import overlaps theirs.)
+    proc, tmp_path, building = paused["factory"]
+    _wait_for(building.exists, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=180)
     assert (proc.returncode, err, out) == (143, "ampguard: interrupted\n", ""), (out, err)
@@ -267,13 +289,13 @@ def test_a_sigterm_in_the_users_factory_is_neither_bad_input_nor_swallowed(tmp_p
 # ---------------------------------------------------------------------------- the console itself failing
 
 
-def test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_exit_141(tmp_path):
+def test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_exit_141(fired):
     """`ampguard train | head -2`: stdout's reader leaves. To a Unix tool that is SIGPIPE; the run
     ended with exit 0 and a half-written folder (no run card, no checkpoint: --resume found
-    nothing). Now it is a stop signal: the step boundary, the checkpoint, the card, exit 141."""
-    run = tmp_path / "runs" / "t"
-    proc = _spawn(tmp_path, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000", "--set", "log.name=t",
-                  "--set", "log.every=1", "--set", "checkpoint.every=0")
+    nothing). Now it is a stop signal: the step boundary, the checkpoint, the card, exit 141.
+    (Its run is started with :func:`fired`'s, their torch imports overlapping.)"""
+    proc, cwd = fired["reader-leaves"]
+    run = cwd / "runs" / "t"
     assert proc.stdout.readline().startswith("run folder: ")
     proc.stdout.close()  # the reader leaves: the next console line is a broken pipe
     err = proc.stderr.read()
@@ -303,20 +325,16 @@ def test_a_verb_whose_reader_left_keeps_its_own_exit_code(fired):
     assert "Traceback" not in err and "BrokenPipe" not in err
 
 
-def test_a_console_that_cannot_take_the_lines_leaves_the_run_whole(tmp_path):
+def test_a_console_that_cannot_take_the_lines_leaves_the_run_whole(fired):
     """stdout that cannot encode the run's name (an ASCII terminal) or has no room (/dev/full)
     ended the run with a traceback after its folder was made: a folder holding config.yaml alone
     (a rerun refused as existing), and a false "disk full while writing the run folder". The
     name is printed escaped; a full console is said once on stderr and the run goes on."""
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")
-    run = [sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=2"]
-    with open("/dev/full", "w") as full:  # the two runs side by side: their torch imports overlap
-        ascii_run = subprocess.Popen([*run, "--set", "log.name=ünï"], cwd=tmp_path, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env={**os.environ, "PYTHONIOENCODING": "ascii"})
-        full_run = subprocess.Popen([*run, "--set", "log.name=full"], cwd=tmp_path, stdout=full,
-                                    stderr=subprocess.PIPE, text=True)
-        (out, ascii_err), (_, err) = ascii_run.communicate(timeout=120), full_run.communicate(timeout=120)
+    # the two runs side by side, started with :func:`fired`'s: their torch imports overlap
+    (ascii_run, tmp_path), (full_run, _) = fired["console-ascii"], fired["console-full"]
+    (out, ascii_err), (_, err) = ascii_run.communicate(timeout=120), full_run.communicate(timeout=120)
     assert ascii_run.returncode == 0, ascii_err
     assert b"run folder: runs/\\xfcn\\xef (RUN.md" in out
     assert (tmp_path / "runs" / "ünï" / "RUN.md").is_file()
