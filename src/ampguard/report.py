@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 REASON_COLOURS = {"non_finite_grad": "tab:orange", "non_finite_loss": "tab:red"}
 FIGSIZE = (12.0, 14.0)  # inches
 DPI = 100  # -> a 1200 x 1400 pixel PNG
+PANEL_MARGINS = {"left": 0.075, "right": 0.98, "top": 0.94, "bottom": 0.04, "hspace": 0.2}
+"""The five panels' place in the figure when no heatmap is drawn (fractions of the figure)."""
 HEATMAP_HEIGHT = 5.0  # inches added for the headroom heatmap, when the run recorded headroom
 
 
@@ -586,8 +588,14 @@ def plot_run(
     import matplotlib.pyplot as plt
 
     size = (FIGSIZE[0], FIGSIZE[1] + (HEATMAP_HEIGHT if heat else 0.0))
-    fig, axes = plt.subplots(6 if heat else 5, 1, sharex=True, figsize=size, dpi=DPI, layout="constrained",
+    # the heatmap's row labels (layer names) are as long as a model makes them: constrained layout
+    # measures them; the five panels alone fit fixed margins (tick labels out to -1e308 included),
+    # and laying them out by measure was ~45% of the plot's time (0.89 -> 0.61 s a plot)
+    fig, axes = plt.subplots(6 if heat else 5, 1, sharex=True, figsize=size, dpi=DPI,
+                             layout="constrained" if heat else None,
                              height_ratios=[1.0] * 5 + ([2.2] if heat else []))
+    if not heat:
+        fig.subplots_adjust(**PANEL_MARGINS)
     png_path = Path(png_path)
     # drawn beside the target, then renamed over it: a failed write leaves no half a PNG, and an
     # earlier plot stays as it was
