@@ -172,6 +172,13 @@ def deadline(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def selected(request: pytest.FixtureRequest, name: str) -> bool:
+    """Whether the test ``name`` of the requesting module is to run this session: a module fixture
+    that starts a test's slow launch early (its imports overlapping the tests before it) starts
+    nothing for a test ``-k`` or a test id left out."""
+    return any(item.name == name and getattr(item, "module", None) is request.module for item in request.session.items)
+
+
 def snapshot_of(folder: Path) -> dict[str, object]:
     """``{relative path: bytes or '<dir>'}`` of everything under ``folder``."""
     folder = Path(folder)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import read_rows
+from helpers import read_rows, selected
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -106,8 +106,7 @@ def script_run_again(request, tmp_path_factory):
     import subprocess
     import sys
 
-    if not any(item.name == AS_A_SCRIPT and getattr(item, "module", None) is request.module
-               for item in request.session.items):
+    if not selected(request, AS_A_SCRIPT):
         yield None
         return
     folder = tmp_path_factory.mktemp("script-again")

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 import helpers
-from helpers import ag, ok, one_error_line, read_rows, run_events
+from helpers import ag, ok, one_error_line, read_rows, run_events, selected
 
 from ampguard import checkpoint as ckpt
 from ampguard import checkpointer as ckpt_keys
@@ -519,8 +519,7 @@ def held_in_save(request, tmp_path_factory):
     started with the module's first test (when that test is to run): its torch import overlaps the
     in-process tests before it instead of being waited for, and it then sleeps in its held save
     (pause_in_save.py), taking no CPU, until its test kills it."""
-    if not any(item.name == KILLED_IN_SAVE and getattr(item, "module", None) is request.module
-               for item in request.session.items):
+    if not selected(request, KILLED_IN_SAVE):
         yield None
         return
     cwd = tmp_path_factory.mktemp("killed-in-save")

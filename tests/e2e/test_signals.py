@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ag, card_table, end_all, ok, read_rows, snapshot_of
+from helpers import ag, card_table, end_all, ok, read_rows, selected, snapshot_of
 
 HERE = Path(__file__).resolve().parent
 # (log.plot false: a plot costs each run a second of matplotlib; the one test about the closing draws it)
@@ -146,8 +146,7 @@ def fired(request, tmp_path_factory):
     ask for this fixture: it drives its run as soon as it is started, as it would its own)."""
     started = {}
     try:
-        if any(item.name == READER_LEAVES and getattr(item, "module", None) is request.module
-               for item in request.session.items):
+        if selected(request, READER_LEAVES):
             cwd = tmp_path_factory.mktemp("reader-leaves")
             started["reader-leaves"] = (_spawn(cwd, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000",
                                                "--set", "log.name=t", "--set", "log.every=1",
