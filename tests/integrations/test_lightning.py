@@ -393,7 +393,7 @@ def test_a_fit_refused_by_the_plugin_leaves_the_last_fits_results_and_a_value_cl
     assert plugin.guard is guard and guard.steps == 3 and plugin.monitor is monitor
 
 
-SPAWN_FIT = '''
+FIT_MODULE = '''
 import sys
 import torch
 import lightning as L
@@ -406,20 +406,29 @@ class Module(L.LightningModule):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 
     def training_step(self, batch, i):
         x, y = batch
+        if self.global_rank == 1 and self.trainer.global_step + 1 == 3:  # a NaN on rank 1 alone
+            x = x.clone()
+            x[0, 0] = float("nan")
         return F.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                                   "interval": "step"}}
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g))
+        data = torch.utils.data.TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
         return torch.utils.data.DataLoader(data, batch_size=4)
+'''
+"""A LightningModule for the fit scripts of this module's early job: an MLP on 40 random samples
+(batches of 4), SGD with a per-step StepLR; rank 1's loss NaN at step 3 (a DDP fit's other rank)."""
 
+SPAWN_FIT = FIT_MODULE + '''
 
 if __name__ == "__main__":  # (spawn imports this file again in the process it starts)
     plugin = AmpGuardPlugin("bf16-mixed", csv=sys.argv[1])
@@ -867,38 +876,7 @@ def test_a_csv_path_through_a_file_or_at_a_folder_is_refused_before_anything_tra
     assert [r["step"] for r in rows(made)] == ["1", "2"]
 
 
-DDP_FIT = '''
-import sys
-import torch
-import lightning as L
-from torch import nn
-from torch.nn import functional as F
-from ampguard.integrations.lightning import AmpGuardPlugin
-
-
-class Module(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-
-    def training_step(self, batch, i):
-        x, y = batch
-        if self.global_rank == 1 and self.trainer.global_step + 1 == 3:  # a NaN on rank 1 alone
-            x = x.clone()
-            x[0, 0] = float("nan")
-        return F.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=0.1)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
-                                                   "interval": "step"}}
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
-        return torch.utils.data.DataLoader(data, batch_size=4)
-
+DDP_FIT = FIT_MODULE + '''
 
 plugin = AmpGuardPlugin("bf16-mixed", max_norm=1.0, csv=sys.argv[1])
 module = Module()
