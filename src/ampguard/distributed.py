@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map, tree_map_only
 from torch import nn
 
-from .errors import InputError
+from .errors import ExitCode, InputError
+from .signals import Peers
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ def current() -> DistInfo:
     return DistInfo()
 
 
+_groups_joined = 0  # process groups init_from_env began in this process (a start-up stop's word is per group)
 _LAUNCH_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what the env:// rendezvous reads beside WORLD_SIZE
 
 
@@ -115,6 +117,8 @@ def init_from_env(device_name: str) -> tuple[DistInfo, torch.device]:
         raise InputError("device: cuda was asked for but no CUDA device is available")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
+        global _groups_joined
+        _groups_joined += 1
         if use_cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
@@ -522,11 +526,55 @@ def peer_gone(err: BaseException) -> bool:
         >>> peer_gone(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2178"))
         False
     """
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not _several():
         return False
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
     return isinstance(err, RuntimeError) and any(words in str(err) for words in ("closed by peer", "reset by peer"))
+
+
+def _stop_key() -> str:
+    return f"ampguard/start-up-stopped/{_groups_joined}"
+
+
+def tell_stopped(code: int) -> None:
+    """This rank's start-up ends for a stop signal with exit ``code`` (130, 143): word of it in the
+    process group's key-value store (torchrun's rendezvous store), before this process leaves the
+    group, for a peer whose collective then fails (:func:`peer_stopped`). Nothing without a
+    process group of several; a store that cannot be reached is let be (the peer then waits for
+    the launcher's signal, as before).
+
+    Example (no process group)::
+
+        >>> tell_stopped(143), peer_stopped()
+        (None, None)
+    """
+    if _several():
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._get_default_store().set(_stop_key(), str(int(code)))
+
+
+def peer_stopped() -> int | None:
+    """The exit code a peer's start-up stop left word of (:func:`tell_stopped`), read without
+    waiting; None when none did (it was killed, it crashed) or without a process group."""
+    if not _several():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if not store.check([_stop_key()]):
+            return None
+        code = int(store.get(_stop_key()).decode())
+    except Exception:  # (the store went with the launcher: no word to be had)
+        return None
+    return code if code in (int(ExitCode.INTERRUPTED), int(ExitCode.TERMINATED)) else None
+
+
+def _several() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+PEERS = Peers(gone=peer_gone, stopped=peer_stopped, tell=tell_stopped)
+"""The other ranks as a run's start-up hears of them (:func:`~ampguard.signals.opening`)."""
 
 
 def ending() -> None:

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .errors import ExitCode
@@ -285,12 +286,28 @@ thread as waiting in C (far below torchrun's 30 s from its SIGTERM to its SIGKIL
 
 
 PEER_STOP_WAIT_S = 60.0
-"""How long a start-up whose collective failed because a peer process ended waits for the stop
-signal the launcher sends the ranks left (:func:`opening`'s ``peer_gone``). torchrun sends it
-within its 0.1 s monitor interval of the peer's exit, which always follows; but the peer's socket
-closes when it leaves the process group, and its exit (the interpreter's teardown) can take many
-seconds more on a loaded machine (5 s and 20 s were too short in the test suite, where dozens of
-processes start at once). An error no signal follows (no launcher) is raised then."""
+"""How long a start-up whose collective failed because a peer process ended, a peer that left no
+word of a stop of its own (:class:`Peers`: killed, crashed), waits for the stop signal the
+launcher sends the ranks left. torchrun sends it within its 0.1 s monitor interval of the peer's
+exit, which always follows; but the peer's socket closes when it leaves the process group, and
+its exit (the interpreter's teardown) can take many seconds more on a loaded machine (5 s and 20 s
+were too short in the test suite, where dozens of processes start at once). An error no signal
+follows (no launcher) is raised then."""
+
+
+@dataclass(frozen=True)
+class Peers:
+    """How a run's start-up (:func:`opening`) hears of the other processes of its group
+    (:data:`ampguard.distributed.PEERS` under torchrun).
+
+    ``gone(err)``: the error is a collective failing because a peer process ended. ``stopped()``:
+    the exit code (130, 143) a peer's start-up stop left word of, or None. ``tell(code)``: leave
+    word of this rank's start-up stop, before its process leaves the group (its sockets close
+    after that, so a peer whose collective fails finds the word there)."""
+
+    gone: Callable[[BaseException], bool]
+    stopped: Callable[[], int | None]
+    tell: Callable[[int], None]
 
 
 def _terminated(signum: int, frame: Any) -> None:
@@ -300,8 +317,7 @@ def _terminated(signum: int, frame: Any) -> None:
 
 
 @contextmanager
-def opening(on_stuck: Callable[[int], None],
-            peer_gone: Callable[[BaseException], bool] | None = None) -> Iterator[None]:
+def opening(on_stuck: Callable[[int], None], peers: Peers | None = None) -> Iterator[None]:
     """While a run opens (its folder made, its sinks opened, its ranks agreeing on both), SIGTERM
     unwinds it as Ctrl-C does: :class:`Interrupted` (143) is raised where the main thread is, so
     the caller takes back what the start-up made. (SIGTERM's default ended the process at once:
@@ -314,9 +330,12 @@ def opening(on_stuck: Callable[[int], None],
 
     Under torchrun a stop signal may reach one rank alone: it unwinds and ends, and the others'
     next start-up collective fails at once ("Connection closed by peer"), before the SIGTERM
-    torchrun then sends them. An error ``peer_gone(err)`` takes for that waits up to
-    :data:`PEER_STOP_WAIT_S` for that signal, which then ends this rank as its own would (143,
-    one line, not a traceback); with none it is raised as it came.
+    torchrun then sends them. So a rank whose start-up a signal stops leaves word of it with
+    ``peers.tell`` (the stuck-watcher's end too), and an error ``peers.gone(err)`` takes for a
+    peer's end raises :class:`Interrupted` with the code the peer left (``peers.stopped()``): the
+    same end as the peer's (143, one line, not a traceback), whenever the launcher's signal comes.
+    A peer that left no word (killed) is waited for up to :data:`PEER_STOP_WAIT_S` for that
+    signal, which then ends this rank as its own would; with none the error is raised as it came.
 
     Example::
 
@@ -334,12 +353,24 @@ def opening(on_stuck: Callable[[int], None],
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
         previous, installed = signal.signal(signal.SIGTERM, _terminated), True
+    def stuck(signum: int) -> None:
+        if peers is not None:
+            peers.tell(128 + int(signum))
+        on_stuck(signum)
+
     try:
-        with watch_stuck(flag, lambda: START_STUCK_AFTER_S, on_stuck), Watched(flag):
+        with watch_stuck(flag, lambda: START_STUCK_AFTER_S, stuck), Watched(flag):
             try:
                 yield
+            except KeyboardInterrupt as err:  # (Interrupted: a SIGTERM's)
+                if peers is not None:
+                    peers.tell(int(getattr(err, "exit_code", ExitCode.INTERRUPTED)))
+                raise
             except Exception as err:
-                if installed and peer_gone is not None and peer_gone(err):
+                if installed and peers is not None and peers.gone(err):
+                    code = peers.stopped()
+                    if code is not None:
+                        raise Interrupted(ExitCode(code)) from None
                     deadline = time.monotonic() + PEER_STOP_WAIT_S
                     while time.monotonic() < deadline:  # (the signal's handler raises here)
                         time.sleep(0.02)

@@ -43,7 +43,7 @@ def run(config: Config, *, outputs: Callable[[], RunPaths] = RunPaths, console_e
         (0, 3, 'finished: 3 steps')
     """
     # (SIGTERM unwinds the build as Ctrl-C does; Trainer.run opens the outputs under its own)
-    with opening(functools.partial(leave_now, take_back=take_back), distributed.peer_gone):
+    with opening(functools.partial(leave_now, take_back=take_back), distributed.PEERS):
         trainer = Trainer(config, outputs=outputs, console_every=console_every, stats_every=stats_every,
                           print_fn=print_fn, progress=progress, resume=resume, announce=announce, take_back=take_back)
     return trainer.run()

@@ -337,7 +337,7 @@ class Trainer:
         last checkpoint, close: the :class:`RunResult` (and, with a run folder, its card and plot).
         """
         # (SIGTERM unwinds it as Ctrl-C does; a peer that ended makes a collective fail: its stop, awaited)
-        with opening(functools.partial(leave_now, take_back=self.take_back), distributed.peer_gone):
+        with opening(functools.partial(leave_now, take_back=self.take_back), distributed.PEERS):
             self._open()
         first_step = self._first_step = self.state.steps
         crashed: Exception | None = None

@@ -12,7 +12,7 @@ import pytest
 
 from ampguard import distributed, signals
 from ampguard.errors import ExitCode
-from ampguard.signals import Interrupted, opening, terminated_as_interrupted
+from ampguard.signals import Interrupted, Peers, opening, terminated_as_interrupted
 
 
 @pytest.fixture
@@ -23,6 +23,13 @@ def sigterm_put_back():
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def _peers(gone: BaseException, *, stopped: int | None = None, told: list | None = None) -> Peers:
+    """The other ranks as a start-up hears of them: ``gone`` is the error of a peer's end, a peer
+    left word of its stop with code ``stopped`` (None: none did), this rank's word goes to ``told``."""
+    return Peers(gone=lambda err: err is gone, stopped=lambda: stopped,
+                 tell=(told if told is not None else []).append)
 
 
 def _term_soon(after_s: float = 0.2) -> threading.Timer:
@@ -69,7 +76,7 @@ def test_a_start_up_whose_peer_ended_waits_for_the_launchers_stop_and_ends_as_it
     gone = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2178")
     timer = _term_soon()
     started = time.monotonic()
-    with pytest.raises(Interrupted) as raised, opening(lambda signum: None, lambda err: err is gone):
+    with pytest.raises(Interrupted) as raised, opening(lambda signum: None, _peers(gone)):
         raise gone
     timer.join()
     assert raised.value.exit_code == ExitCode.TERMINATED and raised.value.__context__ is gone
@@ -80,13 +87,45 @@ def test_a_start_up_error_no_stop_follows_is_raised_as_it_came(sigterm_put_back,
     monkeypatch.setattr(signals, "PEER_STOP_WAIT_S", 0.2)
     gone, other = RuntimeError("Connection closed by peer"), ValueError("not a peer's")
     started = time.monotonic()
-    with pytest.raises(RuntimeError) as raised, opening(lambda signum: None, lambda err: err is gone):
+    with pytest.raises(RuntimeError) as raised, opening(lambda signum: None, _peers(gone)):
         raise gone
     assert raised.value is gone and time.monotonic() - started >= 0.2
     started = time.monotonic()
-    with pytest.raises(ValueError), opening(lambda signum: None, lambda err: err is gone):  # (not awaited)
+    with pytest.raises(ValueError), opening(lambda signum: None, _peers(gone)):  # (not awaited)
         raise other
     assert time.monotonic() - started < 0.2
+
+
+def test_a_start_up_whose_peer_left_word_of_its_stop_ends_at_once_with_the_peers_code(sigterm_put_back, monkeypatch):
+    # the launcher's SIGTERM may come late (the stopped peer's teardown on a loaded machine): the
+    # word the peer left in the store ends this rank at once, as the peer ended, with no traceback
+    monkeypatch.setattr(signals, "PEER_STOP_WAIT_S", 30.0)
+    gone, other = RuntimeError("Connection closed by peer"), ValueError("not a peer's")
+    for code in (ExitCode.TERMINATED, ExitCode.INTERRUPTED):
+        started = time.monotonic()
+        with pytest.raises(Interrupted) as raised, opening(lambda signum: None, _peers(gone, stopped=int(code))):
+            raise gone
+        assert raised.value.exit_code == code and raised.value.__suppress_context__
+        assert time.monotonic() - started < 5
+    with pytest.raises(ValueError), opening(lambda signum: None, _peers(gone, stopped=143)):  # (not a peer's end)
+        raise other
+
+
+def test_a_start_up_stopped_by_a_signal_leaves_word_for_its_peers_and_an_error_does_not(sigterm_put_back):
+    told = []
+    with pytest.raises(Interrupted), opening(lambda signum: None, _peers(ValueError(), told=told)):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # (the handler raises here)
+    with pytest.raises(KeyboardInterrupt), opening(lambda signum: None, _peers(ValueError(), told=told)):
+        raise KeyboardInterrupt  # (Ctrl-C's)
+    with pytest.raises(RuntimeError), opening(lambda signum: None, _peers(ValueError(), told=told)):
+        raise RuntimeError("a factory's own error")  # (a crash, not a stop: the peers wait for the launcher)
+    assert told == [143, 130]
+
+
+def test_without_a_process_group_no_word_is_left_or_read():
+    distributed.tell_stopped(143)
+    assert distributed.peer_stopped() is None and not distributed.PEERS.gone(RuntimeError("Connection closed by peer"))
 
 
 def test_under_torchrun_a_rank_whose_run_is_ending_ignores_sigterm(sigterm_put_back, monkeypatch):

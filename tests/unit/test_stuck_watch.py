@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ampguard import signals
-from ampguard.signals import Interrupted, opening, stop_on_signals, watch_stuck
+from ampguard.signals import Interrupted, Peers, opening, stop_on_signals, watch_stuck
 
 
 def _sigterm_in(seconds: float) -> threading.Timer:
@@ -126,15 +126,17 @@ def test_opening_unwinds_a_sigterm_where_python_runs_and_puts_the_handler_back(m
 def test_opening_hands_a_main_thread_waiting_in_c_to_on_stuck_after_the_grace(monkeypatch):
     monkeypatch.setattr(signals, "START_STUCK_AFTER_S", 0.4)
     read, write = os.pipe()
-    fired = []
+    fired, told = [], []
 
     def on_stuck(signum):  # (a run takes back its folder and ends the process; here the wait is let go)
         fired.append((signum, time.monotonic()))
+        told.append("on_stuck")
         os.write(write, b"x")
 
+    peers = Peers(gone=lambda err: False, stopped=lambda: None, tell=told.append)
     try:
         with pytest.raises(Interrupted):  # (let go, the main thread runs the handler it owed)
-            with opening(on_stuck):
+            with opening(on_stuck, peers):
                 _sigterm_in(0.1)
                 sent = time.monotonic() + 0.1
                 _blocked_in_c(read)
@@ -143,6 +145,8 @@ def test_opening_hands_a_main_thread_waiting_in_c_to_on_stuck_after_the_grace(mo
         os.close(write)
     assert [signum for signum, _ in fired] == [signal.SIGTERM]
     assert 0.4 <= fired[0][1] - sent < 3
+    # the word for the peers goes before on_stuck ends the process (here, let go, the unwinding says it again)
+    assert told == [143, "on_stuck", 143]
 
 
 def test_opening_leaves_an_ignored_sigterm_ignored():
