@@ -30,7 +30,6 @@ from torch.utils._pytree import tree_map, tree_map_only
 from torch import nn
 
 from .errors import ExitCode, InputError
-from .signals import Peers
 
 
 @dataclass(frozen=True)
@@ -573,8 +572,15 @@ def _several() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-PEERS = Peers(gone=peer_gone, stopped=peer_stopped, tell=tell_stopped)
-"""The other ranks as a run's start-up hears of them (:func:`~ampguard.signals.opening`)."""
+class _Peers:
+    """The other ranks as a run's start-up hears of them (:class:`~ampguard.signals.Peers`)."""
+
+    gone, stopped, tell = staticmethod(peer_gone), staticmethod(peer_stopped), staticmethod(tell_stopped)
+
+
+PEERS = _Peers()
+"""What :func:`~ampguard.signals.opening` is given under torchrun: :func:`peer_gone`,
+:func:`peer_stopped`, :func:`tell_stopped`."""
 
 
 def ending() -> None:

@@ -20,8 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from .errors import ExitCode
 
@@ -295,19 +294,19 @@ were too short in the test suite, where dozens of processes start at once). An e
 follows (no launcher) is raised then."""
 
 
-@dataclass(frozen=True)
-class Peers:
+class Peers(Protocol):
     """How a run's start-up (:func:`opening`) hears of the other processes of its group
-    (:data:`ampguard.distributed.PEERS` under torchrun).
+    (:data:`ampguard.distributed.PEERS` under torchrun, which this module does not import)."""
 
-    ``gone(err)``: the error is a collective failing because a peer process ended. ``stopped()``:
-    the exit code (130, 143) a peer's start-up stop left word of, or None. ``tell(code)``: leave
-    word of this rank's start-up stop, before its process leaves the group (its sockets close
-    after that, so a peer whose collective fails finds the word there)."""
+    def gone(self, err: BaseException) -> bool:
+        """The error is a collective failing because a peer process ended."""
 
-    gone: Callable[[BaseException], bool]
-    stopped: Callable[[], int | None]
-    tell: Callable[[int], None]
+    def stopped(self) -> int | None:
+        """The exit code (130, 143) a peer's start-up stop left word of, or None."""
+
+    def tell(self, code: int) -> None:
+        """Leave word of this rank's start-up stop, before its process leaves the group (its
+        sockets close after that, so a peer whose collective fails finds the word there)."""
 
 
 def _terminated(signum: int, frame: Any) -> None:

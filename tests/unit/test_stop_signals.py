@@ -7,12 +7,13 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from ampguard import distributed, signals
 from ampguard.errors import ExitCode
-from ampguard.signals import Interrupted, Peers, opening, terminated_as_interrupted
+from ampguard.signals import Interrupted, opening, terminated_as_interrupted
 
 
 @pytest.fixture
@@ -25,10 +26,10 @@ def sigterm_put_back():
         signal.signal(signal.SIGTERM, before)
 
 
-def _peers(gone: BaseException, *, stopped: int | None = None, told: list | None = None) -> Peers:
+def _peers(gone: BaseException, *, stopped: int | None = None, told: list | None = None) -> SimpleNamespace:
     """The other ranks as a start-up hears of them: ``gone`` is the error of a peer's end, a peer
     left word of its stop with code ``stopped`` (None: none did), this rank's word goes to ``told``."""
-    return Peers(gone=lambda err: err is gone, stopped=lambda: stopped,
+    return SimpleNamespace(gone=lambda err: err is gone, stopped=lambda: stopped,
                  tell=(told if told is not None else []).append)
 
 

@@ -10,11 +10,12 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from ampguard import signals
-from ampguard.signals import Interrupted, Peers, opening, stop_on_signals, watch_stuck
+from ampguard.signals import Interrupted, opening, stop_on_signals, watch_stuck
 
 
 def _sigterm_in(seconds: float) -> threading.Timer:
@@ -133,7 +134,7 @@ def test_opening_hands_a_main_thread_waiting_in_c_to_on_stuck_after_the_grace(mo
         told.append("on_stuck")
         os.write(write, b"x")
 
-    peers = Peers(gone=lambda err: False, stopped=lambda: None, tell=told.append)
+    peers = SimpleNamespace(gone=lambda err: False, stopped=lambda: None, tell=told.append)
     try:
         with pytest.raises(Interrupted):  # (let go, the main thread runs the handler it owed)
             with opening(on_stuck, peers):
