@@ -411,13 +411,15 @@ class Launch:
 
 BATCH_RANK = '''
 """One torchrun worker of a helpers.Batch: its runs, one after another (tests/helpers.py)."""
-import json, os, resource, sys, traceback
+import json, os, resource, signal, sys, traceback
 from pathlib import Path
 
 from ampguard import distributed
 from ampguard.cli import main
 
 rank = os.environ["RANK"]
+if len(sys.argv) > 2:  # the batch's prelude (patches each run's environment turns on)
+    exec(compile(Path(sys.argv[2]).read_text(), sys.argv[2], "exec"), {"__name__": "prelude"})
 shutdown, distributed.shutdown = distributed.shutdown, lambda: None  # one process group for every run
 console = os.dup(1), os.dup(2)
 runs = json.loads(Path(sys.argv[1]).read_text())
@@ -431,6 +433,8 @@ for run in runs:
         registry = getattr(module, "__warningregistry__", None)
         if isinstance(registry, dict):
             registry.clear()
+    # a fresh process's handlers (a run that ended left SIGTERM ignored: distributed.ending)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL), signal.signal(signal.SIGINT, signal.default_int_handler)
     before = {name: os.environ.get(name) for name in run["env"]}
     os.environ.update(run["env"])
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -480,23 +484,29 @@ class Run:
 class Batch:
     """Several ``ampguard`` runs, one after another, in one torchrun launch of 2 workers (a
     launch costs ~12 s of CPU, two thirds of it its three processes importing torch; a run in a
-    batch, ~2 s): for runs whose every rank ends at the same point (a refusal, a guard's stop, the
-    end), so that the next run's collectives meet (a run whose ranks part would fail the runs
-    after it, not itself). Not for a signal, a kill or a crash on one rank. The last run ends as
-    a launch of its own: the process group left, each worker exiting with its code (torchrun's
-    report, the launch's stderr, follows that run's). ``runs``: ``{name: Run}``; each runs in
-    ``work/NAME``, with its ranks' output and the codes their ``main`` returned in files beside
-    it (``NAME.rank<R>.rc``: :func:`rank_codes`; :meth:`results`)."""
+    batch, ~2 s): for runs whose every rank ends at the same point (a refusal, a guard's stop, a
+    stop signal the ranks agree on, the end), so that the next run's collectives meet (a run whose
+    ranks part would fail the runs after it, not itself). Not for a kill or a crash on one rank,
+    but as the last run, which ends as a launch of its own: the process group left, each worker
+    exiting with its code (torchrun's report, the launch's stderr, follows that run's). Each run
+    begins with a fresh process's SIGTERM and SIGINT handlers. ``runs``: ``{name: Run}``; each
+    runs in ``work/NAME``, with its ranks' output and the codes their ``main`` returned in files
+    beside it (``NAME.rank<R>.rc``: :func:`rank_codes`; :meth:`results`). ``prelude``: Python
+    source each worker runs once before the runs (patches that each run's ``env`` turns on)."""
 
-    def __init__(self, name: str, runs: dict[str, Run], work: Path, *, timeout_s: float, env: dict[str, str]) -> None:
+    def __init__(self, name: str, runs: dict[str, Run], work: Path, *, timeout_s: float, env: dict[str, str],
+                 prelude: str | None = None) -> None:
         self.names, self.work = list(runs), work
         self.folders = {n: work / (run.cwd or n) for n, run in runs.items()}
         spec = [{**dataclasses.asdict(run), "name": n, "cwd": str(self.folders[n]), "rc": str(work / n)}
                 for n, run in runs.items()]
         (work / f"{name}.json").write_text(json.dumps(spec))
         (work / "batch_rank.py").write_text(BATCH_RANK)
-        self.launch = Launch(name, [str(work / "batch_rank.py"), str(work / f"{name}.json")], work / name,
-                             timeout_s=timeout_s, env=env)
+        args = [str(work / "batch_rank.py"), str(work / f"{name}.json")]
+        if prelude is not None:
+            (work / f"{name}.prelude.py").write_text(prelude)
+            args.append(str(work / f"{name}.prelude.py"))
+        self.launch = Launch(name, args, work / name, timeout_s=timeout_s, env=env)
 
     def results(self) -> dict[str, Ended]:
         """Each run once the launch ended, as an :class:`Ended` whose ``rc`` is the highest code

@@ -86,7 +86,8 @@ pytestmark = TORCHRUN
 
 TIMEOUT_S = EARLY_TIMEOUT_S
 # their ranks end together: one launch (helpers.Batch), in this order; S last, the launch's own end
-BATCHED = ("D", "E", "X", "R", "V", "K", "Z", "C", "M", "B", "S")
+# (O and L: a SIGTERM that every rank agrees on; each run begins with a fresh process's handlers)
+BATCHED = ("D", "E", "X", "R", "V", "K", "Z", "C", "M", "B", "O", "L", "S")
 RUN = ["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",
        "--set", "task.batch_size=8", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
 SHARDED_EVAL = '''
@@ -141,38 +142,42 @@ def build(config):
     return nn.Linear(4, 1), [(x[i:i + 4], y[i:i + 4]) for i in range(0, 15, 4)], nn.functional.mse_loss
 '''
 WRAPPER = '''
-import os, signal, sys
+import os, sys
 from pathlib import Path
-from ampguard import trainer
 from ampguard.cli import main
 
-if os.environ.get("LATE_TERM"):  # L: rank 0's SIGTERM before step 3's boundary, rank 1's own just after it
-    agree = trainer.Trainer._agree
-
-    def late(self, stop, full):
-        if os.environ["RANK"] == "0" and self.state.steps == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        interrupted, full = agree(self, stop, full)
-        if os.environ["RANK"] == "1" and interrupted:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return interrupted, full
-
-    trainer.Trainer._agree = late
-if os.environ.get("TERM_RANK_0_OPENING"):  # G: a SIGTERM to rank 0 alone while it builds the run's task
-    build_task = trainer._build_task
-    if os.environ["RANK"] == "1":  # rank 1 ends by rank 0's word in the store, not by torchrun's SIGTERM
-        from ampguard import signals  # (whose timing on a loaded machine made this test flaky)
-        signals.PEER_STOP_WAIT_S = 0.0
-
-    def building(*args, **kwargs):
-        if os.environ["RANK"] == "0":
-            os.kill(os.getpid(), signal.SIGTERM)
-        return build_task(*args, **kwargs)
-
-    trainer._build_task = building
 code = int(main(sys.argv[2:]))
 Path(f"{sys.argv[1]}.rank{os.environ['RANK']}.rc").write_text(str(code))  # (helpers.rank_codes)
 sys.exit(code)
+'''
+PATCHES = '''
+"""The batches' prelude (helpers.Batch): each patch acts in the run whose environment names it."""
+import os, signal
+from ampguard import signals, trainer
+
+agree, build_task = trainer.Trainer._agree, trainer._build_task
+
+
+def late(self, stop, full):  # L (LATE_TERM): rank 0's SIGTERM before step 3's boundary, rank 1's own just after it
+    late_term = os.environ.get("LATE_TERM")
+    if late_term and os.environ["RANK"] == "0" and self.state.steps == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    interrupted, full = agree(self, stop, full)
+    if late_term and os.environ["RANK"] == "1" and interrupted:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return interrupted, full
+
+
+def building(*args, **kwargs):  # G (TERM_RANK_0_OPENING): a SIGTERM to rank 0 alone while it builds the run's task
+    if os.environ.get("TERM_RANK_0_OPENING"):  # (a batch's last run: it leaves the process group)
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:  # rank 1 ends by rank 0's word in the store, not by torchrun's SIGTERM (whose timing on a
+            signals.PEER_STOP_WAIT_S = 0.0  # loaded machine made this test flaky)
+    return build_task(*args, **kwargs)
+
+
+trainer.Trainer._agree, trainer._build_task = late, building
 '''
 
 
@@ -279,9 +284,9 @@ def early(work: Path) -> dict[str, tuple]:
     try:
         # the runs whose ranks all end at one point, one after another in one launch
         batch = Batch("batch", {name: Run(specs[name], rank_1.get(name, []), own_env.get(name, {}), sizes.get(name))
-                                for name in BATCHED}, work, timeout_s=TIMEOUT_S, env=env)
+                                for name in BATCHED}, work, timeout_s=TIMEOUT_S, env=env, prelude=PATCHES)
         started["batch"] = batch.launch
-        for name in specs.keys() - set(BATCHED):  # a signal, a kill, one rank's crash, a file size limit: each its own
+        for name in specs.keys() - {*BATCHED, "G"}:  # a kill, a hang, one rank's crash, torchrun's SIGTERM: each its own
             started[name] = Launch(name, [str(wrapper), str(work / name), *specs[name]], work / name, timeout_s=TIMEOUT_S,
                                    env={**env, **own_env.get(name, {})})
         # what W's kill left (its CSV, its checkpoints), before its resume (with P and Q, below)
@@ -311,7 +316,9 @@ def early(work: Path) -> dict[str, tuple]:
             "P": Run(["train", "--resume", "runs/P", "--set", "steps=10"]),
             "Q": Run(["train", "--resume", str(k_run / "checkpoints" / "step-00000004.pt")],
                      ["--resume", str(k_run / "checkpoints" / "step-00000006.pt")]),
-            "W-resume": Run(["train", "--resume", str(w_run)])}, work, timeout_s=TIMEOUT_S, env=env)
+            "W-resume": Run(["train", "--resume", str(w_run)]),
+            # G last (rank 0, stopped in its start-up, leaves the process group, as a launch's own would)
+            "G": Run(specs["G"], env=own_env["G"])}, work, timeout_s=TIMEOUT_S, env=env, prelude=PATCHES)
         started["resumes"] = resumes.launch
         results.update(_as_launches(resumes.results()))
         results["W-left"] = left
