@@ -411,7 +411,7 @@ class Launch:
 
 BATCH_RANK = '''
 """One torchrun worker of a helpers.Batch: its runs, one after another (tests/helpers.py)."""
-import json, os, resource, signal, sys, traceback
+import json, os, resource, runpy, shutil, signal, sys, traceback
 from pathlib import Path
 
 from ampguard import distributed
@@ -421,6 +421,20 @@ rank = os.environ["RANK"]
 if len(sys.argv) > 2:  # the batch's prelude (patches each run's environment turns on)
     exec(compile(Path(sys.argv[2]).read_text(), sys.argv[2], "exec"), {"__name__": "prelude"})
 shutdown, distributed.shutdown = distributed.shutdown, lambda: None  # one process group for every run
+
+
+def script(path, args):
+    """A script run as ``python PATH ARGS`` would: its code, 0 when it returns."""
+    argv, sys.argv = sys.argv, [path, *args]
+    try:
+        runpy.run_path(path, run_name="__main__")
+        return 0
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    finally:
+        sys.argv = argv
+
+
 console = os.dup(1), os.dup(2)
 runs = json.loads(Path(sys.argv[1]).read_text())
 for run in runs:
@@ -449,7 +463,14 @@ for run in runs:
             if own[:1] and own[0] in args and own[0] not in ("--set", "--inject"):  # (--resume: the CLI takes it once)
                 at = args.index(own[0])
                 args, own = args[:at] + own[:2] + args[at + 2:], own[2:]
-            code = int(main(args + own))
+            if run["copy"]:  # (rank 0 copies; every rank reads the copy)
+                if rank == "0":
+                    source, target = run["copy"]
+                    if source.endswith("/*"):  # (the one folder in it, its name chosen by a run before)
+                        [source] = Path(source[:-2]).iterdir()
+                    shutil.copytree(source, target)
+                distributed.barrier()
+            code = int(main(args + own)) if run["script"] is None else script(run["script"], args + own)
         except BaseException:  # a bug: the runs after it would wait in collectives this rank never joins
             traceback.print_exc()
             sys.stderr.flush()
@@ -479,6 +500,12 @@ class Run:
     file_size: int | None = None
     cwd: str | None = None
     """Its working folder's name in the batch's folder (the run's name if None)."""
+    script: str | None = None
+    """A Python file run as ``python SCRIPT ARGS`` in place of ``ampguard ARGS`` (it joins the
+    process group only if no run before it did, and leaves it only if it joined it)."""
+    copy: tuple[str, str] | None = None
+    """``(source, target)``: a folder rank 0 copies before the run (``DIR/*``: the one folder in
+    DIR), every rank waiting for it (a run before this one formed the process group)."""
 
 
 class Batch:

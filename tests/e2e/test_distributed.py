@@ -1,18 +1,16 @@
 """Data-parallel training under torchrun (issue 6): CPU, gloo, 2 processes.
 
-Each torchrun launch costs seconds (torch is imported by three processes), so the launches are
-few, run side by side in an early job (conftest.py: started at collection) and shared by the
-tests of this module:
+Each torchrun launch costs seconds (torch is imported by three processes), so there is one, in
+an early job (conftest.py: started at collection), shared by the tests of this module; its runs
+one after another (``helpers.Batch``: their ranks end together):
 
-- together: ``A``, ``ampguard train`` with DDP, fp32, accumulation 2, per-rank batch 8, 8 steps,
-  a checkpoint at step 4, and faults on rank 1 only (``nan_input@2@rank1``, ``nan_loss@3@rank1``,
-  ``inf_grad@6@rank1``); then ``F``, the same with FSDP2 (6 steps, ``nan_loss@2@rank1``), in
-  the same launch (``helpers.Batch``: their ranks end together); and beside them ``S``,
-  ``dist_scripts/lib_api.py``, the library API (``AmpTrainState``) on a DDP-wrapped and an
-  FSDP2-sharded model, each rank writing its own state to a file;
-- once A is done, in one launch: ``B``, a copy of run A resumed from its step-4 checkpoint, and
-  ``W``, a run of one process (trained by the job itself) resumed under torchrun (refused: world
-  size).
+- ``A``, ``ampguard train`` with DDP, fp32, accumulation 2, per-rank batch 8, 8 steps, a
+  checkpoint at step 4, and faults on rank 1 only (``nan_input@2@rank1``, ``nan_loss@3@rank1``,
+  ``inf_grad@6@rank1``); ``F``, the same with FSDP2 (6 steps, ``nan_loss@2@rank1``);
+- ``S``, ``dist_scripts/lib_api.py``, the library API (``AmpTrainState``) on a DDP-wrapped and
+  an FSDP2-sharded model, each rank writing its own state to a file;
+- ``B``, a copy of run A resumed from its step-4 checkpoint; ``W``, a run of one process
+  (trained by the job itself before the launch) resumed under torchrun (refused: world size).
 
 The single-process references (batch 16) run in this process.
 """
@@ -30,7 +28,6 @@ import torch
 
 from helpers import (EARLY_TIMEOUT_S, TORCHRUN, Batch, Ended, Run, card_table, end_launches, rank_codes, read_rows,
                      run_events, snapshot_of, torchrun_env)
-from helpers import Launch as _Launch
 
 from ampguard.checkpoint import load_checkpoint
 from ampguard.cli import main as ampguard_main
@@ -56,41 +53,30 @@ FAULTS_F_SINGLE = ["--inject", "nan_loss@2"]
 # ---------------------------------------------------------------------------- launching
 
 
-def Launch(name: str, args: list[str], cwd: Path) -> _Launch:  # noqa: N802 - the class, with this module's limit
-    return _Launch(name, args, cwd, timeout_s=TIMEOUT_S)
-
-
 def early(work: Path) -> dict[str, Ended]:
-    """A and F one after another in one launch (``helpers.Batch``: a launch is ~12 s of CPU, a
-    run in it ~2 s), S beside them, in ``work``; then, in one launch, B (a copy of run A resumed
-    from its step-4 checkpoint) and W (a run of one process, trained here, resumed under
-    torchrun: refused); each once it ended, and ``W-left``, W's folder before (an early job:
-    see conftest.py)."""
-    started: dict[str, _Launch] = {}
+    """One launch (``helpers.Batch``: a launch is ~12 s of CPU, a run in it ~2 s), in ``work``:
+    A, F, S (the library API script), B (a copy of run A resumed from its step-4 checkpoint) and
+    W (a run of one process, trained here first, resumed under torchrun: refused); each once it
+    ended, and ``W-left``, W's folder before (an early job: see conftest.py)."""
+    w = work / "W_runs" / "W"  # (a world of one: this process has no torchrun variables)
+    assert ampguard_main(["train", *RUN_A, "--set", "task.batch_size=16", "--set", f"log.dir={w.parent}",
+                          "--set", "log.name=W", "--set", "log.plot=false"]) == 0
+    w_left = snapshot_of(w)
+    (work / "S_out").mkdir()
+    b = work / "B_runs" / "B"
+    # (F: no test reads its plot; rank 0 drawing one costs a fresh process ~2 s of CPU)
+    batch = Batch("AF", {
+        "A": Run(["train", *RUN_A, *FAULTS_A, "--set", f"log.dir={work / 'A_runs'}"], cwd="A_cwd"),
+        "F": Run(["train", *RUN_F, *FAULTS_F, "--set", "log.plot=false", "--set", f"log.dir={work / 'F_runs'}",
+                  "--set", "log.name=F"], cwd="F_cwd"),
+        "S": Run([str(work / "S_out" / "state")], cwd="S_cwd", script=str(SCRIPTS / "lib_api.py")),
+        "B": Run(["train", "--resume", str(b / "checkpoints" / CKPT4)], cwd="B_cwd", copy=(f"{work / 'A_runs'}/*", str(b))),
+        "W": Run(["train", "--resume", str(w / "checkpoints" / CKPT4)], cwd="W_cwd")},
+        work, timeout_s=TIMEOUT_S, env=torchrun_env())
     try:
-        # (F: no test reads its plot; rank 0 drawing one costs a fresh process ~2 s of CPU)
-        batch = Batch("AF", {"A": Run(["train", *RUN_A, *FAULTS_A, "--set", f"log.dir={work / 'A_runs'}"], cwd="A_cwd"),
-                             "F": Run(["train", *RUN_F, *FAULTS_F, "--set", "log.plot=false",
-                                       "--set", f"log.dir={work / 'F_runs'}", "--set", "log.name=F"], cwd="F_cwd")},
-                      work, timeout_s=TIMEOUT_S, env=torchrun_env())
-        started["AF"] = batch.launch
-        (work / "S_out").mkdir()
-        started["S"] = Launch("S", [str(SCRIPTS / "lib_api.py"), str(work / "S_out" / "state")], work / "S_cwd")
-        w = work / "W_runs" / "W"  # (a world of one: this process has no torchrun variables)
-        assert ampguard_main(["train", *RUN_A, "--set", "task.batch_size=16", "--set", f"log.dir={w.parent}",
-                              "--set", "log.name=W", "--set", "log.plot=false"]) == 0
-        ended = {**batch.results(), "W-left": snapshot_of(w)}
-        if ended["A"].rc == 0:
-            b = work / "B_runs" / "B"
-            shutil.copytree(_single_run_dir(work / "A_runs"), b)
-            resumes = Batch("BW", {"B": Run(["train", "--resume", str(b / "checkpoints" / CKPT4)], cwd="B_cwd"),
-                                   "W": Run(["train", "--resume", str(w / "checkpoints" / CKPT4)], cwd="W_cwd")},
-                            work, timeout_s=TIMEOUT_S, env=torchrun_env())
-            started["BW"] = resumes.launch
-            ended.update(resumes.results())
-        return {**ended, "S": started["S"].ended()}
+        return {**batch.results(), "W-left": w_left}
     finally:
-        end_launches(started.values())  # (all at once: one grace for them all)
+        end_launches([batch.launch])
 
 
 def _single_run_dir(runs: Path) -> Path:

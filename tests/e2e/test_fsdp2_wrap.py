@@ -91,10 +91,10 @@ pytestmark = TORCHRUN
 
 
 def early(work: Path) -> dict[str, Ended]:
-    """Every launch, started together in ``work``, once it ended (an early job: see conftest.py):
-    CF, T and E one after another in one (``helpers.Batch``: a launch is ~12 s of CPU, a run in
-    it ~2 s), H beside them."""
-    from helpers import Batch, Launch, Run, torchrun_env
+    """CF, T, H (this file's script) and E, one after another in one launch in ``work``
+    (``helpers.Batch``: a launch is ~12 s of CPU, a run in it ~2 s), each once it ended (an early
+    job: see conftest.py)."""
+    from helpers import Batch, Run, torchrun_env
 
     (work / "tied.py").write_text(TIED_FACTORY)
     (work / "scalar.py").write_text(SCALAR_FACTORY)
@@ -108,16 +108,15 @@ def early(work: Path) -> dict[str, Ended]:
     }
     env = torchrun_env(PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     # (no test reads a plot: rank 0 drawing one costs a fresh process ~2 s of CPU)
-    batch = Batch("batch", {name: Run([*args, "--set", f"log.dir={work / 'runs'}", "--set", f"log.name={name}",
-                                      "--set", "log.plot=false"]) for name, args in runs.items()},
-                  work, timeout_s=TIMEOUT_S, env=env)
-    started = [batch.launch]
+    batch = {name: Run([*args, "--set", f"log.dir={work / 'runs'}", "--set", f"log.name={name}",
+                        "--set", "log.plot=false"]) for name, args in runs.items()}
+    batch = Batch("batch", {"CF": batch["CF"], "T": batch["T"],
+                            "H": Run([str(work / "H_out")], cwd="H_cwd", script=str(Path(__file__).resolve())),
+                            "E": batch["E"]}, work, timeout_s=TIMEOUT_S, env=env)
     try:
-        started.append(h := Launch("H", [str(Path(__file__).resolve()), str(work / "H_out")], work / "H_cwd",
-                                   timeout_s=TIMEOUT_S, env=env))
-        return {**batch.results(), "H": h.ended()}
+        return batch.results()
     finally:
-        end_launches(started)  # (all at once: one grace for them all)
+        end_launches([batch.launch])
 
 
 def _steps(work: Path, name: str) -> str:
@@ -207,7 +206,9 @@ def _script(out: Path) -> None:
     from ampguard.clipping import global_l2_norm, has_non_finite_grad
     from ampguard.errors import InputError
 
-    dist.init_process_group("gloo")
+    joined = not dist.is_initialized()  # (a helpers.Batch run finds the group of the runs before it)
+    if joined:
+        dist.init_process_group("gloo")
     rank, cpu = dist.get_rank(), torch.device("cpu")
     got: dict = {}
 
@@ -263,7 +264,8 @@ def _script(out: Path) -> None:
             got[key] = str(err)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(got))
-    dist.destroy_process_group()
+    if joined:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
