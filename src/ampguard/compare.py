@@ -29,7 +29,7 @@ from .errors import ExitCode, InputError, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, plot_metadata,
+from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, panel_title, plot_metadata,
                      policy_changes_of, read_card, reading_notes, replay, rollbacks_of, rolling_skip_rate, shown,
                      threshold_by_step, threshold_line, threshold_text, whole_steps)
 from .run_folder import RunPaths
@@ -340,15 +340,15 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         ax_loss.set_ylabel("loss (log)")
     else:  # linear, or symmetric log for losses of both signs near the float maximum
         _linear_y(ax_loss, losses, "loss")
-    ax_loss.set_title("Loss (x: a skipped step)")
+    panel_title(ax_loss, "Loss (x: a skipped step)")
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("gradient norm (log)")
-    ax_norm.set_title("Global gradient L2 norm before clipping (dashed: each run's max_norm)")
+    panel_title(ax_norm, "Global gradient L2 norm before clipping (dashed: each run's max_norm)")
     ax_scale.set_ylabel("log2(loss scale)")
-    ax_scale.set_title("Loss scale after each step's update (0 = 1.0: no scaler)")
+    panel_title(ax_scale, "Loss scale after each step's update (0 = 1.0: no scaler)")
     ax_skip.set_ylim(0, max(0.1, top_rate * 1.2))
     ax_skip.set_ylabel("skip rate")
-    ax_skip.set_title("Rolling skip rate (over the steps each run's window holds)")
+    panel_title(ax_skip, "Rolling skip rate (over the steps each run's window holds)")
     ax_skip.set_xlabel("step (optimizer steps, not micro-batches)")
     whole_steps(ax_skip)
     for ax in axes:

@@ -41,6 +41,14 @@ PANEL_MARGINS = {"left": 0.075, "right": 0.98, "top": 0.94, "bottom": 0.04, "hsp
 HEATMAP_HEIGHT = 5.0  # inches added for the headroom heatmap, when the run recorded headroom
 
 
+def panel_title(ax: Any, text: str) -> None:
+    """A panel's title, just above it. Placed there rather than by matplotlib, which at each draw
+    measures every tick label of the y axis to see whether its offset text (a "1e-4" at the
+    top-left) reaches the centred title, and never does on these wide panels: the same pixels,
+    ~12% of a plot's time (0.635 -> 0.561 s)."""
+    ax.set_title(text, y=1.0)
+
+
 
 def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None) -> list[str]:
     """What reading ``csv_path`` left out or found missing, a note each: its last line ``torn`` (a
@@ -669,7 +677,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
         ax_loss.set_ylabel("loss (log)")
     else:
         _linear_y(ax_loss, ys, "loss")
-    ax_loss.set_title("Loss")
+    panel_title(ax_loss, "Loss")
 
     for values, label, colour in (
         ([r.grad_l2_pre_clip for r in rows], "pre-clip", "tab:purple"),
@@ -681,18 +689,18 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
                    color="black", ls="--", lw=1)
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("gradient norm (log)")
-    ax_norm.set_title("Global gradient L2 norm, before and after clipping")
+    panel_title(ax_norm, "Global gradient L2 norm, before and after clipping")
 
     xs, ys = finite([r.scaler_scale for r in rows], positive=True)
     ax_scale.step(xs, [math.log2(v) for v in ys], where="post", color="tab:brown", lw=1.2, label="log2(scale)",
                   **dots(xs))
     ax_scale.set_ylabel("log2(loss scale)")
-    ax_scale.set_title("Loss scale (after each step's update; 1.0 = no scaler)")
+    panel_title(ax_scale, "Loss scale (after each step's update; 1.0 = no scaler)")
 
     xs, ys = finite([r.lr for r in rows])
     ax_lr.plot(xs, ys, color="tab:cyan", lw=1.2, label="learning rate (param group 0)", **dots(xs))
     _linear_y(ax_lr, ys, "learning rate")
-    ax_lr.set_title("Learning rate")
+    panel_title(ax_lr, "Learning rate")
 
     rates = rolling_skip_rate(rows, window, rollbacks)
     ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})", **dots(steps))
@@ -702,7 +710,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     threshold_line(ax_skip, steps, fail_rates, "fail_rate", color="tab:red", ls=":", lw=1)
     ax_skip.set_ylim(0, max(0.1, *(v * 1.5 for v in alert_rates + fail_rates if v is not None), max(rates) * 1.2))
     ax_skip.set_ylabel("skip rate")
-    ax_skip.set_title("Rolling skip rate")
+    panel_title(ax_skip, "Rolling skip rate")
     axes[-1].set_xlabel("step")
     whole_steps(axes[-1])
     if heat:
