@@ -387,15 +387,16 @@ def _measure(**kw):
     return measure(_mlp(cpu), Precision("fp32", "cpu"), cpu, [Bare, BareAgain], steps=1, warmup=1, fused=False, **kw)
 
 
-def _fake_timings(monkeypatch, timing=lambda c, ran: 1.0):
+def _fake_timings(monkeypatch, timing=lambda c, ran: 1.0, *, run_steps: bool = True):
     """Feed ``timing(contender, names timed so far)`` through ampguard's own timing function (the
-    steps still run), so the rounds' decisions do not hang on this machine's wall clock."""
+    steps still run, unless ``run_steps`` is false: a test of the stop rule alone), so the rounds'
+    decisions do not hang on this machine's wall clock."""
     from ampguard import bench
 
     ran: list[str] = []
 
     def time_steps(c, steps, device):
-        for _ in range(steps):
+        for _ in range(steps if run_steps else 0):
             c.step()
         ran.append(c.name)
         return timing(c, ran)
@@ -448,7 +449,7 @@ def test_a_resolved_case_reports_intervals_within_the_goal(monkeypatch):
                 return last["bare"]
             return last["bare"] * (1.05 + rng.gauss(0, 0.02))
 
-        _fake_timings(monkeypatch, timing)
+        _fake_timings(monkeypatch, timing, run_steps=False)  # (the rule's decisions: ~3000 steps not needed)
         cpu = torch.device("cpu")
         results = bench.measure(bench._mlp(cpu), Precision("fp32", "cpu"), cpu, [bench.Bare, bench.Guarded],
                                 steps=1, rounds=6, warmup=1, fused=False, resolve=0.01, budget_s=1e9, max_rounds=200)
