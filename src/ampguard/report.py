@@ -49,7 +49,6 @@ def panel_title(ax: Any, text: str) -> None:
     ax.set_title(text, y=1.0)
 
 
-
 def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None) -> list[str]:
     """What reading ``csv_path`` left out or found missing, a note each: its last line ``torn`` (a
     write cut short), the steps with no row before its last (a line deleted by hand, a CSV a
