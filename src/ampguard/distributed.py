@@ -516,9 +516,10 @@ def any_ranks(flags: list[bool], device: torch.device) -> list[bool]:
 
 def peer_gone(err: BaseException) -> bool:
     """Whether ``err`` is a collective failing because another process of the group ended: a
-    ``torch.distributed`` error (NCCL's, the store's), or gloo's ``RuntimeError`` "Connection
-    closed by peer" / "reset by peer"; never in a group of one (:func:`~ampguard.signals.opening`
-    then waits for the launcher's stop signal).
+    ``torch.distributed`` error (NCCL's, the store's), or gloo's ``RuntimeError`` for a socket
+    the peer closed: "Connection closed by peer" (a read), "reset by peer" or "Broken pipe" (a
+    write, as gloo's pair reports ``ECONNRESET`` and ``EPIPE``); never in a group of one
+    (:func:`~ampguard.signals.opening` then waits for the launcher's stop signal).
 
     Example (no process group)::
 
@@ -529,7 +530,10 @@ def peer_gone(err: BaseException) -> bool:
         return False
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
-    return isinstance(err, RuntimeError) and any(words in str(err) for words in ("closed by peer", "reset by peer"))
+    return isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_ENDED)
+
+
+_PEER_ENDED = ("closed by peer", "reset by peer", "Broken pipe")  # (gloo's transport/tcp/pair.cc)
 
 
 def _stop_key() -> str:

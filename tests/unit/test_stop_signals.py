@@ -124,6 +124,19 @@ def test_a_start_up_stopped_by_a_signal_leaves_word_for_its_peers_and_an_error_d
     assert told == [143, 130]
 
 
+@pytest.mark.parametrize("text, gone", [
+    ("[pair.cc:553] Connection closed by peer [127.0.0.1]:2178", True),  # a read: the peer closed its socket
+    ("[pair.cc:589] Write error [127.0.0.1]:61337: Connection reset by peer", True),
+    ("[pair.cc:589] Write error [127.0.0.1]:61337: Broken pipe", True),
+    ("Timed out waiting 1800000ms for recv operation to complete", False),  # (a peer that hangs is not gone)
+    ("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x1)", False),
+])
+def test_a_collectives_error_is_a_peers_end_only_for_a_socket_the_peer_closed(monkeypatch, text, gone):
+    monkeypatch.setattr(distributed, "_several", lambda: True)  # (a group of two: what the check needs)
+    assert distributed.peer_gone(RuntimeError(text)) is gone
+    assert not distributed.peer_gone(ValueError(text))  # (gloo's are RuntimeErrors)
+
+
 def test_without_a_process_group_no_word_is_left_or_read():
     distributed.tell_stopped(143)
     assert distributed.peer_stopped() is None and not distributed.PEERS.gone(RuntimeError("Connection closed by peer"))
