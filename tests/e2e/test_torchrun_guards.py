@@ -1,4 +1,6 @@
 """Guard stops under torchrun (issue 16): CPU, gloo, 2 processes; every launch side by side, early (conftest.py).
+The runs whose ranks end together run in two launches (``helpers.Batch``: the main batch, its
+last S; the resumes P, Q, W's, and G last); T, H, W and B1 each end their launch their own way.
 
 - ``S``: ``--strict --inject nan_loss@3@rank1``. The NaN is born on rank 1 only; every rank must
   stop at step 3 with exit 3 (none cut short by torchrun's SIGTERM when another exits first),
@@ -44,8 +46,9 @@
   boundary and ends with 143, the card saying SIGTERM (rank 0 said 130, "Ctrl-C").
 - ``G``: a SIGTERM to rank 0's process alone while it builds the run (start-up): rank 0 unwinds
   and ends with 143; rank 1's next start-up collective fails at once ("Connection closed by
-  peer", a traceback and exit 1, before torchrun's SIGTERM reached it): it now waits for that
-  signal and ends with 143 too, one line each, no run folder left.
+  peer", a traceback and exit 1, before torchrun's SIGTERM reached it): it now reads the word
+  rank 0 left in the store and ends with 143 too, one line each, no run folder left (rank 1
+  waits 0 s for torchrun's SIGTERM here: waiting for it alone lost a race under load).
 - ``L``: rank 0's SIGTERM before step 3's boundary and rank 1's own just after the boundary's
   agreement (a scheduler's signal reaching the nodes milliseconds apart): every rank stops there
   with 143 and the checkpoint (rank 1 took its own signal for a second one, skipped the save and
