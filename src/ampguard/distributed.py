@@ -514,6 +514,9 @@ def any_ranks(flags: list[bool], device: torch.device) -> list[bool]:
     return [v > 0 for v in highest([int(f) for f in flags], device)]
 
 
+_PEER_ENDED = ("closed by peer", "reset by peer", "Broken pipe")  # (gloo's transport/tcp/pair.cc)
+
+
 def peer_gone(err: BaseException) -> bool:
     """Whether ``err`` is a collective failing because another process of the group ended: a
     ``torch.distributed`` error (NCCL's, the store's), or gloo's ``RuntimeError`` for a socket
@@ -526,14 +529,11 @@ def peer_gone(err: BaseException) -> bool:
         >>> peer_gone(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2178"))
         False
     """
-    if not _several():
+    if not current().active:
         return False
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
     return isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_ENDED)
-
-
-_PEER_ENDED = ("closed by peer", "reset by peer", "Broken pipe")  # (gloo's transport/tcp/pair.cc)
 
 
 def _stop_key() -> str:
@@ -552,7 +552,7 @@ def tell_stopped(code: int) -> None:
         >>> tell_stopped(143), peer_stopped()
         (None, None)
     """
-    if _several():
+    if current().active:
         with contextlib.suppress(Exception):
             dist.distributed_c10d._get_default_store().set(_stop_key(), str(int(code)))
 
@@ -560,20 +560,16 @@ def tell_stopped(code: int) -> None:
 def peer_stopped() -> int | None:
     """The exit code a peer's start-up stop left word of (:func:`tell_stopped`), read without
     waiting; None when none did (it was killed, it crashed) or without a process group."""
-    if not _several():
+    if not current().active:
         return None
     try:
-        store = dist.distributed_c10d._get_default_store()
-        if not store.check([_stop_key()]):
+        store, key = dist.distributed_c10d._get_default_store(), _stop_key()
+        if not store.check([key]):
             return None
-        code = int(store.get(_stop_key()).decode())
+        code = int(store.get(key).decode())
     except Exception:  # (the store went with the launcher: no word to be had)
         return None
     return code if code in (int(ExitCode.INTERRUPTED), int(ExitCode.TERMINATED)) else None
-
-
-def _several() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class _Peers:

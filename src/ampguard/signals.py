@@ -352,7 +352,8 @@ def opening(on_stuck: Callable[[int], None], peers: Peers | None = None) -> Iter
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
         previous, installed = signal.signal(signal.SIGTERM, _terminated), True
-    def stuck(signum: int) -> None:
+
+    def stuck(signum: int) -> None:  # (the word for the peers first: on_stuck ends the process)
         if peers is not None:
             peers.tell(128 + int(signum))
         on_stuck(signum)

@@ -108,11 +108,11 @@ def early(work: Path) -> dict[str, Ended]:
     }
     env = torchrun_env(PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     # (no test reads a plot: rank 0 drawing one costs a fresh process ~2 s of CPU)
-    batch = {name: Run([*args, "--set", f"log.dir={work / 'runs'}", "--set", f"log.name={name}",
+    train = {name: Run([*args, "--set", f"log.dir={work / 'runs'}", "--set", f"log.name={name}",
                         "--set", "log.plot=false"]) for name, args in runs.items()}
-    batch = Batch("batch", {"CF": batch["CF"], "T": batch["T"],
-                            "H": Run([str(work / "H_out")], cwd="H_cwd", script=str(Path(__file__).resolve())),
-                            "E": batch["E"]}, work, timeout_s=TIMEOUT_S, env=env)
+    script = Run([str(work / "H_out")], cwd="H_cwd", script=str(Path(__file__).resolve()))
+    batch = Batch("batch", {"CF": train["CF"], "T": train["T"], "H": script, "E": train["E"]}, work,
+                  timeout_s=TIMEOUT_S, env=env)
     try:
         return batch.results()
     finally:

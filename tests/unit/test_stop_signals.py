@@ -132,7 +132,7 @@ def test_a_start_up_stopped_by_a_signal_leaves_word_for_its_peers_and_an_error_d
     ("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x1)", False),
 ])
 def test_a_collectives_error_is_a_peers_end_only_for_a_socket_the_peer_closed(monkeypatch, text, gone):
-    monkeypatch.setattr(distributed, "_several", lambda: True)  # (a group of two: what the check needs)
+    monkeypatch.setattr(distributed, "current", lambda: distributed.DistInfo(rank=0, world_size=2))  # (a group of two)
     assert distributed.peer_gone(RuntimeError(text)) is gone
     assert not distributed.peer_gone(ValueError(text))  # (gloo's are RuntimeErrors)
 
