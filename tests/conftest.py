@@ -43,9 +43,9 @@ def pytest_configure(config: pytest.Config) -> None:
 # A module whose launches are slow (torchrun: three processes a launch, each importing torch)
 # defines ``early(work) -> result`` (picklable: builtins, paths, helpers.Ended). Its job starts at
 # collection in a process of its own at nice 19 (tests/early_runner.py: how to add one), and the
-# module's tests run last, reading the fixture ``launches`` (what it returned) and ``work`` (its
-# folder): the launches run on the core the in-process tests leave idle, instead of a minute of
-# the suite's own. A job that fails keeps its folder (the failure names it, with its launches' logs).
+# module's tests that read the fixture ``launches`` (what it returned) or ``work`` (its folder) run
+# last: the launches run on the core the in-process tests leave idle, instead of a minute of the
+# suite's own. A job that fails keeps its folder (the failure names it, with its launches' logs).
 
 EARLY_JOB_TIMEOUT_S = 2 * EARLY_TIMEOUT_S  # (its launches may come in two waves: a resume after its run)
 _EARLY: dict[str, tuple[subprocess.Popen, Path]] = {}
@@ -90,7 +90,9 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     early = {m.__file__ for m in (getattr(item, "module", None) for item in items) if _has_early(m)}
     if early:
-        items.sort(key=lambda item: getattr(getattr(item, "module", None), "__file__", None) in early)  # (stable)
+        # (stable) only the tests that read a job's results wait for it: its module's others keep
+        # their place, beside the jobs, rather than after every job has ended
+        items.sort(key=lambda item: "early_result" in getattr(item, "fixturenames", ()))
         if GLOO and not config.option.collectonly:
             for module_file in sorted(early - _EARLY.keys()):  # (those not started at their collection)
                 _start_early(module_file)

@@ -17,7 +17,8 @@ imported function of that name starts nothing), which starts its launches (``hel
 (``helpers.end_launches``), returning something picklable (``helpers.Ended``, builtins, paths).
 It runs in this process, without pytest: no fixtures, ``tests/`` on the path (``helpers``), the
 module imported a second time; an exception fails every test of the module. The tests read it
-through the fixtures ``launches`` (the result) and ``work`` (the folder), and run last.
+through the fixtures ``launches`` (the result) and ``work`` (the folder); those tests run last
+(the module's others run in their place).
 """
 
 from __future__ import annotations

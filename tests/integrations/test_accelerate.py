@@ -191,8 +191,8 @@ def test_a_scheduler_built_over_the_prepared_optimizer_is_taken(accelerator, for
 
 def early(work: Path) -> dict[str, Ended]:
     """The ``accelerate launch`` of the test below (three processes, each importing accelerate), run
-    to its end: an early job (conftest.py: started at collection, off the suite's own process; this
-    module's tests run last)."""
+    to its end: an early job (conftest.py: started at collection, off the suite's own process; the
+    tests that read it run last)."""
     folder = work / "launch"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",

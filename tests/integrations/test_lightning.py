@@ -902,8 +902,8 @@ torch.distributed.destroy_process_group()
 def early(work: Path) -> dict[str, Ended]:
     """The DDP fit of the test below (two processes, each importing Lightning) and the
     ``ddp_spawn`` fit of the test above (one process started by spawn), each run to its end: an
-    early job (conftest.py: started at collection, off the suite's own process; this module's
-    tests run last)."""
+    early job (conftest.py: started at collection, off the suite's own process; the
+    tests that read it run last)."""
     ended = {}
     for name, script in (("ddp", DDP_FIT), ("spawn", SPAWN_FIT)):
         folder = work / name

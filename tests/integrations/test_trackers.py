@@ -480,7 +480,7 @@ CRASH_CASES = (("crash", 1, "FAILED"), ("end", 0, "FINISHED"))  # a script that 
 def early(work: Path) -> dict[str, Ended]:
     """The two scripts of the crash test below (each importing torch, W&B and MLflow), side by
     side, to their end: an early job (conftest.py: started at collection, off the suite's own
-    process; this module's tests run last)."""
+    process; the tests that read it run last)."""
     import subprocess
 
     script = work / "crash.py"

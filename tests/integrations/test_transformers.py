@@ -687,8 +687,8 @@ torch.distributed.destroy_process_group()
 
 def early(work: Path) -> dict[str, Ended]:
     """The torchrun of the test below (three processes, each importing transformers), run to its
-    end: an early job (conftest.py: started at collection, off the suite's own process; this
-    module's tests run last)."""
+    end: an early job (conftest.py: started at collection, off the suite's own process; the
+    tests that read it run last)."""
     folder = work / "ddp"
     folder.mkdir()
     (folder / "train.py").write_text(DDP_TRAIN, encoding="utf-8")

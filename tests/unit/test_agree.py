@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 def early(work: Path) -> dict[str, object]:
     """The two ranks (tests/dist_scripts/agree_ranks.py: spawned processes, each importing torch
     and ampguard), run to their end: an early job (conftest.py: started at collection, off the
-    suite's own process; this module's tests run last)."""
+    suite's own process; the tests that read it run last)."""
     import sys
 
     from helpers import EARLY_TIMEOUT_S, run_to_end, torchrun_env

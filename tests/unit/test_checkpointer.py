@@ -697,7 +697,7 @@ def test_a_ddp_runs_optimizer_state_loads_into_an_fsdp2_model(launches):
 
 def early(work: Path) -> dict[str, Any]:
     """The one-process gloo script of the test above, run to its end: an early job (conftest.py:
-    started at collection, off the suite's own process; this module's tests run last)."""
+    started at collection, off the suite's own process; the tests that read it run last)."""
     import sys
 
     from helpers import EARLY_TIMEOUT_S, run_to_end, torchrun_env
