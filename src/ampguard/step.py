@@ -139,6 +139,17 @@ def _drives(scheduler: Any, optimizer: torch.optim.Optimizer) -> bool:
     return driven is optimizer or (driven is not None and getattr(driven, "optimizer", None) is optimizer)
 
 
+def _note_update(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """The update the guard just took of ``optimizer``, noted where ``scheduler`` looks for it when
+    it was made over a wrapper of it (Accelerate's prepared optimizer, whose torch optimizer the
+    guard steps): torch's scheduler wraps that object's ``step`` to set ``_opt_called``, and its
+    first ``step()`` warned "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+    (the schedule's first value skipped, which it was not)."""
+    driven = getattr(scheduler, "optimizer", None)
+    if driven is not None and driven is not optimizer and getattr(driven, "optimizer", None) is optimizer:
+        driven._opt_called = True
+
+
 def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, list[Any]]:
     """Which optimizer each scheduler drives: a dict by name, else by the scheduler's own
     ``.optimizer`` (any scheduler object, when there is one optimizer)."""
@@ -1213,6 +1224,8 @@ class Guard:
         for name in names:
             for scheduler in self._schedulers[name]:
                 if name in applied or self.scheduler_on_skip == "step":
+                    if name in applied:
+                        _note_update(scheduler, self.optimizers[name])
                     try:
                         scheduler.step()
                     except Exception as err:  # noqa: BLE001 - the first is raised once all have stepped

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -182,11 +183,16 @@ def test_a_scheduler_built_over_the_prepared_optimizer_is_taken(accelerator, for
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.9 ** n)
     guard = make_guard(accelerator, model, opt, precision="bf16", scheduler=sched if form == "single" else
                        {"optimizer": sched})
-    with guard.autocast():
-        loss = model(torch.ones(8, 4)).square().mean()
-    guard.backward(loss)
-    guard.step()
-    assert sched.last_epoch == 1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with guard.autocast():
+            loss = model(torch.ones(8, 4)).square().mean()
+        guard.backward(loss)
+        guard.step()
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.9)
+    # the guard stepped the torch optimizer inside the wrapper the scheduler watches: torch's first
+    # scheduler step warned that the optimizer had not stepped ("the first value ... skipped")
+    assert not [w for w in seen if "lr_scheduler.step()" in str(w.message)], [str(w.message) for w in seen]
 
 
 def early(work: Path) -> dict[str, Ended]:
