@@ -146,7 +146,7 @@ def _note_update(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     first ``step()`` warned "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
     (the schedule's first value skipped, which it was not)."""
     driven = getattr(scheduler, "optimizer", None)
-    if driven is not None and driven is not optimizer and getattr(driven, "optimizer", None) is optimizer:
+    if driven is not optimizer and _drives(scheduler, optimizer):  # (made over the wrapper, not the optimizer)
         driven._opt_called = True
 
 
