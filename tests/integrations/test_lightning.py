@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import pickle
 import sys
 import warnings
 from pathlib import Path
@@ -352,6 +353,36 @@ def test_a_resume_under_another_accumulation_or_precision_is_refused_before_any_
         fit(Digits(hidden=8), AmpGuardPlugin("32-true", csv=path), steps=4, ckpt_path=tmp_path / "last.ckpt")
     fit(module, plugin, steps=4, ckpt_path=tmp_path / "last.ckpt")  # the refused plugin resumes with the setting kept
     assert [r["step"] for r in rows(path)] == ["1", "2", "3", "4"] and plugin.guard.steps == 4
+
+
+def test_fp16_and_bf16_plugins_are_lightnings_mixed_precision_and_keep_one_checkpoint_key(tmp_path):
+    # Lightning's ThroughputMonitor reads a plugin's compute dtype by its class: a plain Precision
+    # was float32, so its available FLOPs and MFU on a GPU were float32's for a bf16 fit
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+    for precision, dtype in {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "32-true": torch.float32}.items():
+        plugin = AmpGuardPlugin(precision, max_norm=0.5)
+        assert _plugin_to_compute_dtype(plugin) == dtype
+        assert isinstance(plugin, AmpGuardPlugin) and isinstance(plugin, MixedPrecision) == (precision != "32-true")
+        copy = pickle.loads(pickle.dumps(plugin))  # (ddp_spawn pickles it)
+        assert type(copy) is type(plugin) and (copy.precision, copy.max_norm) == (precision, 0.5)
+    # the state is saved under "AmpGuardPlugin" whatever the precision, and found there: a 32-true
+    # checkpoint resumed under bf16 is refused by name, as the other way round
+    path = tmp_path / "steps.csv"
+    fit(Digits(hidden=8), AmpGuardPlugin("32-true", csv=path), steps=2).save_checkpoint(tmp_path / "fp32.ckpt")
+    with pytest.raises(ValueError, match=r"fp32\.ckpt was saved with precision='32-true', this fit has 'bf16-mixed'"):
+        fit(Digits(hidden=8), AmpGuardPlugin("bf16-mixed", csv=path), steps=4, ckpt_path=tmp_path / "fp32.ckpt")
+    path = tmp_path / "bf16.csv"
+    fit(Digits(hidden=8), AmpGuardPlugin("bf16-mixed", csv=path), steps=2).save_checkpoint(tmp_path / "bf16.ckpt")
+    saved = torch.load(tmp_path / "bf16.ckpt", weights_only=False)
+    assert saved["AmpGuardPlugin"]["step"] == 2 and not any("Mixed" in key for key in saved)
+    # a Lightning 1.x checkpoint's scaler ("native_amp_scaling_state", which Lightning hands to any
+    # MixedPrecision) is not the guard's state: ignored, the resume goes on from the guard's
+    saved["native_amp_scaling_state"] = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                         "growth_interval": 2000, "_growth_tracker": 0}
+    torch.save(saved, tmp_path / "legacy.ckpt")
+    resumed = AmpGuardPlugin("bf16-mixed", csv=path)
+    fit(Digits(hidden=8), resumed, steps=4, ckpt_path=tmp_path / "legacy.ckpt")
+    assert [r["step"] for r in rows(path)] == ["1", "2", "3", "4"] and resumed.guard.steps == 4
 
 
 def test_what_the_plugin_refuses_up_front(tmp_path):

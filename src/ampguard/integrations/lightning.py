@@ -59,6 +59,7 @@ from typing import Any, Literal
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+    from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision
     from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
     from lightning.pytorch.trainer.states import TrainerStatus
@@ -83,6 +84,7 @@ from ..watch import first_forward_dtypes
 from .trackers import Outcome, end_sinks
 
 LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
+_STATE_KEY = "AmpGuardPlugin"  # the plugin's state in a Lightning checkpoint, whatever its precision
 _NAMES = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 # what goes to LightningModule.log, from the record's values (None is logged as nan)
 LOG_KEYS: dict[str, str] = {
@@ -166,6 +168,18 @@ class AmpGuardPlugin(_LightningPrecision):
     reading each record once (one transfer of its five values).
     """
 
+    def __new__(cls, precision: LightningPrecision | str = "16-mixed", *args: Any, **kwargs: Any) -> AmpGuardPlugin:
+        # fp16 and bf16 make the one subclass that is also Lightning's MixedPrecision: what Lightning
+        # reads a precision plugin's compute dtype from (ThroughputMonitor's FLOPs and MFU took a
+        # plain Precision for float32). "32-true" stays a plain Precision (a copy or an unpickled
+        # plugin is made with its own precision: __getnewargs__)
+        if cls is AmpGuardPlugin and isinstance(precision, str) and _NAMES.get(precision) in ("fp16", "bf16"):
+            cls = _MixedAmpGuardPlugin
+        return super().__new__(cls)
+
+    def __getnewargs__(self) -> tuple[str]:
+        return (self.precision,)
+
     def __init__(
         self,
         precision: LightningPrecision | str = "16-mixed",
@@ -186,7 +200,7 @@ class AmpGuardPlugin(_LightningPrecision):
         frozen: Literal["refuse", "ignore"] = "refuse",
         keep_records: int = 10_000,
     ) -> None:
-        if precision not in _NAMES:
+        if not isinstance(precision, str) or precision not in _NAMES:
             raise ValueError(f"AmpGuardPlugin(precision={precision!r}): use '16-mixed', 'bf16-mixed' or '32-true'")
         check_settings(max_norm, scheduler_on_skip, frozen)  # (the guard is built at the first step: its
         # settings are checked here, as the scaler's and the monitor's below)
@@ -445,7 +459,7 @@ class AmpGuardPlugin(_LightningPrecision):
             # nothing: the csv and the sinks are left to the fit that trains
             if self.csv is not None:
                 self._csv_fits.discard(os.path.abspath(self.csv))
-            super().teardown()
+            _LightningPrecision.teardown(self)
             return
         if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED:  # (FINISHED comes after)
             self._judge_end()
@@ -471,7 +485,7 @@ class AmpGuardPlugin(_LightningPrecision):
             # (Lightning swallows a KeyboardInterrupt, and its notes with it: said here too)
             rank_zero_warn(f"AmpGuardPlugin: closing the sinks raised: {later!r}", category=AmpguardWarning)
         finally:
-            super().teardown()
+            _LightningPrecision.teardown(self)
 
     def _unhook(self) -> None:
         """Give the module its own ``lr_scheduler_step`` and the configs their ``frequency`` back
@@ -548,7 +562,7 @@ class AmpGuardPlugin(_LightningPrecision):
         leaf module of the LightningModule notes its output's dtype in :attr:`autocast_dtypes`
         (``ampguard.watch.first_forward_dtypes``: hooks for that step only), as ``ampguard train``'s
         run card and ``GuardedTrainer`` do; the tracker sinks' summary gets it at the fit's end."""
-        with super().train_step_context(), self._noting_dtypes():
+        with _LightningPrecision.train_step_context(self), self._noting_dtypes():
             yield
 
     def _noting_dtypes(self) -> contextlib.AbstractContextManager:
@@ -567,7 +581,7 @@ class AmpGuardPlugin(_LightningPrecision):
         return first_forward_dtypes(module, self)
 
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        return super().pre_backward(tensor, module)  # the on_before_backward hooks; the guard scales
+        return _LightningPrecision.pre_backward(self, tensor, module)  # the on_before_backward hooks; the guard scales
 
     def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any,  # type: ignore[override]
                  *args: Any, **kwargs: Any) -> None:
@@ -769,6 +783,19 @@ class AmpGuardPlugin(_LightningPrecision):
         if self._loaded.pop(_BEFORE_FIRST_STEP, False):
             self._loaded = None  # (the guard starts afresh)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The state Lightning saved under this plugin's class name goes under ``"AmpGuardPlugin"``
+        whatever the precision (the fp16/bf16 plugin is a subclass, :class:`_MixedAmpGuardPlugin`):
+        one key to read (README) and to resume from under any precision (the refusal names it)."""
+        if type(self).__qualname__ in checkpoint and type(self) is not AmpGuardPlugin:
+            checkpoint[_STATE_KEY] = checkpoint.pop(type(self).__qualname__)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Lightning looks the state up by this plugin's class name next: the fp16/bf16 plugin
+        loads it from ``"AmpGuardPlugin"`` itself (:meth:`on_save_checkpoint`)."""
+        if type(self) is not AmpGuardPlugin and _STATE_KEY in checkpoint and type(self).__qualname__ not in checkpoint:
+            self.load_state_dict(checkpoint[_STATE_KEY])
+
     def _refuse_a_change(self, state: dict[str, Any]) -> None:
         """A resume whose checkpoint was saved under another precision or ``accumulate_grad_batches``
         is refused as Lightning restores it, before any step (it failed at the first backward, a
@@ -790,6 +817,23 @@ class AmpGuardPlugin(_LightningPrecision):
                          f"fit has {shown.get(mine[key], mine[key])!r}: a resumed fit must keep it (its loss scale "
                          f"and skip-rate window were that run's); fit with the same setting, or start a new fit "
                          f"without ckpt_path")
+
+
+class _MixedAmpGuardPlugin(AmpGuardPlugin, _LightningMixedPrecision):
+    """``AmpGuardPlugin("16-mixed")`` and ``("bf16-mixed")``: the same plugin, and a Lightning
+    ``MixedPrecision`` for what reads a plugin's precision by its class (``ThroughputMonitor``'s
+    available FLOPs, so its MFU). Every method ``MixedPrecision`` defines is ``AmpGuardPlugin``'s
+    (its own ``__init__``, scaler and clipping never run), and ``AmpGuardPlugin`` calls Lightning's
+    ``Precision`` by name, not ``super()``, so ``MixedPrecision`` never scales a loss here."""
+
+    def autocast_context_manager(self) -> contextlib.AbstractContextManager:
+        return self.forward_context()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # a Lightning 1.x checkpoint's "native_amp_scaling_state" is handed to any MixedPrecision:
+        # it is Lightning's scaler, not the guard's state; ignored, as it is for "32-true"
+        checkpoint.pop("native_amp_scaling_state", None)
+        super().on_load_checkpoint(checkpoint)
 
 
 def _at_its_limit(trainer: pl.Trainer) -> bool:
