@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from .checkpoint import untouched
+from .errors import shortened
 
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 """The torchao float8 recipes ``fp8.recipe`` takes: per-tensor or per-row dynamic scaling."""
@@ -54,7 +55,10 @@ CONVERT = "fp8"
 
 
 def require_torchao() -> ModuleType:
-    """``torchao.float8``, or an ``ImportError`` with one line saying how to get it.
+    """``torchao.float8``, or an ``ImportError`` with one line saying how to get it: torchao not
+    installed, or installed but failing to import (a torchao older than ``torchao.float8``, or one
+    made for another torch, which raises whatever its first missing piece raises: an
+    ``AttributeError`` for a torch dtype it expects, an undefined symbol...).
 
     torchao's CUDA extensions cannot load on a machine without CUDA and it logs a warning for
     each; there (and only there) those lines are held back while importing.
@@ -74,13 +78,31 @@ def require_torchao() -> ModuleType:
         for log in logs:
             log.setLevel(logging.ERROR)
         from torchao import float8
-    except ImportError:
+    except ModuleNotFoundError as err:
+        if err.name != "torchao":
+            raise ImportError(_torchao_broken(err)) from None
         raise ImportError("fp8 needs torchao, which is not installed: pip install 'ampguard[fp8]' "
                           "(or pip install torchao)") from None
+    except Exception as err:  # (installed, but it does not import with this torch)
+        raise ImportError(_torchao_broken(err)) from None
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)
     return float8
+
+
+def _torchao_broken(err: Exception) -> str:
+    """One line for a torchao that is installed but does not import."""
+    from importlib import metadata
+
+    try:
+        installed = f"torchao {metadata.version('torchao')}"
+    except metadata.PackageNotFoundError:
+        installed = "torchao"
+    said = shortened(" ".join(str(err).split()), 200)
+    return (f"fp8 needs torchao, and {installed} failed to import with torch {torch.__version__} "
+            f"({type(err).__name__}: {said}): install the torchao release made for this torch "
+            f"(torchao's README lists them)")
 
 
 def _float8_linear() -> type | None:

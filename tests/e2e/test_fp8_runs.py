@@ -6,12 +6,14 @@ and CSV, ``validate`` judges fp8 against the FP32 reference with bf16's rules an
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import one_line_error
 
@@ -110,6 +112,30 @@ def test_fp8_without_torchao_is_one_line_exit_2(cli, tmp_path, unchanged, monkey
                          "--set", "steps=2")
     assert one_line_error(code, out, err) == ("ampguard: error: precision: fp8 needs torchao, which is not "
                                               "installed: pip install 'ampguard[fp8]' (or pip install torchao)")
+    check()
+
+
+@pytest.mark.parametrize("source, said", [
+    # made for a newer torch: its import fails on what this torch lacks, with whatever that raises
+    ("raise AttributeError(\"module 'torch' has no attribute 'int1'\")",
+     r"AttributeError: module 'torch' has no attribute 'int1'"),
+    ("", r"ImportError: cannot import name 'float8' from 'torchao' \(.*\)"),  # older than torchao.float8
+])
+def test_fp8_with_a_torchao_that_fails_to_import_is_one_line_exit_2(cli, tmp_path, unchanged, monkeypatch, source,
+                                                                     said):
+    # it was a traceback (the AttributeError), or "torchao, which is not installed" (the ImportError)
+    for name in [name for name in sys.modules if name.partition(".")[0] == "torchao"]:
+        monkeypatch.delitem(sys.modules, name)  # (put back after the test)
+    (tmp_path / "site" / "torchao").mkdir(parents=True)
+    (tmp_path / "site" / "torchao" / "__init__.py").write_text(source + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    check = unchanged()
+    code, out, err = cli("train", "--set", "precision=fp8", "--set", "task.name=digits", "--set", "device=cpu",
+                         "--set", "steps=2")
+    installed = importlib.metadata.version("torchao")  # (the installed one's metadata: the fake has none)
+    assert re.fullmatch(rf"ampguard: error: precision: fp8 needs torchao, and torchao {re.escape(installed)} failed to "
+                        rf"import with torch {re.escape(torch.__version__)} \({said}\): install the torchao release "
+                        r"made for this torch \(torchao's README lists them\)", one_line_error(code, out, err))
     check()
 
 
