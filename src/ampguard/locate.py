@@ -115,6 +115,11 @@ class Diagnosis:
     scale_floor: float | None = None
     """The loss scaler's floor (``scaler.min_scale``), when a scaler ran: a backward overflow at
     a scale above it is what the scaler answers (it halves and skips); at it, a range problem."""
+    fp8_scales: list[str] = field(default_factory=list)
+    """Under fp8: the float8 casts of the micro-batch whose scale broke though their tensor was
+    finite (:class:`~ampguard.fp8.BadScale`, ``broken_scale``: a zero amax without torchao's
+    floor), in the order they ran: the first is what made the first non-finite value, which the
+    trace alone names only as a ``Float8Linear``'s output."""
 
     def message(self) -> str:
         """The finding in one sentence: where the first non-finite value was, and whose problem it is.
@@ -150,6 +155,8 @@ class Diagnosis:
             place = f"in backward, the gradient of parameter {f.name} ({f.op})" + (
                 f", from a finite loss {f.loss:.4g}" if f.loss is not None else "")
         first = f"first {f.kind} under {f.precision}: {place}"
+        if self.fp8_scales:
+            first += f"; a float8 scale broke first: {self.fp8_scales[0]}"
         if self.verdict == "precision-range":
             if f.where != "backward":
                 hint = "FP32 replay is finite: a precision-range problem"
@@ -225,7 +232,7 @@ class Diagnosis:
         return {"verdict": self.verdict, "amp": asdict(self.amp),
                 "fp32": asdict(self.fp32) if self.fp32 else None, "loss_scale": self.loss_scale,
                 "fp32_scope": self.fp32_scope, "scopes_tried": list(self.scopes_tried), "injected": list(self.injected),
-                "bad_weight": self.bad_weight, "message": self.message()}
+                "bad_weight": self.bad_weight, "fp8_scales": list(self.fp8_scales), "message": self.message()}
 
 
 def trace_first_non_finite(
@@ -540,9 +547,14 @@ def diagnose(
         amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale, accumulation_steps=n)
         if amp.where == "none":
             return Diagnosis(amp, None, "none", loss_scale)
-        set_rng_state(rng)
-        from .fp8 import float8_modules
+        from .fp8 import find_bad_scales, float8_modules
 
+        scales = []
+        if float8_modules(model) and amp.where != "input":  # which float8 cast broke (its replay: the same draws)
+            set_rng_state(rng)
+            scales = [str(bad) for bad in find_bad_scales(model, loss_fn, inputs, targets, precision.autocast)
+                      if bad.broken_scale]
+        set_rng_state(rng)
         whole = "" if float8_modules(model) else None  # fp8: its float8 layers compute in FP32 as well
         fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, Precision("fp32", precision.device_type), 1.0,
                                       fp32_module=whole, accumulation_steps=n)
@@ -550,13 +562,13 @@ def diagnose(
             from .checkpoint import non_finite_weight
 
             bad = "" if amp.where == "input" else non_finite_weight(dict(model.named_parameters()))
-            return Diagnosis(amp, fp32, "data/model", loss_scale, bad_weight=bad)
+            return Diagnosis(amp, fp32, "data/model", loss_scale, bad_weight=bad, fp8_scales=scales)
         scope, tried = None, []
         module = _module_of(amp)
         if module is not None and precision.name != "fp32":
             set_rng_state(rng)
             scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n)
-    return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried)
+    return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried, fp8_scales=scales)
 
 
 # ---------------------------------------------------------------------------- the verb

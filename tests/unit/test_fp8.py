@@ -268,6 +268,27 @@ def test_an_injected_zero_amax_nan_scale_is_skipped_and_named(scale_without_floo
     assert model[2].weight.grad is None  # the replay leaves no trace
 
 
+def test_the_diagnosis_of_a_skip_names_the_broken_scale_not_one_a_nan_tensor_made(scale_without_floor):
+    # the first-skip diagnosis (and locate) replays the micro-batch: under fp8 it names the float8
+    # cast whose scale broke with its tensor finite (it named only the Float8Linear's NaN output)
+    from ampguard.locate import diagnose
+
+    model = mlp()
+    convert_to_fp8(model)
+    with torch.no_grad():
+        model[2].weight.zero_()
+    x, y = batch()
+    found = diagnose(model, F.cross_entropy, x, y, Precision("fp8", "cpu"))
+    assert found.fp8_scales == ["2 weight: amax 0 -> fp8 scale inf (the scale itself is broken: the tensor is finite)"]
+    assert found.message().startswith("first nan under fp8: in the forward output of 2 (Float8Linear; inputs ")
+    assert "; a float8 scale broke first: 2 weight: amax 0 -> fp8 scale inf" in found.message()
+    assert found.as_dict()["fp8_scales"] == found.fp8_scales and model[2].weight.grad is None
+    with torch.no_grad():  # a NaN in the weight: its scale is NaN too, but the tensor broke, not the scale
+        model[2].weight.fill_(0.01)[3, 5] = float("nan")
+    found = diagnose(model, F.cross_entropy, x, y, Precision("fp8", "cpu"))
+    assert found.verdict == "data/model" and found.fp8_scales == [] and "float8 scale" not in found.message()
+
+
 def test_a_nan_scale_from_a_nan_weight_is_skipped_every_step_and_named():
     model = mlp()
     convert_to_fp8(model)

@@ -749,8 +749,9 @@ def test_under_fp8_the_fp32_replays_compute_the_float8_layers_in_fp32():
     d = diagnose(model, F.mse_loss, x, y, Precision("fp8", "cpu"))
     assert (d.verdict, d.amp.name, d.fp32.where, d.fp32_scope) == ("precision-range", "3", "none", "3")
     plain = lambda inputs: F.linear(inputs, model[1].weight, model[1].bias)  # noqa: E731
-    (amp_on, amp_in, amp_out), (fp32_on, fp32_in, fp32_out) = seen[:2]  # the AMP pass, the FP32 replay
-    assert amp_on and not torch.allclose(amp_out.float(), plain(amp_in.float()))  # float8 ran under AMP
+    # the AMP pass, the float8 scales' replay (under AMP too), the FP32 replay
+    (amp_on, amp_in, amp_out), (scales_on, *_), (fp32_on, fp32_in, fp32_out) = seen[:3]
+    assert amp_on and scales_on and not torch.allclose(amp_out.float(), plain(amp_in.float()))  # float8 ran under AMP
     assert not fp32_on and fp32_out.dtype == torch.float32 and torch.equal(fp32_out, plain(fp32_in))
 
     h = torch.randn(8, 32)
