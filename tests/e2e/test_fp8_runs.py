@@ -17,7 +17,6 @@ import torch
 
 from helpers import one_line_error
 
-from ampguard.build import prepare_model
 from ampguard.config import load_config
 from ampguard.run_folder import RunPaths
 from ampguard.train import run
