@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import math
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -382,6 +383,51 @@ def test_a_run_with_a_relative_factory_path_resumes_from_its_folder_and_from_els
     code, _, err = cli("train", "--resume", run / "checkpoints" / "step-00000002.pt",
                        "--set", f"task.factory={moved / 'my_model.py'}:other")
     assert code == 2 and "task.factory was 'my_model.py:build'" in err, err
+
+
+SEEKING = """
+import os
+import torch
+from torch import nn
+
+
+def stream(start, log):  # the whole stream from micro-batch `start` on, each batch drawn from its index
+    i = start
+    while True:
+        with open(log, "a") as f:
+            f.write(f"{i}\\n")
+        g = torch.Generator().manual_seed(1000 + i)
+        yield torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+        i += 1
+
+
+def build(config):
+    torch.manual_seed(0)
+    log = os.environ["SEEKING_LOG"]
+    return {"model": nn.Linear(3, 1), "data": lambda: stream(0, log), "loss_fn": nn.functional.mse_loss,
+            "batches_from": lambda start: stream(start, log)}
+"""
+
+
+def test_a_factory_run_with_batches_from_resumes_bit_for_bit_without_reading_the_batches_before_its_position(
+        cli, tmp_path, monkeypatch):
+    (tmp_path / "seeking.py").write_text(SEEKING, encoding="utf-8")
+    log = tmp_path / "made.txt"
+    monkeypatch.setenv("SEEKING_LOG", str(log))
+    code, _, err = cli("train", "--set", f"task.factory={tmp_path / 'seeking.py'}:build", "--set", "steps=6",
+                       "--set", "accumulation_steps=2", "--set", "eval.every=0", "--set", "checkpoint.every=3",
+                       "--set", "log.name=a", "--set", "log.plot=false", "--inject", "nan_loss@5")
+    assert code == 0, err
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    shutil.copytree(a, b)
+    log.unlink()
+    code, _, err = cli("train", "--resume", b / "checkpoints" / "step-00000003.pt")
+    assert code == 0, err
+    assert (b / "steps.csv").read_bytes() == (a / "steps.csv").read_bytes()  # the same run, bit for bit
+    made = [int(line) for line in log.read_text().split()]
+    # the start-up reads data's first four, checks batches_from(0) and (3) and puts batch 0 through the
+    # model; then the stream goes on from micro-batch 6 (3 steps of 2): batches 4 and 5 never made
+    assert made == [0, 1, 2, 3, 0, 3, 0, *range(6, 12)]
 
 
 def test_example_my_model_absolute_path_fp32(tmp_path):

@@ -15,6 +15,7 @@ from torch import nn
 from helpers import EXAMPLE, FILE_FACTORY, REGRESSION, TINY_LM, write
 
 from ampguard.config import load_config
+from ampguard.errors import InputError
 from ampguard.tasks import build_task, charlm, digits
 
 pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
@@ -258,8 +259,6 @@ def test_a_built_in_stream_from_a_position_is_the_stream_read_up_to_it(overrides
 
 
 def test_digits_refuses_a_batch_larger_than_its_training_set():
-    from ampguard.errors import InputError
-
     with pytest.raises(InputError, match=r"^task.batch_size: a batch of 1498 images is larger than the digits "
                                          r"training set \(1,497 images\); use at most 1497$"):
         build_task(load_config(None, ["task.name=digits", "task.batch_size=1498"]))
@@ -273,8 +272,6 @@ def test_a_digit_stream_with_no_whole_batch_raises_instead_of_looping_forever():
 
 
 def test_charlm_refuses_a_context_longer_than_its_held_out_text():
-    from ampguard.errors import InputError
-
     with pytest.raises(InputError, match=r"^task.block_size: a context of 10000000 is longer than the held-out text"):
         build_task(load_config(None, [*TINY_LM, "task.block_size=10000000"]))
     with pytest.raises(ValueError, match="a context of 8 needs at least 10 bytes of text, not 9"):
@@ -284,7 +281,6 @@ def test_charlm_refuses_a_context_longer_than_its_held_out_text():
 def test_under_torchrun_a_batch_size_refusal_says_its_numbers_are_the_global_batchs():
     # "use at most 1497" read as a per-process limit: under 2 processes it is 748
     from ampguard.config import validate
-    from ampguard.errors import InputError
     from ampguard.trainer import _build_task
 
     config = validate({"task": {"name": "digits", "batch_size": 1000}})
@@ -363,3 +359,70 @@ def build(config):
     order = lambda: [int(v) for x, _ in itertools.islice(task.batches(), 8) for v in x.flatten()]  # noqa: E731
     first = order()
     assert order() == first and first[:8] != first[8:]  # (the same stream again; each epoch its own order)
+
+
+# ---------------------------------------------------------------------------- a factory's batches_from
+
+SEEKABLE = """
+import torch
+from torch import nn
+
+MADE = []  # the index of every batch made, in order
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+
+
+def stream(start):  # the whole stream from micro-batch `start` on: batch i drawn from its index
+    i = start
+    while True:
+        MADE.append(i)
+        yield batch(i)
+        i += 1
+
+
+def build(config):
+    torch.manual_seed(0)
+    seek = {"right": stream, "off": lambda start: stream(start + 1), "ends": lambda start: iter([batch(start)] * 4),
+            "none": "stream"}[config.task.options.get("seek", "right")]
+    return {"model": nn.Linear(3, 1), "data": lambda: stream(0), "loss_fn": nn.functional.mse_loss,
+            "batches_from": seek}
+"""
+
+
+def seekable(tmp_path, seek: str = "right"):
+    write(tmp_path / "seekable.py", SEEKABLE)
+    return build_task(load_config(None, [f"task.factory={tmp_path / 'seekable.py'}:build", f"task.options.seek={seek}"]))
+
+
+def test_a_factorys_batches_from_starts_a_stream_without_making_the_batches_before_it(tmp_path):
+    # a resume, a rollback and locate read a factory's stream from its start up to their position
+    # (a large dataset's hour of batches decoded to be dropped); batches_from starts there
+    task = seekable(tmp_path)
+    made = task.batches_from.args[0].__globals__["MADE"]  # (the factory module's own list)
+    assert made == [0, 1, 2, 3, 0, 3]  # build read data's first four, then checked batches_from(0) and (3)
+    made.clear()
+    assert same_batches(list(itertools.islice(task.stream(50), 3)), take(task, 53)[50:])
+    assert made[:3] == [50, 51, 52] and made[3:] == list(range(53))  # the seek made no batch before 50
+
+
+@pytest.mark.parametrize("seek, said", [
+    ("off", r"batches_from\(0\) does not start with data's batch 0 \(counted from 0\): a resume would train on other "
+            r"batches than the run; make batches_from\(start\) give data's stream from micro-batch start on$"),
+    ("none", r"batches_from must be a function: batches_from\(start\) -> the batches of data from micro-batch start "
+             r"on, got a str$"),
+])
+def test_a_factorys_batches_from_that_does_not_give_datas_stream_is_refused_in_one_line(tmp_path, seek, said):
+    with pytest.raises(InputError, match=r"^task\.factory .*seekable\.py:build: " + said):
+        seekable(tmp_path, seek)
+
+
+def test_a_factorys_batches_from_that_ends_says_so_when_the_stream_runs_out(tmp_path):
+    task = seekable(tmp_path, "ends")  # (right on the batches checked; then four batches and no more)
+    stream = task.stream(7)
+    assert len(list(itertools.islice(stream, 4))) == 4
+    with pytest.raises(ValueError, match=r"batches_from\(7\) ended after 4 batches: it must give data's stream on, "
+                                         r"epoch after epoch"):
+        next(stream)

@@ -9,6 +9,9 @@ holds free-form settings for it) and returns a mapping::
      "loss_fn": callable(outputs, targets),      # required
      "evaluate": callable(model, device) -> {name: float},   # optional held-out metrics
      "metrics": ("val_loss", ...),               # the names evaluate returns
+     "batches_from": callable(start) -> iterable,  # optional: data's stream from micro-batch
+                                                 #   `start` on (0-based, across epochs), made
+                                                 #   without reading the batches before it
      # for `ampguard validate` (all optional):
      "held_out": (inputs, targets),              # fixed evaluation set (default: the first batches,
                                                  #   which validate reports as training data)
@@ -18,7 +21,9 @@ holds free-form settings for it) and returns a mapping::
 
 or the tuple ``(model, data, loss_fn)``. For a resumed run to be bit-for-bit the uninterrupted
 one, ``data`` must yield the same sequence each time it is iterated (give a shuffling
-DataLoader its own seeded ``generator``). Under torchrun ``data`` is the global stream, the same
+DataLoader its own seeded ``generator``). A resume, a rollback and ``locate --step`` read that
+stream up to their position; ``batches_from`` lets them start there (large data: no hour of
+batches decoded to be dropped), checked against ``data`` on its first batches. Under torchrun ``data`` is the global stream, the same
 on every rank (no ``DistributedSampler``): each rank takes its slice of each batch, and ranks
 whose first batches differ are refused. ``evaluate`` may score the whole held-out set or this
 rank's share: the run logs and judges the mean over ranks.
@@ -27,6 +32,7 @@ rank's share: the run logs and judges the mean over ranks.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.util
 import itertools
@@ -136,7 +142,8 @@ class TrainingBatches:
         return self.inputs, self.targets
 
 
-FACTORY_KEYS = ("model", "data", "loss_fn", "metrics", "evaluate", "held_out", "mode", "edge_cases", "predict")
+FACTORY_KEYS = ("model", "data", "loss_fn", "metrics", "evaluate", "held_out", "mode", "edge_cases", "predict",
+                "batches_from")
 """The keys a factory's mapping may hold (README, "Your own model")."""
 
 
@@ -227,12 +234,19 @@ def build_from_factory(config: Any) -> Task:
         first = restart()
         return itertools.chain(first, cycle(make_iterable))
 
+    seek = made.get("batches_from")
+    if seek is not None and not callable(seek):
+        raise InputError(f"task.factory {spec}: batches_from must be a function: batches_from(start) -> the batches "
+                         f"of data from micro-batch start on, got a {type(seek).__name__}")
     with user_code(f"task.factory {spec}: reading the data failed: "):
         first_batches = list(itertools.islice(iter(restart()), 4))
     if not first_batches:
         raise InputError(f"task.factory {spec}: data yielded no batches")
     if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in first_batches):
         raise InputError(f"task.factory {spec}: data must yield (inputs, targets) pairs")
+    if seek is not None:
+        _check_seek(seek, first_batches, spec)
+        restart()  # (a batches_from that reads data's DataLoader drew from its generators: back to the start)
     inputs, targets = first_batches[0]
     held_out = made.get("held_out")
     if held_out is None and all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) for x, y in first_batches):
@@ -258,5 +272,53 @@ def build_from_factory(config: Any) -> Task:
         held_out=held_out if isinstance(held_out, TrainingBatches) else lambda: held_out,
         edge_cases=(lambda: edge) if edge is not None else None,
         predict=made.get("predict"),
+        batches_from=None if seek is None else functools.partial(_seeked, seek, spec),
     )
+
+
+def _check_seek(seek: Callable[[int], Any], first: list[Any], spec: str) -> None:
+    """A factory's ``batches_from`` must start where ``data``'s stream is: ``batches_from(i)``'s
+    first batch is data's batch ``i``, checked for the first and the last of ``first`` (data's
+    first batches, read already); else a resume would train on other batches than the run, unsaid."""
+    for i in sorted({0, len(first) - 1}):
+        with user_code(f"task.factory {spec}: batches_from({i}) raised "):
+            got = next(iter(seek(i)), None)
+        if got is None or not _same_batch(got, first[i]):
+            said = "gave no batch" if got is None else f"does not start with data's batch {i} (counted from 0)"
+            raise InputError(f"task.factory {spec}: batches_from({i}) {said}: a resume would train on other batches "
+                             "than the run; make batches_from(start) give data's stream from micro-batch start on")
+
+
+def _same_batch(a: Any, b: Any) -> bool:
+    """Whether two batches hold the same values (tensors compared exactly, NaN to NaN), nested alike.
+
+    Example::
+
+        >>> x = torch.tensor([1.0, float("nan")])
+        >>> _same_batch((x, {"y": [1, 2]}), (x.clone(), {"y": [1, 2]})), _same_batch((x,), (x + 1,))
+        (True, False)
+    """
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (a.shape, a.dtype) != (b.shape, b.dtype):
+            return False
+        if torch.equal(a, b):
+            return True
+        inf = float("inf")
+        return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(
+            a.nan_to_num(0.0, inf, -inf), b.nan_to_num(0.0, inf, -inf))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same_batch(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_batch(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _seeked(seek: Callable[[int], Any], spec: str, start: int) -> Iterator[Any]:
+    """``batches_from(start)``'s batches; one that ends is refused (the stream runs epoch after epoch)."""
+    count = 0
+    for batch in seek(start):
+        count += 1
+        yield batch
+    raise ValueError(f"task.factory {spec}: batches_from({start}) ended after {count} batches: it must give data's "
+                     "stream on, epoch after epoch, as data is read again every epoch")
 
