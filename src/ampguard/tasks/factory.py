@@ -23,9 +23,9 @@ or the tuple ``(model, data, loss_fn)``. For a resumed run to be bit-for-bit the
 one, ``data`` must yield the same sequence each time it is iterated (give a shuffling
 DataLoader its own seeded ``generator``). A resume, a rollback and ``locate --step`` read that
 stream up to their position; ``batches_from`` lets them start there (large data: no hour of
-batches decoded to be dropped), checked against ``data`` on its first batches. Under torchrun ``data`` is the global stream, the same
-on every rank (no ``DistributedSampler``): each rank takes its slice of each batch, and ranks
-whose first batches differ are refused. ``evaluate`` may score the whole held-out set or this
+batches decoded to be dropped), checked against ``data`` on its first batches. Under torchrun
+``data`` is the global stream, the same on every rank (no ``DistributedSampler``): each rank
+takes its slice of each batch, and ranks whose first batches differ are refused. ``evaluate`` may score the whole held-out set or this
 rank's share: the run logs and judges the mean over ranks.
 """
 
@@ -297,6 +297,9 @@ def _same_batch(a: Any, b: Any) -> bool:
         >>> x = torch.tensor([1.0, float("nan")])
         >>> _same_batch((x, {"y": [1, 2]}), (x.clone(), {"y": [1, 2]})), _same_batch((x,), (x + 1,))
         (True, False)
+        >>> import numpy as np
+        >>> _same_batch(np.arange(3), np.arange(3)), _same_batch(np.arange(3), np.ones(3))
+        (True, False)
     """
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (a.shape, a.dtype) != (b.shape, b.dtype):
@@ -310,7 +313,11 @@ def _same_batch(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same_batch(a[k], b[k]) for k in a)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same_batch(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
+    try:  # (an array's == is elementwise)
+        same = type(a) is type(b) and a == b
+        return bool(same.all() if hasattr(same, "all") else same)
+    except Exception:  # noqa: BLE001 - values that do not compare are not the same
+        return False
 
 
 def _seeked(seek: Callable[[int], Any], spec: str, start: int) -> Iterator[Any]:
