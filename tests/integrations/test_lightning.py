@@ -355,16 +355,33 @@ def test_a_resume_under_another_accumulation_or_precision_is_refused_before_any_
     assert [r["step"] for r in rows(path)] == ["1", "2", "3", "4"] and plugin.guard.steps == 4
 
 
+class Tagged(AmpGuardPlugin):
+    """A subclass of a user's, its own first argument (review 33a: a __new__ taking precision first
+    broke it, and a subclass was no MixedPrecision)."""
+
+    def __init__(self, tag, precision="16-mixed", **kwargs):
+        self.tag = tag
+        super().__init__(precision, **kwargs)
+
+
 def test_fp16_and_bf16_plugins_are_lightnings_mixed_precision_and_keep_one_checkpoint_key(tmp_path):
     # Lightning's ThroughputMonitor reads a plugin's compute dtype by its class: a plain Precision
     # was float32, so its available FLOPs and MFU on a GPU were float32's for a bf16 fit
+    import inspect
+
     from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
     for precision, dtype in {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "32-true": torch.float32}.items():
-        plugin = AmpGuardPlugin(precision, max_norm=0.5)
-        assert _plugin_to_compute_dtype(plugin) == dtype
-        assert isinstance(plugin, AmpGuardPlugin) and isinstance(plugin, MixedPrecision) == (precision != "32-true")
-        copy = pickle.loads(pickle.dumps(plugin))  # (ddp_spawn pickles it)
-        assert type(copy) is type(plugin) and (copy.precision, copy.max_norm) == (precision, 0.5)
+        for cls, plugin in ((AmpGuardPlugin, AmpGuardPlugin(precision, max_norm=0.5)),
+                            (Tagged, Tagged("t", precision=precision, max_norm=0.5))):
+            assert _plugin_to_compute_dtype(plugin) == dtype
+            assert isinstance(plugin, cls) and isinstance(plugin, MixedPrecision) == (precision != "32-true")
+            assert (type(plugin).__name__, type(plugin).__qualname__) == (cls.__name__, cls.__qualname__)  # (the key)
+            copy = pickle.loads(pickle.dumps(plugin))  # (ddp_spawn pickles it)
+            assert type(copy) is type(plugin) and (copy.precision, copy.max_norm) == (precision, 0.5)
+    assert AmpGuardPlugin("bf16-mixed").device == "cpu"  # (MixedPrecision's attribute)
+    # LightningCLI (jsonargparse) reads the class's signature: every setting is there
+    assert {"precision", "max_norm", "csv", "fail_rate"} <= set(inspect.signature(AmpGuardPlugin).parameters)
     # the state is saved under "AmpGuardPlugin" whatever the precision, and found there: a 32-true
     # checkpoint resumed under bf16 is refused by name, as the other way round
     path = tmp_path / "steps.csv"

@@ -48,6 +48,7 @@ counted, no record; README.md.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -84,7 +85,6 @@ from ..watch import first_forward_dtypes
 from .trackers import Outcome, end_sinks
 
 LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
-_STATE_KEY = "AmpGuardPlugin"  # the plugin's state in a Lightning checkpoint, whatever its precision
 _NAMES = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 # what goes to LightningModule.log, from the record's values (None is logged as nan)
 LOG_KEYS: dict[str, str] = {
@@ -168,18 +168,6 @@ class AmpGuardPlugin(_LightningPrecision):
     reading each record once (one transfer of its five values).
     """
 
-    def __new__(cls, precision: LightningPrecision | str = "16-mixed", *args: Any, **kwargs: Any) -> AmpGuardPlugin:
-        # fp16 and bf16 make the one subclass that is also Lightning's MixedPrecision: what Lightning
-        # reads a precision plugin's compute dtype from (ThroughputMonitor's FLOPs and MFU took a
-        # plain Precision for float32). "32-true" stays a plain Precision (a copy or an unpickled
-        # plugin is made with its own precision: __getnewargs__)
-        if cls is AmpGuardPlugin and isinstance(precision, str) and _NAMES.get(precision) in ("fp16", "bf16"):
-            cls = _MixedAmpGuardPlugin
-        return super().__new__(cls)
-
-    def __getnewargs__(self) -> tuple[str]:
-        return (self.precision,)
-
     def __init__(
         self,
         precision: LightningPrecision | str = "16-mixed",
@@ -248,6 +236,19 @@ class AmpGuardPlugin(_LightningPrecision):
         self._csv_fits: set[str] = set()  # the CSVs of the fits begun: a later fit refuses them unless it resumes
         self._tuned = False  # the fit under way has a tuner's callback (lr_find, scale_batch_size): see _sweeping
         self._minimums: tuple[Any, Any] | None = None  # the Trainer's (min_epochs, min_steps), set aside by a stop
+        if self.name != "fp32" and not isinstance(self, _LightningMixedPrecision):
+            # fp16 and bf16 are Lightning's MixedPrecision too: what Lightning reads a precision plugin's
+            # compute dtype by (ThroughputMonitor's FLOPs and MFU took a plain Precision for float32).
+            # The same class with MixedPrecision mixed in, under the same name (_mixed_in); "32-true" stays
+            self.__class__ = _mixed_in(type(self))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A copy or a pickle (``ddp_spawn``) of an fp16/bf16 plugin is made from the class it was
+        made as, then given MixedPrecision again (:func:`_mixed_in`: that class is made at run time)."""
+        plain = getattr(type(self), "_plain", None)
+        if plain is None:
+            return super().__reduce_ex__(protocol)
+        return _remade_mixed, (plain,), dict(self.__dict__)
 
     # ------------------------------------------------------------------ setup
 
@@ -783,19 +784,6 @@ class AmpGuardPlugin(_LightningPrecision):
         if self._loaded.pop(_BEFORE_FIRST_STEP, False):
             self._loaded = None  # (the guard starts afresh)
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The state Lightning saved under this plugin's class name goes under ``"AmpGuardPlugin"``
-        whatever the precision (the fp16/bf16 plugin is a subclass, :class:`_MixedAmpGuardPlugin`):
-        one key to read (README) and to resume from under any precision (the refusal names it)."""
-        if type(self).__qualname__ in checkpoint and type(self) is not AmpGuardPlugin:
-            checkpoint[_STATE_KEY] = checkpoint.pop(type(self).__qualname__)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Lightning looks the state up by this plugin's class name next: the fp16/bf16 plugin
-        loads it from ``"AmpGuardPlugin"`` itself (:meth:`on_save_checkpoint`)."""
-        if type(self) is not AmpGuardPlugin and _STATE_KEY in checkpoint and type(self).__qualname__ not in checkpoint:
-            self.load_state_dict(checkpoint[_STATE_KEY])
-
     def _refuse_a_change(self, state: dict[str, Any]) -> None:
         """A resume whose checkpoint was saved under another precision or ``accumulate_grad_batches``
         is refused as Lightning restores it, before any step (it failed at the first backward, a
@@ -819,21 +807,44 @@ class AmpGuardPlugin(_LightningPrecision):
                          f"without ckpt_path")
 
 
-class _MixedAmpGuardPlugin(AmpGuardPlugin, _LightningMixedPrecision):
-    """``AmpGuardPlugin("16-mixed")`` and ``("bf16-mixed")``: the same plugin, and a Lightning
-    ``MixedPrecision`` for what reads a plugin's precision by its class (``ThroughputMonitor``'s
-    available FLOPs, so its MFU). Every method ``MixedPrecision`` defines is ``AmpGuardPlugin``'s
-    (its own ``__init__``, scaler and clipping never run), and ``AmpGuardPlugin`` calls Lightning's
-    ``Precision`` by name, not ``super()``, so ``MixedPrecision`` never scales a loss here."""
+class _AlsoMixedPrecision(_LightningMixedPrecision):
+    """What an fp16/bf16 :class:`AmpGuardPlugin` (or a subclass of yours) is made with besides
+    its own class (:func:`_mixed_in`): a Lightning ``MixedPrecision``, for what reads a plugin's
+    precision by its class (``ThroughputMonitor``'s available FLOPs, so its MFU). Every method
+    ``MixedPrecision`` defines is ``AmpGuardPlugin``'s (its own ``__init__``, scaler and clipping
+    never run), and ``AmpGuardPlugin`` calls Lightning's ``Precision`` by name, not ``super()``,
+    so ``MixedPrecision`` never scales a loss here."""
+
+    @property  # (MixedPrecision's attribute: the autocast device)
+    def device(self) -> str:
+        autocast = self._autocast  # type: ignore[attr-defined]
+        return autocast.device_type if autocast is not None else ("cuda" if torch.cuda.is_available() else "cpu")
 
     def autocast_context_manager(self) -> contextlib.AbstractContextManager:
-        return self.forward_context()
+        return self.forward_context()  # type: ignore[attr-defined]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # a Lightning 1.x checkpoint's "native_amp_scaling_state" is handed to any MixedPrecision:
         # it is Lightning's scaler, not the guard's state; ignored, as it is for "32-true"
         checkpoint.pop("native_amp_scaling_state", None)
         super().on_load_checkpoint(checkpoint)
+
+
+@functools.cache
+def _mixed_in(cls: type) -> type:
+    """``cls`` (AmpGuardPlugin or a subclass) with :class:`_AlsoMixedPrecision` mixed in, under
+    ``cls``'s own name: Lightning saves the plugin's state under its class's ``__qualname__``, so
+    the checkpoint key stays ``"AmpGuardPlugin"`` (README) whatever the precision, and a resume
+    across precisions is refused by name. Pickled as ``cls`` (:meth:`AmpGuardPlugin.__reduce_ex__`)."""
+    return type(cls.__name__, (cls, _AlsoMixedPrecision),
+                {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, "_plain": cls})
+
+
+def _remade_mixed(cls: type) -> AmpGuardPlugin:
+    """An fp16/bf16 plugin of class ``cls`` being unpickled or copied (its state comes next)."""
+    made = cls.__new__(cls)
+    made.__class__ = _mixed_in(cls)
+    return made
 
 
 def _at_its_limit(trainer: pl.Trainer) -> bool:
