@@ -365,8 +365,8 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         if loss.numel() != 1:
             raise InputError(f"{who}: loss_fn must return a scalar (a 0-dim tensor, e.g. .mean()); it returned shape "
                              f"{tuple(loss.shape)}")
-        if not (loss.is_floating_point() or loss.is_complex()):
-            raise InputError(f"{who}: loss_fn must return a floating-point tensor; it returned {loss.dtype}")
+        if not loss.is_floating_point():  # (a complex one: its backward drops the imaginary part, with a warning)
+            raise InputError(f"{who}: loss_fn must return a real floating-point tensor; it returned {loss.dtype}")
         if not loss.requires_grad:
             raise InputError(f"{who}: the loss does not depend on the model's trainable parameters (no gradient "
                              "flows back from it: was it detached, or computed outside torch?)")

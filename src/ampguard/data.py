@@ -104,10 +104,41 @@ class DataStream:
         return next(self._iter)
 
     def _source(self) -> Iterator[Batch]:
-        source: Any = self.task.stream(self.position)
+        source: Any = self._stream()
         if self.dist.active:  # this rank's slice of each global batch; faults then apply per rank
             source = ((distributed.rank_slice(x, self.dist), distributed.rank_slice(y, self.dist)) for x, y in source)
         return source
+
+    def _stream(self) -> Iterator[Batch]:
+        """The task's stream from :attr:`position`. One read from its start (a factory without
+        ``batches_from``) reads the batches before the position with the RNGs kept: a resume or a
+        rollback has put back the RNG state of the run at that position, and data that draws from
+        the global RNG (a random augmentation in a generator function) drew again for the
+        batches it drops, so the run went on from other draws than the uninterrupted one's.
+
+        Example (each batch drawn from the global RNG; a checkpoint at position 2 saved its state)::
+
+            >>> from ampguard.tasks import Task, cycle
+            >>> def noisy():
+            ...     for _ in range(3):
+            ...         yield torch.rand(1), torch.zeros(1)
+            >>> task = Task("toy", torch.nn.Linear(1, 1), torch.nn.functional.mse_loss, batches=lambda: cycle(noisy))
+            >>> _ = torch.manual_seed(0); run = iter(task.batches()); _ = next(run), next(run)
+            >>> saved = torch.get_rng_state(); third = next(run)[0]
+            >>> torch.set_rng_state(saved)  # a resume from that checkpoint
+            >>> data = DataStream(task, FaultInjector([]), torch.device("cpu")); data.seek(2)
+            >>> torch.equal(next(data._stream())[0], third)
+            True
+        """
+        if not self.position or self.task.batches_from is not None:
+            return self.task.stream(self.position)
+        from .checkpoint import rng_kept
+
+        stream = iter(self.task.batches())
+        with rng_kept():
+            for _ in range(self.position):
+                next(stream)
+        return stream
 
     def _open(self, first_step: int) -> Iterator[Batch]:
         for inputs, targets in self.injector.wrap_data(self._source(), first_step=first_step):

@@ -230,7 +230,19 @@ def raised(err: BaseException) -> str:
     """
     if isinstance(err, SystemExit) and not isinstance(err.code, (str, int, type(None))):
         return f"SystemExit: {brief(err.code)}"
-    return shortened(first_line(err, with_type=True), MAX_RAISED)
+    return shortened(visible(first_line(err, with_type=True)), MAX_RAISED)
+
+
+def visible(text: str) -> str:
+    r"""``text`` with each control character written as its escape (``\x1b``): what the user's
+    code raised reaches the terminal as text, not as an escape sequence (a cleared screen, a bell).
+
+    Example::
+
+        >>> visible("bad\x1b[2J value\x07"), visible("plain: ok")
+        ('bad\\x1b[2J value\\x07', 'plain: ok')
+    """
+    return "".join(c.encode("unicode_escape").decode("ascii") if has_control(c) else c for c in text)
 
 
 def an_interrupt(err: BaseException) -> bool:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 
 import torch
 
 from . import distributed
-from .checkpoint import modes_kept
+from .checkpoint import modes_kept, rng_kept
 from .config import Config
 from .errors import AmpguardWarning, InputError, user_code
 from .precision import Precision
@@ -67,7 +68,11 @@ class Evaluator:
         with modes_kept(model):  # (each module's mode back: a layer frozen in eval mode stays so)
             model.eval()
             with torch.no_grad(), self.precision.autocast():
-                return {name: float(value) for name, value in evaluate(model, self.device).items()}
+                metrics = evaluate(model, self.device)
+                if not isinstance(metrics, Mapping):  # (it "raised AttributeError: 'NoneType' ... 'items'")
+                    raise InputError(f"task.factory: evaluate() returned a {type(metrics).__name__}, not a mapping "
+                                     "of metric names to numbers ({'val_loss': 0.42})")
+                return {name: float(value) for name, value in metrics.items()}
 
     def check(self) -> None:
         """A user's evaluate() must return the metrics it declared: try it once, before any file
@@ -76,7 +81,7 @@ class Evaluator:
             return
         problem = None
         try:
-            with user_code("task.factory: evaluate() raised "):
+            with user_code("task.factory: evaluate() raised "), rng_kept():  # (a draw of its would shift the run's)
                 names = set(self._evaluate())
             if not names <= set(self.task.metrics):
                 problem = (f"task.factory: evaluate() returned {sorted(names)}, but metrics declares "

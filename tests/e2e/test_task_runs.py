@@ -430,6 +430,52 @@ def test_a_factory_run_with_batches_from_resumes_bit_for_bit_without_reading_the
     assert made == [0, 1, 2, 3, 0, 3, 0, *range(6, 12)]
 
 
+DRAWING = """
+import torch
+from torch import nn
+
+
+def build(config):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(6, 8, 3, generator=g), torch.randn(6, 8, 1, generator=g)
+
+    def data():  # a random augmentation: noise from the global RNG, as torch.randn in a transform draws it
+        for x, y in zip(xs, ys):
+            yield x + 0.1 * torch.randn(x.shape), y
+
+    def evaluate(model, device):  # draws too (a random subset, say)
+        return {"val_mse": float(((model(xs[0] + torch.randn(8, 3)) - ys[0]) ** 2).mean())}
+
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    made = {"model": model, "data": data, "loss_fn": nn.functional.mse_loss}
+    if config.task.options.get("evaluate"):
+        made.update(evaluate=evaluate, metrics=["val_mse"])
+    return made
+"""
+
+
+def test_a_factory_drawing_from_the_global_rng_resumes_bit_for_bit_and_its_evaluate_leaves_the_run_alone(
+        cli, tmp_path):
+    # review 33b: a resume read the batches before its position after the RNG state was put back, so
+    # their draws moved it (steps.csv differed from the first step after the checkpoint); and the
+    # start-up's try of evaluate() drew from the RNG the first step's dropout then drew from
+    (tmp_path / "drawing.py").write_text(DRAWING, encoding="utf-8")
+    run = ["--set", f"task.factory={tmp_path / 'drawing.py'}:build", "--set", "steps=8", "--set", "eval.every=0",
+           "--set", "checkpoint.every=4", "--set", "log.plot=false", "--set", "precision=fp32"]
+    code, _, err = cli("train", *run, "--set", "log.name=a", "--set", "task.options.evaluate=true")
+    assert code == 0, err
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    shutil.copytree(a, b)
+    code, _, err = cli("train", "--resume", b / "checkpoints" / "step-00000004.pt")
+    assert code == 0, err
+    assert (b / "steps.csv").read_bytes() == (a / "steps.csv").read_bytes()  # 8 steps: over an epoch of 6
+    code, _, err = cli("train", *run, "--set", "log.name=c")  # no evaluate: the same training
+    assert code == 0, err
+    losses = [[r["loss"] for r in read_csv(folder / "steps.csv")[1]] for folder in (a, tmp_path / "runs" / "c")]
+    assert losses[0] == losses[1] and len(set(losses[0])) == 8
+
+
 def test_example_my_model_absolute_path_fp32(tmp_path):
     _, header, rows = train_csv(tmp_path, [f"task.factory={EXAMPLE}:build", "precision=fp32", "steps=200",
                                            "eval.every=0"])

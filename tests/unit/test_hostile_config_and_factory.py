@@ -305,3 +305,127 @@ def task(config):
         with pytest.raises(InputError) as info:
             build_task(load_config(None, [f"task.factory={tmp_path / 'f.py'}:{fn}"]))
         assert said in str(info.value) and "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------- review 33b: a factory's reach
+
+REACH = """
+import os
+import torch
+from torch import nn
+
+
+def data():
+    for _ in range(8):
+        yield torch.randn(4, 2), torch.randn(4, 1)
+
+
+def pair(config, **more):
+    return {"model": nn.Linear(2, 1), "data": data, "loss_fn": nn.functional.mse_loss, **more}
+
+
+def mutates(config):  # what the config's checks passed already: a run folder outside log.dir, -5 steps
+    config.log.name = "../../escaped"
+    config.steps = -5
+    return pair(config)
+
+
+def moves(config):
+    os.chdir(config.task.options["to"])
+    return pair(config)
+
+
+def loud(config):
+    raise ValueError("bad\\x1b[2J value\\x07")
+
+
+def complex_loss(config):
+    return pair(config, loss_fn=lambda out, y: ((out - y) ** 2).mean() * (1 + 1j))
+
+
+def evaluate_none(config):
+    return pair(config, evaluate=lambda model, device: None, metrics=["v"])
+
+
+def metrics_alone(config):
+    return pair(config, metrics=["v"])
+
+
+def predict_str(config):
+    return pair(config, predict="model")
+"""
+
+
+def _reach(tmp_path: Path, fn: str, *more: str):
+    from ampguard.tasks import build_task
+
+    (tmp_path / "reach.py").write_text(REACH, encoding="utf-8")
+    return build_task(load_config(None, [f"task.factory={tmp_path / 'reach.py'}:{fn}", *more]))
+
+
+def test_a_factory_gets_a_copy_of_the_config_so_what_it_sets_changes_nothing_of_the_run(tmp_path):
+    # (its log.name "../../escaped" wrote the run folder outside log.dir, its steps -5 ended in a
+    # ZeroDivisionError: set after the config's checks had passed)
+    config = load_config(None, [f"task.factory={tmp_path / 'reach.py'}:mutates"])
+    before = config.model_dump()
+    (tmp_path / "reach.py").write_text(REACH, encoding="utf-8")
+    from ampguard.tasks import build_task
+
+    build_task(config)
+    assert config.model_dump() == before
+
+
+def test_a_factory_that_changes_the_working_folder_is_set_back_with_a_warning(tmp_path, monkeypatch):
+    # (the console said "run folder: runs/x" and the files went under the folder build() moved to)
+    from ampguard.errors import AmpguardWarning
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(AmpguardWarning, match=r"reach\.py:moves: build\(\) changed the working folder to .*elsewhere; "
+                                             r"set back to .*, where the command runs and its run folder goes"):
+        _reach(tmp_path, "moves", f"task.options.to={tmp_path / 'elsewhere'}")
+    assert Path.cwd() == tmp_path
+
+
+@pytest.mark.parametrize("fn, said", [
+    # its message's escape sequences reached the terminal (the first cleared the screen)
+    ("loud", r"task.factory reach.py:loud raised ValueError: bad\x1b[2J value\x07"),
+    # the backward dropped the imaginary part, with a UserWarning of torch's
+    ("complex_loss", "task.factory reach.py:complex_loss: loss_fn must return a real floating-point tensor; it "
+                     "returned torch.complex64"),
+    # it "raised AttributeError: 'NoneType' object has no attribute 'items'"
+    ("evaluate_none", "task.factory: evaluate() returned a NoneType, not a mapping of metric names to numbers "
+                      "({'val_loss': 0.42})"),
+    # its columns stayed empty, unsaid
+    ("metrics_alone", "task.factory reach.py:metrics_alone: metrics ['v'] is given but no evaluate returns them: "
+                      "add evaluate(model, device) -> {name: value}, or drop metrics"),
+    ("predict_str", "task.factory reach.py:predict_str: predict must be a function, got a str"),  # (at validate)
+])
+def test_what_a_factory_gives_that_a_run_cannot_use_is_one_line(cli, tmp_path, fn, said):
+    (tmp_path / "reach.py").write_text(REACH, encoding="utf-8")
+    assert _refused(cli, "train", *RUN, "--set", f"task.factory=reach.py:{fn}") == f"ampguard: error: {said}"
+
+
+def test_a_factory_file_imports_a_module_beside_it_and_a_module_factory_is_found_from_the_working_folder(
+        tmp_path, monkeypatch):
+    # as `python file.py` and `python -m` find them; the `ampguard` script found neither
+    import sys
+
+    from ampguard.tasks import build_task
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "beside_33b.py").write_text("WIDTH = 3\n", encoding="utf-8")
+    (tmp_path / "lib" / "net.py").write_text(REACH.replace("nn.Linear(2, 1)", "nn.Linear(2, WIDTH)").replace(
+        "import os\n", "import os\nfrom beside_33b import WIDTH\n").replace("torch.randn(4, 1)", "torch.randn(4, 3)"),
+        encoding="utf-8")
+    (tmp_path / "pkg_33b").mkdir()
+    (tmp_path / "pkg_33b" / "__init__.py").write_text("", encoding="utf-8")
+    (tmp_path / "pkg_33b" / "mod.py").write_text(REACH, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    try:
+        assert build_task(load_config(None, ["task.factory=lib/net.py:pair"])).model.out_features == 3
+        assert build_task(load_config(None, ["task.factory=pkg_33b.mod:pair"])).model.out_features == 1
+    finally:
+        for name in [n for n in sys.modules if n.startswith(("beside_33b", "pkg_33b"))]:
+            del sys.modules[name]

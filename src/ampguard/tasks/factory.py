@@ -31,11 +31,13 @@ rank's share: the run logs and judges the mean over ranks.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import importlib
 import importlib.util
 import itertools
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -93,13 +95,21 @@ def load_factory(spec: str) -> Callable[..., Any]:
             assert module_spec is not None and module_spec.loader is not None
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[name] = module
+            _importable(str(path.resolve().parent))  # its own folder, as `python file.py` has: `from common import ...`
             module_spec.loader.exec_module(module)
         else:
+            _importable(os.getcwd())  # the folder the command runs in, as `python -m` has (the `ampguard` script has not)
             module = importlib.import_module(target)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise InputError(f"task.factory: {target} has no function {attr!r}")
     return fn
+
+
+def _importable(folder: str) -> None:
+    """Put ``folder`` on the import path (once, at its front) for a factory's imports."""
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 def check_metrics(metrics: Any, spec: str) -> tuple[str, ...]:
@@ -182,8 +192,15 @@ def build_from_factory(config: Any) -> Task:
     """
     spec = config.task.factory
     fn = load_factory(spec)
+    folder = os.getcwd()
     with user_code(f"task.factory {spec} raised "):
-        made = fn(config)
+        made = fn(copy.deepcopy(config))  # (a copy: a build() that set log.name or steps ran unchecked)
+    if os.getcwd() != folder:  # (the run folder, and every relative path of the command, are read from there)
+        moved = os.getcwd()
+        os.chdir(folder)
+        warnings.warn(f"task.factory {spec}: build() changed the working folder to {moved}; set back to {folder}, "
+                      "where the command runs and its run folder goes (open your files by absolute paths, e.g. "
+                      "Path(__file__).parent / 'data')", AmpguardWarning, stacklevel=2)
     if isinstance(made, Task):
         _check_model_and_loss(made.model, made.loss_fn, spec)
         check_metrics(made.metrics, spec)
@@ -225,6 +242,12 @@ def build_from_factory(config: Any) -> Task:
     evaluate = made.get("evaluate")
     if evaluate is not None and not metrics:
         raise InputError(f"task.factory {spec}: evaluate is given, so metrics must name what it returns")
+    if metrics and evaluate is None:  # (its columns would stay empty, unsaid)
+        raise InputError(f"task.factory {spec}: metrics {list(metrics)} is given but no evaluate returns them: "
+                         "add evaluate(model, device) -> {name: value}, or drop metrics")
+    for key in ("evaluate", "predict"):
+        if made.get(key) is not None and not callable(made[key]):
+            raise InputError(f"task.factory {spec}: {key} must be a function, got a {type(made[key]).__name__}")
     def restart() -> Any:
         for generator, state in zip(generators, start_states):
             generator.set_state(state)
