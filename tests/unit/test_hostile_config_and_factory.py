@@ -429,3 +429,77 @@ def test_a_factory_file_imports_a_module_beside_it_and_a_module_factory_is_found
     finally:
         for name in [n for n in sys.modules if n.startswith(("beside_33b", "pkg_33b"))]:
             del sys.modules[name]
+
+
+AGAIN = """
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+
+class OneShot(IterableDataset):  # __iter__ returns itself: a second pass goes on where the first stopped
+    def __init__(self, n):
+        self.left = iter([(torch.randn(2), torch.randn(1)) for _ in range(n)])
+
+    def __iter__(self):
+        return self.left
+
+
+def one_shot(config):  # four batches: the start-up's read took them all
+    return nn.Linear(2, 1), DataLoader(OneShot(4), batch_size=None), nn.functional.mse_loss
+
+
+def one_shot_longer(config):  # its fifth batch comes as the first of the second pass
+    return nn.Linear(2, 1), DataLoader(OneShot(8), batch_size=None), nn.functional.mse_loss
+
+
+def drifting(config):  # a generator of its own, never set back: every pass other batches
+    rng = np.random.default_rng(0)
+
+    def data():
+        for _ in range(8):
+            yield torch.tensor(rng.normal(size=(4, 2)), dtype=torch.float32), torch.zeros(4, 1)
+    return nn.Linear(2, 1), data, nn.functional.mse_loss
+
+
+def drawing(config):  # the global RNG: read again from the same state, the same batches
+    def data():
+        for _ in range(8):
+            yield torch.randn(4, 2), torch.zeros(4, 1)
+    return nn.Linear(2, 1), data, nn.functional.mse_loss
+"""
+
+
+def test_data_read_again_from_its_start_must_give_its_first_batch_again(tmp_path):
+    # review 33b: a one-shot IterableDataset passed (iter(loader) is not loader) and the run stopped at
+    # its fourth step as bad data; data that changes from pass to pass resumed on other batches, unsaid
+    import warnings
+
+    import torch
+
+    from ampguard.errors import AmpguardWarning, InputError
+    from ampguard.tasks import build_task
+
+    (tmp_path / "again.py").write_text(AGAIN, encoding="utf-8")
+
+    def build(fn):
+        return build_task(load_config(None, [f"task.factory={tmp_path / 'again.py'}:{fn}"]))
+
+    with pytest.raises(InputError, match=r"again\.py:one_shot: data yielded no batch when read a second time \(a "
+                                         r"one-shot iterable\?\)"):
+        build("one_shot")
+    for fn in ("one_shot_longer", "drifting"):
+        with pytest.warns(AmpguardWarning, match=rf"again\.py:{fn}: data read again from its start gave another "
+                                                 r"first batch: a resume, a rollback or locate's replay reads other"):
+            build(fn)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AmpguardWarning)
+        build("drawing")
+    drawn = torch.rand(1)
+    torch.manual_seed(0)
+    torch.nn.Linear(2, 1)  # (the model's initial weights, then the start-up's four batches: the second read left
+    for _ in range(4):     # no trace on the run's draws)
+        torch.randn(4, 2)
+    assert torch.equal(torch.rand(1), drawn)

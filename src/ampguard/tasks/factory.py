@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint import rng_state, set_rng_state
 from ..errors import AmpguardWarning, InputError, user_code
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
@@ -261,12 +262,14 @@ def build_from_factory(config: Any) -> Task:
     if seek is not None and not callable(seek):
         raise InputError(f"task.factory {spec}: batches_from must be a function: batches_from(start) -> the batches "
                          f"of data from micro-batch start on, got a {type(seek).__name__}")
+    drawn_from = rng_state()  # (data may draw from the global RNGs: the second read below draws the same)
     with user_code(f"task.factory {spec}: reading the data failed: "):
         first_batches = list(itertools.islice(iter(restart()), 4))
     if not first_batches:
         raise InputError(f"task.factory {spec}: data yielded no batches")
     if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in first_batches):
         raise InputError(f"task.factory {spec}: data must yield (inputs, targets) pairs")
+    _check_read_again(restart, first_batches[0], drawn_from, spec)
     if seek is not None:
         _check_seek(seek, first_batches, spec)
         restart()  # (a batches_from that reads data's DataLoader drew from its generators: back to the start)
@@ -297,6 +300,30 @@ def build_from_factory(config: Any) -> Task:
         predict=made.get("predict"),
         batches_from=None if seek is None else functools.partial(_seeked, seek, spec),
     )
+
+
+def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[str, Any], spec: str) -> None:
+    """``data`` read again from its start (every epoch, a resume and a rollback do) must give its
+    first batch again: none is a one-shot iterable (an ``IterableDataset`` whose ``__iter__``
+    returns itself: the run stopped at its fourth step, "bad data"), refused; another batch is
+    data that changes from pass to pass (a generator of its own not set back), which trains but
+    resumes on other batches than the run: warned. Read from the RNG state the first read began
+    at, and the RNGs left as the first read left them."""
+    after = rng_state()
+    set_rng_state(drawn_from)
+    try:
+        with user_code(f"task.factory {spec}: reading the data again failed: "):
+            again = next(iter(restart()), None)
+    finally:
+        set_rng_state(after)
+    if again is None:
+        raise InputError(f"task.factory {spec}: data yielded no batch when read a second time (a one-shot iterable?): "
+                         "every epoch, a resume and a rollback read it again from its start; give a list, a DataLoader "
+                         "over a map-style dataset, or a function returning a fresh iterable")
+    if not _same_batch(again, first):
+        warnings.warn(f"task.factory {spec}: data read again from its start gave another first batch: a resume, a "
+                      "rollback or locate's replay reads other batches than the run did (give its shuffle or its "
+                      "random source a seeded generator, as a DataLoader's generator=)", AmpguardWarning, stacklevel=3)
 
 
 def _check_seek(seek: Callable[[int], Any], first: list[Any], spec: str) -> None:
