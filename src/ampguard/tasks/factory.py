@@ -99,8 +99,13 @@ def load_factory(spec: str) -> Callable[..., Any]:
             _importable(str(path.resolve().parent))  # its own folder, as `python file.py` has: `from common import ...`
             module_spec.loader.exec_module(module)
         else:
-            _importable(os.getcwd())  # the folder the command runs in, as `python -m` has (the `ampguard` script has not)
-            module = importlib.import_module(target)
+            try:
+                module = importlib.import_module(target)
+            except ModuleNotFoundError as err:  # from the folder the command runs in, as `python -m` finds it
+                if err.name != target.partition(".")[0] or os.getcwd() in sys.path:  # (the `ampguard` script
+                    raise                                                           # has no such entry)
+                _importable(os.getcwd())
+                module = importlib.import_module(target)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise InputError(f"task.factory: {target} has no function {attr!r}")
