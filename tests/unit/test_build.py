@@ -242,7 +242,7 @@ def test_check_forward_leaves_no_trace_in_rngs_buffers_or_gradients():
 
 @pytest.mark.parametrize(("loss_fn", "read", "expected"), [
     (lambda out, y: out.sum().item(), None, "task t: loss_fn must return a scalar tensor; it returned a float"),
-    (lambda out, y: (out > 0).sum(), None, "task t: loss_fn must return a floating-point tensor; it returned torch.int64"),
+    (lambda out, y: (out > 0).sum(), None, "task t: loss_fn must return a real floating-point tensor; it returned torch.int64"),
     (nn.functional.mse_loss, lambda: next(iter(())), "task t: the data yielded no batches"),
     (nn.functional.mse_loss, lambda: 1 / 0, "task t: reading the first batch failed: ZeroDivisionError: division by zero"),
     (nn.functional.mse_loss, lambda: (torch.ones(2, 4), torch.ones(2, 1), "extra"),
