@@ -480,9 +480,12 @@ class Guard:
             host scheduler is refused, and with neither the learning rate stays as it is.
             ``step()`` then returns a :class:`PendingStep` whose skip decision is read by
             whoever reads its values.
-        lr_schedule: with ``sync_free``, ``lr_schedule(applied_updates) -> factor`` on tensors,
-            computed on the device; each group's lr is its initial lr times the factor. It
-            advances only on applied updates, so it holds on skipped steps.
+        lr_schedule: with ``sync_free`` (refused without it, and beside a ``scheduler``),
+            ``lr_schedule(applied_updates) -> factor`` on tensors, computed on the device; each
+            group's lr is its ``initial_lr`` times the factor (set from its lr the first time, as
+            torch's schedulers set it, and saved with the optimizer's state: a resume that loads
+            the optimizer before building the guard keeps the base). It advances only on applied
+            updates, so it holds on skipped steps.
         frozen: ``"refuse"`` (default) a model parameter that requires grad but is in no
             optimizer, or ``"ignore"`` it (its gradient is dropped every step).
         fuse_tail: with ``sync_free``, run the step's scalar tail (:func:`sync_free_tail`: the
@@ -519,9 +522,14 @@ class Guard:
         fuse_tail: bool = False,
     ) -> None:
         check_settings(max_norm, scheduler_on_skip, frozen)
+        if isinstance(model, torch.optim.Optimizer) or isinstance(optimizer, nn.Module):
+            raise TypeError("Guard(model, optimizer, ...): the model comes first, then its optimizer")
         modules = _modules(model)
         root = _root(model)
         model_device = _model_device(root)
+        if model_device.type == "meta":  # (fp32 failed at its first autocast() deep in torch)
+            raise ValueError("the model is on the meta device (its parameters are not made yet): materialise it "
+                             "(to_empty(), then load or initialise the weights) before Guard()")
         device = torch.device(device) if device is not None else model_device
         if device.type != model_device.type:
             raise ValueError(
@@ -531,6 +539,11 @@ class Guard:
         holder = _holders(root, optimizers, device)
         if fuse_tail and not sync_free:
             raise ValueError("fuse_tail compiles the sync-free step's tail: pass sync_free=True too")
+        if lr_schedule is not None and not sync_free:  # (it was ignored: a warm-up trained at the full LR)
+            raise ValueError("lr_schedule sets the sync-free step's LR on the device: pass sync_free=True too, or "
+                             "give your scheduler as scheduler= (the guard steps it on applied updates)")
+        if lr_schedule is not None and scheduler is not None:
+            raise ValueError("sync_free takes lr_schedule= or a DeviceLambdaLR as scheduler=, not both")
         if sync_free and len(optimizers) > 1:
             raise ValueError("sync_free takes one optimizer; several step with one host read per step")
 
@@ -580,7 +593,7 @@ class Guard:
             # on the parameters' device (``device`` may name only the type: "cuda" for a model on cuda:1)
             self._updates_t = torch.zeros((), device=model_device)
             self._zero = torch.zeros((), device=model_device)  # (never written: the tail's ``pre * 0``)
-            self._base_lrs = [group["lr"].detach().clone() for group in self.optimizer.param_groups]
+            self._base_lrs = [_initial_lr(group) for group in self.optimizer.param_groups]
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
                 scheduler.applied = self._updates_t
         self._modules, self._root, self._frozen_mode = modules, root, frozen
@@ -723,7 +736,7 @@ class Guard:
         if self.sync_free:  # a group added: with lr_schedule=, its base is its LR now (a DeviceLambdaLR,
             # as torch's LambdaLR, has no base for it: the group keeps its own LR)
             groups = self.optimizer.param_groups
-            self._base_lrs += [group["lr"].detach().clone() for group in groups[len(self._base_lrs):]]
+            self._base_lrs += [_initial_lr(group) for group in groups[len(self._base_lrs):]]
         self._own(holder)
 
     @property
@@ -780,16 +793,20 @@ class Guard:
         and the Hugging Face Trainer's loops hand them over). They seed the backward as they are,
         bit for bit what that loop would do, and the record counts each as ``loss x N``.
         """
-        self._refuse_out_of_order(losses)
-        if self._autocast_probes:  # (the first backward only)
-            self._end_autocast_probe()
-        self._check_losses(losses)
-        if self._micro == 0:  # (before a gradient is made: a refusal undoes nothing)
-            if self._parameters_changed():
-                self._own_again()
-            if self._scheduler_epochs:
-                self._check_schedulers()
-        self._check_gradients_so_far()
+        try:
+            self._refuse_out_of_order(losses)
+            if self._autocast_probes:  # (the first backward only)
+                self._end_autocast_probe()
+            self._check_losses(losses)
+            if self._micro == 0:  # (before a gradient is made: a refusal undoes nothing)
+                if self._parameters_changed():
+                    self._own_again()
+                if self._scheduler_epochs:
+                    self._check_schedulers()
+            self._check_gradients_so_far()
+        except (RuntimeError, ValueError) as err:  # a refusal: a loop that catches it goes on (README)
+            self._refused(err, "backward")
+            raise
         n, last = self.accumulation_steps, len(losses) - 1
         total: Any = None  # the losses' sum and their marks' (a NaN mark: a non-finite loss among them)
         bad: Any = None
@@ -926,10 +943,14 @@ class Guard:
             raise RuntimeError("Guard.step() called twice: the order is `with guard.autocast(): loss = ...`, "
                                "guard.backward(loss), guard.step()" if self._micro or self.steps else
                                "Guard.step() before guard.backward(loss): nothing to step")
+        # (a refusal here keeps the group as it was: the same call with the right names goes on)
         names = self._names(which)
         if self._group is not None and names != self._group:
             raise RuntimeError(f"Guard.step() names optimizers {list(names)} inside a group begun with "
                                f"{list(self._group)}: step the same optimizers until the group closes")
+        if not close and self._micro < self.accumulation_steps and self.scaler.is_enabled() and any(
+                self.scaler.unscaled(self.optimizers[name]) for name in names):
+            close = True  # unscale_() came after the group's last backward: it ends with the ones it has
         if close and self._micro < self.accumulation_steps and any(map(distributed.defers_sync, self._modules)):
             raise RuntimeError("Guard.step(close=True) cannot end a short group under DDP/FSDP2: its micro-batches "
                                "ran without the gradient all-reduce (the guard expected more); end groups full there")
@@ -945,6 +966,16 @@ class Guard:
         except BaseException as err:  # (free until something raises: no context manager on the hot path)
             self._dropped(err, "step", steps)
             raise
+
+    def _refused(self, err: BaseException, where: str) -> None:
+        """A call refused (out of order, a typo'd optimizer, a gradient from outside the guard):
+        the open group, if any, is dropped with its gradients, so the next ``backward()`` begins a
+        clean step (else every later call was refused: the first's pending backward, the outside
+        gradient, stayed), and a note says so."""
+        if self._micro or self._backward_pending or any(p.grad is not None for p, _ in self._owned):
+            self._abandon_group()
+            err.add_note(f"ampguard: Guard.{where}() refused the call: the open group was dropped (its gradients); "
+                         "the next guard.backward() begins a new step")
 
     def _dropped(self, err: BaseException, where: str, steps: int) -> None:
         """After the backward or the group's close raised (an out-of-memory, a scheduler stepped
@@ -1003,7 +1034,10 @@ class Guard:
         second call. A non-finite gradient it finds skips the step (reason ``non_finite_grad``,
         the record's pre-clip norm ``inf``) even if code in between made the gradients finite,
         as ``GradScaler.step`` skips on what ``unscale_`` found. Between steps there is nothing to
-        unscale: refused (it left every later ``backward()`` refused as "after unscale_()")."""
+        unscale: refused (it left every later ``backward()`` refused as "after unscale_()"). Inside
+        an accumulation group it ends the group's backwards: the next ``step()`` closes the group
+        with the micro-batches it has, as ``close=True`` (it returned ``None``, and every later
+        call was refused)."""
         if not self._backward_pending:
             raise RuntimeError("Guard.unscale_(): nothing to unscale; call it after the group's last "
                                "guard.backward(loss), before guard.step()")
@@ -1502,6 +1536,19 @@ class Guard:
         self._scheduler_epochs.clear()  # (a restore loads the schedulers' states with it)
         self._abandon_group()
         self._look_all = True  # (a resumed run's first step looks at every parameter, as a fresh one's does)
+
+
+def _initial_lr(group: dict[str, Any]) -> torch.Tensor:
+    """A param group's base LR for ``lr_schedule``: its ``initial_lr``, set from its LR the first
+    time, as torch's schedulers set it, so it is saved with the optimizer's state and a resume that
+    loads the optimizer before building the guard keeps the base (its LR then is the schedule's
+    last, decayed one: the factor was applied twice). A device tensor on the LR's device."""
+    lr = group["lr"]
+    if "initial_lr" not in group:
+        group["initial_lr"] = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+    base = group["initial_lr"]
+    device = lr.device if isinstance(lr, torch.Tensor) else None
+    return torch.as_tensor(base, dtype=torch.float32, device=device).detach().clone()
 
 
 class AmpTrainState(Guard):

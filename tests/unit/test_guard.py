@@ -383,24 +383,29 @@ def test_code_that_cleans_gradients_after_unscale_does_not_unskip_the_step(sync_
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
 
-def test_unscale_before_the_groups_last_backward_is_refused():
-    # the next backward would add scaled gradients to unscaled ones: refused, not a wrong norm
-    model = nn.Linear(3, 1)
-    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", accumulation_steps=2,
-                  scaler={"init_scale": 1024.0})
+def test_unscale_before_the_groups_last_backward_ends_the_group_at_its_step():
+    # a backward after unscale_() would add scaled gradients to unscaled ones, so the step after it
+    # closes the group with the micro-batches it has, as close=True (review 33d: it returned None,
+    # every later backward was refused "after unscale_()" and close=True "called twice": no way on)
+    def guarded():
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        return model, Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                            accumulation_steps=2, scaler={"init_scale": 1024.0})
+
+    model, guard = guarded()
     guard.backward(_loss(model))
     guard.unscale_()
-    assert guard.step() is None
-    with pytest.raises(RuntimeError, match="after guard.unscale_"):
-        guard.backward(_loss(model))
-    # a restore abandons the group: its gradients and its unscaled mark go, the guard trains on
-    saved = guard.state_dict(mid_group=True)
-    guard.load_state_dict(saved)
-    assert model.weight.grad is None and not guard.mid_group
-    for _ in range(2):
+    closed = guard.step()
+    assert closed is not None and closed.step == 1 and not closed.skipped
+    other, reference = guarded()
+    reference.backward(_loss(other))
+    assert torch.equal(reference.step(close=True).loss, closed.loss)
+    assert torch.equal(other.weight, model.weight)  # the same update as close=True's
+    for _ in range(2):  # the next group is a whole one
         guard.backward(_loss(model))
         record = guard.step()
-    assert record.step == 1 and not record.skipped
+    assert record.step == 2 and not record.skipped
 
 
 def test_close_is_refused_for_a_short_group_of_a_model_that_defers_its_all_reduce():

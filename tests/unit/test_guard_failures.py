@@ -667,3 +667,42 @@ def test_a_second_step_call_inside_a_group_says_called_twice():
     assert guard.step() is None
     with pytest.raises(RuntimeError, match=r"^Guard.step\(\) called twice"):
         guard.step()
+
+
+# ---------------------------------------------------------------------------- review 33d: refusals a loop goes on from
+
+
+@pytest.mark.parametrize("wrong", ["backward twice", "a gradient of your own"])
+def test_a_refused_backward_drops_the_open_group_so_a_loop_that_catches_it_goes_on(wrong):
+    # README "After an error": the next backward() begins a clean step. The refusal left the first
+    # backward pending (every later autocast() refused) or the outside gradient there (every later
+    # backward() refused): 4 good batches made 1 step
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    for i in range(5):
+        with guard.autocast():
+            loss = nn.functional.mse_loss(model(x), y)
+        if i == 1:
+            with pytest.raises(RuntimeError) as refused:
+                if wrong == "backward twice":
+                    guard.backward(loss)
+                else:
+                    loss.backward(retain_graph=True)
+                guard.backward(loss)
+            assert "the open group was dropped" in "\n".join(refused.value.__notes__)
+            continue
+        guard.backward(loss)
+        assert guard.step() is not None
+    assert guard.steps == 4 and guard.updates == 4 and all(p.grad is None for p in model.parameters())
+
+
+def test_what_guard_cannot_take_is_refused_at_the_constructor():
+    model = nn.Linear(4, 2, device="meta")  # (fp32 failed at its first autocast(), deep in torch)
+    with pytest.raises(ValueError, match=r"^the model is on the meta device \(its parameters are not made yet\)"):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32")
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"the model comes first, then its optimizer"):  # ("'SGD' is not iterable")
+        Guard(optimizer, model)

@@ -97,6 +97,50 @@ def test_the_compiled_tail_makes_the_same_decisions(precision):
         AmpTrainState(plain, torch.optim.SGD(plain.parameters(), lr=0.1), F.mse_loss, precision="bf16", fuse_tail=True)
 
 
+def test_lr_schedule_is_refused_without_sync_free_or_beside_a_device_scheduler():
+    # review 33d: without sync_free it was ignored (a warm-up trained at the full LR from step 1)
+    from ampguard.schedule import DeviceLambdaLR
+
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="lr_schedule sets the sync-free step's LR on the device: pass sync_free=True"):
+        AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="bf16",
+                      lr_schedule=factor_t)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
+    with pytest.raises(ValueError, match="takes lr_schedule= or a DeviceLambdaLR as scheduler=, not both"):
+        AmpTrainState(model, opt, F.mse_loss, precision="bf16", sync_free=True, lr_schedule=factor_t,
+                      scheduler=DeviceLambdaLR(opt, factor_py, factor_t))
+
+
+def test_a_resume_that_loads_the_optimizer_before_the_guard_keeps_the_schedules_base_lr():
+    # review 33d: the base was the group's LR when the guard was built, the schedule's decayed one
+    # after a load, so the factor applied twice for the rest of the run; now initial_lr, saved with
+    # the optimizer's state as torch's schedulers keep it
+    def built(model, opt):
+        return AmpTrainState(model, opt, F.mse_loss, precision="bf16", sync_free=True, lr_schedule=factor_t)
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        return model, torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
+
+    x, y = torch.randn(4, 2), torch.randn(4, 1)
+    model, opt = make()
+    state = built(model, opt)
+    lrs = [state.step(x, y).values()["lr"] for _ in range(6)]
+    model, opt = make()
+    state = built(model, opt)
+    for _ in range(3):
+        state.step(x, y)
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "guard": state.state_dict()}
+    model, opt = make()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])  # the optimizer first, then the guard: the usual resume order
+    state = built(model, opt)
+    state.load_state_dict(saved["guard"])
+    assert [state.step(x, y).values()["lr"] for _ in range(3)] == lrs[3:]
+    assert lrs[3] < lrs[2]  # (the schedule moves: a base taken from the decayed LR would show)
+
+
 def test_the_lr_schedule_holds_on_skipped_steps():
     _, fast, _, _ = _run(True, "fp16", 1)
     lrs = [r.values()["lr"] for r in fast]
