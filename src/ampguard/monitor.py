@@ -22,6 +22,7 @@ message to know which guard tripped.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -720,6 +721,10 @@ class RunMonitor:
                 raise ValueError(f"{name} must be a number in [0, 1], got {rate!r}")
         if clear_rate is not None and not 0 <= clear_rate <= alert_rate:
             raise ValueError(f"clear_rate must be in [0, alert_rate {alert_rate:g}], got {clear_rate}")
+        for name, count in (("window", window), ("fail_after", fail_after), ("min_steps", min_steps)):
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral):  # (window=2.5 failed deep in
+                raise ValueError(f"{name} must be a whole number of steps, got {count!r}")  # a list's multiply)
+        window, fail_after, min_steps = int(window), int(fail_after), int(min_steps)  # (a numpy integer too)
         if min_steps < 0:
             raise ValueError(f"min_steps must be >= 0, got {min_steps}")
         if not (math.isfinite(min_scale) and min_scale > 0):  # (the scale's headroom is log2(scale / min_scale))

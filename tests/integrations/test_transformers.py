@@ -540,6 +540,51 @@ def test_a_stock_trainer_with_the_callback_warns_once_that_it_only_watches(tmp_p
     assert len(read_rows(tmp_path / "out" / "ampguard" / "steps.csv")) == 2  # and it still watched
 
 
+def test_a_stock_trainer_with_the_callback_resumes_in_its_own_output_dir(tmp_path):
+    # review 33c: the resume was refused "steps.csv already exists" (only GuardedTrainer told the
+    # callback of a resume); HF has loaded the checkpoint's global_step by on_train_begin
+    def stock():
+        return Trainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=4, save_strategy="steps",
+                                                         save_steps=2), train_dataset=token_ids(16),
+                       callbacks=[AmpGuardCallback(print_fn=lambda line: None)])
+
+    with pytest.warns(UserWarning):
+        stock().train()
+    csv = tmp_path / "out" / "ampguard" / "steps.csv"
+    rows = read_rows(csv)
+    shutil.rmtree(tmp_path / "out" / "checkpoint-4")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.warns(UserWarning):
+        stock().train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    again = read_rows(csv)
+    assert [r["step"] for r in again] == ["1", "2", "3", "4"] and again[:2] == rows[:2]
+    events = [json.loads(line) for line in (tmp_path / "out" / "ampguard" / "events.jsonl").read_text().splitlines()]
+    resumed = next(e for e in events if e["event"] == "resume")
+    assert resumed["step"] == 2 and "a stock Trainer's checkpoint holds no ampguard state" in resumed["message"]
+
+
+def test_the_callback_refuses_what_it_cannot_use_when_it_is_made(tmp_path):
+    # review 33c: print_fn=None trained every step and crashed at the end; sinks="mlflow" (read as
+    # report_to) or [None] failed after step 1 had updated the weights; window=2.5 failed deep in
+    # the monitor; a callback a GuardedTrainer took, given to a stock Trainer, failed at its first
+    # step with GuardedTrainer's "training_step is overridden" error
+    with pytest.raises(TypeError, match=r"print_fn=\.\.\.\) must be a function of one line, like print; got NoneType"):
+        AmpGuardCallback(print_fn=None)
+    with pytest.raises(TypeError, match=r"got 'mlflow' \(HF's report_to names trackers: give the sink itself"):
+        AmpGuardCallback(sinks="mlflow")
+    with pytest.raises(TypeError, match=r"None is no ampguard sink"):
+        AmpGuardCallback(sinks=[None])
+    with pytest.raises(ValueError, match=r"window must be a whole number of steps, got 2\.5"):
+        AmpGuardCallback(window=2.5)
+    callback = AmpGuardCallback(print_fn=lambda line: None)
+    GuardedTrainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=1), train_dataset=token_ids(4),
+                   ampguard=callback)
+    with pytest.raises(ValueError, match=r"this callback belongs to a GuardedTrainer already .* give a stock Trainer "
+                                         r"its own AmpGuardCallback\(\)"):
+        Trainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=1), train_dataset=token_ids(4),
+                callbacks=[callback])
+
+
 def test_a_guarded_trainer_does_not_warn_that_it_only_watches(tmp_path):
     import warnings
 
@@ -737,7 +782,9 @@ def test_a_training_step_overridden_without_super_is_refused_not_trained_unguard
                                            r"closed this group: training_step is overridden without calling super"):
         trainer.train()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing applied
-    assert "crashed after step 0" in (tmp_path / "out" / "ampguard" / "RUN.md").read_text()
+    # no step recorded: the files this train() made are taken back (a corrected subclass starts afresh)
+    assert not (tmp_path / "out" / "ampguard" / "steps.csv").exists()
+    assert not (tmp_path / "out" / "ampguard" / "RUN.md").exists()
 
 
 @pytest.mark.parametrize("how", ["accelerator.backward", "loss.backward"])
@@ -775,7 +822,9 @@ def test_a_custom_optimizer_over_part_of_the_model_trains_with_frozen_ignore(tmp
     with pytest.raises(ValueError, match=r"requires grad but no optimizer updates it .* or pass frozen='ignore'"):
         trainer()[1].train()
     AcceleratorState._reset_state(reset_partial_state=True)
-    shutil.rmtree(tmp_path / "out")
+    # no step recorded: the files that train() made are taken back (review 33c: the corrected train()
+    # the error asks for was refused "steps.csv already exists")
+    assert not (tmp_path / "out" / "ampguard" / "steps.csv").exists()
     model, guarded = trainer(frozen="ignore")
     embedding = model.transformer.wte.weight.detach().clone()
     guarded.train()

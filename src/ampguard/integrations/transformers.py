@@ -37,7 +37,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +184,16 @@ class AmpGuardCallback(TrainerCallback):
         self._reporting = False  # GuardedTrainer: HF is reporting to the search (an on_train_end now: pruned)
         self.window, self.alert_rate, self.clear_rate, self.fail_rate = window, alert_rate, clear_rate, fail_rate
         self.fail_after, self.min_steps, self.print_fn = fail_after, min_steps, print_fn
+        if not callable(print_fn):  # (print_fn=None trained every step, then crashed at the first line said)
+            raise TypeError(f"AmpGuardCallback(print_fn=...) must be a function of one line, like print; got "
+                            f"{type(print_fn).__name__}")
+        if isinstance(sinks, (str, bytes)) or not (callable(sinks) or isinstance(sinks, Iterable)):
+            raise TypeError("AmpGuardCallback(sinks=...) takes a list of ampguard sinks (CsvSink, MLflowSink, "
+                            f"WandbSink, ...) or a function of the Trainer's state returning one; got {sinks!r} (HF's "
+                            "report_to names trackers: give the sink itself, e.g. sinks=[MLflowSink()])")
         self.sinks = sinks if callable(sinks) else list(sinks)
+        if not callable(sinks):
+            _check_sinks(self.sinks)
         self._closed: list[Sink] = []  # the sinks a train()'s end closed: a later train() refuses them
         self.monitor: RunMonitor | None = None
         self.failed = None  # the monitor's failure Event, once a guard stopped the run
@@ -279,6 +288,11 @@ class AmpGuardCallback(TrainerCallback):
         once they are written, or before the files were opened."""
         if self.monitor is None or self._ended:
             return
+        if not self.monitor.steps and self._fresh:  # (a first step's refusal: frozen="ignore" asked for, ...)
+            self._withdraw()
+            error.add_note("ampguard: no step was recorded, so the files this train() made are taken back: a "
+                           "corrected train() starts afresh in the same folder")
+            return
         self.crash = error
         if isinstance(error, Interrupted):  # a stop signal taken up at a boundary: "interrupted (SIGTERM)"
             self.ended = self.ended or f"{error} after step {self.monitor.steps}"
@@ -296,7 +310,12 @@ class AmpGuardCallback(TrainerCallback):
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Refuse a second ``AmpGuardCallback`` in the Trainer (``Trainer(callbacks=[a, b])``, or
         one instance twice) while the Trainer is built, before anything is written: HF calls each
-        callback's ``on_init_end`` with the Trainer's one ``TrainerControl``, which notes them."""
+        callback's ``on_init_end`` with the Trainer's one ``TrainerControl``, which notes them. One
+        a :class:`GuardedTrainer` took already is refused too (another Trainer's first step failed
+        with GuardedTrainer's "training_step is overridden" error: each Trainer its own callback)."""
+        if self._guarded:  # (a GuardedTrainer given it again sets this back before it is built)
+            raise ValueError("AmpGuardCallback: this callback belongs to a GuardedTrainer already (its records, "
+                             "monitor and files are that trainer's): give a stock Trainer its own AmpGuardCallback()")
         _one_per_trainer(control, self)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -312,8 +331,17 @@ class AmpGuardCallback(TrainerCallback):
         still_open = self._csv is not None or self._events is not None  # (no run_end: the last attempt's)
         retry = still_open and bool(getattr(args, "auto_find_batch_size", False)) and (
             (state.train_batch_size or 0) < (self._batch or 0) or resume is not None)
+        if resume is None and not retry and not self._guarded and state.global_step > 0:
+            # a stock Trainer resuming (train(resume_from_checkpoint=...): HF loaded the checkpoint's state
+            # before this; a fresh train() starts at 0): the files append after its step, the monitor
+            # counts from here (a stock Trainer's checkpoint holds no ampguard state); it was refused
+            # as "steps.csv already exists"
+            resume = (state.global_step, None, "", None)
         if self.monitor is not None and not self._ended and not retry:
-            self._end_unseen()
+            if not self.monitor.steps and self._fresh:  # (the train() before raised before its first
+                self._withdraw()                        # row, unseen: its files go, as after a crash seen)
+            else:
+                self._end_unseen()
         if not callable(self.sinks):  # (before anything is trained: the first step would fail on them)
             self._refuse_closed(self.sinks)
         if not self._guarded and state.is_world_process_zero:  # said where a HF user looks, not only in RUN.md
@@ -371,10 +399,12 @@ class AmpGuardCallback(TrainerCallback):
                 kept = set_aside(folder / CSV_NAME, state.global_step, header=True)
             # a resume appends (the CSV cut after the checkpoint's step); a fresh run refuses an existing file
             goes_on = resume is not None or retry
-            self._fresh = [] if goes_on else [folder / CSV_NAME, folder / EVENTS_NAME]
             self._csv = CsvSink(folder / CSV_NAME, append=goes_on,
                                 keep_through=resume[0] if resume is not None else state.global_step if retry else None)
+            # (each once made: a file refused as "already exists" is the user's, never taken back)
+            self._fresh = [] if goes_on else [folder / CSV_NAME]
             self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=goes_on)
+            self._fresh += [] if goes_on else [folder / EVENTS_NAME]
             self.out_dir = folder
         if retry:
             aside = f"; its {counted(kept[1], 'row')} moved to {kept[0].name}" if kept is not None else ""
@@ -394,9 +424,14 @@ class AmpGuardCallback(TrainerCallback):
         self._serving = self._given if state.is_world_process_zero else []
         if resume is not None:
             step, saved, source, _ = resume
-            note = "" if saved is not None else (
-                f"; {source} holds no ampguard state ({STATE_NAME}): the loss scale starts again at init_scale "
-                "and the monitor counts from here")
+            if not source:  # (a stock Trainer's)
+                source, note = "the checkpoint", (
+                    f"; a stock Trainer's checkpoint holds no ampguard state ({STATE_NAME}, GuardedTrainer's): "
+                    "the monitor counts from here")
+            else:
+                note = "" if saved is not None else (
+                    f"; {source} holds no ampguard state ({STATE_NAME}): the loss scale starts again at init_scale "
+                    "and the monitor counts from here")
             self._emit({"step": step, "event": "resume", "message": f"resumed from {source} at step {step}{note}"},
                        "RESUME")
 
@@ -721,6 +756,15 @@ def _non_finite(params: Sequence[torch.Tensor]) -> bool:
     return bool(flags) and not bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
+def _check_sinks(sinks: Sequence[Any]) -> None:
+    """Each of ``sinks`` an ampguard sink (a ``write``): ``None`` or a tracker's name failed after the
+    first step's update, with an ``AttributeError``."""
+    for sink in sinks:
+        if not callable(getattr(sink, "write", None)):
+            raise TypeError(f"AmpGuardCallback(sinks=...): {sink!r} is no ampguard sink (CsvSink, JsonlSink, "
+                            "MLflowSink, WandbSink, TensorBoardSink: an object with write(record))")
+
+
 def _one_per_trainer(holder: Any, callback: AmpGuardCallback, withdraw: bool = False) -> None:
     """``holder`` (a Trainer's ``TrainerControl`` at ``on_init_end``, its ``TrainerState`` at
     ``on_train_begin``, each one object passed to every callback in turn) notes the
@@ -886,6 +930,7 @@ class GuardedTrainer(Trainer):
                 callbacks[callbacks.index(ampguard)] = ampguard = ampguard()
         if not any(cb is ampguard for cb in callbacks):
             callbacks.append(ampguard)
+        ampguard._guarded = False  # (a GuardedTrainer takes it again; a stock Trainer is refused one: on_init_end)
         super().__init__(*args, callbacks=callbacks, **kwargs)
         _refuse_unguardable(self)
         self.ampguard = ampguard
