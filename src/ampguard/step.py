@@ -263,7 +263,8 @@ def _check_left_out(root: nn.Module, holder: dict[int, str], frozen: str) -> Non
             "or pass frozen='ignore'")
 
 
-_RENAMED = {"_frozen": "_unheld_trainable", "_unowned": "_unheld_frozen", "_held": "_held_count"}
+_RENAMED = {"_frozen": "_unheld_trainable", "_unowned": "_unheld_frozen", "_held": "_held_count",
+            "max_norm": "_max_norm"}
 """A Guard's attributes an earlier ampguard named otherwise (:meth:`Guard.__setstate__`)."""
 
 
@@ -614,6 +615,21 @@ class Guard:
         # and in fp32): the layers autocast left in float32 (_noting_dtypes)
         self.autocast_dtypes: dict[str, str] | None = None
         _hook_stray_steps(self, optimizers)  # (last: a Guard() refused is never watched)
+
+    @property
+    def max_norm(self) -> float | None:
+        """The global L2 norm the gradients are clipped to (``None``, 0 or less: no clipping).
+        Set between steps, it is checked as ``Guard()`` checks it (a NaN read as "clipping off", a
+        string failed deep inside the step, a model of sparse gradients was clipped)."""
+        return self._max_norm
+
+    @max_norm.setter
+    def max_norm(self, value: float | None) -> None:
+        check_max_norm(value)
+        root = self.__dict__.get("_root")  # (Guard() checked the model before it set this)
+        if root is not None:
+            _refuse_sparse_clip(root, value)
+        self._max_norm = value
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, pickle, ``torch.save``) keeps what the guard knows of its

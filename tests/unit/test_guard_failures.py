@@ -706,3 +706,21 @@ def test_what_guard_cannot_take_is_refused_at_the_constructor():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match=r"the model comes first, then its optimizer"):  # ("'SGD' is not iterable")
         Guard(optimizer, model)
+
+
+def test_max_norm_set_between_steps_is_checked_as_guard_checks_it():
+    # review 33d: a NaN was read as "clipping off", a string failed 7 frames deep in the step, and a
+    # model of sparse gradients (which Guard() refuses to clip) was clipped
+    model = nn.Linear(4, 2)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32")
+    with pytest.raises(ValueError, match="max_norm must be a number or None, got nan"):
+        guard.max_norm = float("nan")
+    with pytest.raises(TypeError, match="max_norm must be a number or None, got 'x'"):
+        guard.max_norm = "x"
+    guard.max_norm = 0.5
+    assert guard.max_norm == 0.5
+    sparse = nn.Embedding(4, 2, sparse=True)
+    guard = Guard(sparse, torch.optim.SGD(sparse.parameters(), lr=0.1), precision="fp32", max_norm=None)
+    with pytest.raises(ValueError, match="makes sparse gradients, which PyTorch's clip_grad_norm_ cannot clip"):
+        guard.max_norm = 1.0
+    assert guard.max_norm is None
