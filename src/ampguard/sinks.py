@@ -782,6 +782,10 @@ class CsvSink(_LineFile):
             raise ValueError(f"CsvSink {self.path}: a record of a guard over several optimizers (this step's: "
                              f"{', '.join(record.optimizers)}) needs the columns saying which skipped: "
                              "CsvSink(path, extra_columns=guard.record_columns)")
+        for name, value in (extra or {}).items():  # (the csv module quotes it over two lines: a file its own
+            if isinstance(value, str) and has_control(value):  # resume, and report, then refused)
+                raise ValueError(f"CsvSink {self.path}: column {name!r}'s text {value!r} holds a line break or a "
+                                 "control character: one row is one line")
         if extra and not self._extra_names.issuperset(extra):  # (a value no column holds was dropped, unsaid)
             unknown = [k for k in extra if k not in self._extra_names]
             fixed = [k for k in unknown if k in CSV_COLUMNS]

@@ -590,3 +590,23 @@ def test_a_csv_refuses_a_step_that_does_not_follow_the_last_one(tmp_path):
     again.write(log(2))
     again.close()
     assert [line.split(",")[0] for line in path.read_text().splitlines()] == ["step", "1", "2"]
+
+
+def test_a_text_cell_with_a_line_break_is_refused_so_every_row_stays_one_line(tmp_path):
+    # review 33d: the csv module quoted it over two lines, and CsvSink's own resume (and report)
+    # then refused the file it had written; a comma or a quote is still text the csv module keeps
+    from ampguard.records import StepLog
+
+    def record(step):
+        return StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+
+    path = tmp_path / "steps.csv"
+    sink = CsvSink(path, extra_columns=["note"])
+    sink.write(record(1), {"note": 'a, "quoted" note'})
+    for text in ("line1\nline2", "x\ry", "bell\x07"):
+        with pytest.raises(ValueError, match=r"column 'note''s text .* holds a line break or a control character"):
+            sink.write(record(2), {"note": text})
+    sink.write(record(2), {"note": None})
+    sink.close()
+    CsvSink(path, extra_columns=["note"], append=True, keep_through=2).close()  # (its own resume reads it)
+    assert path.read_text(encoding="utf-8").count("\n") == 3
