@@ -561,6 +561,16 @@ def test_a_stock_trainer_with_the_callback_resumes_in_its_own_output_dir(tmp_pat
     events = [json.loads(line) for line in (tmp_path / "out" / "ampguard" / "events.jsonl").read_text().splitlines()]
     resumed = next(e for e in events if e["event"] == "resume")
     assert resumed["step"] == 2 and "a stock Trainer's checkpoint holds no ampguard state" in resumed["message"]
+    # a steps.csv whose rows end before the checkpoint's step (an older or copied one): the rows
+    # appended after the gap are said (review 33c: a CSV of steps 1, 5, 6, unsaid)
+    lines = csv.read_text(encoding="utf-8").splitlines(keepends=True)
+    csv.write_text("".join(lines[:2]), encoding="utf-8")
+    shutil.rmtree(tmp_path / "out" / "checkpoint-4")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.warns(UserWarning) as said:
+        stock().train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert any("steps.csv's rows end at step 1, before the checkpoint's 2: steps 2 to 2 have no row" in str(w.message)
+               for w in said)
 
 
 def test_the_callback_refuses_what_it_cannot_use_when_it_is_made(tmp_path):

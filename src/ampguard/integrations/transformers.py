@@ -432,6 +432,12 @@ class AmpGuardCallback(TrainerCallback):
                 note = "" if saved is not None else (
                     f"; {source} holds no ampguard state ({STATE_NAME}): the loss scale starts again at init_scale "
                     "and the monitor counts from here")
+            last = (self._csv._last or 0) if self._csv is not None else step
+            if last < step:  # (an older or copied steps.csv: the rows after it would follow a gap, unsaid)
+                gap = (f"{CSV_NAME}'s rows end at step {last}, before the checkpoint's {step}: steps {last + 1} to "
+                       f"{step} have no row (an older or a copied {CSV_NAME}?)")
+                note += f"; {gap}"
+                warnings.warn(f"AmpGuardCallback: {gap}", AmpguardWarning, stacklevel=2)
             self._emit({"step": step, "event": "resume", "message": f"resumed from {source} at step {step}{note}"},
                        "RESUME")
 
