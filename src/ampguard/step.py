@@ -1531,6 +1531,7 @@ class Guard:
             ...
             ValueError: state was saved with precision='bf16', this step uses 'fp32'
         """
+        _check_state(state, self.scaler.is_enabled())
         for key in ("precision", "accumulation_steps"):
             mine = self.precision.name if key == "precision" else self.accumulation_steps
             if state.get(key) != mine:
@@ -1552,6 +1553,41 @@ class Guard:
         self._scheduler_epochs.clear()  # (a restore loads the schedulers' states with it)
         self._abandon_group()
         self._look_all = True  # (a resumed run's first step looks at every parameter, as a fresh one's does)
+
+
+def _check_state(state: Any, scaled: bool) -> None:
+    """What :meth:`Guard.load_state_dict` is given has the shape :meth:`Guard.state_dict` gives,
+    checked before anything is restored (a missing key was a bare ``KeyError``, ``monitors=None``
+    an ``AttributeError``, ``step=2.7`` truncated, ``updates`` past ``step`` taken, an fp16 guard
+    given no scaler state kept its fresh scale, unsaid).
+
+    Example::
+
+        >>> _check_state({"step": 3, "updates": 4, "scaler": {}}, scaled=False)
+        Traceback (most recent call last):
+        ...
+        ValueError: Guard.load_state_dict(): step 3 and updates 4 must be whole numbers, updates <= step
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"Guard.load_state_dict() takes what state_dict() returned (a dict), got a "
+                         f"{type(state).__name__}")
+    missing = [key for key in ("step", "updates", "scaler") if key not in state]
+    if missing:
+        raise ValueError(f"Guard.load_state_dict(): the state has no {', '.join(missing)} (its keys: "
+                         f"{', '.join(map(str, sorted(state, key=str)))}): not what Guard.state_dict() returned")
+    step, updates = state["step"], state["updates"]
+    if not (whole_number(step) and whole_number(updates) and updates <= step):
+        raise ValueError(f"Guard.load_state_dict(): step {step!r} and updates {updates!r} must be whole numbers, "
+                         "updates <= step")
+    applied = state.get("applied", {})
+    if not (isinstance(applied, Mapping) and all(whole_number(n) and n <= step for n in applied.values())):
+        raise ValueError(f"Guard.load_state_dict(): applied {applied!r} must map each optimizer to a whole number "
+                         "of updates, at most step")
+    if not isinstance(state.get("monitors", {}), Mapping):
+        raise ValueError(f"Guard.load_state_dict(): monitors {state['monitors']!r} must be a dict of their states")
+    if scaled and not state["scaler"]:
+        raise ValueError("Guard.load_state_dict(): the state holds no loss-scaler state, which an fp16 guard's "
+                         "state_dict() saves: its scale would start again unsaid")
 
 
 def _initial_lr(group: dict[str, Any]) -> torch.Tensor:

@@ -724,3 +724,26 @@ def test_max_norm_set_between_steps_is_checked_as_guard_checks_it():
     with pytest.raises(ValueError, match="makes sparse gradients, which PyTorch's clip_grad_norm_ cannot clip"):
         guard.max_norm = 1.0
     assert guard.max_norm is None
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda s: s.pop("scaler"), r"the state has no scaler \(its keys: "),
+    (lambda s: s.update(monitors=None), r"monitors None must be a dict of their states"),
+    (lambda s: s.update(step=2.7), r"step 2\.7 and updates \d must be whole numbers, updates <= step"),
+    (lambda s: s.update(updates=5), r"step 1 and updates 5 must be whole numbers, updates <= step"),
+    (lambda s: s.update(scaler={}), r"the state holds no loss-scaler state, which an fp16 guard's state_dict\(\) saves"),
+])
+def test_a_malformed_state_is_refused_before_anything_is_restored(change, said):
+    # review 33d: a bare KeyError, an AttributeError, a step of 2.7 taken as 2, updates past step
+    # taken, an fp16 guard given no scaler state kept its fresh scale, unsaid
+    model, guard = _guard("fp16")
+    with guard.autocast():
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+    guard.backward(loss)
+    guard.step()
+    state = guard.state_dict()
+    change(state)
+    fresh_model, fresh = _guard("fp16")
+    with pytest.raises(ValueError, match=said):
+        fresh.load_state_dict(state)
+    assert fresh.steps == 0 and fresh.updates == 0  # (nothing restored)
