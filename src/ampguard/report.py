@@ -49,10 +49,12 @@ def panel_title(ax: Any, text: str) -> None:
     ax.set_title(text, y=1.0)
 
 
-def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None) -> list[str]:
+def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None,
+                  steps: int | None = None) -> list[str]:
     """What reading ``csv_path`` left out or found missing, a note each: its last line ``torn`` (a
     write cut short), the steps with no row before its last (a line deleted by hand, a CSV a
-    loop began at a later step): the figures count the rows there are; and, for the ``run_dir``
+    loop began at a later step): the figures count the rows there are; rows past the run's
+    ``steps`` (its config's: rows the run did not write, added by hand); and, for the ``run_dir``
     it belongs to, a missing ``events.jsonl`` (the replay then knows of no policy change and no
     rollback).
 
@@ -76,6 +78,11 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
         said = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:5]) + (", ..." if len(gaps) > 5 else "")
         notes.append(f"{csv_path} has no row for {missing} of its steps ({said}): its figures count the "
                      f"{counted(len(rows), 'row')} it has")
+    past = [row.step for row in rows if steps is not None and row.step > steps]
+    if past:  # (its final loss read from a row the run never wrote, unsaid)
+        notes.append(f"{csv_path} has {counted(len(past), 'row')} past the run's {steps} steps (steps {past[0]}"
+                     f"{'' if len(past) == 1 else f'-{past[-1]}'}: not the run's own; added by hand?): its figures "
+                     "count them")
     if run_dir is not None and not (run_dir / "events.jsonl").exists():
         notes.append(f"{run_dir} has no events.jsonl: replayed as if no setting changed on resume and no rollback "
                      "happened")
@@ -1262,7 +1269,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  note=lambda line: print(f"note: {line}"),
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
                  events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on)
-    for note in reading_notes(csv_path, rows, torn, csv_path.parent if config_path.is_file() else None):
+    for note in reading_notes(csv_path, rows, torn, csv_path.parent if config_path.is_file() else None,
+                              config.steps if config_path.is_file() else None):
         print(f"note: {note}")
     # the alerts judged under thresholds given here are not the run's: said so
     rejudged = [f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value}"
@@ -1277,7 +1285,11 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         print(f"headroom alerts {headroom_alerts_text(csv_path.parent)}")
     if folder.card.is_file():  # why it ended, as train said it (a guard's stop read like a finished run)
         with contextlib.suppress(OSError):
-            print(f"ended: {card_ended(folder.card, errors='replace')}")
+            ended = card_ended(folder.card, errors="replace")
+            if ended == "unknown":  # (compare refuses such a card: here a note, the figures are the CSV's)
+                print(f"note: {folder.card} is no run card ampguard wrote (no line saying how the run ended): "
+                      "its end is not known here")
+            print(f"ended: {ended}")
     print(f"plot: {png}" if plot else "plot: not drawn (--no-plot)")
     return ExitCode.OK
 

@@ -377,3 +377,21 @@ def test_report_given_a_plot_for_its_csv_says_so(cli, tmp_path, snapshot):
     assert refused(cli, "report.png") == ("ampguard: error: report.png is a plot, not a per-step CSV: give the run "
                                           "folder or its steps.csv")
     assert snapshot(tmp_path) == before
+
+
+def test_report_notes_rows_past_the_runs_steps_and_a_card_it_cannot_read(cli, tmp_path):
+    # review 33e: two rows added after a 3-step run's last were read as its own (its final loss one
+    # of them), unsaid; a RUN.md of garbage read as "ended: unknown", unsaid (compare refuses it)
+    ok(cli("train", *LINEAR, "--set", "steps=3", "--set", "eval.enabled=false", "--set", "checkpoint.enabled=false",
+           "--set", "log.dir=.", "--set", "log.name=run", "--set", "log.plot=false"))
+    csv = tmp_path / "run" / "steps.csv"
+    last = csv.read_text(encoding="utf-8").splitlines()[-1].split(",")
+    with csv.open("a", encoding="utf-8") as f:
+        for step in (4, 5):
+            f.write(",".join([str(step), *last[1:]]) + "\n")
+    (tmp_path / "run" / "RUN.md").write_bytes(b"\xff\xfe garbage")
+    code, out, err = cli("report", "run", "--no-plot")
+    assert code == 0, err
+    assert ("note: run/steps.csv has 2 rows past the run's 3 steps (steps 4-5: not the run's own; added by hand?): "
+            "its figures count them") in out
+    assert "note: run/RUN.md is no run card ampguard wrote (no line saying how the run ended)" in out
