@@ -573,6 +573,28 @@ def test_a_stock_trainer_with_the_callback_resumes_in_its_own_output_dir(tmp_pat
                for w in said)
 
 
+class StockCrashAtFirst(Trainer):
+    crash = True
+
+    def compute_loss(self, model, inputs, **kwargs):
+        if self.crash:
+            raise RuntimeError("boom")
+        return super().compute_loss(model, inputs, **kwargs)
+
+
+def test_a_stock_trainer_whose_train_raised_before_its_first_row_trains_again_in_the_same_folder(tmp_path):
+    # a stock Trainer does not tell a callback that train() raised: the next train() takes the files
+    # the one before made back when it recorded no step (it was refused "steps.csv already exists")
+    trainer = StockCrashAtFirst(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=2),
+                                train_dataset=token_ids(8), callbacks=[AmpGuardCallback(print_fn=lambda line: None)])
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    trainer.crash = False
+    with pytest.warns(UserWarning):
+        trainer.train()
+    assert [r["step"] for r in read_rows(tmp_path / "out" / "ampguard" / "steps.csv")] == ["1", "2"]
+
+
 def test_the_callback_refuses_what_it_cannot_use_when_it_is_made(tmp_path):
     # review 33c: print_fn=None trained every step and crashed at the end; sinks="mlflow" (read as
     # report_to) or [None] failed after step 1 had updated the weights; window=2.5 failed deep in

@@ -322,7 +322,7 @@ class AmpGuardCallback(TrainerCallback):
         # a second AmpGuardCallback added after the Trainer was built (trainer.add_callback): the
         # first one opened this train()'s files already; it takes them back, then this one refuses
         _one_per_trainer(state, self, withdraw=True)
-        self._stop_told, self._fresh, self._stopping = False, [], False
+        self._stop_told, self._stopping = False, False
         resume, self._resume = self._resume, None  # (taken first: a refusal below leaves none to a later train())
         # HF's auto_find_batch_size begins the loop again, with a smaller batch, after an out-of-memory:
         # the files this train() opened are still open (no run_end); they go on from the new attempt's
@@ -342,6 +342,7 @@ class AmpGuardCallback(TrainerCallback):
                 self._withdraw()                        # row, unseen: its files go, as after a crash seen)
             else:
                 self._end_unseen()
+        self._fresh = []  # (the files this train() makes; the train() before's read just above)
         if not callable(self.sinks):  # (before anything is trained: the first step would fail on them)
             self._refuse_closed(self.sinks)
         if not self._guarded and state.is_world_process_zero:  # said where a HF user looks, not only in RUN.md
@@ -402,9 +403,11 @@ class AmpGuardCallback(TrainerCallback):
             self._csv = CsvSink(folder / CSV_NAME, append=goes_on,
                                 keep_through=resume[0] if resume is not None else state.global_step if retry else None)
             # (each once made: a file refused as "already exists" is the user's, never taken back)
-            self._fresh = [] if goes_on else [folder / CSV_NAME]
+            if not goes_on:
+                self._fresh.append(folder / CSV_NAME)
             self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=goes_on)
-            self._fresh += [] if goes_on else [folder / EVENTS_NAME]
+            if not goes_on:
+                self._fresh.append(folder / EVENTS_NAME)
             self.out_dir = folder
         if retry:
             aside = f"; its {counted(kept[1], 'row')} moved to {kept[0].name}" if kept is not None else ""
