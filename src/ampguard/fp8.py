@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .checkpoint import untouched
-from .errors import shortened
+from .errors import raised
 
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 """The torchao float8 recipes ``fp8.recipe`` takes: per-tensor or per-row dynamic scaling."""
@@ -99,10 +99,8 @@ def _torchao_broken(err: Exception) -> str:
         installed = f"torchao {metadata.version('torchao')}"
     except metadata.PackageNotFoundError:
         installed = "torchao"
-    said = shortened(" ".join(str(err).split()), 200)
     return (f"fp8 needs torchao, and {installed} failed to import with torch {torch.__version__} "
-            f"({type(err).__name__}: {said}): install the torchao release made for this torch "
-            f"(torchao's README lists them)")
+            f"({raised(err)}): install the torchao release made for this torch (torchao's README lists them)")
 
 
 def _float8_linear() -> type | None:

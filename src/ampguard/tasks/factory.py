@@ -25,8 +25,8 @@ DataLoader its own seeded ``generator``). A resume, a rollback and ``locate --st
 stream up to their position; ``batches_from`` lets them start there (large data: no hour of
 batches decoded to be dropped), checked against ``data`` on its first batches. Under torchrun
 ``data`` is the global stream, the same on every rank (no ``DistributedSampler``): each rank
-takes its slice of each batch, and ranks whose first batches differ are refused. ``evaluate`` may score the whole held-out set or this
-rank's share: the run logs and judges the mean over ranks.
+takes its slice of each batch, and ranks whose first batches differ are refused. ``evaluate``
+may score the whole held-out set or this rank's share: the run logs and judges the mean over ranks.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import rng_state, set_rng_state
+from ..checkpoint import rng_kept, rng_state, set_rng_state
 from ..errors import AmpguardWarning, InputError, user_code
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
@@ -314,13 +314,9 @@ def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[s
     data that changes from pass to pass (a generator of its own not set back), which trains but
     resumes on other batches than the run: warned. Read from the RNG state the first read began
     at, and the RNGs left as the first read left them."""
-    after = rng_state()
-    set_rng_state(drawn_from)
-    try:
-        with user_code(f"task.factory {spec}: reading the data again failed: "):
-            again = next(iter(restart()), None)
-    finally:
-        set_rng_state(after)
+    with rng_kept(), user_code(f"task.factory {spec}: reading the data again failed: "):
+        set_rng_state(drawn_from)
+        again = next(iter(restart()), None)
     if again is None:
         raise InputError(f"task.factory {spec}: data yielded no batch when read a second time (a one-shot iterable?): "
                          "every epoch, a resume and a rollback read it again from its start; give a list, a DataLoader "
