@@ -50,13 +50,15 @@ def panel_title(ax: Any, text: str) -> None:
 
 
 def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None,
-                  steps: int | None = None) -> list[str]:
+                  steps: int | None = None, extra: Sequence[Mapping[str, str]] = (),
+                  max_norms: Sequence[float | None] | None = None) -> list[str]:
     """What reading ``csv_path`` left out or found missing, a note each: its last line ``torn`` (a
     write cut short), the steps with no row before its last (a line deleted by hand, a CSV a
     loop began at a later step): the figures count the rows there are; rows past the run's
-    ``steps`` (its config's: rows the run did not write, added by hand); and, for the ``run_dir``
-    it belongs to, a missing ``events.jsonl`` (the replay then knows of no policy change and no
-    rollback).
+    ``steps`` (its config's: rows the run did not write, added by hand); values a run can hold
+    but no guard writes (:func:`value_notes`, with the rows' ``extra`` cells and the ``max_norms``
+    they ran under); and, for the ``run_dir`` it belongs to, a missing ``events.jsonl`` (the
+    replay then knows of no policy change and no rollback).
 
     Example::
 
@@ -83,9 +85,54 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
         notes.append(f"{csv_path} has {counted(len(past), 'row')} past the run's {steps} steps (steps {past[0]}"
                      f"{'' if len(past) == 1 else f'-{past[-1]}'}: not the run's own; added by hand?): its figures "
                      "count them")
+    notes += value_notes(csv_path, rows, extra, max_norms)
     if run_dir is not None and not (run_dir / "events.jsonl").exists():
         notes.append(f"{run_dir} has no events.jsonl: replayed as if no setting changed on resume and no rollback "
                      "happened")
+    return notes
+
+
+def value_notes(csv_path: Path, rows: list[Row], extra: Sequence[Mapping[str, str]] = (),
+                max_norms: Sequence[float | None] | None = None) -> list[str]:
+    """A note for each kind of value a row can hold but no guard of ampguard's writes, read as
+    written: a learning rate below 0 or not finite (a schedule of one's own), an infinite loss
+    scale (a torch GradScaler's past float32's largest: ampguard's stops there), an applied
+    step's post-clip norm above the ``max_norms`` it ran under (one per row: the clip caps it), an
+    ``*accuracy`` metric in ``extra`` (the rows' cells after the fixed eight) outside [0, 1] (a
+    percentage?). What no run can write at all (a non-finite loss on an applied step, a post-clip
+    norm above the pre-clip one) :func:`~ampguard.sinks.read_steps_and_columns` refuses.
+
+    Example::
+
+        >>> rows = [Row(1, 0.1, 2.0, 1.0, 0.5, False, "", 1.0), Row(2, -5.0, 2.0, 2.0, 0.5, False, "", math.inf)]
+        >>> for note in value_notes(Path("steps.csv"), rows, [{"val_accuracy": "0.5"}, {"val_accuracy": "70"}],
+        ...                         max_norms=[1.0, 1.0]):
+        ...     print(note)
+        steps.csv has 1 row with a learning rate below 0 or not finite (step 2: -5.0): read as written
+        steps.csv has 1 row with an infinite loss scale, which ampguard's scaler never grows to (step 2): read as written
+        steps.csv has 1 applied step whose post-clip norm is above the max_norm it ran under (step 2: 2.0 > 1): read as written
+        steps.csv has 1 row whose val_accuracy is outside [0, 1] (step 2: 70.0; a percentage?): read as written
+    """
+    def said(found: list[tuple[int, str]], noun: str, what: str, hint: str = "") -> list[str]:
+        if not found:
+            return []
+        (step, value), more = found[0], f", the first of {len(found)}" if len(found) > 1 else ""
+        return [f"{csv_path} has {counted(len(found), noun)} {what} (step {step}{f': {value}' if value else ''}{hint}"
+                f"{more}): read as written"]
+
+    notes = said([(r.step, repr(r.lr)) for r in rows if r.lr is not None and not 0 <= r.lr < math.inf],
+                 "row", "with a learning rate below 0 or not finite")
+    notes += said([(r.step, "") for r in rows if r.scaler_scale == math.inf],
+                  "row", "with an infinite loss scale, which ampguard's scaler never grows to")
+    if max_norms is not None:  # (the clip caps an applied step's norm at float32's max_norm: a tolerance for it)
+        notes += said([(r.step, f"{r.grad_l2_post_clip!r} > {cap:g}") for r, cap in zip(rows, max_norms)
+                       if not r.skipped and cap is not None and r.grad_l2_post_clip is not None
+                       and r.grad_l2_post_clip > cap * (1 + 2**-20)],
+                      "applied step", "whose post-clip norm is above the max_norm it ran under")
+    for name in sorted({name for cells in extra for name in cells if name.endswith("accuracy")}):
+        notes += said([(r.step, repr(value)) for r, cells in zip(rows, extra)
+                       if cells.get(name) and not 0 <= (value := float(cells[name])) <= 1],
+                      "row", f"whose {name} is outside [0, 1]", "; a percentage?")
     return notes
 
 
@@ -1239,7 +1286,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     given = {key: value for key, value in (("window", window), ("alert_rate", alert_rate), ("fail_rate", fail_rate),
                                            ("min_steps", min_steps)) if value is not None}
     torn: list[str] = []
-    rows = read_steps_and_columns(csv_path, torn)[0]
+    rows, extra = read_steps_and_columns(csv_path, torn)
     if not rows:  # (a kill in the first row's write leaves it torn: say so, not only "no steps")
         cut = f" (its one row is torn, a write cut short: {torn[0][:40]!r})" if torn else ""
         raise InputError(f"{csv_path}: no steps recorded{cut}, nothing to report")
@@ -1269,8 +1316,10 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  note=lambda line: print(f"note: {line}"),
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
                  events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on)
-    for note in reading_notes(csv_path, rows, torn, csv_path.parent if config_path.is_file() else None,
-                              config.steps if config_path.is_file() else None):
+    run_dir = csv_path.parent if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
+    for note in reading_notes(csv_path, rows, torn, run_dir, config.steps if run_dir else None, extra,
+                              threshold_by_step([r.step for r in rows], "max_norm", config.max_norm, policy)
+                              if run_dir else None):
         print(f"note: {note}")
     # the alerts judged under thresholds given here are not the run's: said so
     rejudged = [f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value}"

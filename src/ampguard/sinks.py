@@ -13,6 +13,7 @@ import errno
 import importlib.util
 import io
 import json
+import math
 import os
 import sys
 import warnings
@@ -339,6 +340,16 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
             norm = numbers[column]
             if norm is not None and norm < 0:
                 raise InputError(f"{where}: {column} {cell[column]} is no norm (one is >= 0, or non-finite)")
+        if not skipped:  # (a non-finite loss or gradient is always skipped: no guard applies one)
+            for column, what in (("loss", "loss"), ("grad_l2_pre_clip", "gradient norm")):
+                value = numbers[column]
+                if value is not None and not math.isfinite(value):
+                    raise InputError(f"{where}: {column} {cell[column]} on a step not skipped (a non-finite {what} "
+                                     "is always skipped)")
+        pre, post = numbers["grad_l2_pre_clip"], numbers["grad_l2_post_clip"]
+        if pre is not None and post is not None and post > pre:  # (NaN compares False: a skip's inf/nan passes)
+            raise InputError(f"{where}: grad_l2_post_clip {cell['grad_l2_post_clip']} is above grad_l2_pre_clip "
+                             f"{cell['grad_l2_pre_clip']} (clipping only shrinks a norm)")
         yield Row(step=step, skipped=skipped, skip_reason=reason, **numbers)
 
 

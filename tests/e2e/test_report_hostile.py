@@ -119,6 +119,21 @@ def test_report_refuses_a_negative_norm_and_reads_a_non_finite_one(cli, tmp_path
     assert code == 0 and "summary: steps=2 " in out, (out, err)
 
 
+@pytest.mark.parametrize("row, said", [
+    ("1,0.1,2.0,1.0,nan,0,,1.0", "loss nan on a step not skipped (a non-finite loss is always skipped)"),
+    ("1,0.1,inf,1.0,0.5,0,,1.0", "grad_l2_pre_clip inf on a step not skipped (a non-finite gradient norm is always "
+                                 "skipped)"),
+    ("1,0.1,2.0,3.0,0.5,0,,1.0", "grad_l2_post_clip 3.0 is above grad_l2_pre_clip 2.0 (clipping only shrinks a norm)"),
+], ids=["applied-nan-loss", "applied-inf-norm", "post-above-pre"])
+def test_report_refuses_a_row_no_run_can_write(cli, tmp_path, row, said):
+    # review 33e: an applied step with a NaN loss (report's final loss: nan) and a post-clip norm
+    # above the pre-clip one were read silently, while a negative norm was refused
+    (tmp_path / "s.csv").write_text(csv_text(HEADER, "2,0.1,2.0,1.0,0.5,0,,1.0".replace("2,", "1,", 1),
+                                             row.replace("1,", "2,", 1)), encoding="utf-8")
+    line = refused(cli, "s.csv")
+    assert line.endswith(f"s.csv line 3: {said}"), line
+
+
 # ---------------------------------------------------------------------------- torn last lines, a full disk
 
 

@@ -344,6 +344,34 @@ def test_compare_and_report_say_what_reading_a_runs_csv_left_out(tmp_path, capsy
             "happened") in capsys.readouterr().out.splitlines()
 
 
+def test_compare_and_report_note_values_a_run_can_hold_but_no_guard_writes(tmp_path, capsys):
+    # review 33e: a negative LR, an infinite scale, an applied norm above max_norm, an accuracy of 70
+    # were read without a word (the max_norm: 1, then 4 from step 5, as a resume changed it)
+    from ampguard import report
+
+    rows = [clean(1), clean(2).replace(",0.1,", ",-5.0,", 1), clean(3, scale=float("inf")),
+            "4,0.1,5.0,3.0,0.5,0,,65536.0", "5,0.1,5.0,3.0,0.5,0,,65536.0", "6,0.1,5.0,5.0,0.5,0,,65536.0"]
+    odd = make_run(tmp_path, "odd", [f"{row},{acc}" for row, acc in zip(rows, ["", "", "0.5", "", "70", ""])],
+                   config={"precision": "fp16", "max_norm": 4.0}, extra=["val_accuracy"])
+    (odd / "events.jsonl").write_text('{"step": 4, "event": "policy_change", "key": "max_norm", "old": 1.0, '
+                                      '"new": 4.0}\n', encoding="utf-8")
+    plain = make_run(tmp_path, "plain", [clean(1), clean(2)])
+    expected = [f"note: {odd / 'steps.csv'} has 1 row with a learning rate below 0 or not finite (step 2: -5.0): "
+                "read as written",
+                f"note: {odd / 'steps.csv'} has 1 row with an infinite loss scale, which ampguard's scaler never grows "
+                "to (step 3): read as written",
+                f"note: {odd / 'steps.csv'} has 2 applied steps whose post-clip norm is above the max_norm it ran "
+                "under (step 4: 3.0 > 1, the first of 2): read as written",
+                f"note: {odd / 'steps.csv'} has 1 row whose val_accuracy is outside [0, 1] (step 5: 70.0; a "
+                "percentage?): read as written"]
+    assert compare.run([odd, plain]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")] == expected
+    assert report.run(odd, plot=False) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")] == expected
+    assert compare.run([plain, make_run(tmp_path, "plain2", [clean(1)])]) == 0  # (a clean run: not a word)
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+
+
 def test_skipped_steps_before_the_first_finite_loss_are_marked_and_a_run_without_one_says_so(tmp_path, monkeypatch):
     # the x of a skip sat at the last finite loss: a NaN at step 1 had none, so no x; a run whose
     # every loss was NaN showed nothing at all on the loss panel, as if it had no data
