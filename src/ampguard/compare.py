@@ -183,6 +183,19 @@ def _g(x: float | None, spec: str = ".4g") -> str:
     return "-" if x is None or math.isnan(x) else format(x, spec)
 
 
+def task_of(config: Config) -> str:
+    """The task a run trained, in a few words: the built-in's name (and preset) or the factory.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> task_of(validate({})), task_of(validate({"task": {"preset": "gpt2-small"}}))
+        ('charlm', 'charlm gpt2-small')
+    """
+    task = config.task
+    return task.factory or task.name + (f" {task.preset}" if task.preset else "")
+
+
 def table_rows(run: RunSummary) -> list[tuple[str, str]]:
     """The run's column of the table, as (row name, cell) pairs.
 
@@ -196,6 +209,7 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
         >>> for key, cell in table_rows(run):
         ...     print(f"{key}: {cell}")
         ended: finished: 3 steps
+        task: charlm
         precision: bf16
         processes: 1
         max_norm: 1
@@ -214,6 +228,7 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
         ("ended", run.ended),
         # which layers trained in float8 (two fp8 runs may differ there alone), and on how many
         # processes (task.batch_size is per process): from the run card, "-" for an older card
+        ("task", task_of(c)),
         ("precision", c.precision + (f" ({run.card['fp8']})" if "fp8" in run.card else "")),
         ("processes", run.card.get("processes", "-")),
         ("max_norm", threshold_text(steps, clips)),
@@ -408,6 +423,7 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
         |                       | a                   | b                      |
         |-----------------------|---------------------|------------------------|
         | ended                 | finished: 1 step    | finished: 1 step       |
+        | task                  | charlm              | charlm                 |
         | precision             | fp16                | fp16                   |
         | processes             | -                   | -                      |
         | max_norm              | 1                   | 1                      |
@@ -429,6 +445,10 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
     for run in runs:
         for note in run.notes:
             print(f"note: {note}")
+    tasks = dict.fromkeys(task_of(run.config) for run in runs)
+    if len(tasks) > 1:  # (side by side all the same: the table's task row says which is which)
+        print(f"note: these runs trained different tasks ({', '.join(tasks)}): their losses and held-out metrics "
+              "are not comparable")
     print(format_table(runs))
     if png is not None:
         print(f"plot: {png}")

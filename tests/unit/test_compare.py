@@ -372,6 +372,22 @@ def test_compare_and_report_note_values_a_run_can_hold_but_no_guard_writes(tmp_p
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
 
 
+def test_runs_of_different_tasks_are_named_and_noted(tmp_path, capsys):
+    # review 33e: a charlm run and a digits run stood side by side with no word of their tasks
+    char = make_run(tmp_path, "char", [clean(1)])
+    digits = make_run(tmp_path, "digits", [clean(1)], config={"precision": "fp16", "task": {"name": "digits"}})
+    gpt = make_run(tmp_path, "gpt", [clean(1)], config={"precision": "fp16", "task": {"preset": "gpt2-small"}})
+    assert compare.run([char, digits, gpt]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("note: ")] == [
+        "note: these runs trained different tasks (charlm, digits, charlm gpt2-small): their losses and held-out "
+        "metrics are not comparable"]
+    assert [[cell.strip() for cell in line.split("|")[1:-1]] for line in out if line.startswith("| task")] == [
+        ["task", "charlm", "digits", "charlm gpt2-small"]]
+    assert compare.run([char, make_run(tmp_path, "char2", [clean(1)])]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_skipped_steps_before_the_first_finite_loss_are_marked_and_a_run_without_one_says_so(tmp_path, monkeypatch):
     # the x of a skip sat at the last finite loss: a NaN at step 1 had none, so no x; a run whose
     # every loss was NaN showed nothing at all on the loss panel, as if it had no data
