@@ -138,7 +138,7 @@ def load_run(path: str | Path) -> RunSummary:
     policy, rollbacks = policy_changes_of(folder), rollbacks_of(folder)
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
                      rollbacks=rollbacks, metrics=_metrics(folder / "steps.csv", extra),
-                     steps=config.steps if ended.startswith("finished: ") else None)
+                     finished=ended.startswith("finished: "))
     notes = reading_notes(folder / "steps.csv", rows, torn, folder, config.steps, extra,
                           threshold_by_step([r.step for r in rows], "max_norm", config.max_norm, policy))
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy, rollbacks)

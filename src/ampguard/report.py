@@ -516,7 +516,7 @@ def finished(card: Path) -> bool:
 
 
 def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequence[dict[str, Any]] = (),
-           rollbacks: Sequence[dict[str, Any]] = (), steps: int | None = None,
+           rollbacks: Sequence[dict[str, Any]] = (), finished: bool = False,
            metrics: Sequence[dict[str, float]] | None = None, **monitor_args: Any) -> RunMonitor:
     """Feed CSV rows through a :class:`RunMonitor` (``monitor``, or one made of ``monitor_args``):
     the same statistics the live run kept. ``metrics``: each row's held-out metrics (empty where
@@ -524,9 +524,11 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
     ran under, where a resume changed them; after the step of each of ``rollbacks``
     (:func:`rollbacks_of`) the monitor forgets its window and the updates undone, and its final
     loss and last held-out metrics go back to the checkpoint's step, as the run's did (its rows
-    go on: the step counter does; a spike at the last step is not the run's final loss). With
-    ``steps`` (a run that trained to the end: :func:`finished`), rows that reach it are judged
-    whole, as the run was (:meth:`~ampguard.monitor.RunMonitor.at_end`).
+    go on: the step counter does; a spike at the last step is not the run's final loss).
+    ``finished`` (a run that trained to the end: :func:`finished`): its rows are judged whole at
+    the last, as the run was (:meth:`~ampguard.monitor.RunMonitor.at_end`); rows a torn last line
+    or a hand left out are not in that judgement (the reading notes say they are missing; before,
+    such a run lost its end's ALERT in report and compare, while its card counted it).
 
     Example (``monitor_args`` are :class:`RunMonitor`'s; max_norm 1, then 4 from step 3)::
 
@@ -552,7 +554,7 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
             monitor.rolled_back(max(0, monitor.updates - rollback["updates_undone"]), kept.get(_checkpoint_step(rollback)))
         if row.step in targets:  # (a checkpoint is saved after its step's records and rollbacks)
             kept[row.step] = monitor.state_dict()
-    if rows and steps is not None and rows[-1].step >= steps:
+    if rows and finished:
         monitor.at_end(rows[-1].step)
     return monitor
 
@@ -1305,7 +1307,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         monitor.health = ScaleHealth(config.monitor.window, monitor.min_scale, init_scale if scaler_on else None)
     monitor = replay(rows, monitor, policy=policy,
                      rollbacks=rollbacks_of(csv_path.parent) if config_path.is_file() else (),
-                     steps=config.steps if finished(folder.card) else None)
+                     finished=finished(folder.card))
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
     mon = judged.monitor

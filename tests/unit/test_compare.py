@@ -388,6 +388,27 @@ def test_runs_of_different_tasks_are_named_and_noted(tmp_path, capsys):
     assert "note:" not in capsys.readouterr().out
 
 
+def test_a_finished_short_runs_end_alert_survives_a_torn_last_line_and_a_missing_config(tmp_path, capsys):
+    # review 33e: the card of a 30-step run that skipped every step counts its end's ALERT; report
+    # and compare counted 0 once its last line was torn (the rows no longer reached steps=30), and
+    # report 0 without config.yaml (it took the default config's steps)
+    from ampguard import report
+
+    rows = [skip(step, 1.0, "non_finite_loss") for step in range(1, 31)]
+    run = make_run(tmp_path, "short", rows, config={"precision": "fp32", "steps": 30},
+                   ended="finished: 30 steps")
+    other = make_run(tmp_path, "other", [clean(1)], config={"precision": "fp32", "steps": 1}, ended="finished: 1 step")
+    with (run / "steps.csv").open("r+") as f:
+        text = f.read()
+        f.seek(0), f.truncate(), f.write(text.rstrip("\n"))  # (the last row torn: no newline)
+    assert compare.load_runs([run, other])[0].monitor.alert_episodes == 1
+    assert report.run(run, plot=False) == 0
+    assert "alert episodes 1," in capsys.readouterr().out
+    (run / "config.yaml").unlink()
+    assert report.run(run, plot=False) == 0
+    assert "alert episodes 1," in capsys.readouterr().out
+
+
 def test_skipped_steps_before_the_first_finite_loss_are_marked_and_a_run_without_one_says_so(tmp_path, monkeypatch):
     # the x of a skip sat at the last finite loss: a NaN at step 1 had none, so no x; a run whose
     # every loss was NaN showed nothing at all on the loss panel, as if it had no data
