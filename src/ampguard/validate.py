@@ -565,16 +565,20 @@ def relative_quality_rule(mode: str, drop: float | None, reference: float, amp: 
         ...     print(rule.criterion, "|", rule.amp, "|", rule.decision)
         quality vs FP32: accuracy drop <= 0.01 | accuracy 0.5000 (>= 1.0000 - 0.01 = 0.9900) | FAIL
         quality vs FP32: accuracy drop <= 0.01 | accuracy 0.9950 (>= 1.0000 - 0.01 = 0.9900) | pass
+        >>> relative_quality_rule("classifier", 2, 0.9, 0.3).decision  # (0.9 - 2 < 0: it rejects nothing)
+        'NOT CHECKED'
         >>> relative_quality_rule("regression", 0.01, 2.0, 2.03).amp
         'mse 2.03 (<= 2 x (1 + 0.01) = 2.02)'
     """
     if drop is None:
         return None
-    if mode == "classifier":
+    if mode == "classifier":  # (a bound at or below 0 rejects no accuracy: a drop of 1 or more checks nothing)
         bound = reference - drop
+        vacuous = bound <= 0 and math.isfinite(amp)
         return Rule(f"quality vs FP32: accuracy drop <= {drop:g}", f"accuracy {reference:.4f}",
-                    f"accuracy {amp:.4f} (>= {reference:.4f} - {drop:g} = {bound:.4f})",
-                    math.isfinite(bound) and amp >= bound - QUALITY_SLACK)
+                    f"accuracy {amp:.4f} (>= {reference:.4f} - {drop:g} = {bound:.4f}"
+                    f"{': no accuracy is below it' if vacuous else ''})",
+                    math.isfinite(bound) and amp >= bound - QUALITY_SLACK, not vacuous)
     bound = reference * (1 + drop)
     return Rule(f"quality vs FP32: mse <= FP32 mse x (1 + {drop:g})", f"mse {reference:.4g}",
                 f"mse {amp:.4g} (<= {reference:.4g} x (1 + {drop:g}) = {bound:.4g})",

@@ -356,6 +356,21 @@ def test_the_relative_quality_rule_at_its_edges(mode, reference, amp, ok):
     assert relative_quality_rule(mode, 0.01, reference, amp).ok is ok
 
 
+@pytest.mark.parametrize("drop, amp, decision", [
+    (0.89, 0.0, "FAIL"),  # 0.9 - 0.89 = 0.01: an accuracy of 0 is below it
+    (0.9, 0.0, "NOT CHECKED"),  # the bound 0: no accuracy is below it
+    (2.0, 0.3, "NOT CHECKED"),
+    (2.0, math.nan, "FAIL"),  # (a NaN accuracy fails whatever the bound)
+])
+def test_a_relative_accuracy_rule_that_can_reject_nothing_reads_not_checked(drop, amp, decision):
+    # review 33e: validation.max_quality_drop 2 on an accuracy read "pass" at any accuracy
+    from ampguard.validate import relative_quality_rule
+
+    rule = relative_quality_rule("classifier", drop, 0.9, amp)
+    assert rule.decision == decision, rule
+    assert rule.amp.endswith(": no accuracy is below it)") is (decision == "NOT CHECKED")
+
+
 @pytest.mark.parametrize("form, box", [("dict", "box"), ("tuple", "2")])
 def test_per_output_tolerances(more_factories, form, box):
     # issue item 6: a dict output's keys and a tuple output's indices name the outputs
