@@ -806,6 +806,9 @@ class RunMonitor:
             >>> m.updates, m.clipped, m.best_loss
             (1, 1, 2.0)
         """
+        if record.step <= self.steps:  # (counted twice, its skip in the rate twice: the steps would not move)
+            raise ValueError(f"RunMonitor.observe: step {record.step} after step {self.steps}: each step is observed "
+                             "once, in order (a record observed twice? a fresh start needs a fresh RunMonitor)")
         v = record.values()
         self.steps = record.step
         self.last = v

@@ -1550,3 +1550,18 @@ def test_spike_detector_state_dict_round_trip():
     assert b.check(100.0) is False  # after a reset it judges nothing until the window is full again
     with pytest.raises(ValueError):
         LossSpikeDetector(window=6, z=4.0).load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("again", [3, 2, 0])
+def test_a_step_observed_again_or_out_of_order_is_refused_and_counts_nothing(again):
+    # review 33d: a record handed to observe() twice counted its skip twice (the rate over a window
+    # whose steps did not move); one of an earlier step went back in time
+    m = RunMonitor(window=10, scaler_enabled=False)
+    for step in (1, 2):
+        m.observe(step_record(step))
+    m.observe(skip_record(3))
+    with pytest.raises(ValueError, match=f"RunMonitor.observe: step {again} after step 3: each step is observed once"):
+        m.observe(skip_record(again))
+    assert (m.steps, dict(m.skips), m.updates) == (3, {"non_finite_grad": 1}, 2)
+    m.observe(step_record(5))  # (a gap is no error: records of every other step are steps still)
+    assert (m.steps, m.updates) == (5, 3)
