@@ -21,11 +21,13 @@ under the table say so). On CUDA each contender's steps are timed with CUDA even
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -1192,15 +1194,47 @@ def _run_rounds(built: list[Contender], device: torch.device, case: str, *, step
             why = _stop_reason(times, done, rounds=rounds, cycle=len(orders), resolve=resolve, budget_s=budget_s,
                                max_rounds=max_rounds, started=started)
             if why is not None:
-                return _Rounds(times, done, why, positions=positions, seconds=time.perf_counter() - started)
+                return _whole_cycles(_Rounds(times, done, why, positions=positions,
+                                             seconds=time.perf_counter() - started), len(orders))
     except KeyboardInterrupt:  # Ctrl-C, or the SIGTERM of a time limit (run()): the whole rounds so far
         stop, detail = INTERRUPTED, None
     except Exception as err:  # noqa: BLE001 - a failed step (a CUDA OOM, say) ends this case, not the bench
         stop, detail = ERROR, f"{_one_line(err)} ({running.name}, round {done + 1})"
         print(f"  {case}: {running.name} failed in round {done + 1} ({_one_line(err)}); "
               f"the case ends with its {done} whole rounds", flush=True)
-    return _Rounds({name: t[:done] for name, t in times.items()}, done, stop, detail,
-                   positions={name: p[:done] for name, p in positions.items()}, seconds=time.perf_counter() - started)
+    return _whole_cycles(_Rounds(times, done, stop, detail, positions=positions,
+                                 seconds=time.perf_counter() - started), len(orders))
+
+
+CUT_STOPS = ("budget", "max rounds", INTERRUPTED, ERROR)
+"""The stops that may cut the rounds inside a cycle of the orders (:func:`_whole_cycles`)."""
+
+
+def _whole_cycles(ran: _Rounds, cycle: int) -> _Rounds:
+    """``ran`` with only its whole rounds and, when a budget, the most rounds, an interrupt or an
+    error cut it inside a cycle of the orders after at least one whole cycle, only the rounds of
+    its whole cycles: in a cut cycle some contenders ran in the first places more often than
+    others, and a contender's time depends on its place (1-2% measured, RESULTS.md). The rounds
+    left out are said in ``detail``. Fixed rounds are the number asked (``--quick`` runs part of
+    a cycle on purpose); a case cut inside its first cycle keeps what it has.
+
+    Example (5 rounds of a 2-round cycle, cut by the budget: the fifth goes)::
+
+        >>> ran = _Rounds({"a": [1.0] * 5}, 5, "budget", positions={"a": [0, 1, 0, 1, 0]})
+        >>> cut = _whole_cycles(ran, 2)
+        >>> cut.done, cut.times, cut.positions, cut.detail
+        (4, {'a': [1.0, 1.0, 1.0, 1.0]}, {'a': [0, 1, 0, 1]}, 'the last round, of a cycle of the round orders cut short, left out')
+        >>> _whole_cycles(ran, 8).done, _whole_cycles(_Rounds({"a": [1.0] * 5}, 5, "fixed"), 2).done
+        (5, 5)
+    """
+    keep = ran.done - ran.done % cycle if ran.stop in CUT_STOPS and ran.done > cycle else ran.done
+    dropped = ran.done - keep
+    detail = ran.detail
+    if dropped:
+        said = f"the last {'round' if dropped == 1 else f'{dropped} rounds'}, of a cycle of the round orders cut short, left out"
+        detail = said if detail is None else f"{detail}; {said}"
+    return replace(ran, times={name: t[:keep] for name, t in ran.times.items()}, done=keep, detail=detail,
+                   positions={name: p[:keep] for name, p in ran.positions.items()})
 
 
 def _stop_reason(times: dict[str, list[float]], done: int, *, rounds: int, cycle: int, resolve: float | None,
@@ -1354,9 +1388,11 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
             continue
         stop, detail = rows[0].stop, rows[0].stop_detail
         why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran"}.get(stop, stop)
-        why += "" if detail is None else f": {detail}"  # (an error's: which contender, which round, why)
+        if stop == ERROR:  # (which contender, which round, why)
+            why += "" if detail is None else f": {detail}"
+        done_text = counted(done, "round") + ("" if stop == ERROR or detail is None else f" ({detail})")  # (a cut cycle's)
         if any(math.isnan(r.ratio_low) for r in rows):
-            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {counted(done, 'round')}, too few for a "
+            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {done_text}, too few for a "
                                "95% interval: it needs 6)")
             continue
         widest = max(rows, key=lambda r: r.half_width)
@@ -1366,7 +1402,7 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
         else:
             within = (": within, at 95%, but the rule calls a case resolved on its 99% intervals at the end of a "
                       "whole cycle of the round orders") if widest.half_width <= resolve else ""
-            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {counted(done, 'round')}; widest "
+            out.append(where + f"not resolved to ±{resolve * 100:g}% ({why} after {done_text}; widest "
                                f"±{widest.half_width:.1%}, {widest.contender}{within})")
         out += floor_line
     return out
@@ -1557,12 +1593,64 @@ def machine(device: torch.device | None = None) -> str:
         >>> f"torch {torch.__version__}" in machine(), f"{_usable_cpus()} CPU" in machine()
         (True, True)
     """
-    import platform
-
-    text = f"{platform.processor() or platform.machine()}, {counted(_usable_cpus(), 'CPU')}, torch {torch.__version__}"
+    text = f"{cpu_name()}, {counted(_usable_cpus(), 'CPU')}, torch {torch.__version__}"
     if (device.type == "cuda") if device is not None else torch.cuda.is_available():
         text += f", {torch.cuda.get_device_name(device)}, {backend_text(torch.device('cuda'))}"
     return text
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux's ``/proc/cpuinfo``: "AMD EPYC 7B13", where
+    ``platform.processor()`` says only "x86_64"), else what :mod:`platform` knows.
+
+    Example::
+
+        >>> isinstance(cpu_name(), str) and cpu_name() != ""
+        True
+    """
+    import platform
+
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    return platform.processor() or platform.machine() or "unknown processor"
+
+
+def versions() -> dict[str, str | None]:
+    """What the figures were measured with: ampguard (and its git commit, where it runs from a
+    checkout), Python, torch (and its CUDA), and each peer or extra the bench may run (``None``:
+    not installed; read from the installed metadata, nothing imported).
+
+    Example::
+
+        >>> v = versions()
+        >>> v["torch"] == torch.__version__, sorted(v)[:3]
+        (True, ['accelerate', 'ampguard', 'ampguard_commit'])
+    """
+    import platform
+    import subprocess
+    from importlib import metadata
+
+    from . import __version__
+
+    def installed(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    commit = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # (no git, no checkout: none)
+        done = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=5, check=False)
+        commit = (done.stdout.strip() or None) if done.returncode == 0 else None
+    return {"ampguard": __version__, "ampguard_commit": commit, "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "accelerate": installed("accelerate"),
+            "lightning": installed("lightning"), "torchao": installed("torchao")}
+
 
 
 def json_number(v: Any) -> Any:
@@ -1590,7 +1678,8 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
     error's contender, round and message; ``null`` for the other stops). Not-a-number (no bare loop to
     compare with) is written ``null``. ``threads`` is the pinned CPU thread count (``null`` on
     CUDA, where nothing is pinned). ``not_run``: each case or contender left out, and why
-    (:class:`NotRun`; ``contender`` null for a whole case). ``load_avg``: the system's load over
+    (:class:`NotRun`; ``contender`` null for a whole case). ``versions``: ampguard's (and its
+    commit), Python's, torch's and the peers' (:func:`versions`). ``load_avg``: the system's load over
     1, 5 and 15 minutes before the bench (``load``; null where unknown), and ``load_above_cpus``
     whether the first was above the CPUs this process may use (other work shared the cores: the
     timings are not to be trusted).
@@ -1600,7 +1689,8 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
         >>> data = json.loads(to_json([Result("tiny-mlp", "fp32", "bare loop", 0.5, 0.4, rounds=[0.5])],
         ...                           settings={"steps": 3}))
         >>> sorted(data)  # doctest: +NORMALIZE_WHITESPACE
-        ['load_above_cpus', 'load_avg', 'machine', 'not_run', 'resolve', 'results', 'run', 'threads', 'versus']
+        ['load_above_cpus', 'load_avg', 'machine', 'not_run', 'resolve', 'results', 'run', 'threads', 'versions',
+         'versus']
         >>> data["results"][0]["median_ms"], data["results"][0]["rounds"], data["load_avg"]
         (0.5, [0.5], None)
         >>> [data["results"][0][k] for k in ("ratio_low", "half_width", "stop", "stop_detail")]
@@ -1613,7 +1703,8 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
     run = {**(settings or {}), "confidence": CONFIDENCE, "decide_confidence": DECIDE_CONFIDENCE, "interval": INTERVAL,
            "min_rounds_to_resolve": MIN_ROUNDS_TO_RESOLVE, "max_rounds": MAX_ROUNDS}
     threads = None if device is not None and device.type == "cuda" else torch.get_num_threads()
-    return json.dumps({"machine": machine(device), "load_avg": None if load is None else list(load),
+    return json.dumps({"machine": machine(device), "versions": versions(),
+                       "load_avg": None if load is None else list(load),
                        "load_above_cpus": _busy(load), "threads": threads, "resolve": resolve, "run": run,
                        "results": rows, "versus": [{k: json_number(v) for k, v in pair.items()} for pair in versus(results)],
                        "not_run": [asdict(n) for n in not_run]}, indent=2)
@@ -1722,7 +1813,6 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         threads_said = f", {counted(torch.get_num_threads(), 'thread')}" if where.type == "cpu" else ""
         if where.type == "cpu" and torch.get_num_threads() > _usable_cpus():  # allowed: but the timings say so
             threads_said += f" on {counted(_usable_cpus(), 'usable CPU')} (oversubscribed: the threads share cores)"
-        import sys
 
         # SIGTERM (what `timeout` and schedulers send) interrupts as Ctrl-C does: a bench cut by a time
         # limit prints its whole rounds; with --json, stdout is the JSON alone: the progress lines go to stderr
@@ -1766,9 +1856,30 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                     cpus = counted(_usable_cpus(), "usable CPU")
                     print(f"warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "
                           "work shared the cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
-        if interrupted:
-            return int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
-        return 0
+        return json_written(as_json, int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
+                            if interrupted else 0)
+
+
+def json_written(as_json: bool, code: int) -> int:
+    """``code``, unless ``as_json`` and the JSON on stdout was lost (a full disk behind ``> out.json``,
+    a closed stdout: the console's guard, :class:`~ampguard.signals.TolerantStream`, dropped it):
+    then one line says so and the exit is :attr:`~ampguard.errors.ExitCode.DISK_FULL`, for with
+    ``--json`` stdout is the bench's product. A reader that left (a pipe into ``head``) is
+    SIGPIPE's own exit, not this.
+
+    Example::
+
+        >>> json_written(True, 0), json_written(False, 130)  # (a console that took every line)
+        (0, 130)
+    """
+    from .errors import ExitCode
+
+    lost = getattr(sys.stdout, "gone", None)
+    if not as_json or lost is None or lost.errno == errno.EPIPE:
+        return code
+    print(f"ampguard: error: bench: the --json result could not be written to stdout ({lost.strerror or lost})",
+          file=sys.stderr, flush=True)
+    return int(ExitCode.DISK_FULL)
 
 
 def _load() -> tuple[float, float, float] | None:
@@ -1828,12 +1939,18 @@ def _long_on(where: torch.device, workloads: Sequence[str]) -> list[str]:
             "step takes seconds and a round minutes, and --budget stops adding rounds, it does not cut one short"]
 
 
+MIN_RESOLVE_PCT = 0.001
+"""The finest ``--resolve`` taken, in percent: a ratio resolved to ±0.001% is already far below
+any timer's noise (and a tinier one divided by 100 reached 0.0, read as "nothing asked")."""
+
+
 def _check_args(where: torch.device, workloads: list[str], names: list[str], *, peak_tflops: float | None,
                 resolve_pct: float, budget_s: float, threads: int | None, quick: bool = False) -> None:
     """Refuse, as one :class:`~ampguard.errors.InputError` line, what :func:`run` cannot measure:
     an unknown or repeated model or precision (a repeat would run the case twice), a
     ``--peak-tflops`` that is not a finite number > 0, ``--resolve`` or ``--budget`` not a
-    finite number >= 0, a ``--resolve`` of 100% or more or one with ``--budget 0`` (no time to
+    finite number >= 0, a ``--resolve`` of 100% or more, one below :data:`MIN_RESOLVE_PCT` but
+    not 0, or one with ``--budget 0`` (no time to
     resolve in; not with ``quick``, which resolves nothing and ignores the budget), ``--threads``
     below 1, or fp16 alone on a CPU with none of the :data:`SMALL` models.
 
@@ -1866,6 +1983,9 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
             raise InputError(f"bench: {flag} must be a finite number >= 0, got {value:g}")
     if resolve_pct >= 100:  # (a ratio known to ±100% is not known)
         raise InputError(f"bench: --resolve is a percentage below 100 (1 is ±1%), got {resolve_pct:g}")
+    if 0 < resolve_pct < MIN_RESOLVE_PCT:  # (1e-323 / 100 is 0.0: "fixed rounds" in the header, a budget stop after)
+        raise InputError(f"bench: --resolve {resolve_pct!r} is finer than any timing resolves (at least "
+                         f"{MIN_RESOLVE_PCT:g}, or 0 for fixed rounds)")
     if resolve_pct > 0 and budget_s == 0 and not quick:
         raise InputError("bench: --budget 0 leaves no time to add rounds until resolved: give --resolve 0 to run "
                          "exactly --rounds")

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bench import CONFIDENCE, INTERVAL, Bare, _reach, interrupted_by, json_number, median_interval
+from .bench import CONFIDENCE, INTERVAL, Bare, _reach, interrupted_by, json_number, json_written, median_interval
 from .errors import counted
 
 MIN_PROCESSES_FOR_INTERVAL = 6
@@ -289,7 +289,7 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
             print(to_json(children, rows, resolve, n, stopped), flush=True)
         elif rows:
             print("\n".join([table(rows, quick), *([] if quick else resolution(rows, resolve))]), flush=True)
-    return code
+    return json_written(as_json, code)
 
 
 def run(*, processes: int, device: str, models: str, precisions: str, steps: int, rounds: int, warmup: int,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import errno
+import io
 import os
 import signal
 import sys
@@ -484,11 +485,15 @@ class TolerantStream:
         (12, 10, 'OSError')
         >>> said.getvalue()
         'ampguard: warning: stdout: No space left on device; its lines are dropped, the run goes on\\n'
+        >>> TolerantStream(None, "stdout").write("a line"), TolerantStream(None, "stdout").gone.strerror
+        (6, 'stdout is closed')
     """
 
-    def __init__(self, stream: TextIO, name: str) -> None:
-        self._stream, self._name = stream, name
+    def __init__(self, stream: TextIO | None, name: str) -> None:
         self.gone: OSError | None = None
+        if stream is None:  # (started with the descriptor closed, `>&-`: Python made it None; its lines go nowhere)
+            stream, self.gone = io.StringIO(), OSError(errno.EBADF, f"{name} is closed")  # (never written: gone)
+        self._stream, self._name = stream, name
         self.before_write: Callable[[], None] | None = None
         """Called once, before the first line is written (what the command line holds back until
         the verb says anything: a warning that a refusal would make a second line)."""

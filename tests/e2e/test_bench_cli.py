@@ -165,6 +165,12 @@ def test_bench_json_carries_the_runs_settings(capsys):
         0.95, 0.99, 8, 1000)
     assert run["interval"].startswith("order statistics") and data["versus"] == []  # (no peers ran)
     assert data["resolve"] == 0.5 and isinstance(data["threads"], int)
+    import torch
+
+    from ampguard import __version__  # (review 34b: no version but torch's, the peers' none)
+    assert {k: data["versions"][k] for k in ("ampguard", "torch")} == {"ampguard": __version__,
+                                                                        "torch": torch.__version__}
+    assert {"python", "accelerate", "lightning", "torchao", "ampguard_commit"} <= set(data["versions"])
     guarded = [r for r in data["results"] if r["contender"] == "ampguard + csv"][0]
     ratio, low, high = guarded["ratio_to_bare"], guarded["ratio_low"], guarded["ratio_high"]
     # which of the two ways it ended is the machine's (a loaded one may run out of its 5 s first);
@@ -291,3 +297,37 @@ def test_lightnings_precision_banner_stays_out_of_the_bench_output(capfd, caplog
     assert "Automatic Mixed Precision" not in out + err + caplog.text
     fabric = logging.getLogger("lightning.fabric")
     assert fabric.isEnabledFor(logging.INFO)  # held back only while bench built the contender
+
+
+def test_bench_refuses_a_resolution_finer_than_any_timing(capsys):
+    # review 34b: --resolve 1e-323 divided by 100 was 0.0: the header said "fixed rounds", the JSON
+    # "resolve": 0.0, and the rounds stopped on the budget, "not resolved to ±0%"
+    assert main(["bench", "--resolve", "1e-323"]) == 2
+    assert capsys.readouterr().err.strip() == ("ampguard: error: bench: --resolve 1e-323 is finer than any timing "
+                                               "resolves (at least 0.001, or 0 for fixed rounds)")
+
+
+class _Full:
+    """A stdout on a full disk (`> out.json` with no room left)."""
+
+    encoding = "utf-8"
+
+    def write(self, text):
+        raise OSError(28, "No space left on device")
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("stdout", [_Full, None], ids=["full-disk", "closed"])
+def test_bench_json_that_stdout_could_not_take_is_no_success(capsys, monkeypatch, stdout):
+    # review 34b: `bench --json > out.json` on a full disk exited 0 with an empty file; a closed
+    # stdout (`>&-`) was a traceback (every verb: `TolerantStream` wrapped None)
+    quick = ["--quick", "--models", "nano", "--precisions", "fp32", "--no-peers", "--no-aa"]
+    monkeypatch.setattr(sys, "stdout", stdout() if stdout else None)
+    assert main(["bench", *quick, "--json"]) == 74
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "ampguard: error: bench: the --json result could not be written to stdout ("
+        + ("No space left on device)" if stdout else "stdout is closed)"))
+    assert main(["bench", *quick]) == 0  # (the table is the console's: its loss is said, the bench succeeded)
+    assert main(["demo", "--steps", "2"]) == 0
