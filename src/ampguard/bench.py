@@ -1634,8 +1634,6 @@ def versions() -> dict[str, str | None]:
     import subprocess
     from importlib import metadata
 
-    from . import __version__
-
     def installed(name: str) -> str | None:
         try:
             return metadata.version(name)
@@ -1647,7 +1645,7 @@ def versions() -> dict[str, str | None]:
         done = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=5, check=False)
         commit = (done.stdout.strip() or None) if done.returncode == 0 else None
-    return {"ampguard": __version__, "ampguard_commit": commit, "python": platform.python_version(),
+    return {"ampguard": installed("ampguard"), "ampguard_commit": commit, "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "accelerate": installed("accelerate"),
             "lightning": installed("lightning"), "torchao": installed("torchao")}
 
