@@ -1511,7 +1511,14 @@ def run_bench(
     results: list[Result] = []
     try:
         for name in workloads:
-            w = _WORKLOADS[name](device, batch or BATCHES[name])
+            try:
+                w = _WORKLOADS[name](device, batch or BATCHES[name])
+            except Exception as err:  # noqa: BLE001 - a batch too large for memory (--batch), say: not run
+                why = f"its data could not be made: {_one_line(err)}"
+                print(f"{name}: not run ({why})", flush=True)
+                if left_out is not None:
+                    left_out += [NotRun(name, p, None, why) for p in precisions]
+                continue
             for p in precisions:
                 if p == "fp16" and device.type == "cpu" and name not in SMALL:
                     # fp16 autocast on a CPU is far too slow for anything but the tiny MLPs

@@ -331,3 +331,13 @@ def test_bench_json_that_stdout_could_not_take_is_no_success(capsys, monkeypatch
         + ("No space left on device)" if stdout else "stdout is closed)"))
     assert main(["bench", *quick]) == 0  # (the table is the console's: its loss is said, the bench succeeded)
     assert main(["demo", "--steps", "2"]) == 0
+
+
+def test_a_batch_too_large_for_memory_is_a_case_not_run_not_a_traceback(capsys):
+    # review 34b: --batch 1000000000 on the transformer ended in the allocator's traceback, exit 1
+    assert main(["bench", "--quick", "--models", "transformer", "--precisions", "fp32", "--no-peers",
+                 "--batch", "1000000000"]) == 2
+    out, err = capsys.readouterr()
+    assert "transformer: not run (its data could not be made: RuntimeError: " in out + err
+    assert err.splitlines()[-1] == ("ampguard: error: bench: no contender could run transformer in fp32 on cpu (why: "
+                                    "the lines above)") and "Traceback" not in err
