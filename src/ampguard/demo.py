@@ -79,10 +79,13 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
                          "write through it")
     if csv_path is not None:
         check_folder_of(csv_path, f"--csv {csv_path}")  # as report --out
-    parse_faults(config.inject, seed=config.seed, steps=config.steps)  # refused before the set-up line
+    launched = distributed.launched_by_torchrun()  # (a stray WORLD_SIZE: refused before the set-up line)
+    # refused before the set-up line too, against the processes torchrun started (a fault @rank1 of two
+    # processes was refused as one aimed past a world of one: the group is joined later, in the run)
+    parse_faults(config.inject, seed=config.seed, steps=config.steps,
+                 world_size=int(os.environ["WORLD_SIZE"]) if launched else 1)
     uses_scaler = precision_of(config, resolve_device(config.device)).uses_scaler
     scaler = f"GradScaler(init_scale={config.scaler.init_scale:g})" if uses_scaler else "no loss scaler"
-    launched = distributed.launched_by_torchrun()  # (a stray WORLD_SIZE: refused before the set-up line too)
     if not launched or os.environ.get("RANK") == "0":  # (under torchrun rank 0 prints, as the run's lines)
         print(f"ampguard demo: nn.Linear, {counted(config.steps, 'step')}, {config.precision} with {scaler}, "
               f"{f'max_norm={config.max_norm}' if clip_threshold(config.max_norm) else 'clipping off'}, "

@@ -457,6 +457,21 @@ def test_a_world_size_left_in_the_environment_is_one_line(cli, tmp_path, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_demo_judges_a_fault_against_torchruns_processes_before_any_group(cli, tmp_path, monkeypatch):
+    # review 34a: under torchrun with 2 processes the demo refused `nan_loss@3@rank1` as aimed past
+    # a world of one (it judged the faults before joining the group, as one process); train judges
+    # them after joining, against the group's size
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # (no group is joined: the refusal comes first)
+    code, out, err = cli("demo", "--steps", "6", "--inject", "nan_loss@3@rank2")
+    assert (code, out) == (2, ""), err
+    assert err.startswith("ampguard: error: inject: fault 'nan_loss@3@rank2' targets rank 2, but this run has 2 "
+                          "processes"), err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_train_refuses_existing_run_folder(cli, tmp_path, snapshot):
     run_dir = tmp_path / "runs" / "X"
     run_dir.mkdir(parents=True)
