@@ -20,7 +20,7 @@ import contextlib
 import datetime
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +142,9 @@ def wrap(model: nn.Module, strategy: str, device: torch.device, *, find_unused_p
                                        find_unused_parameters=find_unused_parameters)
     from torch.distributed.fsdp import fully_shard
 
+    # every rank starts from rank 0's weights and buffers, as DDP's wrap makes them (a factory that
+    # seeds its init by rank, or reads per-node weights, trained a model stitched from the ranks' shards)
+    broadcast_from_rank_0([*model.parameters(), *model.buffers()])
     try:
         for unit in fsdp_units(model):
             fully_shard(unit)
@@ -150,6 +153,37 @@ def wrap(model: nn.Module, strategy: str, device: torch.device, *, find_unused_p
         reason = " ".join(str(err).split()) or type(err).__name__
         raise InputError(f"distributed.strategy=fsdp2: fully_shard cannot shard this model: {reason}") from None
     return model
+
+
+def broadcast_from_rank_0(tensors: Sequence[torch.Tensor]) -> None:
+    """``tensors`` (unsharded: a model's before ``fully_shard``, its buffers) set to rank 0's values
+    on every rank, in place: one broadcast per dtype, of the tensors flattened together. A tensor
+    shared twice (a tied weight) is sent once. Nothing without a process group of more than one.
+    """
+    if not current().active:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in dict.fromkeys(tensors):  # (in order, each once)
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            dist.broadcast(flat, src=0)
+            for t, part in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(part.view_as(t))
+
+
+def buffer_sharing(model: nn.Module, strategy: str) -> Callable[[], None] | None:
+    """What sets every rank's buffers (BatchNorm's running statistics) to rank 0's under FSDP2, to
+    be called before each step and each evaluation, on every rank; ``None`` under DDP (which
+    broadcasts them before each forward itself), without a group, or for a model with no buffers.
+    FSDP2 shards parameters, not buffers: each rank's drifted apart with its own batches, only
+    rank 0's reached a checkpoint (a resume was not the run it resumed), and a NaN batch on one rank
+    left that rank's statistics NaN at a skipped step, its held-out loss NaN from then on."""
+    buffers = list(model.buffers())
+    if strategy != "fsdp2" or not buffers or not current().active:
+        return None
+    return functools.partial(broadcast_from_rank_0, buffers)
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)

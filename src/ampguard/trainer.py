@@ -92,6 +92,9 @@ class Trainer:
     read back up to :data:`~ampguard.records.LAG` steps behind."""
     path: str
     """Which path, and why, in a few words (the run_start event and the run card say it)."""
+    share_buffers: Callable[[], None] | None
+    """Under FSDP2, rank 0's buffers to every rank, before each step and evaluation
+    (:func:`~ampguard.distributed.buffer_sharing`); None otherwise."""
     inflight: InFlight
     """The records made and not yet handled (written, watched, judged)."""
     # what watches it
@@ -170,6 +173,8 @@ class Trainer:
         if self.dist.active:  # (a task.options value that differs between ranks may size a layer)
             ck.check_same_models(distributed.all_gather(ck.model_shapes(model)))
             model = distributed.wrap(model, config.distributed.strategy, self.device, find_unused_parameters=bool(unused))
+        # FSDP2: rank 0's buffers on every rank before each step and evaluation (DDP broadcasts its own)
+        self.share_buffers = distributed.buffer_sharing(model, config.distributed.strategy)
         self.fast, self.path = fast_path(config, self.device, self.dist.world_size)
         self.inflight = InFlight(lag=LAG if self.fast else 0)
         self.state = build_state(config, model, self.task.loss_fn, self.device, fast=self.fast)
@@ -390,6 +395,8 @@ class Trainer:
         while self.state.steps < self.config.steps:
             began = time.monotonic()
             with self.watching(), watched:
+                if self.share_buffers is not None:
+                    self.share_buffers()
                 try:
                     record = self.train_step()
                 except BadBatch as bad:  # the steps before it stand: their records, the run card
@@ -399,7 +406,10 @@ class Trainer:
             if self.state.steps >= self.config.steps:
                 self.throughput.ended()  # ... to the end of the last (not its evaluation, the final save)
             # evaluated now, on this step's model; written and judged with its record
-            metrics = self.evaluator() if self.evaluator.due(record.step) else None
+            due = self.evaluator.due(record.step)
+            if due and self.share_buffers is not None:
+                self.share_buffers()
+            metrics = self.evaluator() if due else None
             self.inflight.add(record, metrics)
             decision = self.handle(self.inflight.ready())
             if decision is not None:

@@ -4,14 +4,17 @@
 ``forward`` for ``fully_shard``), leaves a unit whose parameters are shared with another (tied
 weights) to the root's group, and turns what ``fully_shard`` still refuses into one line.
 
-Two torchrun launches, started together in an early job (conftest.py) and shared by the tests:
-CF, T and E one after another in one (``helpers.Batch``), and H:
+One torchrun launch, started in an early job (conftest.py) and shared by the tests: CF, T, H, BN,
+BNR, RI and E one after another in it (``helpers.Batch``):
 
 - ``CF``: the built-in ``charlm`` (a ModuleList of blocks, the head tied to the embedding), tiny,
   fp32, under FSDP2: the steps.csv of one process reading batches of twice the size (in this
   process: a launch is ~10 s of CPU, a run here well under one);
 - ``T``: a ``task.factory`` model (written to the test's folder) with tied weights, nested
   containers and a 0-dim tensor in its batches, trained under FSDP2;
+- ``BN``: a BatchNorm model whose rank 1 reads a NaN batch at step 3 (skipped), evaluated each
+  step; ``BNR``: a copy of it resumed from its step-3 checkpoint; ``RI``: the same model with an
+  init that differs by rank (rank 0's weights are everyone's);
 - ``E``: a ``task.factory`` model with a 0-dim parameter, which ``fully_shard`` refuses: one
   line and exit 2 on every rank;
 - ``H``: this file run as a script (``python test_fsdp2_wrap.py OUT`` under torchrun): which
@@ -86,6 +89,35 @@ def build(config):
     return Scaled(), [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g))], nn.functional.mse_loss
 '''
 
+BN_FACTORY = '''
+import os
+
+import torch
+from torch import nn
+
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(8)]
+    held = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(2)]
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    if config.task.options.get("rank_init"):  # an init seeded by rank (a node's own weights file, say)
+        with torch.no_grad():
+            model[0].weight.fill_(float(os.environ["RANK"]))
+    loss_fn = nn.MSELoss()
+
+    def evaluate(m, device):
+        m.eval()
+        with torch.no_grad():
+            value = sum(loss_fn(m(x), y).item() for x, y in held) / len(held)
+        m.train()
+        return {"val_loss": value}
+
+    return {"model": model, "data": data, "loss_fn": loss_fn, "evaluate": evaluate, "metrics": ["val_loss"]}
+'''
+BN_RUN = ["--set", "precision=fp32", "--set", "device=cpu", "--set", "steps=6", "--set", "task.batch_size=8",
+          "--set", "eval.every=1", "--set", "checkpoint.every=3", "--set", "distributed.strategy=fsdp2"]
+
 
 pytestmark = TORCHRUN
 
@@ -98,7 +130,11 @@ def early(work: Path) -> dict[str, Ended]:
 
     (work / "tied.py").write_text(TIED_FACTORY)
     (work / "scalar.py").write_text(SCALAR_FACTORY)
+    (work / "bn.py").write_text(BN_FACTORY)
+    bn = ["--set", f"task.factory={work / 'bn.py'}:build", *BN_RUN]
     runs = {
+        "BN": ["train", *bn, "--inject", "nan_input@3@rank1"],
+        "RI": ["train", *bn, "--set", "steps=1", "--set", "optimizer.lr=0", "--set", "task.options.rank_init=true"],
         "CF": ["train", *CHARLM, "--set", "distributed.strategy=fsdp2"],
         "T": ["train", "--set", f"task.factory={work / 'tied.py'}:build", "--set", "precision=fp32",
               "--set", "device=cpu", "--set", "steps=4", "--set", "eval.enabled=false",
@@ -111,8 +147,11 @@ def early(work: Path) -> dict[str, Ended]:
     train = {name: Run([*args, "--set", f"log.dir={work / 'runs'}", "--set", f"log.name={name}",
                         "--set", "log.plot=false"]) for name, args in runs.items()}
     script = Run([str(work / "H_out")], cwd="H_cwd", script=str(Path(__file__).resolve()))
-    batch = Batch("batch", {"CF": train["CF"], "T": train["T"], "H": script, "E": train["E"]}, work,
-                  timeout_s=TIMEOUT_S, env=env)
+    resumed = work / "BNR_runs" / "BN"  # (a copy of BN resumed from its step-3 checkpoint)
+    train["BNR"] = Run(["train", "--resume", str(resumed / "checkpoints" / "step-00000003.pt")], cwd="BNR_cwd",
+                       copy=(f"{work / 'runs'}/BN", str(resumed)))
+    batch = Batch("batch", {"CF": train["CF"], "T": train["T"], "H": script, "BN": train["BN"], "BNR": train["BNR"],
+                            "RI": train["RI"], "E": train["E"]}, work, timeout_s=TIMEOUT_S, env=env)
     try:
         return batch.results()
     finally:
@@ -166,6 +205,28 @@ def test_a_model_fully_shard_refuses_is_one_line_and_exit_2_on_every_rank(launch
                      "equal to 1."] * 2, launch.stderr
     assert "[rank0]: Traceback" not in launch.stderr and "[rank1]: Traceback" not in launch.stderr
     assert not (work / "runs" / "E").exists()
+
+
+def test_fsdp2_shares_rank_0s_buffers_so_a_skip_on_one_rank_leaves_no_nan_and_a_resume_is_the_run(launches, work):
+    # review 34a: FSDP2 shards parameters, not buffers: rank 1's BatchNorm statistics took its NaN
+    # batch at the skipped step 3 and kept it (val_loss nan from there on: DDP broadcasts rank 0's
+    # buffers, it healed), and only rank 0's reached a checkpoint (the resume's val_loss differed)
+    launches["BN"].ok()
+    rows = [line.split(",") for line in _steps(work, "BN").splitlines()]
+    header, rows = rows[0], rows[1:]
+    val = header.index("val_loss")
+    assert [(row[0], row[5], row[6]) for row in rows if row[5] == "1"] == [("3", "1", "non_finite_loss")]
+    assert all(row[val] and float(row[val]) == float(row[val]) for row in rows), rows  # (no nan)
+    launches["BNR"].ok()
+    assert (work / "BNR_runs" / "BN" / "steps.csv").read_text() == _steps(work, "BN")  # bit for bit
+
+
+def test_fsdp2_starts_every_rank_from_rank_0s_weights(launches, work):
+    # review 34a: a factory whose init differs by rank trained, under FSDP2, a model whose rows came
+    # from different ranks' inits (DDP's wrap broadcasts rank 0's; FSDP2's shards kept their own)
+    launches["RI"].ok()
+    saved = torch.load(work / "runs" / "RI" / "checkpoints" / "step-00000001.pt", weights_only=True)
+    assert saved["model"]["0.weight"].eq(0.0).all(), saved["model"]["0.weight"]  # (lr 0: the start's weights)
 
 
 @pytest.fixture(scope="module")
