@@ -30,8 +30,8 @@ from .clipping import (HOST_ROUNDED, GradSet, check_max_norm, clip_coefficient, 
 from .errors import AmpguardWarning, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
-from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, _GuardStepping, _hook_stray_steps, _parameter_count,
-                    _probe_autocast, _watch_registrations, first_forward_dtypes, holds_gradients)
+from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, RunningStats, _GuardStepping, _hook_stray_steps,
+                    _parameter_count, _probe_autocast, _watch_registrations, first_forward_dtypes, holds_gradients)
 
 
 def __getattr__(name: str) -> Any:
@@ -598,6 +598,8 @@ class Guard:
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
                 scheduler.applied = self._updates_t
         self._modules, self._root, self._frozen_mode = modules, root, frozen
+        # the running statistics (BatchNorm's) each step's forward writes: put back on a skip
+        self._running_stats = RunningStats(modules)
         _watch_registrations()
         self._own(holder)
         self._group: tuple[str, ...] | None = None  # the optimizers the open group steps
@@ -637,6 +639,7 @@ class Guard:
         state = self.__dict__.copy()
         state["_scheduler_epochs"] = [self._scheduler_epochs.get(id(s)) for s in self._every_scheduler()]
         state["_autocast_probes"] = []  # (the original's hooks on its modules; a copy does not probe)
+        state.pop("_running_stats", None)  # (its hooks are the original's modules': the copy watches its own)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -646,6 +649,7 @@ class Guard:
             if old in state:
                 state[new] = state.pop(old)
         self.__dict__.update(state)
+        self._running_stats = RunningStats(getattr(self, "_modules", []))
         self._scheduler_epochs = {id(s): e for s, e in zip(self._every_scheduler(), epochs) if e is not None}
         # (a deep copy's optimizers are new; a shallow copy shares the original's, which stay its)
         _hook_stray_steps(self, self.optimizers, taken=False)
@@ -707,6 +711,7 @@ class Guard:
         self._backward_pending = False
         self.scaler.forget_unscaled()
         self._zero_grad()
+        self._running_stats.forget()  # (a restore loaded the model's statistics: the next forward copies them)
 
     def _parameters_changed(self) -> bool:
         """Whether what :meth:`_own` read may be out of date: the optimizers hold another number of
@@ -1199,6 +1204,7 @@ class Guard:
         self._step_schedulers(names, applied)
         self._owed = None
         self._zero_grad()
+        self._running_stats.end_step(skipped=bool(skipped) and not applied)  # (a whole step skipped)
         return self._record(names, skipped, read, lr, loss, pre, post)
 
     def _read_back(self, loss: torch.Tensor, pre: torch.Tensor, carried: torch.Tensor, mark: torch.Tensor,
@@ -1336,6 +1342,7 @@ class Guard:
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
         self._settle_sync_free(found)
         self._zero_grad()
+        self._running_stats.end_step(skipped=found)  # (on the device: a select, no read)
         # the record's values in one tensor (read back with one copy), the fields views of it;
         # the LR as this step used it (the next step's _set_lrs writes that tensor in place), the
         # post-clip norm or the factor the host computes it from, the scale after update(), and

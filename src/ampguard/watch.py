@@ -343,3 +343,83 @@ def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
     """How many parameters the optimizers hold: a change means ``add_param_group`` (or a group
     taken out) since the guard read them."""
     return sum(len(group["params"]) for opt in optimizers.values() for group in opt.param_groups)
+
+
+_KEEPING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+"""Each normalization layer's :class:`RunningStats` keepers (a layer forgets them with its guard)."""
+
+
+def _keep_running_stats(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook on each layer that tracks running statistics: at a training forward (one
+    that records gradients, the layer in training mode) each keeper watching it copies the
+    statistics, once a step, before the first of its layers writes them. A module-level function
+    (a model with the hook still pickles); nothing while ``torch.compile`` traces it."""
+    if not (module.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return
+    for keeper in _KEEPING.get(module, ()):
+        keeper.keep()
+
+
+class RunningStats:
+    """The running statistics a forward writes (BatchNorm's, an InstanceNorm's that tracks them) in
+    ``modules``: copied at each step's first training forward, put back when the step is skipped.
+    A skip leaves the parameters and the optimizer's state as they were; without this, the
+    forward of a NaN batch it skipped had left a BatchNorm's statistics NaN for good (every
+    evaluation after it NaN). Not kept for a layer inside a compiled model (the hook does nothing
+    while ``torch.compile`` traces). A model without such layers gets no hook and pays nothing.
+
+    Example (a NaN batch through a BatchNorm, its step skipped: the statistics as they were)::
+
+        >>> bn = nn.BatchNorm1d(2)
+        >>> stats = RunningStats([bn])
+        >>> _ = bn(torch.ones(4, 2, requires_grad=True))  # step 1, applied
+        >>> stats.end_step(skipped=False)
+        >>> before = bn.running_mean.clone()
+        >>> _ = bn(torch.full((4, 2), float("nan"), requires_grad=True))  # step 2: its statistics NaN
+        >>> stats.end_step(skipped=True)
+        >>> torch.equal(bn.running_mean, before), int(bn.num_batches_tracked)
+        (True, 1)
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.layers = list(dict.fromkeys(
+            m for root in modules for m in root.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats))
+        self._saved: list[torch.Tensor] = []  # the copy
+        self._kept: list[torch.Tensor] = []  # the buffers copied this step (empty: none yet)
+        for layer in self.layers:
+            _KEEPING.setdefault(layer, weakref.WeakSet()).add(self)
+            weakref.finalize(self, layer.register_forward_pre_hook(_keep_running_stats).remove)
+
+    def keep(self) -> None:
+        """Copy the statistics, unless this step's copy is taken (the first training forward's)."""
+        if self._kept:
+            return
+        buffers = [b for layer in self.layers for b in (layer.running_mean, layer.running_var,
+                                                        layer.num_batches_tracked) if b is not None]
+        with torch.no_grad():
+            if len(self._saved) == len(buffers) and all(
+                    s.shape == b.shape and s.dtype == b.dtype and s.device == b.device
+                    for s, b in zip(self._saved, buffers)):
+                torch._foreach_copy_(self._saved, buffers)
+            else:  # (the first copy, or a model moved or changed since)
+                self._saved = [b.detach().clone() for b in buffers]
+        self._kept = buffers
+
+    def end_step(self, skipped: bool | torch.Tensor) -> None:
+        """The step ended: put the statistics back if it was skipped (``skipped`` on the device,
+        the sync-free step's flag: a select there, no host read), and take a new copy at the next
+        step's first training forward."""
+        kept, self._kept = self._kept, []
+        if not kept or skipped is False:
+            return
+        with torch.no_grad():
+            if isinstance(skipped, torch.Tensor):
+                flag = skipped.bool()
+                torch._foreach_copy_(kept, [torch.where(flag, s, b) for s, b in zip(self._saved, kept)])
+            else:
+                torch._foreach_copy_(kept, self._saved)
+
+    def forget(self) -> None:
+        """The model's state was loaded (a resume, a rollback): the copy is no longer of it."""
+        self._kept = []

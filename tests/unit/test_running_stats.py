@@ -1,0 +1,155 @@
+"""A skipped step leaves the running statistics a forward writes (BatchNorm's) as it found them,
+as it leaves the parameters and the optimizer's state: review 34a found a NaN batch the guard
+skipped left a BatchNorm's statistics NaN for good (every evaluation after it NaN), in one
+process and on the process that read it under torchrun (``watch.RunningStats``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ampguard import Guard
+from ampguard.cli import main
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def _batches(bad: set[int] = frozenset(), n: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 4, generator=g) for _ in range(n)]
+    return [torch.full_like(x, float("nan")) if i in bad else x for i, x in enumerate(xs)]
+
+
+def _guard(model: nn.Module, sync_free: bool = False, accumulation_steps: int = 1) -> Guard:
+    if sync_free:
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
+        return Guard(model, opt, precision="fp32", sync_free=True, accumulation_steps=accumulation_steps)
+    return Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32",
+                 accumulation_steps=accumulation_steps)
+
+
+def _train(model: nn.Module, guard: Guard, batches: list[torch.Tensor]) -> list:
+    records = []
+    for x in batches:
+        with guard.autocast():
+            loss = model(x).pow(2).mean()
+        guard.backward(loss)
+        record = guard.step()
+        if record is not None:
+            records.append(record)
+    return records
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["exact", "sync-free"])
+def test_a_skipped_nan_batch_leaves_the_statistics_as_a_run_that_never_read_it(sync_free):
+    # the model and its statistics after batches 0, 1 (NaN: skipped), 2, 3 are bit for bit those
+    # of a run that read 0, 2, 3 alone
+    model = _model()
+    records = _train(model, _guard(model, sync_free), _batches({1}))
+    assert [r.skipped for r in records] == [False, True, False, False]
+    clean = _model()
+    _train(clean, _guard(clean, sync_free), [b for i, b in enumerate(_batches()) if i != 1])
+    got, expected = _state(model), _state(clean)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    assert int(model[1].num_batches_tracked) == 3 and torch.isfinite(model[1].running_var).all()
+
+
+def test_a_skipped_group_puts_back_what_each_of_its_micro_batches_wrote():
+    model = _model()
+    guard = _guard(model, accumulation_steps=2)
+    _train(model, guard, _batches(n=2))  # step 1: applied
+    before = _state(model)
+    records = _train(model, guard, _batches({1}, n=2))  # step 2: a clean micro-batch, then a NaN one
+    assert [r.skipped for r in records] == [True]
+    assert all(torch.equal(_state(model)[k], before[k]) for k in before)
+
+
+def test_the_copy_is_taken_at_the_steps_first_training_forward_after_a_load_not_at_an_evaluation():
+    # a load between steps (a resume, a rollback) is what the next skip puts back; an evaluation's
+    # forward (eval mode, no gradients) takes no copy
+    model = _model()
+    guard = _guard(model)
+    _train(model, guard, _batches(n=2))
+    saved = _state(model)
+    _train(model, guard, _batches(n=2))
+    model.eval()
+    with torch.no_grad():
+        model(_batches()[0])
+    model.train()
+    model.load_state_dict(saved)  # back to step 2's statistics, as a rollback would
+    _train(model, guard, _batches({0}, n=1))  # skipped
+    assert all(torch.equal(_state(model)[k], saved[k]) for k in saved)
+
+
+def test_an_applied_step_keeps_what_its_forward_wrote():
+    model = _model()
+    guard = _guard(model)
+    _train(model, guard, _batches(n=1))
+    assert int(model[1].num_batches_tracked) == 1 and not torch.equal(model[1].running_mean, torch.zeros(4))
+
+
+def test_a_copy_of_the_guard_keeps_its_own_models_statistics():
+    model = _model()
+    guard = _guard(model)
+    _train(model, guard, _batches(n=1))
+    twin = copy.deepcopy(guard)  # (its model is a copy too)
+    before = _state(twin.model)
+    _train(twin.model, twin, _batches({0}, n=1))
+    assert all(torch.equal(_state(twin.model)[k], before[k]) for k in before)
+    assert int(model[1].num_batches_tracked) == 1  # (the original untouched)
+
+
+def test_a_model_without_running_statistics_gets_no_hook():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.BatchNorm1d(4, track_running_stats=False))
+    _guard(model)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+BN_FACTORY = '''
+import torch
+from torch import nn
+
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(6)]
+    held = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g))]
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    loss_fn = nn.MSELoss()
+
+    def evaluate(m, device):
+        m.eval()
+        with torch.no_grad():
+            value = sum(loss_fn(m(x), y).item() for x, y in held) / len(held)
+        m.train()
+        return {"val_loss": value}
+
+    return {"model": model, "data": data, "loss_fn": loss_fn, "evaluate": evaluate, "metrics": ["val_loss"]}
+'''
+
+
+def test_train_evaluates_a_finite_model_after_a_skipped_nan_batch(tmp_path, monkeypatch, capsys):
+    # review 34a: `ampguard train` with a BatchNorm model and `--inject nan_input@3` read val_loss
+    # nan at every evaluation after step 3
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bn.py").write_text(BN_FACTORY)
+    assert main(["train", "--set", "task.factory=bn.py:build", "--set", "precision=fp32", "--set", "device=cpu",
+                 "--set", "steps=6", "--set", "eval.every=1", "--set", "checkpoint.enabled=false",
+                 "--set", "log.plot=false", "--set", "log.dir=.", "--set", "log.name=run",
+                 "--inject", "nan_input@3"]) == 0
+    out = capsys.readouterr().out
+    assert "SKIP 3 " in out
+    evals = [line for line in out.splitlines() if line.startswith("EVAL ")]
+    assert len(evals) == 6 and "nan" not in " ".join(evals), evals
