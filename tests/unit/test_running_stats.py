@@ -153,3 +153,14 @@ def test_train_evaluates_a_finite_model_after_a_skipped_nan_batch(tmp_path, monk
     assert "SKIP 3 " in out
     evals = [line for line in out.splitlines() if line.startswith("EVAL ")]
     assert len(evals) == 6 and "nan" not in " ".join(evals), evals
+
+
+def test_a_model_with_the_hook_still_pickles_and_its_copy_trains():
+    import pickle
+
+    model = _model()
+    guard = _guard(model)
+    _train(model, guard, _batches(n=1))
+    again = pickle.loads(pickle.dumps(model))  # (torch.save(model) pickles its hooks: a module-level function)
+    assert torch.equal(again[1].running_mean, model[1].running_mean)
+    again(_batches()[0])  # (a forward through the copied hook, with no guard of its own: nothing)
