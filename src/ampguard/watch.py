@@ -410,8 +410,11 @@ class RunningStats:
         """The step ended: put the statistics back if it was skipped (``skipped`` on the device,
         the sync-free step's flag: a select there, no host read), and take a new copy at the next
         step's first training forward."""
-        kept, self._kept = self._kept, []
-        if not kept or skipped is False:
+        kept = self._kept
+        if not kept:  # (no copy this step: no such layers, or none ran in training)
+            return
+        self._kept = []
+        if skipped is False:
             return
         with torch.no_grad():
             if isinstance(skipped, torch.Tensor):
