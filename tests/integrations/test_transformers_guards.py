@@ -84,6 +84,22 @@ def test_a_second_ampguard_callback_is_refused_up_front_and_nothing_is_written(t
     assert [r["step"] for r in read_rows(folder / "steps.csv")] == ["1", "2"]
 
 
+@pytest.mark.parametrize("how", ["remove_callback", "pop_callback", "class"])
+def test_a_guardedtrainer_whose_callback_was_taken_out_is_refused_and_trains_once_it_is_back(tmp_path, how):
+    # review 33c: trainer.remove_callback(trainer.ampguard) left a guard that skipped and clipped
+    # with nothing recording a step, counting a skip or failing fast, unsaid
+    folder = tmp_path / "out" / "ampguard"
+    trainer = GuardedTrainer(model=_model(), args=_args(tmp_path, 2), train_dataset=_ids(), ampguard=_quiet())
+    getattr(trainer, "pop_callback" if how == "pop_callback" else "remove_callback")(
+        AmpGuardCallback if how == "class" else trainer.ampguard)
+    with pytest.raises(ValueError, match=r"^GuardedTrainer: its AmpGuardCallback \(trainer.ampguard\) was taken out"):
+        trainer.train()
+    assert not folder.exists()
+    trainer.add_callback(trainer.ampguard)
+    trainer.train()
+    assert [r["step"] for r in read_rows(folder / "steps.csv")] == ["1", "2"]
+
+
 def test_a_scaler_setting_or_a_guard_setting_guardedtrainer_cannot_take_is_refused_at_construction(tmp_path):
     # review_27a #5: an unknown scaler key was make_scaler's TypeError at the first step, deep in train()
     with pytest.raises(ValueError, match=r"^scaler settings: unknown key 'init_scal'"):

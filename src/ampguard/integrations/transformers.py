@@ -988,6 +988,12 @@ class GuardedTrainer(Trainer):
         (A Trainer owns its loop's signals, as Lightning's does; :class:`AmpGuardCallback` on a
         stock ``Trainer`` installs no handler behind the Trainer's back, as the Lightning plugin
         installs none: there a SIGTERM ends the process as Python's default does.)"""
+        if not any(cb is self.ampguard for cb in self.callback_handler.callbacks):
+            # (remove_callback / pop_callback: the guard would still skip and clip, but nothing would record
+            # a step, count a skip, fail fast or write the run's files, unsaid; review 33c)
+            raise ValueError("GuardedTrainer: its AmpGuardCallback (trainer.ampguard) was taken out of the "
+                             "callbacks: nothing would record a step or fail fast; put it back with "
+                             "trainer.add_callback(trainer.ampguard), or train a stock Trainer")
         self.guard = None  # each train() builds its guard: at its first step, or from the checkpoint it resumes
         trial = kwargs.get("trial", args[1] if len(args) > 1 else None)
         run_dir = getattr(self, "_get_output_dir", None)  # (HF's name for a search trial's run folder: run-N)
