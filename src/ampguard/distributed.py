@@ -155,11 +155,16 @@ def wrap(model: nn.Module, strategy: str, device: torch.device, *, find_unused_p
     return model
 
 
+BROADCAST_BUCKET_BYTES = 64 * 2**20
+"""The most :func:`broadcast_from_rank_0` flattens into one broadcast (a whole model flattened at
+once doubled the wrap's peak memory; DDP's own start-up broadcast goes in buckets too)."""
+
+
 def broadcast_from_rank_0(tensors: Sequence[torch.Tensor]) -> None:
     """``tensors`` (unsharded: a model's before ``fully_shard``, its buffers) set to rank 0's values
-    on every rank, in place: one broadcast per dtype, of the tensors flattened together. A tensor
-    shared twice (a tied weight) is sent once. Nothing without a process group of more than one.
-    """
+    on every rank, in place: the tensors of one dtype flattened together into broadcasts of at
+    most :data:`BROADCAST_BUCKET_BYTES` (a larger tensor alone, as it is). A tensor shared twice
+    (a tied weight) is sent once. Nothing without a process group of more than one."""
     if not current().active:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -167,21 +172,32 @@ def broadcast_from_rank_0(tensors: Sequence[torch.Tensor]) -> None:
         by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
         for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            dist.broadcast(flat, src=0)
-            for t, part in zip(group, flat.split([t.numel() for t in group])):
-                t.copy_(part.view_as(t))
+            bucket: list[torch.Tensor] = []
+            for t in [*group, None]:
+                full = bucket and (t is None or sum(b.nbytes for b in bucket) + t.nbytes > BROADCAST_BUCKET_BYTES)
+                if full:
+                    if len(bucket) == 1 and bucket[0].is_contiguous():  # (no copy of a large tensor)
+                        dist.broadcast(bucket[0].detach(), src=0)
+                    else:
+                        flat = torch.cat([b.detach().reshape(-1) for b in bucket])
+                        dist.broadcast(flat, src=0)
+                        for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
+                            b.copy_(part.view_as(b))
+                    bucket = []
+                if t is not None:
+                    bucket.append(t)
 
 
-def buffer_sharing(model: nn.Module, strategy: str) -> Callable[[], None] | None:
-    """What sets every rank's buffers (BatchNorm's running statistics) to rank 0's under FSDP2, to
-    be called before each step and each evaluation, on every rank; ``None`` under DDP (which
-    broadcasts them before each forward itself), without a group, or for a model with no buffers.
-    FSDP2 shards parameters, not buffers: each rank's drifted apart with its own batches, only
-    rank 0's reached a checkpoint (a resume was not the run it resumed), and a NaN batch on one rank
-    left that rank's statistics NaN at a skipped step, its held-out loss NaN from then on."""
+def buffer_sharing(model: nn.Module) -> Callable[[], None] | None:
+    """What sets every rank's buffers (BatchNorm's running statistics) to rank 0's, called on every
+    rank: under FSDP2 before each step and each evaluation, under DDP before each evaluation
+    (DDP broadcasts them before each training forward itself, and an evaluation calls the
+    model it wraps); ``None`` without a group or for a model with no buffers. FSDP2 shards
+    parameters, not buffers: each rank's drifted apart with its own batches, only rank 0's
+    reached a checkpoint (a resume was not the run it resumed); under both, each rank evaluated
+    its own statistics, the metric a mean over models the checkpoint does not hold."""
     buffers = list(model.buffers())
-    if strategy != "fsdp2" or not buffers or not current().active:
+    if not buffers or not current().active:
         return None
     return functools.partial(broadcast_from_rank_0, buffers)
 

@@ -639,7 +639,7 @@ class Guard:
         state = self.__dict__.copy()
         state["_scheduler_epochs"] = [self._scheduler_epochs.get(id(s)) for s in self._every_scheduler()]
         state["_autocast_probes"] = []  # (the original's hooks on its modules; a copy does not probe)
-        state.pop("_running_stats", None)  # (its hooks are the original's modules': the copy watches its own)
+        state.pop("_running_stats", None)  # (the original's layers: the copy keeps its own model's)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1184,6 +1184,9 @@ class Guard:
         post, carried = self._post_clip(pre, factor)  # (post None: the host computes it from the factor read)
         read = self._read_back(loss, pre, carried, mark, each, origin)
         skipped, applied = _partition(names, read)
+        # the running statistics (BatchNorm's) back as the step found them when it skipped whole
+        # (decided: a skip hook or an optimizer raising after this leaves them so too)
+        self._running_stats.end_step(skipped=bool(skipped) and not applied)
         if skipped:  # the record's post-clip norm is then what is applied
             post = self._clip_applied(grads, applied)
             for name in skipped:
@@ -1204,7 +1207,6 @@ class Guard:
         self._step_schedulers(names, applied)
         self._owed = None
         self._zero_grad()
-        self._running_stats.end_step(skipped=bool(skipped) and not applied)  # (a whole step skipped)
         return self._record(names, skipped, read, lr, loss, pre, post)
 
     def _read_back(self, loss: torch.Tensor, pre: torch.Tensor, carried: torch.Tensor, mark: torch.Tensor,
@@ -1649,6 +1651,7 @@ class AmpTrainState(Guard):
             ...  for last in (False, False, True)]
             ['NoneType', 'StepLog', 'StepLog']
         """
+        self._running_stats.keep()  # (before the forward writes them; a compiled model's hooks copy nothing)
         with self.autocast():
             loss = self.loss_fn(self.model(inputs), targets)
         self.backward(loss)

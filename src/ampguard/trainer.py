@@ -93,8 +93,9 @@ class Trainer:
     path: str
     """Which path, and why, in a few words (the run_start event and the run card say it)."""
     share_buffers: Callable[[], None] | None
-    """Under FSDP2, rank 0's buffers to every rank, before each step and evaluation
-    (:func:`~ampguard.distributed.buffer_sharing`); None otherwise."""
+    """Under torchrun, rank 0's buffers to every rank, before each evaluation and, under FSDP2,
+    each step (:func:`~ampguard.distributed.buffer_sharing`); None otherwise."""
+    _share_each_step: bool
     inflight: InFlight
     """The records made and not yet handled (written, watched, judged)."""
     # what watches it
@@ -173,8 +174,10 @@ class Trainer:
         if self.dist.active:  # (a task.options value that differs between ranks may size a layer)
             ck.check_same_models(distributed.all_gather(ck.model_shapes(model)))
             model = distributed.wrap(model, config.distributed.strategy, self.device, find_unused_parameters=bool(unused))
-        # FSDP2: rank 0's buffers on every rank before each step and evaluation (DDP broadcasts its own)
-        self.share_buffers = distributed.buffer_sharing(model, config.distributed.strategy)
+        # rank 0's buffers on every rank before each evaluation, and under FSDP2 before each step
+        # (DDP broadcasts them before each training forward itself)
+        self.share_buffers = distributed.buffer_sharing(model)
+        self._share_each_step = self.share_buffers is not None and config.distributed.strategy == "fsdp2"
         self.fast, self.path = fast_path(config, self.device, self.dist.world_size)
         self.inflight = InFlight(lag=LAG if self.fast else 0)
         self.state = build_state(config, model, self.task.loss_fn, self.device, fast=self.fast)
@@ -395,8 +398,8 @@ class Trainer:
         while self.state.steps < self.config.steps:
             began = time.monotonic()
             with self.watching(), watched:
-                if self.share_buffers is not None:
-                    self.share_buffers()
+                if self._share_each_step:
+                    self.share_buffers()  # type: ignore[misc]
                 try:
                     record = self.train_step()
                 except BadBatch as bad:  # the steps before it stand: their records, the run card

@@ -347,35 +347,49 @@ def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
 
 _KEEPING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
 """Each normalization layer's :class:`RunningStats` keepers (a layer forgets them with its guard)."""
+_GLOBAL_HOOK: list[Any] = [None, 0]
+"""The process-wide forward pre-hook's handle and how many keepers are alive (it goes with the last)."""
 
 
 def _keep_running_stats(module: nn.Module, args: Any) -> None:
-    """A forward pre-hook on each layer that tracks running statistics: at a training forward (one
-    that records gradients, the layer in training mode) each keeper watching it copies the
-    statistics, once a step, before the first of its layers writes them. A module-level function
-    (a model with the hook still pickles); nothing while ``torch.compile`` traces it."""
-    if not (module.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+    """A process-wide forward pre-hook, installed while a :class:`RunningStats` keeper lives:
+    before a layer whose running statistics a keeper watches runs in training mode (it then
+    writes them, under ``torch.no_grad()`` too), each such keeper copies the statistics, once a
+    step. Process-wide rather than on the user's layers: a model pickled whole (``torch.save(model)``)
+    carries no hook of ampguard's, and loads without it. Every other module pays a dictionary
+    lookup; nothing while ``torch.compile`` traces."""
+    keepers = _KEEPING.get(module)
+    if not keepers or not module.training or torch.compiler.is_compiling():
         return
-    for keeper in _KEEPING.get(module, ()):
+    for keeper in keepers:
         keeper.keep()
+
+
+def _keeper_gone() -> None:
+    _GLOBAL_HOOK[1] -= 1
+    if not _GLOBAL_HOOK[1] and _GLOBAL_HOOK[0] is not None:
+        _GLOBAL_HOOK[0].remove()
+        _GLOBAL_HOOK[0] = None
 
 
 class RunningStats:
     """The running statistics a forward writes (BatchNorm's, an InstanceNorm's that tracks them) in
-    ``modules``: copied at each step's first training forward, put back when the step is skipped.
-    A skip leaves the parameters and the optimizer's state as they were; without this, the
-    forward of a NaN batch it skipped had left a BatchNorm's statistics NaN for good (every
-    evaluation after it NaN). Not kept for a layer inside a compiled model (the hook does nothing
-    while ``torch.compile`` traces). A model without such layers gets no hook and pays nothing.
+    ``modules``: copied before the first of those layers writes them in a step (any forward of a
+    layer in training mode; :meth:`keep` by hand as well: ``AmpTrainState.step`` calls it before
+    its forward, so a compiled model's are copied too), put back when the step is skipped
+    (:meth:`end_step`). A skip leaves the parameters and the optimizer's state as they were;
+    without this, the forward of a NaN batch it skipped had left a BatchNorm's statistics NaN for
+    good (every evaluation after it NaN). A model without such layers installs nothing and pays
+    nothing.
 
     Example (a NaN batch through a BatchNorm, its step skipped: the statistics as they were)::
 
         >>> bn = nn.BatchNorm1d(2)
         >>> stats = RunningStats([bn])
-        >>> _ = bn(torch.ones(4, 2, requires_grad=True))  # step 1, applied
+        >>> _ = bn(torch.ones(4, 2))  # step 1, applied
         >>> stats.end_step(skipped=False)
         >>> before = bn.running_mean.clone()
-        >>> _ = bn(torch.full((4, 2), float("nan"), requires_grad=True))  # step 2: its statistics NaN
+        >>> _ = bn(torch.full((4, 2), float("nan")))  # step 2: its statistics NaN
         >>> stats.end_step(skipped=True)
         >>> torch.equal(bn.running_mean, before), int(bn.num_batches_tracked)
         (True, 1)
@@ -387,13 +401,18 @@ class RunningStats:
             if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats))
         self._saved: list[torch.Tensor] = []  # the copy
         self._kept: list[torch.Tensor] = []  # the buffers copied this step (empty: none yet)
+        if not self.layers:
+            return
         for layer in self.layers:
             _KEEPING.setdefault(layer, weakref.WeakSet()).add(self)
-            weakref.finalize(self, layer.register_forward_pre_hook(_keep_running_stats).remove)
+        if _GLOBAL_HOOK[0] is None:
+            _GLOBAL_HOOK[0] = torch.nn.modules.module.register_module_forward_pre_hook(_keep_running_stats)
+        _GLOBAL_HOOK[1] += 1
+        weakref.finalize(self, _keeper_gone)
 
     def keep(self) -> None:
-        """Copy the statistics, unless this step's copy is taken (the first training forward's)."""
-        if self._kept:
+        """Copy the statistics, unless this step's copy is taken."""
+        if self._kept or not self.layers:
             return
         buffers = [b for layer in self.layers for b in (layer.running_mean, layer.running_var,
                                                         layer.num_batches_tracked) if b is not None]
@@ -407,9 +426,9 @@ class RunningStats:
         self._kept = buffers
 
     def end_step(self, skipped: bool | torch.Tensor) -> None:
-        """The step ended: put the statistics back if it was skipped (``skipped`` on the device,
-        the sync-free step's flag: a select there, no host read), and take a new copy at the next
-        step's first training forward."""
+        """The step's decision: put the statistics back if it was skipped (``skipped`` on the
+        device, the sync-free step's flag: a select there, no host read), and take a new copy
+        at the next step's first training forward."""
         kept = self._kept
         if not kept:  # (no copy this step: no such layers, or none ran in training)
             return

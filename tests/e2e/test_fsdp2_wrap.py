@@ -111,6 +111,9 @@ def build(config):
         with torch.no_grad():
             value = sum(loss_fn(m(x), y).item() for x, y in held) / len(held)
         m.train()
+        if config.task.options.get("evals_to"):  # each rank's own value, before the mean over ranks
+            with open(os.path.join(config.task.options["evals_to"], "rank" + os.environ["RANK"]), "a") as f:
+                f.write(repr(value) + "\\n")
         return {"val_loss": value}
 
     return {"model": model, "data": data, "loss_fn": loss_fn, "evaluate": evaluate, "metrics": ["val_loss"]}
@@ -135,6 +138,8 @@ def early(work: Path) -> dict[str, Ended]:
     runs = {
         "BN": ["train", *bn, "--inject", "nan_input@3@rank1"],
         "RI": ["train", *bn, "--set", "steps=1", "--set", "optimizer.lr=0", "--set", "task.options.rank_init=true"],
+        "BD": ["train", *bn, "--set", "distributed.strategy=ddp", "--set", "steps=3", "--set", "checkpoint.enabled=false",
+               "--set", f"task.options.evals_to={work / 'BD_evals'}"],
         "CF": ["train", *CHARLM, "--set", "distributed.strategy=fsdp2"],
         "T": ["train", "--set", f"task.factory={work / 'tied.py'}:build", "--set", "precision=fp32",
               "--set", "device=cpu", "--set", "steps=4", "--set", "eval.enabled=false",
@@ -150,8 +155,9 @@ def early(work: Path) -> dict[str, Ended]:
     resumed = work / "BNR_runs" / "BN"  # (a copy of BN resumed from its step-3 checkpoint)
     train["BNR"] = Run(["train", "--resume", str(resumed / "checkpoints" / "step-00000003.pt")], cwd="BNR_cwd",
                        copy=(f"{work / 'runs'}/BN", str(resumed)))
+    (work / "BD_evals").mkdir()
     batch = Batch("batch", {"CF": train["CF"], "T": train["T"], "H": script, "BN": train["BN"], "BNR": train["BNR"],
-                            "RI": train["RI"], "E": train["E"]}, work, timeout_s=TIMEOUT_S, env=env)
+                            "RI": train["RI"], "BD": train["BD"], "E": train["E"]}, work, timeout_s=TIMEOUT_S, env=env)
     try:
         return batch.results()
     finally:
@@ -229,6 +235,14 @@ def test_fsdp2_starts_every_rank_from_rank_0s_weights(launches, work):
     assert saved["model"]["0.weight"].eq(0.0).all(), saved["model"]["0.weight"]  # (lr 0: the start's weights)
 
 
+def test_under_ddp_every_rank_evaluates_rank_0s_statistics(launches, work):
+    # review 35a: DDP broadcasts buffers at the next training forward; an evaluation (the wrapped
+    # model's) read each rank's own statistics: the logged mean was of two models, neither saved
+    launches["BD"].ok()
+    ranks = [(work / "BD_evals" / f"rank{r}").read_text().splitlines() for r in range(2)]
+    assert len(ranks[0]) == 4 and ranks[0] == ranks[1], ranks  # (the start-up's try of evaluate, then 3 steps)
+
+
 @pytest.fixture(scope="module")
 def wrap_results(launches, work) -> list[dict]:
     launches["H"].ok()
@@ -248,6 +262,13 @@ def test_what_fully_shard_refuses_is_one_input_error_line(wrap_results):
         assert "scalar parameters" in got["scalar"]
         assert "containers that do not implement forward" in got["container"]
         assert "\n" not in got["scalar"] + got["container"]
+
+
+def test_broadcast_from_rank_0_sets_every_ranks_tensors_bucket_by_bucket(wrap_results):
+    rank0, rank1 = (got["broadcast"] for got in wrap_results)
+    assert rank0 == rank1
+    assert rank0[:4] == [[1.0] * 3, [2.0] * 30, [3.0] * 4, [4.0] * 2]  # (rank 0's: + 0)
+    assert rank0[4] == torch.arange(40.0).reshape(5, 8).t().tolist()
 
 
 def test_has_non_finite_grad_agrees_over_the_ranks_under_fsdp2(wrap_results):
@@ -323,6 +344,18 @@ def _script(out: Path) -> None:
             got[key] = "accepted"
         except InputError as err:
             got[key] = str(err)
+    # rank 0's values everywhere, in buckets of 64 bytes: a small tensor's, a large one alone, bf16 and
+    # int64 apart, a tensor given twice, a non-contiguous one
+    bucket, agd.BROADCAST_BUCKET_BYTES = agd.BROADCAST_BUCKET_BYTES, 64
+    try:
+        base = torch.arange(40.0).reshape(5, 8)
+        parts = [torch.full((3,), 1.0), torch.full((30,), 2.0), torch.full((4,), 3, dtype=torch.int64),
+                 torch.full((2,), 4.0, dtype=torch.bfloat16), (base * (1 + rank)).t()]
+        parts = [p + rank if p.dtype != torch.int64 else p + rank for p in parts[:4]] + [parts[4]]
+        agd.broadcast_from_rank_0([*parts, parts[0]])
+        got["broadcast"] = [p.float().tolist() for p in parts]
+    finally:
+        agd.BROADCAST_BUCKET_BYTES = bucket
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(got))
     if joined:

@@ -164,3 +164,65 @@ def test_a_model_with_the_hook_still_pickles_and_its_copy_trains():
     again = pickle.loads(pickle.dumps(model))  # (torch.save(model) pickles its hooks: a module-level function)
     assert torch.equal(again[1].running_mean, model[1].running_mean)
     again(_batches()[0])  # (a forward through the copied hook, with no guard of its own: nothing)
+
+
+def test_a_no_grad_forward_in_training_mode_that_comes_first_is_put_back_too():
+    # review 35a: targets computed by the same network in train mode under no_grad (mean-teacher,
+    # pseudo-labels) wrote the NaN batch's statistics before the first forward that records
+    # gradients took the copy: they stayed NaN
+    model = _model()
+    guard = _guard(model)
+    _train(model, guard, _batches(n=1))
+    before = _state(model)
+    bad = _batches({0}, n=1)[0]
+    with torch.no_grad():
+        target = model(bad)
+    with guard.autocast():
+        loss = (model(bad) - target).pow(2).mean()
+    guard.backward(loss)
+    assert guard.step().skipped
+    assert all(torch.equal(_state(model)[k], before[k]) for k in before)
+
+
+def test_a_skip_hook_that_raises_leaves_the_statistics_put_back():
+    # review 35a: "step 2 was skipped, nothing was applied", and the statistics stayed NaN: the
+    # dropped group forgot the copy instead of putting it back
+    model = _model()
+    guard = _guard(model)
+    _train(model, guard, _batches(n=1))
+    before = _state(model)
+
+    def broken(grads):
+        raise RuntimeError("a diagnostic's bug")
+
+    guard.skip_hooks.append(broken)
+    with pytest.raises(RuntimeError, match="a diagnostic's bug"):
+        _train(model, guard, _batches({0}, n=1))
+    assert all(torch.equal(_state(model)[k], before[k]) for k in before)
+
+
+def test_a_compiled_model_in_amptrainstate_is_put_back_and_the_layers_carry_no_hook_of_ampguards():
+    # review 35a: the copy is taken by AmpTrainState.step itself (a compiled model's forward runs no
+    # hook of ours while dynamo traces), and by a process-wide hook otherwise: a model pickled whole
+    # named ampguard.watch (it could not load without ampguard) and stacked a hook per Guard()
+    import pickle
+
+    from ampguard import AmpTrainState
+
+    model = _model()
+    model.compile(backend="eager")
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out, y: out.pow(2).mean(),
+                          precision="fp32")
+    good, bad = _batches({1}, n=2)
+    assert not state.step(good, None).skipped
+    before = _state(model)
+    assert state.step(bad, None).skipped
+    assert all(torch.equal(_state(model)[k], before[k]) for k in before)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    assert b"ampguard" not in pickle.dumps(_model_with_a_guard())
+
+
+def _model_with_a_guard() -> nn.Module:
+    model = _model()
+    _model_with_a_guard.guard = _guard(model)  # (kept alive: its keeper watches the layers)
+    return model
