@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -347,40 +348,52 @@ def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
 
 _KEEPING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
 """Each normalization layer's :class:`RunningStats` keepers (a layer forgets them with its guard)."""
-_GLOBAL_HOOK: list[Any] = [None, 0]
-"""The process-wide forward pre-hook's handle and how many keepers are alive (it goes with the last)."""
+_HOOKED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+"""Each layer's hook handle and how many keepers watch it (the hook goes with the last)."""
+_HOOKS_LOCK = threading.RLock()  # (a finalizer may run in any thread, and inside the lock: re-entrant)
 
 
 def _keep_running_stats(module: nn.Module, args: Any) -> None:
-    """A process-wide forward pre-hook, installed while a :class:`RunningStats` keeper lives:
-    before a layer whose running statistics a keeper watches runs in training mode (it then
-    writes them, under ``torch.no_grad()`` too), each such keeper copies the statistics, once a
-    step. Process-wide rather than on the user's layers: a model pickled whole (``torch.save(model)``)
-    carries no hook of ampguard's, and loads without it. Every other module pays a dictionary
-    lookup; nothing while ``torch.compile`` traces."""
-    keepers = _KEEPING.get(module)
-    if not keepers or not module.training or torch.compiler.is_compiling():
+    """A forward pre-hook on each layer that tracks running statistics: before the layer runs in
+    training mode (it then writes them, under ``torch.no_grad()`` too), each keeper watching it
+    copies the statistics, once a step. A module-level function (a model with it pickles, and
+    loads where ampguard is installed). Nothing while ``torch.compile`` traces it, checked before
+    the registry is read (a graph guarded on the registry would compile again with every guard
+    made or collected)."""
+    if not module.training or torch.compiler.is_compiling():
         return
-    for keeper in keepers:
+    for keeper in _KEEPING.get(module, ()):
         keeper.keep()
 
 
-def _keeper_gone() -> None:
-    _GLOBAL_HOOK[1] -= 1
-    if not _GLOBAL_HOOK[1] and _GLOBAL_HOOK[0] is not None:
-        _GLOBAL_HOOK[0].remove()
-        _GLOBAL_HOOK[0] = None
+def _ours(layer: nn.Module) -> bool:
+    """Whether ``layer`` already has the hook (a copy's or an unpickled model's: not stacked again)."""
+    return any(hook is _keep_running_stats for hook in layer._forward_pre_hooks.values())
+
+
+def _release(layers: list[weakref.ReferenceType[nn.Module]]) -> None:
+    """A keeper was collected: a layer no keeper watches any more loses the hook it was given."""
+    with _HOOKS_LOCK:
+        for ref in layers:
+            layer = ref()
+            entry = _HOOKED.get(layer) if layer is not None else None
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if not entry[1]:
+                entry[0].remove()
+                del _HOOKED[layer]
 
 
 class RunningStats:
     """The running statistics a forward writes (BatchNorm's, an InstanceNorm's that tracks them) in
     ``modules``: copied before the first of those layers writes them in a step (any forward of a
-    layer in training mode; :meth:`keep` by hand as well: ``AmpTrainState.step`` calls it before
-    its forward, so a compiled model's are copied too), put back when the step is skipped
-    (:meth:`end_step`). A skip leaves the parameters and the optimizer's state as they were;
-    without this, the forward of a NaN batch it skipped had left a BatchNorm's statistics NaN for
-    good (every evaluation after it NaN). A model without such layers installs nothing and pays
-    nothing.
+    layer in training mode, by a pre-hook on those layers; :meth:`keep` by hand as well:
+    ``AmpTrainState.step`` calls it before its forward, so a compiled model's are copied too), put
+    back when the step is skipped (:meth:`end_step`). A skip leaves the parameters and the
+    optimizer's state as they were; without this, the forward of a NaN batch it skipped had left a
+    BatchNorm's statistics NaN for good (every evaluation after it NaN). A model without such
+    layers gets no hook and pays nothing; other modules never run one.
 
     Example (a NaN batch through a BatchNorm, its step skipped: the statistics as they were)::
 
@@ -403,12 +416,14 @@ class RunningStats:
         self._kept: list[torch.Tensor] = []  # the buffers copied this step (empty: none yet)
         if not self.layers:
             return
-        for layer in self.layers:
-            _KEEPING.setdefault(layer, weakref.WeakSet()).add(self)
-        if _GLOBAL_HOOK[0] is None:
-            _GLOBAL_HOOK[0] = torch.nn.modules.module.register_module_forward_pre_hook(_keep_running_stats)
-        _GLOBAL_HOOK[1] += 1
-        weakref.finalize(self, _keeper_gone)
+        with _HOOKS_LOCK:
+            for layer in self.layers:
+                _KEEPING.setdefault(layer, weakref.WeakSet()).add(self)
+                if layer in _HOOKED:
+                    _HOOKED[layer][1] += 1
+                elif not _ours(layer):
+                    _HOOKED[layer] = [layer.register_forward_pre_hook(_keep_running_stats), 1]
+        weakref.finalize(self, _release, [weakref.ref(layer) for layer in self.layers])
 
     def keep(self) -> None:
         """Copy the statistics, unless this step's copy is taken."""
