@@ -234,3 +234,27 @@ def test_one_hook_a_layer_whatever_the_guards_and_none_once_they_are_gone():
     del second
     gc.collect()
     assert not model[1]._forward_pre_hooks
+
+
+def test_keepers_made_and_dropped_from_several_threads_leave_no_hook():
+    # review 35b: the process-wide hook's unlocked install leaked hooks that nothing could remove
+    import gc
+    import threading
+
+    from ampguard.watch import RunningStats
+
+    bn = nn.BatchNorm1d(2)
+
+    def churn():
+        for _ in range(200):
+            RunningStats([bn])
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.collect()
+    assert not bn._forward_pre_hooks
+    kept = RunningStats([bn])
+    assert len(bn._forward_pre_hooks) == 1 and kept.layers == [bn]
