@@ -801,3 +801,36 @@ def someones_png(path: Path) -> bytes:
     fig.savefig(path, format="png")
     plt.close(fig)
     return path.read_bytes()
+
+
+# a task.factory of a BatchNorm model (test_fsdp2_wrap, test_running_stats): options rank_init (an
+# init that differs by rank) and evals_to (a folder where each rank appends its own held-out loss)
+BN_FACTORY = '''
+import os
+
+import torch
+from torch import nn
+
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(8)]
+    held = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(2)]
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    if config.task.options.get("rank_init"):  # an init seeded by rank (a node's own weights file, say)
+        with torch.no_grad():
+            model[0].weight.fill_(float(os.environ["RANK"]))
+    loss_fn = nn.MSELoss()
+
+    def evaluate(m, device):
+        m.eval()
+        with torch.no_grad():
+            value = sum(loss_fn(m(x), y).item() for x, y in held) / len(held)
+        m.train()
+        if config.task.options.get("evals_to"):  # each rank's own value, before the mean over ranks
+            with open(os.path.join(config.task.options["evals_to"], "rank" + os.environ["RANK"]), "a") as f:
+                f.write(repr(value) + "\\n")
+        return {"val_loss": value}
+
+    return {"model": model, "data": data, "loss_fn": loss_fn, "evaluate": evaluate, "metrics": ["val_loss"]}
+'''

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended, end_launches, rank_codes
+from helpers import BN_FACTORY, EARLY_TIMEOUT_S, TORCHRUN, Ended, end_launches, rank_codes
 
 from ampguard.cli import main
 
@@ -89,35 +89,6 @@ def build(config):
     return Scaled(), [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g))], nn.functional.mse_loss
 '''
 
-BN_FACTORY = '''
-import os
-
-import torch
-from torch import nn
-
-
-def build(config):
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(8)]
-    held = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(2)]
-    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
-    if config.task.options.get("rank_init"):  # an init seeded by rank (a node's own weights file, say)
-        with torch.no_grad():
-            model[0].weight.fill_(float(os.environ["RANK"]))
-    loss_fn = nn.MSELoss()
-
-    def evaluate(m, device):
-        m.eval()
-        with torch.no_grad():
-            value = sum(loss_fn(m(x), y).item() for x, y in held) / len(held)
-        m.train()
-        if config.task.options.get("evals_to"):  # each rank's own value, before the mean over ranks
-            with open(os.path.join(config.task.options["evals_to"], "rank" + os.environ["RANK"]), "a") as f:
-                f.write(repr(value) + "\\n")
-        return {"val_loss": value}
-
-    return {"model": model, "data": data, "loss_fn": loss_fn, "evaluate": evaluate, "metrics": ["val_loss"]}
-'''
 BN_RUN = ["--set", "precision=fp32", "--set", "device=cpu", "--set", "steps=6", "--set", "task.batch_size=8",
           "--set", "eval.every=1", "--set", "checkpoint.every=3", "--set", "distributed.strategy=fsdp2"]
 

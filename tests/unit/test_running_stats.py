@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import BN_FACTORY
+
 from ampguard import Guard
 from ampguard.cli import main
 
@@ -50,6 +52,11 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    now = _state(model)
+    assert now.keys() == before.keys() and all(torch.equal(now[k], before[k]) for k in before)
+
+
 @pytest.mark.parametrize("sync_free", [False, True], ids=["exact", "sync-free"])
 def test_a_skipped_nan_batch_leaves_the_statistics_as_a_run_that_never_read_it(sync_free):
     # the model and its statistics after batches 0, 1 (NaN: skipped), 2, 3 are bit for bit those
@@ -73,7 +80,7 @@ def test_a_skipped_group_puts_back_what_each_of_its_micro_batches_wrote():
     before = _state(model)
     records = _train(model, guard, _batches({1}, n=2))  # step 2: a clean micro-batch, then a NaN one
     assert [r.skipped for r in records] == [True]
-    assert all(torch.equal(_state(model)[k], before[k]) for k in before)
+    _unchanged(model, before)
 
 
 def test_the_copy_is_taken_at_the_steps_first_training_forward_after_a_load_not_at_an_evaluation():
@@ -90,7 +97,7 @@ def test_the_copy_is_taken_at_the_steps_first_training_forward_after_a_load_not_
     model.train()
     model.load_state_dict(saved)  # back to step 2's statistics, as a rollback would
     _train(model, guard, _batches({0}, n=1))  # skipped
-    assert all(torch.equal(_state(model)[k], saved[k]) for k in saved)
+    _unchanged(model, saved)
 
 
 def test_an_applied_step_keeps_what_its_forward_wrote():
@@ -107,7 +114,7 @@ def test_a_copy_of_the_guard_keeps_its_own_models_statistics():
     twin = copy.deepcopy(guard)  # (its model is a copy too)
     before = _state(twin.model)
     _train(twin.model, twin, _batches({0}, n=1))
-    assert all(torch.equal(_state(twin.model)[k], before[k]) for k in before)
+    _unchanged(twin.model, before)
     assert int(model[1].num_batches_tracked) == 1  # (the original untouched)
 
 
@@ -115,29 +122,6 @@ def test_a_model_without_running_statistics_gets_no_hook():
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.BatchNorm1d(4, track_running_stats=False))
     _guard(model)
     assert not any(m._forward_pre_hooks for m in model.modules())
-
-
-BN_FACTORY = '''
-import torch
-from torch import nn
-
-
-def build(config):
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(6)]
-    held = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g))]
-    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
-    loss_fn = nn.MSELoss()
-
-    def evaluate(m, device):
-        m.eval()
-        with torch.no_grad():
-            value = sum(loss_fn(m(x), y).item() for x, y in held) / len(held)
-        m.train()
-        return {"val_loss": value}
-
-    return {"model": model, "data": data, "loss_fn": loss_fn, "evaluate": evaluate, "metrics": ["val_loss"]}
-'''
 
 
 def test_train_evaluates_a_finite_model_after_a_skipped_nan_batch(tmp_path, monkeypatch, capsys):
@@ -181,7 +165,7 @@ def test_a_no_grad_forward_in_training_mode_that_comes_first_is_put_back_too():
         loss = (model(bad) - target).pow(2).mean()
     guard.backward(loss)
     assert guard.step().skipped
-    assert all(torch.equal(_state(model)[k], before[k]) for k in before)
+    _unchanged(model, before)
 
 
 def test_a_skip_hook_that_raises_leaves_the_statistics_put_back():
@@ -198,7 +182,7 @@ def test_a_skip_hook_that_raises_leaves_the_statistics_put_back():
     guard.skip_hooks.append(broken)
     with pytest.raises(RuntimeError, match="a diagnostic's bug"):
         _train(model, guard, _batches({0}, n=1))
-    assert all(torch.equal(_state(model)[k], before[k]) for k in before)
+    _unchanged(model, before)
 
 
 def test_a_compiled_model_in_amptrainstate_is_put_back():
@@ -214,7 +198,7 @@ def test_a_compiled_model_in_amptrainstate_is_put_back():
     assert not state.step(good, None).skipped
     before = _state(model)
     assert state.step(bad, None).skipped
-    assert all(torch.equal(_state(model)[k], before[k]) for k in before)
+    _unchanged(model, before)
 
 
 def test_one_hook_a_layer_whatever_the_guards_and_none_once_they_are_gone():
