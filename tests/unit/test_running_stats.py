@@ -52,6 +52,14 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _after_a_step() -> tuple[nn.Module, Guard, dict[str, torch.Tensor]]:
+    """A BatchNorm model, its guard, one applied step, and the state it left."""
+    model = _model()
+    guard = _guard(model)
+    _train(model, guard, _batches(n=1))
+    return model, guard, _state(model)
+
+
 def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
     now = _state(model)
     assert now.keys() == before.keys() and all(torch.equal(now[k], before[k]) for k in before)
@@ -154,10 +162,7 @@ def test_a_no_grad_forward_in_training_mode_that_comes_first_is_put_back_too():
     # review 35a: targets computed by the same network in train mode under no_grad (mean-teacher,
     # pseudo-labels) wrote the NaN batch's statistics before the first forward that records
     # gradients took the copy: they stayed NaN
-    model = _model()
-    guard = _guard(model)
-    _train(model, guard, _batches(n=1))
-    before = _state(model)
+    model, guard, before = _after_a_step()
     bad = _batches({0}, n=1)[0]
     with torch.no_grad():
         target = model(bad)
@@ -171,10 +176,7 @@ def test_a_no_grad_forward_in_training_mode_that_comes_first_is_put_back_too():
 def test_a_skip_hook_that_raises_leaves_the_statistics_put_back():
     # review 35a: "step 2 was skipped, nothing was applied", and the statistics stayed NaN: the
     # dropped group forgot the copy instead of putting it back
-    model = _model()
-    guard = _guard(model)
-    _train(model, guard, _batches(n=1))
-    before = _state(model)
+    model, guard, before = _after_a_step()
 
     def broken(grads):
         raise RuntimeError("a diagnostic's bug")
