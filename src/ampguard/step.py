@@ -778,6 +778,8 @@ class Guard:
             raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)"
                                + (f" (inside a group of accumulation_steps={self.accumulation_steps} it returns None:"
                                   " no counter of your own)" if self.accumulation_steps > 1 else ""))
+        if self._running_stats.layers and torch.is_grad_enabled() and self._root.training:
+            self._running_stats.keep()  # (a training forward follows: a compiled model's hooks copy nothing)
         context = self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
         if self.autocast_dtypes is None and self.precision.autocasts:  # (the first forward only)
             return self._noting_dtypes(context)
@@ -1651,8 +1653,7 @@ class AmpTrainState(Guard):
             ...  for last in (False, False, True)]
             ['NoneType', 'StepLog', 'StepLog']
         """
-        self._running_stats.keep()  # (before the forward writes them; a compiled model's hooks copy nothing)
-        with self.autocast():
+        with self.autocast():  # (which copies the running statistics before the forward writes them)
             loss = self.loss_fn(self.model(inputs), targets)
         self.backward(loss)
         return super().step(close=close)

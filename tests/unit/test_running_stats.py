@@ -203,6 +203,18 @@ def test_a_compiled_model_in_amptrainstate_is_put_back():
     _unchanged(model, before)
 
 
+def test_a_compiled_model_in_your_own_guard_loop_is_put_back():
+    # review 35b: the forward inside `with guard.autocast():` is where the copy can be taken for a
+    # compiled model, whose layers' hooks run nothing while dynamo traces
+    model = _model()
+    model.compile(backend="eager")
+    guard = _guard(model)
+    _train(model, guard, _batches(n=1))
+    before = _state(model)
+    assert [r.skipped for r in _train(model, guard, _batches({0}, n=1))] == [True]
+    _unchanged(model, before)
+
+
 def test_one_hook_a_layer_whatever_the_guards_and_none_once_they_are_gone():
     # review 35a: each Guard() on a model stacked another hook on every BatchNorm; review 35b: a
     # process-wide hook instead slowed every module of the process by half while a guard lived
