@@ -778,12 +778,19 @@ class Guard:
             raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)"
                                + (f" (inside a group of accumulation_steps={self.accumulation_steps} it returns None:"
                                   " no counter of your own)" if self.accumulation_steps > 1 else ""))
-        if self._running_stats.layers and torch.is_grad_enabled() and self._root.training:
-            self._running_stats.keep()  # (a training forward follows: a compiled model's hooks copy nothing)
+        self.keep_running_stats()  # (a compiled model's layers' hooks copy nothing)
         context = self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
         if self.autocast_dtypes is None and self.precision.autocasts:  # (the first forward only)
             return self._noting_dtypes(context)
         return context
+
+    def keep_running_stats(self) -> None:
+        """Copy the model's running statistics (BatchNorm's) now, if a training forward may follow
+        and this step has no copy yet, for the step to put back if it is skipped
+        (:class:`~ampguard.watch.RunningStats`). :meth:`autocast` calls it; a forward of a compiled
+        model outside it (a framework's own autocast) calls it first, since the layers' hooks run
+        nothing while ``torch.compile`` traces them."""
+        self._running_stats.keep_before_training()
 
     @contextlib.contextmanager
     def _autocast_no_sync(self) -> Iterator[None]:

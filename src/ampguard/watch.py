@@ -425,6 +425,14 @@ class RunningStats:
                     _HOOKED[layer] = [layer.register_forward_pre_hook(_keep_running_stats), 1]
         weakref.finalize(self, _release, [weakref.ref(layer) for layer in self.layers])
 
+    def keep_before_training(self) -> None:
+        """:meth:`keep`, when a forward that writes the statistics may follow: gradients on and one
+        of the layers in training mode (a frozen BatchNorm in eval mode writes nothing; the root's
+        own mode says nothing: a guard of several models has a root of its own, always training).
+        ``Guard.autocast()`` calls it, where a compiled model's hooks would run nothing."""
+        if self.layers and not self._kept and torch.is_grad_enabled() and any(m.training for m in self.layers):
+            self.keep()
+
     def keep(self) -> None:
         """Copy the statistics, unless this step's copy is taken."""
         if self._kept or not self.layers:

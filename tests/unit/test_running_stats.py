@@ -256,3 +256,34 @@ def test_keepers_made_and_dropped_from_several_threads_leave_no_hook():
     assert not bn._forward_pre_hooks
     kept = RunningStats([bn])
     assert len(bn._forward_pre_hooks) == 1 and kept.layers == [bn]
+
+
+def test_the_copy_follows_the_layers_mode_not_the_roots():
+    # review 35c: guard.autocast() copied whenever the root trained: a guard of several models has a
+    # root of its own, always training (an eval forward of both took a copy that a later skip put
+    # back over the user's own load), and a frozen BatchNorm under a training root was copied
+    # (and put back over a load) though nothing wrote it; a compiled model whose root is in eval
+    # mode but whose BatchNorm trains was not copied at all
+    gen, disc = _model(), _model()
+    guard = Guard([gen, disc], torch.optim.SGD([*gen.parameters(), *disc.parameters()], lr=0.1),
+                  precision="fp32")
+    _train(gen, guard, _batches(n=1))
+    saved = _state(gen)
+    _train(gen, guard, _batches(n=1))
+    gen.eval(), disc.eval()
+    with guard.autocast():
+        gen(_batches()[0])
+    gen.train(), disc.train()
+    gen.load_state_dict(saved)
+    _train(gen, guard, _batches({0}, n=1))  # skipped: the loaded statistics stay
+    _unchanged(gen, saved)
+
+    model = _model()
+    model.compile(backend="eager")
+    guard = _guard(model)
+    model.eval()
+    model[1].train()  # (the BatchNorm alone trains)
+    _train(model, guard, _batches(n=1))
+    before = _state(model)
+    assert [r.skipped for r in _train(model, guard, _batches({0}, n=1))] == [True]
+    _unchanged(model, before)

@@ -563,6 +563,8 @@ class AmpGuardPlugin(_LightningPrecision):
         leaf module of the LightningModule notes its output's dtype in :attr:`autocast_dtypes`
         (``ampguard.watch.first_forward_dtypes``: hooks for that step only), as ``ampguard train``'s
         run card and ``GuardedTrainer`` do; the tracker sinks' summary gets it at the fit's end."""
+        if self.guard is not None:  # (a compiled module's layers' hooks copy nothing: copied here)
+            self.guard.keep_running_stats()
         with _LightningPrecision.train_step_context(self), self._noting_dtypes():
             yield
 
