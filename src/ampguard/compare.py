@@ -139,8 +139,7 @@ def load_run(path: str | Path) -> RunSummary:
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
                      rollbacks=rollbacks, metrics=_metrics(folder / "steps.csv", extra),
                      finished=ended.startswith("finished: "))
-    notes = reading_notes(folder / "steps.csv", rows, torn, folder, config.steps, extra,
-                          threshold_by_step([r.step for r in rows], "max_norm", config.max_norm, policy))
+    notes = reading_notes(folder / "steps.csv", rows, torn, folder, extra, config, policy)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy, rollbacks)
 
 

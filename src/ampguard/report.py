@@ -50,15 +50,16 @@ def panel_title(ax: Any, text: str) -> None:
 
 
 def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None,
-                  steps: int | None = None, extra: Sequence[Mapping[str, str]] = (),
-                  max_norms: Sequence[float | None] | None = None) -> list[str]:
+                  extra: Sequence[Mapping[str, str]] = (), config: Config | None = None,
+                  policy: Sequence[dict[str, Any]] = ()) -> list[str]:
     """What reading ``csv_path`` left out or found missing, a note each: its last line ``torn`` (a
     write cut short), the steps with no row before its last (a line deleted by hand, a CSV a
-    loop began at a later step): the figures count the rows there are; rows past the run's
-    ``steps`` (its config's: rows the run did not write, added by hand); values a run can hold
-    but no guard writes (:func:`value_notes`, with the rows' ``extra`` cells and the ``max_norms``
-    they ran under); and, for the ``run_dir`` it belongs to, a missing ``events.jsonl`` (the
-    replay then knows of no policy change and no rollback).
+    loop began at a later step): the figures count the rows there are; with the run's ``config``,
+    rows past its ``steps`` (rows the run did not write, added by hand); values a run can hold
+    but no guard writes (:func:`value_notes`, with the rows' ``extra`` cells and, with ``config``,
+    the ``max_norm`` each step ran under, as ``policy`` changed it); and, for the ``run_dir`` it
+    belongs to, a missing ``events.jsonl`` (the replay then knows of no policy change and no
+    rollback).
 
     Example::
 
@@ -80,6 +81,8 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
         said = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:5]) + (", ..." if len(gaps) > 5 else "")
         notes.append(f"{csv_path} has no row for {missing} of its steps ({said}): its figures count the "
                      f"{counted(len(rows), 'row')} it has")
+    steps, max_norms = (None, None) if config is None else (
+        config.steps, threshold_by_step([r.step for r in rows], "max_norm", config.max_norm, policy))
     past = [row.step for row in rows if steps is not None and row.step > steps]
     if past:  # (its final loss read from a row the run never wrote, unsaid)
         notes.append(f"{csv_path} has {counted(len(past), 'row')} past the run's {steps} steps (steps {past[0]}"
@@ -1319,9 +1322,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
                  events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on)
     run_dir = csv_path.parent if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
-    for note in reading_notes(csv_path, rows, torn, run_dir, config.steps if run_dir else None, extra,
-                              threshold_by_step([r.step for r in rows], "max_norm", config.max_norm, policy)
-                              if run_dir else None):
+    for note in reading_notes(csv_path, rows, torn, run_dir, extra, config if run_dir else None, policy):
         print(f"note: {note}")
     # the alerts judged under thresholds given here are not the run's: said so
     rejudged = [f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value}"
