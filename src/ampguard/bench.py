@@ -1657,7 +1657,6 @@ def versions() -> dict[str, str | None]:
             "lightning": installed("lightning"), "torchao": installed("torchao")}
 
 
-
 def json_number(v: Any) -> Any:
     """``v`` as JSON takes it: not-a-number (a ratio with no bare loop, an interval below 6
     values) is ``null``.

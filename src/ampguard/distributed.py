@@ -170,22 +170,26 @@ def broadcast_from_rank_0(tensors: Sequence[torch.Tensor]) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in dict.fromkeys(tensors):  # (in order, each once)
         by_dtype.setdefault(t.dtype, []).append(t)
+    buckets: list[list[torch.Tensor]] = []
+    for group in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in group:
+            if bucket and size + t.nbytes > BROADCAST_BUCKET_BYTES:
+                buckets.append(bucket)
+                bucket, size = [], 0
+            bucket.append(t)
+            size += t.nbytes
+        buckets.append(bucket)
     with torch.no_grad():
-        for group in by_dtype.values():
-            bucket: list[torch.Tensor] = []
-            for t in [*group, None]:
-                full = bucket and (t is None or sum(b.nbytes for b in bucket) + t.nbytes > BROADCAST_BUCKET_BYTES)
-                if full:
-                    if len(bucket) == 1 and bucket[0].is_contiguous():  # (no copy of a large tensor)
-                        dist.broadcast(bucket[0].detach(), src=0)
-                    else:
-                        flat = torch.cat([b.detach().reshape(-1) for b in bucket])
-                        dist.broadcast(flat, src=0)
-                        for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
-                            b.copy_(part.view_as(b))
-                    bucket = []
-                if t is not None:
-                    bucket.append(t)
+        for bucket in buckets:
+            if len(bucket) == 1 and bucket[0].is_contiguous():  # (no copy of a large tensor)
+                dist.broadcast(bucket[0].detach(), src=0)
+                continue
+            flat = torch.cat([b.detach().reshape(-1) for b in bucket])
+            dist.broadcast(flat, src=0)
+            for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
+                b.copy_(part.view_as(b))
 
 
 def buffer_sharing(model: nn.Module) -> Callable[[], None] | None:

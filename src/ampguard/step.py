@@ -778,7 +778,8 @@ class Guard:
             raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)"
                                + (f" (inside a group of accumulation_steps={self.accumulation_steps} it returns None:"
                                   " no counter of your own)" if self.accumulation_steps > 1 else ""))
-        self.keep_running_stats()  # (a compiled model's layers' hooks copy nothing)
+        if self._running_stats.layers:  # (a model with BatchNorm: a compiled one's layers' hooks copy nothing)
+            self.keep_running_stats()
         context = self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
         if self.autocast_dtypes is None and self.precision.autocasts:  # (the first forward only)
             return self._noting_dtypes(context)

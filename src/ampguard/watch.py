@@ -388,9 +388,9 @@ def _release(layers: list[weakref.ReferenceType[nn.Module]]) -> None:
 class RunningStats:
     """The running statistics a forward writes (BatchNorm's, an InstanceNorm's that tracks them) in
     ``modules``: copied before the first of those layers writes them in a step (any forward of a
-    layer in training mode, by a pre-hook on those layers; :meth:`keep` by hand as well:
-    ``AmpTrainState.step`` calls it before its forward, so a compiled model's are copied too), put
-    back when the step is skipped (:meth:`end_step`). A skip leaves the parameters and the
+    layer in training mode, by a pre-hook on those layers; and by :meth:`keep_before_training`,
+    which ``Guard.autocast()`` calls, so a compiled model's are copied too), put back when the
+    step is skipped (:meth:`end_step`). A skip leaves the parameters and the
     optimizer's state as they were; without this, the forward of a NaN batch it skipped had left a
     BatchNorm's statistics NaN for good (every evaluation after it NaN). A model without such
     layers gets no hook and pays nothing; other modules never run one.

@@ -191,9 +191,7 @@ class AmpGuardCallback(TrainerCallback):
             raise TypeError("AmpGuardCallback(sinks=...) takes a list of ampguard sinks (CsvSink, MLflowSink, "
                             f"WandbSink, ...) or a function of the Trainer's state returning one; got {sinks!r} (HF's "
                             "report_to names trackers: give the sink itself, e.g. sinks=[MLflowSink()])")
-        self.sinks = sinks if callable(sinks) else list(sinks)
-        if not callable(sinks):
-            _check_sinks(self.sinks)
+        self.sinks = sinks if callable(sinks) else _checked_sinks(list(sinks))
         self._closed: list[Sink] = []  # the sinks a train()'s end closed: a later train() refuses them
         self.monitor: RunMonitor | None = None
         self.failed = None  # the monitor's failure Event, once a guard stopped the run
@@ -765,13 +763,14 @@ def _non_finite(params: Sequence[torch.Tensor]) -> bool:
     return bool(flags) and not bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
-def _check_sinks(sinks: Sequence[Any]) -> None:
-    """Each of ``sinks`` an ampguard sink (a ``write``): ``None`` or a tracker's name failed after the
+def _checked_sinks(sinks: list[Any]) -> list[Any]:
+    """``sinks``, each an ampguard sink (a ``write``): ``None`` or a tracker's name failed after the
     first step's update, with an ``AttributeError``."""
     for sink in sinks:
         if not callable(getattr(sink, "write", None)):
             raise TypeError(f"AmpGuardCallback(sinks=...): {sink!r} is no ampguard sink (CsvSink, JsonlSink, "
                             "MLflowSink, WandbSink, TensorBoardSink: an object with write(record))")
+    return sinks
 
 
 def _one_per_trainer(holder: Any, callback: AmpGuardCallback, withdraw: bool = False) -> None:
