@@ -285,10 +285,11 @@ def agree(loss: torch.Tensor, norms: Sequence[torch.Tensor]) -> tuple[list[torch
     non-finite on any rank non-finite on every rank (NaN where the rank's own was finite), so
     every rank reads the same skip decision off them. A norm finite everywhere is unchanged.
 
-    And ``origin``, ``[ranks, rank sum]`` (float32): how many ranks found the first of ``norms``
-    (the step's loss mark) non-finite on their own, and the sum of their ranks: which rank's loss
-    it was, when one rank's was (:func:`~ampguard.records.loss_origin`). Two elements more in the
-    same all-reduce; the gradients' norms cannot tell (DDP reduced them in the backward).
+    And ``origin``, ``[ranks, rank code]`` (float32): how many ranks found the first of ``norms``
+    (the step's loss mark) non-finite on their own, and which (:func:`rank_code` summed: in a
+    world of up to ``NAMED_RANKS`` each of them, beyond it the one when one rank's was;
+    :func:`~ampguard.records.loss_origin` reads it). Two elements more in the same all-reduce;
+    the gradients' norms cannot tell (DDP reduced them in the backward).
 
     No host sync. Without a process group (a world of one) the values come back as they are,
     and ``origin`` is None.
@@ -304,7 +305,7 @@ def agree(loss: torch.Tensor, norms: Sequence[torch.Tensor]) -> tuple[list[torch
     # x - x is 0 for a finite x, NaN otherwise (in x's own dtype, then as float32): summed over
     # ranks, NaN if any rank's was not finite
     marks = torch.stack([(n.detach() - n.detach()).reshape(()).to(torch.float32) for n in norms])
-    mine = torch.where(marks[0] == 0, 0.0, _this_rank(marks.device, dist.get_rank()))  # [1, rank] where this rank's was not
+    mine = torch.where(marks[0] == 0, 0.0, _this_rank(marks.device, dist.get_rank(), dist.get_world_size()))
     packed = torch.cat([loss.detach().reshape(1).to(torch.float32), marks, mine])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
     keep = (packed[1:-2] == 0) | (marks != 0)  # finite everywhere, or not finite here already
@@ -312,10 +313,28 @@ def agree(loss: torch.Tensor, norms: Sequence[torch.Tensor]) -> tuple[list[torch
     return agreed, packed[-2:]
 
 
+NAMED_RANKS = 24
+"""The largest world whose ranks :func:`agree`'s origin names each: a bit a rank, summed in
+float32 (24 bits of mantissa: every sum exact)."""
+
+
+def rank_code(rank: int, world: int) -> float:
+    """One rank's share of the origin's code: its bit ``2 ** rank`` in a world of up to
+    :data:`NAMED_RANKS` (the sum over ranks names each), else its number (the sum names the rank
+    when only one's loss was not finite).
+
+    Example::
+
+        >>> rank_code(3, 8), rank_code(3, 64)
+        (8.0, 3.0)
+    """
+    return float(2 ** rank if world <= NAMED_RANKS else rank)
+
+
 @functools.cache
-def _this_rank(device: torch.device, rank: int) -> torch.Tensor:
-    """``[1, rank]`` (float32) on ``device``: one rank's share of :func:`agree`'s origin."""
-    return torch.tensor([1.0, float(rank)], device=device)
+def _this_rank(device: torch.device, rank: int, world: int) -> torch.Tensor:
+    """``[1, rank_code]`` (float32) on ``device``: one rank's share of :func:`agree`'s origin."""
+    return torch.tensor([1.0, rank_code(rank, world)], device=device)
 
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from .clipping import post_clip_value
+from .distributed import NAMED_RANKS
 
 SkipReason = Literal["non_finite_loss", "non_finite_grad"]
 SKIP_REASONS: tuple[str, ...] = ("non_finite_loss", "non_finite_grad")
@@ -283,7 +284,7 @@ class SkipLog(StepRecord):
     reason: SkipReason = "non_finite_grad"  # type: ignore[assignment]
     loss_on: str | None = field(default=None, repr=False)
     """Under torchrun, for a ``non_finite_loss`` skip: whose own loss was not finite, ``"rank 1"``,
-    ``"2 of 4 ranks"`` or ``"every rank"`` (:func:`loss_origin`); None otherwise."""
+    ``"ranks 1 and 3"`` or ``"every rank"`` (:func:`loss_origin`); None otherwise."""
     skipped: ClassVar[bool] = True
 
     def __post_init__(self) -> None:  # (a skipped step only: the CSV's skip_reason is a closed set)
@@ -320,24 +321,24 @@ class PendingStep(StepRecord):
 
     loss_mark: Value = None
     loss_ranks: Value = None
-    loss_rank_sum: Value = None
+    loss_rank_code: Value = None
     world: int = field(default=1, repr=False, compare=False)
     clip: tuple[float, torch.dtype] | None = field(default=None, repr=False, compare=False)
     _reason: str | None = field(default=None, init=False, repr=False, compare=False)
     _loss_on: str | None = field(default=None, init=False, repr=False, compare=False)
 
     # (the packed tensor holds them in this order; a world of one packs no origin: read as None)
-    _NUMERIC: ClassVar[tuple[str, ...]] = StepRecord._NUMERIC + ("loss_mark", "loss_ranks", "loss_rank_sum")
+    _NUMERIC: ClassVar[tuple[str, ...]] = StepRecord._NUMERIC + ("loss_mark", "loss_ranks", "loss_rank_code")
 
     def _keep(self, read: dict[str, float]) -> dict[str, float | None]:
         out = StepRecord._keep(self, read)
         mark, pre = out.pop("loss_mark"), out["grad_l2_pre_clip"]
-        ranks, rank_sum = out.pop("loss_ranks"), out.pop("loss_rank_sum")
+        ranks, code = out.pop("loss_ranks"), out.pop("loss_rank_code")
         reason = ("non_finite_loss" if mark is not None and not math.isfinite(mark) else
                   "non_finite_grad" if pre is not None and not math.isfinite(pre) else None)
         object.__setattr__(self, "_reason", reason)
         if reason == "non_finite_loss" and ranks is not None:
-            object.__setattr__(self, "_loss_on", loss_origin(ranks, rank_sum, self.world))
+            object.__setattr__(self, "_loss_on", loss_origin(ranks, code, self.world))
         if reason == "non_finite_loss":
             out["grad_l2_pre_clip"] = out["grad_l2_post_clip"] = None
         elif reason:
@@ -396,20 +397,26 @@ def record_from(step: int, values: dict[str, float | None], reason: str | None,
     return SkipLog(step, **fields, reason=reason, loss_on=loss_on) if reason else StepLog(step, **fields)  # type: ignore[arg-type]
 
 
-def loss_origin(ranks: float, rank_sum: float, world: int) -> str | None:
+def loss_origin(ranks: float, code: float, world: int) -> str | None:
     """Whose own loss was not finite, from :func:`~ampguard.distributed.agree`'s origin (how
-    many ranks, the sum of their ranks): the rank when one rank's was.
+    many ranks, the sum of their :func:`~ampguard.distributed.rank_code`): each rank in a world
+    of up to ``NAMED_RANKS``, beyond it the rank when one rank's was.
 
     Example::
 
-        >>> loss_origin(1, 3, 4), loss_origin(2, 4, 4), loss_origin(4, 6, 4), loss_origin(0, 0, 4)
-        ('rank 3', '2 of 4 ranks', 'every rank', None)
+        >>> loss_origin(1, 8, 4), loss_origin(2, 10, 4), loss_origin(3, 11, 4), loss_origin(4, 15, 4)
+        ('rank 3', 'ranks 1 and 3', 'ranks 0, 1 and 3', 'every rank')
+        >>> loss_origin(1, 40, 64), loss_origin(2, 41, 64), loss_origin(0, 0, 4)
+        ('rank 40', '2 of 64 ranks', None)
     """
     if not ranks:
         return None
-    if ranks == 1:
-        return f"rank {int(rank_sum)}"
-    return "every rank" if ranks >= world else f"{int(ranks)} of {world} ranks"
+    if ranks >= world:
+        return "every rank"
+    if world > NAMED_RANKS:
+        return f"rank {int(code)}" if ranks == 1 else f"{int(ranks)} of {world} ranks"
+    named = [str(r) for r in range(world) if int(code) >> r & 1]
+    return f"rank {named[0]}" if len(named) == 1 else f"ranks {', '.join(named[:-1])} and {named[-1]}"
 
 
 def format_number(x: float | None) -> str:

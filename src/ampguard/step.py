@@ -1230,8 +1230,8 @@ class Guard:
         loss_v, pre_v, carried_v, mark_v, *rest = torch.stack(values).tolist()
         bad_loss, loss_on = not math.isfinite(mark_v), None
         if origin is not None:
-            *rest, ranks, rank_sum = rest
-            loss_on = loss_origin(ranks, rank_sum, distributed.current().world_size) if bad_loss else None
+            *rest, ranks, code = rest
+            loss_on = loss_origin(ranks, code, distributed.current().world_size) if bad_loss else None
         return _Read(loss_v, pre_v, carried_v, bad_loss, [not math.isfinite(v) for v in rest[len(scaling):]],
                      rest[:len(scaling)], loss_on)
 
@@ -1364,10 +1364,10 @@ class Guard:
         packed = torch.stack([lr, loss, pre, carried, self.scaler.scale_tensor(pre.device), mark,
                               *(origin.unbind() if origin is not None else ())])
         lr, loss, pre, carried, scale, mark, *origin_read = packed.unbind()
-        ranks, rank_sum, world = (*origin_read, distributed.current().world_size) if origin_read else (None, None, 1)
+        ranks, code, world = (*origin_read, distributed.current().world_size) if origin_read else (None, None, 1)
         return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre,
                            grad_l2_post_clip=None if clip else carried, scaler_scale=scale, loss_mark=mark,
-                           loss_ranks=ranks, loss_rank_sum=rank_sum, world=world, packed=packed, clip=clip)
+                           loss_ranks=ranks, loss_rank_code=code, world=world, packed=packed, clip=clip)
 
     def _set_lrs(self) -> None:
         """Sync-free: each group's LR for this step, ``base x factor(applied updates)`` on the

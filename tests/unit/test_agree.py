@@ -62,3 +62,27 @@ def test_a_skip_for_a_non_finite_loss_names_the_rank_whose_loss_it_was(ranks, pa
         ], (rank, steps)
         assert steps[1][2].startswith("SKIP 2 ") and steps[1][2].endswith(" reason=non_finite_loss (rank 1)")
         assert steps[3][2].endswith(" reason=non_finite_grad")
+
+
+@pytest.mark.parametrize("world", [2, 3, 8, 24, 25, 64])
+def test_the_origin_names_each_rank_whose_loss_was_not_finite(world):
+    # the codes summed in float32, as agree's all-reduce sums them: up to NAMED_RANKS every set of
+    # ranks reads back as itself; beyond, one rank by its number, several as a count
+    from ampguard.distributed import NAMED_RANKS, rank_code
+    from ampguard.records import loss_origin
+
+    g = torch.Generator().manual_seed(world)
+    for _ in range(50):
+        chosen = sorted(torch.randperm(world, generator=g)[: int(torch.randint(1, world + 1, (), generator=g))].tolist())
+        code = torch.tensor([rank_code(r, world) for r in chosen], dtype=torch.float32).sum().item()
+        text = loss_origin(float(len(chosen)), code, world)
+        if len(chosen) == world:
+            assert text == "every rank"
+        elif len(chosen) == 1:
+            assert text == f"rank {chosen[0]}"
+        elif world <= NAMED_RANKS:
+            assert text == f"ranks {', '.join(map(str, chosen[:-1]))} and {chosen[-1]}"
+        else:
+            assert text == f"{len(chosen)} of {world} ranks"
+    last = world - 1  # the highest rank alone: its bit (2 ** 23 at 24 ranks) exact in float32
+    assert loss_origin(1.0, torch.tensor(rank_code(last, world), dtype=torch.float32).item(), world) == f"rank {last}"
