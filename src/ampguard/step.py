@@ -778,8 +778,9 @@ class Guard:
             raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)"
                                + (f" (inside a group of accumulation_steps={self.accumulation_steps} it returns None:"
                                   " no counter of your own)" if self.accumulation_steps > 1 else ""))
-        if self._running_stats.layers:  # (a model with BatchNorm: a compiled one's layers' hooks copy nothing)
-            self.keep_running_stats()
+        stats = self._running_stats
+        if stats.layers or stats.stale:  # (a model with BatchNorm, or one added: a compiled one's layers' hooks copy nothing)
+            stats.keep_before_training()
         context = self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
         if self.autocast_dtypes is None and self.precision.autocasts:  # (the first forward only)
             return self._noting_dtypes(context)
@@ -792,6 +793,14 @@ class Guard:
         model outside it (a framework's own autocast) calls it first, since the layers' hooks run
         nothing while ``torch.compile`` traces them."""
         self._running_stats.keep_before_training()
+
+    def count_step_without_backward(self) -> None:
+        """Count a step the loop took with no backward and no update (a Lightning
+        ``training_step`` that returned ``None``: the loop counts the step, as the guard's
+        numbering must): the running statistics its forward wrote stand, as an applied step's
+        do (the copy taken before it is dropped: a later skip puts back only its own forward's)."""
+        self.steps += 1
+        self._running_stats.end_step(skipped=False)
 
     @contextlib.contextmanager
     def _autocast_no_sync(self) -> Iterator[None]:

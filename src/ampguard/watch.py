@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from . import distributed
 from .errors import counted
@@ -33,13 +34,18 @@ class _Watched:
     """What the hooks below count and note, process-wide (one object: ``step.py`` reads its
     attributes as they are now, which an imported global would not be)."""
 
-    __slots__ = ("registered", "stepping", "finished")
+    __slots__ = ("registered", "buffers", "stepping", "finished")
 
     def __init__(self) -> None:
         self.registered = 0
         """A count of parameter and module registrations anywhere (torch's global registration
         hooks, installed with the first :class:`Guard`): one that changed since a guard read its
         parameters means a module may have been added to its model."""
+        self.buffers = 0
+        """A count of buffer registrations anywhere: with :attr:`registered`, one that changed
+        since a :class:`RunningStats` read its layers means a BatchNorm may have been made
+        (``nn.BatchNorm1d(4, affine=False)`` registers buffers only, and ``Sequential.insert``
+        nothing)."""
         self.stepping = 0
         """How many guards are inside their own ``optimizer.step()`` now (:func:`_refuse_stray_step`)."""
         self.finished: Any = None
@@ -55,11 +61,16 @@ def _count_registration(*args: Any) -> None:
     WATCHED.registered += 1
 
 
+def _count_buffer(*args: Any) -> None:
+    WATCHED.buffers += 1
+
+
 @functools.cache
 def _watch_registrations() -> None:
     """Install the global hooks that count registrations (once per process)."""
     torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
     torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+    torch.nn.modules.module.register_module_buffer_registration_hook(_count_buffer)
 
 
 _GUARDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
@@ -362,8 +373,12 @@ def _keep_running_stats(module: nn.Module, args: Any) -> None:
     made or collected)."""
     if not module.training or torch.compiler.is_compiling():
         return
-    for keeper in _KEEPING.get(module, ()):
-        keeper.keep()
+    keepers = _KEEPING.get(module)
+    if keepers:
+        with _HOOKS_LOCK:  # (the set as it is now: another thread may be adding a keeper to it)
+            keepers = list(keepers)
+        for keeper in keepers:
+            keeper.keep()
 
 
 def _ours(layer: nn.Module) -> bool:
@@ -372,7 +387,8 @@ def _ours(layer: nn.Module) -> bool:
 
 
 def _release(layers: list[weakref.ReferenceType[nn.Module]]) -> None:
-    """A keeper was collected: a layer no keeper watches any more loses the hook it was given."""
+    """A keeper was collected (or stopped watching these layers): a layer no keeper watches any
+    more loses the hook it was given."""
     with _HOOKS_LOCK:
         for ref in layers:
             layer = ref()
@@ -383,6 +399,12 @@ def _release(layers: list[weakref.ReferenceType[nn.Module]]) -> None:
             if not entry[1]:
                 entry[0].remove()
                 del _HOOKED[layer]
+
+
+def _tracking_layers(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """The layers of ``modules`` that write running statistics in a training forward, once each."""
+    return list(dict.fromkeys(m for root in modules for m in root.modules()
+                              if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats))
 
 
 class RunningStats:
@@ -409,36 +431,75 @@ class RunningStats:
     """
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
-        self.layers = list(dict.fromkeys(
-            m for root in modules for m in root.modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats))
+        self._modules = list(modules)
+        self.layers: list[nn.Module] = []
         self._saved: list[torch.Tensor] = []  # the copy
         self._kept: list[torch.Tensor] = []  # the buffers copied this step (empty: none yet)
-        if not self.layers:
-            return
+        self._refs: list[weakref.ReferenceType[nn.Module]] = []  # the layers' hooks to release (in place)
+        self._watch(_tracking_layers(self._modules))
+        weakref.finalize(self, _release, self._refs)
+
+    def _watch(self, layers: list[nn.Module]) -> None:
+        """Watch ``layers`` (each hooked once, however many keepers watch it), and no longer those
+        watched before that are not among them."""
+        self._registered = (WATCHED.registered, WATCHED.buffers)
+        new = set(layers)
+        gone = [layer for layer in self.layers if layer not in new]
         with _HOOKS_LOCK:
-            for layer in self.layers:
-                _KEEPING.setdefault(layer, weakref.WeakSet()).add(self)
+            for layer in layers:
+                keepers = _KEEPING.setdefault(layer, weakref.WeakSet())
+                if self in keepers:
+                    continue
+                keepers.add(self)
                 if layer in _HOOKED:
                     _HOOKED[layer][1] += 1
                 elif not _ours(layer):
                     _HOOKED[layer] = [layer.register_forward_pre_hook(_keep_running_stats), 1]
-        weakref.finalize(self, _release, [weakref.ref(layer) for layer in self.layers])
+            for layer in gone:
+                _KEEPING[layer].discard(self)
+            _release([weakref.ref(layer) for layer in gone])
+        self.layers = layers
+        self._refs[:] = [weakref.ref(layer) for layer in layers]
+
+    @property
+    def stale(self) -> bool:
+        """Whether a module, a parameter or a buffer was registered anywhere since the layers were read."""
+        return self._registered != (WATCHED.registered, WATCHED.buffers)
+
+    def watch_again(self) -> None:
+        """Look for the layers again if a module, parameter or buffer was registered anywhere since
+        they were read (:attr:`stale`): a BatchNorm made and added to the model after the guard
+        was is watched from its first forward after this (one replaced no longer is, nor kept
+        alive). :meth:`keep` calls it; so does the guard's ``autocast()``, for a model that had
+        no such layer. An O(1) look when nothing was registered; a model that registers a buffer
+        in each forward (a cache) has its layers looked for again each step."""
+        if self.stale:
+            layers = _tracking_layers(self._modules)
+            if layers == self.layers:
+                self._registered = (WATCHED.registered, WATCHED.buffers)
+            else:
+                self._watch(layers)
 
     def keep_before_training(self) -> None:
         """:meth:`keep`, when a forward that writes the statistics may follow: gradients on and one
         of the layers in training mode (a frozen BatchNorm in eval mode writes nothing; the root's
         own mode says nothing: a guard of several models has a root of its own, always training).
         ``Guard.autocast()`` calls it, where a compiled model's hooks would run nothing."""
+        self.watch_again()
         if self.layers and not self._kept and torch.is_grad_enabled() and any(m.training for m in self.layers):
             self.keep()
 
     def keep(self) -> None:
-        """Copy the statistics, unless this step's copy is taken."""
-        if self._kept or not self.layers:
+        """Copy the statistics, unless this step's copy is taken. A lazy layer's (``LazyBatchNorm``)
+        before its first forward has made them is not copied (there is nothing yet)."""
+        if self._kept:
+            return
+        self.watch_again()
+        if not self.layers:
             return
         buffers = [b for layer in self.layers for b in (layer.running_mean, layer.running_var,
-                                                        layer.num_batches_tracked) if b is not None]
+                                                        layer.num_batches_tracked)
+                   if b is not None and not is_lazy(b)]
         with torch.no_grad():
             if len(self._saved) == len(buffers) and all(
                     s.shape == b.shape and s.dtype == b.dtype and s.device == b.device

@@ -262,6 +262,28 @@ def test_a_skipped_steps_batchnorm_statistics_are_put_back_in_a_fit(compiled):
     assert torch.isfinite(bn.running_mean).all() and int(bn.num_batches_tracked) == 3
 
 
+class NoneThenNaN(Normed):
+    """Normed whose second batch's training_step returns None (after its forward) and whose third is NaN."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx == 2:
+            x = x * float("nan")
+        loss = F.cross_entropy(self.net(x), y)
+        return None if batch_idx == 1 else loss
+
+
+def test_a_step_that_returned_none_keeps_its_statistics_when_the_next_is_skipped():
+    # review 36a: the plugin counted the None step but kept the copy taken before it, so the
+    # skip after it put back the statistics from before both: the None step's forward undone
+    module = NoneThenNaN()
+    plugin = AmpGuardPlugin("32-true", log=False)
+    fit(plugin, 4, module)
+    assert [r.skipped for r in plugin.records] == [False, True, False]
+    bn = module.net[0]
+    assert torch.isfinite(bn.running_mean).all() and int(bn.num_batches_tracked) == 3  # (Lightning's own: 3)
+
+
 @pytest.mark.parametrize("minimum, set_aside", [
     ({"min_steps": 20}, "min_steps=20"), ({"min_epochs": 2}, "min_epochs=2"),
     ({"min_steps": 3}, "min_epochs=1, which Lightning sets for min_steps=3")])

@@ -287,3 +287,96 @@ def test_the_copy_follows_the_layers_mode_not_the_roots():
     before = _state(model)
     assert [r.skipped for r in _train(model, guard, _batches({0}, n=1))] == [True]
     _unchanged(model, before)
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["exact", "sync-free"])
+def test_a_batchnorm_added_after_the_guard_is_put_back_from_its_first_step(sync_free):
+    # review 36a: the layers were read once, at Guard(): one added later (a growing model;
+    # affine=False registers no parameter, Sequential.insert registers nothing) stayed NaN for good
+    model = _model()
+    guard = _guard(model, sync_free)
+    _train(model, guard, _batches(n=1))
+    model.insert(3, nn.BatchNorm1d(4, affine=False))
+    before = _state(model)
+    assert [bool(r.skipped) for r in _train(model, guard, _batches({0}, n=1))] == [True]  # its first step
+    _unchanged(model, before)
+    _train(model, guard, _batches(n=1))
+    assert int(model[3].num_batches_tracked) == 1
+
+
+def test_a_model_without_batchnorm_is_watched_once_one_is_added_and_a_replaced_one_is_let_go():
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    guard = _guard(model)
+    _train(model, guard, _batches(n=1))
+    model[1] = nn.BatchNorm1d(4, affine=False)  # (the ReLU's place)
+    _train(model, guard, _batches(n=1))
+    before = _state(model)
+    _train(model, guard, _batches({0}, n=1))
+    _unchanged(model, before)
+    old = weakref.ref(model[1])
+    model[1] = nn.BatchNorm1d(4, affine=False)
+    _train(model, guard, _batches(n=1))
+    gc.collect()
+    assert old() is None and guard._running_stats.layers == [model[1]]  # (not kept alive, nor copied)
+    before = _state(model)
+    _train(model, guard, _batches({0}, n=1))
+    _unchanged(model, before)
+
+
+def test_a_lazy_batchnorm_trains_and_is_put_back_once_it_has_statistics():
+    # review 36a: guard.autocast() copied the LazyBatchNorm's uninitialized buffers: a ValueError
+    # before the first forward (a model without lazy parameters, so an optimizer built before it)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyBatchNorm1d(affine=False), nn.ReLU(), nn.Linear(4, 1))
+    guard = _guard(model)
+    _train(model, guard, _batches(n=2))
+    before = _state(model)
+    _train(model, guard, _batches({0}, n=1))
+    _unchanged(model, before)
+
+
+def test_the_hook_reads_its_keepers_while_another_thread_adds_one():
+    # review 36a: the hook iterated the layer's WeakSet of keepers without the lock: a forward in one
+    # thread while another built a guard on the same layers raised "Set changed size during iteration"
+    import sys
+    import threading
+
+    from ampguard.watch import RunningStats
+
+    bn = nn.BatchNorm1d(2)
+    keepers = [RunningStats([bn]) for _ in range(50)]
+    errors, done = [], threading.Event()
+
+    def forwards():
+        x = torch.randn(4, 2)
+        try:
+            while not done.is_set():
+                bn(x)
+                for keeper in keepers:
+                    keeper.end_step(skipped=False)
+        except RuntimeError as err:
+            errors.append(err)
+
+    def churn():
+        for _ in range(3000):
+            keepers.append(RunningStats([bn]))
+            keepers.pop()
+            if errors:
+                break
+        done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=forwards), threading.Thread(target=churn)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors

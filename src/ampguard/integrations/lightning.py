@@ -635,7 +635,7 @@ class AmpGuardPlugin(_LightningPrecision):
             # pending branch below), as Lightning's bf16 does; its 16-mixed skips that step
             self._after_closure(model, optimizer)
             self._hold = False
-            (guard or self._setup(model)).steps += 1
+            (guard or self._setup(model)).count_step_without_backward()
             self._count_held(model.trainer, skipped=False)
             return closure_result
         if guard is None or not guard.pending:
