@@ -1435,6 +1435,21 @@ def versus(results: list[Result]) -> list[dict[str, Any]]:
     return out
 
 
+def memory_note(results: list[Result]) -> list[str]:
+    """A line saying why the memory column reads ``n/a``, when a row does.
+
+    Example::
+
+        >>> memory_note([Result("mlp", "fp32", "bare loop", 1.0, 1.0)])
+        ['peak MiB: measured on CUDA only (PyTorch keeps no peak of CPU memory, per contender or at all)']
+        >>> memory_note([Result("mlp", "bf16", "bare loop", 1.0, 1.0, peak_mem_mib=12.5)])
+        []
+    """
+    if any(r.peak_mem_mib is None for r in results):
+        return ["peak MiB: measured on CUDA only (PyTorch keeps no peak of CPU memory, per contender or at all)"]
+    return []
+
+
 def versus_lines(results: list[Result]) -> list[str]:
     """:func:`versus` in words, one line a pair.
 
@@ -1854,8 +1869,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                             "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa,
                             "compiled": compiled, "quick": quick, "batch": batch}
                 print(to_json(results, resolve, settings, where, left_out, load) if as_json else
-                      "\n".join([table(results), *resolution(results, resolve), *versus_lines(results),
-                                 *speedups(results)]), flush=True)
+                      "\n".join([table(results), *memory_note(results), *resolution(results, resolve),
+                                 *versus_lines(results), *speedups(results)]), flush=True)
                 if _busy(load):  # (after the figures it is about: a refusal above stays one line)
                     cpus = counted(_usable_cpus(), "usable CPU")
                     print(f"warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "

@@ -29,6 +29,8 @@ def test_bench_runs_end_to_end_in_quick_mode(capsys):
     assert all(row.split("|")[6].strip() == "1 (baseline)" for row in bare)  # the ratio is to the bare loop
     guarded = [row.split("|")[6].strip() for row in rows if "ampguard" in row]
     assert all("[" not in ratio and float(ratio) > 0 for ratio in guarded)  # two rounds: no 95% interval
+    assert all(row.split("|")[9].strip() == "n/a" for row in rows)  # (review 36b: an n/a the output explains)
+    assert "peak MiB: measured on CUDA only (PyTorch keeps no peak of CPU memory, per contender or at all)" in out
 
 
 def test_bench_json_and_bad_arguments(capsys):
