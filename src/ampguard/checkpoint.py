@@ -259,6 +259,10 @@ def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: s
         raise InputError(f"{path} is a folder, not a {what} file")
     if not path.is_file():
         raise InputError(f"no {what} file at {path}")
+    damaged = _failed_checksum(path)
+    if damaged:
+        raise InputError(f"{path}: damaged {what}: its {damaged} fails its checksum (the bytes changed after it "
+                         "was written: a disk or copy error)")
     try:
         with warnings.catch_warnings():  # torch's note on a file pickled with another protocol: no one's business
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
@@ -272,6 +276,44 @@ def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: s
         raise InputError(f"{path}: unreadable {what} (truncated, or not a PyTorch file)") from None
     except Exception:  # noqa: BLE001 - torch's loaders raise many kinds on junk bytes; all mean the same
         raise InputError(f"{path}: unreadable {what} (truncated, or not a PyTorch file)") from None
+
+
+def _failed_checksum(path: Path) -> str | None:
+    """The first part of a ``torch.save`` zip whose bytes do not match the CRC-32 written with
+    them (``torch.load`` does not check it: a flipped bit in a tensor loaded as a wrong weight), or
+    None. A part saved without one (``torch.utils.serialization.config.save.compute_crc32 =
+    False`` writes 0) is not checked; a file that is not a zip is left to the loader.
+
+    Example::
+
+        >>> import tempfile
+        >>> file = Path(tempfile.mkdtemp()) / "w.pt"
+        >>> torch.save({"w": torch.ones(64)}, file)
+        >>> _failed_checksum(file) is None
+        True
+        >>> data = bytearray(file.read_bytes())
+        >>> at = data.index(torch.ones(64).numpy().tobytes())  # the tensor's bytes, stored as they are
+        >>> data[at] ^= 1
+        >>> _ = file.write_bytes(bytes(data))
+        >>> _failed_checksum(file)
+        'w/data/0'
+    """
+    try:
+        if not zipfile.is_zipfile(path):
+            return None
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.CRC == 0:  # (written without one)
+                    continue
+                try:
+                    with archive.open(info) as part:
+                        while part.read(1 << 24):
+                            pass
+                except zipfile.BadZipFile:
+                    return info.filename
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError):  # unreadable: the loader says so
+        return None
+    return None
 
 
 def _whole_pickle(path: Path) -> bool:
@@ -657,7 +699,7 @@ def prune(folder: str | os.PathLike, keep: int, hold: int | None = None) -> None
         ['step-00000005.pt', 'step-00000006.pt']
         >>> shutil.rmtree(folder)
     """
-    paths = list_checkpoints(folder)
+    paths = [p for p in list_checkpoints(folder) if not p.is_dir()]  # (a folder named like one is someone's: left)
     cut = max(len(paths) - keep, 0)
     if hold is not None:  # (from the newest one at or before hold on; every one while none is that old)
         cut = min(cut, max((i for i, p in enumerate(paths) if checkpoint_step(p) <= hold), default=0))

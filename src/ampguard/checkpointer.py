@@ -35,6 +35,7 @@ Example (fakes stand in for a model; any object with ``state_dict`` / ``load_sta
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import warnings
@@ -980,6 +981,7 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
     sizes, live_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in live]
     if sizes != live_sizes:
         raise refuse(f"parameter groups of {sizes} in the checkpoint, {live_sizes} here")
+    moments: list[tuple[str, Any, torch.Tensor]] = []  # (name, parameter id, tensor): their finiteness read at once
     for i, (group, live_group) in enumerate(zip(groups, live)):
         # the group's settings replace the live group's (Optimizer.load_state_dict), and the step
         # reads them as they are: each must be of the live one's kind (betas two numbers, ...)
@@ -991,6 +993,10 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
                     raise refuse(f"param_groups[{i}] has no {_names([key])}")
             elif not _same_setting(group[key], value):
                 raise refuse(_difference(f"param_groups[{i}].{key}", group[key], value, "this optimizer's"))
+        try:
+            kinds = _state_kinds(optimizer, group, live_group)
+        except ValueError as err:  # the optimizer's own check of its settings (a negative eps, ...)
+            raise refuse(f"param_groups[{i}]: {first_line(err)}") from None
         for pid, param in zip(group["params"], live_group["params"]):
             if not isinstance(pid, (int, str)) or isinstance(pid, bool):
                 raise refuse(f"a parameter id is {_show(pid)}")
@@ -999,7 +1005,16 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
                 continue
             if not isinstance(entry, Mapping):
                 raise refuse(f"the state of parameter {pid!r} is {_show(entry)}")
+            if kinds is not None:  # what a step of this optimizer keeps: each of it there, a tensor where it is one
+                missing = [name for name, tensor in kinds.items()
+                           if name not in entry or (tensor and not isinstance(entry[name], torch.Tensor))]
+                if missing:
+                    name = missing[0]
+                    raise refuse(f"the state of parameter {pid!r} has no {name!r}" if name not in entry else
+                                 f"{name} of parameter {pid!r} is {_show(entry[name])}, not a tensor")
             for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.is_floating_point():
+                    moments.append((name, pid, value))
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
                     raise refuse(f"{name} of parameter {pid!r} is {list(value.shape)}, the parameter "
                                  f"{list(param.shape)}")
@@ -1010,6 +1025,57 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
                 if not _finite_scalar(value):  # (a step count of NaN: NaN bias corrections, every weight NaN)
                     number = value.item() if isinstance(value, torch.Tensor) else value
                     raise refuse(f"{name} of parameter {pid!r} is {number:g}")
+    # a moment holding a NaN or an infinity (no update the guard applies leaves one): the first
+    # update after the resume would make every weight NaN, each step after it skipped
+    if moments and not bool(torch.stack([torch.isfinite(t).all().cpu() for _, _, t in moments]).all()):
+        name, pid, _ = next(m for m in moments if not bool(torch.isfinite(m[2]).all()))
+        raise refuse(f"{name} of parameter {pid!r} holds a non-finite value (saved after the optimizer's state "
+                     "diverged, or damaged: resume from an earlier checkpoint)")
+
+
+def _state_kinds(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], live_group: Mapping[str, Any]
+                 ) -> dict[str, bool] | None:
+    """What a step of ``optimizer`` under the checkpoint's ``group`` settings keeps for each
+    parameter: each state entry's name, True where it is a tensor the parameter's shape (AdamW's
+    ``exp_avg``), False where not (its ``step``; SGD's ``momentum_buffer`` without momentum:
+    None). Read off one step of a fresh optimizer of the same class over a two-element tensor
+    like the group's first parameter, so any optimizer answers for itself; None when that cannot
+    run (an optimizer that needs a closure, a setting its constructor cannot take back). The
+    constructor's own checks of the settings raise ``ValueError`` (a negative ``eps``).
+
+    Example::
+
+        >>> w = nn.Parameter(torch.zeros(3))
+        >>> adamw = torch.optim.AdamW([w], amsgrad=True)
+        >>> _state_kinds(adamw, adamw.param_groups[0], adamw.param_groups[0])
+        {'step': False, 'exp_avg': True, 'exp_avg_sq': True, 'max_exp_avg_sq': True}
+        >>> _state_kinds(adamw, {**adamw.param_groups[0], "eps": -1.0}, adamw.param_groups[0])
+        Traceback (most recent call last):
+        ...
+        ValueError: Invalid epsilon value: -1.0
+    """
+    if not live_group["params"]:
+        return None
+    like = live_group["params"][0]
+    try:
+        takes = inspect.signature(type(optimizer)).parameters
+    except (TypeError, ValueError):
+        return None
+    settings = {key: group.get(key, live_group[key]) for key in optimizer.defaults if key in live_group and key in takes}
+    probe = torch.zeros(2, dtype=like.dtype, device=like.device, requires_grad=True)
+    try:
+        fresh = type(optimizer)([probe], **settings)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - a constructor that takes other arguments: nothing to compare with
+        return None
+    probe.grad = torch.zeros_like(probe)
+    try:
+        with ckpt.rng_kept():
+            fresh.step()
+    except Exception:  # noqa: BLE001 - a step that needs a closure, or a device it cannot run on here
+        return None
+    return {name: isinstance(value, torch.Tensor) and value.dim() > 0 for name, value in fresh.state[probe].items()}
 
 
 def _finite_scalar(value: Any) -> bool:

@@ -352,6 +352,8 @@ def test_the_data_bound_holds_for_a_real_run_with_a_rollback(tmp_path):
     ok(ag("train", "--resume", lowered))
 
 
+DELETE = object()  # (a NESTED case's value: the field taken out)
+
 # A field inside the guarded step's state, the optimizer's parameter groups or the RNG state: each
 # used to pass every check, then fail with a traceback (exit 1) in the training loop, after
 # config.yaml, events.jsonl and steps.csv had been changed (or, for the RNG, in the restore).
@@ -385,6 +387,20 @@ NESTED = {
                  "its optimizer state does not match this run's parameters: step of parameter 0 is nan"),
     "no scaler state": (["state", "scaler"], {},  # resumed at init_scale: the scale the run found, lost
                         "bad checkpoint: state.scaler is empty: a loss scaler that is on needs its saved scale"),
+    # review 36c: each of these passed the checks; the first three then failed with a traceback in
+    # the first optimizer.step(), after the run folder was cut back (steps.csv, RUN.md, the later
+    # checkpoints set aside); a NaN moment made every weight NaN, the run "finished" with exit 0
+    "no moment": (["optimizer", "state", 0, "exp_avg"], DELETE,
+                  "its optimizer state does not match this run's parameters: the state of parameter 0 has no 'exp_avg'"),
+    "moment none": (["optimizer", "state", 1, "exp_avg_sq"], None,
+                    "its optimizer state does not match this run's parameters: exp_avg_sq of parameter 1 is None, "
+                    "not a tensor"),
+    "moment nan": (["optimizer", "state", 1, "exp_avg_sq"], lambda m: torch.full_like(m, math.nan),
+                   "its optimizer state does not match this run's parameters: exp_avg_sq of parameter 1 holds a "
+                   "non-finite value"),
+    "negative eps": (["optimizer", "param_groups", 0, "eps"], -1.0,  # (trained with it, unsaid)
+                     "its optimizer state does not match this run's parameters: param_groups[0]: Invalid epsilon "
+                     "value: -1.0"),
 }
 
 
@@ -398,10 +414,38 @@ def test_a_bad_field_inside_the_checkpoint_is_one_line_before_the_run_folder_is_
     node = payload
     for key in path[:-1]:
         node = node[key]
-    node[path[-1]] = value(node[path[-1]]) if callable(value) else value
+    if value is DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value(node[path[-1]]) if callable(value) else value
     rewrite(run / "checkpoints" / CKPT8, payload)
     line = refused(snapshot, run, "--resume", run, "--set", "steps=12")
     assert f"{run / 'checkpoints' / CKPT8}: {expected}" in line
+
+
+def test_a_checkpoint_whose_bytes_changed_after_it_was_written_is_refused(lin, snapshot):
+    # review 36c: torch.load does not check the zip's CRC-32s: a flipped bit in a weight loaded as
+    # another weight, and the run trained on from it (exit 0)
+    path = lin / "checkpoints" / CKPT8
+    weight = payload_of(path)["model"]["weight"]
+    data = bytearray(path.read_bytes())
+    at = data.index(weight.numpy().tobytes())
+    data[at + 1] ^= 0x10
+    path.write_bytes(bytes(data))
+    line = refused(snapshot, lin, "--resume", path, "--set", "steps=12")
+    assert line.startswith(f"ampguard: error: {path}: damaged checkpoint: its ") and line.endswith(
+        " fails its checksum (the bytes changed after it was written: a disk or copy error)"), line
+
+
+def test_a_folder_named_like_a_checkpoint_is_left_alone_when_the_run_prunes(lin):
+    # review 36c: pruning took it for the oldest checkpoint and unlink() failed on it mid-run
+    # (IsADirectoryError, exit 1, after the step-12 save)
+    folder = lin / "checkpoints" / "step-00000001.pt"
+    folder.mkdir()
+    ok(ag("train", "--resume", lin / "checkpoints" / CKPT8, "--set", "steps=16", "--set", "checkpoint.keep=2"))
+    assert folder.is_dir()
+    assert sorted(p.name for p in (lin / "checkpoints").glob("step-*.pt") if p.is_file()) == [
+        "step-00000012.pt", "step-00000016.pt"]
 
 
 # ---------------------------------------------------------------------------- C. leftovers
