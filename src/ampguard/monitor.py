@@ -222,7 +222,7 @@ class RollingWindow:
     def check_state(self, state: Any, where: str = "") -> None:
         """Raise ``ValueError`` naming the field (after the prefix ``where``) unless ``state`` is
         a state this window can load: its size, a ring of that many finite numbers, a position in
-        it, a count >= 0.
+        it, a count >= 0 that ends at the position (each push moves both on by one).
 
         Example::
 
@@ -231,6 +231,10 @@ class RollingWindow:
             Traceback (most recent call last):
             ...
             ValueError: skip_window.pos is 3, expected an int in [0, 3)
+            >>> w.check_state({**w.state_dict(), "count": 10**6}, "skip_window.")
+            Traceback (most recent call last):
+            ...
+            ValueError: skip_window.count is 1000000, expected an int >= 0 that ends at pos 0 (pos = count mod 3)
         """
         _mapping(state, where)
         size = _get(state, "size", where)
@@ -242,7 +246,10 @@ class RollingWindow:
               f"{where}ring", ring, f"a list of {self.size} finite numbers")
         pos = _get(state, "pos", where)
         _need(whole_number(pos) and pos < self.size, f"{where}pos", pos, f"an int in [0, {self.size})")
-        _need(whole_number(_get(state, "count", where)), f"{where}count", state["count"], "an int >= 0")
+        count = _get(state, "count", where)
+        # (each push moves pos on by one: a count that does not end where pos is was not written by one)
+        _need(whole_number(count) and count % self.size == pos, f"{where}count", count,
+              f"an int >= 0 that ends at pos {pos} (pos = count mod {self.size})")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; a window of another size, or a field that is not what

@@ -1200,7 +1200,9 @@ BAD_WINDOW = [
     ("pos", 4, "pos is 4, expected an int in [0, 4)"),
     ("pos", -1, "pos is -1, expected an int in [0, 4)"),
     ("pos", 1.0, "pos is 1.0, expected an int in [0, 4)"),
-    ("count", "x", "count is 'x', expected an int >= 0"),
+    ("count", "x", "count is 'x', expected an int >= 0 that ends at pos 3 (pos = count mod 4)"),
+    ("count", 10**6, "count is 1000000, expected an int >= 0 that ends at pos 3 (pos = count mod 4)"),  # (36c)
+    ("count", 2, "count is 2, expected an int >= 0 that ends at pos 3 (pos = count mod 4)"),
     ("count", ..., "count is missing"),
     ("size", 5, "window was saved with size 5, this one has 4"),
 ]
@@ -1258,7 +1260,7 @@ BAD_MONITOR = [
     ("last", {"loss": [1.0]}, "last is a dict of 1, expected a mapping of names to numbers or None"),
     ("skip_window.ring", [0.0], "skip_window.ring is a list of 1, expected a list of 6 finite numbers"),  # IndexError
     ("skip_window.pos", 6, "skip_window.pos is 6, expected an int in [0, 6)"),
-    ("clip_window.count", None, "clip_window.count is None, expected an int >= 0"),
+    ("clip_window.count", None, "clip_window.count is None, expected an int >= 0 that ends at pos 3 (pos = count mod 6)"),
     ("health.streak", "x", "health.streak is 'x', expected an int >= 0"),
     ("health.skipped.ring", [0.0] * 7, "health.skipped.ring is a list of 7, expected a list of 6 finite numbers"),
 ]
