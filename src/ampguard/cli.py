@@ -238,14 +238,16 @@ def _check_resumed(config: Any, resume: Any, saved: dict[str, Any]) -> None:
     run), or a fault (one not in the run's saved ``inject``) for steps the run already trained,
     which never fires (a clean run for the wrong reason; the run's own faults fired before the
     checkpoint, as they were meant to)."""
+    from . import distributed
     from .faults import parse_faults
 
     if _folder_of(config.log.dir, config.log.name) != resume.run_dir.resolve():
         raise InputError(f"train --resume trains in its own run folder {resume.run_dir}: log.dir and log.name "
                          "cannot name another (a new folder is a new run: leave out --resume)")
     old = saved.get("inject") if isinstance(saved.get("inject"), list) else []
+    # (against the processes torchrun started: a fault @rank1 was refused as aimed past a world of one)
     parse_faults([spec for spec in config.inject if spec not in old], seed=config.seed, steps=config.steps,
-                 start=resume.loaded.step + 1)
+                 start=resume.loaded.step + 1, world_size=distributed.launched_world_size())
 
 
 def _validate(args: argparse.Namespace) -> int:

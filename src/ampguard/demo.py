@@ -82,8 +82,7 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
     launched = distributed.launched_by_torchrun()  # (a stray WORLD_SIZE: refused before the set-up line)
     # refused before the set-up line too, against the processes torchrun started (a fault @rank1 of two
     # processes was refused as one aimed past a world of one: the group is joined later, in the run)
-    parse_faults(config.inject, seed=config.seed, steps=config.steps,
-                 world_size=int(os.environ["WORLD_SIZE"]) if launched else 1)
+    parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=distributed.launched_world_size())
     uses_scaler = precision_of(config, resolve_device(config.device)).uses_scaler
     scaler = f"GradScaler(init_scale={config.scaler.init_scale:g})" if uses_scaler else "no loss scaler"
     if not launched or os.environ.get("RANK") == "0":  # (under torchrun rank 0 prints, as the run's lines)

@@ -109,6 +109,20 @@ def launched_by_torchrun() -> bool:
     return size > 1
 
 
+def launched_world_size() -> int:
+    """How many processes torchrun started (``WORLD_SIZE``, checked by :func:`launched_by_torchrun`),
+    1 when it did not: what a check made before the process group is joined counts ranks against.
+
+    Example::
+
+        >>> import unittest.mock
+        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "1"}):
+        ...     launched_world_size()
+        1
+    """
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+
+
 def init_from_env(device_name: str) -> tuple[DistInfo, torch.device]:
     """Join the process group torchrun describes; pick this rank's device and the backend."""
     use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())

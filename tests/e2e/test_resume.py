@@ -367,6 +367,27 @@ def test_a_fault_given_to_a_resume_for_a_step_already_trained_is_refused(tmp_pat
     assert "SKIP 6" in out and "SKIP 7" in out
 
 
+def test_a_resume_under_torchrun_takes_a_fault_aimed_at_another_rank(tmp_path, monkeypatch):
+    # review 36d: the resume's check of its new faults counted ranks against a world of one: under
+    # torchrun --nproc-per-node 3, --inject nan_loss@9@rank1 was refused "this run has 1 process"
+    # (the check runs before the process group is joined: against WORLD_SIZE, as the demo's)
+    from types import SimpleNamespace
+
+    from ampguard.cli import _check_resumed
+    from ampguard.errors import InputError
+
+    run = tmp_path / "A"
+    config = SimpleNamespace(log=SimpleNamespace(dir=str(tmp_path), name="A"), inject=["nan_loss@9@rank1"], seed=0,
+                             steps=12)
+    resume = SimpleNamespace(run_dir=run, loaded=SimpleNamespace(step=4))
+    for name, value in {"WORLD_SIZE": "3", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    _check_resumed(config, resume, {"inject": []})
+    config.inject = ["nan_loss@9@rank3"]
+    with pytest.raises(InputError, match="targets rank 3, but this run has 3 processes"):
+        _check_resumed(config, resume, {"inject": []})
+
+
 @pytest.mark.parametrize("spoiled", ["events.jsonl", "RUN.md", "config.yaml", "checkpoints/step-00000004.pt"])
 def test_a_resume_refuses_a_folder_where_a_run_file_should_be_and_changes_nothing(tmp_path, snapshot, spoiled):
     # events.jsonl as a folder was refused only after config.yaml was rewritten; RUN.md as one ended
