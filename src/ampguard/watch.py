@@ -58,11 +58,16 @@ WATCHED = _Watched()
 
 
 def _count_registration(*args: Any) -> None:
-    WATCHED.registered += 1
+    if not torch.compiler.is_compiling():  # (read inside a compiled forward, the count was a guard of its graph)
+        WATCHED.registered += 1
 
 
-def _count_buffer(*args: Any) -> None:
-    WATCHED.buffers += 1
+def _count_buffer(module: nn.Module, name: str, buffer: Any) -> None:
+    """A buffer registered: counted when it is a new name, not a forward's assignment to one it
+    has (``self.n = self.n + 1``: a compiled forward that did it recompiled at each call on the
+    count, until dynamo's limit left it uncompiled)."""
+    if not torch.compiler.is_compiling() and name not in module._buffers:
+        WATCHED.buffers += 1
 
 
 @functools.cache
@@ -435,14 +440,16 @@ class RunningStats:
         self.layers: list[nn.Module] = []
         self._saved: list[torch.Tensor] = []  # the copy
         self._kept: list[torch.Tensor] = []  # the buffers copied this step (empty: none yet)
+        self._fresh: list[nn.Module] = []  # lazy layers with no statistics yet when copied: a skip starts them again
+        self._copies = 0  # steps copied: every UNFROZEN_EVERY-th looks for the layers again (one removed)
         self._refs: list[weakref.ReferenceType[nn.Module]] = []  # the layers' hooks to release (in place)
+        self._registered = (WATCHED.registered, WATCHED.buffers)  # (before the look: one made during it, seen next)
         self._watch(_tracking_layers(self._modules))
         weakref.finalize(self, _release, self._refs)
 
     def _watch(self, layers: list[nn.Module]) -> None:
         """Watch ``layers`` (each hooked once, however many keepers watch it), and no longer those
         watched before that are not among them."""
-        self._registered = (WATCHED.registered, WATCHED.buffers)
         new = set(layers)
         gone = [layer for layer in self.layers if layer not in new]
         with _HOOKS_LOCK:
@@ -466,37 +473,43 @@ class RunningStats:
         """Whether a module, a parameter or a buffer was registered anywhere since the layers were read."""
         return self._registered != (WATCHED.registered, WATCHED.buffers)
 
-    def watch_again(self) -> None:
-        """Look for the layers again if a module, parameter or buffer was registered anywhere since
-        they were read (:attr:`stale`): a BatchNorm made and added to the model after the guard
-        was is watched from its first forward after this (one replaced no longer is, nor kept
-        alive). :meth:`keep` calls it; so does the guard's ``autocast()``, for a model that had
-        no such layer. An O(1) look when nothing was registered; a model that registers a buffer
-        in each forward (a cache) has its layers looked for again each step."""
-        if self.stale:
+    def watch_again(self, always: bool = False) -> None:
+        """Look for the layers again if a module, parameter or a buffer of a new name was
+        registered anywhere since they were read (:attr:`stale`), or ``always``: a BatchNorm made
+        and added to the model after the guard was is watched from its first forward after this
+        (one replaced no longer is, nor kept alive). :meth:`keep` calls it, ``always`` every
+        :data:`UNFROZEN_EVERY` copies (a layer taken out, ``del model[1]``, registers nothing:
+        let go then); the guard's ``autocast()`` too, for a model that had no such layer. An O(1)
+        look when nothing was registered."""
+        if self.stale or always:
+            seen = (WATCHED.registered, WATCHED.buffers)  # (before the look: one made during it, seen next)
             layers = _tracking_layers(self._modules)
-            if layers == self.layers:
-                self._registered = (WATCHED.registered, WATCHED.buffers)
-            else:
+            if layers != self.layers:
                 self._watch(layers)
+            self._registered = seen
 
     def keep_before_training(self) -> None:
         """:meth:`keep`, when a forward that writes the statistics may follow: gradients on and one
         of the layers in training mode (a frozen BatchNorm in eval mode writes nothing; the root's
         own mode says nothing: a guard of several models has a root of its own, always training).
         ``Guard.autocast()`` calls it, where a compiled model's hooks would run nothing."""
+        if self._kept:  # (once a step: the micro-batches after the first look at nothing)
+            return
         self.watch_again()
-        if self.layers and not self._kept and torch.is_grad_enabled() and any(m.training for m in self.layers):
+        if self.layers and torch.is_grad_enabled() and any(m.training for m in self.layers):
             self.keep()
 
     def keep(self) -> None:
-        """Copy the statistics, unless this step's copy is taken. A lazy layer's (``LazyBatchNorm``)
-        before its first forward has made them is not copied (there is nothing yet)."""
+        """Copy the statistics, unless this step's copy is taken. A lazy layer (``LazyBatchNorm``)
+        whose first forward has not made them yet has nothing to copy: a skip of that forward's
+        step starts them again (mean 0, variance 1) instead."""
         if self._kept:
             return
-        self.watch_again()
+        self._copies += 1
+        self.watch_again(always=not self._copies % UNFROZEN_EVERY)
         if not self.layers:
             return
+        self._fresh = [layer for layer in self.layers if is_lazy(layer.running_mean)]
         buffers = [b for layer in self.layers for b in (layer.running_mean, layer.running_var,
                                                         layer.num_batches_tracked)
                    if b is not None and not is_lazy(b)]
@@ -513,10 +526,10 @@ class RunningStats:
         """The step's decision: put the statistics back if it was skipped (``skipped`` on the
         device, the sync-free step's flag: a select there, no host read), and take a new copy
         at the next step's first training forward."""
-        kept = self._kept
+        kept, fresh = self._kept, self._fresh
         if not kept:  # (no copy this step: no such layers, or none ran in training)
             return
-        self._kept = []
+        self._kept, self._fresh = [], []
         if skipped is False:
             return
         with torch.no_grad():
@@ -525,7 +538,17 @@ class RunningStats:
                 torch._foreach_copy_(kept, [torch.where(flag, s, b) for s, b in zip(self._saved, kept)])
             else:
                 torch._foreach_copy_(kept, self._saved)
+            for layer in fresh:  # (made by the skipped step's forward: as a new layer's)
+                mean, var = layer.running_mean, layer.running_var
+                if is_lazy(mean):  # (its forward did not run)
+                    continue
+                if isinstance(skipped, torch.Tensor):
+                    mean.copy_(torch.where(flag, 0.0, mean))
+                    var.copy_(torch.where(flag, 1.0, var))
+                else:
+                    mean.zero_()
+                    var.fill_(1.0)
 
     def forget(self) -> None:
         """The model's state was loaded (a resume, a rollback): the copy is no longer of it."""
-        self._kept = []
+        self._kept, self._fresh = [], []

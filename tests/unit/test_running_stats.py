@@ -380,3 +380,64 @@ def test_the_hook_reads_its_keepers_while_another_thread_adds_one():
     finally:
         sys.setswitchinterval(interval)
     assert not errors
+
+
+def test_a_compiled_forward_that_assigns_a_buffer_compiles_once_beside_a_guard():
+    # review 36d: the buffer-registration count (a BatchNorm made after the guard) counted a forward's
+    # assignment to a buffer it has; read inside the compiled forward, the count was a guard of its
+    # graph: a recompile at every call, then dynamo's limit left the module uncompiled
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls = self.calls + 1
+            return self.lin(x)
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = _model()
+    guard = _guard(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(Counting(), backend=counting)
+    for x in _batches(n=4):
+        compiled(x)
+        _train(model, guard, [x])
+    assert len(graphs) == 1 and int(compiled.calls) == 4
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["exact", "sync-free"])
+def test_a_lazy_batchnorm_whose_first_batch_is_skipped_starts_again_as_a_new_one(sync_free):
+    # review 36d: its first forward made the statistics the copy could not hold: the NaN stayed for good
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyBatchNorm1d(affine=False), nn.ReLU(), nn.Linear(4, 1))
+    guard = _guard(model, sync_free)
+    assert [bool(r.skipped) for r in _train(model, guard, _batches({0}, n=1))] == [True]
+    bn = model[1]
+    assert torch.equal(bn.running_mean, torch.zeros(4)) and torch.equal(bn.running_var, torch.ones(4))
+    assert int(bn.num_batches_tracked) == 0
+    _train(model, guard, _batches(n=2))
+    assert torch.isfinite(bn.running_mean).all() and int(bn.num_batches_tracked) == 2
+
+
+def test_a_batchnorm_taken_out_of_the_model_is_let_go_within_unfrozen_every_steps():
+    # review 36d: a layer deleted registers nothing: it stayed hooked, copied and alive for good
+    import gc
+    import weakref
+
+    from ampguard.watch import UNFROZEN_EVERY
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+    guard = _guard(model)
+    _train(model, guard, _batches(n=1))
+    gone = weakref.ref(model[2])
+    del model[2]
+    _train(model, guard, _batches(n=1) * UNFROZEN_EVERY)
+    gc.collect()
+    assert gone() is None and guard._running_stats.layers == [model[1]]
