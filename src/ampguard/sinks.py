@@ -7,16 +7,20 @@ A sink receives the step's record with device tensors in it and reads them itsel
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import csv
 import errno
+import functools
 import importlib.util
 import io
 import json
 import math
+import numbers
 import os
 import sys
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -1115,6 +1119,26 @@ def require(package: str, flag: str) -> None:
         raise InputError(f"{flag} is on but the {package} package is not installed: pip install 'ampguard[{package}]'")
 
 
+def metric_number(value: object) -> float | None:
+    """An extra value as a tracker's (and TensorBoard's) number: an int or a float, a numpy number, a one-element
+    tensor (read from the device: a host sync), as the CSV writes them; ``None`` for anything else
+    (text, a bool, a missing value), which the CSV may hold and a tracker's metrics cannot.
+
+    Example::
+
+        >>> import numpy as np, torch
+        >>> [metric_number(v) for v in (2, np.float32(0.5), torch.tensor([0.25]), True, "warm-up", None)]
+        [2.0, 0.5, 0.25, None, None, None]
+    """
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # (numpy's bool is no Real)
+        return float(value)
+    return None
+
+
 class TensorBoardSink:
     """Scalars for TensorBoard (``torch.utils.tensorboard``); needs the ``tensorboard`` package.
 
@@ -1147,7 +1171,9 @@ class TensorBoardSink:
 
         purge_step = None if keep_through is None else keep_through + 1
         self._writer = SummaryWriter(str(log_dir), purge_step=purge_step)
+        self._where = str(log_dir)
         self._last = 0  # the highest step written
+        self._closed = False
 
     @staticmethod
     def require() -> None:
@@ -1167,13 +1193,22 @@ class TensorBoardSink:
         require("tensorboard", "log.tensorboard")
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+        """The record's values and the extras that are numbers (text, a bool, a missing value
+        left out, as the trackers leave them), each as a scalar at the record's step; a step at or
+        before the last written, or a write after :meth:`close`, is refused as the CSV refuses
+        it. TensorBoard keeps float32 (1e308 reads inf there; the CSV keeps every digit)."""
         if record is None:
             raise TypeError(NONE_WRITTEN)
-        for name, value in {**record.values(), **(extra or {})}.items():
-            if value is not None:
-                self._writer.add_scalar(f"train/{name}", value, record.step)
+        if self._closed:
+            raise ValueError(f"TensorBoardSink ({self._where}) is closed: nothing more can be written to it")
+        check_step_after(f"TensorBoardSink ({self._where})", record.step, self._last or None,
+                         "each step must come after the last one written (a second loop? give it a sink of its own)")
+        scalars = {name: value for name, value in record.values().items() if value is not None}
+        scalars |= {name: number for name, value in (extra or {}).items() if (number := metric_number(value)) is not None}
+        for name, value in scalars.items():
+            self._writer.add_scalar(f"train/{name}", value, record.step)
         self._writer.add_scalar("train/skipped", float(record.skipped), record.step)
-        self._last = max(self._last, record.step)
+        self._last = record.step
 
     def begin_again(self, step: int) -> str | None:
         """The loop began again from ``step`` (a Hugging Face ``auto_find_batch_size`` retry): a
@@ -1189,6 +1224,7 @@ class TensorBoardSink:
         return f"TensorBoard drops the abandoned attempt's {dropped} (a restart marker at step {step + 1})"
 
     def close(self) -> None:
+        self._closed = True
         self._writer.close()
 
 
@@ -1198,11 +1234,13 @@ class BackgroundSink:
     ``write`` starts the record's device-to-host copy (non-blocking, into pinned memory on
     CUDA) and queues it; the thread waits for that copy, not the training loop, then hands the
     record to ``inner``. ``close`` drains the queue (also after Ctrl-C: the loop's ``finally``
-    closes its sinks), so every row written so far reaches the file. An error in the thread is
-    raised by the next ``write`` or by ``close``, and no record after the one that failed is
-    written (a CSV never has a hole). A SIGKILL loses the records still queued (at most
-    ``max_pending``; a ``CsvSink`` inside keeps whole rows, the steps up to some step): ``train``
-    writes its rows on the loop's thread instead.
+    closes its sinks; and at the interpreter's exit, for a sink nobody closed: a loop that
+    crashed), so every row written so far reaches the file. An error in the thread is raised by
+    the next ``write`` or by ``close``, and no record after the one that failed is written (a CSV
+    never has a hole): every later ``write`` is refused, naming it. A write after ``close`` is
+    refused too. A SIGKILL loses the records still queued (at most ``max_pending``; a
+    ``CsvSink`` inside keeps whole rows, the steps up to some step): ``train`` writes its rows on
+    the loop's thread instead. ``with BackgroundSink(...) as sink:`` closes it.
 
     Example::
 
@@ -1225,9 +1263,21 @@ class BackgroundSink:
 
         self.inner = inner
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the thread's error, not raised yet
+        self._failed: BaseException | None = None  # the thread's error: nothing more is written
+        self._closed = False
         self._thread = threading.Thread(target=self._drain, name="ampguard-writer", daemon=True)
         self._thread.start()
+        # (a daemon thread: a loop that ends without close() does not hang at exit; its queue is
+        # drained there instead, before the interpreter stops the thread)
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
+
+    def __enter__(self) -> BackgroundSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _drain(self) -> None:
         while True:
@@ -1243,7 +1293,7 @@ class BackgroundSink:
                     wait()
                     self.inner.write(record, extra)
             except BaseException as err:  # noqa: BLE001 - handed to the writer's caller
-                self._error = err
+                self._error = self._failed = err
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -1256,7 +1306,12 @@ class BackgroundSink:
         an undeclared column) before queuing."""
         if record is None:
             raise TypeError(NONE_WRITTEN)
+        if self._closed:
+            raise ValueError("BackgroundSink is closed: nothing more can be written to it")
         self._raise()
+        if self._failed is not None:  # (raised once already: the rows after it would leave a hole)
+            raise ValueError(f"BackgroundSink: its writer failed ({first_line(self._failed)}): nothing more "
+                             "is written to it")
         if isinstance(self.inner, CsvSink):
             self.inner.check(record, extra)
         self._queue.put((record, extra, record.prefetch()))
@@ -1277,12 +1332,30 @@ class BackgroundSink:
         return again(step) if again is not None else None
 
     def close(self) -> None:
-        """Drain the queue, stop the thread, close ``inner``; raises an error of the thread."""
+        """Drain the queue, stop the thread, close ``inner``; raises an error of the thread. A
+        second ``close`` does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._at_exit)
         if self._thread.is_alive():
             self._queue.put(self._DONE)
             self._thread.join()
         self.inner.close()
         self._raise()
+
+
+def _close_at_exit(ref: weakref.ReferenceType[BackgroundSink]) -> None:
+    """At the interpreter's exit, a :class:`BackgroundSink` nobody closed writes what is queued and
+    closes (a loop that crashed: its rows up to the crash reach the file); an error is one line."""
+    sink = ref()
+    if sink is None:
+        return
+    try:
+        sink.close()
+    except BaseException as err:  # noqa: BLE001 - at exit: said, nothing to raise to
+        print(f"ampguard: BackgroundSink could not write its last records at exit: {first_line(err)}",
+              file=sys.stderr)
 
 
 class Sinks:

@@ -610,3 +610,85 @@ def test_a_text_cell_with_a_line_break_is_refused_so_every_row_stays_one_line(tm
     sink.close()
     CsvSink(path, extra_columns=["note"], append=True, keep_through=2).close()  # (its own resume reads it)
     assert path.read_text(encoding="utf-8").count("\n") == 3
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")
+def test_tensorboard_refuses_what_the_csv_refuses_and_logs_the_extras_that_are_numbers(tmp_path):
+    # review 36e: it took a step twice, a step going back and a write after close(), and a text
+    # extra raised from add_scalar halfway through a step (some of its scalars written)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TensorBoardSink(tmp_path)
+    sink.write(applied(1, loss=1.0), {"phase": "warm-up", "flag": True, "val_loss": 0.5, "acc": None})
+    sink.write(applied(2, loss=1.0))
+    for step in (2, 1):
+        with pytest.raises(ValueError, match=rf"^TensorBoardSink \(.*\): step {step} after step 2: each step must"):
+            sink.write(applied(step, loss=9.0))
+    sink.close()
+    with pytest.raises(ValueError, match=r"^TensorBoardSink \(.*\) is closed: nothing more can be written to it$"):
+        sink.write(applied(3, loss=9.0))
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 1.0)]
+    assert [(e.step, e.value) for e in events.Scalars("train/val_loss")] == [(1, 0.5)]
+    assert not {"train/phase", "train/flag", "train/acc"} & set(events.Tags()["scalars"])
+
+
+def test_a_background_sink_nobody_closed_writes_its_queue_at_exit(tmp_path):
+    # review 36e: its writer is a daemon thread: a loop that crashed (or ended) without close() lost
+    # every row still queued, with a slow inner sink all of them
+    import subprocess
+    import sys
+
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import sys, time\n"
+        "sys.path[:0] = [sys.argv[2]]\n"
+        "from ampguard import StepLog\n"
+        "from ampguard.sinks import BackgroundSink, CsvSink\n"
+        "class Slow(CsvSink):\n"
+        "    def write(self, record, extra=None):\n"
+        "        time.sleep(0.02)\n"
+        "        super().write(record, extra)\n"
+        "sink = BackgroundSink(Slow(sys.argv[1]))\n"
+        "for step in range(1, 21):\n"
+        "    sink.write(StepLog(step, lr=0.1, loss=1.0, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0))\n"
+        "raise RuntimeError('the loop crashed')\n")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "steps.csv"),
+                           os.path.dirname(os.path.dirname(__import__("ampguard").__file__))],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "the loop crashed" in done.stderr
+    assert [row["step"] for row in read_rows(tmp_path / "steps.csv")] == [str(s) for s in range(1, 21)]
+
+
+def test_a_background_sink_refuses_a_write_after_close_and_every_write_after_its_writer_failed(tmp_path):
+    # review 36e: a write after close() was queued to a thread that had ended (silently dropped,
+    # then a hang once the queue was full); after the writer's error was raised once, the writes
+    # after it went through: steps 1, 2, 5, 6 in the CSV, a hole its docstring says cannot be
+    from ampguard.sinks import BackgroundSink
+
+    with BackgroundSink(CsvSink(tmp_path / "a.csv"), max_pending=2) as sink:
+        sink.write(applied(1, loss=1.0))
+    for _ in range(3):  # (the third blocked for good)
+        with pytest.raises(ValueError, match="^BackgroundSink is closed: nothing more can be written to it$"):
+            sink.write(applied(2, loss=1.0))
+    sink.close()  # (a second close: nothing)
+
+    class FailsAt3(CsvSink):
+        def write(self, record, extra=None):
+            if record.step == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().write(record, extra)
+
+    sink = BackgroundSink(FailsAt3(tmp_path / "b.csv"))
+    for step in (1, 2, 3):
+        sink.write(applied(step, loss=1.0))
+    while sink._failed is None:
+        time.sleep(0.01)
+    with pytest.raises(OSError, match="No space left"):
+        sink.write(applied(4, loss=1.0))
+    for step in (5, 6):
+        with pytest.raises(ValueError, match=r"^BackgroundSink: its writer failed \(.*No space left.*\): nothing more"):
+            sink.write(applied(step, loss=1.0))
+    sink.close()
+    assert [row["step"] for row in read_rows(tmp_path / "b.csv")] == ["1", "2"]

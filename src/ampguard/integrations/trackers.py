@@ -42,7 +42,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
-import numbers
 import os
 import sys
 import warnings
@@ -51,13 +50,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-import torch
-
 from ..errors import AmpguardWarning, ExitCode, InputError, first_line
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
-from ..sinks import NONE_WRITTEN, DiskFull, check_step_after, require, steps_from
+from ..sinks import NONE_WRITTEN, DiskFull, check_step_after, metric_number, require, steps_from
 from ..watch import float32_layers_text
 
 if TYPE_CHECKING:
@@ -105,27 +102,9 @@ def step_metrics(record: StepRecord, extra: Mapping[str, float | None] | None = 
     for name in record.optimizers:  # a guard over several optimizers: which of them skipped
         row[f"train/skipped.{name}"] = float(name in record.skipped_optimizers)
     for name, value in (extra or {}).items():
-        if (number := _number(value)) is not None:
+        if (number := metric_number(value)) is not None:
             row[f"eval/{name}"] = number
     return row
-
-
-def _number(value: object) -> float | None:
-    """An extra value as a tracker's number: an int or a float, a numpy number, a one-element
-    tensor (read from the device: a host sync), as the CSV writes them; ``None`` for anything else
-    (text, a bool, a missing value), which the CSV may hold and a tracker's metrics cannot.
-
-    Example::
-
-        >>> import numpy as np
-        >>> [_number(v) for v in (2, np.float32(0.5), torch.tensor([0.25]), True, "warm-up", None)]
-        [2.0, 0.5, 0.25, None, None, None]
-    """
-    if isinstance(value, torch.Tensor):
-        return float(value) if value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool else None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # (numpy's bool is no Real)
-        return float(value)
-    return None
 
 
 def monitor_metrics(monitor: RunMonitor) -> dict[str, float]:
@@ -530,7 +509,7 @@ class MLflowSink(TrackerSink):
         super().__init__(finish_later=finish_later)
         self.client = mlflow_client(tracking_uri)
         self._ops: list[Any] = []
-        self._names: set[str] = set()  # the extras' names MLflow was found to take
+        self._names: set[str] = set()  # the metric names of extras and optimizers MLflow was found to take
         self._async = urlparse(str(self.client.tracking_uri)).scheme not in ("", "file")
         try:
             found = run_id or self._find(experiment, ampguard_run_id)
@@ -606,9 +585,12 @@ class MLflowSink(TrackerSink):
         return run_id
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
-        for name in (extra or {}).keys() - self._names:  # (refused at the write that brings it, not the next)
-            self._check_name(f"eval/{name}")
-            self._names.add(name)
+        # (refused at the write that brings it, before anything is held: a name MLflow refused at the next
+        # write's flush lost that row and this one, at every step, and the run ended FINISHED and empty)
+        keys = {f"eval/{name}" for name in (extra or {})} | {f"train/skipped.{name}" for name in record.optimizers}
+        for key in keys - self._names:
+            self._check_name(key)
+            self._names.add(key)
         if self._continued is not None:  # the first step written to a run continued: is it there already?
             status, self._continued = self._continued, None
             held = self.client.get_metric_history(self.run_id, "train/skipped")  # (logged at every step)
