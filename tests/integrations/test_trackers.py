@@ -670,3 +670,27 @@ def test_wandb_online_without_an_api_key_says_how_to_log_offline(cli, tmp_path, 
     assert err.startswith("ampguard: error: log.wandb: cannot start a W&B run: ")
     assert err.rstrip().endswith("(or log the run offline: log.wandb.mode=offline, or WANDB_MODE=offline)")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_resume_whose_mlflow_run_was_deleted_says_the_new_run_holds_only_its_steps(cli, tmp_path):
+    # review 36e: search_runs finds active runs only: the resume made a new run of steps 3-4, unsaid;
+    # and a run continued kept its earlier end's "ended" tag while it ran again
+    store = (tmp_path / "mlruns").as_uri()
+    common = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "log.plot=false",
+              "--set", f"log.mlflow={{tracking_uri: {store}, experiment: gone}}", "--set", "checkpoint.every=2"]
+    code, out, err = cli("train", *common, "--set", "steps=2", "--set", "log.name=r")
+    assert code == 0, err
+    client = MlflowClient(tracking_uri=store)
+    first = client.search_runs([client.get_experiment_by_name("gone").experiment_id])[0]
+    assert first.data.tags["ampguard.ended"].startswith("finished")
+    sink = MLflowSink(tracking_uri=store, experiment="gone", ampguard_run_id=first.data.tags[RUN_ID_TAG])
+    assert sink.found_earlier and sink.run_id == first.info.run_id
+    sink.write(StepLog(3, lr=0.1, loss=1.0, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0))
+    # continued with a step: its old end's words taken back while it runs
+    assert client.get_run(sink.run_id).data.tags["ampguard.ended"].startswith("running again (resumed)")
+    sink.close()
+    client.delete_run(first.info.run_id)
+    code, out, err = cli("train", "--resume", tmp_path / "runs" / "r", "--set", "steps=4")
+    assert code == 0, err
+    assert "is a new run: this run's earlier one was not found there (deleted? another store?); it holds the " \
+           "steps from 3 on" in out

@@ -177,6 +177,10 @@ class TrackerSink:
     ends it.
     """
 
+    found_earlier: bool | None = None
+    """Whether the tracker run was found and continued (a resume), not made; None where the
+    tracker cannot tell."""
+
     def __init__(self, *, finish_later: bool = False) -> None:
         self._pending: tuple[int, dict[str, float]] | None = None
         self._finish_later = finish_later
@@ -524,6 +528,7 @@ class MLflowSink(TrackerSink):
             continued = self.client.get_run(found) if found else None
             self._continued: str | None = continued.info.status if continued else None
             self._said = bool(found)
+            self.found_earlier = found is not None
             if continued is not None:
                 self._end_superseded(continued)
                 self.client.update_run(found, status="RUNNING")
@@ -596,6 +601,9 @@ class MLflowSink(TrackerSink):
             held = self.client.get_metric_history(self.run_id, "train/skipped")  # (logged at every step)
             if held and max(m.step for m in held) >= record.step:
                 self._fork(record.step - 1, status)
+            elif "ampguard.ended" in self.client.get_run(self.run_id).data.tags:  # (an earlier end's, until this one's)
+                self.client.set_tag(self.run_id, "ampguard.ended", "running again (resumed): the other ampguard.* "
+                                    "totals are an earlier end's until this run ends")
         super().write(record, extra)
 
     def _fork(self, through: int, status: str) -> None:
