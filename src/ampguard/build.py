@@ -430,7 +430,8 @@ def build_headroom(config: Config, model: nn.Module, scaler: torch.amp.GradScale
     if h.every is None:
         return None
     loss_scale = (lambda: scale_in_use(scaler)) if scaler.is_enabled() else None
-    return Headroom(model, h.format_for(config.precision), every=h.every, alert_bits=h.alert_bits, loss_scale=loss_scale)
+    return Headroom(model, h.format_for(config.precision), every=h.every, alert_bits=h.alert_bits, loss_scale=loss_scale,
+                    scale_floor=config.scaler.min_scale)
 
 
 def to_device(value: Any, device: torch.device) -> Any:

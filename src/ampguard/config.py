@@ -531,7 +531,7 @@ class HeadroomConfig(_Section):
     every module that holds parameters (forward output, the gradient flowing back into it, its
     parameters' gradient) and pays a few device reductions per module and one host read; other
     steps pay nothing.
-    On the default ``ampguard train`` run at ``every: 100``: +0.6% of a step (README, "Headroom")."""
+    On the default ``ampguard train`` run at ``every: 100``: about +1% of a step (README, "Headroom")."""
     alert_bits: Amount = 4.0
     """ALERT (once per episode, per module) when a module's headroom, the doublings left before
     its output or its gradients (fp16: without the loss scale) overflow the format, falls below

@@ -177,13 +177,13 @@ def headroom_bits(amax: float, fmt: Format) -> float:
     return math.log2(fmt.max / amax)
 
 
-def _shown(bits: float, bound: float) -> str:
+def bits_shown(bits: float, bound: float) -> str:
     """``bits`` to one decimal, or as many more as it takes to stay on its side of ``bound``
     (3.9993 below an alert_bits of 4 is "3.999", not "4.0").
 
     Example::
 
-        >>> _shown(3.25, 4.0), _shown(3.9993, 4.0), _shown(4.5, 4.5), _shown(-math.inf, 4.0)
+        >>> bits_shown(3.25, 4.0), bits_shown(3.9993, 4.0), bits_shown(4.5, 4.5), bits_shown(-math.inf, 4.0)
         ('3.2', '3.999', '4.5', '-inf')
     """
     for digits in range(1, 7):
@@ -193,13 +193,15 @@ def _shown(bits: float, bound: float) -> str:
     return repr(bits)
 
 
-def judged_bits(row: HeadroomRow, scale: float | None, alert_bits: float) -> float | None:
+def judged_bits(row: HeadroomRow, scale: float | None, alert_bits: float, floor: float = 1.0) -> float | None:
     """The headroom ``row`` is judged by (the alert, and the report's heatmap): an output's own;
-    a gradient's without the loss ``scale`` its step ran with (``bits + log2(scale)``), what fp16
-    holds of it with no help from the scaler: a scaled gradient overflowing is the scaler's
-    search (one skip, then a halved scale), not a warning. None when the row says nothing: a
-    nan, or a scaled gradient that overflowed at a scale above ``2**alert_bits`` (its unscaled
-    size is unknown beyond ``> max / scale``).
+    a gradient's without the loss ``scale`` its step ran with down to the scaler's ``floor``
+    (``scaler.min_scale``; 1 or below: the unscaled gradient's, ``bits + log2(scale)``), what
+    fp16 holds of it with all the help the scaler can give: a scaled gradient overflowing is the
+    scaler's search (one skip, then a halved scale), not a warning, unless the scale cannot come
+    down enough (at its floor, it cannot come down at all). None when the row says nothing: a
+    nan, or a scaled gradient that overflowed at a scale above ``2**alert_bits`` times the floor
+    (its unscaled size is unknown beyond ``> max / scale``).
 
     Example::
 
@@ -208,15 +210,18 @@ def judged_bits(row: HeadroomRow, scale: float | None, alert_bits: float) -> flo
         [3.0, 13.0, None, None]
         >>> judged_bits(HeadroomRow(1, "fc", "grad", math.inf, -math.inf, 0.0), 8.0, 4.0)  # overflowed at 2**3
         -inf
+        >>> judged_bits(HeadroomRow(1, "fc", "grad", 1.0, 3.0, 0.0), 8192.0, 4.0, floor=4096.0)  # one halving left
+        4.0
     """
     bits = row.headroom_bits
     if math.isnan(bits):
         return None
-    if row.tensor in UNSCALED or scale is None or not scale > 0 or scale == 1.0:
+    room = scale / max(floor, 1.0) if scale is not None and scale > 0 else None  # how far the scale can come down
+    if row.tensor in UNSCALED or room is None or room <= 1.0:
         return bits
-    if math.isinf(bits) and bits < 0:  # overflowed scaled: unscaled headroom < log2(scale)
-        return bits if math.log2(scale) <= alert_bits else None
-    return bits + math.log2(scale)
+    if math.isinf(bits) and bits < 0:  # overflowed scaled: headroom at the floor < log2(room)
+        return bits if math.log2(room) <= alert_bits else None
+    return bits + math.log2(room)
 
 
 @dataclass(frozen=True)
@@ -530,13 +535,15 @@ class Headroom:
     """
 
     def __init__(self, model: nn.Module, fmt: Format | str, *, every: int, alert_bits: float,
-                 scaled_grads: bool = False, loss_scale: Callable[[], torch.Tensor | float] | None = None) -> None:
+                 scaled_grads: bool = False, loss_scale: Callable[[], torch.Tensor | float] | None = None,
+                 scale_floor: float = 1.0) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.format = FORMATS[fmt] if isinstance(fmt, str) else fmt
         self.every, self.alert_bits = every, alert_bits
         self.scaled_grads = scaled_grads or loss_scale is not None
         self.loss_scale = loss_scale
+        self.scale_floor = scale_floor  # (the scaler's min_scale: the scale comes down no further)
         self.modules = measured_modules(model)
         every_module = [(name or ROOT, m) for name, m in model.named_modules()]
         self._order = {name: i for i, (name, _) in enumerate(every_module)}
@@ -579,9 +586,11 @@ class Headroom:
         handles: list[RemovableHandle] = []
         # the tensors measured already in the forward: an input that is one is not measured again
         seen: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        handles += [m.register_forward_pre_hook(self._input_hook(name, seen), with_kwargs=True)
+        versions: dict[int, int] = {}  # (each one's version when measured: changed in place since, measured again)
+        handles += [m.register_forward_pre_hook(self._input_hook(name, seen, versions), with_kwargs=True)
                     for name, m in self.modules]
-        handles += [m.register_forward_hook(self._forward_hook(name, handles, seen)) for name, m in self.modules]
+        handles += [m.register_forward_hook(self._forward_hook(name, handles, seen, versions))
+                    for name, m in self.modules]
         hooked: set[int] = set()  # a tied parameter (charlm's head.weight is tok.weight): its first module's
         for name, m in self.modules:
             for p in m.parameters(recurse=False):
@@ -616,23 +625,26 @@ class Headroom:
         with _MatmulProbe(lambda value: self._add(inside[-1], "matmul", value) if wanted() else None, wanted):
             yield
 
-    def _input_hook(self, name: str, seen: weakref.WeakValueDictionary[int, torch.Tensor]
-                    ) -> Callable[[nn.Module, Any, Any], None]:
+    def _input_hook(self, name: str, seen: weakref.WeakValueDictionary[int, torch.Tensor],
+                    versions: dict[int, int]) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            for t in tree_leaves((args, kwargs)):  # (one measured already is its first module's row)
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and seen.get(id(t)) is not t:
+            for t in tree_leaves((args, kwargs)):  # (one measured already, and unchanged since, is its first module's row)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and (
+                        seen.get(id(t)) is not t or versions.get(id(t)) != t._version):  # (x.mul_(16) since: again)
                     self._add(name, "input", t)
-                    seen[id(t)] = t
+                    seen[id(t)], versions[id(t)] = t, t._version
 
         return hook
 
-    def _forward_hook(self, name: str, handles: list[RemovableHandle],
-                      seen: weakref.WeakValueDictionary[int, torch.Tensor]) -> Callable[[nn.Module, Any, Any], None]:
+    def _forward_hook(self, name: str, handles: list[RemovableHandle], seen: weakref.WeakValueDictionary[int, torch.Tensor],
+                      versions: dict[int, int]) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            for t in tree_leaves(output):  # (one measured already, unchanged, is the inner module's: a root's
+                # own parameter made it a module of its own, and its output, the head's, alerted twice)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and (
+                        seen.get(id(t)) is not t or versions.get(id(t)) != t._version):
                     self._add(name, "output", t)
-                    seen[id(t)] = t
+                    seen[id(t)], versions[id(t)] = t, t._version
                     if t.requires_grad:
                         handles.append(t.register_hook(lambda grad: self._add(name, "grad", grad)))
 
@@ -642,11 +654,20 @@ class Headroom:
         return lambda grad: self._add(name, "param_grad", grad)
 
     def _add(self, name: str, tensor: str, value: torch.Tensor) -> None:
-        """Device reductions only (no host read): the largest |value| and the count of
-        values between 0 and the format's smallest normal."""
+        """Device reductions only (no host read): the largest |value| leaving NaNs out (an
+        overflow's ``softmax(inf)`` beside the inf logits of the same row: ``amax`` read nan, a
+        row never judged, and the overflow went unannounced; a row of NaNs alone stays nan, it
+        says nothing) and the count of values between 0 and the format's smallest normal. A
+        sparse gradient (``nn.Embedding(sparse=True)``) by its values; another layout is left
+        out."""
+        if value.layout != torch.strided:
+            if value.layout != torch.sparse_coo:
+                return
+            value = value.coalesce().values()
         a = value.detach().abs()
         under = ((a > 0) & (a < self.format.tiny)).sum()
-        self._stats.setdefault((name, tensor), []).append((a.amax().float(), under, a.numel()))
+        top = torch.nan_to_num(a, nan=-1.0, posinf=math.inf).amax().float()  # (-1: every value NaN)
+        self._stats.setdefault((name, tensor), []).append((torch.where(top < 0, math.nan, top), under, a.numel()))
 
     def read(self, step: int) -> list[HeadroomRow]:
         """The rows of ``step`` (none unless it was measured): every number of the step copied to
@@ -685,7 +706,7 @@ class Headroom:
             >>> h.judged_bits(HeadroomRow(1, "fc", "grad", math.inf, -math.inf, 0.0))
             -inf
         """
-        return judged_bits(row, self._row_scale, self.alert_bits)
+        return judged_bits(row, self._row_scale, self.alert_bits, self.scale_floor)
 
     def observe(self, record: StepRecord) -> list[Event]:
         """The alerts and clears a step's record brings (none on an unmeasured step)."""
@@ -713,12 +734,12 @@ class Headroom:
             elif bits >= self.alert_bits + CLEAR_MARGIN and module in self.alerting:
                 self.alerting.remove(module)
                 events.append(Event(step, "headroom_clear", (
-                    f"headroom_clear: {module} back to {_shown(bits, self.alert_bits + CLEAR_MARGIN)} bits >= "
+                    f"headroom_clear: {module} back to {bits_shown(bits, self.alert_bits + CLEAR_MARGIN)} bits >= "
                     f"alert_bits {self.alert_bits:g} + {CLEAR_MARGIN:g}"), self._data(row, bits)))
         return events
 
     def _message(self, row: HeadroomRow, bits: float) -> str:
-        scale, what = self._row_scale, f"{row.module} {row.tensor} headroom {_shown(bits, self.alert_bits)} bits"
+        scale, what = self._row_scale, f"{row.module} {row.tensor} headroom {bits_shown(bits, self.alert_bits)} bits"
         if row.tensor in UNSCALED or not self.scaled_grads:
             amax = f"amax {row.amax:.4g}"
         elif scale is None or not scale > 0:

@@ -19,7 +19,7 @@ from .build import build_monitor
 from .clipping import clip_threshold
 from .errors import ExitCode, InputError, check_folder_of, counted, first_line, real_number, whole_number
 from .files import replace_atomically, temporary_beside
-from .headroom import HEADROOM_CSV, HeadroomRow, read_headroom_csv
+from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor, ScaleHealth
 from .precision import Precision, backend_text, finite_number
 from .records import SKIP_REASONS
@@ -277,6 +277,11 @@ def headroom_alerts_text(run_dir: Path | None) -> str:
         ...     {"step": 8, "event": "headroom_alert", "module": "2", "tensor": "output", "judged_bits": "-inf"}) + "\\n")
         >>> headroom_alerts_text(folder)  # (an overflow: events.jsonl writes a non-finite number as its text)
         '1 (step 8: 2 output -inf bits)'
+        >>> _ = (folder / "events.jsonl").write_text(json.dumps(
+        ...     {"step": 8, "event": "headroom_alert", "module": "2", "tensor": "output", "judged_bits": 3.99,
+        ...      "alert_bits": 4.0}) + "\\n")
+        >>> headroom_alerts_text(folder)  # (on its side of the alert's threshold: not "4.0 bits")
+        '1 (step 8: 2 output 3.99 bits)'
         >>> shutil.rmtree(folder)
     """
     # (at_resume: an alert at step s is raised in step s, before its checkpoint: a resume from s keeps it)
@@ -291,7 +296,9 @@ def headroom_alerts_text(run_dir: Path | None) -> str:
             bits = float(bits)
         where = " ".join(str(alert[k]) for k in ("module", "tensor") if isinstance(alert.get(k), str))
         shown_bits = real_number(bits)
-        return f"step {alert['step']}: {where}" + (f" {bits:.1f} bits" if shown_bits else "")
+        bound = alert.get("alert_bits")  # (kept on its side of the threshold: 3.99 below 4 read "4.0 bits")
+        text = (bits_shown(bits, bound) if real_number(bound) else f"{bits:.1f}") if shown_bits else ""
+        return f"step {alert['step']}: {where}" + (f" {text} bits" if shown_bits else "")
 
     shown_ = "; ".join(said(a) for a in alerts[:HEADROOM_ALERTS_SHOWN])
     return f"{len(alerts)} ({shown_}{'; ...' if len(alerts) > HEADROOM_ALERTS_SHOWN else ''})"
@@ -602,6 +609,7 @@ def plot_run(
     policy: Sequence[dict[str, Any]] = (),
     events_dir: Path | None = None,
     scaler_on: bool = True,
+    scale_floor: float = 1.0,
 ) -> Path:
     """Draw one PNG (1200 x 1400 px) with five panels on a shared step axis: loss, pre/post-clip
     norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
@@ -671,7 +679,7 @@ def plot_run(
             shown_title = shown(title or Path(csv_path).name)
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
                   fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title, init_scale=init_scale,
-                  policy=policy, rollbacks=rollbacks_of(events_dir) if events_dir else (),
+                  scale_floor=scale_floor, policy=policy, rollbacks=rollbacks_of(events_dir) if events_dir else (),
                   restarts=scale_restarts(events_dir, rows, init_scale) if heat and events_dir and scaler_on else None)
             # marked as ampguard's (PLOT_MARK): only a plot with the mark is ever drawn again
             fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(f"ampguard report: {shown_title}"))
@@ -718,7 +726,7 @@ def _linear_y(ax: Any, values: list[float], label: str) -> None:
 def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_norm: float | None, window: int,
           alert_rate: float, fail_rate: float | None, alert_bits: float | None, title: str,
           init_scale: float = 1.0, policy: Sequence[dict[str, Any]] = (), rollbacks: Sequence[dict[str, Any]] = (),
-          restarts: Mapping[int, float] | None = None) -> None:
+          restarts: Mapping[int, float] | None = None, scale_floor: float = 1.0) -> None:
     """:func:`plot_run`'s panels on ``axes`` (five, and the headroom heatmap with ``heat``)."""
     ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes[:5]
     steps = [r.step for r in rows]
@@ -773,7 +781,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     whole_steps(axes[-1])
     if heat:
         headroom_panel(fig, axes[5], heat, alert_bits, scale_at=_scale_used(rows, init_scale, restarts),
-                       run_steps=(steps[0], steps[-1]))
+                       run_steps=(steps[0], steps[-1]), scale_floor=scale_floor)
 
     for reason in SKIP_REASONS:
         marks = [r.step for r in rows if r.skipped and r.skip_reason == reason]
@@ -791,7 +799,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
 
 def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float | None = None,
                    scale_at: Callable[[int], float | None] | None = None,
-                   run_steps: tuple[int, int] | None = None) -> Any:
+                   run_steps: tuple[int, int] | None = None, scale_floor: float = 1.0) -> Any:
     """The headroom heatmap on ``ax`` (its mesh returned): one row per module and tensor (output,
     then the gradient into it; in the model's order, top down), one column per measured step,
     the colour the bits of headroom left below the format's max: red is close to overflowing,
@@ -834,7 +842,7 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
     where_step = {step: j for j, step in enumerate(steps)}
     grid = np.full((len(labels), len(steps)), np.nan)
     for r in rows:
-        bits = judged_bits(r, scale_at(r.step) if scale_at is not None else None, alert_bits or 0.0)
+        bits = judged_bits(r, scale_at(r.step) if scale_at is not None else None, alert_bits or 0.0, scale_floor)
         grid[where_label[(r.module, r.tensor)], where_step[r.step]] = math.nan if bits is None else bits
     finite = grid[np.isfinite(grid)]
     top = max(1.0, float(finite.max()) if finite.size else 1.0, 2 * (alert_bits or 0.0))
@@ -1094,7 +1102,9 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         *((("non-finite losses by rank", origins),) if (origins := m.loss_origins_text()) else ()),
         ("max rolling skip rate", m.max_skip_rate_text),
         ("skip-rate alert episodes", str(m.alert_episodes)),
-        *((("headroom alerts", _headroom_alerts(result.paths.dir)),) if config.monitor.headroom.every else ()),
+        # (with the monitor on, or off now after alerts it raised: a resume with monitor.headroom.every null)
+        *((("headroom alerts", alerts),) if (alerts := _headroom_alerts(result.paths.dir))[0].isdigit()
+          or config.monitor.headroom.every else ()),
         # (clipping turned off on a resume: the steps clipped before it still count)
         ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {counted(m.steps, 'step')} had pre-clip norm > max_norm)"
                                    if clip_threshold(config.max_norm) or m.clipped else "n/a (clipping off)")),
@@ -1202,7 +1212,7 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
                      title=f"run {paths.dir.name}" if paths.dir is not None else None,
                      headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
                      init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
-                     note=lambda line: say(f"warning: {line}"),
+                     scale_floor=config.scaler.min_scale, note=lambda line: say(f"warning: {line}"),
                      policy=policy_changes_of(paths.dir) if paths.dir is not None else (), events_dir=paths.dir,
                      scaler_on=result.monitor.scaler_enabled)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
@@ -1318,7 +1328,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
                  alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
                  alert_bits=mon.headroom.alert_bits, init_scale=init_scale if scaler_on else 1.0,
-                 note=lambda line: print(f"note: {line}"),
+                 scale_floor=config.scaler.min_scale, note=lambda line: print(f"note: {line}"),
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
                  events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on)
     run_dir = csv_path.parent if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)

@@ -206,3 +206,20 @@ def test_a_headroom_interval_no_step_reaches_is_said_at_the_start(cli):
         code, out, err = cli("train", "--set", "task.name=linear", "--set", "steps=10", "--set", "log.plot=false",
                              "--set", "checkpoint.enabled=false", "--set", "monitor.headroom.every=10")
         assert code == 0 and "headroom.every" not in err, err  # (step 10 is measured)
+
+
+def test_a_resume_that_turns_the_monitor_off_keeps_its_alerts_on_the_card(tmp_path, capsys):
+    # review 36f: the card's row was written only with the monitor on: a resume with
+    # monitor.headroom.every null dropped the alerts the run had raised (report still listed them)
+    factory = tmp_path / "ramp.py"
+    factory.write_text(RAMP, encoding="utf-8")
+    run_args = ["checkpoint.every=11" if a == "checkpoint.enabled=false" else a for a in RAMP_RUN]
+    assert main(["train", *run_args, "--set", f"task.factory={factory}:build", "--set", f"log.dir={tmp_path}",
+                 "--set", "log.name=ramp"]) == 0
+    run = tmp_path / "ramp"
+    alerts = [e for e in read_events(run / "events.jsonl") if e["event"] == "headroom_alert"]
+    assert alerts
+    assert main(["train", "--resume", str(run), "--set", "steps=12", "--set", "monitor.headroom.every=null"]) == 0
+    capsys.readouterr()
+    assert f"| headroom alerts | {len(alerts)} (step {alerts[0]['step']}: fc1 output" in \
+        (run / "RUN.md").read_text(encoding="utf-8")

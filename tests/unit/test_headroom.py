@@ -869,3 +869,89 @@ def test_a_masked_attentions_underflow_share_counts_only_the_logits_it_keeps():
         model(torch.ones(1, 6, 4)).sum().backward()  # (every kept logit 4e-6 / 2: below fp16's smallest normal)
     row = next(r for r in headroom.read(1) if r.tensor == "matmul")
     assert row.underflow_share == 1.0 and row.amax == pytest.approx(2e-6)
+
+
+def test_a_sparse_gradient_is_measured_by_its_values_not_a_crash_of_the_measured_step():
+    # review 36f: an nn.Embedding(sparse=True)'s gradient reached (a > 0) on a sparse tensor: a
+    # NotImplementedError traceback at the first measured step, hours into a run at every: 100
+    model = nn.Sequential(OrderedDict(emb=nn.Embedding(10, 4, sparse=True), fc=nn.Linear(4, 1)))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.tensor([1, 2, 2])).sum().mul(3000.0).backward()
+    rows = {(r.module, r.tensor): r for r in headroom.read(1)}
+    grad = model.emb.weight.grad.coalesce().values().abs().amax().item()
+    assert rows[("emb", "param_grad")].amax == grad  # (token 2's two rows summed, as the dense gradient)
+
+
+def test_a_nan_beside_an_overflow_does_not_hide_it_and_a_row_of_nans_says_nothing():
+    # review 36f: softmax(inf) is NaN; amax over a row holding both read nan, a row never judged:
+    # the logits that overflowed were never announced
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(1, 2, bias=False)))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    model.fc.weight.data.copy_(torch.tensor([[math.inf], [math.nan]]))
+    with headroom.measuring(1):
+        model(torch.ones(1, 1))
+    (row,) = [r for r in headroom.read(1) if r.tensor == "output"]
+    assert (row.amax, row.headroom_bits) == (math.inf, -math.inf)
+    assert [e.kind for e in headroom.observe_step(1)] == ["headroom_alert"]
+    model.fc.weight.data.fill_(math.nan)  # (NaN alone: downstream of an overflow named elsewhere, or bad data)
+    with headroom.measuring(2):
+        model(torch.ones(1, 1))
+    (row,) = [r for r in headroom.read(2) if r.tensor == "output"]
+    assert math.isnan(row.amax) and math.isnan(row.headroom_bits)
+
+
+def test_an_output_changed_in_place_before_the_next_module_is_measured_again_as_its_input():
+    # review 36f: fc1's output was measured, then h.mul_(16) made it 16x larger before fc2 read it:
+    # fc2's input was taken for the same tensor already measured (a ResNet's out += identity)
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
+
+        def forward(self, x):
+            return self.fc2(self.fc1(x).mul_(16))
+
+    model = InPlace()
+    model.fc1.weight.data.fill_(2000.0)
+    model.fc2.weight.data.fill_(1.0)
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1), torch.no_grad():
+        model(torch.ones(1, 1))
+    rows = {(r.module, r.tensor): r.amax for r in headroom.read(1)}
+    assert rows[("fc1", "output")] == 2000.0 and rows[("fc2", "input")] == 32000.0
+
+
+def test_a_gradient_is_judged_with_the_help_the_scaler_can_give_down_to_its_floor():
+    # review 36f: a scaled gradient was judged as if the scale could come down to 1; with
+    # scaler.min_scale 4096 it cannot: 48 of 60 steps skipped, no headroom alert
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(1, 1, bias=False)))
+    scale = torch.tensor(8192.0)
+    floored = Headroom(model, "fp16", every=1, alert_bits=4.0, loss_scale=lambda: scale.clone(), scale_floor=4096.0)
+    free = Headroom(model, "fp16", every=1, alert_bits=4.0, loss_scale=lambda: scale.clone())
+    # the scaled gradient 16384 (2 bits): one halving left above the floor (3 bits), 13 without one
+    assert _scaled_step(floored, model, 1, 2.0, 8192.0) == ["headroom_alert"]
+    assert _scaled_step(free, model, 1, 2.0, 8192.0) == []
+
+
+def test_a_roots_output_that_is_its_heads_is_one_row_not_two_alerts():
+    # review 36f: a root with a parameter of its own is a measured module too; its output, the head's
+    # tensor itself, was a second row (and a second alert at the head's overflow)
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(()))
+            self.head = nn.Linear(1, 1, bias=False)
+
+        def forward(self, x):
+            return self.head(x * self.gain)
+
+    model = Scaled()
+    model.head.weight.data.fill_(60000.0)
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.ones(1, 1)).sum().backward()
+    rows = [(r.module, r.tensor) for r in headroom.read(1)]
+    assert ("head", "output") in rows and ("(root)", "output") not in rows and ("(root)", "param_grad") in rows
+    alerts = {(e.data["module"], e.data["tensor"]) for e in headroom.observe_step(1) if e.kind == "headroom_alert"}
+    assert alerts == {("head", "output"), ("(root)", "param_grad")}  # (the gain's gradient is 60000 too)
