@@ -779,8 +779,10 @@ class Guard:
                                + (f" (inside a group of accumulation_steps={self.accumulation_steps} it returns None:"
                                   " no counter of your own)" if self.accumulation_steps > 1 else ""))
         stats = self._running_stats
-        if stats.layers or stats.stale:  # (a model with BatchNorm, or one added: a compiled one's layers' hooks copy nothing)
-            stats.keep_before_training()
+        # (a model with BatchNorm, one added, or every UNFROZEN_EVERY steps a look for one that came with
+        # no registration: a compiled model's layers' hooks copy nothing)
+        if stats.layers or stats.stale or not self.steps % UNFROZEN_EVERY:
+            stats.keep_before_training(look=not self.steps % UNFROZEN_EVERY)
         context = self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
         if self.autocast_dtypes is None and self.precision.autocasts:  # (the first forward only)
             return self._noting_dtypes(context)
@@ -941,9 +943,12 @@ class Guard:
         if self._micro == 0:
             held = next((p for p, _ in owned if p.grad is not None), None)
             if held is not None:
-                name = next(n for n, p in self._root.named_parameters() if p is held)
+                name = next((n for n, p in self._root.named_parameters() if p is held), None)
+                # (one taken out of the model since the guard read it, still in the optimizer: a bare StopIteration)
+                which = f"parameter {name!r}" if name is not None else \
+                    f"a parameter of shape {list(held.shape)}, no longer in the model,"
                 raise RuntimeError(
-                    f"Guard.backward(): parameter {name!r} already holds a gradient at the start of a step, from a "
+                    f"Guard.backward(): {which} already holds a gradient at the start of a step, from a "
                     "backward outside this guard (a loss.backward() of yours, or another Guard's backward reaching "
                     "these parameters: one Guard for models whose losses reach each other, or zero them first); the "
                     "guard drops gradients after every step (optimizer.zero_grad(set_to_none=False) leaves zeros: "

@@ -57,17 +57,26 @@ class _Watched:
 WATCHED = _Watched()
 
 
+@torch.compiler.disable
 def _count_registration(*args: Any) -> None:
-    if not torch.compiler.is_compiling():  # (read inside a compiled forward, the count was a guard of its graph)
-        WATCHED.registered += 1
+    """A module or parameter registered. Never traced (a compiled forward that registers one runs
+    this eagerly, a graph break: a count read inside its graph would guard it, and a count
+    skipped there would miss an adapter the forward made)."""
+    WATCHED.registered += 1
+
+
+@torch.compiler.disable
+def _count_new_buffer() -> None:
+    WATCHED.buffers += 1
 
 
 def _count_buffer(module: nn.Module, name: str, buffer: Any) -> None:
-    """A buffer registered: counted when it is a new name, not a forward's assignment to one it
-    has (``self.n = self.n + 1``: a compiled forward that did it recompiled at each call on the
-    count, until dynamo's limit left it uncompiled)."""
-    if not torch.compiler.is_compiling() and name not in module._buffers:
-        WATCHED.buffers += 1
+    """A buffer registered: counted when it is a new name (or one that held None:
+    ``track_running_stats`` turned on), not a forward's assignment to one it has (``self.n =
+    self.n + 1``: a compiled forward that did it recompiled at each call on the count, until
+    dynamo's limit left it uncompiled); the count itself never traced."""
+    if module._buffers.get(name) is None:
+        _count_new_buffer()
 
 
 @functools.cache
@@ -488,14 +497,15 @@ class RunningStats:
                 self._watch(layers)
             self._registered = seen
 
-    def keep_before_training(self) -> None:
+    def keep_before_training(self, look: bool = False) -> None:
         """:meth:`keep`, when a forward that writes the statistics may follow: gradients on and one
         of the layers in training mode (a frozen BatchNorm in eval mode writes nothing; the root's
         own mode says nothing: a guard of several models has a root of its own, always training).
-        ``Guard.autocast()`` calls it, where a compiled model's hooks would run nothing."""
+        ``Guard.autocast()`` calls it, where a compiled model's hooks would run nothing; ``look``:
+        look for the layers again whatever was registered (every ``UNFROZEN_EVERY`` steps)."""
         if self._kept:  # (once a step: the micro-batches after the first look at nothing)
             return
-        self.watch_again()
+        self.watch_again(always=look)
         if self.layers and torch.is_grad_enabled() and any(m.training for m in self.layers):
             self.keep()
 

@@ -441,3 +441,85 @@ def test_a_batchnorm_taken_out_of_the_model_is_let_go_within_unfrozen_every_step
     _train(model, guard, _batches(n=1) * UNFROZEN_EVERY)
     gc.collect()
     assert gone() is None and guard._running_stats.layers == [model[1]]
+
+
+class _Grows(nn.Module):
+    """A model whose forward makes a layer the first time ``grow`` is set (``make``: an adapter, a BatchNorm)."""
+
+    def __init__(self, make):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.grow, self.make = nn.Linear(4, 4), nn.Linear(4, 1), False, make
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.grow and not hasattr(self, "extra"):
+            self.extra = self.make()
+        if hasattr(self, "extra"):
+            h = self.extra(h)
+        return self.b(h.relu())
+
+
+def test_a_layer_a_compiled_forward_makes_is_counted_as_an_eager_one_is():
+    # review 36g: the counts skipped while dynamo traced: an adapter a compiled forward made went
+    # unclipped, its gradient growing for good (refused before: no optimizer holds it), and a
+    # BatchNorm it made was never watched (NaN for good after a skip)
+    model = _Grows(lambda: nn.Linear(4, 4))
+    guard = _guard(model)
+    model.compile(backend="eager")
+    _train(model, guard, _batches(n=1))
+    model.grow = True
+    with pytest.raises(ValueError, match="parameter 'extra.weight' requires grad but no optimizer updates it"):
+        _train(model, guard, _batches(n=1))
+
+    model = _Grows(lambda: nn.BatchNorm1d(4, affine=False))
+    guard = _guard(model)
+    model.compile(backend="eager")
+    _train(model, guard, _batches(n=1))
+    model.grow = True
+    _train(model, guard, _batches(n=1))
+    before = _state(model)
+    assert [bool(r.skipped) for r in _train(model, guard, _batches({0}, n=1))] == [True]
+    _unchanged(model, before)
+
+
+def test_a_batchnorm_that_begins_to_track_or_comes_unregistered_is_watched():
+    # review 36g: turning track_running_stats on for a BatchNorm (its buffers held None) registered
+    # names it had; a prebuilt one inserted into a model that had none (Sequential.insert registers
+    # nothing) was never looked for: the every-64-steps look ran only for a model with such layers
+    from ampguard.watch import UNFROZEN_EVERY
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False, track_running_stats=False), nn.ReLU(),
+                          nn.Linear(4, 1))
+    guard = _guard(model)
+    bn = model[1]
+    bn.track_running_stats = True
+    bn.running_mean, bn.running_var = torch.zeros(4), torch.ones(4)
+    bn.num_batches_tracked = torch.tensor(0)
+    _train(model, guard, _batches(n=1))
+    before = _state(model)
+    _train(model, guard, _batches({0}, n=1))
+    _unchanged(model, before)
+
+    prebuilt = nn.BatchNorm1d(4, affine=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    guard = _guard(model)
+    model.insert(1, prebuilt)
+    _train(model, guard, _batches(n=1) * UNFROZEN_EVERY)
+    before = _state(model)
+    _train(model, guard, _batches({0}, n=1))
+    _unchanged(model, before)
+
+
+def test_a_gradient_on_a_parameter_taken_out_of_the_model_is_refused_in_words_not_a_stopiteration():
+    # review 36g: a layer moved to another model kept its parameters in this guard's optimizer; the
+    # refusal of their gradient looked its name up in the model: a bare StopIteration
+    model, guard, _ = _after_a_step()
+    moved = model[1]
+    del model[1]
+    moved.weight.grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match=r"^Guard.backward\(\): a parameter of shape \[4\], no longer in the model, "
+                                           "already holds a gradient"):
+        _train(model, guard, _batches(n=1))
