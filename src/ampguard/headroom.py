@@ -193,6 +193,12 @@ def bits_shown(bits: float, bound: float) -> str:
     return repr(bits)
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by each in-place change); None for an inference tensor,
+    which has none (``torch.inference_mode``: reading it raised)."""
+    return None if t.is_inference() else t._version
+
+
 def judged_bits(row: HeadroomRow, scale: float | None, alert_bits: float, floor: float = 1.0) -> float | None:
     """The headroom ``row`` is judged by (the alert, and the report's heatmap): an output's own;
     a gradient's without the loss ``scale`` its step ran with down to the scaler's ``floor``
@@ -586,7 +592,7 @@ class Headroom:
         handles: list[RemovableHandle] = []
         # the tensors measured already in the forward: an input that is one is not measured again
         seen: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        versions: dict[int, int] = {}  # (each one's version when measured: changed in place since, measured again)
+        versions: dict[int, int | None] = {}  # (each one's version when measured: changed in place since, measured again)
         handles += [m.register_forward_pre_hook(self._input_hook(name, seen, versions), with_kwargs=True)
                     for name, m in self.modules]
         handles += [m.register_forward_hook(self._forward_hook(name, handles, seen, versions))
@@ -626,25 +632,25 @@ class Headroom:
             yield
 
     def _input_hook(self, name: str, seen: weakref.WeakValueDictionary[int, torch.Tensor],
-                    versions: dict[int, int]) -> Callable[[nn.Module, Any, Any], None]:
+                    versions: dict[int, int | None]) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             for t in tree_leaves((args, kwargs)):  # (one measured already, and unchanged since, is its first module's row)
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and (
-                        seen.get(id(t)) is not t or versions.get(id(t)) != t._version):  # (x.mul_(16) since: again)
+                        seen.get(id(t)) is not t or versions.get(id(t)) != _version(t)):  # (x.mul_(16) since: again)
                     self._add(name, "input", t)
-                    seen[id(t)], versions[id(t)] = t, t._version
+                    seen[id(t)], versions[id(t)] = t, _version(t)
 
         return hook
 
     def _forward_hook(self, name: str, handles: list[RemovableHandle], seen: weakref.WeakValueDictionary[int, torch.Tensor],
-                      versions: dict[int, int]) -> Callable[[nn.Module, Any, Any], None]:
+                      versions: dict[int, int | None]) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             for t in tree_leaves(output):  # (one measured already, unchanged, is the inner module's: a root's
                 # own parameter made it a module of its own, and its output, the head's, alerted twice)
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and (
-                        seen.get(id(t)) is not t or versions.get(id(t)) != t._version):
+                        seen.get(id(t)) is not t or versions.get(id(t)) != _version(t)):
                     self._add(name, "output", t)
-                    seen[id(t)], versions[id(t)] = t, t._version
+                    seen[id(t)], versions[id(t)] = t, _version(t)
                     if t.requires_grad:
                         handles.append(t.register_hook(lambda grad: self._add(name, "grad", grad)))
 
@@ -664,6 +670,8 @@ class Headroom:
             if value.layout != torch.sparse_coo:
                 return
             value = value.coalesce().values()
+            if not value.numel():  # (a batch of padding_idx alone: no value to measure)
+                return
         a = value.detach().abs()
         under = ((a > 0) & (a < self.format.tiny)).sum()
         top = torch.nan_to_num(a, nan=-1.0, posinf=math.inf).amax().float()  # (-1: every value NaN)

@@ -256,10 +256,12 @@ HEADROOM_ALERTS_SHOWN = 3
 """How many headroom alerts the run card and ``report`` name (the rest counted)."""
 
 
-def headroom_alerts_text(run_dir: Path | None) -> str:
+def headroom_alerts_text(run_dir: Path | None, alert_bits: float | None = None) -> str:
     """The run's ``headroom_alert`` events (as :func:`_events_kept` keeps them), in a few words: how
-    many, and the first few (step, module, tensor, judged bits): the early warning, for the run
-    card and ``report`` (the console's ALERT lines are gone with the scrollback).
+    many, and the first few (step, module, tensor, judged bits, shown on their side of the alert's
+    threshold: its ``alert_bits``, or ``alert_bits`` given here for an event without one): the
+    early warning, for the run card and ``report`` (the console's ALERT lines are gone with the
+    scrollback).
 
     Example::
 
@@ -282,6 +284,10 @@ def headroom_alerts_text(run_dir: Path | None) -> str:
         ...      "alert_bits": 4.0}) + "\\n")
         >>> headroom_alerts_text(folder)  # (on its side of the alert's threshold: not "4.0 bits")
         '1 (step 8: 2 output 3.99 bits)'
+        >>> _ = (folder / "events.jsonl").write_text(json.dumps(
+        ...     {"step": 8, "event": "headroom_alert", "module": "2", "tensor": "output", "judged_bits": 3.99}) + "\\n")
+        >>> headroom_alerts_text(folder, alert_bits=4.0)  # (an older run's event: the config's threshold)
+        '1 (step 8: 2 output 3.99 bits)'
         >>> shutil.rmtree(folder)
     """
     # (at_resume: an alert at step s is raised in step s, before its checkpoint: a resume from s keeps it)
@@ -296,7 +302,7 @@ def headroom_alerts_text(run_dir: Path | None) -> str:
             bits = float(bits)
         where = " ".join(str(alert[k]) for k in ("module", "tensor") if isinstance(alert.get(k), str))
         shown_bits = real_number(bits)
-        bound = alert.get("alert_bits")  # (kept on its side of the threshold: 3.99 below 4 read "4.0 bits")
+        bound = alert.get("alert_bits", alert_bits)  # (kept on its side of the threshold: 3.99 below 4 read "4.0 bits")
         text = (bits_shown(bits, bound) if real_number(bound) else f"{bits:.1f}") if shown_bits else ""
         return f"step {alert['step']}: {where}" + (f" {text} bits" if shown_bits else "")
 
@@ -1103,7 +1109,8 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         ("max rolling skip rate", m.max_skip_rate_text),
         ("skip-rate alert episodes", str(m.alert_episodes)),
         # (with the monitor on, or off now after alerts it raised: a resume with monitor.headroom.every null)
-        *((("headroom alerts", alerts),) if (alerts := _headroom_alerts(result.paths.dir))[0].isdigit()
+        *((("headroom alerts", alerts),)
+          if (alerts := _headroom_alerts(result.paths.dir, config.monitor.headroom.alert_bits))[0].isdigit()
           or config.monitor.headroom.every else ()),
         # (clipping turned off on a resume: the steps clipped before it still count)
         ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {counted(m.steps, 'step')} had pre-clip norm > max_norm)"
@@ -1125,11 +1132,11 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
     ]
 
 
-def _headroom_alerts(run_dir: Path | None) -> str:
+def _headroom_alerts(run_dir: Path | None, alert_bits: float) -> str:
     """The card's headroom alerts (:func:`headroom_alerts_text`); an event log that does not read
     leaves the row saying so, not the card unwritten."""
     try:
-        return headroom_alerts_text(run_dir) if run_dir is not None else "n/a (no run folder)"
+        return headroom_alerts_text(run_dir, alert_bits) if run_dir is not None else "n/a (no run folder)"
     except InputError:
         return "n/a (events.jsonl does not read)"
 
@@ -1344,7 +1351,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
           f"alert episodes {episodes}, clip rate {run_clip_rate(rows, monitor if config_path.is_file() else None)}, "
           f"scale {monitor.scale_verdict}")
     if config_path.is_file() and (config.monitor.headroom.every or headroom_beside(csv_path) is not None):
-        print(f"headroom alerts {headroom_alerts_text(csv_path.parent)}")
+        print(f"headroom alerts {headroom_alerts_text(csv_path.parent, config.monitor.headroom.alert_bits)}")
     if folder.card.is_file():  # why it ended, as train said it (a guard's stop read like a finished run)
         with contextlib.suppress(OSError):
             ended = card_ended(folder.card, errors="replace")

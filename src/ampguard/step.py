@@ -719,8 +719,9 @@ class Guard:
         (``watch.WATCHED.registered``: an adapter added to the model without its optimizer), the first
         parameter's dtype changed (the model cast after ``Guard()``), or, at the first group (a
         restored guard's too) and every :data:`UNFROZEN_EVERY` groups, a parameter no optimizer
-        holds requires grad again or any parameter's dtype changed (one layer cast alone:
-        ``model[2].to(torch.bfloat16)``). O(1) but those looks, O(parameters) spread over the
+        holds requires grad again, any parameter's dtype changed (one layer cast alone:
+        ``model[2].to(torch.bfloat16)``), or the model holds another number of parameters (one
+        a compiled forward made: no count while dynamo traces). O(1) but those looks, O(parameters) spread over the
         groups (a frozen backbone's thousands of tensors, ~45-105 ns each). The registration
         count is the process's: a module built anywhere (an evaluator's, a metric's) is a false
         alarm here, which the next group pays with a whole :meth:`_own_again`."""
@@ -732,7 +733,10 @@ class Guard:
             return False
         self._look_all = False  # (set by a restore: its first group looks, wherever its count is)
         return (any(p.requires_grad for p in self._unheld_frozen)
-                or any(p.dtype != dtype for (p, _), dtype in zip(self._owned, self._dtypes)))
+                or any(p.dtype != dtype for (p, _), dtype in zip(self._owned, self._dtypes))
+                # (a parameter no registration count saw: made inside a compiled forward)
+                or sum(1 for _ in self._root.parameters())
+                != len(self._owned) + len(self._unheld_trainable) + len(self._unheld_frozen))
 
     def _own_again(self) -> None:
         """The optimizers' parameters changed since they were read (``add_param_group`` mid-run:
@@ -781,8 +785,9 @@ class Guard:
         stats = self._running_stats
         # (a model with BatchNorm, one added, or every UNFROZEN_EVERY steps a look for one that came with
         # no registration: a compiled model's layers' hooks copy nothing)
-        if stats.layers or stats.stale or not self.steps % UNFROZEN_EVERY:
-            stats.keep_before_training(look=not self.steps % UNFROZEN_EVERY)
+        look = not (self.steps % UNFROZEN_EVERY or self._micro)  # (a group's first micro-batch)
+        if stats.layers or stats.stale or look:
+            stats.keep_before_training(look=look)
         context = self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
         if self.autocast_dtypes is None and self.precision.autocasts:  # (the first forward only)
             return self._noting_dtypes(context)

@@ -57,26 +57,26 @@ class _Watched:
 WATCHED = _Watched()
 
 
-@torch.compiler.disable
 def _count_registration(*args: Any) -> None:
-    """A module or parameter registered. Never traced (a compiled forward that registers one runs
-    this eagerly, a graph break: a count read inside its graph would guard it, and a count
-    skipped there would miss an adapter the forward made)."""
-    WATCHED.registered += 1
-
-
-@torch.compiler.disable
-def _count_new_buffer() -> None:
-    WATCHED.buffers += 1
+    """A module or parameter registered. Not counted while dynamo traces (a count read inside a
+    compiled graph guards it, and ``fullgraph=True`` and a strict ``torch.export`` refuse the
+    side effect or a disabled call): a layer a compiled forward makes is found by the guard's
+    look every :data:`UNFROZEN_EVERY` steps instead."""
+    if not torch.compiler.is_compiling():
+        WATCHED.registered += 1
 
 
 def _count_buffer(module: nn.Module, name: str, buffer: Any) -> None:
-    """A buffer registered: counted when it is a new name (or one that held None:
-    ``track_running_stats`` turned on), not a forward's assignment to one it has (``self.n =
-    self.n + 1``: a compiled forward that did it recompiled at each call on the count, until
-    dynamo's limit left it uncompiled); the count itself never traced."""
-    if module._buffers.get(name) is None:
-        _count_new_buffer()
+    """A buffer registered: counted when its name is new to the module (or a normalization
+    layer's that held None: ``track_running_stats`` turned on), not a forward's assignment to one
+    it has (``self.n = self.n + 1``, a cache set to None and back each step: a compiled forward
+    that did it recompiled at each call on the count, until dynamo's limit left it uncompiled).
+    Not while dynamo traces (:func:`_count_registration`)."""
+    if torch.compiler.is_compiling():
+        return
+    if name not in module._buffers or (module._buffers[name] is None
+                                       and isinstance(module, nn.modules.batchnorm._NormBase)):
+        WATCHED.buffers += 1
 
 
 @functools.cache

@@ -955,3 +955,17 @@ def test_a_roots_output_that_is_its_heads_is_one_row_not_two_alerts():
     assert ("head", "output") in rows and ("(root)", "output") not in rows and ("(root)", "param_grad") in rows
     alerts = {(e.data["module"], e.data["tensor"]) for e in headroom.observe_step(1) if e.kind == "headroom_alert"}
     assert alerts == {("head", "output"), ("(root)", "param_grad")}  # (the gain's gradient is 60000 too)
+
+
+def test_an_inference_mode_forward_and_a_sparse_gradient_of_padding_alone_are_measured_not_crashes():
+    # review 36h: an inference tensor has no version counter (reading it raised in a measured step:
+    # a teacher's pass under inference_mode); a batch of padding_idx alone left a sparse gradient
+    # with no values (amax of nothing raised)
+    model = nn.Sequential(OrderedDict(emb=nn.Embedding(10, 4, sparse=True, padding_idx=0), fc=nn.Linear(4, 1)))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        with torch.inference_mode():
+            model(torch.tensor([1, 2]))
+        model(torch.tensor([0, 0])).sum().backward()
+    rows = {(r.module, r.tensor) for r in headroom.read(1)}
+    assert ("fc", "output") in rows and ("emb", "param_grad") not in rows

@@ -433,7 +433,8 @@ def test_a_batchnorm_taken_out_of_the_model_is_let_go_within_unfrozen_every_step
 
     from ampguard.watch import UNFROZEN_EVERY
 
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4, affine=False), nn.ReLU(),
+                          nn.Linear(4, 1))
     guard = _guard(model)
     _train(model, guard, _batches(n=1))
     gone = weakref.ref(model[2])
@@ -460,27 +461,62 @@ class _Grows(nn.Module):
         return self.b(h.relu())
 
 
-def test_a_layer_a_compiled_forward_makes_is_counted_as_an_eager_one_is():
-    # review 36g: the counts skipped while dynamo traced: an adapter a compiled forward made went
-    # unclipped, its gradient growing for good (refused before: no optimizer holds it), and a
-    # BatchNorm it made was never watched (NaN for good after a skip)
+def test_a_layer_a_compiled_forward_makes_is_found_within_unfrozen_every_steps():
+    # review 36g: a layer a compiled forward made was never found (the counts skip while dynamo
+    # traces: counted there, they guarded its graph, and 36h: counted eagerly, through a disabled
+    # function, fullgraph=True and a strict export refused the forward): an adapter went unclipped,
+    # its gradient growing for good, a BatchNorm unwatched; the guard's look every UNFROZEN_EVERY
+    # steps finds them (the parameters' count, the normalization layers)
+    from ampguard.watch import UNFROZEN_EVERY
+
     model = _Grows(lambda: nn.Linear(4, 4))
     guard = _guard(model)
     model.compile(backend="eager")
     _train(model, guard, _batches(n=1))
     model.grow = True
     with pytest.raises(ValueError, match="parameter 'extra.weight' requires grad but no optimizer updates it"):
-        _train(model, guard, _batches(n=1))
+        _train(model, guard, _batches(n=1) * UNFROZEN_EVERY)
+    assert guard.steps <= UNFROZEN_EVERY
 
     model = _Grows(lambda: nn.BatchNorm1d(4, affine=False))
     guard = _guard(model)
     model.compile(backend="eager")
     _train(model, guard, _batches(n=1))
     model.grow = True
-    _train(model, guard, _batches(n=1))
+    _train(model, guard, _batches(n=1) * UNFROZEN_EVERY)
     before = _state(model)
     assert [bool(r.skipped) for r in _train(model, guard, _batches({0}, n=1))] == [True]
     _unchanged(model, before)
+
+
+def test_a_fullgraph_forward_that_makes_a_layer_compiles_beside_a_guard_and_a_reset_cache_counts_nothing():
+    # review 36h: the counts through a torch.compiler.disable'd function were a graph break, an
+    # error under fullgraph=True (and a strict torch.export); a buffer set to None and back each
+    # forward (a cache) was counted at every step (a recompile each call under compile)
+    from ampguard.watch import WATCHED
+
+    class Builds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("last", None)
+
+        def forward(self, x):
+            self.last = None
+            h = nn.Sequential(nn.ReLU())(self.fc(x))
+            self.last = h.detach()
+            return h
+
+    model = _model()
+    guard = _guard(model)
+    _train(model, guard, _batches(n=1))
+    torch._dynamo.reset()
+    compiled = torch.compile(Builds(), backend="eager", fullgraph=True)
+    compiled(torch.ones(2, 4))
+    eager, counts = Builds(), (WATCHED.registered, WATCHED.buffers)
+    for _ in range(3):
+        eager(torch.ones(2, 4))
+    assert WATCHED.buffers == counts[1]  # (the Sequential made each call is a registration, not a buffer)
 
 
 def test_a_batchnorm_that_begins_to_track_or_comes_unregistered_is_watched():
