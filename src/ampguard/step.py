@@ -31,7 +31,8 @@ from .errors import AmpguardWarning, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
 from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, RunningStats, _GuardStepping, _hook_stray_steps,
-                    _parameter_count, _probe_autocast, _watch_registrations, first_forward_dtypes, holds_gradients)
+                    _parameter_count, _parameter_slots, _probe_autocast, _watch_registrations, first_forward_dtypes,
+                    holds_gradients)
 
 
 def __getattr__(name: str) -> Any:
@@ -649,6 +650,8 @@ class Guard:
             if old in state:
                 state[new] = state.pop(old)
         self.__dict__.update(state)
+        if "_slots" not in state and "_root" in state:  # (a guard pickled before the slots were read)
+            self._slots = _parameter_slots(self._root)
         self._running_stats = RunningStats(getattr(self, "_modules", []))
         self._scheduler_epochs = {id(s): e for s, e in zip(self._every_scheduler(), epochs) if e is not None}
         # (a deep copy's optimizers are new; a shallow copy shares the original's, which stay its)
@@ -698,6 +701,7 @@ class Guard:
         self._unheld_frozen = [p for p in root.parameters() if not p.requires_grad and id(p) not in holder]
         self._held_count = _parameter_count(self.optimizers)
         self._registered = WATCHED.registered
+        self._slots = _parameter_slots(root)
         # each parameter's dtype: a model cast after Guard() (model.to(torch.bfloat16)) keeps its
         # Parameter objects, so only their dtype tells (the first one's every group, every one's less often)
         self._dtypes = [p.dtype for p, _ in self._owned]
@@ -720,9 +724,10 @@ class Guard:
         parameter's dtype changed (the model cast after ``Guard()``), or, at the first group (a
         restored guard's too) and every :data:`UNFROZEN_EVERY` groups, a parameter no optimizer
         holds requires grad again, any parameter's dtype changed (one layer cast alone:
-        ``model[2].to(torch.bfloat16)``), or the model holds another number of parameters (one
-        a compiled forward made: no count while dynamo traces). O(1) but those looks, O(parameters) spread over the
-        groups (a frozen backbone's thousands of tensors, ~45-105 ns each). The registration
+        ``model[2].to(torch.bfloat16)``), or the model has more parameter slots than it had (one
+        a compiled forward made: no count while dynamo traces; one taken out is tolerated). O(1)
+        but those looks, O(parameters) and O(modules) spread over the groups (a frozen backbone's
+        thousands of tensors, ~45-105 ns each, and ~0.8 us a module). The registration
         count is the process's: a module built anywhere (an evaluator's, a metric's) is a false
         alarm here, which the next group pays with a whole :meth:`_own_again`."""
         if _parameter_count(self.optimizers) != self._held_count or WATCHED.registered != self._registered:
@@ -734,9 +739,9 @@ class Guard:
         self._look_all = False  # (set by a restore: its first group looks, wherever its count is)
         return (any(p.requires_grad for p in self._unheld_frozen)
                 or any(p.dtype != dtype for (p, _), dtype in zip(self._owned, self._dtypes))
-                # (a parameter no registration count saw: made inside a compiled forward)
-                or sum(1 for _ in self._root.parameters())
-                != len(self._owned) + len(self._unheld_trainable) + len(self._unheld_frozen))
+                # (a parameter no registration count saw: made inside a compiled forward; one taken
+                # out, bias = None or a deleted adapter, still in the optimizer, stays tolerated)
+                or _parameter_slots(self._root) > self._slots)
 
     def _own_again(self) -> None:
         """The optimizers' parameters changed since they were read (``add_param_group`` mid-run:
@@ -784,10 +789,9 @@ class Guard:
                                   " no counter of your own)" if self.accumulation_steps > 1 else ""))
         stats = self._running_stats
         # (a model with BatchNorm, one added, or every UNFROZEN_EVERY steps a look for one that came with
-        # no registration: a compiled model's layers' hooks copy nothing)
-        look = not (self.steps % UNFROZEN_EVERY or self._micro)  # (a group's first micro-batch)
-        if stats.layers or stats.stale or look:
-            stats.keep_before_training(look=look)
+        # no registration, on a group's first micro-batch: a compiled model's layers' hooks copy nothing)
+        if stats.layers or stats.stale or not (self.steps % UNFROZEN_EVERY or self._micro):
+            self.keep_running_stats()
         context = self.precision.autocast() if self._last_micro_batch() else self._autocast_no_sync()
         if self.autocast_dtypes is None and self.precision.autocasts:  # (the first forward only)
             return self._noting_dtypes(context)
@@ -798,8 +802,9 @@ class Guard:
         and this step has no copy yet, for the step to put back if it is skipped
         (:class:`~ampguard.watch.RunningStats`). :meth:`autocast` calls it; a forward of a compiled
         model outside it (a framework's own autocast) calls it first, since the layers' hooks run
-        nothing while ``torch.compile`` traces them."""
-        self._running_stats.keep_before_training()
+        nothing while ``torch.compile`` traces them. Every ``UNFROZEN_EVERY`` steps, on a group's
+        first micro-batch, it looks for such layers again (one a compiled forward made)."""
+        self._running_stats.keep_before_training(look=not (self.steps % UNFROZEN_EVERY or self._micro))
 
     def count_step_without_backward(self) -> None:
         """Count a step the loop took with no backward and no update (a Lightning

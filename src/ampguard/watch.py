@@ -371,6 +371,20 @@ def _parameter_count(optimizers: dict[str, torch.optim.Optimizer]) -> int:
     return sum(len(group["params"]) for opt in optimizers.values() for group in opt.param_groups)
 
 
+def _parameter_slots(root: nn.Module) -> int:
+    """How many parameter slots the modules under ``root`` have (a tied one per module, one set
+    to None too): more than a guard read means a parameter was added, registered or not (one a
+    compiled forward made: no count while dynamo traces). ~0.8 us a module.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1, bias=False))
+        >>> _parameter_slots(model)
+        4
+    """
+    return sum(len(module._parameters) for module in root.modules())
+
+
 _KEEPING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
 """Each normalization layer's :class:`RunningStats` keepers (a layer forgets them with its guard)."""
 _HOOKED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()

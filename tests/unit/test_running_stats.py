@@ -559,3 +559,26 @@ def test_a_gradient_on_a_parameter_taken_out_of_the_model_is_refused_in_words_no
     with pytest.raises(RuntimeError, match=r"^Guard.backward\(\): a parameter of shape \[4\], no longer in the model, "
                                            "already holds a gradient"):
         _train(model, guard, _batches(n=1))
+
+
+def test_a_parameter_taken_out_of_the_model_is_tolerated_at_the_look_and_lightnings_path_looks_too():
+    # review 36i: the look's parameter count made a bias set to None (or a deleted adapter), still in
+    # the optimizer, a refusal at the next multiple of 64 steps; and keep_running_stats(), the
+    # Lightning plugin's call, never looked again: a BatchNorm a compiled forward made stayed NaN
+    from ampguard.watch import UNFROZEN_EVERY
+
+    model, guard, _ = _after_a_step()
+    model[3].bias = None
+    _train(model, guard, _batches(n=1) * (UNFROZEN_EVERY + 1))
+    assert guard.steps == UNFROZEN_EVERY + 2
+
+    model = _Grows(lambda: nn.BatchNorm1d(4, affine=False))
+    guard = _guard(model)
+    model.compile(backend="eager")
+    model.grow = True
+    for x in _batches(n=1) * (UNFROZEN_EVERY + 1):  # (as the plugin: its own autocast, the copy asked for first)
+        guard.keep_running_stats()
+        loss = model(x).pow(2).mean()
+        guard.backward(loss)
+        guard.step()
+    assert guard._running_stats.layers == [model.extra]
