@@ -133,10 +133,17 @@ class _ReadOnly(dict):  # type: ignore[type-arg]
         return type(self), (dict(self),)
 
 
+def _driven(scheduler: Any) -> Any:
+    """The optimizer ``scheduler`` steps the LR of: its ``.optimizer``, or its inner scheduler's
+    (Accelerate's prepared ``AcceleratedScheduler`` has none of its own: two swapped were taken)."""
+    driven = getattr(scheduler, "optimizer", None)
+    return driven if driven is not None else getattr(getattr(scheduler, "scheduler", None), "optimizer", None)
+
+
 def _drives(scheduler: Any, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``scheduler`` was made over ``optimizer``: its ``.optimizer``, or a wrapper of it
     (a scheduler made over Accelerate's prepared optimizer, whose torch optimizer the guard holds)."""
-    driven = getattr(scheduler, "optimizer", None)
+    driven = _driven(scheduler)
     return driven is optimizer or (driven is not None and getattr(driven, "optimizer", None) is optimizer)
 
 
@@ -146,7 +153,7 @@ def _note_update(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     guard steps): torch's scheduler wraps that object's ``step`` to set ``_opt_called``, and its
     first ``step()`` warned "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
     (the schedule's first value skipped, which it was not)."""
-    driven = getattr(scheduler, "optimizer", None)
+    driven = _driven(scheduler)
     if driven is not optimizer and _drives(scheduler, optimizer):  # (made over the wrapper, not the optimizer)
         driven._opt_called = True
 
@@ -161,7 +168,7 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
         for name, sched in scheduler.items():
             if str(name) not in out:
                 raise ValueError(f"scheduler {name!r} names no optimizer; the optimizers are {sorted(out)}")
-            driven = getattr(sched, "optimizer", None)
+            driven = _driven(sched)
             if driven is not None and not _drives(sched, optimizers[str(name)]):  # (a GAN's two swapped)
                 raise ValueError(f"scheduler {name!r}: the {type(sched).__name__} given drives another optimizer "
                                  f"than {name!r} (it would follow {name!r}'s updates and skips, not its own's)")
@@ -169,7 +176,7 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
     else:
         for sched in scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]:
             owner = [n for n, o in optimizers.items() if _drives(sched, o)]
-            if not owner and len(optimizers) == 1 and getattr(sched, "optimizer", None) is None:
+            if not owner and len(optimizers) == 1 and _driven(sched) is None:
                 owner = list(optimizers)  # (a scheduler of its own making, with no .optimizer: the one there is)
             if not owner:  # (another optimizer's: it was stepped, the guard's schedule never)
                 raise ValueError(f"scheduler {type(sched).__name__} drives none of the guard's optimizers; pass the "
@@ -187,9 +194,12 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
     return out
 
 
-def _holders(root: nn.Module, optimizers: dict[str, torch.optim.Optimizer], device: torch.device) -> dict[int, str]:
+def _holders(root: nn.Module, optimizers: dict[str, torch.optim.Optimizer], device: torch.device,
+             taken_out: set[int] | frozenset[int] = frozenset()) -> dict[int, str]:
     """Which optimizer updates each parameter (by id); refused: a parameter on another device,
-    one that is not the model's, one in two optimizers."""
+    one that is not the model's (but one of ``taken_out``: the model's when the guard read it, and
+    taken out since, ``bias = None``, a deleted adapter: no gradient reaches it, left out), one in
+    two optimizers."""
     names = {id(p): name for name, p in root.named_parameters()}
     holder: dict[int, str] = {}
     for opt_name, opt in optimizers.items():
@@ -199,6 +209,8 @@ def _holders(root: nn.Module, optimizers: dict[str, torch.optim.Optimizer], devi
                     raise ValueError(
                         f"the optimizer holds a parameter on {p.device.type!r}, the model is on {device.type!r}"
                     )
+                if id(p) not in names and id(p) in taken_out:
+                    continue
                 if id(p) not in names:
                     raise ValueError(
                         "the optimizer holds a parameter that is not the model's; the step clips and checks "
@@ -724,8 +736,8 @@ class Guard:
         parameter's dtype changed (the model cast after ``Guard()``), or, at the first group (a
         restored guard's too) and every :data:`UNFROZEN_EVERY` groups, a parameter no optimizer
         holds requires grad again, any parameter's dtype changed (one layer cast alone:
-        ``model[2].to(torch.bfloat16)``), or the model has more parameter slots than it had (one
-        a compiled forward made: no count while dynamo traces; one taken out is tolerated). O(1)
+        ``model[2].to(torch.bfloat16)``), or the model holds another number of parameters (one
+        a compiled forward made: no count while dynamo traces; one taken out). O(1)
         but those looks, O(parameters) and O(modules) spread over the groups (a frozen backbone's
         thousands of tensors, ~45-105 ns each, and ~0.8 us a module). The registration
         count is the process's: a module built anywhere (an evaluator's, a metric's) is a false
@@ -739,9 +751,9 @@ class Guard:
         self._look_all = False  # (set by a restore: its first group looks, wherever its count is)
         return (any(p.requires_grad for p in self._unheld_frozen)
                 or any(p.dtype != dtype for (p, _), dtype in zip(self._owned, self._dtypes))
-                # (a parameter no registration count saw: made inside a compiled forward; one taken
-                # out, bias = None or a deleted adapter, still in the optimizer, stays tolerated)
-                or _parameter_slots(self._root) > self._slots)
+                # (a parameter no registration count saw: made inside a compiled forward, or one taken
+                # out, bias = None or a deleted adapter, which _own_again leaves out)
+                or _parameter_slots(self._root) != self._slots)
 
     def _own_again(self) -> None:
         """The optimizers' parameters changed since they were read (``add_param_group`` mid-run:
@@ -750,8 +762,10 @@ class Guard:
         checked too (they were neither: an inf gradient in a group added later was applied),
         and an unfrozen parameter no optimizer updates is refused (or, ``frozen="ignore"``,
         has its gradient dropped) instead of accumulating its gradient, never cleared."""
+        # (the parameters the guard held and the model no longer does, still in an optimizer: left out, each time)
+        taken_out = getattr(self, "_taken_out", set()) | {id(p) for p, _ in self._owned}
         try:
-            holder = _holders(self._root, self.optimizers, self.device)
+            holder = _holders(self._root, self.optimizers, self.device, taken_out=taken_out)
             with warnings.catch_warnings():  # (its "fp16 on a CPU is slow" was said at Guard())
                 warnings.simplefilter("ignore", SlowPrecisionWarning)
                 self.precision.check(self._root, self.device)
@@ -767,6 +781,7 @@ class Guard:
             # as torch's LambdaLR, has no base for it: the group keeps its own LR)
             groups = self.optimizer.param_groups
             self._base_lrs += [_initial_lr(group) for group in groups[len(self._base_lrs):]]
+        self._taken_out = taken_out - holder.keys()
         self._own(holder)
 
     @property

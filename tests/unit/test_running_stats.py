@@ -571,6 +571,28 @@ def test_a_parameter_taken_out_of_the_model_is_tolerated_at_the_look_and_lightni
     model[3].bias = None
     _train(model, guard, _batches(n=1) * (UNFROZEN_EVERY + 1))
     assert guard.steps == UNFROZEN_EVERY + 2
+    nn.Linear(2, 2)  # (review 36j: any registration read the optimizers again, and refused the bias then)
+    _train(model, guard, _batches(n=1))
+    assert guard.steps == UNFROZEN_EVERY + 3
+
+    # review 36j: a compiled forward that fills a slot holding None (counted as a slot) was never seen
+    class Fills(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.fill = nn.Linear(4, 4, bias=False), nn.Linear(4, 1), False
+
+        def forward(self, x):
+            if self.fill and self.a.bias is None:
+                self.a.bias = nn.Parameter(torch.zeros(4))
+            return self.b(self.a(x))
+
+    model = Fills()
+    guard = _guard(model)
+    model.compile(backend="eager")
+    _train(model, guard, _batches(n=1))
+    model.fill = True
+    with pytest.raises(ValueError, match="parameter 'a.bias' requires grad but no optimizer updates it"):
+        _train(model, guard, _batches(n=1) * UNFROZEN_EVERY)
 
     model = _Grows(lambda: nn.BatchNorm1d(4, affine=False))
     guard = _guard(model)
