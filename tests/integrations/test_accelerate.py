@@ -340,3 +340,64 @@ def test_found_inf_after_unscale_is_what_unscale_found_though_the_gradients_were
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 2.0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _one_step(guard, model) -> None:
+    with guard.autocast():
+        loss = model(torch.ones(8, 4)).square().mean()
+    guard.backward(loss)
+    guard.step()
+
+
+def test_accumulate_around_the_guard_is_refused_and_a_stale_sync_flag_no_longer_holds_the_schedule():
+    # review 36k: Accelerate's prepared scheduler steps only while its gradient state says "sync":
+    # inside accumulate() (or after one left mid-group) the guard's scheduler steps went nowhere, its
+    # updates at a frozen LR, unsaid
+    from accelerate.state import GradientState
+
+    try:
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        warm = torch.nn.Linear(4, 1)
+        warm, wopt = accelerator.prepare(warm, torch.optim.SGD(warm.parameters(), lr=0.1))
+        with accelerator.accumulate(warm):  # (one micro-batch of a group of 2, the stock way: the flag left False)
+            accelerator.backward(warm(torch.ones(8, 4)).square().mean())
+        assert not accelerator.sync_gradients
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        model, opt, sched = accelerator.prepare(model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+        guard = make_guard(accelerator, model, opt, precision="fp32", scheduler=sched)
+        for _ in range(4):
+            _one_step(guard, model)
+        assert guard.updates == 2 and sched.scheduler.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.25
+        with pytest.raises(ValueError, match=r"^accelerator.accumulate\(\) with the guard doing the AMP: the guard "
+                                             "accumulates over gradient_accumulation_steps itself"):
+            with accelerator.accumulate(model):
+                pass
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def test_make_guard_takes_a_gans_prepared_optimizers_and_refuses_their_schedulers_swapped(accelerator):
+    # review 36k: a dict of prepared optimizers reached the guard as Accelerate's wrappers (an
+    # AttributeError), and prepared schedulers (no .optimizer of their own) were taken swapped
+    gen, disc = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    og, od = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+    gen, disc, og, od, sg, sd = accelerator.prepare(gen, disc, og, od, torch.optim.lr_scheduler.StepLR(og, 1),
+                                                    torch.optim.lr_scheduler.StepLR(od, 1))
+    with pytest.raises(ValueError, match="scheduler 'G': the AcceleratedScheduler given drives another optimizer"):
+        make_guard(accelerator, {"G": gen, "D": disc}, {"G": og, "D": od}, precision="fp32",
+                   scheduler={"G": sd, "D": sg})
+    guard = make_guard(accelerator, {"G": gen, "D": disc}, {"G": og, "D": od}, precision="fp32",
+                       scheduler={"G": sg, "D": sd})
+    assert guard.optimizers["G"] is og.optimizer and guard.optimizers["D"] is od.optimizer
+
+
+def test_make_guard_refuses_uneven_batches_over_several_processes():
+    # review 36k: with even_batches=False a process with fewer batches paired its next epoch's steps
+    # with another's last (a hang, then a gloo error)
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match=r"^Accelerator\(even_batches=False\) over several processes"):
+        make_guard(SimpleNamespace(mixed_precision="no", num_processes=2, even_batches=False),
+                   torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1))

@@ -23,7 +23,12 @@ from ..step import Guard
 
 
 def _inner(optimizer: Any) -> Any:
-    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` wrapper(s)."""
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` wrapper(s); of each, for a
+    dict or a list of them (a GAN's: the wrappers reached the guard, an ``AttributeError``)."""
+    if isinstance(optimizer, dict):
+        return {name: _inner(o) for name, o in optimizer.items()}
+    if isinstance(optimizer, (list, tuple)):
+        return type(optimizer)(_inner(o) for o in optimizer)
     while hasattr(optimizer, "optimizer") and hasattr(optimizer, "step_was_skipped"):
         optimizer = optimizer.optimizer
     return optimizer
@@ -116,6 +121,10 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, *, register_state: 
         raise ValueError(f"the accelerator does mixed precision {accelerator.mixed_precision!r} already; with "
                          "ampguard doing the AMP, make it Accelerator(mixed_precision='no') (or launch with "
                          "--mixed_precision no) and pass precision= to the guard")
+    if getattr(accelerator, "num_processes", 1) > 1 and getattr(accelerator, "even_batches", True) is False:
+        raise ValueError("Accelerator(even_batches=False) over several processes: the guard's one all-reduce a "
+                         "step pairs the processes' steps, and one with fewer batches would pair its next epoch's "
+                         "with another's last (a hang, then a peer's error): leave even_batches on")
     _check_world(accelerator)
     accumulation = accelerator.gradient_accumulation_steps
     given = settings.setdefault("accumulation_steps", accumulation)
@@ -125,9 +134,15 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, *, register_state: 
                          "take the accelerator's)")
     settings.setdefault("device", accelerator.device)
     guard = Guard(model, _inner(optimizer), **settings)
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
+    for name in ("clip_grad_norm_", "clip_grad_value_", "accumulate"):
         if hasattr(accelerator, name):
             setattr(accelerator, name, _refused(name))  # (this accelerator's own attribute, not the class's)
+    # Accelerate's prepared scheduler steps only while its gradient state says "sync" (what its
+    # accumulate() sets per micro-batch): one left False by an accumulate() block that ended
+    # mid-group made every scheduler step the guard took go nowhere, unsaid; the guard accumulates
+    state = getattr(accelerator, "gradient_state", None)
+    if state is not None and not state.sync_gradients and hasattr(state, "_set_sync_gradients"):
+        state._set_sync_gradients(True)
     if register_state and hasattr(accelerator, "register_for_checkpointing"):
         _register(accelerator, GuardState(guard))
     return guard
@@ -216,7 +231,12 @@ def _register(accelerator: Any, state: GuardState) -> None:
 
 
 def _refused(name: str) -> Any:
+    why = ("the guard accumulates over gradient_accumulation_steps itself, and inside it Accelerate's prepared "
+           "scheduler does not step (its updates ran at a frozen LR); remove the with block"
+           if name == "accumulate" else
+           "the guard clips at guard.step() (max_norm=), and this would clip its still-scaled gradients; remove "
+           "the call")
+
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError(f"accelerator.{name}() with the guard doing the AMP: the guard clips at guard.step() "
-                         "(max_norm=), and this would clip its still-scaled gradients; remove the call")
+        raise ValueError(f"accelerator.{name}() with the guard doing the AMP: {why}")
     return refuse
