@@ -133,11 +133,18 @@ class _ReadOnly(dict):  # type: ignore[type-arg]
         return type(self), (dict(self),)
 
 
+def _inner_scheduler(scheduler: Any) -> Any:
+    """The torch scheduler inside Accelerate's ``AcceleratedScheduler`` (its ``.scheduler``), or
+    ``scheduler`` itself (another's ``.scheduler`` that is no LR scheduler is left alone)."""
+    inner = getattr(scheduler, "scheduler", None)
+    lr_schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    return inner if getattr(scheduler, "optimizer", None) is None and isinstance(inner, lr_schedulers) else scheduler
+
+
 def _driven(scheduler: Any) -> Any:
     """The optimizer ``scheduler`` steps the LR of: its ``.optimizer``, or its inner scheduler's
     (Accelerate's prepared ``AcceleratedScheduler`` has none of its own: two swapped were taken)."""
-    driven = getattr(scheduler, "optimizer", None)
-    return driven if driven is not None else getattr(getattr(scheduler, "scheduler", None), "optimizer", None)
+    return getattr(_inner_scheduler(scheduler), "optimizer", None)
 
 
 def _drives(scheduler: Any, optimizer: torch.optim.Optimizer) -> bool:
@@ -185,7 +192,7 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
     for sched in [sched for scheds in out.values() for sched in scheds]:
         if not callable(getattr(sched, "step", None)):
             raise TypeError(f"scheduler must have a step() method, got a {type(sched).__name__}")
-        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        if isinstance(_inner_scheduler(sched), torch.optim.lr_scheduler.ReduceLROnPlateau):  # (prepared too)
             raise ValueError("ReduceLROnPlateau steps on a metric the guard does not have: step it yourself, after "
                              "your evaluation (the guard steps only schedulers that take no argument)")
     scheds = [id(sched) for scheds in out.values() for sched in scheds]
@@ -195,11 +202,10 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
 
 
 def _holders(root: nn.Module, optimizers: dict[str, torch.optim.Optimizer], device: torch.device,
-             taken_out: set[int] | frozenset[int] = frozenset()) -> dict[int, str]:
+             held: set[int] | frozenset[int] = frozenset()) -> dict[int, str]:
     """Which optimizer updates each parameter (by id); refused: a parameter on another device,
-    one that is not the model's (but one of ``taken_out``: the model's when the guard read it, and
-    taken out since, ``bias = None``, a deleted adapter: no gradient reaches it, left out), one in
-    two optimizers."""
+    one that is not the model's (one of ``held``, the model's when the guard read it, named as
+    taken out since), one in two optimizers."""
     names = {id(p): name for name, p in root.named_parameters()}
     holder: dict[int, str] = {}
     for opt_name, opt in optimizers.items():
@@ -209,8 +215,11 @@ def _holders(root: nn.Module, optimizers: dict[str, torch.optim.Optimizer], devi
                     raise ValueError(
                         f"the optimizer holds a parameter on {p.device.type!r}, the model is on {device.type!r}"
                     )
-                if id(p) not in names and id(p) in taken_out:
-                    continue
+                if id(p) not in names and id(p) in held:  # (still trained: a gradient would go unclipped, unchecked)
+                    raise ValueError(
+                        f"the optimizer holds a parameter of shape {list(p.shape)} the model no longer does (taken "
+                        "out since the guard read it: bias = None, a deleted adapter): take it out of the optimizer "
+                        "too (its param group), or put it back in the model")
                 if id(p) not in names:
                     raise ValueError(
                         "the optimizer holds a parameter that is not the model's; the step clips and checks "
@@ -752,7 +761,7 @@ class Guard:
         return (any(p.requires_grad for p in self._unheld_frozen)
                 or any(p.dtype != dtype for (p, _), dtype in zip(self._owned, self._dtypes))
                 # (a parameter no registration count saw: made inside a compiled forward, or one taken
-                # out, bias = None or a deleted adapter, which _own_again leaves out)
+                # out, bias = None or a deleted adapter, which _own_again refuses while an optimizer holds it)
                 or _parameter_slots(self._root) != self._slots)
 
     def _own_again(self) -> None:
@@ -762,10 +771,8 @@ class Guard:
         checked too (they were neither: an inf gradient in a group added later was applied),
         and an unfrozen parameter no optimizer updates is refused (or, ``frozen="ignore"``,
         has its gradient dropped) instead of accumulating its gradient, never cleared."""
-        # (the parameters the guard held and the model no longer does, still in an optimizer: left out, each time)
-        taken_out = getattr(self, "_taken_out", set()) | {id(p) for p, _ in self._owned}
         try:
-            holder = _holders(self._root, self.optimizers, self.device, taken_out=taken_out)
+            holder = _holders(self._root, self.optimizers, self.device, held={id(p) for p, _ in self._owned})
             with warnings.catch_warnings():  # (its "fp16 on a CPU is slow" was said at Guard())
                 warnings.simplefilter("ignore", SlowPrecisionWarning)
                 self.precision.check(self._root, self.device)
@@ -781,7 +788,6 @@ class Guard:
             # as torch's LambdaLR, has no base for it: the group keeps its own LR)
             groups = self.optimizer.param_groups
             self._base_lrs += [_initial_lr(group) for group in groups[len(self._base_lrs):]]
-        self._taken_out = taken_out - holder.keys()
         self._own(holder)
 
     @property

@@ -401,3 +401,29 @@ def test_make_guard_refuses_uneven_batches_over_several_processes():
     with pytest.raises(ValueError, match=r"^Accelerator\(even_batches=False\) over several processes"):
         make_guard(SimpleNamespace(mixed_precision="no", num_processes=2, even_batches=False),
                    torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1))
+
+
+def test_a_prepared_plateau_scheduler_is_refused_up_front_and_a_schedulers_own_scheduler_field_is_left_alone(
+        accelerator):
+    # review 36l: a prepared ReduceLROnPlateau was taken, then its step() raised in the close, after the
+    # update ran; and a scheduler of the user's own making with a .scheduler field of its own meaning
+    # (a config) was read as Accelerate's wrapper and refused
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, plateau = accelerator.prepare(model, opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    with pytest.raises(ValueError, match="^ReduceLROnPlateau steps on a metric the guard does not have"):
+        make_guard(accelerator, model, opt, precision="fp32", scheduler=plateau)
+
+    class Own:
+        scheduler = SimpleNamespace(optimizer="adamw")  # (a config, not Accelerate's inner scheduler)
+        steps = 0
+
+        def step(self):
+            self.steps += 1
+
+    own = Own()
+    guard = make_guard(accelerator, model, opt, precision="fp32", scheduler=own)
+    _one_step(guard, model)
+    assert own.steps == 1

@@ -232,7 +232,9 @@ def _register(accelerator: Any, state: GuardState) -> None:
 
 def _refused(name: str) -> Any:
     why = ("the guard accumulates over gradient_accumulation_steps itself, and inside it Accelerate's prepared "
-           "scheduler does not step (its updates ran at a frozen LR); remove the with block"
+           "scheduler does not step (its updates ran at a frozen LR); remove the with block (a second model "
+           "trained the stock way on this accelerator would do the same to the guard's scheduler, through the "
+           "gradient state they share: give it a guard of its own, or an Accelerator of its own)"
            if name == "accumulate" else
            "the guard clips at guard.step() (max_norm=), and this would clip its still-scaled gradients; remove "
            "the call")
