@@ -461,6 +461,20 @@ class _Grows(nn.Module):
         return self.b(h.relu())
 
 
+def _refused_once_its_compiled_forward_makes(model: nn.Module, switch: str, name: str) -> Guard:
+    """``model`` compiled, one step, then ``switch`` set (its forward makes parameter ``name``, which
+    no optimizer holds): refused within UNFROZEN_EVERY steps. The guard."""
+    from ampguard.watch import UNFROZEN_EVERY
+
+    guard = _guard(model)
+    model.compile(backend="eager")
+    _train(model, guard, _batches(n=1))
+    setattr(model, switch, True)
+    with pytest.raises(ValueError, match=f"parameter '{name}' requires grad but no optimizer updates it"):
+        _train(model, guard, _batches(n=1) * UNFROZEN_EVERY)
+    return guard
+
+
 def test_a_layer_a_compiled_forward_makes_is_found_within_unfrozen_every_steps():
     # review 36g: a layer a compiled forward made was never found (the counts skip while dynamo
     # traces: counted there, they guarded its graph, and 36h: counted eagerly, through a disabled
@@ -469,13 +483,7 @@ def test_a_layer_a_compiled_forward_makes_is_found_within_unfrozen_every_steps()
     # steps finds them (the parameters' count, the normalization layers)
     from ampguard.watch import UNFROZEN_EVERY
 
-    model = _Grows(lambda: nn.Linear(4, 4))
-    guard = _guard(model)
-    model.compile(backend="eager")
-    _train(model, guard, _batches(n=1))
-    model.grow = True
-    with pytest.raises(ValueError, match="parameter 'extra.weight' requires grad but no optimizer updates it"):
-        _train(model, guard, _batches(n=1) * UNFROZEN_EVERY)
+    guard = _refused_once_its_compiled_forward_makes(_Grows(lambda: nn.Linear(4, 4)), "grow", "extra.weight")
     assert guard.steps <= UNFROZEN_EVERY
 
     model = _Grows(lambda: nn.BatchNorm1d(4, affine=False))
@@ -587,13 +595,7 @@ def test_a_parameter_taken_out_of_the_model_is_refused_by_name_at_the_look_and_l
                 self.a.bias = nn.Parameter(torch.zeros(4))
             return self.b(self.a(x))
 
-    model = Fills()
-    guard = _guard(model)
-    model.compile(backend="eager")
-    _train(model, guard, _batches(n=1))
-    model.fill = True
-    with pytest.raises(ValueError, match="parameter 'a.bias' requires grad but no optimizer updates it"):
-        _train(model, guard, _batches(n=1) * UNFROZEN_EVERY)
+    _refused_once_its_compiled_forward_makes(Fills(), "fill", "a.bias")
 
     model = _Grows(lambda: nn.BatchNorm1d(4, affine=False))
     guard = _guard(model)
