@@ -193,10 +193,30 @@ def bits_shown(bits: float, bound: float) -> str:
     return repr(bits)
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter (bumped by each in-place change); None for an inference tensor,
-    which has none (``torch.inference_mode``: reading it raised)."""
-    return None if t.is_inference() else t._version
+class _Measured:
+    """The tensors one measured forward has measured, each with its version counter then (bumped
+    by each in-place change; none for an inference tensor, whose reading raised): a tensor is
+    measured the first time a module takes it in or hands it on, and again once changed in place
+    (``h.mul_(16)`` between two modules); held weakly.
+
+    Example::
+
+        >>> measured, x = _Measured(), torch.ones(2)
+        >>> measured.first_time(x), measured.first_time(x), measured.first_time(x.mul_(2))
+        (True, False, True)
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int | None]] = {}
+
+    def first_time(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is new to this forward, or changed since it was measured; it counts as measured now."""
+        version = None if t.is_inference() else t._version
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == version:
+            return False
+        self._seen[id(t)] = (weakref.ref(t), version)
+        return True
 
 
 def judged_bits(row: HeadroomRow, scale: float | None, alert_bits: float, floor: float = 1.0) -> float | None:
@@ -590,13 +610,11 @@ class Headroom:
         # the scale the step's backward multiplies by (a device copy: no host read; read with the rows)
         self._scale = self.loss_scale() if self.loss_scale is not None else None
         handles: list[RemovableHandle] = []
-        # the tensors measured already in the forward: an input that is one is not measured again
-        seen: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        versions: dict[int, int | None] = {}  # (each one's version when measured: changed in place since, measured again)
-        handles += [m.register_forward_pre_hook(self._input_hook(name, seen, versions), with_kwargs=True)
+        # the tensors measured already in the forward: one is not measured again unless changed since
+        measured = _Measured()
+        handles += [m.register_forward_pre_hook(self._input_hook(name, measured), with_kwargs=True)
                     for name, m in self.modules]
-        handles += [m.register_forward_hook(self._forward_hook(name, handles, seen, versions))
-                    for name, m in self.modules]
+        handles += [m.register_forward_hook(self._forward_hook(name, handles, measured)) for name, m in self.modules]
         hooked: set[int] = set()  # a tied parameter (charlm's head.weight is tok.weight): its first module's
         for name, m in self.modules:
             for p in m.parameters(recurse=False):
@@ -631,26 +649,21 @@ class Headroom:
         with _MatmulProbe(lambda value: self._add(inside[-1], "matmul", value) if wanted() else None, wanted):
             yield
 
-    def _input_hook(self, name: str, seen: weakref.WeakValueDictionary[int, torch.Tensor],
-                    versions: dict[int, int | None]) -> Callable[[nn.Module, Any, Any], None]:
+    def _input_hook(self, name: str, measured: _Measured) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             for t in tree_leaves((args, kwargs)):  # (one measured already, and unchanged since, is its first module's row)
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and (
-                        seen.get(id(t)) is not t or versions.get(id(t)) != _version(t)):  # (x.mul_(16) since: again)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and measured.first_time(t):
                     self._add(name, "input", t)
-                    seen[id(t)], versions[id(t)] = t, _version(t)
 
         return hook
 
-    def _forward_hook(self, name: str, handles: list[RemovableHandle], seen: weakref.WeakValueDictionary[int, torch.Tensor],
-                      versions: dict[int, int | None]) -> Callable[[nn.Module, Any, Any], None]:
+    def _forward_hook(self, name: str, handles: list[RemovableHandle],
+                      measured: _Measured) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             for t in tree_leaves(output):  # (one measured already, unchanged, is the inner module's: a root's
                 # own parameter made it a module of its own, and its output, the head's, alerted twice)
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and (
-                        seen.get(id(t)) is not t or versions.get(id(t)) != _version(t)):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and measured.first_time(t):
                     self._add(name, "output", t)
-                    seen[id(t)], versions[id(t)] = t, _version(t)
                     if t.requires_grad:
                         handles.append(t.register_hook(lambda grad: self._add(name, "grad", grad)))
 

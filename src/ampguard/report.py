@@ -957,6 +957,19 @@ def headroom_beside(csv_path: Path) -> Path | None:
     return path if path.is_file() else None
 
 
+def headroom_watched(config: Config, csv_path: Path | None) -> bool:
+    """Whether the run's headroom is for its card and ``report`` to say: the monitor on, or a
+    ``headroom.csv`` beside its CSV (on earlier: a resume that turned it off keeps its alerts).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> headroom_watched(validate({}), None), headroom_watched(validate({"monitor": {"headroom": {"every": 10}}}), None)
+        (False, True)
+    """
+    return bool(config.monitor.headroom.every) or (csv_path is not None and headroom_beside(csv_path) is not None)
+
+
 # ---------------------------------------------------------------------------- the run card
 
 
@@ -1108,10 +1121,8 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         *((("non-finite losses by rank", origins),) if (origins := m.loss_origins_text()) else ()),
         ("max rolling skip rate", m.max_skip_rate_text),
         ("skip-rate alert episodes", str(m.alert_episodes)),
-        # (with the monitor on, or off now after alerts it raised: a resume with monitor.headroom.every null)
-        *((("headroom alerts", alerts),)
-          if (alerts := _headroom_alerts(result.paths.dir, config.monitor.headroom.alert_bits))[0].isdigit()
-          or config.monitor.headroom.every else ()),
+        *((("headroom alerts", _headroom_alerts(result.paths.dir, config.monitor.headroom.alert_bits)),)
+          if headroom_watched(config, result.paths.csv) else ()),
         # (clipping turned off on a resume: the steps clipped before it still count)
         ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {counted(m.steps, 'step')} had pre-clip norm > max_norm)"
                                    if clip_threshold(config.max_norm) or m.clipped else "n/a (clipping off)")),
@@ -1350,7 +1361,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {mon.window}), "
           f"alert episodes {episodes}, clip rate {run_clip_rate(rows, monitor if config_path.is_file() else None)}, "
           f"scale {monitor.scale_verdict}")
-    if config_path.is_file() and (config.monitor.headroom.every or headroom_beside(csv_path) is not None):
+    if config_path.is_file() and headroom_watched(config, csv_path):
         print(f"headroom alerts {headroom_alerts_text(csv_path.parent, config.monitor.headroom.alert_bits)}")
     if folder.card.is_file():  # why it ended, as train said it (a guard's stop read like a finished run)
         with contextlib.suppress(OSError):
