@@ -150,8 +150,11 @@ def modes_kept(model: torch.nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def untouched(model: torch.nn.Module) -> Iterator[None]:
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
-    (BatchNorm statistics), its parameters' gradients and every RNG (torch, CUDA, NumPy,
-    ``random``) are as they were, so a run goes on bit for bit as without it.
+    (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
+    back itself), its parameters' gradients and every RNG (torch, CUDA, NumPy, ``random``) are as
+    they were, so a run goes on bit for bit as without it. Parameters are not copied (a model's
+    worth of memory): one the forward changed in place (a momentum encoder's moving average) is
+    named in a warning, not put back.
 
     Example::
 
@@ -162,18 +165,33 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
         >>> torch.equal(model.running_mean, before), torch.equal(torch.get_rng_state(), draw)
         (True, True)
     """
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
+               if b is not None]
     grads = {id(p): p.grad for p in model.parameters()}
+    versions = {name: _version(p) for name, p in model.named_parameters()}
     try:
         with rng_kept(), modes_kept(model):
             yield
     finally:
         with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
+            for m, name, b, saved in buffers:
+                m._buffers[name] = b  # (the same tensor: one the forward re-registered is put back)
+                b.copy_(saved)
         for p in model.parameters():
             p.grad = grads.get(id(p))
+        changed = [name for name, p in model.named_parameters() if _version(p) != versions.get(name)]
+        if changed:
+            warnings.warn(f"the replay changed {counted(len(changed), 'parameter')} in place ({', '.join(changed[:3])}"
+                          f"{', ...' if len(changed) > 3 else ''}): the model's forward updates them (a moving "
+                          "average?), each replayed pass once more, and they are not put back", stacklevel=3)
+
+
+def _version(p: torch.Tensor) -> int | None:
+    """A tensor's version counter (bumped by each in-place change); None for an inference tensor."""
+    try:
+        return p._version
+    except RuntimeError:  # (inference tensors keep no version)
+        return None
 
 
 def _as_tuple(value: Any) -> Any:

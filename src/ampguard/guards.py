@@ -676,6 +676,8 @@ class FirstSkipDiagnosis:
             return None
         if self.found is not None and (not fresh or self.found.startswith(f"step {record.step} (")):
             return self.found
+        if any(distributed.is_sharded(m) for m in self.model.modules()):
+            return self._not_replayed(record)
         import contextlib
 
         import torch
@@ -708,5 +710,34 @@ class FirstSkipDiagnosis:
         if self.events is not None:
             extra = {"rank": rank} if len(findings) > 1 else {}
             self.events.emit({"step": record.step, "event": "diagnosis", **result.as_dict(), **extra,
+                              "message": found}, "DIAGNOSIS")
+        return found
+
+    def _not_replayed(self, record: StepRecord) -> str:
+        """What :meth:`after` says for a model FSDP2 shards: every forward of it gathers the ranks'
+        shards, a collective, and each rank's replays (one pass on a clean rank, three or more on
+        the rank that found a value) would not pair up: a crash or a hang. Every rank says the same,
+        with no replay.
+
+        Example::
+
+            >>> import torch
+            >>> from ampguard.step import AmpTrainState
+            >>> from ampguard.records import SkipLog
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+            >>> skip = SkipLog(step=4, lr=0.1, loss=2.0, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
+            ...                scaler_scale=1.0, reason="non_finite_grad")
+            >>> print(FirstSkipDiagnosis(state, model)._not_replayed(skip))
+            step 4 (non_finite_grad): not replayed: under FSDP2 every forward gathers the ranks' shards (a collective),
+            and each rank's replays would not pair up; `ampguard locate --step 4 --checkpoint <one saved before it>`
+            replays the step's batch in one process
+        """
+        found = (f"step {record.step} ({record.reason}): not replayed: under FSDP2 every forward gathers the ranks' "
+                 "shards (a collective), and each rank's replays would not pair up; `ampguard locate --step "
+                 f"{record.step} --checkpoint <one saved before it>` replays the step's batch in one process")
+        self.found = self.found or found
+        if self.events is not None:
+            self.events.emit({"step": record.step, "event": "diagnosis", "verdict": "not replayed",
                               "message": found}, "DIAGNOSIS")
         return found

@@ -20,12 +20,13 @@ gradients, the module buffers and the RNG states are restored afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext, redirect_stdout
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -39,8 +40,28 @@ from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, finite_number, f
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors inside ``value`` (nested lists, tuples, dicts), in order."""
-    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    """The tensors inside ``value`` (nested lists, tuples, dicts), in order; also inside the
+    containers torch's pytree does not know: a dataclass's fields, a mapping's values (a
+    ``transformers`` ``BatchEncoding``).
+
+    Example::
+
+        >>> @dataclasses.dataclass
+        ... class Batch:
+        ...     x: torch.Tensor
+        ...     extra: dict
+        >>> [t.tolist() for t in _tensors((Batch(torch.ones(1), {"m": torch.zeros(2)}), "text"))]
+        [[1.0], [0.0, 0.0]]
+    """
+    found = []
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+        elif isinstance(leaf, Mapping):
+            found += _tensors(list(leaf.values()))
+    return found
 
 
 def _bad(value: Any) -> str | None:
@@ -51,6 +72,29 @@ def _bad(value: Any) -> str | None:
             if not bool(finite.all()):
                 return "nan" if bool(torch.isnan(t.detach()).any()) else "inf"
     return None
+
+
+def _only_minus_inf(value: Any) -> bool:
+    """Whether ``value`` holds a non-finite value and every one is ``-inf``: what a mask the model
+    writes on purpose looks like (``masked_fill(..., -inf)``), and a negative overflow too.
+
+    Example::
+
+        >>> _only_minus_inf(torch.tensor([0.0, -math.inf])), _only_minus_inf(torch.tensor([math.inf, -math.inf]))
+        (True, False)
+        >>> _only_minus_inf(torch.zeros(2)), _only_minus_inf([torch.zeros(1), torch.tensor([-math.inf])])
+        (False, True)
+    """
+    seen = False
+    for t in _tensors(value):
+        if t.is_floating_point() or t.is_complex():
+            t = t.detach()
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                if t.is_complex() or not bool((t[bad] == -math.inf).all()):
+                    return False
+                seen = True
+    return seen
 
 
 def _dtypes(value: Any) -> list[str]:
@@ -82,6 +126,48 @@ class Finding:
     """With ``where == "none"``: the (finite) loss of the pass (of a group, the micro-batches'
     mean, the step's loss): a loss spike's evidence replays finite, and this says how large. With
     ``where == "backward"``: the finite loss whose backward overflowed (this micro-batch's)."""
+    minus_inf: bool = False
+    """Every non-finite value of the finding is ``-inf``: a mask the model writes on purpose, when
+    the FP32 replay writes it at the same place too (:func:`diagnose` then looks past it)."""
+    absorbed: str = ""
+    """With ``where == "none"``: the first non-finite value of a pass whose loss and gradients all
+    ended finite (a NaN the model masks out, a ``-inf`` mask), said, not a finding."""
+
+    @property
+    def place(self) -> str:
+        """Where the value was, as :func:`trace_first_non_finite` tells a module's output from a
+        value its caller's own code made (a key for the masks it looks past).
+
+        Example::
+
+            >>> Finding("forward", "attn.mask").place, Finding("forward", "attn", before="attn.proj").place
+            ('forward:attn.mask', 'forward:attn>attn.proj')
+        """
+        return f"{self.where}:{self.name}" + (f">{self.before}" if self.before else "")
+
+    def place_text(self) -> str:
+        """Where the value was, in words (the middle of :meth:`Diagnosis.message`).
+
+        Example::
+
+            >>> Finding("forward", "0", "Linear", "inf", ["float16"], ["float16"], "fp16").place_text()
+            'in the forward output of 0 (Linear; inputs float16 -> outputs float16)'
+            >>> Finding("backward", "", "global L2 norm", "inf", precision="fp32", loss=2.0).place_text()
+            'in backward, the global L2 norm of the gradients (float32; every gradient finite), from a finite loss 2'
+        """
+        dtypes = f"{','.join(self.input_dtypes) or '-'} -> outputs {','.join(self.output_dtypes) or '-'}"
+        if self.where == "input":
+            return "in the batch's targets" if self.name == "targets" else "in the input batch"
+        if self.where == "forward" and self.before:
+            return f"in the forward code of {self.name or '<model>'} itself ({self.op}; inputs {dtypes}), before it calls {self.before}"
+        if self.where == "forward":
+            return f"in the forward output of {self.name or '<model>'} ({self.op}; inputs {dtypes})"
+        if self.where == "loss":
+            return f"in the loss ({self.op})"
+        finite = f", from a finite loss {self.loss:.4g}" if self.loss is not None else ""
+        if not self.name:  # (every gradient finite, their norm not: the step's detector overflowed)
+            return f"in backward, the global L2 norm of the gradients (float32; every gradient finite){finite}"
+        return f"in backward, the gradient of parameter {self.name} ({self.op}){finite}"
 
 
 @dataclass
@@ -141,19 +227,11 @@ class Diagnosis:
         f = self.amp
         if f.where == "none":
             loss = f" (loss {f.loss:.4g})" if f.loss is not None else ""
+            if f.absorbed:
+                return (f"no non-finite value in the loss or backward under {f.precision}{loss}; {f.absorbed} did not "
+                        "reach them")
             return f"no non-finite value in forward, loss or backward under {f.precision}{loss}"
-        dtypes = f"{','.join(f.input_dtypes) or '-'} -> outputs {','.join(f.output_dtypes) or '-'}"
-        if f.where == "input":
-            place = "in the batch's targets" if f.name == "targets" else "in the input batch"
-        elif f.where == "forward" and f.before:
-            place = f"in the forward code of {f.name or '<model>'} itself ({f.op}; inputs {dtypes}), before it calls {f.before}"
-        elif f.where == "forward":
-            place = f"in the forward output of {f.name or '<model>'} ({f.op}; inputs {dtypes})"
-        elif f.where == "loss":
-            place = f"in the loss ({f.op})"
-        else:
-            place = f"in backward, the gradient of parameter {f.name} ({f.op})" + (
-                f", from a finite loss {f.loss:.4g}" if f.loss is not None else "")
+        place = f.place_text()
         first = f"first {f.kind} under {f.precision}: {place}"
         if self.fp8_scales:
             first += f"; a float8 scale broke first: {self.fp8_scales[0]}"
@@ -216,6 +294,8 @@ class Diagnosis:
         if self.scopes_tried:
             tried = ", ".join(name or "<model>" for name in self.scopes_tried)
             return f"; no module alone in FP32 fixes this batch (tried {tried}); run the whole step in FP32"
+        if self.amp.where == "loss":
+            return "; compute the loss in FP32 (on the outputs cast to float32, outside autocast)"
         return "; run that module outside autocast or in FP32"
 
     def as_dict(self) -> dict[str, Any]:
@@ -244,6 +324,8 @@ def trace_first_non_finite(
     loss_scale: float = 1.0,
     fp32_module: str | None = None,
     accumulation_steps: int = 1,
+    masks: frozenset[str] = frozenset(),
+    minus_inf_places: list[str] | None = None,
 ) -> Finding:
     """One forward + backward of the batch, watching for the first non-finite value.
 
@@ -255,11 +337,21 @@ def trace_first_non_finite(
     A module whose output is non-finite while its first input already was as it came in did not
     make the value: the code of the module that called it did, between its submodules (a
     ``torch.exp`` or an in-place op in its ``forward``); the finding names that caller, ``before``
-    the module. The first input is the first tensor argument, a keyword one when none is
-    positional (``self.b(input=t)``), judged as the module is entered (an in-place op of the
-    module's own writes over it). (Only the first input counts: a mask of -inf in a later
-    argument is no finding.) Non-finite targets
-    are the finding when the loss is not finite (a loss may mask them out, as ``nanmean`` does).
+    the module, or the caller's caller when the caller's own first input came in non-finite too (a
+    ``Sequential`` passes on what it was given). The first input is the first tensor argument, a
+    keyword one when none is positional (``self.b(input=t)``), judged as the module is entered (an
+    in-place op of the module's own writes over it). (Only the first input counts: a mask of -inf
+    in a later argument is no finding.) Non-finite targets are the finding when the loss is not
+    finite and they could have made it so (a NaN loss, or an inf in the targets; a loss may mask
+    them out, as ``nanmean`` does, and overflow on its own).
+
+    A non-finite value counts only when the pass ends non-finite: a loss or a gradient, or their
+    global L2 norm in float32 (the step's detector: it overflows past 3.4e38 with every gradient
+    finite). A pass whose loss and gradients are all finite is ``"none"``, the first value that
+    did not reach them said in ``absorbed`` (a NaN the model masks out, a ``-inf`` mask it
+    outputs). ``masks`` are places (:attr:`Finding.place`) whose all ``-inf`` values are no
+    finding (:func:`diagnose` names them: ``-inf`` in the FP32 replay too); every place whose
+    non-finite values were all ``-inf`` is added to ``minus_inf_places`` when given.
 
     Every module output and every gradient is checked on the host (a host sync each): a
     diagnostic, never part of the step. The parameters' ``.grad`` are put back afterwards.
@@ -283,39 +375,63 @@ def trace_first_non_finite(
         >>> f = trace_first_non_finite(model, nn.functional.mse_loss, torch.ones(3, 2), y / 0, fp32)
         >>> f.where, f.name, f.kind
         ('input', 'targets', 'nan')
+        >>> class Masked(nn.Module):  # (a NaN the model masks out of its input: no finding)
+        ...     def forward(self, x):
+        ...         return model(x.nan_to_num())
+        >>> f = trace_first_non_finite(Masked(), nn.functional.mse_loss, x, y, fp32)
+        >>> f.where, f.absorbed
+        ('none', 'the nan in the input batch')
     """
     label = precision.name
-    if (kind := _bad(inputs)) is not None:
-        return Finding("input", kind=kind, input_dtypes=_dtypes(inputs), precision=label)
-
     found: list[Finding] = []
+    if (kind := _bad(inputs)) is not None:
+        found.append(Finding("input", kind=kind, input_dtypes=_dtypes(inputs), precision=label,
+                             minus_inf=_only_minus_inf(inputs)))
     names = {id(m): name for name, m in model.named_modules()}
     param_owner = {id(p): (name, type(model.get_submodule(name.rpartition(".")[0])).__name__)
                    for name, p in model.named_parameters()}
     # the modules in forward, outermost first: each with its input dtypes, and its first input as it
-    # came in (its non-finite kind, its dtypes): judged at the entry, as an in-place op inside the
-    # module (a Dropout(inplace=True)) writes its output over that input
-    calls: list[tuple[nn.Module, list[str], str | None, list[str]]] = []
+    # came in (its non-finite kind, all -inf or not, its dtypes): judged at the entry, as an in-place
+    # op inside the module (a Dropout(inplace=True)) writes its output over that input
+    calls: list[tuple[nn.Module, list[str], str | None, bool, list[str]]] = []
 
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
         first = next(iter(_tensors(args) or _tensors(kwargs)), None)  # (self.b(input=t): a keyword's)
-        calls.append((module, _dtypes(args) or _dtypes(kwargs), None if first is None else _bad(first), _dtypes(first)))
+        born = None if first is None else _bad(first)
+        calls.append((module, _dtypes(args) or _dtypes(kwargs), born, born is not None and _only_minus_inf(first),
+                      _dtypes(first)))
 
     def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        _, dtypes, born, first_dtypes = calls.pop()
-        if found or (kind := _bad(output)) is None:
+        # (called after a forward that raised too, output None: a caller that caught it goes on)
+        _, dtypes, born, minus_inf, first_dtypes = calls.pop()
+        if (kind := _bad(output)) is None:
             return
-        if calls and born is not None:  # it came in non-finite: the caller's own code made it
-            caller, caller_dtypes = calls[-1][:2]
-            found.append(Finding("forward", names.get(id(caller), "?"), type(caller).__name__, born,
-                                 caller_dtypes, first_dtypes, label, before=names.get(id(module), "?")))
-        else:
-            found.append(Finding("forward", names.get(id(module), "?"), type(module).__name__, kind,
-                                 dtypes, _dtypes(output), label))
+        if born is None:
+            finding = Finding("forward", names.get(id(module), "?"), type(module).__name__, kind, dtypes,
+                              _dtypes(output), label, minus_inf=_only_minus_inf(output))
+        else:  # it came in non-finite: the code of the innermost caller whose own first input came in finite made it
+            i, child = len(calls) - 1, module
+            while i >= 0 and calls[i][2] is not None:
+                child, (_, _, born, minus_inf, first_dtypes) = calls[i][0], calls[i]
+                i -= 1
+            if i < 0:  # (the model's own first input: one the check of the inputs could not read)
+                finding = Finding("input", kind=born, input_dtypes=first_dtypes, precision=label, minus_inf=minus_inf)
+            else:
+                caller, caller_dtypes = calls[i][:2]
+                finding = Finding("forward", names.get(id(caller), "?"), type(caller).__name__, born, caller_dtypes,
+                                  first_dtypes, label, before=names.get(id(child), "?"), minus_inf=minus_inf)
+        if finding.minus_inf:
+            if minus_inf_places is not None:
+                minus_inf_places.append(finding.place)
+            if finding.place in masks:
+                return
+        if not found:
+            found.append(finding)
 
     handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
-    handles += [m.register_forward_hook(forward_hook, with_kwargs=True) for m in model.modules()]
+    handles += [m.register_forward_hook(forward_hook, with_kwargs=True, always_call=True) for m in model.modules()]
     saved_grads = {id(p): p.grad for p in model.parameters()}
+    grad_found: list[Finding] = []
     try:
         for p in model.parameters():
             p.grad = None
@@ -324,36 +440,66 @@ def trace_first_non_finite(
                 owner = param_owner[id(p)]
 
                 def grad_hook(grad: torch.Tensor, owner: tuple[str, str] = owner) -> None:
-                    if not found and (kind := _bad(grad)) is not None:
-                        found.append(Finding("backward", owner[0], owner[1], kind, [], [str(grad.dtype).removeprefix("torch.")], label))
+                    if not grad_found and (kind := _bad(grad)) is not None:
+                        grad_found.append(Finding("backward", owner[0], owner[1], kind, [],
+                                                  [str(grad.dtype).removeprefix("torch.")], label))
 
                 handles.append(p.register_hook(grad_hook))
         with precision.reference(), fp32_around(model, fp32_module):  # (the FP32 replay: strictly, no TF32)
             outputs = model(inputs)
             loss = loss_fn(outputs, targets)
-        if found:
-            return found[0]
         loss = loss.float()
-        if (kind := _bad(loss)) is not None:
-            if (bad_targets := _bad(targets)) is not None:
-                return Finding("input", "targets", kind=bad_targets, input_dtypes=_dtypes(targets), precision=label)
-            fn = inspect.unwrap(loss_fn)  # through a wrapper (the fault injector's) to the task's loss
-            return Finding("loss", op=getattr(fn, "__name__", type(fn).__name__), kind=kind,
-                           output_dtypes=_dtypes(loss), precision=label)
         value = float(loss.detach()) if loss.numel() == 1 else None
-        if loss.requires_grad:
+        if (loss_kind := _bad(loss)) is None and loss.requires_grad:
             if accumulation_steps > 1:  # (x / 1 is x: the step skips it too)
                 loss = loss / accumulation_steps
             (loss * loss_scale).backward()
-        if found:  # (the backward's: the loss was finite, and its size is the evidence)
-            found[0].loss = value
+            if not grad_found:
+                grad_found += _norm_overflow(model, loss_scale, label)
+        if loss_kind is None and not grad_found:  # the pass ended finite: what went non-finite did not matter
+            first = found[0] if found else None
+            return Finding("none", precision=label, loss=value,
+                           absorbed=f"the {'-inf' if first.minus_inf else first.kind} {first.place_text()}" if first else "")
+        if found:
             return found[0]
-        return Finding("none", precision=label, loss=value)
+        if loss_kind is not None:
+            # (NaN targets make a NaN loss: an inf one beside them is the loss's own overflow)
+            if (bad_targets := _bad(targets)) is not None and (bad_targets == "inf" or loss_kind == "nan"):
+                return Finding("input", "targets", kind=bad_targets, input_dtypes=_dtypes(targets), precision=label)
+            fn = inspect.unwrap(loss_fn)  # through a wrapper (the fault injector's) to the task's loss
+            return Finding("loss", op=getattr(fn, "__name__", type(fn).__name__), kind=loss_kind,
+                           output_dtypes=_dtypes(loss), precision=label)
+        grad_found[0].loss = value  # (the backward's: the loss was finite, and its size is the evidence)
+        return grad_found[0]
     finally:
         for handle in handles:
             handle.remove()
         for p in model.parameters():
-            p.grad = saved_grads[id(p)]
+            p.grad = saved_grads.get(id(p))
+
+
+def _norm_overflow(model: nn.Module, loss_scale: float, label: str) -> list[Finding]:
+    """``[the finding]`` when the gradients, each finite, have a global L2 norm (unscaled, as the
+    step's detector computes it: a sum of squares in the gradients' dtype, past float32's range
+    once the gradients reach ~1e19) that is not finite; else ``[]``.
+
+    Example (two gradients of 1e20 each: finite, the sum of their squares not in float32)::
+
+        >>> model = nn.Linear(2, 1, bias=False)
+        >>> model.weight.grad = torch.full((1, 2), 1e20)
+        >>> [(f.where, f.op, f.kind) for f in _norm_overflow(model, 1.0, "fp32")], _norm_overflow(model, 1e3, "fp32")
+        ([('backward', 'global L2 norm', 'inf')], [])
+    """
+    from .clipping import get_total_norm, grad_values
+
+    grads = [grad_values(p.grad) for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return []
+    inv_scale = torch.tensor(loss_scale, dtype=torch.float64).reciprocal().float()  # (GradScaler's unscale_)
+    norm = get_total_norm([g * inv_scale.to(g.device) for g in grads], 2.0, error_if_nonfinite=False, foreach=None)
+    if bool(torch.isfinite(norm)):
+        return []
+    return [Finding("backward", "", "global L2 norm", "inf", [], [str(norm.dtype).removeprefix("torch.")], label)]
 
 
 @contextmanager
@@ -381,7 +527,8 @@ def fp32_around(model: nn.Module, name: str | None) -> Iterator[None]:
     module = model.get_submodule(name)
 
     def plain_linear(layer: nn.Module) -> Callable[..., Any]:
-        return fp32_forward(lambda x: nn.functional.linear(x, layer.weight, layer.bias))
+        # (named as Float8Linear.forward names it: a model may call layer(input=x))
+        return fp32_forward(lambda input: nn.functional.linear(input, layer.weight, layer.bias))
 
     with ExitStack() as stack:
         for layer in float8_modules(module):
@@ -425,11 +572,13 @@ def find_fp32_scope(
     loss_scale: float,
     module: str,
     accumulation_steps: int = 1,
+    masks: frozenset[str] = frozenset(),
 ) -> tuple[str | None, list[str]]:
     """Replay the batch with ``module`` alone in FP32, then its parent, up to the model, until one
     makes the batch all finite: ``(that scope or None, the scopes tried)``. Each replay keeps the
     run's precision elsewhere, its loss scale and accumulation steps, and starts from the RNG
-    state this was called with (dropout draws the same masks each time).
+    state this was called with (dropout draws the same masks each time), and looks past the same
+    ``masks`` (:func:`diagnose`'s: places whose ``-inf`` the FP32 replay writes too).
 
     Example (a block's Linear outputs 1e5, past fp16's 65504; the LayerNorm after it brings it back
     in range, so that Linear alone in FP32 fixes the batch; the output Linear alone does not)::
@@ -452,7 +601,7 @@ def find_fp32_scope(
         tried.append(scope)
         set_rng_state(rng)
         found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
-                                       fp32_module=scope, accumulation_steps=accumulation_steps)
+                                       fp32_module=scope, accumulation_steps=accumulation_steps, masks=masks)
         if found.where == "none":
             return scope, tried
     return None, tried
@@ -521,7 +670,9 @@ def diagnose(
     For a precision-range problem in a module's output or a parameter's gradient it then looks
     for the smallest module that fixes the batch when kept in FP32 (:func:`find_fp32_scope`).
     Every pass starts from the RNG state this was called with, so dropout draws the same masks
-    in each; the caller's RNG state is put back afterwards.
+    in each; the caller's RNG state is put back afterwards. A first value that is all ``-inf`` (a
+    causal mask, logits of actions not allowed) is looked past when the FP32 replay writes ``-inf``
+    at the same place too: the model means it, and what made the step non-finite comes later.
 
     Example (an activation of 1e5 is finite in FP32 but overflows fp16's range of 65504; the
     LayerNorm after it brings it back, so that Linear alone in FP32 is enough)::
@@ -541,13 +692,29 @@ def diagnose(
     # are put back as they were, so a run that diagnosed goes on exactly as one that did not.
     from .checkpoint import rng_state, set_rng_state, untouched
 
+    from .fp8 import find_bad_scales, float8_modules
+
     n = accumulation_steps
+    whole = "" if float8_modules(model) else None  # fp8: its float8 layers compute in FP32 as well
+    fp32_precision = Precision("fp32", precision.device_type)
     with untouched(model):
         rng = rng_state()  # each pass starts here: the FP32 replay sees the AMP pass's dropout masks
-        amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale, accumulation_steps=n)
+        places: list[str] = []
+        amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale, accumulation_steps=n,
+                                     minus_inf_places=places)
+        masks: frozenset[str] = frozenset()
+        if amp.minus_inf:  # a -inf the FP32 replay writes at the same place is a mask the model means: look past it
+            set_rng_state(rng)
+            fp32_places: list[str] = []
+            trace_first_non_finite(model, loss_fn, inputs, targets, fp32_precision, 1.0, fp32_module=whole,
+                                   accumulation_steps=n, minus_inf_places=fp32_places)
+            masks = frozenset(places) & frozenset(fp32_places)
+            if amp.place in masks:
+                set_rng_state(rng)
+                amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
+                                             accumulation_steps=n, masks=masks)
         if amp.where == "none":
             return Diagnosis(amp, None, "none", loss_scale)
-        from .fp8 import find_bad_scales, float8_modules
 
         scales = []
         if float8_modules(model) and amp.where != "input":  # which float8 cast broke (its replay: the same draws)
@@ -555,9 +722,8 @@ def diagnose(
             scales = [str(bad) for bad in find_bad_scales(model, loss_fn, inputs, targets, precision.autocast)
                       if bad.broken_scale]
         set_rng_state(rng)
-        whole = "" if float8_modules(model) else None  # fp8: its float8 layers compute in FP32 as well
-        fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, Precision("fp32", precision.device_type), 1.0,
-                                      fp32_module=whole, accumulation_steps=n)
+        fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, fp32_precision, 1.0, fp32_module=whole,
+                                      accumulation_steps=n, masks=masks)
         if fp32.where != "none":
             from .checkpoint import non_finite_weight
 
@@ -567,7 +733,7 @@ def diagnose(
         module = _module_of(amp)
         if module is not None and precision.name != "fp32":
             set_rng_state(rng)
-            scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n)
+            scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n, masks)
     return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried, fp8_scales=scales)
 
 
@@ -869,6 +1035,7 @@ def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
         >>> load_batches(str(folder / "int.pt"))[1]
         8.0
         >>> for name, data in (("bad", {"micro_batches": []}), ("scale", {**one, "loss_scale": "big"}),
+        ...                    ("huge", {**one, "loss_scale": 1e39}),
         ...                    ("empty", {"inputs": torch.ones(0, 3), "targets": torch.zeros(0)})):
         ...     torch.save(data, folder / f"{name}.pt")
         ...     try:
@@ -877,6 +1044,7 @@ def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
         ...         print(str(err).replace(str(folder), "DIR"))
         DIR/bad.pt: a batch file holds {'inputs': ..., 'targets': ...} (or 'micro_batches': a list of them)
         DIR/scale.pt: loss_scale must be a finite number > 0, got 'big'
+        DIR/huge.pt: loss_scale 1e+39 is not a float32 scale: it must be in [1.17549e-38, 3.40282e+38]
         DIR/empty.pt: the batch holds no examples (inputs of shape (0, 3))
         >>> shutil.rmtree(folder)
     """
@@ -894,6 +1062,9 @@ def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
     # (an int is fine; NaN, inf and an int past the largest float are not finite numbers)
     if scale is not None and not (finite_number(scale) and scale > 0):
         raise InputError(f"{path}: loss_scale must be a finite number > 0, got {brief(scale)}")
+    if scale is not None and not DEFAULT_MIN_SCALE <= scale <= MAX_SCALE:  # (as --scale: 1e39 is inf in float32)
+        raise InputError(f"{path}: loss_scale {scale:g} is not a float32 scale: it must be in [{DEFAULT_MIN_SCALE:g}, "
+                         f"{MAX_SCALE:g}]")
     for i, b in enumerate(items):  # a loss over no examples is a NaN mean, not a finding
         first = next(iter(_tensors(b["inputs"])), None)
         if first is not None and first.dim() > 0 and first.shape[0] == 0:

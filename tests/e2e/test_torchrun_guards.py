@@ -90,7 +90,7 @@ pytestmark = TORCHRUN
 TIMEOUT_S = EARLY_TIMEOUT_S
 # their ranks end together: one launch (helpers.Batch), in this order; S last, the launch's own end
 # (O and L: a SIGTERM that every rank agrees on; each run begins with a fresh process's handlers)
-BATCHED = ("D", "E", "X", "R", "V", "K", "Z", "C", "M", "B", "O", "L", "S")
+BATCHED = ("D", "E", "X", "R", "V", "K", "Z", "C", "M", "B", "O", "L", "F", "S")
 RUN = ["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",
        "--set", "task.batch_size=8", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
 SHARDED_EVAL = '''
@@ -248,6 +248,8 @@ def early(work: Path) -> dict[str, tuple]:
     (work / "killed.py").write_text(KILLED)
     specs = {
         "S": [*RUN, "--set", "steps=6", "--set", "log.name=S", "--strict", "--inject", "nan_loss@3@rank1"],
+        "F": [*RUN, "--set", "steps=6", "--set", "log.name=F", "--set", "distributed.strategy=fsdp2", "--strict",
+              "--inject", "nan_loss@3@rank1"],
         "D": [*RUN, "--set", "steps=300", "--set", "log.every=1000", "--set", "checkpoint.enabled=false",
               "--set", "log.name=D"],
         "E": ["train", "--set", f"task.factory={work / 'sharded_eval.py'}:build", "--set", "precision=fp32",
@@ -402,6 +404,20 @@ def test_strict_mode_every_rank_stops_with_3_and_the_card_names_the_rank_of_the_
     rows = (run / "steps.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3"]  # both ranks stopped at step 3
     assert out.count("summary:") == 1
+
+
+def test_strict_mode_under_fsdp2_stops_every_rank_with_3_saying_the_step_is_not_replayed(launches):
+    # (each rank replaying its own micro-batches through a sharded model ran collectives that did
+    # not pair up: rank 1 a KeyError, rank 0 a broken connection, both exit 1 with tracebacks)
+    code, out, err, cwd = launches["F"]
+    assert rank_codes(cwd) == {0: ExitCode.GUARD, 1: ExitCode.GUARD}, f"torchrun exited {code}\n{err[-3000:]}"
+    run = cwd / "runs" / "F"
+    finding = "step 3 (non_finite_loss): not replayed: under FSDP2 every forward gathers the ranks' shards"
+    assert finding in (run / "RUN.md").read_text()
+    assert f"ended: strict mode: non-finite loss at step 3: {finding}" in out
+    diagnosis = [e for e in run_events(run) if e["event"] == "diagnosis"]
+    assert [(e["step"], e["verdict"]) for e in diagnosis] == [(3, "not replayed")]
+    assert [r.split(",")[0] for r in (run / "steps.csv").read_text().splitlines()[1:]] == ["1", "2", "3"]
 
 
 def test_a_full_disk_on_rank_0_stops_every_rank_at_the_same_step(launches):

@@ -11,6 +11,7 @@ while staying finite in fp32.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -773,3 +774,223 @@ def test_a_finite_replay_names_the_steps_loss_so_a_spikes_evidence_says_how_larg
     assert d.verdict == "none" and d.amp.loss == pytest.approx(expected, rel=1e-6) and expected > 1e6
     assert d.message() == f"no non-finite value in forward, loss or backward under fp32 (loss {expected:.4g})"
     assert d.as_dict()["amp"]["loss"] == d.amp.loss
+
+
+# ---------------------------------------------------------------------------- review 37b
+
+
+BF16 = Precision("bf16", "cpu")
+FP32 = Precision("fp32", "cpu")
+
+
+class PassThrough(nn.Module):
+    """exp in its own code, then a Sequential that only passes the value on to its Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.mlp = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.exp(self.a(x) * 1000))
+
+
+def test_a_value_made_by_the_model_and_passed_through_a_wrapper_names_the_model_not_the_wrapper():
+    # (the Sequential, with no code of its own, was named the maker "before it calls mlp.0")
+    torch.manual_seed(0)
+    model = PassThrough()
+    with torch.no_grad():
+        model.a.weight.fill_(1.0), model.a.bias.fill_(1.0)
+    found = trace_first_non_finite(model, F.mse_loss, torch.ones(3, 2), torch.zeros(3, 2), FP32)
+    assert (found.where, found.name, found.op, found.before) == ("forward", "", "PassThrough", "mlp")
+
+
+class MaskOut(nn.Module):
+    """Writes a causal mask of -inf (the model means it) into attention scores."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full((x.shape[0], x.shape[0]), -math.inf).triu(1)
+
+
+class MaskedAttention(nn.Module):
+    """A causal mask (all -inf where not finite, in FP32 too), then an MLP whose first Linear
+    outputs 1e5: finite in FP32, past fp16's 65504."""
+
+    def __init__(self, big: float = 1.0) -> None:
+        super().__init__()
+        self.q, self.mask, self.up = nn.Linear(4, 4), MaskOut(), nn.Linear(4, 4)
+        with torch.no_grad():
+            self.up.weight.fill_(big), self.up.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x)
+        h = torch.softmax(h @ h.T + self.mask(x), dim=-1) @ h
+        return self.up(h.abs() + 1).float().mean(dim=1, keepdim=True)
+
+
+def test_a_minus_inf_mask_the_model_writes_is_no_finding_and_does_not_hide_a_later_overflow():
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 4), torch.zeros(3, 1)
+    clean = diagnose(MaskedAttention(), F.mse_loss, x, y, BF16)  # (was data/model, exit 1, on a finite step)
+    assert clean.verdict == "none"
+    assert "the -inf in the forward output of mask (MaskOut" in clean.message()
+    # the mask comes first; the step's overflow comes after it, and is the finding
+    torch.manual_seed(0)
+    model = MaskedAttention(big=3e4)
+    result = diagnose(model, F.mse_loss, x, y, FP16)
+    assert (result.amp.where, result.amp.name, result.verdict) == ("forward", "up", "precision-range")
+    assert "mask" not in result.message()
+
+    class Policy(nn.Module):  # logits of a forbidden action masked to -inf, then cross-entropy
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(x).masked_fill(torch.tensor([False, False, True]), -math.inf)
+
+    assert diagnose(Policy(), F.cross_entropy, x, torch.tensor([0, 1, 0]), BF16).verdict == "none"
+
+
+def test_a_negative_overflow_is_still_a_finding():
+    # (an all -inf value that FP32 does not write is the precision's: not taken for a mask)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(-1e3), model[0].bias.zero_()
+    result = diagnose(model, F.mse_loss, torch.full((1, 2), 50.0), torch.zeros(1, 1), FP16)
+    assert (result.amp.where, result.amp.name, result.amp.minus_inf, result.verdict) == \
+        ("forward", "0", True, "precision-range")
+
+
+def test_a_nan_in_an_input_container_pytree_does_not_know_is_the_inputs():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        features: torch.Tensor
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, batch: Batch) -> torch.Tensor:
+            return self.fc(batch.features)
+
+    x = torch.randn(3, 4)
+    x[0, 0] = math.nan
+    result = diagnose(Net(), F.mse_loss, Batch(x), torch.zeros(3, 1), BF16)
+    assert (result.amp.where, result.amp.name, result.verdict) == ("input", "", "data/model")
+
+
+def test_a_nan_input_the_model_masks_out_is_no_finding():
+    class Clean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.nan_to_num())
+
+    x = torch.randn(3, 4)
+    x[1, 1] = math.nan
+    result = diagnose(Clean(), F.mse_loss, x, torch.zeros(3, 1), BF16)
+    assert result.verdict == "none" and result.amp.absorbed == "the nan in the input batch"
+    assert "did not reach them" in result.message()
+
+
+def test_nan_targets_the_loss_masks_beside_its_own_fp16_overflow_name_the_loss():
+    def masked_sq(outputs, targets):  # NaN targets are missing values; the sum overflows in fp16
+        keep = ~targets.isnan()
+        return ((outputs - targets.nan_to_num().to(outputs.dtype)) ** 2)[keep].sum()
+
+    model = nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.fill_(200.0), model.bias.zero_()
+    y = torch.zeros(2, 2)
+    y[0, 0] = math.nan
+    result = diagnose(model, masked_sq, torch.ones(2, 2), y, FP16)
+    assert (result.amp.where, result.amp.op, result.amp.kind, result.verdict) == \
+        ("loss", "masked_sq", "inf", "precision-range")
+    assert result.message().endswith("compute the loss in FP32 (on the outputs cast to float32, outside autocast)")
+
+
+def test_a_skip_for_a_global_norm_past_float32_with_every_gradient_finite_is_explained():
+    model = nn.Linear(64, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([1.0, -1.0] * 32))  # x.w = 0: a loss of 0
+
+    def loss_fn(out, y):  # each gradient 1e38: finite; the sum of their squares is not
+        return (out * 5e37).mean()
+
+    from ampguard.clipping import global_l2_norm
+
+    out = model(torch.full((4, 64), 2.0))
+    loss_fn(out, None).backward()
+    assert bool(torch.isfinite(model.weight.grad).all()) and not math.isfinite(float(global_l2_norm(model.parameters())))
+    model.weight.grad = None
+    result = diagnose(model, loss_fn, torch.full((4, 64), 2.0), torch.zeros(4, 1), FP32)
+    assert (result.amp.where, result.amp.name, result.amp.op, result.verdict) == \
+        ("backward", "", "global L2 norm", "data/model")
+    assert "the global L2 norm of the gradients (float32; every gradient finite)" in result.message()
+
+
+def test_a_submodule_that_raises_and_is_caught_does_not_shift_the_callers_entries():
+    class Fast(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("no fast kernel here")
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fast, self.fc = Fast(), nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            try:
+                x = self.fast(x)
+            except RuntimeError:
+                pass
+            return self.fc(torch.exp(x * 1000))
+
+    found = trace_first_non_finite(nn.Sequential(Block()), F.mse_loss, torch.ones(3, 2), torch.zeros(3, 2), FP32)
+    assert (found.where, found.name, found.op, found.before) == ("forward", "0", "Block", "0.fc")
+
+
+def test_a_buffer_the_forward_registers_again_with_another_shape_is_put_back():
+    class Cached(nn.Module):  # a rotary cos/sin cache grown for a longer input
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("cache", torch.zeros(2, 4), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > self.cache.shape[0]:
+                self.register_buffer("cache", torch.zeros(x.shape[0], 4), persistent=False)
+            return self.fc(x) + self.cache[: x.shape[0]]
+
+    model = Cached()
+    cache = model.cache
+    assert diagnose(model, F.mse_loss, torch.randn(8, 4), torch.zeros(8, 4), BF16).verdict == "none"
+    assert model.cache is cache and model.cache.shape == (2, 4)
+
+
+def test_parameters_the_forward_changes_in_place_are_named_in_a_warning():
+    class Momentum(nn.Module):  # a momentum encoder: its target follows the online weights in forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.online, self.target = nn.Linear(2, 2), nn.Linear(2, 2)
+            self.target.requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                for t, o in zip(self.target.parameters(), self.online.parameters()):
+                    t.mul_(0.9).add_(o, alpha=0.1)
+            return self.online(x) + self.target(x)
+
+    x = torch.ones(1, 2)
+    x[0, 0] = math.nan
+    with pytest.warns(UserWarning, match=r"the replay changed 2 parameters in place \(target.weight, target.bias\)"):
+        diagnose(Momentum(), F.mse_loss, x, torch.zeros(1, 2), BF16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a model that changes none: no warning)
+        diagnose(nn.Linear(2, 2), F.mse_loss, x, torch.zeros(1, 2), BF16)
