@@ -678,19 +678,11 @@ class FirstSkipDiagnosis:
             return self.found
         if any(distributed.is_sharded(m) for m in self.model.modules()):
             return self._not_replayed(record)
-        import contextlib
-
-        import torch
-
         from .locate import diagnose_group
 
-        # a model compiled in place (compile: true) is replayed eagerly: its replay's hooks, traced by
-        # dynamo, broke its graph and compiled it again (a page of graph-break warnings)
-        eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") \
-            else contextlib.nullcontext()  # (torch < 2.6)
-        with eager:
-            result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision,
-                                    float(self.scale), accumulation_steps=self.state.accumulation_steps)
+        # (a model compiled in place, compile: true, is replayed eagerly: diagnose's own doing)
+        result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision,
+                                float(self.scale), accumulation_steps=self.state.accumulation_steps)
         if self.injected is not None:  # (an injected fault fires in the FP32 replay too: the finding is the fault's)
             result.injected = self.injected(record.step)
         if self.state.scaler.is_enabled():  # (at its floor the scaler cannot halve: not its routine back-off)

@@ -689,9 +689,36 @@ def diagnose(
         is finite: a precision-range problem; keeping 0.0 in FP32 (autocast off around it alone) fixes this batch
     """
     # The replays leave no trace in the run: buffers (BatchNorm statistics) and the RNGs (dropout)
-    # are put back as they were, so a run that diagnosed goes on exactly as one that did not.
-    from .checkpoint import rng_state, set_rng_state, untouched
+    # are put back as they were, so a run that diagnosed goes on exactly as one that did not. A
+    # compiled model is replayed eagerly, under its own module names.
+    with _eager():
+        return _diagnose(_uncompiled(model), loss_fn, inputs, targets, precision, loss_scale, accumulation_steps)
 
+
+def _eager() -> Any:
+    """Compiled code runs eagerly while inside: the replays' hooks, traced by dynamo, broke a
+    compiled model's graph and compiled it again (a page of graph-break warnings)."""
+    stance = getattr(torch.compiler, "set_stance", None)  # (torch < 2.6: none)
+    return stance("force_eager") if stance is not None else nullcontext()
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (its names are the model's: ``0.fc``, not
+    ``_orig_mod.0.fc``, as ``fp32_modules`` takes them), or ``model`` itself.
+
+    Example::
+
+        >>> inner = nn.Linear(2, 1)
+        >>> _uncompiled(torch.compile(inner)) is inner, _uncompiled(inner) is inner
+        (True, True)
+    """
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
+
+
+def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
+              precision: Precision, loss_scale: float, accumulation_steps: int) -> Diagnosis:
+    from .checkpoint import rng_state, set_rng_state, untouched
     from .fp8 import find_bad_scales, float8_modules
 
     n = accumulation_steps

@@ -994,3 +994,14 @@ def test_parameters_the_forward_changes_in_place_are_named_in_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (a model that changes none: no warning)
         diagnose(nn.Linear(2, 2), F.mse_loss, x, torch.zeros(1, 2), BF16)
+
+
+def test_a_model_compiled_by_its_factory_is_replayed_under_its_own_module_names():
+    # (named '_orig_mod.0.0', a name fp32_modules does not take; each hook a recompile)
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)), nn.Linear(2, 1))
+    with torch.no_grad():
+        inner[0][0].weight.fill_(1e3), inner[0][0].bias.zero_()
+    result = diagnose(torch.compile(inner, backend="eager"), F.mse_loss, torch.full((1, 2), 50.0), torch.zeros(1, 1),
+                      FP16)
+    assert (result.amp.name, result.fp32_scope, result.scopes_tried) == ("0.0", "0.0", ["0.0"])
