@@ -796,6 +796,7 @@ class RunMonitor:
             "first_loss": None, "best_loss": None, "eval_last": {}, "eval_best": {},
             "max_rolling_skip_rate": 0.0,  # the raw rolling rate's highest (max_skip_rate: the judged one's)
             "final_loss": None, "final_loss_step": None,  # the last applied step's (finite) loss
+            "unobserved": 0,  # steps 1..this were not observed: a resume without this monitor's state (begin_at)
         }
 
     # -------------------------------------------------------------- per record
@@ -860,7 +861,7 @@ class RunMonitor:
         elif self.health.at_floor:
             self.in_opening, self.opening = False, 0
             if self.fail_rate is not None and self.fail_rate < 1:
-                self.above_fail = record.step - 1  # (this step's own comes in _events)
+                self.above_fail = record.step - 1 - self.unobserved  # (this step's own comes in _events)
         else:
             self.opening += 1
 
@@ -936,26 +937,32 @@ class RunMonitor:
             >>> print(m.failed.message)
             skip rate above fail_rate 0.5 at every one of the run's 30 steps (it ended before fail_after 100 consecutive steps)
         """
-        unsettled = self.in_opening and self.steps > 0  # every step a search that found no scale
+        observed = self.observed  # (a monitor that began after step 1, begin_at, judges the steps it saw)
+        unsettled = self.in_opening and observed > 0  # every step a search that found no scale
         aside = 0 if unsettled else self.opening  # (0 once it reached the floor too: then it counts)
-        judged, skipped = self.steps - aside, sum(self.skips.values()) - aside
+        judged, skipped = observed - aside, sum(self.skips.values()) - aside
+
+        def run(n: int) -> str:  # (a monitor that began later observed only the steps after it began)
+            return f"the run's {counted(n, 'step')}" if not self.unobserved else \
+                f"the {counted(n, 'step')} after step {self.unobserved}"
+
         events: list[Event] = []
         if judged <= 0:
             return events
         rate = skipped / judged
         data = {"skip_rate": rate, "window": self.window}
-        never = (f"no step applied in the run's {counted(self.steps, 'step')}: the fp16 loss scale's search down from init_scale "
+        never = (f"no step applied in {run(observed)}: the fp16 loss scale's search down from init_scale "
                  f"never found a scale (now {self.health.scale:g})") if unsettled else ""
-        if (self.steps < self.min_steps or unsettled) and not self.alerting and rate > self.alert_rate:
+        if (observed < self.min_steps or unsettled) and not self.alerting and rate > self.alert_rate:
             self.alerting = True
             self.alert_episodes += 1
             events.append(Event(step, "skip_rate_alert", never or (
-                f"skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over the run's {counted(judged, 'step')}, which "
+                f"skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over {run(judged)}, which "
                 f"ended before the rolling ALERT armed (monitor.min_steps {self.min_steps})"), data))
         if self.failed is None and self.fail_rate is not None and (
-                unsettled and rate > self.fail_rate or self.steps < self.fail_after and self.above_fail >= self.steps):
+                unsettled and rate > self.fail_rate or observed < self.fail_after and self.above_fail >= observed):
             self.failed = Event(step, "fail", f"{never}, a skip rate of 1 above fail_rate {self.fail_rate:g}" if never else (
-                f"skip rate above fail_rate {self.fail_rate:g} at every one of the run's {counted(self.steps, 'step')} "
+                f"skip rate above fail_rate {self.fail_rate:g} at every one of {run(observed)} "
                 f"(it ended before fail_after {self.fail_after} consecutive steps)"), data, cause=FAIL_SKIP_RATE)
             events.append(self.failed)
         return events
@@ -1006,6 +1013,33 @@ class RunMonitor:
                 self.eval_last = dict(saved["eval_last"])
         self.restart_windows()
         return undone
+
+    def begin_at(self, step: int) -> None:
+        """Take a run over after its ``step`` without this monitor's state (a resume from a
+        checkpoint saved without it): its steps 1 to ``step`` were not observed. :attr:`steps`
+        goes on from there, the last step's number as after a resume with the state, and the
+        counts, rates and the end's judgement cover the steps observed (:attr:`observed`, their
+        first ``unobserved + 1``): 2 skips in the 2 steps after step 38 are a skip rate of 1, not 2/40.
+
+        Example::
+
+            >>> from ampguard.records import SkipLog
+            >>> m = RunMonitor(fail_rate=0.5, scaler_enabled=False)
+            >>> m.begin_at(38)
+            >>> for s in (39, 40):
+            ...     _ = m.observe(SkipLog(step=s, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None,
+            ...                           grad_l2_post_clip=None, scaler_scale=1.0, reason="non_finite_loss"))
+            >>> m.steps, m.observed, m.summary()
+            (40, 2, 'steps=40 (1 to 38 not observed) updates=0 skips=2 (non_finite_loss=2)')
+            >>> [e.kind for e in m.at_end(40)], m.failed.message.split(" (")[0]
+            (['skip_rate_alert', 'fail'], 'skip rate above fail_rate 0.5 at every one of the 2 steps after step 38')
+        """
+        if self.steps:
+            raise ValueError(f"RunMonitor.begin_at({step}): this monitor has observed up to step {self.steps} "
+                             "already (begin_at is for a fresh one)")
+        if not whole_number(step):
+            raise ValueError(f"RunMonitor.begin_at: step must be an int >= 0, got {step!r}")
+        self.steps = self.unobserved = int(step)
 
     def restart_windows(self) -> None:
         """Forget the rolling skip window (after a rollback): the run starts its judging afresh
@@ -1114,9 +1148,23 @@ class RunMonitor:
         opening = self.opening
         if opening < 1:
             return 0
-        # the window holds the last `held` steps up to `steps`; the opening is steps 1..opening
+        # the window holds the last `held` steps up to `steps`; the opening is the first `opening`
+        # steps observed (1..opening, or after the `unobserved` ones)
         first = self.steps - self.skip_window.held + 1
-        return max(0, min(opening - first + 1, self.skip_window.held, round(self.skip_window.total)))
+        return max(0, min(self.unobserved + opening - first + 1, self.skip_window.held, round(self.skip_window.total)))
+
+    @property
+    def observed(self) -> int:
+        """The steps this monitor observed: :attr:`steps` less those before it began
+        (:meth:`begin_at`; none for a monitor that observed the run from step 1).
+
+        Example::
+
+            >>> m = RunMonitor()
+            >>> m.begin_at(5); m.steps, m.observed
+            (5, 0)
+        """
+        return self.steps - self.unobserved
 
     @property
     def clip_rate(self) -> float:
@@ -1130,7 +1178,7 @@ class RunMonitor:
             >>> RunMonitor().clip_rate  # no steps yet
             0.0
         """
-        return self.clipped / self.steps if self.steps else 0.0
+        return self.clipped / self.observed if self.observed else 0.0
 
     @property
     def scale_verdict(self) -> str:
@@ -1189,7 +1237,9 @@ class RunMonitor:
             >>> RunMonitor().summary()
             'steps=0 updates=0 skips=0 (none)'
         """
-        text = f"steps={self.steps} updates={self.updates} skips={sum(self.skips.values())} ({self.skips_text()})"
+        unseen = f" (1 to {self.unobserved} not observed)" if self.unobserved else ""
+        text = f"steps={self.steps}{unseen} updates={self.updates} skips={sum(self.skips.values())} "
+        text += f"({self.skips_text()})"
         if self.last.get("scaler_scale") is not None:
             text += f" final_scale={self.last['scaler_scale']:.6g}"
         loss, step = self.final_loss_and_step
@@ -1228,11 +1278,12 @@ class RunMonitor:
     _SCALARS = (
         "steps", "updates", "clipped", "alerting", "scale_alerting", "alert_episodes", "max_skip_rate",
         "above_fail", "at_floor_skipped", "opening", "in_opening", "first_loss", "best_loss", "eval_last", "eval_best",
-        "max_rolling_skip_rate", "final_loss", "final_loss_step",
+        "max_rolling_skip_rate", "final_loss", "final_loss_step", "unobserved",
     )
     # new name -> its name in older states (an older state's judged maximum is the closest it holds)
     _RENAMED = {"at_floor_skipped": "below_min_scale", "max_rolling_skip_rate": "max_skip_rate"}
-    _COUNTS = ("steps", "updates", "clipped", "alert_episodes", "above_fail", "at_floor_skipped", "opening")
+    _COUNTS = ("steps", "updates", "clipped", "alert_episodes", "above_fail", "at_floor_skipped", "opening",
+               "unobserved")
     _FLAGS = ("alerting", "scale_alerting", "in_opening")
 
     def state_dict(self) -> dict[str, Any]:
@@ -1322,6 +1373,8 @@ class RunMonitor:
         scalars = self._saved_scalars(state)
         for name in self._COUNTS:
             _need(whole_number(scalars[name]), f"{where}{name}", scalars[name], "an int >= 0")
+        _need(scalars["unobserved"] <= scalars["steps"], f"{where}unobserved", scalars["unobserved"],
+              f"an int in [0, steps {scalars['steps']}]")
         for name in self._FLAGS:
             _need(_flag(scalars[name]), f"{where}{name}", scalars[name], "True or False")
         for name in ("max_skip_rate", "max_rolling_skip_rate"):

@@ -99,11 +99,14 @@ def run_card(summary: dict[str, Any]) -> str:
         | skipped steps | 1 (non_finite_grad 1) |
     """
     skips = summary.get("skips") or {}
+    unseen = summary.get("unobserved") or 0  # (a resume without the monitor's state: RunMonitor.begin_at)
     reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skips.items())) or "none"
     scale = summary.get("final_scale")
     rows = [
         ("ended", f"{summary.get('ended')} (exit {summary.get('exit_code')})"),
-        ("steps / updates applied", f"{summary.get('steps')} / {summary.get('updates')}"),
+        ("steps / updates applied", f"{summary.get('steps')} / {summary.get('updates')}" + (
+            f" (steps 1 to {unseen} not observed: resumed from a checkpoint without ampguard's state; the counts "
+            f"and rates here cover steps {unseen + 1} to {summary.get('steps')})" if unseen else "")),
         ("guarded", "yes: GuardedTrainer (the step skipped, the schedule held)" if summary.get("guarded")
          else "watched only: a stock Trainer with the callback"),
         ("skipped steps", f"{sum(skips.values())} ({reasons})"),
@@ -140,8 +143,10 @@ class AmpGuardCallback(TrainerCallback):
     ``events.jsonl`` (alerts, the failure, a resume, the end) and ``summary.json`` (the
     monitor's counts, ``ended``, ``exit_code``: 0, or 3 when a guard stopped the run; under
     :class:`GuardedTrainer` also 130 for a Ctrl-C and 1 for an error that ended ``train()``,
-    what the process then exits with). An existing ``steps.csv`` is refused, never overwritten,
-    except by a resume of :class:`GuardedTrainer`, which appends after the checkpoint's step.
+    what the process then exits with; ``unobserved``: the steps before a resume from a
+    checkpoint without ampguard's state, left out of the counts). An existing ``steps.csv`` is
+    refused, never overwritten, except by a resume (``train(resume_from_checkpoint=...)``),
+    which appends after the checkpoint's step.
 
     With :class:`GuardedTrainer` (which adds one of these if none is given) every row is the
     guard's record: loss, pre- and post-clip norm, scale, skips with their reason. On a stock
@@ -179,6 +184,8 @@ class AmpGuardCallback(TrainerCallback):
         RunMonitor(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,
                    fail_after=fail_after, min_steps=min_steps)  # bad settings fail here, not at the first step
         self.out_dir = Path(out_dir) if out_dir is not None else None
+        if self.out_dir is not None:  # (a file there failed only in train(), with mkdir's raw FileExistsError)
+            _check_out_dir(self.out_dir)
         self._home = self.out_dir  # the folder given: a trial's files go in a folder of their own in it
         self._trial: str | None = None  # GuardedTrainer: HF's run folder name for the trial train() runs (run-N)
         self._reporting = False  # GuardedTrainer: HF is reporting to the search (an on_train_end now: pruned)
@@ -203,8 +210,9 @@ class AmpGuardCallback(TrainerCallback):
         self._scaler: dict[str, float] | None = None  # the loss scaler's init_scale and floor, if there is one
         self._watch: dict[str, Any] = {}  # stock Trainer: what on_pre_optimizer_step saw
         self._noting: contextlib.ExitStack | None = None  # stock Trainer: the first forward's dtype hooks, open
-        # GuardedTrainer resuming: (the checkpoint's step, its monitor state or None, the checkpoint's name)
-        self._resume: tuple[int, dict[str, Any] | None, str, dict[str, Any] | None] | None = None
+        # a resume: (the checkpoint's step, its monitor state or None, the checkpoint's name, its logged counts,
+        # the loss scale a stock checkpoint's scaler.pt gave the guard or None, what the resume event says of the scale)
+        self._resume: tuple[int, dict[str, Any] | None, str, dict[str, Any] | None, float | None, str] | None = None
         self.crash: BaseException | None = None  # the error that ended train(), if one did (GuardedTrainer)
         self._ended = False  # run_end and summary.json written
         self._batch: int | None = None  # the train batch size of this train()'s last attempt (auto_find_batch_size)
@@ -260,13 +268,16 @@ class AmpGuardCallback(TrainerCallback):
                 stop.release()  # (a second signal that waited interrupts now)
 
     def resume(self, step: int, monitor_state: dict[str, Any] | None, source: str,
-               logged: dict[str, Any] | None = None) -> None:
+               logged: dict[str, Any] | None = None, *, scale: float | None = None, scale_note: str = "") -> None:
         """Called by :class:`GuardedTrainer` before ``on_train_begin`` of a resumed run: the
         checkpoint's ``step``, the monitor's state saved with it (``None`` in a checkpoint
         without ampguard's state), the checkpoint's name and :meth:`logged_state` as saved. The
         monitor goes on from that state and the files append: rows after ``step`` (an abandoned
-        future) are cut first."""
-        self._resume = (step, monitor_state, source, logged)
+        future) are cut first. Without the monitor's state it observes from step ``step + 1``
+        (:meth:`RunMonitor.begin_at`: its counts and judgement cover the steps it saw), its
+        scale health from ``scale`` (the loss scale the guard goes on from, when not
+        ``init_scale``); ``scale_note`` is what the resume event says of the loss scale."""
+        self._resume = (step, monitor_state, source, logged, scale, scale_note)
 
     def logged_state(self) -> dict[str, int]:
         """The monitor's skips and steps at HF's last training log (:meth:`add_to_log`), saved with
@@ -334,7 +345,7 @@ class AmpGuardCallback(TrainerCallback):
             # before this; a fresh train() starts at 0): the files append after its step, the monitor
             # counts from here (a stock Trainer's checkpoint holds no ampguard state); it was refused
             # as "steps.csv already exists"
-            resume = (state.global_step, None, "", None)
+            resume = (state.global_step, None, "", None, None, "")
         if self.monitor is not None and not self._ended and not retry:
             if not self.monitor.steps and self._fresh:  # (the train() before raised before its first
                 self._withdraw()                        # row, unseen: its files go, as after a crash seen)
@@ -358,7 +369,9 @@ class AmpGuardCallback(TrainerCallback):
             window=self.window, alert_rate=self.alert_rate, clear_rate=self.clear_rate, fail_rate=self.fail_rate,
             fail_after=self.fail_after,
             max_norm=args.max_grad_norm, scaler_enabled=self._scaler is not None,
-            init_scale=(self._scaler or {}).get("init_scale"), min_scale=(self._scaler or {}).get("min_scale", 1.0),
+            init_scale=resume[4] if resume is not None and resume[4] is not None  # (a stock scaler.pt's)
+            else (self._scaler or {}).get("init_scale"),
+            min_scale=(self._scaler or {}).get("min_scale", 1.0),
             min_steps=self.min_steps)
         self._batch = state.train_batch_size
         if resume is not None and resume[1] is not None:  # before any file changes: a state that does not fit is refused
@@ -367,6 +380,11 @@ class AmpGuardCallback(TrainerCallback):
             except (ValueError, KeyError, TypeError) as err:
                 raise InputError(f"{resume[2]}/{STATE_NAME}: the monitor's state does not fit this callback: "
                                  f"{first_line(err)}") from None
+        if (resume is None or resume[1] is None) and state.global_step > 0:
+            # no monitor state for steps 1..N (a stock Trainer's checkpoint, GuardedTrainer's save_only_model one):
+            # the monitor observes from N + 1, and its counts, rates and the end's judgement cover the steps it
+            # sees (it took N as seen: "steps / updates 8 / 3" with no skip, 2 all-skipped steps judged as 2/40)
+            monitor.begin_at(state.global_step)
         self.monitor, self.failed, self.crash, self.ended, self._ended = monitor, None, None, "", False
         # a resume's counts at its run's last log before the checkpoint (an older state has none: all logged)
         self._logged_skips, self._logged_steps = sum(monitor.skips.values()), monitor.steps
@@ -387,13 +405,14 @@ class AmpGuardCallback(TrainerCallback):
                 if sink is not None:
                     sink.close()
             self._csv = self._events = None
-        kept = None
+        kept, had_csv = None, True
         if state.is_world_process_zero:
             # a retry goes on in its train()'s folder; a hyperparameter search's trial has one of its own
             home = self._home or Path(args.output_dir) / "ampguard"
             folder = self.out_dir if retry and self.out_dir is not None else home if state.trial_params is None \
                 else _trial_folder(home, self._trial or state.trial_name)
             folder.mkdir(parents=True, exist_ok=True)
+            had_csv = (folder / CSV_NAME).exists()  # (a resume's rows go on after its rows, or begin here)
             if retry:
                 kept = set_aside(folder / CSV_NAME, state.global_step, header=True)
             # a resume appends (the CSV cut after the checkpoint's step); a fresh run refuses an existing file
@@ -424,17 +443,26 @@ class AmpGuardCallback(TrainerCallback):
             self._refuse_closed(self._given)
         self._serving = self._given if state.is_world_process_zero else []
         if resume is not None:
-            step, saved, source, _ = resume
+            step, saved, source, _, _, scale_note = resume
+            unseen = (f"the monitor observes from step {step + 1} (its counts and judgement leave steps 1 to {step} "
+                      "out)")
             if not source:  # (a stock Trainer's)
                 source, note = "the checkpoint", (
                     f"; a stock Trainer's checkpoint holds no ampguard state ({STATE_NAME}, GuardedTrainer's): "
-                    "the monitor counts from here")
+                    f"{unseen}")
             else:
                 note = "" if saved is not None else (
-                    f"; {source} holds no ampguard state ({STATE_NAME}): the loss scale starts again at init_scale "
-                    "and the monitor counts from here")
+                    f"; {source} holds no ampguard state ({STATE_NAME}): {scale_note}{unseen}")
             last = (self._csv._last or 0) if self._csv is not None else step
-            if last < step:  # (an older or copied steps.csv: the rows after it would follow a gap, unsaid)
+            if self._csv is not None and not had_csv and step:
+                # (no steps.csv to go on: expected of a stock checkpoint; one with ampguard's state wrote its rows
+                # somewhere else. It said "rows end at step 0 ... an older or a copied steps.csv?", of none)
+                begins = f"there was no {CSV_NAME} in {self.out_dir} to go on: its rows begin at step {step + 1}"
+                note += f"; {begins}"
+                if saved is not None:
+                    warnings.warn(f"AmpGuardCallback: {begins} (steps 1 to {step} were written in another "
+                                  "out_dir?)", AmpguardWarning, stacklevel=2)
+            elif last < step:  # (an older or copied steps.csv: the rows after it would follow a gap, unsaid)
                 gap = (f"{CSV_NAME}'s rows end at step {last}, before the checkpoint's {step}: steps {last + 1} to "
                        f"{step} have no row (an older or a copied {CSV_NAME}?)")
                 note += f"; {gap}"
@@ -656,6 +684,7 @@ class AmpGuardCallback(TrainerCallback):
                     "skips": dict(m.skips), "max_skip_rate": m.max_skip_rate, "alert_episodes": m.alert_episodes,
                     "clip_rate": m.clip_rate, "scale": m.scale_verdict, "final_scale": m.last.get("scaler_scale"),
                     "summary": m.summary(), "guarded": self._guarded,
+                    "unobserved": m.unobserved,  # steps 1..this not in the counts: resumed without ampguard's state
                 }
                 if self.autocast_dtypes:
                     summary["float32_under_autocast"] = float32_layers_text(self.autocast_dtypes)
@@ -839,6 +868,34 @@ def _trial_folder(home: Path, name: str | None) -> Path:
     return home / f"run-{n}"
 
 
+def _check_out_dir(folder: Path) -> None:
+    """Refuse (one ``ValueError`` line) an ``out_dir`` that is a file or lies under one, when the
+    callback is made: ``train()`` would fail at its ``mkdir`` after the Trainer was built.
+
+    Example::
+
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> _ = (root / "notes.txt").write_text("mine")
+        >>> _check_out_dir(root / "new" / "deeper")  # made by train(), with its parents: fine
+        >>> for out in (root / "notes.txt", root / "notes.txt" / "guard"):
+        ...     try:
+        ...         _check_out_dir(out)
+        ...     except ValueError as err:
+        ...         print(str(err).replace(str(root), "DIR"))
+        AmpGuardCallback(out_dir=...): DIR/notes.txt is a file, not a folder
+        AmpGuardCallback(out_dir=...): DIR/notes.txt/guard lies under DIR/notes.txt, a file, not a folder
+    """
+    where = "AmpGuardCallback(out_dir=...)"
+    if folder.is_dir():
+        return
+    if folder.exists() or folder.is_symlink():  # (a file, or a link to nothing: mkdir cannot make it a folder)
+        raise ValueError(f"{where}: {folder} is a file, not a folder")
+    existing = next((p for p in folder.absolute().parents if p.exists() or p.is_symlink()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"{where}: {folder} lies under {existing}, a file, not a folder")
+
+
 def _scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
     """The loss scaler Accelerate gave the Trainer's optimizer (``AcceleratedOptimizer.scaler``), if any."""
     return getattr(optimizer, "scaler", None)
@@ -905,8 +962,13 @@ class GuardedTrainer(Trainer):
     before the first step: the steps go on at N + 1 as HF's ``global_step`` does, the loss scale
     and the skip-rate window where they were, and the callback's CSV appends after row N. A
     state saved with another precision or ``gradient_accumulation_steps`` is refused
-    (``InputError``) before anything is written. An error that ends ``train()`` still writes
-    ``run_end``, ``summary.json`` and ``RUN.md`` (``ended``: how far the run got, and why).
+    (``InputError``) before anything is written. A checkpoint without that file (a stock
+    Trainer's, a ``save_only_model`` one) resumes with the steps numbered from N + 1, the loss
+    scale from its ``scaler.pt`` where it has one (a stock fp16 Trainer's: see
+    :meth:`_stock_scale`), else ``init_scale``, and the monitor observing from step N + 1 (its
+    counts and judgement cover the steps it saw), all said in the ``resume`` event. An error
+    that ends ``train()`` still writes ``run_end``, ``summary.json`` and ``RUN.md``
+    (``ended``: how far the run got, and why).
 
     ``evaluate()`` and ``predict()`` run under the same autocast as training, their outputs
     handed back in float32, as the stock Trainer's Accelerate does (``mixed_precision="no"``
@@ -1069,7 +1131,8 @@ class GuardedTrainer(Trainer):
         replace_atomically(path, json.dumps(state, indent=1) + "\n")  # a reader never sees half a file
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        super()._load_scaler(checkpoint)
+        if getattr(self.accelerator, "scaler", None) is not None:  # (never: Accelerate is told "no", it has none)
+            super()._load_scaler(checkpoint)
         if checkpoint is None:
             return
         step, source = self.state.global_step, Path(checkpoint).name
@@ -1087,17 +1150,73 @@ class GuardedTrainer(Trainer):
         # the guard now, over the prepared model and optimizer, so a state that does not fit is refused
         # before on_train_begin opens (and cuts) the callback's files
         self.guard = self._make_guard(self.model_wrapped)
+        scale, scale_note = None, ""
         if saved is None:  # (a checkpoint saved without ampguard: its steps are HF's, the rest starts afresh)
             self.guard.steps = step
+            scale, scale_note = self._stock_scale(Path(checkpoint))
         else:
             try:
                 self.guard.load_state_dict(saved["guard"])
             except (ValueError, KeyError, TypeError) as err:
                 raise InputError(f"{path}: {first_line(err)}") from None
         self.ampguard.resume(step, saved.get("monitor") if saved is not None else None, source,
-                             saved.get("logged") if saved is not None else None)
+                             saved.get("logged") if saved is not None else None, scale=scale, scale_note=scale_note)
+
+    def _stock_scale(self, checkpoint: Path) -> tuple[float | None, str]:
+        """A checkpoint without ampguard's state: the loss scale the guard goes on from and what
+        the resume event says of it. HF's ``_load_scaler`` would load its ``scaler.pt`` (what a
+        stock fp16 Trainer saves on a GPU: Accelerate's ``GradScaler``) into Accelerate's scaler,
+        which is ``None`` here (an ``AttributeError``): its scale is read here instead.
+
+        An fp16 guard takes that scale (raised to its floor, ``min_scale``) and nothing else:
+        the scale is what the scaler found for these weights' gradients at this step, as a
+        GuardedTrainer checkpoint's scale is, so the run goes on without a new search down from
+        ``init_scale`` (a run of skipped steps); the growth and backoff factors and the interval
+        stay the guard's own (``scaler=``), and its count of clean steps starts at 0. Without a
+        loss scaler (bf16, fp32) the file is not used, and said so."""
+        file = checkpoint / "scaler.pt"  # (HF's SCALER_NAME)
+        scaler = self.guard.scaler if self.guard is not None else None
+        if not file.is_file():
+            return None, (f"the loss scale starts again at init_scale {scaler.get_scale():g}; "
+                          if scaler is not None and scaler.is_enabled() else "")
+        if scaler is None or not scaler.is_enabled():
+            return None, (f"its {file.name} (a stock fp16 Trainer's loss scale) is not used: this "
+                          f"{self.guard.precision.name} run has no loss scaler; ")
+        try:
+            stock = torch.load(file, map_location="cpu", weights_only=True)
+            taken = float(stock["scale"])
+        except Exception as err:  # noqa: BLE001 - a file of any kind: one line naming it, not a traceback
+            raise InputError(f"{file}: not a loss scaler's state (HF's scaler.pt): "
+                             f"{first_line(err, with_type=True)}") from None
+        if not (math.isfinite(taken) and taken > 0):
+            return None, (f"its {file.name}'s scale {taken:g} is no scale to go on from: the loss scale starts again "
+                          f"at init_scale {scaler.get_scale():g}; ")
+        own = scaler.state_dict()
+        scaler.load_state_dict({**own, "scale": taken})  # (raised to the floor there; the floor, factors kept)
+        return scaler.get_scale(), (f"the loss scale goes on from its {file.name} (the stock Trainer's GradScaler's): "
+                                    f"{scaler.get_scale():g}" + (f", raised from {taken:g} to the floor min_scale"
+                                                                  if scaler.get_scale() != taken else "") + "; ")
 
     # ---------------------------------------------------------------- the step
+
+    def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
+        """HF's fetch of a group's micro-batches, before the group's first: a guard still inside
+        the group before is refused here, with the cause. That group broke off before its last
+        micro-batch: a callback set ``control.should_epoch_stop`` between its micro-batches
+        (``on_substep_end``), and HF goes on to the next epoch. The stock Trainer carries the
+        broken group's gradients into the next epoch's first group (a step of k + n
+        micro-batches, each loss divided by n: k/n more gradient than a group's); the guard's
+        step is one of HF's groups (its record's loss, norms and skip are that group's), so it
+        neither carries them nor drops them unsaid. (It said "give the dataset a length": the
+        error for a dataset that runs out inside a group, which is another cause.)"""
+        guard = self.guard
+        if guard is not None and guard.mid_group:  # (nothing of the broken group is applied: its gradients wait)
+            raise RuntimeError(
+                f"GuardedTrainer: the epoch ended after micro-batch {guard.micro_batches} of the "
+                f"{guard.accumulation_steps} in a group (control.should_epoch_stop set between a group's "
+                "micro-batches, in on_substep_end): HF would carry their gradients into the next epoch's first group, a step the "
+                "guard does not make (one step is one group); set should_epoch_stop in on_step_end, at a step's end")
+        return super().get_batch_samples(*args, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
