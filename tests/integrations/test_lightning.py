@@ -798,7 +798,7 @@ def test_with_two_optimizers_the_csv_names_each_rows_optimizer_and_a_resume_appe
 def test_resume_from_a_checkpoint_without_ampguard_state_goes_on_from_its_global_step(tmp_path):
     """A plain Lightning fit's checkpoint (no AmpGuardPlugin state), resumed with the plugin: the
     steps go on from its global_step as Lightning's do (they restarted at 1), with one warning
-    that the scale and the monitor start afresh; the CSV is a resume's (it was refused as
+    that the scale starts afresh and the monitor observes from step 4; the CSV is a resume's (it was refused as
     existing on a second try from the same checkpoint): cut after that step, then appended."""
     path = tmp_path / "steps.csv"
     plain = fit(Digits(hidden=8), MixedPrecision("16-mixed", "cpu"), steps=3, gradient_clip_val=1.0)
@@ -808,7 +808,7 @@ def test_resume_from_a_checkpoint_without_ampguard_state_goes_on_from_its_global
         with pytest.warns(UserWarning, match=(
                 r"^AmpGuardPlugin: plain\.ckpt holds no ampguard state \(saved without the plugin\): steps go on "
                 r"from its global_step 3; the loss scale starts again at init_scale and the skip-rate monitor "
-                r"starts afresh$")):
+                r"observes from step 4$")):
             trainer = fit(Digits(hidden=8), plugin, steps=6, ckpt_path=tmp_path / "plain.ckpt")
         assert [r.step for r in plugin.records] == [4, 5, 6] and plugin.guard.steps == trainer.global_step == 6
         assert [r["step"] for r in rows(path)] == ["4", "5", "6"]
@@ -1155,3 +1155,16 @@ def test_a_group_whose_last_micro_batch_returns_none_closes_with_the_others_as_l
         fit(plain, MixedPrecision("bf16-mixed", "cpu"), steps=3, accumulate_grad_batches=2)
     assert [r.step for r in plugin.records] == [1, 2, 3]
     assert same(module.after[3], plain.after[3])
+
+
+def test_a_resume_without_the_plugins_state_is_judged_over_the_steps_the_monitor_saw(tmp_path):
+    # review 37c's finding in Lightning: the monitor took the checkpoint's steps as seen, so two
+    # all-skipped steps after step 6 were judged as 2 of 8 (no failure) where a fit of those two fails
+    trainer = fit(Digits(hidden=8), MixedPrecision("bf16-mixed", "cpu"), steps=6)
+    trainer.save_checkpoint(tmp_path / "stock.ckpt")
+    resumed = AmpGuardPlugin("bf16-mixed", fail_rate=0.5, csv=tmp_path / "steps.csv")
+    with pytest.warns(AmpguardWarning, match=r"the skip-rate monitor observes from step 7"):
+        fit(Digits(hidden=8, faults=["nan_loss@7", "nan_loss@8"]), resumed, steps=8, ckpt_path=tmp_path / "stock.ckpt")
+    assert (resumed.monitor.steps, resumed.monitor.observed) == (8, 2)
+    assert resumed.stop_reason is not None and "at every one of the 2 steps after step 6" in resumed.stop_reason
+    assert [r["step"] for r in rows(tmp_path / "steps.csv")] == ["7", "8"]

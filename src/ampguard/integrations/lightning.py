@@ -356,7 +356,8 @@ class AmpGuardPlugin(_LightningPrecision):
         state saves and a resume compares); :meth:`backward` sets each group's own. A resume from
         a checkpoint without ampguard's state (a fit without the plugin) goes on from its
         ``global_step``, as :class:`~ampguard.integrations.transformers.GuardedTrainer` does:
-        the records' steps are Lightning's, the scale and the monitor start afresh (warned)."""
+        the records' steps are Lightning's, the scale starts afresh and the monitor observes from
+        the next step (:meth:`~ampguard.monitor.RunMonitor.begin_at`; warned)."""
         trainer = module.trainer
         optimizers = trainer.optimizers
         if len(optimizers) == 1:
@@ -375,13 +376,18 @@ class AmpGuardPlugin(_LightningPrecision):
             self._resumed_at = guard.steps
         elif trainer.ckpt_path is not None:
             guard.steps = self._resumed_at = trainer.global_step
+            # (the monitor observes from the next step: its counts and the end's judgement cover the steps
+            # it saw; it took the earlier ones as seen, and two all-skipped steps after step 38 were 2/40)
+            monitor.begin_at(trainer.global_step)
             if trainer.global_step:
                 scale = "the loss scale starts again at init_scale and " if scaler.is_enabled() else ""
                 rank_zero_warn(f"AmpGuardPlugin: {Path(trainer.ckpt_path).name} holds no ampguard state (saved "
                                f"without the plugin): steps go on from its global_step {trainer.global_step}; "
-                               f"{scale}the skip-rate monitor starts afresh", category=AmpguardWarning)
+                               f"{scale}the skip-rate monitor observes from step {trainer.global_step + 1}",
+                               category=AmpguardWarning)
         elif trainer.global_step:  # a second fit of the same Trainer: its records' steps go on as Lightning's do
             guard.steps = trainer.global_step
+            monitor.begin_at(trainer.global_step)
         self.guard, self.monitor = guard, monitor
         if self._held_batches is None:  # (a fresh fit, or a checkpoint without it: an older plugin's, or
             # none): the epoch's batches before this first backward's were all applied, as far as is known
