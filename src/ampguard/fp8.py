@@ -11,8 +11,14 @@ Which layers convert (:func:`plan`): every ``nn.Linear`` whose ``in_features`` a
 ``out_features`` are multiples of 16 (what ``torch._scaled_mm`` takes), except the first and
 the last one (``keep_first_last``: the input embedding-like layer and the output head are the
 most sensitive to rounding, as torchtitan keeps its ``output`` layer) and the module names
-matching an ``exclude`` pattern (``fnmatch``). The conversion swaps modules in place and keeps
-the parameter objects, so an optimizer built before it still holds the right tensors.
+matching an ``exclude`` pattern (``fnmatch``). The swap keeps only a layer's weight and bias,
+so a Linear it would change stays out, named with why: a subclass with its own forward, a
+parametrized (``weight_norm``, ``spectral_norm``) or uninitialised lazy one, one holding other
+parameters, buffers, modules or hooks. A layer reused at several places converts at all of them.
+The conversion swaps modules in place and keeps the parameter objects, so an optimizer built
+before it still holds the right tensors. torchao pads the token dimension of the weight
+gradient's matmul to a multiple of 16 when it is not one (``pad_inner_dim``: a CUDA
+``_scaled_mm`` refuses it otherwise), so the micro-batch size is free.
 
 A bad scale: a scale is ``float8_max / clamp(amax, 1e-12)`` in torchao's float8 training, so
 it is NaN when the tensor holds a NaN and 0 when it holds an inf, and either makes the matmul's
@@ -31,6 +37,7 @@ checks, no speed-up.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import logging
 import math
@@ -58,7 +65,9 @@ def require_torchao() -> ModuleType:
     """``torchao.float8``, or an ``ImportError`` with one line saying how to get it: torchao not
     installed, or installed but failing to import (a torchao older than ``torchao.float8``, or one
     made for another torch, which raises whatever its first missing piece raises: an
-    ``AttributeError`` for a torch dtype it expects, an undefined symbol...).
+    ``AttributeError`` for a torch dtype it expects, an undefined symbol...), or one older than the
+    extra's ``torchao>=0.10`` (no ``Float8LinearConfig.from_recipe_name``, which nothing else
+    would check before the conversion fails on it).
 
     torchao's CUDA extensions cannot load on a machine without CUDA and it logs a warning for
     each; there (and only there) those lines are held back while importing.
@@ -88,18 +97,25 @@ def require_torchao() -> ModuleType:
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)
+    if not hasattr(getattr(float8, "Float8LinearConfig", None), "from_recipe_name"):  # (torchao < 0.10)
+        raise ImportError(f"fp8 needs torchao 0.10 or newer (Float8LinearConfig.from_recipe_name) and {_installed()} "
+                          "lacks it: install the torchao release made for this torch (torchao's README lists them)")
     return float8
+
+
+def _installed() -> str:
+    """``torchao`` and its version, as its package metadata has it."""
+    from importlib import metadata
+
+    try:
+        return f"torchao {metadata.version('torchao')}"
+    except metadata.PackageNotFoundError:
+        return "torchao"
 
 
 def _torchao_broken(err: Exception) -> str:
     """One line for a torchao that is installed but does not import."""
-    from importlib import metadata
-
-    try:
-        installed = f"torchao {metadata.version('torchao')}"
-    except metadata.PackageNotFoundError:
-        installed = "torchao"
-    return (f"fp8 needs torchao, and {installed} failed to import with torch {torch.__version__} "
+    return (f"fp8 needs torchao, and {_installed()} failed to import with torch {torch.__version__} "
             f"({raised(err)}): install the torchao release made for this torch (torchao's README lists them)")
 
 
@@ -124,7 +140,8 @@ def float8_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def fp8_layers(model: nn.Module) -> list[str]:
-    """The names of the model's ``Float8Linear`` layers (none when torchao was never imported).
+    """The names of the model's ``Float8Linear`` layers, a reused one at each place that holds it
+    (none when torchao was never imported).
 
     Example::
 
@@ -134,7 +151,8 @@ def fp8_layers(model: nn.Module) -> list[str]:
     """
     cls = _float8_linear()
     unused = _not_called(model)
-    return [] if cls is None else [name for name, m in model.named_modules() if isinstance(m, cls) and id(m) not in unused]
+    return [] if cls is None else [name for name, m in model.named_modules(remove_duplicate=False)
+                                   if isinstance(m, cls) and id(m) not in unused]
 
 
 def _not_called(model: nn.Module) -> set[int]:
@@ -152,13 +170,63 @@ def _not_called(model: nn.Module) -> set[int]:
             for child in m.children() if isinstance(child, nn.Linear)}
 
 
+def _cannot_swap(m: nn.Linear) -> str | None:
+    """Why torchao's swap (a new ``Float8Linear`` given only ``weight`` and ``bias``:
+    ``Float8Linear.from_float``) would not compute what this Linear computes, or fail; ``None``
+    when it would. A subclass that keeps ``nn.Linear``'s forward (one that only adds an init, as
+    GPT codes do) computes what a Linear does, so it converts; one with its own forward would
+    silently lose it. Anything else the layer holds (a parametrization, other parameters or
+    buffers, child modules, hooks) would be dropped with the old module, or make the swap raise.
+
+    Example::
+
+        >>> class Scaled(nn.Linear):
+        ...     def forward(self, x):
+        ...         return super().forward(x) * 2
+        >>> _cannot_swap(Scaled(32, 32))
+        "a Scaled with its own forward, which Float8Linear's would replace"
+        >>> _cannot_swap(nn.LazyLinear(32))
+        'not initialised (a lazy layer before its first forward): run one batch through the model first'
+        >>> _cannot_swap(nn.utils.parametrizations.weight_norm(nn.Linear(32, 32)))
+        'its weight is parametrized (weight_norm, spectral_norm...), which Float8Linear takes plain'
+        >>> _cannot_swap(nn.Linear(32, 32)) is None
+        True
+    """
+    from torch.nn.modules.lazy import LazyModuleMixin
+    from torch.nn.utils import parametrize
+
+    if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():  # (in_features 0: "a multiple of 16")
+        return "not initialised (a lazy layer before its first forward): run one batch through the model first"
+    if parametrize.is_parametrized(m):
+        names = " and ".join(m.parametrizations)
+        return f"its {names} is parametrized (weight_norm, spectral_norm...), which Float8Linear takes plain"
+    if type(m).forward is not nn.Linear.forward:
+        return f"a {type(m).__name__} with its own forward, which Float8Linear's would replace"
+    # old-style weight_norm / spectral_norm: weight_g and weight_v (or weight_orig) are the parameters
+    # and a forward pre-hook writes a plain tensor to .weight
+    extra = [n for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+             if n not in ("weight", "bias")]
+    if extra:
+        return f"holds {', '.join(extra)} besides weight and bias (old-style weight_norm, spectral_norm...), " \
+               "which Float8Linear would drop"
+    if not isinstance(m.weight, nn.Parameter):
+        return "its weight is not an nn.Parameter, which Float8Linear needs"
+    if children := [n for n, _ in m.named_children()]:
+        return f"holds modules ({', '.join(children)}), which Float8Linear would drop"
+    if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+        return "has hooks of its own, which the swap to a new Float8Linear would drop"
+    return None
+
+
 def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[str] = ()) -> dict[str, str]:
     """Every ``nn.Linear`` of the model (by name, in module order) and what happens to it:
     :data:`CONVERT` or why it stays in high precision. The first and last layer are the first and
     last the model registers (``named_modules()``' order: the order its forward calls them in
     most models; a model that registers its head first names that one "first") of those its
     forward calls (an attention's ``out_proj`` is not called: :func:`_not_called`); name others
-    in ``exclude``.
+    in ``exclude``. A layer the swap would change or drop something of stays out
+    (:func:`_cannot_swap`). A layer held at several places (reused) is named at each of them and is
+    one layer: it converts at all of them or at none.
 
     Example (digits' MLP: 64-64-64-10)::
 
@@ -169,10 +237,16 @@ def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[st
         {'0': 'fp8', '2': 'excluded (2)', '4': 'out_features 10 is not a multiple of 16'}
         >>> plan(nn.Sequential(nn.Linear(16, 32), nn.MultiheadAttention(32, 4), nn.Linear(32, 16)))["1.out_proj"]
         'inside nn.MultiheadAttention, which does not call its forward'
+        >>> shared = nn.Linear(32, 32)
+        >>> plan(nn.Sequential(nn.Linear(16, 32), shared, shared, nn.Linear(32, 16)))
+        {'0': 'first layer', '1': 'fp8', '2': 'fp8', '3': 'last layer'}
+        >>> plan(nn.Sequential(shared, nn.Linear(32, 32), shared, nn.Linear(32, 16)))["2"]
+        "the same layer as '0', which stays out there (first layer)"
     """
     cls = _float8_linear()
     unused = _not_called(model)
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # every place a layer is held (named_modules() names a reused one once, and so does torchao's swap)
+    linears = [(name, m) for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)]
     called = [name for name, m in linears if id(m) not in unused]
     out: dict[str, str] = {}
     for name, m in linears:
@@ -183,6 +257,8 @@ def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[st
             out[name] = f"{CONVERT} (already)"
         elif name == "":
             out[name] = "a bare Linear, not a model that holds one"
+        elif (why := _cannot_swap(m)) is not None:
+            out[name] = why
         elif keep_first_last and name == called[0]:
             out[name] = "first layer"
         elif keep_first_last and name == called[-1]:
@@ -195,16 +271,29 @@ def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[st
             out[name] = f"out_features {m.out_features} is not a multiple of {DIM_MULTIPLE}"
         else:
             out[name] = CONVERT
+    places: dict[int, list[str]] = {}
+    for name, m in linears:
+        places.setdefault(id(m), []).append(name)
+    for names in places.values():  # one layer: kept out at one place is kept out at all
+        kept = next((n for n in names if out[n] != CONVERT), None)
+        for name in names if kept is not None else ():
+            if out[name] == CONVERT:
+                out[name] = f"the same layer as {kept!r}, which stays out there ({out[kept]})"
     return out
 
 
 def float8_config(recipe: str = "tensorwise") -> Any:
-    """torchao's ``Float8LinearConfig`` for a recipe name in :data:`RECIPES`.
+    """torchao's ``Float8LinearConfig`` for a recipe name in :data:`RECIPES`, with
+    ``pad_inner_dim`` on: a CUDA ``torch._scaled_mm`` takes only operands whose inner dimension is
+    a multiple of 16, and the weight gradient's matmul (``grad_output.t() @ input``) has the
+    micro-batch's token count there, which nothing else bounds (a batch of 8 rows, the last short
+    batch of an epoch). torchao then pads that dimension with zeros for the matmul (the same
+    result), and only when it is off 16; its default is off for the memory the padded copy takes.
 
     Example::
 
-        >>> float8_config("rowwise").round_scales_to_power_of_2
-        True
+        >>> float8_config("rowwise").round_scales_to_power_of_2, float8_config().pad_inner_dim
+        (True, True)
         >>> float8_config("blockwise")
         Traceback (most recent call last):
         ...
@@ -212,7 +301,7 @@ def float8_config(recipe: str = "tensorwise") -> Any:
     """
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
-    return require_torchao().Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(require_torchao().Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
 
 
 def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_last: bool = True,
@@ -220,8 +309,10 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
     """Swap the model's eligible ``nn.Linear`` layers (:func:`plan`) for torchao's ``Float8Linear``,
     in place; return their names. The parameters stay the same objects, so the optimizer may be
     built before or after. Layers already converted are left as they are (calling it twice
-    converts nothing more). A model left with no float8 layer at all is refused (``ValueError``
-    naming why each Linear stayed): it would train in plain bf16 under the name fp8.
+    converts nothing more). A layer held at several places becomes one ``Float8Linear`` at all of
+    them (torchao's swap replaces it at the first only). A model left with no float8 layer at all
+    is refused (``ValueError`` naming why each Linear stayed): it would train in plain bf16 under
+    the name fp8.
 
     Then train it with ``precision="fp8"``::
 
@@ -245,7 +336,9 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
         ValueError: no Linear layer can train in fp8 (the model: a bare Linear, not a model that holds one); use bf16
     """
     config = float8_config(recipe)
-    other = next((m for m in float8_modules(model) if getattr(m, "config", config) != config), None)
+    # (pad_inner_dim aside: layers converted by torchao directly, with its default, are the same recipe)
+    other = next((m for m in float8_modules(model) if not isinstance(getattr(m, "config", None), type(config))
+                  or dataclasses.replace(m.config, pad_inner_dim=True) != config), None)
     if other is not None:  # (a second recipe was dropped unsaid: the layers kept the first one's scaling)
         raise ValueError(f"the model's Float8Linear layers were converted with another recipe than {recipe!r}: "
                          "convert a fresh model to change it")
@@ -263,9 +356,15 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
                  if CONVERT in plan(model, keep_first_last=kept, exclude=left).values()]
         raise ValueError(f"no Linear layer can train in fp8 ({why}); {', or '.join([*would, 'use bf16'])}")
     if chosen:
-        names = set(chosen)
-        require_torchao().convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in names,
-                                                     config=config)
+        modules = dict(model.named_modules(remove_duplicate=False))
+        first = {id(modules[name]): name for name in reversed(chosen)}  # a reused layer's first place
+        # the layer itself, not just its name: torchao offers every nn.Linear, subclasses included
+        require_torchao().convert_to_float8_training(
+            model, module_filter_fn=lambda m, fqn: first.get(id(m)) == fqn and modules.get(fqn) is m, config=config)
+        for parent in model.modules():  # the places torchao's swap did not visit
+            for attr, child in list(parent._modules.items()):
+                if id(child) in first and modules[first[id(child)]] is child:
+                    setattr(parent, attr, model.get_submodule(first[id(child)]))
     return chosen
 
 
@@ -371,7 +470,7 @@ class ScaleWatch:
         cls = _float8_linear()
         for name, module in self.model.named_modules():
             if cls is not None and isinstance(module, cls):
-                self._handles.append(module.register_forward_pre_hook(self._forward_casts(name)))
+                self._handles.append(module.register_forward_pre_hook(self._forward_casts(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._backward_cast(name)))
         return self
 
@@ -396,10 +495,13 @@ class ScaleWatch:
             self.seen.append((name, role, t.abs().float().max(), worst.float(), share.float()))
 
     def _forward_casts(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             c = module.config
-            if c.cast_config_input.scaling_type.name != "DISABLED":
-                self._record(name, "input", args[0], c.cast_config_input, -1, c.round_scales_to_power_of_2)
+            # the input as the model passes it: layer(x) or layer(input=x) (a call Float8Linear.forward
+            # itself would refuse is left to raise there, not here)
+            x = args[0] if args else kwargs.get("input")
+            if isinstance(x, torch.Tensor) and c.cast_config_input.scaling_type.name != "DISABLED":
+                self._record(name, "input", x, c.cast_config_input, -1, c.round_scales_to_power_of_2)
             if c.cast_config_weight.scaling_type.name != "DISABLED":
                 self._record(name, "weight", module.weight.t(), c.cast_config_weight, 0, c.round_scales_to_power_of_2)
         return hook
