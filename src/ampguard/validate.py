@@ -34,6 +34,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,7 @@ from .errors import ExitCode, InputError, counted, user_code
 from .files import DiskFull, make_parents, replace_atomically
 from .precision import Precision, backend_of, fp32_settings
 from .records import strict_json
-from .tasks import Task, untrained_model
+from .tasks import Task, seed_everything, untrained_model
 from .tasks.factory import TrainingBatches, factory_file
 
 CHUNK = 256
@@ -180,8 +181,9 @@ class Validation:
     evaluation_set: dict[str, Any] = field(default_factory=dict)
     """Where the evaluation set came from (:func:`evaluation_set`); empty for one made by hand."""
     earlier: list[dict[str, Any]] = field(default_factory=list)
-    """Earlier verdicts that rejected these weights on these probes under other rules
-    (:func:`earlier_rejections`): a rule loosened after a rejection is said, never hidden."""
+    """Earlier verdicts that rejected these weights under other rules or on another probe set
+    (:func:`earlier_rejections`): a rule loosened, or a failing probe dropped, after a rejection is
+    said, never hidden."""
 
     @property
     def reference_ok(self) -> bool:
@@ -436,13 +438,24 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
 
 
 def seed_pass(seed: int, device: torch.device) -> None:
-    """Seed the generators a pass on ``device`` draws from (the CPU's and, on a CUDA device,
-    that device's), so the FP32 reference and each AMP precision start from the same state.
-    Call it inside :func:`~ampguard.checkpoint.rng_kept`."""
-    torch.default_generator.manual_seed(seed)
-    cuda = _cuda_index(device)
-    if cuda is not None:
-        torch.cuda.default_generators[cuda].manual_seed(seed)
+    """Seed every generator a pass may draw from, as a run is seeded (:func:`~ampguard.tasks.seed_everything`:
+    torch's, CPU and GPUs, Python's ``random`` and NumPy's), so the FP32 reference and each AMP
+    precision start from the same state: a factory's augmentation drawing from ``random``, or a
+    layer drawing from NumPy, draws the same numbers in every pass (torch's alone left them to
+    differ, and the difference was blamed on the precision). Call it inside
+    :func:`~ampguard.checkpoint.rng_kept` (which puts all three back). ``device`` is where the pass
+    runs (every GPU's generator is seeded whichever it is).
+
+    Example::
+
+        >>> import random
+        >>> import numpy as np
+        >>> seed_pass(0, torch.device("cpu")); first = random.random(), float(np.random.rand()), float(torch.rand(1))
+        >>> seed_pass(0, torch.device("cpu")); first == (random.random(), float(np.random.rand()), float(torch.rand(1)))
+        True
+    """
+    del device  # (seed_everything seeds every device's generator)
+    seed_everything(seed)
 
 
 def _matmul_precision() -> str | None:
@@ -833,20 +846,23 @@ def _edge_cases(task: Task, x_eval: torch.Tensor) -> tuple[list[str], torch.Tens
 
 def check_rules(task: Task, cfg: Any) -> None:
     """Refuse rules that cannot apply to ``task`` before anything runs or is written: a quality
-    threshold of the other mode (``min_accuracy`` is for classifiers, ``max_mse`` for regression)
-    and a probe set that would be empty (nothing compared would read ACCEPTED).
+    threshold of the other mode (``min_accuracy`` is for classifiers, ``max_mse`` for regression),
+    a decision rule (:data:`CLASSIFIER_RULES`) declared other than its default for a regression
+    task (``boundary: 0``, no boundary probes, is kept), and a probe set that would be empty
+    (nothing compared would read ACCEPTED).
 
     Example::
 
         >>> from ampguard.config import validate
         >>> from ampguard.tasks import build_task
         >>> task = build_task(validate({"task": {"name": "linear"}}))
-        >>> for rules in ({"min_accuracy": 0.9}, {"typical": 0, "edge_cases": False}):
+        >>> for rules in ({"min_accuracy": 0.9}, {"ties": "accept"}, {"typical": 0, "edge_cases": False}):
         ...     try:
         ...         check_rules(task, validate({"validation": rules}).validation)
         ...     except InputError as err:
         ...         print(err)
         validate: validation.min_accuracy applies to classifiers; task linear is a regression task (declare validation.max_mse)
+        validate: validation.ties applies to classifiers; task linear is a regression task (its rules: the score tolerance, extremes and quality)
         validate: the probe set is empty (validation.typical is 0, validation.boundary applies to classifiers only, validation.edge_cases is false): set validation.typical > 0
         >>> check_rules(task, validate({"validation": {"max_mse": 1.0}}).validation)  # fine: nothing printed
     """
@@ -856,9 +872,53 @@ def check_rules(task: Task, cfg: Any) -> None:
     if task.mode != "classifier" and cfg.min_accuracy is not None:
         raise InputError(f"validate: validation.min_accuracy applies to classifiers; task {task.name} is a "
                          f"{task.mode} task (declare validation.max_mse)")
+    if task.mode != "classifier":  # (a decision rule declared for a task with no decision: ignored, it read as held)
+        for key in CLASSIFIER_RULES:
+            value, default = getattr(cfg, key), type(cfg).model_fields[key].default
+            if value != default and not (key == "boundary" and value == 0):
+                raise InputError(f"validate: validation.{key} applies to classifiers; task {task.name} is a "
+                                 f"{task.mode} task (its rules: the score tolerance, extremes and quality)")
     classifier = task.mode == "classifier"
     if not (cfg.typical or (classifier and cfg.boundary) or (cfg.edge_cases and task.edge_cases is not None)):
         raise InputError(_empty_probe_set(task, cfg))
+
+
+def check_fp32_weights(model: nn.Module, precisions: Iterable[str]) -> None:
+    """Refuse weights already cast below float32, as ``ampguard train`` does (:meth:`Precision.check`,
+    its words): the FP32 reference would run in their dtype (bf16 weights give a bf16
+    "reference", which bf16 autocast matches exactly: ACCEPTED with no tolerance at all), and
+    mixed precision keeps FP32 master weights anyway. Only the weights half of the check is made:
+    what the device cannot run (the other half) validate reports in the dtype support instead
+    (:func:`describe_environment`). Float64 weights are kept, as train keeps them.
+
+    Example::
+
+        >>> check_fp32_weights(nn.Linear(2, 2), ["bf16"])  # fine: nothing printed
+        >>> try:
+        ...     check_fp32_weights(nn.Linear(2, 2).to(torch.bfloat16), ["fp8", "fp16"])
+        ... except InputError as err:
+        ...     print(err)  # doctest: +NORMALIZE_WHITESPACE
+        validate: the FP32 reference needs float32 weights: parameter 'weight' is bfloat16, but fp16 mixed
+        precision keeps FP32 master weights: autocast computes in fp16 while the optimizer updates float32
+        weights, so small updates are not lost to rounding; keep the model in float32 (no .half() /
+        .to(torch.float16))
+    """
+    if not any(p.is_floating_point() and p.dtype.itemsize < 4 for p in model.parameters()):
+        return  # (the rest of Precision.check is the device's: reported, not refused, below)
+    # Precision.check in the words of a precision judged here, on the CPU, where fp16 and bf16 autocast
+    # always run (fp8, which keeps FP32 master weights as they do, is said as bf16)
+    name = next((p for p in precisions if p in ("fp16", "bf16")), "bf16")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (fp16 on a CPU is emulated: no matter, nothing runs here)
+            Precision(name, "cpu").check(model, torch.device("cpu"))
+    except ValueError as err:
+        raise InputError(f"validate: the FP32 reference needs float32 weights: {err}") from None
+
+
+CLASSIFIER_RULES = ("ties", "tie_margin", "max_flips", "boundary")
+"""``validation`` keys that judge decisions (argmax flips and ties, boundary probes): a
+regression task has none, and :func:`check_rules` refuses them declared for one."""
 
 
 def _empty_probe_set(task: Task, cfg: Any) -> str:
@@ -906,6 +966,7 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
 
 def _compare(task: Task, model: nn.Module, config: Config, device: torch.device) -> Validation:
     cfg, seed = config.validation, config.seed
+    check_fp32_weights(model, cfg.precisions)  # (run checks it first; compare called alone, here)
     model.eval()
     probes = build_probes(task, model, device, cfg, seed)
     reference, checks = _reference(task, model, cfg, device, probes, seed)
@@ -978,7 +1039,10 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
                        reference: Reference, seed: int | None) -> PrecisionResult:
     """One AMP precision against the reference, rule by rule, with one record per probe. Its
     passes are seeded with ``seed`` as the reference's were. A model that raised under this
-    precision, where the FP32 reference ran, fails it (the rule "runs under <precision>")."""
+    precision, where the FP32 reference ran, fails it (the rule "runs under <precision>"); so do
+    outputs FP32 gave and this precision does not (other names, another shape, one row per
+    example no more: the rule "outputs as FP32's"): the same inputs ran in FP32, so it is the
+    precision that fails, reported, not bad input."""
     amp_p = Precision(name, device.type)
     try:
         amp = _scores(task, model, probes.inputs, amp_p, seed)
@@ -986,7 +1050,12 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
     except ModelRaised as err:  # FP32 ran: the precision is what fails, not the input
         return PrecisionResult(name, rules=[Rule(f"runs under {name}", "ran", f"raised {err.why}", False)],
                                stats={"output_dtypes": {}})
-    _check_outputs_match(name, reference.scores, amp)
+    except InputError as err:  # (what _scores refuses of outputs it accepted from FP32 on the same inputs)
+        return _outputs_differ(name, reference.scores, str(err).removeprefix("validate: "), {})
+    differ = _outputs_mismatch(name, reference.scores, amp) or _outputs_mismatch(name, reference.scores, amp_eval,
+                                                                                 len(probes.x_eval))
+    if differ:
+        return _outputs_differ(name, reference.scores, differ, amp.dtypes)
     result = PrecisionResult(name, stats={"output_dtypes": amp.dtypes})
     # the evaluation set too, every output of it: an inf there must not pass as a wrong answer (or
     # pass at all, in an output the quality rule does not read)
@@ -1002,17 +1071,37 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
     return result
 
 
-def _check_outputs_match(name: str, ref: Scores, amp: Scores) -> None:
-    """Refuse AMP outputs that cannot be compared with FP32's element by element: other names,
-    or another shape."""
+def _outputs_mismatch(name: str, ref: Scores, amp: Scores, rows: int | None = None) -> str | None:
+    """Why AMP outputs cannot be compared with FP32's element by element (other names, or
+    another shape), or None. ``rows``: compare with FP32's widths only, on another set of
+    examples (the evaluation set's, where the reference keeps only the first output's scores).
+
+    Example::
+
+        >>> ref = Scores({"logits": torch.zeros(4, 3), "aux": torch.zeros(4, 3)})
+        >>> _outputs_mismatch("bf16", ref, Scores({"logits": torch.zeros(4, 3), "aux": torch.zeros(4, 2)}))
+        'output aux has shape (4, 2) under bf16, (4, 3) in FP32'
+        >>> _outputs_mismatch("bf16", ref, Scores({"logits": torch.zeros(4, 3)}))
+        "the model's outputs under bf16 (logits) are not those of FP32 (logits, aux)"
+        >>> _outputs_mismatch("bf16", ref, Scores({"logits": torch.zeros(9, 3), "aux": torch.zeros(9, 3)}), 9) is None
+        True
+    """
     if amp.names != ref.names:
-        raise InputError(f"validate: the model's outputs under {name} ({', '.join(amp.names)}) are not those "
-                         f"of FP32 ({', '.join(ref.names)})")
+        return f"the model's outputs under {name} ({', '.join(amp.names)}) are not those of FP32 ({', '.join(ref.names)})"
     for out in ref.names:
-        if amp.outputs[out].shape != ref.outputs[out].shape:
+        want = ref.outputs[out].shape if rows is None else (rows, *ref.outputs[out].shape[1:])
+        if amp.outputs[out].shape != want:
             what = "the model's output" if out == SINGLE_OUTPUT else f"output {out}"
-            raise InputError(f"validate: {what} has shape {tuple(amp.outputs[out].shape)} under {name}, "
-                             f"{tuple(ref.outputs[out].shape)} in FP32")
+            return f"{what} has shape {tuple(amp.outputs[out].shape)} under {name}, {tuple(want)} in FP32"
+    return None
+
+
+def _outputs_differ(name: str, ref: Scores, why: str, dtypes: dict[str, str]) -> PrecisionResult:
+    """The result of a precision whose outputs are not FP32's (``why``): the rule "outputs as
+    FP32's" fails, and nothing else can be compared."""
+    shapes = ", ".join(f"{out} {tuple(t.shape)}" for out, t in ref.outputs.items())
+    return PrecisionResult(name, rules=[Rule("outputs as FP32's (names, shapes)", shapes, why, False)],
+                           stats={"output_dtypes": dtypes})
 
 
 def _tolerance_rules(result: PrecisionResult, cfg: Any, ids: list[str], ref: Scores, amp: Scores
@@ -1098,26 +1187,34 @@ def _quality_rules(result: PrecisionResult, mode: str, cfg: Any, reference: Refe
 def classify_probe(fp32_decision: int, amp_decision: int, fp32_margin: float, amp_margin: float,
                    tie_margin: float) -> str:
     """``flip``, ``tie`` or ``same``. A probe whose FP32 top-2 gap is within ``tie_margin`` is a
-    tie whichever way AMP decides: the reference itself barely decides. One whose AMP top-2 gap
-    is within ``tie_margin`` is a tie too, whichever class AMP's argmax names: AMP barely decides
-    (an exact AMP tie's argmax is only the lower class index). A changed decision is a flip
-    otherwise.
+    tie whichever way AMP decides: the reference itself barely decides. One AMP keeps the
+    decision of, but with its own top-2 gap within ``tie_margin``, is a tie too: AMP barely
+    decides. A changed decision on a probe FP32 decides by more than ``tie_margin`` is a flip,
+    however small AMP's gap: the reference's decision was clear, and AMP's is another (an AMP
+    gap near zero made a confident change read as a tie, which ``ties: accept`` then passed).
+    :func:`_decisions` passes an exact AMP tie that includes FP32's class as AMP keeping it:
+    which of equal scores ``argmax`` names is only the lower class index.
 
     Example (the lesson's scores, 1.0000 and 1.0003: a tie under a tie margin of 0.001, whichever
-    class AMP picks; with a margin of 0.0001, AMP scoring both 1.0 is a tie whichever class its
-    argmax names, and AMP deciding the other way by more than the margin is a flip)::
+    class AMP picks; with a margin of 0.0001 FP32 decides, so AMP keeping its class by 0.0 is a
+    tie, and AMP deciding the other way is a flip, however narrowly; so is a confident FP32
+    decision, a gap of 3.0, that AMP changes by 0.0005)::
 
         >>> fp32_margin = 1.0003 - 1.0000
         >>> classify_probe(1, 0, fp32_margin, 0.0, 0.001), classify_probe(1, 1, fp32_margin, 0.0002, 0.001)
         ('tie', 'tie')
-        >>> classify_probe(1, 0, fp32_margin, 0.0, 0.0001), classify_probe(0, 0, fp32_margin, 0.0, 0.0001)
+        >>> classify_probe(1, 1, fp32_margin, 0.0, 0.0001), classify_probe(0, 0, fp32_margin, 0.0, 0.0001)
         ('tie', 'tie')
         >>> classify_probe(1, 0, fp32_margin, 0.0002, 0.0001), classify_probe(1, 1, 3.0, 2.9, 0.0001)
         ('flip', 'same')
+        >>> classify_probe(0, 1, 3.0, 0.0005, 0.001), classify_probe(0, 1, fp32_margin, 0.00005, 0.0001)
+        ('flip', 'flip')
     """
-    if fp32_margin <= tie_margin or amp_margin <= tie_margin:
+    if fp32_margin <= tie_margin:
         return "tie"
-    return "flip" if amp_decision != fp32_decision else "same"
+    if amp_decision != fp32_decision:
+        return "flip"
+    return "tie" if amp_margin <= tie_margin else "same"
 
 
 def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.Tensor) -> None:
@@ -1126,7 +1223,9 @@ def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.
     decision, margin = _top2(amp)
     for i, record in enumerate(result.records):
         fp32_d, amp_d = int(ref_decision[i]), int(decision[i])
-        kind = classify_probe(fp32_d, amp_d, float(ref_margin[i]), float(margin[i]), cfg.tie_margin)
+        # (an exact AMP tie that includes FP32's class keeps it: argmax names the lower index of equal scores)
+        kept = fp32_d if bool(amp[i, fp32_d] == amp[i, amp_d]) else amp_d
+        kind = classify_probe(fp32_d, kept, float(ref_margin[i]), float(margin[i]), cfg.tie_margin)
         record.update(fp32={"decision": fp32_d, "top": _top_k(ref[i], cfg.top_k)},
                       amp={"decision": amp_d, "top": _top_k(amp[i], cfg.top_k)},
                       fp32_margin=float(ref_margin[i]), amp_margin=float(margin[i]),
@@ -1144,8 +1243,8 @@ def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.
         return "".join(f"{', ' if i else ': '}{r['probe']} ({r['fp32']}->{r['amp']}, margin fp32 "
                        f"{r['fp32_margin']:.3g} amp {r['amp_margin']:.3g})" for i, r in enumerate(rows))
 
-    result.rules.append(Rule(f"decision changes <= {cfg.max_flips} (tie: FP32 or AMP top-2 gap <= {cfg.tie_margin:g}; "
-                             f"ties {TIE_POLICIES[cfg.ties]})",
+    result.rules.append(Rule(f"decision changes <= {cfg.max_flips} (tie: FP32 top-2 gap <= {cfg.tie_margin:g}, or AMP's "
+                             f"with FP32's decision kept; ties {TIE_POLICIES[cfg.ties]})",
                              "0", f"{counted(len(result.flips), 'flip')}{listed(result.flips)}; "
                              f"{counted(len(result.ties), 'tie')}{listed(result.ties)}", ok))
 
@@ -1252,8 +1351,11 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
 
     Reads each step's record on the host (one host sync a step, as in a run). The model's
     weights are put back as they were afterwards. Each precision trains from the same RNG state
-    too (seeded with ``config.seed``: the same dropout masks), and the caller's RNG state is put
-    back afterwards.
+    too (seeded with ``config.seed`` as :func:`seed_pass` seeds it: the same dropout masks and a
+    factory's same ``random`` / NumPy draws), and the caller's RNG state is put back afterwards.
+    FP32 trains with no TF32, as the inference reference runs (:meth:`Precision.reference`).
+    ``opening_skips`` is a loss scaler's opening search (:func:`training_rule` sets it aside)
+    counted on the steps FP32 applied only: a step FP32 skipped too is no update FP32 made.
 
     Example::
 
@@ -1276,13 +1378,16 @@ def compare_training(task: Task, config: Config, device: torch.device, steps: in
     ref = runs["fp32"]
     out = []
     for name, r in runs.items():
+        # the search set aside is its skips on steps FP32 applied: a step FP32 skipped too (a
+        # gradient non-finite in every precision) is already missing from FP32's count
+        set_aside = sum(1 for i in r["opening"] if i < len(ref["applied"]) and ref["applied"][i])
         pairs = [(a, b) for a, b in zip(r["losses"], ref["losses"]) if a is not None and b is not None
                  and math.isfinite(a) and math.isfinite(b)]
         norm_pairs = [(a, b) for a, b in zip(r["norms"], ref["norms"]) if a and b and math.isfinite(a) and math.isfinite(b)]
         out.append({
             "precision": name,
             "updates_applied": r["updates"],
-            "opening_skips": r["opening"],
+            "opening_skips": set_aside,
             "final_loss": r["losses"][-1] if r["losses"] else None,
             "max_loss_diff_vs_fp32": max((abs(a - b) for a, b in pairs), default=0.0),
             "mean_grad_norm_ratio_vs_fp32": (sum(a / b for a, b in norm_pairs) / len(norm_pairs)) if norm_pairs else None,
@@ -1304,31 +1409,59 @@ def _train_from(task: Task, config: Config, device: torch.device, steps: int, na
     run_config = config.model_copy(update={"precision": name, "steps": steps, "scaler": scaler})
     model = prepare_model(run_config, task.model, copy_model=True)  # fp8: a converted copy; else task.model
     state: AmpTrainState = build_state(run_config, model, task.loss_fn, device)
-    losses, norms, updates, opening = [], [], 0, 0
+    losses, norms, applied, opening = [], [], [], []
     searching = state.scaler.is_enabled()  # (a loss scaler's search down from init_scale, until its first update)
     seed_pass(config.seed, device)  # the same dropout masks (and shuffle, for a DataLoader) in every precision
     stream = itertools.islice(task.batches(), steps * config.accumulation_steps)
-    for inputs, targets in stream:
-        record = state.step(to_device(inputs, device), to_device(targets, device))
-        if record is None:
-            continue
-        v = record.values()
-        losses.append(v["loss"])
-        norms.append(v["grad_l2_pre_clip"])
-        updates += not record.skipped
-        # the search is its opening streak of gradient overflows, by design (as the monitor's scale
-        # health has it): it ends at the first update, or at a skip of another reason (a forward
-        # that overflowed is no search: it counts against the precision)
-        searching = searching and record.skipped and record.reason == "non_finite_grad"
-        opening += searching
-    return {"losses": losses, "norms": norms, "updates": updates, "opening": opening}
+    # FP32 trains as its inference reference runs (Precision.reference: every backend's FP32 at
+    # "ieee", no TF32): under the process's settings its curve was another reduced precision's
+    with Precision(name, device.type).reference() if name == "fp32" else contextlib.nullcontext():
+        for inputs, targets in stream:
+            record = state.step(to_device(inputs, device), to_device(targets, device))
+            if record is None:
+                continue
+            v = record.values()
+            losses.append(v["loss"])
+            norms.append(v["grad_l2_pre_clip"])
+            applied.append(not record.skipped)
+            # the search is its opening streak of gradient overflows, by design (as the monitor's scale
+            # health has it): it ends at the first update, or at a skip of another reason (a forward
+            # that overflowed is no search: it counts against the precision)
+            searching = searching and record.skipped and record.reason == "non_finite_grad"
+            if searching:
+                opening.append(len(applied) - 1)
+    return {"losses": losses, "norms": norms, "updates": sum(applied), "applied": applied, "opening": opening}
+
+
+def training_reference_rule(fp32: dict[str, Any]) -> Rule:
+    """The FP32 training reference's own check (``--train-steps``): it applied at least one
+    update and its last loss is finite. A run that skipped every step, or ended non-finite, is no
+    baseline for the updates an AMP precision must apply (seed 001: a wrong FP32 run is not a
+    reference because it has more bits): failing, it makes the reference untrusted, as a
+    non-finite inference reference does.
+
+    Example::
+
+        >>> rule = training_reference_rule({"updates_applied": 0, "final_loss": math.nan, "losses": [math.nan] * 5})
+        >>> rule.criterion, rule.reference, rule.decision
+        ('reference training: updates applied, final loss finite', '0 of 5 steps applied, final loss nan', 'FAIL')
+        >>> training_reference_rule({"updates_applied": 5, "final_loss": 0.25, "losses": [1.0] * 5}).decision
+        'pass'
+    """
+    loss = fp32["final_loss"]
+    ok = fp32["updates_applied"] > 0 and loss is not None and math.isfinite(loss)
+    return Rule("reference training: updates applied, final loss finite",
+                f"{fp32['updates_applied']} of {len(fp32['losses'])} steps applied, final loss "
+                f"{'none' if loss is None else format(loss, '.4g')}", "", ok)
 
 
 def training_rule(t: dict[str, Any], fp32: dict[str, Any], min_applied: float) -> Rule:
     """The judged part of ``--train-steps`` for one AMP precision (``t``, of
     :func:`compare_training`): it applied at least ``min_applied`` of the updates FP32 applied,
-    its loss scaler's opening search set aside (FP32 has none); an AMP run that applied none
-    fails whatever the search (a scale that never found the gradients' range).
+    its loss scaler's opening search set aside (FP32 has none; ``opening_skips`` counts only the
+    search's skips on steps FP32 applied: one FP32 skipped too is not in FP32's count to take
+    from); an AMP run that applied none fails whatever the search (a scale that never found the
+    gradients' range). FP32's own run is checked by :func:`training_reference_rule`.
 
     Example (fp16 skipped its first 3 steps finding its scale, then 1 more of the 17 after)::
 
@@ -1403,7 +1536,8 @@ def markdown(v: Validation, config: Config) -> str:
                   "|---|---|---|---|---|"]
         for t in v.training:
             ratio = t["mean_grad_norm_ratio_vs_fp32"]
-            lines.append(f"| {t['precision']} | {t['updates_applied']} | {t['final_loss']:.4g} | "
+            lines.append(f"| {t['precision']} | {t['updates_applied']} | "
+                         f"{'none' if t['final_loss'] is None else format(t['final_loss'], '.4g')} | "
                          f"{t['max_loss_diff_vs_fp32']:.3g} | {'n/a' if ratio is None else format(ratio, '.4f')} |")
     lines += _reproducibility(v)
     return "\n".join(lines) + "\n"
@@ -1426,8 +1560,9 @@ def _rules_paragraph(v: Validation, cfg: Any) -> str:
     """
     rules = [f"scores {tolerance_text(cfg.abs_tol, cfg.rel_tol)}{' (outputs not named below)' if cfg.outputs else ''}",
              *(f"output {name}: {tolerance_text(*tolerance(cfg, name))}" for name in cfg.outputs),
-             *([f"at most {cfg.max_flips} decision changes (a tie: FP32 or AMP top-2 gap <= {cfg.tie_margin:g}, "
-                f"whichever class AMP picks; ties {TIE_POLICIES[cfg.ties]})"] if v.mode == "classifier" else []),
+             *([f"at most {cfg.max_flips} decision changes (a tie: FP32 top-2 gap <= {cfg.tie_margin:g}, whichever "
+                f"class AMP picks, or AMP's when it keeps FP32's class; ties {TIE_POLICIES[cfg.ties]})"]
+               if v.mode == "classifier" else []),
              "no non-finite output"]
     if v.mode == "classifier" and cfg.min_accuracy is not None:
         rules.append(f"accuracy >= {cfg.min_accuracy:g}")
@@ -1551,23 +1686,24 @@ def write_outputs(v: Validation, config: Config, folder: Path) -> tuple[Path, Pa
 
 HISTORY = "validate-history.jsonl"
 """Beside the report folders (``log.dir``, or ``--out``'s parent): one line per report written,
-``{time, report, weights, probe_set, rules, accepted, verdict}``, so that a later validate of the
-same weights on the same probes under other rules says what an earlier one rejected (seed 001:
+``{time, report, task, weights, probe_set, rules, accepted, verdict}``, so that a later validate of the
+same weights under other rules, or on another probe set, says what an earlier one rejected (seed 001:
 declare the rules before reading the results; do not widen a tolerance to make a case vanish)."""
 
 
 def verdict_key(config: Config, v: Validation) -> dict[str, Any]:
-    """What a verdict is about and under which rules: the weights (the checkpoint's SHA-256; with
-    none, the built model's weights', :func:`weights_sha256`), the probe set's SHA-256, and every
-    ``validation`` setting but the checkpoint's path (dotted keys; the precisions in any order),
-    with the ``fp8`` section's when fp8 is judged.
+    """What a verdict is about and under which rules: the task (its factory, or its name: two
+    models whose weights happen to hash the same are not one), the weights (the checkpoint's
+    SHA-256; with none, the built model's weights', :func:`weights_sha256`), the probe set's
+    SHA-256, and every ``validation`` setting but the checkpoint's path (dotted keys; the
+    precisions in any order), with the ``fp8`` section's when fp8 is judged.
 
     Example::
 
         >>> from ampguard.config import validate
         >>> key = verdict_key(validate({"task": {"name": "linear"}}), Validation("linear", "regression", [], [], []))
-        >>> sorted(key), key["rules"]["validation.ties"], key["weights"][:14]
-        (['probe_set', 'rules', 'weights'], 'count_as_flip', 'weights sha256')
+        >>> sorted(key), key["task"], key["rules"]["validation.ties"], key["weights"][:14]
+        (['probe_set', 'rules', 'task', 'weights'], 'linear', 'count_as_flip', 'weights sha256')
     """
     checkpoint = v.environment.get("checkpoint") or {}
     weights = f"sha256 {checkpoint['sha256']}" if checkpoint.get("sha256") else \
@@ -1577,7 +1713,9 @@ def verdict_key(config: Config, v: Validation) -> dict[str, Any]:
     rules["validation.precisions"] = sorted(rules["validation.precisions"])  # (the order judges nothing)
     if "fp8" in config.validation.precisions:  # (which layers run in float8 decides the fp8 verdict)
         rules.update(flat_keys(config.fp8.model_dump(mode="json"), "fp8"))
-    return {"weights": weights, "probe_set": v.environment.get("probe_set_sha256"), "rules": rules}
+    task = reproducible_config(config)["task"]
+    return {"task": task.get("factory") or task.get("name"), "weights": weights,
+            "probe_set": v.environment.get("probe_set_sha256"), "rules": rules}
 
 
 def weights_sha256(model: nn.Module) -> str:
@@ -1602,9 +1740,21 @@ def weights_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+UNSET = "(not set)"
+"""How :func:`earlier_rejections` words a rule one side does not record (a per-output tolerance
+declared since, say)."""
+
+
 def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The entries of ``history`` (:data:`HISTORY`) that rejected the same weights on the same
-    probes under other rules, each with what changed since (``changed``: ``"key: old -> new"``).
+    """The entries of ``history`` (:data:`HISTORY`) that rejected the same weights (of the same
+    task, where the entry names it) under other rules or on another probe set, each with what changed since (``changed``: ``"key: old ->
+    new"``; ``probe set: <sha256> -> <sha256>``). A rule one side does not record counts as
+    changed (:data:`UNSET`): ``validation.outputs: {}`` records no key, so a per-output tolerance
+    widened after a rejection was no change at all; the ``fp8`` section's settings, recorded
+    only when fp8 is judged, are the one exception (``validation.precisions`` says that). The
+    probe set is no key to match on but a change: dropping the probes that failed
+    (``validation.edge_cases: false``) made the earlier verdict another set's, never shown (its
+    SHA-256's first 12 digits are said).
     Lines that do not read are passed over (the history informs, it never refuses a run).
 
     Example::
@@ -1616,11 +1766,14 @@ def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, 
         ...                                 "report": "r"}) + "\\n" + "{torn")
         >>> [e["changed"] for e in earlier_rejections(path, {**old, "rules": {"validation.ties": "accept"}})]
         [['validation.ties: count_as_flip -> accept']]
-        >>> earlier_rejections(path, old)  # (the same rules: nothing loosened)
+        >>> earlier_rejections(path, old)  # (the same rules and probes: nothing loosened)
         []
         >>> [e["changed"] for e in earlier_rejections(path, {**old, "rules": {  # (fp8 now judged: its settings new)
         ...     "validation.ties": "accept", "fp8.recipe": "tensorwise"}})]
         [['validation.ties: count_as_flip -> accept']]
+        >>> [e["changed"] for e in earlier_rejections(path, {**old, "probe_set": "q", "rules": {
+        ...     **old["rules"], "validation.outputs.output.abs_tol": 1000}})]
+        [['probe set: p -> q', 'validation.outputs.output.abs_tol: (not set) -> 1000']]
     """
     found = []
     with contextlib.suppress(OSError):
@@ -1630,12 +1783,18 @@ def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, 
             except ValueError:
                 continue
             if not (isinstance(entry, dict) and entry.get("accepted") is False and isinstance(entry.get("rules"), dict)
-                    and entry.get("weights") == key["weights"] and entry.get("probe_set") == key["probe_set"]):
-                continue
-            # (a setting one side does not record, fp8's when fp8 was not judged, is no change of it)
+                    and entry.get("weights") == key["weights"] and entry.get("task", key.get("task")) == key.get("task")):
+                continue  # (an entry that names no task, written before it was keyed, is matched on its weights)
             then, now = entry["rules"], key["rules"]
-            changed = [f"{k}: {json.dumps(then[k])} -> {json.dumps(now[k])}".replace('"', "")
-                       for k in sorted(set(then) & set(now)) if then[k] != now[k]]
+            changed = [f"probe set: {str(entry.get('probe_set'))[:12]} -> {str(key['probe_set'])[:12]}"] \
+                if entry.get("probe_set") != key["probe_set"] else []
+            for k in sorted(set(then) | set(now)):
+                if (k in then) != (k in now) and k.startswith("fp8."):  # (fp8 judged on one side only)
+                    continue
+                # (null is unset too: an output's rel_tol left to the default records null)
+                old, new = (UNSET if side.get(k) is None else json.dumps(side[k]) for side in (then, now))
+                if old != new:
+                    changed.append(f"{k}: {old} -> {new}".replace('"', ""))
             if changed:
                 found.append({k: entry.get(k) for k in ("time", "report", "verdict")} | {"changed": changed})
     return found
@@ -1648,11 +1807,11 @@ def rejections_text(earlier: list[dict[str, Any]]) -> str:
 
         >>> print(rejections_text([{"time": "2026-12-03 19:20", "report": "runs/validate-1", "verdict": "REJECTED",
         ...                         "changed": ["validation.ties: count_as_flip -> accept"]}]))
-        Earlier verdicts on these weights and probes under other rules: REJECTED at 2026-12-03 19:20 (runs/validate-1); since then validation.ties: count_as_flip -> accept
+        Earlier verdicts on these weights under other rules or probes: REJECTED at 2026-12-03 19:20 (runs/validate-1); since then validation.ties: count_as_flip -> accept
     """
     said = "; ".join(f"{e['verdict']} at {e['time']} ({e['report']}); since then {', '.join(e['changed'])}"
                      for e in earlier)
-    return f"Earlier verdicts on these weights and probes under other rules: {said}"
+    return f"Earlier verdicts on these weights under other rules or probes: {said}"
 
 
 def note_verdict(history: Path, key: Mapping[str, Any], v: Validation, report: Path) -> str | None:
@@ -1729,7 +1888,8 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         for r in precision.rules:
             print(f"{precision.precision}: {r.criterion}: {r.amp} -> {r.decision}")
     for t in result.training:
-        print(f"train {t['precision']}: {counted(t['updates_applied'], 'update')} applied, final loss {t['final_loss']:.4g}")
+        print(f"train {t['precision']}: {counted(t['updates_applied'], 'update')} applied, final loss "
+              f"{'none' if t['final_loss'] is None else format(t['final_loss'], '.4g')}")
     if not cfg.checkpoint:  # stderr: after the report, so a refusal above stays the one line there
         print(f"ampguard: warning: validate: {untrained_reference(config)}", file=sys.stderr)
     if unnoted:
@@ -1763,6 +1923,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, dict[str, 
         except OSError as err:
             raise InputError(f"{checkpoint}: cannot read it ({err.strerror or err})") from None
 
+    check_fp32_weights(model, cfg.precisions)  # (after the checkpoint: its weights are what the reference runs)
     judged = weights_sha256(model)  # (the weights judged, as loaded: before any training moves and restores them)
     if cfg.train_steps:  # what train refuses at its first batch, refused here in its words (not a traceback
         # whose exit 1 read as REJECTED)
@@ -1776,6 +1937,8 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, dict[str, 
     result = compare(task, model, config, device)
     result.weights, result.training = weights, training
     result.environment["weights_sha256"] = judged
+    if training:  # (a broken FP32 training run is no baseline: the reference is not trusted)
+        result.reference.append(training_reference_rule(training[0]))
     for precision, t in zip(result.results, training[1:]):  # (training[0] is FP32's)
         assert precision.precision == t["precision"], (precision.precision, t["precision"])
         precision.rules.append(training_rule(t, training[0], cfg.min_applied))

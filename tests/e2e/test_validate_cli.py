@@ -650,7 +650,8 @@ def test_a_model_that_raises_only_under_amp_is_rejected_not_bad_input(cli, tmp_p
 def test_every_output_must_be_finite_on_the_evaluation_set_and_keep_its_shape(cli, tmp_path, bad_factories):
     """The evaluation set's finiteness read the first output only: a second output, inf under
     bf16 on every held-out row but the one probed, was ACCEPTED (exit 0). And an output whose
-    shape differs under AMP was a traceback, not a line."""
+    shape differs under AMP was a traceback; then one line, exit 2, with no report, though FP32
+    ran: the precision failing, as a raise under it is (review 37a: exit 1, a rule, a report)."""
     code, out, err = cli("validate", "--set", f"task.factory={bad_factories}:aux_inf_under_amp", "--set",
                          "validation.precisions=[bf16]", "--set", "validation.typical=1", "--set",
                          "validation.boundary=0", "--set", "validation.edge_cases=false", "--out", "r")
@@ -658,8 +659,10 @@ def test_every_output_must_be_finite_on_the_evaluation_set_and_keep_its_shape(cl
     assert "bf16: complete and finite: 1/1 probes, 1/32 eval -> FAIL" in out
     code, out, err = cli("validate", "--set", f"task.factory={bad_factories}:narrower_under_amp", "--set",
                          "validation.precisions=[bf16]", "--out", "r2")
-    assert one_line_error(code, out, err) == (
-        "ampguard: error: validate: output aux has shape (32, 2) under bf16, (32, 3) in FP32"), err
+    assert code == 1, (out, err)
+    assert "bf16: outputs as FP32's (names, shapes): output aux has shape (32, 2) under bf16, (32, 3) in FP32 -> FAIL" \
+        in out
+    assert (tmp_path / "r2" / "validation.md").exists()
 
 
 # ---------------------------------------------------------------------------- rules loosened after a rejection

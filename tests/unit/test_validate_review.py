@@ -1,0 +1,309 @@
+"""``ampguard validate``, review_37a: defects a hostile review found in the FP32 reference, the
+``--train-steps`` rules, the tie rule and the history of rejections. Each test builds its own tiny
+task (a Linear on a few rows, fp32 / bf16; fp16 only where a loss scaler is the point).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ampguard.config import validate as make_config
+from ampguard.errors import ExitCode, InputError
+from ampguard.tasks.base import Task, cycle
+from ampguard.validate import (HISTORY, PrecisionResult, _decisions, check_rules, classify_probe, compare,
+                               compare_training, earlier_rejections, run, training_rule)
+
+CPU = torch.device("cpu")
+
+
+def toy_task(x, y, *, model=None, mode="classifier", batches=None, **fields):
+    """A task on ``x``: an identity ``Linear`` unless ``model`` is given; ``(x, y)`` is its data
+    and its held-out set unless ``batches`` says otherwise."""
+    if model is None:
+        model = nn.Linear(x.shape[1], x.shape[1], bias=False)
+        with torch.no_grad():
+            model.weight.copy_(torch.eye(x.shape[1]))
+    loss = F.cross_entropy if mode == "classifier" else F.mse_loss
+    return Task("toy", model, loss, batches=batches or (lambda: cycle(lambda: [(x, y)])), mode=mode,
+                held_out=lambda: (x, y), **fields)
+
+
+def config_of(**validation):
+    validation.setdefault("precisions", ["bf16"])
+    return make_config({"device": "cpu", "validation": validation})
+
+
+def write_factory(tmp_path, body: str) -> str:
+    path = tmp_path / "factory.py"
+    path.write_text("import torch\nfrom torch import nn\nfrom torch.nn import functional as F\n\n" + body,
+                    encoding="utf-8")
+    return f"{path}:build"
+
+
+# ---------------------------------------------------------------------------- 1: the FP32 reference is FP32
+
+
+def test_half_precision_weights_are_refused_not_taken_for_an_fp32_reference():
+    # bf16 weights made the "FP32 reference" a bf16 run, which bf16 autocast matched exactly: ACCEPTED
+    # with zero tolerance, output_dtypes.fp32 = torch.bfloat16. train refuses such weights; so does validate
+    x = torch.tensor([[3.0, 0.0], [0.0, 3.0]])
+    task = toy_task(x, torch.tensor([0, 1]))
+    task.model.to(torch.bfloat16)
+    with pytest.raises(InputError) as err:
+        compare(task, task.model, config_of(abs_tol=0, rel_tol=0, min_accuracy=0.5), CPU)
+    assert str(err.value) == (
+        "validate: the FP32 reference needs float32 weights: parameter 'weight' is bfloat16, but bf16 mixed "
+        "precision keeps FP32 master weights: autocast computes in bf16 while the optimizer updates float32 "
+        "weights, so small updates are not lost to rounding; keep the model in float32 (no .half() / "
+        ".to(torch.bfloat16))")
+
+
+def test_the_verb_refuses_half_weights_in_one_line_and_writes_nothing(tmp_path):
+    factory = write_factory(tmp_path, (
+        "def build(config):\n"
+        "    model = nn.Linear(2, 2).to(torch.bfloat16)\n"
+        "    x = torch.tensor([[3.0, 0.0], [0.0, 3.0]]).bfloat16()\n"
+        "    return {'model': model, 'data': [(x, torch.tensor([0, 1]))], 'loss_fn': F.cross_entropy,\n"
+        "            'held_out': (x, torch.tensor([0, 1]))}\n"))
+    config = make_config({"task": {"factory": factory}, "device": "cpu",
+                          "validation": {"precisions": ["bf16"], "min_accuracy": 0}})
+    with pytest.raises(InputError, match=r"^validate: the FP32 reference needs float32 weights: parameter '"):
+        run(config, out=tmp_path / "report")
+    assert not (tmp_path / "report").exists() and not (tmp_path / HISTORY).exists()
+
+
+# ---------------------------------------------------------------------------- 2: every RNG seeded per pass
+
+
+class NumpyNoise(nn.Module):
+    """Adds noise drawn from NumPy (a factory's stochastic layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + float(np.random.normal(0, 10))
+
+
+def test_every_inference_pass_draws_the_same_numpy_numbers():
+    # seed_pass reseeded torch only: the FP32 and bf16 passes added other noise, blamed on bf16
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    task = toy_task(x, torch.randn(8, 4), model=NumpyNoise(), mode="regression")
+    config = config_of(typical=8, edge_cases=False, max_mse=1e6)
+    np.random.seed(1234)
+    random.seed(1234)
+    before = np.random.get_state()[1].copy(), random.getstate()
+    result = compare(task, task.model, config, CPU)
+    [scores] = [rule for rule in result.results[0].rules if rule.criterion.startswith("scores")]
+    assert scores.ok and scores.amp.startswith("32/32 within"), scores.amp
+    assert (np.random.get_state()[1] == before[0]).all() and random.getstate() == before[1]  # (the caller's, kept)
+
+
+def test_each_training_run_reads_the_same_python_random_augmentation():
+    drawn: list[float] = []
+    x, y = torch.ones(4, 2), torch.tensor([0, 1, 0, 1])
+
+    def batches():
+        while True:
+            jitter = random.random()  # an augmentation drawing from Python's random
+            drawn.append(jitter)
+            yield x + jitter, y
+
+    task = toy_task(x, y, batches=batches)
+    compare_training(task, config_of(), CPU, steps=2)
+    assert len(drawn) == 4 and drawn[:2] == drawn[2:], drawn  # FP32's two batches, then bf16's: the same
+
+
+# ---------------------------------------------------------------------------- 3, 4, 8: --train-steps
+
+
+class SqrtOfZero(nn.Module):
+    """A Linear on the first 4 features; the 5th, through ``0 * sqrt(w * x5)``, changes no output but
+    gives a NaN gradient in every precision where it is 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.lin(x[:, :4]) + 0 * torch.sqrt(self.w * x[:, 4:5].float())
+
+
+def test_opening_skips_on_steps_fp32_skipped_too_are_not_taken_from_fp32s_updates():
+    # 3 batches NaN-gradient in every precision, 2 that overflow fp16 only, 1 benign: FP32 applies 3,
+    # fp16 1. fp16's 3 opening skips were subtracted from FP32's 3 as a "loss-scale search": 1 >= 0.9 x 0
+    torch.manual_seed(0)
+
+    def batch(kind):
+        x = torch.randn(4, 5)
+        x[:, 4] = 0.0 if kind == "nan_grad" else 1.0
+        if kind == "overflow":
+            x[:, :4] = x[:, :4].sign() * 1e5
+        return x, torch.tensor([0, 1, 2, 0])
+
+    data = [batch("nan_grad")] * 3 + [batch("overflow")] * 2 + [batch("ok")]
+    held = batch("ok")
+    task = toy_task(held[0], held[1], model=SqrtOfZero(), batches=lambda: iter(data))
+    with pytest.warns(Warning):  # (fp16 on a CPU is emulated: said, and no matter here)
+        fp32, fp16 = compare_training(task, config_of(precisions=["fp16"]), CPU, steps=6)
+    assert (fp32["updates_applied"], fp16["updates_applied"]) == (3, 1)
+    assert fp16["opening_skips"] == 0  # (its search skipped only steps FP32 skipped too)
+    rule = training_rule(fp16, fp32, 0.9)
+    assert (rule.amp, rule.ok) == ("1 of 6 steps; 1/3 = 0.33 (>= 0.9)", False)
+
+
+def test_an_fp32_training_reference_that_applies_no_update_is_not_trusted(tmp_path, capsys):
+    # NaN training data: FP32 (and bf16) skip every step; the training rule compared 0 with 0 and the
+    # verdict was ACCEPTED
+    factory = write_factory(tmp_path, (
+        "def build(config):\n"
+        "    model = nn.Linear(2, 2, bias=False)\n"
+        "    with torch.no_grad():\n"
+        "        model.weight.copy_(torch.eye(2))\n"
+        "    x = torch.tensor([[3.0, 0.0], [0.0, 3.0]])\n"
+        "    nan = torch.full((2, 2), float('nan'))\n"
+        "    return {'model': model, 'data': [(nan, torch.tensor([0, 1]))], 'loss_fn': F.cross_entropy,\n"
+        "            'held_out': (x, torch.tensor([0, 1]))}\n"))
+    config = make_config({"task": {"factory": factory}, "device": "cpu",
+                          "validation": {"precisions": ["bf16"], "min_accuracy": 0.5, "checkpoint": None}})
+    code = run(config, out=tmp_path / "report", train_steps=2)
+    out = capsys.readouterr().out
+    assert code == ExitCode.REJECTED, out
+    data = json.loads((tmp_path / "report" / "validation.json").read_text(encoding="utf-8"))
+    [rule] = [r for r in data["reference"] if r["criterion"].startswith("reference training")]
+    assert (rule["reference"], rule["ok"]) == ("0 of 2 steps applied, final loss nan", False)
+    assert data["reference_trusted"] is False and not data["accepted"]
+    assert "reference: reference training: updates applied, final loss finite: 0 of 2 steps applied, final " \
+           "loss nan -> FAIL" in out
+    assert out.splitlines()[-1].startswith("validate: REJECTED (FP32 reference not trusted)")
+
+
+def test_the_fp32_training_reference_runs_without_tf32_as_the_inference_reference_does(monkeypatch):
+    # the inference reference forced every backend's FP32 to "ieee"; the FP32 training run kept the
+    # process's (cuDNN's convolutions default to TF32)
+    from ampguard import precision
+
+    seen: list[dict] = []
+
+    class Probe(nn.Linear):
+        def forward(self, x):
+            if torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"):
+                seen.append(dict(precision.fp32_settings()))
+            return super().forward(x)
+
+    settings = precision.fp32_settings()
+    if not settings:
+        pytest.skip("this PyTorch has no per-backend fp32_precision")
+    saved = dict(settings)
+    precision.set_fp32_settings(dict.fromkeys(saved, "tf32"))  # a process that allows TF32 everywhere
+    try:
+        x, y = torch.ones(4, 2), torch.tensor([0, 1, 0, 1])
+        compare_training(toy_task(x, y, model=Probe(2, 2)), config_of(), CPU, steps=1)
+        after = precision.fp32_settings()
+    finally:
+        precision.set_fp32_settings(saved)
+    assert seen and all(set(s.values()) == {"ieee"} for s in seen), seen
+    assert set(after.values()) == {"tf32"}  # (the process's settings, put back)
+
+
+# ---------------------------------------------------------------------------- 5: loosened after a rejection
+
+
+def history_with(path, **entry):
+    line = {"time": "t", "report": "r1", "accepted": False, "verdict": "REJECTED", **entry}
+    path.write_text(json.dumps(line) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_per_output_tolerance_declared_after_a_rejection_is_said(tmp_path):
+    # validation.outputs: {} records no key: its abs_tol widened to 1000 was no change at all
+    rules = {"validation.abs_tol": 0.05}
+    path = history_with(tmp_path / HISTORY, weights="w", probe_set="p", rules=rules)
+    now = {"weights": "w", "probe_set": "p",
+           "rules": {**rules, "validation.outputs.output.abs_tol": 1000.0, "validation.outputs.output.rel_tol": None}}
+    [earlier] = earlier_rejections(path, now)
+    assert earlier["changed"] == ["validation.outputs.output.abs_tol: (not set) -> 1000.0"]
+
+
+def test_the_failing_probes_dropped_after_a_rejection_are_said(tmp_path):
+    # validation.edge_cases: false changed the probe set's SHA, and history matched on it: nothing said
+    path = history_with(tmp_path / HISTORY, weights="w", probe_set="a" * 64, rules={"validation.edge_cases": True})
+    now = {"weights": "w", "probe_set": "b" * 64, "rules": {"validation.edge_cases": False}}
+    [earlier] = earlier_rejections(path, now)
+    assert earlier["changed"] == [f"probe set: {'a' * 12} -> {'b' * 12}", "validation.edge_cases: true -> false"]
+    # the same rules on another probe set (the task's data changed): said too; other weights: nothing
+    assert earlier_rejections(path, {**now, "rules": {"validation.edge_cases": True}})[0]["changed"] == [
+        f"probe set: {'a' * 12} -> {'b' * 12}"]
+    assert earlier_rejections(path, {**now, "weights": "other"}) == []
+    # another task whose weights hash the same (two factories seeded alike) is not these weights
+    path = history_with(tmp_path / HISTORY, task="a.py:build", weights="w", probe_set="a" * 64, rules={})
+    assert earlier_rejections(path, {**now, "task": "b.py:build", "rules": {}}) == []
+    assert len(earlier_rejections(path, {**now, "task": "a.py:build", "rules": {}})) == 1
+
+
+def test_the_verb_says_dropped_probes_beside_the_verdict(tmp_path, capsys):
+    base = {"task": {"name": "linear"}, "device": "cpu", "log": {"dir": str(tmp_path)}}
+    rules = {"precisions": ["bf16"], "max_mse": 100, "abs_tol": 0.0, "rel_tol": 0.0, "typical": 2}
+    assert run(make_config({**base, "validation": rules}), out=tmp_path / "r1") == ExitCode.REJECTED
+    capsys.readouterr()
+    run(make_config({**base, "validation": {**rules, "edge_cases": False}}), out=tmp_path / "r2")
+    note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("validate: note: "))
+    assert "probe set: " in note and "validation.edge_cases: true -> false" in note, note
+
+
+# ---------------------------------------------------------------------------- 6: the tie rule
+
+
+def test_a_confident_fp32_decision_that_amp_changes_is_a_flip_not_a_tie():
+    assert classify_probe(0, 1, 3.0, 0.0005, 0.001) == "flip"
+    cfg = make_config({"validation": {"tie_margin": 0.001, "ties": "accept", "max_flips": 0}}).validation
+    result = PrecisionResult("bf16", records=[{"probe": "held_out:0", "tags": ["typical"]}])
+    _decisions(result, cfg, torch.tensor([[3.0, 0.0]]), torch.tensor([[1.0, 1.0005]]))
+    assert [row["probe"] for row in result.flips] == ["held_out:0"] and result.ties == []
+    assert not result.rules[-1].ok
+
+
+# ---------------------------------------------------------------------------- 7: outputs only AMP changes
+
+
+def test_an_output_whose_shape_changes_only_under_amp_fails_a_rule_not_the_input():
+    x = torch.tensor([[3.0, 0.0, 1.0], [0.0, 3.0, 1.0]])
+
+    def predict(model, inputs):
+        out = model(inputs)
+        return out[:, :2] if torch.is_autocast_enabled("cpu") else out
+
+    task = toy_task(x, torch.tensor([0, 1]), predict=predict)
+    result = compare(task, task.model, config_of(boundary=0, edge_cases=False, min_accuracy=0), CPU)
+    [rule] = result.results[0].rules
+    assert (rule.criterion, rule.amp, rule.ok) == (
+        "outputs as FP32's (names, shapes)", "the model's output has shape (2, 2) under bf16, (2, 3) in FP32", False)
+    assert not result.ok
+
+
+# ---------------------------------------------------------------------------- classifier rules on regression
+
+
+@pytest.mark.parametrize("rule", [{"ties": "accept"}, {"tie_margin": 0.5}, {"max_flips": 3}, {"boundary": 4}])
+def test_a_decision_rule_declared_for_a_regression_task_is_refused(rule):
+    x = torch.ones(4, 2)
+    task = toy_task(x, x, mode="regression")
+    [(key, _)] = rule.items()
+    with pytest.raises(InputError) as err:
+        check_rules(task, make_config({"validation": {**rule, "max_mse": 1}}).validation)
+    assert str(err.value) == (f"validate: validation.{key} applies to classifiers; task toy is a regression task "
+                              "(its rules: the score tolerance, extremes and quality)")
+    check_rules(task, make_config({"validation": {"boundary": 0, "max_mse": 1}}).validation)  # (none: kept)
+    # (environment.config writes every key, the classifier ones at their defaults: it still runs)
+    dumped = make_config({"validation": {"max_mse": 1}}).validation.model_dump(mode="json")
+    check_rules(task, make_config({"validation": dumped}).validation)
