@@ -151,7 +151,7 @@ def modes_kept(model: torch.nn.Module) -> Iterator[None]:
 def untouched(model: torch.nn.Module) -> Iterator[None]:
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
     (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
-    back itself), its parameters' gradients and every RNG (torch, CUDA, NumPy, ``random``) are as
+    back itself; one it filled from None, or registered anew, is taken out), its parameters' gradients and every RNG (torch, CUDA, NumPy, ``random``) are as
     they were, so a run goes on bit for bit as without it. Parameters are not copied (a model's
     worth of memory): one the forward changed in place (a momentum encoder's moving average) is
     named in a warning, not put back.
@@ -165,8 +165,9 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
         >>> torch.equal(model.running_mean, before), torch.equal(torch.get_rng_state(), draw)
         (True, True)
     """
-    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
-               if b is not None]
+    # every module's buffers as they are (None ones too), and a copy of each tensor's values
+    buffers = [(m, dict(m._buffers)) for m in model.modules()]
+    copies = {id(b): b.detach().clone() for _, held in buffers for b in held.values() if b is not None}
     grads = {id(p): p.grad for p in model.parameters()}
     versions = {name: _version(p) for name, p in model.named_parameters()}
     try:
@@ -174,9 +175,15 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
             yield
     finally:
         with torch.no_grad():
-            for m, name, b, saved in buffers:
-                m._buffers[name] = b  # (the same tensor: one the forward re-registered is put back)
-                b.copy_(saved)
+            for m, held in buffers:
+                for name in [n for n in m._buffers if n not in held]:  # (registered by the forward: taken out)
+                    del m._buffers[name]
+                    m._non_persistent_buffers_set.discard(name)
+                for name, b in held.items():
+                    m._buffers[name] = b  # (the same tensor, or None: one the forward re-registered is put back)
+                    if b is not None:
+                        with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
+                            b.copy_(copies[id(b)])
         for p in model.parameters():
             p.grad = grads.get(id(p))
         changed = [name for name, p in model.named_parameters() if _version(p) != versions.get(name)]

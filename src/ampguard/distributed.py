@@ -369,15 +369,18 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
 
 
 def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` is one FSDP2 shards (``fully_shard``: it has
-    ``set_requires_gradient_sync``).
+    """Whether ``module`` is one FSDP2 shards (``fully_shard`` makes its class an
+    ``FSDPModule``; read by name, so that torch.distributed.fsdp is not imported for it).
 
-    Example::
+    Example (a model of one's own with a method of that name is not one)::
 
-        >>> is_sharded(nn.Linear(2, 1))
-        False
+        >>> class Own(nn.Linear):
+        ...     def set_requires_gradient_sync(self, sync):
+        ...         pass
+        >>> is_sharded(nn.Linear(2, 1)), is_sharded(Own(2, 1))
+        (False, False)
     """
-    return hasattr(module, "set_requires_gradient_sync")
+    return any(cls.__name__ == "FSDPModule" for cls in type(module).__mro__)
 
 
 def defers_sync(model: nn.Module) -> bool:

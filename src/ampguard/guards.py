@@ -307,8 +307,10 @@ class TriggerBatches:
 
     def capture(self, batch: tuple[Any, Any]) -> None:
         """Call before the step takes ``batch`` (a reference is kept; the scale is a device copy)."""
-        if not self.state.mid_group:
-            self.group, self.scale = [], self.state.scaler.scale_value()
+        if not self.state.mid_group:  # (and the RNG state it starts from: the replay draws the step's dropout masks)
+            from .checkpoint import rng_state
+
+            self.group, self.scale, self.rng = [], self.state.scaler.scale_value(), rng_state()
         self.group.append(batch)
 
     def closed(self, record: StepRecord) -> None:
@@ -595,6 +597,7 @@ class FirstSkipDiagnosis:
         self.injected = injected  # the faults this rank injects at a step: the replay injects them again
         self.group: list[tuple[Any, Any]] = []
         self.scale: Any = 1.0  # the loss scale the open group runs with
+        self.rng: Any = None  # the RNG state the open group began with
         self.found: str | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -682,7 +685,7 @@ class FirstSkipDiagnosis:
 
         # (a model compiled in place, compile: true, is replayed eagerly: diagnose's own doing)
         result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision,
-                                float(self.scale), accumulation_steps=self.state.accumulation_steps)
+                                float(self.scale), accumulation_steps=self.state.accumulation_steps, rng=self.rng)
         if self.injected is not None:  # (an injected fault fires in the FP32 replay too: the finding is the fault's)
             result.injected = self.injected(record.step)
         if self.state.scaler.is_enabled():  # (at its floor the scaler cannot halve: not its routine back-off)

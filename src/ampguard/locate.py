@@ -41,8 +41,9 @@ from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, finite_number, f
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors inside ``value`` (nested lists, tuples, dicts), in order; also inside the
-    containers torch's pytree does not know: a dataclass's fields, a mapping's values (a
-    ``transformers`` ``BatchEncoding``).
+    containers torch's pytree does not know: a dataclass's fields (one never set is skipped), a
+    mapping's values (a ``transformers`` ``BatchEncoding``), each container once (one that holds
+    itself is not read again).
 
     Example::
 
@@ -50,51 +51,97 @@ def _tensors(value: Any) -> list[torch.Tensor]:
         ... class Batch:
         ...     x: torch.Tensor
         ...     extra: dict
-        >>> [t.tolist() for t in _tensors((Batch(torch.ones(1), {"m": torch.zeros(2)}), "text"))]
+        ...     parent: object = None
+        >>> batch = Batch(torch.ones(1), {"m": torch.zeros(2)})
+        >>> batch.parent = batch
+        >>> [t.tolist() for t in _tensors((batch, "text"))]
         [[1.0], [0.0, 0.0]]
     """
-    found = []
+    return _tensors_in(value, set())
+
+
+def _tensors_in(value: Any, seen: set[int]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
     for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
+        elif id(leaf) in seen:
+            continue
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            found += _tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+            seen.add(id(leaf))
+            found += _tensors_in([getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)], seen)
         elif isinstance(leaf, Mapping):
-            found += _tensors(list(leaf.values()))
+            seen.add(id(leaf))
+            found += _tensors_in(list(leaf.values()), seen)
     return found
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    """The floating (and complex) tensors of ``value``, detached; a sparse one by its values."""
+    out = []
+    for t in _tensors(value):
+        if t.is_floating_point() or t.is_complex():
+            t = t.detach()
+            out.append(t.coalesce().values() if t.is_sparse else t)
+    return out
+
+
+def _bad_at(value: Any, known: torch.Tensor | None = None) -> tuple[str | None, torch.Tensor | None]:
+    """``(kind, where)``: ``where`` flags each element of ``value``'s floating tensors, flattened
+    in order, that is not finite (None when all are); ``kind`` is ``"nan"`` or ``"inf"`` for
+    those not flagged in ``known`` as well (what another pass had non-finite at the same
+    place), None when there are none.
+
+    Example::
+
+        >>> kind, where = _bad_at([torch.tensor([1.0, -math.inf]), torch.tensor([math.nan])])
+        >>> kind, where.tolist()
+        ('nan', [False, True, True])
+        >>> _bad_at(torch.tensor([1.0, -math.inf]), known=torch.tensor([False, True]))[0]  # (known: not new)
+        >>> _bad_at(torch.tensor([math.inf, -math.inf]), known=torch.tensor([False, True]))[0]
+        'inf'
+    """
+    floats = _floats(value)
+    if not floats:
+        return None, None
+    device = floats[0].device
+    where = torch.cat([(~torch.isfinite(t)).reshape(-1).to(device) for t in floats])
+    if not bool(where.any()):
+        return None, None
+    new = where if known is None or known.shape != where.shape else where & ~known.to(device)
+    if not bool(new.any()):
+        return None, where
+    nan = torch.cat([torch.isnan(t).reshape(-1).to(device) for t in floats])
+    return ("nan" if bool((nan & new).any()) else "inf"), where
 
 
 def _bad(value: Any) -> str | None:
     """'nan', 'inf' or None: the first non-finite kind in any floating tensor of ``value``."""
-    for t in _tensors(value):
-        if t.is_floating_point() or t.is_complex():
-            finite = torch.isfinite(t.detach())
-            if not bool(finite.all()):
-                return "nan" if bool(torch.isnan(t.detach()).any()) else "inf"
-    return None
+    return _bad_at(value)[0]
 
 
-def _only_minus_inf(value: Any) -> bool:
-    """Whether ``value`` holds a non-finite value and every one is ``-inf``: what a mask the model
-    writes on purpose looks like (``masked_fill(..., -inf)``), and a negative overflow too.
+@dataclass
+class _Seen:
+    """Where one pass saw non-finite values, element by element: ``at`` by place (``input``, and
+    for each module call in order, ``in:<name>#<n>`` its first input as it came in and
+    ``out:<name>#<n>`` its output), and the place of the pass's finding (``first``)."""
 
-    Example::
+    at: dict[str, torch.Tensor] = field(default_factory=dict)
+    first: str | None = None
 
-        >>> _only_minus_inf(torch.tensor([0.0, -math.inf])), _only_minus_inf(torch.tensor([math.inf, -math.inf]))
-        (True, False)
-        >>> _only_minus_inf(torch.zeros(2)), _only_minus_inf([torch.zeros(1), torch.tensor([-math.inf])])
-        (False, True)
-    """
-    seen = False
-    for t in _tensors(value):
-        if t.is_floating_point() or t.is_complex():
-            t = t.detach()
-            bad = ~torch.isfinite(t)
-            if bool(bad.any()):
-                if t.is_complex() or not bool((t[bad] == -math.inf).all()):
-                    return False
-                seen = True
-    return seen
+    def also_in(self, other: _Seen) -> bool:
+        """Whether every non-finite value at this pass's finding was non-finite at the same place
+        in ``other`` too (a mask the model writes, a NaN it masks out: in FP32 as well).
+
+        Example::
+
+            >>> amp, fp32 = _Seen({"out:mask#1": torch.tensor([True, False])}, "out:mask#1"), _Seen()
+            >>> amp.also_in(fp32), amp.also_in(_Seen({"out:mask#1": torch.tensor([True, True])}))
+            (False, True)
+        """
+        mine, theirs = self.at.get(self.first or ""), other.at.get(self.first or "")
+        return (mine is not None and theirs is not None and mine.shape == theirs.shape
+                and not bool((mine & ~theirs.to(mine.device)).any()))
 
 
 def _dtypes(value: Any) -> list[str]:
@@ -126,24 +173,9 @@ class Finding:
     """With ``where == "none"``: the (finite) loss of the pass (of a group, the micro-batches'
     mean, the step's loss): a loss spike's evidence replays finite, and this says how large. With
     ``where == "backward"``: the finite loss whose backward overflowed (this micro-batch's)."""
-    minus_inf: bool = False
-    """Every non-finite value of the finding is ``-inf``: a mask the model writes on purpose, when
-    the FP32 replay writes it at the same place too (:func:`diagnose` then looks past it)."""
     absorbed: str = ""
     """With ``where == "none"``: the first non-finite value of a pass whose loss and gradients all
     ended finite (a NaN the model masks out, a ``-inf`` mask), said, not a finding."""
-
-    @property
-    def place(self) -> str:
-        """Where the value was, as :func:`trace_first_non_finite` tells a module's output from a
-        value its caller's own code made (a key for the masks it looks past).
-
-        Example::
-
-            >>> Finding("forward", "attn.mask").place, Finding("forward", "attn", before="attn.proj").place
-            ('forward:attn.mask', 'forward:attn>attn.proj')
-        """
-        return f"{self.where}:{self.name}" + (f">{self.before}" if self.before else "")
 
     def place_text(self) -> str:
         """Where the value was, in words (the middle of :meth:`Diagnosis.message`).
@@ -152,7 +184,7 @@ class Finding:
 
             >>> Finding("forward", "0", "Linear", "inf", ["float16"], ["float16"], "fp16").place_text()
             'in the forward output of 0 (Linear; inputs float16 -> outputs float16)'
-            >>> Finding("backward", "", "global L2 norm", "inf", precision="fp32", loss=2.0).place_text()
+            >>> Finding("backward", "", NORM, "inf", precision="fp32", loss=2.0).place_text()
             'in backward, the global L2 norm of the gradients (float32; every gradient finite), from a finite loss 2'
         """
         dtypes = f"{','.join(self.input_dtypes) or '-'} -> outputs {','.join(self.output_dtypes) or '-'}"
@@ -166,7 +198,7 @@ class Finding:
             return f"in the loss ({self.op})"
         finite = f", from a finite loss {self.loss:.4g}" if self.loss is not None else ""
         if not self.name:  # (every gradient finite, their norm not: the step's detector overflowed)
-            return f"in backward, the global L2 norm of the gradients (float32; every gradient finite){finite}"
+            return f"in backward, the {self.op}{finite}"
         return f"in backward, the gradient of parameter {self.name} ({self.op}){finite}"
 
 
@@ -324,8 +356,8 @@ def trace_first_non_finite(
     loss_scale: float = 1.0,
     fp32_module: str | None = None,
     accumulation_steps: int = 1,
-    masks: frozenset[str] = frozenset(),
-    minus_inf_places: list[str] | None = None,
+    seen: _Seen | None = None,
+    known: _Seen | None = None,
 ) -> Finding:
     """One forward + backward of the batch, watching for the first non-finite value.
 
@@ -349,9 +381,9 @@ def trace_first_non_finite(
     global L2 norm in float32 (the step's detector: it overflows past 3.4e38 with every gradient
     finite). A pass whose loss and gradients are all finite is ``"none"``, the first value that
     did not reach them said in ``absorbed`` (a NaN the model masks out, a ``-inf`` mask it
-    outputs). ``masks`` are places (:attr:`Finding.place`) whose all ``-inf`` values are no
-    finding (:func:`diagnose` names them: ``-inf`` in the FP32 replay too); every place whose
-    non-finite values were all ``-inf`` is added to ``minus_inf_places`` when given.
+    outputs). Where the pass saw non-finite values, element by element, goes into ``seen``
+    (:class:`_Seen`); with ``known`` (another pass's), only values not non-finite at the same
+    place there count (:func:`diagnose`: the first value only the run's precision has).
 
     Every module output and every gradient is checked on the host (a host sync each): a
     diagnostic, never part of the step. The parameters' ``.grad`` are put back afterwards.
@@ -383,50 +415,61 @@ def trace_first_non_finite(
         ('none', 'the nan in the input batch')
     """
     label = precision.name
+    seen = _Seen() if seen is None else seen
+    known_at = known.at if known is not None else {}
     found: list[Finding] = []
-    if (kind := _bad(inputs)) is not None:
-        found.append(Finding("input", kind=kind, input_dtypes=_dtypes(inputs), precision=label,
-                             minus_inf=_only_minus_inf(inputs)))
+    kind, where = _bad_at(inputs, known_at.get("input"))
+    if where is not None:
+        seen.at["input"] = where
+    if kind is not None:
+        found.append(Finding("input", kind=kind, input_dtypes=_dtypes(inputs), precision=label))
+        seen.first = "input"
     names = {id(m): name for name, m in model.named_modules()}
     param_owner = {id(p): (name, type(model.get_submodule(name.rpartition(".")[0])).__name__)
                    for name, p in model.named_parameters()}
-    # the modules in forward, outermost first: each with its input dtypes, and its first input as it
-    # came in (its non-finite kind, all -inf or not, its dtypes): judged at the entry, as an in-place
-    # op inside the module (a Dropout(inplace=True)) writes its output over that input
-    calls: list[tuple[nn.Module, list[str], str | None, bool, list[str]]] = []
+    # the modules in forward, outermost first: each with its place (name#call), its input dtypes, and
+    # its first input as it came in (its non-finite kind, its dtypes): judged at the entry, as an
+    # in-place op inside the module (a Dropout(inplace=True)) writes its output over that input
+    calls: list[tuple[nn.Module, str, list[str], str | None, list[str]]] = []
+    counts: dict[int, int] = {}
 
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        counts[id(module)] = n = counts.get(id(module), 0) + 1
+        key = f"{names.get(id(module), '?')}#{n}"
         first = next(iter(_tensors(args) or _tensors(kwargs)), None)  # (self.b(input=t): a keyword's)
-        born = None if first is None else _bad(first)
-        calls.append((module, _dtypes(args) or _dtypes(kwargs), born, born is not None and _only_minus_inf(first),
-                      _dtypes(first)))
+        born, where = (None, None) if first is None else _bad_at(first, known_at.get(f"in:{key}"))
+        if where is not None:
+            seen.at[f"in:{key}"] = where
+        calls.append((module, key, _dtypes(args) or _dtypes(kwargs), born, _dtypes(first)))
 
     def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        # (called after a forward that raised too, output None: a caller that caught it goes on)
-        _, dtypes, born, minus_inf, first_dtypes = calls.pop()
-        if (kind := _bad(output)) is None:
+        # (called after a forward that raised too, output None: a caller that caught it goes on; and
+        # without its pre-hook when a hook of the user's before it raised: then nothing of its own)
+        if not calls or calls[-1][0] is not module:
+            return
+        _, key, dtypes, born, first_dtypes = calls.pop()
+        kind, where = _bad_at(output, known_at.get(f"out:{key}"))
+        if where is not None:
+            seen.at[f"out:{key}"] = where
+        if kind is None or found:
             return
         if born is None:
-            finding = Finding("forward", names.get(id(module), "?"), type(module).__name__, kind, dtypes,
-                              _dtypes(output), label, minus_inf=_only_minus_inf(output))
-        else:  # it came in non-finite: the code of the innermost caller whose own first input came in finite made it
-            i, child = len(calls) - 1, module
-            while i >= 0 and calls[i][2] is not None:
-                child, (_, _, born, minus_inf, first_dtypes) = calls[i][0], calls[i]
-                i -= 1
-            if i < 0:  # (the model's own first input: one the check of the inputs could not read)
-                finding = Finding("input", kind=born, input_dtypes=first_dtypes, precision=label, minus_inf=minus_inf)
-            else:
-                caller, caller_dtypes = calls[i][:2]
-                finding = Finding("forward", names.get(id(caller), "?"), type(caller).__name__, born, caller_dtypes,
-                                  first_dtypes, label, before=names.get(id(child), "?"), minus_inf=minus_inf)
-        if finding.minus_inf:
-            if minus_inf_places is not None:
-                minus_inf_places.append(finding.place)
-            if finding.place in masks:
-                return
-        if not found:
-            found.append(finding)
+            found.append(Finding("forward", names.get(id(module), "?"), type(module).__name__, kind, dtypes,
+                                 _dtypes(output), label))
+            seen.first = f"out:{key}"
+            return
+        # it came in non-finite: the code of the innermost caller whose own first input came in finite made it
+        i, child, child_key = len(calls) - 1, module, key
+        while i >= 0 and calls[i][3] is not None:
+            child, child_key, _, born, first_dtypes = calls[i]
+            i -= 1
+        if i < 0:  # (the model's own first input: one the check of the inputs could not read)
+            found.append(Finding("input", kind=born, input_dtypes=first_dtypes, precision=label))
+        else:
+            caller, _, caller_dtypes = calls[i][:3]
+            found.append(Finding("forward", names.get(id(caller), "?"), type(caller).__name__, born, caller_dtypes,
+                                 first_dtypes, label, before=names.get(id(child), "?")))
+        seen.first = f"in:{child_key}"
 
     handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
     handles += [m.register_forward_hook(forward_hook, with_kwargs=True, always_call=True) for m in model.modules()]
@@ -436,7 +479,7 @@ def trace_first_non_finite(
         for p in model.parameters():
             p.grad = None
         for name, p in model.named_parameters():
-            if p.requires_grad:
+            if p.requires_grad and not isinstance(p, nn.parameter.UninitializedParameter):
                 owner = param_owner[id(p)]
 
                 def grad_hook(grad: torch.Tensor, owner: tuple[str, str] = owner) -> None:
@@ -445,21 +488,26 @@ def trace_first_non_finite(
                                                   [str(grad.dtype).removeprefix("torch.")], label))
 
                 handles.append(p.register_hook(grad_hook))
-        with precision.reference(), fp32_around(model, fp32_module):  # (the FP32 replay: strictly, no TF32)
-            outputs = model(inputs)
-            loss = loss_fn(outputs, targets)
-        loss = loss.float()
-        value = float(loss.detach()) if loss.numel() == 1 else None
-        if (loss_kind := _bad(loss)) is None and loss.requires_grad:
-            if accumulation_steps > 1:  # (x / 1 is x: the step skips it too)
-                loss = loss / accumulation_steps
-            (loss * loss_scale).backward()
-            if not grad_found:
-                grad_found += _norm_overflow(model, loss_scale, label)
+        # the module kept in FP32 stays so through the backward (a recompute of activation
+        # checkpointing runs its forward again there), and an FP32 pass keeps FP32 strict (no TF32)
+        # through it too; autocast wraps the forward alone, as in the step
+        strict = precision.reference() if precision.name == "fp32" else nullcontext()
+        with fp32_around(model, fp32_module), strict:
+            with precision.autocast():
+                outputs = model(inputs)
+                loss = loss_fn(outputs, targets)
+            loss = loss.float()
+            value = float(loss.detach()) if loss.numel() == 1 else None
+            if (loss_kind := _bad(loss)) is None and loss.requires_grad:
+                if accumulation_steps > 1:  # (x / 1 is x: the step skips it too)
+                    loss = loss / accumulation_steps
+                (loss * loss_scale).backward()
+                if not grad_found:
+                    grad_found += _gradients_after(model, loss_scale, label)
         if loss_kind is None and not grad_found:  # the pass ended finite: what went non-finite did not matter
             first = found[0] if found else None
             return Finding("none", precision=label, loss=value,
-                           absorbed=f"the {'-inf' if first.minus_inf else first.kind} {first.place_text()}" if first else "")
+                           absorbed=f"the {first.kind} {first.place_text()}" if first else "")
         if found:
             return found[0]
         if loss_kind is not None:
@@ -478,28 +526,44 @@ def trace_first_non_finite(
             p.grad = saved_grads.get(id(p))
 
 
-def _norm_overflow(model: nn.Module, loss_scale: float, label: str) -> list[Finding]:
-    """``[the finding]`` when the gradients, each finite, have a global L2 norm (unscaled, as the
-    step's detector computes it: a sum of squares in the gradients' dtype, past float32's range
-    once the gradients reach ~1e19) that is not finite; else ``[]``.
+NORM = "global L2 norm of the gradients (float32; every gradient finite)"
+"""What a finding names when each gradient is finite and their global norm is not."""
+
+
+def _gradients_after(model: nn.Module, loss_scale: float, label: str, summed: bool = False) -> list[Finding]:
+    """``[the finding]`` for the gradients as the backward left them (``summed``: the sum of a
+    group's micro-batches): a ``.grad`` that is not finite (made so after the tensor hooks saw it:
+    a post-accumulate hook, or the sum), else a global L2 norm that is not finite though each
+    gradient is (unscaled, as the step's detector computes it: a sum of squares in the
+    gradients' dtype, past float32's range once the gradients reach ~1e19); else ``[]``. The
+    gradients are unscaled one at a time (no copy of them all).
 
     Example (two gradients of 1e20 each: finite, the sum of their squares not in float32)::
 
         >>> model = nn.Linear(2, 1, bias=False)
         >>> model.weight.grad = torch.full((1, 2), 1e20)
-        >>> [(f.where, f.op, f.kind) for f in _norm_overflow(model, 1.0, "fp32")], _norm_overflow(model, 1e3, "fp32")
-        ([('backward', 'global L2 norm', 'inf')], [])
+        >>> [(f.where, f.op, f.kind) for f in _gradients_after(model, 1.0, "fp32")], _gradients_after(model, 1e3, "fp32")
+        ([('backward', 'global L2 norm of the gradients (float32; every gradient finite)', 'inf')], [])
+        >>> model.weight.grad[0, 0] = math.inf
+        >>> [(f.name, f.op) for f in _gradients_after(model, 1.0, "fp32", summed=True)]
+        [('weight', "Linear; summed over the group's micro-batches")]
     """
-    from .clipping import get_total_norm, grad_values
+    from .clipping import grad_values
 
-    grads = [grad_values(p.grad) for p in model.parameters() if p.grad is not None]
-    if not grads:
+    held = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    for name, grad in held:
+        if (kind := _bad(grad)) is not None:
+            owner = type(model.get_submodule(name.rpartition(".")[0])).__name__
+            op = f"{owner}; summed over the group's micro-batches" if summed else f"{owner}; after its hooks"
+            return [Finding("backward", name, op, kind, [], [str(grad.dtype).removeprefix("torch.")], label)]
+    if not held:
         return []
     inv_scale = torch.tensor(loss_scale, dtype=torch.float64).reciprocal().float()  # (GradScaler's unscale_)
-    norm = get_total_norm([g * inv_scale.to(g.device) for g in grads], 2.0, error_if_nonfinite=False, foreach=None)
-    if bool(torch.isfinite(norm)):
+    norms = [torch.linalg.vector_norm(grad_values(g) * inv_scale.to(g.device)).to(held[0][1].device)
+             for _, g in held]
+    if bool(torch.isfinite(torch.linalg.vector_norm(torch.stack(norms)))):
         return []
-    return [Finding("backward", "", "global L2 norm", "inf", [], [str(norm.dtype).removeprefix("torch.")], label)]
+    return [Finding("backward", "", NORM, "inf", [], ["float32"], label)]
 
 
 @contextmanager
@@ -572,13 +636,11 @@ def find_fp32_scope(
     loss_scale: float,
     module: str,
     accumulation_steps: int = 1,
-    masks: frozenset[str] = frozenset(),
 ) -> tuple[str | None, list[str]]:
     """Replay the batch with ``module`` alone in FP32, then its parent, up to the model, until one
     makes the batch all finite: ``(that scope or None, the scopes tried)``. Each replay keeps the
     run's precision elsewhere, its loss scale and accumulation steps, and starts from the RNG
-    state this was called with (dropout draws the same masks each time), and looks past the same
-    ``masks`` (:func:`diagnose`'s: places whose ``-inf`` the FP32 replay writes too).
+    state this was called with (dropout draws the same masks each time).
 
     Example (a block's Linear outputs 1e5, past fp16's 65504; the LayerNorm after it brings it back
     in range, so that Linear alone in FP32 fixes the batch; the output Linear alone does not)::
@@ -601,7 +663,7 @@ def find_fp32_scope(
         tried.append(scope)
         set_rng_state(rng)
         found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
-                                       fp32_module=scope, accumulation_steps=accumulation_steps, masks=masks)
+                                       fp32_module=scope, accumulation_steps=accumulation_steps)
         if found.where == "none":
             return scope, tried
     return None, tried
@@ -623,11 +685,17 @@ def diagnose_group(
     precision: Precision,
     loss_scale: float = 1.0,
     accumulation_steps: int | None = None,
+    rng: Any = None,
 ) -> Diagnosis:
     """:func:`diagnose` each micro-batch of a step in turn; the first with a finding answers.
+    Every micro-batch finite alone, their summed gradients are checked as the step sums them
+    (a sum, or its norm, past float32's range: :func:`_group_gradients`).
 
     Each micro-batch's loss is divided by ``accumulation_steps`` before the loss scale, as the
-    step's ``scaler.scale(loss / N)``; None: the number of ``batches`` (a whole step's).
+    step's ``scaler.scale(loss / N)``; None: the number of ``batches`` (a whole step's). ``rng``
+    (:func:`~ampguard.checkpoint.rng_state`) is the RNG state the step began with: the first
+    micro-batch's passes start from it, each next one's from where the one before drew to (the
+    step's dropout masks); None: from the caller's. The caller's RNG state is put back.
 
     Example (the second micro-batch carries a NaN, in FP32 as well: not a precision problem)::
 
@@ -642,18 +710,69 @@ def diagnose_group(
         >>> d.verdict, d.fp32  # nothing found: no FP32 replay
         ('none', None)
     """
-    n = len(batches) if accumulation_steps is None else accumulation_steps
-    result, losses = None, []
-    for inputs, targets in batches:
-        result = diagnose(model, loss_fn, inputs, targets, precision, loss_scale, n)
-        if result.verdict != "none":
-            break
-        losses.append(result.amp.loss)
-    if result is None:
+    from .checkpoint import rng_kept, rng_state, set_rng_state
+
+    if not batches:
         raise ValueError("diagnose_group needs at least one batch")
-    if result.verdict == "none" and None not in losses:  # the step's loss: the micro-batches' mean
-        result.amp.loss = sum(losses) / len(losses)
+    n = len(batches) if accumulation_steps is None else accumulation_steps
+    losses: list[float | None] = []
+    inner = _uncompiled(model)
+    with _eager(), rng_kept():
+        if rng is not None:
+            set_rng_state(rng)
+        start = rng_state()
+        for inputs, targets in batches:
+            after: list[Any] = []
+            result = _diagnose(inner, loss_fn, inputs, targets, precision, loss_scale, n, after)
+            if result.verdict != "none":
+                return result
+            losses.append(result.amp.loss)
+            set_rng_state(after[0])  # (the next micro-batch draws on from there, as in the step)
+        mean = sum(losses) / len(losses) if None not in losses else None  # type: ignore[arg-type]
+        if len(batches) > 1 and (summed := _group_gradients(inner, loss_fn, batches, precision, loss_scale, n, start)):
+            fp32 = _group_gradients(inner, loss_fn, batches, Precision("fp32", precision.device_type), 1.0, n, start)
+            summed[0].loss = mean
+            return Diagnosis(summed[0], fp32[0] if fp32 else Finding("none", precision="fp32"),
+                             "data/model" if fp32 else "precision-range", loss_scale)
+    result.amp.loss = mean  # the step's loss: the micro-batches' mean
     return result
+
+
+def _group_gradients(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], batches: list[tuple[Any, Any]],
+                     precision: Precision, loss_scale: float, n: int, rng: Any) -> list[Finding]:
+    """The group's micro-batches replayed as the step runs them, their gradients summed (each one
+    finite alone): ``[the finding]`` when the sum, or its global norm, is not finite
+    (:func:`_gradients_after`), else ``[]``. The model is left as it was (:func:`untouched`).
+
+    Example (two micro-batches whose gradients of 2e38 each sum past float32's 3.4e38)::
+
+        >>> model = nn.Linear(1, 1, bias=False)
+        >>> with torch.no_grad():
+        ...     _ = model.weight.fill_(1.0)
+        >>> def loss_fn(out, y):
+        ...     return (out * 2e38).mean()
+        >>> batch = (torch.ones(1, 1), torch.zeros(1, 1))
+        >>> from ampguard.checkpoint import rng_state
+        >>> [(f.name, f.kind) for f in _group_gradients(model, loss_fn, [batch, batch], Precision("fp32", "cpu"), 1.0,
+        ...                                              1, rng_state())], model.weight.grad
+        ([('weight', 'inf')], None)
+    """
+    from .checkpoint import set_rng_state, untouched
+
+    with untouched(model):
+        set_rng_state(rng)
+        for p in model.parameters():
+            p.grad = None
+        strict = precision.reference() if precision.name == "fp32" else nullcontext()
+        with strict:
+            for inputs, targets in batches:
+                with precision.autocast():
+                    loss = loss_fn(model(inputs), targets)
+                loss = loss.float()
+                if _bad(loss) is not None or not loss.requires_grad:  # (a micro-batch's own: found already)
+                    return []
+                (loss / n * loss_scale).backward()
+        return _gradients_after(model, loss_scale, precision.name, summed=True)
 
 
 def diagnose(
@@ -670,9 +789,10 @@ def diagnose(
     For a precision-range problem in a module's output or a parameter's gradient it then looks
     for the smallest module that fixes the batch when kept in FP32 (:func:`find_fp32_scope`).
     Every pass starts from the RNG state this was called with, so dropout draws the same masks
-    in each; the caller's RNG state is put back afterwards. A first value that is all ``-inf`` (a
-    causal mask, logits of actions not allowed) is looked past when the FP32 replay writes ``-inf``
-    at the same place too: the model means it, and what made the step non-finite comes later.
+    in each; the caller's RNG state is put back afterwards. A first value that the FP32 replay
+    has non-finite at the same place too, element for element, while FP32's pass ends finite (a
+    ``-inf`` mask the model writes, a NaN it masks out of its input) is the model's own: the
+    finding is then the first value only the run's precision has.
 
     Example (an activation of 1e5 is finite in FP32 but overflows fp16's range of 65504; the
     LayerNorm after it brings it back, so that Linear alone in FP32 is enough)::
@@ -697,9 +817,10 @@ def diagnose(
 
 def _eager() -> Any:
     """Compiled code runs eagerly while inside: the replays' hooks, traced by dynamo, broke a
-    compiled model's graph and compiled it again (a page of graph-break warnings)."""
+    compiled model's graph and compiled it again (a page of graph-break warnings). Nothing was
+    compiled when dynamo was never imported: it is not imported for this (a second or two)."""
     stance = getattr(torch.compiler, "set_stance", None)  # (torch < 2.6: none)
-    return stance("force_eager") if stance is not None else nullcontext()
+    return stance("force_eager") if stance is not None and "torch._dynamo" in sys.modules else nullcontext()
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:
@@ -717,7 +838,10 @@ def _uncompiled(model: nn.Module) -> nn.Module:
 
 
 def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
-              precision: Precision, loss_scale: float, accumulation_steps: int) -> Diagnosis:
+              precision: Precision, loss_scale: float, accumulation_steps: int,
+              rng_after: list[Any] | None = None) -> Diagnosis:
+    """:func:`diagnose` of an uncompiled model, run eagerly; ``rng_after`` gets the RNG state
+    after the pass under the run's precision (what the step drew to)."""
     from .checkpoint import rng_state, set_rng_state, untouched
     from .fp8 import find_bad_scales, float8_modules
 
@@ -726,31 +850,27 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
     fp32_precision = Precision("fp32", precision.device_type)
     with untouched(model):
         rng = rng_state()  # each pass starts here: the FP32 replay sees the AMP pass's dropout masks
-        places: list[str] = []
+        amp_seen, fp32_seen = _Seen(), _Seen()
         amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale, accumulation_steps=n,
-                                     minus_inf_places=places)
-        masks: frozenset[str] = frozenset()
-        if amp.minus_inf:  # a -inf the FP32 replay writes at the same place is a mask the model means: look past it
-            set_rng_state(rng)
-            fp32_places: list[str] = []
-            trace_first_non_finite(model, loss_fn, inputs, targets, fp32_precision, 1.0, fp32_module=whole,
-                                   accumulation_steps=n, minus_inf_places=fp32_places)
-            masks = frozenset(places) & frozenset(fp32_places)
-            if amp.place in masks:
-                set_rng_state(rng)
-                amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
-                                             accumulation_steps=n, masks=masks)
+                                     seen=amp_seen)
+        if rng_after is not None:
+            rng_after.append(rng_state())
         if amp.where == "none":
             return Diagnosis(amp, None, "none", loss_scale)
-
+        set_rng_state(rng)
+        fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, fp32_precision, 1.0, fp32_module=whole,
+                                      accumulation_steps=n, seen=fp32_seen)
+        if fp32.where == "none" and amp_seen.also_in(fp32_seen):
+            # what AMP found first was non-finite in FP32 too, whose pass ended finite: the model's own
+            # (a -inf mask it writes, a NaN it masks out); the finding is the first value AMP alone has
+            set_rng_state(rng)
+            amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
+                                         accumulation_steps=n, known=fp32_seen)
         scales = []
         if float8_modules(model) and amp.where != "input":  # which float8 cast broke (its replay: the same draws)
             set_rng_state(rng)
             scales = [str(bad) for bad in find_bad_scales(model, loss_fn, inputs, targets, precision.autocast)
                       if bad.broken_scale]
-        set_rng_state(rng)
-        fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, fp32_precision, 1.0, fp32_module=whole,
-                                      accumulation_steps=n, masks=masks)
         if fp32.where != "none":
             from .checkpoint import non_finite_weight
 
@@ -760,7 +880,7 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
         module = _module_of(amp)
         if module is not None and precision.name != "fp32":
             set_rng_state(rng)
-            scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n, masks)
+            scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n)
     return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried, fp8_scales=scales)
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ampguard.locate import diagnose, trace_first_non_finite
+from ampguard.locate import diagnose, diagnose_group, trace_first_non_finite
 from ampguard.precision import Precision
 
 FP16 = Precision("fp16", "cpu")
@@ -750,8 +750,8 @@ def test_under_fp8_the_fp32_replays_compute_the_float8_layers_in_fp32():
     d = diagnose(model, F.mse_loss, x, y, Precision("fp8", "cpu"))
     assert (d.verdict, d.amp.name, d.fp32.where, d.fp32_scope) == ("precision-range", "3", "none", "3")
     plain = lambda inputs: F.linear(inputs, model[1].weight, model[1].bias)  # noqa: E731
-    # the AMP pass, the float8 scales' replay (under AMP too), the FP32 replay
-    (amp_on, amp_in, amp_out), (scales_on, *_), (fp32_on, fp32_in, fp32_out) = seen[:3]
+    # the AMP pass, the FP32 replay, the float8 scales' replay (under AMP too)
+    (amp_on, amp_in, amp_out), (fp32_on, fp32_in, fp32_out), (scales_on, *_) = seen[:3]
     assert amp_on and scales_on and not torch.allclose(amp_out.float(), plain(amp_in.float()))  # float8 ran under AMP
     assert not fp32_on and fp32_out.dtype == torch.float32 and torch.equal(fp32_out, plain(fp32_in))
 
@@ -833,7 +833,7 @@ def test_a_minus_inf_mask_the_model_writes_is_no_finding_and_does_not_hide_a_lat
     x, y = torch.randn(3, 4), torch.zeros(3, 1)
     clean = diagnose(MaskedAttention(), F.mse_loss, x, y, BF16)  # (was data/model, exit 1, on a finite step)
     assert clean.verdict == "none"
-    assert "the -inf in the forward output of mask (MaskOut" in clean.message()
+    assert "the inf in the forward output of mask (MaskOut" in clean.message()
     # the mask comes first; the step's overflow comes after it, and is the finding
     torch.manual_seed(0)
     model = MaskedAttention(big=3e4)
@@ -858,8 +858,8 @@ def test_a_negative_overflow_is_still_a_finding():
     with torch.no_grad():
         model[0].weight.fill_(-1e3), model[0].bias.zero_()
     result = diagnose(model, F.mse_loss, torch.full((1, 2), 50.0), torch.zeros(1, 1), FP16)
-    assert (result.amp.where, result.amp.name, result.amp.minus_inf, result.verdict) == \
-        ("forward", "0", True, "precision-range")
+    assert (result.amp.where, result.amp.name, result.amp.kind, result.verdict) == \
+        ("forward", "0", "inf", "precision-range")
 
 
 def test_a_nan_in_an_input_container_pytree_does_not_know_is_the_inputs():
@@ -931,7 +931,7 @@ def test_a_skip_for_a_global_norm_past_float32_with_every_gradient_finite_is_exp
     model.weight.grad = None
     result = diagnose(model, loss_fn, torch.full((4, 64), 2.0), torch.zeros(4, 1), FP32)
     assert (result.amp.where, result.amp.name, result.amp.op, result.verdict) == \
-        ("backward", "", "global L2 norm", "data/model")
+        ("backward", "", "global L2 norm of the gradients (float32; every gradient finite)", "data/model")
     assert "the global L2 norm of the gradients (float32; every gradient finite)" in result.message()
 
 
@@ -1005,3 +1005,203 @@ def test_a_model_compiled_by_its_factory_is_replayed_under_its_own_module_names(
     result = diagnose(torch.compile(inner, backend="eager"), F.mse_loss, torch.full((1, 2), 50.0), torch.zeros(1, 1),
                       FP16)
     assert (result.amp.name, result.fp32_scope, result.scopes_tried) == ("0.0", "0.0", ["0.0"])
+
+
+# ---------------------------------------------------------------------------- review 37e
+
+
+def test_a_nan_the_model_masks_out_does_not_hide_a_later_overflow():
+    # (the masked NaN was named, "precision-range" with no module: FP32 ends finite around it)
+    class Clean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.nan_to_num()).float().sum(dim=1, keepdim=True)
+
+    model = Clean()
+    with torch.no_grad():
+        model.fc.weight.fill_(1e3), model.fc.bias.zero_()
+    x = torch.full((1, 2), 100.0)  # (the other column alone: 1e5, past fp16's 65504)
+    x[0, 0] = math.nan
+    result = diagnose(model, F.mse_loss, x, torch.zeros(1, 1), FP16)
+    assert (result.amp.where, result.amp.name, result.verdict) == ("forward", "fc", "precision-range")
+
+
+def test_a_mask_is_looked_past_element_by_element_not_module_by_module():
+    class Scores(nn.Module):  # a -inf mask in column 0 (FP32 too); under fp16 column 1 overflows to -inf
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.full((2, 2), -1e3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x @ self.w).masked_fill(torch.tensor([True, False]), -math.inf)
+
+    class Square(nn.Module):
+        def forward(self, s: torch.Tensor) -> torch.Tensor:
+            return s[:, 1:] ** 2
+
+    result = diagnose(nn.Sequential(Scores(), Square()), F.mse_loss, torch.full((1, 2), 50.0), torch.zeros(1, 1), FP16)
+    assert (result.amp.where, result.amp.name, result.amp.before, result.fp32_scope) == ("forward", "0", "", "0")
+
+
+def test_an_additive_mask_in_the_batch_is_looked_past():
+    class Attends(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.head = nn.Linear(2, 2), nn.Linear(2, 1)
+
+        def forward(self, batch: dict) -> torch.Tensor:
+            h = self.fc(batch["x"])  # overflows fp16
+            return self.head(torch.softmax(h + batch["mask"], -1) * h)
+
+    model = Attends()
+    with torch.no_grad():
+        model.fc.weight.fill_(1e3), model.fc.bias.zero_()
+    batch = {"x": torch.full((1, 2), 50.0), "mask": torch.tensor([[0.0, -math.inf]])}
+    result = diagnose(model, F.mse_loss, batch, torch.zeros(1, 1), FP16)
+    assert (result.amp.where, result.amp.name, result.verdict) == ("forward", "fc", "precision-range")
+
+
+def test_a_groups_summed_gradients_past_float32_are_the_finding():
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+
+    def loss_fn(out, y):  # each micro-batch's gradient 2e38: finite; their sum is not
+        return (out * 2e38).mean()
+
+    batch = (torch.ones(1, 1), torch.zeros(1, 1))
+    result = diagnose_group(model, loss_fn, [batch, batch], FP32, accumulation_steps=1)
+    assert (result.amp.where, result.amp.name, result.verdict) == ("backward", "weight", "data/model")
+    assert "summed over the group's micro-batches" in result.message() and model.weight.grad is None
+
+
+def test_each_micro_batch_is_replayed_with_the_dropout_masks_the_step_drew_for_it():
+    class Recorded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop, self.fc, self.masks = nn.Dropout(0.5), nn.Linear(8, 1), []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.drop(x)
+            self.masks.append((h != 0).flatten().tolist())
+            return self.fc(h)
+
+    model, x, y = Recorded(), torch.ones(1, 8), torch.zeros(1, 1)
+    torch.manual_seed(0)
+    from ampguard.checkpoint import rng_state
+
+    start = rng_state()
+    model(x), model(x)  # what the step drew for its two micro-batches
+    drawn, model.masks = model.masks, []
+    diagnose_group(model, F.mse_loss, [(x, y), (x, y)], FP32, rng=start)
+    assert model.masks == drawn * 2 and drawn[0] != drawn[1]  # (each micro-batch, then the group's sum)
+
+
+def test_activation_checkpointing_recomputes_the_module_kept_in_fp32_in_fp32():
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.norm = nn.Linear(2, 2), nn.LayerNorm(2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.fc(x))
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.head = Block(), nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    with torch.no_grad():
+        model.block.fc.weight.fill_(1e3), model.block.fc.bias.zero_()
+    result = diagnose(model, F.mse_loss, torch.full((4, 2), 50.0), torch.zeros(4, 1), FP16)  # (a CheckpointError)
+    assert (result.amp.name, result.fp32_scope) == ("block.fc", "block.fc")
+
+
+def test_odd_batches_buffers_and_hooks_the_replay_survives():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Node:  # a batch that holds itself, and a field never set
+        x: torch.Tensor
+        parent: object = None
+        later: int = dataclasses.field(init=False)
+
+    node = Node(torch.ones(3, 2))
+    node.parent = node
+    net = nn.Linear(2, 1)
+
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+            self.register_buffer("cache", None)  # filled by the forward: taken out again after
+
+        def forward(self, n: Node) -> torch.Tensor:
+            self.cache = torch.zeros(1)
+            return self.net(n.x)
+
+    model = Reads()
+    assert diagnose(model, F.mse_loss, node, torch.zeros(3, 1), FP32).verdict == "none"  # (RecursionError)
+    assert model.cache is None
+
+    class Fallback(nn.Module):  # a hook of the user's that raises before the trace's pre-hook ran
+        def __init__(self) -> None:
+            super().__init__()
+            self.fast, self.slow = nn.Linear(2, 1), nn.Linear(2, 1)
+            self.fast.register_forward_pre_hook(lambda m, args: 1 / 0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            try:
+                return self.fast(x)
+            except ZeroDivisionError:
+                return self.slow(x)
+
+    assert diagnose(Fallback(), F.mse_loss, torch.ones(3, 2), torch.zeros(3, 1), FP32).verdict == "none"  # (IndexError)
+    sparse = nn.Sequential(nn.Embedding(10, 2, sparse=True), nn.Flatten(), nn.Linear(4, 1))
+    result = diagnose(sparse, F.mse_loss, torch.tensor([[1, 2]]), torch.zeros(1, 1), FP32)  # (NotImplementedError)
+    assert result.verdict == "none"
+    with torch.inference_mode():
+        stats = torch.zeros(2)  # a buffer that is an inference tensor (loaded under inference_mode)
+
+    class Centred(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 1)
+            self.register_buffer("stats", stats)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x - self.stats)
+
+    assert diagnose(Centred(), F.mse_loss, torch.ones(2, 2), torch.zeros(2, 1), FP32).verdict == "none"  # (restore raised)
+
+
+def test_a_nan_a_post_accumulate_hook_writes_is_named_on_its_parameter():
+    model = nn.Linear(2, 1)
+
+    def spoil(p: torch.Tensor) -> None:
+        p.grad.fill_(math.nan)
+
+    model.weight.register_post_accumulate_grad_hook(spoil)
+    result = diagnose(model, F.mse_loss, torch.ones(3, 2), torch.zeros(3, 1), FP32)
+    assert (result.amp.where, result.amp.name, result.amp.kind) == ("backward", "weight", "nan")
+    assert "every gradient finite" not in result.message()
+
+
+def test_a_model_with_a_method_named_like_fsdp2s_is_not_taken_for_a_sharded_one():
+    from ampguard.distributed import is_sharded
+
+    class Own(nn.Linear):
+        def set_requires_gradient_sync(self, sync: bool) -> None:
+            pass
+
+    assert not is_sharded(Own(2, 1))
