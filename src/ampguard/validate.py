@@ -34,7 +34,6 @@ import os
 import platform
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,6 +318,9 @@ class Scores:
 
     outputs: dict[str, torch.Tensor]
     dtypes: dict[str, str] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Each output's shape per example as the model returned it, before its rows were flattened:
+    ``(2, 3)`` and ``(3, 2)`` flatten to the same 6 scores, and only this tells them apart."""
 
     @property
     def names(self) -> list[str]:
@@ -402,6 +404,7 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
         seed_pass(seed, device)
     parts: dict[str, list[torch.Tensor]] = {}
     dtypes: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for start in range(0, len(inputs), CHUNK):
         chunk = inputs[start : start + CHUNK]
         # the user's code: one line, not a traceback (a sys.exit() in it passed through as validate's
@@ -420,12 +423,16 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
                 raise InputError(f"validate: {what} has shape {tuple(value.shape)} for "
                                  f"{len(chunk)} examples; validate compares one row per example")
             rows = value.float().reshape(len(chunk), -1)
+            each = tuple(value.shape[1:])
             if name in parts and rows.shape[1] != parts[name][0].shape[1]:  # (torch.cat would raise mid-report)
                 raise InputError(f"validate: {what} has {rows.shape[1]} scores per example in "
                                  f"one batch and {parts[name][0].shape[1]} in another; validate compares the same "
                                  "scores for every example")
+            if name in parts and each != shapes[name]:  # (as many scores, in another layout: compared wrongly)
+                raise InputError(f"validate: {what} has shape {each} per example in one batch and {shapes[name]} in "
+                                 "another; validate compares the same scores for every example")
             parts.setdefault(name, []).append(rows)
-            dtypes[name] = str(value.dtype)
+            dtypes[name], shapes[name] = str(value.dtype), each
         if task.mode == "classifier":
             first, rows = next(iter(parts.items()))
             if rows[0].shape[1] < 2:
@@ -434,7 +441,7 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
                     f"{rows[0].shape[1]} score{'' if rows[0].shape[1] == 1 else 's'} per example: a classifier's "
                     "decision is the argmax over one score per class (for a binary logit z, return "
                     "torch.cat([torch.zeros_like(z), z], 1) from predict), or declare mode 'regression'")
-    return Scores({name: torch.cat(rows) for name, rows in parts.items()}, dtypes)
+    return Scores({name: torch.cat(rows) for name, rows in parts.items()}, dtypes, shapes)
 
 
 def seed_pass(seed: int, device: torch.device) -> None:
@@ -884,36 +891,53 @@ def check_rules(task: Task, cfg: Any) -> None:
 
 
 def check_fp32_weights(model: nn.Module, precisions: Iterable[str]) -> None:
-    """Refuse weights already cast below float32, as ``ampguard train`` does (:meth:`Precision.check`,
-    its words): the FP32 reference would run in their dtype (bf16 weights give a bf16
-    "reference", which bf16 autocast matches exactly: ACCEPTED with no tolerance at all), and
-    mixed precision keeps FP32 master weights anyway. Only the weights half of the check is made:
-    what the device cannot run (the other half) validate reports in the dtype support instead
-    (:func:`describe_environment`). Float64 weights are kept, as train keeps them.
+    """Refuse, in one :class:`InputError` line, a model whose floating weights (parameters and
+    buffers: a frozen projection registered as a buffer is weights too) are not float32, naming
+    the first and its dtype. Below float32 (fp16, bf16), the FP32 reference would compute in
+    their dtype: bf16 weights give a bf16 "reference", which bf16 autocast matches exactly,
+    ACCEPTED at zero tolerance. A model all in float64 (which train keeps; a float64 parameter
+    or buffer beside float32 weights is fine) gives no comparison either:
+    autocast lowers float32 work only, so the precision judged computes nothing in its dtype
+    there and its pass is the reference's again, bit for bit. Either way nothing about the
+    precision would be measured: no verdict, not a REJECTED that blames the precision. Integer
+    and bool buffers (a BatchNorm's count, a mask) hold no weights: kept. What the device cannot
+    run validate reports in the dtype support instead (:func:`describe_environment`).
 
     Example::
 
-        >>> check_fp32_weights(nn.Linear(2, 2), ["bf16"])  # fine: nothing printed
-        >>> try:
-        ...     check_fp32_weights(nn.Linear(2, 2).to(torch.bfloat16), ["fp8", "fp16"])
-        ... except InputError as err:
-        ...     print(err)  # doctest: +NORMALIZE_WHITESPACE
-        validate: the FP32 reference needs float32 weights: parameter 'weight' is bfloat16, but fp16 mixed
-        precision keeps FP32 master weights: autocast computes in fp16 while the optimizer updates float32
-        weights, so small updates are not lost to rounding; keep the model in float32 (no .half() /
-        .to(torch.float16))
+        >>> check_fp32_weights(nn.BatchNorm1d(2), ["bf16"])  # fine: nothing printed (an int64 count)
+        >>> frozen = nn.Linear(2, 2)
+        >>> frozen.register_buffer("proj", torch.ones(2, 2, dtype=torch.bfloat16))
+        >>> for model in (nn.Linear(2, 2).half(), frozen, nn.Linear(2, 2).double()):
+        ...     try:
+        ...         check_fp32_weights(model, ["bf16"])
+        ...     except InputError as err:
+        ...         print(err)
+        validate: the FP32 reference needs float32 weights: parameter 'weight' is float16, so the reference would compute in float16, not float32; keep the model in float32 (no .half() / .to(torch.float16))
+        validate: the FP32 reference needs float32 weights: buffer 'proj' is bfloat16, so the reference would compute in bfloat16, not float32; keep the model in float32 (no .to(torch.bfloat16))
+        validate: the FP32 reference needs float32 weights: parameter 'weight' is float64, where autocast computes nothing in bf16 (it lowers float32 work only): bf16 would run as the reference does, in float64; keep the model in float32 (no .double())
     """
-    if not any(p.is_floating_point() and p.dtype.itemsize < 4 for p in model.parameters()):
-        return  # (the rest of Precision.check is the device's: reported, not refused, below)
-    # Precision.check in the words of a precision judged here, on the CPU, where fp16 and bf16 autocast
-    # always run (fp8, which keeps FP32 master weights as they do, is said as bf16)
-    name = next((p for p in precisions if p in ("fp16", "bf16")), "bf16")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (fp16 on a CPU is emulated: no matter, nothing runs here)
-            Precision(name, "cpu").check(model, torch.device("cpu"))
-    except ValueError as err:
-        raise InputError(f"validate: the FP32 reference needs float32 weights: {err}") from None
+    weights = list(itertools.chain((("parameter", n, t) for n, t in model.named_parameters()),
+                                   (("buffer", n, t) for n, t in model.named_buffers())))
+    found = next(((kind, name, t.dtype) for kind, name, t in weights
+                  if t.is_floating_point() and t.dtype.itemsize < 4), None)
+    if found is None:  # (float64 refused only when no weight is float32: a float64 scale or table beside them is fine)
+        floats = [(kind, name, t.dtype) for kind, name, t in weights if kind == "parameter" and t.is_floating_point()]
+        found = floats[0] if floats and all(dtype.itemsize > 4 for *_, dtype in floats) else None
+    if found is None:
+        return
+    kind, name, dtype = found
+    dtype_name = str(dtype).removeprefix("torch.")
+    what = f"validate: the FP32 reference needs float32 weights: {kind} {name!r} is {dtype_name}"
+    if dtype.itemsize > 4:
+        precisions = list(precisions)  # (said as the autocast precision judged; fp8 alone, as itself)
+        judged = next((p for p in precisions if p in ("fp16", "bf16")), precisions[0] if precisions else "bf16")
+        raise InputError(f"{what}, where autocast computes nothing in {judged} (it lowers float32 work only): "
+                         f"{judged} would run as the reference does, in {dtype_name}; keep the model in float32 "
+                         "(no .double())")
+    undo = {torch.float16: ".half() / .to(torch.float16)"}.get(dtype, f".to(torch.{dtype_name})")
+    raise InputError(f"{what}, so the reference would compute in {dtype_name}, not float32; keep the model in "
+                     f"float32 (no {undo})")
 
 
 CLASSIFIER_RULES = ("ties", "tie_margin", "max_flips", "boundary")
@@ -1073,8 +1097,10 @@ def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device
 
 def _outputs_mismatch(name: str, ref: Scores, amp: Scores, rows: int | None = None) -> str | None:
     """Why AMP outputs cannot be compared with FP32's element by element (other names, or
-    another shape), or None. ``rows``: compare with FP32's widths only, on another set of
-    examples (the evaluation set's, where the reference keeps only the first output's scores).
+    another shape, as the model returned it: a ``(2, 3)`` output that AMP returns ``(3, 2)``
+    flattens to as many scores, compared in the wrong layout), or None. ``rows``: compare with
+    FP32's shape per example only, on another set of examples (the evaluation set's, where the
+    reference keeps only the first output's scores).
 
     Example::
 
@@ -1085,21 +1111,25 @@ def _outputs_mismatch(name: str, ref: Scores, amp: Scores, rows: int | None = No
         "the model's outputs under bf16 (logits) are not those of FP32 (logits, aux)"
         >>> _outputs_mismatch("bf16", ref, Scores({"logits": torch.zeros(9, 3), "aux": torch.zeros(9, 3)}), 9) is None
         True
+        >>> fp32 = Scores({"output": torch.zeros(4, 6)}, shapes={"output": (3, 2)})
+        >>> _outputs_mismatch("bf16", fp32, Scores({"output": torch.zeros(4, 6)}, shapes={"output": (2, 3)}))
+        "the model's output has shape (4, 2, 3) under bf16, (4, 3, 2) in FP32"
     """
     if amp.names != ref.names:
         return f"the model's outputs under {name} ({', '.join(amp.names)}) are not those of FP32 ({', '.join(ref.names)})"
     for out in ref.names:
-        want = ref.outputs[out].shape if rows is None else (rows, *ref.outputs[out].shape[1:])
-        if amp.outputs[out].shape != want:
+        got = (len(amp.outputs[out]), *amp.shapes.get(out, amp.outputs[out].shape[1:]))
+        want = (len(ref.outputs[out]) if rows is None else rows, *ref.shapes.get(out, ref.outputs[out].shape[1:]))
+        if got != want:
             what = "the model's output" if out == SINGLE_OUTPUT else f"output {out}"
-            return f"{what} has shape {tuple(amp.outputs[out].shape)} under {name}, {tuple(want)} in FP32"
+            return f"{what} has shape {got} under {name}, {want} in FP32"
     return None
 
 
 def _outputs_differ(name: str, ref: Scores, why: str, dtypes: dict[str, str]) -> PrecisionResult:
     """The result of a precision whose outputs are not FP32's (``why``): the rule "outputs as
     FP32's" fails, and nothing else can be compared."""
-    shapes = ", ".join(f"{out} {tuple(t.shape)}" for out, t in ref.outputs.items())
+    shapes = ", ".join(f"{out} {(len(t), *ref.shapes.get(out, t.shape[1:]))}" for out, t in ref.outputs.items())
     return PrecisionResult(name, rules=[Rule("outputs as FP32's (names, shapes)", shapes, why, False)],
                            stats={"output_dtypes": dtypes})
 
@@ -1193,7 +1223,13 @@ def classify_probe(fp32_decision: int, amp_decision: int, fp32_margin: float, am
     however small AMP's gap: the reference's decision was clear, and AMP's is another (an AMP
     gap near zero made a confident change read as a tie, which ``ties: accept`` then passed).
     :func:`_decisions` passes an exact AMP tie that includes FP32's class as AMP keeping it:
-    which of equal scores ``argmax`` names is only the lower class index.
+    which of equal scores ``argmax`` names is only the lower class index. So it is a tie however
+    clearly FP32 decides (AMP's gap of 0 is within any ``tie_margin``: AMP barely decides, and it
+    does not clearly change the decision), in whichever order the classes come; calling it a flip
+    in the order where ``argmax`` names another class only would make the verdict hang on a class
+    index. It is not hidden: ``ties: count_as_flip`` (the default) counts it, ``reject`` refuses
+    it, and the report lists it with AMP's ``argmax`` and its gap. An exact AMP tie that FP32's
+    class is not in is a changed decision: a flip.
 
     Example (the lesson's scores, 1.0000 and 1.0003: a tie under a tie margin of 0.001, whichever
     class AMP picks; with a margin of 0.0001 FP32 decides, so AMP keeping its class by 0.0 is a
@@ -1693,7 +1729,8 @@ declare the rules before reading the results; do not widen a tolerance to make a
 
 def verdict_key(config: Config, v: Validation) -> dict[str, Any]:
     """What a verdict is about and under which rules: the task (its factory, or its name: two
-    models whose weights happen to hash the same are not one), the weights (the checkpoint's
+    models whose weights happen to hash the same are not one) and its ``task.options`` (one
+    factory builds another model from other options, on the same initial weights), the weights (the checkpoint's
     SHA-256; with none, the built model's weights', :func:`weights_sha256`), the probe set's
     SHA-256, and every ``validation`` setting but the checkpoint's path (dotted keys; the
     precisions in any order), with the ``fp8`` section's when fp8 is judged.
@@ -1702,8 +1739,8 @@ def verdict_key(config: Config, v: Validation) -> dict[str, Any]:
 
         >>> from ampguard.config import validate
         >>> key = verdict_key(validate({"task": {"name": "linear"}}), Validation("linear", "regression", [], [], []))
-        >>> sorted(key), key["task"], key["rules"]["validation.ties"], key["weights"][:14]
-        (['probe_set', 'rules', 'task', 'weights'], 'linear', 'count_as_flip', 'weights sha256')
+        >>> sorted(key), key["task"], key["task_options"], key["rules"]["validation.ties"], key["weights"][:14]
+        (['probe_set', 'rules', 'task', 'task_options', 'weights'], 'linear', {}, 'count_as_flip', 'weights sha256')
     """
     checkpoint = v.environment.get("checkpoint") or {}
     weights = f"sha256 {checkpoint['sha256']}" if checkpoint.get("sha256") else \
@@ -1714,8 +1751,8 @@ def verdict_key(config: Config, v: Validation) -> dict[str, Any]:
     if "fp8" in config.validation.precisions:  # (which layers run in float8 decides the fp8 verdict)
         rules.update(flat_keys(config.fp8.model_dump(mode="json"), "fp8"))
     task = reproducible_config(config)["task"]
-    return {"task": task.get("factory") or task.get("name"), "weights": weights,
-            "probe_set": v.environment.get("probe_set_sha256"), "rules": rules}
+    return {"task": task.get("factory") or task.get("name"), "task_options": task.get("options") or {},
+            "weights": weights, "probe_set": v.environment.get("probe_set_sha256"), "rules": rules}
 
 
 def weights_sha256(model: nn.Module) -> str:
@@ -1783,8 +1820,10 @@ def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, 
             except ValueError:
                 continue
             if not (isinstance(entry, dict) and entry.get("accepted") is False and isinstance(entry.get("rules"), dict)
-                    and entry.get("weights") == key["weights"] and entry.get("task", key.get("task")) == key.get("task")):
-                continue  # (an entry that names no task, written before it was keyed, is matched on its weights)
+                    and entry.get("weights") == key["weights"]
+                    and all(entry.get(k, key.get(k)) == key.get(k) for k in ("task", "task_options"))):
+                continue  # (an entry that names no task or no options, written before they were keyed, is matched
+                # on what it names)
             then, now = entry["rules"], key["rules"]
             changed = [f"probe set: {str(entry.get('probe_set'))[:12]} -> {str(key['probe_set'])[:12]}"] \
                 if entry.get("probe_set") != key["probe_set"] else []
@@ -1793,11 +1832,29 @@ def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, 
                     continue
                 # (null is unset too: an output's rel_tol left to the default records null)
                 old, new = (UNSET if side.get(k) is None else json.dumps(side[k]) for side in (then, now))
-                if old != new:
+                if old != new and _effective(then, k) != _effective(now, k):
                     changed.append(f"{k}: {old} -> {new}".replace('"', ""))
             if changed:
                 found.append({k: entry.get(k) for k in ("time", "report", "verdict")} | {"changed": changed})
     return found
+
+
+def _effective(rules: Mapping[str, Any], k: str) -> Any:
+    """The value rule ``k`` had in ``rules`` (a :func:`verdict_key`'s): an output's own tolerance
+    left unset (absent, or null) is the global one (:func:`tolerance`), so declaring it equal to
+    the global one changes nothing applied.
+
+    Example::
+
+        >>> rules = {"validation.abs_tol": 0.05}
+        >>> _effective(rules, "validation.outputs.output.abs_tol"), _effective(rules, "validation.rel_tol")
+        (0.05, None)
+    """
+    value = rules.get(k)
+    head, _, part = k.rpartition(".")
+    if value is None and head.startswith("validation.outputs.") and part in ("abs_tol", "rel_tol"):
+        return rules.get(f"validation.{part}")
+    return value
 
 
 def rejections_text(earlier: list[dict[str, Any]]) -> str:

@@ -17,8 +17,8 @@ from torch.nn import functional as F
 from ampguard.config import validate as make_config
 from ampguard.errors import ExitCode, InputError
 from ampguard.tasks.base import Task, cycle
-from ampguard.validate import (HISTORY, PrecisionResult, _decisions, check_rules, classify_probe, compare,
-                               compare_training, earlier_rejections, run, training_rule)
+from ampguard.validate import (HISTORY, PrecisionResult, _decisions, check_fp32_weights, check_rules, classify_probe,
+                               compare, compare_training, earlier_rejections, run, training_rule, verdict_key)
 
 CPU = torch.device("cpu")
 
@@ -58,11 +58,9 @@ def test_half_precision_weights_are_refused_not_taken_for_an_fp32_reference():
     task.model.to(torch.bfloat16)
     with pytest.raises(InputError) as err:
         compare(task, task.model, config_of(abs_tol=0, rel_tol=0, min_accuracy=0.5), CPU)
-    assert str(err.value) == (
-        "validate: the FP32 reference needs float32 weights: parameter 'weight' is bfloat16, but bf16 mixed "
-        "precision keeps FP32 master weights: autocast computes in bf16 while the optimizer updates float32 "
-        "weights, so small updates are not lost to rounding; keep the model in float32 (no .half() / "
-        ".to(torch.bfloat16))")
+    assert str(err.value) == (  # (review_37g: validate's own words, not train's optimizer ones)
+        "validate: the FP32 reference needs float32 weights: parameter 'weight' is bfloat16, so the reference "
+        "would compute in bfloat16, not float32; keep the model in float32 (no .to(torch.bfloat16))")
 
 
 def test_the_verb_refuses_half_weights_in_one_line_and_writes_nothing(tmp_path):
@@ -307,3 +305,139 @@ def test_a_decision_rule_declared_for_a_regression_task_is_refused(rule):
     # (environment.config writes every key, the classifier ones at their defaults: it still runs)
     dumped = make_config({"validation": {"max_mse": 1}}).validation.model_dump(mode="json")
     check_rules(task, make_config({"validation": dumped}).validation)
+
+
+# ---------------------------------------------------------------------------- review_37g
+
+
+def test_a_float64_model_is_refused_not_accepted_where_bf16_never_ran(tmp_path):
+    # autocast lowers float32 work only: a float64 model's bf16 pass was its FP32 pass again, bit for
+    # bit (output dtypes float64 in both), ACCEPTED at zero tolerance
+    x = torch.tensor([[3.0, 0.0], [0.0, 3.0]], dtype=torch.float64)
+    task = toy_task(x, torch.tensor([0, 1]))
+    task.model.double()
+    with pytest.raises(InputError) as err:
+        compare(task, task.model, config_of(abs_tol=0, rel_tol=0, min_accuracy=0.5), CPU)
+    assert str(err.value) == (
+        "validate: the FP32 reference needs float32 weights: parameter 'weight' is float64, where autocast "
+        "computes nothing in bf16 (it lowers float32 work only): bf16 would run as the reference does, in float64; "
+        "keep the model in float32 (no .double())")
+    factory = write_factory(tmp_path, (
+        "def build(config):\n"
+        "    model = nn.Linear(2, 2).double()\n"
+        "    x = torch.tensor([[3.0, 0.0], [0.0, 3.0]], dtype=torch.float64)\n"
+        "    return {'model': model, 'data': [(x, torch.tensor([0, 1]))], 'loss_fn': F.cross_entropy,\n"
+        "            'held_out': (x, torch.tensor([0, 1]))}\n"))
+    config = make_config({"task": {"factory": factory}, "device": "cpu",
+                          "validation": {"precisions": ["bf16"], "min_accuracy": 0, "abs_tol": 0, "rel_tol": 0}})
+    with pytest.raises(InputError, match=r"^validate: the FP32 reference needs float32 weights: parameter "):
+        run(config, out=tmp_path / "report")  # (the verb: one line, exit 2, nothing written)
+    assert not (tmp_path / "report").exists() and not (tmp_path / HISTORY).exists()
+
+
+class FrozenProjection(nn.Module):
+    """A projection held in a buffer (a frozen backbone's weights), a BatchNorm's int64 count and a
+    bool mask beside it."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(2)
+        self.register_buffer("mask", torch.tensor([True, False]))
+        self.register_buffer("proj", torch.eye(2, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        return (x.to(self.proj.dtype) @ self.proj).float() + self.bias
+
+
+def test_weights_below_float32_in_a_buffer_are_refused_as_parameters_are():
+    # the bf16 buffer passed: the "FP32 reference" computed its projection in bf16
+    check_fp32_weights(FrozenProjection(torch.float32), ["bf16"])  # (int64 and bool buffers: fine)
+    with pytest.raises(InputError) as err:
+        check_fp32_weights(FrozenProjection(torch.bfloat16), ["bf16"])
+    assert str(err.value) == (
+        "validate: the FP32 reference needs float32 weights: buffer 'proj' is bfloat16, so the reference would "
+        "compute in bfloat16, not float32; keep the model in float32 (no .to(torch.bfloat16))")
+
+
+def test_a_frozen_half_embedding_is_refused_in_validates_words():
+    # train's words: "the optimizer updates float32 weights" (nothing trains here) and, under the default
+    # precisions, ".half()" about a bfloat16 parameter
+    model = nn.Sequential(nn.Embedding(5, 2).to(torch.bfloat16), nn.Linear(2, 2))
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(InputError) as err:
+        check_fp32_weights(model, ["fp16", "bf16"])
+    assert str(err.value) == (
+        "validate: the FP32 reference needs float32 weights: parameter '0.weight' is bfloat16, so the reference "
+        "would compute in bfloat16, not float32; keep the model in float32 (no .to(torch.bfloat16))")
+    with pytest.raises(InputError, match=r"parameter '0\.weight' is float16, .*\(no \.half\(\) / \.to\(torch\.float16\)\)$"):
+        check_fp32_weights(model.to(torch.float16), ["bf16"])
+
+
+def decide(ref, amp, tie_margin):
+    cfg = make_config({"validation": {"tie_margin": tie_margin, "ties": "accept", "max_flips": 0}}).validation
+    result = PrecisionResult("bf16", records=[{"probe": "held_out:0", "tags": ["typical"]}])
+    _decisions(result, cfg, torch.tensor([ref]), torch.tensor([amp]))
+    return [row["probe"] for row in result.flips], [row["probe"] for row in result.ties]
+
+
+def test_an_exact_amp_tie_on_a_clear_fp32_decision_is_a_tie_in_either_class_order_a_flip_without_fp32s_class():
+    # review_37g, decided: FP32 decides class 1 by 1.0 (> tie_margin 0.5), bf16 rounds 257 to 256: an exact tie
+    # that holds FP32's class is AMP barely deciding (a tie), in whichever order the classes come, as
+    # test_an_exact_amp_tie_is_a_tie_whichever_class_index_fp32_chose has it; one FP32's class is not in is a flip
+    assert decide([256.0, 257.0], [256.0, 256.0], 0.5) == ([], ["held_out:0"])
+    assert decide([257.0, 256.0], [256.0, 256.0], 0.5) == ([], ["held_out:0"])
+    assert decide([0.0, 0.0, 3.0], [2.0, 2.0, 1.0], 0.5) == (["held_out:0"], [])
+
+
+def test_another_models_rejection_under_other_task_options_is_not_said(tmp_path):
+    # one factory, two models chosen by task.options, the same initial weights: the second run's note named
+    # the first model's rejection as an earlier verdict "on these weights"
+    from ampguard.validate import Validation
+
+    def key(options):
+        config = make_config({"task": {"factory": "m.py:build", "options": options}})
+        return verdict_key(config, Validation("t", "classifier", [], [], [], environment={"weights_sha256": "w"}))
+
+    dict_key, cols_key = key({"kind": "dict"}), key({"kind": "cols"})
+    assert dict_key["task_options"] == {"kind": "dict"}
+    path = history_with(tmp_path / HISTORY, **dict_key)
+    assert earlier_rejections(path, {**cols_key, "rules": {**cols_key["rules"], "validation.ties": "accept"}}) == []
+    assert len(earlier_rejections(path, {**dict_key, "rules": {**dict_key["rules"], "validation.ties": "accept"}})) == 1
+    # a line written before options were keyed is matched on what it names
+    old = {k: v for k, v in dict_key.items() if k != "task_options"}
+    path = history_with(tmp_path / HISTORY, **old)
+    assert len(earlier_rejections(path, {**cols_key, "rules": {**cols_key["rules"], "validation.ties": "accept"}})) == 1
+
+
+def test_a_per_output_tolerance_declared_equal_to_the_global_one_is_no_change(tmp_path):
+    # "validation.outputs.output.abs_tol: (not set) -> 0.05" was said where 0.05 was the global abs_tol:
+    # the tolerance applied was the same
+    rules = {"validation.abs_tol": 0.05, "validation.rel_tol": 0.0}
+    path = history_with(tmp_path / HISTORY, weights="w", probe_set="p", rules=rules)
+    same = {**rules, "validation.outputs.output.abs_tol": 0.05, "validation.outputs.output.rel_tol": None}
+    assert earlier_rejections(path, {"weights": "w", "probe_set": "p", "rules": same}) == []
+    wider = {**same, "validation.outputs.output.rel_tol": 0.5}
+    [earlier] = earlier_rejections(path, {"weights": "w", "probe_set": "p", "rules": wider})
+    assert earlier["changed"] == ["validation.outputs.output.rel_tol: (not set) -> 0.5"]
+    # the global one widened since, the output's left equal to the old one: that output's is no change
+    moved = {"validation.abs_tol": 1.0, "validation.rel_tol": 0.0, "validation.outputs.output.abs_tol": 0.05}
+    [earlier] = earlier_rejections(path, {"weights": "w", "probe_set": "p", "rules": moved})
+    assert earlier["changed"] == ["validation.abs_tol: 0.05 -> 1.0"]
+
+
+def test_an_output_transposed_only_under_amp_fails_the_outputs_rule():
+    # (N, 3, 2) in FP32, (N, 2, 3) under bf16: as many scores, flattened alike, compared in the wrong layout
+    x = torch.tensor([[3.0, 0.0, 1.0, 2.0, 0.5, 1.5], [0.0, 3.0, 1.0, 2.0, 0.5, 1.5]])
+
+    def predict(model, inputs):
+        out = model(inputs).reshape(-1, 3, 2)
+        return out.transpose(1, 2) if torch.is_autocast_enabled("cpu") else out
+
+    task = toy_task(x, torch.tensor([0, 1]), predict=predict)
+    result = compare(task, task.model, config_of(boundary=0, edge_cases=False, min_accuracy=0, abs_tol=10), CPU)
+    [rule] = result.results[0].rules
+    assert (rule.criterion, rule.reference, rule.amp, rule.ok) == (
+        "outputs as FP32's (names, shapes)", "output (2, 3, 2)",
+        "the model's output has shape (2, 2, 3) under bf16, (2, 3, 2) in FP32", False)
+    assert not result.ok
