@@ -468,6 +468,12 @@ def threshold_line(ax: Any, steps: Sequence[int], values: Sequence[Any], label: 
             label=f"{label} = {threshold_text(steps, values)}", **style)
 
 
+CARD_ENDED_ROW = "ended"
+"""The row of a Hugging Face Trainer's run card (``integrations.transformers.run_card``) that says
+how its run ended, ``finished: 10 steps (exit 0)``: that card has no bold line (``report`` called
+it "no run card ampguard wrote ... ended: unknown")."""
+
+
 def read_card(card: Path, *, errors: str = "strict") -> tuple[str, dict[str, str]]:
     """A run card in one read: why the run ended (its bold line, ``**finished: 20 steps**``;
     ``"unknown"`` without one) and its table rows (``| key | value |``, set-up and outcome) by
@@ -499,6 +505,24 @@ def card_ended(card: Path, *, errors: str = "strict") -> str:
     return read_card(card, errors=errors)[0]
 
 
+def trainer_card_ended(card: Path, *, errors: str = "strict") -> str:
+    """Why the run ended, as :func:`card_ended` reads it, or, on a card without the bold line, as
+    its ``ended`` row says (a Hugging Face Trainer's card: ``finished: 10 steps (exit 0)``).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     card = Path(d) / "RUN.md"
+        ...     _ = card.write_text("# ampguard run card (Hugging Face Trainer)\\n\\n| | |\\n|---|---|\\n"
+        ...                         "| ended | finished: 10 steps (exit 0) |\\n")
+        ...     card_ended(card), trainer_card_ended(card)
+        ('unknown', 'finished: 10 steps (exit 0)')
+    """
+    ended, table = read_card(card, errors=errors)
+    return table.get(CARD_ENDED_ROW, ended) if ended == "unknown" else ended
+
+
 def finished(card: Path) -> bool:
     """Whether a run card says its run trained to the end (``**finished: N steps**``), or, where
     the card cannot say (none, a folder, not text), the last ``run_end`` event beside it does:
@@ -521,8 +545,8 @@ def finished(card: Path) -> bool:
         ...     missing, done, stopped, finished(card)
         (False, True, False, True)
     """
-    try:
-        ended = card_ended(card, errors="replace")
+    try:  # (a Trainer's card says it in its `ended` row: it read as no card, and the event log decided)
+        ended = trainer_card_ended(card, errors="replace")
     except OSError:
         ended = "unknown"
     if ended != "unknown":
@@ -1194,6 +1218,33 @@ def _start_scale(rows: list[Row], backoff: float) -> float:
     return 1.0
 
 
+def unobserved_of(folder: Path) -> int:
+    """The steps ``1..N`` a run's monitor did not observe, as its ``summary.json`` says
+    (``unobserved``: a Trainer run resumed from a checkpoint without ampguard's state, which
+    observed from step N + 1, :meth:`~ampguard.monitor.RunMonitor.begin_at`); 0 without one (no
+    file, not JSON, no such count, a run observed from step 1). ``report`` replays only the rows
+    after it, so its counts, rates and alerts are the run card's (it replayed them all: 2
+    all-skipped steps after step 6 were 2/10 and no alert, where the run alerted on 2/4).
+
+    Example::
+
+        >>> import json, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> none = unobserved_of(folder)
+        >>> _ = (folder / "summary.json").write_text(json.dumps({"steps": 10, "unobserved": 6}))
+        >>> none, unobserved_of(folder)
+        (0, 6)
+    """
+    import json
+
+    try:
+        summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # (none, or not JSON: the rows alone are the figures)
+        return 0
+    steps = summary.get("unobserved") if isinstance(summary, dict) else None
+    return steps if whole_number(steps) else 0
+
+
 def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
     """Run card and plot (``log.plot``); a plotting failure is reported, never allowed to lose the run card.
 
@@ -1323,11 +1374,17 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if not rows:  # (a kill in the first row's write leaves it torn: say so, not only "no steps")
         cut = f" (its one row is torn, a write cut short: {torn[0][:40]!r})" if torn else ""
         raise InputError(f"{csv_path}: no steps recorded{cut}, nothing to report")
+    # a Trainer run resumed without ampguard's state observed from step N + 1 (summary.json's `unobserved`):
+    # the replay begins there too, so the figures are its card's (the rows of steps 1..N a stock Trainer's
+    # callback wrote in the train() before are drawn, not counted)
+    unseen = unobserved_of(csv_path.parent)
+    judged_rows = [r for r in rows if r.step > unseen] if unseen else rows
     # whether a loss scaler ran: the run's config says (a scale held at its floor 1 moves nothing); with
     # no config, what the CSV shows: a loss scale that moved, and where it started
     scaler_on = (Precision(config.precision, "cpu").uses_scaler and config.scaler.enabled is not False
                  if config_path.is_file() else any(r.scaler_scale not in (None, 1.0) for r in rows))
-    init_scale = config.scaler.init_scale if config_path.is_file() else _start_scale(rows, config.scaler.backoff_factor)
+    init_scale = config.scaler.init_scale if config_path.is_file() else \
+        _start_scale(judged_rows or rows, config.scaler.backoff_factor)
     judged = _replay_config(config, given, init_scale)
     # (an alert rate given sets the run's clear-level changes aside too: the level given holds, clamped to it)
     set_aside = set(given) | ({"clear_rate"} if "alert_rate" in given else set())
@@ -1336,7 +1393,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     monitor = build_monitor(judged, scaler_enabled=scaler_on)
     if "window" in given:  # --window re-judges the skip-rate alerts; the scale's health stays the run's verdict
         monitor.health = ScaleHealth(config.monitor.window, monitor.min_scale, init_scale if scaler_on else None)
-    monitor = replay(rows, monitor, policy=policy,
+    if unseen:
+        monitor.begin_at(unseen)
+    monitor = replay(judged_rows, monitor, policy=policy,
                      rollbacks=rollbacks_of(csv_path.parent) if config_path.is_file() else (),
                      finished=finished(folder.card))
     # a run folder's plot keeps the title the run gave it (write_report)
@@ -1352,6 +1411,12 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     run_dir = csv_path.parent if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
     for note in reading_notes(csv_path, rows, torn, run_dir, extra, config if run_dir else None, policy):
         print(f"note: {note}")
+    if unseen:
+        aside = len(rows) - len(judged_rows)
+        print(f"note: {csv_path.parent / 'summary.json'} says steps 1 to {unseen} were not observed (resumed from a "
+              f"checkpoint without ampguard's state): the figures cover "
+              + (f"steps {unseen + 1} to {monitor.steps}" if judged_rows else "no step") + ", as the run's card"
+              + (f"; the CSV's {counted(aside, 'row')} of those steps are drawn, not counted" if aside else ""))
     # the alerts judged under thresholds given here are not the run's: said so
     rejudged = [f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value}"
                 for flag, value in (("alert-rate", alert_rate), ("window", window), ("min-steps", min_steps))
@@ -1359,13 +1424,14 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     episodes = f"{monitor.alert_episodes}" + (f" (re-judged at {', '.join(rejudged)})" if rejudged else "")
     print(f"summary: {monitor.summary()}")
     print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {mon.window}), "
-          f"alert episodes {episodes}, clip rate {run_clip_rate(rows, monitor if config_path.is_file() else None)}, "
+          f"alert episodes {episodes}, clip rate "
+          f"{run_clip_rate(judged_rows, monitor if config_path.is_file() else None)}, "
           f"scale {monitor.scale_verdict}")
     if config_path.is_file() and headroom_watched(config, csv_path):
         print(f"headroom alerts {headroom_alerts_text(csv_path.parent, config.monitor.headroom.alert_bits)}")
     if folder.card.is_file():  # why it ended, as train said it (a guard's stop read like a finished run)
         with contextlib.suppress(OSError):
-            ended = card_ended(folder.card, errors="replace")
+            ended = trainer_card_ended(folder.card, errors="replace")  # (a Trainer's card: its `ended` row)
             if ended == "unknown":  # (compare refuses such a card: here a note, the figures are the CSV's)
                 print(f"note: {folder.card} is no run card ampguard wrote (no line saying how the run ended): "
                       "its end is not known here")

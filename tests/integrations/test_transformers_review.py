@@ -1,7 +1,9 @@
 """Review 37c of the Hugging Face Trainer integration, against the real transformers: a tiny GPT-2
 on the CPU. A stock fp16 checkpoint's ``scaler.pt`` under GuardedTrainer; a resume without
 ampguard's state judged over the steps the monitor saw; a stop flag set inside a group named as
-the cause; an ``out_dir`` that is a file refused when the callback is made."""
+the cause; an ``out_dir`` that is a file refused when the callback is made. Review 37h: ``ampguard
+report`` counts a resumed run's steps as its card does; a header-only ``steps.csv``, a resume that
+observed no step, a scale past float32 and an ``out_dir`` link or unsearchable parent said rightly."""
 
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ def test_a_resume_without_ampguard_state_is_judged_over_the_steps_the_monitor_sa
         3, "skip_rate", 8, 0, {"non_finite_grad": 2}, 6)
     assert "at every one of the 2 steps after step 6" in got["ended"]
     card = (tmp_path / "out" / "ampguard" / "RUN.md").read_text(encoding="utf-8")
-    assert "| steps / updates applied | 8 / 0 (steps 1 to 6 not observed: resumed from a checkpoint without " in card
+    assert "| steps / updates applied | 8 / 0 (steps 1 to 6 not counted: resumed from a checkpoint without " in card
     resumed = next(e for e in events(tmp_path) if e["event"] == "resume")
     assert resumed["message"].endswith("the monitor observes from step 7 (its counts and judgement leave steps 1 to 6 "
                                        f"out); there was no steps.csv in {tmp_path / 'out' / 'ampguard'} to go on: its "
@@ -140,6 +142,79 @@ def test_a_stock_trainer_resumed_with_the_callback_counts_the_steps_it_watched(t
     assert (got["steps"], got["updates"], got["skips"], got["unobserved"]) == (4, 2, {}, 2)
     assert got["summary"].startswith("steps=4 (1 to 2 not observed) updates=2 skips=0")
     assert [r["step"] for r in read_rows(tmp_path / "out" / "ampguard" / "steps.csv")] == ["1", "2", "3", "4"]
+    # review 37h d1 (r10): the card said "steps 1 to 2 not observed" of rows steps.csv shows, and
+    # `ampguard report` counted all four; now the card says they are not counted, and report, reading
+    # summary.json's `unobserved`, counts the same two steps (the monitor does not replay the rows:
+    # another process's monitor, without the CSV, would judge otherwise and stop alone under DDP)
+    card = (tmp_path / "out" / "ampguard" / "RUN.md").read_text(encoding="utf-8")
+    assert "| steps / updates applied | 4 / 2 (steps 1 to 2 not counted: resumed from a checkpoint without " in card
+    assert "the counts and rates here cover steps 3 to 4) |" in card
+    # (also noticed: the card's clip rate was 0 where a stock Trainer shows no pre-clip norm; report: n/a)
+    assert "| clip rate | n/a (a stock Trainer shows the callback no pre-clip norm) |" in card
+    out = reported(tmp_path)
+    assert f"summary: {got['summary']}\n" in out and "ended: finished: 4 steps (exit 0)\n" in out
+    assert "the CSV's 2 rows of those steps are drawn, not counted" in out
+
+
+def reported(tmp_path, *flags: str) -> str:
+    """What ``ampguard report out/ampguard --no-plot`` prints."""
+    import contextlib
+    import io
+
+    from ampguard.cli import main
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert main(["report", str(tmp_path / "out" / "ampguard"), "--no-plot", *flags]) == 0
+    return said.getvalue()
+
+
+def test_a_resume_without_ampguard_state_after_one_that_raised_at_once_is_judged_alike_by_report(tmp_path):
+    # review 37h: d3 (r13) the crashed resume's card said "the counts and rates here cover steps 7
+    # to 6", clip rate 0; d2 (r11) the next resume warned "steps.csv's rows end at step 0 ... an
+    # older or a copied steps.csv?" of the header the first left; d1 (r2) report replayed the rows
+    # with a plain monitor: 2 skips of 10 steps, no alert, where the run alerted on 2 of 4
+    checkpoint = stock_checkpoint(tmp_path, 6, 6)
+    model = tiny_gpt2()
+    raising = model.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(ValueError("bad batch")))
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="bad batch"):
+        warnings.simplefilter("ignore")
+        GuardedTrainer(model=model, args=arguments(tmp_path, "fp32", max_steps=10), train_dataset=token_ids(200),
+                       ampguard=AmpGuardCallback(print_fn=lambda line: None)).train(resume_from_checkpoint=checkpoint)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    card = (tmp_path / "out" / "ampguard" / "RUN.md").read_text(encoding="utf-8")
+    assert "state, the monitor observed from step 7, as `ampguard report` counts; no step after it was observed) |" \
+        in card
+    assert "| clip rate | n/a (no step observed) |" in card
+    raising.remove()
+    trainer = GuardedTrainer(model=model, args=arguments(tmp_path, "fp32", max_steps=10), train_dataset=token_ids(200),
+                             ampguard=AmpGuardCallback(alert_rate=0.2, min_steps=6, print_fn=lambda line: None))
+    model.transformer.wte.weight.register_hook(
+        lambda g: torch.full_like(g, float("inf")) if trainer.state.global_step in (6, 7) else g)  # steps 7, 8
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=checkpoint)
+    assert not [w for w in said if "rows end at step" in str(w.message)]
+    resumed = [e for e in events(tmp_path) if e["event"] == "resume"][-1]
+    assert resumed["message"].endswith(f"steps.csv in {tmp_path / 'out' / 'ampguard'} had no row to go on: its rows "
+                                       "begin at step 7")
+    got = summary(tmp_path)
+    assert (got["unobserved"], got["skips"], got["alert_episodes"], got["clip_rate"]) == (
+        6, {"non_finite_grad": 2}, 1, 0.5)
+    out = reported(tmp_path, "--alert-rate", "0.2", "--min-steps", "6")
+    assert f"summary: {got['summary']}\n" in out
+    assert "alert episodes 1 (re-judged at --alert-rate 0.2, --min-steps 6), clip rate 0.500," in out
+
+
+def test_a_stock_scaler_pt_scale_past_float32_is_refused_naming_the_file(tmp_path):
+    # review 37h d4 (r9): a scale of 1e39 escaped as a bare ValueError naming no file
+    checkpoint = stock_checkpoint(tmp_path, 2, 2)
+    state = torch.amp.GradScaler("cpu").state_dict()
+    torch.save({**state, "scale": 1e39}, f"{checkpoint}/scaler.pt")
+    with pytest.raises(InputError, match=r"checkpoint-2/scaler\.pt: not a loss scale to go on from: scale is 1e\+39"):
+        GuardedTrainer(model=tiny_gpt2(), args=arguments(tmp_path, "fp16", max_steps=4), train_dataset=token_ids(200),
+                       ampguard=AmpGuardCallback(print_fn=lambda line: None)).train(resume_from_checkpoint=checkpoint)
+    assert not (tmp_path / "out" / "ampguard" / "steps.csv").exists()
 
 
 class EndTheEpochMidGroup(TrainerCallback):
@@ -180,3 +255,32 @@ def test_an_out_dir_that_is_a_file_or_under_one_is_refused_when_the_callback_is_
         AmpGuardCallback(out)
     assert notes.read_text(encoding="utf-8") == "mine\n"
     AmpGuardCallback(tmp_path / "new" / "deeper")  # a folder train() makes, with its parents: fine
+
+
+def test_an_out_dir_that_is_a_broken_link_a_loop_or_not_searchable_is_refused_in_one_line(tmp_path):
+    # review 37h d5 (r7, r8): a dangling link and a loop were "a file, not a folder"; a parent this
+    # user may not search raised a raw PermissionError from AmpGuardCallback(...)
+    import errno
+    import os
+    from unittest import mock
+
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for out, said in ((tmp_path / "gone", f"is a symbolic link to {tmp_path / 'nowhere'}, which does not exist, "
+                                          "not a folder"),
+                      (tmp_path / "loop", "is a symbolic link that loops, not a folder"),
+                      (tmp_path / "loop" / "sub", f"lies under {tmp_path / 'loop'}, a symbolic link that loops, "
+                                                  "not a folder")):
+        with pytest.raises(ValueError, match=rf"^AmpGuardCallback\(out_dir=\.\.\.\): {re.escape(f'{out} {said}')}$"):
+            AmpGuardCallback(out)
+    locked, stat = tmp_path / "locked", os.stat
+
+    def refused(path, *args, **kwargs):  # (what a user who may not search `locked` meets; root passes modes)
+        if str(path).startswith(f"{locked}/"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return stat(path, *args, **kwargs)
+
+    with mock.patch("os.stat", refused), pytest.raises(
+            ValueError, match=rf"^AmpGuardCallback\(out_dir=\.\.\.\): {re.escape(str(locked / 'in'))} cannot be "
+                              r"looked at: Permission denied \("):
+        AmpGuardCallback(locked / "in")

@@ -97,22 +97,40 @@ def run_card(summary: dict[str, Any]) -> str:
         >>> print(card.splitlines()[5]); print(card.splitlines()[7])
         | steps / updates applied | 20 / 19 |
         | skipped steps | 1 (non_finite_grad 1) |
+
+    A resume without ampguard's state that raised before its first step (the monitor began
+    after step 6: ``unobserved``) observed no step, and says so::
+
+        >>> card = run_card({"ended": "crashed after step 6", "exit_code": 1, "steps": 6, "updates": 0,
+        ...                  "unobserved": 6, "clip_rate": 0.0, "guarded": True}).splitlines()
+        >>> card[5].split("; ")[-1], card[10]
+        ('no step after it was observed) |', '| clip rate | n/a (no step observed) |')
     """
     skips = summary.get("skips") or {}
     unseen = summary.get("unobserved") or 0  # (a resume without the monitor's state: RunMonitor.begin_at)
+    steps = summary.get("steps") or 0
     reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skips.items())) or "none"
     scale = summary.get("final_scale")
+    # steps 1..unseen are not counted, whether or not steps.csv holds their rows (a stock Trainer's resume in
+    # its own out_dir: the train() before wrote them): `ampguard report` leaves them out too (summary.json's
+    # `unobserved`). It said "not observed" of rows the CSV showed, and "cover steps 7 to 6" when none came
+    counted = (f"the counts and rates here cover steps {unseen + 1} to {steps}" if steps > unseen
+               else "no step after it was observed")
+    clip = summary.get("clip_rate")
     rows = [
         ("ended", f"{summary.get('ended')} (exit {summary.get('exit_code')})"),
         ("steps / updates applied", f"{summary.get('steps')} / {summary.get('updates')}" + (
-            f" (steps 1 to {unseen} not observed: resumed from a checkpoint without ampguard's state; the counts "
-            f"and rates here cover steps {unseen + 1} to {summary.get('steps')})" if unseen else "")),
+            f" (steps 1 to {unseen} not counted: resumed from a checkpoint without ampguard's state, the monitor "
+            f"observed from step {unseen + 1}, as `ampguard report` counts; {counted})" if unseen else "")),
         ("guarded", "yes: GuardedTrainer (the step skipped, the schedule held)" if summary.get("guarded")
          else "watched only: a stock Trainer with the callback"),
         ("skipped steps", f"{sum(skips.values())} ({reasons})"),
         ("max rolling skip rate", f"{summary.get('max_skip_rate', 0):.4g}"),
         ("skip-rate alert episodes", str(summary.get("alert_episodes"))),
-        ("clip rate", "n/a" if summary.get("clip_rate") is None else f"{summary['clip_rate']:.3g}"),
+        # (a stock Trainer shows a callback no pre-clip norm: its 0 was no measure; `ampguard report` said n/a)
+        ("clip rate", "n/a (no step observed)" if unseen and steps <= unseen
+         else "n/a (a stock Trainer shows the callback no pre-clip norm)" if summary.get("guarded") is False
+         else "n/a" if clip is None else f"{clip:.3g}"),
         ("loss scale", "n/a" if scale is None else f"{scale:g} at the end ({summary.get('scale') or 'no scaler'})"),
         *((("float32 under autocast", summary["float32_under_autocast"]),) if "float32_under_autocast" in summary
           else ()),
@@ -144,7 +162,8 @@ class AmpGuardCallback(TrainerCallback):
     monitor's counts, ``ended``, ``exit_code``: 0, or 3 when a guard stopped the run; under
     :class:`GuardedTrainer` also 130 for a Ctrl-C and 1 for an error that ended ``train()``,
     what the process then exits with; ``unobserved``: the steps before a resume from a
-    checkpoint without ampguard's state, left out of the counts). An existing ``steps.csv`` is
+    checkpoint without ampguard's state, left out of the counts, as ``ampguard report`` leaves
+    them out). An existing ``steps.csv`` is
     refused, never overwritten, except by a resume (``train(resume_from_checkpoint=...)``),
     which appends after the checkpoint's step.
 
@@ -453,16 +472,19 @@ class AmpGuardCallback(TrainerCallback):
             else:
                 note = "" if saved is not None else (
                     f"; {source} holds no ampguard state ({STATE_NAME}): {scale_note}{unseen}")
-            last = (self._csv._last or 0) if self._csv is not None else step
-            if self._csv is not None and not had_csv and step:
-                # (no steps.csv to go on: expected of a stock checkpoint; one with ampguard's state wrote its rows
-                # somewhere else. It said "rows end at step 0 ... an older or a copied steps.csv?", of none)
-                begins = f"there was no {CSV_NAME} in {self.out_dir} to go on: its rows begin at step {step + 1}"
+            last = self._csv._last if self._csv is not None else step
+            if self._csv is not None and (not had_csv or last is None) and step:
+                # (no steps.csv to go on, or one with no row: a header a resume that raised before its first row
+                # left, or an auto_find_batch_size retry's after a stock checkpoint's resume. Expected of a stock
+                # checkpoint; one with ampguard's state wrote its rows somewhere else. It said "rows end at step
+                # 0 ... an older or a copied steps.csv?", of none)
+                begins = (f"there was no {CSV_NAME} in {self.out_dir} to go on" if not had_csv else
+                          f"{CSV_NAME} in {self.out_dir} had no row to go on") + f": its rows begin at step {step + 1}"
                 note += f"; {begins}"
                 if saved is not None:
                     warnings.warn(f"AmpGuardCallback: {begins} (steps 1 to {step} were written in another "
                                   "out_dir?)", AmpguardWarning, stacklevel=2)
-            elif last < step:  # (an older or copied steps.csv: the rows after it would follow a gap, unsaid)
+            elif last is not None and last < step:  # (an older or copied steps.csv: its rows would end in a gap, unsaid)
                 gap = (f"{CSV_NAME}'s rows end at step {last}, before the checkpoint's {step}: steps {last + 1} to "
                        f"{step} have no row (an older or a copied {CSV_NAME}?)")
                 note += f"; {gap}"
@@ -885,15 +907,43 @@ def _check_out_dir(folder: Path) -> None:
         ...         print(str(err).replace(str(root), "DIR"))
         AmpGuardCallback(out_dir=...): DIR/notes.txt is a file, not a folder
         AmpGuardCallback(out_dir=...): DIR/notes.txt/guard lies under DIR/notes.txt, a file, not a folder
+        >>> (root / "gone").symlink_to(root / "nowhere"); (root / "loop").symlink_to(root / "loop")
+        >>> for out in (root / "gone", root / "loop" / "guard"):
+        ...     try:
+        ...         _check_out_dir(out)
+        ...     except ValueError as err:
+        ...         print(str(err).replace(str(root), "DIR"))
+        AmpGuardCallback(out_dir=...): DIR/gone is a symbolic link to DIR/nowhere, which does not exist, not a folder
+        AmpGuardCallback(out_dir=...): DIR/loop/guard lies under DIR/loop, a symbolic link that loops, not a folder
     """
     where = "AmpGuardCallback(out_dir=...)"
-    if folder.is_dir():
-        return
-    if folder.exists() or folder.is_symlink():  # (a file, or a link to nothing: mkdir cannot make it a folder)
-        raise ValueError(f"{where}: {folder} is a file, not a folder")
-    existing = next((p for p in folder.absolute().parents if p.exists() or p.is_symlink()), None)
-    if existing is not None and not existing.is_dir():
-        raise ValueError(f"{where}: {folder} lies under {existing}, a file, not a folder")
+    try:
+        if folder.is_dir():
+            return
+        if folder.exists() or folder.is_symlink():  # (a file, or a link to nothing: mkdir cannot make it a folder)
+            raise ValueError(f"{where}: {folder} is {_not_a_folder(folder)}")
+        existing = next((p for p in folder.absolute().parents if p.exists() or p.is_symlink()), None)
+        if existing is not None and not existing.is_dir():
+            raise ValueError(f"{where}: {folder} lies under {existing}, {_not_a_folder(existing)}")
+    except OSError as err:  # (a parent this user may not search: a raw PermissionError from the constructor)
+        raise ValueError(f"{where}: {folder} cannot be looked at: {err.strerror or err} "
+                         f"({err.filename or folder})") from None
+
+
+def _not_a_folder(path: Path) -> str:
+    """What ``path``, which exists or is a link and is not a folder, is (``_check_out_dir``'s
+    words: a dangling link or a loop was called "a file")."""
+    if not path.is_symlink():
+        return "a file, not a folder"
+    target = Path(os.readlink(path))
+    target = target if target.is_absolute() else path.parent / target
+    try:
+        path.resolve(strict=True)
+    except FileNotFoundError:
+        return f"a symbolic link to {target}, which does not exist, not a folder"
+    except (RuntimeError, OSError):  # (a loop: RuntimeError in Python < 3.13, OSError ELOOP after)
+        return "a symbolic link that loops, not a folder"
+    return f"a symbolic link to {target}, a file, not a folder"
 
 
 def _scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
@@ -1192,7 +1242,10 @@ class GuardedTrainer(Trainer):
             return None, (f"its {file.name}'s scale {taken:g} is no scale to go on from: the loss scale starts again "
                           f"at init_scale {scaler.get_scale():g}; ")
         own = scaler.state_dict()
-        scaler.load_state_dict({**own, "scale": taken})  # (raised to the floor there; the floor, factors kept)
+        try:  # (raised to the floor there; the floor, factors kept)
+            scaler.load_state_dict({**own, "scale": taken})
+        except ValueError as err:  # (a scale past float32's largest, 1e39: it escaped as a bare ValueError)
+            raise InputError(f"{file}: not a loss scale to go on from: {first_line(err)}") from None
         return scaler.get_scale(), (f"the loss scale goes on from its {file.name} (the stock Trainer's GradScaler's): "
                                     f"{scaler.get_scale():g}" + (f", raised from {taken:g} to the floor min_scale"
                                                                   if scaler.get_scale() != taken else "") + "; ")
