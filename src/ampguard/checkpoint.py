@@ -76,6 +76,24 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def torch_rng_state() -> dict[str, Any]:
+    """Torch's RNGs alone (CPU and CUDA), what dropout draws from: :func:`rng_state`'s cheap part
+    (~1 us; NumPy's and ``random``'s states cost ~50 us more), put back by :func:`set_rng_state`.
+
+    Example::
+
+        >>> saved = torch_rng_state()
+        >>> first = torch.rand(2)
+        >>> set_rng_state(saved)
+        >>> torch.equal(torch.rand(2), first), "random" in saved
+        (True, False)
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Put back the RNGs :func:`rng_state` saved (the CUDA ones only where CUDA is available).
 
@@ -91,7 +109,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         >>> shutil.rmtree(folder)
     """
     torch.set_rng_state(state["torch"])
-    random.setstate(_as_tuple(state["random"]))
+    if "random" in state:  # (torch_rng_state's holds torch's alone)
+        random.setstate(_as_tuple(state["random"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:

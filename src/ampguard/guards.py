@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from . import distributed
+from .checkpoint import torch_rng_state
 from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes, lrs_from_schedule
 from .config import Config
 from .errors import ConfigError, ExitCode, InputError, counted
@@ -307,10 +308,8 @@ class TriggerBatches:
 
     def capture(self, batch: tuple[Any, Any]) -> None:
         """Call before the step takes ``batch`` (a reference is kept; the scale is a device copy)."""
-        if not self.state.mid_group:  # (and the RNG state it starts from: the replay draws the step's dropout masks)
-            from .checkpoint import rng_state
-
-            self.group, self.scale, self.rng = [], self.state.scaler.scale_value(), rng_state()
+        if not self.state.mid_group:
+            self.group, self.scale = [], self.state.scaler.scale_value()
         self.group.append(batch)
 
     def closed(self, record: StepRecord) -> None:
@@ -597,7 +596,7 @@ class FirstSkipDiagnosis:
         self.injected = injected  # the faults this rank injects at a step: the replay injects them again
         self.group: list[tuple[Any, Any]] = []
         self.scale: Any = 1.0  # the loss scale the open group runs with
-        self.rng: Any = None  # the RNG state the open group began with
+        self.rng: list[Any] = []  # torch's RNG state as each micro-batch of the open group began
         self.found: str | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -628,8 +627,9 @@ class FirstSkipDiagnosis:
         self.found = found
 
     def capture(self, batch: tuple[Any, Any]) -> None:
-        """Call before the step takes ``batch``: keeps the group's batches and the loss scale they
-        run with (a device copy, no host read).
+        """Call before the step takes ``batch``: keeps the group's batches, the loss scale they
+        run with (a device copy, no host read) and torch's RNG state as each begins (a host copy
+        of the generators' states, ~1 us: the replay draws the step's dropout masks).
 
         Example (fp16 on two weights: a skipped step halves the scale, the next group keeps the new one)::
 
@@ -648,8 +648,9 @@ class FirstSkipDiagnosis:
             (1, 32768.0)
         """
         if not self.state.mid_group:
-            self.group, self.scale = [], self.state.scaler.scale_value()
+            self.group, self.scale, self.rng = [], self.state.scaler.scale_value(), []
         self.group.append(batch)
+        self.rng.append(torch_rng_state())  # (the replay draws the dropout masks the step draws for it)
 
     def after(self, record: StepRecord, fresh: bool = False) -> str | None:
         """The finding for the run's first skipped step (None before it, and for clean steps).

@@ -80,8 +80,9 @@ def _floats(value: Any) -> list[torch.Tensor]:
     """The floating (and complex) tensors of ``value``, detached; a sparse one by its values."""
     out = []
     for t in _tensors(value):
-        if t.is_floating_point() or t.is_complex():
-            t = t.detach()
+        if (t.is_floating_point() or t.is_complex()) and not t.is_nested and t.layout in (torch.strided,
+                                                                                          torch.sparse_coo):
+            t = t.detach()  # (a CSR or nested side output is left out: isfinite takes neither)
             out.append(t.coalesce().values() if t.is_sparse else t)
     return out
 
@@ -124,10 +125,41 @@ def _bad(value: Any) -> str | None:
 class _Seen:
     """Where one pass saw non-finite values, element by element: ``at`` by place (``input``, and
     for each module call in order, ``in:<name>#<n>`` its first input as it came in and
-    ``out:<name>#<n>`` its output), and the place of the pass's finding (``first``)."""
+    ``out:<name>#<n>`` its output), the places whose non-finite values were all ``-inf``
+    (``minus_inf``: what a mask looks like), and the place of the pass's finding (``first``).
+    With ``every`` False only the finding's place is kept (what :meth:`also_in` reads). Places
+    are kept on the host: a diagnosis holds no device memory for them (a NaN that flows through
+    a deep model is non-finite at every place).
+
+    Example::
+
+        >>> seen = _Seen()
+        >>> seen.note("out:mask#1", torch.tensor([-math.inf, 0.0]), torch.tensor([True, False]))
+        >>> seen.at["out:mask#1"].tolist(), seen.minus_inf
+        ([True, False], {'out:mask#1'})
+    """
 
     at: dict[str, torch.Tensor] = field(default_factory=dict)
     first: str | None = None
+    every: bool = True
+    minus_inf: set[str] = field(default_factory=set)
+
+    def note(self, place: str, value: Any, where: torch.Tensor | None, first: bool = False) -> None:
+        """Keep ``where`` (:func:`_bad_at`'s, of ``value``) for ``place``: every place, or the finding's."""
+        if where is None or not (self.every or first):
+            return
+        self.at[place] = where.cpu()
+        floats = _floats(value)
+        device = floats[0].device
+        if bool((torch.cat([t.reshape(-1).to(device) for t in floats])[where.to(device)] == -math.inf).all()):
+            self.minus_inf.add(place)
+        if first:
+            self.first = place
+
+    def masks(self) -> _Seen:
+        """The places whose non-finite values were all ``-inf`` alone: masks the model writes or
+        takes (a causal mask, logits of actions not allowed, an additive mask in the batch)."""
+        return _Seen({k: v for k, v in self.at.items() if k in self.minus_inf}, minus_inf=set(self.minus_inf))
 
     def also_in(self, other: _Seen) -> bool:
         """Whether every non-finite value at this pass's finding was non-finite at the same place
@@ -267,7 +299,12 @@ class Diagnosis:
         first = f"first {f.kind} under {f.precision}: {place}"
         if self.fp8_scales:
             first += f"; a float8 scale broke first: {self.fp8_scales[0]}"
-        if self.verdict == "precision-range":
+        if self.verdict == "precision-range" and f.op.endswith(SUMMED):  # (float32 gradients summed: no dtype of AMP's)
+            scaled = f" scaled by {self.loss_scale:g}" if self.loss_scale != 1.0 else ""
+            hint = (f"FP32 replay is finite: the micro-batches' gradients{scaled} sum past float32's range"
+                    + ("; the loss scaler answers it by halving the scale and skipping the step" if self._backs_off
+                       else ""))
+        elif self.verdict == "precision-range":
             if f.where != "backward":
                 hint = "FP32 replay is finite: a precision-range problem"
             elif self._backs_off:  # (what the dynamic scaler is for: no module to move to FP32)
@@ -419,18 +456,16 @@ def trace_first_non_finite(
     known_at = known.at if known is not None else {}
     found: list[Finding] = []
     kind, where = _bad_at(inputs, known_at.get("input"))
-    if where is not None:
-        seen.at["input"] = where
+    seen.note("input", inputs, where, first=kind is not None)
     if kind is not None:
         found.append(Finding("input", kind=kind, input_dtypes=_dtypes(inputs), precision=label))
-        seen.first = "input"
     names = {id(m): name for name, m in model.named_modules()}
     param_owner = {id(p): (name, type(model.get_submodule(name.rpartition(".")[0])).__name__)
                    for name, p in model.named_parameters()}
     # the modules in forward, outermost first: each with its place (name#call), its input dtypes, and
-    # its first input as it came in (its non-finite kind, its dtypes): judged at the entry, as an
-    # in-place op inside the module (a Dropout(inplace=True)) writes its output over that input
-    calls: list[tuple[nn.Module, str, list[str], str | None, list[str]]] = []
+    # its first input as it came in (its non-finite kind and where, its dtypes): judged at the entry,
+    # as an in-place op inside the module (a Dropout(inplace=True)) writes its output over that input
+    calls: list[tuple[nn.Module, str, list[str], str | None, list[str], Any, torch.Tensor | None]] = []
     counts: dict[int, int] = {}
 
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -438,30 +473,29 @@ def trace_first_non_finite(
         key = f"{names.get(id(module), '?')}#{n}"
         first = next(iter(_tensors(args) or _tensors(kwargs)), None)  # (self.b(input=t): a keyword's)
         born, where = (None, None) if first is None else _bad_at(first, known_at.get(f"in:{key}"))
-        if where is not None:
-            seen.at[f"in:{key}"] = where
-        calls.append((module, key, _dtypes(args) or _dtypes(kwargs), born, _dtypes(first)))
+        seen.note(f"in:{key}", first, where)
+        calls.append((module, key, _dtypes(args) or _dtypes(kwargs), born, _dtypes(first), first, where))
 
     def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         # (called after a forward that raised too, output None: a caller that caught it goes on; and
         # without its pre-hook when a hook of the user's before it raised: then nothing of its own)
         if not calls or calls[-1][0] is not module:
             return
-        _, key, dtypes, born, first_dtypes = calls.pop()
+        _, key, dtypes, born, first_dtypes, first, first_where = calls.pop()
         kind, where = _bad_at(output, known_at.get(f"out:{key}"))
-        if where is not None:
-            seen.at[f"out:{key}"] = where
         if kind is None or found:
+            seen.note(f"out:{key}", output, where)
             return
         if born is None:
             found.append(Finding("forward", names.get(id(module), "?"), type(module).__name__, kind, dtypes,
                                  _dtypes(output), label))
-            seen.first = f"out:{key}"
+            seen.note(f"out:{key}", output, where, first=True)
             return
+        seen.note(f"out:{key}", output, where)
         # it came in non-finite: the code of the innermost caller whose own first input came in finite made it
         i, child, child_key = len(calls) - 1, module, key
         while i >= 0 and calls[i][3] is not None:
-            child, child_key, _, born, first_dtypes = calls[i]
+            child, child_key, _, born, first_dtypes, first, first_where = calls[i]
             i -= 1
         if i < 0:  # (the model's own first input: one the check of the inputs could not read)
             found.append(Finding("input", kind=born, input_dtypes=first_dtypes, precision=label))
@@ -469,7 +503,7 @@ def trace_first_non_finite(
             caller, _, caller_dtypes = calls[i][:3]
             found.append(Finding("forward", names.get(id(caller), "?"), type(caller).__name__, born, caller_dtypes,
                                  first_dtypes, label, before=names.get(id(child), "?")))
-        seen.first = f"in:{child_key}"
+        seen.note(f"in:{child_key}", first, first_where, first=True)
 
     handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
     handles += [m.register_forward_hook(forward_hook, with_kwargs=True, always_call=True) for m in model.modules()]
@@ -529,6 +563,9 @@ def trace_first_non_finite(
 NORM = "global L2 norm of the gradients (float32; every gradient finite)"
 """What a finding names when each gradient is finite and their global norm is not."""
 
+SUMMED = "summed over the group's micro-batches"
+"""What a finding adds when the group's summed gradients are not finite, each micro-batch's are."""
+
 
 def _gradients_after(model: nn.Module, loss_scale: float, label: str, summed: bool = False) -> list[Finding]:
     """``[the finding]`` for the gradients as the backward left them (``summed``: the sum of a
@@ -554,7 +591,7 @@ def _gradients_after(model: nn.Module, loss_scale: float, label: str, summed: bo
     for name, grad in held:
         if (kind := _bad(grad)) is not None:
             owner = type(model.get_submodule(name.rpartition(".")[0])).__name__
-            op = f"{owner}; summed over the group's micro-batches" if summed else f"{owner}; after its hooks"
+            op = f"{owner}; {SUMMED}" if summed else f"{owner}; after its hooks"
             return [Finding("backward", name, op, kind, [], [str(grad.dtype).removeprefix("torch.")], label)]
     if not held:
         return []
@@ -693,9 +730,11 @@ def diagnose_group(
 
     Each micro-batch's loss is divided by ``accumulation_steps`` before the loss scale, as the
     step's ``scaler.scale(loss / N)``; None: the number of ``batches`` (a whole step's). ``rng``
-    (:func:`~ampguard.checkpoint.rng_state`) is the RNG state the step began with: the first
-    micro-batch's passes start from it, each next one's from where the one before drew to (the
-    step's dropout masks); None: from the caller's. The caller's RNG state is put back.
+    is the RNG state each micro-batch began with in the step (a list, as
+    :class:`~ampguard.guards.FirstSkipDiagnosis` keeps them: :func:`~ampguard.checkpoint.torch_rng_state`),
+    or the one the step began with (each next micro-batch then from where the one before drew to):
+    its passes draw the step's dropout masks; None: from the caller's. The caller's RNG state is
+    put back. (Buffers other than the running statistics are as the step left them.)
 
     Example (the second micro-batch carries a NaN, in FP32 as well: not a precision problem)::
 
@@ -717,11 +756,14 @@ def diagnose_group(
     n = len(batches) if accumulation_steps is None else accumulation_steps
     losses: list[float | None] = []
     inner = _uncompiled(model)
+    states = list(rng) if isinstance(rng, list) else [rng]
+    states += [None] * (len(batches) - len(states))
     with _eager(), rng_kept():
-        if rng is not None:
-            set_rng_state(rng)
-        start = rng_state()
-        for inputs, targets in batches:
+        starts = []
+        for (inputs, targets), state in zip(batches, states):
+            if state is not None:
+                set_rng_state(state)
+            starts.append(rng_state())
             after: list[Any] = []
             result = _diagnose(inner, loss_fn, inputs, targets, precision, loss_scale, n, after)
             if result.verdict != "none":
@@ -729,8 +771,12 @@ def diagnose_group(
             losses.append(result.amp.loss)
             set_rng_state(after[0])  # (the next micro-batch draws on from there, as in the step)
         mean = sum(losses) / len(losses) if None not in losses else None  # type: ignore[arg-type]
-        if len(batches) > 1 and (summed := _group_gradients(inner, loss_fn, batches, precision, loss_scale, n, start)):
-            fp32 = _group_gradients(inner, loss_fn, batches, Precision("fp32", precision.device_type), 1.0, n, start)
+        if len(batches) > 1 and (summed := _group_gradients(inner, loss_fn, batches, precision, loss_scale, n,
+                                                            starts)):
+            from .fp8 import float8_modules
+
+            fp32 = _group_gradients(inner, loss_fn, batches, Precision("fp32", precision.device_type), 1.0, n, starts,
+                                    fp32_module="" if float8_modules(inner) else None)
             summed[0].loss = mean
             return Diagnosis(summed[0], fp32[0] if fp32 else Finding("none", precision="fp32"),
                              "data/model" if fp32 else "precision-range", loss_scale)
@@ -739,10 +785,13 @@ def diagnose_group(
 
 
 def _group_gradients(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], batches: list[tuple[Any, Any]],
-                     precision: Precision, loss_scale: float, n: int, rng: Any) -> list[Finding]:
-    """The group's micro-batches replayed as the step runs them, their gradients summed (each one
-    finite alone): ``[the finding]`` when the sum, or its global norm, is not finite
-    (:func:`_gradients_after`), else ``[]``. The model is left as it was (:func:`untouched`).
+                     precision: Precision, loss_scale: float, n: int, rngs: list[Any],
+                     fp32_module: str | None = None) -> list[Finding]:
+    """The group's micro-batches replayed as the step runs them, each from its RNG state in
+    ``rngs``, their gradients summed (each one finite alone): ``[the finding]`` when the sum, or
+    its global norm, is not finite (:func:`_gradients_after`), else ``[]``. ``fp32_module`` as
+    :func:`trace_first_non_finite`'s (fp8's FP32 replay: ``""``). The model is left as it was
+    (:func:`untouched`).
 
     Example (two micro-batches whose gradients of 2e38 each sum past float32's 3.4e38)::
 
@@ -754,18 +803,18 @@ def _group_gradients(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tenso
         >>> batch = (torch.ones(1, 1), torch.zeros(1, 1))
         >>> from ampguard.checkpoint import rng_state
         >>> [(f.name, f.kind) for f in _group_gradients(model, loss_fn, [batch, batch], Precision("fp32", "cpu"), 1.0,
-        ...                                              1, rng_state())], model.weight.grad
+        ...                                              1, [rng_state()] * 2)], model.weight.grad
         ([('weight', 'inf')], None)
     """
     from .checkpoint import set_rng_state, untouched
 
     with untouched(model):
-        set_rng_state(rng)
         for p in model.parameters():
             p.grad = None
         strict = precision.reference() if precision.name == "fp32" else nullcontext()
-        with strict:
-            for inputs, targets in batches:
+        with fp32_around(model, fp32_module), strict:
+            for (inputs, targets), rng in zip(batches, rngs):
+                set_rng_state(rng)
                 with precision.autocast():
                     loss = loss_fn(model(inputs), targets)
                 loss = loss.float()
@@ -850,7 +899,7 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
     fp32_precision = Precision("fp32", precision.device_type)
     with untouched(model):
         rng = rng_state()  # each pass starts here: the FP32 replay sees the AMP pass's dropout masks
-        amp_seen, fp32_seen = _Seen(), _Seen()
+        amp_seen, fp32_seen = _Seen(every=False), _Seen()
         amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale, accumulation_steps=n,
                                      seen=amp_seen)
         if rng_after is not None:
@@ -866,6 +915,16 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
             set_rng_state(rng)
             amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
                                          accumulation_steps=n, known=fp32_seen)
+        elif amp_seen.also_in(fp32_seen) and amp_seen.first in fp32_seen.minus_inf:
+            # a -inf mask (the model's, or the batch's) first in both, and FP32 non-finite for another
+            # reason: both passes look past the masks, to what made the step non-finite
+            masks = fp32_seen.masks()
+            set_rng_state(rng)
+            amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
+                                         accumulation_steps=n, known=masks)
+            set_rng_state(rng)
+            fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, fp32_precision, 1.0, fp32_module=whole,
+                                          accumulation_steps=n, known=masks)
         scales = []
         if float8_modules(model) and amp.where != "input":  # which float8 cast broke (its replay: the same draws)
             set_rng_state(rng)

@@ -1205,3 +1205,94 @@ def test_a_model_with_a_method_named_like_fsdp2s_is_not_taken_for_a_sharded_one(
             pass
 
     assert not is_sharded(Own(2, 1))
+
+
+# ---------------------------------------------------------------------------- review 37i
+
+
+def test_the_first_skip_diagnosis_replays_the_dropout_masks_each_micro_batch_drew():
+    # (FirstSkipDiagnosis kept no RNG state: the replay drew other masks and found nothing in 6 of 13 skips)
+    from ampguard.guards import FirstSkipDiagnosis
+    from ampguard.step import AmpTrainState
+
+    x, y = torch.ones(1, 8), torch.zeros(1, 1)
+    x[0, 0] = 2e38  # finite; dropout's x2 makes it inf where its mask keeps it
+    found = []
+    for seed in range(8):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Dropout(0.5), nn.Linear(8, 1))
+        state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="fp32",
+                              accumulation_steps=2)
+        diagnosis = FirstSkipDiagnosis(state, model)
+        for batch in [(torch.ones(1, 8), y), (x, y)]:
+            torch.rand(3)  # (the loop draws between micro-batches too: an augmentation)
+            diagnosis.capture(batch)
+            record = state.step(*batch)
+        if record.skipped:
+            found.append(diagnosis.after(record))
+    assert found and all("no non-finite value" not in f for f in found), found
+
+
+class CausalMask(nn.Module):
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        return s.masked_fill(torch.ones(s.shape[-1], s.shape[-1], dtype=torch.bool).triu(1), -math.inf)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask, self.out = CausalMask(), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mask(x @ x.transpose(-1, -2)).softmax(-1) @ x)
+
+
+def test_a_mask_is_looked_past_when_the_fp32_replay_fails_too():
+    # (a data/model finding named the model's own -inf mask, not the weight or the targets)
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 4)
+    model = Attention()
+    with torch.no_grad():
+        model.out.weight[0, 0] = math.inf
+    result = diagnose(model, F.mse_loss, x, torch.zeros(2, 4, 1), BF16)
+    assert (result.amp.where, result.amp.name, result.verdict, result.bad_weight) == \
+        ("forward", "out", "data/model", "out.weight holds inf")
+    y = torch.zeros(2, 4, 1)
+    y[0, 0, 0] = math.nan
+    result = diagnose(Attention(), F.mse_loss, x, y, BF16)
+    assert (result.amp.where, result.amp.name, result.verdict) == ("input", "targets", "data/model")
+    assert result.fp32.where == "input"  # (the FP32 replay's finding looks past the mask too)
+
+
+def test_a_groups_scaled_sum_past_float32_is_said_as_such():
+    class Scale(nn.Module):  # an elementwise op: float32 under autocast, its gradient too
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight
+
+    def loss_fn(out, y):  # /2 accumulation, x65536 scale: 2e38 a micro-batch, 4e38 summed
+        return out.float().mean() * (2e38 * 2 / 65536)
+
+    batch = (torch.ones(1, 1), torch.zeros(1, 1))
+    result = diagnose_group(Scale(), loss_fn, [batch, batch], FP16, 65536.0, accumulation_steps=2)
+    assert result.verdict == "precision-range"
+    assert "the micro-batches' gradients scaled by 65536 sum past float32's range; the loss scaler answers it" \
+        in result.message() and "overflows fp16" not in result.message()
+
+
+def test_a_sparse_csr_or_nested_side_output_is_left_out_not_a_crash():
+    class Side(nn.Module):
+        def __init__(self, kind: str) -> None:
+            super().__init__()
+            self.fc, self.kind = nn.Linear(2, 1), kind
+
+        def forward(self, x: torch.Tensor):
+            side = torch.eye(2).to_sparse_csr() if self.kind == "csr" else torch.nested.nested_tensor([torch.ones(2)])
+            return self.fc(x), side
+
+    for kind in ("csr", "nested"):
+        result = diagnose(Side(kind), lambda out, y: F.mse_loss(out[0], y), torch.ones(3, 2), torch.zeros(3, 1), BF16)
+        assert result.verdict == "none", kind
