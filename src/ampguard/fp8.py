@@ -12,13 +12,19 @@ Which layers convert (:func:`plan`): every ``nn.Linear`` whose ``in_features`` a
 the last one (``keep_first_last``: the input embedding-like layer and the output head are the
 most sensitive to rounding, as torchtitan keeps its ``output`` layer) and the module names
 matching an ``exclude`` pattern (``fnmatch``). The swap keeps only a layer's weight and bias,
-so a Linear it would change stays out, named with why: a subclass with its own forward, a
-parametrized (``weight_norm``, ``spectral_norm``) or uninitialised lazy one, one holding other
-parameters, buffers, modules or hooks. A layer reused at several places converts at all of them.
+so a Linear it would change stays out, named with why: a subclass with its own forward, one
+whose forward is replaced on the instance (Accelerate's hooks, a patch) or compiled in place
+(``module.compile()``), a parametrized (``weight_norm``, ``spectral_norm``) or uninitialised
+lazy one, one holding other parameters, buffers (a bias kept as a buffer), modules, or hooks
+(forward, backward, state-dict). A layer reused at several places is one layer: first and last
+are judged at its first place, and it converts at all of its places or at none.
 The conversion swaps modules in place and keeps the parameter objects, so an optimizer built
-before it still holds the right tensors. torchao pads the token dimension of the weight
-gradient's matmul to a multiple of 16 when it is not one (``pad_inner_dim``: a CUDA
-``_scaled_mm`` refuses it otherwise), so the micro-batch size is free.
+before it still holds the right tensors. Every float8 layer trains with ``pad_inner_dim`` on
+(those torchao converted directly too): torchao pads the inner dimension of each of the layer's
+three matmuls to a multiple of 16 (a CUDA ``_scaled_mm`` refuses it otherwise; the weight
+gradient's has the micro-batch's token count there), so the micro-batch size is free. It does
+so by copying both operands of all three matmuls, of every float8 layer, every step, aligned or
+not (zero padding: the numbers are unchanged); what those copies cost on a GPU is not measured.
 
 A bad scale: a scale is ``float8_max / clamp(amax, 1e-12)`` in torchao's float8 training, so
 it is NaN when the tensor holds a NaN and 0 when it holds an inf, and either makes the matmul's
@@ -189,19 +195,34 @@ def _cannot_swap(m: nn.Linear) -> str | None:
         'not initialised (a lazy layer before its first forward): run one batch through the model first'
         >>> _cannot_swap(nn.utils.parametrizations.weight_norm(nn.Linear(32, 32)))
         'its weight is parametrized (weight_norm, spectral_norm...), which Float8Linear takes plain'
+        >>> patched = nn.Linear(32, 32)
+        >>> patched.forward = lambda x: nn.functional.linear(x, patched.weight) * 2
+        >>> _cannot_swap(patched)
+        "its forward is replaced on the instance (Accelerate's hooks, a patch), which the swap to a new Float8Linear would drop"
         >>> _cannot_swap(nn.Linear(32, 32)) is None
         True
     """
     from torch.nn.modules.lazy import LazyModuleMixin
     from torch.nn.utils import parametrize
 
-    if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():  # (in_features 0: "a multiple of 16")
+    lazy = isinstance(m, LazyModuleMixin)
+    if lazy and m.has_uninitialized_params():  # (in_features 0: "a multiple of 16")
         return "not initialised (a lazy layer before its first forward): run one batch through the model first"
     if parametrize.is_parametrized(m):
         names = " and ".join(m.parametrizations)
         return f"its {names} is parametrized (weight_norm, spectral_norm...), which Float8Linear takes plain"
     if type(m).forward is not nn.Linear.forward:
         return f"a {type(m).__name__} with its own forward, which Float8Linear's would replace"
+    # (ampguard's own fp32_modules forward is no override: fp8 does not keep fp32_modules, and
+    # validate's bf16 pass leaves it on the model its fp8 copy is made from)
+    own = getattr(vars(m).get("forward"), "__func__", None)  # (read by name: precision imports this module)
+    if "forward" in vars(m) and (getattr(own, "__module__", None), getattr(own, "__qualname__", None)) != \
+            ("ampguard.precision", "_fp32_method"):
+        return "its forward is replaced on the instance (Accelerate's hooks, a patch), which the swap to a new " \
+               "Float8Linear would drop"
+    if getattr(m, "_compiled_call_impl", None) is not None:
+        return "compiled in place (module.compile()), which the swap to a new Float8Linear would drop: " \
+               "compile after convert_to_fp8"
     # old-style weight_norm / spectral_norm: weight_g and weight_v (or weight_orig) are the parameters
     # and a forward pre-hook writes a plain tensor to .weight
     extra = [n for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
@@ -211,10 +232,24 @@ def _cannot_swap(m: nn.Linear) -> str | None:
                "which Float8Linear would drop"
     if not isinstance(m.weight, nn.Parameter):
         return "its weight is not an nn.Parameter, which Float8Linear needs"
+    if m.bias is not None and not isinstance(m.bias, nn.Parameter):  # (the swap would raise a TypeError)
+        return "its bias is not an nn.Parameter (a buffer: a fixed bias), which Float8Linear needs"
     if children := [n for n, _ in m.named_children()]:
         return f"holds modules ({', '.join(children)}), which Float8Linear would drop"
-    if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+    # torch's own hooks of a lazy layer initialised by load_state_dict (a checkpoint), not by a
+    # forward: they would only have set the parameters it has
+    handles = (getattr(m, "_initialize_hook", None), getattr(m, "_load_hook", None)) if lazy else ()
+    torchs = {h.id for h in handles if h is not None}
+
+    def own(hooks: dict[int, Any]) -> bool:
+        return any(key not in torchs for key in hooks)
+
+    if own(m._forward_pre_hooks) or own(m._forward_hooks) or m._backward_pre_hooks or m._backward_hooks:
         return "has hooks of its own, which the swap to a new Float8Linear would drop"
+    if m._state_dict_hooks or m._state_dict_pre_hooks or own(m._load_state_dict_pre_hooks) \
+            or m._load_state_dict_post_hooks:
+        return "has state-dict hooks of its own, which the swap to a new Float8Linear would drop " \
+               "(its checkpoint keys or loading would change)"
     return None
 
 
@@ -225,8 +260,10 @@ def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[st
     most models; a model that registers its head first names that one "first") of those its
     forward calls (an attention's ``out_proj`` is not called: :func:`_not_called`); name others
     in ``exclude``. A layer the swap would change or drop something of stays out
-    (:func:`_cannot_swap`). A layer held at several places (reused) is named at each of them and is
-    one layer: it converts at all of them or at none.
+    (:func:`_cannot_swap`). A layer held at several places (reused, or a second name for it such as
+    ``self.last_block = self.blocks[-1]``) is named at each of them and is one layer, placed in
+    that order by its first place (a second name registered after the head does not make it the
+    last layer): it converts at all of them or at none.
 
     Example (digits' MLP: 64-64-64-10)::
 
@@ -247,7 +284,8 @@ def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[st
     unused = _not_called(model)
     # every place a layer is held (named_modules() names a reused one once, and so does torchao's swap)
     linears = [(name, m) for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)]
-    called = [name for name, m in linears if id(m) not in unused]
+    # first and last: over each layer's first place (a second name for it is no place in that order)
+    called = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in unused]
     out: dict[str, str] = {}
     for name, m in linears:
         pattern = next((p for p in exclude if fnmatch.fnmatchcase(name, p)), None)
@@ -265,10 +303,11 @@ def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[st
             out[name] = "last layer"
         elif pattern is not None:
             out[name] = f"excluded ({pattern})"
-        elif m.in_features % DIM_MULTIPLE:
-            out[name] = f"in_features {m.in_features} is not a multiple of {DIM_MULTIPLE}"
-        elif m.out_features % DIM_MULTIPLE:
-            out[name] = f"out_features {m.out_features} is not a multiple of {DIM_MULTIPLE}"
+        # (the weight's shape: a lazy layer loaded from a checkpoint still says in_features 0)
+        elif (n := m.weight.shape[1]) % DIM_MULTIPLE:
+            out[name] = f"in_features {n} is not a multiple of {DIM_MULTIPLE}"
+        elif (n := m.weight.shape[0]) % DIM_MULTIPLE:
+            out[name] = f"out_features {n} is not a multiple of {DIM_MULTIPLE}"
         else:
             out[name] = CONVERT
     places: dict[int, list[str]] = {}
@@ -287,8 +326,10 @@ def float8_config(recipe: str = "tensorwise") -> Any:
     ``pad_inner_dim`` on: a CUDA ``torch._scaled_mm`` takes only operands whose inner dimension is
     a multiple of 16, and the weight gradient's matmul (``grad_output.t() @ input``) has the
     micro-batch's token count there, which nothing else bounds (a batch of 8 rows, the last short
-    batch of an epoch). torchao then pads that dimension with zeros for the matmul (the same
-    result), and only when it is off 16; its default is off for the memory the padded copy takes.
+    batch of an epoch). torchao then pads the inner dimension of all three of a layer's matmuls
+    (output, grad input, grad weight) to a multiple of 16 with zeros: the numbers are unchanged,
+    and it copies both operands of each of them every step, aligned or not (torchao's default is
+    off for those copies). Correctness on CUDA first: what the copies cost on a GPU is not measured.
 
     Example::
 
@@ -309,7 +350,9 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
     """Swap the model's eligible ``nn.Linear`` layers (:func:`plan`) for torchao's ``Float8Linear``,
     in place; return their names. The parameters stay the same objects, so the optimizer may be
     built before or after. Layers already converted are left as they are (calling it twice
-    converts nothing more). A layer held at several places becomes one ``Float8Linear`` at all of
+    converts nothing more), but for ``pad_inner_dim``: turned on in those torchao converted
+    directly (its default is off), so that the micro-batch size is free there too
+    (:func:`float8_config`). A layer held at several places becomes one ``Float8Linear`` at all of
     them (torchao's swap replaces it at the first only). A model left with no float8 layer at all
     is refused (``ValueError`` naming why each Linear stayed): it would train in plain bf16 under
     the name fp8.
@@ -358,6 +401,8 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
     if chosen:
         modules = dict(model.named_modules(remove_duplicate=False))
         first = {id(modules[name]): name for name in reversed(chosen)}  # a reused layer's first place
+        for name in first.values():  # (a lazy layer loaded from a checkpoint says in_features 0: torchao copies it)
+            modules[name].in_features = modules[name].weight.shape[1]
         # the layer itself, not just its name: torchao offers every nn.Linear, subclasses included
         require_torchao().convert_to_float8_training(
             model, module_filter_fn=lambda m, fqn: first.get(id(m)) == fqn and modules.get(fqn) is m, config=config)
@@ -365,6 +410,11 @@ def convert_to_fp8(model: nn.Module, *, recipe: str = "tensorwise", keep_first_l
             for attr, child in list(parent._modules.items()):
                 if id(child) in first and modules[first[id(child)]] is child:
                     setattr(parent, attr, model.get_submodule(first[id(child)]))
+    for m in float8_modules(model):  # torchao's own conversion: pad_inner_dim on, in its config and its matmuls'
+        if not m.config.pad_inner_dim:
+            m.config = config
+            m.linear_mm_config = type(m.linear_mm_config)(*(mm._replace(pad_inner_dim=True)
+                                                            for mm in m.linear_mm_config))
     return chosen
 
 
@@ -454,7 +504,10 @@ class ScaleWatch:
     the forward, ``grad_output`` in the backward) is recomputed with torchao's own scale function
     (``tensor_to_scale``, with each layer's cast settings) and kept as device tensors;
     :meth:`bad` reads them (host syncs) and lists the non-finite or zero ones, forward casts
-    first, in the order they ran; :meth:`stats` gives every cast with its flushed share.
+    first, in the order they ran; :meth:`stats` gives every cast with its flushed share. A layer
+    held at several places is one module, and a call does not say through which name it came
+    (``self.again is self.sh``): its casts are named at every place, ``"sh (the same layer as
+    again)"``.
 
     A diagnostic: it repeats each amax reduction. Open it around one micro-batch (it keeps every
     cast it sees); :func:`find_bad_scales` does that for you.
@@ -468,8 +521,13 @@ class ScaleWatch:
 
     def __enter__(self) -> ScaleWatch:
         cls = _float8_linear()
-        for name, module in self.model.named_modules():
+        places: dict[int, list[str]] = {}
+        for name, module in self.model.named_modules(remove_duplicate=False):
+            places.setdefault(id(module), []).append(name)
+        for first, module in self.model.named_modules():
             if cls is not None and isinstance(module, cls):
+                others = ", ".join(n for n in places[id(module)] if n != first)
+                name = f"{first} (the same layer as {others})" if others else first
                 self._handles.append(module.register_forward_pre_hook(self._forward_casts(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._backward_cast(name)))
         return self
