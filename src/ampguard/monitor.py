@@ -1030,7 +1030,7 @@ class RunMonitor:
             ...     _ = m.observe(SkipLog(step=s, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None,
             ...                           grad_l2_post_clip=None, scaler_scale=1.0, reason="non_finite_loss"))
             >>> m.steps, m.observed, m.summary()
-            (40, 2, 'steps=40 (1 to 38 not observed) updates=0 skips=2 (non_finite_loss=2)')
+            (40, 2, 'steps=40 (1 to 38 not observed) updates=0 skips=2 (non_finite_loss=2) final_scale=1')
             >>> [e.kind for e in m.at_end(40)], m.failed.message.split(" (")[0]
             (['skip_rate_alert', 'fail'], 'skip rate above fail_rate 0.5 at every one of the 2 steps after step 38')
         """
