@@ -41,8 +41,11 @@ crash, 130 for Ctrl-C, 143 for SIGTERM, as ``ampguard train``).
 Not covered: Fabric (``L.Fabric`` is your own loop: put :class:`~ampguard.Guard`'s verbs in it),
 strategies that own the backward or the step (DeepSpeed, FSDP's mixed precision), LBFGS, fused
 optimizers that unscale themselves, accumulation in manual optimization (the guard steps once
-per ``manual_backward``). (A ``training_step`` returning ``None`` is Lightning's no-update step:
-counted, no record; README.md.)
+per ``manual_backward``), a ``LightningModule.backward`` override (refused: the guard runs the
+backward). (A ``training_step`` returning ``None`` is Lightning's no-update step: counted, no
+record; so is the step of a backward Lightning skips itself, ``StochasticWeightAveraging``'s last
+epoch, whose weights stay SWA's average. A group an epoch ends inside, ``on_train_batch_start``
+returning -1, is dropped, warned, as Lightning drops it; README.md.)
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import functools
 import math
 import os
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -75,7 +79,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed in the t
 import torch
 from torch import Tensor
 
-from ..errors import AmpguardWarning, ExitCode, InputError, check_folder_of, counted
+from ..errors import AmpguardWarning, ExitCode, InputError, check_folder_of, counted, whole_number
 from ..monitor import RunMonitor
 from ..precision import GuardedGradScaler, Precision, check_scaler_settings
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
@@ -192,6 +196,16 @@ class AmpGuardPlugin(_LightningPrecision):
             raise ValueError(f"AmpGuardPlugin(precision={precision!r}): use '16-mixed', 'bf16-mixed' or '32-true'")
         check_settings(max_norm, scheduler_on_skip, frozen)  # (the guard is built at the first step: its
         # settings are checked here, as the scaler's and the monitor's below)
+        # (each of these failed only at the first record, after an update: a bare AttributeError, or
+        # deque's "maxlen must be non-negative" naming no argument)
+        if csv is not None and not isinstance(csv, (str, os.PathLike)):
+            raise TypeError(f"AmpGuardPlugin(csv={csv!r}): give the CSV's path (a str or a Path), or None")
+        if not isinstance(log, bool):
+            raise TypeError(f"AmpGuardPlugin(log={log!r}): True or False")
+        if not whole_number(keep_records, 0):
+            raise ValueError(f"AmpGuardPlugin(keep_records={keep_records!r}): a whole number >= 0 (the records "
+                             f"plugin.records keeps)")
+        sinks = _check_sinks(sinks)
         self.precision = {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[_NAMES[precision]]
         self.name = _NAMES[precision]
         self.max_norm = max_norm
@@ -236,6 +250,7 @@ class AmpGuardPlugin(_LightningPrecision):
         self._csv_fits: set[str] = set()  # the CSVs of the fits begun: a later fit refuses them unless it resumes
         self._tuned = False  # the fit under way has a tuner's callback (lr_find, scale_batch_size): see _sweeping
         self._minimums: tuple[Any, Any] | None = None  # the Trainer's (min_epochs, min_steps), set aside by a stop
+        self._group_began = (0, 0)  # (epoch, batch_idx) of the open accumulation group's first micro-batch
         if self.name != "fp32" and not isinstance(self, _LightningMixedPrecision):
             # fp16 and bf16 are Lightning's MixedPrecision too: what Lightning reads a precision plugin's
             # compute dtype by (ThroughputMonitor's FLOPs and MFU took a plain Precision for float32).
@@ -260,7 +275,8 @@ class AmpGuardPlugin(_LightningPrecision):
     def connect(self, model: torch.nn.Module, optimizers: list, lr_schedulers: list) -> tuple:
         """Called by the strategy once the model is on its device: the autocast device, and early
         refusals (a CSV that exists when not resuming, one whose header does not fit when
-        resuming, a CSV path through a file, ``gradient_clip_val``, LBFGS), before anything trains."""
+        resuming, a CSV path through a file or one rank 0 cannot write, ``extra_sinks`` that are
+        not sinks, ``gradient_clip_val``, a ``backward`` override, LBFGS), before anything trains."""
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._autocast = Precision(self.name, device.type)
         module = _lightning_module(model)
@@ -276,8 +292,17 @@ class AmpGuardPlugin(_LightningPrecision):
                 raise ValueError(f"AmpGuardPlugin: csv={str(self.csv)!r} was the previous fit's with this plugin "
                                  f"(one fit per plugin); give this fit a new AmpGuardPlugin with a new csv path, "
                                  f"or resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
+            _check_sinks(self.extra_sinks, "plugin.extra_sinks")  # (the attribute a later fit's sinks are set by)
             if trainer.gradient_clip_val:
                 raise ValueError(_clip_refusal(trainer))
+            if is_overridden("backward", module):
+                # Lightning's Precision.backward calls it; the plugin's backward is the guard's, which seeds the
+                # backward itself (a non-finite loss seeds 0) and checks the gradients around it: an override
+                # handed the scaled loss could seed, skip or add any backward unseen, so it is refused, not ignored
+                raise ValueError(f"AmpGuardPlugin runs the backward itself (the loss checked on the device, scaled, "
+                                 f"then backward): {type(module).__name__}.backward is overridden, and the plugin "
+                                 f"would never call it; remove the override (on_before_backward and "
+                                 f"on_after_backward run as usual)")
             if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
                 raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
             if self.csv is not None:
@@ -318,7 +343,8 @@ class AmpGuardPlugin(_LightningPrecision):
         """The CSV's refusals, before the fit trains (the file opens at the first record, after
         the first update): a path that is a folder or goes through a file (on every rank alike:
         one file system, one answer); on rank 0, which writes it, an existing file unless the fit
-        resumes, and when it resumes one whose header is not this fit's columns."""
+        resumes, when it resumes one whose header is not this fit's columns, and a path it cannot
+        write (:func:`_check_writable`)."""
         assert self.csv is not None
         where = f"AmpGuardPlugin csv={str(self.csv)!r}"
         if self.csv.is_dir():
@@ -329,7 +355,10 @@ class AmpGuardPlugin(_LightningPrecision):
         while missing.parent != missing.parent.parent and not missing.parent.exists():
             missing = missing.parent
         check_folder_of(missing, where)
-        if not (trainer.is_global_zero and self.csv.exists() and self.csv.stat().st_size > 0):
+        if not trainer.is_global_zero:
+            return
+        if not (self.csv.exists() and self.csv.stat().st_size > 0):
+            _check_writable(self.csv, where)
             return
         if trainer.ckpt_path is None:
             raise InputError(f"{self.csv} already exists; refusing to overwrite it")
@@ -341,6 +370,7 @@ class AmpGuardPlugin(_LightningPrecision):
                                                          if optimizers > 1 else " (one optimizer)"))
         except InputError as err:
             raise InputError(f"{err}: give this fit a new csv path") from None
+        _check_writable(self.csv, where)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if not isinstance(module, pl.LightningModule) or module._trainer is None:
@@ -469,6 +499,9 @@ class AmpGuardPlugin(_LightningPrecision):
             _LightningPrecision.teardown(self)
             return
         if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED:  # (FINISHED comes after)
+            if self.guard is not None and self.guard.mid_group and trainer.lightning_module.automatic_optimization:
+                rank_zero_warn(f"AmpGuardPlugin: the fit ended inside an accumulation group: {self._open_group()} "
+                               f"had no optimizer step, as under Lightning", category=AmpguardWarning)
             self._judge_end()
         if trainer is not None and self._minimums is not None:
             trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = self._minimums
@@ -569,10 +602,43 @@ class AmpGuardPlugin(_LightningPrecision):
         leaf module of the LightningModule notes its output's dtype in :attr:`autocast_dtypes`
         (``ampguard.watch.first_forward_dtypes``: hooks for that step only), as ``ampguard train``'s
         run card and ``GuardedTrainer`` do; the tracker sinks' summary gets it at the fit's end."""
+        self._drop_an_ended_epochs_group()
         if self.guard is not None:  # (a compiled module's layers' hooks copy nothing: copied here)
             self.guard.keep_running_stats()
         with _LightningPrecision.train_step_context(self), self._noting_dtypes():
             yield
+
+    def _drop_an_ended_epochs_group(self) -> None:
+        """Drop the accumulation group an epoch ended inside, at the next group's first
+        ``training_step`` (before its forward), as Lightning drops it.
+
+        ``on_train_batch_start`` returning -1 mid-group ends the epoch with no optimizer step for
+        the group's micro-batches; Lightning's ``zero_grad`` at the next group's start (batch
+        ``i`` with ``i % accumulate_grad_batches == 0``) clears their gradients. The guard's open
+        group, which its next backward took for a ``zero_grad()`` of the user's in the group (and
+        raised), goes too (warned, naming the micro-batches): no step counted (Lightning's
+        ``global_step`` did not move), no record, and the BatchNorm statistics their forwards
+        wrote stand, as under Lightning."""
+        guard, trainer = self.guard, self._fitting
+        if guard is None or trainer is None or not guard.mid_group:
+            return
+        if not trainer.lightning_module.automatic_optimization:
+            return
+        if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches:
+            return  # (inside Lightning's group: the guard's goes on)
+        rank_zero_warn(f"AmpGuardPlugin: {self._open_group()} had no optimizer step (the epoch ended inside the "
+                       f"group: on_train_batch_start returned -1?); dropped, as Lightning drops them (its zero_grad "
+                       f"at the next group's start)", category=AmpguardWarning)
+        guard._abandon_group()
+        guard.accumulation_steps = self._accumulation  # (between groups: the Trainer's setting, as after a step)
+
+    def _open_group(self) -> str:
+        """The guard's open accumulation group in words: ``"epoch 0's micro-batches 4-5 (2 of 4)"``."""
+        assert self.guard is not None
+        taken, of = self.guard.micro_batches, self.guard.accumulation_steps
+        epoch, first = self._group_began
+        batches = f"micro-batch {first}" if taken == 1 else f"micro-batches {first}-{first + taken - 1}"
+        return f"epoch {epoch}'s {batches} ({taken} of {of})"
 
     def _noting_dtypes(self) -> contextlib.AbstractContextManager:
         """The dtype hooks for the fit's first training step under autocast
@@ -621,6 +687,7 @@ class AmpGuardPlugin(_LightningPrecision):
             raise ValueError("AmpGuardPlugin runs the backward itself: manual_backward(loss) takes no arguments")
         if not guard.mid_group:  # a group begins: its N (the loss Lightning hands over is divided by it)
             guard.accumulation_steps = _group_size(model, model.trainer)
+            self._group_began = (model.trainer.current_epoch, model.trainer.fit_loop.epoch_loop.batch_idx)
         device_type = guard.precision.device_type  # (manual optimization calls this inside training_step's autocast)
         inside = torch.is_autocast_enabled(device_type)
         with torch.autocast(device_type, enabled=False) if inside else contextlib.nullcontext():
@@ -631,14 +698,22 @@ class AmpGuardPlugin(_LightningPrecision):
         """The closure (training_step, backward), the hooks, then the guarded step and its record."""
         closure_result = closure()
         guard = self.guard
-        if (guard is None or not guard.pending) and model.automatic_optimization and closure_result is None:
-            # training_step returned None and no backward ran in this optimizer step: Lightning
-            # skips the update (MixedPrecision: no scaler.step) but counts the step; so does the
-            # plugin: no record, no update, the step-interval schedulers step as Lightning steps
-            # them, and the guard's numbering moves on with Lightning's global_step (built now if
-            # it is not yet: a resumed fit's guard takes the checkpoint's step first). A group whose
+        # Lightning skipped the backward itself (fit_loop._skip_backward: StochasticWeightAveraging's
+        # last epoch, a pass over the data for the BatchNorm statistics of the averaged weights, "no need
+        # to perform either backward or optimizer.step"): its closure returns the loss, no backward ran
+        skipped = bool(getattr(model.trainer.fit_loop, "_skip_backward", False))
+        if (guard is None or not guard.pending) and model.automatic_optimization and (
+                closure_result is None or skipped):
+            # training_step returned None (or Lightning skipped the backward) and no backward ran in
+            # this optimizer step: Lightning skips the update (MixedPrecision: no scaler.step) but
+            # counts the step; so does the plugin: no record, no update, the step-interval
+            # schedulers step as Lightning steps them, and the guard's numbering moves on with
+            # Lightning's global_step (built now if it is not yet: a resumed fit's guard takes the
+            # checkpoint's step first). A group whose
             # last micro-batches return None after others made gradients closes with those (the
-            # pending branch below), as Lightning's bf16 does; its 16-mixed skips that step
+            # pending branch below), as Lightning's bf16 does; its 16-mixed skips that step. Under a
+            # skipped backward Lightning steps the optimizer on the gradients the last step left (the
+            # guard dropped them after it): no update here, so SWA's averaged weights stay as it set them
             self._after_closure(model, optimizer)
             self._hold = False
             (guard or self._setup(model)).count_step_without_backward()
@@ -890,6 +965,42 @@ def _clip_refusal(trainer: pl.Trainer) -> str:
                 f"max_norm on the plugin clips by norm, another rule")
     return (f"AmpGuardPlugin clips to max_norm after its non-finite check: drop the Trainer's "
             f"gradient_clip_val={val} (use max_norm={val} on the plugin)")
+
+
+def _check_writable(path: Path, where: str) -> None:
+    """Refuse (one :class:`InputError` line) a CSV path rank 0 cannot write, before the fit trains:
+    the file opens at the first record, after the first update (``/proc/steps.csv`` passed the
+    folder checks and failed there, the parameters changed). An existing file is opened to append
+    (nothing written); else a file is made and removed in the nearest folder that exists (the
+    missing ones are made when the CSV opens)."""
+    folder = path.parent
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    try:
+        if path.exists():
+            with open(path, "ab"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+    except OSError as err:
+        raise InputError(f"{where}: cannot write {path if path.exists() else folder}: {err.strerror or err}; "
+                         f"give a csv path in a folder you can write") from None
+
+
+def _check_sinks(sinks: Any, where: str = "AmpGuardPlugin(sinks=...)") -> list[Sink]:
+    """``sinks`` as a list, refused (one line) unless it holds ampguard sinks: a path string (each
+    character taken for a sink) or a ``None`` in the list was taken, and failed at the first record,
+    after an update, with a bare ``AttributeError``."""
+    if isinstance(sinks, (str, bytes, os.PathLike)) or not hasattr(sinks, "__iter__"):
+        raise TypeError(f"{where}: {sinks!r} is not a list of sinks; give ampguard sinks, e.g. "
+                        f"[JsonlSink('steps.jsonl')] (the CSV is csv='steps.csv')")
+    sinks = list(sinks)
+    for sink in sinks:
+        if not isinstance(sink, Sink):
+            raise TypeError(f"{where}: {sink!r} is not an ampguard sink (one with write(record) and close(): "
+                            f"JsonlSink, TensorBoardSink, WandbSink, MLflowSink, ...)")
+    return sinks
 
 
 def _group_size(module: pl.LightningModule, trainer: pl.Trainer) -> int:

@@ -1,0 +1,149 @@
+"""AmpGuardPlugin against review 37j: Lightning's own skipped backward (StochasticWeightAveraging),
+an epoch ended inside an accumulation group, a ``LightningModule.backward`` override, and the
+arguments that were taken and failed only after the first update."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.callbacks import StochasticWeightAveraging  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from test_lightning import Digits, fit, loader, rows, same  # noqa: E402
+
+from ampguard.errors import AmpguardWarning, InputError  # noqa: E402
+from ampguard.integrations.lightning import AmpGuardPlugin  # noqa: E402
+from ampguard.sinks import JsonlSink  # noqa: E402
+
+
+class WithBatchNorm(Digits):
+    """Digits with a BatchNorm layer (what makes SWA add its epoch without backward)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+        self.after = {0: self._params()}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_swas_epoch_without_backward_is_counted_with_no_update_and_no_record(tmp_path, precision):
+    # 37j #1: SWA's last epoch (fit_loop._skip_backward, the whole epoch one group) made Lightning call
+    # optimizer_step with a loss and no backward: "no backward ran before this optimizer step" ended the fit
+    def swa_fit(plugin):
+        module, swa = WithBatchNorm(lr=0.1), StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = fit(module, plugin, steps=-1, data=loader(batch_size=32, n=128), max_epochs=3, callbacks=[swa])
+        return module, swa, trainer
+
+    path = tmp_path / "steps.csv"
+    module, swa, trainer = swa_fit(plugin := AmpGuardPlugin(precision, csv=path))
+    _, _, plain = swa_fit(MixedPrecision(precision, "cpu"))
+    assert trainer.global_step == plain.global_step == 3 * 4 + 1  # (SWA's epoch: one step, Lightning counts it)
+    # the step without backward is counted (the numbering stays Lightning's) and recorded nowhere, as a
+    # training_step returning None
+    assert plugin.guard.steps == trainer.global_step
+    assert [r.step for r in plugin.records] == [int(r["step"]) for r in rows(path)] == list(range(1, 13))
+    # no update in that epoch: the weights are SWA's average, as it set them for its BatchNorm pass
+    # (Lightning's own plugin steps the optimizer there on the gradients the last step left)
+    assert same(list(module.parameters()), list(swa._average_model.parameters()))
+
+
+class EndsEpochAt(Digits):
+    """``on_train_batch_start`` returns -1 at batch ``cut`` (Lightning: the rest of the epoch skipped)."""
+
+    def __init__(self, cut, **kw):
+        super().__init__(**kw)
+        self.cut = cut
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == self.cut else None
+
+
+def test_an_epoch_ended_inside_an_accumulation_group_drops_the_group_as_lightning_does(tmp_path):
+    # 37j #2: the next epoch's first backward raised "gradients cleared inside the accumulation group ...
+    # remove zero_grad() from the loop", blaming the user for Lightning's own zero_grad
+    path = tmp_path / "steps.csv"
+    module = EndsEpochAt(5)  # batches 0-3 one group, 4 opens the next, 5 ends the epoch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(module, plugin := AmpGuardPlugin("bf16-mixed", csv=path), steps=-1,
+                      data=loader(batch_size=16, n=160), max_epochs=2, accumulate_grad_batches=4)
+    said = [str(w.message) for w in caught if issubclass(w.category, AmpguardWarning)]
+    assert "AmpGuardPlugin: epoch 0's micro-batch 4 (1 of 4) had no optimizer step (the epoch ended inside the " \
+           "group: on_train_batch_start returned -1?); dropped, as Lightning drops them (its zero_grad at the next " \
+           "group's start)" in said
+    assert "AmpGuardPlugin: the fit ended inside an accumulation group: epoch 1's micro-batch 4 (1 of 4) had no " \
+           "optimizer step, as under Lightning" in said
+    assert trainer.global_step == plugin.guard.steps == plugin.guard.updates == 2
+    assert [int(r["step"]) for r in rows(path)] == [1, 2]
+    plain = EndsEpochAt(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(plain, MixedPrecision("bf16-mixed", "cpu"), steps=-1, data=loader(batch_size=16, n=160), max_epochs=2,
+            accumulate_grad_batches=4)
+    assert plain.trainer.global_step == 2
+    assert same(list(module.parameters()), list(plain.parameters()))  # bit for bit Lightning's own run
+
+
+class OwnBackward(Digits):
+    def backward(self, loss, *args, **kwargs):
+        (loss * 0.0).backward()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_a_backward_override_is_refused_before_anything_trains(tmp_path, precision):
+    # 37j #3: Lightning's Precision.backward calls LightningModule.backward; the plugin never did, unsaid
+    module = OwnBackward()
+    with pytest.raises(ValueError, match=r"^AmpGuardPlugin runs the backward itself \(the loss checked on the device, "
+                                         r"scaled, then backward\): OwnBackward.backward is overridden, and the "
+                                         r"plugin would never call it; remove the override \(on_before_backward and "
+                                         r"on_after_backward run as usual\)$"):
+        fit(module, AmpGuardPlugin(precision, csv=tmp_path / "steps.csv"), steps=2)
+    assert same(list(module.parameters()), module.after[0]) and not (tmp_path / "steps.csv").exists()
+
+
+def test_arguments_that_failed_after_the_first_update_are_refused_up_front(tmp_path):
+    # 37j #4: each was taken and failed at the first record (a bare AttributeError, deque's "maxlen must be
+    # non-negative" naming no argument), after the first update
+    with pytest.raises(TypeError, match=r"^AmpGuardPlugin\(sinks=\.\.\.\): 'steps.jsonl' is not a list of sinks; "
+                                        r"give ampguard sinks, e\.g\. \[JsonlSink\('steps.jsonl'\)\]"):
+        AmpGuardPlugin(sinks="steps.jsonl")
+    with pytest.raises(TypeError, match=r"^AmpGuardPlugin\(sinks=\.\.\.\): None is not an ampguard sink"):
+        AmpGuardPlugin(sinks=[None])
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"^AmpGuardPlugin\(keep_records={bad!r}\): a whole number >= 0"):
+            AmpGuardPlugin(keep_records=bad)
+    with pytest.raises(TypeError, match=r"^AmpGuardPlugin\(csv=123\): give the CSV's path"):
+        AmpGuardPlugin(csv=123)
+    with pytest.raises(TypeError, match=r"^AmpGuardPlugin\(log='no'\): True or False"):
+        AmpGuardPlugin(log="no")
+    assert AmpGuardPlugin(sinks=(s for s in [JsonlSink(tmp_path / "a.jsonl")]), keep_records=0).records.maxlen == 0
+    plugin = AmpGuardPlugin("bf16-mixed")
+    plugin.extra_sinks = ["steps.jsonl"]  # (how a later fit is given its sinks)
+    module = Digits()
+    with pytest.raises(TypeError, match=r"^plugin\.extra_sinks: 'steps.jsonl' is not an ampguard sink"):
+        fit(module, plugin, steps=2)
+    assert same(list(module.parameters()), module.after[0])
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (a folder no file can be made in)")
+def test_a_csv_that_cannot_be_written_is_refused_before_any_update():
+    # 37j #4: csv="/proc/steps.csv" passed the folder checks and failed at the first record, the parameters changed
+    module = Digits()
+    with pytest.raises(InputError, match=r"^AmpGuardPlugin csv='/proc/ampguard-steps.csv': cannot write /proc: .*; "
+                                         r"give a csv path in a folder you can write$"):
+        fit(module, AmpGuardPlugin("bf16-mixed", csv="/proc/ampguard-steps.csv"), steps=2)
+    assert module.trainer.global_step == 0 and same(list(module.parameters()), module.after[0])
+    assert not os.path.exists("/proc/ampguard-steps.csv")
