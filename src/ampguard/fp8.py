@@ -176,6 +176,22 @@ def _not_called(model: nn.Module) -> set[int]:
             for child in m.children() if isinstance(child, nn.Linear)}
 
 
+def _torchs_own(hook: Any) -> bool:
+    """Whether a module hook is one of ``torch.nn.utils``' own (weight_norm's compat hook,
+    spectral_norm's load hook), through the wrapper the module keeps it in.
+
+    Example::
+
+        >>> layer = nn.Linear(2, 2)
+        >>> _ = nn.utils.spectral_norm(layer); _ = nn.utils.remove_spectral_norm(layer)
+        >>> [_torchs_own(h) for h in layer._load_state_dict_pre_hooks.values()], _torchs_own(print)
+        ([True], False)
+    """
+    hook = getattr(hook, "hook", hook)  # (_WrappedHook)
+    where = getattr(hook, "__module__", None) or type(hook).__module__
+    return where.startswith("torch.nn.utils.") and where != "torch.nn.utils.parametrize"
+
+
 def _cannot_swap(m: nn.Linear) -> str | None:
     """Why torchao's swap (a new ``Float8Linear`` given only ``weight`` and ``bias``:
     ``Float8Linear.from_float``) would not compute what this Linear computes, or fail; ``None``
@@ -215,9 +231,14 @@ def _cannot_swap(m: nn.Linear) -> str | None:
         return f"a {type(m).__name__} with its own forward, which Float8Linear's would replace"
     # (ampguard's own fp32_modules forward is no override: fp8 does not keep fp32_modules, and
     # validate's bf16 pass leaves it on the model its fp8 copy is made from)
-    own = getattr(vars(m).get("forward"), "__func__", None)  # (read by name: precision imports this module)
-    if "forward" in vars(m) and (getattr(own, "__module__", None), getattr(own, "__qualname__", None)) != \
-            ("ampguard.precision", "_fp32_method"):
+    # an instance forward that is the class's own bound to the layer (what Accelerate's
+    # remove_hook_from_module puts back) changes nothing; ampguard's fp32_modules one is read by
+    # name (precision imports this module)
+    forward = vars(m).get("forward")
+    own = getattr(forward, "__func__", None)
+    if "forward" in vars(m) and not (own is type(m).forward and getattr(forward, "__self__", None) is m) and (
+            getattr(own, "__module__", None), getattr(own, "__qualname__", None)) != ("ampguard.precision",
+                                                                                     "_fp32_method"):
         return "its forward is replaced on the instance (Accelerate's hooks, a patch), which the swap to a new " \
                "Float8Linear would drop"
     if getattr(m, "_compiled_call_impl", None) is not None:
@@ -241,8 +262,9 @@ def _cannot_swap(m: nn.Linear) -> str | None:
     handles = (getattr(m, "_initialize_hook", None), getattr(m, "_load_hook", None)) if lazy else ()
     torchs = {h.id for h in handles if h is not None}
 
-    def own(hooks: dict[int, Any]) -> bool:
-        return any(key not in torchs for key in hooks)
+    def own(hooks: dict[int, Any]) -> bool:  # (torch's own leftovers aside: weight_norm's or spectral_norm's
+        # load hook, left when they are removed, only renames their legacy keys, which a plain Linear has not)
+        return any(key not in torchs and not _torchs_own(hook) for key, hook in hooks.items())
 
     if own(m._forward_pre_hooks) or own(m._forward_hooks) or m._backward_pre_hooks or m._backward_hooks:
         return "has hooks of its own, which the swap to a new Float8Linear would drop"

@@ -34,6 +34,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,7 @@ from torch import nn
 from .build import prepare_model, resolve_device, to_device
 from .checkpoint import modes_kept, rng_kept
 from .config import Config, flat_keys
-from .errors import ExitCode, InputError, counted, user_code
+from .errors import AmpguardWarning, ExitCode, InputError, counted, user_code
 from .files import DiskFull, make_parents, replace_atomically
 from .precision import Precision, backend_of, fp32_settings
 from .records import strict_json
@@ -891,11 +892,13 @@ def check_rules(task: Task, cfg: Any) -> None:
 
 
 def check_fp32_weights(model: nn.Module, precisions: Iterable[str]) -> None:
-    """Refuse, in one :class:`InputError` line, a model whose floating weights (parameters and
-    buffers: a frozen projection registered as a buffer is weights too) are not float32, naming
-    the first and its dtype. Below float32 (fp16, bf16), the FP32 reference would compute in
-    their dtype: bf16 weights give a bf16 "reference", which bf16 autocast matches exactly,
-    ACCEPTED at zero tolerance. A model all in float64 (which train keeps; a float64 parameter
+    """Refuse, in one :class:`InputError` line, a model whose floating parameters are not float32,
+    naming the first and its dtype. Below float32 (fp16, bf16), the FP32 reference would compute
+    in their dtype: bf16 weights give a bf16 "reference", which bf16 autocast matches exactly,
+    ACCEPTED at zero tolerance. A floating buffer below float32 is warned of, naming it: a frozen
+    projection kept as a buffer sets the reference's dtype as such a parameter does, a 0/1 mask
+    or a cache does not (type promotion keeps the work in float32), and which it is cannot be
+    told from here (``train`` takes both). A model all in float64 (which train keeps; a float64 parameter
     or buffer beside float32 weights is fine) gives no comparison either:
     autocast lowers float32 work only, so the precision judged computes nothing in its dtype
     there and its pass is the reference's again, bit for bit. Either way nothing about the
@@ -906,23 +909,25 @@ def check_fp32_weights(model: nn.Module, precisions: Iterable[str]) -> None:
     Example::
 
         >>> check_fp32_weights(nn.BatchNorm1d(2), ["bf16"])  # fine: nothing printed (an int64 count)
-        >>> frozen = nn.Linear(2, 2)
-        >>> frozen.register_buffer("proj", torch.ones(2, 2, dtype=torch.bfloat16))
-        >>> for model in (nn.Linear(2, 2).half(), frozen, nn.Linear(2, 2).double()):
+        >>> for model in (nn.Linear(2, 2).half(), nn.Linear(2, 2).double()):
         ...     try:
         ...         check_fp32_weights(model, ["bf16"])
         ...     except InputError as err:
         ...         print(err)
         validate: the FP32 reference needs float32 weights: parameter 'weight' is float16, so the reference would compute in float16, not float32; keep the model in float32 (no .half() / .to(torch.float16))
-        validate: the FP32 reference needs float32 weights: buffer 'proj' is bfloat16, so the reference would compute in bfloat16, not float32; keep the model in float32 (no .to(torch.bfloat16))
         validate: the FP32 reference needs float32 weights: parameter 'weight' is float64, where autocast computes nothing in bf16 (it lowers float32 work only): bf16 would run as the reference does, in float64; keep the model in float32 (no .double())
     """
-    weights = list(itertools.chain((("parameter", n, t) for n, t in model.named_parameters()),
-                                   (("buffer", n, t) for n, t in model.named_buffers())))
+    for name, t in model.named_buffers():
+        if t.is_floating_point() and t.dtype.itemsize < 4:
+            warnings.warn(f"validate: buffer {name!r} is {str(t.dtype).removeprefix('torch.')}: where the model "
+                          "computes with it (a frozen projection), the FP32 reference computes in that dtype too and "
+                          "AMP's difference there goes unmeasured (a 0/1 mask or a cache is fine)", AmpguardWarning,
+                          stacklevel=2)
+    weights = [("parameter", n, t) for n, t in model.named_parameters()]
     found = next(((kind, name, t.dtype) for kind, name, t in weights
                   if t.is_floating_point() and t.dtype.itemsize < 4), None)
     if found is None:  # (float64 refused only when no weight is float32: a float64 scale or table beside them is fine)
-        floats = [(kind, name, t.dtype) for kind, name, t in weights if kind == "parameter" and t.is_floating_point()]
+        floats = [(kind, name, t.dtype) for kind, name, t in weights if t.is_floating_point()]
         found = floats[0] if floats and all(dtype.itemsize > 4 for *_, dtype in floats) else None
     if found is None:
         return
@@ -1820,11 +1825,13 @@ def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, 
             except ValueError:
                 continue
             if not (isinstance(entry, dict) and entry.get("accepted") is False and isinstance(entry.get("rules"), dict)
-                    and entry.get("weights") == key["weights"]
-                    and all(entry.get(k, key.get(k)) == key.get(k) for k in ("task", "task_options"))):
-                continue  # (an entry that names no task or no options, written before they were keyed, is matched
-                # on what it names)
-            then, now = entry["rules"], key["rules"]
+                    and entry.get("weights") == key["weights"] and entry.get("task", key.get("task")) == key.get("task")):
+                continue  # (an entry that names no task, written before it was keyed, is matched on its weights)
+            # the task's options are a change said, not another subject: an option the factory ignores, or one
+            # left to its default, builds the same weights (and a different model on the same weights is said)
+            now_options = key.get("task_options") or {}
+            then = {**entry["rules"], **flat_keys(entry.get("task_options", now_options) or {}, "task.options")}
+            now = {**key["rules"], **flat_keys(now_options, "task.options")}
             changed = [f"probe set: {str(entry.get('probe_set'))[:12]} -> {str(key['probe_set'])[:12]}"] \
                 if entry.get("probe_set") != key["probe_set"] else []
             for k in sorted(set(then) | set(now)):

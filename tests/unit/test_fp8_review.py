@@ -426,3 +426,30 @@ def test_a_torchao_without_recipe_names_is_one_line(monkeypatch):
                                           r"and torchao \S+ lacks it: install the torchao release made for this torch"):
         require_torchao()
     assert refusal(middle(nn.Linear(32, 32))).startswith("precision: fp8 needs torchao 0.10 or newer")
+
+
+def test_a_linear_whose_patches_were_taken_off_again_converts():
+    # review 37l: Accelerate's remove_hook_from_module leaves the class's own forward bound on the
+    # instance, and removing weight_norm/spectral_norm leaves torch's legacy-key load hooks: both
+    # were refused ("replaced on the instance", "state-dict hooks of its own")
+    from torch.nn.utils import parametrize
+
+    from ampguard.fp8 import plan
+
+    def three() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10))
+
+    model = three()
+    model[1].forward = model[1].forward  # (the class's forward, bound to the layer)
+    assert plan(model)["1"] == "fp8"
+    model = three()
+    nn.utils.parametrizations.weight_norm(model[1])
+    parametrize.remove_parametrizations(model[1], "weight")
+    assert plan(model)["1"] == "fp8"
+    model = three()
+    nn.utils.spectral_norm(model[1])
+    nn.utils.remove_spectral_norm(model[1])
+    assert plan(model)["1"] == "fp8"
+    model = three()
+    model[1].forward = lambda x: nn.functional.linear(x, model[1].weight) * 2  # (a real patch: still out)
+    assert plan(model)["1"].startswith("its forward is replaced on the instance")
