@@ -350,7 +350,7 @@ class FrozenProjection(nn.Module):
         return (x.to(self.proj.dtype) @ self.proj).float() + self.bias
 
 
-def test_weights_below_float32_in_a_buffer_are_refused_as_parameters_are():
+def test_weights_below_float32_in_a_buffer_are_warned_of_not_taken_for_float32():
     # the bf16 buffer passed: the "FP32 reference" computed its projection in bf16
     check_fp32_weights(FrozenProjection(torch.float32), ["bf16"])  # (int64 and bool buffers: fine)
     # review 37l: refused, it turned away 0/1 masks and caches train takes (type promotion keeps them float32): warned
