@@ -87,33 +87,52 @@ def _floats(value: Any) -> list[torch.Tensor]:
     return out
 
 
+NAN, POS_INF, NEG_INF = 1, 2, 3
+"""The codes of :func:`_bad_at`'s ``where``: 0 for a finite element, then its non-finite kind
+(a complex infinity is ``POS_INF``)."""
+
+
+def _codes(t: torch.Tensor) -> torch.Tensor:
+    """Each element's code (:data:`NAN`, ...), flattened, as int8 on ``t``'s device; float8 read
+    through float32 (its own comparisons are not all there)."""
+    t = t.float() if t.element_size() == 1 else t
+    nan, inf = torch.isnan(t), torch.isinf(t)
+    if t.is_complex():
+        return (nan.to(torch.int8) * NAN + (inf & ~nan).to(torch.int8) * POS_INF).reshape(-1)
+    return (nan.to(torch.int8) * NAN + (inf & (t > 0)).to(torch.int8) * POS_INF
+            + (inf & (t < 0)).to(torch.int8) * NEG_INF).reshape(-1)
+
+
 def _bad_at(value: Any, known: torch.Tensor | None = None) -> tuple[str | None, torch.Tensor | None]:
-    """``(kind, where)``: ``where`` flags each element of ``value``'s floating tensors, flattened
-    in order, that is not finite (None when all are); ``kind`` is ``"nan"`` or ``"inf"`` for
-    those not flagged in ``known`` as well (what another pass had non-finite at the same
-    place), None when there are none.
+    """``(kind, where)``: ``where`` holds each element's code (:data:`NAN`, :data:`POS_INF`,
+    :data:`NEG_INF`, 0 when finite) over ``value``'s floating tensors, flattened in order (None
+    when all are finite); ``kind`` is ``"nan"`` or ``"inf"`` for the non-finite elements whose
+    code differs from ``known``'s (what another pass had at the same place: a NaN where it had
+    ``-inf`` is new), None when there are none.
 
     Example::
 
         >>> kind, where = _bad_at([torch.tensor([1.0, -math.inf]), torch.tensor([math.nan])])
         >>> kind, where.tolist()
-        ('nan', [False, True, True])
-        >>> _bad_at(torch.tensor([1.0, -math.inf]), known=torch.tensor([False, True]))[0]  # (known: not new)
-        >>> _bad_at(torch.tensor([math.inf, -math.inf]), known=torch.tensor([False, True]))[0]
+        ('nan', [0, 3, 1])
+        >>> _bad_at(torch.tensor([1.0, -math.inf]), known=torch.tensor([0, NEG_INF]))[0]  # (known: not new)
+        >>> _bad_at(torch.tensor([math.inf, -math.inf]), known=torch.tensor([0, NEG_INF]))[0]
         'inf'
+        >>> _bad_at(torch.tensor([1.0, math.nan]), known=torch.tensor([0, NEG_INF]))[0]  # (-inf there before)
+        'nan'
     """
     floats = _floats(value)
     if not floats:
         return None, None
     device = floats[0].device
-    where = torch.cat([(~torch.isfinite(t)).reshape(-1).to(device) for t in floats])
-    if not bool(where.any()):
+    where = torch.cat([_codes(t).to(device) for t in floats])
+    bad = where != 0
+    if not bool(bad.any()):
         return None, None
-    new = where if known is None or known.shape != where.shape else where & ~known.to(device)
+    new = bad if known is None or known.shape != where.shape else bad & (where != known.to(device))
     if not bool(new.any()):
         return None, where
-    nan = torch.cat([torch.isnan(t).reshape(-1).to(device) for t in floats])
-    return ("nan" if bool((nan & new).any()) else "inf"), where
+    return ("nan" if bool((new & (where == NAN)).any()) else "inf"), where
 
 
 def _bad(value: Any) -> str | None:
@@ -134,9 +153,10 @@ class _Seen:
     Example::
 
         >>> seen = _Seen()
-        >>> seen.note("out:mask#1", torch.tensor([-math.inf, 0.0]), torch.tensor([True, False]))
+        >>> seen.note("out:mask#1", _bad_at(torch.tensor([-math.inf, 0.0]))[1])
+        >>> seen.note("out:fc#1", _bad_at(torch.tensor([-math.inf, -math.inf]))[1])  # (all of it: an overflow)
         >>> seen.at["out:mask#1"].tolist(), seen.minus_inf
-        ([True, False], {'out:mask#1'})
+        ([3, 0], {'out:mask#1'})
     """
 
     at: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -144,14 +164,15 @@ class _Seen:
     every: bool = True
     minus_inf: set[str] = field(default_factory=set)
 
-    def note(self, place: str, value: Any, where: torch.Tensor | None, first: bool = False) -> None:
-        """Keep ``where`` (:func:`_bad_at`'s, of ``value``) for ``place``: every place, or the finding's."""
+    def note(self, place: str, where: torch.Tensor | None, first: bool = False) -> None:
+        """Keep ``where`` (:func:`_bad_at`'s codes) for ``place``: every place, or the finding's.
+        A place counts as a mask (``minus_inf``) when its non-finite elements are all ``-inf`` and
+        some are finite (a mask that hides everything is no mask: an overflow of a whole output)."""
         if where is None or not (self.every or first):
             return
-        self.at[place] = where.cpu()
-        floats = _floats(value)
-        device = floats[0].device
-        if bool((torch.cat([t.reshape(-1).to(device) for t in floats])[where.to(device)] == -math.inf).all()):
+        self.at[place] = where = where.cpu()
+        bad = where != 0
+        if bool((where[bad] == NEG_INF).all()) and not bool(bad.all()):
             self.minus_inf.add(place)
         if first:
             self.first = place
@@ -167,13 +188,15 @@ class _Seen:
 
         Example::
 
-            >>> amp, fp32 = _Seen({"out:mask#1": torch.tensor([True, False])}, "out:mask#1"), _Seen()
-            >>> amp.also_in(fp32), amp.also_in(_Seen({"out:mask#1": torch.tensor([True, True])}))
+            >>> amp, fp32 = _Seen({"out:mask#1": torch.tensor([NEG_INF, 0])}, "out:mask#1"), _Seen()
+            >>> amp.also_in(fp32), amp.also_in(_Seen({"out:mask#1": torch.tensor([NEG_INF, NEG_INF])}))
             (False, True)
+            >>> amp.also_in(_Seen({"out:mask#1": torch.tensor([NAN, 0])}))  # (another kind there)
+            False
         """
         mine, theirs = self.at.get(self.first or ""), other.at.get(self.first or "")
         return (mine is not None and theirs is not None and mine.shape == theirs.shape
-                and not bool((mine & ~theirs.to(mine.device)).any()))
+                and not bool(((mine != 0) & (mine != theirs)).any()))
 
 
 def _dtypes(value: Any) -> list[str]:
@@ -456,7 +479,7 @@ def trace_first_non_finite(
     known_at = known.at if known is not None else {}
     found: list[Finding] = []
     kind, where = _bad_at(inputs, known_at.get("input"))
-    seen.note("input", inputs, where, first=kind is not None)
+    seen.note("input", where, first=kind is not None)
     if kind is not None:
         found.append(Finding("input", kind=kind, input_dtypes=_dtypes(inputs), precision=label))
     names = {id(m): name for name, m in model.named_modules()}
@@ -473,7 +496,7 @@ def trace_first_non_finite(
         key = f"{names.get(id(module), '?')}#{n}"
         first = next(iter(_tensors(args) or _tensors(kwargs)), None)  # (self.b(input=t): a keyword's)
         born, where = (None, None) if first is None else _bad_at(first, known_at.get(f"in:{key}"))
-        seen.note(f"in:{key}", first, where)
+        seen.note(f"in:{key}", where)
         calls.append((module, key, _dtypes(args) or _dtypes(kwargs), born, _dtypes(first), first, where))
 
     def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -484,14 +507,14 @@ def trace_first_non_finite(
         _, key, dtypes, born, first_dtypes, first, first_where = calls.pop()
         kind, where = _bad_at(output, known_at.get(f"out:{key}"))
         if kind is None or found:
-            seen.note(f"out:{key}", output, where)
+            seen.note(f"out:{key}", where)
             return
         if born is None:
             found.append(Finding("forward", names.get(id(module), "?"), type(module).__name__, kind, dtypes,
                                  _dtypes(output), label))
-            seen.note(f"out:{key}", output, where, first=True)
+            seen.note(f"out:{key}", where, first=True)
             return
-        seen.note(f"out:{key}", output, where)
+        seen.note(f"out:{key}", where)
         # it came in non-finite: the code of the innermost caller whose own first input came in finite made it
         i, child, child_key = len(calls) - 1, module, key
         while i >= 0 and calls[i][3] is not None:
@@ -503,7 +526,7 @@ def trace_first_non_finite(
             caller, _, caller_dtypes = calls[i][:3]
             found.append(Finding("forward", names.get(id(caller), "?"), type(caller).__name__, born, caller_dtypes,
                                  first_dtypes, label, before=names.get(id(child), "?")))
-        seen.note(f"in:{child_key}", first, first_where, first=True)
+        seen.note(f"in:{child_key}", first_where, first=True)
 
     handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
     handles += [m.register_forward_hook(forward_hook, with_kwargs=True, always_call=True) for m in model.modules()]
@@ -600,7 +623,7 @@ def _gradients_after(model: nn.Module, loss_scale: float, label: str, summed: bo
              for _, g in held]
     if bool(torch.isfinite(torch.linalg.vector_norm(torch.stack(norms)))):
         return []
-    return [Finding("backward", "", NORM, "inf", [], ["float32"], label)]
+    return [Finding("backward", "", f"{NORM}; {SUMMED}" if summed else NORM, "inf", [], ["float32"], label)]
 
 
 @contextmanager
@@ -734,7 +757,9 @@ def diagnose_group(
     :class:`~ampguard.guards.FirstSkipDiagnosis` keeps them: :func:`~ampguard.checkpoint.torch_rng_state`),
     or the one the step began with (each next micro-batch then from where the one before drew to):
     its passes draw the step's dropout masks; None: from the caller's. The caller's RNG state is
-    put back. (Buffers other than the running statistics are as the step left them.)
+    put back. (Only torch's RNG is followed: a forward that draws from ``random`` or NumPy, a
+    layerdrop, may take another branch in the replay. Buffers other than the running statistics
+    are as the step left them.)
 
     Example (the second micro-batch carries a NaN, in FP32 as well: not a precision problem)::
 
@@ -756,7 +781,7 @@ def diagnose_group(
     n = len(batches) if accumulation_steps is None else accumulation_steps
     losses: list[float | None] = []
     inner = _uncompiled(model)
-    states = list(rng) if isinstance(rng, list) else [rng]
+    states = list(rng) if isinstance(rng, (list, tuple)) else [rng]
     states += [None] * (len(batches) - len(states))
     with _eager(), rng_kept():
         starts = []

@@ -1296,3 +1296,65 @@ def test_a_sparse_csr_or_nested_side_output_is_left_out_not_a_crash():
     for kind in ("csr", "nested"):
         result = diagnose(Side(kind), lambda out, y: F.mse_loss(out[0], y), torch.ones(3, 2), torch.zeros(3, 1), BF16)
         assert result.verdict == "none", kind
+
+
+# ---------------------------------------------------------------------------- review 37k
+
+
+def test_an_overflow_to_minus_inf_in_fp32_too_is_named_not_taken_for_a_mask():
+    # (a whole output of -inf: an overflow, no mask; it was looked past and the loss named)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Identity(), nn.Linear(2, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(-3e38), model[0].bias.zero_()  # (finite weights: -6e38 is -inf in FP32 too)
+    result = diagnose(model, F.mse_loss, torch.ones(3, 2), torch.zeros(3, 1), BF16)
+    assert (result.amp.where, result.amp.name, result.verdict) == ("forward", "0", "data/model")
+
+
+def test_a_nan_where_the_fp32_replay_had_a_mask_is_new():
+    # (+inf under fp16 plus the -inf mask is NaN where FP32 has -inf: it was taken as known, and the
+    # Softmax that only received it was named)
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.sm, self.out = nn.Linear(4, 4, bias=False), nn.Softmax(-1), nn.Linear(4, 1)
+            with torch.no_grad():
+                self.q.weight.fill_(0.0), self.q.weight[3, :].fill_(1.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.q(x)
+            return self.out(self.sm(q * q + torch.tensor([0.0, 0.0, 0.0, -math.inf])))  # 1.44e6: inf in fp16
+
+    result = diagnose(Attn(), F.mse_loss, torch.full((2, 4), 300.0), torch.zeros(2, 1), FP16)
+    assert (result.amp.where, result.amp.name, result.amp.before, result.amp.kind) == ("forward", "", "sm", "nan")
+
+
+def test_a_groups_summed_norm_past_float32_says_the_sum():
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * self.weight).sum(dim=1, keepdim=True)
+
+    def loss_fn(out, y):  # each micro-batch's gradients 4.7e18 a weight: their norm finite; summed, not
+        return out.float().mean() * 4.7e18
+
+    batch = (torch.ones(1, 4), torch.zeros(1, 1))
+    result = diagnose_group(Scale(), loss_fn, (batch, batch), FP32, accumulation_steps=1, rng=(None, None))
+    assert result.amp.op.endswith("summed over the group's micro-batches") and result.amp.name == ""
+    assert "run that module" not in result.message()
+
+
+def test_a_float8_side_output_does_not_crash_the_trace():
+    class Side(nn.Module):  # (a cached float8 activation beside the output: torch.cat of its values raised)
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor):
+            return self.fc(x), torch.tensor([-math.inf, 1.0]).to(torch.float8_e5m2)
+
+    result = diagnose(Side(), lambda out, y: F.mse_loss(out[0], y) * math.inf, torch.ones(3, 2), torch.zeros(3, 1),
+                      BF16)
+    assert result.verdict == "data/model"
