@@ -78,7 +78,7 @@ def rng_state() -> dict[str, Any]:
 
 def torch_rng_state() -> dict[str, Any]:
     """Torch's RNGs alone (CPU and CUDA), what dropout draws from: :func:`rng_state`'s cheap part
-    (~1 us; NumPy's and ``random``'s states cost ~50 us more), put back by :func:`set_rng_state`.
+    (a few us; NumPy's and ``random``'s states cost ~60 us more), put back by :func:`set_rng_state`.
 
     Example::
 

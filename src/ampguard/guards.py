@@ -629,7 +629,7 @@ class FirstSkipDiagnosis:
     def capture(self, batch: tuple[Any, Any]) -> None:
         """Call before the step takes ``batch``: keeps the group's batches, the loss scale they
         run with (a device copy, no host read) and torch's RNG state as each begins (a host copy
-        of the generators' states, ~1 us: the replay draws the step's dropout masks).
+        of the generators' states, a few us: the replay draws the step's dropout masks).
 
         Example (fp16 on two weights: a skipped step halves the scale, the next group keeps the new one)::
 

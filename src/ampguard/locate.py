@@ -568,9 +568,14 @@ def trace_first_non_finite(
         if found:
             return found[0]
         if loss_kind is not None:
-            # (NaN targets make a NaN loss: an inf one beside them is the loss's own overflow)
-            if (bad_targets := _bad(targets)) is not None and (bad_targets == "inf" or loss_kind == "nan"):
-                return Finding("input", "targets", kind=bad_targets, input_dtypes=_dtypes(targets), precision=label)
+            # (NaN targets make a NaN loss: an inf loss beside NaN targets alone is the loss's own overflow;
+            # an inf among the targets can make either)
+            codes = _bad_at(targets)[1]
+            nan, inf = (codes is not None and bool((codes == NAN).any()),
+                        codes is not None and bool((codes >= POS_INF).any()))
+            if inf or nan and loss_kind == "nan":
+                kind = "nan" if nan and loss_kind == "nan" else "inf"
+                return Finding("input", "targets", kind=kind, input_dtypes=_dtypes(targets), precision=label)
             fn = inspect.unwrap(loss_fn)  # through a wrapper (the fault injector's) to the task's loss
             return Finding("loss", op=getattr(fn, "__name__", type(fn).__name__), kind=loss_kind,
                            output_dtypes=_dtypes(loss), precision=label)

@@ -1358,3 +1358,13 @@ def test_a_float8_side_output_does_not_crash_the_trace():
     result = diagnose(Side(), lambda out, y: F.mse_loss(out[0], y) * math.inf, torch.ones(3, 2), torch.zeros(3, 1),
                       BF16)
     assert result.verdict == "data/model"
+
+
+def test_an_inf_among_nan_targets_the_loss_masks_is_the_targets():
+    # review 37o: NaN came first in the targets' kind, so an inf beside it (the loss's inf) named the loss
+    def nansum_loss(out, y):  # (NaN targets left out; the inf one makes the loss inf)
+        return torch.nansum((out - y).abs())
+
+    result = diagnose(nn.Linear(2, 1), nansum_loss, torch.ones(3, 2), torch.tensor([[math.nan], [math.inf], [0.0]]),
+                      BF16)
+    assert (result.amp.where, result.amp.name, result.amp.kind) == ("input", "targets", "inf")
