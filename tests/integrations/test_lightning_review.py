@@ -147,3 +147,42 @@ def test_a_csv_that_cannot_be_written_is_refused_before_any_update():
         fit(module, AmpGuardPlugin("bf16-mixed", csv="/proc/ampguard-steps.csv"), steps=2)
     assert module.trainer.global_step == 0 and same(list(module.parameters()), module.after[0])
     assert not os.path.exists("/proc/ampguard-steps.csv")
+
+
+def test_an_optimizer_step_that_skips_the_step_is_refused_not_taken_for_an_ended_epoch(tmp_path):
+    # review 37m: the group drop fired for an optimizer_step override that steps every other batch,
+    # warning of an ended epoch once a step; it is refused as before the drop existed
+    class EveryOther(Digits):
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+            if batch_idx % 2 == 1:
+                optimizer.step(closure=optimizer_closure)
+            else:
+                optimizer_closure()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="two backward"):
+            fit(EveryOther(hidden=8), AmpGuardPlugin("bf16-mixed"), steps=4)
+    assert not [w for w in caught if "the epoch ended" in str(w.message)]
+
+
+def test_a_resumes_csv_is_checked_where_the_resume_rewrites_it(tmp_path):
+    # review 37m: a resume cuts the CSV by writing a new file beside it and renaming it over the old:
+    # its folder must be writable (a writable CSV in a read-only folder passed the check, then failed
+    # after an update; a read-only CSV in a writable folder was refused, though the resume works)
+    from ampguard.integrations.lightning import _check_writable
+
+    with pytest.raises(InputError, match=r"cannot write in /proc \(a resume rewrites the CSV there\)"):
+        _check_writable(Path("/proc/version"), "csv", rewritten=True)
+    frozen = tmp_path / "steps.csv"
+    frozen.write_text("step\n")
+    frozen.chmod(0o444)
+    _check_writable(frozen, "csv", rewritten=True)  # (its folder takes the rewritten file)
+
+
+def test_keep_records_none_keeps_them_all_and_extra_sinks_are_checked_first():
+    assert AmpGuardPlugin(keep_records=None).records.maxlen is None
+    plugin = AmpGuardPlugin("32-true")
+    plugin.extra_sinks = None  # (a bare TypeError from the closed-sinks check came first)
+    with pytest.raises(TypeError, match=r"^plugin\.extra_sinks: None is not a list of sinks"):
+        fit(Digits(hidden=8), plugin, steps=1)

@@ -190,7 +190,7 @@ class AmpGuardPlugin(_LightningPrecision):
         min_steps: int = 100,
         scheduler_on_skip: Literal["hold", "step"] = "hold",
         frozen: Literal["refuse", "ignore"] = "refuse",
-        keep_records: int = 10_000,
+        keep_records: int | None = 10_000,
     ) -> None:
         if not isinstance(precision, str) or precision not in _NAMES:
             raise ValueError(f"AmpGuardPlugin(precision={precision!r}): use '16-mixed', 'bf16-mixed' or '32-true'")
@@ -202,9 +202,9 @@ class AmpGuardPlugin(_LightningPrecision):
             raise TypeError(f"AmpGuardPlugin(csv={csv!r}): give the CSV's path (a str or a Path), or None")
         if not isinstance(log, bool):
             raise TypeError(f"AmpGuardPlugin(log={log!r}): True or False")
-        if not whole_number(keep_records, 0):
-            raise ValueError(f"AmpGuardPlugin(keep_records={keep_records!r}): a whole number >= 0 (the records "
-                             f"plugin.records keeps)")
+        if keep_records is not None and not whole_number(keep_records, 0):
+            raise ValueError(f"AmpGuardPlugin(keep_records={keep_records!r}): a whole number >= 0, or None for all "
+                             f"(the records plugin.records keeps)")
         sinks = _check_sinks(sinks)
         self.precision = {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[_NAMES[precision]]
         self.name = _NAMES[precision]
@@ -282,6 +282,8 @@ class AmpGuardPlugin(_LightningPrecision):
         module = _lightning_module(model)
         trainer = module._trainer if module is not None else None
         if module is not None and trainer is not None and trainer.state.fn == "fit":
+            # (the attribute a later fit's sinks are set by: checked first, a generator taken into a list once)
+            self.extra_sinks = _check_sinks(self.extra_sinks, "plugin.extra_sinks")
             closed = [s for s in self.extra_sinks if any(s is c for c in self._closed)]
             if closed:  # before anything is trained: the first step would crash on them
                 raise ValueError(f"AmpGuardPlugin: sinks={[type(s).__name__ for s in closed]} were closed when the "
@@ -292,7 +294,6 @@ class AmpGuardPlugin(_LightningPrecision):
                 raise ValueError(f"AmpGuardPlugin: csv={str(self.csv)!r} was the previous fit's with this plugin "
                                  f"(one fit per plugin); give this fit a new AmpGuardPlugin with a new csv path, "
                                  f"or resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
-            _check_sinks(self.extra_sinks, "plugin.extra_sinks")  # (the attribute a later fit's sinks are set by)
             if trainer.gradient_clip_val:
                 raise ValueError(_clip_refusal(trainer))
             if is_overridden("backward", module):
@@ -357,8 +358,9 @@ class AmpGuardPlugin(_LightningPrecision):
         check_folder_of(missing, where)
         if not trainer.is_global_zero:
             return
+        resumes = trainer.ckpt_path is not None and self.csv.exists()  # (then the sink rewrites it: its folder)
         if not (self.csv.exists() and self.csv.stat().st_size > 0):
-            _check_writable(self.csv, where)
+            _check_writable(self.csv, where, rewritten=resumes)
             return
         if trainer.ckpt_path is None:
             raise InputError(f"{self.csv} already exists; refusing to overwrite it")
@@ -370,7 +372,7 @@ class AmpGuardPlugin(_LightningPrecision):
                                                          if optimizers > 1 else " (one optimizer)"))
         except InputError as err:
             raise InputError(f"{err}: give this fit a new csv path") from None
-        _check_writable(self.csv, where)
+        _check_writable(self.csv, where, rewritten=True)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if not isinstance(module, pl.LightningModule) or module._trainer is None:
@@ -626,6 +628,8 @@ class AmpGuardPlugin(_LightningPrecision):
             return
         if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches:
             return  # (inside Lightning's group: the guard's goes on)
+        if trainer.current_epoch == self._group_began[0]:
+            return  # (the same epoch: no early end; an optimizer_step that skipped the step is refused as before)
         rank_zero_warn(f"AmpGuardPlugin: {self._open_group()} had no optimizer step (the epoch ended inside the "
                        f"group: on_train_batch_start returned -1?); dropped, as Lightning drops them (its zero_grad "
                        f"at the next group's start)", category=AmpguardWarning)
@@ -967,25 +971,30 @@ def _clip_refusal(trainer: pl.Trainer) -> str:
             f"gradient_clip_val={val} (use max_norm={val} on the plugin)")
 
 
-def _check_writable(path: Path, where: str) -> None:
+def _check_writable(path: Path, where: str, rewritten: bool = False) -> None:
     """Refuse (one :class:`InputError` line) a CSV path rank 0 cannot write, before the fit trains:
     the file opens at the first record, after the first update (``/proc/steps.csv`` passed the
-    folder checks and failed there, the parameters changed). An existing file is opened to append
+    folder checks and failed there, the parameters changed). A CSV a resume ``rewritten`` (its
+    rows after the checkpoint's step cut: a new file renamed over it) needs its folder: a file is
+    made and removed there (a read-only CSV in a folder one can write resumes; a writable one in
+    a read-only folder failed after the first update). Another existing file is opened to append
     (nothing written); else a file is made and removed in the nearest folder that exists (the
     missing ones are made when the CSV opens)."""
     folder = path.parent
     while not folder.exists() and folder.parent != folder:
         folder = folder.parent
     try:
-        if path.exists():
+        if path.exists() and not rewritten:
             with open(path, "ab"):
                 pass
         else:
             with tempfile.TemporaryFile(dir=folder):
                 pass
     except OSError as err:
-        raise InputError(f"{where}: cannot write {path if path.exists() else folder}: {err.strerror or err}; "
-                         f"give a csv path in a folder you can write") from None
+        what = f"in {folder} (a resume rewrites the CSV there)" if rewritten else \
+            (path if path.exists() else folder)
+        raise InputError(f"{where}: cannot write {what}: {err.strerror or err}; give a csv path in a folder you "
+                         f"can write") from None
 
 
 def _check_sinks(sinks: Any, where: str = "AmpGuardPlugin(sinks=...)") -> list[Sink]:
