@@ -640,6 +640,7 @@ def plot_run(
     events_dir: Path | None = None,
     scaler_on: bool = True,
     scale_floor: float = 1.0,
+    unobserved: int = 0,
 ) -> Path:
     """Draw one PNG (1200 x 1400 px) with five panels on a shared step axis: loss, pre/post-clip
     norm with the ``max_norm`` line, log2 of the loss scale, learning rate, and the rolling skip
@@ -710,7 +711,8 @@ def plot_run(
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
                   fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title, init_scale=init_scale,
                   scale_floor=scale_floor, policy=policy, rollbacks=rollbacks_of(events_dir) if events_dir else (),
-                  restarts=scale_restarts(events_dir, rows, init_scale) if heat and events_dir and scaler_on else None)
+                  restarts=scale_restarts(events_dir, rows, init_scale) if heat and events_dir and scaler_on else None,
+                  unobserved=unobserved)
             # marked as ampguard's (PLOT_MARK): only a plot with the mark is ever drawn again
             fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(f"ampguard report: {shown_title}"))
             os.replace(partial, png_path)
@@ -756,8 +758,9 @@ def _linear_y(ax: Any, values: list[float], label: str) -> None:
 def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_norm: float | None, window: int,
           alert_rate: float, fail_rate: float | None, alert_bits: float | None, title: str,
           init_scale: float = 1.0, policy: Sequence[dict[str, Any]] = (), rollbacks: Sequence[dict[str, Any]] = (),
-          restarts: Mapping[int, float] | None = None, scale_floor: float = 1.0) -> None:
-    """:func:`plot_run`'s panels on ``axes`` (five, and the headroom heatmap with ``heat``)."""
+          restarts: Mapping[int, float] | None = None, scale_floor: float = 1.0, unobserved: int = 0) -> None:
+    """:func:`plot_run`'s panels on ``axes`` (five, and the headroom heatmap with ``heat``). The rolling
+    skip rate begins after the ``unobserved`` steps (:func:`unobserved_of`), as the run's monitor did."""
     ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes[:5]
     steps = [r.step for r in rows]
 
@@ -798,13 +801,15 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     _linear_y(ax_lr, ys, "learning rate")
     panel_title(ax_lr, "Learning rate")
 
-    rates = rolling_skip_rate(rows, window, rollbacks)
+    observed = [r for r in rows if r.step > unobserved]
+    rates = [math.nan] * (len(rows) - len(observed)) + rolling_skip_rate(observed, window, rollbacks)
     ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})", **dots(steps))
     alert_rates = threshold_by_step(steps, "monitor.alert_rate", alert_rate, policy)
     fail_rates = threshold_by_step(steps, "monitor.fail_rate", fail_rate, policy)
     threshold_line(ax_skip, steps, alert_rates, "alert_rate", color="tab:orange", ls="--", lw=1)
     threshold_line(ax_skip, steps, fail_rates, "fail_rate", color="tab:red", ls=":", lw=1)
-    ax_skip.set_ylim(0, max(0.1, *(v * 1.5 for v in alert_rates + fail_rates if v is not None), max(rates) * 1.2))
+    ax_skip.set_ylim(0, max(0.1, *(v * 1.5 for v in alert_rates + fail_rates if v is not None),
+                            *(v * 1.2 for v in rates if not math.isnan(v))))
     ax_skip.set_ylabel("skip rate")
     panel_title(ax_skip, "Rolling skip rate")
     axes[-1].set_xlabel("step")
@@ -1218,31 +1223,41 @@ def _start_scale(rows: list[Row], backoff: float) -> float:
     return 1.0
 
 
-def unobserved_of(folder: Path) -> int:
-    """The steps ``1..N`` a run's monitor did not observe, as its ``summary.json`` says
-    (``unobserved``: a Trainer run resumed from a checkpoint without ampguard's state, which
-    observed from step N + 1, :meth:`~ampguard.monitor.RunMonitor.begin_at`); 0 without one (no
-    file, not JSON, no such count, a run observed from step 1). ``report`` replays only the rows
-    after it, so its counts, rates and alerts are the run card's (it replayed them all: 2
-    all-skipped steps after step 6 were 2/10 and no alert, where the run alerted on 2/4).
+def unobserved_of(csv_path: Path) -> int:
+    """The steps ``1..N`` a run's monitor did not observe, as the ``summary.json`` beside its
+    ``steps.csv`` says (``unobserved``: a Trainer run resumed from a checkpoint without ampguard's
+    state, which observed from step N + 1, :meth:`~ampguard.monitor.RunMonitor.begin_at`); 0
+    without one (no file, not JSON, no such count, a run observed from step 1), for another CSV,
+    in a folder with a ``config.yaml`` (``ampguard train``'s: it observes every step), and for a
+    count past the summary's own ``steps``. ``report`` replays only the rows after it, so its
+    counts, rates and alerts are the run card's (it replayed them all: 2 all-skipped steps after
+    step 6 were 2/10 and no alert, where the run alerted on 2/4).
 
     Example::
 
         >>> import json, tempfile
         >>> folder = Path(tempfile.mkdtemp())
-        >>> none = unobserved_of(folder)
+        >>> none = unobserved_of(folder / "steps.csv")
         >>> _ = (folder / "summary.json").write_text(json.dumps({"steps": 10, "unobserved": 6}))
-        >>> none, unobserved_of(folder)
-        (0, 6)
+        >>> none, unobserved_of(folder / "steps.csv"), unobserved_of(folder / "other.csv")
+        (0, 6, 0)
+        >>> _ = (folder / "summary.json").write_text(json.dumps({"steps": 10, "unobserved": 12}))
+        >>> unobserved_of(folder / "steps.csv")  # (past its own steps: not taken)
+        0
     """
     import json
 
+    folder = csv_path.parent
+    if csv_path.name != "steps.csv" or (folder / "config.yaml").exists():
+        return 0
     try:
         summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):  # (none, or not JSON: the rows alone are the figures)
         return 0
-    steps = summary.get("unobserved") if isinstance(summary, dict) else None
-    return steps if whole_number(steps) else 0
+    if not isinstance(summary, dict):
+        return 0
+    steps, total = summary.get("unobserved"), summary.get("steps")
+    return steps if whole_number(steps) and whole_number(total) and steps <= total else 0
 
 
 def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
@@ -1377,7 +1392,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     # a Trainer run resumed without ampguard's state observed from step N + 1 (summary.json's `unobserved`):
     # the replay begins there too, so the figures are its card's (the rows of steps 1..N a stock Trainer's
     # callback wrote in the train() before are drawn, not counted)
-    unseen = unobserved_of(csv_path.parent)
+    unseen = unobserved_of(csv_path)
     judged_rows = [r for r in rows if r.step > unseen] if unseen else rows
     # whether a loss scaler ran: the run's config says (a scale held at its floor 1 moves nothing); with
     # no config, what the CSV shows: a loss scale that moved, and where it started
@@ -1407,15 +1422,21 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  alert_bits=mon.headroom.alert_bits, init_scale=init_scale if scaler_on else 1.0,
                  scale_floor=config.scaler.min_scale, note=lambda line: print(f"note: {line}"),
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
-                 events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on)
+                 events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on, unobserved=unseen)
     run_dir = csv_path.parent if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
     for note in reading_notes(csv_path, rows, torn, run_dir, extra, config if run_dir else None, policy):
         print(f"note: {note}")
     if unseen:
         aside = len(rows) - len(judged_rows)
+        first = judged_rows[0].step if judged_rows else None
+        # (rows that begin later than the monitor did: a resume with the state into a new folder wrote the
+        # steps between elsewhere, and the card's counts hold them)
+        elsewhere = first is not None and first > unseen + 1
         print(f"note: {csv_path.parent / 'summary.json'} says steps 1 to {unseen} were not observed (resumed from a "
               f"checkpoint without ampguard's state): the figures cover "
-              + (f"steps {unseen + 1} to {monitor.steps}" if judged_rows else "no step") + ", as the run's card"
+              + (f"the CSV's steps {first} to {monitor.steps}" if judged_rows else "no step")
+              + (f"; the run's card counts steps {unseen + 1} to {first - 1} too, written elsewhere" if elsewhere
+                 else ", as the run's card")
               + (f"; the CSV's {counted(aside, 'row')} of those steps are drawn, not counted" if aside else ""))
     # the alerts judged under thresholds given here are not the run's: said so
     rejudged = [f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value}"
@@ -1425,7 +1446,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     print(f"summary: {monitor.summary()}")
     print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {mon.window}), "
           f"alert episodes {episodes}, clip rate "
-          f"{run_clip_rate(judged_rows, monitor if config_path.is_file() else None)}, "
+          f"{run_clip_rate(judged_rows, monitor if config_path.is_file() else None) if judged_rows else 'n/a (no step observed)'}, "
           f"scale {monitor.scale_verdict}")
     if config_path.is_file() and headroom_watched(config, csv_path):
         print(f"headroom alerts {headroom_alerts_text(csv_path.parent, config.monitor.headroom.alert_bits)}")

@@ -284,3 +284,16 @@ def test_an_out_dir_that_is_a_broken_link_a_loop_or_not_searchable_is_refused_in
             ValueError, match=rf"^AmpGuardCallback\(out_dir=\.\.\.\): {re.escape(str(locked / 'in'))} cannot be "
                               r"looked at: Permission denied \("):
         AmpGuardCallback(locked / "in")
+
+
+def test_an_out_dir_through_dot_dot_or_a_link_through_a_file_is_named_rightly(tmp_path):
+    # review 37p: nodir/../file.txt/guard walked up to the working folder and passed (then mkdir's raw
+    # FileExistsError, a stray nodir/ made); a link through a file was called "a symbolic link that loops"
+    from ampguard.integrations.transformers import _check_out_dir
+
+    (tmp_path / "file.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"lies under .*file\.txt, a file, not a folder"):
+        _check_out_dir(tmp_path / "nodir" / ".." / "file.txt" / "guard")
+    (tmp_path / "via").symlink_to(tmp_path / "file.txt" / "sub")
+    with pytest.raises(ValueError, match=r"via is a symbolic link to .*file\.txt/sub, which goes through a file"):
+        _check_out_dir(tmp_path / "via")

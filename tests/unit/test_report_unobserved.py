@@ -36,7 +36,7 @@ def test_report_judges_a_resume_without_ampguard_state_over_the_steps_the_run_ob
     assert "summary: steps=10 (1 to 6 not observed) updates=2 skips=2 (non_finite_grad=2)" in out
     assert "alert episodes 1 (re-judged at --alert-rate 0.2, --min-steps 6), clip rate 0.500," in out
     assert ("summary.json says steps 1 to 6 were not observed (resumed from a checkpoint without ampguard's "
-            "state): the figures cover steps 7 to 10, as the run's card\n") in out
+            "state): the figures cover the CSV's steps 7 to 10, as the run's card\n") in out
 
 
 def test_report_leaves_out_the_rows_of_the_unobserved_steps_a_stock_trainers_callback_wrote(tmp_path, capsys):
@@ -47,7 +47,7 @@ def test_report_leaves_out_the_rows_of_the_unobserved_steps_a_stock_trainers_cal
     out = capsys.readouterr().out
     assert "summary: steps=10 (1 to 6 not observed) updates=2 skips=2" in out
     assert "alert episodes 1 " in out and "clip rate 0.500," in out  # (2 of the 4 steps judged, not of 10)
-    assert "the figures cover steps 7 to 10, as the run's card; the CSV's 6 rows of those steps are drawn, " \
+    assert "the figures cover the CSV's steps 7 to 10, as the run's card; the CSV's 6 rows of those steps are drawn, " \
            "not counted" in out
 
 
@@ -66,4 +66,20 @@ def test_an_unobserved_count_that_is_no_count_is_not_used(tmp_path):
 
     for text in ('{"unobserved": true}', '{"unobserved": -3}', '{"unobserved": "6"}', "[6]", "not json"):
         (tmp_path / "summary.json").write_text(text, encoding="utf-8")
-        assert unobserved_of(tmp_path) == 0
+        assert unobserved_of(tmp_path / "steps.csv") == 0
+
+
+def test_an_unobserved_count_is_taken_only_from_a_trainers_folder_and_within_its_steps(tmp_path):
+    # review 37p: a summary.json beside an ampguard train run's CSV (which observes every step), one past
+    # its own steps, and one beside another CSV were all taken: steps=5000 beside "finished: 1000 steps"
+    import json
+
+    from ampguard.report import unobserved_of
+
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 10, "unobserved": 6}), encoding="utf-8")
+    assert unobserved_of(tmp_path / "steps.csv") == 6 and unobserved_of(tmp_path / "other.csv") == 0
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 10, "unobserved": 5000}), encoding="utf-8")
+    assert unobserved_of(tmp_path / "steps.csv") == 0
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 10, "unobserved": 6}), encoding="utf-8")
+    (tmp_path / "config.yaml").write_text("steps: 10\n", encoding="utf-8")
+    assert unobserved_of(tmp_path / "steps.csv") == 0

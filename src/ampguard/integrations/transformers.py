@@ -704,7 +704,9 @@ class AmpGuardCallback(TrainerCallback):
                     "ended": self.ended, "exit_code": self.exit_code,
                     "cause": self.failed.cause if self.failed else None, "steps": m.steps, "updates": m.updates,
                     "skips": dict(m.skips), "max_skip_rate": m.max_skip_rate, "alert_episodes": m.alert_episodes,
-                    "clip_rate": m.clip_rate, "scale": m.scale_verdict, "final_scale": m.last.get("scaler_scale"),
+                    # (null where the card says n/a: a stock Trainer shows no pre-clip norm; no step observed)
+                    "clip_rate": m.clip_rate if self._guarded is not False and m.observed else None,
+                    "scale": m.scale_verdict, "final_scale": m.last.get("scaler_scale"),
                     "summary": m.summary(), "guarded": self._guarded,
                     "unobserved": m.unobserved,  # steps 1..this not in the counts: resumed without ampguard's state
                 }
@@ -922,7 +924,9 @@ def _check_out_dir(folder: Path) -> None:
             return
         if folder.exists() or folder.is_symlink():  # (a file, or a link to nothing: mkdir cannot make it a folder)
             raise ValueError(f"{where}: {folder} is {_not_a_folder(folder)}")
-        existing = next((p for p in folder.absolute().parents if p.exists() or p.is_symlink()), None)
+        # (normalised first: nodir/../file.txt/guard walked up to the working folder, past file.txt)
+        existing = next((p for p in Path(os.path.normpath(folder.absolute())).parents if p.exists() or p.is_symlink()),
+                        None)
         if existing is not None and not existing.is_dir():
             raise ValueError(f"{where}: {folder} lies under {existing}, {_not_a_folder(existing)}")
     except OSError as err:  # (a parent this user may not search: a raw PermissionError from the constructor)
@@ -941,6 +945,8 @@ def _not_a_folder(path: Path) -> str:
         path.resolve(strict=True)
     except FileNotFoundError:
         return f"a symbolic link to {target}, which does not exist, not a folder"
+    except NotADirectoryError:  # (a target through a file: link -> file.txt/sub)
+        return f"a symbolic link to {target}, which goes through a file, not a folder"
     except (RuntimeError, OSError):  # (a loop: RuntimeError in Python < 3.13, OSError ELOOP after)
         return "a symbolic link that loops, not a folder"
     return f"a symbolic link to {target}, a file, not a folder"
