@@ -803,7 +803,8 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
 
     observed = [r for r in rows if r.step > unobserved]
     rates = [math.nan] * (len(rows) - len(observed)) + rolling_skip_rate(observed, window, rollbacks)
-    ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})", **dots(steps))
+    ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})",
+                 **dots([r.step for r in observed]))  # (one observed step after the unobserved: a dot, not nothing)
     alert_rates = threshold_by_step(steps, "monitor.alert_rate", alert_rate, policy)
     fail_rates = threshold_by_step(steps, "monitor.fail_rate", fail_rate, policy)
     threshold_line(ax_skip, steps, alert_rates, "alert_rate", color="tab:orange", ls="--", lw=1)

@@ -186,3 +186,17 @@ def test_keep_records_none_keeps_them_all_and_extra_sinks_are_checked_first():
     plugin.extra_sinks = None  # (a bare TypeError from the closed-sinks check came first)
     with pytest.raises(TypeError, match=r"^plugin\.extra_sinks: None is not a list of sinks"):
         fit(Digits(hidden=8), plugin, steps=1)
+
+
+def test_an_optimizer_step_skipped_at_an_epochs_last_batch_is_refused_too():
+    # review 37q: at the epoch's last batch the skip looked like an epoch cut short: dropped and warned,
+    # the guard's steps falling behind Lightning's global_step
+    class SkipLast(Digits):
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+            if batch_idx == self.trainer.num_training_batches - 1:
+                optimizer_closure()
+            else:
+                optimizer.step(closure=optimizer_closure)
+
+    with pytest.raises(RuntimeError, match="two backward"):
+        fit(SkipLast(hidden=8), AmpGuardPlugin("bf16-mixed"), steps=20, data=loader(n=160))

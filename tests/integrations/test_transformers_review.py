@@ -297,3 +297,17 @@ def test_an_out_dir_through_dot_dot_or_a_link_through_a_file_is_named_rightly(tm
     (tmp_path / "via").symlink_to(tmp_path / "file.txt" / "sub")
     with pytest.raises(ValueError, match=r"via is a symbolic link to .*file\.txt/sub, which goes through a file"):
         _check_out_dir(tmp_path / "via")
+
+
+def test_an_out_dir_through_a_link_and_dot_dot_is_judged_where_mkdir_makes_it(tmp_path):
+    # review 37q: normalising the text took link/.. for the link's own parent, not its target's
+    from ampguard.integrations.transformers import _check_out_dir
+
+    (tmp_path / "deep" / "b").mkdir(parents=True)
+    (tmp_path / "deep" / "file.txt").mkdir()  # (a folder there)
+    (tmp_path / "deep" / "real.txt").write_text("mine")
+    (tmp_path / "file.txt").write_text("mine")  # (a file here)
+    (tmp_path / "a").symlink_to(tmp_path / "deep" / "b")
+    _check_out_dir(tmp_path / "a" / ".." / "file.txt" / "guard")  # (mkdir -p makes deep/file.txt/guard)
+    with pytest.raises(ValueError, match=r"lies under .*real\.txt, a file, not a folder"):
+        _check_out_dir(tmp_path / "a" / ".." / "real.txt" / "guard")

@@ -358,9 +358,8 @@ class AmpGuardPlugin(_LightningPrecision):
         check_folder_of(missing, where)
         if not trainer.is_global_zero:
             return
-        resumes = trainer.ckpt_path is not None and self.csv.exists()  # (then the sink rewrites it: its folder)
         if not (self.csv.exists() and self.csv.stat().st_size > 0):
-            _check_writable(self.csv, where, rewritten=resumes)
+            _check_writable(self.csv, where)  # (an empty one is appended to, not rewritten)
             return
         if trainer.ckpt_path is None:
             raise InputError(f"{self.csv} already exists; refusing to overwrite it")
@@ -630,6 +629,9 @@ class AmpGuardPlugin(_LightningPrecision):
             return  # (inside Lightning's group: the guard's goes on)
         if trainer.current_epoch == self._group_began[0]:
             return  # (the same epoch: no early end; an optimizer_step that skipped the step is refused as before)
+        epoch_batches, last = trainer.num_training_batches, self._group_began[1] + guard.micro_batches - 1
+        if isinstance(epoch_batches, int) and last >= epoch_batches - 1:
+            return  # (the epoch ran to its end, where Lightning steps a short group: an optimizer_step skipped it)
         rank_zero_warn(f"AmpGuardPlugin: {self._open_group()} had no optimizer step (the epoch ended inside the "
                        f"group: on_train_batch_start returned -1?); dropped, as Lightning drops them (its zero_grad "
                        f"at the next group's start)", category=AmpguardWarning)

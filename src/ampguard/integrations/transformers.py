@@ -924,14 +924,30 @@ def _check_out_dir(folder: Path) -> None:
             return
         if folder.exists() or folder.is_symlink():  # (a file, or a link to nothing: mkdir cannot make it a folder)
             raise ValueError(f"{where}: {folder} is {_not_a_folder(folder)}")
-        # (normalised first: nodir/../file.txt/guard walked up to the working folder, past file.txt)
-        existing = next((p for p in Path(os.path.normpath(folder.absolute())).parents if p.exists() or p.is_symlink()),
-                        None)
+        existing = next((p for p in _as_made(folder).parents if p.exists() or p.is_symlink()), None)
         if existing is not None and not existing.is_dir():
             raise ValueError(f"{where}: {folder} lies under {existing}, {_not_a_folder(existing)}")
     except OSError as err:  # (a parent this user may not search: a raw PermissionError from the constructor)
         raise ValueError(f"{where}: {folder} cannot be looked at: {err.strerror or err} "
                          f"({err.filename or folder})") from None
+
+
+def _as_made(folder: Path) -> Path:
+    """The path ``mkdir -p`` would make of ``folder``: its longest part that exists, as the OS
+    resolves it (``link/..`` is the parent of the link's target), then the rest, whose ``..`` go
+    back over folders made on the way (``nodir/../file.txt`` is ``file.txt``).
+
+    Example::
+
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp()).resolve()
+        >>> _as_made(root / "nodir" / ".." / "notes.txt" / "guard") == root / "notes.txt" / "guard"
+        True
+    """
+    parts = folder.absolute().parts
+    cut = next((k for k in range(len(parts), 0, -1) if Path(*parts[:k]).exists()), 0)
+    base = Path(*parts[:cut]).resolve() if cut else Path(parts[0])
+    return Path(os.path.normpath(os.path.join(base, *parts[cut:])))
 
 
 def _not_a_folder(path: Path) -> str:
