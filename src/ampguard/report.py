@@ -51,10 +51,10 @@ def panel_title(ax: Any, text: str) -> None:
 
 def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None,
                   extra: Sequence[Mapping[str, str]] = (), config: Config | None = None,
-                  policy: Sequence[dict[str, Any]] = ()) -> list[str]:
+                  policy: Sequence[dict[str, Any]] = (), unobserved: int = 0) -> list[str]:
     """What reading ``csv_path`` left out or found missing, a note each: its last line ``torn`` (a
     write cut short), the steps with no row before its last (a line deleted by hand, a CSV a
-    loop began at a later step): the figures count the rows there are; with the run's ``config``,
+    loop began at a later step; not the ``unobserved`` ones, :func:`unobserved_of`: said apart): the figures count the rows there are; with the run's ``config``,
     rows past its ``steps`` (rows the run did not write, added by hand); values a run can hold
     but no guard writes (:func:`value_notes`, with the rows' ``extra`` cells and, with ``config``,
     the ``max_norm`` each step ran under, as ``policy`` changed it); and, for the ``run_dir`` it
@@ -68,14 +68,16 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
         ...     print(note)
         the last line of steps.csv is torn (no newline: a write cut short), left out: '10,0.1,2.0'
         steps.csv has no row for 4 of its steps (3, 6-8): its figures count the 5 rows it has
+        >>> reading_notes(Path("steps.csv"), rows[2:4], [], unobserved=3)  # (a Trainer's resume: 1-3 not observed)
+        []
     """
     notes = [f"the last line of {csv_path} is torn (no newline: a write cut short), left out: {torn[0][:40]!r}"
              ] if torn else []
-    gaps, before = [], 0
+    gaps, before = [], unobserved
     for row in rows:
         if row.step > before + 1:
             gaps.append((before + 1, row.step - 1))
-        before = row.step
+        before = max(before, row.step)
     if gaps:
         missing = sum(last - first + 1 for first, last in gaps)
         said = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:5]) + (", ..." if len(gaps) > 5 else "")
@@ -1425,7 +1427,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
                  events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on, unobserved=unseen)
     run_dir = csv_path.parent if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
-    for note in reading_notes(csv_path, rows, torn, run_dir, extra, config if run_dir else None, policy):
+    for note in reading_notes(csv_path, rows, torn, run_dir, extra, config if run_dir else None, policy, unseen):
         print(f"note: {note}")
     if unseen:
         aside = len(rows) - len(judged_rows)

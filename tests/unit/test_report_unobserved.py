@@ -83,3 +83,15 @@ def test_an_unobserved_count_is_taken_only_from_a_trainers_folder_and_within_its
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 10, "unobserved": 6}), encoding="utf-8")
     (tmp_path / "config.yaml").write_text("steps: 10\n", encoding="utf-8")
     assert unobserved_of(tmp_path / "steps.csv") == 0
+
+
+def test_the_unobserved_steps_are_not_called_missing_rows():
+    # review 37p: "steps.csv has no row for 6 of its steps (1-6)" read as lost data for steps left out by design
+    from pathlib import Path
+
+    from ampguard.report import reading_notes
+    from ampguard.sinks import Row
+
+    rows = [Row(s, 0.1, 2.0, 1.0, 0.5, False, "", 1.0) for s in (7, 8, 10)]
+    assert reading_notes(Path("steps.csv"), rows, [], unobserved=6) == [
+        "steps.csv has no row for 1 of its steps (9): its figures count the 3 rows it has"]
