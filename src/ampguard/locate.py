@@ -180,7 +180,7 @@ class _Seen:
     def masks(self) -> _Seen:
         """The places whose non-finite values were all ``-inf`` alone: masks the model writes or
         takes (a causal mask, logits of actions not allowed, an additive mask in the batch)."""
-        return _Seen({k: v for k, v in self.at.items() if k in self.minus_inf}, minus_inf=set(self.minus_inf))
+        return _Seen({k: v for k, v in self.at.items() if k in self.minus_inf})
 
     def also_in(self, other: _Seen) -> bool:
         """Whether every non-finite value at this pass's finding was non-finite at the same place
@@ -488,7 +488,7 @@ def trace_first_non_finite(
     # the modules in forward, outermost first: each with its place (name#call), its input dtypes, and
     # its first input as it came in (its non-finite kind and where, its dtypes): judged at the entry,
     # as an in-place op inside the module (a Dropout(inplace=True)) writes its output over that input
-    calls: list[tuple[nn.Module, str, list[str], str | None, list[str], Any, torch.Tensor | None]] = []
+    calls: list[tuple[nn.Module, str, list[str], str | None, list[str], torch.Tensor | None]] = []
     counts: dict[int, int] = {}
 
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -497,28 +497,26 @@ def trace_first_non_finite(
         first = next(iter(_tensors(args) or _tensors(kwargs)), None)  # (self.b(input=t): a keyword's)
         born, where = (None, None) if first is None else _bad_at(first, known_at.get(f"in:{key}"))
         seen.note(f"in:{key}", where)
-        calls.append((module, key, _dtypes(args) or _dtypes(kwargs), born, _dtypes(first), first, where))
+        calls.append((module, key, _dtypes(args) or _dtypes(kwargs), born, _dtypes(first), where))
 
     def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         # (called after a forward that raised too, output None: a caller that caught it goes on; and
         # without its pre-hook when a hook of the user's before it raised: then nothing of its own)
         if not calls or calls[-1][0] is not module:
             return
-        _, key, dtypes, born, first_dtypes, first, first_where = calls.pop()
+        _, key, dtypes, born, first_dtypes, first_where = calls.pop()
         kind, where = _bad_at(output, known_at.get(f"out:{key}"))
+        seen.note(f"out:{key}", where, first=kind is not None and not found and born is None)
         if kind is None or found:
-            seen.note(f"out:{key}", where)
             return
         if born is None:
             found.append(Finding("forward", names.get(id(module), "?"), type(module).__name__, kind, dtypes,
                                  _dtypes(output), label))
-            seen.note(f"out:{key}", where, first=True)
             return
-        seen.note(f"out:{key}", where)
         # it came in non-finite: the code of the innermost caller whose own first input came in finite made it
         i, child, child_key = len(calls) - 1, module, key
         while i >= 0 and calls[i][3] is not None:
-            child, child_key, _, born, first_dtypes, first, first_where = calls[i]
+            child, child_key, _, born, first_dtypes, first_where = calls[i]
             i -= 1
         if i < 0:  # (the model's own first input: one the check of the inputs could not read)
             found.append(Finding("input", kind=born, input_dtypes=first_dtypes, precision=label))
@@ -545,20 +543,14 @@ def trace_first_non_finite(
                                                   [str(grad.dtype).removeprefix("torch.")], label))
 
                 handles.append(p.register_hook(grad_hook))
-        # the module kept in FP32 stays so through the backward (a recompute of activation
-        # checkpointing runs its forward again there), and an FP32 pass keeps FP32 strict (no TF32)
-        # through it too; autocast wraps the forward alone, as in the step
-        strict = precision.reference() if precision.name == "fp32" else nullcontext()
-        with fp32_around(model, fp32_module), strict:
+        with _replaying(model, precision, fp32_module):
             with precision.autocast():
                 outputs = model(inputs)
                 loss = loss_fn(outputs, targets)
             loss = loss.float()
             value = float(loss.detach()) if loss.numel() == 1 else None
             if (loss_kind := _bad(loss)) is None and loss.requires_grad:
-                if accumulation_steps > 1:  # (x / 1 is x: the step skips it too)
-                    loss = loss / accumulation_steps
-                (loss * loss_scale).backward()
+                _scaled_backward(loss, accumulation_steps, loss_scale)
                 if not grad_found:
                     grad_found += _gradients_after(model, loss_scale, label)
         if loss_kind is None and not grad_found:  # the pass ended finite: what went non-finite did not matter
@@ -586,6 +578,24 @@ def trace_first_non_finite(
             handle.remove()
         for p in model.parameters():
             p.grad = saved_grads.get(id(p))
+
+
+@contextmanager
+def _replaying(model: nn.Module, precision: Precision, fp32_module: str | None) -> Iterator[None]:
+    """A replay's forward and backward: the module kept in FP32 (:func:`fp32_around`) stays so
+    through the backward (a recompute of activation checkpointing runs its forward again there),
+    and an FP32 pass keeps FP32 strict (no TF32) through it too; autocast, which the caller puts
+    around the forward alone as the step does, is not part of it."""
+    strict = precision.reference() if precision.name == "fp32" else nullcontext()
+    with fp32_around(model, fp32_module), strict:
+        yield
+
+
+def _scaled_backward(loss: torch.Tensor, accumulation_steps: int, loss_scale: float) -> None:
+    """The step's ``scaler.scale(loss / N).backward()`` of one micro-batch's (finite) loss."""
+    if accumulation_steps > 1:  # (x / 1 is x: the step skips it too)
+        loss = loss / accumulation_steps
+    (loss * loss_scale).backward()
 
 
 NORM = "global L2 norm of the gradients (float32; every gradient finite)"
@@ -841,8 +851,7 @@ def _group_gradients(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tenso
     with untouched(model):
         for p in model.parameters():
             p.grad = None
-        strict = precision.reference() if precision.name == "fp32" else nullcontext()
-        with fp32_around(model, fp32_module), strict:
+        with _replaying(model, precision, fp32_module):
             for (inputs, targets), rng in zip(batches, rngs):
                 set_rng_state(rng)
                 with precision.autocast():
@@ -850,7 +859,7 @@ def _group_gradients(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tenso
                 loss = loss.float()
                 if _bad(loss) is not None or not loss.requires_grad:  # (a micro-batch's own: found already)
                     return []
-                (loss / n * loss_scale).backward()
+                _scaled_backward(loss, n, loss_scale)
         return _gradients_after(model, loss_scale, precision.name, summed=True)
 
 

@@ -1734,9 +1734,9 @@ declare the rules before reading the results; do not widen a tolerance to make a
 
 def verdict_key(config: Config, v: Validation) -> dict[str, Any]:
     """What a verdict is about and under which rules: the task (its factory, or its name: two
-    models whose weights happen to hash the same are not one) and its ``task.options`` (one
-    factory builds another model from other options, on the same initial weights), the weights (the checkpoint's
-    SHA-256; with none, the built model's weights', :func:`weights_sha256`), the probe set's
+    models whose weights happen to hash the same are not one) and its ``task.options`` (a change
+    :func:`earlier_rejections` says as it says a rule's: one factory may build another model from
+    other options on the same weights), the weights (the checkpoint's SHA-256; with none, the built model's weights', :func:`weights_sha256`), the probe set's
     SHA-256, and every ``validation`` setting but the checkpoint's path (dotted keys; the
     precisions in any order), with the ``fp8`` section's when fp8 is judged.
 
