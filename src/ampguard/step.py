@@ -339,6 +339,23 @@ def _finite_seed(mark: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
     return torch.eq(mark, mark, out=out)
 
 
+def _handed_backward(backward: Callable[[torch.Tensor], Any], seeded: torch.Tensor) -> None:
+    """Run a loop's own ``backward(seeded)`` (``Guard.backward(backward=fn)``) and make sure it
+    ran the backward through ``seeded`` (a hook on it counts; nothing read on the device): one
+    that logged and returned, or backwarded a detached copy, made no gradient of this loss, and
+    the step would have gone on as an empty one."""
+    reached = []
+    handle = seeded.register_hook(lambda grad: reached.append(True))
+    try:
+        backward(seeded)
+    finally:
+        handle.remove()
+    if not reached:
+        raise RuntimeError(f"Guard.backward(): the loop's backward ({getattr(backward, '__qualname__', backward)}) "
+                           f"returned without a backward through the loss it was handed (call loss.backward() on it, "
+                           f"not on a detached copy or another loss)")
+
+
 def _partition(names: tuple[str, ...], read: _Read) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(skipped, applied)``: all applied when the loss and every gradient were finite; all
     skipped for a non-finite loss, or a non-finite joint norm with no single optimizer's own
@@ -848,7 +865,8 @@ class Guard:
         with first_forward_dtypes(distributed.unwrap(self._root), self), context:
             yield
 
-    def backward(self, *losses: torch.Tensor, divided: bool = False) -> None:
+    def backward(self, *losses: torch.Tensor, divided: bool = False,
+                 backward: Callable[[torch.Tensor], Any] | None = None) -> None:
         """Check the loss on the device, divide it by the accumulation steps, scale it, backward.
 
         The loss is checked before backward, on the device: a non-finite loss is replaced by zero
@@ -865,9 +883,18 @@ class Guard:
         ``divided=True``: the losses are already divided by ``accumulation_steps`` (as Lightning's
         and the Hugging Face Trainer's loops hand them over). They seed the backward as they are,
         bit for bit what that loop would do, and the record counts each as ``loss x N``.
+
+        ``backward=fn``: the backward is ``fn(scaled)``, a function of the loop's that runs it
+        (Lightning's ``LightningModule.backward`` override: a log, a context around
+        ``loss.backward()``). ``scaled`` is the scaled loss with the check carried in its graph
+        (``scaled x seed``: a plain ``scaled.backward()`` seeds 1 x seed, bit for bit the
+        guard's own backward); ``fn`` must backward through it once (a backward it did not run
+        is refused, the group dropped). One loss: several would need ``retain_graph`` in ``fn``.
         """
         try:
             self._refuse_out_of_order(losses)
+            if backward is not None and len(losses) > 1:
+                raise ValueError("Guard.backward(backward=fn) takes one loss (fn backwards it once; sum the losses)")
             if self._autocast_probes:  # (the first backward only)
                 self._end_autocast_probe()
             self._check_losses(losses)
@@ -895,7 +922,10 @@ class Guard:
                     if n > 1 and not divided:  # in the loss's dtype, as the recipe's loss / N (x / 1 is x: skipped)
                         loss = loss / n
                     scaled = self.scaler.scale(loss)
-                    scaled.backward(_finite_seed(mark, scaled), retain_graph=i < last)  # the loss checked
+                    if backward is None:
+                        scaled.backward(_finite_seed(mark, scaled), retain_graph=i < last)  # the loss checked
+                    else:
+                        _handed_backward(backward, scaled * _finite_seed(mark, scaled))
         except BaseException as err:  # (free until something raises: no context manager on the hot path)
             self._stepped = self._tail_found = None  # (what the last step left: nothing of this one stepped)
             self._dropped(err, "backward", self.steps)

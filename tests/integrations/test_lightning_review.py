@@ -1,5 +1,6 @@
 """AmpGuardPlugin against review 37j: Lightning's own skipped backward (StochasticWeightAveraging),
-an epoch ended inside an accumulation group, a ``LightningModule.backward`` override, and the
+an epoch ended inside an accumulation group, a ``LightningModule.backward`` override (honoured,
+handed the scaled and checked loss), ``manual_backward``'s arguments, and the
 arguments that were taken and failed only after the first update."""
 
 from __future__ import annotations
@@ -97,21 +98,78 @@ def test_an_epoch_ended_inside_an_accumulation_group_drops_the_group_as_lightnin
     assert same(list(module.parameters()), list(plain.parameters()))  # bit for bit Lightning's own run
 
 
-class OwnBackward(Digits):
+class LoggedBackward(Digits):
+    """A ``backward`` override that notes the loss it is handed, then backwards it (a log, a
+    context around it: what overrides do)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.handed = []
+
     def backward(self, loss, *args, **kwargs):
-        (loss * 0.0).backward()
+        self.handed.append(loss.detach().float().item())
+        loss.backward(*args, **kwargs)
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
-def test_a_backward_override_is_refused_before_anything_trains(tmp_path, precision):
-    # 37j #3: Lightning's Precision.backward calls LightningModule.backward; the plugin never did, unsaid
-    module = OwnBackward()
-    with pytest.raises(ValueError, match=r"^AmpGuardPlugin runs the backward itself \(the loss checked on the device, "
-                                         r"scaled, then backward\): OwnBackward.backward is overridden, and the "
-                                         r"plugin would never call it; remove the override \(on_before_backward and "
-                                         r"on_after_backward run as usual\)$"):
-        fit(module, AmpGuardPlugin(precision, csv=tmp_path / "steps.csv"), steps=2)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
+def test_a_backward_override_runs_handed_the_scaled_loss_and_trains_bit_for_bit(tmp_path, precision):
+    # 37j #3 refused it (the plugin never called it); 37m: an override that only logs and calls
+    # loss.backward() was refused too. Now the plugin calls it as Lightning's MixedPrecision does,
+    # with the scaled loss, and the weights are those of the same module without the override
+    plain, own = Digits(), LoggedBackward()
+    fit(plain, AmpGuardPlugin(precision), steps=4)
+    plugin = AmpGuardPlugin(precision, csv=tmp_path / "steps.csv")
+    fit(own, plugin, steps=4)
+    assert same(list(own.parameters()), list(plain.parameters()))
+    scale = 65536.0 if precision == "16-mixed" else 1.0
+    assert own.handed == [pytest.approx(float(r.loss) * scale, rel=1e-2) for r in plugin.records]
+    if precision != "32-true":  # Lightning's own plugin hands its override the same (scaled) loss
+        lightning = LoggedBackward()
+        fit(lightning, MixedPrecision(precision, "cpu"), steps=4, gradient_clip_val=1.0)
+        assert lightning.handed == pytest.approx(own.handed, rel=1e-6)
+
+
+def test_an_overrides_non_finite_loss_seeds_no_backward_and_the_step_is_skipped():
+    # the check travels in the handed loss's graph: its backward seeds 0 for a NaN loss
+    module, plugin = LoggedBackward(faults=["nan_loss@2"]), AmpGuardPlugin("16-mixed")
+    fit(module, plugin, steps=3)
+    assert [(r.step, r.reason) for r in plugin.records] == [(1, None), (2, "non_finite_loss"), (3, None)]
+    assert same(module.after[2], module.after[1]) and all(torch.isfinite(p).all() for p in module.parameters())
+
+
+class NoBackward(Digits):
+    def backward(self, loss, *args, **kwargs):
+        loss.detach().requires_grad_().backward()  # (a copy: nothing reaches the model)
+
+
+def test_an_override_that_runs_no_backward_through_its_loss_is_named(tmp_path):
+    module = NoBackward()
+    with pytest.raises(RuntimeError, match=r"^Guard\.backward\(\): the loop's backward \(.*\) returned without a "
+                                           r"backward through the loss it was handed"):
+        fit(module, AmpGuardPlugin("bf16-mixed", csv=tmp_path / "steps.csv"), steps=2)
     assert same(list(module.parameters()), module.after[0]) and not (tmp_path / "steps.csv").exists()
+
+
+def test_manual_backwards_arguments_reach_the_backward(tmp_path):
+    # 37j: "manual_backward(loss) takes no arguments"; retain_graph=True (a second loss over the graph) is common
+    class Manual(Digits):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            loss = Digits.training_step(self, batch, batch_idx)
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss, retain_graph=True)
+            opt.step()
+            self.kept = loss.grad_fn is not None and loss.grad_fn.next_functions  # (the graph still there)
+
+    guarded, lightning = Manual(), Manual()
+    fit(guarded, AmpGuardPlugin("bf16-mixed", max_norm=None), steps=3)
+    fit(lightning, MixedPrecision("bf16-mixed", "cpu"), steps=3)
+    assert same(list(guarded.parameters()), list(lightning.parameters()))
+    assert not same(list(guarded.parameters()), guarded.after[0])
 
 
 def test_arguments_that_failed_after_the_first_update_are_refused_up_front(tmp_path):

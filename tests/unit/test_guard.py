@@ -88,7 +88,8 @@ def reference(precision: str, accum: int, data, loss_of, max_norm: float = 0.5):
     return [p.detach().clone() for p in model.parameters()], steps
 
 
-def guarded(precision: str, accum: int, data, loss_of, max_norm: float = 0.5, divided: bool = False):
+def guarded(precision: str, accum: int, data, loss_of, max_norm: float = 0.5, divided: bool = False,
+            backward=None):
     model = WithLoss()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -101,7 +102,7 @@ def guarded(precision: str, accum: int, data, loss_of, max_norm: float = 0.5, di
         if divided:  # as Lightning's and HF's loops hand it over
             guard.backward(loss.float() / accum, divided=True)
         else:
-            guard.backward(loss)
+            guard.backward(loss, backward=backward)
         if (record := guard.step()) is not None:
             records.append(record)
     return [p.detach().clone() for p in model.parameters()], records
@@ -149,6 +150,46 @@ def test_guard_skips_an_injected_inf_exactly_as_the_fp16_canonical_loop_does(acc
     assert [r.skipped for r in records] == [s for _, s in ref_steps]
     bad = (accum + 1) // accum  # the step whose micro-batch holds the Inf
     assert isinstance(records[bad], SkipLog) and records[bad].reason == "non_finite_loss"
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_backward_the_loop_runs_itself_is_bit_for_bit_the_guards_own(precision, accum):
+    # backward=fn (Lightning's LightningModule.backward override): fn is handed the scaled loss with
+    # the check in its graph; its plain .backward() makes the gradients the guard's own backward makes,
+    # through a spike fp16 overflows (skipped) and an inf input (a non-finite loss: seeded 0)
+    handed = []
+
+    def backward(scaled):
+        handed.append(scaled.detach().clone())
+        scaled.backward()
+
+    for data in (batches(5 * accum, spike_at=2 * accum), batches(5 * accum, inf_at=accum + 1)):
+        own_params, own_records = guarded(precision, accum, data, output_loss)
+        params, records = guarded(precision, accum, data, output_loss, backward=backward)
+        assert all(torch.equal(a, b) for a, b in zip(params, own_params, strict=True))
+        assert [str(r.values()) for r in records] == [str(r.values()) for r in own_records]  # (NaN != NaN)
+        assert any(r.reason == "non_finite_loss" for r in records) or data[accum + 1][0].isfinite().all()
+    assert len(handed) == 10 * accum and handed[0].dtype == torch.float32
+
+
+def test_a_backward_the_loop_runs_itself_must_reach_the_loss_and_takes_one():
+    model, guard = _guard()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def logs_only(scaled):
+        scaled.detach().requires_grad_().backward()  # (a copy: no gradient reaches the model)
+
+    with pytest.raises(RuntimeError, match=r"^Guard\.backward\(\): the loop's backward \(.*logs_only\) returned "
+                                           r"without a backward through the loss it was handed \(call "
+                                           r"loss\.backward\(\) on it, not on a detached copy or another loss\)"):
+        guard.backward(_loss(model), backward=logs_only)
+    assert guard.steps == 0 and not guard.pending  # the group dropped: the loop may go on
+    with pytest.raises(ValueError, match=r"^Guard\.backward\(backward=fn\) takes one loss"):
+        guard.backward(_loss(model), _loss(model), backward=lambda scaled: scaled.backward())
+    guard.backward(_loss(model), backward=lambda scaled: scaled.backward())
+    assert isinstance(guard.step(), StepLog) and guard.steps == 1
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 def test_amp_train_state_is_the_guard_verbs_in_one_call():

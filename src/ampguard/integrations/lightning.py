@@ -41,8 +41,10 @@ crash, 130 for Ctrl-C, 143 for SIGTERM, as ``ampguard train``).
 Not covered: Fabric (``L.Fabric`` is your own loop: put :class:`~ampguard.Guard`'s verbs in it),
 strategies that own the backward or the step (DeepSpeed, FSDP's mixed precision), LBFGS, fused
 optimizers that unscale themselves, accumulation in manual optimization (the guard steps once
-per ``manual_backward``), a ``LightningModule.backward`` override (refused: the guard runs the
-backward). (A ``training_step`` returning ``None`` is Lightning's no-update step: counted, no
+per ``manual_backward``). A ``LightningModule.backward`` override, and ``manual_backward``'s
+arguments (``retain_graph=True``), are honoured: the override is handed the scaled loss with the
+guard's check in its graph (``Guard.backward(backward=...)``), as Lightning's ``MixedPrecision``
+hands it the scaled loss. (A ``training_step`` returning ``None`` is Lightning's no-update step: counted, no
 record; so is the step of a backward Lightning skips itself, ``StochasticWeightAveraging``'s last
 epoch, whose weights stay SWA's average. A group an epoch ends inside, ``on_train_batch_start``
 returning -1, is dropped, warned, as Lightning drops it; README.md.)
@@ -276,7 +278,7 @@ class AmpGuardPlugin(_LightningPrecision):
         """Called by the strategy once the model is on its device: the autocast device, and early
         refusals (a CSV that exists when not resuming, one whose header does not fit when
         resuming, a CSV path through a file or one rank 0 cannot write, ``extra_sinks`` that are
-        not sinks, ``gradient_clip_val``, a ``backward`` override, LBFGS), before anything trains."""
+        not sinks, ``gradient_clip_val``, LBFGS), before anything trains."""
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._autocast = Precision(self.name, device.type)
         module = _lightning_module(model)
@@ -296,14 +298,6 @@ class AmpGuardPlugin(_LightningPrecision):
                                  f"or resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
             if trainer.gradient_clip_val:
                 raise ValueError(_clip_refusal(trainer))
-            if is_overridden("backward", module):
-                # Lightning's Precision.backward calls it; the plugin's backward is the guard's, which seeds the
-                # backward itself (a non-finite loss seeds 0) and checks the gradients around it: an override
-                # handed the scaled loss could seed, skip or add any backward unseen, so it is refused, not ignored
-                raise ValueError(f"AmpGuardPlugin runs the backward itself (the loss checked on the device, scaled, "
-                                 f"then backward): {type(module).__name__}.backward is overridden, and the plugin "
-                                 f"would never call it; remove the override (on_before_backward and "
-                                 f"on_after_backward run as usual)")
             if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
                 raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
             if self.csv is not None:
@@ -689,15 +683,18 @@ class AmpGuardPlugin(_LightningPrecision):
                 raise RuntimeError("AmpGuardPlugin: two backward passes without an optimizer step in between; "
                                    "accumulate with Trainer(accumulate_grad_batches=N)")
             guard.step()
-        if args or kwargs:
-            raise ValueError("AmpGuardPlugin runs the backward itself: manual_backward(loss) takes no arguments")
         if not guard.mid_group:  # a group begins: its N (the loss Lightning hands over is divided by it)
             guard.accumulation_steps = _group_size(model, model.trainer)
             self._group_began = (model.trainer.current_epoch, model.trainer.fit_loop.epoch_loop.batch_idx)
         device_type = guard.precision.device_type  # (manual optimization calls this inside training_step's autocast)
         inside = torch.is_autocast_enabled(device_type)
+        # Lightning's Precision.backward calls model.backward(loss, *args, **kwargs), which an override may
+        # change (a log, a context); the guard hands it the scaled, checked loss, as Lightning's own
+        # MixedPrecision hands it the scaled one. Without either, the guard's own backward (its loss.backward())
+        own = (lambda scaled: model.backward(scaled, *args, **kwargs)) \
+            if args or kwargs or is_overridden("backward", model) else None
         with torch.autocast(device_type, enabled=False) if inside else contextlib.nullcontext():
-            guard.backward(tensor, divided=True)
+            guard.backward(tensor, divided=True, backward=own)
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule,  # type: ignore[override]
                        closure: Callable[[], Any], **kwargs: Any) -> Any:
