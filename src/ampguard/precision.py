@@ -347,6 +347,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
         super().update(new_scale)
         if self._enabled and self._scale is not None:
             self._scale.clamp_(min=self._min_scale)
+        elif not self._enabled and self._found_off:  # (what a disabled unscale_ kept: GradScaler's reset)
+            self._found_off.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """``GradScaler.state_dict`` plus ``min_scale`` (empty when disabled, as PyTorch's).
@@ -440,6 +442,42 @@ class GuardedGradScaler(torch.amp.GradScaler):
         if self._scale is not None:
             self._scale.clamp_(min=min_scale)
 
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """``GradScaler.unscale_``; disabled (bf16, fp32: nothing to divide), what it finds is
+        kept all the same: a flag per device of whether a gradient was non-finite (PyTorch's own
+        check, by 1.0: the values unchanged), read by :meth:`found_at_unscale` and
+        :meth:`unscaled` as when enabled, and forgotten at :meth:`update`. A step then skips on
+        what ``unscale_`` found in every precision, though code in between (a framework's hook's
+        ``clip_grad_value_``) made the gradients finite: disabled, PyTorch's does nothing, and
+        a bf16 step applied the clamped values where fp16 skipped.
+
+        Example::
+
+            >>> scaler, p = GuardedGradScaler("cpu", enabled=False), torch.nn.Parameter(torch.ones(2))
+            >>> opt = torch.optim.SGD([p], lr=0.1)
+            >>> p.grad = torch.tensor([1.0, float("inf")])
+            >>> scaler.unscale_(opt); _ = p.grad.clamp_(max=1.0)  # the unscale found it; a hook clamps it
+            >>> scaler.unscaled(opt), scaler.found_at_unscale(opt, torch.device("cpu")), p.grad
+            (True, tensor(True), tensor([1., 1.]))
+            >>> scaler.update(); scaler.unscaled(opt)
+            False
+        """
+        if self._enabled:
+            super().unscale_(optimizer)
+            return
+        found = self._found_off
+        if id(optimizer) in found:  # (GradScaler's own words)
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+        one = torch.ones((), dtype=torch.float32, device=device)
+        found[id(optimizer)] = self._unscale_grads_(optimizer, one, torch.zeros_like(one), True)
+
+    @property
+    def _found_off(self) -> dict[int, dict[torch.device, torch.Tensor]]:
+        """A disabled scaler's :meth:`unscale_` flags, by optimizer (made at first use: a scaler
+        pickled before it had none)."""
+        return self.__dict__.setdefault("_found_when_off", {})
+
     def unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``unscale_(optimizer)`` ran since the last ``update()`` (a second call would raise).
 
@@ -452,7 +490,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
             >>> before, scaler.unscaled(opt)
             (False, True)
         """
-        return self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+        if not self._enabled:
+            return id(optimizer) in self._found_off
+        return self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
 
     def twin_used(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the plain ``GradScaler`` this one took over (:meth:`from_scaler`) was itself
@@ -477,7 +517,7 @@ class GuardedGradScaler(torch.amp.GradScaler):
     def found_at_unscale(self, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
         """Whether ``unscale_(optimizer)`` found a non-finite gradient in this step, as a bool
         tensor on ``device`` (its per-device flags together; no host read); None when it
-        recorded none (the optimizer not unscaled, or a disabled scaler).
+        recorded none (the optimizer not unscaled).
 
         Example::
 
@@ -491,13 +531,15 @@ class GuardedGradScaler(torch.amp.GradScaler):
             >>> scaler.found_at_unscale(opt, torch.device("cpu"))
             tensor(True)
         """
-        flags = list(self._found_inf_per_device(optimizer).values())
+        flags = list((self._found_inf_per_device(optimizer) if self._enabled
+                      else self._found_off.get(id(optimizer), {})).values())
         return torch.stack([f.to(device) for f in flags]).sum() > 0 if flags else None
 
     def forget_unscaled(self) -> None:
         """Forget what ``unscale_`` did since the last ``update()`` (as ``update()`` does): for a
         restore that abandons an open group, whose unscaled mark would otherwise outlive it."""
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._found_off.clear()
 
     def mark_found_inf_(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the next ``update()`` treat this iteration as an overflow (backoff, tracker reset).

@@ -963,7 +963,7 @@ class Guard:
                 which = f"loss {i + 1} of {len(losses)}" if len(losses) > 1 else "the loss"
                 raise ValueError(f"Guard.backward(): {which} does not require grad (made under torch.no_grad(), "
                                  "detached, or a constant placeholder: leave it out): nothing to backward")
-        if self.scaler.is_enabled() and any(map(self.scaler.unscaled, self.optimizers.values())):
+        if any(map(self.scaler.unscaled, self.optimizers.values())):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
 
@@ -1054,7 +1054,7 @@ class Guard:
         if self._group is not None and names != self._group:
             raise RuntimeError(f"Guard.step() names optimizers {list(names)} inside a group begun with "
                                f"{list(self._group)}: step the same optimizers until the group closes")
-        if not close and self._micro < self.accumulation_steps and self.scaler.is_enabled() and any(
+        if not close and self._micro < self.accumulation_steps and any(
                 self.scaler.unscaled(self.optimizers[name]) for name in names):
             close = True  # unscale_() came after the group's last backward: it ends with the ones it has
         if close and self._micro < self.accumulation_steps and any(map(distributed.defers_sync, self._modules)):
@@ -1221,7 +1221,8 @@ class Guard:
         self.steps += 1
         loss = self._loss_sum / micro if micro > 1 else self._loss_sum
         early = [n for n in names if self.scaler.unscaled(self.optimizers[n])]  # by guard.unscale_(), before
-        self._unscale(names)
+        if self.scaler.is_enabled():  # (disabled, only guard.unscale_() checks: what it found, the step reads)
+            self._unscale(names)
         grads = GradSet(self._union(names))
         if not grads.grads:  # (under fp16 PyTorch's bare "No inf checks were recorded"; else an "update" of nothing)
             which = ", ".join(map(repr, names))

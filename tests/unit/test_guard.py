@@ -424,14 +424,56 @@ def test_code_that_cleans_gradients_after_unscale_does_not_unskip_the_step(sync_
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
 
-def test_unscale_before_the_groups_last_backward_ends_the_group_at_its_step():
+@pytest.mark.parametrize("sync_free", [False, True])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_non_finite_gradient_unscale_found_skips_the_step_with_no_loss_scaler_too(precision, sync_free):
+    # review 38a: with the scaler disabled (bf16, fp32) unscale_() recorded nothing, so an inf a hook
+    # then clamped (clip_grad_value_: what Lightning's on_before_optimizer_step may do) was applied,
+    # reason None, where fp16 skips (nan_to_num_ here); and a clean step is bit for bit the one without it
+    def run(unscale: bool, inf_at: int | None):
+        model = WithLoss()
+        opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1) if sync_free else 0.1,
+                              fused=True if sync_free else None)
+        guard = Guard(model, opt, precision=precision, max_norm=None, sync_free=sync_free,
+                      lr_schedule=(lambda n: torch.ones(())) if sync_free else None)
+        records = []
+        for i, (x, y) in enumerate(batches(4)):
+            with guard.autocast():
+                loss = output_loss(model, x, y)
+            guard.backward(loss)
+            if i == inf_at:
+                model.net[0].weight.grad[0, 0] = INF
+            if unscale:
+                guard.unscale_()
+                for p in model.parameters():  # the inf becomes 1.0 (a finite gradient stays as it is)
+                    p.grad.nan_to_num_(posinf=1.0)
+            records.append(guard.step())
+        if sync_free:
+            records = [r.resolve() for r in records]
+        return [p.detach().clone() for p in model.parameters()], records
+
+    params, records = run(unscale=True, inf_at=1)
+    assert [(bool(r.skipped), r.reason) for r in records] == [(False, None), (True, "non_finite_grad"),
+                                                               (False, None), (False, None)]
+    assert math.isinf(float(records[1].values()["grad_l2_pre_clip"]))
+    skipped_by_hand, _ = run(unscale=False, inf_at=1)  # (the inf unclamped: the guard's own skip)
+    assert all(torch.equal(a, b) for a, b in zip(params, skipped_by_hand, strict=True))
+    clean, clean_records = run(unscale=True, inf_at=None)
+    plain, plain_records = run(unscale=False, inf_at=None)
+    assert all(torch.equal(a, b) for a, b in zip(clean, plain, strict=True))
+    assert [str(r.values()) for r in clean_records] == [str(r.values()) for r in plain_records]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_unscale_before_the_groups_last_backward_ends_the_group_at_its_step(precision):
     # a backward after unscale_() would add scaled gradients to unscaled ones, so the step after it
     # closes the group with the micro-batches it has, as close=True (review 33d: it returned None,
-    # every later backward was refused "after unscale_()" and close=True "called twice": no way on)
+    # every later backward was refused "after unscale_()" and close=True "called twice": no way on;
+    # review 38a: with no loss scaler, bf16 and fp32, the group ran on to its full length, unsaid)
     def guarded():
         torch.manual_seed(0)
         model = nn.Linear(3, 1)
-        return model, Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+        return model, Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision,
                             accumulation_steps=2, scaler={"init_scale": 1024.0})
 
     model, guard = guarded()
