@@ -25,7 +25,7 @@ from .errors import InputError, first_line, user_code
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
-from .precision import Precision, keep_in_fp32, scale_in_use, submodule
+from .precision import Precision, keep_in_fp32, release_fp32, scale_in_use, submodule
 from .run_folder import RunPaths
 from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
 from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
@@ -280,8 +280,9 @@ def prepare_model(config: Config, model: nn.Module, precision: str | None = None
     if distributed.launched_by_torchrun():
         raise InputError("precision: fp8 under torchrun is not supported yet (the model is converted after DDP/FSDP2 "
                          "wraps it); train fp8 in one process, or use bf16")
-    if copy_model:
+    if copy_model:  # (fp32_modules apply to fp16/bf16 only: a bf16 pass before kept them in the model itself)
         model = copy.deepcopy(model)
+        release_fp32(model)
     s = config.fp8
     try:
         fp8.convert_to_fp8(model, recipe=s.recipe, keep_first_last=s.keep_first_last, exclude=s.exclude)

@@ -1177,3 +1177,22 @@ def keep_in_fp32(model: torch.nn.Module, names: list[str]) -> None:
     for name in names:
         module = submodule(model, name)
         module.forward = types.MethodType(_fp32_method, module)
+
+
+def release_fp32(model: torch.nn.Module) -> None:
+    """Undo :func:`keep_in_fp32` on every submodule of ``model``: each runs its class's forward
+    again. For a copy that trains in a precision ``fp32_modules`` does not apply to (fp8's, made
+    from a model a bf16 pass kept modules of in FP32: the copy's verdict depended on the order of
+    ``validation.precisions``).
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> keep_in_fp32(model, ["0"]); release_fp32(model)
+        >>> "forward" in vars(model[0])
+        False
+    """
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if getattr(forward, "__func__", None) is _fp32_method:
+            del module.forward

@@ -661,3 +661,38 @@ def test_a_nan_error_in_a_later_output_is_not_hidden_by_an_earlier_finite_one():
     result = compare(task, task.model, config, CPU).results[0]
     assert all(math.isnan(record["max_abs_error"]) for record in result.records)
     assert math.isnan(result.stats["max_abs_error"]) and not result.ok
+
+
+BLOCKS = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def build(config):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)),
+                          nn.ReLU(), nn.Linear(32, 16))
+    x = torch.randn(32, 16) * 3
+    y = model(x).argmax(1).detach()
+    return {"model": model, "data": [(x, y)], "loss_fn": F.cross_entropy, "held_out": (x, y)}
+'''
+
+
+def test_fp8_is_judged_without_the_fp32_modules_of_a_bf16_pass_before_it(tmp_path):
+    # review 37l: fp32_modules apply to fp16/bf16 (train keeps none under fp8), but a bf16 pass kept them
+    # in the model itself and fp8's converted copy was made from it: the fp8 verdict depended on the
+    # order of validation.precisions, in compare and in the training reference alike
+    pytest.importorskip("torchao")
+    from ampguard.validate import compare_training
+
+    (tmp_path / "blocks.py").write_text(BLOCKS, encoding="utf-8")
+    fp8 = {}
+    for order in (("bf16", "fp8"), ("fp8", "bf16")):
+        config = make_config({"task": {"factory": f"{tmp_path / 'blocks.py'}:build"}, "fp32_modules": ["1"],
+                              "validation": {"precisions": list(order), "min_accuracy": 0.0}})
+        task = build_task(config)
+        result = {r.precision: r for r in compare(task, task.model, config, CPU).results}["fp8"]
+        curve = {c["precision"]: c for c in compare_training(build_task(config), config, CPU, steps=2)}["fp8"]
+        fp8[order] = (result.stats, curve["losses"])
+    assert fp8[("bf16", "fp8")] == fp8[("fp8", "bf16")]
