@@ -213,6 +213,38 @@ class _HandedOver:
         return None
 
 
+def _non_finite_flags(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+    """Whether a gradient of ``optimizer`` holds an inf or a NaN, a float32 flag per device (no
+    host read): PyTorch's fused check of ``GradScaler.unscale_``, by 1.0 (the values unchanged),
+    over every gradient, as ``unscale_`` groups them (by device and dtype); a sparse one by its
+    values, a complex one by its real view (the check has no complex kernel: a complex weight,
+    which bf16 and fp32 train, failed at the first ``unscale_()``).
+
+    Example::
+
+        >>> p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1, dtype=torch.complex64))
+        >>> p.grad, q.grad = torch.ones(2), torch.tensor([complex(1.0, float("inf"))])
+        >>> _non_finite_flags(torch.optim.SGD([p, q], lr=0.1))
+        {device(type='cpu'): tensor(1.)}
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            grad = grad._values() if grad.is_sparse else grad  # (uncoalesced: a non-finite value is one still)
+            grad = torch.view_as_real(grad) if grad.is_complex() else grad
+            groups[grad.device, grad.dtype].append(grad)
+    flags: dict[torch.device, torch.Tensor] = {}
+    for (device, _), grads in groups.items():
+        if device not in flags:
+            flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+        one = torch.ones((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flags[device], one)
+    return flags
+
+
 class GuardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` with a floor under the scale, that can also be told "this step
     is bad" from outside.
@@ -468,9 +500,7 @@ class GuardedGradScaler(torch.amp.GradScaler):
         found = self._found_off
         if id(optimizer) in found:  # (GradScaler's own words)
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
-        one = torch.ones((), dtype=torch.float32, device=device)
-        found[id(optimizer)] = self._unscale_grads_(optimizer, one, torch.zeros_like(one), True)
+        found[id(optimizer)] = _non_finite_flags(optimizer)
 
     @property
     def _found_off(self) -> dict[int, dict[torch.device, torch.Tensor]]:
@@ -1117,10 +1147,15 @@ def _device_type_of(args: Any, kwargs: Any) -> str:
 
 
 def _fp32_method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A module's forward kept in FP32 (:func:`keep_in_fp32`): its class's, through
+    """A module's forward kept in FP32 (:func:`keep_in_fp32`): the forward it had (an instance
+    forward of the user's, kept in ``_forward_before_fp32``; else its class's), through
     :func:`fp32_forward`. A method of the module (bound with ``types.MethodType``), so a copy of
     the model (``copy.deepcopy``) calls its own forward, not the original's."""
-    return fp32_forward(type(self).forward.__get__(self))(*args, **kwargs)
+    forward = vars(self).get(_FORWARD_BEFORE) or type(self).forward.__get__(self)
+    return fp32_forward(forward)(*args, **kwargs)
+
+
+_FORWARD_BEFORE = "_forward_before_fp32"  # (keep_in_fp32: a module's own instance forward, put back on release)
 
 
 def submodule(model: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -1176,12 +1211,17 @@ def keep_in_fp32(model: torch.nn.Module, names: list[str]) -> None:
 
     for name in names:
         module = submodule(model, name)
+        before = vars(module).get("forward")
+        if getattr(before, "__func__", None) is _fp32_method:  # (kept already)
+            continue
+        if before is not None:  # an instance forward of the user's (a patched attention): the one kept in FP32
+            vars(module)[_FORWARD_BEFORE] = before
         module.forward = types.MethodType(_fp32_method, module)
 
 
 def release_fp32(model: torch.nn.Module) -> None:
-    """Undo :func:`keep_in_fp32` on every submodule of ``model``: each runs its class's forward
-    again. For a copy that trains in a precision ``fp32_modules`` does not apply to (fp8's, made
+    """Undo :func:`keep_in_fp32` on every submodule of ``model``: each runs the forward it had
+    again (an instance forward of its own, or its class's). For a copy that trains in a precision ``fp32_modules`` does not apply to (fp8's, made
     from a model a bf16 pass kept modules of in FP32: the copy's verdict depended on the order of
     ``validation.precisions``).
 
@@ -1196,3 +1236,5 @@ def release_fp32(model: torch.nn.Module) -> None:
         forward = vars(module).get("forward")
         if getattr(forward, "__func__", None) is _fp32_method:
             del module.forward
+            if _FORWARD_BEFORE in vars(module):
+                module.forward = vars(module).pop(_FORWARD_BEFORE)

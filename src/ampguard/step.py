@@ -341,19 +341,31 @@ def _finite_seed(mark: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
 
 def _handed_backward(backward: Callable[[torch.Tensor], Any], seeded: torch.Tensor) -> None:
     """Run a loop's own ``backward(seeded)`` (``Guard.backward(backward=fn)``) and make sure it
-    ran the backward through ``seeded`` (a hook on it counts; nothing read on the device): one
-    that logged and returned, or backwarded a detached copy, made no gradient of this loss, and
-    the step would have gone on as an empty one."""
-    reached = []
+    ran the backward through ``seeded`` once (a hook on it counts; nothing read on the device).
+    One that left out the backward of a non-finite loss (``if loss.isfinite(): ...``, a common
+    guard of its own) gets it run here, seeded 0 as the guard's own backward seeds it: the step
+    skips it as ``non_finite_loss`` with gradients as the guard's own leaves them (and under DDP
+    every rank's backward takes part in the all-reduce). One that left out a finite loss's (it
+    logged and returned, or backwarded a detached copy) or ran it twice (the gradients doubled)
+    is refused: the step would have gone on without this loss, or with it counted twice."""
+    reached: list[bool] = []
     handle = seeded.register_hook(lambda grad: reached.append(True))
     try:
         backward(seeded)
     finally:
         handle.remove()
-    if not reached:
-        raise RuntimeError(f"Guard.backward(): the loop's backward ({getattr(backward, '__qualname__', backward)}) "
-                           f"returned without a backward through the loss it was handed (call loss.backward() on it, "
-                           f"not on a detached copy or another loss)")
+    if len(reached) == 1:
+        return
+    func = getattr(backward, "func", backward)  # (a functools.partial: its function's name)
+    name = getattr(func, "__qualname__", None) or repr(backward)
+    if reached:
+        raise RuntimeError(f"Guard.backward(): the loop's backward ({name}) ran the backward through the loss it was "
+                           f"handed {len(reached)} times (its gradients added {len(reached)} times): run it once")
+    if not bool(torch.isfinite(seeded.detach())):  # (a host read, on this path only)
+        seeded.backward()  # the loss is non-finite, so its seed is 0: the guard's own backward of it
+        return
+    raise RuntimeError(f"Guard.backward(): the loop's backward ({name}) returned without a backward through the loss "
+                       f"it was handed (call loss.backward() on it, not on a detached copy or another loss)")
 
 
 def _partition(names: tuple[str, ...], read: _Read) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -888,8 +900,9 @@ class Guard:
         (Lightning's ``LightningModule.backward`` override: a log, a context around
         ``loss.backward()``). ``scaled`` is the scaled loss with the check carried in its graph
         (``scaled x seed``: a plain ``scaled.backward()`` seeds 1 x seed, bit for bit the
-        guard's own backward); ``fn`` must backward through it once (a backward it did not run
-        is refused, the group dropped). One loss: several would need ``retain_graph`` in ``fn``.
+        guard's own backward); ``fn`` must backward through it once: a finite loss's backward it
+        did not run, or ran twice, is refused (the group dropped); a non-finite loss's it left out
+        the guard runs, seeded 0. One loss: several would need ``retain_graph`` in ``fn``.
         """
         try:
             self._refuse_out_of_order(losses)

@@ -192,6 +192,68 @@ def test_a_backward_the_loop_runs_itself_must_reach_the_loss_and_takes_one():
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_backward_the_loop_leaves_out_for_a_non_finite_loss_is_run_seeded_zero(precision):
+    # review 38d: `if loss.isfinite(): loss.backward()` (a common override of Lightning's backward) was
+    # refused as "ran no backward" at the very loss the guard exists to skip; the guard now runs that
+    # backward itself, seeded 0, so the step is its own skip, bit for bit
+    def skips_non_finite(scaled):
+        if torch.isfinite(scaled):
+            scaled.backward()
+
+    for data in (batches(6, inf_at=2), batches(6, spike_at=2)):
+        own_params, own_records = guarded(precision, 2, data, output_loss)
+        params, records = guarded(precision, 2, data, output_loss, backward=skips_non_finite)
+        assert all(torch.equal(a, b) for a, b in zip(params, own_params, strict=True))
+        assert [str(r.values()) for r in records] == [str(r.values()) for r in own_records]
+    assert [(r.skipped, r.reason) for r in records][1] == ((True, "non_finite_grad") if precision == "fp16"
+                                                           else (False, None))  # (the spike: a finite loss)
+
+
+def test_a_backward_the_loop_runs_twice_is_refused():
+    # review 38d: twice through the handed loss (retain_graph) added its gradients twice, unsaid
+    model, guard = _guard()
+
+    def twice(scaled):
+        scaled.backward(retain_graph=True)
+        scaled.backward()
+
+    with pytest.raises(RuntimeError, match=r"^Guard\.backward\(\): the loop's backward \(.*twice\) ran the backward "
+                                           r"through the loss it was handed 2 times \(its gradients added 2 times\)"):
+        guard.backward(_loss(model), backward=twice)
+    assert guard.steps == 0 and not guard.pending and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_complex_weights_train_through_unscale_with_no_loss_scaler(precision):
+    # review 38d: bdb701f's check of unscale_() with no loss scaler had no complex kernel: a complex
+    # weight (bf16 and fp32 train them; fp16 refuses them up front) failed at the first unscale_()
+    def run(unscale: bool, inf_at: int | None = None):
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.linear, model.phase = nn.Linear(4, 4), nn.Parameter(torch.ones(4, dtype=torch.complex64))
+        phase = model.phase
+        guard = Guard(model, torch.optim.Adam(model.parameters(), lr=0.1), precision=precision)
+        records = []
+        for i in range(3):
+            with guard.autocast():
+                loss = (model.linear(torch.ones(2, 4)).float() * phase.abs()).pow(2).mean()
+            guard.backward(loss)
+            if i == inf_at:
+                phase.grad[0] = complex(0.0, float("inf"))
+            if unscale:
+                guard.unscale_()
+                phase.grad.real.nan_to_num_(posinf=1.0), phase.grad.imag.nan_to_num_(posinf=1.0)
+            records.append(guard.step())
+        return [p.detach().clone() for p in model.parameters()], records
+
+    unscaled, _ = run(unscale=True)
+    plain, _ = run(unscale=False)
+    assert all(torch.equal(a, b) for a, b in zip(unscaled, plain, strict=True))
+    _, records = run(unscale=True, inf_at=1)  # (an inf in its imaginary part, then made finite: a skip)
+    assert [(r.skipped, r.reason) for r in records] == [(False, None), (True, "non_finite_grad"), (False, None)]
+
+
 def test_amp_train_state_is_the_guard_verbs_in_one_call():
     data = batches(6)
     torch.manual_seed(0)

@@ -587,3 +587,26 @@ def test_validate_and_locate_take_their_fp32_pass_out_of_a_callers_autocast():
     with torch.autocast("cpu", dtype=torch.float16):
         d = diagnose(model, torch.nn.functional.mse_loss, x, y, Precision("fp16", "cpu"))
     assert d.verdict == "precision-range" and d.fp32.where == "none"
+
+
+def test_a_module_kept_in_fp32_keeps_its_own_instance_forward_and_gets_it_back_on_release():
+    # review 38d: keep_in_fp32 replaced an instance forward of the user's (a patched attention) with the
+    # class's, under autocast and out of it, and release_fp32 left the class's: the user's forward was lost
+    import types
+
+    from ampguard.precision import keep_in_fp32, release_fp32
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    own = types.MethodType(lambda self, x: torch.nn.Linear.forward(self, x) / 2, model[0])
+    model[0].forward = own
+    x = torch.randn(3, 4)
+    expected = model(x)
+    keep_in_fp32(model, ["0"])
+    keep_in_fp32(model, ["0"])  # (again: nothing changes)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = model(x)
+    assert kept.dtype == torch.float32 and torch.equal(kept, expected)  # the user's forward, in FP32
+    assert torch.equal(model(x), expected)
+    release_fp32(model)
+    assert vars(model[0])["forward"] is own and set(vars(model[0])) & {"_forward_before_fp32"} == set()
