@@ -10,10 +10,12 @@ Example::
 """
 
 import contextlib
+import os
 import unicodedata
 from collections.abc import Callable, Iterator
 from enum import IntEnum
 from pathlib import Path
+from typing import NamedTuple
 
 
 MAX_COUNT = 10**9
@@ -303,3 +305,129 @@ def check_folder_of(path: Path, where: str) -> None:
     if not parent.is_dir():
         raise InputError(f"{where}: folder {parent} does not exist" if not parent.exists()
                          else f"{where}: {parent} is not a folder")
+
+
+class Reached(NamedTuple):
+    """What ``mkdir -p`` does with a folder's path (:func:`as_made`)."""
+
+    folder: Path
+    """The folder it makes or reaches, as the OS resolves the path (links followed, each ``..``
+    the OS's)."""
+    made_in: tuple[Path, ...]
+    """The existing folders it makes a folder in, in the order it makes them (none when the
+    folder exists): where it must be able to write."""
+    blocked: Path | None
+    """The existing path it stops at, one that is not a folder (a file, a link to nothing, a
+    loop), or None: it makes the folder."""
+    itself: bool
+    """``blocked`` is the path's own last part (the folder *is* it, rather than lies under it)."""
+
+
+def as_made(folder: Path) -> Reached:
+    """What ``mkdir -p folder`` (``Path.mkdir(parents=True, exist_ok=True)``, ``os.makedirs``)
+    does, judged as the OS walks the path, part by part, without making anything: an existing
+    part that is a folder, or a link to one, is gone into (its target: ``link/..`` is the parent
+    of the link's target, not the link's own folder); one that is not (a file, a link to nothing,
+    a loop) stops it, ``blocked``; a missing part is made, and a ``..`` after it walks back over
+    it (``nodir/../file.txt`` is ``file.txt``, with ``nodir`` made on the way). What normalising
+    the text got wrong: ``file.txt/..`` is no folder (the OS's ``ENOTDIR``), and ``gone/..`` of a
+    dangling link ``gone`` is not ``.``. An ``OSError`` (a part this user may not search) is
+    raised.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> root = Path(tempfile.mkdtemp()).resolve()
+        >>> _ = (root / "file.txt").write_text("mine"); (root / "real").mkdir()
+        >>> (root / "link").symlink_to(root / "real"); (root / "gone").symlink_to(root / "nowhere")
+        >>> made = as_made(root / "link" / ".." / "new" / "sub")  # (link/..: real's parent, root)
+        >>> made.folder == root / "new" / "sub", made.made_in == (root,), made.blocked
+        (True, True, None)
+        >>> made = as_made(root / "nodir" / ".." / "file.txt" / "sub")  # (nodir made, walked back over)
+        >>> made.blocked == root / "file.txt", made.itself
+        (True, False)
+        >>> as_made(root / "gone" / ".." / "x").blocked == root / "gone", as_made(root / "link").folder == root / "real"
+        (True, True)
+        >>> shutil.rmtree(root)
+    """
+    folder = Path(folder)
+    if folder.is_dir():  # (the OS's own answer: there already)
+        return Reached(folder.resolve(), (), None, False)
+    parts = folder.absolute().parts
+    at, made, made_in = Path(parts[0]), 0, []  # `at`: where the walk is, resolved; its last `made` parts are new
+    for k, part in enumerate(parts[1:], 2):
+        if part == "..":  # (a made folder walked back over, or the resolved folder's parent: the OS's `..`)
+            at, made = at.parent, max(made - 1, 0)
+            continue
+        step = at / part
+        if not made:
+            if step.is_dir():
+                at = step.resolve()
+                continue
+            if step.is_symlink() or step.exists():  # (not a folder: mkdir cannot make it one, nor go under it)
+                return Reached(step, tuple(made_in), step, k == len(parts))
+            if at not in made_in:
+                made_in.append(at)
+        at, made = step, made + 1
+    return Reached(at, tuple(made_in), None, False)
+
+
+def what_is(path: Path) -> str:
+    """What ``path``, which exists or is a link and is not a folder, is, for a refusal: a file,
+    or a symbolic link to nothing, through a file, to a file, or one that loops.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> _ = (root / "file.txt").write_text("mine"); (root / "loop").symlink_to(root / "loop")
+        >>> (root / "gone").symlink_to("nowhere"); (root / "via").symlink_to(root / "file.txt" / "sub")
+        >>> [what_is(root / name).replace(str(root), "DIR") for name in ("file.txt", "loop", "gone", "via")]
+        ['a file', 'a symbolic link that loops', 'a symbolic link to DIR/nowhere, which does not exist', 'a symbolic link to DIR/file.txt/sub, which goes through a file']
+        >>> shutil.rmtree(root)
+    """
+    if not path.is_symlink():
+        return "a file"
+    target = Path(os.readlink(path))
+    target = target if target.is_absolute() else path.parent / target
+    try:
+        path.resolve(strict=True)
+    except FileNotFoundError:
+        return f"a symbolic link to {target}, which does not exist"
+    except NotADirectoryError:  # (a target through a file: link -> file.txt/sub)
+        return f"a symbolic link to {target}, which goes through a file"
+    except (RuntimeError, OSError):  # (a loop: RuntimeError in Python < 3.13, OSError ELOOP after)
+        return "a symbolic link that loops"
+    return f"a symbolic link to {target}, a file"
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why ``mkdir -p folder`` cannot make or reach ``folder`` (:func:`as_made`), in words for a
+    one-line refusal (the caller puts its ``where`` first), or None when it can: what the
+    Lightning plugin's ``csv=`` and the Hugging Face callback's ``out_dir`` are both judged by,
+    before anything trains.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> root = Path(tempfile.mkdtemp()).resolve()
+        >>> _ = (root / "notes.txt").write_text("mine"); (root / "gone").symlink_to(root / "nowhere")
+        >>> folder_problem(root / "new" / "deeper") is None, folder_problem(root / "nodir" / "..") is None
+        (True, True)
+        >>> for path in (root / "notes.txt", root / "notes.txt" / "..", root / "gone" / ".." / "x"):
+        ...     print(folder_problem(path).replace(str(root), "DIR"))
+        DIR/notes.txt is a file, not a folder
+        DIR/notes.txt/.. lies under DIR/notes.txt, a file, not a folder
+        DIR/gone/../x lies under DIR/gone, a symbolic link to DIR/nowhere, which does not exist, not a folder
+        >>> shutil.rmtree(root)
+    """
+    try:
+        reached = as_made(folder)
+        if reached.blocked is None:
+            return None
+        what = what_is(reached.blocked)
+    except OSError as err:  # (a parent this user may not search: no raw PermissionError)
+        return f"{folder} cannot be looked at: {err.strerror or err} ({err.filename or folder})"
+    if reached.itself:
+        return f"{folder} is {what}, not a folder"
+    return f"{folder} lies under {reached.blocked}, {what}, not a folder"

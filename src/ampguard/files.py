@@ -164,11 +164,18 @@ def remove_temporaries(folder: str | os.PathLike, keep_pid: int | None = None,
     return removed
 
 
-def replace_atomically(path: str | os.PathLike, data: bytes | str) -> None:
+def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_link: bool = False) -> None:
     """Make ``data`` (text is written as UTF-8, undecodable bytes kept) the whole of ``path``: a
     temporary file beside it, renamed over it, so a kill or a full disk leaves the old file or
     the new one, never half of one. A write that fails (:class:`DiskFull` when there is no room)
     takes the temporary file with it and leaves ``path`` as it was.
+
+    ``through_link``: a ``path`` that is a symbolic link to a file has that file rewritten (the
+    temporary file beside it, in its folder, renamed over it), and stays the link: what a file
+    appended to through its link wants when it is cut (a sink's resume; renamed over the link,
+    the link became a file of its own and its target kept the rows cut). Otherwise, and for a
+    link to nothing, the link itself is replaced (a file written whole, whose link may point at
+    a file of the user's: never written through).
 
     Example::
 
@@ -177,13 +184,21 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str) -> None:
         >>> replace_atomically(folder / "card.md", "new\\n")
         >>> (folder / "card.md").read_text(), sorted(p.name for p in folder.iterdir())
         ('new\\n', ['card.md'])
+        >>> (folder / "elsewhere").mkdir(); _ = (folder / "elsewhere" / "steps.csv").write_text("old\\n")
+        >>> (folder / "steps.csv").symlink_to(folder / "elsewhere" / "steps.csv")
+        >>> replace_atomically(folder / "steps.csv", "cut\\n", through_link=True)
+        >>> (folder / "steps.csv").is_symlink(), (folder / "elsewhere" / "steps.csv").read_text()
+        (True, 'cut\\n')
     """
     if isinstance(data, str):
         data = data.encode("utf-8", errors="surrogateescape")
-    with temporary_beside(path) as tmp:
+    target = Path(path)
+    if through_link and target.is_symlink() and target.exists():
+        target = Path(os.path.realpath(target))  # (the file the link points at, through every link)
+    with temporary_beside(target) as tmp:
         with writing(path):
             tmp.write_bytes(data)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
 
 
 def make_parents(path: str | os.PathLike, made: list[Path]) -> None:

@@ -521,7 +521,7 @@ class _LineFile:
         # lines without a step, stay before it and moved with the records after it)
         lines = self.path.read_bytes().splitlines(keepends=True)
         before = lines[:_first_after(lines, step, header=self._header)]
-        replace_atomically(self.path, b"".join(line for line in before if line.endswith(b"\n")))
+        replace_atomically(self.path, b"".join(line for line in before if line.endswith(b"\n")), through_link=True)
         self._file = _open_for_append(self.path)
         return f"{self.path.name}'s {counted(kept[1], 'row')} after it moved to {kept[0].name}"
 
@@ -697,7 +697,8 @@ class CsvSink(_LineFile):
             >>> path.read_bytes()  # as it was
             b'step,lr\\n1,0.1\\n\\xb2,0.\\xff\\n3,0.1\\n'
         """
-        replace_atomically(self.path, self.kept_rows(self.path, len(self.columns), step))
+        # (a CSV that is a link stays one, its target cut: it is appended to through the link)
+        replace_atomically(self.path, self.kept_rows(self.path, len(self.columns), step), through_link=True)
 
     @staticmethod
     def kept_rows(path: Path, width: int, step: int, first: int | None = None) -> bytes:
@@ -968,7 +969,7 @@ class JsonlSink(_LineFile):
             if not line.endswith(b"\n") or at is None or at > step:
                 break
             keep += 1
-        replace_atomically(self.path, b"".join(lines[:keep]))
+        replace_atomically(self.path, b"".join(lines[:keep]), through_link=True)  # (a link stays one)
 
     @staticmethod
     def check_step_log(path: Path) -> None:

@@ -81,7 +81,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed in the t
 import torch
 from torch import Tensor
 
-from ..errors import AmpguardWarning, ExitCode, InputError, check_folder_of, counted, whole_number
+from ..errors import AmpguardWarning, ExitCode, InputError, as_made, counted, what_is, whole_number
 from ..monitor import RunMonitor
 from ..precision import GuardedGradScaler, Precision, check_scaler_settings
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
@@ -253,6 +253,9 @@ class AmpGuardPlugin(_LightningPrecision):
         self._tuned = False  # the fit under way has a tuner's callback (lr_find, scale_batch_size): see _sweeping
         self._minimums: tuple[Any, Any] | None = None  # the Trainer's (min_epochs, min_steps), set aside by a stop
         self._group_began = (0, 0)  # (epoch, batch_idx) of the open accumulation group's first micro-batch
+        # and the number of batches of that epoch (a reload_dataloaders_every_n_epochs loader gives the
+        # next epoch its own: _drop_an_ended_epochs_group judges the group by its own epoch's)
+        self._group_epoch_batches: int | float = 0
         if self.name != "fp32" and not isinstance(self, _LightningMixedPrecision):
             # fp16 and bf16 are Lightning's MixedPrecision too: what Lightning reads a precision plugin's
             # compute dtype by (ThroughputMonitor's FLOPs and MFU took a plain Precision for float32).
@@ -336,20 +339,30 @@ class AmpGuardPlugin(_LightningPrecision):
 
     def _check_csv(self, trainer: pl.Trainer, optimizers: int) -> None:
         """The CSV's refusals, before the fit trains (the file opens at the first record, after
-        the first update): a path that is a folder or goes through a file (on every rank alike:
-        one file system, one answer); on rank 0, which writes it, an existing file unless the fit
-        resumes, when it resumes one whose header is not this fit's columns, and a path it cannot
-        write (:func:`_check_writable`)."""
+        the first update): a path that is a folder or a link to nothing, or whose folder ``mkdir
+        -p`` cannot make (a file, a link to nothing or a loop on the way, judged as the OS walks
+        the path, :func:`~ampguard.errors.as_made`, as the Hugging Face callback's ``out_dir``)
+        on every rank alike (one file system, one answer); on rank 0, which writes it, an
+        existing file unless the fit resumes, when it resumes one whose header is not this fit's
+        columns, and a path it cannot write (:func:`_check_writable`)."""
         assert self.csv is not None
         where = f"AmpGuardPlugin csv={str(self.csv)!r}"
-        if self.csv.is_dir():
-            raise InputError(f"{where}: that is a folder; give the path of the CSV file")
-        # the path's highest part that does not exist yet (made when the CSV opens), or the CSV:
-        # its folder must be one (a missing folder is made, as before; a file on the way is refused)
-        missing = self.csv
-        while missing.parent != missing.parent.parent and not missing.parent.exists():
-            missing = missing.parent
-        check_folder_of(missing, where)
+        try:
+            if self.csv.is_dir() or self.csv.name == "..":  # (x/.. is a folder once the CSV's mkdir made x)
+                raise InputError(f"{where}: that is a folder; give the path of the CSV file")
+            if self.csv.is_symlink() and not self.csv.exists():  # (the sink refuses it, at the first record)
+                raise InputError(f"{where}: that is {what_is(self.csv)}; refusing to write through it")
+            # its folder, made with its parents when the CSV opens (mkdir -p): judged as the OS walks the
+            # path (errors.as_made, as the Hugging Face callback's out_dir), so a file, a link to nothing
+            # or a loop on the way is refused here (gone/steps.csv, file.txt/../x/steps.csv, nodir/../
+            # file.txt/x/steps.csv passed, then failed at the first record, after an update)
+            blocked = as_made(self.csv.parent).blocked
+            if blocked is not None:  # (a link said what it is: to nothing, a loop, to a file)
+                raise InputError(f"{where}: {blocked} is not a folder"
+                                 + (f" ({what_is(blocked)})" if blocked.is_symlink() else ""))
+        except OSError as err:  # (a parent this user may not search)
+            raise InputError(f"{where}: cannot be looked at: {err.strerror or err} ({err.filename or self.csv})") \
+                from None
         if not trainer.is_global_zero:
             return
         if not (self.csv.exists() and self.csv.stat().st_size > 0):
@@ -623,7 +636,10 @@ class AmpGuardPlugin(_LightningPrecision):
             return  # (inside Lightning's group: the guard's goes on)
         if trainer.current_epoch == self._group_began[0]:
             return  # (the same epoch: no early end; an optimizer_step that skipped the step is refused as before)
-        epoch_batches, last = trainer.num_training_batches, self._group_began[1] + guard.micro_batches - 1
+        # the group's epoch's batches, noted as the group began: the Trainer's num_training_batches is the new
+        # epoch's by now (a reload_dataloaders_every_n_epochs loader with fewer batches took the dropped group
+        # for one at its epoch's end, and its next backward raised "gradients ... cleared inside the group")
+        epoch_batches, last = self._group_epoch_batches, self._group_began[1] + guard.micro_batches - 1
         if isinstance(epoch_batches, int) and last >= epoch_batches - 1:
             return  # (the epoch ran to its end, where Lightning steps a short group: an optimizer_step skipped it)
         rank_zero_warn(f"AmpGuardPlugin: {self._open_group()} had no optimizer step (the epoch ended inside the "
@@ -686,6 +702,7 @@ class AmpGuardPlugin(_LightningPrecision):
         if not guard.mid_group:  # a group begins: its N (the loss Lightning hands over is divided by it)
             guard.accumulation_steps = _group_size(model, model.trainer)
             self._group_began = (model.trainer.current_epoch, model.trainer.fit_loop.epoch_loop.batch_idx)
+            self._group_epoch_batches = model.trainer.num_training_batches
         device_type = guard.precision.device_type  # (manual optimization calls this inside training_step's autocast)
         inside = torch.is_autocast_enabled(device_type)
         # Lightning's Precision.backward calls model.backward(loss, *args, **kwargs), which an override may
@@ -974,21 +991,23 @@ def _check_writable(path: Path, where: str, rewritten: bool = False) -> None:
     """Refuse (one :class:`InputError` line) a CSV path rank 0 cannot write, before the fit trains:
     the file opens at the first record, after the first update (``/proc/steps.csv`` passed the
     folder checks and failed there, the parameters changed). A CSV a resume ``rewritten`` (its
-    rows after the checkpoint's step cut: a new file renamed over it) needs its folder: a file is
-    made and removed there (a read-only CSV in a folder one can write resumes; a writable one in
-    a read-only folder failed after the first update). Another existing file is opened to append
-    (nothing written); else a file is made and removed in the nearest folder that exists (the
-    missing ones are made when the CSV opens)."""
+    rows after the checkpoint's step cut: a new file renamed over it) needs its folder, the
+    folder of the file it links to for a link (``replace_atomically(through_link=True)``
+    rewrites the target): a file is made and removed there (a read-only CSV in a folder one can
+    write resumes; a writable one in a read-only folder failed after the first update). Another
+    existing file is opened to append (nothing written); else a file is made and removed in each
+    existing folder ``mkdir -p`` makes a folder in (:func:`~ampguard.errors.as_made`, the path
+    walked as the OS walks it), or in the CSV's folder when it exists."""
     folder = path.parent
-    while not folder.exists() and folder.parent != folder:
-        folder = folder.parent
     try:
         if path.exists() and not rewritten:
             with open(path, "ab"):
                 pass
         else:
-            with tempfile.TemporaryFile(dir=folder):
-                pass
+            reached = as_made(path.resolve().parent if rewritten else path.parent)
+            for folder in reached.made_in or (reached.folder,):
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
     except OSError as err:
         what = f"in {folder} (a resume rewrites the CSV there)" if rewritten else \
             (path if path.exists() else folder)

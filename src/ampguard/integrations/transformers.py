@@ -47,7 +47,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import distributed
 from ..clipping import global_l2_norm
-from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line, shortened
+from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line, folder_problem, shortened
 from ..events import EventLog, event_word
 from ..files import replace_atomically
 from ..monitor import DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
@@ -373,6 +373,19 @@ class AmpGuardCallback(TrainerCallback):
         self._fresh = []  # (the files this train() makes; the train() before's read just above)
         if not callable(self.sinks):  # (before anything is trained: the first step would fail on them)
             self._refuse_closed(self.sinks)
+        folder = None
+        if state.is_world_process_zero:  # the folder of the files: a retry goes on in its train()'s; a
+            # hyperparameter search's trial has one of its own
+            home = self._home or Path(args.output_dir) / "ampguard"
+            folder = self.out_dir if retry and self.out_dir is not None else home if state.trial_params is None \
+                else _trial_folder(home, self._trial or state.trial_name)
+            # refused in one line before anything is made or trained (the default <output_dir>/ampguard,
+            # never checked, raised mkdir's raw FileExistsError when it was a file)
+            problem = folder_problem(folder)
+            if problem is not None:
+                raise InputError(f"AmpGuardCallback(out_dir=...): {problem}" if self._home is not None else
+                                 f"AmpGuardCallback: {problem} (the callback's default out_dir, "
+                                 f"<output_dir>/ampguard); give AmpGuardCallback(out_dir=...) a folder")
         if not self._guarded and state.is_world_process_zero:  # said where a HF user looks, not only in RUN.md
             warnings.warn(WATCH_ONLY, WatchOnlyWarning)
         if not self._guarded:  # (each attempt's first forward, each train()'s; one that raised left its hooks open)
@@ -425,11 +438,7 @@ class AmpGuardCallback(TrainerCallback):
                     sink.close()
             self._csv = self._events = None
         kept, had_csv = None, True
-        if state.is_world_process_zero:
-            # a retry goes on in its train()'s folder; a hyperparameter search's trial has one of its own
-            home = self._home or Path(args.output_dir) / "ampguard"
-            folder = self.out_dir if retry and self.out_dir is not None else home if state.trial_params is None \
-                else _trial_folder(home, self._trial or state.trial_name)
+        if folder is not None:  # (process 0's)
             folder.mkdir(parents=True, exist_ok=True)
             had_csv = (folder / CSV_NAME).exists()  # (a resume's rows go on after its rows, or begin here)
             if retry:
@@ -893,8 +902,10 @@ def _trial_folder(home: Path, name: str | None) -> Path:
 
 
 def _check_out_dir(folder: Path) -> None:
-    """Refuse (one ``ValueError`` line) an ``out_dir`` that is a file or lies under one, when the
-    callback is made: ``train()`` would fail at its ``mkdir`` after the Trainer was built.
+    """Refuse (one ``ValueError`` line) an ``out_dir`` that ``mkdir -p`` cannot make or reach (a
+    file, a link to nothing or a loop, or a path through one, judged as the OS walks it:
+    :func:`~ampguard.errors.folder_problem`), when the callback is made: ``train()`` would fail
+    at its ``mkdir`` after the Trainer was built (``file.txt/..`` and ``gone/../x`` did).
 
     Example::
 
@@ -918,54 +929,9 @@ def _check_out_dir(folder: Path) -> None:
         AmpGuardCallback(out_dir=...): DIR/gone is a symbolic link to DIR/nowhere, which does not exist, not a folder
         AmpGuardCallback(out_dir=...): DIR/loop/guard lies under DIR/loop, a symbolic link that loops, not a folder
     """
-    where = "AmpGuardCallback(out_dir=...)"
-    try:
-        if folder.is_dir():
-            return
-        if folder.exists() or folder.is_symlink():  # (a file, or a link to nothing: mkdir cannot make it a folder)
-            raise ValueError(f"{where}: {folder} is {_not_a_folder(folder)}")
-        existing = next((p for p in _as_made(folder).parents if p.exists() or p.is_symlink()), None)
-        if existing is not None and not existing.is_dir():
-            raise ValueError(f"{where}: {folder} lies under {existing}, {_not_a_folder(existing)}")
-    except OSError as err:  # (a parent this user may not search: a raw PermissionError from the constructor)
-        raise ValueError(f"{where}: {folder} cannot be looked at: {err.strerror or err} "
-                         f"({err.filename or folder})") from None
-
-
-def _as_made(folder: Path) -> Path:
-    """The path ``mkdir -p`` would make of ``folder``: its longest part that exists, as the OS
-    resolves it (``link/..`` is the parent of the link's target), then the rest, whose ``..`` go
-    back over folders made on the way (``nodir/../file.txt`` is ``file.txt``).
-
-    Example::
-
-        >>> import tempfile
-        >>> root = Path(tempfile.mkdtemp()).resolve()
-        >>> _as_made(root / "nodir" / ".." / "notes.txt" / "guard") == root / "notes.txt" / "guard"
-        True
-    """
-    parts = folder.absolute().parts
-    cut = next((k for k in range(len(parts), 0, -1) if Path(*parts[:k]).exists()), 0)
-    base = Path(*parts[:cut]).resolve() if cut else Path(parts[0])
-    return Path(os.path.normpath(os.path.join(base, *parts[cut:])))
-
-
-def _not_a_folder(path: Path) -> str:
-    """What ``path``, which exists or is a link and is not a folder, is (``_check_out_dir``'s
-    words: a dangling link or a loop was called "a file")."""
-    if not path.is_symlink():
-        return "a file, not a folder"
-    target = Path(os.readlink(path))
-    target = target if target.is_absolute() else path.parent / target
-    try:
-        path.resolve(strict=True)
-    except FileNotFoundError:
-        return f"a symbolic link to {target}, which does not exist, not a folder"
-    except NotADirectoryError:  # (a target through a file: link -> file.txt/sub)
-        return f"a symbolic link to {target}, which goes through a file, not a folder"
-    except (RuntimeError, OSError):  # (a loop: RuntimeError in Python < 3.13, OSError ELOOP after)
-        return "a symbolic link that loops, not a folder"
-    return f"a symbolic link to {target}, a file, not a folder"
+    problem = folder_problem(folder)  # (judged as mkdir -p walks it: errors.as_made, as the Lightning csv=)
+    if problem is not None:
+        raise ValueError(f"AmpGuardCallback(out_dir=...): {problem}")
 
 
 def _scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
