@@ -161,8 +161,8 @@ class NoBackward(Digits):
 
 def test_an_override_that_runs_no_backward_through_its_loss_is_named(tmp_path):
     module = NoBackward()
-    with pytest.raises(RuntimeError, match=r"^Guard\.backward\(\): the loop's backward \(.*\) returned without a "
-                                           r"backward through the loss it was handed"):
+    with pytest.raises(RuntimeError, match=r"^Guard\.backward\(\): the loop's backward \(NoBackward\.backward\) returned "
+                                           r"without a backward through the loss it was handed"):
         fit(module, AmpGuardPlugin("bf16-mixed", csv=tmp_path / "steps.csv"), steps=2)
     assert same(list(module.parameters()), module.after[0]) and not (tmp_path / "steps.csv").exists()
 

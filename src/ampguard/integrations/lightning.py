@@ -708,8 +708,8 @@ class AmpGuardPlugin(_LightningPrecision):
         # Lightning's Precision.backward calls model.backward(loss, *args, **kwargs), which an override may
         # change (a log, a context); the guard hands it the scaled, checked loss, as Lightning's own
         # MixedPrecision hands it the scaled one. Without either, the guard's own backward (its loss.backward())
-        own = (lambda scaled: model.backward(scaled, *args, **kwargs)) \
-            if args or kwargs or is_overridden("backward", model) else None
+        own = functools.partial(model.backward, *args, **kwargs) \
+            if args or kwargs or is_overridden("backward", model) else None  # (a refusal names the override)
         with torch.autocast(device_type, enabled=False) if inside else contextlib.nullcontext():
             guard.backward(tensor, divided=True, backward=own)
 
