@@ -105,6 +105,15 @@ def template(tmp_path_factory) -> Path:
     return root
 
 
+def _refuses_overcommit() -> bool:
+    """Whether Linux refuses an allocation past its memory (``vm.overcommit_memory`` 0 or 2; with
+    1 it lends any, and a model's initialisation then touches it all)."""
+    try:
+        return Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "1"
+    except OSError:
+        return False
+
+
 CASES: list[tuple[str, list[str]]] = [
     # ---- usage, every verb
     ("no verb", []),
@@ -235,6 +244,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("report a name over 255 bytes", ["report", "y" * 256]),
     ("train log.dir name over 255 bytes", ["train", "--set", "log.dir=" + "y" * 256]),
     ("wandb dir a file", ["train", *LINEAR, "--set", "log.wandb.mode=offline", "--set", "log.wandb.dir=existing.csv"]),
+    # review 38f: a traceback (exit 1) after the run folder was made; a model the config's sizes allow
+    # that cannot be allocated (a traceback from torch's allocator, in train and locate)
+    ("wandb dir that cannot be made", ["train", *LINEAR, "--set", "log.wandb.mode=offline",
+                                       "--set", "log.wandb.dir=/proc/nope"]),
     # a section the file holds as a scalar, with a flag that fills it (a TypeError in the merge)
     # a key given twice: last-wins dropped the first silently (a second optimizer: reset lr)
     ("yaml section twice", ["train", "twice.yaml", "--print-config"]),
@@ -262,6 +275,11 @@ CASES: list[tuple[str, list[str]]] = [
     ("demo seed in Arabic-Indic digits", ["demo", "--seed", "\u0663"]),
     ("fast true with optimizer.fused false", ["train", *LINEAR, "--set", "fast=true", "--set", "optimizer.fused=false"]),
 ]
+if not torch.cuda.is_available() and _refuses_overcommit():  # (else the 256 GB is lent, then touched: killed)
+    CASES += [("train a model too big for memory", ["train", "--set", "task.name=digits", "--set", "precision=fp32",
+                                                    "--set", "task.n_embd=1000000000"]),
+              ("locate a model too big for memory", ["locate", "--set", "task.name=digits", "--set", "precision=fp32",
+                                                     "--set", "task.n_embd=1000000000"])]
 if not torch.cuda.is_available():
     CASES += [("train on cuda without one", ["train", "--set", "device=cuda"]),
               ("demo on cuda without one", ["demo", "--device", "cuda"])]

@@ -156,9 +156,43 @@ def test_a_wandb_dir_through_a_file_is_refused_before_the_run_folder_is_made(cli
     code, out, err = cli("train", "--set", "steps=1", "--set", "task.name=linear", "--set", "precision=bf16",
                          "--set", f"log.wandb={{dir: {folder}}}")
     assert (code, out) == (2, "")
-    assert err == (f"ampguard: error: log.wandb.dir: {folder} cannot be a folder: afile is a file (W&B keeps its "
-                   "files in <dir>/wandb/)\n")
+    said = ("afile is a file, not a folder" if folder == "afile" else
+            f"{folder} lies under {(tmp_path / 'afile').resolve()}, a file, not a folder")
+    assert err == f"ampguard: error: log.wandb.dir: {said} (W&B keeps its files in <dir>/wandb/)\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_wandb_dir_that_cannot_be_made_is_one_line_and_the_run_folder_is_taken_back(cli, tmp_path, monkeypatch):
+    # review 38f: /proc/nope (as root) and a folder this user may not write in were a traceback from the
+    # sink's mkdir, exit 1, after the run folder was made (it held config.yaml and run-id)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    code, out, err = cli("train", "--set", "steps=1", "--set", "task.name=linear", "--set", "precision=fp32",
+                         "--set", "log.wandb={dir: /proc/nope}")
+    assert code == 2 and err == "ampguard: error: log.wandb.dir: /proc/nope cannot be made: No such file or directory\n"
+    assert out.splitlines()[-1].endswith("removed (nothing was run)") and not (tmp_path / "runs").exists()
+
+
+def test_a_wandb_dir_in_a_folder_this_user_may_not_write_is_refused_before_the_run_folder_is_made():
+    import shutil
+    import tempfile
+
+    from helpers import in_fork
+
+    from ampguard.integrations.trackers import _not_a_folder
+
+    shut = Path(tempfile.mkdtemp()).resolve()  # (not under pytest's folder, which only its owner may enter)
+    try:
+        shut.chmod(0o755)
+
+        def give_up_root() -> None:  # (as root every folder is writable)
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+
+        code, said = in_fork(lambda: _not_a_folder(shut / "wb" / "deeper"), preexec=give_up_root)
+        assert (code, said) == (0, f"{shut}/wb/deeper cannot be made: {shut} is not a folder this user may write in")
+    finally:
+        shutil.rmtree(shut)
 
 
 def test_mlflows_default_database_store_without_sqlalchemy_says_how_to_go_on(cli, tmp_path, monkeypatch):

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import AmpguardWarning, ExitCode, InputError, first_line
+from ..errors import AmpguardWarning, ExitCode, InputError, as_made, first_line, folder_problem
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
@@ -394,7 +394,10 @@ class WandbSink(TrackerSink):
         if run is None:
             wandb = _import("wandb", "log.wandb")
             if dir is not None:
-                Path(dir).mkdir(parents=True, exist_ok=True)
+                try:
+                    Path(dir).mkdir(parents=True, exist_ok=True)
+                except OSError as err:  # (what the check up front could not foresee: /proc's, a full disk)
+                    raise InputError(f"log.wandb.dir: {dir} cannot be made: {err.strerror or err}") from None
             try:
                 run = wandb.init(
                     project=project, entity=entity, mode=mode, name=name, group=group, tags=list(tags) or None,
@@ -856,8 +859,7 @@ def check_trackers(config: Config) -> None:
             folder = config.log.wandb.dir
             blocked = None if folder is None else _not_a_folder(folder)
             if blocked is not None:  # (a path through a file was a traceback at the mkdir, a folder left behind)
-                raise InputError(f"log.wandb.dir: {folder} cannot be a folder: {blocked} (W&B keeps its files in "
-                                 "<dir>/wandb/)")
+                raise InputError(f"log.wandb.dir: {blocked} (W&B keeps its files in <dir>/wandb/)")
         if config.log.mlflow is not None:
             require("mlflow", "log.mlflow")
             if distributed.current().is_main:
@@ -870,25 +872,35 @@ def check_trackers(config: Config) -> None:
 
 
 def _not_a_folder(folder: str | os.PathLike) -> str | None:
-    """Why ``folder`` cannot be a folder (made with its parents if missing), or None: the path
-    itself or its nearest existing parent is a file, or it holds a NUL character.
+    """Why ``folder`` cannot be W&B's folder (made with its parents if missing), or None: it
+    holds a NUL character; ``mkdir -p`` cannot make or reach it (:func:`~ampguard.errors.folder_problem`:
+    a file, a link to nothing or a loop on the way, walked as the OS walks it, as the Lightning
+    plugin's ``csv=`` and the Hugging Face callback's ``out_dir``); or a folder it would make
+    something in (the folder itself when it exists) is one this user may not write in (a
+    ``PermissionError`` traceback from the sink's ``mkdir``, after the run folder was made).
 
     Example::
 
-        >>> import tempfile
-        >>> root = Path(tempfile.mkdtemp()); _ = (root / "afile").write_text("")
+        >>> import shutil, tempfile
+        >>> root = Path(tempfile.mkdtemp()).resolve(); _ = (root / "afile").write_text("")
         >>> _not_a_folder(root / "new" / "deeper"), _not_a_folder(root)
         (None, None)
         >>> [_not_a_folder(p).replace(str(root), "ROOT") for p in (root / "afile", root / "afile" / "sub")]
-        ['ROOT/afile is a file', 'ROOT/afile is a file']
+        ['ROOT/afile is a file, not a folder', 'ROOT/afile/sub lies under ROOT/afile, a file, not a folder']
         >>> _not_a_folder("a\\0b")
         'the path holds a NUL character'
+        >>> shutil.rmtree(root)
     """
     if "\0" in os.fspath(folder):
         return "the path holds a NUL character"
-    for path in (Path(folder), *Path(folder).parents):
-        if path.exists():
-            return None if path.is_dir() else f"{path} is a file"
+    folder = Path(folder)
+    problem = folder_problem(folder)
+    if problem is not None:
+        return problem
+    reached = as_made(folder)
+    for place in reached.made_in or (reached.folder,):
+        if not os.access(place, os.W_OK | os.X_OK):
+            return f"{folder} cannot be made: {place} is not a folder this user may write in"
     return None
 
 

@@ -7,12 +7,13 @@ own with ``task.factory`` (see :mod:`ampguard.tasks.factory`).
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
 import torch
 
-from ..errors import AmpguardWarning
+from ..errors import AmpguardWarning, InputError, first_line
 from .base import Batch, Task, batch_generator, cycle, mean_loss
 
 __all__ = ["Batch", "Task", "batch_generator", "build_task", "cycle", "mean_loss", "seed_everything",
@@ -65,7 +66,30 @@ def build_task(config: Any) -> Task:
         from .digits import build
     else:  # pragma: no cover - the config only admits the names above
         raise ValueError(f"unknown task {config.task.name!r}")
-    return build(config)
+    try:
+        return build(config)
+    except (RuntimeError, MemoryError) as err:  # (sizes the config takes, up to MAX_COUNT, a model may not fit)
+        if not out_of_memory(err):
+            raise
+        asked = re.search(r"allocate (\d+) bytes", str(err))  # (the CPU allocator's words; a GPU's say more)
+        said = f"one tensor of {int(asked[1]) / 2**30:.1f} GiB" if asked else first_line(err, with_type=True)
+        raise InputError(f"task {config.task.name}: its model does not fit in memory at these sizes ({said}); "
+                         f"give smaller task.n_embd, task.n_layer or task.block_size", key="task") from None
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation that failed: a ``MemoryError``, torch's ``OutOfMemoryError``
+    (a GPU's), or the CPU allocator's ``RuntimeError`` ("can't allocate memory").
+
+    Example::
+
+        >>> out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+        True
+        >>> out_of_memory(RuntimeError("size mismatch"))
+        False
+    """
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    return isinstance(err, (MemoryError, oom)) or "can't allocate memory" in str(err)
 
 
 def seed_everything(seed: int) -> None:
