@@ -6,7 +6,9 @@ step with its values read, and the step with its CSV row, interleaved in one pro
 
 Prints each part's median microseconds per step and its ratio to the bare loop (bench.py's tiny
 MLP: 32-64-64-10 at batch 64, or its small transformer; one thread on a CPU), the ratio also
-as the median of each round's ratio with its interquartile range, the rounds in balanced orders.
+as the median of each round's ratio with its interquartile range, the rounds in balanced orders
+(``--rounds`` rounded up to whole cycles of them, as ``train_vs_bare.py``'s blocks are: 32 for the
+default 30, with a line saying so).
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="bf16")
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=30, help="the least; rounded up to whole cycles of the orders")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--fused", action="store_true", help="fused AdamW for every part (bench's --fused)")
     parser.add_argument("--model", choices=("mlp", "nano", "transformer"), default="mlp")
     args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps must be at least 1")
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -56,7 +60,14 @@ def main() -> None:
         for part in parts.values():
             part.step()
     order, orders = list(parts.items()), balanced_orders(len(parts))  # each part after every other alike
-    for r in range(args.rounds):
+    # whole cycles of the orders (as train_vs_bare.py's blocks): a cut cycle puts some parts first more often
+    rounds = -(-args.rounds // len(orders)) * len(orders)
+    print(f"step parts, {args.model} {args.precision} on {device}: {rounds} rounds x {args.steps} steps, balanced "
+          f"orders of {len(parts)} parts", flush=True)
+    if rounds != args.rounds:
+        print(f"  {rounds} rounds, not {args.rounds}: whole cycles of the {len(orders)} orders (each part in each "
+              "place alike)", flush=True)
+    for r in range(rounds):
         for name, part in (order[i] for i in orders[r % len(orders)]):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

@@ -73,10 +73,13 @@ class Workload:
 
 
 BATCHES = {"mlp": 64, "nano": 4, "transformer": 16, "gpt2": 8}  # each workload's own batch size (--batch: another)
+WORKLOAD_NAMES = {"mlp": "tiny-mlp", "nano": "nano-mlp", "transformer": "small-transformer",
+                  "gpt2": "transformer-gpt2-small"}
+"""Each ``--models`` name's workload name (:attr:`Workload.name`: the table's and the JSON's)."""
 
 
-def _mlp(device: torch.device, *, name: str = "tiny-mlp", width: int = 64, inputs: int = 32, classes: int = 10,
-         batch: int = BATCHES["mlp"]) -> Workload:
+def _mlp(device: torch.device, *, name: str = WORKLOAD_NAMES["mlp"], width: int = 64, inputs: int = 32,
+         classes: int = 10, batch: int = BATCHES["mlp"]) -> Workload:
     """An MLP of three linear layers with GELUs between (``width`` wide), one fixed batch.
 
     Example::
@@ -106,7 +109,7 @@ def _nano(device: torch.device, batch: int = BATCHES["nano"]) -> Workload:
         >>> [tuple(t.shape) for t in _nano(torch.device("cpu")).batch]
         [(4, 8), (4,)]
     """
-    return _mlp(device, name="nano-mlp", width=8, inputs=8, classes=4, batch=batch)
+    return _mlp(device, name=WORKLOAD_NAMES["nano"], width=8, inputs=8, classes=4, batch=batch)
 
 
 def _transformer(device: torch.device, size: str, batch: int | None = None) -> Workload:
@@ -140,7 +143,7 @@ def _transformer(device: torch.device, size: str, batch: int | None = None) -> W
     # the task's own count (6 N, position embeddings left out, plus attention's 12 L C T), so the
     # bench's MFU is `ampguard train`'s for the same model
     flops = flops_per_token(make(), layers, width, block) * tokens
-    name = "transformer-gpt2-small" if size == "gpt2-small" else "small-transformer"
+    name = WORKLOAD_NAMES["gpt2" if size == "gpt2-small" else "transformer"]
     return Workload(name, make, (idx[:, :-1].to(device), idx[:, 1:].to(device)), lm_loss, tokens, flops)
 
 
@@ -262,6 +265,9 @@ class Bare(Contender):
 class BareAgain(Bare):
     """The bare loop once more: its ratio to the bare loop is the noise floor of the measurement
     (an A/A test: two identical loops should read 1.00; the interval says how well we can tell).
+    An interval that excludes 1 is a biased floor, and the line under the table says by how much
+    (:func:`noise_floor`): in one process two identical loops can read apart by where they were
+    built, not by their code.
 
     Example::
 
@@ -1344,7 +1350,9 @@ def table(results: list[Result]) -> str:
 
 
 def resolution(results: list[Result], resolve: float | None) -> list[str]:
-    """One line per workload and precision: resolved to ``± resolve``, or how close it came.
+    """One line per workload and precision: resolved to ``± resolve``, or how close it came; with
+    fixed rounds (``resolve`` None), a line only for a case a failed step or an interrupt cut
+    short of the rounds asked. Then the A/A noise floor (:func:`noise_floor`).
 
     Example::
 
@@ -1380,13 +1388,15 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
             continue
         where, done = f"{key[0]} {key[1]}: ", len(rows[0].rounds)
         floor = next((r for r in rows if r.contender == BareAgain.name and not math.isnan(r.ratio_low)), None)
-        floor_line = [] if floor is None else [
-            where + f"noise floor (bare loop against itself) {floor.ratio_to_bare:.3f} [{floor.ratio_low:.3f}, "
-                    f"{floor.ratio_high:.3f}]: a ratio within it is not told apart from the bare loop"]
+        floor_line = [] if floor is None else [where + noise_floor(floor)]
+        stop, detail = rows[0].stop, rows[0].stop_detail
         if resolve is None:  # (fixed rounds: nothing asked to resolve; the noise floor still reads the table)
+            if stop in (ERROR, INTERRUPTED):  # (the rows' rounds fall short of those asked: say why)
+                how = "a failed step" + ("" if detail is None else f": {detail}") if stop == ERROR else "an interrupt"
+                out.append(where + f"fixed rounds cut short by {how}; its figures are from its "
+                                   f"{counted(done, 'whole round')}")
             out += floor_line
             continue
-        stop, detail = rows[0].stop, rows[0].stop_detail
         why = {"budget": "the time budget ran out", "max rounds": "the most rounds ran"}.get(stop, stop)
         if stop == ERROR:  # (which contender, which round, why)
             why += "" if detail is None else f": {detail}"
@@ -1406,6 +1416,43 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
                                f"±{widest.half_width:.1%}, {widest.contender}{within})")
         out += floor_line
     return out
+
+
+def noise_floor(floor: Result) -> str:
+    """The noise-floor line of a case's A/A row (:class:`BareAgain`): its ratio and interval, and
+    what a ratio within it means. When the interval itself excludes 1, the floor is biased: two
+    identical loops read apart in this process, and the line says by how much. (Identical loops
+    built and warmed up one after the other in one process read apart by where they sit, not by
+    their code: on a 2-core CPU, of two bare loops of the same class built and warmed up one after
+    the other, the second read 0.2-1.4% faster in each of 12 processes; moving the first one's
+    parameters and optimizer state to fresh memory after the second's, or a throwaway loop run
+    before both, did not change it; warming the second up first made it even. A contender built
+    third, as ampguard's is, may sit as well or as badly, so the floor's far end bounds what a
+    ratio can owe to where it sits.)
+
+    Example::
+
+        >>> print(noise_floor(Result("mlp", "fp32", "bare loop (A/A)", 1, 1, 0.997, ratio_low=0.981, ratio_high=1.12)))
+        noise floor (bare loop against itself) 0.997 [0.981, 1.120]: a ratio within it is not told apart from the bare loop
+        >>> print(noise_floor(Result("mlp", "fp32", "bare loop (A/A)", 1, 1, 0.992, ratio_low=0.987, ratio_high=0.996)))
+        ... # doctest: +NORMALIZE_WHITESPACE
+        noise floor (bare loop against itself) 0.992 [0.987, 0.996], itself biased: the A/A copy, the same loop, read
+        0.8% faster than the bare loop (0.4-1.3%; its interval excludes 1: identical loops in one process read apart
+        by where they were built, not by their code); a ratio within 1.3% of 1, either way, is not told apart from
+        the bare loop
+    """
+    said = f"noise floor (bare loop against itself) {floor.ratio_to_bare:.3f} [{floor.ratio_low:.3f}, " \
+           f"{floor.ratio_high:.3f}]"
+    if floor.ratio_low <= 1 <= floor.ratio_high:
+        return f"{said}: a ratio within it is not told apart from the bare loop"
+    bias, near, far = abs(floor.ratio_to_bare - 1), abs(floor.ratio_high - 1), abs(floor.ratio_low - 1)
+    if floor.ratio_low > 1:
+        near, far = far, near
+    how = "faster" if floor.ratio_to_bare < 1 else "slower"
+    return (f"{said}, itself biased: the A/A copy, the same loop, read {bias:.1%} {how} than the bare loop "
+            f"({near * 100:.1f}-{far:.1%}; its interval excludes 1: identical loops in one process read apart by where they "
+            f"were built, not by their code); a ratio within {far:.1%} of 1, either way, is not told apart from the "
+            "bare loop")
 
 
 GUARDED = (Guarded.name, GuardedSyncFree.name, GuardedFusedTail.name)
@@ -1448,6 +1495,30 @@ def memory_note(results: list[Result]) -> list[str]:
     if any(r.peak_mem_mib is None for r in results):
         return ["peak MiB: measured on CUDA only (PyTorch keeps no peak of CPU memory, per contender or at all)"]
     return []
+
+
+def mfu_note(results: list[Result], peak_tflops: float | None) -> list[str]:
+    """A line saying why the MFU column is empty for some rows although ``--peak-tflops`` was
+    given: the MLPs count no tokens and no FLOPs (only the transformers do, :data:`COUNTED`).
+    (With none of those selected, :func:`_check_args` refuses the flag.)
+
+    Example::
+
+        >>> rows = [Result("tiny-mlp", "bf16", "bare loop", 1.0, 1.0),
+        ...         Result("small-transformer", "bf16", "bare loop", 1.0, 1.0, tokens_per_s=1e4, mfu=0.4)]
+        >>> mfu_note(rows, 989.0)
+        ['MFU: --peak-tflops 989 is used for the transformers only; tiny-mlp counts no FLOPs (no tokens), so its MFU is empty']
+        >>> mfu_note(rows, None), mfu_note(rows[1:], 989.0)
+        ([], [])
+    """
+    if peak_tflops is None:
+        return []
+    uncounted = list(dict.fromkeys(r.workload for r in results if r.tokens_per_s is None))
+    if not uncounted:
+        return []
+    counts, its = ("counts", "its") if len(uncounted) == 1 else ("count", "their")
+    return [f"MFU: --peak-tflops {peak_tflops:g} is used for the transformers only; {', '.join(uncounted)} {counts} no "
+            f"FLOPs (no tokens), so {its} MFU is empty"]
 
 
 def versus_lines(results: list[Result]) -> list[str]:
@@ -1509,7 +1580,11 @@ def run_bench(
     (:func:`fp8_workload`; the peers are left out); ``compiled`` runs every model through
     ``torch.compile`` (:func:`compiled_workload`), as torchao's float8 needs to be fast.
     ``whole_cycles``: fixed rounds rounded up to whole cycles of the orders (:func:`measure`).
-    ``batch``: every workload's batch size (None: each its own, :data:`BATCHES`).
+    ``batch``: every workload's batch size (None: each its own, :data:`BATCHES`). An interrupt
+    (Ctrl-C, or the SIGTERM :func:`run` turns into one) ends the bench: inside a case's rounds
+    after a whole one, with the results so far (the last case's ``stop``: :data:`INTERRUPTED`);
+    elsewhere with :class:`BenchInterrupted`. Either way the cases it left unmeasured go to
+    ``left_out`` (:func:`_unmeasured`).
 
     Example::
 
@@ -1524,6 +1599,8 @@ def run_bench(
     ours += [GuardedSyncFree, GuardedFusedTail] if fused else []
     contenders = ours + (available_peers() if peers else [])
     results: list[Result] = []
+    cases = [(name, p) for name in workloads for p in precisions]
+    handled = 0  # the cases of `cases` measured or said not run: an interrupt cuts cases[handled]
     try:
         for name in workloads:
             try:
@@ -1532,15 +1609,16 @@ def run_bench(
                 why = f"its data could not be made: {_one_line(err)}"
                 print(f"{name}: not run ({why})", flush=True)
                 if left_out is not None:
-                    left_out += [NotRun(name, p, None, why) for p in precisions]
+                    left_out += [NotRun(w_name(name), p, None, why) for p in precisions]
+                handled += len(precisions)
                 continue
             for p in precisions:
-                if p == "fp16" and device.type == "cpu" and name not in SMALL:
-                    # fp16 autocast on a CPU is far too slow for anything but the tiny MLPs
-                    why = "on a CPU fp16 runs only the mlp and nano models"
-                    print(f"{w.name} fp16: not run ({why})", flush=True)
+                why = _case_left_out(name, p, device)
+                if why is not None:
+                    print(f"{w.name} {p}: not run ({why})", flush=True)
                     if left_out is not None:
                         left_out.append(NotRun(w.name, p, None, why))
+                    handled += 1
                     continue
                 run_w, run_c = (fp8_workload(w), ours) if p == "fp8" else (w, contenders)
                 run_w = compiled_workload(run_w) if compiled else run_w
@@ -1549,15 +1627,94 @@ def run_bench(
                                    warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None,
                                    resolve=resolve, budget_s=budget_s, left_out=left_out,
                                    whole_cycles=whole_cycles)
+                handled += 1
                 if results and results[-1].stop == INTERRUPTED:  # (measure() kept its whole rounds)
+                    _unmeasured(cases[handled:], None, device, left_out)
                     return results
-    except KeyboardInterrupt:  # outside a case's rounds (building, warming up): the cases measured before
+    except KeyboardInterrupt:  # outside a case's rounds (building, warming up, its first round): the cases before
+        _unmeasured(cases[handled + 1:], cases[handled] if handled < len(cases) else None, device, left_out)
         raise BenchInterrupted(results) from None
     return results
 
 
+CUT_SHORT = "interrupted before a whole round of it was measured"
+"""``NotRun.why`` of the case an interrupt cut while it was built, warmed up or in its first round."""
+NOT_STARTED = "not started: the bench was interrupted"
+"""``NotRun.why`` of a case the bench never reached, an interrupt having ended it first."""
+
+
+def w_name(model: str) -> str:
+    """The workload name (:data:`WORKLOAD_NAMES`) of a ``--models`` name; the name itself if unknown.
+
+    Example::
+
+        >>> w_name("nano"), w_name("resnet")
+        ('nano-mlp', 'resnet')
+    """
+    return WORKLOAD_NAMES.get(model, model)
+
+
+def _case_left_out(model: str, precision: str, device: torch.device) -> str | None:
+    """Why :func:`run_bench` leaves a case out before measuring it (fp16 on a CPU runs only the
+    :data:`SMALL` models: its autocast there is far too slow for anything bigger), or ``None``.
+
+    Example::
+
+        >>> cpu = torch.device("cpu")
+        >>> _case_left_out("transformer", "fp16", cpu), _case_left_out("nano", "fp16", cpu)
+        ('on a CPU fp16 runs only the mlp and nano models', None)
+    """
+    if precision == "fp16" and device.type == "cpu" and model not in SMALL:
+        return "on a CPU fp16 runs only the mlp and nano models"
+    return None
+
+
+def _unmeasured(never: Sequence[tuple[str, str]], cut: tuple[str, str] | None, device: torch.device,
+                left_out: list[NotRun] | None) -> None:
+    """The cases an interrupt left unmeasured, as :class:`NotRun` in ``left_out`` (``--json``'s
+    ``not_run``, and the interrupted line of :func:`run`): ``cut``, the one it cut before a whole
+    round (:data:`CUT_SHORT`), and ``never``, those the bench never reached (:data:`NOT_STARTED`;
+    or why they would have been left out anyway).
+
+    Example::
+
+        >>> said = []
+        >>> _unmeasured([("mlp", "fp32"), ("transformer", "fp16")], ("nano", "bf16"), torch.device("cpu"), said)
+        >>> [(n.workload, n.precision, n.why) for n in said]  # doctest: +NORMALIZE_WHITESPACE
+        [('nano-mlp', 'bf16', 'interrupted before a whole round of it was measured'),
+         ('tiny-mlp', 'fp32', 'not started: the bench was interrupted'),
+         ('small-transformer', 'fp16', 'on a CPU fp16 runs only the mlp and nano models')]
+    """
+    if left_out is None:
+        return
+    if cut is not None:
+        left_out.append(NotRun(w_name(cut[0]), cut[1], None, CUT_SHORT))
+    left_out += [NotRun(w_name(model), p, None, _case_left_out(model, p, device) or NOT_STARTED) for model, p in never]
+
+
+def interrupted_line(left_out: Sequence[NotRun]) -> str:
+    """The line :func:`run` prints when an interrupt cut the bench, naming the cases it left
+    unmeasured (:func:`_unmeasured`), so a table of the cases before them does not read as whole.
+
+    Example::
+
+        >>> interrupted_line([])
+        'bench: interrupted; the rounds measured so far follow'
+        >>> interrupted_line([NotRun("nano-mlp", "bf16", None, CUT_SHORT), NotRun("tiny-mlp", "fp32", None, NOT_STARTED),
+        ...                   NotRun("tiny-mlp", "bf16", None, NOT_STARTED)])
+        'bench: interrupted; the rounds measured so far follow (nano-mlp bf16: cut before a whole round, nothing measured; not started: tiny-mlp fp32, tiny-mlp bf16)'
+    """
+    cut = [f"{n.workload} {n.precision}" for n in left_out if n.contender is None and n.why == CUT_SHORT]
+    never = [f"{n.workload} {n.precision}" for n in left_out if n.contender is None and n.why == NOT_STARTED]
+    said = ([f"{', '.join(cut)}: cut before a whole round, nothing measured"] if cut else []) + (
+        [f"not started: {', '.join(never)}"] if never else [])
+    return "bench: interrupted; the rounds measured so far follow" + (f" ({'; '.join(said)})" if said else "")
+
+
 class BenchInterrupted(KeyboardInterrupt):
-    """A bench interrupted outside a case's rounds; ``results`` holds the cases measured before."""
+    """A bench interrupted outside a case's whole rounds (a case built, warmed up, or in its first
+    round); ``results`` holds the cases measured before (their ``stop`` is theirs: "fixed", say),
+    so :func:`run` takes this exception itself as the interrupt, not the last row's ``stop``."""
 
     def __init__(self, results: list[Result]) -> None:
         super().__init__("bench interrupted")
@@ -1736,6 +1893,7 @@ _WORKLOADS: dict[str, Callable[[torch.device, int], Workload]] = {
     "gpt2": lambda device, batch: _transformer(device, "gpt2-small", batch)}
 WORKLOADS = tuple(_WORKLOADS)
 SMALL = ("mlp", "nano")  # the MLPs: fp16 runs them on a CPU too
+COUNTED = ("transformer", "gpt2")  # the models that count their tokens and FLOPs: tokens/s, and MFU (--peak-tflops)
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
@@ -1769,7 +1927,11 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         threads: int | None = None, aa: bool = True, compiled: bool = False, batch: int | None = None) -> int:
     """``ampguard bench``: measure, then print a table (or JSON), the resolution and the
     speed-ups. Returns the exit status: 0, or, when Ctrl-C or a SIGTERM cut the bench short
-    after something was measured, 130 or 143 (what was measured is printed first). Bad
+    after something was measured, 130 or 143 (what was measured is printed first, and a line on
+    stderr, ``--json``'s ``not_run`` too, names the cases it left unmeasured: the one it cut,
+    those never started), wherever it came (in a case's rounds, or while a later case was built
+    or warmed up), or 74 when stdout could not take the table or the JSON
+    (:func:`output_written`). Bad
     arguments (:func:`_check_args`), or no contender able to run at all, are an InputError
     (exit 2); an interrupt before anything was measured raises
     :class:`~ampguard.signals.Interrupted` (130 or 143).
@@ -1846,21 +2008,24 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                 for note in _long_on(where, workloads):
                     print(note, flush=True)
                 left_out: list[NotRun] = []  # the "not run" lines, for --json too
+                cut = False  # an interrupt ended the bench outside a case's whole rounds (BenchInterrupted)
                 try:
                     results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps,
                                         rounds=rounds, warmup=warmup, peers=peers, fused=fused,
                                         peak_tflops=peak_tflops, resolve=resolve, budget_s=budget_s, aa=aa,
                                         compiled=compiled, left_out=left_out, whole_cycles=not quick, batch=batch)
-                except BenchInterrupted as stopped:
-                    results = stopped.results
+                except BenchInterrupted as stopped:  # (Ctrl-C, or the SIGTERM interrupted_by turns into one)
+                    results, cut = stopped.results, True
                     if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
                         raise Interrupted(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED) from None
             # from here a signal waits until the output is whole, then exits 143 or 130 (SIGTERM's default
             # cut the JSON short: a time limit left half a file where the last good one had been)
             with held_signals():
-                interrupted = bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
+                # (a case cut before its first whole round, or while built or warmed up, left the one
+                # before it last: its stop is "fixed", and Ctrl-C read as a finished bench, exit 0)
+                interrupted = cut or bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
                 if interrupted:
-                    print("bench: interrupted; the rounds measured so far follow", file=sys.stderr, flush=True)
+                    print(interrupted_line(left_out), file=sys.stderr, flush=True)
                 if not results:
                     raise InputError(f"bench: no contender could run {models} in {precisions} on {where} "
                                      "(why: the lines above)")
@@ -1869,34 +2034,37 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                             "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa,
                             "compiled": compiled, "quick": quick, "batch": batch}
                 print(to_json(results, resolve, settings, where, left_out, load) if as_json else
-                      "\n".join([table(results), *memory_note(results), *resolution(results, resolve),
-                                 *versus_lines(results), *speedups(results)]), flush=True)
+                      "\n".join([table(results), *memory_note(results), *mfu_note(results, peak_tflops),
+                                 *resolution(results, resolve), *versus_lines(results), *speedups(results)]),
+                      flush=True)
                 if _busy(load):  # (after the figures it is about: a refusal above stays one line)
                     cpus = counted(_usable_cpus(), "usable CPU")
                     print(f"warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "
                           "work shared the cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
-        return json_written(as_json, int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
-                            if interrupted else 0)
+        return output_written(as_json, int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
+                              if interrupted else 0)
 
 
-def json_written(as_json: bool, code: int) -> int:
-    """``code``, unless ``as_json`` and the JSON on stdout was lost (a full disk behind ``> out.json``,
-    a closed stdout: the console's guard, :class:`~ampguard.signals.TolerantStream`, dropped it):
-    then one line says so and the exit is :attr:`~ampguard.errors.ExitCode.DISK_FULL`, for with
-    ``--json`` stdout is the bench's product. A reader that left (a pipe into ``head``) is
-    SIGPIPE's own exit, not this.
+def output_written(as_json: bool, code: int) -> int:
+    """``code``, unless the result on stdout was lost (a full disk behind ``> out.json`` or
+    ``> table.md``, a closed stdout: the console's guard, :class:`~ampguard.signals.TolerantStream`,
+    dropped it): then one line says so and the exit is :attr:`~ampguard.errors.ExitCode.DISK_FULL`,
+    for stdout is the bench's product, the JSON (``as_json``) or the table alike (a table lost to
+    ``/dev/full`` exited 0). A reader that left (a pipe into ``head``) is SIGPIPE's own exit,
+    not this.
 
     Example::
 
-        >>> json_written(True, 0), json_written(False, 130)  # (a console that took every line)
+        >>> output_written(True, 0), output_written(False, 130)  # (a console that took every line)
         (0, 130)
     """
     from .errors import ExitCode
 
     lost = getattr(sys.stdout, "gone", None)
-    if not as_json or lost is None or lost.errno == errno.EPIPE:
+    if lost is None or lost.errno == errno.EPIPE:
         return code
-    print(f"ampguard: error: bench: the --json result could not be written to stdout ({lost.strerror or lost})",
+    what = "the --json result" if as_json else "the table"
+    print(f"ampguard: error: bench: {what} could not be written to stdout ({lost.strerror or lost})",
           file=sys.stderr, flush=True)
     return int(ExitCode.DISK_FULL)
 
@@ -1967,7 +2135,8 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
                 resolve_pct: float, budget_s: float, threads: int | None, quick: bool = False) -> None:
     """Refuse, as one :class:`~ampguard.errors.InputError` line, what :func:`run` cannot measure:
     an unknown or repeated model or precision (a repeat would run the case twice), a
-    ``--peak-tflops`` that is not a finite number > 0, ``--resolve`` or ``--budget`` not a
+    ``--peak-tflops`` that is not a finite number > 0 or is given with none of the :data:`COUNTED`
+    models (the MLPs count no FLOPs: it gave no MFU, and said nothing), ``--resolve`` or ``--budget`` not a
     finite number >= 0, a ``--resolve`` of 100% or more, one below :data:`MIN_RESOLVE_PCT` but
     not 0, or one with ``--budget 0`` (no time to
     resolve in; not with ``quick``, which resolves nothing and ignores the budget), ``--threads``
@@ -1981,6 +2150,11 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
         Traceback (most recent call last):
         ...
         ampguard.errors.InputError: bench: --peak-tflops must be a finite number > 0, got 0
+        >>> _check_args(cpu, ["mlp", "nano"], ["fp32"], peak_tflops=989.0, resolve_pct=1.0, budget_s=120.0, threads=None)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: bench: --peak-tflops gives MFU, which only the transformer and gpt2 models count (their FLOPs); mlp,nano count none: leave it out, or add a transformer
+        >>> _check_args(cpu, ["mlp", "gpt2"], ["fp32"], peak_tflops=989.0, resolve_pct=1.0, budget_s=120.0, threads=None)
         >>> _check_args(cpu, ["mlp"], ["fp32"], peak_tflops=None, resolve_pct=1.0, budget_s=0.0, threads=None,
         ...             quick=True)  # (--quick resolves nothing: no budget needed)
     """
@@ -1994,6 +2168,9 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
                 raise InputError(f"bench: {kind} {name!r} given twice")
     if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
         raise InputError(f"bench: --peak-tflops must be a finite number > 0, got {peak_tflops:g}")
+    if peak_tflops is not None and not set(COUNTED) & set(workloads):  # (it was ignored: no MFU, no word)
+        raise InputError(f"bench: --peak-tflops gives MFU, which only the {' and '.join(COUNTED)} models count (their "
+                         f"FLOPs); {','.join(workloads)} count none: leave it out, or add a transformer")
     if where.type == "cpu" and set(names) == {"fp16"} and not set(SMALL) & set(workloads):
         models = ",".join(workloads)
         raise InputError(f"bench: on a CPU fp16 runs only the mlp and nano models; nothing to measure for {models}")

@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bench import CONFIDENCE, INTERVAL, Bare, _reach, interrupted_by, json_number, json_written, median_interval
+from .bench import CONFIDENCE, INTERVAL, Bare, _reach, interrupted_by, json_number, median_interval, output_written
 from .errors import counted
+from .signals import Interrupted, held_signals
 
 MIN_PROCESSES_FOR_INTERVAL = 6
 """The fewest processes with a 95% interval of their median (:func:`~ampguard.bench.median_interval`)."""
@@ -236,7 +237,11 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
     with SIGTERM, then SIGKILL after a minute, and left out); a process that fails (or prints
     no JSON) ends it with its exit code (1 for no JSON; 128 + the signal for one killed by a
     signal), after the rows of those before it. Progress goes to stderr (each process's own
-    lines, as they come). ``quick``: said to be a smoke test, and no interval is given."""
+    lines, as they come). ``quick``: said to be a smoke test, and no interval is given. While the
+    rows are printed a signal waits (:func:`~ampguard.signals.held_signals`): the output is
+    never cut short, and once it is whole :class:`~ampguard.signals.Interrupted` (143 or 130) is
+    raised, as the one-process bench does (after an interrupt in the processes, their code stands). stdout that could not take the output
+    (a full disk) is exit 74 (:func:`~ampguard.bench.output_written`)."""
     from .errors import ExitCode
 
     argv = [sys.executable, "-m", "ampguard", "bench", *child_args, "--json"]
@@ -281,15 +286,23 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
             stopped = "interrupted"
             print(f"bench: interrupted in process {len(children) + 1} of {n}; the "
                   f"{counted(len(children), 'process', 'processes')} before it follow", file=say, flush=True)
-        rows = across(children)
-        if quick:
-            for row in rows:
-                row.low = row.high = math.nan
-        if as_json:
-            print(to_json(children, rows, resolve, n, stopped), flush=True)
-        elif rows:
-            print("\n".join([table(rows, quick), *([] if quick else resolution(rows, resolve))]), flush=True)
-    return json_written(as_json, code)
+        # from here a signal waits until the output is whole (it was cut at the pipe's 64 KiB and
+        # exited 130 for a SIGTERM), then exits 143 or 130 as the one-process bench does (the command
+        # line's "ampguard: interrupted"); after an interrupt above, the first signal's code stands
+        try:
+            with held_signals():
+                rows = across(children)
+                if quick:
+                    for row in rows:
+                        row.low = row.high = math.nan
+                if as_json:
+                    print(to_json(children, rows, resolve, n, stopped), flush=True)
+                elif rows:
+                    print("\n".join([table(rows, quick), *([] if quick else resolution(rows, resolve))]), flush=True)
+        except Interrupted:
+            if stopped != "interrupted":  # (a second signal stays ignored, as while the process ends)
+                raise
+    return output_written(as_json, code)
 
 
 def run(*, processes: int, device: str, models: str, precisions: str, steps: int, rounds: int, warmup: int,
