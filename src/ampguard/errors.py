@@ -195,10 +195,18 @@ def plain_digits(text: str) -> bool:
     return text.isascii() and "_" not in text
 
 
+INVISIBLE = frozenset("\u200b\ufeff\u200e\u200f\u061c\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+"""Format characters a name must not hide: the zero-width space and no-break space (a folder
+``a\u200bb`` shows as ``ab``) and the bidirectional marks, embeddings, overrides and isolates
+(``a\u202eb`` shows its end reversed). Other format characters stay (the zero-width joiner of an
+emoji sequence, the zero-width non-joiner of Persian, a soft hyphen)."""
+
+
 def has_control(text: str) -> bool:
     """Whether ``text`` holds a control character (Unicode's Cc: C0, DEL and C1, a NUL, a tab, a
-    newline, NEL) or a line or paragraph separator: what would split a one-line message, a CSV
-    header or a console line, or reach the OS as a raw byte.
+    newline, NEL), a line or paragraph separator, or a format character that hides what the text
+    is (:data:`INVISIBLE`): what would split a one-line message, a CSV header or a console line,
+    reach the OS as a raw byte, or show one name as another.
 
     Example::
 
@@ -206,8 +214,10 @@ def has_control(text: str) -> bool:
         (False, True, True, True)
         >>> has_control("a\\u00a0b")  # a no-break space is a space
         False
+        >>> has_control("a\\u202eb"), has_control("a\\u200bb"), has_control("\\U0001f469\\u200d\\U0001f4bb")
+        (True, True, False)
     """
-    return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text)
+    return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") or c in INVISIBLE for c in text)
 
 
 MAX_RAISED = 200

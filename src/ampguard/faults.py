@@ -166,7 +166,7 @@ def check_steps(faults: Iterable[Fault], steps: int, start: int = 1) -> None:
         >>> check_steps([parse_fault("inf_grad@500")], steps=20)
         Traceback (most recent call last):
         ...
-        ValueError: fault 'inf_grad@500' never fires: the run has 20 steps (config steps; a step counts optimizer steps, not micro-batches); drop it: --inject none, or --set inject=[...]
+        ValueError: fault 'inf_grad@500' never fires: the run has 20 steps (config steps; a step counts optimizer steps, not micro-batches); drop it (given with --inject: leave it out; from a config: --inject none, or --set inject=[...])
         >>> check_steps([parse_fault("nan_loss@2,3")], steps=8, start=5)
         Traceback (most recent call last):
         ...
@@ -186,7 +186,8 @@ def check_steps(faults: Iterable[Fault], steps: int, start: int = 1) -> None:
             raise ValueError(f"fault {fault.spec()!r} never fires: the run resumes after step {start - 1} (its steps "
                              f"{start} to {steps} are left to train)")
         raise ValueError(f"fault {fault.spec()!r} never fires: the run has {counted(steps, 'step')} (config steps; a step "
-                         "counts optimizer steps, not micro-batches); drop it: --inject none, or --set inject=[...]")
+                         "counts optimizer steps, not micro-batches); drop it (given with --inject: leave it out; from a "
+                         "config: --inject none, or --set inject=[...])")
 
 
 def parse_faults(specs: Iterable[str], *, seed: int, steps: int, world_size: int = 1, start: int = 1) -> list[Fault]:

@@ -273,6 +273,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("demo fault step 1_0", ["demo", "--inject", "nan_loss@1_0"]),
     ("demo max-norm 1_0", ["demo", "--max-norm", "1_0"]),
     ("demo seed in Arabic-Indic digits", ["demo", "--seed", "\u0663"]),
+    # review 38f: a right-to-left override shows the folder's name reversed
+    ("log.name with a right-to-left override", ["train", *LINEAR, "--set", "log.name=a\u202eb"]),
     ("fast true with optimizer.fused false", ["train", *LINEAR, "--set", "fast=true", "--set", "optimizer.fused=false"]),
 ]
 if not torch.cuda.is_available() and _refuses_overcommit():  # (else the 256 GB is lent, then touched: killed)

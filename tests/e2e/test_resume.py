@@ -783,7 +783,8 @@ def test_a_resume_that_ends_before_the_configs_fault_names_the_way_on(tmp_path):
     ckpt = tmp_path / "A" / "checkpoints" / "step-00000003.pt"
     line = one_error_line(ag("train", "--resume", ckpt, "--set", "steps=5"))
     assert line.endswith("fault 'spike@6' never fires: the run has 5 steps (config steps; a step counts optimizer "
-                         "steps, not micro-batches); drop it: --inject none, or --set inject=[...]"), line
+                         "steps, not micro-batches); drop it (given with --inject: leave it out; from a config: "
+                         "--inject none, or --set inject=[...])"), line
     out = ok(ag("train", "--resume", ckpt, "--set", "steps=5", "--inject", "none"))
     assert "ended: finished: 5 steps" in out and "SKIP" not in out
     # review_27f: ending the run at the checkpoint's own step: the way out named above was refused as
