@@ -369,7 +369,7 @@ def _finite(value: float) -> float:
 def _rate(value: float) -> float:
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise ValueError(f"must be in [0, 1] (got {value!r})")
-    return value
+    return value + 0.0  # (-0.0 is 0: the run card said "skip rate > -0")
 
 
 HomePath = Annotated[str | None, AfterValidator(_path)]  # a path setting: ~ is the home folder, no control character

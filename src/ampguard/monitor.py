@@ -671,8 +671,10 @@ class RunMonitor:
       aside: the run's opening streak of gradient overflows (with the scaler on; a non-finite
       loss is no search), each a halving down from ``init_scale``, until a step applies. Nine
       opening halvings are the scaler finding its scale, not 9% of the first 100 steps
-      failing. A streak that reaches the floor ``min_scale`` found no scale: it is counted
-      whole, from its first step. With other skips beside the opening, the rate is at least
+      failing. It is provisional until a step applies (a non-finite loss after it ends the
+      streak, not the search): a streak of skips from step 1 that reaches the floor
+      ``min_scale`` with no step applied found no scale: it is counted whole, from its first
+      step (and so is one that ends the run, :meth:`at_end`). With other skips beside the opening, the rate is at least
       the window's skips over its full size (what the full window will read: 51 skips in the
       first 1000 steps page at 5%, opening and all); it never jumps with no new skip.
     - ALERT episodes: an ``ALERT`` starts when the judged rate rises above ``alert_rate`` and
@@ -680,7 +682,12 @@ class RunMonitor:
       ``alert_rate``: a rate hovering at the threshold is one episode), one event each, not one
       per step. It is armed
       only once ``min_steps`` steps were seen, so a few skips early in the run (k of the first
-      n steps read k/n) do not raise it.
+      n steps read k/n) do not raise it. A rollback's fresh window (:meth:`restart_windows`)
+      does not disarm it: while that window holds fewer than ``min(min_steps, window)`` steps
+      its k skips count over that many (:meth:`_alert_judged`), and an ALERT up stays up.
+    - A ``fail_rate`` changed mid-run (a resume with another ``monitor.fail_rate``, a replayed
+      policy change) counts the consecutive steps above it again, from the judged rates of the
+      last ``fail_after`` steps (:attr:`fail_rate`).
     - Fail-fast (cause :data:`FAIL_SKIP_RATE`): the judged rate has been above ``fail_rate`` for
       ``fail_after`` consecutive steps, counted from step 1 (``min_steps`` does not apply:
       ``fail_after`` consecutive steps are the evidence). A run that skips every step with
@@ -688,7 +695,8 @@ class RunMonitor:
       reaches the floor if that is later (until then it could have been the opening search).
     - Scale (fp16): ``scale_alert`` while the scale is at (or below) ``min_scale``, the floor
       the scaler clamps it to; with ``fail_on_scale_collapse``, fail-fast (cause
-      :data:`FAIL_SCALE_COLLAPSE`) after ``fail_after`` consecutive steps at the floor and skipped.
+      :data:`FAIL_SCALE_COLLAPSE`) after ``fail_after`` consecutive steps at the floor and skipped
+      (the step whose back-off brought the scale there among them; its words say so).
 
     ``max_skip_rate`` is the highest judged rate from step 1 (young-window rates included: a
     first step skipped for a non-finite loss makes it 1.0, ALERT or not);
@@ -739,9 +747,12 @@ class RunMonitor:
         if fail_after < 1:
             raise ValueError(f"fail_after must be >= 1, got {fail_after}")
         self.window = window
-        self.alert_rate = alert_rate
+        self.alert_rate = 0.0 if alert_rate == 0 else alert_rate  # (-0.0: "> -0" on the card and in events)
         self.clear_rate = clear_rate  # type: ignore[assignment] - None: CLEAR_FRACTION of alert_rate
-        self.fail_rate = fail_rate
+        # the judged rates of the last fail_after steps since the window (re)started: a fail_rate
+        # changed later (a resume, a replayed policy change) recounts above_fail from them
+        self._rates: deque[float] = deque(maxlen=fail_after)
+        self._fail_rate: float | None = None if fail_rate is None else (0.0 if fail_rate == 0 else fail_rate)
         self.fail_after = fail_after
         self.max_norm = max_norm if max_norm and max_norm > 0 else None
         self.scaler_enabled = scaler_enabled
@@ -760,6 +771,7 @@ class RunMonitor:
         ``every rank``: :attr:`~ampguard.records.SkipLog.loss_on`)."""
         self.last: dict[str, float | None] = {}
         self.failed: Event | None = None
+        self._floor_reached: tuple[int, float] | None = None  # (words only: the collapse streak's first step)
         self.higher_better: dict[str, bool] = {}
         """Held-out metrics whose direction was declared (``rollback.val_mode`` for the watched
         one); the others go by their name (:func:`higher_is_better`). Set up, not saved."""
@@ -784,6 +796,71 @@ class RunMonitor:
     def clear_rate(self, value: float | None) -> None:
         self._clear_rate = value
 
+    @property
+    def fail_rate(self) -> float | None:
+        """The rate the fail-fast judges against (None: off). Set to another value (a resume with
+        a new ``monitor.fail_rate``, a replayed policy change), the count of consecutive steps
+        above it (``above_fail``) is the count under the new rate, from the judged rates of the
+        last ``fail_after`` steps: the steps above 0.5 that are not above 0.58 no longer count,
+        and steps above a lowered rate count though the old one did not see them.
+
+        Example (0.6 for three steps: above 0.5, not above 0.6)::
+
+            >>> from ampguard.records import SkipLog, StepLog
+            >>> m = RunMonitor(window=5, fail_rate=0.5, fail_after=4, scaler_enabled=False)
+            >>> for s, skipped in enumerate([True, True, True, False, False], start=1):
+            ...     _ = m.observe(SkipLog(step=s, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None,
+            ...                           grad_l2_post_clip=None, scaler_scale=1.0, reason="non_finite_loss")
+            ...                   if skipped else StepLog(step=s, lr=0.1, loss=1.0, grad_l2_pre_clip=0.5,
+            ...                                           grad_l2_post_clip=0.5, scaler_scale=1.0))
+            >>> m.above_fail  # rates 1, 1, 1, 0.75, 0.6: five steps above 0.5
+            5
+            >>> m.fail_rate = 0.7  # step 5's 0.6 is not above 0.7: no step in a row is
+            >>> m.above_fail
+            0
+            >>> m.fail_rate = 0.5  # (the last fail_after rates are kept: 4 steps, enough to fail)
+            >>> m.above_fail
+            4
+        """
+        return self._fail_rate
+
+    @fail_rate.setter
+    def fail_rate(self, value: float | None) -> None:
+        old, self._fail_rate = self._fail_rate, (0.0 if value == 0 else value)
+        if value != old:
+            self._recount_above_fail(old)
+
+    @property
+    def fail_after(self) -> int:
+        """Consecutive steps above ``fail_rate`` (or skipped at the scale's floor, with
+        ``fail_on_scale_collapse``) that fail the run. Changed, the judged rates kept for
+        :attr:`fail_rate` follow it (the last ``fail_after`` of them)."""
+        return self._fail_after
+
+    @fail_after.setter
+    def fail_after(self, value: int) -> None:
+        self._fail_after = value
+        if self._rates.maxlen != value:
+            self._rates = deque(self._rates, maxlen=max(1, int(value)))
+
+    def _recount_above_fail(self, old: float | None) -> None:
+        """``above_fail`` under the current ``fail_rate``, counted under ``old``: the judged rates
+        kept (the last ``fail_after`` steps since the window started) above it, from the last step
+        back. Where all of those kept are above and the rate went down, the steps counted under
+        the old rate are above the new one too: the count is at least the old one."""
+        new = self._fail_rate
+        if new is None:
+            self.above_fail = 0
+            return
+        count = 0
+        for rate in reversed(self._rates):
+            if not rate > new:
+                break
+            count += 1
+        if old is not None and new <= old:  # (every step above old is above new)
+            count = max(count, self.above_fail)
+        self.above_fail = count
+
     @staticmethod
     def _scalar_defaults() -> dict[str, Any]:
         return {
@@ -792,7 +869,11 @@ class RunMonitor:
             "above_fail": 0,  # consecutive steps with the rate above fail_rate
             "at_floor_skipped": 0,  # consecutive steps skipped with the scale at its floor
             "opening": 0,  # the scaler's opening search: gradient overflows in a row from step 1
-            "in_opening": True,  # that search is still going
+            "in_opening": True,  # that search is still going (every step so far an overflow)
+            # a step applied after it: the search found a scale, and its skips are set aside for good
+            # (until then it is provisional: a streak of skips from step 1 that reaches the floor, or a
+            # run that ends with no step applied, found none, and the opening counts whole)
+            "opening_settled": False,
             "first_loss": None, "best_loss": None, "eval_last": {}, "eval_best": {},
             "max_rolling_skip_rate": 0.0,  # the raw rolling rate's highest (max_skip_rate: the judged one's)
             "final_loss": None, "final_loss_step": None,  # the last applied step's (finite) loss
@@ -841,66 +922,96 @@ class RunMonitor:
         self.clip_window.push(float(clipped))
         self.skip_window.push(float(record.skipped))
         scale = v["scaler_scale"] if v["scaler_scale"] is not None else 1.0
+        ran_with = self.health.scale  # (the scale this step ran with: the one the step before left)
         if self.scaler_enabled:
             self.health.push(scale, record.skipped, search=record.reason == "non_finite_grad")
-        if self.in_opening:
+        if not self.opening_settled and (self.in_opening or self.opening):
             self._follow_opening(record)
         rate, over = self._judged()
+        self._rates.append(rate)
         self.max_skip_rate = max(self.max_skip_rate, rate)
         self.max_rolling_skip_rate = max(self.max_rolling_skip_rate, self.skip_rate)
         return self._events(record.step, rate, over, scale, bool(record.skipped),
-                            overflowed=record.reason == "non_finite_grad")
+                            overflowed=record.reason == "non_finite_grad", ran_with=ran_with)
 
     def _follow_opening(self, record: StepRecord) -> None:
-        """The scaler's opening search: gradient overflows in a row from step 1, until a step
-        applies. One that reaches the floor found no scale: it was no search, and the steps the
-        fail-fast set aside count now (each one skipped: a rate of 1.0, above any ``fail_rate``
-        below 1), so an fp16 run that skips every step fails as early as a bf16 one could."""
-        if not (self.scaler_enabled and record.reason == "non_finite_grad"):
-            self.in_opening = False
-        elif self.health.at_floor:
-            self.in_opening, self.opening = False, 0
-            if self.fail_rate is not None and self.fail_rate < 1:
-                self.above_fail = record.step - 1 - self.unobserved  # (this step's own comes in _events)
-        else:
+        """The scaler's opening search: gradient overflows in a row from step 1, set aside until
+        a step applies (then for good: the search found a scale). A non-finite loss ends the
+        streak (it is no search: it counts) but not the search: the overflows before it stay set
+        aside while a step may still apply. A streak of skips from step 1 that reaches the floor
+        with no step applied found no scale: it was no search, and the steps the fail-fast set
+        aside count now (each one skipped: a rate of 1.0, above any ``fail_rate`` below 1), so an
+        fp16 run that skips every step fails as early as a bf16 one could. (A run that ends with
+        its opening still provisional is judged whole at its end: :meth:`at_end`.)"""
+        if not record.skipped:
+            self.in_opening, self.opening_settled = False, True
+        elif self.scaler_enabled and self.health.at_floor:
+            self._drop_opening()
+        elif self.in_opening and self.scaler_enabled and record.reason == "non_finite_grad":
             self.opening += 1
+        else:
+            self.in_opening = False
 
-    def _events(self, step: int, rate: float, over: str, scale: float, skipped: bool, overflowed: bool) -> list[Event]:
+    def _drop_opening(self) -> None:
+        """No step applied since step 1 and the opening found no scale: its skips count, from step
+        1. Every step so far was skipped, so each one's rolling rate, judged now, is 1.0; the
+        fail-fast's count of steps above ``fail_rate`` is caught up (this step's own comes in
+        :meth:`_events`)."""
+        self.in_opening, self.opening = False, 0
+        self._rates = deque([1.0] * len(self._rates), maxlen=self._rates.maxlen)
+        old, self.above_fail = self.fail_rate, 0
+        self._recount_above_fail(old)
+
+    def _events(self, step: int, rate: float, over: str, scale: float, skipped: bool, overflowed: bool,
+                ran_with: float | None = None) -> list[Event]:
         events: list[Event] = []
-        data = {"skip_rate": rate, "window": self.window}
-        if rate > self.alert_rate and not self.alerting and self.alert_armed:
+        alert_rate, alert_over, young = self._alert_judged(rate, over)
+        data = {"skip_rate": alert_rate, "window": self.window}
+        if alert_rate > self.alert_rate and not self.alerting and self.alert_armed:
             self.alerting = True
             self.alert_episodes += 1
             events.append(Event(step, "skip_rate_alert", (
-                f"rolling skip rate {rate:.3f} > alert_rate {self.alert_rate:g} {over}"), data))
-        elif self.alerting and rate <= self.clear_rate:  # (the clear level worked out only while alerting)
+                f"rolling skip rate {alert_rate:.3f} > alert_rate {self.alert_rate:g} {alert_over}"), data))
+        # (the clear level worked out only while alerting; a window a rollback restarted clears once it
+        # holds min_steps steps: one clean step after the rollback, 0 of 1, is no rate yet)
+        elif self.alerting and not young and rate <= self.clear_rate:
             self.alerting = False
             events.append(Event(step, "skip_rate_clear", (
                 f"rolling skip rate back to {rate:.3f} <= clear_rate {self.clear_rate:g}"), data))
 
         at_floor = self.scaler_enabled and self.health.at_floor
         # (a step skipped at the floor is what raises it: a run started at the floor, scaler.init_scale =
-        # min_scale, whose steps apply, is not alerted; the words follow why the step skipped)
+        # min_scale, whose steps apply, is not alerted; the words follow why the step skipped, and whether
+        # it ran at the floor or the skip's back-off brought the scale there, the floor itself not tried yet)
         if at_floor and skipped and not self.scale_alerting:
-            why = ("the step still overflowed: fp16 cannot hold these gradients" if overflowed else
-                   "steps still skip (a non-finite loss here: the data's or the model's, not fp16's range)")
-            events.append(Event(step, "scale_alert", (
-                f"loss scale {scale:g} is at its floor scaler.min_scale {self.min_scale:g} and {why}"), {"scale": scale}))
+            if ran_with is not None and ran_with > self.health._floor:
+                why = ("the step overflowed at " if overflowed else "the step (a non-finite loss) ran at ") + (
+                    f"{ran_with:g}, and its back-off brought the scale there: the floor itself is not tried yet")
+                head = f"loss scale {scale:g} fell to its floor scaler.min_scale {self.min_scale:g}:"
+            else:
+                why = ("the step still overflowed: fp16 cannot hold these gradients" if overflowed else
+                       "steps still skip (a non-finite loss here: the data's or the model's, not fp16's range)")
+                head = f"loss scale {scale:g} is at its floor scaler.min_scale {self.min_scale:g} and"
+            events.append(Event(step, "scale_alert", f"{head} {why}", {"scale": scale}))
         elif not at_floor and self.scale_alerting:
             events.append(Event(step, "scale_clear", f"loss scale back to {scale:g}", {"scale": scale}))
         self.scale_alerting = at_floor and (self.scale_alerting or skipped)
 
         self.above_fail = self.above_fail + 1 if self.fail_rate is not None and rate > self.fail_rate else 0
         self.at_floor_skipped = self.at_floor_skipped + 1 if at_floor and skipped else 0
+        if self.at_floor_skipped == 1:  # (the streak's first step: ran above the floor, its back-off brought it there?)
+            self._floor_reached = (step, ran_with) if ran_with is not None and ran_with > self.health._floor else None
         if self.failed is None:
             if self.above_fail >= self.fail_after:
                 self.failed = Event(step, "fail", (
                     f"rolling skip rate above fail_rate {self.fail_rate:g} for {self.fail_after} consecutive steps "
-                    f"(now {rate:.3f} {over})"), data, cause=FAIL_SKIP_RATE)
+                    f"(now {rate:.3f} {over})"), {"skip_rate": rate, "window": self.window}, cause=FAIL_SKIP_RATE)
             elif self.fail_on_scale_collapse and self.at_floor_skipped >= self.fail_after:
                 self.failed = Event(step, "fail", (
                     f"loss scale at its floor scaler.min_scale {self.min_scale:g} with every step skipped "
-                    f"for {self.fail_after} consecutive steps"),
+                    f"for {self.fail_after} consecutive steps" + ("" if self._floor_reached is None else (
+                        f" (the first of them, step {self._floor_reached[0]}, ran at {self._floor_reached[1]:g}: "
+                        "its back-off brought the scale to the floor)"))),
                     {"scale": scale, "min_scale": self.min_scale}, cause=FAIL_SCALE_COLLAPSE)
             if self.failed is not None:
                 events.append(self.failed)
@@ -919,9 +1030,10 @@ class RunMonitor:
         - with ``fail_rate``, a run shorter than ``fail_after`` whose rolling rate was above it at
           every step fails (cause :data:`FAIL_SKIP_RATE`): the whole run is the evidence.
         - a run whose opening search never ended (every step an fp16 gradient overflow, the floor
-          not reached yet: a short run, or a high ``init_scale``) applied no update: the search
-          found no scale, so nothing is set aside and the whole run is judged, whatever its
-          length: one ALERT, and with ``fail_rate`` (below 1) a failure.
+          not reached yet: a short run, or a high ``init_scale``; or overflows, then non-finite
+          losses) applied no update: the search found no scale, so nothing is set aside and the
+          whole run is judged, whatever its length: one ALERT, and with ``fail_rate`` (below 1) a
+          failure.
 
         Example (a 30-step run that skipped every step, with the defaults' min_steps and fail_after 100)::
 
@@ -938,7 +1050,8 @@ class RunMonitor:
             skip rate above fail_rate 0.5 at every one of the run's 30 steps (it ended before fail_after 100 consecutive steps)
         """
         observed = self.observed  # (a monitor that began after step 1, begin_at, judges the steps it saw)
-        unsettled = self.in_opening and observed > 0  # every step a search that found no scale
+        # no step applied since step 1 and the opening not dropped yet: a search that found no scale
+        unsettled = observed > 0 and not self.opening_settled and self.opening > 0
         aside = 0 if unsettled else self.opening  # (0 once it reached the floor too: then it counts)
         judged, skipped = observed - aside, sum(self.skips.values()) - aside
 
@@ -951,8 +1064,14 @@ class RunMonitor:
             return events
         rate = skipped / judged
         data = {"skip_rate": rate, "window": self.window}
-        never = (f"no step applied in {run(observed)}: the fp16 loss scale's search down from init_scale "
-                 f"never found a scale (now {self.health.scale:g})") if unsettled else ""
+        never = ""
+        if unsettled and self.in_opening:
+            never = (f"no step applied in {run(observed)}: the fp16 loss scale's search down from init_scale "
+                     f"never found a scale (now {self.health.scale:g})")
+        elif unsettled:
+            never = (f"no step applied in {run(observed)} ({self.skips_text()}): its opening "
+                     f"{counted(self.opening, 'gradient overflow')} found no scale that applied a step, and are "
+                     "counted with the rest")
         if (observed < self.min_steps or unsettled) and not self.alerting and rate > self.alert_rate:
             self.alerting = True
             self.alert_episodes += 1
@@ -960,9 +1079,11 @@ class RunMonitor:
                 f"skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over {run(judged)}, which "
                 f"ended before the rolling ALERT armed (monitor.min_steps {self.min_steps})"), data))
         if self.failed is None and self.fail_rate is not None and (
-                unsettled and rate > self.fail_rate or observed < self.fail_after and self.above_fail >= observed):
+                unsettled and rate > self.fail_rate
+                or observed < self.fail_after and self.above_fail >= judged):  # (the opening's steps read 0)
+            after = f" after the fp16 scaler's opening {counted(aside, 'skip')}" if aside else ""
             self.failed = Event(step, "fail", f"{never}, a skip rate of 1 above fail_rate {self.fail_rate:g}" if never else (
-                f"skip rate above fail_rate {self.fail_rate:g} at every one of {run(observed)} "
+                f"skip rate above fail_rate {self.fail_rate:g} at every one of {run(judged)}{after} "
                 f"(it ended before fail_after {self.fail_after} consecutive steps)"), data, cause=FAIL_SKIP_RATE)
             events.append(self.failed)
         return events
@@ -1043,7 +1164,11 @@ class RunMonitor:
 
     def restart_windows(self) -> None:
         """Forget the rolling skip window (after a rollback): the run starts its judging afresh
-        (the ALERT waits ``min_steps`` again; the fail-fast counters restart at 0).
+        (the fail-fast counters restart at 0, and the judged rates kept for a new ``fail_rate``
+        are forgotten). The ALERT stays armed (:attr:`alert_armed`: the run's steps) and an
+        ALERT up stays up: until the new window holds ``min(min_steps, window)`` steps it is
+        judged as :meth:`_alert_judged` says (k skips over that many steps, not k of the few
+        seen), and it clears only then.
 
         Example::
 
@@ -1058,6 +1183,7 @@ class RunMonitor:
             (True, 0.0)
         """
         self.skip_window = RollingWindow(self.window)
+        self._rates.clear()
         self.above_fail = 0
         self.at_floor_skipped = 0
         self.failed = None
@@ -1066,14 +1192,57 @@ class RunMonitor:
 
     @property
     def alert_armed(self) -> bool:
-        """True once the skip window has seen ``min_steps`` steps: the ALERT may fire.
+        """True once ``min_steps`` steps were observed: the ALERT may fire. A rollback
+        (:meth:`restart_windows`) does not disarm it: its young window is judged as
+        :meth:`_alert_judged` says.
 
         Example::
 
             >>> RunMonitor(min_steps=0).alert_armed, RunMonitor(min_steps=1).alert_armed
             (True, False)
         """
-        return self.skip_window.count >= self.min_steps
+        return self.observed >= self.min_steps
+
+    def _young_after_restart(self) -> int:
+        """``min(min_steps, window)`` while a window a rollback restarted (:meth:`restart_windows`)
+        holds fewer steps than that, else 0."""
+        settle = min(self.min_steps, self.window)
+        count = self.skip_window.count
+        return settle if count < settle and count < self.observed else 0
+
+    def _alert_judged(self, rate: float, over: str) -> tuple[float, str, int]:
+        """The rate the ALERT judges, its words, and the steps a restarted window waits for
+        (0: none; see :meth:`_young_after_restart`). The judged rate (:attr:`judged_skip_rate`),
+        but in a window a rollback restarted that holds n < ``min(min_steps, window)`` steps,
+        its k skips over that many steps, what the window reads once it holds them if no other
+        skip comes: k of the first n steps after a rollback read k/n as they do from step 1 (the
+        reason for ``min_steps``), so one skip just after a rollback is no ALERT, while a rate
+        the window is sure to be above pages as soon as it is sure, not ``min_steps`` later.
+
+        Example (a rollback after step 100; then a skip every other step)::
+
+            >>> from ampguard.records import SkipLog, StepLog
+            >>> m = RunMonitor(window=1000, scaler_enabled=False)
+            >>> def record(s, skipped):
+            ...     return (SkipLog(step=s, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None, grad_l2_post_clip=None,
+            ...                     scaler_scale=1.0, reason="non_finite_loss") if skipped else
+            ...             StepLog(step=s, lr=0.1, loss=1.0, grad_l2_pre_clip=0.5, grad_l2_post_clip=0.5,
+            ...                     scaler_scale=1.0))
+            >>> for s in range(1, 101):
+            ...     _ = m.observe(record(s, False))
+            >>> m.restart_windows()
+            >>> [(s, e.kind) for s in range(101, 131) for e in m.observe(record(s, s % 2 == 0))]
+            [(112, 'skip_rate_alert')]
+            >>> print(m._alert_judged(m.judged_skip_rate, "")[1])
+            counting the 15 skips in the 30 steps since the window restarted after step 100 (a rollback) over 100 steps: what it reads once it holds them
+        """
+        settle = self._young_after_restart()
+        if not settle:
+            return rate, over, 0
+        held, skips = self.skip_window.held, round(self.skip_window.total)
+        return skips / settle, (
+            f"counting the {counted(skips, 'skip')} in the {counted(held, 'step')} since the window restarted after "
+            f"step {self.steps - held} (a rollback) over {settle} steps: what it reads once it holds them"), settle
 
     @property
     def skip_rate(self) -> float:
@@ -1277,14 +1446,14 @@ class RunMonitor:
 
     _SCALARS = (
         "steps", "updates", "clipped", "alerting", "scale_alerting", "alert_episodes", "max_skip_rate",
-        "above_fail", "at_floor_skipped", "opening", "in_opening", "first_loss", "best_loss", "eval_last", "eval_best",
-        "max_rolling_skip_rate", "final_loss", "final_loss_step", "unobserved",
+        "above_fail", "at_floor_skipped", "opening", "in_opening", "opening_settled", "first_loss", "best_loss",
+        "eval_last", "eval_best", "max_rolling_skip_rate", "final_loss", "final_loss_step", "unobserved",
     )
     # new name -> its name in older states (an older state's judged maximum is the closest it holds)
     _RENAMED = {"at_floor_skipped": "below_min_scale", "max_rolling_skip_rate": "max_skip_rate"}
     _COUNTS = ("steps", "updates", "clipped", "alert_episodes", "above_fail", "at_floor_skipped", "opening",
                "unobserved")
-    _FLAGS = ("alerting", "scale_alerting", "in_opening")
+    _FLAGS = ("alerting", "scale_alerting", "in_opening", "opening_settled")
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-safe) from which :meth:`load_state_dict` continues identically.
@@ -1304,6 +1473,10 @@ class RunMonitor:
             "skip_window": self.skip_window.state_dict(),
             "clip_window": self.clip_window.state_dict(),
             "health": self.health.state_dict(),
+            # the threshold above_fail was counted under, and the rates judged: a resume that changes
+            # fail_rate counts above_fail again under its own (load_state_dict)
+            "fail_rate": self.fail_rate,
+            "judged_rates": list(self._rates),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1313,7 +1486,10 @@ class RunMonitor:
         A saved failure (``failed``) is not restored: the resumed run judges its steps with its
         own thresholds, which a resume may have changed (docs/resume.md). The counters go on, so
         with the same thresholds the guard trips again at the first step whose rate is still
-        above; with ``fail_rate`` raised or off, it does not.
+        above; with ``fail_rate`` off, it does not; with another ``fail_rate``, the steps in a row
+        above it are counted again from the rates the state judged (``judged_rates``, saved with
+        the ``fail_rate`` they were counted under): a raised rate trips only on steps above it, as
+        a run with it from its start would.
 
         Example::
 
@@ -1333,6 +1509,13 @@ class RunMonitor:
         self.failed = None
         if "in_opening" not in state:  # saved before the opening was kept: over unless nothing ran
             self.in_opening = self.steps == 0
+        if "opening_settled" not in state:  # (saved when an opening that had ended was set aside for good)
+            self.opening_settled = not self.in_opening
+        self._rates = deque(state.get("judged_rates", ()), maxlen=self._rates.maxlen)
+        if "judged_rates" in state and "fail_rate" in state and state["fail_rate"] != self.fail_rate:
+            # a resume with another fail_rate judges with it: the steps counted above the old one are
+            # counted again against the new one (docs/resume.md: "judged with the new thresholds")
+            self._recount_above_fail(state["fail_rate"])
         self.skips = Counter(state.get("skips", {}))
         self.loss_origins = Counter(state.get("loss_origins", {}))
         self.last = dict(state.get("last", {}))
@@ -1380,6 +1563,15 @@ class RunMonitor:
         for name in ("max_skip_rate", "max_rolling_skip_rate"):
             rate = scalars[name]
             _need(finite_number(rate) and 0 <= rate <= 1, f"{where}{name}", rate, "a number in [0, 1]")
+        if "fail_rate" in state:
+            rate = state["fail_rate"]
+            _need(rate is None or (finite_number(rate) and 0 <= rate <= 1), f"{where}fail_rate", rate,
+                  "a number in [0, 1] or None")
+        if "judged_rates" in state:
+            rates = state["judged_rates"]
+            _need(isinstance(rates, list) and len(rates) <= scalars["steps"]
+                  and all(finite_number(r) and 0 <= r <= 1 for r in rates), f"{where}judged_rates", rates,
+                  f"a list of at most steps {scalars['steps']} numbers in [0, 1]")
         for name in ("first_loss", "best_loss", "final_loss"):
             _need(_number_or_none(scalars[name]), f"{where}{name}", scalars[name], "a finite number or None")
         step = scalars["final_loss_step"]

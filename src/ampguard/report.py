@@ -1083,10 +1083,7 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         f"x{s.backoff_factor:g} on a skip, floor (min_scale) {s.min_scale:g}" if result.monitor.scaler_enabled
         else "off (scale reported as 1.0)"
     )
-    fail = (f"skip rate > {mon.fail_rate:g} for {counted(mon.fail_after, 'consecutive step')} -> exit 3"
-            if mon.fail_rate is not None else "off (monitor.fail_rate not set)")
-    if mon.fail_on_scale_collapse:
-        fail += f"; skipping at the scale floor {s.min_scale:g} for {counted(mon.fail_after, 'step')} -> exit 3"
+    fail = _fail_fast_text(mon, s.min_scale, result.monitor.scaler_enabled, config.precision)
     return [
         ("precision", Precision(config.precision, result.device.type).describe()
                       + (", model compiled (torch.compile)" if config.compile else "")),
@@ -1122,6 +1119,38 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
          else "off (monitor.headroom.every)"),
         ("seed", str(config.seed)),
     ]
+
+
+def _fail_fast_text(mon: Any, min_scale: float, scaler_on: bool, precision: str) -> str:
+    """The card's fail-fast row: what stops the run, and what was set that stops nothing (a
+    ``monitor.fail_after`` with no rate to count above, the scale-collapse guard of a run with no
+    loss scaler: its scale never moves from 1.0).
+
+    Example::
+
+        >>> from ampguard.config import MonitorConfig
+        >>> _fail_fast_text(MonitorConfig(fail_rate=0.5, fail_after=3), 1.0, True, "fp16")
+        'skip rate > 0.5 for 3 consecutive steps -> exit 3'
+        >>> _fail_fast_text(MonitorConfig(fail_after=5), 1.0, False, "fp32")
+        'off (monitor.fail_rate not set; monitor.fail_after 5 unused)'
+        >>> print(_fail_fast_text(MonitorConfig(fail_after=3, fail_on_scale_collapse=True), 1.0, False, "fp32"))
+        off (monitor.fail_rate not set; monitor.fail_after 3 unused); scale collapse: n/a (fp32 runs no loss scaler: monitor.fail_on_scale_collapse stops nothing)
+        >>> _fail_fast_text(MonitorConfig(fail_after=3, fail_on_scale_collapse=True), 1.0, True, "fp16")
+        'off (monitor.fail_rate not set); skipping at the scale floor 1 for 3 steps -> exit 3'
+    """
+    collapse = mon.fail_on_scale_collapse and scaler_on
+    if mon.fail_rate is not None:
+        fail = f"skip rate > {mon.fail_rate:g} for {counted(mon.fail_after, 'consecutive step')} -> exit 3"
+    else:
+        unused = (f"; monitor.fail_after {mon.fail_after} unused"
+                  if not collapse and mon.fail_after != type(mon).model_fields["fail_after"].default else "")
+        fail = f"off (monitor.fail_rate not set{unused})"
+    if collapse:
+        fail += f"; skipping at the scale floor {min_scale:g} for {counted(mon.fail_after, 'step')} -> exit 3"
+    elif mon.fail_on_scale_collapse:
+        who = "fp16 with scaler.enabled false" if precision == "fp16" else precision
+        fail += f"; scale collapse: n/a ({who} runs no loss scaler: monitor.fail_on_scale_collapse stops nothing)"
+    return fail
 
 
 def _clipping_text(config: Config, policy: Sequence[dict[str, Any]]) -> str:

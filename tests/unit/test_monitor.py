@@ -736,13 +736,15 @@ def test_monitor_refuses_a_floor_that_is_not_a_positive_number(floor):
         RunMonitor(min_scale=floor)
 
 
-def test_monitor_restart_windows_rearms_min_steps_and_fail_counters():
+def test_monitor_restart_windows_restarts_the_fail_counters_and_keeps_the_alert_armed_and_up():
+    # (review_38e F2: a rollback used to disarm the ALERT for min_steps steps and clear an ALERT at the
+    # first clean step after it; it stays armed, and the ALERT up stays up, judged by _alert_judged)
     m = RunMonitor(window=100, alert_rate=0.1, fail_rate=0.5, fail_after=4, scaler_enabled=False, min_steps=3)
     for r in every_step_skips(3):
         m.observe(r)
     assert m.alerting and m.above_fail == 3 and m.failed is None
     m.restart_windows()
-    assert (m.skip_rate, m.above_fail, m.alert_armed) == (0.0, 0, False)
+    assert (m.skip_rate, m.above_fail, m.alert_armed, m.alerting) == (0.0, 0, True, True)
     kinds = [(r.step, e.kind) for r in every_step_skips(8)[3:] for e in m.observe(r)]
     assert kinds == [(7, "fail")]  # 4 more consecutive steps above, counted afresh
 
