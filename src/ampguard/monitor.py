@@ -747,7 +747,7 @@ class RunMonitor:
         if fail_after < 1:
             raise ValueError(f"fail_after must be >= 1, got {fail_after}")
         self.window = window
-        self.alert_rate = 0.0 if alert_rate == 0 else alert_rate  # (-0.0: "> -0" on the card and in events)
+        self.alert_rate = alert_rate
         self.clear_rate = clear_rate  # type: ignore[assignment] - None: CLEAR_FRACTION of alert_rate
         # the judged rates of the last fail_after steps since the window (re)started: a fail_rate
         # changed later (a resume, a replayed policy change) recounts above_fail from them
@@ -792,9 +792,18 @@ class RunMonitor:
             return self._clear_rate
         return round(self.alert_rate * CLEAR_FRACTION, 12)  # (0.35 x 0.8 is 0.27999999999999997: 7/25 must clear)
 
+    @property
+    def alert_rate(self) -> float:
+        """The rolling skip rate above which an ALERT starts (-0.0 is 0: "> alert_rate -0")."""
+        return self._alert_rate
+
+    @alert_rate.setter
+    def alert_rate(self, value: float) -> None:
+        self._alert_rate = 0.0 if value == 0 else value
+
     @clear_rate.setter
     def clear_rate(self, value: float | None) -> None:
-        self._clear_rate = value
+        self._clear_rate = 0.0 if value == 0 else value  # (-0.0 is 0: "<= clear_rate -0" otherwise)
 
     @property
     def fail_rate(self) -> float | None:
@@ -958,7 +967,11 @@ class RunMonitor:
         fail-fast's count of steps above ``fail_rate`` is caught up (this step's own comes in
         :meth:`_events`)."""
         self.in_opening, self.opening = False, 0
-        self._rates = deque([1.0] * len(self._rates), maxlen=self._rates.maxlen)
+        # the steps judged since the window (re)started, this one aside, each skipped: as many as
+        # are kept (the rates kept may be fewer: a state saved before they were, or under a smaller
+        # fail_after, which a resume raised)
+        n = min(self.skip_window.count - 1, self._rates.maxlen or 0)
+        self._rates = deque([1.0] * n, maxlen=self._rates.maxlen)
         old, self.above_fail = self.fail_rate, 0
         self._recount_above_fail(old)
 
@@ -1477,6 +1490,8 @@ class RunMonitor:
             # fail_rate counts above_fail again under its own (load_state_dict)
             "fail_rate": self.fail_rate,
             "judged_rates": list(self._rates),
+            # the collapse streak's first step and the scale it ran with (its FAIL's words)
+            "floor_reached": None if self._floor_reached is None else list(self._floor_reached),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1509,9 +1524,12 @@ class RunMonitor:
         self.failed = None
         if "in_opening" not in state:  # saved before the opening was kept: over unless nothing ran
             self.in_opening = self.steps == 0
-        if "opening_settled" not in state:  # (saved when an opening that had ended was set aside for good)
-            self.opening_settled = not self.in_opening
+        if "opening_settled" not in state:  # (saved before: settled when an observed step applied, and only then)
+            observed = self.steps - self.unobserved
+            self.opening_settled = sum(state.get("skips", {}).values()) < observed
         self._rates = deque(state.get("judged_rates", ()), maxlen=self._rates.maxlen)
+        reached = state.get("floor_reached")
+        self._floor_reached = None if reached is None else (int(reached[0]), float(reached[1]))
         if "judged_rates" in state and "fail_rate" in state and state["fail_rate"] != self.fail_rate:
             # a resume with another fail_rate judges with it: the steps counted above the old one are
             # counted again against the new one (docs/resume.md: "judged with the new thresholds")
@@ -1572,6 +1590,10 @@ class RunMonitor:
             _need(isinstance(rates, list) and len(rates) <= scalars["steps"]
                   and all(finite_number(r) and 0 <= r <= 1 for r in rates), f"{where}judged_rates", rates,
                   f"a list of at most steps {scalars['steps']} numbers in [0, 1]")
+        reached = state.get("floor_reached")
+        _need(reached is None or (isinstance(reached, list) and len(reached) == 2 and whole_number(reached[0])
+                                  and finite_number(reached[1]) and reached[1] > 0), f"{where}floor_reached", reached,
+              "None or [a step, a scale > 0]")
         for name in ("first_loss", "best_loss", "final_loss"):
             _need(_number_or_none(scalars[name]), f"{where}{name}", scalars[name], "a finite number or None")
         step = scalars["final_loss_step"]

@@ -124,15 +124,79 @@ def test_an_opening_a_nan_loss_ends_is_still_set_aside_once_a_step_applies():
     assert m.judged_skip_rate == max(1 / 191, 10 / 1000)  # (what the full window will read: README)
 
 
-def test_an_old_state_whose_opening_had_ended_keeps_it_set_aside():
-    # a state saved before opening_settled existed: an opening that had ended was set aside for good
+def old_state(m: RunMonitor) -> dict:
+    """``m``'s state as the code before review 38e saved it (no opening_settled, fail_rate,
+    judged_rates or floor_reached)."""
+    state = m.state_dict()
+    for key in ("opening_settled", "fail_rate", "judged_rates", "floor_reached"):
+        del state[key]
+    return state
+
+
+@pytest.mark.parametrize("plan, settled", [("ooon", False), ("ooan", True), ("oooo", False)])
+def test_an_old_state_is_settled_only_when_a_step_applied(plan, settled):
+    # review 38h #1: an older state's opening that had ended at a NaN loss with no step applied loaded as
+    # settled (opening_settled = not in_opening), so a run that then skipped every step was never failed
     m = RunMonitor(fail_rate=0.5, fail_after=100)
-    feed(m, fp16_records("ooon"))
-    old = m.state_dict()
-    del old["opening_settled"], old["fail_rate"], old["judged_rates"]
+    feed(m, fp16_records(plan))
     restored = RunMonitor(fail_rate=0.5, fail_after=100)
-    restored.load_state_dict(old)
-    assert restored.opening == 3 and restored.opening_settled
+    restored.load_state_dict(old_state(m))
+    assert restored.opening_settled is settled
+
+
+def test_an_old_states_opening_dropped_at_the_floor_fails_as_the_uninterrupted_run():
+    # review 38h #1 and #2: 2 overflows and a NaN saved by the older code, then every step skipped: the
+    # uninterrupted run fails at step 10; resumed from the old state it did not (settled), and its
+    # catch-up at the floor counted only the rates kept (none in an old state)
+    plan = fp16_records("oon" + "o" * 7, init_scale=2.0**8)
+    whole = RunMonitor(fail_rate=0.5, fail_after=10)
+    assert ("fail" in [kind for _, kind in feed(whole, plan)]) and whole.failed.step == 10
+    first = RunMonitor(fail_rate=0.5, fail_after=10)
+    feed(first, plan[:3])
+    resumed = RunMonitor(fail_rate=0.5, fail_after=10)
+    resumed.load_state_dict(old_state(first))
+    feed(resumed, plan[3:])
+    assert resumed.failed is not None and resumed.failed.step == 10
+
+
+def test_a_fail_after_raised_on_resume_catches_up_every_step_at_the_floor():
+    # review 38h #2: saved under fail_after 2 (2 rates kept), resumed with 8: the drop at the floor caught up 2
+    plan = fp16_records("o" * 10, init_scale=2.0**6)
+    whole = RunMonitor(fail_rate=0.5, fail_after=8)
+    feed(whole, plan)
+    first = RunMonitor(fail_rate=0.5, fail_after=2)
+    feed(first, plan[:4])
+    resumed = RunMonitor(fail_rate=0.5, fail_after=8)
+    resumed.load_state_dict(first.state_dict())
+    feed(resumed, plan[4:])
+    assert whole.failed is not None and resumed.failed is not None and resumed.failed.step == whole.failed.step
+
+
+def test_the_collapse_fails_words_survive_a_resume():
+    # review 38h #3: the streak's first step (its back-off reached the floor) was not saved: a resumed
+    # run's FAIL lost "(the first of them, step 3, ran at 2: ...)"
+    def monitor():
+        return RunMonitor(fail_after=4, fail_on_scale_collapse=True, scaler_enabled=True, min_scale=1.0)
+
+    plan = fp16_records("aa" + "o" * 8, init_scale=4.0)
+    whole = monitor()
+    feed(whole, plan)
+    first = monitor()
+    feed(first, plan[:4])
+    resumed = monitor()
+    resumed.load_state_dict(first.state_dict())
+    feed(resumed, plan[4:])
+    assert whole.failed is not None and "(the first of them, step " in whole.failed.message
+    assert resumed.failed is not None and resumed.failed.message == whole.failed.message
+    with pytest.raises(ValueError, match=r"floor_reached"):
+        monitor().check_state({**first.state_dict(), "floor_reached": [3, -1.0]})
+
+
+def test_negative_zero_rates_given_to_the_monitor_read_as_zero():
+    # review 38h #7: the config path normalised -0.0; RunMonitor's own did not ("> alert_rate -0")
+    m = RunMonitor(clear_rate=-0.0, alert_rate=-0.0)
+    m.alert_rate = -0.0
+    assert f"{m.alert_rate:g} {m.clear_rate:g}" == "0 0"
 
 
 # ---------------------------------------------------------------------------- F2
