@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import MAX_COUNT, MAX_WINDOW, ExitCode, InputError, an_interrupt, counted, plain_digits
+from .errors import (
+    MAX_COUNT, MAX_WINDOW, AmpguardWarning, ConfigError, ExitCode, InputError, an_interrupt, counted, plain_digits,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -223,7 +225,8 @@ def _train(args: argparse.Namespace) -> int:
         log = base.get("log") if isinstance(base.get("log"), dict) else {}
         if _folder_of(log.get("dir"), log.get("name")) != here:  # (as saved, unless it names another place now)
             base["log"] = {**log, "dir": str(here.parent), "name": here.name}
-    config = _config_from(args, base=base, sections=sections)
+    config = _config_from(args, base=base, sections=sections, verb="train",
+                          saved=None if resume is None else resume.run_dir / "config.yaml")
     if resume is not None:
         _check_resumed(config, resume, base)
     _check_fail_after(args, config)
@@ -253,7 +256,8 @@ def _check_resumed(config: Any, resume: Any, saved: dict[str, Any]) -> None:
 def _validate(args: argparse.Namespace) -> int:
     from . import validate
 
-    return validate.run(_config_from(args), checkpoint=args.checkpoint, out=args.out, train_steps=args.train_steps)
+    return validate.run(_config_from(args, verb="validate"), checkpoint=args.checkpoint, out=args.out,
+                        train_steps=args.train_steps)
 
 
 def _locate(args: argparse.Namespace) -> int:
@@ -310,14 +314,34 @@ def _check_fail_after(args: argparse.Namespace, config: Any) -> None:
 
 
 def _config_from(
-    args: argparse.Namespace, base: dict[str, Any] | None = None, sections: dict[str, dict[str, Any]] | None = None
+    args: argparse.Namespace, base: dict[str, Any] | None = None, sections: dict[str, dict[str, Any]] | None = None,
+    *, verb: str | None = None, saved: Path | None = None,
 ) -> Any:
-    """The effective, validated config of CONFIG, --set, --inject and the flags that fill sections."""
-    from .config import load_config
+    """The effective, validated config of CONFIG, --set, --inject and the flags that fill sections.
+
+    ``saved``: the file ``base`` was read from (a resume's ``config.yaml``): a refusal that is the
+    file's own (it does not validate by itself) names the file, as ``report`` and ``compare`` do.
+    ``verb`` (``train``, ``validate``): the settings given that such a run does not read are said,
+    a warning each (:func:`~ampguard.config.ignored_settings`; on a resume, those ``--set`` gives).
+    """
+    from .config import ignored_settings, load_config, validate
 
     given = getattr(args, "inject", None) or []
     inject = _without_none(given)
-    return load_config(args.config, args.set, base=base, inject=inject, no_inject="none" in given, sections=sections)
+    try:
+        config = load_config(args.config, args.set, base=base, inject=inject, no_inject="none" in given,
+                             sections=sections)
+    except ConfigError:
+        if saved is not None:  # (the file alone first: `config: bogus: unknown key` did not say which file)
+            try:
+                validate(base or {})
+            except ConfigError as err:
+                raise ConfigError(f"config file {saved}: {err}") from None
+        raise
+    only = None if saved is None else [item.partition("=")[0].strip() for item in args.set or []]
+    for line in ignored_settings(config, verb, only) if verb else ():
+        warnings.warn(line, AmpguardWarning, stacklevel=2)
+    return config
 
 
 # ---------------------------------------------------------------------------- main

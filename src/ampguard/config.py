@@ -22,7 +22,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, first_line, has_control
+from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, first_line, has_control, shortened
 from .faults import parse_fault
 from .monitor import DEFAULT_MIN_STEPS
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, uses_loss_scaler
@@ -48,6 +48,8 @@ _INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)\Z")
 _FLOAT_12 = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
                        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")
 """YAML 1.2's floats (core schema): ``1e-3``, ``.5``, ``5.``, ``-1.5e+3``, ``.inf``, ``-.inf``, ``.nan``."""
+_MERGE = "tag:yaml.org,2002:merge"
+"""The tag PyYAML resolves a plain ``<<`` to (YAML 1.1's merge key, which a config does not take)."""
 _NUMBER_RESOLVERS = (("tag:yaml.org,2002:int", _INT_12, list("-+0123456789")),  # (ints first: "10" fits both)
                      ("tag:yaml.org,2002:float", _FLOAT_12, list("-+.0123456789")))
 
@@ -86,6 +88,12 @@ class _PlainLoader(yaml.SafeLoader):
         Traceback (most recent call last):
         ...
         yaml.error.YAMLError: key 'optimizer' appears twice (lines 1 and 4)
+        >>> yaml.load("steps: 3\\noptimizer:\\n  <<: {lr: 1}\\n", Loader=_PlainLoader)
+        Traceback (most recent call last):
+        ...
+        yaml.error.YAMLError: YAML merge keys (<<) are not supported (line 3): write the keys out
+        >>> yaml.load("[<<, '<<']", Loader=_PlainLoader)  # (a value `<<` is text)
+        ['<<', '<<']
     """
 
     yaml_implicit_resolvers = {  # (YAML 1.2's booleans and numbers are added below the class)
@@ -120,6 +128,9 @@ class _PlainLoader(yaml.SafeLoader):
         # never equal as numbers)
         lines: dict[Any, tuple[int, str]] = {}  # each key -> the line and spelling it was first given with
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE:  # (PyYAML's error named no constructor for its tag, not the `<<`)
+                raise yaml.YAMLError(f"YAML merge keys (<<) are not supported (line {key_node.start_mark.line + 1}): "
+                                     "write the keys out")
             key = self.construct_object(key_node, deep=deep)
             line, spelled = key_node.start_mark.line + 1, str(getattr(key, "text", key))
             if isinstance(key, (str, int, float, bool)):
@@ -199,6 +210,8 @@ for _tag, _regexp, _first in _NUMBER_RESOLVERS:
 # (PyYAML registered its own functions for these tags: the methods above are not called unless registered)
 _PlainLoader.add_constructor("tag:yaml.org,2002:bool", _PlainLoader.construct_yaml_bool)
 _PlainLoader.add_constructor("tag:yaml.org,2002:timestamp", _PlainLoader.construct_yaml_timestamp)
+# (YAML 1.2 has no merge keys: `<<` as a key is refused in construct_mapping, naming it; as a value it is text)
+_PlainLoader.add_constructor(_MERGE, lambda loader, node: loader.construct_scalar(node))
 
 
 class _Written:
@@ -287,7 +300,7 @@ def _path(path: str | None) -> str | None:
         ValueError: holds a control character (got 'a\\x00b')
     """
     if path is not None and has_control(path):
-        raise ValueError(f"holds a control character (got {path!r})")
+        raise ValueError(f"holds a control character (got {brief(path)})")
     return _home(path)
 
 
@@ -304,8 +317,8 @@ def _listed_once(values: list[str], why: str = "") -> list[str]:
         ValueError: a, b listed more than once
     """
     twice = sorted({value for value in values if values.count(value) > 1})
-    if twice:
-        raise ValueError(f"{', '.join(twice)} listed more than once{why}")
+    if twice:  # (each cut short: a name of thousands of characters is no line)
+        raise ValueError(f"{', '.join(shortened(str(value), 40) for value in twice)} listed more than once{why}")
     return values
 
 
@@ -342,7 +355,7 @@ def _at_least(low: float, *, strict: bool = False, finite: bool = False) -> Any:
         below = not (value > low if strict else value >= low)  # also true for nan
         if below or (finite and not math.isfinite(value)):
             what = "a finite number " if finite else ""
-            raise ValueError(f"must be {what}{relation} {low:g} (got {value!r})")
+            raise ValueError(f"must be {what}{relation} {low:g} (got {brief(value)})")
         return value
 
     return AfterValidator(check)
@@ -350,7 +363,7 @@ def _at_least(low: float, *, strict: bool = False, finite: bool = False) -> Any:
 
 def _at_most(value: int, high: int) -> int:
     if value > high:
-        raise ValueError(f"must be <= {high} (got {value})")
+        raise ValueError(f"must be <= {high} (got {brief(value)})")  # (an int of 4,000 digits: cut short)
     return value
 
 
@@ -626,6 +639,11 @@ class WandbConfig(_Section):
     dir: HomePath = None
     """Where W&B keeps its local files (``<dir>/wandb/``); None: the run folder."""
 
+    @field_validator("tags")
+    @classmethod
+    def _tags_once(cls, v: list[str]) -> list[str]:
+        return _listed_once(v)  # (as fp32_modules and fp8.exclude: a name given twice is a typo for another)
+
 
 class MLflowConfig(_Section):
     """``log.mlflow``: log every step to MLflow (``MLflowSink``; ``pip install 'ampguard[mlflow]'``).
@@ -722,7 +740,7 @@ class LogConfig(_Section):
     @classmethod
     def _name(cls, v: str | None) -> str | None:
         if v is not None and (not v or "/" in v or v in (".", "..") or has_control(v)):
-            raise ValueError(f"must be a plain folder name (got {v!r})")  # (a newline broke every line naming it)
+            raise ValueError(f"must be a plain folder name (got {brief(v)})")  # (a newline broke every line naming it)
         if v is not None and len(v.encode("utf-8", "surrogateescape")) > MAX_NAME:  # (a file name's limit is bytes)
             raise ValueError(f"at most {MAX_NAME} bytes in UTF-8 (got {len(v.encode('utf-8', 'surrogateescape'))})")
         return v
@@ -874,6 +892,11 @@ class Fp8Config(_Section):
     always stay in bf16 (``torch._scaled_mm`` needs them)."""
     exclude: list[str] = []
     """Module names (``fnmatch`` patterns, e.g. ``"blocks.*.attn.*"``) that stay in bf16."""
+
+    @field_validator("exclude")
+    @classmethod
+    def _exclude_once(cls, v: list[str]) -> list[str]:
+        return _listed_once(v)  # (as fp32_modules: a name given twice is a typo for another)
 
 
 class DistributedConfig(_Section):
@@ -1268,10 +1291,24 @@ _NULL_WORDS = {"none", "nil"}
 key that takes null says how YAML writes it (``Null`` and ``NULL`` are YAML's null already)."""
 
 
+def _shown(value: Any) -> str:
+    """A value the config was given, for an error line: as YAML writes a boolean or null, else
+    :func:`~ampguard.errors.brief` (cut short: ``--set precision=<5,000 characters>`` was echoed whole).
+
+    Example::
+
+        >>> _shown(True), _shown(None), _shown("fp4"), _shown([1, 2]), len(_shown("x" * 5000))
+        ('true', 'null', "'fp4'", 'a list of 2', 40)
+    """
+    if isinstance(value, bool) or value is None:
+        return "null" if value is None else str(value).lower()
+    return brief(value)
+
+
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
     path = first["loc"]
-    loc = ".".join(str(part) for part in path)
+    loc = shortened(".".join(str(part) for part in path), 120)  # (a key of thousands of characters: cut short)
     if first["type"] == "extra_forbidden":
         return f"{loc}: unknown key{_did_you_mean(path)}"
     msg = first["msg"].removeprefix("Value error, ")
@@ -1280,7 +1317,7 @@ def _format_error(err: ValidationError) -> str:
             getattr(check, "func", None) is _section_switch for check in field.metadata):  # log.wandb, log.mlflow
         msg = "expected true, false, null or a mapping of its settings"
     if first["type"] not in ("value_error", "assertion_error"):
-        msg = f"{msg} (got {given!r})"
+        msg = f"{msg} (got {_shown(given)})"
     if (isinstance(given, str) and given.strip().lower() in _NULL_WORDS and field is not None
             and type(None) in get_args(field.annotation)):
         msg += " (null is written null)"
@@ -1370,7 +1407,9 @@ def as_it_ran(data: dict[str, Any]) -> dict[str, Any]:
     """A run's saved config (its ``config.yaml``, a checkpoint's) as this version reads it: a
     setting added since an older ampguard wrote it takes the value that run ran with, not the new
     default. ``monitor.clear_rate``: an ALERT cleared at ``alert_rate`` before it had a level of
-    its own (the default now is 0.8 x ``alert_rate``).
+    its own (the default now is 0.8 x ``alert_rate``). ``fp8.exclude`` and ``log.wandb.tags``
+    listed a name twice before that was refused: the run ran as if once (a pattern matches or
+    not; W&B keeps a tag once), so it reads once.
 
     Example::
 
@@ -1378,11 +1417,33 @@ def as_it_ran(data: dict[str, Any]) -> dict[str, Any]:
         {'monitor': {'alert_rate': 0.1, 'clear_rate': 0.1}}
         >>> as_it_ran({"monitor": {"alert_rate": 0.1, "clear_rate": None}})  # written by this version
         {'monitor': {'alert_rate': 0.1, 'clear_rate': None}}
+        >>> as_it_ran({"fp8": {"exclude": ["a", "b", "a"]}, "log": {"wandb": {"tags": ["t", "t"]}}})
+        {'fp8': {'exclude': ['a', 'b']}, 'log': {'wandb': {'tags': ['t']}}}
     """
     monitor = data.get("monitor")
     if isinstance(monitor, dict) and "clear_rate" not in monitor:  # (written before the ALERT had a clear level)
         data = {**data, "monitor": {**monitor, "clear_rate": monitor.get("alert_rate", MonitorConfig().alert_rate)}}
+    for section, key in ((("fp8",), "exclude"), (("log", "wandb"), "tags")):  # (listed twice before it was refused)
+        data = _listed_once_as_it_ran(data, section, key)
     return data
+
+
+def _listed_once_as_it_ran(data: dict[str, Any], section: tuple[str, ...], key: str) -> dict[str, Any]:
+    """``data`` with the list of names at ``section.key`` holding each once (in order), where it
+    is a list of names that holds one twice; anything else as it is, for :func:`validate` to judge."""
+    parents = [data]
+    for part in section:
+        child = parents[-1].get(part)
+        if not isinstance(child, dict):
+            return data
+        parents.append(child)
+    names = parents[-1].get(key)
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)) or len(set(names)) == len(names):
+        return data
+    node: Any = {**parents[-1], key: list(dict.fromkeys(names))}
+    for parent, part in zip(reversed(parents[:-1]), reversed(section)):  # (copies: the caller's data is not changed)
+        node = {**parent, part: node}
+    return node
 
 
 def read_run_config(path: str | Path) -> Config:
@@ -1416,6 +1477,73 @@ def read_run_config(path: str | Path) -> Config:
         raise ConfigError(f"config file {path}: {err}") from None
 
 
+def given_keys(section: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """The settings a config was given (each section's ``model_fields_set``, a file's keys and
+    ``--set``'s, not the defaults filled in) that are not at their defaults, dotted, to their values.
+
+    Example::
+
+        >>> given_keys(validate({"steps": 5, "scaler": {"min_scale": 1.0, "init_scale": 8}, "log": {"wandb": True}}))
+        {'steps': 5, 'scaler.init_scale': 8.0}
+    """
+    given: dict[str, Any] = {}
+    for name in sorted(section.model_fields_set, key=list(type(section).model_fields).index):
+        value, field = getattr(section, name), type(section).model_fields[name]
+        if isinstance(value, BaseModel):
+            given.update(given_keys(value, f"{prefix}{name}."))
+        elif value != field.get_default(call_default_factory=True):
+            given[f"{prefix}{name}"] = value
+    return given
+
+
+def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | None = None) -> list[str]:
+    """One line per group of settings given (:func:`given_keys`) that a ``verb`` run does not
+    read, for a warning (as ``task linear does not read task.n_layer: ignored``): the loss
+    scaler's without one, ``fp8`` outside ``precision: fp8``, ``checkpoint`` with checkpoints
+    off; ``validate`` names its own report folder and injects no faults. ``only``: just the
+    settings under these keys (a resume's ``--set``: its ``config.yaml`` gives every key, and what
+    it held was said when the run began).
+
+    Example::
+
+        >>> for line in ignored_settings(validate({"precision": "fp32", "scaler": {"min_scale": 2},
+        ...                                        "fp8": {"recipe": "rowwise"}, "checkpoint": {"enabled": False, "every": 1}})):
+        ...     print(line)
+        precision fp32 uses no loss scaler: scaler.min_scale ignored
+        the fp8 section is read under precision: fp8 only (this run is fp32): fp8.recipe ignored
+        checkpoint.enabled is false: checkpoint.every ignored
+        >>> ignored_settings(validate({"precision": "fp16", "scaler": {"min_scale": 2}}))  # (read: nothing to say)
+        []
+        >>> for line in ignored_settings(validate({"log": {"name": "v"}, "inject": ["nan_loss@2"], "steps": 3}), "validate"):
+        ...     print(line)
+        validate names its report folder itself (log.dir/validate-<time>, or --out): log.name ignored
+        validate injects no faults: inject ignored
+        >>> fp32 = validate({"precision": "fp32", "scaler": {"min_scale": 2, "init_scale": 4}})
+        >>> ignored_settings(fp32, only=["scaler.init_scale"])  # (a resume's --set gave this one)
+        ['precision fp32 uses no loss scaler: scaler.init_scale ignored']
+    """
+    given = [key for key in given_keys(config)
+             if only is None or any(key == o or key.startswith(f"{o}.") for o in only)]
+
+    def under(prefix: str, why: str) -> list[str]:  # (a section's own switch, `enabled`, is read: it says why)
+        keys = [key for key in given if key.startswith(prefix) and key != f"{prefix}enabled"]
+        return [f"{why}: {', '.join(keys)} ignored"] if keys else []
+
+    if verb == "validate":
+        return (under("log.name", "validate names its report folder itself (log.dir/validate-<time>, or --out)")
+                + under("inject", "validate injects no faults"))
+    lines = []
+    if config.scaler.enabled is False or not uses_loss_scaler(config.precision):
+        why = "scaler.enabled is false" if config.scaler.enabled is False else \
+            f"precision {config.precision} uses no loss scaler"
+        lines += under("scaler.", why)
+    if config.precision != "fp8":
+        lines += under("fp8.", f"the fp8 section is read under precision: fp8 only (this run is {config.precision})")
+    if not config.checkpoint.enabled:
+        lines += under("checkpoint.", "checkpoint.enabled is false")
+    return lines
+
+
 def flat_keys(data: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted keys to leaves (lists are leaves): a config's settings one by one.
 
@@ -1432,8 +1560,43 @@ def flat_keys(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _switch(path: Sequence[str | int]) -> bool:
+    """Whether the setting at ``path`` is a switch that is also a section (``log.wandb``, ``log.mlflow``).
+
+    Example::
+
+        >>> _switch(("log", "wandb")), _switch(("log", "mlflow")), _switch(("log", "name")), _switch(("task",))
+        (True, True, False, False)
+    """
+    field = _field_at(path)
+    return field is not None and any(getattr(check, "func", None) is _section_switch for check in field.metadata)
+
+
+def _dropped_comment(raw: str) -> str | None:
+    """The YAML comment in a ``--set`` value (``exp #3``: `` #3``), which YAML drops without a word
+    (``log.name=exp #3`` was the folder ``exp``; ``log.name=#3`` no name at all), or None. A ``#``
+    inside a word (``a#b``) or in quotes is the value's own.
+
+    Example::
+
+        >>> _dropped_comment("exp #3"), _dropped_comment("#3"), _dropped_comment("[a, b] # c")
+        ('#3', '#3', '# c')
+        >>> _dropped_comment("a#b"), _dropped_comment("'exp #3'"), _dropped_comment('"#3"'), _dropped_comment("3")
+        (None, None, None, None)
+    """
+    if "#" not in raw:
+        return None
+    spans = [(token.start_mark.index, token.end_mark.index) for token in yaml.scan(raw, Loader=_PlainLoader)]
+    at = next((i for i, char in enumerate(raw) if char == "#" and not any(a <= i < b for a, b in spans)), None)
+    return None if at is None else raw[at:].splitlines()[0].strip()
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key.sub=value`` overrides (values parsed as YAML scalars) to a copy of ``data``.
+
+    A tracker's switch and its settings combine (``log.wandb``, ``log.mlflow``): a switch that is
+    on (``true``, ``on``...) or null, given a setting, is the section of that setting; ``true``
+    given after settings keeps them (``false`` turns the tracker off, settings and all).
 
     Example::
 
@@ -1443,29 +1606,53 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         Traceback (most recent call last):
         ...
         ampguard.errors.ConfigError: --set task.name: task is null in the config, not a section
+        >>> apply_overrides({}, ["log.mlflow=true", "log.mlflow.experiment=e", "log.wandb.project=p", "log.wandb=on"])
+        {'log': {'mlflow': {'experiment': 'e'}, 'wandb': {'project': 'p'}}}
+        >>> apply_overrides({"log": {"wandb": False}}, ["log.wandb.project=p"])
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: --set log.wandb.project: log.wandb is false (off) in the config: turn it on to set its settings (--set log.wandb=true)
+        >>> apply_overrides({}, ["log.name=exp #3"])
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: --set log.name: '#3' is a YAML comment there, which would be dropped: quote the value to keep it (log.name="exp #3")
     """
     data = json.loads(json.dumps(data))  # a deep copy of plain data
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"--set {item!r}: expected key.sub=value")
+            raise ConfigError(f"--set {brief(item)}: expected key.sub=value")
         try:
             value = yaml.load(raw, Loader=_TextKeepingLoader) if raw.strip() else None  # noqa: S506
+            comment = _dropped_comment(raw)
         except (yaml.YAMLError, ValueError, RecursionError) as err:
             # ours (a key given twice, an alias), or a number past int()'s digits, say why; the value is cut short
             why = f" ({first_line(err)})" if type(err) is yaml.YAMLError or "digits" in str(err) else ""
             raise ConfigError(f"--set {key}: cannot parse value {brief(raw)}{why}") from None
+        if comment is not None:  # (README: a text setting takes the text as written; YAML would cut it here)
+            quoted = shortened(f"{key}={json.dumps(raw.strip(), ensure_ascii=False)}", 80)
+            raise ConfigError(f"--set {key}: {brief(comment)} is a YAML comment there, which would be dropped: quote "
+                              f"the value to keep it ({quoted})")
         _plain(value, key)
         parts = key.split(".")
         value = _as_written(value, tuple(parts))
         node = data
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                shown = "null" if child is None else brief(child)  # (`task:` with nothing under it is null)
-                raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is {shown} in the config, not a section")
+            where = ".".join(parts[: i + 1])
+            if not isinstance(child, dict) and _switch(parts[: i + 1]):  # a tracker's switch, given a setting
+                if _section_switch(child) is None and child is not None:  # (false, off: said so, not turned on)
+                    raise ConfigError(f"--set {key}: {where} is {_shown(child)} (off) in the config: turn it on to "
+                                      f"set its settings (--set {where}=true)")
+                if child is None or _section_switch(child) == {}:  # null or on: the section of its settings
+                    child = node[part] = {}
+            if not isinstance(child, dict):  # (`task:` with nothing under it is null)
+                raise ConfigError(f"--set {key}: {where} is {_shown(child)} in the config, not a section")
             node = child
+        if _switch(parts) and isinstance(node.get(parts[-1]), dict) and (
+                value is True or isinstance(value, str) and value.strip().lower() in _ON):
+            continue  # a switch turned on after its settings were given: they stay (on, as they were)
         node[parts[-1]] = value
     return data
 
@@ -1520,8 +1707,23 @@ for _tag, _regexp, _first in _NUMBER_RESOLVERS:
     _PlainDumper.add_implicit_resolver(_tag, _regexp, _first)
 
 
+def _non_finite_kept(dumped: Any, value: Any) -> Any:
+    """``dumped`` (a value as ``model_dump(mode="json")`` gives it) with each infinity and NaN of
+    ``value`` (the same, in Python's mode) put back where JSON's mode made it null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return value
+    if isinstance(dumped, dict) and isinstance(value, dict):
+        return {key: _non_finite_kept(item, value.get(key)) for key, item in dumped.items()}
+    if isinstance(dumped, list) and isinstance(value, (list, tuple)) and len(dumped) == len(value):
+        return [_non_finite_kept(item, original) for item, original in zip(dumped, value)]
+    return dumped
+
+
 def dump_config(config: Config) -> str:
-    """The config as YAML, every field shown (what ``--print-config`` prints).
+    """The config as YAML, every field shown (what ``--print-config`` prints and a run's
+    ``config.yaml`` holds). An infinity or NaN (``task.options`` takes them: a factory's own
+    settings) is YAML's ``.inf``, ``-.inf``, ``.nan``, read back as the same float (JSON has
+    none: ``model_dump(mode="json")`` made them null, and a resume handed the factory None).
 
     Example::
 
@@ -1531,5 +1733,13 @@ def dump_config(config: Config) -> str:
         >>> text = dump_config(load_config(None, ["log.name=1e3"]))  # (YAML 1.1 reads 1e3 as text, 1.2 as 1000.0)
         >>> "name: '1e3'" in text, yaml.load(text, Loader=_PlainLoader)["log"]["name"]
         (True, '1e3')
+        >>> config = validate({"task": {"options": {"cap": math.inf, "low": [-math.inf, 1.5], "x": math.nan}}})
+        >>> text = dump_config(config)
+        >>> text[text.index("options:"):text.index("batch_size")].split()
+        ['options:', 'cap:', '.inf', 'low:', '-', '-.inf', '-', '1.5', 'x:', '.nan']
+        >>> options = yaml.load(text, Loader=_PlainLoader)["task"]["options"]
+        >>> options["cap"], options["low"], math.isnan(options["x"]), dump_config(validate(yaml.load(text, Loader=_PlainLoader))) == text
+        (inf, [-inf, 1.5], True, True)
     """
-    return yaml.dump(config.model_dump(mode="json"), Dumper=_PlainDumper, sort_keys=False)
+    return yaml.dump(_non_finite_kept(config.model_dump(mode="json"), config.model_dump()), Dumper=_PlainDumper,
+                     sort_keys=False)

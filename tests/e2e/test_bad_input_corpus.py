@@ -276,6 +276,16 @@ CASES: list[tuple[str, list[str]]] = [
     # review 38f: a right-to-left override shows the folder's name reversed
     ("log.name with a right-to-left override", ["train", *LINEAR, "--set", "log.name=a\u202eb"]),
     ("fast true with optimizer.fused false", ["train", *LINEAR, "--set", "fast=true", "--set", "optimizer.fused=false"]),
+    # review 38f: a # that YAML drops (the run trained into runs/exp, or a timestamp folder); a name
+    # listed twice (fp32_modules refused it, fp8.exclude and log.wandb.tags took it); a merge key;
+    # a tracker switched off, then given a setting
+    ("--set value with a YAML comment", ["train", *LINEAR, "--set", "log.name=exp #3"]),
+    ("--set value that is all a YAML comment", ["train", *LINEAR, "--set", "log.name=#3"]),
+    ("fp8.exclude with a name twice", ["train", *LINEAR, "--set", "fp8.exclude=[a, a]"]),
+    ("log.wandb.tags with a tag twice", ["train", *LINEAR, "--set", "log.wandb.tags=[a, a]", "--print-config"]),
+    ("a YAML merge key in --set", ["train", *LINEAR, "--set", "optimizer={<<: {lr: 1}}"]),
+    ("a tracker switched off, then its setting", ["train", *LINEAR, "--set", "log.mlflow=false",
+                                                  "--set", "log.mlflow.experiment=e"]),
 ]
 if not torch.cuda.is_available() and _refuses_overcommit():  # (else the 256 GB is lent, then touched: killed)
     CASES += [("train a model too big for memory", ["train", "--set", "task.name=digits", "--set", "precision=fp32",
