@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.utils._pytree import tree_map_only
 from .checkpoint import untouched
 from .clipping import clip_threshold
 from .config import Config
-from .errors import InputError, first_line, user_code
+from .errors import InputError, counted, first_line, user_code
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
@@ -30,6 +31,7 @@ from .run_folder import RunPaths
 from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
 from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
 from .step import AmpTrainState
+from .tasks.base import FIRST_BATCHES
 from .watch import recording_dtypes
 
 
@@ -313,7 +315,7 @@ def check_trainable(model: nn.Module, who: str = "") -> None:
                          "there is nothing to train")
 
 
-def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], read_batch: Callable[[], Any],
+def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], read_batch: Callable[..., Any],
                   precision: Precision, who: str, *, find_unused: bool = False,
                   dtypes: dict[str, str] | None = None) -> list[str]:
     """Read the first batch and run it forward through ``model`` and ``loss_fn`` once, under the
@@ -325,9 +327,18 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
     else ``[]``. With ``dtypes``, also fills it with the dtype each leaf module's output had in
     that forward (:func:`recording_dtypes`): which layers autocast left in float32.
 
+    ``read_batch()`` gives the first batch. One that takes a ``count`` (the run's
+    :meth:`DataStream.peek <ampguard.data.DataStream.peek>`: ``read_batch(count=n)``, an iterator
+    of the first ``n`` batches from one read) gives the first :data:`~ampguard.tasks.base.FIRST_BATCHES`,
+    the batches a run's start-up reads: those after the first go through the model too, forward
+    only, in eval mode and under no_grad (:func:`_check_following`), so that one the model cannot
+    take (another width, another dtype) is refused here in one line naming it, instead of
+    crashing the run at its step; a stream that ends before them (a Task's ``batches()`` is
+    endless) is refused too.
+
     It leaves no trace: the RNG states (torch, CUDA, NumPy, ``random``), the module buffers
     (BatchNorm statistics) and the gradients are as they were, so the run
-    goes on bit for bit as without it. Costs one forward pass and host reads.
+    goes on bit for bit as without it. Costs one forward pass a batch and host reads.
 
     Example::
 
@@ -348,11 +359,26 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         Traceback (most recent call last):
         ...
         ampguard.errors.InputError: task.factory toy.py:build: loss_fn must return a scalar (a 0-dim tensor, e.g. .mean()); it returned shape (4,)
+
+    A reader of several batches, the third of five features::
+
+        >>> batches = [(torch.ones(4, 3), torch.zeros(4, 1))] * 2 + [(torch.ones(4, 5), torch.zeros(4, 1))] * 2
+        >>> def read(count=None):
+        ...     return iter(batches[:count]) if count else batches[0]
+        >>> check_forward(nn.Linear(3, 1), nn.functional.mse_loss, read, cpu, "task.factory toy.py:build")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task.factory toy.py:build: the model's forward pass on the third batch failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x5 and 3x1)
     """
     with untouched(model):
+        following: Iterator[Any] | None = None
         with user_code(f"{who}: reading the first batch failed: "):
             try:
-                inputs, targets = read_batch()
+                if _reads_several(read_batch):
+                    following = iter(read_batch(count=FIRST_BATCHES))
+                    inputs, targets = next(following)
+                else:
+                    inputs, targets = read_batch()
             except StopIteration:
                 raise InputError(f"{who}: the data yielded no batches") from None
         recording = recording_dtypes(model, dtypes) if dtypes is not None else contextlib.nullcontext()
@@ -371,11 +397,52 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         if not loss.requires_grad:
             raise InputError(f"{who}: the loss does not depend on the model's trainable parameters (no gradient "
                              "flows back from it: was it detached, or computed outside torch?)")
-        if not find_unused:
-            return []
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-        return [name for (name, _), g in zip(named, grads) if g is None]
+        unused: list[str] = []
+        if find_unused:
+            named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+            unused = [name for (name, _), g in zip(named, grads) if g is None]
+        del inputs, targets, outputs, loss  # (the first batch's graph: not held through the others)
+        if following is not None:
+            _check_following(model, following, precision, who)
+        return unused
+
+
+_NTH = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")
+assert FIRST_BATCHES <= len(_NTH)
+
+
+def _reads_several(read_batch: Callable[..., Any]) -> bool:
+    """Whether ``read_batch`` takes a ``count`` (:meth:`DataStream.peek`): it reads the first batches."""
+    try:
+        return "count" in inspect.signature(read_batch).parameters
+    except (TypeError, ValueError):  # (a builtin without a signature)
+        return False
+
+
+def _check_following(model: nn.Module, following: Iterator[Any], precision: Precision, who: str) -> None:
+    """The start-up's batches after the first through ``model``: forward only, in eval mode (a
+    training-only update of the model's own, a moving average or a counter of steps, is not
+    made again; dropout draws nothing), under no_grad and the run's autocast. One that cannot be
+    read or that the model fails on is one :class:`InputError` line naming it; a stream that ends
+    before :data:`FIRST_BATCHES` is one too. The loss is not called: a model's output in eval
+    mode may differ from the step's (auxiliary heads, a detector's losses), which the loss
+    rightly refuses. The caller keeps the model untouched (:func:`check_forward`: its modes
+    too)."""
+    model.eval()
+    for index in range(1, FIRST_BATCHES):
+        nth = _NTH[index]
+        with user_code(f"{who}: reading the {nth} batch failed: "):
+            try:
+                inputs, _ = next(following)
+            except StopIteration:
+                raise InputError(f"{who}: the data ended after {counted(index, 'batch', 'batches')}: a run reads it "
+                                 "epoch after epoch (a Task's batches() must be endless: tasks.cycle(lambda: data) "
+                                 "repeats a finite one)") from None
+        with torch.no_grad(), precision.autocast(), user_code(f"{who}: the model's forward pass on the {nth} batch "
+                                                                "failed: "):
+            model(inputs)
+        del inputs
 
 
 def build_monitor(config: Config, scaler_enabled: bool) -> RunMonitor:

@@ -10,14 +10,16 @@ factory's stream is read from its start up to the position.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from . import distributed
 from .build import to_device
+from .errors import counted
 from .faults import FaultInjector
 from .tasks import Batch, Task
 
@@ -53,10 +55,19 @@ class DataStream:
         self.position = position
         self._iter = None
 
-    def peek(self) -> Batch:
+    @overload
+    def peek(self) -> Batch: ...
+
+    @overload
+    def peek(self, count: int) -> Iterator[Batch]: ...
+
+    def peek(self, count: int | None = None) -> Batch | Iterator[Batch]:
         """The batch :meth:`next` would give next, without its faults and without moving: this
         rank's slice, on the device. Reads the task's stream afresh (``StopIteration`` when the
-        stream is empty; whatever a broken stream raises).
+        stream is empty; whatever a broken stream raises). With ``count``, an iterator of the next
+        ``count`` batches instead (fewer where the stream ends), from one fresh read, each put on
+        the device as it is read: the start-up's check puts the first
+        :data:`~ampguard.tasks.base.FIRST_BATCHES` through the model (``build.check_forward``).
 
         Example::
 
@@ -66,7 +77,12 @@ class DataStream:
             >>> x, _ = data.peek()
             >>> data.position, torch.equal(x, data.next(first_step=1)[0])
             (0, True)
+            >>> [len(x) for x, _ in data.peek(4)] == [len(x)] * 4, data.position
+            (True, 1)
         """
+        if count is not None:
+            return ((to_device(x, self.device), to_device(y, self.device))
+                    for x, y in itertools.islice(self._source(), count))
         inputs, targets = next(self._source())
         return to_device(inputs, self.device), to_device(targets, self.device)
 
@@ -101,7 +117,12 @@ class DataStream:
         the stream is (re)opened, so that step-targeted faults hit the right batches."""
         if self._iter is None:
             self._iter = self._open(first_step)
-        return next(self._iter)
+        try:
+            return next(self._iter)
+        except StopIteration:  # (a bare StopIteration mid-run: a Task's batches() that ends)
+            self._iter = None
+            raise ValueError(f"the data ended after {counted(self.position, 'micro-batch', 'micro-batches')}: a "
+                             "Task's batches() must be endless (tasks.cycle(lambda: data) repeats a finite one)") from None
 
     def _source(self) -> Iterator[Batch]:
         source: Any = self._stream()

@@ -25,7 +25,7 @@ import torch
 from . import distributed
 from .checkpoint import modes_kept, rng_kept
 from .config import Config
-from .errors import AmpguardWarning, InputError, user_code
+from .errors import AmpguardWarning, InputError, shortened, user_code, visible
 from .precision import Precision
 from .tasks import Task
 
@@ -62,17 +62,36 @@ class Evaluator:
         return agreed(metrics)
 
     def _evaluate(self) -> dict[str, float]:
+        """One call of the task's ``evaluate``: in eval mode, under no_grad and the run's autocast,
+        every global RNG (torch CPU and CUDA, ``random``, NumPy) as it was afterwards. An
+        evaluation draws nothing from the run's streams: a plain ``DataLoader`` it iterates draws
+        a seed from torch's generator, which moved the dropout masks of every later step, so the
+        training depended on ``eval.every`` and ``eval.enabled``.
+
+        Example (an evaluate that draws; the training's next draw is the one it would have been)::
+
+            >>> from ampguard.config import validate
+            >>> from ampguard.precision import Precision
+            >>> from ampguard.tasks import Task
+            >>> task = Task("factory", torch.nn.Linear(2, 1), torch.nn.functional.mse_loss, batches=lambda: iter(()),
+            ...             evaluate=lambda m, d: {"val_loss": float(torch.rand(()))}, metrics=("val_loss",))
+            >>> ev = Evaluator(task, Precision("fp32", "cpu"), torch.device("cpu"), validate({}))
+            >>> _ = torch.manual_seed(0); expected = torch.rand(3)
+            >>> _ = torch.manual_seed(0); _ = ev._evaluate()
+            >>> torch.equal(torch.rand(3), expected)
+            True
+        """
         model, evaluate = self.task.model, self.task.evaluate
         if not self.enabled or evaluate is None:
             return {}
-        with modes_kept(model):  # (each module's mode back: a layer frozen in eval mode stays so)
+        with rng_kept(), modes_kept(model):  # (each module's mode back: a layer frozen in eval mode stays so)
             model.eval()
             with torch.no_grad(), self.precision.autocast():
                 metrics = evaluate(model, self.device)
                 if not isinstance(metrics, Mapping):  # (it "raised AttributeError: 'NoneType' ... 'items'")
                     raise InputError(f"task.factory: evaluate() returned a {type(metrics).__name__}, not a mapping "
                                      "of metric names to numbers ({'val_loss': 0.42})")
-                return {name: float(value) for name, value in metrics.items()}
+                return {name: metric_number(name, value) for name, value in metrics.items()}
 
     def check(self) -> None:
         """A user's evaluate() must return the metrics it declared: try it once, before any file
@@ -81,7 +100,7 @@ class Evaluator:
             return
         problem = None
         try:
-            with user_code("task.factory: evaluate() raised "), rng_kept():  # (a draw of its would shift the run's)
+            with user_code("task.factory: evaluate() raised "):  # (its draws kept off the run's: _evaluate)
                 names = set(self._evaluate())
             if not names <= set(self.task.metrics):
                 problem = (f"task.factory: evaluate() returned {sorted(names)}, but metrics declares "
@@ -91,6 +110,41 @@ class Evaluator:
         problem = distributed.first_error(problem)
         if problem is not None:
             raise InputError(problem)
+
+
+def metric_number(name: object, value: object) -> float:
+    """A metric ``evaluate()`` returned, as a float; one that is no number is one
+    :class:`~ampguard.errors.InputError` line naming it and its type (at start-up and mid-run
+    alike: a traceback from ``float()`` otherwise). A one-element tensor is a number; a string,
+    even ``"0.5"``, is not.
+
+    Example::
+
+        >>> metric_number("val_loss", torch.tensor(0.25)), metric_number("val_acc", 1)
+        (0.25, 1.0)
+        >>> metric_number("val_loss", "abc")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task.factory: evaluate() returned a str for metric 'val_loss' ('abc'), not a number
+        >>> metric_number("val_loss", torch.ones(3))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task.factory: evaluate() returned a Tensor of shape (3,) for metric 'val_loss', not a number (one value: .item() or .mean())
+    """
+    said = visible(shortened(repr(name), 60)) if isinstance(name, str) else f"named by a {type(name).__name__}"
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and not value.is_complex():
+            return float(value)
+        raise InputError(f"task.factory: evaluate() returned a Tensor of shape {tuple(value.shape)} for metric "
+                         f"{said}, not a number (one value: .item() or .mean())")
+    if not isinstance(value, (str, bytes, bytearray, complex)):
+        try:
+            return float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError, OverflowError):
+            pass
+    shown = f" ({shortened(repr(value), 40)})" if isinstance(value, (str, bytes)) else ""
+    raise InputError(f"task.factory: evaluate() returned a {type(value).__name__} for metric {said}{shown}, "
+                     "not a number")
 
 
 def agreed(metrics: dict[str, float]) -> dict[str, float]:

@@ -368,12 +368,12 @@ class Fixed(nn.Module):  # assumes batches of 4: the epoch's short last batch (1
         return self.l(x.view(4, 2))
 
 
-class Exits(nn.Linear):  # calls sys.exit(0) on its fourth forward (the first checks the set-up)
-    calls = 0
+class Exits(nn.Linear):  # calls sys.exit(0) on the forward after its limit
+    calls, limit = 0, 3
 
     def forward(self, x):
         Exits.calls += 1
-        if Exits.calls > 3:
+        if Exits.calls > Exits.limit:
             sys.exit(0)
         return super().forward(x)
 
@@ -387,8 +387,13 @@ def short_batch(config):
     return Fixed(), data(), nn.functional.mse_loss
 
 
-def exits(config):
-    Exits.calls = 0
+def exits(config):  # validate: its fourth forward
+    Exits.calls, Exits.limit = 0, 3
+    return Exits(2, 1), data(), nn.functional.mse_loss
+
+
+def exits_training(config):  # train: step 3's forward (the start-up's check puts the first four batches through)
+    Exits.calls, Exits.limit = 0, 6
     return Exits(2, 1), data(), nn.functional.mse_loss
 '''
 
@@ -413,7 +418,7 @@ def test_a_model_that_crashes_mid_run_leaves_a_whole_folder_and_its_traceback(tm
     assert '"event": "run_end"' in (run / "events.jsonl").read_text(encoding="utf-8")
 
     with pytest.raises(RuntimeError, match=r"the task.s model or loss called sys.exit\(0\) at step 3"):
-        main(["train", "--set", "task.factory=crashing.py:exits", "--set", "steps=8", "--set", "log.name=exits", *base,
+        main(["train", "--set", "task.factory=crashing.py:exits_training", "--set", "steps=8", "--set", "log.name=exits", *base,
               "--set", "log.plot=false"])  # (the short_batch run above shows the crash's plot; ~1 s saved)
     assert "**crashed after step 2: RuntimeError: the task's model or loss called sys.exit(0) at step 3**" in (
         tmp_path / "runs" / "exits" / "RUN.md").read_text(encoding="utf-8")

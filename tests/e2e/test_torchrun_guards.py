@@ -141,8 +141,8 @@ from torch import nn
 
 def build(config):
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(15, 4, generator=g), torch.randn(15, 1, generator=g)
-    return nn.Linear(4, 1), [(x[i:i + 4], y[i:i + 4]) for i in range(0, 15, 4)], nn.functional.mse_loss
+    x, y = torch.randn(19, 4, generator=g), torch.randn(19, 1, generator=g)  # (the fifth batch, of 3: past the
+    return nn.Linear(4, 1), [(x[i:i + 4], y[i:i + 4]) for i in range(0, 19, 4)], nn.functional.mse_loss  # start-up's four)
 '''
 WRAPPER = '''
 import os, sys
@@ -497,11 +497,11 @@ def test_a_batch_that_does_not_split_over_the_ranks_stops_every_rank_and_keeps_t
     code, out, err, cwd = launches["V"]
     assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
     lines = [line for line in err.splitlines() if line.startswith("ampguard: error: ")]
-    assert lines == ["ampguard: error: bad data at step 4: a batch of 3 examples does not split evenly over 2 ranks; "
-                     "the run is intact up to step 3 (checkpoints/step-00000003.pt: --resume continues from there "
+    assert lines == ["ampguard: error: bad data at step 5: a batch of 3 examples does not split evenly over 2 ranks; "
+                     "the run is intact up to step 4 (checkpoints/step-00000004.pt: --resume continues from there "
                      "once the data is fixed)"]
     run = cwd / "runs" / "V"
-    assert (run / "RUN.md").is_file() and (run / "checkpoints" / "step-00000003.pt").is_file()
+    assert (run / "RUN.md").is_file() and (run / "checkpoints" / "step-00000004.pt").is_file()
     assert [e["event"] for e in run_events(run)][-1] == "run_end"
 
 

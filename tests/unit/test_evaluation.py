@@ -200,4 +200,4 @@ def test_check_refuses_values_that_are_not_numbers():
     task = make_task(lambda m, d: {"val_loss": "low"})
     with pytest.raises(InputError) as err:
         evaluator(task).check()
-    assert one_line(err).startswith("task.factory: evaluate() raised ValueError: ")
+    assert one_line(err) == "task.factory: evaluate() returned a str for metric 'val_loss' ('low'), not a number"

@@ -274,8 +274,9 @@ def test_a_digit_stream_with_no_whole_batch_raises_instead_of_looping_forever():
 def test_charlm_refuses_a_context_longer_than_its_held_out_text():
     with pytest.raises(InputError, match=r"^task.block_size: a context of 10000000 is longer than the held-out text"):
         build_task(load_config(None, [*TINY_LM, "task.block_size=10000000"]))
-    with pytest.raises(ValueError, match="a context of 8 needs at least 10 bytes of text, not 9"):
-        next(charlm.char_batches(torch.zeros(9, dtype=torch.uint8), seed=0, batch_size=1, block_size=8))
+    with pytest.raises(ValueError, match="a context of 8 needs at least 9 bytes of text, not 8"):
+        next(charlm.char_batches(torch.zeros(8, dtype=torch.uint8), seed=0, batch_size=1, block_size=8))
+    next(charlm.char_batches(torch.zeros(9, dtype=torch.uint8), seed=0, batch_size=1, block_size=8))  # (one window)
 
 
 def test_under_torchrun_a_batch_size_refusal_says_its_numbers_are_the_global_batchs():

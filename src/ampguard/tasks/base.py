@@ -12,6 +12,11 @@ from torch import nn
 
 Batch = tuple[Any, Any]
 
+FIRST_BATCHES = 4
+"""The batches a run's start-up reads before anything is written: a factory's data read, and put
+through the model and the loss (``build.check_forward``), so that a batch among them that the
+model cannot take is refused in one line rather than found mid-run."""
+
 
 @dataclass
 class Task:
@@ -34,8 +39,10 @@ class Task:
     """``batches()`` -> an endless iterator of (inputs, targets) micro-batches on the CPU, the
     same sequence on every call (so a resumed run can skip to where it was)."""
     evaluate: Callable[[nn.Module, torch.device], dict[str, float]] | None = None
-    """``evaluate(model, device)`` -> held-out metrics; called in eval mode, under no_grad and
-    the run's autocast. It must not draw from the global RNGs."""
+    """``evaluate(model, device)`` -> held-out metrics (numbers: a float, an int, a one-element
+    tensor); called in eval mode, under no_grad and the run's autocast, every global RNG put back
+    after each call (``Evaluator``: a draw of its, a plain ``DataLoader``'s seed say, would move
+    the training's dropout with ``eval.every``)."""
     metrics: tuple[str, ...] = ()
     """The names ``evaluate`` returns: extra CSV columns after the fixed eight."""
     float_inputs: bool = True

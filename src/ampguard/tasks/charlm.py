@@ -90,14 +90,45 @@ def char_batches(
         >>> _ = next(stream)
         >>> torch.equal(next(stream)[0], next(char_batches(torch.arange(50, dtype=torch.uint8), 0, 2, 4, start=1))[0])
         True
+
+    Every window is drawn, the last one too (its target ends at the text's last byte): a text of
+    ``T + 1`` bytes has one window::
+
+        >>> x, y = next(char_batches(torch.arange(5, dtype=torch.uint8), seed=0, batch_size=3, block_size=4))
+        >>> x.tolist(), y[0].tolist()
+        ([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]], [1, 2, 3, 4])
     """
-    if len(text) < block_size + 2:
-        raise ValueError(f"a context of {block_size} needs at least {block_size + 2} bytes of text, not {len(text)}")
+    if len(text) < block_size + 1:
+        raise ValueError(f"a context of {block_size} needs at least {block_size + 1} bytes of text, not {len(text)}")
     offsets = torch.arange(block_size)
-    for index in itertools.count(start):
-        starts = torch.randint(len(text) - block_size - 1, (batch_size,), generator=batch_generator(seed, index))
+    for index in itertools.count(start):  # (a window starts at 0 to len - T - 1: the last byte is a target too)
+        starts = torch.randint(len(text) - block_size, (batch_size,), generator=batch_generator(seed, index))
         idx = starts[:, None] + offsets
         yield text[idx].long(), text[idx + 1].long()
+
+
+EVAL_WINDOWS = 32
+"""Windows in each held-out batch of ``val_loss`` (``eval.batches`` of them): a fixed number, not
+``task.batch_size`` (nor, under torchrun, the global batch), so that runs of other batch sizes or
+process counts are scored on the same windows."""
+
+
+def held_out_batches(val_text: torch.Tensor, block_size: int, batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed windows ``val_loss`` is the mean loss on: ``batches`` batches of
+    :data:`EVAL_WINDOWS` windows of the held-out text, the same for every run seed, batch size
+    and process count (each process scores them all: the ranks agree on the value).
+
+    Example::
+
+        >>> text = torch.arange(200, dtype=torch.uint8)
+        >>> held = held_out_batches(text, block_size=8, batches=2)
+        >>> len(held), tuple(held[0][0].shape)
+        (2, (32, 8))
+        >>> all(torch.equal(a, b) for a, b in zip(held[0], held_out_batches(text, 8, 3)[0]))  # a prefix of more
+        True
+    """
+    stream = char_batches(val_text, 0, EVAL_WINDOWS, block_size)
+    return [next(stream) for _ in range(batches)]
 
 
 class Block(nn.Module):
@@ -163,8 +194,17 @@ class CharLM(nn.Module):
 
 
 def _next_char_set(text: torch.Tensor, block_size: int, n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed held-out examples for validation: a context window and the character after it."""
-    starts = torch.linspace(0, len(text) - block_size - 2, n).long()
+    """Fixed held-out examples for validation: a context window and the character after it, the
+    windows spread evenly over the text, from its start to the one whose next character is its
+    last byte.
+
+    Example::
+
+        >>> x, y = _next_char_set(torch.arange(10, dtype=torch.uint8), block_size=4, n=3)
+        >>> x[:, 0].tolist(), y.tolist()
+        ([0, 2, 5], [4, 6, 9])
+    """
+    starts = torch.linspace(0, len(text) - block_size - 1, n).long()
     idx = starts[:, None] + torch.arange(block_size)
     return text[idx].long(), text[starts + block_size].long()
 
@@ -211,13 +251,12 @@ def build(config: Any) -> Task:
     corpus = read_corpus()
     train_text, val_text = split(corpus)
     t = config.task
-    if t.block_size + 2 > len(val_text):
+    if t.block_size + 1 > len(val_text):
         raise InputError(f"task.block_size: a context of {t.block_size} is longer than the held-out text allows "
-                         f"(at most {len(val_text) - 2} bytes)")
+                         f"(at most {len(val_text) - 1} bytes)")
     torch.manual_seed(config.seed)
     model = CharLM(t.block_size, t.n_layer, t.n_head, t.n_embd)
-    val_stream = char_batches(val_text, 0, t.batch_size, t.block_size)  # fixed windows of the held-out text
-    held_out = [next(val_stream) for _ in range(config.eval.batches)]
+    held_out = held_out_batches(val_text, t.block_size, config.eval.batches)
     return Task(
         name="charlm",
         model=model,

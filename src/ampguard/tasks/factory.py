@@ -46,12 +46,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.data import DataLoader, IterableDataset
 
 from ..checkpoint import rng_kept, rng_state, set_rng_state
 from ..errors import AmpguardWarning, InputError, user_code
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
-from .base import Task, cycle
+from .base import FIRST_BATCHES, Task, cycle
 
 
 def factory_file(target: str) -> bool:
@@ -269,11 +271,12 @@ def build_from_factory(config: Any) -> Task:
                          f"of data from micro-batch start on, got a {type(seek).__name__}")
     drawn_from = rng_state()  # (data may draw from the global RNGs: the second read below draws the same)
     with user_code(f"task.factory {spec}: reading the data failed: "):
-        first_batches = list(itertools.islice(iter(restart()), 4))
+        first_batches = list(itertools.islice(iter(restart()), FIRST_BATCHES))
     if not first_batches:
         raise InputError(f"task.factory {spec}: data yielded no batches")
     if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in first_batches):
         raise InputError(f"task.factory {spec}: data must yield (inputs, targets) pairs")
+    _check_first_batches(first_batches, spec)
     _check_read_again(restart, first_batches[0], drawn_from, spec)
     if seek is not None:
         _check_seek(seek, first_batches, spec)
@@ -307,24 +310,87 @@ def build_from_factory(config: Any) -> Task:
     )
 
 
+def _check_first_batches(batches: list[Any], spec: str) -> None:
+    """The first batches read at start-up hold values (no tensor on the meta device: shapes only,
+    a traceback at the first comparison or move) and examples (inputs whose first dimension is 0
+    are a step that skips, ``non_finite_loss``, every time): else one :class:`InputError` line
+    naming the batch.
+
+    Example::
+
+        >>> _check_first_batches([(torch.ones(2, 3), torch.zeros(2, 1))], "f.py:build")
+        >>> _check_first_batches([(torch.ones(2, 3), torch.zeros(2, 1)), (torch.empty(0, 3), torch.empty(0, 1))],
+        ...                      "f.py:build")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task.factory f.py:build: data's batch 1 (counted from 0) holds no examples: its inputs' first dimension is 0 ...
+    """
+    for index, (inputs, targets) in enumerate(batches):
+        leaves = [leaf for leaf in tree_leaves((inputs, targets)) if isinstance(leaf, torch.Tensor)]
+        if any(leaf.is_meta for leaf in leaves):
+            raise InputError(f"task.factory {spec}: data's batch {index} (counted from 0) holds a tensor on the meta "
+                             "device (a shape without values): make the data's tensors on the CPU, with their values")
+        sizes = [leaf.shape[0] for leaf in tree_leaves(inputs)
+                 if isinstance(getattr(leaf, "shape", None), tuple) and len(leaf.shape) > 0]
+        if sizes and not any(sizes):
+            raise InputError(f"task.factory {spec}: data's batch {index} (counted from 0) holds no examples: its "
+                             "inputs' first dimension is 0 (every step on it would be skipped as a non-finite loss)")
+
+
 def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[str, Any], spec: str) -> None:
     """``data`` read again from its start (every epoch, a resume and a rollback do) must give its
     first batch again: none is a one-shot iterable (an ``IterableDataset`` whose ``__iter__``
-    returns itself: the run stopped at its fourth step, "bad data"), refused; another batch is
-    data that changes from pass to pass (a generator of its own not set back), which trains but
-    resumes on other batches than the run: warned. Read from the RNG state the first read began
-    at, and the RNGs left as the first read left them."""
+    returns itself: the run stopped at its fourth step, "bad data"), refused; so is another batch
+    from a one-shot iterable whose first pass is longer (:func:`_one_shot`: the second read goes
+    on where the first stopped, and the run stopped at the end of its first pass); another batch
+    otherwise is data that changes from pass to pass (a generator of its own not set back),
+    which trains but resumes on other batches than the run: warned. Read from the RNG state the
+    first read began at, and the RNGs left as the first read left them."""
+    one_shot = False
     with rng_kept(), user_code(f"task.factory {spec}: reading the data again failed: "):
         set_rng_state(drawn_from)
         again = next(iter(restart()), None)
+        if again is not None and not _same_batch(again, first):
+            one_shot = _one_shot(restart)
     if again is None:
         raise InputError(f"task.factory {spec}: data yielded no batch when read a second time (a one-shot iterable?): "
                          "every epoch, a resume and a rollback read it again from its start; give a list, a DataLoader "
                          "over a map-style dataset, or a function returning a fresh iterable")
+    if one_shot:
+        raise InputError(f"task.factory {spec}: data is a one-shot iterable: read a second time, it went on where the "
+                         "first read stopped (one iterator shared by every read); every epoch, a resume and a rollback "
+                         "read it again from its start: give a list, a DataLoader over a map-style dataset, a dataset "
+                         "whose __iter__ is a generator (yield), or a function returning a fresh iterable")
     if not _same_batch(again, first):
         warnings.warn(f"task.factory {spec}: data read again from its start gave another first batch: a resume, a "
                       "rollback or locate's replay reads other batches than the run did (give its shuffle or its "
                       "random source a seeded generator, as a DataLoader's generator=)", AmpguardWarning, stacklevel=3)
+
+
+def _one_shot(restart: Callable[[], Any]) -> bool:
+    """Whether two reads of the data share one iterator, so that a second read goes on where
+    the first stopped: a one-shot iterable (an ``IterableDataset`` whose ``__iter__`` returns a
+    stored iterator, or itself). Two fresh reads' iterators are compared, nothing read from
+    them; a ``DataLoader`` by what it iterates (its iterable-style dataset, else its samplers:
+    its own iterator, with persistent workers, is one object reset at every ``iter``), and no
+    worker started.
+
+    Example::
+
+        >>> class Stored:
+        ...     def __init__(self): self.it = iter(range(8))
+        ...     def __iter__(self): return self.it
+        >>> stored, fresh = Stored(), [1, 2]
+        >>> _one_shot(lambda: stored), _one_shot(lambda: fresh), _one_shot(lambda: (x for x in fresh))
+        (True, False, False)
+    """
+    first, second = restart(), restart()
+    if isinstance(first, DataLoader) and isinstance(second, DataLoader):
+        pairs = [(first.dataset, second.dataset)] if isinstance(first.dataset, IterableDataset) else \
+            [(first.sampler, second.sampler), (first.batch_sampler, second.batch_sampler)]
+    else:
+        pairs = [(first, second)]
+    return any(isinstance(a, Iterable) and isinstance(b, Iterable) and iter(a) is iter(b) for a, b in pairs)
 
 
 def _check_seek(seek: Callable[[int], Any], first: list[Any], spec: str) -> None:
@@ -351,15 +417,20 @@ def _same_batch(a: Any, b: Any) -> bool:
         >>> import numpy as np
         >>> _same_batch(np.arange(3), np.arange(3)), _same_batch(np.arange(3), np.ones(3))
         (True, False)
+        >>> _same_batch(torch.ones(2, device="meta"), torch.ones(2, device="meta"))  # (no values to compare)
+        False
     """
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (a.shape, a.dtype) != (b.shape, b.dtype):
             return False
-        if torch.equal(a, b):
-            return True
-        inf = float("inf")
-        return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(
-            a.nan_to_num(0.0, inf, -inf), b.nan_to_num(0.0, inf, -inf))
+        try:  # (tensors that do not compare, meta ones say, are not the same: no traceback)
+            if torch.equal(a, b):
+                return True
+            inf = float("inf")
+            return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(
+                a.nan_to_num(0.0, inf, -inf), b.nan_to_num(0.0, inf, -inf))
+        except Exception:  # noqa: BLE001 - a comparison that raises: not the same batch
+            return False
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same_batch(a[k], b[k]) for k in a)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
