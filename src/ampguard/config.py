@@ -760,7 +760,7 @@ class EvalConfig(_Section):
     every: Count0 = 100
     """Evaluate on held-out data every this many steps and at the end (0: only at the end)."""
     batches: Count = 8
-    """charlm: held-out batches per evaluation."""
+    """charlm: held-out batches of 32 windows (charlm.EVAL_WINDOWS, whatever task.batch_size) per evaluation."""
 
 
 class CheckpointConfig(_Section):
