@@ -151,6 +151,18 @@ def one_error_line(result: tuple[int, str, str], code: int = 2) -> str:
     return line
 
 
+class FullStdout:
+    """A stdout on a full disk (``> out.json`` with no room left): every write raises ENOSPC."""
+
+    encoding = "utf-8"
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        pass
+
+
 class Hang(Exception):
     pass
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import end_all
+from helpers import FullStdout, end_all
 
 from ampguard.cli import main
 
@@ -309,16 +309,7 @@ def test_bench_refuses_a_resolution_finer_than_any_timing(capsys):
                                                "resolves (at least 0.001, or 0 for fixed rounds)")
 
 
-class _Full:
-    """A stdout on a full disk (`> out.json` with no room left)."""
-
-    encoding = "utf-8"
-
-    def write(self, text):
-        raise OSError(28, "No space left on device")
-
-    def flush(self):
-        pass
+_Full = FullStdout  # (a stdout on a full disk)
 
 
 @pytest.mark.parametrize("stdout", [_Full, None], ids=["full-disk", "closed"])

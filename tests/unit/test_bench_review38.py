@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import FullStdout
+
 from ampguard import bench
 from ampguard import bench_processes as bp
 from ampguard.bench import ERROR, INTERRUPTED, BareAgain, Result
@@ -236,16 +238,7 @@ def test_a_real_failed_step_in_fixed_rounds_is_flagged_in_the_table_output(monke
 # ---------------------------------------------------------------- #5: a table stdout could not take
 
 
-class _Full:
-    """A stdout on a full disk (``> table.md`` with no room left)."""
-
-    encoding = "utf-8"
-
-    def write(self, text):
-        raise OSError(28, "No space left on device")
-
-    def flush(self):
-        pass
+_Full = FullStdout  # (a stdout on a full disk)
 
 
 def test_a_table_that_stdout_could_not_take_exits_74(capsys, monkeypatch):
