@@ -427,8 +427,12 @@ def _check_following(model: nn.Module, following: Iterator[Any], precision: Prec
     read or that the model fails on is one :class:`InputError` line naming it; a stream that ends
     before :data:`FIRST_BATCHES` is one too. The loss is not called: a model's output in eval
     mode may differ from the step's (auxiliary heads, a detector's losses), which the loss
-    rightly refuses. The caller keeps the model untouched (:func:`check_forward`: its modes
-    too)."""
+    rightly refuses. A forward that fails in eval mode or under no_grad is tried again as the
+    step runs it, in the model's own modes with gradients on, and refused only if it fails there
+    too (review 38i: a forward that asserts ``self.training``, or takes gradients of its inputs,
+    a physics-informed network's, was refused though every step takes it). The caller keeps the
+    model untouched (:func:`check_forward`: its modes too)."""
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     for index in range(1, FIRST_BATCHES):
         nth = _NTH[index]
@@ -439,9 +443,16 @@ def _check_following(model: nn.Module, following: Iterator[Any], precision: Prec
                 raise InputError(f"{who}: the data ended after {counted(index, 'batch', 'batches')}: a run reads it "
                                  "epoch after epoch (a Task's batches() must be endless: tasks.cycle(lambda: data) "
                                  "repeats a finite one)") from None
-        with torch.no_grad(), precision.autocast(), user_code(f"{who}: the model's forward pass on the {nth} batch "
-                                                                "failed: "):
-            model(inputs)
+        try:
+            with torch.no_grad(), precision.autocast():
+                model(inputs)
+        except Exception:  # noqa: BLE001 - eval mode or no_grad may be what failed: tried as the step runs it
+            for module, training in modes:
+                module.training = training
+            with torch.enable_grad(), precision.autocast(), user_code(f"{who}: the model's forward pass on the {nth} "
+                                                                      "batch failed: "):
+                model(inputs)
+            model.eval()
         del inputs
 
 

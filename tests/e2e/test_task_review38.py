@@ -137,7 +137,6 @@ def test_a_metric_that_is_no_number_mid_run_ends_the_run_as_a_none_does(cli, tmp
 
 
 @pytest.mark.parametrize("fn,said", [
-    ("one_shot", "data is a one-shot iterable: read a second time, it went on where the first read stopped"),
     ("meta", "data's batch 0 (counted from 0) holds a tensor on the meta device"),
     ("no_examples", "data's batch 0 (counted from 0) holds no examples: its inputs' first dimension is 0"),
     ("wider_second", "the model's forward pass on the second batch failed: RuntimeError: mat1 and mat2 shapes cannot "

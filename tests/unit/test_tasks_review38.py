@@ -178,12 +178,102 @@ def fresh_each_call(config):  # a new one-shot dataset at every call: every pass
 
 
 @pytest.mark.parametrize("fn", ["stored", "itself", "plain_stored", "function_of_stored"])
-def test_a_one_shot_iterable_longer_than_the_start_ups_read_is_refused(tmp_path, fn):
-    # it was warned ("another first batch"), and the run stopped at the end of its first pass
-    with pytest.raises(InputError) as err:
+def test_a_one_shot_iterable_longer_than_the_start_ups_read_is_warned_as_one(tmp_path, fn):
+    # it was warned only as "another first batch", and the run stopped at the end of its first pass; it is
+    # warned as a likely one-shot (not refused: review 38i, an iterable that starts over and returns itself
+    # shares one iterator too, and trains)
+    from ampguard.errors import AmpguardWarning
+
+    with pytest.warns(AmpguardWarning, match=r"every read shares one iterator \(a one-shot iterable\?\)"):
         factory_task(tmp_path, ONE_SHOT, fn)
-    assert one_line(err).startswith(f"task.factory {tmp_path / 'f38.py'}:{fn}: data is a one-shot iterable: read a "
-                                    "second time, it went on where the first read stopped")
+
+
+SELF_RESET = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, IterableDataset
+
+
+class Reshuffled(IterableDataset):  # starts over at every read, reshuffled by its own generator, and is its iterator
+    def __init__(self):
+        self.g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(32, 3, generator=self.g)
+
+    def __iter__(self):
+        self.order, self.i = torch.randperm(32, generator=self.g), 0
+        return self
+
+    def __next__(self):
+        if self.i == 32:
+            raise StopIteration
+        k = self.order[self.i]
+        self.i += 1
+        return self.x[k], self.x[k, :1]
+
+
+def build(config):
+    return nn.Linear(3, 1), DataLoader(Reshuffled(), batch_size=4), F.mse_loss
+
+
+class TrainingOnly(nn.Linear):
+    def forward(self, x):
+        assert self.training, "use .predict() for inference"
+        return super().forward(x)
+
+
+class Physics(nn.Module):  # a physics-informed network: its forward takes the gradient of its output
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(3, 1)
+
+    def forward(self, x):
+        x = x.detach().requires_grad_(True)
+        u = self.net(x)
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        return u + du[:, :1]
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(4)]
+
+
+def training_only(config):
+    return TrainingOnly(3, 1), data(), F.mse_loss
+
+
+def physics(config):
+    return Physics(), data(), F.mse_loss
+"""
+
+
+def test_an_iterable_that_starts_over_and_returns_itself_trains_past_its_first_pass(tmp_path):
+    # review 38i D5: refused as a one-shot (one iterator shared by every read), though each read starts over
+    from ampguard.errors import AmpguardWarning
+
+    with pytest.warns(AmpguardWarning):
+        task = factory_task(tmp_path, SELF_RESET, "build")
+    stream = task.batches()
+    assert len([next(stream) for _ in range(20)]) == 20  # (8 batches a pass: it goes on past the first)
+
+
+@pytest.mark.parametrize("fn", ["training_only", "physics"])
+def test_a_forward_that_needs_training_mode_or_gradients_is_not_refused(tmp_path, fn):
+    # review 38i D1, D2: batches 2-4 went through the model in eval mode under no_grad only: a forward
+    # that asserts self.training, or takes the gradient of its output, was refused though every step takes it
+    from ampguard.build import check_forward
+    from ampguard.precision import Precision
+
+    task = factory_task(tmp_path, SELF_RESET, fn)
+    batches = [next(task.batches()) for _ in range(1)] * 4
+
+    def read(count=None):  # (DataStream.peek's signature: the first `count` batches from one read)
+        return iter(batches[:count]) if count else batches[0]
+
+    before = [p.detach().clone() for p in task.model.parameters()]
+    assert check_forward(task.model, task.loss_fn, read, Precision("fp32", "cpu"), "f38") == []
+    assert task.model.training and all(torch.equal(p, q) for p, q in zip(task.model.parameters(), before))
 
 
 @pytest.mark.parametrize("fn", ["fresh", "fresh_each_call"])

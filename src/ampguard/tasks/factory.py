@@ -340,9 +340,10 @@ def _check_first_batches(batches: list[Any], spec: str) -> None:
 def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[str, Any], spec: str) -> None:
     """``data`` read again from its start (every epoch, a resume and a rollback do) must give its
     first batch again: none is a one-shot iterable (an ``IterableDataset`` whose ``__iter__``
-    returns itself: the run stopped at its fourth step, "bad data"), refused; so is another batch
-    from a one-shot iterable whose first pass is longer (:func:`_one_shot`: the second read goes
-    on where the first stopped, and the run stopped at the end of its first pass); another batch
+    returns itself: the run stopped at its fourth step, "bad data"), refused; another batch from
+    reads that share one iterator (:func:`_one_shot`: a one-shot whose first pass is longer goes
+    on where the first read stopped, but an iterable that starts over and returns itself does
+    too) is warned as a likely one-shot; another batch
     otherwise is data that changes from pass to pass (a generator of its own not set back),
     which trains but resumes on other batches than the run: warned. Read from the RNG state the
     first read began at, and the RNGs left as the first read left them."""
@@ -356,12 +357,14 @@ def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[s
         raise InputError(f"task.factory {spec}: data yielded no batch when read a second time (a one-shot iterable?): "
                          "every epoch, a resume and a rollback read it again from its start; give a list, a DataLoader "
                          "over a map-style dataset, or a function returning a fresh iterable")
-    if one_shot:
-        raise InputError(f"task.factory {spec}: data is a one-shot iterable: read a second time, it went on where the "
-                         "first read stopped (one iterator shared by every read); every epoch, a resume and a rollback "
-                         "read it again from its start: give a list, a DataLoader over a map-style dataset, a dataset "
-                         "whose __iter__ is a generator (yield), or a function returning a fresh iterable")
-    if not _same_batch(again, first):
+    if one_shot:  # (warned, not refused: an iterable whose __iter__ starts over and returns itself, reshuffled, is
+        # one shared iterator too, and trains: review 38i; whether it starts over no read can tell)
+        warnings.warn(f"task.factory {spec}: data read again from its start gave another first batch, and every read "
+                      "shares one iterator (a one-shot iterable?): if it does not start over when read again, the run "
+                      "stops at the end of its first pass, and a resume or a rollback reads other batches; give a "
+                      "list, a DataLoader over a map-style dataset, a dataset whose __iter__ is a generator (yield), or "
+                      "a function returning a fresh iterable", AmpguardWarning, stacklevel=3)
+    elif not _same_batch(again, first):
         warnings.warn(f"task.factory {spec}: data read again from its start gave another first batch: a resume, a "
                       "rollback or locate's replay reads other batches than the run did (give its shuffle or its "
                       "random source a seeded generator, as a DataLoader's generator=)", AmpguardWarning, stacklevel=3)
