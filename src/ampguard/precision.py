@@ -16,7 +16,7 @@ import struct
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -302,6 +302,12 @@ class GuardedGradScaler(torch.amp.GradScaler):
         )
         self._min_scale = min_scale
         self._twin: torch.amp.GradScaler | None = None  # the plain scaler handed over (:meth:`from_scaler`)
+        # a disabled scaler's unscale_ flags, by optimizer (:meth:`unscale_`)
+        self._found_off: dict[int, dict[torch.device, torch.Tensor]] = {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_found_off", {})  # (a scaler pickled before the flags were kept)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         """``GradScaler``'s, and the plain scaler this one took over then holds the same scale and
@@ -502,12 +508,6 @@ class GuardedGradScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         found[id(optimizer)] = _non_finite_flags(optimizer)
 
-    @property
-    def _found_off(self) -> dict[int, dict[torch.device, torch.Tensor]]:
-        """A disabled scaler's :meth:`unscale_` flags, by optimizer (made at first use: a scaler
-        pickled before it had none)."""
-        return self.__dict__.setdefault("_found_when_off", {})
-
     def unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``unscale_(optimizer)`` ran since the last ``update()`` (a second call would raise).
 
@@ -523,6 +523,20 @@ class GuardedGradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return id(optimizer) in self._found_off
         return self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+    def any_unscaled(self, optimizers: Iterable[torch.optim.Optimizer]) -> bool:
+        """Whether any of ``optimizers`` is :meth:`unscaled`: on the guard's hot path (each
+        backward, a group's close), so a disabled scaler with nothing unscaled answers at once.
+
+        Example::
+
+            >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+            >>> GuardedGradScaler("cpu", enabled=False).any_unscaled([opt])
+            False
+        """
+        if not self._enabled:
+            return bool(self._found_off) and any(id(o) in self._found_off for o in optimizers)
+        return any(self._per_optimizer_states[id(o)]["stage"] is OptState.UNSCALED for o in optimizers)
 
     def twin_used(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the plain ``GradScaler`` this one took over (:meth:`from_scaler`) was itself

@@ -976,7 +976,7 @@ class Guard:
                 which = f"loss {i + 1} of {len(losses)}" if len(losses) > 1 else "the loss"
                 raise ValueError(f"Guard.backward(): {which} does not require grad (made under torch.no_grad(), "
                                  "detached, or a constant placeholder: leave it out): nothing to backward")
-        if any(map(self.scaler.unscaled, self.optimizers.values())):
+        if self.scaler.any_unscaled(self.optimizers.values()):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
 
@@ -1067,8 +1067,8 @@ class Guard:
         if self._group is not None and names != self._group:
             raise RuntimeError(f"Guard.step() names optimizers {list(names)} inside a group begun with "
                                f"{list(self._group)}: step the same optimizers until the group closes")
-        if not close and self._micro < self.accumulation_steps and any(
-                self.scaler.unscaled(self.optimizers[name]) for name in names):
+        if not close and self._micro < self.accumulation_steps and self.scaler.any_unscaled(
+                self.optimizers[name] for name in names):
             close = True  # unscale_() came after the group's last backward: it ends with the ones it has
         if close and self._micro < self.accumulation_steps and any(map(distributed.defers_sync, self._modules)):
             raise RuntimeError("Guard.step(close=True) cannot end a short group under DDP/FSDP2: its micro-batches "
