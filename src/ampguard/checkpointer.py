@@ -49,7 +49,7 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import MAX_DEPTH, Config, as_it_ran, flat_keys, is_plain, read_file
+from .config import MAX_DEPTH, Config, as_it_ran, flat_keys, is_plain, plain_data, read_file
 from .errors import AmpguardWarning, InputError, counted, first_line, real_number, shortened, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
@@ -1300,7 +1300,7 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         RUN/checkpoints/step-00000004.pt: data position 1000000000000 is beyond what 4 steps could have taken (4 = step x accumulation_steps + rollbacks x the largest rollback.skip_batches the run used)
         >>> shutil.rmtree(run_dir)
     """
-    raw = resume.saved_config, config.model_dump(mode="json")
+    raw = resume.saved_config, plain_data(config)
     saved, now = _effective(raw[0]), _effective(raw[1])
     where = resume.path if resume.picked else "the checkpoint"
     for key in RESUME_FIXED:
@@ -1308,11 +1308,12 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         for part in key.split("."):
             a = a.get(part) if isinstance(a, dict) else None  # a checkpoint may lack a whole section
             b = b.get(part)
-        if isinstance(a, dict) and isinstance(b, dict):  # name the exact field, e.g. task.n_embd
+        while isinstance(a, dict) and isinstance(b, dict):  # name the exact field, e.g. task.options.cap
             diff = _first_difference(a, b)
-            if diff is not None:
-                key, a, b = f"{key}.{diff}", a.get(diff), b.get(diff)
-        if a != b:
+            if diff is None:
+                break
+            key, a, b = f"{key}.{diff}", a.get(diff), b.get(diff)
+        if not _same(a, b):
             if key == "task.factory":  # compared by the file's name; named as written
                 a, b = (flat_keys(side).get(key) for side in raw)
             raise InputError(f"--resume: {key} was {_short(a)} in {where}, now {_short(b)}; a resumed run must keep it")
@@ -1529,7 +1530,25 @@ def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
         >>> _first_difference({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": None}), _first_difference({"a": 1}, {"a": 1})
         ('b', None)
     """
-    return next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
+    return next((k for k in sorted(set(a) | set(b)) if not _same(a.get(k), b.get(k))), None)
+
+
+def _same(saved: Any, now: Any) -> bool:
+    """Whether two config values (plain data) are the same setting: NaN is NaN, and a saved null
+    is an infinity or NaN now (an earlier ampguard saved them in a checkpoint as JSON's null).
+
+    Example::
+
+        >>> _same({"x": [math.nan, 1]}, {"x": [math.nan, 1.0]}), _same(None, math.inf), _same(math.inf, -math.inf)
+        (True, True, False)
+    """
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return saved.keys() == now.keys() and all(_same(saved[k], now[k]) for k in saved)
+    if isinstance(saved, list) and isinstance(now, list):
+        return len(saved) == len(now) and all(map(_same, saved, now))
+    if isinstance(now, float) and not math.isfinite(now):
+        return saved is None or (isinstance(saved, float) and (saved == now or math.isnan(saved) and math.isnan(now)))
+    return saved == now
 
 
 def policy_changes(resume: Resume, config: Config) -> list[dict[str, Any]]:

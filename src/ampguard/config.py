@@ -1719,6 +1719,19 @@ def _non_finite_kept(dumped: Any, value: Any) -> Any:
     return dumped
 
 
+def plain_data(config: Config) -> dict[str, Any]:
+    """The config as plain data (``model_dump(mode="json")``) with each infinity and NaN of
+    ``task.options`` kept a float (JSON's mode makes them null): what a checkpoint saves and a
+    resume compares, as :func:`dump_config` writes them.
+
+    Example::
+
+        >>> plain_data(validate({"task": {"options": {"cap": math.inf}}}))["task"]["options"]
+        {'cap': inf}
+    """
+    return _non_finite_kept(config.model_dump(mode="json"), config.model_dump())
+
+
 def dump_config(config: Config) -> str:
     """The config as YAML, every field shown (what ``--print-config`` prints and a run's
     ``config.yaml`` holds). An infinity or NaN (``task.options`` takes them: a factory's own
@@ -1741,5 +1754,4 @@ def dump_config(config: Config) -> str:
         >>> options["cap"], options["low"], math.isnan(options["x"]), dump_config(validate(yaml.load(text, Loader=_PlainLoader))) == text
         (inf, [-inf, 1.5], True, True)
     """
-    return yaml.dump(_non_finite_kept(config.model_dump(mode="json"), config.model_dump()), Dumper=_PlainDumper,
-                     sort_keys=False)
+    return yaml.dump(plain_data(config), Dumper=_PlainDumper, sort_keys=False)

@@ -29,7 +29,7 @@ from . import distributed
 from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
                     check_trainable, fast_path, keep_fp32_modules, precision_of, resolve_device)
 from .checkpoint import checkpoint_step, list_checkpoints, other_data
-from .config import Config
+from .config import Config, plain_data
 from .data import DataStream, check_same_data
 from .errors import AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, raised
 from .evaluation import Evaluator
@@ -146,7 +146,7 @@ class Trainer:
             self.dist, self.device = distributed.init_from_env(config.device)
             # every rank trains with rank 0's config and resumes from its checkpoint, checked before
             # anything else (one line on every rank; one all-gather for both)
-            configs, points = zip(*distributed.all_gather((config.model_dump(mode="json"), ck.resume_point(resume))))
+            configs, points = zip(*distributed.all_gather((plain_data(config), ck.resume_point(resume))))
             ck.check_same_configs(configs)
             ck.check_same_resumes(points)  # (before anything is cut)
         else:
@@ -326,7 +326,7 @@ class Trainer:
         parts: dict[str, ck.Stateful] = {
             ck.MODEL: ck.ModelState(state.model, fsdp), ck.OPTIMIZER: ck.OptimizerState(state.model, state.optimizer, fsdp),
             ck.SCHEDULER: state.scheduler, ck.STATE: state, ck.RNG: ck.RngState(self.dist), ck.DATA: self.data}
-        meta = lambda: {ck.UPDATES: state.updates, ck.CONFIG: self.config.model_dump(mode="json"),  # noqa: E731
+        meta = lambda: {ck.UPDATES: state.updates, ck.CONFIG: plain_data(self.config),  # noqa: E731
                         ck.PRECISION: self.config.precision, ck.WORLD_SIZE: self.dist.world_size,
                         ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
                         **({ck.POLICY: list(self.policy)} if self.policy else {}),

@@ -63,6 +63,24 @@ def test_a_resume_hands_the_factory_the_inf_and_nan_the_run_began_with(cli, tmp_
     assert after == before.replace("steps: 2\n", "steps: 3\n")  # written again, bit for bit but the new steps
 
 
+def test_a_resume_that_changes_an_infinity_of_task_options_is_refused(cli, tmp_path):
+    # the checkpoint kept its config in JSON's mode, inf and -inf both null: a resume that turned
+    # task.options.cap from inf to -inf (the factory's own setting: a fixed key) went on unsaid
+    (tmp_path / "fac.py").write_text(FACTORY, encoding="utf-8")
+    code, _, err = cli("train", "--set", "task.factory=fac.py:build", "--set", "steps=2", "--set", "precision=fp32",
+                       "--set", "log.plot=false", "--set", "log.name=g", "--set", "task.options.cap=.inf",
+                       "--set", "task.options.n=.nan")
+    assert code == 0, err
+    before = snapshot_of(tmp_path)
+    code, out, err = cli("train", "--resume", "runs/g", "--set", "steps=3", "--set", "task.options.cap=-.inf")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith("ampguard: error: --resume: task.options.cap was inf in ")
+    assert err.strip().endswith("now -inf; a resumed run must keep it")
+    assert snapshot_of(tmp_path) == before
+    code, _, err = cli("train", "--resume", "runs/g", "--set", "steps=3")  # the same inf and NaN resume
+    assert code == 0, err
+
+
 # ---------------------------------------------------------------------------- item 4
 
 
