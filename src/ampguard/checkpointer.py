@@ -1300,7 +1300,7 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         RUN/checkpoints/step-00000004.pt: data position 1000000000000 is beyond what 4 steps could have taken (4 = step x accumulation_steps + rollbacks x the largest rollback.skip_batches the run used)
         >>> shutil.rmtree(run_dir)
     """
-    raw = resume.saved_config, plain_data(config)
+    raw = as_it_ran(resume.saved_config), plain_data(config)
     saved, now = _effective(raw[0]), _effective(raw[1])
     where = resume.path if resume.picked else "the checkpoint"
     for key in RESUME_FIXED:

@@ -449,6 +449,19 @@ def test_check_resume_refuses_a_fixed_key_change_naming_the_exact_field(change, 
     assert line == f"--resume: {field} was {was} in the checkpoint, now {now}; a resumed run must keep it"
 
 
+def test_check_resume_reads_an_older_checkpoints_fp8_exclude_listed_twice_as_it_ran():
+    # a name listed twice in fp8.exclude (refused since) ran as if once; config.yaml reads it so
+    # (config.as_it_ran), and so must the checkpoint's own copy, else its resume is refused
+    fp8 = {**BASE, "precision": "fp8", "fp8": {"exclude": ["head", "lm"]}}
+    saved = validate(fp8).model_dump(mode="json")
+    saved["fp8"]["exclude"] = ["head", "lm", "head"]
+    resume = Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), _meta(8, saved)), Path("run"))
+    ck.check_resume(resume, validate(fp8), world_size=1)
+    with pytest.raises(InputError) as err:  # (a real change is still one)
+        ck.check_resume(resume, validate({**fp8, "fp8": {"exclude": ["head"]}}), world_size=1)
+    assert one_line(err).startswith("--resume: fp8.exclude was ['head', 'lm'] in the checkpoint, now ['head']")
+
+
 def test_check_resume_refuses_a_checkpoint_whose_config_lacks_a_fixed_key():
     saved = validate(BASE).model_dump(mode="json")
     del saved["precision"]
