@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import (
-    MAX_COUNT, MAX_WINDOW, AmpguardWarning, ConfigError, ExitCode, InputError, an_interrupt, counted, plain_digits,
+    MAX_COUNT, MAX_WINDOW, AmpguardWarning, ConfigError, ExitCode, InputError, an_interrupt, counted, has_control,
+    plain_digits, shortened,
 )
 
 
@@ -159,16 +160,30 @@ def _fault(text: str) -> str:
 
 
 def _folder_of(log_dir: Any, name: Any) -> Path | None:
-    """The run folder ``log.dir/log.name`` names, resolved (None when they name none).
+    """The run folder ``log.dir/log.name`` names, resolved (None when they name none: not text, or
+    text that holds a control character, which no folder's path holds; a NUL made ``resolve``
+    raise "embedded null byte").
 
     Example::
 
-        >>> _folder_of("runs", "a") == Path("runs/a").resolve(), _folder_of("runs", None)
-        (True, None)
+        >>> _folder_of("runs", "a") == Path("runs/a").resolve(), _folder_of("runs", None), _folder_of("runs", "a\\0b")
+        (True, None, None)
     """
-    if not (isinstance(log_dir, str) and isinstance(name, str) and name):
+    if not (isinstance(log_dir, str) and isinstance(name, str) and name) or _unusable(log_dir) or _unusable(name):
         return None
     return Path(os.path.expanduser(log_dir), name).resolve()
+
+
+def _unusable(value: Any) -> bool:
+    """Whether ``value`` is text that the config refuses as a path (``log.dir``, ``log.name``): it
+    holds a control character (:func:`~ampguard.errors.has_control`).
+
+    Example::
+
+        >>> _unusable("runs"), _unusable("ru\\0ns"), _unusable(None)
+        (False, True, False)
+    """
+    return isinstance(value, str) and has_control(value)
 
 
 def _without_none(given: list[str]) -> list[str]:
@@ -182,8 +197,8 @@ def _without_none(given: list[str]) -> list[str]:
     """
     faults = [f for f in given if f != "none"]
     if faults and len(faults) < len(given):
-        raise InputError(f"--inject none injects nothing, but --inject {faults[0]} asks for a fault: give one or "
-                         "the other")
+        raise InputError(f"--inject none injects nothing, but --inject {shortened(faults[0], 60)} asks for a fault: "
+                         "give one or the other")  # (a spec of thousands of characters: cut short)
     return faults
 
 
@@ -223,7 +238,10 @@ def _train(args: argparse.Namespace) -> int:
     if resume is not None:  # it trains in its own folder, wherever that is now (a moved one too)
         base, here = resume.run_config(), resume.run_dir.resolve()
         log = base.get("log") if isinstance(base.get("log"), dict) else {}
-        if _folder_of(log.get("dir"), log.get("name")) != here:  # (as saved, unless it names another place now)
+        # (as saved, unless it names another place now; a name or folder the config refuses, a NUL
+        # in a hand-edited config.yaml, is left for the config to refuse, naming the file)
+        if not (_unusable(log.get("dir")) or _unusable(log.get("name"))) and \
+                _folder_of(log.get("dir"), log.get("name")) != here:
             base["log"] = {**log, "dir": str(here.parent), "name": here.name}
     config = _config_from(args, base=base, sections=sections, verb="train",
                           saved=None if resume is None else resume.run_dir / "config.yaml")

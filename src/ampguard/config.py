@@ -14,7 +14,8 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -103,6 +104,10 @@ class _PlainLoader(yaml.SafeLoader):
     }
 
     def compose_node(self, parent: Any, index: Any) -> Any:
+        # (a mapping's value is composed with its key as `index`; the value of a merge key is refused
+        # with the key, before its alias: `<<: *base`, the usual merge, was named an alias)
+        if isinstance(index, yaml.Node) and index.tag == _MERGE:
+            raise _merge_key(index)
         if self.check_event(yaml.AliasEvent):
             mark = self.peek_event().start_mark
             raise yaml.YAMLError(f"aliases (*name) are not allowed in a config (line {mark.line + 1})")
@@ -129,8 +134,7 @@ class _PlainLoader(yaml.SafeLoader):
         lines: dict[Any, tuple[int, str]] = {}  # each key -> the line and spelling it was first given with
         for key_node, _ in node.value:
             if key_node.tag == _MERGE:  # (PyYAML's error named no constructor for its tag, not the `<<`)
-                raise yaml.YAMLError(f"YAML merge keys (<<) are not supported (line {key_node.start_mark.line + 1}): "
-                                     "write the keys out")
+                raise _merge_key(key_node)
             key = self.construct_object(key_node, deep=deep)
             line, spelled = key_node.start_mark.line + 1, str(getattr(key, "text", key))
             if isinstance(key, (str, int, float, bool)):
@@ -159,6 +163,20 @@ class _PlainLoader(yaml.SafeLoader):
         if not self.timestamp_regexp.match(text):
             raise _wrong(node, "a date", repr(text))
         return super().construct_yaml_timestamp(node)
+
+
+def _merge_key(key_node: Any) -> yaml.YAMLError:
+    """The refusal of a YAML merge key (``<<``), naming its line.
+
+    Example::
+
+        >>> yaml.load("base: &b {lr: 1}\\noptimizer:\\n  <<: *b\\n", Loader=_PlainLoader)
+        Traceback (most recent call last):
+        ...
+        yaml.error.YAMLError: YAML merge keys (<<) are not supported (line 3): write the keys out
+    """
+    return yaml.YAMLError(f"YAML merge keys (<<) are not supported (line {key_node.start_mark.line + 1}): "
+                          "write the keys out")
 
 
 def _wrong(node: Any, expected: str, got: str) -> yaml.constructor.ConstructorError:
@@ -1572,23 +1590,84 @@ def _switch(path: Sequence[str | int]) -> bool:
     return field is not None and any(getattr(check, "func", None) is _section_switch for check in field.metadata)
 
 
-def _dropped_comment(raw: str) -> str | None:
-    """The YAML comment in a ``--set`` value (``exp #3``: `` #3``), which YAML drops without a word
-    (``log.name=exp #3`` was the folder ``exp``; ``log.name=#3`` no name at all), or None. A ``#``
-    inside a word (``a#b``) or in quotes is the value's own.
+def _comment_at(raw: str) -> int | None:
+    """Where the YAML comment in a ``--set`` value begins (``exp #3``: at its ``#``), a comment YAML
+    drops without a word (``log.name=exp #3`` was the folder ``exp``; ``log.name=#3`` no name at
+    all), or None. A ``#`` inside a word (``a#b``) or in quotes is the value's own.
 
     Example::
 
-        >>> _dropped_comment("exp #3"), _dropped_comment("#3"), _dropped_comment("[a, b] # c")
-        ('#3', '#3', '# c')
-        >>> _dropped_comment("a#b"), _dropped_comment("'exp #3'"), _dropped_comment('"#3"'), _dropped_comment("3")
+        >>> _comment_at("exp #3"), _comment_at("#3"), _comment_at("[a, b] # c"), _comment_at("'a #b' #c")
+        (4, 0, 7, 7)
+        >>> _comment_at("a#b"), _comment_at("'exp #3'"), _comment_at('"#3"'), _comment_at("3")
         (None, None, None, None)
     """
     if "#" not in raw:
         return None
     spans = [(token.start_mark.index, token.end_mark.index) for token in yaml.scan(raw, Loader=_PlainLoader)]
-    at = next((i for i, char in enumerate(raw) if char == "#" and not any(a <= i < b for a, b in spans)), None)
-    return None if at is None else raw[at:].splitlines()[0].strip()
+    return next((i for i, char in enumerate(raw) if char == "#" and not any(a <= i < b for a, b in spans)), None)
+
+
+def _takes_plain_text(path: Sequence[str]) -> bool:
+    """Whether the setting at ``path`` is one text value (``log.name``, ``log.wandb.name``, a tag of
+    ``log.mlflow.tags``), where a quoted value is the text itself: not a number, a choice of
+    words (``precision``), a list or a section.
+
+    Example::
+
+        >>> [_takes_plain_text(p) for p in (("log", "name"), ("log", "dir"), ("log", "mlflow", "tags", "t"),
+        ...                                 ("optimizer", "lr"), ("precision",), ("inject",), ("log", "wandb", "tags"))]
+        [True, True, True, False, False, False, False]
+    """
+    field = _field_at(path)
+    if field is not None:
+        annotation = field.annotation
+    else:  # a value of a mapping (log.mlflow.tags.<name>)
+        parent = _field_at(path[:-1]) if len(path) > 1 else None
+        if parent is None or get_origin(parent.annotation) is not dict:
+            return False
+        annotation = get_args(parent.annotation)[1]
+    if annotation is str:
+        return True
+    return get_origin(annotation) in (Union, UnionType) and str in get_args(annotation) and \
+        all(arg in (str, type(None)) for arg in get_args(annotation))
+
+
+def _comment_advice(key: str, raw: str, at: int) -> str:
+    """What to do about the YAML comment at ``raw[at:]`` of ``--set key=raw``: quote the value where
+    quoting keeps the ``#`` as the setting's own text (a text setting, or a value of the free-form
+    ``task.options``, not quoted already), else leave the comment out: quoted, a number setting's
+    value would be text, which it refuses (``optimizer.lr="1e-3 # from the paper"``), and quotes
+    around quotes are no one's meaning.
+
+    Example::
+
+        >>> _comment_advice("log.name", "exp #3", 4)
+        'quote the value to keep it (log.name="exp #3")'
+        >>> _comment_advice("optimizer.lr", "1e-3 # from the paper", 5)
+        'optimizer.lr is not text, so leave the comment out (optimizer.lr=1e-3)'
+        >>> _comment_advice("task.options.s", "'a' #b", 4)
+        "the value is quoted already, so leave the comment out (task.options.s='a')"
+        >>> _comment_advice("task.options.n", "3 # three", 2)
+        'quote the value to keep it as text (task.options.n="3 # three"), or leave the comment out (task.options.n=3)'
+    """
+    parts = key.split(".")
+    kept = raw[:at].strip()
+    free_form = len(parts) > 2 and parts[:2] == ["task", "options"]  # (a factory's own settings: any value)
+    plain = not kept or kept[0] not in "'\"[{!&*|>"  # (a plain scalar, not quoted, a list, a tag or an anchor)
+    without = shortened(f"{key}={kept}", 80) if kept and not has_control(kept) else None
+    if plain and (free_form or _takes_plain_text(parts)):
+        quoted = shortened(f"{key}={json.dumps(raw.strip(), ensure_ascii=False)}", 80)
+        if free_form and without is not None:
+            return f"quote the value to keep it as text ({quoted}), or leave the comment out ({without})"
+        return f"quote the value to keep it ({quoted})"
+    if without is None:  # (nothing but the comment: a setting that is not text needs a value)
+        return f"give {shortened(key, 80)} a value without a comment"
+    if kept[0] in "'\"":
+        return f"the value is quoted already, so leave the comment out ({without})"
+    if _field_at(parts) is not None or _takes_plain_text(parts):  # (a known setting: why quoting would not do)
+        return f"{shortened(key, 80)} is not text, so leave the comment out ({without})"
+    return f"leave the comment out ({without})"
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -1625,15 +1704,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"--set {brief(item)}: expected key.sub=value")
         try:
             value = yaml.load(raw, Loader=_TextKeepingLoader) if raw.strip() else None  # noqa: S506
-            comment = _dropped_comment(raw)
+            at = _comment_at(raw)
         except (yaml.YAMLError, ValueError, RecursionError) as err:
             # ours (a key given twice, an alias), or a number past int()'s digits, say why; the value is cut short
             why = f" ({first_line(err)})" if type(err) is yaml.YAMLError or "digits" in str(err) else ""
             raise ConfigError(f"--set {key}: cannot parse value {brief(raw)}{why}") from None
-        if comment is not None:  # (README: a text setting takes the text as written; YAML would cut it here)
-            quoted = shortened(f"{key}={json.dumps(raw.strip(), ensure_ascii=False)}", 80)
-            raise ConfigError(f"--set {key}: {brief(comment)} is a YAML comment there, which would be dropped: quote "
-                              f"the value to keep it ({quoted})")
+        if at is not None:  # (README: a text setting takes the text as written; YAML would cut it here)
+            comment = raw[at:].splitlines()[0].strip()
+            raise ConfigError(f"--set {key}: {brief(comment)} is a YAML comment there, which would be dropped: "
+                              f"{_comment_advice(key, raw, at)}")
         _plain(value, key)
         parts = key.split(".")
         value = _as_written(value, tuple(parts))

@@ -24,10 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InputError, counted, plain_digits
+from .errors import InputError, counted, plain_digits, shortened
 
 KINDS: tuple[str, ...] = ("inf_grad", "nan_grad", "nan_loss", "spike", "nan_input")
 SPIKE_FACTOR = 1e8
+MAX_SHOWN = 60
+"""The most characters of a fault's spec an error line shows (its head and tail: :func:`_shown`)."""
 
 
 @dataclass(frozen=True)
@@ -99,17 +101,19 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
     """
     kind, sep, when = spec.partition("@")
     kind, when = kind.strip(), when.strip()
+    if kind not in KINDS:  # (before the rank's: its example names the kind)
+        raise ValueError(f"unknown fault kind {_shown(kind)} in {_shown(spec)} (kinds: {', '.join(KINDS)})")
     rank = None
     when, at, rank_text = when.partition("@")
     if at:
         rank_text = rank_text.strip()
-        if not (rank_text.startswith("rank") and rank_text[4:].isdigit() and rank_text.isascii()):
-            raise ValueError(f"bad rank in fault {spec!r}: use @rankR after WHEN, e.g. {kind}@5@rank1")
+        # (int() refuses more than 4,300 digits in its own words, which named no fault)
+        if not (rank_text.startswith("rank") and rank_text[4:].isdigit() and rank_text.isascii()
+                and len(rank_text[4:].lstrip("0")) <= 18):
+            raise ValueError(f"bad rank in fault {_shown(spec)}: use @rankR after WHEN, e.g. {kind}@5@rank1")
         rank = int(rank_text[4:])
-    if kind not in KINDS:
-        raise ValueError(f"unknown fault kind {kind!r} in {spec!r} (kinds: {', '.join(KINDS)})")
     if not sep or not when:
-        raise ValueError(f"fault {spec!r} needs @WHEN, e.g. {kind}@5, {kind}@every:10, {kind}@rate:0.05")
+        raise ValueError(f"fault {_shown(spec)} needs @WHEN, e.g. {kind}@5, {kind}@every:10, {kind}@rate:0.05")
     try:
         if not plain_digits(when):  # (int() reads '１', '٣' and 1_000: a config writes none of them)
             raise ValueError
@@ -129,8 +133,21 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
         return Fault(kind, steps=steps, seed=seed, rank=rank)
     except ValueError:
         raise ValueError(
-            f"bad WHEN in fault {spec!r}: use step numbers >= 1 (5 or 5,9,12), every:K with K >= 1, or rate:P with 0 < P <= 1"
+            f"bad WHEN in fault {_shown(spec)}: use step numbers >= 1 (5 or 5,9,12), every:K with K >= 1, or rate:P with "
+            "0 < P <= 1"
         ) from None
+
+
+def _shown(spec: str) -> str:
+    """A fault's spec (or its kind) for an error line: its repr, cut short (``--inject
+    nan_loss@<5,000 digits>`` was echoed whole, an unknown kind of 5,000 characters twice).
+
+    Example::
+
+        >>> _shown("nan_loss@5"), len(_shown("nan_loss@" + "9" * 5000))
+        ("'nan_loss@5'", 60)
+    """
+    return shortened(repr(spec), MAX_SHOWN)
 
 
 def check_ranks(faults: Iterable[Fault], world_size: int) -> None:
@@ -150,7 +167,7 @@ def check_ranks(faults: Iterable[Fault], world_size: int) -> None:
             ranks = "rank 0 only" if world_size == 1 else f"ranks 0 to {world_size - 1}"
             processes = counted(world_size, "process", "processes")
             more = "; torchrun --nproc_per_node sets more" if world_size == 1 else ""
-            raise ValueError(f"fault {fault.spec()!r} targets rank {fault.rank}, but this run has {processes} "
+            raise ValueError(f"fault {_shown(fault.spec())} targets rank {fault.rank}, but this run has {processes} "
                              f"({ranks}{more})")
 
 
@@ -183,9 +200,9 @@ def check_steps(faults: Iterable[Fault], steps: int, start: int = 1) -> None:
         if fires(fault, start):
             continue
         if fires(fault, 1):  # (it would have, had the run not resumed past it)
-            raise ValueError(f"fault {fault.spec()!r} never fires: the run resumes after step {start - 1} (its steps "
+            raise ValueError(f"fault {_shown(fault.spec())} never fires: the run resumes after step {start - 1} (its steps "
                              f"{start} to {steps} are left to train)")
-        raise ValueError(f"fault {fault.spec()!r} never fires: the run has {counted(steps, 'step')} (config steps; a step "
+        raise ValueError(f"fault {_shown(fault.spec())} never fires: the run has {counted(steps, 'step')} (config steps; a step "
                          "counts optimizer steps, not micro-batches); drop it (given with --inject: leave it out; from a "
                          "config: --inject none, or --set inject=[...])")
 

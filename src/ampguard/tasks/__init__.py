@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,15 +67,82 @@ def build_task(config: Any) -> Task:
         from .digits import build
     else:  # pragma: no cover - the config only admits the names above
         raise ValueError(f"unknown task {config.task.name!r}")
+    name = config.task.name
     try:
-        return build(config)
+        task = build(config)
     except (RuntimeError, MemoryError) as err:  # (sizes the config takes, up to MAX_COUNT, a model may not fit)
-        if not out_of_memory(err):
+        if not (out_of_memory(err) and MODEL_SIZES[name]):  # (linear's model has one size: the machine is full)
             raise
-        asked = re.search(r"allocate (\d+) bytes", str(err))  # (the CPU allocator's words; a GPU's say more)
-        said = f"one tensor of {int(asked[1]) / 2**30:.1f} GiB" if asked else first_line(err, with_type=True)
-        raise InputError(f"task {config.task.name}: its model does not fit in memory at these sizes ({said}); "
-                         f"give smaller task.n_embd, task.n_layer or task.block_size", key="task") from None
+        raise InputError(f"task {name}: its model does not fit in memory at these sizes ({_asked(err)}); "
+                         f"give smaller {_either(MODEL_SIZES[name])}", key="task") from None
+    task.batches = _sized(task.batches, name)  # (a batch too large for memory: named as the model is)
+    if task.batches_from is not None:
+        task.batches_from = _sized(task.batches_from, name)
+    return task
+
+
+MODEL_SIZES: dict[str, tuple[str, ...]] = {"charlm": ("task.n_embd", "task.n_layer", "task.block_size"),
+                                           "digits": ("task.n_embd",), "linear": ()}
+"""The settings that size each built-in task's model (what its ``build`` allocates): what a model
+that does not fit in memory is told to make smaller (linear's has one size)."""
+BATCH_SIZES: dict[str, tuple[str, ...]] = {"charlm": ("task.batch_size", "task.block_size"),
+                                           "digits": ("task.batch_size",), "linear": ("task.batch_size",)}
+"""The settings that size each built-in task's micro-batch."""
+
+
+def _either(keys: tuple[str, ...]) -> str:
+    """``a``, ``a or b``, ``a, b or c``: the settings a refusal asks to make smaller.
+
+    Example::
+
+        >>> _either(("task.n_embd",)), _either(MODEL_SIZES["charlm"])
+        ('task.n_embd', 'task.n_embd, task.n_layer or task.block_size')
+    """
+    return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} or {keys[-1]}"
+
+
+def _asked(err: BaseException) -> str:
+    """What an allocation that failed asked for, in words: ``one tensor of 7.5 GiB`` from the CPU
+    allocator's words (a GPU's say more: its first line).
+
+    Example::
+
+        >>> _asked(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8053063680 bytes"))
+        'one tensor of 7.5 GiB'
+    """
+    asked = re.search(r"allocate (\d+) bytes", str(err))
+    return f"one tensor of {int(asked[1]) / 2**30:.1f} GiB" if asked else first_line(err, with_type=True)
+
+
+def _sized(make: Callable[..., Iterator[Batch]], name: str) -> Callable[..., Iterator[Batch]]:
+    """A built-in task's ``batches`` (or ``batches_from``) whose stream, when a micro-batch does not
+    fit in memory (``task.batch_size`` up to 10**9 is a valid count), is refused in one line that
+    names the settings sizing it, as a model too large is, not the allocator's own words.
+
+    Example::
+
+        >>> def batches():
+        ...     yield 1
+        ...     raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes")
+        >>> stream = _sized(batches, "charlm")()
+        >>> next(stream)
+        1
+        >>> next(stream)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: task charlm: its batches do not fit in memory at these sizes (one tensor of 2.0 GiB); give smaller task.batch_size or task.block_size
+    """
+
+    def stream(*args: Any) -> Iterator[Batch]:
+        try:
+            yield from make(*args)
+        except (RuntimeError, MemoryError) as err:
+            if not out_of_memory(err):
+                raise
+            raise InputError(f"task {name}: its batches do not fit in memory at these sizes ({_asked(err)}); "
+                             f"give smaller {_either(BATCH_SIZES[name])}", key="task.batch_size") from None
+
+    return stream
 
 
 def out_of_memory(err: BaseException) -> bool:
