@@ -234,15 +234,7 @@ def _train(args: argparse.Namespace) -> int:
         raise InputError("train: --resume takes the run's config from its config.yaml; change it with --set, not CONFIG")
     resume = find_resume(args.resume) if args.resume else None  # the run folder's config, never the checkpoint's
     sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
-    base = None
-    if resume is not None:  # it trains in its own folder, wherever that is now (a moved one too)
-        base, here = resume.run_config(), resume.run_dir.resolve()
-        log = base.get("log") if isinstance(base.get("log"), dict) else {}
-        # (as saved, unless it names another place now; a name or folder the config refuses, a NUL
-        # in a hand-edited config.yaml, is left for the config to refuse, naming the file)
-        if not (_unusable(log.get("dir")) or _unusable(log.get("name"))) and \
-                _folder_of(log.get("dir"), log.get("name")) != here:
-            base["log"] = {**log, "dir": str(here.parent), "name": here.name}
+    base = None if resume is None else _resumed_base(resume)
     config = _config_from(args, base=base, sections=sections, verb="train",
                           saved=None if resume is None else resume.run_dir / "config.yaml")
     if resume is not None:
@@ -252,6 +244,19 @@ def _train(args: argparse.Namespace) -> int:
         print(dump_config(config), end="")
         return ExitCode.OK
     return train.train(config, resume)
+
+
+def _resumed_base(resume: Any) -> dict[str, Any]:
+    """A resumed run's saved config, training in its own folder wherever that is now (a moved one
+    too): ``log.dir``/``log.name`` as saved unless they name another place now. A name or folder
+    the config refuses (a NUL in a hand-edited ``config.yaml``) is left for the config to refuse,
+    naming the file."""
+    base, here = resume.run_config(), resume.run_dir.resolve()
+    log = base.get("log") if isinstance(base.get("log"), dict) else {}
+    if not (_unusable(log.get("dir")) or _unusable(log.get("name"))) and \
+            _folder_of(log.get("dir"), log.get("name")) != here:
+        base["log"] = {**log, "dir": str(here.parent), "name": here.name}
+    return base
 
 
 def _check_resumed(config: Any, resume: Any, saved: dict[str, Any]) -> None:
