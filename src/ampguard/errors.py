@@ -10,7 +10,10 @@ Example::
 """
 
 import contextlib
+import errno
 import os
+import stat
+import tempfile
 import unicodedata
 from collections.abc import Callable, Iterator
 from enum import IntEnum
@@ -382,9 +385,59 @@ def as_made(folder: Path) -> Reached:
     return Reached(at, tuple(made_in), None, False)
 
 
+MAX_PATH_SHOWN = 200
+"""The most characters of a path a one-line refusal shows (:func:`shown`): a path the OS refuses
+as too long (``ENAMETOOLONG``) is thousands."""
+
+
+def shown(path: str | os.PathLike) -> str:
+    r"""A path for a one-line refusal: as it is, unless it holds a control character (a newline
+    would split the line, :func:`has_control`) or a byte that is not UTF-8 (printed, it raises),
+    then its ``repr``; cut to :data:`MAX_PATH_SHOWN` characters around ``...`` (:func:`shortened`).
+
+    Example::
+
+        >>> shown(Path("runs/a b/steps.csv")), shown("a\nb/guard"), len(shown("x" * 5000))
+        ('runs/a b/steps.csv', "'a\\nb/guard'", 200)
+    """
+    text = os.fsdecode(path)
+    if has_control(text) or any("\ud800" <= c <= "\udfff" for c in text):
+        text = repr(text)
+    return shortened(text, MAX_PATH_SHOWN)
+
+
+def looked_at(path: str | os.PathLike, err: OSError) -> str:
+    """Why ``path`` ``cannot be looked at`` (an ``OSError`` from ``stat``: a part this user may
+    not search, a name too long), for a one-line refusal: the OS's words, and the part it named
+    when that is not ``path`` itself (a too-long path was written twice in full).
+
+    Example::
+
+        >>> looked_at(Path("x" * 300), OSError(errno.ENAMETOOLONG, "File name too long", "x" * 300))[-45:]
+        'xxxxx cannot be looked at: File name too long'
+        >>> looked_at(Path("/a/b/c"), PermissionError(errno.EACCES, "Permission denied", "/a/b"))
+        '/a/b/c cannot be looked at: Permission denied (/a/b)'
+    """
+    named = err.filename if err.filename is not None and os.fsdecode(err.filename) != os.fsdecode(path) else None
+    return (f"{shown(path)} cannot be looked at: {err.strerror or first_line(err)}"
+            + (f" ({shown(named)})" if named is not None else ""))
+
+
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) is, for a refusal: a named pipe, a device, ..."""
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a file"
+
+
 def what_is(path: Path) -> str:
-    """What ``path``, which exists or is a link and is not a folder, is, for a refusal: a file,
-    or a symbolic link to nothing, through a file, to a file, or one that loops.
+    """What ``path``, which exists or is a link and is not a folder, is, for a refusal: a file
+    (a named pipe, a device, a socket), or a symbolic link to nothing, through a file, to a file,
+    or one that loops.
 
     Example::
 
@@ -394,28 +447,32 @@ def what_is(path: Path) -> str:
         >>> (root / "gone").symlink_to("nowhere"); (root / "via").symlink_to(root / "file.txt" / "sub")
         >>> [what_is(root / name).replace(str(root), "DIR") for name in ("file.txt", "loop", "gone", "via")]
         ['a file', 'a symbolic link that loops', 'a symbolic link to DIR/nowhere, which does not exist', 'a symbolic link to DIR/file.txt/sub, which goes through a file']
+        >>> os.mkfifo(root / "pipe"); (root / "null").symlink_to("/dev/null")
+        >>> what_is(root / "pipe"), what_is(root / "null")
+        ('a named pipe', 'a symbolic link to /dev/null, a device')
         >>> shutil.rmtree(root)
     """
     if not path.is_symlink():
-        return "a file"
+        return _kind(os.lstat(path).st_mode)
     target = Path(os.readlink(path))
     target = target if target.is_absolute() else path.parent / target
     try:
         path.resolve(strict=True)
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
-        return f"a symbolic link to {target}, which does not exist"
+        return f"a symbolic link to {shown(target)}, which does not exist"
     except NotADirectoryError:  # (a target through a file: link -> file.txt/sub)
-        return f"a symbolic link to {target}, which goes through a file"
+        return f"a symbolic link to {shown(target)}, which goes through a file"
     except (RuntimeError, OSError):  # (a loop: RuntimeError in Python < 3.13, OSError ELOOP after)
         return "a symbolic link that loops"
-    return f"a symbolic link to {target}, a file"
+    return f"a symbolic link to {shown(target)}, {_kind(mode)}"
 
 
 def folder_problem(folder: Path) -> str | None:
-    """Why ``mkdir -p folder`` cannot make or reach ``folder`` (:func:`as_made`), in words for a
-    one-line refusal (the caller puts its ``where`` first), or None when it can: what the
-    Lightning plugin's ``csv=`` and the Hugging Face callback's ``out_dir`` are both judged by,
-    before anything trains.
+    r"""Why ``mkdir -p folder`` cannot make or reach ``folder`` (:func:`as_made`), in words for a
+    one-line refusal (the caller puts its ``where`` first; each path :func:`shown`), or None when
+    it can: what the Lightning plugin's ``csv=``, the Hugging Face callback's ``out_dir`` and
+    W&B's ``log.wandb.dir`` are judged by first, before anything trains (:func:`unwritable`).
 
     Example::
 
@@ -429,6 +486,11 @@ def folder_problem(folder: Path) -> str | None:
         DIR/notes.txt is a file, not a folder
         DIR/notes.txt/.. lies under DIR/notes.txt, a file, not a folder
         DIR/gone/../x lies under DIR/gone, a symbolic link to DIR/nowhere, which does not exist, not a folder
+        >>> _ = (root / "a\nb").write_text("mine")
+        >>> print(folder_problem(root / "a\nb" / "guard").replace(str(root), "DIR"))
+        'DIR/a\nb/guard' lies under 'DIR/a\nb', a file, not a folder
+        >>> print(folder_problem(Path("x" * 300))[-45:])
+        xxxxx cannot be looked at: File name too long
         >>> shutil.rmtree(root)
     """
     try:
@@ -436,8 +498,52 @@ def folder_problem(folder: Path) -> str | None:
         if reached.blocked is None:
             return None
         what = what_is(reached.blocked)
-    except OSError as err:  # (a parent this user may not search: no raw PermissionError)
-        return f"{folder} cannot be looked at: {err.strerror or err} ({err.filename or folder})"
+    except OSError as err:  # (a parent this user may not search, a name too long: no raw OSError)
+        return looked_at(folder, err)
     if reached.itself:
-        return f"{folder} is {what}, not a folder"
-    return f"{folder} lies under {reached.blocked}, {what}, not a folder"
+        return f"{shown(folder)} is {what}, not a folder"
+    return f"{shown(folder)} lies under {shown(reached.blocked)}, {what}, not a folder"
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why this process cannot make ``folder`` (``mkdir -p``) and write its files in it, in words
+    for a one-line refusal (the caller puts its ``where`` first), or None when it can: first
+    :func:`folder_problem` (a file, a link to nothing or a loop on the way), then a real file made
+    and removed (``tempfile.TemporaryFile``) in each existing folder ``mkdir -p`` would make a
+    folder in (:func:`as_made`), or in ``folder`` itself when it exists. Made, not asked
+    (``os.access``): root passes ``os.access`` on ``/proc`` and ``/sys``, where nothing can be
+    made, and a read-only file system or a full quota is only found by trying. What the
+    Lightning plugin's ``csv=``, the Hugging Face callback's ``out_dir`` and ``log.wandb.dir``
+    are all judged by, before anything trains.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> root = Path(tempfile.mkdtemp()).resolve()
+        >>> unwritable(root / "new" / "deeper"), unwritable(root), sorted(root.iterdir())  # (nothing left)
+        (None, None, [])
+        >>> _ = (root / "notes.txt").write_text("mine")
+        >>> print(unwritable(root / "notes.txt" / "sub").replace(str(root), "DIR"))
+        DIR/notes.txt/sub lies under DIR/notes.txt, a file, not a folder
+        >>> said = unwritable(Path("/proc/ampguard")) if Path("/proc/self").is_dir() else "skipped"  # (root too)
+        >>> said in ("/proc/ampguard cannot be made: no file can be made in /proc (No such file or directory)",
+        ...          "/proc/ampguard cannot be made: /proc is not a folder this user may write in", "skipped")
+        True
+        >>> shutil.rmtree(root)
+    """
+    problem = folder_problem(folder)
+    if problem is not None:
+        return problem
+    try:
+        reached = as_made(folder)
+    except OSError as err:  # (changed since folder_problem looked)
+        return looked_at(folder, err)
+    for place in reached.made_in or (reached.folder,):
+        try:
+            with tempfile.TemporaryFile(dir=place):
+                pass
+        except OSError as err:
+            why = (f"{shown(place)} is not a folder this user may write in" if err.errno in (errno.EACCES, errno.EPERM)
+                   else f"no file can be made in {shown(place)} ({err.strerror or first_line(err)})")
+            return f"{shown(folder)} cannot be made: {why}" if reached.made_in else why
+    return None

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,12 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
     link to nothing, the link itself is replaced (a file written whole, whose link may point at
     a file of the user's: never written through).
 
+    The new file takes the replaced one's permissions (``os.chmod``) and, when this process is
+    root, its owner and group (``os.chown``; a group of this user's otherwise), so a root run
+    resuming a user's 0600 CSV leaves it the user's, 0600, and its owner can append to it again
+    (it became root's, 0644). A file with other names (hard links) is split from them: the
+    path names the new file, the other names keep the old one.
+
     Example::
 
         >>> import tempfile
@@ -189,16 +196,44 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
         >>> replace_atomically(folder / "steps.csv", "cut\\n", through_link=True)
         >>> (folder / "steps.csv").is_symlink(), (folder / "elsewhere" / "steps.csv").read_text()
         (True, 'cut\\n')
+        >>> os.chmod(folder / "card.md", 0o600)
+        >>> replace_atomically(folder / "card.md", "newer\\n")
+        >>> oct(os.stat(folder / "card.md").st_mode & 0o777)
+        '0o600'
     """
     if isinstance(data, str):
         data = data.encode("utf-8", errors="surrogateescape")
     target = Path(path)
     if through_link and target.is_symlink() and target.exists():
         target = Path(os.path.realpath(target))  # (the file the link points at, through every link)
+    try:
+        old = os.lstat(target)
+    except OSError:  # (none yet: the new file is made as any other)
+        old = None
+    old = old if old is not None and stat.S_ISREG(old.st_mode) else None  # (a link replaced itself: its own)
     with temporary_beside(target) as tmp:
         with writing(path):
+            if old is not None:  # (made for this user alone until it takes the old file's mode: never more open)
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
             tmp.write_bytes(data)
+        if old is not None:
+            _take_owner_and_mode(old, tmp)
         os.replace(tmp, target)
+
+
+def _take_owner_and_mode(old: os.stat_result, new: Path) -> None:
+    """Give ``new`` the owner and group (when root: only root may give a file away; a group of
+    this user's otherwise) and the permission bits of the file ``old`` describes. Best effort: a
+    file system that keeps no owners or modes (FAT, some network ones) refuses, and the file is
+    as this process made it."""
+    mine = os.stat(new)
+    with contextlib.suppress(OSError):  # (owner first: chown clears the set-user-ID bits)
+        if os.geteuid() == 0 and (old.st_uid, old.st_gid) != (mine.st_uid, mine.st_gid):
+            os.chown(new, old.st_uid, old.st_gid)
+        elif os.geteuid() != 0 and old.st_gid != mine.st_gid:
+            os.chown(new, -1, old.st_gid)
+    with contextlib.suppress(OSError):
+        os.chmod(new, stat.S_IMODE(old.st_mode))
 
 
 def make_parents(path: str | os.PathLike, made: list[Path]) -> None:

@@ -18,6 +18,7 @@ import json
 import math
 import numbers
 import os
+import stat
 import sys
 import warnings
 import weakref
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from .errors import AmpguardWarning, InputError, counted, first_line, has_control, plain_digits, whole_number
+from .errors import AmpguardWarning, InputError, counted, first_line, has_control, plain_digits, shown, whole_number
 from .files import DiskFull, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
@@ -100,14 +101,44 @@ def _open_for_append(path: Path) -> IO[bytes]:
     """``path`` opened to append lines, unbuffered: each :func:`_append` is one ``write``
     system call, so a line is in the file (the OS's page cache) the moment it returns and
     survives a SIGKILL of the process; no Python buffer layers to flush. A link to nothing is
-    refused: appending through it would create its target, wherever that is."""
-    if path.is_symlink() and not path.exists():
-        raise InputError(f"{path} is a symbolic link to nothing ({os.readlink(path)}); refusing to write through it")
+    refused: appending through it would create its target, wherever that is. A named pipe no
+    process reads is refused too: it is opened without waiting (``O_NONBLOCK``, which the file
+    then drops), where a plain open waited for a reader for ever (a fit that never began); one a
+    reader holds open is written as a file is."""
     try:
+        if path.is_symlink() and not path.exists():
+            raise InputError(f"{shown(path)} is a symbolic link to nothing ({shown(os.readlink(path))}); refusing to "
+                             f"write through it")
         path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("ab", buffering=0)
+        file = open(path, "ab", buffering=0, opener=_opened_without_waiting)
     except OSError as err:
-        raise InputError(f"cannot write {path}: {err.strerror or err}") from None
+        if err.errno == errno.ENXIO and _a_named_pipe(path):
+            raise InputError(f"cannot write {shown(path)}: it is a named pipe that no process reads; refusing to "
+                             f"wait for one") from None
+        raise InputError(f"cannot write {shown(path)}: {err.strerror or err}") from None
+    if _NO_WAIT:
+        try:
+            os.set_blocking(file.fileno(), True)  # (a pipe's reader may be slower than the rows: wait for it)
+        except BaseException:
+            file.close()
+            raise
+    return file
+
+
+_NO_WAIT = getattr(os, "O_NONBLOCK", 0)
+
+
+def _opened_without_waiting(path: str, flags: int) -> int:
+    """``open``'s opener for :func:`_open_for_append`: the flags it asks for, and ``O_NONBLOCK``."""
+    return os.open(path, flags | _NO_WAIT, 0o666)
+
+
+def _a_named_pipe(path: Path) -> bool:
+    """Whether ``path`` is (or links to) a named pipe."""
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _append(file: IO[bytes], text: str) -> None:
@@ -459,11 +490,15 @@ class _LineFile:
         """Whether ``self.path`` already holds something: refused unless ``append`` (a resume's
         ``keep_through`` is checked first, :func:`_check_keep_through`)."""
         _check_keep_through(keep_through)
-        if self.path.is_dir():
-            raise InputError(f"{self.path} is a folder: give the file to write (e.g. {self.path / 'steps.csv'})")
-        existing = self.path.exists() and self.path.stat().st_size > 0
+        try:
+            if self.path.is_dir():
+                raise InputError(f"{shown(self.path)} is a folder: give the file to write (e.g. "
+                                 f"{shown(self.path / 'steps.csv')})")
+            existing = self.path.exists() and self.path.stat().st_size > 0
+        except OSError as err:  # (a name too long, a folder this user may not search: one line)
+            raise InputError(f"cannot write {shown(self.path)}: {err.strerror or err}") from None
         if existing and not append:
-            raise InputError(f"{self.path} already exists; refusing to overwrite it")
+            raise InputError(f"{shown(self.path)} already exists; refusing to overwrite it")
         return existing
 
     def _cut_for_append(self, keep_through: int | None) -> None:

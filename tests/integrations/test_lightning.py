@@ -911,8 +911,8 @@ def test_a_csv_path_through_a_file_or_at_a_folder_is_refused_before_anything_tra
     afile.write_text("x")
     module = Digits(hidden=8)
     before = module._params()
-    for csv_path, why in ((afile / "sub" / "steps.csv", f"{afile} is not a folder"),
-                          (afile / "steps.csv", f"{afile} is not a folder"),
+    for csv_path, why in ((afile / "sub" / "steps.csv", f"{afile / 'sub'} lies under {afile}, a file, not a folder"),
+                          (afile / "steps.csv", f"{afile} is a file, not a folder"),
                           (tmp_path, "that is a folder; give the path of the CSV file")):
         plugin = AmpGuardPlugin("bf16-mixed", csv=csv_path)
         with pytest.raises(InputError) as refused:

@@ -168,8 +168,10 @@ def test_a_wandb_dir_that_cannot_be_made_is_one_line_and_the_run_folder_is_taken
     monkeypatch.setenv("WANDB_MODE", "offline")
     code, out, err = cli("train", "--set", "steps=1", "--set", "task.name=linear", "--set", "precision=fp32",
                          "--set", "log.wandb={dir: /proc/nope}")
-    assert code == 2 and err == "ampguard: error: log.wandb.dir: /proc/nope cannot be made: No such file or directory\n"
-    assert out.splitlines()[-1].endswith("removed (nothing was run)") and not (tmp_path / "runs").exists()
+    # (review 39c: refused up front, a file made in /proc as the probe, where os.access let root through)
+    assert code == 2 and err.startswith("ampguard: error: log.wandb.dir: /proc/nope cannot be made: ")
+    assert err.endswith(" (W&B keeps its files in <dir>/wandb/)\n") and len(err.splitlines()) == 1
+    assert out == "" and not (tmp_path / "runs").exists()  # (refused before the run folder is made)
 
 
 def test_a_wandb_dir_in_a_folder_this_user_may_not_write_is_refused_before_the_run_folder_is_made():

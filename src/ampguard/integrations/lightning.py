@@ -57,7 +57,6 @@ import functools
 import math
 import os
 import sys
-import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -81,7 +80,8 @@ except ImportError as err:  # pragma: no cover - the extra is installed in the t
 import torch
 from torch import Tensor
 
-from ..errors import AmpguardWarning, ExitCode, InputError, as_made, counted, what_is, whole_number
+from ..errors import (MAX_PATH_SHOWN, AmpguardWarning, ExitCode, InputError, counted, folder_problem, looked_at,
+                      shortened, shown, unwritable, what_is, whole_number)
 from ..monitor import RunMonitor
 from ..precision import GuardedGradScaler, Precision, check_scaler_settings
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
@@ -202,6 +202,12 @@ class AmpGuardPlugin(_LightningPrecision):
         # deque's "maxlen must be non-negative" naming no argument)
         if csv is not None and not isinstance(csv, (str, os.PathLike)):
             raise TypeError(f"AmpGuardPlugin(csv={csv!r}): give the CSV's path (a str or a Path), or None")
+        raw = os.fspath(csv) if csv is not None else None
+        if isinstance(raw, str) and (raw.endswith(os.sep) or (os.altsep and raw.endswith(os.altsep))
+                                     or os.path.basename(raw) in (".", "..")):
+            # (Path drops a trailing "/" and "/.": csv="logs/" was written as a file named logs)
+            raise ValueError(f"AmpGuardPlugin(csv={_said(raw)}): that names a folder; give the path of the CSV "
+                             f"file, e.g. {_said(os.path.join(raw, 'steps.csv'))}")
         if not isinstance(log, bool):
             raise TypeError(f"AmpGuardPlugin(log={log!r}): True or False")
         if keep_records is not None and not whole_number(keep_records, 0):
@@ -211,7 +217,8 @@ class AmpGuardPlugin(_LightningPrecision):
         self.precision = {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[_NAMES[precision]]
         self.name = _NAMES[precision]
         self.max_norm = max_norm
-        self.csv = Path(csv) if csv is not None else None
+        # ("~/steps.csv" is the home folder's, as Hugging Face's output_dir and ampguard's config paths)
+        self.csv = Path(os.path.expanduser(csv)) if csv is not None else None
         self.extra_sinks = list(sinks)
         self.log = log
         # ampguard train's and GuardedTrainer's floor: the scale never falls below 1.0 (a floor of
@@ -297,7 +304,7 @@ class AmpGuardPlugin(_LightningPrecision):
                                  f"this fit new sinks (plugin.extra_sinks = [...]) or a new AmpGuardPlugin")
             if self.csv is not None and os.path.abspath(self.csv) in self._csv_fits and trainer.ckpt_path is None:
                 # on every rank alike, as the sinks' refusal (not the InputError of a file found on rank 0)
-                raise ValueError(f"AmpGuardPlugin: csv={str(self.csv)!r} was the previous fit's with this plugin "
+                raise ValueError(f"AmpGuardPlugin: csv={_said(self.csv)} was the previous fit's with this plugin "
                                  f"(one fit per plugin); give this fit a new AmpGuardPlugin with a new csv path, "
                                  f"or resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
             if trainer.gradient_clip_val:
@@ -341,37 +348,40 @@ class AmpGuardPlugin(_LightningPrecision):
 
     def _check_csv(self, trainer: pl.Trainer, optimizers: int) -> None:
         """The CSV's refusals, before the fit trains (the file opens at the first record, after
-        the first update): a path that is a folder or a link to nothing, or whose folder ``mkdir
-        -p`` cannot make (a file, a link to nothing or a loop on the way, judged as the OS walks
-        the path, :func:`~ampguard.errors.as_made`, as the Hugging Face callback's ``out_dir``)
-        on every rank alike (one file system, one answer); on rank 0, which writes it, an
-        existing file unless the fit resumes, when it resumes one whose header is not this fit's
-        columns, and a path it cannot write (:func:`_check_writable`)."""
+        the first update): a path that is a folder, a link to nothing, or not a regular file (a
+        named pipe, whose open waited for a reader for ever; a device such as ``/dev/null``, which a
+        resume's cut would replace by a file), or whose folder ``mkdir -p`` cannot make (a file,
+        a link to nothing or a loop on the way, judged as the OS walks the path:
+        :func:`~ampguard.errors.folder_problem`, as the Hugging Face callback's ``out_dir``), on
+        every rank alike (one file system, one answer); on rank 0, which writes it, an existing
+        file unless the fit resumes, when it resumes one whose header is not this fit's columns,
+        and a path it cannot write (:func:`_check_writable`)."""
         assert self.csv is not None
-        where = f"AmpGuardPlugin csv={str(self.csv)!r}"
+        where = f"AmpGuardPlugin csv={_said(self.csv)}"
         try:
             if self.csv.is_dir() or self.csv.name == "..":  # (x/.. is a folder once the CSV's mkdir made x)
                 raise InputError(f"{where}: that is a folder; give the path of the CSV file")
             if self.csv.is_symlink() and not self.csv.exists():  # (the sink refuses it, at the first record)
                 raise InputError(f"{where}: that is {what_is(self.csv)}; refusing to write through it")
-            # its folder, made with its parents when the CSV opens (mkdir -p): judged as the OS walks the
-            # path (errors.as_made, as the Hugging Face callback's out_dir), so a file, a link to nothing
-            # or a loop on the way is refused here (gone/steps.csv, file.txt/../x/steps.csv, nodir/../
-            # file.txt/x/steps.csv passed, then failed at the first record, after an update)
-            blocked = as_made(self.csv.parent).blocked
-            if blocked is not None:  # (a link said what it is: to nothing, a loop, to a file)
-                raise InputError(f"{where}: {blocked} is not a folder"
-                                 + (f" ({what_is(blocked)})" if blocked.is_symlink() else ""))
-        except OSError as err:  # (a parent this user may not search)
-            raise InputError(f"{where}: cannot be looked at: {err.strerror or err} ({err.filename or self.csv})") \
-                from None
+            if self.csv.exists() and not self.csv.is_file():  # (links followed: a link to a pipe is one)
+                raise InputError(f"{where}: that is {what_is(self.csv)}, not a regular file; give the path of "
+                                 f"a CSV file")
+        except OSError as err:  # (a parent this user may not search, a name too long)
+            raise InputError(f"{where}: {looked_at(self.csv, err)}") from None
+        # its folder, made with its parents when the CSV opens (mkdir -p): judged as the OS walks the
+        # path (errors.folder_problem, as the Hugging Face callback's out_dir), so a file, a link to
+        # nothing or a loop on the way is refused here (gone/steps.csv, file.txt/../x/steps.csv, nodir/../
+        # file.txt/x/steps.csv passed, then failed at the first record, after an update)
+        problem = folder_problem(self.csv.parent)
+        if problem is not None:
+            raise InputError(f"{where}: {problem}")
         if not trainer.is_global_zero:
             return
         if not (self.csv.exists() and self.csv.stat().st_size > 0):
             _check_writable(self.csv, where)  # (an empty one is appended to, not rewritten)
             return
         if trainer.ckpt_path is None:
-            raise InputError(f"{self.csv} already exists; refusing to overwrite it")
+            raise InputError(f"{shown(self.csv)} already exists; refusing to overwrite it")
         # a resume appends: the same columns the sink will write (the guard's record_columns); a
         # CSV of other columns (another fit's, or one written before the plugin wrote them) cannot be
         try:
@@ -994,29 +1004,49 @@ def _clip_refusal(trainer: pl.Trainer) -> str:
 def _check_writable(path: Path, where: str, rewritten: bool = False) -> None:
     """Refuse (one :class:`InputError` line) a CSV path rank 0 cannot write, before the fit trains:
     the file opens at the first record, after the first update (``/proc/steps.csv`` passed the
-    folder checks and failed there, the parameters changed). A CSV a resume ``rewritten`` (its
-    rows after the checkpoint's step cut: a new file renamed over it) needs its folder, the
-    folder of the file it links to for a link (``replace_atomically(through_link=True)``
-    rewrites the target): a file is made and removed there (a read-only CSV in a folder one can
-    write resumes; a writable one in a read-only folder failed after the first update). Another
-    existing file is opened to append (nothing written); else a file is made and removed in each
-    existing folder ``mkdir -p`` makes a folder in (:func:`~ampguard.errors.as_made`, the path
-    walked as the OS walks it), or in the CSV's folder when it exists."""
-    folder = path.parent
+    folder checks and failed there, the parameters changed). The folder is judged by
+    :func:`~ampguard.errors.unwritable`, as the Hugging Face callback's ``out_dir`` and
+    ``log.wandb.dir`` are: a file made and removed in each existing folder ``mkdir -p`` makes a
+    folder in, or in the CSV's folder when it exists. A CSV a resume ``rewritten`` (its rows after
+    the checkpoint's step cut: a new file renamed over it) needs its folder, the folder of the
+    file it links to for a link (``replace_atomically(through_link=True)`` rewrites the target),
+    and then the file itself opened to append: the new file keeps the old one's mode (a
+    read-only CSV stays one, and is refused here). An existing file not rewritten is opened to
+    append (nothing written; a named pipe never waited on)."""
     try:
-        if path.exists() and not rewritten:
-            with open(path, "ab"):
-                pass
+        if rewritten:
+            target = Path(os.path.realpath(path))
+            folder = target.parent
+        elif path.exists():
+            _open_to_append(path)
+            return
         else:
-            reached = as_made(path.resolve().parent if rewritten else path.parent)
-            for folder in reached.made_in or (reached.folder,):
-                with tempfile.TemporaryFile(dir=folder):
-                    pass
+            folder = path.parent
     except OSError as err:
-        what = f"in {folder} (a resume rewrites the CSV there)" if rewritten else \
-            (path if path.exists() else folder)
-        raise InputError(f"{where}: cannot write {what}: {err.strerror or err}; give a csv path in a folder you "
-                         f"can write") from None
+        raise InputError(f"{where}: cannot write {shown(path)}: {err.strerror or err}; give a csv path you can "
+                         f"write") from None
+    problem = unwritable(folder)
+    if problem is not None:
+        raise InputError(f"{where}: {problem}{', where a resume rewrites the CSV' if rewritten else ''}; give a "
+                         f"csv path in a folder you can write")
+    if rewritten:
+        try:
+            _open_to_append(target)
+        except OSError as err:  # (a read-only CSV: a resume keeps its mode, and appends to it)
+            raise InputError(f"{where}: cannot write {shown(path)}: {err.strerror or err} (a resume appends to it); "
+                             f"give a csv path you can write") from None
+
+
+def _open_to_append(path: Path) -> None:
+    """Open ``path`` to append and close it, writing nothing; without waiting (``O_NONBLOCK``: a
+    named pipe no process reads is ``ENXIO``, not a fit that never begins)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NONBLOCK", 0)))
+
+
+def _said(path: str | os.PathLike) -> str:
+    """A CSV path as the plugin's refusals write it: its ``repr`` (a newline stays on the line),
+    cut to :data:`~ampguard.errors.MAX_PATH_SHOWN` characters."""
+    return shortened(repr(os.fsdecode(path)), MAX_PATH_SHOWN)
 
 
 def _check_sinks(sinks: Any, where: str = "AmpGuardPlugin(sinks=...)") -> list[Sink]:

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import AmpguardWarning, ExitCode, InputError, as_made, first_line, folder_problem
+from ..errors import AmpguardWarning, ExitCode, InputError, first_line, shown, unwritable
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
@@ -397,7 +397,7 @@ class WandbSink(TrackerSink):
                 try:
                     Path(dir).mkdir(parents=True, exist_ok=True)
                 except OSError as err:  # (what the check up front could not foresee: /proc's, a full disk)
-                    raise InputError(f"log.wandb.dir: {dir} cannot be made: {err.strerror or err}") from None
+                    raise InputError(f"log.wandb.dir: {shown(dir)} cannot be made: {err.strerror or err}") from None
             try:
                 run = wandb.init(
                     project=project, entity=entity, mode=mode, name=name, group=group, tags=list(tags) or None,
@@ -873,11 +873,12 @@ def check_trackers(config: Config) -> None:
 
 def _not_a_folder(folder: str | os.PathLike) -> str | None:
     """Why ``folder`` cannot be W&B's folder (made with its parents if missing), or None: it
-    holds a NUL character; ``mkdir -p`` cannot make or reach it (:func:`~ampguard.errors.folder_problem`:
-    a file, a link to nothing or a loop on the way, walked as the OS walks it, as the Lightning
-    plugin's ``csv=`` and the Hugging Face callback's ``out_dir``); or a folder it would make
-    something in (the folder itself when it exists) is one this user may not write in (a
-    ``PermissionError`` traceback from the sink's ``mkdir``, after the run folder was made).
+    holds a NUL character; or :func:`~ampguard.errors.unwritable`: ``mkdir -p`` cannot make or
+    reach it (a file, a link to nothing or a loop on the way, walked as the OS walks it), or no
+    file can be made in a folder it would make something in (the folder itself when it exists),
+    tried with a real file, as the Lightning plugin's ``csv=`` and the Hugging Face callback's
+    ``out_dir`` are (``os.access`` let root through on ``/proc``: a traceback from the sink's
+    ``mkdir``, after the run folder was made).
 
     Example::
 
@@ -893,15 +894,7 @@ def _not_a_folder(folder: str | os.PathLike) -> str | None:
     """
     if "\0" in os.fspath(folder):
         return "the path holds a NUL character"
-    folder = Path(folder)
-    problem = folder_problem(folder)
-    if problem is not None:
-        return problem
-    reached = as_made(folder)
-    for place in reached.made_in or (reached.folder,):
-        if not os.access(place, os.W_OK | os.X_OK):
-            return f"{folder} cannot be made: {place} is not a folder this user may write in"
-    return None
+    return unwritable(Path(folder))
 
 
 def build_trackers(config: Config, paths: RunPaths, *, resuming: bool) -> list[TrackerSink]:

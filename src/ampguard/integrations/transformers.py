@@ -47,7 +47,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import distributed
 from ..clipping import global_l2_norm
-from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line, folder_problem, shortened
+from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line, folder_problem, shortened, unwritable
 from ..events import EventLog, event_word
 from ..files import replace_atomically
 from ..monitor import DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
@@ -173,7 +173,9 @@ class AmpGuardCallback(TrainerCallback):
     when training begins: one :class:`WatchOnlyWarning`.
 
     Args:
-        out_dir: where the files go; a hyperparameter search's trial (``trainer.hyperparameter_search``,
+        out_dir: where the files go (a leading ``~`` is the home folder, as in HF's ``output_dir``;
+            one this process cannot make or write in is refused when ``train()`` begins, before
+            anything trains); a hyperparameter search's trial (``trainer.hyperparameter_search``,
             ``train(trial=...)``) writes its own in ``<out_dir>/<run name>``, HF's name for the
             trial's run folder (``run-<trial number>``, or your ``hp_name``; a stock ``Trainer``
             does not tell a callback the trial's number: ``hp_name`` there, else the first free
@@ -202,7 +204,8 @@ class AmpGuardCallback(TrainerCallback):
                  sinks: Sequence[Sink] | Callable[[Any], Sequence[Sink]] = ()) -> None:
         RunMonitor(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,
                    fail_after=fail_after, min_steps=min_steps)  # bad settings fail here, not at the first step
-        self.out_dir = Path(out_dir) if out_dir is not None else None
+        # ("~/guard" is the home folder's, as Hugging Face's own output_dir: it was ./~/guard)
+        self.out_dir = Path(os.path.expanduser(out_dir)) if out_dir is not None else None
         if self.out_dir is not None:  # (a file there failed only in train(), with mkdir's raw FileExistsError)
             _check_out_dir(self.out_dir)
         self._home = self.out_dir  # the folder given: a trial's files go in a folder of their own in it
@@ -380,8 +383,10 @@ class AmpGuardCallback(TrainerCallback):
             folder = self.out_dir if retry and self.out_dir is not None else home if state.trial_params is None \
                 else _trial_folder(home, self._trial or state.trial_name)
             # refused in one line before anything is made or trained (the default <output_dir>/ampguard,
-            # never checked, raised mkdir's raw FileExistsError when it was a file)
-            problem = folder_problem(folder)
+            # never checked, raised mkdir's raw FileExistsError when it was a file; /proc/ampguard as root,
+            # a folder under a read-only one, passed and raised mkdir's raw error): errors.unwritable, as
+            # the Lightning plugin's csv= and log.wandb.dir are judged
+            problem = unwritable(folder)
             if problem is not None:
                 raise InputError(f"AmpGuardCallback(out_dir=...): {problem}" if self._home is not None else
                                  f"AmpGuardCallback: {problem} (the callback's default out_dir, "
