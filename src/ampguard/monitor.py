@@ -687,7 +687,7 @@ class RunMonitor:
       its k skips count over that many (:meth:`_alert_judged`), and an ALERT up stays up.
     - A ``fail_rate`` changed mid-run (a resume with another ``monitor.fail_rate``, a replayed
       policy change) counts the consecutive steps above it again, from the judged rates of the
-      last ``fail_after`` steps (:attr:`fail_rate`).
+      steps since the window (re)started (:attr:`fail_rate`; kept as runs, not one per step).
     - Fail-fast (cause :data:`FAIL_SKIP_RATE`): the judged rate has been above ``fail_rate`` for
       ``fail_after`` consecutive steps, counted from step 1 (``min_steps`` does not apply:
       ``fail_after`` consecutive steps are the evidence). A run that skips every step with
@@ -749,9 +749,14 @@ class RunMonitor:
         self.window = window
         self.alert_rate = alert_rate
         self.clear_rate = clear_rate  # type: ignore[assignment] - None: CLEAR_FRACTION of alert_rate
-        # the judged rates of the last fail_after steps since the window (re)started: a fail_rate
-        # changed later (a resume, a replayed policy change) recounts above_fail from them
-        self._rates: deque[float] = deque(maxlen=fail_after)
+        # the judged rates of the steps since the window (re)started, as runs (rate, steps): a
+        # fail_rate changed later (a resume, a replayed policy change) recounts above_fail from them
+        # (_push_rate, _steps_above); few entries: one after any step that judged 0
+        self._runs: list[tuple[float, int]] = []
+        # the lowest judged rate of the run's steps, the opening search's set aside (a rollback does
+        # not forget it): at_end's "above fail_rate at every step" (every rate is at most 1: 1.0 is
+        # the lowest of none)
+        self.min_judged_rate = 1.0
         self._fail_rate: float | None = None if fail_rate is None else (0.0 if fail_rate == 0 else fail_rate)
         self.fail_after = fail_after
         self.max_norm = max_norm if max_norm and max_norm > 0 else None
@@ -810,7 +815,7 @@ class RunMonitor:
         """The rate the fail-fast judges against (None: off). Set to another value (a resume with
         a new ``monitor.fail_rate``, a replayed policy change), the count of consecutive steps
         above it (``above_fail``) is the count under the new rate, from the judged rates of the
-        last ``fail_after`` steps: the steps above 0.5 that are not above 0.58 no longer count,
+        steps since the window (re)started: the steps above 0.5 that are not above 0.58 no longer count,
         and steps above a lowered rate count though the old one did not see them.
 
         Example (0.6 for three steps: above 0.5, not above 0.6)::
@@ -827,9 +832,9 @@ class RunMonitor:
             >>> m.fail_rate = 0.7  # step 5's 0.6 is not above 0.7: no step in a row is
             >>> m.above_fail
             0
-            >>> m.fail_rate = 0.5  # (the last fail_after rates are kept: 4 steps, enough to fail)
+            >>> m.fail_rate = 0.5  # (the rates since the window started are kept: 5 steps, enough to fail)
             >>> m.above_fail
-            4
+            5
         """
         return self._fail_rate
 
@@ -839,33 +844,49 @@ class RunMonitor:
         if value != old:
             self._recount_above_fail(old)
 
-    @property
-    def fail_after(self) -> int:
-        """Consecutive steps above ``fail_rate`` (or skipped at the scale's floor, with
-        ``fail_on_scale_collapse``) that fail the run. Changed, the judged rates kept for
-        :attr:`fail_rate` follow it (the last ``fail_after`` of them)."""
-        return self._fail_after
+    def _push_rate(self, rate: float) -> None:
+        """Keep a step's judged ``rate`` for a recount: the runs, oldest first, hold ``(rate,
+        steps)`` with rates rising; a rate joins every run at or above it at the top into one
+        whose last step (this one) is its lowest. O(1) amortised (each run is merged away once).
 
-    @fail_after.setter
-    def fail_after(self, value: int) -> None:
-        self._fail_after = value
-        if self._rates.maxlen != value:
-            self._rates = deque(self._rates, maxlen=max(1, int(value)))
+        Example::
+
+            >>> m = RunMonitor()
+            >>> for r in (0.2, 0.5, 0.4, 0.6):
+            ...     m._push_rate(r)
+            >>> m._runs, m._steps_above(0.45), m._steps_above(0.3), m._steps_above(0.1)
+            ([(0.2, 1), (0.4, 2), (0.6, 1)], 1, 3, 4)
+        """
+        runs, steps = self._runs, 1
+        while runs and runs[-1][0] >= rate:
+            steps += runs.pop()[1]
+        runs.append((rate, steps))
+
+    def _steps_above(self, threshold: float) -> int:
+        """The steps in a row up to the last one kept whose judged rate is above ``threshold``:
+        a run's steps are all above it when its lowest (its last) is, and the first run that is
+        not ends the streak at its last step."""
+        count = 0
+        for rate, steps in reversed(self._runs):
+            if not rate > threshold:
+                break
+            count += steps
+        return count
 
     def _recount_above_fail(self, old: float | None) -> None:
-        """``above_fail`` under the current ``fail_rate``, counted under ``old``: the judged rates
-        kept (the last ``fail_after`` steps since the window started) above it, from the last step
-        back. Where all of those kept are above and the rate went down, the steps counted under
-        the old rate are above the new one too: the count is at least the old one."""
+        """``above_fail`` under the current ``fail_rate``, counted under ``old`` (None: off, or
+        not known: a state saved before the monitor kept it): the judged rates kept (every step
+        since the window started) above it, from the last step back. The rates an older state
+        kept may be fewer (the last ``fail_after`` of them): where the rate went down, the steps
+        counted under the old rate are above the new one too, so the count is at least the old
+        one; where the old rate is not known, the count is what the rates kept show (none kept:
+        0): it may fall short, never over, so a resume cannot fail on a count made under another
+        rate."""
         new = self._fail_rate
         if new is None:
             self.above_fail = 0
             return
-        count = 0
-        for rate in reversed(self._rates):
-            if not rate > new:
-                break
-            count += 1
+        count = self._steps_above(new)
         if old is not None and new <= old:  # (every step above old is above new)
             count = max(count, self.above_fail)
         self.above_fail = count
@@ -934,10 +955,13 @@ class RunMonitor:
         ran_with = self.health.scale  # (the scale this step ran with: the one the step before left)
         if self.scaler_enabled:
             self.health.push(scale, record.skipped, search=record.reason == "non_finite_grad")
+        opening = self.opening
         if not self.opening_settled and (self.in_opening or self.opening):
             self._follow_opening(record)
         rate, over = self._judged()
-        self._rates.append(rate)
+        self._push_rate(rate)
+        if self.opening <= opening:  # (a step of the opening search is set aside: judged 0, not at the end)
+            self.min_judged_rate = min(self.min_judged_rate, rate)
         self.max_skip_rate = max(self.max_skip_rate, rate)
         self.max_rolling_skip_rate = max(self.max_rolling_skip_rate, self.skip_rate)
         return self._events(record.step, rate, over, scale, bool(record.skipped),
@@ -965,15 +989,14 @@ class RunMonitor:
         """No step applied since step 1 and the opening found no scale: its skips count, from step
         1. Every step so far was skipped, so each one's rolling rate, judged now, is 1.0; the
         fail-fast's count of steps above ``fail_rate`` is caught up (this step's own comes in
-        :meth:`_events`)."""
+        :meth:`_events`). The lowest judged rate (:attr:`min_judged_rate`) counts its steps as 1.0,
+        the highest there is: it stays as it was."""
         self.in_opening, self.opening = False, 0
-        # the steps judged since the window (re)started, this one aside, each skipped: as many as
-        # are kept (the rates kept may be fewer: a state saved before they were, or under a smaller
-        # fail_after, which a resume raised)
-        n = min(self.skip_window.count - 1, self._rates.maxlen or 0)
-        self._rates = deque([1.0] * n, maxlen=self._rates.maxlen)
-        old, self.above_fail = self.fail_rate, 0
-        self._recount_above_fail(old)
+        # the steps judged since the window (re)started, this one aside, each skipped (the rates an
+        # older state kept may be fewer: all of them are known now)
+        n = min(self.skip_window.count, self.observed) - 1
+        self._runs = [(1.0, n)] if n > 0 else []
+        self.above_fail = 0 if self.fail_rate is None else self._steps_above(self.fail_rate)
 
     def _events(self, step: int, rate: float, over: str, scale: float, skipped: bool, overflowed: bool,
                 ran_with: float | None = None) -> list[Event]:
@@ -1041,7 +1064,9 @@ class RunMonitor:
         - its skip rate above ``alert_rate`` in a run shorter than ``min_steps`` raises one ALERT
           (an episode);
         - with ``fail_rate``, a run shorter than ``fail_after`` whose rolling rate was above it at
-          every step fails (cause :data:`FAIL_SKIP_RATE`): the whole run is the evidence.
+          every step fails (cause :data:`FAIL_SKIP_RATE`): the whole run is the evidence (its
+          lowest judged rate, :attr:`min_judged_rate`, is above it; a step after a rollback
+          judges its fresh window, and the steps before it count as they were judged).
         - a run whose opening search never ended (every step an fp16 gradient overflow, the floor
           not reached yet: a short run, or a high ``init_scale``; or overflows, then non-finite
           losses) applied no update: the search found no scale, so nothing is set aside and the
@@ -1093,7 +1118,7 @@ class RunMonitor:
                 f"ended before the rolling ALERT armed (monitor.min_steps {self.min_steps})"), data))
         if self.failed is None and self.fail_rate is not None and (
                 unsettled and rate > self.fail_rate
-                or observed < self.fail_after and self.above_fail >= judged):  # (the opening's steps read 0)
+                or observed < self.fail_after and self.min_judged_rate > self.fail_rate):
             after = f" after the fp16 scaler's opening {counted(aside, 'skip')}" if aside else ""
             self.failed = Event(step, "fail", f"{never}, a skip rate of 1 above fail_rate {self.fail_rate:g}" if never else (
                 f"skip rate above fail_rate {self.fail_rate:g} at every one of {run(judged)}{after} "
@@ -1196,7 +1221,7 @@ class RunMonitor:
             (True, 0.0)
         """
         self.skip_window = RollingWindow(self.window)
-        self._rates.clear()
+        self._runs = []
         self.above_fail = 0
         self.at_floor_skipped = 0
         self.failed = None
@@ -1486,10 +1511,12 @@ class RunMonitor:
             "skip_window": self.skip_window.state_dict(),
             "clip_window": self.clip_window.state_dict(),
             "health": self.health.state_dict(),
-            # the threshold above_fail was counted under, and the rates judged: a resume that changes
-            # fail_rate counts above_fail again under its own (load_state_dict)
+            # the threshold above_fail was counted under, and the rates judged since the window
+            # (re)started, as [rate, steps] runs: a resume that changes fail_rate counts above_fail
+            # again under its own (load_state_dict)
             "fail_rate": self.fail_rate,
-            "judged_rates": list(self._rates),
+            "judged_runs": [[rate, steps] for rate, steps in self._runs],
+            "min_judged_rate": self.min_judged_rate,  # (at_end: above fail_rate at every step)
             # the collapse streak's first step and the scale it ran with (its FAIL's words)
             "floor_reached": None if self._floor_reached is None else list(self._floor_reached),
         }
@@ -1502,9 +1529,22 @@ class RunMonitor:
         own thresholds, which a resume may have changed (docs/resume.md). The counters go on, so
         with the same thresholds the guard trips again at the first step whose rate is still
         above; with ``fail_rate`` off, it does not; with another ``fail_rate``, the steps in a row
-        above it are counted again from the rates the state judged (``judged_rates``, saved with
-        the ``fail_rate`` they were counted under): a raised rate trips only on steps above it, as
-        a run with it from its start would.
+        above it are counted again from the rates the state judged (``judged_runs``, every step
+        since the window started, saved with the ``fail_rate`` they were counted under): a raised
+        rate trips only on steps above it, as a run with it from its start would, whatever
+        ``fail_after`` the resume sets.
+
+        Older states: ``judged_rates`` (one rate a step, the last ``fail_after`` of them) is read
+        as runs; the state of a run that skipped every step it observed has them all (each step
+        1.0, the opening search's 0). A state saved without its ``fail_rate`` (ampguard before
+        the recount; ``train --resume`` gives it the checkpoint's config's ``monitor.fail_rate``
+        before it loads) has a count made under a rate not known: it counts again from the rates
+        the state kept (none: 0), short rather than over: such a resume cannot fail on steps that
+        were not above its rate, and may fail up to ``fail_after`` steps later than the run would
+        have. A state without ``min_judged_rate`` takes the lowest of its ``judged_rates`` when
+        they are every step the monitor judged (1.0 when every step skipped); else, when its
+        ``above_fail`` covers every step judged, the lowest rate above its ``fail_rate``; else 0
+        (the end's judgement does not fail on it).
 
         Example::
 
@@ -1527,18 +1567,51 @@ class RunMonitor:
         if "opening_settled" not in state:  # (saved before: settled when an observed step applied, and only then)
             observed = self.steps - self.unobserved
             self.opening_settled = sum(state.get("skips", {}).values()) < observed
-        self._rates = deque(state.get("judged_rates", ()), maxlen=self._rates.maxlen)
+        self.skips = Counter(state.get("skips", {}))
+        self._runs = []
+        if "judged_runs" in state:
+            self._runs = [(float(rate) + 0.0, int(steps)) for rate, steps in state["judged_runs"]]  # (-0.0 is 0)
+        elif self.observed and sum(self.skips.values()) >= self.observed:
+            self._runs = self._all_skipped_runs()  # (an older state of a run that skipped every step: exact)
+        else:  # (an older state: one rate a step, the last fail_after of them, or none)
+            for rate in state.get("judged_rates", ()):
+                self._push_rate(float(rate) + 0.0)
+        self.min_judged_rate = (float(state["min_judged_rate"]) + 0.0 if "min_judged_rate" in state
+                                else self._older_min_judged_rate(state))
         reached = state.get("floor_reached")
         self._floor_reached = None if reached is None else (int(reached[0]), float(reached[1]))
-        if "judged_rates" in state and "fail_rate" in state and state["fail_rate"] != self.fail_rate:
+        if state.get("fail_rate", ()) != self.fail_rate:
             # a resume with another fail_rate judges with it: the steps counted above the old one are
-            # counted again against the new one (docs/resume.md: "judged with the new thresholds")
-            self._recount_above_fail(state["fail_rate"])
-        self.skips = Counter(state.get("skips", {}))
+            # counted again against the new one (docs/resume.md: "judged with the new thresholds");
+            # a state without its rate (an older ampguard's) was counted under one not known: None
+            self._recount_above_fail(state.get("fail_rate"))
         self.loss_origins = Counter(state.get("loss_origins", {}))
         self.last = dict(state.get("last", {}))
         if "health" in state:
             self.health.load_state_dict(state["health"])
+
+    def _all_skipped_runs(self) -> list[tuple[float, int]]:
+        """The judged rates since the window (re)started of a run that skipped every step it
+        observed (for an older state, which kept fewer or none): each step of the opening search
+        judged 0 (the window held only its skips), each other 1.0 (no step applied)."""
+        held = min(self.skip_window.count, self.observed)  # (the steps since the window started)
+        opening = max(0, min(self.opening - (self.observed - held), held))  # (the first ones observed)
+        return [(rate, steps) for rate, steps in ((0.0, opening), (1.0, held - opening)) if steps]
+
+    def _older_min_judged_rate(self, state: dict[str, Any]) -> float:
+        """:attr:`min_judged_rate` of a state saved before it was kept (called once its scalars
+        and skips are loaded, ``above_fail`` as saved): a value that is above a ``fail_rate`` only
+        when every step judged (the opening's set aside) was."""
+        judged = self.observed - self.opening  # (the steps after the opening: its own are the first)
+        if judged <= 0 or sum(self.skips.values()) >= self.observed:  # (none, or each skipped: 1.0)
+            return 1.0
+        rates = state.get("judged_rates")
+        if isinstance(rates, list) and len(rates) == self.observed:  # (every step's: no rollback, < fail_after)
+            return min(float(rate) for rate in rates[self.opening:]) + 0.0
+        rate = state.get("fail_rate")
+        if rate is not None and self.above_fail >= judged:  # (each one above the rate it was counted under)
+            return min(math.nextafter(float(rate), 2.0), 1.0)
+        return 0.0
 
     def _saved_scalars(self, state: dict[str, Any]) -> dict[str, Any]:
         """The scalars of a saved ``state``: a name missing (an older state) takes its older
@@ -1585,11 +1658,22 @@ class RunMonitor:
             rate = state["fail_rate"]
             _need(rate is None or (finite_number(rate) and 0 <= rate <= 1), f"{where}fail_rate", rate,
                   "a number in [0, 1] or None")
-        if "judged_rates" in state:
+        if "judged_rates" in state:  # (an older state's)
             rates = state["judged_rates"]
             _need(isinstance(rates, list) and len(rates) <= scalars["steps"]
                   and all(finite_number(r) and 0 <= r <= 1 for r in rates), f"{where}judged_rates", rates,
                   f"a list of at most steps {scalars['steps']} numbers in [0, 1]")
+        if "judged_runs" in state:
+            runs = state["judged_runs"]
+            ok = isinstance(runs, list) and all(
+                isinstance(run, list) and len(run) == 2 and finite_number(run[0]) and 0 <= run[0] <= 1
+                and whole_number(run[1], 1) for run in runs)
+            _need(ok and all(a[0] < b[0] for a, b in zip(runs, runs[1:]))
+                  and sum(run[1] for run in runs) <= scalars["steps"], f"{where}judged_runs", runs,
+                  f"a list of [a rate in [0, 1], steps >= 1], the rates rising, at most steps {scalars['steps']} in all")
+        if "min_judged_rate" in state:
+            rate = state["min_judged_rate"]
+            _need(finite_number(rate) and 0 <= rate <= 1, f"{where}min_judged_rate", rate, "a number in [0, 1]")
         reached = state.get("floor_reached")
         _need(reached is None or (isinstance(reached, list) and len(reached) == 2 and whole_number(reached[0])
                                   and finite_number(reached[1]) and reached[1] > 0), f"{where}floor_reached", reached,

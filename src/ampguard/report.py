@@ -1123,8 +1123,9 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
 
 def _fail_fast_text(mon: Any, min_scale: float, scaler_on: bool, precision: str) -> str:
     """The card's fail-fast row: what stops the run, and what was set that stops nothing (a
-    ``monitor.fail_after`` with no rate to count above, the scale-collapse guard of a run with no
-    loss scaler: its scale never moves from 1.0).
+    ``monitor.fail_after`` with no rate to count above, a ``fail_rate`` of 1: no skip rate is
+    above it, the scale-collapse guard of a run with no loss scaler: its scale never moves from
+    1.0).
 
     Example::
 
@@ -1137,14 +1138,17 @@ def _fail_fast_text(mon: Any, min_scale: float, scaler_on: bool, precision: str)
         off (monitor.fail_rate not set; monitor.fail_after 3 unused); scale collapse: n/a (fp32 runs no loss scaler: monitor.fail_on_scale_collapse stops nothing)
         >>> _fail_fast_text(MonitorConfig(fail_after=3, fail_on_scale_collapse=True), 1.0, True, "fp16")
         'off (monitor.fail_rate not set); skipping at the scale floor 1 for 3 steps -> exit 3'
+        >>> _fail_fast_text(MonitorConfig(fail_rate=1.0, fail_after=5), 1.0, True, "fp16")
+        'off (monitor.fail_rate 1: no skip rate is above 1, it never trips; monitor.fail_after 5 unused)'
     """
     collapse = mon.fail_on_scale_collapse and scaler_on
-    if mon.fail_rate is not None:
+    if mon.fail_rate is not None and mon.fail_rate < 1:
         fail = f"skip rate > {mon.fail_rate:g} for {counted(mon.fail_after, 'consecutive step')} -> exit 3"
     else:
         unused = (f"; monitor.fail_after {mon.fail_after} unused"
                   if not collapse and mon.fail_after != type(mon).model_fields["fail_after"].default else "")
-        fail = f"off (monitor.fail_rate not set{unused})"
+        why = "not set" if mon.fail_rate is None else f"{mon.fail_rate:g}: no skip rate is above 1, it never trips"
+        fail = f"off (monitor.fail_rate {why}{unused})"
     if collapse:
         fail += f"; skipping at the scale floor {min_scale:g} for {counted(mon.fail_after, 'step')} -> exit 3"
     elif mon.fail_on_scale_collapse:

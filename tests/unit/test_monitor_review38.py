@@ -126,9 +126,9 @@ def test_an_opening_a_nan_loss_ends_is_still_set_aside_once_a_step_applies():
 
 def old_state(m: RunMonitor) -> dict:
     """``m``'s state as the code before review 38e saved it (no opening_settled, fail_rate,
-    judged_rates or floor_reached)."""
+    judged rates, floor_reached, or the lowest judged rate of review 39d)."""
     state = m.state_dict()
-    for key in ("opening_settled", "fail_rate", "judged_rates", "floor_reached"):
+    for key in ("opening_settled", "fail_rate", "judged_runs", "min_judged_rate", "floor_reached"):
         del state[key]
     return state
 
