@@ -12,6 +12,7 @@ Example::
 import contextlib
 import errno
 import os
+import re
 import stat
 import tempfile
 import unicodedata
@@ -198,17 +199,23 @@ def plain_digits(text: str) -> bool:
     return text.isascii() and "_" not in text
 
 
-INVISIBLE = frozenset("\u200b\ufeff\u200e\u200f\u061c\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-"""Format characters a name must not hide: the zero-width space and no-break space (a folder
-``a\u200bb`` shows as ``ab``) and the bidirectional marks, embeddings, overrides and isolates
-(``a\u202eb`` shows its end reversed). Other format characters stay (the zero-width joiner of an
-emoji sequence, the zero-width non-joiner of Persian, a soft hyphen)."""
+SHOWN_FORMAT = frozenset("\u00ad\u200c\u200d\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u0890\u0891"
+                         "\u08e2\U000110bd\U000110cd")
+"""The format characters (Unicode's Cf) a name may hold: the soft hyphen, the zero-width
+non-joiner of Persian and the joiner of an emoji sequence, and the number signs written before
+Arabic, Syriac and Kaithi numbers (each shown). Every other format character hides what the
+text is and is refused: the zero-width space and no-break space (a folder ``a\u200bb`` shows as
+``ab``), the word joiner and invisible operators, the bidirectional marks, embeddings, overrides
+and isolates (``a\u202eb`` shows its end reversed), the tag characters (outside an emoji flag's
+tag sequence, :data:`_EMOJI_TAGS`), the interlinear annotation marks."""
+_EMOJI_TAGS = re.compile("\U0001f3f4[\U000e0020-\U000e007e]+\U000e007f")
+"""An emoji flag's tag sequence (the black flag, tag letters, cancel tag: the flag of England)."""
 
 
 def has_control(text: str) -> bool:
     """Whether ``text`` holds a control character (Unicode's Cc: C0, DEL and C1, a NUL, a tab, a
     newline, NEL), a line or paragraph separator, or a format character that hides what the text
-    is (:data:`INVISIBLE`): what would split a one-line message, a CSV header or a console line,
+    is (a Cf outside :data:`SHOWN_FORMAT`): what would split a one-line message, a CSV header or a console line,
     reach the OS as a raw byte, or show one name as another.
 
     Example::
@@ -219,8 +226,13 @@ def has_control(text: str) -> bool:
         False
         >>> has_control("a\\u202eb"), has_control("a\\u200bb"), has_control("\\U0001f469\\u200d\\U0001f4bb")
         (True, True, False)
+        >>> has_control("a\\u2060b"), has_control("a\\U000e0041b"), has_control("\\U0001f3f4\\U000e0067\\U000e0062\\U000e0065\\U000e006e\\U000e0067\\U000e007f")
+        (True, True, False)
     """
-    return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") or c in INVISIBLE for c in text)
+    if _EMOJI_TAGS.search(text):
+        text = _EMOJI_TAGS.sub("", text)
+    return any((category := unicodedata.category(c)) in ("Cc", "Zl", "Zp") or category == "Cf" and c not in SHOWN_FORMAT
+               for c in text)
 
 
 MAX_RAISED = 200

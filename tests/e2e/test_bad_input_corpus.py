@@ -275,6 +275,9 @@ CASES: list[tuple[str, list[str]]] = [
     ("demo seed in Arabic-Indic digits", ["demo", "--seed", "\u0663"]),
     # review 38f: a right-to-left override shows the folder's name reversed
     ("log.name with a right-to-left override", ["train", *LINEAR, "--set", "log.name=a\u202eb"]),
+    # review 39a: every format character that shows as nothing, not a listed few
+    ("log.name with a word joiner", ["train", *LINEAR, "--set", "log.name=a\u2060b"]),
+    ("log.name with a tag character", ["train", *LINEAR, "--set", "log.name=a\U000e0041b"]),
     ("fast true with optimizer.fused false", ["train", *LINEAR, "--set", "fast=true", "--set", "optimizer.fused=false"]),
     # review 38f: a # that YAML drops (the run trained into runs/exp, or a timestamp folder); a name
     # listed twice (fp32_modules refused it, fp8.exclude and log.wandb.tags took it); a merge key;
