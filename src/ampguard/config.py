@@ -1648,6 +1648,8 @@ def _comment_advice(key: str, raw: str, at: int) -> str:
         'optimizer.lr is not text, so leave the comment out (optimizer.lr=1e-3)'
         >>> _comment_advice("task.options.s", "'a' #b", 4)
         "the value is quoted already, so leave the comment out (task.options.s='a')"
+        >>> _comment_advice("inject", "nan_loss@5 #x", 11)
+        'inject is not text, so leave the comment out (inject=[nan_loss@5])'
         >>> _comment_advice("task.options.n", "3 # three", 2)
         'quote the value to keep it as text (task.options.n="3 # three"), or leave the comment out (task.options.n=3)'
     """
@@ -1655,6 +1657,9 @@ def _comment_advice(key: str, raw: str, at: int) -> str:
     kept = raw[:at].strip()
     free_form = len(parts) > 2 and parts[:2] == ["task", "options"]  # (a factory's own settings: any value)
     plain = not kept or kept[0] not in "'\"[{!&*|>"  # (a plain scalar, not quoted, a list, a tag or an anchor)
+    field = _field_at(parts)
+    if kept and plain and field is not None and get_origin(field.annotation) is list:
+        kept = f"[{kept}]"  # (a list setting's one item: inject=nan_loss@5 is no list)
     without = shortened(f"{key}={kept}", 80) if kept and not has_control(kept) else None
     if plain and (free_form or _takes_plain_text(parts)):
         quoted = shortened(f"{key}={json.dumps(raw.strip(), ensure_ascii=False)}", 80)
@@ -1665,7 +1670,7 @@ def _comment_advice(key: str, raw: str, at: int) -> str:
         return f"give {shortened(key, 80)} a value without a comment"
     if kept[0] in "'\"":
         return f"the value is quoted already, so leave the comment out ({without})"
-    if _field_at(parts) is not None or _takes_plain_text(parts):  # (a known setting: why quoting would not do)
+    if field is not None or _takes_plain_text(parts):  # (a known setting: why quoting would not do)
         return f"{shortened(key, 80)} is not text, so leave the comment out ({without})"
     return f"leave the comment out ({without})"
 

@@ -200,16 +200,20 @@ def plain_digits(text: str) -> bool:
 
 
 SHOWN_FORMAT = frozenset("\u00ad\u200c\u200d\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u0890\u0891"
-                         "\u08e2\U000110bd\U000110cd")
+                         "\u08e2\U000110bd\U000110cd\u180e" + "".join(map(chr, range(0x13430, 0x13440)))
+                         + "".join(map(chr, range(0x1bca0, 0x1bca4))) + "".join(map(chr, range(0x1d173, 0x1d17b))))
 """The format characters (Unicode's Cf) a name may hold: the soft hyphen, the zero-width
-non-joiner of Persian and the joiner of an emoji sequence, and the number signs written before
-Arabic, Syriac and Kaithi numbers (each shown). Every other format character hides what the
+non-joiner of Persian and the joiner of an emoji sequence, the number signs written before
+Arabic, Syriac and Kaithi numbers, the Mongolian vowel separator, and the controls that shape
+Egyptian hieroglyphs, Duployan shorthand and musical notation (each part of what is shown). Every other format character hides what the
 text is and is refused: the zero-width space and no-break space (a folder ``a\u200bb`` shows as
 ``ab``), the word joiner and invisible operators, the bidirectional marks, embeddings, overrides
 and isolates (``a\u202eb`` shows its end reversed), the tag characters (outside an emoji flag's
 tag sequence, :data:`_EMOJI_TAGS`), the interlinear annotation marks."""
-_EMOJI_TAGS = re.compile("\U0001f3f4[\U000e0020-\U000e007e]+\U000e007f")
-"""An emoji flag's tag sequence (the black flag, tag letters, cancel tag: the flag of England)."""
+_EMOJI_TAGS = re.compile("\U0001f3f4[\U000e0061-\U000e007a]{2}[\U000e0061-\U000e007a\U000e0030-\U000e0039]{1,4}"
+                         "\U000e007f")
+"""An emoji flag's tag sequence: the black flag, a subdivision code in tag letters and digits
+(``gbeng``: the flag of England), the cancel tag; any other tag text would hide a name."""
 
 
 def has_control(text: str) -> bool:
@@ -228,6 +232,8 @@ def has_control(text: str) -> bool:
         (True, True, False)
         >>> has_control("a\\u2060b"), has_control("a\\U000e0041b"), has_control("\\U0001f3f4\\U000e0067\\U000e0062\\U000e0065\\U000e006e\\U000e0067\\U000e007f")
         (True, True, False)
+        >>> has_control("\\U0001f3f4\\U000e0053\\U000e0045\\U000e0043\\U000e007f"), has_control("\\u182c\\u1820\\u1837\\u180e\\u1820")
+        (True, False)
     """
     if _EMOJI_TAGS.search(text):
         text = _EMOJI_TAGS.sub("", text)

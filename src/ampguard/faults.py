@@ -111,7 +111,7 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
         if not (rank_text.startswith("rank") and rank_text[4:].isdigit() and rank_text.isascii()
                 and len(rank_text[4:].lstrip("0")) <= 18):
             raise ValueError(f"bad rank in fault {_shown(spec)}: use @rankR after WHEN, e.g. {kind}@5@rank1")
-        rank = int(rank_text[4:])
+        rank = int(rank_text[4:].lstrip("0") or "0")  # (int() counts leading zeros against its limit)
     if not sep or not when:
         raise ValueError(f"fault {_shown(spec)} needs @WHEN, e.g. {kind}@5, {kind}@every:10, {kind}@rate:0.05")
     try:

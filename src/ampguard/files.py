@@ -213,27 +213,33 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
     old = old if old is not None and stat.S_ISREG(old.st_mode) else None  # (a link replaced itself: its own)
     with temporary_beside(target) as tmp:
         with writing(path):
-            if old is not None:  # (made for this user alone until it takes the old file's mode: never more open)
-                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
-            tmp.write_bytes(data)
-        if old is not None:
-            _take_owner_and_mode(old, tmp)
+            # made new, never through what lies at its name (a stale one, or a link someone put
+            # there: root would write, chown and chmod the file it points at), and for this user
+            # alone until it takes the old file's mode: never more open than either
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                         0o600 if old is not None else 0o666)
+            with open(fd, "wb") as file:
+                file.write(data)
+                if old is not None:
+                    _take_owner_and_mode(old, fd)
         os.replace(tmp, target)
 
 
-def _take_owner_and_mode(old: os.stat_result, new: Path) -> None:
-    """Give ``new`` the owner and group (when root: only root may give a file away; a group of
-    this user's otherwise) and the permission bits of the file ``old`` describes. Best effort: a
-    file system that keeps no owners or modes (FAT, some network ones) refuses, and the file is
-    as this process made it."""
-    mine = os.stat(new)
+def _take_owner_and_mode(old: os.stat_result, fd: int) -> None:
+    """Give the open file ``fd`` the owner and group (when root: only root may give a file away; a
+    group of this user's otherwise) and the permission bits of the file ``old`` describes, through
+    the descriptor (never a path, which could be made to name another file). Best effort: a file
+    system that keeps no owners or modes (FAT, some network ones) refuses, and the file is as this
+    process made it."""
+    mine = os.fstat(fd)
     with contextlib.suppress(OSError):  # (owner first: chown clears the set-user-ID bits)
         if os.geteuid() == 0 and (old.st_uid, old.st_gid) != (mine.st_uid, mine.st_gid):
-            os.chown(new, old.st_uid, old.st_gid)
+            os.fchown(fd, old.st_uid, old.st_gid)
         elif os.geteuid() != 0 and old.st_gid != mine.st_gid:
-            os.chown(new, -1, old.st_gid)
+            os.fchown(fd, -1, old.st_gid)
     with contextlib.suppress(OSError):
-        os.chmod(new, stat.S_IMODE(old.st_mode))
+        os.fchmod(fd, stat.S_IMODE(old.st_mode))
 
 
 def make_parents(path: str | os.PathLike, made: list[Path]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ampguard.config import apply_overrides, load_config, read_file, validate
-from ampguard.errors import ConfigError, InputError
+from ampguard.errors import ConfigError, InputError, has_control
 from ampguard.faults import check_ranks, check_steps, parse_fault, parse_faults
 from ampguard.tasks import build_task
 
@@ -191,3 +191,26 @@ def test_an_alias_elsewhere_is_still_named_an_alias(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot parse: aliases \(\*name\) are not allowed in a config \(line 3\)$"):
         read_file(tmp_path / "c.yaml")
     assert validate(apply_overrides({}, ["log.name=<<"])).log.name == "<<"  # (a value `<<` is text)
+
+
+# ---------------------------------------------------------------------------- review 39g
+
+
+def test_visible_format_characters_of_real_scripts_are_names_and_hidden_tag_text_is_not():
+    # Mongolian spelling's vowel separator, a hieroglyph's joiner, a shorthand's overlap: shown
+    for name in ("\u182c\u1820\u1837\u180e\u1820", "\U00013000\U00013430\U00013001", "\U0001bc00\U0001bca0"):
+        assert not has_control(name), ascii(name)
+    # text hidden in tag characters behind a black flag is no flag
+    hidden = "run\U0001f3f4" + "".join(chr(0xE0000 + ord(c)) for c in "SECRET") + "\U000e007f"
+    assert has_control(hidden)
+
+
+def test_a_rank_of_leading_zeros_is_read_not_refused_in_pythons_words():
+    assert parse_fault("nan_loss@5@rank" + "0" * 5000 + "1").rank == 1
+
+
+def test_a_comment_after_a_list_settings_one_item_is_told_the_list_that_loads():
+    with pytest.raises(ConfigError) as err:
+        apply_overrides({}, ["inject=nan_loss@5 #x"])
+    assert str(err.value).endswith("leave the comment out (inject=[nan_loss@5])")
+    assert apply_overrides({}, ["inject=[nan_loss@5]"]) == {"inject": ["nan_loss@5"]}
