@@ -1671,9 +1671,17 @@ class RunMonitor:
             _need(ok and all(a[0] < b[0] for a, b in zip(runs, runs[1:]))
                   and sum(run[1] for run in runs) <= scalars["steps"], f"{where}judged_runs", runs,
                   f"a list of [a rate in [0, 1], steps >= 1], the rates rising, at most steps {scalars['steps']} in all")
+            window = state.get("skip_window")
+            count = window.get("count") if isinstance(window, dict) else None
+            if whole_number(count):  # (every step since the window started, at most: fewer after an older state)
+                _need(sum(run[1] for run in runs) <= count, f"{where}judged_runs", runs,
+                      f"at most skip_window.count {count} steps in all (the steps since the window started)")
         if "min_judged_rate" in state:
             rate = state["min_judged_rate"]
             _need(finite_number(rate) and 0 <= rate <= 1, f"{where}min_judged_rate", rate, "a number in [0, 1]")
+            if scalars["steps"] - scalars["unobserved"] > scalars["opening"]:  # (a step judged: the lowest is one of them)
+                _need(rate <= scalars["max_skip_rate"], f"{where}min_judged_rate", rate,
+                      f"at most max_skip_rate {scalars['max_skip_rate']} (the lowest of the rates judged)")
         reached = state.get("floor_reached")
         _need(reached is None or (isinstance(reached, list) and len(reached) == 2 and whole_number(reached[0])
                                   and finite_number(reached[1]) and reached[1] > 0), f"{where}floor_reached", reached,

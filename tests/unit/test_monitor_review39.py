@@ -271,3 +271,36 @@ def test_the_card_says_a_fail_rate_of_1_never_trips():
                                        "at the scale floor 1 for 5 steps -> exit 3")
     assert _fail_fast_text(MonitorConfig(fail_rate=0.99, fail_after=5), 1.0, True, "fp16") == (
         "skip rate > 0.99 for 5 consecutive steps -> exit 3")
+
+
+# ---------------------------------------------------------------------------- review 39f
+
+
+def _ran(monitor, kinds, start=1):
+    from ampguard.records import SkipLog, StepLog
+    for step, kind in enumerate(kinds, start=start):
+        monitor.observe(StepLog(step=step, lr=0.1, loss=1.0, grad_l2_pre_clip=0.5, grad_l2_post_clip=0.5,
+                                scaler_scale=1.0) if kind == "A" else
+                        SkipLog(step=step, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None, grad_l2_post_clip=None,
+                                scaler_scale=1.0, reason="non_finite_loss"))
+    return monitor
+
+
+def test_a_state_whose_lowest_judged_rate_is_above_its_highest_is_refused():
+    # hand-edited: a clean run given min_judged_rate 1.0 failed at its end, "above fail_rate at every step"
+    state = json.loads(json.dumps(_ran(RunMonitor(window=4, fail_rate=0.5, fail_after=50, scaler_enabled=False),
+                                       "AAAAAA").state_dict()))
+    state["min_judged_rate"] = 1.0
+    with pytest.raises(ValueError, match=r"min_judged_rate .*at most max_skip_rate 0"):
+        RunMonitor(window=4, fail_rate=0.5, fail_after=50, scaler_enabled=False).load_state_dict(state)
+
+
+def test_judged_runs_over_more_steps_than_the_window_saw_since_it_started_are_refused():
+    # after a rollback the window held 1 step: runs of 8 steps made a streak it never held, and failed
+    monitor = _ran(RunMonitor(window=4, fail_rate=0.5, fail_after=3, scaler_enabled=False), "ALALALAL")
+    monitor.restart_windows()
+    state = json.loads(json.dumps(_ran(monitor, "A", start=9).state_dict()))
+    RunMonitor(window=4, fail_rate=0.4, fail_after=3, scaler_enabled=False).load_state_dict(state)  # (as saved: fine)
+    state["judged_runs"] = [[0.9, 8]]
+    with pytest.raises(ValueError, match=r"judged_runs .*at most skip_window.count 1 steps"):
+        RunMonitor(window=4, fail_rate=0.4, fail_after=3, scaler_enabled=False).load_state_dict(state)
