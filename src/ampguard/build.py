@@ -331,14 +331,17 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
     :meth:`DataStream.peek <ampguard.data.DataStream.peek>`: ``read_batch(count=n)``, an iterator
     of the first ``n`` batches from one read) gives the first :data:`~ampguard.tasks.base.FIRST_BATCHES`,
     the batches a run's start-up reads: those after the first go through the model too, forward
-    only, in eval mode and under no_grad (:func:`_check_following`), so that one the model cannot
-    take (another width, another dtype) is refused here in one line naming it, instead of
-    crashing the run at its step; a stream that ends before them (a Task's ``batches()`` is
-    endless) is refused too.
+    only, as the step runs them (:func:`_check_following`), so that one the model cannot take
+    (another width, another dtype, a BatchNorm batch of one example) is refused here in one line
+    naming it, instead of crashing the run at its step; a stream that ends before them (a Task's
+    ``batches()`` is endless) is refused too.
 
-    It leaves no trace: the RNG states (torch, CUDA, NumPy, ``random``), the module buffers
-    (BatchNorm statistics) and the gradients are as they were, so the run
-    goes on bit for bit as without it. Costs one forward pass a batch and host reads.
+    It leaves no trace (:func:`~ampguard.checkpoint.untouched`): the RNG states (torch, CUDA,
+    NumPy, ``random``), the module buffers (BatchNorm statistics), the modes and the gradients
+    are as they were, so the run goes on bit for bit as without it; a parameter its forward
+    passes changed in place (a momentum encoder's moving average) is named in a warning. Costs
+    one forward pass a batch (each one's graph freed before the next: the memory of one step's
+    forward) and host reads.
 
     Example::
 
@@ -370,7 +373,9 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         ...
         ampguard.errors.InputError: task.factory toy.py:build: the model's forward pass on the third batch failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x5 and 3x1)
     """
-    with untouched(model):
+    with untouched(model, by=f"{who}: the start-up's check of the first batches",
+                   so="and they are not put back: the run starts from weights the check's passes moved, not "
+                      "bit for bit a plain loop's"):
         following: Iterator[Any] | None = None
         with user_code(f"{who}: reading the first batch failed: "):
             try:
@@ -421,19 +426,17 @@ def _reads_several(read_batch: Callable[..., Any]) -> bool:
 
 
 def _check_following(model: nn.Module, following: Iterator[Any], precision: Precision, who: str) -> None:
-    """The start-up's batches after the first through ``model``: forward only, in eval mode (a
-    training-only update of the model's own, a moving average or a counter of steps, is not
-    made again; dropout draws nothing), under no_grad and the run's autocast. One that cannot be
-    read or that the model fails on is one :class:`InputError` line naming it; a stream that ends
-    before :data:`FIRST_BATCHES` is one too. The loss is not called: a model's output in eval
-    mode may differ from the step's (auxiliary heads, a detector's losses), which the loss
-    rightly refuses. A forward that fails in eval mode or under no_grad is tried again as the
-    step runs it, in the model's own modes with gradients on, and refused only if it fails there
-    too (review 38i: a forward that asserts ``self.training``, or takes gradients of its inputs,
-    a physics-informed network's, was refused though every step takes it). The caller keeps the
-    model untouched (:func:`check_forward`: its modes too)."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
+    """The start-up's batches after the first through ``model`` as the step runs them: forward
+    only, in the model's own modes (each module's, as the run trains it), with gradients on,
+    under the run's autocast; each output is dropped at once (its graph freed). One that cannot
+    be read or that the model fails on is one :class:`InputError` line naming it (a BatchNorm
+    batch of one example, whose step fails: review 39e); a stream that ends before
+    :data:`FIRST_BATCHES` is one too. No mode is changed (review 39e: eval mode first, then a
+    retry that set ``module.training`` back by hand, left an EMA model whose ``eval()`` swaps its
+    weights with the EMA ones in place of its trained weights). The loss is not called (the
+    first batch's is checked). The caller leaves no trace (:func:`check_forward`:
+    :func:`~ampguard.checkpoint.untouched` puts back the buffers a training-mode forward updates,
+    BatchNorm's statistics, and the RNGs dropout draws from)."""
     for index in range(1, FIRST_BATCHES):
         nth = _NTH[index]
         with user_code(f"{who}: reading the {nth} batch failed: "):
@@ -443,16 +446,9 @@ def _check_following(model: nn.Module, following: Iterator[Any], precision: Prec
                 raise InputError(f"{who}: the data ended after {counted(index, 'batch', 'batches')}: a run reads it "
                                  "epoch after epoch (a Task's batches() must be endless: tasks.cycle(lambda: data) "
                                  "repeats a finite one)") from None
-        try:
-            with torch.no_grad(), precision.autocast():
-                model(inputs)
-        except Exception:  # noqa: BLE001 - eval mode or no_grad may be what failed: tried as the step runs it
-            for module, training in modes:
-                module.training = training
-            with torch.enable_grad(), precision.autocast(), user_code(f"{who}: the model's forward pass on the {nth} "
-                                                                      "batch failed: "):
-                model(inputs)
-            model.eval()
+        with torch.enable_grad(), precision.autocast(), user_code(f"{who}: the model's forward pass on the {nth} "
+                                                                  "batch failed: "):
+            model(inputs)
         del inputs
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import InputError, counted, first_line
+from .errors import AmpguardWarning, InputError, counted, first_line
 from .files import remove_temporaries
 
 MAGIC = "ampguard-checkpoint"
@@ -167,13 +167,24 @@ def modes_kept(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def untouched(model: torch.nn.Module) -> Iterator[None]:
+def untouched(model: torch.nn.Module, by: str = "the replay",
+              so: str = "each replayed pass once more, and they are not put back") -> Iterator[None]:
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
     (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
-    back itself; one it filled from None, or registered anew, is taken out), its parameters' gradients and every RNG (torch, CUDA, NumPy, ``random``) are as
-    they were, so a run goes on bit for bit as without it. Parameters are not copied (a model's
-    worth of memory): one the forward changed in place (a momentum encoder's moving average) is
-    named in a warning, not put back.
+    back itself; one it filled from None, or registered anew, is taken out), its parameters'
+    gradients and every RNG (torch, CUDA, NumPy, ``random``) are as they were, so a run goes on
+    bit for bit as without it.
+
+    Parameters are not copied (a model's worth of memory): each one's :func:`_checksum` is taken
+    on entering and again on leaving (two reads of the weights; about a thousandth of their size
+    kept), and one whose values changed (a momentum encoder's moving average, made in the
+    forward) is named in an :class:`~ampguard.errors.AmpguardWarning`, ``"{by} changed N
+    parameters in place (names): the model's forward updates them (a moving average?), {so}"``
+    (``by``, ``so``: the words for who calls it: locate's replay, the start-up's check), and not
+    put back. One changed in place and put back (an EMA model's ``eval()`` swaps its weights out,
+    its ``train()`` back: review 39e) is no change: values are compared, not version counters.
+    A parameter whose checksum cannot be taken (a tensor without storage) is judged by its
+    version counter and its storage instead (a sharded DTensor by this rank's shard).
 
     Example::
 
@@ -188,7 +199,8 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
     buffers = [(m, dict(m._buffers)) for m in model.modules()]
     copies = {id(b): b.detach().clone() for _, held in buffers for b in held.values() if b is not None}
     grads = {id(p): p.grad for p in model.parameters()}
-    versions = {name: _version(p) for name, p in model.named_parameters()}
+    sums = {name: _checksum(p) for name, p in model.named_parameters()}
+    versions = {name: (_version(p), _storage(p)) for name, p in model.named_parameters()}
     try:
         with rng_kept(), modes_kept(model):
             yield
@@ -205,11 +217,11 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
                             b.copy_(copies[id(b)])
         for p in model.parameters():
             p.grad = grads.get(id(p))
-        changed = [name for name, p in model.named_parameters() if _version(p) != versions.get(name)]
+        changed = [name for name, p in model.named_parameters() if _changed(p, sums.get(name), versions.get(name))]
         if changed:
-            warnings.warn(f"the replay changed {counted(len(changed), 'parameter')} in place ({', '.join(changed[:3])}"
+            warnings.warn(f"{by} changed {counted(len(changed), 'parameter')} in place ({', '.join(changed[:3])}"
                           f"{', ...' if len(changed) > 3 else ''}): the model's forward updates them (a moving "
-                          "average?), each replayed pass once more, and they are not put back", stacklevel=3)
+                          f"average?), {so}", AmpguardWarning, stacklevel=3)
 
 
 def _version(p: torch.Tensor) -> int | None:
@@ -218,6 +230,68 @@ def _version(p: torch.Tensor) -> int | None:
         return p._version
     except RuntimeError:  # (inference tensors keep no version)
         return None
+
+
+def _storage(p: torch.Tensor) -> int | None:
+    """Where a tensor's values are (``p.data = ...`` moves them, bumping no version); None if unknown."""
+    try:
+        return p.data_ptr()
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage: a DTensor's, a fake one)
+        return None
+
+
+_ROW = 1024
+"""The width of the table of 32-bit words a :func:`_checksum` sums by rows and by columns."""
+
+
+def _checksum(p: torch.Tensor) -> torch.Tensor | None:
+    """A checksum of a tensor's bits, on its device (no host sync): its values' bytes read as
+    32-bit words, laid out in rows of :data:`_ROW`, summed by row and by column (int32, modulo
+    2**32: exact, and the same in any order of summation, on any device), the words past the
+    last whole row and the bytes past the last whole word as they are. A change of any one word
+    changes its row's sum; two values swapped change two rows' or two columns' sums. One read of
+    the tensor, no copy of it (one that is not contiguous, or whose bytes start off a word, is
+    copied), about a thousandth of its size kept. None where it cannot be taken (a tensor
+    without storage).
+
+    Example::
+
+        >>> w = torch.randn(3, 700)
+        >>> torch.equal(_checksum(w), _checksum(w.clone())), torch.equal(_checksum(w), _checksum(w.flip(1)))
+        (True, False)
+        >>> v = w.clone(); v[1, 2] = torch.nextafter(v[1, 2], torch.tensor(1e9))  # one ulp
+        >>> torch.equal(_checksum(w), _checksum(v)), _checksum(torch.ones(3, dtype=torch.bfloat16)).tolist()
+        (False, [1065369472, 128, 63])
+    """
+    try:
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t  # (a DTensor: this rank's shard)
+        if t.is_meta:  # (no values)
+            return None
+        data = t.reshape(-1).view(torch.uint8)
+        whole = data.numel() // 4 * 4
+        try:
+            words = data[:whole].view(torch.int32)
+        except RuntimeError:  # (bytes that start off a word: a view into a buffer of 16-bit values)
+            words = data[:whole].clone().view(torch.int32)
+        rows = words.numel() // _ROW
+        parts = []
+        if rows:
+            table = words[:rows * _ROW].view(rows, _ROW)
+            parts += [table.sum(1, dtype=torch.int32), table.sum(0, dtype=torch.int32)]
+        return torch.cat(parts + [words[rows * _ROW:], data[whole:].to(torch.int32)])
+    except (RuntimeError, TypeError, NotImplementedError):  # (a tensor without storage)
+        return None
+
+
+def _changed(p: torch.Tensor, before: torch.Tensor | None, version: tuple[int | None, int | None] | None) -> bool:
+    """Whether parameter ``p`` changed since :func:`untouched` took its checksum ``before`` (and
+    its version counter and storage, ``version``: what judges it when no checksum could be taken)."""
+    if before is not None:
+        after = _checksum(p)
+        if after is not None:
+            return not torch.equal(after, before)
+    return (_version(p), _storage(p)) != version
 
 
 def _as_tuple(value: Any) -> Any:

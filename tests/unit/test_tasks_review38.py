@@ -385,8 +385,8 @@ def test_the_start_ups_check_puts_every_batch_it_reads_through_the_model_and_lea
     rng = torch.get_rng_state()
     assert check_forward(model, F.mse_loss, data.peek, FP32, "task.factory f.py:build") == []
     assert model.seen == [0, 1, 2, 3]  # the four it reads (it was the first alone)
-    assert model.modes == [(True, True)] + [(False, False)] * 3  # the first as the step runs it; then forward only,
-    # in eval mode (no training-only update of the model's own made again) and under no_grad
+    assert model.modes == [(True, True)] * 4  # each as the step runs it (review 39e: batches 2-4 went in eval mode
+    # under no_grad, and a BatchNorm batch of one passed, to crash the run at its step); forward only
     assert torch.equal(torch.get_rng_state(), rng)  # dropout drew, put back
     assert all(torch.equal(norm_before[k], v) for k, v in model.norm.state_dict().items())  # statistics untouched
     assert all(p.grad is None for p in model.parameters()) and model.training

@@ -34,11 +34,13 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import gc
 import importlib
 import importlib.util
 import itertools
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -180,7 +182,9 @@ def _check_model_and_loss(model: Any, loss_fn: Any, spec: str) -> None:
 
 def build_from_factory(config: Any) -> Task:
     r"""The :class:`Task` that ``config.task.factory`` builds, its result checked (bad ones raise
-    :class:`~ampguard.errors.InputError` in one line).
+    :class:`~ampguard.errors.InputError` in one line). The checks read the data's first batches,
+    twice; they leave the global RNGs (torch, CUDA, NumPy, ``random``) as ``build()`` left them,
+    so that the run's first read of the data draws what a plain loop's does.
 
     Example::
 
@@ -224,6 +228,16 @@ def build_from_factory(config: Any) -> Task:
                          + (f" (did you mean {close[0]}?)" if close else "") + f"; it takes {', '.join(FACTORY_KEYS)}")
     model, data, loss_fn = made["model"], made["data"], made["loss_fn"]
     _check_model_and_loss(model, loss_fn, spec)
+    # Every read of the data below draws as the run's own would (a DataLoader's iter() its workers'
+    # base seed from the global RNG, a shuffle its order, an augmentation its noise): the global
+    # RNGs are put back once they are done, so the run's first read draws where a plain loop's does
+    # (review 39e: a DataLoader without a generator, and dropout, trained on other masks)
+    with rng_kept():
+        return _task_from(made, model, data, loss_fn, spec)
+
+
+def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: Any, spec: str) -> Task:
+    """:func:`build_from_factory`'s checks of a factory's mapping, its data read, and its Task."""
     # A shuffling DataLoader's generators (its own, and a sampler's of the user's) advance as it is
     # read (an iterator's seed, then the sampler's order): their states as the factory left them,
     # before anything here reads them, are where every stream starts (resume, rollback: the same
@@ -237,11 +251,12 @@ def build_from_factory(config: Any) -> Task:
                       "or locate's replay of a step reads another order than the run did; give it its own seeded "
                       "generator (DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(config.seed)), "
                       "or the sampler's generator=)",
-                      AmpguardWarning, stacklevel=2)
+                      AmpguardWarning, stacklevel=3)
     if callable(data) and not isinstance(data, Iterable):
         make_iterable = data
-    elif isinstance(data, Iterable) and iter(data) is not data:
-        make_iterable = lambda: data  # noqa: E731 - re-iterable: a list, a DataLoader
+    elif isinstance(data, DataLoader) or isinstance(data, Iterable) and iter(data) is not data:
+        make_iterable = lambda: data  # noqa: E731 - re-iterable: a list, a DataLoader (whose iter() starts
+        # its workers: not called for this)
     else:
         raise InputError(f"task.factory {spec}: data must be re-iterable (a list, a DataLoader) or a function "
                          "returning an iterable, not a one-shot iterator")
@@ -259,7 +274,9 @@ def build_from_factory(config: Any) -> Task:
     def restart() -> Any:
         for generator, state in zip(generators, start_states):
             generator.set_state(state)
-        return make_iterable()
+        iterable = make_iterable()
+        _fresh_workers(iterable, spec)
+        return iterable
 
     def stream() -> Iterator[Any]:  # (the generator set once, at the stream's start, not at each epoch's)
         first = restart()
@@ -271,13 +288,16 @@ def build_from_factory(config: Any) -> Task:
                          f"of data from micro-batch start on, got a {type(seek).__name__}")
     drawn_from = rng_state()  # (data may draw from the global RNGs: the second read below draws the same)
     with user_code(f"task.factory {spec}: reading the data failed: "):
-        first_batches = list(itertools.islice(iter(restart()), FIRST_BATCHES))
+        reader = iter(restart())
+        first_batches = list(itertools.islice(reader, FIRST_BATCHES))
+    held = _held_iterators(reader)  # (what the read drew from: a second read that shares it is a one-shot)
+    del reader  # (a DataLoader's workers: not kept through the second read)
     if not first_batches:
         raise InputError(f"task.factory {spec}: data yielded no batches")
     if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in first_batches):
         raise InputError(f"task.factory {spec}: data must yield (inputs, targets) pairs")
     _check_first_batches(first_batches, spec)
-    _check_read_again(restart, first_batches[0], drawn_from, spec)
+    _check_read_again(restart, first_batches[0], drawn_from, spec, held)
     if seek is not None:
         _check_seek(seek, first_batches, spec)
         restart()  # (a batches_from that reads data's DataLoader drew from its generators: back to the start)
@@ -337,22 +357,27 @@ def _check_first_batches(batches: list[Any], spec: str) -> None:
                              "inputs' first dimension is 0 (every step on it would be skipped as a non-finite loss)")
 
 
-def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[str, Any], spec: str) -> None:
+def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[str, Any], spec: str,
+                      held: Mapping[int, Any] | None = None) -> None:
     """``data`` read again from its start (every epoch, a resume and a rollback do) must give its
     first batch again: none is a one-shot iterable (an ``IterableDataset`` whose ``__iter__``
     returns itself: the run stopped at its fourth step, "bad data"), refused; another batch from
-    reads that share one iterator (:func:`_one_shot`: a one-shot whose first pass is longer goes
-    on where the first read stopped, but an iterable that starts over and returns itself does
-    too) is warned as a likely one-shot; another batch
+    reads that share one iterator (:func:`_one_shot`; or the second read's iterator draws from
+    one that ``held``, the first read's :func:`_held_iterators`, holds too: an ``__iter__`` that
+    is a generator over one stored iterator, review 39e. A one-shot whose first pass is longer
+    goes on where the first read stopped, but an iterable that starts over and returns itself
+    does too) is warned as a likely one-shot; another batch
     otherwise is data that changes from pass to pass (a generator of its own not set back),
     which trains but resumes on other batches than the run: warned. Read from the RNG state the
     first read began at, and the RNGs left as the first read left them."""
     one_shot = False
     with rng_kept(), user_code(f"task.factory {spec}: reading the data again failed: "):
         set_rng_state(drawn_from)
-        again = next(iter(restart()), None)
+        reader = iter(restart())
+        again = next(reader, None)
         if again is not None and not _same_batch(again, first):
-            one_shot = _one_shot(restart)
+            one_shot = bool(held and held.keys() & _held_iterators(reader).keys()) or _one_shot(restart)
+        del reader
     if again is None:
         raise InputError(f"task.factory {spec}: data yielded no batch when read a second time (a one-shot iterable?): "
                          "every epoch, a resume and a rollback read it again from its start; give a list, a DataLoader "
@@ -362,12 +387,13 @@ def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[s
         warnings.warn(f"task.factory {spec}: data read again from its start gave another first batch, and every read "
                       "shares one iterator (a one-shot iterable?): if it does not start over when read again, the run "
                       "stops at the end of its first pass, and a resume or a rollback reads other batches; give a "
-                      "list, a DataLoader over a map-style dataset, a dataset whose __iter__ is a generator (yield), or "
-                      "a function returning a fresh iterable", AmpguardWarning, stacklevel=3)
+                      "list, a DataLoader over a map-style dataset, a dataset whose __iter__ is a generator (yield) "
+                      "that reads its source from the start, or a function returning a fresh iterable", AmpguardWarning,
+                      stacklevel=4)
     elif not _same_batch(again, first):
         warnings.warn(f"task.factory {spec}: data read again from its start gave another first batch: a resume, a "
                       "rollback or locate's replay reads other batches than the run did (give its shuffle or its "
-                      "random source a seeded generator, as a DataLoader's generator=)", AmpguardWarning, stacklevel=3)
+                      "random source a seeded generator, as a DataLoader's generator=)", AmpguardWarning, stacklevel=4)
 
 
 def _one_shot(restart: Callable[[], Any]) -> bool:
@@ -394,6 +420,74 @@ def _one_shot(restart: Callable[[], Any]) -> bool:
     else:
         pairs = [(first, second)]
     return any(isinstance(a, Iterable) and isinstance(b, Iterable) and iter(a) is iter(b) for a, b in pairs)
+
+
+def _held_iterators(reader: Any) -> dict[int, Any]:
+    """The iterators that ``reader``, one read's iterator, draws from, by id: what its generator's
+    frame holds (its locals and its stack: the stored iterator of ``yield from self.it`` or ``for
+    batch in self.it``), through the generators it delegates to; for a single-process
+    ``DataLoader``'s iterator, its iterable dataset's iterator's. Nothing is read from them. Two
+    reads whose iterators share one (:func:`_check_read_again`) go on from one another; an object
+    of another kind, a DataLoader's iterator with workers (its dataset's iterators are theirs),
+    hold none that is looked at.
+
+    Example::
+
+        >>> class Stored:
+        ...     def __init__(self): self.it = iter(range(8))
+        ...     def __iter__(self): yield from self.it
+        >>> class Fresh:
+        ...     def __iter__(self): yield from iter(range(8))
+        >>> def shared(data):
+        ...     first, second = iter(data), iter(data)
+        ...     _ = next(first), next(second)  # (a generator holds what it reads once started)
+        ...     return bool(_held_iterators(first).keys() & _held_iterators(second).keys())
+        >>> shared(Stored()), shared(Fresh()), shared([1, 2])
+        (True, False, False)
+    """
+    try:  # (a user's iterator whose __getattr__ raises another error: nothing looked at)
+        fetcher = getattr(reader, "_dataset_fetcher", None)  # (torch's single-process iterator: the dataset's own)
+        todo = [getattr(fetcher, "dataset_iter", reader)]
+    except Exception:  # noqa: BLE001
+        return {}
+    found: dict[int, Any] = {}
+    while todo:
+        generator = todo.pop()
+        if not isinstance(generator, types.GeneratorType):
+            continue
+        for held in gc.get_referents(generator):  # (its frame's locals and stack)
+            if isinstance(held, Iterator) and held is not generator and id(held) not in found:
+                found[id(held)] = held
+                todo.append(held)
+    return found
+
+
+def _fresh_workers(iterable: Any, spec: str) -> None:
+    """A ``DataLoader`` with ``persistent_workers`` keeps its worker processes, and the RNG state
+    each draws its augmentations from, from one ``iter()`` to the next: a read from the data's
+    start (the start-up's reads, the run's, a resume's, a rollback's) would go on from the draws
+    of the reads before it, not from a plain loop's first ``iter()`` (review 39e). Its workers
+    are shut down here, so that the read starts new ones, seeded as at that first ``iter()``
+    (their base seed from the loader's generator, set back, or from the global RNG); within a
+    stream, epoch after epoch, they persist as in a plain loop. A torch whose loader keeps them
+    otherwise than in ``_iterator`` is warned about instead."""
+    if not (isinstance(iterable, DataLoader) and iterable.persistent_workers and iterable.num_workers > 0):
+        return
+    running = getattr(iterable, "_iterator", _UNKNOWN)
+    if running is None:
+        return
+    stop = getattr(running, "_shutdown_workers", None)
+    if running is _UNKNOWN or stop is None:  # (torch's private attributes, as of 1.7 to 2.x)
+        warnings.warn(f"task.factory {spec}: the DataLoader's persistent workers cannot be restarted: their RNGs go "
+                      "on from the start-up's reads of the data, so that a random augmentation in them draws other "
+                      "numbers than a plain loop's (give persistent_workers=False for a bit-for-bit run)",
+                      AmpguardWarning, stacklevel=2)
+        return
+    stop()
+    iterable._iterator = None
+
+
+_UNKNOWN = object()
 
 
 def _check_seek(seek: Callable[[int], Any], first: list[Any], spec: str) -> None:

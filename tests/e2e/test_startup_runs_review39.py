@@ -1,0 +1,141 @@
+"""Review 39e, whole runs of ``ampguard train`` with a factory (the parts built directly:
+``tests/unit/test_startup_review39.py``): the run is bit for bit the hand-written loop after
+the start-up's checks, with a plain DataLoader and dropout, a DataLoader's persistent workers
+that augment at random, and an EMA model whose ``eval()`` swaps its weights; a BatchNorm batch
+of one among the start-up's batches is one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import one_error_line, write
+
+pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
+
+RUN = ["--set", "device=cpu", "--set", "precision=fp32", "--set", "log.plot=false", "--set", "log.every=1000",
+       "--set", "schedule.decay=constant", "--set", "eval.enabled=false"]
+
+FACTORIES = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+
+def xy(n=64):
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g)
+
+
+def plain(config):  # no generator: each iter() draws its base seed from torch's RNG, as dropout does
+    x, y = xy()
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
+    return model, DataLoader(TensorDataset(x, y), batch_size=16), F.mse_loss
+
+
+class Noisy(Dataset):  # a random augmentation, drawn in the workers
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+def persistent(config):
+    x, y = xy()
+    data = DataLoader(Noisy(x, y), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True,
+                      generator=torch.Generator().manual_seed(0))
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2)), data, F.mse_loss
+
+
+class EMASwap(nn.Module):  # eval() swaps the EMA weights in, train() the trained ones back; training-only forward
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 2)
+        self.ema = [p.detach().clone() + 0.5 for p in self.l.parameters()]
+        self.backup = None
+
+    def train(self, mode=True):
+        if self.training and not mode:
+            self.backup = [p.detach().clone() for p in self.l.parameters()]
+            with torch.no_grad():
+                for p, e in zip(self.l.parameters(), self.ema):
+                    p.copy_(e)
+        elif not self.training and mode and self.backup is not None:
+            with torch.no_grad():
+                for p, b in zip(self.l.parameters(), self.backup):
+                    p.copy_(b)
+        return super().train(mode)
+
+    def forward(self, x):
+        assert self.training, "this module's forward is for training only"
+        return self.l(x)
+
+
+def ema(config):
+    x, y = xy()
+    return EMASwap(), [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)], F.mse_loss
+
+
+def bn_last_one(config):  # 33 examples in batches of 16: the third batch holds one
+    x, y = xy(33)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    return model, DataLoader(TensorDataset(x, y), batch_size=16), F.mse_loss
+"""
+
+
+def hand_loop(path: Path, fn: str, steps: int) -> dict[str, torch.Tensor]:
+    """The canonical loop: seeded as a run is, AdamW (the config's defaults), clipping at 1.0."""
+    spec = importlib.util.spec_from_file_location("hand_loop_39e", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    model, data, loss_fn = getattr(module, fn)(None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    batches = iter(data)
+    for _ in range(steps):  # (within the first epoch)
+        x, y = next(batches)
+        loss_fn(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    del batches, data
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("fn", ["plain", "persistent", "ema"])
+def test_the_run_is_the_hand_written_loop_bit_for_bit_after_the_start_ups_checks(cli, tmp_path, fn):
+    # plain: the start-up's reads drew two DataLoader seeds from torch's RNG, the dropout masks moved;
+    # persistent: its reads advanced the workers' RNGs; ema: a retry in the check left the EMA weights
+    # in place of the trained ones
+    path = write(tmp_path / "f39.py", FACTORIES)
+    code, out, err = cli("train", *RUN, "--set", f"task.factory=f39.py:{fn}", "--set", "steps=3",
+                         "--set", f"log.name={fn}")
+    assert code == 0, err
+    assert "warning" not in err, err
+    saved = torch.load(tmp_path / "runs" / fn / "checkpoints" / "step-00000003.pt", weights_only=True)["model"]
+    expected = hand_loop(path, fn, 3)
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[k], expected[k]) for k in expected), fn
+
+
+def test_a_batchnorm_batch_of_one_among_the_start_ups_batches_is_one_line_and_nothing_is_written(cli, unchanged,
+                                                                                                 tmp_path):
+    # it passed the check (eval mode) and crashed the run at step 3: a traceback, exit 1
+    write(tmp_path / "f39.py", FACTORIES)
+    check = unchanged()
+    line = one_error_line(cli("train", *RUN, "--set", "task.factory=f39.py:bn_last_one", "--set", "steps=6",
+                              "--set", "log.name=x"))
+    assert line == ("ampguard: error: task.factory f39.py:bn_last_one: the model's forward pass on the third batch "
+                    "failed: ValueError: Expected more than 1 value per channel when training, got input size "
+                    "torch.Size([1, 16])")
+    check()
