@@ -265,9 +265,9 @@ class Bare(Contender):
 class BareAgain(Bare):
     """The bare loop once more: its ratio to the bare loop is the noise floor of the measurement
     (an A/A test: two identical loops should read 1.00; the interval says how well we can tell).
-    An interval that excludes 1 is a biased floor, and the line under the table says by how much
-    (:func:`noise_floor`): in one process two identical loops can read apart by where they were
-    built, not by their code.
+    An interval that excludes 1 says the two read apart in this process, and the line under the
+    table says which way and by how much (:func:`noise_floor`): in one process two identical loops
+    can read apart by where they were built, not by their code, or by chance.
 
     Example::
 
@@ -945,7 +945,11 @@ def measure(
     Each timing starts from an idle device (``torch.cuda.synchronize``, then CUDA events).
 
     In order: :func:`_build` the contenders, :func:`_warm_up` each (leaving out the ones that
-    fail or run other work), :func:`_run_rounds`, close them, and :func:`_results`.
+    fail or run other work), :func:`_run_rounds`, :func:`_results`, and close them. An interrupt
+    (Ctrl-C, or the SIGTERM :func:`run` turns into one) in the rounds ends them, keeping the whole
+    ones (:func:`_run_rounds`); one before a whole round raises ``KeyboardInterrupt``; one after
+    the rounds (while the results are made or the contenders closed) keeps the case's results,
+    whole, in the :class:`CaseInterrupted` it raises.
 
     Example::
 
@@ -1004,11 +1008,28 @@ def measure(
               "orders (every contender in every place alike)", flush=True)
     ran = _run_rounds(timed, device, case, steps=steps, orders=cycle, rounds=rounds, resolve=resolve,
                       budget_s=budget_s, max_rounds=max_rounds)
-    for c in timed:
-        # after a failed step a contender may be in any state: its files and threads go, whatever
-        # its close() says; after rounds that ran, a close that fails is a bug, and raises
-        with contextlib.suppress(Exception) if ran.stop == ERROR else contextlib.nullcontext():
-            c.close()
+    # the results first, then the closes: an interrupt from here on (the rounds all ran) keeps them
+    # (it threw the case away and called it cut before a whole round); it goes on after, with them
+    results: list[Result] | None = None
+    closed: list[Contender] = []
+    try:
+        results = _results(w, precision, ready, ran, peak_flops) if ran.done else []
+        for c in timed:
+            # after a failed step a contender may be in any state: its files and threads go, whatever
+            # its close() says; after rounds that ran, a close that fails is a bug, and raises
+            with contextlib.suppress(Exception) if ran.stop == ERROR else contextlib.nullcontext():
+                c.close()
+            closed.append(c)
+    except KeyboardInterrupt:
+        for c in timed:
+            if c not in closed:  # (one the interrupt cut inside its close too: its files and threads go)
+                with contextlib.suppress(Exception):
+                    c.close()
+        if results is None:
+            results = _results(w, precision, ready, ran, peak_flops) if ran.done else []
+        if not ran.done and ran.stop == ERROR and left_out is not None:
+            left_out.append(NotRun(w.name, precision.name, None, ran.detail or ERROR))
+        raise CaseInterrupted(results) from None
     if not ran.done:
         if ran.stop == ERROR:  # nothing of this case; the bench goes on with the next
             if left_out is not None:
@@ -1017,7 +1038,7 @@ def measure(
         # nothing of this case: the interrupt goes on (run_bench hands back the cases before it)
         print(f"  {case}: interrupted before a whole round, nothing measured")
         raise KeyboardInterrupt
-    return _results(w, precision, ready, ran, peak_flops)
+    return results
 
 
 def _build(contenders: list[type[Contender]], w: Workload, precision: Precision, device: torch.device,
@@ -1420,15 +1441,17 @@ def resolution(results: list[Result], resolve: float | None) -> list[str]:
 
 def noise_floor(floor: Result) -> str:
     """The noise-floor line of a case's A/A row (:class:`BareAgain`): its ratio and interval, and
-    what a ratio within it means. When the interval itself excludes 1, the floor is biased: two
-    identical loops read apart in this process, and the line says by how much. (Identical loops
-    built and warmed up one after the other in one process read apart by where they sit, not by
-    their code: on a 2-core CPU, of two bare loops of the same class built and warmed up one after
-    the other, the second read 0.2-1.4% faster in each of 12 processes; moving the first one's
-    parameters and optimizer state to fresh memory after the second's, or a throwaway loop run
-    before both, did not change it; warming the second up first made it even. A contender built
-    third, as ampguard's is, may sit as well or as badly, so the floor's far end bounds what a
-    ratio can owe to where it sits.)
+    what a ratio within it means. When the interval itself excludes 1, two identical loops read
+    apart in this process: the line says which way and by how much, and takes the floor's far end
+    as what a ratio must pass to be told apart from the bare loop. It does not say why, which one
+    process cannot know: a 95% interval also misses the true ratio 1 time in 20 by chance, and the
+    one effect seen here has a direction. (On a 2-core CPU, of two bare loops of the same class
+    built and warmed up one after the other, the second read 0.2-1.4% faster in each of 12
+    processes; moving the first one's parameters and optimizer state to fresh memory after the
+    second's, or a throwaway loop run before both, did not change it; warming the second up first
+    made it even. The A/A copy is built second, so that effect makes it read faster, a ratio below
+    1; a floor above 1 goes against it. A contender built third, as ampguard's is, may sit as well
+    or as badly, so the floor's far end bounds what a ratio can owe to where it sits.)
 
     Example::
 
@@ -1436,10 +1459,17 @@ def noise_floor(floor: Result) -> str:
         noise floor (bare loop against itself) 0.997 [0.981, 1.120]: a ratio within it is not told apart from the bare loop
         >>> print(noise_floor(Result("mlp", "fp32", "bare loop (A/A)", 1, 1, 0.992, ratio_low=0.987, ratio_high=0.996)))
         ... # doctest: +NORMALIZE_WHITESPACE
-        noise floor (bare loop against itself) 0.992 [0.987, 0.996], itself biased: the A/A copy, the same loop, read
-        0.8% faster than the bare loop (0.4-1.3%; its interval excludes 1: identical loops in one process read apart
-        by where they were built, not by their code); a ratio within 1.3% of 1, either way, is not told apart from
-        the bare loop
+        noise floor (bare loop against itself) 0.992 [0.987, 0.996], its interval excluding 1: the A/A copy, the
+        same loop, read 0.8% faster than the bare loop (0.4-1.3%), the way the build-order effect seen on CPUs
+        goes (of two identical loops the one built second, the A/A copy, read faster), or by chance (a 95%
+        interval misses 1 time in 20); a ratio within 1.3% of 1, either way, is not told apart from the bare loop
+        >>> print(noise_floor(Result("mlp", "fp32", "bare loop (A/A)", 1, 1, 1.01, ratio_low=1.004, ratio_high=1.02)))
+        ... # doctest: +NORMALIZE_WHITESPACE
+        noise floor (bare loop against itself) 1.010 [1.004, 1.020], its interval excluding 1: the A/A copy, the
+        same loop, read 1.0% slower than the bare loop (0.4-2.0%), against the build-order effect seen on CPUs
+        (of two identical loops the one built second, the A/A copy, read faster): by chance (a 95% interval
+        misses 1 time in 20) or another cause; a ratio within 2.0% of 1, either way, is not told apart from the
+        bare loop
     """
     said = f"noise floor (bare loop against itself) {floor.ratio_to_bare:.3f} [{floor.ratio_low:.3f}, " \
            f"{floor.ratio_high:.3f}]"
@@ -1448,11 +1478,15 @@ def noise_floor(floor: Result) -> str:
     bias, near, far = abs(floor.ratio_to_bare - 1), abs(floor.ratio_high - 1), abs(floor.ratio_low - 1)
     if floor.ratio_low > 1:
         near, far = far, near
-    how = "faster" if floor.ratio_to_bare < 1 else "slower"
-    return (f"{said}, itself biased: the A/A copy, the same loop, read {bias:.1%} {how} than the bare loop "
-            f"({near * 100:.1f}-{far:.1%}; its interval excludes 1: identical loops in one process read apart by where they "
-            f"were built, not by their code); a ratio within {far:.1%} of 1, either way, is not told apart from the "
-            "bare loop")
+    effect = "of two identical loops the one built second, the A/A copy, read faster"
+    chance = "a 95% interval misses 1 time in 20"
+    if floor.ratio_high < 1:
+        how, why = "faster", f"the way the build-order effect seen on CPUs goes ({effect}), or by chance ({chance})"
+    else:
+        how, why = "slower", f"against the build-order effect seen on CPUs ({effect}): by chance ({chance}) or another cause"
+    return (f"{said}, its interval excluding 1: the A/A copy, the same loop, read {bias:.1%} {how} than the bare loop "
+            f"({near * 100:.1f}-{far:.1%}), {why}; a ratio within {far:.1%} of 1, either way, is not told apart from "
+            "the bare loop")
 
 
 GUARDED = (Guarded.name, GuardedSyncFree.name, GuardedFusedTail.name)
@@ -1583,8 +1617,10 @@ def run_bench(
     ``batch``: every workload's batch size (None: each its own, :data:`BATCHES`). An interrupt
     (Ctrl-C, or the SIGTERM :func:`run` turns into one) ends the bench: inside a case's rounds
     after a whole one, with the results so far (the last case's ``stop``: :data:`INTERRUPTED`);
-    elsewhere with :class:`BenchInterrupted`. Either way the cases it left unmeasured go to
-    ``left_out`` (:func:`_unmeasured`).
+    elsewhere with :class:`BenchInterrupted` (a case whose rounds all ran before it came is in its
+    ``results``, whole). Either way the cases it left unmeasured go to ``left_out``
+    (:func:`_unmeasured`), told from what each case left (:func:`_handled_since`), not from where
+    the interrupt found the loop.
 
     Example::
 
@@ -1599,8 +1635,12 @@ def run_bench(
     ours += [GuardedSyncFree, GuardedFusedTail] if fused else []
     contenders = ours + (available_peers() if peers else [])
     results: list[Result] = []
+    said: list[NotRun] = [] if left_out is None else left_out
     cases = [(name, p) for name in workloads for p in precisions]
-    handled = 0  # the cases of `cases` measured or said not run: an interrupt cuts cases[handled]
+    # where the bench is: the case it is on (its index in `cases`; those before are measured or
+    # said not run), and how long `results` and `said` were as it began, set in one assignment: an
+    # interrupt after a case, before this moved on, is told by what the case left (_handled_since)
+    at = (0, 0, 0)
     try:
         for name in workloads:
             try:
@@ -1608,33 +1648,68 @@ def run_bench(
             except Exception as err:  # noqa: BLE001 - a batch too large for memory (--batch), say: not run
                 why = f"its data could not be made: {_one_line(err)}"
                 print(f"{name}: not run ({why})", flush=True)
-                if left_out is not None:
-                    left_out += [NotRun(w_name(name), p, None, why) for p in precisions]
-                handled += len(precisions)
+                said += [NotRun(w_name(name), p, None, why) for p in precisions]
+                at = (at[0] + len(precisions), len(results), len(said))
                 continue
             for p in precisions:
                 why = _case_left_out(name, p, device)
                 if why is not None:
                     print(f"{w.name} {p}: not run ({why})", flush=True)
-                    if left_out is not None:
-                        left_out.append(NotRun(w.name, p, None, why))
-                    handled += 1
+                    said.append(NotRun(w.name, p, None, why))
+                    at = (at[0] + 1, len(results), len(said))
                     continue
                 run_w, run_c = (fp8_workload(w), ours) if p == "fp8" else (w, contenders)
                 run_w = compiled_workload(run_w) if compiled else run_w
                 print(f"{w.name} {p}: {', '.join(c.name for c in run_c)}", flush=True)
                 results += measure(run_w, Precision(p, device.type), device, run_c, steps=steps, rounds=rounds,
                                    warmup=warmup, fused=fused, peak_flops=peak_tflops * 1e12 if peak_tflops else None,
-                                   resolve=resolve, budget_s=budget_s, left_out=left_out,
+                                   resolve=resolve, budget_s=budget_s, left_out=said,
                                    whole_cycles=whole_cycles)
-                handled += 1
+                at = (at[0] + 1, len(results), len(said))
                 if results and results[-1].stop == INTERRUPTED:  # (measure() kept its whole rounds)
-                    _unmeasured(cases[handled:], None, device, left_out)
+                    _unmeasured(cases[at[0]:], None, device, left_out)
                     return results
-    except KeyboardInterrupt:  # outside a case's rounds (building, warming up, its first round): the cases before
-        _unmeasured(cases[handled + 1:], cases[handled] if handled < len(cases) else None, device, left_out)
+        return results
+    except KeyboardInterrupt as err:  # outside a case's rounds (building, warming up, its first round): the cases before
+        if isinstance(err, CaseInterrupted):  # (it came after the case's rounds all ran: its results are whole)
+            results += err.results
+        # (an interrupt just after a case, before `at` moved on, named it cut, "nothing measured",
+        # beside its rows: what the case left says it was done with)
+        done = _handled_since(cases, at, results, said, lambda p: ours if p == "fp8" else contenders)
+        if done > at[0]:  # (the case it was on is done with: none was cut)
+            _unmeasured(cases[done:], None, device, left_out)
+        else:
+            _unmeasured(cases[done + 1:], cases[done] if done < len(cases) else None, device, left_out)
         raise BenchInterrupted(results) from None
-    return results
+
+
+def _handled_since(cases: Sequence[tuple[str, str]], at: tuple[int, int, int], results: Sequence[Result],
+                   said: Sequence[NotRun], contenders: Callable[[str], Sequence[type[Contender]]]) -> int:
+    """The index in ``cases`` of the first case not done with, from :func:`run_bench`'s ``at``
+    (the case it was on, and how long ``results`` and ``said`` were as it began) and what came
+    after: each case said not run as a whole (``contender`` None: its data, its precision here, a
+    failed step before a whole round) is done, and so is a case with rows of its own, or whose
+    every contender (``contenders(precision)``) was said not run (none could run).
+
+    Example (case 1 measured, before ``at`` moved on to case 2)::
+
+        >>> cases = [("mlp", "fp32"), ("nano", "fp32"), ("nano", "bf16")]
+        >>> rows = [Result("tiny-mlp", "fp32", Bare.name, 1.0, 1.0), Result("nano-mlp", "fp32", Bare.name, 1.0, 1.0)]
+        >>> _handled_since(cases, (1, 1, 0), rows, [], lambda p: [Bare]), _handled_since(cases, (1, 2, 0), rows, [],
+        ...                                                                                  lambda p: [Bare])
+        (2, 1)
+        >>> _handled_since(cases, (1, 2, 0), rows, [NotRun("nano-mlp", "fp32", Bare.name, "an OOM")], lambda p: [Bare])
+        2
+    """
+    i, rows_from, said_from = at
+    for n in said[said_from:]:  # (whole cases said not run, in their order)
+        if n.contender is None and i < len(cases) and (n.workload, n.precision) == (w_name(cases[i][0]), cases[i][1]):
+            i += 1
+    if i == at[0] and i < len(cases):
+        names = {n.contender for n in said[said_from:]}
+        if results[rows_from:] or {c.name for c in contenders(cases[i][1])} <= names:
+            i += 1
+    return i
 
 
 CUT_SHORT = "interrupted before a whole round of it was measured"
@@ -1692,9 +1767,10 @@ def _unmeasured(never: Sequence[tuple[str, str]], cut: tuple[str, str] | None, d
     left_out += [NotRun(w_name(model), p, None, _case_left_out(model, p, device) or NOT_STARTED) for model, p in never]
 
 
-def interrupted_line(left_out: Sequence[NotRun]) -> str:
+def interrupted_line(left_out: Sequence[NotRun], under: bool = False) -> str:
     """The line :func:`run` prints when an interrupt cut the bench, naming the cases it left
-    unmeasured (:func:`_unmeasured`), so a table of the cases before them does not read as whole.
+    unmeasured (:func:`_unmeasured`), so a table of the cases before them does not read as whole:
+    on stderr before ``--json``'s output, or ``under`` the table, on stdout with it.
 
     Example::
 
@@ -1703,12 +1779,25 @@ def interrupted_line(left_out: Sequence[NotRun]) -> str:
         >>> interrupted_line([NotRun("nano-mlp", "bf16", None, CUT_SHORT), NotRun("tiny-mlp", "fp32", None, NOT_STARTED),
         ...                   NotRun("tiny-mlp", "bf16", None, NOT_STARTED)])
         'bench: interrupted; the rounds measured so far follow (nano-mlp bf16: cut before a whole round, nothing measured; not started: tiny-mlp fp32, tiny-mlp bf16)'
+        >>> interrupted_line([NotRun("tiny-mlp", "fp32", None, NOT_STARTED)], under=True)
+        'bench: interrupted; the rounds above are those measured so far (not started: tiny-mlp fp32)'
     """
     cut = [f"{n.workload} {n.precision}" for n in left_out if n.contender is None and n.why == CUT_SHORT]
     never = [f"{n.workload} {n.precision}" for n in left_out if n.contender is None and n.why == NOT_STARTED]
     said = ([f"{', '.join(cut)}: cut before a whole round, nothing measured"] if cut else []) + (
         [f"not started: {', '.join(never)}"] if never else [])
-    return "bench: interrupted; the rounds measured so far follow" + (f" ({'; '.join(said)})" if said else "")
+    where = "the rounds above are those measured so far" if under else "the rounds measured so far follow"
+    return f"bench: interrupted; {where}" + (f" ({'; '.join(said)})" if said else "")
+
+
+class CaseInterrupted(KeyboardInterrupt):
+    """An interrupt that came after a case's rounds had all run (while its contenders were closed
+    or its results made, :func:`measure`): ``results`` holds the case's, whole (their ``stop`` is
+    theirs), for :func:`run_bench` to keep before it ends the bench."""
+
+    def __init__(self, results: list[Result]) -> None:
+        super().__init__("bench interrupted after a case's rounds")
+        self.results = results
 
 
 class BenchInterrupted(KeyboardInterrupt):
@@ -1927,10 +2016,11 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         threads: int | None = None, aa: bool = True, compiled: bool = False, batch: int | None = None) -> int:
     """``ampguard bench``: measure, then print a table (or JSON), the resolution and the
     speed-ups. Returns the exit status: 0, or, when Ctrl-C or a SIGTERM cut the bench short
-    after something was measured, 130 or 143 (what was measured is printed first, and a line on
-    stderr, ``--json``'s ``not_run`` too, names the cases it left unmeasured: the one it cut,
-    those never started), wherever it came (in a case's rounds, or while a later case was built
-    or warmed up), or 74 when stdout could not take the table or the JSON
+    after something was measured, 130 or 143 (what was measured is printed first, and a line
+    names the cases it left unmeasured: the one it cut, those never started; under the table, or
+    on stderr before ``--json``'s output, whose ``not_run`` has them too), wherever it came (in a
+    case's rounds, after them, or while a later case was built or warmed up), or 74 when stdout
+    could not take the table or the JSON
     (:func:`output_written`). Bad
     arguments (:func:`_check_args`), or no contender able to run at all, are an InputError
     (exit 2); an interrupt before anything was measured raises
@@ -1940,9 +2030,12 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     ``± resolve_pct`` percent (0: ``rounds``, rounded up to whole cycles of the round orders
     unless ``quick``) or ``budget_s`` seconds of rounds have passed. The header gives the
     machine's load before the bench (and a warning on stderr when it is above the usable CPUs:
-    other work shares the cores); from the end of the rounds to the end of the output a SIGINT or
-    SIGTERM waits (:func:`~ampguard.signals.held_signals`), so the JSON is never cut short. On a CPU the intra-op threads are pinned (``threads``, default the CPUs this process may
-    run on: its affinity mask, not the host's count).
+    other work shares the cores); from the end of the bench to the end of the output a SIGINT or
+    SIGTERM waits (:func:`~ampguard.signals.held_signals`, blocked at the OS level: a write into
+    a pipe is not cut part-way), so the JSON is never cut short; one that comes as the bench ends,
+    before that hold, is an interrupt of the bench (its results printed, 130 or 143). On a CPU the
+    intra-op threads are pinned (``threads``, default the CPUs this process may run on: its
+    affinity mask, not the host's count).
     ``batch`` gives every model that batch size in place of its own (:data:`BATCHES`): a bigger
     one makes a GPU step compute-bound, its time the GPU's rather than the host's (an eager GPT-2
     small at batch 8 is launch-bound on an H200, and its rounds vary by ±5-7%).
@@ -1997,50 +2090,60 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
 
         # SIGTERM (what `timeout` and schedulers send) interrupts as Ctrl-C does: a bench cut by a time
         # limit prints its whole rounds; with --json, stdout is the JSON alone: the progress lines go to stderr
-        with interrupted_by(signal.SIGTERM) as signalled:
-            with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
-                least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
-                print(f"ampguard bench on {where} ({machine(where)}{_load_text(load)}{threads_said}): {least}"
-                      f"{counted(rounds, 'round')} x {counted(steps, 'step')}, paired, {until}", flush=True)
-                if quick:
-                    print("--quick: a smoke test that every contender runs, not a measurement (its ratios are noise; "
-                          "no interval below 6 rounds)", flush=True)
-                for note in _long_on(where, workloads):
-                    print(note, flush=True)
-                left_out: list[NotRun] = []  # the "not run" lines, for --json too
-                cut = False  # an interrupt ended the bench outside a case's whole rounds (BenchInterrupted)
+        results: list[Result] = []
+        left_out: list[NotRun] = []  # the "not run" lines, for --json too
+        cut = False  # an interrupt ended the bench outside a case's whole rounds (BenchInterrupted), or after it
+        stdout = sys.stdout
+        with interrupted_by(signal.SIGTERM) as signalled, contextlib.ExitStack() as holding:
+            # from the end of the bench a signal waits until the output is whole, then exits 143 or 130
+            # (SIGTERM's default cut the JSON short: a time limit left half a file where the last good one
+            # had been); the hold is entered before interrupted_by is left, and an interrupt that comes
+            # after the bench, before the hold, is the bench's (it lost every result: 130, nothing printed)
+            try:
                 try:
+                    if as_json:
+                        sys.stdout = sys.stderr
+                    least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
+                    print(f"ampguard bench on {where} ({machine(where)}{_load_text(load)}{threads_said}): {least}"
+                          f"{counted(rounds, 'round')} x {counted(steps, 'step')}, paired, {until}", flush=True)
+                    if quick:
+                        print("--quick: a smoke test that every contender runs, not a measurement (its ratios are "
+                              "noise; no interval below 6 rounds)", flush=True)
+                    for note in _long_on(where, workloads):
+                        print(note, flush=True)
                     results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps,
                                         rounds=rounds, warmup=warmup, peers=peers, fused=fused,
                                         peak_tflops=peak_tflops, resolve=resolve, budget_s=budget_s, aa=aa,
                                         compiled=compiled, left_out=left_out, whole_cycles=not quick, batch=batch)
-                except BenchInterrupted as stopped:  # (Ctrl-C, or the SIGTERM interrupted_by turns into one)
-                    results, cut = stopped.results, True
+                    holding.enter_context(held_signals())
+                except KeyboardInterrupt as stopped:  # (Ctrl-C, or the SIGTERM interrupted_by turns into one)
+                    results, cut = stopped.results if isinstance(stopped, BenchInterrupted) else results, True
                     if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
                         raise Interrupted(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED) from None
-            # from here a signal waits until the output is whole, then exits 143 or 130 (SIGTERM's default
-            # cut the JSON short: a time limit left half a file where the last good one had been)
-            with held_signals():
-                # (a case cut before its first whole round, or while built or warmed up, left the one
-                # before it last: its stop is "fixed", and Ctrl-C read as a finished bench, exit 0)
-                interrupted = cut or bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
-                if interrupted:
-                    print(interrupted_line(left_out), file=sys.stderr, flush=True)
-                if not results:
-                    raise InputError(f"bench: no contender could run {models} in {precisions} on {where} "
-                                     "(why: the lines above)")
-                settings = {"device": str(where), "models": workloads, "precisions": names, "steps": steps,
-                            "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
-                            "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa,
-                            "compiled": compiled, "quick": quick, "batch": batch}
-                print(to_json(results, resolve, settings, where, left_out, load) if as_json else
-                      "\n".join([table(results), *memory_note(results), *mfu_note(results, peak_tflops),
-                                 *resolution(results, resolve), *versus_lines(results), *speedups(results)]),
-                      flush=True)
-                if _busy(load):  # (after the figures it is about: a refusal above stays one line)
-                    cpus = counted(_usable_cpus(), "usable CPU")
-                    print(f"warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "
-                          "work shared the cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
+                    holding.enter_context(held_signals())
+            finally:
+                sys.stdout = stdout
+            # (a case cut before its first whole round, or while built or warmed up, left the one
+            # before it last: its stop is "fixed", and Ctrl-C read as a finished bench, exit 0)
+            interrupted = cut or bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
+            if interrupted and as_json:  # (a table says it under the table: stdout is where it is read)
+                print(interrupted_line(left_out), file=sys.stderr, flush=True)
+            if not results:
+                raise InputError(f"bench: no contender could run {models} in {precisions} on {where} "
+                                 "(why: the lines above)")
+            settings = {"device": str(where), "models": workloads, "precisions": names, "steps": steps,
+                        "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
+                        "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa,
+                        "compiled": compiled, "quick": quick, "batch": batch}
+            print(to_json(results, resolve, settings, where, left_out, load) if as_json else
+                  "\n".join([table(results), *([interrupted_line(left_out, under=True)] if interrupted else []),
+                             *memory_note(results), *mfu_note(results, peak_tflops), *resolution(results, resolve),
+                             *versus_lines(results), *speedups(results)]),
+                  flush=True)
+            if _busy(load):  # (after the figures it is about: a refusal above stays one line)
+                cpus = counted(_usable_cpus(), "usable CPU")
+                print(f"warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "
+                      "work shared the cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
         return output_written(as_json, int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
                               if interrupted else 0)
 
@@ -2136,11 +2239,12 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
     """Refuse, as one :class:`~ampguard.errors.InputError` line, what :func:`run` cannot measure:
     an unknown or repeated model or precision (a repeat would run the case twice), a
     ``--peak-tflops`` that is not a finite number > 0 or is given with none of the :data:`COUNTED`
-    models (the MLPs count no FLOPs: it gave no MFU, and said nothing), ``--resolve`` or ``--budget`` not a
+    models among the cases that run (the MLPs count no FLOPs, and a transformer in fp16 on a CPU is
+    left out, :func:`_case_left_out`: it gave no MFU, and said nothing), ``--resolve`` or ``--budget`` not a
     finite number >= 0, a ``--resolve`` of 100% or more, one below :data:`MIN_RESOLVE_PCT` but
     not 0, or one with ``--budget 0`` (no time to
     resolve in; not with ``quick``, which resolves nothing and ignores the budget), ``--threads``
-    below 1, or fp16 alone on a CPU with none of the :data:`SMALL` models.
+    below 1, or no case left to run (fp16 alone on a CPU with none of the :data:`SMALL` models).
 
     Example::
 
@@ -2155,6 +2259,11 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
         ...
         ampguard.errors.InputError: bench: --peak-tflops gives MFU, which only the transformer and gpt2 models count (their FLOPs); mlp,nano count none: leave it out, or add a transformer
         >>> _check_args(cpu, ["mlp", "gpt2"], ["fp32"], peak_tflops=989.0, resolve_pct=1.0, budget_s=120.0, threads=None)
+        >>> _check_args(cpu, ["nano", "transformer"], ["fp16"], peak_tflops=5.0, resolve_pct=1.0, budget_s=120.0,
+        ...             threads=None)  # (the transformer is left out: fp16 on a CPU)
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: bench: --peak-tflops gives MFU, which only the transformer and gpt2 models count (their FLOPs), and transformer fp16 is not run here (on a CPU fp16 runs only the mlp and nano models): no row would have MFU; leave it out, or add a precision it runs in
         >>> _check_args(cpu, ["mlp"], ["fp32"], peak_tflops=None, resolve_pct=1.0, budget_s=0.0, threads=None,
         ...             quick=True)  # (--quick resolves nothing: no budget needed)
     """
@@ -2168,12 +2277,20 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
                 raise InputError(f"bench: {kind} {name!r} given twice")
     if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
         raise InputError(f"bench: --peak-tflops must be a finite number > 0, got {peak_tflops:g}")
-    if peak_tflops is not None and not set(COUNTED) & set(workloads):  # (it was ignored: no MFU, no word)
-        raise InputError(f"bench: --peak-tflops gives MFU, which only the {' and '.join(COUNTED)} models count (their "
-                         f"FLOPs); {','.join(workloads)} count none: leave it out, or add a transformer")
-    if where.type == "cpu" and set(names) == {"fp16"} and not set(SMALL) & set(workloads):
-        models = ",".join(workloads)
-        raise InputError(f"bench: on a CPU fp16 runs only the mlp and nano models; nothing to measure for {models}")
+    kept = [m for m in workloads if any(_case_left_out(m, p, where) is None for p in names)]  # (what run_bench runs)
+    if not kept:  # (every case left out: fp16 alone on a CPU with none of the SMALL models)
+        why = next(why for m in workloads for p in names if (why := _case_left_out(m, p, where)) is not None)
+        raise InputError(f"bench: {why}; nothing to measure for {','.join(workloads)}")
+    if peak_tflops is not None and not set(COUNTED) & set(kept):  # (it was ignored: no MFU, no word)
+        if not set(COUNTED) & set(workloads):
+            raise InputError(f"bench: --peak-tflops gives MFU, which only the {' and '.join(COUNTED)} models count "
+                             f"(their FLOPs); {','.join(workloads)} count none: leave it out, or add a transformer")
+        left = [f"{m} {p}" for m in workloads if m in COUNTED for p in names]
+        why = next(why for m in workloads if m in COUNTED for p in names if (why := _case_left_out(m, p, where)))
+        raise InputError(f"bench: --peak-tflops gives MFU, which only the {' and '.join(COUNTED)} models count "
+                         f"(their FLOPs), and {', '.join(left)} {'is' if len(left) == 1 else 'are'} not run here "
+                         f"({why}): no row would have MFU; leave it out, or add a precision "
+                         f"{'it runs' if len(left) == 1 else 'they run'} in")
     for flag, value in (("--resolve", resolve_pct), ("--budget", budget_s)):
         if not (math.isfinite(value) and value >= 0):
             raise InputError(f"bench: {flag} must be a finite number >= 0, got {value:g}")

@@ -233,15 +233,17 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
                launch: Callable[[list[str]], subprocess.Popen] = _launch) -> int:
     """Run ``ampguard bench *child_args --json`` ``n`` times, one after another, then print the
     rows across them (a table, or JSON with ``as_json``). Returns 0; 130 or 143 when Ctrl-C or
-    a SIGTERM stopped it (the processes that finished are reported; the running one is ended
-    with SIGTERM, then SIGKILL after a minute, and left out); a process that fails (or prints
+    a SIGTERM stopped it (the processes that finished are reported; the running one is ended,
+    :func:`_end`: its stdout closed, then SIGTERM, then SIGKILL after a minute; it is left out),
+    also one that came after the last process, before the output; a process that fails (or prints
     no JSON) ends it with its exit code (1 for no JSON; 128 + the signal for one killed by a
     signal), after the rows of those before it. Progress goes to stderr (each process's own
     lines, as they come). ``quick``: said to be a smoke test, and no interval is given. While the
     rows are printed a signal waits (:func:`~ampguard.signals.held_signals`): the output is
-    never cut short, and once it is whole :class:`~ampguard.signals.Interrupted` (143 or 130) is
-    raised, as the one-process bench does (after an interrupt in the processes, their code stands). stdout that could not take the output
-    (a full disk) is exit 74 (:func:`~ampguard.bench.output_written`)."""
+    never cut short (not at a pipe's 64 KiB either: the signals are blocked at the OS level), and
+    once it is whole :class:`~ampguard.signals.Interrupted` (143 or 130) is raised, as the
+    one-process bench does (after an interrupt in the processes, their code stands). stdout that
+    could not take the output (a full disk) is exit 74 (:func:`~ampguard.bench.output_written`)."""
     from .errors import ExitCode
 
     argv = [sys.executable, "-m", "ampguard", "bench", *child_args, "--json"]
@@ -254,55 +256,74 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
     if quick:
         print("--quick: a smoke test that the processes run, not a measurement (no interval)", file=say, flush=True)
     proc: subprocess.Popen | None = None
-    with interrupted_by(signal.SIGINT, signal.SIGTERM, once=True) as came:  # (a second one: ignored)
-        try:
-            for i in range(1, n + 1):
-                print(f"process {i} of {n}:", file=say, flush=True)
-                proc = launch(argv)
-                out, _ = proc.communicate()
-                failed = None
-                if proc.returncode != 0:
-                    code, failed = _exit_of(proc.returncode)
-                else:
-                    try:
-                        children.append(json.loads(out))
-                    except ValueError:
-                        code, failed = 1, "printed no JSON"
-                proc = None
-                if failed is not None:
-                    stopped = f"process {i} {failed}"
-                    print(f"bench: process {i} of {n} {failed} (its lines above); the "
-                          f"{counted(len(children), 'process', 'processes')} before it follow", file=say, flush=True)
-                    break
-        except KeyboardInterrupt:
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            code = int(ExitCode.TERMINATED if came == [signal.SIGTERM] else ExitCode.INTERRUPTED)
-            stopped = "interrupted"
-            print(f"bench: interrupted in process {len(children) + 1} of {n}; the "
-                  f"{counted(len(children), 'process', 'processes')} before it follow", file=say, flush=True)
-        # from here a signal waits until the output is whole (it was cut at the pipe's 64 KiB and
-        # exited 130 for a SIGTERM), then exits 143 or 130 as the one-process bench does (the command
-        # line's "ampguard: interrupted"); after an interrupt above, the first signal's code stands
-        try:
-            with held_signals():
-                rows = across(children)
-                if quick:
-                    for row in rows:
-                        row.low = row.high = math.nan
-                if as_json:
-                    print(to_json(children, rows, resolve, n, stopped), flush=True)
-                elif rows:
-                    print("\n".join([table(rows, quick), *([] if quick else resolution(rows, resolve))]), flush=True)
-        except Interrupted:
-            if stopped != "interrupted":  # (a second signal stays ignored, as while the process ends)
-                raise
+    # from the end of the processes a signal waits until the output is whole (it was cut at the
+    # pipe's 64 KiB and exited 130 for a SIGTERM), then exits 143 or 130 as the one-process bench
+    # does (the command line's "ampguard: interrupted"); after an interrupt in the processes, the
+    # first signal's code stands. The hold is entered before interrupted_by is left (a signal
+    # between the two lost every process's rows), and a signal before it is taken as an interrupt
+    try:
+        with interrupted_by(signal.SIGINT, signal.SIGTERM, once=True) as came, \
+                contextlib.ExitStack() as holding:  # (a second signal: ignored)
+            i = 0
+            try:
+                for i in range(1, n + 1):
+                    print(f"process {i} of {n}:", file=say, flush=True)
+                    proc = launch(argv)
+                    out, _ = proc.communicate()
+                    failed = None
+                    if proc.returncode != 0:
+                        code, failed = _exit_of(proc.returncode)
+                    else:
+                        try:
+                            children.append(json.loads(out))
+                        except ValueError:
+                            code, failed = 1, "printed no JSON"
+                    proc = None
+                    if failed is not None:
+                        stopped = f"process {i} {failed}"
+                        print(f"bench: process {i} of {n} {failed} (its lines above); the "
+                              f"{counted(len(children), 'process', 'processes')} before it follow", file=say,
+                              flush=True)
+                        break
+                holding.enter_context(held_signals())
+            except KeyboardInterrupt:
+                if proc is not None and proc.poll() is None:
+                    _end(proc)
+                code = int(ExitCode.TERMINATED if came == [signal.SIGTERM] else ExitCode.INTERRUPTED)
+                stopped = "interrupted"
+                where = (f"in process {i} of {n}" if proc is not None else  # (else between processes, or after them)
+                         f"after process {i} of {n}" if i else f"before process 1 of {n}")
+                print(f"bench: interrupted {where}; the {counted(len(children), 'process', 'processes')} before "
+                      "it follow", file=say, flush=True)
+                holding.enter_context(held_signals())
+            rows = across(children)
+            if quick:
+                for row in rows:
+                    row.low = row.high = math.nan
+            if as_json:
+                print(to_json(children, rows, resolve, n, stopped), flush=True)
+            elif rows:
+                print("\n".join([table(rows, quick), *([] if quick else resolution(rows, resolve))]), flush=True)
+    except Interrupted:
+        if stopped != "interrupted":  # (a second signal stays ignored, as while the process ends)
+            raise
     return output_written(as_json, code)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End a running process of the bench: its stdout closed first, so that one blocked writing
+    its JSON into the pipe (over 64 KiB, which nothing reads any more) is not left waiting there,
+    its SIGTERM held until the JSON is whole (it was SIGKILLed a minute later); then SIGTERM, and
+    SIGKILL after a minute."""
+    if proc.stdout is not None:
+        with contextlib.suppress(OSError):
+            proc.stdout.close()
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def run(*, processes: int, device: str, models: str, precisions: str, steps: int, rounds: int, warmup: int,

@@ -259,7 +259,19 @@ class Interrupted(KeyboardInterrupt):
 @contextmanager
 def held_signals() -> Iterator[StopFlag]:
     """Hold SIGINT and SIGTERM for the ``with`` block; on leaving it, raise :class:`Interrupted`
-    if one arrived.
+    if one arrived (an exception leaving the block goes on instead, the signal dropped).
+
+    On the main thread they are blocked at the OS level (``pthread_sigmask``) for the block, and
+    the mask before is put back as it ends, which delivers a signal that came then: a Python
+    handler that only takes note (what this did before) still interrupts the system call the
+    main thread is in, and a ``write(2)`` blocked on a full pipe (``bench --json | reader``, a
+    reader slower than the bench) returned part-way and ``print`` dropped the rest: the JSON was
+    cut at 64 KiB. That handler stays, noting a signal that another thread of the process took
+    (one that does not block it: a signal sent to the process goes to any such thread) without
+    interrupting the main thread's system call. A process started inside the block inherits the
+    mask (the signals wait in it too, until it sets its own): start none there that must answer
+    them. A signal the process was started with ignored stays ignored; off the main thread only
+    the note is taken (:func:`stop_on_signals` leaves signals alone there).
 
     Example::
 
@@ -273,9 +285,19 @@ def held_signals() -> Iterator[StopFlag]:
         still here
         143
     """
+    import threading
+
     with stop_on_signals() as flag:
         flag.closing = True
-        yield flag
+        held = {sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+        before = None
+        if held and threading.current_thread() is threading.main_thread():
+            before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            yield flag
+        finally:
+            if before is not None:  # (a signal that came is delivered here: the handler above notes it)
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
     if flag.requested:
         raise Interrupted(flag.exit_code)
 
