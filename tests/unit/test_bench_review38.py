@@ -132,20 +132,26 @@ def _child_json(ratio: float) -> dict:
          "half_width": 0.01}]}
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_while_the_processes_json_is_written_waits_until_it_is_whole(tmp_path, monkeypatch, capsys, sig, code):
-    # review 38b #2: a SIGTERM while the parent wrote its JSON (into a pipe read slowly) cut it at 64 KiB
-    # and exited 130: the final print was outside the held signals
+def launcher(tmp_path: Path, outputs: list[dict]):
+    """``run_across``'s ``launch``: each process it starts prints the next of ``outputs`` as JSON."""
     scripts = []
-    for i, ratio in enumerate((1.1, 1.2)):
+    for i, output in enumerate(outputs):
         path = tmp_path / f"child{i}.py"
-        path.write_text(f"import json; print(json.dumps({_child_json(ratio)!r}))", encoding="utf-8")
+        path.write_text(f"import json; print(json.dumps({output!r}))", encoding="utf-8")
         scripts.append(str(path))
 
     def launch(argv):
         return subprocess.Popen([sys.executable, scripts.pop(0)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
 
+    return launch
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_processes_json_is_written_waits_until_it_is_whole(tmp_path, monkeypatch, capsys, sig, code):
+    # review 38b #2: a SIGTERM while the parent wrote its JSON (into a pipe read slowly) cut it at 64 KiB
+    # and exited 130: the final print was outside the held signals
+    launch = launcher(tmp_path, [_child_json(ratio) for ratio in (1.1, 1.2)])
     real_run_across, real_to_json = bp.run_across, bp.to_json
 
     def to_json(*args, **kwargs):  # the signal arrives as the JSON is being written

@@ -32,6 +32,7 @@ from ampguard import bench_processes as bp
 from ampguard import signals
 from ampguard.bench import BareAgain, Result
 from ampguard.cli import main
+from test_bench_review38 import launcher  # noqa: E402
 from ampguard.signals import Interrupted, held_signals
 
 CUT_SHORT = "interrupted before a whole round of it was measured"  # (bench.CUT_SHORT, bench.NOT_STARTED)
@@ -119,17 +120,7 @@ def _child_json(ratio: float) -> dict:
 
 
 def _launcher(tmp_path: Path, ratios: list[float]):
-    scripts = []
-    for i, ratio in enumerate(ratios):
-        path = tmp_path / f"child{i}.py"
-        path.write_text(f"import json; print(json.dumps({_child_json(ratio)!r}))", encoding="utf-8")
-        scripts.append(str(path))
-
-    def launch(argv):
-        return subprocess.Popen([sys.executable, scripts.pop(0)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-
-    return launch
+    return launcher(tmp_path, [_child_json(ratio) for ratio in ratios])
 
 
 def test_the_processes_json_over_64_kib_written_into_a_pipe_is_whole_through_a_sigterm(tmp_path, monkeypatch):
