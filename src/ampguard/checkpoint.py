@@ -200,7 +200,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     copies = {id(b): b.detach().clone() for _, held in buffers for b in held.values() if b is not None}
     grads = {id(p): p.grad for p in model.parameters()}
     sums = {name: _checksum(p) for name, p in model.named_parameters()}
-    versions = {name: (_version(p), _storage(p)) for name, p in model.named_parameters()}
+    versions = {name: (_version(p), _storage(p), p.shape, p.dtype) for name, p in model.named_parameters()}
     try:
         with rng_kept(), modes_kept(model):
             yield
@@ -284,14 +284,18 @@ def _checksum(p: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _changed(p: torch.Tensor, before: torch.Tensor | None, version: tuple[int | None, int | None] | None) -> bool:
-    """Whether parameter ``p`` changed since :func:`untouched` took its checksum ``before`` (and
-    its version counter and storage, ``version``: what judges it when no checksum could be taken)."""
+def _changed(p: torch.Tensor, before: torch.Tensor | None, version: tuple[Any, ...] | None) -> bool:
+    """Whether parameter ``p`` changed since :func:`untouched` took its checksum ``before`` and its
+    version counter, storage, shape and dtype (``version``): another shape or dtype is a change
+    whatever the bytes (``p.data = torch.zeros(2, 8)`` for a 4 x 4 of zeros); else the checksum
+    judges, or, when none could be taken, the version counter and the storage."""
+    if version is None or (p.shape, p.dtype) != version[2:]:
+        return True
     if before is not None:
         after = _checksum(p)
         if after is not None:
             return not torch.equal(after, before)
-    return (_version(p), _storage(p)) != version
+    return (_version(p), _storage(p)) != version[:2]
 
 
 def _as_tuple(value: Any) -> Any:

@@ -116,6 +116,21 @@ def persistent(config):
     data = DataLoader(Noisy(x, y), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True,
                       generator=torch.Generator().manual_seed(0))
     return nn.Linear(8, 2), data, F.mse_loss
+
+
+class Wrapped:  # re-iterable: each read starts the loader over (whose persistent workers give one iterator)
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield batch
+
+
+def wrapped_persistent(config):
+    x, y = xy()
+    data = DataLoader(Noisy(x, y), batch_size=16, num_workers=1, persistent_workers=True)  # (read again: another)
+    return nn.Linear(8, 2), Wrapped(data), F.mse_loss
 """
 
 
@@ -306,6 +321,27 @@ def test_a_generator_over_one_stored_iterator_is_warned_as_a_likely_one_shot(tmp
         "data read again from its start gave another first batch: a resume, a rollback or locate's replay reads "
         "other batches than the run did (give its shuffle or its random source a seeded generator, as a "
         "DataLoader's generator=)"]
+
+
+def test_a_wrapper_that_starts_a_persistent_workers_loader_over_is_no_one_shot(tmp_path):
+    # review 39h: a persistent-workers DataLoader's iter() is one object at every read, held by both
+    # reads' generators: a wrapper that starts the loader over was warned as a one-shot
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        factory_task(tmp_path, "wrapped_persistent")
+    assert not [w for w in caught if "one-shot" in str(w.message)]
+
+
+def test_untouched_names_a_parameter_given_another_shape_or_dtype_of_the_same_bytes():
+    # review 39h: the checksum reads bytes alone: zeros(2, 8) for a 4 x 4 of zeros was no change
+    model = nn.Linear(4, 4, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    for made in (lambda: torch.zeros(2, 8), lambda: torch.zeros(8, dtype=torch.float64)):
+        with pytest.warns(AmpguardWarning, match=r"changed 1 parameter in place \(weight\)"):
+            with untouched(model):
+                model.weight.data = made()
+        model.weight.data = torch.zeros(4, 4)
 
 
 # ---------------------------------------------------------------------------- D5. persistent workers

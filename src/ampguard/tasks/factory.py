@@ -422,6 +422,11 @@ def _one_shot(restart: Callable[[], Any]) -> bool:
     return any(isinstance(a, Iterable) and isinstance(b, Iterable) and iter(a) is iter(b) for a, b in pairs)
 
 
+_LOADER_ITERATORS = (torch.utils.data.dataloader._BaseDataLoaderIter,)
+"""A ``DataLoader``'s iterators: one with ``persistent_workers`` is the same object at every
+``iter()``, and a read through it starts over (a wrapper's ``for batch in self.loader``)."""
+
+
 def _held_iterators(reader: Any) -> dict[int, Any]:
     """The iterators that ``reader``, one read's iterator, draws from, by id: what its generator's
     frame holds (its locals and its stack: the stored iterator of ``yield from self.it`` or ``for
@@ -456,6 +461,8 @@ def _held_iterators(reader: Any) -> dict[int, Any]:
         if not isinstance(generator, types.GeneratorType):
             continue
         for held in gc.get_referents(generator):  # (its frame's locals and stack)
+            if isinstance(held, _LOADER_ITERATORS):  # (a persistent-workers DataLoader gives every read the same one)
+                continue
             if isinstance(held, Iterator) and held is not generator and id(held) not in found:
                 found[id(held)] = held
                 todo.append(held)
