@@ -487,14 +487,14 @@ def test_a_run_folder_whose_config_cannot_be_written_is_taken_back(cli, tmp_path
         raise OSError(*error)
 
     if what == "the write itself":  # through files.replace_atomically, which names a full disk DiskFull
-        write_bytes = Path.write_bytes
+        real_open = os.open
 
-        def write_fails(self, data):  # the write of config.yaml's temporary file
-            if self.name.startswith(".config.yaml.tmp"):
+        def open_fails(path, flags, *args, **kwargs):  # config.yaml's temporary file (no inode left, no access)
+            if os.path.basename(os.fspath(path)).startswith(".config.yaml.tmp"):
                 raise OSError(*error)
-            return write_bytes(self, data)
+            return real_open(path, flags, *args, **kwargs)
 
-        monkeypatch.setattr(Path, "write_bytes", write_fails)
+        monkeypatch.setattr(os, "open", open_fails)
     else:
         monkeypatch.setattr(run_folder.RunPaths, what, cannot_write)
     code, out, err = cli("train", *LINEAR, "--set", "steps=2", "--set", "log.dir=runs/deeper", "--set", "log.name=a")

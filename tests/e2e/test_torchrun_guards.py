@@ -195,15 +195,15 @@ class Dies(nn.Linear):
     calls = 0
 
     def forward(self, x):
-        if self.training:
+        if self.training:  # (the start-up's check runs the first four batches as a step does: calls 1-4)
             Dies.calls += 1
-            if os.environ.get("KILL_RANK_1") and os.environ["RANK"] == "1" and Dies.calls == 3:
+            if os.environ.get("KILL_RANK_1") and os.environ["RANK"] == "1" and Dies.calls == 6:
                 os.kill(os.getpid(), signal.SIGKILL)  # rank 1, in step 3's forward
-            if os.environ.get("HANG_RANK_1") and os.environ["RANK"] == "1" and Dies.calls == 3:
+            if os.environ.get("HANG_RANK_1") and os.environ["RANK"] == "1" and Dies.calls == 6:
                 with open("rank1.pid", "w") as f:
                     f.write(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)  # rank 1 hangs in step 3's forward
-            if os.environ.get("TERM_RANK_1") and os.environ["RANK"] == "1" and Dies.calls == 3:
+            if os.environ.get("TERM_RANK_1") and os.environ["RANK"] == "1" and Dies.calls == 6:
                 os.kill(os.getpid(), signal.SIGTERM)  # a SIGTERM to rank 1's process alone, in step 3
         return super().forward(x)
 
