@@ -1394,6 +1394,34 @@ def resume_point(resume: Resume | None) -> tuple[int, str | None] | None:
     return None if resume is None else (resume.loaded.step, resume.run_id)
 
 
+def fail_rate_counted_under(resume: Resume) -> None:
+    """A run monitor state saved before it kept the ``fail_rate`` its count of steps above it was
+    made under (ampguard before the recount on resume) takes the checkpoint's config's
+    ``monitor.fail_rate``, the rate the run that saved it judged with: a resume with another
+    rate counts the steps above it again (:meth:`RunMonitor.load_state_dict`) rather than keep,
+    or guess, a count made under the old one. A state that has it, or a config that does not say
+    (a rate that is none), is left as it is.
+
+    Example::
+
+        >>> from pathlib import Path
+        >>> payload = {CONFIG: {"monitor": {"fail_rate": 0.4}}, STATE: {"monitors": {"run": {"above_fail": 9}}}}
+        >>> fail_rate_counted_under(Resume(Loaded(Path("step-00000009.pt"), payload), Path(".")))
+        >>> payload[STATE]["monitors"]["run"]
+        {'above_fail': 9, 'fail_rate': 0.4}
+    """
+    payload = resume.loaded.payload
+    state = payload.get(STATE)
+    monitors = state.get("monitors") if isinstance(state, dict) else None
+    run = monitors.get("run") if isinstance(monitors, dict) else None
+    section = payload.get(CONFIG, {}).get("monitor") if isinstance(payload.get(CONFIG), dict) else None
+    if not (isinstance(run, dict) and "fail_rate" not in run and isinstance(section, dict) and "fail_rate" in section):
+        return
+    rate = section["fail_rate"]
+    if rate is None or (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1):
+        run["fail_rate"] = rate
+
+
 def check_same_resumes(points: Sequence[tuple[int, str | None] | None]) -> None:
     """Under torchrun, every rank resumes from the same step of the same run (:func:`resume_point`,
     in rank order), else one :class:`InputError` line, the same on every rank, before anything is

@@ -110,7 +110,7 @@ def _open_for_append(path: Path) -> IO[bytes]:
             raise InputError(f"{shown(path)} is a symbolic link to nothing ({shown(os.readlink(path))}); refusing to "
                              f"write through it")
         path.parent.mkdir(parents=True, exist_ok=True)
-        file = open(path, "ab", buffering=0, opener=_opened_without_waiting)
+        file = open(path, "ab", buffering=0, opener=opened_without_waiting)
     except OSError as err:
         if err.errno == errno.ENXIO and _a_named_pipe(path):
             raise InputError(f"cannot write {shown(path)}: it is a named pipe that no process reads; refusing to "
@@ -128,7 +128,7 @@ def _open_for_append(path: Path) -> IO[bytes]:
 _NO_WAIT = getattr(os, "O_NONBLOCK", 0)
 
 
-def _opened_without_waiting(path: str, flags: int) -> int:
+def opened_without_waiting(path: str, flags: int) -> int:
     """``open``'s opener for :func:`_open_for_append`: the flags it asks for, and ``O_NONBLOCK``."""
     return os.open(path, flags | _NO_WAIT, 0o666)
 

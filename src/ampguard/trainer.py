@@ -213,7 +213,7 @@ class Trainer:
             problem = None
             try:
                 other_data(resume.loaded.payload, resume.loaded.path.name, self.task.data_id)
-                fail_rate_counted_under(resume)
+                ck.fail_rate_counted_under(resume)
                 self.checkpointer.check_fits(resume.loaded)
                 self._check_logs(RunPaths.existing(resume.run_dir), resume.loaded.step)
                 self.checkpointer.restore(resume.loaded)  # (each rank its own RNG state: one may not load)
@@ -794,34 +794,6 @@ class Trainer:
         if full is None:
             return None
         return disk_full_line(full, self.checkpointer.saved, self.state.steps, self.monitor.steps, self.paths.dir)
-
-
-def fail_rate_counted_under(resume: ck.Resume) -> None:
-    """A run monitor state saved before it kept the ``fail_rate`` its count of steps above it was
-    made under (ampguard before the recount on resume) takes the checkpoint's config's
-    ``monitor.fail_rate``, the rate the run that saved it judged with: a resume with another
-    rate counts the steps above it again (:meth:`RunMonitor.load_state_dict`) rather than keep,
-    or guess, a count made under the old one. A state that has it, or a config that does not say
-    (a rate that is none), is left as it is.
-
-    Example::
-
-        >>> from pathlib import Path
-        >>> payload = {ck.CONFIG: {"monitor": {"fail_rate": 0.4}}, ck.STATE: {"monitors": {"run": {"above_fail": 9}}}}
-        >>> fail_rate_counted_under(ck.Resume(ck.Loaded(Path("step-00000009.pt"), payload), Path(".")))
-        >>> payload[ck.STATE]["monitors"]["run"]
-        {'above_fail': 9, 'fail_rate': 0.4}
-    """
-    payload = resume.loaded.payload
-    state = payload.get(ck.STATE)
-    monitors = state.get("monitors") if isinstance(state, dict) else None
-    run = monitors.get("run") if isinstance(monitors, dict) else None
-    section = payload.get(ck.CONFIG, {}).get("monitor") if isinstance(payload.get(ck.CONFIG), dict) else None
-    if not (isinstance(run, dict) and "fail_rate" not in run and isinstance(section, dict) and "fail_rate" in section):
-        return
-    rate = section["fail_rate"]
-    if rate is None or (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1):
-        run["fail_rate"] = rate
 
 
 def _build_task(config: Config, world: int) -> Task:

@@ -213,7 +213,7 @@ def test_a_state_saved_without_its_fail_rate_is_not_counted_under_a_raised_one()
     resumed.load_state_dict(older)
     assert feed(resumed, plan[9:]) == [] and resumed.failed is None and resumed.above_fail == 1
     # train --resume gives such a state the checkpoint config's rate: a rate not raised keeps the count
-    from ampguard.trainer import fail_rate_counted_under
+    from ampguard.checkpointer import fail_rate_counted_under
     payload = {ck.CONFIG: {"monitor": {"fail_rate": 0.4}}, ck.STATE: {"monitors": {"run": dict(older)}}}
     fail_rate_counted_under(ck.Resume(ck.Loaded(Path("step-00000009.pt"), payload), Path(".")))
     handed = payload[ck.STATE]["monitors"]["run"]

@@ -85,7 +85,7 @@ from ..errors import (MAX_PATH_SHOWN, AmpguardWarning, ExitCode, InputError, cou
 from ..monitor import RunMonitor
 from ..precision import GuardedGradScaler, Precision, check_scaler_settings
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
-from ..sinks import CSV_COLUMNS, CsvSink, Sink
+from ..sinks import CSV_COLUMNS, CsvSink, Sink, opened_without_waiting
 from ..step import Guard, check_settings
 from ..watch import first_forward_dtypes
 from .trackers import Outcome, end_sinks
@@ -1038,9 +1038,10 @@ def _check_writable(path: Path, where: str, rewritten: bool = False) -> None:
 
 
 def _open_to_append(path: Path) -> None:
-    """Open ``path`` to append and close it, writing nothing; without waiting (``O_NONBLOCK``: a
-    named pipe no process reads is ``ENXIO``, not a fit that never begins)."""
-    os.close(os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NONBLOCK", 0)))
+    """Open ``path`` to append and close it, writing nothing; without waiting, as the sinks open it
+    (:func:`~ampguard.sinks.opened_without_waiting`: a named pipe no process reads is ``ENXIO``,
+    not a fit that never begins)."""
+    os.close(opened_without_waiting(os.fspath(path), os.O_WRONLY | os.O_APPEND))
 
 
 def _said(path: str | os.PathLike) -> str:
