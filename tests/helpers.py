@@ -792,6 +792,38 @@ def build(config):
 """
 
 
+# A user factory's data for the start-up's checks: a seeded regression set, and a Dataset that
+# draws a random augmentation in its workers (whose RNG the start-up's reads must not move).
+NOISY_DATA = """\
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+
+def xy(n=64):
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g)
+
+
+class Noisy(Dataset):  # a random augmentation, drawn in the workers
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+def persistent_loader():
+    x, y = xy()
+    return DataLoader(Noisy(x, y), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True,
+                      generator=torch.Generator().manual_seed(0))
+"""
+
+
 # ---------------------------------------------------------------------------- plots: ampguard's mark, a user's PNG
 
 

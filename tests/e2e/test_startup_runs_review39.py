@@ -14,23 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import one_error_line, write
+from helpers import NOISY_DATA, one_error_line, write
 
 pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
 
 RUN = ["--set", "device=cpu", "--set", "precision=fp32", "--set", "log.plot=false", "--set", "log.every=1000",
        "--set", "schedule.decay=constant", "--set", "eval.enabled=false"]
 
-FACTORIES = """
-import torch
-from torch import nn
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset, TensorDataset
-
-
-def xy(n=64):
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g)
+FACTORIES = NOISY_DATA + """
 
 
 def plain(config):  # no generator: each iter() draws its base seed from torch's RNG, as dropout does
@@ -39,21 +30,8 @@ def plain(config):  # no generator: each iter() draws its base seed from torch's
     return model, DataLoader(TensorDataset(x, y), batch_size=16), F.mse_loss
 
 
-class Noisy(Dataset):  # a random augmentation, drawn in the workers
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
-
-
 def persistent(config):
-    x, y = xy()
-    data = DataLoader(Noisy(x, y), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True,
-                      generator=torch.Generator().manual_seed(0))
+    data = persistent_loader()
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2)), data, F.mse_loss
 
 

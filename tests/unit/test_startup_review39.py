@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import write
+from helpers import NOISY_DATA, write
 
 from ampguard.build import check_forward
 from ampguard.checkpoint import untouched
@@ -35,18 +35,8 @@ pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/con
 CPU = torch.device("cpu")
 FP32 = Precision("fp32", "cpu")
 
-FACTORIES = """
-import torch
-from torch import nn
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
-
+FACTORIES = NOISY_DATA + """
 LEFT = {}  # the RNG state build() left
-
-
-def xy(n=64):
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g)
 
 
 def plain(config):  # no generator: each iter() draws its workers' base seed from torch's RNG
@@ -100,21 +90,8 @@ def fresh_noise(config):
     return nn.Linear(8, 2), DataLoader(FreshNoise(batches()), batch_size=None), F.mse_loss
 
 
-class Noisy(Dataset):  # a random augmentation, drawn in the workers
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
-
-
 def persistent(config):
-    x, y = xy()
-    data = DataLoader(Noisy(x, y), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True,
-                      generator=torch.Generator().manual_seed(0))
+    data = persistent_loader()
     return nn.Linear(8, 2), data, F.mse_loss
 
 
