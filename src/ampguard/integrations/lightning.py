@@ -348,9 +348,9 @@ class AmpGuardPlugin(_LightningPrecision):
 
     def _check_csv(self, trainer: pl.Trainer, optimizers: int) -> None:
         """The CSV's refusals, before the fit trains (the file opens at the first record, after
-        the first update): a path that is a folder, a link to nothing, or not a regular file (a
-        named pipe, whose open waited for a reader for ever; a device such as ``/dev/null``, which a
-        resume's cut would replace by a file), or whose folder ``mkdir -p`` cannot make (a file,
+        the first update): a path that is a folder, a link to nothing, or neither a regular file
+        nor a character device (a named pipe, whose open waited for a reader for ever; a socket),
+        or whose folder ``mkdir -p`` cannot make (a file,
         a link to nothing or a loop on the way, judged as the OS walks the path:
         :func:`~ampguard.errors.folder_problem`, as the Hugging Face callback's ``out_dir``), on
         every rank alike (one file system, one answer); on rank 0, which writes it, an existing
@@ -363,7 +363,9 @@ class AmpGuardPlugin(_LightningPrecision):
                 raise InputError(f"{where}: that is a folder; give the path of the CSV file")
             if self.csv.is_symlink() and not self.csv.exists():  # (the sink refuses it, at the first record)
                 raise InputError(f"{where}: that is {what_is(self.csv)}; refusing to write through it")
-            if self.csv.exists() and not self.csv.is_file():  # (links followed: a link to a pipe is one)
+            if self.csv.exists() and not (self.csv.is_file() or self.csv.is_char_device()):
+                # (links followed: a link to a pipe is one; a device such as /dev/null reads empty, so a
+                # resume appends to it as to an empty CSV, never cuts it: allowed, as a fresh fit's)
                 raise InputError(f"{where}: that is {what_is(self.csv)}, not a regular file; give the path of "
                                  f"a CSV file")
         except OSError as err:  # (a parent this user may not search, a name too long)
