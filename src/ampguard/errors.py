@@ -363,7 +363,10 @@ def as_made(folder: Path) -> Reached:
     it (``nodir/../file.txt`` is ``file.txt``, with ``nodir`` made on the way). What normalising
     the text got wrong: ``file.txt/..`` is no folder (the OS's ``ENOTDIR``), and ``gone/..`` of a
     dangling link ``gone`` is not ``.``. An ``OSError`` (a part this user may not search) is
-    raised.
+    raised, and so is one for what ``mkdir`` would refuse before any OS call looks at it: a NUL
+    byte in the path (``EINVAL``; pathlib's ``is_dir`` says False, ``mkdir`` raises
+    ``ValueError``), a part to be made longer than the file system's ``NAME_MAX``
+    (``ENAMETOOLONG``, naming it).
 
     Example::
 
@@ -379,9 +382,18 @@ def as_made(folder: Path) -> Reached:
         (True, False)
         >>> as_made(root / "gone" / ".." / "x").blocked == root / "gone", as_made(root / "link").folder == root / "real"
         (True, True)
+        >>> for bad in (root / "a\\0b" / "c", root / "new" / ("x" * 300)):
+        ...     try:
+        ...         as_made(bad)
+        ...     except OSError as err:
+        ...         print(errno.errorcode[err.errno], err.strerror)
+        EINVAL a NUL byte (\\0) is in it, which no path may hold
+        ENAMETOOLONG File name too long
         >>> shutil.rmtree(root)
     """
     folder = Path(folder)
+    if "\0" in os.fsdecode(folder):  # (is_dir would say False, as if it were not there)
+        raise OSError(errno.EINVAL, "a NUL byte (\\0) is in it, which no path may hold", os.fsdecode(folder))
     if folder.is_dir():  # (the OS's own answer: there already)
         return Reached(folder.resolve(), (), None, False)
     parts = folder.absolute().parts
@@ -399,6 +411,12 @@ def as_made(folder: Path) -> Reached:
                 return Reached(step, tuple(made_in), step, k == len(parts))
             if at not in made_in:
                 made_in.append(at)
+        try:  # (a part to be made: no stat said it was too long; its file system's NAME_MAX, else 255)
+            name_max = os.pathconf(made_in[-1], "PC_NAME_MAX")
+        except (OSError, ValueError):
+            name_max = 255
+        if len(os.fsencode(part)) > name_max:
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), os.fspath(step))
         at, made = step, made + 1
     return Reached(at, tuple(made_in), None, False)
 
@@ -509,8 +527,14 @@ def folder_problem(folder: Path) -> str | None:
         'DIR/a\nb/guard' lies under 'DIR/a\nb', a file, not a folder
         >>> print(folder_problem(Path("x" * 300))[-45:])
         xxxxx cannot be looked at: File name too long
+        >>> print(folder_problem(root / "new" / ("x" * 300))[-45:])  # (a part to be made: mkdir -p would fail)
+        xxxxx cannot be looked at: File name too long
+        >>> print(folder_problem(root / "a\0b" / "c").replace(str(root), "DIR"))
+        'DIR/a\x00b/c' holds a NUL byte (\0), which no path may
         >>> shutil.rmtree(root)
     """
+    if "\0" in os.fsdecode(folder):  # (pathlib says such a path is not there; mkdir raises ValueError)
+        return f"{shown(folder)} holds a NUL byte (\\0), which no path may"
     try:
         reached = as_made(folder)
         if reached.blocked is None:
@@ -527,10 +551,13 @@ def unwritable(folder: Path) -> str | None:
     """Why this process cannot make ``folder`` (``mkdir -p``) and write its files in it, in words
     for a one-line refusal (the caller puts its ``where`` first), or None when it can: first
     :func:`folder_problem` (a file, a link to nothing or a loop on the way), then a real file made
-    and removed (``tempfile.TemporaryFile``) in each existing folder ``mkdir -p`` would make a
-    folder in (:func:`as_made`), or in ``folder`` itself when it exists. Made, not asked
-    (``os.access``): root passes ``os.access`` on ``/proc`` and ``/sys``, where nothing can be
-    made, and a read-only file system or a full quota is only found by trying. What the
+    and removed (``tempfile.TemporaryFile``, one byte written to it) in each existing folder
+    ``mkdir -p`` would make a folder in (:func:`as_made`), or in ``folder`` itself when it exists.
+    Made, not asked (``os.access``): root passes ``os.access`` on ``/proc`` and ``/sys``, where
+    nothing can be made, and a read-only file system, a full disk or quota (where the file system
+    says so when a byte is written, as local ones do; not one that says so only when the data
+    reaches the disk, as some network ones) or a file size limit (``ulimit -f 0``) is only found
+    by trying. What the
     Lightning plugin's ``csv=``, the Hugging Face callback's ``out_dir`` and ``log.wandb.dir``
     are all judged by, before anything trains.
 
@@ -558,8 +585,8 @@ def unwritable(folder: Path) -> str | None:
         return looked_at(folder, err)
     for place in reached.made_in or (reached.folder,):
         try:
-            with tempfile.TemporaryFile(dir=place):
-                pass
+            with tempfile.TemporaryFile(dir=place, buffering=0) as probe:
+                probe.write(b"\n")  # (a full disk or quota: found by a byte, not by an empty file)
         except OSError as err:
             why = (f"{shown(place)} is not a folder this user may write in" if err.errno in (errno.EACCES, errno.EPERM)
                    else f"no file can be made in {shown(place)} ({err.strerror or first_line(err)})")

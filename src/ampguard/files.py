@@ -10,10 +10,14 @@ import contextlib
 import errno
 import os
 import re
+import secrets
 import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from .errors import shown
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 """No space left on the device, a file over the size limit (``ulimit -f``), the quota reached."""
@@ -93,11 +97,18 @@ class writing:  # noqa: N801 - used as `with writing(path):`, like a function
             raise DiskFull(self.path, full) from None
 
 
+def _temporary_name(name: str) -> str:
+    """The name of a temporary file for the file ``name``: ``.NAME.tmp-PID-RANDOM``, the random
+    part (:mod:`secrets`) so that no one can guess it and put a link or a folder there first."""
+    return f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+
+
 @contextlib.contextmanager
 def temporary_beside(path: str | os.PathLike) -> Iterator[Path]:
-    """The path of a temporary file beside ``path`` (``.NAME.tmp-PID``: the same folder, so a
-    rename over ``path`` is atomic), removed when the block ends however it ends, unless it was
-    renamed: write it, then ``os.replace`` it over ``path`` (or link it, never to replace).
+    """The path of a temporary file beside ``path`` (``.NAME.tmp-PID-RANDOM``, a name no one can
+    guess: the same folder, so a rename over ``path`` is atomic), removed when the block ends
+    however it ends, unless it was renamed: write it, then ``os.replace`` it over ``path`` (or
+    link it, never to replace).
 
     Example::
 
@@ -105,29 +116,32 @@ def temporary_beside(path: str | os.PathLike) -> Iterator[Path]:
         >>> folder = Path(tempfile.mkdtemp())
         >>> with temporary_beside(folder / "plot.png") as tmp:
         ...     _ = tmp.write_bytes(b"png")
-        ...     tmp.name.startswith(".plot.png.tmp-")
-        True
+        ...     tmp.name.startswith(f".plot.png.tmp-{os.getpid()}-"), is_temporary(tmp.name)
+        (True, True)
         >>> sorted(folder.iterdir())  # not renamed: taken back
         []
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(_temporary_name(path.name))
     try:
         yield tmp
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (never raised over the block's own error: a leftover is only space)
+            tmp.unlink(missing_ok=True)
 
 
 def is_temporary(name: str) -> bool:
-    """Whether the file ``name`` is one :func:`temporary_beside` names (``.NAME.tmp-PID``), or an
-    older ampguard's (``.NAME.tmp``): a write cut short, nothing of a run.
+    """Whether the file ``name`` is one :func:`temporary_beside` names (``.NAME.tmp-PID-RANDOM``),
+    or an older ampguard's (``.NAME.tmp-PID``, ``.NAME.tmp``): a write cut short, nothing of a run.
 
     Example::
 
-        >>> is_temporary(".config.yaml.tmp-4242"), is_temporary(".run-id.tmp"), is_temporary("steps.csv")
-        (True, True, False)
+        >>> is_temporary(".config.yaml.tmp-4242-0123456789abcdef"), is_temporary(".config.yaml.tmp-4242")
+        (True, True)
+        >>> is_temporary(".run-id.tmp"), is_temporary("steps.csv")
+        (True, False)
     """
-    return re.fullmatch(r"\..+\.tmp(-\d+)?", name) is not None
+    return re.fullmatch(r"\..+\.tmp(-\d+(-[0-9a-f]+)?)?", name) is not None
 
 
 def remove_temporaries(folder: str | os.PathLike, keep_pid: int | None = None,
@@ -140,12 +154,12 @@ def remove_temporaries(folder: str | os.PathLike, keep_pid: int | None = None,
 
         >>> import shutil, tempfile
         >>> folder = Path(tempfile.mkdtemp())
-        >>> for name in (".a.pt.tmp-4242", f".b.pt.tmp-{os.getpid()}", ".c.tmp", "d.pt"):
+        >>> for name in (".a.pt.tmp-4242", f".b.pt.tmp-{os.getpid()}", f".e.tmp-{os.getpid()}-00ff", ".c.tmp", "d.pt"):
         ...     _ = (folder / name).write_bytes(b"")
         >>> [p.name for p in remove_temporaries(folder, keep_pid=os.getpid())]
         ['.a.pt.tmp-4242', '.c.tmp']
         >>> len(remove_temporaries(folder)), sorted(p.name for p in folder.iterdir())
-        (1, ['d.pt'])
+        (2, ['d.pt'])
         >>> remove_temporaries(folder / "missing")
         []
         >>> shutil.rmtree(folder)
@@ -155,7 +169,7 @@ def remove_temporaries(folder: str | os.PathLike, keep_pid: int | None = None,
         return []
     removed = []
     for path in sorted(folder.iterdir()):
-        pid = re.search(r"\.tmp-(\d+)$", path.name)
+        pid = re.search(r"\.tmp-(\d+)(-[0-9a-f]+)?$", path.name)
         if is_temporary(path.name) and only(path.name) and not (pid and int(pid.group(1)) == keep_pid) and path.is_file():
             try:
                 path.unlink(missing_ok=True)
@@ -165,24 +179,182 @@ def remove_temporaries(folder: str | os.PathLike, keep_pid: int | None = None,
     return removed
 
 
+class NotReplaced(OSError):
+    """:func:`replace_atomically` refused and wrote nothing: a folder on the way to the file became
+    a symbolic link after the path was resolved (someone swapped it: what would be written is not
+    what was looked at), or the file a link leads to (``through_link``) is not a regular file.
+    An ``OSError``, so that whoever catches a failed write catches it; ``strerror`` says why,
+    ``filename`` is the path given, and ``str`` is one line with both.
+
+    Example::
+
+        >>> str(NotReplaced(errno.ELOOP, "runs/d became a symbolic link", "runs/d/steps.csv"))
+        'cannot replace runs/d/steps.csv: runs/d became a symbolic link'
+    """
+
+    def __str__(self) -> str:
+        return f"cannot replace {shown(self.filename)}: {self.strerror}" if self.filename is not None else str(self.strerror)
+
+
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)  # (a folder opened to be gone through: no read permission needed)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_CANNOT_SYNC = frozenset({errno.EINVAL, errno.EBADF, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
+"""What ``fsync`` says of a descriptor that cannot be synced (a file system without it, a folder
+opened only to be gone through): nothing to do. Any other error (ENOSPC, EIO) is a failed write."""
+
+STALE_AFTER_S = 600.0
+"""How old (by its modification time) a temporary file of a dead process must be before
+:func:`replace_atomically` removes it: a write in progress on another machine sharing the folder
+(whose process this one cannot see) is never that slow."""
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _open_folder(folder: str, path: str | os.PathLike) -> int:
+    """A descriptor of the folder ``folder`` (absolute, its links resolved: ``os.path.realpath``),
+    opened one part at a time from ``/``, each relative to the one before and never through a link
+    (``O_DIRECTORY | O_NOFOLLOW``): a part that is a link now became one after ``folder`` was
+    resolved, a swap (:class:`NotReplaced`, for ``path``, the path given). The folder itself is
+    opened to be read when this user may (to be synced and listed), else only to be gone through."""
+    parts = Path(folder).parts
+    fd = -1
+    try:
+        for k, part in enumerate(parts):
+            flags = os.O_DIRECTORY | _O_CLOEXEC | (_O_NOFOLLOW if k else 0)
+            last = k == len(parts) - 1
+            try:
+                try:
+                    inner = os.open(part, (os.O_RDONLY if last else _O_PATH) | flags, dir_fd=fd if k else None)
+                except PermissionError:
+                    if not last:
+                        raise
+                    inner = os.open(part, _O_PATH | flags, dir_fd=fd if k else None)
+            except OSError as err:
+                at = os.fspath(Path(*parts[:k + 1]))
+                if err.errno in (errno.ENOTDIR, errno.ELOOP) and k and _is_link(part, fd):
+                    raise NotReplaced(errno.ELOOP, f"{shown(at)} became a symbolic link after the path was resolved "
+                                      "(it changed while the file was being written); nothing was written",
+                                      os.fspath(path)) from None
+                err.filename = at  # (the part, not its name alone)
+                raise
+            if k:
+                os.close(fd)
+            fd = inner
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    return fd
+
+
+def _sync(fd: int) -> None:
+    """``fsync`` the file or folder ``fd``: nothing for one that cannot be (:data:`_CANNOT_SYNC`)."""
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _CANNOT_SYNC:
+            raise
+
+
+def _running(pid: str | None) -> bool:
+    """Whether the process ``pid`` (digits, or None: none named) is running here (another user's
+    too); a process of another machine or container is not seen (:data:`STALE_AFTER_S`)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # (EPERM: another user's)
+        return True
+    return True
+
+
+def _remove_stale(dfd: int, name: str, old: os.stat_result | None) -> None:
+    """Remove the temporary files of the file ``name`` (``.NAME.tmp-PID-RANDOM``, ``.NAME.tmp-PID``,
+    ``.NAME.tmp``) that writes killed before their rename left in the folder ``dfd``: regular files
+    only (never through a link: looked at and removed by name, relative to ``dfd``), of this user
+    or the file's owner, older than :data:`STALE_AFTER_S`, of a process not running here. This
+    process's own ``.NAME.tmp-PID``, the name it used to write at (it writes at none now), goes
+    whatever it is but a folder. A folder that cannot be listed is left as it is."""
+    try:
+        names = os.listdir(dfd)
+    except OSError:  # (a folder opened only to be gone through, or not listed by this user)
+        return
+    pattern = re.compile(re.escape(f".{name}.tmp") + r"(?:-(\d+)(?:-[0-9a-f]+)?)?")
+    legacy = f".{name}.tmp-{os.getpid()}"
+    owners = {os.geteuid()} | ({old.st_uid} if old is not None else set())
+    for entry in names:
+        found = pattern.fullmatch(entry)
+        if found is None:
+            continue
+        try:
+            seen = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            continue
+        if entry == legacy:
+            stale = not stat.S_ISDIR(seen.st_mode)
+        else:
+            stale = (stat.S_ISREG(seen.st_mode) and seen.st_uid in owners
+                     and time.time() - seen.st_mtime > STALE_AFTER_S and not _running(found.group(1)))
+        if stale:
+            with contextlib.suppress(OSError):  # (gone meanwhile, or not ours to remove: only space)
+                os.unlink(entry, dir_fd=dfd)
+
+
+def _make_temporary(dfd: int, name: str, mode: int, folder: str) -> tuple[str, int]:
+    """A new temporary file for ``name`` in the folder ``dfd`` (:func:`_temporary_name`), made with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW``: never opened through what lies at its name (a link, a
+    folder: another name is tried). Its name and a descriptor open to write it."""
+    for _ in range(16):
+        tmp = _temporary_name(name)
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode, dir_fd=dfd)
+        except FileExistsError:
+            continue
+        except OSError as err:
+            err.filename = os.path.join(folder, tmp)  # (where it could not be made)
+            raise
+    raise FileExistsError(errno.EEXIST, "no temporary file could be made beside it: every name tried was taken",
+                          os.path.join(folder, f".{name}.tmp-*"))
+
+
 def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_link: bool = False) -> None:
     """Make ``data`` (text is written as UTF-8, undecodable bytes kept) the whole of ``path``: a
-    temporary file beside it, renamed over it, so a kill or a full disk leaves the old file or
-    the new one, never half of one. A write that fails (:class:`DiskFull` when there is no room)
-    takes the temporary file with it and leaves ``path`` as it was.
+    temporary file beside it, synced (``fsync``) and renamed over it, the folder synced after, so
+    a kill, a full disk or a crash leaves the old file or the new one, never half of one. A write
+    that fails (:class:`DiskFull` when there is no room) takes the temporary file with it and
+    leaves ``path`` as it was.
 
-    ``through_link``: a ``path`` that is a symbolic link to a file has that file rewritten (the
-    temporary file beside it, in its folder, renamed over it), and stays the link: what a file
-    appended to through its link wants when it is cut (a sink's resume; renamed over the link,
-    the link became a file of its own and its target kept the rows cut). Otherwise, and for a
-    link to nothing, the link itself is replaced (a file written whole, whose link may point at
-    a file of the user's: never written through).
+    The path is resolved once (``os.path.realpath`` of its folder; of the file too, for a link
+    followed), then its folder opened part by part from ``/`` without following a link, and all
+    else done relative to that folder: the old file looked at, the temporary file made (a random
+    name, made new, never through what lies at it), given the old file's owner and mode through
+    its descriptor, renamed. A folder on the way that became a link meanwhile (swapped by whoever
+    owns the folder above it, so that a root run would write or give away a file elsewhere) is
+    refused, nothing written: :class:`NotReplaced`, one line. The temporary files of this name
+    that a killed write left there are removed (:func:`_remove_stale`).
 
-    The new file takes the replaced one's permissions (``os.chmod``) and, when this process is
-    root, its owner and group (``os.chown``; a group of this user's otherwise), so a root run
-    resuming a user's 0600 CSV leaves it the user's, 0600, and its owner can append to it again
-    (it became root's, 0644). A file with other names (hard links) is split from them: the
-    path names the new file, the other names keep the old one.
+    ``through_link``: a ``path`` that is a symbolic link to a regular file has that file rewritten
+    (the temporary file beside it, in its folder, renamed over it), and stays the link: what a
+    file appended to through its link wants when it is cut (a sink's resume; renamed over the
+    link, the link became a file of its own and its target kept the rows cut). A link to
+    something else (a folder, a named pipe, a device) is refused (:class:`NotReplaced`).
+    Otherwise, and for a link to nothing, the link itself is replaced (a file written whole,
+    whose link may point at a file of the user's: never written through).
+
+    The new file takes the replaced one's permissions (``os.fchmod``; the set-user-ID and
+    set-group-ID bits dropped: its content is new) and, when this process is root, its owner and
+    group (``os.fchown``; a group of this user's otherwise), so a root run resuming a user's 0600
+    CSV leaves it the user's, 0600, and its owner can append to it again (it became root's,
+    0644). A file with other names (hard links) is split from them: the path names the new file,
+    the other names keep the old one.
 
     Example::
 
@@ -196,50 +368,96 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
         >>> replace_atomically(folder / "steps.csv", "cut\\n", through_link=True)
         >>> (folder / "steps.csv").is_symlink(), (folder / "elsewhere" / "steps.csv").read_text()
         (True, 'cut\\n')
-        >>> os.chmod(folder / "card.md", 0o600)
+        >>> os.chmod(folder / "card.md", 0o4750)
         >>> replace_atomically(folder / "card.md", "newer\\n")
-        >>> oct(os.stat(folder / "card.md").st_mode & 0o777)
-        '0o600'
+        >>> oct(os.stat(folder / "card.md").st_mode & 0o7777)
+        '0o750'
+        >>> (folder / "pipe").symlink_to(folder / "elsewhere")
+        >>> try:
+        ...     replace_atomically(folder / "pipe", "x\\n", through_link=True)
+        ... except NotReplaced as err:
+        ...     print(str(err).replace(str(folder.resolve()), "DIR").replace(str(folder), "DIR"))
+        cannot replace DIR/pipe: it links to DIR/elsewhere, a folder, not a regular file; nothing was written
     """
     if isinstance(data, str):
         data = data.encode("utf-8", errors="surrogateescape")
-    target = Path(path)
-    if through_link and target.is_symlink() and target.exists():
-        target = Path(os.path.realpath(target))  # (the file the link points at, through every link)
+    given = Path(path)
+    followed = through_link and given.is_symlink() and given.exists()
+    # resolved once, here; from now on nothing goes by this path's name through a link
+    target = Path(os.path.realpath(given)) if followed else Path(os.path.realpath(given.parent)) / given.name
+    dfd = _open_folder(os.fspath(target.parent), path)
     try:
-        old = os.lstat(target)
+        _replace_in(dfd, target, data, path, followed)
+    finally:
+        os.close(dfd)
+
+
+def _what(mode: int) -> str:
+    """What a file of ``mode`` is, for :class:`NotReplaced`."""
+    for test, what in ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link (it changed after it was resolved)"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return what
+    return "not a file"
+
+
+def _replace_in(dfd: int, target: Path, data: bytes, path: str | os.PathLike, followed: bool) -> None:
+    """:func:`replace_atomically`'s work in the folder ``dfd`` (``target``'s, opened by
+    :func:`_open_folder`), every step relative to it: ``target.name`` is replaced by ``data``."""
+    name = target.name
+    try:
+        old: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except OSError:  # (none yet: the new file is made as any other)
         old = None
+    if followed and (old is None or not stat.S_ISREG(old.st_mode)):  # (a link's target, rewritten: a file only)
+        what = "gone (it changed after it was resolved)" if old is None else _what(old.st_mode)
+        raise NotReplaced(errno.EISDIR if old is not None and stat.S_ISDIR(old.st_mode) else errno.EINVAL,
+                          f"it links to {shown(target)}, {what}, not a regular file; nothing was written",
+                          os.fspath(path))
     old = old if old is not None and stat.S_ISREG(old.st_mode) else None  # (a link replaced itself: its own)
-    with temporary_beside(target) as tmp:
+    _remove_stale(dfd, name, old)
+    with writing(path):
+        # for this user alone until it takes the old file's mode: never more open than either
+        tmp, fd = _make_temporary(dfd, name, 0o600 if old is not None else 0o666, os.fspath(target.parent))
+    renamed = False
+    try:
         with writing(path):
-            # made new, never through what lies at its name (a stale one, or a link someone put
-            # there: root would write, chown and chmod the file it points at), and for this user
-            # alone until it takes the old file's mode: never more open than either
-            tmp.unlink(missing_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
-                         0o600 if old is not None else 0o666)
             with open(fd, "wb") as file:
                 file.write(data)
+                file.flush()
                 if old is not None:
                     _take_owner_and_mode(old, fd)
-        os.replace(tmp, target)
+                _sync(fd)  # (the data on disk before the name points at it)
+        try:
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError as err:  # (a folder at the name: said with the paths, not the bare names)
+            err.filename, err.filename2 = os.fspath(target.parent / tmp), os.fspath(target)
+            raise
+        renamed = True
+    finally:
+        if not renamed:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+    with writing(path):
+        _sync(dfd)  # (the rename on disk: else a crash could bring back the old file)
 
 
 def _take_owner_and_mode(old: os.stat_result, fd: int) -> None:
     """Give the open file ``fd`` the owner and group (when root: only root may give a file away; a
-    group of this user's otherwise) and the permission bits of the file ``old`` describes, through
-    the descriptor (never a path, which could be made to name another file). Best effort: a file
-    system that keeps no owners or modes (FAT, some network ones) refuses, and the file is as this
-    process made it."""
+    group of this user's otherwise) and the permission bits of the file ``old`` describes, but the
+    set-user-ID and set-group-ID bits (its content is new: ``cp`` and ``install`` drop them too),
+    through the descriptor (never a path, which could be made to name another file). Best effort:
+    a file system that keeps no owners or modes (FAT, some network ones) refuses, and the file is
+    as this process made it."""
     mine = os.fstat(fd)
-    with contextlib.suppress(OSError):  # (owner first: chown clears the set-user-ID bits)
+    with contextlib.suppress(OSError):
         if os.geteuid() == 0 and (old.st_uid, old.st_gid) != (mine.st_uid, mine.st_gid):
             os.fchown(fd, old.st_uid, old.st_gid)
         elif os.geteuid() != 0 and old.st_gid != mine.st_gid:
             os.fchown(fd, -1, old.st_gid)
     with contextlib.suppress(OSError):
-        os.fchmod(fd, stat.S_IMODE(old.st_mode))
+        os.fchmod(fd, stat.S_IMODE(old.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
 
 
 def make_parents(path: str | os.PathLike, made: list[Path]) -> None:

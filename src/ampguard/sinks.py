@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from .errors import AmpguardWarning, InputError, counted, first_line, has_control, plain_digits, shown, whole_number
-from .files import DiskFull, replace_atomically, writing
+from .files import DiskFull, is_temporary, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
 CSV_COLUMNS: tuple[str, ...] = (
@@ -476,6 +476,37 @@ def _check_keep_through(keep_through: int | None) -> None:
         raise ValueError(f"keep_through must be a step >= 0, got {keep_through!r}")
 
 
+def _cut(path: Path, kept: bytes, step: int) -> None:
+    """A resume's cut: ``kept`` made the whole of the log at ``path`` (``replace_atomically``,
+    through its link: a link stays one, its target cut). A cut that cannot be made (a link into a
+    folder this user may not write, where the file is rewritten beside itself; a folder on the way
+    swapped for a link) is one :class:`InputError` line naming the file and why, the file as it
+    was; a full disk stays :class:`DiskFull`.
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> (folder / "steps.jsonl").symlink_to(folder)  # (a link to a folder: no file to cut)
+        >>> try:
+        ...     _cut(folder / "steps.jsonl", b"", 2)
+        ... except InputError as err:
+        ...     print(str(err).replace(str(folder.resolve()), "DIR").replace(str(folder), "DIR"))
+        cannot cut DIR/steps.jsonl back to step 2 to resume: it links to DIR, a folder, not a regular file; nothing was written
+    """
+    try:
+        replace_atomically(path, kept, through_link=True)
+    except OSError as err:
+        where = err.filename if err.filename is not None and os.fsdecode(err.filename) != os.fsdecode(path) else None
+        why = err.strerror or first_line(err)
+        if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and where is not None and is_temporary(os.path.basename(where)):
+            why = (f"no file can be made beside it in {shown(os.path.dirname(where))} ({why}): "
+                   "the file is rewritten whole beside itself, then renamed over the old one")
+        elif where is not None:
+            why = f"{why} ({shown(where)})"
+        raise InputError(f"cannot cut {shown(path)} back to step {step} to resume: {why}") from None
+
+
 class _LineFile:
     """A file that lines are appended to, each in the file when its call returns (one ``write``
     system call on an unbuffered file, :func:`_append`): what survives a SIGKILL is every line
@@ -733,7 +764,7 @@ class CsvSink(_LineFile):
             b'step,lr\\n1,0.1\\n\\xb2,0.\\xff\\n3,0.1\\n'
         """
         # (a CSV that is a link stays one, its target cut: it is appended to through the link)
-        replace_atomically(self.path, self.kept_rows(self.path, len(self.columns), step), through_link=True)
+        _cut(self.path, self.kept_rows(self.path, len(self.columns), step), step)
 
     @staticmethod
     def kept_rows(path: Path, width: int, step: int, first: int | None = None) -> bytes:
@@ -1004,7 +1035,7 @@ class JsonlSink(_LineFile):
             if not line.endswith(b"\n") or at is None or at > step:
                 break
             keep += 1
-        replace_atomically(self.path, b"".join(lines[:keep]), through_link=True)  # (a link stays one)
+        _cut(self.path, b"".join(lines[:keep]), step)  # (a link stays one)
 
     @staticmethod
     def check_step_log(path: Path) -> None:

@@ -134,14 +134,14 @@ def test_write_config_replaces_the_file_atomically(tmp_path, monkeypatch):
     replaced = []
     real_replace = os.replace
 
-    def spy(src, dst):
-        replaced.append((Path(src).name, Path(dst)))
-        return real_replace(src, dst)
+    def spy(src, dst, **kwargs):
+        replaced.append((Path(src).name, Path(dst).name))
+        return real_replace(src, dst, **kwargs)
 
     monkeypatch.setattr(files.os, "replace", spy)
     resumed = config_in(tmp_path, "run", steps=25)  # a resumed run may raise steps
     paths.write_config(resumed)
-    assert [(src.startswith(".config.yaml.tmp"), dst) for src, dst in replaced] == [(True, paths.config)]  # written beside it, then renamed over it
+    assert [(src.startswith(".config.yaml.tmp"), dst) for src, dst in replaced] == [(True, paths.config.name)]  # written beside it, then renamed over it
     assert validate(read_file(paths.config)).steps == 25
     assert sorted(p.name for p in paths.dir.iterdir()) == ["config.yaml", "run-id"]  # no temporary file left
 
