@@ -438,10 +438,12 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="the teaching demo: nn.Linear, fp16, an Inf gradient at step 5",
         description="nn.Linear trained for 20 steps in fp16 with a GradScaler; an Inf is injected into the "
-        "gradients at step 5, which is skipped, and the scale halves there.",
+        "gradients at step 5, which is skipped, and the scale halves there. In bf16 (--bf16) the fault is a real loss "
+        "spike at step 5 instead, which bf16's range takes: no step is skipped.",
     )
     demo.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None, help="default fp16")
-    demo.add_argument("--bf16", action="store_true", help="same as --precision bf16")
+    demo.add_argument("--bf16", action="store_true",
+                      help="same as --precision bf16 (its default fault: the real loss spike, no skip)")
     demo.add_argument("--steps", type=_positive_int, default=20, help="optimizer steps to train (default 20)")
     demo.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
     demo.add_argument("--spike", action="store_true", help="a real loss spike at step 5 (spike@5) instead of the Inf")

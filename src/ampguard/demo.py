@@ -32,23 +32,27 @@ def demo_config(*, precision: str = "fp16", steps: int = 20, inject: list[str] |
                 monitor: dict[str, Any] | None = None) -> Config:
     """The demo's config: the ``linear`` task, SGD at 0.2 after a linear warm-up over
     :data:`WARMUP` updates (held on skipped steps), ``inject`` (default ``inf_grad@5``, in a run
-    that reaches step 5: a fault given that never fires is refused, the default is left out).
+    that reaches step 5: a fault given that never fires is refused, the default is left out). In
+    bf16 the default is the real loss spike, ``spike@5`` (the seed's exercise: "on the same demo
+    the skip rate drops to zero"): an injected Inf is an Inf in every precision, so only a real
+    spike shows bf16's range; ``inject=["inf_grad@5"]`` still shows the guard skip one there.
 
     Example::
 
         >>> c = demo_config(precision="bf16", inject=["spike@5"])
         >>> c.task.name, c.precision, c.inject, c.steps, c.schedule.warmup, c.scheduler_on_skip
         ('linear', 'bf16', ['spike@5'], 20, 10, 'hold')
-        >>> demo_config().inject, demo_config(steps=4).inject
-        (['inf_grad@5'], [])
+        >>> demo_config().inject, demo_config(steps=4).inject, demo_config(precision="bf16").inject
+        (['inf_grad@5'], [], ['spike@5'])
     """
+    fault = "spike@5" if precision == "bf16" else "inf_grad@5"
     return validate({
         "precision": precision,
         "steps": steps,
         "max_norm": max_norm,
         "seed": seed,
         "device": device,
-        "inject": (["inf_grad@5"] if steps >= 5 else []) if inject is None else inject,  # the default: when reached
+        "inject": ([fault] if steps >= 5 else []) if inject is None else inject,  # the default: when reached
         "task": {"name": "linear", "batch_size": 32},
         "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0},
         "schedule": {"warmup": WARMUP, "decay": "constant"},

@@ -136,6 +136,20 @@ def test_demo_spike_bf16_is_clipped_not_skipped(cli, tmp_path):
     assert {number(r["scaler_scale"]) for r in rows} == {1.0}  # bf16: no scaler
 
 
+def test_demo_bf16_alone_is_the_same_demo_whose_skip_rate_drops_to_zero_as_the_seed_says(cli, tmp_path):
+    # seed 000, exercise 2: "add --bf16 ...; on the same demo, verify the skip rate drops to zero" (review 40e:
+    # plain --bf16 kept the injected Inf, an Inf in every precision, and skipped step 5)
+    code, out, err = cli("demo", "--bf16", "--csv", "b.csv")
+    assert code == 0, err
+    assert out.splitlines()[0].endswith("bf16 with no loss scaler, max_norm=1.0, inject: spike@5"), out
+    assert re.search(r"\bskips=0\b", summary(out)) and not any(line.startswith("SKIP") for line in step_lines(out))
+    _, rows = read_csv(tmp_path / "b.csv")
+    assert [r["skipped"] for r in rows] == ["0"] * 20 and number(rows[4]["grad_l2_pre_clip"]) > 1e3  # the spike, taken
+    code, out, err = cli("demo", "--bf16", "--inject", "inf_grad@5")  # the Inf, asked for: skipped in bf16 too
+    assert code == 0, err
+    assert [line.split()[1] for line in step_lines(out) if line.startswith("SKIP")] == ["5"]
+
+
 @pytest.mark.parametrize("given", ["-1", "0"])
 def test_a_max_norm_of_zero_or_below_is_clipping_off_as_the_contract_says(cli, tmp_path, given):
     # review_session26: DESIGN says "max_norm <= 0 or null disables clipping (post = pre)"; the config and
