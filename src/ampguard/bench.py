@@ -1932,7 +1932,7 @@ def json_number(v: Any) -> Any:
 
 def to_json(results: list[Result], resolve: float | None = None, settings: dict[str, Any] | None = None,
             device: torch.device | None = None, not_run: list[NotRun] = (),
-            load: Sequence[float] | None = None) -> str:
+            load: Sequence[float] | None = None, found: dict[str, str | None] | None = None) -> str:
     """The machine, the run's settings, the resolution asked and every result as JSON
     (``ampguard bench --json``): per contender its per-round times and ratios (``ratios``: its
     time over the bare loop's in each round; on the bare loop's own row, which has no other bare
@@ -1944,8 +1944,10 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
     compare with) is written ``null``. ``threads`` is the pinned CPU thread count (``null`` on
     CUDA, where nothing is pinned). ``not_run``: each case or contender left out, and why
     (:class:`NotRun`; ``contender`` null for a whole case). ``versions``: ampguard's (and its
-    commit), Python's, torch's and the peers' (:func:`versions`). ``load_avg``: the system's load over
-    1, 5 and 15 minutes before the bench (``load``; null where unknown), and ``load_above_cpus``
+    commit), Python's, torch's and the peers' (:func:`versions`; or ``found``, what it returned
+    before: it runs ``git``, and :func:`run` writes this where no process may start).
+    ``load_avg``: the system's load over 1, 5 and 15 minutes before the bench (``load``; null
+    where unknown), and ``load_above_cpus``
     whether the first was above the CPUs this process may use (other work shared the cores: the
     timings are not to be trusted).
 
@@ -1968,7 +1970,7 @@ def to_json(results: list[Result], resolve: float | None = None, settings: dict[
     run = {**(settings or {}), "confidence": CONFIDENCE, "decide_confidence": DECIDE_CONFIDENCE, "interval": INTERVAL,
            "min_rounds_to_resolve": MIN_ROUNDS_TO_RESOLVE, "max_rounds": MAX_ROUNDS}
     threads = None if device is not None and device.type == "cuda" else torch.get_num_threads()
-    return json.dumps({"machine": machine(device), "versions": versions(),
+    return json.dumps({"machine": machine(device), "versions": versions() if found is None else found,
                        "load_avg": None if load is None else list(load),
                        "load_above_cpus": _busy(load), "threads": threads, "resolve": resolve, "run": run,
                        "results": rows, "versus": [{k: json_number(v) for k, v in pair.items()} for pair in versus(results)],
@@ -2032,10 +2034,12 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     machine's load before the bench (and a warning on stderr when it is above the usable CPUs:
     other work shares the cores); from the end of the bench to the end of the output a SIGINT or
     SIGTERM waits (:func:`~ampguard.signals.held_signals`, blocked at the OS level: a write into
-    a pipe is not cut part-way), so the JSON is never cut short; one that comes as the bench ends,
-    before that hold, is an interrupt of the bench (its results printed, 130 or 143). On a CPU the
-    intra-op threads are pinned (``threads``, default the CPUs this process may run on: its
-    affinity mask, not the host's count).
+    a pipe is not cut part-way), so the JSON is never cut short, then exits 143 or 130 (a code
+    found before it stands: an interrupt of the bench's, a lost stdout's 74); a second one ends
+    the process at once, the output cut (a reader that stopped reading); one that comes as the
+    bench ends, before that hold, is an interrupt of the bench (its results printed, 130 or 143).
+    On a CPU the intra-op threads are pinned (``threads``, default the CPUs this process may run
+    on: its affinity mask, not the host's count).
     ``batch`` gives every model that batch size in place of its own (:data:`BATCHES`): a bigger
     one makes a GPU step compute-bound, its time the GPU's rather than the host's (an eager GPT-2
     small at batch 8 is launch-bound on an H200, and its rounds vary by ±5-7%).
@@ -2094,56 +2098,66 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
         left_out: list[NotRun] = []  # the "not run" lines, for --json too
         cut = False  # an interrupt ended the bench outside a case's whole rounds (BenchInterrupted), or after it
         stdout = sys.stdout
-        with interrupted_by(signal.SIGTERM) as signalled, contextlib.ExitStack() as holding:
-            # from the end of the bench a signal waits until the output is whole, then exits 143 or 130
-            # (SIGTERM's default cut the JSON short: a time limit left half a file where the last good one
-            # had been); the hold is entered before interrupted_by is left, and an interrupt that comes
-            # after the bench, before the hold, is the bench's (it lost every result: 130, nothing printed)
-            try:
+        # (versions() runs git: here, not in the hold below, where a process started would inherit
+        # SIGINT and SIGTERM blocked and answer neither)
+        found = versions() if as_json else None
+        written = False  # the output was written whole: a signal that came while it was held does not replace
+        # the code found before it (the bench's own interrupt, its first signal's; a lost stdout's 74)
+        try:
+            with interrupted_by(signal.SIGTERM) as signalled, contextlib.ExitStack() as holding:
+                # from the end of the bench a signal waits until the output is whole, then exits 143 or 130
+                # (SIGTERM's default cut the JSON short: a time limit left half a file where the last good one
+                # had been); the hold is entered before interrupted_by is left, and an interrupt that comes
+                # after the bench, before the hold, is the bench's (it lost every result: 130, nothing printed)
                 try:
-                    if as_json:
-                        sys.stdout = sys.stderr
-                    least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
-                    print(f"ampguard bench on {where} ({machine(where)}{_load_text(load)}{threads_said}): {least}"
-                          f"{counted(rounds, 'round')} x {counted(steps, 'step')}, paired, {until}", flush=True)
-                    if quick:
-                        print("--quick: a smoke test that every contender runs, not a measurement (its ratios are "
-                              "noise; no interval below 6 rounds)", flush=True)
-                    for note in _long_on(where, workloads):
-                        print(note, flush=True)
-                    results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps,
-                                        rounds=rounds, warmup=warmup, peers=peers, fused=fused,
-                                        peak_tflops=peak_tflops, resolve=resolve, budget_s=budget_s, aa=aa,
-                                        compiled=compiled, left_out=left_out, whole_cycles=not quick, batch=batch)
-                    holding.enter_context(held_signals())
-                except KeyboardInterrupt as stopped:  # (Ctrl-C, or the SIGTERM interrupted_by turns into one)
-                    results, cut = stopped.results if isinstance(stopped, BenchInterrupted) else results, True
-                    if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
-                        raise Interrupted(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED) from None
-                    holding.enter_context(held_signals())
-            finally:
-                sys.stdout = stdout
-            # (a case cut before its first whole round, or while built or warmed up, left the one
-            # before it last: its stop is "fixed", and Ctrl-C read as a finished bench, exit 0)
-            interrupted = cut or bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
-            if interrupted and as_json:  # (a table says it under the table: stdout is where it is read)
-                print(interrupted_line(left_out), file=sys.stderr, flush=True)
-            if not results:
-                raise InputError(f"bench: no contender could run {models} in {precisions} on {where} "
-                                 "(why: the lines above)")
-            settings = {"device": str(where), "models": workloads, "precisions": names, "steps": steps,
-                        "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
-                        "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa,
-                        "compiled": compiled, "quick": quick, "batch": batch}
-            print(to_json(results, resolve, settings, where, left_out, load) if as_json else
-                  "\n".join([table(results), *([interrupted_line(left_out, under=True)] if interrupted else []),
-                             *memory_note(results), *mfu_note(results, peak_tflops), *resolution(results, resolve),
-                             *versus_lines(results), *speedups(results)]),
-                  flush=True)
-            if _busy(load):  # (after the figures it is about: a refusal above stays one line)
-                cpus = counted(_usable_cpus(), "usable CPU")
-                print(f"warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "
-                      "work shared the cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
+                    try:
+                        if as_json:
+                            sys.stdout = sys.stderr
+                        least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
+                        print(f"ampguard bench on {where} ({machine(where)}{_load_text(load)}{threads_said}): {least}"
+                              f"{counted(rounds, 'round')} x {counted(steps, 'step')}, paired, {until}", flush=True)
+                        if quick:
+                            print("--quick: a smoke test that every contender runs, not a measurement (its ratios are "
+                                  "noise; no interval below 6 rounds)", flush=True)
+                        for note in _long_on(where, workloads):
+                            print(note, flush=True)
+                        results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps,
+                                            rounds=rounds, warmup=warmup, peers=peers, fused=fused,
+                                            peak_tflops=peak_tflops, resolve=resolve, budget_s=budget_s, aa=aa,
+                                            compiled=compiled, left_out=left_out, whole_cycles=not quick, batch=batch)
+                        holding.enter_context(held_signals()).cutting = "the output"  # (a second signal: cut, exit)
+                    except KeyboardInterrupt as stopped:  # (Ctrl-C, or the SIGTERM interrupted_by turns into one)
+                        results, cut = stopped.results if isinstance(stopped, BenchInterrupted) else results, True
+                        if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
+                            raise Interrupted(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED) from None
+                        holding.enter_context(held_signals()).cutting = "the output"
+                finally:
+                    sys.stdout = stdout
+                # (a case cut before its first whole round, or while built or warmed up, left the one
+                # before it last: its stop is "fixed", and Ctrl-C read as a finished bench, exit 0)
+                interrupted = cut or bool(signalled) or (bool(results) and results[-1].stop == INTERRUPTED)
+                if interrupted and as_json:  # (a table says it under the table: stdout is where it is read)
+                    print(interrupted_line(left_out), file=sys.stderr, flush=True)
+                if not results:
+                    raise InputError(f"bench: no contender could run {models} in {precisions} on {where} "
+                                     "(why: the lines above)")
+                settings = {"device": str(where), "models": workloads, "precisions": names, "steps": steps,
+                            "warmup": warmup, "min_rounds": rounds, "budget_s": budget_s if resolve else None,
+                            "peak_tflops": peak_tflops, "fused": fused, "peers": peers, "aa": aa,
+                            "compiled": compiled, "quick": quick, "batch": batch}
+                print(to_json(results, resolve, settings, where, left_out, load, found) if as_json else
+                      "\n".join([table(results), *([interrupted_line(left_out, under=True)] if interrupted else []),
+                                 *memory_note(results), *mfu_note(results, peak_tflops), *resolution(results, resolve),
+                                 *versus_lines(results), *speedups(results)]),
+                      flush=True)
+                if _busy(load):  # (after the figures it is about: a refusal above stays one line)
+                    cpus = counted(_usable_cpus(), "usable CPU")
+                    print(f"warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "
+                          "work shared the cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
+                written = True
+        except Interrupted:  # (the hold's, once the output is whole: a signal came while it was written)
+            if not (written and (interrupted or _lost_stdout() is not None)):
+                raise
         return output_written(as_json, int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
                               if interrupted else 0)
 
@@ -2163,13 +2177,20 @@ def output_written(as_json: bool, code: int) -> int:
     """
     from .errors import ExitCode
 
-    lost = getattr(sys.stdout, "gone", None)
-    if lost is None or lost.errno == errno.EPIPE:
+    lost = _lost_stdout()
+    if lost is None:
         return code
     what = "the --json result" if as_json else "the table"
     print(f"ampguard: error: bench: {what} could not be written to stdout ({lost.strerror or lost})",
           file=sys.stderr, flush=True)
     return int(ExitCode.DISK_FULL)
+
+
+def _lost_stdout() -> OSError | None:
+    """Why stdout could not take what was written to it (the console's guard dropped it: its
+    ``gone``), or None; a reader that left (EPIPE) is not a loss here (:func:`output_written`)."""
+    lost = getattr(sys.stdout, "gone", None)
+    return None if lost is None or lost.errno == errno.EPIPE else lost
 
 
 def _load() -> tuple[float, float, float] | None:
@@ -2319,13 +2340,17 @@ def interrupted_by(*signals: int, once: bool = False) -> Iterator[list[int]]:
         came.append(signum)
         raise KeyboardInterrupt
 
-    try:
-        previous = {sig: signal.signal(sig, handler) for sig in signals}
-    except ValueError:
-        yield came
-        return
-    try:
+    previous: dict[int, Any] = {}
+    try:  # (each handler noted before its swap, inside the try: a pending handler that raises as one
+        # is swapped leaves none swapped for good)
+        for sig in signals:
+            previous[sig] = signal.getsignal(sig)
+            try:
+                signal.signal(sig, handler)
+            except ValueError:  # (not the main thread)
+                del previous[sig]
+                break
         yield came
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        for sig, old in previous.items():  # (a handler set outside Python reads as None: the default)
+            signal.signal(sig, signal.SIG_DFL if old is None else old)

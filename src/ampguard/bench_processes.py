@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bench import CONFIDENCE, INTERVAL, Bare, _reach, interrupted_by, json_number, median_interval, output_written
+from .bench import (CONFIDENCE, INTERVAL, Bare, _lost_stdout, _reach, interrupted_by, json_number, median_interval,
+                    output_written)
 from .errors import counted
 from .signals import Interrupted, held_signals
 
@@ -242,8 +243,10 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
     rows are printed a signal waits (:func:`~ampguard.signals.held_signals`): the output is
     never cut short (not at a pipe's 64 KiB either: the signals are blocked at the OS level), and
     once it is whole :class:`~ampguard.signals.Interrupted` (143 or 130) is raised, as the
-    one-process bench does (after an interrupt in the processes, their code stands). stdout that
-    could not take the output (a full disk) is exit 74 (:func:`~ampguard.bench.output_written`)."""
+    one-process bench does (a code found before it stands: an interrupt's in the processes, a
+    failed process's, a lost stdout's); a second signal there ends the process at once, the
+    output cut (a reader that stopped reading). stdout that could not take the output (a full
+    disk) is exit 74 (:func:`~ampguard.bench.output_written`)."""
     from .errors import ExitCode
 
     argv = [sys.executable, "-m", "ampguard", "bench", *child_args, "--json"]
@@ -285,7 +288,7 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
                               f"{counted(len(children), 'process', 'processes')} before it follow", file=say,
                               flush=True)
                         break
-                holding.enter_context(held_signals())
+                holding.enter_context(held_signals()).cutting = "the output"  # (a second signal: cut, exit)
             except KeyboardInterrupt:
                 if proc is not None and proc.poll() is None:
                     _end(proc)
@@ -295,7 +298,7 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
                          f"after process {i} of {n}" if i else f"before process 1 of {n}")
                 print(f"bench: interrupted {where}; the {counted(len(children), 'process', 'processes')} before "
                       "it follow", file=say, flush=True)
-                holding.enter_context(held_signals())
+                holding.enter_context(held_signals()).cutting = "the output"
             rows = across(children)
             if quick:
                 for row in rows:
@@ -304,8 +307,9 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
                 print(to_json(children, rows, resolve, n, stopped), flush=True)
             elif rows:
                 print("\n".join([table(rows, quick), *([] if quick else resolution(rows, resolve))]), flush=True)
-    except Interrupted:
-        if stopped != "interrupted":  # (a second signal stays ignored, as while the process ends)
+    except Interrupted:  # (the hold's: a signal came while the output was written, which is whole; the code
+        # found before it stands: an interrupt's in the processes, a failed process's, a lost stdout's 74)
+        if stopped is None and _lost_stdout() is None:
             raise
     return output_written(as_json, code)
 

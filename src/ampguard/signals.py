@@ -43,6 +43,10 @@ class StopFlag:
         """Set while the run writes a step's record: a second signal waits for :meth:`release`."""
         self.held = False
         """A second signal arrived while :attr:`holding`."""
+        self.cutting = ""
+        """What a second signal cuts short while :func:`held_signals` holds them (it ends the process
+        at once), named on the line it leaves with: ``"the output"`` says "ampguard: interrupted (the
+        output was cut)"; empty: "ampguard: interrupted"."""
         self.watched = 0
         """Set (a count) while the main thread is where :func:`watch_stuck` watches for a stuck
         collective (a run's step and its agreement); elsewhere (a checkpoint's save, an
@@ -123,21 +127,44 @@ def stop_on_signals() -> Iterator[StopFlag]:
         if flag.signal is None:
             flag.signal = signum
 
-    _FLAGS.append(flag)
-    try:
-        try:
-            previous = [(sig, signal.signal(sig, handler)) for sig in STOP_SIGNALS
-                        if signal.getsignal(sig) is not signal.SIG_IGN]
-        except ValueError:  # not the main thread: leave signals alone
-            yield flag
-            return
-        try:
-            yield flag
-        finally:
-            for sig, old in previous:
-                signal.signal(sig, old)
+    swapped: list[tuple[int, Any]] = []
+    try:  # (one handler at a time, each noted before its swap: a pending handler that raises between
+        # two swaps, or as one returns, leaves none of them swapped for good)
+        _FLAGS.append(flag)
+        for sig in STOP_SIGNALS:
+            old = signal.getsignal(sig)
+            if old is not signal.SIG_IGN:
+                swapped.append((sig, old))
+                try:
+                    signal.signal(sig, handler)
+                except ValueError:  # not the main thread: leave signals alone
+                    swapped.pop()
+                    break
+        yield flag
     finally:
-        _FLAGS.remove(flag)
+        try:
+            _put_back(swapped)
+        finally:
+            with contextlib.suppress(ValueError):
+                _FLAGS.remove(flag)
+
+
+def _put_back(swapped: list[tuple[int, Any]]) -> None:
+    """Each ``(signal, handler)`` of ``swapped`` back, the last swapped first (one set outside
+    Python reads as None: the default is what can be put back). ``signal.signal`` runs the pending
+    Python handlers before it swaps: one that raises there does not leave this handler, or the
+    ones after it, unswapped (the swap is made again, then the first error goes on)."""
+    raised: BaseException | None = None
+    for sig, old in reversed(swapped):
+        old = signal.SIG_DFL if old is None else old
+        try:
+            signal.signal(sig, old)
+        except BaseException as err:  # (raised before the swap: the handler that raised has run)
+            if raised is None:
+                raised = err
+            signal.signal(sig, old)
+    if raised is not None:
+        raise raised
 
 
 class Watched:
@@ -259,19 +286,33 @@ class Interrupted(KeyboardInterrupt):
 @contextmanager
 def held_signals() -> Iterator[StopFlag]:
     """Hold SIGINT and SIGTERM for the ``with`` block; on leaving it, raise :class:`Interrupted`
-    if one arrived (an exception leaving the block goes on instead, the signal dropped).
+    if one arrived (the first one's code; an exception leaving the block goes on instead, the
+    signal dropped). A second one ends the process at once (:func:`leave_now`, exit 130 or 143 as
+    the first one says, "ampguard: interrupted", with what it cut: :attr:`StopFlag.cutting`), as
+    a second signal does in a run: a block that cannot end (a write into a pipe whose reader
+    stopped reading: a stalled ``| ssh``, a stopped pager) is not left to SIGKILL alone.
 
     On the main thread they are blocked at the OS level (``pthread_sigmask``) for the block, and
-    the mask before is put back as it ends, which delivers a signal that came then: a Python
+    unblocked as it ends (those this call blocked: a signal blocked before stays so, and a change
+    of the mask made in the block stays), which delivers a signal that came then: a Python
     handler that only takes note (what this did before) still interrupts the system call the
     main thread is in, and a ``write(2)`` blocked on a full pipe (``bench --json | reader``, a
     reader slower than the bench) returned part-way and ``print`` dropped the rest: the JSON was
-    cut at 64 KiB. That handler stays, noting a signal that another thread of the process took
-    (one that does not block it: a signal sent to the process goes to any such thread) without
-    interrupting the main thread's system call. A process started inside the block inherits the
-    mask (the signals wait in it too, until it sets its own): start none there that must answer
-    them. A signal the process was started with ignored stays ignored; off the main thread only
-    the note is taken (:func:`stop_on_signals` leaves signals alone there).
+    cut at 64 KiB. A watcher thread started in the block (so it blocks them too, as every thread
+    started there does) counts them as they come: it takes those sent to the process
+    (``sigtimedwait``; blocked, they would come back in the order of their numbers, SIGINT
+    before SIGTERM, whichever came first), and hears of those another thread took (one started
+    before the block, torch's, does not block them: Python's C-level handler runs there) by the
+    byte that handler writes to the wakeup fd, set for the block; the noting handler kept here
+    notes those without interrupting the main thread's system call. The watcher is stopped
+    before the mask is put back, and the signals still waiting then are taken, SIGTERM first
+    (they came since its last look, in an order not known). A process started inside the block inherits the mask (the
+    signals wait in it too, until it sets its own): start none there (``bench --json`` reads its
+    versions, ``git``, before). A signal the process was started with ignored stays ignored.
+    Nested, the outer block holds and counts (the inner one blocks nothing). Off the main thread
+    nothing is held and a signal never makes the block raise: the main thread's own handler takes it
+    (:func:`stop_on_signals` leaves signals alone there). Without ``pthread_sigmask`` (Windows)
+    the signal is only noted; without ``sigtimedwait`` (macOS) a second one waits as the first.
 
     Example::
 
@@ -290,16 +331,97 @@ def held_signals() -> Iterator[StopFlag]:
     with stop_on_signals() as flag:
         flag.closing = True
         held = {sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
-        before = None
-        if held and threading.current_thread() is threading.main_thread():
-            before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-        try:
+        if not held or not hasattr(signal, "pthread_sigmask") or \
+                threading.current_thread() is not threading.main_thread():
             yield flag
-        finally:
-            if before is not None:  # (a signal that came is delivered here: the handler above notes it)
-                signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        else:  # (the mask read first, then blocked inside the try: a pending handler that raises as
+            # the mask changes, PyErr_CheckSignals, cannot leave the signals blocked for good)
+            blocking = held - signal.pthread_sigmask(signal.SIG_BLOCK, ())
+            try:
+                if blocking:
+                    signal.pthread_sigmask(signal.SIG_BLOCK, blocking)
+                with _second_signal_leaves(flag, blocking):
+                    yield flag
+            finally:  # (one that came after the watcher's last look is delivered here: the handler above notes it)
+                if blocking:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, blocking)
     if flag.requested:
         raise Interrupted(flag.exit_code)
+
+
+HOLD_POLL_S = 0.1
+"""How often :func:`held_signals`' watcher looks for a signal sent to the process that no thread
+took (every thread blocks it): at most this late is the second one counted."""
+
+
+@contextmanager
+def _second_signal_leaves(flag: StopFlag, watched: set[int]) -> Iterator[None]:
+    """:func:`held_signals`' watcher, for the block: a thread that counts the ``watched`` signals
+    (those the block blocked, on the main thread) as they come: the first sets ``flag.signal``
+    (unless one was noted already), the second calls :func:`leave_now` with the first's code. It
+    waits on the wakeup fd (a byte: another thread, not blocking it, took a signal) and every
+    :data:`HOLD_POLL_S` takes one no thread took (``sigtimedwait``); once the block is over, those
+    still waiting are taken the same way (:func:`_taken`), and the first is noted. Nothing without
+    ``sigtimedwait`` or signals to watch."""
+    import select
+    import threading
+
+    if not watched or not hasattr(signal, "sigtimedwait"):
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    noted = flag.signal in STOP_SIGNALS  # (before the wakeup fd: a signal noted after it has its byte, counted once)
+    try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:  # (no signals in this interpreter)
+        os.close(read)
+        os.close(write)
+        yield
+        return
+    done: list[bool] = []  # (the block is over; a list, not an Event: its append is one C call, which a
+    # pending handler's exception cannot cut in two, as it can Event.set's Python lines)
+
+    def watch() -> None:
+        count = 1 if noted else 0
+        with contextlib.suppress(OSError):  # (its pipe closed: a block left before the watcher ran)
+            while not done:  # (the block's end writes a byte to wake it)
+                ready = select.select([read], [], [], HOLD_POLL_S)[0]
+                others = [b for b in os.read(read, 512) if b in watched] if ready else []  # (in their order)
+                for signum in others + _taken(watched):
+                    count += 1
+                    if flag.signal is None:
+                        flag.signal = signum
+                    if count >= 2 and not done:  # (else the output is whole: the block raises Interrupted)
+                        leave_now(flag.signal, held=True, cut=flag.cutting)
+
+    watcher = threading.Thread(target=watch, name="ampguard-hold-watch", daemon=True)
+    try:
+        watcher.start()
+        yield
+    finally:
+        done.append(True)
+        with contextlib.suppress(OSError):
+            os.write(write, b"\0")  # (wakes the watcher from its select: it sees done)
+        if watcher.is_alive():
+            watcher.join()
+        taken = _taken(watched)  # (those that came since its last look, as it would have taken them)
+        if taken and flag.signal is None:
+            flag.signal = taken[0]
+        signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
+
+
+def _taken(signals: set[int]) -> list[int]:
+    """The ``signals`` waiting for this thread or the process (blocked), taken (``sigtimedwait``),
+    SIGTERM first: they came between two looks, in an order not known (blocked, they would come
+    back in the order of their numbers, SIGINT first), and a scheduler's SIGTERM is the one whose
+    code matters."""
+    taken = []
+    while (info := signal.sigtimedwait(signals, 0)) is not None:
+        taken.append(info.si_signo)
+    return sorted(taken, key=lambda signum: signum != signal.SIGTERM)
 
 
 START_STUCK_AFTER_S = 5.0
@@ -444,13 +566,26 @@ def terminated_as_interrupted(*, settle: bool = False) -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def leave_now(signum: int, take_back: Callable[[], None] | None = None) -> None:
-    """End the process at once for the stop signal ``signum``, from :func:`opening`'s watcher (a
-    main thread stuck in C cannot unwind): ``take_back()`` first (what the start-up made),
-    "ampguard: interrupted", the consoles flushed, exit 130 or 143 (128 + the signal)."""
+def leave_now(signum: int, take_back: Callable[[], None] | None = None, *, held: bool = False,
+              cut: str = "") -> None:
+    """End the process at once for the stop signal ``signum``, from a watcher thread: ``take_back()``
+    first (what the start-up made), "ampguard: interrupted", exit 130 or 143 (128 + the signal).
+    From :func:`opening`'s (a main thread stuck in C cannot unwind) the consoles are flushed first.
+    From :func:`held_signals`' (``held``: a second signal) they are not, and the line, naming what
+    was ``cut`` ("ampguard: interrupted (the output was cut)"), goes straight to stderr's
+    descriptor, only if it takes it at once: the main thread may be inside a write to a console
+    whose reader stopped reading, holding the stream's lock for good (a flush would wait on it)."""
     if take_back is not None:
         with contextlib.suppress(Exception):
             take_back()
+    if held:
+        import select
+
+        line = f"ampguard: interrupted ({cut} was cut)\n" if cut else "ampguard: interrupted\n"
+        with contextlib.suppress(Exception):  # (a line shorter than PIPE_BUF: a pipe that has room takes it whole)
+            if select.select([], [2], [], 0)[1]:
+                os.write(2, line.encode())
+        os._exit(128 + int(signum))
     with contextlib.suppress(Exception):
         print("ampguard: interrupted", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
