@@ -12,14 +12,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedBuffer, is_lazy
 from torch.utils._pytree import tree_map_only
 
-from .checkpoint import untouched
+from .checkpoint import rng_kept, untouched
 from .clipping import clip_threshold
 from .config import Config
 from .errors import InputError, counted, first_line, user_code
@@ -339,7 +342,9 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
     It leaves no trace (:func:`~ampguard.checkpoint.untouched`): the RNG states (torch, CUDA,
     NumPy, ``random``), the module buffers (BatchNorm statistics), the modes and the gradients
     are as they were, so the run goes on bit for bit as without it; a parameter its forward
-    passes changed in place (a momentum encoder's moving average) is named in a warning. Costs
+    passes changed in place (a momentum encoder's moving average) is named in a warning. A model
+    with lazy modules not made yet is checked on a copy (:func:`_checked_copy`): the run's first
+    forward makes their weights, as a plain loop's does. Costs
     one forward pass a batch (each one's graph freed before the next: the memory of one step's
     forward) and host reads.
 
@@ -373,9 +378,22 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         ...
         ampguard.errors.InputError: task.factory toy.py:build: the model's forward pass on the third batch failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x5 and 3x1)
     """
-    with untouched(model, by=f"{who}: the start-up's check of the first batches",
-                   so="and they are not put back: the run starts from weights the check's passes moved, not "
-                      "bit for bit a plain loop's"):
+    checked, firsts = _checked_copy(model)  # (lazy modules: a copy; the run's first forward draws their weights)
+    if checked is not model:
+        unused = _check_forward(checked, loss_fn, read_batch, precision, who, find_unused, dtypes, rng_kept())
+        _made_as_checked(model, firsts)
+        return unused
+    return _check_forward(model, loss_fn, read_batch, precision, who, find_unused, dtypes, untouched(
+        model, by=f"{who}: the start-up's check of the first batches",
+        so="and they are not put back: the run starts from weights the check's passes moved, not bit for bit a "
+           "plain loop's"))
+
+
+def _check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], read_batch: Callable[..., Any],
+                   precision: Precision, who: str, find_unused: bool, dtypes: dict[str, str] | None,
+                   kept: contextlib.AbstractContextManager[Any]) -> list[str]:
+    """:func:`check_forward`'s passes through ``model``, under ``kept`` (what leaves no trace)."""
+    with kept:
         following: Iterator[Any] | None = None
         with user_code(f"{who}: reading the first batch failed: "):
             try:
@@ -411,6 +429,76 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         if following is not None:
             _check_following(model, following, precision, who)
         return unused
+
+
+def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+    """The model :func:`check_forward` runs its passes through, and where it is a copy, the first
+    inputs of its lazy modules by name (filled by its first forward, for :func:`_made_as_checked`).
+
+    ``model`` itself, or, where it holds lazy modules not made yet (``nn.LazyLinear``,
+    ``nn.LazyBatchNorm1d``: a plain loop's first forward makes their weights, drawn from torch's
+    RNG there), a deep copy of it, run under :func:`~ampguard.checkpoint.rng_kept` (nothing of it
+    kept): the user's model is then made to the copy's shapes, and its lazy modules' initial
+    weights drawn again at its own first forward (:func:`_made_as_checked`), where a plain loop
+    draws them (after the data's first read, before the dropout that follows). Costs a copy of
+    the weights made so far. A model that cannot be copied, or a lazy module of the user's with
+    no ``reset_parameters`` (its weights could not be drawn again), is checked itself, which
+    :func:`~ampguard.checkpoint.untouched` warns of: their weights are drawn in the check.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.LazyLinear(2))
+        >>> copied, firsts = _checked_copy(model)
+        >>> copied is not model, type(copied[0]).__name__, firsts
+        (True, 'LazyLinear', {})
+        >>> plain = nn.Linear(2, 1)
+        >>> _checked_copy(plain)[0] is plain
+        True
+    """
+    lazy = [name for name, m in model.named_modules() if isinstance(m, LazyModuleMixin) and any(
+        is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
+    modules = dict(model.named_modules())
+    if not lazy or not all(callable(getattr(modules[name], "reset_parameters", None)) for name in lazy):
+        return model, {}
+    memo: dict[int, Any] = {id(b): UninitializedBuffer(requires_grad=b.requires_grad, device=b.device, dtype=b.dtype)
+                            for b in model.buffers() if is_lazy(b)}  # (one cannot be deep-copied: made anew)
+    try:
+        copied = copy.deepcopy(model, memo)
+    except Exception:  # noqa: BLE001 - a model that holds what cannot be copied: checked itself (untouched warns)
+        return model, {}
+    firsts: dict[str, Any] = {}
+    copies = dict(copied.named_modules())
+    for name in lazy:
+        def note(module: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+            firsts.setdefault(name, (args, kwargs))
+        copies[name].register_forward_pre_hook(note, with_kwargs=True, prepend=True)
+    return copied, firsts
+
+
+def _made_as_checked(model: nn.Module, firsts: dict[str, Any]) -> None:
+    """Make the lazy modules of ``model`` that its checked copy made (:func:`_checked_copy`),
+    from the inputs they were given there (their shapes), as their first forward would
+    (``nn.LazyLinear`` becomes an ``nn.Linear``), with what it draws thrown away; at the model's
+    own first forward, each one's ``reset_parameters()`` draws its initial weights again, in
+    place, from torch's RNG as it is there: what, and where, a plain loop's first forward draws.
+    Made before the run: a hook, a norm or an optimizer that reads the parameters finds them."""
+    modules = dict(model.named_modules())
+    with rng_kept(), torch.no_grad():
+        for name, (args, kwargs) in firsts.items():
+            module = modules[name]
+            module._infer_parameters(module, args, kwargs)  # type: ignore[operator]
+            _drawn_at_first_forward(module)
+
+
+def _drawn_at_first_forward(module: nn.Module) -> None:
+    """``module.reset_parameters()`` run once, under no_grad, before its first forward (its
+    first forward pre-hook, as a lazy module's own), then the hook removed."""
+    def draw(m: nn.Module, args: Any) -> None:
+        handle.remove()
+        with torch.no_grad():
+            m.reset_parameters()  # type: ignore[operator]
+
+    handle = module.register_forward_pre_hook(draw, prepend=True)
 
 
 _NTH = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")

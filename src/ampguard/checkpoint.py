@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .errors import AmpguardWarning, InputError, counted, first_line
 from .files import remove_temporaries
@@ -172,19 +173,27 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
     (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
     back itself; one it filled from None, or registered anew, is taken out), its parameters'
-    gradients and every RNG (torch, CUDA, NumPy, ``random``) are as they were, so a run goes on
-    bit for bit as without it.
+    gradients, every RNG (torch, CUDA, NumPy, ``random``) and each module's plain attributes
+    (:func:`_attributes_kept`: a call counter's int, a tensor attribute replaced) are as they
+    were, so a run goes on bit for bit as without it.
 
     Parameters are not copied (a model's worth of memory): each one's :func:`_checksum` is taken
     on entering and again on leaving (two reads of the weights; about a thousandth of their size
     kept), and one whose values changed (a momentum encoder's moving average, made in the
-    forward) is named in an :class:`~ampguard.errors.AmpguardWarning`, ``"{by} changed N
-    parameters in place (names): the model's forward updates them (a moving average?), {so}"``
-    (``by``, ``so``: the words for who calls it: locate's replay, the start-up's check), and not
-    put back. One changed in place and put back (an EMA model's ``eval()`` swaps its weights out,
-    its ``train()`` back: review 39e) is no change: values are compared, not version counters.
-    A parameter whose checksum cannot be taken (a tensor without storage) is judged by its
-    version counter and its storage instead (a sharded DTensor by this rank's shard).
+    forward) is named with its module's type in an :class:`~ampguard.errors.AmpguardWarning`,
+    ``"{by} changed N parameters in place (names) (in a Type): the model's forward updates them,
+    {so}; make the change in the training step, not the forward, or keep it in a buffer (buffers
+    are put back)"`` (``by``, ``so``: the words for who calls it: locate's replay, the start-up's
+    check), and not put back. The weights of an ``nn.Embedding`` or ``nn.EmbeddingBag`` with a
+    ``max_norm``, which its forward renormalises in place, are copied and put back. One changed
+    in place and put back (an EMA model's ``eval()`` swaps its weights out, its ``train()`` back:
+    review 39e) is no change: values are compared, not version counters. A parameter whose
+    checksum cannot be taken (a tensor without storage) is judged by its version counter and
+    its storage instead (a sharded DTensor by this rank's shard). A lazy module's parameter or
+    buffer not made yet (``nn.LazyLinear``'s, before its first forward) is neither summed nor
+    copied: one the block makes is said in a warning (its initial weights were drawn in the
+    block, under the RNGs it puts back; :func:`~ampguard.build.check_forward` checks a copy of
+    such a model instead).
 
     Example::
 
@@ -197,12 +206,22 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     """
     # every module's buffers as they are (None ones too), and a copy of each tensor's values
     buffers = [(m, dict(m._buffers)) for m in model.modules()]
-    copies = {id(b): b.detach().clone() for _, held in buffers for b in held.values() if b is not None}
+    lazy = {id(t) for _, held in buffers for t in held.values() if t is not None and is_lazy(t)}
+    lazy |= {id(p) for p in model.parameters() if is_lazy(p)}
+    lazy_kinds = [(m, type(m).__name__) for m in model.modules() if any(
+        id(t) in lazy for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
+    copies = {id(b): b.detach().clone() for _, held in buffers for b in held.values()
+              if b is not None and id(b) not in lazy}
     grads = {id(p): p.grad for p in model.parameters()}
-    sums = {name: _checksum(p) for name, p in model.named_parameters()}
-    versions = {name: (_version(p), _storage(p), p.shape, p.dtype) for name, p in model.named_parameters()}
+    renormed = {id(p): p.detach().clone() for m in model.modules() if _renormalises(m)
+                for p in m.parameters(recurse=False) if id(p) not in lazy}
+    named = [(name, p) for name, p in model.named_parameters() if id(p) not in lazy]
+    sums = {name: _checksum(p) for name, p in named}
+    versions = {name: (_version(p), _storage(p), p.shape, p.dtype) for name, p in named}
     try:
-        with rng_kept(), modes_kept(model):
+        # (attributes put back after the modes: an EMA model's train() swaps its weights back by what its
+        # eval() kept in an attribute)
+        with rng_kept(), _attributes_kept(model, by, skip={id(m) for m, _ in lazy_kinds}), modes_kept(model):
             yield
     finally:
         with torch.no_grad():
@@ -212,16 +231,103 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                     m._non_persistent_buffers_set.discard(name)
                 for name, b in held.items():
                     m._buffers[name] = b  # (the same tensor, or None: one the forward re-registered is put back)
-                    if b is not None:
+                    if b is not None and id(b) in copies:
                         with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
                             b.copy_(copies[id(b)])
+            for p in model.parameters():
+                if id(p) in renormed and p.shape == renormed[id(p)].shape:  # (Embedding(max_norm=...)'s rows)
+                    p.copy_(renormed[id(p)])
         for p in model.parameters():
             p.grad = grads.get(id(p))
-        changed = [name for name, p in model.named_parameters() if _changed(p, sums.get(name), versions.get(name))]
+        owners = {id(p): type(m).__name__ for m in model.modules() for p in m.parameters(recurse=False)}
+        changed = [(name, owners.get(id(p), "")) for name, p in named
+                   if _changed(p, sums.get(name), versions.get(name))]
         if changed:
-            warnings.warn(f"{by} changed {counted(len(changed), 'parameter')} in place ({', '.join(changed[:3])}"
-                          f"{', ...' if len(changed) > 3 else ''}): the model's forward updates them (a moving "
-                          f"average?), {so}", AmpguardWarning, stacklevel=3)
+            types = list(dict.fromkeys(kind for _, kind in changed))
+            warnings.warn(f"{by} changed {counted(len(changed), 'parameter')} in place ("
+                          f"{', '.join(name for name, _ in changed[:3])}{', ...' if len(changed) > 3 else ''}) (in "
+                          f"{' and '.join(_a(kind) for kind in types[:2])}{' and others' if len(types) > 2 else ''}): "
+                          f"the model's forward updates them, {so}; make the change in the training step, not the "
+                          "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
+        made = sorted({kind for m, kind in lazy_kinds if not any(
+            is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))})
+        if made:
+            warnings.warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
+                          "forward: they were drawn there, under RNGs it puts back, not where a plain loop draws them; "
+                          "run a batch through the model before handing it over to make them", AmpguardWarning,
+                          stacklevel=3)
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its article: "a Linear", "an Embedding"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}" if noun else "the model"
+
+
+def _renormalises(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward renormalises its weight's rows in place: an ``nn.Embedding``
+    or ``nn.EmbeddingBag`` given a ``max_norm`` (:func:`untouched` copies and puts it back)."""
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.max_norm is not None
+
+
+_PLAIN = (int, float, bool, str, type(None))
+"""The attribute values :func:`_attributes_kept` snapshots and puts back (kept by reference: immutable)."""
+
+
+@contextlib.contextmanager
+def _attributes_kept(model: torch.nn.Module, by: str, skip: frozenset[int] | set[int] = frozenset()) -> Iterator[None]:
+    """On leaving, each module's public attributes (its ``__dict__`` entries not named ``_...``)
+    that are ints, floats, bools, strings or None as they were (a forward's ``self.calls += 1``,
+    a warm-up ramp's count), and one of them the block added taken out; a tensor attribute that
+    is neither a parameter nor a buffer, replaced in the block (``self.state = self.state + x``),
+    has its tensor put back, and one the block added is taken out; one changed in place
+    (``self.state.add_(x)``: its version counter moved) cannot be put back, and is named in an
+    :class:`~ampguard.errors.AmpguardWarning` (keep it in a buffer). ``training`` is
+    :func:`modes_kept`'s; torch's own attributes (``_...``) are left alone, and so are the
+    modules in ``skip`` (by id: lazy ones, which their first forward gives their sizes). A
+    snapshot of references: no tensor copied.
+
+    Example::
+
+        >>> class Counting(torch.nn.Linear):
+        ...     calls = 0
+        ...     def forward(self, x):
+        ...         self.calls += 1
+        ...         return super().forward(x)
+        >>> model = Counting(2, 1)
+        >>> model.calls = 5
+        >>> with untouched(model):
+        ...     _ = model(torch.ones(1, 2))
+        >>> model.calls
+        5
+    """
+    def public(m: torch.nn.Module) -> dict[str, Any]:
+        return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"
+                and (type(v) in _PLAIN or isinstance(v, torch.Tensor))}
+
+    kept = [(m, public(m)) for m in model.modules() if id(m) not in skip]
+    versions = {id(v): _version(v) for _, held in kept for v in held.values() if isinstance(v, torch.Tensor)}
+    try:
+        yield
+    finally:
+        moved = []
+        for m, held in kept:
+            now = vars(m)
+            for k in [k for k in public(m) if k not in held]:  # (added by the block: taken out)
+                del now[k]
+            for k, v in held.items():
+                if isinstance(v, torch.Tensor) and _version(v) != versions[id(v)] \
+                        and f"{type(m).__name__}.{k}" not in moved:
+                    moved.append(f"{type(m).__name__}.{k}")
+                if now.get(k, _GONE) is not v:
+                    now[k] = v
+        if moved:
+            more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+            warnings.warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
+                          "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
+                          "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
+
+
+_GONE = object()
 
 
 def _version(p: torch.Tensor) -> int | None:
@@ -240,19 +346,28 @@ def _storage(p: torch.Tensor) -> int | None:
         return None
 
 
-_ROW = 1024
-"""The width of the table of 32-bit words a :func:`_checksum` sums by rows and by columns."""
+_ROW = 1023
+"""The width of the table of 32-bit words a :func:`_checksum` sums by rows and by columns: odd, so
+that a change of 2**31 in every word of a row (the sign bit of each fp32 value flipped, a weight
+negated) moves its sum by 2**31, not by a multiple of 2**32."""
+
+_CHUNK = 4096
+"""The rows of that table :func:`_checksum` mixes at a time: its one temporary, 16 MiB."""
 
 
 def _checksum(p: torch.Tensor) -> torch.Tensor | None:
     """A checksum of a tensor's bits, on its device (no host sync): its values' bytes read as
-    32-bit words, laid out in rows of :data:`_ROW`, summed by row and by column (int32, modulo
-    2**32: exact, and the same in any order of summation, on any device), the words past the
-    last whole row and the bytes past the last whole word as they are. A change of any one word
-    changes its row's sum; two values swapped change two rows' or two columns' sums. One read of
-    the tensor, no copy of it (one that is not contiguous, or whose bytes start off a word, is
-    copied), about a thousandth of its size kept. None where it cannot be taken (a tensor
-    without storage).
+    32-bit words, laid out in rows of :data:`_ROW`, each word ``w`` mixed into ``w ^ (w << 16)``
+    (a bijection that is not additive) and summed by row and by column (int32, modulo 2**32:
+    exact, and the same in any order of summation, on any device), the words past the last whole
+    row and the bytes past the last whole word as they are. A change of any one word changes its
+    row's sum; two values swapped change two rows' or two columns' sums; a structured change
+    whose plain sums would cancel (a weight negated: each word moved by 2**31; a rectangle of
+    ``+d`` and ``-d`` in two rows and two columns) moves the mixed sums of an odd row (one that
+    leaves them all as they were can be made on purpose, hardly by chance). One read of the
+    tensor and one temporary of :data:`_CHUNK` rows (a tensor that is not contiguous, or whose
+    bytes start off a word, is copied), about a thousandth of its size kept. None where it
+    cannot be taken (a tensor without storage, a lazy module's parameter not made yet).
 
     Example::
 
@@ -262,6 +377,9 @@ def _checksum(p: torch.Tensor) -> torch.Tensor | None:
         >>> v = w.clone(); v[1, 2] = torch.nextafter(v[1, 2], torch.tensor(1e9))  # one ulp
         >>> torch.equal(_checksum(w), _checksum(v)), _checksum(torch.ones(3, dtype=torch.bfloat16)).tolist()
         (False, [1065369472, 128, 63])
+        >>> w = torch.randn(2, 1024)
+        >>> torch.equal(_checksum(w), _checksum(-w))  # (every word moved by 2**31)
+        False
     """
     try:
         t = p.detach()
@@ -278,10 +396,20 @@ def _checksum(p: torch.Tensor) -> torch.Tensor | None:
         parts = []
         if rows:
             table = words[:rows * _ROW].view(rows, _ROW)
-            parts += [table.sum(1, dtype=torch.int32), table.sum(0, dtype=torch.int32)]
+            chunk = _CHUNK
+            mixed = torch.empty(min(rows, chunk), _ROW, dtype=torch.int32, device=words.device)
+            by_row, by_column = [], torch.zeros(_ROW, dtype=torch.int32, device=words.device)
+            for start in range(0, rows, chunk):
+                part = table[start:start + chunk]
+                into = mixed[:len(part)]
+                torch.bitwise_left_shift(part, 16, out=into)
+                into ^= part
+                by_row.append(into.sum(1, dtype=torch.int32))
+                by_column += into.sum(0, dtype=torch.int32)
+            parts += [torch.cat(by_row), by_column]
         return torch.cat(parts + [words[rows * _ROW:], data[whole:].to(torch.int32)])
-    except (RuntimeError, TypeError, NotImplementedError):  # (a tensor without storage)
-        return None
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):  # (a tensor without storage; ValueError: a
+        return None                                                      # lazy module's parameter not made yet)
 
 
 def _changed(p: torch.Tensor, before: torch.Tensor | None, version: tuple[Any, ...] | None) -> bool:

@@ -236,9 +236,10 @@ def test_parameters_the_start_ups_check_changes_are_named_in_its_own_words(throu
         check_forward(model, F.mse_loss, stream_of(model, numbered(6)).peek, FP32, "task.factory f.py:build")
     said = [str(w.message) for w in caught if issubclass(w.category, AmpguardWarning)]
     assert said == ["task.factory f.py:build: the start-up's check of the first batches changed 2 parameters in place "
-                    "(target.weight, target.bias): the model's forward updates them (a moving average?), and they "
-                    "are not put back: the run starts from weights the check's passes moved, not bit for bit a plain "
-                    "loop's"]
+                    "(target.weight, target.bias) (in a Linear): the model's forward updates them, and they are not "
+                    "put back: the run starts from weights the check's passes moved, not bit for bit a plain loop's; "
+                    "make the change in the training step, not the forward, or keep it in a buffer (buffers are put "
+                    "back)"]
 
 
 # ---------------------------------------------------------------------------- D4. batches 2-4 as the step runs them
@@ -296,8 +297,10 @@ def test_a_generator_over_one_stored_iterator_is_warned_as_a_likely_one_shot(tmp
         factory_task(tmp_path, "fresh_noise")
     assert [str(w.message).split(": ", 1)[1] for w in caught] == [
         "data read again from its start gave another first batch: a resume, a rollback or locate's replay reads "
-        "other batches than the run did (give its shuffle or its random source a seeded generator, as a "
-        "DataLoader's generator=)"]
+        "other batches than the run did, and the run, after the start-up's reads, other batches than a plain loop: "
+        "something it draws from goes on from read to read (a generator of its own, a NumPy one, a dataset's; the "
+        "torch generators of its DataLoaders and their samplers are set back); re-seed it at the start of each read "
+        "(in __iter__, or in the function data is), or draw from a generator the DataLoader holds (generator=)"]
 
 
 def test_a_wrapper_that_starts_a_persistent_workers_loader_over_is_no_one_shot(tmp_path):

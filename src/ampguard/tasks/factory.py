@@ -242,8 +242,12 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
     # read (an iterator's seed, then the sampler's order): their states as the factory left them,
     # before anything here reads them, are where every stream starts (resume, rollback: the same
     # sequence); within a stream they advance, so each epoch is shuffled anew, as in a plain loop.
+    # So do the generators of a DataLoader behind a wrapper or a function (review 40c: a plain loop
+    # over the wrapper read the loader's first shuffle; the run, after the start-up's reads, its
+    # fourth), and its persistent workers are restarted at each read from the start as a bare one's.
     samplers = (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None))
-    generators = list({id(g): g for g in (getattr(x, "generator", None) for x in (data, *samplers))
+    generators, loaders = _reached(data)
+    generators = list({id(g): g for g in [*(getattr(x, "generator", None) for x in (data, *samplers)), *generators]
                        if isinstance(g, torch.Generator)}.values())
     start_states = [g.get_state() for g in generators]
     if any(hasattr(s, "generator") and s.generator is None for s in samplers):  # (random samplers have one)
@@ -275,7 +279,8 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
         for generator, state in zip(generators, start_states):
             generator.set_state(state)
         iterable = make_iterable()
-        _fresh_workers(iterable, spec)
+        for loader in [iterable, *(x for x in loaders if x is not iterable)]:
+            _fresh_workers(loader, spec)
         return iterable
 
     def stream() -> Iterator[Any]:  # (the generator set once, at the stream's start, not at each epoch's)
@@ -367,8 +372,9 @@ def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[s
     is a generator over one stored iterator, review 39e. A one-shot whose first pass is longer
     goes on where the first read stopped, but an iterable that starts over and returns itself
     does too) is warned as a likely one-shot; another batch
-    otherwise is data that changes from pass to pass (a generator of its own not set back),
-    which trains but resumes on other batches than the run: warned. Read from the RNG state the
+    otherwise is data that changes from pass to pass (a generator of its own that
+    :func:`_reached` does not find, not set back), which trains on other batches than a plain
+    loop (the start-up's reads drew from it first) and resumes on others again: warned. Read from the RNG state the
     first read began at, and the RNGs left as the first read left them."""
     one_shot = False
     with rng_kept(), user_code(f"task.factory {spec}: reading the data again failed: "):
@@ -392,8 +398,12 @@ def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[s
                       stacklevel=4)
     elif not _same_batch(again, first):
         warnings.warn(f"task.factory {spec}: data read again from its start gave another first batch: a resume, a "
-                      "rollback or locate's replay reads other batches than the run did (give its shuffle or its "
-                      "random source a seeded generator, as a DataLoader's generator=)", AmpguardWarning, stacklevel=4)
+                      "rollback or locate's replay reads other batches than the run did, and the run, after the "
+                      "start-up's reads, other batches than a plain loop: something it draws from goes on from read "
+                      "to read (a generator of its own, a NumPy one, a dataset's; the torch generators of its "
+                      "DataLoaders and their samplers are set back); re-seed it at the start of each read (in "
+                      "__iter__, or in the function data is), or draw from a generator the DataLoader holds "
+                      "(generator=)", AmpguardWarning, stacklevel=4)
 
 
 def _one_shot(restart: Callable[[], Any]) -> bool:
@@ -419,7 +429,103 @@ def _one_shot(restart: Callable[[], Any]) -> bool:
             [(first.sampler, second.sampler), (first.batch_sampler, second.batch_sampler)]
     else:
         pairs = [(first, second)]
-    return any(isinstance(a, Iterable) and isinstance(b, Iterable) and iter(a) is iter(b) for a, b in pairs)
+    return any(isinstance(a, Iterable) and isinstance(b, Iterable) and _same_iterator(iter(a), iter(b)) for a, b in pairs)
+
+
+def _same_iterator(a: Any, b: Any) -> bool:
+    """Whether two reads' iterators are one object that is no ``DataLoader``'s (a persistent-workers
+    loader's is one object at every ``iter()``, and starts over: a wrapper whose ``__iter__``
+    returns ``iter(loader)`` is no one-shot, review 40c)."""
+    return a is b and not isinstance(a, _LOADER_ITERATORS)
+
+
+_LEVELS = 2
+"""How deep :func:`_reached` looks behind the data: a wrapper's attributes, and theirs."""
+
+
+def _reached(data: Any) -> tuple[list[torch.Generator], list[DataLoader]]:
+    """The torch generators that reads of ``data`` may draw from and that a read from its start
+    sets back, and the DataLoaders it reads through, found up to :data:`_LEVELS` deep:
+    ``data`` itself, a wrapper's attributes (``vars()``), a function's closure cells (a bound
+    method's object, a ``functools.partial``'s function and arguments), and theirs. Of each
+    DataLoader found: its ``generator``, its sampler's and its batch sampler's (and its batch
+    sampler's sampler's) generators, any attribute of theirs (a custom sampler's ``self.g``),
+    and its dataset's ``generator``. A generator found as an attribute of a wrapper is one too. A
+    NumPy ``Generator``, a dataset's generator under another name, one deeper: not found, not set
+    back (their draws go on from read to read, which :func:`_check_read_again` warns of). Lists,
+    mappings, modules, tensors and classes are not looked into.
+
+    Example::
+
+        >>> from torch.utils.data import TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.zeros(4)), shuffle=True, generator=torch.Generator())
+        >>> class Wrapper:
+        ...     def __init__(self, loader): self.loader = loader
+        ...     def __iter__(self): yield from self.loader
+        >>> def read(loader):
+        ...     return lambda: (b for b in loader)
+        >>> for data in (Wrapper(loader), read(loader), loader):
+        ...     generators, loaders = _reached(data)
+        ...     print(loader.generator in generators, loaders == [loader])
+        True True
+        True True
+        True True
+    """
+    generators: dict[int, torch.Generator] = {}
+    loaders: dict[int, DataLoader] = {}
+    seen: set[int] = set()
+    level = [data]
+    for depth in range(_LEVELS + 1):
+        below = []
+        for found in level:
+            if id(found) in seen:
+                continue
+            seen.add(id(found))
+            if isinstance(found, torch.Generator):
+                generators.setdefault(id(found), found)
+            elif isinstance(found, DataLoader):
+                loaders.setdefault(id(found), found)
+                for g in _loader_generators(found):
+                    generators.setdefault(id(g), g)
+            elif depth < _LEVELS:
+                below += _held_by(found)
+        level = below
+    return list(generators.values()), list(loaders.values())
+
+
+def _loader_generators(loader: DataLoader) -> list[torch.Generator]:
+    """A DataLoader's own generator, its samplers' (as ``generator`` or any attribute), its dataset's ``generator``."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    samplers = [getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)]
+    found = [getattr(loader, "generator", None), getattr(getattr(loader, "dataset", None), "generator", None)]
+    for sampler in samplers:
+        found += _held_by(sampler) if sampler is not None else []
+    return [g for g in found if isinstance(g, torch.Generator)]
+
+
+def _held_by(thing: Any) -> list[Any]:
+    """What ``thing`` holds one level down, for :func:`_reached`: a function's closure cells, a bound
+    method's object, a partial's function and arguments, an object's ``vars()``; nothing of a
+    container, a module, a class, a tensor or an ``nn.Module``."""
+    if isinstance(thing, (type, types.ModuleType, torch.Tensor, nn.Module, str, bytes, Mapping, list, tuple, set,
+                          frozenset)):
+        return []
+    if isinstance(thing, types.FunctionType):
+        held = []
+        for cell in thing.__closure__ or ():
+            try:
+                held.append(cell.cell_contents)
+            except ValueError:  # (a cell not filled yet)
+                continue
+        return held
+    if isinstance(thing, types.MethodType):
+        return [thing.__self__, thing.__func__]
+    if isinstance(thing, functools.partial):
+        return [thing.func, *thing.args, *thing.keywords.values()]
+    try:
+        return list(vars(thing).values())
+    except TypeError:  # (no __dict__: a builtin, an object with __slots__)
+        return []
 
 
 _LOADER_ITERATORS = (torch.utils.data.dataloader._BaseDataLoaderIter,)

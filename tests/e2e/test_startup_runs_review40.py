@@ -1,0 +1,125 @@
+"""Review 40c, whole runs of ``ampguard train`` with a factory (the parts built directly:
+``tests/unit/test_startup_review40.py``): the run is bit for bit the hand-written loop after the
+start-up's checks, with lazy modules (``nn.LazyLinear`` before dropout, over a DataLoader whose
+reads draw from torch's RNG; ``nn.LazyBatchNorm1d``), a wrapper over a seeded shuffling
+DataLoader, a wrapper returning a persistent-workers loader's iterator, a model that counts its
+training calls, and an ``nn.Embedding(max_norm=...)``."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import NOISY_DATA, write
+
+pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
+
+RUN = ["--set", "device=cpu", "--set", "precision=fp32", "--set", "log.plot=false", "--set", "log.every=1000",
+       "--set", "schedule.decay=constant", "--set", "eval.enabled=false"]
+
+FACTORIES = NOISY_DATA + """
+
+
+def lazy_dropout(config):  # the lazy weights drawn after the DataLoader's base seed, before the dropout masks
+    x, y = xy()
+    model = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Dropout(0.3), nn.LazyLinear(2))
+    return model, DataLoader(TensorDataset(x, y), batch_size=16), F.mse_loss
+
+
+def lazy_batchnorm(config):
+    x, y = xy()
+    model = nn.Sequential(nn.Linear(8, 16), nn.LazyBatchNorm1d(), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
+    return model, DataLoader(TensorDataset(x, y), batch_size=16), F.mse_loss
+
+
+class Wrapper:
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        for x, y in self.loader:
+            yield x.float(), y
+
+
+def wrapper(config):
+    x, y = xy()
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), Wrapper(loader), F.mse_loss
+
+
+class Wrap:
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+def wrapped_persistent(config):
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), Wrap(persistent_loader()), F.mse_loss
+
+
+class Counter(nn.Module):  # a warm-up ramp counted in the forward
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        return self.net(x) * min(1.0, self.calls / 10)
+
+
+def counter(config):
+    x, y = xy()
+    return Counter(), [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)], F.mse_loss
+
+
+def max_norm(config):
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randint(0, 50, (64, 4), generator=g), torch.randn(64, 2, generator=g)
+    model = nn.Sequential(nn.Embedding(50, 8, max_norm=1.0), nn.Flatten(), nn.Linear(32, 2))
+    return model, [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)], F.mse_loss
+"""
+
+
+def hand_loop(path: Path, fn: str, steps: int) -> dict[str, torch.Tensor]:
+    """The canonical loop (tests/e2e/test_startup_runs_review39.py's): seeded as a run is, AdamW, clipping at 1.0."""
+    spec = importlib.util.spec_from_file_location("hand_loop_40c", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    model, data, loss_fn = getattr(module, fn)(None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    batches = iter(data)
+    for _ in range(steps):  # (within the first epoch)
+        x, y = next(batches)
+        loss_fn(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    del batches, data
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("fn", ["lazy_dropout", "lazy_batchnorm", "wrapper", "wrapped_persistent", "counter",
+                                "max_norm"])
+def test_the_run_is_the_hand_written_loop_bit_for_bit_after_the_start_ups_checks(cli, tmp_path, fn):
+    # lazy: a traceback from the check's checksum (8caa52d); wrapper: the start-up's reads moved the
+    # wrapped loader's generator; wrapped_persistent: warned as a one-shot, its workers' RNGs moved;
+    # counter: the check's four passes counted; max_norm: the check's passes renormalised the rows
+    path = write(tmp_path / "f40.py", FACTORIES)
+    code, out, err = cli("train", *RUN, "--set", f"task.factory=f40.py:{fn}", "--set", "steps=3",
+                         "--set", f"log.name={fn}")
+    assert code == 0, err
+    assert "warning" not in err, err
+    saved = torch.load(tmp_path / "runs" / fn / "checkpoints" / "step-00000003.pt", weights_only=True)["model"]
+    expected = hand_loop(path, fn, 3)
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[k], expected[k]) for k in expected), fn
