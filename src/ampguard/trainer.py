@@ -369,6 +369,8 @@ class Trainer:
                     self.settle()
                 self.sinks.close()
                 self.injector.detach()
+                with contextlib.suppress(Exception):  # (no batch is read after the loop: its DataLoader workers end)
+                    self.data.release()
                 if self.bar is not None:
                     self.bar.close()
             if crashed is not None:  # the steps before it stand: their rows, the last checkpoint, a card that says so

@@ -67,6 +67,9 @@ class Task:
     """``batches_from(i)`` -> the stream of ``batches()`` from micro-batch ``i`` on, made without
     reading the ``i`` batches before it (the built-in tasks draw batch ``i`` from its index, see
     :func:`batch_generator`). Optional: without it :meth:`stream` reads and drops them."""
+    release: Callable[[], None] | None = None
+    """``release()`` stops what reading ``batches()`` started and a run no longer reads (a
+    ``DataLoader``'s persistent workers): called once the run's loop is over. Optional."""
 
     def stream(self, start: int = 0) -> Iterator[Batch]:
         """The micro-batches from number ``start`` on (0-based): what ``batches()`` gives after

@@ -283,6 +283,10 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
             _fresh_workers(loader, spec)
         return iterable
 
+    def release() -> None:  # (the run read its last batch: the workers end now, not at a garbage collection)
+        for loader in [data, *loaders]:
+            _fresh_workers(loader, spec, warn=False)
+
     def stream() -> Iterator[Any]:  # (the generator set once, at the stream's start, not at each epoch's)
         first = restart()
         return itertools.chain(first, cycle(make_iterable))
@@ -332,6 +336,7 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
         edge_cases=(lambda: edge) if edge is not None else None,
         predict=made.get("predict"),
         batches_from=None if seek is None else functools.partial(_seeked, seek, spec),
+        release=release,
     )
 
 
@@ -575,7 +580,7 @@ def _held_iterators(reader: Any) -> dict[int, Any]:
     return found
 
 
-def _fresh_workers(iterable: Any, spec: str) -> None:
+def _fresh_workers(iterable: Any, spec: str, *, warn: bool = True) -> None:
     """A ``DataLoader`` with ``persistent_workers`` keeps its worker processes, and the RNG state
     each draws its augmentations from, from one ``iter()`` to the next: a read from the data's
     start (the start-up's reads, the run's, a resume's, a rollback's) would go on from the draws
@@ -583,7 +588,8 @@ def _fresh_workers(iterable: Any, spec: str) -> None:
     are shut down here, so that the read starts new ones, seeded as at that first ``iter()``
     (their base seed from the loader's generator, set back, or from the global RNG); within a
     stream, epoch after epoch, they persist as in a plain loop. A torch whose loader keeps them
-    otherwise than in ``_iterator`` is warned about instead."""
+    otherwise than in ``_iterator`` is warned about instead (``warn``: at the run's end, when
+    they are only stopped, :attr:`Task.release <ampguard.tasks.Task.release>`, not)."""
     if not (isinstance(iterable, DataLoader) and iterable.persistent_workers and iterable.num_workers > 0):
         return
     running = getattr(iterable, "_iterator", _UNKNOWN)
@@ -591,6 +597,8 @@ def _fresh_workers(iterable: Any, spec: str) -> None:
         return
     stop = getattr(running, "_shutdown_workers", None)
     if running is _UNKNOWN or stop is None:  # (torch's private attributes, as of 1.7 to 2.x)
+        if not warn:
+            return
         warnings.warn(f"task.factory {spec}: the DataLoader's persistent workers cannot be restarted: their RNGs go "
                       "on from the start-up's reads of the data, so that a random augmentation in them draws other "
                       "numbers than a plain loop's (give persistent_workers=False for a bit-for-bit run)",
