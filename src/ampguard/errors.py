@@ -530,11 +530,11 @@ def folder_problem(folder: Path) -> str | None:
         >>> print(folder_problem(root / "new" / ("x" * 300))[-45:])  # (a part to be made: mkdir -p would fail)
         xxxxx cannot be looked at: File name too long
         >>> print(folder_problem(root / "a\0b" / "c").replace(str(root), "DIR"))
-        'DIR/a\x00b/c' holds a NUL byte (\0), which no path may
+        'DIR/a\x00b/c' holds a NUL byte (\0), which no path may hold
         >>> shutil.rmtree(root)
     """
     if "\0" in os.fsdecode(folder):  # (pathlib says such a path is not there; mkdir raises ValueError)
-        return f"{shown(folder)} holds a NUL byte (\\0), which no path may"
+        return f"{shown(folder)} holds a NUL byte (\\0), which no path may hold"
     try:
         reached = as_made(folder)
         if reached.blocked is None:

@@ -196,7 +196,10 @@ class NotReplaced(OSError):
         return f"cannot replace {shown(self.filename)}: {self.strerror}" if self.filename is not None else str(self.strerror)
 
 
-_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)  # (a folder opened to be gone through: no read permission needed)
+_O_PATH = getattr(os, "O_PATH", getattr(os, "O_SEARCH", getattr(os, "O_EXEC", os.O_RDONLY)))
+"""How a folder on the way is opened: to be gone through, no read permission needed (Linux's
+``O_PATH``; ``O_SEARCH``/``O_EXEC`` elsewhere; where none is, a folder this user may search but
+not read cannot be gone through, and the replace fails with ``EACCES``)."""
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _CANNOT_SYNC = frozenset({errno.EINVAL, errno.EBADF, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
@@ -214,6 +217,67 @@ def _is_link(name: str, dir_fd: int) -> bool:
         return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except OSError:
         return False
+
+
+_MAX_LINKS = 40
+"""The most links one path may lead through (Linux's own limit): more is a loop (``ELOOP``)."""
+
+
+def _trusted_realpath(place: str | os.PathLike, path: str | os.PathLike) -> str:
+    """``os.path.realpath(place)``, resolved one part at a time, each link met judged as Linux's
+    ``fs.protected_symlinks`` judges one (not set everywhere: off on this project's own CI
+    machine): followed only when this user made it, root did, or whoever made it owns what it
+    leads to. A link of another user's that leads to a file or a folder it does not own is
+    :class:`NotReplaced` (for ``path``, the path given), nothing written: a user who may write in a
+    run's folder could point its CSV's link (or a folder on its way) at a file of root's between
+    the sink's read and the cut, and a root resume then rewrote that file with the user's rows.
+    A part that does not exist ends the walk (the rest is taken as written: no link lies there).
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> (folder / "real").mkdir(); (folder / "link").symlink_to(folder / "real")
+        >>> _trusted_realpath(folder / "link" / "x.csv", "x.csv") == os.path.realpath(folder / "real" / "x.csv")
+        True
+    """
+    me, place = os.geteuid(), os.fspath(place)
+    todo = list(reversed(Path(place).parts))  # (a stack: the next part last)
+    if not os.path.isabs(place):
+        todo += list(reversed(Path(os.getcwd()).parts))
+    done = Path("/")
+    links = 0
+    while todo:
+        part = todo.pop()
+        if part in ("/", "", "."):
+            continue
+        if part == "..":
+            done = done.parent  # (done holds no link: its parent is the folder it lies in)
+            continue
+        step = done / part
+        try:
+            seen = os.lstat(step)
+        except OSError:  # (not there: the rest is made, or the open after this says why not)
+            return os.fspath(Path(step, *reversed(todo)))
+        if not stat.S_ISLNK(seen.st_mode):
+            done = step
+            continue
+        links += 1
+        if links > _MAX_LINKS:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
+        to = os.readlink(step)
+        leads = os.path.realpath(done / to)  # (of the text read: a link re-pointed since is judged when met)
+        try:
+            owner = os.stat(leads).st_uid
+        except OSError:
+            owner = seen.st_uid  # (it leads to nothing: nothing of another's to reach)
+        if seen.st_uid not in (me, 0, owner):
+            raise NotReplaced(errno.EPERM, f"{shown(step)} is a symbolic link of user {seen.st_uid}'s to "
+                              f"{shown(leads)}, which is not theirs; refusing to write through it", os.fspath(path))
+        if os.path.isabs(to):
+            done = Path("/")
+        todo += list(reversed(Path(to).parts))
+    return os.fspath(done)
 
 
 def _open_folder(folder: str, path: str | os.PathLike) -> int:
@@ -282,7 +346,8 @@ def _remove_stale(dfd: int, name: str, old: os.stat_result | None) -> None:
     only (never through a link: looked at and removed by name, relative to ``dfd``), of this user
     or the file's owner, older than :data:`STALE_AFTER_S`, of a process not running here. This
     process's own ``.NAME.tmp-PID``, the name it used to write at (it writes at none now), goes
-    whatever it is but a folder. A folder that cannot be listed is left as it is."""
+    at any age when it is this user's or the file's owner's, whatever it is but a folder (a link
+    planted there). A folder that cannot be listed is left as it is."""
     try:
         names = os.listdir(dfd)
     except OSError:  # (a folder opened only to be gone through, or not listed by this user)
@@ -298,8 +363,8 @@ def _remove_stale(dfd: int, name: str, old: os.stat_result | None) -> None:
             seen = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
         except OSError:
             continue
-        if entry == legacy:
-            stale = not stat.S_ISDIR(seen.st_mode)
+        if entry == legacy:  # (a third user's file at that name is another writer's: a PID of another container)
+            stale = not stat.S_ISDIR(seen.st_mode) and seen.st_uid in owners
         else:
             stale = (stat.S_ISREG(seen.st_mode) and seen.st_uid in owners
                      and time.time() - seen.st_mtime > STALE_AFTER_S and not _running(found.group(1)))
@@ -327,13 +392,15 @@ def _make_temporary(dfd: int, name: str, mode: int, folder: str) -> tuple[str, i
 
 def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_link: bool = False) -> None:
     """Make ``data`` (text is written as UTF-8, undecodable bytes kept) the whole of ``path``: a
-    temporary file beside it, synced (``fsync``) and renamed over it, the folder synced after, so
-    a kill, a full disk or a crash leaves the old file or the new one, never half of one. A write
+    temporary file beside it, synced (``fsync``) and renamed over it, the folder synced after
+    (where this user may read it: a folder it may only write in cannot be synced), so a kill, a
+    full disk or a crash leaves the old file or the new one, never half of one. A write
     that fails (:class:`DiskFull` when there is no room) takes the temporary file with it and
     leaves ``path`` as it was.
 
-    The path is resolved once (``os.path.realpath`` of its folder; of the file too, for a link
-    followed), then its folder opened part by part from ``/`` without following a link, and all
+    The path is resolved once (:func:`_trusted_realpath` of its folder; of the file too, for a link
+    followed: a link of another user's that leads to what is not theirs is refused, as Linux's
+    ``protected_symlinks`` would), then its folder opened part by part from ``/`` without following a link, and all
     else done relative to that folder: the old file looked at, the temporary file made (a random
     name, made new, never through what lies at it), given the old file's owner and mode through
     its descriptor, renamed. A folder on the way that became a link meanwhile (swapped by whoever
@@ -383,8 +450,10 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
         data = data.encode("utf-8", errors="surrogateescape")
     given = Path(path)
     followed = through_link and given.is_symlink() and given.exists()
-    # resolved once, here; from now on nothing goes by this path's name through a link
-    target = Path(os.path.realpath(given)) if followed else Path(os.path.realpath(given.parent)) / given.name
+    # resolved once, here, every link met judged (_trusted_realpath); from now on nothing goes by
+    # this path's name through a link
+    target = (Path(_trusted_realpath(given, path)) if followed
+              else Path(_trusted_realpath(given.parent, path)) / given.name)
     dfd = _open_folder(os.fspath(target.parent), path)
     try:
         _replace_in(dfd, target, data, path, followed)

@@ -82,17 +82,18 @@ def swap(folder: Path, to: Path) -> None:
 
 def test_a_folder_swapped_for_a_link_after_the_path_was_resolved_is_refused(hostile, monkeypatch):
     # review 40b #1 (r1 a): swapped just after realpath, the root-only file was rewritten with the user's rows
+    # (swapped here just after the path's resolution, files._trusted_realpath, which judged every link it met)
     secret, user = hostile
     before = state(secret / "shadow")
-    real = os.path.realpath
+    real = files._trusted_realpath
 
-    def realpath_then_swap(path, *args, **kwargs):
-        resolved = real(path, *args, **kwargs)
-        monkeypatch.setattr(os.path, "realpath", real)
+    def resolved_then_swap(*args, **kwargs):
+        resolved = real(*args, **kwargs)
+        monkeypatch.setattr(files, "_trusted_realpath", real)
         swap(user / "d", secret)
         return resolved
 
-    monkeypatch.setattr(os.path, "realpath", realpath_then_swap)
+    monkeypatch.setattr(files, "_trusted_realpath", resolved_then_swap)
     with pytest.raises(OSError) as err:
         replace_atomically(user / "steps.csv", b"step,lr\n1,0.1\n", through_link=True)
     said = str(err.value)
@@ -289,3 +290,67 @@ def test_a_resume_whose_cut_cannot_be_made_is_one_line(sink):
                         f"{shared} (Permission denied): the file is rewritten whole beside itself, then renamed over "
                         "the old one"), said
         assert (shared / "log").read_bytes() == content and sorted(p.name for p in shared.iterdir()) == ["log"]
+
+
+# ---------------------------------------------------------------------------- review 40f: links of another user's
+
+
+def user_link(link: Path, to: Path) -> None:
+    """What the user does, as root sees it: a link of the user's (uid 65534) at ``link``."""
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(to)
+    os.lchown(link, NOBODY, NOBODY)
+
+
+@ROOT
+def test_a_users_link_repointed_at_a_root_file_after_the_read_is_not_followed(hostile):
+    # review 40f #1 (r21): after the sink read its log, the user re-pointed the link (its own) at a file
+    # of root's: the cut replaced that file with the user's rows, root's owner and mode kept
+    secret, user = hostile
+    before = state(secret / "shadow")
+    user_link(user / "steps.csv", secret / "shadow")
+    with pytest.raises(files.NotReplaced) as err:
+        replace_atomically(user / "steps.csv", b"step,lr\n1,0.1\n", through_link=True)
+    assert str(err.value) == (f"cannot replace {user / 'steps.csv'}: {user / 'steps.csv'} is a symbolic link of user "
+                              f"{NOBODY}'s to {secret / 'shadow'}, which is not theirs; refusing to write through it")
+    assert state(secret / "shadow") == before and sorted(p.name for p in secret.iterdir()) == ["shadow"]
+
+
+@ROOT
+@pytest.mark.parametrize("through_link", [True, False], ids=["the linked CSV", "a run folder's config.yaml"])
+def test_a_folder_swapped_for_a_users_link_before_the_path_is_resolved_is_not_followed(hostile, through_link):
+    # review 40f #1 (r20): swapped between the sink's read and the cut, before any resolution: the
+    # root-only file was rewritten (a), or a config.yaml of the user's rows made in the root-only folder (b)
+    secret, user = hostile
+    before = state(secret / "shadow")
+    os.rename(user / "d", user / "d.real")
+    user_link(user / "d", secret)
+    path = user / "steps.csv" if through_link else user / "d" / "config.yaml"
+    with pytest.raises(files.NotReplaced, match=r"is a symbolic link of user 65534's to .*, which is not theirs"):
+        replace_atomically(path, b"step,lr\n1,0.1\n", through_link=through_link)
+    assert state(secret / "shadow") == before and sorted(p.name for p in secret.iterdir()) == ["shadow"]
+
+
+@ROOT
+def test_links_root_made_or_a_user_made_to_its_own_files_are_followed(hostile, tmp_path):
+    # the rule is Linux's protected_symlinks: a link is followed when this user or root made it, or
+    # whoever made it owns what it leads to (the user's own CSV link, a system link such as /var/run)
+    secret, user = hostile
+    user_link(user / "steps.csv", user / "d" / "shadow")  # (the user's link to the user's file)
+    replace_atomically(user / "steps.csv", b"step,lr\n1,0.1\n", through_link=True)
+    assert (user / "d" / "shadow").read_bytes() == b"step,lr\n1,0.1\n" and (user / "steps.csv").is_symlink()
+    (tmp_path / "by-root").symlink_to(user / "d")  # (root's link to the user's folder)
+    replace_atomically(tmp_path / "by-root" / "card.md", b"x\n")
+    assert (user / "d" / "card.md").read_bytes() == b"x\n"
+
+
+@ROOT
+def test_a_third_users_file_at_the_old_temporary_name_is_left_alone(tmp_path):
+    # review 40f #3: .NAME.tmp-<this PID> was removed whoever's it was: another container's writer
+    # with the same PID lost its temporary file
+    theirs = tmp_path / f".card.md.tmp-{os.getpid()}"
+    theirs.write_text("half\n")
+    os.chown(theirs, 4242, 4242)
+    replace_atomically(tmp_path / "card.md", "x\n")
+    assert theirs.read_text() == "half\n" and (tmp_path / "card.md").read_text() == "x\n"
