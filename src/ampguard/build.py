@@ -441,9 +441,10 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     kept): the user's model is then made to the copy's shapes, and its lazy modules' initial
     weights drawn again at its own first forward (:func:`_made_as_checked`), where a plain loop
     draws them (after the data's first read, before the dropout that follows). Costs a copy of
-    the weights made so far. A model that cannot be copied, or a lazy module of the user's with
-    no ``reset_parameters`` (its weights could not be drawn again), is checked itself, which
-    :func:`~ampguard.checkpoint.untouched` warns of: their weights are drawn in the check.
+    the weights made so far. A model that cannot be copied, or a lazy module of the user's own
+    class (its ``initialize_parameters`` may draw otherwise than ``reset_parameters``), is
+    checked itself, which :func:`~ampguard.checkpoint.untouched` warns of: their weights are
+    drawn in the check.
 
     Example::
 
@@ -458,7 +459,7 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     lazy = [name for name, m in model.named_modules() if isinstance(m, LazyModuleMixin) and any(
         is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
     modules = dict(model.named_modules())
-    if not lazy or not all(callable(getattr(modules[name], "reset_parameters", None)) for name in lazy):
+    if not lazy or not all(_torchs_own_lazy(modules[name]) for name in lazy):
         return model, {}
     memo: dict[int, Any] = {id(b): UninitializedBuffer(requires_grad=b.requires_grad, device=b.device, dtype=b.dtype)
                             for b in model.buffers() if is_lazy(b)}  # (one cannot be deep-copied: made anew)
@@ -490,13 +491,29 @@ def _made_as_checked(model: nn.Module, firsts: dict[str, Any]) -> None:
             _drawn_at_first_forward(module)
 
 
+def _torchs_own_lazy(module: nn.Module) -> bool:
+    """A lazy module of torch's own (``nn.LazyLinear``, ``nn.LazyConv2d``, ...), whose first forward
+    draws its weights by ``reset_parameters()``, what :func:`_drawn_at_first_forward` runs."""
+    return type(module).__module__.startswith("torch.nn.") and callable(getattr(module, "reset_parameters", None))
+
+
 def _drawn_at_first_forward(module: nn.Module) -> None:
-    """``module.reset_parameters()`` run once, under no_grad, before its first forward (its
-    first forward pre-hook, as a lazy module's own), then the hook removed."""
+    """``module.reset_parameters()`` run once, under no_grad, before its first training forward
+    (a forward pre-hook, as a lazy module's own), then the hook removed: where a plain loop's
+    first forward draws the weights. Not drawn, the hook removed all the same, when the weights
+    it would replace are no longer the ones made here (a checkpoint restored over them, a user's
+    ``load_state_dict``: another version; a copy of the model, ``deepcopy`` for an EMA: other
+    storage); an evaluation's forward or one without gradients (the run's ``evaluate`` check
+    before step 1) leaves it armed (review 40g: both redrew over what they should not)."""
+    made = [(p.data_ptr(), p._version) for p in module.parameters(recurse=False)]
+
     def draw(m: nn.Module, args: Any) -> None:
-        handle.remove()
-        with torch.no_grad():
-            m.reset_parameters()  # type: ignore[operator]
+        if not (m.training and torch.is_grad_enabled()):
+            return
+        m._forward_pre_hooks.pop(handle.id, None)  # (this module's: a copy holds its own under that id)
+        if [(p.data_ptr(), p._version) for p in m.parameters(recurse=False)] == made:
+            with torch.no_grad():
+                m.reset_parameters()  # type: ignore[operator]
 
     handle = module.register_forward_pre_hook(draw, prepend=True)
 

@@ -11,12 +11,15 @@ and does not call a wrapper over a persistent-workers loader a one-shot."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedParameter
 
 from helpers import NOISY_DATA, write
 
@@ -312,3 +315,114 @@ def test_a_wrapper_returning_a_persistent_loaders_iterator_is_no_one_shot_and_it
     # its workers' RNGs went on from the start-up's reads
     said = caught_warnings(lambda: factory_task(tmp_path, "wrapped_persistent"))
     assert said == []
+
+
+# ---------------------------------------------------------------------------- review 40g: the redraw's edges
+
+
+def lazy_model():
+    return nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def checked(model):
+    check_forward(model, F.mse_loss, lambda: (torch.ones(2, 3), torch.zeros(2, 1)), FP32, "f.py:build")
+    return model
+
+
+def test_weights_loaded_before_the_first_forward_are_not_drawn_again():
+    # review 40g #1: a resume's restore (load_state_dict) before the first step was redrawn over
+    model = checked(lazy_model())
+    saved = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    model.load_state_dict(saved)
+    model(torch.ones(2, 3))
+    assert torch.equal(model[0].weight, saved["0.weight"]) and not model[0]._forward_pre_hooks
+
+
+def test_an_evaluation_before_the_first_step_leaves_the_draw_to_the_first_training_forward():
+    # review 40g #2: the run's evaluate check (eval mode, RNG kept) drew the weights there, and the
+    # first step's dropout then drew the same numbers
+    torch.manual_seed(3)
+    plain = lazy_model()
+    torch.manual_seed(4)
+    expected = plain(torch.ones(2, 3))
+    torch.manual_seed(3)
+    model = checked(lazy_model())
+    model.eval()
+    with torch.no_grad():
+        model(torch.ones(2, 3))
+    model.train()
+    torch.manual_seed(4)
+    assert torch.equal(model(torch.ones(2, 3)), expected) and torch.equal(model[0].weight, plain[0].weight)
+
+
+def test_a_copy_of_the_model_keeps_its_weights_and_the_original_still_draws_its_own():
+    # review 40g #4: a deepcopy (an EMA) redrew its weights at every forward, and the original lost its draw
+    model = checked(lazy_model())
+    twin = copy.deepcopy(model)
+    weights = twin[0].weight.detach().clone()
+    for _ in range(3):
+        twin(torch.ones(1, 3))
+    assert torch.equal(twin[0].weight, weights) and not twin[0]._forward_pre_hooks
+    assert len(model[0]._forward_pre_hooks) == 1
+    torch.manual_seed(5)
+    model(torch.ones(1, 3))
+    torch.manual_seed(5)
+    assert torch.equal(model[0].weight, nn.Linear(3, 4).weight)  # (drawn at its first training forward)
+
+
+class LazyScale(LazyModuleMixin, nn.Module):  # a user's lazy module: its lazy init draws, its reset does not
+    def __init__(self):
+        super().__init__()
+        self.w = UninitializedParameter()
+
+    def reset_parameters(self):
+        if not self.has_uninitialized_params():
+            nn.init.ones_(self.w)
+
+    def initialize_parameters(self, x):
+        self.w.materialize(x.shape[-1:])
+        nn.init.normal_(self.w, 1.0, 0.1)
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_a_lazy_module_of_the_users_own_class_is_not_drawn_by_its_reset_parameters():
+    # review 40g #5: its weights were reset_parameters()' ones, not the draws of its own lazy init
+    x = torch.randn(4, 3)
+    torch.manual_seed(0)
+    plain = nn.Sequential(LazyScale(), nn.Linear(3, 1))
+    plain(x)
+    torch.manual_seed(0)
+    ours = nn.Sequential(LazyScale(), nn.Linear(3, 1))
+    with pytest.warns(AmpguardWarning, match="lazy"):  # (checked itself: its weights drawn in the check, said)
+        check_forward(ours, lambda o, t: o.sum(), lambda: (x, None), FP32, "f.py:build")
+    assert not torch.equal(ours[0].w, torch.ones(3))  # (its own init's draws, not reset_parameters' ones)
+
+
+def test_data_whose_getattr_reads_a_dict_is_read_not_a_traceback(tmp_path):
+    # review 40g #7: getattr(data, "sampler", None) let the wrapper's KeyError through: a traceback at start-up
+    path = write(tmp_path / "cfgwrap.py", """
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CfgWrap:
+    def __init__(self, batches):
+        self.__dict__["cfg"] = {"batches": batches}
+
+    def __getattr__(self, key):
+        return self.cfg[key]
+
+    def __iter__(self):
+        return iter(self.cfg["batches"])
+
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(4)]
+    return nn.Linear(3, 1), CfgWrap(batches), F.mse_loss
+""")
+    task = build_task(load_config(None, [f"task.factory={path}:build"]))
+    assert task.name == "factory" and len(next(iter(task.stream()))) == 2

@@ -245,12 +245,12 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
     # So do the generators of a DataLoader behind a wrapper or a function (review 40c: a plain loop
     # over the wrapper read the loader's first shuffle; the run, after the start-up's reads, its
     # fourth), and its persistent workers are restarted at each read from the start as a bare one's.
-    samplers = (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None))
+    samplers = (_looked_up(data, "sampler"), _looked_up(_looked_up(data, "batch_sampler"), "sampler"))
     generators, loaders = _reached(data)
-    generators = list({id(g): g for g in [*(getattr(x, "generator", None) for x in (data, *samplers)), *generators]
+    generators = list({id(g): g for g in [*(_looked_up(x, "generator") for x in (data, *samplers)), *generators]
                        if isinstance(g, torch.Generator)}.values())
     start_states = [g.get_state() for g in generators]
-    if any(hasattr(s, "generator") and s.generator is None for s in samplers):  # (random samplers have one)
+    if any(s is not None and _looked_up(s, "generator", _UNKNOWN) is None for s in samplers):  # (random ones have one)
         warnings.warn(f"task.factory {spec}: the DataLoader's sampler draws from the global RNG: a resume, a rollback "
                       "or locate's replay of a step reads another order than the run did; give it its own seeded "
                       "generator (DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(config.seed)), "
@@ -609,6 +609,23 @@ def _fresh_workers(iterable: Any, spec: str, *, warn: bool = True) -> None:
 
 
 _UNKNOWN = object()
+
+
+def _looked_up(obj: Any, name: str, default: Any = None) -> Any:
+    """``getattr(obj, name, default)``, and ``default`` too where looking raises another error (a
+    data wrapper whose ``__getattr__`` reads a dict raised ``KeyError``: a traceback at start-up).
+
+    Example::
+
+        >>> class Config:
+        ...     def __getattr__(self, key): return {}[key]
+        >>> _looked_up(Config(), "sampler"), _looked_up(None, "sampler", 0)
+        (None, 0)
+    """
+    try:
+        return getattr(obj, name, default)
+    except Exception:  # noqa: BLE001 - a user's object: what it raises is not a sampler
+        return default
 
 
 def _check_seek(seek: Callable[[int], Any], first: list[Any], spec: str) -> None:
