@@ -167,6 +167,45 @@ def modes_kept(model: torch.nn.Module) -> Iterator[None]:
                 m.train(training)
 
 
+class BufferSnapshot:
+    """Each module's buffers as they are now (None ones too), and a copy of each tensor's values:
+    :meth:`put_back` makes them so again, as often as asked: a buffer the forward replaced (a
+    cache grown to a new shape) is put back itself, one it filled from None, or registered anew,
+    is taken out, and each one's values are copied back in place. Between passes that must each
+    start from the same state (locate's FP32 and scope replays, validate's reference and each
+    precision's passes: a call counter, a running normaliser, a cache the forward updates), and
+    at the end of :func:`untouched`. ``skip``: buffers (by id) not copied (a lazy module's, not
+    made yet).
+
+    Example::
+
+        >>> model = torch.nn.BatchNorm1d(2)
+        >>> snapshot = BufferSnapshot(model)
+        >>> _ = model(torch.randn(4, 2) + 5)
+        >>> snapshot.put_back()
+        >>> model.running_mean.tolist(), int(model.num_batches_tracked)
+        ([0.0, 0.0], 0)
+    """
+
+    def __init__(self, model: torch.nn.Module, skip: frozenset[int] | set[int] = frozenset()) -> None:
+        self.held = [(m, dict(m._buffers)) for m in model.modules()]
+        self.copies = {id(b): b.detach().clone() for _, held in self.held for b in held.values()
+                       if b is not None and id(b) not in skip}
+
+    def put_back(self) -> None:
+        """The buffers as they were when the snapshot was taken."""
+        with torch.no_grad():
+            for m, held in self.held:
+                for name in [n for n in m._buffers if n not in held]:  # (registered by the forward: taken out)
+                    del m._buffers[name]
+                    m._non_persistent_buffers_set.discard(name)
+                for name, b in held.items():
+                    m._buffers[name] = b  # (the same tensor, or None: one the forward re-registered is put back)
+                    if b is not None and id(b) in self.copies:
+                        with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
+                            b.copy_(self.copies[id(b)])
+
+
 @contextlib.contextmanager
 def untouched(model: torch.nn.Module, by: str = "the replay",
               so: str = "each replayed pass once more, and they are not put back") -> Iterator[None]:
@@ -207,11 +246,10 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     # every module's buffers as they are (None ones too), and a copy of each tensor's values
     buffers = [(m, dict(m._buffers)) for m in model.modules()]
     lazy = {id(t) for _, held in buffers for t in held.values() if t is not None and is_lazy(t)}
+    snapshot = BufferSnapshot(model, skip=lazy)
     lazy |= {id(p) for p in model.parameters() if is_lazy(p)}
     lazy_kinds = [(m, type(m).__name__) for m in model.modules() if any(
         id(t) in lazy for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
-    copies = {id(b): b.detach().clone() for _, held in buffers for b in held.values()
-              if b is not None and id(b) not in lazy}
     grads = {id(p): p.grad for p in model.parameters()}
     renormed = {id(p): p.detach().clone() for m in model.modules() if _renormalises(m)
                 for p in m.parameters(recurse=False) if id(p) not in lazy}
@@ -224,16 +262,8 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
         with rng_kept(), _attributes_kept(model, by, skip={id(m) for m, _ in lazy_kinds}), modes_kept(model):
             yield
     finally:
+        snapshot.put_back()
         with torch.no_grad():
-            for m, held in buffers:
-                for name in [n for n in m._buffers if n not in held]:  # (registered by the forward: taken out)
-                    del m._buffers[name]
-                    m._non_persistent_buffers_set.discard(name)
-                for name, b in held.items():
-                    m._buffers[name] = b  # (the same tensor, or None: one the forward re-registered is put back)
-                    if b is not None and id(b) in copies:
-                        with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
-                            b.copy_(copies[id(b)])
             for p in model.parameters():
                 if id(p) in renormed and p.shape == renormed[id(p)].shape:  # (Embedding(max_norm=...)'s rows)
                     p.copy_(renormed[id(p)])

@@ -6,7 +6,8 @@ divided by the accumulation steps as the step does); the first place a non-finit
 is the finding: the input, a module's output (qualified name, type, input and output dtypes), a
 module's own code between its submodules (a functional or in-place op), the loss (or the targets
 it was given), or a parameter's gradient in backward. The batch is then replayed in FP32 (no
-autocast, no loss scale), from the same RNG state (dropout draws the same masks in every pass):
+autocast, no loss scale), from the same RNG state and the same buffers (dropout draws the same
+masks in every pass, and a buffer the forward updates reads as the first pass saw it):
 finite there means a precision-range problem;
 non-finite there too means the data or the model. For a precision-range problem the batch is then
 replayed with autocast disabled around the first offending module alone (its floating inputs cast
@@ -231,6 +232,10 @@ class Finding:
     absorbed: str = ""
     """With ``where == "none"``: the first non-finite value of a pass whose loss and gradients all
     ended finite (a NaN the model masks out, a ``-inf`` mask), said, not a finding."""
+    call: int = 1
+    """With ``where == "forward"``: which call of module ``name`` in the pass (1: the first; a
+    module the forward calls more than once, a shared or weight-tied block, is named with the call
+    that made the value: "(call 2 of l)")."""
 
     def place_text(self) -> str:
         """Where the value was, in words (the middle of :meth:`Diagnosis.message`).
@@ -239,16 +244,20 @@ class Finding:
 
             >>> Finding("forward", "0", "Linear", "inf", ["float16"], ["float16"], "fp16").place_text()
             'in the forward output of 0 (Linear; inputs float16 -> outputs float16)'
+            >>> Finding("forward", "l", "Linear", "inf", ["float16"], ["float16"], "fp16", call=2).place_text()
+            'in the forward output of l (call 2 of l) (Linear; inputs float16 -> outputs float16)'
             >>> Finding("backward", "", NORM, "inf", precision="fp32", loss=2.0).place_text()
             'in backward, the global L2 norm of the gradients (float32; every gradient finite), from a finite loss 2'
         """
         dtypes = f"{','.join(self.input_dtypes) or '-'} -> outputs {','.join(self.output_dtypes) or '-'}"
+        name = self.name or "<model>"
+        call = f" (call {self.call} of {name})" if self.call > 1 else ""
         if self.where == "input":
             return "in the batch's targets" if self.name == "targets" else "in the input batch"
         if self.where == "forward" and self.before:
-            return f"in the forward code of {self.name or '<model>'} itself ({self.op}; inputs {dtypes}), before it calls {self.before}"
+            return f"in the forward code of {name} itself{call} ({self.op}; inputs {dtypes}), before it calls {self.before}"
         if self.where == "forward":
-            return f"in the forward output of {self.name or '<model>'} ({self.op}; inputs {dtypes})"
+            return f"in the forward output of {name}{call} ({self.op}; inputs {dtypes})"
         if self.where == "loss":
             return f"in the loss ({self.op})"
         finite = f", from a finite loss {self.loss:.4g}" if self.loss is not None else ""
@@ -293,6 +302,10 @@ class Diagnosis:
     finite (:class:`~ampguard.fp8.BadScale`, ``broken_scale``: a zero amax without torchao's
     floor), in the order they ran: the first is what made the first non-finite value, which the
     trace alone names only as a ``Float8Linear``'s output."""
+    overflows_unscaled: bool = False
+    """With a backward overflow at a loss scale above 1 that FP32 holds: the replay at a loss scale
+    of 1 overflowed too. Halving the scale does not answer it (the scaler would skip step after
+    step, down to its floor): a range problem, said as one, not as the scaler's routine back-off."""
 
     def message(self) -> str:
         """The finding in one sentence: where the first non-finite value was, and whose problem it is.
@@ -330,6 +343,10 @@ class Diagnosis:
         elif self.verdict == "precision-range":
             if f.where != "backward":
                 hint = "FP32 replay is finite: a precision-range problem"
+            elif self.overflows_unscaled and self.loss_scale != 1.0:  # (halving cannot answer it)
+                hint = (f"FP32 replay is finite: a precision-range problem (the gradient scaled by {self.loss_scale:g} "
+                        f"overflows {f.precision}; it overflows {f.precision} with no loss scale too, so halving the "
+                        "scale does not answer it)")
             elif self._backs_off:  # (what the dynamic scaler is for: no module to move to FP32)
                 hint = (f"FP32 replay is finite: a precision-range problem (the gradient scaled by "
                         f"{self.loss_scale:g} overflows {f.precision}), which the loss scaler answers by halving the "
@@ -343,6 +360,8 @@ class Diagnosis:
                         f"{self.loss_scale:g} overflows {f.precision})")
             else:
                 hint = f"FP32 replay is finite: a precision-range problem (the gradient overflows {f.precision} with no loss scale)"
+            if self.injected:  # (a spike FP32 holds: the fault's values, past this precision's range)
+                hint += f"; this step carries the injected {', '.join(self.injected)}"
             if not self._backs_off:
                 hint += self._scope_hint()
         elif self.verdict == "data/model" and self.injected:
@@ -358,8 +377,9 @@ class Diagnosis:
 
     @property
     def _backs_off(self) -> bool:
-        """A backward overflow at a loss scale the scaler can still halve (above its floor)."""
-        return self.amp.where == "backward" and self.loss_scale != 1.0 and (  # (the scale is a float32: 0.1 is
+        """A backward overflow at a loss scale the scaler can still halve (above its floor), and
+        one that halving answers: finite with no loss scale (:attr:`overflows_unscaled`)."""
+        return self.amp.where == "backward" and self.loss_scale != 1.0 and not self.overflows_unscaled and (  # (the scale is a float32: 0.1 is
             self.scale_floor is None or self.loss_scale > round_float32(self.scale_floor))  # 0.10000000149 there)
 
     def _scope_hint(self) -> str:
@@ -404,7 +424,8 @@ class Diagnosis:
         return {"verdict": self.verdict, "amp": asdict(self.amp),
                 "fp32": asdict(self.fp32) if self.fp32 else None, "loss_scale": self.loss_scale,
                 "fp32_scope": self.fp32_scope, "scopes_tried": list(self.scopes_tried), "injected": list(self.injected),
-                "bad_weight": self.bad_weight, "fp8_scales": list(self.fp8_scales), "message": self.message()}
+                "bad_weight": self.bad_weight, "fp8_scales": list(self.fp8_scales),
+                "overflows_unscaled": self.overflows_unscaled, "message": self.message()}
 
 
 def trace_first_non_finite(
@@ -511,7 +532,7 @@ def trace_first_non_finite(
             return
         if born is None:
             found.append(Finding("forward", names.get(id(module), "?"), type(module).__name__, kind, dtypes,
-                                 _dtypes(output), label))
+                                 _dtypes(output), label, call=_call_of(key)))
             return
         # it came in non-finite: the code of the innermost caller whose own first input came in finite made it
         i, child, child_key = len(calls) - 1, module, key
@@ -521,9 +542,9 @@ def trace_first_non_finite(
         if i < 0:  # (the model's own first input: one the check of the inputs could not read)
             found.append(Finding("input", kind=born, input_dtypes=first_dtypes, precision=label))
         else:
-            caller, _, caller_dtypes = calls[i][:3]
+            caller, caller_key, caller_dtypes = calls[i][:3]
             found.append(Finding("forward", names.get(id(caller), "?"), type(caller).__name__, born, caller_dtypes,
-                                 first_dtypes, label, before=names.get(id(child), "?")))
+                                 first_dtypes, label, before=names.get(id(child), "?"), call=_call_of(caller_key)))
         seen.note(f"in:{child_key}", first_where, first=True)
 
     handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
@@ -578,6 +599,11 @@ def trace_first_non_finite(
             handle.remove()
         for p in model.parameters():
             p.grad = saved_grads.get(id(p))
+
+
+def _call_of(key: str) -> int:
+    """The call number of a place key ``name#n`` (:func:`trace_first_non_finite`'s)."""
+    return int(key.rpartition("#")[2])
 
 
 @contextmanager
@@ -715,7 +741,8 @@ def find_fp32_scope(
     """Replay the batch with ``module`` alone in FP32, then its parent, up to the model, until one
     makes the batch all finite: ``(that scope or None, the scopes tried)``. Each replay keeps the
     run's precision elsewhere, its loss scale and accumulation steps, and starts from the RNG
-    state this was called with (dropout draws the same masks each time).
+    state and the buffers this was called with (dropout draws the same masks each time; a buffer
+    the forward updates, a counter or a cache, reads the same); the buffers are put back afterwards.
 
     Example (a block's Linear outputs 1e5, past fp16's 65504; the LayerNorm after it brings it back
     in range, so that Linear alone in FP32 fixes the batch; the output Linear alone does not)::
@@ -730,18 +757,22 @@ def find_fp32_scope(
         >>> find_fp32_scope(model, nn.functional.mse_loss, x, y, fp16, 1.0, "1")  # not the culprit: only the model
         ('', ['1', ''])
     """
-    from .checkpoint import rng_state, set_rng_state
+    from .checkpoint import BufferSnapshot, rng_state, set_rng_state
 
-    rng = rng_state()
+    rng, buffers = rng_state(), BufferSnapshot(model)
     tried: list[str] = []
-    for scope in _scopes(module):
-        tried.append(scope)
-        set_rng_state(rng)
-        found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
-                                       fp32_module=scope, accumulation_steps=accumulation_steps)
-        if found.where == "none":
-            return scope, tried
-    return None, tried
+    try:
+        for scope in _scopes(module):
+            tried.append(scope)
+            set_rng_state(rng)
+            buffers.put_back()
+            found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
+                                           fp32_module=scope, accumulation_steps=accumulation_steps)
+            if found.where == "none":
+                return scope, tried
+        return None, tried
+    finally:
+        buffers.put_back()
 
 
 def _module_of(finding: Finding) -> str | None:
@@ -773,8 +804,10 @@ def diagnose_group(
     or the one the step began with (each next micro-batch then from where the one before drew to):
     its passes draw the step's dropout masks; None: from the caller's. The caller's RNG state is
     put back. (Only torch's RNG is followed: a forward that draws from ``random`` or NumPy, a
-    layerdrop, may take another branch in the replay. Buffers other than the running statistics
-    are as the step left them.)
+    layerdrop, may take another branch in the replay.) Every pass of a micro-batch starts from the
+    buffers its pass under the run's precision saw: the first micro-batch's are the model's as
+    given, each next one's those the micro-batch before it left, as in the step; the group's
+    summed gradients are replayed from the model's. The buffers are put back afterwards.
 
     Example (the second micro-batch carries a NaN, in FP32 as well: not a precision problem)::
 
@@ -789,7 +822,7 @@ def diagnose_group(
         >>> d.verdict, d.fp32  # nothing found: no FP32 replay
         ('none', None)
     """
-    from .checkpoint import rng_kept, rng_state, set_rng_state
+    from .checkpoint import BufferSnapshot, rng_kept, rng_state, set_rng_state
 
     if not batches:
         raise ValueError("diagnose_group needs at least one batch")
@@ -798,28 +831,40 @@ def diagnose_group(
     inner = _uncompiled(model)
     states = list(rng) if isinstance(rng, (list, tuple)) else [rng]
     states += [None] * (len(batches) - len(states))
+    # (the group's start, of more than one micro-batch: put back for the summed replays, and at the end;
+    # one micro-batch's _diagnose puts its buffers back itself)
+    buffers = BufferSnapshot(inner) if len(batches) > 1 else None
     with _eager(), rng_kept():
-        starts = []
-        for (inputs, targets), state in zip(batches, states):
-            if state is not None:
-                set_rng_state(state)
-            starts.append(rng_state())
-            after: list[Any] = []
-            result = _diagnose(inner, loss_fn, inputs, targets, precision, loss_scale, n, after)
-            if result.verdict != "none":
-                return result
-            losses.append(result.amp.loss)
-            set_rng_state(after[0])  # (the next micro-batch draws on from there, as in the step)
-        mean = sum(losses) / len(losses) if None not in losses else None  # type: ignore[arg-type]
-        if len(batches) > 1 and (summed := _group_gradients(inner, loss_fn, batches, precision, loss_scale, n,
-                                                            starts)):
-            from .fp8 import float8_modules
+        try:
+            starts = []
+            for i, ((inputs, targets), state) in enumerate(zip(batches, states)):
+                if state is not None:
+                    set_rng_state(state)
+                starts.append(rng_state())
+                after: list[Any] = []
+                result = _diagnose(inner, loss_fn, inputs, targets, precision, loss_scale, n, after,
+                                   buffers_after=i < len(batches) - 1)
+                if result.verdict != "none":
+                    return result
+                losses.append(result.amp.loss)
+                set_rng_state(after[0])  # (the next micro-batch draws on from there, as in the step)
+                if len(after) > 1:
+                    after[1].put_back()  # (and starts from the buffers this one left)
+            mean = sum(losses) / len(losses) if None not in losses else None  # type: ignore[arg-type]
+            if buffers is not None:
+                buffers.put_back()
+            if buffers is not None and (summed := _group_gradients(inner, loss_fn, batches, precision, loss_scale, n,
+                                                                starts)):
+                from .fp8 import float8_modules
 
-            fp32 = _group_gradients(inner, loss_fn, batches, Precision("fp32", precision.device_type), 1.0, n, starts,
-                                    fp32_module="" if float8_modules(inner) else None)
-            summed[0].loss = mean
-            return Diagnosis(summed[0], fp32[0] if fp32 else Finding("none", precision="fp32"),
-                             "data/model" if fp32 else "precision-range", loss_scale)
+                fp32 = _group_gradients(inner, loss_fn, batches, Precision("fp32", precision.device_type), 1.0, n,
+                                        starts, fp32_module="" if float8_modules(inner) else None)
+                summed[0].loss = mean
+                return Diagnosis(summed[0], fp32[0] if fp32 else Finding("none", precision="fp32"),
+                                 "data/model" if fp32 else "precision-range", loss_scale)
+        finally:
+            if buffers is not None:
+                buffers.put_back()
     result.amp.loss = mean  # the step's loss: the micro-batches' mean
     return result
 
@@ -876,8 +921,12 @@ def diagnose(
 
     For a precision-range problem in a module's output or a parameter's gradient it then looks
     for the smallest module that fixes the batch when kept in FP32 (:func:`find_fp32_scope`).
-    Every pass starts from the RNG state this was called with, so dropout draws the same masks
-    in each; the caller's RNG state is put back afterwards. A first value that the FP32 replay
+    Every pass starts from the RNG state and the buffers this was called with, so dropout draws
+    the same masks in each and a buffer the forward updates (a counter, a running normaliser, a
+    cache) reads the same: each replay is the same pass with only the precision changed. The
+    caller's RNG state and buffers are put back afterwards. A backward overflow at a loss scale
+    above 1 that FP32 holds is replayed once more at scale 1: one that overflows there too is no
+    routine back-off of the scaler (:attr:`Diagnosis.overflows_unscaled`). A first value that the FP32 replay
     has non-finite at the same place too, element for element, while FP32's pass ends finite (a
     ``-inf`` mask the model writes, a NaN it masks out of its input) is the model's own: the
     finding is then the first value only the run's precision has.
@@ -927,46 +976,58 @@ def _uncompiled(model: nn.Module) -> nn.Module:
 
 def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
               precision: Precision, loss_scale: float, accumulation_steps: int,
-              rng_after: list[Any] | None = None) -> Diagnosis:
+              rng_after: list[Any] | None = None, buffers_after: bool = False) -> Diagnosis:
     """:func:`diagnose` of an uncompiled model, run eagerly; ``rng_after`` gets the RNG state
-    after the pass under the run's precision (what the step drew to)."""
-    from .checkpoint import rng_state, set_rng_state, untouched
+    after the pass under the run's precision (what the step drew to), then with ``buffers_after``
+    the buffers it left (a :class:`~ampguard.checkpoint.BufferSnapshot`: what the step's next
+    micro-batch starts from)."""
+    from .checkpoint import BufferSnapshot, rng_state, set_rng_state, untouched
     from .fp8 import find_bad_scales, float8_modules
 
     n = accumulation_steps
     whole = "" if float8_modules(model) else None  # fp8: its float8 layers compute in FP32 as well
     fp32_precision = Precision("fp32", precision.device_type)
     with untouched(model):
-        rng = rng_state()  # each pass starts here: the FP32 replay sees the AMP pass's dropout masks
+        # each pass starts here: the RNG state (the FP32 replay sees the AMP pass's dropout masks) and
+        # the buffers the AMP pass saw (a counter, a running normaliser, a cache its forward updates),
+        # so that each replay is the same pass with only the precision (or the scope in FP32) changed
+        rng, buffers = rng_state(), BufferSnapshot(model)
+
+        def start() -> None:
+            set_rng_state(rng)
+            buffers.put_back()
+
         amp_seen, fp32_seen = _Seen(every=False), _Seen()
         amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale, accumulation_steps=n,
                                      seen=amp_seen)
         if rng_after is not None:
             rng_after.append(rng_state())
+            if buffers_after:
+                rng_after.append(BufferSnapshot(model))  # (the buffers the step's next micro-batch starts from)
         if amp.where == "none":
             return Diagnosis(amp, None, "none", loss_scale)
-        set_rng_state(rng)
+        start()
         fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, fp32_precision, 1.0, fp32_module=whole,
                                       accumulation_steps=n, seen=fp32_seen)
         if fp32.where == "none" and amp_seen.also_in(fp32_seen):
             # what AMP found first was non-finite in FP32 too, whose pass ended finite: the model's own
             # (a -inf mask it writes, a NaN it masks out); the finding is the first value AMP alone has
-            set_rng_state(rng)
+            start()
             amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
                                          accumulation_steps=n, known=fp32_seen)
         elif amp_seen.also_in(fp32_seen) and amp_seen.first in fp32_seen.minus_inf:
             # a -inf mask (the model's, or the batch's) first in both, and FP32 non-finite for another
             # reason: both passes look past the masks, to what made the step non-finite
             masks = fp32_seen.masks()
-            set_rng_state(rng)
+            start()
             amp = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
                                          accumulation_steps=n, known=masks)
-            set_rng_state(rng)
+            start()
             fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, fp32_precision, 1.0, fp32_module=whole,
                                           accumulation_steps=n, known=masks)
         scales = []
         if float8_modules(model) and amp.where != "input":  # which float8 cast broke (its replay: the same draws)
-            set_rng_state(rng)
+            start()
             scales = [str(bad) for bad in find_bad_scales(model, loss_fn, inputs, targets, precision.autocast)
                       if bad.broken_scale]
         if fp32.where != "none":
@@ -974,12 +1035,19 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
 
             bad = "" if amp.where == "input" else non_finite_weight(dict(model.named_parameters()))
             return Diagnosis(amp, fp32, "data/model", loss_scale, bad_weight=bad, fp8_scales=scales)
+        unscaled = False
+        if amp.where == "backward" and loss_scale != 1.0:
+            # an overflow the scaler would answer by halving, unless it overflows with no loss scale too
+            start()
+            unscaled = trace_first_non_finite(model, loss_fn, inputs, targets, precision, 1.0,
+                                              accumulation_steps=n).where != "none"
         scope, tried = None, []
         module = _module_of(amp)
         if module is not None and precision.name != "fp32":
-            set_rng_state(rng)
+            start()
             scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n)
-    return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried, fp8_scales=scales)
+    return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried, fp8_scales=scales,
+                     overflows_unscaled=unscaled)
 
 
 # ---------------------------------------------------------------------------- the verb

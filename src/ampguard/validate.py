@@ -35,7 +35,7 @@ import platform
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .build import prepare_model, resolve_device, to_device
-from .checkpoint import modes_kept, rng_kept
+from .checkpoint import BufferSnapshot, modes_kept, rng_kept, untouched
 from .config import Config, flat_keys
 from .errors import AmpguardWarning, ExitCode, InputError, counted, user_code
 from .files import DiskFull, make_parents, replace_atomically
@@ -374,10 +374,12 @@ def named_outputs(raw: Any) -> list[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Precision,
-            seed: int | None = None) -> Scores:
+            seed: int | None = None, start: Callable[[], None] | None = None) -> Scores:
     """The model's outputs on ``inputs`` under ``precision``, in chunks of :data:`CHUNK`, the RNG
     seeded with ``seed`` first when one is given (:func:`seed_pass`: every precision then draws the
-    same noise, a model that samples in its forward included). What the
+    same noise, a model that samples in its forward included), and ``start`` called first when
+    one is given (a :class:`~ampguard.checkpoint.BufferSnapshot`'s ``put_back``: every pass then
+    starts from the same buffers, a counter or a cache the forward updates included). What the
     user's code does wrong is an :class:`InputError`: the model (or the task's ``predict``)
     raising, outputs that are not one row per example, and a classifier whose first output is not
     one score per class (the decision is the argmax over them).
@@ -401,6 +403,8 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
         validate: task toy: the model (or the task's predict) raised under bf16: ZeroDivisionError: division by zero
     """
     device = next(model.parameters()).device
+    if start is not None:
+        start()
     if seed is not None:
         seed_pass(seed, device)
     parts: dict[str, list[torch.Tensor]] = {}
@@ -717,8 +721,10 @@ class ProbeSet(NamedTuple):
         return digest.hexdigest()
 
 
-def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any, seed: int | None = None) -> ProbeSet:
-    """The fixed probe set and evaluation set. The typical examples (the first ``typical``
+def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any, seed: int | None = None,
+                 start: Callable[[], None] | None = None) -> ProbeSet:
+    """The fixed probe set and evaluation set (its FP32 pass seeded with ``seed`` and begun with
+    ``start``, as :func:`_scores`'s). The typical examples (the first ``typical``
     held-out ones) and the boundary ones (the ``boundary`` with the smallest FP32 top-2 margin)
     are both drawn from the held-out set: an example that is both is probed once, with both tags.
     A factory's default evaluation set (its first training batches, :class:`TrainingBatches`) is
@@ -758,7 +764,7 @@ def build_probes(task: Task, model: nn.Module, device: torch.device, cfg: Any, s
     tags: dict[int, list[str]] = {i: ["typical"] for i in range(min(cfg.typical, len(x_eval)))}
     fp32_eval = None
     if task.mode == "classifier" and cfg.boundary:
-        fp32_eval = _scores(task, model, x_eval, Precision("fp32", device.type), seed)
+        fp32_eval = _scores(task, model, x_eval, Precision("fp32", device.type), seed, start)
         _, margin = _top2(fp32_eval.primary)
         margin = torch.where(torch.isfinite(margin), margin, torch.full_like(margin, math.inf))
         for i in margin.cpu().argsort(stable=True)[: min(cfg.boundary, len(x_eval))].tolist():
@@ -963,10 +969,13 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
     """Run the reference and every AMP precision on the probes and the evaluation set.
 
     Reads every score back to the host (several host syncs per precision): a diagnostic, run
-    outside the training loop. The model is left in eval mode. Every pass (the reference's and
-    each precision's, on the probes and on the evaluation set) starts from the same RNG state,
-    seeded with ``config.seed``, so only the precision differs; the caller's RNG state is put back
-    afterwards. A ``validation.outputs`` name the model does not produce is an
+    outside the training loop. Every pass runs in eval mode (the reference's and each precision's,
+    on the probes and on the evaluation set) and starts from the same RNG state, seeded with
+    ``config.seed``, and from the same buffers, the model's as given (a counter, a running
+    normaliser or a cache its forward updates reads the same in each; the fp8 copy is made from
+    them too), so only the precision differs. The model is left as it was found
+    (:func:`~ampguard.checkpoint.untouched`: each module's train/eval mode, its buffers, its
+    plain attributes), and so is the caller's RNG state. A ``validation.outputs`` name the model does not produce is an
     :class:`InputError` (raised before anything is written).
 
     Example::
@@ -989,7 +998,7 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
         >>> [(rule.criterion, rule.decision) for rule in v.reference], v.reference_trusted
         ([('reference outputs finite', 'pass'), ('reference quality', 'NOT CHECKED')], False)
     """
-    with rng_kept():
+    with untouched(model, by="validate", so="each pass once more, and they are not put back"):  # (the RNGs too)
         return _compare(task, model, config, device)
 
 
@@ -997,17 +1006,20 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
     cfg, seed = config.validation, config.seed
     check_fp32_weights(model, cfg.precisions)  # (run checks it first; compare called alone, here)
     model.eval()
-    probes = build_probes(task, model, device, cfg, seed)
-    reference, checks = _reference(task, model, cfg, device, probes, seed)
+    buffers = BufferSnapshot(model)  # (every pass starts from the buffers as given: put back before each)
+    probes = build_probes(task, model, device, cfg, seed, buffers.put_back)
+    reference, checks = _reference(task, model, cfg, device, probes, seed, buffers.put_back)
     # fp8 compares a converted copy of the model; every other precision the model itself
     results, float8 = [], {}
     for name in cfg.precisions:
+        buffers.put_back()  # (the fp8 copy: made from the buffers as given, not as the passes before left them)
         amp_model = prepare_model(config, model, name, copy_model=True)
+        start = buffers.put_back if amp_model is model else BufferSnapshot(amp_model).put_back
         if name == "fp8":  # which layers ran in float8, and how (the seeds: record what stays in higher precision)
             from .fp8 import fp8_layers
 
             float8 = {"recipe": config.fp8.recipe, "float8_layers": fp8_layers(amp_model)}
-        results.append(_compare_precision(name, task, amp_model, cfg, device, probes, reference, seed))
+        results.append(_compare_precision(name, task, amp_model, cfg, device, probes, reference, seed, start))
     environment = describe_environment(config, device, reference.scores.dtypes, results)
     if float8:
         environment["dtype_support"]["fp8"].update(float8)
@@ -1031,17 +1043,18 @@ class Reference(NamedTuple):
 
 
 def _reference(task: Task, model: nn.Module, cfg: Any, device: torch.device, probes: ProbeSet,
-               seed: int | None) -> tuple[Reference, list[Rule]]:
+               seed: int | None, start: Callable[[], None] | None = None) -> tuple[Reference, list[Rule]]:
     """The FP32 reference on the probes and the evaluation set, and its own checks: every output
     finite, and its quality (against a declared floor; ``NOT CHECKED`` with none). A
     ``validation.outputs`` name the model does not produce is an :class:`InputError`."""
     fp32 = Precision("fp32", device.type)
-    ref = _scores(task, model, probes.inputs, fp32, seed)
+    ref = _scores(task, model, probes.inputs, fp32, seed, start)
     unknown = [name for name in cfg.outputs if name not in ref.outputs]
     if unknown:
         raise InputError(f"validate: validation.outputs.{unknown[0]}: the model has no output named {unknown[0]!r} "
                          f"(its outputs: {', '.join(ref.names)})")
-    ref_eval = probes.fp32_eval if probes.fp32_eval is not None else _scores(task, model, probes.x_eval, fp32, seed)
+    ref_eval = (probes.fp32_eval if probes.fp32_eval is not None
+                else _scores(task, model, probes.x_eval, fp32, seed, start))
     _check_targets(task, ref_eval.primary, probes.y_eval)
     quality = _quality(task.mode, ref_eval.primary, probes.y_eval)
     finite, all_finite = _finite(ref, ref_eval)  # every output, where quality reads only the first
@@ -1065,17 +1078,19 @@ def _finite(on_probes: Scores, on_eval: Scores) -> tuple[str, bool]:
 
 
 def _compare_precision(name: str, task: Task, model: nn.Module, cfg: Any, device: torch.device, probes: ProbeSet,
-                       reference: Reference, seed: int | None) -> PrecisionResult:
+                       reference: Reference, seed: int | None,
+                       start: Callable[[], None] | None = None) -> PrecisionResult:
     """One AMP precision against the reference, rule by rule, with one record per probe. Its
-    passes are seeded with ``seed`` as the reference's were. A model that raised under this
+    passes are seeded with ``seed`` and begun with ``start`` (the buffers put back) as the
+    reference's were. A model that raised under this
     precision, where the FP32 reference ran, fails it (the rule "runs under <precision>"); so do
     outputs FP32 gave and this precision does not (other names, another shape, one row per
     example no more: the rule "outputs as FP32's"): the same inputs ran in FP32, so it is the
     precision that fails, reported, not bad input."""
     amp_p = Precision(name, device.type)
     try:
-        amp = _scores(task, model, probes.inputs, amp_p, seed)
-        amp_eval = _scores(task, model, probes.x_eval, amp_p, seed)
+        amp = _scores(task, model, probes.inputs, amp_p, seed, start)
+        amp_eval = _scores(task, model, probes.x_eval, amp_p, seed, start)
     except ModelRaised as err:  # FP32 ran: the precision is what fails, not the input
         return PrecisionResult(name, rules=[Rule(f"runs under {name}", "ran", f"raised {err.why}", False)],
                                stats={"output_dtypes": {}})
