@@ -1775,6 +1775,31 @@ def verdict_key(config: Config, v: Validation) -> dict[str, Any]:
             "weights": weights, "probe_set": v.environment.get("probe_set_sha256"), "rules": rules}
 
 
+def _check_made(model: nn.Module, who: str) -> None:
+    """Refuse (one line) a model whose lazy modules have not made their weights yet (review 40g:
+    ``nn.LazyLinear`` with no checkpoint was a traceback in :func:`weights_sha256`): the verdict
+    is about weights it can read, and each precision's pass would otherwise draw its own at its
+    first forward. A checkpoint loaded into it makes them.
+
+    Example::
+
+        >>> _check_made(nn.Linear(2, 1), "toy")
+        >>> try:
+        ...     _check_made(nn.Sequential(nn.LazyLinear(2)), "toy")
+        ... except InputError as err:
+        ...     print(err)
+        validate: task toy: the model's lazy modules have made no weights yet (0: LazyLinear); validate judges weights it can read: run one batch through the model in the factory, or give validation.checkpoint
+    """
+    from torch.nn.parameter import is_lazy
+
+    lazy = [f"{name or 'the model'}: {type(m).__name__}" for name, m in model.named_modules()
+            if any(is_lazy(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+    if lazy:
+        raise InputError(f"validate: task {who}: the model's lazy modules have made no weights yet "
+                         f"({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}); validate judges weights it can "
+                         "read: run one batch through the model in the factory, or give validation.checkpoint")
+
+
 def weights_sha256(model: nn.Module) -> str:
     """The SHA-256 of a model's weights: each ``state_dict`` entry's name, dtype, shape and bytes,
     in order (what the verdict is about when no checkpoint file names them).
@@ -2003,6 +2028,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, dict[str, 
             raise InputError(f"{checkpoint}: cannot read it ({err.strerror or err})") from None
 
     check_fp32_weights(model, cfg.precisions)  # (after the checkpoint: its weights are what the reference runs)
+    _check_made(model, config.task.factory or task.name)
     judged = weights_sha256(model)  # (the weights judged, as loaded: before any training moves and restores them)
     if cfg.train_steps:  # what train refuses at its first batch, refused here in its words (not a traceback
         # whose exit 1 read as REJECTED)
