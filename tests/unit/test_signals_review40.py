@@ -25,7 +25,7 @@ import pytest
 import ampguard
 from ampguard import bench, signals
 from ampguard import bench_processes as bp
-from ampguard.signals import Interrupted, TolerantStream
+from ampguard.signals import SAME_STOP_S, Interrupted, TolerantStream
 
 SRC = str(Path(ampguard.__file__).resolve().parents[1])  # (the children run the code under test)
 DEADLINE_S = 20  # (only a broken test runs into it)
@@ -190,6 +190,7 @@ def test_a_second_signal_ends_a_hold_whose_reader_stopped_reading(threads, first
         proc.send_signal(first)
         _taken(proc)
         assert proc.poll() is None  # (one signal: the output is still written whole)
+        time.sleep(SAME_STOP_S + 0.1)  # (sooner, it is the first one again: timeout sends its SIGTERM twice)
         proc.send_signal(second)
         assert proc.wait(timeout=5) == code
         assert proc.stderr.read().decode().splitlines() == ["ampguard: interrupted (the output was cut)"]
@@ -210,6 +211,27 @@ def test_one_signal_sent_to_the_process_still_waits_for_the_whole_output(threads
         _taken(proc)
         out = proc.stdout.read()
         assert proc.wait(timeout=5) == 143 and len(out) == 1_000_001
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/wchan").exists(), reason="reads /proc")
+@pytest.mark.parametrize("threads", [0, 2], ids=["no other thread", "threads that take the signal"])
+def test_one_stop_sent_twice_at_once_as_timeout_sends_it_still_waits_for_the_whole_output(threads):
+    # review 40h #1: GNU timeout sends SIGTERM to the process and to its group, microseconds apart: with a
+    # thread that does not block it, the two were counted as two stops and the output was cut at 64 KiB
+    proc = _writing(threads)
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        _taken(proc)  # (the first taken before the second comes: else the two merge into one, as blocked)
+        os.kill(proc.pid, signal.SIGTERM)
+        _taken(proc)
+        out = proc.stdout.read()
+        assert proc.wait(timeout=5) == 143 and len(out) == 1_000_001
+        assert proc.stderr.read() == b""
     finally:
         proc.kill()
         proc.wait()
