@@ -305,14 +305,15 @@ _PLAIN = (int, float, bool, str, type(None))
 
 @contextlib.contextmanager
 def _attributes_kept(model: torch.nn.Module, by: str, skip: frozenset[int] | set[int] = frozenset()) -> Iterator[None]:
-    """On leaving, each module's public attributes (its ``__dict__`` entries not named ``_...``)
-    that are ints, floats, bools, strings or None as they were (a forward's ``self.calls += 1``,
-    a warm-up ramp's count), and one of them the block added taken out; a tensor attribute that
+    """On leaving, each module's own attributes (its ``__dict__`` entries but those every
+    ``nn.Module`` has, :data:`_MODULES_OWN`: ``self._step`` as well as ``self.calls``) that are
+    ints, floats, bools, strings or None as they were (a forward's ``self.calls += 1``, a warm-up
+    ramp's count), and one of them the block added taken out; a tensor attribute that
     is neither a parameter nor a buffer, replaced in the block (``self.state = self.state + x``),
     has its tensor put back, and one the block added is taken out; one changed in place
     (``self.state.add_(x)``: its version counter moved) cannot be put back, and is named in an
     :class:`~ampguard.errors.AmpguardWarning` (keep it in a buffer). ``training`` is
-    :func:`modes_kept`'s; torch's own attributes (``_...``) are left alone, and so are the
+    :func:`modes_kept`'s; torch's own attributes (``_parameters``, the hooks) are left alone, and so are the
     modules in ``skip`` (by id: lazy ones, which their first forward gives their sizes). A
     snapshot of references: no tensor copied.
 
@@ -330,8 +331,8 @@ def _attributes_kept(model: torch.nn.Module, by: str, skip: frozenset[int] | set
         >>> model.calls
         5
     """
-    def public(m: torch.nn.Module) -> dict[str, Any]:
-        return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"
+    def public(m: torch.nn.Module) -> dict[str, Any]:  # (review 40g: a private counter, _step, was not kept)
+        return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN
                 and (type(v) in _PLAIN or isinstance(v, torch.Tensor))}
 
     kept = [(m, public(m)) for m in model.modules() if id(m) not in skip]
@@ -358,6 +359,10 @@ def _attributes_kept(model: torch.nn.Module, by: str, skip: frozenset[int] | set
 
 
 _GONE = object()
+
+_MODULES_OWN = frozenset(vars(torch.nn.Module()))
+"""The attributes every ``nn.Module`` has (``training``, ``_parameters``, ``_buffers``, the hook
+dicts): torch's, not a module's own state."""
 
 
 def _version(p: torch.Tensor) -> int | None:

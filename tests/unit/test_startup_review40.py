@@ -426,3 +426,22 @@ def build(config):
 """)
     task = build_task(load_config(None, [f"task.factory={path}:build"]))
     assert task.name == "factory" and len(next(iter(task.stream()))) == 2
+
+
+class PrivateCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(2, 2)
+        self._step = 0
+
+    def forward(self, x):
+        if self.training:
+            self._step += 1  # (a warm-up ramp's count, spelled as most write it)
+        return self.l(x) * min(1.0, self._step / 10)
+
+
+def test_a_private_counter_the_forward_moves_is_put_back():
+    # review 40g #6: only public attributes were kept; self._step moved by the check's four passes, unsaid
+    model = PrivateCounter()
+    check_forward(model, F.mse_loss, lambda: (torch.ones(2, 2), torch.zeros(2, 2)), FP32, "f.py:build")
+    assert model._step == 0
