@@ -824,6 +824,31 @@ def persistent_loader():
 """
 
 
+def hand_loop(path: Path, fn: str, steps: int) -> dict[str, torch.Tensor]:
+    """The canonical PyTorch loop over the factory ``fn`` of the file ``path`` (model, data, loss
+    function), what a run of it must equal bit for bit: seeded as a run is, AdamW (the config's
+    defaults), clipping at 1.0, ``steps`` steps within the first epoch. The model's state after."""
+    import random
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location(f"hand_loop_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    model, data, loss_fn = getattr(module, fn)(None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    batches = iter(data)
+    for _ in range(steps):
+        x, y = next(batches)
+        loss_fn(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    del batches, data
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 # ---------------------------------------------------------------------------- plots: ampguard's mark, a user's PNG
 
 

@@ -6,15 +6,10 @@ of one among the start-up's batches is one line, exit 2, nothing written."""
 
 from __future__ import annotations
 
-import importlib.util
-import random
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 
-from helpers import NOISY_DATA, one_error_line, write
+from helpers import NOISY_DATA, hand_loop, one_error_line, write
 
 pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
 
@@ -69,25 +64,6 @@ def bn_last_one(config):  # 33 examples in batches of 16: the third batch holds 
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
     return model, DataLoader(TensorDataset(x, y), batch_size=16), F.mse_loss
 """
-
-
-def hand_loop(path: Path, fn: str, steps: int) -> dict[str, torch.Tensor]:
-    """The canonical loop: seeded as a run is, AdamW (the config's defaults), clipping at 1.0."""
-    spec = importlib.util.spec_from_file_location("hand_loop_39e", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    model, data, loss_fn = getattr(module, fn)(None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    batches = iter(data)
-    for _ in range(steps):  # (within the first epoch)
-        x, y = next(batches)
-        loss_fn(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    del batches, data
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("fn", ["plain", "persistent", "ema"])

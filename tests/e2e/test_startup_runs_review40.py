@@ -7,15 +7,10 @@ training calls, and an ``nn.Embedding(max_norm=...)``."""
 
 from __future__ import annotations
 
-import importlib.util
-import random
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 
-from helpers import NOISY_DATA, write
+from helpers import NOISY_DATA, hand_loop, write
 
 pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
 
@@ -87,25 +82,6 @@ def max_norm(config):
     model = nn.Sequential(nn.Embedding(50, 8, max_norm=1.0), nn.Flatten(), nn.Linear(32, 2))
     return model, [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)], F.mse_loss
 """
-
-
-def hand_loop(path: Path, fn: str, steps: int) -> dict[str, torch.Tensor]:
-    """The canonical loop (tests/e2e/test_startup_runs_review39.py's): seeded as a run is, AdamW, clipping at 1.0."""
-    spec = importlib.util.spec_from_file_location("hand_loop_40c", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    model, data, loss_fn = getattr(module, fn)(None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    batches = iter(data)
-    for _ in range(steps):  # (within the first epoch)
-        x, y = next(batches)
-        loss_fn(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    del batches, data
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("fn", ["lazy_dropout", "lazy_batchnorm", "wrapper", "wrapped_persistent", "counter",
