@@ -849,6 +849,20 @@ def hand_loop(path: Path, fn: str, steps: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def trains_as_the_hand_loop(cli: Any, path: Path, fn: str, *run: str, steps: int = 3) -> None:
+    """``ampguard train`` of the factory ``fn`` in ``path`` (run by the ``cli`` fixture, in
+    ``path``'s folder) warns of nothing and ends with the weights :func:`hand_loop` ends with, bit
+    for bit."""
+    code, out, err = cli("train", *run, "--set", f"task.factory={path.name}:{fn}", "--set", f"steps={steps}",
+                         "--set", f"log.name={fn}")
+    assert code == 0, err
+    assert "warning" not in err, err
+    saved = torch.load(path.parent / "runs" / fn / "checkpoints" / f"step-{steps:08d}.pt", weights_only=True)["model"]
+    expected = hand_loop(path, fn, steps)
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[k], expected[k]) for k in expected), fn
+
+
 # ---------------------------------------------------------------------------- plots: ampguard's mark, a user's PNG
 
 

@@ -7,9 +7,8 @@ of one among the start-up's batches is one line, exit 2, nothing written."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from helpers import NOISY_DATA, hand_loop, one_error_line, write
+from helpers import NOISY_DATA, one_error_line, trains_as_the_hand_loop, write
 
 pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
 
@@ -71,15 +70,7 @@ def test_the_run_is_the_hand_written_loop_bit_for_bit_after_the_start_ups_checks
     # plain: the start-up's reads drew two DataLoader seeds from torch's RNG, the dropout masks moved;
     # persistent: its reads advanced the workers' RNGs; ema: a retry in the check left the EMA weights
     # in place of the trained ones
-    path = write(tmp_path / "f39.py", FACTORIES)
-    code, out, err = cli("train", *RUN, "--set", f"task.factory=f39.py:{fn}", "--set", "steps=3",
-                         "--set", f"log.name={fn}")
-    assert code == 0, err
-    assert "warning" not in err, err
-    saved = torch.load(tmp_path / "runs" / fn / "checkpoints" / "step-00000003.pt", weights_only=True)["model"]
-    expected = hand_loop(path, fn, 3)
-    assert saved.keys() == expected.keys()
-    assert all(torch.equal(saved[k], expected[k]) for k in expected), fn
+    trains_as_the_hand_loop(cli, write(tmp_path / "f39.py", FACTORIES), fn, *RUN)
 
 
 def test_a_batchnorm_batch_of_one_among_the_start_ups_batches_is_one_line_and_nothing_is_written(cli, unchanged,

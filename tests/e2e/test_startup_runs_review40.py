@@ -8,9 +8,8 @@ training calls, and an ``nn.Embedding(max_norm=...)``."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from helpers import NOISY_DATA, hand_loop, write
+from helpers import NOISY_DATA, trains_as_the_hand_loop, write
 
 pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
 
@@ -90,12 +89,4 @@ def test_the_run_is_the_hand_written_loop_bit_for_bit_after_the_start_ups_checks
     # lazy: a traceback from the check's checksum (8caa52d); wrapper: the start-up's reads moved the
     # wrapped loader's generator; wrapped_persistent: warned as a one-shot, its workers' RNGs moved;
     # counter: the check's four passes counted; max_norm: the check's passes renormalised the rows
-    path = write(tmp_path / "f40.py", FACTORIES)
-    code, out, err = cli("train", *RUN, "--set", f"task.factory=f40.py:{fn}", "--set", "steps=3",
-                         "--set", f"log.name={fn}")
-    assert code == 0, err
-    assert "warning" not in err, err
-    saved = torch.load(tmp_path / "runs" / fn / "checkpoints" / "step-00000003.pt", weights_only=True)["model"]
-    expected = hand_loop(path, fn, 3)
-    assert saved.keys() == expected.keys()
-    assert all(torch.equal(saved[k], expected[k]) for k in expected), fn
+    trains_as_the_hand_loop(cli, write(tmp_path / "f40.py", FACTORIES), fn, *RUN)
