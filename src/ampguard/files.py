@@ -280,6 +280,108 @@ def _trusted_realpath(place: str | os.PathLike, path: str | os.PathLike) -> str:
     return os.fspath(done)
 
 
+class _LedTo:
+    """On :func:`_walked`'s stack, after a link's text: the walk has reached what the link leads
+    to when it pops this; the link's ``owner`` must own that (see :func:`_walked`)."""
+
+    __slots__ = ("link", "owner", "text")
+
+    def __init__(self, link: str, owner: int, text: str) -> None:
+        self.link, self.owner, self.text = link, owner, text
+
+
+def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[int, Path]:
+    """The folder ``given`` lies in, as a descriptor (opened to be read where this user may, to be
+    synced and listed), and the path of the file in it: walked from ``/`` (or the working folder)
+    one part at a time, each part looked at in the folder the walk holds (``dir_fd``), never by
+    its name from ``/``: a folder the walk passed that someone swaps for a link afterwards is not
+    gone through again (review 40j: the name-based walk went through it on its next look, to a
+    link it trusted). The last part is followed when it is a link and ``follow_last``.
+
+    Each link met is opened itself (``O_PATH | O_NOFOLLOW``), its owner and its text read from that
+    one descriptor (read by name twice, a link swapped between the two was judged by one and
+    followed by the other), and followed only when this user made it, or when root made it and
+    it has no other name (a hard link to root's link, where ``fs.protected_hardlinks`` is off, lies
+    wherever a user put it), or when whoever made it owns what it leads to (the owner of the
+    folder or file the walk reaches at its text's end). Else :class:`NotReplaced`, nothing
+    written: a user who may write in a run's folder pointed its CSV's link, or a folder on its
+    way, at root's file, and a root resume rewrote that file."""
+    me = os.geteuid()
+    todo: list[Any] = list(reversed(given.parts))
+    start = "/" if given.is_absolute() else "."
+    fd = os.open(start, os.O_PATH | os.O_DIRECTORY | _O_CLOEXEC)
+    shown_at = Path(os.path.abspath(start))
+    links = 0
+
+    def judge(led: _LedTo, owner: int) -> None:
+        if led.owner not in (me, 0) and led.owner != owner:
+            raise NotReplaced(errno.EPERM, f"{shown(led.link)} is a symbolic link of user {led.owner}'s to "
+                              f"{shown(led.text)}, which is not theirs; refusing to write through it", os.fspath(path))
+
+    try:
+        while True:
+            while todo and (isinstance(todo[-1], _LedTo) or todo[-1] in ("", ".", "/")):
+                part = todo.pop()
+                if isinstance(part, _LedTo):  # (a link's text walked: it led to the folder held)
+                    judge(part, os.fstat(fd).st_uid)
+            if not todo:
+                raise NotReplaced(errno.EISDIR, "it names a folder, not a file; nothing was written", os.fspath(path))
+            part = todo.pop()
+            last = not any(isinstance(p, str) and p not in ("", ".", "/") for p in todo)
+            if part == "..":
+                inner = os.open("..", os.O_PATH | os.O_DIRECTORY | _O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd, shown_at = inner, shown_at.parent
+                continue
+            try:
+                seen = os.stat(part, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                if last:
+                    break  # (a new file)
+                raise
+            if stat.S_ISLNK(seen.st_mode) and (not last or follow_last):
+                links += 1
+                if links > _MAX_LINKS:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
+                lfd = os.open(part, os.O_PATH | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
+                try:
+                    link, text = os.fstat(lfd), os.readlink("", dir_fd=lfd)
+                finally:
+                    os.close(lfd)
+                at = os.fspath(shown_at / part)
+                if link.st_nlink > 1 and (me == 0 or link.st_uid != me):  # (a hard link to someone's link)
+                    raise NotReplaced(errno.EPERM, f"{shown(at)} is a symbolic link with another name (a hard link "
+                                      "to it, which anyone could have made); refusing to write through it",
+                                      os.fspath(path))
+                todo += [_LedTo(at, link.st_uid, text), *reversed(Path(text).parts)]
+                if os.path.isabs(text):
+                    inner = os.open("/", os.O_PATH | os.O_DIRECTORY | _O_CLOEXEC)
+                    os.close(fd)
+                    fd, shown_at = inner, Path("/")
+                continue
+            if last:
+                break
+            inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd, shown_at = inner, shown_at / part
+        try:  # (the file's own owner judges a link that led to it; one not there yet: its folder's)
+            owner = os.stat(part, dir_fd=fd, follow_symlinks=False).st_uid
+        except FileNotFoundError:
+            owner = os.fstat(fd).st_uid
+        for led in todo:
+            if isinstance(led, _LedTo):
+                judge(led, owner)
+        try:  # (read where this user may: to be synced and listed)
+            readable = os.open(".", os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC, dir_fd=fd)
+        except PermissionError:
+            return fd, shown_at / part
+        os.close(fd)
+        return readable, shown_at / part
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _open_folder(folder: str, path: str | os.PathLike) -> int:
     """A descriptor of the folder ``folder`` (absolute, its links resolved: ``os.path.realpath``),
     opened one part at a time from ``/``, each relative to the one before and never through a link
@@ -398,9 +500,11 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
     that fails (:class:`DiskFull` when there is no room) takes the temporary file with it and
     leaves ``path`` as it was.
 
-    The path is resolved once (:func:`_trusted_realpath` of its folder; of the file too, for a link
-    followed: a link of another user's that leads to what is not theirs is refused, as Linux's
-    ``protected_symlinks`` would), then its folder opened part by part from ``/`` without following a link, and all
+    The path is walked once, from ``/``, by descriptors where the OS has ``O_PATH``
+    (:func:`_walked`: each part looked at in the folder the walk holds; each link met judged, one
+    of another user's that leads to what is not theirs refused, as is a hard link to a link), and
+    the folder it ends in is where all else is done; elsewhere it is resolved once
+    (:func:`_trusted_realpath`, the same rule by names), then its folder opened part by part from ``/`` without following a link, and all
     else done relative to that folder: the old file looked at, the temporary file made (a random
     name, made new, never through what lies at it), given the old file's owner and mode through
     its descriptor, renamed. A folder on the way that became a link meanwhile (swapped by whoever
@@ -450,11 +554,12 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
         data = data.encode("utf-8", errors="surrogateescape")
     given = Path(path)
     followed = through_link and given.is_symlink() and given.exists()
-    # resolved once, here, every link met judged (_trusted_realpath); from now on nothing goes by
-    # this path's name through a link
-    target = (Path(_trusted_realpath(given, path)) if followed
-              else Path(_trusted_realpath(given.parent, path)) / given.name)
-    dfd = _open_folder(os.fspath(target.parent), path)
+    if hasattr(os, "O_PATH"):  # (Linux: walked by descriptors, each part looked at in the folder held)
+        dfd, target = _walked(given, followed, path)
+    else:  # resolved once, here, every link met judged (_trusted_realpath); then nothing goes by name through a link
+        target = (Path(_trusted_realpath(given, path)) if followed
+                  else Path(_trusted_realpath(given.parent, path)) / given.name)
+        dfd = _open_folder(os.fspath(target.parent), path)
     try:
         _replace_in(dfd, target, data, path, followed)
     finally:

@@ -81,27 +81,33 @@ def swap(folder: Path, to: Path) -> None:
 
 
 def test_a_folder_swapped_for_a_link_after_the_path_was_resolved_is_refused(hostile, monkeypatch):
-    # review 40b #1 (r1 a): swapped just after realpath, the root-only file was rewritten with the user's rows
-    # (swapped here just after the path's resolution, files._trusted_realpath, which judged every link it met)
+    # review 40b #1 (r1 a): swapped just after realpath, the root-only file was rewritten with the user's rows.
+    # Walked by descriptors (Linux), the swap after the walk changes nothing: the file cut is in the folder
+    # the walk judged and holds; resolved by name (elsewhere), the swapped folder is refused
     secret, user = hostile
     before = state(secret / "shadow")
-    real = files._trusted_realpath
+    walk = "_walked" if hasattr(os, "O_PATH") else "_trusted_realpath"
+    real = getattr(files, walk)
 
     def resolved_then_swap(*args, **kwargs):
         resolved = real(*args, **kwargs)
-        monkeypatch.setattr(files, "_trusted_realpath", real)
+        monkeypatch.setattr(files, walk, real)
         swap(user / "d", secret)
         return resolved
 
-    monkeypatch.setattr(files, "_trusted_realpath", resolved_then_swap)
-    with pytest.raises(OSError) as err:
+    monkeypatch.setattr(files, walk, resolved_then_swap)
+    if walk == "_walked":
         replace_atomically(user / "steps.csv", b"step,lr\n1,0.1\n", through_link=True)
-    said = str(err.value)
-    assert said == (f"cannot replace {user / 'steps.csv'}: {user / 'd'} became a symbolic link after the path was "
-                    "resolved (it changed while the file was being written); nothing was written"), said
+        assert (user / "d.real" / "shadow").read_text() == "step,lr\n1,0.1\n"  # (the file judged, cut)
+    else:
+        with pytest.raises(OSError) as err:
+            replace_atomically(user / "steps.csv", b"step,lr\n1,0.1\n", through_link=True)
+        said = str(err.value)
+        assert said == (f"cannot replace {user / 'steps.csv'}: {user / 'd'} became a symbolic link after the path "
+                        "was resolved (it changed while the file was being written); nothing was written"), said
+        assert (user / "d.real" / "shadow").read_text() == "step,lr\n1,0.1\n2,0.1\n"  # (nothing cut either)
     assert state(secret / "shadow") == before
     assert sorted(p.name for p in secret.iterdir()) == ["shadow"]
-    assert (user / "d.real" / "shadow").read_text() == "step,lr\n1,0.1\n2,0.1\n"  # (nothing cut either)
 
 
 @pytest.mark.parametrize("through_link", [True, False], ids=["the linked CSV", "a run folder's config.yaml"])
@@ -354,3 +360,65 @@ def test_a_third_users_file_at_the_old_temporary_name_is_left_alone(tmp_path):
     os.chown(theirs, 4242, 4242)
     replace_atomically(tmp_path / "card.md", "x\n")
     assert theirs.read_text() == "half\n" and (tmp_path / "card.md").read_text() == "x\n"
+
+
+# ---------------------------------------------------------------------------- review 40j: a walk by descriptors
+
+
+@ROOT
+@pytest.mark.skipif(not hasattr(os, "O_PATH"), reason="the walk by descriptors is Linux's (O_PATH)")
+def test_a_folder_swapped_after_the_walk_passed_it_is_not_gone_through_again(tmp_path, monkeypatch):
+    # review 40j #1 (r30): the walk looked each part up by its whole name: a folder it had passed, swapped
+    # for a link, was gone through on its next look, to a link of root's (think /etc/alternatives/editor)
+    secret, user, system = tmp_path / "rootonly", tmp_path / "user", tmp_path / "sys"
+    secret.mkdir(mode=0o700)
+    (secret / "secret").write_text("root:SECRET\n")
+    os.chmod(secret / "secret", 0o600)
+    system.mkdir()
+    (system / "editor").symlink_to(secret / "secret")  # (root's own link, its text absolute)
+    (user / "a").mkdir(parents=True)
+    (user / "a" / "editor").write_text('{"step": 1}\n{"step": 2}\n')
+    for path in (user, user / "a", user / "a" / "editor"):
+        os.chown(path, NOBODY, NOBODY)
+    user_link(user / "steps.jsonl", user / "a" / "editor")
+    before = state(secret / "secret")
+    real_stat, real_lstat = os.stat, os.lstat
+
+    def swap_once() -> None:  # (the window: the walk is inside user/a, about to look at editor)
+        if not (user / "a").is_symlink():
+            os.rename(user / "a", user / "a.real")
+            user_link(user / "a", system)
+
+    def stat_then_swap(name, *args, dir_fd=None, **kwargs):  # (a walk by descriptors looks in the folder held)
+        if dir_fd is not None and name == "editor":
+            swap_once()
+        return real_stat(name, *args, dir_fd=dir_fd, **kwargs)
+
+    def lstat_then_swap(name, *args, **kwargs):  # (a walk by names looked at the whole name)
+        if os.fspath(name) == os.fspath(user / "a" / "editor"):
+            swap_once()
+        return real_lstat(name, *args, **kwargs)
+
+    monkeypatch.setattr(files.os, "stat", stat_then_swap)
+    monkeypatch.setattr(files.os, "lstat", lstat_then_swap)
+    replace_atomically(user / "steps.jsonl", b'{"step": 1}\n', through_link=True)
+    monkeypatch.setattr(files.os, "stat", real_stat)
+    monkeypatch.setattr(files.os, "lstat", real_lstat)
+    assert (user / "a").is_symlink() and (user / "a.real" / "editor").read_text() == '{"step": 1}\n'  # (the judged one)
+    assert state(secret / "secret") == before
+
+
+@ROOT
+def test_a_hard_link_to_roots_own_link_is_not_followed(tmp_path):
+    # review 40j #3 (r33): where fs.protected_hardlinks is off, a user hard-links root's link (its owner 0,
+    # trusted) into its own folder as its CSV: root's file was rewritten
+    secret, user = tmp_path / "rootonly", tmp_path / "user"
+    secret.mkdir(mode=0o700)
+    (secret / "secret").write_text("root:SECRET\n")
+    (secret / "editor").symlink_to(secret / "secret")
+    user.mkdir()
+    os.link(secret / "editor", user / "steps.csv", follow_symlinks=False)  # (what the user did)
+    before = state(secret / "secret")
+    with pytest.raises(files.NotReplaced, match="is a symbolic link with another name"):
+        replace_atomically(user / "steps.csv", b"step\n1\n", through_link=True)
+    assert state(secret / "secret") == before
