@@ -171,11 +171,14 @@ class BufferSnapshot:
     """Each module's buffers as they are now (None ones too), and a copy of each tensor's values:
     :meth:`put_back` makes them so again, as often as asked: a buffer the forward replaced (a
     cache grown to a new shape) is put back itself, one it filled from None, or registered anew,
-    is taken out, and each one's values are copied back in place. Between passes that must each
-    start from the same state (locate's FP32 and scope replays, validate's reference and each
-    precision's passes: a call counter, a running normaliser, a cache the forward updates), and
-    at the end of :func:`untouched`. ``skip``: buffers (by id) not copied (a lazy module's, not
-    made yet).
+    is taken out, and each one's values are copied back in place. A buffer with internal overlap (an expanded view, stride 0, which nothing can
+    write in place) is referenced, not copied. Each module's plain attributes (those
+    :func:`_attributes_kept` keeps, :func:`_kept_attributes`: a ``self.calls += 1`` counter's int,
+    a tensor attribute by identity) are put back too. Between passes that must each start from
+    the same state (locate's FP32 and scope replays, validate's reference and each precision's
+    passes: a call counter, a running normaliser, a cache the forward updates), and at the end
+    of :func:`untouched`. ``skip``: buffers (by id) not copied (a lazy module's, not made yet);
+    ``modules_skipped``: modules (by id) whose attributes are not kept (lazy ones).
 
     Example::
 
@@ -185,15 +188,29 @@ class BufferSnapshot:
         >>> snapshot.put_back()
         >>> model.running_mean.tolist(), int(model.num_batches_tracked)
         ([0.0, 0.0], 0)
+        >>> model.calls = 0
+        >>> model.register_buffer("ones", torch.ones(1).expand(3))  # (stride 0: referenced, not copied)
+        >>> snapshot = BufferSnapshot(model)
+        >>> model.calls += 1
+        >>> snapshot.put_back()
+        >>> model.calls, model.ones.tolist()
+        (0, [1.0, 1.0, 1.0])
     """
 
-    def __init__(self, model: torch.nn.Module, skip: frozenset[int] | set[int] = frozenset()) -> None:
+    def __init__(self, model: torch.nn.Module, skip: frozenset[int] | set[int] = frozenset(),
+                 modules_skipped: frozenset[int] | set[int] = frozenset()) -> None:
         self.held = [(m, dict(m._buffers)) for m in model.modules()]
+        # (a tensor with internal overlap, an expanded view, stride 0: nothing writes it in place, so
+        # it is referenced, not copied; a replacement is undone by putting the object back)
         self.copies = {id(b): b.detach().clone() for _, held in self.held for b in held.values()
-                       if b is not None and id(b) not in skip}
+                       if b is not None and id(b) not in skip and not _overlaps(b)}
+        # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by identity)
+        self.attributes = [(m, _kept_attributes(m)) for m in model.modules() if id(m) not in modules_skipped]
 
     def put_back(self) -> None:
-        """The buffers as they were when the snapshot was taken."""
+        """The buffers and plain attributes as they were when the snapshot was taken. Every copied
+        buffer's values are copied back, not only those whose version counter moved: BatchNorm's
+        kernel updates its running statistics in place without bumping it."""
         with torch.no_grad():
             for m, held in self.held:
                 for name in [n for n in m._buffers if n not in held]:  # (registered by the forward: taken out)
@@ -204,11 +221,12 @@ class BufferSnapshot:
                     if b is not None and id(b) in self.copies:
                         with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
                             b.copy_(self.copies[id(b)])
+        _put_attributes_back(self.attributes)
 
 
 @contextlib.contextmanager
 def untouched(model: torch.nn.Module, by: str = "the replay",
-              so: str = "each replayed pass once more, and they are not put back") -> Iterator[None]:
+              so: str = "each replayed pass once more, and they are not put back") -> Iterator[BufferSnapshot]:
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
     (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
     back itself; one it filled from None, or registered anew, is taken out), its parameters'
@@ -246,10 +264,10 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     # every module's buffers as they are (None ones too), and a copy of each tensor's values
     buffers = [(m, dict(m._buffers)) for m in model.modules()]
     lazy = {id(t) for _, held in buffers for t in held.values() if t is not None and is_lazy(t)}
-    snapshot = BufferSnapshot(model, skip=lazy)
     lazy |= {id(p) for p in model.parameters() if is_lazy(p)}
     lazy_kinds = [(m, type(m).__name__) for m in model.modules() if any(
         id(t) in lazy for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
+    snapshot = BufferSnapshot(model, skip=lazy, modules_skipped={id(m) for m, _ in lazy_kinds})
     grads = {id(p): p.grad for p in model.parameters()}
     renormed = {id(p): p.detach().clone() for m in model.modules() if _renormalises(m)
                 for p in m.parameters(recurse=False) if id(p) not in lazy}
@@ -260,7 +278,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
         # (attributes put back after the modes: an EMA model's train() swaps its weights back by what its
         # eval() kept in an attribute)
         with rng_kept(), _attributes_kept(model, by, skip={id(m) for m, _ in lazy_kinds}), modes_kept(model):
-            yield
+            yield snapshot
     finally:
         snapshot.put_back()
         with torch.no_grad():
@@ -331,26 +349,14 @@ def _attributes_kept(model: torch.nn.Module, by: str, skip: frozenset[int] | set
         >>> model.calls
         5
     """
-    def public(m: torch.nn.Module) -> dict[str, Any]:  # (review 40g: a private counter, _step, was not kept)
-        return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN
-                and (type(v) in _PLAIN or isinstance(v, torch.Tensor))}
-
-    kept = [(m, public(m)) for m in model.modules() if id(m) not in skip]
+    kept = [(m, _kept_attributes(m)) for m in model.modules() if id(m) not in skip]
     versions = {id(v): _version(v) for _, held in kept for v in held.values() if isinstance(v, torch.Tensor)}
     try:
         yield
     finally:
-        moved = []
-        for m, held in kept:
-            now = vars(m)
-            for k in [k for k in public(m) if k not in held]:  # (added by the block: taken out)
-                del now[k]
-            for k, v in held.items():
-                if isinstance(v, torch.Tensor) and _version(v) != versions[id(v)] \
-                        and f"{type(m).__name__}.{k}" not in moved:
-                    moved.append(f"{type(m).__name__}.{k}")
-                if now.get(k, _GONE) is not v:
-                    now[k] = v
+        moved = list(dict.fromkeys(f"{type(m).__name__}.{k}" for m, held in kept for k, v in held.items()
+                                   if isinstance(v, torch.Tensor) and _version(v) != versions[id(v)]))
+        _put_attributes_back(kept)
         if moved:
             more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
             warnings.warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
@@ -359,6 +365,36 @@ def _attributes_kept(model: torch.nn.Module, by: str, skip: frozenset[int] | set
 
 
 _GONE = object()
+
+
+def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
+    """The attributes of module ``m`` that :func:`_attributes_kept` and :class:`BufferSnapshot`
+    put back, by reference: its own (every ``__dict__`` entry but :data:`_MODULES_OWN`) that are
+    ints, floats, bools, strings or None (:data:`_PLAIN`), or tensors (neither parameters nor
+    buffers: those are kept apart). (Review 40g: a private counter, ``_step``, is kept too.)"""
+    return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN
+            and (type(v) in _PLAIN or isinstance(v, torch.Tensor))}
+
+
+def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
+    """Each module's attributes in ``kept`` (:func:`_kept_attributes`' snapshots) as they were:
+    one added since taken out, one replaced put back (the same object)."""
+    for m, held in kept:
+        now = vars(m)
+        for k in [k for k in _kept_attributes(m) if k not in held]:  # (added since: taken out)
+            del now[k]
+        for k, v in held.items():
+            if now.get(k, _GONE) is not v:
+                now[k] = v
+
+
+def _overlaps(b: torch.Tensor) -> bool:
+    """Whether tensor ``b`` has internal overlap (an expanded view, stride 0): no in-place write
+    can go into it (``copy_`` refuses), so it is never copied back."""
+    try:
+        return torch._debug_has_internal_overlap(b) == 1
+    except (RuntimeError, AttributeError, NotImplementedError):  # (a tensor without strides: take it as none)
+        return False
 
 _MODULES_OWN = frozenset(vars(torch.nn.Module()))
 """The attributes every ``nn.Module`` has (``training``, ``_parameters``, ``_buffers``, the hook

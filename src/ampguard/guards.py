@@ -685,8 +685,11 @@ class FirstSkipDiagnosis:
         from .locate import diagnose_group
 
         # (a model compiled in place, compile: true, is replayed eagerly: diagnose's own doing)
+        # (the scaler's floor: an overflow that stays there is no routine back-off; the replay runs at it)
+        floor = float(self.state.scaler.get_min_scale()) if self.state.scaler.is_enabled() else None
         result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision,
-                                float(self.scale), accumulation_steps=self.state.accumulation_steps, rng=self.rng)
+                                float(self.scale), accumulation_steps=self.state.accumulation_steps, rng=self.rng,
+                                scale_floor=floor)
         if self.injected is not None:  # (an injected fault fires in the FP32 replay too: the finding is the fault's)
             result.injected = self.injected(record.step)
         if self.state.scaler.is_enabled():  # (at its floor the scaler cannot halve: not its routine back-off)

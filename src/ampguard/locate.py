@@ -304,7 +304,7 @@ class Diagnosis:
     trace alone names only as a ``Float8Linear``'s output."""
     overflows_unscaled: bool = False
     """With a backward overflow at a loss scale above 1 that FP32 holds: the replay at a loss scale
-    of 1 overflowed too. Halving the scale does not answer it (the scaler would skip step after
+    of 1, or at the scaler's floor (:attr:`scale_floor`) if that is higher, overflowed too. Halving the scale does not answer it (the scaler would skip step after
     step, down to its floor): a range problem, said as one, not as the scaler's routine back-off."""
 
     def message(self) -> str:
@@ -344,8 +344,10 @@ class Diagnosis:
             if f.where != "backward":
                 hint = "FP32 replay is finite: a precision-range problem"
             elif self.overflows_unscaled and self.loss_scale != 1.0:  # (halving cannot answer it)
+                at = (f"at the scaler's floor {self.scale_floor:g}" if self.scale_floor is not None
+                      and self.scale_floor > 1 else "with no loss scale")
                 hint = (f"FP32 replay is finite: a precision-range problem (the gradient scaled by {self.loss_scale:g} "
-                        f"overflows {f.precision}; it overflows {f.precision} with no loss scale too, so halving the "
+                        f"overflows {f.precision}; it overflows {f.precision} {at} too, so halving the "
                         "scale does not answer it)")
             elif self._backs_off:  # (what the dynamic scaler is for: no module to move to FP32)
                 hint = (f"FP32 replay is finite: a precision-range problem (the gradient scaled by "
@@ -737,12 +739,15 @@ def find_fp32_scope(
     loss_scale: float,
     module: str,
     accumulation_steps: int = 1,
+    start: Callable[[], None] | None = None,
 ) -> tuple[str | None, list[str]]:
     """Replay the batch with ``module`` alone in FP32, then its parent, up to the model, until one
     makes the batch all finite: ``(that scope or None, the scopes tried)``. Each replay keeps the
     run's precision elsewhere, its loss scale and accumulation steps, and starts from the RNG
     state and the buffers this was called with (dropout draws the same masks each time; a buffer
     the forward updates, a counter or a cache, reads the same); the buffers are put back afterwards.
+    ``start``: what puts that state back before each replay and at the end (:func:`_diagnose`'s,
+    which holds a snapshot already); None: one taken here (a copy of the buffers).
 
     Example (a block's Linear outputs 1e5, past fp16's 65504; the LayerNorm after it brings it back
     in range, so that Linear alone in FP32 fixes the batch; the output Linear alone does not)::
@@ -759,20 +764,24 @@ def find_fp32_scope(
     """
     from .checkpoint import BufferSnapshot, rng_state, set_rng_state
 
-    rng, buffers = rng_state(), BufferSnapshot(model)
+    if start is None:
+        rng, buffers = rng_state(), BufferSnapshot(model)
+
+        def start() -> None:
+            set_rng_state(rng)
+            buffers.put_back()
     tried: list[str] = []
     try:
         for scope in _scopes(module):
             tried.append(scope)
-            set_rng_state(rng)
-            buffers.put_back()
+            start()
             found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
                                            fp32_module=scope, accumulation_steps=accumulation_steps)
             if found.where == "none":
                 return scope, tried
         return None, tried
     finally:
-        buffers.put_back()
+        start()
 
 
 def _module_of(finding: Finding) -> str | None:
@@ -792,6 +801,7 @@ def diagnose_group(
     loss_scale: float = 1.0,
     accumulation_steps: int | None = None,
     rng: Any = None,
+    scale_floor: float | None = None,
 ) -> Diagnosis:
     """:func:`diagnose` each micro-batch of a step in turn; the first with a finding answers.
     Every micro-batch finite alone, their summed gradients are checked as the step sums them
@@ -808,6 +818,8 @@ def diagnose_group(
     buffers its pass under the run's precision saw: the first micro-batch's are the model's as
     given, each next one's those the micro-batch before it left, as in the step; the group's
     summed gradients are replayed from the model's. The buffers are put back afterwards.
+    ``scale_floor``: the loss scaler's floor (``scaler.min_scale``) when a scaler runs, as
+    :func:`diagnose`'s.
 
     Example (the second micro-batch carries a NaN, in FP32 as well: not a precision problem)::
 
@@ -843,7 +855,7 @@ def diagnose_group(
                 starts.append(rng_state())
                 after: list[Any] = []
                 result = _diagnose(inner, loss_fn, inputs, targets, precision, loss_scale, n, after,
-                                   buffers_after=i < len(batches) - 1)
+                                   buffers_after=i < len(batches) - 1, scale_floor=scale_floor)
                 if result.verdict != "none":
                     return result
                 losses.append(result.amp.loss)
@@ -861,7 +873,7 @@ def diagnose_group(
                                         starts, fp32_module="" if float8_modules(inner) else None)
                 summed[0].loss = mean
                 return Diagnosis(summed[0], fp32[0] if fp32 else Finding("none", precision="fp32"),
-                                 "data/model" if fp32 else "precision-range", loss_scale)
+                                 "data/model" if fp32 else "precision-range", loss_scale, scale_floor=scale_floor)
         finally:
             if buffers is not None:
                 buffers.put_back()
@@ -916,6 +928,7 @@ def diagnose(
     precision: Precision,
     loss_scale: float = 1.0,
     accumulation_steps: int = 1,
+    scale_floor: float | None = None,
 ) -> Diagnosis:
     """Locate the first non-finite value, then replay in FP32 to say whose problem it is.
 
@@ -925,8 +938,9 @@ def diagnose(
     the same masks in each and a buffer the forward updates (a counter, a running normaliser, a
     cache) reads the same: each replay is the same pass with only the precision changed. The
     caller's RNG state and buffers are put back afterwards. A backward overflow at a loss scale
-    above 1 that FP32 holds is replayed once more at scale 1: one that overflows there too is no
-    routine back-off of the scaler (:attr:`Diagnosis.overflows_unscaled`). A first value that the FP32 replay
+    above 1 that FP32 holds is replayed once more at scale 1, or at the loss scaler's floor
+    ``scale_floor`` (``scaler.min_scale``, when a scaler runs) if that is higher: one that
+    overflows there too is no routine back-off of the scaler (:attr:`Diagnosis.overflows_unscaled`). A first value that the FP32 replay
     has non-finite at the same place too, element for element, while FP32's pass ends finite (a
     ``-inf`` mask the model writes, a NaN it masks out of its input) is the model's own: the
     finding is then the first value only the run's precision has.
@@ -949,7 +963,8 @@ def diagnose(
     # are put back as they were, so a run that diagnosed goes on exactly as one that did not. A
     # compiled model is replayed eagerly, under its own module names.
     with _eager():
-        return _diagnose(_uncompiled(model), loss_fn, inputs, targets, precision, loss_scale, accumulation_steps)
+        return _diagnose(_uncompiled(model), loss_fn, inputs, targets, precision, loss_scale, accumulation_steps,
+                         scale_floor=scale_floor)
 
 
 def _eager() -> Any:
@@ -976,22 +991,25 @@ def _uncompiled(model: nn.Module) -> nn.Module:
 
 def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
               precision: Precision, loss_scale: float, accumulation_steps: int,
-              rng_after: list[Any] | None = None, buffers_after: bool = False) -> Diagnosis:
+              rng_after: list[Any] | None = None, buffers_after: bool = False,
+              scale_floor: float | None = None) -> Diagnosis:
     """:func:`diagnose` of an uncompiled model, run eagerly; ``rng_after`` gets the RNG state
     after the pass under the run's precision (what the step drew to), then with ``buffers_after``
     the buffers it left (a :class:`~ampguard.checkpoint.BufferSnapshot`: what the step's next
-    micro-batch starts from)."""
+    micro-batch starts from); ``scale_floor``: the loss scaler's floor, where the replay that
+    asks whether halving answers a backward overflow runs (at 1 if it is lower, or None)."""
     from .checkpoint import BufferSnapshot, rng_state, set_rng_state, untouched
     from .fp8 import find_bad_scales, float8_modules
 
     n = accumulation_steps
     whole = "" if float8_modules(model) else None  # fp8: its float8 layers compute in FP32 as well
     fp32_precision = Precision("fp32", precision.device_type)
-    with untouched(model):
+    with untouched(model) as buffers:
         # each pass starts here: the RNG state (the FP32 replay sees the AMP pass's dropout masks) and
-        # the buffers the AMP pass saw (a counter, a running normaliser, a cache its forward updates),
-        # so that each replay is the same pass with only the precision (or the scope in FP32) changed
-        rng, buffers = rng_state(), BufferSnapshot(model)
+        # the buffers and plain attributes the AMP pass saw (a counter, a running normaliser, a cache its
+        # forward updates: untouched's own snapshot, no second copy), so that each replay is the same pass
+        # with only the precision (or the scope in FP32) changed
+        rng = rng_state()
 
         def start() -> None:
             set_rng_state(rng)
@@ -1005,7 +1023,7 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
             if buffers_after:
                 rng_after.append(BufferSnapshot(model))  # (the buffers the step's next micro-batch starts from)
         if amp.where == "none":
-            return Diagnosis(amp, None, "none", loss_scale)
+            return Diagnosis(amp, None, "none", loss_scale, scale_floor=scale_floor)
         start()
         fp32 = trace_first_non_finite(model, loss_fn, inputs, targets, fp32_precision, 1.0, fp32_module=whole,
                                       accumulation_steps=n, seen=fp32_seen)
@@ -1034,20 +1052,24 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
             from .checkpoint import non_finite_weight
 
             bad = "" if amp.where == "input" else non_finite_weight(dict(model.named_parameters()))
-            return Diagnosis(amp, fp32, "data/model", loss_scale, bad_weight=bad, fp8_scales=scales)
+            return Diagnosis(amp, fp32, "data/model", loss_scale, bad_weight=bad, fp8_scales=scales,
+                             scale_floor=scale_floor)
         unscaled = False
-        if amp.where == "backward" and loss_scale != 1.0:
-            # an overflow the scaler would answer by halving, unless it overflows with no loss scale too
+        lowest = max(1.0, scale_floor or 1.0)  # (the lowest scale the scaler reaches; 1: no loss scale)
+        if amp.where == "backward" and loss_scale != 1.0 and (lowest == 1.0 or loss_scale > round_float32(lowest)):
+            # an overflow the scaler would answer by halving, unless it overflows at its floor (or with no
+            # loss scale) too
             start()
-            unscaled = trace_first_non_finite(model, loss_fn, inputs, targets, precision, 1.0,
+            unscaled = trace_first_non_finite(model, loss_fn, inputs, targets, precision, lowest,
                                               accumulation_steps=n).where != "none"
         scope, tried = None, []
         module = _module_of(amp)
         if module is not None and precision.name != "fp32":
             start()
-            scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n)
+            scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n,
+                                           start=start)
     return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried, fp8_scales=scales,
-                     overflows_unscaled=unscaled)
+                     overflows_unscaled=unscaled, scale_floor=scale_floor)
 
 
 # ---------------------------------------------------------------------------- the verb
@@ -1199,7 +1221,8 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         with user_code(f"locate: batch {batch} does not fit the model of task {task.name}: " if batch else
                        f"locate: task {task.name}: the model or the loss failed on step {step}'s batch: "):
             batches = [(to_device(x, device), to_device(y, device)) for x, y in batches]
-            result = diagnose_group(model, loss_fn, batches, precision, loss_scale, config.accumulation_steps)
+            result = diagnose_group(model, loss_fn, batches, precision, loss_scale, config.accumulation_steps,
+                                    scale_floor=config.scaler.min_scale if scaler_on else None)
     result.injected = _faults_at(faults, step)[0]
     result.scale_floor = config.scaler.min_scale if scaler_on else None
     for w in caught:
