@@ -13,6 +13,7 @@ import contextlib
 import copy
 import inspect
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch.utils._pytree import tree_map_only
 from .checkpoint import rng_kept, untouched
 from .clipping import clip_threshold
 from .config import Config
-from .errors import InputError, counted, first_line, user_code
+from .errors import AmpguardWarning, InputError, counted, first_line, user_code
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
@@ -343,8 +344,9 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
     NumPy, ``random``), the module buffers (BatchNorm statistics), the modes and the gradients
     are as they were, so the run goes on bit for bit as without it; a parameter its forward
     passes changed in place (a momentum encoder's moving average) is named in a warning. A model
-    with lazy modules not made yet is checked on a copy (:func:`_checked_copy`): the run's first
-    forward makes their weights, as a plain loop's does. Costs
+    with lazy modules not made yet is checked on a copy (:func:`_checked_copy`), then its lazy
+    modules are made here, drawing from torch's RNG, and a warning says so (:func:`_made_as_checked`).
+    Costs
     one forward pass a batch (each one's graph freed before the next: the memory of one step's
     forward) and host reads.
 
@@ -378,10 +380,10 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         ...
         ampguard.errors.InputError: task.factory toy.py:build: the model's forward pass on the third batch failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x5 and 3x1)
     """
-    checked, firsts = _checked_copy(model)  # (lazy modules: a copy; the run's first forward draws their weights)
+    checked, firsts = _checked_copy(model)  # (lazy modules: a copy checked; then the model's made here)
     if checked is not model:
         unused = _check_forward(checked, loss_fn, read_batch, precision, who, find_unused, dtypes, rng_kept())
-        _made_as_checked(model, firsts)
+        _made_as_checked(model, firsts, who)
         return unused
     return _check_forward(model, loss_fn, read_batch, precision, who, find_unused, dtypes, untouched(
         model, by=f"{who}: the start-up's check of the first batches",
@@ -436,15 +438,10 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     inputs of its lazy modules by name (filled by its first forward, for :func:`_made_as_checked`).
 
     ``model`` itself, or, where it holds lazy modules not made yet (``nn.LazyLinear``,
-    ``nn.LazyBatchNorm1d``: a plain loop's first forward makes their weights, drawn from torch's
-    RNG there), a deep copy of it, run under :func:`~ampguard.checkpoint.rng_kept` (nothing of it
-    kept): the user's model is then made to the copy's shapes, and its lazy modules' initial
-    weights drawn again at its own first forward (:func:`_made_as_checked`), where a plain loop
-    draws them (after the data's first read, before the dropout that follows). Costs a copy of
-    the weights made so far. A model that cannot be copied, or a lazy module of the user's own
-    class (its ``initialize_parameters`` may draw otherwise than ``reset_parameters``), is
-    checked itself, which :func:`~ampguard.checkpoint.untouched` warns of: their weights are
-    drawn in the check.
+    ``nn.LazyBatchNorm1d``: a plain loop's first forward makes their weights), a deep copy of it,
+    run under :func:`~ampguard.checkpoint.rng_kept` (nothing of it kept). Costs a copy of the
+    weights made so far. A model that cannot be copied is checked itself, which
+    :func:`~ampguard.checkpoint.untouched` warns of: their weights are drawn in the check.
 
     Example::
 
@@ -458,8 +455,7 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     """
     lazy = [name for name, m in model.named_modules() if isinstance(m, LazyModuleMixin) and any(
         is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
-    modules = dict(model.named_modules())
-    if not lazy or not all(_torchs_own_lazy(modules[name]) for name in lazy):
+    if not lazy:
         return model, {}
     memo: dict[int, Any] = {id(b): UninitializedBuffer(requires_grad=b.requires_grad, device=b.device, dtype=b.dtype)
                             for b in model.buffers() if is_lazy(b)}  # (one cannot be deep-copied: made anew)
@@ -476,46 +472,29 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     return copied, firsts
 
 
-def _made_as_checked(model: nn.Module, firsts: dict[str, Any]) -> None:
-    """Make the lazy modules of ``model`` that its checked copy made (:func:`_checked_copy`),
-    from the inputs they were given there (their shapes), as their first forward would
-    (``nn.LazyLinear`` becomes an ``nn.Linear``), with what it draws thrown away; at the model's
-    own first forward, each one's ``reset_parameters()`` draws its initial weights again, in
-    place, from torch's RNG as it is there: what, and where, a plain loop's first forward draws.
-    Made before the run: a hook, a norm or an optimizer that reads the parameters finds them."""
+def _made_as_checked(model: nn.Module, firsts: dict[str, Any], who: str) -> None:
+    """Make the lazy modules of ``model`` that its checked copy made (:func:`_checked_copy`), from
+    the inputs they were given there, as their first forward would (``nn.LazyLinear`` becomes an
+    ``nn.Linear``: its own ``initialize_parameters``), in the order the forward met them, drawing
+    from torch's RNG here, at start-up; and warn that they were. A plain loop draws them at its
+    first forward, among that forward's other draws (a dropout between two lazy layers) and after
+    the data's first read (a ``DataLoader``'s seed): the run starts from other weights than such a
+    loop, so it is not bit for bit one. Drawn again at the first training forward instead (what
+    a5f5696 did), the weights a checkpoint, a rollback to step 0, a torchrun broadcast or an
+    activation checkpoint's recomputation met differed from those trained (reviews 40g, 40k):
+    made here, every part of the run, and every resume, sees the same weights."""
     modules = dict(model.named_modules())
-    with rng_kept(), torch.no_grad():
+    made = []
+    with torch.no_grad():
         for name, (args, kwargs) in firsts.items():
             module = modules[name]
+            made.append(f"{name} ({type(module).__name__})")
             module._infer_parameters(module, args, kwargs)  # type: ignore[operator]
-            _drawn_at_first_forward(module)
-
-
-def _torchs_own_lazy(module: nn.Module) -> bool:
-    """A lazy module of torch's own (``nn.LazyLinear``, ``nn.LazyConv2d``, ...), whose first forward
-    draws its weights by ``reset_parameters()``, what :func:`_drawn_at_first_forward` runs."""
-    return type(module).__module__.startswith("torch.nn.") and callable(getattr(module, "reset_parameters", None))
-
-
-def _drawn_at_first_forward(module: nn.Module) -> None:
-    """``module.reset_parameters()`` run once, under no_grad, before its first training forward
-    (a forward pre-hook, as a lazy module's own), then the hook removed: where a plain loop's
-    first forward draws the weights. Not drawn, the hook removed all the same, when the weights
-    it would replace are no longer the ones made here (a checkpoint restored over them, a user's
-    ``load_state_dict``: another version; a copy of the model, ``deepcopy`` for an EMA: other
-    storage); an evaluation's forward or one without gradients (the run's ``evaluate`` check
-    before step 1) leaves it armed (review 40g: both redrew over what they should not)."""
-    made = [(p.data_ptr(), p._version) for p in module.parameters(recurse=False)]
-
-    def draw(m: nn.Module, args: Any) -> None:
-        if not (m.training and torch.is_grad_enabled()):
-            return
-        m._forward_pre_hooks.pop(handle.id, None)  # (this module's: a copy holds its own under that id)
-        if [(p.data_ptr(), p._version) for p in m.parameters(recurse=False)] == made:
-            with torch.no_grad():
-                m.reset_parameters()  # type: ignore[operator]
-
-    handle = module.register_forward_pre_hook(draw, prepend=True)
+    if made:
+        warnings.warn(f"{who}: the model's lazy modules {', '.join(made[:3])}{', ...' if len(made) > 3 else ''} made "
+                      "their weights at start-up, drawn from torch's RNG there, not at the first step's forward as a "
+                      "plain loop draws them: the run is not bit for bit such a loop; run one batch through the model "
+                      "in the factory to make them there", AmpguardWarning, stacklevel=3)
 
 
 _NTH = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")

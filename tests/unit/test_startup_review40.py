@@ -61,20 +61,17 @@ def test_untouched_takes_a_model_with_lazy_modules_and_says_it_made_them(make):
     assert _checksum(nn.LazyLinear(2).weight) is None
 
 
-def test_the_start_ups_check_of_a_lazy_model_leaves_its_weights_to_its_first_forward():
-    # the copy is checked; the user's model is made to its shapes, its weights drawn again at its
-    # own first forward from torch's RNG as it is there (as a plain loop's are)
+def test_the_start_ups_check_of_a_lazy_model_makes_its_weights_there_and_says_so():
+    # the copy is checked (its draws kept from torch's RNG); the user's model is then made, drawing from
+    # torch's RNG as its first forward would, in the order the forward met its lazy modules, and warned of
     batch = (torch.randn(4, 3), torch.zeros(4, 2))
     model = nn.Sequential(nn.LazyLinear(2), nn.Dropout(0.5))
     torch.manual_seed(1)
-    rng = torch.get_rng_state()
-    assert check_forward(model, F.mse_loss, lambda: batch, FP32, "f.py:build") == []
-    assert torch.equal(torch.get_rng_state(), rng)
-    assert type(model[0]) is nn.Linear and model[0].weight.shape == (2, 3)  # (made: a hook may be put on it)
-    out = model(batch[0])
+    with pytest.warns(AmpguardWarning, match=r"lazy modules 0 \(LazyLinear\) made their weights at start-up"):
+        assert check_forward(model, F.mse_loss, lambda: batch, FP32, "f.py:build") == []
+    assert type(model[0]) is nn.Linear and model[0].weight.shape == (2, 3) and not model[0]._forward_pre_hooks
     torch.manual_seed(1)
-    plain = nn.Sequential(nn.LazyLinear(2), nn.Dropout(0.5))
-    assert torch.equal(plain(batch[0]), out) and torch.equal(plain[0].weight, model[0].weight)
+    assert torch.equal(model[0].weight, nn.Linear(3, 2).weight)  # (drawn as a Linear(3, 2) of that RNG)
 
 
 # ---------------------------------------------------------------------------- 4. plain attributes
@@ -325,49 +322,26 @@ def lazy_model():
 
 
 def checked(model):
-    check_forward(model, F.mse_loss, lambda: (torch.ones(2, 3), torch.zeros(2, 1)), FP32, "f.py:build")
+    with pytest.warns(AmpguardWarning, match="made their weights at start-up"):
+        check_forward(model, F.mse_loss, lambda: (torch.ones(2, 3), torch.zeros(2, 1)), FP32, "f.py:build")
     return model
 
 
-def test_weights_loaded_before_the_first_forward_are_not_drawn_again():
-    # review 40g #1: a resume's restore (load_state_dict) before the first step was redrawn over
+def test_weights_made_at_start_up_are_the_ones_every_later_pass_sees():
+    # reviews 40g/40k: drawn again at the first training forward, the weights a resume restored, an evaluation
+    # before step 1, a deepcopy, a step-0 checkpoint or an activation checkpoint's recomputation met were
+    # not the ones trained; made at start-up, they are the same everywhere
     model = checked(lazy_model())
-    saved = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
-    model.load_state_dict(saved)
-    model(torch.ones(2, 3))
-    assert torch.equal(model[0].weight, saved["0.weight"]) and not model[0]._forward_pre_hooks
-
-
-def test_an_evaluation_before_the_first_step_leaves_the_draw_to_the_first_training_forward():
-    # review 40g #2: the run's evaluate check (eval mode, RNG kept) drew the weights there, and the
-    # first step's dropout then drew the same numbers
-    torch.manual_seed(3)
-    plain = lazy_model()
-    torch.manual_seed(4)
-    expected = plain(torch.ones(2, 3))
-    torch.manual_seed(3)
-    model = checked(lazy_model())
+    made = model[0].weight.detach().clone()
+    twin = copy.deepcopy(model)
     model.eval()
     with torch.no_grad():
         model(torch.ones(2, 3))
     model.train()
-    torch.manual_seed(4)
-    assert torch.equal(model(torch.ones(2, 3)), expected) and torch.equal(model[0].weight, plain[0].weight)
-
-
-def test_a_copy_of_the_model_keeps_its_weights_and_the_original_still_draws_its_own():
-    # review 40g #4: a deepcopy (an EMA) redrew its weights at every forward, and the original lost its draw
-    model = checked(lazy_model())
-    twin = copy.deepcopy(model)
-    weights = twin[0].weight.detach().clone()
-    for _ in range(3):
-        twin(torch.ones(1, 3))
-    assert torch.equal(twin[0].weight, weights) and not twin[0]._forward_pre_hooks
-    assert len(model[0]._forward_pre_hooks) == 1
-    torch.manual_seed(5)
-    model(torch.ones(1, 3))
-    torch.manual_seed(5)
-    assert torch.equal(model[0].weight, nn.Linear(3, 4).weight)  # (drawn at its first training forward)
+    model(torch.ones(2, 3))
+    twin(torch.ones(2, 3))
+    assert torch.equal(model[0].weight, made) and torch.equal(twin[0].weight, made)
+    assert not any(m._forward_pre_hooks for m in [*model.modules(), *twin.modules()])
 
 
 class LazyScale(LazyModuleMixin, nn.Module):  # a user's lazy module: its lazy init draws, its reset does not
@@ -387,7 +361,7 @@ class LazyScale(LazyModuleMixin, nn.Module):  # a user's lazy module: its lazy i
         return x * self.w
 
 
-def test_a_lazy_module_of_the_users_own_class_is_not_drawn_by_its_reset_parameters():
+def test_a_lazy_module_of_the_users_own_class_is_made_by_its_own_lazy_init():
     # review 40g #5: its weights were reset_parameters()' ones, not the draws of its own lazy init
     x = torch.randn(4, 3)
     torch.manual_seed(0)
@@ -395,9 +369,9 @@ def test_a_lazy_module_of_the_users_own_class_is_not_drawn_by_its_reset_paramete
     plain(x)
     torch.manual_seed(0)
     ours = nn.Sequential(LazyScale(), nn.Linear(3, 1))
-    with pytest.warns(AmpguardWarning, match="lazy"):  # (checked itself: its weights drawn in the check, said)
+    with pytest.warns(AmpguardWarning, match="made their weights at start-up"):
         check_forward(ours, lambda o, t: o.sum(), lambda: (x, None), FP32, "f.py:build")
-    assert not torch.equal(ours[0].w, torch.ones(3))  # (its own init's draws, not reset_parameters' ones)
+    assert torch.equal(ours[0].w, plain[0].w)  # (its own init's draws: nothing drew between, here)
 
 
 def test_data_whose_getattr_reads_a_dict_is_read_not_a_traceback(tmp_path):
