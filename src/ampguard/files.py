@@ -224,10 +224,10 @@ _MAX_LINKS = 40
 
 
 def _trusted_realpath(place: str | os.PathLike, path: str | os.PathLike) -> str:
-    """``os.path.realpath(place)``, resolved one part at a time, each link met judged as Linux's
-    ``fs.protected_symlinks`` judges one (not set everywhere: off on this project's own CI
-    machine): followed only when this user made it, root did, or whoever made it owns what it
-    leads to. A link of another user's that leads to a file or a folder it does not own is
+    """``os.path.realpath(place)``, resolved one part at a time, each link met judged (a stricter
+    rule than Linux's ``fs.protected_symlinks``, which is not set everywhere: off on this
+    project's own CI machine): followed only when this user made it, root did, or whoever made it
+    owns what it leads to. Where the OS has ``O_PATH``, :func:`_walked` does this by descriptors. A link of another user's that leads to a file or a folder it does not own is
     :class:`NotReplaced` (for ``path``, the path given), nothing written: a user who may write in a
     run's folder could point its CSV's link (or a folder on its way) at a file of root's between
     the sink's read and the cut, and a root resume then rewrote that file with the user's rows.
@@ -290,6 +290,15 @@ class _LedTo:
         self.link, self.owner, self.text = link, owner, text
 
 
+def _hard_links_protected() -> bool:
+    """Whether the kernel lets only a file's owner (or root) give it another name
+    (``/proc/sys/fs/protected_hardlinks`` reads 1); False where it does not, or cannot be read."""
+    try:
+        return Path("/proc/sys/fs/protected_hardlinks").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
 def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[int, Path]:
     """The folder ``given`` lies in, as a descriptor (opened to be read where this user may, to be
     synced and listed), and the path of the file in it: walked from ``/`` (or the working folder)
@@ -300,17 +309,24 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
 
     Each link met is opened itself (``O_PATH | O_NOFOLLOW``), its owner and its text read from that
     one descriptor (read by name twice, a link swapped between the two was judged by one and
-    followed by the other), and followed only when this user made it, or when root made it and
-    it has no other name (a hard link to root's link, where ``fs.protected_hardlinks`` is off, lies
-    wherever a user put it), or when whoever made it owns what it leads to (the owner of the
-    folder or file the walk reaches at its text's end). Else :class:`NotReplaced`, nothing
+    followed by the other), and followed only when this user or root made it, or when whoever
+    made it owns what it leads to (the owner of the folder or file the walk reaches at its text's
+    end). A link with another name (a hard link to it) is followed only where the kernel lets none
+    but its owner make one (``fs.protected_hardlinks`` 1, :func:`_hard_links_protected`): else
+    anyone may have linked someone's link into their own folder, root's or the user's own (review
+    40l), and its owner says nothing of who put it there. Else :class:`NotReplaced`, nothing
     written: a user who may write in a run's folder pointed its CSV's link, or a folder on its
-    way, at root's file, and a root resume rewrote that file."""
+    way, at root's file, and a root resume rewrote that file. A part that cannot be gone through
+    is an ``OSError`` naming the path up to it; a folder on the way swapped for a link while the
+    walk looked at it, :class:`NotReplaced`."""
     me = os.geteuid()
     todo: list[Any] = list(reversed(given.parts))
     start = "/" if given.is_absolute() else "."
+    try:  # (before any descriptor is open: a working folder removed meanwhile has no path)
+        shown_at = Path(os.path.abspath(start))
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "the working folder was removed", os.fspath(path)) from None
     fd = os.open(start, os.O_PATH | os.O_DIRECTORY | _O_CLOEXEC)
-    shown_at = Path(os.path.abspath(start))
     links = 0
 
     def judge(led: _LedTo, owner: int) -> None:
@@ -338,6 +354,9 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
             except FileNotFoundError:
                 if last:
                     break  # (a new file)
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(shown_at / part)) from None
+            except OSError as err:
+                err.filename = os.fspath(shown_at / part)  # (the path up to it, not the part alone)
                 raise
             if stat.S_ISLNK(seen.st_mode) and (not last or follow_last):
                 links += 1
@@ -349,10 +368,10 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
                 finally:
                     os.close(lfd)
                 at = os.fspath(shown_at / part)
-                if link.st_nlink > 1 and (me == 0 or link.st_uid != me):  # (a hard link to someone's link)
+                if link.st_nlink > 1 and not _hard_links_protected():  # (a hard link to someone's link)
                     raise NotReplaced(errno.EPERM, f"{shown(at)} is a symbolic link with another name (a hard link "
-                                      "to it, which anyone could have made); refusing to write through it",
-                                      os.fspath(path))
+                                      "to it, which anyone may make where fs.protected_hardlinks is off); refusing "
+                                      "to write through it", os.fspath(path))
                 todo += [_LedTo(at, link.st_uid, text), *reversed(Path(text).parts)]
                 if os.path.isabs(text):
                     inner = os.open("/", os.O_PATH | os.O_DIRECTORY | _O_CLOEXEC)
@@ -361,7 +380,16 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
                 continue
             if last:
                 break
-            inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
+            try:
+                inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
+            except OSError as err:
+                at = os.fspath(shown_at / part)
+                if err.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(part, fd):  # (a folder when looked at)
+                    raise NotReplaced(errno.ELOOP, f"{shown(at)} became a symbolic link while the path was walked "
+                                      "(it changed while the file was being written); nothing was written",
+                                      os.fspath(path)) from None
+                err.filename = at
+                raise
             os.close(fd)
             fd, shown_at = inner, shown_at / part
         try:  # (the file's own owner judges a link that led to it; one not there yet: its folder's)
@@ -577,8 +605,8 @@ def _what(mode: int) -> str:
 
 
 def _replace_in(dfd: int, target: Path, data: bytes, path: str | os.PathLike, followed: bool) -> None:
-    """:func:`replace_atomically`'s work in the folder ``dfd`` (``target``'s, opened by
-    :func:`_open_folder`), every step relative to it: ``target.name`` is replaced by ``data``."""
+    """:func:`replace_atomically`'s work in the folder ``dfd`` (``target``'s, from :func:`_walked`
+    or :func:`_open_folder`), every step relative to it: ``target.name`` is replaced by ``data``."""
     name = target.name
     try:
         old: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)

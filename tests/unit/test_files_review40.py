@@ -409,16 +409,59 @@ def test_a_folder_swapped_after_the_walk_passed_it_is_not_gone_through_again(tmp
 
 
 @ROOT
-def test_a_hard_link_to_roots_own_link_is_not_followed(tmp_path):
+@pytest.mark.parametrize("owner", [0, NOBODY], ids=["root's link", "the user's own link"])
+def test_a_hard_link_to_a_link_is_not_followed_where_anyone_may_make_one(tmp_path, monkeypatch, owner):
     # review 40j #3 (r33): where fs.protected_hardlinks is off, a user hard-links root's link (its owner 0,
-    # trusted) into its own folder as its CSV: root's file was rewritten
+    # trusted) into its own folder as its CSV: root's file was rewritten; review 40l #1: a teammate
+    # hard-links the victim's own link into their shared run folder the same way
+    monkeypatch.setattr(files, "_hard_links_protected", lambda: False)  # (a host with it off)
     secret, user = tmp_path / "rootonly", tmp_path / "user"
     secret.mkdir(mode=0o700)
     (secret / "secret").write_text("root:SECRET\n")
     (secret / "editor").symlink_to(secret / "secret")
+    os.lchown(secret / "editor", owner, owner)
     user.mkdir()
     os.link(secret / "editor", user / "steps.csv", follow_symlinks=False)  # (what the user did)
+    if owner:
+        os.chown(secret / "secret", owner, owner)  # (the victim's own file, its own link)
     before = state(secret / "secret")
     with pytest.raises(files.NotReplaced, match="is a symbolic link with another name"):
         replace_atomically(user / "steps.csv", b"step\n1\n", through_link=True)
     assert state(secret / "secret") == before
+
+
+
+@ROOT
+def test_a_hard_link_to_a_link_is_followed_where_only_its_owner_may_make_one(tmp_path, monkeypatch):
+    # review 40l #3: a cp -al snapshot of a run folder hard-links its CSV link; where fs.protected_hardlinks
+    # is on, only the link's owner (or root) made that name: judged as any link
+    monkeypatch.setattr(files, "_hard_links_protected", lambda: True)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "steps.csv").write_text("step\n1\n2\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "steps.csv").symlink_to(tmp_path / "real" / "steps.csv")
+    (tmp_path / "copy").mkdir()
+    os.link(tmp_path / "run" / "steps.csv", tmp_path / "copy" / "steps.csv", follow_symlinks=False)
+    replace_atomically(tmp_path / "copy" / "steps.csv", "step\n1\n", through_link=True)
+    assert (tmp_path / "real" / "steps.csv").read_text() == "step\n1\n"
+
+
+@pytest.mark.skipif(not hasattr(os, "O_PATH"), reason="the walk by descriptors is Linux's (O_PATH)")
+def test_a_walk_that_cannot_go_on_names_the_path_up_to_where_it_stopped(tmp_path, monkeypatch):
+    # review 40l #5: the walk's errors named the part alone ("nope"), where the names the folders were
+    # looked up by named the path; #4: a working folder removed meanwhile leaked a descriptor, unnamed
+    (tmp_path / "f").write_text("a file\n")
+    for given, error in ((tmp_path / "nope" / "x.csv", FileNotFoundError), (tmp_path / "f" / "x.csv", NotADirectoryError)):
+        with pytest.raises(error) as err:
+            replace_atomically(given, "x\n")
+        assert err.value.filename == os.fspath(given.parent), err.value
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    before = len(os.listdir("/proc/self/fd")) if Path("/proc/self/fd").is_dir() else None
+    for _ in range(5):
+        with pytest.raises(FileNotFoundError, match="the working folder was removed"):
+            replace_atomically("steps.csv", "x\n")
+    if before is not None:
+        assert len(os.listdir("/proc/self/fd")) == before
