@@ -51,7 +51,7 @@ def step_lines(out: str) -> list[str]:
 
 def test_a_six_step_bf16_demo_prints_one_line_per_step(tmp_path, capsys):
     csv_path = tmp_path / "steps.csv"
-    code = demo.run(demo.demo_config(precision="bf16", steps=6, device="cpu"), csv=str(csv_path))
+    code = demo.run(demo.demo_config(precision="bf16", steps=6, device="cpu", inject=["inf_grad@5"]), csv=str(csv_path))
     out = capsys.readouterr().out
     assert code == ExitCode.OK == 0
     assert out.splitlines()[0] == ("ampguard demo: nn.Linear, 6 steps, bf16 with no loss scaler, max_norm=1.0, "
