@@ -467,7 +467,8 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     copies = dict(copied.named_modules())
     for name in lazy:
         def note(module: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
-            firsts.setdefault(name, (args, kwargs))
+            if name not in firsts:  # (detached: the check's graph is not kept alive by them)
+                firsts[name] = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
         copies[name].register_forward_pre_hook(note, with_kwargs=True, prepend=True)
     return copied, firsts
 
@@ -490,6 +491,12 @@ def _made_as_checked(model: nn.Module, firsts: dict[str, Any], who: str) -> None
             module = modules[name]
             made.append(f"{name} ({type(module).__name__})")
             module._infer_parameters(module, args, kwargs)  # type: ignore[operator]
+    left = [f"{name or 'the model'} ({type(m).__name__})" for name, m in model.named_modules()
+            if any(is_lazy(x) for x in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
+    if left:  # (review 40m: a branch the first batches never took; hooks and the optimizer's state met them)
+        raise InputError(f"{who}: the model's lazy modules {', '.join(left[:3])}{', ...' if len(left) > 3 else ''} "
+                         "were not reached by the first batches' forward passes, so their weights cannot be made at "
+                         "start-up; make them in the factory (run a batch through them)")
     if made:
         warnings.warn(f"{who}: the model's lazy modules {', '.join(made[:3])}{', ...' if len(made) > 3 else ''} made "
                       "their weights at start-up, drawn from torch's RNG there, not at the first step's forward as a "

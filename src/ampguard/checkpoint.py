@@ -369,19 +369,22 @@ _GONE = object()
 
 def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
     """The attributes of module ``m`` that :func:`_attributes_kept` and :class:`BufferSnapshot`
-    put back, by reference: its own (every ``__dict__`` entry but :data:`_MODULES_OWN`) that are
-    ints, floats, bools, strings or None (:data:`_PLAIN`), or tensors (neither parameters nor
-    buffers: those are kept apart). (Review 40g: a private counter, ``_step``, is kept too.)"""
-    return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN
-            and (type(v) in _PLAIN or isinstance(v, torch.Tensor))}
+    put back, by reference: its own, every ``__dict__`` entry but :data:`_MODULES_OWN` (review
+    40g: a private counter, ``_step``, is kept too; 40m: of any type, so that one a pass replaced
+    by another type, ``self.prev = ()`` then a tensor, is put back, not taken out as added).
+    Parameters and buffers are not among them: they are kept apart."""
+    return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN}
 
 
 def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
     """Each module's attributes in ``kept`` (:func:`_kept_attributes`' snapshots) as they were:
-    one added since taken out, one replaced put back (the same object)."""
+    one replaced put back (the same object); one added since taken out when it is an int, a
+    float, a bool, a string, None or a tensor (:data:`_PLAIN`: a pass's own state; what else torch
+    or a library adds to a module is left)."""
     for m, held in kept:
         now = vars(m)
-        for k in [k for k in _kept_attributes(m) if k not in held]:  # (added since: taken out)
+        for k in [k for k, v in now.items() if k not in held and k not in _MODULES_OWN
+                  and (type(v) in _PLAIN or isinstance(v, torch.Tensor))]:  # (added since: taken out)
             del now[k]
         for k, v in held.items():
             if now.get(k, _GONE) is not v:
@@ -814,9 +817,12 @@ def misfit(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
         >>> misfit(a, {**a, "b": a["b"].long()})
         'b: checkpoint int64, model float32'
     """
+    from torch.nn.parameter import is_lazy
+
     for name, value in model.items():
         other = saved.get(name)
-        if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor):
+        if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and not is_lazy(value):
+            # (a lazy module's weight, not made yet, has no shape: the load makes it to the checkpoint's)
             if value.shape != other.shape:
                 return f"{name}: checkpoint {list(other.shape)}, model {list(value.shape)}"
             if value.dtype != other.dtype:

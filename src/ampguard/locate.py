@@ -345,7 +345,7 @@ class Diagnosis:
                 hint = "FP32 replay is finite: a precision-range problem"
             elif self.overflows_unscaled and self.loss_scale != 1.0:  # (halving cannot answer it)
                 at = (f"at the scaler's floor {self.scale_floor:g}" if self.scale_floor is not None
-                      and self.scale_floor > 1 else "with no loss scale")
+                      and self.scale_floor != 1 else "with no loss scale")
                 hint = (f"FP32 replay is finite: a precision-range problem (the gradient scaled by {self.loss_scale:g} "
                         f"overflows {f.precision}; it overflows {f.precision} {at} too, so halving the "
                         "scale does not answer it)")
@@ -1055,7 +1055,8 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
             return Diagnosis(amp, fp32, "data/model", loss_scale, bad_weight=bad, fp8_scales=scales,
                              scale_floor=scale_floor)
         unscaled = False
-        lowest = max(1.0, scale_floor or 1.0)  # (the lowest scale the scaler reaches; 1: no loss scale)
+        lowest = 1.0 if scale_floor is None else scale_floor  # (the lowest scale the scaler reaches: its floor,
+        # above or below 1 (review 40m: a floor of 0.5 answers what 1 does not); 1 with no scaler: no loss scale)
         if amp.where == "backward" and loss_scale != 1.0 and (lowest == 1.0 or loss_scale > round_float32(lowest)):
             # an overflow the scaler would answer by halving, unless it overflows at its floor (or with no
             # loss scale) too

@@ -1,0 +1,92 @@
+"""Review 40m, of the snapshot that puts a model back before each pass and of lazy modules made at
+start-up: an attribute a pass replaced by another type is put back (it was taken out as added:
+a crash at the run's first forward); a lazy module the first batches never reach is one line at
+start-up (a traceback from a hook on its weight); a checkpoint loads into a lazy model (misfit
+asked a lazy weight its shape); the first inputs kept for lazy modules hold no graph; a backward
+overflow is replayed at the scaler's floor below 1 too."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ampguard.build import _checked_copy, check_forward
+from ampguard.checkpoint import BufferSnapshot, misfit
+from ampguard.errors import InputError
+from ampguard.locate import diagnose
+from ampguard.precision import Precision
+
+FP32 = Precision("fp32", "cpu")
+
+
+class TypeChange(nn.Module):  # an attribute that starts as a tuple and becomes a tensor in the forward
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 1)
+        self.prev = ()
+
+    def forward(self, x):
+        out = self.l(x)
+        self.prev = out.detach()
+        return out
+
+
+def test_an_attribute_a_pass_gave_another_type_is_put_back_not_taken_out():
+    model = TypeChange()
+    snapshot = BufferSnapshot(model)
+    model(torch.ones(2, 4))
+    snapshot.put_back()
+    assert model.prev == ()
+    check_forward(model, F.mse_loss, lambda: (torch.ones(2, 4), torch.zeros(2, 1)), FP32, "f.py:build")
+    assert model.prev == () and model(torch.ones(2, 4)).shape == (2, 1)
+
+
+class Branch(nn.Module):  # a lazy module reached only from a later call on
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 2)
+        self.late = nn.LazyLinear(2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.a(x) + (self.late(x) if self.calls > 8 else 0)
+
+
+def test_a_lazy_module_the_first_batches_never_reach_is_one_line_at_start_up():
+    with pytest.raises(InputError) as err, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_forward(Branch(), F.mse_loss, lambda: (torch.ones(2, 4), torch.zeros(2, 2)), FP32, "f.py:build")
+    assert str(err.value) == ("f.py:build: the model's lazy modules late (LazyLinear) were not reached by the first "
+                              "batches' forward passes, so their weights cannot be made at start-up; make them in the "
+                              "factory (run a batch through them)")
+
+
+def test_a_checkpoint_is_compared_with_a_lazy_model_by_what_is_made():
+    lazy, made = nn.Sequential(nn.LazyLinear(2)), nn.Sequential(nn.Linear(3, 2))
+    assert misfit(lazy.state_dict(), made.state_dict()) == ""
+    lazy.load_state_dict(made.state_dict())
+    assert lazy[0].weight.shape == (2, 3)
+
+
+def test_the_first_inputs_kept_for_lazy_modules_hold_no_graph():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.LazyLinear(2))
+    copied, firsts = _checked_copy(model)
+    copied(torch.ones(2, 3))
+    (args, kwargs), = firsts.values()
+    assert args[0].grad_fn is None and not args[0].requires_grad
+
+
+def test_a_backward_overflow_is_replayed_at_the_scalers_floor_below_1_too():
+    # (the gradient overflows fp16 at scale 1 but not at 0.5: halving to the floor 0.5 answers it)
+    model = nn.Linear(4, 1)
+    with torch.no_grad():
+        model.weight.fill_(0.25)
+        model.bias.zero_()
+    x, y = torch.full((1, 4), 200.0), torch.zeros(1, 1)
+    found = diagnose(model, F.mse_loss, x, y, Precision("fp16", "cpu"), 65536.0, scale_floor=0.5)
+    assert not found.overflows_unscaled and "halving the scale does not answer it" not in found.message()
