@@ -383,12 +383,27 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
     checked, firsts = _checked_copy(model)  # (lazy modules: a copy checked; then the model's made here)
     if checked is not model:
         unused = _check_forward(checked, loss_fn, read_batch, precision, who, find_unused, dtypes, rng_kept())
+        _all_made(checked, who)  # (before the model is touched)
         _made_as_checked(model, firsts, who)
         return unused
-    return _check_forward(model, loss_fn, read_batch, precision, who, find_unused, dtypes, untouched(
+    unused = _check_forward(model, loss_fn, read_batch, precision, who, find_unused, dtypes, untouched(
         model, by=f"{who}: the start-up's check of the first batches",
         so="and they are not put back: the run starts from weights the check's passes moved, not bit for bit a "
            "plain loop's"))
+    _all_made(model, who)
+    return unused
+
+
+def _all_made(model: nn.Module, who: str) -> None:
+    """Refuse (one line) a model whose lazy modules the first batches' forward passes did not
+    reach (review 40m: a branch taken later; a hook or the optimizer met an uninitialised weight, a
+    traceback)."""
+    left = [f"{name or 'the model'} ({type(m).__name__})" for name, m in model.named_modules()
+            if any(is_lazy(x) for x in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
+    if left:
+        raise InputError(f"{who}: the model's lazy modules {', '.join(left[:3])}{', ...' if len(left) > 3 else ''} "
+                         "were not reached by the first batches' forward passes, so their weights cannot be made at "
+                         "start-up; make them in the factory (run a batch through them)")
 
 
 def _check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], read_batch: Callable[..., Any],
@@ -491,12 +506,6 @@ def _made_as_checked(model: nn.Module, firsts: dict[str, Any], who: str) -> None
             module = modules[name]
             made.append(f"{name} ({type(module).__name__})")
             module._infer_parameters(module, args, kwargs)  # type: ignore[operator]
-    left = [f"{name or 'the model'} ({type(m).__name__})" for name, m in model.named_modules()
-            if any(is_lazy(x) for x in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
-    if left:  # (review 40m: a branch the first batches never took; hooks and the optimizer's state met them)
-        raise InputError(f"{who}: the model's lazy modules {', '.join(left[:3])}{', ...' if len(left) > 3 else ''} "
-                         "were not reached by the first batches' forward passes, so their weights cannot be made at "
-                         "start-up; make them in the factory (run a batch through them)")
     if made:
         warnings.warn(f"{who}: the model's lazy modules {', '.join(made[:3])}{', ...' if len(made) > 3 else ''} made "
                       "their weights at start-up, drawn from torch's RNG there, not at the first step's forward as a "

@@ -377,17 +377,26 @@ def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
 
 
 def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
-    """Each module's attributes in ``kept`` (:func:`_kept_attributes`' snapshots) as they were:
-    one replaced put back (the same object); one added since taken out when it is an int, a
-    float, a bool, a string, None or a tensor (:data:`_PLAIN`: a pass's own state; what else torch
-    or a library adds to a module is left)."""
+    """Each module's attributes in ``kept`` (:func:`_kept_attributes`' snapshots) as they were, where
+    a pass's own state is: one replaced put back (the same object) when it was, or now is, an int,
+    a float, a bool, a string, None or a tensor (:data:`_PLAIN`: a counter, ``self.prev = ()`` that
+    a pass made a tensor); one added since taken out when it is one of those. A helper made once by
+    a first forward (``self.handles = []`` made ``[hook]``: review 40n, put back, its hook was
+    registered twice) is left, as is what torch or a library adds; so is a name a pass moved into
+    ``_modules``, ``_parameters`` or ``_buffers`` (``self.head = nn.Linear(...)``: put back in
+    ``__dict__``, the old value would hide it)."""
+    def state(v: Any) -> bool:
+        return type(v) in _PLAIN or isinstance(v, torch.Tensor)
+
     for m, held in kept:
         now = vars(m)
-        for k in [k for k, v in now.items() if k not in held and k not in _MODULES_OWN
-                  and (type(v) in _PLAIN or isinstance(v, torch.Tensor))]:  # (added since: taken out)
-            del now[k]
+        for k in [k for k, v in now.items() if k not in held and k not in _MODULES_OWN and state(v)]:
+            del now[k]  # (added since: taken out)
         for k, v in held.items():
-            if now.get(k, _GONE) is not v:
+            if k in m._modules or k in m._parameters or k in m._buffers:
+                continue
+            current = now.get(k, _GONE)
+            if current is not v and (state(v) or state(current) or current is _GONE):
                 now[k] = v
 
 
@@ -823,6 +832,8 @@ def misfit(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
         other = saved.get(name)
         if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and not is_lazy(value):
             # (a lazy module's weight, not made yet, has no shape: the load makes it to the checkpoint's)
+            if is_lazy(other):
+                return f"{name}: checkpoint not made (a lazy module's), model {list(value.shape)}"
             if value.shape != other.shape:
                 return f"{name}: checkpoint {list(other.shape)}, model {list(value.shape)}"
             if value.dtype != other.dtype:
