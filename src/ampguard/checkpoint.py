@@ -378,11 +378,12 @@ def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
 
 def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
     """Each module's attributes in ``kept`` (:func:`_kept_attributes`' snapshots) as they were, where
-    a pass's own state is: one replaced put back (the same object) when it was, or now is, an int,
-    a float, a bool, a string, None or a tensor (:data:`_PLAIN`: a counter, ``self.prev = ()`` that
-    a pass made a tensor); one added since taken out when it is one of those. A helper made once by
-    a first forward (``self.handles = []`` made ``[hook]``: review 40n, put back, its hook was
-    registered twice) is left, as is what torch or a library adds; so is a name a pass moved into
+    a pass's own state is: one replaced put back (the same object) when it now is an int, a float,
+    a bool, a string, None or a tensor (:data:`_PLAIN`: a counter, ``self.prev = ()`` that a pass
+    made a tensor), or is gone; one added since taken out when it is one of those. A helper made
+    once by a first forward, from whatever it was before (``self.handles = []`` or ``None`` made
+    ``[hook]`` or an object that registered hooks: reviews 40n, 40o, put back, its hooks were
+    registered twice), is left, as is what torch or a library adds; so is a name a pass moved into
     ``_modules``, ``_parameters`` or ``_buffers`` (``self.head = nn.Linear(...)``: put back in
     ``__dict__``, the old value would hide it)."""
     def state(v: Any) -> bool:
@@ -396,7 +397,7 @@ def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any]]]) -> 
             if k in m._modules or k in m._parameters or k in m._buffers:
                 continue
             current = now.get(k, _GONE)
-            if current is not v and (state(v) or state(current) or current is _GONE):
+            if current is not v and (state(current) or current is _GONE):
                 now[k] = v
 
 

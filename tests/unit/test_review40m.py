@@ -153,3 +153,23 @@ def test_a_model_refused_for_an_unreached_lazy_module_is_left_unmade():
         warnings.simplefilter("ignore")
         check_forward(model, F.mse_loss, lambda: (torch.ones(2, 4), torch.zeros(2, 2)), FP32, "f.py:build")
     assert type(model.first).__name__ == "LazyLinear"
+
+
+class Registrar(nn.Module):  # a helper made once by the first forward, from None: it registers a hook
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.helper = None
+
+    def forward(self, x):
+        if self.helper is None:
+            self.helper = self.lin.register_forward_hook(lambda m, i, o: o * 2)
+        return self.lin(x)
+
+
+def test_a_helper_made_from_none_by_a_first_forward_is_left_as_made():
+    # review 40o: None is plain, so it was put back, and the next forward registered the hook a second time
+    model = Registrar()
+    check_forward(model, F.mse_loss, lambda: (torch.ones(2, 3), torch.zeros(2, 1)), FP32, "f.py:build")
+    model(torch.ones(2, 3))
+    assert model.helper is not None and len(model.lin._forward_hooks) == 1
