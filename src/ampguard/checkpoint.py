@@ -205,7 +205,8 @@ class BufferSnapshot:
         self.copies = {id(b): b.detach().clone() for _, held in self.held for b in held.values()
                        if b is not None and id(b) not in skip and not _overlaps(b)}
         # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by identity)
-        self.attributes = [(m, _kept_attributes(m)) for m in model.modules() if id(m) not in modules_skipped]
+        self.attributes = [(m, _kept_attributes(m), _kept_hooks(m)) for m in model.modules()
+                           if id(m) not in modules_skipped]
 
     def put_back(self) -> None:
         """The buffers and plain attributes as they were when the snapshot was taken. Every copied
@@ -349,12 +350,12 @@ def _attributes_kept(model: torch.nn.Module, by: str, skip: frozenset[int] | set
         >>> model.calls
         5
     """
-    kept = [(m, _kept_attributes(m)) for m in model.modules() if id(m) not in skip]
-    versions = {id(v): _version(v) for _, held in kept for v in held.values() if isinstance(v, torch.Tensor)}
+    kept = [(m, _kept_attributes(m), _kept_hooks(m)) for m in model.modules() if id(m) not in skip]
+    versions = {id(v): _version(v) for _, held, _ in kept for v in held.values() if isinstance(v, torch.Tensor)}
     try:
         yield
     finally:
-        moved = list(dict.fromkeys(f"{type(m).__name__}.{k}" for m, held in kept for k, v in held.items()
+        moved = list(dict.fromkeys(f"{type(m).__name__}.{k}" for m, held, _ in kept for k, v in held.items()
                                    if isinstance(v, torch.Tensor) and _version(v) != versions[id(v)]))
         _put_attributes_back(kept)
         if moved:
@@ -376,30 +377,41 @@ def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN}
 
 
-def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
-    """Each module's attributes in ``kept`` (:func:`_kept_attributes`' snapshots) as they were, where
-    a pass's own state is: one replaced put back (the same object) when it now is an int, a float,
-    a bool, a string, None or a tensor (:data:`_PLAIN`: a counter, ``self.prev = ()`` that a pass
-    made a tensor), or is gone; one added since taken out when it is one of those. A helper made
-    once by a first forward, from whatever it was before (``self.handles = []`` or ``None`` made
-    ``[hook]`` or an object that registered hooks: reviews 40n, 40o, put back, its hooks were
-    registered twice), is left, as is what torch or a library adds; so is a name a pass moved into
-    ``_modules``, ``_parameters`` or ``_buffers`` (``self.head = nn.Linear(...)``: put back in
-    ``__dict__``, the old value would hide it)."""
-    def state(v: Any) -> bool:
-        return type(v) in _PLAIN or isinstance(v, torch.Tensor)
+def _kept_hooks(m: torch.nn.Module) -> dict[str, set[int]]:
+    """The handle ids in module ``m``'s own hook dicts (:data:`_HOOK_DICTS`), by dict."""
+    return {name: set(getattr(m, name)) for name in _HOOK_DICTS if isinstance(getattr(m, name, None), dict)}
 
-    for m, held in kept:
+
+def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any], dict[str, set[int]]]]) -> None:
+    """Each module's attributes in ``kept`` (:func:`_kept_attributes`' snapshots, with its hooks':
+    :func:`_kept_hooks`) as they were: one replaced put back (the same object, whatever its type:
+    a counter, an LSTM's hidden tuple, a dict; review 40o), one added since taken out, and the
+    hooks the block registered on the module removed. A helper a first forward makes (a hook
+    registered, its handle kept in ``self.handle``, ``self.handles`` or behind a ``self._hooked``
+    flag: reviews 40n, 40o) is so undone whole, its hook with it, and the run's first forward
+    makes it once, as a plain loop's does (put back without its hook taken out, it registered the
+    hook twice). A name a pass moved into ``_modules``, ``_parameters`` or ``_buffers``
+    (``self.head = nn.Linear(...)``) is left: put back in ``__dict__``, the old value would hide it."""
+    for m, held, hooks in kept:
         now = vars(m)
-        for k in [k for k, v in now.items() if k not in held and k not in _MODULES_OWN and state(v)]:
-            del now[k]  # (added since: taken out)
+        for name, before in hooks.items():
+            for key in [k for k in getattr(m, name, {}) if k not in before]:  # (registered by the block)
+                getattr(m, name).pop(key, None)
+        for k in [k for k in now if k not in held and k not in _MODULES_OWN]:  # (added since: taken out)
+            del now[k]
         for k, v in held.items():
             if k in m._modules or k in m._parameters or k in m._buffers:
                 continue
-            current = now.get(k, _GONE)
-            if current is not v and (state(current) or current is _GONE):
+            if now.get(k, _GONE) is not v:
                 now[k] = v
 
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+"""A module's own hook dicts (by handle id): those registered while a snapshot was held are taken
+out when it is put back (:func:`_put_attributes_back`)."""
 
 def _overlaps(b: torch.Tensor) -> bool:
     """Whether tensor ``b`` has internal overlap (an expanded view, stride 0): no in-place write

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -173,3 +174,29 @@ def test_a_helper_made_from_none_by_a_first_forward_is_left_as_made():
     check_forward(model, F.mse_loss, lambda: (torch.ones(2, 3), torch.zeros(2, 1)), FP32, "f.py:build")
     model(torch.ones(2, 3))
     assert model.helper is not None and len(model.lin._forward_hooks) == 1
+
+
+class Stateful(nn.Module):  # state of every kind a forward replaces or adds, and a once-flag behind a hook
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.h, self.d, self.n, self._hooked = (torch.zeros(1),), {"n": 0}, np.float64(0), False
+
+    def forward(self, x):
+        self.h, self.d, self.n = (self.h[0] + 1,), {"n": self.d["n"] + 1}, self.n + 1
+        self.kv = (x,)  # (added by the forward: a cache)
+        if not self._hooked:
+            self.lin.register_forward_pre_hook(lambda m, args: None)
+            self._hooked = True
+        return self.lin(x)
+
+
+def test_a_pass_leaves_no_state_of_any_type_and_no_hook_behind():
+    # review 40o: a hidden-state tuple, a dict, a numpy scalar replaced, a cache added, were left after the
+    # check (dbbe24d put back only plain values and tensors); a once-flag was put back while its hook stayed
+    model = Stateful()
+    check_forward(model, F.mse_loss, lambda: (torch.ones(2, 3), torch.zeros(2, 1)), FP32, "f.py:build")
+    assert torch.equal(model.h[0], torch.zeros(1)) and model.d == {"n": 0} and model.n == 0
+    assert not hasattr(model, "kv") and model._hooked is False and not model.lin._forward_pre_hooks
+    model(torch.ones(2, 3))
+    assert len(model.lin._forward_pre_hooks) == 1 and model._hooked is True
