@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,7 +22,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedBuffer, is_lazy
 from torch.utils._pytree import tree_map_only
 
-from .checkpoint import rng_kept, untouched
+from .checkpoint import not_made, rng_kept, untouched
 from .clipping import clip_threshold
 from .config import Config
 from .errors import AmpguardWarning, InputError, counted, first_line, user_code
@@ -398,8 +397,7 @@ def _all_made(model: nn.Module, who: str) -> None:
     """Refuse (one line) a model whose lazy modules the first batches' forward passes did not
     reach (review 40m: a branch taken later; a hook or the optimizer met an uninitialised weight, a
     traceback)."""
-    left = [f"{name or 'the model'} ({type(m).__name__})" for name, m in model.named_modules()
-            if any(is_lazy(x) for x in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
+    left = [f"{name or 'the model'} ({type(m).__name__})" for name, m in model.named_modules() if not_made(m)]
     if left:
         raise InputError(f"{who}: the model's lazy modules {', '.join(left[:3])}{', ...' if len(left) > 3 else ''} "
                          "were not reached by the first batches' forward passes, so their weights cannot be made at "
@@ -468,8 +466,7 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
         >>> _checked_copy(plain)[0] is plain
         True
     """
-    lazy = [name for name, m in model.named_modules() if isinstance(m, LazyModuleMixin) and any(
-        is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
+    lazy = [name for name, m in model.named_modules() if isinstance(m, LazyModuleMixin) and not_made(m)]
     if not lazy:
         return model, {}
     memo: dict[int, Any] = {id(b): UninitializedBuffer(requires_grad=b.requires_grad, device=b.device, dtype=b.dtype)

@@ -298,8 +298,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           f"{' and '.join(_a(kind) for kind in types[:2])}{' and others' if len(types) > 2 else ''}): "
                           f"the model's forward updates them, {so}; make the change in the training step, not the "
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
-        made = sorted({kind for m, kind in lazy_kinds if not any(
-            is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))})
+        made = sorted({kind for m, kind in lazy_kinds if not not_made(m)})
         if made:
             warnings.warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
                           "forward: they were drawn there, under RNGs it puts back, not where a plain loop draws them; "
@@ -366,6 +365,19 @@ def _attributes_kept(model: torch.nn.Module, by: str, skip: frozenset[int] | set
 
 
 _GONE = object()
+
+
+def not_made(m: torch.nn.Module) -> bool:
+    """Whether module ``m`` holds a parameter or buffer of its own that a lazy module has not made
+    yet (``nn.LazyLinear`` before its first forward).
+
+    Example::
+
+        >>> lazy = torch.nn.Sequential(torch.nn.LazyLinear(2))
+        >>> not_made(lazy[0]), not_made(torch.nn.Linear(2, 1)), not_made(lazy)  # (its own only)
+        (True, False, False)
+    """
+    return any(is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
 
 
 def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
@@ -839,8 +851,6 @@ def misfit(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
         >>> misfit(a, {**a, "b": a["b"].long()})
         'b: checkpoint int64, model float32'
     """
-    from torch.nn.parameter import is_lazy
-
     for name, value in model.items():
         other = saved.get(name)
         if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and not is_lazy(value):

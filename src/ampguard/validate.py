@@ -1790,10 +1790,9 @@ def _check_made(model: nn.Module, who: str) -> None:
         ...     print(err)
         validate: task toy: the model's lazy modules have made no weights yet (0: LazyLinear); validate judges weights it can read: run one batch through the model in the factory, or give validation.checkpoint
     """
-    from torch.nn.parameter import is_lazy
+    from .checkpoint import not_made
 
-    lazy = [f"{name or 'the model'}: {type(m).__name__}" for name, m in model.named_modules()
-            if any(is_lazy(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+    lazy = [f"{name or 'the model'}: {type(m).__name__}" for name, m in model.named_modules() if not_made(m)]
     if lazy:
         raise InputError(f"validate: task {who}: the model's lazy modules have made no weights yet "
                          f"({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}); validate judges weights it can "
