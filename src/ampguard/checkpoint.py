@@ -172,9 +172,10 @@ class BufferSnapshot:
     :meth:`put_back` makes them so again, as often as asked: a buffer the forward replaced (a
     cache grown to a new shape) is put back itself, one it filled from None, or registered anew,
     is taken out, and each one's values are copied back in place. A buffer with internal overlap (an expanded view, stride 0, which nothing can
-    write in place) is referenced, not copied. Each module's plain attributes (those
-    :func:`_attributes_kept` keeps, :func:`_kept_attributes`: a ``self.calls += 1`` counter's int,
-    a tensor attribute by identity) are put back too. Between passes that must each start from
+    write in place) is referenced, not copied. Each module's own attributes
+    (:func:`_kept_attributes`: a ``self.calls += 1`` counter's int, a tensor attribute by
+    identity) are put back too, and the hooks registered on its modules since taken out
+    (:func:`_put_attributes_back`). Between passes that must each start from
     the same state (locate's FP32 and scope replays, validate's reference and each precision's
     passes: a call counter, a running normaliser, a cache the forward updates), and at the end
     of :func:`untouched`. ``skip``: buffers (by id) not copied (a lazy module's, not made yet);
@@ -231,8 +232,9 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
     (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
     back itself; one it filled from None, or registered anew, is taken out), its parameters'
-    gradients, every RNG (torch, CUDA, NumPy, ``random``) and each module's plain attributes
-    (:func:`_attributes_kept`: a call counter's int, a tensor attribute replaced) are as they
+    gradients, every RNG (torch, CUDA, NumPy, ``random``) and each module's own attributes
+    (:func:`_kept_attributes`: a call counter's int, a tensor attribute replaced; the hooks a
+    pass registered taken out, but ampguard's own: :func:`_put_attributes_back`) are as they
     were, so a run goes on bit for bit as without it.
 
     Parameters are not copied (a model's worth of memory): each one's :func:`_checksum` is taken
@@ -278,7 +280,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     try:
         # (attributes put back after the modes: an EMA model's train() swaps its weights back by what its
         # eval() kept in an attribute)
-        with rng_kept(), _attributes_kept(model, by, skip={id(m) for m, _ in lazy_kinds}), modes_kept(model):
+        with rng_kept(), _attributes_warned(snapshot.attributes, by), modes_kept(model):
             yield snapshot
     finally:
         snapshot.put_back()
@@ -317,23 +319,16 @@ def _renormalises(module: torch.nn.Module) -> bool:
     return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.max_norm is not None
 
 
-_PLAIN = (int, float, bool, str, type(None))
-"""The attribute values :func:`_attributes_kept` snapshots and puts back (kept by reference: immutable)."""
-
-
 @contextlib.contextmanager
-def _attributes_kept(model: torch.nn.Module, by: str, skip: frozenset[int] | set[int] = frozenset()) -> Iterator[None]:
-    """On leaving, each module's own attributes (its ``__dict__`` entries but those every
-    ``nn.Module`` has, :data:`_MODULES_OWN`: ``self._step`` as well as ``self.calls``) that are
-    ints, floats, bools, strings or None as they were (a forward's ``self.calls += 1``, a warm-up
-    ramp's count), and one of them the block added taken out; a tensor attribute that
-    is neither a parameter nor a buffer, replaced in the block (``self.state = self.state + x``),
-    has its tensor put back, and one the block added is taken out; one changed in place
-    (``self.state.add_(x)``: its version counter moved) cannot be put back, and is named in an
-    :class:`~ampguard.errors.AmpguardWarning` (keep it in a buffer). ``training`` is
-    :func:`modes_kept`'s; torch's own attributes (``_parameters``, the hooks) are left alone, and so are the
-    modules in ``skip`` (by id: lazy ones, which their first forward gives their sizes). A
-    snapshot of references: no tensor copied.
+def _attributes_warned(kept: list[tuple[torch.nn.Module, dict[str, Any], dict[str, set[int]]]],
+                       by: str) -> Iterator[None]:
+    """Warn, on leaving, of the tensor attributes in ``kept`` (a :class:`BufferSnapshot`'s
+    ``attributes``: each module's own ones, :func:`_kept_attributes`) that the block changed in
+    place (``self.state.add_(x)``: its version counter moved). The snapshot puts every attribute
+    back (:func:`_put_attributes_back`: a replaced one, ``self.calls += 1`` or ``self.state =
+    self.state + x``, is put back by reference; one added is taken out), but a tensor changed in
+    place cannot be: it is named in an :class:`~ampguard.errors.AmpguardWarning` (keep it in a
+    buffer). A snapshot of references: no tensor copied.
 
     Example::
 
@@ -341,27 +336,26 @@ def _attributes_kept(model: torch.nn.Module, by: str, skip: frozenset[int] | set
         ...     calls = 0
         ...     def forward(self, x):
         ...         self.calls += 1
+        ...         self.seen.add_(1)
         ...         return super().forward(x)
         >>> model = Counting(2, 1)
-        >>> model.calls = 5
-        >>> with untouched(model):
-        ...     _ = model(torch.ones(1, 2))
-        >>> model.calls
-        5
+        >>> model.calls, model.seen = 5, torch.zeros(1)
+        >>> with warnings.catch_warnings(record=True) as said:
+        ...     warnings.simplefilter("always")
+        ...     with untouched(model):
+        ...         _ = model(torch.ones(1, 2))
+        >>> model.calls, model.seen.item(), "the tensor attribute Counting.seen" in str(said[0].message)
+        (5, 1.0, True)
     """
-    kept = [(m, _kept_attributes(m), _kept_hooks(m)) for m in model.modules() if id(m) not in skip]
     versions = {id(v): _version(v) for _, held, _ in kept for v in held.values() if isinstance(v, torch.Tensor)}
-    try:
-        yield
-    finally:
-        moved = list(dict.fromkeys(f"{type(m).__name__}.{k}" for m, held, _ in kept for k, v in held.items()
-                                   if isinstance(v, torch.Tensor) and _version(v) != versions[id(v)]))
-        _put_attributes_back(kept)
-        if moved:
-            more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
-            warnings.warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
-                          "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
-                          "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
+    yield
+    moved = list(dict.fromkeys(f"{type(m).__name__}.{k}" for m, held, _ in kept for k, v in held.items()
+                               if isinstance(v, torch.Tensor) and _version(v) != versions[id(v)]))
+    if moved:
+        more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+        warnings.warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
+                      "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
+                      "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
 
 
 _GONE = object()
@@ -381,9 +375,8 @@ def not_made(m: torch.nn.Module) -> bool:
 
 
 def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
-    """The attributes of module ``m`` that :func:`_attributes_kept` and :class:`BufferSnapshot`
-    put back, by reference: its own, every ``__dict__`` entry but :data:`_MODULES_OWN` (review
-    40g: a private counter, ``_step``, is kept too; 40m: of any type, so that one a pass replaced
+    """The attributes of module ``m`` that :class:`BufferSnapshot` puts back, by reference: its
+    own, every ``__dict__`` entry but :data:`_MODULES_OWN` (review 40g: a private counter, ``_step``, is kept too; 40m: of any type, so that one a pass replaced
     by another type, ``self.prev = ()`` then a tensor, is put back, not taken out as added).
     Parameters and buffers are not among them: they are kept apart."""
     return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN}
@@ -402,13 +395,17 @@ def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any], dict[
     registered, its handle kept in ``self.handle``, ``self.handles`` or behind a ``self._hooked``
     flag: reviews 40n, 40o) is so undone whole, its hook with it, and the run's first forward
     makes it once, as a plain loop's does (put back without its hook taken out, it registered the
-    hook twice). A name a pass moved into ``_modules``, ``_parameters`` or ``_buffers``
+    hook twice). A hook ampguard registers for the run (:func:`outlives_passes`: the guard's
+    running-statistics keeper, which a pass's forward may register on a BatchNorm added since
+    it last looked) is left: taken out, the guard went on believing the layer hooked, and a
+    skipped step left its statistics NaN. A name a pass moved into ``_modules``, ``_parameters`` or ``_buffers``
     (``self.head = nn.Linear(...)``) is left: put back in ``__dict__``, the old value would hide it."""
     for m, held, hooks in kept:
         now = vars(m)
         for name, before in hooks.items():
-            for key in [k for k in getattr(m, name, {}) if k not in before]:  # (registered by the block)
-                getattr(m, name).pop(key, None)
+            registered = getattr(m, name, {})
+            for key in [k for k, hook in registered.items() if k not in before and not _outlives(hook)]:
+                registered.pop(key, None)  # (registered by the block)
         for k in [k for k in now if k not in held and k not in _MODULES_OWN]:  # (added since: taken out)
             del now[k]
         for k, v in held.items():
@@ -416,6 +413,36 @@ def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any], dict[
                 continue
             if now.get(k, _GONE) is not v:
                 now[k] = v
+
+
+_OUTLIVES = "_ampguard_outlives_passes"
+
+
+def outlives_passes(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``hook``, a function ampguard registers on a user's module for the whole run, as one
+    :func:`untouched` and :class:`BufferSnapshot` leave in place when a pass registered it (they
+    take out every other hook a pass registered). A decorator; returns ``hook``.
+
+    Example::
+
+        >>> @outlives_passes
+        ... def noted(module, args):
+        ...     pass
+        >>> model = torch.nn.Linear(2, 1)
+        >>> with untouched(model):
+        ...     kept = model.register_forward_pre_hook(noted)
+        ...     gone = model.register_forward_pre_hook(lambda module, args: None)
+        >>> kept.id in model._forward_pre_hooks, gone.id in model._forward_pre_hooks
+        (True, False)
+    """
+    setattr(hook, _OUTLIVES, True)
+    return hook
+
+
+def _outlives(hook: Any) -> bool:
+    """Whether ``hook`` (a hook dict's value: a function, or torch's wrapper of one) is marked by
+    :func:`outlives_passes`."""
+    return getattr(hook, _OUTLIVES, False) or getattr(getattr(hook, "func", None), _OUTLIVES, False)
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from . import distributed
+from .checkpoint import outlives_passes
 from .errors import counted
 
 UNFROZEN_EVERY = 64
@@ -393,6 +394,7 @@ _HOOKED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictio
 _HOOKS_LOCK = threading.RLock()  # (a finalizer may run in any thread, and inside the lock: re-entrant)
 
 
+@outlives_passes  # (a pass's forward may register it on a layer added since the last look: it stays)
 def _keep_running_stats(module: nn.Module, args: Any) -> None:
     """A forward pre-hook on each layer that tracks running statistics: before the layer runs in
     training mode (it then writes them, under ``torch.no_grad()`` too), each keeper watching it

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ampguard.build import _checked_copy, check_forward
-from ampguard.checkpoint import BufferSnapshot, misfit
+from ampguard.checkpoint import BufferSnapshot, misfit, untouched
 from ampguard.errors import InputError
 from ampguard.locate import diagnose
 from ampguard.precision import Precision
@@ -200,3 +200,25 @@ def test_a_pass_leaves_no_state_of_any_type_and_no_hook_behind():
     assert not hasattr(model, "kv") and model._hooked is False and not model.lin._forward_pre_hooks
     model(torch.ones(2, 3))
     assert len(model.lin._forward_pre_hooks) == 1 and model._hooked is True
+
+
+def test_the_guards_running_statistics_hook_a_pass_registers_stays():
+    # review 41: a pass's forward (a live diagnosis's replay) ran the keeper's look for layers, which hooked a
+    # BatchNorm added since; the put-back took that hook out while the keeper went on believing the layer
+    # hooked: with the layer before it frozen, a skipped NaN step left the late layer's statistics NaN
+    from ampguard.watch import RunningStats, _watch_registrations
+
+    _watch_registrations()
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    stats = RunningStats([model])
+    model.add_module("late", nn.BatchNorm1d(2))  # (after the keeper looked: found at its next look)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with untouched(model):
+            model(torch.randn(4, 2))
+    assert len(model.late._forward_pre_hooks) == 1
+    stats.end_step(skipped=False)
+    model[1].eval()  # (only the late layer writes statistics now: its own hook must copy them)
+    model(torch.full((4, 2), float("nan")))
+    stats.end_step(skipped=True)
+    assert torch.equal(model.late.running_mean, torch.zeros(2)) and int(model.late.num_batches_tracked) == 0
