@@ -227,8 +227,10 @@ def _trusted_realpath(place: str | os.PathLike, path: str | os.PathLike) -> str:
     """``os.path.realpath(place)``, resolved one part at a time, each link met judged (a stricter
     rule than Linux's ``fs.protected_symlinks``, which is not set everywhere: off on this
     project's own CI machine): followed only when this user made it, root did, or whoever made it
-    owns what it leads to. Where the OS has ``O_PATH``, :func:`_walked` does this by descriptors. A link of another user's that leads to a file or a folder it does not own is
-    :class:`NotReplaced` (for ``path``, the path given), nothing written: a user who may write in a
+    owns what it leads to, and never when it has another name where anyone may give it one
+    (:func:`_hard_linked`). Where the OS has ``O_PATH``, :func:`_walked` does this by descriptors
+    instead (the tests run both). A link of another user's that leads to a file or a folder it does
+    not own is :class:`NotReplaced` (for ``path``, the path given), nothing written: a user who may write in a
     run's folder could point its CSV's link (or a folder on its way) at a file of root's between
     the sink's read and the cut, and a root resume then rewrote that file with the user's rows.
     A part that does not exist ends the walk (the rest is taken as written: no link lies there).
@@ -271,9 +273,10 @@ def _trusted_realpath(place: str | os.PathLike, path: str | os.PathLike) -> str:
             owner = os.stat(leads).st_uid
         except OSError:
             owner = seen.st_uid  # (it leads to nothing: nothing of another's to reach)
+        if seen.st_nlink > 1 and not _hard_links_protected():
+            raise _hard_linked(os.fspath(step), path)
         if seen.st_uid not in (me, 0, owner):
-            raise NotReplaced(errno.EPERM, f"{shown(step)} is a symbolic link of user {seen.st_uid}'s to "
-                              f"{shown(leads)}, which is not theirs; refusing to write through it", os.fspath(path))
+            raise _not_theirs(os.fspath(step), seen.st_uid, leads, path)
         if os.path.isabs(to):
             done = Path("/")
         todo += list(reversed(Path(to).parts))
@@ -288,6 +291,22 @@ class _LedTo:
 
     def __init__(self, link: str, owner: int, text: str) -> None:
         self.link, self.owner, self.text = link, owner, text
+
+
+def _not_theirs(link: str, owner: int, leads: str, path: str | os.PathLike) -> NotReplaced:
+    """The refusal of ``link``, a symbolic link of user ``owner``'s that leads to ``leads``, which
+    that user does not own (for ``path``, the path given)."""
+    return NotReplaced(errno.EPERM, f"{shown(link)} is a symbolic link of user {owner}'s to {shown(leads)}, which "
+                       "is not theirs; refusing to write through it", os.fspath(path))
+
+
+def _hard_linked(link: str, path: str | os.PathLike) -> NotReplaced:
+    """The refusal of ``link``, a symbolic link with more than one name where anyone may give it
+    one (:func:`_hard_links_protected` False: a user hard-links root's link, or a teammate's own,
+    into a run folder it may write in; reviews 40j, 40l)."""
+    return NotReplaced(errno.EPERM, f"{shown(link)} is a symbolic link with another name (a hard link to it, which "
+                       "anyone may make where fs.protected_hardlinks is off); refusing to write through it",
+                       os.fspath(path))
 
 
 def _hard_links_protected() -> bool:
@@ -331,8 +350,7 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
 
     def judge(led: _LedTo, owner: int) -> None:
         if led.owner not in (me, 0) and led.owner != owner:
-            raise NotReplaced(errno.EPERM, f"{shown(led.link)} is a symbolic link of user {led.owner}'s to "
-                              f"{shown(led.text)}, which is not theirs; refusing to write through it", os.fspath(path))
+            raise _not_theirs(led.link, led.owner, led.text, path)
 
     try:
         while True:
@@ -369,9 +387,7 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
                     os.close(lfd)
                 at = os.fspath(shown_at / part)
                 if link.st_nlink > 1 and not _hard_links_protected():  # (a hard link to someone's link)
-                    raise NotReplaced(errno.EPERM, f"{shown(at)} is a symbolic link with another name (a hard link "
-                                      "to it, which anyone may make where fs.protected_hardlinks is off); refusing "
-                                      "to write through it", os.fspath(path))
+                    raise _hard_linked(at, path)
                 todo += [_LedTo(at, link.st_uid, text), *reversed(Path(text).parts)]
                 if os.path.isabs(text):
                     inner = os.open("/", os.O_PATH | os.O_DIRECTORY | _O_CLOEXEC)

@@ -74,6 +74,17 @@ def hostile(tmp_path):
     return secret, user
 
 
+@pytest.fixture(params=["by descriptors", "by names"])
+def walk(request, monkeypatch):
+    """Each link-rule test both ways ``replace_atomically`` walks a path: by descriptors (Linux's
+    ``O_PATH``: :func:`files._walked`) and by names (where the OS has no ``O_PATH``:
+    :func:`files._trusted_realpath`, then :func:`files._open_folder`), so that the fallback, which
+    this machine never takes on its own, holds to the same rule."""
+    if request.param == "by names":
+        monkeypatch.delattr(os, "O_PATH")
+    return request.param
+
+
 def swap(folder: Path, to: Path) -> None:
     """What the user does: ``folder`` becomes a link to ``to`` (the real one kept beside it)."""
     os.rename(folder, folder.with_name(folder.name + ".real"))
@@ -139,7 +150,7 @@ def test_a_folder_swapped_while_the_temporary_file_is_made_leaves_the_root_only_
         assert os.stat(real / name).st_uid == NOBODY  # (still the user's)
 
 
-def test_a_link_followed_must_lead_to_a_regular_file(tmp_path):
+def test_a_link_followed_must_lead_to_a_regular_file(tmp_path, walk):
     # review 40b #6: a named pipe a link led to became a regular 0644 file
     os.mkfifo(tmp_path / "fifo", 0o600)
     (tmp_path / "steps.csv").symlink_to(tmp_path / "fifo")
@@ -310,7 +321,7 @@ def user_link(link: Path, to: Path) -> None:
 
 
 @ROOT
-def test_a_users_link_repointed_at_a_root_file_after_the_read_is_not_followed(hostile):
+def test_a_users_link_repointed_at_a_root_file_after_the_read_is_not_followed(hostile, walk):
     # review 40f #1 (r21): after the sink read its log, the user re-pointed the link (its own) at a file
     # of root's: the cut replaced that file with the user's rows, root's owner and mode kept
     secret, user = hostile
@@ -325,7 +336,7 @@ def test_a_users_link_repointed_at_a_root_file_after_the_read_is_not_followed(ho
 
 @ROOT
 @pytest.mark.parametrize("through_link", [True, False], ids=["the linked CSV", "a run folder's config.yaml"])
-def test_a_folder_swapped_for_a_users_link_before_the_path_is_resolved_is_not_followed(hostile, through_link):
+def test_a_folder_swapped_for_a_users_link_before_the_path_is_resolved_is_not_followed(hostile, walk, through_link):
     # review 40f #1 (r20): swapped between the sink's read and the cut, before any resolution: the
     # root-only file was rewritten (a), or a config.yaml of the user's rows made in the root-only folder (b)
     secret, user = hostile
@@ -339,7 +350,7 @@ def test_a_folder_swapped_for_a_users_link_before_the_path_is_resolved_is_not_fo
 
 
 @ROOT
-def test_links_root_made_or_a_user_made_to_its_own_files_are_followed(hostile, tmp_path):
+def test_links_root_made_or_a_user_made_to_its_own_files_are_followed(hostile, walk, tmp_path):
     # the rule is Linux's protected_symlinks: a link is followed when this user or root made it, or
     # whoever made it owns what it leads to (the user's own CSV link, a system link such as /var/run)
     secret, user = hostile
@@ -410,7 +421,7 @@ def test_a_folder_swapped_after_the_walk_passed_it_is_not_gone_through_again(tmp
 
 @ROOT
 @pytest.mark.parametrize("owner", [0, NOBODY], ids=["root's link", "the user's own link"])
-def test_a_hard_link_to_a_link_is_not_followed_where_anyone_may_make_one(tmp_path, monkeypatch, owner):
+def test_a_hard_link_to_a_link_is_not_followed_where_anyone_may_make_one(tmp_path, walk, monkeypatch, owner):
     # review 40j #3 (r33): where fs.protected_hardlinks is off, a user hard-links root's link (its owner 0,
     # trusted) into its own folder as its CSV: root's file was rewritten; review 40l #1: a teammate
     # hard-links the victim's own link into their shared run folder the same way
@@ -432,7 +443,7 @@ def test_a_hard_link_to_a_link_is_not_followed_where_anyone_may_make_one(tmp_pat
 
 
 @ROOT
-def test_a_hard_link_to_a_link_is_followed_where_only_its_owner_may_make_one(tmp_path, monkeypatch):
+def test_a_hard_link_to_a_link_is_followed_where_only_its_owner_may_make_one(tmp_path, walk, monkeypatch):
     # review 40l #3: a cp -al snapshot of a run folder hard-links its CSV link; where fs.protected_hardlinks
     # is on, only the link's owner (or root) made that name: judged as any link
     monkeypatch.setattr(files, "_hard_links_protected", lambda: True)
