@@ -476,12 +476,13 @@ def _check_keep_through(keep_through: int | None) -> None:
         raise ValueError(f"keep_through must be a step >= 0, got {keep_through!r}")
 
 
-def _cut(path: Path, kept: bytes, step: int) -> None:
-    """A resume's cut: ``kept`` made the whole of the log at ``path`` (``replace_atomically``,
-    through its link: a link stays one, its target cut). A cut that cannot be made (a link into a
-    folder this user may not write, where the file is rewritten beside itself; a folder on the way
-    swapped for a link) is one :class:`InputError` line naming the file and why, the file as it
-    was; a full disk stays :class:`DiskFull`.
+def _cut(path: Path, kept: bytes, step: int, purpose: str = "to resume") -> None:
+    """A resume's cut (or, ``purpose``, a loop's new attempt's: :meth:`_LineFile.begin_again`):
+    ``kept`` made the whole of the log at ``path`` (``replace_atomically``, through its link: a
+    link stays one, its target cut). A cut that cannot be made (a link into a folder this user may
+    not write, where the file is rewritten beside itself; a folder on the way swapped for a link)
+    is one :class:`InputError` line naming the file and why, the file as it was; a full disk
+    stays :class:`DiskFull`.
 
     Example::
 
@@ -504,7 +505,7 @@ def _cut(path: Path, kept: bytes, step: int) -> None:
                    "the file is rewritten whole beside itself, then renamed over the old one")
         elif where is not None:
             why = f"{why} ({shown(where)})"
-        raise InputError(f"cannot cut {shown(path)} back to step {step} to resume: {why}") from None
+        raise InputError(f"cannot cut {shown(path)} back to step {step} {purpose}: {why}") from None
 
 
 class _LineFile:
@@ -587,7 +588,12 @@ class _LineFile:
         # lines without a step, stay before it and moved with the records after it)
         lines = self.path.read_bytes().splitlines(keepends=True)
         before = lines[:_first_after(lines, step, header=self._header)]
-        replace_atomically(self.path, b"".join(line for line in before if line.endswith(b"\n")), through_link=True)
+        try:  # (a cut that cannot be made: one line, and the rows it set aside not left twice)
+            _cut(self.path, b"".join(line for line in before if line.endswith(b"\n")), step,
+                 "for the loop's new attempt")
+        except BaseException:
+            kept[0].unlink(missing_ok=True)
+            raise
         self._file = _open_for_append(self.path)
         return f"{self.path.name}'s {counted(kept[1], 'row')} after it moved to {kept[0].name}"
 

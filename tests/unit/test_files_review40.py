@@ -276,19 +276,21 @@ def test_a_folder_where_no_byte_can_be_written_is_unwritable(tmp_path):
 
 
 @ROOT
+@pytest.mark.parametrize("when", ["resume", "begin_again"])
 @pytest.mark.parametrize("sink", ["jsonl", "csv"])
-def test_a_resume_whose_cut_cannot_be_made_is_one_line(sink):
+def test_a_resume_whose_cut_cannot_be_made_is_one_line(sink, when):
     # review 40b #7: a log linked to a file this user may write, in a folder it may not: a resume's
-    # cut (made beside the file, renamed over it) was a raw PermissionError
+    # cut (made beside the file, renamed over it) was a raw PermissionError; review 41: a Hugging Face
+    # retry's cut (begin_again) was too, and left the rows it set aside in the log and in the attempt's copy
     with shared_folder() as mine:
         shared = mine / "shared"
         shared.mkdir(mode=0o755)  # (root's: the user may not make a file in it)
         if sink == "jsonl":
-            content, make = b'{"step": 1}\n{"step": 2}\n', lambda path: JsonlSink(path, append=True, keep_through=1)
+            content, make = b'{"step": 1}\n{"step": 2}\n', lambda path, keep: JsonlSink(path, append=True, keep_through=keep)
         else:
             columns = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale\n"
             content = (columns + "1,0.1,1,1,1,0,,\n2,0.1,1,1,1,0,,\n").encode()
-            make = lambda path: CsvSink(path, append=True, keep_through=1)  # noqa: E731
+            make = lambda path, keep: CsvSink(path, append=True, keep_through=keep)  # noqa: E731
         (shared / "log").write_bytes(content)
         os.chown(shared / "log", NOBODY, NOBODY)
         link = mine / "steps.log"
@@ -296,17 +298,22 @@ def test_a_resume_whose_cut_cannot_be_made_is_one_line(sink):
 
         def resume():
             try:
-                make(link).close()
+                if when == "resume":
+                    make(link, 1).close()
+                else:  # (opened to go on after its rows: none cut; then the loop begins again from step 0)
+                    make(link, None).begin_again(0)
             except InputError as err:
                 return f"InputError: {err}"
             return "resumed"
 
         code, said = in_fork(resume, preexec=nobody)
         assert code == 0, said
-        assert said == (f"InputError: cannot cut {link} back to step 1 to resume: no file can be made beside it in "
-                        f"{shared} (Permission denied): the file is rewritten whole beside itself, then renamed over "
-                        "the old one"), said
+        purpose = "to resume" if when == "resume" else "for the loop's new attempt"
+        assert said == (f"InputError: cannot cut {link} back to step {int(when == 'resume')} {purpose}: no file can be "
+                        f"made beside it in {shared} (Permission denied): the file is rewritten whole beside itself, "
+                        "then renamed over the old one"), said
         assert (shared / "log").read_bytes() == content and sorted(p.name for p in shared.iterdir()) == ["log"]
+        assert sorted(p.name for p in mine.iterdir()) == ["shared", "steps.log"]  # (no attempt's copy left)
 
 
 # ---------------------------------------------------------------------------- review 40f: links of another user's
