@@ -320,7 +320,7 @@ def check_trainable(model: nn.Module, who: str = "") -> None:
 
 def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], read_batch: Callable[..., Any],
                   precision: Precision, who: str, *, find_unused: bool = False,
-                  dtypes: dict[str, str] | None = None) -> list[str]:
+                  dtypes: dict[str, str] | None = None, resuming: bool = False) -> list[str]:
     """Read the first batch and run it forward through ``model`` and ``loss_fn`` once, under the
     run's autocast, as the step will (no backward): a batch that cannot be read, data that does
     not fit the model, a loss that fails, is not a scalar or does not depend on the parameters is
@@ -344,7 +344,8 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
     are as they were, so the run goes on bit for bit as without it; a parameter its forward
     passes changed in place (a momentum encoder's moving average) is named in a warning. A model
     with lazy modules not made yet is checked on a copy (:func:`_checked_copy`), then its lazy
-    modules are made here, drawing from torch's RNG, and a warning says so (:func:`_made_as_checked`).
+    modules are made here, drawing from torch's RNG, and a warning says so (:func:`_made_as_checked`;
+    not when ``resuming``: a checkpoint's weights replace them, its RNG states the draws).
     Costs
     one forward pass a batch (each one's graph freed before the next: the memory of one step's
     forward) and host reads.
@@ -383,7 +384,7 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
     if checked is not model:
         unused = _check_forward(checked, loss_fn, read_batch, precision, who, find_unused, dtypes, rng_kept())
         _all_made(checked, who)  # (before the model is touched)
-        _made_as_checked(model, firsts, who)
+        _made_as_checked(model, firsts, who, said=not resuming)
         return unused
     unused = _check_forward(model, loss_fn, read_batch, precision, who, find_unused, dtypes, untouched(
         model, by=f"{who}: the start-up's check of the first batches",
@@ -485,7 +486,7 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     return copied, firsts
 
 
-def _made_as_checked(model: nn.Module, firsts: dict[str, Any], who: str) -> None:
+def _made_as_checked(model: nn.Module, firsts: dict[str, Any], who: str, said: bool = True) -> None:
     """Make the lazy modules of ``model`` that its checked copy made (:func:`_checked_copy`), from
     the inputs they were given there, as their first forward would (``nn.LazyLinear`` becomes an
     ``nn.Linear``: its own ``initialize_parameters``), in the order the forward met them, drawing
@@ -495,7 +496,8 @@ def _made_as_checked(model: nn.Module, firsts: dict[str, Any], who: str) -> None
     loop, so it is not bit for bit one. Drawn again at the first training forward instead (what
     a5f5696 did), the weights a checkpoint, a rollback to step 0, a torchrun broadcast or an
     activation checkpoint's recomputation met differed from those trained (reviews 40g, 40k):
-    made here, every part of the run, and every resume, sees the same weights."""
+    made here, every part of the run, and every resume, sees the same weights. Not ``said`` on a
+    resume, whose checkpoint's weights and RNG states replace what was drawn here."""
     modules = dict(model.named_modules())
     made = []
     with torch.no_grad():
@@ -503,7 +505,7 @@ def _made_as_checked(model: nn.Module, firsts: dict[str, Any], who: str) -> None
             module = modules[name]
             made.append(f"{name} ({type(module).__name__})")
             module._infer_parameters(module, args, kwargs)  # type: ignore[operator]
-    if made:
+    if made and said:
         warnings.warn(f"{who}: the model's lazy modules {', '.join(made[:3])}{', ...' if len(made) > 3 else ''} made "
                       "their weights at start-up, drawn from torch's RNG there, not at the first step's forward as a "
                       "plain loop draws them: the run is not bit for bit such a loop; run one batch through the model "

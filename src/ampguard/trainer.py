@@ -310,7 +310,8 @@ class Trainer:
         try:
             check_trainable(model, who)
             unused = check_forward(model, self.task.loss_fn, self.data.peek, precision, who, find_unused=ddp,
-                                   dtypes=self.autocast_dtypes if precision.autocasts else None)
+                                   dtypes=self.autocast_dtypes if precision.autocasts else None,
+                                   resuming=self.resume is not None)
         except InputError as err:
             problem = str(err)
         problem = distributed.first_error(problem) or check_same_data(self.data, who)
