@@ -235,7 +235,7 @@ class Finding:
     call: int = 1
     """With ``where == "forward"``: which call of module ``name`` in the pass (1: the first; a
     module the forward calls more than once, a shared or weight-tied block, is named with the call
-    that made the value: "(call 2 of l)")."""
+    that made the value: "(its call 2)")."""
 
     def place_text(self) -> str:
         """Where the value was, in words (the middle of :meth:`Diagnosis.message`).
@@ -245,13 +245,13 @@ class Finding:
             >>> Finding("forward", "0", "Linear", "inf", ["float16"], ["float16"], "fp16").place_text()
             'in the forward output of 0 (Linear; inputs float16 -> outputs float16)'
             >>> Finding("forward", "l", "Linear", "inf", ["float16"], ["float16"], "fp16", call=2).place_text()
-            'in the forward output of l (call 2 of l) (Linear; inputs float16 -> outputs float16)'
+            'in the forward output of l (its call 2) (Linear; inputs float16 -> outputs float16)'
             >>> Finding("backward", "", NORM, "inf", precision="fp32", loss=2.0).place_text()
             'in backward, the global L2 norm of the gradients (float32; every gradient finite), from a finite loss 2'
         """
         dtypes = f"{','.join(self.input_dtypes) or '-'} -> outputs {','.join(self.output_dtypes) or '-'}"
         name = self.name or "<model>"
-        call = f" (call {self.call} of {name})" if self.call > 1 else ""
+        call = f" (its call {self.call})" if self.call > 1 else ""
         if self.where == "input":
             return "in the batch's targets" if self.name == "targets" else "in the input batch"
         if self.where == "forward" and self.before:

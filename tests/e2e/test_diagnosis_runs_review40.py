@@ -95,7 +95,7 @@ def test_cli_locate_names_the_call_of_a_module_called_twice(cli, tmp_path):
     assert code == 1, err
     found = json.loads(out)
     assert (found["amp"]["name"], found["amp"]["call"]) == ("l", 2)
-    assert "in the forward output of l (call 2 of l) (Linear;" in found["message"]
+    assert "in the forward output of l (its call 2) (Linear;" in found["message"]
 
 
 def test_cli_locate_does_not_call_an_overflow_with_no_loss_scale_too_routine(cli):

@@ -168,7 +168,7 @@ class Twice(nn.Module):
 def test_locate_names_the_call_of_a_module_called_more_than_once():
     d = diagnose(Twice(), F.mse_loss, torch.ones(3, 4), torch.zeros(3, 1), FP16)
     assert (d.verdict, d.amp.where, d.amp.name, d.amp.call) == ("precision-range", "forward", "l", 2)
-    assert "in the forward output of l (call 2 of l) (Linear;" in d.message()
+    assert "in the forward output of l (its call 2) (Linear;" in d.message()
     assert d.as_dict()["amp"]["call"] == 2
     # a module called once says nothing of calls
     once = Finding("forward", "l", "Linear", "inf", ["float16"], ["float16"], "fp16")
