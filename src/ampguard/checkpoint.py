@@ -206,7 +206,7 @@ class BufferSnapshot:
         self.copies = {id(b): b.detach().clone() for _, held in self.held for b in held.values()
                        if b is not None and id(b) not in skip and not _overlaps(b)}
         # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by identity)
-        self.attributes = [(m, _kept_attributes(m), _kept_hooks(m)) for m in model.modules()
+        self.attributes = [_kept_module(m) for m in model.modules()
                            if id(m) not in modules_skipped]
 
     def put_back(self) -> None:
@@ -320,8 +320,7 @@ def _renormalises(module: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _attributes_warned(kept: list[tuple[torch.nn.Module, dict[str, Any], dict[str, set[int]]]],
-                       by: str) -> Iterator[None]:
+def _attributes_warned(kept: list[_Kept], by: str) -> Iterator[None]:
     """Warn, on leaving, of the tensor attributes in ``kept`` (a :class:`BufferSnapshot`'s
     ``attributes``: each module's own ones, :func:`_kept_attributes`) that the block changed in
     place (``self.state.add_(x)``: its version counter moved). The snapshot puts every attribute
@@ -347,9 +346,9 @@ def _attributes_warned(kept: list[tuple[torch.nn.Module, dict[str, Any], dict[st
         >>> model.calls, model.seen.item(), "the tensor attribute Counting.seen" in str(said[0].message)
         (5, 1.0, True)
     """
-    versions = {id(v): _version(v) for _, held, _ in kept for v in held.values() if isinstance(v, torch.Tensor)}
+    versions = {id(v): _version(v) for _, held, _, _ in kept for v in held.values() if isinstance(v, torch.Tensor)}
     yield
-    moved = list(dict.fromkeys(f"{type(m).__name__}.{k}" for m, held, _ in kept for k, v in held.items()
+    moved = list(dict.fromkeys(f"{type(m).__name__}.{k}" for m, held, _, _ in kept for k, v in held.items()
                                if isinstance(v, torch.Tensor) and _version(v) != versions[id(v)]))
     if moved:
         more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
@@ -374,10 +373,29 @@ def not_made(m: torch.nn.Module) -> bool:
     return any(is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
 
 
+_Kept = tuple[torch.nn.Module, dict[str, Any], dict[str, set[int]], dict[str, Any]]
+"""A module's snapshot (:func:`_kept_module`): the module, its attributes by reference, its hooks'
+handle ids by dict, and a copy of the contents of each attribute that is a list, dict or set."""
+
+_CONTAINERS = (list, dict, set)
+"""The attribute types whose contents a snapshot copies (one level: shallow) and puts back in
+place: a forward's ``self.seen.append(...)``, ``self.cache[key] = ...``."""
+
+
+def _kept_module(m: torch.nn.Module) -> _Kept:
+    """Module ``m``'s snapshot for :func:`_put_attributes_back`: :func:`_kept_attributes`,
+    :func:`_kept_hooks`, and a shallow copy of each list, dict or set among the attributes
+    (review 41: a list a forward appends to in place, a dict it fills, kept each pass's entries:
+    a live diagnosis's replays moved the run's later steps, 40m #4)."""
+    held = _kept_attributes(m)
+    return m, held, _kept_hooks(m), {k: v.copy() for k, v in held.items() if type(v) in _CONTAINERS}
+
+
 def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
     """The attributes of module ``m`` that :class:`BufferSnapshot` puts back, by reference: its
-    own, every ``__dict__`` entry but :data:`_MODULES_OWN` (review 40g: a private counter, ``_step``, is kept too; 40m: of any type, so that one a pass replaced
-    by another type, ``self.prev = ()`` then a tensor, is put back, not taken out as added).
+    own, every ``__dict__`` entry but :data:`_MODULES_OWN` (review 40g: a private counter,
+    ``_step``, is kept too; 40m: of any type, so that one a pass replaced by another type,
+    ``self.prev = ()`` then a tensor, is put back, not taken out as added).
     Parameters and buffers are not among them: they are kept apart."""
     return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN}
 
@@ -387,11 +405,12 @@ def _kept_hooks(m: torch.nn.Module) -> dict[str, set[int]]:
     return {name: set(getattr(m, name)) for name in _HOOK_DICTS if isinstance(getattr(m, name, None), dict)}
 
 
-def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any], dict[str, set[int]]]]) -> None:
-    """Each module's attributes in ``kept`` (:func:`_kept_attributes`' snapshots, with its hooks':
-    :func:`_kept_hooks`) as they were: one replaced put back (the same object, whatever its type:
-    a counter, an LSTM's hidden tuple, a dict; review 40o), one added since taken out, and the
-    hooks the block registered on the module removed. A helper a first forward makes (a hook
+def _put_attributes_back(kept: list[_Kept]) -> None:
+    """Each module's attributes in ``kept`` (:func:`_kept_module`'s snapshots) as they were: one
+    replaced put back (the same object, whatever its type: a counter, an LSTM's hidden tuple, a
+    dict; review 40o), one added since taken out, a list, dict or set changed in place given its
+    contents back (one level: a tensor in it changed in place stays changed), and the hooks the
+    block registered on the module removed. A helper a first forward makes (a hook
     registered, its handle kept in ``self.handle``, ``self.handles`` or behind a ``self._hooked``
     flag: reviews 40n, 40o) is so undone whole, its hook with it, and the run's first forward
     makes it once, as a plain loop's does (put back without its hook taken out, it registered the
@@ -400,7 +419,7 @@ def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any], dict[
     it last looked) is left: taken out, the guard went on believing the layer hooked, and a
     skipped step left its statistics NaN. A name a pass moved into ``_modules``, ``_parameters`` or ``_buffers``
     (``self.head = nn.Linear(...)``) is left: put back in ``__dict__``, the old value would hide it."""
-    for m, held, hooks in kept:
+    for m, held, hooks, contents in kept:
         now = vars(m)
         for name, before in hooks.items():
             registered = getattr(m, name, {})
@@ -413,6 +432,12 @@ def _put_attributes_back(kept: list[tuple[torch.nn.Module, dict[str, Any], dict[
                 continue
             if now.get(k, _GONE) is not v:
                 now[k] = v
+            if k in contents:  # (its contents in place: whoever else holds it sees them put back too)
+                if isinstance(v, list):
+                    v[:] = contents[k]
+                else:
+                    v.clear()
+                    v.update(contents[k])
 
 
 _OUTLIVES = "_ampguard_outlives_passes"

@@ -1082,22 +1082,25 @@ def test_each_micro_batch_is_replayed_with_the_dropout_masks_the_step_drew_for_i
     class Recorded(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.drop, self.fc, self.masks = nn.Dropout(0.5), nn.Linear(8, 1), []
+            self.drop, self.fc = nn.Dropout(0.5), nn.Linear(8, 1)
+            self.note = masks.append  # (a list of its own would be given its contents back after each replay)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.drop(x)
-            self.masks.append((h != 0).flatten().tolist())
+            self.note((h != 0).flatten().tolist())
             return self.fc(h)
 
+    masks: list[list[bool]] = []
     model, x, y = Recorded(), torch.ones(1, 8), torch.zeros(1, 1)
     torch.manual_seed(0)
     from ampguard.checkpoint import rng_state
 
     start = rng_state()
     model(x), model(x)  # what the step drew for its two micro-batches
-    drawn, model.masks = model.masks, []
+    drawn = masks[:]
+    masks.clear()
     diagnose_group(model, F.mse_loss, [(x, y), (x, y)], FP32, rng=start)
-    assert model.masks == drawn * 2 and drawn[0] != drawn[1]  # (each micro-batch, then the group's sum)
+    assert masks == drawn * 2 and drawn[0] != drawn[1]  # (each micro-batch, then the group's sum)
 
 
 def test_activation_checkpointing_recomputes_the_module_kept_in_fp32_in_fp32():

@@ -246,15 +246,16 @@ def test_parameters_the_start_ups_check_changes_are_named_in_its_own_words(throu
 
 
 class Recording(nn.Module):
-    """A BatchNorm and a dropout, noting the mode and the grad mode of each forward."""
+    """A BatchNorm and a dropout, noting the mode and the grad mode of each forward in ``modes``
+    (a list of the caller's: one the model held as its attribute, the check puts back)."""
 
-    def __init__(self) -> None:
+    def __init__(self, modes: list[tuple[bool, bool]] | None = None) -> None:
         super().__init__()
         self.lin, self.norm, self.drop = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)
-        self.modes: list[tuple[bool, bool]] = []
+        self.note = (modes if modes is not None else []).append
 
     def forward(self, x):
-        self.modes.append((self.training, torch.is_grad_enabled()))
+        self.note((self.training, torch.is_grad_enabled()))
         return self.drop(self.norm(self.lin(x))).sum(dim=1, keepdim=True)
 
 
@@ -272,12 +273,13 @@ def test_a_batchnorm_batch_of_one_among_the_first_four_is_refused_naming_it():
 
 
 def test_the_batches_after_the_first_go_as_the_step_runs_them_and_leave_no_trace():
-    model = Recording()
+    modes: list[tuple[bool, bool]] = []
+    model = Recording(modes)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(5)
     rng = torch.get_rng_state()
     assert check_forward(model, F.mse_loss, stream_of(model, numbered(6)).peek, FP32, "task.factory f.py:build") == []
-    assert model.modes == [(True, True)] * 4  # (it was eval mode under no_grad for the second to the fourth)
+    assert modes == [(True, True)] * 4  # (it was eval mode under no_grad for the second to the fourth)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())  # BatchNorm's statistics, its count
     assert torch.equal(torch.get_rng_state(), rng)  # (dropout drew: put back)
     assert all(p.grad is None for p in model.parameters()) and model.training
