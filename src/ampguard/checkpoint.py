@@ -9,7 +9,9 @@ pickled code is refused before any of it runs.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import itertools
 import os
 import pickle
@@ -207,23 +209,33 @@ class BufferSnapshot:
                        if b is not None and id(b) not in skip and not _overlaps(b)}
         # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by identity)
         self.attributes = [_kept_module(m) for m in model.modules()
-                           if id(m) not in modules_skipped]
+                           if id(m) not in modules_skipped and not _reducer_owned(m)]
 
     def put_back(self) -> None:
         """The buffers and plain attributes as they were when the snapshot was taken. Every copied
         buffer's values are copied back, not only those whose version counter moved: BatchNorm's
-        kernel updates its running statistics in place without bumping it."""
-        with torch.no_grad():
-            for m, held in self.held:
-                for name in [n for n in m._buffers if n not in held]:  # (registered by the forward: taken out)
-                    del m._buffers[name]
-                    m._non_persistent_buffers_set.discard(name)
-                for name, b in held.items():
-                    m._buffers[name] = b  # (the same tensor, or None: one the forward re-registered is put back)
-                    if b is not None and id(b) in self.copies:
+        kernel updates its running statistics in place without bumping it. One the forward resized
+        in place (``resize_``) is given a copy of its old values instead (copied into, it raised,
+        and nothing after it was put back: review 41); the attributes are put back whatever
+        happened to the buffers."""
+        try:
+            with torch.no_grad():
+                for m, held in self.held:
+                    for name in [n for n in m._buffers if n not in held]:  # (registered by the forward: taken out)
+                        del m._buffers[name]
+                        m._non_persistent_buffers_set.discard(name)
+                    for name, b in held.items():
+                        m._buffers[name] = b  # (the same tensor, or None: one the forward re-registered is put back)
+                        saved = self.copies.get(id(b)) if b is not None else None
+                        if saved is None:
+                            continue
+                        if b.shape != saved.shape:  # (resized in place: a tensor of its old shape in its place)
+                            m._buffers[name] = saved.clone()
+                            continue
                         with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
-                            b.copy_(self.copies[id(b)])
-        _put_attributes_back(self.attributes)
+                            b.copy_(saved)
+        finally:
+            _put_attributes_back(self.attributes)
 
 
 @contextlib.contextmanager
@@ -232,7 +244,8 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
     (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
     back itself; one it filled from None, or registered anew, is taken out), its parameters'
-    gradients, every RNG (torch, CUDA, NumPy, ``random``) and each module's own attributes
+    gradients (taken away for the block, so that a backward in it starts from none and adds
+    nothing into the run's tensors, and given back), every RNG (torch, CUDA, NumPy, ``random``) and each module's own attributes
     (:func:`_kept_attributes`: a call counter's int, a tensor attribute replaced; the hooks a
     pass registered taken out, but ampguard's own: :func:`_put_attributes_back`) are as they
     were, so a run goes on bit for bit as without it.
@@ -278,18 +291,22 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     sums = {name: _checksum(p) for name, p in named}
     versions = {name: (_version(p), _storage(p), p.shape, p.dtype) for name, p in named}
     try:
+        for p in model.parameters():  # (a backward in the block starts from none: it accumulated into the run's in place)
+            p.grad = None
         # (attributes put back after the modes: an EMA model's train() swaps its weights back by what its
         # eval() kept in an attribute)
-        with rng_kept(), _attributes_warned(snapshot.attributes, by), modes_kept(model):
+        with rng_kept(), _attributes_warned(snapshot.attributes, by, model), modes_kept(model):
             yield snapshot
     finally:
-        snapshot.put_back()
-        with torch.no_grad():
+        try:
+            snapshot.put_back()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if id(p) in renormed and p.shape == renormed[id(p)].shape:  # (Embedding(max_norm=...)'s rows)
+                        p.copy_(renormed[id(p)])
+        finally:  # (the gradients whatever the put-back met)
             for p in model.parameters():
-                if id(p) in renormed and p.shape == renormed[id(p)].shape:  # (Embedding(max_norm=...)'s rows)
-                    p.copy_(renormed[id(p)])
-        for p in model.parameters():
-            p.grad = grads.get(id(p))
+                p.grad = grads.get(id(p))
         owners = {id(p): type(m).__name__ for m in model.modules() for p in m.parameters(recurse=False)}
         changed = [(name, owners.get(id(p), "")) for name, p in named
                    if _changed(p, sums.get(name), versions.get(name))]
@@ -320,10 +337,12 @@ def _renormalises(module: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _attributes_warned(kept: list[_Kept], by: str) -> Iterator[None]:
+def _attributes_warned(kept: list[_Kept], by: str, model: torch.nn.Module) -> Iterator[None]:
     """Warn, on leaving, of the tensor attributes in ``kept`` (a :class:`BufferSnapshot`'s
-    ``attributes``: each module's own ones, :func:`_kept_attributes`) that the block changed in
-    place (``self.state.add_(x)``: its version counter moved). The snapshot puts every attribute
+    ``attributes``: each module's own ones, :func:`_kept_attributes`), or tensors one level inside
+    a list, tuple or dict among them, that the block changed in place (``self.state.add_(x)``:
+    its version counter moved); not one that is a parameter or buffer of ``model`` (kept apart:
+    a buffer is put back). The snapshot puts every attribute
     back (:func:`_put_attributes_back`: a replaced one, ``self.calls += 1`` or ``self.state =
     self.state + x``, is put back by reference; one added is taken out), but a tensor changed in
     place cannot be: it is named in an :class:`~ampguard.errors.AmpguardWarning` (keep it in a
@@ -346,15 +365,29 @@ def _attributes_warned(kept: list[_Kept], by: str) -> Iterator[None]:
         >>> model.calls, model.seen.item(), "the tensor attribute Counting.seen" in str(said[0].message)
         (5, 1.0, True)
     """
-    versions = {id(v): _version(v) for _, held, _, _ in kept for v in held.values() if isinstance(v, torch.Tensor)}
+    own = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    tensors = [(f"{type(m).__name__}.{k}", t) for m, held, _, _ in kept for k, v in held.items()
+               for t in _tensors_in(v) if id(t) not in own]
+    versions = [_version(t) for _, t in tensors]
     yield
-    moved = list(dict.fromkeys(f"{type(m).__name__}.{k}" for m, held, _, _ in kept for k, v in held.items()
-                               if isinstance(v, torch.Tensor) and _version(v) != versions[id(v)]))
+    moved = list(dict.fromkeys(name for (name, t), version in zip(tensors, versions) if _version(t) != version))
     if moved:
         more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
         warnings.warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
                       "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
                       "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """``value`` if a tensor, else the tensors one level inside it (a list, tuple, deque or dict's
+    values)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple, collections.deque)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, torch.Tensor)]
+    return []
 
 
 _GONE = object()
@@ -373,13 +406,25 @@ def not_made(m: torch.nn.Module) -> bool:
     return any(is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
 
 
-_Kept = tuple[torch.nn.Module, dict[str, Any], dict[str, set[int]], dict[str, Any]]
-"""A module's snapshot (:func:`_kept_module`): the module, its attributes by reference, its hooks'
-handle ids by dict, and a copy of the contents of each attribute that is a list, dict or set."""
+_Kept = tuple[torch.nn.Module, dict[str, Any], list[tuple[Any, str, set[int]]], dict[str, Any]]
+"""A module's snapshot (:func:`_kept_module`): the module, its attributes by reference, the
+handle ids in its hook dicts and its own parameters' (:func:`_kept_hooks`), and a copy of the
+contents of each attribute that is a list, dict, set or deque."""
 
-_CONTAINERS = (list, dict, set)
+_CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict, collections.deque)
 """The attribute types whose contents a snapshot copies (one level: shallow) and puts back in
-place: a forward's ``self.seen.append(...)``, ``self.cache[key] = ...``."""
+place: a forward's ``self.seen.append(...)``, ``self.cache[key] = ...``. These exact types only:
+a subclass may refuse to be changed (transformers' ``ModelOutput`` refuses ``update``)."""
+
+
+def _reducer_owned(m: torch.nn.Module) -> bool:
+    """Whether module ``m`` is a ``DistributedDataParallel`` wrapper, whose own attributes pair with
+    its C++ reducer's state (``_static_graph_delay_allreduce_enqueued``): put back alone, they
+    disagreed with it, and the next backward failed an internal assert (review 41). Its wrapped
+    module's are kept as any other's."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(m, DistributedDataParallel)
 
 
 def _kept_module(m: torch.nn.Module) -> _Kept:
@@ -388,7 +433,7 @@ def _kept_module(m: torch.nn.Module) -> _Kept:
     (review 41: a list a forward appends to in place, a dict it fills, kept each pass's entries:
     a live diagnosis's replays moved the run's later steps, 40m #4)."""
     held = _kept_attributes(m)
-    return m, held, _kept_hooks(m), {k: v.copy() for k, v in held.items() if type(v) in _CONTAINERS}
+    return m, held, _kept_hooks(m), {k: copy.copy(v) for k, v in held.items() if type(v) in _CONTAINERS}
 
 
 def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
@@ -400,9 +445,14 @@ def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN}
 
 
-def _kept_hooks(m: torch.nn.Module) -> dict[str, set[int]]:
-    """The handle ids in module ``m``'s own hook dicts (:data:`_HOOK_DICTS`), by dict."""
-    return {name: set(getattr(m, name)) for name in _HOOK_DICTS if isinstance(getattr(m, name, None), dict)}
+def _kept_hooks(m: torch.nn.Module) -> list[tuple[Any, str, set[int]]]:
+    """(owner, dict's name, handle ids) for module ``m``'s own hook dicts (:data:`_HOOK_DICTS`)
+    and its own parameters' (:data:`_TENSOR_HOOK_DICTS`: a gradient hook a forward registers
+    once, ``p.register_hook(...)`` behind a flag the pass's put-back clears, was registered twice:
+    review 41). A parameter's dict that is None yet is kept as empty: all it gets is the block's."""
+    return [(owner, name, set(getattr(owner, name) or ()))
+            for owner, names in [(m, _HOOK_DICTS), *((p, _TENSOR_HOOK_DICTS) for p in m.parameters(recurse=False))]
+            for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m]
 
 
 def _put_attributes_back(kept: list[_Kept]) -> None:
@@ -421,9 +471,13 @@ def _put_attributes_back(kept: list[_Kept]) -> None:
     (``self.head = nn.Linear(...)``) is left: put back in ``__dict__``, the old value would hide it."""
     for m, held, hooks, contents in kept:
         now = vars(m)
-        for name, before in hooks.items():
-            registered = getattr(m, name, {})
-            for key in [k for k, hook in registered.items() if k not in before and not _outlives(hook)]:
+        added = [(getattr(owner, name, None) or {}, before) for owner, name, before in hooks]
+        # (a hook that outlives the pass keeps its flags too: the with-kwargs and always-called dicts hold
+        # True under its handle's id)
+        lasting = {k for registered, before in added for k, hook in registered.items()
+                   if k not in before and _outlives(hook)}
+        for registered, before in added:
+            for key in [k for k in registered if k not in before and k not in lasting]:
                 registered.pop(key, None)  # (registered by the block)
         for k in [k for k in now if k not in held and k not in _MODULES_OWN]:  # (added since: taken out)
             del now[k]
@@ -435,6 +489,9 @@ def _put_attributes_back(kept: list[_Kept]) -> None:
             if k in contents:  # (its contents in place: whoever else holds it sees them put back too)
                 if isinstance(v, list):
                     v[:] = contents[k]
+                elif isinstance(v, collections.deque):
+                    v.clear()
+                    v.extend(contents[k])
                 else:
                     v.clear()
                     v.update(contents[k])
@@ -469,6 +526,11 @@ def _outlives(hook: Any) -> bool:
     :func:`outlives_passes`."""
     return getattr(hook, _OUTLIVES, False) or getattr(getattr(hook, "func", None), _OUTLIVES, False)
 
+
+_TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+"""A parameter's own hook dicts (``register_hook``, ``register_post_accumulate_grad_hook``), by
+handle id, None until its first hook: those registered while a snapshot was held are taken out
+too."""
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",

@@ -1014,7 +1014,9 @@ def _compare(task: Task, model: nn.Module, config: Config, device: torch.device)
     for name in cfg.precisions:
         buffers.put_back()  # (the fp8 copy: made from the buffers as given, not as the passes before left them)
         amp_model = prepare_model(config, model, name, copy_model=True)
-        start = buffers.put_back if amp_model is model else BufferSnapshot(amp_model).put_back
+        # (taken after prepare_model: the forwards it gave fp32_modules are the precision's, and the
+        # snapshot taken before took them out before each pass: review 41, bf16 ran them in bf16)
+        start = BufferSnapshot(amp_model).put_back
         if name == "fp8":  # which layers ran in float8, and how (the seeds: record what stays in higher precision)
             from .fp8 import fp8_layers
 
