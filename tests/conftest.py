@@ -68,6 +68,14 @@ def _start_early(module_file: str) -> None:
             stdout=out, stderr=err, stdin=subprocess.DEVNULL, **own_process_group(functools.partial(os.nice, NICE))), work)
 
 
+def _worker(config: pytest.Config) -> bool:
+    """Whether this process is one of pytest-xdist's workers (``-n``, as ``scripts/test.sh`` runs
+    the suite): each worker collects every module, so none starts a job at collection (every job
+    would start once a worker); a module's job starts with its first test, in the worker that runs
+    the module (``--dist loadfile``: one), while its other tests run (:func:`pytest_runtest_setup`)."""
+    return hasattr(config, "workerinput")
+
+
 def _nothing_deselected(config: pytest.Config) -> bool:
     """Whether every test collected will run: no ``-k``, ``-m``, ``--deselect``, ``--lf`` or
     test id (``file::name``) that could leave a module's tests out."""
@@ -82,7 +90,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     module = getattr(item, "module", None)
     config = item.config
     if (_has_early(module) and module.__file__ not in _EARLY and GLOO and not config.option.collectonly
-            and _nothing_deselected(config)):
+            and _nothing_deselected(config) and not _worker(config)):
         _start_early(module.__file__)
 
 
@@ -93,12 +101,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         # (stable) only the tests that read a job's results wait for it: its module's others keep
         # their place, beside the jobs, rather than after every job has ended
         items.sort(key=lambda item: "early_result" in getattr(item, "fixturenames", ()))
-        if GLOO and not config.option.collectonly:
+        if GLOO and not config.option.collectonly and not _worker(config):
             for module_file in sorted(early - _EARLY.keys()):  # (those not started at their collection)
                 _start_early(module_file)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    # an xdist worker starts a module's early job with the module's first test (see _worker)
+    module = getattr(item, "module", None)
+    if _has_early(module) and module.__file__ not in _EARLY and GLOO:
+        _start_early(module.__file__)
     # every test computes with one intra-op thread, as every process it starts does (the environment,
     # above): the models are tiny, and a second thread on two shared cores only spins against the
     # suite's other processes. Set again before each test: torch may have been imported before this
