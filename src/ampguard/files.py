@@ -267,12 +267,16 @@ def _trusted_realpath(place: str | os.PathLike, path: str | os.PathLike) -> str:
         links += 1
         if links > _MAX_LINKS:
             raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
-        to = os.readlink(step)
+        try:  # (its text by name, then looked at again: a link renamed over it between the two is refused)
+            to, again = os.readlink(step), os.lstat(step)
+        except OSError as err:
+            if err.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EINVAL):  # (gone, or no link now)
+                raise
+            raise _changed(os.fspath(step), path) from None
+        if _identity(again) != _identity(seen):
+            raise _changed(os.fspath(step), path)
         leads = os.path.realpath(done / to)  # (of the text read: a link re-pointed since is judged when met)
-        try:
-            owner = os.stat(leads).st_uid
-        except OSError:
-            owner = seen.st_uid  # (it leads to nothing: nothing of another's to reach)
+        owner = _owner_of(leads)
         if seen.st_nlink > 1 and not _hard_links_protected():
             raise _hard_linked(os.fspath(step), path)
         if seen.st_uid not in (me, 0, owner):
@@ -281,6 +285,34 @@ def _trusted_realpath(place: str | os.PathLike, path: str | os.PathLike) -> str:
             done = Path("/")
         todo += list(reversed(Path(to).parts))
     return os.fspath(done)
+
+
+def _identity(seen: os.stat_result) -> tuple[int, ...]:
+    """What must not change in a link between :func:`_trusted_realpath`'s first look at it and its
+    look after its text was read: the file (device, inode), its owner, its names, and its change
+    time (a rename or a new name moves it: a link renamed away and back is the same inode)."""
+    return seen.st_dev, seen.st_ino, seen.st_uid, seen.st_nlink, seen.st_ctime_ns
+
+
+def _changed(link: str, path: str | os.PathLike) -> NotReplaced:
+    """The refusal of ``link``, which changed between the walk's first look at it and the reading
+    of its text (another link renamed over it: its text is not the judged link's)."""
+    return NotReplaced(errno.EAGAIN, f"{shown(link)} changed while the path was walked; nothing was written",
+                       os.fspath(path))
+
+
+def _owner_of(leads: str) -> int:
+    """The owner of ``leads`` (what a link leads to), or where it is not there (yet), of the
+    nearest folder above it that is: the folder a file made at it would be made in (as
+    :func:`_walked` judges a link that leads to a new file by the folder it ends in)."""
+    at = Path(leads)
+    while True:
+        try:
+            return os.stat(at).st_uid
+        except OSError:
+            if at.parent == at:
+                raise
+            at = at.parent
 
 
 class _LedTo:
@@ -542,7 +574,9 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
     (where this user may read it: a folder it may only write in cannot be synced), so a kill, a
     full disk or a crash leaves the old file or the new one, never half of one. A write
     that fails (:class:`DiskFull` when there is no room) takes the temporary file with it and
-    leaves ``path`` as it was.
+    leaves ``path`` as it was, but for one that fails after the rename (the folder's sync: ``EIO``,
+    or :class:`DiskFull`), whose error has ``replaced = True``: ``path`` holds ``data`` already
+    (a crash before the folder reaches the disk could bring back the old file).
 
     The path is walked once, from ``/``, by descriptors where the OS has ``O_PATH``
     (:func:`_walked`: each part looked at in the folder the walk holds; each link met judged, one
@@ -657,8 +691,12 @@ def _replace_in(dfd: int, target: Path, data: bytes, path: str | os.PathLike, fo
         if not renamed:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)
-    with writing(path):
-        _sync(dfd)  # (the rename on disk: else a crash could bring back the old file)
+    try:
+        with writing(path):
+            _sync(dfd)  # (the rename on disk: else a crash could bring back the old file)
+    except Exception as err:  # (path holds data already: said to whoever takes back what went with the old file)
+        err.replaced = True  # type: ignore[attr-defined]
+        raise
 
 
 def _take_owner_and_mode(old: os.stat_result, fd: int) -> None:

@@ -476,13 +476,20 @@ def _check_keep_through(keep_through: int | None) -> None:
         raise ValueError(f"keep_through must be a step >= 0, got {keep_through!r}")
 
 
-def _cut(path: Path, kept: bytes, step: int, purpose: str = "to resume") -> None:
+RESUME, ATTEMPT = "to resume", "for the loop's new attempt"
+"""What a log is cut back to a step for (:func:`_cut`'s ``purpose``): a resume from a checkpoint,
+or a training loop that began again there (:meth:`_LineFile.begin_again`, ``CsvSink(again=True)``)."""
+
+
+def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
     """A resume's cut (or, ``purpose``, a loop's new attempt's: :meth:`_LineFile.begin_again`):
     ``kept`` made the whole of the log at ``path`` (``replace_atomically``, through its link: a
     link stays one, its target cut). A cut that cannot be made (a link into a folder this user may
     not write, where the file is rewritten beside itself; a folder on the way swapped for a link)
     is one :class:`InputError` line naming the file and why, the file as it was; a full disk
-    stays :class:`DiskFull`.
+    stays :class:`DiskFull`. One whose folder could not be synced after the file was replaced
+    (``replaced`` on the error, :func:`replace_atomically`) says the file was cut, and its error
+    (the :class:`InputError`, or :class:`DiskFull`) has ``replaced = True`` too.
 
     Example::
 
@@ -505,7 +512,26 @@ def _cut(path: Path, kept: bytes, step: int, purpose: str = "to resume") -> None
                    "the file is rewritten whole beside itself, then renamed over the old one")
         elif where is not None:
             why = f"{why} ({shown(where)})"
+        if getattr(err, "replaced", False):  # (the rename made: the file is cut, its folder not synced)
+            cut = InputError(f"{shown(path)} was cut back to step {step} {purpose}, but its folder could not be "
+                             f"synced after ({why}): a crash could bring back the rows after it")
+            cut.replaced = True  # type: ignore[attr-defined]
+            raise cut from None
         raise InputError(f"cannot cut {shown(path)} back to step {step} {purpose}: {why}") from None
+
+
+@contextlib.contextmanager
+def _aside_taken_back(kept: tuple[Path, int] | None) -> Iterator[None]:
+    """Around the cut of a log whose rows after a step :func:`set_aside` copied to ``kept`` (or
+    ``None``: none): a cut that fails takes the copy back (the rows not left in both files),
+    unless its error has ``replaced`` (the log was cut all the same: the copy holds its rows)."""
+    try:
+        yield
+    except BaseException as err:
+        if kept is not None and not getattr(err, "replaced", False):
+            with contextlib.suppress(OSError):  # (the error said is the cut's)
+                kept[0].unlink(missing_ok=True)
+        raise
 
 
 class _LineFile:
@@ -533,15 +559,15 @@ class _LineFile:
             raise InputError(f"{shown(self.path)} already exists; refusing to overwrite it")
         return existing
 
-    def _cut_for_append(self, keep_through: int | None) -> None:
-        """An existing file appended to: its lines after ``keep_through`` cut (a resume), else
-        only a torn last line (:meth:`_drop_torn_tail`)."""
+    def _cut_for_append(self, keep_through: int | None, purpose: str = RESUME) -> None:
+        """An existing file appended to: its lines after ``keep_through`` cut (a resume, or
+        ``purpose``: :data:`ATTEMPT`), else only a torn last line (:meth:`_drop_torn_tail`)."""
         if keep_through is not None:
-            self._truncate_after(keep_through)
+            self._truncate_after(keep_through, purpose)
         else:
             self._drop_torn_tail()
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int, purpose: str = RESUME) -> None:
         raise NotImplementedError
 
     def _drop_torn_tail(self) -> None:
@@ -579,20 +605,24 @@ class _LineFile:
         """The loop began again from ``step`` (a Hugging Face ``auto_find_batch_size`` retry): the
         rows after it, the abandoned attempt's, move to ``<stem>.attempt-N<suffix>``
         (:func:`set_aside`) and the file goes on after ``step``, one row a step. A line that says
-        so, or ``None`` when there were none."""
+        so, or ``None`` when there were none. One that fails (the file closed, read or cut) takes the
+        copy back, the file as it was and open again, unless the file was cut all the same (an
+        error with ``replaced``: its folder could not be synced after), whose rows stay in the copy."""
         kept = set_aside(self.path, step, header=self._header)
         if kept is None:
             return None
-        self.close()
-        # cut where set_aside began: at the first row after step (JSON lines: events of your own,
-        # lines without a step, stay before it and moved with the records after it)
-        lines = self.path.read_bytes().splitlines(keepends=True)
-        before = lines[:_first_after(lines, step, header=self._header)]
         try:  # (a cut that cannot be made: one line, and the rows it set aside not left twice)
-            _cut(self.path, b"".join(line for line in before if line.endswith(b"\n")), step,
-                 "for the loop's new attempt")
-        except BaseException:
-            kept[0].unlink(missing_ok=True)
+            with _aside_taken_back(kept):
+                self.close()
+                # cut where set_aside began: at the first row after step (JSON lines: events of your own,
+                # lines without a step, stay before it and moved with the records after it)
+                lines = self.path.read_bytes().splitlines(keepends=True)
+                before = lines[:_first_after(lines, step, header=self._header)]
+                _cut(self.path, b"".join(line for line in before if line.endswith(b"\n")), step, ATTEMPT)
+        except BaseException as err:
+            if self._file is None and not getattr(err, "replaced", False):  # (as it was: rows go on after its last)
+                with contextlib.suppress(OSError):  # (the error said is the cut's)
+                    self._file = _open_for_append(self.path)
             raise
         self._file = _open_for_append(self.path)
         return f"{self.path.name}'s {counted(kept[1], 'row')} after it moved to {kept[0].name}"
@@ -633,7 +663,10 @@ class CsvSink(_LineFile):
     file is never rewritten when a value first appears; an empty, repeated or fixed column's name
     is refused: :func:`check_column_names`). ``append=True`` continues an existing
     file whose header matches, without writing a second header; otherwise an existing file is
-    an error, never overwritten.
+    an error, never overwritten. ``keep_through`` (with ``append``, a resume) drops the rows
+    after that step first; ``again``: for a training loop that began again there (a Hugging Face
+    ``auto_find_batch_size`` retry, its rows after the step :func:`set_aside` first), not a
+    resume: what a cut that cannot be made says.
 
     Example::
 
@@ -664,25 +697,27 @@ class CsvSink(_LineFile):
         *,
         append: bool = False,
         keep_through: int | None = None,
+        again: bool = False,
     ) -> None:
         self.path = Path(path)
         extra = (extra_columns,) if isinstance(extra_columns, str) else extra_columns
         self.columns = CSV_COLUMNS + check_column_names(extra, "CsvSink: extra column")
-        self._open(append, keep_through, "this run's columns")
+        self._open(append, keep_through, "this run's columns", ATTEMPT if again else RESUME)
         self._extra = self.columns[len(CSV_COLUMNS):]
         self._extra_names = frozenset(self._extra)  # (what write() may be given besides the record)
         self._labels = any(c in LABEL_COLUMNS for c in self._extra)
         self._last = _last_step(self.path) if append else None  # each row's step after the one before
 
 
-    def _open(self, append: bool, keep_through: int | None, expected: str) -> None:
+    def _open(self, append: bool, keep_through: int | None, expected: str, purpose: str = RESUME) -> None:
         """Open ``self.path`` for rows of ``self.columns``: a new file gets the header; an existing
         one is refused unless ``append``, and then its header must match (``expected`` names what
-        it should be, for the error) and its rows after ``keep_through`` are dropped."""
+        it should be, for the error) and its rows after ``keep_through`` are dropped (``purpose``:
+        what for, :func:`_cut`)."""
         existing = self._existing(append, keep_through)
         if existing:
             self.check_header(self.path, self.columns, expected)
-            self._cut_for_append(keep_through)
+            self._cut_for_append(keep_through, purpose)
         made = not (self.path.exists() or self.path.is_symlink())
         self._file: IO[bytes] | None = _open_for_append(self.path)
         self._writer = csv.writer(_Line, lineterminator="\n")
@@ -741,7 +776,7 @@ class CsvSink(_LineFile):
         """One CSV line, in the file when this returns (:class:`DiskFull` when there is no room)."""
         self._write_line(self._writer.writerow(cells))
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int, purpose: str = RESUME) -> None:
         """Drop rows after ``step`` (written after the checkpoint a run resumes from), atomically,
         so the resumed run appends without duplicate steps. A torn last line goes too.
 
@@ -770,7 +805,7 @@ class CsvSink(_LineFile):
             b'step,lr\\n1,0.1\\n\\xb2,0.\\xff\\n3,0.1\\n'
         """
         # (a CSV that is a link stays one, its target cut: it is appended to through the link)
-        _cut(self.path, self.kept_rows(self.path, len(self.columns), step), step)
+        _cut(self.path, self.kept_rows(self.path, len(self.columns), step), step, purpose)
 
     @staticmethod
     def kept_rows(path: Path, width: int, step: int, first: int | None = None) -> bytes:
@@ -1027,7 +1062,7 @@ class JsonlSink(_LineFile):
             self._cut_for_append(keep_through)
         self._file: IO[bytes] | None = _open_for_append(self.path)
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int, purpose: str = RESUME) -> None:
         """Drop the lines after ``step`` (written after the checkpoint a run resumes from),
         atomically, so the resumed run appends without duplicate steps. A torn last line goes too,
         and so does everything from the first line that is not a step record on. A file whose
@@ -1041,7 +1076,7 @@ class JsonlSink(_LineFile):
             if not line.endswith(b"\n") or at is None or at > step:
                 break
             keep += 1
-        _cut(self.path, b"".join(lines[:keep]), step)  # (a link stays one)
+        _cut(self.path, b"".join(lines[:keep]), step, purpose)  # (a link stays one)
 
     @staticmethod
     def check_step_log(path: Path) -> None:
