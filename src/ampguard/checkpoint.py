@@ -229,9 +229,12 @@ class BufferSnapshot:
                         saved = self.copies.get(id(b)) if b is not None else None
                         if saved is None:
                             continue
-                        if b.shape != saved.shape:  # (resized in place: a tensor of its old shape in its place)
-                            m._buffers[name] = saved.clone()
-                            continue
+                        if b.shape != saved.shape:  # (resized in place: back to its old shape, the same object)
+                            try:
+                                b.resize_(saved.shape)
+                            except RuntimeError:  # (a storage that cannot be resized: a tensor of the old shape)
+                                m._buffers[name] = saved.clone()
+                                continue
                         with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
                             b.copy_(saved)
         finally:
@@ -284,14 +287,14 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     lazy_kinds = [(m, type(m).__name__) for m in model.modules() if any(
         id(t) in lazy for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
     snapshot = BufferSnapshot(model, skip=lazy, modules_skipped={id(m) for m, _ in lazy_kinds})
-    grads = {id(p): p.grad for p in model.parameters()}
+    grads = [(p, p.grad) for p in model.parameters()]  # (these objects: FSDP2 swaps the module's during a pass)
     renormed = {id(p): p.detach().clone() for m in model.modules() if _renormalises(m)
                 for p in m.parameters(recurse=False) if id(p) not in lazy}
     named = [(name, p) for name, p in model.named_parameters() if id(p) not in lazy]
     sums = {name: _checksum(p) for name, p in named}
     versions = {name: (_version(p), _storage(p), p.shape, p.dtype) for name, p in named}
     try:
-        for p in model.parameters():  # (a backward in the block starts from none: it accumulated into the run's in place)
+        for p, _ in grads:  # (a backward in the block starts from none: it accumulated into the run's in place)
             p.grad = None
         # (attributes put back after the modes: an EMA model's train() swaps its weights back by what its
         # eval() kept in an attribute)
@@ -304,9 +307,13 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                 for p in model.parameters():
                     if id(p) in renormed and p.shape == renormed[id(p)].shape:  # (Embedding(max_norm=...)'s rows)
                         p.copy_(renormed[id(p)])
-        finally:  # (the gradients whatever the put-back met)
+        finally:  # (the gradients whatever the put-back met; a parameter the block made has none)
+            entered = {id(p) for p, _ in grads}
             for p in model.parameters():
-                p.grad = grads.get(id(p))
+                if id(p) not in entered:
+                    p.grad = None
+            for p, grad in grads:
+                p.grad = grad
         owners = {id(p): type(m).__name__ for m in model.modules() for p in m.parameters(recurse=False)}
         changed = [(name, owners.get(id(p), "")) for name, p in named
                    if _changed(p, sums.get(name), versions.get(name))]
@@ -365,9 +372,9 @@ def _attributes_warned(kept: list[_Kept], by: str, model: torch.nn.Module) -> It
         >>> model.calls, model.seen.item(), "the tensor attribute Counting.seen" in str(said[0].message)
         (5, 1.0, True)
     """
-    own = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    own = {_memory(t) for t in itertools.chain(model.parameters(), model.buffers()) if not is_lazy(t)} - {None}
     tensors = [(f"{type(m).__name__}.{k}", t) for m, held, _, _ in kept for k, v in held.items()
-               for t in _tensors_in(v) if id(t) not in own]
+               for t in _tensors_in(v) if _memory(t) is None or _memory(t) not in own]  # (nor a view of one)
     versions = [_version(t) for _, t in tensors]
     yield
     moved = list(dict.fromkeys(name for (name, t), version in zip(tensors, versions) if _version(t) != version))
@@ -411,7 +418,8 @@ _Kept = tuple[torch.nn.Module, dict[str, Any], list[tuple[Any, str, set[int]]], 
 handle ids in its hook dicts and its own parameters' (:func:`_kept_hooks`), and a copy of the
 contents of each attribute that is a list, dict, set or deque."""
 
-_CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict, collections.deque)
+_CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict, collections.Counter,
+               collections.deque)
 """The attribute types whose contents a snapshot copies (one level: shallow) and puts back in
 place: a forward's ``self.seen.append(...)``, ``self.cache[key] = ...``. These exact types only:
 a subclass may refuse to be changed (transformers' ``ModelOutput`` refuses ``update``)."""
@@ -447,9 +455,7 @@ def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
 
 def _kept_hooks(m: torch.nn.Module) -> list[tuple[Any, str, set[int]]]:
     """(owner, dict's name, handle ids) for module ``m``'s own hook dicts (:data:`_HOOK_DICTS`)
-    and its own parameters' (:data:`_TENSOR_HOOK_DICTS`: a gradient hook a forward registers
-    once, ``p.register_hook(...)`` behind a flag the pass's put-back clears, was registered twice:
-    review 41). A parameter's dict that is None yet is kept as empty: all it gets is the block's."""
+    and its own parameters' (:data:`_TENSOR_HOOK_DICTS`; one that is None yet kept as empty)."""
     return [(owner, name, set(getattr(owner, name) or ()))
             for owner, names in [(m, _HOOK_DICTS), *((p, _TENSOR_HOOK_DICTS) for p in m.parameters(recurse=False))]
             for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m]
@@ -467,18 +473,29 @@ def _put_attributes_back(kept: list[_Kept]) -> None:
     hook twice). A hook ampguard registers for the run (:func:`outlives_passes`: the guard's
     running-statistics keeper, which a pass's forward may register on a BatchNorm added since
     it last looked) is left: taken out, the guard went on believing the layer hooked, and a
-    skipped step left its statistics NaN. A name a pass moved into ``_modules``, ``_parameters`` or ``_buffers``
-    (``self.head = nn.Linear(...)``) is left: put back in ``__dict__``, the old value would hide it."""
+    skipped step left its statistics NaN. A name a pass moved into ``_modules``, ``_parameters`` or
+    ``_buffers`` (``self.head = nn.Linear(...)``) is left: put back in ``__dict__``, the old value
+    would hide it.
+
+    A gradient hook a pass registered on a module's own parameters (``p.register_hook``) stays,
+    and so do that module's attributes, as the pass left them: whatever records that the hook is
+    there (a set of the parameters hooked, a flag) then agrees with it, wherever it is kept.
+    Taken out, a library that records it outside the module lost it for good (transformers'
+    tensor-parallel ``ReplicatedWithGradAllReduce``, a dict in its hook's closure: the layer's
+    gradients were never all-reduced again, review 41b); kept while the module's set of the
+    parameters hooked was put back, it was registered again, each gradient halved twice (41a)."""
     for m, held, hooks, contents in kept:
         now = vars(m)
-        added = [(getattr(owner, name, None) or {}, before) for owner, name, before in hooks]
+        added = [(owner is m, getattr(owner, name, None) or {}, before) for owner, name, before in hooks]
         # (a hook that outlives the pass keeps its flags too: the with-kwargs and always-called dicts hold
         # True under its handle's id)
-        lasting = {k for registered, before in added for k, hook in registered.items()
-                   if k not in before and _outlives(hook)}
-        for registered, before in added:
-            for key in [k for k in registered if k not in before and k not in lasting]:
+        lasting = {k for own, registered, before in added for k, hook in registered.items()
+                   if own and k not in before and _outlives(hook)}
+        for own, registered, before in added:
+            for key in [k for k in registered if own and k not in before and k not in lasting]:
                 registered.pop(key, None)  # (registered by the block)
+        if any(k not in before for own, registered, before in added if not own for k in registered):
+            continue  # (a gradient hook on its parameters: it stays, and the module as the pass left it)
         for k in [k for k in now if k not in held and k not in _MODULES_OWN]:  # (added since: taken out)
             del now[k]
         for k, v in held.items():
@@ -529,8 +546,8 @@ def _outlives(hook: Any) -> bool:
 
 _TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 """A parameter's own hook dicts (``register_hook``, ``register_post_accumulate_grad_hook``), by
-handle id, None until its first hook: those registered while a snapshot was held are taken out
-too."""
+handle id, None until its first hook: one a pass registered keeps its module as the pass left it
+(:func:`_put_attributes_back`)."""
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -557,6 +574,15 @@ def _version(p: torch.Tensor) -> int | None:
     try:
         return p._version
     except RuntimeError:  # (inference tensors keep no version)
+        return None
+
+
+def _memory(t: torch.Tensor) -> int | None:
+    """The address of the storage tensor ``t`` views (every view of a buffer shares its storage, and
+    its version counter); None for a tensor without one."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, ValueError):  # (ValueError: a lazy module's, not made yet)
         return None
 
 

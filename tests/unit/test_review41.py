@@ -54,14 +54,17 @@ class Kept(nn.Module):  # state of the container kinds a forward changes in plac
         self.recent = collections.deque(maxlen=3)
         self.counts = collections.defaultdict(int)
         self.order = collections.OrderedDict()
+        self.tally = collections.Counter()
         self.ring = [torch.zeros(1)]
-        self.register_buffer("count", torch.zeros(1))
+        self.register_buffer("count", torch.zeros(2))
         self.shown = self.count  # (a plain attribute that is the buffer: put back with it)
+        self.first = self.count[1:]  # (a view of it: its version counter is the buffer's)
 
     def forward(self, x):
         self.recent.append(1)
         self.counts["calls"] += 1
         self.order["k"] = 1
+        self.tally["calls"] += 1
         self.ring[0].add_(1)
         self.count.add_(1)
         return self.lin(x)
@@ -73,8 +76,8 @@ def test_deques_and_dict_kinds_get_their_contents_back_and_a_tensor_in_a_list_ch
         warnings.simplefilter("always")
         with untouched(model, by="the check"):
             model(torch.ones(1, 2))
-    assert (list(model.recent), dict(model.counts), dict(model.order)) == ([], {}, {})
-    assert model.count.item() == 0 and model.shown is model.count
+    assert (list(model.recent), dict(model.counts), dict(model.order), dict(model.tally)) == ([], {}, {}, {})
+    assert model.count.tolist() == [0, 0] and model.shown is model.count
     messages = [str(w.message) for w in said if issubclass(w.category, AmpguardWarning)]
     assert len(messages) == 1 and messages[0].startswith("the check changed the tensor attribute Kept.ring in place")
     assert model.ring[0].item() == 1  # (changed in place: said, not put back)
@@ -96,13 +99,14 @@ class Growing(nn.Module):  # a buffer the forward resizes in place, and a counte
 
 def test_a_buffer_resized_in_place_is_put_back_and_the_rest_with_it():
     # copying the old values into it raised, and the attributes, the hooks and the gradients after it
-    # were left as the pass made them
+    # were left as the pass made them; 41b: put back as a clone, whoever else held it diverged
     model = Growing()
+    held = model.cache
     model.lin.weight.grad = torch.ones(1, 2)
     with untouched(model):
         model(torch.ones(1, 2)).sum().backward()
     assert model.cache.tolist() == [0.0, 0.0] and model.calls == 0 and not model.lin._forward_hooks
-    assert model.lin.weight.grad.tolist() == [[1.0, 1.0]]
+    assert model.cache is held and model.lin.weight.grad.tolist() == [[1.0, 1.0]]
     snapshot = BufferSnapshot(model)
     model(torch.ones(1, 2))
     snapshot.put_back()
@@ -122,33 +126,85 @@ def test_a_hook_that_outlives_a_pass_keeps_its_keyword_flag():
     model(torch.ones(1, 2))  # (called with its kwargs: it raised a TypeError without the flag)
 
 
-@pytest.mark.skipif(not GLOO, reason="needs gloo")
-def test_a_pass_with_a_backward_leaves_a_static_graph_ddp_training_as_without_it(tmp_path):
-    # the wrapper's flag was put back apart from its C++ reducer's state: the next backward failed an
-    # internal assert (reducer.cpp: expect_autograd_hooks_)
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A gloo process group of one rank in this process (its store a file), for the module's tests."""
+    if not GLOO:
+        pytest.skip("needs gloo")
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('group') / 'store'}", rank=0,
+                            world_size=1)
     try:
-        x = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
-
-        def trained(passes: int) -> torch.Tensor:
-            torch.manual_seed(0)
-            model = DistributedDataParallel(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)), static_graph=True)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            for _ in range(passes):
-                with untouched(model):
-                    model(x).sum().backward()
-            for _ in range(3):
-                optimizer.zero_grad()
-                model(x).sum().backward()
-                optimizer.step()
-            return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-        assert torch.equal(trained(0), trained(1))
+        yield dist
     finally:
         dist.destroy_process_group()
+
+
+def test_a_pass_with_a_backward_leaves_a_static_graph_ddp_training_as_without_it(group):
+    # the wrapper's flag was put back apart from its C++ reducer's state: the next backward failed an
+    # internal assert (reducer.cpp: expect_autograd_hooks_)
+    from torch.nn.parallel import DistributedDataParallel
+
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
+
+    def trained(passes: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)), static_graph=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(passes):
+            with untouched(model):
+                model(x).sum().backward()
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(x).sum().backward()
+            optimizer.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.equal(trained(0), trained(1))
+
+
+def test_a_gradient_hook_a_library_registers_at_the_first_forward_stays(group, monkeypatch):
+    # review 41b: transformers' tensor-parallel ReplicatedWithGradAllReduce hooks each parameter at the first
+    # forward with gradients on, once (a dict in its hook's closure); the start-up check's pass is that
+    # forward: taking its hook out (5b060c5) left the layer's gradients never all-reduced again
+    tp = pytest.importorskip("transformers.distributed.tensor_parallel")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    calls = []
+    real = group.all_reduce
+    monkeypatch.setattr(group, "all_reduce", lambda t, *a, **k: (calls.append(1), real(t, *a, **k))[1])
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    for check in (False, True):
+        norm = nn.LayerNorm(8)
+        tp.ReplicatedWithGradAllReduce().install_forward(norm, mesh)
+        if check:
+            with untouched(norm):
+                norm(x).sum()
+        counts = []
+        for _ in range(2):
+            calls.clear()
+            norm.zero_grad()
+            norm(x).pow(2).sum().backward()
+            counts.append(len(calls))
+        assert counts == [2, 2], (check, counts)  # (weight and bias, every step)
+
+
+def test_the_gradients_go_back_to_the_parameters_that_held_them_when_fsdp2_swaps_them(group):
+    # review 41b: a forward-only pass leaves an FSDP2 root's parameters unsharded: other objects than on
+    # entering; the gradients were set to None on the entering ones and given back to the leaving ones
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    fully_shard(model)
+    model(torch.randn(8, 3)).sum().backward()
+    entering = [(p, p.grad) for p in model.parameters()]
+    assert all(grad is not None for _, grad in entering)
+    with untouched(model), torch.no_grad():
+        model(torch.randn(8, 3))
+    assert all(p.grad is grad for p, grad in entering)
 
 
 SPY = """
