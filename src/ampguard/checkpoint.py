@@ -550,11 +550,12 @@ handle id, None until its first hook: one a pass registered keeps its module as 
 (:func:`_put_attributes_back`)."""
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
-"""A module's own hook dicts (by handle id): those registered while a snapshot was held are taken
-out when it is put back (:func:`_put_attributes_back`)."""
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+"""A module's own hook dicts of its passes (by handle id): those registered while a snapshot was
+held are taken out when it is put back (:func:`_put_attributes_back`). Not its state-dict hooks:
+no pass needs them made again, and FSDP2 registers its ``to_sharded`` ones at the root's first
+forward, recording that it did on its parameter group: taken out, ``state_dict()`` gave plain
+tensors, not DTensors, for good (review 41b)."""
 
 def _overlaps(b: torch.Tensor) -> bool:
     """Whether tensor ``b`` has internal overlap (an expanded view, stride 0): no in-place write

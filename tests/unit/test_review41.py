@@ -247,3 +247,20 @@ def test_validate_runs_the_fp32_modules_in_float32_in_its_amp_passes(tmp_path):
     seen.clear()
     compare(task, task.model, config, torch.device("cpu"))
     assert len(seen) == 4 and set(seen) == {torch.float32}, seen  # (two FP32 passes, then two bf16 ones)
+
+
+def test_fsdp2s_state_dict_hooks_its_first_forward_registers_in_a_pass_stay(group):
+    # review 41b: FSDP2's root registers its to_sharded state-dict hooks at its first forward, once (recorded
+    # on its parameter group); a pass took them out: after an evaluation forward, state_dict() gave plain
+    # tensors instead of DTensors
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    fully_shard(model)
+    with untouched(model), torch.no_grad():
+        model(torch.randn(8, 3))
+    with torch.no_grad():
+        model(torch.randn(8, 3))
+    assert all(isinstance(v, DTensor) for v in model.state_dict().values())
