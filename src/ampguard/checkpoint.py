@@ -188,14 +188,14 @@ class BufferSnapshot:
         >>> model = torch.nn.BatchNorm1d(2)
         >>> snapshot = BufferSnapshot(model)
         >>> _ = model(torch.randn(4, 2) + 5)
-        >>> snapshot.put_back()
+        >>> _ = snapshot.put_back()
         >>> model.running_mean.tolist(), int(model.num_batches_tracked)
         ([0.0, 0.0], 0)
         >>> model.calls = 0
         >>> model.register_buffer("ones", torch.ones(1).expand(3))  # (stride 0: referenced, not copied)
         >>> snapshot = BufferSnapshot(model)
         >>> model.calls += 1
-        >>> snapshot.put_back()
+        >>> _ = snapshot.put_back()
         >>> model.calls, model.ones.tolist()
         (0, [1.0, 1.0, 1.0])
     """
@@ -211,8 +211,9 @@ class BufferSnapshot:
         self.attributes = [_kept_module(m) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
 
-    def put_back(self) -> None:
-        """The buffers and plain attributes as they were when the snapshot was taken. Every copied
+    def put_back(self) -> list[str]:
+        """The buffers and plain attributes as they were when the snapshot was taken (returned: the
+        modules left as the pass left them, :func:`_put_attributes_back`). Every copied
         buffer's values are copied back, not only those whose version counter moved: BatchNorm's
         kernel updates its running statistics in place without bumping it. One the forward resized
         in place (``resize_``) is given a copy of its old values instead (copied into, it raised,
@@ -238,7 +239,8 @@ class BufferSnapshot:
                         with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
                             b.copy_(saved)
         finally:
-            _put_attributes_back(self.attributes)
+            left = _put_attributes_back(self.attributes)
+        return left
 
 
 @contextlib.contextmanager
@@ -301,8 +303,9 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
         with rng_kept(), _attributes_warned(snapshot.attributes, by, model), modes_kept(model):
             yield snapshot
     finally:
+        left: list[str] = []
         try:
-            snapshot.put_back()
+            left = snapshot.put_back()
             with torch.no_grad():
                 for p in model.parameters():
                     if id(p) in renormed and p.shape == renormed[id(p)].shape:  # (Embedding(max_norm=...)'s rows)
@@ -324,6 +327,12 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           f"{' and '.join(_a(kind) for kind in types[:2])}{' and others' if len(types) > 2 else ''}): "
                           f"the model's forward updates them, {so}; make the change in the training step, not the "
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
+        if left:
+            warnings.warn(f"{by} registered gradient hooks on the parameters of {' and '.join(left[:2])}"
+                          f"{' and others' if len(left) > 2 else ''}: the hooks stay, and so does what the forward "
+                          "changed beside them (not put back: whatever records the hooks must agree with them), so "
+                          "the run does not start as a plain loop's; register such hooks before handing the model "
+                          "over", AmpguardWarning, stacklevel=3)
         made = sorted({kind for m, kind in lazy_kinds if not not_made(m)})
         if made:
             warnings.warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
@@ -461,7 +470,7 @@ def _kept_hooks(m: torch.nn.Module) -> list[tuple[Any, str, set[int]]]:
             for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m]
 
 
-def _put_attributes_back(kept: list[_Kept]) -> None:
+def _put_attributes_back(kept: list[_Kept]) -> list[str]:
     """Each module's attributes in ``kept`` (:func:`_kept_module`'s snapshots) as they were: one
     replaced put back (the same object, whatever its type: a counter, an LSTM's hidden tuple, a
     dict; review 40o), one added since taken out, a list, dict or set changed in place given its
@@ -483,7 +492,9 @@ def _put_attributes_back(kept: list[_Kept]) -> None:
     Taken out, a library that records it outside the module lost it for good (transformers'
     tensor-parallel ``ReplicatedWithGradAllReduce``, a dict in its hook's closure: the layer's
     gradients were never all-reduced again, review 41b); kept while the module's set of the
-    parameters hooked was put back, it was registered again, each gradient halved twice (41a)."""
+    parameters hooked was put back, it was registered again, each gradient halved twice (41a).
+    Returned: each such module whose attributes the pass changed, ``"Type (name, ...)"``."""
+    left: list[str] = []
     for m, held, hooks, contents in kept:
         now = vars(m)
         added = [(owner is m, getattr(owner, name, None) or {}, before) for owner, name, before in hooks]
@@ -495,7 +506,10 @@ def _put_attributes_back(kept: list[_Kept]) -> None:
             for key in [k for k in registered if own and k not in before and k not in lasting]:
                 registered.pop(key, None)  # (registered by the block)
         if any(k not in before for own, registered, before in added if not own for k in registered):
-            continue  # (a gradient hook on its parameters: it stays, and the module as the pass left it)
+            changed = _changed_attributes(vars(m), held, contents)  # (a gradient hook on its parameters: it
+            if changed:                                             # stays, and the module as the pass left it)
+                left.append(f"{type(m).__name__} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})")
+            continue
         for k in [k for k in now if k not in held and k not in _MODULES_OWN]:  # (added since: taken out)
             del now[k]
         for k, v in held.items():
@@ -512,6 +526,23 @@ def _put_attributes_back(kept: list[_Kept]) -> None:
                 else:
                     v.clear()
                     v.update(contents[k])
+    return left
+
+
+def _changed_attributes(now: dict[str, Any], held: dict[str, Any], contents: dict[str, Any]) -> list[str]:
+    """The names of the attributes in ``now`` (a module's ``__dict__``) that differ from the
+    snapshot ``held`` (by reference) and ``contents`` (its containers' contents, by reference):
+    added, taken out, replaced, or a container changed in place."""
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+        if isinstance(a, set):
+            return len(a) == len(b) and all(x in b for x in a)
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+    names = [k for k in now if k not in held and k not in _MODULES_OWN]
+    names += [k for k, v in held.items() if now.get(k, _GONE) is not v or (k in contents and not same(v, contents[k]))]
+    return names
 
 
 _OUTLIVES = "_ampguard_outlives_passes"

@@ -39,12 +39,17 @@ class HalvedGrads(nn.Linear):  # a forward that registers a gradient hook once p
 def test_a_gradient_hook_a_forward_registers_once_is_registered_once_after_a_pass(passes):
     # the put-back emptied the set (17f9435) but left the parameter's hook: the run's first forward
     # registered it again, and every gradient was halved twice
+    # (41b: the hook stays, and the module as the pass left it: its set agrees with it, and a warning says so)
     model = HalvedGrads()
-    for _ in range(passes):
-        with untouched(model):
-            model(torch.ones(4, 2)).sum()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(passes):
+            with untouched(model, by="the check"):
+                model(torch.ones(4, 2)).sum()
     model(torch.ones(4, 2)).sum().backward()
     assert model.weight.grad.tolist() == [[2.0, 2.0]] and len(model.weight._backward_hooks) == 1
+    assert [str(w.message)[:77] for w in said] == [
+        "the check registered gradient hooks on the parameters of HalvedGrads (hooked)"] * passes
 
 
 class Kept(nn.Module):  # state of the container kinds a forward changes in place
