@@ -496,20 +496,12 @@ def _put_attributes_back(kept: list[_Kept]) -> list[str]:
     Returned: each such module whose attributes the pass changed, ``"Type (name, ...)"``."""
     left: list[str] = []
     for m, held, hooks, contents in kept:
-        now = vars(m)
-        added = [(owner is m, getattr(owner, name, None) or {}, before) for owner, name, before in hooks]
-        # (a hook that outlives the pass keeps its flags too: the with-kwargs and always-called dicts hold
-        # True under its handle's id)
-        lasting = {k for own, registered, before in added for k, hook in registered.items()
-                   if own and k not in before and _outlives(hook)}
-        for own, registered, before in added:
-            for key in [k for k in registered if own and k not in before and k not in lasting]:
-                registered.pop(key, None)  # (registered by the block)
-        if any(k not in before for own, registered, before in added if not own for k in registered):
-            changed = _changed_attributes(vars(m), held, contents)  # (a gradient hook on its parameters: it
-            if changed:                                             # stays, and the module as the pass left it)
+        if _hooks_taken_out(m, hooks):  # (a gradient hook on its parameters: it stays, the module as the pass left it)
+            changed = _changed_attributes(vars(m), held, contents)
+            if changed:
                 left.append(f"{type(m).__name__} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})")
             continue
+        now = vars(m)
         for k in [k for k in now if k not in held and k not in _MODULES_OWN]:  # (added since: taken out)
             del now[k]
         for k, v in held.items():
@@ -527,6 +519,20 @@ def _put_attributes_back(kept: list[_Kept]) -> list[str]:
                     v.clear()
                     v.update(contents[k])
     return left
+
+
+def _hooks_taken_out(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> bool:
+    """Take out the hooks the block registered in module ``m``'s own hook dicts (``hooks``:
+    :func:`_kept_hooks`' snapshot), but those marked :func:`outlives_passes`, whose flags stay with
+    them (the with-kwargs and always-called dicts hold True under the handle's id); and say
+    whether the block registered a gradient hook on one of ``m``'s own parameters (those stay)."""
+    added = [(owner is m, getattr(owner, name, None) or {}, before) for owner, name, before in hooks]
+    lasting = {k for own, registered, before in added if own for k, hook in registered.items()
+               if k not in before and _outlives(hook)}
+    for own, registered, before in added:
+        for key in [k for k in registered if own and k not in before and k not in lasting]:
+            registered.pop(key, None)
+    return any(k not in before for own, registered, before in added if not own for k in registered)
 
 
 def _changed_attributes(now: dict[str, Any], held: dict[str, Any], contents: dict[str, Any]) -> list[str]:
