@@ -223,73 +223,9 @@ _MAX_LINKS = 40
 """The most links one path may lead through (Linux's own limit): more is a loop (``ELOOP``)."""
 
 
-def _trusted_realpath(place: str | os.PathLike, path: str | os.PathLike) -> str:
-    """``os.path.realpath(place)``, resolved one part at a time, each link met judged (a stricter
-    rule than Linux's ``fs.protected_symlinks``, which is not set everywhere: off on this
-    project's own CI machine): followed only when this user made it, root did, or whoever made it
-    owns what it leads to, and never when it has another name where anyone may give it one
-    (:func:`_hard_linked`). Where the OS has ``O_PATH``, :func:`_walked` does this by descriptors
-    instead (the tests run both). A link of another user's that leads to a file or a folder it does
-    not own is :class:`NotReplaced` (for ``path``, the path given), nothing written: a user who may write in a
-    run's folder could point its CSV's link (or a folder on its way) at a file of root's between
-    the sink's read and the cut, and a root resume then rewrote that file with the user's rows.
-    A part that does not exist ends the walk (the rest is taken as written: no link lies there).
-
-    Example::
-
-        >>> import tempfile
-        >>> folder = Path(tempfile.mkdtemp())
-        >>> (folder / "real").mkdir(); (folder / "link").symlink_to(folder / "real")
-        >>> _trusted_realpath(folder / "link" / "x.csv", "x.csv") == os.path.realpath(folder / "real" / "x.csv")
-        True
-    """
-    me, place = os.geteuid(), os.fspath(place)
-    todo = list(reversed(Path(place).parts))  # (a stack: the next part last)
-    if not os.path.isabs(place):
-        todo += list(reversed(Path(os.getcwd()).parts))
-    done = Path("/")
-    links = 0
-    while todo:
-        part = todo.pop()
-        if part in ("/", "", "."):
-            continue
-        if part == "..":
-            done = done.parent  # (done holds no link: its parent is the folder it lies in)
-            continue
-        step = done / part
-        try:
-            seen = os.lstat(step)
-        except OSError:  # (not there: the rest is made, or the open after this says why not)
-            return os.fspath(Path(step, *reversed(todo)))
-        if not stat.S_ISLNK(seen.st_mode):
-            done = step
-            continue
-        links += 1
-        if links > _MAX_LINKS:
-            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
-        try:  # (its text by name, then looked at again: a link renamed over it between the two is refused)
-            to, again = os.readlink(step), os.lstat(step)
-        except OSError as err:
-            if err.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EINVAL):  # (gone, or no link now)
-                raise
-            raise _changed(os.fspath(step), path) from None
-        if _identity(again) != _identity(seen):
-            raise _changed(os.fspath(step), path)
-        leads = os.path.realpath(done / to)  # (of the text read: a link re-pointed since is judged when met)
-        owner = _owner_of(leads)
-        if seen.st_nlink > 1 and not _hard_links_protected():
-            raise _hard_linked(os.fspath(step), path)
-        if seen.st_uid not in (me, 0, owner):
-            raise _not_theirs(os.fspath(step), seen.st_uid, leads, path)
-        if os.path.isabs(to):
-            done = Path("/")
-        todo += list(reversed(Path(to).parts))
-    return os.fspath(done)
-
-
 def _identity(seen: os.stat_result) -> tuple[int, ...]:
-    """What must not change in a link between :func:`_trusted_realpath`'s first look at it and its
-    look after its text was read: the file (device, inode), its owner, its names, and its change
+    """What must not change in a link between :func:`_link_in`'s first look at it and its look
+    after its text was read (where the OS has no ``O_PATH``): the file (device, inode), its owner, its names, and its change
     time (a rename or a new name moves it: a link renamed away and back is the same inode)."""
     return seen.st_dev, seen.st_ino, seen.st_uid, seen.st_nlink, seen.st_ctime_ns
 
@@ -299,20 +235,6 @@ def _changed(link: str, path: str | os.PathLike) -> NotReplaced:
     of its text (another link renamed over it: its text is not the judged link's)."""
     return NotReplaced(errno.EAGAIN, f"{shown(link)} changed while the path was walked; nothing was written",
                        os.fspath(path))
-
-
-def _owner_of(leads: str) -> int:
-    """The owner of ``leads`` (what a link leads to), or where it is not there (yet), of the
-    nearest folder above it that is: the folder a file made at it would be made in (as
-    :func:`_walked` judges a link that leads to a new file by the folder it ends in)."""
-    at = Path(leads)
-    while True:
-        try:
-            return os.stat(at).st_uid
-        except OSError:
-            if at.parent == at:
-                raise
-            at = at.parent
 
 
 class _LedTo:
@@ -327,9 +249,11 @@ class _LedTo:
 
 def _not_theirs(link: str, owner: int, leads: str, path: str | os.PathLike) -> NotReplaced:
     """The refusal of ``link``, a symbolic link of user ``owner``'s that leads to ``leads``, which
-    that user does not own (for ``path``, the path given)."""
-    return NotReplaced(errno.EPERM, f"{shown(link)} is a symbolic link of user {owner}'s to {shown(leads)}, which "
-                       "is not theirs; refusing to write through it", os.fspath(path))
+    that user does not own (for ``path``, the path given); ``owner`` -1: a link in a folder others
+    may change, no one's (:func:`_link_in`)."""
+    whose = f"of user {owner}'s" if owner >= 0 else "in a folder others may change"
+    return NotReplaced(errno.EPERM, f"{shown(link)} is a symbolic link {whose} to {shown(leads)}, which is not "
+                       "theirs; refusing to write through it", os.fspath(path))
 
 
 def _hard_linked(link: str, path: str | os.PathLike) -> NotReplaced:
@@ -350,6 +274,44 @@ def _hard_links_protected() -> bool:
         return False
 
 
+def _link_in(fd: int, part: str, seen: os.stat_result, at: str, path: str | os.PathLike
+             ) -> tuple[os.stat_result, str, int]:
+    """The link ``part`` in the folder ``fd`` holds (``seen``: its ``lstat`` there; ``at``: its
+    path, for errors): its status, its text, and whose it is taken to be, for :func:`_walked`.
+
+    Where the OS has ``O_PATH`` the link is opened itself (``O_PATH | O_NOFOLLOW``) and its owner
+    and text read from that one descriptor: both are one link's, whatever is renamed meanwhile.
+    Elsewhere (macOS) a link cannot be opened, so it is looked at by name in the folder held,
+    before and after its text is read, and a change between the two is :class:`NotReplaced`
+    (a user's link renamed over a judged one: review 41a). That cannot see a link renamed away
+    and back within a file system's clock tick (HFS+, ext3: a second; review 41d), so there a link
+    lying in a folder another user owns is taken to be that user's unless its owner is them: a
+    link of root's the user renamed into its own folder leads root only where the user could.
+    A folder others may write and which is not sticky (anyone there may have renamed it) makes
+    it no one's: not followed (:func:`_not_theirs` says so)."""
+    if hasattr(os, "O_PATH"):
+        lfd = os.open(part, os.O_PATH | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
+        try:
+            link, text = os.fstat(lfd), os.readlink("", dir_fd=lfd)
+        finally:
+            os.close(lfd)
+        return link, text, link.st_uid
+    try:
+        text, again = os.readlink(part, dir_fd=fd), os.stat(part, dir_fd=fd, follow_symlinks=False)
+    except OSError as err:
+        if err.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EINVAL):  # (gone, or no link now)
+            raise
+        raise _changed(at, path) from None
+    if _identity(again) != _identity(seen):
+        raise _changed(at, path)
+    folder, me = os.fstat(fd), os.geteuid()
+    if folder.st_uid not in (me, 0, seen.st_uid):
+        return seen, text, folder.st_uid
+    if folder.st_mode & 0o022 and not folder.st_mode & stat.S_ISVTX:
+        return seen, text, -1
+    return seen, text, seen.st_uid
+
+
 def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[int, Path]:
     """The folder ``given`` lies in, as a descriptor (opened to be read where this user may, to be
     synced and listed), and the path of the file in it: walked from ``/`` (or the working folder)
@@ -360,7 +322,7 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
 
     Each link met is opened itself (``O_PATH | O_NOFOLLOW``), its owner and its text read from that
     one descriptor (read by name twice, a link swapped between the two was judged by one and
-    followed by the other), and followed only when this user or root made it, or when whoever
+    followed by the other; where the OS has no ``O_PATH``, :func:`_link_in`), and followed only when this user or root made it, or when whoever
     made it owns what it leads to (the owner of the folder or file the walk reaches at its text's
     end). A link with another name (a hard link to it) is followed only where the kernel lets none
     but its owner make one (``fs.protected_hardlinks`` 1, :func:`_hard_links_protected`): else
@@ -377,7 +339,7 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
         shown_at = Path(os.path.abspath(start))
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, "the working folder was removed", os.fspath(path)) from None
-    fd = os.open(start, os.O_PATH | os.O_DIRECTORY | _O_CLOEXEC)
+    fd = os.open(start, _O_PATH | os.O_DIRECTORY | _O_CLOEXEC)
     links = 0
 
     def judge(led: _LedTo, owner: int) -> None:
@@ -395,7 +357,7 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
             part = todo.pop()
             last = not any(isinstance(p, str) and p not in ("", ".", "/") for p in todo)
             if part == "..":
-                inner = os.open("..", os.O_PATH | os.O_DIRECTORY | _O_CLOEXEC, dir_fd=fd)
+                inner = os.open("..", _O_PATH | os.O_DIRECTORY | _O_CLOEXEC, dir_fd=fd)
                 os.close(fd)
                 fd, shown_at = inner, shown_at.parent
                 continue
@@ -412,24 +374,20 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
                 links += 1
                 if links > _MAX_LINKS:
                     raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
-                lfd = os.open(part, os.O_PATH | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
-                try:
-                    link, text = os.fstat(lfd), os.readlink("", dir_fd=lfd)
-                finally:
-                    os.close(lfd)
                 at = os.fspath(shown_at / part)
+                link, text, maker = _link_in(fd, part, seen, at, path)
                 if link.st_nlink > 1 and not _hard_links_protected():  # (a hard link to someone's link)
                     raise _hard_linked(at, path)
-                todo += [_LedTo(at, link.st_uid, text), *reversed(Path(text).parts)]
+                todo += [_LedTo(at, maker, text), *reversed(Path(text).parts)]
                 if os.path.isabs(text):
-                    inner = os.open("/", os.O_PATH | os.O_DIRECTORY | _O_CLOEXEC)
+                    inner = os.open("/", _O_PATH | os.O_DIRECTORY | _O_CLOEXEC)
                     os.close(fd)
                     fd, shown_at = inner, Path("/")
                 continue
             if last:
                 break
             try:
-                inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
+                inner = os.open(part, _O_PATH | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
             except OSError as err:
                 at = os.fspath(shown_at / part)
                 if err.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(part, fd):  # (a folder when looked at)
@@ -456,43 +414,6 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
     except BaseException:
         os.close(fd)
         raise
-
-
-def _open_folder(folder: str, path: str | os.PathLike) -> int:
-    """A descriptor of the folder ``folder`` (absolute, its links resolved: ``os.path.realpath``),
-    opened one part at a time from ``/``, each relative to the one before and never through a link
-    (``O_DIRECTORY | O_NOFOLLOW``): a part that is a link now became one after ``folder`` was
-    resolved, a swap (:class:`NotReplaced`, for ``path``, the path given). The folder itself is
-    opened to be read when this user may (to be synced and listed), else only to be gone through."""
-    parts = Path(folder).parts
-    fd = -1
-    try:
-        for k, part in enumerate(parts):
-            flags = os.O_DIRECTORY | _O_CLOEXEC | (_O_NOFOLLOW if k else 0)
-            last = k == len(parts) - 1
-            try:
-                try:
-                    inner = os.open(part, (os.O_RDONLY if last else _O_PATH) | flags, dir_fd=fd if k else None)
-                except PermissionError:
-                    if not last:
-                        raise
-                    inner = os.open(part, _O_PATH | flags, dir_fd=fd if k else None)
-            except OSError as err:
-                at = os.fspath(Path(*parts[:k + 1]))
-                if err.errno in (errno.ENOTDIR, errno.ELOOP) and k and _is_link(part, fd):
-                    raise NotReplaced(errno.ELOOP, f"{shown(at)} became a symbolic link after the path was resolved "
-                                      "(it changed while the file was being written); nothing was written",
-                                      os.fspath(path)) from None
-                err.filename = at  # (the part, not its name alone)
-                raise
-            if k:
-                os.close(fd)
-            fd = inner
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        raise
-    return fd
 
 
 def _sync(fd: int) -> None:
@@ -578,12 +499,11 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
     or :class:`DiskFull`), whose error has ``replaced = True``: ``path`` holds ``data`` already
     (a crash before the folder reaches the disk could bring back the old file).
 
-    The path is walked once, from ``/``, by descriptors where the OS has ``O_PATH``
-    (:func:`_walked`: each part looked at in the folder the walk holds; each link met judged, one
-    of another user's that leads to what is not theirs refused, as is a hard link to a link), and
-    the folder it ends in is where all else is done; elsewhere it is resolved once
-    (:func:`_trusted_realpath`, the same rule by names), then its folder opened part by part from ``/`` without following a link, and all
-    else done relative to that folder: the old file looked at, the temporary file made (a random
+    The path is walked once, from ``/``, by descriptors (:func:`_walked`: each part looked at in
+    the folder the walk holds; each link met judged, one of another user's that leads to what is
+    not theirs refused, as is a hard link to a link; where the OS has no ``O_PATH`` a link is
+    looked at by name in the folder held, :func:`_link_in`), and all else is done relative to the
+    folder it ends in: the old file looked at, the temporary file made (a random
     name, made new, never through what lies at it), given the old file's owner and mode through
     its descriptor, renamed. A folder on the way that became a link meanwhile (swapped by whoever
     owns the folder above it, so that a root run would write or give away a file elsewhere) is
@@ -632,12 +552,7 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
         data = data.encode("utf-8", errors="surrogateescape")
     given = Path(path)
     followed = through_link and given.is_symlink() and given.exists()
-    if hasattr(os, "O_PATH"):  # (Linux: walked by descriptors, each part looked at in the folder held)
-        dfd, target = _walked(given, followed, path)
-    else:  # resolved once, here, every link met judged (_trusted_realpath); then nothing goes by name through a link
-        target = (Path(_trusted_realpath(given, path)) if followed
-                  else Path(_trusted_realpath(given.parent, path)) / given.name)
-        dfd = _open_folder(os.fspath(target.parent), path)
+    dfd, target = _walked(given, followed, path)  # (by descriptors: each part looked at in the folder held)
     try:
         _replace_in(dfd, target, data, path, followed)
     finally:
@@ -655,8 +570,8 @@ def _what(mode: int) -> str:
 
 
 def _replace_in(dfd: int, target: Path, data: bytes, path: str | os.PathLike, followed: bool) -> None:
-    """:func:`replace_atomically`'s work in the folder ``dfd`` (``target``'s, from :func:`_walked`
-    or :func:`_open_folder`), every step relative to it: ``target.name`` is replaced by ``data``."""
+    """:func:`replace_atomically`'s work in the folder ``dfd`` (``target``'s, from :func:`_walked`),
+    every step relative to it: ``target.name`` is replaced by ``data``."""
     name = target.name
     try:
         old: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)

@@ -76,10 +76,10 @@ def hostile(tmp_path):
 
 @pytest.fixture(params=["by descriptors", "by names"])
 def walk(request, monkeypatch):
-    """Each link-rule test both ways ``replace_atomically`` walks a path: by descriptors (Linux's
-    ``O_PATH``: :func:`files._walked`) and by names (where the OS has no ``O_PATH``:
-    :func:`files._trusted_realpath`, then :func:`files._open_folder`), so that the fallback, which
-    this machine never takes on its own, holds to the same rule."""
+    """Each link-rule test both ways ``replace_atomically``'s walk (:func:`files._walked`, by
+    descriptors) reads a link: opened itself (Linux's ``O_PATH``) and by name in the folder held
+    (where the OS has no ``O_PATH``: :func:`files._link_in`), so that the second, which this
+    machine never takes on its own, holds to the same rule."""
     if request.param == "by names":
         monkeypatch.delattr(os, "O_PATH")
     return request.param
@@ -93,30 +93,21 @@ def swap(folder: Path, to: Path) -> None:
 
 def test_a_folder_swapped_for_a_link_after_the_path_was_resolved_is_refused(hostile, monkeypatch):
     # review 40b #1 (r1 a): swapped just after realpath, the root-only file was rewritten with the user's rows.
-    # Walked by descriptors (Linux), the swap after the walk changes nothing: the file cut is in the folder
-    # the walk judged and holds; resolved by name (elsewhere), the swapped folder is refused
+    # Walked by descriptors, the swap after the walk changes nothing: the file cut is in the folder the walk
+    # judged and holds
     secret, user = hostile
     before = state(secret / "shadow")
-    walk = "_walked" if hasattr(os, "O_PATH") else "_trusted_realpath"
-    real = getattr(files, walk)
+    real = files._walked
 
-    def resolved_then_swap(*args, **kwargs):
-        resolved = real(*args, **kwargs)
-        monkeypatch.setattr(files, walk, real)
+    def walked_then_swap(*args, **kwargs):
+        walked = real(*args, **kwargs)
+        monkeypatch.setattr(files, "_walked", real)
         swap(user / "d", secret)
-        return resolved
+        return walked
 
-    monkeypatch.setattr(files, walk, resolved_then_swap)
-    if walk == "_walked":
-        replace_atomically(user / "steps.csv", b"step,lr\n1,0.1\n", through_link=True)
-        assert (user / "d.real" / "shadow").read_text() == "step,lr\n1,0.1\n"  # (the file judged, cut)
-    else:
-        with pytest.raises(OSError) as err:
-            replace_atomically(user / "steps.csv", b"step,lr\n1,0.1\n", through_link=True)
-        said = str(err.value)
-        assert said == (f"cannot replace {user / 'steps.csv'}: {user / 'd'} became a symbolic link after the path "
-                        "was resolved (it changed while the file was being written); nothing was written"), said
-        assert (user / "d.real" / "shadow").read_text() == "step,lr\n1,0.1\n2,0.1\n"  # (nothing cut either)
+    monkeypatch.setattr(files, "_walked", walked_then_swap)
+    replace_atomically(user / "steps.csv", b"step,lr\n1,0.1\n", through_link=True)
+    assert (user / "d.real" / "shadow").read_text() == "step,lr\n1,0.1\n"  # (the file judged, cut)
     assert state(secret / "shadow") == before
     assert sorted(p.name for p in secret.iterdir()) == ["shadow"]
 
@@ -384,8 +375,7 @@ def test_a_third_users_file_at_the_old_temporary_name_is_left_alone(tmp_path):
 
 
 @ROOT
-@pytest.mark.skipif(not hasattr(os, "O_PATH"), reason="the walk by descriptors is Linux's (O_PATH)")
-def test_a_folder_swapped_after_the_walk_passed_it_is_not_gone_through_again(tmp_path, monkeypatch):
+def test_a_folder_swapped_after_the_walk_passed_it_is_not_gone_through_again(tmp_path, monkeypatch, walk):
     # review 40j #1 (r30): the walk looked each part up by its whole name: a folder it had passed, swapped
     # for a link, was gone through on its next look, to a link of root's (think /etc/alternatives/editor)
     secret, user, system = tmp_path / "rootonly", tmp_path / "user", tmp_path / "sys"
@@ -464,8 +454,7 @@ def test_a_hard_link_to_a_link_is_followed_where_only_its_owner_may_make_one(tmp
     assert (tmp_path / "real" / "steps.csv").read_text() == "step\n1\n"
 
 
-@pytest.mark.skipif(not hasattr(os, "O_PATH"), reason="the walk by descriptors is Linux's (O_PATH)")
-def test_a_walk_that_cannot_go_on_names_the_path_up_to_where_it_stopped(tmp_path, monkeypatch):
+def test_a_walk_that_cannot_go_on_names_the_path_up_to_where_it_stopped(tmp_path, monkeypatch, walk):
     # review 40l #5: the walk's errors named the part alone ("nope"), where the names the folders were
     # looked up by named the path; #4: a working folder removed meanwhile leaked a descriptor, unnamed
     (tmp_path / "f").write_text("a file\n")

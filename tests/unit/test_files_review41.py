@@ -1,4 +1,4 @@
-"""Review 41: the walk by names (where the OS has no ``O_PATH``) follows only the link it judged
+"""Review 41: the walk where the OS has no ``O_PATH`` follows only the link it judged
 (one renamed over it between its look and the reading of its text is refused), and judges a link
 to nothing by the folder it would be made in; a cut whose rename was made, its folder's sync
 failed after, says so and keeps the rows it set aside (``replaced``); a Hugging Face retry's
@@ -65,7 +65,7 @@ def test_a_link_renamed_over_the_judged_one_before_its_text_is_read_is_not_follo
     real_readlink, swapped = os.readlink, []
 
     def readlink_after_swap(path, *args, **kwargs):  # (what uid 65534 may do in its own folder, at the worst time)
-        if swapped or os.fspath(path) != os.fspath(user / "run"):
+        if swapped or os.fspath(path) not in (os.fspath(user / "run"), "run"):  # (by name, or in the folder held)
             return real_readlink(path, *args, **kwargs)
         swapped.append(True)
         os.rename(user / "run", user / "run.away")
@@ -85,25 +85,65 @@ def test_a_link_renamed_over_the_judged_one_before_its_text_is_read_is_not_follo
 
 
 @ROOT
+def test_a_roots_link_in_a_users_folder_is_judged_as_the_users_where_a_rename_cannot_be_seen(tmp_path, monkeypatch):
+    # review 41d F2: where change times tick by the second (HFS+, ext3), a link renamed away and back
+    # between the walk's two looks looks the same: the user's link to root's folder, renamed over root's
+    # link user/run for the read of its text, was followed and root's file rewritten. A link in a folder
+    # another user owns is taken to be that user's: it leads root only where the user could
+    secret, user = tmp_path / "rootonly", tmp_path / "user"
+    secret.mkdir(mode=0o700)
+    (secret / "steps.csv").write_text("root's own file\n")
+    (user / "realrun").mkdir(parents=True)
+    for path in (user, user / "realrun"):
+        os.chown(path, NOBODY, NOBODY)
+    (user / "run").symlink_to(user / "realrun")  # (root's)
+    _user_link(user / "evil", secret)
+    real_readlink, swapped = os.readlink, []
+
+    def readlink_swapped_and_back(path, *args, **kwargs):
+        if swapped or os.fspath(path) not in (os.fspath(user / "run"), "run"):
+            return real_readlink(path, *args, **kwargs)
+        swapped.append(True)
+        os.rename(user / "run", user / "run.away")
+        os.rename(user / "evil", user / "run")
+        text = real_readlink(path, *args, **kwargs)
+        os.rename(user / "run", user / "evil")
+        os.rename(user / "run.away", user / "run")
+        return text
+
+    monkeypatch.delattr(os, "O_PATH")
+    monkeypatch.setattr(files, "_identity", lambda seen: (seen.st_dev, seen.st_ino, seen.st_uid, seen.st_nlink))
+    monkeypatch.setattr(files.os, "readlink", readlink_swapped_and_back)  # (a clock too coarse to see it)
+    with pytest.raises(files.NotReplaced, match=r"run is a symbolic link of user 65534's to .*rootonly, which is not"):
+        replace_atomically(user / "run" / "steps.csv", "step,lr\n1,0.1\n")
+    assert swapped and (secret / "steps.csv").read_text() == "root's own file\n" and _names(secret) == ["steps.csv"]
+    monkeypatch.setattr(files.os, "readlink", real_readlink)
+    replace_atomically(user / "run" / "steps.csv", "step,lr\n1,0.1\n")  # (root's link to the user's own folder)
+    assert (user / "realrun" / "steps.csv").read_text() == "step,lr\n1,0.1\n"
+
+
+@ROOT
 @pytest.mark.parametrize("walk", ["by descriptors", "by names"])
-def test_a_users_link_to_nothing_in_roots_folder_is_judged_by_that_folder(tmp_path, walk):
+def test_a_users_link_to_nothing_in_roots_folder_is_judged_by_that_folder(tmp_path, monkeypatch, walk):
     # review 41: the walk by names judged a link that led to nothing by the link's own owner (followed);
-    # the walk by descriptors judges it by the owner of the folder the new file would be made in
+    # the walk by descriptors judges it by the owner of the folder the new file would be made in (review 41d:
+    # there is one walk now, by descriptors, its links looked at by name where the OS has no O_PATH)
+    if walk == "by names":
+        monkeypatch.delattr(os, "O_PATH")
     secret, user = tmp_path / "rootonly", tmp_path / "user"
     secret.mkdir(mode=0o700)
     user.mkdir()
     os.chown(user, NOBODY, NOBODY)
     _user_link(user / "steps.csv", secret / "new.csv")
     with pytest.raises(files.NotReplaced, match=r"is a symbolic link of user 65534's to .*new\.csv, which is not theirs"):
-        if walk == "by names":
-            files._trusted_realpath(user / "steps.csv", user / "steps.csv")
-        else:
-            os.close(files._walked(user / "steps.csv", True, user / "steps.csv")[0])
+        os.close(files._walked(user / "steps.csv", True, user / "steps.csv")[0])
     # the user's own folder: followed, to the file it would make
     (user / "d").mkdir()
     os.chown(user / "d", NOBODY, NOBODY)
     _user_link(user / "mine.csv", user / "d" / "new.csv")
-    assert files._trusted_realpath(user / "mine.csv", "mine.csv") == os.fspath(user / "d" / "new.csv")
+    fd, target = files._walked(user / "mine.csv", True, "mine.csv")
+    os.close(fd)
+    assert target == user / "d" / "new.csv"
     assert _names(secret) == []
 
 
