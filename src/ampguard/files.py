@@ -609,7 +609,7 @@ def _replace_in(dfd: int, target: Path, data: bytes, path: str | os.PathLike, fo
     try:
         with writing(path):
             _sync(dfd)  # (the rename on disk: else a crash could bring back the old file)
-    except Exception as err:  # (path holds data already: said to whoever takes back what went with the old file)
+    except BaseException as err:  # (path holds data already: said to whoever takes back what went with the old file)
         err.replaced = True  # type: ignore[attr-defined]
         raise
 

@@ -297,3 +297,23 @@ def test_the_callbacks_retry_whose_cut_fails_takes_its_copy_back(tmp_path, monke
         assert _rows(folder / "steps.attempt-1.csv") == [1, 2] and _rows(folder / "steps.csv") == []
         assert str(err.value).startswith(f"{folder / 'steps.csv'} was cut back to step 0 for the loop's new attempt, "
                                          "but its folder could not be synced after (Input/output error)")
+
+
+def test_a_stop_signal_after_the_rename_says_the_file_was_replaced_too(tmp_path, monkeypatch):
+    # review 41d F4: an interrupt (Ctrl-C, a stop signal's Interrupted) in the folder's sync was not marked:
+    # a retry's cut then took back the only copy of the rows it had set aside
+    from ampguard.signals import Interrupted
+
+    path = tmp_path / "steps.csv"
+    path.write_text("old\n")
+    real_sync = files._sync
+
+    def sync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise Interrupted("interrupted (Ctrl-C)")
+        return real_sync(fd)
+
+    monkeypatch.setattr(files, "_sync", sync)
+    with pytest.raises(Interrupted) as err:
+        replace_atomically(path, "new\n")
+    assert err.value.replaced is True and path.read_text() == "new\n"
