@@ -207,6 +207,9 @@ class BufferSnapshot:
         # it is referenced, not copied; a replacement is undone by putting the object back)
         self.copies = {id(b): b.detach().clone() for _, held in self.held for b in held.values()
                        if b is not None and id(b) not in skip and not _overlaps(b)}
+        # (where each copied one's values lie: a forward that resized it, or gave it another storage with
+        # `.data = x`, is set back there before its values are copied in, never into whatever it views now)
+        self.places = {i: _place(b) for _, held in self.held for b in held.values() if (i := id(b)) in self.copies}
         # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by identity)
         self.attributes = [_kept_module(m) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
@@ -216,9 +219,10 @@ class BufferSnapshot:
         modules left as the pass left them, :func:`_put_attributes_back`). Every copied
         buffer's values are copied back, not only those whose version counter moved: BatchNorm's
         kernel updates its running statistics in place without bumping it. One the forward resized
-        in place (``resize_``) is given a copy of its old values instead (copied into, it raised,
-        and nothing after it was put back: review 41); the attributes are put back whatever
-        happened to the buffers."""
+        in place (``resize_``), gave another storage (``self.last.data = x``) or another layout is
+        first set back to its own storage, offset, size and strides (copied into as it was, it
+        raised, or wrote into the user's batch; given a clone, its aliases parted from it: reviews
+        41, 41b, 41c); the attributes are put back whatever happened to the buffers."""
         try:
             with torch.no_grad():
                 for m, held in self.held:
@@ -230,13 +234,11 @@ class BufferSnapshot:
                         saved = self.copies.get(id(b)) if b is not None else None
                         if saved is None:
                             continue
-                        if b.shape != saved.shape:  # (resized in place: back to its old shape, the same object)
-                            try:
-                                b.resize_(saved.shape)
-                            except RuntimeError:  # (a storage that cannot be resized: a tensor of the old shape)
-                                m._buffers[name] = saved.clone()
-                                continue
                         with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
+                            storage, offset, size, stride = self.places[id(b)]
+                            if _place(b)[1:] != (offset, size, stride) or b.untyped_storage().data_ptr() != \
+                                    storage.data_ptr():  # (the same object, where it was)
+                                b.set_(storage, offset, size, stride)
                             b.copy_(saved)
         finally:
             left = _put_attributes_back(self.attributes)
@@ -328,11 +330,11 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           f"the model's forward updates them, {so}; make the change in the training step, not the "
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
         if left:
-            warnings.warn(f"{by} registered gradient hooks on the parameters of {' and '.join(left[:2])}"
-                          f"{' and others' if len(left) > 2 else ''}: the hooks stay, and so does what the forward "
-                          "changed beside them (not put back: whatever records the hooks must agree with them), so "
-                          "the run does not start as a plain loop's; register such hooks before handing the model "
-                          "over", AmpguardWarning, stacklevel=3)
+            warnings.warn(f"{by} registered gradient hooks on the model's parameters: they stay, and so does what "
+                          f"its passes changed in the modules ({' and '.join(left[:2])}"
+                          f"{' and others' if len(left) > 2 else ''}: not put back, whatever records the hooks must "
+                          "agree with them), so the run does not start as a plain loop's; register such hooks before "
+                          "handing the model over", AmpguardWarning, stacklevel=3)
         made = sorted({kind for m, kind in lazy_kinds if not not_made(m)})
         if made:
             warnings.warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
@@ -486,21 +488,21 @@ def _put_attributes_back(kept: list[_Kept]) -> list[str]:
     ``_buffers`` (``self.head = nn.Linear(...)``) is left: put back in ``__dict__``, the old value
     would hide it.
 
-    A gradient hook a pass registered on a module's own parameters (``p.register_hook``) stays,
-    and so do that module's attributes, as the pass left them: whatever records that the hook is
-    there (a set of the parameters hooked, a flag) then agrees with it, wherever it is kept.
-    Taken out, a library that records it outside the module lost it for good (transformers'
-    tensor-parallel ``ReplicatedWithGradAllReduce``, a dict in its hook's closure: the layer's
-    gradients were never all-reduced again, review 41b); kept while the module's set of the
-    parameters hooked was put back, it was registered again, each gradient halved twice (41a).
-    Returned: each such module whose attributes the pass changed, ``"Type (name, ...)"``."""
-    left: list[str] = []
+    A gradient hook a pass registered on a parameter (``p.register_hook``) stays, and then so does
+    everything the pass changed in the model's modules, their attributes and hooks (only buffers,
+    gradients, modes and RNGs are put back): whatever records that the hook is there (a set of
+    the parameters hooked on the module, on its parent, a flag beside another hook) then agrees
+    with it, wherever it is kept. Taken out, a library that records it outside the module lost
+    it for good (transformers' tensor-parallel ``ReplicatedWithGradAllReduce``, a dict in its
+    hook's closure: the layer's gradients were never all-reduced again, review 41b); kept while
+    a record was put back, it was registered again, each gradient halved twice (41a, and 41c
+    with the record on the parent). Returned: each module whose attributes the pass so left
+    changed, ``"Type (name, ...)"``."""
+    if any(_gained_gradient_hook(m, hooks) for m, _, hooks, _ in kept):  # (the whole model as the pass left it)
+        return [f"{type(m).__name__} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+                for m, held, _, contents in kept if (changed := _changed_attributes(vars(m), held, contents))]
     for m, held, hooks, contents in kept:
-        if _hooks_taken_out(m, hooks):  # (a gradient hook on its parameters: it stays, the module as the pass left it)
-            changed = _changed_attributes(vars(m), held, contents)
-            if changed:
-                left.append(f"{type(m).__name__} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})")
-            continue
+        _take_out_hooks(m, hooks)
         now = vars(m)
         for k in [k for k in now if k not in held and k not in _MODULES_OWN]:  # (added since: taken out)
             del now[k]
@@ -518,21 +520,26 @@ def _put_attributes_back(kept: list[_Kept]) -> list[str]:
                 else:
                     v.clear()
                     v.update(contents[k])
-    return left
+    return []
 
 
-def _hooks_taken_out(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> bool:
+def _gained_gradient_hook(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> bool:
+    """Whether the block registered a gradient hook on one of module ``m``'s own parameters
+    (``hooks``: :func:`_kept_hooks`' snapshot)."""
+    return any(k not in before for owner, name, before in hooks if owner is not m
+               for k in getattr(owner, name, None) or ())
+
+
+def _take_out_hooks(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> None:
     """Take out the hooks the block registered in module ``m``'s own hook dicts (``hooks``:
     :func:`_kept_hooks`' snapshot), but those marked :func:`outlives_passes`, whose flags stay with
-    them (the with-kwargs and always-called dicts hold True under the handle's id); and say
-    whether the block registered a gradient hook on one of ``m``'s own parameters (those stay)."""
-    added = [(owner is m, getattr(owner, name, None) or {}, before) for owner, name, before in hooks]
-    lasting = {k for own, registered, before in added if own for k, hook in registered.items()
+    them (the with-kwargs and always-called dicts hold True under the handle's id)."""
+    added = [(getattr(m, name, None) or {}, before) for owner, name, before in hooks if owner is m]
+    lasting = {k for registered, before in added for k, hook in registered.items()
                if k not in before and _outlives(hook)}
-    for own, registered, before in added:
-        for key in [k for k in registered if own and k not in before and k not in lasting]:
+    for registered, before in added:
+        for key in [k for k in registered if k not in before and k not in lasting]:
             registered.pop(key, None)
-    return any(k not in before for own, registered, before in added if not own for k in registered)
 
 
 def _changed_attributes(now: dict[str, Any], held: dict[str, Any], contents: dict[str, Any]) -> list[str]:
@@ -617,11 +624,19 @@ def _version(p: torch.Tensor) -> int | None:
 
 def _memory(t: torch.Tensor) -> int | None:
     """The address of the storage tensor ``t`` views (every view of a buffer shares its storage, and
-    its version counter); None for a tensor without one."""
+    its version counter); None for a tensor without one, or with an empty one (every empty
+    storage's address is 0: review 41c)."""
     try:
-        return t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
+        return storage.data_ptr() or None if storage.nbytes() else None
     except (RuntimeError, NotImplementedError, ValueError):  # (ValueError: a lazy module's, not made yet)
         return None
+
+
+def _place(t: torch.Tensor) -> tuple[Any, int, torch.Size, tuple[int, ...]]:
+    """Where tensor ``t``'s values lie: its storage, offset, size and strides (what ``Tensor.set_``
+    takes back)."""
+    return t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
 
 
 def _storage(p: torch.Tensor) -> int | None:

@@ -48,8 +48,42 @@ def test_a_gradient_hook_a_forward_registers_once_is_registered_once_after_a_pas
                 model(torch.ones(4, 2)).sum()
     model(torch.ones(4, 2)).sum().backward()
     assert model.weight.grad.tolist() == [[2.0, 2.0]] and len(model.weight._backward_hooks) == 1
-    assert [str(w.message)[:77] for w in said] == [
-        "the check registered gradient hooks on the parameters of HalvedGrads (hooked)"] * passes
+    assert [str(w.message)[:146] for w in said] == [
+        "the check registered gradient hooks on the model's parameters: they stay, and so does what its passes "
+        "changed in the modules (HalvedGrads (hooked)"] * passes
+
+
+class Hooking(nn.Module):  # the same, the record on the parent, the parameters its children's (review 41c)
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        self.hooked: set[str] = set()
+
+    def forward(self, x):
+        for name, p in self.named_parameters():
+            if name not in self.hooked:
+                p.register_hook(lambda g: g * 0.5)
+                self.hooked.add(name)
+        return self.body(x)
+
+
+@pytest.mark.parametrize("passes", [0, 1])
+def test_a_gradient_hook_on_a_childs_parameter_recorded_on_the_parent_is_registered_once(passes):
+    # 41c: the module left as the pass left it was the parameter's owner only: the parent's set was put back,
+    # the child's hook stayed, and the run's first forward registered it again (silently)
+    torch.manual_seed(0)
+    model = Hooking()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AmpguardWarning)
+        for _ in range(passes):
+            with untouched(model):
+                model(torch.ones(4, 2)).sum()
+    model(torch.ones(4, 2)).sum().backward()
+    torch.manual_seed(0)
+    plain = Hooking()
+    plain(torch.ones(4, 2)).sum().backward()
+    assert torch.equal(model.body[1].weight.grad, plain.body[1].weight.grad)
+    assert len(model.body[1].weight._backward_hooks) == 1
 
 
 class Kept(nn.Module):  # state of the container kinds a forward changes in place
@@ -100,6 +134,33 @@ class Growing(nn.Module):  # a buffer the forward resizes in place, and a counte
         self.calls += 1
         self.lin.register_forward_hook(lambda *_: None)
         return self.lin(x)
+
+
+class Swapping(nn.Module):  # buffers a forward points elsewhere: at its input, transposed
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("last", torch.zeros(1, 2))
+        self.register_buffer("base", torch.arange(6.0).reshape(2, 3))
+        self.register_buffer("view", self.base.t())
+
+    def forward(self, x):
+        self.last.data = x  # (now the user's batch's storage)
+        self.view.set_(self.view.contiguous())  # (another layout)
+        return self.lin(x)
+
+
+def test_a_buffer_given_another_storage_is_set_back_without_writing_into_it():
+    # 41c: the put-back copied the buffer's old values into whatever it viewed now: the user's batch was
+    # zeroed (older), a transposed view came back contiguous and its base's values scrambled (8b12f97)
+    model, batch = Swapping(), torch.ones(4, 2)
+    base = model.base.clone()
+    with untouched(model):
+        model(batch)
+    assert batch.tolist() == [[1.0, 1.0]] * 4 and model.last.tolist() == [[0.0, 0.0]]
+    assert torch.equal(model.base, base) and model.view.stride() == (1, 3) and torch.equal(model.view, base.t())
+    model.view.add_(1)  # (a view of base again)
+    assert torch.equal(model.base, base + 1)
 
 
 def test_a_buffer_resized_in_place_is_put_back_and_the_rest_with_it():
@@ -269,3 +330,22 @@ def test_fsdp2s_state_dict_hooks_its_first_forward_registers_in_a_pass_stay(grou
     with torch.no_grad():
         model(torch.randn(8, 3))
     assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+
+
+class Grows(nn.Linear):  # an empty tensor attribute a forward grows in place, beside an empty buffer
+    def __init__(self):
+        super().__init__(2, 1)
+        self.cache = torch.empty(0)
+        self.register_buffer("marker", torch.empty(0), persistent=False)
+
+    def forward(self, x):
+        self.cache.resize_(x.numel()).copy_(x.flatten())
+        return super().forward(x)
+
+
+def test_an_empty_buffer_hides_no_empty_tensor_attribute_from_the_in_place_warning():
+    # 41c: every empty storage's address is 0: the buffer made the attribute look like a view of it
+    model = Grows()
+    with pytest.warns(AmpguardWarning, match="changed the tensor attribute Grows.cache in place"):
+        with untouched(model, by="the check"):
+            model(torch.ones(1, 2))
