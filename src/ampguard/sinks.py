@@ -388,16 +388,17 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
         yield Row(step=step, skipped=skipped, skip_reason=reason, **numbers)
 
 
-def _read_back(path: Path, kept: bytes) -> None:
+def _read_back(path: Path, kept: bytes, refused: str = "cannot resume from it") -> None:
     """One :class:`InputError` line unless ``kept`` (the lines of ``path`` a resume keeps) reads as
     :func:`read_steps_and_columns` reads a run's steps.csv: an append to a row ``report`` refuses
-    would leave a run no one can read back (a number cell edited by hand, a NUL in it)."""
+    would leave a run no one can read back (a number cell edited by hand, a NUL in it).
+    ``refused`` ends the line (:func:`_refused`)."""
     extra: list[dict[str, str]] = []
     try:
         for _ in _rows(path, csv.reader(io.StringIO(kept.decode("utf-8"), newline="")), extra):  # (as the file reads)
             metric_values(extra[-1], f"{path} line {len(extra) + 1}")
     except InputError as err:
-        raise InputError(f"{err}; cannot resume from it") from None
+        raise InputError(f"{err}; {refused}") from None
 
 class RowsEndEarly(InputError):
     """A CSV a resume would append to stops before the checkpoint's step (:meth:`CsvSink.kept_rows`):
@@ -481,6 +482,18 @@ RESUME, ATTEMPT = "to resume", "for the loop's new attempt"
 or a training loop that began again there (:meth:`_LineFile.begin_again`, ``CsvSink(again=True)``)."""
 
 
+def _refused(purpose: str, how: str = "from") -> str:
+    """The end of a refusal of a log that cannot be cut back for ``purpose`` (:data:`RESUME`:
+    ``cannot resume from it``, or ``into``; :data:`ATTEMPT`: a retry's, which resumes nothing).
+
+    Example::
+
+        >>> _refused(RESUME), _refused(RESUME, "into"), _refused(ATTEMPT)
+        ('cannot resume from it', 'cannot resume into it', "cannot cut it back for the loop's new attempt")
+    """
+    return f"cannot resume {how} it" if purpose == RESUME else f"cannot cut it back {purpose}"
+
+
 def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
     """A resume's cut (or, ``purpose``, a loop's new attempt's: :meth:`_LineFile.begin_again`):
     ``kept`` made the whole of the log at ``path`` (``replace_atomically``, through its link: a
@@ -489,7 +502,7 @@ def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
     is one :class:`InputError` line naming the file and why, the file as it was; a full disk
     stays :class:`DiskFull`. One whose folder could not be synced after the file was replaced
     (``replaced`` on the error, :func:`replace_atomically`) says the file was cut, and its error
-    (the :class:`InputError`, or :class:`DiskFull`) has ``replaced = True`` too.
+    (the :class:`InputError`, or :class:`DiskFull`, its line saying so too) has ``replaced = True``.
 
     Example::
 
@@ -504,6 +517,12 @@ def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
     """
     try:
         replace_atomically(path, kept, through_link=True)
+    except DiskFull as full:
+        if getattr(full, "replaced", False):  # (the rename made: say the file was cut, a DiskFull still)
+            full.args = (f"{shown(path)} was cut back to step {step} {purpose}, but its folder could not be synced "
+                         f"after (disk full: {full.error.strerror or full.error}): a crash could bring back the rows "
+                         "after it",)
+        raise
     except OSError as err:
         where = err.filename if err.filename is not None and os.fsdecode(err.filename) != os.fsdecode(path) else None
         why = err.strerror or first_line(err)
@@ -520,18 +539,69 @@ def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
         raise InputError(f"cannot cut {shown(path)} back to step {step} {purpose}: {why}") from None
 
 
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """What tells whether the file at ``path`` (through its link) changed: its inode, size and
+    modification time (``None`` when it cannot be looked at). A cut renames a new file over it."""
+    try:
+        found = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return found.st_ino, found.st_size, found.st_mtime_ns
+
+
 @contextlib.contextmanager
-def _aside_taken_back(kept: tuple[Path, int] | None) -> Iterator[None]:
-    """Around the cut of a log whose rows after a step :func:`set_aside` copied to ``kept`` (or
-    ``None``: none): a cut that fails takes the copy back (the rows not left in both files),
-    unless its error has ``replaced`` (the log was cut all the same: the copy holds its rows)."""
+def aside_taken_back(kept: tuple[Path, int] | None, path: Path, step: int, purpose: str = ATTEMPT) -> Iterator[None]:
+    """Around the cut of the log at ``path`` back to ``step`` (``purpose``: :func:`_cut`) whose rows
+    after it :func:`set_aside` copied to ``kept`` (``(copy, rows)``, or ``None``: none). What the
+    block does when it fails is judged from the file, not from its error: a log exactly as it was
+    (its inode, size and modification time, through its link) takes the copy back (the rows not
+    left in both files); a log that changed, or an error with ``replaced`` (:func:`_cut`), was cut,
+    so the copy stays, the only one of those rows. An error after such a cut that does not say so
+    itself (a stop signal aside: it goes on as it came, a note added) becomes one line that says the
+    log was cut and where its rows are, of the same class when it is a :class:`DiskFull` (its
+    ``path`` and ``error`` kept), else an :class:`InputError`.
+
+    Example::
+
+        >>> import tempfile
+        >>> log = Path(tempfile.mkdtemp()) / "steps.csv"
+        >>> _ = log.write_text("step,lr\\n1,0.1\\n2,0.1\\n")
+        >>> kept = set_aside(log, 1, header=True)
+        >>> try:
+        ...     with aside_taken_back(kept, log, 1):
+        ...         _ = log.write_text("step,lr\\n1,0.1\\n")  # (the cut)
+        ...         raise OSError(24, "Too many open files")
+        ... except InputError as err:
+        ...     print(str(err).replace(str(log), "steps.csv"))
+        steps.csv was cut back to step 1 for the loop's new attempt (its 1 row after it moved to steps.attempt-1.csv), but then: Too many open files
+        >>> kept[0].read_text()
+        'step,lr\\n2,0.1\\n'
+    """
+    before = _identity(path) if kept is not None else None
     try:
         yield
     except BaseException as err:
-        if kept is not None and not getattr(err, "replaced", False):
+        if kept is None:
+            raise
+        replaced = getattr(err, "replaced", False)
+        if not replaced and before is not None and _identity(path) == before:  # as it was: nothing was moved
             with contextlib.suppress(OSError):  # (the error said is the cut's)
                 kept[0].unlink(missing_ok=True)
-        raise
+            raise
+        where = f"its {counted(kept[1], 'row')} after it moved to {kept[0].name}"
+        if not isinstance(err, Exception):  # (a stop signal: it stays one, the process ends as it asks)
+            with contextlib.suppress(Exception):
+                err.add_note(f"ampguard: {shown(path)} was cut back to step {step} {purpose}; {where}")
+            raise
+        if replaced and isinstance(err, InputError):  # (_cut's own line: the file was cut, not synced)
+            raise
+        if isinstance(err, DiskFull):
+            said = first_line(err)
+            err.args = (f"{said}; {where}" if replaced else
+                        f"{shown(path)} was cut back to step {step} {purpose} ({where}), but then: {said}",)
+            raise
+        why = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)  # (as _cut says it)
+        raise InputError(f"{shown(path)} was cut back to step {step} {purpose} ({where}), but then: {why}") from None
 
 
 class _LineFile:
@@ -605,26 +675,28 @@ class _LineFile:
         """The loop began again from ``step`` (a Hugging Face ``auto_find_batch_size`` retry): the
         rows after it, the abandoned attempt's, move to ``<stem>.attempt-N<suffix>``
         (:func:`set_aside`) and the file goes on after ``step``, one row a step. A line that says
-        so, or ``None`` when there were none. One that fails (the file closed, read or cut) takes the
-        copy back, the file as it was and open again, unless the file was cut all the same (an
-        error with ``replaced``: its folder could not be synced after), whose rows stay in the copy."""
+        so, or ``None`` when there were none. One that fails (the file closed, read, cut or opened
+        again) takes the copy back when the file is as it was (:func:`aside_taken_back`, judged from
+        the file); a file that was cut all the same (its folder not synced after: ``replaced``; or
+        a stop signal, an error after the rename) keeps its rows in the copy, and the error says
+        so. Either way the file is open again after, where it can be: rows go on after its last."""
         kept = set_aside(self.path, step, header=self._header)
         if kept is None:
             return None
         try:  # (a cut that cannot be made: one line, and the rows it set aside not left twice)
-            with _aside_taken_back(kept):
+            with aside_taken_back(kept, self.path, step):
                 self.close()
                 # cut where set_aside began: at the first row after step (JSON lines: events of your own,
                 # lines without a step, stay before it and moved with the records after it)
                 lines = self.path.read_bytes().splitlines(keepends=True)
                 before = lines[:_first_after(lines, step, header=self._header)]
                 _cut(self.path, b"".join(line for line in before if line.endswith(b"\n")), step, ATTEMPT)
-        except BaseException as err:
-            if self._file is None and not getattr(err, "replaced", False):  # (as it was: rows go on after its last)
-                with contextlib.suppress(OSError):  # (the error said is the cut's)
+                self._file = _open_for_append(self.path)
+        except BaseException:
+            if self._file is None:  # (as it was, or cut: rows go on after its last)
+                with contextlib.suppress(OSError, InputError):  # (the error said is the cut's)
                     self._file = _open_for_append(self.path)
             raise
-        self._file = _open_for_append(self.path)
         return f"{self.path.name}'s {counted(kept[1], 'row')} after it moved to {kept[0].name}"
 
     def sync(self) -> None:
@@ -767,7 +839,13 @@ class CsvSink(_LineFile):
             raise InputError(f"{path}: its header does not match {expected}{said}, cannot append")
 
     def begin_again(self, step: int) -> str | None:
-        said = super().begin_again(step)
+        before = _identity(self.path)
+        try:
+            said = super().begin_again(step)
+        except BaseException:
+            if _identity(self.path) != before:  # (cut all the same: the next row follows the last one kept)
+                self._last = _last_step(self.path)
+            raise
         if said is not None:
             self._last = _last_step(self.path)  # (the next row follows the last one kept)
         return said
@@ -805,10 +883,10 @@ class CsvSink(_LineFile):
             b'step,lr\\n1,0.1\\n\\xb2,0.\\xff\\n3,0.1\\n'
         """
         # (a CSV that is a link stays one, its target cut: it is appended to through the link)
-        _cut(self.path, self.kept_rows(self.path, len(self.columns), step), step, purpose)
+        _cut(self.path, self.kept_rows(self.path, len(self.columns), step, purpose=purpose), step, purpose)
 
     @staticmethod
-    def kept_rows(path: Path, width: int, step: int, first: int | None = None) -> bytes:
+    def kept_rows(path: Path, width: int, step: int, first: int | None = None, purpose: str = RESUME) -> bytes:
         """The bytes of the CSV at ``path`` a resume from ``step`` keeps: the header and the rows
         up to ``step``, each checked (UTF-8, ``width`` cells, an ASCII whole-number step; else
         one :class:`InputError` line); a torn last line and the rows after ``step`` left out.
@@ -816,7 +894,8 @@ class CsvSink(_LineFile):
         own steps.csv from 1): a row missing, or a step going back, is one line too (appending
         to it would make a CSV that disagrees with the run card, or one ``report`` refuses), and
         each row kept must read as :func:`read_steps_and_columns` reads it (its numbers numbers).
-        Reads only: a resume checks every log with it before it cuts any (``Trainer``).
+        Reads only: a resume checks every log with it before it cuts any (``Trainer``). ``purpose``
+        (:func:`_cut`'s): what a refusal says it cannot do, a resume or the loop's new attempt.
 
         Example::
 
@@ -836,6 +915,7 @@ class CsvSink(_LineFile):
             steps.csv line 5: step 2 where step 4 should be (a step goes back); cannot resume into it
             steps.csv line 2: column lr holds '0.\\x001', not a number; cannot resume from it
         """
+        refused, into = _refused(purpose), _refused(purpose, "into")
         lines = path.read_bytes().splitlines(keepends=True)
         keep = [_whole(lines[0])] if lines else []  # (a header its writer's newline never reached: whole)
         expected = first
@@ -849,29 +929,29 @@ class CsvSink(_LineFile):
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise InputError(f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}), "
-                                 "cannot resume from it") from None
+                                 f"{refused}") from None
             try:
                 cells = next(csv.reader([line]), [])
             except csv.Error as err:  # (a cell past the csv module's field limit, 128 KiB)
-                raise InputError(f"{where}: not a row of this CSV ({err}); cannot resume from it") from None
+                raise InputError(f"{where}: not a row of this CSV ({err}); {refused}") from None
             if len(cells) != width:
-                raise InputError(f"{where}: {len(cells)} cells, the header has {width}; cannot resume from it")
+                raise InputError(f"{where}: {len(cells)} cells, the header has {width}; {refused}")
             if not (cells[0].isascii() and cells[0].isdigit()):
                 raise InputError(f"{where}: step {cells[0]!r} is not a step number (a whole number from 1), "
-                                 "cannot resume from it")
+                                 f"{refused}")
             n = int(cells[0])
             if expected is not None and n != expected and (n <= step or n < expected):
                 why = "a row is missing" if n > expected else "a step goes back"
-                raise InputError(f"{where}: step {n} where step {expected} should be ({why}); cannot resume into it")
+                raise InputError(f"{where}: step {n} where step {expected} should be ({why}); {into}")
             if n > step:
                 break
             keep.append(raw)
             expected = None if expected is None else expected + 1
         if first is not None:  # (a run's own steps.csv): each row kept is one report can read, cell by cell
-            _read_back(path, b"".join(keep))
+            _read_back(path, b"".join(keep), refused)
         if expected is not None and expected <= step:
             raise RowsEndEarly(f"{path}: its rows end at step {expected - 1}, the checkpoint is at step {step} (rows "
-                               "missing); cannot resume into it", expected - 1)
+                               f"missing); {into}", expected - 1)
         return b"".join(keep)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
@@ -1166,6 +1246,12 @@ def set_aside(path: Path, step: int, *, header: bool) -> tuple[Path, int] | None
     ``step`` go with the records. ``path`` itself is not changed: its writer cuts it.
     ``(copy, rows)``, or ``None`` when there are none.
 
+    A copy that cannot be made whole leaves nothing behind, the rows in ``path`` alone: one whose
+    write failed after its rename (its folder not synced), or that a stop signal cut short, is
+    removed again. A failure is one :class:`InputError` line naming the copy and saying nothing
+    was moved (a full disk stays :class:`DiskFull`, its line saying so; a stop signal goes on as
+    it came); a copy that could not be removed either is named as holding the rows too.
+
     Example::
 
         >>> import tempfile
@@ -1192,8 +1278,45 @@ def set_aside(path: Path, step: int, *, header: bool) -> tuple[Path, int] | None
     attempt = 1
     while (copy := path.with_name(f"{path.stem}.attempt-{attempt}{path.suffix}")).exists():
         attempt += 1
-    replace_atomically(copy, b"".join([*head, *after]))
+    try:
+        replace_atomically(copy, b"".join([*head, *after]))
+    except BaseException as err:
+        _no_copy_left(err, path, copy, step)
+        raise
     return copy, records
+
+
+def _no_copy_left(err: BaseException, path: Path, copy: Path, step: int) -> None:
+    """:func:`set_aside`'s copy that failed (``err``): removed if it was made all the same (the
+    name was free: what is there is this copy), and ``err`` raised as one line that says so."""
+    left = False
+    if os.path.lexists(copy):  # (renamed, its folder not synced: replaced; or a signal after the rename)
+        try:
+            copy.unlink()
+        except OSError:
+            left = True
+    if not isinstance(err, Exception):  # (a stop signal: it stays one)
+        if left:
+            with contextlib.suppress(Exception):
+                err.add_note(f"ampguard: {copy} holds a copy of {shown(path)}'s rows after step {step} (remove it: "
+                             "the file was not changed)")
+        return
+    what = f"cannot set {shown(path)}'s rows after step {step} aside in {copy.name}"
+    if isinstance(err, DiskFull):
+        why = f"disk full: {err.error.strerror or err.error}"
+    elif isinstance(err, OSError):
+        why = err.strerror or first_line(err)
+    else:
+        why = first_line(err)
+    if getattr(err, "replaced", False):
+        why = f"its folder could not be synced after it was written ({why})"
+    tail = (f"{copy.name} holds a copy of them all the same (remove it: {shown(path)} was not changed)" if left
+            else "nothing was moved")
+    line = f"{what}: {why}; {tail}"
+    if isinstance(err, DiskFull):  # (a DiskFull still: callers tell a full disk by its class)
+        err.args = (line,)
+        return
+    raise InputError(line) from None
 
 
 def _step_of(line: bytes, header: bool) -> int | None:

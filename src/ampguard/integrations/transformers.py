@@ -54,7 +54,7 @@ from ..monitor import DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonit
 from ..precision import Precision, check_scaler_settings
 from ..records import SkipLog, StepLog, StepRecord
 from ..signals import Interrupted, StopFlag, stop_on_signals
-from ..sinks import CsvSink, Sink, _aside_taken_back, set_aside
+from ..sinks import CsvSink, Sink, aside_taken_back, set_aside
 from ..step import Guard, check_settings, holds_gradients
 from ..watch import first_forward_dtypes, float32_layers_text, note_autocast_inside
 from .accelerate import _inner, found_inf
@@ -450,7 +450,8 @@ class AmpGuardCallback(TrainerCallback):
                 kept = set_aside(folder / CSV_NAME, state.global_step, header=True)
             # a resume appends (the CSV cut after the checkpoint's step); a fresh run refuses an existing file
             goes_on = resume is not None or retry
-            with _aside_taken_back(kept):  # (a cut that cannot be made: the rows set aside not left in both files)
+            with aside_taken_back(kept, folder / CSV_NAME, state.global_step):  # (a cut that fails: the rows set aside
+                # not left in both files; one made all the same keeps them in the copy, and says so)
                 self._csv = CsvSink(folder / CSV_NAME, append=goes_on, again=retry, keep_through=resume[0]
                                     if resume is not None else state.global_step if retry else None)
             # (each once made: a file refused as "already exists" is the user's, never taken back)

@@ -1,0 +1,320 @@
+"""Review 41 (sinks): a Hugging Face retry's cut (``begin_again``, the callback's own CSV) judged
+from the file, not from its error: a stop signal or any error after the cut's rename keeps the
+copy of the abandoned rows, and the error says where they are; ``set_aside``'s own copy that fails
+after its rename is removed, one line naming it; a sink whose cut was made goes on after the last
+row kept; a full disk at the cut's folder sync says the file was cut; a retry's refusal says it is
+for the loop's new attempt; ``aside_taken_back`` is public."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from ampguard import files, sinks
+from ampguard.errors import ExitCode, InputError
+from ampguard.files import DiskFull
+from ampguard.records import StepLog
+from ampguard.signals import Interrupted
+from ampguard.sinks import CsvSink, JsonlSink, set_aside
+
+HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale\n"
+
+
+def _log(step: int) -> StepLog:
+    return StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+
+
+def _steps(path: Path) -> list[int] | None:
+    """The steps of a CSV's rows or of JSON lines' records; None for no file."""
+    if not path.exists():
+        return None
+    if path.suffix == ".jsonl":
+        import json
+
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    return [int(line.split(",")[0]) for line in path.read_text().splitlines()[1:]]
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _sink(tmp_path: Path, kind: str = "csv"):
+    sink = CsvSink(tmp_path / "steps.csv") if kind == "csv" else JsonlSink(tmp_path / "steps.jsonl")
+    for step in range(1, 5):
+        sink.write(_log(step))
+    return sink
+
+
+def _armed_after_set_aside(monkeypatch) -> list[bool]:
+    """A list that holds True once set_aside has made its copy (what comes after is the cut)."""
+    real, armed = sinks.set_aside, []
+
+    def set_aside_then_arm(*args, **kwargs):
+        out = real(*args, **kwargs)
+        armed.append(True)
+        return out
+
+    monkeypatch.setattr(sinks, "set_aside", set_aside_then_arm)
+    return armed
+
+
+def _folder_sync_raises(monkeypatch, make, armed=lambda: True) -> None:
+    """The folder's fsync after a rename (files._sync on a folder) raises ``make()``."""
+    real_sync = files._sync
+
+    def sync(fd):
+        if armed() and stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise make()
+        return real_sync(fd)
+
+    monkeypatch.setattr(files, "_sync", sync)
+
+
+# ---------------------------------------------------------------------------- F4: judged from the file
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+def test_a_stop_signal_after_the_cuts_rename_keeps_the_copy_and_the_sink_goes_on(tmp_path, monkeypatch, kind):
+    # review 41 F4: Interrupted (a KeyboardInterrupt, no `replaced` on it) in the cut's folder sync, after the
+    # rename: _aside_taken_back deleted the only copy of steps 3-4 (the log already cut to 1-2)
+    sink = _sink(tmp_path, kind)
+    armed = _armed_after_set_aside(monkeypatch)
+    _folder_sync_raises(monkeypatch, lambda: Interrupted(ExitCode.TERMINATED), lambda: bool(armed))
+    with pytest.raises(Interrupted):
+        sink.begin_again(2)
+    copy = sink.path.with_name(f"steps.attempt-1.{kind}")
+    assert _steps(sink.path) == [1, 2] and _steps(copy) == [3, 4]  # (each row once, none lost)
+    monkeypatch.undo()
+    sink.write(_log(3))  # (open again, after the last row kept)
+    sink.close()
+    assert _steps(sink.path) == [1, 2, 3]
+
+
+def test_an_error_after_the_cuts_rename_without_replaced_keeps_the_copy_and_says_so(tmp_path, monkeypatch):
+    # review 41 F4: any error raised after the rename but without `replaced` (here: replace_atomically made the
+    # cut, then raised) deleted the copy: the abandoned rows in neither file, and the error said nothing of it
+    sink = _sink(tmp_path)
+    real = sinks.replace_atomically
+
+    def cut_then_fail(path, data, through_link=False):
+        real(path, data, through_link=through_link)
+        if through_link:  # (the cut; set_aside's copy is made without it)
+            raise RuntimeError("the folder's sync was cut short")
+
+    monkeypatch.setattr(sinks, "replace_atomically", cut_then_fail)
+    with pytest.raises(InputError) as err:
+        sink.begin_again(2)
+    assert _steps(sink.path) == [1, 2] and _steps(tmp_path / "steps.attempt-1.csv") == [3, 4]
+    assert str(err.value) == (f"{sink.path} was cut back to step 2 for the loop's new attempt (its 2 rows after it "
+                              "moved to steps.attempt-1.csv), but then: the folder's sync was cut short")
+    monkeypatch.undo()
+    sink.write(_log(3))
+    sink.close()
+    assert _steps(sink.path) == [1, 2, 3]
+
+
+def test_a_stop_signal_before_the_cuts_rename_still_takes_the_copy_back(tmp_path, monkeypatch):
+    # (a guard, passes before and after: the file as it was, the copy taken back, the sink open as it was)
+    sink = _sink(tmp_path)
+    real = sinks.replace_atomically
+
+    def interrupted(path, data, through_link=False):
+        if through_link:
+            raise Interrupted(ExitCode.TERMINATED)
+        return real(path, data, through_link=through_link)
+
+    monkeypatch.setattr(sinks, "replace_atomically", interrupted)
+    with pytest.raises(Interrupted):
+        sink.begin_again(2)
+    assert _names(tmp_path) == ["steps.csv"] and _steps(sink.path) == [1, 2, 3, 4]
+    sink.write(_log(5))
+    sink.close()
+    assert _steps(sink.path) == [1, 2, 3, 4, 5]
+
+
+# ---------------------------------------------------------------------------- F5: the open after the cut
+
+
+def _open_fails_once_after(monkeypatch, armed) -> None:
+    real, failed = sinks._open_for_append, []
+
+    def emfile(path):
+        if armed() and not failed:
+            failed.append(True)
+            raise InputError(f"cannot write {path}: Too many open files")
+        return real(path)
+
+    monkeypatch.setattr(sinks, "_open_for_append", emfile)
+
+
+def test_begin_again_whose_open_after_the_cut_fails_says_the_log_was_cut_and_goes_on(tmp_path, monkeypatch):
+    # review 41 F5: the open after the cut sat outside the try: its error ("cannot write ...") said nothing of
+    # the cut, and the sink stayed closed with its last step 4 (the next row, step 3, refused)
+    sink = _sink(tmp_path)
+    armed = _armed_after_set_aside(monkeypatch)
+    _open_fails_once_after(monkeypatch, lambda: bool(armed))
+    with pytest.raises(InputError) as err:
+        sink.begin_again(2)
+    assert _steps(sink.path) == [1, 2] and _steps(tmp_path / "steps.attempt-1.csv") == [3, 4]
+    assert str(err.value) == (f"{sink.path} was cut back to step 2 for the loop's new attempt (its 2 rows after it "
+                              f"moved to steps.attempt-1.csv), but then: cannot write {sink.path}: Too many open files")
+    sink.write(_log(3))
+    sink.close()
+    assert _steps(sink.path) == [1, 2, 3]
+
+
+def test_the_callbacks_csv_whose_open_after_the_cut_fails_keeps_the_copy_and_says_so(tmp_path, monkeypatch):
+    # review 41 F5: the callback's retry (transformers.py: set_aside, then CsvSink(again=True) inside
+    # _aside_taken_back): CsvSink's open failing after its cut deleted the copy of the cut log's rows
+    path = tmp_path / "steps.csv"
+    sink = _sink(tmp_path)
+    sink.close()
+    kept = set_aside(path, 0, header=True)
+    _open_fails_once_after(monkeypatch, lambda: True)
+    taken_back = getattr(sinks, "aside_taken_back", None)
+    with pytest.raises(InputError) as err:
+        if taken_back is not None:
+            with taken_back(kept, path, 0):
+                CsvSink(path, append=True, again=True, keep_through=0)
+        else:  # (the old name and signature)
+            with sinks._aside_taken_back(kept):
+                CsvSink(path, append=True, again=True, keep_through=0)
+    assert _steps(path) == [] and _steps(tmp_path / "steps.attempt-1.csv") == [1, 2, 3, 4]
+    assert str(err.value) == (f"{path} was cut back to step 0 for the loop's new attempt (its 4 rows after it moved "
+                              f"to steps.attempt-1.csv), but then: cannot write {path}: Too many open files")
+
+
+def test_the_callbacks_retry_whose_open_after_the_cut_fails_keeps_the_copy(tmp_path, monkeypatch):
+    # review 41 F5, end to end: a Hugging Face auto_find_batch_size retry whose CSV's open after the cut fails
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
+    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=4, use_cpu=True,
+                             report_to=[], save_strategy="no", disable_tqdm=True, auto_find_batch_size=True)
+    trainer = GuardedTrainer(model=model, args=args, train_dataset=ids,
+                             callbacks=[AmpGuardCallback(print_fn=lambda line: None)])
+    forwards = [0]
+
+    def out_of_memory(module, args, kwargs):  # (the third forward, at step 3: HF begins again at step 0)
+        forwards[0] += 1
+        if kwargs["input_ids"].shape[0] > 2 and forwards[0] > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB (a stand-in)")
+
+    model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+    folder = tmp_path / "out" / "ampguard"
+    _open_fails_once_after(monkeypatch, lambda: (folder / "steps.attempt-1.csv").exists())
+    with pytest.raises(InputError) as err:
+        trainer.train()
+    assert _steps(folder / "steps.attempt-1.csv") == [1, 2] and _steps(folder / "steps.csv") == []
+    assert str(err.value) == (f"{folder / 'steps.csv'} was cut back to step 0 for the loop's new attempt (its 2 rows "
+                              f"after it moved to steps.attempt-1.csv), but then: cannot write {folder / 'steps.csv'}: "
+                              "Too many open files")
+
+
+# ---------------------------------------------------------------------------- F6: set_aside's own copy
+
+
+@pytest.mark.parametrize("error", [errno.EIO, errno.ENOSPC])
+def test_set_aside_whose_copy_was_renamed_but_not_synced_removes_it_and_says_so(tmp_path, monkeypatch, error):
+    # review 41 F6: the copy's folder sync failed after its rename (replaced): a raw OSError naming no file, and
+    # the copy left beside a log that kept every row (the rows in two files, silently, if the caller went on)
+    path = _sink(tmp_path).path
+    _folder_sync_raises(monkeypatch, lambda: OSError(error, os.strerror(error)))
+    with pytest.raises(DiskFull if error == errno.ENOSPC else InputError) as err:
+        set_aside(path, 2, header=True)
+    assert _names(tmp_path) == ["steps.csv"] and _steps(path) == [1, 2, 3, 4]
+    why = "disk full: No space left on device" if error == errno.ENOSPC else "Input/output error"
+    assert str(err.value) == (f"cannot set {path}'s rows after step 2 aside in steps.attempt-1.csv: its folder could "
+                              f"not be synced after it was written ({why}); nothing was moved")
+
+
+def test_begin_again_whose_every_folder_sync_fails_moves_nothing_and_goes_on(tmp_path, monkeypatch):
+    # review 41 F6 (case C): set_aside's copy hit the failing folder first; begin_again raised a raw OSError
+    # with the copy left and the log whole
+    sink = _sink(tmp_path)
+    _folder_sync_raises(monkeypatch, lambda: OSError(errno.EIO, os.strerror(errno.EIO)))
+    with pytest.raises(InputError, match="aside in steps.attempt-1.csv: .*; nothing was moved$"):
+        sink.begin_again(2)
+    assert _names(tmp_path) == ["steps.csv"] and _steps(sink.path) == [1, 2, 3, 4]
+    monkeypatch.undo()
+    sink.write(_log(5))
+    sink.close()
+    assert _steps(sink.path) == [1, 2, 3, 4, 5]
+
+
+def test_set_aside_interrupted_after_its_copys_rename_leaves_no_copy(tmp_path, monkeypatch):
+    # review 41 F6: a stop signal in the copy's folder sync left the copy (every row still in the log too)
+    path = _sink(tmp_path).path
+    _folder_sync_raises(monkeypatch, lambda: Interrupted(ExitCode.TERMINATED))
+    with pytest.raises(Interrupted):
+        set_aside(path, 2, header=True)
+    assert _names(tmp_path) == ["steps.csv"] and _steps(path) == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------- F7: the sink goes on after a cut
+
+
+@pytest.mark.parametrize("error", [errno.EIO, errno.ENOSPC])
+def test_a_sink_whose_cut_was_made_but_not_synced_goes_on_after_the_last_row_kept(tmp_path, monkeypatch, error):
+    # review 41 F7: left closed, its last step 4: the next row was refused as "step 3 after step 4"
+    sink = _sink(tmp_path)
+    armed = _armed_after_set_aside(monkeypatch)
+    _folder_sync_raises(monkeypatch, lambda: OSError(error, os.strerror(error)), lambda: bool(armed))
+    with pytest.raises(DiskFull if error == errno.ENOSPC else InputError) as err:
+        sink.begin_again(2)
+    assert err.value.replaced is True
+    assert _steps(sink.path) == [1, 2] and _steps(tmp_path / "steps.attempt-1.csv") == [3, 4]
+    monkeypatch.undo()
+    sink.write(_log(3))
+    sink.close()
+    assert _steps(sink.path) == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------- F8: wording, the public name
+
+
+def test_a_full_disk_at_the_cuts_folder_sync_says_the_file_was_cut_and_where_its_rows_are(tmp_path, monkeypatch):
+    # review 41 F8: it said only "disk full while writing .../steps.csv (No space left on device)"
+    sink = _sink(tmp_path)
+    armed = _armed_after_set_aside(monkeypatch)
+    _folder_sync_raises(monkeypatch, lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), lambda: bool(armed))
+    with pytest.raises(DiskFull) as err:
+        sink.begin_again(2)
+    assert err.value.error.errno == errno.ENOSPC and os.fspath(err.value.path) == os.fspath(sink.path)
+    assert str(err.value) == (f"{sink.path} was cut back to step 2 for the loop's new attempt, but its folder could "
+                              "not be synced after (disk full: No space left on device): a crash could bring back the "
+                              "rows after it; its 2 rows after it moved to steps.attempt-1.csv")
+
+
+def test_a_retrys_csv_with_a_short_row_is_refused_for_the_loops_new_attempt(tmp_path):
+    # review 41 F8: CsvSink(again=True) said "cannot resume from it" (a retry resumes nothing)
+    path = tmp_path / "steps.csv"
+    path.write_text(HEADER + "1,0.1,1,1,0.5,0,,1\n2,0.1,1\n")
+    with pytest.raises(InputError) as err:
+        CsvSink(path, append=True, again=True, keep_through=2)
+    assert str(err.value) == (f"{path} line 3: 3 cells, the header has 8; cannot cut it back for the loop's new "
+                              "attempt")
+    with pytest.raises(InputError, match="; cannot resume from it$"):  # (a resume's, as it was)
+        CsvSink(path, append=True, keep_through=2)
+    assert path.read_text() == HEADER + "1,0.1,1,1,0.5,0,,1\n2,0.1,1\n"
+
+
+def test_aside_taken_back_is_public_and_the_callback_uses_it():
+    # review 41 F8: transformers.py imported the private _aside_taken_back
+    assert callable(getattr(sinks, "aside_taken_back", None))
+    pytest.importorskip("transformers")
+    from ampguard.integrations import transformers as integration
+
+    assert integration.aside_taken_back is sinks.aside_taken_back
+    assert not hasattr(integration, "_aside_taken_back")
