@@ -214,7 +214,7 @@ class BufferSnapshot:
         self.attributes = [_kept_module(m) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
 
-    def put_back(self) -> list[str]:
+    def put_back(self) -> list[str] | None:
         """The buffers and plain attributes as they were when the snapshot was taken (returned: the
         modules left as the pass left them, :func:`_put_attributes_back`). Every copied
         buffer's values are copied back, not only those whose version counter moved: BatchNorm's
@@ -223,6 +223,7 @@ class BufferSnapshot:
         first set back to its own storage, offset, size and strides (copied into as it was, it
         raised, or wrote into the user's batch; given a clone, its aliases parted from it: reviews
         41, 41b, 41c); the attributes are put back whatever happened to the buffers."""
+        failed: BaseException | None = None
         try:
             with torch.no_grad():
                 for m, held in self.held:
@@ -231,17 +232,15 @@ class BufferSnapshot:
                         m._non_persistent_buffers_set.discard(name)
                     for name, b in held.items():
                         m._buffers[name] = b  # (the same tensor, or None: one the forward re-registered is put back)
-                        saved = self.copies.get(id(b)) if b is not None else None
-                        if saved is None:
-                            continue
-                        with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
-                            storage, offset, size, stride = self.places[id(b)]
-                            if _place(b)[1:] != (offset, size, stride) or b.untyped_storage().data_ptr() != \
-                                    storage.data_ptr():  # (the same object, where it was)
-                                b.set_(storage, offset, size, stride)
-                            b.copy_(saved)
+                        if b is not None and id(b) in self.copies:
+                            try:  # (each one: a buffer that cannot be put back leaves the others put back)
+                                _set_back(b, self.places[id(b)], self.copies[id(b)])
+                            except Exception as err:
+                                failed = failed or err
         finally:
             left = _put_attributes_back(self.attributes)
+        if failed is not None:
+            raise failed
         return left
 
 
@@ -305,7 +304,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
         with rng_kept(), _attributes_warned(snapshot.attributes, by, model), modes_kept(model):
             yield snapshot
     finally:
-        left: list[str] = []
+        left: list[str] | None = None
         try:
             left = snapshot.put_back()
             with torch.no_grad():
@@ -329,12 +328,12 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           f"{' and '.join(_a(kind) for kind in types[:2])}{' and others' if len(types) > 2 else ''}): "
                           f"the model's forward updates them, {so}; make the change in the training step, not the "
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
-        if left:
+        if left is not None:  # (review 41e: said whether or not an attribute changed: the hooks alone may differ)
+            changed = (f" ({' and '.join(left[:2])}{' and others' if len(left) > 2 else ''})" if left else "")
             warnings.warn(f"{by} registered gradient hooks on the model's parameters: they stay, and so does what "
-                          f"its passes changed in the modules ({' and '.join(left[:2])}"
-                          f"{' and others' if len(left) > 2 else ''}: not put back, whatever records the hooks must "
-                          "agree with them), so the run does not start as a plain loop's; register such hooks before "
-                          "handing the model over", AmpguardWarning, stacklevel=3)
+                          f"its passes changed in the modules{changed} and the hooks they registered (not put back: "
+                          "whatever records the hooks must agree with them), so the run does not start as a plain "
+                          "loop's; register such hooks before handing the model over", AmpguardWarning, stacklevel=3)
         made = sorted({kind for m, kind in lazy_kinds if not not_made(m)})
         if made:
             warnings.warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
@@ -472,7 +471,7 @@ def _kept_hooks(m: torch.nn.Module) -> list[tuple[Any, str, set[int]]]:
             for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m]
 
 
-def _put_attributes_back(kept: list[_Kept]) -> list[str]:
+def _put_attributes_back(kept: list[_Kept]) -> list[str] | None:
     """Each module's attributes in ``kept`` (:func:`_kept_module`'s snapshots) as they were: one
     replaced put back (the same object, whatever its type: a counter, an LSTM's hidden tuple, a
     dict; review 40o), one added since taken out, a list, dict or set changed in place given its
@@ -496,11 +495,19 @@ def _put_attributes_back(kept: list[_Kept]) -> list[str]:
     it for good (transformers' tensor-parallel ``ReplicatedWithGradAllReduce``, a dict in its
     hook's closure: the layer's gradients were never all-reduced again, review 41b); kept while
     a record was put back, it was registered again, each gradient halved twice (41a, and 41c
-    with the record on the parent). Returned: each module whose attributes the pass so left
-    changed, ``"Type (name, ...)"``."""
+    with the record on the parent). Returned: None when everything was put back, else each module
+    whose attributes the pass so left changed, ``"Type (name, ...)"`` (an empty list: none did,
+    the hooks alone stay)."""
     if any(_gained_gradient_hook(m, hooks) for m, _, hooks, _ in kept):  # (the whole model as the pass left it)
         return [f"{type(m).__name__} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
                 for m, held, _, contents in kept if (changed := _changed_attributes(vars(m), held, contents))]
+    _put_modules_back(kept)
+    return None
+
+
+def _put_modules_back(kept: list[_Kept]) -> None:
+    """:func:`_put_attributes_back`'s work when the block registered no gradient hook: each module's
+    hooks taken out, its attributes and their contents put back."""
     for m, held, hooks, contents in kept:
         _take_out_hooks(m, hooks)
         now = vars(m)
@@ -520,7 +527,6 @@ def _put_attributes_back(kept: list[_Kept]) -> list[str]:
                 else:
                     v.clear()
                     v.update(contents[k])
-    return []
 
 
 def _gained_gradient_hook(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> bool:
@@ -633,10 +639,31 @@ def _memory(t: torch.Tensor) -> int | None:
         return None
 
 
-def _place(t: torch.Tensor) -> tuple[Any, int, torch.Size, tuple[int, ...]]:
-    """Where tensor ``t``'s values lie: its storage, offset, size and strides (what ``Tensor.set_``
-    takes back)."""
-    return t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+def _place(t: torch.Tensor) -> tuple[Any, int, torch.Size, tuple[int, ...], torch.dtype, int]:
+    """Where tensor ``t``'s values lie and how they read: its storage, offset, size, strides and
+    dtype (what ``Tensor.set_`` takes back), and the storage's bytes (a forward may free them:
+    ``untyped_storage().resize_(0)``)."""
+    storage = t.untyped_storage()
+    return storage, t.storage_offset(), t.size(), t.stride(), t.dtype, storage.nbytes()
+
+
+def _set_back(b: torch.Tensor, place: tuple[Any, int, torch.Size, tuple[int, ...], torch.dtype, int],
+              saved: torch.Tensor) -> None:
+    """Buffer ``b`` where :func:`_place` found it (``place``), the same object, its values
+    ``saved`` copied in: a storage a forward shrank or freed given its bytes back (copied into, the
+    process crashed: review 41e), a buffer a forward gave another storage, layout or dtype
+    (``self.table.data = ...to(x.dtype)``) set back to its own (its new dtype read the old storage
+    with another item size: 41e)."""
+    storage, offset, size, stride, dtype, nbytes = place
+    with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
+        if storage.nbytes() < nbytes:
+            storage.resize_(nbytes)
+        if b.dtype != dtype:
+            b.data = torch.empty(0, dtype=dtype, device=saved.device).set_(storage, offset, size, stride)
+        elif (b.storage_offset(), b.size(), b.stride()) != (offset, size, stride) or \
+                b.untyped_storage().data_ptr() != storage.data_ptr():  # (the same object, where it was)
+            b.set_(storage, offset, size, stride)
+        b.copy_(saved)
 
 
 def _storage(p: torch.Tensor) -> int | None:

@@ -349,3 +349,47 @@ def test_an_empty_buffer_hides_no_empty_tensor_attribute_from_the_in_place_warni
     with pytest.warns(AmpguardWarning, match="changed the tensor attribute Grows.cache in place"):
         with untouched(model, by="the check"):
             model(torch.ones(1, 2))
+
+
+class Retyped(nn.Module):  # a buffer a forward gives another dtype, one it frees, and a BatchNorm after them
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.zeros(2))
+        self.register_buffer("scratch", torch.ones(4))
+        self.norm = nn.BatchNorm1d(2)
+
+    def forward(self, x):
+        self.table.data = self.table.data.to(x.dtype)
+        self.scratch.untyped_storage().resize_(0)
+        return self.norm(x.float())
+
+
+def test_a_buffer_given_another_dtype_or_freed_is_put_back_and_the_buffers_after_it_too():
+    # 41e: set_ read the old float32 storage with the new dtype's item size (a raw RuntimeError, and the
+    # BatchNorm's statistics after it left moved); a freed storage was copied into (the process crashed)
+    model = Retyped()
+    with untouched(model):
+        model(torch.randn(4, 2, dtype=torch.float64))
+    assert model.table.dtype == torch.float32 and model.table.tolist() == [0.0, 0.0]
+    assert model.scratch.tolist() == [1.0] * 4
+    assert model.norm.running_mean.tolist() == [0.0, 0.0] and int(model.norm.num_batches_tracked) == 0
+
+
+class EveryCall(nn.Module):  # a gradient hook and a forward hook registered at every call, no attribute changed
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 1)
+
+    def forward(self, x):
+        self.a.weight.register_hook(lambda g: g * 0.5)
+        self.b.register_forward_hook(lambda m, args, out: out * 2)
+        return self.b(self.a(x))
+
+
+def test_hooks_left_by_a_pass_are_said_even_when_no_attribute_changed():
+    # 41e: the warning named only modules whose attributes changed: the hooks a pass left, piled up at each
+    # pass, went unsaid
+    model = EveryCall()
+    with pytest.warns(AmpguardWarning, match="registered gradient hooks on the model's parameters: they stay"):
+        with untouched(model, by="the check"):
+            model(torch.ones(1, 2)).sum()
