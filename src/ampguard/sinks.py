@@ -539,14 +539,16 @@ def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
         raise InputError(f"cannot cut {shown(path)} back to step {step} {purpose}: {why}") from None
 
 
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    """What tells whether the file at ``path`` (through its link) changed: its inode, size and
-    modification time (``None`` when it cannot be looked at). A cut renames a new file over it."""
+def _identity(path: Path) -> tuple[int, int] | None:
+    """What tells whether the file at ``path`` (through its link) was cut: its inode and size
+    (``None`` when it cannot be looked at). A cut renames a new, shorter file over it; its
+    modification time is left out (a file system that flushes at ``close``, NFS, moves it with
+    nothing cut: review 41e)."""
     try:
         found = os.stat(path)
     except (OSError, ValueError):
         return None
-    return found.st_ino, found.st_size, found.st_mtime_ns
+    return found.st_ino, found.st_size
 
 
 @contextlib.contextmanager
@@ -554,7 +556,7 @@ def aside_taken_back(kept: tuple[Path, int] | None, path: Path, step: int, purpo
     """Around the cut of the log at ``path`` back to ``step`` (``purpose``: :func:`_cut`) whose rows
     after it :func:`set_aside` copied to ``kept`` (``(copy, rows)``, or ``None``: none). What the
     block does when it fails is judged from the file, not from its error: a log exactly as it was
-    (its inode, size and modification time, through its link) takes the copy back (the rows not
+    (its inode and size, through its link) takes the copy back (the rows not
     left in both files); a log that changed, or an error with ``replaced`` (:func:`_cut`), was cut,
     so the copy stays, the only one of those rows. An error after such a cut that does not say so
     itself (a stop signal aside: it goes on as it came, a note added) becomes one line that says the
@@ -1276,7 +1278,7 @@ def set_aside(path: Path, step: int, *, header: bool) -> tuple[Path, int] | None
     if not records:
         return None
     attempt = 1
-    while (copy := path.with_name(f"{path.stem}.attempt-{attempt}{path.suffix}")).exists():
+    while os.path.lexists(copy := path.with_name(f"{path.stem}.attempt-{attempt}{path.suffix}")):  # (a link too)
         attempt += 1
     try:
         replace_atomically(copy, b"".join([*head, *after]))

@@ -318,3 +318,22 @@ def test_aside_taken_back_is_public_and_the_callback_uses_it():
 
     assert integration.aside_taken_back is sinks.aside_taken_back
     assert not hasattr(integration, "_aside_taken_back")
+
+
+def test_a_dangling_link_at_an_attempts_name_is_no_free_name(tmp_path, monkeypatch):
+    # review 41e L3: the free name was looked for through links: a dangling link of the user's at
+    # steps.attempt-1.csv was taken for free, and a failed copy's clean-up removed it
+    log = tmp_path / "steps.csv"
+    log.write_text("step,lr\n1,0.1\n2,0.1\n")
+    os.symlink("/nonexistent/archive/attempt-1.csv", tmp_path / "steps.attempt-1.csv")
+    copy, rows = set_aside(log, 1, header=True)
+    assert copy.name == "steps.attempt-2.csv" and rows == 1
+    copy.unlink()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "_make_temporary", full)
+    with pytest.raises(Exception):
+        set_aside(log, 1, header=True)
+    assert os.path.islink(tmp_path / "steps.attempt-1.csv")  # (the user's link, left alone)
