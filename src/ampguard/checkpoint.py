@@ -173,11 +173,13 @@ class BufferSnapshot:
     """Each module's buffers as they are now (None ones too), and a copy of each tensor's values:
     :meth:`put_back` makes them so again, as often as asked: a buffer the forward replaced (a
     cache grown to a new shape) is put back itself, one it filled from None, or registered anew,
-    is taken out, and each one's values are copied back in place. A buffer with internal overlap (an expanded view, stride 0, which nothing can
-    write in place) is referenced, not copied. Each module's own attributes
-    (:func:`_kept_attributes`: a ``self.calls += 1`` counter's int, a tensor attribute by
-    identity) are put back too, and the hooks registered on its modules since taken out
-    (:func:`_put_attributes_back`). Between passes that must each start from
+    is taken out, and each one's values are copied back in place (:func:`_set_back`). A buffer
+    with internal overlap (an expanded view, stride 0, which nothing can write in place) is
+    referenced, not copied. Each module's own attributes (:func:`_kept_attributes`: a
+    ``self.calls += 1`` counter's int, a tensor attribute by identity) are put back too, and the
+    hooks registered on its modules since taken out, unless a gradient hook was registered on a
+    parameter: then the modules stay as the pass left them (:func:`_put_attributes_back`).
+    Between passes that must each start from
     the same state (locate's FP32 and scope replays, validate's reference and each precision's
     passes: a call counter, a running normaliser, a cache the forward updates), and at the end
     of :func:`untouched`. ``skip``: buffers (by id) not copied (a lazy module's, not made yet);
@@ -214,9 +216,12 @@ class BufferSnapshot:
         self.attributes = [_kept_module(m) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
 
-    def put_back(self) -> list[str] | None:
-        """The buffers and plain attributes as they were when the snapshot was taken (returned: the
-        modules left as the pass left them, :func:`_put_attributes_back`). Every copied
+    def put_back(self) -> tuple[list[str], list[str]] | None:
+        """The buffers and plain attributes as they were when the snapshot was taken. Returned: None,
+        or where a pass registered a gradient hook on a parameter (the modules then left as it left
+        them, :func:`_put_attributes_back`) the parameters hooked and the modules whose attributes
+        it changed. A buffer that cannot be put back leaves the others put back, its error raised
+        after them. Every copied
         buffer's values are copied back, not only those whose version counter moved: BatchNorm's
         kernel updates its running statistics in place without bumping it. One the forward resized
         in place (``resize_``), gave another storage (``self.last.data = x``) or another layout is
@@ -251,10 +256,13 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
     back itself; one it filled from None, or registered anew, is taken out), its parameters'
     gradients (taken away for the block, so that a backward in it starts from none and adds
-    nothing into the run's tensors, and given back), every RNG (torch, CUDA, NumPy, ``random``) and each module's own attributes
-    (:func:`_kept_attributes`: a call counter's int, a tensor attribute replaced; the hooks a
-    pass registered taken out, but ampguard's own: :func:`_put_attributes_back`) are as they
-    were, so a run goes on bit for bit as without it.
+    nothing into the run's tensors, and given back), every RNG (torch, CUDA, NumPy, ``random``)
+    and each module's own attributes (:func:`_kept_attributes`: a call counter's int, a tensor
+    attribute replaced; the hooks a pass registered taken out, but ampguard's own:
+    :func:`_put_attributes_back`) are as they were, so a run goes on bit for bit as without it.
+    But where a pass registered a gradient hook on a parameter, that hook stays and so do the
+    modules' attributes and hooks as the pass left them (whatever records the hook must agree
+    with it), named in an :class:`~ampguard.errors.AmpguardWarning` with the parameters hooked.
 
     Parameters are not copied (a model's worth of memory): each one's :func:`_checksum` is taken
     on entering and again on leaving (two reads of the weights; about a thousandth of their size
@@ -304,7 +312,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
         with rng_kept(), _attributes_warned(snapshot.attributes, by, model), modes_kept(model):
             yield snapshot
     finally:
-        left: list[str] | None = None
+        left: tuple[list[str], list[str]] | None = None
         try:
             left = snapshot.put_back()
             with torch.no_grad():
@@ -329,11 +337,14 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           f"the model's forward updates them, {so}; make the change in the training step, not the "
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
         if left is not None:  # (review 41e: said whether or not an attribute changed: the hooks alone may differ)
-            changed = (f" ({' and '.join(left[:2])}{' and others' if len(left) > 2 else ''})" if left else "")
-            warnings.warn(f"{by} registered gradient hooks on the model's parameters: they stay, and so does what "
-                          f"its passes changed in the modules{changed} and the hooks they registered (not put back: "
-                          "whatever records the hooks must agree with them), so the run does not start as a plain "
-                          "loop's; register such hooks before handing the model over", AmpguardWarning, stacklevel=3)
+            hooked, modules = left
+            also = (f", and so do the attributes its passes changed ({' and '.join(modules[:2])}"
+                    f"{' and others' if len(modules) > 2 else ''})" if modules else "")
+            warnings.warn(f"{by} registered gradient hooks on the model's parameters ({', '.join(hooked[:3])}"
+                          f"{', ...' if len(hooked) > 3 else ''}): they stay, with every hook its passes registered"
+                          f"{also}: not put back, whatever records the hooks must agree with them, so the run does not "
+                          "start as a plain loop's; register such hooks before handing the model over", AmpguardWarning,
+                          stacklevel=3)
         made = sorted({kind for m, kind in lazy_kinds if not not_made(m)})
         if made:
             warnings.warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
@@ -471,7 +482,7 @@ def _kept_hooks(m: torch.nn.Module) -> list[tuple[Any, str, set[int]]]:
             for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m]
 
 
-def _put_attributes_back(kept: list[_Kept]) -> list[str] | None:
+def _put_attributes_back(kept: list[_Kept]) -> tuple[list[str], list[str]] | None:
     """Each module's attributes in ``kept`` (:func:`_kept_module`'s snapshots) as they were: one
     replaced put back (the same object, whatever its type: a counter, an LSTM's hidden tuple, a
     dict; review 40o), one added since taken out, a list, dict or set changed in place given its
@@ -495,12 +506,13 @@ def _put_attributes_back(kept: list[_Kept]) -> list[str] | None:
     it for good (transformers' tensor-parallel ``ReplicatedWithGradAllReduce``, a dict in its
     hook's closure: the layer's gradients were never all-reduced again, review 41b); kept while
     a record was put back, it was registered again, each gradient halved twice (41a, and 41c
-    with the record on the parent). Returned: None when everything was put back, else each module
-    whose attributes the pass so left changed, ``"Type (name, ...)"`` (an empty list: none did,
-    the hooks alone stay)."""
-    if any(_gained_gradient_hook(m, hooks) for m, _, hooks, _ in kept):  # (the whole model as the pass left it)
-        return [f"{type(m).__name__} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
-                for m, held, _, contents in kept if (changed := _changed_attributes(vars(m), held, contents))]
+    with the record on the parent). Returned: None when everything was put back, else the
+    parameters hooked (``"Type.name"``) and each module whose attributes the pass so left changed
+    (``"Type (name, ...)"``; none: the hooks alone stay)."""
+    hooked = [f"{type(m).__name__}.{name}" for m, _, hooks, _ in kept for name in _gained_gradient_hooks(m, hooks)]
+    if hooked:  # (the whole model as the pass left it)
+        return hooked, [f"{type(m).__name__} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+                        for m, held, _, contents in kept if (changed := _changed_attributes(vars(m), held, contents))]
     _put_modules_back(kept)
     return None
 
@@ -529,11 +541,12 @@ def _put_modules_back(kept: list[_Kept]) -> None:
                     v.update(contents[k])
 
 
-def _gained_gradient_hook(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> bool:
-    """Whether the block registered a gradient hook on one of module ``m``'s own parameters
+def _gained_gradient_hooks(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> list[str]:
+    """The names of module ``m``'s own parameters on which the block registered a gradient hook
     (``hooks``: :func:`_kept_hooks`' snapshot)."""
-    return any(k not in before for owner, name, before in hooks if owner is not m
-               for k in getattr(owner, name, None) or ())
+    names = {id(p): name for name, p in m.named_parameters(recurse=False)}
+    return list(dict.fromkeys(names.get(id(owner), "?") for owner, name, before in hooks if owner is not m
+                              if any(k not in before for k in getattr(owner, name, None) or ())))
 
 
 def _take_out_hooks(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> None:
@@ -639,30 +652,39 @@ def _memory(t: torch.Tensor) -> int | None:
         return None
 
 
-def _place(t: torch.Tensor) -> tuple[Any, int, torch.Size, tuple[int, ...], torch.dtype, int]:
+_Place = tuple[Any, int, torch.Size, tuple[int, ...], torch.dtype, int]
+"""Where a buffer's values lie and how they read (:func:`_place`)."""
+
+
+def _place(t: torch.Tensor) -> _Place | None:
     """Where tensor ``t``'s values lie and how they read: its storage, offset, size, strides and
     dtype (what ``Tensor.set_`` takes back), and the storage's bytes (a forward may free them:
-    ``untyped_storage().resize_(0)``)."""
-    storage = t.untyped_storage()
-    return storage, t.storage_offset(), t.size(), t.stride(), t.dtype, storage.nbytes()
+    ``untyped_storage().resize_(0)``); None for a tensor whose storage cannot be read (a wrapper
+    subclass: a DTensor's, review 41f), whose values are only copied back."""
+    try:
+        storage = t.untyped_storage()
+        storage.data_ptr()
+        return storage, t.storage_offset(), t.size(), t.stride(), t.dtype, storage.nbytes()
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None
 
 
-def _set_back(b: torch.Tensor, place: tuple[Any, int, torch.Size, tuple[int, ...], torch.dtype, int],
-              saved: torch.Tensor) -> None:
+def _set_back(b: torch.Tensor, place: _Place | None, saved: torch.Tensor) -> None:
     """Buffer ``b`` where :func:`_place` found it (``place``), the same object, its values
     ``saved`` copied in: a storage a forward shrank or freed given its bytes back (copied into, the
-    process crashed: review 41e), a buffer a forward gave another storage, layout or dtype
+    process crashed: review 41e), a buffer a forward gave another storage, layout, dtype or device
     (``self.table.data = ...to(x.dtype)``) set back to its own (its new dtype read the old storage
-    with another item size: 41e)."""
-    storage, offset, size, stride, dtype, nbytes = place
+    with another item size: 41e; ``set_`` refuses another device's storage: 41f)."""
     with torch.inference_mode() if b.is_inference() else contextlib.nullcontext():
-        if storage.nbytes() < nbytes:
-            storage.resize_(nbytes)
-        if b.dtype != dtype:
-            b.data = torch.empty(0, dtype=dtype, device=saved.device).set_(storage, offset, size, stride)
-        elif (b.storage_offset(), b.size(), b.stride()) != (offset, size, stride) or \
-                b.untyped_storage().data_ptr() != storage.data_ptr():  # (the same object, where it was)
-            b.set_(storage, offset, size, stride)
+        if place is not None:
+            storage, offset, size, stride, dtype, nbytes = place
+            if storage.nbytes() < nbytes:
+                storage.resize_(nbytes)
+            if b.dtype != dtype or b.device != saved.device:
+                b.data = torch.empty(0, dtype=dtype, device=saved.device).set_(storage, offset, size, stride)
+            elif (b.storage_offset(), b.size(), b.stride()) != (offset, size, stride) or \
+                    b.untyped_storage().data_ptr() != storage.data_ptr():  # (the same object, where it was)
+                b.set_(storage, offset, size, stride)
         b.copy_(saved)
 
 

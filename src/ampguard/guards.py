@@ -526,7 +526,7 @@ class Rollbacks:
 
         folder = self.folder / "rollback"
         path, n = folder / f"step-{step}.pt", 1
-        while path.exists():
+        while os.path.lexists(path):  # (a dangling link's name is not free)
             n += 1
             path = folder / f"step-{step}-{n}.pt"
         folder.mkdir(exist_ok=True)

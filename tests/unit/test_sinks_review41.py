@@ -337,3 +337,12 @@ def test_a_dangling_link_at_an_attempts_name_is_no_free_name(tmp_path, monkeypat
     with pytest.raises(Exception):
         set_aside(log, 1, header=True)
     assert os.path.islink(tmp_path / "steps.attempt-1.csv")  # (the user's link, left alone)
+
+
+def test_a_dangling_link_at_a_trials_folder_name_is_no_free_name(tmp_path):
+    # review 41f L5: the trial's run-N folder was looked for through links: a dangling link at run-0 was taken
+    # for free, and making the folder failed with FileExistsError
+    from ampguard.integrations.transformers import _trial_folder
+
+    os.symlink("/nonexistent/elsewhere", tmp_path / "run-0")
+    assert _trial_folder(tmp_path, None).name == "run-1"

@@ -903,7 +903,7 @@ def _trial_folder(home: Path, name: str | None) -> Path:
     if name:
         return home / name.replace("/", "_").replace(os.sep, "_")
     n = 0
-    while (home / f"run-{n}").exists():
+    while os.path.lexists(home / f"run-{n}"):  # (a dangling link's name is not free)
         n += 1
     return home / f"run-{n}"
 
