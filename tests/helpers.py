@@ -917,3 +917,31 @@ def build(config):
 
     return {"model": model, "data": data, "loss_fn": loss_fn, "evaluate": evaluate, "metrics": ["val_loss"]}
 '''
+
+
+def hf_retrying_trainer(out_dir: Path) -> Any:
+    """A stock Hugging Face ``GuardedTrainer`` (a one-layer GPT-2, ``auto_find_batch_size``, four
+    steps of batch 4 with an ``AmpGuardCallback``) whose third forward of a batch of more than two
+    raises an out-of-memory stand-in: HF begins the loop again at step 0 with half the batch, and
+    the callback sets the first attempt's rows aside. Its files go under ``out_dir / "ampguard"``."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
+    args = TrainingArguments(str(out_dir), per_device_train_batch_size=4, max_steps=4, use_cpu=True, report_to=[],
+                             save_strategy="no", disable_tqdm=True, auto_find_batch_size=True)
+    trainer = GuardedTrainer(model=model, args=args, train_dataset=ids,
+                             callbacks=[AmpGuardCallback(print_fn=lambda line: None)])
+    forwards = [0]
+
+    def out_of_memory(module: Any, args: Any, kwargs: dict[str, Any]) -> None:  # (the third forward, at step 3)
+        forwards[0] += 1
+        if kwargs["input_ids"].shape[0] > 2 and forwards[0] > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB (a stand-in)")
+
+    model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+    return trainer

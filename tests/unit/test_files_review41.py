@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import hf_retrying_trainer
+
 from ampguard import files, sinks
 from ampguard.errors import InputError
 from ampguard.files import DiskFull, replace_atomically
@@ -254,27 +256,7 @@ def test_begin_again_that_fails_takes_its_copy_back_and_goes_on_appending(tmp_pa
 def test_the_callbacks_retry_whose_cut_fails_takes_its_copy_back(tmp_path, monkeypatch, how):
     # review 41 r6: on an auto_find_batch_size retry the callback set the CSV's rows aside, then a cut that
     # failed left them in both files, and said "to resume"
-    pytest.importorskip("transformers")
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
-
-    from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
-    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
-    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=4, use_cpu=True,
-                             report_to=[], save_strategy="no", disable_tqdm=True, auto_find_batch_size=True)
-    trainer = GuardedTrainer(model=model, args=args, train_dataset=ids,
-                             callbacks=[AmpGuardCallback(print_fn=lambda line: None)])
-    forwards = [0]
-
-    def out_of_memory(module, args, kwargs):  # (the third forward, at step 3: HF begins again at step 0)
-        forwards[0] += 1
-        if kwargs["input_ids"].shape[0] > 2 and forwards[0] > 2:
-            raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB (a stand-in)")
-
-    model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+    trainer = hf_retrying_trainer(tmp_path / "out")
     real, armed = sinks.replace_atomically, []
 
     def cut(path, data, through_link=False):

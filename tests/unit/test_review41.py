@@ -22,16 +22,21 @@ from ampguard.config import validate as make_config
 from ampguard.errors import AmpguardWarning
 
 
+def halve_each_gradient_once(module: nn.Module) -> None:
+    """A forward's helper: a gradient hook on each of ``module``'s parameters, once, behind its set."""
+    for name, p in module.named_parameters():
+        if name not in module.hooked:
+            p.register_hook(lambda g: g * 0.5)
+            module.hooked.add(name)
+
+
 class HalvedGrads(nn.Linear):  # a forward that registers a gradient hook once per parameter, behind a set
     def __init__(self):
         super().__init__(2, 1)
         self.hooked: set[str] = set()
 
     def forward(self, x):
-        for name, p in self.named_parameters():
-            if name not in self.hooked:
-                p.register_hook(lambda g: g * 0.5)
-                self.hooked.add(name)
+        halve_each_gradient_once(self)
         return super().forward(x)
 
 
@@ -61,10 +66,7 @@ class Hooking(nn.Module):  # the same, the record on the parent, the parameters 
         self.hooked: set[str] = set()
 
     def forward(self, x):
-        for name, p in self.named_parameters():
-            if name not in self.hooked:
-                p.register_hook(lambda g: g * 0.5)
-                self.hooked.add(name)
+        halve_each_gradient_once(self)
         return self.body(x)
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import hf_retrying_trainer
+
 from ampguard import files, sinks
 from ampguard.errors import ExitCode, InputError
 from ampguard.files import DiskFull
@@ -191,27 +193,7 @@ def test_the_callbacks_csv_whose_open_after_the_cut_fails_keeps_the_copy_and_say
 
 def test_the_callbacks_retry_whose_open_after_the_cut_fails_keeps_the_copy(tmp_path, monkeypatch):
     # review 41 F5, end to end: a Hugging Face auto_find_batch_size retry whose CSV's open after the cut fails
-    pytest.importorskip("transformers")
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
-
-    from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
-    ids = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
-    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=4, use_cpu=True,
-                             report_to=[], save_strategy="no", disable_tqdm=True, auto_find_batch_size=True)
-    trainer = GuardedTrainer(model=model, args=args, train_dataset=ids,
-                             callbacks=[AmpGuardCallback(print_fn=lambda line: None)])
-    forwards = [0]
-
-    def out_of_memory(module, args, kwargs):  # (the third forward, at step 3: HF begins again at step 0)
-        forwards[0] += 1
-        if kwargs["input_ids"].shape[0] > 2 and forwards[0] > 2:
-            raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB (a stand-in)")
-
-    model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+    trainer = hf_retrying_trainer(tmp_path / "out")
     folder = tmp_path / "out" / "ampguard"
     _open_fails_once_after(monkeypatch, lambda: (folder / "steps.attempt-1.csv").exists())
     with pytest.raises(InputError) as err:
