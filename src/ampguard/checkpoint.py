@@ -212,6 +212,10 @@ class BufferSnapshot:
         # (where each copied one's values lie: a forward that resized it, or gave it another storage with
         # `.data = x`, is set back there before its values are copied in, never into whatever it views now)
         self.places = {i: _place(b) for _, held in self.held for b in held.values() if (i := id(b)) in self.copies}
+        # (each parameter's names as they are now, tied ones together: what a warning calls a hooked one)
+        self.names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.names.setdefault(id(p), []).append(name)
         # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by identity)
         self.attributes = [_kept_module(m) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
@@ -219,8 +223,8 @@ class BufferSnapshot:
     def put_back(self) -> tuple[list[str], list[str]] | None:
         """The buffers and plain attributes as they were when the snapshot was taken. Returned: None,
         or where a pass registered a gradient hook on a parameter (the modules then left as it left
-        them, :func:`_put_attributes_back`) the parameters hooked and the modules whose attributes
-        it changed. A buffer that cannot be put back leaves the others put back, its error raised
+        them, :func:`_put_attributes_back`) the parameters hooked (``"name (hooks gained)"``, tied
+        names joined by ``=``) and the modules whose attributes it changed. A buffer that cannot be put back leaves the others put back, its error raised
         after them. Every copied
         buffer's values are copied back, not only those whose version counter moved: BatchNorm's
         kernel updates its running statistics in place without bumping it. One the forward resized
@@ -246,7 +250,11 @@ class BufferSnapshot:
             left = _put_attributes_back(self.attributes)
         if failed is not None:
             raise failed
-        return left
+        if left is None:
+            return None
+        hooked, modules = left
+        return [f"{' = '.join(self.names.get(id(p), ['a parameter the pass replaced']))} ({n})"
+                for p, n in hooked.items()], modules
 
 
 @contextlib.contextmanager
@@ -338,13 +346,21 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
         if left is not None:  # (review 41e: said whether or not an attribute changed: the hooks alone may differ)
             hooked, modules = left
-            also = (f", and so do the attributes its passes changed ({' and '.join(modules[:2])}"
+            also = (f"; the attributes its passes changed stay too ({' and '.join(modules[:2])}"
                     f"{' and others' if len(modules) > 2 else ''})" if modules else "")
-            warnings.warn(f"{by} registered gradient hooks on the model's parameters ({', '.join(hooked[:3])}"
-                          f"{', ...' if len(hooked) > 3 else ''}): they stay, with every hook its passes registered"
-                          f"{also}: not put back, whatever records the hooks must agree with them, so the run does not "
-                          "start as a plain loop's; register such hooks before handing the model over", AmpguardWarning,
-                          stacklevel=3)
+            once = all(said.endswith(" (1)") for said in hooked)  # (once each: as the run's first forward does)
+            shown = [said.removesuffix(" (1)") for said in hooked] if once else hooked
+            params = f"{', '.join(shown[:3])}{f' and {len(shown) - 3} more' if len(shown) > 3 else ''}"
+            if once:
+                warnings.warn(f"{by} registered a gradient hook once on {counted(len(hooked), 'parameter')} "
+                              f"({params}): kept, as the run's first forward would register it, with the modules as "
+                              f"its passes left them (whatever records the hooks agrees with them){also}",
+                              AmpguardWarning, stacklevel=3)
+            else:  # (at every call: they piled up)
+                warnings.warn(f"{by} registered gradient hooks on {counted(len(hooked), 'parameter')} at its passes "
+                              f"({params}, hooks registered each): they stay, so the run starts with hooks a plain "
+                              f"loop's would not have{also}; register such a hook once, behind a flag, or in the "
+                              "factory", AmpguardWarning, stacklevel=3)
         made = sorted({kind for m, kind in lazy_kinds if not not_made(m)})
         if made:
             warnings.warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
@@ -482,7 +498,7 @@ def _kept_hooks(m: torch.nn.Module) -> list[tuple[Any, str, set[int]]]:
             for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m]
 
 
-def _put_attributes_back(kept: list[_Kept]) -> tuple[list[str], list[str]] | None:
+def _put_attributes_back(kept: list[_Kept]) -> tuple[dict[Any, int], list[str]] | None:
     """Each module's attributes in ``kept`` (:func:`_kept_module`'s snapshots) as they were: one
     replaced put back (the same object, whatever its type: a counter, an LSTM's hidden tuple, a
     dict; review 40o), one added since taken out, a list, dict or set changed in place given its
@@ -507,9 +523,11 @@ def _put_attributes_back(kept: list[_Kept]) -> tuple[list[str], list[str]] | Non
     hook's closure: the layer's gradients were never all-reduced again, review 41b); kept while
     a record was put back, it was registered again, each gradient halved twice (41a, and 41c
     with the record on the parent). Returned: None when everything was put back, else the
-    parameters hooked (``"Type.name"``) and each module whose attributes the pass so left changed
-    (``"Type (name, ...)"``; none: the hooks alone stay)."""
-    hooked = [f"{type(m).__name__}.{name}" for m, _, hooks, _ in kept for name in _gained_gradient_hooks(m, hooks)]
+    parameters hooked, each with how many hooks it gained, and each module whose attributes the
+    pass so left changed (``"Type (name, ...)"``; none: the hooks alone stay)."""
+    hooked: dict[Any, int] = {}
+    for m, _, hooks, _ in kept:
+        hooked.update(_gained_gradient_hooks(m, hooks))
     if hooked:  # (the whole model as the pass left it)
         return hooked, [f"{type(m).__name__} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
                         for m, held, _, contents in kept if (changed := _changed_attributes(vars(m), held, contents))]
@@ -541,12 +559,15 @@ def _put_modules_back(kept: list[_Kept]) -> None:
                     v.update(contents[k])
 
 
-def _gained_gradient_hooks(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> list[str]:
-    """The names of module ``m``'s own parameters on which the block registered a gradient hook
-    (``hooks``: :func:`_kept_hooks`' snapshot)."""
-    names = {id(p): name for name, p in m.named_parameters(recurse=False)}
-    return list(dict.fromkeys(names.get(id(owner), "?") for owner, name, before in hooks if owner is not m
-                              if any(k not in before for k in getattr(owner, name, None) or ())))
+def _gained_gradient_hooks(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> dict[Any, int]:
+    """Module ``m``'s own parameters on which the block registered gradient hooks, each with how
+    many (``hooks``: :func:`_kept_hooks`' snapshot)."""
+    gained: dict[Any, int] = {}
+    for owner, name, before in hooks:
+        new = sum(k not in before for k in getattr(owner, name, None) or ()) if owner is not m else 0
+        if new:
+            gained[owner] = gained.get(owner, 0) + new
+    return gained
 
 
 def _take_out_hooks(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> None:
