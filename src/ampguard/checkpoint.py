@@ -220,12 +220,13 @@ class BufferSnapshot:
         self.attributes = [_kept_module(m) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
 
-    def put_back(self) -> tuple[list[str], list[str]] | None:
+    def put_back(self) -> tuple[list[tuple[str, int]], list[str]] | None:
         """The buffers and plain attributes as they were when the snapshot was taken. Returned: None,
         or where a pass registered a gradient hook on a parameter (the modules then left as it left
-        them, :func:`_put_attributes_back`) the parameters hooked (``"name (hooks gained)"``, tied
-        names joined by ``=``) and the modules whose attributes it changed. A buffer that cannot be put back leaves the others put back, its error raised
-        after them. Every copied
+        them, :func:`_put_attributes_back`) the parameters hooked (their names, tied ones joined by
+        ``=``, each with how many hooks it gained) and the modules whose attributes it changed. A
+        buffer that cannot be put back leaves the others put back, its error raised after them.
+        Every copied
         buffer's values are copied back, not only those whose version counter moved: BatchNorm's
         kernel updates its running statistics in place without bumping it. One the forward resized
         in place (``resize_``), gave another storage (``self.last.data = x``) or another layout is
@@ -253,7 +254,7 @@ class BufferSnapshot:
         if left is None:
             return None
         hooked, modules = left
-        return [f"{' = '.join(self.names.get(id(p), ['a parameter the pass replaced']))} ({n})"
+        return [(" = ".join(self.names.get(id(p), ["a parameter the pass replaced"])), n)
                 for p, n in hooked.items()], modules
 
 
@@ -320,7 +321,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
         with rng_kept(), _attributes_warned(snapshot.attributes, by, model), modes_kept(model):
             yield snapshot
     finally:
-        left: tuple[list[str], list[str]] | None = None
+        left: tuple[list[tuple[str, int]], list[str]] | None = None
         try:
             left = snapshot.put_back()
             with torch.no_grad():
@@ -348,8 +349,8 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
             hooked, modules = left
             also = (f"; the attributes its passes changed stay too ({' and '.join(modules[:2])}"
                     f"{' and others' if len(modules) > 2 else ''})" if modules else "")
-            once = all(said.endswith(" (1)") for said in hooked)  # (once each: as the run's first forward does)
-            shown = [said.removesuffix(" (1)") for said in hooked] if once else hooked
+            once = all(n == 1 for _, n in hooked)  # (once each: as the run's first forward does)
+            shown = [name if once else f"{name} ({n})" for name, n in hooked]
             params = f"{', '.join(shown[:3])}{f' and {len(shown) - 3} more' if len(shown) > 3 else ''}"
             if once:
                 warnings.warn(f"{by} registered a gradient hook once on {counted(len(hooked), 'parameter')} "
