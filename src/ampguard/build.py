@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map_only
 from .checkpoint import not_made, rng_kept, untouched
 from .clipping import clip_threshold
 from .config import Config
-from .errors import AmpguardWarning, InputError, counted, first_line, user_code
+from .errors import AmpguardWarning, InputError, counted, first_line, listed, user_code
 from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
@@ -400,7 +400,7 @@ def _all_made(model: nn.Module, who: str) -> None:
     traceback)."""
     left = [f"{name or 'the model'} ({type(m).__name__})" for name, m in model.named_modules() if not_made(m)]
     if left:
-        raise InputError(f"{who}: the model's lazy modules {', '.join(left[:3])}{', ...' if len(left) > 3 else ''} "
+        raise InputError(f"{who}: the model's lazy modules {listed(left)} "
                          "were not reached by the first batches' forward passes, so their weights cannot be made at "
                          "start-up; make them in the factory (run a batch through them)")
 
@@ -506,7 +506,7 @@ def _made_as_checked(model: nn.Module, firsts: dict[str, Any], who: str, said: b
             made.append(f"{name} ({type(module).__name__})")
             module._infer_parameters(module, args, kwargs)  # type: ignore[operator]
     if made and said:
-        warnings.warn(f"{who}: the model's lazy modules {', '.join(made[:3])}{', ...' if len(made) > 3 else ''} made "
+        warnings.warn(f"{who}: the model's lazy modules {listed(made)} made "
                       "their weights at start-up, drawn from torch's RNG there, not at the first step's forward as a "
                       "plain loop draws them: the run is not bit for bit such a loop; run one batch through the model "
                       "in the factory to make them there", AmpguardWarning, stacklevel=3)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from .errors import AmpguardWarning, InputError, counted, first_line
+from .errors import AmpguardWarning, InputError, counted, first_line, listed
 from .files import remove_temporaries
 
 MAGIC = "ampguard-checkpoint"
@@ -341,17 +341,17 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
         if changed:
             types = list(dict.fromkeys(kind for _, kind in changed))
             warnings.warn(f"{by} changed {counted(len(changed), 'parameter')} in place ("
-                          f"{', '.join(name for name, _ in changed[:3])}{', ...' if len(changed) > 3 else ''}) (in "
-                          f"{' and '.join(_a(kind) for kind in types[:2])}{' and others' if len(types) > 2 else ''}): "
+                          f"{listed([name for name, _ in changed])}) (in "
+                          f"{listed([_a(kind) for kind in types], 2, ' and ', ' and others')}): "
                           f"the model's forward updates them, {so}; make the change in the training step, not the "
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
         if left is not None:  # (review 41e: said whether or not an attribute changed: the hooks alone may differ)
             hooked, modules = left
-            also = (f"; the attributes its passes changed stay too ({' and '.join(modules[:2])}"
-                    f"{' and others' if len(modules) > 2 else ''})" if modules else "")
+            also = (f"; the attributes its passes changed stay too ({listed(modules, 2, ' and ', ' and others')})"
+                    if modules else "")
             once = all(n == 1 for _, n in hooked)  # (once each: as the run's first forward does)
             shown = [name if once else f"{name} ({n})" for name, n in hooked]
-            params = f"{', '.join(shown[:3])}{f' and {len(shown) - 3} more' if len(shown) > 3 else ''}"
+            params = listed(shown, more=f" and {len(shown) - 3} more")
             if once:
                 warnings.warn(f"{by} registered a gradient hook once on {counted(len(hooked), 'parameter')} "
                               f"({params}): kept, as the run's first forward would register it, with the modules as "
@@ -530,7 +530,7 @@ def _put_attributes_back(kept: list[_Kept]) -> tuple[dict[Any, int], list[str]] 
     for m, _, hooks, _ in kept:
         hooked.update(_gained_gradient_hooks(m, hooks))
     if hooked:  # (the whole model as the pass left it)
-        return hooked, [f"{type(m).__name__} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+        return hooked, [f"{type(m).__name__} ({listed(changed)})"
                         for m, held, _, contents in kept if (changed := _changed_attributes(vars(m), held, contents))]
     _put_modules_back(kept)
     return None

@@ -16,7 +16,7 @@ import re
 import stat
 import tempfile
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
 from pathlib import Path
 from typing import NamedTuple
@@ -66,6 +66,18 @@ def counted(n: int, noun: str, plural: str = "") -> str:
         ('1 step', '0 steps', '2 micro-batches')
     """
     return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
+
+
+def listed(names: Sequence[str], first: int = 3, joint: str = ", ", more: str = ", ...") -> str:
+    """The ``first`` of ``names`` joined by ``joint``, then ``more`` when there are others: how a
+    line names a few of many (modules, layers, parameters) and says there are more.
+
+    Example::
+
+        >>> listed(["a", "b"]), listed(["a", "b", "c", "d"]), listed("abc", 2, " and ", " and others")
+        ('a, b', 'a, b, c, ...', 'a and b and others')
+    """
+    return joint.join(names[:first]) + (more if len(names) > first else "")
 
 
 def shortened(text: str, limit: int) -> str:

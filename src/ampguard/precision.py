@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from .errors import AmpguardWarning, brief, real_number, whole_number
+from .errors import AmpguardWarning, brief, listed, real_number, whole_number
 
 PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
@@ -952,9 +952,9 @@ class Precision:
             from .fp8 import fp8_layers
 
             if layers := fp8_layers(model):
-                raise ValueError(f"the model has torchao Float8Linear layers ({', '.join(layers[:3])}"
-                                 f"{', ...' if len(layers) > 3 else ''}), which train float8 matmuls under the "
-                                 f"name {self.name}: use precision fp8, or a model not converted by convert_to_fp8")
+                raise ValueError(f"the model has torchao Float8Linear layers ({listed(layers)}), which train float8 "
+                                 f"matmuls under the name {self.name}: use precision fp8, or a model not converted by "
+                                 "convert_to_fp8")
         supported, note = self.support(device)
         if not supported:
             raise ValueError(note)

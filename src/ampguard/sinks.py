@@ -494,6 +494,17 @@ def _refused(purpose: str, how: str = "from") -> str:
     return f"cannot resume {how} it" if purpose == RESUME else f"cannot cut it back {purpose}"
 
 
+def _was_cut(path: Path, step: int, purpose: str) -> str:
+    """How every line about a log a cut was made to begins (the cut made, something after it failed).
+
+    Example::
+
+        >>> _was_cut(Path("run/steps.csv"), 4, RESUME)
+        'run/steps.csv was cut back to step 4 to resume'
+    """
+    return f"{shown(path)} was cut back to step {step} {purpose}"
+
+
 def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
     """A resume's cut (or, ``purpose``, a loop's new attempt's: :meth:`_LineFile.begin_again`):
     ``kept`` made the whole of the log at ``path`` (``replace_atomically``, through its link: a
@@ -519,7 +530,7 @@ def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
         replace_atomically(path, kept, through_link=True)
     except DiskFull as full:
         if getattr(full, "replaced", False):  # (the rename made: say the file was cut, a DiskFull still)
-            full.args = (f"{shown(path)} was cut back to step {step} {purpose}, but its folder could not be synced "
+            full.args = (f"{_was_cut(path, step, purpose)}, but its folder could not be synced "
                          f"after (disk full: {full.error.strerror or full.error}): a crash could bring back the rows "
                          "after it",)
         raise
@@ -532,14 +543,14 @@ def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
         elif where is not None:
             why = f"{why} ({shown(where)})"
         if getattr(err, "replaced", False):  # (the rename made: the file is cut, its folder not synced)
-            cut = InputError(f"{shown(path)} was cut back to step {step} {purpose}, but its folder could not be "
+            cut = InputError(f"{_was_cut(path, step, purpose)}, but its folder could not be "
                              f"synced after ({why}): a crash could bring back the rows after it")
             cut.replaced = True  # type: ignore[attr-defined]
             raise cut from None
         raise InputError(f"cannot cut {shown(path)} back to step {step} {purpose}: {why}") from None
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
+def _log_identity(path: Path) -> tuple[int, int] | None:
     """What tells whether the file at ``path`` (through its link) was cut: its inode and size
     (``None`` when it cannot be looked at). A cut renames a new, shorter file over it; its
     modification time is left out (a file system that flushes at ``close``, NFS, moves it with
@@ -579,31 +590,31 @@ def aside_taken_back(kept: tuple[Path, int] | None, path: Path, step: int, purpo
         >>> kept[0].read_text()
         'step,lr\\n2,0.1\\n'
     """
-    before = _identity(path) if kept is not None else None
+    before = _log_identity(path) if kept is not None else None
     try:
         yield
     except BaseException as err:
         if kept is None:
             raise
         replaced = getattr(err, "replaced", False)
-        if not replaced and before is not None and _identity(path) == before:  # as it was: nothing was moved
+        if not replaced and before is not None and _log_identity(path) == before:  # as it was: nothing was moved
             with contextlib.suppress(OSError):  # (the error said is the cut's)
                 kept[0].unlink(missing_ok=True)
             raise
         where = f"its {counted(kept[1], 'row')} after it moved to {kept[0].name}"
         if not isinstance(err, Exception):  # (a stop signal: it stays one, the process ends as it asks)
             with contextlib.suppress(Exception):
-                err.add_note(f"ampguard: {shown(path)} was cut back to step {step} {purpose}; {where}")
+                err.add_note(f"ampguard: {_was_cut(path, step, purpose)}; {where}")
             raise
         if replaced and isinstance(err, InputError):  # (_cut's own line: the file was cut, not synced)
             raise
         if isinstance(err, DiskFull):
             said = first_line(err)
             err.args = (f"{said}; {where}" if replaced else
-                        f"{shown(path)} was cut back to step {step} {purpose} ({where}), but then: {said}",)
+                        f"{_was_cut(path, step, purpose)} ({where}), but then: {said}",)
             raise
         why = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)  # (as _cut says it)
-        raise InputError(f"{shown(path)} was cut back to step {step} {purpose} ({where}), but then: {why}") from None
+        raise InputError(f"{_was_cut(path, step, purpose)} ({where}), but then: {why}") from None
 
 
 class _LineFile:
@@ -841,11 +852,11 @@ class CsvSink(_LineFile):
             raise InputError(f"{path}: its header does not match {expected}{said}, cannot append")
 
     def begin_again(self, step: int) -> str | None:
-        before = _identity(self.path)
+        before = _log_identity(self.path)
         try:
             said = super().begin_again(step)
         except BaseException:
-            if _identity(self.path) != before:  # (cut all the same: the next row follows the last one kept)
+            if _log_identity(self.path) != before:  # (cut all the same: the next row follows the last one kept)
                 self._last = _last_step(self.path)
             raise
         if said is not None:

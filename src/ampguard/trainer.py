@@ -31,7 +31,7 @@ from .build import (build_headroom, build_monitor, build_sinks, build_spike_dete
 from .checkpoint import checkpoint_step, list_checkpoints, other_data
 from .config import Config, plain_data
 from .data import DataStream, check_same_data
-from .errors import AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, raised
+from .errors import AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, listed, raised
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, parse_faults
@@ -169,7 +169,7 @@ class Trainer:
         self.injector = FaultInjector(faults, config.accumulation_steps, rank=self.dist.rank)
         self.data = DataStream(self.task, self.injector, self.device, self.dist)
         unused = self._check_model(model)
-        self._unused_note = f"; DDP find_unused_parameters ({', '.join(unused[:4])}{'...' if len(unused) > 4 else ''} " \
+        self._unused_note = f"; DDP find_unused_parameters ({listed(unused, 4, more='...')} " \
             "unused at the first batch)" if unused else ""
         if self.dist.active:  # (a task.options value that differs between ranks may size a layer)
             ck.check_same_models(distributed.all_gather(ck.model_shapes(model)))

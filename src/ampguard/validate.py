@@ -46,7 +46,7 @@ from torch import nn
 from .build import prepare_model, resolve_device, to_device
 from .checkpoint import BufferSnapshot, modes_kept, rng_kept, untouched
 from .config import Config, flat_keys
-from .errors import AmpguardWarning, ExitCode, InputError, counted, user_code
+from .errors import AmpguardWarning, ExitCode, InputError, counted, listed, user_code
 from .files import DiskFull, make_parents, replace_atomically
 from .precision import Precision, backend_of, fp32_settings
 from .records import strict_json
@@ -1797,7 +1797,7 @@ def _check_made(model: nn.Module, who: str) -> None:
     lazy = [f"{name or 'the model'}: {type(m).__name__}" for name, m in model.named_modules() if not_made(m)]
     if lazy:
         raise InputError(f"validate: task {who}: the model's lazy modules have made no weights yet "
-                         f"({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}); validate judges weights it can "
+                         f"({listed(lazy)}); validate judges weights it can "
                          "read: run one batch through the model in the factory, or give validation.checkpoint")
 
 
