@@ -328,3 +328,23 @@ def test_a_dangling_link_at_a_trials_folder_name_is_no_free_name(tmp_path):
 
     os.symlink("/nonexistent/elsewhere", tmp_path / "run-0")
     assert _trial_folder(tmp_path, None).name == "run-1"
+
+
+def test_a_dangling_link_at_a_rollback_evidence_name_is_no_free_name(tmp_path):
+    # review 41f L5 (untested until review 41g): the evidence's free name was looked for through links: a
+    # dangling link at rollback/step-7.pt was taken for free and the evidence written where it points
+    from ampguard.config import Config
+    from ampguard.guards import Rollback, Rollbacks
+
+    class Kept:  # (the batches the Trainer keeps as evidence)
+        def payload(self, step, kind, why):
+            return {"step": step, "kind": kind, "why": why, "micro_batches": []}
+
+    rollbacks = Rollbacks(Config(), None, None, None, None, None)
+    rollbacks.evidence, rollbacks.folder = Kept(), tmp_path
+    (tmp_path / "rollback").mkdir()
+    elsewhere = tmp_path / "elsewhere" / "step-7.pt"
+    os.symlink(elsewhere, tmp_path / "rollback" / "step-7.pt")
+    saved = rollbacks._save_evidence(7, Rollback(7, "loss spike", "loss_spike"))
+    assert saved == tmp_path / "rollback" / "step-7-2.pt" and saved.is_file()
+    assert os.path.islink(tmp_path / "rollback" / "step-7.pt") and not os.path.lexists(elsewhere)
