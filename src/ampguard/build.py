@@ -389,7 +389,7 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
     unused = _check_forward(model, loss_fn, read_batch, precision, who, find_unused, dtypes, untouched(
         model, by=f"{who}: the start-up's check of the first batches",
         so="and they are not put back: the run starts from weights the check's passes moved, not bit for bit a "
-           "plain loop's"))
+           "plain loop's", passes=FIRST_BATCHES if _reads_several(read_batch) else 1))
     _all_made(model, who)
     return unused
 

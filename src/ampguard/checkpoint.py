@@ -19,6 +19,7 @@ import pickletools
 import random
 import re
 import time
+import types
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
@@ -260,7 +261,8 @@ class BufferSnapshot:
 
 @contextlib.contextmanager
 def untouched(model: torch.nn.Module, by: str = "the replay",
-              so: str = "each replayed pass once more, and they are not put back") -> Iterator[BufferSnapshot]:
+              so: str = "each replayed pass once more, and they are not put back",
+              passes: int | None = None) -> Iterator[BufferSnapshot]:
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
     (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
     back itself; one it filled from None, or registered anew, is taken out), its parameters'
@@ -271,7 +273,11 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     :func:`_put_attributes_back`) are as they were, so a run goes on bit for bit as without it.
     But where a pass registered a gradient hook on a parameter, that hook stays and so do the
     modules' attributes and hooks as the pass left them (whatever records the hook must agree
-    with it), named in an :class:`~ampguard.errors.AmpguardWarning` with the parameters hooked.
+    with it), named in an :class:`~ampguard.errors.AmpguardWarning` with the parameters hooked:
+    as registered once (kept, as the run's first forward would register it) where each gained at
+    most one hook of a function over ``passes`` grad-enabled forward passes (two or more: one
+    pass, or an unknown number, cannot tell a hook registered once from one registered at every
+    forward, and the warning says so), as piled up where one was registered at each.
 
     Parameters are not copied (a model's worth of memory): each one's :func:`_checksum` is taken
     on entering and again on leaving (two reads of the weights; about a thousandth of their size
@@ -346,28 +352,45 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           f"the model's forward updates them, {so}; make the change in the training step, not the "
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
         if left is not None:  # (review 41e: said whether or not an attribute changed: the hooks alone may differ)
-            hooked, modules = left
-            also = (f"; the attributes its passes changed stay too ({listed(modules, 2, ' and ', ' and others')})"
-                    if modules else "")
-            once = all(n == 1 for _, n in hooked)  # (once each: as the run's first forward does)
-            shown = [name if once else f"{name} ({n})" for name, n in hooked]
-            params = listed(shown, more=f" and {len(shown) - 3} more")
-            if once:
-                warnings.warn(f"{by} registered a gradient hook once on {counted(len(hooked), 'parameter')} "
-                              f"({params}): kept, as the run's first forward would register it, with the modules as "
-                              f"its passes left them (whatever records the hooks agrees with them){also}",
-                              AmpguardWarning, stacklevel=3)
-            else:  # (at every call: they piled up)
-                warnings.warn(f"{by} registered gradient hooks on {counted(len(hooked), 'parameter')} at its passes "
-                              f"({params}, hooks registered each): they stay, so the run starts with hooks a plain "
-                              f"loop's would not have{also}; register such a hook once, behind a flag, or in the "
-                              "factory", AmpguardWarning, stacklevel=3)
+            _warn_hooks_left(*left, by, passes)
         made = sorted({kind for m, kind in lazy_kinds if not not_made(m)})
         if made:
             warnings.warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
                           "forward: they were drawn there, under RNGs it puts back, not where a plain loop draws them; "
                           "run a batch through the model before handing it over to make them", AmpguardWarning,
                           stacklevel=3)
+
+
+def _warn_hooks_left(hooked: list[tuple[str, int]], modules: list[str], by: str, passes: int | None) -> None:
+    """:func:`untouched`'s warning of the gradient hooks its block left (``hooked``: each
+    parameter's names and the most hooks of one function it gained; ``modules``: what else the
+    block changed in them, :func:`_put_attributes_back`), over ``passes`` grad-enabled forwards:
+    registered once (one each over two passes or more), at every forward (piled up: one function
+    registered as often as there were passes, or twice where their number is not known), or, with
+    one pass or an unknown number, one each that cannot be told apart (review 42a: one pass was
+    said to have registered it once)."""
+    most = max(n for _, n in hooked)
+    piled = most >= (passes if passes and passes > 1 else 2)
+    shown = listed([f"{name} ({n})" if n > 1 else name for name, n in hooked], more=f" and {len(hooked) - 3} more")
+    also = (f"; what its passes changed in the modules stays too ({listed(modules, 2, ' and ', ' and others')})"
+            if modules else "")
+    params = counted(len(hooked), "parameter")
+    if piled:  # (at every forward: they piled up)
+        said = (f"registered gradient hooks on {params} at its passes ({shown}, hooks of one function each): they stay, "
+                f"so the run starts with hooks a plain loop's would not have{also}; register such a hook once, behind a "
+                "flag or in the factory, not at every forward (one its backward takes out stays after passes that ran "
+                "no backward)")
+    elif passes and passes > 1:  # (once each over several passes: as the run's first forward does)
+        said = (f"registered a gradient hook once on {params} ({shown}): kept, as the run's first forward would "
+                f"register it, with the modules as its passes left them (whatever records the hooks agrees with "
+                f"them){also}")
+    else:  # (one pass, or how many is not known: once and at every forward read alike)
+        which = "its pass" if passes == 1 else "its passes"
+        said = (f"registered a gradient hook on {params} ({shown}): kept, with the modules as {which} left them "
+                f"(whatever records the hooks agrees with them){also}; right if the model registers it once, as the "
+                "run's first forward would; one registered at every forward would be there twice at the run's first "
+                f"step, and {'one pass' if passes == 1 else 'the passes'} cannot tell them apart")
+    warnings.warn(f"{by} {said}", AmpguardWarning, stacklevel=4)
 
 
 def _a(noun: str) -> str:
@@ -451,10 +474,14 @@ def not_made(m: torch.nn.Module) -> bool:
     return any(is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
 
 
-_Kept = tuple[torch.nn.Module, dict[str, Any], list[tuple[Any, str, set[int]]], dict[str, Any]]
-"""A module's snapshot (:func:`_kept_module`): the module, its attributes by reference, the
-handle ids in its hook dicts and its own parameters' (:func:`_kept_hooks`), and a copy of the
-contents of each attribute that is a list, dict, set or deque."""
+_Hooks = list[tuple[Any, str, dict[int, Any]]]
+"""A module's hook dicts and its own parameters' as they were (:func:`_kept_hooks`): (owner,
+the dict's name, a copy of its entries, handle id -> hook or flag)."""
+
+_Kept = tuple[torch.nn.Module, dict[str, Any], _Hooks, dict[str, Any]]
+"""A module's snapshot (:func:`_kept_module`): the module, its attributes by reference, its hook
+dicts and its own parameters' (:func:`_kept_hooks`), and a copy of the contents of each
+attribute that is a list, dict, set or deque."""
 
 _CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict, collections.Counter,
                collections.deque)
@@ -491,10 +518,13 @@ def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN}
 
 
-def _kept_hooks(m: torch.nn.Module) -> list[tuple[Any, str, set[int]]]:
-    """(owner, dict's name, handle ids) for module ``m``'s own hook dicts (:data:`_HOOK_DICTS`)
-    and its own parameters' (:data:`_TENSOR_HOOK_DICTS`; one that is None yet kept as empty)."""
-    return [(owner, name, set(getattr(owner, name) or ()))
+def _kept_hooks(m: torch.nn.Module) -> _Hooks:
+    """(owner, dict's name, a copy of its entries) for module ``m``'s own hook dicts
+    (:data:`_HOOK_DICTS`) and its own parameters' (:data:`_TENSOR_HOOK_DICTS`; one that is None
+    yet kept as empty). The hooks themselves, not only their ids: one a pass takes out (a
+    data-dependent initialisation that removes itself after its first call) is put back (review
+    42a: the check used it up, and the run never initialised the layer)."""
+    return [(owner, name, dict(getattr(owner, name) or {}))
             for owner, names in [(m, _HOOK_DICTS), *((p, _TENSOR_HOOK_DICTS) for p in m.parameters(recurse=False))]
             for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m]
 
@@ -524,14 +554,15 @@ def _put_attributes_back(kept: list[_Kept]) -> tuple[dict[Any, int], list[str]] 
     hook's closure: the layer's gradients were never all-reduced again, review 41b); kept while
     a record was put back, it was registered again, each gradient halved twice (41a, and 41c
     with the record on the parent). Returned: None when everything was put back, else the
-    parameters hooked, each with how many hooks it gained, and each module whose attributes the
-    pass so left changed (``"Type (name, ...)"``; none: the hooks alone stay)."""
+    parameters hooked, each with the most hooks of one function it gained (:func:`_most_of_one`),
+    and each module the pass so left changed (``"Type (name, ..., N hooks registered, N taken
+    out)"``: its attributes, the hooks its passes registered on it or took out of it)."""
     hooked: dict[Any, int] = {}
     for m, _, hooks, _ in kept:
         hooked.update(_gained_gradient_hooks(m, hooks))
     if hooked:  # (the whole model as the pass left it)
-        return hooked, [f"{type(m).__name__} ({listed(changed)})"
-                        for m, held, _, contents in kept if (changed := _changed_attributes(vars(m), held, contents))]
+        return hooked, [f"{type(m).__name__} ({listed(changed)})" for m, held, hooks, contents in kept
+                        if (changed := _changed_attributes(vars(m), held, contents) + _changed_hooks(m, hooks))]
     _put_modules_back(kept)
     return None
 
@@ -540,7 +571,7 @@ def _put_modules_back(kept: list[_Kept]) -> None:
     """:func:`_put_attributes_back`'s work when the block registered no gradient hook: each module's
     hooks taken out, its attributes and their contents put back."""
     for m, held, hooks, contents in kept:
-        _take_out_hooks(m, hooks)
+        _hooks_put_back(m, hooks)
         now = vars(m)
         for k in [k for k in now if k not in held and k not in _MODULES_OWN]:  # (added since: taken out)
             del now[k]
@@ -560,27 +591,72 @@ def _put_modules_back(kept: list[_Kept]) -> None:
                     v.update(contents[k])
 
 
-def _gained_gradient_hooks(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> dict[Any, int]:
-    """Module ``m``'s own parameters on which the block registered gradient hooks, each with how
-    many (``hooks``: :func:`_kept_hooks`' snapshot)."""
-    gained: dict[Any, int] = {}
+def _gained_gradient_hooks(m: torch.nn.Module, hooks: _Hooks) -> dict[Any, int]:
+    """Module ``m``'s own parameters on which the block registered gradient hooks, each with the
+    most hooks of one function it gained (``hooks``: :func:`_kept_hooks`' snapshot;
+    :func:`_most_of_one`)."""
+    gained: dict[Any, list[Any]] = {}
     for owner, name, before in hooks:
-        new = sum(k not in before for k in getattr(owner, name, None) or ()) if owner is not m else 0
-        if new:
-            gained[owner] = gained.get(owner, 0) + new
-    return gained
+        if owner is not m:
+            gained.setdefault(owner, []).extend(h for k, h in (getattr(owner, name, None) or {}).items()
+                                                if k not in before)
+    return {p: _most_of_one(new) for p, new in gained.items() if new}
 
 
-def _take_out_hooks(m: torch.nn.Module, hooks: list[tuple[Any, str, set[int]]]) -> None:
-    """Take out the hooks the block registered in module ``m``'s own hook dicts (``hooks``:
-    :func:`_kept_hooks`' snapshot), but those marked :func:`outlives_passes`, whose flags stay with
-    them (the with-kwargs and always-called dicts hold True under the handle's id)."""
-    added = [(getattr(m, name, None) or {}, before) for owner, name, before in hooks if owner is m]
-    lasting = {k for registered, before in added for k, hook in registered.items()
-               if k not in before and _outlives(hook)}
-    for registered, before in added:
-        for key in [k for k in registered if k not in before and k not in lasting]:
-            registered.pop(key, None)
+def _most_of_one(hooks: list[Any]) -> int:
+    """The most of ``hooks`` that are one function (by its code: a lambda registered at every
+    forward is a new object each time, its code the same; a ``functools.partial``'s function's;
+    another callable's class): 1 where each is another (a gradient hook and a post-accumulate one
+    registered once: review 42a, they read as piled up), more where one was registered again.
+
+    Example::
+
+        >>> import functools
+        >>> def clamp(g, bound=1.0):
+        ...     return g.clamp(-bound, bound)
+        >>> _most_of_one([lambda g: g, print]), _most_of_one([functools.partial(clamp, bound=b) for b in (1, 2)])
+        (1, 2)
+    """
+    def code(hook: Any) -> Any:
+        target = getattr(hook, "func", hook)  # (a functools.partial's function)
+        if isinstance(target, types.BuiltinFunctionType):
+            return target
+        return getattr(target, "__code__", None) or type(target)  # (a bound method's is its function's)
+
+    return max(collections.Counter(code(h) for h in hooks).values(), default=0)
+
+
+def _changed_hooks(m: torch.nn.Module, hooks: _Hooks) -> list[str]:
+    """How the block changed module ``m``'s own hook dicts (``hooks``: :func:`_kept_hooks`'
+    snapshot): ``["N hooks registered", "N taken out"]``, each when there are any (the flag dicts,
+    with-kwargs and always-called, not counted: they pair with an entry of another)."""
+    registered = taken = 0
+    for owner, name, before in hooks:
+        if owner is m and not name.endswith(("_with_kwargs", "_always_called")):
+            now = getattr(m, name, None) or {}
+            registered += sum(k not in before and not _outlives(h) for k, h in now.items())
+            taken += sum(k not in now for k in before)
+    return ([f"{counted(registered, 'hook')} registered"] if registered else []) + \
+        ([f"{counted(taken, 'hook')} taken out"] if taken else [])
+
+
+def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks) -> None:
+    """Module ``m``'s own hook dicts and its parameters' as they were (``hooks``:
+    :func:`_kept_hooks`' snapshot), in place and in their order: the hooks the block registered
+    taken out, but those marked :func:`outlives_passes` (their flags stay with them: the
+    with-kwargs and always-called dicts hold True under the handle's id), and those it took out
+    put back (a hook that removes itself after its first call: its handle, kept where the model
+    keeps it, still removes it)."""
+    lasting = {k for owner, name, before in hooks if owner is m
+               for k, hook in (getattr(m, name, None) or {}).items() if k not in before and _outlives(hook)}
+    for owner, name, before in hooks:
+        registered = getattr(owner, name, None)
+        if not isinstance(registered, dict):  # (a parameter's, None: none registered since)
+            continue
+        wanted = [*before.items(), *((k, h) for k, h in registered.items() if k not in before and k in lasting)]
+        if list(registered.items()) != wanted:
+            registered.clear()
+            registered.update(wanted)
 
 
 def _changed_attributes(now: dict[str, Any], held: dict[str, Any], contents: dict[str, Any]) -> list[str]:

@@ -657,7 +657,7 @@ def cast_stats(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], in
 def _replay(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inputs: Any, targets: Any,
             autocast: Callable[[], contextlib.AbstractContextManager]) -> ScaleWatch:
     """Forward, loss and backward of one micro-batch under a :class:`ScaleWatch`, leaving no trace."""
-    with untouched(model), ScaleWatch(model) as watch:
+    with untouched(model, passes=1), ScaleWatch(model) as watch:
         with autocast():
             loss = loss_fn(model(inputs), targets)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:

@@ -49,13 +49,14 @@ def test_a_gradient_hook_a_forward_registers_once_is_registered_once_after_a_pas
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         for _ in range(passes):
-            with untouched(model, by="the check"):
+            with untouched(model, by="the check", passes=2):  # (42a: two passes tell once from at every forward)
+                model(torch.ones(4, 2)).sum()
                 model(torch.ones(4, 2)).sum()
     model(torch.ones(4, 2)).sum().backward()
     assert model.weight.grad.tolist() == [[2.0, 2.0]] and len(model.weight._backward_hooks) == 1
     expected = ("the check registered a gradient hook once on 2 parameters (weight, bias): kept, as the run's first "
                 "forward would register it, with the modules as its passes left them (whatever records the hooks "
-                "agrees with them); the attributes its passes changed stay too (HalvedGrads (hooked))")
+                "agrees with them); what its passes changed in the modules stays too (HalvedGrads (hooked))")
     assert [str(w.message)[:len(expected)] for w in said] == [expected] * passes
 
 
@@ -395,8 +396,9 @@ def test_hooks_left_by_a_pass_are_said_even_when_no_attribute_changed():
     # (41g: two passes tell a hook registered at every call from one registered once)
     model = EveryCall()
     with pytest.warns(AmpguardWarning, match=r"registered gradient hooks on 1 parameter at its passes \(a.weight "
-                      r"\(2\), hooks registered each\): they stay, so the run starts with hooks a plain loop's would "
-                      "not have; register such a hook once"):
+                      r"\(2\), hooks of one function each\): they stay, so the run starts with hooks a plain loop's "
+                      r"would not have; what its passes changed in the modules stays too \(Linear \(2 hooks "
+                      r"registered\)\); register such a hook once"):
         with untouched(model, by="the check"):
             model(torch.ones(1, 2)).sum()
             model(torch.ones(1, 2)).sum()
