@@ -366,7 +366,8 @@ def _warn_hooks_left(hooked: list[tuple[str, int]], modules: list[str], by: str,
     parameter's names and the most hooks of one function it gained; ``modules``: what else the
     block changed in them, :func:`_put_attributes_back`), over ``passes`` grad-enabled forwards:
     registered once (one each over two passes or more), at every forward (piled up: one function
-    registered as often as there were passes, or twice where their number is not known), or, with
+    registered as often as there were passes, or twice where their number is not known), more
+    than once but not at each pass (a backward in one took its hook out: review 42b), or, with
     one pass or an unknown number, one each that cannot be told apart (review 42a: one pass was
     said to have registered it once)."""
     most = max(n for _, n in hooked)
@@ -380,6 +381,11 @@ def _warn_hooks_left(hooked: list[tuple[str, int]], modules: list[str], by: str,
                 f"so the run starts with hooks a plain loop's would not have{also}; register such a hook once, behind a "
                 "flag or in the factory, not at every forward (one its backward takes out stays after passes that ran "
                 "no backward)")
+    elif passes and passes > 1 and most > 1:  # (more than once, not at each: a backward took some out, review 42b)
+        said = (f"registered gradient hooks on {params} more than once over its {passes} passes, though not at each "
+                f"({shown}, hooks of one function each): they stay, so the run may start with hooks a plain loop's "
+                f"would not have{also}; register such a hook once, behind a flag or in the factory, not at every "
+                "forward (one its backward takes out stays after passes that ran no backward)")
     elif passes and passes > 1:  # (once each over several passes: as the run's first forward does)
         said = (f"registered a gradient hook once on {params} ({shown}): kept, as the run's first forward would "
                 f"register it, with the modules as its passes left them (whatever records the hooks agrees with "
@@ -474,9 +480,10 @@ def not_made(m: torch.nn.Module) -> bool:
     return any(is_lazy(t) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
 
 
-_Hooks = list[tuple[Any, str, dict[int, Any]]]
+_Hooks = list[tuple[Any, str, dict[int, Any], dict[int, list[tuple[Any, Any, Any]]]]]
 """A module's hook dicts and its own parameters' as they were (:func:`_kept_hooks`): (owner,
-the dict's name, a copy of its entries, handle id -> hook or flag)."""
+the dict's name, a copy of its entries, handle id -> hook or flag, and by the same id each
+hook's closure: :func:`_closure_kept`)."""
 
 _Kept = tuple[torch.nn.Module, dict[str, Any], _Hooks, dict[str, Any]]
 """A module's snapshot (:func:`_kept_module`): the module, its attributes by reference, its hook
@@ -524,9 +531,41 @@ def _kept_hooks(m: torch.nn.Module) -> _Hooks:
     yet kept as empty). The hooks themselves, not only their ids: one a pass takes out (a
     data-dependent initialisation that removes itself after its first call) is put back (review
     42a: the check used it up, and the run never initialised the layer)."""
-    return [(owner, name, dict(getattr(owner, name) or {}))
+    return [(owner, name, before, {k: _closure_kept(hook) for k, hook in before.items()})
             for owner, names in [(m, _HOOK_DICTS), *((p, _TENSOR_HOOK_DICTS) for p in m.parameters(recurse=False))]
-            for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m]
+            for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m
+            for before in [dict(getattr(owner, name) or {})]]
+
+
+def _closure_kept(hook: Any) -> list[tuple[Any, Any, Any]]:
+    """The state a hook keeps in its closure (a function's, a ``functools.partial``'s function's):
+    (cell, its value by reference, a shallow copy of the value's contents when it is a list, dict,
+    set or deque, else None), put back with the hook when a pass took it out (:func:`_hooks_put_back`):
+    a warm-up hook that counts down and removes itself at 0, put back with its count spent, went on
+    for good (review 42b). A hook the passes left in place keeps what they did to its closure (a
+    list it logs into may be the caller's own record of the passes)."""
+    closure = getattr(getattr(hook, "func", hook), "__closure__", None) or ()
+    kept = []
+    for cell in closure:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # (a cell not filled yet)
+            continue
+        kept.append((cell, value, copy.copy(value) if type(value) in _CONTAINERS else None))
+    return kept
+
+
+def _contents_back(v: Any, contents: Any) -> None:
+    """A list, dict, set or deque ``v`` given back ``contents`` (its shallow copy) in place: whoever
+    else holds it sees them put back too."""
+    if isinstance(v, list):
+        v[:] = contents
+    elif isinstance(v, collections.deque):
+        v.clear()
+        v.extend(contents)
+    else:
+        v.clear()
+        v.update(contents)
 
 
 def _put_attributes_back(kept: list[_Kept]) -> tuple[dict[Any, int], list[str]] | None:
@@ -560,9 +599,9 @@ def _put_attributes_back(kept: list[_Kept]) -> tuple[dict[Any, int], list[str]] 
     hooked: dict[Any, int] = {}
     for m, _, hooks, _ in kept:
         hooked.update(_gained_gradient_hooks(m, hooks))
-    if hooked:  # (the whole model as the pass left it)
+    if hooked:  # (the whole model as the pass left it; its hooks said first: listed cuts the names short)
         return hooked, [f"{type(m).__name__} ({listed(changed)})" for m, held, hooks, contents in kept
-                        if (changed := _changed_attributes(vars(m), held, contents) + _changed_hooks(m, hooks))]
+                        if (changed := _changed_hooks(m, hooks) + _changed_attributes(vars(m), held, contents))]
     _put_modules_back(kept)
     return None
 
@@ -581,14 +620,7 @@ def _put_modules_back(kept: list[_Kept]) -> None:
             if now.get(k, _GONE) is not v:
                 now[k] = v
             if k in contents:  # (its contents in place: whoever else holds it sees them put back too)
-                if isinstance(v, list):
-                    v[:] = contents[k]
-                elif isinstance(v, collections.deque):
-                    v.clear()
-                    v.extend(contents[k])
-                else:
-                    v.clear()
-                    v.update(contents[k])
+                _contents_back(v, contents[k])
 
 
 def _gained_gradient_hooks(m: torch.nn.Module, hooks: _Hooks) -> dict[Any, int]:
@@ -596,7 +628,7 @@ def _gained_gradient_hooks(m: torch.nn.Module, hooks: _Hooks) -> dict[Any, int]:
     most hooks of one function it gained (``hooks``: :func:`_kept_hooks`' snapshot;
     :func:`_most_of_one`)."""
     gained: dict[Any, list[Any]] = {}
-    for owner, name, before in hooks:
+    for owner, name, before, _ in hooks:
         if owner is not m:
             gained.setdefault(owner, []).extend(h for k, h in (getattr(owner, name, None) or {}).items()
                                                 if k not in before)
@@ -619,25 +651,34 @@ def _most_of_one(hooks: list[Any]) -> int:
     """
     def code(hook: Any) -> Any:
         target = getattr(hook, "func", hook)  # (a functools.partial's function)
-        if isinstance(target, types.BuiltinFunctionType):
-            return target
-        return getattr(target, "__code__", None) or type(target)  # (a bound method's is its function's)
+        if isinstance(target, types.MethodType):  # (one instance's method: another's is another hook)
+            return target.__func__, id(target.__self__)
+        found = getattr(target, "__code__", None)
+        if found is not None:
+            return found
+        # (a callable object: its class's __call__, one function; a builtin or a method descriptor: itself)
+        return type(target) if isinstance(getattr(type(target), "__call__", None), types.FunctionType) else target
 
     return max(collections.Counter(code(h) for h in hooks).values(), default=0)
 
 
 def _changed_hooks(m: torch.nn.Module, hooks: _Hooks) -> list[str]:
-    """How the block changed module ``m``'s own hook dicts (``hooks``: :func:`_kept_hooks`'
-    snapshot): ``["N hooks registered", "N taken out"]``, each when there are any (the flag dicts,
-    with-kwargs and always-called, not counted: they pair with an entry of another)."""
-    registered = taken = 0
-    for owner, name, before in hooks:
-        if owner is m and not name.endswith(("_with_kwargs", "_always_called")):
-            now = getattr(m, name, None) or {}
+    """How the block changed module ``m``'s own hook dicts and its parameters' (``hooks``:
+    :func:`_kept_hooks`' snapshot): ``["N hooks registered", "N taken out", "N gradient hooks
+    taken out"]``, each when there are any (the flag dicts, with-kwargs and always-called, not
+    counted: they pair with an entry of another; gradient hooks registered are said apart, by
+    parameter: :func:`_gained_gradient_hooks`)."""
+    registered = taken = gradients = 0
+    for owner, name, before, _ in hooks:
+        now = getattr(owner, name, None) or {}
+        if owner is not m:
+            gradients += sum(k not in now for k in before)
+        elif not name.endswith(("_with_kwargs", "_always_called")):
             registered += sum(k not in before and not _outlives(h) for k, h in now.items())
             taken += sum(k not in now for k in before)
     return ([f"{counted(registered, 'hook')} registered"] if registered else []) + \
-        ([f"{counted(taken, 'hook')} taken out"] if taken else [])
+        ([f"{counted(taken, 'hook')} taken out"] if taken else []) + \
+        ([f"{counted(gradients, 'gradient hook')} taken out"] if gradients else [])
 
 
 def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks) -> None:
@@ -646,13 +687,18 @@ def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks) -> None:
     taken out, but those marked :func:`outlives_passes` (their flags stay with them: the
     with-kwargs and always-called dicts hold True under the handle's id), and those it took out
     put back (a hook that removes itself after its first call: its handle, kept where the model
-    keeps it, still removes it)."""
-    lasting = {k for owner, name, before in hooks if owner is m
+    keeps it, still removes it), with what each kept in its closure (:func:`_closure_kept`)."""
+    lasting = {k for owner, name, before, _ in hooks if owner is m
                for k, hook in (getattr(m, name, None) or {}).items() if k not in before and _outlives(hook)}
-    for owner, name, before in hooks:
+    for owner, name, before, closures in hooks:
         registered = getattr(owner, name, None)
         if not isinstance(registered, dict):  # (a parameter's, None: none registered since)
             continue
+        for cell, value, contents in (c for k in before if k not in registered for c in closures[k]):
+            if cell.cell_contents is not value:
+                cell.cell_contents = value
+            if contents is not None:
+                _contents_back(value, contents)
         wanted = [*before.items(), *((k, h) for k, h in registered.items() if k not in before and k in lasting)]
         if list(registered.items()) != wanted:
             registered.clear()
