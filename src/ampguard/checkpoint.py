@@ -206,6 +206,7 @@ class BufferSnapshot:
     def __init__(self, model: torch.nn.Module, skip: frozenset[int] | set[int] = frozenset(),
                  modules_skipped: frozenset[int] | set[int] = frozenset()) -> None:
         self.held = [(m, dict(m._buffers)) for m in model.modules()]
+        self.module_names = {id(m): name for name, m in model.named_modules()}  # (what an error calls a buffer)
         # (a tensor with internal overlap, an expanded view, stride 0: nothing writes it in place, so
         # it is referenced, not copied; a replacement is undone by putting the object back)
         self.copies = {id(b): b.detach().clone() for _, held in self.held for b in held.values()
@@ -233,8 +234,10 @@ class BufferSnapshot:
         in place (``resize_``), gave another storage (``self.last.data = x``) or another layout is
         first set back to its own storage, offset, size and strides (copied into as it was, it
         raised, or wrote into the user's batch; given a clone, its aliases parted from it: reviews
-        41, 41b, 41c); the attributes are put back whatever happened to the buffers."""
-        failed: BaseException | None = None
+        41, 41b, 41c); the attributes are put back whatever happened to the buffers. Buffers that
+        cannot be put back (a tensor class without an in-place ``copy_``) are one
+        :class:`~ampguard.errors.InputError` line naming each, raised after the rest are put back."""
+        failed: list[tuple[str, torch.Tensor, Exception]] = []
         try:
             with torch.no_grad():
                 for m, held in self.held:
@@ -247,11 +250,16 @@ class BufferSnapshot:
                             try:  # (each one: a buffer that cannot be put back leaves the others put back)
                                 _set_back(b, self.places[id(b)], self.copies[id(b)])
                             except Exception as err:
-                                failed = failed or err
+                                prefix = self.module_names.get(id(m), "")
+                                failed.append((f"{prefix}.{name}" if prefix else name, b, err))
         finally:
             left = _put_attributes_back(self.attributes)
-        if failed is not None:
-            raise failed
+        if failed:
+            said = listed([f"{name} (a {type(b).__name__}: {first_line(err)})" for name, b, err in failed], 2,
+                          more=f" and {len(failed) - 2} more")
+            raise InputError(f"the model's {'buffer' if len(failed) == 1 else 'buffers'} {said} cannot be put back "
+                             "in place as they were before the passes (the values copied in with copy_): keep such "
+                             "state in a plain tensor buffer, or out of the model's buffers") from failed[0][2]
         if left is None:
             return None
         hooked, modules = left
@@ -329,7 +337,10 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     finally:
         left: tuple[list[tuple[str, int]], list[str]] | None = None
         try:
-            left = snapshot.put_back()
+            try:
+                left = snapshot.put_back()
+            except InputError as err:  # (a buffer that cannot be put back: said as who met it)
+                raise InputError(f"{by}: {err}") from err.__cause__
             with torch.no_grad():
                 for p in model.parameters():
                     if id(p) in renormed and p.shape == renormed[id(p)].shape:  # (Embedding(max_norm=...)'s rows)

@@ -289,3 +289,85 @@ def test_the_hooks_a_pass_left_on_a_module_are_named_before_its_attributes():
     said = said_by(lambda: check_forward(model, nn.functional.mse_loss,
                                          reader((torch.ones(4, 2), torch.zeros(4, 1))), FP32, "task toy"))
     assert len(said) == 1 and "Busy (4 hooks registered, " in said[0], said
+
+
+# ---------------------------------------------------------------------------- a buffer that cannot be put back
+
+class NoCopy(torch.Tensor):
+    """A tensor class whose ``copy_`` is not supported (41g: the start-up died with torch's raw error)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            raise NotImplementedError(f"{cls.__name__} does not support copy_")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+        self.register_buffer("count", torch.zeros(()))
+        for name in ("first", "second", "third"):
+            self.register_buffer(name, torch.zeros(2).as_subclass(NoCopy))
+
+    def forward(self, x):
+        self.count += 1
+        return self.lin(x)
+
+
+def test_buffers_that_cannot_be_put_back_are_one_line_naming_each_and_the_rest_are_put_back():
+    import pytest
+
+    from ampguard.errors import InputError
+
+    model = nn.Sequential(Tables())
+    with pytest.raises(InputError) as caught:
+        with untouched(model, by="task toy: the start-up's check of the first batches"):
+            model(torch.ones(1, 2))
+    said = str(caught.value)
+    assert "\n" not in said and said.startswith("task toy: the start-up's check of the first batches: the model's "
+                                                "buffers 0.first (a NoCopy: NoCopy does not support copy_), "
+                                                "0.second (a NoCopy: NoCopy does not support copy_) and 1 more "
+                                                "cannot be put back"), said
+    assert model[0].count.item() == 0  # (the buffers before and after them put back)
+
+
+FACTORY = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class NoCopy(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            raise NotImplementedError("NoCopy does not support copy_")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+        self.register_buffer("table", torch.zeros(2).as_subclass(NoCopy))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def build(config):
+    x = torch.randn(32, 2)
+    return Model(), [(x, x.sum(1, keepdim=True))], F.mse_loss
+'''
+
+
+def test_a_run_whose_buffer_cannot_be_put_back_is_one_line_exit_2_and_no_run_folder(cli, tmp_path):
+    (tmp_path / "nocopy.py").write_text(FACTORY)
+    code, out, err = cli("train", "--set", "task.factory=nocopy.py:build", "--set", "precision=fp32", "--set",
+                         "steps=2", "--set", "eval.enabled=false", "--set", "log.plot=false")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the start-up's check of the first batches: the model's buffer table (a NoCopy: NoCopy does not " \
+           "support copy_) cannot be put back" in err
+    assert not (tmp_path / "runs").exists()
