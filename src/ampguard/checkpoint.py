@@ -214,10 +214,14 @@ class BufferSnapshot:
         # (where each copied one's values lie: a forward that resized it, or gave it another storage with
         # `.data = x`, is set back there before its values are copied in, never into whatever it views now)
         self.places = {i: _place(b) for _, held in self.held for b in held.values() if (i := id(b)) in self.copies}
-        # (each parameter's names as they are now, tied ones together: what a warning calls a hooked one)
+        # (each parameter's names as they are now, tied ones together, and each trainable tensor attribute's:
+        # what a warning calls a hooked one)
         self.names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self.names.setdefault(id(p), []).append(name)
+        for prefix, m in model.named_modules():
+            for name, t in _trainable_attributes(m):
+                self.names.setdefault(id(t), []).append(f"{prefix}.{name}" if prefix else name)
         # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by identity)
         self.attributes = [_kept_module(m) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
@@ -321,7 +325,8 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     lazy_kinds = [(m, type(m).__name__) for m in model.modules() if any(
         id(t) in lazy for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
     snapshot = BufferSnapshot(model, skip=lazy, modules_skipped={id(m) for m, _ in lazy_kinds})
-    grads = [(p, p.grad) for p in model.parameters()]  # (these objects: FSDP2 swaps the module's during a pass)
+    grads = [(p, p.grad) for p in itertools.chain(  # (these objects: FSDP2 swaps the module's during a pass)
+        model.parameters(), (t for m in model.modules() for _, t in _trainable_attributes(m)))]
     renormed = {id(p): p.detach().clone() for m in model.modules() if _renormalises(m)
                 for p in m.parameters(recurse=False) if id(p) not in lazy}
     named = [(name, p) for name, p in model.named_parameters() if id(p) not in lazy]
@@ -538,14 +543,25 @@ def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
 
 def _kept_hooks(m: torch.nn.Module) -> _Hooks:
     """(owner, dict's name, a copy of its entries) for module ``m``'s own hook dicts
-    (:data:`_HOOK_DICTS`) and its own parameters' (:data:`_TENSOR_HOOK_DICTS`; one that is None
-    yet kept as empty). The hooks themselves, not only their ids: one a pass takes out (a
+    (:data:`_HOOK_DICTS`) and its own parameters' and trainable tensor attributes'
+    (:data:`_TENSOR_HOOK_DICTS`; one that is None yet kept as empty: :func:`_trainable_attributes`).
+    The hooks themselves, not only their ids: one a pass takes out (a
     data-dependent initialisation that removes itself after its first call) is put back (review
     42a: the check used it up, and the run never initialised the layer)."""
     return [(owner, name, before, {k: _closure_kept(hook) for k, hook in before.items()})
-            for owner, names in [(m, _HOOK_DICTS), *((p, _TENSOR_HOOK_DICTS) for p in m.parameters(recurse=False))]
+            for owner, names in [(m, _HOOK_DICTS), *((p, _TENSOR_HOOK_DICTS) for p in m.parameters(recurse=False)),
+                                 *((t, _TENSOR_HOOK_DICTS) for _, t in _trainable_attributes(m))]
             for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m
             for before in [dict(getattr(owner, name) or {})]]
+
+
+def _trainable_attributes(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Module ``m``'s tensor attributes that are trained but not parameters (a leaf that requires
+    grad, handed to the optimizer by hand: SAC's ``self.log_alpha``): their gradient hooks are
+    kept as a parameter's (41g: one registered behind a flag the put-back cleared was registered
+    twice, unsaid)."""
+    return [(k, v) for k, v in vars(m).items() if k not in _MODULES_OWN and isinstance(v, torch.Tensor)
+            and not isinstance(v, torch.nn.Parameter) and v.requires_grad and v.is_leaf]
 
 
 def _closure_kept(hook: Any) -> list[tuple[Any, Any, Any]]:

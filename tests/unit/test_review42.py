@@ -371,3 +371,43 @@ def test_a_run_whose_buffer_cannot_be_put_back_is_one_line_exit_2_and_no_run_fol
     assert "the start-up's check of the first batches: the model's buffer table (a NoCopy: NoCopy does not " \
            "support copy_) cannot be put back" in err
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------- a trained tensor that is no parameter
+
+class Temperature(nn.Module):
+    """SAC's entropy temperature: ``log_alpha`` a leaf tensor trained by hand (no parameter), a
+    gradient hook on it registered once, behind a flag, at the first grad-enabled forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+        self.log_alpha = torch.zeros(1, requires_grad=True)
+        self.hooked = False
+
+    def forward(self, x):
+        if torch.is_grad_enabled() and not self.hooked:
+            self.hooked = True
+            self.log_alpha.register_hook(lambda g: g * 0.5)
+        return self.lin(x) * self.log_alpha.exp()
+
+
+def test_a_gradient_hook_on_a_trained_tensor_attribute_is_kept_with_its_flag_and_said():
+    # 41g: only parameters' hooks were looked at: the flag was put back, the hook stayed, and the run's first
+    # forward registered it again (the gradient halved twice), unsaid
+    model = Temperature()
+    said = said_by(lambda: check_forward(model, nn.functional.mse_loss,
+                                         reader((torch.ones(4, 2), torch.zeros(4, 1))), FP32, "task toy"))
+    assert len(said) == 1 and "registered a gradient hook once on 1 parameter (log_alpha)" in said[0], said
+    assert model.hooked and len(model.log_alpha._backward_hooks) == 1
+    model(torch.ones(4, 2)).sum().backward()  # (the run's first step: the hook once)
+    assert len(model.log_alpha._backward_hooks) == 1
+
+
+def test_a_backward_in_a_replay_leaves_a_trained_tensor_attributes_gradient_as_it_was():
+    model = Temperature()
+    model.hooked = True  # (no hook: the put-back path)
+    model.log_alpha.grad = torch.full((1,), 7.0)
+    with untouched(model):
+        model(torch.ones(4, 2)).sum().backward()
+    assert model.log_alpha.grad.tolist() == [7.0]
