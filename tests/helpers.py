@@ -762,6 +762,18 @@ def write(path: Path, source: str) -> Path:
     return path
 
 
+def caught_warnings(block) -> list[str]:
+    """The messages of the ampguard warnings ``block()`` gave, every one (none filtered as a repeat)."""
+    import warnings
+
+    from ampguard.errors import AmpguardWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        block()
+    return [str(w.message) for w in caught if issubclass(w.category, AmpguardWarning)]
+
+
 
 # A noiseless linear regression y = x @ w, learnable to ~0 from any start: a user factory's data.
 REGRESSION = """\

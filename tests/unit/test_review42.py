@@ -4,25 +4,15 @@ function registered and by how many grad-enabled passes ran, and names what else
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
+from helpers import caught_warnings
 from ampguard.build import check_forward
 from ampguard.checkpoint import untouched
-from ampguard.errors import AmpguardWarning
 from ampguard.precision import Precision
 
 FP32 = Precision("fp32", "cpu")
-
-
-def said_by(call) -> list[str]:
-    """The ampguard warnings ``call()`` gave."""
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        call()
-    return [str(w.message) for w in said if issubclass(w.category, AmpguardWarning)]
 
 
 def reader(batch):
@@ -57,7 +47,7 @@ def test_a_hook_that_takes_itself_out_at_the_check_is_put_back_for_the_run():
     batch = (torch.arange(8.).reshape(4, 2), torch.zeros(4, 1))
     plain, checked = ActNorm(2), ActNorm(2)
     plain(batch[0])
-    assert said_by(lambda: check_forward(checked, nn.functional.mse_loss, reader(batch), FP32, "task toy")) == []
+    assert caught_warnings(lambda: check_forward(checked, nn.functional.mse_loss, reader(batch), FP32, "task toy")) == []
     assert checked.shift.tolist() == [0.0, 0.0] and len(checked._forward_pre_hooks) == 1  # (as handed over)
     checked(batch[0])  # (the run's first forward)
     assert checked.shift.tolist() == plain.shift.tolist() == [-3.0, -4.0]
@@ -93,12 +83,12 @@ def test_one_pass_does_not_say_a_hook_was_registered_once():
     # review 42a #2: validate --train-steps' check runs one pass: a hook registered at every forward read as
     # "registered ... once ...: kept, as the run's first forward would register it"
     read = lambda: (torch.ones(4, 2), torch.zeros(4, 1))  # noqa: E731 (no count: one pass)
-    said = said_by(lambda: check_forward(EveryCall(2, 1), nn.functional.mse_loss, read, FP32, "task toy"))
+    said = caught_warnings(lambda: check_forward(EveryCall(2, 1), nn.functional.mse_loss, read, FP32, "task toy"))
     assert len(said) == 1 and " once " not in said[0] and "one pass cannot tell them apart" in said[0], said
 
 
 def test_hooks_registered_at_every_pass_are_said_to_pile_up():
-    said = said_by(lambda: check_forward(EveryCall(2, 1), nn.functional.mse_loss,
+    said = caught_warnings(lambda: check_forward(EveryCall(2, 1), nn.functional.mse_loss,
                                          reader((torch.ones(4, 2), torch.zeros(4, 1))), FP32, "task toy"))
     assert len(said) == 1 and "weight (4), hooks of one function each" in said[0] and "not at every forward" in said[0]
 
@@ -117,7 +107,7 @@ class TwoOnce(nn.Linear):
 def test_two_different_hooks_registered_once_are_said_once():
     # review 42a #3: a gradient hook and a post-accumulate hook registered once counted as two of one: "piled up"
     model = TwoOnce(2, 1)
-    said = said_by(lambda: check_forward(model, nn.functional.mse_loss,
+    said = caught_warnings(lambda: check_forward(model, nn.functional.mse_loss,
                                          reader((torch.ones(4, 2), torch.zeros(4, 1))), FP32, "task toy"))
     assert len(said) == 1 and "registered a gradient hook once on 1 parameter (weight)" in said[0], said
     assert len(model.weight._backward_hooks) == len(model.weight._post_accumulate_grad_hooks) == 1
@@ -147,7 +137,7 @@ def test_module_hooks_a_pass_left_beside_a_gradient_hook_are_named():
     # review 42a #4: the forward hooks Probe piled up (4) stayed, unsaid, because a gradient hook elsewhere left
     # the model as the passes left it
     model = nn.Sequential(HookedNorm(4), Probe(4, 1))
-    said = said_by(lambda: check_forward(model, nn.functional.mse_loss,
+    said = caught_warnings(lambda: check_forward(model, nn.functional.mse_loss,
                                          reader((torch.randn(2, 4), torch.zeros(2, 1))), FP32, "task toy"))
     assert len(said) == 1 and "Probe (4 hooks registered)" in said[0], said
     assert len(model[1]._forward_hooks) == 4
@@ -175,7 +165,7 @@ def test_a_hook_put_back_gets_back_what_its_closure_counted():
     # 42b #2: the warm-up hook was put back with its count spent by the check's passes: it never took itself out
     batch = (torch.ones(4, 2), torch.zeros(4, 1))
     plain, checked = warmed_up(3), warmed_up(3)
-    assert said_by(lambda: check_forward(checked, nn.functional.mse_loss, reader(batch), FP32, "task toy")) == []
+    assert caught_warnings(lambda: check_forward(checked, nn.functional.mse_loss, reader(batch), FP32, "task toy")) == []
     hooked = {}
     for name, model in (("plain", plain), ("checked", checked)):
         hooked[name] = []
@@ -206,7 +196,7 @@ class PerForward(nn.Module):
 def test_hooks_of_one_function_left_by_some_passes_but_not_all_are_not_said_once():
     # 42b #1: find_unused's backward at the first pass fired that pass's hook: 3 of 4 left read "once ... kept"
     model = PerForward()
-    said = said_by(lambda: check_forward(model, nn.functional.mse_loss,
+    said = caught_warnings(lambda: check_forward(model, nn.functional.mse_loss,
                                          reader((torch.ones(4, 2), torch.zeros(4, 1))), FP32, "task toy",
                                          find_unused=True))
     assert len(model.lin.weight._backward_hooks) == 3
@@ -263,7 +253,7 @@ def test_a_gradient_hook_a_pass_took_out_beside_one_it_registered_is_named():
         with untouched(model, passes=1):
             model(torch.ones(1, 2)).sum().backward()
 
-    said = said_by(one_pass)
+    said = caught_warnings(one_pass)
     assert len(said) == 1 and "Linear (1 gradient hook taken out)" in said[0], said
 
 
@@ -286,7 +276,7 @@ class Busy(nn.Module):
 def test_the_hooks_a_pass_left_on_a_module_are_named_before_its_attributes():
     # 42b #3: the count came after the attributes' names and listed() cut it off at three
     model = Busy()
-    said = said_by(lambda: check_forward(model, nn.functional.mse_loss,
+    said = caught_warnings(lambda: check_forward(model, nn.functional.mse_loss,
                                          reader((torch.ones(4, 2), torch.zeros(4, 1))), FP32, "task toy"))
     assert len(said) == 1 and "Busy (4 hooks registered, " in said[0], said
 
@@ -396,7 +386,7 @@ def test_a_gradient_hook_on_a_trained_tensor_attribute_is_kept_with_its_flag_and
     # 41g: only parameters' hooks were looked at: the flag was put back, the hook stayed, and the run's first
     # forward registered it again (the gradient halved twice), unsaid
     model = Temperature()
-    said = said_by(lambda: check_forward(model, nn.functional.mse_loss,
+    said = caught_warnings(lambda: check_forward(model, nn.functional.mse_loss,
                                          reader((torch.ones(4, 2), torch.zeros(4, 1))), FP32, "task toy"))
     assert len(said) == 1 and "registered a gradient hook once on 1 parameter (log_alpha)" in said[0], said
     assert model.hooked and len(model.log_alpha._backward_hooks) == 1

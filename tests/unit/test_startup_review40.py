@@ -12,7 +12,6 @@ and does not call a wrapper over a persistent-workers loader a one-shot."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from torch.nn import functional as F
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedParameter
 
-from helpers import NOISY_DATA, write
+from helpers import NOISY_DATA, caught_warnings, write
 
 from ampguard.build import check_forward
 from ampguard.checkpoint import _checksum, untouched
@@ -33,13 +32,6 @@ from ampguard.tasks import build_task
 pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
 
 FP32 = Precision("fp32", "cpu")
-
-
-def caught_warnings(block) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        block()
-    return [str(w.message) for w in caught if issubclass(w.category, AmpguardWarning)]
 
 
 # ---------------------------------------------------------------------------- 1. lazy modules
