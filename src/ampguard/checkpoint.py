@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import itertools
 import os
 import pickle
@@ -499,7 +500,7 @@ def not_made(m: torch.nn.Module) -> bool:
 _Hooks = list[tuple[Any, str, dict[int, Any], dict[int, list[tuple[Any, Any, Any]]]]]
 """A module's hook dicts and its own parameters' as they were (:func:`_kept_hooks`): (owner,
 the dict's name, a copy of its entries, handle id -> hook or flag, and by the same id each
-hook's closure: :func:`_closure_kept`)."""
+hook's state: :func:`_hook_state`)."""
 
 _Kept = tuple[torch.nn.Module, dict[str, Any], _Hooks, dict[str, Any]]
 """A module's snapshot (:func:`_kept_module`): the module, its attributes by reference, its hook
@@ -548,7 +549,7 @@ def _kept_hooks(m: torch.nn.Module) -> _Hooks:
     The hooks themselves, not only their ids: one a pass takes out (a
     data-dependent initialisation that removes itself after its first call) is put back (review
     42a: the check used it up, and the run never initialised the layer)."""
-    return [(owner, name, before, {k: _closure_kept(hook) for k, hook in before.items()})
+    return [(owner, name, before, {k: _hook_state(hook) for k, hook in before.items()})
             for owner, names in [(m, _HOOK_DICTS), *((p, _TENSOR_HOOK_DICTS) for p in m.parameters(recurse=False)),
                                  *((t, _TENSOR_HOOK_DICTS) for _, t in _trainable_attributes(m))]
             for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m
@@ -564,22 +565,62 @@ def _trainable_attributes(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             and not isinstance(v, torch.nn.Parameter) and v.requires_grad and v.is_leaf]
 
 
-def _closure_kept(hook: Any) -> list[tuple[Any, Any, Any]]:
-    """The state a hook keeps in its closure (a function's, a ``functools.partial``'s function's):
-    (cell, its value by reference, a shallow copy of the value's contents when it is a list, dict,
-    set or deque, else None), put back with the hook when a pass took it out (:func:`_hooks_put_back`):
-    a warm-up hook that counts down and removes itself at 0, put back with its count spent, went on
-    for good (review 42b). A hook the passes left in place keeps what they did to its closure (a
-    list it logs into may be the caller's own record of the passes)."""
-    closure = getattr(getattr(hook, "func", hook), "__closure__", None) or ()
-    kept = []
-    for cell in closure:
-        try:
-            value = cell.cell_contents
-        except ValueError:  # (a cell not filled yet)
-            continue
-        kept.append((cell, value, copy.copy(value) if type(value) in _CONTAINERS else None))
+def _hook_state(hook: Any) -> list[tuple[Any, ...]]:
+    """The state a hook keeps outside its module, by reference, with a shallow copy of each list,
+    dict, set or deque's contents (:func:`_state_back` puts it back; review 42b: a warm-up hook that
+    counts down and removes itself at 0, put back with its count spent, went on for good; 42c: one
+    the passes left in place had spent the run's warm-up steps): its closure's cells (``("cell",
+    cell, value, contents)``), through the functions they hold and the ones it wraps
+    (``__wrapped__``: a ``torch.no_grad()``-decorated hook), and a ``functools.partial``'s
+    arguments' contents (``("contents", value, contents)``). Not an object's attributes (a callable
+    object's, or those of the object whose method the hook is): frameworks keep their own state
+    there (FSDP2's hooks are its state object's methods, and put back, its lazy initialisation ran
+    again and refused the model), so a hook object's own countdown is left spent; nor a tensor
+    changed in place."""
+    kept: list[tuple[Any, ...]] = []
+    seen: set[int] = set()
+
+    def visit(f: Any, depth: int) -> None:
+        if id(f) in seen or depth > 4 or isinstance(f, (torch.nn.Module, type)):
+            return
+        seen.add(id(f))
+        if isinstance(f, functools.partial):
+            for v in (*f.args, *f.keywords.values()):
+                if type(v) in _CONTAINERS:
+                    kept.append(("contents", v, copy.copy(v)))
+                elif callable(v):
+                    visit(v, depth + 1)
+            visit(f.func, depth + 1)
+        elif isinstance(f, types.MethodType):
+            visit(f.__func__, depth + 1)
+        elif isinstance(f, types.FunctionType):
+            for cell in f.__closure__ or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # (a cell not filled yet)
+                    continue
+                kept.append(("cell", cell, value, copy.copy(value) if type(value) in _CONTAINERS else None))
+                if callable(value):
+                    visit(value, depth + 1)
+            if (wrapped := getattr(f, "__wrapped__", None)) is not None:
+                visit(wrapped, depth + 1)
+
+    visit(hook, 0)
     return kept
+
+
+def _state_back(kept: list[tuple[Any, ...]]) -> None:
+    """What :func:`_hook_state` kept, put back: each cell's value, and each container's contents,
+    in place."""
+    for kind, target, *rest in kept:
+        if kind == "cell":
+            value, contents = rest
+            if target.cell_contents is not value:
+                target.cell_contents = value
+        else:
+            value, contents = target, rest[0]
+        if contents is not None:
+            _contents_back(value, contents)
 
 
 def _contents_back(v: Any, contents: Any) -> None:
@@ -627,8 +668,9 @@ def _put_attributes_back(kept: list[_Kept]) -> tuple[dict[Any, int], list[str]] 
     for m, _, hooks, _ in kept:
         hooked.update(_gained_gradient_hooks(m, hooks))
     if hooked:  # (the whole model as the pass left it; its hooks said first: listed cuts the names short)
+        seen: set[Any] = set()
         return hooked, [f"{type(m).__name__} ({listed(changed)})" for m, held, hooks, contents in kept
-                        if (changed := _changed_hooks(m, hooks) + _changed_attributes(vars(m), held, contents))]
+                        if (changed := _changed_hooks(m, hooks, seen) + _changed_attributes(vars(m), held, contents))]
     _put_modules_back(kept)
     return None
 
@@ -663,43 +705,89 @@ def _gained_gradient_hooks(m: torch.nn.Module, hooks: _Hooks) -> dict[Any, int]:
 
 
 def _most_of_one(hooks: list[Any]) -> int:
-    """The most of ``hooks`` that are one function (by its code: a lambda registered at every
-    forward is a new object each time, its code the same; a ``functools.partial``'s function's;
-    another callable's class): 1 where each is another (a gradient hook and a post-accumulate one
-    registered once: review 42a, they read as piled up), more where one was registered again.
+    """The most of ``hooks`` that are one hook registered again: one function (its code, through
+    a ``functools.partial`` and the functions a decorator wraps) with the same state (its closure's,
+    a partial's arguments, its object's attributes; :func:`_hook_key`). 1 where each is another (a
+    gradient hook and a post-accumulate one registered once: review 42a; ``scaled(0.5)`` and
+    ``scaled(2)``, two objects' methods: 42b, 42c), more where one was registered again (a lambda or
+    ``Clip(1.0).apply`` at every forward: a new object each time, the same code and state).
 
     Example::
 
         >>> import functools
         >>> def clamp(g, bound=1.0):
         ...     return g.clamp(-bound, bound)
+        >>> def scaled(k):
+        ...     return lambda g: g * k
         >>> _most_of_one([lambda g: g, print]), _most_of_one([functools.partial(clamp, bound=b) for b in (1, 2)])
-        (1, 2)
+        (1, 1)
+        >>> _most_of_one([scaled(0.5), scaled(2)]), _most_of_one([scaled(2) for _ in range(3)])
+        (1, 3)
     """
-    def code(hook: Any) -> Any:
-        target = getattr(hook, "func", hook)  # (a functools.partial's function)
-        if isinstance(target, types.MethodType):  # (one instance's method: another's is another hook)
-            return target.__func__, id(target.__self__)
-        found = getattr(target, "__code__", None)
-        if found is not None:
-            return found
-        # (a callable object: its class's __call__, one function; a builtin or a method descriptor: itself)
-        return type(target) if isinstance(getattr(type(target), "__call__", None), types.FunctionType) else target
-
-    return max(collections.Counter(code(h) for h in hooks).values(), default=0)
+    keys = []
+    for hook in hooks:
+        try:
+            key = _hook_key(hook, 0)
+            hash(key)
+        except Exception:  # (a value that cannot be hashed or read: the hook by itself)
+            key = id(hook)
+        keys.append(key)
+    return max(collections.Counter(keys).values(), default=0)
 
 
-def _changed_hooks(m: torch.nn.Module, hooks: _Hooks) -> list[str]:
+def _hook_key(hook: Any, depth: int) -> Any:
+    """What tells ``hook`` from another (:func:`_most_of_one`): its code and its state, each value
+    by what a hook registered again would share with the first: a model's module or parameter by
+    identity, a number, string or tuple of them by value, a function by its own key, anything else
+    (a list, a handle, a batch's tensor: made anew at each registration) by its type."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, (torch.nn.Module, torch.nn.Parameter)):
+            return "object", id(v)
+        if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+            return v
+        if isinstance(v, tuple):
+            return tuple(plain(x) for x in v)
+        if callable(v) and not isinstance(v, type) and depth < 4:
+            return _hook_key(v, depth + 1)
+        return type(v)
+
+    def attributes(obj: Any) -> Any:
+        if isinstance(obj, torch.nn.Module) or not isinstance(getattr(obj, "__dict__", None), dict):
+            return "object", id(obj)
+        return tuple(sorted((k, plain(v)) for k, v in vars(obj).items()))
+
+    if isinstance(hook, functools.partial):
+        return ("partial", _hook_key(hook.func, depth + 1), tuple(plain(a) for a in hook.args),
+                tuple(sorted((k, plain(v)) for k, v in hook.keywords.items())))
+    if isinstance(hook, types.MethodType):
+        return "method", _hook_key(hook.__func__, depth + 1), attributes(hook.__self__)
+    if isinstance(hook, types.FunctionType):
+        cells = []
+        for cell in hook.__closure__ or ():
+            try:
+                cells.append(plain(cell.cell_contents))
+            except ValueError:  # (a cell not filled yet)
+                cells.append(None)
+        return "function", hook.__code__, tuple(cells)
+    if isinstance(hook, types.BuiltinFunctionType) or not isinstance(getattr(hook, "__dict__", None), dict):
+        return hook  # (a builtin, a method descriptor: itself)
+    return "object", type(hook), attributes(hook)
+
+
+def _changed_hooks(m: torch.nn.Module, hooks: _Hooks, seen: set[Any]) -> list[str]:
     """How the block changed module ``m``'s own hook dicts and its parameters' (``hooks``:
     :func:`_kept_hooks`' snapshot): ``["N hooks registered", "N taken out", "N gradient hooks
     taken out"]``, each when there are any (the flag dicts, with-kwargs and always-called, not
     counted: they pair with an entry of another; gradient hooks registered are said apart, by
-    parameter: :func:`_gained_gradient_hooks`)."""
+    parameter: :func:`_gained_gradient_hooks`). ``seen``: the parameters counted already, under
+    another module (a tied one is counted once: review 42c)."""
     registered = taken = gradients = 0
     for owner, name, before, _ in hooks:
         now = getattr(owner, name, None) or {}
         if owner is not m:
-            gradients += sum(k not in now for k in before)
+            if (id(owner), name) not in seen:
+                seen.add((id(owner), name))
+                gradients += sum(k not in now for k in before)
         elif not name.endswith(("_with_kwargs", "_always_called")):
             registered += sum(k not in before and not _outlives(h) for k, h in now.items())
             taken += sum(k not in now for k in before)
@@ -714,19 +802,20 @@ def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks) -> None:
     taken out, but those marked :func:`outlives_passes` (their flags stay with them: the
     with-kwargs and always-called dicts hold True under the handle's id), and those it took out
     put back (a hook that removes itself after its first call: its handle, kept where the model
-    keeps it, still removes it), with what each kept in its closure (:func:`_closure_kept`)."""
+    keeps it, still removes it), each with the state it kept (:func:`_hook_state`: review 42c, one
+    left in place had spent a warm-up's count too). A lasting hook the block took out and
+    registered again under a new handle is kept once, under its old one (42c: it ran twice)."""
     lasting = {k for owner, name, before, _ in hooks if owner is m
                for k, hook in (getattr(m, name, None) or {}).items() if k not in before and _outlives(hook)}
-    for owner, name, before, closures in hooks:
+    for owner, name, before, states in hooks:
         registered = getattr(owner, name, None)
         if not isinstance(registered, dict):  # (a parameter's, None: none registered since)
             continue
-        for cell, value, contents in (c for k in before if k not in registered for c in closures[k]):
-            if cell.cell_contents is not value:
-                cell.cell_contents = value
-            if contents is not None:
-                _contents_back(value, contents)
-        wanted = [*before.items(), *((k, h) for k, h in registered.items() if k not in before and k in lasting)]
+        for k in before:
+            _state_back(states[k])
+        again = {id(h) for h in before.values()}
+        wanted = [*before.items(), *((k, h) for k, h in registered.items()
+                                     if k not in before and k in lasting and (isinstance(h, bool) or id(h) not in again))]
         if list(registered.items()) != wanted:
             registered.clear()
             registered.update(wanted)

@@ -401,3 +401,153 @@ def test_a_backward_in_a_replay_leaves_a_trained_tensor_attributes_gradient_as_i
     with untouched(model):
         model(torch.ones(4, 2)).sum().backward()
     assert model.log_alpha.grad.tolist() == [7.0]
+
+
+# ---------------------------------------------------------------------------- review 42c (of 42b's fixes)
+
+def test_a_hook_the_passes_leave_in_place_gets_back_what_its_closure_counted():
+    # 42c #1: a warm-up of 6 steps was not used up by the check's 4 passes, so its hook stayed, its closure not
+    # put back: the check spent 4 of the run's 6 warm-up steps, silently
+    batch = (torch.ones(4, 2), torch.zeros(4, 1))
+    plain, checked = warmed_up(6), warmed_up(6)
+    assert caught_warnings(lambda: check_forward(checked, nn.functional.mse_loss, reader(batch), FP32, "task toy")) == []
+    hooked = {}
+    for name, model in (("plain", plain), ("checked", checked)):
+        hooked[name] = []
+        for _ in range(8):
+            hooked[name].append(len(model._forward_pre_hooks))
+            model(batch[0])
+    assert hooked["checked"] == hooked["plain"] == [1] * 6 + [0] * 2
+
+
+def decorated_warm_up(steps: int):
+    """The warm-up's hook behind a decorator and a nested counter: its state two closures deep."""
+    model = nn.Sequential(nn.Linear(2, 1))
+
+    def counter(n):
+        left = [n]
+
+        def tick():
+            left[0] -= 1
+            return left[0]
+        return tick
+
+    tick = counter(steps)
+
+    @torch.no_grad()
+    def warm_up(module, args):
+        if tick() == 0:
+            handle.remove()
+
+    handle = model.register_forward_pre_hook(warm_up)
+    return model
+
+
+def test_a_hooks_state_behind_a_decorator_and_a_nested_closure_is_put_back():
+    batch = (torch.ones(4, 2), torch.zeros(4, 1))
+    model = decorated_warm_up(3)
+    check_forward(model, nn.functional.mse_loss, reader(batch), FP32, "task toy")
+    hooked = []
+    for _ in range(5):
+        hooked.append(len(model._forward_pre_hooks))
+        model(batch[0])
+    assert hooked == [1, 1, 1, 0, 0]
+
+
+class Clip:
+    def __init__(self, bound: float) -> None:
+        self.bound = bound
+
+    def apply(self, g):
+        return g.clamp(-self.bound, self.bound)
+
+
+class ClipEveryCall(nn.Linear):
+    """``Clip(1.0).apply`` registered at every forward: a new object each time, the same code and state."""
+
+    def forward(self, x):
+        self.weight.register_hook(Clip(1.0).apply)
+        return super().forward(x)
+
+
+def test_a_new_objects_method_registered_at_every_forward_is_said_to_pile_up():
+    # 42c #3: keyed by the object's identity, each pass's hook read as another: "registered ... once ... kept"
+    said = caught_warnings(lambda: check_forward(ClipEveryCall(2, 1), nn.functional.mse_loss,
+                                                 reader((torch.ones(4, 2), torch.zeros(4, 1))), FP32, "task toy"))
+    assert len(said) == 1 and "weight (4), hooks of one function each" in said[0], said
+
+
+def test_hooks_of_one_code_with_different_state_are_different_hooks():
+    # 42c #4: scaled(0.5) and scaled(2), two no_grad-decorated functions, read as one registered twice
+    import functools
+
+    from ampguard.checkpoint import _most_of_one
+
+    def scaled(k):
+        return lambda g: g * k
+
+    @torch.no_grad()
+    def clip(g):
+        return g.clamp(-1, 1)
+
+    @torch.no_grad()
+    def denoise(g):
+        return g.nan_to_num()
+
+    assert _most_of_one([scaled(0.5), scaled(2), scaled(4)]) == 1
+    assert _most_of_one([clip, denoise]) == 1
+    assert _most_of_one([functools.partial(torch.clamp, min=-b, max=b) for b in (1, 2)]) == 1
+    assert _most_of_one([scaled(2), scaled(2)]) == 2 and _most_of_one([Clip(1).apply, Clip(1).apply]) == 2
+
+
+def test_a_lasting_hook_taken_out_and_registered_again_is_kept_once():
+    # 42c #5: put back under its old handle and kept under its new one, it ran twice at every forward
+    from ampguard.checkpoint import outlives_passes
+
+    calls = []
+
+    @outlives_passes
+    def watch(module, args):
+        calls.append(1)
+
+    model = nn.Linear(2, 1)
+    first = model.register_forward_pre_hook(watch)
+    with untouched(model):
+        first.remove()
+        model.register_forward_pre_hook(watch)
+    model(torch.ones(1, 2))
+    assert len(model._forward_pre_hooks) == 1 and len(calls) == 1
+
+
+class TiedOneShot(nn.Module):
+    """A tied weight with a one-shot gradient hook, and a gradient hook once on another layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head, self.mid = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False), nn.Linear(2, 2)
+        self.head.weight = self.emb.weight
+        self.hooked = False
+
+        def first(g):
+            self.handle.remove()
+            return g
+
+        self.handle = self.emb.weight.register_hook(first)
+
+    def forward(self, x):
+        if not self.hooked:
+            self.hooked = True
+            self.mid.weight.register_hook(lambda g: g)
+        return self.head(self.mid(self.emb(x)))
+
+
+def test_a_tied_parameters_gradient_hook_taken_out_is_counted_once():
+    # 42c #6: counted under each module holding the tied weight: "Embedding (1 ...) and Linear (1 ...)"
+    from ampguard.checkpoint import BufferSnapshot
+
+    model = TiedOneShot()
+    snapshot = BufferSnapshot(model)
+    model(torch.tensor([0, 1])).sum().backward()
+    hooked, modules = snapshot.put_back()
+    assert hooked == [("mid.weight", 1)]
+    assert [m for m in modules if "gradient hook taken out" in m] == ["Embedding (1 gradient hook taken out)"], modules
