@@ -22,6 +22,7 @@ import re
 import time
 import types
 import warnings
+import weakref
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -224,10 +225,11 @@ class BufferSnapshot:
             for name, t in _trainable_attributes(m):
                 self.names.setdefault(id(t), []).append(f"{prefix}.{name}" if prefix else name)
         # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by identity)
-        self.attributes = [_kept_module(m) for m in model.modules()
+        memo: dict[int, tuple[Any, Any]] = {}  # (a container many hooks share: copied once)
+        self.attributes = [_kept_module(m, memo) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
 
-    def put_back(self) -> tuple[list[tuple[str, int]], list[str]] | None:
+    def put_back(self, passes: int | None = None) -> tuple[list[tuple[str, int]], list[str]] | None:
         """The buffers and plain attributes as they were when the snapshot was taken. Returned: None,
         or where a pass registered a gradient hook on a parameter (the modules then left as it left
         them, :func:`_put_attributes_back`) the parameters hooked (their names, tied ones joined by
@@ -258,7 +260,7 @@ class BufferSnapshot:
                                 prefix = self.module_names.get(id(m), "")
                                 failed.append((f"{prefix}.{name}" if prefix else name, b, err))
         finally:
-            left = _put_attributes_back(self.attributes)
+            left = _put_attributes_back(self.attributes, passes)
         if failed:
             said = listed([f"{name} (a {type(b).__name__}: {first_line(err)})" for name, b, err in failed], 2,
                           more=f" and {len(failed) - 2} more")
@@ -344,7 +346,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
         left: tuple[list[tuple[str, int]], list[str]] | None = None
         try:
             try:
-                left = snapshot.put_back()
+                left = snapshot.put_back(passes)
             except InputError as err:  # (a buffer that cannot be put back: said as who met it)
                 raise InputError(f"{by}: {err}") from err.__cause__
             with torch.no_grad():
@@ -524,13 +526,14 @@ def _reducer_owned(m: torch.nn.Module) -> bool:
     return isinstance(m, DistributedDataParallel)
 
 
-def _kept_module(m: torch.nn.Module) -> _Kept:
+def _kept_module(m: torch.nn.Module, memo: dict[int, tuple[Any, Any]] | None = None) -> _Kept:
     """Module ``m``'s snapshot for :func:`_put_attributes_back`: :func:`_kept_attributes`,
     :func:`_kept_hooks`, and a shallow copy of each list, dict or set among the attributes
     (review 41: a list a forward appends to in place, a dict it fills, kept each pass's entries:
     a live diagnosis's replays moved the run's later steps, 40m #4)."""
     held = _kept_attributes(m)
-    return m, held, _kept_hooks(m), {k: copy.copy(v) for k, v in held.items() if type(v) in _CONTAINERS}
+    return m, held, _kept_hooks(m, {} if memo is None else memo), \
+        {k: copy.copy(v) for k, v in held.items() if type(v) in _CONTAINERS}
 
 
 def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
@@ -542,14 +545,14 @@ def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN}
 
 
-def _kept_hooks(m: torch.nn.Module) -> _Hooks:
+def _kept_hooks(m: torch.nn.Module, memo: dict[int, tuple[Any, Any]]) -> _Hooks:
     """(owner, dict's name, a copy of its entries) for module ``m``'s own hook dicts
     (:data:`_HOOK_DICTS`) and its own parameters' and trainable tensor attributes'
     (:data:`_TENSOR_HOOK_DICTS`; one that is None yet kept as empty: :func:`_trainable_attributes`).
     The hooks themselves, not only their ids: one a pass takes out (a
     data-dependent initialisation that removes itself after its first call) is put back (review
     42a: the check used it up, and the run never initialised the layer)."""
-    return [(owner, name, before, {k: _hook_state(hook) for k, hook in before.items()})
+    return [(owner, name, before, {k: _hook_state(hook, memo) for k, hook in before.items()})
             for owner, names in [(m, _HOOK_DICTS), *((p, _TENSOR_HOOK_DICTS) for p in m.parameters(recurse=False)),
                                  *((t, _TENSOR_HOOK_DICTS) for _, t in _trainable_attributes(m))]
             for name in names if isinstance(getattr(owner, name, None), dict) or owner is not m
@@ -565,29 +568,37 @@ def _trainable_attributes(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             and not isinstance(v, torch.nn.Parameter) and v.requires_grad and v.is_leaf]
 
 
-def _hook_state(hook: Any) -> list[tuple[Any, ...]]:
+def _hook_state(hook: Any, memo: dict[int, tuple[Any, Any]]) -> list[tuple[Any, ...]]:
     """The state a hook keeps outside its module, by reference, with a shallow copy of each list,
-    dict, set or deque's contents (:func:`_state_back` puts it back; review 42b: a warm-up hook that
-    counts down and removes itself at 0, put back with its count spent, went on for good; 42c: one
-    the passes left in place had spent the run's warm-up steps): its closure's cells (``("cell",
+    dict, set or deque's contents (:func:`_state_back` puts it back, all of it for a hook a pass
+    took out, its counts for one left in place: :func:`_hooks_put_back`; review 42b: a warm-up
+    hook that counts down and removes itself at 0, put back with its count spent, went on for
+    good; 42c: one the passes left in place had spent the run's warm-up steps): its closure's cells (``("cell",
     cell, value, contents)``), through the functions they hold and the ones it wraps
     (``__wrapped__``: a ``torch.no_grad()``-decorated hook), and a ``functools.partial``'s
     arguments' contents (``("contents", value, contents)``). Not an object's attributes (a callable
     object's, or those of the object whose method the hook is): frameworks keep their own state
     there (FSDP2's hooks are its state object's methods, and put back, its lazy initialisation ran
     again and refused the model), so a hook object's own countdown is left spent; nor a tensor
-    changed in place."""
+    changed in place. A container many hooks share is copied once (``memo``, by identity: review
+    42d, a dict of every parameter in every hook's closure made the snapshot quadratic); a hook
+    whose state cannot be read (a dead weak proxy in its closure) keeps what was read of it."""
     kept: list[tuple[Any, ...]] = []
     seen: set[int] = set()
 
+    def copied(v: Any) -> Any:
+        if id(v) not in memo:
+            memo[id(v)] = (v, copy.copy(v))  # (v held: its id is not reused while the snapshot lives)
+        return memo[id(v)][1]
+
     def visit(f: Any, depth: int) -> None:
-        if id(f) in seen or depth > 4 or isinstance(f, (torch.nn.Module, type)):
+        if isinstance(f, weakref.ProxyTypes) or id(f) in seen or depth > 4 or isinstance(f, (torch.nn.Module, type)):
             return
         seen.add(id(f))
         if isinstance(f, functools.partial):
             for v in (*f.args, *f.keywords.values()):
                 if type(v) in _CONTAINERS:
-                    kept.append(("contents", v, copy.copy(v)))
+                    kept.append(("contents", v, copied(v)))
                 elif callable(v):
                     visit(v, depth + 1)
             visit(f.func, depth + 1)
@@ -599,19 +610,54 @@ def _hook_state(hook: Any) -> list[tuple[Any, ...]]:
                     value = cell.cell_contents
                 except ValueError:  # (a cell not filled yet)
                     continue
-                kept.append(("cell", cell, value, copy.copy(value) if type(value) in _CONTAINERS else None))
+                kept.append(("cell", cell, value, copied(value) if type(value) in _CONTAINERS else None))
                 if callable(value):
                     visit(value, depth + 1)
             if (wrapped := getattr(f, "__wrapped__", None)) is not None:
                 visit(wrapped, depth + 1)
 
-    visit(hook, 0)
+    try:
+        visit(hook, 0)
+    except Exception:  # (a value that cannot be looked at: what was read is kept)
+        pass
     return kept
 
 
-def _state_back(kept: list[tuple[Any, ...]]) -> None:
+def _a_count(held: tuple[Any, ...], judged: dict[Any, bool] | None = None) -> bool:
+    """Whether ``held`` (:func:`_hook_state`'s) is a count: a closure cell holding a number, or a
+    list, dict, set or deque holding numbers only (``left = [6]``), the state put back for a hook
+    the passes left in place (review 42c: a warm-up of 6 steps lost 4 to the check). Not its
+    flags, or containers of anything else: a hook that registered something the put-back does
+    not take out (a state-dict hook, an AccumulateGrad node's hook) records it there, rewound it
+    was registered again (42d), and a list of records may be the caller's own of the passes.
+    ``judged``: the containers judged already, by identity (a dict every hook shares, judged once).
+
+    Example::
+
+        >>> _a_count(("cell", None, 3, None)), _a_count(("cell", None, True, None)), _a_count(("contents", [6], [6]))
+        (True, False, True)
+        >>> _a_count(("contents", {"w"}, {"w"})), _a_count(("contents", [], []))
+        (False, False)
+    """
+    def number(v: Any) -> bool:
+        return type(v) in (int, float)
+
+    contents = held[-1]
+    if contents is None:  # (a cell's plain value)
+        return held[0] == "cell" and number(held[2])
+    if judged is not None and ("count", id(contents)) in judged:
+        return judged["count", id(contents)]
+    values = list(contents.values()) if isinstance(contents, dict) else list(contents)
+    counts = bool(values) and all(number(v) for v in values)
+    if judged is not None:
+        judged["count", id(contents)] = counts
+    return counts
+
+
+def _state_back(kept: list[tuple[Any, ...]], done: dict[Any, bool]) -> None:
     """What :func:`_hook_state` kept, put back: each cell's value, and each container's contents,
-    in place."""
+    in place, once (``done``: the containers given back already, by identity; review 42d: one
+    dict every hook shares was refilled once a hook)."""
     for kind, target, *rest in kept:
         if kind == "cell":
             value, contents = rest
@@ -619,7 +665,8 @@ def _state_back(kept: list[tuple[Any, ...]]) -> None:
                 target.cell_contents = value
         else:
             value, contents = target, rest[0]
-        if contents is not None:
+        if contents is not None and ("back", id(value)) not in done:
+            done["back", id(value)] = True
             _contents_back(value, contents)
 
 
@@ -636,7 +683,7 @@ def _contents_back(v: Any, contents: Any) -> None:
         v.update(contents)
 
 
-def _put_attributes_back(kept: list[_Kept]) -> tuple[dict[Any, int], list[str]] | None:
+def _put_attributes_back(kept: list[_Kept], passes: int | None = None) -> tuple[dict[Any, int], list[str]] | None:
     """Each module's attributes in ``kept`` (:func:`_kept_module`'s snapshots) as they were: one
     replaced put back (the same object, whatever its type: a counter, an LSTM's hidden tuple, a
     dict; review 40o), one added since taken out, a list, dict or set changed in place given its
@@ -666,7 +713,7 @@ def _put_attributes_back(kept: list[_Kept]) -> tuple[dict[Any, int], list[str]] 
     out)"``: its attributes, the hooks its passes registered on it or took out of it)."""
     hooked: dict[Any, int] = {}
     for m, _, hooks, _ in kept:
-        hooked.update(_gained_gradient_hooks(m, hooks))
+        hooked.update(_gained_gradient_hooks(m, hooks, passes))
     if hooked:  # (the whole model as the pass left it; its hooks said first: listed cuts the names short)
         seen: set[Any] = set()
         return hooked, [f"{type(m).__name__} ({listed(changed)})" for m, held, hooks, contents in kept
@@ -678,8 +725,9 @@ def _put_attributes_back(kept: list[_Kept]) -> tuple[dict[Any, int], list[str]] 
 def _put_modules_back(kept: list[_Kept]) -> None:
     """:func:`_put_attributes_back`'s work when the block registered no gradient hook: each module's
     hooks taken out, its attributes and their contents put back."""
+    done: dict[Any, bool] = {}  # (the hooks' containers judged and given back: each once)
     for m, held, hooks, contents in kept:
-        _hooks_put_back(m, hooks)
+        _hooks_put_back(m, hooks, done)
         now = vars(m)
         for k in [k for k in now if k not in held and k not in _MODULES_OWN]:  # (added since: taken out)
             del now[k]
@@ -692,7 +740,7 @@ def _put_modules_back(kept: list[_Kept]) -> None:
                 _contents_back(v, contents[k])
 
 
-def _gained_gradient_hooks(m: torch.nn.Module, hooks: _Hooks) -> dict[Any, int]:
+def _gained_gradient_hooks(m: torch.nn.Module, hooks: _Hooks, passes: int | None = None) -> dict[Any, int]:
     """Module ``m``'s own parameters on which the block registered gradient hooks, each with the
     most hooks of one function it gained (``hooks``: :func:`_kept_hooks`' snapshot;
     :func:`_most_of_one`)."""
@@ -701,16 +749,19 @@ def _gained_gradient_hooks(m: torch.nn.Module, hooks: _Hooks) -> dict[Any, int]:
         if owner is not m:
             gained.setdefault(owner, []).extend(h for k, h in (getattr(owner, name, None) or {}).items()
                                                 if k not in before)
-    return {p: _most_of_one(new) for p, new in gained.items() if new}
+    return {p: _most_of_one(new, passes) for p, new in gained.items() if new}
 
 
-def _most_of_one(hooks: list[Any]) -> int:
+def _most_of_one(hooks: list[Any], passes: int | None = None) -> int:
     """The most of ``hooks`` that are one hook registered again: one function (its code, through
     a ``functools.partial`` and the functions a decorator wraps) with the same state (its closure's,
     a partial's arguments, its object's attributes; :func:`_hook_key`). 1 where each is another (a
     gradient hook and a post-accumulate one registered once: review 42a; ``scaled(0.5)`` and
     ``scaled(2)``, two objects' methods: 42b, 42c), more where one was registered again (a lambda or
-    ``Clip(1.0).apply`` at every forward: a new object each time, the same code and state).
+    ``Clip(1.0).apply`` at every forward: a new object each time, the same code and state). Over
+    ``passes`` grad-enabled passes (two or more), hooks of one code as many as the passes, or a
+    multiple, are one registered at each whatever their state (review 42d: a lambda capturing
+    the batch's own bound read as four hooks registered once).
 
     Example::
 
@@ -730,8 +781,12 @@ def _most_of_one(hooks: list[Any]) -> int:
             key = _hook_key(hook, 0)
             hash(key)
         except Exception:  # (a value that cannot be hashed or read: the hook by itself)
-            key = id(hook)
+            key = ("hook", id(hook))
         keys.append(key)
+    if passes and passes > 1:  # (one code at each pass: piled up, whatever each captured)
+        codes = collections.Counter(key[:2] if key[0] == "function" else key for key in keys)
+        if piled := [n for n in codes.values() if n >= passes and n % passes == 0]:
+            return max(piled)
     return max(collections.Counter(keys).values(), default=0)
 
 
@@ -796,23 +851,26 @@ def _changed_hooks(m: torch.nn.Module, hooks: _Hooks, seen: set[Any]) -> list[st
         ([f"{counted(gradients, 'gradient hook')} taken out"] if gradients else [])
 
 
-def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks) -> None:
+def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks, done: dict[Any, bool]) -> None:
     """Module ``m``'s own hook dicts and its parameters' as they were (``hooks``:
     :func:`_kept_hooks`' snapshot), in place and in their order: the hooks the block registered
     taken out, but those marked :func:`outlives_passes` (their flags stay with them: the
     with-kwargs and always-called dicts hold True under the handle's id), and those it took out
     put back (a hook that removes itself after its first call: its handle, kept where the model
-    keeps it, still removes it), each with the state it kept (:func:`_hook_state`: review 42c, one
-    left in place had spent a warm-up's count too). A lasting hook the block took out and
-    registered again under a new handle is kept once, under its old one (42c: it ran twice)."""
+    keeps it, still removes it), with the state it kept (:func:`_hook_state`), and those left in
+    place with their counts (:func:`_a_count`: review 42c, a warm-up's count spent by the check;
+    not their records: 42d). ``done``: the containers judged and given back already (each once).
+    A lasting hook the block took out and registered again under a new handle is kept once,
+    under its old one (42c: it ran twice)."""
     lasting = {k for owner, name, before, _ in hooks if owner is m
                for k, hook in (getattr(m, name, None) or {}).items() if k not in before and _outlives(hook)}
     for owner, name, before, states in hooks:
         registered = getattr(owner, name, None)
         if not isinstance(registered, dict):  # (a parameter's, None: none registered since)
             continue
-        for k in before:
-            _state_back(states[k])
+        for k in before:  # (one left in place: its counts only, review 42d)
+            _state_back(states[k] if k not in registered else
+                        [held for held in states[k] if _a_count(held, done)], done)
         again = {id(h) for h in before.values()}
         wanted = [*before.items(), *((k, h) for k, h in registered.items()
                                      if k not in before and k in lasting and (isinstance(h, bool) or id(h) not in again))]

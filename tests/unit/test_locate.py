@@ -744,10 +744,7 @@ def test_under_fp8_the_fp32_replays_compute_the_float8_layers_in_fp32():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16), InfBelowFP32())
     assert convert_to_fp8(model) == ["1"]
-    class Seen(list):  # (autocast on, input, output) of each call of the float8 layer: not a plain list, which
-        pass           # the replays put back as it was, with the rest of a hook's closure (review 42c)
-
-    seen = Seen()
+    seen = []  # (autocast on, input, output) of each call of the float8 layer
     model[1].register_forward_hook(lambda m, args, out: seen.append((torch.is_autocast_enabled("cpu"), args[0], out)))
     x, y = torch.randn(8, 16), torch.zeros(8, 16)
     d = diagnose(model, F.mse_loss, x, y, Precision("fp8", "cpu"))

@@ -551,3 +551,80 @@ def test_a_tied_parameters_gradient_hook_taken_out_is_counted_once():
     hooked, modules = snapshot.put_back()
     assert hooked == [("mid.weight", 1)]
     assert [m for m in modules if "gradient hook taken out" in m] == ["Embedding (1 gradient hook taken out)"], modules
+
+
+# ---------------------------------------------------------------------------- review 42d (of 42c's fixes)
+
+def test_a_hooks_record_of_what_it_registered_once_is_not_rewound():
+    # 42d #1: a pre-hook that registers a state-dict hook at its first forward and records it in its closure;
+    # the record was rewound, the state-dict hook was not taken out: the run registered it a second time
+    model = nn.Linear(2, 1)
+    calls, done = [], set()
+
+    def lazily(module, args):
+        if "state" not in done:
+            done.add("state")
+            module.register_state_dict_pre_hook(lambda *a, **k: calls.append(1))
+
+    model.register_forward_pre_hook(lazily)
+    check_forward(model, nn.functional.mse_loss, reader((torch.ones(4, 2), torch.zeros(4, 1))), FP32, "task toy")
+    model(torch.ones(4, 2))  # (the run's first forward)
+    model.state_dict()
+    assert len(calls) == 1
+
+
+def test_a_callers_record_of_the_replays_in_a_hooks_closure_is_kept():
+    # 42d #4: a user's hook logging into a list of its closure: the replay emptied the user's own record
+    model = nn.Linear(2, 1)
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+    with untouched(model):
+        model(torch.ones(3, 2))
+    assert seen == [(3, 1)]
+
+
+def test_a_dead_weak_proxy_in_a_hooks_closure_does_not_stop_the_check():
+    # 42d #2: the state walk asked the dead proxy its class: ReferenceError at start-up
+    import weakref
+
+    model = nn.Linear(2, 1)
+    gone = nn.Linear(1, 1)
+    proxy = weakref.proxy(gone)
+    model.register_forward_hook(lambda m, args, out: proxy if False else None)
+    del gone
+    with untouched(model):
+        model(torch.ones(1, 2))
+
+
+class BoundPerBatch(nn.Linear):
+    """Registers at every forward a clamp whose bound it takes from the batch: one code, its state new each time."""
+
+    def forward(self, x):
+        bound = float(x.abs().max())
+        self.weight.register_hook(lambda g: g.clamp(-bound, bound))
+        return super().forward(x)
+
+
+def test_one_code_registered_at_each_pass_piles_up_whatever_each_captured():
+    # 42d #3: keyed by the captured value, four per-batch bounds read as four hooks registered once: "kept"
+    batches = iter([(torch.full((4, 2), float(i + 1)), torch.zeros(4, 1)) for i in range(4)])
+
+    def read(count=None):
+        return batches if count else next(batches)
+
+    said = caught_warnings(lambda: check_forward(BoundPerBatch(2, 1), nn.functional.mse_loss, read, FP32, "task toy"))
+    assert len(said) == 1 and "weight (4), hooks of one function each" in said[0], said
+
+
+def test_a_container_every_hook_shares_is_copied_once_in_a_snapshot():
+    # 42d #5: each hook copied the dict they all close over: a snapshot's memory grew with hooks x entries
+    from ampguard.checkpoint import BufferSnapshot
+
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
+    names = {id(m): n for n, m in model.named_modules()}
+    for m in model:
+        m.register_forward_hook(lambda m, args, out: names.get(id(m)))
+    snapshot = BufferSnapshot(model)
+    copies = {id(held[3]) for _, _, hooks, _ in snapshot.attributes for owner, _, _, states in hooks
+              for state in states.values() for held in state if held[0] == "cell" and held[2] is names}
+    assert len(copies) == 1
