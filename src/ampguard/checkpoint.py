@@ -469,6 +469,52 @@ def _attributes_warned(kept: list[_Kept], by: str, model: torch.nn.Module) -> It
         warnings.warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
                       "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
                       "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
+    if spent := _hooks_state_moved(kept):
+        warnings.warn(f"{by} changed the state a hook of the model keeps in its closure "
+                      f"({listed(spent, 2, ' and ', ' and others')}): it is not put back (it may record what the "
+                      "hook did, or be the caller's own log), so the run goes on from it, not from a plain loop's (a "
+                      "warm-up's countdown is spent by the passes); keep such state in the module, whose attributes "
+                      "are put back", AmpguardWarning, stacklevel=4)
+
+
+_HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
+               "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook",
+               "_post_accumulate_grad_hooks": "post-accumulate-grad hook"}
+"""What a warning calls the hooks of each hook dict (a parameter's ``_backward_hooks``: a gradient hook)."""
+
+
+def _hooks_state_moved(kept: list[_Kept]) -> list[str]:
+    """The hooks in ``kept`` (:func:`_kept_hooks`' snapshots) still registered whose state
+    (:func:`_hook_state`) the block changed: a closure cell given another value, a container's
+    contents changed (``"a forward pre-hook on Sequential"``; review 42e: guessed from their types,
+    a count rewound beside its flag left, a counter that recorded a registration rewound)."""
+    def moved(held: tuple[Any, ...]) -> bool:
+        kind, target, *rest = held
+        value, contents = (target.cell_contents, rest[1]) if kind == "cell" else (target, rest[0])
+        if kind == "cell" and value is not rest[0]:
+            return True
+        if contents is None:
+            return False
+        if isinstance(contents, dict):
+            return value.keys() != contents.keys() or any(value[k] is not contents[k] for k in contents)
+        if isinstance(contents, set):
+            return value != contents
+        return len(value) != len(contents) or any(a is not b for a, b in zip(value, contents))
+
+    found = []
+    for m, _, hooks, _ in kept:
+        for owner, name, before, states in hooks:
+            now = getattr(owner, name, None) or {}
+            for k in before:
+                try:
+                    changed = k in now and any(moved(held) for held in states[k])
+                except Exception:  # (a value that cannot be looked at: not said)
+                    changed = False
+                if changed:
+                    kind = "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name)
+                    if kind:
+                        found.append(f"{_a(kind)} on {type(m).__name__}")
+    return list(dict.fromkeys(found))
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
@@ -570,10 +616,10 @@ def _trainable_attributes(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def _hook_state(hook: Any, memo: dict[int, tuple[Any, Any]]) -> list[tuple[Any, ...]]:
     """The state a hook keeps outside its module, by reference, with a shallow copy of each list,
-    dict, set or deque's contents (:func:`_state_back` puts it back, all of it for a hook a pass
-    took out, its counts for one left in place: :func:`_hooks_put_back`; review 42b: a warm-up
-    hook that counts down and removes itself at 0, put back with its count spent, went on for
-    good; 42c: one the passes left in place had spent the run's warm-up steps): its closure's cells (``("cell",
+    dict, set or deque's contents: :func:`_state_back` puts it back for a hook a pass took out
+    (review 42b: a warm-up hook that counts down and removes itself at 0, put back with its count
+    spent, went on for good); for one left in place, a change is said (:func:`_hooks_state_moved`;
+    42c: the passes had spent the run's warm-up steps, silently): its closure's cells (``("cell",
     cell, value, contents)``), through the functions they hold and the ones it wraps
     (``__wrapped__``: a ``torch.no_grad()``-decorated hook), and a ``functools.partial``'s
     arguments' contents (``("contents", value, contents)``). Not an object's attributes (a callable
@@ -621,37 +667,6 @@ def _hook_state(hook: Any, memo: dict[int, tuple[Any, Any]]) -> list[tuple[Any, 
     except Exception:  # (a value that cannot be looked at: what was read is kept)
         pass
     return kept
-
-
-def _a_count(held: tuple[Any, ...], judged: dict[Any, bool] | None = None) -> bool:
-    """Whether ``held`` (:func:`_hook_state`'s) is a count: a closure cell holding a number, or a
-    list, dict, set or deque holding numbers only (``left = [6]``), the state put back for a hook
-    the passes left in place (review 42c: a warm-up of 6 steps lost 4 to the check). Not its
-    flags, or containers of anything else: a hook that registered something the put-back does
-    not take out (a state-dict hook, an AccumulateGrad node's hook) records it there, rewound it
-    was registered again (42d), and a list of records may be the caller's own of the passes.
-    ``judged``: the containers judged already, by identity (a dict every hook shares, judged once).
-
-    Example::
-
-        >>> _a_count(("cell", None, 3, None)), _a_count(("cell", None, True, None)), _a_count(("contents", [6], [6]))
-        (True, False, True)
-        >>> _a_count(("contents", {"w"}, {"w"})), _a_count(("contents", [], []))
-        (False, False)
-    """
-    def number(v: Any) -> bool:
-        return type(v) in (int, float)
-
-    contents = held[-1]
-    if contents is None:  # (a cell's plain value)
-        return held[0] == "cell" and number(held[2])
-    if judged is not None and ("count", id(contents)) in judged:
-        return judged["count", id(contents)]
-    values = list(contents.values()) if isinstance(contents, dict) else list(contents)
-    counts = bool(values) and all(number(v) for v in values)
-    if judged is not None:
-        judged["count", id(contents)] = counts
-    return counts
 
 
 def _state_back(kept: list[tuple[Any, ...]], done: dict[Any, bool]) -> None:
@@ -784,10 +799,21 @@ def _most_of_one(hooks: list[Any], passes: int | None = None) -> int:
             key = ("hook", id(hook))
         keys.append(key)
     if passes and passes > 1:  # (one code at each pass: piled up, whatever each captured)
-        codes = collections.Counter(key[:2] if key[0] == "function" else key for key in keys)
+        codes = collections.Counter(_code_of(key) for key in keys)
         if piled := [n for n in codes.values() if n >= passes and n % passes == 0]:
             return max(piled)
     return max(collections.Counter(keys).values(), default=0)
+
+
+def _code_of(key: Any) -> Any:
+    """The innermost code of a :func:`_hook_key` (through a partial's function and a method's):
+    what one hook registered at each pass shares whatever each captured (review 42e: a partial
+    registered at each pass read as registered once)."""
+    while isinstance(key, tuple) and key and key[0] in ("partial", "method"):
+        key = key[1]
+    if isinstance(key, tuple) and key and key[0] in ("function", "object"):
+        return key[:2]
+    return key
 
 
 def _hook_key(hook: Any, depth: int) -> Any:
@@ -857,9 +883,11 @@ def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks, done: dict[Any, bool]) ->
     taken out, but those marked :func:`outlives_passes` (their flags stay with them: the
     with-kwargs and always-called dicts hold True under the handle's id), and those it took out
     put back (a hook that removes itself after its first call: its handle, kept where the model
-    keeps it, still removes it), with the state it kept (:func:`_hook_state`), and those left in
-    place with their counts (:func:`_a_count`: review 42c, a warm-up's count spent by the check;
-    not their records: 42d). ``done``: the containers judged and given back already (each once).
+    keeps it, still removes it), with the state it kept (:func:`_hook_state`). Those left in place
+    keep what the block did to their state (it may record a registration the put-back does not
+    undo, or be the caller's log: review 42d; a count and a flag beside it cannot be told from
+    such a record: 42e), said by :func:`untouched` (:func:`_hooks_state_moved`). ``done``: the
+    containers given back already (each once).
     A lasting hook the block took out and registered again under a new handle is kept once,
     under its old one (42c: it ran twice)."""
     lasting = {k for owner, name, before, _ in hooks if owner is m
@@ -868,9 +896,9 @@ def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks, done: dict[Any, bool]) ->
         registered = getattr(owner, name, None)
         if not isinstance(registered, dict):  # (a parameter's, None: none registered since)
             continue
-        for k in before:  # (one left in place: its counts only, review 42d)
-            _state_back(states[k] if k not in registered else
-                        [held for held in states[k] if _a_count(held, done)], done)
+        for k in before:  # (one taken out: put back with its state; one left in place: left, said in a warning)
+            if k not in registered:
+                _state_back(states[k], done)
         again = {id(h) for h in before.values()}
         wanted = [*before.items(), *((k, h) for k, h in registered.items()
                                      if k not in before and k in lasting and (isinstance(h, bool) or id(h) not in again))]
