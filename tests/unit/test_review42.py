@@ -4,6 +4,7 @@ function registered and by how many grad-enabled passes ran, and names what else
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -307,8 +308,6 @@ class Tables(nn.Module):
 
 
 def test_buffers_that_cannot_be_put_back_are_one_line_naming_each_and_the_rest_are_put_back():
-    import pytest
-
     from ampguard.errors import InputError
 
     model = nn.Sequential(Tables())
@@ -620,17 +619,6 @@ class BoundPerBatch(nn.Linear):
         return super().forward(x)
 
 
-def test_one_code_registered_at_each_pass_piles_up_whatever_each_captured():
-    # 42d #3: keyed by the captured value, four per-batch bounds read as four hooks registered once: "kept"
-    batches = iter([(torch.full((4, 2), float(i + 1)), torch.zeros(4, 1)) for i in range(4)])
-
-    def read(count=None):
-        return batches if count else next(batches)
-
-    said = caught_warnings(lambda: check_forward(BoundPerBatch(2, 1), nn.functional.mse_loss, read, FP32, "task toy"))
-    assert len(said) == 1 and "weight (4), hooks of one function each" in said[0], said
-
-
 def test_a_container_every_hook_shares_is_copied_once_in_a_snapshot():
     # 42d #5: each hook copied the dict they all close over: a snapshot's memory grew with hooks x entries
     from ampguard.checkpoint import BufferSnapshot
@@ -655,12 +643,14 @@ class PartialPerPass(nn.Linear):
         return super().forward(x)
 
 
-def test_a_partial_registered_at_each_pass_piles_up_whatever_each_captured():
-    # 42e #4: only plain functions were grouped by code: a partial at each pass read as registered once, kept
+@pytest.mark.parametrize("layer", [BoundPerBatch, PartialPerPass])
+def test_one_code_registered_at_each_pass_piles_up_whatever_each_captured(layer):
+    # 42d #3: keyed by the captured value, four per-batch bounds read as four hooks registered once: "kept";
+    # 42e #4: only plain functions were grouped by code: a partial at each pass read so too
     batches = iter([(torch.full((4, 2), float(i + 1)), torch.zeros(4, 1)) for i in range(4)])
 
     def read(count=None):
         return batches if count else next(batches)
 
-    said = caught_warnings(lambda: check_forward(PartialPerPass(2, 1), nn.functional.mse_loss, read, FP32, "task toy"))
+    said = caught_warnings(lambda: check_forward(layer(2, 1), nn.functional.mse_loss, read, FP32, "task toy"))
     assert len(said) == 1 and "weight (4), hooks of one function each" in said[0], said
