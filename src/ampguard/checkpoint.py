@@ -477,6 +477,18 @@ def _attributes_warned(kept: list[_Kept], by: str, model: torch.nn.Module) -> It
                       "are put back", AmpguardWarning, stacklevel=4)
 
 
+def _captured(v: Any) -> bool:
+    """Whether ``v`` is what a hook captures from a pass: a tensor, or a tuple, list or dict of them
+    (a layer's output)."""
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, (tuple, list)):
+        return bool(v) and all(_captured(x) for x in v)
+    if isinstance(v, dict):
+        return bool(v) and all(_captured(x) for x in v.values())
+    return False
+
+
 _HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
                "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook",
                "_post_accumulate_grad_hooks": "post-accumulate-grad hook"}
@@ -496,10 +508,16 @@ def _hooks_state_moved(kept: list[_Kept]) -> list[str]:
         if contents is None:
             return False
         if isinstance(contents, dict):
-            return value.keys() != contents.keys() or any(value[k] is not contents[k] for k in contents)
-        if isinstance(contents, set):
-            return value != contents
-        return len(value) != len(contents) or any(a is not b for a, b in zip(value, contents))
+            new = [v for k, v in value.items() if k not in contents or v is not contents[k]]
+            gone = contents.keys() - value.keys()
+        elif isinstance(contents, set):
+            new, gone = list(value - contents), contents - value
+        else:
+            new = [a for a, b in itertools.zip_longest(value, contents, fillvalue=_GONE) if a is not b and a is not _GONE]
+            gone = len(contents) > len(value)
+        # (what a forward writes there as it goes, activations or outputs captured, is a cache the run's first
+        # forward writes again, not a count or a flag: review 42f)
+        return bool(gone) or any(not _captured(v) for v in new)
 
     found = []
     for m, _, hooks, _ in kept:

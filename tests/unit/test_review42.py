@@ -654,3 +654,32 @@ def test_one_code_registered_at_each_pass_piles_up_whatever_each_captured(layer)
 
     said = caught_warnings(lambda: check_forward(layer(2, 1), nn.functional.mse_loss, read, FP32, "task toy"))
     assert len(said) == 1 and "weight (4), hooks of one function each" in said[0], said
+
+
+def capturing(into: str):
+    """A model whose hooks capture each layer's output into a dict (or a list) of their closure: the
+    feature-extraction pattern, a cache each forward writes again."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    acts: dict = {}
+    outs: list = []
+
+    def keep(name):
+        def hook(module, args, out):
+            if into == "dict":
+                acts[name] = out.detach()
+            else:
+                outs.append((out.detach(), out.detach()))
+        return hook
+
+    for name, m in model.named_children():
+        m.register_forward_hook(keep(name))
+    return model
+
+
+@pytest.mark.parametrize("into", ["dict", "list"])
+def test_hooks_that_capture_outputs_in_their_closure_are_not_said(into):
+    # 42f: an activation-capture dict (each forward writes it again) read as a hook's state the check spent
+    model = capturing(into)
+    said = caught_warnings(lambda: check_forward(model, nn.functional.mse_loss,
+                                                 reader((torch.ones(4, 2), torch.zeros(4, 1))), FP32, "task toy"))
+    assert said == []
