@@ -957,3 +957,66 @@ def hf_retrying_trainer(out_dir: Path) -> Any:
 
     model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
     return trainer
+
+
+# ---------------------------------------------------------------------------- a sink's cut and its retry (review 41)
+
+def step_log(step: int):
+    """A step's record with every CSV column filled."""
+    from ampguard.records import StepLog
+
+    return StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+
+
+def logged_steps(path: Path) -> list[int] | None:
+    """The steps of a CSV's rows or of JSON lines' records; None for no file."""
+    if not path.exists():
+        return None
+    if path.suffix == ".jsonl":
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    return [int(line.split(",")[0]) for line in path.read_text().splitlines()[1:]]
+
+
+def names_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def sink_of_four_steps(tmp_path: Path, kind: str = "csv"):
+    """A ``CsvSink`` (``kind`` "csv") or ``JsonlSink`` in ``tmp_path`` that logged steps 1-4."""
+    from ampguard.sinks import CsvSink, JsonlSink
+
+    sink = CsvSink(tmp_path / "steps.csv") if kind == "csv" else JsonlSink(tmp_path / "steps.jsonl")
+    for step in range(1, 5):
+        sink.write(step_log(step))
+    return sink
+
+
+def armed_after_set_aside(monkeypatch) -> list[bool]:
+    """A list that holds True once ``sinks.set_aside`` has made its copy (what comes after is the cut)."""
+    from ampguard import sinks
+
+    real, armed = sinks.set_aside, []
+
+    def set_aside_then_arm(*args, **kwargs):
+        out = real(*args, **kwargs)
+        armed.append(True)
+        return out
+
+    monkeypatch.setattr(sinks, "set_aside", set_aside_then_arm)
+    return armed
+
+
+def folder_sync_raises(monkeypatch, make, armed=lambda: True) -> None:
+    """The folder's fsync after a rename (``files._sync`` on a folder) raises ``make()`` while ``armed()``."""
+    import stat
+
+    from ampguard import files
+
+    real_sync = files._sync
+
+    def sync(fd):
+        if armed() and stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise make()
+        return real_sync(fd)
+
+    monkeypatch.setattr(files, "_sync", sync)

@@ -15,29 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from helpers import hf_retrying_trainer
+from helpers import armed_after_set_aside, folder_sync_raises, hf_retrying_trainer, names_in as _names
+from helpers import sink_of_four_steps, step_log as _log
 
 from ampguard import files, sinks
 from ampguard.errors import InputError
 from ampguard.files import DiskFull, replace_atomically
-from ampguard.records import StepLog
-from ampguard.sinks import CsvSink, JsonlSink
+from ampguard.sinks import CsvSink
 
 ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to make a link of another user's)")
 NOBODY = 65534
 HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale\n"
 
 
-def _log(step: int) -> StepLog:
-    return StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
-
-
 def _rows(path: Path) -> list[int]:
     return [int(line.split(",")[0]) for line in path.read_text().splitlines()[1:]]
-
-
-def _names(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir())
 
 
 def _user_link(link: Path, to: Path) -> None:
@@ -153,14 +145,7 @@ def test_a_users_link_to_nothing_in_roots_folder_is_judged_by_that_folder(tmp_pa
 
 
 def _failing_folder_sync(monkeypatch, error: int, armed=lambda: True) -> None:
-    real_sync = files._sync
-
-    def sync(fd):
-        if armed() and stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(error, os.strerror(error))
-        return real_sync(fd)
-
-    monkeypatch.setattr(files, "_sync", sync)
+    folder_sync_raises(monkeypatch, lambda: OSError(error, os.strerror(error)), armed)
 
 
 @pytest.mark.parametrize("error", [errno.EIO, errno.ENOSPC])
@@ -183,17 +168,8 @@ def test_an_error_after_the_rename_says_the_file_was_replaced(tmp_path, monkeypa
 def test_begin_again_whose_cut_was_made_but_not_synced_keeps_the_rows_it_set_aside(tmp_path, monkeypatch, kind):
     # review 41 r5: the cut's rename made, its folder's sync failed: begin_again deleted the attempt's copy
     # (its rows in neither file) and said "cannot cut" (the file as it was)
-    sink = CsvSink(tmp_path / "steps.csv") if kind == "csv" else JsonlSink(tmp_path / "steps.jsonl")
-    for step in range(1, 5):
-        sink.write(_log(step))
-    real_set_aside, armed = sinks.set_aside, []
-
-    def set_aside(*args, **kwargs):
-        out = real_set_aside(*args, **kwargs)
-        armed.append(True)
-        return out
-
-    monkeypatch.setattr(sinks, "set_aside", set_aside)
+    sink = sink_of_four_steps(tmp_path, kind)
+    armed = armed_after_set_aside(monkeypatch)
     _failing_folder_sync(monkeypatch, errno.EIO, lambda: bool(armed))
     with pytest.raises(InputError) as err:
         sink.begin_again(2)

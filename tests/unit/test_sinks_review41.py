@@ -9,72 +9,21 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
-from pathlib import Path
 
 import pytest
 
-from helpers import hf_retrying_trainer
+from helpers import armed_after_set_aside as _armed_after_set_aside
+from helpers import folder_sync_raises as _folder_sync_raises
+from helpers import hf_retrying_trainer, logged_steps as _steps, names_in as _names
+from helpers import sink_of_four_steps as _sink, step_log as _log
 
 from ampguard import files, sinks
 from ampguard.errors import ExitCode, InputError
 from ampguard.files import DiskFull
-from ampguard.records import StepLog
 from ampguard.signals import Interrupted
-from ampguard.sinks import CsvSink, JsonlSink, set_aside
+from ampguard.sinks import CsvSink, set_aside
 
 HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale\n"
-
-
-def _log(step: int) -> StepLog:
-    return StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
-
-
-def _steps(path: Path) -> list[int] | None:
-    """The steps of a CSV's rows or of JSON lines' records; None for no file."""
-    if not path.exists():
-        return None
-    if path.suffix == ".jsonl":
-        import json
-
-        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
-    return [int(line.split(",")[0]) for line in path.read_text().splitlines()[1:]]
-
-
-def _names(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir())
-
-
-def _sink(tmp_path: Path, kind: str = "csv"):
-    sink = CsvSink(tmp_path / "steps.csv") if kind == "csv" else JsonlSink(tmp_path / "steps.jsonl")
-    for step in range(1, 5):
-        sink.write(_log(step))
-    return sink
-
-
-def _armed_after_set_aside(monkeypatch) -> list[bool]:
-    """A list that holds True once set_aside has made its copy (what comes after is the cut)."""
-    real, armed = sinks.set_aside, []
-
-    def set_aside_then_arm(*args, **kwargs):
-        out = real(*args, **kwargs)
-        armed.append(True)
-        return out
-
-    monkeypatch.setattr(sinks, "set_aside", set_aside_then_arm)
-    return armed
-
-
-def _folder_sync_raises(monkeypatch, make, armed=lambda: True) -> None:
-    """The folder's fsync after a rename (files._sync on a folder) raises ``make()``."""
-    real_sync = files._sync
-
-    def sync(fd):
-        if armed() and stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise make()
-        return real_sync(fd)
-
-    monkeypatch.setattr(files, "_sync", sync)
 
 
 # ---------------------------------------------------------------------------- F4: judged from the file
