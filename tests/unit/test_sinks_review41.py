@@ -29,6 +29,22 @@ HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,sc
 # ---------------------------------------------------------------------------- F4: judged from the file
 
 
+def _the_cut_raises(monkeypatch, before=None, after=None) -> None:
+    """The cut's ``replace_atomically`` (through its link; set_aside's copy is made without) raises
+    ``before()`` before its rename or ``after()`` after it."""
+    real = sinks.replace_atomically
+
+    def replace(path, data, through_link=False):
+        if through_link and before is not None:
+            raise before()
+        real(path, data, through_link=through_link)
+        if through_link and after is not None:
+            raise after()
+
+    monkeypatch.setattr(sinks, "replace_atomically", replace)
+
+
+
 @pytest.mark.parametrize("kind", ["csv", "jsonl"])
 def test_a_stop_signal_after_the_cuts_rename_keeps_the_copy_and_the_sink_goes_on(tmp_path, monkeypatch, kind):
     # review 41 F4: Interrupted (a KeyboardInterrupt, no `replaced` on it) in the cut's folder sync, after the
@@ -50,14 +66,7 @@ def test_an_error_after_the_cuts_rename_without_replaced_keeps_the_copy_and_says
     # review 41 F4: any error raised after the rename but without `replaced` (here: replace_atomically made the
     # cut, then raised) deleted the copy: the abandoned rows in neither file, and the error said nothing of it
     sink = _sink(tmp_path)
-    real = sinks.replace_atomically
-
-    def cut_then_fail(path, data, through_link=False):
-        real(path, data, through_link=through_link)
-        if through_link:  # (the cut; set_aside's copy is made without it)
-            raise RuntimeError("the folder's sync was cut short")
-
-    monkeypatch.setattr(sinks, "replace_atomically", cut_then_fail)
+    _the_cut_raises(monkeypatch, after=lambda: RuntimeError("the folder's sync was cut short"))
     with pytest.raises(InputError) as err:
         sink.begin_again(2)
     assert _steps(sink.path) == [1, 2] and _steps(tmp_path / "steps.attempt-1.csv") == [3, 4]
@@ -72,14 +81,7 @@ def test_an_error_after_the_cuts_rename_without_replaced_keeps_the_copy_and_says
 def test_a_stop_signal_before_the_cuts_rename_still_takes_the_copy_back(tmp_path, monkeypatch):
     # (a guard, passes before and after: the file as it was, the copy taken back, the sink open as it was)
     sink = _sink(tmp_path)
-    real = sinks.replace_atomically
-
-    def interrupted(path, data, through_link=False):
-        if through_link:
-            raise Interrupted(ExitCode.TERMINATED)
-        return real(path, data, through_link=through_link)
-
-    monkeypatch.setattr(sinks, "replace_atomically", interrupted)
+    _the_cut_raises(monkeypatch, before=lambda: Interrupted(ExitCode.TERMINATED))
     with pytest.raises(Interrupted):
         sink.begin_again(2)
     assert _names(tmp_path) == ["steps.csv"] and _steps(sink.path) == [1, 2, 3, 4]
