@@ -233,7 +233,8 @@ class BufferSnapshot:
         """The buffers and plain attributes as they were when the snapshot was taken. Returned: None,
         or where a pass registered a gradient hook on a parameter (the modules then left as it left
         them, :func:`_put_attributes_back`) the parameters hooked (their names, tied ones joined by
-        ``=``, each with how many hooks it gained) and the modules whose attributes it changed. A
+        ``=``, each with the most hooks of one function it gained: :func:`_most_of_one`) and what
+        the pass changed in the modules. A
         buffer that cannot be put back leaves the others put back, its error raised after them.
         Every copied
         buffer's values are copied back, not only those whose version counter moved: BatchNorm's
@@ -395,16 +396,15 @@ def _warn_hooks_left(hooked: list[tuple[str, int]], modules: list[str], by: str,
     also = (f"; what its passes changed in the modules stays too ({listed(modules, 2, ' and ', ' and others')})"
             if modules else "")
     params = counted(len(hooked), "parameter")
+    once = ("register such a hook once, behind a flag or in the factory, not at every forward (one its backward takes "
+            "out stays after passes that ran no backward)")
     if piled:  # (at every forward: they piled up)
         said = (f"registered gradient hooks on {params} at its passes ({shown}, hooks of one function each): they stay, "
-                f"so the run starts with hooks a plain loop's would not have{also}; register such a hook once, behind a "
-                "flag or in the factory, not at every forward (one its backward takes out stays after passes that ran "
-                "no backward)")
+                f"so the run starts with hooks a plain loop's would not have{also}; {once}")
     elif passes and passes > 1 and most > 1:  # (more than once, not at each: a backward took some out, review 42b)
         said = (f"registered gradient hooks on {params} more than once over its {passes} passes, though not at each "
                 f"({shown}, hooks of one function each): they stay, so the run may start with hooks a plain loop's "
-                f"would not have{also}; register such a hook once, behind a flag or in the factory, not at every "
-                "forward (one its backward takes out stays after passes that ran no backward)")
+                f"would not have{also}; {once}")
     elif passes and passes > 1:  # (once each over several passes: as the run's first forward does)
         said = (f"registered a gradient hook once on {params} ({shown}): kept, as the run's first forward would "
                 f"register it, with the modules as its passes left them (whatever records the hooks agrees with "
@@ -590,14 +590,13 @@ def _reducer_owned(m: torch.nn.Module) -> bool:
     return isinstance(m, DistributedDataParallel)
 
 
-def _kept_module(m: torch.nn.Module, memo: dict[int, tuple[Any, Any]] | None = None) -> _Kept:
+def _kept_module(m: torch.nn.Module, memo: dict[int, tuple[Any, Any]]) -> _Kept:
     """Module ``m``'s snapshot for :func:`_put_attributes_back`: :func:`_kept_attributes`,
     :func:`_kept_hooks`, and a shallow copy of each list, dict or set among the attributes
     (review 41: a list a forward appends to in place, a dict it fills, kept each pass's entries:
     a live diagnosis's replays moved the run's later steps, 40m #4)."""
     held = _kept_attributes(m)
-    return m, held, _kept_hooks(m, {} if memo is None else memo), \
-        {k: copy.copy(v) for k, v in held.items() if type(v) in _CONTAINERS}
+    return m, held, _kept_hooks(m, memo), {k: copy.copy(v) for k, v in held.items() if type(v) in _CONTAINERS}
 
 
 def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
@@ -687,7 +686,7 @@ def _hook_state(hook: Any, memo: dict[int, tuple[Any, Any]]) -> list[tuple[Any, 
     return kept
 
 
-def _state_back(kept: list[tuple[Any, ...]], done: dict[Any, bool]) -> None:
+def _state_back(kept: list[tuple[Any, ...]], done: set[int]) -> None:
     """What :func:`_hook_state` kept, put back: each cell's value, and each container's contents,
     in place, once (``done``: the containers given back already, by identity; review 42d: one
     dict every hook shares was refilled once a hook)."""
@@ -698,8 +697,8 @@ def _state_back(kept: list[tuple[Any, ...]], done: dict[Any, bool]) -> None:
                 target.cell_contents = value
         else:
             value, contents = target, rest[0]
-        if contents is not None and ("back", id(value)) not in done:
-            done["back", id(value)] = True
+        if contents is not None and id(value) not in done:
+            done.add(id(value))
             _contents_back(value, contents)
 
 
@@ -758,7 +757,7 @@ def _put_attributes_back(kept: list[_Kept], passes: int | None = None) -> tuple[
 def _put_modules_back(kept: list[_Kept]) -> None:
     """:func:`_put_attributes_back`'s work when the block registered no gradient hook: each module's
     hooks taken out, its attributes and their contents put back."""
-    done: dict[Any, bool] = {}  # (the hooks' containers judged and given back: each once)
+    done: set[int] = set()  # (the hooks' containers given back: each once)
     for m, held, hooks, contents in kept:
         _hooks_put_back(m, hooks, done)
         now = vars(m)
@@ -895,7 +894,7 @@ def _changed_hooks(m: torch.nn.Module, hooks: _Hooks, seen: set[Any]) -> list[st
         ([f"{counted(gradients, 'gradient hook')} taken out"] if gradients else [])
 
 
-def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks, done: dict[Any, bool]) -> None:
+def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks, done: set[int]) -> None:
     """Module ``m``'s own hook dicts and its parameters' as they were (``hooks``:
     :func:`_kept_hooks`' snapshot), in place and in their order: the hooks the block registered
     taken out, but those marked :func:`outlives_passes` (their flags stay with them: the
