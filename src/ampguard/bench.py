@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .errors import counted, first_line, shortened
+from .errors import counted, failed_because, first_line, shortened
 from .precision import Precision, backend_text
 from .records import LAG, InFlight
 from .sinks import CsvSink, Sink
@@ -2181,7 +2181,7 @@ def output_written(as_json: bool, code: int) -> int:
     if lost is None:
         return code
     what = "the --json result" if as_json else "the table"
-    print(f"ampguard: error: bench: {what} could not be written to stdout ({lost.strerror or lost})",
+    print(f"ampguard: error: bench: {what} could not be written to stdout ({failed_because(lost)})",
           file=sys.stderr, flush=True)
     return int(ExitCode.DISK_FULL)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .build import build_monitor
-from .errors import ExitCode, InputError, first_line
+from .errors import ExitCode, InputError, failed_because, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
@@ -390,7 +390,7 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     except FileExistsError:
         raise InputError(f"compare: --out {png} already exists; refusing to overwrite it") from None
     except OSError as err:
-        raise InputError(f"compare: --out {png}: cannot write the plot ({err.strerror or err})") from None
+        raise InputError(f"compare: --out {png}: cannot write the plot ({failed_because(err)})") from None
     except (ValueError, OverflowError) as err:  # matplotlib's axes: values spanning more than a float holds
         raise InputError(f"compare: --out {png}: cannot draw these runs' values (a steps.csv value too large "
                          f"to plot, such as losses of -1e308 and 1e308?): {first_line(err, with_type=True)}") from None

@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, first_line, has_control, shortened
+from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, failed_because, first_line, has_control, shortened
 from .faults import parse_fault
 from .monitor import DEFAULT_MIN_STEPS
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, uses_loss_scaler
@@ -1410,7 +1410,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
     except RecursionError:
         raise ConfigError(f"config file {path}: nested more than {MAX_DEPTH} levels deep") from None
     except OSError as err:
-        raise ConfigError(f"config file {path}: cannot read it ({err.strerror})") from None
+        raise ConfigError(f"config file {path}: cannot read it ({failed_because(err)})") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -181,6 +181,20 @@ class ConfigError(InputError):
     """
 
 
+def failed_because(err: BaseException) -> str:
+    """Why an operation failed, for a one-line refusal that names the path itself: an ``OSError``'s
+    ``strerror`` (no errno, no path), else the error's :func:`first_line`.
+
+    Example::
+
+        >>> failed_because(FileNotFoundError(2, "No such file or directory", "x.csv"))
+        'No such file or directory'
+        >>> failed_because(OSError("cut\\nshort")), failed_because(ValueError())
+        ('cut', 'ValueError')
+    """
+    return err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
+
+
 def first_line(err: BaseException, with_type: bool = False) -> str:
     """An error in one line for a one-line refusal: the first line of its message, with its type
     in front when ``with_type`` (the type alone for an empty message).
@@ -467,7 +481,7 @@ def looked_at(path: str | os.PathLike, err: OSError) -> str:
         '/a/b/c cannot be looked at: Permission denied (/a/b)'
     """
     named = err.filename if err.filename is not None and os.fsdecode(err.filename) != os.fsdecode(path) else None
-    return (f"{shown(path)} cannot be looked at: {err.strerror or first_line(err)}"
+    return (f"{shown(path)} cannot be looked at: {failed_because(err)}"
             + (f" ({shown(named)})" if named is not None else ""))
 
 
@@ -601,6 +615,6 @@ def unwritable(folder: Path) -> str | None:
                 probe.write(b"\n")  # (a full disk or quota: found by a byte, not by an empty file)
         except OSError as err:
             why = (f"{shown(place)} is not a folder this user may write in" if err.errno in (errno.EACCES, errno.EPERM)
-                   else f"no file can be made in {shown(place)} ({err.strerror or first_line(err)})")
+                   else f"no file can be made in {shown(place)} ({failed_because(err)})")
             return f"{shown(folder)} cannot be made: {why}" if reached.made_in else why
     return None

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import shown
+from .errors import failed_because, shown
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 """No space left on the device, a file over the size limit (``ulimit -f``), the quota reached."""
@@ -63,7 +63,7 @@ class DiskFull(Exception):
     """
 
     def __init__(self, path: str | os.PathLike, error: OSError) -> None:
-        super().__init__(f"disk full while writing {path} ({error.strerror or error})")
+        super().__init__(f"disk full while writing {path} ({failed_because(error)})")
         self.path = path
         self.error = error
         self.through: int | None = None

@@ -87,7 +87,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import distributed
 from .clipping import GradSet, grad_values
-from .errors import InputError, brief
+from .errors import InputError, brief, failed_because
 from .monitor import Event
 from .watch import compiled_inside
 from .records import StepRecord, format_number
@@ -884,7 +884,7 @@ def read_headroom_csv(path: str | Path) -> list[HeadroomRow]:
                     raise InputError(f"{path}: line {n} is not a headroom row: {','.join(cells)!r}") from None
             return rows
     except OSError as err:
-        raise InputError(f"{path}: cannot read it ({err.strerror or err})") from None
+        raise InputError(f"{path}: cannot read it ({failed_because(err)})") from None
     except UnicodeDecodeError:
         raise InputError(f"{path}: not a text file") from None
 

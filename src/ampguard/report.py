@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from .build import build_monitor
 from .clipping import clip_threshold
-from .errors import ExitCode, InputError, check_folder_of, counted, first_line, real_number, whole_number
+from .errors import (ExitCode, InputError, check_folder_of, counted, failed_because, first_line, real_number,
+                     whole_number)
 from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
 from .monitor import RollingWindow, RunMonitor, ScaleHealth
@@ -331,7 +332,7 @@ def _events_kept(run_dir: Path, wanted: Callable[[dict[str, Any]], bool], *, at_
         _regular(path)
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as err:
-        raise InputError(f"{path}: cannot read the run's events ({err.strerror or err})") from None
+        raise InputError(f"{path}: cannot read the run's events ({failed_because(err)})") from None
     for line in lines:
         try:
             event = json.loads(line)
@@ -719,7 +720,7 @@ def plot_run(
             fig.savefig(partial, dpi=DPI, format="png", metadata=plot_metadata(f"ampguard report: {shown_title}"))
             os.replace(partial, png_path)
     except OSError as err:
-        raise InputError(f"{png_path}: cannot write the plot ({err.strerror or err})") from None
+        raise InputError(f"{png_path}: cannot write the plot ({failed_because(err)})") from None
     except (ValueError, ArithmeticError) as err:  # numbers matplotlib cannot lay out: one line, no PNG
         raise InputError(f"{csv_path}: cannot be plotted ({first_line(err, with_type=True)})") from None
     finally:
@@ -1764,7 +1765,7 @@ def check_plot_path(png: Path, csv_path: Path | None, *, given: bool = True, ver
         try:
             texts = png_text(png)
         except OSError as err:
-            raise InputError(f"{where}: cannot read the existing file ({err.strerror or err})") from None
+            raise InputError(f"{where}: cannot read the existing file ({failed_because(err)})") from None
         if texts is None:
             raise InputError(f"{where} exists and is not a PNG; refusing to overwrite it")
         if not own and not _marked(texts):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import Config, dump_config
-from .errors import ExitCode, InputError
+from .errors import ExitCode, InputError, failed_because
 from .files import DiskFull, is_temporary, make_parents, replace_atomically
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class RunPaths:
             if isinstance(err, FileExistsError) and run_dir not in created and run_dir.exists():  # a race
                 raise InputError(f"run folder {run_dir} already exists; choose another log.name") from None
             err = err.error if isinstance(err, DiskFull) else err
-            why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            why = failed_because(err)
             raise InputError(f"cannot create run folder {run_dir}: {why}") from None
         return paths
 
@@ -496,4 +496,4 @@ def disk_full_line(full: DiskFull, saved: list[Path], step: int, recorded: int, 
         intact = recorded if full.through is None else full.through
         how = "its records" + ("; no checkpoint to resume from" if run_dir is not None else "")  # (a demo has none)
     return (f"disk full while writing {full.path}; the run is intact up to step {intact} "
-            f"({how}; {full.error.strerror or full.error})")
+            f"({how}; {failed_because(full.error)})")

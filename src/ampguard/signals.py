@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, TextIO
 
-from .errors import ExitCode
+from .errors import ExitCode, failed_because
 
 
 class StopFlag:
@@ -699,7 +699,7 @@ class TolerantStream:
         if err.errno == errno.EPIPE:
             reader_left()
         elif self._name != "stderr":
-            print(f"ampguard: warning: {self._name}: {err.strerror or err}; its lines are dropped, the run goes on",
+            print(f"ampguard: warning: {self._name}: {failed_because(err)}; its lines are dropped, the run goes on",
                   file=sys.stderr)
 
     def __getattr__(self, name: str) -> Any:

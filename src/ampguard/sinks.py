@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from .errors import AmpguardWarning, InputError, counted, first_line, has_control, plain_digits, shown, whole_number
+from .errors import (AmpguardWarning, InputError, counted, failed_because, first_line, has_control, plain_digits, shown,
+                     whole_number)
 from .files import DiskFull, is_temporary, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
@@ -115,7 +116,7 @@ def _open_for_append(path: Path) -> IO[bytes]:
         if err.errno == errno.ENXIO and _a_named_pipe(path):
             raise InputError(f"cannot write {shown(path)}: it is a named pipe that no process reads; refusing to "
                              f"wait for one") from None
-        raise InputError(f"cannot write {shown(path)}: {err.strerror or err}") from None
+        raise InputError(f"cannot write {shown(path)}: {failed_because(err)}") from None
     if _NO_WAIT:
         try:
             os.set_blocking(file.fileno(), True)  # (a pipe's reader may be slower than the rows: wait for it)
@@ -312,7 +313,7 @@ def read_steps_and_columns(path: str | Path, torn: list[str] | None = None
     except (UnicodeDecodeError, csv.Error) as err:
         raise InputError(f"{path}: not a readable CSV ({err})") from None
     except OSError as err:  # (a file that cannot be read: permissions, an I/O error)
-        raise InputError(f"{path}: cannot read it ({err.strerror or err})") from None
+        raise InputError(f"{path}: cannot read it ({failed_because(err)})") from None
 
 
 def _whole_lines(lines: Iterable[str], torn: list[str] | None = None) -> Iterator[str]:
@@ -531,12 +532,12 @@ def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
     except DiskFull as full:
         if getattr(full, "replaced", False):  # (the rename made: say the file was cut, a DiskFull still)
             full.args = (f"{_was_cut(path, step, purpose)}, but its folder could not be synced "
-                         f"after (disk full: {full.error.strerror or full.error}): a crash could bring back the rows "
+                         f"after (disk full: {failed_because(full.error)}): a crash could bring back the rows "
                          "after it",)
         raise
     except OSError as err:
         where = err.filename if err.filename is not None and os.fsdecode(err.filename) != os.fsdecode(path) else None
-        why = err.strerror or first_line(err)
+        why = failed_because(err)
         if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and where is not None and is_temporary(os.path.basename(where)):
             why = (f"no file can be made beside it in {shown(os.path.dirname(where))} ({why}): "
                    "the file is rewritten whole beside itself, then renamed over the old one")
@@ -613,7 +614,7 @@ def aside_taken_back(kept: tuple[Path, int] | None, path: Path, step: int, purpo
             err.args = (f"{said}; {where}" if replaced else
                         f"{_was_cut(path, step, purpose)} ({where}), but then: {said}",)
             raise
-        why = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)  # (as _cut says it)
+        why = failed_because(err)
         raise InputError(f"{_was_cut(path, step, purpose)} ({where}), but then: {why}") from None
 
 
@@ -637,7 +638,7 @@ class _LineFile:
                                  f"{shown(self.path / 'steps.csv')})")
             existing = self.path.exists() and self.path.stat().st_size > 0
         except OSError as err:  # (a name too long, a folder this user may not search: one line)
-            raise InputError(f"cannot write {shown(self.path)}: {err.strerror or err}") from None
+            raise InputError(f"cannot write {shown(self.path)}: {failed_because(err)}") from None
         if existing and not append:
             raise InputError(f"{shown(self.path)} already exists; refusing to overwrite it")
         return existing
@@ -1316,9 +1317,9 @@ def _no_copy_left(err: BaseException, path: Path, copy: Path, step: int) -> None
         return
     what = f"cannot set {shown(path)}'s rows after step {step} aside in {copy.name}"
     if isinstance(err, DiskFull):
-        why = f"disk full: {err.error.strerror or err.error}"
+        why = f"disk full: {failed_because(err.error)}"
     elif isinstance(err, OSError):
-        why = err.strerror or first_line(err)
+        why = failed_because(err)
     else:
         why = first_line(err)
     if getattr(err, "replaced", False):

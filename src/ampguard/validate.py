@@ -46,7 +46,7 @@ from torch import nn
 from .build import prepare_model, resolve_device, to_device
 from .checkpoint import BufferSnapshot, modes_kept, rng_kept, untouched
 from .config import Config, flat_keys
-from .errors import AmpguardWarning, ExitCode, InputError, counted, listed, user_code
+from .errors import AmpguardWarning, ExitCode, InputError, counted, failed_because, listed, user_code
 from .files import DiskFull, make_parents, replace_atomically
 from .precision import Precision, backend_of, fp32_settings
 from .records import strict_json
@@ -1929,7 +1929,7 @@ def note_verdict(history: Path, key: Mapping[str, Any], v: Validation, report: P
             torn = f.tell() > 0 and history.read_bytes()[-1:] != b"\n"
             f.write((b"\n" if torn else b"") + json.dumps(strict_json(entry)).encode() + b"\n")
     except OSError as err:
-        return f"validate: could not note the verdict in {history} ({err.strerror or err})"
+        return f"validate: could not note the verdict in {history} ({failed_because(err)})"
     return None
 
 
@@ -2026,7 +2026,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, dict[str, 
         try:
             provenance = {"path": str(Path(checkpoint).resolve()), "sha256": file_sha256(checkpoint)}
         except OSError as err:
-            raise InputError(f"{checkpoint}: cannot read it ({err.strerror or err})") from None
+            raise InputError(f"{checkpoint}: cannot read it ({failed_because(err)})") from None
 
     check_fp32_weights(model, cfg.precisions)  # (after the checkpoint: its weights are what the reference runs)
     _check_made(model, config.task.factory or task.name)
@@ -2156,7 +2156,7 @@ def reserve_report_folder(out: str | Path | None, log_dir: str | Path) -> Report
         raise refusal from None
     except OSError as err:
         ReportFolder(folder, what, made[::-1]).release(written=False)
-        raise InputError(f"{what}: cannot create {folder} ({err.strerror or err})") from None
+        raise InputError(f"{what}: cannot create {folder} ({failed_because(err)})") from None
     with contextlib.suppress(OSError), os.fdopen(fd, "w") as f:
         f.write(f"{os.getpid()}\n")
     reserved = ReportFolder(folder, what if out else f"report folder {folder}", made[::-1], held=True)
@@ -2192,7 +2192,7 @@ def _take_over(folder: Path, what: str) -> None:
     except FileNotFoundError:  # (another run took it over first: that one holds the folder now)
         raise _being_written(folder, what) from None
     except OSError as err:
-        raise InputError(f"{what}: cannot take over {marker} ({err.strerror or err})") from None
+        raise InputError(f"{what}: cannot take over {marker} ({failed_because(err)})") from None
     if _marker_pid(taken) != pid:  # (a run that took it over between the read and the rename: its own)
         with contextlib.suppress(OSError):
             os.link(taken, marker)
@@ -2289,4 +2289,4 @@ def write_report_folder(v: Validation, config: Config, folder: ReportFolder) -> 
         if not isinstance(err, (OSError, DiskFull)):
             raise
         err = err.error if isinstance(err, DiskFull) else err  # (replace_atomically names a full disk DiskFull)
-        raise InputError(f"{folder.what}: cannot write the report ({err.strerror or err})") from None
+        raise InputError(f"{folder.what}: cannot write the report ({failed_because(err)})") from None

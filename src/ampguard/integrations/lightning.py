@@ -80,8 +80,8 @@ except ImportError as err:  # pragma: no cover - the extra is installed in the t
 import torch
 from torch import Tensor
 
-from ..errors import (MAX_PATH_SHOWN, AmpguardWarning, ExitCode, InputError, counted, folder_problem, looked_at,
-                      shortened, shown, unwritable, what_is, whole_number)
+from ..errors import (MAX_PATH_SHOWN, AmpguardWarning, ExitCode, InputError, counted, failed_because, folder_problem,
+                      looked_at, shortened, shown, unwritable, what_is, whole_number)
 from ..monitor import RunMonitor
 from ..precision import GuardedGradScaler, Precision, check_scaler_settings
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
@@ -1025,7 +1025,7 @@ def _check_writable(path: Path, where: str, rewritten: bool = False) -> None:
         else:
             folder = path.parent
     except OSError as err:
-        raise InputError(f"{where}: cannot write {shown(path)}: {err.strerror or err}; give a csv path you can "
+        raise InputError(f"{where}: cannot write {shown(path)}: {failed_because(err)}; give a csv path you can "
                          f"write") from None
     problem = unwritable(folder)
     if problem is not None:
@@ -1035,7 +1035,7 @@ def _check_writable(path: Path, where: str, rewritten: bool = False) -> None:
         try:
             _open_to_append(target)
         except OSError as err:  # (a read-only CSV: a resume keeps its mode, and appends to it)
-            raise InputError(f"{where}: cannot write {shown(path)}: {err.strerror or err} (a resume appends to it); "
+            raise InputError(f"{where}: cannot write {shown(path)}: {failed_because(err)} (a resume appends to it); "
                              f"give a csv path you can write") from None
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import AmpguardWarning, ExitCode, InputError, first_line, shown, unwritable
+from ..errors import AmpguardWarning, ExitCode, InputError, failed_because, first_line, shown, unwritable
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
@@ -397,7 +397,7 @@ class WandbSink(TrackerSink):
                 try:
                     Path(dir).mkdir(parents=True, exist_ok=True)
                 except OSError as err:  # (what the check up front could not foresee: /proc's, a full disk)
-                    raise InputError(f"log.wandb.dir: {shown(dir)} cannot be made: {err.strerror or err}") from None
+                    raise InputError(f"log.wandb.dir: {shown(dir)} cannot be made: {failed_because(err)}") from None
             try:
                 run = wandb.init(
                     project=project, entity=entity, mode=mode, name=name, group=group, tags=list(tags) or None,
