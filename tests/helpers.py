@@ -1020,3 +1020,11 @@ def folder_sync_raises(monkeypatch, make, armed=lambda: True) -> None:
         return real_sync(fd)
 
     monkeypatch.setattr(files, "_sync", sync)
+
+
+def check_reader(batch):
+    """A ``read_batch`` for the start-up's check (``build.check_forward``): ``batch``, or ``count``
+    of it (several passes)."""
+    def read(count=None):
+        return iter([batch] * count) if count else batch
+    return read

@@ -178,7 +178,8 @@ class BufferSnapshot:
     cache grown to a new shape) is put back itself, one it filled from None, or registered anew,
     is taken out, and each one's values are copied back in place (:func:`_set_back`). A buffer
     with internal overlap (an expanded view, stride 0, which nothing can write in place) is
-    referenced, not copied. Each module's own attributes (:func:`_kept_attributes`: a
+    referenced, not copied. The random generators the modules hold of their own are given their
+    state back (:func:`_generators_in`). Each module's own attributes (:func:`_kept_attributes`: a
     ``self.calls += 1`` counter's int, a tensor attribute by identity) are put back too, and the
     hooks registered on its modules since taken out, unless a gradient hook was registered on a
     parameter: then the modules stay as the pass left them (:func:`_put_attributes_back`).
@@ -228,6 +229,7 @@ class BufferSnapshot:
         memo: dict[int, tuple[Any, Any]] = {}  # (a container many hooks share: copied once)
         self.attributes = [_kept_module(m, memo) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
+        self.generators = _generators_in(self.attributes)
 
     def put_back(self, passes: int | None = None) -> tuple[list[tuple[str, int]], list[str]] | None:
         """The buffers and plain attributes as they were when the snapshot was taken. Returned: None,
@@ -261,6 +263,7 @@ class BufferSnapshot:
                                 prefix = self.module_names.get(id(m), "")
                                 failed.append((f"{prefix}.{name}" if prefix else name, b, err))
         finally:
+            _generators_back(self.generators)
             left = _put_attributes_back(self.attributes, passes)
         if failed:
             said = listed([f"{name} (a {type(b).__name__}: {first_line(err)})" for name, b, err in failed], 2,
@@ -283,7 +286,8 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
     back itself; one it filled from None, or registered anew, is taken out), its parameters'
     gradients (taken away for the block, so that a backward in it starts from none and adds
-    nothing into the run's tensors, and given back), every RNG (torch, CUDA, NumPy, ``random``)
+    nothing into the run's tensors, and given back), every RNG (torch, CUDA, NumPy, ``random``,
+    and the generators the modules hold of their own: :func:`_generators_in`)
     and each module's own attributes (:func:`_kept_attributes`: a call counter's int, a tensor
     attribute replaced; the hooks a pass registered taken out, but ampguard's own:
     :func:`_put_attributes_back`) are as they were, so a run goes on bit for bit as without it.
@@ -478,15 +482,57 @@ def _attributes_warned(kept: list[_Kept], by: str, model: torch.nn.Module) -> It
 
 
 def _captured(v: Any) -> bool:
-    """Whether ``v`` is what a hook captures from a pass: a tensor, or a tuple, list or dict of them
-    (a layer's output)."""
+    """Whether ``v`` is what a hook captures from a pass: a tensor computed in it (not a parameter,
+    nor any leaf that requires grad: :func:`_trained`), a NumPy array (one copied to the host), a
+    shape, or a tuple, list or dict of them beside None (a transformers attention layer's
+    ``(output, None)``: review 43a)."""
     if isinstance(v, torch.Tensor):
+        return not _trained(v)
+    if isinstance(v, torch.Size) or _is_numpy_array(v):
         return True
-    if isinstance(v, (tuple, list)):
-        return bool(v) and all(_captured(x) for x in v)
-    if isinstance(v, dict):
-        return bool(v) and all(_captured(x) for x in v.values())
-    return False
+    items = list(v) if isinstance(v, (tuple, list)) else list(v.values()) if isinstance(v, dict) else None
+    return bool(items) and any(x is not None for x in items) and all(x is None or _captured(x) for x in items)
+
+
+def _trained(v: Any) -> bool:
+    """Whether ``v`` is a tensor the model trains: a parameter, or a leaf that requires grad."""
+    return isinstance(v, torch.nn.Parameter) or isinstance(v, torch.Tensor) and v.is_leaf and v.requires_grad
+
+
+def _is_numpy_array(v: Any) -> bool:
+    return type(v).__name__ == "ndarray" and type(v).__module__ == "numpy"
+
+
+def _state_verdict(held: tuple[Any, ...]) -> str | None:
+    """How the block changed one piece of a hook's state (:func:`_hook_state`'s ``held``): None
+    (not at all), ``"captured"`` (every value it gained or lost is :func:`_captured`: an
+    activation cache a forward writes again, a list of outputs it appends to, a statistic kept as
+    a tensor and replaced each forward; reviews 42f, 43a), ``"parameters"`` (beside those, the
+    model's trained tensors: a record of the parameters a hook registered gradient hooks on,
+    transformers' tensor parallelism's, review 41b), or ``"state"`` (anything else: a count, a
+    flag)."""
+    kind, target, *rest = held
+    value, contents = (target.cell_contents, rest[1]) if kind == "cell" else (target, rest[0])
+    if kind == "cell" and value is not rest[0]:
+        return _verdict_of([value] if rest[0] is None else [rest[0], value])
+    if contents is None:
+        return None
+    if isinstance(contents, dict):
+        changed = [x for k in value.keys() | contents.keys()
+                   if (a := value.get(k, _GONE)) is not (b := contents.get(k, _GONE)) for x in (a, b)]
+    elif isinstance(contents, set):
+        changed = [*(value - contents), *(contents - value)]
+    else:
+        changed = [x for a, b in itertools.zip_longest(value, contents, fillvalue=_GONE) if a is not b for x in (a, b)]
+    changed = [x for x in changed if x is not _GONE]
+    return _verdict_of(changed) if changed else None
+
+
+def _verdict_of(changed: list[Any]) -> str:
+    """:func:`_state_verdict` of the values a piece of state gained or lost."""
+    if all(_captured(x) for x in changed):
+        return "captured"
+    return "parameters" if all(_captured(x) or _trained(x) for x in changed) else "state"
 
 
 _HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
@@ -497,42 +543,111 @@ _HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward 
 
 def _hooks_state_moved(kept: list[_Kept]) -> list[str]:
     """The hooks in ``kept`` (:func:`_kept_hooks`' snapshots) still registered whose state
-    (:func:`_hook_state`) the block changed: a closure cell given another value, a container's
-    contents changed (``"a forward pre-hook on Sequential"``; review 42e: guessed from their types,
-    a count rewound beside its flag left, a counter that recorded a registration rewound)."""
-    def moved(held: tuple[Any, ...]) -> bool:
-        kind, target, *rest = held
-        value, contents = (target.cell_contents, rest[1]) if kind == "cell" else (target, rest[0])
-        if kind == "cell" and value is not rest[0]:
-            return True
-        if contents is None:
-            return False
-        if isinstance(contents, dict):
-            new = [v for k, v in value.items() if k not in contents or v is not contents[k]]
-            gone = contents.keys() - value.keys()
-        elif isinstance(contents, set):
-            new, gone = list(value - contents), contents - value
-        else:
-            new = [a for a, b in itertools.zip_longest(value, contents, fillvalue=_GONE) if a is not b and a is not _GONE]
-            gone = len(contents) > len(value)
-        # (what a forward writes there as it goes, activations or outputs captured, is a cache the run's first
-        # forward writes again, not a count or a flag: review 42f)
-        return bool(gone) or any(not _captured(v) for v in new)
-
+    (:func:`_hook_state`) the block changed other than by what a pass captures
+    (:func:`_state_verdict`: a closure cell given another value, a container's contents changed;
+    ``"a forward pre-hook on Sequential"``; review 42e: guessed from their types, a count rewound
+    beside its flag left, a counter that recorded a registration rewound); a record of parameters
+    not where the block registered gradient hooks (where it did, the model is left as the passes
+    left it, the record agreeing with the hooks, and :func:`_warn_hooks_left` says so). A piece of
+    state many hooks share is judged once and said of the first (review 43a: judged once a hook, a
+    dict of every parameter in 4,000 hooks' closures took 13 s, and every hook sharing it was
+    named)."""
+    said = {"state"} if any(_gained_gradient_hooks(m, hooks) for m, _, hooks, _ in kept) else {"state", "parameters"}
+    judged: set[int] = set()
     found = []
+    for m, owner, name, k, held in _states_in_place(kept):
+        if id(held[1]) in judged:
+            continue
+        judged.add(id(held[1]))
+        try:
+            changed = _state_verdict(held) in said
+        except Exception:  # (a value that cannot be looked at: not said)
+            changed = False
+        kind = "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name)
+        if changed and kind:
+            found.append(f"{_a(kind)} on {type(m).__name__}")
+    return list(dict.fromkeys(found))
+
+
+def _states_in_place(kept: list[_Kept]) -> Iterator[tuple[torch.nn.Module, Any, str, int, tuple[Any, ...]]]:
+    """(module, the hook dict's owner, its name, the handle id, one piece of state) for each piece
+    of state (:func:`_hook_state`) of each hook in ``kept`` still registered."""
     for m, _, hooks, _ in kept:
         for owner, name, before, states in hooks:
             now = getattr(owner, name, None) or {}
             for k in before:
-                try:
-                    changed = k in now and any(moved(held) for held in states[k])
-                except Exception:  # (a value that cannot be looked at: not said)
-                    changed = False
-                if changed:
-                    kind = "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name)
-                    if kind:
-                        found.append(f"{_a(kind)} on {type(m).__name__}")
-    return list(dict.fromkeys(found))
+                if k in now:
+                    for held in states[k]:
+                        yield m, owner, name, k, held
+
+
+def _captures_back(kept: list[_Kept], done: set[int]) -> None:
+    """What the block's passes captured into the state of the hooks in ``kept`` still registered
+    (:func:`_state_verdict`'s ``"captured"``: activations appended to a list, a statistic kept
+    as a tensor), put back (review 43a: a running amax in a closure dict moved by the check's
+    passes, and outputs appended to a list the loss reads and clears were three stale batches
+    in the run's first loss, silently). What a forward writes again anyway is no harm put back;
+    a record of a registration is never a tensor. Each piece once (``done``, by identity)."""
+    judged: set[int] = set()
+    for _, _, _, _, held in _states_in_place(kept):
+        key = id(held[1])
+        if key in done or key in judged:
+            continue
+        judged.add(key)
+        try:
+            verdict = _state_verdict(held)
+        except Exception:  # (a value that cannot be looked at: left)
+            verdict = None
+        if verdict == "captured":
+            _state_back([held], done)
+
+
+def _generator_state(g: Any) -> Any:
+    """The state of ``g`` if it is a random generator of its own (a ``torch.Generator``, NumPy's
+    ``Generator`` or ``RandomState``, a ``random.Random``), else None."""
+    if isinstance(g, torch.Generator):
+        return g.get_state()
+    if isinstance(g, random.Random):
+        return g.getstate()
+    if type(g).__module__.startswith("numpy.random"):
+        if hasattr(g, "bit_generator"):
+            return copy.deepcopy(g.bit_generator.state)
+        if hasattr(g, "get_state"):
+            return g.get_state()
+    return None
+
+
+def _generators_in(kept: list[_Kept]) -> list[tuple[Any, Any]]:
+    """(generator, its state) for each random generator the modules in ``kept`` hold of their own:
+    an attribute (MAE's masking draws from ``self.gen``), or a value in a hook's closure (noise
+    drawn from a generator of its own): :func:`rng_kept` keeps the global ones only, and the
+    block's draws advanced these, silently (review 43a). Each once."""
+    found: dict[int, tuple[Any, Any]] = {}
+    values = [v for _, held, hooks, _ in kept for v in itertools.chain(
+        held.values(), (piece[2] for _, _, _, states in hooks for pieces in states.values() for piece in pieces
+                        if piece[0] == "cell"))]
+    for v in values:
+        if id(v) not in found:
+            try:
+                state = _generator_state(v)
+            except Exception:  # (one whose state cannot be read: SystemRandom's)
+                state = None
+            if state is not None:
+                found[id(v)] = (v, state)
+    return list(found.values())
+
+
+def _generators_back(generators: list[tuple[Any, Any]]) -> None:
+    """Each generator :func:`_generators_in` found given its state back."""
+    for g, state in generators:
+        if isinstance(g, torch.Generator):
+            g.set_state(state)
+        elif isinstance(g, random.Random):
+            g.setstate(state)
+        elif hasattr(g, "bit_generator"):
+            g.bit_generator.state = copy.deepcopy(state)
+        else:
+            g.set_state(state)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
@@ -635,8 +750,9 @@ def _hook_state(hook: Any, memo: dict[int, tuple[Any, Any]]) -> list[tuple[Any, 
     """The state a hook keeps outside its module, by reference, with a shallow copy of each list,
     dict, set or deque's contents: :func:`_state_back` puts it back for a hook a pass took out
     (review 42b: a warm-up hook that counts down and removes itself at 0, put back with its count
-    spent, went on for good); for one left in place, a change is said (:func:`_hooks_state_moved`;
-    42c: the passes had spent the run's warm-up steps, silently): its closure's cells (``("cell",
+    spent, went on for good); for one left in place, what a pass captured is put back
+    (:func:`_captures_back`) and another change said (:func:`_hooks_state_moved`; 42c: the passes
+    had spent the run's warm-up steps, silently): its closure's cells (``("cell",
     cell, value, contents)``), through the functions they hold and the ones it wraps
     (``__wrapped__``: a ``torch.no_grad()``-decorated hook), and a ``functools.partial``'s
     arguments' contents (``("contents", value, contents)``). Not an object's attributes (a callable
@@ -743,6 +859,8 @@ def _put_attributes_back(kept: list[_Kept], passes: int | None = None) -> tuple[
     parameters hooked, each with the most hooks of one function it gained (:func:`_most_of_one`),
     and each module the pass so left changed (``"Type (name, ..., N hooks registered, N taken
     out)"``: its attributes, the hooks its passes registered on it or took out of it)."""
+    done: set[int] = set()  # (the hooks' state given back: each piece once)
+    _captures_back(kept, done)
     hooked: dict[Any, int] = {}
     for m, _, hooks, _ in kept:
         hooked.update(_gained_gradient_hooks(m, hooks, passes))
@@ -750,14 +868,14 @@ def _put_attributes_back(kept: list[_Kept], passes: int | None = None) -> tuple[
         seen: set[Any] = set()
         return hooked, [f"{type(m).__name__} ({listed(changed)})" for m, held, hooks, contents in kept
                         if (changed := _changed_hooks(m, hooks, seen) + _changed_attributes(vars(m), held, contents))]
-    _put_modules_back(kept)
+    _put_modules_back(kept, done)
     return None
 
 
-def _put_modules_back(kept: list[_Kept]) -> None:
+def _put_modules_back(kept: list[_Kept], done: set[int]) -> None:
     """:func:`_put_attributes_back`'s work when the block registered no gradient hook: each module's
-    hooks taken out, its attributes and their contents put back."""
-    done: set[int] = set()  # (the hooks' containers given back: each once)
+    hooks taken out, its attributes and their contents put back (``done``: the hooks' state
+    given back already, each piece once)."""
     for m, held, hooks, contents in kept:
         _hooks_put_back(m, hooks, done)
         now = vars(m)
@@ -903,8 +1021,9 @@ def _hooks_put_back(m: torch.nn.Module, hooks: _Hooks, done: set[int]) -> None:
     keeps it, still removes it), with the state it kept (:func:`_hook_state`). Those left in place
     keep what the block did to their state (it may record a registration the put-back does not
     undo, or be the caller's log: review 42d; a count and a flag beside it cannot be told from
-    such a record: 42e), said by :func:`untouched` (:func:`_hooks_state_moved`). ``done``: the
-    containers given back already (each once).
+    such a record: 42e), said by :func:`untouched` (:func:`_hooks_state_moved`), but what a pass
+    captured there (:func:`_captures_back`, before). ``done``: the containers given back already
+    (each once).
     A lasting hook the block took out and registered again under a new handle is kept once,
     under its old one (42c: it ran twice)."""
     lasting = {k for owner, name, before, _ in hooks if owner is m

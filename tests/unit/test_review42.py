@@ -9,18 +9,12 @@ import torch
 from torch import nn
 
 from helpers import caught_warnings
+from helpers import check_reader as reader
 from ampguard.build import check_forward
 from ampguard.checkpoint import untouched
 from ampguard.precision import Precision
 
 FP32 = Precision("fp32", "cpu")
-
-
-def reader(batch):
-    """A ``read_batch`` of the start-up's check: ``batch``, or ``count`` of it (several passes)."""
-    def read(count=None):
-        return iter([batch] * count) if count else batch
-    return read
 
 
 class ActNorm(nn.Module):

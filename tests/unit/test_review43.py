@@ -1,0 +1,194 @@
+"""Review 43a of the start-up check's put-back (``checkpoint.untouched``): what a pass captures into
+a hook's closure (a statistic kept as a tensor, outputs appended to a list) is put back, a random
+generator the model holds of its own is given its state back, a false alarm on captured outputs
+beside None or as NumPy arrays, and a piece of state many hooks share is judged once."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from helpers import caught_warnings
+from helpers import check_reader as reader
+from ampguard import checkpoint
+from ampguard.build import check_forward
+from ampguard.precision import Precision
+
+FP32 = Precision("fp32", "cpu")
+BATCH = (torch.linspace(-3, 5, 32).reshape(8, 4), torch.zeros(8, 2))
+
+
+def checked(model: nn.Module) -> list[str]:
+    """The warnings of the start-up's check (four passes) of ``model``."""
+    return caught_warnings(lambda: check_forward(model, nn.functional.mse_loss, reader(BATCH), FP32, "task toy"))
+
+
+def twins(make) -> tuple[nn.Module, nn.Module]:
+    """Two models ``make()`` builds from the same seed."""
+    torch.manual_seed(0)
+    a = make()
+    torch.manual_seed(0)
+    return a, make()
+
+
+def running_amax() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A hook that clamps a layer's output to a running amax it keeps as a tensor in a dict of its
+    closure (a hand-rolled delayed scaling), replaced each forward; and the dict."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    amax = {"act": torch.tensor(1.0)}
+
+    def clip_to_history(module, args, out):
+        bound = amax["act"]
+        amax["act"] = torch.maximum(0.9 * amax["act"], out.detach().abs().max())
+        return out.clamp(-bound, bound)
+
+    model[0].register_forward_hook(clip_to_history)
+    return model, amax
+
+
+def test_a_statistic_a_hook_keeps_as_a_tensor_in_its_closure_is_put_back():
+    # 43a #1: read as a captured cache (42f), the running amax the check's four passes moved was neither put back
+    # nor said: the run's first forward clamped to another bound than a plain loop's
+    (plain, _), (model, amax) = twins(running_amax)
+    assert checked(model) == []
+    assert amax["act"].item() == 1.0
+    assert torch.equal(model(BATCH[0]), plain(BATCH[0]))
+
+
+def test_outputs_a_hook_appends_to_a_list_in_its_closure_are_taken_out():
+    # 43a #2: activation regularisation, a list the loss sums and clears: the check's forward-only passes left
+    # three batches' outputs (and their graphs) in it, and the run's first loss counted them, silently
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    acts: list[torch.Tensor] = []
+    model[1].register_forward_hook(lambda module, args, out: acts.append(out))
+    assert checked(model) == []
+    assert acts == []
+
+
+class OwnGenerator(nn.Module):
+    """Random masking drawn from a generator of the module's own (MAE's), of each kind."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.net, self.kind = nn.Linear(4, 2), kind
+        self.gen = {"torch": torch.Generator().manual_seed(1234), "numpy": np.random.default_rng(1234),
+                    "numpy-legacy": np.random.RandomState(1234), "random": random.Random(1234)}[kind]
+
+    def forward(self, x):
+        if self.kind == "torch":
+            keep = torch.rand(x.shape, generator=self.gen)
+        elif self.kind == "random":
+            keep = torch.tensor([[self.gen.random() for _ in range(x.shape[1])] for _ in range(x.shape[0])])
+        else:
+            keep = torch.from_numpy(self.gen.random(x.shape)).float()
+        return self.net(x * (keep > 0.25))
+
+
+def noisy_hook() -> nn.Module:
+    """NEFTune-like noise drawn from a generator in a hook's closure."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    gen = torch.Generator().manual_seed(1234)
+    model[0].register_forward_hook(lambda module, args, out: out + 0.1 * torch.randn(out.shape, generator=gen))
+    return model
+
+
+@pytest.mark.parametrize("make", [*(lambda kind=kind: OwnGenerator(kind)
+                                    for kind in ("torch", "numpy", "numpy-legacy", "random")), noisy_hook],
+                         ids=["torch", "numpy", "numpy-legacy", "random", "in-a-hook"])
+def test_a_generator_the_model_holds_of_its_own_is_given_its_state_back(make):
+    # 43a #5: rng_kept keeps the global generators only; the check's passes drew from the model's own, so the
+    # run's first masks differed from a plain loop's, silently
+    plain, model = twins(make)
+    assert checked(model) == []
+    assert torch.equal(model(BATCH[0]), plain(BATCH[0]))
+
+
+def test_a_generator_whose_state_cannot_be_read_is_left():
+    model = OwnGenerator("random")
+    model.gen = random.SystemRandom()  # (getstate raises)
+    assert checked(model) == []
+
+
+class Capture(nn.Module):
+    """A model whose hooks capture what each layer returns, as feature extraction does: a tuple
+    with None (an attention layer's ``(output, None)``), a NumPy copy, a shape, or the last
+    output alone (``nonlocal last``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+        feats: dict = {}
+        last = None
+
+        def hook(module, args, out):
+            nonlocal last
+            if how == "tuple-with-none":
+                feats[type(module).__name__] = (out.detach(), None)
+            elif how == "numpy":
+                feats[id(module)] = out.detach().numpy()
+            elif how == "shape":
+                feats[id(module)] = out.shape
+            else:
+                last = out.detach()
+
+        for m in (self.a, self.b):
+            m.register_forward_hook(hook)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("how", ["tuple-with-none", "numpy", "shape", "cell"])
+def test_outputs_captured_beside_none_as_arrays_or_in_a_cell_are_not_said(how):
+    # 43a #4: transformers' attention layers return (output, None): _captured refused the None, and the check
+    # warned on a plain feature extractor; so did a NumPy copy and `nonlocal last = out`
+    assert checked(Capture(how)) == []
+
+
+def test_a_registration_record_of_parameters_is_not_taken_for_captured_outputs():
+    # (the rule's edge: transformers' tensor parallelism records the parameters it hooked in a dict of its
+    # hook's closure; rewound as captured tensors, each parameter was hooked again: review 41b's defect)
+    model = nn.Linear(4, 2)
+    hooked: dict[str, nn.Parameter] = {}
+
+    def once(module, args):
+        if torch.is_grad_enabled():
+            for name, p in module.named_parameters(recurse=False):
+                if hooked.get(name) is not p:
+                    p.register_hook(lambda g: g)
+                    hooked[name] = p
+
+    model.register_forward_pre_hook(once)
+    said = checked(model)
+    assert len(said) == 1 and "registered a gradient hook once on 2 parameters" in said[0], said
+    assert hooked == {"weight": model.weight, "bias": model.bias}
+    model(BATCH[0])  # (the run's first forward registers nothing more)
+    assert len(model.weight._backward_hooks) == len(model.bias._backward_hooks) == 1
+
+
+def shared_counter() -> nn.Module:
+    """Hooks on four layers sharing one dict of counts (not what a pass captures)."""
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)), nn.Linear(4, 2))
+    seen = {"calls": 0}
+
+    def count(module, args):
+        seen["calls"] += 1
+
+    for m in model:
+        m.register_forward_pre_hook(count)
+    return model
+
+
+def test_state_many_hooks_share_is_judged_once_and_said_of_the_first(monkeypatch):
+    # 43a #3 and #4: judged once a hook, a dict of every parameter in 4,000 hooks' closures took 13 s (the
+    # layer-wise optimizer's pattern), and every hook sharing a changed dict was named
+    calls = []
+    verdict = checkpoint._state_verdict
+    monkeypatch.setattr(checkpoint, "_state_verdict", lambda held: (calls.append(held), verdict(held))[1])
+    said = checked(shared_counter())
+    assert len(said) == 1 and "(a forward pre-hook on Linear)" in said[0], said
+    assert len(calls) <= 2 * 2  # (the cell and the dict, once for the warning and once for the put-back)
