@@ -230,6 +230,7 @@ class BufferSnapshot:
         self.attributes = [_kept_module(m, memo) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
         self.generators = _generators_in(self.attributes)
+        self.trained = frozenset(self.names)  # (what a hook's record of parameters holds: no capture)
 
     def put_back(self, passes: int | None = None) -> tuple[list[tuple[str, int]], list[str]] | None:
         """The buffers and plain attributes as they were when the snapshot was taken. Returned: None,
@@ -264,7 +265,7 @@ class BufferSnapshot:
                                 failed.append((f"{prefix}.{name}" if prefix else name, b, err))
         finally:
             _generators_back(self.generators)
-            left = _put_attributes_back(self.attributes, passes)
+            left = _put_attributes_back(self.attributes, passes, self.trained)
         if failed:
             said = listed([f"{name} (a {type(b).__name__}: {first_line(err)})" for name, b, err in failed], 2,
                           more=f" and {len(failed) - 2} more")
@@ -345,7 +346,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
             p.grad = None
         # (attributes put back after the modes: an EMA model's train() swaps its weights back by what its
         # eval() kept in an attribute)
-        with rng_kept(), _attributes_warned(snapshot.attributes, by, model), modes_kept(model):
+        with rng_kept(), _attributes_warned(snapshot, by, model), modes_kept(model):
             yield snapshot
     finally:
         left: tuple[list[tuple[str, int]], list[str]] | None = None
@@ -434,9 +435,9 @@ def _renormalises(module: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _attributes_warned(kept: list[_Kept], by: str, model: torch.nn.Module) -> Iterator[None]:
-    """Warn, on leaving, of the tensor attributes in ``kept`` (a :class:`BufferSnapshot`'s
-    ``attributes``: each module's own ones, :func:`_kept_attributes`), or tensors one level inside
+def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module) -> Iterator[None]:
+    """Warn, on leaving, of the tensor attributes in ``snapshot.attributes`` (each module's own
+    ones, :func:`_kept_attributes`), or tensors one level inside
     a list, tuple or dict among them, that the block changed in place (``self.state.add_(x)``:
     its version counter moved); not one that is a parameter or buffer of ``model`` (kept apart:
     a buffer is put back). The snapshot puts every attribute
@@ -462,6 +463,7 @@ def _attributes_warned(kept: list[_Kept], by: str, model: torch.nn.Module) -> It
         >>> model.calls, model.seen.item(), "the tensor attribute Counting.seen" in str(said[0].message)
         (5, 1.0, True)
     """
+    kept = snapshot.attributes
     own = {_memory(t) for t in itertools.chain(model.parameters(), model.buffers()) if not is_lazy(t)} - {None}
     tensors = [(f"{type(m).__name__}.{k}", t) for m, held, _, _ in kept for k, v in held.items()
                for t in _tensors_in(v) if _memory(t) is None or _memory(t) not in own]  # (nor a view of one)
@@ -473,7 +475,7 @@ def _attributes_warned(kept: list[_Kept], by: str, model: torch.nn.Module) -> It
         warnings.warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
                       "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
                       "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
-    if spent := _hooks_state_moved(kept):
+    if spent := _hooks_state_moved(kept, snapshot.trained):
         warnings.warn(f"{by} changed the state a hook of the model keeps in its closure "
                       f"({listed(spent, 2, ' and ', ' and others')}): it is not put back (it may record what the "
                       "hook did, or be the caller's own log), so the run goes on from it, not from a plain loop's (a "
@@ -481,40 +483,50 @@ def _attributes_warned(kept: list[_Kept], by: str, model: torch.nn.Module) -> It
                       "are put back", AmpguardWarning, stacklevel=4)
 
 
-def _captured(v: Any) -> bool:
-    """Whether ``v`` is what a hook captures from a pass: a tensor computed in it (not a parameter,
-    nor any leaf that requires grad: :func:`_trained`), a NumPy array (one copied to the host), a
-    shape, or a tuple, list or dict of them beside None (a transformers attention layer's
-    ``(output, None)``: review 43a)."""
+def _captured(v: Any, trained: frozenset[int] = frozenset()) -> bool:
+    """Whether ``v`` is what a hook captures from a pass: a tensor computed in it (not one the model
+    trains: :func:`_trained`), a NumPy array (one copied to the host), a shape, or a tuple, list or
+    dict of them beside None (a transformers attention layer's ``(output, None)``: review 43a).
+    ``trained``: the ids of the model's parameters and trainable tensor attributes."""
     if isinstance(v, torch.Tensor):
-        return not _trained(v)
+        return not _trained(v, trained)
     if isinstance(v, torch.Size) or _is_numpy_array(v):
         return True
     items = list(v) if isinstance(v, (tuple, list)) else list(v.values()) if isinstance(v, dict) else None
-    return bool(items) and any(x is not None for x in items) and all(x is None or _captured(x) for x in items)
+    return bool(items) and any(x is not None for x in items) and all(x is None or _captured(x, trained) for x in items)
 
 
-def _trained(v: Any) -> bool:
-    """Whether ``v`` is a tensor the model trains: a parameter, or a leaf that requires grad."""
-    return isinstance(v, torch.nn.Parameter) or isinstance(v, torch.Tensor) and v.is_leaf and v.requires_grad
+def _trained(v: Any, trained: frozenset[int]) -> bool:
+    """Whether ``v`` is a tensor the model trains: a parameter (one FSDP2 unshards for a pass too),
+    or one of ``trained`` (the model's trainable tensor attributes; review 43b: any leaf that
+    requires grad was taken for one, and an embedding's output made so by
+    ``enable_input_require_grads`` was not a capture)."""
+    return isinstance(v, torch.nn.Parameter) or isinstance(v, torch.Tensor) and id(v) in trained
+
+
+def _grad_hooked(v: Any) -> bool:
+    """Whether tensor ``v`` carries a gradient hook (its own, or a post-accumulate one)."""
+    return bool(getattr(v, "_backward_hooks", None) or getattr(v, "_post_accumulate_grad_hooks", None))
 
 
 def _is_numpy_array(v: Any) -> bool:
     return type(v).__name__ == "ndarray" and type(v).__module__ == "numpy"
 
 
-def _state_verdict(held: tuple[Any, ...]) -> str | None:
+def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset()) -> str | None:
     """How the block changed one piece of a hook's state (:func:`_hook_state`'s ``held``): None
-    (not at all), ``"captured"`` (every value it gained or lost is :func:`_captured`: an
-    activation cache a forward writes again, a list of outputs it appends to, a statistic kept as
-    a tensor and replaced each forward; reviews 42f, 43a), ``"parameters"`` (beside those, the
-    model's trained tensors: a record of the parameters a hook registered gradient hooks on,
-    transformers' tensor parallelism's, review 41b), or ``"state"`` (anything else: a count, a
-    flag)."""
+    (not at all), ``"captured"`` (every value it gained or lost, None aside, is :func:`_captured`:
+    an activation cache a forward writes again, a slot filled in a dict or list made with None,
+    a list of outputs it appends to, a statistic kept as a tensor and replaced each forward;
+    reviews 42f, 43a, 43b), ``"record"`` (beside those, the model's trained tensors, each with a
+    gradient hook: a record of the parameters a hook registered gradient hooks on, transformers'
+    tensor parallelism's, review 41b, agreeing with the hooks), ``"parameters"`` (such a record
+    of parameters without one), or ``"state"`` (anything else: a count, a flag). ``trained``:
+    :func:`_trained`'s."""
     kind, target, *rest = held
     value, contents = (target.cell_contents, rest[1]) if kind == "cell" else (target, rest[0])
     if kind == "cell" and value is not rest[0]:
-        return _verdict_of([value] if rest[0] is None else [rest[0], value])
+        return _verdict_of([rest[0], value], trained)
     if contents is None:
         return None
     if isinstance(contents, dict):
@@ -524,15 +536,30 @@ def _state_verdict(held: tuple[Any, ...]) -> str | None:
         changed = [*(value - contents), *(contents - value)]
     else:
         changed = [x for a, b in itertools.zip_longest(value, contents, fillvalue=_GONE) if a is not b for x in (a, b)]
-    changed = [x for x in changed if x is not _GONE]
-    return _verdict_of(changed) if changed else None
+    return _verdict_of(changed, trained) if changed else None
 
 
-def _verdict_of(changed: list[Any]) -> str:
-    """:func:`_state_verdict` of the values a piece of state gained or lost."""
-    if all(_captured(x) for x in changed):
+def _verdict_of(changed: list[Any], trained: frozenset[int]) -> str | None:
+    """:func:`_state_verdict` of the values a piece of state gained or lost (None and
+    :data:`_GONE` aside)."""
+    changed = [x for x in changed if x is not None and x is not _GONE]
+    if not changed:
+        return None
+    if all(_captured(x, trained) for x in changed):
         return "captured"
-    return "parameters" if all(_captured(x) or _trained(x) for x in changed) else "state"
+    if not all(_captured(x, trained) or _trained(x, trained) for x in changed):
+        return "state"
+    return "record" if all(_grad_hooked(x) for x in changed if _trained(x, trained)) else "parameters"
+
+
+def _piece_key(held: tuple[Any, ...]) -> int:
+    """What one piece of a hook's state is judged and given back by, once: the container a cell
+    holds (many hooks of one factory each hold the same dict in a cell of their own: review 43b,
+    judged once a cell, 4,000 hooks took 12 s), else the cell or the container itself."""
+    kind, target, *rest = held
+    if kind == "cell" and rest[1] is not None and target.cell_contents is rest[0]:
+        return id(rest[0])
+    return id(target)
 
 
 _HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
@@ -541,7 +568,7 @@ _HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward 
 """What a warning calls the hooks of each hook dict (a parameter's ``_backward_hooks``: a gradient hook)."""
 
 
-def _hooks_state_moved(kept: list[_Kept]) -> list[str]:
+def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset()) -> list[str]:
     """The hooks in ``kept`` (:func:`_kept_hooks`' snapshots) still registered whose state
     (:func:`_hook_state`) the block changed other than by what a pass captures
     (:func:`_state_verdict`: a closure cell given another value, a container's contents changed;
@@ -549,18 +576,18 @@ def _hooks_state_moved(kept: list[_Kept]) -> list[str]:
     beside its flag left, a counter that recorded a registration rewound); a record of parameters
     not where the block registered gradient hooks (where it did, the model is left as the passes
     left it, the record agreeing with the hooks, and :func:`_warn_hooks_left` says so). A piece of
-    state many hooks share is judged once and said of the first (review 43a: judged once a hook, a
-    dict of every parameter in 4,000 hooks' closures took 13 s, and every hook sharing it was
-    named)."""
+    state many hooks share is judged once and said of the first (:func:`_piece_key`; review 43a:
+    judged once a hook, a dict of every parameter in 4,000 hooks' closures took 13 s, and every
+    hook sharing it was named). ``trained``: :func:`_trained`'s."""
     said = {"state"} if any(_gained_gradient_hooks(m, hooks) for m, _, hooks, _ in kept) else {"state", "parameters"}
     judged: set[int] = set()
     found = []
     for m, owner, name, k, held in _states_in_place(kept):
-        if id(held[1]) in judged:
+        if (key := _piece_key(held)) in judged:
             continue
-        judged.add(id(held[1]))
+        judged.add(key)
         try:
-            changed = _state_verdict(held) in said
+            changed = _state_verdict(held, trained) in said
         except Exception:  # (a value that cannot be looked at: not said)
             changed = False
         kind = "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name)
@@ -581,21 +608,23 @@ def _states_in_place(kept: list[_Kept]) -> Iterator[tuple[torch.nn.Module, Any, 
                         yield m, owner, name, k, held
 
 
-def _captures_back(kept: list[_Kept], done: set[int]) -> None:
+def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int]) -> None:
     """What the block's passes captured into the state of the hooks in ``kept`` still registered
     (:func:`_state_verdict`'s ``"captured"``: activations appended to a list, a statistic kept
     as a tensor), put back (review 43a: a running amax in a closure dict moved by the check's
     passes, and outputs appended to a list the loss reads and clears were three stale batches
     in the run's first loss, silently). What a forward writes again anyway is no harm put back;
-    a record of a registration is never a tensor. Each piece once (``done``, by identity)."""
+    a record of a registration holds no tensor computed in a pass (a record of the parameters
+    hooked is no capture: :func:`_trained`). Each piece once (:func:`_piece_key`; ``done``, the
+    containers given back already)."""
     judged: set[int] = set()
     for _, _, _, _, held in _states_in_place(kept):
-        key = id(held[1])
+        key = _piece_key(held)
         if key in done or key in judged:
             continue
         judged.add(key)
         try:
-            verdict = _state_verdict(held)
+            verdict = _state_verdict(held, trained)
         except Exception:  # (a value that cannot be looked at: left)
             verdict = None
         if verdict == "captured":
@@ -604,7 +633,7 @@ def _captures_back(kept: list[_Kept], done: set[int]) -> None:
 
 def _generator_state(g: Any) -> Any:
     """The state of ``g`` if it is a random generator of its own (a ``torch.Generator``, NumPy's
-    ``Generator`` or ``RandomState``, a ``random.Random``), else None."""
+    ``Generator``, ``RandomState`` or a bit generator, a ``random.Random``), else None."""
     if isinstance(g, torch.Generator):
         return g.get_state()
     if isinstance(g, random.Random):
@@ -614,19 +643,33 @@ def _generator_state(g: Any) -> Any:
             return copy.deepcopy(g.bit_generator.state)
         if hasattr(g, "get_state"):
             return g.get_state()
+        if hasattr(g, "state"):
+            return copy.deepcopy(g.state)
     return None
 
 
 def _generators_in(kept: list[_Kept]) -> list[tuple[Any, Any]]:
     """(generator, its state) for each random generator the modules in ``kept`` hold of their own:
-    an attribute (MAE's masking draws from ``self.gen``), or a value in a hook's closure (noise
-    drawn from a generator of its own): :func:`rng_kept` keeps the global ones only, and the
-    block's draws advanced these, silently (review 43a). Each once."""
+    an attribute or one in a list, tuple or dict attribute (MAE's masking draws from
+    ``self.gen``), a value in a hook's closure or a ``functools.partial``'s arguments (noise drawn
+    from a generator of its own): :func:`rng_kept` keeps the global ones only, and the block's
+    draws advanced these, silently (reviews 43a, 43b). Each once. Not a hook object's attributes
+    (as :func:`_hook_state`)."""
+    def candidates() -> Iterator[Any]:
+        for _, held, hooks, _ in kept:
+            for v in held.values():
+                yield v
+                if type(v) in (list, tuple) or type(v) in _CONTAINERS and isinstance(v, dict):
+                    yield from v.values() if isinstance(v, dict) else v
+            for _, _, before, states in hooks:
+                yield from (piece[2] for pieces in states.values() for piece in pieces if piece[0] == "cell")
+                for hook in before.values():
+                    while isinstance(hook, functools.partial):
+                        yield from (*hook.args, *hook.keywords.values())
+                        hook = hook.func
+
     found: dict[int, tuple[Any, Any]] = {}
-    values = [v for _, held, hooks, _ in kept for v in itertools.chain(
-        held.values(), (piece[2] for _, _, _, states in hooks for pieces in states.values() for piece in pieces
-                        if piece[0] == "cell"))]
-    for v in values:
+    for v in candidates():
         if id(v) not in found:
             try:
                 state = _generator_state(v)
@@ -646,8 +689,10 @@ def _generators_back(generators: list[tuple[Any, Any]]) -> None:
             g.setstate(state)
         elif hasattr(g, "bit_generator"):
             g.bit_generator.state = copy.deepcopy(state)
-        else:
+        elif hasattr(g, "set_state"):
             g.set_state(state)
+        else:
+            g.state = copy.deepcopy(state)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
@@ -831,7 +876,8 @@ def _contents_back(v: Any, contents: Any) -> None:
         v.update(contents)
 
 
-def _put_attributes_back(kept: list[_Kept], passes: int | None = None) -> tuple[dict[Any, int], list[str]] | None:
+def _put_attributes_back(kept: list[_Kept], passes: int | None = None,
+                         trained: frozenset[int] = frozenset()) -> tuple[dict[Any, int], list[str]] | None:
     """Each module's attributes in ``kept`` (:func:`_kept_module`'s snapshots) as they were: one
     replaced put back (the same object, whatever its type: a counter, an LSTM's hidden tuple, a
     dict; review 40o), one added since taken out, a list, dict or set changed in place given its
@@ -859,8 +905,6 @@ def _put_attributes_back(kept: list[_Kept], passes: int | None = None) -> tuple[
     parameters hooked, each with the most hooks of one function it gained (:func:`_most_of_one`),
     and each module the pass so left changed (``"Type (name, ..., N hooks registered, N taken
     out)"``: its attributes, the hooks its passes registered on it or took out of it)."""
-    done: set[int] = set()  # (the hooks' state given back: each piece once)
-    _captures_back(kept, done)
     hooked: dict[Any, int] = {}
     for m, _, hooks, _ in kept:
         hooked.update(_gained_gradient_hooks(m, hooks, passes))
@@ -868,6 +912,8 @@ def _put_attributes_back(kept: list[_Kept], passes: int | None = None) -> tuple[
         seen: set[Any] = set()
         return hooked, [f"{type(m).__name__} ({listed(changed)})" for m, held, hooks, contents in kept
                         if (changed := _changed_hooks(m, hooks, seen) + _changed_attributes(vars(m), held, contents))]
+    done: set[int] = set()  # (the hooks' state given back: each piece once)
+    _captures_back(kept, done, trained)  # (not where a gradient hook stays: a tensor may record it, review 43b)
     _put_modules_back(kept, done)
     return None
 
