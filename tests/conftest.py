@@ -4,6 +4,8 @@ classifier factory of the validate tests; one intra-op thread and no bytecode fo
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import gc
 import os
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 # One thread for numpy's BLAS in this process and every process a test starts, set before the first
@@ -32,6 +35,8 @@ from ampguard.cli import main
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if _worker(config):  # (the early jobs xdist's controller runs: pytest_sessionstart)
+        _FROM_CONTROLLER.update({m: Path(w) for m, w in config.workerinput.get("ampguard_early", [])})
     # A suite started as a background job of a script (`bash .ci/run &`) inherits SIGINT ignored,
     # and so would every process it starts; ampguard leaves an ignored signal ignored, so the tests
     # that stop a run with Ctrl-C would find it running on. They are about Ctrl-C, not about that.
@@ -41,15 +46,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # ---------------------------------------------------------------------------- early jobs
 # A module whose launches are slow (torchrun: three processes a launch, each importing torch)
-# defines ``early(work) -> result`` (picklable: builtins, paths, helpers.Ended). Its job starts at
-# collection in a process of its own at nice 19 (tests/early_runner.py: how to add one), and the
-# module's tests that read the fixture ``launches`` (what it returned) or ``work`` (its folder) run
-# last: the launches run on the core the in-process tests leave idle, instead of a minute of the
-# suite's own. A job that fails keeps its folder (the failure names it, with its launches' logs).
+# defines ``early(work) -> result`` (picklable: builtins, paths, helpers.Ended). Its job starts in a
+# process of its own at nice 19 (tests/early_runner.py: how to add one): under xdist (the suite's
+# way, scripts/test.sh) xdist's controller starts them all at the session's start and the workers
+# run their modules last (pytest_sessionstart); in one process at collection, and the module's
+# tests that read the fixture ``launches`` (what it returned) or ``work`` (its folder) run last. The
+# launches run on what the in-process tests leave idle, instead of minutes of the suite's own. A
+# job that fails keeps its folder (the failure names it, with its launches' logs).
 
 EARLY_JOB_TIMEOUT_S = 2 * EARLY_TIMEOUT_S  # (its launches may come in two waves: a resume after its run)
 _EARLY: dict[str, tuple[subprocess.Popen, Path]] = {}
 _KEPT: set[Path] = set()  # the folders of jobs that failed: left for a person to read
+_STARTED_IN: dict[str, Path] = {}  # (the controller's: each job's folder, made before it starts)
 
 
 def _has_early(module: object) -> bool:
@@ -60,12 +68,108 @@ def _has_early(module: object) -> bool:
 
 
 def _start_early(module_file: str) -> None:
-    work = Path(tempfile.mkdtemp(prefix=f"early-{Path(module_file).stem}-"))
+    work = _STARTED_IN.get(module_file) or _work_of(module_file)
     with (work / "early.stdout").open("w") as out, (work / "early.stderr").open("w") as err:
         _EARLY[module_file] = (subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("early_runner.py")), module_file, str(work), str(os.getpid())],
             cwd=work,
             stdout=out, stderr=err, stdin=subprocess.DEVNULL, **own_process_group(functools.partial(os.nice, NICE))), work)
+
+
+def _controller(config: pytest.Config) -> bool:
+    """Whether this process is pytest-xdist's controller (``-n``: it collects nothing, its workers do)."""
+    return not _worker(config) and config.pluginmanager.has_plugin("dsession")
+
+
+EARLY_FIRST = ("test_torchrun_guards.py", "test_lightning.py", "test_transformers.py")
+"""The early jobs the controller starts first: the longest (their launches wait on timeouts and one
+another: minutes of wall time, much of it not on a core)."""
+EARLY_AT_ONCE = 2
+"""How many early jobs the controller runs at once (each at nice 19, beside the two workers: as
+many as the workers would start, one each, before; more starved the launches' timed steps)."""
+RC = "early.rc"
+"""The file, in a job's folder, where the controller writes its exit code once it ended."""
+KEEP = "early.keep"
+"""The file a worker leaves in the folder of a job that failed: the controller keeps the folder."""
+
+
+def _early_modules(config: pytest.Config) -> list[str]:
+    """The test modules that define an early job (a top-level ``def early(``) under the paths the
+    suite was given, longest first (:data:`EARLY_FIRST`): the controller cannot import them."""
+    import re
+
+    ignored = [Path(p).resolve() for p in (config.getoption("ignore", None) or [])]
+    found = set()
+    for arg in config.args or [str(config.rootpath)]:
+        path = Path(arg).resolve()
+        for f in ([path] if path.is_file() else path.rglob("test_*.py")):
+            if not any(f.is_relative_to(i) for i in ignored) and re.search(r"^def early\(", f.read_text(), re.M):
+                found.add(str(f))
+    return sorted(found, key=lambda f: (Path(f).name not in EARLY_FIRST, EARLY_FIRST.index(Path(f).name)
+                                        if Path(f).name in EARLY_FIRST else 0, f))
+
+
+def _run_early_jobs(modules: list[str]) -> None:
+    """Start the early jobs of ``modules`` (the controller's), :data:`EARLY_AT_ONCE` at a time, each
+    one's exit code written to its folder's :data:`RC` when it ends (the workers wait for that
+    file: the job is not their child). Run in a thread that lives until the last job ended (each
+    job dies with the thread that started it: Linux's parent-death signal)."""
+    import time
+
+    pending, running = list(modules), []
+    while pending or running:
+        for module_file in [m for m in running if _EARLY[m][0].poll() is not None]:
+            running.remove(module_file)
+            _note_end(module_file)
+        if _STOPPING.is_set():
+            pending.clear()
+        while pending and len(running) < EARLY_AT_ONCE:
+            _start_early(module_file := pending.pop(0))
+            running.append(module_file)
+        time.sleep(0.2)
+
+
+def _note_end(module_file: str) -> None:
+    proc, work = _EARLY[module_file]
+    with contextlib.suppress(OSError):
+        (work / f"{RC}.partial").write_text(str(proc.returncode))
+        (work / f"{RC}.partial").replace(work / RC)
+
+
+_STOPPING = threading.Event()  # (set at the session's end: no job starts after it)
+_FROM_CONTROLLER: dict[str, Path] = {}  # (a worker's: the jobs the controller runs, by module file)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Under xdist the controller starts every early job at the session's start, before the workers
+    # have collected (their first minute): a job started with its module's first test, late in a
+    # worker's share, was waited for at once, its launches' timeouts and waits on one another (two
+    # of the torchrun guards' four minutes) spent with a core idle
+    config = session.config
+    if _controller(config) and GLOO and not config.option.collectonly and _nothing_deselected(config):
+        modules = _early_modules(config)
+        config.option.loadscopereorder = False  # (the workers order the modules: pytest_collection_modifyitems)
+        _STARTED_IN.update({m: _work_of(m) for m in modules})  # (told to the workers: pytest_configure_node)
+        threading.Thread(target=_run_early_jobs, args=(modules,), name="early jobs", daemon=True).start()
+
+
+def pytest_configure_node(node) -> None:  # (xdist's hook, in the controller: what each worker is told)
+    node.workerinput["ampguard_early"] = [(m, str(w)) for m, w in _STARTED_IN.items()]  # (in their order)
+
+
+def _job_of(module: object) -> str | None:
+    """``module``'s file where xdist's controller runs its early job (None: this process starts it)."""
+    return job if _has_early(module) and (job := str(Path(module.__file__).resolve())) in _FROM_CONTROLLER else None
+
+
+def _from_controller(module: object) -> Path | None:
+    """The folder of ``module``'s early job where xdist's controller runs it (None: this process starts it)."""
+    return _FROM_CONTROLLER[job] if (job := _job_of(module)) else None
+
+
+def _work_of(module_file: str) -> Path:
+    """The folder of ``module_file``'s job (made now: the workers are told it before the job starts)."""
+    return Path(tempfile.mkdtemp(prefix=f"early-{Path(module_file).stem}-"))
 
 
 def _worker(config: pytest.Config) -> bool:
@@ -97,7 +201,18 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 @pytest.hookimpl(trylast=True)  # (after -k and -m have deselected: no job for a module none of whose tests run)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     early = {m.__file__ for m in (getattr(item, "module", None) for item in items) if _has_early(m)}
-    if early:
+    if _FROM_CONTROLLER:
+        # Under xdist, whose controller started every job at the session's start, the modules with jobs
+        # go last, in the order their jobs started, and the others before them, the biggest first (as
+        # xdist's own order, turned off in the controller: pytest_sessionstart); each worker is handed
+        # the modules in this order, so it reaches a job's module once the job had the longest to run
+        # (by the size alone a module whose job started last came first, and its worker waited 5 min)
+        sizes = collections.Counter(item.nodeid.split("::")[0] for item in items)
+        started = list(_FROM_CONTROLLER)
+        items.sort(key=lambda item: (started.index(job) if (job := _job_of(getattr(item, "module", None))) else -1,
+                                     -sizes[item.nodeid.split("::")[0]], item.nodeid.split("::")[0],
+                                     "early_result" in getattr(item, "fixturenames", ())))
+    elif early:
         # (stable) only the tests that read a job's results wait for it: its module's others keep
         # their place, beside the jobs, rather than after every job has ended
         items.sort(key=lambda item: "early_result" in getattr(item, "fixturenames", ()))
@@ -109,7 +224,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # an xdist worker starts a module's early job with the module's first test (see _worker)
     module = getattr(item, "module", None)
-    if _has_early(module) and module.__file__ not in _EARLY and GLOO:
+    if _has_early(module) and module.__file__ not in _EARLY and GLOO and _from_controller(module) is None:
         _start_early(module.__file__)
     # every test computes with one intra-op thread, as every process it starts does (the environment,
     # above): the models are tiny, and a second thread on two shared cores only spins against the
@@ -150,11 +265,12 @@ def _end(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    _STOPPING.set()
     try:
         _end([proc for proc, _ in _EARLY.values()])
     finally:  # (a second Ctrl-C while the jobs end: their processes die with the suite, their folders go here)
-        for _, work in _EARLY.values():
-            if work not in _KEPT:
+        for work in {*(work for _, work in _EARLY.values()), *_STARTED_IN.values()}:
+            if work not in _KEPT and not (work / KEEP).exists():  # (a worker's failed job is kept: KEEP)
                 shutil.rmtree(work, ignore_errors=True)
 
 
@@ -169,18 +285,40 @@ def _logs(work: Path, limit: int = 1500) -> str:
 def early_result(request: pytest.FixtureRequest) -> tuple[Path, object]:
     """(the early job's working folder, what the module's ``early(work)`` returned), once it ended."""
     module_file = request.module.__file__
-    if module_file not in _EARLY:  # (not started at collection: started now)
-        _start_early(module_file)
-    proc, work = _EARLY[module_file]
-    try:
-        how = f"exited {proc.wait(timeout=EARLY_JOB_TIMEOUT_S)}"
-    except subprocess.TimeoutExpired:
-        _end([proc])
-        how = f"did not end within {EARLY_JOB_TIMEOUT_S} s"
-    if proc.returncode != 0 or not (work / RESULT).is_file():
+    work = _from_controller(request.module)
+    if work is not None:  # (xdist's controller runs it: its code in the folder once it ended)
+        code, how = _ended_in(work)
+    else:
+        if module_file not in _EARLY:  # (not started at collection: started now)
+            _start_early(module_file)
+        proc, work = _EARLY[module_file]
+        try:
+            how = f"exited {proc.wait(timeout=EARLY_JOB_TIMEOUT_S)}"
+        except subprocess.TimeoutExpired:
+            _end([proc])
+            how = f"did not end within {EARLY_JOB_TIMEOUT_S} s"
+        code = proc.returncode
+    if code != 0 or not (work / RESULT).is_file():
         _KEPT.add(work)
+        with contextlib.suppress(OSError):
+            (work / KEEP).touch()
         pytest.fail(f"early() of {Path(module_file).name} {how}; its folder is kept: {work}\n{_logs(work)}")
     return work, pickle.loads((work / RESULT).read_bytes())
+
+
+def _ended_in(work: Path) -> tuple[int | None, str]:
+    """(exit code, how it ended) of the early job in ``work`` that xdist's controller runs, once its
+    code is there (:data:`RC`), or None after :data:`EARLY_JOB_TIMEOUT_S` plus the time a job may
+    wait to start (the controller then ends it at the session's end)."""
+    import time
+
+    deadline = time.monotonic() + 2 * EARLY_JOB_TIMEOUT_S
+    while not (work / RC).exists():
+        if time.monotonic() > deadline:
+            return None, f"did not end within {2 * EARLY_JOB_TIMEOUT_S} s"
+        time.sleep(0.2)
+    code = int((work / RC).read_text())
+    return code, f"exited {code}"
 
 
 @pytest.fixture(scope="module")

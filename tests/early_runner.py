@@ -1,6 +1,7 @@
 """Run one test module's ``early(work)`` and write what it returns, pickled, to
-``WORK/early.pickle``: ``python early_runner.py MODULE_FILE WORK SUITE_PID``. conftest.py starts it at
-collection, in a process of its own at nice 19 (see there); the module's tests read the result.
+``WORK/early.pickle``: ``python early_runner.py MODULE_FILE WORK SUITE_PID``. conftest.py starts it
+in a process of its own at nice 19 (xdist's controller at the session's start; one process at
+collection: see there); the module's tests read the result.
 
 Every process the job starts inherits the nice. torchrun starts each worker in a session of its
 own, though, and on Linux a session is a scheduler autogroup that shares the cores with the
