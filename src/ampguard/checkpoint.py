@@ -540,9 +540,9 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
 
 
 def _verdict_of(changed: list[Any], trained: frozenset[int]) -> str | None:
-    """:func:`_state_verdict` of the values a piece of state gained or lost (None and
-    :data:`_GONE` aside)."""
-    changed = [x for x in changed if x is not None and x is not _GONE]
+    """:func:`_state_verdict` of the values a piece of state gained or lost (None, an empty list,
+    tuple or dict, where a capture starts, and :data:`_GONE` aside: review 43c)."""
+    changed = [x for x in changed if x is not None and x is not _GONE and not (type(x) in (list, tuple, dict) and not x)]
     if not changed:
         return None
     if all(_captured(x, trained) for x in changed):
@@ -575,37 +575,50 @@ def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset())
     ``"a forward pre-hook on Sequential"``; review 42e: guessed from their types, a count rewound
     beside its flag left, a counter that recorded a registration rewound); a record of parameters
     not where the block registered gradient hooks (where it did, the model is left as the passes
-    left it, the record agreeing with the hooks, and :func:`_warn_hooks_left` says so). A piece of
-    state many hooks share is judged once and said of the first (:func:`_piece_key`; review 43a:
-    judged once a hook, a dict of every parameter in 4,000 hooks' closures took 13 s, and every
-    hook sharing it was named). ``trained``: :func:`_trained`'s."""
-    said = {"state"} if any(_gained_gradient_hooks(m, hooks) for m, _, hooks, _ in kept) else {"state", "parameters"}
-    judged: set[int] = set()
+    left it, the record agreeing with the hooks, and :func:`_warn_hooks_left` says so), but then
+    what a pass captured, left too (review 43c: outputs appended to a list stayed, unsaid). A
+    piece of state many hooks share is said of the first (:func:`_hooks_judged`; review 43a:
+    every hook sharing a dict was named). ``trained``: :func:`_trained`'s."""
+    hooked = any(_gained_gradient_hooks(m, hooks) for m, _, hooks, _ in kept)
+    said = {"state", "captured"} if hooked else {"state", "parameters"}
+    told: set[int] = set()
     found = []
-    for m, owner, name, k, held in _states_in_place(kept):
-        if (key := _piece_key(held)) in judged:
-            continue
-        judged.add(key)
-        try:
-            changed = _state_verdict(held, trained) in said
-        except Exception:  # (a value that cannot be looked at: not said)
-            changed = False
+    for m, owner, name, pieces in _hooks_judged(kept, trained):
+        moved = {key for key, _, verdict in pieces if verdict in said} - told
         kind = "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name)
-        if changed and kind:
+        if moved and kind:
+            told |= moved
             found.append(f"{_a(kind)} on {type(m).__name__}")
     return list(dict.fromkeys(found))
 
 
-def _states_in_place(kept: list[_Kept]) -> Iterator[tuple[torch.nn.Module, Any, str, int, tuple[Any, ...]]]:
-    """(module, the hook dict's owner, its name, the handle id, one piece of state) for each piece
-    of state (:func:`_hook_state`) of each hook in ``kept`` still registered."""
+def _hooks_judged(kept: list[_Kept], trained: frozenset[int]
+                  ) -> list[tuple[torch.nn.Module, Any, str, list[tuple[int, tuple[Any, ...], str | None]]]]:
+    """(module, the hook dict's owner, its name, [(key, piece, verdict)]) for each hook in ``kept``
+    still registered with state (:func:`_hook_state`): each piece with what it is judged by,
+    once (:func:`_piece_key`: many hooks of one factory hold the same dict, each in a cell of its
+    own; review 43a/43b: judged once a hook, 4,000 hooks took 12-13 s) and its
+    :func:`_state_verdict` (None where it cannot be looked at)."""
+    verdicts: dict[int, str | None] = {}
+    judged = []
     for m, _, hooks, _ in kept:
         for owner, name, before, states in hooks:
             now = getattr(owner, name, None) or {}
             for k in before:
-                if k in now:
-                    for held in states[k]:
-                        yield m, owner, name, k, held
+                if k not in now or not states[k]:
+                    continue
+                pieces = []
+                for held in states[k]:
+                    try:
+                        key = _piece_key(held)
+                        if key not in verdicts:
+                            verdicts[key] = _state_verdict(held, trained)
+                    except Exception:  # (a value that cannot be looked at, a cell emptied: not judged)
+                        key = id(held[1])
+                        verdicts.setdefault(key, None)
+                    pieces.append((key, held, verdicts[key]))
+                judged.append((m, owner, name, pieces))
+    return judged
 
 
 def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int]) -> None:
@@ -615,20 +628,18 @@ def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int]) -
     passes, and outputs appended to a list the loss reads and clears were three stale batches
     in the run's first loss, silently). What a forward writes again anyway is no harm put back;
     a record of a registration holds no tensor computed in a pass (a record of the parameters
-    hooked is no capture: :func:`_trained`). Each piece once (:func:`_piece_key`; ``done``, the
-    containers given back already)."""
-    judged: set[int] = set()
-    for _, _, _, _, held in _states_in_place(kept):
-        key = _piece_key(held)
-        if key in done or key in judged:
-            continue
-        judged.add(key)
-        try:
-            verdict = _state_verdict(held, trained)
-        except Exception:  # (a value that cannot be looked at: left)
-            verdict = None
-        if verdict == "captured":
-            _state_back([held], done)
+    hooked is no capture: :func:`_trained`). Not a hook's captures beside state of it that is left
+    (a count, a flag: :func:`_hooks_state_moved` says it), nor those it shares with such a hook:
+    review 43c, an ActNorm-like ``scale`` rewound to None beside its ``ready`` flag left True
+    broke the run's first forward. Each piece once (``done``, the containers given back already)."""
+    judged = _hooks_judged(kept, trained)
+    left = {key for _, _, _, pieces in judged if any(v in ("state", "parameters") for _, _, v in pieces)
+            for key, _, _ in pieces}
+    for _, _, _, pieces in judged:
+        for key, held, verdict in pieces:
+            if verdict == "captured" and key not in left and key not in done:
+                _state_back([held], done)
+                done.add(key)
 
 
 def _generator_state(g: Any) -> Any:
@@ -638,19 +649,22 @@ def _generator_state(g: Any) -> Any:
         return g.get_state()
     if isinstance(g, random.Random):
         return g.getstate()
-    if type(g).__module__.startswith("numpy.random"):
-        if hasattr(g, "bit_generator"):
+    if type(g).__module__.startswith("numpy.random"):  # (NumPy imported already: it made g)
+        import numpy as np
+
+        if isinstance(g, np.random.Generator):
             return copy.deepcopy(g.bit_generator.state)
-        if hasattr(g, "get_state"):
+        if isinstance(g, np.random.RandomState):
             return g.get_state()
-        if hasattr(g, "state"):
+        if isinstance(g, np.random.BitGenerator):  # (not a SeedSequence, whose state is read-only: review 43c)
             return copy.deepcopy(g.state)
     return None
 
 
 def _generators_in(kept: list[_Kept]) -> list[tuple[Any, Any]]:
     """(generator, its state) for each random generator the modules in ``kept`` hold of their own:
-    an attribute or one in a list, tuple or dict attribute (MAE's masking draws from
+    an attribute or one in a list, tuple or dict attribute of a few (64 at most: not a
+    vocabulary's list, review 43c) (MAE's masking draws from
     ``self.gen``), a value in a hook's closure or a ``functools.partial``'s arguments (noise drawn
     from a generator of its own): :func:`rng_kept` keeps the global ones only, and the block's
     draws advanced these, silently (reviews 43a, 43b). Each once. Not a hook object's attributes
@@ -659,8 +673,8 @@ def _generators_in(kept: list[_Kept]) -> list[tuple[Any, Any]]:
         for _, held, hooks, _ in kept:
             for v in held.values():
                 yield v
-                if type(v) in (list, tuple) or type(v) in _CONTAINERS and isinstance(v, dict):
-                    yield from v.values() if isinstance(v, dict) else v
+                if (type(v) in (list, tuple) or type(v) in _CONTAINERS and isinstance(v, dict)) and len(v) <= 64:
+                    yield from v.values() if isinstance(v, dict) else v  # (a few: not a vocabulary, review 43c)
             for _, _, before, states in hooks:
                 yield from (piece[2] for pieces in states.values() for piece in pieces if piece[0] == "cell")
                 for hook in before.values():
@@ -681,18 +695,20 @@ def _generators_in(kept: list[_Kept]) -> list[tuple[Any, Any]]:
 
 
 def _generators_back(generators: list[tuple[Any, Any]]) -> None:
-    """Each generator :func:`_generators_in` found given its state back."""
+    """Each generator :func:`_generators_in` found given its state back (one that refuses it is
+    left: the put-back goes on)."""
     for g, state in generators:
-        if isinstance(g, torch.Generator):
-            g.set_state(state)
-        elif isinstance(g, random.Random):
-            g.setstate(state)
-        elif hasattr(g, "bit_generator"):
-            g.bit_generator.state = copy.deepcopy(state)
-        elif hasattr(g, "set_state"):
-            g.set_state(state)
-        else:
-            g.state = copy.deepcopy(state)
+        with contextlib.suppress(Exception):
+            if isinstance(g, torch.Generator):
+                g.set_state(state)
+            elif isinstance(g, random.Random):
+                g.setstate(state)
+            elif hasattr(g, "bit_generator"):
+                g.bit_generator.state = copy.deepcopy(state)
+            elif hasattr(g, "set_state"):
+                g.set_state(state)
+            else:
+                g.state = copy.deepcopy(state)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
