@@ -226,7 +226,7 @@ class BufferSnapshot:
             for name, t in _trainable_attributes(m):
                 self.names.setdefault(id(t), []).append(f"{prefix}.{name}" if prefix else name)
         # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by identity)
-        memo: dict[int, tuple[Any, Any]] = {}  # (a container many hooks share: copied once)
+        memo: dict[Any, tuple[Any, Any]] = {}  # (a container many hooks share: copied once)
         self.attributes = [_kept_module(m, memo) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
         self.generators = _generators_in(self.attributes)
@@ -541,10 +541,15 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
 
 def _verdict_of(changed: list[Any], trained: frozenset[int]) -> str | None:
     """:func:`_state_verdict` of the values a piece of state gained or lost (None, an empty list,
-    tuple or dict, where a capture starts, and :data:`_GONE` aside: review 43c)."""
-    changed = [x for x in changed if x is not None and x is not _GONE and not (type(x) in (list, tuple, dict) and not x)]
+    tuple or dict, where a capture starts, and :data:`_GONE` aside: review 43c; None or empty ones
+    alone are a capture: review 43e, a setup behind ``if state is None: state = {}`` was done by
+    the check's pass, its module attribute put back and never set again)."""
+    changed = [x for x in changed if x is not _GONE]
     if not changed:
         return None
+    changed = [x for x in changed if x is not None and not (type(x) in (list, tuple, dict) and not x)]
+    if not changed:  # (None or empty ones only: a start, a slot; put back, a setup behind `if state is None` runs again)
+        return "captured"
     if all(_captured(x, trained) for x in changed):
         return "captured"
     if not all(_captured(x, trained) or _trained(x, trained) for x in changed):
@@ -621,7 +626,7 @@ def _hooks_judged(kept: list[_Kept], trained: frozenset[int]
     return judged
 
 
-def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int]) -> None:
+def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int]) -> set[int]:
     """What the block's passes captured into the state of the hooks in ``kept`` still registered
     (:func:`_state_verdict`'s ``"captured"``: activations appended to a list, a statistic kept
     as a tensor), put back (review 43a: a running amax in a closure dict moved by the check's
@@ -631,15 +636,30 @@ def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int]) -
     hooked is no capture: :func:`_trained`). Not a hook's captures beside state of it that is left
     (a count, a flag: :func:`_hooks_state_moved` says it), nor those it shares with such a hook:
     review 43c, an ActNorm-like ``scale`` rewound to None beside its ``ready`` flag left True
-    broke the run's first forward. Each piece once (``done``, the containers given back already)."""
+    broke the run's first forward; a hook sharing a piece with such a hook, and so on, is left whole
+    too: review 43e). Each piece once (``done``, the containers given back already). Returned:
+    the keys (:func:`_piece_key`) of the pieces left, which :func:`_put_modules_back` leaves too
+    where a module holds them as an attribute (43e: the put-back of the module's dict emptied
+    what the hook's flag said was there)."""
     judged = _hooks_judged(kept, trained)
-    left = {key for _, _, _, pieces in judged if any(v in ("state", "parameters") for _, _, v in pieces)
-            for key, _, _ in pieces}
+    keys = [{key for key, _, _ in pieces} for _, _, _, pieces in judged]
+    sharing: dict[int, list[int]] = {}
+    for i, ks in enumerate(keys):
+        for key in ks:
+            sharing.setdefault(key, []).append(i)
+    whole = [i for i, (_, _, _, pieces) in enumerate(judged) if any(v in ("state", "parameters") for _, _, v in pieces)]
+    reached = set(whole)
+    while whole:  # (every hook that shares a piece with a hook left, and so on)
+        for j in (j for key in keys[whole.pop()] for j in sharing[key] if j not in reached):
+            reached.add(j)
+            whole.append(j)
+    left = {key for i in reached for key in keys[i]}
     for _, _, _, pieces in judged:
         for key, held, verdict in pieces:
             if verdict == "captured" and key not in left and key not in done:
                 _state_back([held], done)
                 done.add(key)
+    return left
 
 
 def _generator_state(g: Any) -> Any:
@@ -766,7 +786,7 @@ def _reducer_owned(m: torch.nn.Module) -> bool:
     return isinstance(m, DistributedDataParallel)
 
 
-def _kept_module(m: torch.nn.Module, memo: dict[int, tuple[Any, Any]]) -> _Kept:
+def _kept_module(m: torch.nn.Module, memo: dict[Any, tuple[Any, Any]]) -> _Kept:
     """Module ``m``'s snapshot for :func:`_put_attributes_back`: :func:`_kept_attributes`,
     :func:`_kept_hooks`, and a shallow copy of each list, dict or set among the attributes
     (review 41: a list a forward appends to in place, a dict it fills, kept each pass's entries:
@@ -784,7 +804,7 @@ def _kept_attributes(m: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(m).items() if k not in _MODULES_OWN}
 
 
-def _kept_hooks(m: torch.nn.Module, memo: dict[int, tuple[Any, Any]]) -> _Hooks:
+def _kept_hooks(m: torch.nn.Module, memo: dict[Any, tuple[Any, Any]]) -> _Hooks:
     """(owner, dict's name, a copy of its entries) for module ``m``'s own hook dicts
     (:data:`_HOOK_DICTS`) and its own parameters' and trainable tensor attributes'
     (:data:`_TENSOR_HOOK_DICTS`; one that is None yet kept as empty: :func:`_trainable_attributes`).
@@ -807,7 +827,7 @@ def _trainable_attributes(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             and not isinstance(v, torch.nn.Parameter) and v.requires_grad and v.is_leaf]
 
 
-def _hook_state(hook: Any, memo: dict[int, tuple[Any, Any]]) -> list[tuple[Any, ...]]:
+def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, ...]]:
     """The state a hook keeps outside its module, by reference, with a shallow copy of each list,
     dict, set or deque's contents: :func:`_state_back` puts it back for a hook a pass took out
     (review 42b: a warm-up hook that counts down and removes itself at 0, put back with its count
@@ -831,6 +851,16 @@ def _hook_state(hook: Any, memo: dict[int, tuple[Any, Any]]) -> list[tuple[Any, 
             memo[id(v)] = (v, copy.copy(v))  # (v held: its id is not reused while the snapshot lives)
         return memo[id(v)][1]
 
+    def inner(v: Any) -> list[tuple[Any, ...]]:
+        # (the lists, dicts, sets or deques container v holds, one level below, each with its contents:
+        # a dict of per-layer lists a hook appends to, or of per-layer counts; reviews 43a, 43e. Once a
+        # container, and of its first 4,096 items: a dict of every parameter is walked once, not once a hook)
+        key = ("inner", id(v))
+        if key not in memo:
+            items = v.values() if isinstance(v, dict) else v
+            memo[key] = (v, [("contents", x, copied(x)) for x in itertools.islice(items, 4096) if type(x) in _CONTAINERS])
+        return memo[key][1]
+
     def visit(f: Any, depth: int) -> None:
         if isinstance(f, weakref.ProxyTypes) or id(f) in seen or depth > 4 or isinstance(f, (torch.nn.Module, type)):
             return
@@ -839,6 +869,7 @@ def _hook_state(hook: Any, memo: dict[int, tuple[Any, Any]]) -> list[tuple[Any, 
             for v in (*f.args, *f.keywords.values()):
                 if type(v) in _CONTAINERS:
                     kept.append(("contents", v, copied(v)))
+                    kept.extend(inner(v))
                 elif callable(v):
                     visit(v, depth + 1)
             visit(f.func, depth + 1)
@@ -851,6 +882,8 @@ def _hook_state(hook: Any, memo: dict[int, tuple[Any, Any]]) -> list[tuple[Any, 
                 except ValueError:  # (a cell not filled yet)
                     continue
                 kept.append(("cell", cell, value, copied(value) if type(value) in _CONTAINERS else None))
+                if type(value) in _CONTAINERS:
+                    kept.extend(inner(value))
                 if callable(value):
                     visit(value, depth + 1)
             if (wrapped := getattr(f, "__wrapped__", None)) is not None:
@@ -929,15 +962,16 @@ def _put_attributes_back(kept: list[_Kept], passes: int | None = None,
         return hooked, [f"{type(m).__name__} ({listed(changed)})" for m, held, hooks, contents in kept
                         if (changed := _changed_hooks(m, hooks, seen) + _changed_attributes(vars(m), held, contents))]
     done: set[int] = set()  # (the hooks' state given back: each piece once)
-    _captures_back(kept, done, trained)  # (not where a gradient hook stays: a tensor may record it, review 43b)
-    _put_modules_back(kept, done)
+    left = _captures_back(kept, done, trained)  # (not where a gradient hook stays: a tensor may record it, 43b)
+    _put_modules_back(kept, done, left)
     return None
 
 
-def _put_modules_back(kept: list[_Kept], done: set[int]) -> None:
+def _put_modules_back(kept: list[_Kept], done: set[int], left: set[int] = frozenset()) -> None:
     """:func:`_put_attributes_back`'s work when the block registered no gradient hook: each module's
     hooks taken out, its attributes and their contents put back (``done``: the hooks' state
-    given back already, each piece once)."""
+    given back already, each piece once), but the contents of a container a hook's state left in
+    place holds (``left``: :func:`_captures_back`'s)."""
     for m, held, hooks, contents in kept:
         _hooks_put_back(m, hooks, done)
         now = vars(m)
@@ -948,7 +982,7 @@ def _put_modules_back(kept: list[_Kept], done: set[int]) -> None:
                 continue
             if now.get(k, _GONE) is not v:
                 now[k] = v
-            if k in contents:  # (its contents in place: whoever else holds it sees them put back too)
+            if k in contents and id(v) not in left:  # (in place: whoever else holds it sees them put back too)
                 _contents_back(v, contents[k])
 
 

@@ -381,3 +381,114 @@ def test_a_capture_that_starts_empty_and_is_given_a_new_container_is_put_back(em
     model[0].register_forward_hook(keep)
     assert checked(model) == []
     assert len(acts) == 0
+
+
+# ---------------------------------------------------------------------------- review 43e (of the fixes above)
+
+
+def per_layer_lists() -> tuple[nn.Module, dict[str, list], object]:
+    """Hooks appending each layer's output to its list in a dict of their closure, and a loss that
+    reads them and gives each key a fresh list; the model, the dict, the loss."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    feats: dict[str, list] = {"0": [], "2": []}
+
+    def keep(name):
+        return lambda module, args, out: feats[name].append(out)
+
+    model[0].register_forward_hook(keep("0"))
+    model[2].register_forward_hook(keep("2"))
+
+    def loss(out, y):
+        aux = sum(torch.stack(v).pow(2).mean() for v in feats.values())
+        for k in feats:
+            feats[k] = []
+        return nn.functional.mse_loss(out, y) + 0.01 * aux
+
+    return model, feats, loss
+
+
+def test_lists_a_dict_of_the_closure_holds_are_given_their_contents_back():
+    # 43e F1: the dict was put back to its first lists, which the check's first pass had appended to: the run's
+    # first loss counted a stale output, silently
+    (plain, _, plain_loss), (model, feats, loss) = twins(per_layer_lists)
+    assert caught_warnings(lambda: check_forward(model, loss, reader(BATCH), FP32, "task toy")) == []
+    assert {k: len(v) for k, v in feats.items()} == {"0": 0, "2": 0}
+    assert torch.equal(loss(model(BATCH[0]), BATCH[1]), plain_loss(plain(BATCH[0]), BATCH[1]))
+
+
+def test_counts_one_level_down_in_a_closures_dict_are_said():
+    # 43a's nested state, left unsaid then: a per-layer dict of warm-up counts
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    state = {"0": {"seen": 0}}
+
+    def warm(module, args):
+        state["0"]["seen"] += 1
+
+    model[0].register_forward_pre_hook(warm)
+    said = checked(model)
+    assert len(said) == 1 and "(a forward pre-hook on Linear)" in said[0], said
+
+
+def test_a_setup_behind_a_none_state_made_an_empty_dict_runs_again_in_the_run():
+    # 43e F2: None -> {} was judged no change: the flag stayed set, the module attribute it set was put back,
+    # and the run never set it again, silently
+    def make():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model[0].temperature = 1.0
+        state = None
+
+        def setup(module, args):
+            nonlocal state
+            if state is None:
+                state = {}
+                module.temperature = float(args[0].std()) * 3
+
+        model[0].register_forward_pre_hook(setup)
+        model[0].register_forward_hook(lambda module, args, out: out / module.temperature)
+        return model
+
+    plain, model = twins(make)
+    assert checked(model) == []
+    assert torch.equal(model(BATCH[0]), plain(BATCH[0])) and model[0].temperature == plain[0].temperature != 1.0
+
+
+def test_a_dict_a_left_hook_shares_with_its_module_is_left_too():
+    # 43e F3: the hook's state was left (its `ready` flag) but the module's put-back emptied the dict it shares
+    # as an attribute: the run's first forward raised KeyError
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].init_stats = stats = {}
+    ready = False
+
+    def hook(module, args, out):
+        nonlocal ready
+        if not ready:
+            stats["scale"], ready = out.detach().abs().amax(), True
+        return out / stats["scale"]
+
+    model[0].register_forward_hook(hook)
+    said = checked(model)
+    assert len(said) == 1 and "keeps in its closure" in said[0], said
+    assert list(model[0].init_stats) == ["scale"] and torch.isfinite(model(BATCH[0])).all()
+
+
+def test_a_hook_sharing_state_with_a_hook_left_is_left_whole():
+    # 43e F4: only one sharing step was followed: B's own capture was put back beside the shared dict left
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ref: dict[str, torch.Tensor] = {}
+    ready, mine = False, None
+
+    def a(module, args, out):
+        nonlocal ready
+        if not ready:
+            ref["first"], ready = out.detach().mean(0), True
+
+    def b(module, args, out):
+        nonlocal mine
+        if mine is None:
+            mine = out.detach().mean(0) * float(ref["first"].sum())  # (a pair with A's first capture)
+
+    model[0].register_forward_hook(a)
+    model[1].register_forward_hook(b)
+    said = checked(model)
+    assert len(said) == 1 and "keeps in its closure" in said[0], said
+    assert "first" in ref and mine is not None
