@@ -28,7 +28,7 @@ for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import pytest  # noqa: E402 - after the thread counts
 import torch  # noqa: E402
 
-from early_runner import NICE, RESULT
+from early_runner import ENDING, NICE, RESULT
 from helpers import EARLY_TIMEOUT_S, GLOO, end_processes, own_process_group, snapshot_of
 
 from ampguard.cli import main
@@ -95,16 +95,32 @@ KEEP = "early.keep"
 
 def _early_modules(config: pytest.Config) -> list[str]:
     """The test modules that define an early job (a top-level ``def early(``) under the paths the
-    suite was given, longest first (:data:`EARLY_FIRST`): the controller cannot import them."""
+    suite was given, longest first (:data:`EARLY_FIRST`): the controller cannot import them. The
+    folders pytest does not look in are not looked in (``norecursedirs``, ``--ignore``,
+    ``--ignore-glob``, dot folders: a ``.venv`` under the root held 2,000 test files, one not
+    UTF-8; review 43d)."""
+    import fnmatch
     import re
 
-    ignored = [Path(p).resolve() for p in (config.getoption("ignore", None) or [])]
+    skipped = [*config.getini("norecursedirs"), *(config.getoption("ignore_glob", None) or [])]
+    ignored = {str(Path(p).resolve()) for p in (config.getoption("ignore", None) or [])}
+
+    def left_out(path: str, name: str) -> bool:
+        return path in ignored or name.startswith(".") or any(fnmatch.fnmatch(name, g) or fnmatch.fnmatch(path, g)
+                                                               for g in skipped)
+
     found = set()
     for arg in config.args or [str(config.rootpath)]:
-        path = Path(arg).resolve()
-        for f in ([path] if path.is_file() else path.rglob("test_*.py")):
-            if not any(f.is_relative_to(i) for i in ignored) and re.search(r"^def early\(", f.read_text(), re.M):
-                found.add(str(f))
+        top = Path(arg).resolve()
+        files = [top] if top.is_file() else []
+        for folder, dirs, names in os.walk(top) if top.is_dir() else ():
+            dirs[:] = [d for d in dirs if not left_out(os.path.join(folder, d), d)]
+            files += [Path(folder, n) for n in names if fnmatch.fnmatch(n, "test_*.py")
+                      and not left_out(os.path.join(folder, n), n)]
+        for f in files:
+            with contextlib.suppress(OSError):
+                if re.search(rb"^def early\(", f.read_bytes(), re.M):
+                    found.add(str(f))
     return sorted(found, key=lambda f: (Path(f).name not in EARLY_FIRST, EARLY_FIRST.index(Path(f).name)
                                         if Path(f).name in EARLY_FIRST else 0, f))
 
@@ -112,31 +128,49 @@ def _early_modules(config: pytest.Config) -> list[str]:
 def _run_early_jobs(modules: list[str]) -> None:
     """Start the early jobs of ``modules`` (the controller's), :data:`EARLY_AT_ONCE` at a time, each
     one's exit code written to its folder's :data:`RC` when it ends (the workers wait for that
-    file: the job is not their child). Run in a thread that lives until the last job ended (each
-    job dies with the thread that started it: Linux's parent-death signal)."""
+    file: the job is not their child); one that runs past :data:`EARLY_JOB_TIMEOUT_S` is ended,
+    one that cannot start is noted as ended (-1). Run in a thread that lives until the last job
+    ended (each job dies with the thread that started it: Linux's parent-death signal)."""
     import time
 
     pending, running = list(modules), []
     while pending or running:
-        for module_file in [m for m in running if _EARLY[m][0].poll() is not None]:
-            running.remove(module_file)
-            _note_end(module_file)
-        if _STOPPING.is_set():
-            pending.clear()
-        while pending and len(running) < EARLY_AT_ONCE:
-            _start_early(module_file := pending.pop(0))
-            running.append(module_file)
+        for module_file in list(running):
+            if _EARLY[module_file][0].poll() is None and time.monotonic() - _EARLY_STARTED[module_file] > EARLY_JOB_TIMEOUT_S:
+                _end([_EARLY[module_file]])
+            if _EARLY[module_file][0].poll() is not None:
+                running.remove(module_file)
+                _note_end(module_file)
+        with _STARTING:  # (none starts once the session's end took the jobs to end: pytest_sessionfinish)
+            if _STOPPING.is_set():
+                pending.clear()
+            while pending and len(running) < EARLY_AT_ONCE:
+                module_file = pending.pop(0)
+                try:
+                    _start_early(module_file)
+                except Exception as err:  # (its module's tests fail, naming it: early.stderr)
+                    with contextlib.suppress(OSError):
+                        (_STARTED_IN[module_file] / "early.stderr").write_text(f"the job could not start: {err!r}\n")
+                    _note_end(module_file, -1)
+                    continue
+                _EARLY_STARTED[module_file] = time.monotonic()
+                running.append(module_file)
         time.sleep(0.2)
 
 
-def _note_end(module_file: str) -> None:
-    proc, work = _EARLY[module_file]
-    with contextlib.suppress(OSError):
-        (work / f"{RC}.partial").write_text(str(proc.returncode))
-        (work / f"{RC}.partial").replace(work / RC)
+def _note_end(module_file: str, code: int | None = None) -> None:
+    """Write the exit code of ``module_file``'s job (``code``, else its process's) where the workers
+    read it (:data:`RC`); not once the session ends (its folder is being removed: review 43d)."""
+    work = _STARTED_IN[module_file]
+    with contextlib.suppress(OSError, KeyError), _STARTING:
+        if not _STOPPING.is_set():
+            (work / f"{RC}.partial").write_text(str(_EARLY[module_file][0].returncode if code is None else code))
+            (work / f"{RC}.partial").replace(work / RC)
 
 
 _STOPPING = threading.Event()  # (set at the session's end: no job starts after it)
+_STARTING = threading.RLock()  # (held while the controller's thread starts jobs or notes an end)
+_EARLY_STARTED: dict[str, float] = {}  # (the controller's: when each job started, time.monotonic)
 _FROM_CONTROLLER: dict[str, Path] = {}  # (a worker's: the jobs the controller runs, by module file)
 
 
@@ -153,7 +187,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         threading.Thread(target=_run_early_jobs, args=(modules,), name="early jobs", daemon=True).start()
 
 
-def pytest_configure_node(node) -> None:  # (xdist's hook, in the controller: what each worker is told)
+@pytest.hookimpl(optionalhook=True)  # (xdist's hook: unknown without it, -p no:xdist)
+def pytest_configure_node(node) -> None:  # (in xdist's controller: what each worker is told)
     node.workerinput["ampguard_early"] = [(m, str(w)) for m, w in _STARTED_IN.items()]  # (in their order)
 
 
@@ -254,22 +289,30 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         gc.freeze()
 
 
-def _end(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
-    """End the early jobs that still run, all at once: SIGTERM first (each ends its launches,
-    whose workers sit in sessions of their own), one ``grace_s`` for them all, then SIGKILL to
-    each one's process tree."""
-    running = [proc for proc in procs if proc.poll() is None]
+def _end(jobs: list[tuple[subprocess.Popen, Path]], grace_s: float = 30.0) -> None:
+    """End the early jobs (process, folder) that still run, all at once: SIGTERM first (each ends
+    its launches, whose workers sit in sessions of their own), one ``grace_s`` for them all, then
+    SIGKILL to each one's process tree. Each folder is marked (:data:`ENDING`) first: a job ended
+    by the suite keeps it for the suite to read; one given SIGTERM otherwise (its suite killed)
+    takes it away (review 43d: the parent's pid, which the job judged by, is still the suite's
+    while a killed suite's threads die)."""
+    for _, work in jobs:
+        with contextlib.suppress(OSError):
+            (work / ENDING).touch()
+    running = [proc for proc, _ in jobs if proc.poll() is None]
     if running:
         print(f"\nending {len(running)} early job(s) (their torchrun launches)...", file=sys.stderr, flush=True)
     end_processes(running, grace_s, group=False)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    _STOPPING.set()
+    with _STARTING:
+        _STOPPING.set()
+        jobs = list(_EARLY.values())
     try:
-        _end([proc for proc, _ in _EARLY.values()])
+        _end(jobs)
     finally:  # (a second Ctrl-C while the jobs end: their processes die with the suite, their folders go here)
-        for work in {*(work for _, work in _EARLY.values()), *_STARTED_IN.values()}:
+        for work in {*(work for _, work in jobs), *_STARTED_IN.values()}:
             if work not in _KEPT and not (work / KEEP).exists():  # (a worker's failed job is kept: KEEP)
                 shutil.rmtree(work, ignore_errors=True)
 
@@ -295,7 +338,7 @@ def early_result(request: pytest.FixtureRequest) -> tuple[Path, object]:
         try:
             how = f"exited {proc.wait(timeout=EARLY_JOB_TIMEOUT_S)}"
         except subprocess.TimeoutExpired:
-            _end([proc])
+            _end([(proc, work)])
             how = f"did not end within {EARLY_JOB_TIMEOUT_S} s"
         code = proc.returncode
     if code != 0 or not (work / RESULT).is_file():

@@ -33,6 +33,9 @@ import sys
 from pathlib import Path
 
 RESULT = "early.pickle"
+ENDING = "early.ending"
+"""The file the suite leaves in the job's folder as it ends the job (conftest._end): the folder is then the
+suite's to read and take away; a job given SIGTERM without it (its suite died) takes it away itself."""
 NICE = 19
 SITE = f"""import os
 if os.getsid(0) == os.getpid():  # (a session of its own: a torchrun worker) -- tests/early_runner.py
@@ -75,7 +78,7 @@ def main(module_file: str, work: str, suite_pid: str) -> None:
     try:
         _run(module_file, Path(work), int(suite_pid))
     except SystemExit:  # (a SIGTERM: the suite ended it, and reads its logs before it takes the folder; or died)
-        if os.getppid() != int(suite_pid):
+        if not (Path(work) / ENDING).exists():  # (conftest._end marks a job it ends: one without, its suite died)
             shutil.rmtree(work, ignore_errors=True)
         raise
 
