@@ -475,11 +475,13 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
         warnings.warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
                       "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
                       "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
-    if spent := _hooks_state_moved(kept, snapshot.trained):
+    spent, beside = _hooks_state_moved(kept, snapshot.trained)
+    if spent:
+        also = f" (with the module attributes it shares: {listed(beside)})" if beside else ""
         warnings.warn(f"{by} changed the state a hook of the model keeps in its closure "
-                      f"({listed(spent, 2, ' and ', ' and others')}): it is not put back (it may record what the "
-                      "hook did, or be the caller's own log), so the run goes on from it, not from a plain loop's (a "
-                      "warm-up's countdown is spent by the passes); keep such state in the module, whose attributes "
+                      f"({listed(spent, 2, ' and ', ' and others')}): it is not put back{also} (it may record what "
+                      "the hook did, or be the caller's own log), so the run goes on from it, not from a plain loop's "
+                      "(a warm-up's countdown is spent by the passes); keep such state in the module, whose attributes "
                       "are put back", AmpguardWarning, stacklevel=4)
 
 
@@ -542,14 +544,15 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
 def _verdict_of(changed: list[Any], trained: frozenset[int]) -> str | None:
     """:func:`_state_verdict` of the values a piece of state gained or lost (None, an empty list,
     tuple or dict, where a capture starts, and :data:`_GONE` aside: review 43c; None or empty ones
-    alone are a capture: review 43e, a setup behind ``if state is None: state = {}`` was done by
-    the check's pass, its module attribute put back and never set again)."""
+    alone are state, said: a setup behind ``if state is None: state = {}`` was done by the
+    check's pass, unsaid, review 43e; rewound, one outside the model, a global hook, was done
+    twice, review 43f)."""
     changed = [x for x in changed if x is not _GONE]
     if not changed:
         return None
     changed = [x for x in changed if x is not None and not (type(x) in (list, tuple, dict) and not x)]
-    if not changed:  # (None or empty ones only: a start, a slot; put back, a setup behind `if state is None` runs again)
-        return "captured"
+    if not changed:  # (None or empty ones only: a flag a setup was done behind, `if state is None: state = {}`)
+        return "state"
     if all(_captured(x, trained) for x in changed):
         return "captured"
     if not all(_captured(x, trained) or _trained(x, trained) for x in changed):
@@ -573,7 +576,7 @@ _HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward 
 """What a warning calls the hooks of each hook dict (a parameter's ``_backward_hooks``: a gradient hook)."""
 
 
-def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset()) -> list[str]:
+def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset()) -> tuple[list[str], list[str]]:
     """The hooks in ``kept`` (:func:`_kept_hooks`' snapshots) still registered whose state
     (:func:`_hook_state`) the block changed other than by what a pass captures
     (:func:`_state_verdict`: a closure cell given another value, a container's contents changed;
@@ -583,18 +586,25 @@ def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset())
     left it, the record agreeing with the hooks, and :func:`_warn_hooks_left` says so), but then
     what a pass captured, left too (review 43c: outputs appended to a list stayed, unsaid). A
     piece of state many hooks share is said of the first (:func:`_hooks_judged`; review 43a:
-    every hook sharing a dict was named). ``trained``: :func:`_trained`'s."""
+    every hook sharing a dict was named). ``trained``: :func:`_trained`'s. Returned: those hooks
+    (``"a forward pre-hook on Sequential"``), and the module attributes (``"MoE.aux"``) left with
+    them, a container they share (:func:`_left_keys`; review 43f: a module's list of aux losses a
+    left hook reads kept the check's terms, unsaid)."""
     hooked = any(_gained_gradient_hooks(m, hooks) for m, _, hooks, _ in kept)
     said = {"state", "captured"} if hooked else {"state", "parameters"}
     told: set[int] = set()
     found = []
-    for m, owner, name, pieces in _hooks_judged(kept, trained):
+    judged = _hooks_judged(kept, trained)
+    for m, owner, name, pieces in judged:
         moved = {key for key, _, verdict in pieces if verdict in said} - told
         kind = "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name)
         if moved and kind:
             told |= moved
             found.append(f"{_a(kind)} on {type(m).__name__}")
-    return list(dict.fromkeys(found))
+    left = set() if hooked else _left_keys(judged)  # (hooked: the modules are left whole, _warn_hooks_left says)
+    beside = [f"{type(m).__name__}.{k}" for m, held, _, contents in kept
+              for k in _changed_attributes(vars(m), held, contents) if k in contents and id(held[k]) in left]
+    return list(dict.fromkeys(found)), list(dict.fromkeys(beside))
 
 
 def _hooks_judged(kept: list[_Kept], trained: frozenset[int]
@@ -642,24 +652,38 @@ def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int]) -
     where a module holds them as an attribute (43e: the put-back of the module's dict emptied
     what the hook's flag said was there)."""
     judged = _hooks_judged(kept, trained)
-    keys = [{key for key, _, _ in pieces} for _, _, _, pieces in judged]
-    sharing: dict[int, list[int]] = {}
-    for i, ks in enumerate(keys):
-        for key in ks:
-            sharing.setdefault(key, []).append(i)
-    whole = [i for i, (_, _, _, pieces) in enumerate(judged) if any(v in ("state", "parameters") for _, _, v in pieces)]
-    reached = set(whole)
-    while whole:  # (every hook that shares a piece with a hook left, and so on)
-        for j in (j for key in keys[whole.pop()] for j in sharing[key] if j not in reached):
-            reached.add(j)
-            whole.append(j)
-    left = {key for i in reached for key in keys[i]}
+    left = _left_keys(judged)
     for _, _, _, pieces in judged:
         for key, held, verdict in pieces:
             if verdict == "captured" and key not in left and key not in done:
                 _state_back([held], done)
                 done.add(key)
     return left
+
+
+def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tuple[Any, ...], str | None]]]]
+               ) -> set[int]:
+    """The keys of the changed pieces left in place (:func:`_hooks_judged`'s): those of each hook
+    with state left (``"state"``, ``"parameters"``), and of each hook sharing a changed piece
+    with it, and so on (reviews 43c, 43e). Only changed pieces join hooks (review 43f: a config
+    dict every hook of a factory reads, unchanged, joined a warm-up counter to a capture, whose
+    outputs stayed), and each key is followed once (quadratic otherwise: 8,000 hooks sharing a
+    dict, 8.9 s)."""
+    changed = [{key for key, _, verdict in pieces if verdict is not None} for _, _, _, pieces in judged]
+    sharing: dict[int, list[int]] = {}
+    for i, keys in enumerate(changed):
+        for key in keys:
+            sharing.setdefault(key, []).append(i)
+    todo = [i for i, (_, _, _, pieces) in enumerate(judged) if any(v in ("state", "parameters") for _, _, v in pieces)]
+    reached, followed = set(todo), set()
+    while todo:
+        for key in changed[todo.pop()] - followed:
+            followed.add(key)
+            for j in sharing[key]:
+                if j not in reached:
+                    reached.add(j)
+                    todo.append(j)
+    return {key for i in reached for key in changed[i]}
 
 
 def _generator_state(g: Any) -> Any:
