@@ -793,6 +793,10 @@ _Kept = tuple[torch.nn.Module, dict[str, Any], _Hooks, dict[str, Any]]
 dicts and its own parameters' (:func:`_kept_hooks`), and a copy of the contents of each
 attribute that is a list, dict, set or deque."""
 
+_INNER_MOST = 4096
+"""The most items a closure's container, and a container it holds, may have for the containers one
+level below to be judged and put back (:func:`_hook_state`)."""
+
 _CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict, collections.Counter,
                collections.deque)
 """The attribute types whose contents a snapshot copies (one level: shallow) and puts back in
@@ -878,11 +882,14 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
     def inner(v: Any) -> list[tuple[Any, ...]]:
         # (the lists, dicts, sets or deques container v holds, one level below, each with its contents:
         # a dict of per-layer lists a hook appends to, or of per-layer counts; reviews 43a, 43e. Once a
-        # container, and of its first 4,096 items: a dict of every parameter is walked once, not once a hook)
+        # container: a dict of every parameter is walked once, not once a hook. Not in a container of over
+        # 4,096 items, nor one of over 4,096: a log of every step's numbers is not copied at each snapshot,
+        # and a dict is judged whole or not at all, review 43f)
         key = ("inner", id(v))
         if key not in memo:
-            items = v.values() if isinstance(v, dict) else v
-            memo[key] = (v, [("contents", x, copied(x)) for x in itertools.islice(items, 4096) if type(x) in _CONTAINERS])
+            items = (v.values() if isinstance(v, dict) else v) if len(v) <= _INNER_MOST else ()
+            memo[key] = (v, [("contents", x, copied(x)) for x in items
+                             if type(x) in _CONTAINERS and len(x) <= _INNER_MOST])
         return memo[key][1]
 
     def visit(f: Any, depth: int) -> None:
