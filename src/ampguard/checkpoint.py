@@ -230,7 +230,13 @@ class BufferSnapshot:
         self.attributes = [_kept_module(m, memo) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
         self.generators = _generators_in(self.attributes)
+        self.global_hooks = _global_hooks()  # (a setup a pass did outside the model: registered_outside)
         self.trained = frozenset(self.names)  # (what a hook's record of parameters holds: no capture)
+
+    def registered_outside(self) -> bool:
+        """Whether a hook was registered on every module (``register_module_forward_hook`` and the
+        like) since the snapshot: something the put-back does not undo."""
+        return _global_hooks() != self.global_hooks
 
     def put_back(self, passes: int | None = None) -> tuple[list[tuple[str, int]], list[str]] | None:
         """The buffers and plain attributes as they were when the snapshot was taken. Returned: None,
@@ -265,7 +271,7 @@ class BufferSnapshot:
                                 failed.append((f"{prefix}.{name}" if prefix else name, b, err))
         finally:
             _generators_back(self.generators)
-            left = _put_attributes_back(self.attributes, passes, self.trained)
+            left = _put_attributes_back(self.attributes, passes, self.trained, self.registered_outside())
         if failed:
             said = listed([f"{name} (a {type(b).__name__}: {first_line(err)})" for name, b, err in failed], 2,
                           more=f" and {len(failed) - 2} more")
@@ -475,7 +481,7 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
         warnings.warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
                       "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
                       "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
-    spent, beside = _hooks_state_moved(kept, snapshot.trained)
+    spent, beside = _hooks_state_moved(kept, snapshot.trained, snapshot.registered_outside(), snapshot.module_names)
     if spent:
         also = f" (with the module attributes it shares: {listed(beside)})" if beside else ""
         warnings.warn(f"{by} changed the state a hook of the model keeps in its closure "
@@ -523,12 +529,16 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
     reviews 42f, 43a, 43b), ``"record"`` (beside those, the model's trained tensors, each with a
     gradient hook: a record of the parameters a hook registered gradient hooks on, transformers'
     tensor parallelism's, review 41b, agreeing with the hooks), ``"parameters"`` (such a record
-    of parameters without one), or ``"state"`` (anything else: a count, a flag). ``trained``:
-    :func:`_trained`'s."""
+    of parameters without one), ``"start"`` (a cell given None or an empty container, or given
+    one for None: a flag a setup was done behind, ``if state is None: state = {}``), or
+    ``"state"`` (anything else: a count, a flag). ``trained``: :func:`_trained`'s."""
     kind, target, *rest = held
+    if kind == "length":  # (a long list one level down: only what was appended is looked at)
+        return None if len(target) == rest[0] else "state" if len(target) < rest[0] else \
+            _verdict_of(list(itertools.islice(target, rest[0], None)), trained)
     value, contents = (target.cell_contents, rest[1]) if kind == "cell" else (target, rest[0])
     if kind == "cell" and value is not rest[0]:
-        return _verdict_of([rest[0], value], trained)
+        return _verdict_of([rest[0], value], trained, cell=True)
     if contents is None:
         return None
     if isinstance(contents, dict):
@@ -541,18 +551,20 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
     return _verdict_of(changed, trained) if changed else None
 
 
-def _verdict_of(changed: list[Any], trained: frozenset[int]) -> str | None:
+def _verdict_of(changed: list[Any], trained: frozenset[int], cell: bool = False) -> str | None:
     """:func:`_state_verdict` of the values a piece of state gained or lost (None, an empty list,
-    tuple or dict, where a capture starts, and :data:`_GONE` aside: review 43c; None or empty ones
-    alone are state, said: a setup behind ``if state is None: state = {}`` was done by the
-    check's pass, unsaid, review 43e; rewound, one outside the model, a global hook, was done
-    twice, review 43f)."""
+    tuple or dict, where a capture starts, and :data:`_GONE` aside: review 43c). None or empty ones
+    alone are a capture in a container (an attention layer's ``(out, None)``'s None appended:
+    review 43g) and a ``"start"`` in a ``cell`` (a flag a setup was done behind, ``if state is
+    None: state = {}``: put back where the setup is the model's, which is put back too, review
+    43e; left and said where the block registered a global hook, review 43f:
+    :func:`_put_attributes_back`)."""
     changed = [x for x in changed if x is not _GONE]
     if not changed:
         return None
     changed = [x for x in changed if x is not None and not (type(x) in (list, tuple, dict) and not x)]
-    if not changed:  # (None or empty ones only: a flag a setup was done behind, `if state is None: state = {}`)
-        return "state"
+    if not changed:
+        return "start" if cell else "captured"
     if all(_captured(x, trained) for x in changed):
         return "captured"
     if not all(_captured(x, trained) or _trained(x, trained) for x in changed):
@@ -576,7 +588,8 @@ _HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward 
 """What a warning calls the hooks of each hook dict (a parameter's ``_backward_hooks``: a gradient hook)."""
 
 
-def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset()) -> tuple[list[str], list[str]]:
+def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset(), outside: bool = False,
+                       names: dict[int, str] | None = None) -> tuple[list[str], list[str]]:
     """The hooks in ``kept`` (:func:`_kept_hooks`' snapshots) still registered whose state
     (:func:`_hook_state`) the block changed other than by what a pass captures
     (:func:`_state_verdict`: a closure cell given another value, a container's contents changed;
@@ -589,9 +602,11 @@ def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset())
     every hook sharing a dict was named). ``trained``: :func:`_trained`'s. Returned: those hooks
     (``"a forward pre-hook on Sequential"``), and the module attributes (``"MoE.aux"``) left with
     them, a container they share (:func:`_left_keys`; review 43f: a module's list of aux losses a
-    left hook reads kept the check's terms, unsaid)."""
+    left hook reads kept the check's terms, unsaid), by their full names (``names``: the
+    modules' by id). ``outside``: whether the block registered a hook on every module (a
+    ``"start"`` is then left and said: :func:`_verdict_of`)."""
     hooked = any(_gained_gradient_hooks(m, hooks) for m, _, hooks, _ in kept)
-    said = {"state", "captured"} if hooked else {"state", "parameters"}
+    said = {"state", "captured"} if hooked else {"state", "parameters", *(["start"] if outside else [])}
     told: set[int] = set()
     found = []
     judged = _hooks_judged(kept, trained)
@@ -601,8 +616,8 @@ def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset())
         if moved and kind:
             told |= moved
             found.append(f"{_a(kind)} on {type(m).__name__}")
-    left = set() if hooked else _left_keys(judged)  # (hooked: the modules are left whole, _warn_hooks_left says)
-    beside = [f"{type(m).__name__}.{k}" for m, held, _, contents in kept
+    left = set() if hooked else _left_keys(judged, outside)  # (hooked: the modules are left whole, said apart)
+    beside = [f"{(names or {}).get(id(m)) or type(m).__name__}.{k}" for m, held, _, contents in kept
               for k in _changed_attributes(vars(m), held, contents) if k in contents and id(held[k]) in left]
     return list(dict.fromkeys(found)), list(dict.fromkeys(beside))
 
@@ -636,7 +651,7 @@ def _hooks_judged(kept: list[_Kept], trained: frozenset[int]
     return judged
 
 
-def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int]) -> set[int]:
+def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int], outside: bool = False) -> set[int]:
     """What the block's passes captured into the state of the hooks in ``kept`` still registered
     (:func:`_state_verdict`'s ``"captured"``: activations appended to a list, a statistic kept
     as a tensor), put back (review 43a: a running amax in a closure dict moved by the check's
@@ -652,17 +667,17 @@ def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int]) -
     where a module holds them as an attribute (43e: the put-back of the module's dict emptied
     what the hook's flag said was there)."""
     judged = _hooks_judged(kept, trained)
-    left = _left_keys(judged)
+    left = _left_keys(judged, outside)
     for _, _, _, pieces in judged:
         for key, held, verdict in pieces:
-            if verdict == "captured" and key not in left and key not in done:
+            if verdict in ("captured", "start") and key not in left and key not in done:
                 _state_back([held], done)
                 done.add(key)
     return left
 
 
-def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tuple[Any, ...], str | None]]]]
-               ) -> set[int]:
+def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tuple[Any, ...], str | None]]]],
+               outside: bool = False) -> set[int]:
     """The keys of the changed pieces left in place (:func:`_hooks_judged`'s): those of each hook
     with state left (``"state"``, ``"parameters"``), and of each hook sharing a changed piece
     with it, and so on (reviews 43c, 43e). Only changed pieces join hooks (review 43f: a config
@@ -674,7 +689,8 @@ def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tup
     for i, keys in enumerate(changed):
         for key in keys:
             sharing.setdefault(key, []).append(i)
-    todo = [i for i, (_, _, _, pieces) in enumerate(judged) if any(v in ("state", "parameters") for _, _, v in pieces)]
+    spent = {"state", "parameters", *(["start"] if outside else [])}  # (outside: as _hooks_state_moved)
+    todo = [i for i, (_, _, _, pieces) in enumerate(judged) if any(v in spent for _, _, v in pieces)]
     reached, followed = set(todo), set()
     while todo:
         for key in changed[todo.pop()] - followed:
@@ -684,6 +700,15 @@ def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tup
                     reached.add(j)
                     todo.append(j)
     return {key for i in reached for key in changed[i]}
+
+
+def _global_hooks() -> tuple[frozenset[Any], ...]:
+    """The handles of the hooks registered on every module (``torch.nn.modules.module``'s
+    ``_global_*`` dicts: ``register_module_forward_hook`` and the like)."""
+    from torch.nn.modules import module as torch_module
+
+    return tuple(frozenset(v) for k, v in sorted(vars(torch_module).items())
+                 if k.startswith("_global_") and isinstance(v, dict))
 
 
 def _generator_state(g: Any) -> Any:
@@ -883,13 +908,14 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         # (the lists, dicts, sets or deques container v holds, one level below, each with its contents:
         # a dict of per-layer lists a hook appends to, or of per-layer counts; reviews 43a, 43e. Once a
         # container: a dict of every parameter is walked once, not once a hook. Not in a container of over
-        # 4,096 items, nor one of over 4,096: a log of every step's numbers is not copied at each snapshot,
-        # and a dict is judged whole or not at all, review 43f)
+        # 4,096 items: a dict is judged whole or not at all, review 43f; a list of over 4,096 by its length,
+        # what is appended to it looked at, not copied: a log of every step's numbers, review 43g)
         key = ("inner", id(v))
         if key not in memo:
             items = (v.values() if isinstance(v, dict) else v) if len(v) <= _INNER_MOST else ()
-            memo[key] = (v, [("contents", x, copied(x)) for x in items
-                             if type(x) in _CONTAINERS and len(x) <= _INNER_MOST])
+            memo[key] = (v, [("contents", x, copied(x)) if len(x) <= _INNER_MOST else ("length", x, len(x))
+                             for x in items if type(x) in _CONTAINERS
+                             and (len(x) <= _INNER_MOST or isinstance(x, (list, collections.deque)))])
         return memo[key][1]
 
     def visit(f: Any, depth: int) -> None:
@@ -932,6 +958,12 @@ def _state_back(kept: list[tuple[Any, ...]], done: set[int]) -> None:
     in place, once (``done``: the containers given back already, by identity; review 42d: one
     dict every hook shares was refilled once a hook)."""
     for kind, target, *rest in kept:
+        if kind == "length":
+            if id(target) not in done and len(target) > rest[0]:
+                done.add(id(target))
+                for _ in range(len(target) - rest[0]):
+                    target.pop()
+            continue
         if kind == "cell":
             value, contents = rest
             if target.cell_contents is not value:
@@ -956,8 +988,8 @@ def _contents_back(v: Any, contents: Any) -> None:
         v.update(contents)
 
 
-def _put_attributes_back(kept: list[_Kept], passes: int | None = None,
-                         trained: frozenset[int] = frozenset()) -> tuple[dict[Any, int], list[str]] | None:
+def _put_attributes_back(kept: list[_Kept], passes: int | None = None, trained: frozenset[int] = frozenset(),
+                         outside: bool = False) -> tuple[dict[Any, int], list[str]] | None:
     """Each module's attributes in ``kept`` (:func:`_kept_module`'s snapshots) as they were: one
     replaced put back (the same object, whatever its type: a counter, an LSTM's hidden tuple, a
     dict; review 40o), one added since taken out, a list, dict or set changed in place given its
@@ -993,7 +1025,7 @@ def _put_attributes_back(kept: list[_Kept], passes: int | None = None,
         return hooked, [f"{type(m).__name__} ({listed(changed)})" for m, held, hooks, contents in kept
                         if (changed := _changed_hooks(m, hooks, seen) + _changed_attributes(vars(m), held, contents))]
     done: set[int] = set()  # (the hooks' state given back: each piece once)
-    left = _captures_back(kept, done, trained)  # (not where a gradient hook stays: a tensor may record it, 43b)
+    left = _captures_back(kept, done, trained, outside)  # (not where a gradient hook stays: a tensor may record it)
     _put_modules_back(kept, done, left)
     return None
 

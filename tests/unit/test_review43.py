@@ -430,10 +430,11 @@ def test_counts_one_level_down_in_a_closures_dict_are_said():
 
 
 @pytest.mark.parametrize("setup", ["module attribute", "global hook"])
-def test_a_setup_behind_a_none_state_made_an_empty_dict_is_said_and_left(setup):
+def test_a_setup_behind_a_none_state_made_an_empty_dict_is_done_once(setup):
     # 43e F2: None -> {} was judged no change: the flag stayed set, the module attribute it set was put back, and
-    # the run never set it again, silently; 43f #4: rewound instead, a setup outside the model (a global module
-    # hook) was done twice. Neither can be told from the flag: left, and said
+    # the run never set it again, silently (now put back: the run's first forward sets up, as a plain loop's);
+    # 43f #4: put back, a setup outside the model (a global module hook) was done twice (left and said where the
+    # passes registered a global hook)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model[0].temperature = 1.0
     state, handles = None, []
@@ -450,13 +451,41 @@ def test_a_setup_behind_a_none_state_made_an_empty_dict_is_said_and_left(setup):
     model[0].register_forward_pre_hook(prepare)
     try:
         said = checked(model)
-        assert len(said) == 1 and "(a forward pre-hook on Linear)" in said[0], said
-        assert state == {} and len(handles) == (setup == "global hook")
-        model(BATCH[0])  # (the run's first forward does not set up again)
-        assert len(handles) == (setup == "global hook")
+        if setup == "global hook":
+            assert len(said) == 1 and "(a forward pre-hook on Linear)" in said[0], said
+            assert state == {} and len(handles) == 1
+        else:
+            assert said == [] and state is None and model[0].temperature == 1.0
+        model(BATCH[0])  # (the run's first forward: the global hook not registered again; the setup done)
+        assert len(handles) == 1 if setup == "global hook" else model[0].temperature != 1.0
     finally:
         for handle in handles:
             handle.remove()
+
+
+def test_a_hook_appending_none_beside_outputs_is_put_back_whole():
+    # 43g #1: an attention layer's (out, None): the list that only gained None read as state, and the whole hook
+    # was left, its other list keeping the check's outputs (the run's first loss 1.081 vs 0.965)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    hidden: list[torch.Tensor] = []
+    weights: list[None] = []
+
+    def keep(module, args, out):
+        hidden.append(out)
+        weights.append(None)
+
+    model[0].register_forward_hook(keep)
+    assert checked(model) == []
+    assert hidden == [] and weights == []
+
+
+def test_a_long_list_a_closures_dict_holds_is_cut_back_to_its_length():
+    # 43g #3: past 4,096 items a list one level down was not looked at: the check's outputs stayed, unsaid
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    logs = {"acts": [torch.zeros(1)] * 5000}
+    model[0].register_forward_hook(lambda module, args, out: logs["acts"].append(out.detach()))
+    assert checked(model) == []
+    assert len(logs["acts"]) == 5000
 
 
 def test_a_piece_no_pass_changed_joins_no_hooks():
@@ -496,7 +525,7 @@ def test_a_module_attribute_left_with_a_hook_is_named():
 
     model.register_forward_pre_hook(log)
     said = checked(model)
-    assert len(said) == 1 and "(with the module attributes it shares: MoE.aux)" in said[0], said
+    assert len(said) == 1 and "(with the module attributes it shares: MoE.aux)" in said[0], said  # (the root: its type)
 
 
 def test_a_dict_a_left_hook_shares_with_its_module_is_left_too():
