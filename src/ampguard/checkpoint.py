@@ -606,7 +606,7 @@ def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset(),
     modules' by id). ``outside``: whether the block registered a hook on every module (a
     ``"start"`` is then left and said: :func:`_verdict_of`)."""
     hooked = any(_gained_gradient_hooks(m, hooks) for m, _, hooks, _ in kept)
-    said = {"state", "captured"} if hooked else {"state", "parameters", *(["start"] if outside else [])}
+    said = {"state", "captured"} if hooked else _left_verdicts(outside)
     told: set[int] = set()
     found = []
     judged = _hooks_judged(kept, trained)
@@ -676,6 +676,13 @@ def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int], o
     return left
 
 
+def _left_verdicts(outside: bool) -> set[str]:
+    """The verdicts (:func:`_state_verdict`) of the state a hook's passes changed that is left in
+    place and said where no gradient hook stays: a count or flag, a record of parameters, and a
+    setup's flag where the passes registered a hook on every module (``outside``)."""
+    return {"state", "parameters", *(["start"] if outside else [])}
+
+
 def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tuple[Any, ...], str | None]]]],
                outside: bool = False) -> set[int]:
     """The keys of the changed pieces left in place (:func:`_hooks_judged`'s): those of each hook
@@ -689,7 +696,7 @@ def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tup
     for i, keys in enumerate(changed):
         for key in keys:
             sharing.setdefault(key, []).append(i)
-    spent = {"state", "parameters", *(["start"] if outside else [])}  # (outside: as _hooks_state_moved)
+    spent = _left_verdicts(outside)
     todo = [i for i, (_, _, _, pieces) in enumerate(judged) if any(v in spent for _, _, v in pieces)]
     reached, followed = set(todo), set()
     while todo:
@@ -711,27 +718,32 @@ def _global_hooks() -> tuple[frozenset[Any], ...]:
                  if k.startswith("_global_") and isinstance(v, dict))
 
 
-def _generator_state(g: Any) -> Any:
-    """The state of ``g`` if it is a random generator of its own (a ``torch.Generator``, NumPy's
-    ``Generator``, ``RandomState`` or a bit generator, a ``random.Random``), else None."""
+def _generator_kept(g: Any) -> Callable[[], None] | None:
+    """A function that gives ``g`` its present state back, if it is a random generator of its own
+    (a ``torch.Generator``, NumPy's ``Generator``, ``RandomState`` or a bit generator, a
+    ``random.Random``), else None: the state read and written by one dispatch on its type."""
     if isinstance(g, torch.Generator):
-        return g.get_state()
+        state = g.get_state()
+        return lambda: g.set_state(state)
     if isinstance(g, random.Random):
-        return g.getstate()
+        state = g.getstate()
+        return lambda: g.setstate(state)
     if type(g).__module__.startswith("numpy.random"):  # (NumPy imported already: it made g)
         import numpy as np
 
-        if isinstance(g, np.random.Generator):
-            return copy.deepcopy(g.bit_generator.state)
         if isinstance(g, np.random.RandomState):
-            return g.get_state()
-        if isinstance(g, np.random.BitGenerator):  # (not a SeedSequence, whose state is read-only: review 43c)
-            return copy.deepcopy(g.state)
+            state = g.get_state()
+            return lambda: g.set_state(state)
+        bits = g.bit_generator if isinstance(g, np.random.Generator) else g
+        if isinstance(bits, np.random.BitGenerator):  # (not a SeedSequence, whose state is read-only: review 43c)
+            state = copy.deepcopy(bits.state)
+            return lambda: setattr(bits, "state", copy.deepcopy(state))
     return None
 
 
-def _generators_in(kept: list[_Kept]) -> list[tuple[Any, Any]]:
-    """(generator, its state) for each random generator the modules in ``kept`` hold of their own:
+def _generators_in(kept: list[_Kept]) -> list[Callable[[], None]]:
+    """For each random generator the modules in ``kept`` hold of their own, a function that gives
+    it back its present state (:func:`_generator_kept`):
     an attribute or one in a list, tuple or dict attribute of a few (64 at most: not a
     vocabulary's list, review 43c) (MAE's masking draws from
     ``self.gen``), a value in a hook's closure or a ``functools.partial``'s arguments (noise drawn
@@ -751,33 +763,24 @@ def _generators_in(kept: list[_Kept]) -> list[tuple[Any, Any]]:
                         yield from (*hook.args, *hook.keywords.values())
                         hook = hook.func
 
-    found: dict[int, tuple[Any, Any]] = {}
+    found: dict[int, Callable[[], None]] = {}
     for v in candidates():
         if id(v) not in found:
             try:
-                state = _generator_state(v)
+                back = _generator_kept(v)
             except Exception:  # (one whose state cannot be read: SystemRandom's)
-                state = None
-            if state is not None:
-                found[id(v)] = (v, state)
+                back = None
+            if back is not None:
+                found[id(v)] = back
     return list(found.values())
 
 
-def _generators_back(generators: list[tuple[Any, Any]]) -> None:
+def _generators_back(generators: list[Callable[[], None]]) -> None:
     """Each generator :func:`_generators_in` found given its state back (one that refuses it is
     left: the put-back goes on)."""
-    for g, state in generators:
+    for back in generators:
         with contextlib.suppress(Exception):
-            if isinstance(g, torch.Generator):
-                g.set_state(state)
-            elif isinstance(g, random.Random):
-                g.setstate(state)
-            elif hasattr(g, "bit_generator"):
-                g.bit_generator.state = copy.deepcopy(state)
-            elif hasattr(g, "set_state"):
-                g.set_state(state)
-            else:
-                g.state = copy.deepcopy(state)
+            back()
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
