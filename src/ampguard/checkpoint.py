@@ -484,7 +484,7 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
     spent, beside = _hooks_state_moved(kept, snapshot.trained, snapshot.registered_outside(), snapshot.module_names)
     if spent:
         also = f" (with the module attributes it shares: {listed(beside)})" if beside else ""
-        warnings.warn(f"{by} changed the state a hook of the model keeps in its closure "
+        warnings.warn(f"{by} changed the state a hook of the model keeps in its closure or object "
                       f"({listed(spent, 2, ' and ', ' and others')}): it is not put back{also} (it may record what "
                       "the hook did, or be the caller's own log), so the run goes on from it, not from a plain loop's "
                       "(a warm-up's countdown is spent by the passes); keep such state in the module, whose attributes "
@@ -748,8 +748,8 @@ def _generators_in(kept: list[_Kept]) -> list[Callable[[], None]]:
     vocabulary's list, review 43c) (MAE's masking draws from
     ``self.gen``), a value in a hook's closure or a ``functools.partial``'s arguments (noise drawn
     from a generator of its own): :func:`rng_kept` keeps the global ones only, and the block's
-    draws advanced these, silently (reviews 43a, 43b). Each once. Not a hook object's attributes
-    (as :func:`_hook_state`)."""
+    draws advanced these, silently (reviews 43a, 43b), or an attribute of a hook's object (a cell of
+    :func:`_hook_state`'s). Each once."""
     def candidates() -> Iterator[Any]:
         for _, held, hooks, _ in kept:
             for v in held.values():
@@ -796,6 +796,32 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 _GONE = object()
+
+
+class _AttrCell:
+    """An attribute of a hook's object read and written as a closure's cell is (``cell_contents``):
+    :func:`_hook_state` keeps it as one, so that what a pass captured into ``self.outputs`` is
+    judged and put back as what it captured into a closure's list (:func:`_state_verdict`). An
+    attribute a pass deleted reads :data:`_GONE`."""
+
+    __slots__ = ("obj", "name")
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self.obj, self.name = obj, name
+
+    @property
+    def cell_contents(self) -> Any:
+        return getattr(self.obj, "__dict__", {}).get(self.name, _GONE)
+
+    @cell_contents.setter
+    def cell_contents(self, value: Any) -> None:
+        setattr(self.obj, self.name, value)
+
+
+def _torch_own(obj: Any) -> bool:
+    """Whether ``obj`` is an object of torch's own making (FSDP2's state, ``weight_norm``'s hook):
+    its attributes are torch's to keep (:func:`_hook_state`)."""
+    return type(obj).__module__.split(".")[0] == "torch"
 
 
 def not_made(m: torch.nn.Module) -> bool:
@@ -892,15 +918,23 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
     had spent the run's warm-up steps, silently): its closure's cells (``("cell",
     cell, value, contents)``), through the functions they hold and the ones it wraps
     (``__wrapped__``: a ``torch.no_grad()``-decorated hook), and a ``functools.partial``'s
-    arguments' contents (``("contents", value, contents)``). Not an object's attributes (a callable
-    object's, or those of the object whose method the hook is): frameworks keep their own state
-    there (FSDP2's hooks are its state object's methods, and put back, its lazy initialisation ran
-    again and refused the model), so a hook object's own countdown is left spent; nor a tensor
-    changed in place. A container many hooks share is copied once (``memo``, by identity: review
+    arguments' contents (``("contents", value, contents)``), and the attributes of a hook that is
+    an object (``SaveOutput()``, whose ``__call__`` appends to ``self.outputs``, the tutorials'
+    feature extractor, or the object whose method the hook is: timm's ``FeatureHooks``), each
+    as a cell (:class:`_AttrCell`; the forty-third session: the check's outputs stayed in such a
+    list, silently) -- but not those of torch's own (FSDP2's hooks are its state object's methods:
+    put back, its lazy initialisation ran again and refused the model; ``weight_norm``'s). Not a
+    tensor changed in place. A container many hooks share is copied once (``memo``, by identity: review
     42d, a dict of every parameter in every hook's closure made the snapshot quadratic); a hook
     whose state cannot be read (a dead weak proxy in its closure) keeps what was read of it."""
     kept: list[tuple[Any, ...]] = []
     seen: set[int] = set()
+    objects: set[int] = set()
+
+    def held(cell: Any, value: Any) -> None:
+        kept.append(("cell", cell, value, copied(value) if type(value) in _CONTAINERS else None))
+        if type(value) in _CONTAINERS:
+            kept.extend(inner(value))
 
     def copied(v: Any) -> Any:
         if id(v) not in memo:
@@ -921,7 +955,21 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                              and (len(x) <= _INNER_MOST or isinstance(x, (list, collections.deque)))])
         return memo[key][1]
 
-    def visit(f: Any, depth: int) -> None:
+    def attributes(obj: Any) -> None:
+        # (a hook object's, or the object whose method the hook is: each attribute a cell of its own,
+        # one for every hook that holds the object, so that it is judged and given back once)
+        if isinstance(obj, (torch.nn.Module, type, weakref.ProxyTypes)) or id(obj) in objects or _torch_own(obj):
+            return
+        objects.add(id(obj))
+        for name, value in list(getattr(obj, "__dict__", {}).items()):
+            key = ("attribute", id(obj), name)
+            if key not in memo:
+                memo[key] = (obj, _AttrCell(obj, name))
+            held(memo[key][1], value)
+
+    def visit(f: Any, depth: int, hook: bool = True) -> None:
+        # (hook: f is the hook, or what it calls as it (a partial's function, a decorator's wrapped
+        # one), whose object's attributes are its state; not a callable its closure merely holds)
         if isinstance(f, weakref.ProxyTypes) or id(f) in seen or depth > 4 or isinstance(f, (torch.nn.Module, type)):
             return
         seen.add(id(f))
@@ -931,23 +979,25 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                     kept.append(("contents", v, copied(v)))
                     kept.extend(inner(v))
                 elif callable(v):
-                    visit(v, depth + 1)
-            visit(f.func, depth + 1)
+                    visit(v, depth + 1, False)
+            visit(f.func, depth + 1, hook)
         elif isinstance(f, types.MethodType):
-            visit(f.__func__, depth + 1)
+            if hook:
+                attributes(f.__self__)
+            visit(f.__func__, depth + 1, False)
         elif isinstance(f, types.FunctionType):
             for cell in f.__closure__ or ():
                 try:
                     value = cell.cell_contents
                 except ValueError:  # (a cell not filled yet)
                     continue
-                kept.append(("cell", cell, value, copied(value) if type(value) in _CONTAINERS else None))
-                if type(value) in _CONTAINERS:
-                    kept.extend(inner(value))
+                held(cell, value)
                 if callable(value):
-                    visit(value, depth + 1)
+                    visit(value, depth + 1, False)
             if (wrapped := getattr(f, "__wrapped__", None)) is not None:
-                visit(wrapped, depth + 1)
+                visit(wrapped, depth + 1, hook)
+        elif hook and not isinstance(f, types.BuiltinFunctionType):
+            attributes(f)
 
     try:
         visit(hook, 0)

@@ -406,8 +406,8 @@ def test_a_change_to_the_state_of_a_hook_the_passes_leave_in_place_is_said():
     checked = warmed_up(6)
     said = caught_warnings(lambda: check_forward(checked, nn.functional.mse_loss, reader(batch), FP32, "task toy"))
     assert len(said) == 1 and said[0].startswith("task toy: the start-up's check of the first batches changed the "
-                                                 "state a hook of the model keeps in its closure (a forward pre-hook "
-                                                 "on Sequential): it is not put back"), said
+                                                 "state a hook of the model keeps in its closure or object (a "
+                                                 "forward pre-hook on Sequential): it is not put back"), said
     hooked = []
     for _ in range(4):
         hooked.append(len(checked._forward_pre_hooks))
