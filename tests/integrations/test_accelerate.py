@@ -15,7 +15,7 @@ from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun_env
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
-from accelerate.state import AcceleratorState  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from ampguard.integrations.accelerate import found_inf, make_guard  # noqa: E402
 
@@ -24,9 +24,13 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_guard.p
 
 @pytest.fixture
 def accelerator():
-    """An ``Accelerator`` on the CPU; Accelerate's process-wide state is reset afterwards."""
+    """An ``Accelerator`` on the CPU; Accelerate's process-wide state is reset before and after: its
+    gradient state too, which an earlier test's Trainer may leave between two accumulation steps
+    (``sync_gradients`` False: ``AcceleratedOptimizer.step`` then does nothing, the scale stays)."""
+    GradientState._reset_state()
     yield accelerate.Accelerator(cpu=True)
     AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def _overflowing_step(optimizer: AcceleratedOptimizer, model: torch.nn.Module) -> torch.Tensor:
