@@ -19,6 +19,9 @@ import pickle
 import pickletools
 import random
 import re
+import site
+import sys
+import sysconfig
 import time
 import types
 import warnings
@@ -474,6 +477,8 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
     tensors = [(f"{type(m).__name__}.{k}", t) for m, held, _, _ in kept for k, v in held.items()
                for t in _tensors_in(v) if _memory(t) is None or _memory(t) not in own]  # (nor a view of one)
     versions = [_version(t) for _, t in tensors]
+    held = _hook_tensors(kept, own)
+    held_versions = [_version(t) for _, t in held]
     yield
     moved = list(dict.fromkeys(name for (name, t), version in zip(tensors, versions) if _version(t) != version))
     if moved:
@@ -482,6 +487,8 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
                       "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
                       "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
     spent, beside = _hooks_state_moved(kept, snapshot.trained, snapshot.registered_outside(), snapshot.module_names)
+    spent = list(dict.fromkeys([*spent, *(hook for (hook, t), version in zip(held, held_versions)
+                                          if _version(t) != version)]))  # (review 43h: ``amax_history.copy_(...)``)
     if spent:
         also = f" (with the module attributes it shares: {listed(beside)})" if beside else ""
         warnings.warn(f"{by} changed the state a hook of the model keeps in its closure or object "
@@ -491,17 +498,59 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
                       "are put back", AmpguardWarning, stacklevel=4)
 
 
+def _hook_tensors(kept: list[_Kept], own: set[Any]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors in the state of the hooks in ``kept`` (:func:`_hook_state`: a cell's, one in a
+    container there, or in one below it), each once with the hook that holds it first (``"a
+    forward hook on Linear"``), not the model's parameters and buffers (``own``, by memory):
+    :func:`_attributes_warned` says those the block changed in place, which cannot be put back
+    (review 43h: a delayed-scaling hook's ``amax_history.copy_(...)``, ``stats["sq"] += x``)."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    looked: set[int] = set()  # (a container many hooks hold, and those below it: looked into once)
+
+    def tensors(pieces: list[tuple[Any, ...]]) -> Iterator[torch.Tensor]:
+        for kind, target, *rest in pieces:
+            if kind not in ("inner", "cell", "contents") or id(rest[0]) in looked:
+                continue
+            if kind == "inner":  # (the containers below)
+                looked.add(id(rest[0]))
+                yield from tensors(rest[0])
+                continue
+            try:  # (a cell's value; a container's contents as they were)
+                if not isinstance(rest[0], torch.Tensor):
+                    looked.add(id(rest[0]))
+                yield from _tensors_in(rest[0])
+            except Exception:  # (one that cannot be looked at: a dead weak proxy, review 42d)
+                continue
+
+    for m, _, hooks, _ in kept:
+        for owner, name, _, states in hooks:
+            kind = "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name, "hook")
+            for pieces in states.values():
+                for t in tensors(pieces):
+                    if id(t) not in found and (_memory(t) is None or _memory(t) not in own):
+                        found[id(t)] = (f"{_a(kind)} on {type(m).__name__}", t)
+    return list(found.values())
+
+
 def _captured(v: Any, trained: frozenset[int] = frozenset()) -> bool:
     """Whether ``v`` is what a hook captures from a pass: a tensor computed in it (not one the model
     trains: :func:`_trained`), a NumPy array (one copied to the host), a shape, or a tuple, list or
-    dict of them beside None (a transformers attention layer's ``(output, None)``: review 43a).
+    dict of them beside None (a transformers attention layer's ``(output, None)``: review 43a) and
+    names or numbers (:data:`_TAGS`).
     ``trained``: the ids of the model's parameters and trainable tensor attributes."""
     if isinstance(v, torch.Tensor):
         return not _trained(v, trained)
     if isinstance(v, torch.Size) or _is_numpy_array(v):
         return True
-    items = list(v) if isinstance(v, (tuple, list)) else list(v.values()) if isinstance(v, dict) else None
-    return bool(items) and any(x is not None for x in items) and all(x is None or _captured(x, trained) for x in items)
+    items = list(v) if isinstance(v, (tuple, list)) else list(v.values()) if isinstance(v, dict) else []
+    items = [x for x in items if x is not None and type(x) not in _TAGS]
+    return bool(items) and all(_captured(x, trained) for x in items)
+
+
+_TAGS = (str, int, float, bool)
+"""What a capture may carry beside its tensors, in a tuple, list or dict: a layer's name, a step
+(``feats.append((name, out))``, ``{"layer": name, "out": out}``: review 43h, read as state, the
+hook was left whole with the check's outputs, and a warning said so at every start-up)."""
 
 
 def _trained(v: Any, trained: frozenset[int]) -> bool:
@@ -534,8 +583,10 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
     ``"state"`` (anything else: a count, a flag). ``trained``: :func:`_trained`'s."""
     kind, target, *rest = held
     if kind == "length":  # (a long list one level down: only what was appended is looked at)
-        return None if len(target) == rest[0] else "state" if len(target) < rest[0] else \
-            _verdict_of(list(itertools.islice(target, rest[0], None)), trained)
+        length, ends = rest
+        if len(target) < length or length and (target[0] is not ends[0] or target[length - 1] is not ends[1]):
+            return "state"  # (cut, or a full window moved on: review 43h, a deque of 5,000 amaxes, unsaid)
+        return None if len(target) == length else _verdict_of(list(itertools.islice(target, length, None)), trained)
     value, contents = (target.cell_contents, rest[1]) if kind == "cell" else (target, rest[0])
     if kind == "cell" and value is not rest[0]:
         return _verdict_of([rest[0], value], trained, cell=True)
@@ -579,7 +630,7 @@ def _piece_key(held: tuple[Any, ...]) -> int:
     kind, target, *rest = held
     if kind == "cell" and rest[1] is not None and target.cell_contents is rest[0]:
         return id(rest[0])
-    return id(target)
+    return id(rest[0]) if kind == "inner" else id(target)
 
 
 _HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
@@ -611,7 +662,7 @@ def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset(),
     found = []
     judged = _hooks_judged(kept, trained)
     for m, owner, name, pieces in judged:
-        moved = {key for key, _, verdict in pieces if verdict in said} - told
+        moved = {key for key, _, verdict in pieces if _said(verdict, said)} - told
         kind = "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name)
         if moved and kind:
             told |= moved
@@ -628,8 +679,13 @@ def _hooks_judged(kept: list[_Kept], trained: frozenset[int]
     still registered with state (:func:`_hook_state`): each piece with what it is judged by,
     once (:func:`_piece_key`: many hooks of one factory hold the same dict, each in a cell of its
     own; review 43a/43b: judged once a hook, 4,000 hooks took 12-13 s) and its
-    :func:`_state_verdict` (None where it cannot be looked at)."""
-    verdicts: dict[int, str | None] = {}
+    :func:`_state_verdict` (None where it cannot be looked at). The containers below a container
+    (:func:`_hook_state`'s ``("inner", container, pieces)``) are judged once too, each hook holding
+    them given ``("inner", container, [(key, piece, verdict)])`` and the set of their verdicts
+    (review 43h: each hook listed them all, 4,096 hooks sharing a dict of per-module lists took
+    93 s and 2.5 GiB)."""
+    verdicts: dict[int, Any] = {}
+    inner: dict[int, tuple[Any, ...]] = {}
     judged = []
     for m, _, hooks, _ in kept:
         for owner, name, before, states in hooks:
@@ -639,16 +695,33 @@ def _hooks_judged(kept: list[_Kept], trained: frozenset[int]
                     continue
                 pieces = []
                 for held in states[k]:
-                    try:
-                        key = _piece_key(held)
-                        if key not in verdicts:
-                            verdicts[key] = _state_verdict(held, trained)
-                    except Exception:  # (a value that cannot be looked at, a cell emptied: not judged)
-                        key = id(held[1])
-                        verdicts.setdefault(key, None)
+                    key = _piece_key(held)
+                    if held[0] == "inner":
+                        if key not in inner:
+                            below = [(_piece_key(piece), piece, _judged(piece, trained)) for piece in held[2]]
+                            inner[key] = ("inner", held[1], below)
+                            verdicts[key] = frozenset(v for _, _, v in below if v is not None) or None
+                        held = inner[key]
+                    elif key not in verdicts:
+                        verdicts[key] = _judged(held, trained)
                     pieces.append((key, held, verdicts[key]))
                 judged.append((m, owner, name, pieces))
     return judged
+
+
+def _judged(held: tuple[Any, ...], trained: frozenset[int]) -> str | None:
+    """:func:`_state_verdict`, None where the piece cannot be looked at (a value that refuses it, a
+    cell emptied)."""
+    try:
+        return _state_verdict(held, trained)
+    except Exception:
+        return None
+
+
+def _said(verdict: Any, which: set[str]) -> bool:
+    """Whether ``verdict`` (:func:`_hooks_judged`'s: one, or the set of those of the containers
+    below a container) is, or holds, one of ``which``."""
+    return verdict in which if isinstance(verdict, str) or verdict is None else bool(verdict & which)
 
 
 def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int], outside: bool = False) -> set[int]:
@@ -668,11 +741,17 @@ def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int], o
     what the hook's flag said was there)."""
     judged = _hooks_judged(kept, trained)
     left = _left_keys(judged, outside)
+    expanded: set[int] = set()
     for _, _, _, pieces in judged:
         for key, held, verdict in pieces:
-            if verdict in ("captured", "start") and key not in left and key not in done:
-                _state_back([held], done)
-                done.add(key)
+            if held[0] == "inner":  # (the containers below: each once, not once a hook holding them)
+                if key in left or key in expanded:
+                    continue
+                expanded.add(key)
+            for key, held, verdict in held[2] if held[0] == "inner" else [(key, held, verdict)]:
+                if verdict in ("captured", "start") and key not in left and key not in done:
+                    _state_back([held], done)
+                    done.add(key)
     return left
 
 
@@ -690,14 +769,15 @@ def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tup
     with it, and so on (reviews 43c, 43e). Only changed pieces join hooks (review 43f: a config
     dict every hook of a factory reads, unchanged, joined a warm-up counter to a capture, whose
     outputs stayed), and each key is followed once (quadratic otherwise: 8,000 hooks sharing a
-    dict, 8.9 s)."""
+    dict, 8.9 s). The containers below a container (``"inner"``) join the hooks holding it by its
+    key, and are left with it."""
     changed = [{key for key, _, verdict in pieces if verdict is not None} for _, _, _, pieces in judged]
     sharing: dict[int, list[int]] = {}
     for i, keys in enumerate(changed):
         for key in keys:
             sharing.setdefault(key, []).append(i)
     spent = _left_verdicts(outside)
-    todo = [i for i, (_, _, _, pieces) in enumerate(judged) if any(v in spent for _, _, v in pieces)]
+    todo = [i for i, (_, _, _, pieces) in enumerate(judged) if any(_said(v, spent) for _, _, v in pieces)]
     reached, followed = set(todo), set()
     while todo:
         for key in changed[todo.pop()] - followed:
@@ -706,7 +786,9 @@ def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tup
                 if j not in reached:
                     reached.add(j)
                     todo.append(j)
-    return {key for i in reached for key in changed[i]}
+    left = {key for i in reached for key in changed[i]}
+    below = {key: held[2] for _, _, _, pieces in judged for key, held, _ in pieces if held[0] == "inner" and key in left}
+    return left | {key for pieces in below.values() for key, _, verdict in pieces if verdict is not None}
 
 
 def _global_hooks() -> tuple[frozenset[Any], ...]:
@@ -743,24 +825,28 @@ def _generator_kept(g: Any) -> Callable[[], None] | None:
 
 def _generators_in(kept: list[_Kept]) -> list[Callable[[], None]]:
     """For each random generator the modules in ``kept`` hold of their own, a function that gives
-    it back its present state (:func:`_generator_kept`):
-    an attribute or one in a list, tuple or dict attribute of a few (64 at most: not a
-    vocabulary's list, review 43c) (MAE's masking draws from
-    ``self.gen``), a value in a hook's closure or a ``functools.partial``'s arguments (noise drawn
-    from a generator of its own): :func:`rng_kept` keeps the global ones only, and the block's
-    draws advanced these, silently (reviews 43a, 43b), or an attribute of a hook's object (a cell of
-    :func:`_hook_state`'s). Each once."""
+    it back its present state (:func:`_generator_kept`): an attribute, a value in a hook's state
+    (a cell of :func:`_hook_state`'s: its closure, its object) or a ``functools.partial``'s
+    arguments, or one in a list, tuple or dict of a few there (64 at most: not a vocabulary's
+    list, review 43c; per-layer generators, review 43h) (MAE's masking draws from ``self.gen``;
+    noise drawn from a generator of its own): :func:`rng_kept` keeps the global ones only, and the
+    block's draws advanced these, silently (reviews 43a, 43b). Each once."""
+    def few(v: Any) -> Iterator[Any]:
+        yield v
+        if (type(v) in (list, tuple) or type(v) in _CONTAINERS and isinstance(v, dict)) and len(v) <= 64:
+            yield from v.values() if isinstance(v, dict) else v  # (a few: not a vocabulary, review 43c)
+
     def candidates() -> Iterator[Any]:
         for _, held, hooks, _ in kept:
             for v in held.values():
-                yield v
-                if (type(v) in (list, tuple) or type(v) in _CONTAINERS and isinstance(v, dict)) and len(v) <= 64:
-                    yield from v.values() if isinstance(v, dict) else v  # (a few: not a vocabulary, review 43c)
-            for _, _, before, states in hooks:
-                yield from (piece[2] for pieces in states.values() for piece in pieces if piece[0] == "cell")
+                yield from few(v)
+            for _, _, before, states in hooks:  # (per-layer generators in a closure's list: review 43h)
+                for v in (piece[2] for pieces in states.values() for piece in pieces if piece[0] == "cell"):
+                    yield from few(v)
                 for hook in before.values():
                     while isinstance(hook, functools.partial):
-                        yield from (*hook.args, *hook.keywords.values())
+                        for v in (*hook.args, *hook.keywords.values()):
+                            yield from few(v)
                         hook = hook.func
 
     found: dict[int, Callable[[], None]] = {}
@@ -814,14 +900,73 @@ class _AttrCell:
         return getattr(self.obj, "__dict__", {}).get(self.name, _GONE)
 
     @cell_contents.setter
+    def cell_contents(self, value: Any) -> None:  # (in its __dict__, as read: no __setattr__ of its class runs)
+        vars(self.obj)[self.name] = value
+
+
+class _GlobalCell:
+    """A global of a hook's module (``acts`` in ``acts.append(out)``) read and written as a closure's
+    cell is (``cell_contents``), as :class:`_AttrCell` an attribute; one the block deleted reads
+    :data:`_GONE`."""
+
+    __slots__ = ("scope", "name")
+
+    def __init__(self, scope: dict[str, Any], name: str) -> None:
+        self.scope, self.name = scope, name
+
+    @property
+    def cell_contents(self) -> Any:
+        return self.scope.get(self.name, _GONE)
+
+    @cell_contents.setter
     def cell_contents(self, value: Any) -> None:
-        setattr(self.obj, self.name, value)
+        self.scope[self.name] = value
 
 
-def _torch_own(obj: Any) -> bool:
-    """Whether ``obj`` is an object of torch's own making (FSDP2's state, ``weight_norm``'s hook):
-    its attributes are torch's to keep (:func:`_hook_state`)."""
-    return type(obj).__module__.split(".")[0] == "torch"
+def _names_loaded(code: types.CodeType) -> Iterator[str]:
+    """The global (and attribute) names ``code`` and the code objects in it (a comprehension's, a
+    nested function's) load."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names_loaded(const)
+
+
+def _user_code(f: types.FunctionType) -> bool:
+    """Whether function ``f`` is the user's (a script's, a notebook's, a module outside the standard
+    library and the installed packages, nor torch's or ampguard's): :func:`_hook_state` reads the
+    globals one loads (a library's module state is its own)."""
+    if str(getattr(f, "__module__", "")).split(".")[0] in ("torch", "ampguard"):
+        return False
+    file = f.__code__.co_filename
+    return file.startswith("<") or not os.path.realpath(file).startswith(_library_roots())
+
+
+def _user_made(obj: Any) -> bool:
+    """Whether ``obj`` is an object of a class the user wrote (in a script, a notebook, or a module
+    outside the standard library and the installed packages): :func:`_hook_state` reads the
+    attributes of one in a hook's closure (a library's object there, a logger, keeps its own state)."""
+    cls = type(obj)
+    if isinstance(obj, (torch.nn.Module, type, types.ModuleType)) or cls.__module__ in ("builtins", None) \
+            or _framework_own(obj):
+        return False
+    if cls.__module__ == "__main__":
+        return True
+    file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return bool(file) and not os.path.realpath(file).startswith(_library_roots())
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    """Where the standard library and the installed packages are (:func:`_user_made`)."""
+    return tuple(os.path.join(os.path.realpath(p), "") for p in {sysconfig.get_path(k) for k in (
+        "stdlib", "platstdlib", "purelib", "platlib")} | set(site.getsitepackages()) if p)
+
+
+def _framework_own(obj: Any) -> bool:
+    """Whether ``obj`` is an object of torch's or ampguard's own making (FSDP2's state,
+    ``weight_norm``'s hook, fp8's casts): its attributes are theirs to keep (:func:`_hook_state`)."""
+    return str(type(obj).__module__).split(".")[0] in ("torch", "ampguard")
 
 
 def not_made(m: torch.nn.Module) -> bool:
@@ -848,8 +993,12 @@ dicts and its own parameters' (:func:`_kept_hooks`), and a copy of the contents 
 attribute that is a list, dict, set or deque."""
 
 _INNER_MOST = 4096
-"""The most items a closure's container, and a container it holds, may have for the containers one
-level below to be judged and put back (:func:`_hook_state`)."""
+"""The most items a list below a hook's container may have to be copied and put back whole; a
+longer one is judged by its length and ends (:func:`_hook_state`)."""
+
+_INNER_BUDGET = 1 << 20
+"""The most items the containers below one hook's container may hold together to be copied (about
+8 MiB of references; :func:`_hook_state`)."""
 
 _CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict, collections.Counter,
                collections.deque)
@@ -922,9 +1071,11 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
     an object (``SaveOutput()``, whose ``__call__`` appends to ``self.outputs``, the tutorials'
     feature extractor, or the object whose method the hook is: timm's ``FeatureHooks``), each
     as a cell (:class:`_AttrCell`; the forty-third session: the check's outputs stayed in such a
-    list, silently) -- but not those of torch's own (FSDP2's hooks are its state object's methods:
-    put back, its lazy initialisation ran again and refused the model; ``weight_norm``'s). Not a
-    tensor changed in place. A container many hooks share is copied once (``memo``, by identity: review
+    list, silently) -- but not those of torch's or ampguard's own (FSDP2's hooks are its state object's methods:
+    put back, its lazy initialisation ran again and refused the model; ``weight_norm``'s) -- and of
+    an object of the user's own classes in its closure (``self`` of the method that made the hook:
+    ``self.features[name] = out``; not a library's: a logger's cache, filled by the hook's logging).
+    Not a tensor changed in place. A container many hooks share is copied once (``memo``, by identity: review
     42d, a dict of every parameter in every hook's closure made the snapshot quadratic); a hook
     whose state cannot be read (a dead weak proxy in its closure) keeps what was read of it."""
     kept: list[tuple[Any, ...]] = []
@@ -933,8 +1084,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
 
     def held(cell: Any, value: Any) -> None:
         kept.append(("cell", cell, value, copied(value) if type(value) in _CONTAINERS else None))
-        if type(value) in _CONTAINERS:
-            kept.extend(inner(value))
+        if type(value) in _CONTAINERS and (pieces := inner(value)):
+            kept.append(("inner", value, pieces))
 
     def copied(v: Any) -> Any:
         if id(v) not in memo:
@@ -942,23 +1093,40 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         return memo[id(v)][1]
 
     def inner(v: Any) -> list[tuple[Any, ...]]:
-        # (the lists, dicts, sets or deques container v holds, one level below, each with its contents:
-        # a dict of per-layer lists a hook appends to, or of per-layer counts; reviews 43a, 43e. Once a
-        # container: a dict of every parameter is walked once, not once a hook. Not in a container of over
-        # 4,096 items: a dict is judged whole or not at all, review 43f; a list of over 4,096 by its length,
-        # what is appended to it looked at, not copied: a log of every step's numbers, review 43g)
+        # (the lists, dicts, sets or deques container v holds, two levels below, each with its contents:
+        # a dict of per-layer lists a hook appends to, or of per-layer counts, reviews 43a, 43e; a dict of
+        # per-layer records, ``{"acts": [...]}``, 43h. Once a container: a dict of every parameter is walked
+        # once, not once a hook, and each hook holding it is given one ("inner", v, pieces). A list of over
+        # 4,096 items by its length, what is appended to it looked at, not copied: a log of every step's
+        # numbers, review 43g; the others copied while _INNER_BUDGET items last: a dict of 5,000 per-module
+        # lists is judged whole, review 43h)
         key = ("inner", id(v))
         if key not in memo:
-            items = (v.values() if isinstance(v, dict) else v) if len(v) <= _INNER_MOST else ()
-            memo[key] = (v, [("contents", x, copied(x)) if len(x) <= _INNER_MOST else ("length", x, len(x))
-                             for x in items if type(x) in _CONTAINERS
-                             and (len(x) <= _INNER_MOST or isinstance(x, (list, collections.deque)))])
+            pieces: list[tuple[Any, ...]] = []
+            budget = _INNER_BUDGET
+
+            def below(c: Any, depth: int) -> None:
+                nonlocal budget
+                for x in list(c.values() if isinstance(c, dict) else c):
+                    if type(x) not in _CONTAINERS:
+                        continue
+                    if len(x) > _INNER_MOST and isinstance(x, (list, collections.deque)):
+                        pieces.append(("length", x, len(x), (x[0], x[-1]) if x else ()))
+                    elif len(x) <= budget:
+                        budget -= len(x)
+                        pieces.append(("contents", x, copied(x)))
+                        if depth < 2:
+                            below(x, depth + 1)
+
+            if len(v) <= _INNER_BUDGET:
+                below(v, 1)
+            memo[key] = (v, pieces)
         return memo[key][1]
 
     def attributes(obj: Any) -> None:
         # (a hook object's, or the object whose method the hook is: each attribute a cell of its own,
         # one for every hook that holds the object, so that it is judged and given back once)
-        if isinstance(obj, (torch.nn.Module, type, weakref.ProxyTypes)) or id(obj) in objects or _torch_own(obj):
+        if isinstance(obj, (torch.nn.Module, type, weakref.ProxyTypes)) or id(obj) in objects or _framework_own(obj):
             return
         objects.add(id(obj))
         for name, value in list(getattr(obj, "__dict__", {}).items()):
@@ -977,7 +1145,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
             for v in (*f.args, *f.keywords.values()):
                 if type(v) in _CONTAINERS:
                     kept.append(("contents", v, copied(v)))
-                    kept.extend(inner(v))
+                    if pieces := inner(v):
+                        kept.append(("inner", v, pieces))
                 elif callable(v):
                     visit(v, depth + 1, False)
             visit(f.func, depth + 1, hook)
@@ -994,6 +1163,22 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                 held(cell, value)
                 if callable(value):
                     visit(value, depth + 1, False)
+                if _user_made(value):  # (``self`` of the method that made the hook: ``self.features[name] = out``)
+                    attributes(value)
+            if _user_code(f):  # (the tutorials' ``activation = {}`` at a script's top: review 43h)
+                for name in _names_loaded(f.__code__):
+                    value = f.__globals__.get(name, _GONE)
+                    if value is _GONE or isinstance(value, (types.ModuleType, type, torch.nn.Module)):
+                        continue
+                    if isinstance(value, types.FunctionType):  # (a helper the hook calls: ``record(name, out)``)
+                        visit(value, depth + 1, False)
+                    elif not callable(value) or _user_made(value):
+                        key = ("global", id(f.__globals__), name)
+                        if key not in memo:
+                            memo[key] = (f.__globals__, _GlobalCell(f.__globals__, name))
+                        held(memo[key][1], value)
+                        if _user_made(value):
+                            attributes(value)
             if (wrapped := getattr(f, "__wrapped__", None)) is not None:
                 visit(wrapped, depth + 1, hook)
         elif hook and not isinstance(f, types.BuiltinFunctionType):
@@ -1011,6 +1196,9 @@ def _state_back(kept: list[tuple[Any, ...]], done: set[int]) -> None:
     in place, once (``done``: the containers given back already, by identity; review 42d: one
     dict every hook shares was refilled once a hook)."""
     for kind, target, *rest in kept:
+        if kind == "inner":  # (the containers below a container: :func:`_hook_state`)
+            _state_back(rest[0], done)
+            continue
         if kind == "length":
             if id(target) not in done and len(target) > rest[0]:
                 done.add(id(target))

@@ -11,6 +11,7 @@ while staying finite in fp32.
 from __future__ import annotations
 
 import math
+import queue
 import warnings
 from collections import OrderedDict
 
@@ -744,13 +745,16 @@ def test_under_fp8_the_fp32_replays_compute_the_float8_layers_in_fp32():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16), InfBelowFP32())
     assert convert_to_fp8(model) == ["1"]
-    seen = []  # (autocast on, input, output) of each call of the float8 layer
-    model[1].register_forward_hook(lambda m, args, out: seen.append((torch.is_autocast_enabled("cpu"), args[0], out)))
+    # (autocast on, input, output) of each call of the float8 layer; in a queue, which the replays' put-back
+    # does not look into (what they capture into a hook's list is put back)
+    calls = queue.SimpleQueue()
+    model[1].register_forward_hook(lambda m, args, out: calls.put((torch.is_autocast_enabled("cpu"), args[0], out)))
     x, y = torch.randn(8, 16), torch.zeros(8, 16)
     d = diagnose(model, F.mse_loss, x, y, Precision("fp8", "cpu"))
     assert (d.verdict, d.amp.name, d.fp32.where, d.fp32_scope) == ("precision-range", "3", "none", "3")
     plain = lambda inputs: F.linear(inputs, model[1].weight, model[1].bias)  # noqa: E731
     # the AMP pass, the FP32 replay, the float8 scales' replay (under AMP too)
+    seen = [calls.get() for _ in range(calls.qsize())]
     (amp_on, amp_in, amp_out), (fp32_on, fp32_in, fp32_out), (scales_on, *_) = seen[:3]
     assert amp_on and scales_on and not torch.allclose(amp_out.float(), plain(amp_in.float()))  # float8 ran under AMP
     assert not fp32_on and fp32_out.dtype == torch.float32 and torch.equal(fp32_out, plain(fp32_in))

@@ -159,3 +159,166 @@ def test_one_object_on_many_layers_is_judged_and_given_back_once():
     memo: dict = {}
     first, second = checkpoint._hook_state(saved, memo), checkpoint._hook_state(saved, memo)
     assert first[0][1] is second[0][1]  # (one cell for the attribute: judged by one key)
+
+
+def test_features_a_hook_keeps_on_the_object_of_the_method_that_made_it_are_put_back():
+    # the forums' feature extractor: a method makes each layer's hook, which writes ``self.features[name]``
+    class Extractor:
+        def __init__(self, model: nn.Module) -> None:
+            self.features: dict[str, torch.Tensor] = {}
+            for name, layer in model.named_children():
+                layer.register_forward_hook(self.saver(name))
+
+        def saver(self, name: str):
+            def save(module, args, out):
+                self.features[name] = out
+            return save
+
+    model = toy()
+    extractor = Extractor(model)
+    assert checked(model) == []
+    assert extractor.features == {}
+
+
+def test_a_library_object_in_a_hooks_closure_is_its_own():
+    # a logger's cache of levels, filled by the hook's logging: no state of the hook's, no warning
+    import logging
+
+    log = logging.getLogger("ampguard.tests.hook")
+    log.setLevel(logging.WARNING)
+
+    def quiet(module, args, out):
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("never")
+
+    model = toy()
+    model[0].register_forward_hook(quiet)
+    assert checked(model) == []
+    assert not checkpoint._user_made(log) and checkpoint._user_made(SaveOutput())
+    assert not checkpoint._user_made(collections.OrderedDict()) and not checkpoint._user_made(torch.ones(1))
+    assert not checkpoint._user_made(Precision("fp32", "cpu"))  # (ampguard's own: fp8's casts keep theirs)
+
+
+# review 43h (of 2991611; /tmp/review_43h)
+
+ACTS: list[torch.Tensor] = []  # (the tutorials' global: ``activation = {}`` at a script's top)
+CALLS = 0
+
+
+def to_global(module, args, out):
+    ACTS.append(out)
+
+
+def counted(module, args, out):
+    global CALLS
+    CALLS += 1
+
+
+def test_outputs_a_hook_appends_to_a_global_list_are_put_back():
+    # 43h #3: 3 stale activations stayed in the module's list (the run's first loss 1.192 vs 1.132), unsaid
+    model = toy()
+    model[0].register_forward_hook(to_global)
+    ACTS.append(torch.ones(1))  # (one from before the check stays)
+    try:
+        assert checked(model) == []
+        assert len(ACTS) == 1
+    finally:
+        ACTS.clear()
+
+
+def test_a_global_counter_a_hook_moves_is_said():
+    global CALLS
+    model, CALLS = toy(), 0
+    model[0].register_forward_hook(counted)
+    said = checked(model)
+    assert len(said) == 1 and "keeps in its closure or object (a forward hook on Linear)" in said[0], said
+    assert CALLS > 0  # (left: a count cannot be told from a log)
+
+
+def test_a_librarys_function_is_not_read_for_its_globals():
+    assert checkpoint._user_code(to_global) and not checkpoint._user_code(nn.functional.relu)
+    assert not checkpoint._user_code(checkpoint.untouched)  # (ampguard's own, wherever it is installed)
+
+
+def test_outputs_tagged_with_their_layers_name_are_a_capture():
+    # 43h #7: a name beside the output made it state: a warning at every start-up, and the outputs stayed
+    for record in (lambda name, out: (name, out), lambda name, out: {"layer": name, "out": out, "step": 1}):
+        model, feats = toy(), []
+        model[0].register_forward_hook(lambda m, a, out, record=record: feats.append(record("0", out)))
+        assert checked(model) == []
+        assert feats == []
+
+
+def test_per_layer_generators_in_a_closures_list_are_given_their_state_back():
+    # 43h #4: noise drawn from gens[i] moved them, silently
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    states = [g.get_state() for g in gens]
+    model = toy()
+    for i, layer in enumerate((model[0], model[2])):
+        layer.register_forward_hook(lambda m, a, out, i=i: out + 0.01 * torch.randn(out.shape, generator=gens[i]))
+    assert checked(model) == []
+    assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, states))
+
+
+def test_per_layer_records_two_levels_down_are_put_back():
+    # 43h #2: ``records[name]["acts"]`` kept the check's outputs: the run's first loss 1.107 vs 0.924
+    model = toy()
+    records = {name: {"acts": [], "calls": []} for name, _ in model.named_children()}
+    for name, layer in model.named_children():
+        layer.register_forward_hook(lambda m, a, out, name=name: records[name]["acts"].append(out))
+    assert checked(model) == []
+    assert all(r == {"acts": [], "calls": []} for r in records.values())
+
+
+def test_a_dict_of_over_4096_per_module_lists_is_put_back_and_each_hook_holds_it_once():
+    # 43h #5 and #6: over 4,096 keys nothing was judged (the check's outputs stayed, unsaid); under, each hook's
+    # state listed every list (4,096 hooks: 93 s, 2.5 GiB)
+    model = nn.Sequential(*[nn.Identity() for _ in range(4200)], nn.Linear(4, 2))
+    acts = {name: [] for name, _ in model.named_children()}
+    for name, layer in model.named_children():
+        layer.register_forward_hook(lambda m, a, out, name=name: acts[name].append(out))
+    assert checked(model) == []
+    assert all(v == [] for v in acts.values())
+    memo: dict = {}
+    states = [checkpoint._hook_state(hook, memo) for layer in model for hook in layer._forward_hooks.values()]
+    assert max(len(s) for s in states) <= 3 and states[0][-1][2] is states[-1][-1][2]  # (the lists: one shared piece)
+
+
+def test_a_full_window_below_a_container_that_moved_on_is_said():
+    # 43h #8: a deque(maxlen=5000) of amaxes, full, one level down: judged by its length alone, the check's
+    # entries stayed unsaid
+    window = collections.deque([0.0] * 5000, maxlen=5000)
+    history = {"amax": window}
+    model = toy()
+    model[0].register_forward_hook(lambda m, a, out: history["amax"].append(out.detach().abs().max().item()))
+    said = checked(model)
+    assert len(said) == 1 and "keeps in its closure or object" in said[0], said
+    grown = {"log": list(range(5000))}
+    model = toy()
+    model[0].register_forward_hook(lambda m, a, out: grown["log"].append(out.detach()))
+    assert checked(model) == []  # (a long list appended to: cut back to its length)
+    assert grown["log"] == list(range(5000))
+
+
+def test_a_tensor_a_hook_keeps_and_changes_in_place_is_said():
+    # 43h #1: a hand-rolled delayed scaling's history rolled in place (``copy_``), a running sum kept by ``+=`` in a
+    # closure's dict: neither put back nor said (the run's first output 0.49 off a plain loop's)
+    history, stats = torch.zeros(4), {"sq": torch.zeros(()), "n": torch.zeros(())}
+
+    def delayed(module, args, out):
+        history.copy_(torch.roll(history, 1))
+        history[0] = out.detach().abs().max()
+        return out / history.max()
+
+    def running(module, args, out):
+        stats["sq"] += out.detach().pow(2).mean()
+        stats["n"] += 1
+
+    for hook, kind in ((delayed, "Linear"), (running, "Tanh")):
+        model = toy()
+        model[0 if kind == "Linear" else 1].register_forward_hook(hook)
+        said = checked(model)
+        assert len(said) == 1 and f"keeps in its closure or object (a forward hook on {kind})" in said[0], said
+    plain = toy()
+    plain[2].register_forward_hook(lambda m, a, out: out * plain[2].weight.sum())  # (the model's own: not said)
+    assert checked(plain) == []
