@@ -12,7 +12,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dis
 import functools
+import inspect
 import itertools
 import os
 import pickle
@@ -604,7 +606,8 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
 
 def _verdict_of(changed: list[Any], trained: frozenset[int], cell: bool = False) -> str | None:
     """:func:`_state_verdict` of the values a piece of state gained or lost (None, an empty list,
-    tuple or dict, where a capture starts, and :data:`_GONE` aside: review 43c). None or empty ones
+    tuple, dict or other container, where a capture starts, and :data:`_GONE` aside: review 43c; 43i, timm's
+    ``get_output`` gives the device's slot a new ``OrderedDict()``). None or empty ones
     alone are a capture in a container (an attention layer's ``(out, None)``'s None appended:
     review 43g) and a ``"start"`` in a ``cell`` (a flag a setup was done behind, ``if state is
     None: state = {}``: put back where the setup is the model's, which is put back too, review
@@ -613,7 +616,7 @@ def _verdict_of(changed: list[Any], trained: frozenset[int], cell: bool = False)
     changed = [x for x in changed if x is not _GONE]
     if not changed:
         return None
-    changed = [x for x in changed if x is not None and not (type(x) in (list, tuple, dict) and not x)]
+    changed = [x for x in changed if x is not None and not ((type(x) in _CONTAINERS or type(x) is tuple) and not x)]
     if not changed:
         return "start" if cell else "captured"
     if all(_captured(x, trained) for x in changed):
@@ -850,8 +853,10 @@ def _generators_in(kept: list[_Kept]) -> list[Callable[[], None]]:
                         hook = hook.func
 
     found: dict[int, Callable[[], None]] = {}
+    tested: set[int] = set()  # (each value once, however many hooks hold it: review 43i, 4,096 hooks 10 s)
     for v in candidates():
-        if id(v) not in found:
+        if id(v) not in tested:
+            tested.add(id(v))
             try:
                 back = _generator_kept(v)
             except Exception:  # (one whose state cannot be read: SystemRandom's)
@@ -887,21 +892,37 @@ _GONE = object()
 class _AttrCell:
     """An attribute of a hook's object read and written as a closure's cell is (``cell_contents``):
     :func:`_hook_state` keeps it as one, so that what a pass captured into ``self.outputs`` is
-    judged and put back as what it captured into a closure's list (:func:`_state_verdict`). An
-    attribute a pass deleted reads :data:`_GONE`."""
+    judged and put back as what it captured into a closure's list (:func:`_state_verdict`). One
+    not there reads :data:`_GONE`, and is taken out again when put back so (``if not hasattr(self,
+    "outs"): self.outs = []``: review 43i). In the object's ``__dict__``, as read (no
+    ``__setattr__`` of its class runs), or its slot (``@dataclass(slots=True)``)."""
 
-    __slots__ = ("obj", "name")
+    __slots__ = ("obj", "name", "slot")
 
     def __init__(self, obj: Any, name: str) -> None:
         self.obj, self.name = obj, name
+        self.slot = not hasattr(obj, "__dict__") or any(
+            name in ((names,) if isinstance(names, str) else names)
+            for names in (vars(c).get("__slots__", ()) for c in type(obj).__mro__))
 
     @property
     def cell_contents(self) -> Any:
-        return getattr(self.obj, "__dict__", {}).get(self.name, _GONE)
+        if self.slot:
+            return getattr(self.obj, self.name, _GONE)
+        return vars(self.obj).get(self.name, _GONE)
 
     @cell_contents.setter
-    def cell_contents(self, value: Any) -> None:  # (in its __dict__, as read: no __setattr__ of its class runs)
-        vars(self.obj)[self.name] = value
+    def cell_contents(self, value: Any) -> None:
+        if self.slot:
+            if value is _GONE:
+                with contextlib.suppress(AttributeError):
+                    object.__delattr__(self.obj, self.name)
+            else:
+                object.__setattr__(self.obj, self.name, value)
+        elif value is _GONE:
+            vars(self.obj).pop(self.name, None)
+        else:
+            vars(self.obj)[self.name] = value
 
 
 class _GlobalCell:
@@ -923,13 +944,45 @@ class _GlobalCell:
         self.scope[self.name] = value
 
 
-def _names_loaded(code: types.CodeType) -> Iterator[str]:
-    """The global (and attribute) names ``code`` and the code objects in it (a comprehension's, a
-    nested function's) load."""
-    yield from code.co_names
+@functools.lru_cache(maxsize=4096)
+def _names_used(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
+    """The global names and the attribute names ``code`` and the code objects in it (a
+    comprehension's, a nested function's) load, store or delete: what of a module's globals, and of
+    an object's attributes, a hook's code can reach (review 43i: by ``co_names``, ``o.data`` read a
+    global ``data`` of 300k items, and every attribute of ``self`` was its state, a trainer's
+    dataset and the loss's step counter among them)."""
+    found: tuple[set[str], set[str]] = (set(), set())
+    for instruction in dis.get_instructions(code):
+        if instruction.opname.endswith("_GLOBAL"):
+            found[0].add(instruction.argval)
+        elif instruction.opname.endswith(("_ATTR", "_METHOD")):
+            found[1].add(instruction.argval)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _names_loaded(const)
+            more = _names_used(const)
+            found[0].update(more[0])
+            found[1].update(more[1])
+    return frozenset(found[0]), frozenset(found[1])
+
+
+def _method_code(attribute: Any) -> types.CodeType | None:
+    """The code of a class's ``attribute`` if it is a method (a function, a static or class method,
+    a property's getter), else None: code, not state (:func:`_hook_state`)."""
+    function = getattr(attribute, "__func__", getattr(attribute, "fget", attribute))
+    return function.__code__ if isinstance(function, types.FunctionType) else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _attributes_used(cls: type, names: frozenset[str]) -> frozenset[str]:
+    """``names`` and the attribute names the methods of ``cls`` they name use, and so on: what of an
+    object of ``cls`` a hook's code reaches (``self._store(out)``, which appends to ``self.buf``)."""
+    found, todo = set(names), list(names)
+    while todo:
+        if (code := _method_code(inspect.getattr_static(cls, todo.pop(), None))) is not None:
+            for name in _names_used(code)[1] - found:
+                found.add(name)
+                todo.append(name)
+    return frozenset(found)
 
 
 def _user_code(f: types.FunctionType) -> bool:
@@ -995,6 +1048,10 @@ attribute that is a list, dict, set or deque."""
 _INNER_MOST = 4096
 """The most items a list below a hook's container may have to be copied and put back whole; a
 longer one is judged by its length and ends (:func:`_hook_state`)."""
+
+_INNER_PIECES = 16384
+"""The most containers judged below one hook's container (a dict of per-module lists: one per
+module; a list of 300k records is not walked past them: review 43i; :func:`_hook_state`)."""
 
 _INNER_BUDGET = 1 << 20
 """The most items the containers below one hook's container may hold together to be copied (about
@@ -1080,7 +1137,7 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
     whose state cannot be read (a dead weak proxy in its closure) keeps what was read of it."""
     kept: list[tuple[Any, ...]] = []
     seen: set[int] = set()
-    objects: set[int] = set()
+    objects: set[tuple[int, str]] = set()
 
     def held(cell: Any, value: Any) -> None:
         kept.append(("cell", cell, value, copied(value) if type(value) in _CONTAINERS else None))
@@ -1108,6 +1165,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
             def below(c: Any, depth: int) -> None:
                 nonlocal budget
                 for x in list(c.values() if isinstance(c, dict) else c):
+                    if len(pieces) >= _INNER_PIECES:
+                        return
                     if type(x) not in _CONTAINERS:
                         continue
                     if len(x) > _INNER_MOST and isinstance(x, (list, collections.deque)):
@@ -1123,17 +1182,25 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
             memo[key] = (v, pieces)
         return memo[key][1]
 
-    def attributes(obj: Any) -> None:
-        # (a hook object's, or the object whose method the hook is: each attribute a cell of its own,
-        # one for every hook that holds the object, so that it is judged and given back once)
-        if isinstance(obj, (torch.nn.Module, type, weakref.ProxyTypes)) or id(obj) in objects or _framework_own(obj):
+    def attributes(obj: Any, names: frozenset[str], depth: int = 0) -> None:
+        # (a hook object's, or the object whose method the hook is, or one of the user's classes its code
+        # reaches: the attributes its code uses (``names``, and those its methods use: _attributes_used), each
+        # a cell of its own, one for every hook that holds the object, so that it is judged and given back
+        # once; one not there yet too, which a pass may add; an object of the user's classes in one, once)
+        if depth > 1 or isinstance(obj, (torch.nn.Module, type, weakref.ProxyTypes)) or _framework_own(obj):
             return
-        objects.add(id(obj))
-        for name, value in list(getattr(obj, "__dict__", {}).items()):
+        cls = type(obj)
+        for name in sorted(_attributes_used(cls, names)):
+            if (id(obj), name) in objects or _method_code(inspect.getattr_static(cls, name, None)) is not None:
+                continue  # (once a hook; a method is code, not state)
+            objects.add((id(obj), name))
             key = ("attribute", id(obj), name)
             if key not in memo:
                 memo[key] = (obj, _AttrCell(obj, name))
+            value = memo[key][1].cell_contents
             held(memo[key][1], value)
+            if _user_made(value):
+                attributes(value, names, depth + 1)
 
     def visit(f: Any, depth: int, hook: bool = True) -> None:
         # (hook: f is the hook, or what it calls as it (a partial's function, a decorator's wrapped
@@ -1151,8 +1218,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                     visit(v, depth + 1, False)
             visit(f.func, depth + 1, hook)
         elif isinstance(f, types.MethodType):
-            if hook:
-                attributes(f.__self__)
+            if hook and (code := _method_code(f.__func__)) is not None:
+                attributes(f.__self__, _names_used(code)[1])
             visit(f.__func__, depth + 1, False)
         elif isinstance(f, types.FunctionType):
             for cell in f.__closure__ or ():
@@ -1164,9 +1231,9 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                 if callable(value):
                     visit(value, depth + 1, False)
                 if _user_made(value):  # (``self`` of the method that made the hook: ``self.features[name] = out``)
-                    attributes(value)
+                    attributes(value, _names_used(f.__code__)[1])
             if _user_code(f):  # (the tutorials' ``activation = {}`` at a script's top: review 43h)
-                for name in _names_loaded(f.__code__):
+                for name in sorted(_names_used(f.__code__)[0]):
                     value = f.__globals__.get(name, _GONE)
                     if value is _GONE or isinstance(value, (types.ModuleType, type, torch.nn.Module)):
                         continue
@@ -1178,11 +1245,11 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                             memo[key] = (f.__globals__, _GlobalCell(f.__globals__, name))
                         held(memo[key][1], value)
                         if _user_made(value):
-                            attributes(value)
+                            attributes(value, _names_used(f.__code__)[1])
             if (wrapped := getattr(f, "__wrapped__", None)) is not None:
                 visit(wrapped, depth + 1, hook)
-        elif hook and not isinstance(f, types.BuiltinFunctionType):
-            attributes(f)
+        elif hook and (code := _method_code(inspect.getattr_static(type(f), "__call__", None))) is not None:
+            attributes(f, _names_used(code)[1])  # (a hook object: what its __call__ uses)
 
     try:
         visit(hook, 0)
