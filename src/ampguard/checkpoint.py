@@ -950,7 +950,9 @@ def _names_used(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
     comprehension's, a nested function's) load, store or delete: what of a module's globals, and of
     an object's attributes, a hook's code can reach (review 43i: by ``co_names``, ``o.data`` read a
     global ``data`` of 300k items, and every attribute of ``self`` was its state, a trainer's
-    dataset and the loss's step counter among them)."""
+    dataset and the loss's step counter among them). A name in a string (``getattr(self, "outs")``)
+    is one too, and code that makes names as it runs (``getattr``, ``setattr``, ``vars``,
+    ``__dict__``) is given ``"*"``: every attribute."""
     found: tuple[set[str], set[str]] = (set(), set())
     for instruction in dis.get_instructions(code):
         if instruction.opname.endswith("_GLOBAL"):
@@ -962,6 +964,10 @@ def _names_used(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
             more = _names_used(const)
             found[0].update(more[0])
             found[1].update(more[1])
+        elif isinstance(const, str) and const.isidentifier():  # (``getattr(self, "outs")``, ``hasattr``)
+            found[1].add(const)
+    if found[0] & {"getattr", "setattr", "delattr", "vars"} or "__dict__" in found[1]:
+        found[1].add("*")  # (a name made as it runs: every attribute the object has)
     return frozenset(found[0]), frozenset(found[1])
 
 
@@ -1190,7 +1196,10 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         if depth > 1 or isinstance(obj, (torch.nn.Module, type, weakref.ProxyTypes)) or _framework_own(obj):
             return
         cls = type(obj)
-        for name in sorted(_attributes_used(cls, names)):
+        used = _attributes_used(cls, names)
+        if "*" in used:
+            used = (used | set(getattr(obj, "__dict__", ()))) - {"*"}
+        for name in sorted(used):
             if (id(obj), name) in objects or _method_code(inspect.getattr_static(cls, name, None)) is not None:
                 continue  # (once a hook; a method is code, not state)
             objects.add((id(obj), name))

@@ -454,3 +454,21 @@ def test_a_value_many_hooks_hold_is_tested_for_a_generator_once(monkeypatch):
         layer.register_forward_hook(trainer.saver(str(i)))
     checked(model)
     assert len(tested) == len(set(tested))
+
+
+def test_attributes_a_hook_reaches_by_name_are_its_state():
+    # (static names miss ``getattr(self, name)``: a name in a string is one, and a name made as it runs reads all)
+    class ByName:
+        def __init__(self, layer: str) -> None:
+            self.layer, self.outs_0 = layer, []
+
+        def __call__(self, module, args, out):
+            getattr(self, f"outs_{self.layer}").append(out)
+            if not hasattr(self, "seen"):
+                setattr(self, "seen", True)
+
+    model, hook = toy(), ByName("0")
+    model[0].register_forward_hook(hook)
+    said = checked(model)
+    assert len(said) == 1 and "keeps in its closure or object" in said[0], said  # (the flag a pass set: said)
+    assert "*" in checkpoint._names_used(ByName.__call__.__code__)[1]
