@@ -584,6 +584,16 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
     one for None: a flag a setup was done behind, ``if state is None: state = {}``), or
     ``"state"`` (anything else: a count, a flag). ``trained``: :func:`_trained`'s."""
     kind, target, *rest = held
+    if kind == "loose":  # (an attribute a hook's code does not name: a capture, or nothing to say)
+        value, look = rest
+        now = target.cell_contents
+        if now is not value:
+            verdict = _verdict_of([value, now], trained, cell=True)
+        elif look is None:
+            return None
+        else:
+            verdict = _state_verdict((look[0], now, *look[1:]), trained)
+        return "captured" if verdict == "captured" else None
     if kind == "length":  # (a long list one level down: only what was appended is looked at)
         length, ends = rest
         if len(target) < length or length and (target[0] is not ends[0] or target[length - 1] is not ends[1]):
@@ -844,8 +854,13 @@ def _generators_in(kept: list[_Kept]) -> list[Callable[[], None]]:
             for v in held.values():
                 yield from few(v)
             for _, _, before, states in hooks:  # (per-layer generators in a closure's list: review 43h)
-                for v in (piece[2] for pieces in states.values() for piece in pieces if piece[0] == "cell"):
-                    yield from few(v)
+                for pieces in states.values():
+                    for piece in pieces:
+                        if piece[0] == "inner" and id(piece[2]) not in tested:  # (an object's other attributes)
+                            tested.add(id(piece[2]))
+                            yield from (v for p in piece[2] if p[0] == "loose" for v in few(p[2]))
+                        elif piece[0] == "cell":
+                            yield from few(piece[2])
                 for hook in before.values():
                     while isinstance(hook, functools.partial):
                         for v in (*hook.args, *hook.keywords.values()):
@@ -971,23 +986,49 @@ def _names_used(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(found[0]), frozenset(found[1])
 
 
-def _method_code(attribute: Any) -> types.CodeType | None:
+def _method_codes(attribute: Any) -> list[types.CodeType]:
     """The code of a class's ``attribute`` if it is a method (a function, a static or class method,
-    a property's getter), else None: code, not state (:func:`_hook_state`)."""
-    function = getattr(attribute, "__func__", getattr(attribute, "fget", attribute))
-    return function.__code__ if isinstance(function, types.FunctionType) else None
+    a property's getter and setter, a ``cached_property``'s or ``partialmethod``'s function), through
+    its decorators (``@torch.no_grad()``: review 43j, the wrapper's code named none of the method's
+    attributes), else none: code, not state (:func:`_hook_state`). By type, not by asking the
+    attribute (a config object whose ``__getattr__`` raises: 43j)."""
+    if isinstance(attribute, property):
+        functions = [attribute.fget, attribute.fset, attribute.fdel]
+    elif isinstance(attribute, (staticmethod, classmethod)):
+        functions = [attribute.__func__]
+    elif isinstance(attribute, (functools.cached_property, functools.partialmethod)):
+        functions = [attribute.func]
+    else:
+        functions = [attribute]
+    codes = []
+    for function in functions:
+        with contextlib.suppress(Exception):
+            function = inspect.unwrap(function)
+        if isinstance(function, types.FunctionType):
+            codes.append(function.__code__)
+    return codes
+
+
+def _attributes_used(cls: type, names: frozenset[str]) -> frozenset[str]:
+    """``names`` and the attribute names the methods of ``cls`` they name use (each definition
+    along its MRO: ``super().__call__``, review 43j), and so on: what of an object of ``cls`` a
+    hook's code reaches (``self._store(out)``, which appends to ``self.buf``)."""
+    try:
+        return _attributes_used_cached(cls, names)
+    except TypeError:  # (a class that cannot be hashed: its metaclass defines __eq__)
+        return _attributes_used_cached.__wrapped__(cls, names)
 
 
 @functools.lru_cache(maxsize=1024)
-def _attributes_used(cls: type, names: frozenset[str]) -> frozenset[str]:
-    """``names`` and the attribute names the methods of ``cls`` they name use, and so on: what of an
-    object of ``cls`` a hook's code reaches (``self._store(out)``, which appends to ``self.buf``)."""
+def _attributes_used_cached(cls: type, names: frozenset[str]) -> frozenset[str]:
     found, todo = set(names), list(names)
     while todo:
-        if (code := _method_code(inspect.getattr_static(cls, todo.pop(), None))) is not None:
-            for name in _names_used(code)[1] - found:
-                found.add(name)
-                todo.append(name)
+        name = todo.pop()
+        for c in cls.__mro__:
+            for code in _method_codes(vars(c).get(name)):
+                for more in _names_used(code)[1] - found:
+                    found.add(more)
+                    todo.append(more)
     return frozenset(found)
 
 
@@ -1188,28 +1229,49 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
             memo[key] = (v, pieces)
         return memo[key][1]
 
+    def cell_of(obj: Any, name: str) -> _AttrCell:
+        key = ("attribute", id(obj), name)
+        if key not in memo:
+            memo[key] = (obj, _AttrCell(obj, name))
+        return memo[key][1]
+
     def attributes(obj: Any, names: frozenset[str], depth: int = 0) -> None:
         # (a hook object's, or the object whose method the hook is, or one of the user's classes its code
-        # reaches: the attributes its code uses (``names``, and those its methods use: _attributes_used), each
-        # a cell of its own, one for every hook that holds the object, so that it is judged and given back
-        # once; one not there yet too, which a pass may add; an object of the user's classes in one, once)
+        # reaches: the attributes its code uses (``names``, its __call__'s if it is called, and those their
+        # methods use: _attributes_used), each a cell of its own, one for every hook that holds the object, so
+        # that it is judged and given back once; one not there yet too, which a pass may add; an object of the
+        # user's classes in one, once. The others, which code the names miss may reach (a helper given self,
+        # ``vars(self)``, a callable stored on it: review 43j), held by reference and looked at in O(1),
+        # ("loose", ...): what a pass appended or bound there put back where it is a capture, nothing said)
         if depth > 1 or isinstance(obj, (torch.nn.Module, type, weakref.ProxyTypes)) or _framework_own(obj):
             return
         cls = type(obj)
-        used = _attributes_used(cls, names)
-        if "*" in used:
-            used = (used | set(getattr(obj, "__dict__", ()))) - {"*"}
+        try:
+            used = _attributes_used(cls, names | {"__call__"})
+            used = {name for name in used if name != "*" and not (name.startswith("__") and name.endswith("__"))
+                    and not _method_codes(inspect.getattr_static(cls, name, None))}
+        except Exception:  # (a class that cannot be looked into: every attribute, loosely)
+            used = set()
+        if (id(obj), None) in objects:
+            return
+        objects.add((id(obj), None))
         for name in sorted(used):
-            if (id(obj), name) in objects or _method_code(inspect.getattr_static(cls, name, None)) is not None:
-                continue  # (once a hook; a method is code, not state)
-            objects.add((id(obj), name))
-            key = ("attribute", id(obj), name)
-            if key not in memo:
-                memo[key] = (obj, _AttrCell(obj, name))
-            value = memo[key][1].cell_contents
-            held(memo[key][1], value)
+            value = cell_of(obj, name).cell_contents
+            held(cell_of(obj, name), value)
             if _user_made(value):
-                attributes(value, names, depth + 1)
+                attributes(value, frozenset(used), depth + 1)
+        key = ("loose", id(obj), frozenset(used))  # (one list for every hook holding the object: judged once)
+        if key not in memo:
+            memo[key] = (obj, [("loose", cell_of(obj, name), value,
+                                ("length", len(value), (value[0], value[-1]) if value else ())
+                                if type(value) in (list, collections.deque) else ("contents", copied(value))
+                                if type(value) in _CONTAINERS and len(value) <= _INNER_MOST else None)
+                               for name, value in list(getattr(obj, "__dict__", {}).items()) if name not in used])
+        for piece in memo[key][1]:
+            if isinstance(piece[2], types.FunctionType):  # (a callable stored on it: ``self.record = ...``)
+                visit(piece[2], 1, False)
+        if memo[key][1]:
+            kept.append(("inner", obj, memo[key][1]))
 
     def visit(f: Any, depth: int, hook: bool = True) -> None:
         # (hook: f is the hook, or what it calls as it (a partial's function, a decorator's wrapped
@@ -1227,8 +1289,9 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                     visit(v, depth + 1, False)
             visit(f.func, depth + 1, hook)
         elif isinstance(f, types.MethodType):
-            if hook and (code := _method_code(f.__func__)) is not None:
-                attributes(f.__self__, _names_used(code)[1])
+            if hook:
+                attributes(f.__self__, frozenset([getattr(f.__func__, "__name__", "")]).union(
+                    *(_names_used(code)[1] for code in _method_codes(f.__func__))))
             visit(f.__func__, depth + 1, False)
         elif isinstance(f, types.FunctionType):
             for cell in f.__closure__ or ():
@@ -1257,8 +1320,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                             attributes(value, _names_used(f.__code__)[1])
             if (wrapped := getattr(f, "__wrapped__", None)) is not None:
                 visit(wrapped, depth + 1, hook)
-        elif hook and (code := _method_code(inspect.getattr_static(type(f), "__call__", None))) is not None:
-            attributes(f, _names_used(code)[1])  # (a hook object: what its __call__ uses)
+        elif hook and not isinstance(f, types.BuiltinFunctionType):
+            attributes(f, frozenset())  # (a hook object: what its __call__ uses)
 
     try:
         visit(hook, 0)
@@ -1274,6 +1337,13 @@ def _state_back(kept: list[tuple[Any, ...]], done: set[int]) -> None:
     for kind, target, *rest in kept:
         if kind == "inner":  # (the containers below a container: :func:`_hook_state`)
             _state_back(rest[0], done)
+            continue
+        if kind == "loose":
+            value, look = rest
+            if target.cell_contents is not value:
+                target.cell_contents = value
+            elif look is not None:
+                _state_back([(look[0], value, *look[1:])], done)
             continue
         if kind == "length":
             if id(target) not in done and len(target) > rest[0]:
