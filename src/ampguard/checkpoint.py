@@ -582,9 +582,11 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
     tensor parallelism's, review 41b, agreeing with the hooks), ``"parameters"`` (such a record
     of parameters without one), ``"start"`` (a cell given None or an empty container, or given
     one for None: a flag a setup was done behind, ``if state is None: state = {}``), or
-    ``"state"`` (anything else: a count, a flag). ``trained``: :func:`_trained`'s."""
+    ``"state"`` (anything else: a count, a flag); of an object's attribute the hook's code does not
+    name (``"loose"``), ``"captured"`` or ``"loose"`` (anything else: left unsaid, with the object's
+    other such attributes, :func:`_hooks_judged`). ``trained``: :func:`_trained`'s."""
     kind, target, *rest = held
-    if kind == "loose":  # (an attribute a hook's code does not name: a capture, or nothing to say)
+    if kind == "loose":  # (an attribute a hook's code does not name: a capture, or "loose" to leave unsaid)
         value, look = rest
         now = target.cell_contents
         if now is not value:
@@ -593,7 +595,7 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
             return None
         else:
             verdict = _state_verdict((look[0], now, *look[1:]), trained)
-        return "captured" if verdict == "captured" else None
+        return verdict if verdict in (None, "captured") else "loose"
     if kind == "length":  # (a long list one level down: only what was appended is looked at)
         length, ends = rest
         if len(target) < length or length and (target[0] is not ends[0] or target[length - 1] is not ends[1]):
@@ -712,6 +714,8 @@ def _hooks_judged(kept: list[_Kept], trained: frozenset[int]
                     if held[0] == "inner":
                         if key not in inner:
                             below = [(_piece_key(piece), piece, _judged(piece, trained)) for piece in held[2]]
+                            if any(verdict == "loose" for _, _, verdict in below):  # (an object's other attributes:
+                                below = [(k, piece, None) for k, piece, _ in below]  # a flag moved, its cache stays)
                             inner[key] = ("inner", held[1], below)
                             verdicts[key] = frozenset(v for _, _, v in below if v is not None) or None
                         held = inner[key]

@@ -568,3 +568,22 @@ def test_a_cached_property_and_a_class_that_cannot_be_hashed_are_no_trouble():
     model[0].register_forward_hook(hook)
     assert checked(model) == []
     assert hook.outs == []
+
+
+def test_a_flag_beside_a_cache_on_an_object_the_hooks_code_does_not_name_leaves_both():
+    # (as 43c for the object's other attributes: its cache rewound beside its ``built`` flag left, the run's first
+    # forward read None)
+    class Rotary:
+        def __init__(self) -> None:
+            self.cos, self.built = None, False
+
+    def cached(rotary, out):  # (a helper given the object: the hook's code names neither attribute)
+        if not rotary.built:
+            rotary.cos, rotary.built = out.detach().cos(), True
+        return rotary.cos
+
+    model, rotary = toy(), Rotary()
+    model[0].register_forward_hook(lambda m, a, out: out * cached(rotary, out).mean())
+    assert checked(model) == []
+    assert rotary.built and rotary.cos is not None
+    model(BATCH[0])  # (the run's first forward works)
