@@ -1172,23 +1172,30 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
     (review 42b: a warm-up hook that counts down and removes itself at 0, put back with its count
     spent, went on for good); for one left in place, what a pass captured is put back
     (:func:`_captures_back`) and another change said (:func:`_hooks_state_moved`; 42c: the passes
-    had spent the run's warm-up steps, silently): its closure's cells (``("cell",
-    cell, value, contents)``), through the functions they hold and the ones it wraps
-    (``__wrapped__``: a ``torch.no_grad()``-decorated hook), and a ``functools.partial``'s
-    arguments' contents (``("contents", value, contents)``), and the attributes of a hook that is
-    an object (``SaveOutput()``, whose ``__call__`` appends to ``self.outputs``, the tutorials'
-    feature extractor, or the object whose method the hook is: timm's ``FeatureHooks``), each
-    as a cell (:class:`_AttrCell`; the forty-third session: the check's outputs stayed in such a
-    list, silently) -- but not those of torch's or ampguard's own (FSDP2's hooks are its state object's methods:
-    put back, its lazy initialisation ran again and refused the model; ``weight_norm``'s) -- and of
-    an object of the user's own classes in its closure (``self`` of the method that made the hook:
-    ``self.features[name] = out``; not a library's: a logger's cache, filled by the hook's logging).
-    Not a tensor changed in place. A container many hooks share is copied once (``memo``, by identity: review
-    42d, a dict of every parameter in every hook's closure made the snapshot quadratic); a hook
-    whose state cannot be read (a dead weak proxy in its closure) keeps what was read of it."""
+    had spent the run's warm-up steps, silently). Its pieces:
+
+    - its closure's cells (``("cell", cell, value, contents)``), through the functions they hold
+      and the ones it wraps (``__wrapped__``: a ``torch.no_grad()``-decorated hook), and a
+      ``functools.partial``'s arguments' contents (``("contents", value, contents)``);
+    - the globals a hook of the user's code loads (:class:`_GlobalCell`, :func:`_user_code`: the
+      tutorials' ``activation = {}``; review 43h), not a library's;
+    - of an object -- the hook itself (``SaveOutput()``), the object whose method it is (timm's
+      ``FeatureHooks``), one of the user's classes in its closure or globals (``self`` of the method
+      that made it) -- the attributes its code uses, each a cell (:class:`_AttrCell`,
+      :func:`_names_used`, :func:`_attributes_used`; reviews 43i, 43j), and its other attributes
+      held loosely (``("loose", cell, value, look)``, looked at in O(1)); not torch's or ampguard's
+      own objects (FSDP2's hooks are its state object's methods: put back, its lazy initialisation
+      ran again and refused the model);
+    - the containers below a container, two levels (``("inner", container, pieces)``, one piece a
+      hook however many hooks hold it: review 43h).
+
+    Not a tensor changed in place (said: :func:`_hook_tensors`). A container many hooks share is
+    copied once (``memo``, by identity: review 42d, a dict of every parameter in every hook's
+    closure made the snapshot quadratic); a hook whose state cannot be read (a dead weak proxy in
+    its closure) keeps what was read of it."""
     kept: list[tuple[Any, ...]] = []
     seen: set[int] = set()
-    objects: set[tuple[int, str]] = set()
+    objects: set[tuple[int, str | None]] = set()  # (an object's attributes looked at: once a hook)
 
     def held(cell: Any, value: Any) -> None:
         kept.append(("cell", cell, value, copied(value) if type(value) in _CONTAINERS else None))
