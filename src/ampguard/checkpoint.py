@@ -600,7 +600,7 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
         length, ends = rest
         if len(target) < length or length and (target[0] is not ends[0] or target[length - 1] is not ends[1]):
             return "state"  # (cut, or a full window moved on: review 43h, a deque of 5,000 amaxes, unsaid)
-        return None if len(target) == length else _verdict_of(list(itertools.islice(target, length, None)), trained)
+        return None if len(target) == length else _verdict_of(_logged(itertools.islice(target, length, None)), trained)
     value, contents = (target.cell_contents, rest[1]) if kind == "cell" else (target, rest[0])
     if kind == "cell" and value is not rest[0]:
         return _verdict_of([rest[0], value], trained, cell=True)
@@ -611,9 +611,18 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
                    if (a := value.get(k, _GONE)) is not (b := contents.get(k, _GONE)) for x in (a, b)]
     elif isinstance(contents, set):
         changed = [*(value - contents), *(contents - value)]
+    elif len(value) > len(contents) and all(a is b for a, b in zip(value, contents)):
+        changed = _logged(itertools.islice(value, len(contents), None))  # (appended to: a log)
     else:
         changed = [x for a, b in itertools.zip_longest(value, contents, fillvalue=_GONE) if a is not b for x in (a, b)]
     return _verdict_of(changed, trained) if changed else None
+
+
+def _logged(appended: Iterator[Any]) -> list[Any]:
+    """What was appended to a list, numbers read as None: a log of ``out.abs().mean().item()`` is a
+    capture as a log of the tensor is (review 43i: read as state, a warning at every start-up and
+    the check's values left); a number in a dict's new slot is not (``done[name] = 1``)."""
+    return [None if type(x) in (int, float) else x for x in appended]
 
 
 def _verdict_of(changed: list[Any], trained: frozenset[int], cell: bool = False) -> str | None:

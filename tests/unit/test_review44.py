@@ -587,3 +587,17 @@ def test_a_flag_beside_a_cache_on_an_object_the_hooks_code_does_not_name_leaves_
     assert checked(model) == []
     assert rotary.built and rotary.cos is not None
     model(BATCH[0])  # (the run's first forward works)
+
+
+def test_numbers_a_hook_appends_to_a_log_are_a_capture():
+    # 43i #6: ``stats[name].append(out.abs().mean().item())`` was state: a warning at every start-up, the values left
+    model, stats, long_log = toy(), {"0": []}, list(range(5000))
+    model[0].register_forward_hook(lambda m, a, out: stats["0"].append(out.abs().mean().item()))
+    model[2].register_forward_hook(lambda m, a, out: long_log.append(out.abs().mean().item()))
+    assert checked(model) == []
+    assert stats == {"0": []} and long_log == list(range(5000))
+    counts = {}
+    model = toy()
+    model[0].register_forward_hook(lambda m, a, out: counts.__setitem__("0", counts.get("0", 0) + 1))
+    said = checked(model)  # (a number in a slot is a count: said, left)
+    assert len(said) == 1 and counts["0"] > 0, said
