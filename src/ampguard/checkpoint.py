@@ -652,8 +652,8 @@ def _piece_key(held: tuple[Any, ...]) -> int:
     holds (many hooks of one factory each hold the same dict in a cell of their own: review 43b,
     judged once a cell, 4,000 hooks took 12 s), else the cell or the container itself."""
     kind, target, *rest = held
-    if kind == "cell" and rest[1] is not None and target.cell_contents is rest[0]:
-        return id(rest[0])
+    if kind in ("cell", "loose") and rest[1] is not None and target.cell_contents is rest[0]:
+        return id(rest[0])  # (a loose one as a cell: review 43k, a dict another hook's state left was emptied)
     return id(rest[0]) if kind == "inner" else id(target)
 
 
@@ -1055,6 +1055,13 @@ def _user_code(f: types.FunctionType) -> bool:
     return file.startswith("<") or not os.path.realpath(file).startswith(_library_roots())
 
 
+def _called(obj: Any) -> frozenset[str]:
+    """``{"__call__"}`` for a callable object a hook's code holds (``saver(out)``: what its
+    ``__call__`` uses is the hook's), else none (review 43k: a trainer's step, ``__call__``, was read
+    for a hook that only holds its method)."""
+    return frozenset({"__call__"}) if callable(obj) else frozenset()
+
+
 def _user_made(obj: Any) -> bool:
     """Whether ``obj`` is an object of a class the user wrote (in a script, a notebook, or a module
     outside the standard library and the installed packages): :func:`_hook_state` reads the
@@ -1266,32 +1273,35 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         if depth > 1 or isinstance(obj, (torch.nn.Module, type, weakref.ProxyTypes)) or _framework_own(obj):
             return
         cls = type(obj)
+        if (id(obj), None) in objects:
+            return
+        objects.add((id(obj), None))
         try:
-            used = _attributes_used(cls, names | {"__call__"})
+            used = _attributes_used(cls, names)
+            if "*" in used:  # (names made as it runs: every attribute is one it may use, review 43k)
+                used = used | set(getattr(obj, "__dict__", ()))
             used = {name for name in used if name != "*" and not (name.startswith("__") and name.endswith("__"))
                     and not _method_codes(inspect.getattr_static(cls, name, None))}
         except Exception:  # (a class that cannot be looked into: every attribute, loosely)
             used = set()
-        if (id(obj), None) in objects:
-            return
-        objects.add((id(obj), None))
         for name in sorted(used):
             value = cell_of(obj, name).cell_contents
             held(cell_of(obj, name), value)
             if _user_made(value):
-                attributes(value, frozenset(used), depth + 1)
+                attributes(value, frozenset(used) | _called(value), depth + 1)
         key = ("loose", id(obj), frozenset(used))  # (one list for every hook holding the object: judged once)
         if key not in memo:
-            memo[key] = (obj, [("loose", cell_of(obj, name), value,
-                                ("length", len(value), (value[0], value[-1]) if value else ())
-                                if type(value) in (list, collections.deque) else ("contents", copied(value))
-                                if type(value) in _CONTAINERS and len(value) <= _INNER_MOST else None)
-                               for name, value in list(getattr(obj, "__dict__", {}).items()) if name not in used])
-        for piece in memo[key][1]:
-            if isinstance(piece[2], types.FunctionType):  # (a callable stored on it: ``self.record = ...``)
-                visit(piece[2], 1, False)
-        if memo[key][1]:
-            kept.append(("inner", obj, memo[key][1]))
+            loose = [("loose", cell_of(obj, name), value,
+                      ("length", len(value), (value[0], value[-1]) if value else ())
+                      if type(value) in (list, collections.deque) else ("contents", copied(value))
+                      if type(value) in _CONTAINERS and len(value) <= _INNER_MOST else None)
+                     for name, value in list(getattr(obj, "__dict__", {}).items()) if name not in used]
+            memo[key] = (obj, (loose, [v for _, _, v, _ in loose if isinstance(v, types.FunctionType)]))
+        loose, functions = memo[key][1]
+        for function in functions:  # (a callable stored on it: ``self.record = ...``)
+            visit(function, 1, False)
+        if loose:
+            kept.append(("inner", obj, loose))
 
     def visit(f: Any, depth: int, hook: bool = True) -> None:
         # (hook: f is the hook, or what it calls as it (a partial's function, a decorator's wrapped
@@ -1307,9 +1317,12 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                         kept.append(("inner", v, pieces))
                 elif callable(v):
                     visit(v, depth + 1, False)
+                if _user_made(v):  # (``partial(save, store)``: review 43k)
+                    attributes(v, frozenset().union(*(_names_used(code)[1] for code in _method_codes(f.func)))
+                               | _called(v))
             visit(f.func, depth + 1, hook)
         elif isinstance(f, types.MethodType):
-            if hook:
+            if hook or _user_made(f.__self__):  # (or one its closure holds and calls: ``rec = store.rec``, 43k)
                 attributes(f.__self__, frozenset([getattr(f.__func__, "__name__", "")]).union(
                     *(_names_used(code)[1] for code in _method_codes(f.__func__))))
             visit(f.__func__, depth + 1, False)
@@ -1323,13 +1336,13 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                 if callable(value):
                     visit(value, depth + 1, False)
                 if _user_made(value):  # (``self`` of the method that made the hook: ``self.features[name] = out``)
-                    attributes(value, _names_used(f.__code__)[1])
+                    attributes(value, _names_used(f.__code__)[1] | _called(value))
             if _user_code(f):  # (the tutorials' ``activation = {}`` at a script's top: review 43h)
                 for name in sorted(_names_used(f.__code__)[0]):
                     value = f.__globals__.get(name, _GONE)
                     if value is _GONE or isinstance(value, (types.ModuleType, type, torch.nn.Module)):
                         continue
-                    if isinstance(value, types.FunctionType):  # (a helper the hook calls: ``record(name, out)``)
+                    if isinstance(value, (types.FunctionType, types.MethodType)):  # (a helper it calls: ``record(out)``)
                         visit(value, depth + 1, False)
                     elif not callable(value) or _user_made(value):
                         key = ("global", id(f.__globals__), name)
@@ -1337,11 +1350,11 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                             memo[key] = (f.__globals__, _GlobalCell(f.__globals__, name))
                         held(memo[key][1], value)
                         if _user_made(value):
-                            attributes(value, _names_used(f.__code__)[1])
+                            attributes(value, _names_used(f.__code__)[1] | _called(value))
             if (wrapped := getattr(f, "__wrapped__", None)) is not None:
                 visit(wrapped, depth + 1, hook)
         elif hook and not isinstance(f, types.BuiltinFunctionType):
-            attributes(f, frozenset())  # (a hook object: what its __call__ uses)
+            attributes(f, frozenset({"__call__", "*"}))  # (a hook object: all its own, helpers given it too, 43k)
 
     try:
         visit(hook, 0)
