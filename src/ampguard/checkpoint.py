@@ -681,7 +681,7 @@ def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset(),
     modules' by id). ``outside``: whether the block registered a hook on every module (a
     ``"start"`` is then left and said: :func:`_verdict_of`)."""
     hooked = any(_gained_gradient_hooks(m, hooks) for m, _, hooks, _ in kept)
-    said = {"state", "captured"} if hooked else _left_verdicts(outside)
+    said = {"state", "captured", "told"} if hooked else _left_verdicts(outside) | {"told"}
     told: set[int] = set()
     found = []
     judged = _hooks_judged(kept, trained)
@@ -723,10 +723,12 @@ def _hooks_judged(kept: list[_Kept], trained: frozenset[int]
                     if held[0] == "inner":
                         if key not in inner:
                             below = [(_piece_key(piece), piece, _judged(piece, trained)) for piece in held[2]]
+                            told = set()
                             if any(verdict == "loose" for _, _, verdict in below):  # (an object's other attributes:
                                 below = [(k, piece, None) for k, piece, _ in below]  # a flag moved, its cache stays)
+                                told = {"told"} if held[3:] == ("own",) else set()  # (the hook's own: said)
                             inner[key] = ("inner", held[1], below)
-                            verdicts[key] = frozenset(v for _, _, v in below if v is not None) or None
+                            verdicts[key] = frozenset({v for _, _, v in below if v is not None} | told) or None
                         held = inner[key]
                     elif key not in verdicts:
                         verdicts[key] = _judged(held, trained)
@@ -814,7 +816,8 @@ def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tup
                     todo.append(j)
     left = {key for i in reached for key in changed[i]}
     below = {key: held[2] for _, _, _, pieces in judged for key, held, _ in pieces if held[0] == "inner" and key in left}
-    return left | {key for pieces in below.values() for key, _, verdict in pieces if verdict is not None}
+    return left | {key for pieces in below.values() for key, held, verdict in pieces  # (not an object's loose ones:
+                   if verdict is not None and held[0] != "loose"}  # another hook's capture there is its own, 43l)
 
 
 def _global_hooks() -> tuple[frozenset[Any], ...]:
@@ -1262,7 +1265,7 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
             memo[key] = (obj, _AttrCell(obj, name))
         return memo[key][1]
 
-    def attributes(obj: Any, names: frozenset[str], depth: int = 0) -> None:
+    def attributes(obj: Any, names: frozenset[str], depth: int = 0, own: bool = False) -> None:
         # (a hook object's, or the object whose method the hook is, or one of the user's classes its code
         # reaches: the attributes its code uses (``names``, its __call__'s if it is called, and those their
         # methods use: _attributes_used), each a cell of its own, one for every hook that holds the object, so
@@ -1276,10 +1279,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         if (id(obj), None) in objects:
             return
         objects.add((id(obj), None))
-        try:
+        try:  # ("*", names made as it runs: those are among the loose ones, review 43l)
             used = _attributes_used(cls, names)
-            if "*" in used:  # (names made as it runs: every attribute is one it may use, review 43k)
-                used = used | set(getattr(obj, "__dict__", ()))
             used = {name for name in used if name != "*" and not (name.startswith("__") and name.endswith("__"))
                     and not _method_codes(inspect.getattr_static(cls, name, None))}
         except Exception:  # (a class that cannot be looked into: every attribute, loosely)
@@ -1289,6 +1290,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
             held(cell_of(obj, name), value)
             if _user_made(value):
                 attributes(value, frozenset(used) | _called(value), depth + 1)
+            elif callable(value):  # (a callback stored on it: ``Hook(fn)``, review 43l)
+                visit(value, depth + 1, False)
         key = ("loose", id(obj), frozenset(used))  # (one list for every hook holding the object: judged once)
         if key not in memo:
             loose = [("loose", cell_of(obj, name), value,
@@ -1300,8 +1303,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         loose, functions = memo[key][1]
         for function in functions:  # (a callable stored on it: ``self.record = ...``)
             visit(function, 1, False)
-        if loose:
-            kept.append(("inner", obj, loose))
+        if loose:  # (own: the hook itself, whose other attributes' moves are said, 43k's ``tick(self)``)
+            kept.append(("inner", obj, loose, "own") if own else ("inner", obj, loose))
 
     def visit(f: Any, depth: int, hook: bool = True) -> None:
         # (hook: f is the hook, or what it calls as it (a partial's function, a decorator's wrapped
@@ -1354,7 +1357,7 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
             if (wrapped := getattr(f, "__wrapped__", None)) is not None:
                 visit(wrapped, depth + 1, hook)
         elif hook and not isinstance(f, types.BuiltinFunctionType):
-            attributes(f, frozenset({"__call__", "*"}))  # (a hook object: all its own, helpers given it too, 43k)
+            attributes(f, frozenset({"__call__"}), own=True)  # (a hook object: what its __call__ uses, and more)
 
     try:
         visit(hook, 0)

@@ -710,3 +710,64 @@ def test_a_bound_methods_object_that_is_callable_is_not_read_for_its_call():
     trainer = Trainer()
     said = caught_warnings(lambda: check_forward(trainer.model, trainer.loss, reader(BATCH), FP32, "task toy"))
     assert said == [] and trainer.feats == {}
+
+
+# review 43l (of 85a77e3; /tmp/review_43l)
+
+
+def test_a_getattr_in_a_hook_does_not_make_its_owners_counter_the_hooks_state():
+    # 43l F1: ``getattr(out, "last_hidden_state", out)`` made every attribute of the trainer a cell: the loss's step
+    # counter was blamed on the hook, whose captures were left (the first loss 1.46 vs 1.64)
+    class Trainer:
+        def __init__(self) -> None:
+            self.model, self.step, self.acts = toy(), 0, []
+            self.model[0].register_forward_hook(self.saver())
+
+        def saver(self):
+            def save(module, args, out):
+                self.acts.append(getattr(out, "last_hidden_state", out))
+            return save
+
+        def loss(self, out, target):
+            self.step += 1
+            return nn.functional.mse_loss(out, target)
+
+    trainer = Trainer()
+    said = caught_warnings(lambda: check_forward(trainer.model, trainer.loss, reader(BATCH), FP32, "task toy"))
+    assert said == [] and trainer.acts == []
+
+
+def test_a_callback_stored_on_a_hook_object_is_looked_into():
+    # 43l F2: ``Hook(fn)``, fn appending to a list its caller reads: the check's outputs stayed, unsaid
+    class Hook:
+        def __init__(self, fn) -> None:
+            self.fn = fn
+
+        def __call__(self, module, args, out):
+            self.fn(out)
+
+    model, seen = toy(), []
+    model[0].register_forward_hook(Hook(lambda out: seen.append(out)))
+    assert checked(model) == []
+    assert seen == []
+
+
+def test_a_counter_in_one_method_hook_leaves_not_another_methods_captures():
+    # 43l F3: one recorder, ``a`` counting calls (said, left), ``b`` appending to ``seen``: ``seen`` kept the
+    # check's outputs through ``a``'s loose list (the first loss 1.182 vs 1.207)
+    class Recorder:
+        def __init__(self) -> None:
+            self.n, self.seen = 0, []
+
+        def a(self, module, args, out):
+            self.n += 1
+
+        def b(self, module, args, out):
+            self.seen.append(out)
+
+    model, recorder = toy(), Recorder()
+    model[0].register_forward_hook(recorder.a)
+    model[2].register_forward_hook(recorder.b)
+    said = checked(model)
+    assert len(said) == 1 and "(a forward hook on Linear)" in said[0], said
+    assert recorder.n > 0 and recorder.seen == []
