@@ -30,6 +30,16 @@ def toy() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
+class Store:
+    """A user's store of outputs, held by a hook object or given to a hook."""
+
+    def __init__(self) -> None:
+        self.outs: list[torch.Tensor] = []
+
+    def rec(self, out: torch.Tensor) -> None:
+        self.outs.append(out)
+
+
 class SaveOutput:
     """The tutorials' feature extractor: one object registered on several layers, each output
     appended to its list, which the caller reads (an activation penalty) and clears."""
@@ -429,22 +439,18 @@ def test_a_slotted_hook_object_and_an_object_it_holds_are_put_back():
         def __call__(self, module, args, out):
             self.outputs.append(out)
 
-    class Recorder:
-        def __init__(self) -> None:
-            self.feats: list[torch.Tensor] = []
-
     class Hook:
         def __init__(self) -> None:
-            self.recorder = Recorder()
+            self.store = Store()
 
         def __call__(self, module, args, out):
-            self.recorder.feats.append(out)
+            self.store.outs.append(out)
 
     model, slotted, nested = toy(), Slotted(), Hook()
     model[0].register_forward_hook(slotted)
     model[2].register_forward_hook(nested)
     assert checked(model) == []
-    assert slotted.outputs == [] and nested.recorder.feats == []
+    assert slotted.outputs == [] and nested.store.outs == []
 
 
 def test_a_value_many_hooks_hold_is_tested_for_a_generator_once(monkeypatch):
@@ -495,10 +501,6 @@ def test_a_decorated_method_a_super_call_and_a_helper_reach_the_objects_state():
     class Detached(Base):
         def __call__(self, module, args, out):
             super().__call__(module, args, out.detach())
-
-    class Store:
-        def __init__(self) -> None:
-            self.outs: list[torch.Tensor] = []
 
     class ViaMethod:
         def __init__(self) -> None:
@@ -606,6 +608,17 @@ def test_numbers_a_hook_appends_to_a_log_are_a_capture():
 # review 43k (of 64843ce; /tmp/review_43k)
 
 
+def one_said(first, second, pre: bool = False) -> nn.Module:
+    """A toy with ``first`` on its first layer (a pre-hook where ``pre``) and ``second`` on its last, checked: one
+    warning, of the state of a hook on the first layer."""
+    model = toy()
+    (model[0].register_forward_pre_hook if pre else model[0].register_forward_hook)(first)
+    model[2].register_forward_hook(second)
+    said = checked(model)
+    assert len(said) == 1 and "keeps in its closure or object (a forward" in said[0] and " on Linear)" in said[0], said
+    return model
+
+
 def test_one_objects_two_hooks_one_left_whole_keep_the_others_pieces():
     # 43k #2: ``scale_in`` (a flag and a dict of scales) was left whole and said; for ``record`` the same dict was
     # loose and emptied: the run's first forward found the flag set and no scales (KeyError)
@@ -621,11 +634,8 @@ def test_one_objects_two_hooks_one_left_whole_keep_the_others_pieces():
         def record(self, module, args, out):
             self.outs.append(out)
 
-    model, calibrate = toy(), Calibrate()
-    model[0].register_forward_pre_hook(calibrate.scale_in)
-    model[2].register_forward_hook(calibrate.record)
-    said = checked(model)
-    assert len(said) == 1 and "keeps in its closure or object" in said[0], said
+    calibrate = Calibrate()
+    model = one_said(calibrate.scale_in, calibrate.record, pre=True)
     assert calibrate.ready and "l0" in calibrate.scales
     model(BATCH[0])
 
@@ -665,13 +675,6 @@ def test_a_hook_objects_countdown_kept_by_a_helper_or_a_name_made_as_it_runs_is_
 def test_a_store_given_to_a_partial_or_reached_through_a_bound_method_is_put_back():
     # 43k #4: ``partial(save, store)`` and a global ``rec = store.rec`` a lambda calls: the outputs stayed, unsaid
     import functools as ft
-
-    class Store:
-        def __init__(self) -> None:
-            self.outs: list[torch.Tensor] = []
-
-        def rec(self, out):
-            self.outs.append(out)
 
     def save(store, module, args, out):
         store.outs.append(out)
@@ -765,9 +768,6 @@ def test_a_counter_in_one_method_hook_leaves_not_another_methods_captures():
         def b(self, module, args, out):
             self.seen.append(out)
 
-    model, recorder = toy(), Recorder()
-    model[0].register_forward_hook(recorder.a)
-    model[2].register_forward_hook(recorder.b)
-    said = checked(model)
-    assert len(said) == 1 and "(a forward hook on Linear)" in said[0], said
+    recorder = Recorder()
+    one_said(recorder.a, recorder.b)
     assert recorder.n > 0 and recorder.seen == []
