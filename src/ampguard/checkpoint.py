@@ -681,7 +681,7 @@ def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset(),
     modules' by id). ``outside``: whether the block registered a hook on every module (a
     ``"start"`` is then left and said: :func:`_verdict_of`)."""
     hooked = any(_gained_gradient_hooks(m, hooks) for m, _, hooks, _ in kept)
-    said = {"state", "captured", "told"} if hooked else _left_verdicts(outside) | {"told"}
+    said = {"state", "captured", "told"} if hooked else _left_verdicts(outside)
     told: set[int] = set()
     found = []
     judged = _hooks_judged(kept, trained)
@@ -786,8 +786,10 @@ def _captures_back(kept: list[_Kept], done: set[int], trained: frozenset[int], o
 def _left_verdicts(outside: bool) -> set[str]:
     """The verdicts (:func:`_state_verdict`) of the state a hook's passes changed that is left in
     place and said where no gradient hook stays: a count or flag, a record of parameters, and a
-    setup's flag where the passes registered a hook on every module (``outside``)."""
-    return {"state", "parameters", *(["start"] if outside else [])}
+    setup's flag where the passes registered a hook on every module (``outside``), and a hook
+    object's own attribute moved by code its names miss (``"told"``: its named captures left too, a
+    cache beside a flag its helper set was rewound, the run's first forward read None)."""
+    return {"state", "parameters", "told", *(["start"] if outside else [])}
 
 
 def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tuple[Any, ...], str | None]]]],

@@ -771,3 +771,29 @@ def test_a_counter_in_one_method_hook_leaves_not_another_methods_captures():
     recorder = Recorder()
     one_said(recorder.a, recorder.b)
     assert recorder.n > 0 and recorder.seen == []
+
+
+def test_a_flag_a_helper_sets_on_a_hook_object_leaves_the_cache_its_call_names():
+    # (08915bf: a hook object's own loose move was said but joined nothing, so the cache its __call__ names was
+    # rewound beside the ``done`` flag a helper set: the run's first forward multiplied by None)
+    def is_built(hook) -> bool:
+        return hook.done
+
+    def build(hook, out) -> None:
+        hook.cache, hook.done = out.detach().abs().mean(), True
+
+    class Hook:
+        def __init__(self) -> None:
+            self.cache, self.done = None, False
+
+        def __call__(self, module, args, out):
+            if not is_built(self):
+                build(self, out)
+            return out * self.cache
+
+    model, hook = toy(), Hook()
+    model[0].register_forward_hook(hook)
+    said = checked(model)
+    assert len(said) == 1 and "keeps in its closure or object" in said[0], said
+    assert hook.done and hook.cache is not None
+    model(BATCH[0])
