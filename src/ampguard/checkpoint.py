@@ -818,8 +818,9 @@ def _left_keys(judged: list[tuple[torch.nn.Module, Any, str, list[tuple[int, tup
                     todo.append(j)
     left = {key for i in reached for key in changed[i]}
     below = {key: held[2] for _, _, _, pieces in judged for key, held, _ in pieces if held[0] == "inner" and key in left}
-    return left | {key for pieces in below.values() for key, held, verdict in pieces  # (not an object's loose ones:
-                   if verdict is not None and held[0] != "loose"}  # another hook's capture there is its own, 43l)
+    # (an object's loose ones too: a left hook may read another's capture there through a helper, review 43m,
+    # whose rewind broke the run's first forward; that capture is left, said with the hook, 43l's F3)
+    return left | {key for pieces in below.values() for key, _, verdict in pieces if verdict is not None}
 
 
 def _global_hooks() -> tuple[frozenset[Any], ...]:

@@ -755,22 +755,29 @@ def test_a_callback_stored_on_a_hook_object_is_looked_into():
     assert seen == []
 
 
-def test_a_counter_in_one_method_hook_leaves_not_another_methods_captures():
-    # 43l F3: one recorder, ``a`` counting calls (said, left), ``b`` appending to ``seen``: ``seen`` kept the
-    # check's outputs through ``a``'s loose list (the first loss 1.182 vs 1.207)
+def test_a_hook_left_whole_keeps_what_it_reads_of_another_hooks_captures():
+    # 43l F3 and 43m F2: one recorder, ``a`` counting calls (said, left) and reading ``seen`` through a helper, ``b``
+    # appending to it: rewound, ``seen`` was empty where ``a`` read it (IndexError at the run's first forward); left,
+    # with ``a``, and said (43l's ``seen`` kept the check's outputs, said with ``a``)
+    def last(recorder):
+        return recorder.seen[-1]
+
     class Recorder:
         def __init__(self) -> None:
             self.n, self.seen = 0, []
 
         def a(self, module, args, out):
             self.n += 1
+            if self.n > 1:
+                return out + 0 * last(self).sum()
 
         def b(self, module, args, out):
             self.seen.append(out)
 
     recorder = Recorder()
-    one_said(recorder.a, recorder.b)
-    assert recorder.n > 0 and recorder.seen == []
+    model = one_said(recorder.a, recorder.b)
+    assert recorder.n > 0 and recorder.seen != []
+    model(BATCH[0])
 
 
 def test_a_flag_a_helper_sets_on_a_hook_object_leaves_the_cache_its_call_names():
