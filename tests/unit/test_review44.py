@@ -92,6 +92,17 @@ def test_a_countdown_on_the_object_whose_method_is_the_hook_is_said_and_left():
     assert warm.left == 1  # (left as the passes left it, and said: a count cannot be told from a log)
 
 
+def left_whole(hook, flag: str, cache: str) -> None:
+    """``hook`` on a toy's first layer, checked: one warning of its state, its ``flag`` and ``cache`` left as the
+    passes set them, and the run's first forward works."""
+    model = toy()
+    model[0].register_forward_hook(hook)
+    said = checked(model)
+    assert len(said) == 1 and "keeps in its closure or object" in said[0], said
+    assert getattr(hook, flag) and getattr(hook, cache) is not None
+    model(BATCH[0])
+
+
 def test_a_flag_beside_a_capture_on_a_hook_object_leaves_both():
     # as 43c for a closure: the scale rewound to None beside its flag left set broke the run's first forward
     class ActNorm:
@@ -103,12 +114,7 @@ def test_a_flag_beside_a_capture_on_a_hook_object_leaves_both():
                 self.scale, self.ready = 1 / (out.detach().std() + 1e-6), True
             return out * self.scale
 
-    model, norm = toy(), ActNorm()
-    model[0].register_forward_hook(norm)
-    said = checked(model)
-    assert len(said) == 1 and "keeps in its closure or object" in said[0], said
-    assert norm.ready and norm.scale is not None
-    model(BATCH[0])  # (the run's first forward works)
+    left_whole(ActNorm(), "ready", "scale")
 
 
 def test_a_generator_a_hook_object_draws_noise_from_is_given_its_state_back():
@@ -798,9 +804,4 @@ def test_a_flag_a_helper_sets_on_a_hook_object_leaves_the_cache_its_call_names()
                 build(self, out)
             return out * self.cache
 
-    model, hook = toy(), Hook()
-    model[0].register_forward_hook(hook)
-    said = checked(model)
-    assert len(said) == 1 and "keeps in its closure or object" in said[0], said
-    assert hook.done and hook.cache is not None
-    model(BATCH[0])
+    left_whole(Hook(), "done", "cache")
