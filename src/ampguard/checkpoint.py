@@ -526,7 +526,7 @@ def _hook_tensors(kept: list[_Kept], own: set[Any]) -> list[tuple[str, torch.Ten
 
     for m, _, hooks, _ in kept:
         for owner, name, _, states in hooks:
-            kind = "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name, "hook")
+            kind = _hook_kind(m, owner, name) or "hook"
             for pieces in states.values():
                 for t in tensors(pieces):
                     if id(t) not in found and (_memory(t) is None or _memory(t) not in own):
@@ -663,6 +663,12 @@ _HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward 
 """What a warning calls the hooks of each hook dict (a parameter's ``_backward_hooks``: a gradient hook)."""
 
 
+def _hook_kind(m: torch.nn.Module, owner: Any, name: str) -> str | None:
+    """What a warning calls a hook in ``owner``'s dict ``name`` of module ``m``'s snapshot: a
+    parameter's ``_backward_hooks`` hold gradient hooks (:data:`_HOOK_KINDS`)."""
+    return "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name)
+
+
 def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset(), outside: bool = False,
                        names: dict[int, str] | None = None) -> tuple[list[str], list[str]]:
     """The hooks in ``kept`` (:func:`_kept_hooks`' snapshots) still registered whose state
@@ -687,7 +693,7 @@ def _hooks_state_moved(kept: list[_Kept], trained: frozenset[int] = frozenset(),
     judged = _hooks_judged(kept, trained)
     for m, owner, name, pieces in judged:
         moved = {key for key, _, verdict in pieces if _said(verdict, said)} - told
-        kind = "gradient hook" if owner is not m and name == "_backward_hooks" else _HOOK_KINDS.get(name)
+        kind = _hook_kind(m, owner, name)
         if moved and kind:
             told |= moved
             found.append(f"{_a(kind)} on {type(m).__name__}")
@@ -1055,10 +1061,10 @@ def _user_code(f: types.FunctionType) -> bool:
     """Whether function ``f`` is the user's (a script's, a notebook's, a module outside the standard
     library and the installed packages, nor torch's or ampguard's): :func:`_hook_state` reads the
     globals one loads (a library's module state is its own)."""
-    if str(getattr(f, "__module__", "")).split(".")[0] in ("torch", "ampguard"):
+    if _frameworks(getattr(f, "__module__", "")):
         return False
     file = f.__code__.co_filename
-    return file.startswith("<") or not os.path.realpath(file).startswith(_library_roots())
+    return file.startswith("<") or _users_file(file)
 
 
 def _called(obj: Any) -> frozenset[str]:
@@ -1079,7 +1085,17 @@ def _user_made(obj: Any) -> bool:
     if cls.__module__ == "__main__":
         return True
     file = getattr(sys.modules.get(cls.__module__), "__file__", None)
-    return bool(file) and not os.path.realpath(file).startswith(_library_roots())
+    return bool(file) and _users_file(file)
+
+
+def _users_file(file: str) -> bool:
+    """Whether ``file`` is outside the standard library and the installed packages."""
+    return not os.path.realpath(file).startswith(_library_roots())
+
+
+def _frameworks(module: Any) -> bool:
+    """Whether ``module`` (a module's name) is torch's or ampguard's."""
+    return str(module).split(".")[0] in ("torch", "ampguard")
 
 
 @functools.cache
@@ -1092,7 +1108,7 @@ def _library_roots() -> tuple[str, ...]:
 def _framework_own(obj: Any) -> bool:
     """Whether ``obj`` is an object of torch's or ampguard's own making (FSDP2's state,
     ``weight_norm``'s hook, fp8's casts): its attributes are theirs to keep (:func:`_hook_state`)."""
-    return str(type(obj).__module__).split(".")[0] in ("torch", "ampguard")
+    return _frameworks(type(obj).__module__)
 
 
 def not_made(m: torch.nn.Module) -> bool:
