@@ -22,7 +22,6 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedBuffer, is_lazy
 from torch.utils._pytree import tree_map_only
 
-from .checkpoint import not_made, rng_kept, untouched
 from .clipping import clip_threshold
 from .config import Config
 from .errors import AmpguardWarning, InputError, counted, first_line, listed, user_code
@@ -35,6 +34,7 @@ from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
 from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
 from .step import AmpTrainState
 from .tasks.base import FIRST_BATCHES
+from .untouched import not_made, rng_kept, untouched
 from .watch import recording_dtypes
 
 
@@ -339,7 +339,7 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
     naming it, instead of crashing the run at its step; a stream that ends before them (a Task's
     ``batches()`` is endless) is refused too.
 
-    It leaves no trace (:func:`~ampguard.checkpoint.untouched`): the RNG states (torch, CUDA,
+    It leaves no trace (:func:`~ampguard.untouched.untouched`): the RNG states (torch, CUDA,
     NumPy, ``random``), the module buffers (BatchNorm statistics), the modes and the gradients
     are as they were, so the run goes on bit for bit as without it; a parameter its forward
     passes changed in place (a momentum encoder's moving average) is named in a warning. A model
@@ -453,9 +453,9 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
 
     ``model`` itself, or, where it holds lazy modules not made yet (``nn.LazyLinear``,
     ``nn.LazyBatchNorm1d``: a plain loop's first forward makes their weights), a deep copy of it,
-    run under :func:`~ampguard.checkpoint.rng_kept` (nothing of it kept). Costs a copy of the
+    run under :func:`~ampguard.untouched.rng_kept` (nothing of it kept). Costs a copy of the
     weights made so far. A model that cannot be copied is checked itself, which
-    :func:`~ampguard.checkpoint.untouched` warns of: their weights are drawn in the check.
+    :func:`~ampguard.untouched.untouched` warns of: their weights are drawn in the check.
 
     Example::
 
@@ -534,7 +534,7 @@ def _check_following(model: nn.Module, following: Iterator[Any], precision: Prec
     retry that set ``module.training`` back by hand, left an EMA model whose ``eval()`` swaps its
     weights with the EMA ones in place of its trained weights). The loss is not called (the
     first batch's is checked). The caller leaves no trace (:func:`check_forward`:
-    :func:`~ampguard.checkpoint.untouched` puts back the buffers a training-mode forward updates,
+    :func:`~ampguard.untouched.untouched` puts back the buffers a training-mode forward updates,
     BatchNorm's statistics, and the RNGs dropout draws from)."""
     for index in range(1, FIRST_BATCHES):
         nth = _NTH[index]

@@ -54,6 +54,7 @@ from .errors import AmpguardWarning, InputError, counted, first_line, real_numbe
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
 from .run_folder import RUN_ID_PATTERN, RunPaths
+from .untouched import rng_kept
 
 # The payload's keys (checkpoint format ckpt.FORMAT). Parts are restored; the rest identify.
 STEP = "step"
@@ -1071,7 +1072,7 @@ def _state_kinds(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], liv
         return None
     probe.grad = torch.zeros_like(probe)
     try:
-        with ckpt.rng_kept():
+        with rng_kept():
             fresh.step()
     except Exception:  # noqa: BLE001 - a step that needs a closure, or a device it cannot run on here
         return None

@@ -98,7 +98,7 @@ class DataStream:
             >>> data.digest() == data.digest(), len(data.digest())
             (True, 64)
         """
-        from .checkpoint import rng_kept
+        from .untouched import rng_kept
 
         h = hashlib.sha256()
         with rng_kept():  # a factory's stream may draw (a shuffle): the run's draws stay where they were
@@ -153,7 +153,7 @@ class DataStream:
         """
         if not self.position or self.task.batches_from is not None:
             return self.task.stream(self.position)
-        from .checkpoint import rng_kept
+        from .untouched import rng_kept
 
         stream = iter(self.task.batches())
         with rng_kept():

@@ -23,11 +23,11 @@ from collections.abc import Mapping
 import torch
 
 from . import distributed
-from .checkpoint import modes_kept, rng_kept
 from .config import Config
 from .errors import AmpguardWarning, InputError, shortened, user_code, visible
 from .precision import Precision
 from .tasks import Task
+from .untouched import modes_kept, rng_kept
 
 
 class Evaluator:

@@ -56,8 +56,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import untouched
 from .errors import raised
+from .untouched import untouched
 
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 """The torchao float8 recipes ``fp8.recipe`` takes: per-tensor or per-row dynamic scaling."""

@@ -762,7 +762,8 @@ def find_fp32_scope(
         >>> find_fp32_scope(model, nn.functional.mse_loss, x, y, fp16, 1.0, "1")  # not the culprit: only the model
         ('', ['1', ''])
     """
-    from .checkpoint import BufferSnapshot, rng_state, set_rng_state
+    from .checkpoint import rng_state, set_rng_state
+    from .untouched import BufferSnapshot
 
     if start is None:
         rng, buffers = rng_state(), BufferSnapshot(model)
@@ -834,7 +835,8 @@ def diagnose_group(
         >>> d.verdict, d.fp32  # nothing found: no FP32 replay
         ('none', None)
     """
-    from .checkpoint import BufferSnapshot, rng_kept, rng_state, set_rng_state
+    from .checkpoint import rng_state, set_rng_state
+    from .untouched import BufferSnapshot, rng_kept
 
     if not batches:
         raise ValueError("diagnose_group needs at least one batch")
@@ -903,7 +905,8 @@ def _group_gradients(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tenso
         ...                                              1, [rng_state()] * 2)], model.weight.grad
         ([('weight', 'inf')], None)
     """
-    from .checkpoint import set_rng_state, untouched
+    from .checkpoint import set_rng_state
+    from .untouched import untouched
 
     with untouched(model):
         for p in model.parameters():
@@ -995,10 +998,11 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
               scale_floor: float | None = None) -> Diagnosis:
     """:func:`diagnose` of an uncompiled model, run eagerly; ``rng_after`` gets the RNG state
     after the pass under the run's precision (what the step drew to), then with ``buffers_after``
-    the buffers it left (a :class:`~ampguard.checkpoint.BufferSnapshot`: what the step's next
+    the buffers it left (a :class:`~ampguard.untouched.BufferSnapshot`: what the step's next
     micro-batch starts from); ``scale_floor``: the loss scaler's floor, where the replay that
     asks whether halving answers a backward overflow runs (at 1 if it is lower, or None)."""
-    from .checkpoint import BufferSnapshot, rng_state, set_rng_state, untouched
+    from .checkpoint import rng_state, set_rng_state
+    from .untouched import BufferSnapshot, untouched
     from .fp8 import find_bad_scales, float8_modules
 
     n = accumulation_steps

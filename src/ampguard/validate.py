@@ -44,7 +44,6 @@ import torch
 from torch import nn
 
 from .build import prepare_model, resolve_device, to_device
-from .checkpoint import BufferSnapshot, modes_kept, rng_kept, untouched
 from .config import Config, flat_keys
 from .errors import AmpguardWarning, ExitCode, InputError, counted, failed_because, listed, user_code
 from .files import DiskFull, make_parents, replace_atomically
@@ -52,6 +51,7 @@ from .precision import Precision, backend_of, fp32_settings
 from .records import strict_json
 from .tasks import Task, seed_everything, untrained_model
 from .tasks.factory import TrainingBatches, factory_file
+from .untouched import BufferSnapshot, modes_kept, rng_kept, untouched
 
 CHUNK = 256
 """Examples per forward pass in :func:`_scores`."""
@@ -378,7 +378,7 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
     """The model's outputs on ``inputs`` under ``precision``, in chunks of :data:`CHUNK`, the RNG
     seeded with ``seed`` first when one is given (:func:`seed_pass`: every precision then draws the
     same noise, a model that samples in its forward included), and ``start`` called first when
-    one is given (a :class:`~ampguard.checkpoint.BufferSnapshot`'s ``put_back``: every pass then
+    one is given (a :class:`~ampguard.untouched.BufferSnapshot`'s ``put_back``: every pass then
     starts from the same buffers, a counter or a cache the forward updates included). What the
     user's code does wrong is an :class:`InputError`: the model (or the task's ``predict``)
     raising, outputs that are not one row per example, and a classifier whose first output is not
@@ -455,7 +455,7 @@ def seed_pass(seed: int, device: torch.device) -> None:
     precision start from the same state: a factory's augmentation drawing from ``random``, or a
     layer drawing from NumPy, draws the same numbers in every pass (torch's alone left them to
     differ, and the difference was blamed on the precision). Call it inside
-    :func:`~ampguard.checkpoint.rng_kept` (which puts all three back). ``device`` is where the pass
+    :func:`~ampguard.untouched.rng_kept` (which puts all three back). ``device`` is where the pass
     runs (every GPU's generator is seeded whichever it is).
 
     Example::
@@ -974,7 +974,7 @@ def compare(task: Task, model: nn.Module, config: Config, device: torch.device) 
     ``config.seed``, and from the same buffers, the model's as given (a counter, a running
     normaliser or a cache its forward updates reads the same in each; the fp8 copy is made from
     them too), so only the precision differs. The model is left as it was found
-    (:func:`~ampguard.checkpoint.untouched`: each module's train/eval mode, its buffers, its
+    (:func:`~ampguard.untouched.untouched`: each module's train/eval mode, its buffers, its
     plain attributes), and so is the caller's RNG state. A ``validation.outputs`` name the model does not produce is an
     :class:`InputError` (raised before anything is written).
 
@@ -1792,7 +1792,7 @@ def _check_made(model: nn.Module, who: str) -> None:
         ...     print(err)
         validate: task toy: the model's lazy modules have made no weights yet (0: LazyLinear); validate judges weights it can read: run one batch through the model in the factory, or give validation.checkpoint
     """
-    from .checkpoint import not_made
+    from .untouched import not_made
 
     lazy = [f"{name or 'the model'}: {type(m).__name__}" for name, m in model.named_modules() if not_made(m)]
     if lazy:

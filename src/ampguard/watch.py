@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from . import distributed
-from .checkpoint import outlives_passes
 from .errors import counted
+from .untouched import outlives_passes
 
 UNFROZEN_EVERY = 64
 """Every this many groups a guard looks for a parameter no optimizer holds that requires grad

@@ -159,7 +159,7 @@ def test_prune_keeps_the_newest_keep(tmp_path, keep):
 def test_modes_kept_lets_a_models_own_train_undo_its_eval_and_keeps_a_frozen_layer_frozen():
     # review_session26: setting each flag back by hand skipped a model's train() override: an EMA model
     # whose eval() swaps in its averaged weights trained on them after the first evaluation
-    from ampguard.checkpoint import modes_kept
+    from ampguard.untouched import modes_kept
 
     class Ema(torch.nn.Module):
         def __init__(self) -> None:
@@ -185,7 +185,7 @@ def test_modes_kept_lets_a_models_own_train_undo_its_eval_and_keeps_a_frozen_lay
 def test_modes_kept_gives_a_frozen_layers_override_its_own_eval_again_and_calls_nothing_when_nothing_changed():
     # review_session26: calling model.train() at the exit reached a frozen EMA-like layer's train(),
     # which swapped its trained weights back, and only its flag was set back (eval, wrong weights)
-    from ampguard.checkpoint import modes_kept
+    from ampguard.untouched import modes_kept
 
     class Swapping(torch.nn.Module):
         def __init__(self) -> None:

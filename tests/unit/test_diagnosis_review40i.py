@@ -5,8 +5,7 @@ import warnings
 import torch
 from torch import nn
 
-from ampguard import checkpoint
-from ampguard.checkpoint import BufferSnapshot, untouched
+from ampguard.untouched import BufferSnapshot, _kept_attributes, untouched
 from ampguard.locate import diagnose, diagnose_group, find_fp32_scope
 from ampguard.precision import Precision
 
@@ -78,7 +77,7 @@ def test_the_snapshot_puts_plain_attributes_back_and_takes_added_ones_out():
     model._calls, model.l.cache = 7, torch.ones(1)
     snapshot.put_back()
     assert model._calls == 0 and not hasattr(model.l, "cache")
-    assert checkpoint._kept_attributes(model) == {"_calls": 0}  # (one rule, shared with _attributes_kept)
+    assert _kept_attributes(model) == {"_calls": 0}  # (one rule, shared with _attributes_kept)
 
 
 def _floor_case():

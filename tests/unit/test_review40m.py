@@ -16,7 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ampguard.build import _checked_copy, check_forward
-from ampguard.checkpoint import BufferSnapshot, misfit, untouched
+from ampguard.checkpoint import misfit
+from ampguard.untouched import BufferSnapshot, untouched
 from ampguard.errors import InputError
 from ampguard.locate import diagnose
 from ampguard.precision import Precision

@@ -1,4 +1,4 @@
-"""Review 41, of a pass that leaves no trace (``checkpoint.untouched``, ``BufferSnapshot``) and of
+"""Review 41, of a pass that leaves no trace (``untouched``, ``BufferSnapshot``) and of
 validate's passes: a gradient hook a forward registers once behind a flag is not registered twice;
 a deque, an OrderedDict, a defaultdict get their contents back and a tensor inside a list changed
 in place is warned of (not a plain attribute that is a buffer); a buffer resized in place is put
@@ -17,7 +17,7 @@ from torch import nn
 
 from helpers import GLOO, write
 
-from ampguard.checkpoint import BufferSnapshot, outlives_passes, untouched
+from ampguard.untouched import BufferSnapshot, outlives_passes, untouched
 from ampguard.config import validate as make_config
 from ampguard.errors import AmpguardWarning
 

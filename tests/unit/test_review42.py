@@ -1,4 +1,4 @@
-"""Review 42a of the start-up check's put-back (``checkpoint.untouched``): a hook a pass took out
+"""Review 42a of the start-up check's put-back (``untouched``): a hook a pass took out
 is put back; the warning of gradient hooks a pass left tells once from at every forward by the
 function registered and by how many grad-enabled passes ran, and names what else it left."""
 
@@ -11,7 +11,7 @@ from torch import nn
 from helpers import caught_warnings
 from helpers import check_reader as reader
 from ampguard.build import check_forward
-from ampguard.checkpoint import untouched
+from ampguard.untouched import untouched
 from ampguard.precision import Precision
 
 FP32 = Precision("fp32", "cpu")
@@ -210,7 +210,7 @@ class Clamp:
 
 def test_bound_methods_of_two_objects_are_two_hooks_not_one_registered_twice():
     # 42b #4: hooks were grouped by code: two objects' methods (or two method descriptors) read as piled up
-    from ampguard.checkpoint import _most_of_one
+    from ampguard.untouched import _most_of_one
 
     assert _most_of_one([Clamp(1).clip, Clamp(2).clip]) == 1
     assert _most_of_one([torch.Tensor.clamp, torch.Tensor.nan_to_num]) == 1
@@ -489,7 +489,7 @@ def test_hooks_of_one_code_with_different_state_are_different_hooks():
     # 42c #4: scaled(0.5) and scaled(2), two no_grad-decorated functions, read as one registered twice
     import functools
 
-    from ampguard.checkpoint import _most_of_one
+    from ampguard.untouched import _most_of_one
 
     def scaled(k):
         return lambda g: g * k
@@ -510,7 +510,7 @@ def test_hooks_of_one_code_with_different_state_are_different_hooks():
 
 def test_a_lasting_hook_taken_out_and_registered_again_is_kept_once():
     # 42c #5: put back under its old handle and kept under its new one, it ran twice at every forward
-    from ampguard.checkpoint import outlives_passes
+    from ampguard.untouched import outlives_passes
 
     calls = []
 
@@ -551,7 +551,7 @@ class TiedOneShot(nn.Module):
 
 def test_a_tied_parameters_gradient_hook_taken_out_is_counted_once():
     # 42c #6: counted under each module holding the tied weight: "Embedding (1 ...) and Linear (1 ...)"
-    from ampguard.checkpoint import BufferSnapshot
+    from ampguard.untouched import BufferSnapshot
 
     model = TiedOneShot()
     snapshot = BufferSnapshot(model)
@@ -615,7 +615,7 @@ class BoundPerBatch(nn.Linear):
 
 def test_a_container_every_hook_shares_is_copied_once_in_a_snapshot():
     # 42d #5: each hook copied the dict they all close over: a snapshot's memory grew with hooks x entries
-    from ampguard.checkpoint import BufferSnapshot
+    from ampguard.untouched import BufferSnapshot
 
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
     names = {id(m): n for n, m in model.named_modules()}

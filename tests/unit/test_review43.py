@@ -1,4 +1,4 @@
-"""Review 43a of the start-up check's put-back (``checkpoint.untouched``): what a pass captures into
+"""Review 43a of the start-up check's put-back (``untouched``): what a pass captures into
 a hook's closure (a statistic kept as a tensor, outputs appended to a list) is put back, a random
 generator the model holds of its own is given its state back, a false alarm on captured outputs
 beside None or as NumPy arrays, and a piece of state many hooks share is judged once."""
@@ -14,7 +14,7 @@ from torch import nn
 
 from helpers import caught_warnings
 from helpers import check_reader as reader
-from ampguard import checkpoint
+from ampguard import untouched
 from ampguard.build import check_forward
 from ampguard.precision import Precision
 
@@ -187,8 +187,8 @@ def test_state_many_hooks_share_is_judged_once_and_said_of_the_first(monkeypatch
     # 43a #3 and #4: judged once a hook, a dict of every parameter in 4,000 hooks' closures took 13 s (the
     # layer-wise optimizer's pattern), and every hook sharing a changed dict was named
     calls = []
-    verdict = checkpoint._state_verdict
-    monkeypatch.setattr(checkpoint, "_state_verdict", lambda *a: (calls.append(a), verdict(*a))[1])
+    verdict = untouched._state_verdict
+    monkeypatch.setattr(untouched, "_state_verdict", lambda *a: (calls.append(a), verdict(*a))[1])
     said = checked(shared_counter())
     assert len(said) == 1 and "(a forward pre-hook on Linear)" in said[0], said
     assert len(calls) <= 2 * 2  # (the cell and the dict, once for the warning and once for the put-back)
@@ -302,8 +302,8 @@ def test_a_dict_each_hook_holds_in_a_cell_of_its_own_is_judged_once(monkeypatch)
     for name, m in model.named_children():
         m.register_forward_pre_hook(make(shared, name))
     calls = []
-    verdict = checkpoint._state_verdict
-    monkeypatch.setattr(checkpoint, "_state_verdict", lambda *a: (calls.append(a), verdict(*a))[1])
+    verdict = untouched._state_verdict
+    monkeypatch.setattr(untouched, "_state_verdict", lambda *a: (calls.append(a), verdict(*a))[1])
     said = checked(model)
     assert len(said) == 1 and "(a forward pre-hook on Linear)" in said[0], said
     assert len([a for a in calls if a[0][0] == "cell" and a[0][2] is shared]) <= 2, len(calls)

@@ -1,4 +1,4 @@
-"""The forty-third session's reviews of the start-up check's put-back (``checkpoint.untouched``): the
+"""The forty-third session's reviews of the start-up check's put-back (``untouched``): the
 state of a hook that is an object (``SaveOutput()``, the tutorials' feature extractor) or an object's
 method (timm's ``FeatureHooks``) is judged and put back as a closure's is; torch's own hook objects
 (``weight_norm``'s, FSDP2's state) are left to torch."""
@@ -12,7 +12,7 @@ from torch import nn
 
 from helpers import caught_warnings
 from helpers import check_reader as reader
-from ampguard import checkpoint
+from ampguard import untouched
 from ampguard.build import check_forward
 from ampguard.precision import Precision
 
@@ -159,9 +159,9 @@ def test_torchs_own_hook_objects_are_left_to_torch():
     model = toy()
     nn.utils.spectral_norm(model[2])
     (hook,) = model[2]._forward_pre_hooks.values()
-    assert type(hook).__module__.startswith("torch.") and checkpoint._hook_state(hook, {}) == []
+    assert type(hook).__module__.startswith("torch.") and untouched._hook_state(hook, {}) == []
     saved = SaveOutput()
-    assert checkpoint._hook_state(saved, {}) != []  # (a user's object is looked at)
+    assert untouched._hook_state(saved, {}) != []  # (a user's object is looked at)
     assert checked(model) == []
 
 
@@ -173,7 +173,7 @@ def test_one_object_on_many_layers_is_judged_and_given_back_once():
     assert checked(model) == []
     assert saved.outputs == []
     memo: dict = {}
-    first, second = checkpoint._hook_state(saved, memo), checkpoint._hook_state(saved, memo)
+    first, second = untouched._hook_state(saved, memo), untouched._hook_state(saved, memo)
     assert first[0][1] is second[0][1]  # (one cell for the attribute: judged by one key)
 
 
@@ -210,9 +210,9 @@ def test_a_library_object_in_a_hooks_closure_is_its_own():
     model = toy()
     model[0].register_forward_hook(quiet)
     assert checked(model) == []
-    assert not checkpoint._user_made(log) and checkpoint._user_made(SaveOutput())
-    assert not checkpoint._user_made(collections.OrderedDict()) and not checkpoint._user_made(torch.ones(1))
-    assert not checkpoint._user_made(Precision("fp32", "cpu"))  # (ampguard's own: fp8's casts keep theirs)
+    assert not untouched._user_made(log) and untouched._user_made(SaveOutput())
+    assert not untouched._user_made(collections.OrderedDict()) and not untouched._user_made(torch.ones(1))
+    assert not untouched._user_made(Precision("fp32", "cpu"))  # (ampguard's own: fp8's casts keep theirs)
 
 
 # review 43h (of 2991611; /tmp/review_43h)
@@ -252,8 +252,8 @@ def test_a_global_counter_a_hook_moves_is_said():
 
 
 def test_a_librarys_function_is_not_read_for_its_globals():
-    assert checkpoint._user_code(to_global) and not checkpoint._user_code(nn.functional.relu)
-    assert not checkpoint._user_code(checkpoint.untouched)  # (ampguard's own, wherever it is installed)
+    assert untouched._user_code(to_global) and not untouched._user_code(nn.functional.relu)
+    assert not untouched._user_code(untouched.untouched)  # (ampguard's own, wherever it is installed)
 
 
 def test_outputs_tagged_with_their_layers_name_are_a_capture():
@@ -296,7 +296,7 @@ def test_a_dict_of_over_4096_per_module_lists_is_put_back_and_each_hook_holds_it
     assert checked(model) == []
     assert all(v == [] for v in acts.values())
     memo: dict = {}
-    states = [checkpoint._hook_state(hook, memo) for layer in model for hook in layer._forward_hooks.values()]
+    states = [untouched._hook_state(hook, memo) for layer in model for hook in layer._forward_hooks.values()]
     assert max(len(s) for s in states) <= 3 and states[0][-1][2] is states[-1][-1][2]  # (the lists: one shared piece)
 
 
@@ -404,8 +404,8 @@ def test_only_what_a_hooks_code_uses_of_an_object_is_its_state():
     said = caught_warnings(lambda: check_forward(trainer.model, trainer.loss, reader(BATCH), FP32, "task toy"))
     assert said == [] and trainer.feats == {}
     (hook,) = trainer.model[0]._forward_hooks.values()
-    state = checkpoint._hook_state(hook, {})
-    named = {piece[1].name for piece in state if piece[0] == "cell" and isinstance(piece[1], checkpoint._AttrCell)}
+    state = untouched._hook_state(hook, {})
+    named = {piece[1].name for piece in state if piece[0] == "cell" and isinstance(piece[1], untouched._AttrCell)}
     loose = {piece[1].name: piece[3] for marker in state if marker[0] == "inner" for piece in marker[2]
              if piece[0] == "loose"}
     assert named == {"feats"}  # (not the dataset, nor the step: those are held loosely, the dataset by its length)
@@ -416,7 +416,7 @@ def test_a_global_is_what_a_hook_loads_as_one_not_an_attribute_of_the_same_name(
     def hook(module, args, out):
         ACTS.append(out.data)
 
-    assert checkpoint._names_used(hook.__code__) == (frozenset({"ACTS"}), frozenset({"append", "data"}))
+    assert untouched._names_used(hook.__code__) == (frozenset({"ACTS"}), frozenset({"append", "data"}))
 
 
 def test_attributes_a_pass_adds_to_a_hook_object_are_taken_out():
@@ -462,8 +462,8 @@ def test_a_slotted_hook_object_and_an_object_it_holds_are_put_back():
 def test_a_value_many_hooks_hold_is_tested_for_a_generator_once(monkeypatch):
     # 43i #3: each of 4,096 hooks holding one trainer tested its 62 attributes again (2.7M tests, 10 s)
     tested = []
-    real = checkpoint._generator_kept
-    monkeypatch.setattr(checkpoint, "_generator_kept", lambda v: tested.append(id(v)) or real(v))
+    real = untouched._generator_kept
+    monkeypatch.setattr(untouched, "_generator_kept", lambda v: tested.append(id(v)) or real(v))
     model = nn.Sequential(*[nn.Identity() for _ in range(300)], nn.Linear(4, 2))
     trainer = Trainer()
     for i, layer in enumerate(model):
@@ -487,7 +487,7 @@ def test_attributes_a_hook_reaches_by_name_are_its_state():
     model[0].register_forward_hook(hook)
     said = checked(model)
     assert len(said) == 1 and "keeps in its closure or object" in said[0], said  # (the flag a pass set: said)
-    assert "*" in checkpoint._names_used(ByName.__call__.__code__)[1]
+    assert "*" in untouched._names_used(ByName.__call__.__code__)[1]
 
 
 # review 43j (of 1eaf690; /tmp/review_43j): the names a hook's code uses missed indirect ways in

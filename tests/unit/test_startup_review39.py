@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from helpers import NOISY_DATA, write
 
 from ampguard.build import check_forward
-from ampguard.checkpoint import untouched
+from ampguard.untouched import untouched
 from ampguard.config import load_config
 from ampguard.data import DataStream
 from ampguard.errors import AmpguardWarning, InputError

@@ -23,7 +23,7 @@ from torch.nn.parameter import UninitializedParameter
 from helpers import NOISY_DATA, caught_warnings, write
 
 from ampguard.build import check_forward
-from ampguard.checkpoint import _checksum, untouched
+from ampguard.untouched import _checksum, untouched
 from ampguard.config import load_config
 from ampguard.errors import AmpguardWarning
 from ampguard.precision import Precision

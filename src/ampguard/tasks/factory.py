@@ -51,10 +51,11 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..checkpoint import rng_kept, rng_state, set_rng_state
+from ..checkpoint import rng_state, set_rng_state
 from ..errors import AmpguardWarning, InputError, user_code
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
+from ..untouched import rng_kept
 from .base import FIRST_BATCHES, Task, cycle
 
 
