@@ -34,7 +34,7 @@ from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
 from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
 from .step import AmpTrainState
 from .tasks.base import FIRST_BATCHES
-from .untouched import not_made, rng_kept, untouched
+from .untouched import not_made, untouched
 from .watch import recording_dtypes
 
 
@@ -381,16 +381,15 @@ def check_forward(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
         ampguard.errors.InputError: task.factory toy.py:build: the model's forward pass on the third batch failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x5 and 3x1)
     """
     checked, firsts = _checked_copy(model)  # (lazy modules: a copy checked; then the model's made here)
+    # (the model kept around a copy's check too: the copy's hooks share their closures and globals with
+    # the model's, which the copy's passes fill: review 44a, under rng_kept alone they kept its outputs)
+    kept = untouched(model, by=f"{who}: the start-up's check of the first batches",
+                     so="and they are not put back: the run starts from weights the check's passes moved, not bit for "
+                        "bit a plain loop's", passes=FIRST_BATCHES if _reads_several(read_batch) else 1, also=(loss_fn,))
+    unused = _check_forward(checked, loss_fn, read_batch, precision, who, find_unused, dtypes, kept)
+    _all_made(checked, who)  # (before the model is touched)
     if checked is not model:
-        unused = _check_forward(checked, loss_fn, read_batch, precision, who, find_unused, dtypes, rng_kept())
-        _all_made(checked, who)  # (before the model is touched)
         _made_as_checked(model, firsts, who, said=not resuming)
-        return unused
-    unused = _check_forward(model, loss_fn, read_batch, precision, who, find_unused, dtypes, untouched(
-        model, by=f"{who}: the start-up's check of the first batches",
-        so="and they are not put back: the run starts from weights the check's passes moved, not bit for bit a "
-           "plain loop's", passes=FIRST_BATCHES if _reads_several(read_batch) else 1))
-    _all_made(model, who)
     return unused
 
 

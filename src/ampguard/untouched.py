@@ -120,8 +120,19 @@ class BufferSnapshot:
     """
 
     def __init__(self, model: torch.nn.Module, skip: frozenset[int] | set[int] = frozenset(),
-                 modules_skipped: frozenset[int] | set[int] = frozenset()) -> None:
-        self.held = [(m, dict(m._buffers)) for m in model.modules()]
+                 modules_skipped: frozenset[int] | set[int] = frozenset(), also: tuple[Any, ...] = ()) -> None:
+        # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by
+        # identity), and its hooks' state, which may hold modules outside the model: kept as the model's are
+        memo: dict[Any, tuple[Any, Any]] = {}  # (a container many hooks share: copied once)
+        self.attributes = [_kept_module(m, memo) for m in model.modules()
+                           if id(m) not in modules_skipped and not _reducer_owned(m)]
+        for x in also:  # (the loss: a module, or a function holding one)
+            if isinstance(x, torch.nn.Module):
+                memo.setdefault(_MODULES_HELD, (None, {}))[1][id(x)] = x
+            else:
+                _hook_state(x, memo)
+        modules = list(model.modules()) + _outside(model, memo, self.attributes)
+        self.held = [(m, dict(m._buffers)) for m in modules]
         self.module_names = {id(m): name for name, m in model.named_modules()}  # (what an error calls a buffer)
         # (a tensor with internal overlap, an expanded view, stride 0: nothing writes it in place, so
         # it is referenced, not copied; a replacement is undone by putting the object back)
@@ -138,10 +149,6 @@ class BufferSnapshot:
         for prefix, m in model.named_modules():
             for name, t in _trainable_attributes(m):
                 self.names.setdefault(id(t), []).append(f"{prefix}.{name}" if prefix else name)
-        # each module's plain attributes (:func:`_kept_attributes`: a counter's int, a tensor attribute by identity)
-        memo: dict[Any, tuple[Any, Any]] = {}  # (a container many hooks share: copied once)
-        self.attributes = [_kept_module(m, memo) for m in model.modules()
-                           if id(m) not in modules_skipped and not _reducer_owned(m)]
         self.generators = _generators_in(self.attributes)
         self.global_hooks = _global_hooks()  # (a setup a pass did outside the model: registered_outside)
         self.trained = frozenset(self.names)  # (what a hook's record of parameters holds: no capture)
@@ -201,7 +208,7 @@ class BufferSnapshot:
 @contextlib.contextmanager
 def untouched(model: torch.nn.Module, by: str = "the replay",
               so: str = "each replayed pass once more, and they are not put back",
-              passes: int | None = None) -> Iterator[BufferSnapshot]:
+              passes: int | None = None, also: tuple[Any, ...] = ()) -> Iterator[BufferSnapshot]:
     """Run a replay or a check that leaves no trace: on leaving, the model's mode, its buffers
     (BatchNorm statistics; a buffer the forward replaced, a cache grown to a new shape, is put
     back itself; one it filled from None, or registered anew, is taken out), its parameters'
@@ -235,7 +242,8 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     buffer not made yet (``nn.LazyLinear``'s, before its first forward) is neither summed nor
     copied: one the block makes is said in a warning (its initial weights were drawn in the
     block, under the RNGs it puts back; :func:`~ampguard.build.check_forward` checks a copy of
-    such a model instead).
+    such a model instead). ``also``: what else the block runs whose modules are kept as the model's
+    (the loss: a module, or a function holding one).
 
     Example::
 
@@ -252,7 +260,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     lazy |= {id(p) for p in model.parameters() if is_lazy(p)}
     lazy_kinds = [(m, type(m).__name__) for m in model.modules() if any(
         id(t) in lazy for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
-    snapshot = BufferSnapshot(model, skip=lazy, modules_skipped={id(m) for m, _ in lazy_kinds})
+    snapshot = BufferSnapshot(model, skip=lazy, modules_skipped={id(m) for m, _ in lazy_kinds}, also=also)
     grads = [(p, p.grad) for p in itertools.chain(  # (these objects: FSDP2 swaps the module's during a pass)
         model.parameters(), (t for m in model.modules() for _, t in _trainable_attributes(m)))]
     renormed = {id(p): p.detach().clone() for m in model.modules() if _renormalises(m)
@@ -303,6 +311,26 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           "forward: they were drawn there, under RNGs it puts back, not where a plain loop draws them; "
                           "run a batch through the model before handing it over to make them", AmpguardWarning,
                           stacklevel=3)
+
+
+def _outside(model: torch.nn.Module, memo: dict[Any, tuple[Any, Any]], kept: list[_Kept]) -> list[torch.nn.Module]:
+    """The modules outside ``model`` that its hooks' state holds (:func:`_hook_state` lists them in
+    ``memo``: a distillation or feature-matching loss written as a module, whose hooks on the model
+    append to ``self.feats``, a tracker module's buffers; review 44a: kept by nothing, they kept
+    the check's outputs and statistics, silently), with their submodules, and those their own
+    hooks' state holds: each one's attributes appended to ``kept`` (:func:`_kept_module`), to be
+    kept and put back as the model's are."""
+    seen = {id(m) for m in model.modules()}
+    found: list[torch.nn.Module] = []
+    while new := [m for m in memo.get(_MODULES_HELD, (None, {}))[1].values() if id(m) not in seen]:
+        for top in new:
+            for m in top.modules():
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    found.append(m)
+                    if not _reducer_owned(m):
+                        kept.append(_kept_module(m, memo))
+    return found
 
 
 def _warn_hooks_left(hooked: list[tuple[str, int]], modules: list[str], by: str, passes: int | None) -> None:
@@ -450,11 +478,23 @@ def _captured(v: Any, trained: frozenset[int] = frozenset()) -> bool:
     ``trained``: the ids of the model's parameters and trainable tensor attributes."""
     if isinstance(v, torch.Tensor):
         return not _trained(v, trained)
-    if isinstance(v, torch.Size) or _is_numpy_array(v):
-        return True
+    if isinstance(v, (torch.Size, torch.dtype, torch.device)) or _is_numpy_array(v):
+        return True  # (an autocast audit's ``dtypes[name] = o.dtype``: review 44a, read as state and left)
+    if type(v) is tuple and v and all(type(x) is int for x in v):
+        return True  # (a shape: ``shapes[name] = tuple(o.shape)``, 44a)
     items = list(v) if isinstance(v, (tuple, list)) else list(v.values()) if isinstance(v, dict) else []
     items = [x for x in items if x is not None and type(x) not in _TAGS]
-    return bool(items) and all(_captured(x, trained) for x in items)
+    taken = [_captured(x, trained) for x in items]
+    return any(taken) and all(t or _carried(x) for x, t in zip(items, taken))
+
+
+def _carried(v: Any) -> bool:
+    """Whether ``v``, beside a capture in a tuple, list or dict, is carried with it: an object of a
+    library's class that is no container (a transformers ``DynamicCache`` in a ``ModelOutput``
+    captured with ``use_cache=True``, GPT-2's default: review 44a, read as state, a warning at every
+    start-up and four outputs left with their graphs). Not a user's object: its state is judged."""
+    return not (isinstance(v, (torch.Tensor, tuple, list, dict, set, collections.deque, type, types.ModuleType))
+                or callable(v) or _is_numpy_array(v) or _user_made(v) or type(v).__module__ in ("builtins", None))
 
 
 _TAGS = (str, int, float, bool)
@@ -529,8 +569,9 @@ def _state_verdict(held: tuple[Any, ...], trained: frozenset[int] = frozenset())
 def _logged(appended: Iterator[Any]) -> list[Any]:
     """What was appended to a list, numbers read as None: a log of ``out.abs().mean().item()`` is a
     capture as a log of the tensor is (review 43i: read as state, a warning at every start-up and
-    the check's values left); a number in a dict's new slot is not (``done[name] = 1``)."""
-    return [None if type(x) in (int, float) else x for x in appended]
+    the check's values left), and so is a log of names (``order.append(name)``, the modules' order:
+    review 44a); a number in a dict's new slot is not (``done[name] = 1``)."""
+    return [None if type(x) in (int, float, str) else x for x in appended]
 
 
 def _verdict_of(changed: list[Any], trained: frozenset[int], cell: bool = False) -> str | None:
@@ -919,12 +960,12 @@ def _names_used(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(found[0]), frozenset(found[1])
 
 
-def _method_codes(attribute: Any) -> list[types.CodeType]:
-    """The code of a class's ``attribute`` if it is a method (a function, a static or class method,
-    a property's getter and setter, a ``cached_property``'s or ``partialmethod``'s function), through
-    its decorators (``@torch.no_grad()``: review 43j, the wrapper's code named none of the method's
-    attributes), else none: code, not state (:func:`_hook_state`). By type, not by asking the
-    attribute (a config object whose ``__getattr__`` raises: 43j)."""
+def _method_functions(attribute: Any) -> list[types.FunctionType]:
+    """The functions of a class's ``attribute`` if it is a method (a function, a static or class
+    method, a property's getter and setter, a ``cached_property``'s or ``partialmethod``'s
+    function), through its decorators (``@torch.no_grad()``: review 43j, the wrapper's code named
+    none of the method's attributes), else none: code, not state (:func:`_hook_state`). By type,
+    not by asking the attribute (a config object whose ``__getattr__`` raises: 43j)."""
     if isinstance(attribute, property):
         functions = [attribute.fget, attribute.fset, attribute.fdel]
     elif isinstance(attribute, (staticmethod, classmethod)):
@@ -933,13 +974,39 @@ def _method_codes(attribute: Any) -> list[types.CodeType]:
         functions = [attribute.func]
     else:
         functions = [attribute]
-    codes = []
+    found = []
     for function in functions:
         with contextlib.suppress(Exception):
             function = inspect.unwrap(function)
         if isinstance(function, types.FunctionType):
-            codes.append(function.__code__)
-    return codes
+            found.append(function)
+    return found
+
+
+def _reached(function: Any) -> frozenset[str]:
+    """The attribute names ``function``'s code uses (:func:`_names_used`) and those of the user's
+    functions it calls by a global name, two levels down: a module-level helper given the object
+    (``build_cache(self, out)``, which sets ``self.cache`` and ``self.built``) reaches its
+    attributes as the hook's own code does (review 44a: the flag the helper set was loose, left
+    unsaid, beside the cache it named, rewound to None: the run's first forward multiplied by None)."""
+    try:
+        return _reached_cached(function, 0)
+    except TypeError:  # (an unhashable function object)
+        return _reached_cached.__wrapped__(function, 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reached_cached(function: Any, depth: int) -> frozenset[str]:
+    code = getattr(function, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return frozenset()
+    global_names, found = _names_used(code)
+    if depth < 2 and isinstance(function, types.FunctionType) and _user_code(function):
+        for name in global_names:
+            helper = function.__globals__.get(name)
+            if isinstance(helper, types.FunctionType) and helper is not function:
+                found = found | _reached_cached(helper, depth + 1)
+    return found
 
 
 def _attributes_used(cls: type, names: frozenset[str]) -> frozenset[str]:
@@ -958,8 +1025,8 @@ def _attributes_used_cached(cls: type, names: frozenset[str]) -> frozenset[str]:
     while todo:
         name = todo.pop()
         for c in cls.__mro__:
-            for code in _method_codes(vars(c).get(name)):
-                for more in _names_used(code)[1] - found:
+            for function in _method_functions(vars(c).get(name)):
+                for more in _reached(function) - found:
                     found.add(more)
                     todo.append(more)
     return frozenset(found)
@@ -990,7 +1057,8 @@ def _user_made(obj: Any) -> bool:
     if isinstance(obj, (torch.nn.Module, type, types.ModuleType)) or cls.__module__ in ("builtins", None) \
             or _framework_own(obj):
         return False
-    if cls.__module__ == "__main__":
+    if cls.__module__ == "__main__" or cls is types.SimpleNamespace or (cls.__module__, cls.__qualname__) == (
+            "argparse", "Namespace"):  # (a plain record of the user's: ``state = SimpleNamespace(step=0)``, 44a)
         return True
     file = getattr(sys.modules.get(cls.__module__), "__file__", None)
     return bool(file) and _users_file(file)
@@ -1112,6 +1180,10 @@ def _trainable_attributes(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             and not isinstance(v, torch.nn.Parameter) and v.requires_grad and v.is_leaf]
 
 
+_MODULES_HELD = ("modules held",)
+"""The key of :func:`_hook_state`'s ``memo`` under which it lists the modules hooks' state holds."""
+
+
 def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, ...]]:
     """The state a hook keeps outside its module, by reference, with a shallow copy of each list,
     dict, set or deque's contents: :func:`_state_back` puts it back for a hook a pass took out
@@ -1145,8 +1217,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
 
     def held(cell: Any, value: Any) -> None:
         kept.append(("cell", cell, value, copied(value) if type(value) in _CONTAINERS else None))
-        if type(value) in _CONTAINERS and (pieces := inner(value)):
-            kept.append(("inner", value, pieces))
+        if (type(value) in _CONTAINERS or type(value) is tuple) and (pieces := inner(value)):
+            kept.append(("inner", value, pieces))  # (a tuple's too: ``acts, grads = store``'s, 44a)
 
     def copied(v: Any) -> Any:
         if id(v) not in memo:
@@ -1186,6 +1258,12 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
             memo[key] = (v, pieces)
         return memo[key][1]
 
+    def module(m: torch.nn.Module) -> None:
+        # (a module the hook's state holds: the model's own, or one outside it, a loss module whose
+        # hooks on the model keep features in ``self.feats``, a tracker's buffer: BufferSnapshot keeps
+        # those outside as it keeps the model's, review 44a)
+        memo.setdefault(_MODULES_HELD, (None, {}))[1][id(m)] = m
+
     def cell_of(obj: Any, name: str) -> _AttrCell:
         key = ("attribute", id(obj), name)
         if key not in memo:
@@ -1200,6 +1278,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         # user's classes in one, once. The others, which code the names miss may reach (a helper given self,
         # ``vars(self)``, a callable stored on it: review 43j), held by reference and looked at in O(1),
         # ("loose", ...): what a pass appended or bound there put back where it is a capture, nothing said)
+        if isinstance(obj, torch.nn.Module):
+            module(obj)
         if depth > 1 or isinstance(obj, (torch.nn.Module, type, weakref.ProxyTypes)) or _framework_own(obj):
             return
         cls = type(obj)
@@ -1209,7 +1289,7 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         try:  # ("*", names made as it runs: those are among the loose ones, review 43l)
             used = _attributes_used(cls, names)
             used = {name for name in used if name != "*" and not (name.startswith("__") and name.endswith("__"))
-                    and not _method_codes(inspect.getattr_static(cls, name, None))}
+                    and not _method_functions(inspect.getattr_static(cls, name, None))}
         except Exception:  # (a class that cannot be looked into: every attribute, loosely)
             used = set()
         for name in sorted(used):
@@ -1233,28 +1313,36 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         if loose:  # (own: the hook itself, whose other attributes' moves are said, 43k's ``tick(self)``)
             kept.append(("inner", obj, loose, "own") if own else ("inner", obj, loose))
 
+    def argument(v: Any, names: frozenset[str], depth: int) -> None:
+        # (a value bound to a function: a partial's argument, ``partial(save, store)`` (review 43k), or a
+        # default, the loop-binding ``lambda m, i, o, name=name, store=store: ...`` (review 44a: its list
+        # kept the check's outputs, silently); ``names``: the attributes the function's code uses)
+        if type(v) in _CONTAINERS:
+            kept.append(("contents", v, copied(v)))
+            if pieces := inner(v):
+                kept.append(("inner", v, pieces))
+        elif callable(v):
+            visit(v, depth + 1, False)
+        if _user_made(v):
+            attributes(v, names | _called(v))
+
     def visit(f: Any, depth: int, hook: bool = True) -> None:
         # (hook: f is the hook, or what it calls as it (a partial's function, a decorator's wrapped
         # one), whose object's attributes are its state; not a callable its closure merely holds)
+        if isinstance(f, torch.nn.Module):
+            module(f)
         if isinstance(f, weakref.ProxyTypes) or id(f) in seen or depth > 4 or isinstance(f, (torch.nn.Module, type)):
             return
         seen.add(id(f))
         if isinstance(f, functools.partial):
+            names = frozenset().union(*(_reached(function) for function in _method_functions(f.func)))
             for v in (*f.args, *f.keywords.values()):
-                if type(v) in _CONTAINERS:
-                    kept.append(("contents", v, copied(v)))
-                    if pieces := inner(v):
-                        kept.append(("inner", v, pieces))
-                elif callable(v):
-                    visit(v, depth + 1, False)
-                if _user_made(v):  # (``partial(save, store)``: review 43k)
-                    attributes(v, frozenset().union(*(_names_used(code)[1] for code in _method_codes(f.func)))
-                               | _called(v))
+                argument(v, names, depth)
             visit(f.func, depth + 1, hook)
         elif isinstance(f, types.MethodType):
             if hook or _user_made(f.__self__):  # (or one its closure holds and calls: ``rec = store.rec``, 43k)
                 attributes(f.__self__, frozenset([getattr(f.__func__, "__name__", "")]).union(
-                    *(_names_used(code)[1] for code in _method_codes(f.__func__))))
+                    *(_reached(function) for function in _method_functions(f.__func__))))
             visit(f.__func__, depth + 1, False)
         elif isinstance(f, types.FunctionType):
             for cell in f.__closure__ or ():
@@ -1266,10 +1354,14 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                 if callable(value):
                     visit(value, depth + 1, False)
                 if _user_made(value):  # (``self`` of the method that made the hook: ``self.features[name] = out``)
-                    attributes(value, _names_used(f.__code__)[1] | _called(value))
-            if _user_code(f):  # (the tutorials' ``activation = {}`` at a script's top: review 43h)
-                for name in sorted(_names_used(f.__code__)[0]):
+                    attributes(value, _reached(f) | _called(value))
+            if _user_code(f):  # (not a library's: its mutable default, a memo, and its module state are its own)
+                for value in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values()):
+                    argument(value, _reached(f), depth)
+                for name in sorted(_names_used(f.__code__)[0]):  # (the tutorials' ``activation = {}``: 43h)
                     value = f.__globals__.get(name, _GONE)
+                    if isinstance(value, torch.nn.Module):
+                        module(value)
                     if value is _GONE or isinstance(value, (types.ModuleType, type, torch.nn.Module)):
                         continue
                     if isinstance(value, (types.FunctionType, types.MethodType)):  # (a helper it calls: ``record(out)``)
@@ -1280,7 +1372,7 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                             memo[key] = (f.__globals__, _GlobalCell(f.__globals__, name))
                         held(memo[key][1], value)
                         if _user_made(value):
-                            attributes(value, _names_used(f.__code__)[1] | _called(value))
+                            attributes(value, _reached(f) | _called(value))
             if (wrapped := getattr(f, "__wrapped__", None)) is not None:
                 visit(wrapped, depth + 1, hook)
         elif hook and not isinstance(f, types.BuiltinFunctionType):
