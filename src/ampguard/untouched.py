@@ -126,11 +126,14 @@ class BufferSnapshot:
         memo: dict[Any, tuple[Any, Any]] = {}  # (a container many hooks share: copied once)
         self.attributes = [_kept_module(m, memo) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
-        for x in also:  # (the loss: a module, or a function holding one)
+        # (the loss: a module, kept as the model's are, or a function or object whose state is kept as a
+        # hook's is, and given back: review 44a, a curriculum loss counting its calls was one call ahead)
+        self.also: list[tuple[Any, ...]] = []
+        for x in also:
             if isinstance(x, torch.nn.Module):
                 memo.setdefault(_MODULES_HELD, (None, {}))[1][id(x)] = x
             else:
-                _hook_state(x, memo)
+                self.also += _hook_state(x, memo)
         modules = list(model.modules()) + _outside(model, memo, self.attributes)
         self.held = [(m, dict(m._buffers)) for m in modules]
         self.module_names = {id(m): name for name, m in model.named_modules()}  # (what an error calls a buffer)
@@ -192,6 +195,8 @@ class BufferSnapshot:
         finally:
             _generators_back(self.generators)
             left = _put_attributes_back(self.attributes, passes, self.trained, self.registered_outside())
+            if left is None and self.also and not self.registered_outside():  # (not beside a setup outside)
+                _state_back(_not_shared(self.also, _hooks_keys(self.attributes)), set())
         if failed:
             said = listed([f"{name} (a {type(b).__name__}: {first_line(err)})" for name, b, err in failed], 2,
                           more=f" and {len(failed) - 2} more")
@@ -311,6 +316,41 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           "forward: they were drawn there, under RNGs it puts back, not where a plain loop draws them; "
                           "run a batch through the model before handing it over to make them", AmpguardWarning,
                           stacklevel=3)
+
+
+def _hooks_keys(kept: list[_Kept]) -> set[int]:
+    """The keys (:func:`_piece_key`) of every piece of the hooks' state in ``kept``, those below a
+    container and an object's loose ones too: what the hooks' own judgement puts back or leaves."""
+    keys: set[int] = set()
+
+    def add(pieces: list[tuple[Any, ...]]) -> None:
+        for held in pieces:
+            keys.add(_piece_key(held))
+            if held[0] == "inner":
+                add(held[2])
+
+    for _, _, hooks, _ in kept:
+        for _, _, _, states in hooks:
+            for pieces in states.values():
+                add(pieces)
+    return keys
+
+
+def _not_shared(pieces: list[tuple[Any, ...]], keys: set[int]) -> list[tuple[Any, ...]]:
+    """``pieces`` less those whose key is in ``keys`` (below a container and among an object's
+    loose ones too): the loss's own state, which no hook's judgement covers (review 44a: a hook
+    object that is also the loss has its captures left beside its count, said; the loss's put-back
+    must not rewind them)."""
+    own = []
+    for held in pieces:
+        if _piece_key(held) in keys:
+            continue
+        if held[0] == "inner":
+            if below := _not_shared(held[2], keys):
+                own.append((held[0], held[1], below, *held[3:]))
+        else:
+            own.append(held)
+    return own
 
 
 def _outside(model: torch.nn.Module, memo: dict[Any, tuple[Any, Any]], kept: list[_Kept]) -> list[torch.nn.Module]:

@@ -244,3 +244,48 @@ def test_a_library_object_beside_the_tensors_of_a_capture_is_part_of_it():
     assert outs == []
     assert untouched._carried(transformers.DynamicCache())
     assert not untouched._carried(Scale()) and not untouched._carried(torch.ones(1))
+
+
+# --- the loss's own state ------------------------------------------------------------------------------
+
+class Curriculum:
+    """A loss that weighs a term by how many times it was called (a KL annealing's step)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, out, y):
+        self.calls += 1
+        return nn.functional.mse_loss(out, y) * min(1.0, self.calls / 10)
+
+
+def test_a_loss_objects_own_count_is_given_back():
+    # review 44a H7: the check called the loss; the run's first step weighed its term as the second
+    model, loss = toy(), Curriculum()
+    assert not said_state(checked(model, loss))
+    assert loss.calls == 0
+
+
+class FeatLoss:
+    """One object that is the hook (its __call__ appends) and the loss (a method counting calls)."""
+
+    def __init__(self) -> None:
+        self.acts: list[torch.Tensor] = []
+        self.calls = 0
+
+    def __call__(self, module, args, out) -> None:
+        self.acts.append(out)
+
+    def loss(self, out, y):
+        self.calls += 1
+        return nn.functional.mse_loss(out, y)
+
+
+def test_the_loss_gives_back_nothing_a_hooks_state_holds():
+    # the hook's count moved, so its state is left whole and said; the loss's put-back must not rewind
+    # the captures beside it (left together with the count, as the hook's judgement says)
+    model, both = toy(), FeatLoss()
+    model[1].register_forward_hook(both)
+    said = checked(model, both.loss)
+    assert said_state(said)
+    assert len(both.acts) == 4 and both.calls == 1
