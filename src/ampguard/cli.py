@@ -499,10 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
         "step with per-step CSV logging, and Accelerate / Lightning Fabric when installed, interleaved in rounds. "
         "Prints median and min ms/step, the ratio to the bare loop, peak memory (CUDA), tokens/s and MFU.",
     )
-    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
-    bench.add_argument("--models", default="mlp,transformer", help="comma-separated: mlp, nano, transformer, gpt2")
-    bench.add_argument("--precisions", default="fp32,bf16,fp16", help="comma-separated: fp32, bf16, fp16, fp8")
-    bench.add_argument("--steps", type=_positive_int, default=30, help="steps per contender per round")
+    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                       help="where to time (default cpu, also on a GPU machine; auto: cuda when one is available)")
+    bench.add_argument("--models", default="mlp,transformer",
+                       help="comma-separated: mlp, nano, transformer, gpt2 (default mlp,transformer)")
+    bench.add_argument("--precisions", default="fp32,bf16,fp16",
+                       help="comma-separated: fp32, bf16, fp16, fp8 (default fp32,bf16,fp16)")
+    bench.add_argument("--steps", type=_positive_int, default=30, help="steps per contender per round (default 30)")
     bench.add_argument("--rounds", type=_positive_int, default=7,
                        help="the least number of paired rounds a case runs (default 7); more are added until every "
                        "ratio is resolved as --resolve says or --budget runs out (--resolve 0: this many, rounded up "

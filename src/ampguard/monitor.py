@@ -1375,7 +1375,8 @@ class RunMonitor:
 
     @property
     def clip_rate(self) -> float:
-        """Share of the whole run's steps whose pre-clip norm exceeded ``max_norm`` ("we clip every
+        """Share of the whole run's steps clipped: applied with a pre-clip norm above ``max_norm`` (a
+        skipped step is not clipped, whatever its norm; "we clip every
         step" is a finding): the run card's. Unlike :attr:`skip_rate`, not the rolling window's:
         the STATS line and the trackers' ``clip_rate`` are ``clip_window.seen_mean``, the last
         ``window`` steps'.

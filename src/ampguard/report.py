@@ -1190,7 +1190,8 @@ def _outcome_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         *((("headroom alerts", _headroom_alerts(result.paths.dir, config.monitor.headroom.alert_bits)),)
           if headroom_watched(config, result.paths.csv) else ()),
         # (clipping turned off on a resume: the steps clipped before it still count)
-        ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {counted(m.steps, 'step')} had pre-clip norm > max_norm)"
+        ("clip rate (whole run)", (f"{m.clip_rate:.3f} ({m.clipped} of {counted(m.steps, 'step')} clipped: "
+                                   "applied with pre-clip norm > max_norm)"
                                    if clip_threshold(config.max_norm) or m.clipped else "n/a (clipping off)")),
         ("scale health", f"{m.scale_verdict}" + (f" (final scale {_fmt(m.last.get('scaler_scale'), 'g')})"
                                                  if m.scaler_enabled else "")),

@@ -140,7 +140,7 @@ def test_report_and_compare_replay_each_step_under_the_max_norm_it_ran_with(fp16
     assert clipped_before > 0  # steps 1-5 ran under max_norm 1 and some were clipped
     ok(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt", "--set", "max_norm=1e9"))
     card = _card_row(run, "clip rate (whole run)")
-    assert f"({clipped_before} of 10 steps had pre-clip norm > max_norm)" in card
+    assert f"({clipped_before} of 10 steps clipped: applied with pre-clip norm > max_norm)" in card
     rate = re.search(r"\| ([\d.]+) \(", card).group(1)
     out = ok(ag("report", run))
     assert f"clip rate {rate}," in out
@@ -159,7 +159,7 @@ def test_a_card_whose_resume_turned_clipping_off_keeps_the_steps_clipped_before(
                          if r["skipped"] == "0")
     ok(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt", "--set", "max_norm=-1"))
     card = _card_row(run, "clip rate (whole run)")
-    assert f"({clipped_before} of 10 steps had pre-clip norm > max_norm)" in card, card
+    assert f"({clipped_before} of 10 steps clipped: applied with pre-clip norm > max_norm)" in card, card
     rate = re.search(r"\| ([\d.]+) \(", card).group(1)
     assert f"clip rate {rate}," in ok(ag("report", run))
     # review_27e: the set-up row said "off" of a run clipped at 1 for its first 5 steps
@@ -175,7 +175,7 @@ def test_the_replay_drops_the_policy_changes_of_a_future_a_resume_abandoned(tmp_
     ok(ag("train", "--resume", run, "--set", "steps=16", "--set", "max_norm=0.01"))
     ok(ag("train", "--resume", run / "checkpoints" / "step-00000004.pt", "--set", "max_norm=100"))
     card = _card_row(run, "clip rate (whole run)")
-    assert "(0 of 16 steps had pre-clip norm > max_norm)" in card  # max_norm 100 throughout the surviving run
+    assert "(0 of 16 steps clipped: applied with pre-clip norm > max_norm)" in card  # max_norm 100 throughout the surviving run
     assert _card_row(run, "clipping") == "| clipping | global L2, max_norm 100 |"  # (the abandoned change gone)
     assert "clip rate 0.000," in ok(ag("report", run))
 

@@ -83,7 +83,7 @@ def check_card_against_csv(run_dir: Path, *, window: int, alert_rate: float, max
     episodes = sum(1 for _, k in reference_episodes_events(rates, alert_rate, min_steps) if k == "skip_rate_alert")
     assert table["skip-rate alert episodes"] == str(episodes)
     clipped = sum(1 for r in rows if r["skipped"] == "0" and float(r["grad_l2_pre_clip"]) > max_norm)
-    assert table["clip rate (whole run)"] == f"{clipped / n:.3f} ({clipped} of {n} steps had pre-clip norm > max_norm)"
+    assert table["clip rate (whole run)"] == f"{clipped / n:.3f} ({clipped} of {n} steps clipped: applied with pre-clip norm > max_norm)"
     applied = [float(r["loss"]) for r in rows if r["skipped"] == "0"]
     last_applied = next(r for r in reversed(rows) if r["skipped"] == "0")  # a skipped step left the model as it was
     note = "" if last_applied is rows[-1] else f" (step {last_applied['step']}, the last applied)"
