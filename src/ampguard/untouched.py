@@ -14,6 +14,7 @@ counts as a hook's state and why.
 
 from __future__ import annotations
 
+import builtins
 import collections
 import contextlib
 import copy
@@ -956,8 +957,8 @@ class _AttrCell:
 
 class _GlobalCell:
     """A global of a hook's module (``acts`` in ``acts.append(out)``) read and written as a closure's
-    cell is (``cell_contents``), as :class:`_AttrCell` an attribute; one the block deleted reads
-    :data:`_GONE`."""
+    cell is (``cell_contents``), as :class:`_AttrCell` an attribute; one not there (yet, or the
+    block deleted it) reads :data:`_GONE`, and is taken out again when put back so."""
 
     __slots__ = ("scope", "name")
 
@@ -970,7 +971,10 @@ class _GlobalCell:
 
     @cell_contents.setter
     def cell_contents(self, value: Any) -> None:
-        self.scope[self.name] = value
+        if value is _GONE:  # (one a pass made: ``global ema`` set at the hook's first call, review 44a)
+            self.scope.pop(self.name, None)
+        else:
+            self.scope[self.name] = value
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1402,8 +1406,9 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                     value = f.__globals__.get(name, _GONE)
                     if isinstance(value, torch.nn.Module):
                         module(value)
-                    if value is _GONE or isinstance(value, (types.ModuleType, type, torch.nn.Module)):
-                        continue
+                    if value is _GONE and name in vars(builtins) or isinstance(
+                            value, (types.ModuleType, type, torch.nn.Module)):
+                        continue  # (one not there yet is held too: a pass may make it)
                     if isinstance(value, (types.FunctionType, types.MethodType)):  # (a helper it calls: ``record(out)``)
                         visit(value, depth + 1, False)
                     elif not callable(value) or _user_made(value):

@@ -289,3 +289,25 @@ def test_the_loss_gives_back_nothing_a_hooks_state_holds():
     said = checked(model, both.loss)
     assert said_state(said)
     assert len(both.acts) == 4 and both.calls == 1
+
+
+# --- a global a pass makes --------------------------------------------------------------------------------
+
+def test_a_global_the_hooks_first_call_makes_is_taken_out_again():
+    # review 44a H5: a global not there yet was skipped; the check's passes made it, and the run's first
+    # forward blended its output into the check's running mean, silently
+    model = toy()
+    model[1].register_forward_hook(_running_mean)
+    assert not said_state(checked(model))
+    assert "EMA_OF_TANH" not in globals()
+    model(BATCH[0])
+    assert "EMA_OF_TANH" in globals()  # (the run's first forward makes it, as a plain loop's does)
+    del globals()["EMA_OF_TANH"]
+
+
+def _running_mean(module, args, out):
+    global EMA_OF_TANH
+    try:
+        EMA_OF_TANH = 0.9 * EMA_OF_TANH + 0.1 * out.detach().mean()  # noqa: F821 - made at the first call
+    except NameError:
+        EMA_OF_TANH = out.detach().mean()
