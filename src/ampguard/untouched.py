@@ -1027,20 +1027,14 @@ def _method_functions(attribute: Any) -> list[types.FunctionType]:
     return found
 
 
-def _reached(function: Any) -> frozenset[str]:
+def _reached(function: Any, depth: int = 0) -> frozenset[str]:
     """The attribute names ``function``'s code uses (:func:`_names_used`) and those of the user's
     functions it calls by a global name, two levels down: a module-level helper given the object
     (``build_cache(self, out)``, which sets ``self.cache`` and ``self.built``) reaches its
     attributes as the hook's own code does (review 44a: the flag the helper set was loose, left
-    unsaid, beside the cache it named, rewound to None: the run's first forward multiplied by None)."""
-    try:
-        return _reached_cached(function, 0)
-    except TypeError:  # (an unhashable function object)
-        return _reached_cached.__wrapped__(function, 0)
-
-
-@functools.lru_cache(maxsize=4096)
-def _reached_cached(function: Any, depth: int) -> frozenset[str]:
+    unsaid, beside the cache it named, rewound to None: the run's first forward multiplied by None).
+    Not cached by function: a hook's closure may hold a model's worth of tensors (the code's names
+    are, :func:`_names_used`)."""
     code = getattr(function, "__code__", None)
     if not isinstance(code, types.CodeType):
         return frozenset()
@@ -1049,7 +1043,7 @@ def _reached_cached(function: Any, depth: int) -> frozenset[str]:
         for name in global_names:
             helper = function.__globals__.get(name)
             if isinstance(helper, types.FunctionType) and helper is not function:
-                found = found | _reached_cached(helper, depth + 1)
+                found = found | _reached(helper, depth + 1)
     return found
 
 
@@ -1108,6 +1102,7 @@ def _user_made(obj: Any) -> bool:
     return bool(file) and _users_file(file)
 
 
+@functools.lru_cache(maxsize=1024)
 def _users_file(file: str) -> bool:
     """Whether ``file`` is outside the standard library and the installed packages."""
     return not os.path.realpath(file).startswith(_library_roots())

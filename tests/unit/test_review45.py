@@ -311,3 +311,25 @@ def _running_mean(module, args, out):
         EMA_OF_TANH = 0.9 * EMA_OF_TANH + 0.1 * out.detach().mean()  # noqa: F821 - made at the first call
     except NameError:
         EMA_OF_TANH = out.detach().mean()
+
+
+def test_the_check_keeps_no_hook_alive_after_it():
+    # what the names a hook reaches were found by is not kept by function: a hook's closure may hold a
+    # model's worth of tensors, which a cache of the hooks' functions kept alive for good
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    model, held = toy(), Held()
+    gone = weakref.ref(held)
+
+    def hook(m, args, out, held=held):  # (a default: what the hook's code reaches is asked of the function)
+        return out if held is not None else None
+    handle = model[1].register_forward_hook(hook)
+    checked(model)
+    handle.remove()
+    del hook, held
+    gc.collect()
+    assert gone() is None
