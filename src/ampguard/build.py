@@ -451,10 +451,12 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     inputs of its lazy modules by name (filled by its first forward, for :func:`_made_as_checked`).
 
     ``model`` itself, or, where it holds lazy modules not made yet (``nn.LazyLinear``,
-    ``nn.LazyBatchNorm1d``: a plain loop's first forward makes their weights), a deep copy of it,
-    run under :func:`~ampguard.untouched.rng_kept` (nothing of it kept). Costs a copy of the
-    weights made so far. A model that cannot be copied is checked itself, which
-    :func:`~ampguard.untouched.untouched` warns of: their weights are drawn in the check.
+    ``nn.LazyBatchNorm1d``: a plain loop's first forward makes their weights), a deep copy of it
+    (nothing of it kept). Costs a copy of the
+    weights made so far. The copy's check runs under :func:`~ampguard.untouched.untouched` of the
+    model all the same: the copy's hooks share their closures and globals with the model's. A model
+    that cannot be copied is checked itself, which :func:`~ampguard.untouched.untouched` warns of:
+    their weights are drawn in the check.
 
     Example::
 
