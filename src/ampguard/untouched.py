@@ -30,10 +30,11 @@ import sysconfig
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
 
 from .checkpoint import rng_state, set_rng_state
@@ -135,7 +136,11 @@ class BufferSnapshot:
                 memo.setdefault(_MODULES_HELD, (None, {}))[1][id(x)] = x
             else:
                 self.also += _hook_state(x, memo)
-        modules = list(model.modules()) + _outside(model, memo, self.attributes)
+        self.also_tensors = [(t, _version(t)) for t in _piece_tensors(self.also, set())]
+        self.outside = _outside(model, memo, self.attributes)
+        # (an outside module in eval mode, a frozen teacher, is not copied: a model's worth of buffers, its
+        # weights where it is quantised, review 44c; those in training mode are, a tracker's running mean)
+        modules = list(model.modules()) + [m for m in self.outside if m.training]
         self.held = [(m, dict(m._buffers)) for m in modules]
         self.module_names = {id(m): name for name, m in model.named_modules()}  # (what an error calls a buffer)
         # (a tensor with internal overlap, an expanded view, stride 0: nothing writes it in place, so
@@ -153,9 +158,27 @@ class BufferSnapshot:
         for prefix, m in model.named_modules():
             for name, t in _trainable_attributes(m):
                 self.names.setdefault(id(t), []).append(f"{prefix}.{name}" if prefix else name)
-        self.generators = _generators_in(self.attributes)
+        self.generators = _generators_in(self.attributes, self.also, tuple(x for x in also if not isinstance(
+            x, torch.nn.Module)))
         self.global_hooks = _global_hooks()  # (a setup a pass did outside the model: registered_outside)
         self.trained = frozenset(self.names)  # (what a hook's record of parameters holds: no capture)
+
+    def also_moved(self) -> bool:
+        """Whether a tensor in the loss's state (``also``'s) was changed in place since the snapshot
+        (a running statistic updated with ``mul_``): its state cannot be given back whole."""
+        return any(_version(t) != version for t, version in self.also_tensors)
+
+    def _also_back(self) -> bool:
+        """Whether the loss's own state is given back (:meth:`put_back`), whole: not where a tensor in
+        it was changed in place (review 44c: its count was rewound beside the statistic it counts,
+        silently; now left and said, :func:`_attributes_warned`), beside a setup outside the model,
+        nor where a hook's state left in place (said) holds a piece of it (a hook object that is
+        also the loss: its count and its captures left together). A piece a hook holds and lets
+        be (a loose attribute of an object a hook's method is bound to) is given back with the rest
+        (review 44c: the loss's count on it stayed spent, unsaid)."""
+        if self.also_moved() or self.registered_outside():
+            return False
+        return not _piece_keys(self.also) & _left_keys(_hooks_judged(self.attributes, self.trained))
 
     def registered_outside(self) -> bool:
         """Whether a hook was registered on every module (``register_module_forward_hook`` and the
@@ -196,8 +219,8 @@ class BufferSnapshot:
         finally:
             _generators_back(self.generators)
             left = _put_attributes_back(self.attributes, passes, self.trained, self.registered_outside())
-            if left is None and self.also and not self.registered_outside():  # (not beside a setup outside)
-                _state_back(_not_shared(self.also, _hooks_keys(self.attributes)), set())
+            if left is None and self.also and self._also_back():
+                _state_back(self.also, set())
         if failed:
             said = listed([f"{name} (a {type(b).__name__}: {first_line(err)})" for name, b, err in failed], 2,
                           more=f" and {len(failed) - 2} more")
@@ -272,6 +295,16 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     renormed = {id(p): p.detach().clone() for m in model.modules() if _renormalises(m)
                 for p in m.parameters(recurse=False) if id(p) not in lazy}
     named = [(name, p) for name, p in model.named_parameters() if id(p) not in lazy]
+    taken = {id(p) for _, p in named} | {name for name, _ in named}
+    for m in snapshot.outside:  # (and the parameters of the modules outside it that hooks or the loss hold: an
+        for name, p in m.named_parameters(recurse=False):  # EMA teacher a hook moves, review 44c)
+            if id(p) not in taken and not is_lazy(p):
+                key, i = f"{type(m).__name__}.{name}", 1
+                while key in taken:  # (two outside modules of one type: each its own name)
+                    i += 1
+                    key = f"{type(m).__name__}.{name} ({i})"
+                taken |= {id(p), key}
+                named.append((key, p))
     sums = {name: _checksum(p) for name, p in named}
     versions = {name: (_version(p), _storage(p), p.shape, p.dtype) for name, p in named}
     try:
@@ -299,7 +332,8 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                     p.grad = None
             for p, grad in grads:
                 p.grad = grad
-        owners = {id(p): type(m).__name__ for m in model.modules() for p in m.parameters(recurse=False)}
+        owners = {id(p): type(m).__name__ for m in itertools.chain(model.modules(), snapshot.outside)
+                  for p in m.parameters(recurse=False)}
         changed = [(name, owners.get(id(p), "")) for name, p in named
                    if _changed(p, sums.get(name), versions.get(name))]
         if changed:
@@ -319,39 +353,15 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           stacklevel=3)
 
 
-def _hooks_keys(kept: list[_Kept]) -> set[int]:
-    """The keys (:func:`_piece_key`) of every piece of the hooks' state in ``kept``, those below a
-    container and an object's loose ones too: what the hooks' own judgement puts back or leaves."""
+def _piece_keys(pieces: list[tuple[Any, ...]]) -> set[int]:
+    """The keys (:func:`_piece_key`) of :func:`_hook_state`'s ``pieces``, those below a container
+    and an object's loose ones too."""
     keys: set[int] = set()
-
-    def add(pieces: list[tuple[Any, ...]]) -> None:
-        for held in pieces:
-            keys.add(_piece_key(held))
-            if held[0] == "inner":
-                add(held[2])
-
-    for _, _, hooks, _ in kept:
-        for _, _, _, states in hooks:
-            for pieces in states.values():
-                add(pieces)
-    return keys
-
-
-def _not_shared(pieces: list[tuple[Any, ...]], keys: set[int]) -> list[tuple[Any, ...]]:
-    """``pieces`` less those whose key is in ``keys`` (below a container and among an object's
-    loose ones too): the loss's own state, which no hook's judgement covers (review 44a: a hook
-    object that is also the loss has its captures left beside its count, said; the loss's put-back
-    must not rewind them)."""
-    own = []
     for held in pieces:
-        if _piece_key(held) in keys:
-            continue
+        keys.add(_piece_key(held))
         if held[0] == "inner":
-            if below := _not_shared(held[2], keys):
-                own.append((held[0], held[1], below, *held[3:]))
-        else:
-            own.append(held)
-    return own
+            keys |= _piece_keys(held[2])
+    return keys
 
 
 def _outside(model: torch.nn.Module, memo: dict[Any, tuple[Any, Any]], kept: list[_Kept]) -> list[torch.nn.Module]:
@@ -360,18 +370,39 @@ def _outside(model: torch.nn.Module, memo: dict[Any, tuple[Any, Any]], kept: lis
     append to ``self.feats``, a tracker module's buffers; review 44a: kept by nothing, they kept
     the check's outputs and statistics, silently), with their submodules, and those their own
     hooks' state holds: each one's attributes appended to ``kept`` (:func:`_kept_module`), to be
-    kept and put back as the model's are."""
+    kept and put back as the model's are. Not one that cannot be kept so (review 44c: a lazy one
+    not made yet, which its first forward turns into another class, a TorchScript module, whose
+    buffers are no dict, a module that never called ``Module.__init__``): each is left as it is."""
     seen = {id(m) for m in model.modules()}
     found: list[torch.nn.Module] = []
     while new := [m for m in memo.get(_MODULES_HELD, (None, {}))[1].values() if id(m) not in seen]:
         for top in new:
-            for m in top.modules():
-                if id(m) not in seen:
-                    seen.add(id(m))
-                    found.append(m)
-                    if not _reducer_owned(m):
-                        kept.append(_kept_module(m, memo))
+            seen.add(id(top))
+            try:
+                below = list(top.modules())
+            except Exception:  # (a module that never called Module.__init__)
+                continue
+            for m in below:
+                if id(m) in seen and m is not top:
+                    continue
+                seen.add(id(m))
+                if not _keepable(m):
+                    continue
+                try:
+                    snapshot = _kept_module(m, memo)
+                except Exception:  # (one whose attributes or hooks cannot be read: left as it is)
+                    continue
+                found.append(m)
+                if not _reducer_owned(m):
+                    kept.append(snapshot)
     return found
+
+
+def _keepable(m: torch.nn.Module) -> bool:
+    """Whether a module outside the model can be kept and put back as the model's are
+    (:func:`_outside`)."""
+    return (type(getattr(m, "_buffers", None)) is dict and type(getattr(m, "_parameters", None)) is dict
+            and not isinstance(m, (torch.jit.ScriptModule, LazyModuleMixin)) and not not_made(m))
 
 
 def _warn_hooks_left(hooked: list[tuple[str, int]], modules: list[str], by: str, passes: int | None) -> None:
@@ -456,7 +487,7 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
     tensors = [(f"{type(m).__name__}.{k}", t) for m, held, _, _ in kept for k, v in held.items()
                for t in _tensors_in(v) if _memory(t) is None or _memory(t) not in own]  # (nor a view of one)
     versions = [_version(t) for _, t in tensors]
-    held = _hook_tensors(kept, own)
+    held = _hook_tensors(kept, own) + [("the loss", t) for t, _ in snapshot.also_tensors]
     held_versions = [_version(t) for _, t in held]
     yield
     moved = list(dict.fromkeys(name for (name, t), version in zip(tensors, versions) if _version(t) != version))
@@ -485,30 +516,32 @@ def _hook_tensors(kept: list[_Kept], own: set[Any]) -> list[tuple[str, torch.Ten
     (review 43h: a delayed-scaling hook's ``amax_history.copy_(...)``, ``stats["sq"] += x``)."""
     found: dict[int, tuple[str, torch.Tensor]] = {}
     looked: set[int] = set()  # (a container many hooks hold, and those below it: looked into once)
-
-    def tensors(pieces: list[tuple[Any, ...]]) -> Iterator[torch.Tensor]:
-        for kind, target, *rest in pieces:
-            if kind not in ("inner", "cell", "contents") or id(rest[0]) in looked:
-                continue
-            if kind == "inner":  # (the containers below)
-                looked.add(id(rest[0]))
-                yield from tensors(rest[0])
-                continue
-            try:  # (a cell's value; a container's contents as they were)
-                if not isinstance(rest[0], torch.Tensor):
-                    looked.add(id(rest[0]))
-                yield from _tensors_in(rest[0])
-            except Exception:  # (one that cannot be looked at: a dead weak proxy, review 42d)
-                continue
-
     for m, _, hooks, _ in kept:
         for owner, name, _, states in hooks:
             kind = _hook_kind(m, owner, name) or "hook"
             for pieces in states.values():
-                for t in tensors(pieces):
+                for t in _piece_tensors(pieces, looked):
                     if id(t) not in found and (_memory(t) is None or _memory(t) not in own):
                         found[id(t)] = (f"{_a(kind)} on {type(m).__name__}", t)
     return list(found.values())
+
+
+def _piece_tensors(pieces: list[tuple[Any, ...]], looked: set[int]) -> Iterator[torch.Tensor]:
+    """The tensors in :func:`_hook_state`'s ``pieces``: a cell's value, one in a container there,
+    or in one below it; each container once (``looked``, by identity)."""
+    for kind, target, *rest in pieces:
+        if kind not in ("inner", "cell", "contents") or id(rest[0]) in looked:
+            continue
+        if kind == "inner":  # (the containers below)
+            looked.add(id(rest[0]))
+            yield from _piece_tensors(rest[0], looked)
+            continue
+        try:  # (a cell's value; a container's contents as they were)
+            if not isinstance(rest[0], torch.Tensor):
+                looked.add(id(rest[0]))
+            yield from _tensors_in(rest[0])
+        except Exception:  # (one that cannot be looked at: a dead weak proxy, review 42d)
+            continue
 
 
 def _captured(v: Any, trained: frozenset[int] = frozenset()) -> bool:
@@ -611,8 +644,13 @@ def _logged(appended: Iterator[Any]) -> list[Any]:
     """What was appended to a list, numbers read as None: a log of ``out.abs().mean().item()`` is a
     capture as a log of the tensor is (review 43i: read as state, a warning at every start-up and
     the check's values left), and so is a log of names (``order.append(name)``, the modules' order:
-    review 44a); a number in a dict's new slot is not (``done[name] = 1``)."""
-    return [None if type(x) in (int, float, str) else x for x in appended]
+    review 44a) where a name comes again (each pass logged it); names each appended once are a
+    registry of what was done (an LSUV-like initialisation's ``done.append(name)``: rewound, it ran
+    twice, review 44c); a number in a dict's new slot is not a capture (``done[name] = 1``)."""
+    appended = list(appended)
+    names = [x for x in appended if type(x) is str]
+    log = len(set(names)) < len(names)  # (a name again: a log of the passes, not a registry of what was done)
+    return [None if type(x) in (int, float) or type(x) is str and log else x for x in appended]
 
 
 def _verdict_of(changed: list[Any], trained: frozenset[int], cell: bool = False) -> str | None:
@@ -851,18 +889,38 @@ def _generator_kept(g: Any) -> Callable[[], None] | None:
     return None
 
 
-def _generators_in(kept: list[_Kept]) -> list[Callable[[], None]]:
+def _generators_in(kept: list[_Kept], also: list[tuple[Any, ...]] = (), callables: tuple[Any, ...] = ()
+                   ) -> list[Callable[[], None]]:
     """For each random generator the modules in ``kept`` hold of their own, a function that gives
     it back its present state (:func:`_generator_kept`): an attribute, a value in a hook's state
-    (a cell of :func:`_hook_state`'s: its closure, its object) or a ``functools.partial``'s
-    arguments, or one in a list, tuple or dict of a few there (64 at most: not a vocabulary's
-    list, review 43c; per-layer generators, review 43h) (MAE's masking draws from ``self.gen``;
-    noise drawn from a generator of its own): :func:`rng_kept` keeps the global ones only, and the
-    block's draws advanced these, silently (reviews 43a, 43b). Each once."""
+    (a cell of :func:`_hook_state`'s: its closure, its object), a ``functools.partial``'s
+    arguments or a hook's defaults, or one in a list, tuple or dict of a few there (64 at most:
+    not a vocabulary's list, review 43c; per-layer generators, review 43h) (MAE's masking draws
+    from ``self.gen``; noise drawn from a generator of its own): :func:`rng_kept` keeps the global
+    ones only, and the block's draws advanced these, silently (reviews 43a, 43b). And those in
+    ``also`` (the loss's state, :func:`_hook_state`'s pieces) and the defaults of ``callables``
+    (the loss; review 44c: a loss drawing noise from a generator of its own). Each once."""
     def few(v: Any) -> Iterator[Any]:
         yield v
         if (type(v) in (list, tuple) or type(v) in _CONTAINERS and isinstance(v, dict)) and len(v) <= 64:
             yield from v.values() if isinstance(v, dict) else v  # (a few: not a vocabulary, review 43c)
+
+    def in_pieces(pieces: Iterable[tuple[Any, ...]]) -> Iterator[Any]:
+        for piece in pieces:
+            if piece[0] == "inner" and id(piece[2]) not in tested:  # (an object's other attributes)
+                tested.add(id(piece[2]))
+                yield from (v for p in piece[2] if p[0] == "loose" for v in few(p[2]))
+            elif piece[0] == "cell":
+                yield from few(piece[2])
+
+    def bound(f: Any) -> Iterator[Any]:  # (a partial's arguments, a function's defaults)
+        while isinstance(f, functools.partial):
+            for v in (*f.args, *f.keywords.values()):
+                yield from few(v)
+            f = f.func
+        f = getattr(f, "__func__", f)
+        for v in (*(getattr(f, "__defaults__", None) or ()), *(getattr(f, "__kwdefaults__", None) or {}).values()):
+            yield from few(v)
 
     def candidates() -> Iterator[Any]:
         for _, held, hooks, _ in kept:
@@ -870,17 +928,12 @@ def _generators_in(kept: list[_Kept]) -> list[Callable[[], None]]:
                 yield from few(v)
             for _, _, before, states in hooks:  # (per-layer generators in a closure's list: review 43h)
                 for pieces in states.values():
-                    for piece in pieces:
-                        if piece[0] == "inner" and id(piece[2]) not in tested:  # (an object's other attributes)
-                            tested.add(id(piece[2]))
-                            yield from (v for p in piece[2] if p[0] == "loose" for v in few(p[2]))
-                        elif piece[0] == "cell":
-                            yield from few(piece[2])
+                    yield from in_pieces(pieces)
                 for hook in before.values():
-                    while isinstance(hook, functools.partial):
-                        for v in (*hook.args, *hook.keywords.values()):
-                            yield from few(v)
-                        hook = hook.func
+                    yield from bound(hook)
+        yield from in_pieces(also)
+        for f in callables:
+            yield from bound(f)
 
     found: dict[int, Callable[[], None]] = {}
     tested: set[int] = set()  # (each value once, however many hooks hold it: review 43i, 4,096 hooks 10 s)
@@ -1068,6 +1121,24 @@ def _attributes_used_cached(cls: type, names: frozenset[str]) -> frozenset[str]:
                     found.add(more)
                     todo.append(more)
     return frozenset(found)
+
+
+def _state_names(cls: type, names: frozenset[str]) -> frozenset[str]:
+    """The attributes of an object of ``cls`` that ``names`` reach (:func:`_attributes_used`) and
+    that are no method: its state's names, each a cell of a hook's state (:func:`_hook_state`).
+    Not ``"*"`` (names made as it runs: those are among the loose ones, review 43l), nor dunders.
+    Cached by class and names (review 44c: 2,000 hooks each calling a helper that names ~40
+    attributes, looked up on the class once a hook and a name, 4.0 s at start-up)."""
+    try:
+        return _state_names_cached(cls, names)
+    except TypeError:  # (a class that cannot be hashed)
+        return _state_names_cached.__wrapped__(cls, names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _state_names_cached(cls: type, names: frozenset[str]) -> frozenset[str]:
+    return frozenset(name for name in _attributes_used(cls, names) if name != "*" and not (
+        name.startswith("__") and name.endswith("__")) and not _method_functions(inspect.getattr_static(cls, name, None)))
 
 
 def _user_code(f: types.FunctionType) -> bool:
@@ -1283,6 +1354,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                     if len(pieces) >= _INNER_PIECES:
                         return
                     if type(x) not in _CONTAINERS:
+                        if isinstance(x, torch.nn.Module):  # (``{"0": RunningMean()}``: review 44c)
+                            module(x)
                         continue
                     if len(x) > _INNER_MOST and isinstance(x, (list, collections.deque)):
                         pieces.append(("length", x, len(x), (x[0], x[-1]) if x else ()))
@@ -1325,12 +1398,10 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         if (id(obj), None) in objects:
             return
         objects.add((id(obj), None))
-        try:  # ("*", names made as it runs: those are among the loose ones, review 43l)
-            used = _attributes_used(cls, names)
-            used = {name for name in used if name != "*" and not (name.startswith("__") and name.endswith("__"))
-                    and not _method_functions(inspect.getattr_static(cls, name, None))}
+        try:
+            used = _state_names(cls, names)
         except Exception:  # (a class that cannot be looked into: every attribute, loosely)
-            used = set()
+            used = frozenset()
         for name in sorted(used):
             value = cell_of(obj, name).cell_contents
             held(cell_of(obj, name), value)
@@ -1382,7 +1453,7 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
             if hook or _user_made(f.__self__):  # (or one its closure holds and calls: ``rec = store.rec``, 43k)
                 attributes(f.__self__, frozenset([getattr(f.__func__, "__name__", "")]).union(
                     *(_reached(function) for function in _method_functions(f.__func__))))
-            visit(f.__func__, depth + 1, False)
+            visit(f.__func__, depth + 1, hook)
         elif isinstance(f, types.FunctionType):
             for cell in f.__closure__ or ():
                 try:
@@ -1394,9 +1465,10 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                     visit(value, depth + 1, False)
                 if _user_made(value):  # (``self`` of the method that made the hook: ``self.features[name] = out``)
                     attributes(value, _reached(f) | _called(value))
-            if _user_code(f):  # (not a library's: its mutable default, a memo, and its module state are its own)
-                for value in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values()):
-                    argument(value, _reached(f), depth)
+            if _user_code(f):  # (not a library's: its module state is its own)
+                if hook:  # (the hook's own defaults; a helper's mutable default is its memo, review 44c)
+                    for value in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values()):
+                        argument(value, _reached(f), depth)
                 for name in sorted(_names_used(f.__code__)[0]):  # (the tutorials' ``activation = {}``: 43h)
                     value = f.__globals__.get(name, _GONE)
                     if isinstance(value, torch.nn.Module):

@@ -1,0 +1,248 @@
+"""Review 44c of review 44a's fixes to the start-up check's put-back (``untouched``): modules
+outside the model that cannot be kept as the model's are (lazy, TorchScript, never initialised),
+the loss's own state (a tensor changed in place beside a count, its generators, a count on an
+object a hook's method is bound to), modules in a hook's containers, an outside module's
+parameters, a registry of names, a helper's memo default."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import nn
+
+from helpers import caught_warnings
+from helpers import check_reader as reader
+from ampguard import untouched
+from ampguard.build import check_forward
+from ampguard.precision import Precision
+
+FP32 = Precision("fp32", "cpu")
+BATCH = (torch.linspace(-3, 5, 32).reshape(8, 4), torch.zeros(8, 2))
+STATE = "changed the state a hook of the model keeps"
+
+
+def toy() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def checked(model: nn.Module, loss_fn=nn.functional.mse_loss) -> list[str]:
+    """The warnings of the start-up's check (four passes) of ``model``."""
+    return caught_warnings(lambda: check_forward(model, loss_fn, reader(BATCH), FP32, "task toy"))
+
+
+def first_loss(model: nn.Module, loss_fn) -> float:
+    return loss_fn(model(BATCH[0]), BATCH[1]).item()
+
+
+def as_plain(make) -> tuple[float, float, list[str]]:
+    """The run's first loss from a plain loop's state and from what the check left, and its warnings."""
+    model, loss = make()
+    plain = first_loss(model, loss)
+    model, loss = make()
+    said = checked(model, loss)
+    return plain, first_loss(model, loss), said
+
+
+# --- outside modules that cannot be kept as the model's ----------------------------------------------
+
+class HeadLoss(nn.Module):
+    """A loss module with a lazy projection head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.LazyLinear(2)
+
+    def forward(self, out, y):
+        return ((self.proj(out) - y) ** 2).mean() + ((out - y) ** 2).mean()
+
+
+def test_a_lazy_module_outside_the_model_is_left_to_its_first_forward():
+    # review 44c H1: kept as the model's, its materialised class had its lazy pre-hook and in_features=0 put
+    # back: AttributeError at the run's first step
+    plain, after, _ = as_plain(lambda: (toy(), HeadLoss()))
+    assert plain == after
+
+
+class NeverInitialised(nn.Module):
+    def __init__(self, k: float) -> None:  # (no Module.__init__: no _parameters, no _buffers)
+        self.k = k
+
+    def scale(self, x):
+        return x * self.k
+
+
+def test_modules_that_cannot_be_kept_do_not_stop_the_check():
+    # review 44c H2: a TorchScript teacher's buffers are no dict (TypeError at start-up); a module that
+    # never called Module.__init__ has no _parameters (AttributeError at start-up)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (torch.jit.script: deprecated, still met)
+        teacher = torch.jit.script(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)).eval())
+    odd = NeverInitialised(2.0)
+
+    def loss(out, y):
+        with torch.no_grad():
+            t = teacher(y)
+        return ((odd.scale(out) - y) ** 2).mean() + ((out - t) ** 2).mean()
+    checked(toy(), loss)
+
+
+# --- the loss's own state ---------------------------------------------------------------------------
+
+class Normalised:
+    """A loss normalised by a running statistic kept in place, and a count of its calls."""
+
+    def __init__(self) -> None:
+        self.running, self.count = torch.ones(()), 0
+
+    def __call__(self, out, y):
+        self.count += 1
+        self.running.mul_(0.9).add_(0.1 * (out - y).pow(2).mean().detach())
+        return (out - y).pow(2).mean() / self.running
+
+
+def test_a_loss_whose_tensor_moved_in_place_keeps_its_count_with_it_and_is_said():
+    # review 44c H3: the count was rewound beside the statistic changed in place, which cannot be: silently
+    loss = Normalised()
+    said = checked(toy(), loss)
+    assert any(STATE in w and "the loss" in w for w in said)
+    assert loss.count == 1 and float(loss.running) != 1.0  # (both as the check left them: consistent)
+
+
+def test_a_running_tensor_in_a_loss_closure_changed_in_place_is_said():
+    running = torch.zeros(())
+
+    def loss(out, y):
+        running.add_(out.detach().mean())
+        return nn.functional.mse_loss(out, y)
+    assert any(STATE in w and "the loss" in w for w in checked(toy(), loss))
+
+
+def test_the_losss_and_a_hooks_own_generators_are_given_back_their_state():
+    # review 44c H4: the generators rng_kept does not keep were those of the modules only
+    def make():
+        model, gen = toy(), torch.Generator().manual_seed(3)
+        hook_gen = torch.Generator().manual_seed(4)
+
+        def noisy(out, y):
+            return nn.functional.mse_loss(out + 0.1 * torch.randn(out.shape, generator=gen), y)
+
+        def jitter(m, args, out, g=hook_gen):  # (a generator as the hook's default)
+            return out + 0.1 * torch.randn(out.shape, generator=g)
+        model[1].register_forward_hook(jitter)
+        return model, noisy
+    plain, after, said = as_plain(make)
+    assert plain == after and not any(STATE in w for w in said)
+
+
+class Tracker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(()))
+
+    def forward(self, x):
+        self.mean.mul_(0.5).add_(x.detach().mean())
+        return x
+
+
+def test_modules_in_a_hooks_containers_are_kept_as_the_models_are():
+    # review 44c H5: only a module held directly was found
+    def make():
+        model, trackers = toy(), {"0": Tracker()}
+        model[1].register_forward_hook(lambda m, args, out: out + trackers["0"](out).mean() - trackers["0"].mean)
+        return model, nn.functional.mse_loss
+    plain, after, _ = as_plain(make)
+    assert plain == after
+
+
+def test_an_outside_modules_parameters_changed_in_place_are_said():
+    # review 44c H6: an EMA teacher a pre-hook moves: its parameters were never summed
+    model, teacher = toy(), nn.Linear(4, 8)
+
+    def ema(m, args):
+        with torch.no_grad():
+            for t, s in zip(teacher.parameters(), m.parameters()):
+                t.mul_(0.9).add_(0.1 * s)
+    model[0].register_forward_pre_hook(ema)
+    said = checked(model)
+    assert any("changed 2 parameters in place (Linear.weight, Linear.bias)" in w for w in said), said
+
+
+class CountingLoss:
+    """A loss object one of whose methods is a hook on the model: the count is the loss's."""
+
+    def __init__(self) -> None:
+        self.calls, self.seen = 0, []
+
+    def hook(self, module, args, out) -> None:
+        self.seen.append(out)
+
+    def __call__(self, out, y):
+        self.calls += 1
+        return nn.functional.mse_loss(out, y) * (1 + self.calls)
+
+
+def test_a_loss_count_on_an_object_a_hook_is_bound_to_is_given_back():
+    # review 44c H7: the hook holds the count loosely and lets it be; the loss left it to the hook: spent
+    model, loss = toy(), CountingLoss()
+    model[1].register_forward_hook(loss.hook)
+    assert not any(STATE in w for w in checked(model, loss))
+    assert loss.calls == 0 and loss.seen == []
+
+
+# --- names, memos ----------------------------------------------------------------------------------
+
+def test_names_each_appended_once_are_a_registry_left_and_said():
+    # review 44c M1: an LSUV-like initialisation's ``done.append(name)``, read as a log and rewound: the
+    # initialisation ran again at the run's first forward, on weights the check had scaled
+    def make():
+        model, done = toy(), []
+
+        def init_once(m, args, out):
+            key = type(m).__name__ + str(out.shape[-1])
+            if key not in done:
+                with torch.no_grad():
+                    m.weight.mul_(0.5)
+                done.append(key)
+        model[0].register_forward_hook(init_once)
+        model[2].register_forward_hook(init_once)
+        return model, nn.functional.mse_loss
+    plain_model, _ = make()
+    plain_model(BATCH[0])
+    model, loss = make()
+    said = checked(model, loss)
+    model(BATCH[0])
+    assert any(STATE in w for w in said)
+    assert torch.equal(model[0].weight, plain_model[0].weight)  # (scaled once, as a plain loop's first forward)
+
+
+def groups_for(c: int, _memo={}) -> int:  # noqa: B006 - the memo idiom
+    if c not in _memo:
+        _memo[c] = math.gcd(c, 32)
+    return _memo[c]
+
+
+def test_a_helpers_memo_default_is_no_state_of_the_hook():
+    # review 44c M2: every visited function's defaults were read: the memo's new slot, a number, read as
+    # state: a warning at every start-up, and the hook's captures left with it
+    model, feats = toy(), []
+
+    def hook(m, args, out):
+        feats.append(out.reshape(out.shape[0], groups_for(out.shape[-1]), -1))
+    model[1].register_forward_hook(hook)
+    groups_for.__defaults__[0].clear()
+    assert not any(STATE in w for w in checked(model))
+    assert feats == []
+
+
+def test_a_frozen_outside_modules_buffers_are_not_copied():
+    # review 44c M3: a teacher in eval mode (its weights buffers where it is quantised) was copied whole
+    model, teacher = toy(), nn.BatchNorm1d(8).eval()
+    model[1].register_forward_hook(lambda m, args, out: teacher(out))
+    snapshot = untouched.BufferSnapshot(model)
+    assert teacher in snapshot.outside and id(teacher.running_mean) not in snapshot.copies
+    teacher.train()
+    snapshot = untouched.BufferSnapshot(model)
+    assert id(teacher.running_mean) in snapshot.copies
