@@ -918,9 +918,10 @@ def _generators_in(kept: list[_Kept], also: list[tuple[Any, ...]] = (), callable
             for v in (*f.args, *f.keywords.values()):
                 yield from few(v)
             f = f.func
-        f = getattr(f, "__func__", f)
-        for v in (*(getattr(f, "__defaults__", None) or ()), *(getattr(f, "__kwdefaults__", None) or {}).values()):
-            yield from few(v)
+        if isinstance(f, types.MethodType):
+            f = f.__func__
+        if isinstance(f, types.FunctionType):  # (not any callable's: one whose __getattr__ answers anything)
+            yield from (x for v in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values()) for x in few(v))
 
     def candidates() -> Iterator[Any]:
         for _, held, hooks, _ in kept:

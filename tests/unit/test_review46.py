@@ -246,3 +246,18 @@ def test_a_frozen_outside_modules_buffers_are_not_copied():
     teacher.train()
     snapshot = untouched.BufferSnapshot(model)
     assert id(teacher.running_mean) in snapshot.copies
+
+
+class Raising:
+    """A loss object whose ``__getattr__`` raises for any name it does not have."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"no {name}")
+
+    def __call__(self, out, y):
+        return nn.functional.mse_loss(out, y)
+
+
+def test_a_loss_whose_getattr_raises_does_not_stop_the_check():
+    # its generators were looked for in its ``__func__``'s defaults: RuntimeError at start-up
+    checked(toy(), Raising())
