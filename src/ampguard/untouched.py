@@ -23,6 +23,7 @@ import functools
 import inspect
 import itertools
 import os
+import queue
 import random
 import site
 import sys
@@ -489,6 +490,8 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
     versions = [_version(t) for _, t in tensors]
     held = _hook_tensors(kept, own) + [("the loss", t) for t, _ in snapshot.also_tensors]
     held_versions = [_version(t) for _, t in held]
+    opaque = [(hook, v, mark) for hook, v in [*_hook_values(kept), *(("the loss", v) for v in _piece_values(
+        snapshot.also, set()))] if (mark := _fingerprint(v)) is not None]
     yield
     moved = list(dict.fromkeys(name for (name, t), version in zip(tensors, versions) if _version(t) != version))
     if moved:
@@ -498,7 +501,8 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
                       "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
     spent, beside = _hooks_state_moved(kept, snapshot.trained, snapshot.registered_outside(), snapshot.module_names)
     spent = list(dict.fromkeys([*spent, *(hook for (hook, t), version in zip(held, held_versions)
-                                          if _version(t) != version)]))  # (review 43h: ``amax_history.copy_(...)``)
+                                          if _version(t) != version),  # (review 43h: ``amax_history.copy_(...)``)
+                                *(hook for hook, v, mark in opaque if _fingerprint(v) != mark)]))  # (44a)
     if spent:
         also = f" (with the module attributes it shares: {listed(beside)})" if beside else ""
         warnings.warn(f"{by} changed the state a hook of the model keeps in its closure or object "
@@ -514,34 +518,67 @@ def _hook_tensors(kept: list[_Kept], own: set[Any]) -> list[tuple[str, torch.Ten
     forward hook on Linear"``), not the model's parameters and buffers (``own``, by memory):
     :func:`_attributes_warned` says those the block changed in place, which cannot be put back
     (review 43h: a delayed-scaling hook's ``amax_history.copy_(...)``, ``stats["sq"] += x``)."""
-    found: dict[int, tuple[str, torch.Tensor]] = {}
+    return [(hook, t) for hook, t in _hook_values(kept) if isinstance(t, torch.Tensor)
+            and (_memory(t) is None or _memory(t) not in own)]
+
+
+def _hook_values(kept: list[_Kept]) -> list[tuple[str, Any]]:
+    """The values in the state of the hooks in ``kept`` (:func:`_piece_values`), each once with the
+    hook that holds it first (``"a forward hook on Linear"``)."""
+    found: dict[int, tuple[str, Any]] = {}
     looked: set[int] = set()  # (a container many hooks hold, and those below it: looked into once)
     for m, _, hooks, _ in kept:
         for owner, name, _, states in hooks:
             kind = _hook_kind(m, owner, name) or "hook"
             for pieces in states.values():
-                for t in _piece_tensors(pieces, looked):
-                    if id(t) not in found and (_memory(t) is None or _memory(t) not in own):
-                        found[id(t)] = (f"{_a(kind)} on {type(m).__name__}", t)
+                for v in _piece_values(pieces, looked):
+                    if id(v) not in found:
+                        found[id(v)] = (f"{_a(kind)} on {type(m).__name__}", v)
     return list(found.values())
 
 
 def _piece_tensors(pieces: list[tuple[Any, ...]], looked: set[int]) -> Iterator[torch.Tensor]:
-    """The tensors in :func:`_hook_state`'s ``pieces``: a cell's value, one in a container there,
-    or in one below it; each container once (``looked``, by identity)."""
+    """The tensors in :func:`_hook_state`'s ``pieces`` (:func:`_piece_values`'s)."""
+    return (v for v in _piece_values(pieces, looked) if isinstance(v, torch.Tensor))
+
+
+def _piece_values(pieces: list[tuple[Any, ...]], looked: set[int]) -> Iterator[Any]:
+    """The values in :func:`_hook_state`'s ``pieces``: a cell's value, one in a container there
+    (a list, tuple, deque or dict's), or in one below it; each container once (``looked``, by
+    identity)."""
     for kind, target, *rest in pieces:
         if kind not in ("inner", "cell", "contents") or id(rest[0]) in looked:
             continue
         if kind == "inner":  # (the containers below)
             looked.add(id(rest[0]))
-            yield from _piece_tensors(rest[0], looked)
+            yield from _piece_values(rest[0], looked)
             continue
-        try:  # (a cell's value; a container's contents as they were)
-            if not isinstance(rest[0], torch.Tensor):
-                looked.add(id(rest[0]))
-            yield from _tensors_in(rest[0])
+        value = rest[0]  # (a cell's value; a container's contents as they were)
+        try:
+            if isinstance(value, (list, tuple, collections.deque, dict)):
+                looked.add(id(value))
+                yield from list(value.values() if isinstance(value, dict) else value)
+            else:
+                yield value
         except Exception:  # (one that cannot be looked at: a dead weak proxy, review 42d)
             continue
+
+
+def _fingerprint(v: Any) -> Any:
+    """What tells whether an object a hook's state holds, that no put-back looks into, was changed
+    in place, or None for one not told so: a small NumPy array (``count[0] += 1``), an
+    ``itertools.count``, a ``queue.Queue``, a weak dictionary (review 44a: each such warm-up's
+    count was spent by the check, silently); said as a tensor changed in place is
+    (:func:`_attributes_warned`), not put back."""
+    if _is_numpy_array(v):
+        return (v.shape, str(v.dtype), v.tobytes()) if v.size <= _INNER_MOST else None
+    if isinstance(v, itertools.count):
+        return repr(v)
+    if isinstance(v, queue.Queue):
+        return tuple(map(id, list(v.queue)[:_INNER_MOST])), v.qsize()
+    if isinstance(v, (weakref.WeakKeyDictionary, weakref.WeakValueDictionary)) and len(v) <= _INNER_MOST:
+        return tuple((id(k), id(x)) for k, x in list(v.items()))
+    return None
 
 
 def _captured(v: Any, trained: frozenset[int] = frozenset()) -> bool:

@@ -333,3 +333,52 @@ def test_the_check_keeps_no_hook_alive_after_it():
     del hook, held
     gc.collect()
     assert gone() is None
+
+
+# --- objects no put-back looks into: said when changed ---------------------------------------------------
+
+def _opaque(kind: str):
+    import itertools
+    import queue
+    import weakref
+
+    import numpy as np
+    if kind == "numpy":
+        count = np.zeros(1)
+
+        def hook(m, args, out):
+            count[0] += 1
+        return hook
+    if kind == "count":
+        ticks = itertools.count()
+
+        def hook(m, args, out):
+            next(ticks)
+        return hook
+    if kind == "queue":
+        outs = queue.Queue()
+
+        def hook(m, args, out):
+            outs.put(out)
+        return hook
+    sums = weakref.WeakKeyDictionary()
+
+    def hook(m, args, out):
+        sums[m] = sums.get(m, 0) + out.detach().sum()
+    return hook
+
+
+@pytest.mark.parametrize("kind", ["numpy", "count", "queue", "weak"])
+def test_an_object_no_put_back_looks_into_is_said_when_the_check_changed_it(kind):
+    # review 44a H4: a NumPy counter changed in place, an itertools.count, a queue.Queue, a
+    # WeakKeyDictionary: neither judged nor said, each a warm-up or a store the check moved, silently
+    model = toy()
+    model[1].register_forward_hook(_opaque(kind))
+    assert said_state(checked(model))
+
+
+def test_an_unchanged_numpy_array_a_hook_reads_is_no_change():
+    import numpy as np
+    model, table = toy(), np.arange(4.0)
+    model[1].register_forward_hook(lambda m, args, out: out * float(table[0] + 1))
+    assert not said_state(checked(model))
