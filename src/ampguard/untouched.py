@@ -138,6 +138,7 @@ class BufferSnapshot:
             else:
                 self.also += _hook_state(x, memo)
         self.also_tensors = [(t, _version(t)) for t in _piece_tensors(self.also, set())]
+        self.also_marks = [(v, mark) for v in _piece_values(self.also, set()) if (mark := _fingerprint(v)) is not None]
         self.outside = _outside(model, memo, self.attributes)
         # (an outside module in eval mode, a frozen teacher, is not copied: a model's worth of buffers, its
         # weights where it is quantised, review 44c; those in training mode are, a tracker's running mean)
@@ -166,8 +167,10 @@ class BufferSnapshot:
 
     def also_moved(self) -> bool:
         """Whether a tensor in the loss's state (``also``'s) was changed in place since the snapshot
-        (a running statistic updated with ``mul_``): its state cannot be given back whole."""
-        return any(_version(t) != version for t, version in self.also_tensors)
+        (a running statistic updated with ``mul_``), or an object no put-back looks into
+        (:func:`_fingerprint`: a queue it drains): its state cannot be given back whole."""
+        return any(_version(t) != version for t, version in self.also_tensors) or any(
+            _fingerprint(v) != mark for v, mark in self.also_marks)
 
     def _also_back(self) -> bool:
         """Whether the loss's own state is given back (:meth:`put_back`), whole: not where a tensor in
@@ -490,8 +493,8 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
     versions = [_version(t) for _, t in tensors]
     held = _hook_tensors(kept, own) + [("the loss", t) for t, _ in snapshot.also_tensors]
     held_versions = [_version(t) for _, t in held]
-    opaque = [(hook, v, mark) for hook, v in [*_hook_values(kept), *(("the loss", v) for v in _piece_values(
-        snapshot.also, set()))] if (mark := _fingerprint(v)) is not None]
+    opaque = [(hook, v, mark) for hook, v in _hook_values(kept) if (mark := _fingerprint(v)) is not None]
+    opaque += [("the loss", v, mark) for v, mark in snapshot.also_marks]
     yield
     moved = list(dict.fromkeys(name for (name, t), version in zip(tensors, versions) if _version(t) != version))
     if moved:

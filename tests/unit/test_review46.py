@@ -261,3 +261,23 @@ class Raising:
 def test_a_loss_whose_getattr_raises_does_not_stop_the_check():
     # its generators were looked for in its ``__func__``'s defaults: RuntimeError at start-up
     checked(toy(), Raising())
+
+
+def test_a_loss_that_drains_a_queue_keeps_its_count_with_it_and_is_said():
+    import queue
+
+    class Draining:
+        def __init__(self) -> None:
+            self.calls, self.outs = 0, queue.Queue()
+
+        def __call__(self, out, y):
+            self.calls += 1
+            while not self.outs.empty():
+                self.outs.get()
+            return nn.functional.mse_loss(out, y)
+
+    model, loss = toy(), Draining()
+    loss.outs.put(torch.ones(1))
+    said = checked(model, loss)
+    assert any(STATE in w and "the loss" in w for w in said)
+    assert loss.calls == 1  # (left with the queue it drained: not rewound beside it)
