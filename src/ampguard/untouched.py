@@ -129,21 +129,34 @@ class BufferSnapshot:
         memo: dict[Any, tuple[Any, Any]] = {}  # (a container many hooks share: copied once)
         self.attributes = [_kept_module(m, memo) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
-        # (the loss: a module, kept as the model's are, or a function or object whose state is kept as a
-        # hook's is, and given back: review 44a, a curriculum loss counting its calls was one call ahead)
+        # (the loss: a module, kept as the model's are, or a function or object whose state is read as a
+        # hook's is and judged, :meth:`also_changed`: said, not put back, but its generators)
         self.also: list[tuple[Any, ...]] = []
+        self.also_named = [x for x in also if not isinstance(x, torch.nn.Module)]
         for x in also:
             if isinstance(x, torch.nn.Module):
                 memo.setdefault(_MODULES_HELD, (None, {}))[1][id(x)] = x
             else:
                 self.also += _hook_state(x, memo)
-        self.also_tensors = [(t, _version(t)) for t in _piece_tensors(self.also, set())]
-        self.also_marks = [(v, mark) for v in _piece_values(self.also, set()) if (mark := _fingerprint(v)) is not None]
         self.outside = _outside(model, memo, self.attributes)
-        # (an outside module in eval mode, a frozen teacher, is not copied: a model's worth of buffers, its
-        # weights where it is quantised, review 44c; those in training mode are, a tracker's running mean)
-        modules = list(model.modules()) + [m for m in self.outside if m.training]
+        modules = list(model.modules()) + self.outside
         self.held = [(m, dict(m._buffers)) for m in modules]
+        # (an outside module's buffers are copied while they are in training mode and _OUTSIDE_COPIED bytes
+        # last, a tracker's running mean; the others, a frozen teacher's, its weights where it is quantised
+        # (review 44c: +417 MiB), referenced, a replaced one put back, one changed in place said: an observer
+        # that moves in eval mode, review 44d)
+        self.watched: list[tuple[str, torch.Tensor, int | None]] = []
+        budget = _OUTSIDE_COPIED
+        for m in self.outside:
+            for name, b in m._buffers.items():
+                if b is None or is_lazy(b):
+                    continue
+                size = b.numel() * b.element_size()
+                if m.training and size <= budget:
+                    budget -= size
+                else:
+                    self.watched.append((f"{type(m).__name__}.{name}", b, _version(b)))
+        skip = frozenset(skip) | {id(b) for _, b, _ in self.watched}
         self.module_names = {id(m): name for name, m in model.named_modules()}  # (what an error calls a buffer)
         # (a tensor with internal overlap, an expanded view, stride 0: nothing writes it in place, so
         # it is referenced, not copied; a replacement is undone by putting the object back)
@@ -164,25 +177,23 @@ class BufferSnapshot:
             x, torch.nn.Module)))
         self.global_hooks = _global_hooks()  # (a setup a pass did outside the model: registered_outside)
         self.trained = frozenset(self.names)  # (what a hook's record of parameters holds: no capture)
+        own = {_memory(t) for m in [*model.modules(), *self.outside] for t in itertools.chain(m.parameters(recurse=False), m.buffers(
+            recurse=False)) if not is_lazy(t)} - {None}  # (a model buffer the loss reads is put back: review 44d)
+        self.also_tensors = [(t, _version(t)) for t in _piece_tensors(self.also, set())
+                             if _memory(t) is None or _memory(t) not in own]
+        self.also_marks = [(v, mark) for v in _piece_values(self.also, set()) if (mark := _fingerprint(v)) is not None]
 
-    def also_moved(self) -> bool:
-        """Whether a tensor in the loss's state (``also``'s) was changed in place since the snapshot
-        (a running statistic updated with ``mul_``), or an object no put-back looks into
-        (:func:`_fingerprint`: a queue it drains): its state cannot be given back whole."""
-        return any(_version(t) != version for t, version in self.also_tensors) or any(
-            _fingerprint(v) != mark for v, mark in self.also_marks)
-
-    def _also_back(self) -> bool:
-        """Whether the loss's own state is given back (:meth:`put_back`), whole: not where a tensor in
-        it was changed in place (review 44c: its count was rewound beside the statistic it counts,
-        silently; now left and said, :func:`_attributes_warned`), beside a setup outside the model,
-        nor where a hook's state left in place (said) holds a piece of it (a hook object that is
-        also the loss: its count and its captures left together). A piece a hook holds and lets
-        be (a loose attribute of an object a hook's method is bound to) is given back with the rest
-        (review 44c: the loss's count on it stayed spent, unsaid)."""
-        if self.also_moved() or self.registered_outside():
-            return False
-        return not _piece_keys(self.also) & _left_keys(_hooks_judged(self.attributes, self.trained))
+    def also_changed(self) -> bool:
+        """Whether the block changed the loss's own state (``also``'s: :func:`_hook_state`'s pieces,
+        a tensor in it changed in place, an object no put-back looks into, :func:`_fingerprint`). It
+        is not put back: what of it a put-back can see is not all of it (review 44d: a cache the
+        loss builds at its first call rewound beside its flag in a global, the run's first step
+        raised; 44c: a count rewound beside a statistic changed in place), so the loss is left as
+        the check left it, and :func:`untouched` says so (a curriculum's count ahead by the
+        check's calls: review 44a)."""
+        return (any(_version(t) != version for t, version in self.also_tensors)
+                or any(_fingerprint(v) != mark for v, mark in self.also_marks)
+                or any(_judged(held, self.trained) is not None for held in _flat(self.also)))
 
     def registered_outside(self) -> bool:
         """Whether a hook was registered on every module (``register_module_forward_hook`` and the
@@ -223,8 +234,6 @@ class BufferSnapshot:
         finally:
             _generators_back(self.generators)
             left = _put_attributes_back(self.attributes, passes, self.trained, self.registered_outside())
-            if left is None and self.also and self._also_back():
-                _state_back(self.also, set())
         if failed:
             said = listed([f"{name} (a {type(b).__name__}: {first_line(err)})" for name, b, err in failed], 2,
                           more=f" and {len(failed) - 2} more")
@@ -299,16 +308,15 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     renormed = {id(p): p.detach().clone() for m in model.modules() if _renormalises(m)
                 for p in m.parameters(recurse=False) if id(p) not in lazy}
     named = [(name, p) for name, p in model.named_parameters() if id(p) not in lazy]
-    taken = {id(p) for _, p in named} | {name for name, _ in named}
+    taken = {id(p) for _, p in named}
+    counts: collections.Counter[str] = collections.Counter(name for name, _ in named)
     for m in snapshot.outside:  # (and the parameters of the modules outside it that hooks or the loss hold: an
         for name, p in m.named_parameters(recurse=False):  # EMA teacher a hook moves, review 44c)
             if id(p) not in taken and not is_lazy(p):
-                key, i = f"{type(m).__name__}.{name}", 1
-                while key in taken:  # (two outside modules of one type: each its own name)
-                    i += 1
-                    key = f"{type(m).__name__}.{name} ({i})"
-                taken |= {id(p), key}
-                named.append((key, p))
+                key = f"{type(m).__name__}.{name}"
+                counts[key] += 1  # (two outside modules of one type: each its own name, in one look, 44d)
+                taken.add(id(p))
+                named.append((key if counts[key] == 1 else f"{key} ({counts[key]})", p))
     sums = {name: _checksum(p) for name, p in named}
     versions = {name: (_version(p), _storage(p), p.shape, p.dtype) for name, p in named}
     try:
@@ -349,6 +357,13 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
         if left is not None:  # (review 41e: said whether or not an attribute changed: the hooks alone may differ)
             _warn_hooks_left(*left, by, passes)
+        if snapshot.also_changed():  # (after the put-back: what the hooks' state gave back, a dict both share, is)
+            names = listed([str(getattr(x, "__qualname__", None) or f"a {type(x).__name__}").split("<locals>.")[-1]
+                            for x in snapshot.also_named])
+            warnings.warn(f"{by} changed the state the loss ({names}) keeps of its own (in its closure, on its object, "
+                          "in a global): it is not put back, so the run goes on from it, not from a plain loop's (a "
+                          "curriculum's count is ahead by the check's calls); keep such state in a module, whose "
+                          "attributes are put back", AmpguardWarning, stacklevel=3)
         made = sorted({kind for m, kind in lazy_kinds if not not_made(m)})
         if made:
             warnings.warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
@@ -357,15 +372,14 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           stacklevel=3)
 
 
-def _piece_keys(pieces: list[tuple[Any, ...]]) -> set[int]:
-    """The keys (:func:`_piece_key`) of :func:`_hook_state`'s ``pieces``, those below a container
-    and an object's loose ones too."""
-    keys: set[int] = set()
+def _flat(pieces: list[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+    """:func:`_hook_state`'s ``pieces``, those below a container and an object's loose ones in
+    their place."""
     for held in pieces:
-        keys.add(_piece_key(held))
         if held[0] == "inner":
-            keys |= _piece_keys(held[2])
-    return keys
+            yield from _flat(held[2])
+        else:
+            yield held
 
 
 def _outside(model: torch.nn.Module, memo: dict[Any, tuple[Any, Any]], kept: list[_Kept]) -> list[torch.nn.Module]:
@@ -491,11 +505,16 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
     tensors = [(f"{type(m).__name__}.{k}", t) for m, held, _, _ in kept for k, v in held.items()
                for t in _tensors_in(v) if _memory(t) is None or _memory(t) not in own]  # (nor a view of one)
     versions = [_version(t) for _, t in tensors]
-    held = _hook_tensors(kept, own) + [("the loss", t) for t, _ in snapshot.also_tensors]
+    held = _hook_tensors(kept, own)
     held_versions = [_version(t) for _, t in held]
     opaque = [(hook, v, mark) for hook, v in _hook_values(kept) if (mark := _fingerprint(v)) is not None]
-    opaque += [("the loss", v, mark) for v, mark in snapshot.also_marks]
     yield
+    watched = list(dict.fromkeys(name for name, b, version in snapshot.watched if _version(b) != version))
+    if watched:
+        warnings.warn(f"{by} changed the buffer {listed(watched)} of a module outside the model in place: it is "
+                      "not put back (a module in eval mode, or past 64 MiB of such buffers, is not copied), so the run "
+                      "goes on from it, not from a plain loop's; keep the module in training mode, or its state out of "
+                      "the forward", AmpguardWarning, stacklevel=4)
     moved = list(dict.fromkeys(name for (name, t), version in zip(tensors, versions) if _version(t) != version))
     if moved:
         more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
@@ -581,7 +600,22 @@ def _fingerprint(v: Any) -> Any:
         return tuple(map(id, list(v.queue)[:_INNER_MOST])), v.qsize()
     if isinstance(v, (weakref.WeakKeyDictionary, weakref.WeakValueDictionary)) and len(v) <= _INNER_MOST:
         return tuple((id(k), id(x)) for k, x in list(v.items()))
+    if isinstance(v, types.GeneratorType):  # (where it stands; review 44d: ``iter(schedule)`` in a loss)
+        return v.gi_frame.f_lasti if v.gi_frame is not None else -1
+    if isinstance(v, _BUILTIN_ITERATORS):
+        try:
+            return repr(v.__reduce__()[2:])  # (its position: ``(iter, (items,), 3)``)
+        except Exception:
+            return None
+    if isinstance(v, torch.utils.data.dataloader._BaseDataLoaderIter):
+        return v._num_yielded
+    if isinstance(v, torch.optim.Optimizer):  # (its groups' numbers: a loss that halves the lr, 44d)
+        return tuple(tuple((k, x) for k, x in g.items() if type(x) in (int, float, bool)) for g in v.param_groups)
     return None
+
+
+_BUILTIN_ITERATORS = tuple({type(iter(x)) for x in ([], (), range(0), "", {}, set(), b"")})
+"""The types of the iterators of the built-in containers (a loss drawing from ``iter(schedule)``)."""
 
 
 def _captured(v: Any, trained: frozenset[int] = frozenset()) -> bool:
@@ -1049,6 +1083,25 @@ class _AttrCell:
             vars(self.obj)[self.name] = value
 
 
+class _Bound:
+    """A value bound to a function (a partial's argument, a default) held as a closure's cell is
+    (``cell_contents``), which nothing rebinds: a tensor or an object :func:`_fingerprint` tells
+    changed in place is said (:func:`_attributes_warned`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    @property
+    def cell_contents(self) -> Any:
+        return self.value
+
+    @cell_contents.setter
+    def cell_contents(self, value: Any) -> None:
+        pass  # (the same object: a partial's arguments and a function's defaults are not rebound)
+
+
 class _GlobalCell:
     """A global of a hook's module (``acts`` in ``acts.append(out)``) read and written as a closure's
     cell is (``cell_contents``), as :class:`_AttrCell` an attribute; one not there (yet, or the
@@ -1136,8 +1189,12 @@ def _reached(function: Any, depth: int = 0) -> frozenset[str]:
     if depth < 2 and isinstance(function, types.FunctionType) and _user_code(function):
         for name in global_names:
             helper = function.__globals__.get(name)
-            if isinstance(helper, types.FunctionType) and helper is not function:
-                found = found | _reached(helper, depth + 1)
+            # (or one of a module of the user's it names: ``helpers.build_cache(self, out)``, review 44d)
+            helpers = [vars(helper).get(attribute) for attribute in found] if isinstance(
+                helper, types.ModuleType) else [helper]
+            for helper in helpers:
+                if isinstance(helper, types.FunctionType) and helper is not function and _user_code(helper):
+                    found = found | _reached(helper, depth + 1)
     return found
 
 
@@ -1331,6 +1388,10 @@ def _trainable_attributes(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             and not isinstance(v, torch.nn.Parameter) and v.requires_grad and v.is_leaf]
 
 
+_OUTSIDE_COPIED = 64 << 20
+"""The bytes of buffers of modules outside the model (:func:`_outside`) a snapshot copies at most:
+past it, and for one in eval mode, a buffer is referenced and a change in place said."""
+
 _MODULES_HELD = ("modules held",)
 """The key of :func:`_hook_state`'s ``memo`` under which it lists the modules hooks' state holds."""
 
@@ -1472,6 +1533,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
             kept.append(("contents", v, copied(v)))
             if pieces := inner(v):
                 kept.append(("inner", v, pieces))
+        elif isinstance(v, torch.Tensor) or _fingerprint(v) is not None:  # (one changed in place is said: 44d,
+            kept.append(("cell", _Bound(v), v, None))  # ``partial(loss, w=torch.ones(1))`` scaling ``w``)
         elif callable(v):
             visit(v, depth + 1, False)
         if _user_made(v):

@@ -25,6 +25,12 @@ def checked(model: nn.Module) -> list[str]:
     return caught_warnings(lambda: check_forward(model, nn.functional.mse_loss, reader(BATCH), FP32, "task toy"))
 
 
+def the_loss_alone(said: list[str]) -> bool:
+    """Whether the one warning is the loss's own state's (a trainer's loss counting its steps: the check
+    called it; not put back, said: review 44d), no hook's."""
+    return len(said) == 1 and "changed the state the loss (" in said[0] and "Trainer.loss" in said[0]
+
+
 def toy() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -402,7 +408,7 @@ def test_only_what_a_hooks_code_uses_of_an_object_is_its_state():
     # check's outputs in ``self.feats`` with it
     trainer = Trainer()
     said = caught_warnings(lambda: check_forward(trainer.model, trainer.loss, reader(BATCH), FP32, "task toy"))
-    assert said == [] and trainer.feats == {}
+    assert the_loss_alone(said) and trainer.feats == {}
     (hook,) = trainer.model[0]._forward_hooks.values()
     state = untouched._hook_state(hook, {})
     named = {piece[1].name for piece in state if piece[0] == "cell" and isinstance(piece[1], untouched._AttrCell)}
@@ -718,7 +724,7 @@ def test_a_bound_methods_object_that_is_callable_is_not_read_for_its_call():
 
     trainer = Trainer()
     said = caught_warnings(lambda: check_forward(trainer.model, trainer.loss, reader(BATCH), FP32, "task toy"))
-    assert said == [] and trainer.feats == {}
+    assert the_loss_alone(said) and trainer.feats == {}
 
 
 # review 43l (of 85a77e3; /tmp/review_43l)
@@ -743,7 +749,7 @@ def test_a_getattr_in_a_hook_does_not_make_its_owners_counter_the_hooks_state():
 
     trainer = Trainer()
     said = caught_warnings(lambda: check_forward(trainer.model, trainer.loss, reader(BATCH), FP32, "task toy"))
-    assert said == [] and trainer.acts == []
+    assert the_loss_alone(said) and trainer.acts == []
 
 
 def test_a_callback_stored_on_a_hook_object_is_looked_into():
