@@ -177,8 +177,9 @@ class BufferSnapshot:
             x, torch.nn.Module)))
         self.global_hooks = _global_hooks()  # (a setup a pass did outside the model: registered_outside)
         self.trained = frozenset(self.names)  # (what a hook's record of parameters holds: no capture)
-        own = {_memory(t) for m in [*model.modules(), *self.outside] for t in itertools.chain(m.parameters(recurse=False), m.buffers(
-            recurse=False)) if not is_lazy(t)} - {None}  # (a model buffer the loss reads is put back: review 44d)
+        own = {_memory(t) for m in [*model.modules(), *self.outside]  # (a model buffer the loss reads is put back:
+               for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False))  # review 44d)
+               if not is_lazy(t)} - {None}
         self.also_tensors = [(t, _version(t)) for t in _piece_tensors(self.also, set())
                              if _memory(t) is None or _memory(t) not in own]
         self.also_marks = [(v, mark) for v in _piece_values(self.also, set()) if (mark := _fingerprint(v)) is not None]
@@ -349,16 +350,17 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
         changed = [(name, owners.get(id(p), "")) for name, p in named
                    if _changed(p, sums.get(name), versions.get(name))]
         if changed:
-            types = list(dict.fromkeys(kind for _, kind in changed))
+            kinds = list(dict.fromkeys(kind for _, kind in changed))
             warnings.warn(f"{by} changed {counted(len(changed), 'parameter')} in place ("
                           f"{listed([name for name, _ in changed])}) (in "
-                          f"{listed([_a(kind) for kind in types], 2, ' and ', ' and others')}): "
+                          f"{listed([_a(kind) for kind in kinds], 2, ' and ', ' and others')}): "
                           f"the model's forward updates them, {so}; make the change in the training step, not the "
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
         if left is not None:  # (review 41e: said whether or not an attribute changed: the hooks alone may differ)
             _warn_hooks_left(*left, by, passes)
         if snapshot.also_changed():  # (after the put-back: what the hooks' state gave back, a dict both share, is)
-            names = listed([str(getattr(x, "__qualname__", None) or f"a {type(x).__name__}").split("<locals>.")[-1]
+            names = listed([x.__qualname__.split("<locals>.")[-1]  # (the loss not asked: 44d's __getattr__)
+                            if isinstance(x, (types.FunctionType, types.MethodType)) else f"a {type(x).__name__}"
                             for x in snapshot.also_named])
             warnings.warn(f"{by} changed the state the loss ({names}) keeps of its own (in its closure, on its object, "
                           "in a global): it is not put back, so the run goes on from it, not from a plain loop's (a "
@@ -1235,8 +1237,9 @@ def _state_names(cls: type, names: frozenset[str]) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=1024)
 def _state_names_cached(cls: type, names: frozenset[str]) -> frozenset[str]:
-    return frozenset(name for name in _attributes_used(cls, names) if name != "*" and not (
-        name.startswith("__") and name.endswith("__")) and not _method_functions(inspect.getattr_static(cls, name, None)))
+    return frozenset(name for name in _attributes_used(cls, names) if name != "*"
+                     and not (name.startswith("__") and name.endswith("__"))
+                     and not _method_functions(inspect.getattr_static(cls, name, None)))
 
 
 def _user_code(f: types.FunctionType) -> bool:
