@@ -22,6 +22,7 @@ import dis
 import functools
 import inspect
 import itertools
+import operator
 import os
 import queue
 import random
@@ -184,17 +185,37 @@ class BufferSnapshot:
                              if _memory(t) is None or _memory(t) not in own]
         self.also_marks = [(v, mark) for v in _piece_values(self.also, set()) if (mark := _fingerprint(v)) is not None]
 
-    def also_changed(self) -> bool:
-        """Whether the block changed the loss's own state (``also``'s: :func:`_hook_state`'s pieces,
-        a tensor in it changed in place, an object no put-back looks into, :func:`_fingerprint`). It
-        is not put back: what of it a put-back can see is not all of it (review 44d: a cache the
-        loss builds at its first call rewound beside its flag in a global, the run's first step
-        raised; 44c: a count rewound beside a statistic changed in place), so the loss is left as
-        the check left it, and :func:`untouched` says so (a curriculum's count ahead by the
-        check's calls: review 44a)."""
-        return (any(_version(t) != version for t, version in self.also_tensors)
-                or any(_fingerprint(v) != mark for v, mark in self.also_marks)
-                or any(_judged(held, self.trained) is not None for held in _flat(self.also)))
+    def also_back(self) -> bool:
+        """Judge what the block changed of the loss's own state (``also``'s: :func:`_hook_state`'s
+        pieces, after the hooks' put-back, which gives back what both share), give back what is
+        safe to, and return whether a change stays that :func:`untouched` must say. What a put-back
+        sees of a loss is not all of it (review 44d: a cache the loss builds at its first call,
+        rewound beside its flag in a global it never showed, broke the run's first step), so:
+
+        - a setup its first call made (a value where there was None or nothing, a dict's new slots:
+          a cache, ``self.w``, ``cache["mask"]``, and the flag beside it, ``self._on = True``; a
+          last-value log filled, ``metrics["loss"]``) is left, unsaid: the run's first call would
+          make it from the same first batch, or write it again;
+        - what it captured into what it held (a list appended to, a log of ``loss.item()``s, review
+          44e; a value replaced by a tensor or float computed in the pass, ``self.last =
+          loss.detach()``, an EMA) is given back, unsaid;
+        - anything else (a count, ``self.calls += 1``: a curriculum's, review 44a; a flag; a tensor
+          changed in place; an object no put-back looks into, :func:`_fingerprint`, moved) leaves
+          all of it as the block left it, and is said."""
+        if any(_version(t) != version for t, version in self.also_tensors) or any(
+                _fingerprint(v) != mark for v, mark in self.also_marks):
+            return True
+        back = []
+        for held in _flat(self.also):
+            verdict = _judged(held, self.trained)
+            if verdict is None or _set_up(held) and (verdict in ("captured", "start") or _flag(held)):
+                continue
+            if verdict != "captured":
+                return True
+            back.append(held)
+        left = _left_keys(_hooks_judged(self.attributes, self.trained))  # (a hook's said state: left with it)
+        _state_back([held for held in back if _piece_key(held) not in left], set())
+        return False
 
     def registered_outside(self) -> bool:
         """Whether a hook was registered on every module (``register_module_forward_hook`` and the
@@ -358,7 +379,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
         if left is not None:  # (review 41e: said whether or not an attribute changed: the hooks alone may differ)
             _warn_hooks_left(*left, by, passes)
-        if snapshot.also_changed():  # (after the put-back: what the hooks' state gave back, a dict both share, is)
+        if left is None and snapshot.also and snapshot.also_back():  # (after the hooks' put-back: 44d)
             names = listed([x.__qualname__.split("<locals>.")[-1]  # (the loss not asked: 44d's __getattr__)
                             if isinstance(x, (types.FunctionType, types.MethodType)) else f"a {type(x).__name__}"
                             for x in snapshot.also_named])
@@ -372,6 +393,33 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           "forward: they were drawn there, under RNGs it puts back, not where a plain loop draws them; "
                           "run a batch through the model before handing it over to make them", AmpguardWarning,
                           stacklevel=3)
+
+
+def _set_up(held: tuple[Any, ...]) -> bool:
+    """Whether a piece of the loss's state a pass changed was set up by it
+    (:meth:`BufferSnapshot.also_back`): a cell (or attribute, or global) that held None or nothing,
+    a dict that only gained slots (a cache, or a last-value log the run writes again). Not a list
+    appended to, empty or not: a log."""
+    kind, target, *rest = held
+    if kind in ("cell", "loose"):
+        before = rest[0]
+        look = rest[1]  # (a cell's contents; a loose one's look, ("contents", copy) for a container)
+        contents = look if kind == "cell" else look[1] if look is not None and look[0] == "contents" else None
+        if before is None or before is _GONE:
+            return True
+        return isinstance(contents, dict) and target.cell_contents is before and _only_gained(before, contents)
+    return kind == "contents" and isinstance(target, dict) and _only_gained(target, rest[0])
+
+
+def _flag(held: tuple[Any, ...]) -> bool:
+    """Whether a cell of the loss's state now holds a flag (a bool: ``self._on = True`` beside the setup
+    it records; review 44e), not a count (``self.calls = 1``)."""
+    return held[0] in ("cell", "loose") and type(held[1].cell_contents) is bool
+
+
+def _only_gained(now: dict[Any, Any], then: dict[Any, Any]) -> bool:
+    """Whether dict ``now`` holds every slot of its copy ``then`` as it was: it only gained."""
+    return all(now.get(k, _GONE) is v for k, v in then.items())
 
 
 def _flat(pieces: list[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
@@ -571,17 +619,22 @@ def _piece_values(pieces: list[tuple[Any, ...]], looked: set[int]) -> Iterator[A
     (a list, tuple, deque or dict's), or in one below it; each container once (``looked``, by
     identity)."""
     for kind, target, *rest in pieces:
-        if kind not in ("inner", "cell", "contents") or id(rest[0]) in looked:
+        if kind not in ("inner", "cell", "contents", "loose") or id(rest[0]) in looked:
             continue
         if kind == "inner":  # (the containers below)
             looked.add(id(rest[0]))
             yield from _piece_values(rest[0], looked)
             continue
+        if kind == "loose":  # (an object's other attributes: one reached by a name made as it runs, 44e)
+            if isinstance(rest[0], torch.Tensor) or _fingerprint(rest[0]) is not None:
+                yield rest[0]
+            continue
         value = rest[0]  # (a cell's value; a container's contents as they were)
         try:
             if isinstance(value, (list, tuple, collections.deque, dict)):
-                looked.add(id(value))
-                yield from list(value.values() if isinstance(value, dict) else value)
+                looked.add(id(value))  # (its first _INNER_MOST, names and numbers aside: review 44e, a schedule
+                items = itertools.islice(value.values() if isinstance(value, dict) else value, _INNER_MOST)
+                yield from [x for x in items if x is not None and type(x) not in _TAGS]  # of 1M floats, 3.6 s)
             else:
                 yield value
         except Exception:  # (one that cannot be looked at: a dead weak proxy, review 42d)
@@ -594,30 +647,52 @@ def _fingerprint(v: Any) -> Any:
     ``itertools.count``, a ``queue.Queue``, a weak dictionary (review 44a: each such warm-up's
     count was spent by the check, silently); said as a tensor changed in place is
     (:func:`_attributes_warned`), not put back."""
-    if _is_numpy_array(v):
-        return (v.shape, str(v.dtype), v.tobytes()) if v.size <= _INNER_MOST else None
+    if _is_numpy_array(v):  # (hashed, not kept: 20k arrays would hold 320 MiB, review 44e)
+        return (v.shape, str(v.dtype), hash(v.tobytes())) if v.size <= _INNER_MOST and v.dtype != object else None
     if isinstance(v, itertools.count):
         return repr(v)
     if isinstance(v, queue.Queue):
         return tuple(map(id, list(v.queue)[:_INNER_MOST])), v.qsize()
     if isinstance(v, (weakref.WeakKeyDictionary, weakref.WeakValueDictionary)) and len(v) <= _INNER_MOST:
         return tuple((id(k), id(x)) for k, x in list(v.items()))
-    if isinstance(v, types.GeneratorType):  # (where it stands; review 44d: ``iter(schedule)`` in a loss)
-        return v.gi_frame.f_lasti if v.gi_frame is not None else -1
-    if isinstance(v, _BUILTIN_ITERATORS):
-        try:
-            return repr(v.__reduce__()[2:])  # (its position: ``(iter, (items,), 3)``)
-        except Exception:
-            return None
     if isinstance(v, torch.utils.data.dataloader._BaseDataLoaderIter):
         return v._num_yielded
+    if isinstance(v, Iterator) and not _user_made(v):  # (one the loss draws from: 44d, 44e)
+        return _iterator_mark(v, 0)
     if isinstance(v, torch.optim.Optimizer):  # (its groups' numbers: a loss that halves the lr, 44d)
         return tuple(tuple((k, x) for k, x in g.items() if type(x) in (int, float, bool)) for g in v.param_groups)
     return None
 
 
-_BUILTIN_ITERATORS = tuple({type(iter(x)) for x in ([], (), range(0), "", {}, set(), b"")})
-"""The types of the iterators of the built-in containers (a loss drawing from ``iter(schedule)``)."""
+def _iterator_mark(v: Any, depth: int) -> Any:
+    """Where iterator ``v`` stands: a generator by its frame's place and its locals (a ``while
+    True`` loop's place alone does not move), any other by its length hint and what it reduces to
+    (a list iterator's index, a ``map``'s or ``zip``'s iterators in turn, a ``cycle``'s saved items),
+    three levels down; a container in it by identity and length, never copied nor printed."""
+    if isinstance(v, types.GeneratorType):
+        frame = v.gi_frame
+        return -1 if frame is None else (frame.f_lasti, tuple(_mark(x, 3) for x in frame.f_locals.values()))
+    try:
+        hint = operator.length_hint(v, -1)
+        reduced = v.__reduce__()
+    except Exception:  # (one that cannot say: a file, a user's iterator whose reduce raises)
+        return type(v)
+    args = reduced[1] if len(reduced) > 1 and type(reduced[1]) is tuple else ()
+    return type(v), hint, tuple(_mark(x, depth + 1) for x in (*args, *reduced[2:]))
+
+
+def _mark(x: Any, depth: int) -> Any:
+    """:func:`_iterator_mark`'s mark of one part of what an iterator reduces to."""
+    if x is None or type(x) in _TAGS:
+        return x
+    if isinstance(x, Iterator) and depth < 3:
+        return _iterator_mark(x, depth)
+    if type(x) is tuple and depth < 3:
+        return tuple(_mark(y, depth + 1) for y in x[:16])
+    try:
+        return id(x), len(x)
+    except Exception:
+        return id(x)
 
 
 def _captured(v: Any, trained: frozenset[int] = frozenset()) -> bool:
@@ -628,8 +703,9 @@ def _captured(v: Any, trained: frozenset[int] = frozenset()) -> bool:
     ``trained``: the ids of the model's parameters and trainable tensor attributes."""
     if isinstance(v, torch.Tensor):
         return not _trained(v, trained)
-    if isinstance(v, (torch.Size, torch.dtype, torch.device)) or _is_numpy_array(v):
-        return True  # (an autocast audit's ``dtypes[name] = o.dtype``: review 44a, read as state and left)
+    if isinstance(v, (torch.Size, torch.dtype, torch.device)) or _is_numpy_array(v) or type(v) is float:
+        return True  # (an autocast audit's ``dtypes[name] = o.dtype``: review 44a, read as state and left; a float is
+        # a value computed, ``self.last = loss.item()``, 44e: a count or a flag is an int or a bool)
     if type(v) is tuple and v and all(type(x) is int for x in v):
         return True  # (a shape: ``shapes[name] = tuple(o.shape)``, 44a)
     items = list(v) if isinstance(v, (tuple, list)) else list(v.values()) if isinstance(v, dict) else []
@@ -1576,6 +1652,8 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                 if hook:  # (the hook's own defaults; a helper's mutable default is its memo, review 44c)
                     for value in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values()):
                         argument(value, _reached(f), depth)
+                    for name in [n for n in vars(f) if not n.startswith("__")]:  # (its own attributes, ``loss.calls
+                        held(cell_of(f, name), vars(f)[name])  # += 1``: review 44e)
                 for name in sorted(_names_used(f.__code__)[0]):  # (the tutorials' ``activation = {}``: 43h)
                     value = f.__globals__.get(name, _GONE)
                     if isinstance(value, torch.nn.Module):
