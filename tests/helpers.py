@@ -1028,3 +1028,23 @@ def check_reader(batch):
     def read(count=None):
         return iter([batch] * count) if count else batch
     return read
+
+
+CHECK_BATCH = (torch.linspace(-3, 5, 32).reshape(8, 4), torch.zeros(8, 2))
+"""The batch :func:`start_up_warnings` checks a :func:`toy_model` with."""
+
+
+def toy_model() -> torch.nn.Sequential:
+    """A small model, the same at each call: Linear(4, 8), Tanh, Linear(8, 2)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def start_up_warnings(model: torch.nn.Module, loss_fn=torch.nn.functional.mse_loss) -> list[str]:
+    """The warnings of the start-up's check (``build.check_forward``, four passes of
+    :data:`CHECK_BATCH`, fp32) of ``model`` and ``loss_fn``."""
+    from ampguard.build import check_forward
+    from ampguard.precision import Precision
+
+    return caught_warnings(lambda: check_forward(model, loss_fn, check_reader(CHECK_BATCH), Precision("fp32", "cpu"),
+                                                 "task toy"))

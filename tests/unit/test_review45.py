@@ -12,25 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import caught_warnings
-from helpers import check_reader as reader
+from helpers import CHECK_BATCH as BATCH
+from helpers import start_up_warnings as checked
+from helpers import toy_model as toy
 from ampguard import untouched
-from ampguard.build import check_forward
-from ampguard.precision import Precision
 
-FP32 = Precision("fp32", "cpu")
-BATCH = (torch.linspace(-3, 5, 32).reshape(8, 4), torch.zeros(8, 2))
 STATE = "changed the state a hook of the model keeps"
-
-
-def toy() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def checked(model: nn.Module, loss_fn=nn.functional.mse_loss) -> list[str]:
-    """The warnings of the start-up's check (four passes) of ``model``."""
-    return caught_warnings(lambda: check_forward(model, loss_fn, reader(BATCH), FP32, "task toy"))
 
 
 def said_state(said: list[str]) -> bool:

@@ -1,8 +1,8 @@
-"""Review 44c of review 44a's fixes to the start-up check's put-back (``untouched``): modules
-outside the model that cannot be kept as the model's are (lazy, TorchScript, never initialised),
-the loss's own state (a tensor changed in place beside a count, its generators, a count on an
-object a hook's method is bound to), modules in a hook's containers, an outside module's
-parameters, a registry of names, a helper's memo default."""
+"""Reviews 44c, 44d and 44e of review 44a's fixes to the start-up check's put-back (``untouched``):
+modules outside the model that cannot be kept as the model's are (lazy, TorchScript, never
+initialised), in eval mode, in a hook's containers, their parameters; the loss's own state (said
+where it changed, not put back; its logs given back and its first call's setups left, unsaid; its
+generators kept; what it draws from); a registry of names; a helper's memo default."""
 
 from __future__ import annotations
 
@@ -13,26 +13,13 @@ import warnings
 import torch
 from torch import nn
 
-from helpers import caught_warnings
-from helpers import check_reader as reader
+from helpers import CHECK_BATCH as BATCH
+from helpers import start_up_warnings as checked
+from helpers import toy_model as toy
 from ampguard import untouched
-from ampguard.build import check_forward
-from ampguard.precision import Precision
 
-FP32 = Precision("fp32", "cpu")
-BATCH = (torch.linspace(-3, 5, 32).reshape(8, 4), torch.zeros(8, 2))
 STATE = "changed the state a hook of the model keeps"
 LOSS = "changed the state the loss"
-
-
-def toy() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def checked(model: nn.Module, loss_fn=nn.functional.mse_loss) -> list[str]:
-    """The warnings of the start-up's check (four passes) of ``model``."""
-    return caught_warnings(lambda: check_forward(model, loss_fn, reader(BATCH), FP32, "task toy"))
 
 
 def first_loss(model: nn.Module, loss_fn) -> float:
