@@ -131,7 +131,7 @@ class BufferSnapshot:
         self.attributes = [_kept_module(m, memo) for m in model.modules()
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
         # (the loss: a module, kept as the model's are, or a function or object whose state is read as a
-        # hook's is and judged, :meth:`also_changed`: said, not put back, but its generators)
+        # hook's is and judged after the put-back, :meth:`also_back`; its generators are given back)
         self.also: list[tuple[Any, ...]] = []
         self.also_named = [x for x in also if not isinstance(x, torch.nn.Module)]
         for x in also:
@@ -306,8 +306,9 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
     buffer not made yet (``nn.LazyLinear``'s, before its first forward) is neither summed nor
     copied: one the block makes is said in a warning (its initial weights were drawn in the
     block, under the RNGs it puts back; :func:`~ampguard.build.check_forward` checks a copy of
-    such a model instead). ``also``: what else the block runs whose modules are kept as the model's
-    (the loss: a module, or a function holding one).
+    such a model instead). ``also``: what else the block runs (the loss): a module is kept as the
+    model's are, a function's or object's own state judged (:meth:`BufferSnapshot.also_back`), what
+    it logged given back, a change other than a setup or a log said.
 
     Example::
 
