@@ -452,11 +452,10 @@ def _checked_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
 
     ``model`` itself, or, where it holds lazy modules not made yet (``nn.LazyLinear``,
     ``nn.LazyBatchNorm1d``: a plain loop's first forward makes their weights), a deep copy of it
-    (nothing of it kept). Costs a copy of the
-    weights made so far. The copy's check runs under :func:`~ampguard.untouched.untouched` of the
-    model all the same: the copy's hooks share their closures and globals with the model's. A model
-    that cannot be copied is checked itself, which :func:`~ampguard.untouched.untouched` warns of:
-    their weights are drawn in the check.
+    (nothing of it kept). Costs a copy of the weights made so far. The copy's check runs under
+    :func:`~ampguard.untouched.untouched` of the model all the same: the copy's hooks share their
+    closures and globals with the model's. A model that cannot be copied is checked itself, which
+    :func:`~ampguard.untouched.untouched` warns of: their weights are drawn in the check.
 
     Example::
 

@@ -132,13 +132,12 @@ class BufferSnapshot:
                            if id(m) not in modules_skipped and not _reducer_owned(m)]
         # (the loss: a module, kept as the model's are, or a function or object whose state is read as a
         # hook's is and judged after the put-back, :meth:`also_back`; its generators are given back)
-        self.also: list[tuple[Any, ...]] = []
         self.also_named = [x for x in also if not isinstance(x, torch.nn.Module)]
         for x in also:
             if isinstance(x, torch.nn.Module):
-                memo.setdefault(_MODULES_HELD, (None, {}))[1][id(x)] = x
-            else:
-                self.also += _hook_state(x, memo)
+                _hold_module(memo, x)
+        self.also = [held for x in self.also_named for held in _hook_state(x, memo)]
+        self.also_said = False  # (:meth:`put_back`'s judgement of it: a change :func:`untouched` says)
         self.outside = _outside(model, memo, self.attributes)
         modules = list(model.modules()) + self.outside
         self.held = [(m, dict(m._buffers)) for m in modules]
@@ -174,13 +173,11 @@ class BufferSnapshot:
         for prefix, m in model.named_modules():
             for name, t in _trainable_attributes(m):
                 self.names.setdefault(id(t), []).append(f"{prefix}.{name}" if prefix else name)
-        self.generators = _generators_in(self.attributes, self.also, tuple(x for x in also if not isinstance(
-            x, torch.nn.Module)))
+        self.generators = _generators_in(self.attributes, self.also, tuple(self.also_named))
         self.global_hooks = _global_hooks()  # (a setup a pass did outside the model: registered_outside)
         self.trained = frozenset(self.names)  # (what a hook's record of parameters holds: no capture)
-        own = {_memory(t) for m in [*model.modules(), *self.outside]  # (a model buffer the loss reads is put back:
-               for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False))  # review 44d)
-               if not is_lazy(t)} - {None}
+        self.own = _memories(model.modules())  # (the model's parameters and buffers, by memory: no hook's tensors)
+        own = self.own | _memories(self.outside)  # (a model buffer the loss reads is put back: review 44d)
         self.also_tensors = [(t, _version(t)) for t in _piece_tensors(self.also, set())
                              if _memory(t) is None or _memory(t) not in own]
         self.also_marks = [(v, mark) for v in _piece_values(self.also, set()) if (mark := _fingerprint(v)) is not None]
@@ -262,6 +259,7 @@ class BufferSnapshot:
             raise InputError(f"the model's {'buffer' if len(failed) == 1 else 'buffers'} {said} cannot be put back "
                              "in place as they were before the passes (the values copied in with copy_): keep such "
                              "state in a plain tensor buffer, or out of the model's buffers") from failed[0][2]
+        self.also_said = left is None and bool(self.also) and self.also_back()  # (after the hooks': review 44d)
         if left is None:
             return None
         hooked, modules = left
@@ -380,7 +378,7 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                           "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
         if left is not None:  # (review 41e: said whether or not an attribute changed: the hooks alone may differ)
             _warn_hooks_left(*left, by, passes)
-        if left is None and snapshot.also and snapshot.also_back():  # (after the hooks' put-back: 44d)
+        if snapshot.also_said:
             names = listed([x.__qualname__.split("<locals>.")[-1]  # (the loss not asked: 44d's __getattr__)
                             if isinstance(x, (types.FunctionType, types.MethodType)) else f"a {type(x).__name__}"
                             for x in snapshot.also_named])
@@ -444,7 +442,7 @@ def _outside(model: torch.nn.Module, memo: dict[Any, tuple[Any, Any]], kept: lis
     buffers are no dict, a module that never called ``Module.__init__``): each is left as it is."""
     seen = {id(m) for m in model.modules()}
     found: list[torch.nn.Module] = []
-    while new := [m for m in memo.get(_MODULES_HELD, (None, {}))[1].values() if id(m) not in seen]:
+    while new := [m for m in _held_modules(memo) if id(m) not in seen]:
         for top in new:
             seen.add(id(top))
             try:
@@ -552,7 +550,7 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
         (5, 1.0, True)
     """
     kept = snapshot.attributes
-    own = {_memory(t) for t in itertools.chain(model.parameters(), model.buffers()) if not is_lazy(t)} - {None}
+    own = snapshot.own
     tensors = [(f"{type(m).__name__}.{k}", t) for m, held, _, _ in kept for k, v in held.items()
                for t in _tensors_in(v) if _memory(t) is None or _memory(t) not in own]  # (nor a view of one)
     versions = [_version(t) for _, t in tensors]
@@ -627,8 +625,7 @@ def _piece_values(pieces: list[tuple[Any, ...]], looked: set[int]) -> Iterator[A
             yield from _piece_values(rest[0], looked)
             continue
         if kind == "loose":  # (an object's other attributes: one reached by a name made as it runs, 44e)
-            if isinstance(rest[0], torch.Tensor) or _fingerprint(rest[0]) is not None:
-                yield rest[0]
+            yield rest[0]
             continue
         value = rest[0]  # (a cell's value; a container's contents as they were)
         try:
@@ -1476,6 +1473,24 @@ _MODULES_HELD = ("modules held",)
 """The key of :func:`_hook_state`'s ``memo`` under which it lists the modules hooks' state holds."""
 
 
+def _hold_module(memo: dict[Any, tuple[Any, Any]], m: torch.nn.Module) -> None:
+    """List module ``m`` in ``memo`` as one a hook's state (or the loss) holds: the model's own, or
+    one outside it (a loss module whose hooks on the model keep features in ``self.feats``, a
+    tracker's buffer: :func:`_outside` keeps those as the model's are, review 44a)."""
+    memo.setdefault(_MODULES_HELD, (None, {}))[1][id(m)] = m
+
+
+def _held_modules(memo: dict[Any, tuple[Any, Any]]) -> list[torch.nn.Module]:
+    """The modules :func:`_hold_module` listed in ``memo``."""
+    return list(memo.get(_MODULES_HELD, (None, {}))[1].values())
+
+
+def _memories(modules: Iterable[torch.nn.Module]) -> set[Any]:
+    """Where the parameters and buffers of ``modules`` (their own, made) lie (:func:`_memory`)."""
+    return {_memory(t) for m in modules
+            for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)) if not is_lazy(t)} - {None}
+
+
 def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, ...]]:
     """The state a hook keeps outside its module, by reference, with a shallow copy of each list,
     dict, set or deque's contents: :func:`_state_back` puts it back for a hook a pass took out
@@ -1537,7 +1552,7 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                         return
                     if type(x) not in _CONTAINERS:
                         if isinstance(x, torch.nn.Module):  # (``{"0": RunningMean()}``: review 44c)
-                            module(x)
+                            _hold_module(memo, x)
                         continue
                     if len(x) > _INNER_MOST and isinstance(x, (list, collections.deque)):
                         pieces.append(("length", x, len(x), (x[0], x[-1]) if x else ()))
@@ -1551,12 +1566,6 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                 below(v, 1)
             memo[key] = (v, pieces)
         return memo[key][1]
-
-    def module(m: torch.nn.Module) -> None:
-        # (a module the hook's state holds: the model's own, or one outside it, a loss module whose
-        # hooks on the model keep features in ``self.feats``, a tracker's buffer: BufferSnapshot keeps
-        # those outside as it keeps the model's, review 44a)
-        memo.setdefault(_MODULES_HELD, (None, {}))[1][id(m)] = m
 
     def cell_of(obj: Any, name: str) -> _AttrCell:
         key = ("attribute", id(obj), name)
@@ -1573,7 +1582,7 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         # ``vars(self)``, a callable stored on it: review 43j), held by reference and looked at in O(1),
         # ("loose", ...): what a pass appended or bound there put back where it is a capture, nothing said)
         if isinstance(obj, torch.nn.Module):
-            module(obj)
+            _hold_module(memo, obj)
         if depth > 1 or isinstance(obj, (torch.nn.Module, type, weakref.ProxyTypes)) or _framework_own(obj):
             return
         cls = type(obj)
@@ -1624,7 +1633,7 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
         # (hook: f is the hook, or what it calls as it (a partial's function, a decorator's wrapped
         # one), whose object's attributes are its state; not a callable its closure merely holds)
         if isinstance(f, torch.nn.Module):
-            module(f)
+            _hold_module(memo, f)
         if isinstance(f, weakref.ProxyTypes) or id(f) in seen or depth > 4 or isinstance(f, (torch.nn.Module, type)):
             return
         seen.add(id(f))
@@ -1658,7 +1667,7 @@ def _hook_state(hook: Any, memo: dict[Any, tuple[Any, Any]]) -> list[tuple[Any, 
                 for name in sorted(_names_used(f.__code__)[0]):  # (the tutorials' ``activation = {}``: 43h)
                     value = f.__globals__.get(name, _GONE)
                     if isinstance(value, torch.nn.Module):
-                        module(value)
+                        _hold_module(memo, value)
                     if value is _GONE and name in vars(builtins) or isinstance(
                             value, (types.ModuleType, type, torch.nn.Module)):
                         continue  # (one not there yet is held too: a pass may make it)
