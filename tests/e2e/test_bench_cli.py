@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 
 from helpers import FullStdout, end_all
 
@@ -99,9 +100,9 @@ def paused_benches(tmp_path_factory):
         for where in PAUSES:
             folder = tmp_path_factory.mktemp(where.replace(":", "-"))
             with open(folder / "err.txt", "w") as err:
-                started[where] = (subprocess.Popen([sys.executable, str(PAUSE_IN_BENCH), str(folder / "paused"), where,
-                                                    *BENCH_ARGS], stdout=subprocess.PIPE, stderr=err,
-                                                   stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}),
+                started[where] = (warm.Popen([sys.executable, str(PAUSE_IN_BENCH), str(folder / "paused"), where,
+                                              *BENCH_ARGS], stdout=subprocess.PIPE, stderr=err,
+                                             stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}),
                                   folder / "paused", folder / "err.txt")
         yield started
     finally:

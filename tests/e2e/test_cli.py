@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import warm
 import torch
 import yaml
 
@@ -542,7 +543,7 @@ def interrupted(tmp_path_factory):
     for name, argv, csv_name in (("train", TRAIN_FOREVER, "runs/int/steps.csv"), ("demo", DEMO_FOREVER, "long.csv")):
         cwd = tmp_path_factory.mktemp(name)
         out, err = open(cwd / "stdout.txt", "wb"), open(cwd / "stderr.txt", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "ampguard", *argv], cwd=cwd, stdout=out, stderr=err)
+        proc = warm.Popen([sys.executable, "-m", "ampguard", *argv], cwd=cwd, stdout=out, stderr=err)
         runs[name] = (proc, cwd, cwd / csv_name, out, err)
     results = {}
     try:

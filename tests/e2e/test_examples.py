@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import warm
 
 from helpers import read_rows, selected
 
@@ -112,9 +113,8 @@ def script_run_again(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("script-again")
     earlier = folder / "steps.csv"  # (an earlier run's: the in-process test above makes it by running)
     earlier.write_text("step,lr\n1,0.1\n", encoding="utf-8")
-    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "own_loop.py"), "--model", "multitask", "--steps", "2"],
-                            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
+    proc = warm.Popen([sys.executable, str(EXAMPLES / "own_loop.py"), "--model", "multitask", "--steps", "2"],
+                      cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         yield proc, folder
     finally:

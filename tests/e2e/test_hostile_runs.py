@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 
-from helpers import deadline, file_size_limit, one_error_line, only_line
+from helpers import deadline, one_error_line, only_line
 
 from ampguard.errors import ExitCode
 
@@ -209,9 +210,9 @@ def disk_full_runs(tmp_path_factory):
     started = {}
     for name, (limit, extra) in DISK_CASES.items():
         cwd = tmp_path_factory.mktemp(f"disk-{name}")
-        proc = subprocess.Popen([sys.executable, "-m", "ampguard", "train", *DISK_RUN, "--set", f"log.name={name}",
-                                 *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=file_size_limit(limit))
+        proc = warm.Popen([sys.executable, "-m", "ampguard", "train", *DISK_RUN, "--set", f"log.name={name}",
+                           *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, file_size=limit)
         started[name] = (proc, cwd)
     results = {}
     for name, (proc, cwd) in started.items():

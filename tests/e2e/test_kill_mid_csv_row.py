@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 
 from helpers import ag, ok, read_rows
 
@@ -41,9 +42,9 @@ def test_a_kill_in_the_middle_of_a_csv_row_leaves_whole_rows_and_a_torn_line_rep
     run, ref = tmp_path / "runs" / "K", tmp_path / "runs" / "REF"
     marker, stderr = tmp_path / "paused", tmp_path / "stderr.txt"
     with stderr.open("wb") as err:  # a file, not a pipe: a full pipe would block the run
-        proc = subprocess.Popen([sys.executable, str(PAUSE_IN_CSV), str(marker), str(KILLED_AT), "train", *args,
-                                 "--set", "log.name=K"],
-                                cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        proc = warm.Popen([sys.executable, str(PAUSE_IN_CSV), str(marker), str(KILLED_AT), "train", *args,
+                           "--set", "log.name=K"],
+                          cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
     try:
         # the same run, never killed, trained in this process while the child imports torch (no wait on it)
         monkeypatch.chdir(tmp_path)

@@ -13,12 +13,12 @@ import io
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import warm
 import yaml
 
 from helpers import (card_table, png_size, read_events, read_rows, reference_episodes_events, reference_fail_step,
@@ -386,7 +386,7 @@ def test_interrupted_run_card_and_plot(tmp_path):
     run_dir = tmp_path / "runs" / "int"
     csv_path = run_dir / "steps.csv"
     with open(tmp_path / "out.txt", "wb") as out_f, open(tmp_path / "err.txt", "wb") as err_f:
-        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=out_f, stderr=err_f)
+        proc = warm.Popen(argv, cwd=tmp_path, stdout=out_f, stderr=err_f)
         try:
             deadline = time.monotonic() + 45
             while time.monotonic() < deadline and proc.poll() is None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+import warm
 
 import helpers
-from helpers import file_size_limit, marked, ok, one_error_line, png_size, read_rows, someones_png
+from helpers import marked, ok, one_error_line, png_size, read_rows, someones_png
 
 from ampguard.errors import ExitCode
 from ampguard.sinks import CSV_COLUMNS
@@ -187,10 +187,10 @@ def test_a_full_disk_leaves_no_half_row_and_report_reads_the_run(tmp_path, cli):
     # the first write took what fitted, the second raised EFBIG: steps.csv ended in half a row, and
     # report refused the run ("line 34: 3 cells, the header has 9")
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    done = subprocess.run(
+    done = warm.run(
         [sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=200", "--set", "checkpoint.enabled=false",
          "--set", "eval.enabled=false", "--set", "log.every=1000", "--set", "log.dir=runs", "--set", "log.name=full"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, preexec_fn=file_size_limit(3072))
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, file_size=3072)
     assert done.returncode == ExitCode.DISK_FULL, done.stderr
     run = tmp_path / "runs" / "full"
     data = (run / "steps.csv").read_bytes()

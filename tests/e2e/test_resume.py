@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 import torch
 import yaml
 
@@ -480,8 +481,8 @@ def test_a_resume_from_an_older_checkpoint_that_is_interrupted_resumes_where_it_
 # ---------------------------------------------------------------------------- SIGKILL
 
 
-def _spawn(cwd: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
+def _spawn(cwd: Path, *args: str) -> warm.Popen:
+    return warm.Popen(
         [sys.executable, "-m", "ampguard", "train", *args],
         cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -548,7 +549,7 @@ def held_in_save(request, tmp_path_factory):
             "--set", "checkpoint.keep=2", "--set", f"log.dir={cwd / 'runs'}", "--set", "log.every=1000",
             "--inject", "inf_grad@4", "--inject", "nan_loss@9"]
     with (cwd / "stderr.txt").open("wb") as err:  # a file, not a pipe: a full pipe would block the run before its save
-        proc = subprocess.Popen(
+        proc = warm.Popen(
             [sys.executable, str(PAUSE_IN_SAVE), str(cwd / "paused"), "5", "train", *args,
              "--set", "checkpoint.every=1", "--set", "log.name=K"],
             cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
@@ -802,11 +803,11 @@ def test_a_resume_of_a_run_still_training_is_refused_and_changes_nothing(tmp_pat
     The training process holds the folder (a kernel lock, gone with the process however it
     ends): the resume is one line, exit 2, and touches nothing; once the run ends it goes on."""
     run = tmp_path / "runs" / "live"
-    proc = subprocess.Popen([sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "precision=fp32",
-                             "--set", "eval.enabled=false", "--set", "steps=1000000", "--set", "checkpoint.every=2",
-                             "--set", f"log.dir={tmp_path / 'runs'}", "--set", "log.name=live"],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=helpers.torchrun_env())
+    proc = warm.Popen([sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "precision=fp32",
+                       "--set", "eval.enabled=false", "--set", "steps=1000000", "--set", "checkpoint.every=2",
+                       "--set", f"log.dir={tmp_path / 'runs'}", "--set", "log.name=live"],
+                      cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                      env=helpers.torchrun_env())
     try:
         deadline = time.monotonic() + 120
         while len(list((run / "checkpoints").glob("step-*.pt"))) < 2:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 
 from helpers import ag, card_table, end_all, ok, read_rows, selected, snapshot_of
 
@@ -19,10 +20,12 @@ HERE = Path(__file__).resolve().parent
 LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "eval.enabled=false", "--set", "log.plot=false"]
 
 
-def _spawn(cwd: Path, *argv: str) -> subprocess.Popen:
+def _spawn(cwd: Path, *argv: str, fresh: bool = False) -> subprocess.Popen | warm.Popen:
+    """``python ARGV`` in ``cwd``, its output piped: forked warm (tests/warm.py), or a fresh interpreter
+    (``fresh``: a signal during its start-up's import of torch)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    start = subprocess.Popen if fresh else warm.Popen
+    return start([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -91,7 +94,8 @@ def paused(tmp_path_factory):
         for phase in PHASES:
             cwd = tmp_path_factory.mktemp(f"startup-{phase}")
             started[phase] = (_spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, "train", *LINEAR,
-                                     "--set", "steps=100000", "--set", "log.name=s"), cwd, cwd / "paused")
+                                     "--set", "steps=100000", "--set", "log.name=s", fresh=phase == "torch_import"),
+                              cwd, cwd / "paused")
         for phase in TERM_PHASES:
             cwd = tmp_path_factory.mktemp(f"startup-term-{phase}")
             if phase == "loading_resume":  # (a finished run of 2 steps, resumed for more)
@@ -170,12 +174,12 @@ def fired(request, tmp_path_factory):
         if Path("/dev/full").exists():  # a console that cannot encode the run's name, and one with no room
             cwd = tmp_path_factory.mktemp("console")
             run = [sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=2"]
-            started["console-ascii"] = (subprocess.Popen(
+            started["console-ascii"] = (warm.Popen(
                 [*run, "--set", "log.name=ünï"], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env={**os.environ, "PYTHONIOENCODING": "ascii"}), cwd)
             with open("/dev/full", "w") as full:
-                started["console-full"] = (subprocess.Popen([*run, "--set", "log.name=full"], cwd=cwd, stdout=full,
-                                                            stderr=subprocess.PIPE, text=True), cwd)
+                started["console-full"] = (warm.Popen([*run, "--set", "log.name=full"], cwd=cwd, stdout=full,
+                                                      stderr=subprocess.PIPE, text=True), cwd)
         yield started
     finally:
         end_all(proc for proc, _ in started.values())

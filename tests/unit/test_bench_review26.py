@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 from ampguard.cli import main
 
@@ -180,9 +181,9 @@ sys.exit(main(sys.argv[1:]))
 
 def test_a_sigterm_while_the_json_is_printed_waits_until_it_is_whole():
     # review 26 #5: the default SIGTERM handler was back before the final print: killed mid-write
-    done = subprocess.run([sys.executable, "-c", CUT_IN_THE_PRINT, "bench", "--quick", "--no-peers", "--models", "nano",
-                           "--precisions", "fp32", "--json"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, stdin=subprocess.DEVNULL)
+    done = warm.run([sys.executable, "-c", CUT_IN_THE_PRINT, "bench", "--quick", "--no-peers", "--models", "nano",
+                     "--precisions", "fp32", "--json"], capture_output=True, text=True, timeout=300,
+                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, stdin=subprocess.DEVNULL)
     assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr)
     assert {r["contender"] for r in json.loads(done.stdout)["results"]} == {"bare loop", "ampguard + csv"}
     assert done.stderr.rstrip().endswith("ampguard: interrupted") and "Traceback" not in done.stderr

@@ -1,0 +1,115 @@
+"""tests/warm.py: a command forked warm is the process a fresh interpreter makes of it (its exit code,
+its output, its ``sys.argv``/``sys.path``/working folder, its interpreter's ending), for the commands
+the suite starts that way. Each case runs the same small program both ways and compares."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import warm
+
+EXE = sys.executable
+
+
+def both(argv: list[str], **kwargs) -> tuple[tuple, tuple]:
+    """(returncode, stdout, stderr) of ``argv`` in a fresh interpreter, then forked warm."""
+    results = []
+    for start in (subprocess.Popen, warm.Popen):
+        proc = start([EXE, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     stdin=subprocess.DEVNULL, **kwargs)
+        out, err = proc.communicate(timeout=120)
+        results.append((proc.returncode, out, err))
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("code", [
+    "print('a'); import sys; sys.exit(3)",
+    "raise SystemExit('bye')",
+    "raise SystemExit",
+    "def f():\n    raise ValueError('x')\nf()",
+    "import atexit; atexit.register(lambda: print('at exit')); print('body')",
+    "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), print('late', flush=True))).start()",
+    "import sys; print(sys.argv, repr(sys.path[0]), sys.stdin.read())",
+    "print(sorted(globals()), __loader__, __spec__)",
+    "import multiprocessing as mp; print(mp.current_process().name, mp.parent_process(), mp.get_start_method())",
+    "import sys; print(sys.stdout.encoding, sys.stdout.errors, sys.stderr.errors, repr(sys.stdout), repr(sys.stderr))",
+    "import signal; print(signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGPIPE), signal.getsignal(signal.SIGXFSZ))",
+])
+def test_a_command_ends_as_in_a_fresh_interpreter(code, tmp_path):
+    fresh, forked = both(["-c", code, "one", "two"], cwd=tmp_path)
+    assert forked == fresh
+
+
+def test_a_module_and_a_script_run_as_main_with_their_argv_and_path(tmp_path):
+    (tmp_path / "pkg_mod.py").write_text("import os, sys\nprint(__name__, sys.argv, sys.path[0], os.getcwd())\n")
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "s.py").write_text("import os, sys\nprint(__name__, __file__, sys.argv, sys.path[0], os.getcwd())\n")
+    assert both(["-m", "pkg_mod", "a"], cwd=tmp_path)[1] == both(["-m", "pkg_mod", "a"], cwd=tmp_path)[0]
+    fresh, forked = both(["scripts/s.py", "b"], cwd=tmp_path)
+    assert forked == fresh and fresh[1].startswith(f"__main__ {tmp_path / 'scripts/s.py'} ['scripts/s.py', 'b']")
+
+
+@pytest.mark.parametrize("io_encoding", ["", "ascii", "utf-8", ":replace", "latin-1:ignore"])
+def test_its_standard_streams_encode_as_a_fresh_interpreters(io_encoding):
+    env = {**os.environ, "PYTHONIOENCODING": io_encoding}
+    code = "import sys; print([(s.encoding, s.errors, s.line_buffering) for s in (sys.stdin, sys.stdout, sys.stderr)])"
+    fresh, forked = both(["-c", code], env=env)
+    assert forked == fresh
+
+
+def test_its_environment_console_encoding_and_unbuffered_output(tmp_path):
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "AMPGUARD_WARM_PROBE": "x"}
+    code = "import ctypes, os; print(os.environ['AMPGUARD_WARM_PROBE'], ctypes.CDLL(None).getenv(b'AMPGUARD_WARM_PROBE') != 0)\nprint('\u00fcn\u00ef')"
+    fresh, forked = both(["-c", code], env=env, cwd=tmp_path)
+    assert forked[0] == fresh[0] == 1 and forked[1] == fresh[1] == "x True\n"
+    assert forked[2].splitlines()[-1] == fresh[2].splitlines()[-1]  # (the UnicodeEncodeError)
+    unbuffered = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for start in (subprocess.Popen, warm.Popen):  # a line is there before the process ends
+        proc = start([EXE, "-c", "import sys, time; sys.stdout.write('now'); time.sleep(60)"], stdout=subprocess.PIPE,
+                     env=unbuffered)
+        try:
+            assert proc.stdout.read(3) == b"now"
+        finally:
+            proc.kill()
+            proc.communicate()
+
+
+def test_ctrl_c_uncaught_ends_it_by_sigint_and_a_full_console_exits_120(tmp_path):
+    results = []
+    for start in (subprocess.Popen, warm.Popen):
+        proc = start([EXE, "-c", "import time; print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        results.append((proc.returncode, err.splitlines()[-1]))
+    assert results[0] == results[1] == (-signal.SIGINT, "KeyboardInterrupt")
+    if not Path("/dev/full").exists():
+        return
+    for unbuffered, code in (("", 120), ("1", 1)):  # (a flush at the end fails, or the print itself)
+        ended = []
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "PYTHONUNBUFFERED": unbuffered}
+        for start in (subprocess.Popen, warm.Popen):
+            with open("/dev/full", "w") as full:
+                proc = start([EXE, "-c", "print('x')"], stdout=full, stderr=subprocess.PIPE, text=True, env=env)
+                _, err = proc.communicate(timeout=60)
+            ended.append((proc.returncode, err.splitlines()[0], err.splitlines()[-1]))
+        assert ended[0] == ended[1] and ended[0][0] == code, ended
+
+
+def test_a_session_a_file_size_limit_and_fresh_random_numbers(tmp_path):
+    code = "import os; print(os.getsid(0) == os.getpid())"
+    proc = warm.Popen([EXE, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.communicate(timeout=60)[0] == "True\n"
+    done = warm.run([EXE, "-c", "with open('big', 'wb') as f:\n    f.write(b'x' * 100)"], cwd=tmp_path,
+                    capture_output=True, text=True, timeout=60, file_size=10)
+    assert done.returncode == 1 and "File too large" in done.stderr and (tmp_path / "big").stat().st_size == 10
+    draws = {warm.run([EXE, "-c", "import numpy; print(numpy.random.rand())"], capture_output=True, text=True,
+                      timeout=60).stdout for _ in range(2)}
+    assert len(draws) == 2

@@ -1,0 +1,406 @@
+"""``warm.Popen([sys.executable, *ARGS], ...)``: ``subprocess.Popen`` of the same command, the new
+process forked from a warm one instead of started afresh.
+
+A fresh interpreter spends ~4.5 s of CPU importing torch and ``torch._dynamo`` (which the first
+optimizer imports) before ampguard runs a line; the tests that start ``ampguard`` as a process of
+its own (to signal it, to kill it mid-write, to read its exit code and its console) started ~40,
+a fifth of the suite's CPU on two cores. Here each is forked from Python's forkserver
+(``multiprocessing``'s, one for each test process, started at the first use), which imported torch,
+``torch._dynamo``, ampguard's modules and matplotlib once; the child then becomes the process the
+command line describes before it runs a line of it:
+
+- its working folder, environment (``os.environ`` and the C environment), ``sys.argv`` and
+  ``sys.path`` (the one a fresh ``python`` would have there, asked of one once), a session or a
+  process group of its own if asked (``start_new_session``, ``process_group=0``);
+- its standard streams on the files or pipes given (``subprocess.PIPE``, ``DEVNULL``, a file, an
+  fd, ``STDOUT``), stdin on ``/dev/null`` unless given; Python's text layers made as a fresh
+  interpreter makes them (``-u``/``PYTHONUNBUFFERED``, ``PYTHONIOENCODING``);
+- ``-m MODULE``, ``-c CODE`` or a script run as ``__main__`` (``runpy``, as ``python`` does); then
+  the interpreter's own ending: ``SystemExit``'s code (a message printed, code 1), a traceback and
+  code 1 for an exception, non-daemon threads joined, ``atexit``'s functions run, the streams
+  flushed (a flush that fails: code 120), and an uncaught ``KeyboardInterrupt`` ending the
+  process by SIGINT, as CPython does;
+- the signal handlers of a fresh interpreter (SIGINT raising ``KeyboardInterrupt``, SIGPIPE and
+  SIGXFSZ ignored), the global random generators seeded afresh (Python's by the fork, NumPy's here).
+
+What it is not: an interpreter's start (a test of a signal during torch's import, or of a console
+encoding read at start-up beyond ``PYTHONIOENCODING``, starts ``subprocess.Popen``); the modules
+imported before it are imported already (what a fresh process would import again, with its own
+environment, is shared); a parent-death signal would name the forkserver, not the test. Nothing
+of the test process's state reaches the child: the forkserver is a fresh interpreter.
+
+The object has what the tests use of ``subprocess.Popen``: ``args``, ``pid``, ``returncode``,
+``stdin`` (None), ``stdout``/``stderr`` (the pipes' reading ends), ``poll``, ``wait``,
+``communicate``, ``send_signal``, ``terminate``, ``kill``, and ``with``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import codecs
+import contextlib
+import importlib.machinery
+import io
+import multiprocessing.process
+import os
+import resource
+import runpy
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import types
+from typing import Any
+
+PRELOAD = ["warm", "torch", "torch._dynamo", "ampguard.cli", "ampguard.train", "ampguard.trainer", "ampguard.report",
+           "ampguard.bench", "ampguard.locate", "ampguard.tasks.linear"]
+"""What the forkserver imports before its first fork (``warm`` itself: the child's code; and
+matplotlib with the Agg backend, as ampguard's plots import it: see :func:`_warm_up`)."""
+
+_MAIN_PROCESS = type(multiprocessing.process.current_process())
+"""(The class of a fresh interpreter's ``multiprocessing.current_process()``: read at this module's
+import, in the forkserver before its first fork.)"""
+_FRESH_STDIO = (sys.__stdout__.encoding, sys.__stdout__.errors) if sys.__stdout__ else ("utf-8", "strict")
+"""(The encoding and error handler a fresh interpreter gives its stdout in this environment, C
+locale or UTF-8 mode included: read, as :data:`_MAIN_PROCESS`, in the forkserver.)"""
+_CONTEXT: Any = None
+_BASE_PATH: dict[tuple[str, str | None], list[str]] = {}
+
+
+def _context() -> Any:
+    global _CONTEXT
+    if _CONTEXT is None:
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        _CONTEXT = multiprocessing.get_context("forkserver")
+    return _CONTEXT
+
+
+def _warm_up() -> None:
+    """What ampguard's plots import (run in the forkserver, when it imports this module)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
+if __name__ == "warm" and os.environ.get("AMPGUARD_WARM_SERVER") == "1":  # (the forkserver's import)
+    _warm_up()
+
+
+def _fresh_path(executable: str, pythonpath: str | None) -> list[str]:
+    """``sys.path[1:]`` of a fresh ``executable`` under ``PYTHONPATH=pythonpath`` (its first entry is
+    the script's folder or the working folder, set per command)."""
+    key = (executable, pythonpath)
+    if key not in _BASE_PATH:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        if pythonpath is not None:
+            env["PYTHONPATH"] = pythonpath
+        out = subprocess.run([executable, "-c", "import sys; print(repr(sys.path[1:]))"],
+                             env=env, capture_output=True, text=True, check=True).stdout
+        _BASE_PATH[key] = eval(out)  # noqa: S307 - a repr of a list of str, from the interpreter itself
+    return list(_BASE_PATH[key])
+
+
+@contextlib.contextmanager
+def _main_left_out() -> Any:
+    """Start a process without ``multiprocessing``'s re-import of this one's ``__main__`` in it (a
+    script's: the child would run it again before its command)."""
+    from multiprocessing import spawn
+
+    prepared = spawn.get_preparation_data
+
+    def without_main(name: str) -> dict[str, Any]:
+        data = prepared(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    spawn.get_preparation_data = without_main
+    try:
+        yield
+    finally:
+        spawn.get_preparation_data = prepared
+
+
+class _Fd:
+    """A file descriptor of this process that reaches the child as its own (forkserver's fd passing)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return _inherited, (reduction.DupFd(self.fd),)
+
+
+def _inherited(dup: Any) -> int:
+    return dup.detach()
+
+
+def _stream(fd: int, name: str, *, unbuffered: bool, encoding: str, errors: str) -> io.TextIOWrapper:
+    """A standard stream on ``fd`` as CPython's start-up makes it (``create_stdio``)."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    raw.name = name
+    tty = raw.isatty()
+    binary = raw if unbuffered else io.BufferedWriter(raw)
+    text = io.TextIOWrapper(binary, encoding=encoding, errors=errors, newline="\n",
+                            line_buffering=tty and not unbuffered, write_through=unbuffered)
+    text.mode = "w"
+    return text
+
+
+def _unforked() -> None:  # pragma: no cover - in the child
+    """Take back what ``multiprocessing`` made of this process (a child of the forkserver) from what a
+    fresh interpreter is: its main process, with no parent and no children, ``fork`` its default
+    way to start one (a ``DataLoader``'s workers), no hold on the forkserver."""
+    from multiprocessing import context, forkserver, process
+
+    process._current_process = _MAIN_PROCESS()
+    process._parent_process = None
+    process._children = set()
+    context._default_context._actual_context = None
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None
+    server._inherited_fds = None
+
+
+def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cover - in the child
+    """Become the process ``spec`` describes, run its command, end as the interpreter does."""
+    _unforked()
+    os.chdir(spec["cwd"])
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    if spec["session"]:
+        os.setsid()
+    elif spec["group"]:
+        os.setpgid(0, 0)
+    if spec["file_size"] is not None:  # (``ulimit -f``: a write past it fails, EFBIG, where SIGXFSZ is ignored)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_size"], spec["file_size"]))
+    for target, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        os.dup2(fds[name], target)
+    for fd in set(fds.values()):
+        if fd > 2:
+            os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    io_encoding = spec["env"].get("PYTHONIOENCODING") or ""
+    encoding, _, errors = io_encoding.partition(":")
+    # (CPython: an encoding named there makes the error handler strict unless it names one too)
+    encoding, errors = (codecs.lookup(encoding).name if encoding else _FRESH_STDIO[0],
+                        errors or ("strict" if encoding else _FRESH_STDIO[1]))
+    unbuffered = spec["unbuffered"]
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding=encoding, errors=errors)
+    sys.stdout = sys.__stdout__ = _stream(1, "<stdout>", unbuffered=unbuffered, encoding=encoding, errors=errors)
+    sys.stderr = sys.__stderr__ = _stream(2, "<stderr>", unbuffered=True, encoding=encoding, errors="backslashreplace")
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.path[:] = spec["path"]
+    sys.argv[:] = spec["argv"]
+    code = 0
+    interrupted = False
+    main = sys.modules["__main__"] = types.ModuleType("__main__")  # (not the forkserver's, which holds its code)
+    main.__builtins__, main.__annotations__ = builtins, {}
+    try:
+        if spec["kind"] == "module":
+            runpy._run_module_as_main(spec["what"], alter_argv=True)  # (what ``python -m`` calls)
+        elif spec["kind"] == "code":
+            main.__loader__ = importlib.machinery.BuiltinImporter
+            exec(compile(spec["what"], "<string>", "exec"), main.__dict__)  # noqa: S102 - ``python -c``
+        else:  # (``python SCRIPT``: its absolute path is its ``__file__`` and its code's file name)
+            path = os.path.abspath(spec["what"])
+            main.__file__, main.__cached__ = path, None
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+            with io.open_code(path) as source:
+                exec(compile(source.read(), path, "exec"), main.__dict__)  # noqa: S102
+    except SystemExit as stop:
+        if stop.code is None:
+            code = 0
+        elif isinstance(stop.code, int):
+            code = stop.code
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except BaseException as error:  # noqa: BLE001 - the interpreter prints it (not this frame) and exits 1
+        error.__traceback__ = error.__traceback__.tb_next
+        sys.excepthook(type(error), error, error.__traceback__)
+        code, interrupted = 1, isinstance(error, KeyboardInterrupt)
+    threading._shutdown()  # (what Py_FinalizeEx waits for first: the non-daemon threads)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception as error:  # noqa: BLE001 - CPython: "Exception ignored", exit 120
+            with contextlib.suppress(Exception):
+                print(f"Exception ignored in: {stream!r}", file=sys.stderr)
+                traceback.print_exception(type(error), error, None, file=sys.stderr)
+            code = 120
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def _command(argv: list[str]) -> tuple[str, str, list[str], bool]:
+    """(kind, module/code/script, ``sys.argv``, ``-u``) of ``[python, *options, ...]``."""
+    args, unbuffered = list(argv[1:]), False
+    while args and args[0] in ("-u", "-B", "-I", "-E", "-s"):
+        unbuffered |= args.pop(0) == "-u"
+    if not args:
+        raise ValueError(f"warm.Popen runs a module, code or a script, not {argv!r}")
+    if args[0] == "-m":
+        return "module", args[1], [args[1], *args[2:]], unbuffered
+    if args[0] == "-c":
+        return "code", args[1], ["-c", *args[2:]], unbuffered
+    if args[0].startswith("-"):
+        raise ValueError(f"warm.Popen does not take the interpreter option {args[0]!r}")
+    return "script", args[0], args, unbuffered
+
+
+class Popen:
+    """``subprocess.Popen(argv, ...)`` for ``argv = [sys.executable, ...]``, forked warm (the module's
+    docstring). ``stdout``/``stderr``/``stdin``: None (this process's), ``subprocess.PIPE`` (not for
+    stdin), ``DEVNULL``, ``STDOUT`` (stderr), a file object or an fd. ``file_size``: ``ulimit -f`` in
+    the child, in bytes (what ``helpers.file_size_limit`` does as a ``preexec_fn``, which cannot
+    travel to a forked child)."""
+
+    def __init__(self, argv: list[str], *, cwd: Any = None, env: dict[str, str] | None = None, stdin: Any = None,
+                 stdout: Any = None, stderr: Any = None, text: bool = False, universal_newlines: bool | None = None,
+                 encoding: str | None = None, errors: str | None = None, start_new_session: bool = False,
+                 process_group: int | None = None, file_size: int | None = None) -> None:
+        kind, what, child_argv, unbuffered = _command([str(a) for a in argv])
+        env = dict(os.environ if env is None else env)
+        cwd = os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd())
+        first = os.path.dirname(os.path.abspath(os.path.join(cwd, what))) if kind == "script" else (
+            cwd if kind == "module" else "")
+        spec = {"cwd": cwd, "env": env, "session": start_new_session, "group": process_group == 0, "file_size": file_size,
+                "kind": kind, "what": what, "argv": child_argv,
+                "path": [first, *_fresh_path(str(argv[0]), env.get("PYTHONPATH"))],
+                "unbuffered": unbuffered or bool(env.get("PYTHONUNBUFFERED"))}
+        self.args, self.returncode = argv, None
+        self.stdin = None
+        text = bool(text or universal_newlines or encoding or errors)
+        opened: list[int] = []  # (ours to close once the child has its copies)
+
+        def fd_of(target: Any, name: str) -> int:
+            if target is None:
+                return {"stdin": 0, "stdout": 1, "stderr": 2}[name]
+            if target == subprocess.DEVNULL:
+                opened.append(os.open(os.devnull, os.O_RDWR))
+                return opened[-1]
+            if target == subprocess.PIPE:
+                if name == "stdin":
+                    raise ValueError("warm.Popen gives no pipe to stdin")
+                read, write = os.pipe()
+                opened.append(write)
+                reader = open(read, "rb")  # noqa: SIM115 - the caller's, as Popen's pipes are
+                setattr(self, name, io.TextIOWrapper(reader, encoding=encoding, errors=errors) if text else reader)
+                return write
+            return target if isinstance(target, int) else target.fileno()
+
+        self.stdout = self.stderr = None
+        fds = {"stdin": fd_of(stdin if stdin is not None else subprocess.DEVNULL, "stdin"),
+               "stdout": fd_of(stdout, "stdout")}
+        fds["stderr"] = fds["stdout"] if stderr == subprocess.STDOUT else fd_of(stderr, "stderr")
+        os.environ["AMPGUARD_WARM_SERVER"] = "1"  # (read by the forkserver's import of this module, at its start)
+        try:
+            self._process = _context().Process(target=_child, args=(spec, {n: _Fd(fd) for n, fd in fds.items()}),
+                                               daemon=False)
+            with _main_left_out():
+                self._process.start()
+            # (as a subprocess.Popen's: this process's end neither waits for it nor ends it)
+            multiprocessing.process._children.discard(self._process)
+        finally:
+            os.environ.pop("AMPGUARD_WARM_SERVER", None)
+            for fd in opened:
+                os.close(fd)
+        self.pid = self._process.pid
+        self._out: dict[str, list] = {"stdout": [], "stderr": []}
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:  # noqa: A002
+        """Read the pipes to their ends, then wait: (stdout, stderr), None for one not a pipe."""
+        if input:
+            raise ValueError("warm.Popen gives no pipe to stdin")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pipes = {name: f for name in ("stdout", "stderr") if (f := getattr(self, name)) is not None and not f.closed}
+        with selectors.DefaultSelector() as selector:
+            for name, f in pipes.items():
+                os.set_blocking(f.fileno(), False)
+                selector.register(f.fileno(), selectors.EVENT_READ, name)
+            while selector.get_map():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in selector.select(left):
+                    chunk = os.read(key.fd, 65536)
+                    if chunk:
+                        self._out[key.data].append(chunk)
+                    else:
+                        selector.unregister(key.fd)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        said = []
+        for name in ("stdout", "stderr"):
+            f = getattr(self, name)
+            if f is None or name not in pipes:
+                said.append(None)
+                continue
+            data = b"".join(self._out[name])
+            self._out[name] = []
+            said.append(data.decode(f.encoding, f.errors).replace("\r\n", "\n") if isinstance(f, io.TextIOWrapper)
+                        else data)
+            f.close()
+        return said[0], said[1]
+
+    def __enter__(self) -> Popen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        self.wait()
+
+
+def run(argv: list[str], *, timeout: float | None = None, capture_output: bool = False, **kwargs: Any,
+        ) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of :class:`Popen` (``check`` and ``input`` aside): killed past ``timeout``."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with Popen(argv, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
