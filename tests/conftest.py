@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import gc
 import os
 import pickle
@@ -27,9 +26,10 @@ for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import pytest  # noqa: E402 - after the thread counts
 import torch  # noqa: E402
+import warm  # noqa: E402
 
 from early_runner import ENDING, NICE, RESULT
-from helpers import EARLY_TIMEOUT_S, GLOO, end_processes, own_process_group, snapshot_of
+from helpers import EARLY_TIMEOUT_S, GLOO, end_processes, snapshot_of
 
 from ampguard.cli import main
 
@@ -68,12 +68,15 @@ def _has_early(module: object) -> bool:
 
 
 def _start_early(module_file: str) -> None:
+    """Start ``module_file``'s job, forked warm (tests/warm.py: torch imported already) at nice 19 in
+    a process group of its own; its scripts fork from the same forkserver, whose end (this
+    process's) ends the job: the runner is told the forkserver's pid as its parent's."""
     work = _STARTED_IN.get(module_file) or _work_of(module_file)
     with (work / "early.stdout").open("w") as out, (work / "early.stderr").open("w") as err:
-        _EARLY[module_file] = (subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("early_runner.py")), module_file, str(work), str(os.getpid())],
-            cwd=work,
-            stdout=out, stderr=err, stdin=subprocess.DEVNULL, **own_process_group(functools.partial(os.nice, NICE))), work)
+        _EARLY[module_file] = (warm.Popen(
+            [sys.executable, str(Path(__file__).with_name("early_runner.py")), module_file, str(work),
+             str(warm.server_pid())], cwd=work, stdout=out, stderr=err, stdin=subprocess.DEVNULL, process_group=0,
+            nice=NICE, share_server=True), work)
 
 
 def _controller(config: pytest.Config) -> bool:

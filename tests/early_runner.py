@@ -1,6 +1,7 @@
 """Run one test module's ``early(work)`` and write what it returns, pickled, to
-``WORK/early.pickle``: ``python early_runner.py MODULE_FILE WORK SUITE_PID``. conftest.py starts it
-in a process of its own at nice 19 (xdist's controller at the session's start; one process at
+``WORK/early.pickle``: ``python early_runner.py MODULE_FILE WORK PARENT_PID``. conftest.py starts it
+in a process of its own at nice 19, forked warm (tests/warm.py: torch imported already; its parent
+the suite's forkserver, PARENT_PID, which ends when the suite's process does) (xdist's controller at the session's start; one process at
 collection: see there); the module's tests read the result.
 
 Every process the job starts inherits the nice. torchrun starts each worker in a session of its
@@ -52,11 +53,12 @@ if os.getsid(0) == os.getpid():  # (a session of its own: a torchrun worker) -- 
 """
 
 
-def _end_with_the_suite(suite_pid: int) -> None:
+def _end_with_the_suite(parent_pid: int) -> None:
     """A SIGTERM ends the job through its ``finally`` blocks (each launch ended with its workers,
     which sit in process groups and sessions of their own) and :func:`main` takes its folder away; the job gets
-    one when the suite's process dies, however it dies (Linux's parent-death signal), so a suite
-    killed by a CI's time limit leaves no launch training on."""
+    one when its parent (``parent_pid``: the suite's forkserver, which ends with the suite's process)
+    dies, however it dies (Linux's parent-death signal), so a suite killed by a CI's time limit
+    leaves no launch training on."""
     def ended(*_: object) -> None:
         # once: a second SIGTERM (a second Ctrl-C, a CI's SIGINT then SIGTERM) while the launches
         # are ended in the `finally` blocks would cut that short and leave the rest training
@@ -70,21 +72,21 @@ def _end_with_the_suite(suite_pid: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # (not Linux: conftest's session end still ends the job)
         pass
-    if os.getppid() != suite_pid:  # (the suite died before the signal was asked for)
+    if os.getppid() != parent_pid:  # (the suite died before the signal was asked for)
         ended()
 
 
-def main(module_file: str, work: str, suite_pid: str) -> None:
+def main(module_file: str, work: str, parent_pid: str) -> None:
     try:
-        _run(module_file, Path(work), int(suite_pid))
+        _run(module_file, Path(work), int(parent_pid))
     except SystemExit:  # (a SIGTERM: the suite ended it, and reads its logs before it takes the folder; or died)
         if not (Path(work) / ENDING).exists():  # (conftest._end marks a job it ends: one without, its suite died)
             shutil.rmtree(work, ignore_errors=True)
         raise
 
 
-def _run(module_file: str, work: Path, suite_pid: int) -> None:
-    _end_with_the_suite(suite_pid)
+def _run(module_file: str, work: Path, parent_pid: int) -> None:
+    _end_with_the_suite(parent_pid)
     site = work / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITE)

@@ -633,20 +633,29 @@ class Ended:
 def run_to_end(name: str, cmd: list[str], cwd: Path, *, timeout_s: float, env: dict[str, str] | None = None,
                ) -> Ended:
     """``cmd`` run in ``cwd`` (made if missing) to its end, its output captured: an :class:`Ended`.
-    In a process group of its own that dies with this process; past ``timeout_s`` it is ended
-    with everything it started (a torchrun's workers too: killing torchrun alone left them
-    running) and the test fails with its output's tail."""
+    In a process group of its own that dies with this process (a SIGTERM that ends this process
+    ends it; a Python command is forked warm, tests/warm.py, and also dies with the suite's
+    forkserver); past ``timeout_s`` it is ended with everything it started (a torchrun's workers
+    too: killing torchrun alone left them running) and the test fails with its output's tail."""
     import subprocess
 
+    import warm
+
     cwd.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, **own_process_group(dies_with_its_parent()))
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "stdin": subprocess.DEVNULL, "text": True}
+    if cmd[0] == sys.executable:
+        proc = warm.Popen(cmd, cwd=cwd, env=env, process_group=0, death_signal=signal.SIGTERM, **streams)
+    else:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, **streams, **own_process_group(dies_with_its_parent()))
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         end_processes([proc], 10.0)
         out, err = proc.communicate()
         pytest.fail(f"{name} did not finish within {timeout_s:g} s\nstderr tail:\n{err[-3000:]}")
+    except BaseException:  # (this process ended by a SIGTERM: its command ends with it)
+        end_processes([proc], 10.0)
+        raise
     return Ended(name, proc.returncode, out, err, cwd)
 
 

@@ -89,8 +89,18 @@ def _warm_up() -> None:
     import matplotlib.pyplot  # noqa: F401
 
 
-if __name__ == "warm" and os.environ.get("AMPGUARD_WARM_SERVER") == "1":  # (the forkserver's import)
+if getattr(sys.modules.get("__main__"), "main", None) is getattr(sys.modules.get("multiprocessing.forkserver"), "main",
+                                                                  False):  # (the forkserver's preload)
     _warm_up()
+
+
+def server_pid() -> int:
+    """The forkserver's pid (started if it was not): the parent of every child :class:`Popen` starts."""
+    from multiprocessing import forkserver
+
+    _context()
+    forkserver.ensure_running()
+    return forkserver._forkserver._forkserver_pid
 
 
 def _fresh_path(executable: str, pythonpath: str | None) -> list[str]:
@@ -156,10 +166,11 @@ def _stream(fd: int, name: str, *, unbuffered: bool, encoding: str, errors: str)
     return text
 
 
-def _unforked() -> None:  # pragma: no cover - in the child
+def _unforked(share_server: bool) -> None:  # pragma: no cover - in the child
     """Take back what ``multiprocessing`` made of this process (a child of the forkserver) from what a
     fresh interpreter is: its main process, with no parent and no children, ``fork`` its default
-    way to start one (a ``DataLoader``'s workers), no hold on the forkserver."""
+    way to start one (a ``DataLoader``'s workers), no hold on the forkserver; or, ``share_server``,
+    the forkserver kept for this process's own :class:`Popen` (an early job's scripts)."""
     from multiprocessing import context, forkserver, process
 
     process._current_process = _MAIN_PROCESS()
@@ -167,15 +178,18 @@ def _unforked() -> None:  # pragma: no cover - in the child
     process._children = set()
     context._default_context._actual_context = None
     server = forkserver._forkserver
+    server._inherited_fds = None
+    if share_server:  # (its address and hold are this process's already: nothing to start)
+        server.ensure_running = lambda: None
+        return
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
     server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None
-    server._inherited_fds = None
 
 
 def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cover - in the child
     """Become the process ``spec`` describes, run its command, end as the interpreter does."""
-    _unforked()
+    _unforked(spec["share_server"])
     os.chdir(spec["cwd"])
     os.environ.clear()
     os.environ.update(spec["env"])
@@ -183,6 +197,12 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
         os.setsid()
     elif spec["group"]:
         os.setpgid(0, 0)
+    if spec["nice"]:
+        os.nice(spec["nice"])
+    if spec["death_signal"]:  # (its parent is the forkserver, which ends with the suite's process)
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, spec["death_signal"])  # PR_SET_PDEATHSIG
     if spec["file_size"] is not None:  # (``ulimit -f``: a write past it fails, EFBIG, where SIGXFSZ is ignored)
         resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_size"], spec["file_size"]))
     for target, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
@@ -271,18 +291,23 @@ class Popen:
     docstring). ``stdout``/``stderr``/``stdin``: None (this process's), ``subprocess.PIPE`` (not for
     stdin), ``DEVNULL``, ``STDOUT`` (stderr), a file object or an fd. ``file_size``: ``ulimit -f`` in
     the child, in bytes (what ``helpers.file_size_limit`` does as a ``preexec_fn``, which cannot
-    travel to a forked child)."""
+    travel to a forked child); ``nice``: added to its niceness; ``death_signal``: the signal it gets
+    when its parent, the forkserver, ends (which it does when the process that started it ends:
+    Linux's parent-death signal); ``share_server``: the child's own :class:`Popen` forks from the
+    same forkserver (an early job's launcher, whose scripts import torch too), not a new one."""
 
     def __init__(self, argv: list[str], *, cwd: Any = None, env: dict[str, str] | None = None, stdin: Any = None,
                  stdout: Any = None, stderr: Any = None, text: bool = False, universal_newlines: bool | None = None,
                  encoding: str | None = None, errors: str | None = None, start_new_session: bool = False,
-                 process_group: int | None = None, file_size: int | None = None) -> None:
+                 process_group: int | None = None, file_size: int | None = None, nice: int = 0,
+                 death_signal: int = 0, share_server: bool = False) -> None:
         kind, what, child_argv, unbuffered = _command([str(a) for a in argv])
         env = dict(os.environ if env is None else env)
         cwd = os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd())
         first = os.path.dirname(os.path.abspath(os.path.join(cwd, what))) if kind == "script" else (
             cwd if kind == "module" else "")
         spec = {"cwd": cwd, "env": env, "session": start_new_session, "group": process_group == 0, "file_size": file_size,
+                "nice": nice, "death_signal": death_signal, "share_server": share_server,
                 "kind": kind, "what": what, "argv": child_argv,
                 "path": [first, *_fresh_path(str(argv[0]), env.get("PYTHONPATH"))],
                 "unbuffered": unbuffered or bool(env.get("PYTHONUNBUFFERED"))}
@@ -311,7 +336,6 @@ class Popen:
         fds = {"stdin": fd_of(stdin if stdin is not None else subprocess.DEVNULL, "stdin"),
                "stdout": fd_of(stdout, "stdout")}
         fds["stderr"] = fds["stdout"] if stderr == subprocess.STDOUT else fd_of(stderr, "stderr")
-        os.environ["AMPGUARD_WARM_SERVER"] = "1"  # (read by the forkserver's import of this module, at its start)
         try:
             self._process = _context().Process(target=_child, args=(spec, {n: _Fd(fd) for n, fd in fds.items()}),
                                                daemon=False)
@@ -320,7 +344,6 @@ class Popen:
             # (as a subprocess.Popen's: this process's end neither waits for it nor ends it)
             multiprocessing.process._children.discard(self._process)
         finally:
-            os.environ.pop("AMPGUARD_WARM_SERVER", None)
             for fd in opened:
                 os.close(fd)
         self.pid = self._process.pid
