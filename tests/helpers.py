@@ -291,6 +291,17 @@ def torchrun() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
+def warm_workers(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """(torchrun's options before the script, ``env`` with what they need) for workers forked warm:
+    each worker's process is a stand-in (tests/warm_worker.py) for ``python -u SCRIPT ARGS`` forked
+    from this process's forkserver (tests/warm.py), which imported torch once, where a fresh
+    worker imports it again (~4.5 s of CPU each)."""
+    import warm
+
+    stand_in = Path(__file__).with_name("warm_worker.py")
+    return ["--no-python", sys.executable, str(stand_in)], {**env, "AMPGUARD_WARM_SERVER": warm.server_address()}
+
+
 GLOO = torch.distributed.is_available() and torch.distributed.is_gloo_available()
 TORCHRUN = [pytest.mark.slow, pytest.mark.skipif(not GLOO, reason="torch.distributed with the gloo backend is not available")]
 """The marks of a module of torchrun launches (``pytestmark = TORCHRUN``): slow, and skipped without gloo."""
@@ -356,10 +367,12 @@ def kill_tree(pid: int) -> None:
 
 
 class Launch:
-    """One ``torchrun --standalone --nproc_per_node 2 ARGS`` in ``cwd``, in a process group of its own,
+    """One ``torchrun --standalone --nproc_per_node 2 ARGS`` in ``cwd`` (ARGS a Python script and its
+    arguments; its workers forked warm: :func:`warm_workers`), in a process group of its own,
     its output in ``NAME.stdout`` / ``NAME.stderr`` beside ``cwd`` (files, not pipes: a hung
-    worker cannot block the test on a pipe); killed with its workers (:func:`kill_tree`) when it
-    runs past ``timeout_s`` (counted from its start) or at :meth:`close`."""
+    worker cannot block the test on a pipe); killed with its workers (:func:`kill_tree`; a warm
+    worker dies with its stand-in) when it runs past ``timeout_s`` (counted from its start) or at
+    :meth:`close`."""
 
     def __init__(self, name: str, args: list[str], cwd: Path, *, timeout_s: float,
                  env: dict[str, str] | None = None, preexec_fn: Any = None) -> None:
@@ -368,11 +381,12 @@ class Launch:
 
         self.name, self.cwd, self.timeout_s = name, cwd, timeout_s
         cwd.mkdir(parents=True, exist_ok=True)
-        self.cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", *args]
+        workers, env = warm_workers(env or torchrun_env())
+        self.cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", *workers, *args]
         self._out = (cwd.parent / f"{name}.stdout").open("w+")
         self._err = (cwd.parent / f"{name}.stderr").open("w+")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=env or torchrun_env(), stdout=self._out,
+        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=env, stdout=self._out,
                                      stderr=self._err, stdin=subprocess.DEVNULL,
                                      **own_process_group(dies_with_its_parent(then=preexec_fn)))
         self.rc: int | None = None

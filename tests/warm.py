@@ -40,6 +40,7 @@ import atexit
 import builtins
 import codecs
 import contextlib
+import fcntl
 import importlib.machinery
 import io
 import multiprocessing.process
@@ -101,6 +102,29 @@ def server_pid() -> int:
     _context()
     forkserver.ensure_running()
     return forkserver._forkserver._forkserver_pid
+
+
+def server_address() -> str:
+    """The address of this process's forkserver (started if it has none, or the one it shares): what
+    a process that is not its child needs to ask it for a fork (:func:`connect`)."""
+    from multiprocessing import forkserver
+
+    _context()
+    forkserver.ensure_running()
+    return forkserver._forkserver._forkserver_address
+
+
+def connect(address: str) -> None:
+    """Have this process's :class:`Popen` fork from the forkserver at ``address`` (another process's:
+    :func:`server_address`), not start one of its own."""
+    from multiprocessing import forkserver, resource_tracker
+
+    _context()
+    server = forkserver._forkserver
+    server._forkserver_address = address
+    server._forkserver_alive_fd = os.open(os.devnull, os.O_WRONLY)  # (the hold is the suite's: handed to the child)
+    server.ensure_running = lambda: None
+    resource_tracker._resource_tracker._fd = os.open(os.devnull, os.O_WRONLY)  # (none to start: nothing to track)
 
 
 def _fresh_path(executable: str, pythonpath: str | None) -> list[str]:
@@ -199,6 +223,11 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
         os.setpgid(0, 0)
     if spec["nice"]:
         os.nice(spec["nice"])
+    if spec["tied"] is not None:  # (SIGKILL when the pipe's other end closes: its holder ended, however)
+        tied = fds["tied"]
+        fcntl.fcntl(tied, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(tied, fcntl.F_SETSIG, signal.SIGKILL)
+        fcntl.fcntl(tied, fcntl.F_SETFL, fcntl.fcntl(tied, fcntl.F_GETFL) | os.O_ASYNC)
     if spec["death_signal"]:  # (its parent is the forkserver, which ends with the suite's process)
         import ctypes
 
@@ -207,8 +236,8 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
         resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_size"], spec["file_size"]))
     for target, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
         os.dup2(fds[name], target)
-    for fd in set(fds.values()):
-        if fd > 2:
+    for name, fd in fds.items():
+        if fd > 2 and name != "tied" and fd != fds.get("tied"):
             os.close(fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in ("SIGPIPE", "SIGXFSZ"):
@@ -294,20 +323,23 @@ class Popen:
     travel to a forked child); ``nice``: added to its niceness; ``death_signal``: the signal it gets
     when its parent, the forkserver, ends (which it does when the process that started it ends:
     Linux's parent-death signal); ``share_server``: the child's own :class:`Popen` forks from the
-    same forkserver (an early job's launcher, whose scripts import torch too), not a new one."""
+    same forkserver (an early job's launcher, whose scripts import torch too), not a new one;
+    ``tied``: the reading end of a pipe whose writing end this process alone holds: the child is
+    killed (SIGKILL, by the kernel: ``F_SETSIG``) when that end closes, when this process ends
+    however it ends (a torchrun worker's stand-in: tests/warm_worker.py)."""
 
     def __init__(self, argv: list[str], *, cwd: Any = None, env: dict[str, str] | None = None, stdin: Any = None,
                  stdout: Any = None, stderr: Any = None, text: bool = False, universal_newlines: bool | None = None,
                  encoding: str | None = None, errors: str | None = None, start_new_session: bool = False,
                  process_group: int | None = None, file_size: int | None = None, nice: int = 0,
-                 death_signal: int = 0, share_server: bool = False) -> None:
+                 death_signal: int = 0, share_server: bool = False, tied: int | None = None) -> None:
         kind, what, child_argv, unbuffered = _command([str(a) for a in argv])
         env = dict(os.environ if env is None else env)
         cwd = os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd())
         first = os.path.dirname(os.path.abspath(os.path.join(cwd, what))) if kind == "script" else (
             cwd if kind == "module" else "")
         spec = {"cwd": cwd, "env": env, "session": start_new_session, "group": process_group == 0, "file_size": file_size,
-                "nice": nice, "death_signal": death_signal, "share_server": share_server,
+                "nice": nice, "death_signal": death_signal, "share_server": share_server, "tied": tied,
                 "kind": kind, "what": what, "argv": child_argv,
                 "path": [first, *_fresh_path(str(argv[0]), env.get("PYTHONPATH"))],
                 "unbuffered": unbuffered or bool(env.get("PYTHONUNBUFFERED"))}
@@ -336,6 +368,8 @@ class Popen:
         fds = {"stdin": fd_of(stdin if stdin is not None else subprocess.DEVNULL, "stdin"),
                "stdout": fd_of(stdout, "stdout")}
         fds["stderr"] = fds["stdout"] if stderr == subprocess.STDOUT else fd_of(stderr, "stderr")
+        if tied is not None:
+            fds["tied"] = tied
         try:
             self._process = _context().Process(target=_child, args=(spec, {n: _Fd(fd) for n, fd in fds.items()}),
                                                daemon=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun, torchrun_env
+from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun, torchrun_env, warm_workers
 
 transformers = pytest.importorskip("transformers")
 from accelerate.state import AcceleratorState  # noqa: E402
@@ -763,14 +763,15 @@ torch.distributed.destroy_process_group()
 
 
 def early(work: Path) -> dict[str, Ended]:
-    """The torchrun of the test below (three processes, each importing transformers), run to its
-    end: an early job (conftest.py: started at collection, off the suite's own process; the
+    """The torchrun of the test below (its two workers forked warm, each importing transformers:
+    ``helpers.warm_workers``), run to its end: an early job (conftest.py: started at collection, off the suite's own process; the
     tests that read it run last)."""
     folder = work / "ddp"
     folder.mkdir()
     (folder / "train.py").write_text(DDP_TRAIN, encoding="utf-8")
-    cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", str(folder / "train.py"), str(folder / "out")]
-    return {"ddp": run_to_end("ddp", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())}
+    workers, env = warm_workers(torchrun_env())
+    cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", *workers, str(folder / "train.py"), str(folder / "out")]
+    return {"ddp": run_to_end("ddp", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=env)}
 
 
 @pytest.mark.slow

@@ -113,3 +113,39 @@ def test_a_session_a_file_size_limit_and_fresh_random_numbers(tmp_path):
     draws = {warm.run([EXE, "-c", "import numpy; print(numpy.random.rand())"], capture_output=True, text=True,
                       timeout=60).stdout for _ in range(2)}
     assert len(draws) == 2
+
+
+def test_a_torchrun_worker_forked_warm_dies_with_its_stand_in_and_torchrun_reports_how(tmp_path):
+    """tests/warm_worker.py: a worker forked warm (its parent the forkserver, not torchrun's
+    stand-in) is killed by the kernel the moment its stand-in is (torchrun's SIGKILL after its
+    grace, a test's kill of the launch), not left running; torchrun reports the rank killed, as it
+    would a fresh worker. (The exit codes a stand-in hands on: the torchrun guards' tests.)"""
+    import time
+
+    from helpers import torchrun, torchrun_env, warm_workers
+
+    psutil = pytest.importorskip("psutil")
+    code = "import os, time\nopen(f'rank{os.environ[\"RANK\"]}.pid', 'w').write(f'{os.getpid()} {os.getppid()}')\ntime.sleep(120)"
+    workers, env = warm_workers(torchrun_env())
+    launch = subprocess.Popen([*torchrun(), "--standalone", "--nproc_per_node", "2", *workers, "-c", code], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid, parent = map(int, (tmp_path / "rank0.pid").read_text().split())
+        assert parent == warm.server_pid()  # (forked from this process's forkserver, not started afresh)
+        [stand_in] = [p for p in psutil.Process(launch.pid).children() if p.environ().get("LOCAL_RANK") == "0"]
+        assert "warm_worker.py" in " ".join(stand_in.cmdline())
+        stand_in.kill()
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        _, err = launch.communicate(timeout=60)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.communicate()
+    assert launch.returncode != 0 and "exitcode  : -9" in err, err[-2000:]
