@@ -368,27 +368,30 @@ def kill_tree(pid: int) -> None:
 
 class Launch:
     """One ``torchrun --standalone --nproc_per_node 2 ARGS`` in ``cwd`` (ARGS a Python script and its
-    arguments; its workers forked warm: :func:`warm_workers`), in a process group of its own,
-    its output in ``NAME.stdout`` / ``NAME.stderr`` beside ``cwd`` (files, not pipes: a hung
-    worker cannot block the test on a pipe); killed with its workers (:func:`kill_tree`; a warm
-    worker dies with its stand-in) when it runs past ``timeout_s`` (counted from its start) or at
-    :meth:`close`."""
+    arguments), forked warm, its workers too (tests/warm.py, :func:`warm_workers`), in a process
+    group of its own that dies with the suite (its forkserver's parent-death signal), its output in
+    ``NAME.stdout`` / ``NAME.stderr`` beside ``cwd`` (files, not pipes: a hung worker cannot block
+    the test on a pipe); killed with its workers (:func:`kill_tree`; a warm worker dies with its
+    stand-in) when it runs past ``timeout_s`` (counted from its start) or at :meth:`close`."""
 
     def __init__(self, name: str, args: list[str], cwd: Path, *, timeout_s: float,
-                 env: dict[str, str] | None = None, preexec_fn: Any = None) -> None:
+                 env: dict[str, str] | None = None) -> None:
         import subprocess
         import time
+
+        import warm
 
         self.name, self.cwd, self.timeout_s = name, cwd, timeout_s
         cwd.mkdir(parents=True, exist_ok=True)
         workers, env = warm_workers(env or torchrun_env())
-        self.cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", *workers, *args]
+        # (torchrun itself forked warm too: ``python -m torch.distributed.run`` is its script's main)
+        self.cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *workers,
+                    *args]
         self._out = (cwd.parent / f"{name}.stdout").open("w+")
         self._err = (cwd.parent / f"{name}.stderr").open("w+")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=env, stdout=self._out,
-                                     stderr=self._err, stdin=subprocess.DEVNULL,
-                                     **own_process_group(dies_with_its_parent(then=preexec_fn)))
+        self.proc = warm.Popen(self.cmd, cwd=cwd, env=env, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
+                               process_group=0, death_signal=signal.SIGTERM)
         self.rc: int | None = None
         self.stdout = self.stderr = ""
 
