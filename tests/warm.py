@@ -26,8 +26,13 @@ command line describes before it runs a line of it:
 What it is not: an interpreter's start (a test of a signal during torch's import, or of a console
 encoding read at start-up beyond ``PYTHONIOENCODING``, starts ``subprocess.Popen``); the modules
 imported before it are imported already (what a fresh process would import again, with its own
-environment, is shared); a parent-death signal would name the forkserver, not the test. Nothing
-of the test process's state reaches the child: the forkserver is a fresh interpreter.
+environment, is shared); a parent-death signal names the forkserver, which ends with the process
+that started it, not the test (``death_signal``). Nothing of the test process's state reaches the
+child: the forkserver is a fresh interpreter.
+
+The early jobs' runners (conftest.py) and the Python scripts they run fork from the suite's
+forkserver too, and so do torchrun's workers, through a stand-in torchrun starts
+(tests/warm_worker.py: :func:`connect`, ``tied``).
 
 The object has what the tests use of ``subprocess.Popen``: ``args``, ``pid``, ``returncode``,
 ``stdin`` (None), ``stdout``/``stderr`` (the pipes' reading ends), ``poll``, ``wait``,
@@ -43,6 +48,7 @@ import contextlib
 import fcntl
 import importlib.machinery
 import io
+import json
 import multiprocessing.process
 import os
 import resource
@@ -135,9 +141,9 @@ def _fresh_path(executable: str, pythonpath: str | None) -> list[str]:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         if pythonpath is not None:
             env["PYTHONPATH"] = pythonpath
-        out = subprocess.run([executable, "-c", "import sys; print(repr(sys.path[1:]))"],
+        out = subprocess.run([executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
                              env=env, capture_output=True, text=True, check=True).stdout
-        _BASE_PATH[key] = eval(out)  # noqa: S307 - a repr of a list of str, from the interpreter itself
+        _BASE_PATH[key] = json.loads(out)
     return list(_BASE_PATH[key])
 
 
