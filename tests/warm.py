@@ -21,7 +21,8 @@ command line describes before it runs a line of it:
   flushed (a flush that fails: code 120), and an uncaught ``KeyboardInterrupt`` ending the
   process by SIGINT, as CPython does;
 - the signal handlers of a fresh interpreter (SIGINT raising ``KeyboardInterrupt``, SIGPIPE and
-  SIGXFSZ ignored), the global random generators seeded afresh (Python's by the fork, NumPy's here).
+  SIGXFSZ ignored), the global random generators seeded afresh (Python's by the fork, NumPy's and
+  torch's default generator here: torchrun's ranks forked warm each drew the same numbers).
 
 What it is not: an interpreter's start (a test of a signal during torch's import, or of a console
 encoding read at start-up beyond ``PYTHONIOENCODING``, starts ``subprocess.Popen``); the modules
@@ -259,6 +260,8 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
     sys.stderr = sys.__stderr__ = _stream(2, "<stderr>", unbuffered=True, encoding=encoding, errors="backslashreplace")
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:  # (its default generator: each child its own, as each fresh process)
+        sys.modules["torch"].seed()
     sys.path[:] = spec["path"]
     sys.argv[:] = spec["argv"]
     code = 0
@@ -281,28 +284,49 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
         if stop.code is None:
             code = 0
         elif isinstance(stop.code, int):
-            code = stop.code
+            code = int(stop.code)
         else:
             print(stop.code, file=sys.stderr)
             code = 1
     except BaseException as error:  # noqa: BLE001 - the interpreter prints it (not this frame) and exits 1
         error.__traceback__ = error.__traceback__.tb_next
-        sys.excepthook(type(error), error, error.__traceback__)
+        try:
+            sys.excepthook(type(error), error, error.__traceback__)
+        except BaseException as failed:  # noqa: BLE001 - a hook that raises: CPython says so, then the error
+            with contextlib.suppress(BaseException):
+                print("Error in sys.excepthook:", file=sys.stderr)
+                traceback.print_exception(type(failed), failed, failed.__traceback__.tb_next, file=sys.stderr,
+                                          chain=False)
+                print("\nOriginal exception was:", file=sys.stderr)
+                traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
         code, interrupted = 1, isinstance(error, KeyboardInterrupt)
-    threading._shutdown()  # (what Py_FinalizeEx waits for first: the non-daemon threads)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    # (Py_FinalizeEx: the non-daemon threads waited for, then atexit; what raises in either is
+    # "Exception ignored" and the ending goes on, a Ctrl-C there too)
+    for step, where in ((threading._shutdown, "<module 'threading'>"), (atexit._run_exitfuncs, "atexit")):
+        try:
+            step()
+        except BaseException as error:  # noqa: BLE001
+            _ignored(where, error)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name, None)
+        if stream is None:  # (deleted or set to None: nothing to flush, as CPython finds)
+            continue
         try:
             stream.flush()
         except Exception as error:  # noqa: BLE001 - CPython: "Exception ignored", exit 120
-            with contextlib.suppress(Exception):
-                print(f"Exception ignored in: {stream!r}", file=sys.stderr)
-                traceback.print_exception(type(error), error, None, file=sys.stderr)
+            _ignored(repr(stream), error)
             code = 120
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-    os._exit(code)
+    os._exit(code & 0xFF)  # (an exit status is a byte: sys.exit(256) and sys.exit(2**40) are 0, -1 is 255)
+
+
+def _ignored(where: str, error: BaseException) -> None:
+    """CPython's "Exception ignored in: WHERE" and the error, on stderr if it takes them."""
+    with contextlib.suppress(BaseException):
+        print(f"Exception ignored in: {where}", file=sys.stderr)
+        traceback.print_exception(type(error), error, None, file=sys.stderr)
 
 
 def _command(argv: list[str]) -> tuple[str, str, list[str], bool]:
@@ -344,7 +368,8 @@ class Popen:
         cwd = os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd())
         first = os.path.dirname(os.path.abspath(os.path.join(cwd, what))) if kind == "script" else (
             cwd if kind == "module" else "")
-        spec = {"cwd": cwd, "env": env, "session": start_new_session, "group": process_group == 0, "file_size": file_size,
+        spec = {"cwd": cwd, "env": env, "session": start_new_session, "group": process_group == 0,
+                "file_size": file_size,
                 "nice": nice, "death_signal": death_signal, "share_server": share_server, "tied": tied,
                 "kind": kind, "what": what, "argv": child_argv,
                 "path": [first, *_fresh_path(str(argv[0]), env.get("PYTHONPATH"))],

@@ -5,6 +5,7 @@ the suite starts that way. Each case runs the same small program both ways and c
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ def both(argv: list[str], **kwargs) -> tuple[tuple, tuple]:
         proc = start([EXE, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                      stdin=subprocess.DEVNULL, **kwargs)
         out, err = proc.communicate(timeout=120)
-        results.append((proc.returncode, out, err))
+        results.append((proc.returncode, out, re.sub(r" at 0x[0-9a-f]+", " at 0x...", err)))  # (a function's address)
     return results[0], results[1]
 
 
@@ -36,9 +37,16 @@ def both(argv: list[str], **kwargs) -> tuple[tuple, tuple]:
     "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), print('late', flush=True))).start()",
     "import sys; print(sys.argv, repr(sys.path[0]), sys.stdin.read())",
     "print(sorted(globals()), __loader__, __spec__)",
+    "import sys; sys.exit(256)",
+    "import sys; sys.exit(-1)",
+    "import sys; sys.exit(2 ** 40)",
+    "import sys; sys.stdout = None",
+    "import sys; del sys.stdout",
+    "import atexit; atexit.register(lambda: 1 / 0); print('body')",
+    "import sys\ndef hook(*_):\n    raise RuntimeError('hook')\nsys.excepthook = hook\nraise ValueError('x')",
     "import multiprocessing as mp; print(mp.current_process().name, mp.parent_process(), mp.get_start_method())",
     "import sys; print(sys.stdout.encoding, sys.stdout.errors, sys.stderr.errors, repr(sys.stdout), repr(sys.stderr))",
-    "import signal; print(signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGPIPE), signal.getsignal(signal.SIGXFSZ))",
+    "import signal; print([signal.getsignal(s) for s in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ)])",
 ])
 def test_a_command_ends_as_in_a_fresh_interpreter(code, tmp_path):
     fresh, forked = both(["-c", code, "one", "two"], cwd=tmp_path)
@@ -65,7 +73,8 @@ def test_its_standard_streams_encode_as_a_fresh_interpreters(io_encoding):
 
 def test_its_environment_console_encoding_and_unbuffered_output(tmp_path):
     env = {**os.environ, "PYTHONIOENCODING": "ascii", "AMPGUARD_WARM_PROBE": "x"}
-    code = "import ctypes, os; print(os.environ['AMPGUARD_WARM_PROBE'], ctypes.CDLL(None).getenv(b'AMPGUARD_WARM_PROBE') != 0)\nprint('\u00fcn\u00ef')"
+    code = ("import ctypes, os\nprint(os.environ['AMPGUARD_WARM_PROBE'], ctypes.CDLL(None).getenv(b'AMPGUARD_WARM_PROBE') != 0)"
+            "\nprint('\u00fcn\u00ef')")
     fresh, forked = both(["-c", code], env=env, cwd=tmp_path)
     assert forked[0] == fresh[0] == 1 and forked[1] == fresh[1] == "x True\n"
     assert forked[2].splitlines()[-1] == fresh[2].splitlines()[-1]  # (the UnicodeEncodeError)
@@ -110,9 +119,9 @@ def test_a_session_a_file_size_limit_and_fresh_random_numbers(tmp_path):
     done = warm.run([EXE, "-c", "with open('big', 'wb') as f:\n    f.write(b'x' * 100)"], cwd=tmp_path,
                     capture_output=True, text=True, timeout=60, file_size=10)
     assert done.returncode == 1 and "File too large" in done.stderr and (tmp_path / "big").stat().st_size == 10
-    draws = {warm.run([EXE, "-c", "import numpy; print(numpy.random.rand())"], capture_output=True, text=True,
-                      timeout=60).stdout for _ in range(2)}
-    assert len(draws) == 2
+    for draw in ("import numpy; print(numpy.random.rand())", "import torch; print(torch.rand(1).item())"):
+        draws = {warm.run([EXE, "-c", draw], capture_output=True, text=True, timeout=60).stdout for _ in range(2)}
+        assert len(draws) == 2, draw
 
 
 def test_a_torchrun_worker_forked_warm_dies_with_its_stand_in_and_torchrun_reports_how(tmp_path):
@@ -125,10 +134,12 @@ def test_a_torchrun_worker_forked_warm_dies_with_its_stand_in_and_torchrun_repor
     from helpers import torchrun, torchrun_env, warm_workers
 
     psutil = pytest.importorskip("psutil")
-    code = "import os, time\nopen(f'rank{os.environ[\"RANK\"]}.pid', 'w').write(f'{os.getpid()} {os.getppid()}')\ntime.sleep(120)"
+    code = ("import os, time\nopen(f'rank{os.environ[\"RANK\"]}.pid', 'w').write(f'{os.getpid()} {os.getppid()}')"
+            "\ntime.sleep(120)")
     workers, env = warm_workers(torchrun_env())
-    launch = subprocess.Popen([*torchrun(), "--standalone", "--nproc_per_node", "2", *workers, "-c", code], cwd=tmp_path,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    launch = subprocess.Popen([*torchrun(), "--standalone", "--nproc_per_node", "2", *workers, "-c", code],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)) and time.monotonic() < deadline:
