@@ -1,8 +1,9 @@
 """Run one test module's ``early(work)`` and write what it returns, pickled, to
 ``WORK/early.pickle``: ``python early_runner.py MODULE_FILE WORK PARENT_PID``. conftest.py starts it
-in a process of its own at nice 19, forked warm (tests/warm.py: torch imported already; its parent
-the suite's forkserver, PARENT_PID, which ends when the suite's process does) (xdist's controller at the session's start; one process at
-collection: see there); the module's tests read the result.
+in a process of its own at nice 19 (xdist's controller at the session's start; one process at
+collection: see there), forked warm (tests/warm.py: torch imported already; its parent the
+suite's forkserver, PARENT_PID, which ends when the suite's process does); the module's tests
+read the result.
 
 Every process the job starts inherits the nice. torchrun starts each worker in a session of its
 own, though, and on Linux a session is a scheduler autogroup that shares the cores with the

@@ -102,23 +102,24 @@ if getattr(sys.modules.get("__main__"), "main", None) is getattr(sys.modules.get
     _warm_up()
 
 
-def server_pid() -> int:
-    """The forkserver's pid (started if it was not): the parent of every child :class:`Popen` starts."""
+def _server() -> Any:
+    """This process's forkserver (``multiprocessing``'s), started if it has none and shares none."""
     from multiprocessing import forkserver
 
     _context()
     forkserver.ensure_running()
-    return forkserver._forkserver._forkserver_pid
+    return forkserver._forkserver
+
+
+def server_pid() -> int:
+    """The forkserver's pid (started if it was not): the parent of every child :class:`Popen` starts."""
+    return _server()._forkserver_pid
 
 
 def server_address() -> str:
     """The address of this process's forkserver (started if it has none, or the one it shares): what
     a process that is not its child needs to ask it for a fork (:func:`connect`)."""
-    from multiprocessing import forkserver
-
-    _context()
-    forkserver.ensure_running()
-    return forkserver._forkserver._forkserver_address
+    return _server()._forkserver_address
 
 
 def connect(address: str) -> None:
@@ -230,7 +231,7 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
         os.setpgid(0, 0)
     if spec["nice"]:
         os.nice(spec["nice"])
-    if spec["tied"] is not None:  # (SIGKILL when the pipe's other end closes: its holder ended, however)
+    if "tied" in fds:  # (SIGKILL when the pipe's other end closes: its holder ended, however)
         tied = fds["tied"]
         fcntl.fcntl(tied, fcntl.F_SETOWN, os.getpid())
         fcntl.fcntl(tied, fcntl.F_SETSIG, signal.SIGKILL)
@@ -369,8 +370,7 @@ class Popen:
         first = os.path.dirname(os.path.abspath(os.path.join(cwd, what))) if kind == "script" else (
             cwd if kind == "module" else "")
         spec = {"cwd": cwd, "env": env, "session": start_new_session, "group": process_group == 0,
-                "file_size": file_size,
-                "nice": nice, "death_signal": death_signal, "share_server": share_server, "tied": tied,
+                "file_size": file_size, "nice": nice, "death_signal": death_signal, "share_server": share_server,
                 "kind": kind, "what": what, "argv": child_argv,
                 "path": [first, *_fresh_path(str(argv[0]), env.get("PYTHONPATH"))],
                 "unbuffered": unbuffered or bool(env.get("PYTHONUNBUFFERED"))}
