@@ -288,6 +288,10 @@ class Diagnosis:
     ``""`` is the whole model; None when no scope was tried or none fixed it."""
     scopes_tried: list[str] = field(default_factory=list)
     """The modules replayed alone in FP32, innermost first, up to the first that fixed the batch."""
+    scope_scale: float | None = None
+    """The loss scale :attr:`fp32_scope`'s replay was finite at: :attr:`loss_scale`, or the lowest
+    the scaler reaches (its floor, or 1) when at the step's own scale only the scaled gradient
+    still overflowed, which the scaler answers by halving (:func:`find_fp32_scope`)."""
     injected: list[str] = field(default_factory=list)
     """The faults ``--inject`` put into the replayed step (their specs): what a finding FP32
     shares is then the fault's, not the data's or the model's."""
@@ -400,11 +404,16 @@ class Diagnosis:
             ...           fp32_scope="blocks.3")._scope_hint()  # under fp8 its Linear layers leave float8 too
             '; keeping blocks.3 in FP32 (autocast and float8 off around it alone) fixes this batch'
         """
+        lower = self.scope_scale is not None and self.scope_scale != self.loss_scale
+        then = (f" at a loss scale the scaler backs off to (finite at {self.scope_scale:g}; scaled by "
+                f"{self.loss_scale:g} its gradient still overflows {self.amp.precision}, which the scaler answers by "
+                "halving the scale and skipping the step while it settles)") if lower else ""
         if self.fp32_scope == "":
-            return "; only the whole model in FP32 (autocast off, the same loss scale) fixes this batch"
+            return ("; only the whole model in FP32 (autocast off, the same loss scale) fixes this batch" if not lower
+                    else f"; only the whole model in FP32 (autocast off) fixes this batch{then}")
         if self.fp32_scope is not None:
             how = "autocast and float8 off" if self.amp.precision == "fp8" else "autocast off"
-            return f"; keeping {self.fp32_scope} in FP32 ({how} around it alone) fixes this batch"
+            return f"; keeping {self.fp32_scope} in FP32 ({how} around it alone) fixes this batch{then}"
         if self.scopes_tried:
             tried = ", ".join(name or "<model>" for name in self.scopes_tried)
             return f"; no module alone in FP32 fixes this batch (tried {tried}); run the whole step in FP32"
@@ -425,7 +434,8 @@ class Diagnosis:
         """
         return {"verdict": self.verdict, "amp": asdict(self.amp),
                 "fp32": asdict(self.fp32) if self.fp32 else None, "loss_scale": self.loss_scale,
-                "fp32_scope": self.fp32_scope, "scopes_tried": list(self.scopes_tried), "injected": list(self.injected),
+                "fp32_scope": self.fp32_scope, "scopes_tried": list(self.scopes_tried), "scope_scale": self.scope_scale,
+                "injected": list(self.injected),
                 "bad_weight": self.bad_weight, "fp8_scales": list(self.fp8_scales),
                 "overflows_unscaled": self.overflows_unscaled, "message": self.message()}
 
@@ -740,14 +750,23 @@ def find_fp32_scope(
     module: str,
     accumulation_steps: int = 1,
     start: Callable[[], None] | None = None,
-) -> tuple[str | None, list[str]]:
+    lowest: float | None = None,
+) -> tuple[str | None, list[str], float | None]:
     """Replay the batch with ``module`` alone in FP32, then its parent, up to the model, until one
-    makes the batch all finite: ``(that scope or None, the scopes tried)``. Each replay keeps the
-    run's precision elsewhere, its loss scale and accumulation steps, and starts from the RNG
-    state and the buffers this was called with (dropout draws the same masks each time; a buffer
-    the forward updates, a counter or a cache, reads the same); the buffers are put back afterwards.
-    ``start``: what puts that state back before each replay and at the end (:func:`_diagnose`'s,
-    which holds a snapshot already); None: one taken here (a copy of the buffers).
+    makes the batch all finite: ``(that scope or None, the scopes tried, the loss scale it was
+    finite at)``. Each replay keeps the run's precision elsewhere, its loss scale and accumulation
+    steps, and starts from the RNG state and the buffers this was called with (dropout draws the
+    same masks each time; a buffer the forward updates, a counter or a cache, reads the same); the
+    buffers are put back afterwards. ``start``: what puts that state back before each replay and at
+    the end (:func:`_diagnose`'s, which holds a snapshot already); None: one taken here (a copy of
+    the buffers).
+
+    ``lowest``: the lowest loss scale the run's scaler reaches (its floor ``min_scale``, or 1), when
+    it is below ``loss_scale``. A scope whose replay is left with only a gradient overflow at
+    ``loss_scale`` is replayed at ``lowest`` too, and a fix there counts: that overflow is the
+    scaler's to answer, by halving and skipping, as it does while it settles (review 46a: at the
+    first skip of an fp16 run, scale 65536, a forward overflow one Linear in FP32 fixes was
+    blamed on the whole model, since the scaled backward overflowed too in every scope).
 
     Example (a block's Linear outputs 1e5, past fp16's 65504; the LayerNorm after it brings it back
     in range, so that Linear alone in FP32 fixes the batch; the output Linear alone does not)::
@@ -758,9 +777,9 @@ def find_fp32_scope(
         >>> x, y = torch.full((1, 2), 50.0), torch.zeros(1, 1)
         >>> fp16 = Precision("fp16", "cpu")
         >>> find_fp32_scope(model, nn.functional.mse_loss, x, y, fp16, 1.0, "0.0")
-        ('0.0', ['0.0'])
+        ('0.0', ['0.0'], 1.0)
         >>> find_fp32_scope(model, nn.functional.mse_loss, x, y, fp16, 1.0, "1")  # not the culprit: only the model
-        ('', ['1', ''])
+        ('', ['1', ''], 1.0)
     """
     from .checkpoint import rng_state, set_rng_state
     from .untouched import BufferSnapshot
@@ -779,8 +798,13 @@ def find_fp32_scope(
             found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
                                            fp32_module=scope, accumulation_steps=accumulation_steps)
             if found.where == "none":
-                return scope, tried
-        return None, tried
+                return scope, tried, loss_scale
+            if found.where == "backward" and lowest is not None and loss_scale > round_float32(lowest):
+                start()
+                if trace_first_non_finite(model, loss_fn, inputs, targets, precision, lowest, fp32_module=scope,
+                                          accumulation_steps=accumulation_steps).where == "none":
+                    return scope, tried, lowest
+        return None, tried, None
     finally:
         start()
 
@@ -1067,14 +1091,17 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
             start()
             unscaled = trace_first_non_finite(model, loss_fn, inputs, targets, precision, lowest,
                                               accumulation_steps=n).where != "none"
-        scope, tried = None, []
+        scope, tried, at = None, [], None
         module = _module_of(amp)
         if module is not None and precision.name != "fp32":
+            # a scope's own leftover gradient overflow is the scaler's (it halves down to `lowest`),
+            # unless the finding is one halving answers already (then no scope is needed at all)
+            lower = lowest if amp.where != "backward" or unscaled else None
             start()
-            scope, tried = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n,
-                                           start=start)
+            scope, tried, at = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n,
+                                               start=start, lowest=lower)
     return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried, fp8_scales=scales,
-                     overflows_unscaled=unscaled, scale_floor=scale_floor)
+                     overflows_unscaled=unscaled, scale_floor=scale_floor, scope_scale=at)
 
 
 # ---------------------------------------------------------------------------- the verb

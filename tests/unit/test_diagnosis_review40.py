@@ -64,8 +64,8 @@ def test_each_scope_replay_starts_from_the_same_buffers():
     # ran with the counter the first left (no inf) and read "only the whole model in FP32 fixes this batch"
     model = Counting([math.inf], 1.0)
     x, y = torch.ones(2, 4), torch.zeros(2, 1)
-    scope, tried = find_fp32_scope(model, F.mse_loss, x, y, FP16, 1.0, "l")
-    assert (scope, tried) == (None, ["l", ""])
+    scope, tried, at = find_fp32_scope(model, F.mse_loss, x, y, FP16, 1.0, "l")
+    assert (scope, tried, at) == (None, ["l", ""], None)
     assert float(model.calls) == 0.0  # (the buffers as they were: put back after the scopes too)
 
 

@@ -108,8 +108,8 @@ def test_find_fp32_scope_takes_a_start_callback_and_one_diagnosis_copies_the_buf
         model[0][0].bias.zero_()
     x, y = torch.full((1, 2), 50.0), torch.zeros(1, 1)
     calls = []
-    scope, tried = find_fp32_scope(model, nn.functional.mse_loss, x, y, Precision("fp16", "cpu"), 1.0, "0.0",
-                                   start=lambda: calls.append(1))
+    scope, tried, _ = find_fp32_scope(model, nn.functional.mse_loss, x, y, Precision("fp16", "cpu"), 1.0, "0.0",
+                                      start=lambda: calls.append(1))
     assert scope == "0.0" and len(calls) == 2  # (before the replay, and at the end)
     made = []
     real = BufferSnapshot.__init__
