@@ -573,6 +573,7 @@ def build_monitor(config: Config, scaler_enabled: bool) -> RunMonitor:
         min_scale=config.scaler.min_scale,
         fail_on_scale_collapse=m.fail_on_scale_collapse,
         min_steps=m.min_steps,
+        growth_interval=config.scaler.growth_interval,
     )
 
 

@@ -330,8 +330,10 @@ found no scale fp16 can hold; from the default 2**16 to the floor 1.0 that is 16
 """
 OSCILLATION_OCTAVES = 2.0
 """``oscillating`` needs the scale to fall this many octaves (powers of two) from an earlier high
-and climb as many from an earlier low within the window. One octave is the healthy equilibrium
-(the scale alternating between two neighbouring powers of two, e.g. 2**17 <-> 2**18)."""
+and climb as many from an earlier low within the window, or within the window and the time the
+scaler takes to climb that far (``growth_interval`` clean steps an octave, :attr:`ScaleHealth.reach`).
+One octave is the healthy equilibrium (the scale alternating between two neighbouring powers of
+two, e.g. 2**17 <-> 2**18)."""
 COLLAPSE_OCTAVES = 3.0
 """``collapsing``: the scale ended the window this many octaves (8x) or more below where it began."""
 
@@ -378,7 +380,10 @@ class ScaleHealth:
       streak of more than 8 is ``collapsing`` while it lasts: warm-up only once a step applies);
     - ``oscillating``: the scale fell :data:`OSCILLATION_OCTAVES` (2) or more octaves from an
       earlier high and climbed as many from an earlier low: gradients sometimes fit fp16,
-      sometimes not;
+      sometimes not. Judged over the window and, given the scaler's ``growth_interval``, over
+      :attr:`reach` steps too: the window and the 2 octaves' climb (``2 x growth_interval`` clean
+      steps), since a scaler that grows once in 2000 steps cannot climb 2 octaves inside a window
+      of 1000 (review 46a: with ``train``'s defaults the label could never be reached);
     - ``climbing``: the scale rose in the window to the highest it has been since the warm-up,
       and has not fallen since it first got there (the scaler has not yet met the gradients'
       limit); back at a level it fell from before is the equilibrium, not a climb;
@@ -401,8 +406,15 @@ class ScaleHealth:
         ['stable', 'stable', 'stable', 'collapsing', 'collapsing']
     """
 
-    def __init__(self, window: int, min_scale: float = 1.0, init_scale: float | None = None) -> None:
+    def __init__(self, window: int, min_scale: float = 1.0, init_scale: float | None = None,
+                 growth_interval: int | None = None) -> None:
         self.window = window
+        self.reach = window + math.ceil(OSCILLATION_OCTAVES) * growth_interval if growth_interval else window
+        """The steps ``oscillating`` looks back over: the window, and the climb of
+        :data:`OSCILLATION_OCTAVES` at ``growth_interval`` clean steps an octave when it is given."""
+        # the scale's moves since the opening, as (pushes, the scale after it), the first the level in
+        # effect :attr:`reach` steps ago: the long span's swings from O(moves), not O(reach) scales
+        self._moves: deque[tuple[int, float]] = deque()
         self.min_scale = min_scale
         self._floor = round_float32(min_scale)
         # the scale before the window's first step, then the scale after each of its steps
@@ -460,6 +472,12 @@ class ScaleHealth:
         self._scales.append(float(scale))
         self._skipped.push(float(bool(skipped)))
         self.scale = scale
+        if self.reach > self.window and not self._opening:
+            moves, count = self._moves, self._skipped.count
+            if not moves or moves[-1][1] != scale:
+                moves.append((count, float(scale)))
+            while len(moves) > 1 and moves[1][0] <= count - self.reach:  # (the first: the level at the span's start)
+                moves.popleft()
 
     def _judged(self) -> tuple[int, list[float]]:
         """(warm-up skips set aside, the scales judged): the window's scales after the warm-up."""
@@ -495,6 +513,36 @@ class ScaleHealth:
         return ScaleStats(swing=max(logs) - min(logs), fall=fall, rise=rise, trend=logs[-1] - logs[0],
                           headroom=headroom, skip_share=self._skipped.seen_mean, streak=self.streak, warmup=warmup)
 
+    def swings(self) -> tuple[float, float]:
+        """``(fall, rise)`` in octaves over the last :attr:`reach` steps, the opening's search set
+        aside: the largest drop from an earlier high and the largest climb from an earlier low.
+        ``(0.0, 0.0)`` when ``reach`` is the window (no ``growth_interval``: :meth:`stats` says it).
+
+        Example (the scaler grows once in 10 steps; a window of 5 cannot hold a climb of two octaves)::
+
+            >>> h = ScaleHealth(5, init_scale=2.0**18, growth_interval=10)
+            >>> h.reach
+            25
+            >>> for scale, skipped in [(2.0**18, False), (2.0**17, True), (2.0**16, True)] + [(2.0**16, False)] * 9:
+            ...     h.push(scale, skipped)
+            >>> h.verdict
+            'stable'
+            >>> for scale in [2.0**17] * 10 + [2.0**18]:
+            ...     h.push(scale, False)
+            >>> h.swings(), h.stats().rise, h.verdict
+            ((2.0, 2.0), 1.0, 'oscillating')
+        """
+        if self.reach <= self.window:
+            return 0.0, 0.0
+        levels = [math.log2(scale) for _, scale in self._moves if scale > 0]
+        fall = rise = 0.0
+        if levels:
+            high = low = levels[0]
+            for x in levels:
+                high, low = max(high, x), min(low, x)
+                fall, rise = max(fall, high - x), max(rise, x - low)
+        return fall, rise
+
     @property
     def verdict(self) -> str:
         """One of :data:`HEALTH_VERDICTS` for the window as it stands (worked out once per
@@ -522,6 +570,9 @@ class ScaleHealth:
             return "warming"
         if s.fall >= OSCILLATION_OCTAVES - eps and s.rise >= OSCILLATION_OCTAVES - eps:
             return "oscillating"
+        fall, rise = self.swings()
+        if fall >= OSCILLATION_OCTAVES - eps and rise >= OSCILLATION_OCTAVES - eps:
+            return "oscillating"
         if s.trend > eps and not self._fell and self.scale == self.peak:
             return "climbing"
         return "stable"
@@ -548,6 +599,7 @@ class ScaleHealth:
             "streak": self.streak,
             "peak": self.peak,
             "fell": self._fell,
+            "moves": [[count, scale] for count, scale in self._moves],
         }
 
     _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
@@ -588,6 +640,14 @@ class ScaleHealth:
             _need(test(_get(state, key, where)), f"{where}{key}", state[key], expected)
         if "opening_floored" in state:  # (saved since the warm-up ends at the floor, not after 8 skips)
             _need(_flag(state["opening_floored"]), f"{where}opening_floored", state["opening_floored"], "True or False")
+        if "moves" in state:  # (saved since oscillating looks past the window: review 46a)
+            moves = state["moves"]
+            count = state["skipped"].get("count")  # (the skipped window's state, checked above)
+            _need(isinstance(moves, list) and all(
+                isinstance(m, list) and len(m) == 2 and whole_number(m[0]) and finite_number(m[1]) and m[1] > 0
+                for m in moves) and [m[0] for m in moves] == sorted({m[0] for m in moves})
+                and (not moves or not whole_number(count) or moves[-1][0] <= count),
+                f"{where}moves", moves, "a list of [step, scale] pairs, steps rising to at most the count, scales > 0")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. A state saved before the window kept its scales (it kept
@@ -614,6 +674,7 @@ class ScaleHealth:
             self.opening_floored = False
             self.streak = self.opening
             self.peak, self._fell = (None if self._opening else self.scale), False
+            self._moves = deque()
             return
         self._scales = deque((float(s) for s in state["scales"]), maxlen=self.window + 1)
         self._skipped.load_state_dict(state["skipped"])
@@ -623,6 +684,8 @@ class ScaleHealth:
         self.streak = int(state["streak"])
         self.peak = state["peak"]
         self._fell = bool(state["fell"])
+        # (a state saved before the moves were kept: the long span starts again from here)
+        self._moves = deque((int(c), float(v)) for c, v in state.get("moves", []))
 
 
 _HIGHER = ("acc", "f1", "auc", "precision", "recall", "bleu", "rouge", "mrr", "map", "iou", "dice", "r2", "score")
@@ -697,6 +760,8 @@ class RunMonitor:
       the scaler clamps it to; with ``fail_on_scale_collapse``, fail-fast (cause
       :data:`FAIL_SCALE_COLLAPSE`) after ``fail_after`` consecutive steps at the floor and skipped
       (the step whose back-off brought the scale there among them; its words say so).
+    - Scale health (fp16): :class:`ScaleHealth`'s label; ``growth_interval`` (the scaler's) lets
+      ``oscillating`` look back over the window and the scaler's 2-octave climb; None: the window.
 
     ``max_skip_rate`` is the highest judged rate from step 1 (young-window rates included: a
     first step skipped for a non-finite loss makes it 1.0, ALERT or not);
@@ -729,6 +794,7 @@ class RunMonitor:
         fail_on_scale_collapse: bool = False,
         min_steps: int = DEFAULT_MIN_STEPS,
         clear_rate: float | None = None,
+        growth_interval: int | None = None,
     ) -> None:
         for name, rate in (("alert_rate", alert_rate), ("fail_rate", fail_rate)):  # (a rate past 1 never trips,
             # one below 0 always does: the config refuses both, and so does the library a plugin builds on)
@@ -767,7 +833,11 @@ class RunMonitor:
 
         self.skip_window = RollingWindow(window)
         self.clip_window = RollingWindow(window)
-        self.health = ScaleHealth(window, min_scale, init_scale if scaler_enabled else None)
+        if growth_interval is not None and (isinstance(growth_interval, bool) or not isinstance(
+                growth_interval, numbers.Integral) or growth_interval < 1):
+            raise ValueError(f"growth_interval must be a whole number of steps >= 1, got {growth_interval!r}")
+        self.health = ScaleHealth(window, min_scale, init_scale if scaler_enabled else None,
+                                  int(growth_interval) if growth_interval is not None else None)
         for name, value in self._scalar_defaults().items():
             setattr(self, name, value)
         self.skips: Counter[str] = Counter()

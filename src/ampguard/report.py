@@ -1445,7 +1445,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
               if config_path.is_file() else [])
     monitor = build_monitor(judged, scaler_enabled=scaler_on)
     if "window" in given:  # --window re-judges the skip-rate alerts; the scale's health stays the run's verdict
-        monitor.health = ScaleHealth(config.monitor.window, monitor.min_scale, init_scale if scaler_on else None)
+        monitor.health = ScaleHealth(config.monitor.window, monitor.min_scale, init_scale if scaler_on else None,
+                                     config.scaler.growth_interval)
     if unseen:
         monitor.begin_at(unseen)
     monitor = replay(judged_rows, monitor, policy=policy,

@@ -421,7 +421,9 @@ class AmpGuardPlugin(_LightningPrecision):
                       accumulation_steps=self._accumulation, scaler=scaler, frozen=self.frozen)
         monitor = RunMonitor(max_norm=self.max_norm, scaler_enabled=scaler.is_enabled(),
                              init_scale=scaler.get_scale() if scaler.is_enabled() else None,
-                             min_scale=scaler.get_min_scale(), **self.monitor_settings)
+                             min_scale=scaler.get_min_scale(),
+                             growth_interval=scaler.get_growth_interval() if scaler.is_enabled() else None,
+                             **self.monitor_settings)
         guard.monitors["run"] = monitor
         if self._loaded:
             guard.load_state_dict(self._loaded)

@@ -229,7 +229,7 @@ class AmpGuardCallback(TrainerCallback):
         self._events: EventLog | None = None
         self._pending: StepRecord | None = None  # GuardedTrainer's last record (written at take()): a group closed
         self._guarded = False
-        self._scaler: dict[str, float] | None = None  # the loss scaler's init_scale and floor, if there is one
+        self._scaler: dict[str, float] | None = None  # the loss scaler's init_scale, floor and growth interval, if any
         self._watch: dict[str, Any] = {}  # stock Trainer: what on_pre_optimizer_step saw
         self._noting: contextlib.ExitStack | None = None  # stock Trainer: the first forward's dtype hooks, open
         # a resume: (the checkpoint's step, its monitor state or None, the checkpoint's name, its logged counts,
@@ -263,8 +263,8 @@ class AmpGuardCallback(TrainerCallback):
     # ---------------------------------------------------------------- fed by GuardedTrainer
 
     def attach(self, scaler: dict[str, float] | None) -> None:
-        """Called by :class:`GuardedTrainer`: the guard's loss scaler (``init_scale``, ``min_scale``)
-        or ``None`` without one (bf16, fp32)."""
+        """Called by :class:`GuardedTrainer`: the guard's loss scaler (``init_scale``, ``min_scale``,
+        ``growth_interval``) or ``None`` without one (bf16, fp32)."""
         self._guarded = True
         self._scaler = scaler
 
@@ -401,7 +401,8 @@ class AmpGuardCallback(TrainerCallback):
             if scaler is not None and scaler.is_enabled():
                 # a plain GradScaler has no floor: the monitor takes ampguard's default one, 1.0 (a scale
                 # at or below it is a collapse: scale_alert), which also ends the opening search it sets aside
-                self._scaler = {"init_scale": float(scaler.get_scale()), "min_scale": STOCK_FLOOR}
+                self._scaler = {"init_scale": float(scaler.get_scale()), "min_scale": STOCK_FLOOR,
+                                "growth_interval": scaler.get_growth_interval()}
         monitor = RunMonitor(
             window=self.window, alert_rate=self.alert_rate, clear_rate=self.clear_rate, fail_rate=self.fail_rate,
             fail_after=self.fail_after,
@@ -409,6 +410,7 @@ class AmpGuardCallback(TrainerCallback):
             init_scale=resume[4] if resume is not None and resume[4] is not None  # (a stock scaler.pt's)
             else (self._scaler or {}).get("init_scale"),
             min_scale=(self._scaler or {}).get("min_scale", 1.0),
+            growth_interval=(self._scaler or {}).get("growth_interval"),
             min_steps=self.min_steps)
         self._batch = state.train_batch_size
         if resume is not None and resume[1] is not None:  # before any file changes: a state that does not fit is refused
@@ -1053,7 +1055,9 @@ class GuardedTrainer(Trainer):
         check_scaler_settings(precision_of(self.args), scaler or {})  # (an unknown key: here, not at the first step)
         self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if precision_of(self.args) == "fp16" else {}
         ampguard.attach({"init_scale": self.scaler_settings.get("init_scale", 2.0**16),
-                         "min_scale": self.scaler_settings["min_scale"]} if self.scaler_settings else None)
+                         "min_scale": self.scaler_settings["min_scale"],
+                         "growth_interval": self.scaler_settings.get("growth_interval", 2000)}
+                        if self.scaler_settings else None)
         self.scheduler_on_skip = scheduler_on_skip
         self.guard: Guard | None = None
         self.record: StepRecord | None = None  # the last closed step's record

@@ -1,0 +1,117 @@
+"""Review 46a: the scale-health label ``oscillating`` (the lesson's sign of a broken fp16 run: the
+scale swinging between high and low) needed a fall and a rise of 2 octaves inside the monitor's
+window, 1000 steps, while ``train``'s scaler grows once in 2000 clean steps: the label could never
+be reached. With the scaler's growth interval the label looks back over the window and the 2
+octaves' climb (ScaleHealth.reach)."""
+import collections
+
+import pytest
+import torch
+
+from ampguard.build import build_monitor
+from ampguard.config import load_config
+from ampguard.monitor import RunMonitor, ScaleHealth
+from ampguard.records import SkipLog, StepLog
+
+
+def _records(overflow, steps, config):
+    """A real scaler's scale after each step (torch's own update kernel) at ``config``'s settings."""
+    s = config.scaler
+    scale, tracker = torch.full((), s.init_scale), torch.zeros((), dtype=torch.int32)
+    for step in range(1, steps + 1):
+        skipped = overflow(step)
+        torch._amp_update_scale_(scale, tracker, torch.tensor(float(skipped)), s.growth_factor, s.backoff_factor,
+                                 s.growth_interval)
+        value = float(scale)
+        yield (SkipLog(step=step, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
+                       scaler_scale=value, reason="non_finite_grad") if skipped else
+               StepLog(step=step, lr=0.1, loss=1.0, grad_l2_pre_clip=0.5, grad_l2_post_clip=0.5, scaler_scale=value))
+
+
+def _labels(monitor, records, every=100):
+    seen = collections.Counter()
+    for record in records:
+        monitor.observe(record)
+        if record.step % every == 0:
+            seen[monitor.scale_verdict] += 1
+    return seen
+
+
+def burst(step):  # 3 overflows in a row every 7000 steps (from step 7001): 3 octaves down, 6000 steps back
+    return step > 7000 and step % 7000 in (1, 2, 3)
+
+
+def test_trains_defaults_see_a_scale_swinging_three_octaves_as_oscillating():
+    config = load_config(None, ["precision=fp16"])
+    assert (config.monitor.window, config.scaler.growth_interval) == (1000, 2000)  # (what the review found)
+    monitor = build_monitor(config, scaler_enabled=True)
+    assert monitor.health.reach == 1000 + 2 * 2000
+    labels = _labels(monitor, _records(burst, 22_000, config))
+    assert labels["oscillating"] >= 20, labels
+    # the same records through a monitor that is not told the growth interval: the window alone, never
+    plain = RunMonitor(window=1000, init_scale=config.scaler.init_scale, min_scale=config.scaler.min_scale)
+    assert "oscillating" not in _labels(plain, _records(burst, 22_000, config))
+
+
+def test_the_healthy_equilibrium_and_one_dip_that_leaves_the_span_are_not_oscillating():
+    config = load_config(None, ["precision=fp16", "scaler.init_scale=131072"])
+    # 2**17 <-> 2**18: one octave each way, at the default growth interval: stable over the long span too
+    at_limit = iter(range(10**9))
+    monitor = build_monitor(config, scaler_enabled=True)
+    scales = []
+
+    def overflow(step):  # 2**18 overflows 10 steps after the scale gets there
+        return bool(scales) and scales[-1] >= 2.0**18 and next(at_limit) % 10 == 9
+
+    seen = collections.Counter()
+    for record in _records(overflow, 9000, config):
+        monitor.observe(record)
+        scales.append(record.scaler_scale)
+        if record.step % 100 == 0:
+            seen[monitor.scale_verdict] += 1
+    assert {2.0**17, 2.0**18} == set(scales[2100:]) and "oscillating" not in seen, seen
+    # one dip of 2 octaves (steps 10, 11), climbed back over 4000 steps (at 2011 and 4011): oscillating
+    # while both are in the span (reach 5000: to step 5010), then not
+    dip = build_monitor(config, scaler_enabled=True)
+    verdicts = {}
+    for record in _records(lambda step: step in (10, 11), 12_000, config):
+        dip.observe(record)
+        if record.step in (3000, 4020, 5000, 5100, 12_000):
+            verdicts[record.step] = dip.scale_verdict
+    assert verdicts[3000] != "oscillating" and verdicts[4020] == verdicts[5000] == "oscillating", verdicts
+    assert verdicts[5100] != "oscillating" and verdicts[12_000] != "oscillating", verdicts
+
+
+def test_the_long_span_survives_a_resume_and_an_older_state_or_a_bad_one_is_handled():
+    config = load_config(None, ["precision=fp16"])
+    records = list(_records(burst, 15_000, config))
+    a = build_monitor(config, scaler_enabled=True)
+    for record in records[:11_500]:
+        a.observe(record)
+    b = build_monitor(config, scaler_enabled=True)
+    b.load_state_dict(a.state_dict())  # (a resume: the moves come back with the rest)
+    assert b.scale_verdict == a.scale_verdict == "oscillating"
+    for record in records[11_500:]:
+        a.observe(record)
+        b.observe(record)
+        if record.step % 50 == 0:
+            assert b.scale_verdict == a.scale_verdict
+    old = a.state_dict()
+    del old["health"]["moves"]  # a checkpoint saved before the moves were kept: the span starts again
+    c = build_monitor(config, scaler_enabled=True)
+    c.load_state_dict(old)
+    assert c.health.swings() == (0.0, 0.0)
+    bad = a.state_dict()
+    bad["health"]["moves"] = [[5, 1024.0], [3, 2048.0]]
+    with pytest.raises(ValueError, match=r"health\.moves is a list of 2, expected a list of \[step, scale\] pairs"):
+        build_monitor(config, scaler_enabled=True).load_state_dict(bad)
+
+
+def test_without_a_growth_interval_the_span_is_the_window_and_nothing_is_kept():
+    h = ScaleHealth(8, init_scale=2.0**18)
+    assert h.reach == 8
+    for scale, skipped in [(2.0**18, False), (2.0**17, True), (2.0**16, True), (2.0**17, False)]:
+        h.push(scale, skipped)
+    assert h.swings() == (0.0, 0.0) and h.state_dict()["moves"] == []
+    with pytest.raises(ValueError, match="growth_interval must be a whole number of steps >= 1, got 0"):
+        RunMonitor(growth_interval=0)
