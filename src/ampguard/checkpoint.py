@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from .errors import InputError, counted, first_line
+from .errors import InputError, brief, counted, first_line
 from .files import remove_temporaries
 
 MAGIC = "ampguard-checkpoint"
@@ -314,7 +314,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     if not isinstance(payload, dict) or payload.get("magic") != MAGIC:
         raise InputError(f"{path}: not an ampguard checkpoint")
     if payload.get("format") != FORMAT:
-        raise InputError(f"{path}: checkpoint format {payload.get('format')!r}, this ampguard reads {FORMAT}")
+        # (brief: a container by its kind; its repr could recurse past the limit)
+        raise InputError(f"{path}: checkpoint format {brief(payload.get('format'))}, this ampguard reads {FORMAT}")
     missing = [key for key in REQUIRED if key not in payload]
     if missing:
         raise InputError(f"{path}: incomplete ampguard checkpoint (missing {', '.join(missing)})")

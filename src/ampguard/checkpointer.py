@@ -1182,11 +1182,25 @@ def _check_step_state(path: Path, saved: Mapping[str, Any], state: Any) -> None:
     try:
         saved_monitors = saved.get("monitors")
         if isinstance(saved_monitors, Mapping) and isinstance(monitors, Mapping):
+            if "run" in monitors and "run" not in saved_monitors:
+                # (every checkpoint a run writes holds it; without it the counts would start again at the
+                # resume, unsaid, and the card's "updates applied" disagree with the CSV: review 46b)
+                raise ValueError(f"{STATE}.monitors has no 'run' (the run monitor's counts), which every "
+                                 "checkpoint of a run holds")
             for name, monitor in monitors.items():
                 if name in saved_monitors and hasattr(monitor, "check_state"):
                     monitor.check_state(saved_monitors[name], f"{STATE}.monitors.{name}.")
+            run, step = saved_monitors.get("run"), saved.get("step")
+            if isinstance(run, Mapping) and whole_number(step) and whole_number(run.get("steps")):
+                _need_at_most(run["steps"], step, f"{STATE}.monitors.run.steps")
     except ValueError as err:
         raise InputError(f"{path}: bad checkpoint: {first_line(err)}") from None
+
+
+def _need_at_most(value: int, step: int, where: str) -> None:
+    """A saved count past the checkpoint's step is refused (``ValueError`` naming ``where``)."""
+    if value > step:
+        raise ValueError(f"{where} is {value}, expected at most {step} (the checkpoint's step)")
 
 
 def check_scaler_state(path: Path | str, saved: Any, scaler: Any) -> None:

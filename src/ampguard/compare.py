@@ -34,7 +34,7 @@ from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite
                      threshold_by_step, threshold_line, threshold_text, whole_steps)
 from .run_folder import RunPaths
 from .signals import console_width
-from .sinks import Row, csv_number, metric_values, read_steps_and_columns
+from .sinks import Row, held_out_metrics, read_steps_and_columns
 
 if TYPE_CHECKING:
     from .config import Config
@@ -68,33 +68,6 @@ def _card(card: Path) -> tuple[str, dict[str, str]]:
         return read_card(card)
     except (OSError, UnicodeDecodeError) as err:
         raise InputError(f"{card}: cannot read the run card ({err})") from None
-
-
-def _metrics(csv_path: Path, extra: list[dict[str, str]]) -> list[dict[str, float]]:
-    """Each row's held-out metrics (empty where none was evaluated): the CSV's extra columns
-    (``extra``, as :func:`~ampguard.sinks.read_steps_and_columns` read them) as
-    :func:`~ampguard.sinks.metric_values` reads them (numbers; the optimizer labels and empty
-    cells left out), but a column of text (a user's ``CsvSink(extra_columns=["phase"])``; DESIGN's
-    "more may follow" sets no type): no metric, left out too. A column of numbers with a cell of
-    text in it is a metric that cannot be read: refused, as a resume refuses it.
-
-    Example::
-
-        >>> _metrics(Path("s.csv"), [{"val_loss": "0.5", "phase": "warmup"}, {"val_loss": "", "phase": "main"}])
-        [{'val_loss': 0.5}, {}]
-    """
-    text = {name for name in (extra[0] if extra else {})
-            if not any(cells.get(name) and _number(cells[name]) for cells in extra)}
-    return [metric_values({k: v for k, v in cells.items() if k not in text}, str(csv_path)) for cells in extra]
-
-
-def _number(cell: str) -> bool:
-    """Whether a CSV cell reads as a number (:func:`~ampguard.sinks.csv_number`)."""
-    try:
-        csv_number(cell, "", "")
-    except InputError:
-        return False
-    return True
 
 
 def load_run(path: str | Path) -> RunSummary:
@@ -137,7 +110,7 @@ def load_run(path: str | Path) -> RunSummary:
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
     policy, rollbacks = policy_changes_of(folder), rollbacks_of(folder)
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
-                     rollbacks=rollbacks, metrics=_metrics(folder / "steps.csv", extra),
+                     rollbacks=rollbacks, metrics=held_out_metrics(folder / "steps.csv", extra),
                      finished=ended.startswith("finished: "))
     notes = reading_notes(folder / "steps.csv", rows, torn, folder, extra, config, policy)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy, rollbacks)

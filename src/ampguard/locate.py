@@ -1433,6 +1433,11 @@ def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
     if scale is not None and not DEFAULT_MIN_SCALE <= scale <= MAX_SCALE:  # (as --scale: 1e39 is inf in float32)
         raise InputError(f"{path}: loss_scale {scale:g} is not a float32 scale: it must be in [{DEFAULT_MIN_SCALE:g}, "
                          f"{MAX_SCALE:g}]")
+    try:  # (what the replay walks: a structure nested past Python's recursion limit is no batch)
+        for b in items:
+            _tensors(b["inputs"]), _tensors(b["targets"])
+    except RecursionError:
+        raise InputError(f"{path}: the batch's inputs or targets are nested too deep to read") from None
     for i, b in enumerate(items):  # a loss over no examples is a NaN mean, not a finding
         first = next(iter(_tensors(b["inputs"])), None)
         if first is not None and first.dim() > 0 and first.shape[0] == 0:

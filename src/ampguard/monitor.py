@@ -1712,14 +1712,17 @@ class RunMonitor:
             skip_window was saved with size 4, this one has 8
         """
         _mapping(state, where)
+        for name in ("steps", "updates"):  # (every layout saved them: without them it is no monitor's state)
+            _get(state, name, where)
         for name, win in (("skip_window", self.skip_window), ("clip_window", self.clip_window)):
             if name in state:
                 win.check_state(state[name], f"{where}{name}.")
         scalars = self._saved_scalars(state)
         for name in self._COUNTS:
             _need(whole_number(scalars[name]), f"{where}{name}", scalars[name], "an int >= 0")
-        _need(scalars["unobserved"] <= scalars["steps"], f"{where}unobserved", scalars["unobserved"],
-              f"an int in [0, steps {scalars['steps']}]")
+        for name in ("unobserved", "updates"):
+            _need(scalars[name] <= scalars["steps"], f"{where}{name}", scalars[name],
+                  f"an int in [0, steps {scalars['steps']}]")
         for name in self._FLAGS:
             _need(_flag(scalars[name]), f"{where}{name}", scalars[name], "True or False")
         for name in ("max_skip_rate", "max_rolling_skip_rate"):

@@ -25,7 +25,7 @@ from .monitor import RollingWindow, RunMonitor, ScaleHealth
 from .precision import Precision, backend_text, finite_number
 from .records import SKIP_REASONS
 from .run_folder import RunPaths
-from .sinks import Row, read_steps_and_columns, read_steps_csv
+from .sinks import Row, held_out_metrics, read_steps_and_columns, read_steps_csv
 from .watch import float32_layers_text
 
 if TYPE_CHECKING:
@@ -135,9 +135,10 @@ def value_notes(csv_path: Path, rows: list[Row], extra: Sequence[Mapping[str, st
                        if not r.skipped and cap is not None and r.grad_l2_post_clip is not None
                        and r.grad_l2_post_clip > cap * (1 + 2**-20)],
                       "applied step", "whose post-clip norm is above the max_norm it ran under")
-    for name in sorted({name for cells in extra for name in cells if name.endswith("accuracy")}):
-        notes += said([(r.step, repr(value)) for r, cells in zip(rows, extra)
-                       if cells.get(name) and not 0 <= (value := float(cells[name])) <= 1],
+    metrics = held_out_metrics(csv_path, extra)  # (a cell of text in a column of numbers: one line, refused)
+    for name in sorted({name for values in metrics for name in values if name.endswith("accuracy")}):
+        notes += said([(r.step, repr(value)) for r, values in zip(rows, metrics)
+                       if (value := values.get(name)) is not None and not 0 <= value <= 1],
                       "row", f"whose {name} is outside [0, 1]", "; a percentage?")
     return notes
 
@@ -1290,7 +1291,7 @@ def unobserved_of(csv_path: Path) -> int:
         return 0
     try:
         summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # (none, or not JSON: the rows alone are the figures)
+    except (OSError, ValueError, RecursionError):  # (none, not JSON, or nested past the parser: the rows alone)
         return 0
     if not isinstance(summary, dict):
         return 0
@@ -1427,6 +1428,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if not rows:  # (a kill in the first row's write leaves it torn: say so, not only "no steps")
         cut = f" (its one row is torn, a write cut short: {torn[0][:40]!r})" if torn else ""
         raise InputError(f"{csv_path}: no steps recorded{cut}, nothing to report")
+    held_out_metrics(csv_path, extra)  # (a metric cell that is no number: refused before anything is drawn)
     # a Trainer run resumed without ampguard's state observed from step N + 1 (summary.json's `unobserved`):
     # the replay begins there too, so the figures are its card's (the rows of steps 1..N a stock Trainer's
     # callback wrote in the train() before are drawn, not counted)

@@ -1863,7 +1863,7 @@ def earlier_rejections(history: Path, key: Mapping[str, Any]) -> list[dict[str, 
         for raw in history.read_bytes().splitlines():  # (a bad byte or a torn line costs that line alone)
             try:
                 entry = json.loads(raw.decode("utf-8", errors="replace"))
-            except ValueError:
+            except (ValueError, RecursionError):  # (a line nested past the parser's depth: not ours either)
                 continue
             if not (isinstance(entry, dict) and entry.get("accepted") is False and isinstance(entry.get("rules"), dict)
                     and entry.get("weights") == key["weights"] and entry.get("task", key.get("task")) == key.get("task")):

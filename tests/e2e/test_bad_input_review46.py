@@ -1,0 +1,121 @@
+"""Review 46b: bad input that still escaped the one-line rule (exit 2, no traceback, nothing
+written): a metric cell of text in report's CSV (a traceback after the plot was written),
+structures nested past Python's recursion limit in four readers, and a resume whose run monitor
+state was missing, junk or past the checkpoint's step (taken silently: the card's "updates
+applied" then disagreed with the CSV)."""
+import contextlib
+import io
+import json
+import sys
+
+import pytest
+import torch
+from helpers import ag, one_error_line, snapshot_of, train
+
+from ampguard.checkpoint import load_checkpoint, save_checkpoint
+from ampguard.cli import main
+from ampguard.errors import InputError
+from ampguard.locate import load_batches
+from ampguard.validate import earlier_rejections
+
+HEADER = "step,lr,grad_l2_pre_clip,grad_l2_post_clip,loss,skipped,skip_reason,scaler_scale"
+
+
+def _nested(depth: int = 3000) -> list:
+    deep = cur = []
+    for _ in range(depth):
+        cur.append([])
+        cur = cur[0]
+    return deep
+
+
+def _save_deep(data: dict, path) -> None:
+    """``torch.save`` of a structure past the recursion limit (pickling recurses; loading does not)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        torch.save(data, path)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _report(*argv) -> tuple[int, str, str]:
+    """``ampguard report`` in-process with its real plot (helpers.ag skips the plot)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["report", *map(str, argv)])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("plot", [True, False])
+def test_report_refuses_a_metric_cell_of_text_before_it_draws(tmp_path, plot):
+    csv = tmp_path / "steps.csv"
+    csv.write_text(f"{HEADER},val_accuracy\n1,0.003,2.1,0.99,1.39,0,,1.0,\n2,0.003,1.7,0.99,1.14,0,,1.0,n/a\n"
+                   "3,0.003,1.6,0.99,1.01,0,,1.0,0.5\n")
+    before = snapshot_of(tmp_path)
+    line = one_error_line(_report(csv, *([] if plot else ["--no-plot"])))
+    assert line.endswith("steps.csv: column val_accuracy holds 'n/a', not a number"), line
+    assert snapshot_of(tmp_path) == before  # (the plot was written before the crash)
+
+
+def test_report_refuses_a_loss_metric_with_a_cell_of_text_and_reads_a_column_of_text_as_no_metric(tmp_path):
+    csv = tmp_path / "steps.csv"
+    csv.write_text(f"{HEADER},val_loss,phase\n1,0.003,2.1,0.99,1.39,0,,1.0,0.9,warmup\n"
+                   "2,0.003,1.7,0.99,1.14,0,,1.0,abc,main\n")
+    assert "column val_loss holds 'abc', not a number" in one_error_line(ag("report", csv))
+    csv.write_text(f"{HEADER},phase\n1,0.003,2.1,0.99,1.39,0,,1.0,warmup\n")  # (a user's text column)
+    code, out, err = ag("report", csv)
+    assert code == 0 and "Traceback" not in err, err
+
+
+def test_report_reads_a_summary_nested_past_the_parsers_depth_as_none(tmp_path):
+    (tmp_path / "steps.csv").write_text(f"{HEADER}\n1,0.003,2.1,0.99,1.39,0,,1.0\n2,0.003,1.7,0.99,1.14,0,,1.0\n")
+    (tmp_path / "summary.json").write_text("[" * 100_000)
+    code, out, err = ag("report", tmp_path / "steps.csv")
+    assert code == 0 and "steps=2" in out and "Traceback" not in err, (out, err)
+
+
+def test_validates_history_skips_a_line_nested_past_the_parsers_depth(tmp_path):
+    history = tmp_path / "validate-history.jsonl"
+    old = {"weights": "w", "probe_set": "p", "rules": {"validation.max_flips": 0}}
+    rejected = {**old, "accepted": False, "verdict": "REJECTED", "time": "t", "report": "r"}
+    history.write_text("[" * 100_000 + "\n" + json.dumps(rejected) + "\n")
+    found = earlier_rejections(history, {**old, "rules": {"validation.max_flips": 1}})
+    assert [e["changed"] for e in found] == [["validation.max_flips: 0 -> 1"]], found
+
+
+def test_a_checkpoint_whose_format_is_deeply_nested_is_one_line(tmp_path):
+    path = save_checkpoint(tmp_path / "deep.pt", {"step": 1})
+    payload = torch.load(path, weights_only=True)
+    payload["format"] = _nested()
+    _save_deep(payload, path)
+    with pytest.raises(InputError, match=r"deep\.pt: checkpoint format a list of 1, this ampguard reads"):
+        load_checkpoint(path)
+
+
+def test_a_batch_file_nested_past_the_recursion_limit_is_one_line(tmp_path):
+    _save_deep({"inputs": _nested(), "targets": torch.zeros(2, 1)}, tmp_path / "deep.pt")
+    with pytest.raises(InputError, match=r"deep\.pt: the batch's inputs or targets are nested too deep to read"):
+        load_batches(str(tmp_path / "deep.pt"))
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda monitors: monitors.pop("run"), "state.monitors has no 'run' (the run monitor's counts)"),
+    (lambda monitors: monitors.__setitem__("run", {"a": 1}), "state.monitors.run.steps is missing"),
+    (lambda monitors: monitors["run"].__setitem__("updates", 10**9),
+     "state.monitors.run.updates is 1000000000, expected an int in [0, steps 4]"),
+    (lambda monitors: monitors["run"].update(steps=9, updates=9),
+     "state.monitors.run.steps is 9, expected at most 4 (the checkpoint's step)"),
+], ids=["no run", "junk", "updates past steps", "steps past the checkpoint"])
+def test_a_resume_refuses_a_run_monitor_state_it_cannot_count_on(tmp_path, edit, said):
+    ok = ["--set", "task.name=linear", "--set", "task.batch_size=4", "--set", "log.plot=false",
+          "--set", "precision=fp32"]
+    assert train(tmp_path, "r", *ok, "--set", "steps=4")[0] == 0
+    (checkpoint,) = (tmp_path / "r" / "checkpoints").glob("step-*.pt")
+    payload = torch.load(checkpoint, weights_only=True)
+    edit(payload["state"]["monitors"])
+    save_checkpoint(checkpoint, {k: v for k, v in payload.items() if k not in ("magic", "format")})
+    before = snapshot_of(tmp_path)
+    line = one_error_line(ag("train", "--resume", tmp_path / "r", "--set", "steps=6"))
+    assert f"bad checkpoint: {said}" in line, line
+    assert snapshot_of(tmp_path) == before
