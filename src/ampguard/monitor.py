@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import brief, counted, real_number, whole_number
-from .precision import finite_number, round_float32
+from .precision import MAX_SCALE, finite_number, round_float32
 from .records import StepRecord
 
 HEALTH_VERDICTS: tuple[str, ...] = ("warming", "climbing", "stable", "oscillating", "collapsing")
@@ -330,8 +330,9 @@ found no scale fp16 can hold; from the default 2**16 to the floor 1.0 that is 16
 """
 OSCILLATION_OCTAVES = 2.0
 """``oscillating`` needs the scale to fall this many octaves (powers of two) from an earlier high
-and climb as many from an earlier low within the window, or within the window and the time the
-scaler takes to climb that far (``growth_interval`` clean steps an octave, :attr:`ScaleHealth.reach`).
+and climb as many from an earlier low within the window, or such a swing repeated within the
+window and the time the scaler takes to climb that far twice (``growth_interval`` clean steps an
+octave, :attr:`ScaleHealth.reach`).
 One octave is the healthy equilibrium (the scale alternating between two neighbouring powers of
 two, e.g. 2**17 <-> 2**18)."""
 COLLAPSE_OCTAVES = 3.0
@@ -379,11 +380,13 @@ class ScaleHealth:
       skips (the search down from ``init_scale``), unless that streak reached the floor (a
       streak of more than 8 is ``collapsing`` while it lasts: warm-up only once a step applies);
     - ``oscillating``: the scale fell :data:`OSCILLATION_OCTAVES` (2) or more octaves from an
-      earlier high and climbed as many from an earlier low: gradients sometimes fit fp16,
-      sometimes not. Judged over the window and, given the scaler's ``growth_interval``, over
-      :attr:`reach` steps too: the window and the 2 octaves' climb (``2 x growth_interval`` clean
-      steps), since a scaler that grows once in 2000 steps cannot climb 2 octaves inside a window
-      of 1000 (review 46a: with ``train``'s defaults the label could never be reached);
+      earlier high and climbed as many from an earlier low within the window: gradients
+      sometimes fit fp16, sometimes not. Given the scaler's ``growth_interval``, also a swing of
+      2 octaves repeated (down, up, down or up, down, up: :meth:`swings`) within :attr:`reach`
+      steps, the window and two 2-octave climbs (``4 x growth_interval``), since a scaler that
+      grows once in 2000 steps cannot climb 2 octaves inside a window of 1000 (review 46a: with
+      ``train``'s defaults the label could never be reached; review 46c: one dip and its climb
+      back over thousands of steps is no oscillation);
     - ``climbing``: the scale rose in the window to the highest it has been since the warm-up,
       and has not fallen since it first got there (the scaler has not yet met the gradients'
       limit); back at a level it fell from before is the equilibrium, not a climb;
@@ -409,9 +412,10 @@ class ScaleHealth:
     def __init__(self, window: int, min_scale: float = 1.0, init_scale: float | None = None,
                  growth_interval: int | None = None) -> None:
         self.window = window
-        self.reach = window + math.ceil(OSCILLATION_OCTAVES) * growth_interval if growth_interval else window
-        """The steps ``oscillating`` looks back over: the window, and the climb of
-        :data:`OSCILLATION_OCTAVES` at ``growth_interval`` clean steps an octave when it is given."""
+        self.reach = window + 2 * math.ceil(OSCILLATION_OCTAVES) * growth_interval if growth_interval else window
+        """The steps ``oscillating`` looks back over for a repeated swing (:meth:`swings`): the
+        window, and two climbs of :data:`OSCILLATION_OCTAVES` at ``growth_interval`` clean steps an
+        octave when it is given (9,000 steps with ``train``'s defaults)."""
         # the scale's moves since the opening, as (pushes, the scale after it), the first the level in
         # effect :attr:`reach` steps ago: the long span's swings from O(moves), not O(reach) scales
         self._moves: deque[tuple[int, float]] = deque()
@@ -513,35 +517,44 @@ class ScaleHealth:
         return ScaleStats(swing=max(logs) - min(logs), fall=fall, rise=rise, trend=logs[-1] - logs[0],
                           headroom=headroom, skip_share=self._skipped.seen_mean, streak=self.streak, warmup=warmup)
 
-    def swings(self) -> tuple[float, float]:
-        """``(fall, rise)`` in octaves over the last :attr:`reach` steps, the opening's search set
-        aside: the largest drop from an earlier high and the largest climb from an earlier low.
-        ``(0.0, 0.0)`` when ``reach`` is the window (no ``growth_interval``: :meth:`stats` says it).
+    def swings(self) -> int:
+        """The legs of 2 octaves or more (:data:`OSCILLATION_OCTAVES`), alternating down and up,
+        the scale made over the last :attr:`reach` steps, the opening's search set aside: a fall
+        from its high, then a climb from its low, then a fall again, ... (each leg measured from
+        the extreme since the one before). ``oscillating`` over the span takes 3: the swing
+        repeated; a single dip and its climb back (2 legs) is a scaler that met one bad stretch.
+        0 when ``reach`` is the window (no ``growth_interval``: :meth:`stats` judges it).
 
         Example (the scaler grows once in 10 steps; a window of 5 cannot hold a climb of two octaves)::
 
             >>> h = ScaleHealth(5, init_scale=2.0**18, growth_interval=10)
             >>> h.reach
-            25
-            >>> for scale, skipped in [(2.0**18, False), (2.0**17, True), (2.0**16, True)] + [(2.0**16, False)] * 9:
-            ...     h.push(scale, skipped)
-            >>> h.verdict
-            'stable'
-            >>> for scale in [2.0**17] * 10 + [2.0**18]:
-            ...     h.push(scale, False)
-            >>> h.swings(), h.stats().rise, h.verdict
-            ((2.0, 2.0), 1.0, 'oscillating')
+            45
+            >>> def dip():  # 2**18 -> 2**16 in two overflows, then 20 clean steps back up
+            ...     moves = [(2.0**17, True), (2.0**16, True)] + [(2.0**16, False)] * 9
+            ...     for scale, skipped in moves + [(2.0**17, False)] * 10 + [(2.0**18, False)]:
+            ...         h.push(scale, skipped)
+            >>> h.push(2.0**18, False)
+            >>> dip()
+            >>> h.swings(), h.verdict  # (one dip and its climb back)
+            (2, 'stable')
+            >>> h.push(2.0**17, True); h.push(2.0**16, True)
+            >>> h.swings(), h.verdict  # (down again: the swing repeats)
+            (3, 'oscillating')
         """
         if self.reach <= self.window:
-            return 0.0, 0.0
-        levels = [math.log2(scale) for _, scale in self._moves if scale > 0]
-        fall = rise = 0.0
-        if levels:
-            high = low = levels[0]
-            for x in levels:
-                high, low = max(high, x), min(low, x)
-                fall, rise = max(fall, high - x), max(rise, x - low)
-        return fall, rise
+            return 0
+        legs, falling = 0, None  # (the direction of the last leg; None: none yet)
+        high = low = None
+        for _, scale in self._moves:
+            x = math.log2(scale)
+            high, low = (x, x) if high is None else (max(high, x), min(low, x))
+            eps = 1e-9
+            if falling is not True and x <= high - OSCILLATION_OCTAVES + eps:
+                legs, falling, low = legs + 1, True, x
+            elif falling is not False and x >= low + OSCILLATION_OCTAVES - eps:
+                legs, falling, high = legs + 1, False, x
+        return legs
 
     @property
     def verdict(self) -> str:
@@ -570,8 +583,7 @@ class ScaleHealth:
             return "warming"
         if s.fall >= OSCILLATION_OCTAVES - eps and s.rise >= OSCILLATION_OCTAVES - eps:
             return "oscillating"
-        fall, rise = self.swings()
-        if fall >= OSCILLATION_OCTAVES - eps and rise >= OSCILLATION_OCTAVES - eps:
+        if self.swings() >= 3:
             return "oscillating"
         if s.trend > eps and not self._fell and self.scale == self.peak:
             return "climbing"
@@ -643,11 +655,15 @@ class ScaleHealth:
         if "moves" in state:  # (saved since oscillating looks past the window: review 46a)
             moves = state["moves"]
             count = state["skipped"].get("count")  # (the skipped window's state, checked above)
+            scale = state.get("scale")
             _need(isinstance(moves, list) and all(
-                isinstance(m, list) and len(m) == 2 and whole_number(m[0]) and finite_number(m[1]) and m[1] > 0
-                for m in moves) and [m[0] for m in moves] == sorted({m[0] for m in moves})
-                and (not moves or not whole_number(count) or moves[-1][0] <= count),
-                f"{where}moves", moves, "a list of [step, scale] pairs, steps rising to at most the count, scales > 0")
+                isinstance(m, list) and len(m) == 2 and whole_number(m[0]) and finite_number(m[1])
+                and 0 < m[1] <= MAX_SCALE for m in moves)
+                and [m[0] for m in moves] == sorted({m[0] for m in moves})
+                and all(a[1] != b[1] for a, b in zip(moves, moves[1:]))
+                and (not moves or ((not whole_number(count) or moves[-1][0] <= count) and moves[-1][1] == scale)),
+                f"{where}moves", moves, "a list of [step, scale] pairs, steps rising to at most the count, each "
+                "scale a move (in (0, 3.4e38], not the one before), the last the saved scale")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. A state saved before the window kept its scales (it kept

@@ -1,8 +1,9 @@
 """Review 46a: the scale-health label ``oscillating`` (the lesson's sign of a broken fp16 run: the
 scale swinging between high and low) needed a fall and a rise of 2 octaves inside the monitor's
 window, 1000 steps, while ``train``'s scaler grows once in 2000 clean steps: the label could never
-be reached. With the scaler's growth interval the label looks back over the window and the 2
-octaves' climb (ScaleHealth.reach)."""
+be reached. With the scaler's growth interval the label also looks back over the window and two
+2-octave climbs (ScaleHealth.reach) for a swing repeated (review 46c: one dip and its climb back
+is no oscillation)."""
 import collections
 
 import pytest
@@ -45,7 +46,7 @@ def test_trains_defaults_see_a_scale_swinging_three_octaves_as_oscillating():
     config = load_config(None, ["precision=fp16"])
     assert (config.monitor.window, config.scaler.growth_interval) == (1000, 2000)  # (what the review found)
     monitor = build_monitor(config, scaler_enabled=True)
-    assert monitor.health.reach == 1000 + 2 * 2000
+    assert monitor.health.reach == 1000 + 4 * 2000
     labels = _labels(monitor, _records(burst, 22_000, config))
     assert labels["oscillating"] >= 20, labels
     # the same records through a monitor that is not told the growth interval: the window alone, never
@@ -70,41 +71,48 @@ def test_the_healthy_equilibrium_and_one_dip_that_leaves_the_span_are_not_oscill
         if record.step % 100 == 0:
             seen[monitor.scale_verdict] += 1
     assert {2.0**17, 2.0**18} == set(scales[2100:]) and "oscillating" not in seen, seen
-    # one dip of 2 octaves (steps 10, 11), climbed back over 4000 steps (at 2011 and 4011): oscillating
-    # while both are in the span (reach 5000: to step 5010), then not
-    dip = build_monitor(config, scaler_enabled=True)
+    # one dip of 2 octaves (steps 10, 11), climbed back over 4000 steps (at 2011 and 4011): 2 legs, never
+    # oscillating; a second dip once it is back up (steps 5000, 5001): the swing repeated, oscillating
+    # (down, up, down; then up again by 9001); long after, the scale only climbs: not
+    dips = build_monitor(config, scaler_enabled=True)
     verdicts = {}
-    for record in _records(lambda step: step in (10, 11), 12_000, config):
-        dip.observe(record)
-        if record.step in (3000, 4020, 5000, 5100, 12_000):
-            verdicts[record.step] = dip.scale_verdict
-    assert verdicts[3000] != "oscillating" and verdicts[4020] == verdicts[5000] == "oscillating", verdicts
-    assert verdicts[5100] != "oscillating" and verdicts[12_000] != "oscillating", verdicts
+    for record in _records(lambda step: step in (10, 11, 5000, 5001), 15_000, config):
+        dips.observe(record)
+        if record.step in (3000, 4020, 4990, 5001, 9000, 15_000):
+            verdicts[record.step] = (dips.scale_verdict, dips.health.swings())
+    assert [verdicts[s] for s in (3000, 4020, 4990)] == [("stable", 1), ("stable", 2), ("stable", 2)], verdicts
+    assert verdicts[5001] == verdicts[9000] == ("oscillating", 3), verdicts
+    assert verdicts[15_000][0] != "oscillating", verdicts
 
 
 def test_the_long_span_survives_a_resume_and_an_older_state_or_a_bad_one_is_handled():
     config = load_config(None, ["precision=fp16"])
-    records = list(_records(burst, 15_000, config))
+    records = list(_records(burst, 17_000, config))
     a = build_monitor(config, scaler_enabled=True)
-    for record in records[:11_500]:
+    for record in records[:15_500]:
         a.observe(record)
     b = build_monitor(config, scaler_enabled=True)
     b.load_state_dict(a.state_dict())  # (a resume: the moves come back with the rest)
     assert b.scale_verdict == a.scale_verdict == "oscillating"
-    for record in records[11_500:]:
+    for record in records[15_500:]:
         a.observe(record)
         b.observe(record)
         if record.step % 50 == 0:
             assert b.scale_verdict == a.scale_verdict
+    assert a.scale_verdict != "oscillating"  # (the first burst, at 7001, left the span at 16003)
     old = a.state_dict()
     del old["health"]["moves"]  # a checkpoint saved before the moves were kept: the span starts again
     c = build_monitor(config, scaler_enabled=True)
     c.load_state_dict(old)
-    assert c.health.swings() == (0.0, 0.0)
-    bad = a.state_dict()
-    bad["health"]["moves"] = [[5, 1024.0], [3, 2048.0]]
-    with pytest.raises(ValueError, match=r"health\.moves is a list of 2, expected a list of \[step, scale\] pairs"):
-        build_monitor(config, scaler_enabled=True).load_state_dict(bad)
+    assert c.health.swings() == 0
+    scale = a.state_dict()["health"]["scale"]
+    for moves in ([[5, 1024.0], [3, scale]], [[25, 1e300], [26, 1e-300], [27, scale]],  # (review 46c's forgeries)
+                  [[0, 5.0], [30, 2.0**16]], [[1, scale], [2, scale]]):
+        bad = a.state_dict()
+        bad["health"]["moves"] = moves
+        with pytest.raises(ValueError, match=rf"health\.moves is a list of {len(moves)}, expected a list of \[step, "
+                                             r"scale\] pairs"):
+            build_monitor(config, scaler_enabled=True).load_state_dict(bad)
 
 
 def test_without_a_growth_interval_the_span_is_the_window_and_nothing_is_kept():
@@ -112,6 +120,6 @@ def test_without_a_growth_interval_the_span_is_the_window_and_nothing_is_kept():
     assert h.reach == 8
     for scale, skipped in [(2.0**18, False), (2.0**17, True), (2.0**16, True), (2.0**17, False)]:
         h.push(scale, skipped)
-    assert h.swings() == (0.0, 0.0) and h.state_dict()["moves"] == []
+    assert h.swings() == 0 and h.state_dict()["moves"] == []
     with pytest.raises(ValueError, match="growth_interval must be a whole number of steps >= 1, got 0"):
         RunMonitor(growth_interval=0)
