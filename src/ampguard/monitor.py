@@ -382,7 +382,7 @@ class ScaleHealth:
     - ``oscillating``: the scale fell :data:`OSCILLATION_OCTAVES` (2) or more octaves from an
       earlier high and climbed as many from an earlier low within the window: gradients
       sometimes fit fp16, sometimes not. Given the scaler's ``growth_interval``, also a swing of
-      2 octaves repeated (down, up, down or up, down, up: :meth:`swings`) within :attr:`reach`
+      2 octaves repeated (down, up, down: :meth:`swings`) within :attr:`reach`
       steps, the window and two 2-octave climbs (``4 x growth_interval``), since a scaler that
       grows once in 2000 steps cannot climb 2 octaves inside a window of 1000 (review 46a: with
       ``train``'s defaults the label could never be reached; review 46c: one dip and its climb
@@ -519,11 +519,14 @@ class ScaleHealth:
 
     def swings(self) -> int:
         """The legs of 2 octaves or more (:data:`OSCILLATION_OCTAVES`), alternating down and up,
-        the scale made over the last :attr:`reach` steps, the opening's search set aside: a fall
-        from its high, then a climb from its low, then a fall again, ... (each leg measured from
-        the extreme since the one before). ``oscillating`` over the span takes 3: the swing
-        repeated; a single dip and its climb back (2 legs) is a scaler that met one bad stretch.
-        0 when ``reach`` is the window (no ``growth_interval``: :meth:`stats` judges it).
+        the scale made over the last :attr:`reach` steps from its first such fall, the opening's
+        search set aside: a fall from its high, then a climb from its low, then a fall again, ...
+        (each leg measured from the extreme since the one before; the climb before the first fall
+        is the scaler finding its limit, no leg). ``oscillating`` over the span takes 3 (down, up,
+        down): the swing repeated; a single dip and its climb back (2 legs) is a scaler that met
+        one bad stretch (review 46d: counted from the climb, a run that climbed, dipped once and
+        climbed back read 3). 0 when ``reach`` is the window (no ``growth_interval``: :meth:`stats`
+        judges it).
 
         Example (the scaler grows once in 10 steps; a window of 5 cannot hold a climb of two octaves)::
 
@@ -544,16 +547,15 @@ class ScaleHealth:
         """
         if self.reach <= self.window:
             return 0
-        legs, falling = 0, None  # (the direction of the last leg; None: none yet)
+        legs, falling, eps = 0, None, 1e-9  # (the direction of the last leg; None: no fall yet)
         high = low = None
         for _, scale in self._moves:
             x = math.log2(scale)
             high, low = (x, x) if high is None else (max(high, x), min(low, x))
-            eps = 1e-9
             if falling is not True and x <= high - OSCILLATION_OCTAVES + eps:
                 legs, falling, low = legs + 1, True, x
-            elif falling is not False and x >= low + OSCILLATION_OCTAVES - eps:
-                legs, falling, high = legs + 1, False, x
+            elif falling is True and x >= low + OSCILLATION_OCTAVES - eps:  # (a climb counts after a fall only:
+                legs, falling, high = legs + 1, False, x                    # the climb to the limit is none)
         return legs
 
     @property

@@ -47,7 +47,7 @@ def test_trains_defaults_see_a_scale_swinging_three_octaves_as_oscillating():
     assert (config.monitor.window, config.scaler.growth_interval) == (1000, 2000)  # (what the review found)
     monitor = build_monitor(config, scaler_enabled=True)
     assert monitor.health.reach == 1000 + 4 * 2000
-    labels = _labels(monitor, _records(burst, 22_000, config))
+    labels = _labels(monitor, _records(burst, 24_000, config))
     assert labels["oscillating"] >= 20, labels
     # the same records through a monitor that is not told the growth interval: the window alone, never
     plain = RunMonitor(window=1000, init_scale=config.scaler.init_scale, min_scale=config.scaler.min_scale)
@@ -123,3 +123,19 @@ def test_without_a_growth_interval_the_span_is_the_window_and_nothing_is_kept():
     assert h.swings() == 0 and h.state_dict()["moves"] == []
     with pytest.raises(ValueError, match="growth_interval must be a whole number of steps >= 1, got 0"):
         RunMonitor(growth_interval=0)
+
+
+def test_the_climb_to_the_limit_before_one_dip_is_no_leg():
+    # review 46d: 1024 -> 4096 (the scaler finding its limit), one double overflow back to 1024, the climb
+    # back to 4096: counted from the first climb that read 3 legs, oscillating; from the first fall, 2
+    config = load_config(None, ["precision=fp16", "scaler.init_scale=1024", "scaler.growth_interval=50",
+                                "monitor.window=20"])
+    monitor = build_monitor(config, scaler_enabled=True)
+    assert monitor.health.reach == 20 + 4 * 50
+    seen = []
+    for record in _records(lambda step: step in (120, 121, 240, 241), 300, config):
+        monitor.observe(record)
+        seen.append((record.step, record.scaler_scale, monitor.scale_verdict, monitor.health.swings()))
+    assert [scale for step, scale, _, _ in seen if step in (100, 121, 221)] == [4096.0, 1024.0, 4096.0]
+    assert not [row for row in seen if row[0] < 240 and row[2] == "oscillating"], seen
+    assert seen[240][1:] == (1024.0, "oscillating", 3)  # (step 241: down again, the swing repeated)
