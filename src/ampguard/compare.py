@@ -29,12 +29,12 @@ from .errors import ExitCode, InputError, failed_because, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, panel_title, plot_metadata,
-                     policy_changes_of, read_card, reading_notes, replay, rollbacks_of, rolling_skip_rate, shown,
+from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, held_out_metrics, panel_title,
+                     plot_metadata, policy_changes_of, read_card, reading_notes, replay, rollbacks_of, rolling_skip_rate, shown,
                      threshold_by_step, threshold_line, threshold_text, whole_steps)
 from .run_folder import RunPaths
 from .signals import console_width
-from .sinks import Row, held_out_metrics, read_steps_and_columns
+from .sinks import Row, read_steps_and_columns
 
 if TYPE_CHECKING:
     from .config import Config

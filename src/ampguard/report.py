@@ -21,11 +21,11 @@ from .errors import (ExitCode, InputError, check_folder_of, counted, failed_beca
                      whole_number)
 from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
-from .monitor import RollingWindow, RunMonitor, ScaleHealth
+from .monitor import RollingWindow, RunMonitor, ScaleHealth, metric_direction
 from .precision import Precision, backend_text, finite_number
 from .records import SKIP_REASONS
 from .run_folder import RunPaths
-from .sinks import Row, held_out_metrics, read_steps_and_columns, read_steps_csv
+from .sinks import Row, csv_number, metric_values, read_steps_and_columns, read_steps_csv
 from .watch import float32_layers_text
 
 if TYPE_CHECKING:
@@ -48,6 +48,42 @@ def panel_title(ax: Any, text: str) -> None:
     top-left) reaches the centred title, and never does on these wide panels: the same pixels,
     ~12% of a plot's time (0.635 -> 0.561 s)."""
     ax.set_title(text, y=1.0)
+
+
+def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]]) -> list[dict[str, float]]:
+    """Each row's held-out metrics (empty where none was evaluated): the CSV's extra columns
+    (``extra``, as :func:`~ampguard.sinks.read_steps_and_columns` read them) as
+    :func:`~ampguard.sinks.metric_values` reads them (numbers; the optimizer labels and empty
+    cells left out). A column is a metric when every cell in it reads as a number, or when its
+    name says it is one (:func:`~ampguard.monitor.metric_direction`: ``val_accuracy``,
+    ``val_loss``, ...); such a column with a cell of text cannot be read: refused
+    (:class:`~ampguard.errors.InputError`, one line), as a resume refuses it. Any other column is
+    text (a user's ``CsvSink(extra_columns=["phase", "commit"])``; DESIGN's "more may follow"
+    sets no type), left out, even where a cell of it reads as a number (a short commit SHA
+    ``2113e02``: review 46d). ``compare`` and ``report`` read a CSV's metrics through this before
+    they write anything.
+
+    Example::
+
+        >>> held_out_metrics("s.csv", [{"val_loss": "0.5", "phase": "warmup", "commit": "2113e02"},
+        ...                            {"val_loss": "", "phase": "main", "commit": "6ba2a38"}])
+        [{'val_loss': 0.5}, {}]
+        >>> held_out_metrics("s.csv", [{"val_accuracy": "0.5"}, {"val_accuracy": "n/a"}])
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: s.csv: column val_accuracy holds 'n/a', not a number
+    """
+    def number(cell: str) -> bool:
+        try:
+            csv_number(cell, "", "")
+        except InputError:
+            return False
+        return True
+
+    names = extra[0] if extra else {}
+    text = {name for name in names if metric_direction(name) is None
+            and not all(number(cells[name]) for cells in extra if cells.get(name))}
+    return [metric_values({k: v for k, v in cells.items() if k not in text}, str(csv_path)) for cells in extra]
 
 
 def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None,

@@ -250,38 +250,6 @@ def metric_values(cells: Mapping[str, str], where: str) -> dict[str, float]:
             if name not in LABEL_COLUMNS and (value := csv_number(cell, name, where)) is not None}
 
 
-def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]]) -> list[dict[str, float]]:
-    """Each row's held-out metrics (empty where none was evaluated): the CSV's extra columns
-    (``extra``, as :func:`read_steps_and_columns` read them) as :func:`metric_values` reads them
-    (numbers; the optimizer labels and empty cells left out), but a column of text (a user's
-    ``CsvSink(extra_columns=["phase"])``; DESIGN's "more may follow" sets no type): no metric,
-    left out too. A column of numbers with a cell of text in it is a metric that cannot be read:
-    refused (:class:`~ampguard.errors.InputError`, one line), as a resume refuses it; ``compare``
-    and ``report`` read a CSV's metrics through this, before they write anything.
-
-    Example::
-
-        >>> held_out_metrics("s.csv", [{"val_loss": "0.5", "phase": "warmup"}, {"val_loss": "", "phase": "main"}])
-        [{'val_loss': 0.5}, {}]
-        >>> held_out_metrics("s.csv", [{"val_accuracy": "0.5"}, {"val_accuracy": "n/a"}])
-        Traceback (most recent call last):
-        ...
-        ampguard.errors.InputError: s.csv: column val_accuracy holds 'n/a', not a number
-    """
-    text = {name for name in (extra[0] if extra else {})
-            if not any(cells.get(name) and _reads_as_number(cells[name]) for cells in extra)}
-    return [metric_values({k: v for k, v in cells.items() if k not in text}, str(csv_path)) for cells in extra]
-
-
-def _reads_as_number(cell: str) -> bool:
-    """Whether a CSV cell reads as a number (:func:`csv_number`)."""
-    try:
-        csv_number(cell, "", "")
-    except InputError:
-        return False
-    return True
-
-
 def read_steps_csv(path: str | Path) -> list[Row]:
     """Parse a per-step CSV (docs/design.md §3); a malformed file raises :class:`InputError`.
 

@@ -68,6 +68,24 @@ def test_report_refuses_a_loss_metric_with_a_cell_of_text_and_reads_a_column_of_
     assert code == 0 and "Traceback" not in err, err
 
 
+def test_a_text_column_with_a_cell_that_reads_as_a_number_is_still_text(tmp_path):
+    # review 46d: a user's commit column of short SHAs, '2113e02' a float (211300.0), '6ba2a38' not: the
+    # column was taken for a metric and refused; by report (since 46b's check) and by compare (before)
+    rows = "".join(f"{i},0.003,2.1,0.99,1.39,0,,1.0,{sha},{phase}\n"
+                   for i, (sha, phase) in enumerate([("2113e02", "warmup"), ("6ba2a38", "main")], start=1))
+    csv = tmp_path / "steps.csv"
+    csv.write_text(f"{HEADER},commit,phase\n{rows}")
+    code, out, err = ag("report", csv)
+    assert code == 0 and "steps=2" in out, (out, err)
+    for name in ("a", "b"):  # compare, on two run folders holding that CSV
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "steps.csv").write_text(csv.read_text())
+        (tmp_path / name / "config.yaml").write_text("precision: fp32\nsteps: 2\n")
+        (tmp_path / name / "RUN.md").write_text(f"# Run {name}\n\n**finished: 2 steps**\n")
+    code, out, err = ag("compare", tmp_path / "a", tmp_path / "b")
+    assert code == 0 and "Traceback" not in err, (out, err)
+
+
 def test_report_reads_a_summary_nested_past_the_parsers_depth_as_none(tmp_path):
     (tmp_path / "steps.csv").write_text(f"{HEADER}\n1,0.003,2.1,0.99,1.39,0,,1.0\n2,0.003,1.7,0.99,1.14,0,,1.0\n")
     (tmp_path / "summary.json").write_text("[" * 100_000)
