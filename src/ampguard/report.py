@@ -54,19 +54,19 @@ def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]]) -
     """Each row's held-out metrics (empty where none was evaluated): the CSV's extra columns
     (``extra``, as :func:`~ampguard.sinks.read_steps_and_columns` read them) as
     :func:`~ampguard.sinks.metric_values` reads them (numbers; the optimizer labels and empty
-    cells left out). A column is a metric when every cell in it reads as a number, or when its
-    name says it is one (:func:`~ampguard.monitor.metric_direction`: ``val_accuracy``,
-    ``val_loss``, ...); such a column with a cell of text cannot be read: refused
-    (:class:`~ampguard.errors.InputError`, one line), as a resume refuses it. Any other column is
-    text (a user's ``CsvSink(extra_columns=["phase", "commit"])``; DESIGN's "more may follow"
-    sets no type), left out, even where a cell of it reads as a number (a short commit SHA
-    ``2113e02``: review 46d). ``compare`` and ``report`` read a CSV's metrics through this before
-    they write anything.
+    cells left out). A column is a metric when every cell in it reads as a number, or when some
+    do and its name says it is one (:func:`~ampguard.monitor.metric_direction`:
+    ``val_accuracy``, ``val_loss``, ...): such a column with a cell of text cannot be read,
+    refused (:class:`~ampguard.errors.InputError`, one line), as a resume refuses it. Any other
+    column is text (a user's ``CsvSink(extra_columns=["phase", "commit", "precision"])``;
+    DESIGN's "more may follow" sets no type), left out, a column of text named like a metric
+    too, and one where a cell reads as a number (a short commit SHA ``2113e02``: review 46d).
+    ``compare`` and ``report`` read a CSV's metrics through this before they write anything.
 
     Example::
 
-        >>> held_out_metrics("s.csv", [{"val_loss": "0.5", "phase": "warmup", "commit": "2113e02"},
-        ...                            {"val_loss": "", "phase": "main", "commit": "6ba2a38"}])
+        >>> held_out_metrics("s.csv", [{"val_loss": "0.5", "phase": "warmup", "commit": "2113e02", "precision": "bf16"},
+        ...                            {"val_loss": "", "phase": "main", "commit": "6ba2a38", "precision": "bf16"}])
         [{'val_loss': 0.5}, {}]
         >>> held_out_metrics("s.csv", [{"val_accuracy": "0.5"}, {"val_accuracy": "n/a"}])
         Traceback (most recent call last):
@@ -81,8 +81,9 @@ def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]]) -
         return True
 
     names = extra[0] if extra else {}
-    text = {name for name in names if metric_direction(name) is None
-            and not all(number(cells[name]) for cells in extra if cells.get(name))}
+    read = {name: [number(cells[name]) for cells in extra if cells.get(name)] for name in names}
+    text = {name for name, numbers in read.items()
+            if not any(numbers) or (not all(numbers) and metric_direction(name) is None)}
     return [metric_values({k: v for k, v in cells.items() if k not in text}, str(csv_path)) for cells in extra]
 
 

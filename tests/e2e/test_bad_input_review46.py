@@ -71,10 +71,11 @@ def test_report_refuses_a_loss_metric_with_a_cell_of_text_and_reads_a_column_of_
 def test_a_text_column_with_a_cell_that_reads_as_a_number_is_still_text(tmp_path):
     # review 46d: a user's commit column of short SHAs, '2113e02' a float (211300.0), '6ba2a38' not: the
     # column was taken for a metric and refused; by report (since 46b's check) and by compare (before)
-    rows = "".join(f"{i},0.003,2.1,0.99,1.39,0,,1.0,{sha},{phase}\n"
+    # (and columns of text named like metrics: precision, accelerator, loss_fn)
+    rows = "".join(f"{i},0.003,2.1,0.99,1.39,0,,1.0,{sha},{phase},bf16,cpu,mse\n"
                    for i, (sha, phase) in enumerate([("2113e02", "warmup"), ("6ba2a38", "main")], start=1))
     csv = tmp_path / "steps.csv"
-    csv.write_text(f"{HEADER},commit,phase\n{rows}")
+    csv.write_text(f"{HEADER},commit,phase,precision,accelerator,loss_fn\n{rows}")
     code, out, err = ag("report", csv)
     assert code == 0 and "steps=2" in out, (out, err)
     for name in ("a", "b"):  # compare, on two run folders holding that CSV
