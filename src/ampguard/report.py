@@ -21,7 +21,7 @@ from .errors import (ExitCode, InputError, check_folder_of, counted, failed_beca
                      whole_number)
 from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
-from .monitor import RollingWindow, RunMonitor, ScaleHealth, metric_direction
+from .monitor import RollingWindow, RunMonitor, ScaleHealth
 from .precision import Precision, backend_text, finite_number
 from .records import SKIP_REASONS
 from .run_folder import RunPaths
@@ -50,28 +50,29 @@ def panel_title(ax: Any, text: str) -> None:
     ax.set_title(text, y=1.0)
 
 
-def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]]) -> list[dict[str, float]]:
+def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]],
+                     notes: list[str] | None = None) -> list[dict[str, float]]:
     """Each row's held-out metrics (empty where none was evaluated): the CSV's extra columns
-    (``extra``, as :func:`~ampguard.sinks.read_steps_and_columns` read them) as
-    :func:`~ampguard.sinks.metric_values` reads them (numbers; the optimizer labels and empty
-    cells left out). A column is a metric when every cell in it reads as a number, or when some
-    do and its name says it is one (:func:`~ampguard.monitor.metric_direction`:
-    ``val_accuracy``, ``val_loss``, ...): such a column with a cell of text cannot be read,
-    refused (:class:`~ampguard.errors.InputError`, one line), as a resume refuses it. Any other
-    column is text (a user's ``CsvSink(extra_columns=["phase", "commit", "precision"])``;
-    DESIGN's "more may follow" sets no type), left out, a column of text named like a metric
-    too, and one where a cell reads as a number (a short commit SHA ``2113e02``: review 46d).
-    ``compare`` and ``report`` read a CSV's metrics through this before they write anything.
+    (``extra``, as :func:`~ampguard.sinks.read_steps_and_columns` read them) whose every cell
+    reads as a number, as :func:`~ampguard.sinks.metric_values` reads them (the optimizer labels
+    and empty cells left out). Any other column is text (a user's
+    ``CsvSink(extra_columns=["phase", "commit", "precision"])``; DESIGN's "more may follow" sets
+    no type), left out. A column that mixes numbers and text is left out too, and said in
+    ``notes`` (a metric a hand edit or an export spoilt, ``n/a`` in ``val_accuracy``; or text
+    that happens to read as a number, a short commit SHA ``2113e02``): no name tells the two
+    apart (reviews 46b, 46d, 46e: a rule by name refused ``precision`` = ``16``/``bf16`` and
+    ``error_code`` = ``137``/``OOM``, and let ``val_top1`` drop unsaid). ``compare`` and
+    ``report`` read a CSV's metrics through this; what they draw and count never meets a cell of
+    text.
 
     Example::
 
-        >>> held_out_metrics("s.csv", [{"val_loss": "0.5", "phase": "warmup", "commit": "2113e02", "precision": "bf16"},
-        ...                            {"val_loss": "", "phase": "main", "commit": "6ba2a38", "precision": "bf16"}])
+        >>> notes = []
+        >>> held_out_metrics("s.csv", [{"val_loss": "0.5", "commit": "2113e02", "precision": "bf16"},
+        ...                            {"val_loss": "", "commit": "6ba2a38", "precision": "bf16"}], notes)
         [{'val_loss': 0.5}, {}]
-        >>> held_out_metrics("s.csv", [{"val_accuracy": "0.5"}, {"val_accuracy": "n/a"}])
-        Traceback (most recent call last):
-        ...
-        ampguard.errors.InputError: s.csv: column val_accuracy holds 'n/a', not a number
+        >>> print(notes[0])
+        s.csv: column commit holds numbers and text (its first text '6ba2a38', the cell of row 2; 1 of 2 cells numbers): read as text, left out
     """
     def number(cell: str) -> bool:
         try:
@@ -81,9 +82,17 @@ def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]]) -
         return True
 
     names = extra[0] if extra else {}
-    read = {name: [number(cells[name]) for cells in extra if cells.get(name)] for name in names}
-    text = {name for name, numbers in read.items()
-            if not any(numbers) or (not all(numbers) and metric_direction(name) is None)}
+    text = set()
+    for name in names:
+        cells = [(row, cells[name]) for row, cells in enumerate(extra, start=1) if cells.get(name)]
+        read = [number(cell) for _, cell in cells]
+        if all(read):
+            continue
+        text.add(name)
+        if any(read) and notes is not None:
+            row, first = next((row, cell) for (row, cell), ok in zip(cells, read) if not ok)
+            notes.append(f"{csv_path}: column {name} holds numbers and text (its first text {first!r}, the cell of "
+                         f"row {row}; {sum(read)} of {len(read)} cells numbers): read as text, left out")
     return [metric_values({k: v for k, v in cells.items() if k not in text}, str(csv_path)) for cells in extra]
 
 
@@ -142,7 +151,8 @@ def value_notes(csv_path: Path, rows: list[Row], extra: Sequence[Mapping[str, st
     scale (a torch GradScaler's past float32's largest: ampguard's stops there), an applied
     step's post-clip norm above the ``max_norms`` it ran under (one per row: the clip caps it), an
     ``*accuracy`` metric in ``extra`` (the rows' cells after the fixed eight) outside [0, 1] (a
-    percentage?). What no run can write at all (a non-finite loss on an applied step, a post-clip
+    percentage?), a column of numbers and text (:func:`held_out_metrics`: left out). What no run
+    can write at all (a non-finite loss on an applied step, a post-clip
     norm above the pre-clip one) :func:`~ampguard.sinks.read_steps_and_columns` refuses.
 
     Example::
@@ -172,7 +182,7 @@ def value_notes(csv_path: Path, rows: list[Row], extra: Sequence[Mapping[str, st
                        if not r.skipped and cap is not None and r.grad_l2_post_clip is not None
                        and r.grad_l2_post_clip > cap * (1 + 2**-20)],
                       "applied step", "whose post-clip norm is above the max_norm it ran under")
-    metrics = held_out_metrics(csv_path, extra)  # (a cell of text in a column of numbers: one line, refused)
+    metrics = held_out_metrics(csv_path, extra, notes)  # (a column of numbers and text: said, left out)
     for name in sorted({name for values in metrics for name in values if name.endswith("accuracy")}):
         notes += said([(r.step, repr(value)) for r, values in zip(rows, metrics)
                        if (value := values.get(name)) is not None and not 0 <= value <= 1],
@@ -1465,7 +1475,6 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if not rows:  # (a kill in the first row's write leaves it torn: say so, not only "no steps")
         cut = f" (its one row is torn, a write cut short: {torn[0][:40]!r})" if torn else ""
         raise InputError(f"{csv_path}: no steps recorded{cut}, nothing to report")
-    held_out_metrics(csv_path, extra)  # (a metric cell that is no number: refused before anything is drawn)
     # a Trainer run resumed without ampguard's state observed from step N + 1 (summary.json's `unobserved`):
     # the replay begins there too, so the figures are its card's (the rows of steps 1..N a stock Trainer's
     # callback wrote in the train() before are drawn, not counted)
