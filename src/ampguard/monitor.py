@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -331,12 +331,28 @@ found no scale fp16 can hold; from the default 2**16 to the floor 1.0 that is 16
 OSCILLATION_OCTAVES = 2.0
 """``oscillating`` needs the scale to fall this many octaves (powers of two) from an earlier high
 and climb as many from an earlier low within the window, or such a swing repeated within the
-window and the time the scaler takes to climb that far twice (``growth_interval`` clean steps an
-octave, :attr:`ScaleHealth.reach`).
+window and the time the scaler takes to climb that far four times (``growth_interval`` clean
+steps an octave, :attr:`ScaleHealth.reach`).
 One octave is the healthy equilibrium (the scale alternating between two neighbouring powers of
 two, e.g. 2**17 <-> 2**18)."""
 COLLAPSE_OCTAVES = 3.0
 """``collapsing``: the scale ended the window this many octaves (8x) or more below where it began."""
+
+
+def _swing_needed(levels: Sequence[float]) -> float:
+    """The octaves a fall or a climb of the scale (``levels``: its log2 step by step, or move by
+    move) must span to count toward ``oscillating``: :data:`OSCILLATION_OCTAVES`, and more than
+    the largest single move among them, one step's backoff or growth (with ``backoff_factor`` 0.25
+    or ``growth_factor`` 4 one routine move is 2 octaves: review 46e).
+
+    Example::
+
+        >>> _swing_needed([17.0, 18.0, 17.0]) == OSCILLATION_OCTAVES - 1e-9, _swing_needed([19.0, 17.0]) > 2.0
+        (True, True)
+    """
+    one_move = max((abs(b - a) for a, b in zip(levels, levels[1:])), default=0.0)
+    eps = 1e-9  # (octaves of non-power-of-two factors are not exact)
+    return OSCILLATION_OCTAVES - eps if one_move < OSCILLATION_OCTAVES - eps else one_move + eps
 
 
 @dataclass(frozen=True)
@@ -383,7 +399,7 @@ class ScaleHealth:
       earlier high and climbed as many from an earlier low within the window: gradients
       sometimes fit fp16, sometimes not. Given the scaler's ``growth_interval``, also a swing of
       2 octaves repeated (down, up, down: :meth:`swings`) within :attr:`reach`
-      steps, the window and two 2-octave climbs (``4 x growth_interval``), since a scaler that
+      steps, the window and four 2-octave climbs (``8 x growth_interval``), since a scaler that
       grows once in 2000 steps cannot climb 2 octaves inside a window of 1000 (review 46a: with
       ``train``'s defaults the label could never be reached; review 46c: one dip and its climb
       back over thousands of steps is no oscillation);
@@ -412,10 +428,12 @@ class ScaleHealth:
     def __init__(self, window: int, min_scale: float = 1.0, init_scale: float | None = None,
                  growth_interval: int | None = None) -> None:
         self.window = window
-        self.reach = window + 2 * math.ceil(OSCILLATION_OCTAVES) * growth_interval if growth_interval else window
+        self.reach = window + 4 * math.ceil(OSCILLATION_OCTAVES) * growth_interval if growth_interval else window
         """The steps ``oscillating`` looks back over for a repeated swing (:meth:`swings`): the
-        window, and two climbs of :data:`OSCILLATION_OCTAVES` at ``growth_interval`` clean steps an
-        octave when it is given (9,000 steps with ``train``'s defaults)."""
+        window, and four climbs of :data:`OSCILLATION_OCTAVES` at ``growth_interval`` clean steps an
+        octave when it is given (17,000 steps with ``train``'s defaults): two periods of the
+        slowest such swing, so that a steady one reads ``oscillating`` throughout, not only while
+        two of its falls happen to share the span (review 46e)."""
         # the scale's moves since the opening, as (pushes, the scale after it), the first the level in
         # effect :attr:`reach` steps ago: the long span's swings from O(moves), not O(reach) scales
         self._moves: deque[tuple[int, float]] = deque()
@@ -521,8 +539,9 @@ class ScaleHealth:
         """The legs of 2 octaves or more (:data:`OSCILLATION_OCTAVES`), alternating down and up,
         the scale made over the last :attr:`reach` steps from its first such fall, the opening's
         search set aside: a fall from its high, then a climb from its low, then a fall again, ...
-        (each leg measured from the extreme since the one before; the climb before the first fall
-        is the scaler finding its limit, no leg). ``oscillating`` over the span takes 3 (down, up,
+        (each leg measured from the extreme since the one before, and longer than one of the
+        scaler's own moves; the climb before the first fall is the scaler finding its limit, no
+        leg). ``oscillating`` over the span takes 3 (down, up,
         down): the swing repeated; a single dip and its climb back (2 legs) is a scaler that met
         one bad stretch (review 46d: counted from the climb, a run that climbed, dipped once and
         climbed back read 3). 0 when ``reach`` is the window (no ``growth_interval``: :meth:`stats`
@@ -532,7 +551,7 @@ class ScaleHealth:
 
             >>> h = ScaleHealth(5, init_scale=2.0**18, growth_interval=10)
             >>> h.reach
-            45
+            85
             >>> def dip():  # 2**18 -> 2**16 in two overflows, then 20 clean steps back up
             ...     moves = [(2.0**17, True), (2.0**16, True)] + [(2.0**16, False)] * 9
             ...     for scale, skipped in moves + [(2.0**17, False)] * 10 + [(2.0**18, False)]:
@@ -547,15 +566,16 @@ class ScaleHealth:
         """
         if self.reach <= self.window:
             return 0
-        legs, falling, eps = 0, None, 1e-9  # (the direction of the last leg; None: no fall yet)
+        levels = [math.log2(scale) for _, scale in self._moves]
+        need = _swing_needed(levels)
+        legs, falling = 0, None  # (the direction of the last leg; None: no fall yet)
         high = low = None
-        for _, scale in self._moves:
-            x = math.log2(scale)
+        for x in levels:
             high, low = (x, x) if high is None else (max(high, x), min(low, x))
-            if falling is not True and x <= high - OSCILLATION_OCTAVES + eps:
+            if falling is not True and x <= high - need:
                 legs, falling, low = legs + 1, True, x
-            elif falling is True and x >= low + OSCILLATION_OCTAVES - eps:  # (a climb counts after a fall only:
-                legs, falling, high = legs + 1, False, x                    # the climb to the limit is none)
+            elif falling is True and x >= low + need:  # (a climb counts after a fall only: the climb to
+                legs, falling, high = legs + 1, False, x  # the scaler's limit is none)
         return legs
 
     @property
@@ -583,7 +603,8 @@ class ScaleHealth:
             return "collapsing"
         if s.warmup and s.swing == 0:
             return "warming"
-        if s.fall >= OSCILLATION_OCTAVES - eps and s.rise >= OSCILLATION_OCTAVES - eps:
+        need = _swing_needed([math.log2(x) for x in self._judged()[1] if x > 0])
+        if s.fall >= need and s.rise >= need:
             return "oscillating"
         if self.swings() >= 3:
             return "oscillating"
