@@ -342,15 +342,25 @@ COLLAPSE_OCTAVES = 3.0
 def _swing_needed(levels: Sequence[float]) -> float:
     """The octaves a fall or a climb of the scale (``levels``: its log2 step by step, or move by
     move) must span to count toward ``oscillating``: :data:`OSCILLATION_OCTAVES`, and more than
-    the largest single move among them, one step's backoff or growth (with ``backoff_factor`` 0.25
-    or ``growth_factor`` 4 one routine move is 2 octaves: review 46e).
+    the scaler's routine move, one step's backoff or growth (with ``backoff_factor`` 0.25 or
+    ``growth_factor`` 4 one routine move is 2 octaves: review 46e): the commonest size of a single
+    move down (a backoff) and of a single move up (a growth), the larger of the two (review 46f:
+    the largest move, one scale set 8x higher, a checkpoint's restored, made every swing need more
+    than 3 octaves and hid a real oscillation).
 
     Example::
 
-        >>> _swing_needed([17.0, 18.0, 17.0]) == OSCILLATION_OCTAVES - 1e-9, _swing_needed([19.0, 17.0]) > 2.0
-        (True, True)
+        >>> _swing_needed([17.0, 18.0, 17.0]) == OSCILLATION_OCTAVES - 1e-9
+        True
+        >>> _swing_needed([19.0, 17.0, 18.0, 19.0, 17.0]) > 2.0  # (backoff 0.25: 2 octaves a backoff)
+        True
+        >>> _swing_needed([14.0, 17.0, 16.0, 17.0, 16.0, 17.0]) < 2.0  # (one jump of 3 among growths of 1)
+        True
     """
-    one_move = max((abs(b - a) for a, b in zip(levels, levels[1:])), default=0.0)
+    ups = Counter(round(b - a, 6) for a, b in zip(levels, levels[1:]) if b > a)
+    downs = Counter(round(a - b, 6) for a, b in zip(levels, levels[1:]) if b < a)
+    one_move = max((max(sizes.items(), key=lambda item: (item[1], item[0]))[0] for sizes in (ups, downs) if sizes),
+                   default=0.0)  # (each direction's commonest move; a tie: the larger)
     eps = 1e-9  # (octaves of non-power-of-two factors are not exact)
     return OSCILLATION_OCTAVES - eps if one_move < OSCILLATION_OCTAVES - eps else one_move + eps
 
