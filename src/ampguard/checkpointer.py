@@ -925,6 +925,9 @@ def check_payload(loaded: Loaded) -> None:
         raise bad(f"{STATE}.updates", state["updates"], f"at most {step} (the checkpoint's step)")
     if UPDATES in payload and payload[UPDATES] > step:
         raise bad(UPDATES, payload[UPDATES], f"at most {step} (the checkpoint's step)")
+    run = state["monitors"].get("run")  # (the run monitor's count: review 46b)
+    if isinstance(run, Mapping) and whole_number(run.get("steps")) and run["steps"] > step:
+        raise bad(f"{STATE}.monitors.run.steps", run["steps"], f"at most {step} (the checkpoint's step)")
     if len(payload.get(ROLLBACKS) or []) > step:  # one rollback a step at most
         raise bad(ROLLBACKS, payload[ROLLBACKS], f"at most {step} entries (one a step)")
 
@@ -1190,17 +1193,8 @@ def _check_step_state(path: Path, saved: Mapping[str, Any], state: Any) -> None:
             for name, monitor in monitors.items():
                 if name in saved_monitors and hasattr(monitor, "check_state"):
                     monitor.check_state(saved_monitors[name], f"{STATE}.monitors.{name}.")
-            run, step = saved_monitors.get("run"), saved.get("step")
-            if isinstance(run, Mapping) and whole_number(step) and whole_number(run.get("steps")):
-                _need_at_most(run["steps"], step, f"{STATE}.monitors.run.steps")
     except ValueError as err:
         raise InputError(f"{path}: bad checkpoint: {first_line(err)}") from None
-
-
-def _need_at_most(value: int, step: int, where: str) -> None:
-    """A saved count past the checkpoint's step is refused (``ValueError`` naming ``where``)."""
-    if value > step:
-        raise ValueError(f"{where} is {value}, expected at most {step} (the checkpoint's step)")
 
 
 def check_scaler_state(path: Path | str, saved: Any, scaler: Any) -> None:

@@ -1434,12 +1434,14 @@ def load_batches(path: str) -> tuple[list[tuple[Any, Any]], float | None]:
         raise InputError(f"{path}: loss_scale {scale:g} is not a float32 scale: it must be in [{DEFAULT_MIN_SCALE:g}, "
                          f"{MAX_SCALE:g}]")
     try:  # (what the replay walks: a structure nested past Python's recursion limit is no batch)
+        inputs = []
         for b in items:
-            _tensors(b["inputs"]), _tensors(b["targets"])
+            _tensors(b["targets"])  # (walked for its depth alone)
+            inputs.append(_tensors(b["inputs"]))
     except RecursionError:
         raise InputError(f"{path}: the batch's inputs or targets are nested too deep to read") from None
-    for i, b in enumerate(items):  # a loss over no examples is a NaN mean, not a finding
-        first = next(iter(_tensors(b["inputs"])), None)
+    for i, tensors in enumerate(inputs):  # a loss over no examples is a NaN mean, not a finding
+        first = next(iter(tensors), None)
         if first is not None and first.dim() > 0 and first.shape[0] == 0:
             which = f"micro-batch {i}" if "micro_batches" in data else "the batch"
             raise InputError(f"{path}: {which} holds no examples (inputs of shape {tuple(first.shape)})")

@@ -534,8 +534,15 @@ class ScaleHealth:
             >>> s.swing, s.fall, s.rise, s.trend, s.headroom, s.skip_share, h.verdict
             (1.0, 1.0, 1.0, 0.0, 17.0, 0.1, 'stable')
         """
+        return self._stats_of(*self._window_logs())
+
+    def _window_logs(self) -> tuple[int, list[float]]:
+        """(warm-up skips set aside, the judged scales in octaves from the first): one walk of the
+        window, for :meth:`stats` and the verdict's swing threshold alike."""
         warmup, scales = self._judged()
-        logs = [math.log2(s / scales[0]) if scales[0] > 0 and s > 0 else 0.0 for s in scales] or [0.0]
+        return warmup, [math.log2(s / scales[0]) if scales[0] > 0 and s > 0 else 0.0 for s in scales] or [0.0]
+
+    def _stats_of(self, warmup: int, logs: list[float]) -> ScaleStats:
         fall = rise = 0.0
         high = low = logs[0]
         for x in logs:
@@ -607,13 +614,14 @@ class ScaleHealth:
     def _judge(self) -> str:
         if self.at_floor and self._skipped.seen_mean > 0:  # (at the floor and still skipping: a run started
             return "collapsing"                             # at it whose steps apply is not collapsing)
-        s = self.stats()
+        warmup, logs = self._window_logs()
+        s = self._stats_of(warmup, logs)
         eps = 1e-9  # octaves of non-power-of-two growth factors are not exact
         if s.trend <= -COLLAPSE_OCTAVES + eps or self.streak > COLLAPSE_STREAK:
             return "collapsing"
         if s.warmup and s.swing == 0:
             return "warming"
-        need = _swing_needed([math.log2(x) for x in self._judged()[1] if x > 0])
+        need = _swing_needed(logs)
         if s.fall >= need and s.rise >= need:
             return "oscillating"
         if self.swings() >= 3:
