@@ -15,11 +15,15 @@ from ampguard.monitor import RunMonitor, ScaleHealth
 from ampguard.records import SkipLog, StepLog
 
 
-def _records(overflow, steps, config):
-    """A real scaler's scale after each step (torch's own update kernel) at ``config``'s settings."""
+def _records(overflow, steps, config, jumps=None):
+    """A real scaler's scale after each step (torch's own update kernel) at ``config``'s settings;
+    ``jumps``: {step: factor} the scale is multiplied by before that step's update (a checkpoint's restored)."""
     s = config.scaler
     scale, tracker = torch.full((), s.init_scale), torch.zeros((), dtype=torch.int32)
     for step in range(1, steps + 1):
+        if jumps and step in jumps:
+            scale.mul_(jumps[step])
+            tracker.zero_()
         skipped = overflow(step)
         torch._amp_update_scale_(scale, tracker, torch.tensor(float(skipped)), s.growth_factor, s.backoff_factor,
                                  s.growth_interval)
@@ -197,22 +201,10 @@ def test_one_jump_of_the_scale_does_not_hide_a_real_oscillation():
     # growth interval of 50); at step 3000 the scale set 8x higher in one step (a checkpoint's restored):
     # taken for the scaler's routine move, it made every swing need more than 3 octaves
     config = load_config(None, ["precision=fp16", "scaler.growth_interval=50"])
-    s = config.scaler
     monitor = build_monitor(config, scaler_enabled=True)
-    scale, tracker = torch.full((), s.init_scale), torch.zeros((), dtype=torch.int32)
     seen = collections.Counter()
-    for step in range(1, 4001):
-        if step == 3000:
-            scale.mul_(8.0)
-            tracker.zero_()
-        skipped = step > 500 and step % 400 in (1, 2, 3)
-        torch._amp_update_scale_(scale, tracker, torch.tensor(float(skipped)), s.growth_factor, s.backoff_factor,
-                                 s.growth_interval)
-        value = float(scale)
-        monitor.observe(SkipLog(step=step, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
-                                scaler_scale=value, reason="non_finite_grad") if skipped else
-                        StepLog(step=step, lr=0.1, loss=1.0, grad_l2_pre_clip=0.5, grad_l2_post_clip=0.5,
-                                scaler_scale=value))
-        if step > 3000 and step % 25 == 0:
+    for record in _records(lambda step: step > 500 and step % 400 in (1, 2, 3), 4000, config, jumps={3000: 8.0}):
+        monitor.observe(record)
+        if record.step > 3000 and record.step % 25 == 0:
             seen[monitor.scale_verdict] += 1
     assert seen == {"oscillating": 40}, seen
