@@ -581,9 +581,14 @@ class GuardedGradScaler(torch.amp.GradScaler):
 
     def forget_unscaled(self) -> None:
         """Forget what ``unscale_`` did since the last ``update()`` (as ``update()`` does): for a
-        restore that abandons an open group, whose unscaled mark would otherwise outlive it."""
+        restore that abandons an open group, whose unscaled mark would otherwise outlive it. The
+        plain scaler taken over (:meth:`from_scaler`) forgets too: a ``scaler.unscale_(opt)`` the
+        loop kept once is refused at that step (:meth:`twin_used`), not at every one after it
+        (its ``update()``, the one reset a user could reach, the guard refuses)."""
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._found_off.clear()
+        if self._twin is not None:
+            self._twin._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def mark_found_inf_(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the next ``update()`` treat this iteration as an overflow (backoff, tracker reset).
@@ -927,15 +932,23 @@ class Precision:
             ...
             ValueError: parameter 'weight' is float16, but bf16 mixed precision keeps FP32 master weights: autocast computes in bf16 while the optimizer updates float32 weights, so small updates are not lost to rounding; keep the model in float32 (no .half() / .to(torch.bfloat16))
         """
-        if self.autocasts:  # (float64 weights hold more than the master weights need: theirs to choose)
-            for name, param in model.named_parameters():
-                if param.is_floating_point() and param.dtype.itemsize < 4:
-                    kind = str(param.dtype).removeprefix("torch.")
-                    raise ValueError(
-                        f"parameter {name!r} is {kind}, but {self.name} mixed precision keeps FP32 master weights: "
-                        f"autocast computes in {self.name} while the optimizer updates float32 weights, so small "
-                        f"updates are not lost to rounding; keep the model in float32 (no .half() / "
-                        f".to(torch.{'bfloat16' if self.name == 'bf16' else 'float16'}))")
+        # (float64 weights hold more than the master weights need: theirs to choose)
+        name, param = next(((n, p) for n, p in model.named_parameters()
+                            if p.is_floating_point() and p.dtype.itemsize < 4), (None, None))
+        if param is not None and self.autocasts:
+            kind = str(param.dtype).removeprefix("torch.")
+            raise ValueError(
+                f"parameter {name!r} is {kind}, but {self.name} mixed precision keeps FP32 master weights: "
+                f"autocast computes in {self.name} while the optimizer updates float32 weights, so small "
+                f"updates are not lost to rounding; keep the model in float32 (no .half() / "
+                f".to(torch.{'bfloat16' if self.name == 'bf16' else 'float16'}))")
+        if param is not None:  # (fp32: pure half precision is the user's choice; its records say fp32: said)
+            kind = str(param.dtype).removeprefix("torch.")
+            mixed = "bf16" if param.dtype == torch.bfloat16 else "fp16"
+            warnings.warn(f"parameter {name!r} is {kind} under precision {self.name}: the guard trains the weights "
+                          f"as they are, pure {kind} (no autocast, no loss scaler: small gradients flush to zero in "
+                          f"float16; updates rounded to {kind}), and its records say {self.name}; mixed precision is "
+                          f"float32 weights with precision {mixed}", AmpguardWarning, stacklevel=3)
         if self.uses_scaler:  # (PyTorch's unscale kernel has no complex version: a NotImplementedError mid-step)
             name = next((n for n, p in model.named_parameters() if p.is_complex() and p.requires_grad), None)
             if name is not None:

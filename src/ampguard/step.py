@@ -133,6 +133,50 @@ class _ReadOnly(dict):  # type: ignore[type-arg]
         return type(self), (dict(self),)
 
 
+class _Monitors(dict):  # type: ignore[type-arg]
+    """``guard.monitors``: name -> an object with ``state_dict()`` / ``load_state_dict()``, fed by
+    the loop and saved with the guard's state. A state :meth:`Guard.load_state_dict` found no
+    monitor for is kept (``saved``) and loaded when one is registered under its name: a loop
+    that builds its monitors after the resume gets them as they were, not fresh, unsaid
+    (review 47c). A monitor registered with no saved state starts fresh (one added on resume).
+
+    Example::
+
+        >>> class Count:
+        ...     def __init__(self): self.n = 0
+        ...     def state_dict(self): return {"n": self.n}
+        ...     def load_state_dict(self, state): self.n = state["n"]
+        >>> monitors = _Monitors()
+        >>> monitors.saved = {"count": {"n": 7}}
+        >>> monitors["count"] = Count()
+        >>> monitors["count"].n, monitors.saved
+        (7, {})
+    """
+
+    def __init__(self, items: Any = (), saved: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.saved: dict[str, Any] = dict(saved or {})
+        self.update(items)
+
+    def __setitem__(self, name: str, monitor: Any) -> None:
+        if name in self.saved:
+            monitor.load_state_dict(self.saved[name])
+            del self.saved[name]  # (after the load: a state it refused stays for the next try)
+        super().__setitem__(name, monitor)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        for name, monitor in dict(*args, **kwargs).items():
+            self[name] = monitor
+
+    def setdefault(self, name: str, monitor: Any = None) -> Any:  # type: ignore[override]
+        if name not in self:
+            self[name] = monitor
+        return self[name]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (dict(self), self.saved)
+
+
 def _inner_scheduler(scheduler: Any) -> Any:
     """The torch scheduler inside Accelerate's ``AcceleratedScheduler`` (its ``.scheduler``), or
     ``scheduler`` itself (another's ``.scheduler`` that is no LR scheduler is left alone)."""
@@ -285,6 +329,7 @@ def _check_left_out(root: nn.Module, holder: dict[int, str], frozen: str) -> Non
             "or pass frozen='ignore'")
 
 
+_HALF = (torch.float16, torch.bfloat16)  # a loss in these is rounded (Guard.backward says so once)
 _RENAMED = {"_frozen": "_unheld_trainable", "_unowned": "_unheld_frozen", "_held": "_held_count",
             "max_norm": "_max_norm"}
 """A Guard's attributes an earlier ampguard named otherwise (:meth:`Guard.__setstate__`)."""
@@ -628,7 +673,8 @@ class Guard:
         self.device = device
         self.scaler = _adopt_scaler(scaler, precision)
 
-        self.monitors: dict[str, Any] = {}  # fed by the loop, saved here: name -> obj with state_dict()
+        self._half_loss_said = False  # (a float16/bfloat16 loss: said once, Guard.backward)
+        self.monitors: dict[str, Any] = _Monitors()  # fed by the loop, saved here: name -> obj with state_dict()
         # called at a skipped step, before its gradients are dropped (diagnostics: nothing on applied
         # steps), with the group's GradSet (its per-parameter norms, where the global norm took them)
         self.skip_hooks: list[Callable[[GradSet], None]] = []
@@ -700,6 +746,7 @@ class Guard:
             if old in state:
                 state[new] = state.pop(old)
         self.__dict__.update(state)
+        self.__dict__.setdefault("_half_loss_said", False)  # (a guard pickled before it was kept)
         if "_slots" not in state and "_root" in state:  # (a guard pickled before the slots were read)
             self._slots = _parameter_slots(self._root)
         self._running_stats = RunningStats(getattr(self, "_modules", []))
@@ -878,7 +925,7 @@ class Guard:
             yield
 
     def backward(self, *losses: torch.Tensor, divided: bool = False,
-                 backward: Callable[[torch.Tensor], Any] | None = None) -> None:
+                 backward: Callable[[torch.Tensor], Any] | None = None, retain_graph: bool = False) -> None:
         """Check the loss on the device, divide it by the accumulation steps, scale it, backward.
 
         The loss is checked before backward, on the device: a non-finite loss is replaced by zero
@@ -903,11 +950,20 @@ class Guard:
         guard's own backward); ``fn`` must backward through it once: a finite loss's backward it
         did not run, or ran twice, is refused (the group dropped); a non-finite loss's it left out
         the guard runs, seeded 0. One loss: several would need ``retain_graph`` in ``fn``.
+
+        ``retain_graph=True`` keeps the graph after the last loss's backward, as
+        ``loss.backward(retain_graph=True)`` does (a loop that backwards through it again later).
+
+        A loss in float16 or bfloat16 (a reduction inside autocast: ``(x * x).sum()``) is said
+        once (:class:`~ampguard.errors.AmpguardWarning`): the recipe's loss is float32, and a
+        float16 one scaled by 65536 overflows, its steps skipped as non-finite gradients.
         """
         try:
             self._refuse_out_of_order(losses)
-            if backward is not None and len(losses) > 1:
-                raise ValueError("Guard.backward(backward=fn) takes one loss (fn backwards it once; sum the losses)")
+            if backward is not None and (len(losses) > 1 or retain_graph):
+                raise ValueError("Guard.backward(backward=fn) takes one loss (fn backwards it once; sum the losses)"
+                                 if len(losses) > 1 else "Guard.backward(backward=fn, retain_graph=True): fn "
+                                 "runs the backward, so it says retain_graph (scaled.backward(retain_graph=True))")
             if self._autocast_probes:  # (the first backward only)
                 self._end_autocast_probe()
             self._check_losses(losses)
@@ -936,7 +992,7 @@ class Guard:
                         loss = loss / n
                     scaled = self.scaler.scale(loss)
                     if backward is None:
-                        scaled.backward(_finite_seed(mark, scaled), retain_graph=i < last)  # the loss checked
+                        scaled.backward(_finite_seed(mark, scaled), retain_graph=retain_graph or i < last)  # checked
                     else:
                         _handed_backward(backward, scaled * _finite_seed(mark, scaled))
         except BaseException as err:  # (free until something raises: no context manager on the hot path)
@@ -976,6 +1032,16 @@ class Guard:
                 which = f"loss {i + 1} of {len(losses)}" if len(losses) > 1 else "the loss"
                 raise ValueError(f"Guard.backward(): {which} does not require grad (made under torch.no_grad(), "
                                  "detached, or a constant placeholder: leave it out): nothing to backward")
+            if loss.dtype in _HALF and not self._half_loss_said:
+                self._half_loss_said = True
+                kind = str(loss.dtype).removeprefix("torch.")
+                overflow = ("; scaled by the loss scale (65536 by default) it overflows float16 past 65504, and "
+                            "the step skips as a non-finite gradient" if self.scaler.is_enabled()
+                            and loss.dtype == torch.float16 else "")
+                warnings.warn(f"Guard.backward(): the loss is {kind}, not float32 (a reduction inside autocast, "
+                              f"(x * x).sum()?): it is rounded to {kind}{overflow}; make it float32 (.float() "
+                              "before the reduction, or a loss function autocast runs in float32, F.mse_loss)",
+                              AmpguardWarning, stacklevel=3)
         if self.scaler.any_unscaled(self.optimizers.values()):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
@@ -1043,7 +1109,10 @@ class Guard:
 
         ``close=True`` ends the group now, with the micro-batches it has (a loop's short last
         group, as Lightning steps an epoch's last batches): their losses were divided by
-        ``accumulation_steps`` all the same, and the record's loss is their mean. Refused for a
+        ``accumulation_steps`` all the same, and the record's loss is their mean. Given after
+        the group's last ``step()`` (a loader of unknown length ends inside a group: its last
+        batch is known only when the loop has ended), it closes the open group the same way;
+        with no group open it is refused as a second ``step()``. Refused for a
         model under DDP/FSDP2: the guard all-reduces gradients on the micro-batch it expects to
         be last, so a short group's never were.
 
@@ -1054,16 +1123,21 @@ class Guard:
         After every step all the guard's gradients are dropped, the unstepped optimizers' too
         (as a GAN's ``zero_grad`` before each backward drops what the other loss left there).
         """
-        if not self._backward_pending:
+        after_loop = not self._backward_pending and close and self._micro > 0  # a short group closed after the loop
+        if not self._backward_pending and not after_loop:
             if not self._micro and any(map(holds_gradients, self.optimizers.values())):  # (the error's path only)
                 raise RuntimeError("Guard.step() without guard.backward(loss): the gradients there come from a "
                                    "backward outside the guard (a loss.backward() of yours?): call "
                                    "guard.backward(loss) instead, which checks, scales and counts it")
+            if self._micro:  # (a loader that ended inside a group: its last micro-batches wait for a close)
+                raise RuntimeError(f"Guard.step() called twice: the open group holds {self._micro} of "
+                                   f"{self.accumulation_steps} micro-batches, and the next guard.backward(loss) adds "
+                                   "one; a loop that ended inside a group closes it with guard.step(close=True)")
             raise RuntimeError("Guard.step() called twice: the order is `with guard.autocast(): loss = ...`, "
-                               "guard.backward(loss), guard.step()" if self._micro or self.steps else
+                               "guard.backward(loss), guard.step()" if self.steps else
                                "Guard.step() before guard.backward(loss): nothing to step")
         # (a refusal here keeps the group as it was: the same call with the right names goes on)
-        names = self._names(which)
+        names = self._group if after_loop and not which and self._group is not None else self._names(which)
         if self._group is not None and names != self._group:
             raise RuntimeError(f"Guard.step() names optimizers {list(names)} inside a group begun with "
                                f"{list(self._group)}: step the same optimizers until the group closes")
@@ -1226,8 +1300,9 @@ class Guard:
         for name in names:
             if self.scaler.twin_used(self.optimizers[name]):
                 raise RuntimeError("the GradScaler given as scaler= was used on the optimizer outside the guard "
-                                   "(scaler.unscale_(optimizer): the guard would divide the gradients a second "
-                                   "time): the guard unscales, clips and steps; remove those lines from the loop")
+                                   "(scaler.unscale_(optimizer), or a scaler.step(optimizer) refused after it "
+                                   "unscaled: the guard would divide the gradients a second time): the guard "
+                                   "unscales, clips and steps; remove those lines from the loop")
         if _parameter_count(self.optimizers) != self._held_count:  # a group added inside this group (read at its start)
             self._own_again()
         micro, self._micro = self._micro, 0
@@ -1639,11 +1714,14 @@ class Guard:
             ...
             ValueError: state was saved with precision='bf16', this step uses 'fp32'
         """
-        _check_state(state, self.scaler.is_enabled())
-        for key in ("precision", "accumulation_steps"):
+        _check_state(state)
+        for key in ("precision", "accumulation_steps"):  # (before the scaler: a bf16 state holds none)
             mine = self.precision.name if key == "precision" else self.accumulation_steps
             if state.get(key) != mine:
                 raise ValueError(f"state was saved with {key}={state.get(key)!r}, this step uses {mine!r}")
+        if self.scaler.is_enabled() and not state["scaler"]:
+            raise ValueError("Guard.load_state_dict(): the state holds no loss-scaler state, which an fp16 guard's "
+                             "state_dict() saves: its scale would start again unsaid")
         saved = sorted(state.get("applied", {"optimizer": 0}))
         if saved != sorted(self._applied):
             raise ValueError(f"state was saved with optimizers {saved}, this step has {sorted(self._applied)}")
@@ -1655,23 +1733,27 @@ class Guard:
             self._applied = {name: int(state["applied"][name]) for name in self._applied}
         else:
             self._applied = {name: self.updates for name in self._applied}
-        for name, monitor_state in state.get("monitors", {}).items():
-            if name in self.monitors:
-                self.monitors[name].load_state_dict(monitor_state)
+        saved = dict(state.get("monitors", {}))
+        for name, monitor in self.monitors.items():
+            if name in saved:
+                monitor.load_state_dict(saved.pop(name))
+        if isinstance(self.monitors, _Monitors):  # (the rest: for monitors the loop registers after the load)
+            self.monitors.saved = saved
         self._scheduler_epochs.clear()  # (a restore loads the schedulers' states with it)
         self._abandon_group()
         self._look_all = True  # (a resumed run's first step looks at every parameter, as a fresh one's does)
 
 
-def _check_state(state: Any, scaled: bool) -> None:
+def _check_state(state: Any) -> None:
     """What :meth:`Guard.load_state_dict` is given has the shape :meth:`Guard.state_dict` gives,
     checked before anything is restored (a missing key was a bare ``KeyError``, ``monitors=None``
-    an ``AttributeError``, ``step=2.7`` truncated, ``updates`` past ``step`` taken, an fp16 guard
-    given no scaler state kept its fresh scale, unsaid).
+    an ``AttributeError``, ``step=2.7`` truncated, ``updates`` past ``step`` taken). An fp16
+    state without its scaler's is refused after the precision is compared (a bf16 state given
+    to an fp16 guard is named by its precision).
 
     Example::
 
-        >>> _check_state({"step": 3, "updates": 4, "scaler": {}}, scaled=False)
+        >>> _check_state({"step": 3, "updates": 4, "scaler": {}})
         Traceback (most recent call last):
         ...
         ValueError: Guard.load_state_dict(): step 3 and updates 4 must be whole numbers, updates <= step
@@ -1693,9 +1775,6 @@ def _check_state(state: Any, scaled: bool) -> None:
                          "of updates, at most step")
     if not isinstance(state.get("monitors", {}), Mapping):
         raise ValueError(f"Guard.load_state_dict(): monitors {state['monitors']!r} must be a dict of their states")
-    if scaled and not state["scaler"]:
-        raise ValueError("Guard.load_state_dict(): the state holds no loss-scaler state, which an fp16 guard's "
-                         "state_dict() saves: its scale would start again unsaid")
 
 
 def _initial_lr(group: dict[str, Any]) -> torch.Tensor:
@@ -1709,6 +1788,9 @@ def _initial_lr(group: dict[str, Any]) -> torch.Tensor:
     base = group["initial_lr"]
     device = lr.device if isinstance(lr, torch.Tensor) else None
     return torch.as_tensor(base, dtype=torch.float32, device=device).detach().clone()
+
+
+_NO_BATCH: Any = object()  # (AmpTrainState.step without a batch: only step(close=True))
 
 
 class AmpTrainState(Guard):
@@ -1736,12 +1818,13 @@ class AmpTrainState(Guard):
         super().__init__(model, optimizer, **settings)
         self.loss_fn = loss_fn
 
-    def step(self, inputs: Any, targets: Any, *, close: bool = False  # type: ignore[override]
-             ) -> StepLog | SkipLog | PendingStep | None:
+    def step(self, inputs: Any = _NO_BATCH, targets: Any = _NO_BATCH, *,  # type: ignore[override]
+             close: bool = False) -> StepLog | SkipLog | PendingStep | None:
         """Forward and backward one micro-batch; at the end of a group, update (or skip).
-        ``close=True`` on a loader's last batch ends a short group, as :meth:`Guard.step`'s.
+        ``close=True`` on a loader's last batch ends a short group, as :meth:`Guard.step`'s;
+        ``step(close=True)`` with no batch, after the loop, closes the group the loader ended in.
 
-        Example (three batches, groups of two: the last group closed short)::
+        Example (three batches, groups of two: the last group closed short, on its batch or after)::
 
             >>> model = torch.nn.Linear(2, 1)
             >>> state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -1749,7 +1832,16 @@ class AmpTrainState(Guard):
             >>> [type(state.step(torch.ones(1, 2), torch.zeros(1, 1), close=last)).__name__
             ...  for last in (False, False, True)]
             ['NoneType', 'StepLog', 'StepLog']
+            >>> [type(state.step(torch.ones(1, 2), torch.zeros(1, 1))).__name__ for _ in range(3)]
+            ['NoneType', 'StepLog', 'NoneType']
+            >>> state.step(close=True).step
+            4
         """
+        if inputs is _NO_BATCH or targets is _NO_BATCH:
+            if inputs is _NO_BATCH and targets is _NO_BATCH and close:  # (the group a loader ended inside)
+                return super().step(close=True)
+            raise TypeError("AmpTrainState.step(inputs, targets) takes a batch; with none, only step(close=True) "
+                            "after the loop, which closes the group the loader ended inside")
         with self.autocast():  # (which copies the running statistics before the forward writes them)
             loss = self.loss_fn(self.model(inputs), targets)
         self.backward(loss)

@@ -1,0 +1,248 @@
+"""Review 47c: ``Guard`` in a user's own loop, the cases that went wrong or said nothing.
+
+A stray ``scaler.unscale_(opt)`` on a handed-over GradScaler blocked every later step, not only
+its own; a loader that ended inside an accumulation group left a group nothing could close
+("Guard.step() called twice"); a float16 loss overflowed under the loss scale as a run of
+``non_finite_grad`` skips, unsaid; a monitor registered after ``load_state_dict`` started fresh,
+unsaid; a bf16 state given to an fp16 guard was named by its missing scaler state, not its
+precision; half weights under ``precision="fp32"`` trained pure half precision under the name
+fp32, unsaid; ``backward(loss, retain_graph=True)`` was a bare TypeError.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampguard import AmpTrainState, Guard, StepLog
+from ampguard.errors import AmpguardWarning
+from ampguard.monitor import RunMonitor
+
+
+def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
+
+
+def _loss(guard: Guard, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with guard.autocast():
+        return F.mse_loss(model(x).float(), y)
+
+
+# ------------------------------------------------------------- a stray line of the recipe, once
+
+
+@pytest.mark.parametrize("stray", ["unscale_", "step"])
+def test_a_stray_scaler_line_kept_once_is_refused_at_its_step_and_the_loop_goes_on(stray):
+    # the plain scaler stayed marked "unscaled" for good: every later guard.step() was refused,
+    # in a new Guard too, and scaler.update() (the one reset in reach) the guard refuses
+    model, opt = _model()
+    plain = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    guard = Guard(model, opt, precision="fp16", scaler=plain)
+    batches = _batches(4)
+    guard.backward(_loss(guard, model, *batches[0]))
+    try:
+        getattr(plain, stray)(opt)
+    except RuntimeError:  # (scaler.step: the optimizer's step is refused, after the scaler unscaled)
+        assert stray == "step"
+    with pytest.raises(RuntimeError, match=r"GradScaler given as scaler= was used on the optimizer outside"):
+        guard.step()
+    records = []
+    for x, y in batches[1:]:  # the line taken out again: every step is the guard's
+        guard.backward(_loss(guard, model, x, y))
+        records.append(guard.step())
+    assert all(isinstance(r, StepLog) and not r.skipped for r in records), records
+    assert [r.step for r in records] == [1, 2, 3] and guard.updates == 3
+    fresh = Guard(model, opt, precision="fp16", scaler=plain)  # and a new guard over the same scaler
+    fresh.backward(_loss(fresh, model, *batches[0]))
+    assert isinstance(fresh.step(), StepLog)
+
+
+# ------------------------------------------------------- a loader that ends inside a group
+
+
+def _canonical_short_tail(batches, n: int) -> list[torch.Tensor]:
+    model, opt = _model()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    micro = 0
+    for x, y in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(model(x).float(), y)
+        scaler.scale(loss / n).backward()
+        micro += 1
+        if micro == n:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            micro = 0
+    if micro:  # the loop's end: the short group closes
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_group_a_streaming_loader_ended_inside_closes_after_the_loop_as_the_recipe_closes_it():
+    batches = _batches(7)  # groups of 3: two full, one of a single micro-batch
+    model, opt = _model()
+    guard = Guard(model, opt, precision="bf16", accumulation_steps=3)
+    for x, y in iter(batches):  # (no len(): the last batch is known when the loop has ended)
+        guard.backward(_loss(guard, model, x, y))
+        guard.step()
+    assert guard.mid_group
+    with pytest.raises(RuntimeError, match=r"the open group holds 1 of 3 micro-batches.*guard.step\(close=True\)"):
+        guard.step()
+    record = guard.step(close=True)
+    assert isinstance(record, StepLog) and record.step == 3 and guard.updates == 3
+    expected = _canonical_short_tail(batches, 3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected))
+    assert guard.state_dict()["step"] == 3  # (a checkpoint at the end is no longer refused)
+    with pytest.raises(RuntimeError, match=r"Guard.step\(\) called twice"):
+        guard.step(close=True)  # nothing open: a second close is a second step()
+
+
+def test_amp_train_state_closes_the_group_its_loader_ended_inside():
+    batches = _batches(7)
+    model, opt = _model()
+    state = AmpTrainState(model, opt, F.mse_loss, precision="bf16", accumulation_steps=3)
+    state.loss_fn = lambda out, y: F.mse_loss(out.float(), y)
+    for x, y in batches:
+        state.step(x, y)
+    assert state.step(close=True).step == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), _canonical_short_tail(batches, 3)))
+    with pytest.raises(TypeError, match=r"only step\(close=True\) after the loop"):
+        state.step()
+
+
+# --------------------------------------------------------------------- a loss left in half
+
+
+@pytest.mark.parametrize("precision, dtype, said", [
+    ("fp16", torch.float16, "overflows float16 past 65504"),
+    ("bf16", torch.bfloat16, "rounded to bfloat16"),
+])
+def test_a_half_precision_loss_is_said_once(precision, dtype, said):
+    model, opt = _model()
+    guard = Guard(model, opt, precision=precision)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in _batches(3):
+            with guard.autocast():
+                out = model(x)
+                loss = ((out - y.to(out.dtype)) ** 2).sum()  # a reduction of autocast's output: in half
+            assert loss.dtype == dtype
+            guard.backward(loss)
+            guard.step()
+    said_ = [w for w in caught if issubclass(w.category, AmpguardWarning) and "the loss is" in str(w.message)]
+    assert len(said_) == 1 and said in str(said_[0].message), [str(w.message) for w in caught]
+
+
+def test_a_float32_loss_is_not_said():
+    model, opt = _model()
+    guard = Guard(model, opt, precision="fp16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard.backward(_loss(guard, model, *_batches(1)[0]))
+        guard.step()
+    assert not [w for w in caught if "the loss is" in str(w.message)]
+
+
+# ------------------------------------------------------------ monitors and the saved state
+
+
+def test_a_monitor_registered_after_the_load_gets_its_saved_state():
+    model, opt = _model()
+    guard = Guard(model, opt, precision="bf16")
+    guard.monitors["run"] = monitor = RunMonitor(window=10)
+    for x, y in _batches(3):
+        guard.backward(_loss(guard, model, x, y))
+        monitor.observe(guard.step())
+    saved = copy.deepcopy(guard.state_dict())
+    assert monitor.steps == 3
+
+    model2, opt2 = _model()
+    resumed = Guard(model2, opt2, precision="bf16")
+    resumed.load_state_dict(saved)
+    resumed.monitors["run"] = late = RunMonitor(window=10)  # registered after the load
+    assert late.steps == 3 and late.state_dict() == monitor.state_dict()
+    resumed.monitors["other"] = other = RunMonitor(window=10)  # no saved state: fresh
+    assert other.steps == 0
+    copied = pickle.loads(pickle.dumps(resumed.monitors))  # (the guard pickles: its monitors with it)
+    assert type(copied) is type(resumed.monitors) and copied.saved == resumed.monitors.saved == {}
+
+
+def test_a_monitor_registered_before_the_load_is_loaded_as_before():
+    model, opt = _model()
+    guard = Guard(model, opt, precision="bf16")
+    guard.monitors["run"] = monitor = RunMonitor(window=10)
+    guard.backward(_loss(guard, model, *_batches(1)[0]))
+    monitor.observe(guard.step())
+    model2, opt2 = _model()
+    resumed = Guard(model2, opt2, precision="bf16")
+    resumed.monitors["run"] = early = RunMonitor(window=10)
+    resumed.load_state_dict(guard.state_dict())
+    assert early.steps == 1 and resumed.monitors.saved == {}
+
+
+def test_a_bf16_state_given_to_an_fp16_guard_is_named_by_its_precision():
+    model, opt = _model()
+    guard = Guard(model, opt, precision="bf16")
+    guard.backward(_loss(guard, model, *_batches(1)[0]))
+    guard.step()
+    model2, opt2 = _model()
+    with pytest.raises(ValueError, match=r"^state was saved with precision='bf16', this step uses 'fp16'$"):
+        Guard(model2, opt2, precision="fp16").load_state_dict(guard.state_dict())
+
+
+# ---------------------------------------------------------------- half weights under fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_weights_under_fp32_are_trained_and_said(dtype):
+    model = nn.Linear(2, 2).to(dtype)
+    with pytest.warns(AmpguardWarning, match=rf"is {str(dtype)[6:]} under precision fp32: .* its records say fp32"):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32")
+
+
+# --------------------------------------------------------------------------- retain_graph
+
+
+def test_retain_graph_keeps_the_graph_for_a_later_backward():
+    model, opt = _model()
+    guard = Guard(model, opt, precision="fp32")
+    x, y = _batches(1)[0]
+    loss = _loss(guard, model, x, y)
+    guard.backward(loss, retain_graph=True)
+    again = torch.autograd.grad(loss, model[0].weight)[0]  # freed by a plain backward
+    assert torch.isfinite(again).all()
+    expected = model[0].weight.grad.clone()
+    guard.step()
+    assert torch.equal(again, expected)  # (fp32, accumulation 1, no scale: the same gradient)
+    loss = _loss(guard, model, x, y)
+    guard.backward(loss)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(loss, model[0].weight)
+    guard.step()
+
+
+def test_retain_graph_with_a_backward_of_the_loops_own_is_refused_naming_fn():
+    model, opt = _model()
+    guard = Guard(model, opt, precision="fp32")
+    with pytest.raises(ValueError, match=r"fn runs the backward, so it says retain_graph"):
+        guard.backward(_loss(guard, model, *_batches(1)[0]), backward=lambda s: s.backward(), retain_graph=True)
