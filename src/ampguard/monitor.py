@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -329,36 +329,37 @@ once a step applies, however long it was, unless it reached the floor ``min_scal
 found no scale fp16 can hold; from the default 2**16 to the floor 1.0 that is 16 halvings).
 """
 OSCILLATION_OCTAVES = 2.0
-"""``oscillating`` needs the scale to fall this many octaves (powers of two) from an earlier high
-and climb as many from an earlier low within the window, or such a swing repeated within the
-window and the time the scaler takes to climb that far four times (``growth_interval`` clean
-steps an octave, :attr:`ScaleHealth.reach`).
-One octave is the healthy equilibrium (the scale alternating between two neighbouring powers of
-two, e.g. 2**17 <-> 2**18)."""
+"""``oscillating`` needs the level the steps apply at to fall this many octaves (powers of two)
+from an earlier high, climb as many back, and fall again: three legs, each within
+:attr:`ScaleHealth.reach` steps of the one before (:meth:`ScaleHealth.swings`). One octave is
+the healthy equilibrium (the scaler's growth probe, 2**18, overflows at once and the steps apply
+at 2**17), and one stray skip at the working level is one more: neither is a leg."""
 COLLAPSE_OCTAVES = 3.0
 """``collapsing``: the scale ended the window this many octaves (8x) or more below where it began."""
+SPAN_REACHES = 4
+"""How far back :class:`ScaleHealth` keeps the applied levels, in :attr:`~ScaleHealth.reach` es:
+three legs, each within a reach of the one before and the last within a reach of now, and the
+high the first fell from."""
 
 
-def _swing_needed(levels: Sequence[float]) -> float:
-    """The octaves a fall or a climb of the scale (``levels``: its log2 step by step, or move by
-    move) must span to count toward ``oscillating``: :data:`OSCILLATION_OCTAVES`, and more than
-    the scaler's routine move, one step's backoff or growth (with ``backoff_factor`` 0.25 or
-    ``growth_factor`` 4 one routine move is 2 octaves: review 46e): the commonest size of a single
-    move down (a backoff) and of a single move up (a growth), the larger of the two (review 46f:
-    the largest move, one scale set 8x higher, a checkpoint's restored, made every swing need more
-    than 3 octaves and hid a real oscillation).
+def _swing_needed(ups: Mapping[float, int], downs: Mapping[float, int]) -> float:
+    """The octaves a leg (a fall or a climb of the applied level) must span:
+    :data:`OSCILLATION_OCTAVES`, and more than the scaler's routine move, one step's backoff or
+    growth (with ``backoff_factor`` 0.25 or ``growth_factor`` 4 one routine move is 2 octaves:
+    review 46e): the commonest size of a single move down (``downs``, octaves -> count) and of a
+    single move up (``ups``), the larger of the two (review 46f: the largest move, one scale set
+    8x higher, a checkpoint's restored, made every swing need more than 3 octaves and hid a real
+    oscillation).
 
     Example::
 
-        >>> _swing_needed([17.0, 18.0, 17.0]) == OSCILLATION_OCTAVES - 1e-9
+        >>> _swing_needed({1.0: 5}, {1.0: 6}) == OSCILLATION_OCTAVES - 1e-9
         True
-        >>> _swing_needed([19.0, 17.0, 18.0, 19.0, 17.0]) > 2.0  # (backoff 0.25: 2 octaves a backoff)
+        >>> _swing_needed({1.0: 5}, {2.0: 6}) > 2.0  # (backoff 0.25: 2 octaves a backoff)
         True
-        >>> _swing_needed([14.0, 17.0, 16.0, 17.0, 16.0, 17.0]) < 2.0  # (one jump of 3 among growths of 1)
+        >>> _swing_needed({1.0: 5, 3.0: 1}, {1.0: 4}) < 2.0  # (one jump of 3 among growths of 1)
         True
     """
-    ups = Counter(round(b - a, 6) for a, b in zip(levels, levels[1:]) if b > a)
-    downs = Counter(round(a - b, 6) for a, b in zip(levels, levels[1:]) if b < a)
     one_move = max((max(sizes.items(), key=lambda item: (item[1], item[0]))[0] for sizes in (ups, downs) if sizes),
                    default=0.0)  # (each direction's commonest move; a tie: the larger)
     eps = 1e-9  # (octaves of non-power-of-two factors are not exact)
@@ -399,25 +400,28 @@ class ScaleHealth:
     """Labels the loss-scale history of the last ``window`` steps (the table in docs/design.md,
     "Scale health"). First that holds:
 
-    - ``collapsing``: the scale is at (or below) its floor ``min_scale``; or it ended the window
-      :data:`COLLAPSE_OCTAVES` (3) or more octaves below where the window began; or more than
-      :data:`COLLAPSE_STREAK` (8) steps in a row were skipped, the opening streak too while it lasts;
+    - ``collapsing``: the scale is at (or below) its floor ``min_scale``; or more than
+      :data:`COLLAPSE_STREAK` (8) steps in a row were skipped, the opening streak too while it
+      lasts; or (after ``oscillating``) it ended the window :data:`COLLAPSE_OCTAVES` (3) or more
+      octaves below where the window began;
     - ``warming``: every move in the window belongs to the warm-up: the run's opening streak of
       skips (the search down from ``init_scale``), unless that streak reached the floor (a
       streak of more than 8 is ``collapsing`` while it lasts: warm-up only once a step applies);
-    - ``oscillating``: the scale fell :data:`OSCILLATION_OCTAVES` (2) or more octaves from an
-      earlier high and climbed as many from an earlier low within the window: gradients
-      sometimes fit fp16, sometimes not. Given the scaler's ``growth_interval``, also a swing of
-      2 octaves repeated (down, up, down: :meth:`swings`) within :attr:`reach`
-      steps, the window and four 2-octave climbs (``8 x growth_interval``), since a scaler that
-      grows once in 2000 steps cannot climb 2 octaves inside a window of 1000 (review 46a: with
-      ``train``'s defaults the label could never be reached; review 46c: one dip and its climb
-      back over thousands of steps is no oscillation);
+    - ``oscillating`` (after the floor and the streak, before the rest: a fall that repeats a
+      swing is the swing, not a first collapse): gradients sometimes fit fp16, sometimes not.
+      The level the steps apply at (the scale before each applied step: the scaler's growth
+      probe, which overflows at once, never is one) fell :data:`OSCILLATION_OCTAVES` (2) or more
+      octaves, climbed as many back and fell again (:meth:`swings`: three legs, each more than
+      one of the scaler's own moves, each within :attr:`reach` steps of the one before, the
+      last within :attr:`reach` of now). Not a stray skip at the working level, nor two far
+      apart, nor the equilibrium's probes (review 47a: measured on every scale, a probe's
+      overflow and one stray skip read as a 2-octave fall, and healthy runs read
+      ``oscillating``), nor one dip and its climb back (review 46c);
     - ``climbing``: the scale rose in the window to the highest it has been since the warm-up,
       and has not fallen since it first got there (the scaler has not yet met the gradients'
       limit); back at a level it fell from before is the equilibrium, not a climb;
     - ``stable``: otherwise: no move, or moves within an octave (2**17 <-> 2**18, the healthy
-      equilibrium), or a fall of less than 3 octaves.
+      equilibrium), or a fall of less than 3 octaves that does not repeat a swing.
 
     A warm-up in the window is set aside: the other labels judge the steps after it. ``min_scale``
     is the scaler's floor (``scaler.min_scale``): the scale is clamped there and goes no lower.
@@ -438,15 +442,15 @@ class ScaleHealth:
     def __init__(self, window: int, min_scale: float = 1.0, init_scale: float | None = None,
                  growth_interval: int | None = None) -> None:
         self.window = window
-        self.reach = window + 4 * math.ceil(OSCILLATION_OCTAVES) * growth_interval if growth_interval else window
-        """The steps ``oscillating`` looks back over for a repeated swing (:meth:`swings`): the
-        window, and four climbs of :data:`OSCILLATION_OCTAVES` at ``growth_interval`` clean steps an
-        octave when it is given (17,000 steps with ``train``'s defaults): two periods of the
-        slowest such swing, so that a steady one reads ``oscillating`` throughout, not only while
-        two of its falls happen to share the span (review 46e)."""
-        # the scale's moves since the opening, as (pushes, the scale after it), the first the level in
-        # effect :attr:`reach` steps ago: the long span's swings from O(moves), not O(reach) scales
-        self._moves: deque[tuple[int, float]] = deque()
+        self.reach = self.settle = 0
+        self.growth_interval = growth_interval
+        self._run: tuple[float | None, int] = (None, 0)  # (the scale the last steps applied at, how many in a row)
+        # the levels the scaler settled at, each time it changes after the opening, as (pushes, level);
+        # the first is the one in effect at the kept span's start (:data:`SPAN_REACHES` reaches back)
+        self._levels: deque[tuple[int, float]] = deque()
+        # the sizes of the scaler's single moves, in octaves (rounded) -> how often: a growth, a backoff
+        self._ups: Counter[float] = Counter()
+        self._downs: Counter[float] = Counter()
         self.min_scale = min_scale
         self._floor = round_float32(min_scale)
         # the scale before the window's first step, then the scale after each of its steps
@@ -460,6 +464,26 @@ class ScaleHealth:
         self.peak: float | None = None  # the highest scale since the opening streak
         self._fell = False  # the scale fell since it first reached `peak`
         self._verdict: str | None = None  # the verdict as of the last push (None: not worked out yet)
+
+    @property
+    def growth_interval(self) -> int | None:
+        """The scaler's ``growth_interval`` (None: not told), which sets :attr:`reach` and
+        :attr:`settle`; a resume that changes it sets it here (``report`` replays the change)."""
+        return self._growth_interval
+
+    @growth_interval.setter
+    def growth_interval(self, growth_interval: int | None) -> None:
+        self._growth_interval = growth_interval
+        self.reach = self.window + 4 * math.ceil(OSCILLATION_OCTAVES) * growth_interval if growth_interval \
+            else self.window
+        """The most steps between two legs of a swing, and between its last leg and now
+        (:meth:`swings`): the window, and four climbs of :data:`OSCILLATION_OCTAVES` at
+        ``growth_interval`` clean steps an octave when it is given (17,000 steps with
+        ``train``'s defaults: a scaler that grows once in 2000 steps needs 4000 to climb a leg)."""
+        self.settle = max(1, growth_interval // 2) if growth_interval else 1
+        """Applied steps in a row at one scale that make it a level the scaler settled at (half a
+        growth interval: the growth probe, which overflows within a few steps, never is one)."""
+        self._verdict = None
 
     @property
     def at_floor(self) -> bool:
@@ -492,6 +516,7 @@ class ScaleHealth:
             'stable'
         """
         self._verdict = None
+        before = self.scale  # (the scale this step ran at)
         self._opening = self._opening and bool(skipped) and search
         self.opening += self._opening
         self.opening_floored = self.opening_floored or (self._opening and scale <= self._floor)
@@ -504,12 +529,20 @@ class ScaleHealth:
         self._scales.append(float(scale))
         self._skipped.push(float(bool(skipped)))
         self.scale = scale
-        if self.reach > self.window and not self._opening:
-            moves, count = self._moves, self._skipped.count
-            if not moves or moves[-1][1] != scale:
-                moves.append((count, float(scale)))
-            while len(moves) > 1 and moves[1][0] <= count - self.reach:  # (the first: the level at the span's start)
-                moves.popleft()
+        known = before is not None and 0 < before < math.inf  # (a CSV's may be anything a float reads)
+        if known and 0 < scale < math.inf and scale != before:
+            octaves = round(abs(math.log2(scale) - math.log2(before)), 6)
+            (self._downs if scale < before else self._ups)[octaves] += 1
+        if skipped or self._opening or not known:
+            self._run = (None, 0)
+        else:  # (an applied step: how many in a row at this scale)
+            self._run = (before, self._run[1] + 1 if self._run[0] == before else 1)
+        if self._run[1] == self.settle:  # (the steps have applied there long enough: a level it settled at)
+            levels, count = self._levels, self._skipped.count
+            if not levels or levels[-1][1] != before:
+                levels.append((count, float(before)))
+            while len(levels) > 1 and levels[1][0] <= count - SPAN_REACHES * self.reach:  # (the first: the level
+                levels.popleft()                                                        # at the span's start)
 
     def _judged(self) -> tuple[int, list[float]]:
         """(warm-up skips set aside, the scales judged): the window's scales after the warm-up."""
@@ -553,46 +586,49 @@ class ScaleHealth:
                           headroom=headroom, skip_share=self._skipped.seen_mean, streak=self.streak, warmup=warmup)
 
     def swings(self) -> int:
-        """The legs of 2 octaves or more (:data:`OSCILLATION_OCTAVES`), alternating down and up,
-        the scale made over the last :attr:`reach` steps from its first such fall, the opening's
-        search set aside: a fall from its high, then a climb from its low, then a fall again, ...
-        (each leg measured from the extreme since the one before, and longer than one of the
-        scaler's own moves; the climb before the first fall is the scaler finding its limit, no
-        leg). ``oscillating`` over the span takes 3 (down, up,
-        down): the swing repeated; a single dip and its climb back (2 legs) is a scaler that met
-        one bad stretch (review 46d: counted from the climb, a run that climbed, dipped once and
-        climbed back read 3). 0 when ``reach`` is the window (no ``growth_interval``: :meth:`stats`
-        judges it).
+        """The legs of the swing going on now: falls and climbs of the level the steps apply at,
+        alternating from a fall, each spanning 2 octaves or more (:data:`OSCILLATION_OCTAVES`)
+        and more than one of the scaler's own moves, measured from the extreme since the leg
+        before; counted back from the last while each is within :attr:`reach` steps of the one
+        before, the last within :attr:`reach` of now (0 when it is older). ``oscillating`` takes 3
+        (down, up, down): the swing repeated; a single dip and its climb back (2 legs) is a
+        scaler that met one bad stretch (review 46d); the climb before the first fall is the
+        scaler finding its limit, no leg.
 
-        Example (the scaler grows once in 10 steps; a window of 5 cannot hold a climb of two octaves)::
+        Example (the scaler grows once in 10 steps: 5 applied steps in a row settle a level)::
 
             >>> h = ScaleHealth(5, init_scale=2.0**18, growth_interval=10)
-            >>> h.reach
-            85
-            >>> def dip():  # 2**18 -> 2**16 in two overflows, then 20 clean steps back up
-            ...     moves = [(2.0**17, True), (2.0**16, True)] + [(2.0**16, False)] * 9
-            ...     for scale, skipped in moves + [(2.0**17, False)] * 10 + [(2.0**18, False)]:
-            ...         h.push(scale, skipped)
-            >>> h.push(2.0**18, False)
-            >>> dip()
+            >>> h.reach, h.settle
+            (85, 5)
+            >>> def at(scale, steps):  # steps that apply, the scale after each
+            ...     for _ in range(steps):
+            ...         h.push(scale, False)
+            >>> def dip():  # 2**18 -> 2**16 in two overflows, settled there, then back up
+            ...     h.push(2.0**17, True); h.push(2.0**16, True)
+            ...     at(2.0**16, 10); at(2.0**17, 10); at(2.0**18, 10)
+            >>> at(2.0**18, 10); dip()
             >>> h.swings(), h.verdict  # (one dip and its climb back)
             (2, 'stable')
-            >>> h.push(2.0**17, True); h.push(2.0**16, True)
-            >>> h.swings(), h.verdict  # (down again: the swing repeats)
+            >>> h.push(2.0**17, True); h.push(2.0**16, True); at(2.0**16, 5)
+            >>> h.swings(), h.verdict  # (down again, settled there: the swing repeats)
             (3, 'oscillating')
         """
-        if self.reach <= self.window:
-            return 0
-        levels = [math.log2(scale) for _, scale in self._moves]
-        need = _swing_needed(levels)
-        legs, falling = 0, None  # (the direction of the last leg; None: no fall yet)
+        need = _swing_needed(self._ups, self._downs)
+        ends: list[int] = []  # the push count at which each leg reached its 2 octaves
+        falling = None  # (the direction of the last leg; None: no fall yet)
         high = low = None
-        for x in levels:
+        for count, level in self._levels:
+            x = math.log2(level)
             high, low = (x, x) if high is None else (max(high, x), min(low, x))
             if falling is not True and x <= high - need:
-                legs, falling, low = legs + 1, True, x
+                ends, falling, low = ends + [count], True, x
             elif falling is True and x >= low + need:  # (a climb counts after a fall only: the climb to
-                legs, falling, high = legs + 1, False, x  # the scaler's limit is none)
+                ends, falling, high = ends + [count], False, x  # the scaler's limit is none)
+        if not ends or ends[-1] <= self._skipped.count - self.reach:
+            return 0
+        legs = 1
+        while legs < len(ends) and ends[-legs] - ends[-legs - 1] < self.reach:
+            legs += 1
         return legs
 
     @property
@@ -614,18 +650,17 @@ class ScaleHealth:
     def _judge(self) -> str:
         if self.at_floor and self._skipped.seen_mean > 0:  # (at the floor and still skipping: a run started
             return "collapsing"                             # at it whose steps apply is not collapsing)
+        if self.streak > COLLAPSE_STREAK:
+            return "collapsing"
+        if self.swings() >= 3:
+            return "oscillating"
         warmup, logs = self._window_logs()
         s = self._stats_of(warmup, logs)
         eps = 1e-9  # octaves of non-power-of-two growth factors are not exact
-        if s.trend <= -COLLAPSE_OCTAVES + eps or self.streak > COLLAPSE_STREAK:
+        if s.trend <= -COLLAPSE_OCTAVES + eps:
             return "collapsing"
         if s.warmup and s.swing == 0:
             return "warming"
-        need = _swing_needed(logs)
-        if s.fall >= need and s.rise >= need:
-            return "oscillating"
-        if self.swings() >= 3:
-            return "oscillating"
         if s.trend > eps and not self._fell and self.scale == self.peak:
             return "climbing"
         return "stable"
@@ -652,7 +687,10 @@ class ScaleHealth:
             "streak": self.streak,
             "peak": self.peak,
             "fell": self._fell,
-            "moves": [[count, scale] for count, scale in self._moves],
+            "levels": [[count, level] for count, level in self._levels],
+            "run": [self._run[0], self._run[1]],
+            "ups": [[octaves, n] for octaves, n in sorted(self._ups.items())],
+            "downs": [[octaves, n] for octaves, n in sorted(self._downs.items())],
         }
 
     _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
@@ -693,18 +731,29 @@ class ScaleHealth:
             _need(test(_get(state, key, where)), f"{where}{key}", state[key], expected)
         if "opening_floored" in state:  # (saved since the warm-up ends at the floor, not after 8 skips)
             _need(_flag(state["opening_floored"]), f"{where}opening_floored", state["opening_floored"], "True or False")
-        if "moves" in state:  # (saved since oscillating looks past the window: review 46a)
-            moves = state["moves"]
+        if "levels" in state:  # (saved since oscillating judges the applied level: review 47a)
+            levels = state["levels"]
             count = state["skipped"].get("count")  # (the skipped window's state, checked above)
-            scale = state.get("scale")
-            _need(isinstance(moves, list) and all(
+            _need(isinstance(levels, list) and all(
                 isinstance(m, list) and len(m) == 2 and whole_number(m[0]) and finite_number(m[1])
-                and 0 < m[1] <= MAX_SCALE for m in moves)
-                and [m[0] for m in moves] == sorted({m[0] for m in moves})
-                and all(a[1] != b[1] for a, b in zip(moves, moves[1:]))
-                and (not moves or ((not whole_number(count) or moves[-1][0] <= count) and moves[-1][1] == scale)),
-                f"{where}moves", moves, "a list of [step, scale] pairs, steps rising to at most the count, each "
-                "scale a move (in (0, 3.4e38], not the one before), the last the saved scale")
+                and 0 < m[1] <= MAX_SCALE for m in levels)
+                and [m[0] for m in levels] == sorted({m[0] for m in levels})
+                and all(a[1] != b[1] for a, b in zip(levels, levels[1:]))
+                and (not levels or not whole_number(count) or levels[-1][0] <= count),
+                f"{where}levels", levels, "a list of [step, level] pairs, steps rising to at most the count, each "
+                "level in (0, 3.4e38] and not the one before")
+            run = _get(state, "run", where)
+            _need(isinstance(run, list) and len(run) == 2 and (run[0] is None or (
+                finite_number(run[0]) and 0 < run[0] <= MAX_SCALE)) and whole_number(run[1])
+                and (run[0] is None) == (run[1] == 0), f"{where}run", run,
+                "[the scale the last steps applied at, how many in a row] ([None, 0] after a skip)")
+            for key in ("ups", "downs"):
+                sizes = _get(state, key, where)
+                _need(isinstance(sizes, list) and all(
+                    isinstance(m, list) and len(m) == 2 and finite_number(m[0]) and 0 < m[0] <= 300
+                    and whole_number(m[1]) and m[1] >= 1 for m in sizes) and len({m[0] for m in sizes}) == len(sizes),
+                    f"{where}{key}", sizes, "a list of [octaves, count] pairs, octaves in (0, 300], each once, "
+                    "counts >= 1")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. A state saved before the window kept its scales (it kept
@@ -731,7 +780,7 @@ class ScaleHealth:
             self.opening_floored = False
             self.streak = self.opening
             self.peak, self._fell = (None if self._opening else self.scale), False
-            self._moves = deque()
+            self._levels, self._ups, self._downs, self._run = deque(), Counter(), Counter(), (None, 0)
             return
         self._scales = deque((float(s) for s in state["scales"]), maxlen=self.window + 1)
         self._skipped.load_state_dict(state["skipped"])
@@ -741,8 +790,12 @@ class ScaleHealth:
         self.streak = int(state["streak"])
         self.peak = state["peak"]
         self._fell = bool(state["fell"])
-        # (a state saved before the moves were kept: the long span starts again from here)
-        self._moves = deque((int(c), float(v)) for c, v in state.get("moves", []))
+        # (a state saved before the levels were kept: the span starts again from here)
+        self._levels = deque((int(c), float(v)) for c, v in state.get("levels", []))
+        level, run = state.get("run", [None, 0])
+        self._run = (None if level is None else float(level), int(run))
+        self._ups = Counter({float(o): int(n) for o, n in state.get("ups", [])})
+        self._downs = Counter({float(o): int(n) for o, n in state.get("downs", [])})
 
 
 _HIGHER = ("acc", "f1", "auc", "precision", "recall", "bleu", "rouge", "mrr", "map", "iou", "dice", "r2", "score")
@@ -1514,6 +1567,24 @@ class RunMonitor:
             0.0
         """
         return self.clipped / self.observed if self.observed else 0.0
+
+    @property
+    def growth_interval(self) -> int | None:
+        """The scaler's ``growth_interval`` the scale health is judged by (:attr:`ScaleHealth.reach`);
+        a resume that changes it is replayed by ``report`` through this (``REPLAYED_POLICY``).
+
+        Example::
+
+            >>> m = RunMonitor(window=100, growth_interval=10)
+            >>> m.growth_interval = 20
+            >>> m.health.reach, m.health.settle
+            (260, 10)
+        """
+        return self.health.growth_interval
+
+    @growth_interval.setter
+    def growth_interval(self, growth_interval: int | None) -> None:
+        self.health.growth_interval = growth_interval
 
     @property
     def scale_verdict(self) -> str:

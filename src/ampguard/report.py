@@ -249,7 +249,8 @@ def rolling_skip_rate(rows: list[Row], window: int, rollbacks: Sequence[dict[str
 REPLAYED_POLICY = {"max_norm": "max_norm", "monitor.alert_rate": "alert_rate", "monitor.clear_rate": "clear_rate",
                    "monitor.fail_rate": "fail_rate",
                    "monitor.fail_after": "fail_after", "monitor.min_steps": "min_steps",
-                   "monitor.fail_on_scale_collapse": "fail_on_scale_collapse"}
+                   "monitor.fail_on_scale_collapse": "fail_on_scale_collapse",
+                   "scaler.growth_interval": "growth_interval"}
 """The settings a resume may change (a policy change) that decide what the monitor counts: the
 config key, and the :class:`RunMonitor` attribute it sets."""
 
@@ -414,7 +415,7 @@ def _policy_value(key: str, value: Any) -> bool:
         kind = isinstance(value, bool)
     elif isinstance(value, bool):
         kind = False
-    elif key in ("monitor.fail_after", "monitor.min_steps"):
+    elif key in ("monitor.fail_after", "monitor.min_steps", "scaler.growth_interval"):
         kind = isinstance(value, int)
     else:  # (None where the field takes it: the range check says)
         kind = value is None or isinstance(value, (int, float))
@@ -422,7 +423,7 @@ def _policy_value(key: str, value: Any) -> bool:
 
 
 def _in_range(key: str, value: Any) -> bool:
-    """Whether the config field ``key`` (``max_norm``, ``monitor.*``) takes ``value`` on its own
+    """Whether the config field ``key`` (``max_norm``, ``monitor.*``, ``scaler.*``) takes ``value`` on its own
     (its type's bounds; a rule between fields is the replay's)."""
     import pydantic
 
@@ -440,9 +441,10 @@ def _field_adapter(key: str) -> Any:
 
     import pydantic
 
-    from .config import Config, MonitorConfig
+    from .config import Config, MonitorConfig, ScalerConfig
 
-    model, name = (MonitorConfig, key.split(".", 1)[1]) if key.startswith("monitor.") else (Config, key)
+    section, _, name = key.rpartition(".")
+    model = {"monitor": MonitorConfig, "scaler": ScalerConfig}.get(section, Config)
     field = model.model_fields[name]
     return pydantic.TypeAdapter(Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation)
 

@@ -267,7 +267,8 @@ def test_train_alerts_once_per_episode(train):
 # ---------------------------------------------------------------------------- train: real fp16 scale health
 
 
-def reference_verdicts(scales: list[float], skipped: list[bool], init: float, window: int) -> list[str]:
+def reference_verdicts(scales: list[float], skipped: list[bool], init: float, window: int,
+                       growth_interval: int) -> list[str]:
     """The scale-health table (docs/design.md) re-derived by brute force from the per-step scales."""
     full = [init, *scales]  # full[k]: the scale after step k (full[0]: before step 1)
     run_opening = next((k for k, s in enumerate(skipped) if not s), len(skipped))  # the opening streak of skips
@@ -280,17 +281,37 @@ def reference_verdicts(scales: list[float], skipped: list[bool], init: float, wi
         warm = 1 <= opening and not floored and opening >= start + 1  # a warm-up, and a move of it in the window
         seg = full[max(start, opening) if warm else start: i + 2]
         octs = [math.log2(x / seg[0]) for x in seg]
-        fall = max(octs[j] - octs[k] for j in range(len(octs)) for k in range(j, len(octs)))
-        rise = max(octs[k] - octs[j] for j in range(len(octs)) for k in range(j, len(octs)))
         after = scales[opening: i + 1]  # since the opening streak
         peak = max(after, default=None)
         new_high = bool(after) and all(x == peak for x in after[after.index(peak):])  # at the peak, no fall since
-        if scales[i] <= 1.0 or octs[-1] <= -3 or streak > 8:  # the floor scaler.min_scale is 1
+        # the legs: the levels the scaler settled at (growth_interval // 2 applied steps in a row at one
+        # scale, step k + 1 applying at full[k]), from the first fall of 2 octaves
+        reach, settle = window + 8 * growth_interval, max(1, growth_interval // 2)
+        ends, falling, high, low = [], None, None, None
+        for k in range(run_opening, i + 1):
+            first = k - settle + 1  # (the run of applied steps this one completes)
+            if first < run_opening or any(skipped[first: k + 1]) or len(set(full[first: k + 1])) > 1 or (
+                    first > run_opening and not skipped[first - 1] and full[first - 1] == full[k]):
+                continue
+            x = math.log2(full[k])
+            high, low = (x, x) if high is None else (max(high, x), min(low, x))
+            if falling is not True and x <= high - 2:
+                ends, falling, low = ends + [k + 1], True, x
+            elif falling is True and x >= low + 2:
+                ends, falling, high = ends + [k + 1], False, x
+        legs = 0
+        if ends and ends[-1] > i + 1 - reach:
+            legs = 1
+            while legs < len(ends) and ends[-legs] - ends[-legs - 1] < reach:
+                legs += 1
+        if scales[i] <= 1.0 or streak > 8:  # the floor scaler.min_scale is 1
+            out.append("collapsing")
+        elif legs >= 3:
+            out.append("oscillating")
+        elif octs[-1] <= -3:
             out.append("collapsing")
         elif warm and len(set(seg)) == 1:
             out.append("warming")
-        elif fall >= 2 and rise >= 2:
-            out.append("oscillating")
         elif octs[-1] > 0 and new_high:
             out.append("climbing")
         else:
@@ -320,7 +341,7 @@ def test_train_fp16_scale_health_from_the_opening_on(train, init, window, every,
     stats = [line for line in out.splitlines() if line.startswith("STATS ")]
     assert [int(line.split()[1]) for line in stats] == list(range(every, steps + 1, every))
     verdicts = [re.search(r" scale=(\S+) ", line).group(1) for line in stats]
-    expected = reference_verdicts(scales, skipped, init, window)
+    expected = reference_verdicts(scales, skipped, init, window, growth_interval=2000)
     assert verdicts == [expected[s - 1] for s in range(every, steps + 1, every)] == labels
     for line, step in zip(stats, range(every, steps + 1, every)):
         rate = sum(skipped[max(0, step - window): step]) / min(step, window)

@@ -193,15 +193,18 @@ def test_health_moves_within_one_octave_are_stable_however_many():
     assert feed(h, moves)[2:] == ["stable"] * 13  # 6 rises and 6 falls, a swing of one octave
 
 
-def test_health_oscillating_is_a_swing_of_two_octaves_both_ways():
-    # a clean first step, so that the falls are not the opening's warm-up
-    h = ScaleHealth(8, init_scale=2.0**18)
-    moves = [(2.0**18, False), (2.0**17, True), (2.0**16, True), (2.0**16, False), (2.0**17, False), (2.0**18, False)]
-    assert feed(h, moves) == ["stable", "stable", "stable", "stable", "stable", "oscillating"]
+def test_health_oscillating_is_a_swing_of_two_octaves_repeated():
+    # a clean first step, so that the falls are not the opening's warm-up; the steps apply at 2**18,
+    # then (two overflows) at 2**16, back at 2**18, and (two overflows) at 2**16 again
+    h = ScaleHealth(20, init_scale=2.0**18)
+    dip = [(2.0**17, True), (2.0**16, True), (2.0**16, False)]
+    moves = [(2.0**18, False)] + dip + [(2.0**17, False), (2.0**18, False), (2.0**18, False)] + dip
+    assert feed(h, moves) == ["stable"] * 9 + ["oscillating"]  # one dip and its climb back: no oscillation
+    assert h.swings() == 3
     s = h.stats()
-    assert (s.swing, s.fall, s.rise, s.trend) == (2.0, 2.0, 2.0, 0.0)
-    # When the fall leaves the window the verdict calms down again.
-    assert feed(h, [(2.0**18, False)] * 8)[-1] == "stable"
+    assert (s.swing, s.fall, s.rise, s.trend) == (2.0, 2.0, 2.0, -2.0)
+    # once the last leg is a reach (here the window: no growth interval) behind, the verdict calms down
+    assert feed(h, [(2.0**16, False)] * 20)[-1] == "stable" and h.swings() == 0
 
 
 def test_health_collapsing_by_a_factor_of_eight_without_a_rise():

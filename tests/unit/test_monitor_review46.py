@@ -75,19 +75,23 @@ def test_the_healthy_equilibrium_and_one_dip_that_leaves_the_span_are_not_oscill
         if record.step % 100 == 0:
             seen[monitor.scale_verdict] += 1
     assert {2.0**17, 2.0**18} == set(scales[2100:]) and "oscillating" not in seen, seen
-    # one dip of 2 octaves (steps 10, 11), climbed back over 4000 steps (at 2011 and 4011): 2 legs, never
-    # oscillating; a second dip once it is back up (steps 5000, 5001): the swing repeated, oscillating
-    # (down, up, down; then up again by 9001); once the first dip has left the span (17000) the legs
-    # are 2 (down at 5001, up by 9001) and then the scale only climbs: not
+    # review 47a: the levels are those the scaler settled at (1000 applied steps in a row, half its growth
+    # interval). One dip of 2 octaves (steps 1500, 1501; settled at 2**15 by 2501), climbed back over 4000
+    # steps (settled at 2**17 by 6501): 2 legs, never oscillating; a second dip once it is back up (7000,
+    # 7001; settled at 8001): the swing repeated, oscillating (down, up, down; then up again by 12001); once
+    # the last leg is a reach (17000 steps) behind, the swing is over: not
     dips = build_monitor(config, scaler_enabled=True)
     verdicts = {}
-    for record in _records(lambda step: step in (10, 11, 5000, 5001), 18_000, config):
+    checked = (2400, 2600, 6600, 7500, 8000, 8001, 12_000, 12_100, 29_000, 29_100)
+    for record in _records(lambda step: step in (1500, 1501, 7000, 7001), 29_100, config):
         dips.observe(record)
-        if record.step in (3000, 4020, 4990, 5001, 9000, 18_000):
+        if record.step in checked:
             verdicts[record.step] = (dips.scale_verdict, dips.health.swings())
-    assert [verdicts[s] for s in (3000, 4020, 4990)] == [("stable", 1), ("stable", 2), ("stable", 2)], verdicts
-    assert verdicts[5001] == verdicts[9000] == ("oscillating", 3), verdicts
-    assert verdicts[18_000][0] != "oscillating", verdicts
+    assert [verdicts[s] for s in (2400, 2600, 6600, 7500, 8000)] == [
+        ("stable", 0), ("stable", 1), ("stable", 2), ("stable", 2), ("stable", 2)], verdicts
+    assert verdicts[8001] == verdicts[12_000] == ("oscillating", 3), verdicts
+    assert verdicts[12_100] == verdicts[29_000] == ("oscillating", 4), verdicts  # (its last leg by 12001: in reach)
+    assert verdicts[29_100] == ("climbing", 0), verdicts  # (nothing overflows it any more: new highs)
 
 
 def test_the_long_span_survives_a_resume_and_an_older_state_or_a_bad_one_is_handled():
@@ -105,44 +109,56 @@ def test_the_long_span_survives_a_resume_and_an_older_state_or_a_bad_one_is_hand
         if record.step % 50 == 0:
             assert b.scale_verdict == a.scale_verdict
     old = a.state_dict()
-    del old["health"]["moves"]  # a checkpoint saved before the moves were kept: the span starts again
+    for key in ("levels", "ups", "downs"):  # a checkpoint saved before the levels were kept: the span starts again
+        del old["health"][key]
+    old["health"]["moves"] = [[1, 2.0**15]]  # (the forty-sixth session's layout: left alone)
     c = build_monitor(config, scaler_enabled=True)
     c.load_state_dict(old)
     assert c.health.swings() == 0
-    scale = a.state_dict()["health"]["scale"]
-    for moves in ([[5, 1024.0], [3, scale]], [[25, 1e300], [26, 1e-300], [27, scale]],  # (review 46c's forgeries)
-                  [[0, 5.0], [30, 2.0**16]], [[1, scale], [2, scale]]):
+    for levels in ([[5, 1024.0], [3, 2048.0]], [[25, 1e300], [26, 1e-300]],  # (review 46c's forgeries)
+                   [[0, 5.0], [10**9, 2.0**16]], [[1, 4.0], [2, 4.0]]):
         bad = a.state_dict()
-        bad["health"]["moves"] = moves
-        with pytest.raises(ValueError, match=rf"health\.moves is a list of {len(moves)}, expected a list of \[step, "
-                                             r"scale\] pairs"):
+        bad["health"]["levels"] = levels
+        with pytest.raises(ValueError, match=rf"health\.levels is a list of {len(levels)}, expected a list of "
+                                             r"\[step, level\] pairs"):
+            build_monitor(config, scaler_enabled=True).load_state_dict(bad)
+    for sizes in ([[0.0, 3]], [[1.0, 0]], [[1.0, 2], [1.0, 3]], [["1", 2]]):
+        bad = a.state_dict()
+        bad["health"]["downs"] = sizes
+        with pytest.raises(ValueError, match=r"health\.downs is .* expected a list of \[octaves, count\] pairs"):
             build_monitor(config, scaler_enabled=True).load_state_dict(bad)
 
 
-def test_without_a_growth_interval_the_span_is_the_window_and_nothing_is_kept():
+def test_without_a_growth_interval_the_reach_is_the_window_and_the_levels_are_kept_four_reaches():
     h = ScaleHealth(8, init_scale=2.0**18)
     assert h.reach == 8
     for scale, skipped in [(2.0**18, False), (2.0**17, True), (2.0**16, True), (2.0**17, False)]:
         h.push(scale, skipped)
-    assert h.swings() == 0 and h.state_dict()["moves"] == []
+    assert h.swings() == 1 and h.state_dict()["levels"] == [[1, 2.0**18], [4, 2.0**16]]
+    for i in range(100):  # the steps apply at 2**16 and 2**17 in turn: a level each step, 32 steps kept
+        h.push(2.0**17 if i % 2 else 2.0**16, False)
+    levels = h.state_dict()["levels"]
+    assert h.swings() == 0 and levels[0][0] <= 104 - 32 < levels[1][0] and len(levels) == 33
     with pytest.raises(ValueError, match="growth_interval must be a whole number of steps >= 1, got 0"):
         RunMonitor(growth_interval=0)
 
 
 def test_the_climb_to_the_limit_before_one_dip_is_no_leg():
     # review 46d: 1024 -> 4096 (the scaler finding its limit), one double overflow back to 1024, the climb
-    # back to 4096: counted from the first climb that read 3 legs, oscillating; from the first fall, 2
+    # back to 4096: counted from the first climb that read 3 legs, oscillating; from the first fall, 2.
+    # (review 47a: a level counts once 25 steps in a row applied there, half the growth interval)
     config = load_config(None, ["precision=fp16", "scaler.init_scale=1024", "scaler.growth_interval=50",
                                 "monitor.window=20"])
     monitor = build_monitor(config, scaler_enabled=True)
-    assert monitor.health.reach == 20 + 8 * 50
+    assert (monitor.health.reach, monitor.health.settle) == (20 + 8 * 50, 25)
     seen = []
-    for record in _records(lambda step: step in (120, 121, 240, 241), 300, config):
+    for record in _records(lambda step: step in (140, 141, 280, 281), 320, config):
         monitor.observe(record)
         seen.append((record.step, record.scaler_scale, monitor.scale_verdict, monitor.health.swings()))
-    assert [scale for step, scale, _, _ in seen if step in (100, 121, 221)] == [4096.0, 1024.0, 4096.0]
-    assert not [row for row in seen if row[0] < 240 and row[2] == "oscillating"], seen
-    assert seen[240][1:] == (1024.0, "oscillating", 3)  # (step 241: down again, the swing repeated)
+    assert [scale for step, scale, _, _ in seen if step in (125, 141, 266)] == [4096.0, 1024.0, 4096.0]
+    assert not [row for row in seen if row[0] < 306 and row[2] == "oscillating"], seen
+    assert seen[304][1:] == (1024.0, "stable", 2)  # (step 305: down again, 23 steps applied there)
+    assert seen[305][1:] == (1024.0, "oscillating", 3)  # (step 306: settled at 1024, the swing repeated)
 
 
 @pytest.mark.parametrize("factors", [["scaler.backoff_factor=0.25"], ["scaler.growth_factor=4.0"]])
