@@ -9,8 +9,10 @@ import contextlib
 import errno
 import functools
 import math
+import re
 import os
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,8 +52,13 @@ def panel_title(ax: Any, text: str) -> None:
     ax.set_title(text, y=1.0)
 
 
+_TENSOR_TEXT = re.compile(r"tensor\(\s*\[*\s*[-+]?(\d|\.\d|inf|nan)")
+"""A cell that is a tensor's text (``str(t)`` of a metric: ``tensor(0.4100)``, ``tensor([0.41])``,
+``tensor(0.41, device='cuda:0')``)."""
+
+
 def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]],
-                     notes: list[str] | None = None) -> list[dict[str, float]]:
+                     notes: list[str] | None = None, steps: Sequence[int] = ()) -> list[dict[str, float]]:
     """Each row's held-out metrics (empty where none was evaluated): the CSV's extra columns
     (``extra``, as :func:`~ampguard.sinks.read_steps_and_columns` read them) whose every cell
     reads as a number, as :func:`~ampguard.sinks.metric_values` reads them (the optimizer labels
@@ -63,7 +70,9 @@ def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]],
     apart (reviews 46b, 46d, 46e: a rule by name refused ``precision`` = ``16``/``bf16`` and
     ``error_code`` = ``137``/``OOM``, and let ``val_top1`` drop unsaid). ``compare`` and
     ``report`` read a CSV's metrics through this; what they draw and count never meets a cell of
-    text.
+    text. A column of text only is a user's and passes unsaid, unless every cell is a tensor's
+    text (``tensor(0.4100)``: a metric written as ``str(t)``, review 47b), said in ``notes`` too.
+    ``steps`` (each row's step) names the cell by its step; without, by its row.
 
     Example::
 
@@ -73,6 +82,11 @@ def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]],
         [{'val_loss': 0.5}, {}]
         >>> print(notes[0])
         s.csv: column commit holds numbers and text (its first text '6ba2a38', the cell of row 2; 1 of 2 cells numbers): read as text, left out
+        >>> notes = []
+        >>> held_out_metrics("s.csv", [{"val_top1": "tensor(0.4100)"}, {"val_top1": "tensor(0.5)"}], notes, steps=[10, 20])
+        [{}, {}]
+        >>> print(notes[0])
+        s.csv: column val_top1 holds a tensor's text in every cell (the first 'tensor(0.4100)', at step 10): read as text, left out; write float(t) or t.item() there
     """
     def number(cell: str) -> bool:
         try:
@@ -89,10 +103,14 @@ def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]],
         if all(read):
             continue
         text.add(name)
+        row, first = next((row, cell) for (row, cell), ok in zip(cells, read) if not ok)
+        at = f"at step {steps[row - 1]}" if len(steps) >= row else f"the cell of row {row}"
         if any(read) and notes is not None:
-            row, first = next((row, cell) for (row, cell), ok in zip(cells, read) if not ok)
-            notes.append(f"{csv_path}: column {name} holds numbers and text (its first text {first!r}, the cell of "
-                         f"row {row}; {sum(read)} of {len(read)} cells numbers): read as text, left out")
+            notes.append(f"{csv_path}: column {name} holds numbers and text (its first text {first!r}, {at}; "
+                         f"{sum(read)} of {len(read)} cells numbers): read as text, left out")
+        elif notes is not None and all(_TENSOR_TEXT.match(cell) for _, cell in cells):
+            notes.append(f"{csv_path}: column {name} holds a tensor's text in every cell (the first {first!r}, {at}): "
+                         "read as text, left out; write float(t) or t.item() there")
     return [metric_values({k: v for k, v in cells.items() if k not in text}, str(csv_path)) for cells in extra]
 
 
@@ -114,7 +132,7 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
         >>> for note in reading_notes(Path("steps.csv"), rows, ["10,0.1,2.0"]):
         ...     print(note)
         the last line of steps.csv is torn (no newline: a write cut short), left out: '10,0.1,2.0'
-        steps.csv has no row for 4 of its steps (3, 6-8): its figures count the 5 rows it has
+        steps.csv has no row for 4 of its steps (3, 6-8): its figures are of the 5 rows it has (a rate over the run's steps counts the missing ones as neither skipped nor clipped)
         >>> reading_notes(Path("steps.csv"), rows[2:4], [], unobserved=3)  # (a Trainer's resume: 1-3 not observed)
         []
     """
@@ -128,8 +146,9 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
     if gaps:
         missing = sum(last - first + 1 for first, last in gaps)
         said = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:5]) + (", ..." if len(gaps) > 5 else "")
-        notes.append(f"{csv_path} has no row for {missing} of its steps ({said}): its figures count the "
-                     f"{counted(len(rows), 'row')} it has")
+        notes.append(f"{csv_path} has no row for {missing} of its steps ({said}): its figures are of the "
+                     f"{counted(len(rows), 'row')} it has (a rate over the run's steps counts the missing ones as "
+                     "neither skipped nor clipped)")
     steps, max_norms = (None, None) if config is None else (
         config.steps, threshold_by_step([r.step for r in rows], "max_norm", config.max_norm, policy))
     past = [row.step for row in rows if steps is not None and row.step > steps]
@@ -137,21 +156,29 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
         notes.append(f"{csv_path} has {counted(len(past), 'row')} past the run's {steps} steps (steps {past[0]}"
                      f"{'' if len(past) == 1 else f'-{past[-1]}'}: not the run's own; added by hand?): its figures "
                      "count them")
-    notes += value_notes(csv_path, rows, extra, max_norms)
+    notes += value_notes(csv_path, rows, extra, max_norms, own=config is not None)
     if run_dir is not None and not (run_dir / "events.jsonl").exists():
         notes.append(f"{run_dir} has no events.jsonl: replayed as if no setting changed on resume and no rollback "
                      "happened")
+    elif run_dir is not None and (unread := _events_kept(run_dir, lambda event: event.get("event") == "rollback" and not
+                                                          whole_number(event.get("updates_undone")), at_resume=True)):
+        notes.append(f"{run_dir / 'events.jsonl'} has {counted(len(unread), 'rollback')} with no count of the "
+                     f"updates it undid (step {unread[0].get('step')}: updates_undone "
+                     f"{unread[0].get('updates_undone')!r}): passed over, its updates counted as applied")
     return notes
 
 
 def value_notes(csv_path: Path, rows: list[Row], extra: Sequence[Mapping[str, str]] = (),
-                max_norms: Sequence[float | None] | None = None) -> list[str]:
+                max_norms: Sequence[float | None] | None = None, own: bool = False) -> list[str]:
     """A note for each kind of value a row can hold but no guard of ampguard's writes, read as
     written: a learning rate below 0 or not finite (a schedule of one's own), an infinite loss
     scale (a torch GradScaler's past float32's largest: ampguard's stops there), an applied
     step's post-clip norm above the ``max_norms`` it ran under (one per row: the clip caps it), an
     ``*accuracy`` metric in ``extra`` (the rows' cells after the fixed eight) outside [0, 1] (a
-    percentage?), a column of numbers and text (:func:`held_out_metrics`: left out). What no run
+    percentage?), a column of numbers and text (:func:`held_out_metrics`: left out); with ``own``
+    (the rows of a run ampguard wrote: its ``config.yaml`` beside them), an applied step with an
+    empty ``lr``, ``loss`` or ``scaler_scale`` cell, which every applied row of its holds (a
+    stock Trainer's CSV leaves the loss empty by design: not said there). What no run
     can write at all (a non-finite loss on an applied step, a post-clip
     norm above the pre-clip one) :func:`~ampguard.sinks.read_steps_and_columns` refuses.
 
@@ -182,7 +209,13 @@ def value_notes(csv_path: Path, rows: list[Row], extra: Sequence[Mapping[str, st
                        if not r.skipped and cap is not None and r.grad_l2_post_clip is not None
                        and r.grad_l2_post_clip > cap * (1 + 2**-20)],
                       "applied step", "whose post-clip norm is above the max_norm it ran under")
-    metrics = held_out_metrics(csv_path, extra, notes)  # (a column of numbers and text: said, left out)
+    if own:
+        notes += said([(r.step, ", ".join(c for c, v in (("lr", r.lr), ("loss", r.loss), ("scaler_scale", r.scaler_scale))
+                                         if v is None)) for r in rows
+                       if not r.skipped and None in (r.lr, r.loss, r.scaler_scale)],
+                      "applied step", "with an empty cell, which every applied row of an ampguard run holds (a hand "
+                      "edit?)")
+    metrics = held_out_metrics(csv_path, extra, notes, [r.step for r in rows])  # (text: said, left out)
     for name in sorted({name for values in metrics for name in values if name.endswith("accuracy")}):
         notes += said([(r.step, repr(value)) for r, values in zip(rows, metrics)
                        if (value := values.get(name)) is not None and not 0 <= value <= 1],
@@ -1311,6 +1344,37 @@ def _start_scale(rows: list[Row], backoff: float) -> float:
     return 1.0
 
 
+def growth_interval_of(rows: list[Row], init_scale: float) -> int | None:
+    """The loss scaler's ``growth_interval``, read off a run's rows when no config says (a
+    Lightning plugin's or a Hugging Face callback's CSV): the scaler grows after exactly that many
+    applied steps in a row at one scale, so it is the commonest run of applied steps that ends in a
+    growth (a tie: the shorter). None when the rows hold no growth (a scale that never rose).
+
+    Example (the scale grows after 3 clean steps; a skip restarts the count)::
+
+        >>> scales = [(4.0, False), (4.0, False), (8.0, False), (4.0, True), (4.0, False), (4.0, False),
+        ...           (8.0, False), (8.0, False)]
+        >>> rows = [Row(i, 0.1, 1.0, 1.0, 0.5, skipped, "x" if skipped else "", scale)
+        ...         for i, (scale, skipped) in enumerate(scales, start=1)]
+        >>> growth_interval_of(rows, 4.0), growth_interval_of(rows[:2], 4.0)
+        (3, None)
+    """
+    runs: Counter[int] = Counter()
+    before, run = init_scale, 0
+    for row in rows:
+        scale = row.scaler_scale
+        if scale is None or not math.isfinite(scale) or row.skipped:
+            run = 0
+        else:
+            run += 1
+            if scale > before:  # (a growth: the run of clean steps it waited for)
+                runs[run] += 1
+            if scale != before:
+                run = 0
+        before = scale if scale is not None else before
+    return max(runs.items(), key=lambda item: (item[1], -item[0]))[0] if runs else None
+
+
 def unobserved_of(csv_path: Path) -> int:
     """The steps ``1..N`` a run's monitor did not observe, as the ``summary.json`` beside its
     ``steps.csv`` says (``unobserved``: a Trainer run resumed from a checkpoint without ampguard's
@@ -1414,7 +1478,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
         ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
         >>> code = run(folder, window=2)  # doctest: +ELLIPSIS
-        note: ... has no config.yaml: alerts judged with the default thresholds (--window, ...)
+        note: ... has no config.yaml: alerts judged with the default thresholds where none is given (window 2 (given), alert rate 0.05, min steps 100: ...)...
         summary: steps=3 updates=2 skips=1 (non_finite_grad=1) final_scale=32768 final_loss=0.3
         max rolling skip rate 0.5000 (window 2), alert episodes 0 (re-judged at --window 2), clip rate 0.333, ...
         plot: .../report.png
@@ -1464,9 +1528,6 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
             print(f"note: {csv_path.parent} has no run card RUN.md and no process is writing it: the run did not end "
                   "(killed, its machine went down, or its disk filled up)" + (
                       "; `ampguard train --resume` goes on from its last checkpoint" if saved else ""))
-    if target.is_dir() and not config_path.is_file():  # (a bare CSV, a demo's, has none by design)
-        print(f"note: {target} has no config.yaml: alerts judged with the default thresholds (--window, "
-              "--alert-rate and --min-steps set them)")
     # a threshold given holds for the whole run (the run's policy changes of it set aside); max_norm
     # is never overridden here: the clip rate is the run's, under the max_norm each step ran with
     # (--max-norm draws a line)
@@ -1488,7 +1549,20 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  if config_path.is_file() else any(r.scaler_scale not in (None, 1.0) for r in rows))
     init_scale = config.scaler.init_scale if config_path.is_file() else \
         _start_scale(judged_rows or rows, config.scaler.backoff_factor)
-    judged = _replay_config(config, given, init_scale)
+    growth_interval, defaults = config.scaler.growth_interval, None
+    if not config_path.is_file():  # (a bare CSV, a demo's, has none by design; a Lightning plugin's, a Trainer's)
+        read = growth_interval_of(judged_rows or rows, init_scale) if scaler_on else None
+        growth_interval = read or growth_interval
+        whose = f"{target} has no config.yaml" if target.is_dir() else f"{csv_path} has no config.yaml beside it"
+        scale = "" if not scaler_on else (
+            f"; the scale's health by the scaler's growth_interval read off the rows ({read}: the clean steps "
+            "before each growth)" if read else f"; the scale's health by the default growth_interval "
+            f"({growth_interval}: no growth in the rows to read it from)")
+        used = ", ".join(f"{name.replace('_', ' ')} {given.get(name, getattr(config.monitor, name)):g}"
+                         + (" (given)" if name in given else "") for name in ("window", "alert_rate", "min_steps"))
+        defaults = (f"{whose}: alerts judged with the default thresholds where none is given ({used}: --window, "
+                    f"--alert-rate and --min-steps set them){scale}")  # (said with the other notes, once drawn)
+    judged = _replay_config(config, given, init_scale, growth_interval)
     # (an alert rate given sets the run's clear-level changes aside too: the level given holds, clamped to it)
     set_aside = set(given) | ({"clear_rate"} if "alert_rate" in given else set())
     policy = ([c for c in policy_changes_of(csv_path.parent) if REPLAYED_POLICY[c["key"]] not in set_aside]
@@ -1496,12 +1570,13 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     monitor = build_monitor(judged, scaler_enabled=scaler_on)
     if "window" in given:  # --window re-judges the skip-rate alerts; the scale's health stays the run's verdict
         monitor.health = ScaleHealth(config.monitor.window, monitor.min_scale, init_scale if scaler_on else None,
-                                     config.scaler.growth_interval)
+                                     growth_interval)
     if unseen:
         monitor.begin_at(unseen)
+    metrics = held_out_metrics(csv_path, extra)[len(rows) - len(judged_rows):]  # (each row's; the notes say text)
     monitor = replay(judged_rows, monitor, policy=policy,
                      rollbacks=rollbacks_of(csv_path.parent) if config_path.is_file() else (),
-                     finished=finished(folder.card))
+                     finished=finished(folder.card), metrics=metrics)
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
     mon = judged.monitor
@@ -1513,7 +1588,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
                  events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on, unobserved=unseen)
     run_dir = csv_path.parent if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
-    for note in reading_notes(csv_path, rows, torn, run_dir, extra, config if run_dir else None, policy, unseen):
+    for note in [defaults] * (defaults is not None) + reading_notes(csv_path, rows, torn, run_dir, extra,
+                                                                   config if run_dir else None, policy, unseen):
         print(f"note: {note}")
     if unseen:
         aside = len(rows) - len(judged_rows)
@@ -1537,6 +1613,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
           f"alert episodes {episodes}, clip rate "
           f"{run_clip_rate(judged_rows, monitor if config_path.is_file() else None) if judged_rows else 'n/a (no step observed)'}, "
           f"scale {monitor.scale_verdict}")
+    if held := {**monitor.eval_last, **monitor.eval_best}:  # (as the run card says them)
+        print("held-out " + "; ".join(f"{name} final {_fmt(monitor.eval_last.get(name))}, best "
+                                      f"{_fmt(monitor.eval_best.get(name))}" for name in held))
     if config_path.is_file() and headroom_watched(config, csv_path):
         print(f"headroom alerts {headroom_alerts_text(csv_path.parent, config.monitor.headroom.alert_bits)}")
     if folder.card.is_file():  # why it ended, as train said it (a guard's stop read like a finished run)
@@ -1559,12 +1638,14 @@ def _is_png(path: Path) -> bool:
         return False
 
 
-def _replay_config(config: Config, given: dict[str, Any], init_scale: float) -> Config:
+def _replay_config(config: Config, given: dict[str, Any], init_scale: float,
+                   growth_interval: int | None = None) -> Config:
     """The config ``report`` replays a CSV under (through :func:`~ampguard.build.build_monitor`,
     as the run built its monitor): the run's ``config`` with the thresholds ``given``
     (``monitor.*`` keys) in place of its own, and the loss scale starting at ``init_scale`` (the
-    floor ``min_scale`` no higher). A given ``alert_rate`` below the run's ``monitor.clear_rate``
-    clears the ALERT at the rate given.
+    floor ``min_scale`` no higher), growing every ``growth_interval`` steps (a CSV's own, read
+    off its rows: :func:`growth_interval_of`; else the config's). A given ``alert_rate`` below
+    the run's ``monitor.clear_rate`` clears the ALERT at the rate given.
 
     Example::
 
@@ -1579,7 +1660,8 @@ def _replay_config(config: Config, given: dict[str, Any], init_scale: float) -> 
     clear_rate = config.monitor.clear_rate
     if "alert_rate" in given and clear_rate is not None:  # (a clear level above the alert's is no level)
         monitor["clear_rate"] = min(clear_rate, given["alert_rate"])
-    scaler = {"init_scale": init_scale, "min_scale": min(config.scaler.min_scale, init_scale)}
+    scaler = {"init_scale": init_scale, "min_scale": min(config.scaler.min_scale, init_scale),
+              "growth_interval": growth_interval or config.scaler.growth_interval}
     # (model_copy, not validate: a start scale read off a CSV may be one no config allows, > 2**128)
     return config.model_copy(update={"monitor": config.monitor.model_copy(update=monitor),
                                      "scaler": config.scaler.model_copy(update=scaler)})

@@ -56,7 +56,7 @@ def test_report_reads_a_metric_column_with_a_cell_of_text_as_text_and_says_so(tm
     code, out, err = _report(csv, *([] if plot else ["--no-plot"]))
     assert code == 0 and not err, (out, err)
     for column, first in (("val_accuracy", "'n/a'"), ("val_top1", "'ERR'")):
-        assert (f"note: {csv}: column {column} holds numbers and text (its first text {first}, the cell of row 2"
+        assert (f"note: {csv}: column {column} holds numbers and text (its first text {first}, at step 2"
                 in out), out
     assert (tmp_path / "steps.png").exists() == plot
 

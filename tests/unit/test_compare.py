@@ -78,7 +78,7 @@ def test_a_column_of_text_a_user_sink_wrote_is_no_metric_and_not_refused(tmp_pat
     rows = [clean(1, extra=",0.9"), clean(2, extra=",n/a")]
     run = compare.load_run(make_run(tmp_path, "b", rows, extra=["val_loss"]))
     assert run.monitor.eval_last == {} and any(
-        "column val_loss holds numbers and text (its first text 'n/a', the cell of row 2; 1 of 2 cells numbers)"
+        "column val_loss holds numbers and text (its first text 'n/a', at step 2; 1 of 2 cells numbers)"
         in note for note in run.notes), run.notes
 
 
@@ -337,8 +337,8 @@ def test_compare_and_report_say_what_reading_a_runs_csv_left_out(tmp_path, capsy
     notes = [line for line in out.splitlines() if line.startswith("note: ")]
     assert notes == [f"note: the last line of {torn / 'steps.csv'} is torn (no newline: a write cut short), left out: "
                      "'3,0.1,2.0'",
-                     f"note: {gap / 'steps.csv'} has no row for 4 of its steps (3, 6-8): its figures count the 5 rows "
-                     "it has"]
+                     f"note: {gap / 'steps.csv'} has no row for 4 of its steps (3, 6-8): its figures are of the 5 rows "
+                     "it has (a rate over the run's steps counts the missing ones as neither skipped nor clipped)"]
     assert report.run(gap, plot=False) == 0
     assert notes[1] in capsys.readouterr().out.splitlines()
     (gap / "events.jsonl").unlink()  # (a folder copied without it: no policy change, no rollback known)

@@ -94,4 +94,5 @@ def test_the_unobserved_steps_are_not_called_missing_rows():
 
     rows = [Row(s, 0.1, 2.0, 1.0, 0.5, False, "", 1.0) for s in (7, 8, 10)]
     assert reading_notes(Path("steps.csv"), rows, [], unobserved=6) == [
-        "steps.csv has no row for 1 of its steps (9): its figures count the 3 rows it has"]
+        "steps.csv has no row for 1 of its steps (9): its figures are of the 3 rows it has (a rate over the run's "
+        "steps counts the missing ones as neither skipped nor clipped)"]
