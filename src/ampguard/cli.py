@@ -91,8 +91,8 @@ def _path(text: str) -> str:
 
 def _window(text: str) -> int:
     """A rolling window's size, at most ``MAX_WINDOW`` (its ring is kept in memory)."""
-    value = _positive_int(text)
-    if value > MAX_WINDOW:
+    value = _whole(text)
+    if not 1 <= value <= MAX_WINDOW:  # (one range said, whatever the value: review 47b)
         raise argparse.ArgumentTypeError(f"must be in [1, {MAX_WINDOW:.0e}], got {value}")
     return value
 

@@ -336,7 +336,9 @@ def _whole_lines(lines: Iterable[str], torn: list[str] | None = None) -> Iterato
 
 def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) -> Iterator[Row]:
     header = next(reader, None)
-    if header is None or tuple(header[: len(CSV_COLUMNS)]) != CSV_COLUMNS:
+    if header is None or header == [""] or header == ["\ufeff"]:  # (no line; a byte-order mark alone)
+        raise InputError(f"{path} is empty (no header, no step)")
+    if tuple(header[: len(CSV_COLUMNS)]) != CSV_COLUMNS:
         raise InputError(f"{path}: the header is not ampguard's ({','.join(CSV_COLUMNS)})")
     twice = [name for name, n in Counter(header).items() if n > 1]
     if twice:  # (a metric named like a fixed column: which of the two is the loss?)
@@ -358,8 +360,9 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
         except ValueError:
             raise InputError(f"{where}: step {cell['step']!r} is not a step number (a whole number from 1)") from None
         if step <= previous:
-            raise InputError(f"{where}: step {step} does not follow step {previous}" if previous else
-                             f"{where}: step {step}, but steps count from 1")
+            raise InputError(f"{where}: step {step}, but steps count from 1" if not previous else
+                             f"{where}: step {step} twice (a row repeated)" if step == previous else
+                             f"{where}: step {step} does not follow step {previous}")
         previous = step
         if cell["skipped"] not in ("0", "1"):
             raise InputError(f"{where}: skipped must be 0 or 1, got {cell['skipped']!r}")

@@ -242,8 +242,8 @@ BAD_CSVS = {
     "unknown reason": (_csv(HEADER, "1,0.2,inf,,2.0,1,cosmic_ray,1024.0"), r"cosmic_ray"),
     "steps out of order": (_csv(HEADER, GOOD_ROWS[0], "3,0.2,1.0,1.0,2.0,0,,1024.0", "2,0.2,1.0,1.0,2.0,0,,1024.0"),
                            r"step 2 does not follow step 3"),
-    "duplicate step": (_csv(HEADER, GOOD_ROWS[0], GOOD_ROWS[0]), r"step 1 does not follow step 1"),
-    "empty file": ("", r"header"),
+    "duplicate step": (_csv(HEADER, GOOD_ROWS[0], GOOD_ROWS[0]), r"step 1 twice \(a row repeated\)"),
+    "empty file": ("", r"bad.csv is empty \(no header, no step\)"),
     "header only": (_csv(HEADER), r"no steps"),
     "not utf-8": (None, r"not a readable CSV"),
 }
