@@ -154,3 +154,16 @@ def test_a_rollback_event_with_no_count_is_said(tmp_path):
     assert [n for n in notes if "rollback" in n] == [
         f"{tmp_path / 'events.jsonl'} has 1 rollback with no count of the updates it undid (step 2: updates_undone "
         "'two'): passed over, its updates counted as applied"]
+
+
+def test_one_line_errors_say_what_is_wrong(tmp_path):
+    for name, text, said in (("empty.csv", "", "empty.csv is empty (no header, no step)"),
+                             ("bom.csv", "\ufeff", "bom.csv is empty (no header, no step)"),
+                             ("twice.csv", f"{HEADER}\n1,0.1,1,1,1,0,,1\n1,0.1,1,1,1,0,,1\n",
+                              "twice.csv line 3: step 1 twice (a row repeated)")):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        code, out, err = _report(tmp_path / name)
+        assert (code, out, err.strip()) == (2, "", f"ampguard: error: {tmp_path / said}"), (out, err)
+    for window in ("100000000", "99999999999", "0"):  # (the 1e+09 of a whole number's own range, past 1e+09)
+        code, out, err = _report(tmp_path / "twice.csv", "--window", window)
+        assert code == 2 and err.strip().endswith(f"--window: must be in [1, 1e+07], got {window}"), err
