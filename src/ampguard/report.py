@@ -1574,6 +1574,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if unseen:
         monitor.begin_at(unseen)
     metrics = held_out_metrics(csv_path, extra)[len(rows) - len(judged_rows):]  # (each row's; the notes say text)
+    if not config_path.is_file() and len(metrics) > 1:  # (a user's CsvSink(extra_columns=...): a column on every
+        every = set.intersection(*(set(m) for m in metrics))  # row is a per-step value, epoch or tokens_seen; a
+        metrics = [{k: v for k, v in m.items() if k not in every} for m in metrics]  # held-out metric is sparse)
     monitor = replay(judged_rows, monitor, policy=policy,
                      rollbacks=rollbacks_of(csv_path.parent) if config_path.is_file() else (),
                      finished=finished(folder.card), metrics=metrics)

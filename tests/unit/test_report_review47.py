@@ -167,3 +167,13 @@ def test_one_line_errors_say_what_is_wrong(tmp_path):
     for window in ("100000000", "99999999999", "0"):  # (the 1e+09 of a whole number's own range, past 1e+09)
         code, out, err = _report(tmp_path / "twice.csv", "--window", window)
         assert code == 2 and err.strip().endswith(f"--window: must be in [1, 1e+07], got {window}"), err
+
+
+def test_a_per_step_column_of_a_csv_without_config_is_no_held_out_metric(tmp_path):
+    # CsvSink(extra_columns=["val_loss", "tokens_seen"]) in a user's loop: tokens_seen on every row, val_loss
+    # every 10 steps; shown as "held-out tokens_seen final 5120, best 256" it would be nonsense
+    csv = tmp_path / "steps.csv"
+    rows = [f"{s},0.1,0.5,0.5,1.0,0,,1.0,{'0.5' if s % 10 == 0 else ''},{s * 256}" for s in range(1, 21)]
+    csv.write_text("\n".join([f"{HEADER},val_loss,tokens_seen", *rows]) + "\n", encoding="utf-8")
+    code, out, _ = _report(csv)
+    assert code == 0 and "held-out val_loss final 0.5, best 0.5\n" in out and "tokens_seen" not in out, out
