@@ -1518,6 +1518,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if pid is not None:  # (a live run, looked at: fine, said)
         print(f"note: {csv_path.parent} is being written by another process (pid {pid}): the figures are as of "
               "its last row; the run has not ended")
+    elif config_path.is_file() and folder.card.exists() and not folder.card.is_file():  # (a folder, a pipe: no card)
+        print(f"note: {folder.card} is not a file (a folder?): no run card read; how the run ended is not known here")
     elif config_path.is_file() and not folder.card.is_file():  # (a run's card is written at its end, however it ended)
         ends = _events_kept(csv_path.parent, lambda event: event.get("event") == "run_end")
         saved = folder.checkpoints is not None and any(folder.checkpoints.glob("step-*.pt"))

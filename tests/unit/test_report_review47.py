@@ -177,3 +177,13 @@ def test_a_per_step_column_of_a_csv_without_config_is_no_held_out_metric(tmp_pat
     csv.write_text("\n".join([f"{HEADER},val_loss,tokens_seen", *rows]) + "\n", encoding="utf-8")
     code, out, _ = _report(csv)
     assert code == 0 and "held-out val_loss final 0.5, best 0.5\n" in out and "tokens_seen" not in out, out
+
+
+def test_a_run_card_that_is_a_folder_is_said_as_such(tmp_path):
+    folder = _run(tmp_path, "c", [], ["1,0.1,0.5,0.5,1.0,0,,1.0"])
+    (folder / "RUN.md").unlink()
+    (folder / "RUN.md").mkdir()
+    code, out, _ = _report(folder)
+    assert code == 0
+    assert f"note: {folder / 'RUN.md'} is not a file (a folder?): no run card read" in out, out
+    assert "did not end" not in out  # (review 47b: "no run card ... the run did not end (killed ...)")
