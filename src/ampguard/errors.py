@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import stat
+import sys
 import tempfile
 import unicodedata
 from collections.abc import Callable, Iterator, Sequence
@@ -165,6 +166,26 @@ class InputError(Exception):
 class AmpguardWarning(UserWarning):
     """Something worth one line before a run goes on, ``ampguard: warning: ...`` on stderr
     (``ampguard.cli`` shows it so; in a program of yours, a Python warning)."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes ``warnings.warn``, called by the function calling this, name
+    the first frame outside ampguard: the user's line, whichever of ampguard's paths led there
+    (``Guard(...)`` or ``AmpTrainState(...)``, ``guard.backward`` or ``state.step``: a fixed
+    level named ampguard's own ``AmpTrainState.step`` for the shortcut, review 47e).
+
+    Example (called from outside ampguard: the caller itself)::
+
+        >>> user_stacklevel()
+        1
+    """
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class ConfigError(InputError):

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
-from .errors import AmpguardWarning, brief, listed, real_number, whole_number
+from .errors import AmpguardWarning, brief, listed, real_number, user_stacklevel, whole_number
 
 PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
@@ -46,6 +46,11 @@ def uses_loss_scaler(name: object) -> bool:
 
 # fp8: torchao's Float8Linear layers matmul in float8; everything else runs under bf16 autocast
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16}
+
+
+class HalfWeightsWarning(AmpguardWarning):
+    """Trainable half-precision weights under ``precision="fp32"``: pure bf16 (or fp16) training,
+    the user's choice, said once (the records say fp32)."""
 
 
 class SlowPrecisionWarning(AmpguardWarning):
@@ -579,16 +584,30 @@ class GuardedGradScaler(torch.amp.GradScaler):
                       else self._found_off.get(id(optimizer), {})).values())
         return torch.stack([f.to(device) for f in flags]).sum() > 0 if flags else None
 
-    def forget_unscaled(self) -> None:
-        """Forget what ``unscale_`` did since the last ``update()`` (as ``update()`` does): for a
-        restore that abandons an open group, whose unscaled mark would otherwise outlive it. The
-        plain scaler taken over (:meth:`from_scaler`) forgets too: a ``scaler.unscale_(opt)`` the
-        loop kept once is refused at that step (:meth:`twin_used`), not at every one after it
-        (its ``update()``, the one reset a user could reach, the guard refuses)."""
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self._found_off.clear()
-        if self._twin is not None:
-            self._twin._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+    def forget_unscaled(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Forget what ``unscale_`` did to ``optimizers`` since the last ``update()`` (as
+        ``update()`` does): for a restore that abandons an open group, whose unscaled mark would
+        otherwise outlive it. The plain scaler taken over (:meth:`from_scaler`) forgets too: a
+        ``scaler.unscale_(opt)`` the loop kept once is refused at that step (:meth:`twin_used`),
+        not at every one after it (its ``update()``, the one reset a user could reach, the guard
+        refuses). Only those optimizers: another guard sharing the scaler keeps its marks (review
+        47e: its own ``unscale_()``, or a stray one the next close must refuse).
+
+        Example::
+
+            >>> scaler = GuardedGradScaler("cpu", init_scale=4.0)
+            >>> p, q = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+            >>> a, b = torch.optim.SGD([p], lr=0.1), torch.optim.SGD([q], lr=0.1)
+            >>> scaler.scale(p.sum() + q.sum()).backward()
+            >>> scaler.unscale_(a); scaler.unscale_(b); scaler.forget_unscaled([a])
+            >>> scaler.unscaled(a), scaler.unscaled(b)
+            (False, True)
+        """
+        marks = [vars(scaler).get("_per_optimizer_states", {}) for scaler in (self, self._twin) if scaler is not None]
+        for optimizer in optimizers:  # (a disabled scaler keeps no per-optimizer states: its flags, _found_off)
+            self._found_off.pop(id(optimizer), None)
+            for states in marks:
+                states.pop(id(optimizer), None)
 
     def mark_found_inf_(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the next ``update()`` treat this iteration as an overflow (backoff, tracker reset).
@@ -933,8 +952,8 @@ class Precision:
             ValueError: parameter 'weight' is float16, but bf16 mixed precision keeps FP32 master weights: autocast computes in bf16 while the optimizer updates float32 weights, so small updates are not lost to rounding; keep the model in float32 (no .half() / .to(torch.bfloat16))
         """
         # (float64 weights hold more than the master weights need: theirs to choose)
-        name, param = next(((n, p) for n, p in model.named_parameters()
-                            if p.is_floating_point() and p.dtype.itemsize < 4), (None, None))
+        name, param = next(((n, p) for n, p in model.named_parameters() if p.is_floating_point()
+                            and p.dtype.itemsize < 4 and (self.autocasts or p.requires_grad)), (None, None))
         if param is not None and self.autocasts:
             kind = str(param.dtype).removeprefix("torch.")
             raise ValueError(
@@ -948,7 +967,7 @@ class Precision:
             warnings.warn(f"parameter {name!r} is {kind} under precision {self.name}: the guard trains the weights "
                           f"as they are, pure {kind} (no autocast, no loss scaler: small gradients flush to zero in "
                           f"float16; updates rounded to {kind}), and its records say {self.name}; mixed precision is "
-                          f"float32 weights with precision {mixed}", AmpguardWarning, stacklevel=3)
+                          f"float32 weights with precision {mixed}", HalfWeightsWarning, stacklevel=user_stacklevel())
         if self.uses_scaler:  # (PyTorch's unscale kernel has no complex version: a NotImplementedError mid-step)
             name = next((n for n, p in model.named_parameters() if p.is_complex() and p.requires_grad), None)
             if name is not None:
@@ -972,7 +991,7 @@ class Precision:
         if not supported:
             raise ValueError(note)
         if note is not None:  # emulated: it runs, slowly
-            warnings.warn(note, SlowPrecisionWarning, stacklevel=3)
+            warnings.warn(note, SlowPrecisionWarning, stacklevel=user_stacklevel())
 
     def make_scaler(
         self,

@@ -1348,7 +1348,8 @@ def growth_interval_of(rows: list[Row], init_scale: float) -> int | None:
     """The loss scaler's ``growth_interval``, read off a run's rows when no config says (a
     Lightning plugin's or a Hugging Face callback's CSV): the scaler grows after exactly that many
     applied steps in a row at one scale, so it is the commonest run of applied steps that ends in a
-    growth (a tie: the shorter). None when the rows hold no growth (a scale that never rose).
+    growth (a tie: the shorter), counting only runs whose rows are all there (a CSV written every
+    10th step would read 10x too short: review 47e). None when the rows hold no such growth.
 
     Example (the scale grows after 3 clean steps; a skip restarts the count)::
 
@@ -1356,21 +1357,23 @@ def growth_interval_of(rows: list[Row], init_scale: float) -> int | None:
         ...           (8.0, False), (8.0, False)]
         >>> rows = [Row(i, 0.1, 1.0, 1.0, 0.5, skipped, "x" if skipped else "", scale)
         ...         for i, (scale, skipped) in enumerate(scales, start=1)]
-        >>> growth_interval_of(rows, 4.0), growth_interval_of(rows[:2], 4.0)
-        (3, None)
+        >>> growth_interval_of(rows, 4.0), growth_interval_of(rows[:2], 4.0), growth_interval_of(rows[::2], 4.0)
+        (3, None, None)
     """
     runs: Counter[int] = Counter()
-    before, run = init_scale, 0
+    before, run, last = init_scale, 0, 0
     for row in rows:
-        scale = row.scaler_scale
+        if row.step != last + 1:  # (rows missing, or a CSV that begins later: how many clean steps, unknown)
+            run = None
+        last, scale = row.step, row.scaler_scale
         if scale is None or not math.isfinite(scale) or row.skipped:
             run = 0
-        else:
+        elif run is not None:
             run += 1
             if scale > before:  # (a growth: the run of clean steps it waited for)
                 runs[run] += 1
-            if scale != before:
-                run = 0
+        if scale is not None and scale != before:  # (the scaler's count starts again at each move)
+            run = 0
         before = scale if scale is not None else before
     return max(runs.items(), key=lambda item: (item[1], -item[0]))[0] if runs else None
 

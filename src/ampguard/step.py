@@ -27,8 +27,9 @@ from torch import nn
 from . import distributed
 from .clipping import (HOST_ROUNDED, GradSet, check_max_norm, clip_coefficient, clip_to_norm_, post_clip_norm,
                        post_clip_value)
-from .errors import AmpguardWarning, whole_number
-from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
+from .errors import AmpguardWarning, user_stacklevel, whole_number
+from .precision import (GuardedGradScaler, HalfWeightsWarning, Precision, PrecisionName, SlowPrecisionWarning,
+                        check_scaler_settings)
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
 from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, RunningStats, _GuardStepping, _hook_stray_steps,
                     _parameter_count, _parameter_slots, _probe_autocast, _watch_registrations, first_forward_dtypes,
@@ -172,6 +173,10 @@ class _Monitors(dict):  # type: ignore[type-arg]
         if name not in self:
             self[name] = monitor
         return self[name]
+
+    def __ior__(self, other: Any) -> _Monitors:  # type: ignore[override]
+        self.update(other)
+        return self
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (dict(self), self.saved)
@@ -674,6 +679,7 @@ class Guard:
         self.scaler = _adopt_scaler(scaler, precision)
 
         self._half_loss_said = False  # (a float16/bfloat16 loss: said once, Guard.backward)
+        self._half_said = _half_trained(root, self.precision)  # (half weights under fp32: said by Guard())
         self.monitors: dict[str, Any] = _Monitors()  # fed by the loop, saved here: name -> obj with state_dict()
         # called at a skipped step, before its gradients are dropped (diagnostics: nothing on applied
         # steps), with the group's GradSet (its per-parameter norms, where the global norm took them)
@@ -746,7 +752,8 @@ class Guard:
             if old in state:
                 state[new] = state.pop(old)
         self.__dict__.update(state)
-        self.__dict__.setdefault("_half_loss_said", False)  # (a guard pickled before it was kept)
+        self.__dict__.setdefault("_half_loss_said", False)  # (a guard pickled before they were kept)
+        self.__dict__.setdefault("_half_said", True)
         if "_slots" not in state and "_root" in state:  # (a guard pickled before the slots were read)
             self._slots = _parameter_slots(self._root)
         self._running_stats = RunningStats(getattr(self, "_modules", []))
@@ -775,13 +782,13 @@ class Guard:
         if seen is False:
             warnings.warn(f"{where} without autocast (outside `with guard.autocast():`): it computes in float32, no "
                           "mixed precision; put the forward and the loss inside that block", AmpguardWarning,
-                          stacklevel=3)
+                          stacklevel=user_stacklevel())
         elif seen != self.precision.dtype:
             said = str(seen).removeprefix("torch.")
             scaler = "" if self.scaler.is_enabled() else ", with no loss scaler"
             warnings.warn(f"{where} under autocast({said}), not the guard's {str(self.precision.dtype).removeprefix('torch.')}{scaler}: "
                           f"a torch.autocast of the loop's own? use `with guard.autocast():`", AmpguardWarning,
-                          stacklevel=3)
+                          stacklevel=user_stacklevel())
 
     def _every_scheduler(self) -> list[Any]:
         return [scheduler for schedulers in self._schedulers.values() for scheduler in schedulers]
@@ -810,7 +817,7 @@ class Guard:
         self._micro = 0
         self._group = None
         self._backward_pending = False
-        self.scaler.forget_unscaled()
+        self.scaler.forget_unscaled(self.optimizers.values())
         self._zero_grad()
         self._running_stats.forget()  # (a restore loaded the model's statistics: the next forward copies them)
 
@@ -849,9 +856,12 @@ class Guard:
         has its gradient dropped) instead of accumulating its gradient, never cleared."""
         try:
             holder = _holders(self._root, self.optimizers, self.device, held={id(p) for p, _ in self._owned})
-            with warnings.catch_warnings():  # (its "fp16 on a CPU is slow" was said at Guard())
-                warnings.simplefilter("ignore", SlowPrecisionWarning)
+            with warnings.catch_warnings():  # (its "fp16 on a CPU is slow" was said at Guard(); half weights
+                warnings.simplefilter("ignore", SlowPrecisionWarning)  # under fp32 once: a cast after it says so)
+                if self._half_said:
+                    warnings.simplefilter("ignore", HalfWeightsWarning)
                 self.precision.check(self._root, self.device)
+            self._half_said = self._half_said or _half_trained(self._root, self.precision)
             _check_left_out(self._root, holder, self._frozen_mode)
             if self.sync_free:
                 self._check_sync_free(self.optimizer, self.scheduler)
@@ -1041,7 +1051,7 @@ class Guard:
                 warnings.warn(f"Guard.backward(): the loss is {kind}, not float32 (a reduction inside autocast, "
                               f"(x * x).sum()?): it is rounded to {kind}{overflow}; make it float32 (.float() "
                               "before the reduction, or a loss function autocast runs in float32, F.mse_loss)",
-                              AmpguardWarning, stacklevel=3)
+                              AmpguardWarning, stacklevel=user_stacklevel())
         if self.scaler.any_unscaled(self.optimizers.values()):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
@@ -1690,7 +1700,9 @@ class Guard:
             "updates": self.updates,
             "precision": self.precision.name,
             "accumulation_steps": self.accumulation_steps,
-            "monitors": {name: monitor.state_dict() for name, monitor in self.monitors.items()},
+            # (a state loaded for a monitor not registered again yet travels on: a second resume keeps it)
+            "monitors": {**getattr(self.monitors, "saved", {}),
+                         **{name: monitor.state_dict() for name, monitor in self.monitors.items()}},
             **({"applied": dict(self._applied)} if len(self.optimizers) > 1 else {}),
         }
 
@@ -1742,6 +1754,13 @@ class Guard:
         self._scheduler_epochs.clear()  # (a restore loads the schedulers' states with it)
         self._abandon_group()
         self._look_all = True  # (a resumed run's first step looks at every parameter, as a fresh one's does)
+
+
+def _half_trained(root: nn.Module, precision: Precision) -> bool:
+    """Whether ``root`` trains weights in half precision under fp32 (what :meth:`Precision.check`
+    says once, :class:`~ampguard.precision.HalfWeightsWarning`)."""
+    return not precision.autocasts and any(p.requires_grad and p.is_floating_point() and p.dtype.itemsize < 4
+                                           for p in root.parameters())
 
 
 def _check_state(state: Any) -> None:

@@ -246,3 +246,71 @@ def test_retain_graph_with_a_backward_of_the_loops_own_is_refused_naming_fn():
     guard = Guard(model, opt, precision="fp32")
     with pytest.raises(ValueError, match=r"fn runs the backward, so it says retain_graph"):
         guard.backward(_loss(guard, model, *_batches(1)[0]), backward=lambda s: s.backward(), retain_graph=True)
+
+
+# ------------------------------------------------------------------ review 47e, on the fixes
+
+
+def test_a_refusal_in_one_guard_keeps_the_marks_of_another_sharing_the_scaler():
+    # two guards over one plain GradScaler (a guard per model, the recipe's one scaler): guard 1's dropped
+    # group forgot what was unscaled for every optimizer, so guard 2 applied gradients divided twice
+    torch.manual_seed(0)
+    m1, m2 = nn.Linear(4, 1), nn.Linear(4, 1)
+    o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.SGD(m2.parameters(), lr=0.1)
+    plain = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    g1, g2 = Guard(m1, o1, precision="fp16", scaler=plain), Guard(m2, o2, precision="fp16", scaler=plain)
+    x, y = _batches(1)[0]
+    g2.backward(_loss(g2, m2, x, y))
+    plain.unscale_(o2)  # the stray line, on guard 2's optimizer
+    loss = _loss(g1, m1, x, y)
+    g1.backward(loss)
+    with pytest.raises(RuntimeError, match=r"Guard.backward\(\) called twice"):
+        g1.backward(loss)  # guard 1's group dropped
+    before = [p.detach().clone() for p in m2.parameters()]
+    with pytest.raises(RuntimeError, match="GradScaler given as scaler= was used on the optimizer outside"):
+        g2.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, m2.parameters()))
+
+
+def test_a_state_loaded_for_a_monitor_not_registered_yet_travels_on_in_the_next_state():
+    model, opt = _model()
+    guard = Guard(model, opt, precision="bf16")
+    guard.monitors["run"] = monitor = RunMonitor(window=10)
+    guard.backward(_loss(guard, model, *_batches(1)[0]))
+    monitor.observe(guard.step())
+    first = guard.state_dict()
+    model2, opt2 = _model()
+    resumed = Guard(model2, opt2, precision="bf16")
+    resumed.load_state_dict(first)
+    second = resumed.state_dict()  # (a checkpoint before the loop registers its monitor again)
+    assert second["monitors"] == first["monitors"]
+    model3, opt3 = _model()
+    again = Guard(model3, opt3, precision="bf16")
+    again.load_state_dict(second)
+    again.monitors |= {"run": RunMonitor(window=10)}  # (|= registers as [] does)
+    assert again.monitors["run"].steps == 1
+
+
+def test_the_new_warnings_name_the_users_line_through_amp_train_state_too():
+    model = nn.Linear(2, 1).to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              lambda out, y: ((out - y) ** 2).sum(), precision="fp32")
+        state.step(torch.ones(4, 2, dtype=torch.bfloat16), torch.zeros(4, 1, dtype=torch.bfloat16))
+        for _ in range(3):  # (modules built elsewhere: the guard reads its parameters again, says nothing again)
+            nn.Linear(2, 2)
+            state.step(torch.ones(4, 2, dtype=torch.bfloat16), torch.zeros(4, 1, dtype=torch.bfloat16))
+    said = [w for w in caught if issubclass(w.category, AmpguardWarning)]
+    assert {w.filename for w in said} == {__file__}, [(w.filename, str(w.message)[:60]) for w in said]
+    assert sum("under precision fp32" in str(w.message) for w in said) == 1
+    assert sum("the loss is bfloat16" in str(w.message) for w in said) == 1
+
+
+def test_a_frozen_half_backbone_under_fp32_is_not_said_to_train():
+    backbone, head = nn.Linear(2, 2).to(torch.bfloat16).requires_grad_(False), nn.Linear(2, 1)
+    model = nn.Sequential(backbone, head)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Guard(model, torch.optim.SGD(head.parameters(), lr=0.1), precision="fp32", frozen="ignore")
+    assert not [w for w in caught if "under precision fp32" in str(w.message)]
