@@ -336,6 +336,11 @@ the healthy equilibrium (the scaler's growth probe, 2**18, overflows at once and
 at 2**17), and one stray skip at the working level is one more: neither is a leg."""
 COLLAPSE_OCTAVES = 3.0
 """``collapsing``: the scale ended the window this many octaves (8x) or more below where it began."""
+SETTLE_STEPS = 8
+"""The fewest applied steps in a row at one scale that make it a level the scaler settled at
+(:attr:`ScaleHealth.settle`). The scaler grows after ``growth_interval`` clean steps, so with a
+growth interval below 8 no scale holds that long and ``oscillating`` is not judged: its probe
+and a level it sat at look alike (review 47d: at 1 to 5, healthy runs read ``oscillating``)."""
 SPAN_REACHES = 4
 """How far back :class:`ScaleHealth` keeps the applied levels, in :attr:`~ScaleHealth.reach` es:
 three legs, each within a reach of the one before and the last within a reach of now, and the
@@ -480,9 +485,10 @@ class ScaleHealth:
         (:meth:`swings`): the window, and four climbs of :data:`OSCILLATION_OCTAVES` at
         ``growth_interval`` clean steps an octave when it is given (17,000 steps with
         ``train``'s defaults: a scaler that grows once in 2000 steps needs 4000 to climb a leg)."""
-        self.settle = max(1, growth_interval // 2) if growth_interval else 1
+        self.settle = max(SETTLE_STEPS, growth_interval // 2) if growth_interval else SETTLE_STEPS
         """Applied steps in a row at one scale that make it a level the scaler settled at (half a
-        growth interval: the growth probe, which overflows within a few steps, never is one)."""
+        growth interval, and at least :data:`SETTLE_STEPS`: the growth probe, which overflows
+        within a few steps, never is one)."""
         self._verdict = None
 
     @property
@@ -537,7 +543,7 @@ class ScaleHealth:
             self._run = (None, 0)
         else:  # (an applied step: how many in a row at this scale)
             self._run = (before, self._run[1] + 1 if self._run[0] == before else 1)
-        if self._run[1] == self.settle:  # (the steps have applied there long enough: a level it settled at)
+        if self._run[1] >= self.settle:  # (the steps have applied there long enough: a level it settled at)
             levels, count = self._levels, self._skipped.count
             if not levels or levels[-1][1] != before:
                 levels.append((count, float(before)))
@@ -595,21 +601,21 @@ class ScaleHealth:
         scaler that met one bad stretch (review 46d); the climb before the first fall is the
         scaler finding its limit, no leg.
 
-        Example (the scaler grows once in 10 steps: 5 applied steps in a row settle a level)::
+        Example (the scaler grows once in 20 steps: 10 applied steps in a row settle a level)::
 
-            >>> h = ScaleHealth(5, init_scale=2.0**18, growth_interval=10)
+            >>> h = ScaleHealth(5, init_scale=2.0**18, growth_interval=20)
             >>> h.reach, h.settle
-            (85, 5)
+            (165, 10)
             >>> def at(scale, steps):  # steps that apply, the scale after each
             ...     for _ in range(steps):
             ...         h.push(scale, False)
             >>> def dip():  # 2**18 -> 2**16 in two overflows, settled there, then back up
             ...     h.push(2.0**17, True); h.push(2.0**16, True)
-            ...     at(2.0**16, 10); at(2.0**17, 10); at(2.0**18, 10)
-            >>> at(2.0**18, 10); dip()
+            ...     at(2.0**16, 20); at(2.0**17, 20); at(2.0**18, 20)
+            >>> at(2.0**18, 20); dip()
             >>> h.swings(), h.verdict  # (one dip and its climb back)
             (2, 'stable')
-            >>> h.push(2.0**17, True); h.push(2.0**16, True); at(2.0**16, 5)
+            >>> h.push(2.0**17, True); h.push(2.0**16, True); at(2.0**16, 10)
             >>> h.swings(), h.verdict  # (down again, settled there: the swing repeats)
             (3, 'oscillating')
         """

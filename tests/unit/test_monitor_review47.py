@@ -161,3 +161,26 @@ def test_report_replays_a_growth_interval_a_resume_changed(tmp_path):
     assert replayed.state_dict()["health"] == resumed.state_dict()["health"]
     unreplayed = replay(rows, RunMonitor(window=100, init_scale=2.0**17, growth_interval=50, max_norm=None))
     assert unreplayed.state_dict()["health"] != resumed.state_dict()["health"]  # (what report did before)
+
+
+# ------------------------------------------------------------------ review 47d, on the fix
+
+
+@pytest.mark.parametrize("interval", [1, 3, 5, 20])
+def test_a_healthy_run_with_a_short_growth_interval_is_not_oscillating(interval):
+    # batch-to-batch jitter of the gradient (lognormal, sigma 0.25): at growth intervals of 1 to 5 every
+    # scale held 1 or 2 steps "settled", the probe too, and healthy runs read oscillating (review 47d)
+    import random
+    rng = random.Random(0)
+    grads = [0.4 * math.exp(rng.gauss(0.0, 0.25)) for _ in range(3000)]
+    monitor = RunMonitor(window=100, init_scale=2.0**16, growth_interval=interval, max_norm=None)
+    seen = _labels(monitor, _scaler(grads, init=2.0**16, interval=interval))
+    assert "oscillating" not in seen, seen
+
+
+def test_the_growth_interval_read_off_rows_is_the_longest_run_before_a_growth():
+    from ampguard.report import growth_interval_of
+    # 2000 clean steps then a growth; later a resume that set the scale higher after 301 steps (review 47d)
+    trace = [(2.0**16, False)] * 1999 + [(2.0**17, False)] + [(2.0**17, False)] * 300 + [(2.0**19, False)]
+    rows = [Row(step, 0.1, 0.5, 0.5, 1.0, False, "", scale) for step, (scale, _) in enumerate(trace, start=1)]
+    assert growth_interval_of(rows, 2.0**16) == 2000
