@@ -21,6 +21,7 @@ message to know which guard tripped.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections import Counter, deque
@@ -430,8 +431,9 @@ class ScaleHealth:
 
     A warm-up in the window is set aside: the other labels judge the steps after it. ``min_scale``
     is the scaler's floor (``scaler.min_scale``): the scale is clamped there and goes no lower.
-    :meth:`push` is O(1) per step; :attr:`verdict` and :meth:`stats` read the window, O(window),
-    so they are for the log interval and the run card, not every step.
+    :meth:`push` is O(1) per step; :attr:`verdict` reads the window's ends (all of it only while
+    a warm-up is in it), so a tracker may ask every step; :meth:`stats` reads the window,
+    O(window), for the log interval and the run card.
 
     Example::
 
@@ -450,6 +452,7 @@ class ScaleHealth:
         self.reach = self.settle = 0
         self.growth_interval = growth_interval
         self._run: tuple[float | None, int] = (None, 0)  # (the scale the last steps applied at, how many in a row)
+        self._ends: tuple[Any, list[int]] = (None, [])  # (what the legs were worked out from, the legs: swings())
         # the levels the scaler settled at, each time it changes after the opening, as (pushes, level);
         # the first is the one in effect at the kept span's start (:data:`SPAN_REACHES` reaches back)
         self._levels: deque[tuple[int, float]] = deque()
@@ -550,16 +553,21 @@ class ScaleHealth:
             while len(levels) > 1 and levels[1][0] <= count - SPAN_REACHES * self.reach:  # (the first: the level
                 levels.popleft()                                                        # at the span's start)
 
+    def _judged_start(self) -> tuple[int, int]:
+        """(warm-up skips set aside, the index in the window's scales the judged ones start at):
+        O(1), so the verdict reads no more of the window than its ends."""
+        if self.opening < 1 or self.opening_floored:
+            return 0, 0
+        # scales[j] is the scale after step count - (len - 1 - j); the warm-up ends after step `opening`
+        end = self.opening - self._skipped.count + len(self._scales) - 1
+        if end < 1:  # no move of the warm-up is in the window any more
+            return 0, 0
+        return min(self.opening, end), end
+
     def _judged(self) -> tuple[int, list[float]]:
         """(warm-up skips set aside, the scales judged): the window's scales after the warm-up."""
-        scales = list(self._scales)
-        if self.opening < 1 or self.opening_floored:
-            return 0, scales
-        # scales[j] is the scale after step count - (len - 1 - j); the warm-up ends after step `opening`
-        end = self.opening - self._skipped.count + len(scales) - 1
-        if end < 1:  # no move of the warm-up is in the window any more
-            return 0, scales
-        return min(self.opening, end), scales[end:]
+        warmup, start = self._judged_start()
+        return warmup, list(self._scales)[start:]
 
     def stats(self) -> ScaleStats:
         """The measures the labels are defined by (see :class:`ScaleStats`), over the window.
@@ -620,6 +628,20 @@ class ScaleHealth:
             (3, 'oscillating')
         """
         need = _swing_needed(self._ups, self._downs)
+        key = (len(self._levels), self._levels[0] if self._levels else None, self._levels[-1] if self._levels else None,
+               need)
+        if self._ends[0] != key:  # (the legs change only with the levels kept: O(levels) then, O(legs) a verdict)
+            self._ends = (key, self._legs(need))
+        ends = self._ends[1]
+        if not ends or ends[-1] <= self._skipped.count - self.reach:
+            return 0
+        legs = 1
+        while legs < len(ends) and ends[-legs] - ends[-legs - 1] < self.reach:
+            legs += 1
+        return legs
+
+    def _legs(self, need: float) -> list[int]:
+        """The push count at which each leg of the levels kept reached ``need`` octaves."""
         ends: list[int] = []  # the push count at which each leg reached its 2 octaves
         falling = None  # (the direction of the last leg; None: no fall yet)
         high = low = None
@@ -630,12 +652,7 @@ class ScaleHealth:
                 ends, falling, low = ends + [count], True, x
             elif falling is True and x >= low + need:  # (a climb counts after a fall only: the climb to
                 ends, falling, high = ends + [count], False, x  # the scaler's limit is none)
-        if not ends or ends[-1] <= self._skipped.count - self.reach:
-            return 0
-        legs = 1
-        while legs < len(ends) and ends[-legs] - ends[-legs - 1] < self.reach:
-            legs += 1
-        return legs
+        return ends
 
     @property
     def verdict(self) -> str:
@@ -660,14 +677,18 @@ class ScaleHealth:
             return "collapsing"
         if self.swings() >= 3:
             return "oscillating"
-        warmup, logs = self._window_logs()
-        s = self._stats_of(warmup, logs)
+        # the window's ends (O(1): a tracker asks every step, and a walk of the window took ~1 ms at 1000)
+        if not self._scales:  # (no scale yet: no init_scale, no step)
+            return "stable"
+        warmup, start = self._judged_start()
+        first, last = self._scales[start], self._scales[-1]
+        trend = math.log2(last / first) if first > 0 and last > 0 else 0.0  # (as ScaleStats.trend)
         eps = 1e-9  # octaves of non-power-of-two growth factors are not exact
-        if s.trend <= -COLLAPSE_OCTAVES + eps:
+        if trend <= -COLLAPSE_OCTAVES + eps:
             return "collapsing"
-        if s.warmup and s.swing == 0:
-            return "warming"
-        if s.trend > eps and not self._fell and self.scale == self.peak:
+        if warmup and (first <= 0 or all(x == first or x <= 0 for x in itertools.islice(self._scales, start, None))):
+            return "warming"  # (no move after the warm-up, as ScaleStats.swing reads it; O(window) in the first only)
+        if trend > eps and not self._fell and self.scale == self.peak:
             return "climbing"
         return "stable"
 
@@ -787,6 +808,7 @@ class ScaleHealth:
             self.streak = self.opening
             self.peak, self._fell = (None if self._opening else self.scale), False
             self._levels, self._ups, self._downs, self._run = deque(), Counter(), Counter(), (None, 0)
+            self._ends = (None, [])
             return
         self._scales = deque((float(s) for s in state["scales"]), maxlen=self.window + 1)
         self._skipped.load_state_dict(state["skipped"])
@@ -798,6 +820,7 @@ class ScaleHealth:
         self._fell = bool(state["fell"])
         # (a state saved before the levels were kept: the span starts again from here)
         self._levels = deque((int(c), float(v)) for c, v in state.get("levels", []))
+        self._ends = (None, [])
         level, run = state.get("run", [None, 0])
         self._run = (None if level is None else float(level), int(run))
         self._ups = Counter({float(o): int(n) for o, n in state.get("ups", [])})

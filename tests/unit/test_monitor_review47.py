@@ -184,3 +184,39 @@ def test_the_growth_interval_read_off_rows_is_the_longest_run_before_a_growth():
     trace = [(2.0**16, False)] * 1999 + [(2.0**17, False)] + [(2.0**17, False)] * 300 + [(2.0**19, False)]
     rows = [Row(step, 0.1, 0.5, 0.5, 1.0, False, "", scale) for step, (scale, _) in enumerate(trace, start=1)]
     assert growth_interval_of(rows, 2.0**16) == 2000
+
+
+def _verdict_from_stats(h) -> str:
+    """The label by the table (docs/design.md, "Scale health"), from :meth:`ScaleHealth.stats`'
+    walk of the whole window: what the verdict, which reads only the window's ends, must say."""
+    eps = 1e-9
+    if h.at_floor and h._skipped.seen_mean > 0:
+        return "collapsing"
+    if h.streak > 8:
+        return "collapsing"
+    if h.swings() >= 3:
+        return "oscillating"
+    s = h.stats()
+    if s.trend <= -3 + eps:
+        return "collapsing"
+    if s.warmup and s.swing == 0:
+        return "warming"
+    if s.trend > eps and not h._fell and h.scale == h.peak:
+        return "climbing"
+    return "stable"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_verdict_from_the_windows_ends_is_the_tables(seed):
+    # review 47d: a tracker asks for the label every step and it walked the window (~1 ms at 1000)
+    import random
+    from ampguard.monitor import ScaleHealth
+    rng = random.Random(seed)
+    init = 2.0 ** rng.choice([4, 16, 24])
+    h = ScaleHealth(rng.choice([5, 30, 200]), min_scale=1.0, init_scale=init,
+                    growth_interval=rng.choice([None, 8, 20]))
+    grads = [(0.4 if rng.random() < 0.5 else 3.0) * math.exp(rng.gauss(0, 0.5)) for _ in range(1500)]
+    grads = [math.inf if rng.random() < 0.02 else g for g in grads]
+    for step, (scale, skipped) in enumerate(_scaler(grads, init=init, interval=h.growth_interval or 10), 1):
+        h.push(scale, skipped)
+        assert h.verdict == _verdict_from_stats(h), (seed, step)
