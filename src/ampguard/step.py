@@ -1737,6 +1737,10 @@ class Guard:
         saved = sorted(state.get("applied", {"optimizer": 0}))
         if saved != sorted(self._applied):
             raise ValueError(f"state was saved with optimizers {saved}, this step has {sorted(self._applied)}")
+        monitors = state.get("monitors", {})
+        for name, monitor in self.monitors.items():  # (a state a monitor refuses: refused before anything is
+            if name in monitors and hasattr(monitor, "check_state"):  # restored, review 47e; one with no
+                monitor.check_state(monitors[name], f"Guard.load_state_dict(): monitors.{name}.")  # check: its load)
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.steps = int(state["step"])

@@ -314,3 +314,20 @@ def test_a_frozen_half_backbone_under_fp32_is_not_said_to_train():
         warnings.simplefilter("always")
         Guard(model, torch.optim.SGD(head.parameters(), lr=0.1), precision="fp32", frozen="ignore")
     assert not [w for w in caught if "under precision fp32" in str(w.message)]
+
+
+def test_a_monitor_state_its_monitor_refuses_is_refused_before_anything_is_restored():
+    model, opt = _model()
+    guard = Guard(model, opt, precision="bf16")
+    guard.monitors["run"] = monitor = RunMonitor(window=10)
+    for x, y in _batches(2):
+        guard.backward(_loss(guard, model, x, y))
+        monitor.observe(guard.step())
+    state = copy.deepcopy(guard.state_dict())
+    state["monitors"]["run"]["steps"] = -1  # (a hand edit, a corrupt checkpoint)
+    model2, opt2 = _model()
+    fresh = Guard(model2, opt2, precision="bf16")
+    fresh.monitors["run"] = RunMonitor(window=10)
+    with pytest.raises(ValueError, match=r"Guard.load_state_dict\(\): monitors.run.steps"):
+        fresh.load_state_dict(state)
+    assert (fresh.steps, fresh.updates, fresh.monitors["run"].steps) == (0, 0, 0)  # (nothing half restored)
