@@ -180,12 +180,14 @@ def user_stacklevel() -> int:
         1
     """
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE) and \
+            not frame.f_code.co_filename.startswith(_INTEGRATIONS):  # (an integration's line: ampguard's own
+        frame, level = frame.f_back, level + 1                         # plugin, not the framework's, review 47f)
     return level
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_INTEGRATIONS = os.path.join(_PACKAGE, "integrations") + os.sep
 
 
 class ConfigError(InputError):

@@ -21,7 +21,6 @@ message to know which guard tripped.
 
 from __future__ import annotations
 
-import itertools
 import math
 import numbers
 from collections import Counter, deque
@@ -686,8 +685,8 @@ class ScaleHealth:
         eps = 1e-9  # octaves of non-power-of-two growth factors are not exact
         if trend <= -COLLAPSE_OCTAVES + eps:
             return "collapsing"
-        if warmup and (first <= 0 or all(x == first or x <= 0 for x in itertools.islice(self._scales, start, None))):
-            return "warming"  # (no move after the warm-up, as ScaleStats.swing reads it; O(window) in the first only)
+        if warmup and self._stats_of(*self._window_logs()).swing == 0:  # (O(window): while a warm-up is in it)
+            return "warming"
         if trend > eps and not self._fell and self.scale == self.peak:
             return "climbing"
         return "stable"

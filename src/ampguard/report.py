@@ -12,6 +12,7 @@ import math
 import re
 import os
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -1346,10 +1347,11 @@ def _start_scale(rows: list[Row], backoff: float) -> float:
 def growth_interval_of(rows: list[Row], init_scale: float) -> int | None:
     """The loss scaler's ``growth_interval``, read off a run's rows when no config says (a
     Lightning plugin's or a Hugging Face callback's CSV): the scaler grows after exactly that many
-    applied steps in a row at one scale, and no run of them is longer: the longest run of applied
-    steps that ends in a growth (a scale set higher by a resume, after fewer, is no growth of its:
-    review 47d), counting only runs whose rows are all there (a CSV written every 10th step would
-    read 10x too short: review 47e). None when the rows hold no such growth.
+    applied steps in a row at one scale: the commonest run of applied steps that ends in a growth,
+    the longer on a tie (a scale set higher by a resume, after fewer, is one such run, review 47d;
+    a rollback that loads the scaler back mid-count makes one longer, review 47f: outvoted),
+    counting only runs whose rows are all there (a CSV written every 10th step would read 10x
+    too short: review 47e). None when the rows hold no such growth.
 
     Example (the scale grows after 3 clean steps; a skip restarts the count)::
 
@@ -1360,7 +1362,7 @@ def growth_interval_of(rows: list[Row], init_scale: float) -> int | None:
         >>> growth_interval_of(rows, 4.0), growth_interval_of(rows[:2], 4.0), growth_interval_of(rows[::2], 4.0)
         (3, None, None)
     """
-    runs: set[int] = set()
+    runs: Counter[int] = Counter()
     before, run, last = init_scale, 0, 0
     for row in rows:
         if row.step != last + 1:  # (rows missing, or a CSV that begins later: how many clean steps, unknown)
@@ -1371,11 +1373,11 @@ def growth_interval_of(rows: list[Row], init_scale: float) -> int | None:
         elif run is not None:
             run += 1
             if scale > before:  # (a growth: the run of clean steps it waited for)
-                runs.add(run)
+                runs[run] += 1
         if scale is not None and scale != before:  # (the scaler's count starts again at each move)
             run = 0
         before = scale if scale is not None else before
-    return max(runs, default=None)
+    return max(runs.items(), key=lambda item: (item[1], item[0]))[0] if runs else None
 
 
 def unobserved_of(csv_path: Path) -> int:

@@ -331,3 +331,18 @@ def test_a_monitor_state_its_monitor_refuses_is_refused_before_anything_is_resto
     with pytest.raises(ValueError, match=r"Guard.load_state_dict\(\): monitors.run.steps"):
         fresh.load_state_dict(state)
     assert (fresh.steps, fresh.updates, fresh.monitors["run"].steps) == (0, 0, 0)  # (nothing half restored)
+
+
+def test_a_warning_names_ampguards_integration_line_not_the_frameworks():
+    # review 47f: through the Lightning plugin the warning named Lightning's line (a filter on
+    # module="lightning" hid it); the plugin's own line is the first that is not ampguard's core
+    from pathlib import Path
+
+    from ampguard import errors
+
+    inner = compile("def inner():\n    return user_stacklevel()\n", errors._PACKAGE + "step_fake.py", "exec")
+    outer = compile("def outer():\n    return inner()\n", str(Path(errors._INTEGRATIONS) / "fake.py"), "exec")
+    ns = {"user_stacklevel": errors.user_stacklevel}
+    exec(inner, ns)
+    exec(outer, ns)
+    assert ns["inner"]() == 2 and ns["outer"]() == 2  # (inner's caller: this file; outer's line: the plugin's)

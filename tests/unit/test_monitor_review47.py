@@ -178,12 +178,18 @@ def test_a_healthy_run_with_a_short_growth_interval_is_not_oscillating(interval)
     assert "oscillating" not in seen, seen
 
 
-def test_the_growth_interval_read_off_rows_is_the_longest_run_before_a_growth():
+def test_the_growth_interval_read_off_rows_outvotes_a_resume_and_a_rollback():
     from ampguard.report import growth_interval_of
-    # 2000 clean steps then a growth; later a resume that set the scale higher after 301 steps (review 47d)
-    trace = [(2.0**16, False)] * 1999 + [(2.0**17, False)] + [(2.0**17, False)] * 300 + [(2.0**19, False)]
-    rows = [Row(step, 0.1, 0.5, 0.5, 1.0, False, "", scale) for step, (scale, _) in enumerate(trace, start=1)]
-    assert growth_interval_of(rows, 2.0**16) == 2000
+
+    def rows(trace):
+        return [Row(step, 0.1, 0.5, 0.5, 1.0, False, "", scale) for step, scale in enumerate(trace, start=1)]
+    # 2000 clean steps then a growth; later a resume that set the scale higher after 301 steps (review 47d):
+    # one run each, the longer
+    assert growth_interval_of(rows([2.0**16] * 1999 + [2.0**17] * 301 + [2.0**19]), 2.0**16) == 2000
+    # growths after 20 clean steps, and a rollback that loaded the scaler back mid-count: one run of 35
+    # (review 47f: the longest run read 35)
+    trace = [2.0**10] * 19 + [2.0**11] * 20 + [2.0**12] * 35 + [2.0**13] * 20 + [2.0**14]
+    assert growth_interval_of(rows(trace), 2.0**10) == 20
 
 
 def _verdict_from_stats(h) -> str:
