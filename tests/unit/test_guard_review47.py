@@ -166,13 +166,19 @@ def test_a_float32_loss_is_not_said():
 # ------------------------------------------------------------ monitors and the saved state
 
 
-def test_a_monitor_registered_after_the_load_gets_its_saved_state():
+def _monitored(steps: int) -> tuple[Guard, RunMonitor]:
+    """A bf16 guard with a RunMonitor registered as "run", ``steps`` steps in."""
     model, opt = _model()
     guard = Guard(model, opt, precision="bf16")
     guard.monitors["run"] = monitor = RunMonitor(window=10)
-    for x, y in _batches(3):
+    for x, y in _batches(steps):
         guard.backward(_loss(guard, model, x, y))
         monitor.observe(guard.step())
+    return guard, monitor
+
+
+def test_a_monitor_registered_after_the_load_gets_its_saved_state():
+    guard, monitor = _monitored(3)
     saved = copy.deepcopy(guard.state_dict())
     assert monitor.steps == 3
 
@@ -188,11 +194,7 @@ def test_a_monitor_registered_after_the_load_gets_its_saved_state():
 
 
 def test_a_monitor_registered_before_the_load_is_loaded_as_before():
-    model, opt = _model()
-    guard = Guard(model, opt, precision="bf16")
-    guard.monitors["run"] = monitor = RunMonitor(window=10)
-    guard.backward(_loss(guard, model, *_batches(1)[0]))
-    monitor.observe(guard.step())
+    guard, _ = _monitored(1)
     model2, opt2 = _model()
     resumed = Guard(model2, opt2, precision="bf16")
     resumed.monitors["run"] = early = RunMonitor(window=10)
@@ -273,11 +275,7 @@ def test_a_refusal_in_one_guard_keeps_the_marks_of_another_sharing_the_scaler():
 
 
 def test_a_state_loaded_for_a_monitor_not_registered_yet_travels_on_in_the_next_state():
-    model, opt = _model()
-    guard = Guard(model, opt, precision="bf16")
-    guard.monitors["run"] = monitor = RunMonitor(window=10)
-    guard.backward(_loss(guard, model, *_batches(1)[0]))
-    monitor.observe(guard.step())
+    guard, _ = _monitored(1)
     first = guard.state_dict()
     model2, opt2 = _model()
     resumed = Guard(model2, opt2, precision="bf16")
@@ -317,12 +315,7 @@ def test_a_frozen_half_backbone_under_fp32_is_not_said_to_train():
 
 
 def test_a_monitor_state_its_monitor_refuses_is_refused_before_anything_is_restored():
-    model, opt = _model()
-    guard = Guard(model, opt, precision="bf16")
-    guard.monitors["run"] = monitor = RunMonitor(window=10)
-    for x, y in _batches(2):
-        guard.backward(_loss(guard, model, x, y))
-        monitor.observe(guard.step())
+    guard, _ = _monitored(2)
     state = copy.deepcopy(guard.state_dict())
     state["monitors"]["run"]["steps"] = -1  # (a hand edit, a corrupt checkpoint)
     model2, opt2 = _model()
