@@ -936,9 +936,10 @@ class Precision:
             set_fp32_settings(saved)
 
     def check(self, model: torch.nn.Module, device: torch.device) -> None:
-        """Refuse what this precision cannot train, up front (``ValueError``, one line each): weights
-        already cast to fp16/bf16 (or fp8) under autocast (mixed precision keeps FP32 master weights;
-        float64 ones are kept), complex weights under fp16 (the loss scaler cannot unscale them), bf16
+        """Refuse what this precision cannot train, up front (``ValueError``, one line each): trainable
+        weights already cast to fp16/bf16 (or fp8) under autocast (mixed precision keeps FP32 master
+        weights; float64 ones are kept; frozen half ones, a bf16 backbone under trained adapters,
+        too: nothing updates them), complex weights under fp16 (the loss scaler cannot unscale them), bf16
         on a CUDA device without bf16, fp8 without torchao, on a model with no ``Float8Linear``
         layer (:func:`ampguard.fp8.convert_to_fp8` first) or on a GPU older than compute
         capability 8.9; warn that fp16 on a CPU is emulated (about 10x slower than bf16 there),
@@ -952,8 +953,9 @@ class Precision:
             ValueError: parameter 'weight' is float16, but bf16 mixed precision keeps FP32 master weights: autocast computes in bf16 while the optimizer updates float32 weights, so small updates are not lost to rounding; keep the model in float32 (no .half() / .to(torch.bfloat16))
         """
         # (float64 weights hold more than the master weights need: theirs to choose)
+        # (frozen ones: no master weights to keep, nothing updates them: a bf16 backbone under trained adapters)
         name, param = next(((n, p) for n, p in model.named_parameters() if p.is_floating_point()
-                            and p.dtype.itemsize < 4 and (self.autocasts or p.requires_grad)), (None, None))
+                            and p.dtype.itemsize < 4 and p.requires_grad), (None, None))
         if param is not None and self.autocasts:
             kind = str(param.dtype).removeprefix("torch.")
             raise ValueError(

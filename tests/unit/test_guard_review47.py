@@ -339,3 +339,38 @@ def test_a_warning_names_ampguards_integration_line_not_the_frameworks():
     exec(inner, ns)
     exec(outer, ns)
     assert ns["inner"]() == 2 and ns["outer"]() == 2  # (inner's caller: this file; outer's line: the plugin's)
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_a_frozen_half_backbone_under_trained_float32_layers_trains_as_the_recipe(precision, dtype):
+    # a bf16 backbone under trained adapters (LoRA's shape): refused as weights "cast to half" although
+    # nothing updates them (no master weights to keep); a trainable half weight is still refused
+    def build():
+        torch.manual_seed(0)
+        backbone = nn.Linear(4, 8).to(dtype).requires_grad_(False)
+        model = nn.Sequential(backbone, nn.Linear(8, 1))
+        return model, torch.optim.SGD(model[1].parameters(), lr=0.1)
+
+    model, opt = build()
+    guard = Guard(model, opt, precision=precision, frozen="ignore")
+    ref, ref_opt = build()
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")  # (the guard's defaults: 2**16)
+    for x, y in _batches(5):
+        with guard.autocast():
+            loss = F.mse_loss(model(x).float(), y)
+        guard.backward(loss)
+        guard.step()
+        with torch.autocast("cpu", dtype=dtype):
+            ref_loss = F.mse_loss(ref(x).float(), y)
+        scaler.scale(ref_loss).backward()
+        scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref[1].parameters(), 1.0)
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert guard.updates >= 1
+    model, opt = build()
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is .*mixed precision keeps FP32 master weights"):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
