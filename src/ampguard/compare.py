@@ -67,7 +67,7 @@ def _card(card: Path) -> tuple[str, dict[str, str]]:
     try:
         return read_card(card)
     except (OSError, UnicodeDecodeError) as err:
-        raise InputError(f"{card}: cannot read the run card ({err})") from None
+        raise InputError(f"compare: {card}: cannot read the run card ({err})") from None
 
 
 def load_run(path: str | Path) -> RunSummary:
@@ -102,7 +102,10 @@ def load_run(path: str | Path) -> RunSummary:
     except InputError as err:  # ConfigError included (it names the file)
         raise InputError(f"compare: {err}") from None
     torn: list[str] = []
-    rows, extra = read_steps_and_columns(folder / "steps.csv", torn)
+    try:
+        rows, extra = read_steps_and_columns(folder / "steps.csv", torn)
+    except InputError as err:  # (every line of compare's says it is compare's: review 47b)
+        raise InputError(f"compare: {err}") from None
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
     ended, card = _card(folder / "RUN.md")

@@ -187,3 +187,13 @@ def test_a_run_card_that_is_a_folder_is_said_as_such(tmp_path):
     assert code == 0
     assert f"note: {folder / 'RUN.md'} is not a file (a folder?): no run card read" in out, out
     assert "did not end" not in out  # (review 47b: "no run card ... the run did not end (killed ...)")
+
+
+def test_compares_errors_say_they_are_compares(tmp_path):
+    good = _run(tmp_path, "good", [], ["1,0.1,0.5,0.5,1.0,0,,1.0"])
+    bad = _run(tmp_path, "bad", [], ["1,0.1,0.5,0.5,1.0,0,,1.0", "1,0.1,0.5,0.5,1.0,0,,1.0"])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["compare", str(good), str(bad)])
+    assert code == 2 and err.getvalue() == (
+        f"ampguard: error: compare: {bad / 'steps.csv'} line 3: step 1 twice (a row repeated)\n"), err.getvalue()
