@@ -16,7 +16,7 @@ import struct
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -935,11 +935,13 @@ class Precision:
         finally:
             set_fp32_settings(saved)
 
-    def check(self, model: torch.nn.Module, device: torch.device) -> None:
-        """Refuse what this precision cannot train, up front (``ValueError``, one line each): trainable
-        weights already cast to fp16/bf16 (or fp8) under autocast (mixed precision keeps FP32 master
-        weights; float64 ones are kept; frozen half ones, a bf16 backbone under trained adapters,
-        too: nothing updates them), complex weights under fp16 (the loss scaler cannot unscale them), bf16
+    def check(self, model: torch.nn.Module, device: torch.device, held: Collection[int] | None = None) -> None:
+        """Refuse what this precision cannot train, up front (``ValueError``, one line each): weights
+        already cast to fp16/bf16 (or fp8) under autocast that train or may (mixed precision keeps
+        FP32 master weights; float64 ones are kept): trainable ones, and frozen ones an optimizer
+        holds (``held``: their ids; unfrozen mid-run they would train in half precision, unsaid:
+        review 47g; None: every parameter counts as held). A frozen half backbone no optimizer
+        holds, under trained adapters (LoRA's shape), is taken: nothing updates it. Complex weights under fp16 (the loss scaler cannot unscale them), bf16
         on a CUDA device without bf16, fp8 without torchao, on a model with no ``Float8Linear``
         layer (:func:`ampguard.fp8.convert_to_fp8` first) or on a GPU older than compute
         capability 8.9; warn that fp16 on a CPU is emulated (about 10x slower than bf16 there),
@@ -954,16 +956,20 @@ class Precision:
         """
         # (float64 weights hold more than the master weights need: theirs to choose)
         # (frozen ones: no master weights to keep, nothing updates them: a bf16 backbone under trained adapters)
-        name, param = next(((n, p) for n, p in model.named_parameters() if p.is_floating_point()
-                            and p.dtype.itemsize < 4 and p.requires_grad), (None, None))
-        if param is not None and self.autocasts:
+        half = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype.itemsize < 4]
+        name, param = next(((n, p) for n, p in half if p.requires_grad or held is None or id(p) in held),
+                           (None, None)) if self.autocasts else (None, None)
+        if param is not None:
             kind = str(param.dtype).removeprefix("torch.")
+            frozen = "" if param.requires_grad else (" (frozen, but an optimizer holds it: unfrozen, it would train "
+                                                     f"in {kind}; give the optimizer the trainable parameters only)")
             raise ValueError(
-                f"parameter {name!r} is {kind}, but {self.name} mixed precision keeps FP32 master weights: "
+                f"parameter {name!r} is {kind}{frozen}, but {self.name} mixed precision keeps FP32 master weights: "
                 f"autocast computes in {self.name} while the optimizer updates float32 weights, so small "
                 f"updates are not lost to rounding; keep the model in float32 (no .half() / "
                 f".to(torch.{'bfloat16' if self.name == 'bf16' else 'float16'}))")
-        if param is not None:  # (fp32: pure half precision is the user's choice; its records say fp32: said)
+        name, param = next(((n, p) for n, p in half if p.requires_grad), (None, None))
+        if param is not None and not self.autocasts:  # (fp32: pure half precision is the user's choice: said)
             kind = str(param.dtype).removeprefix("torch.")
             mixed = "bf16" if param.dtype == torch.bfloat16 else "fp16"
             warnings.warn(f"parameter {name!r} is {kind} under precision {self.name}: the guard trains the weights "

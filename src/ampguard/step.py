@@ -655,7 +655,7 @@ class Guard:
             raise ValueError(
                 f"autocast device {precision.device_type!r} does not match the model's device {device.type!r}"
             )
-        precision.check(root, device)
+        precision.check(root, device, held=holder)
         _check_left_out(root, holder, frozen)
         _refuse_sparse_clip(root, max_norm)
 
@@ -860,7 +860,7 @@ class Guard:
                 warnings.simplefilter("ignore", SlowPrecisionWarning)  # under fp32 once: a cast after it says so)
                 if self._half_said:
                     warnings.simplefilter("ignore", HalfWeightsWarning)
-                self.precision.check(self._root, self.device)
+                self.precision.check(self._root, self.device, held=holder)
             self._half_said = self._half_said or _half_trained(self._root, self.precision)
             _check_left_out(self._root, holder, self._frozen_mode)
             if self.sync_free:
@@ -1121,8 +1121,9 @@ class Guard:
         group, as Lightning steps an epoch's last batches): their losses were divided by
         ``accumulation_steps`` all the same, and the record's loss is their mean. Given after
         the group's last ``step()`` (a loader of unknown length ends inside a group: its last
-        batch is known only when the loop has ended), it closes the open group the same way;
-        with no group open it is refused as a second ``step()``. Refused for a
+        batch is known only when the loop has ended), it closes the open group the same way, and
+        with no group open (the loader ended on a group's boundary) it returns None: a streaming
+        loop ends with ``guard.step(close=True)`` whatever its length. Refused for a
         model under DDP/FSDP2: the guard all-reduces gradients on the micro-batch it expects to
         be last, so a short group's never were.
 
@@ -1133,7 +1134,9 @@ class Guard:
         After every step all the guard's gradients are dropped, the unstepped optimizers' too
         (as a GAN's ``zero_grad`` before each backward drops what the other loss left there).
         """
-        after_loop = not self._backward_pending and close and self._micro > 0  # a short group closed after the loop
+        after_loop = not self._backward_pending and close  # the group a loader ended inside, closed after the loop
+        if after_loop and not self._micro:  # (it ended on a group's boundary: nothing open, nothing to close)
+            return None
         if not self._backward_pending and not after_loop:
             if not self._micro and any(map(holds_gradients, self.optimizers.values())):  # (the error's path only)
                 raise RuntimeError("Guard.step() without guard.backward(loss): the gradients there come from a "
@@ -1859,6 +1862,8 @@ class AmpTrainState(Guard):
             ['NoneType', 'StepLog', 'NoneType']
             >>> state.step(close=True).step
             4
+            >>> state.step(close=True) is None  # (nothing open: the loader ended on a group's boundary)
+            True
         """
         if inputs is _NO_BATCH or targets is _NO_BATCH:
             if inputs is _NO_BATCH and targets is _NO_BATCH and close:  # (the group a loader ended inside)

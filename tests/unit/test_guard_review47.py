@@ -113,8 +113,10 @@ def test_a_group_a_streaming_loader_ended_inside_closes_after_the_loop_as_the_re
     expected = _canonical_short_tail(batches, 3)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected))
     assert guard.state_dict()["step"] == 3  # (a checkpoint at the end is no longer refused)
+    # nothing open (a stream that ended on a group's boundary, review 47g): nothing to close, nothing done
+    assert guard.step(close=True) is None and guard.steps == 3 and guard.updates == 3
     with pytest.raises(RuntimeError, match=r"Guard.step\(\) called twice"):
-        guard.step(close=True)  # nothing open: a second close is a second step()
+        guard.step()
 
 
 def test_amp_train_state_closes_the_group_its_loader_ended_inside():
@@ -373,4 +375,11 @@ def test_a_frozen_half_backbone_under_trained_float32_layers_trains_as_the_recip
     model, opt = build()
     model[0].weight.requires_grad_(True)
     with pytest.raises(ValueError, match=r"parameter '0.weight' is .*mixed precision keeps FP32 master weights"):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
+    # frozen, but the optimizer holds it (AdamW(model.parameters())): unfrozen mid-run it trained in half,
+    # unsaid (review 47g): refused up front, saying why
+    model, opt = build()
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is \w+ \(frozen, but an optimizer holds it: "
+                                         r"unfrozen, it would train in \w+; give the optimizer the trainable "
+                                         r"parameters only\)"):
         Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
