@@ -959,12 +959,17 @@ class Precision:
         half = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype.itemsize < 4]
         name, param = next(((n, p) for n, p in half if p.requires_grad or held is None or id(p) in held),
                            (None, None)) if self.autocasts else (None, None)
+        if param is not None and not param.requires_grad:
+            kind = str(param.dtype).removeprefix("torch.")
+            raise ValueError(
+                f"parameter {name!r} is {kind} and frozen, but an optimizer holds it: unfrozen, it would train in "
+                f"{kind}, while {self.name} mixed precision keeps FP32 master weights; give the optimizer the "
+                "trainable parameters only (a frozen half backbone no optimizer holds is taken), or keep the model "
+                "in float32")
         if param is not None:
             kind = str(param.dtype).removeprefix("torch.")
-            frozen = "" if param.requires_grad else (" (frozen, but an optimizer holds it: unfrozen, it would train "
-                                                     f"in {kind}; give the optimizer the trainable parameters only)")
             raise ValueError(
-                f"parameter {name!r} is {kind}{frozen}, but {self.name} mixed precision keeps FP32 master weights: "
+                f"parameter {name!r} is {kind}, but {self.name} mixed precision keeps FP32 master weights: "
                 f"autocast computes in {self.name} while the optimizer updates float32 weights, so small "
                 f"updates are not lost to rounding; keep the model in float32 (no .half() / "
                 f".to(torch.{'bfloat16' if self.name == 'bf16' else 'float16'}))")

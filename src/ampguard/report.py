@@ -1575,7 +1575,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     policy = ([c for c in policy_changes_of(csv_path.parent) if REPLAYED_POLICY[c["key"]] not in set_aside]
               if config_path.is_file() else [])
     monitor = build_monitor(judged, scaler_enabled=scaler_on)
-    if "window" in given:  # --window re-judges the skip-rate alerts; the scale's health stays the run's verdict
+    if "window" in given and config_path.is_file():  # --window re-judges the skip-rate alerts; the scale's health
+        # stays the run's verdict (a CSV without config: no window of the run's is known, the one given is it)
         monitor.health = ScaleHealth(config.monitor.window, monitor.min_scale, init_scale if scaler_on else None,
                                      growth_interval)
     if unseen:

@@ -197,3 +197,17 @@ def test_compares_errors_say_they_are_compares(tmp_path):
         code = main(["compare", str(good), str(bad)])
     assert code == 2 and err.getvalue() == (
         f"ampguard: error: compare: {bad / 'steps.csv'} line 3: step 1 twice (a row repeated)\n"), err.getvalue()
+
+
+def test_a_window_given_for_a_csv_without_config_judges_its_scale_health_too(tmp_path):
+    # review 47h: a Trainer run at window 16 read "stable" on its card; report judged the scale at the
+    # default 1000 ("collapsing": the fall 3 octaves since step 100), and --window 16 changed only the alerts
+    rows = [f"{s},0.1,0.5,0.5,1.0,0,,65536.0" for s in range(1, 101)]
+    rows += [f"{s},0.1,inf,,1.0,1,non_finite_grad,{2.0 ** (115 - s)!r}" for s in (101, 102, 103)]
+    rows += [f"{s},0.1,0.5,0.5,1.0,0,,8192.0" for s in range(104, 200)]
+    csv = tmp_path / "steps.csv"
+    csv.write_text("\n".join([HEADER, *rows]) + "\n", encoding="utf-8")
+    code, out, _ = _report(csv)
+    assert code == 0 and "scale collapsing" in out, out  # (the default window holds the fall)
+    code, out, _ = _report(csv, "--window", "16")
+    assert code == 0 and "scale stable" in out and "window 16 (given)" in out, out
