@@ -1402,19 +1402,53 @@ def unobserved_of(csv_path: Path) -> int:
         >>> unobserved_of(folder / "steps.csv")  # (past its own steps: not taken)
         0
     """
+    summary = _summary_of(csv_path)
+    steps, total = summary.get("unobserved"), summary.get("steps")
+    return steps if whole_number(steps) and whole_number(total) and steps <= total else 0
+
+
+RECORDED_THRESHOLDS = {"window": "monitor.window", "alert_rate": "monitor.alert_rate",
+                       "min_steps": "monitor.min_steps", "growth_interval": "scaler.growth_interval"}
+"""What a Hugging Face callback's ``summary.json`` records of the thresholds its monitor judged
+by (``thresholds``), by name, and the config field each is."""
+
+
+def thresholds_of(csv_path: Path) -> dict[str, Any]:
+    """The thresholds a run's monitor judged by, as the ``summary.json`` beside its ``steps.csv``
+    records them (:data:`RECORDED_THRESHOLDS`; a Hugging Face callback's run: no ``config.yaml``),
+    each one its config field takes; {} without (as :func:`unobserved_of`). ``report`` judges by
+    them where none is given, so its verdicts are the run card's (review 47h: a run at window 16
+    read "stable" on its card, "collapsing" in report, judged at the default 1000).
+
+    Example::
+
+        >>> import json, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = (folder / "summary.json").write_text(json.dumps({"thresholds": {"window": 16, "alert_rate": 7,
+        ...                                                                     "growth_interval": 5}}))
+        >>> thresholds_of(folder / "steps.csv")  # (an alert rate of 7 is none: left out)
+        {'window': 16, 'growth_interval': 5}
+    """
+    recorded = _summary_of(csv_path).get("thresholds")
+    if not isinstance(recorded, dict):
+        return {}
+    return {name: value for name, key in RECORDED_THRESHOLDS.items()
+            if (value := recorded.get(name)) is not None and not isinstance(value, bool) and _in_range(key, value)}
+
+
+def _summary_of(csv_path: Path) -> dict[str, Any]:
+    """The ``summary.json`` beside a ``steps.csv`` with no ``config.yaml`` (a Hugging Face
+    callback's run), as a dict; {} without one, for another CSV, or when it is not a JSON object."""
     import json
 
     folder = csv_path.parent
     if csv_path.name != "steps.csv" or (folder / "config.yaml").exists():
-        return 0
+        return {}
     try:
         summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):  # (none, not JSON, or nested past the parser: the rows alone)
-        return 0
-    if not isinstance(summary, dict):
-        return 0
-    steps, total = summary.get("unobserved"), summary.get("steps")
-    return steps if whole_number(steps) and whole_number(total) and steps <= total else 0
+        return {}
+    return summary if isinstance(summary, dict) else {}
 
 
 def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
@@ -1558,16 +1592,24 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         _start_scale(judged_rows or rows, config.scaler.backoff_factor)
     growth_interval, defaults = config.scaler.growth_interval, None
     if not config_path.is_file():  # (a bare CSV, a demo's, has none by design; a Lightning plugin's, a Trainer's)
-        read = growth_interval_of(judged_rows or rows, init_scale) if scaler_on else None
-        growth_interval = read or growth_interval
+        recorded = thresholds_of(csv_path)  # (a Trainer callback's summary.json: the run's own)
+        config = config.model_copy(update={"monitor": config.monitor.model_copy(update={
+            k: v for k, v in recorded.items() if k != "growth_interval"})})
+        read = None if not scaler_on or "growth_interval" in recorded else growth_interval_of(judged_rows or rows,
+                                                                                              init_scale)
+        growth_interval = recorded.get("growth_interval") or read or growth_interval
         whose = f"{target} has no config.yaml" if target.is_dir() else f"{csv_path} has no config.yaml beside it"
         scale = "" if not scaler_on else (
+            f"; the scale's health by the growth_interval summary.json records ({growth_interval})"
+            if "growth_interval" in recorded else
             f"; the scale's health by the scaler's growth_interval read off the rows ({read}: the clean steps "
             "before each growth)" if read else f"; the scale's health by the default growth_interval "
             f"({growth_interval}: no growth in the rows to read it from)")
         used = ", ".join(f"{name.replace('_', ' ')} {given.get(name, getattr(config.monitor, name)):g}"
-                         + (" (given)" if name in given else "") for name in ("window", "alert_rate", "min_steps"))
-        defaults = (f"{whose}: alerts judged with the default thresholds where none is given ({used}: --window, "
+                         + (" (given)" if name in given else " (recorded)" if name in recorded else "")
+                         for name in ("window", "alert_rate", "min_steps"))
+        source = "the thresholds summary.json records" if recorded else "the default thresholds"
+        defaults = (f"{whose}: alerts judged with {source} where none is given ({used}: --window, "
                     f"--alert-rate and --min-steps set them){scale}")  # (said with the other notes, once drawn)
     judged = _replay_config(config, given, init_scale, growth_interval)
     # (an alert rate given sets the run's clear-level changes aside too: the level given holds, clamped to it)

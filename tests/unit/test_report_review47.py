@@ -211,3 +211,18 @@ def test_a_window_given_for_a_csv_without_config_judges_its_scale_health_too(tmp
     assert code == 0 and "scale collapsing" in out, out  # (the default window holds the fall)
     code, out, _ = _report(csv, "--window", "16")
     assert code == 0 and "scale stable" in out and "window 16 (given)" in out, out
+
+
+def test_a_trainer_folder_is_judged_by_the_thresholds_its_summary_records(tmp_path):
+    # review 47h: a GuardedTrainer run at window 16 ("stable" on its card) read "collapsing" in report
+    rows = [f"{s},0.1,0.5,0.5,1.0,0,,65536.0" for s in range(1, 101)]
+    rows += [f"{s},0.1,inf,,1.0,1,non_finite_grad,{2.0 ** (115 - s)!r}" for s in (101, 102, 103)]
+    rows += [f"{s},0.1,0.5,0.5,1.0,0,,8192.0" for s in range(104, 200)]
+    (tmp_path / "steps.csv").write_text("\n".join([HEADER, *rows]) + "\n", encoding="utf-8")
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 199, "thresholds": {
+        "window": 16, "alert_rate": 0.2, "min_steps": 5, "growth_interval": 500}}), encoding="utf-8")
+    code, out, _ = _report(tmp_path)
+    assert code == 0 and "scale stable" in out and "(window 16)" in out, out
+    assert ("alerts judged with the thresholds summary.json records where none is given (window 16 (recorded), "
+            "alert rate 0.2 (recorded), min steps 5 (recorded): --window, --alert-rate and --min-steps set them); "
+            "the scale's health by the growth_interval summary.json records (500)") in out, out
