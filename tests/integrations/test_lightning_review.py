@@ -292,3 +292,14 @@ def test_an_optimizer_step_skipped_at_an_epochs_last_batch_is_refused_too():
 
     with pytest.raises(RuntimeError, match="two backward"):
         fit(SkipLast(hidden=8), AmpGuardPlugin("bf16-mixed"), steps=20, data=loader(n=160))
+
+
+def test_a_checkpoints_state_the_guard_refuses_is_one_line_naming_the_checkpoint(tmp_path):
+    # review 47h: a resume under another window= raised the guard's bare "Guard.load_state_dict(): ..." line
+    first = AmpGuardPlugin("bf16-mixed", window=16)
+    trainer = fit(Digits(), first, steps=4)
+    trainer.save_checkpoint(tmp_path / "at4.ckpt")
+    with pytest.raises(ValueError, match=r"^AmpGuardPlugin: the ampguard state at4\.ckpt holds cannot be restored: "
+                                         r".*skip_window.* \(the plugin's settings, window= and scaler= among them, "
+                                         r"must be the run's\)$"):
+        fit(Digits(), AmpGuardPlugin("bf16-mixed", window=32), steps=8, ckpt_path=tmp_path / "at4.ckpt")

@@ -426,7 +426,12 @@ class AmpGuardPlugin(_LightningPrecision):
                              **self.monitor_settings)
         guard.monitors["run"] = monitor
         if self._loaded:
-            guard.load_state_dict(self._loaded)
+            try:
+                guard.load_state_dict(self._loaded)
+            except ValueError as err:  # (a bare Guard line named neither the checkpoint nor the plugin: review 47h)
+                where = Path(trainer.ckpt_path).name if trainer.ckpt_path is not None else "the checkpoint"
+                raise ValueError(f"AmpGuardPlugin: the ampguard state {where} holds cannot be restored: {err} (the "
+                                 "plugin's settings, window= and scaler= among them, must be the run's)") from None
             self._resumed_at = guard.steps
         elif trainer.ckpt_path is not None:
             guard.steps = self._resumed_at = trainer.global_step
