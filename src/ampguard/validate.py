@@ -930,16 +930,19 @@ def check_fp32_weights(model: nn.Module, precisions: Iterable[str]) -> None:
                           "AMP's difference there goes unmeasured (a 0/1 mask or a cache is fine)", AmpguardWarning,
                           stacklevel=2)
     weights = [("parameter", n, t) for n, t in model.named_parameters()]
-    found = next(((kind, name, t.dtype) for kind, name, t in weights
-                  if t.is_floating_point() and t.dtype.itemsize < 4), None)
+    found = next(((kind, name, t) for kind, name, t in weights if t.is_floating_point() and t.dtype.itemsize < 4),
+                 None)
     if found is None:  # (float64 refused only when no weight is float32: a float64 scale or table beside them is fine)
-        floats = [(kind, name, t.dtype) for kind, name, t in weights if t.is_floating_point()]
-        found = floats[0] if floats and all(dtype.itemsize > 4 for *_, dtype in floats) else None
+        floats = [(kind, name, t) for kind, name, t in weights if t.is_floating_point()]
+        found = floats[0] if floats and all(t.dtype.itemsize > 4 for *_, t in floats) else None
     if found is None:
         return
-    kind, name, dtype = found
+    kind, name, weight = found
+    dtype = weight.dtype
     dtype_name = str(dtype).removeprefix("torch.")
-    what = f"validate: the FP32 reference needs float32 weights: {kind} {name!r} is {dtype_name}"
+    # (a Guard takes a frozen half backbone no optimizer holds; the reference cannot: said frozen, review 47g)
+    what = (f"validate: the FP32 reference needs float32 weights: {kind} {name!r} is {dtype_name}"
+            + ("" if weight.requires_grad else ", frozen"))
     if dtype.itemsize > 4:
         precisions = list(precisions)  # (said as the autocast precision judged; fp8 alone, as itself)
         judged = next((p for p in precisions if p in ("fp16", "bf16")), precisions[0] if precisions else "bf16")

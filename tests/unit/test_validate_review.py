@@ -366,8 +366,8 @@ def test_a_frozen_half_embedding_is_refused_in_validates_words():
     with pytest.raises(InputError) as err:
         check_fp32_weights(model, ["fp16", "bf16"])
     assert str(err.value) == (
-        "validate: the FP32 reference needs float32 weights: parameter '0.weight' is bfloat16, so the reference "
-        "would compute in bfloat16, not float32; keep the model in float32 (no .to(torch.bfloat16))")
+        "validate: the FP32 reference needs float32 weights: parameter '0.weight' is bfloat16, frozen, so the "
+        "reference would compute in bfloat16, not float32; keep the model in float32 (no .to(torch.bfloat16))")
     with pytest.raises(InputError, match=r"parameter '0\.weight' is float16, .*\(no \.half\(\) / \.to\(torch\.float16\)\)$"):
         check_fp32_weights(model.to(torch.float16), ["bf16"])
 
