@@ -584,7 +584,7 @@ class ScaleHealth:
 
     def _window_logs(self) -> tuple[int, list[float]]:
         """(warm-up skips set aside, the judged scales in octaves from the first): one walk of the
-        window, for :meth:`stats` and the verdict's swing threshold alike."""
+        window, for :meth:`stats` and, while a warm-up is in it, the verdict's ``warming``."""
         warmup, scales = self._judged()
         return warmup, [math.log2(s / scales[0]) if scales[0] > 0 and s > 0 else 0.0 for s in scales] or [0.0]
 

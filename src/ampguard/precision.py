@@ -935,7 +935,8 @@ class Precision:
         finally:
             set_fp32_settings(saved)
 
-    def check(self, model: torch.nn.Module, device: torch.device, held: Collection[int] | None = None) -> None:
+    def check(self, model: torch.nn.Module, device: torch.device, held: Collection[int] | None = None,
+              say_half: bool = True) -> bool:
         """Refuse what this precision cannot train, up front (``ValueError``, one line each): weights
         already cast to fp16/bf16 (or fp8) under autocast that train or may (mixed precision keeps
         FP32 master weights; float64 ones are kept): trainable ones, and frozen ones an optimizer
@@ -945,7 +946,10 @@ class Precision:
         on a CUDA device without bf16, fp8 without torchao, on a model with no ``Float8Linear``
         layer (:func:`ampguard.fp8.convert_to_fp8` first) or on a GPU older than compute
         capability 8.9; warn that fp16 on a CPU is emulated (about 10x slower than bf16 there),
-        and fp8 too (torchao emulates its float8 matmuls: for correctness, not speed).
+        and fp8 too (torchao emulates its float8 matmuls: for correctness, not speed). Trainable
+        half weights under fp32 (pure bf16 training) are the user's: said (``say_half``,
+        :class:`HalfWeightsWarning`), and the return value is whether there are any, so a caller
+        that checks again says it once.
 
         Example::
 
@@ -974,7 +978,8 @@ class Precision:
                 f"updates are not lost to rounding; keep the model in float32 (no .half() / "
                 f".to(torch.{'bfloat16' if self.name == 'bf16' else 'float16'}))")
         name, param = next(((n, p) for n, p in half if p.requires_grad), (None, None))
-        if param is not None and not self.autocasts:  # (fp32: pure half precision is the user's choice: said)
+        half_trained = param is not None and not self.autocasts
+        if half_trained and say_half:  # (fp32: pure half precision is the user's choice: said)
             kind = str(param.dtype).removeprefix("torch.")
             mixed = "bf16" if param.dtype == torch.bfloat16 else "fp16"
             warnings.warn(f"parameter {name!r} is {kind} under precision {self.name}: the guard trains the weights "
@@ -1005,6 +1010,7 @@ class Precision:
             raise ValueError(note)
         if note is not None:  # emulated: it runs, slowly
             warnings.warn(note, SlowPrecisionWarning, stacklevel=user_stacklevel())
+        return half_trained
 
     def make_scaler(
         self,

@@ -28,8 +28,7 @@ from . import distributed
 from .clipping import (HOST_ROUNDED, GradSet, check_max_norm, clip_coefficient, clip_to_norm_, post_clip_norm,
                        post_clip_value)
 from .errors import AmpguardWarning, user_stacklevel, whole_number
-from .precision import (GuardedGradScaler, HalfWeightsWarning, Precision, PrecisionName, SlowPrecisionWarning,
-                        check_scaler_settings)
+from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
 from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, RunningStats, _GuardStepping, _hook_stray_steps,
                     _parameter_count, _parameter_slots, _probe_autocast, _watch_registrations, first_forward_dtypes,
@@ -655,7 +654,7 @@ class Guard:
             raise ValueError(
                 f"autocast device {precision.device_type!r} does not match the model's device {device.type!r}"
             )
-        precision.check(root, device, held=holder)
+        half_said = precision.check(root, device, held=holder)  # (half weights under fp32: said, once)
         _check_left_out(root, holder, frozen)
         _refuse_sparse_clip(root, max_norm)
 
@@ -679,7 +678,7 @@ class Guard:
         self.scaler = _adopt_scaler(scaler, precision)
 
         self._half_loss_said = False  # (a float16/bfloat16 loss: said once, Guard.backward)
-        self._half_said = _half_trained(root, self.precision)  # (half weights under fp32: said by Guard())
+        self._half_said = half_said
         self.monitors: dict[str, Any] = _Monitors()  # fed by the loop, saved here: name -> obj with state_dict()
         # called at a skipped step, before its gradients are dropped (diagnostics: nothing on applied
         # steps), with the group's GradSet (its per-parameter norms, where the global norm took them)
@@ -856,12 +855,10 @@ class Guard:
         has its gradient dropped) instead of accumulating its gradient, never cleared."""
         try:
             holder = _holders(self._root, self.optimizers, self.device, held={id(p) for p, _ in self._owned})
-            with warnings.catch_warnings():  # (its "fp16 on a CPU is slow" was said at Guard(); half weights
-                warnings.simplefilter("ignore", SlowPrecisionWarning)  # under fp32 once: a cast after it says so)
-                if self._half_said:
-                    warnings.simplefilter("ignore", HalfWeightsWarning)
-                self.precision.check(self._root, self.device, held=holder)
-            self._half_said = self._half_said or _half_trained(self._root, self.precision)
+            with warnings.catch_warnings():  # (its "fp16 on a CPU is slow" was said at Guard())
+                warnings.simplefilter("ignore", SlowPrecisionWarning)
+                half = self.precision.check(self._root, self.device, held=holder, say_half=not self._half_said)
+            self._half_said = self._half_said or half  # (half weights under fp32 once: a cast after Guard() says so)
             _check_left_out(self._root, holder, self._frozen_mode)
             if self.sync_free:
                 self._check_sync_free(self.optimizer, self.scheduler)
@@ -1752,7 +1749,7 @@ class Guard:
             self._applied = {name: int(state["applied"][name]) for name in self._applied}
         else:
             self._applied = {name: self.updates for name in self._applied}
-        saved = dict(state.get("monitors", {}))
+        saved = dict(monitors)
         for name, monitor in self.monitors.items():
             if name in saved:
                 monitor.load_state_dict(saved.pop(name))
@@ -1761,13 +1758,6 @@ class Guard:
         self._scheduler_epochs.clear()  # (a restore loads the schedulers' states with it)
         self._abandon_group()
         self._look_all = True  # (a resumed run's first step looks at every parameter, as a fresh one's does)
-
-
-def _half_trained(root: nn.Module, precision: Precision) -> bool:
-    """Whether ``root`` trains weights in half precision under fp32 (what :meth:`Precision.check`
-    says once, :class:`~ampguard.precision.HalfWeightsWarning`)."""
-    return not precision.autocasts and any(p.requires_grad and p.is_floating_point() and p.dtype.itemsize < 4
-                                           for p in root.parameters())
 
 
 def _check_state(state: Any) -> None:
