@@ -29,9 +29,9 @@ from .errors import ExitCode, InputError, failed_because, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, held_out_metrics, panel_title,
-                     plot_metadata, policy_changes_of, read_card, reading_notes, replay, rollbacks_of, rolling_skip_rate, shown,
-                     threshold_by_step, threshold_line, threshold_text, whole_steps)
+from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, panel_title, plot_metadata,
+                     policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of,
+                     rolling_skip_rate, shown, threshold_by_step, threshold_line, threshold_text, whole_steps)
 from .run_folder import RunPaths
 from .signals import console_width
 from .sinks import Row, read_steps_and_columns
@@ -112,10 +112,10 @@ def load_run(path: str | Path) -> RunSummary:
     scaler_on = uses_loss_scaler(config.precision) if config.scaler.enabled is None else config.scaler.enabled
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
     policy, rollbacks = policy_changes_of(folder), rollbacks_of(folder)
+    held = read_held_out(folder / "steps.csv", rows, extra)  # (once: the replay's metrics and the notes')
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
-                     rollbacks=rollbacks, metrics=held_out_metrics(folder / "steps.csv", extra),
-                     finished=ended.startswith("finished: "))
-    notes = reading_notes(folder / "steps.csv", rows, torn, folder, extra, config, policy)
+                     rollbacks=rollbacks, metrics=held.metrics, finished=ended.startswith("finished: "))
+    notes = reading_notes(folder / "steps.csv", rows, torn, folder, extra, config, policy, held=held)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy, rollbacks)
 
 

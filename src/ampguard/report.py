@@ -15,7 +15,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .build import build_monitor
 from .clipping import clip_threshold
@@ -114,9 +114,35 @@ def held_out_metrics(csv_path: str | Path, extra: Sequence[Mapping[str, str]],
     return [metric_values({k: v for k, v in cells.items() if k not in text}, str(csv_path)) for cells in extra]
 
 
+class HeldOut(NamedTuple):
+    """A CSV's held-out metrics as :func:`read_held_out` read them: each row's, and the notes the
+    read made (columns of numbers and text, or of tensors' text, left out)."""
+
+    metrics: list[dict[str, float]]
+    notes: list[str]
+
+
+def read_held_out(csv_path: str | Path, rows: Sequence[Row], extra: Sequence[Mapping[str, str]]) -> HeldOut:
+    """:func:`held_out_metrics` of a CSV's ``rows`` and their ``extra`` cells, with its notes naming
+    each cell by its step: read once, for the replay and for :func:`reading_notes` alike.
+
+    Example::
+
+        >>> rows = [Row(step, 0.1, 1.0, 1.0, 0.5, False, "", 1.0) for step in (7, 8)]
+        >>> held = read_held_out("s.csv", rows, [{"val_acc": "0.5"}, {"val_acc": "n/a"}])
+        >>> held.metrics
+        [{}, {}]
+        >>> print(held.notes[0])
+        s.csv: column val_acc holds numbers and text (its first text 'n/a', at step 8; 1 of 2 cells numbers): read as text, left out
+    """
+    notes: list[str] = []
+    return HeldOut(held_out_metrics(csv_path, extra, notes, [r.step for r in rows]), notes)
+
+
 def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None,
                   extra: Sequence[Mapping[str, str]] = (), config: Config | None = None,
-                  policy: Sequence[dict[str, Any]] = (), unobserved: int = 0) -> list[str]:
+                  policy: Sequence[dict[str, Any]] = (), unobserved: int = 0,
+                  held: HeldOut | None = None) -> list[str]:
     """What reading ``csv_path`` left out or found missing, a note each: its last line ``torn`` (a
     write cut short), the steps with no row before its last (a line deleted by hand, a CSV a
     loop began at a later step; not the ``unobserved`` ones, :func:`unobserved_of`: said apart): the figures count the rows there are; with the run's ``config``,
@@ -156,7 +182,7 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
         notes.append(f"{csv_path} has {counted(len(past), 'row')} past the run's {steps} steps (steps {past[0]}"
                      f"{'' if len(past) == 1 else f'-{past[-1]}'}: not the run's own; added by hand?): its figures "
                      "count them")
-    notes += value_notes(csv_path, rows, extra, max_norms, own=config is not None)
+    notes += value_notes(csv_path, rows, extra, max_norms, own=config is not None, held=held)
     if run_dir is not None and not (run_dir / "events.jsonl").exists():
         notes.append(f"{run_dir} has no events.jsonl: replayed as if no setting changed on resume and no rollback "
                      "happened")
@@ -169,7 +195,8 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
 
 
 def value_notes(csv_path: Path, rows: list[Row], extra: Sequence[Mapping[str, str]] = (),
-                max_norms: Sequence[float | None] | None = None, own: bool = False) -> list[str]:
+                max_norms: Sequence[float | None] | None = None, own: bool = False,
+                held: HeldOut | None = None) -> list[str]:
     """A note for each kind of value a row can hold but no guard of ampguard's writes, read as
     written: a learning rate below 0 or not finite (a schedule of one's own), an infinite loss
     scale (a torch GradScaler's past float32's largest: ampguard's stops there), an applied
@@ -215,7 +242,9 @@ def value_notes(csv_path: Path, rows: list[Row], extra: Sequence[Mapping[str, st
                        if not r.skipped and None in (r.lr, r.loss, r.scaler_scale)],
                       "applied step", "with an empty cell, which every applied row of an ampguard run holds (a hand "
                       "edit?)")
-    metrics = held_out_metrics(csv_path, extra, notes, [r.step for r in rows])  # (text: said, left out)
+    held = read_held_out(csv_path, rows, extra) if held is None else held  # (a caller's read: not again)
+    notes += held.notes  # (a column of text: said, left out)
+    metrics = held.metrics
     for name in sorted({name for values in metrics for name in values if name.endswith("accuracy")}):
         notes += said([(r.step, repr(value)) for r, values in zip(rows, metrics)
                        if (value := values.get(name)) is not None and not 0 <= value <= 1],
@@ -1623,7 +1652,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                                      growth_interval)
     if unseen:
         monitor.begin_at(unseen)
-    metrics = held_out_metrics(csv_path, extra)[len(rows) - len(judged_rows):]  # (each row's; the notes say text)
+    held = read_held_out(csv_path, rows, extra)  # (once: the replay's metrics, and the reading notes')
+    metrics = held.metrics[len(rows) - len(judged_rows):]
     if not config_path.is_file() and len(metrics) > 1:  # (a user's CsvSink(extra_columns=...): a column on every
         every = set.intersection(*(set(m) for m in metrics))  # row is a per-step value, epoch or tokens_seen; a
         metrics = [{k: v for k, v in m.items() if k not in every} for m in metrics]  # held-out metric is sparse)
@@ -1642,7 +1672,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on, unobserved=unseen)
     run_dir = csv_path.parent if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
     for note in [defaults] * (defaults is not None) + reading_notes(csv_path, rows, torn, run_dir, extra,
-                                                                   config if run_dir else None, policy, unseen):
+                                                                   config if run_dir else None, policy, unseen,
+                                                                   held):
         print(f"note: {note}")
     if unseen:
         aside = len(rows) - len(judged_rows)
